@@ -1,0 +1,96 @@
+"""Engine configuration: frozen, typed, validated once at start-up.
+
+Every knob has a real default value ("auto" is a named rule, resolved in one visible place), and invalid
+combinations raise ValueError with the fix, before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "bfloat16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+PERFORMANCE_MODES = ("speed", "balanced", "memory")
+WARMUP_MODES = ("off", "request", "server")
+ATTENTION_BACKENDS = ("auto", "fa", "torch_sdpa", "sdpa")
+ENCODER_PARALLEL = ("auto", "fold", "replicate")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    model_path: str
+    model_id: str | None = None  # routing override for renamed folders
+    revision: str | None = None
+    load_format: str = "auto"  # "dummy": released configs, random weights, no download
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not self.model_path:
+            raise ValueError("--model-path is required (a local Diffusers folder, a hub id, or 'demo').")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    num_gpus: int = 1
+    tp_size: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    enable_cfg_parallel: bool = False
+    use_fsdp_inference: bool = False
+    encoder_parallel: str = "auto"
+    dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpus", "tp_size", "ulysses_degree", "ring_degree", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.encoder_parallel not in ENCODER_PARALLEL:
+            raise ValueError(f"--encoder-parallel must be one of {ENCODER_PARALLEL}")
+        cfg = 2 if self.enable_cfg_parallel else 1
+        product = self.dp_size * cfg * self.tp_size * self.ulysses_degree * self.ring_degree
+        if product != self.num_gpus:
+            raise ValueError(
+                f"world size must equal dp x cfg x tp x ulysses x ring = {self.dp_size} x {cfg} x {self.tp_size} "
+                f"x {self.ulysses_degree} x {self.ring_degree} = {product}, but --num-gpus is {self.num_gpus}. "
+                f"For {self.num_gpus} GPUs try --ulysses-degree {self.num_gpus // max(1, self.dp_size * cfg * self.tp_size * self.ring_degree) or 1}."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeConfig:
+    device: str = "auto"
+    performance_mode: str = "speed"
+    attention_backend: str = "auto"
+    warmup_mode: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.performance_mode not in PERFORMANCE_MODES:
+            raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {self.performance_mode!r}")
+        if self.warmup_mode not in WARMUP_MODES:
+            raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of fa, torch_sdpa (alias sdpa), got {self.attention_backend!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -1,0 +1,156 @@
+"""Finding and reading Diffusers-format checkpoint files: local folders, hub ids, safetensors shards.
+
+This module knows file layouts, not weight names: each model family's loader maps names (style.md:
+`checkpoint.py` is the only place that knows original weight names). Every failure names the repository or
+folder and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+logger = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a generation or SR download needs; skips e.g. the native-format bundles some repos also carry.
+_ALLOW_PATTERNS = ["model_index.json", "sr_config.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model",
+                   "*/*.jinja"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be found, fetched or read; the message says how to fix it."""
+
+
+def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
+    """A local folder, or a hub id fetched (or found in the local cache) through huggingface_hub."""
+    if model_path == "demo":
+        from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    local = Path(model_path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise CheckpointError(f"--model-path {model_path} is a file; pass the checkpoint folder that holds "
+                                  "model_index.json.")
+        return local.resolve()
+    if not _HUB_ID.match(model_path):
+        raise CheckpointError(
+            f"--model-path {model_path!r} is neither an existing folder nor a hub id like "
+            "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'."
+        )
+    return _download(model_path, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hub_errors
+
+    token_hint = (
+        "Authenticate with `hf auth login` or set HF_TOKEN to a token of an account that has accepted the "
+        f"model's terms at https://huggingface.co/{repo_id}."
+    )
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=_ALLOW_PATTERNS)
+    except hub_errors.GatedRepoError as exc:
+        raise CheckpointError(f"{repo_id} is gated and this machine is not authorised. {token_hint}") from exc
+    except hub_errors.RepositoryNotFoundError as exc:
+        raise CheckpointError(
+            f"{repo_id} was not found on the Hub, or it is private and needs authentication. {token_hint}"
+        ) from exc
+    except hub_errors.RevisionNotFoundError as exc:
+        raise CheckpointError(f"{repo_id} has no revision {revision!r}.") from exc
+    except hub_errors.HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise CheckpointError(f"The Hub refused access to {repo_id} (HTTP {status}). {token_hint}") from exc
+        raise CheckpointError(f"Downloading {repo_id} failed: {exc}") from exc
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as exc:
+        raise CheckpointError(
+            f"Cannot fetch {repo_id}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and no complete copy is "
+            f"in the local cache. On a machine with access run `hf download {repo_id}` (add --revision to pin "
+            "one) and pass the downloaded folder with --model-path."
+        ) from exc
+    return Path(folder)
+
+
+def read_model_index(folder: Path) -> dict:
+    path = folder / "model_index.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no model_index.json; it is not a Diffusers-format checkpoint.")
+    return json.loads(path.read_text())
+
+
+def read_component_config(folder: Path, component: str, filename: str = "config.json") -> dict:
+    path = folder / component / filename
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is missing {component}/{filename}.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def require_components(folder: Path, index: dict, components: list[str]) -> None:
+    missing = [c for c in components if c not in index or not (folder / c).is_dir()]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {folder} lacks component(s) {missing} (model_index.json lists "
+            f"{sorted(k for k in index if not k.startswith('_'))}). Re-download the full repository."
+        )
+
+
+def safetensors_files(component_dir: Path) -> list[Path]:
+    """The weight files of one component: a single file, or the shards named by an index file."""
+    indexes = sorted(component_dir.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        files = sorted({component_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{component_dir} is missing shard(s) {missing} named in {indexes[0].name}.")
+        return files
+    files = sorted(component_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{component_dir} holds no .safetensors weights.")
+    return files
+
+
+def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(component_dir):
+        state.update(load_file(str(path), device=str(device)))
+    return state
+
+
+def check_state_dict(
+    expected: dict[str, torch.Size], state: dict[str, torch.Tensor], component: str
+) -> None:
+    """Fail at load time, naming the parameters, when the file and the config disagree."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = sorted(
+        f"{k}: file {tuple(state[k].shape)} vs config {tuple(expected[k])}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != tuple(expected[k])
+    )
+    if missing or unexpected or mismatched:
+        parts = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+            if items:
+                shown = ", ".join(items[:8]) + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
+                parts.append(f"{label}: {shown}")
+        raise CheckpointError(
+            f"{component} weights do not match its config.json ({'; '.join(parts)}). The config and weights "
+            "come from different repositories or revisions; re-download the component."
+        )
+
+
+def hf_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")

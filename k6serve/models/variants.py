@@ -1,0 +1,342 @@
+"""Known Kandinsky 6 checkpoints: recognition by id or model_index.json, and per-variant request defaults.
+
+Recognition follows the reference serving system: the id is normalised (lower case, '-', '_', '.' and '/'
+removed) and matched against the released names; a renamed local folder is routed by `--model-id`, or else
+by what its `model_index.json` and configs say (pipeline class, scheduler class, transformer width).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from k6serve.request import (
+    SR_RESIZE_MODES,
+    SR_SCALES,
+    SR_TARGET_TIERS,
+    GenerateRequest,
+    SamplingParams,
+    UpscaleRequest,
+)
+
+GENERATION = "generation"
+SUPER_RESOLUTION = "super_resolution"
+
+DEFAULT_NEGATIVE_PROMPT = (
+    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, "
+    "worst quality, low quality, ugly, deformed, walking backwards"
+)
+DEMO_MARKER = "k6serve_demo.json"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Variant:
+    name: str  # e.g. "pro-distill"
+    family: str  # GENERATION | SUPER_RESOLUTION
+    hub_id: str | None
+    size: str  # "pro" | "lite" | "sr" | "demo"
+    distilled: bool
+    num_inference_steps: int
+    guidance_scale: float
+    height: int = 512
+    width: int = 768
+    num_frames: int = 121
+    fps: float = 24.0
+    seed: int = 42
+    is_demo: bool = False
+
+
+def _gen(name: str, size: str, distilled: bool) -> Variant:
+    title = "-".join(part.capitalize() for part in name.split("-"))
+    return Variant(
+        name=name,
+        family=GENERATION,
+        hub_id=f"kandinskylab/Kandinsky-6.0-{title}-5s-Diffusers",
+        size=size,
+        distilled=distilled,
+        num_inference_steps=10 if distilled else 50,
+        guidance_scale=1.0 if distilled else 5.0,
+    )
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        _gen("pro", "pro", False),
+        _gen("pro-sft", "pro", False),
+        _gen("pro-pretrain", "pro", False),
+        _gen("pro-distill", "pro", True),
+        _gen("lite", "lite", False),
+        _gen("lite-pretrain", "lite", False),
+        _gen("lite-distill", "lite", True),
+        Variant(
+            name="vsr-distilled2steps",
+            family=SUPER_RESOLUTION,
+            hub_id="kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers",
+            size="sr",
+            distilled=True,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+        ),
+        Variant(
+            name="vsr",
+            family=SUPER_RESOLUTION,
+            hub_id="kandinskylab/Kandinsky-6.0-VSR-5s-Diffusers",
+            size="sr",
+            distilled=False,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+        ),
+    )
+}
+
+
+def normalise_id(model_id: str) -> str:
+    return re.sub(r"[-_./\s]", "", model_id.lower())
+
+
+def variant_from_id(model_id: str) -> Variant | None:
+    """Match a hub id or folder name against the released checkpoints; None if it names none of them."""
+    norm = normalise_id(Path(model_id).name if "/" not in model_id.strip("/") else model_id)
+    if "kandinsky6" not in norm and "kandinsky60" not in norm:
+        return None
+    if re.search(r"kandinsky6(0)?(vsr|sr|superres)", norm):
+        return VARIANTS["vsr-distilled2steps" if "distill" in norm else "vsr"]
+    size = "lite" if "lite" in norm else "pro" if "pro" in norm else None
+    if size is None:
+        return None
+    if "distill" in norm:
+        return VARIANTS[f"{size}-distill"]
+    if "pretrain" in norm:
+        return VARIANTS[f"{size}-pretrain"]
+    if "sft" in norm and size == "pro":
+        return VARIANTS["pro-sft"]
+    return VARIANTS[size]
+
+
+def variant_from_folder(folder: Path) -> Variant:
+    """Route a local Diffusers folder by what its files say."""
+    marker = folder / DEMO_MARKER
+    if marker.is_file():
+        return demo_variant(json.loads(marker.read_text()))
+    index_path = folder / "model_index.json"
+    if not index_path.is_file():
+        raise ValueError(
+            f"{folder} has no model_index.json, so it is not a Diffusers-format Kandinsky 6 checkpoint. "
+            "Pass the folder that holds model_index.json (e.g. a download of "
+            "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers)."
+        )
+    index = json.loads(index_path.read_text())
+    pipeline_class = index.get("_class_name", "")
+    scheduler_class = (index.get("scheduler") or [None, None])[1]
+    if pipeline_class == "Kandinsky6SRPipeline":
+        return VARIANTS["vsr-distilled2steps" if scheduler_class == "PiflowScheduler" else "vsr"]
+    if pipeline_class != "Kandinsky6TI2VAPipeline":
+        raise ValueError(
+            f"{index_path} names pipeline {pipeline_class!r}; k6serve serves Kandinsky6TI2VAPipeline "
+            "(generation) and Kandinsky6SRPipeline (super-resolution) checkpoints. If this is a renamed "
+            "Kandinsky 6 folder, pass --model-id with the original name."
+        )
+    distilled = scheduler_class == "PiflowScheduler"
+    config_path = folder / "transformer" / "config.json"
+    model_dim = json.loads(config_path.read_text()).get("model_dim") if config_path.is_file() else None
+    size = "lite" if model_dim == 1792 else "pro"
+    return VARIANTS[f"{size}-distill" if distilled else size]
+
+
+def demo_variant(marker: dict) -> Variant:
+    defaults = marker.get("defaults", {})
+    distilled = marker.get("variant", "distill") == "distill"
+    return Variant(
+        name=f"demo-{marker.get('variant', 'distill')}",
+        family=GENERATION,
+        hub_id=None,
+        size="demo",
+        distilled=distilled,
+        num_inference_steps=10 if distilled else 50,
+        guidance_scale=1.0 if distilled else 5.0,
+        height=int(defaults.get("height", 64)),
+        width=int(defaults.get("width", 96)),
+        num_frames=int(defaults.get("num_frames", 17)),
+        fps=float(defaults.get("fps", 24)),
+        is_demo=True,
+    )
+
+
+def recognise(model_path: str, model_id: str | None, local_folder: Path | None) -> Variant:
+    """Pick the variant: --model-id wins, then the path's name, then the folder's own files."""
+    if model_id:
+        variant = variant_from_id(model_id)
+        if variant is None:
+            raise ValueError(
+                f"--model-id {model_id!r} names no known Kandinsky 6 checkpoint. Known ids: "
+                + ", ".join(v.hub_id for v in VARIANTS.values() if v.hub_id)
+            )
+        return variant
+    if local_folder is not None and (local_folder / DEMO_MARKER).is_file():
+        return variant_from_folder(local_folder)
+    variant = variant_from_id(model_path)
+    if variant is not None:
+        return variant
+    if local_folder is None:
+        raise ValueError(
+            f"Cannot tell which Kandinsky 6 model {model_path!r} is. Pass --model-id with the released name, "
+            "e.g. --model-id Kandinsky-6.0-Pro-distill-5s-Diffusers."
+        )
+    return variant_from_folder(local_folder)
+
+
+def _frames_rule(num_frames: int) -> int:
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    # The VAE compresses time 4x: anything else is rounded down to 4k+1 as the reference does (with a warning).
+    return num_frames // 4 * 4 + 1 if num_frames % 4 != 1 else num_frames
+
+
+def seconds_to_num_frames(seconds: float, fps: float) -> int:
+    """Map a duration onto the model's frame rule: round(seconds*fps) frames, rounded down to 4k+1."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    return _frames_rule(max(1, round(seconds * fps)))
+
+
+def resolve_generate(params: SamplingParams, variant: Variant) -> tuple[GenerateRequest, list[str]]:
+    """Fill defaults from the variant and validate; returns the request and warnings for the user."""
+    if variant.family != GENERATION:
+        raise ValueError(f"{variant.name} is a super-resolution model: pass video_path, not a prompt.")
+    notes: list[str] = []
+    if params.video_path is not None:
+        raise ValueError(
+            f"video_path is for the super-resolution model; {variant.name} generates from a prompt "
+            "(use image_path for image conditioning)."
+        )
+    if not params.prompt or not params.prompt.strip():
+        raise ValueError("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano').")
+    height = params.height if params.height is not None else variant.height
+    width = params.width if params.width is not None else variant.width
+    for name, value in (("height", height), ("width", width)):
+        if value <= 0 or value % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16 (VAE 8x times patch 2), got {value}.")
+        if value > 2048:
+            raise ValueError(f"{name} must be at most 2048 (the DiT's 128 RoPE positions x 16 px), got {value}.")
+    num_frames = params.num_frames if params.num_frames is not None else variant.num_frames
+    rounded = _frames_rule(num_frames)
+    if rounded != num_frames:
+        notes.append(f"num_frames {num_frames} is not of the form 4k+1; rounded down to {rounded}.")
+    if (rounded - 1) // 4 + 1 > 128:
+        raise ValueError(f"num_frames {num_frames} gives more than 128 latent frames; use at most 509.")
+    fps = float(params.fps if params.fps is not None else variant.fps)
+    if not (0 < fps <= 240) or not math.isfinite(fps):
+        raise ValueError(f"fps must be in (0, 240], got {params.fps}")
+    steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
+    if steps < 1 or steps > 1000:
+        raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
+    guidance = float(params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale)
+    if variant.distilled and guidance != 1.0:
+        raise ValueError(
+            f"{variant.name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
+            f"(got {guidance}); drop --guidance-scale or use a Pro/Lite checkpoint for CFG."
+        )
+    if not math.isfinite(guidance) or guidance < 1.0:
+        raise ValueError(f"guidance_scale must be >= 1.0 (1.0 disables CFG), got {guidance}")
+    negative = None
+    if guidance > 1.0:
+        negative = params.negative_prompt if params.negative_prompt is not None else DEFAULT_NEGATIVE_PROMPT
+    elif params.negative_prompt:
+        notes.append("negative_prompt is ignored: guidance_scale is 1.0, so no unconditional branch runs.")
+    seed = params.seed if params.seed is not None else variant.seed
+    _check_seed(seed)
+    for name in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"{name} applies to the super-resolution model only, not to {variant.name}.")
+    request = GenerateRequest(
+        prompt=params.prompt,
+        negative_prompt=negative,
+        image_path=params.image_path,
+        seed=seed,
+        height=height,
+        width=width,
+        num_frames=rounded,
+        fps=fps,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+    )
+    return request, notes
+
+
+def _check_seed(seed: int) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not (0 <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+
+
+def parse_target_resolution(value: str) -> str:
+    value = value.strip().lower()
+    if value in SR_TARGET_TIERS:
+        return value
+    match = re.fullmatch(r"(\d+)x(\d+)", value)
+    if not match or int(match[1]) < 16 or int(match[2]) < 16:
+        raise ValueError(
+            f"sr_target_resolution must be one of {', '.join(SR_TARGET_TIERS)} or 'WxH' "
+            f"(width first, e.g. 1280x720), got {value!r}"
+        )
+    return value
+
+
+def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRequest, list[str]]:
+    if variant.family != SUPER_RESOLUTION:
+        raise ValueError(
+            f"{variant.name} is a generation model; video_path and sr_* parameters need the VSR model "
+            "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers."
+        )
+    notes: list[str] = []
+    if not params.video_path:
+        raise ValueError(
+            "Super-resolution needs exactly one source video: pass --video-path /path/to/input.mp4 "
+            "(over HTTP: upload video_reference or give a server-side video_path)."
+        )
+    if params.image_path is not None:
+        raise ValueError("image_path is not used by the super-resolution model; pass video_path only.")
+    if params.prompt:
+        notes.append("The super-resolution model takes no prompt; it was ignored.")
+    scale = float(params.sr_resolution_scale if params.sr_resolution_scale is not None else 2.25)
+    if scale not in SR_SCALES:
+        raise ValueError(f"sr_resolution_scale must be 2, 4 or 2.25, got {params.sr_resolution_scale}")
+    batch = params.sr_tiles_batch_size if params.sr_tiles_batch_size is not None else 1
+    if not isinstance(batch, int) or batch < 1 or batch > 64:
+        raise ValueError(f"sr_tiles_batch_size must be an integer from 1 to 64, got {batch!r}")
+    overlap = float(params.sr_tile_min_overlap if params.sr_tile_min_overlap is not None else 0.2)
+    if not (0.0 <= overlap < 1.0):
+        raise ValueError(f"sr_tile_min_overlap must be in [0, 1), got {overlap}")
+    target = parse_target_resolution(params.sr_target_resolution) if params.sr_target_resolution else None
+    mode = params.sr_target_resize_mode or "fit"
+    if mode not in SR_RESIZE_MODES:
+        raise ValueError(f"sr_target_resize_mode must be 'fit' or 'exact', got {mode!r}")
+    if params.num_inference_steps is not None and params.num_inference_steps != variant.num_inference_steps:
+        notes.append(
+            f"num_inference_steps={params.num_inference_steps} is ignored: this checkpoint's PiFlow "
+            f"scheduler always runs {variant.num_inference_steps} DiT calls per tile."
+        )
+    for name in ("height", "width", "num_frames", "fps"):
+        if getattr(params, name) is not None:
+            raise ValueError(
+                f"{name} is taken from the source video in super-resolution; use sr_resolution_scale and "
+                "sr_target_resolution to choose the output size."
+            )
+    if params.guidance_scale is not None and params.guidance_scale != 1.0:
+        raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
+    seed = params.seed if params.seed is not None else variant.seed
+    _check_seed(seed)
+    request = UpscaleRequest(
+        video_path=params.video_path,
+        scale=scale,
+        tiles_batch_size=batch,
+        tile_min_overlap=overlap,
+        target_resolution=target,
+        target_resize_mode=mode,
+        seed=seed,
+        requested_steps=params.num_inference_steps,
+    )
+    return request, notes

@@ -1,0 +1,159 @@
+"""Request value types shared by the CLI, the Python API and the HTTP server.
+
+`SamplingParams` is the one definition of every user-facing request parameter: the CLI builds its flags from
+its fields, the HTTP schema its JSON fields, the API takes it as keyword arguments. Fields left as `None` take
+the model variant's defaults when `resolve_*` turns them into a fully specified, frozen `GenerateRequest` or
+`UpscaleRequest` (typed, no optional knobs left), so nothing downstream guesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SR_SCALES = (2.0, 4.0, 2.25)
+SR_TARGET_TIERS = ("hd", "fullhd", "2k")
+SR_RESIZE_MODES = ("fit", "exact")
+
+
+def _param(help_text: str, *, cli: bool = True, http: bool = True, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": help_text, "cli": cli, "http": http})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """Every request parameter, as a user gives it. `None` means "the model variant's default"."""
+
+    prompt: str | None = _param("Text prompt (generation models; SR takes none).")
+    negative_prompt: str | None = _param(
+        "Negative prompt for CFG (Pro/Lite). Default: the model's built-in negative prompt."
+    )
+    image_path: str | None = _param("Conditioning image for text+image-to-video+audio (TI2AV).")
+    video_path: str | None = _param("Source video for super-resolution (VSR models).")
+    seed: int | None = _param("Random seed (default 42).")
+    height: int | None = _param("Output height in pixels, a multiple of 16 (default 512).")
+    width: int | None = _param("Output width in pixels, a multiple of 16 (default 768).")
+    num_frames: int | None = _param("Number of frames, of the form 4k+1 (default 121).")
+    fps: float | None = _param("Frame rate of the output; sets the audio length (default 24).")
+    num_inference_steps: int | None = _param(
+        "Denoising steps (Pro/Lite 50, distilled 10; VSR always runs its 2 PiFlow steps)."
+    )
+    guidance_scale: float | None = _param(
+        "Classifier-free guidance scale (Pro/Lite 5.0; distilled models require exactly 1.0)."
+    )
+    sr_resolution_scale: float | None = _param("VSR upscale factor: 2, 4 or 2.25 (default 2.25).")
+    sr_tiles_batch_size: int | None = _param(
+        "VSR tiles per DiT call (default 1). Each chunk is seeded by its first tile index, so this changes the noise."
+    )
+    sr_tile_min_overlap: float | None = _param("VSR minimum tile overlap in [0, 1) (default 0.2).")
+    sr_target_resolution: str | None = _param(
+        "VSR delivery size, downscale only: hd, fullhd, 2k or WxH (default: none)."
+    )
+    sr_target_resize_mode: str | None = _param("VSR target resize mode: fit (default) or exact.")
+    save_output: bool = _param("Write the MP4 file.", default=True, http=False)
+    output_path: str = _param("Folder for output files.", default="outputs", http=False)
+    output_file_name: str | None = _param("Output file name (default: derived from the request).", http=False)
+    return_frames: bool = _param("Return decoded frames and the waveform in the result.", default=False, http=False)
+    return_file_paths_only: bool = _param(
+        "Return only the output file path (no frames).", default=True, cli=False, http=False
+    )
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
+        """Build from a dict, rejecting unknown keys with the list of valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(
+                f"Unknown sampling parameter(s) {unknown}. Valid parameters: {sorted(names)}."
+            )
+        return cls(**kwargs)
+
+
+def parameter_fields(*, surface: str) -> list[dataclasses.Field]:
+    """The SamplingParams fields exposed on one surface ("cli" or "http")."""
+    return [f for f in dataclasses.fields(SamplingParams) if f.metadata.get(surface, False)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateRequest:
+    """A fully resolved T2AV / TI2AV request."""
+
+    prompt: str
+    negative_prompt: str | None  # None exactly when guidance is off (no negative branch is encoded)
+    image_path: str | None
+    seed: int
+    height: int
+    width: int
+    num_frames: int
+    fps: float
+    num_inference_steps: int
+    guidance_scale: float
+    with_audio: bool = True
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @property
+    def num_latent_frames(self) -> int:
+        return (self.num_frames - 1) // 4 + 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpscaleRequest:
+    """A fully resolved video super-resolution request."""
+
+    video_path: str
+    scale: float
+    tiles_batch_size: int
+    tile_min_overlap: float
+    target_resolution: str | None
+    target_resize_mode: str
+    seed: int
+    requested_steps: int | None  # what the user asked for; the checkpoint's PiFlow nfe is what runs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutputOptions:
+    """Where and whether to write the result."""
+
+    save_output: bool = True
+    output_path: str = "outputs"
+    output_file_name: str | None = None
+    return_frames: bool = False
+
+
+@dataclass(kw_only=True)
+class VideoResult:
+    """What a finished request returns to the caller."""
+
+    output_file_path: str | None
+    frames: np.ndarray | None  # uint8 (T, H, W, 3)
+    audio: np.ndarray | None  # float32 mono waveform
+    audio_sample_rate: int
+    fps: float
+    seed: int
+    timings: dict[str, float]
+    peak_memory_mb: float
+    num_frames: int
+    height: int
+    width: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def generation_time(self) -> float:
+        return self.timings.get("total", math.nan)
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """OpenAI-style "WxH" (width first) -> (height, width)."""
+    parts = size.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"size must be 'WIDTHxHEIGHT' (width first, e.g. '768x512'), got {size!r}")
+    width, height = (int(p) for p in parts)
+    return height, width
