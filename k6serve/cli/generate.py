@@ -1,0 +1,59 @@
+"""`k6serve generate`: one request offline, a progress bar over steps, a timing table at the end."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from k6serve.api import DiffGenerator, split_kwargs
+
+
+def format_timings(result) -> str:
+    rows = [
+        ("encode", result.timings.get("encode")),
+        ("denoise total", result.timings.get("denoise")),
+        ("denoise per step", result.timings.get("denoise_per_step")),
+        ("decode video", result.timings.get("decode_video")),
+        ("decode audio", result.timings.get("decode_audio")),
+        ("mux", result.timings.get("mux")),
+        ("total", result.timings.get("total")),
+    ]
+    for key in sorted(result.timings):
+        if key not in {"encode", "denoise", "denoise_per_step", "decode_video", "decode_audio", "mux", "total"}:
+            rows.insert(-1, (key.replace("_", " "), result.timings[key]))
+    lines = [f"{'stage':<20} {'seconds':>10}", "-" * 31]
+    lines += [f"{name:<20} {value:>10.3f}" for name, value in rows if value is not None]
+    lines.append(f"{'peak memory (MiB)':<20} {result.peak_memory_mb:>10.1f}")
+    return "\n".join(lines)
+
+
+def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
+    params, output = split_kwargs(request_options)
+    model_path = engine_options.pop("model_path")
+    generator = DiffGenerator.from_pretrained(model_path, **engine_options)
+    try:
+        variant = generator.variant
+        if variant.is_demo:
+            print("note: using the built-in tiny demo checkpoint: its weights are random, so the video and audio "
+                  "are noise. Pass --model-path with a real Kandinsky 6 checkpoint for real output.", file=sys.stderr)
+        bar = tqdm(desc="denoising" if variant.family == "generation" else "super-resolution", unit="step")
+
+        def on_progress(step: int, total: int) -> None:
+            bar.total = total
+            bar.n = step
+            bar.refresh()
+
+        result = generator.engine.generate(params, output, on_progress=on_progress)
+        bar.close()
+    finally:
+        generator.shutdown()
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(format_timings(result))
+    if result.output_file_path:
+        print(f"saved {result.output_file_path} ({result.width}x{result.height}, {result.num_frames} frames, "
+              f"{result.fps:g} fps{', with audio' if result.audio_sample_rate and result.output_file_path else ''})")
+    return 0
+

@@ -1,0 +1,174 @@
+"""`k6serve generate | serve | bench`: the command line, with the seed documents' flag names.
+
+Engine flags come from the config dataclasses, request flags from `SamplingParams` (the one definition shared
+with the API and HTTP). `--config FILE` (YAML or JSON, keys are flag names) supplies defaults; the command line
+wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from k6serve.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    ENCODER_PARALLEL,
+    LOAD_FORMATS,
+    PERFORMANCE_MODES,
+    WARMUP_MODES,
+)
+from k6serve.request import SamplingParams, parameter_fields
+
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("model_path", dict(help="Local Diffusers checkpoint folder, hub id, or 'demo' (built-in tiny random model).")),
+    ("model_id", dict(help="Released model name to route a renamed folder (e.g. Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
+    ("revision", dict(help="Hub revision (branch, tag or commit) to download.")),
+    ("load_format", dict(choices=LOAD_FORMATS, help="'dummy' builds the released sizes with random weights (benchmarks).")),
+    ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto: bfloat16 on CUDA, float32 on CPU).")),
+    ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
+    ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance.")),
+    ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3) or torch_sdpa (alias sdpa).")),
+    ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server.")),
+    ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
+    ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
+    ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
+    ("ring_degree", dict(type=int, help="Ring attention degree over video tokens.")),
+    ("enable_cfg_parallel", dict(action="store_true", default=None, help="Run CFG branches on different GPUs (Pro/Lite).")),
+    ("use_fsdp_inference", dict(type=lambda v: _bool(v), help="true: shard DiT weights with FSDP2 across the replica.")),
+    ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Shard text encoders across the replica (fold) or not.")),
+    ("dp_size", dict(type=int, help="Independent replicas (data parallel).")),
+    ("nnodes", dict(type=int, help="Number of hosts.")),
+    ("node_rank", dict(type=int, help="This host's rank.")),
+    ("dist_init_addr", dict(help="host:port of the rank-0 host for multi-host runs.")),
+]
+
+
+def _bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _field_type(field: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(SamplingParams)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    return args[0] if args else str
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_request_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("request")
+    for field in parameter_fields(surface="cli"):
+        kind = _field_type(field)
+        if kind is bool:
+            group.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=None,
+                               help=field.metadata["help"])
+        else:
+            group.add_argument(_flag(field.name), type=kind, default=None, help=field.metadata["help"])
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for name, spec in ENGINE_FLAGS:
+        spec = {"default": None, **spec}
+        group.add_argument(_flag(name), **spec)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k6serve", description="Serve and run Kandinsky 6 video+audio generation "
+                                     "and video super-resolution.")
+    parser.add_argument("--log-level", default="INFO", help="Logging level.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate = sub.add_parser("generate", help="Run one request offline and write the MP4.")
+    generate.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
+    add_engine_flags(generate)
+    add_request_flags(generate)
+    serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).")
+    serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
+    add_engine_flags(serve)
+    from k6serve.cli.serve_flags import add_server_flags
+
+    add_server_flags(serve)
+    bench = sub.add_parser("bench", help="Benchmark our DiT, VAE and pipeline against diffusers.")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="Arguments for python -m k6serve.bench.")
+    return parser
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of flag names to values")
+    return {key.lstrip("-").replace("-", "_"): value for key, value in data.items()}
+
+
+def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """CLI values over --config values; unset flags are omitted so the typed defaults apply."""
+    options = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config", "log_level")}
+    if getattr(args, "config", None):
+        from_file = load_config_file(args.config)
+        known = {action.dest for action in parser._subparsers._group_actions[0].choices[args.command]._actions}
+        unknown = sorted(set(from_file) - known)
+        if unknown:
+            raise ValueError(f"--config {args.config}: unknown key(s) {unknown}")
+        options = {**from_file, **options}
+    return options
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    engine_names = {name for name, _ in ENGINE_FLAGS}
+    engine = {k: v for k, v in options.items() if k in engine_names}
+    request = {k: v for k, v in options.items() if k not in engine_names}
+    return engine, request
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "bench":
+            from k6serve.bench.__main__ import main as bench_main
+
+            return bench_main(args.bench_args)
+        options = merged_options(args, parser)
+        engine, request = split_options(options)
+        if "model_path" not in engine:
+            raise ValueError("--model-path is required (a checkpoint folder, a hub id, or 'demo').")
+        if args.command == "generate":
+            from k6serve.cli.generate import run_generate
+
+            return run_generate(engine, request)
+        from k6serve.cli.serve_flags import run_serve
+
+        return run_serve(engine, request)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

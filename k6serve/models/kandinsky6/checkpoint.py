@@ -1,0 +1,233 @@
+"""Load a Kandinsky 6 generation checkpoint (Diffusers layout) into k6serve's components.
+
+Our own DiT takes the diffusers state-dict keys unchanged; the text encoders come from transformers and the
+VAEs, vocoder and schedulers from diffusers (k6-generation.md §6). Every mismatch between a config and its
+weights fails here, at load time, naming the parameters. `load_format="dummy"` builds the released sizes with
+random weights directly on the target device in the target dtype (never an fp32 host copy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from k6serve.models.checkpoint_files import (
+    CheckpointError,
+    check_state_dict,
+    load_state_dict,
+    read_component_config,
+    read_model_index,
+    require_components,
+)
+from k6serve.models.kandinsky6 import encoder_configs
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer3DModel, cast_for_inference
+from k6serve.models.variants import Variant
+
+logger = logging.getLogger(__name__)
+
+REQUIRED = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler"]
+
+
+@dataclass(kw_only=True)
+class GenerationModels:
+    """Everything a generation request needs, loaded and placed on one device."""
+
+    transformer: Kandinsky6Transformer3DModel
+    vae: Any  # diffusers AutoencoderKLHunyuanVideo
+    text_encoder: Any  # transformers Qwen2_5_VLForConditionalGeneration
+    tokenizer: Any
+    text_encoder_2: Any  # transformers CLIPTextModel
+    tokenizer_2: Any
+    scheduler_class: str
+    scheduler_config: dict
+    audio_vae: Any | None
+    vocoder: Any | None
+    device: torch.device
+    dtype: torch.dtype
+    variant: Variant
+    source: str  # folder path or "dummy"
+
+    @property
+    def transformer_config(self) -> Kandinsky6TransformerConfig:
+        return self.transformer.config
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_vae is not None and self.vocoder is not None
+
+
+def load_generation_models(
+    folder: Path | None, variant: Variant, *, device: torch.device, dtype: torch.dtype, load_format: str
+) -> GenerationModels:
+    if load_format == "dummy":
+        return _build_dummy(variant, device=device, dtype=dtype)
+    assert folder is not None
+    index = read_model_index(folder)
+    require_components(folder, index, REQUIRED)
+    scheduler_class = index["scheduler"][1]
+    scheduler_config = read_component_config(folder, "scheduler", "scheduler_config.json")
+    transformer = load_transformer(folder / "transformer", device=device, dtype=dtype)
+    _check_scheduler_fits_head(transformer.config, scheduler_class, scheduler_config, folder)
+    with_audio = "audio_vae" in index and "vocoder" in index and index["audio_vae"][0] is not None
+    return GenerationModels(
+        transformer=transformer,
+        vae=_load_diffusers(folder, "vae", "AutoencoderKLHunyuanVideo", device, dtype),
+        text_encoder=_load_transformers(folder, "text_encoder", "Qwen2_5_VLForConditionalGeneration", device, dtype),
+        tokenizer=_load_tokenizer(folder / "tokenizer"),
+        text_encoder_2=_load_transformers(folder, "text_encoder_2", "CLIPTextModel", device, dtype),
+        tokenizer_2=_load_tokenizer(folder / "tokenizer_2"),
+        scheduler_class=scheduler_class,
+        scheduler_config=scheduler_config,
+        audio_vae=_load_diffusers(folder, "audio_vae", "MMAudioVAE", device, dtype) if with_audio else None,
+        vocoder=_load_diffusers(folder, "vocoder", "MMAudioVocoder", device, dtype) if with_audio else None,
+        device=device,
+        dtype=dtype,
+        variant=variant,
+        source=str(folder),
+    )
+
+
+def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Kandinsky6Transformer3DModel:
+    config_dict = json.loads((component_dir / "config.json").read_text())
+    config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
+    with torch.device("meta"):
+        model = Kandinsky6Transformer3DModel(config)
+    state = load_state_dict(component_dir)
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    check_state_dict(expected, state, f"{component_dir.name} ({component_dir})")
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    model.init_buffers(torch.device("cpu"))
+    cast_for_inference(model, dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _check_scheduler_fits_head(config: Kandinsky6TransformerConfig, scheduler_class: str, scheduler_config: dict,
+                               folder: Path) -> None:
+    """A PiFlow scheduler needs n_grid-wide heads, a flow-matching one plain heads; anything else cannot run."""
+    if scheduler_class == "PiflowScheduler":
+        n_grid = int(scheduler_config.get("n_grid", 10))
+        ok = config.out_visual_dim == n_grid * config.in_visual_dim and config.out_audio_dim == n_grid * config.in_audio_dim
+        want = f"{n_grid} x latent channels ({n_grid * config.in_visual_dim} video / {n_grid * config.in_audio_dim} audio)"
+    else:
+        ok = config.out_visual_dim == config.in_visual_dim and config.out_audio_dim == config.in_audio_dim
+        want = f"the latent channels ({config.in_visual_dim} video / {config.in_audio_dim} audio)"
+    if not ok:
+        raise CheckpointError(
+            f"{folder}: scheduler {scheduler_class} needs output heads of width {want}, but the transformer has "
+            f"out_visual_dim {config.out_visual_dim} / out_audio_dim {config.out_audio_dim}. The scheduler and the "
+            "transformer come from different repositories or revisions; re-download the checkpoint."
+        )
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types here; the path is what the user needs
+        raise CheckpointError(f"Cannot load the tokenizer in {path}: {exc}") from exc
+
+
+def _report_loading_info(component: str, folder: Path, info: dict) -> None:
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        detail = "; ".join(f"{k}: {sorted(map(str, v))[:8]}" for k, v in problems.items())
+        raise CheckpointError(
+            f"{component} weights in {folder / component} do not match its config ({detail}). The config and "
+            "weights come from different repositories or revisions; re-download the component."
+        )
+
+
+def _load_transformers(folder: Path, component: str, class_name: str, device: torch.device, dtype: torch.dtype):
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    model, info = cls.from_pretrained(str(folder / component), dtype=dtype, output_loading_info=True)
+    _report_loading_info(component, folder, info)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _load_diffusers(folder: Path, component: str, class_name: str, device: torch.device, dtype: torch.dtype):
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    model, info = cls.from_pretrained(str(folder / component), torch_dtype=dtype, output_loading_info=True)
+    _report_loading_info(component, folder, info)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype) -> GenerationModels:
+    """Released sizes, random weights, created on `device` in `dtype` (benchmarks; outputs are noise)."""
+    import diffusers
+    import transformers
+
+    from k6serve.models.kandinsky6.released_configs import released_transformer_config
+    from k6serve.testing.tokenizers import build_clip_tokenizer, build_qwen_tokenizer
+
+    transformer = build_dummy_transformer(released_transformer_config(variant.name), device=device, dtype=dtype)
+    with torch.device(device):
+        qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
+        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(qwen_config, dtype=dtype)
+        clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
+        text_encoder_2 = transformers.CLIPTextModel._from_config(clip_config, dtype=dtype)
+        vae = diffusers.AutoencoderKLHunyuanVideo().to(dtype)
+        audio_vae = diffusers.MMAudioVAE().to(dtype)
+        vocoder = diffusers.MMAudioVocoder().to(dtype)
+    if variant.distilled:
+        scheduler_class = "PiflowScheduler"
+        scheduler_config = {"shift": 5.0, "n_grid": 10, "eps": 1e-6, "final_step_size_scale": 0.5,
+                            "num_policy_substeps": 128, "num_train_timesteps": 1000}
+    else:
+        scheduler_class = "FlowMatchEulerDiscreteScheduler"
+        scheduler_config = {"shift": 5.0, "num_train_timesteps": 1000}
+    return GenerationModels(
+        transformer=transformer,
+        vae=vae.eval().requires_grad_(False),
+        text_encoder=text_encoder.eval().requires_grad_(False),
+        # Random weights need no real vocabulary: the project's offline BPE tokenizers keep the 129-token
+        # template crop exact and produce ids inside the real vocab.
+        tokenizer=build_qwen_tokenizer(),
+        text_encoder_2=text_encoder_2.eval().requires_grad_(False),
+        tokenizer_2=build_clip_tokenizer(),
+        scheduler_class=scheduler_class,
+        scheduler_config=scheduler_config,
+        audio_vae=audio_vae.eval().requires_grad_(False),
+        vocoder=vocoder.eval().requires_grad_(False),
+        device=device,
+        dtype=dtype,
+        variant=variant,
+        source="dummy",
+    )
+
+
+def build_dummy_transformer(config_dict: dict, *, device: torch.device, dtype: torch.dtype,
+                            seed: int = 0) -> Kandinsky6Transformer3DModel:
+    """Allocate the DiT directly in `dtype` on `device` and fill it with small random weights."""
+    config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
+    with torch.device("meta"):
+        model = Kandinsky6Transformer3DModel(config)
+    cast_for_inference(model, dtype)  # on meta: only records the dtypes to allocate
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+            elif name.endswith("norm.weight") or name.endswith("_norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.01, generator=generator)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,29 @@
+"""Stage: video VAE decode (the reference's framewise temporal tiling) and audio VAE + vocoder.
+
+The HunyuanVideo VAE decodes with its default framewise temporal tiling (4 latent frames, stride 3, 4-frame
+blend): bit identity with the reference needs exactly that (k6-generation.md §3.7). Frames are quantised as
+diffusers' PIL path does, round(x * 255).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k6serve.pipelines.state import DecodedAudio, DecodedVideo
+
+
+@torch.inference_mode()
+def decode_video(vae, video_BTHWC: torch.Tensor) -> DecodedVideo:
+    latents = video_BTHWC.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor
+    pixels = vae.decode(latents, return_dict=False)[0]  # (1, 3, T, H, W) in [-1, 1]
+    frames = (pixels[0].float() / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous()
+    as_uint8 = (frames * 255).round().to(torch.uint8).cpu().numpy()
+    return DecodedVideo(frames_float_THWC=frames.cpu(), frames_THWC=as_uint8)
+
+
+@torch.inference_mode()
+def decode_audio(audio_vae, vocoder, audio_BLC: torch.Tensor) -> DecodedAudio:
+    latents = audio_BLC.permute(0, 2, 1).to(audio_vae.dtype) / audio_vae.config.scaling_factor
+    mel = audio_vae.decode(latents, return_dict=False)[0]
+    waveform = vocoder(mel.to(vocoder.dtype), return_dict=False)[0][:, 0].float()
+    return DecodedAudio(waveform=waveform[0].cpu().numpy(), sample_rate=int(audio_vae.config.sample_rate))

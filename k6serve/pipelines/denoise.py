@@ -1,0 +1,76 @@
+"""Stage: the denoising loop (k6-generation.md §3.6), with CFG, TI2AV tail re-pinning and step callbacks.
+
+The DiT's own text towers depend on the timestep, so they run inside every forward (as in the reference);
+the Qwen/CLIP features are computed once per request and branch. `on_step(i, n)` runs after every step: the
+engine uses it for progress and raises from it to cancel at a step boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from k6serve.pipelines.guidance import cfg_combine
+from k6serve.pipelines.state import Conditioning, Latents, TextEmbeddings
+
+StepCallback = Callable[[int, int], None]
+
+
+def model_input(latents: Latents, visual_cond: bool) -> torch.Tensor:
+    """[noisy latent | zero conditioning latent | mask] along channels; the mask is 1 on the TI2AV tail only."""
+    video = latents.video_BTHWC
+    if latents.tail_BHWC is not None:
+        video[:, -1] = latents.tail_BHWC  # re-pin the clean reference frame every step
+    if not visual_cond:
+        return video
+    mask = torch.zeros((*video.shape[:-1], 1), dtype=video.dtype, device=video.device)
+    if latents.tail_BHWC is not None:
+        mask[:, -1] = 1
+    return torch.cat([video, torch.zeros_like(video), mask], dim=-1)
+
+
+def predict(transformer, hidden: torch.Tensor, latents: Latents, text: TextEmbeddings, timestep: torch.Tensor):
+    return transformer(
+        hidden_states=hidden,
+        audio_hidden_states=latents.audio_BLC,
+        encoder_hidden_states=text.tokens_BLD,
+        pooled_projections=text.pooled_BD,
+        timestep=timestep,
+        visual_rope_pos=latents.rope_positions,
+        encoder_attention_mask=text.mask_BL,
+        visual_token_type_ids=latents.token_type_ids_BT,
+    )
+
+
+@torch.inference_mode()
+def denoise(
+    transformer,
+    latents: Latents,
+    conditioning: Conditioning,
+    *,
+    scheduler,
+    audio_scheduler,
+    timesteps: torch.Tensor,
+    guidance_scale: float,
+    visual_cond: bool,
+    on_step: StepCallback | None = None,
+    predict_fn: Callable = predict,
+) -> Latents:
+    num_steps = len(timesteps)
+    for index, t in enumerate(timesteps):
+        timestep = t.expand(latents.video_BTHWC.shape[0])
+        hidden = model_input(latents, visual_cond)
+        video_v, audio_v = predict_fn(transformer, hidden, latents, conditioning.positive, timestep)
+        if conditioning.negative is not None:
+            video_u, audio_u = predict_fn(transformer, hidden, latents, conditioning.negative, timestep)
+            video_v = cfg_combine(video_v, video_u, guidance_scale)
+            audio_v = cfg_combine(audio_v, audio_u, guidance_scale) if audio_v is not None else None
+        latents.video_BTHWC = scheduler.step(video_v, t, latents.video_BTHWC, return_dict=False)[0]
+        if latents.audio_BLC is not None:
+            latents.audio_BLC = audio_scheduler.step(audio_v, t, latents.audio_BLC, return_dict=False)[0]
+        if on_step is not None:
+            on_step(index + 1, num_steps)
+    if latents.tail_BHWC is not None:
+        latents.video_BTHWC = latents.video_BTHWC[:, :-1]  # the reference frame is not decoded
+    return latents

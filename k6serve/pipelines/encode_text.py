@@ -1,0 +1,69 @@
+"""Stage: encode prompts with Qwen2.5-VL (token features) and CLIP (pooled vector), as the reference does.
+
+k6-generation.md §3.2: the chat template, right padding to 1024 + 129 tokens, hidden states after the final
+RMSNorm with the 129 template tokens cropped, CLIP pooled at the EOT token. We run the Qwen trunk only
+(`text_encoder.model`): its last hidden state is exactly `hidden_states[-1]` of the full forward, and it skips
+the lm_head logits (1153 x 152064) that the reference computes and throws away.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k6serve.pipelines.state import TextEmbeddings
+
+PROMPT_TEMPLATE = "\n".join(
+    [
+        "<|im_start|>system\nYou are a promt engineer. Describe the video in detail.",
+        "Describe how the camera moves or shakes, describe the zoom and view angle, whether it follows the objects.",
+        "Describe the location of the video, main characters or objects and their action.",
+        "Describe the dynamism of the video and presented actions.",
+        "Name the visual style of the video: whether it is a professional footage, user generated content, "
+        "some kind of animation, video game or scren content.",
+        "Describe the visual effects, postprocessing and transitions if they are presented in the video.",
+        "Pay attention to the order of key actions shown in the scene.<|im_end|>",
+        "<|im_start|>user\n{}<|im_end|>",
+    ]
+)
+QWEN_CROP_START = 129  # template tokens before the user prompt (real Qwen2 tokenizer)
+CLIP_MAX_LENGTH = 77
+MAX_SEQUENCE_LENGTH = 1024
+
+
+@torch.inference_mode()
+def encode_prompt(
+    prompt: str,
+    *,
+    tokenizer,
+    text_encoder,
+    tokenizer_2,
+    text_encoder_2,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+) -> TextEmbeddings:
+    inputs = tokenizer(
+        [PROMPT_TEMPLATE.format(prompt)],
+        max_length=max_sequence_length + QWEN_CROP_START,
+        truncation=True,
+        padding="max_length",
+        return_tensors="pt",
+    ).to(device)
+    trunk = text_encoder.model
+    hidden = trunk(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], return_dict=True)
+    tokens = hidden.last_hidden_state[:, QWEN_CROP_START:]
+    mask = inputs["attention_mask"][:, QWEN_CROP_START:].to(torch.bool)
+    clip_inputs = tokenizer_2(
+        [prompt],
+        max_length=CLIP_MAX_LENGTH,
+        truncation=True,
+        add_special_tokens=True,
+        padding="max_length",
+        return_tensors="pt",
+    ).to(device)
+    pooled = text_encoder_2(**clip_inputs)["pooler_output"]
+    return TextEmbeddings(
+        tokens_BLD=tokens.to(dtype),
+        pooled_BD=pooled.to(dtype),
+        mask_BL=None if bool(mask.all()) else mask,
+    )

@@ -1,0 +1,103 @@
+"""The T2AV / TI2AV pipeline: encode text -> prepare latents -> denoise -> decode, read top to bottom."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k6serve.pipelines.decode import decode_audio, decode_video
+from k6serve.pipelines.denoise import StepCallback, denoise
+from k6serve.pipelines.encode_text import encode_prompt
+from k6serve.pipelines.prepare_latents import encode_reference_image, make_generator, prepare_latents
+from k6serve.pipelines.schedulers import make_schedulers
+from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo
+from k6serve.request import GenerateRequest
+
+
+@dataclass
+class GenerationOutput:
+    video: DecodedVideo
+    audio: DecodedAudio | None
+    fps: float
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TextToVideoPipeline:
+    def __init__(self, models) -> None:
+        self.models = models
+
+    def check(self, request: GenerateRequest) -> None:
+        config = self.models.transformer.config
+        if request.image_path is not None and (not config.visual_cond or config.visual_token_type_num_embeddings < 2):
+            raise ValueError(
+                f"{self.models.variant.name} cannot take a conditioning image: its transformer has no reference-frame "
+                "token type (visual_token_type_num_embeddings < 2). Drop --image-path."
+            )
+
+    def encode(self, request: GenerateRequest) -> Conditioning:
+        m = self.models
+        kwargs = dict(tokenizer=m.tokenizer, text_encoder=m.text_encoder, tokenizer_2=m.tokenizer_2,
+                      text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype)
+        positive = encode_prompt(request.prompt, **kwargs)
+        negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
+        return Conditioning(positive=positive, negative=negative)
+
+    def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None) -> GenerationOutput:
+        m = self.models
+        self.check(request)
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        conditioning = self.encode(request)
+        generator = make_generator(request.seed)
+        tail = None
+        if request.image_path is not None:
+            from k6serve.media.image import load_conditioning_image
+
+            image = load_conditioning_image(request.image_path)
+            tail = encode_reference_image(image, m.vae, height=request.height, width=request.width, device=m.device,
+                                          dtype=m.dtype, generator=generator)
+        _sync(m.device)
+        timings["encode"] = time.perf_counter() - start
+
+        config = m.transformer.config
+        with_audio = request.with_audio and m.has_audio
+        latents = prepare_latents(
+            request,
+            in_visual_dim=config.in_visual_dim,
+            in_audio_dim=config.in_audio_dim,
+            with_audio=with_audio,
+            audio_sample_rate=int(m.audio_vae.config.sample_rate) if with_audio else 44100,
+            audio_latent_hop_length=int(m.audio_vae.latent_hop_length) if with_audio else 1024,
+            device=m.device,
+            dtype=m.dtype,
+            generator=generator,
+            tail_latent_BHWC=tail,
+            patch_size=tuple(config.patch_size),
+        )
+        scheduler, audio_scheduler, timesteps = make_schedulers(
+            m.scheduler_class, m.scheduler_config, request.num_inference_steps, m.device, with_audio)
+
+        start = time.perf_counter()
+        latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler, audio_scheduler=audio_scheduler,
+                          timesteps=timesteps, guidance_scale=request.guidance_scale,
+                          visual_cond=config.visual_cond, on_step=on_step)
+        _sync(m.device)
+        timings["denoise"] = time.perf_counter() - start
+        timings["denoise_per_step"] = timings["denoise"] / request.num_inference_steps
+
+        start = time.perf_counter()
+        audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC) if with_audio else None
+        _sync(m.device)
+        timings["decode_audio"] = time.perf_counter() - start
+        start = time.perf_counter()
+        video = decode_video(m.vae, latents.video_BTHWC)
+        timings["decode_video"] = time.perf_counter() - start
+        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)

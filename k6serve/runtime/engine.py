@@ -1,0 +1,116 @@
+"""The engine: a request queue in front of a model worker, returning futures.
+
+GPU work runs on the engine's own thread (never on the caller's event loop); requests run one at a time per
+worker, in arrival order. Cancellation is cooperative: it takes effect at the next denoising step (or SR tile)
+boundary, after which the worker is free for the next request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from k6serve.config import EngineConfig
+from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.runtime.worker import ModelWorker
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+
+
+class RequestCancelled(Exception):
+    """Raised inside the worker at a step boundary when the request was cancelled."""
+
+
+@dataclass(eq=False)
+class EngineJob:
+    id: str
+    params: SamplingParams
+    output: OutputOptions
+    on_progress: ProgressCallback | None
+    future: Future = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Cancel now if still queued, else at the next step boundary."""
+        self.cancelled.set()
+        if not self.started.is_set():
+            self.future.cancel()
+
+
+_STOP = object()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, worker: ModelWorker | None = None) -> None:
+        self.config = config
+        self.worker = worker if worker is not None else ModelWorker(config)
+        self._queue: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="k6serve-engine", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    @property
+    def variant(self):
+        return self.worker.variant
+
+    def resolve(self, params: SamplingParams):
+        """Validate a request without running it (raises ValueError with the fix)."""
+        return self.worker.resolve(params)
+
+    def submit(self, params: SamplingParams, output: OutputOptions | None = None, *,
+               on_progress: ProgressCallback | None = None, job_id: str | None = None) -> EngineJob:
+        if self._closed:
+            raise RuntimeError("The engine has been shut down.")
+        job = EngineJob(id=job_id or f"req-{next(self._ids)}", params=params, output=output or OutputOptions(),
+                        on_progress=on_progress)
+        self._queue.put(job)
+        return job
+
+    def generate(self, params: SamplingParams, output: OutputOptions | None = None, *,
+                 on_progress: ProgressCallback | None = None) -> VideoResult:
+        return self.submit(params, output, on_progress=on_progress).future.result()
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            job.started.set()
+
+            def on_step(step: int, total: int, job: EngineJob = job) -> None:
+                if job.on_progress is not None:
+                    job.on_progress(step, total)
+                if job.cancelled.is_set():
+                    raise RequestCancelled(f"request {job.id} was cancelled at step {step}/{total}")
+
+            try:
+                if job.cancelled.is_set():
+                    raise RequestCancelled(f"request {job.id} was cancelled before it started")
+                result = self.worker.run(job.params, job.output, on_step=on_step)
+            except BaseException as exc:  # every failure belongs to this request, not to the engine
+                if not isinstance(exc, (RequestCancelled, ValueError)):
+                    logger.exception("request %s failed", job.id)
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout)

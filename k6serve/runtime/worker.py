@@ -1,0 +1,155 @@
+"""A model worker: loads one checkpoint on one device and runs requests on it, one at a time.
+
+The worker owns everything that touches the GPU. It turns `SamplingParams` into a resolved request, runs the
+family's pipeline, writes the MP4 atomically and returns a `VideoResult` with stage timings and peak memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import resource
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from k6serve.config import EngineConfig
+from k6serve.models.checkpoint_files import resolve_checkpoint
+from k6serve.models.variants import GENERATION, Variant, recognise, resolve_generate, resolve_upscale
+from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _slug(text: str, limit: int = 48) -> str:
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:limit].strip("_")
+    return slug or "video"
+
+
+def sanitize_file_name(name: str) -> str:
+    """Keep a user-given output name inside the output folder and ending in .mp4."""
+    base = Path(name).name
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", base).lstrip(".") or "video"
+    return base if base.lower().endswith(".mp4") else base + ".mp4"
+
+
+def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime | None = None) -> str:
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    if isinstance(request, UpscaleRequest):
+        return f"{Path(request.video_path).stem}_sr{request.scale:g}x_{stamp}.mp4"
+    return f"{_slug(request.prompt)}_seed{request.seed}_{stamp}.mp4"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # CPU: the process's peak resident set (ru_maxrss is KiB on Linux, bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+class ModelWorker:
+    """Loads the checkpoint named by the config and serves requests for it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.runtime.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        model = config.model
+        folder = None
+        if model.load_format != "dummy":
+            folder = resolve_checkpoint(model.model_path, model.revision)
+        self.variant: Variant = recognise(model.model_path, model.model_id, folder)
+        self.folder = folder
+        start = time.perf_counter()
+        self.pipeline = self._build_pipeline(folder)
+        self.load_time_s = time.perf_counter() - start
+        if self.variant.is_demo:
+            logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")
+
+    def _build_pipeline(self, folder: Path | None):
+        from k6serve.ops.attention import resolve_attention_backend
+
+        backend = resolve_attention_backend(
+            None if self.config.runtime.attention_backend == "auto" else self.config.runtime.attention_backend,
+            self.device,
+        )
+        self.attention_backend = backend
+        if self.variant.family == GENERATION:
+            from k6serve.models.kandinsky6.checkpoint import load_generation_models
+            from k6serve.models.kandinsky6.transformer import set_attention_backend
+            from k6serve.pipelines.text_to_video import TextToVideoPipeline
+
+            models = load_generation_models(folder, self.variant, device=self.device, dtype=self.dtype,
+                                            load_format=self.config.model.load_format)
+            set_attention_backend(models.transformer, backend)
+            return TextToVideoPipeline(models)
+        from k6serve.pipelines.super_resolution import build_super_resolution_pipeline
+
+        return build_super_resolution_pipeline(folder, self.variant, device=self.device, dtype=self.dtype,
+                                               load_format=self.config.model.load_format, attention_backend=backend)
+
+    def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
+        if self.variant.family == GENERATION:
+            return resolve_generate(params, self.variant)
+        return resolve_upscale(params, self.variant)
+
+    def run(self, params: SamplingParams, output: OutputOptions,
+            on_step: ProgressCallback | None = None) -> VideoResult:
+        from k6serve.media.mux import write_mp4
+
+        request, notes = self.resolve(params)
+        for note in notes:
+            logger.warning(note)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        result = self.pipeline(request, on_step=on_step)
+        timings = dict(result.timings)
+        frames = result.video.frames_THWC
+        audio = result.audio.waveform if result.audio is not None else None
+        sample_rate = result.audio.sample_rate if result.audio is not None else 44100
+        fps = result.fps
+        path = None
+        if output.save_output:
+            name = sanitize_file_name(output.output_file_name) if output.output_file_name else default_file_name(request)
+            folder = Path(output.output_path)
+            folder.mkdir(parents=True, exist_ok=True)
+            mux_start = time.perf_counter()
+            path = str(write_mp4(folder / name, frames, fps, audio, sample_rate))
+            timings["mux"] = time.perf_counter() - mux_start
+        timings["total"] = time.perf_counter() - start
+        return VideoResult(
+            output_file_path=path,
+            frames=frames if output.return_frames else None,
+            audio=audio if output.return_frames else None,
+            audio_sample_rate=sample_rate,
+            fps=float(fps),
+            seed=request.seed,
+            timings=timings,
+            peak_memory_mb=peak_memory_mb(self.device),
+            num_frames=int(frames.shape[0]),
+            height=int(frames.shape[1]),
+            width=int(frames.shape[2]),
+            notes=notes + result.notes,
+        )
