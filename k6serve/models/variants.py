@@ -50,7 +50,7 @@ class Variant:
 
 
 def _gen(name: str, size: str, distilled: bool) -> Variant:
-    title = "-".join(part.capitalize() for part in name.split("-"))
+    title = name[0].upper() + name[1:]  # released ids: Pro-distill, Pro-sft, Lite-pretrain
     return Variant(
         name=name,
         family=GENERATION,
@@ -192,12 +192,12 @@ def recognise(model_path: str, model_id: str | None, local_folder: Path | None) 
 def _frames_rule(num_frames: int) -> int:
     if num_frames < 1:
         raise ValueError(f"num_frames must be >= 1, got {num_frames}")
-    # The VAE compresses time 4x: anything else is rounded down to 4k+1 as the reference does (with a warning).
+    # The VAE compresses time 4x: other counts become n // 4 * 4 + 1 exactly as the reference (120 -> 121).
     return num_frames // 4 * 4 + 1 if num_frames % 4 != 1 else num_frames
 
 
 def seconds_to_num_frames(seconds: float, fps: float) -> int:
-    """Map a duration onto the model's frame rule: round(seconds*fps) frames, rounded down to 4k+1."""
+    """Map a duration onto the model's frame rule: round(seconds*fps) frames, then n // 4 * 4 + 1."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     return _frames_rule(max(1, round(seconds * fps)))
@@ -225,7 +225,7 @@ def resolve_generate(params: SamplingParams, variant: Variant) -> tuple[Generate
     num_frames = params.num_frames if params.num_frames is not None else variant.num_frames
     rounded = _frames_rule(num_frames)
     if rounded != num_frames:
-        notes.append(f"num_frames {num_frames} is not of the form 4k+1; rounded down to {rounded}.")
+        notes.append(f"num_frames {num_frames} is not of the form 4k+1; using {rounded} (n // 4 * 4 + 1, as the reference).")
     if (rounded - 1) // 4 + 1 > 128:
         raise ValueError(f"num_frames {num_frames} gives more than 128 latent frames; use at most 509.")
     fps = float(params.fps if params.fps is not None else variant.fps)

@@ -1,0 +1,80 @@
+"""Checkpoint resolution and weight checks: errors name the repo or parameters and say how to fix them."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from k6serve.config import ModelConfig, ParallelConfig
+from k6serve.models.checkpoint_files import (
+    CheckpointError,
+    check_state_dict,
+    load_state_dict,
+    require_components,
+    resolve_checkpoint,
+)
+
+
+def test_offline_hub_id_gives_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError) as info:
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")
+    message = str(info.value)
+    assert "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers" in message
+    assert "hf download" in message and "--model-path" in message
+
+
+def test_gated_repo_error_says_how_to_authenticate(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    class FakeResponse:
+        status_code = 401
+        headers = {}
+        url = "https://huggingface.co"
+        request = None
+
+    def fake_download(*args, **kwargs):
+        raise errors.GatedRepoError("gated", response=FakeResponse())
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    with pytest.raises(CheckpointError, match="hf auth login.*HF_TOKEN"):
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers")
+
+
+def test_not_a_folder_nor_hub_id():
+    with pytest.raises(CheckpointError, match="neither an existing folder nor a hub id"):
+        resolve_checkpoint("/definitely/not/here")
+
+
+def test_missing_components_are_named(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    with pytest.raises(CheckpointError, match=r"lacks component\(s\) \['vae'\]"):
+        require_components(tmp_path, {"transformer": [], "vae": []}, ["transformer", "vae"])
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    state = load_state_dict(tmp_path)
+    assert sorted(state) == ["a", "b"] and state["b"].shape == (3,)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing shard"):
+        load_state_dict(tmp_path)
+
+
+def test_state_dict_mismatch_names_parameters():
+    expected = {"w": torch.Size([2, 2]), "b": torch.Size([2])}
+    with pytest.raises(CheckpointError, match=r"missing: b.*unexpected: extra.*shape mismatch: w: file \(3, 2\)"):
+        check_state_dict(expected, {"w": torch.zeros(3, 2), "extra": torch.zeros(1)}, "transformer")
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="--load-format must be one of"):
+        ModelConfig(model_path="x", load_format="fast")
+    with pytest.raises(ValueError, match="world size must equal dp x cfg x tp x ulysses x ring"):
+        ParallelConfig(num_gpus=2)

@@ -1,0 +1,135 @@
+"""Variant recognition and request resolution: defaults per variant and every bad-input message."""
+
+import json
+
+import pytest
+
+from k6serve.models.variants import (
+    DEFAULT_NEGATIVE_PROMPT,
+    VARIANTS,
+    recognise,
+    resolve_generate,
+    resolve_upscale,
+    seconds_to_num_frames,
+    variant_from_id,
+)
+from k6serve.request import SamplingParams, parse_size
+
+
+@pytest.mark.parametrize(
+    "model_id, expected",
+    [
+        ("kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers", "pro"),
+        ("kandinskylab/Kandinsky-6.0-Pro-sft-5s-Diffusers", "pro-sft"),
+        ("kandinskylab/Kandinsky-6.0-Pro-pretrain-5s-Diffusers", "pro-pretrain"),
+        ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "pro-distill"),
+        ("kandinskylab/Kandinsky-6.0-Lite-5s-Diffusers", "lite"),
+        ("kandinskylab/Kandinsky-6.0-Lite-pretrain-5s-Diffusers", "lite-pretrain"),
+        ("Kandinsky-6.0-Lite-distill-5s-Diffusers", "lite-distill"),
+        ("kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", "vsr-distilled2steps"),
+        ("kandinskylab/Kandinsky-6.0-VSR-5s-Diffusers", "vsr"),
+    ],
+)
+def test_released_ids_are_recognised(model_id, expected):
+    assert variant_from_id(model_id).name == expected
+
+
+def test_hub_ids_in_the_table_round_trip():
+    for variant in VARIANTS.values():
+        assert variant_from_id(variant.hub_id).name == variant.name
+
+
+def test_unknown_model_id_lists_known_ids():
+    with pytest.raises(ValueError, match="names no known Kandinsky 6 checkpoint.*Pro-distill"):
+        recognise("/tmp/x", "some-other-model", None)
+
+
+def test_renamed_folder_routes_by_model_index(tmp_path):
+    folder = tmp_path / "my-model"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps(
+        {"_class_name": "Kandinsky6TI2VAPipeline", "scheduler": ["diffusers", "PiflowScheduler"]}))
+    (folder / "transformer" / "config.json").write_text(json.dumps({"model_dim": 1792}))
+    assert recognise(str(folder), None, folder).name == "lite-distill"
+    # --model-id wins over the folder's own files
+    assert recognise(str(folder), "Kandinsky-6.0-Pro-5s-Diffusers", folder).name == "pro"
+
+
+def test_folder_without_model_index_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="no model_index.json"):
+        recognise(str(tmp_path), None, tmp_path)
+
+
+def test_generation_defaults_per_variant():
+    pro, _ = resolve_generate(SamplingParams(prompt="a cat"), VARIANTS["pro"])
+    assert (pro.height, pro.width, pro.num_frames, pro.fps) == (512, 768, 121, 24.0)
+    assert (pro.num_inference_steps, pro.guidance_scale, pro.seed) == (50, 5.0, 42)
+    assert pro.negative_prompt == DEFAULT_NEGATIVE_PROMPT
+    distill, _ = resolve_generate(SamplingParams(prompt="a cat"), VARIANTS["pro-distill"])
+    assert (distill.num_inference_steps, distill.guidance_scale, distill.negative_prompt) == (10, 1.0, None)
+
+
+def test_distilled_rejects_guidance():
+    with pytest.raises(ValueError, match="requires guidance_scale exactly 1.0"):
+        resolve_generate(SamplingParams(prompt="a", guidance_scale=5.0), VARIANTS["pro-distill"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt": ""}, "prompt is required"),
+        ({"prompt": "a", "height": 500}, "height must be a positive multiple of 16"),
+        ({"prompt": "a", "width": 4096}, "width must be at most 2048"),
+        ({"prompt": "a", "num_frames": 0}, "num_frames must be >= 1"),
+        ({"prompt": "a", "fps": 0.0}, "fps must be in"),
+        ({"prompt": "a", "num_inference_steps": 0}, "num_inference_steps must be between"),
+        ({"prompt": "a", "guidance_scale": 0.5}, "guidance_scale must be >= 1.0"),
+        ({"prompt": "a", "seed": -1}, "seed must be an integer"),
+        ({"prompt": "a", "video_path": "x.mp4"}, "video_path is for the super-resolution model"),
+        ({"prompt": "a", "sr_resolution_scale": 2.0}, "applies to the super-resolution model only"),
+    ],
+)
+def test_generation_bad_inputs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_generate(SamplingParams(**kwargs), VARIANTS["pro"])
+
+
+def test_frames_follow_the_reference_rounding_with_a_note():
+    request, notes = resolve_generate(SamplingParams(prompt="a", num_frames=119), VARIANTS["pro"])
+    assert request.num_frames == 117 and "using 117" in notes[0]
+    request, _ = resolve_generate(SamplingParams(prompt="a", num_frames=120), VARIANTS["pro"])
+    assert request.num_frames == 121  # n // 4 * 4 + 1, exactly as diffusers
+
+
+def test_seconds_map_onto_the_frame_rule():
+    assert seconds_to_num_frames(5, 24) == 121  # 120 frames -> 121
+    assert seconds_to_num_frames(1, 24) == 25
+
+
+def test_sr_defaults_and_errors():
+    request, notes = resolve_upscale(SamplingParams(video_path="in.mp4", num_inference_steps=4),
+                                     VARIANTS["vsr-distilled2steps"])
+    assert (request.scale, request.tiles_batch_size, request.tile_min_overlap, request.seed) == (2.25, 1, 0.2, 42)
+    assert request.target_resize_mode == "fit" and "always runs 2 DiT calls" in notes[0]
+    for kwargs, message in [
+        ({}, "needs exactly one source video"),
+        ({"video_path": "a.mp4", "sr_resolution_scale": 3.0}, "must be 2, 4 or 2.25"),
+        ({"video_path": "a.mp4", "sr_tile_min_overlap": 1.0}, r"must be in \[0, 1\)"),
+        ({"video_path": "a.mp4", "sr_tiles_batch_size": 0}, "integer from 1 to 64"),
+        ({"video_path": "a.mp4", "sr_target_resolution": "4k"}, "hd, fullhd, 2k or 'WxH'"),
+        ({"video_path": "a.mp4", "sr_target_resize_mode": "stretch"}, "'fit' or 'exact'"),
+        ({"video_path": "a.mp4", "height": 512}, "taken from the source video"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve_upscale(SamplingParams(**kwargs), VARIANTS["vsr-distilled2steps"])
+
+
+def test_openai_size_is_width_first():
+    assert parse_size("768x512") == (512, 768)
+    with pytest.raises(ValueError, match="width first"):
+        parse_size("768*512")
+
+
+def test_unknown_sampling_parameter_lists_valid_ones():
+    with pytest.raises(ValueError, match="Unknown sampling parameter.*'prompt'"):
+        SamplingParams.from_kwargs({"promt": "typo"})
