@@ -1,0 +1,301 @@
+"""Tiny random-weight Kandinsky 6 generation checkpoints in the real Diffusers layout, and the demo checkpoint.
+
+Every component is the real diffusers / transformers class with only its sizes shrunk (k6-generation.md §7), so
+the saved folder has exactly the layout of the released checkpoints (§1.1) and diffusers itself can reload it as
+the numerical reference. Builds are deterministic in `seed` and need no network.
+"""
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo,
+    FlowMatchEulerDiscreteScheduler,
+    Kandinsky6Transformer3DModel,
+    Kandinsky6TI2VAPipeline,
+    MMAudioVAE,
+    MMAudioVocoder,
+    PiflowScheduler,
+)
+from torch import nn
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+)
+
+from k6serve.testing.tokenizers import (
+    build_qwen_processor,
+    load_qwen_processor,
+    train_clip_tokenizer,
+    train_qwen_tokenizer,
+)
+
+VARIANTS = ("pro", "distill", "lite")
+# PiFlow distilled heads predict n_grid candidate velocities per channel.
+_PIFLOW_N_GRID = 10
+_VIDEO_LATENT_CHANNELS = 16
+_AUDIO_LATENT_CHANNELS = 8
+# Released audio-VAE scaling factors (k6-generation.md §1.3): Pro-sft 0.5302, Pro-distill 0.417.
+_AUDIO_SCALING_FACTOR = {"pro": 0.5302, "lite": 0.5302, "distill": 0.417}
+
+# Bump when the demo builder's output changes, so stale cached demos are not reused.
+DEMO_FORMAT_VERSION = 1
+DEMO_MARKER_NAME = "k6serve_demo.json"
+DEMO_DEFAULTS = {"height": 64, "width": 96, "num_frames": 17, "fps": 24}
+_DEMO_KINDS = ("t2av",)
+
+
+def _build_transformer(variant: str) -> Kandinsky6Transformer3DModel:
+    grid = _PIFLOW_N_GRID if variant == "distill" else 1
+    return Kandinsky6Transformer3DModel(
+        in_visual_dim=_VIDEO_LATENT_CHANNELS,
+        out_visual_dim=_VIDEO_LATENT_CHANNELS * grid,
+        in_text_dim=32,
+        in_text_dim2=32,
+        time_dim=32,
+        patch_size=(1, 2, 2),
+        model_dim=64,
+        ff_dim=128,
+        num_text_blocks=2,
+        num_visual_blocks=2,
+        axes_dims=(4, 6, 6),
+        visual_cond=True,
+        in_audio_dim=_AUDIO_LATENT_CHANNELS,
+        out_audio_dim=_AUDIO_LATENT_CHANNELS * grid,
+        model_dim_a=32,
+        time_dim_a=32,
+        ff_dim_a=64,
+        axes_dims_a=(4, 6, 6),
+        audio_freqs_scaling=0.144,
+        scale_factor=(1.0, 2.0, 2.0),
+        text_token_padding=True,
+        ca_rope=True,
+        cross_gates=True,
+        fix_modulation=True,
+        visual_token_type_num_embeddings=2,
+    )
+
+
+def _build_vae() -> AutoencoderKLHunyuanVideo:
+    # Four levels like the real VAE (so 8x spatial, 4x temporal) but 8 channels wide: 17 frames decode in ~0.1 s.
+    return AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
+
+
+def _build_qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    special_ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        # head_dim 16 -> 8 rotary pairs split over (t, h, w).
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 2, 4]},
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "fullatt_block_indexes": [0],
+    }
+    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **special_ids)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def _build_clip_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModel:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        projection_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        # The legacy OpenAI value: the pooled token is then argmax(input_ids), i.e. the first <|endoftext|>.
+        eos_token_id=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModel(config).eval()
+
+
+def _build_audio_vae(variant: str) -> MMAudioVAE:
+    # Real 44.1 kHz / n_fft 2048 / hop 512, so audio lengths (1024 samples per latent) match the released model.
+    return MMAudioVAE(
+        mel_bins=16,
+        latent_channels=_AUDIO_LATENT_CHANNELS,
+        hidden_channels=8,
+        channel_multipliers=(1, 2),
+        scaling_factor=_AUDIO_SCALING_FACTOR[variant],
+    )
+
+
+def _build_vocoder() -> MMAudioVocoder:
+    # Real upsample rates / kernels / resblocks (product 512 = hop), only the channel width shrunk.
+    return MMAudioVocoder(num_mels=16, upsample_initial_channel=64)
+
+
+def _build_scheduler(variant: str) -> FlowMatchEulerDiscreteScheduler | PiflowScheduler:
+    if variant == "distill":
+        return PiflowScheduler(
+            shift=5.0,
+            n_grid=_PIFLOW_N_GRID,
+            eps=1e-6,
+            final_step_size_scale=0.5,
+            num_policy_substeps=128,
+        )
+    return FlowMatchEulerDiscreteScheduler(shift=5.0)
+
+
+@torch.no_grad()
+def rerandomize_(module: nn.Module, seed: int) -> None:
+    """Overwrite every parameter with seeded random values, so every gate and path is non-zero.
+
+    Matrices N(0, 0.02), vectors N(0, 0.01), norm weights N(1, 0.05). Convolution kernels use N(0, 1/sqrt(fan_in))
+    instead: the conv-only VAEs and vocoder have few norms, and 0.02 would shrink their signal to nothing.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for submodule in module.modules():
+        is_norm = "Norm" in type(submodule).__name__
+        for name, param in submodule.named_parameters(recurse=False):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if is_norm and name == "weight":
+                value = 1.0 + 0.05 * noise
+            elif param.ndim >= 3:
+                value = noise / math.sqrt(param[0].numel())
+            elif param.ndim == 2:
+                value = 0.02 * noise
+            else:
+                value = 0.01 * noise
+            param.copy_(value.to(param.dtype))
+
+
+def _component_seed(seed: int, name: str) -> int:
+    # Per-component seeds keep each component's weights independent of which other components are built.
+    return seed * 1_000_003 + zlib.crc32(name.encode())
+
+
+def build_generation_pipeline(
+    variant: str = "pro", seed: int = 0, *, with_audio: bool = True
+) -> Kandinsky6TI2VAPipeline:
+    """Build the tiny random-weight `Kandinsky6TI2VAPipeline` in memory (fp32, CPU, eval mode)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny checkpoint variant {variant!r}; use one of {', '.join(VARIANTS)}")
+    qwen_tokenizer = train_qwen_tokenizer()
+    clip_tokenizer = train_clip_tokenizer()
+    # Constructors draw from the global RNG; fork it so a build leaves the caller's random state untouched.
+    with torch.random.fork_rng(devices=[]):
+        components: dict[str, nn.Module] = {
+            "transformer": _build_transformer(variant),
+            "vae": _build_vae(),
+            "text_encoder": _build_qwen_text_encoder(qwen_tokenizer),
+            "text_encoder_2": _build_clip_text_encoder(clip_tokenizer),
+        }
+        if with_audio:
+            components["audio_vae"] = _build_audio_vae(variant)
+            components["vocoder"] = _build_vocoder()
+    for name, component in components.items():
+        rerandomize_(component, _component_seed(seed, name))
+        component.eval()
+    if with_audio:
+        _randomize_mel_statistics_(components["audio_vae"], _component_seed(seed, "audio_vae.data"))
+        # With random weights the vocoder's residual stacks grow the signal ~14x; shrink the last conv so the
+        # waveform mostly stays inside the vocoder's [-1, 1] clamp instead of saturating.
+        with torch.no_grad():
+            components["vocoder"].conv_post.weight.mul_(1 / 32)
+    return Kandinsky6TI2VAPipeline(
+        tokenizer=build_qwen_processor(qwen_tokenizer),
+        tokenizer_2=clip_tokenizer,
+        scheduler=_build_scheduler(variant),
+        **components,
+    )
+
+
+@torch.no_grad()
+def _randomize_mel_statistics_(audio_vae: MMAudioVAE, seed: int) -> None:
+    # The per-bin mel mean/std are persistent buffers, not parameters; make them non-trivial too.
+    generator = torch.Generator().manual_seed(seed)
+    data_mean, data_std = audio_vae.vae.data_mean, audio_vae.vae.data_std
+    data_mean.copy_(0.1 * torch.randn(data_mean.shape, generator=generator))
+    data_std.copy_(1.0 + 0.05 * torch.randn(data_std.shape, generator=generator).abs())
+
+
+def build_generation_checkpoint(
+    out_dir: Path, variant: str = "pro", seed: int = 0, *, with_audio: bool = True
+) -> Path:
+    """Write a tiny Diffusers-layout K6 generation checkpoint (safetensors) to `out_dir` and return it."""
+    pipeline = build_generation_pipeline(variant, seed, with_audio=with_audio)
+    out_dir = Path(out_dir)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def load_reference_pipeline(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> Kandinsky6TI2VAPipeline:
+    """Reload a saved checkpoint with diffusers, as the numerical reference.
+
+    The `tokenizer` is passed explicitly because diffusers would build `Qwen2_5_VLProcessor` through
+    `from_pretrained`, which requires torchvision (k6-generation.md §7.3).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    processor = load_qwen_processor(ckpt_dir / "tokenizer")
+    return Kandinsky6TI2VAPipeline.from_pretrained(ckpt_dir, tokenizer=processor, dtype=dtype)
+
+
+def demo_cache_root() -> Path:
+    """The k6serve cache folder: `$K6SERVE_CACHE`, else `~/.cache/k6serve`."""
+    return Path(os.environ.get("K6SERVE_CACHE") or Path.home() / ".cache" / "k6serve")
+
+
+def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
+    """Return the cached random-weight demo checkpoint, building it once (atomically) if it is missing."""
+    if kind not in _DEMO_KINDS:
+        raise ValueError(f"unknown demo checkpoint kind {kind!r}; use one of {', '.join(_DEMO_KINDS)}")
+    final_dir = demo_cache_root() / "demo" / f"kandinsky6-demo-distill-v{DEMO_FORMAT_VERSION}"
+    if (final_dir / DEMO_MARKER_NAME).is_file():
+        return final_dir
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the final folder (same file system), then rename: readers never see a half-written demo.
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
+    build_dir.chmod(0o755)
+    try:
+        build_generation_checkpoint(build_dir, "distill", seed=0)
+        marker = {"demo": True, "variant": "distill", "defaults": DEMO_DEFAULTS}
+        (build_dir / DEMO_MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        try:
+            os.rename(build_dir, final_dir)
+        except OSError:
+            # Another process won the race; its folder is complete because it was renamed in whole.
+            if not (final_dir / DEMO_MARKER_NAME).is_file():
+                raise ValueError(
+                    f"{final_dir} exists but is not a complete demo checkpoint (no {DEMO_MARKER_NAME}); "
+                    "delete that folder and run again"
+                ) from None
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return final_dir
