@@ -1,0 +1,212 @@
+"""The single attention dispatch point: every attention in k6serve models ends in `attention()`.
+
+Semantics: non-causal softmax attention with scale 1/sqrt(head_dim). A boolean key mask (True = attend)
+masks keys only, exactly like diffusers' native dispatch ((B, Lk) viewed as (B, 1, 1, Lk)). Every row
+must keep at least one key.
+
+Backends (the names the seeds and `--attention-backend` use):
+* "torch_sdpa" (alias "sdpa"): `F.scaled_dot_product_attention`. On CUDA it prefers cuDNN attention
+  (fastest torch kernel on Hopper, performance.md §2.2), then flash, efficient, math. On CPU it is the
+  exact call diffusers makes, so CPU outputs are bitwise equal to diffusers.
+* "fa": FlashAttention-3 forward from the `fa3-fwd` wheel (sm_90 kernels, bf16; the wheel is built
+  without fp16). FA3 takes no mask, so a call with a key mask, or with a dtype FA3 cannot take, runs on
+  "torch_sdpa" instead: the math is the same, only the kernel differs. In Kandinsky 6 that is the text
+  self/cross-attentions with a padding mask; the large unmasked video self-attention stays on FA3.
+
+Shape legend: B batch, L query length, S key length, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+FLASH_ATTENTION_3 = "fa"
+TORCH_SDPA = "torch_sdpa"
+BACKENDS = (FLASH_ATTENTION_3, TORCH_SDPA)
+_ALIASES = {"sdpa": TORCH_SDPA}
+
+# The fa3-fwd 0.0.3 wheel ships sm_90a kernels only (performance.md §6); elsewhere it imports but cannot run.
+_FA3_CAPABILITIES = ((9, 0),)
+_FA3_DTYPES = (torch.bfloat16,)
+_CUDA_SDPA_PRIORITY = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+@functools.cache
+def _load_fa3() -> tuple[Callable[..., object] | None, str]:
+    """Import FA3's `flash_attn_func` once; returns (function, "") or (None, why it failed)."""
+    try:
+        import fa3_fwd_config
+
+        # The wheel's interface imports `flash_attn_config` but ships it as `fa3_fwd_config`.
+        sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+        from fa3_fwd_interface import flash_attn_func
+    except (ImportError, OSError) as error:
+        return None, f"the fa3-fwd wheel could not be imported ({error})"
+    return flash_attn_func, ""
+
+
+def fa3_unavailable_reason(device: torch.device | str) -> str | None:
+    """Why FlashAttention-3 cannot run on `device`, or None when it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU and the device is {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this torch build"
+    capability = torch.cuda.get_device_capability(device)
+    if capability not in _FA3_CAPABILITIES:
+        return (
+            f"the fa3-fwd kernels are built for Hopper (sm_90) only and this GPU is "
+            f"sm_{capability[0]}{capability[1]}"
+        )
+    flash_attn_func, reason = _load_fa3()
+    return None if flash_attn_func is not None else reason
+
+
+def canonical_backend_name(name: str) -> str:
+    """Map an alias to its backend name; raise ValueError listing the valid names otherwise."""
+    canonical = _ALIASES.get(name, name)
+    if canonical not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid backends are 'fa' (FlashAttention-3) "
+            f"and 'torch_sdpa' (alias 'sdpa')"
+        )
+    return canonical
+
+
+def resolve_attention_backend(requested: str | None, device: torch.device | str) -> str:
+    """The backend to use on `device`: the requested one if it can run, else a ValueError saying why.
+
+    None picks the default: "fa" on Hopper when fa3-fwd imports, else "torch_sdpa".
+    """
+    if requested is None:
+        return FLASH_ATTENTION_3 if fa3_unavailable_reason(device) is None else TORCH_SDPA
+    backend = canonical_backend_name(requested)
+    if backend == FLASH_ATTENTION_3:
+        reason = fa3_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(
+                f"attention backend 'fa' (FlashAttention-3) cannot run here: {reason}. "
+                f"Use --attention-backend torch_sdpa."
+            )
+    return backend
+
+
+def _fa3_function() -> Callable[..., object]:
+    flash_attn_func, reason = _load_fa3()
+    if flash_attn_func is None:
+        raise ValueError(
+            f"attention backend 'fa' was selected but {reason}; resolve the backend with "
+            f"resolve_attention_backend() or use --attention-backend torch_sdpa"
+        )
+    return flash_attn_func
+
+
+def _uses_fa3(backend: str, query_BLHD: Tensor, key_mask_BS: Tensor | None) -> bool:
+    return (
+        backend == FLASH_ATTENTION_3
+        and key_mask_BS is None
+        and query_BLHD.is_cuda
+        and query_BLHD.dtype in _FA3_DTYPES
+    )
+
+
+def _check_key_mask(key_mask_BS: Tensor | None) -> None:
+    if key_mask_BS is not None and key_mask_BS.dtype != torch.bool:
+        raise ValueError(f"key_mask_BL must be a bool tensor (True = attend), got {key_mask_BS.dtype}")
+
+
+def _sdpa(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None) -> Tensor:
+    # Same layout handling as diffusers' native backend: permuted views, mask viewed as (B, 1, 1, S).
+    mask_B11S = None if key_mask_BS is None else key_mask_BS[:, None, None, :]
+    query_BHLD, key_BHSD, value_BHSD = (x.permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD))
+    if query_BHLD.is_cuda:
+        with sdpa_kernel(_CUDA_SDPA_PRIORITY, set_priority=True):
+            out_BHLD = F.scaled_dot_product_attention(query_BHLD, key_BHSD, value_BHSD, attn_mask=mask_B11S)
+    else:
+        out_BHLD = F.scaled_dot_product_attention(query_BHLD, key_BHSD, value_BHSD, attn_mask=mask_B11S)
+    return out_BHLD.permute(0, 2, 1, 3)
+
+
+def attention(
+    query_BLHD: Tensor,
+    key_BLHD: Tensor,
+    value_BLHD: Tensor,
+    *,
+    key_mask_BL: Tensor | None = None,
+    backend: str,
+) -> Tensor:
+    """Softmax attention, scale 1/sqrt(D); `key_mask_BL` (B, S) bool masks keys. Returns (B, L, H, D)."""
+    backend = canonical_backend_name(backend)
+    _check_key_mask(key_mask_BL)
+    if _uses_fa3(backend, query_BLHD, key_mask_BL):
+        return _fa3_function()(query_BLHD, key_BLHD, value_BLHD)
+    return _sdpa(query_BLHD, key_BLHD, value_BLHD, key_mask_BL)
+
+
+def _math_attention_with_lse(
+    query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    scale = 1.0 / math.sqrt(query_BLHD.shape[-1])
+    query_BHLD, key_BHSD, value_BHSD = (
+        x.permute(0, 2, 1, 3).float() for x in (query_BLHD, key_BSHD, value_BSHD)
+    )
+    scores_BHLS = (query_BHLD @ key_BHSD.transpose(-1, -2)) * scale
+    if key_mask_BS is not None:
+        scores_BHLS = scores_BHLS.masked_fill(~key_mask_BS[:, None, None, :], float("-inf"))
+    lse_BHL = torch.logsumexp(scores_BHLS, dim=-1)
+    out_BHLD = torch.exp(scores_BHLS - lse_BHL[..., None]) @ value_BHSD
+    return out_BHLD.permute(0, 2, 1, 3).to(query_BLHD.dtype), lse_BHL
+
+
+def _cudnn_attention_with_lse(
+    query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor
+) -> tuple[Tensor, Tensor]:
+    batch, length, num_heads, _ = query_BLHD.shape
+    query_BHLD, key_BHSD, value_BHSD = (x.permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD))
+    outputs = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query_BHLD, key_BHSD, value_BHSD, None, True, 0.0, False, False
+    )
+    out_BHLD, lse = outputs[0], outputs[1]
+    # cuDNN stores the softmax stats as (B, H, L, 1) in some torch versions.
+    return out_BHLD.permute(0, 2, 1, 3), lse.reshape(batch, num_heads, length).float()
+
+
+def attention_with_lse(
+    query_BLHD: Tensor,
+    key_BLHD: Tensor,
+    value_BLHD: Tensor,
+    *,
+    key_mask_BL: Tensor | None = None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """`attention()` that also returns the fp32 log-sum-exp of the scaled scores, (B, H, L).
+
+    Used to merge partial results (Ring attention). CUDA: FA3 when the backend is "fa", else torch's
+    cuDNN op for unmasked bf16/fp16; everything else (CPU, masks, fp32) takes the plain math path.
+    """
+    backend = canonical_backend_name(backend)
+    _check_key_mask(key_mask_BL)
+    if _uses_fa3(backend, query_BLHD, key_mask_BL):
+        out_BLHD, lse_BHL = _fa3_function()(query_BLHD, key_BLHD, value_BLHD, return_attn_probs=True)
+        return out_BLHD, lse_BHL
+    if (
+        query_BLHD.is_cuda
+        and key_mask_BL is None
+        and query_BLHD.dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.cudnn.is_available()
+    ):
+        return _cudnn_attention_with_lse(query_BLHD, key_BLHD, value_BLHD)
+    return _math_attention_with_lse(query_BLHD, key_BLHD, value_BLHD, key_mask_BL)
