@@ -1,0 +1,35 @@
+"""Opening media files for reading, with errors that say which file and what was wrong."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import av
+import av.container
+
+
+def open_input(path: str | os.PathLike[str]) -> av.container.InputContainer:
+    """Open `path` for demuxing; a missing or unreadable file raises ValueError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"cannot read media file {str(path)!r}: it {what}; pass a video file path")
+    try:
+        return av.open(str(path), mode="r")
+    except (av.error.FFmpegError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"cannot read media file {str(path)!r}: FFmpeg could not open it ({exc}); "
+            "pass a valid video file such as an MP4, MKV, MOV or WebM"
+        ) from exc
+
+
+def describe_streams(container: av.container.InputContainer) -> str:
+    """One-line list of the streams in `container`, for error messages."""
+    if not container.streams:
+        return "no streams"
+    parts = []
+    for stream in container.streams:
+        codec_name = stream.codec_context.name if stream.codec_context is not None else "unknown"
+        parts.append(f"{stream.type} ({codec_name})")
+    return ", ".join(parts)

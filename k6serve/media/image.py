@@ -1,0 +1,71 @@
+"""Loading the conditioning image of an image-to-video request, and diffusers' cover-resize + crop.
+
+Loading mirrors `diffusers.utils.load_image` for files (EXIF orientation applied, converted to
+RGB); PIL images passed in are only converted to RGB, as diffusers' pipeline does not rotate them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import PIL.Image
+import PIL.ImageOps
+
+
+def load_conditioning_image(
+    image: str | os.PathLike[str] | PIL.Image.Image, height: int, width: int
+) -> PIL.Image.Image:
+    """Open and check a conditioning image for a `height` x `width` video; returns it RGB, unresized.
+
+    The pipeline resizes it (`cover_resize_center_crop`); height and width are checked here so a
+    bad request fails before any model work.
+    """
+    for name, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(image, PIL.Image.Image):
+        loaded = image
+        source = "the given PIL image"
+    else:
+        source = repr(str(image))
+        loaded = _open_image_file(Path(image))
+    if loaded.width < 1 or loaded.height < 1:
+        raise ValueError(f"conditioning image {source} is empty ({loaded.width}x{loaded.height})")
+    return loaded if loaded.mode == "RGB" else loaded.convert("RGB")
+
+
+def cover_resize_center_crop(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
+    """Resize keeping aspect ratio so the image covers height x width (Lanczos), then center-crop.
+
+    Same pixels as diffusers 0.42.1 `VaeImageProcessor.resize(..., resize_mode="crop")`
+    (`_resize_and_crop`), which `VideoProcessor.preprocess` applies to PIL conditioning images;
+    copied rather than imported because diffusers is not a serving-time dependency. diffusers
+    first floors height and width to multiples of the VAE scale factor; callers pass sizes that
+    are already multiples.
+    """
+    ratio = width / height
+    source_ratio = image.width / image.height
+    # Integer floor divisions exactly as diffusers, so the resized size matches to the pixel.
+    resized_width = width if ratio > source_ratio else image.width * height // image.height
+    resized_height = height if ratio <= source_ratio else image.height * width // image.width
+    resized = image.resize((resized_width, resized_height), resample=PIL.Image.Resampling.LANCZOS)
+    cropped = PIL.Image.new("RGB", (width, height))
+    cropped.paste(resized, box=(width // 2 - resized_width // 2, height // 2 - resized_height // 2))
+    return cropped
+
+
+def _open_image_file(path: Path) -> PIL.Image.Image:
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"cannot read conditioning image {str(path)!r}: it {what}")
+    try:
+        with PIL.Image.open(path) as opened:
+            # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.
+            opened.load()
+            return PIL.ImageOps.exif_transpose(opened)
+    except (PIL.UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise ValueError(
+            f"cannot read conditioning image {str(path)!r}: not a readable image ({exc}); "
+            "pass a PNG, JPEG or WebP file"
+        ) from exc

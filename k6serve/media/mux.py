@@ -1,0 +1,235 @@
+"""Writing the output MP4: H.264 video plus an optional AAC mono soundtrack, atomically.
+
+Video: libx264, yuv420p, CRF 18, pts = frame index in time base 1/fps (k6-super-resolution.md
+§2.13). Audio: AAC, mono, 192 kb/s. The same inputs give byte-identical files: x264 runs with a
+fixed thread count (its output depends on the count, not on timing) and without its AVX-512 code
+(see `x264_cpu_flags`), and the muxer writes no library version string; MP4 creation times stay 0
+because no metadata is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import functools
+import math
+import os
+import platform
+import secrets
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import av.container
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+X264_THREADS = 8
+AAC_BIT_RATE = 192_000
+AAC_FRAME_SIZE = 1024  # samples per AAC frame
+AAC_SAMPLE_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025, 8000)
+# Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
+FPS_MAX_DENOMINATOR = 10_000
+
+
+def write_mp4(
+    path: str | os.PathLike[str],
+    frames_THWC: np.ndarray,
+    fps: float | Fraction,
+    audio: np.ndarray | None = None,
+    sample_rate: int = 44100,
+    *,
+    crf: int = 18,
+) -> Path:
+    """Encode RGB uint8 frames (T, H, W, 3) and an optional mono waveform to an MP4 at `path`.
+
+    `audio` is float32 mono in [-1, 1] (clipped) at `sample_rate`; None writes video only. The file
+    appears at `path` only when complete: it is written to a hidden temporary file in the same
+    folder, synced and renamed. On any error the temporary file is removed and `path` is untouched.
+    """
+    _check_frames(frames_THWC)
+    rate = fps_fraction(fps)
+    waveform = None if audio is None else _check_audio(audio, sample_rate)
+    if not (isinstance(crf, int) and 0 <= crf <= 51):
+        raise ValueError(f"crf must be an integer in [0, 51], got {crf!r}")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    # A leading dot keeps the partial file out of listings and artifact scans.
+    temporary_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
+    try:
+        _encode(temporary_path, frames_THWC, rate, waveform, sample_rate, crf)
+        _fsync(temporary_path)
+        os.replace(temporary_path, path)
+    except BaseException:
+        temporary_path.unlink(missing_ok=True)
+        raise
+    try:
+        _fsync(path.parent)  # makes the rename itself durable
+    except OSError as exc:
+        logger.debug("could not fsync folder %s: %s", path.parent, exc)
+    return path
+
+
+def fps_fraction(fps: float | Fraction) -> Fraction:
+    """Exact frame rate for the container time base (23.976 -> 2997/125, 24000/1001 stays)."""
+    if isinstance(fps, Fraction):
+        rate = fps
+    elif isinstance(fps, (int, float)) and math.isfinite(fps):
+        rate = Fraction(fps).limit_denominator(FPS_MAX_DENOMINATOR)
+    else:
+        raise ValueError(f"fps must be a finite number or a Fraction, got {fps!r}")
+    if rate <= 0:
+        raise ValueError(f"fps must be > 0, got {fps!r}")
+    return rate
+
+
+# Everything x264 uses on an AVX-512 machine except AVX-512 itself (all these CPUs have them).
+_X264_AVX2_FLAGS = "MMX2,SSE,SSE2,SSE3,SSSE3,SSE4.1,SSE4.2,AVX,FMA3,BMI1,BMI2,AVX2,LZCNT"
+
+
+@functools.cache
+def x264_cpu_flags() -> str | None:
+    """x264 `asm` flags that keep its output repeatable, or None to let x264 detect the CPU.
+
+    x264's AVX-512 macroblock-tree code reads memory it did not write: with it, the same frames
+    encode to different bytes from run to run (measured with PyAV 18.1's libx264 on an AMD EPYC).
+    Limiting x264 to AVX2 makes the output repeatable at the same speed. Other CPUs keep x264's
+    own detection, since forcing flags a CPU lacks would crash it.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])
+    return _X264_AVX2_FLAGS if "avx512f" in flags else None
+
+
+def _check_frames(frames_THWC: np.ndarray) -> None:
+    if not isinstance(frames_THWC, np.ndarray) or frames_THWC.dtype != np.uint8:
+        kind = getattr(frames_THWC, "dtype", type(frames_THWC).__name__)
+        raise ValueError(f"frames must be a uint8 numpy array (T, H, W, 3), got {kind}")
+    if frames_THWC.ndim != 4 or frames_THWC.shape[-1] != 3 or frames_THWC.shape[0] == 0:
+        raise ValueError(
+            f"frames must have shape (T, H, W, 3) with T >= 1, got {tuple(frames_THWC.shape)}"
+        )
+    height, width = frames_THWC.shape[1:3]
+    if height % 2 or width % 2 or height == 0 or width == 0:
+        raise ValueError(
+            f"frame size {width}x{height} (WxH) is not even; H.264 yuv420p needs even width and "
+            "height: crop or pad the frames by one pixel"
+        )
+
+
+def _check_audio(audio: np.ndarray, sample_rate: int) -> np.ndarray:
+    waveform = np.asarray(audio, dtype=np.float32)
+    if waveform.ndim != 1 or waveform.shape[0] == 0:
+        raise ValueError(
+            f"audio must be a non-empty mono waveform of shape (num_samples,), got shape "
+            f"{waveform.shape}; pass None for a video-only file"
+        )
+    if not np.isfinite(waveform).all():
+        raise ValueError("audio contains NaN or infinite samples; fix the waveform before muxing")
+    if sample_rate not in AAC_SAMPLE_RATES:
+        raise ValueError(f"sample_rate {sample_rate} is not an AAC rate; use one of {AAC_SAMPLE_RATES}")
+    return np.clip(waveform, -1.0, 1.0)
+
+
+def _encode(
+    path: Path,
+    frames_THWC: np.ndarray,
+    rate: Fraction,
+    waveform: np.ndarray | None,
+    sample_rate: int,
+    crf: int,
+) -> None:
+    container_options = {"movflags": "+faststart", "fflags": "+bitexact"}
+    with av.open(str(path), mode="w", format="mp4", options=container_options) as container:
+        height, width = frames_THWC.shape[1:3]
+        video_stream = _add_video_stream(container, rate, width, height, crf)
+        audio_stream = None
+        if waveform is not None:
+            audio_stream = _add_audio_stream(container, sample_rate)
+        next_audio_start = 0
+        for index, frame_HWC in enumerate(frames_THWC):
+            container.mux(video_stream.encode(_video_frame(frame_HWC, index)))
+            if audio_stream is not None:
+                # Feed audio up to the end of this video frame so the file interleaves by time.
+                audio_end = min(waveform.shape[0], math.ceil((index + 1) / rate * sample_rate))
+                next_audio_start = _mux_audio(
+                    container, audio_stream, waveform, next_audio_start, audio_end, sample_rate
+                )
+        container.mux(video_stream.encode(None))
+        if audio_stream is not None:
+            _mux_audio(container, audio_stream, waveform, next_audio_start, waveform.shape[0], sample_rate)
+            container.mux(audio_stream.encode(None))
+
+
+def _add_video_stream(
+    container: av.container.OutputContainer, rate: Fraction, width: int, height: int, crf: int
+):
+    stream = container.add_stream("libx264", rate=rate)
+    stream.width = width
+    stream.height = height
+    stream.pix_fmt = "yuv420p"
+    stream.time_base = 1 / rate  # pts = frame index
+    stream.codec_context.time_base = 1 / rate
+    # Frames are converted with the BT.709 matrix (_video_frame) and tagged so, which is what
+    # players assume for HD; untagged files get guessed per resolution.
+    stream.codec_context.options = {
+        "crf": str(crf),
+        "threads": str(X264_THREADS),
+        **({"x264-params": f"asm={x264_cpu_flags()}"} if x264_cpu_flags() else {}),
+        "colorspace": "bt709",
+        "color_primaries": "bt709",
+        "color_trc": "bt709",
+        "color_range": "tv",
+    }
+    return stream
+
+
+def _add_audio_stream(container: av.container.OutputContainer, sample_rate: int):
+    stream = container.add_stream("aac", rate=sample_rate)
+    stream.layout = "mono"
+    stream.bit_rate = AAC_BIT_RATE
+    stream.time_base = Fraction(1, sample_rate)
+    stream.codec_context.time_base = Fraction(1, sample_rate)
+    return stream
+
+
+def _video_frame(frame_HWC: np.ndarray, index: int) -> av.VideoFrame:
+    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame_HWC), format="rgb24")
+    frame = frame.reformat(format="yuv420p", dst_colorspace="ITU709")
+    frame.pts = index
+    return frame
+
+
+def _mux_audio(
+    container: av.container.OutputContainer,
+    stream,
+    waveform: np.ndarray,
+    start: int,
+    end: int,
+    sample_rate: int,
+) -> int:
+    """Encode whole AAC frames of waveform[start:end] (a short last one only at the very end)."""
+    while start < end and (end - start >= AAC_FRAME_SIZE or end == waveform.shape[0]):
+        chunk = waveform[start : start + AAC_FRAME_SIZE]
+        frame = av.AudioFrame.from_ndarray(chunk[None, :].copy(), format="fltp", layout="mono")
+        frame.sample_rate = sample_rate
+        frame.time_base = Fraction(1, sample_rate)
+        frame.pts = start
+        container.mux(stream.encode(frame))
+        start += chunk.shape[0]
+    return start
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

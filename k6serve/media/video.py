@@ -1,0 +1,246 @@
+"""Reading video files: whole clips for inspection, and the SR source under the 24 fps rule.
+
+The SR rule (k6-super-resolution.md §2.1, the SR seed "Limits"): sources within 1.5 fps of 24 keep
+every frame, faster sources are stride-subsampled to 24 fps, slower sources keep their native rate
+(no frame interpolation); then the first 121 frames are kept and the count is floored to 1 + 8k.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import av
+import av.container
+import av.video.stream
+import numpy as np
+
+from k6serve.media.container import describe_streams, open_input
+
+logger = logging.getLogger(__name__)
+
+TARGET_FPS = 24
+FPS_TOLERANCE = 1.5
+MAX_NUM_FRAMES = 121  # 5 s x 24 fps + 1
+# The SR model takes 1 + 8k frames (4x temporal VAE compression, latent frames paired by the DiT).
+FRAME_COUNT_MULTIPLE = 8
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedVideo:
+    """Every frame of a file's first video stream."""
+
+    frames: np.ndarray  # uint8 (T, H, W, 3), RGB
+    fps: float  # stream average rate, or its base rate when the container has no average
+
+    @property
+    def num_frames(self) -> int:
+        return self.frames.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class SourceClip:
+    """The frames of an SR source selected by the 24 fps rule, ready for upscaling."""
+
+    frames: np.ndarray  # uint8 (T, H, W, 3), RGB, T = 1 + 8k <= max_frames
+    fps: int  # the fps of the processed clip, used for the output file and the audio trim
+    source_fps: float
+    source_indices: tuple[int, ...]  # index in the source (decode order) of each kept frame
+    num_decoded_frames: int  # frames decoded; less than the source length when decoding stopped early
+    notes: tuple[str, ...]  # what was changed relative to the source, one sentence each
+
+    @property
+    def num_frames(self) -> int:
+        return self.frames.shape[0]
+
+
+@dataclass(frozen=True)
+class FrameRatePlan:
+    """How the 24 fps rule treats one source frame rate."""
+
+    output_fps: int
+    step: float | None  # source frames per output frame when subsampling; None keeps every frame
+    note: str | None
+
+
+def plan_frame_rate(
+    source_fps: float, *, target_fps: int = TARGET_FPS, tolerance: float = FPS_TOLERANCE
+) -> FrameRatePlan:
+    """Apply the 24 fps rule to a source frame rate (Python round, i.e. half-to-even, as the seeds)."""
+    if not source_fps > 0:
+        raise ValueError(f"source fps must be > 0, got {source_fps}")
+    if abs(source_fps - target_fps) < tolerance:
+        return FrameRatePlan(output_fps=round(source_fps), step=None, note=None)
+    if source_fps > target_fps:
+        step = source_fps / target_fps
+        note = f"subsampled {source_fps:g} fps to {target_fps} fps (stride {step:g})"
+        return FrameRatePlan(output_fps=target_fps, step=step, note=note)
+    note = (
+        f"source is {source_fps:g} fps, below {target_fps} fps: kept every frame at "
+        f"{round(source_fps)} fps; no frame interpolation is done"
+    )
+    return FrameRatePlan(output_fps=round(source_fps), step=None, note=note)
+
+
+def sr_source_indices(
+    num_source_frames: int, plan: FrameRatePlan, *, max_frames: int = MAX_NUM_FRAMES
+) -> list[int]:
+    """Source frame indices the rule keeps for a source of known length (before the 1+8k floor)."""
+    if plan.step is None:
+        return list(range(min(num_source_frames, max_frames)))
+    num_steps = int(num_source_frames / plan.step)
+    indices = [round(i * plan.step) for i in range(num_steps)]
+    return [index for index in indices if index < num_source_frames][:max_frames]
+
+
+def floor_frame_count(num_frames: int) -> int:
+    """Largest 1 + 8k not above `num_frames` (121, 113, ..., 9, 1)."""
+    assert num_frames >= 1
+    return 1 + FRAME_COUNT_MULTIPLE * ((num_frames - 1) // FRAME_COUNT_MULTIPLE)
+
+
+def read_video(path: str | os.PathLike[str]) -> DecodedVideo:
+    """Decode every frame of the first video stream to RGB uint8."""
+    with open_input(path) as container:
+        stream = _first_video_stream(container, path)
+        fps = _stream_fps(stream, path)
+        frames = [frame for _, frame in _decode_rgb(container, stream, path, keep=lambda _: True)]
+    if not frames:
+        raise ValueError(f"video file {str(path)!r} has a video stream but no decodable frames")
+    return DecodedVideo(frames=np.stack(frames), fps=fps)
+
+
+def read_sr_source(
+    path: str | os.PathLike[str],
+    *,
+    max_frames: int = MAX_NUM_FRAMES,
+    target_fps: int = TARGET_FPS,
+    tolerance: float = FPS_TOLERANCE,
+) -> SourceClip:
+    """Read an SR source with the 24 fps rule, the `max_frames` cap and the 1 + 8k floor.
+
+    Decoding stops as soon as more frames cannot change the selection, so long sources cost only
+    the frames that are kept (plus up to one stride when subsampling).
+    """
+    if max_frames < 1:
+        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+    with open_input(path) as container:
+        stream = _first_video_stream(container, path)
+        source_fps = _stream_fps(stream, path)
+        plan = plan_frame_rate(source_fps, target_fps=target_fps, tolerance=tolerance)
+        selection = _FrameSelection(plan, max_frames)
+        frames = [
+            frame for _, frame in _decode_rgb(container, stream, path, keep=selection.offer)
+        ]
+    num_decoded = selection.num_decoded
+    indices = sr_source_indices(num_decoded, plan, max_frames=max_frames)
+    # Decoding may have gone past the last selected frame; the selection is always a prefix.
+    assert selection.indices[: len(indices)] == indices, (selection.indices, indices)
+    if not indices:
+        raise ValueError(
+            f"video file {str(path)!r} gives no frames to upscale: {num_decoded} decoded frame(s) "
+            f"at {source_fps:g} fps; pass a longer clip"
+        )
+    num_kept = floor_frame_count(len(indices))
+    notes = [plan.note] if plan.note else []
+    if plan.note and plan.step is None:
+        logger.warning("%s: %s", path, plan.note)
+    if not selection.reached_end:
+        notes.append(f"kept the first {len(indices)} selected frames (limit {max_frames})")
+    if num_kept < len(indices):
+        notes.append(
+            f"dropped the last {len(indices) - num_kept} frame(s) so the count is "
+            f"1 + {FRAME_COUNT_MULTIPLE}k ({num_kept})"
+        )
+    return SourceClip(
+        frames=np.stack(frames[:num_kept]),
+        fps=plan.output_fps,
+        source_fps=source_fps,
+        source_indices=tuple(indices[:num_kept]),
+        num_decoded_frames=num_decoded,
+        notes=tuple(notes),
+    )
+
+
+class _FrameSelection:
+    """Streaming form of `sr_source_indices`: says, frame by frame, whether to keep it and when to stop."""
+
+    def __init__(self, plan: FrameRatePlan, max_frames: int) -> None:
+        self.plan = plan
+        self.max_frames = max_frames
+        self.indices: list[int] = []
+        self.num_decoded = 0
+        self.reached_end = True
+
+    def offer(self, index: int) -> bool | None:
+        """True keeps frame `index`, False skips it, None stops decoding (nothing later is needed)."""
+        if self._enough():
+            self.reached_end = False
+            return None
+        self.num_decoded = index + 1
+        step = self.plan.step
+        wanted = len(self.indices) if step is None else round(len(self.indices) * step)
+        keep = index == wanted and len(self.indices) < self.max_frames
+        if keep:
+            self.indices.append(index)
+        return keep
+
+    def _enough(self) -> bool:
+        if len(self.indices) < self.max_frames:
+            return False
+        if self.plan.step is None:
+            return True
+        # The full rule only keeps i < int(N / step): once that bound reaches max_frames for the
+        # frames seen so far, it does for any longer source too.
+        return int(self.num_decoded / self.plan.step) >= self.max_frames
+
+
+def _first_video_stream(
+    container: av.container.InputContainer, path: str | os.PathLike[str]
+) -> av.video.stream.VideoStream:
+    if not container.streams.video:
+        raise ValueError(
+            f"media file {str(path)!r} has no video stream (found: {describe_streams(container)}); "
+            "pass a file that contains video"
+        )
+    return container.streams.video[0]
+
+
+def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str]) -> float:
+    rate = stream.average_rate or stream.base_rate
+    if not rate or rate <= 0:
+        raise ValueError(
+            f"video file {str(path)!r} does not report a frame rate (average rate "
+            f"{stream.average_rate}, base rate {stream.base_rate}); re-mux it with a frame rate"
+        )
+    return float(rate)
+
+
+def _decode_rgb(
+    container: av.container.InputContainer,
+    stream: av.video.stream.VideoStream,
+    path: str | os.PathLike[str],
+    keep: Callable[[int], bool | None],
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield (index, RGB frame) for decoded frames where `keep(index)` is True; stop on None."""
+    stream.thread_type = "AUTO"
+    size = None
+    try:
+        for index, frame in enumerate(container.decode(stream)):
+            decision = keep(index)
+            if decision is None:
+                return
+            if not decision:
+                continue
+            if size is None:
+                size = (frame.width, frame.height)
+            elif (frame.width, frame.height) != size:
+                raise ValueError(
+                    f"video file {str(path)!r} changes frame size at frame {index} "
+                    f"({size[0]}x{size[1]} -> {frame.width}x{frame.height}); re-encode it at one size"
+                )
+            yield index, frame.to_ndarray(format="rgb24")
+    except av.error.FFmpegError as exc:
+        raise ValueError(f"cannot decode video file {str(path)!r}: {exc}") from exc

@@ -1,0 +1,101 @@
+"""Synthetic media files for tests: a smooth moving pattern, optionally with a tone soundtrack."""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal
+
+import av
+import numpy as np
+
+from k6serve.media.mux import fps_fraction
+
+AudioKind = Literal["none", "mono_tone", "stereo_tone"]
+_FORMATS = {".mp4": "mp4", ".mkv": "matroska", ".mov": "mov"}
+
+
+def moving_pattern(width: int, height: int, num_frames: int) -> np.ndarray:
+    """uint8 (T, H, W, 3) frames of smooth gradients that drift every frame (cheap to encode well)."""
+    t = np.arange(num_frames, dtype=np.float64)[:, None, None]
+    y = np.arange(height, dtype=np.float64)[None, :, None] / height
+    x = np.arange(width, dtype=np.float64)[None, None, :] / width
+    red = 128 + 90 * np.sin(2 * np.pi * (x + t / 40))
+    green = 128 + 90 * np.cos(2 * np.pi * (y - t / 50))
+    blue = 60 + 140 * (x + y) / 2 + 0 * t
+    frames_THWC = np.stack(np.broadcast_arrays(red, green, blue), axis=-1)
+    return np.round(frames_THWC).astype(np.uint8)
+
+
+def tone(num_samples: int, sample_rate: int, tone_hz: float, num_channels: int) -> np.ndarray:
+    """float32 (num_channels, num_samples) sine at amplitude 0.5; channel c plays (c + 1) * tone_hz."""
+    time_s = np.arange(num_samples, dtype=np.float64) / sample_rate
+    channels = [0.5 * np.sin(2 * np.pi * (c + 1) * tone_hz * time_s) for c in range(num_channels)]
+    return np.stack(channels).astype(np.float32)
+
+
+def make_clip(
+    path: str | os.PathLike[str],
+    *,
+    width: int,
+    height: int,
+    num_frames: int,
+    fps: float | Fraction,
+    audio: AudioKind = "none",
+    audio_rate: int = 48000,
+    tone_hz: float = 440.0,
+) -> Path:
+    """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video."""
+    path = Path(path)
+    if path.suffix not in _FORMATS:
+        raise ValueError(f"clip suffix must be one of {sorted(_FORMATS)}, got {path.name!r}")
+    if audio not in ("none", "mono_tone", "stereo_tone"):
+        raise ValueError(f"audio must be 'none', 'mono_tone' or 'stereo_tone', got {audio!r}")
+    rate = fps_fraction(fps)
+    num_channels = {"none": 0, "mono_tone": 1, "stereo_tone": 2}[audio]
+    with av.open(str(path), mode="w", format=_FORMATS[path.suffix]) as container:
+        # Every stream must exist before the first packet is muxed.
+        stream = container.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.time_base = stream.codec_context.time_base = 1 / rate
+        stream.codec_context.options = {"crf": "10", "threads": "1"}
+        audio_stream = _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
+        for index, frame_HWC in enumerate(moving_pattern(width, height, num_frames)):
+            frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+        if audio_stream is not None:
+            num_samples = round(num_frames / rate * audio_rate)
+            waveform_CN = tone(num_samples, audio_rate, tone_hz, num_channels)
+            _encode_audio(container, audio_stream, waveform_CN, audio_rate)
+    return path
+
+
+def make_audio_only_file(path: str | os.PathLike[str], *, seconds: float, sample_rate: int = 44100) -> Path:
+    """Write an .mp4 holding only a mono AAC tone (no video stream), for error-path tests."""
+    path = Path(path)
+    with av.open(str(path), mode="w", format="mp4") as container:
+        stream = _add_aac_stream(container, sample_rate, 1)
+        waveform_CN = tone(round(seconds * sample_rate), sample_rate, 440.0, 1)
+        _encode_audio(container, stream, waveform_CN, sample_rate)
+    return path
+
+
+def _add_aac_stream(container, sample_rate: int, num_channels: int):
+    stream = container.add_stream("aac", rate=sample_rate)
+    stream.layout = "stereo" if num_channels == 2 else "mono"
+    stream.time_base = stream.codec_context.time_base = Fraction(1, sample_rate)
+    return stream
+
+
+def _encode_audio(container, stream, waveform_CN: np.ndarray, sample_rate: int) -> None:
+    layout = "stereo" if waveform_CN.shape[0] == 2 else "mono"
+    for start in range(0, waveform_CN.shape[1], 1024):
+        chunk_CN = np.ascontiguousarray(waveform_CN[:, start : start + 1024])
+        frame = av.AudioFrame.from_ndarray(chunk_CN, format="fltp", layout=layout)
+        frame.sample_rate = sample_rate
+        frame.pts = start
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode(None))
