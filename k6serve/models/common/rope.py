@@ -27,9 +27,9 @@ MAX_SEQUENCE_POSITIONS = 2048
 
 def rope_frequencies(num_frequencies: int, max_period: float = 10000.0) -> Tensor:
     """Inverse frequencies exp(-ln(max_period) * i / n), i < n, in fp32 on the CPU."""
-    return torch.exp(
-        -math.log(max_period) * torch.arange(start=0, end=num_frequencies, dtype=torch.float32) / num_frequencies
-    )
+    # device="cpu" explicitly: a model may be built under `with torch.device("meta")`.
+    positions = torch.arange(start=0, end=num_frequencies, dtype=torch.float32, device="cpu")
+    return torch.exp(-math.log(max_period) * positions / num_frequencies)
 
 
 def apply_rotary(x: Tensor, rope: Tensor) -> Tensor:
@@ -80,7 +80,9 @@ class RotaryEmbedding3D(nn.Module):
     def __init__(self, axes_dims: tuple[int, int, int], max_period: float = 10000.0):
         super().__init__()
         self.axes_dims = tuple(axes_dims)
-        self._frequencies = [_FrequencyCache(rope_frequencies(dim // 2, max_period)) for dim in axes_dims]
+        self._frequencies = [
+            _FrequencyCache(rope_frequencies(dim // 2, max_period)) for dim in axes_dims
+        ]
 
     def forward(
         self,
@@ -93,7 +95,9 @@ class RotaryEmbedding3D(nn.Module):
         """
         num_frames, height, width = (int(axis_positions.shape[0]) for axis_positions in positions)
         angles_per_axis = [
-            axis_positions.to(torch.float32)[:, None] * cache.on(axis_positions.device)[None, :] / axis_scale
+            axis_positions.to(torch.float32)[:, None]
+            * cache.on(axis_positions.device)[None, :]
+            / axis_scale
             for axis_positions, cache, axis_scale in zip(positions, self._frequencies, scale_factor)
         ]
         angles_t, angles_h, angles_w = angles_per_axis

@@ -1,0 +1,145 @@
+"""`k6serve.ops.attention`: SDPA and LSE paths against a plain math reference, backend resolution errors."""
+
+import math
+
+import pytest
+import torch
+
+from k6serve.models.common.inner_attention import InnerAttention
+from k6serve.ops import attention as attention_ops
+from k6serve.ops.attention import attention, attention_with_lse, resolve_attention_backend
+
+
+def _math_reference(query_BLHD, key_BSHD, value_BSHD, key_mask_BS=None):
+    """Float64 softmax attention: returns (out (B, L, H, D), lse (B, H, L))."""
+    scale = 1.0 / math.sqrt(query_BLHD.shape[-1])
+    query, key, value = (x.double().permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD))
+    scores_BHLS = query @ key.transpose(-1, -2) * scale
+    if key_mask_BS is not None:
+        scores_BHLS = scores_BHLS.masked_fill(~key_mask_BS[:, None, None, :], float("-inf"))
+    lse_BHL = torch.logsumexp(scores_BHLS, dim=-1)
+    out = torch.softmax(scores_BHLS, dim=-1) @ value
+    return out.permute(0, 2, 1, 3), lse_BHL
+
+
+def _inputs(batch=2, length=7, keys=9, heads=3, head_dim=16):
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, length, heads, head_dim, generator=generator)
+    key = torch.randn(batch, keys, heads, head_dim, generator=generator)
+    value = torch.randn(batch, keys, heads, head_dim, generator=generator)
+    key_mask = torch.ones(batch, keys, dtype=torch.bool)
+    key_mask[1, 5:] = False
+    key_mask[0, 2] = False
+    return query, key, value, key_mask
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "sdpa", "fa"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_matches_math_reference(backend, masked):
+    # "fa" on a CPU tensor runs SDPA: FA3 needs CUDA (resolve_attention_backend refuses it on CPU).
+    query, key, value, key_mask = _inputs()
+    key_mask = key_mask if masked else None
+    out = attention(query, key, value, key_mask_BL=key_mask, backend=backend)
+    expected, _ = _math_reference(query, key, value, key_mask)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_key_mask_equals_dropping_the_masked_keys():
+    query, key, value, key_mask = _inputs()
+    out = attention(query, key, value, key_mask_BL=key_mask, backend="torch_sdpa")
+    for batch in range(query.shape[0]):
+        kept = key_mask[batch]
+        alone = attention(
+            query[batch : batch + 1],
+            key[batch : batch + 1, kept],
+            value[batch : batch + 1, kept],
+            backend="sdpa",
+        )
+        torch.testing.assert_close(out[batch : batch + 1], alone, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_with_lse_matches_logsumexp_of_scores(masked):
+    query, key, value, key_mask = _inputs()
+    key_mask = key_mask if masked else None
+    out, lse = attention_with_lse(query, key, value, key_mask_BL=key_mask, backend="torch_sdpa")
+    expected_out, expected_lse = _math_reference(query, key, value, key_mask)
+    assert lse.dtype == torch.float32 and lse.shape == (
+        query.shape[0],
+        query.shape[2],
+        query.shape[1],
+    )
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_with_lse_keeps_input_dtype():
+    query, key, value, _ = _inputs()
+    out, lse = attention_with_lse(
+        query.bfloat16(), key.bfloat16(), value.bfloat16(), backend="torch_sdpa"
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+def test_non_bool_key_mask_is_rejected():
+    query, key, value, key_mask = _inputs()
+    with pytest.raises(ValueError, match="bool"):
+        attention(query, key, value, key_mask_BL=key_mask.float(), backend="torch_sdpa")
+
+
+def test_unknown_backend_lists_the_valid_ones():
+    with pytest.raises(
+        ValueError, match=r"unknown attention backend 'sage'.*'fa'.*'torch_sdpa'.*'sdpa'"
+    ):
+        resolve_attention_backend("sage", "cpu")
+    query, key, value, _ = _inputs()
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        attention(query, key, value, backend="flash")
+
+
+def test_fa_on_cpu_says_why_and_what_to_use():
+    with pytest.raises(ValueError) as error:
+        resolve_attention_backend("fa", "cpu")
+    message = str(error.value)
+    assert (
+        "'fa'" in message and "CUDA GPU" in message and "--attention-backend torch_sdpa" in message
+    )
+
+
+def test_fa_without_the_wheel_names_the_import_failure(monkeypatch):
+    # Pretend to be on a Hopper GPU whose fa3-fwd import fails.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(
+        attention_ops, "_load_fa3", lambda: (None, "the fa3-fwd wheel could not be imported (x)")
+    )
+    with pytest.raises(
+        ValueError, match=r"fa3-fwd wheel could not be imported.*--attention-backend torch_sdpa"
+    ):
+        resolve_attention_backend("fa", "cuda")
+    assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
+
+
+def test_fa_on_a_non_hopper_gpu_names_the_architecture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    with pytest.raises(ValueError, match=r"Hopper \(sm_90\) only and this GPU is sm_89"):
+        resolve_attention_backend("fa", "cuda")
+
+
+def test_default_and_alias_resolution_on_cpu():
+    assert resolve_attention_backend(None, "cpu") == "torch_sdpa"
+    assert resolve_attention_backend("sdpa", torch.device("cpu")) == "torch_sdpa"
+    assert resolve_attention_backend("torch_sdpa", "cpu") == "torch_sdpa"
+
+
+def test_inner_attention_carries_role_and_backend():
+    module = InnerAttention("video_self", backend="sdpa")
+    assert module.role == "video_self" and module.backend == "torch_sdpa"
+    assert "role=video_self" in repr(module)
+    query, key, value, key_mask = _inputs()
+    torch.testing.assert_close(
+        module(query, key, value, key_mask),
+        attention(query, key, value, key_mask_BL=key_mask, backend="sdpa"),
+    )
