@@ -10,7 +10,20 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default=None, help="Address to bind (default 127.0.0.1).")
     group.add_argument("--port", type=int, default=None, help="Port (default 30000).")
-    group.add_argument("--output-path", default=None, help="Folder for finished videos (default outputs/).")
+    group.add_argument("--output-path", default=None, help="Folder for finished videos and uploads (default outputs/).")
+    group.add_argument("--job-store", default=None,
+                       help="SQLite file holding the jobs (default <output-path>/jobs.sqlite3).")
+    group.add_argument("--output-ttl", type=float, default=None,
+                       help="Seconds after finishing that a job and its files are deleted (default 86400; 0 keeps).")
+    group.add_argument("--max-queued-jobs", type=int, default=None,
+                       help="Queued jobs beyond which POST /v1/videos answers 429 (default 64).")
+    group.add_argument("--max-upload-mb", type=float, default=None,
+                       help="Largest accepted upload in MiB; larger answers 413 (default 512).")
+    group.add_argument("--allowed-input-dir", action="append", default=None,
+                       help="Folder that JSON video_path/image_path may point into (repeatable; default: ./inputs "
+                            "and the upload folder).")
+    group.add_argument("--api-key", default=None,
+                       help="Require 'Authorization: Bearer KEY' on every route but /health (or set K6SERVE_API_KEY).")
 
 
 def run_serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:

@@ -1,0 +1,187 @@
+"""Builds the FastAPI app from an Engine, a JobStore and an ArtifactStore (tests pass fakes), and `serve()`,
+the `k6serve serve` entry point that runs it under uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from k6serve.runtime.engine import Engine
+from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.errors import error_body, install_error_handlers
+from k6serve.serve.input_paths import InputPathPolicy
+from k6serve.serve.jobs import JobStore, SqliteJobStore
+from k6serve.serve.metrics import ServerMetrics
+from k6serve.serve.routes import ServerContext, router
+from k6serve.serve.runner import JobRunner
+from k6serve.serve.schemas import FILE_FIELDS, VideoCreateBody
+from k6serve.serve.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "K6SERVE_API_KEY"
+PUBLIC_PATHS = ("/health",)
+
+
+class BearerAuth:
+    """Pure ASGI (so request bodies stay unread streams): every path but /health needs the API key."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        from fastapi.responses import JSONResponse
+
+        message = "Missing or invalid API key: send 'Authorization: Bearer <key>' (the server's --api-key)."
+        response = JSONResponse(error_body(401, message, code="invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+        await response(scope, receive, send)
+
+
+def served_model_names(engine: Engine) -> tuple[str, ...]:
+    """The id shown by /v1/models first, then the other names a request's `model` may use."""
+    variant = engine.variant
+    model_path = engine.config.model.model_path
+    names = [variant.hub_id or Path(model_path).name, variant.name, Path(model_path).name]
+    if variant.hub_id:
+        names.append(variant.hub_id.split("/")[-1])
+    unique = list(dict.fromkeys(n for n in names if n))
+    return tuple([unique[0]] + [n.lower() for n in unique])
+
+
+def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics()
+    runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
+    allowed = list(settings.allowed_input_dirs) or [Path("inputs"), artifacts.upload_dir]
+    names = served_model_names(engine)
+    ctx = ServerContext(engine=engine, store=store, artifacts=artifacts, settings=settings, metrics=metrics,
+                        runner=runner, inputs=InputPathPolicy(allowed), model_name=names[0],
+                        served_names=names[1:], started_at=time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        sweeper = asyncio.create_task(_sweep_expired(ctx))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await asyncio.to_thread(runner.stop)
+
+    app = FastAPI(title="k6serve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-style asynchronous video jobs for Kandinsky 6 generation and super-resolution.")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(router)
+    app.openapi = lambda: _openapi(app)
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the create body, which the handler streams itself (so FastAPI cannot see it)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        body = VideoCreateBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        components["VideoCreateBody"] = body
+        form = {**body, "title": "VideoCreateForm", "properties": dict(body["properties"])}
+        for field_name, target in FILE_FIELDS.items():
+            form["properties"][field_name] = {"type": "string", "format": "binary",
+                                              "description": f"Uploaded file, used as {target}."}
+        components["VideoCreateForm"] = form
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _sweep_expired(ctx: ServerContext) -> None:
+    """Delete finished jobs and their files once they are older than --output-ttl."""
+    while True:
+        if ctx.settings.output_ttl_s > 0:
+            try:
+                removed = await asyncio.to_thread(sweep_expired_once, ctx.store, ctx.artifacts,
+                                                  ctx.settings.output_ttl_s)
+                if removed:
+                    logger.info("removed %d expired job(s)", removed)
+            except Exception:  # the sweep must never take the server down
+                logger.exception("expired-output sweep failed")
+        await asyncio.sleep(ctx.settings.cleanup_interval_s)
+
+
+def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, now: float | None = None) -> int:
+    expired = store.finished_before((now if now is not None else time.time()) - ttl_s)
+    for job in expired:
+        if store.delete(job.id):
+            files = [artifacts.output_path(job.output_file)] if job.output_file else []
+            artifacts.remove([*files, *job.upload_files])
+    return len(expired)
+
+
+def settings_from_options(options: dict[str, Any]) -> ServerSettings:
+    """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
+    known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
+             "allowed_input_dir", "api_key"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
+    values: dict[str, Any] = {}
+    for name in ("host", "port", "max_queued_jobs", "max_upload_mb"):
+        if options.get(name) is not None:
+            values[name] = options[name]
+    if options.get("output_path") is not None:
+        values["output_path"] = Path(options["output_path"])
+    if options.get("job_store") is not None:
+        values["job_store"] = Path(options["job_store"])
+    if options.get("output_ttl") is not None:
+        values["output_ttl_s"] = float(options["output_ttl"])
+    if options.get("allowed_input_dir"):
+        dirs = options["allowed_input_dir"]
+        values["allowed_input_dirs"] = tuple(Path(d) for d in ([dirs] if isinstance(dirs, str) else dirs))
+    api_key = options.get("api_key") or os.environ.get(API_KEY_ENV) or None
+    if api_key is not None:
+        values["api_key"] = api_key
+    return ServerSettings(**values)
+
+
+def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
+    """Load the model, open the job store and serve until interrupted."""
+    import uvicorn
+
+    from k6serve.api import build_engine_config
+
+    settings = settings_from_options(server_options)
+    engine_options = dict(engine_options)
+    config = build_engine_config(engine_options.pop("model_path"), **engine_options)
+    artifacts = ArtifactStore(settings.output_path)
+    store = SqliteJobStore(settings.job_store_path)
+    engine = Engine(config)
+    try:
+        app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings)
+        logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
+                    settings.port, settings.job_store_path, artifacts.root)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
+    finally:
+        engine.shutdown()
+        store.close()
+    return 0

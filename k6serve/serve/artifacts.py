@@ -1,0 +1,53 @@
+"""Where finished videos and uploaded inputs live: a local folder, files named by job id.
+
+Outputs are `<root>/<job id>.mp4`, written atomically by the worker (`media.mux.write_mp4` renames a finished
+hidden `.part` file into place), so a reader never sees half a video. Uploads go to `<root>/uploads/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from k6serve.request import OutputOptions
+
+logger = logging.getLogger(__name__)
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class ArtifactStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.upload_dir = self.root / "uploads"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.upload_dir.mkdir(parents=True, exist_ok=True)
+
+    def output_options(self, job_id: str) -> OutputOptions:
+        """What the engine is told: write `<root>/<job id>.mp4`."""
+        return OutputOptions(save_output=True, output_path=str(self.root), output_file_name=f"{job_id}.mp4")
+
+    def output_path(self, file_name: str) -> Path:
+        path = (self.root / Path(file_name).name).resolve()
+        assert path.parent == self.root, f"output {file_name!r} escapes {self.root}"
+        return path
+
+    def upload_path(self, job_id: str, field_name: str, client_file_name: str | None) -> Path:
+        """A fresh path for an uploaded file; the client's name is reduced to a safe suffix."""
+        suffix = Path(client_file_name or "").suffix.lower()
+        suffix = _SAFE_NAME.sub("", suffix)[:12] if suffix.startswith(".") else ""
+        return self.upload_dir / f"{job_id}_{field_name}{suffix}"
+
+    def remove(self, paths: list[str | Path]) -> None:
+        for path in paths:
+            try:
+                Path(path).unlink(missing_ok=True)
+            except OSError as exc:  # a file we cannot remove must not fail the request that owns it
+                logger.warning("could not remove %s: %s", path, exc)
+
+    def remove_partial_files(self) -> int:
+        """Delete `.part` files left by a process that died mid-write (start-up only)."""
+        stale = [*self.root.glob(".*.part"), *self.upload_dir.glob(".*.part")]
+        self.remove(stale)
+        return len(stale)

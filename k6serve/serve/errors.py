@@ -1,0 +1,67 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client; never a crash of the server."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, *, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(error.status, error.message, code=error.code, param=error.param),
+                        status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")) or None
+        return JSONResponse(error_body(400, f"{param or 'request'}: {first['msg']}", code="invalid_parameter",
+                                       param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Logged by Starlette; the client gets a shaped 500 and the server keeps serving.
+        return JSONResponse(error_body(500, f"Internal server error: {type(exc).__name__}", code="internal_error"),
+                            status_code=500)

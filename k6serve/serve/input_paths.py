@@ -1,0 +1,34 @@
+"""Server-side input paths from JSON bodies (`video_path`, `image_path`): only inside allowed folders.
+
+The path is resolved with every symlink followed before the check, so `..` segments and links that point
+outside an allowed folder are refused alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from k6serve.serve.errors import ApiError
+
+
+class InputPathPolicy:
+    def __init__(self, allowed_dirs: list[Path]) -> None:
+        self.allowed_dirs = tuple(Path(d).resolve() for d in allowed_dirs)
+
+    def check(self, param: str, value: str) -> str:
+        """The resolved path of an allowed, existing regular file; else a 400 saying what is allowed."""
+        allowed = ", ".join(str(d) for d in self.allowed_dirs)
+        if "\x00" in value or not value.strip():
+            raise ApiError(400, f"{param} must be a file path.", code="invalid_path", param=param)
+        try:
+            resolved = Path(value).resolve(strict=False)
+        except (OSError, RuntimeError):  # symlink loops
+            raise ApiError(400, f"{param} {value!r} cannot be resolved.", code="invalid_path", param=param) from None
+        if not any(resolved.is_relative_to(folder) for folder in self.allowed_dirs):
+            raise ApiError(400, f"{param} {value!r} is outside the allowed input folders ({allowed}); put the file "
+                                "there (server --allowed-input-dir) or upload it instead.",
+                           code="path_not_allowed", param=param)
+        if not resolved.is_file():
+            raise ApiError(400, f"{param} {value!r} is not an existing file inside the allowed input folders "
+                                f"({allowed}).", code="invalid_path", param=param)
+        return str(resolved)

@@ -1,0 +1,280 @@
+"""Video jobs: the typed `Job`, its `JobStatus`, and the embedded SQLite store that survives restarts.
+
+One connection, guarded by a lock, serves the event loop, the dispatcher thread and the engine's progress
+callback; WAL keeps readers from blocking the writer. Every status change is a compare-and-set
+(`transition`), so a cancel and the dispatcher can never both win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class JobStatus(str, enum.Enum):
+    """The OpenAI video-job status values."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+# A job that was running when the server died is re-queued once; dying on it again fails it.
+MAX_ATTEMPTS = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    id: str
+    model: str
+    status: JobStatus = JobStatus.QUEUED
+    progress: int = 0  # 0-100
+    created_at: float
+    started_at: float | None = None
+    completed_at: float | None = None  # set for every terminal status
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields (server-side paths)
+    size: str | None = None  # "WxH", width first
+    seconds: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    inference_time_s: float | None = None
+    peak_memory_mb: float | None = None
+    output_file: str | None = None  # file name inside the artifact folder
+    upload_files: tuple[str, ...] = ()  # uploaded inputs owned by this job, deleted with it
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    attempts: int = 0  # how many times a worker started it
+    warnings: tuple[str, ...] = ()
+
+
+_JSON_FIELDS = {"params", "upload_files", "warnings"}
+_COLUMNS = [f.name for f in dataclasses.fields(Job)]
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before with a different request body."""
+
+    def __init__(self, existing: Job) -> None:
+        super().__init__(existing.id)
+        self.existing = existing
+
+
+class JobStore(Protocol):
+    def insert(self, job: Job) -> tuple[Job, bool]: ...
+    def get(self, job_id: str) -> Job | None: ...
+    def get_by_idempotency_key(self, key: str) -> Job | None: ...
+    def list_page(self, *, after: str | None, limit: int, ascending: bool) -> tuple[list[Job], bool]: ...
+    def update(self, job_id: str, **fields: Any) -> Job | None: ...
+    def transition(self, job_id: str, allowed: tuple[JobStatus, ...], **fields: Any) -> Job | None: ...
+    def delete(self, job_id: str) -> bool: ...
+    def next_queued(self) -> Job | None: ...
+    def count_by_status(self) -> dict[JobStatus, int]: ...
+    def finished_before(self, timestamp: float) -> list[Job]: ...
+    def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]: ...
+    def close(self) -> None: ...
+
+
+class SqliteJobStore:
+    """Jobs in one SQLite file. Safe to share across threads; survives process restarts."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable across process crashes
+            self._db.execute(
+                """CREATE TABLE IF NOT EXISTS jobs (
+                    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                    id TEXT NOT NULL UNIQUE,
+                    model TEXT NOT NULL,
+                    status TEXT NOT NULL,
+                    progress INTEGER NOT NULL,
+                    created_at REAL NOT NULL,
+                    started_at REAL,
+                    completed_at REAL,
+                    params TEXT NOT NULL,
+                    size TEXT,
+                    seconds TEXT,
+                    error_code TEXT,
+                    error_message TEXT,
+                    inference_time_s REAL,
+                    peak_memory_mb REAL,
+                    output_file TEXT,
+                    upload_files TEXT NOT NULL,
+                    idempotency_key TEXT UNIQUE,
+                    request_hash TEXT,
+                    attempts INTEGER NOT NULL,
+                    warnings TEXT NOT NULL
+                )"""
+            )
+            self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- encoding ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _encode(name: str, value: Any) -> Any:
+        if name in _JSON_FIELDS:
+            return json.dumps(list(value) if isinstance(value, tuple) else value, sort_keys=True)
+        if isinstance(value, JobStatus):
+            return value.value
+        return value
+
+    @staticmethod
+    def _decode(row: sqlite3.Row) -> Job:
+        values: dict[str, Any] = {}
+        for name in _COLUMNS:
+            value = row[name]
+            if name in _JSON_FIELDS:
+                value = json.loads(value)
+                value = value if name == "params" else tuple(value)
+            elif name == "status":
+                value = JobStatus(value)
+            values[name] = value
+        return Job(**values)
+
+    def _get_locked(self, job_id: str) -> Job | None:
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return self._decode(row) if row is not None else None
+
+    # -- operations ----------------------------------------------------------------------------------------
+    def insert(self, job: Job) -> tuple[Job, bool]:
+        """Insert `job`, or return the job already stored under its idempotency key: (job, created).
+
+        Raises IdempotencyConflict when the key exists with a different request hash.
+        """
+        with self._lock:
+            if job.idempotency_key is not None:
+                row = self._db.execute("SELECT * FROM jobs WHERE idempotency_key = ?", (job.idempotency_key,)).fetchone()
+                if row is not None:
+                    existing = self._decode(row)
+                    if existing.request_hash != job.request_hash:
+                        raise IdempotencyConflict(existing)
+                    return existing, False
+            names = ", ".join(_COLUMNS)
+            marks = ", ".join("?" for _ in _COLUMNS)
+            self._db.execute(
+                f"INSERT INTO jobs ({names}) VALUES ({marks})",
+                [self._encode(name, getattr(job, name)) for name in _COLUMNS],
+            )
+            return job, True
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._get_locked(job_id)
+
+    def get_by_idempotency_key(self, key: str) -> Job | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE idempotency_key = ?", (key,)).fetchone()
+            return self._decode(row) if row is not None else None
+
+    def list_page(self, *, after: str | None, limit: int, ascending: bool) -> tuple[list[Job], bool]:
+        """Jobs in creation order after the job `after` (exclusive); returns (page, has_more).
+
+        Raises KeyError if `after` names no stored job.
+        """
+        with self._lock:
+            where, args = "", []
+            if after is not None:
+                row = self._db.execute("SELECT seq FROM jobs WHERE id = ?", (after,)).fetchone()
+                if row is None:
+                    raise KeyError(after)
+                where, args = ("WHERE seq > ?" if ascending else "WHERE seq < ?"), [row["seq"]]
+            order = "ASC" if ascending else "DESC"
+            rows = self._db.execute(
+                f"SELECT * FROM jobs {where} ORDER BY seq {order} LIMIT ?", [*args, limit + 1]
+            ).fetchall()
+        jobs = [self._decode(row) for row in rows]
+        return jobs[:limit], len(jobs) > limit
+
+    def update(self, job_id: str, **fields: Any) -> Job | None:
+        return self.transition(job_id, tuple(JobStatus), **fields)
+
+    def transition(self, job_id: str, allowed: tuple[JobStatus, ...], **fields: Any) -> Job | None:
+        """Set `fields` only if the job's status is one of `allowed`; returns the new job or None."""
+        unknown = set(fields) - set(_COLUMNS) | ({"id"} & set(fields))
+        assert not unknown, f"not updatable job fields: {unknown}"
+        with self._lock:
+            assignments = ", ".join(f"{name} = ?" for name in fields) or "id = id"
+            marks = ", ".join("?" for _ in allowed)
+            cursor = self._db.execute(
+                f"UPDATE jobs SET {assignments} WHERE id = ? AND status IN ({marks})",
+                [self._encode(n, v) for n, v in fields.items()] + [job_id] + [s.value for s in allowed],
+            )
+            return self._get_locked(job_id) if cursor.rowcount else None
+
+    def delete(self, job_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
+
+    def next_queued(self) -> Job | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM jobs WHERE status = ? ORDER BY seq ASC LIMIT 1", (JobStatus.QUEUED.value,)
+            ).fetchone()
+            return self._decode(row) if row is not None else None
+
+    def count_by_status(self) -> dict[JobStatus, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status").fetchall()
+        counts = {status: 0 for status in JobStatus}
+        counts.update({JobStatus(row["status"]): row["n"] for row in rows})
+        return counts
+
+    def finished_before(self, timestamp: float) -> list[Job]:
+        """Terminal jobs that finished before `timestamp` (the TTL sweep)."""
+        marks = ", ".join("?" for _ in TERMINAL)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM jobs WHERE status IN ({marks}) AND completed_at < ? ORDER BY seq",
+                [s.value for s in TERMINAL] + [timestamp],
+            ).fetchall()
+        return [self._decode(row) for row in rows]
+
+    def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]:
+        """At start-up: re-queue jobs that were running when the server died, once; fail the rest.
+
+        Returns (requeued, failed). `message` explains the failure to the client.
+        """
+        requeued, failed = [], []
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM jobs WHERE status = ? ORDER BY seq", (JobStatus.IN_PROGRESS.value,)
+            ).fetchall()
+        for job in (self._decode(row) for row in rows):
+            if job.attempts < MAX_ATTEMPTS:
+                updated = self.transition(
+                    job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
+                    warnings=job.warnings + ("The server stopped while this job was running; it was re-queued.",),
+                )
+                if updated is not None:
+                    requeued.append(updated)
+            else:
+                updated = self.transition(
+                    job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.FAILED, error_code="server_restarted",
+                    error_message=message, completed_at=time.time(),
+                )
+                if updated is not None:
+                    failed.append(updated)
+        return requeued, failed

@@ -1,0 +1,101 @@
+"""Prometheus text exposition, written by hand (no client library): queue depth, jobs by status, step and
+end-to-end latency histograms, peak GPU memory, rejections.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+
+from k6serve.serve.jobs import JobStatus
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+STEP_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+JOB_BUCKETS_S = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help_text, self.buckets = name, help_text, tuple(sorted(buckets))
+        self._counts = [0] * len(self.buckets)
+        self._sum = 0.0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            index = bisect.bisect_left(self.buckets, value)
+            if index < len(self.buckets):
+                self._counts[index] += 1
+            self._sum += value
+            self._count += 1
+
+    def render(self) -> list[str]:
+        with self._lock:
+            counts, total, count = list(self._counts), self._sum, self._count
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, bucket_count in zip(self.buckets, counts):
+            cumulative += bucket_count
+            lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {cumulative}')
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {count}', f"{self.name}_sum {total:.6f}",
+                  f"{self.name}_count {count}"]
+        return lines
+
+
+class ServerMetrics:
+    """Process-wide counters; the job counts themselves are read from the store at scrape time."""
+
+    def __init__(self) -> None:
+        self.step_latency = Histogram("k6serve_step_latency_seconds",
+                                      "Time per denoising step (per tile for super-resolution).", STEP_BUCKETS_S)
+        self.job_latency = Histogram("k6serve_job_latency_seconds",
+                                     "End-to-end time from job creation to completion.", JOB_BUCKETS_S)
+        self.inference_latency = Histogram("k6serve_inference_seconds",
+                                           "Engine time of completed jobs (start to MP4 written).", JOB_BUCKETS_S)
+        self._lock = threading.Lock()
+        self._rejected: Counter[str] = Counter()
+        self._finished: Counter[str] = Counter()
+        self.peak_memory_mb = 0.0
+
+    def rejected(self, reason: str) -> None:
+        with self._lock:
+            self._rejected[reason] += 1
+
+    def finished(self, status: JobStatus, peak_memory_mb: float | None = None) -> None:
+        with self._lock:
+            self._finished[status.value] += 1
+            if peak_memory_mb is not None:
+                self.peak_memory_mb = max(self.peak_memory_mb, peak_memory_mb)
+
+    def render(self, *, queue_depth: int, jobs_by_status: dict[JobStatus, int], running: int) -> str:
+        with self._lock:
+            rejected, finished, peak = dict(self._rejected), dict(self._finished), self.peak_memory_mb
+        lines = [
+            "# HELP k6serve_queue_depth Jobs waiting for the engine.",
+            "# TYPE k6serve_queue_depth gauge",
+            f"k6serve_queue_depth {queue_depth}",
+            "# HELP k6serve_running_jobs Jobs the engine is working on.",
+            "# TYPE k6serve_running_jobs gauge",
+            f"k6serve_running_jobs {running}",
+            "# HELP k6serve_jobs Stored jobs by status.",
+            "# TYPE k6serve_jobs gauge",
+            *(f'k6serve_jobs{{status="{status.value}"}} {jobs_by_status.get(status, 0)}' for status in JobStatus),
+            "# HELP k6serve_jobs_finished_total Jobs that reached a final status since the server started.",
+            "# TYPE k6serve_jobs_finished_total counter",
+            *(f'k6serve_jobs_finished_total{{status="{s.value}"}} {finished.get(s.value, 0)}'
+              for s in JobStatus if s.is_terminal),
+            "# HELP k6serve_requests_rejected_total Create requests refused, by reason.",
+            "# TYPE k6serve_requests_rejected_total counter",
+            *(f'k6serve_requests_rejected_total{{reason="{reason}"}} {count}'
+              for reason, count in sorted(rejected.items())),
+            "# HELP k6serve_peak_gpu_memory_mb Highest peak accelerator memory of any job (MiB; CPU: peak RSS).",
+            "# TYPE k6serve_peak_gpu_memory_mb gauge",
+            f"k6serve_peak_gpu_memory_mb {peak:.1f}",
+            *self.step_latency.render(),
+            *self.job_latency.render(),
+            *self.inference_latency.render(),
+        ]
+        return "\n".join(lines) + "\n"

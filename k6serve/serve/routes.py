@@ -1,0 +1,298 @@
+"""The HTTP routes: OpenAI-style async video jobs, models, health and metrics.
+
+Handlers only translate: HTTP in (validated by `schemas`), `SamplingParams` to the engine through the
+`JobRunner`, job records out. Nothing here runs model code, so the event loop never waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+
+from k6serve.runtime.engine import Engine
+from k6serve.models.variants import Variant
+from k6serve.request import SamplingParams
+from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.errors import ApiError
+from k6serve.serve.input_paths import InputPathPolicy
+from k6serve.serve.jobs import IdempotencyConflict, Job, JobStatus, JobStore
+from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
+from k6serve.serve.runner import JobRunner, QueueFull
+from k6serve.serve.schemas import (
+    FILE_FIELDS,
+    HTTP_FIELD_NAMES,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    VideoDeleted,
+    VideoJob,
+    VideoList,
+    is_video_upload,
+    job_view,
+    parse_create_body,
+    to_sampling_params,
+)
+from k6serve.serve.settings import ServerSettings
+from k6serve.serve.uploads import drain, read_json_body, read_multipart
+
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 429)}
+
+
+@dataclass(kw_only=True)
+class ServerContext:
+    engine: Engine
+    store: JobStore
+    artifacts: ArtifactStore
+    settings: ServerSettings
+    metrics: ServerMetrics
+    runner: JobRunner
+    inputs: InputPathPolicy
+    model_name: str
+    served_names: tuple[str, ...]
+    started_at: float
+
+    @property
+    def variant(self) -> Variant:
+        return self.engine.variant
+
+    def view(self, job: Job) -> dict[str, Any]:
+        return job_view(job, output_ttl_s=self.settings.output_ttl_s).model_dump(mode="json")
+
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def _not_found(video_id: str) -> ApiError:
+    return ApiError(404, f"Video {video_id!r} not found.", code="video_not_found", param="video_id")
+
+
+def _param_in_message(message: str) -> str | None:
+    """The first request field a ValueError message names (resolve's messages start with the field)."""
+    match = re.search(r"\b(" + "|".join(HTTP_FIELD_NAMES) + r")\b", message)
+    return match.group(1) if match else None
+
+
+# -- create -------------------------------------------------------------------------------------------------
+CREATE_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/VideoCreateBody"}},
+            "multipart/form-data": {"schema": {"$ref": "#/components/schemas/VideoCreateForm"}},
+        },
+    }
+}
+
+
+@router.post("/v1/videos", response_model=VideoJob, responses=_ERRORS, openapi_extra=CREATE_BODY_DOC,
+             summary="Create a video job (JSON, or multipart with input_reference / video_reference uploads)")
+async def create_video(request: Request,
+                       idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+    ctx = _ctx(request)
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+        await drain(request)
+        raise ApiError(400, "Idempotency-Key must be 1-255 printable ASCII characters without spaces.",
+                       code="invalid_idempotency_key", param="Idempotency-Key")
+    replay = idempotency_key is not None and ctx.store.get_by_idempotency_key(idempotency_key) is not None
+    if not replay and ctx.runner.queue_is_full():
+        await drain(request)  # refuse before anything is parsed or written
+        raise _queue_full(ctx)
+    job_id = f"video_{secrets.token_hex(16)}"
+    uploads: list[str] = []
+    try:
+        raw, file_digests, uploads = await _read_body(request, ctx, job_id)
+        body = parse_create_body(raw)
+        params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names)
+        params = _checked_paths(params, ctx, uploaded=set(uploads))
+        try:
+            resolved, notes = ctx.engine.resolve(params)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_parameter", param=_param_in_message(str(exc))) from None
+        job = Job(
+            id=job_id, model=ctx.model_name, created_at=time.time(),
+            params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
+            size=f"{resolved.width}x{resolved.height}" if hasattr(resolved, "width") else None,
+            seconds=f"{resolved.num_frames / resolved.fps:g}" if hasattr(resolved, "num_frames") else None,
+            upload_files=tuple(uploads), idempotency_key=idempotency_key,
+            request_hash=_request_hash(body.model_dump(exclude_none=True), file_digests, uploads),
+            warnings=tuple(notes),
+        )
+        try:
+            stored, created = ctx.runner.admit(job)
+        except QueueFull:
+            raise _queue_full(ctx) from None
+        except IdempotencyConflict as conflict:
+            raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for job "
+                                f"{conflict.existing.id} with a different request body; use a new key.",
+                           code="idempotency_conflict", param="Idempotency-Key") from None
+    except BaseException:
+        ctx.artifacts.remove(uploads)
+        raise
+    if not created:
+        ctx.artifacts.remove(uploads)  # the replay's copy of the files; the stored job owns its own
+    return JSONResponse(ctx.view(stored), headers={} if created else {"Idempotent-Replayed": "true"})
+
+
+def _queue_full(ctx: ServerContext) -> ApiError:
+    ctx.metrics.rejected("queue_full")
+    return ApiError(429, f"The job queue is full ({ctx.settings.max_queued_jobs} queued jobs, --max-queued-jobs); "
+                         "retry after the Retry-After delay.", code="queue_full",
+                    headers={"Retry-After": str(ctx.runner.retry_after_s())})
+
+
+async def _read_body(request: Request, ctx: ServerContext, job_id: str) -> tuple[dict, dict[str, str], list[str]]:
+    """(fields, {file field: sha256}, uploaded paths) from a JSON or multipart body."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        form = await read_multipart(
+            request, file_fields=set(FILE_FIELDS), max_file_bytes=ctx.settings.max_upload_bytes,
+            file_path=lambda field, name: ctx.artifacts.upload_path(job_id, field, name))
+        raw: dict[str, Any] = dict(form.fields)
+        uploads = [str(f.path) for f in form.files.values()]
+        for field_name, upload in form.files.items():
+            target = FILE_FIELDS[field_name]
+            if field_name == "input_reference" and is_video_upload(upload.content_type, upload.client_file_name):
+                target = "video_path"
+            if raw.get(target) is not None:
+                ctx.artifacts.remove(uploads)
+                raise ApiError(400, f"Send either the {field_name} upload or {target}, not both.",
+                               code="invalid_parameter", param=target)
+            raw[target] = str(upload.path)
+        return raw, {name: f.sha256 for name, f in form.files.items()}, uploads
+    if content_type not in ("application/json", ""):
+        await drain(request)
+        raise ApiError(400, f"Content-Type {content_type!r} is not supported; send application/json or "
+                            "multipart/form-data.", code="unsupported_content_type")
+    raw = await read_json_body(request)
+    if isinstance(raw, dict):
+        for field_name in FILE_FIELDS:
+            if field_name in raw:
+                raise ApiError(400, f"{field_name} is a file upload: send it with multipart/form-data (or give a "
+                                    f"server-side {FILE_FIELDS[field_name]} in JSON).", code="invalid_parameter",
+                               param=field_name)
+    return raw, {}, []
+
+
+def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[str]) -> SamplingParams:
+    changes = {}
+    for name in ("image_path", "video_path"):
+        value = getattr(params, name)
+        if value is not None and value not in uploaded:
+            changes[name] = ctx.inputs.check(name, value)
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: list[str]) -> str:
+    # Upload paths differ on every retry; the files' contents identify the request instead.
+    fields = {k: v for k, v in body.items() if v not in uploads}
+    canonical = json.dumps({"fields": fields, "files": file_digests}, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# -- read, list, content, delete --------------------------------------------------------------------------------
+@router.get("/v1/videos", response_model=VideoList, responses=_ERRORS, summary="List video jobs")
+async def list_videos(request: Request, after: str | None = Query(None, description="Cursor: a video id."),
+                      limit: int = Query(20, ge=1, le=100),
+                      order: Literal["asc", "desc"] = Query("desc", description="By creation time.")) -> JSONResponse:
+    ctx = _ctx(request)
+    try:
+        jobs, has_more = ctx.store.list_page(after=after, limit=limit, ascending=order == "asc")
+    except KeyError:
+        raise ApiError(400, f"after={after!r} is not the id of a stored video.", code="invalid_parameter",
+                       param="after") from None
+    data = [ctx.view(job) for job in jobs]
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job")
+async def get_video(request: Request, video_id: str) -> JSONResponse:
+    ctx = _ctx(request)
+    job = ctx.store.get(video_id)
+    if job is None:
+        raise _not_found(video_id)
+    return JSONResponse(ctx.view(job))
+
+
+@router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": {"video/mp4": {}}},
+                                                         206: {"description": "Partial content (Range)"}},
+            response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)")
+async def get_video_content(request: Request, video_id: str,
+                            variant: Literal["video"] = Query("video")) -> FileResponse:
+    ctx = _ctx(request)
+    job = ctx.store.get(video_id)
+    if job is None:
+        raise _not_found(video_id)
+    if job.status != JobStatus.COMPLETED:
+        detail = f": {job.error_message}" if job.error_message else ""
+        raise ApiError(404, f"Video {video_id} has no content: its status is {job.status.value}{detail}. Poll "
+                            f"GET /v1/videos/{video_id} until status is completed.", code="video_not_ready",
+                       param="video_id")
+    path = ctx.artifacts.output_path(job.output_file or f"{job.id}.mp4")
+    if not path.is_file():
+        raise ApiError(404, f"The file of video {video_id} was removed from the server.", code="content_missing",
+                       param="video_id")
+    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoJob | VideoDeleted, responses=_ERRORS,
+               summary="Cancel a queued/running job, or delete a finished one with its file")
+async def delete_video(request: Request, video_id: str) -> JSONResponse:
+    ctx = _ctx(request)
+    job = ctx.store.get(video_id)
+    if job is None:
+        raise _not_found(video_id)
+    if job.status.is_terminal:
+        if ctx.store.delete(video_id):
+            files = [ctx.artifacts.output_path(job.output_file)] if job.output_file else []
+            ctx.artifacts.remove([*files, *job.upload_files])
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+    job = ctx.runner.cancel(video_id)
+    deadline = time.monotonic() + ctx.settings.cancel_wait_s
+    while job is not None and not job.status.is_terminal and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)  # the engine acknowledges at its next step boundary
+        job = ctx.store.get(video_id)
+    if job is None:
+        raise _not_found(video_id)
+    return JSONResponse(ctx.view(job))
+
+
+# -- models, health, metrics ------------------------------------------------------------------------------------
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")
+async def list_models(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    variant = ctx.variant
+    card = ModelCard(id=ctx.model_name, created=int(ctx.started_at), root=ctx.engine.config.model.model_path,
+                     family=variant.family, variant=variant.name,
+                     default_num_inference_steps=variant.num_inference_steps,
+                     default_guidance_scale=variant.guidance_scale)
+    return JSONResponse({"object": "list", "data": [card.model_dump(mode="json")]})
+
+
+@router.get("/health", summary="Liveness (no authentication)")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS, summary="Prometheus metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    ctx = _ctx(request)
+    counts = ctx.store.count_by_status()
+    text = ctx.metrics.render(queue_depth=counts[JobStatus.QUEUED], jobs_by_status=counts,
+                              running=ctx.runner.running_count())
+    return PlainTextResponse(text, media_type=CONTENT_TYPE)

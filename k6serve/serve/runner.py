@@ -1,0 +1,215 @@
+"""Feeds stored jobs to the engine one at a time and records what happens to them.
+
+The queue of record is the SQLite store, not the engine's in-memory queue: the dispatcher thread takes the
+oldest `queued` job, marks it `in_progress`, submits it to the engine and waits for its future (in this
+thread, never in the event loop), then writes the outcome. So queued work survives a restart, a queued job is
+cancelled by a status change alone, and a running one through `EngineJob.cancel()` at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import CancelledError
+
+from k6serve.request import SamplingParams, VideoResult
+from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
+from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.jobs import Job, JobStatus, JobStore
+from k6serve.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+DIED_TWICE = (
+    "The server stopped twice while this job was running, so it is not retried again (it may be what stops the "
+    "server). Submit it again to retry."
+)
+
+
+class QueueFull(Exception):
+    def __init__(self, queued: int) -> None:
+        super().__init__(queued)
+        self.queued = queued
+
+
+class JobRunner:
+    def __init__(self, engine: Engine, store: JobStore, artifacts: ArtifactStore, metrics: ServerMetrics, *,
+                 max_queued_jobs: int) -> None:
+        self.engine = engine
+        self.store = store
+        self.artifacts = artifacts
+        self.metrics = metrics
+        self.max_queued_jobs = max_queued_jobs
+        self._lock = threading.Lock()  # admission, pick-next and cancel are mutually exclusive
+        self._wake = threading.Condition(self._lock)
+        self._current: EngineJob | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._recent_durations: list[float] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        requeued, failed = self.store.recover_interrupted(DIED_TWICE)
+        for job in requeued:
+            logger.warning("job %s was running when the server stopped; re-queued (attempt %d)", job.id,
+                           job.attempts + 1)
+        for job in failed:
+            logger.error("job %s failed: the server stopped twice while running it", job.id)
+            self.artifacts.remove(list(job.upload_files))
+        self.artifacts.remove_partial_files()
+        self._thread = threading.Thread(target=self._loop, name="k6serve-dispatcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop dispatching; a running job goes back to `queued` (not counted as an attempt) and is cancelled."""
+        with self._lock:
+            self._stopping = True
+            current = self._current
+            if current is not None:
+                job = self.store.get(current.id)
+                if job is not None:
+                    self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
+                                          attempts=max(0, job.attempts - 1))
+                current.cancel()
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- admission and control -------------------------------------------------------------------------------
+    def admit(self, job: Job) -> tuple[Job, bool]:
+        """Store a new job unless the queue is full (QueueFull); idempotent replays return the stored job."""
+        with self._lock:
+            if job.idempotency_key is not None:
+                existing = self.store.get_by_idempotency_key(job.idempotency_key)
+                if existing is not None:
+                    return self.store.insert(job)  # same hash: returns existing; else IdempotencyConflict
+            queued = self.store.count_by_status()[JobStatus.QUEUED]
+            if queued >= self.max_queued_jobs:
+                raise QueueFull(queued)
+            stored, created = self.store.insert(job)
+            self._wake.notify_all()
+            return stored, created
+
+    def queue_is_full(self) -> bool:
+        return self.store.count_by_status()[JobStatus.QUEUED] >= self.max_queued_jobs
+
+    def retry_after_s(self) -> int:
+        """A hint for 429 answers: about one job's time, at least 1 s."""
+        recent = self._recent_durations[-10:]
+        return max(1, round(sum(recent) / len(recent))) if recent else 5
+
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a queued job now, or ask the engine to stop a running one at its next step boundary."""
+        with self._lock:
+            job = self.store.get(job_id)
+            if job is None:
+                return None
+            if job.status == JobStatus.QUEUED:
+                cancelled = self.store.transition(
+                    job_id, (JobStatus.QUEUED,), status=JobStatus.CANCELLED, completed_at=time.time(),
+                    error_code="cancelled", error_message="Cancelled by DELETE before it started.")
+                if cancelled is not None:
+                    self.metrics.finished(JobStatus.CANCELLED)
+                    self.artifacts.remove(list(cancelled.upload_files))
+                    return cancelled
+            elif job.status == JobStatus.IN_PROGRESS and self._current is not None and self._current.id == job_id:
+                self._current.cancel()
+            return self.store.get(job_id)
+
+    def running_count(self) -> int:
+        return 1 if self._current is not None else 0
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+    def _next(self) -> tuple[Job, EngineJob] | None:
+        with self._lock:
+            while not self._stopping:
+                job = self.store.next_queued()
+                if job is None:
+                    self._wake.wait(timeout=1.0)
+                    continue
+                started = self.store.transition(job.id, (JobStatus.QUEUED,), status=JobStatus.IN_PROGRESS,
+                                                started_at=time.time(), attempts=job.attempts + 1, progress=0)
+                if started is None:
+                    continue
+                params = SamplingParams(**started.params)
+                engine_job = self.engine.submit(params, self.artifacts.output_options(job.id),
+                                                on_progress=self._progress_callback(job.id), job_id=job.id)
+                self._current = engine_job
+                return started, engine_job
+            return None
+
+    def _loop(self) -> None:
+        while True:
+            picked = self._next()
+            if picked is None:
+                return
+            job, engine_job = picked
+            try:
+                self._finish(job, engine_job)
+            except Exception:  # a bookkeeping bug must not stop the dispatcher serving later jobs
+                logger.exception("recording the outcome of job %s failed", job.id)
+            finally:
+                with self._lock:
+                    self._current = None
+
+    def _progress_callback(self, job_id: str):
+        state = {"last": time.perf_counter(), "progress": 0}
+
+        def on_progress(step: int, total: int) -> None:
+            now = time.perf_counter()
+            if step > 0:
+                self.metrics.step_latency.observe(now - state["last"])
+            state["last"] = now
+            progress = min(99, int(100 * step / total)) if total > 0 else 0
+            if progress != state["progress"]:
+                state["progress"] = progress
+                self.store.transition(job_id, (JobStatus.IN_PROGRESS,), progress=progress)
+
+        return on_progress
+
+    def _finish(self, job: Job, engine_job: EngineJob) -> None:
+        try:
+            result: VideoResult = engine_job.future.result()
+        except (RequestCancelled, CancelledError):
+            if self._stopping:
+                return  # stop() already put it back in the queue
+            self._record(job, JobStatus.CANCELLED, error_code="cancelled",
+                         error_message="Cancelled by DELETE while running; the engine stopped at a step boundary.")
+        except ValueError as exc:
+            self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
+        except Exception as exc:
+            self._record(job, JobStatus.FAILED, error_code="generation_failed",
+                         error_message=f"{type(exc).__name__}: {exc}")
+        else:
+            self._record_success(job, result)
+
+    def _record(self, job: Job, status: JobStatus, **fields) -> None:
+        finished = self.store.transition(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=status,
+                                         completed_at=time.time(), **fields)
+        if finished is not None:
+            self.metrics.finished(status)
+            self.artifacts.remove(list(finished.upload_files))
+
+    def _record_success(self, job: Job, result: VideoResult) -> None:
+        if result.output_file_path is None:
+            self._record(job, JobStatus.FAILED, error_code="no_output", error_message="The engine wrote no file.")
+            return
+        completed_at = time.time()
+        inference_s = result.timings.get("total", completed_at - (job.started_at or completed_at))
+        finished = self.store.transition(
+            job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=JobStatus.COMPLETED, progress=100,
+            completed_at=completed_at, output_file=self.artifacts.output_path(result.output_file_path).name,
+            inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
+            size=f"{result.width}x{result.height}", seconds=f"{result.num_frames / result.fps:g}",
+            warnings=job.warnings + tuple(n for n in result.notes if n not in job.warnings),
+        )
+        if finished is None:
+            # Deleted while running: nobody owns the file any more.
+            self.artifacts.remove([result.output_file_path])
+            return
+        self.metrics.finished(JobStatus.COMPLETED, result.peak_memory_mb)
+        self.metrics.job_latency.observe(completed_at - job.created_at)
+        self.metrics.inference_latency.observe(inference_s)
+        self._recent_durations = (self._recent_durations + [inference_s])[-10:]
+        self.artifacts.remove(list(finished.upload_files))

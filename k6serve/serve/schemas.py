@@ -1,0 +1,203 @@
+"""The HTTP boundary's pydantic models, and their conversion to `k6serve.request` dataclasses.
+
+`VideoCreateBody` is generated from `parameter_fields(surface="http")` (the one definition of request
+parameters shared with the CLI and the Python API) plus the OpenAI fields `model`, `size` and `seconds`.
+Pydantic lives only in this module and `routes.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from k6serve.models.variants import SUPER_RESOLUTION, Variant, seconds_to_num_frames
+from k6serve.request import SamplingParams, parameter_fields, parse_size
+from k6serve.serve.errors import ApiError
+from k6serve.serve.jobs import Job, JobStatus
+
+FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
+_VIDEO_SUFFIXES = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm")
+
+
+def _http_field_definitions() -> dict[str, Any]:
+    hints = typing.get_type_hints(SamplingParams)
+    definitions: dict[str, Any] = {}
+    for field in parameter_fields(surface="http"):
+        definitions[field.name] = (hints[field.name], Field(default=None, description=field.metadata["help"]))
+    definitions["model"] = (str | None, Field(default=None, description="Served model name (GET /v1/models); "
+                                                                         "optional."))
+    definitions["size"] = (str | None, Field(default=None, description="OpenAI size 'WxH', width first "
+                                                                       "(e.g. '768x512'); same as width+height."))
+    definitions["seconds"] = (str | float | None, Field(
+        default=None, description="Duration; mapped to num_frames = round(seconds*fps) rounded down to 4k+1."))
+    return definitions
+
+
+VideoCreateBody = create_model(
+    "VideoCreateBody",
+    __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
+    __doc__="POST /v1/videos body (JSON, or the same names as multipart/form-data fields).",
+    **_http_field_definitions(),
+)
+HTTP_FIELD_NAMES = tuple(VideoCreateBody.model_fields)
+
+
+def parse_create_body(raw: Any) -> BaseModel:
+    """Validate a decoded JSON object or form fields; every problem is a 400 naming the field."""
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
+                       code="invalid_request")
+    try:
+        return VideoCreateBody.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            message = f"Unknown field {param!r}. Valid fields: {', '.join(HTTP_FIELD_NAMES)}."
+        else:
+            message = f"{param}: {first['msg']} (got {first.get('input')!r})"
+        raise ApiError(400, message, code="invalid_parameter", param=param) from None
+
+
+def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...]) -> SamplingParams:
+    """OpenAI fields mapped onto SamplingParams (size -> width/height, seconds -> num_frames)."""
+    values = {name: getattr(body, name) for name in HTTP_FIELD_NAMES if name not in ("model", "size", "seconds")}
+    if body.model is not None and body.model.lower() not in served_names:
+        raise ApiError(400, f"model {body.model!r} is not served here; use {served_names[0]!r} or omit model "
+                            "(GET /v1/models lists it).", code="model_not_found", param="model")
+    is_sr = variant.family == SUPER_RESOLUTION
+    if is_sr and (body.size is not None or body.seconds is not None):
+        name = "size" if body.size is not None else "seconds"
+        raise ApiError(400, f"{name} is taken from the source video in super-resolution; choose the output with "
+                            "sr_resolution_scale and sr_target_resolution.", code="invalid_parameter", param=name)
+    if body.size is not None:
+        try:
+            height, width = parse_size(body.size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_parameter", param="size") from None
+        for name, value in (("height", height), ("width", width)):
+            if values[name] is not None and values[name] != value:
+                raise ApiError(400, f"size {body.size!r} disagrees with {name}={values[name]}; send one of them.",
+                               code="invalid_parameter", param="size")
+        values["height"], values["width"] = height, width
+    if body.seconds is not None:
+        values["num_frames"] = _frames_for_seconds(body.seconds, values["num_frames"],
+                                                   values["fps"] if values["fps"] is not None else variant.fps)
+    return SamplingParams(**values)
+
+
+def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float) -> int:
+    try:
+        value = float(seconds)
+    except ValueError:
+        raise ApiError(400, f"seconds must be a number such as \"4\", got {seconds!r}", code="invalid_parameter",
+                       param="seconds") from None
+    if not math.isfinite(value) or value <= 0 or value > 600:
+        raise ApiError(400, f"seconds must be in (0, 600], got {seconds!r}", code="invalid_parameter",
+                       param="seconds")
+    if not (math.isfinite(fps) and fps > 0):
+        return 1  # the invalid fps itself is reported by resolve, with its own message
+    frames = seconds_to_num_frames(value, fps)
+    if num_frames is not None and num_frames != frames:
+        raise ApiError(400, f"seconds={seconds} gives {frames} frames at {fps:g} fps but num_frames={num_frames}; "
+                            "send one of them.", code="invalid_parameter", param="seconds")
+    return frames
+
+
+def is_video_upload(content_type: str | None, file_name: str | None) -> bool:
+    """A file sent as input_reference that is really a video is routed to video_path (reference behaviour)."""
+    return bool((content_type or "").startswith("video/") or (file_name or "").lower().endswith(_VIDEO_SUFFIXES))
+
+
+# -- response models (what /openapi.json documents) ------------------------------------------------------------
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoJob(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: JobStatus
+    progress: int = Field(description="0-100; advanced at every denoising step (every tile for VSR).")
+    created_at: int
+    started_at: int | None = None
+    completed_at: int | None = None
+    expires_at: int | None = Field(None, description="When the output and this record are deleted (--output-ttl).")
+    size: str | None = Field(None, description="'WxH', width first.")
+    seconds: str | None = None
+    error: JobError | None = None
+    inference_time_s: float | None = None
+    peak_memory_mb: float | None = None
+    url: str | None = Field(None, description="Relative URL of the MP4 once completed.")
+    warnings: list[str] = Field(default_factory=list)
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "k6serve"
+    root: str
+    family: str
+    variant: str
+    default_num_inference_steps: int
+    default_guidance_scale: float
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def job_view(job: Job, *, output_ttl_s: float) -> VideoJob:
+    expires = None
+    if job.completed_at is not None and output_ttl_s > 0:
+        expires = int(job.completed_at + output_ttl_s)
+    return VideoJob(
+        id=job.id,
+        model=job.model,
+        status=job.status,
+        progress=job.progress,
+        created_at=int(job.created_at),
+        started_at=int(job.started_at) if job.started_at is not None else None,
+        completed_at=int(job.completed_at) if job.completed_at is not None else None,
+        expires_at=expires,
+        size=job.size,
+        seconds=job.seconds,
+        error=JobError(code=job.error_code or "error", message=job.error_message or "")
+        if job.status == JobStatus.FAILED or job.error_message else None,
+        inference_time_s=job.inference_time_s,
+        peak_memory_mb=job.peak_memory_mb,
+        url=f"/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
+        warnings=list(job.warnings),
+    )

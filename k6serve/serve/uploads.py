@@ -1,0 +1,285 @@
+"""Reading request bodies ourselves, with hard byte limits, so nothing oversized is buffered or written.
+
+The framework is never asked to parse a form (Starlette would spool every upload to a temporary file first):
+the body is read from `request.stream()`, a declared `Content-Length` over the limit is refused before a byte
+is read, and bytes are counted as they arrive. Upload data stays in memory up to `SPOOL_BYTES` and only then
+spills to a hidden `.part` file, which is renamed into place when the part is complete and removed on any
+error; so with a limit below `SPOOL_BYTES` an oversized upload never touches the disk at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
+
+from k6serve.serve.errors import ApiError
+
+SPOOL_BYTES = 8 * 2**20
+MAX_JSON_BYTES = 1 * 2**20
+MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together
+# After refusing an oversized body we keep reading (and discarding) up to this much, so the client sees the
+# 413 instead of a reset connection; past it the connection is simply closed.
+DRAIN_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UploadedFile:
+    field_name: str
+    client_file_name: str | None
+    content_type: str | None
+    path: Path
+    size: int
+    sha256: str
+
+
+@dataclass(kw_only=True, slots=True)
+class ParsedForm:
+    fields: dict[str, str] = field(default_factory=dict)
+    files: dict[str, UploadedFile] = field(default_factory=dict)
+
+
+def too_large(what: str, limit_bytes: int) -> ApiError:
+    return ApiError(413, f"{what} is larger than the server's limit of {limit_bytes / 2**20:g} MiB "
+                         "(--max-upload-mb); send a smaller file.", code="payload_too_large",
+                    headers={"Connection": "close"})
+
+
+def declared_length(request: Request) -> int | None:
+    value = request.headers.get("content-length")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ApiError(400, f"Content-Length must be a non-negative integer, got {value!r}", code="invalid_request")
+    return int(value)
+
+
+async def read_json_body(request: Request) -> Any:
+    length = declared_length(request)
+    if length is not None and length > MAX_JSON_BYTES:
+        raise too_large_json()
+    body = bytearray()
+    async for chunk in _stream(request):
+        body += chunk
+        if len(body) > MAX_JSON_BYTES:
+            await drain(request)
+            raise too_large_json()
+    if not body.strip():
+        raise ApiError(400, "The request body is empty; send a JSON object such as {\"prompt\": \"...\"}.",
+                       code="invalid_json")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
+
+
+def too_large_json() -> ApiError:
+    return ApiError(413, f"JSON bodies are limited to {MAX_JSON_BYTES // 2**20} MiB; upload files with "
+                         "multipart/form-data instead.", code="payload_too_large", headers={"Connection": "close"})
+
+
+async def drain(request: Request) -> None:
+    """Discard the rest of a refused body (bounded), so the client can read our answer."""
+    seen = 0
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > DRAIN_BYTES:
+                return
+    except (ClientDisconnect, RuntimeError):
+        return
+
+
+async def _stream(request: Request):
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect:
+        raise ApiError(400, "The client disconnected before the body was complete.", code="incomplete_body") from None
+
+
+class _Part:
+    """One form part being received: a text field (kept in memory) or a file (spooled, then spilled)."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        _, options = parse_options_header(headers.get("content-disposition", ""))
+        name = options.get(b"name")
+        if name is None:
+            raise ApiError(400, "Malformed multipart body: a part has no Content-Disposition name.",
+                           code="invalid_multipart")
+        self.name = name.decode("utf-8", "replace")
+        file_name = options.get(b"filename")
+        self.file_name = file_name.decode("utf-8", "replace") if file_name is not None else None
+        self.content_type = headers.get("content-type")
+        self.buffer = bytearray()
+        self.spill_path: Path | None = None
+        self.spill = None
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+    @property
+    def is_file(self) -> bool:
+        return self.file_name is not None
+
+
+class MultipartReader:
+    """Parses one multipart/form-data body; files named by `file_path(field, client_name)`."""
+
+    def __init__(self, *, boundary: bytes, file_fields: set[str], max_file_bytes: int,
+                 file_path: Callable[[str, str | None], Path]) -> None:
+        self.file_fields = file_fields
+        self.max_file_bytes = max_file_bytes
+        self.file_path = file_path
+        self.form = ParsedForm()
+        self.written: list[Path] = []
+        self.text_bytes = 0
+        self.file_bytes = 0
+        self._headers: dict[str, str] = {}
+        self._header_field = bytearray()
+        self._header_value = bytearray()
+        self._part: _Part | None = None
+        self._error: ApiError | None = None
+        self.finished = False
+        self.parser = MultipartParser(boundary, {
+            "on_part_begin": self._on_part_begin,
+            "on_header_field": lambda data, start, end: self._header_field.extend(data[start:end]),
+            "on_header_value": lambda data, start, end: self._header_value.extend(data[start:end]),
+            "on_header_end": self._on_header_end,
+            "on_headers_finished": self._on_headers_finished,
+            "on_part_data": self._on_part_data,
+            "on_part_end": self._on_part_end,
+            "on_end": self._on_end,
+        })
+
+    # The parser swallows nothing: an ApiError raised in a callback propagates out of `write`.
+    def _on_part_begin(self) -> None:
+        self._headers = {}
+
+    def _on_header_end(self) -> None:
+        name = self._header_field.decode("latin-1").strip().lower()
+        self._headers[name] = self._header_value.decode("utf-8", "replace").strip()
+        self._header_field.clear()
+        self._header_value.clear()
+
+    def _on_headers_finished(self) -> None:
+        part = _Part(self._headers)
+        if part.name in self.form.fields or part.name in self.form.files:
+            raise ApiError(400, f"Form field {part.name!r} was sent twice.", code="invalid_multipart",
+                           param=part.name)
+        if part.is_file and part.name not in self.file_fields:
+            raise ApiError(400, f"Unexpected file field {part.name!r}; upload files as "
+                                f"{' or '.join(sorted(self.file_fields))}.", code="invalid_multipart",
+                           param=part.name)
+        self._part = part
+
+    def _on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part = self._part
+        assert part is not None
+        chunk = data[start:end]
+        if not part.is_file:
+            self.text_bytes += len(chunk)
+            if self.text_bytes > MAX_FORM_TEXT_BYTES:
+                raise ApiError(413, f"Form text fields are limited to {MAX_FORM_TEXT_BYTES // 2**20} MiB in total.",
+                               code="payload_too_large", headers={"Connection": "close"})
+            part.buffer += chunk
+            return
+        self.file_bytes += len(chunk)
+        if self.file_bytes > self.max_file_bytes:
+            raise too_large("The upload", self.max_file_bytes)
+        part.size += len(chunk)
+        part.digest.update(chunk)
+        if part.spill is None and len(part.buffer) + len(chunk) <= SPOOL_BYTES:
+            part.buffer += chunk
+            return
+        if part.spill is None:
+            final = self.file_path(part.name, part.file_name)
+            part.spill_path = final.parent / f".{final.name}.{secrets.token_hex(6)}.part"
+            self.written.append(part.spill_path)
+            part.spill = open(part.spill_path, "wb")
+            part.spill.write(part.buffer)
+            part.buffer = bytearray()
+        part.spill.write(chunk)
+
+    def _on_part_end(self) -> None:
+        part = self._part
+        assert part is not None
+        self._part = None
+        if not part.is_file:
+            try:
+                self.form.fields[part.name] = part.buffer.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ApiError(400, f"Form field {part.name!r} is not valid UTF-8.", code="invalid_multipart",
+                               param=part.name) from None
+            return
+        if part.size == 0:
+            raise ApiError(400, f"The uploaded file {part.name!r} is empty.", code="invalid_upload", param=part.name)
+        final = self.file_path(part.name, part.file_name)
+        if part.spill is None:
+            temporary = final.parent / f".{final.name}.{secrets.token_hex(6)}.part"
+            self.written.append(temporary)
+            with open(temporary, "wb") as handle:
+                handle.write(part.buffer)
+        else:
+            temporary = part.spill_path
+            part.spill.close()
+        os.replace(temporary, final)
+        self.written.append(final)
+        self.form.files[part.name] = UploadedFile(
+            field_name=part.name, client_file_name=part.file_name, content_type=part.content_type, path=final,
+            size=part.size, sha256=part.digest.hexdigest())
+
+    def _on_end(self) -> None:
+        self.finished = True
+
+    def cleanup(self) -> None:
+        if self._part is not None and self._part.spill is not None:
+            self._part.spill.close()
+        for path in self.written:
+            path.unlink(missing_ok=True)
+
+
+def multipart_boundary(content_type: str) -> bytes:
+    _, options = parse_options_header(content_type)
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise ApiError(400, "multipart/form-data needs a boundary parameter in Content-Type.",
+                       code="invalid_multipart")
+    return boundary
+
+
+async def read_multipart(request: Request, *, file_fields: set[str], max_file_bytes: int,
+                         file_path: Callable[[str, str | None], Path]) -> ParsedForm:
+    """Stream-parse a multipart body. On any error every file written for it is removed."""
+    boundary = multipart_boundary(request.headers.get("content-type", ""))
+    length = declared_length(request)
+    if length is not None and length > max_file_bytes + MAX_FORM_TEXT_BYTES:
+        raise too_large("The request body", max_file_bytes)
+    reader = MultipartReader(boundary=boundary, file_fields=file_fields, max_file_bytes=max_file_bytes,
+                             file_path=file_path)
+    try:
+        try:
+            async for chunk in _stream(request):
+                reader.parser.write(chunk)
+            reader.parser.finalize()
+        except MultipartParseError as exc:
+            raise ApiError(400, f"Malformed multipart body: {exc}", code="invalid_multipart") from None
+        if not reader.finished:
+            raise ApiError(400, "Malformed multipart body: it ended before the closing boundary.",
+                           code="invalid_multipart")
+    except ApiError as error:
+        reader.cleanup()
+        if error.status == 413:
+            await drain(request)
+        raise
+    except BaseException:
+        reader.cleanup()
+        raise
+    return reader.form
