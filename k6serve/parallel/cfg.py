@@ -1,0 +1,35 @@
+"""CFG-parallel: the conditional and unconditional branches run on different ranks of the cfg axis.
+
+Branch i runs on cfg rank i (0 = conditional, 1 = unconditional). After the forward, every rank gathers
+both branch outputs in branch order and applies the same serial combine (`uncond + g * (cond - uncond)`,
+done by the caller), so the result is bit-identical to running the branches one after the other on one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Branch = TypeVar("Branch")
+
+CONDITIONAL, UNCONDITIONAL = 0, 1
+
+
+def select_cfg_branch(branches: Sequence[Branch], group: dist.ProcessGroup) -> Branch:
+    """The branch this rank runs: branches are (conditional, unconditional) and the cfg group has 2 ranks."""
+    assert len(branches) == dist.get_world_size(group) == 2, (len(branches), dist.get_world_size(group))
+    return branches[dist.get_rank(group)]
+
+
+def gather_cfg_branches(local: Tensor | None, group: dist.ProcessGroup) -> list[Tensor | None]:
+    """Every branch's output, in branch order, on every rank (None stays None: e.g. no audio stream)."""
+    if local is None:
+        return [None] * dist.get_world_size(group)
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return parts

@@ -1,0 +1,262 @@
+"""Parallel layout: degrees -> rank coordinates, layout validation, and the process groups of one rank.
+
+Ranks are laid out row-major over the named axes `AXES` (outermost first): dp replicas are the outermost
+blocks of consecutive ranks, and inside a replica cfg is outermost and ulysses innermost. The axes that talk in
+every block (ulysses all-to-all, ring K/V rotation, TP all-reduce) get the nearest ranks; cfg talks once per
+step and dp never, so they may cross hosts. FSDP is not an axis: it shards over all ranks of a replica.
+
+The sequence index of a rank (which chunk of the video tokens it holds) is `ring_rank * ulysses + ulysses_rank`,
+so one Ulysses all-to-all gathers one contiguous ring block (USP layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from datetime import timedelta
+
+from k6serve.config import ParallelConfig
+from k6serve.models.plan import AttentionSite
+
+AXES = ("dp", "cfg", "tp", "ring", "ulysses")
+REPLICA_AXES = AXES[1:]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelLayout:
+    """The parallel degrees of one engine; world size = dp x cfg x tp x ring x ulysses."""
+
+    dp: int = 1
+    cfg: int = 1
+    tp: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        assert all(self.degree(axis) >= 1 for axis in AXES), self
+        assert self.cfg in (1, 2), "CFG-parallel has exactly two branches"
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> "ParallelLayout":
+        return cls(
+            dp=parallel.dp_size,
+            cfg=2 if parallel.enable_cfg_parallel else 1,
+            tp=parallel.tp_size,
+            ring=parallel.ring_degree,
+            ulysses=parallel.ulysses_degree,
+            fsdp=parallel.use_fsdp_inference,
+        )
+
+    def degree(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.degree(axis) for axis in AXES)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def replica_size(self) -> int:
+        return self.world_size // self.dp
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ring * self.ulysses
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The index of `rank` along every axis."""
+        assert 0 <= rank < self.world_size, (rank, self.world_size)
+        coordinates = {}
+        for axis in reversed(AXES):
+            rank, coordinates[axis] = divmod(rank, self.degree(axis))
+        return {axis: coordinates[axis] for axis in AXES}
+
+    def rank_at(self, coordinates: dict[str, int]) -> int:
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.degree(axis) + coordinates[axis]
+        return rank
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group of ranks that differ only along `axis`, in a fixed order (all ranks agree on it)."""
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for rank in range(self.world_size):
+            coordinates = self.coordinates(rank)
+            if coordinates[axis] == 0:
+                groups.append([self.rank_at({**coordinates, axis: i}) for i in range(self.degree(axis))])
+        assert len(groups) == math.prod(self.degree(a) for a in others)
+        return groups
+
+    def sequence_groups(self) -> list[list[int]]:
+        """Ranks sharing one sequence-parallel group (ring x ulysses), ordered by sequence index."""
+        groups = []
+        for rank in range(self.world_size):
+            coordinates = self.coordinates(rank)
+            if coordinates["ring"] == 0 and coordinates["ulysses"] == 0:
+                groups.append([
+                    self.rank_at({**coordinates, "ring": r, "ulysses": u})
+                    for r in range(self.ring)
+                    for u in range(self.ulysses)
+                ])
+        return groups
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        return list(range(replica * self.replica_size, (replica + 1) * self.replica_size))
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.replica_size
+
+    def sequence_index(self, rank: int) -> int:
+        coordinates = self.coordinates(rank)
+        return coordinates["ring"] * self.ulysses + coordinates["ulysses"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _largest_divisor_within(value: int, limit: int) -> int:
+    """The largest d <= limit with value % d == 0 and limit % d == 0 (so the GPU count is kept by scaling)."""
+    return max(d for d in _divisors(value) if limit % d == 0)
+
+
+def _check_tp(layout: ParallelLayout, attention: Sequence[AttentionSite], model_name: str) -> None:
+    for site in attention:
+        if site.num_heads % layout.tp:
+            heads = sorted({s.num_heads for s in attention})
+            valid = [d for d in _divisors(math.gcd(*heads)) if d > 1]
+            alternative = (
+                f"use --tp-size {max(d for d in valid if d <= layout.tp)}" if any(d <= layout.tp for d in valid)
+                else "use --tp-size 1"
+            )
+            raise ValueError(
+                f"{model_name}: tensor parallelism must divide the heads of every attention, but "
+                f"'{site.role}' has {site.num_heads} heads and --tp-size is {layout.tp} (heads per attention: "
+                f"{heads}; valid tp sizes: {[1, *valid]}). Fix: {alternative}, or put the remaining GPUs on "
+                f"--ulysses-degree / --ring-degree."
+            )
+
+
+def _check_ulysses(
+    layout: ParallelLayout, attention: Sequence[AttentionSite], sharded_roles: Sequence[str], model_name: str
+) -> None:
+    for site in attention:
+        if site.role not in sharded_roles:
+            continue  # replicated streams (text, audio) run whole on every rank: no head constraint
+        local_heads = site.num_heads // layout.tp
+        if local_heads % layout.ulysses:
+            ulysses = _largest_divisor_within(local_heads, layout.ulysses)
+            ring = layout.ring * layout.ulysses // ulysses
+            raise ValueError(
+                f"{model_name}: Ulysses must divide the TP-local heads of the sharded attention, but "
+                f"'{site.role}' has {site.num_heads} heads / tp {layout.tp} = {local_heads} per rank and "
+                f"--ulysses-degree is {layout.ulysses}. Fix: --ulysses-degree {ulysses} --ring-degree {ring} "
+                f"(Ulysses{ulysses} x Ring{ring} uses the same GPUs; ring rotates whole K/V shards, so it "
+                f"imposes no head constraint)."
+            )
+
+
+def validate_layout(
+    layout: ParallelLayout,
+    *,
+    model_name: str,
+    attention: Sequence[AttentionSite],
+    sharded_roles: Sequence[str],
+    has_guidance: bool,
+    supports: dict[str, bool] | None = None,
+) -> None:
+    """Raise ValueError naming the broken rule and a valid alternative when `layout` cannot run the model.
+
+    `attention` and `sharded_roles` come from the model's plan; `has_guidance` is False for distilled and SR
+    checkpoints (one branch per step); `supports` maps "tp", "ulysses", "ring", "cfg_parallel", "fsdp" to
+    the model's capabilities (missing keys mean supported).
+    """
+    supports = supports or {}
+    requested = {
+        "tp": layout.tp > 1, "ulysses": layout.ulysses > 1, "ring": layout.ring > 1,
+        "cfg_parallel": layout.cfg > 1, "fsdp": layout.fsdp,
+    }
+    for technique, on in requested.items():
+        if on and not supports.get(technique, True):
+            raise ValueError(
+                f"{model_name} does not support {technique.replace('_', '-')}; use --ulysses-degree "
+                f"{layout.replica_size} for the same GPUs instead."
+            )
+    if layout.cfg > 1 and not has_guidance:
+        raise ValueError(
+            f"{model_name} has no classifier-free guidance branch (it runs one forward per step), so "
+            f"--enable-cfg-parallel would leave half the GPUs idle. Fix: drop --enable-cfg-parallel and use "
+            f"--ulysses-degree {layout.cfg * layout.ulysses} for the same GPUs."
+        )
+    if layout.fsdp and layout.replica_size == 1:
+        raise ValueError(
+            "--use-fsdp-inference shards the DiT over the ranks of a replica, and this replica has one GPU. "
+            "Fix: drop --use-fsdp-inference, or give each replica more GPUs (e.g. --ulysses-degree 2)."
+        )
+    _check_tp(layout, attention, model_name)
+    _check_ulysses(layout, attention, sharded_roles, model_name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelGroups:
+    """The process groups one rank uses. Groups of size 1 are real groups too, so callers never branch.
+
+    `control` is a CPU (gloo) group over the replica, used to broadcast requests even when the model's
+    groups are NCCL.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    replica: int
+    axis: dict  # axis name -> ProcessGroup (cfg, tp, ring, ulysses)
+    sequence: object  # ring x ulysses, ranks ordered by sequence index
+    replica_group: object  # every rank of the replica, model backend (FSDP shards over it)
+    control: object  # every rank of the replica, gloo
+    replica_ranks: tuple[int, ...]
+
+    def axis_rank(self, axis: str) -> int:
+        return self.layout.coordinates(self.rank)[axis]
+
+    def device_mesh(self, device_type: str):
+        """A DeviceMesh over this replica with named axes cfg, tp, ring, ulysses (built from our groups)."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = self.layout
+        mesh = torch.arange(layout.world_size).reshape(layout.shape)[self.replica]
+        return DeviceMesh.from_group(
+            [self.axis[axis] for axis in REPLICA_AXES], device_type, mesh=mesh, mesh_dim_names=REPLICA_AXES
+        )
+
+
+def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: float) -> ParallelGroups:
+    """Create every group of the layout (all ranks must call this, in the same order) and keep ours."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+
+    def create(groups: list[list[int]], group_backend: str):
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout, backend=group_backend)
+            if rank in ranks:
+                mine = group
+        assert mine is not None
+        return mine
+
+    replicas = [layout.replica_ranks(r) for r in range(layout.dp)]
+    axis = {name: create(layout.axis_groups(name), backend) for name in REPLICA_AXES}
+    sequence = create(layout.sequence_groups(), backend)
+    replica_group = create(replicas, backend)
+    control = replica_group if backend == "gloo" else create(replicas, "gloo")
+    replica = layout.replica_of(rank)
+    return ParallelGroups(
+        layout=layout, rank=rank, replica=replica, axis=axis, sequence=sequence, replica_group=replica_group,
+        control=control, replica_ranks=tuple(replicas[replica]),
+    )

@@ -1,0 +1,68 @@
+"""How a sequence is cut across sequence-parallel ranks: pad to a multiple of the degree, split, gather back.
+
+The sequence is padded at its end, so every shard has the same length and only the last shard(s) hold
+padding. Attention never lets a padded key contribute: Ulysses strips the padding from the gathered
+sequence before attention, Ring drops the padded keys of each rotated block (see `real_length`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SequenceShard:
+    """The cut of a `total_length` sequence into `degree` equal shards; `index` is this rank's shard."""
+
+    total_length: int
+    degree: int
+    index: int
+
+    def __post_init__(self) -> None:
+        assert self.total_length >= 1 and 0 <= self.index < self.degree, self
+
+    @property
+    def local_length(self) -> int:
+        return -(-self.total_length // self.degree)
+
+    @property
+    def padded_length(self) -> int:
+        return self.local_length * self.degree
+
+    def real_length(self, index: int, *, block: int = 1) -> int:
+        """Unpadded tokens in shard `index`, or in block `index` of `block` consecutive shards."""
+        length = self.local_length * block
+        return max(0, min(length, self.total_length - index * length))
+
+
+def pad_sequence(x: Tensor, dim: int, padded_length: int, *, mode: str = "zeros") -> Tensor:
+    """Pad `x` along `dim` at the end; "edge" repeats the last row (RoPE tables), "zeros" fills 0."""
+    num_pad = padded_length - x.shape[dim]
+    assert num_pad >= 0, (x.shape, dim, padded_length)
+    if num_pad == 0:
+        return x
+    if mode == "edge":
+        last = x.narrow(dim, x.shape[dim] - 1, 1)
+        return torch.cat([x, last.expand(*[num_pad if d == dim % x.dim() else -1 for d in range(x.dim())])], dim)
+    assert mode == "zeros", mode
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, num_pad]
+    return F.pad(x, pad)
+
+
+def shard_sequence(x: Tensor, dim: int, shard: SequenceShard, *, mode: str = "zeros") -> Tensor:
+    """This rank's shard of the full sequence `x` (padded first)."""
+    padded = pad_sequence(x, dim, shard.padded_length, mode=mode)
+    return padded.narrow(dim, shard.index * shard.local_length, shard.local_length)
+
+
+def gather_sequence(x_local: Tensor, dim: int, shard: SequenceShard, group: dist.ProcessGroup) -> Tensor:
+    """The full, unpadded sequence from every rank's shard (ranks of `group` ordered by shard index)."""
+    x_local = x_local.contiguous()
+    parts = [torch.empty_like(x_local) for _ in range(shard.degree)]
+    dist.all_gather(parts, x_local, group=group)
+    return torch.cat(parts, dim).narrow(dim, 0, shard.total_length)

@@ -1,0 +1,98 @@
+"""Attention modules that replace a model's `InnerAttention` when its inputs are sequence-sharded.
+
+* `ShardedAttention` (queries and K/V sharded, e.g. "video_self"): Ulysses, Ring, or Ulysses x Ring.
+* `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first.
+
+Both read the current cut of the sequence from a `ShardState` that the split hook of
+`apply_sequence_parallel` sets once per forward, so every block reuses the same cut.
+
+Shape legend: B batch, L local query length, S key length, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from k6serve.parallel.ring import ring_attention
+from k6serve.parallel.sequence import SequenceShard, gather_sequence
+from k6serve.parallel.ulysses import attend_unpadded, ulysses_attention
+
+
+@dataclasses.dataclass(eq=False)
+class ShardState:
+    """The cut of the sharded sequence for the forward in flight (set by the split hook)."""
+
+    current: SequenceShard | None = None
+
+    def require(self) -> SequenceShard:
+        assert self.current is not None, "the sequence split hook must run before sharded attention"
+        return self.current
+
+
+class ShardedAttention(nn.Module):
+    """Sequence-parallel replacement for an `InnerAttention` whose queries and K/V are both sharded."""
+
+    def __init__(
+        self,
+        inner: nn.Module,
+        *,
+        ulysses_group: dist.ProcessGroup,
+        ring_group: dist.ProcessGroup,
+        state: ShardState,
+    ):
+        super().__init__()
+        self.inner = inner
+        self.role = inner.role
+        self.ulysses_group = ulysses_group
+        self.ring_group = ring_group
+        self.state = state
+
+    def forward(
+        self, query_BLHD: Tensor, key_BLHD: Tensor, value_BLHD: Tensor, key_mask_BS: Tensor | None = None
+    ) -> Tensor:
+        assert key_mask_BS is None, f"sharded attention '{self.role}' takes no key mask (padding is cut off)"
+        shard = self.state.require()
+        num_ring = dist.get_world_size(self.ring_group)
+        if num_ring == 1:
+            attend = attend_unpadded(self.inner, shard.total_length)
+        else:
+            block = dist.get_world_size(self.ulysses_group)
+            key_lengths = [shard.real_length(j, block=block) for j in range(num_ring)]
+
+            def attend(query_BSHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> Tensor:
+                return ring_attention(
+                    query_BSHD, key_BSHD, value_BSHD,
+                    group=self.ring_group, key_lengths=key_lengths, backend=self.inner.backend,
+                )
+
+        return ulysses_attention(query_BLHD, key_BLHD, value_BLHD, group=self.ulysses_group, attend=attend)
+
+    def extra_repr(self) -> str:
+        return (f"role={self.role}, ulysses={dist.get_world_size(self.ulysses_group)}, "
+                f"ring={dist.get_world_size(self.ring_group)}")
+
+
+class GatherKVAttention(nn.Module):
+    """Replicated queries over sharded K/V: gather the full, unpadded K/V, then run the original attention."""
+
+    def __init__(self, inner: nn.Module, *, sequence_group: dist.ProcessGroup, state: ShardState):
+        super().__init__()
+        self.inner = inner
+        self.role = inner.role
+        self.sequence_group = sequence_group
+        self.state = state
+
+    def forward(
+        self, query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None = None
+    ) -> Tensor:
+        assert key_mask_BS is None, f"'{self.role}' attends to sharded keys and takes no key mask"
+        shard = self.state.require()
+        key_BSHD = gather_sequence(key_BSHD, 1, shard, self.sequence_group)
+        value_BSHD = gather_sequence(value_BSHD, 1, shard, self.sequence_group)
+        return self.inner(query_BLHD, key_BSHD, value_BSHD)
+
+    def extra_repr(self) -> str:
+        return f"role={self.role}"

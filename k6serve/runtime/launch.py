@@ -1,0 +1,158 @@
+"""Process launch and torch.distributed start-up: one process per GPU, or the ranks torchrun started.
+
+Nothing is hard-coded: a single host rendezvouses on a free local port; several hosts use
+`--dist-init-addr HOST:PORT` (node 0's address) with `--nnodes/--node-rank`; under torchrun the RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT variables win. NCCL on CUDA, gloo on CPU; every
+collective carries the configured timeout so a dead peer turns into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import socket
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from k6serve.config import ParallelConfig
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LOCAL_HOST = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankSpec:
+    """Everything a process needs to join the job as one rank."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    device_type: str  # "cuda" | "cpu"
+    timeout_s: float
+    from_torchrun: bool = False  # the launcher set the environment: rendezvous with init_method env://
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+
+def find_free_port(host: str = LOCAL_HOST) -> int:
+    """A port the OS reports free right now (the rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def device_type_for(device: str) -> str:
+    """The runtime's --device ("auto", "cuda", "cpu") as the device type every rank uses."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
+    return device
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    host, separator, port = address.rpartition(":")
+    if not separator or not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr must be HOST:PORT (node 0's address), got {address!r}")
+    return host, int(port)
+
+
+def torchrun_rank(
+    environ: Mapping[str, str], *, world_size: int, device_type: str, timeout_s: float
+) -> RankSpec | None:
+    """This process's rank when a launcher such as torchrun set the environment, else None."""
+    present = [name for name in TORCHRUN_VARIABLES if name in environ]
+    if not present:
+        return None
+    missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
+    if missing:
+        raise ValueError(
+            f"incomplete launcher environment: {present} are set but {missing} are not. Start with torchrun, "
+            f"or unset {present} to let k6serve start its own processes."
+        )
+    if int(environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(
+            f"the launcher started WORLD_SIZE={environ['WORLD_SIZE']} processes but the layout needs "
+            f"--num-gpus {world_size}; make them equal (torchrun --nproc-per-node x --nnodes = --num-gpus)."
+        )
+    return RankSpec(
+        rank=int(environ["RANK"]), world_size=world_size, local_rank=int(environ["LOCAL_RANK"]),
+        master_addr=environ["MASTER_ADDR"], master_port=int(environ["MASTER_PORT"]),
+        device_type=device_type, timeout_s=timeout_s, from_torchrun=True,
+    )
+
+
+def local_rank_specs(parallel: ParallelConfig, device_type: str) -> list[RankSpec]:
+    """The ranks this host starts: all of them on one host, its slice of the world with --nnodes > 1."""
+    if parallel.num_gpus % parallel.nnodes:
+        raise ValueError(
+            f"--num-gpus {parallel.num_gpus} must be a multiple of --nnodes {parallel.nnodes} (every host "
+            f"runs the same number of GPUs)."
+        )
+    if not 0 <= parallel.node_rank < parallel.nnodes:
+        raise ValueError(f"--node-rank must be in [0, {parallel.nnodes - 1}], got {parallel.node_rank}")
+    per_node = parallel.num_gpus // parallel.nnodes
+    if parallel.dist_init_addr is not None:
+        master_addr, master_port = parse_host_port(parallel.dist_init_addr)
+    elif parallel.nnodes > 1:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, same on every host).")
+    else:
+        master_addr, master_port = LOCAL_HOST, find_free_port()
+    if device_type == "cuda" and torch.cuda.device_count() < per_node:
+        raise ValueError(
+            f"{per_node} GPU processes per host were asked for but {torch.cuda.device_count()} GPU(s) are "
+            f"visible; lower --num-gpus or use --device cpu."
+        )
+    first = parallel.node_rank * per_node
+    return [
+        RankSpec(
+            rank=first + local, world_size=parallel.num_gpus, local_rank=local, master_addr=master_addr,
+            master_port=master_port, device_type=device_type, timeout_s=parallel.dist_timeout_s,
+        )
+        for local in range(per_node)
+    ]
+
+
+def init_distributed(spec: RankSpec) -> torch.device:
+    """Join the process group (with the collective timeout) and return this rank's device."""
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(spec.local_rank)
+        device = torch.device("cuda", spec.local_rank)
+    else:
+        device = torch.device("cpu")
+    init_method = "env://" if spec.from_torchrun else f"tcp://{spec.master_addr}:{spec.master_port}"
+    dist.init_process_group(
+        spec.backend, init_method=init_method, rank=spec.rank, world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+        device_id=device if spec.device_type == "cuda" else None,
+    )
+    return device
+
+
+def start_process(target: Callable[..., None], args: tuple, *, name: str) -> BaseProcess:
+    """Start `target(*args)` in a fresh interpreter (spawn: CUDA cannot be forked)."""
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
+    process.start()
+    return process
+
+
+def stop_processes(processes: list[BaseProcess], *, grace_s: float = 5.0) -> None:
+    """Wait for processes to exit, then terminate, then kill what is left."""
+    for process in processes:
+        process.join(grace_s)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
+

@@ -1,0 +1,76 @@
+"""Typed messages between the engine process and the leader rank of each replica (pickled over a socket).
+
+engine -> leader: `RunRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
+leader -> engine: `Ready` / `StartupFailed` once, then per request any number of `Progress` and one
+`RunSucceeded` or `RunFailed`.
+Inside a replica the leader broadcasts `RunRequest`, `Heartbeat` and `Shutdown` to the other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k6serve.models.variants import Variant
+from k6serve.request import OutputOptions, SamplingParams, VideoResult
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRequest:
+    request_id: int
+    params: SamplingParams
+    output: OutputOptions
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepReply:
+    """The engine's answer to every `Progress`: continue, or cancel at this step boundary."""
+
+    cancel: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Heartbeat:
+    """Sent by an idle leader so the other ranks' blocking broadcast never reaches the collective timeout."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ready:
+    replica: int
+    variant: Variant
+    pids: tuple[int, ...]  # one per rank of the replica, in rank order
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartupFailed:
+    replica: int
+    message: str  # every failing rank's error with its traceback
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Progress:
+    request_id: int
+    step: int
+    total: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSucceeded:
+    request_id: int
+    result: VideoResult
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunFailed:
+    """A request failed on some rank. `kind` picks the exception the engine raises: "value" (user error,
+    ValueError), "cancelled" (RequestCancelled) or "runtime" (RuntimeError). `replica_broken` says the
+    replica's ranks disagree and it has shut down."""
+
+    request_id: int
+    kind: str
+    message: str
+    replica_broken: bool = False

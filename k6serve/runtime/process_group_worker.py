@@ -1,0 +1,436 @@
+"""The SPMD runtime: one process per rank, grouped into dp replicas, driven by `MultiProcessWorker`.
+
+Engine side: `MultiProcessWorker(config)` starts the ranks (or joins the ones torchrun started), waits until
+every replica's leader (its first rank) reports `Ready`, then hands each request to an idle replica over a
+socket and relays progress and cancellation step by step. It has the members the `Engine` uses (`variant`,
+`resolve`, `run`), so `Engine(config, worker=MultiProcessWorker(config))` serves with any number of ranks,
+including 1.
+
+Rank side (`rank_main`): join the process group, build the groups of the layout, build the per-rank worker,
+then loop: the leader receives a message and broadcasts it on the replica's CPU group, every rank runs the
+same request, the leader replies. A rank that dies is seen by the engine (its process sentinel, or the
+leader's socket closing) and fails the request at once; ranks blocked in a collective with it hit the
+collective timeout and exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.process import BaseProcess
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from k6serve.config import EngineConfig
+from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
+from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
+from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.runtime import messages
+from k6serve.runtime.engine import RequestCancelled
+from k6serve.runtime.launch import (
+    LOCAL_HOST,
+    RankSpec,
+    device_type_for,
+    init_distributed,
+    local_rank_specs,
+    start_process,
+    stop_processes,
+    torchrun_rank,
+)
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+_NO_OUTPUT = OutputOptions(save_output=False, return_frames=False)
+
+
+class RankWorker(Protocol):
+    """What each rank builds: the model worker of its device (see `runtime.worker.ModelWorker`)."""
+
+    variant: Variant
+
+    def run(self, params: SamplingParams, output: OutputOptions,
+            on_step: ProgressCallback | None = None) -> VideoResult: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """Who this rank is: its spec, device and process groups."""
+
+    spec: RankSpec
+    device: torch.device
+    groups: ParallelGroups
+
+    @property
+    def is_leader(self) -> bool:
+        return self.spec.rank == self.groups.replica_ranks[0]
+
+
+RankWorkerFactory = Callable[[EngineConfig, RankContext], RankWorker]
+
+
+def build_model_worker(config: EngineConfig, context: RankContext) -> RankWorker:
+    """The default per-rank worker: the single-device `ModelWorker` on this rank's device."""
+    from k6serve.runtime.worker import ModelWorker
+
+    return ModelWorker(config)
+
+
+def _broadcast(message: object, context: RankContext) -> object:
+    """The leader's `message` on every rank of the replica (CPU group, collective timeout applies)."""
+    box = [message]
+    dist.broadcast_object_list(box, src=context.groups.replica_ranks[0], group=context.groups.control)
+    return box[0]
+
+
+def _gather(item: object, context: RankContext) -> list[object]:
+    items: list[object] = [None] * len(context.groups.replica_ranks)
+    dist.all_gather_object(items, item, group=context.groups.control)
+    return items
+
+
+def _classify(error: BaseException, rank: int) -> tuple[str, str]:
+    if isinstance(error, RequestCancelled):
+        return "cancelled", str(error)
+    if isinstance(error, ValueError):
+        return "value", str(error)
+    return "runtime", f"rank {rank}: {''.join(traceback.format_exception(error))}"
+
+
+class _ReplicaLoop:
+    """The request loop of one rank; `connection` is the engine socket on the leader, None elsewhere."""
+
+    def __init__(self, worker: RankWorker, context: RankContext, connection: Connection | None):
+        self.worker = worker
+        self.context = context
+        self.connection = connection
+        self.heartbeat_s = min(30.0, context.spec.timeout_s / 4)
+
+    def serve(self) -> None:
+        while True:
+            message = _broadcast(self._next_message() if self.connection else None, self.context)
+            if isinstance(message, messages.Shutdown):
+                return
+            if isinstance(message, messages.RunRequest) and not self._run(message):
+                return
+
+    def _next_message(self) -> object:
+        assert self.connection is not None
+        try:
+            if not self.connection.poll(self.heartbeat_s):
+                return messages.Heartbeat()
+            return self.connection.recv()
+        except (EOFError, OSError):
+            logger.warning("the engine closed its connection; replica %d shuts down", self.context.groups.replica)
+            return messages.Shutdown()
+
+    def _on_step(self, request_id: int) -> ProgressCallback:
+        def on_step(step: int, total: int) -> None:
+            cancel = False
+            if self.connection is not None:
+                self.connection.send(messages.Progress(request_id=request_id, step=step, total=total))
+                reply = self.connection.recv()
+                assert isinstance(reply, messages.StepReply), reply
+                cancel = reply.cancel
+            if _broadcast(cancel, self.context):
+                raise RequestCancelled(f"request {request_id} was cancelled at step {step}/{total}")
+
+        return on_step
+
+    def _run(self, request: messages.RunRequest) -> bool:
+        """Run one request on this rank; returns False when the replica can no longer serve."""
+        output = request.output if self.context.is_leader else _NO_OUTPUT
+        result, failure = None, None
+        try:
+            result = self.worker.run(request.params, output, on_step=self._on_step(request.request_id))
+        except Exception as error:  # reported to the engine below; the loop keeps serving
+            failure = _classify(error, self.context.spec.rank)
+        try:
+            failures = _gather(failure, self.context)
+        except Exception as error:  # a peer is gone: this replica cannot run collectives any more
+            failures, broken = [failure or ("runtime", f"a rank of the replica stopped responding: {error}")], True
+        else:
+            broken = any(f is None for f in failures) and any(f is not None for f in failures)
+        if self.connection is not None:
+            reported = [f for f in failures if f is not None]
+            if not reported:
+                self.connection.send(messages.RunSucceeded(request_id=request.request_id, result=result))
+            else:
+                kind, text = reported[0]
+                self.connection.send(messages.RunFailed(
+                    request_id=request.request_id, kind=kind, message=text, replica_broken=broken
+                ))
+        return not broken
+
+
+def rank_main(
+    spec: RankSpec,
+    config: EngineConfig,
+    build_rank_worker: RankWorkerFactory,
+    engine_address: tuple[str, int] | None,
+    authkey: bytes | None,
+) -> None:
+    """The body of one rank's process: join, build, report readiness, serve until shut down."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    device = init_distributed(spec)
+    try:
+        layout = ParallelLayout.from_config(config.parallel)
+        groups = build_groups(layout, spec.rank, backend=spec.backend, timeout_s=spec.timeout_s)
+        # Only rank 0 was told where the engine listens (other hosts' launchers do not know it).
+        box = [(engine_address, authkey)]
+        dist.broadcast_object_list(box, src=0)
+        engine_address, authkey = box[0]
+        context = RankContext(spec=spec, device=device, groups=groups)
+        worker, failure = None, None
+        try:
+            worker = build_rank_worker(config, context)
+        except Exception as error:
+            failure = f"rank {spec.rank}: {''.join(traceback.format_exception(error))}"
+        failures = _gather(failure, context)
+        pids = _gather(os.getpid(), context)
+        connection = None
+        if context.is_leader:
+            connection = Client(engine_address, authkey=authkey)
+            reported = [f for f in failures if f is not None]
+            if reported:
+                connection.send(messages.StartupFailed(replica=groups.replica, message="\n".join(reported)))
+            else:
+                connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids)))
+        if worker is not None and not any(failures):
+            _ReplicaLoop(worker, context, connection).serve()
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_worker_ranks(config: EngineConfig, build_rank_worker: RankWorkerFactory = build_model_worker) -> None:
+    """Run the ranks of a host that does not host the engine (--node-rank > 0, or torchrun rank > 0)."""
+    device_type = device_type_for(config.runtime.device)
+    spec = torchrun_rank(os.environ, world_size=config.parallel.num_gpus, device_type=device_type,
+                         timeout_s=config.parallel.dist_timeout_s)
+    if spec is not None:
+        rank_main(spec, config, build_rank_worker, None, None)
+        return
+    specs = local_rank_specs(config.parallel, device_type)
+    processes = [
+        start_process(rank_main, (spec, config, build_rank_worker, None, None), name=f"k6serve-rank{spec.rank}")
+        for spec in specs
+    ]
+    for process in processes:
+        process.join()
+
+
+@dataclasses.dataclass(eq=False)
+class _Replica:
+    index: int
+    connection: Connection
+    pids: tuple[int, ...]
+    processes: list[BaseProcess]  # the ranks of this replica started by this process
+    alive: bool = True
+
+
+class MultiProcessWorker:
+    """The engine's view of all ranks: `variant`, `resolve(params)` and `run(params, output, on_step)`.
+
+    `run` may be called from several threads at once: each call takes an idle replica (dp) and waits for it.
+    """
+
+    def __init__(self, config: EngineConfig, *, build_rank_worker: RankWorkerFactory = build_model_worker):
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"--node-rank {parallel.node_rank} hosts worker ranks only; the engine runs on node 0. Call "
+                f"serve_worker_ranks(config) on this host."
+            )
+        self.config = config
+        self.layout = ParallelLayout.from_config(parallel)
+        device_type = device_type_for(config.runtime.device)
+        torchrun = torchrun_rank(os.environ, world_size=parallel.num_gpus, device_type=device_type,
+                                 timeout_s=parallel.dist_timeout_s)
+        if torchrun is not None and torchrun.rank != 0:
+            raise ValueError(
+                f"torchrun rank {torchrun.rank} hosts a worker rank only; the engine runs on rank 0. "
+                f"Call serve_worker_ranks(config) on the other ranks."
+            )
+        many_hosts = parallel.nnodes > 1 or (torchrun is not None and torchrun.world_size > 1)
+        advertised_host = torchrun.master_addr if torchrun else (
+            parallel.dist_init_addr.rpartition(":")[0] if parallel.dist_init_addr else LOCAL_HOST)
+        authkey = os.urandom(32)
+        self._listener = Listener(("0.0.0.0" if many_hosts else LOCAL_HOST, 0), authkey=authkey)
+        address = (advertised_host if many_hosts else LOCAL_HOST, self._listener.address[1])
+        self._processes: dict[int, BaseProcess] = {}
+        self._rank0_thread: threading.Thread | None = None
+        if torchrun is not None:
+            # This process is global rank 0 as well as the engine: run its rank loop on a thread.
+            self._rank0_thread = threading.Thread(
+                target=rank_main, args=(torchrun, config, build_rank_worker, address, authkey),
+                name="k6serve-rank0", daemon=True,
+            )
+            self._rank0_thread.start()
+        else:
+            for spec in local_rank_specs(parallel, device_type):
+                args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
+                        authkey if spec.rank == 0 else None)
+                self._processes[spec.rank] = start_process(rank_main, args, name=f"k6serve-rank{spec.rank}")
+        self._ids = itertools.count()
+        self._idle: list[_Replica] = []
+        self._replicas: list[_Replica] = []
+        self._changed = threading.Condition()
+        try:
+            self._replicas = self._wait_until_ready(parallel.dist_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._idle = list(self._replicas)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Global rank -> process id of every rank (for tests and diagnostics)."""
+        return {
+            rank: pid
+            for replica in self._replicas
+            for rank, pid in zip(self.layout.replica_ranks(replica.index), replica.pids)
+        }
+
+    def _dead_ranks(self, ranks: list[int] | None = None) -> list[str]:
+        found = []
+        for rank, process in sorted(self._processes.items()):
+            if (ranks is None or rank in ranks) and process.exitcode is not None:
+                found.append(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+        return found
+
+    def _wait_until_ready(self, timeout_s: float) -> list[_Replica]:
+        connections: queue.Queue = queue.Queue()
+
+        def accept() -> None:
+            for _ in range(self.layout.dp):
+                try:
+                    connections.put(self._listener.accept())
+                except OSError:
+                    return  # the listener was closed: start-up failed
+
+        threading.Thread(target=accept, name="k6serve-accept", daemon=True).start()
+        replicas: dict[int, _Replica] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replicas) < self.layout.dp:
+            dead = self._dead_ranks()
+            if dead:
+                raise RuntimeError(f"worker start-up failed: {'; '.join(dead)} (see its log above).")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker ranks were not ready within {timeout_s:.0f} s (--dist-timeout-s).")
+            try:
+                connection = connections.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            ready = connection.recv()
+            if isinstance(ready, messages.StartupFailed):
+                raise RuntimeError(f"replica {ready.replica} failed to start:\n{ready.message}")
+            assert isinstance(ready, messages.Ready), ready
+            ranks = self.layout.replica_ranks(ready.replica)
+            processes = [self._processes[r] for r in ranks if r in self._processes]
+            replicas[ready.replica] = _Replica(ready.replica, connection, ready.pids, processes)
+            self.variant: Variant = ready.variant
+        return [replicas[index] for index in range(self.layout.dp)]
+
+    def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
+        if self.variant.family == GENERATION:
+            return resolve_generate(params, self.variant)
+        return resolve_upscale(params, self.variant)
+
+    def run(self, params: SamplingParams, output: OutputOptions,
+            on_step: ProgressCallback | None = None) -> VideoResult:
+        replica = self._take_idle_replica()
+        try:
+            return self._run_on(replica, params, output, on_step)
+        finally:
+            with self._changed:
+                if replica.alive:
+                    self._idle.append(replica)
+                self._changed.notify_all()
+
+    def _take_idle_replica(self) -> _Replica:
+        with self._changed:
+            while True:
+                if not any(r.alive for r in self._replicas):
+                    raise RuntimeError("every worker replica has died; restart the engine (see the errors above).")
+                if self._idle:
+                    return self._idle.pop(0)
+                self._changed.wait()
+
+    def _run_on(self, replica: _Replica, params: SamplingParams, output: OutputOptions,
+                on_step: ProgressCallback | None) -> VideoResult:
+        request_id = next(self._ids)
+        cancelled: BaseException | None = None
+        try:
+            replica.connection.send(messages.RunRequest(request_id=request_id, params=params, output=output))
+            while True:
+                sentinels = [p.sentinel for p in replica.processes]
+                ready = wait([replica.connection, *sentinels])
+                if replica.connection not in ready:
+                    raise EOFError
+                message = replica.connection.recv()
+                if isinstance(message, messages.Progress):
+                    if cancelled is None and on_step is not None:
+                        try:
+                            on_step(message.step, message.total)
+                        except BaseException as error:  # the engine cancels by raising from on_step
+                            cancelled = error
+                    replica.connection.send(messages.StepReply(cancel=cancelled is not None))
+                    continue
+                break
+        except (EOFError, OSError):
+            raise self._replica_died(replica, request_id) from None
+        if isinstance(message, messages.RunSucceeded):
+            return message.result
+        assert isinstance(message, messages.RunFailed), message
+        if message.replica_broken:
+            raise self._replica_died(replica, request_id, message.message)
+        if message.kind == "cancelled":
+            raise cancelled if cancelled is not None else RequestCancelled(message.message)
+        if message.kind == "value":
+            raise ValueError(message.message)
+        raise RuntimeError(f"request {request_id} failed on replica {replica.index}: {message.message}")
+
+    def _replica_died(self, replica: _Replica, request_id: int, detail: str = "") -> RuntimeError:
+        replica.alive = False
+        ranks = self.layout.replica_ranks(replica.index)
+        # A rank's sentinel fires as it exits, slightly before its exit code can be read; the leader may also
+        # report the broken group before the dead rank's sentinel fires.
+        ended = wait([p.sentinel for p in replica.processes], timeout=2.0)
+        for process in replica.processes:
+            if process.sentinel in ended:
+                process.join(2.0)
+        dead = self._dead_ranks(ranks) or ["the replica's leader closed its connection"]
+        replica.connection.close()
+        stop_processes(replica.processes, grace_s=1.0)
+        remaining = sum(r.alive for r in self._replicas)
+        return RuntimeError(
+            f"request {request_id} failed: worker replica {replica.index} (ranks {ranks}) died while running "
+            f"it: {'; '.join(dead)}{'. ' + detail if detail else ''}. The replica was shut down; "
+            f"{remaining} replica(s) still serving."
+        )
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask every replica to shut down, then stop whatever is still running."""
+        for replica in self._replicas:
+            if replica.alive:
+                try:
+                    replica.connection.send(messages.Shutdown())
+                except OSError:
+                    pass
+                replica.alive = False
+        stop_processes(list(self._processes.values()), grace_s=timeout_s)
+        if self._rank0_thread is not None:
+            self._rank0_thread.join(timeout_s)
+        self._listener.close()
+        with self._changed:
+            self._changed.notify_all()

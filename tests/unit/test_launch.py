@@ -1,0 +1,240 @@
+"""The multi-process runtime on CPU (gloo), driven through the real `Engine`, with a fake per-rank worker.
+
+The fake worker does real collectives (an all-reduce per step over the replica), so a wrong rank layout, a
+missing broadcast or a rank that runs a different request shows up in the returned value.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.models.variants import VARIANTS, resolve_generate
+from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.runtime.engine import Engine, RequestCancelled
+from k6serve.runtime.launch import find_free_port, local_rank_specs, torchrun_rank
+from k6serve.runtime.process_group_worker import MultiProcessWorker, RankContext
+
+pytestmark = pytest.mark.multiprocess
+TIMEOUT_S = 20.0
+
+
+class FakeRankWorker:
+    """Per-rank stand-in for ModelWorker: one all-reduce per step; the prompt picks test behaviours."""
+
+    def __init__(self, config: EngineConfig, context: RankContext):
+        self.variant = VARIANTS["pro"]
+        self.context = context
+
+    def run(self, params: SamplingParams, output: OutputOptions, on_step=None) -> VideoResult:
+        request, _ = resolve_generate(params, self.variant)
+        prompt, rank = request.prompt, self.context.spec.rank
+        if prompt.startswith("touch:"):
+            Path(prompt.removeprefix("touch:")).touch()
+        if prompt.startswith("wait-for:"):
+            path = Path(prompt.removeprefix("wait-for:"))
+            deadline = time.monotonic() + TIMEOUT_S
+            while not path.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{path} never appeared: the other replica did not run concurrently")
+                time.sleep(0.02)
+        if prompt == "bad-value":
+            raise ValueError("the fake worker rejects this prompt")
+        total = 0.0
+        for step in range(request.num_inference_steps):
+            value = torch.tensor([float(request.seed + step + rank)])
+            dist.all_reduce(value, group=self.context.groups.replica_group)
+            total += value.item()
+            if prompt == "slow":
+                time.sleep(0.2)
+            if on_step is not None:
+                on_step(step + 1, request.num_inference_steps)
+        return VideoResult(
+            output_file_path=None, frames=None, audio=None, audio_sample_rate=44100, fps=request.fps,
+            seed=request.seed, timings={"total": 0.0}, peak_memory_mb=0.0, num_frames=request.num_frames,
+            height=request.height, width=request.width,
+            notes=[f"replica={self.context.groups.replica}", f"value={total}", f"leader_output={output}"],
+        )
+
+
+def make_config(**parallel) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model_path="fake-k6", load_format="dummy"),
+        parallel=ParallelConfig(dist_timeout_s=TIMEOUT_S, **parallel),
+        runtime=RuntimeConfig(device="cpu"),
+    )
+
+
+def expected_value(seed: int, steps: int, ranks: list[int]) -> float:
+    return sum(len(ranks) * (seed + step) + sum(ranks) for step in range(steps))
+
+
+def note(result: VideoResult, key: str) -> str:
+    return next(n.split("=", 1)[1] for n in result.notes if n.startswith(key + "="))
+
+
+@pytest.fixture(scope="module")
+def engine_two_ranks():
+    worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    yield engine, worker
+    engine.shutdown()
+    worker.close()
+
+
+def test_torchrun_environment_is_parsed():
+    environ = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+    spec = torchrun_rank(environ, world_size=4, device_type="cpu", timeout_s=5)
+    assert (spec.rank, spec.local_rank, spec.master_addr, spec.master_port) == (3, 1, "10.0.0.1", 29511)
+    assert spec.from_torchrun and spec.backend == "gloo"
+    assert torchrun_rank({}, world_size=4, device_type="cpu", timeout_s=5) is None
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 .* --num-gpus 2"):
+        torchrun_rank(environ, world_size=2, device_type="cpu", timeout_s=5)
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        torchrun_rank({k: v for k, v in environ.items() if k != "MASTER_PORT"}, world_size=4,
+                      device_type="cpu", timeout_s=5)
+
+
+def test_multi_node_rank_specs():
+    parallel = ParallelConfig(num_gpus=4, ulysses_degree=4, nnodes=2, node_rank=1, dist_init_addr="node0:29600")
+    specs = local_rank_specs(parallel, "cpu")
+    assert [(s.rank, s.local_rank, s.master_addr, s.master_port) for s in specs] == [
+        (2, 0, "node0", 29600), (3, 1, "node0", 29600)
+    ]
+    with pytest.raises(ValueError, match="--dist-init-addr"):
+        local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2, nnodes=2), "cpu")
+    with pytest.raises(ValueError, match="multiple of --nnodes"):
+        local_rank_specs(ParallelConfig(num_gpus=3, ulysses_degree=3, nnodes=2, dist_init_addr="h:1"), "cpu")
+    single = local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu")
+    assert single[0].master_addr == "127.0.0.1" and single[0].master_port > 0
+
+
+def test_two_ranks_run_the_same_request(engine_two_ranks):
+    engine, worker = engine_two_ranks
+    assert engine.variant.name == "pro"
+    progress = []
+    output = OutputOptions(save_output=False)
+    result = engine.generate(SamplingParams(prompt="cat", seed=7, num_inference_steps=3), output,
+                             on_progress=lambda step, total: progress.append((step, total)))
+    assert float(note(result, "value")) == expected_value(7, 3, [0, 1])
+    assert progress == [(1, 3), (2, 3), (3, 3)]
+    assert note(result, "leader_output") == repr(output)  # the leader ran with the caller's output options
+    assert sorted(worker.pids) == [0, 1] and len(set(worker.pids.values())) == 2
+
+
+def test_user_error_and_cancellation_keep_the_replica_serving(engine_two_ranks):
+    engine, _ = engine_two_ranks
+    with pytest.raises(ValueError, match="rejects this prompt"):
+        engine.generate(SamplingParams(prompt="bad-value", num_inference_steps=2))
+    job = engine.submit(SamplingParams(prompt="cat", num_inference_steps=5),
+                        on_progress=lambda step, total: job.cancel() if step == 2 else None)
+    with pytest.raises(RequestCancelled):
+        job.future.result(timeout=TIMEOUT_S)
+    result = engine.generate(SamplingParams(prompt="cat", seed=1, num_inference_steps=2))
+    assert float(note(result, "value")) == expected_value(1, 2, [0, 1])
+
+
+def test_one_rank_serves_through_the_same_runtime():
+    worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        result = engine.generate(SamplingParams(prompt="cat", seed=3, num_inference_steps=2))
+        assert float(note(result, "value")) == expected_value(3, 2, [0])
+    finally:
+        engine.shutdown()
+        worker.close()
+    assert all(p.exitcode == 0 for p in worker._processes.values())
+
+
+def test_dp2_serves_two_requests_at_once(tmp_path: Path):
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
+    try:
+        marker = tmp_path / "second-started"
+        results: dict[str, VideoResult] = {}
+
+        def run(name: str, prompt: str) -> None:
+            results[name] = worker.run(SamplingParams(prompt=prompt, seed=5, num_inference_steps=2),
+                                       OutputOptions(save_output=False))
+
+        # The first request waits until the second one has started: it only finishes if both run at once.
+        first = threading.Thread(target=run, args=("first", f"wait-for:{marker}"))
+        first.start()
+        run("second", f"touch:{marker}")
+        first.join(TIMEOUT_S + 5)
+        assert {note(r, "replica") for r in results.values()} == {"0", "1"}
+        for result in results.values():
+            ranks = [int(note(result, "replica"))]  # each replica has one rank, whose rank is its index
+            assert float(note(result, "value")) == expected_value(5, 2, ranks)
+    finally:
+        worker.close()
+
+
+def test_killed_rank_fails_the_request_and_engine_shuts_down():
+    worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    victim = worker.pids[1]
+
+    def kill_at_step_one(step: int, total: int) -> None:
+        if step == 1:
+            os.kill(victim, signal.SIGKILL)
+
+    try:
+        start = time.monotonic()
+        job = engine.submit(SamplingParams(prompt="slow", num_inference_steps=20), on_progress=kill_at_step_one)
+        with pytest.raises(RuntimeError, match=r"replica 0 .* died .*rank 1 .*exited with code -9"):
+            job.future.result(timeout=TIMEOUT_S + 10)
+        assert time.monotonic() - start < TIMEOUT_S + 10
+        with pytest.raises(RuntimeError, match="every worker replica has died"):
+            engine.generate(SamplingParams(prompt="cat", num_inference_steps=1))
+    finally:
+        engine.shutdown()
+        worker.close(timeout_s=5)
+    assert all(not p.is_alive() for p in worker._processes.values())
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {test_dir!r})
+    from test_launch import FakeRankWorker, make_config, note
+    from k6serve.request import SamplingParams
+    from k6serve.runtime.engine import Engine
+    from k6serve.runtime.process_group_worker import MultiProcessWorker, serve_worker_ranks
+
+    config = make_config(num_gpus=2, ulysses_degree=2)
+    if os.environ["RANK"] == "0":
+        worker = MultiProcessWorker(config, build_rank_worker=FakeRankWorker)
+        engine = Engine(config, worker=worker)
+        result = engine.generate(SamplingParams(prompt="cat", seed=11, num_inference_steps=2))
+        print("VALUE", note(result, "value"))
+        engine.shutdown()
+        worker.close()
+    else:
+        serve_worker_ranks(config, FakeRankWorker)
+        print("WORKER DONE")
+""")
+
+
+def test_torchrun_style_environment_is_honoured():
+    port = find_free_port()
+    script = TORCHRUN_SCRIPT.format(test_dir=str(Path(__file__).parent))
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2]))
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert f"VALUE {expected_value(11, 2, [0, 1])}" in outputs[0], outputs[0]
+    assert "WORKER DONE" in outputs[1], outputs[1]
