@@ -143,3 +143,47 @@ def test_inner_attention_carries_role_and_backend():
         module(query, key, value, key_mask),
         attention(query, key, value, key_mask_BL=key_mask, backend="sdpa"),
     )
+
+
+def _fa3_runs() -> bool:
+    return torch.cuda.is_available() and attention_ops.fa3_unavailable_reason("cuda") is None
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_fa3 = pytest.mark.skipif(not _fa3_runs(), reason="needs FlashAttention-3 (fa3-fwd) on Hopper")
+CUDA_BACKENDS = ["torch_sdpa", pytest.param("fa", marks=needs_fa3)]
+
+
+def _cuda_bf16_inputs():
+    query, key, value, key_mask = _inputs(length=300, keys=260, heads=4, head_dim=64)
+    return (*(x.cuda().bfloat16() for x in (query, key, value)), key_mask.cuda())
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_bf16_attention_matches_math_reference(backend, masked):
+    query, key, value, key_mask = _cuda_bf16_inputs()
+    key_mask = key_mask if masked else None
+    out = attention(query, key, value, key_mask_BL=key_mask, backend=backend)
+    expected, _ = _math_reference(query, key, value, key_mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_attention_with_lse_matches_math_reference(backend, masked):
+    query, key, value, key_mask = _cuda_bf16_inputs()
+    key_mask = key_mask if masked else None
+    out, lse = attention_with_lse(query, key, value, key_mask_BL=key_mask, backend=backend)
+    expected_out, expected_lse = _math_reference(query, key, value, key_mask)
+    assert lse.dtype == torch.float32 and lse.shape == expected_lse.shape
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(out.double(), expected_out, atol=2e-2, rtol=2e-2)
+
+
+@needs_fa3
+def test_default_backend_on_hopper_with_fa3_is_fa():
+    assert resolve_attention_backend(None, "cuda") == "fa"
