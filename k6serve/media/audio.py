@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 OUTPUT_SAMPLE_RATE = 44100
 
 
-def processed_num_samples(num_frames: int, fps: float, sample_rate: int = OUTPUT_SAMPLE_RATE) -> int:
+def processed_num_samples(
+    num_frames: int, fps: float, sample_rate: int = OUTPUT_SAMPLE_RATE
+) -> int:
     """Audio samples covering `num_frames` video frames at `fps` (Python round, half-to-even)."""
     if num_frames < 1 or not fps > 0:
         raise ValueError(f"need num_frames >= 1 and fps > 0, got {num_frames} frames at {fps} fps")
@@ -71,7 +73,9 @@ def read_source_audio(
             logger.info(
                 "%s: soundtrack has %d samples, shorter than the %d of the processed video; "
                 "kept as is (audio is trimmed, never padded)",
-                path, waveform.shape[0], num_samples,
+                path,
+                waveform.shape[0],
+                num_samples,
             )
         waveform = waveform[:num_samples]
     return waveform

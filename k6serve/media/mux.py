@@ -9,9 +9,10 @@ because no metadata is set.
 
 from __future__ import annotations
 
-import logging
 import functools
+import logging
 import math
+import numbers
 import os
 import platform
 import secrets
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 X264_THREADS = 8
 AAC_BIT_RATE = 192_000
 AAC_FRAME_SIZE = 1024  # samples per AAC frame
-AAC_SAMPLE_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 12000, 11025, 8000)
+AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200)
 # Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
 FPS_MAX_DENOMINATOR = 10_000
 
@@ -75,8 +76,8 @@ def fps_fraction(fps: float | Fraction) -> Fraction:
     """Exact frame rate for the container time base (23.976 -> 2997/125, 24000/1001 stays)."""
     if isinstance(fps, Fraction):
         rate = fps
-    elif isinstance(fps, (int, float)) and math.isfinite(fps):
-        rate = Fraction(fps).limit_denominator(FPS_MAX_DENOMINATOR)
+    elif isinstance(fps, numbers.Real) and math.isfinite(fps):
+        rate = Fraction(float(fps)).limit_denominator(FPS_MAX_DENOMINATOR)
     else:
         raise ValueError(f"fps must be a finite number or a Fraction, got {fps!r}")
     if rate <= 0:
@@ -103,8 +104,8 @@ def x264_cpu_flags() -> str | None:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                  if line.startswith("flags")), [])
+    flag_lines = [line for line in cpuinfo.splitlines() if line.startswith("flags")]
+    flags = flag_lines[0].split(":", 1)[1].split() if flag_lines else []
     return _X264_AVX2_FLAGS if "avx512f" in flags else None
 
 
@@ -134,7 +135,9 @@ def _check_audio(audio: np.ndarray, sample_rate: int) -> np.ndarray:
     if not np.isfinite(waveform).all():
         raise ValueError("audio contains NaN or infinite samples; fix the waveform before muxing")
     if sample_rate not in AAC_SAMPLE_RATES:
-        raise ValueError(f"sample_rate {sample_rate} is not an AAC rate; use one of {AAC_SAMPLE_RATES}")
+        raise ValueError(
+            f"sample_rate {sample_rate} is not an AAC rate; use one of {AAC_SAMPLE_RATES}"
+        )
     return np.clip(waveform, -1.0, 1.0)
 
 
@@ -164,7 +167,9 @@ def _encode(
                 )
         container.mux(video_stream.encode(None))
         if audio_stream is not None:
-            _mux_audio(container, audio_stream, waveform, next_audio_start, waveform.shape[0], sample_rate)
+            _mux_audio(
+                container, audio_stream, waveform, next_audio_start, waveform.shape[0], sample_rate
+            )
             container.mux(audio_stream.encode(None))
 
 

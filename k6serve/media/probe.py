@@ -50,15 +50,16 @@ def probe(path: str | os.PathLike[str]) -> MediaInfo:
                     num_samples += frame.samples
         except av.error.FFmpegError as exc:
             raise ValueError(f"cannot decode media file {str(path)!r}: {exc}") from exc
+        audio = None if audio_stream is None else audio_stream.codec_context
         return MediaInfo(
             width=video_stream.codec_context.width,
             height=video_stream.codec_context.height,
             num_frames=num_frames,
             fps=float(rate) if rate else 0.0,
             video_codec=video_stream.codec_context.name,
-            has_audio=audio_stream is not None,
-            audio_codec=None if audio_stream is None else audio_stream.codec_context.name,
-            audio_sample_rate=None if audio_stream is None else audio_stream.codec_context.sample_rate,
-            audio_channels=None if audio_stream is None else audio_stream.codec_context.layout.nb_channels,
-            audio_num_samples=None if audio_stream is None else num_samples,
+            has_audio=audio is not None,
+            audio_codec=None if audio is None else audio.name,
+            audio_sample_rate=None if audio is None else audio.sample_rate,
+            audio_channels=None if audio is None else audio.layout.nb_channels,
+            audio_num_samples=None if audio is None else num_samples,
         )

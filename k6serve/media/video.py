@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import av
 import av.container
@@ -48,7 +48,8 @@ class SourceClip:
     fps: int  # the fps of the processed clip, used for the output file and the audio trim
     source_fps: float
     source_indices: tuple[int, ...]  # index in the source (decode order) of each kept frame
-    num_decoded_frames: int  # frames decoded; less than the source length when decoding stopped early
+    # Frames decoded: less than the source length when decoding stopped early.
+    num_decoded_frames: int
     notes: tuple[str, ...]  # what was changed relative to the source, one sentence each
 
     @property
@@ -131,9 +132,7 @@ def read_sr_source(
         source_fps = _stream_fps(stream, path)
         plan = plan_frame_rate(source_fps, target_fps=target_fps, tolerance=tolerance)
         selection = _FrameSelection(plan, max_frames)
-        frames = [
-            frame for _, frame in _decode_rgb(container, stream, path, keep=selection.offer)
-        ]
+        frames = [frame for _, frame in _decode_rgb(container, stream, path, keep=selection.offer)]
     num_decoded = selection.num_decoded
     indices = sr_source_indices(num_decoded, plan, max_frames=max_frames)
     # Decoding may have gone past the last selected frame; the selection is always a prefix.
@@ -225,7 +224,7 @@ def _decode_rgb(
     keep: Callable[[int], bool | None],
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (index, RGB frame) for decoded frames where `keep(index)` is True; stop on None."""
-    stream.thread_type = "AUTO"
+    stream.codec_context.thread_type = "AUTO"
     size = None
     try:
         for index, frame in enumerate(container.decode(stream)):

@@ -60,7 +60,9 @@ def make_clip(
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.time_base = stream.codec_context.time_base = 1 / rate
         stream.codec_context.options = {"crf": "10", "threads": "1"}
-        audio_stream = _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
+        audio_stream = (
+            _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
+        )
         for index, frame_HWC in enumerate(moving_pattern(width, height, num_frames)):
             frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
             frame.pts = index
@@ -73,7 +75,9 @@ def make_clip(
     return path
 
 
-def make_audio_only_file(path: str | os.PathLike[str], *, seconds: float, sample_rate: int = 44100) -> Path:
+def make_audio_only_file(
+    path: str | os.PathLike[str], *, seconds: float, sample_rate: int = 44100
+) -> Path:
     """Write an .mp4 holding only a mono AAC tone (no video stream), for error-path tests."""
     path = Path(path)
     with av.open(str(path), mode="w", format="mp4") as container:

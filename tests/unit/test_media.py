@@ -1,0 +1,404 @@
+"""k6serve.media on synthetic clips: MP4 writing, the SR 24 fps rule, source audio, probe, images."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from k6serve import media
+from k6serve.media import mux
+from k6serve.media.video import floor_frame_count, plan_frame_rate, sr_source_indices
+from k6serve.testing.clips import make_audio_only_file, make_clip, moving_pattern
+
+AAC_FRAME_SIZE = 1024
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("clips")
+    size = {"width": 64, "height": 48}
+    return {
+        "30fps_stereo": make_clip(
+            folder / "a30.mp4", **size, num_frames=40, fps=30, audio="stereo_tone"
+        ),
+        "24fps_silent": make_clip(folder / "a24.mp4", **size, num_frames=40, fps=24),
+        "23.976_mono": make_clip(
+            folder / "a23.mp4", **size, num_frames=40, fps=Fraction(24000, 1001), audio="mono_tone"
+        ),
+        "25fps_mkv": make_clip(folder / "a25.mkv", **size, num_frames=40, fps=25),
+        "12fps_mkv_stereo": make_clip(
+            folder / "a12.mkv", **size, num_frames=20, fps=12, audio="stereo_tone"
+        ),
+    }
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return 10 * np.log10(255.0**2 / mse)
+
+
+# ---- write_mp4 ----
+
+
+def test_round_trip_keeps_size_count_fps_and_pixels(tmp_path: Path) -> None:
+    frames = moving_pattern(96, 64, 17)
+    path = media.write_mp4(tmp_path / "out.mp4", frames, 24)
+    assert path == tmp_path / "out.mp4"
+    info = media.probe(path)
+    assert (info.width, info.height, info.num_frames, info.fps) == (96, 64, 17, 24.0)
+    assert info.video_codec == "h264" and not info.has_audio and info.audio_num_samples is None
+    decoded = media.read_video(path)
+    assert decoded.frames.shape == frames.shape and decoded.frames.dtype == np.uint8
+    assert decoded.fps == 24.0
+    assert _psnr(decoded.frames, frames) > 35.0  # crf 18 on a smooth pattern
+
+
+def test_flat_colors_survive_the_yuv_round_trip(tmp_path: Path) -> None:
+    # A BT.601/BT.709 mix-up between writing and reading shifts saturated colors by 10+ levels.
+    colors = np.array([[200, 30, 60], [20, 180, 90], [40, 60, 220], [128, 128, 128]], np.uint8)
+    frames = np.repeat(colors[:, None, None, :], 32, axis=1).repeat(32, axis=2)
+    decoded = media.read_video(media.write_mp4(tmp_path / "flat.mp4", frames, 24)).frames
+    centers = decoded[:, 8:24, 8:24].reshape(4, -1, 3).mean(axis=1)
+    np.testing.assert_allclose(centers, colors, atol=2.5)
+
+
+@pytest.mark.parametrize(
+    ("fps", "expected"),
+    [(23.976, 23.976), (Fraction(24000, 1001), 24000 / 1001), (29.97, 29.97), (12.5, 12.5)],
+)
+def test_fractional_fps_is_stored_exactly(tmp_path: Path, fps, expected: float) -> None:
+    path = media.write_mp4(tmp_path / "f.mp4", moving_pattern(32, 32, 5), fps)
+    assert media.probe(path).fps == pytest.approx(expected, rel=1e-12)
+    assert mux.fps_fraction(23.976) == Fraction(2997, 125)
+    assert mux.fps_fraction(24000 / 1001) == Fraction(24000, 1001)
+
+
+def test_audio_track_is_aac_mono_44k_and_as_long_as_the_waveform(tmp_path: Path) -> None:
+    num_samples = 30_000
+    time_s = np.arange(num_samples) / 44100
+    waveform = (0.6 * np.sin(2 * np.pi * 440 * time_s)).astype(np.float32)
+    path = media.write_mp4(tmp_path / "av.mp4", moving_pattern(64, 48, 17), 24, waveform)
+    info = media.probe(path)
+    assert (info.audio_codec, info.audio_channels, info.audio_sample_rate) == ("aac", 1, 44100)
+    # The AAC encoder prepends 1,024 priming samples and pads the last frame to 1,024. The MP4 edit
+    # list marks the priming, which FFmpeg's decoder drops; the padding of the last frame is still
+    # decoded. So the decoded length is the waveform length rounded up to whole AAC frames.
+    assert 0 <= info.audio_num_samples - num_samples < AAC_FRAME_SIZE
+    decoded = media.read_source_audio(path, num_samples=num_samples)
+    assert decoded.shape == (num_samples,)
+    # Aligned in time (priming removed) and faithful away from the encoder's start transient.
+    np.testing.assert_allclose(decoded[2048:-2048], waveform[2048:-2048], atol=0.02)
+
+
+def test_audio_is_clipped_to_unit_range(tmp_path: Path) -> None:
+    time_s = np.arange(20_000) / 44100
+    loud = (2.0 * np.sin(2 * np.pi * 220 * time_s)).astype(np.float32)
+    path = media.write_mp4(tmp_path / "loud.mp4", moving_pattern(32, 32, 10), 24, loud)
+    decoded = media.read_source_audio(path, num_samples=None)
+    assert 0.9 < np.abs(decoded[2048:-2048]).max() <= 1.0
+
+
+def test_same_input_gives_identical_bytes(tmp_path: Path) -> None:
+    frames = moving_pattern(320, 240, 17)  # a size where x264's AVX-512 path varied run to run
+    waveform = (0.3 * np.sin(np.arange(30_000) / 44100 * 2 * np.pi * 330)).astype(np.float32)
+    digests = set()
+    for attempt in range(3):
+        # Fill freed heap memory with garbage so reads of unwritten memory would show up.
+        garbage = [np.random.default_rng(attempt).bytes(1 << 20) for _ in range(8)]
+        del garbage
+        path = media.write_mp4(tmp_path / f"d{attempt}.mp4", frames, 24, waveform)
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+    code = (
+        "import sys, numpy as np; from k6serve import media; "
+        "from k6serve.testing.clips import moving_pattern; "
+        "w = (0.3 * np.sin(np.arange(30_000) / 44100 * 2 * np.pi * 330)).astype(np.float32); "
+        "media.write_mp4(sys.argv[1], moving_pattern(320, 240, 17), 24, w)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "sub.mp4")], check=True)
+    digests.add(hashlib.sha256((tmp_path / "sub.mp4").read_bytes()).hexdigest())
+    assert len(digests) == 1
+    assert b"Lavf" not in (tmp_path / "sub.mp4").read_bytes()  # no library version string
+
+
+def test_failure_mid_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_video_frame = mux._video_frame
+    listing_at_failure: list[str] = []
+
+    def failing_video_frame(frame_HWC: np.ndarray, index: int):
+        if index == 30:
+            listing_at_failure.extend(p.name for p in tmp_path.iterdir())
+            raise RuntimeError("encoder exploded")
+        return real_video_frame(frame_HWC, index)
+
+    monkeypatch.setattr(mux, "_video_frame", failing_video_frame)
+    waveform = np.zeros(44100, np.float32)
+    with pytest.raises(RuntimeError, match="encoder exploded"):
+        media.write_mp4(tmp_path / "out.mp4", moving_pattern(64, 48, 40), 24, waveform)
+    # The partial file existed, hidden, while writing; afterwards nothing is left.
+    assert len(listing_at_failure) == 1 and listing_at_failure[0].startswith(".out.mp4.")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_after_encoding_keeps_the_previous_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "out.mp4"
+    target.write_bytes(b"previous result")
+
+    def failing_fsync(path: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mux, "_fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        media.write_mp4(target, moving_pattern(32, 32, 3), 24)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.mp4"]
+    assert target.read_bytes() == b"previous result"
+
+
+def test_success_leaves_only_the_final_file(tmp_path: Path) -> None:
+    media.write_mp4(tmp_path / "out.mp4", moving_pattern(32, 32, 3), 24, np.zeros(5000, np.float32))
+    assert [p.name for p in tmp_path.iterdir()] == ["out.mp4"]
+
+
+@pytest.mark.parametrize(
+    ("frames", "kwargs", "message"),
+    [
+        (np.zeros((3, 64, 97, 3), np.uint8), {}, "97x64"),
+        (np.zeros((3, 63, 96, 3), np.uint8), {}, "96x63"),
+        (np.zeros((3, 64, 96, 3), np.float32), {}, "uint8"),
+        (np.zeros((3, 64, 96), np.uint8), {}, "shape"),
+        (np.zeros((0, 64, 96, 3), np.uint8), {}, "T >= 1"),
+        (np.zeros((3, 64, 96, 3), np.uint8), {"fps": 0}, "fps must be > 0"),
+        (np.zeros((3, 64, 96, 3), np.uint8), {"audio": np.zeros((2, 100), np.float32)}, "mono"),
+        (np.zeros((3, 64, 96, 3), np.uint8), {"audio": np.zeros(0, np.float32)}, "non-empty"),
+        (np.zeros((3, 64, 96, 3), np.uint8), {"audio": np.full(9, np.nan, np.float32)}, "NaN"),
+        (
+            np.zeros((3, 64, 96, 3), np.uint8),
+            {"audio": np.zeros(9, np.float32), "sample_rate": 44000},
+            "not an AAC rate",
+        ),
+        (np.zeros((3, 64, 96, 3), np.uint8), {"crf": 60}, "crf"),
+    ],
+)
+def test_write_mp4_rejects_bad_input(tmp_path: Path, frames, kwargs, message: str) -> None:
+    fps = kwargs.pop("fps", 24)
+    with pytest.raises(ValueError, match=message):
+        media.write_mp4(tmp_path / "bad.mp4", frames, fps, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_mp4_names_a_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        media.write_mp4(tmp_path / "missing" / "x.mp4", moving_pattern(32, 32, 2), 24)
+
+
+# ---- the SR 24 fps rule ----
+
+
+def test_frame_rate_plans() -> None:
+    fast = plan_frame_rate(30.0)
+    assert (fast.output_fps, fast.step) == (24, 1.25)
+    for near_fps, output_fps in ((25.0, 25), (24000 / 1001, 24), (24.0, 24)):
+        near = plan_frame_rate(near_fps)
+        assert (near.output_fps, near.step, near.note) == (output_fps, None, None)
+    assert plan_frame_rate(22.6).output_fps == 23  # within 1.5 of 24
+    low = plan_frame_rate(12.0)
+    assert (low.output_fps, low.step) == (12, None) and "no frame interpolation" in low.note
+    assert plan_frame_rate(22.5).output_fps == 22  # |22.5 - 24| is not < 1.5; round(22.5) is 22
+    with pytest.raises(ValueError, match="fps must be > 0"):
+        plan_frame_rate(0.0)
+
+
+def test_subsample_indices_use_half_to_even_rounding() -> None:
+    plan = plan_frame_rate(30.0)
+    # i * 1.25 = 2.5 -> 2, 7.5 -> 8, 12.5 -> 12, 17.5 -> 18 (Python round).
+    assert sr_source_indices(20, plan) == [0, 1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 14, 15, 16, 18, 19]
+    # i < int(11 / 1.25) = 8: index 10 (i = 8) is < 11 but not kept.
+    assert sr_source_indices(11, plan) == [0, 1, 2, 4, 5, 6, 8, 9]
+    assert sr_source_indices(1000, plan)[-1] == round(120 * 1.25)
+    assert len(sr_source_indices(1000, plan)) == 121
+
+
+def test_floor_to_one_plus_eight_k() -> None:
+    expected = {121: 121, 120: 113, 114: 113, 113: 113, 112: 105, 10: 9, 9: 9, 8: 1, 2: 1, 1: 1}
+    assert {n: floor_frame_count(n) for n in expected} == expected
+
+
+def test_30fps_source_is_subsampled_to_24(clips: dict[str, Path]) -> None:
+    source = media.read_sr_source(clips["30fps_stereo"])
+    expected = [round(i * 1.25) for i in range(int(40 / 1.25))][:25]  # 32 kept -> floor 25
+    assert (source.fps, source.source_fps) == (24, 30.0)
+    assert list(source.source_indices) == expected
+    all_frames = media.read_video(clips["30fps_stereo"]).frames
+    np.testing.assert_array_equal(source.frames, all_frames[expected])
+    assert any("subsampled 30 fps to 24 fps" in note for note in source.notes)
+
+
+def test_tail_of_a_short_fast_source_follows_the_int_bound(tmp_path: Path) -> None:
+    # 11 frames at 30 fps: the rule keeps 8 indices (not 9), which floors to 1 frame.
+    path = make_clip(tmp_path / "short.mp4", width=32, height=32, num_frames=11, fps=30)
+    source = media.read_sr_source(path)
+    assert source.source_indices == (0,) and source.num_frames == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "fps", "source_fps"),
+    [("25fps_mkv", 25, 25.0), ("23.976_mono", 24, 24000 / 1001), ("24fps_silent", 24, 24.0)],
+)
+def test_near_24fps_sources_keep_every_frame(clips, name: str, fps: int, source_fps: float) -> None:
+    source = media.read_sr_source(clips[name])
+    assert source.fps == fps and source.source_fps == pytest.approx(source_fps, rel=1e-12)
+    assert source.source_indices == tuple(range(33))  # 40 frames floored to 1 + 8k
+    np.testing.assert_array_equal(source.frames, media.read_video(clips[name]).frames[:33])
+
+
+def test_slow_source_keeps_its_rate_with_a_warning(clips, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="k6serve.media.video"):
+        source = media.read_sr_source(clips["12fps_mkv_stereo"])
+    assert (source.fps, source.num_frames, source.source_indices) == (12, 17, tuple(range(17)))
+    assert "no frame interpolation" in caplog.text
+
+
+def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
+    path = make_clip(tmp_path / "long24.mp4", width=32, height=32, num_frames=130, fps=24)
+    source = media.read_sr_source(path)
+    assert source.num_frames == 121 and source.source_indices == tuple(range(121))
+    assert source.num_decoded_frames == 121
+    assert any("limit 121" in note for note in source.notes)
+    # 30 fps: i < int(N / 1.25) reaches 121 once N = 152 frames are seen, out of 160.
+    path = make_clip(tmp_path / "long30.mp4", width=32, height=32, num_frames=160, fps=30)
+    source = media.read_sr_source(path)
+    assert source.num_frames == 121 and source.num_decoded_frames == 152
+    assert list(source.source_indices) == [round(i * 1.25) for i in range(121)]
+    # A smaller cap still floors to 1 + 8k.
+    assert media.read_sr_source(path, max_frames=50).num_frames == 49
+
+
+def test_read_errors_name_the_file(tmp_path: Path) -> None:
+    audio_only = make_audio_only_file(tmp_path / "sound.mp4", seconds=0.5)
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(b"not a video" * 50)
+    cases = [
+        (audio_only, r"sound\.mp4'.*no video stream \(found: audio \(aac\)\)"),
+        (tmp_path / "missing.mp4", r"missing\.mp4'.*does not exist"),
+        (tmp_path, "is a directory"),
+        (junk, r"junk\.mp4'.*FFmpeg could not open it"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message):
+            media.read_sr_source(path)
+        with pytest.raises(ValueError, match=message):
+            media.read_video(path)
+
+
+# ---- source audio ----
+
+
+def test_processed_num_samples_uses_python_round() -> None:
+    assert media.processed_num_samples(121, 24) == 222338  # 222337.5 -> even
+    assert media.processed_num_samples(25, 24) == 45938  # 45937.5 -> even
+    assert media.processed_num_samples(113, 25) == 199332
+
+
+def test_source_audio_is_mono_44k_trimmed_to_the_processed_clip(clips) -> None:
+    source = media.read_sr_source(clips["30fps_stereo"])
+    num_samples = media.processed_num_samples(source.num_frames, source.fps)
+    audio = media.read_source_audio(clips["30fps_stereo"], num_samples=num_samples)
+    assert audio.dtype == np.float32 and audio.shape == (num_samples,)
+    assert np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio[4096:] ** 2)) > 0.1
+
+
+def test_source_audio_full_length_after_resampling(clips) -> None:
+    audio = media.read_source_audio(clips["30fps_stereo"], num_samples=None)
+    # 40 frames at 30 fps of 48 kHz audio, resampled to 44.1 kHz; AAC decodes up to one more frame.
+    expected = 40 / 30 * 44100
+    assert 0 <= audio.shape[0] - expected < AAC_FRAME_SIZE * 44100 / 48000 + 64
+
+
+def test_short_soundtrack_is_not_padded(clips) -> None:
+    full = media.read_source_audio(clips["12fps_mkv_stereo"], num_samples=None)
+    longer = media.read_source_audio(clips["12fps_mkv_stereo"], num_samples=full.shape[0] + 5000)
+    np.testing.assert_array_equal(longer, full)
+
+
+def test_silent_source_gives_no_audio(clips) -> None:
+    assert media.read_source_audio(clips["24fps_silent"], num_samples=1000) is None
+    assert media.read_source_audio(clips["25fps_mkv"], num_samples=None) is None
+
+
+def test_sr_output_round_trip_with_source_audio(clips, tmp_path: Path) -> None:
+    source = media.read_sr_source(clips["23.976_mono"])
+    num_samples = media.processed_num_samples(source.num_frames, source.fps)
+    audio = media.read_source_audio(clips["23.976_mono"], num_samples=num_samples)
+    path = media.write_mp4(tmp_path / "sr.mp4", source.frames, source.fps, audio)
+    info = media.probe(path)
+    assert (info.num_frames, info.fps, info.audio_channels) == (33, 24.0, 1)
+    assert 0 <= info.audio_num_samples - num_samples < AAC_FRAME_SIZE
+
+
+# ---- probe ----
+
+
+def test_probe_reports_source_streams(clips) -> None:
+    info = media.probe(clips["12fps_mkv_stereo"])
+    assert (info.width, info.height, info.num_frames, info.fps) == (64, 48, 20, 12.0)
+    assert (info.video_codec, info.audio_codec) == ("h264", "aac")
+    assert (info.audio_sample_rate, info.audio_channels) == (48000, 2)
+    assert info.audio_num_samples >= 20 / 12 * 48000
+
+
+# ---- conditioning image ----
+
+
+def test_load_conditioning_image_converts_to_rgb(tmp_path: Path) -> None:
+    rgba = PIL.Image.new("RGBA", (40, 30), (10, 20, 30, 128))
+    rgba.save(tmp_path / "a.png")
+    loaded = media.load_conditioning_image(tmp_path / "a.png", 64, 96)
+    assert loaded.mode == "RGB" and loaded.size == (40, 30)
+    assert loaded.getpixel((0, 0)) == (10, 20, 30)
+    assert media.load_conditioning_image(PIL.Image.new("L", (5, 5), 7), 64, 96).mode == "RGB"
+
+
+def test_load_conditioning_image_applies_exif_orientation(tmp_path: Path) -> None:
+    image = PIL.Image.new("RGB", (40, 30), (200, 10, 10))
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees
+    image.save(tmp_path / "r.jpg", exif=exif)
+    assert media.load_conditioning_image(tmp_path / "r.jpg", 64, 64).size == (30, 40)
+
+
+def test_load_conditioning_image_errors(tmp_path: Path) -> None:
+    (tmp_path / "text.png").write_text("hello")
+    with pytest.raises(ValueError, match=r"text\.png'.*not a readable image"):
+        media.load_conditioning_image(tmp_path / "text.png", 64, 64)
+    with pytest.raises(ValueError, match="does not exist"):
+        media.load_conditioning_image(tmp_path / "none.png", 64, 64)
+    with pytest.raises(ValueError, match="height must be a positive integer"):
+        media.load_conditioning_image(PIL.Image.new("RGB", (4, 4)), 0, 64)
+
+
+@pytest.mark.parametrize("source_size", [(200, 90), (90, 200), (160, 96), (37, 23), (640, 383)])
+@pytest.mark.parametrize("target", [(64, 96), (96, 64), (48, 48)])
+def test_cover_resize_center_crop_matches_diffusers(source_size, target) -> None:
+    torch = pytest.importorskip("torch")
+    VideoProcessor = pytest.importorskip("diffusers.video_processor").VideoProcessor
+
+    height, width = target
+    rng = np.random.default_rng(sum(source_size))
+    pixels = rng.integers(0, 256, (source_size[1], source_size[0], 3), dtype=np.uint8)
+    image = PIL.Image.fromarray(pixels)
+    reference = VideoProcessor(vae_scale_factor=16).preprocess(
+        image, height=height, width=width, resize_mode="crop"
+    )
+    ours = media.cover_resize_center_crop(image, height, width)
+    assert ours.size == (width, height)
+    ours_tensor = torch.from_numpy(np.array(ours).astype(np.float32) / 255.0).permute(2, 0, 1)
+    assert torch.equal(reference[0], ours_tensor * 2.0 - 1.0)
