@@ -53,7 +53,9 @@ class SequenceSplitPoint:
     output_index: int | None = None
 
     def __post_init__(self) -> None:
-        assert (self.argument is None) != (self.output_index is None), "set argument or output_index"
+        assert (self.argument is None) != (self.output_index is None), (
+            "set argument or output_index"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

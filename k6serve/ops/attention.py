@@ -125,18 +125,28 @@ def _uses_fa3(backend: str, query_BLHD: Tensor, key_mask_BS: Tensor | None) -> b
 
 def _check_key_mask(key_mask_BS: Tensor | None) -> None:
     if key_mask_BS is not None and key_mask_BS.dtype != torch.bool:
-        raise ValueError(f"key_mask_BL must be a bool tensor (True = attend), got {key_mask_BS.dtype}")
+        raise ValueError(
+            f"key_mask_BL must be a bool tensor (True = attend), got {key_mask_BS.dtype}"
+        )
 
 
-def _sdpa(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None) -> Tensor:
+def _sdpa(
+    query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None
+) -> Tensor:
     # Same layout handling as diffusers' native backend: permuted views, mask viewed as (B, 1, 1, S).
     mask_B11S = None if key_mask_BS is None else key_mask_BS[:, None, None, :]
-    query_BHLD, key_BHSD, value_BHSD = (x.permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD))
+    query_BHLD, key_BHSD, value_BHSD = (
+        x.permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD)
+    )
     if query_BHLD.is_cuda:
         with sdpa_kernel(_CUDA_SDPA_PRIORITY, set_priority=True):
-            out_BHLD = F.scaled_dot_product_attention(query_BHLD, key_BHSD, value_BHSD, attn_mask=mask_B11S)
+            out_BHLD = F.scaled_dot_product_attention(
+                query_BHLD, key_BHSD, value_BHSD, attn_mask=mask_B11S
+            )
     else:
-        out_BHLD = F.scaled_dot_product_attention(query_BHLD, key_BHSD, value_BHSD, attn_mask=mask_B11S)
+        out_BHLD = F.scaled_dot_product_attention(
+            query_BHLD, key_BHSD, value_BHSD, attn_mask=mask_B11S
+        )
     return out_BHLD.permute(0, 2, 1, 3)
 
 
@@ -175,7 +185,9 @@ def _cudnn_attention_with_lse(
     query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor
 ) -> tuple[Tensor, Tensor]:
     batch, length, num_heads, _ = query_BLHD.shape
-    query_BHLD, key_BHSD, value_BHSD = (x.permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD))
+    query_BHLD, key_BHSD, value_BHSD = (
+        x.permute(0, 2, 1, 3) for x in (query_BLHD, key_BSHD, value_BSHD)
+    )
     outputs = torch.ops.aten._scaled_dot_product_cudnn_attention(
         query_BHLD, key_BHSD, value_BHSD, None, True, 0.0, False, False
     )
@@ -200,7 +212,9 @@ def attention_with_lse(
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
-        out_BLHD, lse_BHL = _fa3_function()(query_BLHD, key_BLHD, value_BLHD, return_attn_probs=True)
+        out_BLHD, lse_BHL = _fa3_function()(
+            query_BLHD, key_BLHD, value_BLHD, return_attn_probs=True
+        )
         return out_BLHD, lse_BHL
     if (
         query_BLHD.is_cuda

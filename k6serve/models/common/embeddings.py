@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 
-def sinusoidal_timestep_embedding(timestep_B: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+def sinusoidal_timestep_embedding(
+    timestep_B: Tensor, dim: int, max_period: float = 10000.0
+) -> Tensor:
     """[cos | sin] of t * exp(-ln(max_period) * i / (dim/2)), fp32 (diffusers `Timesteps(dim, True, 0)`)."""
     half_dim = dim // 2
     exponent = -math.log(max_period) * torch.arange(
@@ -63,7 +65,14 @@ class PatchEmbeddings(nn.Module):
         patch_t, patch_h, patch_w = self.patch_size
         patches_BTHWP = (
             latents_BTHWC.view(
-                batch, num_frames // patch_t, patch_t, height // patch_h, patch_h, width // patch_w, patch_w, channels
+                batch,
+                num_frames // patch_t,
+                patch_t,
+                height // patch_h,
+                patch_h,
+                width // patch_w,
+                patch_w,
+                channels,
             )
             .permute(0, 1, 3, 5, 2, 4, 6, 7)
             .flatten(4, 7)

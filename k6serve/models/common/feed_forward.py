@@ -26,7 +26,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, inner_dim: int):
         super().__init__()
-        self.net = nn.ModuleList([GeluProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim, bias=False)])
+        self.net = nn.ModuleList(
+            [GeluProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim, bias=False)]
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.net:

@@ -29,7 +29,9 @@ class InnerAttention(nn.Module):
         value_BSHD: Tensor,
         key_mask_BS: Tensor | None = None,
     ) -> Tensor:
-        return attention(query_BLHD, key_BSHD, value_BSHD, key_mask_BL=key_mask_BS, backend=self.backend)
+        return attention(
+            query_BLHD, key_BSHD, value_BSHD, key_mask_BL=key_mask_BS, backend=self.backend
+        )
 
     def extra_repr(self) -> str:
         return f"role={self.role}, backend={self.backend}"

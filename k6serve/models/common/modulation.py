@@ -12,7 +12,9 @@ from torch import Tensor, nn
 def _broadcast_condition(condition_BD: Tensor, x: Tensor) -> Tensor:
     """View a per-sample (B, D) condition as (B, 1, ..., 1, D) to broadcast over x's token dims."""
     if x.ndim > 2 and condition_BD.ndim == 2:
-        return condition_BD.reshape((condition_BD.shape[0],) + (1,) * (x.ndim - 2) + (condition_BD.shape[-1],))
+        return condition_BD.reshape(
+            (condition_BD.shape[0],) + (1,) * (x.ndim - 2) + (condition_BD.shape[-1],)
+        )
     return condition_BD
 
 

@@ -19,7 +19,9 @@ class VideoOutLayer(nn.Module):
     The linear output is read channel-major, (C, pt, ph, pw): the opposite of the patchify input order.
     """
 
-    def __init__(self, model_dim: int, time_dim: int, visual_dim: int, patch_size: tuple[int, int, int]):
+    def __init__(
+        self, model_dim: int, time_dim: int, visual_dim: int, patch_size: tuple[int, int, int]
+    ):
         super().__init__()
         self.patch_size = tuple(patch_size)
         self.modulation = Modulation(time_dim, model_dim, 2)

@@ -47,7 +47,9 @@ class Kandinsky6TransformerConfig:
     def __post_init__(self) -> None:
         for key, dims in (("axes_dims", self.axes_dims), ("axes_dims_a", self.audio_axes_dims)):
             if any(dim <= 0 or dim % 2 for dim in dims):
-                raise ValueError(f"transformer config key {key!r}: every RoPE axis dim must be even and > 0, got {dims}")
+                raise ValueError(
+                    f"transformer config key {key!r}: every RoPE axis dim must be even and > 0, got {dims}"
+                )
         for key, model_dim, head_dim in (
             ("model_dim", self.model_dim, self.video_head_dim),
             ("model_dim_a", self.audio_model_dim, self.audio_head_dim),
@@ -60,7 +62,9 @@ class Kandinsky6TransformerConfig:
             if model_dim % 2:
                 raise ValueError(f"transformer config key {key!r}: must be even, got {model_dim}")
         if any(size <= 0 for size in self.patch_size):
-            raise ValueError(f"transformer config key 'patch_size': sizes must be > 0, got {self.patch_size}")
+            raise ValueError(
+                f"transformer config key 'patch_size': sizes must be > 0, got {self.patch_size}"
+            )
         if self.ca_rope and self.video_head_dim != self.audio_head_dim:
             raise ValueError(
                 f"transformer config key 'ca_rope': cross-modal RoPE needs equal video and audio head dims, "
@@ -73,7 +77,9 @@ class Kandinsky6TransformerConfig:
                 f"{self.audio_time_dim})"
             )
         if self.visual_token_type_num_embeddings < 0:
-            raise ValueError("transformer config key 'visual_token_type_num_embeddings': must be >= 0")
+            raise ValueError(
+                "transformer config key 'visual_token_type_num_embeddings': must be >= 0"
+            )
 
     @classmethod
     def from_json_dict(cls, config: Mapping[str, Any]) -> Kandinsky6TransformerConfig:
@@ -145,10 +151,14 @@ def _parse_value(key: str, value: Any, annotation: Any) -> Any:
             raise ValueError(
                 f"transformer config key {key!r}: expected a list of {len(element_types)} numbers, got {value!r}"
             )
-        return tuple(_parse_value(key, item, item_type) for item, item_type in zip(value, element_types))
+        return tuple(
+            _parse_value(key, item, item_type) for item, item_type in zip(value, element_types)
+        )
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"transformer config key {key!r}: expected true or false, got {value!r}")
+            raise ValueError(
+                f"transformer config key {key!r}: expected true or false, got {value!r}"
+            )
         return value
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -70,16 +70,23 @@ def _attention_sites(config: Kandinsky6TransformerConfig) -> tuple[AttentionSite
         AttentionSite(module="video_text_transformer_blocks.*.attn", role="text_self", **video),
         AttentionSite(module="audio_text_transformer_blocks.*.attn", role="text_self", **audio),
         AttentionSite(module=f"{fused}.video_dec_block.self_attention", role="video_self", **video),
-        AttentionSite(module=f"{fused}.video_dec_block.cross_attention", role="video_text", **video),
+        AttentionSite(
+            module=f"{fused}.video_dec_block.cross_attention", role="video_text", **video
+        ),
         AttentionSite(module=f"{fused}.audio_dec_block.self_attention", role="audio_self", **audio),
-        AttentionSite(module=f"{fused}.audio_dec_block.cross_attention", role="audio_text", **audio),
+        AttentionSite(
+            module=f"{fused}.audio_dec_block.cross_attention", role="audio_text", **audio
+        ),
         AttentionSite(module=f"{fused}.va_cross_attention", role="video_from_audio", **video),
         AttentionSite(module=f"{fused}.av_cross_attention", role="audio_from_video", **audio),
     )
 
 
 def _sequence_parallel_plan(config: Kandinsky6TransformerConfig) -> SequenceParallelPlan:
-    first_block, last_block = f"{_FUSED_BLOCKS}.0", f"{_FUSED_BLOCKS}.{config.num_visual_blocks - 1}"
+    first_block, last_block = (
+        f"{_FUSED_BLOCKS}.0",
+        f"{_FUSED_BLOCKS}.{config.num_visual_blocks - 1}",
+    )
     return SequenceParallelPlan(
         # The fused blocks take keyword arguments; the video rope table is (L, 1, K/2, 2, 2).
         split_inputs=(

@@ -45,7 +45,9 @@ class Kandinsky6Attention(nn.Module):
     def __init__(self, num_channels: int, head_dim: int, role: str, kv_dim: int | None = None):
         super().__init__()
         if num_channels % head_dim:
-            raise ValueError(f"num_channels {num_channels} must be divisible by head_dim {head_dim}")
+            raise ValueError(
+                f"num_channels {num_channels} must be divisible by head_dim {head_dim}"
+            )
         kv_dim = kv_dim or num_channels
         self.head_dim = head_dim
         self.num_heads = num_channels // head_dim
@@ -123,13 +125,19 @@ class Kandinsky6TextBlock(nn.Module):
     def forward(
         self, x_BSD: Tensor, time_embed_BE: Tensor, rope: Tensor, key_mask_BS: Tensor | None = None
     ) -> Tensor:
-        attention_params, feed_forward_params = torch.chunk(self.text_modulation(time_embed_BE), 2, dim=-1)
+        attention_params, feed_forward_params = torch.chunk(
+            self.text_modulation(time_embed_BE), 2, dim=-1
+        )
         shift, scale, gate = torch.chunk(attention_params, 3, dim=-1)
         attention_input_BSD = apply_scale_shift(self.attn_norm(x_BSD.float()), x_BSD, scale, shift)
-        attention_out_BSD = self.attn(attention_input_BSD, query_rope=rope, key_rope=rope, key_mask_BS=key_mask_BS)
+        attention_out_BSD = self.attn(
+            attention_input_BSD, query_rope=rope, key_rope=rope, key_mask_BS=key_mask_BS
+        )
         x_BSD = apply_gate_sum(x_BSD, attention_out_BSD, gate)
         shift, scale, gate = torch.chunk(feed_forward_params, 3, dim=-1)
-        feed_forward_input_BSD = apply_scale_shift(self.feed_forward_norm(x_BSD.float()), x_BSD, scale, shift)
+        feed_forward_input_BSD = apply_scale_shift(
+            self.feed_forward_norm(x_BSD.float()), x_BSD, scale, shift
+        )
         return apply_gate_sum(x_BSD, self.feed_forward(feed_forward_input_BSD), gate)
 
 
@@ -145,15 +153,23 @@ class Kandinsky6StreamLayers(nn.Module):
         self.self_attention_norm = nn.LayerNorm(model_dim, elementwise_affine=False)
         self.self_attention = Kandinsky6Attention(model_dim, head_dim, role=f"{stream}_self")
         self.cross_attention_norm = nn.LayerNorm(model_dim, elementwise_affine=False)
-        self.cross_attention = Kandinsky6Attention(model_dim, head_dim, role=f"{stream}_text", kv_dim=model_dim)
+        self.cross_attention = Kandinsky6Attention(
+            model_dim, head_dim, role=f"{stream}_text", kv_dim=model_dim
+        )
         self.feed_forward_norm = nn.LayerNorm(model_dim, elementwise_affine=False)
         self.feed_forward = FeedForward(model_dim, ff_dim)
 
-    def self_attention_residual(self, x: Tensor, rope: Tensor | None, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
+    def self_attention_residual(
+        self, x: Tensor, rope: Tensor | None, shift: Tensor, scale: Tensor, gate: Tensor
+    ) -> Tensor:
         attention_input = apply_scale_shift(self.self_attention_norm(x.float()), x, scale, shift)
-        return apply_gate_sum(x, self.self_attention(attention_input, query_rope=rope, key_rope=rope), gate)
+        return apply_gate_sum(
+            x, self.self_attention(attention_input, query_rope=rope, key_rope=rope), gate
+        )
 
-    def feed_forward_residual(self, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
+    def feed_forward_residual(
+        self, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor
+    ) -> Tensor:
         feed_forward_input = apply_scale_shift(self.feed_forward_norm(x.float()), x, scale, shift)
         return apply_gate_sum(x, self.feed_forward(feed_forward_input), gate)
 
@@ -169,7 +185,11 @@ class Kandinsky6FusedBlock(nn.Module):
             video_dim, config.time_dim, config.ff_dim, config.video_head_dim, stream="video"
         )
         self.audio_dec_block = Kandinsky6StreamLayers(
-            audio_dim, config.audio_time_dim, config.audio_ff_dim, config.audio_head_dim, stream="audio"
+            audio_dim,
+            config.audio_time_dim,
+            config.audio_ff_dim,
+            config.audio_head_dim,
+            stream="audio",
         )
         self.va_cross_attention = Kandinsky6Attention(
             video_dim, config.video_head_dim, role="video_from_audio", kv_dim=audio_dim
@@ -204,36 +224,64 @@ class Kandinsky6FusedBlock(nn.Module):
         text_key_mask_BS: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         video, audio = self.video_dec_block, self.audio_dec_block
-        video_sa, video_ca, video_ff = torch.chunk(video.visual_modulation(video_time_embed_BE), 3, dim=-1)
-        video_BLD = video.self_attention_residual(video_BLD, video_rope, *torch.chunk(video_sa, 3, dim=-1))
+        video_sa, video_ca, video_ff = torch.chunk(
+            video.visual_modulation(video_time_embed_BE), 3, dim=-1
+        )
+        video_BLD = video.self_attention_residual(
+            video_BLD, video_rope, *torch.chunk(video_sa, 3, dim=-1)
+        )
         shift, scale, video_text_gate = torch.chunk(video_ca, 3, dim=-1)
         # Kept as the K/V source of audio_from_video: normalised after self-attention, before any cross residual.
-        video_pre_cross_BLD = apply_scale_shift(video.cross_attention_norm(video_BLD.float()), video_BLD, scale, shift)
-        video_from_text_BLD = video.cross_attention(video_pre_cross_BLD, video_text_BSD, key_mask_BS=text_key_mask_BS)
+        video_pre_cross_BLD = apply_scale_shift(
+            video.cross_attention_norm(video_BLD.float()), video_BLD, scale, shift
+        )
+        video_from_text_BLD = video.cross_attention(
+            video_pre_cross_BLD, video_text_BSD, key_mask_BS=text_key_mask_BS
+        )
 
         if audio_BAD is None:
             video_BLD = apply_gate_sum(video_BLD, video_from_text_BLD, video_text_gate)
             return video.feed_forward_residual(video_BLD, *torch.chunk(video_ff, 3, dim=-1)), None
 
-        audio_sa, audio_ca, audio_ff = torch.chunk(audio.visual_modulation(audio_time_embed_BE), 3, dim=-1)
-        audio_BAD = audio.self_attention_residual(audio_BAD, audio_rope, *torch.chunk(audio_sa, 3, dim=-1))
+        audio_sa, audio_ca, audio_ff = torch.chunk(
+            audio.visual_modulation(audio_time_embed_BE), 3, dim=-1
+        )
+        audio_BAD = audio.self_attention_residual(
+            audio_BAD, audio_rope, *torch.chunk(audio_sa, 3, dim=-1)
+        )
         shift, scale, gate = torch.chunk(audio_ca, 3, dim=-1)
-        audio_pre_cross_BAD = apply_scale_shift(audio.cross_attention_norm(audio_BAD.float()), audio_BAD, scale, shift)
-        audio_from_text_BAD = audio.cross_attention(audio_pre_cross_BAD, audio_text_BSD, key_mask_BS=text_key_mask_BS)
+        audio_pre_cross_BAD = apply_scale_shift(
+            audio.cross_attention_norm(audio_BAD.float()), audio_BAD, scale, shift
+        )
+        audio_from_text_BAD = audio.cross_attention(
+            audio_pre_cross_BAD, audio_text_BSD, key_mask_BS=text_key_mask_BS
+        )
         audio_BAD = apply_gate_sum(audio_BAD, audio_from_text_BAD, gate)
 
-        va_shift, va_scale, video_gate, av_shift, av_scale, audio_gate = self._cross_modal_modulation(
-            video_time_embed_BE, audio_time_embed_BE
+        va_shift, va_scale, video_gate, av_shift, av_scale, audio_gate = (
+            self._cross_modal_modulation(video_time_embed_BE, audio_time_embed_BE)
         )
         video_BLD = apply_gate_sum(video_BLD, video_from_text_BLD, video_text_gate)
-        video_query_BLD = apply_scale_shift(self.va_normalization(video_BLD.float()), video_BLD, va_scale, va_shift)
-        audio_query_BAD = apply_scale_shift(self.av_normalization(audio_BAD.float()), audio_BAD, av_scale, av_shift)
-        video_cross_rope, audio_cross_rope = (video_rope, audio_rope) if self.ca_rope else (None, None)
+        video_query_BLD = apply_scale_shift(
+            self.va_normalization(video_BLD.float()), video_BLD, va_scale, va_shift
+        )
+        audio_query_BAD = apply_scale_shift(
+            self.av_normalization(audio_BAD.float()), audio_BAD, av_scale, av_shift
+        )
+        video_cross_rope, audio_cross_rope = (
+            (video_rope, audio_rope) if self.ca_rope else (None, None)
+        )
         video_from_audio_BLD = self.va_cross_attention(
-            video_query_BLD, audio_pre_cross_BAD, query_rope=video_cross_rope, key_rope=audio_cross_rope
+            video_query_BLD,
+            audio_pre_cross_BAD,
+            query_rope=video_cross_rope,
+            key_rope=audio_cross_rope,
         )
         audio_from_video_BAD = self.av_cross_attention(
-            audio_query_BAD, video_pre_cross_BLD, query_rope=audio_cross_rope, key_rope=video_cross_rope
+            audio_query_BAD,
+            video_pre_cross_BLD,
+            query_rope=audio_cross_rope,
+            key_rope=video_cross_rope,
         )
         video_BLD = apply_gate_sum(video_BLD, video_from_audio_BLD, video_gate)
         audio_BAD = apply_gate_sum(audio_BAD, audio_from_video_BAD, audio_gate)
@@ -257,8 +305,12 @@ class Kandinsky6FusedBlock(nn.Module):
             va_shift, va_scale, va_gate = torch.chunk(va_params, 3, dim=-1)
             av_shift, av_scale, av_gate = torch.chunk(av_params, 3, dim=-1)
             return va_shift, va_scale, va_gate, av_shift, av_scale, av_gate
-        va_shift, va_scale, va_gate = torch.split(va_params, [self.video_dim, self.video_dim, self.audio_dim], dim=-1)
-        av_shift, av_scale, av_gate = torch.split(av_params, [self.audio_dim, self.audio_dim, self.video_dim], dim=-1)
+        va_shift, va_scale, va_gate = torch.split(
+            va_params, [self.video_dim, self.video_dim, self.audio_dim], dim=-1
+        )
+        av_shift, av_scale, av_gate = torch.split(
+            av_params, [self.audio_dim, self.audio_dim, self.video_dim], dim=-1
+        )
         # Crossed gates: each stream's residual gate comes from the other modality's projection.
         return va_shift, va_scale, av_gate, av_shift, av_scale, va_gate
 
@@ -270,24 +322,53 @@ class Kandinsky6Transformer(nn.Module):
         super().__init__()
         self.config = config
         # Registration order follows diffusers, so state_dict() key order and `dtype` match too.
-        self.visual_embeddings = PatchEmbeddings(config.visual_in_channels, config.model_dim, config.patch_size)
+        self.visual_embeddings = PatchEmbeddings(
+            config.visual_in_channels, config.model_dim, config.patch_size
+        )
         if config.visual_token_type_num_embeddings > 0:
-            self.visual_token_type_embeddings = nn.Embedding(config.visual_token_type_num_embeddings, config.model_dim)
+            self.visual_token_type_embeddings = nn.Embedding(
+                config.visual_token_type_num_embeddings, config.model_dim
+            )
         self.visual_rope_embeddings = RotaryEmbedding3D(config.axes_dims)
-        self.out_layer = VideoOutLayer(config.model_dim, config.time_dim, config.out_visual_dim, config.patch_size)
+        self.out_layer = VideoOutLayer(
+            config.model_dim, config.time_dim, config.out_visual_dim, config.patch_size
+        )
 
-        self.audio_embeddings = Kandinsky6TextEmbeddings(config.in_audio_dim, config.audio_model_dim)
-        self.audio_rope_embeddings = RotaryEmbedding1D(config.audio_head_dim, freqs_scaling=config.audio_freqs_scaling)
-        self.audio_out_layer = Kandinsky6AudioOutLayer(config.audio_model_dim, config.audio_time_dim, config.out_audio_dim)
+        self.audio_embeddings = Kandinsky6TextEmbeddings(
+            config.in_audio_dim, config.audio_model_dim
+        )
+        self.audio_rope_embeddings = RotaryEmbedding1D(
+            config.audio_head_dim, freqs_scaling=config.audio_freqs_scaling
+        )
+        self.audio_out_layer = Kandinsky6AudioOutLayer(
+            config.audio_model_dim, config.audio_time_dim, config.out_audio_dim
+        )
         for stream, model_dim, time_dim, ff_dim, head_dim in (
             ("video", config.model_dim, config.time_dim, config.ff_dim, config.video_head_dim),
-            ("audio", config.audio_model_dim, config.audio_time_dim, config.audio_ff_dim, config.audio_head_dim),
+            (
+                "audio",
+                config.audio_model_dim,
+                config.audio_time_dim,
+                config.audio_ff_dim,
+                config.audio_head_dim,
+            ),
         ):
             setattr(self, f"{stream}_time_embeddings", TimeEmbeddings(model_dim, time_dim))
-            setattr(self, f"{stream}_text_embeddings", Kandinsky6TextEmbeddings(config.in_text_dim, model_dim))
-            setattr(self, f"{stream}_pooled_text_embeddings", Kandinsky6TextEmbeddings(config.in_text_dim2, time_dim))
+            setattr(
+                self,
+                f"{stream}_text_embeddings",
+                Kandinsky6TextEmbeddings(config.in_text_dim, model_dim),
+            )
+            setattr(
+                self,
+                f"{stream}_pooled_text_embeddings",
+                Kandinsky6TextEmbeddings(config.in_text_dim2, time_dim),
+            )
             setattr(self, f"{stream}_text_rope_embeddings", RotaryEmbedding1D(head_dim))
-            blocks = [Kandinsky6TextBlock(model_dim, time_dim, ff_dim, head_dim) for _ in range(config.num_text_blocks)]
+            blocks = [
+                Kandinsky6TextBlock(model_dim, time_dim, ff_dim, head_dim)
+                for _ in range(config.num_text_blocks)
+            ]
             setattr(self, f"{stream}_text_transformer_blocks", nn.ModuleList(blocks))
         self.visual_transformer_blocks = nn.ModuleList(
             [Kandinsky6FusedBlock(config) for _ in range(config.num_visual_blocks)]
@@ -298,7 +379,9 @@ class Kandinsky6Transformer(nn.Module):
         """The stream dtype, as diffusers' `ModelMixin.dtype`: the first floating parameter whose name does
         not contain a keep-fp32 name (a substring match there, unlike the load rule)."""
         for name, parameter in self.named_parameters():
-            if parameter.is_floating_point() and not any(keep in name for keep in KEEP_FP32_MODULES):
+            if parameter.is_floating_point() and not any(
+                keep in name for keep in KEEP_FP32_MODULES
+            ):
                 return parameter.dtype
         raise AssertionError("the model has no floating-point parameters")
 
@@ -330,36 +413,55 @@ class Kandinsky6Transformer(nn.Module):
         Returns (video (B, T, H, W, out_visual_dim), audio (B, A, out_audio_dim) or None).
         """
         if visual_token_type_ids is not None and self.config.visual_token_type_num_embeddings == 0:
-            raise ValueError("`visual_token_type_ids` requires `visual_token_type_num_embeddings > 0`")
+            raise ValueError(
+                "`visual_token_type_ids` requires `visual_token_type_num_embeddings > 0`"
+            )
         device = hidden_states.device
         text_key_mask_BS = encoder_attention_mask
 
         text_positions_S = torch.arange(encoder_hidden_states.shape[1], device=device)
         _check_positions("text tokens", encoder_hidden_states.shape[1], MAX_SEQUENCE_POSITIONS)
         video_text_BSD, video_time_embed_BE = self._encode_text(
-            "video", encoder_hidden_states, pooled_projections, timestep, text_positions_S, text_key_mask_BS
+            "video",
+            encoder_hidden_states,
+            pooled_projections,
+            timestep,
+            text_positions_S,
+            text_key_mask_BS,
         )
         audio_text_BSD, audio_time_embed_BE = self._encode_text(
-            "audio", encoder_hidden_states, pooled_projections, timestep, text_positions_S, text_key_mask_BS
+            "audio",
+            encoder_hidden_states,
+            pooled_projections,
+            timestep,
+            text_positions_S,
+            text_key_mask_BS,
         )
 
         video_BTHWD = self.visual_embeddings(hidden_states)
         if visual_token_type_ids is not None:
             # One id per latent frame, added to every token of that frame.
-            video_BTHWD = video_BTHWD + self.visual_token_type_embeddings(visual_token_type_ids)[:, :, None, None, :]
+            video_BTHWD = (
+                video_BTHWD
+                + self.visual_token_type_embeddings(visual_token_type_ids)[:, :, None, None, :]
+            )
         grid_shape = video_BTHWD.shape[1:4]
         for axis, size in zip("THW", grid_shape):
             _check_positions(f"video token grid axis {axis}", size, MAX_VIDEO_POSITIONS_PER_AXIS)
         if visual_rope_pos is None:
             visual_rope_pos = tuple(torch.arange(size, device=device) for size in grid_shape)
-        video_rope = self.visual_rope_embeddings(visual_rope_pos, self.config.scale_factor).flatten(0, 2)
+        video_rope = self.visual_rope_embeddings(visual_rope_pos, self.config.scale_factor).flatten(
+            0, 2
+        )
         video_BLD = video_BTHWD.flatten(1, 3)
 
         audio_BAD = audio_rope = None
         if audio_hidden_states is not None:
             _check_positions("audio tokens", audio_hidden_states.shape[1], MAX_SEQUENCE_POSITIONS)
             audio_BAD = self.audio_embeddings(audio_hidden_states)
-            audio_rope = self.audio_rope_embeddings(torch.arange(audio_hidden_states.shape[1], device=device))
+            audio_rope = self.audio_rope_embeddings(
+                torch.arange(audio_hidden_states.shape[1], device=device)
+            )
 
         # Keyword arguments: sequence parallelism splits `video_BLD` / `video_rope` by name (plan.py).
         for block in self.visual_transformer_blocks:
@@ -375,8 +477,12 @@ class Kandinsky6Transformer(nn.Module):
                 text_key_mask_BS=text_key_mask_BS,
             )
 
-        video_out = self.out_layer(video_BLD.reshape(-1, *grid_shape, video_BLD.shape[-1]), video_time_embed_BE)
-        audio_out = self.audio_out_layer(audio_BAD, audio_time_embed_BE) if audio_BAD is not None else None
+        video_out = self.out_layer(
+            video_BLD.reshape(-1, *grid_shape, video_BLD.shape[-1]), video_time_embed_BE
+        )
+        audio_out = (
+            self.audio_out_layer(audio_BAD, audio_time_embed_BE) if audio_BAD is not None else None
+        )
         return video_out, audio_out
 
     def _encode_text(
