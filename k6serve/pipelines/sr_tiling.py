@@ -48,7 +48,9 @@ def resolve_scale(scale: float) -> ScalePlan:
     raise ValueError(f"SR scale {scale} is not supported; use 2, 4 or 2.25.")
 
 
-def pre_upscale_size(height: int, width: int, factor: float = PRE_UPSCALE_FACTOR) -> tuple[int, int]:
+def pre_upscale_size(
+    height: int, width: int, factor: float = PRE_UPSCALE_FACTOR
+) -> tuple[int, int]:
     """max(16, round(side * factor / 16) * 16) per side, half-to-even (64 -> 4.5 -> 4 -> 64)."""
     return tuple(max(SNAP, round(side * factor / SNAP) * SNAP) for side in (height, width))
 
@@ -63,18 +65,25 @@ def pre_upscale_x1125(frames_TCHW: Tensor) -> Tensor:
 def pad_to_multiple(frames_TCHW: Tensor, multiple: int = SNAP) -> Tensor:
     """Replicate the last row/column so H and W become multiples of `multiple`; crop the output afterwards."""
     height, width = frames_TCHW.shape[-2:]
-    padded_height, padded_width = -(-height // multiple) * multiple, -(-width // multiple) * multiple
+    padded_height, padded_width = (
+        -(-height // multiple) * multiple,
+        -(-width // multiple) * multiple,
+    )
     rows = torch.arange(padded_height, device=frames_TCHW.device).clamp(max=height - 1)
     columns = torch.arange(padded_width, device=frames_TCHW.device).clamp(max=width - 1)
     return frames_TCHW[..., rows, :][..., columns]
 
 
-def select_base_tile(height: int, width: int, tile_sizes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+def select_base_tile(
+    height: int, width: int, tile_sizes: Sequence[tuple[int, int]]
+) -> tuple[int, int]:
     """The trained (H, W) tile whose W/H is closest to the frame's; ties go to the first listed."""
     return min(tile_sizes, key=lambda size: abs(size[1] / size[0] - width / height))
 
 
-def axis_positions(length: int, tile: int, min_overlap: float = DEFAULT_MIN_OVERLAP, snap: int = SNAP) -> list[int]:
+def axis_positions(
+    length: int, tile: int, min_overlap: float = DEFAULT_MIN_OVERLAP, snap: int = SNAP
+) -> list[int]:
     """Evenly spread tile starts over [0, length - tile] with overlap >= min_overlap (R `axis_positions_even`)."""
     if tile >= length:
         return [0]
@@ -156,7 +165,9 @@ def hann_window_2d(height: int, width: int, device: torch.device | str = "cpu") 
     return window_y[:, None] * window_x[None, :]
 
 
-def blend_tiles(tiles_TCHW: Sequence[Tensor], grid: TileGrid, frame_chunk: int = BLEND_FRAME_CHUNK) -> Tensor:
+def blend_tiles(
+    tiles_TCHW: Sequence[Tensor], grid: TileGrid, frame_chunk: int = BLEND_FRAME_CHUNK
+) -> Tensor:
     """Hann-blend uint8 HR tiles (row-major, grid order) into uint8 frames (T, 3, H*s, W*s).
 
     acc += tile * w, wsum += w in tile order, acc / wsum exactly (no 1e-6 clamp, unlike R), then truncation to
@@ -172,12 +183,16 @@ def blend_tiles(tiles_TCHW: Sequence[Tensor], grid: TileGrid, frame_chunk: int =
     positions = [(top * grid.scale, left * grid.scale) for top, left in grid.tiles]
     for top, left in positions:
         weight_sum_HW[top : top + base_height, left : left + base_width] += window_HW
-    frames = torch.empty(num_frames, channels, out_height, out_width, dtype=torch.uint8, device=device)
+    frames = torch.empty(
+        num_frames, channels, out_height, out_width, dtype=torch.uint8, device=device
+    )
     for start in range(0, num_frames, frame_chunk):
         stop = min(start + frame_chunk, num_frames)
         acc = torch.zeros(stop - start, channels, out_height, out_width, device=device)
         for tile, (top, left) in zip(tiles_TCHW, positions):
-            acc[..., top : top + base_height, left : left + base_width] += tile[start:stop].float() * window_HW
+            acc[..., top : top + base_height, left : left + base_width] += (
+                tile[start:stop].float() * window_HW
+            )
         blended = torch.where(weight_sum_HW > 0, acc / weight_sum_HW, torch.zeros_like(acc))
         frames[start:stop] = blended.clamp(0, 255).to(torch.uint8)
     return frames
@@ -202,7 +217,9 @@ def chunk_tiles(num_tiles: int, tiles_batch_size: int, seed: int) -> list[TileCh
     ]
 
 
-def chunk_noise(shape: Sequence[int], seed: int, device: torch.device | str, dtype: torch.dtype) -> Tensor:
+def chunk_noise(
+    shape: Sequence[int], seed: int, device: torch.device | str, dtype: torch.dtype
+) -> Tensor:
     """eps from a fresh generator on `device` seeded with the chunk seed, drawn in the DiT dtype.
 
     R draws [n*T', h, w, C] for n tiles; (n, T', h, w, C) is the same stream in the same memory order.
@@ -220,9 +237,17 @@ def _parse_target(target: str) -> tuple[tuple[int, int], ...]:
     if target in TARGET_RESOLUTIONS:
         return TARGET_RESOLUTIONS[target]
     width_text, sep, height_text = target.lower().partition("x")
-    if sep and width_text.isdigit() and height_text.isdigit() and int(width_text) > 0 and int(height_text) > 0:
+    if (
+        sep
+        and width_text.isdigit()
+        and height_text.isdigit()
+        and int(width_text) > 0
+        and int(height_text) > 0
+    ):
         return ((int(height_text), int(width_text)),)
-    raise ValueError(f"target resolution {target!r} is not one of hd, fullhd, 2k or WxH (e.g. 1280x720).")
+    raise ValueError(
+        f"target resolution {target!r} is not one of hd, fullhd, 2k or WxH (e.g. 1280x720)."
+    )
 
 
 def resolve_target_size(height: int, width: int, target: str, mode: str = "fit") -> tuple[int, int]:
@@ -248,18 +273,26 @@ def resolve_target_size(height: int, width: int, target: str, mode: str = "fit")
             )
         if abs(bucket_width / bucket_height - width / height) > 0.02 * (width / height):
             logger.warning(
-                "target %dx%d changes the aspect ratio of the %dx%d result", bucket_width, bucket_height, width, height
+                "target %dx%d changes the aspect ratio of the %dx%d result",
+                bucket_width,
+                bucket_height,
+                width,
+                height,
             )
         return bucket_height, bucket_width
     raise ValueError(f"target resize mode {mode!r} is not 'fit' or 'exact'.")
 
 
-def resize_frames(frames_TCHW: Tensor, size: tuple[int, int], frame_chunk: int = BLEND_FRAME_CHUNK) -> Tensor:
+def resize_frames(
+    frames_TCHW: Tensor, size: tuple[int, int], frame_chunk: int = BLEND_FRAME_CHUNK
+) -> Tensor:
     """Bilinear antialiased downscale of uint8 frames, `frame_chunk` at a time, rounded back to uint8."""
     if tuple(frames_TCHW.shape[-2:]) == tuple(size):
         return frames_TCHW
     chunks = [
-        F.interpolate(chunk.float(), size=size, mode="bilinear", antialias=True, align_corners=False)
+        F.interpolate(
+            chunk.float(), size=size, mode="bilinear", antialias=True, align_corners=False
+        )
         .clamp(0, 255)
         .round()
         .to(torch.uint8)

@@ -84,7 +84,9 @@ def build_sr_checkpoint(out_dir: str | Path, *, head: str = "distilled", seed: i
         scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
     else:
         scheduler = PiflowScheduler(shift=3.5, n_grid=TINY_N_GRID)
-    pipeline = Kandinsky6SRPipeline(transformer=transformer, vae=vae, scheduler=scheduler, latent_upscaler=upscaler)
+    pipeline = Kandinsky6SRPipeline(
+        transformer=transformer, vae=vae, scheduler=scheduler, latent_upscaler=upscaler
+    )
     pipeline.save_pretrained(out_dir)
 
     _rewrite(out_dir / "transformer" / "config.json", lambda raw: _vendor_transformer(raw, head))
@@ -92,7 +94,9 @@ def build_sr_checkpoint(out_dir: str | Path, *, head: str = "distilled", seed: i
     _rewrite(out_dir / "latent_upscaler" / "config.json", _vendor_upscaler)
     if head != "flow640":
         _rewrite(out_dir / "scheduler" / "scheduler_config.json", lambda raw: raw | {"nfe": 2})
-    (out_dir / "sr_config.json").write_text(json.dumps({"default_resolution_scale": 2.25}, indent=2))
+    (out_dir / "sr_config.json").write_text(
+        json.dumps({"default_resolution_scale": 2.25}, indent=2)
+    )
     return out_dir
 
 
@@ -101,7 +105,7 @@ def randomize_weights(module: torch.nn.Module, generator: torch.Generator) -> No
     """Gains 1 + 0.1 N, biases 0.1 N, matrices / kernels N / sqrt(fan_in): O(1) activations, no dead paths."""
     for name, param in module.named_parameters():
         noise = torch.randn(param.shape, generator=generator)
-        if name.endswith("gamma") or name.endswith("norm.weight"):
+        if name.endswith(("gamma", "norm.weight")):
             param.copy_(1 + 0.1 * noise)
         elif param.ndim == 1:
             param.copy_(0.1 * noise)
@@ -118,7 +122,9 @@ def _rewrite(path: Path, convert) -> None:
 
 
 def _metadata(raw: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in raw.items() if key in ("_class_name", "_diffusers_version")}
+    return {
+        key: value for key, value in raw.items() if key in ("_class_name", "_diffusers_version")
+    }
 
 
 def _vendor_transformer(raw: dict[str, Any], head: str) -> dict[str, Any]:
@@ -223,6 +229,9 @@ def _vendor_upscaler(raw: dict[str, Any]) -> dict[str, Any]:
     }
     # Hub list order: 4x first, although the weights hold x2 under `_models.0.`.
     return _metadata(raw) | {
-        "models": [{"target_scale": "4x", "model": shared}, {"target_scale": "2x", "model": x2_entry}],
+        "models": [
+            {"target_scale": "4x", "model": shared},
+            {"target_scale": "2x", "model": x2_entry},
+        ],
         "scaling_factor": raw["scaling_factor"],
     }

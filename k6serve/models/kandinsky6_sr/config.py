@@ -115,8 +115,13 @@ class SRTransformerConfig:
         visual_size = int(visual_sizes[0])
         model_dim, axes_dims = int(raw["model_dim"]), _int_tuple(raw["axes_dims"], 3)
         if model_dim % sum(axes_dims):
-            raise ValueError(f"model_dim {model_dim} is not divisible by the head dim sum(axes_dims)={sum(axes_dims)}")
+            raise ValueError(
+                f"model_dim {model_dim} is not divisible by the head dim sum(axes_dims)={sum(axes_dims)}"
+            )
         attention_type, nabla_threshold, nabla_window = _parse_attention_params(raw, visual_size)
+        if str(visual_size) not in sr_params["scale_factor"]:
+            raise ValueError(f"sr_params.scale_factor has no entry for visual_size {visual_size}")
+        tile_sizes = _tile_sizes(raw, visual_size)
         return cls(
             in_visual_dim=int(raw["in_visual_dim"]),
             out_visual_dim=int(raw["out_visual_dim"]),
@@ -130,7 +135,7 @@ class SRTransformerConfig:
             visual_cond=bool(raw["visual_cond"]),
             instruct_type=str(raw["instruct_type"]),
             visual_size=visual_size,
-            tile_sizes=_tile_sizes(raw, visual_size),
+            tile_sizes=tile_sizes,
             scheduler_scale=float(sr_params["scheduler_scale"]),
             lq_noise_scale=float(sr_params["lq_noise_scale"]),
             lq_noise_type=str(sr_params["lq_noise_type"]),
@@ -151,7 +156,9 @@ def _check_supported_noise(sr_params: dict[str, Any]) -> None:
             f"sr_params.lq_noise_type {sr_params['lq_noise_type']!r} is not supported; k6serve implements the "
             "released 'ddpm' mix x = sqrt(1 - s^2) * lq + s * eps."
         )
-    if float(sr_params.get("lq_channel_noise_scale", 0.0)) != 0.0 or sr_params.get("cap_noise_timestep", False):
+    if float(sr_params.get("lq_channel_noise_scale", 0.0)) != 0.0 or sr_params.get(
+        "cap_noise_timestep", False
+    ):
         raise ValueError(
             "sr_params.lq_channel_noise_scale must be 0 and cap_noise_timestep false (as released); "
             "k6serve does not implement per-channel LQ noise or timestep capping."
@@ -222,8 +229,12 @@ class SRVAEConfig:
             encoder, decoder = raw["encoder_config"], raw["decoder_config"]
         elif "encoder_ch" in raw:
             # Flat variant of older revisions (R `diffusers_bundle.py::flat_kvae_architecture`): `decoder_ch`, ...
-            encoder = {k.removeprefix("encoder_"): v for k, v in raw.items() if k.startswith("encoder_")}
-            decoder = {k.removeprefix("decoder_"): v for k, v in raw.items() if k.startswith("decoder_")}
+            encoder = {
+                k.removeprefix("encoder_"): v for k, v in raw.items() if k.startswith("encoder_")
+            }
+            decoder = {
+                k.removeprefix("decoder_"): v for k, v in raw.items() if k.startswith("decoder_")
+            }
         else:
             raise ValueError(
                 "vae/config.json has neither nested encoder_config/decoder_config nor flat encoder_ch/decoder_ch "
@@ -231,9 +242,16 @@ class SRVAEConfig:
             )
         _check_kvae_variant(encoder, "encoder")
         _check_kvae_variant(decoder, "decoder")
-        for key in ("temporal_compress_times", "temporal_compress_start_level", "num_res_blocks", "z_channels"):
+        for key in (
+            "temporal_compress_times",
+            "temporal_compress_start_level",
+            "num_res_blocks",
+            "z_channels",
+        ):
             if key in decoder and decoder[key] != encoder[key]:
-                raise ValueError(f"vae/config.json: encoder and decoder disagree on {key}; k6serve needs one value.")
+                raise ValueError(
+                    f"vae/config.json: encoder and decoder disagree on {key}; k6serve needs one value."
+                )
         config = cls(
             in_channels=int(encoder.get("in_channels", 3)),
             out_channels=int(decoder.get("out_ch", 3)),
@@ -245,7 +263,10 @@ class SRVAEConfig:
             temporal_compression_start_level=int(encoder["temporal_compress_start_level"]),
             scaling_factor=float(raw["scaling_factor"]),
         )
-        if "spatial_factor" in raw and int(raw["spatial_factor"]) != config.spatial_compression_ratio:
+        if (
+            "spatial_factor" in raw
+            and int(raw["spatial_factor"]) != config.spatial_compression_ratio
+        ):
             raise ValueError(
                 f"vae/config.json spatial_factor {raw['spatial_factor']} does not match the "
                 f"{len(config.encoder_block_out_channels)} encoder levels (= {config.spatial_compression_ratio})."
@@ -259,7 +280,12 @@ class SRVAEConfig:
 
 def _check_kvae_variant(section: dict[str, Any], name: str) -> None:
     # diffusers' Kandinsky6SRVAE implements exactly this variant; anything else would load but compute wrongly.
-    expected = {"norm_type": "rms_norm", "padding_mode": "zeros", "double_z": True, "downsample_version": 2}
+    expected = {
+        "norm_type": "rms_norm",
+        "padding_mode": "zeros",
+        "double_z": True,
+        "downsample_version": 2,
+    }
     for key, value in expected.items():
         if key in section and section[key] != value:
             raise ValueError(
@@ -270,7 +296,9 @@ def _check_kvae_variant(section: dict[str, Any], name: str) -> None:
 def _widths(section: dict[str, Any]) -> tuple[int, ...]:
     widths = tuple(section["ch"] * mult for mult in section["ch_mult"])
     if any(not float(w).is_integer() for w in widths):
-        raise ValueError(f"vae/config.json ch {section['ch']} x ch_mult {section['ch_mult']} is not integral")
+        raise ValueError(
+            f"vae/config.json ch {section['ch']} x ch_mult {section['ch_mult']} is not integral"
+        )
     return tuple(int(w) for w in widths)
 
 
@@ -288,8 +316,18 @@ _UPSCALER_FIXED = {
     # True would add temporal mixing ("motion attention", natten or SDPA in SG), absent from the released weights.
     "temporal_mix": False,
 }
-_UPSCALER_X2_FIXED = {"enable_x2_entry": True, "x2_finisher": "pxs_residual", "x2_tail_mode": "private_full"}
-_UPSCALER_SHARED = ("in_channels", "stage_channels", "num_pre_blocks", "num_mid_blocks", "num_post_blocks")
+_UPSCALER_X2_FIXED = {
+    "enable_x2_entry": True,
+    "x2_finisher": "pxs_residual",
+    "x2_tail_mode": "private_full",
+}
+_UPSCALER_SHARED = (
+    "in_channels",
+    "stage_channels",
+    "num_pre_blocks",
+    "num_mid_blocks",
+    "num_post_blocks",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -320,9 +358,13 @@ class SRUpscalerConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SRUpscalerConfig:
-        entries = {_parse_target_scale(entry["target_scale"]): entry["model"] for entry in raw["models"]}
+        entries = {
+            _parse_target_scale(entry["target_scale"]): entry["model"] for entry in raw["models"]
+        }
         if not entries or set(entries) - {2, 4}:
-            raise ValueError(f"latent_upscaler/config.json target scales {sorted(entries)}; k6serve supports 2x, 4x")
+            raise ValueError(
+                f"latent_upscaler/config.json target scales {sorted(entries)}; k6serve supports 2x, 4x"
+            )
         for scale, model in entries.items():
             fixed = _UPSCALER_FIXED | (_UPSCALER_X2_FIXED if scale == 2 else {})
             for key, value in fixed.items():
@@ -336,7 +378,9 @@ class SRUpscalerConfig:
         first = next(iter(entries.values()))
         for key in _UPSCALER_SHARED:
             if any(model[key] != first[key] for model in entries.values()):
-                raise ValueError(f"latent_upscaler/config.json entries disagree on {key}; k6serve needs one value.")
+                raise ValueError(
+                    f"latent_upscaler/config.json entries disagree on {key}; k6serve needs one value."
+                )
         return cls(
             in_channels=int(first["in_channels"]),
             stage_channels=_int_tuple(first["stage_channels"], 3),
@@ -355,7 +399,9 @@ class SRUpscalerConfig:
 
 def _parse_target_scale(text: str) -> int:
     if not text.endswith("x") or not text[:-1].isdigit():
-        raise ValueError(f"latent_upscaler/config.json target_scale {text!r} is not of the form '2x'")
+        raise ValueError(
+            f"latent_upscaler/config.json target_scale {text!r} is not of the form '2x'"
+        )
     return int(text[:-1])
 
 
@@ -404,7 +450,9 @@ class SRSchedulerConfig:
             )
         if class_name == "FlowMatchEulerDiscreteScheduler":
             if raw.get("use_dynamic_shifting", False):
-                raise ValueError("scheduler_config.json enables dynamic shifting, which the SR models never use")
+                raise ValueError(
+                    "scheduler_config.json enables dynamic shifting, which the SR models never use"
+                )
             return cls(
                 class_name=class_name,
                 shift=float(raw["shift"]),
@@ -423,4 +471,3 @@ class SRSchedulerConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> SRSchedulerConfig:
         return cls.from_dict(read_json(path))
-

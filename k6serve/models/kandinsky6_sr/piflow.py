@@ -35,5 +35,7 @@ class SRPiflowSampler:
     def step(self, model_output: Tensor, timestep: Tensor, sample_fp32: Tensor) -> Tensor:
         """Integrate the DX policy from this timestep to the next grid point; the state stays fp32."""
         if sample_fp32.dtype != torch.float32:
-            raise ValueError(f"the π-Flow state must be fp32, got {sample_fp32.dtype}; pass sample.float()")
+            raise ValueError(
+                f"the π-Flow state must be fp32, got {sample_fp32.dtype}; pass sample.float()"
+            )
         return self.scheduler.step(model_output, timestep, sample_fp32, return_dict=False)[0]

@@ -24,7 +24,11 @@ MODEL_INDEX: dict[str, Any] = {
     "vae": ["diffusers", "Kandinsky6SRVAE"],
     "latent_upscaler": ["diffusers", "Kandinsky6SRLatentUpscalerBank"],
     "scheduler": ["diffusers", "PiflowScheduler"],
-    "_kandinsky6_sr": {"format_version": 1, "uses_patched_diffusers": True, "vae_name": "video-kvae"},
+    "_kandinsky6_sr": {
+        "format_version": 1,
+        "uses_patched_diffusers": True,
+        "vae_name": "video-kvae",
+    },
 }
 
 SR_CONFIG: dict[str, Any] = {"default_resolution_scale": 2.25}
@@ -160,5 +164,9 @@ FLOW_SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 # Expected sizes (D classes built from these configs; §1.1 table).
-NUM_PARAMETERS = {"transformer": 1_414_263_936, "vae": 1_738_878_243, "latent_upscaler": 3_654_021_952}
+NUM_PARAMETERS = {
+    "transformer": 1_414_263_936,
+    "vae": 1_738_878_243,
+    "latent_upscaler": 3_654_021_952,
+}
 NUM_TENSORS = {"transformer": 459, "vae": 378, "latent_upscaler": 489}

@@ -22,7 +22,9 @@ from torch import Tensor
 from k6serve.models.kandinsky6_sr.config import SRVAEConfig
 
 ENCODE_SEGMENT_FRAMES = 16  # pixel frames per encode segment after the first, which has one more
-DECODE_SEGMENT_LATENT_FRAMES = 4  # latent frames per decode segment after the first, which has one more
+DECODE_SEGMENT_LATENT_FRAMES = (
+    4  # latent frames per decode segment after the first, which has one more
+)
 
 
 def build_vae(config: SRVAEConfig) -> Kandinsky6SRVAE:
