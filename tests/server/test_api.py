@@ -1,0 +1,206 @@
+"""The documented routes against a fake engine: job objects, defaults, listing, content with Range, delete."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import av
+import pytest
+
+from k6serve.models.variants import VARIANTS
+from k6serve.serve.schemas import VideoCreateBody
+
+from harness import FakeWorker, start_server, wait_for
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
+
+
+def test_json_create_completes_with_every_job_field(fake_client):
+    created = fake_client.post("/v1/videos", json={"prompt": "a red fox", "size": "96x64", "seconds": "2",
+                                                   "num_inference_steps": 4})
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert job["object"] == "video" and job["status"] == "queued" and job["progress"] == 0
+    assert job["id"].startswith("video_")
+    # size is width first; 2 s at 24 fps = 48 frames -> 49 by the (n // 4) * 4 + 1 rule -> 2.04167 s.
+    assert job["size"] == "96x64" and job["seconds"] == "2.04167"
+    done = wait_for(fake_client, job["id"])
+    assert done["status"] == "completed" and done["progress"] == 100
+    assert done["model"] == "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"
+    assert done["completed_at"] >= done["created_at"]
+    assert done["expires_at"] == done["completed_at"] + 86400
+    assert done["inference_time_s"] == pytest.approx(0.01) and done["peak_memory_mb"] == 12.5
+    assert done["error"] is None and done["url"] == f"/v1/videos/{job['id']}/content"
+
+
+def test_absent_fields_take_the_variant_defaults(tmp_path):
+    for variant, expected in (("pro-distill", (10, 1.0, 42)), ("pro", (50, 5.0, 42))):
+        worker = FakeWorker(VARIANTS[variant])
+        server = start_server(tmp_path / variant, worker=worker)
+        try:
+            with server.client() as client:
+                job = client.post("/v1/videos", json={"prompt": "defaults", "size": "32x32", "num_frames": 5}).json()
+                assert wait_for(client, job["id"])["status"] == "completed"
+                request = worker.requests[0]
+                assert (request.num_inference_steps, request.guidance_scale, request.seed) == expected
+                assert (request.height, request.width, request.num_frames) == (32, 32, 5)
+                job = client.post("/v1/videos", json={"prompt": "all defaults"}).json()
+                assert job["size"] == "768x512" and job["seconds"] == "5.04167"  # 121 frames @ 24 fps
+        finally:
+            worker.release.set()
+            server.stop()
+
+
+def test_vsr_defaults_and_sr_fields(tmp_path):
+    from k6serve.testing.clips import make_clip
+
+    worker = FakeWorker(VARIANTS["vsr-distilled2steps"])
+    server = start_server(tmp_path, worker=worker)
+    clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"video_path": str(clip)}).json()
+            assert wait_for(client, job["id"])["status"] == "completed"
+            assert worker.requests[-1].seed == 42 and worker.requests[-1].scale == 2.25
+            fields = {"video_path": str(clip), "sr_resolution_scale": 4, "sr_tiles_batch_size": 2,
+                      "sr_tile_min_overlap": 0.3, "sr_target_resolution": "hd", "sr_target_resize_mode": "exact",
+                      "seed": 7}
+            job = client.post("/v1/videos", json=fields).json()
+            assert wait_for(client, job["id"])["status"] == "completed"
+            request = worker.requests[-1]
+            assert (request.scale, request.tiles_batch_size, request.tile_min_overlap, request.target_resolution,
+                    request.target_resize_mode, request.seed) == (4.0, 2, 0.3, "hd", "exact", 7)
+            refused = client.post("/v1/videos", json={"video_path": str(clip), "size": "64x64"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "size"
+    finally:
+        server.stop()
+
+
+def test_sr_fields_are_refused_by_a_generation_model(fake_client):
+    response = fake_client.post("/v1/videos", json={"prompt": "x", "sr_resolution_scale": 2})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "sr_resolution_scale"
+    assert "super-resolution" in response.json()["error"]["message"]
+
+
+def test_list_pagination(fake_client):
+    ids = [fake_client.post("/v1/videos", json={"prompt": f"p{i}", "size": "32x32", "num_frames": 5}).json()["id"]
+           for i in range(5)]
+    page = fake_client.get("/v1/videos", params={"limit": 2, "order": "asc"}).json()
+    assert page["object"] == "list" and [j["id"] for j in page["data"]] == ids[:2] and page["has_more"]
+    assert page["first_id"] == ids[0] and page["last_id"] == ids[1]
+    page = fake_client.get("/v1/videos", params={"limit": 2, "order": "asc", "after": ids[1]}).json()
+    assert [j["id"] for j in page["data"]] == ids[2:4] and page["has_more"]
+    page = fake_client.get("/v1/videos", params={"limit": 2, "order": "asc", "after": ids[3]}).json()
+    assert [j["id"] for j in page["data"]] == ids[4:] and not page["has_more"]
+    newest_first = fake_client.get("/v1/videos").json()
+    assert [j["id"] for j in newest_first["data"]] == ids[::-1] and not newest_first["has_more"]
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "video_nope"}, "after")):
+        response = fake_client.get("/v1/videos", params=params)
+        assert response.status_code == 400, params
+        assert response.json()["error"]["param"] == param
+
+
+def test_unknown_ids_and_unfinished_content_are_404(fake_server, fake_client):
+    for path in ("/v1/videos/video_nope", "/v1/videos/video_nope/content"):
+        response = fake_client.get(path)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "video_not_found"
+    assert fake_client.delete("/v1/videos/video_nope").status_code == 404
+    job = fake_client.post("/v1/videos", json={"prompt": "hold", "size": "32x32", "num_frames": 5}).json()
+    response = fake_client.get(f"/v1/videos/{job['id']}/content")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "video_not_ready"
+    fake_server.worker.release.set()
+    wait_for(fake_client, job["id"])
+
+
+def test_content_is_an_mp4_with_range_support(fake_client, tmp_path):
+    job = fake_client.post("/v1/videos", json={"prompt": "range", "size": "32x32", "num_frames": 5}).json()
+    wait_for(fake_client, job["id"])
+    full = fake_client.get(f"/v1/videos/{job['id']}/content")
+    assert full.status_code == 200 and full.headers["content-type"] == "video/mp4"
+    assert full.headers["accept-ranges"] == "bytes"
+    (tmp_path / "got.mp4").write_bytes(full.content)
+    with av.open(str(tmp_path / "got.mp4")) as container:
+        assert container.streams.video[0].frames == 5
+    part = fake_client.get(f"/v1/videos/{job['id']}/content", headers={"Range": "bytes=10-19"})
+    assert part.status_code == 206 and part.content == full.content[10:20]
+    assert part.headers["content-range"] == f"bytes 10-19/{len(full.content)}"
+    tail = fake_client.get(f"/v1/videos/{job['id']}/content", headers={"Range": "bytes=-7"})
+    assert tail.status_code == 206 and tail.content == full.content[-7:]
+    beyond = fake_client.get(f"/v1/videos/{job['id']}/content", headers={"Range": f"bytes={len(full.content)}-"})
+    assert beyond.status_code == 416
+
+
+def test_delete_finished_job_removes_record_and_file(fake_server, fake_client):
+    job = fake_client.post("/v1/videos", json={"prompt": "bye", "size": "32x32", "num_frames": 5}).json()
+    wait_for(fake_client, job["id"])
+    path = fake_server.artifacts.root / f"{job['id']}.mp4"
+    assert path.is_file()
+    response = fake_client.delete(f"/v1/videos/{job['id']}")
+    assert response.status_code == 200
+    assert response.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert not path.exists()
+    assert fake_client.get(f"/v1/videos/{job['id']}").status_code == 404
+    assert fake_client.delete(f"/v1/videos/{job['id']}").status_code == 404
+
+
+def test_failed_job_reports_error_and_others_still_complete(fake_client):
+    bad = fake_client.post("/v1/videos", json={"prompt": "fail please", "size": "32x32", "num_frames": 5}).json()
+    good = fake_client.post("/v1/videos", json={"prompt": "fine", "size": "32x32", "num_frames": 5}).json()
+    failed = wait_for(fake_client, bad["id"])
+    assert failed["status"] == "failed"
+    assert failed["error"] == {"code": "generation_failed", "message": "RuntimeError: fake worker failure"}
+    content = fake_client.get(f"/v1/videos/{bad['id']}/content")
+    assert content.status_code == 404 and "fake worker failure" in content.json()["error"]["message"]
+    assert wait_for(fake_client, good["id"])["status"] == "completed"
+
+
+def test_models_health_metrics(fake_client):
+    models = fake_client.get("/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers" and card["object"] == "model"
+    assert card["default_num_inference_steps"] == 10 and card["default_guidance_scale"] == 1.0
+    assert fake_client.get("/health").json() == {"status": "ok"}
+    job = fake_client.post("/v1/videos", json={"prompt": "m", "size": "32x32", "num_frames": 5,
+                                               "model": "Kandinsky-6.0-Pro-distill-5s-Diffusers"}).json()
+    wait_for(fake_client, job["id"])
+    text = fake_client.get("/metrics")
+    assert text.headers["content-type"].startswith("text/plain")
+    body = text.text
+    assert "k6serve_queue_depth 0" in body
+    assert 'k6serve_jobs{status="completed"} 1' in body
+    assert re.search(r"^k6serve_step_latency_seconds_count 10$", body, re.M)  # 10 steps of the distilled default
+    assert re.search(r"^k6serve_job_latency_seconds_count 1$", body, re.M)
+    assert "k6serve_peak_gpu_memory_mb 12.5" in body
+    for line in body.splitlines():  # every sample line is "name{labels} number"
+        assert line.startswith("#") or re.fullmatch(r'[a-z0-9_]+(\{[a-z]+="[^"]*"\})? [0-9.e+-]+', line), line
+
+
+def test_wrong_model_name_is_400(fake_client):
+    response = fake_client.post("/v1/videos", json={"prompt": "x", "model": "sora-2"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def _documented_routes() -> set[tuple[str, str]]:
+    return {(m, p) for m, p in re.findall(r"^### `(GET|POST|DELETE) (/[^`]*)`", DOCS.read_text(), re.M)}
+
+
+def test_openapi_matches_the_docs(fake_client):
+    schema = fake_client.get("/openapi.json").json()
+    served = {(method.upper(), path) for path, item in schema["paths"].items() for method in item}
+    documented = _documented_routes()
+    assert documented, "docs/http-api.md lists no routes"
+    assert served == documented
+    create = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    assert set(create) == {"application/json", "multipart/form-data"}
+    body_fields = set(schema["components"]["schemas"]["VideoCreateBody"]["properties"])
+    assert body_fields == set(VideoCreateBody.model_fields)
+    form_fields = set(schema["components"]["schemas"]["VideoCreateForm"]["properties"])
+    assert form_fields == body_fields | {"input_reference", "video_reference"}
+    docs = DOCS.read_text()
+    for name in form_fields:
+        assert f"`{name}`" in docs, f"docs/http-api.md does not describe field {name}"
