@@ -197,3 +197,10 @@ def test_target_resolution_fit_exact_and_downscale_only():
         frames.float(), size=(16, 24), mode="bilinear", antialias=True, align_corners=False
     )
     assert torch.equal(resized, expected.clamp(0, 255).round().to(torch.uint8))
+
+
+def test_tiny_checkpoint_geometry_matches_the_spec_table():
+    # §6: a 64x48 (WxH) source with the tiny 8-pixel latent cell: 6 tiles at x2, 35 at x4.
+    tiny_tiles = ((64, 64), (64, 128), (128, 64))
+    assert len(plan_tiles(48, 64, tiling_scale=2, tile_sizes=tiny_tiles, snap=8).tiles) == 6
+    assert len(plan_tiles(48, 64, tiling_scale=4, tile_sizes=tiny_tiles, snap=8).tiles) == 35

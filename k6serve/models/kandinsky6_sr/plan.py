@@ -19,7 +19,9 @@ from k6serve.models.plan import (
     TensorParallelStyle,
 )
 
-# diffusers' `_keep_in_fp32_modules` of the SR DiT (T:457), matched per whole dotted name component.
+# Matched per whole dotted name component. diffusers' list (T:457) is the first three, under which the blocks'
+# `visual_modulation` would load in bf16; k6serve keeps it fp32 too, because the seeds / SG / R run all modulation in
+# fp32 (179,524,608 fp32 parameters, §1.1).
 KEEP_FP32_MODULES = ("time_embeddings", "pooled_bias", "modulation", "visual_modulation")
 
 _BLOCKS = "visual_transformer_blocks"
