@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from k6serve.config import ParallelConfig
-from k6serve.models.plan import AttentionSite
+from k6serve.models.plan import AttentionSite, ModelPlan
 
 AXES = ("dp", "cfg", "tp", "ring", "ulysses")
 REPLICA_AXES = AXES[1:]
@@ -162,28 +162,20 @@ def _check_ulysses(
             )
 
 
-def validate_layout(
-    layout: ParallelLayout,
-    *,
-    model_name: str,
-    attention: Sequence[AttentionSite],
-    sharded_roles: Sequence[str],
-    has_guidance: bool,
-    supports: dict[str, bool] | None = None,
-) -> None:
+def validate_layout(layout: ParallelLayout, plan: ModelPlan, *, model_name: str, has_guidance: bool) -> None:
     """Raise ValueError naming the broken rule and a valid alternative when `layout` cannot run the model.
 
-    `attention` and `sharded_roles` come from the model's plan; `has_guidance` is False for distilled and SR
-    checkpoints (one branch per step); `supports` maps "tp", "ulysses", "ring", "cfg_parallel", "fsdp" to
-    the model's capabilities (missing keys mean supported).
+    `plan` is the model's plan (head counts, sharded roles, capabilities); `has_guidance` is False for
+    checkpoints that run one forward per step (distilled generation, SR).
     """
-    supports = supports or {}
     requested = {
         "tp": layout.tp > 1, "ulysses": layout.ulysses > 1, "ring": layout.ring > 1,
         "cfg_parallel": layout.cfg > 1, "fsdp": layout.fsdp,
     }
     for technique, on in requested.items():
-        if on and not supports.get(technique, True):
+        if technique == "cfg_parallel" and not has_guidance:
+            continue  # the guidance message below is the more useful one
+        if on and not getattr(plan.capabilities, technique):
             raise ValueError(
                 f"{model_name} does not support {technique.replace('_', '-')}; use --ulysses-degree "
                 f"{layout.replica_size} for the same GPUs instead."
@@ -199,8 +191,8 @@ def validate_layout(
             "--use-fsdp-inference shards the DiT over the ranks of a replica, and this replica has one GPU. "
             "Fix: drop --use-fsdp-inference, or give each replica more GPUs (e.g. --ulysses-degree 2)."
         )
-    _check_tp(layout, attention, model_name)
-    _check_ulysses(layout, attention, sharded_roles, model_name)
+    _check_tp(layout, plan.attention, model_name)
+    _check_ulysses(layout, plan.attention, plan.sp.sharded_roles, model_name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

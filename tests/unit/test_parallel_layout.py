@@ -1,0 +1,80 @@
+"""Layout arithmetic (rank coordinates, groups) and the start-up validation of every invalid layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from k6serve.config import ParallelConfig
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6.plan import kandinsky6_plan
+from k6serve.models.kandinsky6.released_configs import RELEASED_TRANSFORMER_CONFIGS
+from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
+from k6serve.models.kandinsky6_sr.plan import sr_plan
+from k6serve.models.kandinsky6_sr.released_configs import TRANSFORMER_CONFIG as SR_TRANSFORMER_CONFIG
+from k6serve.parallel.mesh import ParallelLayout, validate_layout
+
+PRO = kandinsky6_plan(Kandinsky6TransformerConfig.from_json_dict(RELEASED_TRANSFORMER_CONFIGS["pro"]))
+LITE = kandinsky6_plan(Kandinsky6TransformerConfig.from_json_dict(RELEASED_TRANSFORMER_CONFIGS["lite"]))
+SR = sr_plan(SRTransformerConfig.from_dict(SR_TRANSFORMER_CONFIG))
+
+
+def check(plan, has_guidance=True, **degrees):
+    validate_layout(ParallelLayout(**degrees), plan, model_name="model", has_guidance=has_guidance)
+
+
+def test_layout_from_config_and_coordinates():
+    layout = ParallelLayout.from_config(
+        ParallelConfig(num_gpus=16, dp_size=2, enable_cfg_parallel=True, ring_degree=2, ulysses_degree=2)
+    )
+    assert layout.shape == (2, 2, 1, 2, 2) and layout.world_size == 16 and layout.replica_size == 8
+    assert layout.coordinates(15) == {"dp": 1, "cfg": 1, "tp": 0, "ring": 1, "ulysses": 1}
+    assert all(layout.rank_at(layout.coordinates(r)) == r for r in range(16))
+    assert layout.replica_ranks(1) == list(range(8, 16)) and layout.replica_of(7) == 0
+    # ulysses is innermost (neighbouring ranks), cfg outermost inside a replica
+    assert layout.axis_groups("ulysses")[:2] == [[0, 1], [2, 3]]
+    assert layout.axis_groups("cfg")[0] == [0, 4]
+    # a sequence group holds ring blocks of consecutive ulysses ranks, ordered by sequence index
+    assert layout.sequence_groups()[0] == [0, 1, 2, 3]
+    assert [layout.sequence_index(r) for r in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    every_rank = sorted(r for group in layout.axis_groups("ring") for r in group)
+    assert every_rank == list(range(16))
+
+
+@pytest.mark.parametrize(
+    "plan, degrees",
+    [
+        (PRO, {"tp": 2, "ulysses": 2}), (PRO, {"ulysses": 8}), (PRO, {"tp": 16}),
+        (LITE, {"ulysses": 4}),  # 28 video heads / 4; the 14 audio heads stay replicated
+        (LITE, {"tp": 2, "ulysses": 2, "ring": 2}), (LITE, {"cfg": 2, "ulysses": 2}),
+        (SR, {"ulysses": 4, "ring": 2}), (SR, {"tp": 4, "ring": 2}), (PRO, {"ulysses": 2, "fsdp": True}),
+    ],
+)
+def test_valid_layouts_pass(plan, degrees):
+    check(plan, **degrees)
+
+
+@pytest.mark.parametrize(
+    "plan, has_guidance, degrees, message",
+    [
+        (PRO, True, {"tp": 3}, r"tensor parallelism must divide the heads of every attention.*'text_self' has 32 "
+                               r"heads and --tp-size is 3.*valid tp sizes: \[1, 2, 4, 8, 16\].*--tp-size 2"),
+        (LITE, True, {"tp": 4}, r"'text_self' has 14 heads and --tp-size is 4.*\[1, 2, 7, 14\].*--tp-size 2"),
+        (LITE, True, {"ulysses": 8}, r"Ulysses must divide the TP-local heads.*'video_self' has 28 heads / tp 1 "
+                                    r"= 28 per rank.*--ulysses-degree 4 --ring-degree 2"),
+        (SR, False, {"ulysses": 8}, r"--ulysses-degree 4 --ring-degree 2"),
+        (LITE, True, {"tp": 2, "ulysses": 4}, r"28 heads / tp 2 = 14 per rank.*--ulysses-degree 2 --ring-degree 2"),
+        (PRO, False, {"cfg": 2}, r"no classifier-free guidance branch.*drop --enable-cfg-parallel and use "
+                                 r"--ulysses-degree 2"),
+        (SR, False, {"cfg": 2, "ulysses": 2}, r"no classifier-free guidance.*--ulysses-degree 4"),
+        (PRO, True, {"fsdp": True}, r"--use-fsdp-inference .* one GPU.*--ulysses-degree 2"),
+    ],
+)
+def test_invalid_layouts_name_the_rule_and_an_alternative(plan, has_guidance, degrees, message):
+    with pytest.raises(ValueError, match=message):
+        check(plan, has_guidance, **degrees)
+
+
+def test_suggested_alternatives_are_valid():
+    check(SR, False, ulysses=4, ring=2)
+    check(LITE, True, tp=2, ulysses=2, ring=2)
+    check(PRO, False, ulysses=2)
