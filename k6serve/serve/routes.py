@@ -43,7 +43,7 @@ from k6serve.serve.schemas import (
     to_sampling_params,
 )
 from k6serve.serve.settings import ServerSettings
-from k6serve.serve.uploads import drain, read_json_body, read_multipart
+from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
 
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 429)}
@@ -174,10 +174,13 @@ async def _read_body(request: Request, ctx: ServerContext, job_id: str) -> tuple
                                code="invalid_parameter", param=target)
             raw[target] = str(upload.path)
         return raw, {name: f.sha256 for name, f in form.files.items()}, uploads
+    if content_type == "application/x-www-form-urlencoded":
+        return await read_urlencoded_body(request), {}, []
     if content_type not in ("application/json", ""):
         await drain(request)
-        raise ApiError(400, f"Content-Type {content_type!r} is not supported; send application/json or "
-                            "multipart/form-data.", code="unsupported_content_type")
+        raise ApiError(400, f"Content-Type {content_type!r} is not supported; send application/json, "
+                            "multipart/form-data or application/x-www-form-urlencoded.",
+                       code="unsupported_content_type")
     raw = await read_json_body(request)
     if isinstance(raw, dict):
         for field_name in FILE_FIELDS:

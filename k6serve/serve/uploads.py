@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import secrets
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,7 @@ def declared_length(request: Request) -> int | None:
     return int(value)
 
 
-async def read_json_body(request: Request) -> Any:
+async def _read_small_body(request: Request) -> bytes:
     length = declared_length(request)
     if length is not None and length > MAX_JSON_BYTES:
         raise too_large_json()
@@ -72,6 +73,26 @@ async def read_json_body(request: Request) -> Any:
         if len(body) > MAX_JSON_BYTES:
             await drain(request)
             raise too_large_json()
+    return bytes(body)
+
+
+async def read_urlencoded_body(request: Request) -> dict[str, str]:
+    """`application/x-www-form-urlencoded` (what `curl -d a=b` sends): text fields only."""
+    body = await _read_small_body(request)
+    try:
+        pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(400, f"Invalid form body: {exc}", code="invalid_form") from None
+    fields: dict[str, str] = {}
+    for name, value in pairs:
+        if name in fields:
+            raise ApiError(400, f"Form field {name!r} was sent twice.", code="invalid_form", param=name)
+        fields[name] = value
+    return fields
+
+
+async def read_json_body(request: Request) -> Any:
+    body = await _read_small_body(request)
     if not body.strip():
         raise ApiError(400, "The request body is empty; send a JSON object such as {\"prompt\": \"...\"}.",
                        code="invalid_json")
@@ -82,7 +103,8 @@ async def read_json_body(request: Request) -> Any:
 
 
 def too_large_json() -> ApiError:
-    return ApiError(413, f"JSON bodies are limited to {MAX_JSON_BYTES // 2**20} MiB; upload files with "
+    return ApiError(413, f"JSON and url-encoded bodies are limited to {MAX_JSON_BYTES // 2**20} MiB; upload "
+                         "files with "
                          "multipart/form-data instead.", code="payload_too_large", headers={"Connection": "close"})
 
 

@@ -96,7 +96,8 @@ class RunningServer:
     headers: dict[str, str] = field(default_factory=dict)
 
     def client(self, **kwargs: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30, headers=self.headers, **kwargs)
+        kwargs.setdefault("headers", self.headers)
+        return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -1,0 +1,276 @@
+"""Everything a client can get wrong: status code, OpenAI error body, nothing written, and the server still
+completes other jobs afterwards."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+
+import pytest
+from PIL import Image
+
+from harness import start_server, wait_for
+
+SMALL = {"size": "32x32", "num_frames": 5}
+
+
+def _png_bytes() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (24, 16), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _assert_error(response, status: int, *, param: str | None = "any", code: str | None = None,
+                  contains: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param != "any":
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    if contains is not None:
+        assert contains in error["message"], error
+    return error
+
+
+def _still_serves(client) -> None:
+    job = client.post("/v1/videos", json={"prompt": "still alive", **SMALL})
+    assert job.status_code == 200, job.text
+    assert wait_for(client, job.json()["id"])["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "contains"),
+    [
+        ({"prompt": "x", "seed": "abc"}, "seed", "integer"),
+        ({"prompt": "x", "seed": -1}, "seed", "[0, 2**63)"),
+        ({"prompt": "x", "seed": 1.5}, "seed", "integer"),
+        ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "between 1 and 1000"),
+        ({"prompt": "x", "guidance_scale": 2.0}, "guidance_scale", "exactly 1.0"),
+        ({"prompt": "x", "width": 33}, "width", "multiple of 16"),
+        ({"prompt": "x", "height": 4096}, "height", "at most 2048"),
+        ({"prompt": "x", "fps": 0}, "fps", "(0, 240]"),
+        ({"prompt": "x", "num_frames": [1, 2]}, "num_frames", "integer"),
+        ({"prompt": 5}, "prompt", "string"),
+        ({"prompt": "   "}, "prompt", "required"),
+        ({}, "prompt", "required"),
+        ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
+        ({"prompt": "x", "size": "64x32", "width": 32}, "size", "disagrees"),
+        ({"prompt": "x", "seconds": "-1"}, "seconds", "(0, 600]"),
+        ({"prompt": "x", "seconds": "four"}, "seconds", "number"),
+        ({"prompt": "x", "seconds": 2, "num_frames": 5}, "seconds", "send one of them"),
+        ({"prompt": "x", "video_path": "/etc/hosts"}, "video_path", "allowed input folders"),
+        ({"prompt": "x", "unknown_knob": 1}, "unknown_knob", "Valid fields"),
+        ({"prompt": "x", "input_reference": "abc"}, "input_reference", "multipart"),
+    ],
+)
+def test_invalid_json_values_are_400_with_the_allowed_values(fake_client, body, param, contains):
+    _assert_error(fake_client.post("/v1/videos", json=body), 400, param=param, contains=contains)
+
+
+def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake_client):
+    _assert_error(fake_client.post("/v1/videos", content=b"{not json"), 400, code="invalid_json")
+    _assert_error(fake_client.post("/v1/videos", content=b"[1, 2]", headers={"Content-Type": "application/json"}),
+                  400, contains="JSON object")
+    _assert_error(fake_client.post("/v1/videos", content=b"NaN", headers={"Content-Type": "application/json"}),
+                  400)
+    _assert_error(fake_client.post("/v1/videos", content=b'{"prompt": "x", "fps": NaN}'), 400, param="fps")
+    _assert_error(fake_client.post("/v1/videos", content=b""), 400, code="invalid_json")
+    _assert_error(fake_client.post("/v1/videos", content=b"\xff\xfe", headers={"Content-Type": "application/json"}),
+                  400, code="invalid_json")
+    _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 400,
+                  code="unsupported_content_type")
+    form = {"Content-Type": "multipart/form-data; boundary=XyZ"}
+    _assert_error(fake_client.post("/v1/videos", content=b"garbage without boundary", headers=form), 400,
+                  code="invalid_multipart")
+    truncated = b'--XyZ\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhello'
+    _assert_error(fake_client.post("/v1/videos", content=truncated, headers=form), 400, code="invalid_multipart")
+    _assert_error(fake_client.post("/v1/videos", content=b"", headers={"Content-Type": "multipart/form-data"}), 400,
+                  code="invalid_multipart")
+    no_name = b"--XyZ\r\nContent-Disposition: form-data\r\n\r\nhello\r\n--XyZ--\r\n"
+    _assert_error(fake_client.post("/v1/videos", content=no_name, headers=form), 400, code="invalid_multipart")
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x"}, files={"other": ("a.png", b"123")}), 400,
+                  param="other", code="invalid_multipart")
+    duplicate = (b'--XyZ\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na\r\n'
+                 b'--XyZ\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nb\r\n--XyZ--\r\n')
+    _assert_error(fake_client.post("/v1/videos", content=duplicate, headers=form), 400, param="prompt")
+    bad_utf8 = b'--XyZ\r\nContent-Disposition: form-data; name="prompt"\r\n\r\n\xff\xfe\r\n--XyZ--\r\n'
+    _assert_error(fake_client.post("/v1/videos", content=bad_utf8, headers=form), 400, param="prompt")
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x", "seed": "abc"}), 400, param="seed")
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"")}),
+                  400, code="invalid_upload")
+    _assert_error(fake_client.post("/v1/videos", headers={"Idempotency-Key": "has space"}, json={"prompt": "x"}),
+                  400, code="invalid_idempotency_key")
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    _still_serves(fake_client)
+
+
+def test_multipart_strings_are_coerced_and_the_upload_is_used(fake_server, fake_client):
+    response = fake_client.post(
+        "/v1/videos",
+        data={"prompt": "  keep my spaces ", "seed": "7", "size": "48x32", "num_frames": "5", "fps": "12.5"},
+        files={"input_reference": ("first.png", _png_bytes(), "image/png")},
+    )
+    assert response.status_code == 200, response.text
+    job = wait_for(fake_client, response.json()["id"])
+    assert job["status"] == "completed" and job["size"] == "48x32"
+    request = fake_server.worker.requests[-1]
+    assert request.prompt == "  keep my spaces " and request.seed == 7 and request.fps == 12.5
+    assert request.image_path.startswith(str(fake_server.artifacts.upload_dir))
+    assert request.image_path.endswith(".png")
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []  # uploads are deleted with the finished job
+
+
+def test_path_traversal_and_symlink_escapes_are_refused(fake_server, fake_client, tmp_path):
+    inputs = tmp_path / "inputs"
+    (inputs / "ok.png").write_bytes(_png_bytes())
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(_png_bytes())
+    os.symlink(outside, inputs / "link.png")
+    os.symlink(tmp_path, inputs / "dirlink")
+    attempts = [
+        str(inputs / ".." / "secret.png"),
+        "../secret.png",
+        str(inputs / "link.png"),
+        str(inputs / "dirlink" / "secret.png"),
+        "/etc/passwd",
+        str(fake_server.artifacts.upload_dir / ".." / f"{'x' * 10}.mp4"),
+    ]
+    for path in attempts:
+        _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "image_path": path, **SMALL}), 400,
+                      param="image_path", code="path_not_allowed")
+    _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "image_path": str(inputs / "none.png")}), 400,
+                  param="image_path", code="invalid_path")
+    _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "image_path": str(inputs)}), 400,
+                  param="image_path", code="invalid_path")
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x", "image_path": "/etc/passwd"}), 400,
+                  param="image_path", code="path_not_allowed")
+    job = fake_client.post("/v1/videos", json={"prompt": "x", "image_path": str(inputs / "ok.png"), **SMALL})
+    assert job.status_code == 200, job.text
+    assert wait_for(fake_client, job.json()["id"])["status"] == "completed"
+    assert fake_server.worker.requests[-1].image_path == str((inputs / "ok.png").resolve())
+
+
+def test_idempotent_retries(fake_server, fake_client):
+    body = {"prompt": "idempotent", **SMALL}
+    first = fake_client.post("/v1/videos", json=body, headers={"Idempotency-Key": "key-1"})
+    again = fake_client.post("/v1/videos", json=body, headers={"Idempotency-Key": "key-1"})
+    assert first.status_code == again.status_code == 200
+    assert again.json()["id"] == first.json()["id"] and again.headers["Idempotent-Replayed"] == "true"
+    conflict = fake_client.post("/v1/videos", json={**body, "seed": 1}, headers={"Idempotency-Key": "key-1"})
+    _assert_error(conflict, 409, param="Idempotency-Key", code="idempotency_conflict", contains=first.json()["id"])
+    files = {"input_reference": ("a.png", _png_bytes(), "image/png")}
+    upload = fake_client.post("/v1/videos", data={"prompt": "up", **SMALL, "num_frames": "5"}, files=files,
+                              headers={"Idempotency-Key": "key-2"})
+    replay = fake_client.post("/v1/videos", data={"prompt": "up", **SMALL, "num_frames": "5"}, files=files,
+                              headers={"Idempotency-Key": "key-2"})
+    assert replay.json()["id"] == upload.json()["id"]
+    other_file = {"input_reference": ("a.png", _png_bytes() + b"\0", "image/png")}
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "up", **SMALL, "num_frames": "5"},
+                                   files=other_file, headers={"Idempotency-Key": "key-2"}), 409)
+    wait_for(fake_client, first.json()["id"])
+    wait_for(fake_client, upload.json()["id"])
+    assert fake_server.worker.started.count("idempotent") == 1 and fake_server.worker.started.count("up") == 1
+    listed = fake_client.get("/v1/videos").json()["data"]
+    assert len(listed) == 2
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+
+
+def test_full_queue_answers_429_with_retry_after(tmp_path):
+    server = start_server(tmp_path, max_queued_jobs=2)
+    try:
+        with server.client() as client:
+            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, running["id"], ("in_progress",))
+            queued = [client.post("/v1/videos", json={"prompt": f"q{i}", **SMALL}).json() for i in range(2)]
+            refused = client.post("/v1/videos", json={"prompt": "one too many", **SMALL})
+            _assert_error(refused, 429, code="queue_full")
+            assert int(refused.headers["Retry-After"]) >= 1
+            upload = client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"12")})
+            _assert_error(upload, 429)
+            assert list(server.artifacts.upload_dir.iterdir()) == []
+            assert 'k6serve_requests_rejected_total{reason="queue_full"} 2' in client.get("/metrics").text
+            server.worker.release.set()
+            for job in [running, *queued]:
+                assert wait_for(client, job["id"])["status"] == "completed"
+            _still_serves(client)
+    finally:
+        server.stop()
+
+
+def test_oversized_uploads_are_413_and_nothing_is_written(tmp_path):
+    server = start_server(tmp_path, max_upload_mb=0.05)  # 51.2 KiB
+    upload_dir = server.artifacts.upload_dir
+    big = os.urandom(200_000)
+    try:
+        with server.client() as client:
+            # Declared Content-Length over the limit: refused before reading.
+            response = client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", big)})
+            _assert_error(response, 413, code="payload_too_large", contains="--max-upload-mb")
+            # No Content-Length (chunked): refused while counting the streamed bytes.
+            boundary = b"B0undary"
+            head = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nx\r\n--' + boundary
+                    + b'\r\nContent-Disposition: form-data; name="video_reference"; filename="v.mp4"\r\n'
+                    b"Content-Type: video/mp4\r\n\r\n")
+
+            def chunks():
+                yield head
+                for start in range(0, len(big), 8192):
+                    yield big[start:start + 8192]
+                yield b"\r\n--" + boundary + b"--\r\n"
+
+            response = client.post("/v1/videos", content=chunks(),
+                                   headers={"Content-Type": f"multipart/form-data; boundary={boundary.decode()}"})
+            assert "content-length" not in response.request.headers
+            _assert_error(response, 413, code="payload_too_large")
+            response = client.post("/v1/videos", content=b'{"prompt": "' + b"x" * (2 * 2**20) + b'"}',
+                                   headers={"Content-Type": "application/json"})
+            _assert_error(response, 413, code="payload_too_large")
+            assert list(upload_dir.iterdir()) == []
+            assert list(server.artifacts.root.glob(".*.part")) == []
+            assert client.get("/v1/videos").json()["data"] == []
+        with server.client() as client:
+            small = client.post("/v1/videos", data={"prompt": "x", **SMALL, "num_frames": "5"},
+                                files={"input_reference": ("a.png", _png_bytes(), "image/png")})
+            assert small.status_code == 200, small.text
+            assert wait_for(client, small.json()["id"])["status"] == "completed"
+    finally:
+        server.stop()
+
+
+def test_client_disconnect_mid_upload_leaves_nothing_and_server_keeps_serving(fake_server, fake_client):
+    host, port = fake_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=Q\r\n"
+                     b"Content-Length: 100000\r\n\r\n--Q\r\nContent-Disposition: form-data; name=\"video_reference\";"
+                     b" filename=\"v.mp4\"\r\n\r\n" + b"a" * 5000)
+    _still_serves(fake_client)
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+
+
+def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
+    server = start_server(tmp_path, api_key="s3cret")
+    try:
+        with server.client() as authorised, server.client(headers={}) as anonymous:
+            assert anonymous.get("/health").status_code == 200
+            for method, path in (("GET", "/v1/videos"), ("POST", "/v1/videos"), ("GET", "/v1/models"),
+                                 ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/videos/x/content"),
+                                 ("DELETE", "/v1/videos/x")):
+                response = anonymous.request(method, path)
+                _assert_error(response, 401, code="invalid_api_key")
+                assert response.headers["WWW-Authenticate"] == "Bearer"
+            wrong = anonymous.get("/v1/models", headers={"Authorization": "Bearer nope"})
+            _assert_error(wrong, 401)
+            assert anonymous.get("/v1/models", headers={"Authorization": "s3cret"}).status_code == 401
+            assert authorised.get("/v1/models").status_code == 200
+            _still_serves(authorised)
+    finally:
+        server.stop()
+    from k6serve.serve.app import settings_from_options
+
+    monkeypatch.setenv("K6SERVE_API_KEY", "from-env")
+    assert settings_from_options({}).api_key == "from-env"
+    assert settings_from_options({"api_key": "flag"}).api_key == "flag"
