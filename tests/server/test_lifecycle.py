@@ -1,0 +1,295 @@
+"""Job lifecycle against a fake worker: cancel, restart (graceful and SIGKILL), TTL, load, the seed script."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness import FakeWorker, start_server, wait_for, wait_until
+from k6serve.models.variants import VARIANTS
+from k6serve.serve.app import sweep_expired_once
+from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
+
+SMALL = {"size": "32x32", "num_frames": 5}
+HERE = Path(__file__).resolve().parent
+SEED = sorted(Path("/work/shared/seeds").glob("000_*.txt"))
+
+
+def seed_download_script() -> str:
+    """Section 5 of the seed document: the urllib polling and download example, exactly as written."""
+    if SEED:
+        text = SEED[0].read_text()
+        match = re.search(r"^import json\n.*?raise TimeoutError\([^\n]*\)\n", text, re.S | re.M)
+        assert match, "the seed's download example was not found"
+        return match.group(0)
+    return (HERE / "seed_download_example.py").read_text()
+
+
+def run_seed_script(base_url: str, video_id: str, cwd: Path) -> bytes:
+    script = seed_download_script()
+    assert 'base_url = "http://localhost:30000"' in script and 'video_id = "REPLACE_WITH_RETURNED_ID"' in script
+    script = script.replace("http://localhost:30000", base_url).replace("REPLACE_WITH_RETURNED_ID", video_id)
+    subprocess.run([sys.executable, "-c", script], cwd=cwd, check=True, timeout=120)
+    return (cwd / "output.mp4").read_bytes()
+
+
+def test_seed_polling_script_works_unchanged(fake_client, fake_server, tmp_path):
+    job = fake_client.post("/v1/videos", json={"prompt": "seed example", **SMALL}).json()
+    downloaded = run_seed_script(fake_server.base_url, job["id"], tmp_path)
+    assert downloaded == fake_client.get(f"/v1/videos/{job['id']}/content").content
+    assert downloaded[4:8] == b"ftyp"
+
+
+def test_cancel_a_queued_job(fake_server, fake_client):
+    running = fake_client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+    wait_for(fake_client, running["id"], ("in_progress",))
+    queued = fake_client.post("/v1/videos", json={"prompt": "never runs", **SMALL}).json()
+    cancelled = fake_client.delete(f"/v1/videos/{queued['id']}")
+    assert cancelled.status_code == 200
+    body = cancelled.json()
+    assert body["status"] == "cancelled" and body["error"]["code"] == "cancelled" and body["completed_at"]
+    fake_server.worker.release.set()
+    assert wait_for(fake_client, running["id"])["status"] == "completed"
+    assert "never runs" not in fake_server.worker.started
+    assert fake_client.get(f"/v1/videos/{queued['id']}/content").status_code == 404
+    assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["deleted"] is True
+
+
+def test_cancel_a_running_job_frees_the_engine(fake_server, fake_client):
+    running = fake_client.post("/v1/videos", json={"prompt": "hold forever", **SMALL}).json()
+    job = wait_for(fake_client, running["id"], ("in_progress",))
+    assert job["started_at"] is not None
+    waiting = fake_client.post("/v1/videos", json={"prompt": "next in line", **SMALL}).json()
+    response = fake_client.delete(f"/v1/videos/{running['id']}")
+    assert response.status_code == 200
+    cancelled = response.json()
+    assert cancelled["status"] == "cancelled" and cancelled["progress"] < 100  # acknowledged at a step boundary
+    assert "step boundary" in cancelled["error"]["message"]
+    assert wait_for(fake_client, waiting["id"])["status"] == "completed"  # held job never released
+    assert not (fake_server.artifacts.root / f"{running['id']}.mp4").exists()
+
+
+def test_progress_advances_at_every_step(tmp_path):
+    worker = FakeWorker(VARIANTS["pro-distill"], step_delay_s=0.05)
+    server = start_server(tmp_path, worker=worker)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "steps", **SMALL, "num_inference_steps": 20}).json()
+            seen = set()
+            while True:
+                state = client.get(f"/v1/videos/{job['id']}").json()
+                seen.add(state["progress"])
+                if state["status"] == "completed":
+                    break
+                time.sleep(0.01)
+            intermediate = {p for p in seen if 0 < p < 100}
+            # 20 steps: multiples of 5; the last step shows 99 because 100 means the MP4 is written.
+            assert len(intermediate) >= 5 and all(p % 5 == 0 or p == 99 for p in intermediate), intermediate
+    finally:
+        server.stop()
+
+
+def _job(job_id: str, prompt: str, status: JobStatus, attempts: int) -> Job:
+    return Job(id=job_id, model="m", status=status, created_at=time.time(), attempts=attempts,
+               params={"prompt": prompt, "height": 32, "width": 32, "num_frames": 5})
+
+
+def test_restart_keeps_every_job_and_requeues_running_ones_once(tmp_path):
+    first = start_server(tmp_path)
+    with first.client() as client:
+        done = client.post("/v1/videos", json={"prompt": "before restart", **SMALL}).json()
+        wait_for(client, done["id"])
+        content = client.get(f"/v1/videos/{done['id']}/content").content
+        held = client.post("/v1/videos", json={"prompt": "hold then restart", **SMALL}).json()
+        wait_for(client, held["id"], ("in_progress",))
+        behind = client.post("/v1/videos", json={"prompt": "queued behind", **SMALL}).json()
+    first.stop()  # graceful: the running job goes back to the queue without using up an attempt
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert store.get(held["id"]).status == JobStatus.QUEUED and store.get(held["id"]).attempts == 0
+    # As if the server had died twice more: once during each of these jobs.
+    store.insert(_job("video_died_once", "died once", JobStatus.IN_PROGRESS, attempts=1))
+    store.insert(_job("video_died_twice", "died twice", JobStatus.IN_PROGRESS, attempts=2))
+    store.insert(_job("video_queued", "queued at death", JobStatus.QUEUED, attempts=0))
+    store.close()
+
+    second = start_server(tmp_path)
+    second.worker.release.set()
+    try:
+        with second.client() as client:
+            listed = {j["id"]: j for j in client.get("/v1/videos", params={"limit": 100}).json()["data"]}
+            assert set(listed) == {done["id"], held["id"], behind["id"], "video_died_once", "video_died_twice",
+                                   "video_queued"}
+            assert client.get(f"/v1/videos/{done['id']}/content").content == content
+            failed = listed["video_died_twice"]
+            assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
+            assert "stopped twice" in failed["error"]["message"]
+            for job_id in (held["id"], behind["id"], "video_died_once", "video_queued"):
+                assert wait_for(client, job_id)["status"] == "completed", job_id
+            requeued = client.get("/v1/videos/video_died_once").json()
+            assert any("re-queued" in w for w in requeued["warnings"])
+            assert "died twice" not in second.worker.started
+            # Queue order survives: older jobs first.
+            assert second.worker.started.index("hold then restart") < second.worker.started.index("queued behind")
+    finally:
+        second.stop()
+
+
+def _spawn(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    port_file = root / f"port-{time.monotonic_ns()}"
+    process = subprocess.Popen([sys.executable, str(HERE / "fake_server_main.py"), str(root), str(port_file), *extra])
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("fake server process did not start")
+        time.sleep(0.05)
+    return process, port_file.read_text()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(10)
+
+
+def test_sigkill_requeues_a_running_job_once_then_fails_it(tmp_path):
+    process, url = _spawn(tmp_path)
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            quick = client.post("/v1/videos", json={"prompt": "quick", **SMALL}).json()
+            wait_for(client, quick["id"])
+            poison = client.post("/v1/videos", json={"prompt": "hold: the server dies on me", **SMALL}).json()
+            wait_for(client, poison["id"], ("in_progress",))
+            later = client.post("/v1/videos", json={"prompt": "later", **SMALL}).json()
+        _kill(process)
+
+        process, url = _spawn(tmp_path)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            again = wait_for(client, poison["id"], ("in_progress",))  # re-queued once and running again
+            assert any("re-queued" in w for w in again["warnings"])
+            assert client.get(f"/v1/videos/{later['id']}").json()["status"] == "queued"
+        _kill(process)
+
+        process, url = _spawn(tmp_path, "--release-holds")
+        with httpx.Client(base_url=url, timeout=30) as client:
+            failed = client.get(f"/v1/videos/{poison['id']}").json()
+            assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
+            assert wait_for(client, later["id"])["status"] == "completed"
+            assert client.get(f"/v1/videos/{quick['id']}/content").status_code == 200
+            assert list((tmp_path / "outputs").glob(".*.part")) == []
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def test_output_ttl_deletes_old_jobs_with_their_files(tmp_path):
+    server = start_server(tmp_path, output_ttl_s=0.5, cleanup_interval_s=0.1)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "short lived", **SMALL}).json()
+            done = wait_for(client, job["id"])
+            assert done["expires_at"] - done["completed_at"] in (0, 1)
+            path = server.artifacts.root / f"{job['id']}.mp4"
+            wait_until(lambda: client.get(f"/v1/videos/{job['id']}").status_code == 404, timeout=10)
+            assert not path.exists()
+    finally:
+        server.stop()
+
+
+def test_ttl_sweep_leaves_unfinished_jobs(tmp_path):
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    artifacts = ArtifactStore(tmp_path / "out")
+    (artifacts.root / "video_old.mp4").write_bytes(b"x")
+    store.insert(Job(id="video_old", model="m", status=JobStatus.COMPLETED, created_at=0, completed_at=100,
+                     output_file="video_old.mp4"))
+    store.insert(Job(id="video_new", model="m", status=JobStatus.FAILED, created_at=0, completed_at=1000))
+    store.insert(Job(id="video_waiting", model="m", status=JobStatus.QUEUED, created_at=0))
+    assert sweep_expired_once(store, artifacts, ttl_s=500, now=1000) == 1
+    assert store.get("video_old") is None and not (artifacts.root / "video_old.mp4").exists()
+    assert store.get("video_new") is not None and store.get("video_waiting") is not None
+    store.close()
+
+
+def test_load_50_requests_from_10_clients_none_lost_or_duplicated(tmp_path):
+    worker = FakeWorker(VARIANTS["pro-distill"], step_delay_s=0.002)
+    server = start_server(tmp_path, worker=worker, max_queued_jobs=8)
+    try:
+        def client_run(client_index: int) -> list[tuple[int, str | None]]:
+            outcomes = []
+            with server.client() as client:
+                for request_index in range(5):
+                    prompt = f"load {client_index}-{request_index}"
+                    response = client.post("/v1/videos", json={"prompt": prompt, **SMALL})
+                    assert response.status_code in (200, 429), response.text
+                    outcomes.append((response.status_code, response.json().get("id"), prompt))
+            return outcomes
+
+        with ThreadPoolExecutor(10) as pool:
+            outcomes = [o for batch in pool.map(client_run, range(10)) for o in batch]
+        assert len(outcomes) == 50
+        accepted = {job_id: prompt for status, job_id, prompt in outcomes if status == 200}
+        assert len(accepted) == sum(1 for o in outcomes if o[0] == 200) > 0  # unique ids
+        with server.client() as client:
+            for job_id in accepted:
+                assert wait_for(client, job_id, timeout=60)["status"] == "completed"
+            listed = client.get("/v1/videos", params={"limit": 100}).json()
+            assert {j["id"] for j in listed["data"]} == set(accepted) and not listed["has_more"]
+            metrics = client.get("/metrics").text
+        assert sorted(worker.started) == sorted(accepted.values())  # each accepted job ran exactly once
+        rejected = sum(1 for o in outcomes if o[0] == 429)
+        assert rejected == 0 or f'k6serve_requests_rejected_total{{reason="queue_full"}} {rejected}' in metrics
+    finally:
+        server.stop()
+
+
+def test_store_transitions_are_compare_and_set(tmp_path):
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.insert(Job(id="video_a", model="m", created_at=1.0, idempotency_key="k", request_hash="h1"))
+    assert store.transition("video_a", (JobStatus.IN_PROGRESS,), status=JobStatus.COMPLETED) is None
+    started = store.transition("video_a", (JobStatus.QUEUED,), status=JobStatus.IN_PROGRESS, attempts=1)
+    assert started.status == JobStatus.IN_PROGRESS and started.attempts == 1
+    same, created = store.insert(Job(id="video_b", model="m", created_at=2.0, idempotency_key="k", request_hash="h1"))
+    assert same.id == "video_a" and not created
+    from k6serve.serve.jobs import IdempotencyConflict
+
+    with pytest.raises(IdempotencyConflict):
+        store.insert(Job(id="video_c", model="m", created_at=2.0, idempotency_key="k", request_hash="h2"))
+    store.close()
+    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert reopened.get("video_a") == started
+    reopened.close()
+
+
+def test_serve_cli_flags_become_settings(monkeypatch):
+    from k6serve.cli.main import build_parser, merged_options, split_options
+    from k6serve.serve.app import settings_from_options
+
+    monkeypatch.delenv("K6SERVE_API_KEY", raising=False)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model-path", "m", "--host", "0.0.0.0", "--port", "8080", "--output-path",
+                              "out", "--job-store", "j.db", "--output-ttl", "60", "--max-queued-jobs", "3",
+                              "--max-upload-mb", "2.5", "--allowed-input-dir", "a", "--allowed-input-dir", "b",
+                              "--api-key", "k"])
+    engine, server = split_options(merged_options(args, parser))
+    assert engine == {"model_path": "m"}
+    settings = settings_from_options(server)
+    assert (settings.host, settings.port, str(settings.output_path), str(settings.job_store_path)) == \
+        ("0.0.0.0", 8080, "out", "j.db")
+    assert (settings.output_ttl_s, settings.max_queued_jobs, settings.max_upload_bytes, settings.api_key) == \
+        (60.0, 3, int(2.5 * 2**20), "k")
+    assert [str(d) for d in settings.allowed_input_dirs] == ["a", "b"]
+    defaults = settings_from_options(split_options(merged_options(parser.parse_args(["serve", "--model-path", "m"]),
+                                                                  parser))[1])
+    assert (defaults.port, defaults.api_key, str(defaults.job_store_path)) == (30000, None, "outputs/jobs.sqlite3")
+    with pytest.raises(ValueError, match="max-queued-jobs"):
+        settings_from_options({"max_queued_jobs": 0})
