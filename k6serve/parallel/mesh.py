@@ -39,7 +39,7 @@ class ParallelLayout:
         assert self.cfg in (1, 2), "CFG-parallel has exactly two branches"
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig) -> "ParallelLayout":
+    def from_config(cls, parallel: ParallelConfig) -> ParallelLayout:
         return cls(
             dp=parallel.dp_size,
             cfg=2 if parallel.enable_cfg_parallel else 1,

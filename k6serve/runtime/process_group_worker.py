@@ -34,7 +34,13 @@ import torch.distributed as dist
 from k6serve.config import EngineConfig
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
-from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.request import (
+    GenerateRequest,
+    OutputOptions,
+    SamplingParams,
+    UpscaleRequest,
+    VideoResult,
+)
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.runtime.launch import (
@@ -153,12 +159,13 @@ class _ReplicaLoop:
         result, failure = None, None
         try:
             result = self.worker.run(request.params, output, on_step=self._on_step(request.request_id))
-        except Exception as error:  # reported to the engine below; the loop keeps serving
+        except Exception as error:  # noqa: BLE001 (reported to the engine below; the loop keeps serving)
             failure = _classify(error, self.context.spec.rank)
         try:
             failures = _gather(failure, self.context)
-        except Exception as error:  # a peer is gone: this replica cannot run collectives any more
-            failures, broken = [failure or ("runtime", f"a rank of the replica stopped responding: {error}")], True
+        except Exception as error:  # noqa: BLE001 (a peer is gone: the replica cannot run collectives)
+            failures = [failure or ("runtime", f"a rank of the replica stopped responding: {error}")]
+            broken = True
         else:
             broken = any(f is None for f in failures) and any(f is not None for f in failures)
         if self.connection is not None:
@@ -194,7 +201,7 @@ def rank_main(
         worker, failure = None, None
         try:
             worker = build_rank_worker(config, context)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (every rank's start-up error goes to the engine)
             failure = f"rank {spec.rank}: {''.join(traceback.format_exception(error))}"
         failures = _gather(failure, context)
         pids = _gather(os.getpid(), context)
@@ -293,6 +300,11 @@ class MultiProcessWorker:
         self._idle = list(self._replicas)
 
     @property
+    def num_replicas(self) -> int:
+        """How many requests can run at once (dp); the engine may call `run` from this many threads."""
+        return self.layout.dp
+
+    @property
     def pids(self) -> dict[int, int]:
         """Global rank -> process id of every rank (for tests and diagnostics)."""
         return {
@@ -323,6 +335,8 @@ class MultiProcessWorker:
         deadline = time.monotonic() + timeout_s
         while len(replicas) < self.layout.dp:
             dead = self._dead_ranks()
+            if self._rank0_thread is not None and not self._rank0_thread.is_alive():
+                dead.append("rank 0 (this process) stopped")
             if dead:
                 raise RuntimeError(f"worker start-up failed: {'; '.join(dead)} (see its log above).")
             if time.monotonic() > deadline:
@@ -333,7 +347,7 @@ class MultiProcessWorker:
                 continue
             ready = connection.recv()
             if isinstance(ready, messages.StartupFailed):
-                raise RuntimeError(f"replica {ready.replica} failed to start:\n{ready.message}")
+                raise RuntimeError(f"replica {ready.replica} failed to start:\n{ready.message}")  # noqa: TRY004
             assert isinstance(ready, messages.Ready), ready
             ranks = self.layout.replica_ranks(ready.replica)
             processes = [self._processes[r] for r in ranks if r in self._processes]
@@ -382,7 +396,7 @@ class MultiProcessWorker:
                     if cancelled is None and on_step is not None:
                         try:
                             on_step(message.step, message.total)
-                        except BaseException as error:  # the engine cancels by raising from on_step
+                        except BaseException as error:  # noqa: BLE001 (the engine cancels by raising from on_step)
                             cancelled = error
                     replica.connection.send(messages.StepReply(cancel=cancelled is not None))
                     continue

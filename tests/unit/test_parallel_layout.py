@@ -10,7 +10,9 @@ from k6serve.models.kandinsky6.plan import kandinsky6_plan
 from k6serve.models.kandinsky6.released_configs import RELEASED_TRANSFORMER_CONFIGS
 from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
 from k6serve.models.kandinsky6_sr.plan import sr_plan
-from k6serve.models.kandinsky6_sr.released_configs import TRANSFORMER_CONFIG as SR_TRANSFORMER_CONFIG
+from k6serve.models.kandinsky6_sr.released_configs import (
+    TRANSFORMER_CONFIG as SR_TRANSFORMER_CONFIG,
+)
 from k6serve.parallel.mesh import ParallelLayout, validate_layout
 
 PRO = kandinsky6_plan(Kandinsky6TransformerConfig.from_json_dict(RELEASED_TRANSFORMER_CONFIGS["pro"]))
@@ -56,15 +58,15 @@ def test_valid_layouts_pass(plan, degrees):
 @pytest.mark.parametrize(
     "plan, has_guidance, degrees, message",
     [
-        (PRO, True, {"tp": 3}, r"tensor parallelism must divide the heads of every attention.*'text_self' has 32 "
-                               r"heads and --tp-size is 3.*valid tp sizes: \[1, 2, 4, 8, 16\].*--tp-size 2"),
+        (PRO, True, {"tp": 3}, (r"tensor parallelism must divide the heads of every attention.*'text_self' has 32 "
+                               r"heads and --tp-size is 3.*valid tp sizes: \[1, 2, 4, 8, 16\].*--tp-size 2")),
         (LITE, True, {"tp": 4}, r"'text_self' has 14 heads and --tp-size is 4.*\[1, 2, 7, 14\].*--tp-size 2"),
-        (LITE, True, {"ulysses": 8}, r"Ulysses must divide the TP-local heads.*'video_self' has 28 heads / tp 1 "
-                                    r"= 28 per rank.*--ulysses-degree 4 --ring-degree 2"),
+        (LITE, True, {"ulysses": 8}, (r"Ulysses must divide the TP-local heads.*'video_self' has 28 heads / tp 1 "
+                                    r"= 28 per rank.*--ulysses-degree 4 --ring-degree 2")),
         (SR, False, {"ulysses": 8}, r"--ulysses-degree 4 --ring-degree 2"),
         (LITE, True, {"tp": 2, "ulysses": 4}, r"28 heads / tp 2 = 14 per rank.*--ulysses-degree 2 --ring-degree 2"),
-        (PRO, False, {"cfg": 2}, r"no classifier-free guidance branch.*drop --enable-cfg-parallel and use "
-                                 r"--ulysses-degree 2"),
+        (PRO, False, {"cfg": 2}, (r"no classifier-free guidance branch.*drop --enable-cfg-parallel and use "
+                                 r"--ulysses-degree 2")),
         (SR, False, {"cfg": 2, "ulysses": 2}, r"no classifier-free guidance.*--ulysses-degree 4"),
         (PRO, True, {"fsdp": True}, r"--use-fsdp-inference .* one GPU.*--ulysses-degree 2"),
     ],
