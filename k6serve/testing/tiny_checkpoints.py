@@ -1,8 +1,9 @@
-"""Tiny random-weight Kandinsky 6 generation checkpoints in the real Diffusers layout, and the demo checkpoint.
+"""Tiny random-weight Kandinsky 6 generation checkpoints in the real Diffusers layout; the demo.
 
-Every component is the real diffusers / transformers class with only its sizes shrunk (k6-generation.md §7), so
-the saved folder has exactly the layout of the released checkpoints (§1.1) and diffusers itself can reload it as
-the numerical reference. Builds are deterministic in `seed` and need no network.
+Every component is the real diffusers / transformers class with only its sizes shrunk
+(k6-generation.md §7), so the saved folder has exactly the layout of the released checkpoints (§1.1)
+and diffusers itself can reload it as the numerical reference. Builds are deterministic in `seed`
+and need no network.
 """
 
 import json
@@ -17,8 +18,8 @@ import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo,
     FlowMatchEulerDiscreteScheduler,
-    Kandinsky6Transformer3DModel,
     Kandinsky6TI2VAPipeline,
+    Kandinsky6Transformer3DModel,
     MMAudioVAE,
     MMAudioVocoder,
     PiflowScheduler,
@@ -87,8 +88,11 @@ def _build_transformer(variant: str) -> Kandinsky6Transformer3DModel:
 
 
 def _build_vae() -> AutoencoderKLHunyuanVideo:
-    # Four levels like the real VAE (so 8x spatial, 4x temporal) but 8 channels wide: 17 frames decode in ~0.1 s.
-    return AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
+    # Four levels like the real VAE (8x spatial, 4x temporal) but 8 channels wide: 17 frames at
+    # 64x96 decode in ~0.3 s on one CPU core.
+    return AutoencoderKLHunyuanVideo(
+        block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4
+    )
 
 
 def _build_qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
@@ -111,7 +115,11 @@ def _build_qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditio
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
         # head_dim 16 -> 8 rotary pairs split over (t, h, w).
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 2, 4]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": [2, 2, 4],
+        },
         "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
@@ -138,7 +146,7 @@ def _build_clip_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModel:
         num_attention_heads=2,
         max_position_embeddings=77,
         bos_token_id=tokenizer.bos_token_id,
-        # The legacy OpenAI value: the pooled token is then argmax(input_ids), i.e. the first <|endoftext|>.
+        # The legacy OpenAI value: the pooled token is then argmax(input_ids), the first EOS.
         eos_token_id=2,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -146,7 +154,7 @@ def _build_clip_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModel:
 
 
 def _build_audio_vae(variant: str) -> MMAudioVAE:
-    # Real 44.1 kHz / n_fft 2048 / hop 512, so audio lengths (1024 samples per latent) match the released model.
+    # Real 44.1 kHz / n_fft 2048 / hop 512, so audio lengths (1024 samples per latent) are real.
     return MMAudioVAE(
         mel_bins=16,
         latent_channels=_AUDIO_LATENT_CHANNELS,
@@ -177,8 +185,9 @@ def _build_scheduler(variant: str) -> FlowMatchEulerDiscreteScheduler | PiflowSc
 def rerandomize_(module: nn.Module, seed: int) -> None:
     """Overwrite every parameter with seeded random values, so every gate and path is non-zero.
 
-    Matrices N(0, 0.02), vectors N(0, 0.01), norm weights N(1, 0.05). Convolution kernels use N(0, 1/sqrt(fan_in))
-    instead: the conv-only VAEs and vocoder have few norms, and 0.02 would shrink their signal to nothing.
+    Matrices N(0, 0.02), vectors N(0, 0.01), norm weights N(1, 0.05). Convolution kernels use
+    N(0, 1/sqrt(fan_in)) instead: the conv-only VAEs and vocoder have few norms, and 0.02 would
+    shrink their signal to nothing.
     """
     generator = torch.Generator().manual_seed(seed)
     for submodule in module.modules():
@@ -197,7 +206,7 @@ def rerandomize_(module: nn.Module, seed: int) -> None:
 
 
 def _component_seed(seed: int, name: str) -> int:
-    # Per-component seeds keep each component's weights independent of which other components are built.
+    # Per-component seeds keep each component's weights independent of which others are built.
     return seed * 1_000_003 + zlib.crc32(name.encode())
 
 
@@ -206,10 +215,12 @@ def build_generation_pipeline(
 ) -> Kandinsky6TI2VAPipeline:
     """Build the tiny random-weight `Kandinsky6TI2VAPipeline` in memory (fp32, CPU, eval mode)."""
     if variant not in VARIANTS:
-        raise ValueError(f"unknown tiny checkpoint variant {variant!r}; use one of {', '.join(VARIANTS)}")
+        raise ValueError(
+            f"unknown tiny checkpoint variant {variant!r}; use one of {', '.join(VARIANTS)}"
+        )
     qwen_tokenizer = train_qwen_tokenizer()
     clip_tokenizer = train_clip_tokenizer()
-    # Constructors draw from the global RNG; fork it so a build leaves the caller's random state untouched.
+    # Constructors draw from the global RNG; fork it so a build leaves the caller's RNG untouched.
     with torch.random.fork_rng(devices=[]):
         components: dict[str, nn.Module] = {
             "transformer": _build_transformer(variant),
@@ -225,8 +236,8 @@ def build_generation_pipeline(
         component.eval()
     if with_audio:
         _randomize_mel_statistics_(components["audio_vae"], _component_seed(seed, "audio_vae.data"))
-        # With random weights the vocoder's residual stacks grow the signal ~14x; shrink the last conv so the
-        # waveform mostly stays inside the vocoder's [-1, 1] clamp instead of saturating.
+        # With random weights the vocoder's residual stacks grow the signal ~14x; shrink the last
+        # conv so the waveform mostly stays inside the vocoder's [-1, 1] clamp, not saturated.
         with torch.no_grad():
             components["vocoder"].conv_post.weight.mul_(1 / 32)
     return Kandinsky6TI2VAPipeline(
@@ -249,22 +260,38 @@ def _randomize_mel_statistics_(audio_vae: MMAudioVAE, seed: int) -> None:
 def build_generation_checkpoint(
     out_dir: Path, variant: str = "pro", seed: int = 0, *, with_audio: bool = True
 ) -> Path:
-    """Write a tiny Diffusers-layout K6 generation checkpoint (safetensors) to `out_dir` and return it."""
+    """Write a tiny Diffusers-layout K6 generation checkpoint to `out_dir` and return it."""
     pipeline = build_generation_pipeline(variant, seed, with_audio=with_audio)
     out_dir = Path(out_dir)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
-def load_reference_pipeline(ckpt_dir: Path, dtype: torch.dtype = torch.float32) -> Kandinsky6TI2VAPipeline:
+def load_reference_pipeline(
+    ckpt_dir: Path, dtype: torch.dtype = torch.float32
+) -> Kandinsky6TI2VAPipeline:
     """Reload a saved checkpoint with diffusers, as the numerical reference.
 
     The `tokenizer` is passed explicitly because diffusers would build `Qwen2_5_VLProcessor` through
-    `from_pretrained`, which requires torchvision (k6-generation.md §7.3).
+    `from_pretrained`, which requires torchvision (k6-generation.md §7.3). Outputs are bitwise equal
+    to those of the in-memory pipeline that was saved.
     """
     ckpt_dir = Path(ckpt_dir)
     processor = load_qwen_processor(ckpt_dir / "tokenizer")
-    return Kandinsky6TI2VAPipeline.from_pretrained(ckpt_dir, tokenizer=processor, dtype=dtype)
+    pipeline = Kandinsky6TI2VAPipeline.from_pretrained(ckpt_dir, tokenizer=processor, dtype=dtype)
+    for component in pipeline.components.values():
+        if isinstance(component, nn.Module):
+            _copy_to_fresh_storage_(component)
+    return pipeline
+
+
+@torch.no_grad()
+def _copy_to_fresh_storage_(module: nn.Module) -> None:
+    # safetensors tensors are memory-mapped at unaligned offsets in the file; CPU GEMM kernels take
+    # other code paths for them and round differently (~1e-7). Fresh allocations are 64-byte
+    # aligned, like a freshly built model's.
+    for tensor in [*module.parameters(), *module.buffers()]:
+        tensor.data = tensor.data.clone()
 
 
 def demo_cache_root() -> Path:
@@ -273,14 +300,16 @@ def demo_cache_root() -> Path:
 
 
 def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
-    """Return the cached random-weight demo checkpoint, building it once (atomically) if it is missing."""
+    """Return the cached random-weight demo checkpoint, building it once (atomically) if missing."""
     if kind not in _DEMO_KINDS:
-        raise ValueError(f"unknown demo checkpoint kind {kind!r}; use one of {', '.join(_DEMO_KINDS)}")
+        raise ValueError(
+            f"unknown demo checkpoint kind {kind!r}; use one of {', '.join(_DEMO_KINDS)}"
+        )
     final_dir = demo_cache_root() / "demo" / f"kandinsky6-demo-distill-v{DEMO_FORMAT_VERSION}"
     if (final_dir / DEMO_MARKER_NAME).is_file():
         return final_dir
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the final folder (same file system), then rename: readers never see a half-written demo.
+    # Build beside the final folder (same file system), then rename: no one sees a partial demo.
     build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
     build_dir.chmod(0o755)
     try:
@@ -293,8 +322,8 @@ def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
             # Another process won the race; its folder is complete because it was renamed in whole.
             if not (final_dir / DEMO_MARKER_NAME).is_file():
                 raise ValueError(
-                    f"{final_dir} exists but is not a complete demo checkpoint (no {DEMO_MARKER_NAME}); "
-                    "delete that folder and run again"
+                    f"{final_dir} exists but is not a complete demo checkpoint "
+                    f"(no {DEMO_MARKER_NAME}); delete that folder and run again"
                 ) from None
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)

@@ -1,29 +1,38 @@
 """Tiny Qwen2 and CLIP tokenizers trained offline, for random-weight Kandinsky 6 test checkpoints.
 
-The real tokenizers cannot be downloaded here, so we train byte-level BPEs with the `tokenizers` library on the
-K6 prompt template. They reproduce the properties the pipeline depends on (k6-generation.md §7.2): the Qwen
-template prefix is exactly `QWEN_CROP_START` (129) tokens, the Qwen special tokens exist, padding is on the right
-with `<|endoftext|>`, and the CLIP vocab ends with `<|startoftext|>`, `<|endoftext|>`.
+The real tokenizers cannot be downloaded here, so we train byte-level BPEs on the K6 prompt template
+and wrap them in the real transformers classes. They keep what the pipeline depends on
+(k6-generation.md §7.2): the Qwen template prefix is exactly `QWEN_CROP_START` (129) tokens, the
+Qwen special tokens exist, padding is on the right with `<|endoftext|>`, and the CLIP vocab ends
+with `<|startoftext|>`, `<|endoftext|>`.
 """
 
-import json
+import itertools
 import re
+from collections import Counter
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
-from tokenizers.models import BPE
+from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, CLIPTokenizer, Qwen2_5_VLProcessor, Qwen2Tokenizer
 
 # Copied from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va._PROMPT_TEMPLATE
-PROMPT_TEMPLATE = "\n".join(
+PROMPT_TEMPLATE = "\n".join(  # noqa: FLY002 (kept in the diffusers form)
     [
         "<|im_start|>system\nYou are a promt engineer. Describe the video in detail.",
-        "Describe how the camera moves or shakes, describe the zoom and view angle, whether it follows the objects.",
+        (
+            "Describe how the camera moves or shakes, describe the zoom and view angle, "
+            "whether it follows the objects."
+        ),
         "Describe the location of the video, main characters or objects and their action.",
         "Describe the dynamism of the video and presented actions.",
-        "Name the visual style of the video: whether it is a professional footage, user generated content, "
-        "some kind of animation, video game or scren content.",
-        "Describe the visual effects, postprocessing and transitions if they are presented in the video.",
+        (
+            "Name the visual style of the video: whether it is a professional footage, "
+            "user generated content, some kind of animation, video game or scren content."
+        ),
+        (
+            "Describe the visual effects, postprocessing and transitions "
+            "if they are presented in the video."
+        ),
         "Pay attention to the order of key actions shown in the scene.<|im_end|>",
         "<|im_start|>user\n{}<|im_end|>",
     ]
@@ -45,17 +54,9 @@ CLIP_BOS_TOKEN = "<|startoftext|>"
 CLIP_EOS_TOKEN = "<|endoftext|>"
 CLIP_MAX_LENGTH = 77
 
-# Copied from transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX
-_QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-# Copied from transformers.models.clip.tokenization_clip.CLIPTokenizer.__init__ (pre-tokenizer split regex)
-_CLIP_PRETOKENIZE_REGEX = (
-    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
-)
-
-# Trained on whole words, every template word would be one token and the prefix 125 tokens long. Training on
-# these four words only in pieces makes each tokenize as two tokens: 125 + 4 = 129, the real crop boundary.
+# Trained on whole words, every template word would be one token and the prefix 125 tokens long.
+# Training on these four words only in pieces makes each tokenize as two tokens: 125 + 4 = 129, the
+# real crop boundary.
 # The real tokenizer's splits are unknown; only the count matters to the pipeline.
 _QWEN_PRESPLIT_WORDS = {
     "promt": ("prom", "t"),
@@ -69,11 +70,13 @@ _EXTRA_CORPUS = (
     "A cat and a dog baking a cake together in a kitchen.",
     "Waves crash on a rocky shore while seagulls cry; the sound of wind and water.",
     "A person speaks to the camera and says hello. Music plays softly in the background.",
-    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, "
-    "worst quality, low quality, ugly, deformed, walking backwards",
+    (
+        "Static, 2D cartoon, cartoon, 2d animation, paintings, images, "
+        "worst quality, low quality, ugly, deformed, walking backwards"
+    ),
     "0 1 2 3 4 5 6 7 8 9",
 )
-_MAX_TRAINED_VOCAB = 4096
+_MAX_MERGES = 4096
 
 # A reduced Qwen2.5-VL chat template: enough for `expand_prompts` (text, and one image placeholder).
 QWEN_CHAT_TEMPLATE = (
@@ -92,19 +95,55 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
-def _train_bpe(trainer_tokenizer: Tokenizer, corpus: list[str], end_of_word_suffix: str) -> list[tuple[str, str]]:
-    """Train a BPE on `corpus` and return its merges in rank order."""
-    trainer = trainers.BpeTrainer(
-        vocab_size=_MAX_TRAINED_VOCAB,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-        end_of_word_suffix=end_of_word_suffix,
-    )
-    trainer_tokenizer.train_from_iterator(corpus, trainer=trainer)
-    merges = json.loads(trainer_tokenizer.to_str())["model"]["merges"]
-    return [tuple(pair) for pair in merges]
+def _learn_merges(
+    trainer_tokenizer: Tokenizer, corpus: list[str], end_of_word_suffix: str
+) -> list[tuple[str, str]]:
+    """Learn BPE merges on `corpus`, pre-tokenized as `trainer_tokenizer` does, in rank order.
+
+    `tokenizers.trainers.BpeTrainer` breaks count ties in a hash order that changes from run to run,
+    so the merge loop is done here: most frequent pair first, ties broken by the pair itself. The
+    corpus is a few hundred words, so this takes ~0.1 s.
+    """
+    word_counts: Counter[tuple[str, ...]] = Counter()
+    for text in corpus:
+        normalized = trainer_tokenizer.normalizer.normalize_str(text)
+        for word, _ in trainer_tokenizer.pre_tokenizer.pre_tokenize_str(normalized):
+            symbols = list(word)
+            symbols[-1] += end_of_word_suffix
+            word_counts[tuple(symbols)] += 1
+
+    merges: list[tuple[str, str]] = []
+    while len(merges) < _MAX_MERGES:
+        pair_counts: Counter[tuple[str, str]] = Counter()
+        for symbols, count in word_counts.items():
+            for pair in itertools.pairwise(symbols):
+                pair_counts[pair] += count
+        if not pair_counts:
+            break
+        best = min(pair_counts, key=lambda pair: (-pair_counts[pair], pair))
+        merges.append(best)
+        word_counts = Counter(
+            {_merge_pair(symbols, best): count for symbols, count in word_counts.items()}
+        )
+    return merges
+
+
+def _merge_pair(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    merged: list[str] = []
+    index = 0
+    while index < len(symbols):
+        if index + 1 < len(symbols) and (symbols[index], symbols[index + 1]) == pair:
+            merged.append(symbols[index] + symbols[index + 1])
+            index += 2
+        else:
+            merged.append(symbols[index])
+            index += 1
+    return tuple(merged)
+
+
+def _split_special_tokens(text: str) -> list[str]:
+    # Special tokens are matched before BPE runs, so only the text between them is trained on.
+    return re.split("|".join(re.escape(special) for special in QWEN_SPECIAL_TOKENS), text)
 
 
 def _byte_alphabet() -> list[str]:
@@ -113,26 +152,22 @@ def _byte_alphabet() -> list[str]:
 
 
 def train_qwen_tokenizer() -> Qwen2Tokenizer:
-    """Train the tiny Qwen2 byte-level BPE; the K6 template prefix is exactly `QWEN_CROP_START` tokens."""
+    """Train the tiny Qwen2 byte-level BPE; the K6 template prefix is `QWEN_CROP_START` tokens."""
     template = PROMPT_TEMPLATE.format("")
     for word, pieces in _QWEN_PRESPLIT_WORDS.items():
         template = template.replace(word, pieces[0])
     # Each later piece is its own corpus line so that it is learnt without a leading space.
     tail_pieces = [piece for pieces in _QWEN_PRESPLIT_WORDS.values() for piece in pieces[1:]]
-    # The special tokens are split off before BPE, so train on the text between them only.
-    segments = re.split("|".join(re.escape(special) for special in QWEN_SPECIAL_TOKENS), template)
 
-    trainer_tokenizer = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix=""))
-    trainer_tokenizer.normalizer = normalizers.NFC()
-    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+    # An empty Qwen2Tokenizer carries the real normalizer and pre-tokenizer to train with.
+    trainer_tokenizer = Qwen2Tokenizer().backend_tokenizer
+    merges = _learn_merges(
+        trainer_tokenizer,
+        [*_split_special_tokens(template), *tail_pieces, *_EXTRA_CORPUS],
+        end_of_word_suffix="",
     )
-    merges = _train_bpe(trainer_tokenizer, [*segments, *tail_pieces, *_EXTRA_CORPUS], end_of_word_suffix="")
 
-    # Same id layout as the real Qwen2 vocab: bytes, merged tokens in rank order, then the special tokens.
+    # Id layout of the real Qwen2 vocab: bytes, merged tokens in rank order, then special tokens.
     vocab = {token: index for index, token in enumerate(_byte_alphabet())}
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
@@ -153,23 +188,16 @@ def train_qwen_tokenizer() -> Qwen2Tokenizer:
 
 
 def train_clip_tokenizer() -> CLIPTokenizer:
-    """Train the tiny CLIP BPE; `<|startoftext|>` and `<|endoftext|>` are the two highest ids, as in CLIP."""
-    trainer_tokenizer = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="</w>"))
-    trainer_tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
-    )
-    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_CLIP_PRETOKENIZE_REGEX), behavior="removed", invert=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ]
-    )
-    corpus = [PROMPT_TEMPLATE.format(""), *_EXTRA_CORPUS]
-    merges = _train_bpe(trainer_tokenizer, corpus, end_of_word_suffix="</w>")
+    """Train the tiny CLIP BPE; `<|startoftext|>`, `<|endoftext|>` are the two highest ids."""
+    trainer_tokenizer = CLIPTokenizer().backend_tokenizer
+    corpus = [*_split_special_tokens(PROMPT_TEMPLATE.format("")), *_EXTRA_CORPUS]
+    merges = _learn_merges(trainer_tokenizer, corpus, end_of_word_suffix="</w>")
 
-    # Real CLIP layout: every byte, every byte as a word end, merged tokens, then the two special tokens.
+    # Real CLIP layout: every byte, every byte as a word end, merged tokens, then the specials.
     alphabet = _byte_alphabet()
-    vocab = {token: index for index, token in enumerate(alphabet + [char + "</w>" for char in alphabet])}
+    vocab = {
+        token: index for index, token in enumerate(alphabet + [char + "</w>" for char in alphabet])
+    }
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     vocab[CLIP_BOS_TOKEN] = len(vocab)
@@ -180,18 +208,18 @@ def train_clip_tokenizer() -> CLIPTokenizer:
 def register_video_processor_base() -> None:
     """Let transformers build `Qwen2_5_VLProcessor` without torchvision (k6-generation.md §7.3).
 
-    `ProcessorMixin` checks `video_processor` against `VideoProcessorMixin`, which it resolves through a
-    transformers module object that hides the class when torchvision is missing.
+    `ProcessorMixin` checks `video_processor` against `VideoProcessorMixin`, which it resolves
+    through a transformers module object that hides the class when torchvision is missing.
     """
-    import transformers.processing_utils as processing_utils
+    from transformers import processing_utils
     from transformers.video_processing_utils import VideoProcessorMixin
 
     if not hasattr(processing_utils.transformers_module, "VideoProcessorMixin"):
-        setattr(processing_utils.transformers_module, "VideoProcessorMixin", VideoProcessorMixin)
+        processing_utils.transformers_module.VideoProcessorMixin = VideoProcessorMixin
 
 
 def _text_only_video_processor():
-    """A video processor placeholder; K6 never feeds video to Qwen, so only its config fields are needed."""
+    """A video processor placeholder: K6 never feeds video to Qwen, only its config is needed."""
     from transformers.video_processing_utils import VideoProcessorMixin
 
     class Qwen2VLTextOnlyVideoProcessor(VideoProcessorMixin):
@@ -211,7 +239,7 @@ def _text_only_video_processor():
 
 
 def build_qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLProcessor:
-    """Wrap the tokenizer in the `Qwen2_5_VLProcessor` the diffusers pipeline declares for its `tokenizer`."""
+    """Wrap the tokenizer in the `Qwen2_5_VLProcessor` that the diffusers pipeline declares."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     register_video_processor_base()
