@@ -1,0 +1,166 @@
+"""End to end with the tiny random-weight checkpoints: a real uvicorn server in front of the real engine."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import av
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from harness import start_server, wait_for
+from k6serve.api import build_engine_config
+from k6serve.runtime.engine import Engine
+from test_lifecycle import run_seed_script
+
+pytestmark = pytest.mark.slow
+REQUEST = {"prompt": "A cat plays the piano", "size": "96x64", "num_frames": 5, "num_inference_steps": 2,
+           "seed": 42}
+
+
+def _decode(data: bytes, tmp_path: Path, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    path = tmp_path / name
+    path.write_bytes(data)
+    with av.open(str(path)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    with av.open(str(path)) as container:
+        audio = None
+        if container.streams.audio:
+            audio = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
+    return frames, audio
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    gradient = np.linspace(0, 255, 48 * 32 * 3).reshape(32, 48, 3).astype(np.uint8)
+    Image.fromarray(gradient).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def generation_server(server_distill_dir, tmp_path_factory):
+    engine = Engine(build_engine_config(str(server_distill_dir), device="cpu"))
+    server = start_server(tmp_path_factory.mktemp("e2e_generation"), engine=engine)
+    yield server
+    server.stop()
+
+
+def test_t2av_json_and_the_seed_script(generation_server, tmp_path):
+    with generation_server.client() as client:
+        job = client.post("/v1/videos", json=REQUEST).json()
+        done = wait_for(client, job["id"], timeout=120)
+        assert done["status"] == "completed", done
+        assert done["size"] == "96x64" and done["progress"] == 100 and done["inference_time_s"] > 0
+        content = client.get(f"/v1/videos/{job['id']}/content").content
+        frames, audio = _decode(content, tmp_path, "t2av.mp4")
+        assert frames.shape == (5, 64, 96, 3) and frames.std() > 1
+        assert audio is not None and audio.size > 0 and np.isfinite(audio).all()
+        assert run_seed_script(generation_server.base_url, job["id"], tmp_path) == content
+        repeat = client.post("/v1/videos", json=REQUEST).json()
+        assert wait_for(client, repeat["id"], timeout=120)["status"] == "completed"
+        assert client.get(f"/v1/videos/{repeat['id']}/content").content == content  # deterministic
+        assert client.delete(f"/v1/videos/{job['id']}").json()["deleted"] is True
+
+
+def test_ti2av_multipart_upload(generation_server, tmp_path):
+    with generation_server.client() as client:
+        form = {k: str(v) for k, v in REQUEST.items()}
+        conditioned = client.post("/v1/videos", data=form,
+                                  files={"input_reference": ("first.png", _png(), "image/png")})
+        assert conditioned.status_code == 200, conditioned.text
+        plain = client.post("/v1/videos", json=REQUEST).json()
+        assert wait_for(client, conditioned.json()["id"], timeout=120)["status"] == "completed"
+        assert wait_for(client, plain["id"], timeout=120)["status"] == "completed"
+        with_image = client.get(f"/v1/videos/{conditioned.json()['id']}/content").content
+        frames, _ = _decode(with_image, tmp_path, "ti2av.mp4")
+        assert frames.shape == (5, 64, 96, 3)
+        assert with_image != client.get(f"/v1/videos/{plain['id']}/content").content
+        assert list(generation_server.artifacts.upload_dir.iterdir()) == []
+
+
+def test_cancel_a_running_generation(generation_server):
+    with generation_server.client() as client:
+        long = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 1000}).json()
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/videos/{long['id']}").json()["progress"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        after = client.post("/v1/videos", json=REQUEST).json()
+        cancelled = client.delete(f"/v1/videos/{long['id']}").json()
+        assert cancelled["status"] == "cancelled" and 0 < cancelled["progress"] < 100
+        assert wait_for(client, after["id"], timeout=120)["status"] == "completed"
+
+
+@pytest.mark.xfail(reason="the VSR pipeline (k6serve.pipelines.super_resolution) is not merged yet", strict=False)
+def test_vsr_upload_and_video_path_are_bit_identical(server_vsr_dir, tmp_path):
+    from k6serve.testing.clips import make_clip
+
+    engine = Engine(build_engine_config(str(server_vsr_dir), device="cpu"))
+    server = start_server(tmp_path, engine=engine)
+    clip = make_clip(tmp_path / "inputs" / "source.mp4", width=96, height=64, num_frames=9, fps=24,
+                     audio="mono_tone")
+    fields = {"sr_resolution_scale": 2, "sr_tiles_batch_size": 1, "num_inference_steps": 2, "seed": 42}
+    try:
+        with server.client() as client:
+            by_path = client.post("/v1/videos", json={"video_path": str(clip), **fields}).json()
+            uploaded = client.post("/v1/videos", data={k: str(v) for k, v in fields.items()},
+                                   files={"video_reference": ("source.mp4", clip.read_bytes(), "video/mp4")})
+            assert uploaded.status_code == 200, uploaded.text
+            for job_id in (by_path["id"], uploaded.json()["id"]):
+                done = wait_for(client, job_id, timeout=300)
+                assert done["status"] == "completed", done
+            first = client.get(f"/v1/videos/{by_path['id']}/content").content
+            assert client.get(f"/v1/videos/{uploaded.json()['id']}/content").content == first
+            frames, audio = _decode(first, tmp_path, "sr.mp4")
+            assert frames.shape == (9, 128, 192, 3) and frames.std() > 1
+            assert audio is not None and np.sqrt(np.mean(audio**2)) > 1e-5
+            assert client.get(f"/v1/videos/{by_path['id']}").json()["size"] == "192x128"
+    finally:
+        server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_k6serve_serve_command(server_distill_dir, tmp_path):
+    port = _free_port()
+    env = {**os.environ, "K6SERVE_API_KEY": "cli-key", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "k6serve.cli.main", "serve", "--model-path", str(server_distill_dir), "--device", "cpu",
+         "--host", "127.0.0.1", "--port", str(port), "--output-path", str(tmp_path / "out"),
+         "--max-queued-jobs", "4"], cwd=tmp_path, env=env)
+    headers = {"Authorization": "Bearer cli-key"}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=headers) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None and time.monotonic() < deadline, "k6serve serve did not start"
+                time.sleep(0.2)
+            assert client.get("/v1/models", headers={"Authorization": ""}).status_code == 401
+            job = client.post("/v1/videos", json=REQUEST).json()
+            assert wait_for(client, job["id"], timeout=120)["status"] == "completed"
+            assert (tmp_path / "out" / f"{job['id']}.mp4").is_file()
+            assert (tmp_path / "out" / "jobs.sqlite3").is_file()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
