@@ -97,12 +97,11 @@ class ModelWorker:
         self.attention_backend = backend
         if self.variant.family == GENERATION:
             from k6serve.models.kandinsky6.checkpoint import load_generation_models
-            from k6serve.models.kandinsky6.transformer import set_attention_backend
             from k6serve.pipelines.text_to_video import TextToVideoPipeline
 
             models = load_generation_models(folder, self.variant, device=self.device, dtype=self.dtype,
                                             load_format=self.config.model.load_format)
-            set_attention_backend(models.transformer, backend)
+            models.transformer.set_attention_backend(backend)
             return TextToVideoPipeline(models)
         from k6serve.pipelines.super_resolution import build_super_resolution_pipeline
 

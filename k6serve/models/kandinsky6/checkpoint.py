@@ -27,7 +27,7 @@ from k6serve.models.checkpoint_files import (
 )
 from k6serve.models.kandinsky6 import encoder_configs
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
-from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer3DModel, cast_for_inference
+from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer, cast_for_inference
 from k6serve.models.variants import Variant
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ REQUIRED = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2",
 class GenerationModels:
     """Everything a generation request needs, loaded and placed on one device."""
 
-    transformer: Kandinsky6Transformer3DModel
+    transformer: Kandinsky6Transformer
     vae: Any  # diffusers AutoencoderKLHunyuanVideo
     text_encoder: Any  # transformers Qwen2_5_VLForConditionalGeneration
     tokenizer: Any
@@ -94,17 +94,18 @@ def load_generation_models(
     )
 
 
-def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Kandinsky6Transformer3DModel:
+def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Kandinsky6Transformer:
     config_dict = json.loads((component_dir / "config.json").read_text())
     config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
     with torch.device("meta"):
-        model = Kandinsky6Transformer3DModel(config)
-    state = load_state_dict(component_dir)
+        model = Kandinsky6Transformer(config)
+    # Fresh, aligned storage: safetensors hands out views at arbitrary file offsets, and CPU GEMMs round
+    # differently on unaligned data (~1e-7), which would break bitwise parity with a freshly built model.
+    state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     check_state_dict(expected, state, f"{component_dir.name} ({component_dir})")
     model.load_state_dict(state, strict=True, assign=True)
     del state
-    model.init_buffers(torch.device("cpu"))
     cast_for_inference(model, dtype)
     return model.to(device).eval().requires_grad_(False)
 
@@ -209,11 +210,11 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype) 
 
 
 def build_dummy_transformer(config_dict: dict, *, device: torch.device, dtype: torch.dtype,
-                            seed: int = 0) -> Kandinsky6Transformer3DModel:
+                            seed: int = 0) -> Kandinsky6Transformer:
     """Allocate the DiT directly in `dtype` on `device` and fill it with small random weights."""
     config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
     with torch.device("meta"):
-        model = Kandinsky6Transformer3DModel(config)
+        model = Kandinsky6Transformer(config)
     cast_for_inference(model, dtype)  # on meta: only records the dtypes to allocate
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -225,7 +226,6 @@ def build_dummy_transformer(config_dict: dict, *, device: torch.device, dtype: t
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.01, generator=generator)
-    model.init_buffers(device)
     return model.eval().requires_grad_(False)
 
 
