@@ -143,6 +143,7 @@ class VideoResult:
     num_frames: int
     height: int
     width: int
+    has_audio: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property

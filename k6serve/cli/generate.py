@@ -54,6 +54,6 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     print(format_timings(result))
     if result.output_file_path:
         print(f"saved {result.output_file_path} ({result.width}x{result.height}, {result.num_frames} frames, "
-              f"{result.fps:g} fps{', with audio' if result.audio_sample_rate and result.output_file_path else ''})")
+              f"{result.fps:g} fps{', with audio' if result.has_audio else ', no audio'})")
     return 0
 

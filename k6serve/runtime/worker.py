@@ -150,5 +150,6 @@ class ModelWorker:
             num_frames=int(frames.shape[0]),
             height=int(frames.shape[1]),
             width=int(frames.shape[2]),
+            has_audio=audio is not None,
             notes=notes + result.notes,
         )

@@ -1,0 +1,152 @@
+"""`k6serve generate` and `DiffGenerator` end to end on the tiny distilled checkpoint (CPU).
+
+Sizes: the CLI and API take --height/--width (height first in the request, e.g. 64 x 96 here).
+"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from k6serve import DiffGenerator
+from k6serve.cli.main import build_parser, main
+from k6serve.media.probe import probe
+from k6serve.media.video import read_video
+
+HEIGHT, WIDTH, FRAMES, FPS = 64, 96, 17, 24
+
+
+def _expected_samples(num_frames: int, fps: float) -> int:
+    latent_frames = (num_frames - 1) // 4 + 1
+    return math.ceil(((latent_frames - 1) * 4 + 1) / fps * 44100 / 1024) * 1024
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_distill_dir):
+    # The seed's Python example with only the model path and the attention backend changed.
+    with DiffGenerator.from_pretrained(model_path=str(tiny_distill_dir), num_gpus=1, performance_mode="speed",
+                                       attention_backend="sdpa", warmup_mode="off") as gen:
+        yield gen
+
+
+def test_seed_python_example_returns_file_frames_and_audio(generator, tmp_path):
+    result = generator.generate(sampling_params_kwargs={
+        "prompt": "A woman chops vegetables in a sunlit kitchen, with soft jazz playing.",
+        "seed": 42,
+        "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES,
+        "save_output": True,
+        "output_path": str(tmp_path / "kandinsky6_samples"),
+        "return_file_paths_only": False,
+        "return_frames": True,
+    })
+    assert result.output_file_path and result.output_file_path.endswith(".mp4")
+    assert result.frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and result.frames.dtype == np.uint8
+    # The waveform before muxing has exactly the reference length: L_a * 1024 samples.
+    assert result.audio.dtype == np.float32 and result.audio.shape == (_expected_samples(FRAMES, FPS),)
+    assert result.audio_sample_rate == 44100 and result.fps == FPS
+    info = probe(result.output_file_path)
+    assert (info.width, info.height, info.num_frames, info.fps) == (WIDTH, HEIGHT, FRAMES, FPS)
+    assert info.video_codec == "h264"
+    assert (info.audio_codec, info.audio_channels, info.audio_sample_rate) == ("aac", 1, 44100)
+    assert abs(info.audio_num_samples - result.audio.shape[0]) < 1024
+    decoded = read_video(result.output_file_path)
+    # Lossy H.264 (yuv420 halves chroma, and random weights make noise-like frames): the decoded file still
+    # follows the returned frames closely.
+    correlation = np.corrcoef(decoded.frames.ravel().astype(float), result.frames.ravel().astype(float))[0, 1]
+    assert decoded.frames.shape == result.frames.shape and correlation > 0.9
+    assert set(result.timings) >= {"encode", "denoise", "denoise_per_step", "decode_video", "decode_audio", "mux",
+                                   "total"}
+    assert result.peak_memory_mb > 0
+
+
+def test_same_seed_is_bit_identical_and_other_seed_differs(generator, tmp_path):
+    kwargs = {"prompt": "a lighthouse at night", "height": HEIGHT, "width": WIDTH, "num_frames": 9,
+              "return_frames": True, "output_path": str(tmp_path)}
+    first = generator.generate({**kwargs, "seed": 5, "output_file_name": "a.mp4"})
+    second = generator.generate({**kwargs, "seed": 5, "output_file_name": "b.mp4"})
+    other = generator.generate({**kwargs, "seed": 6, "save_output": False})
+    assert np.array_equal(first.frames, second.frames) and np.array_equal(first.audio, second.audio)
+    assert (tmp_path / "a.mp4").read_bytes() == (tmp_path / "b.mp4").read_bytes()
+    assert not np.array_equal(first.frames, other.frames) and other.output_file_path is None
+
+
+def test_bad_inputs_fail_with_their_message_and_the_generator_keeps_serving(generator, tmp_path):
+    with pytest.raises(ValueError, match="requires guidance_scale exactly 1.0"):
+        generator.generate({"prompt": "x", "guidance_scale": 5.0})
+    with pytest.raises(ValueError, match="multiple of 16"):
+        generator.generate({"prompt": "x", "height": 50})
+    with pytest.raises(ValueError, match="Unknown sampling parameter"):
+        generator.generate({"prompt": "x", "sead": 1})
+    with pytest.raises(ValueError, match="not found|No such file|cannot"):
+        generator.generate({"prompt": "x", "height": HEIGHT, "width": WIDTH, "num_frames": 9,
+                            "image_path": str(tmp_path / "missing.png")})
+    ok = generator.generate({"prompt": "still alive", "height": HEIGHT, "width": WIDTH, "num_frames": 9,
+                             "save_output": False, "return_frames": True})
+    assert ok.frames.shape[0] == 9
+
+
+def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model-path: {tiny_distill_dir}\nprompt: from the file\nseed: 3\nheight: 32\n"
+                      f"width: {WIDTH}\nnum-frames: 9\n")
+    code = main(["generate", "--config", str(config), "--height", str(HEIGHT), "--save-output",
+                 "--output-path", str(tmp_path / "out"), "--output-file-name", "clip"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "denoise per step" in out and "peak memory" in out
+    info = probe(tmp_path / "out" / "clip.mp4")
+    assert (info.height, info.width, info.num_frames) == (HEIGHT, WIDTH, 9)  # the CLI's --height won
+    assert info.has_audio
+
+
+def test_cli_default_name_from_prompt_seed_and_time(tiny_distill_dir, tmp_path):
+    assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", "Red fox, snow!", "--seed", "9",
+                 "--height", "32", "--width", "32", "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
+    names = [p.name for p in tmp_path.iterdir()]
+    assert len(names) == 1 and re.fullmatch(r"Red_fox_snow_seed9_\d{8}-\d{6}\.mp4", names[0])
+
+
+def test_cli_errors_exit_2_with_the_fix(tiny_distill_dir, capsys, tmp_path):
+    assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", "x",
+                 "--guidance-scale", "5", "--output-path", str(tmp_path)]) == 2
+    assert "requires guidance_scale exactly 1.0" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert "--model-path is required" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"promt": "typo"}))
+    assert main(["generate", "--config", str(bad), "--model-path", str(tiny_distill_dir)]) == 2
+    assert "unknown key(s) ['promt']" in capsys.readouterr().err
+
+
+def test_help_lists_every_flag_with_a_description():
+    parser = build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    flags = {opt for action in generate._actions for opt in action.option_strings}
+    for flag in ["--model-path", "--prompt", "--negative-prompt", "--image-path", "--seed", "--height", "--width",
+                 "--num-frames", "--fps", "--num-inference-steps", "--guidance-scale", "--save-output",
+                 "--output-path", "--output-file-name", "--performance-mode", "--attention-backend", "--warmup-mode",
+                 "--model-id", "--load-format", "--config", "--video-path", "--sr-resolution-scale",
+                 "--sr-tiles-batch-size", "--sr-tile-min-overlap", "--sr-target-resolution",
+                 "--sr-target-resize-mode", "--num-gpus", "--ulysses-degree", "--ring-degree", "--tp-size",
+                 "--enable-cfg-parallel", "--use-fsdp-inference", "--encoder-parallel", "--dp-size"]:
+        assert flag in flags, flag
+    for action in generate._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+    text = subprocess.run([sys.executable, "-m", "k6serve.cli.main", "--help"], capture_output=True, text=True)
+    assert text.returncode == 0 and "generate" in text.stdout and "serve" in text.stdout
+
+
+def test_demo_checkpoint_main_job(demo_dir, tmp_path, capsys):
+    """The README's main job: offline, built-in demo weights, writes an MP4 with audio."""
+    assert main(["generate", "--model-path", "demo", "--prompt", "A woman chops vegetables", "--seed", "42",
+                 "--save-output", "--output-path", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "weights are random" in captured.err
+    (path,) = tmp_path.iterdir()
+    info = probe(path)
+    assert (info.width, info.height, info.num_frames, info.has_audio) == (96, 64, 17, True)
