@@ -132,7 +132,6 @@ class SqliteJobStore:
         with self._lock:
             self._db.close()
 
-    # -- encoding ------------------------------------------------------------------------------------------
     @staticmethod
     def _encode(name: str, value: Any) -> Any:
         if name in _JSON_FIELDS:
@@ -158,7 +157,6 @@ class SqliteJobStore:
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return self._decode(row) if row is not None else None
 
-    # -- operations ----------------------------------------------------------------------------------------
     def insert(self, job: Job) -> tuple[Job, bool]:
         """Insert `job`, or return the job already stored under its idempotency key: (job, created).
 

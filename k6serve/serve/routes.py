@@ -19,9 +19,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
-from k6serve.runtime.engine import Engine
 from k6serve.models.variants import Variant
 from k6serve.request import SamplingParams
+from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import ApiError
 from k6serve.serve.input_paths import InputPathPolicy
@@ -87,7 +87,6 @@ def _param_in_message(message: str) -> str | None:
     return match.group(1) if match else None
 
 
-# -- create -------------------------------------------------------------------------------------------------
 CREATE_BODY_DOC = {
     "requestBody": {
         "required": True,
@@ -207,7 +206,6 @@ def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: l
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# -- read, list, content, delete --------------------------------------------------------------------------------
 @router.get("/v1/videos", response_model=VideoList, responses=_ERRORS, summary="List video jobs")
 async def list_videos(request: Request, after: str | None = Query(None, description="Cursor: a video id."),
                       limit: int = Query(20, ge=1, le=100),
@@ -275,7 +273,6 @@ async def delete_video(request: Request, video_id: str) -> JSONResponse:
     return JSONResponse(ctx.view(job))
 
 
-# -- models, health, metrics ------------------------------------------------------------------------------------
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")
 async def list_models(request: Request) -> JSONResponse:
     ctx = _ctx(request)

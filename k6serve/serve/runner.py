@@ -48,7 +48,6 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
 
-    # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         requeued, failed = self.store.recover_interrupted(DIED_TWICE)
         for job in requeued:
@@ -76,7 +75,6 @@ class JobRunner:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # -- admission and control -------------------------------------------------------------------------------
     def admit(self, job: Job) -> tuple[Job, bool]:
         """Store a new job unless the queue is full (QueueFull); idempotent replays return the stored job."""
         with self._lock:
@@ -120,7 +118,6 @@ class JobRunner:
     def running_count(self) -> int:
         return 1 if self._current is not None else 0
 
-    # -- dispatch ----------------------------------------------------------------------------------------------
     def _next(self) -> tuple[Job, EngineJob] | None:
         with self._lock:
             while not self._stopping:
@@ -178,7 +175,7 @@ class JobRunner:
                          error_message="Cancelled by DELETE while running; the engine stopped at a step boundary.")
         except ValueError as exc:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
             self._record(job, JobStatus.FAILED, error_code="generation_failed",
                          error_message=f"{type(exc).__name__}: {exc}")
         else:

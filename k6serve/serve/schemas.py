@@ -112,7 +112,6 @@ def is_video_upload(content_type: str | None, file_name: str | None) -> bool:
     return bool((content_type or "").startswith("video/") or (file_name or "").lower().endswith(_VIDEO_SUFFIXES))
 
 
-# -- response models (what /openapi.json documents) ------------------------------------------------------------
 class JobError(BaseModel):
     code: str
     message: str

@@ -225,7 +225,7 @@ class MultipartReader:
             final = self.file_path(part.name, part.file_name)
             part.spill_path = final.parent / f".{final.name}.{secrets.token_hex(6)}.part"
             self.written.append(part.spill_path)
-            part.spill = open(part.spill_path, "wb")
+            part.spill = open(part.spill_path, "wb")  # noqa: SIM115 - stays open across parser callbacks
             part.spill.write(part.buffer)
             part.buffer = bytearray()
         part.spill.write(chunk)

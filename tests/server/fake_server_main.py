@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import start_server  # noqa: E402
+from harness import start_server
 
 
 def main() -> None:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import av
 import pytest
+from harness import FakeWorker, start_server, wait_for
 
 from k6serve.models.variants import VARIANTS
 from k6serve.serve.schemas import VideoCreateBody
-
-from harness import FakeWorker, start_server, wait_for
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 
@@ -173,8 +172,8 @@ def test_models_health_metrics(fake_client):
     body = text.text
     assert "k6serve_queue_depth 0" in body
     assert 'k6serve_jobs{status="completed"} 1' in body
-    assert re.search(r"^k6serve_step_latency_seconds_count 10$", body, re.M)  # 10 steps of the distilled default
-    assert re.search(r"^k6serve_job_latency_seconds_count 1$", body, re.M)
+    assert re.search(r"^k6serve_step_latency_seconds_count 10$", body, re.MULTILINE)  # 10 steps of the distilled default
+    assert re.search(r"^k6serve_job_latency_seconds_count 1$", body, re.MULTILINE)
     assert "k6serve_peak_gpu_memory_mb 12.5" in body
     for line in body.splitlines():  # every sample line is "name{labels} number"
         assert line.startswith("#") or re.fullmatch(r'[a-z0-9_]+(\{[a-z]+="[^"]*"\})? [0-9.e+-]+', line), line
@@ -186,7 +185,7 @@ def test_wrong_model_name_is_400(fake_client):
 
 
 def _documented_routes() -> set[tuple[str, str]]:
-    return {(m, p) for m, p in re.findall(r"^### `(GET|POST|DELETE) (/[^`]*)`", DOCS.read_text(), re.M)}
+    return {(m, p) for m, p in re.findall(r"^### `(GET|POST|DELETE) (/[^`]*)`", DOCS.read_text(), re.MULTILINE)}
 
 
 def test_openapi_matches_the_docs(fake_client):

@@ -15,12 +15,12 @@ import av
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
-
 from harness import start_server, wait_for
+from PIL import Image
+from test_lifecycle import run_seed_script
+
 from k6serve.api import build_engine_config
 from k6serve.runtime.engine import Engine
-from test_lifecycle import run_seed_script
 
 pytestmark = pytest.mark.slow
 REQUEST = {"prompt": "A cat plays the piano", "size": "96x64", "num_frames": 5, "num_inference_steps": 2,

@@ -8,9 +8,8 @@ import os
 import socket
 
 import pytest
-from PIL import Image
-
 from harness import start_server, wait_for
+from PIL import Image
 
 SMALL = {"size": "32x32", "num_frames": 5}
 
@@ -69,6 +68,7 @@ def _still_serves(client) -> None:
 )
 def test_invalid_json_values_are_400_with_the_allowed_values(fake_client, body, param, contains):
     _assert_error(fake_client.post("/v1/videos", json=body), 400, param=param, contains=contains)
+    _still_serves(fake_client)
 
 
 def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake_client):

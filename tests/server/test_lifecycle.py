@@ -7,15 +7,14 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-
 from harness import FakeWorker, start_server, wait_for, wait_until
+
 from k6serve.models.variants import VARIANTS
 from k6serve.serve.app import sweep_expired_once
 from k6serve.serve.artifacts import ArtifactStore
@@ -30,7 +29,7 @@ def seed_download_script() -> str:
     """Section 5 of the seed document: the urllib polling and download example, exactly as written."""
     if SEED:
         text = SEED[0].read_text()
-        match = re.search(r"^import json\n.*?raise TimeoutError\([^\n]*\)\n", text, re.S | re.M)
+        match = re.search(r"^import json\n.*?raise TimeoutError\([^\n]*\)\n", text, re.DOTALL | re.MULTILINE)
         assert match, "the seed's download example was not found"
         return match.group(0)
     return (HERE / "seed_download_example.py").read_text()
