@@ -170,10 +170,9 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype) 
     import diffusers
     import transformers
 
-    from k6serve.models.kandinsky6.released_configs import released_transformer_config
     from k6serve.testing.tokenizers import build_clip_tokenizer, build_qwen_tokenizer
 
-    transformer = build_dummy_transformer(released_transformer_config(variant.name), device=device, dtype=dtype)
+    transformer = build_dummy_transformer(released_transformer_config(variant), device=device, dtype=dtype)
     with torch.device(device):
         qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
         text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(qwen_config, dtype=dtype)
@@ -216,6 +215,8 @@ def build_dummy_transformer(config_dict: dict, *, device: torch.device, dtype: t
     with torch.device("meta"):
         model = Kandinsky6Transformer(config)
     cast_for_inference(model, dtype)  # on meta: only records the dtypes to allocate
+    if torch.device(device).type == "meta":
+        return model.eval().requires_grad_(False)
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -227,6 +228,15 @@ def build_dummy_transformer(config_dict: dict, *, device: torch.device, dtype: t
             else:
                 param.normal_(0.0, 0.01, generator=generator)
     return model.eval().requires_grad_(False)
+
+
+def released_transformer_config(variant: Variant) -> dict:
+    """The built-in copy of the released transformer/config.json for a generation variant."""
+    from k6serve.models.kandinsky6.released_configs import RELEASED_TRANSFORMER_CONFIGS
+
+    if variant.size not in ("pro", "lite"):
+        raise ValueError(f"--load-format dummy has no built-in transformer config for {variant.name}.")
+    return RELEASED_TRANSFORMER_CONFIGS[f"{variant.size}_distill" if variant.distilled else variant.size]
 
 
 def count_parameters(module: nn.Module) -> int:
