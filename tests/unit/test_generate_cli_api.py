@@ -150,3 +150,16 @@ def test_demo_checkpoint_main_job(demo_dir, tmp_path, capsys):
     (path,) = tmp_path.iterdir()
     info = probe(path)
     assert (info.width, info.height, info.num_frames, info.has_audio) == (96, 64, 17, True)
+
+
+def test_cli_reference_lists_every_flag():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help":
+                    assert flag in text, f"docs/cli.md does not document {command} {flag}"
