@@ -47,4 +47,37 @@ def demo_dir(_demo_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # ---- Kandinsky 6 super-resolution ----
-# (SR fixtures go here.)
+
+
+@pytest.fixture(scope="session")
+def tiny_sr_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny VSR-distilled-style checkpoint (PiFlow nfe 2, 80 = 10 x 8 wide head, vendor configs), seed 0.
+
+    Geometry: K-VAE cell 8 px (4 levels), HR tiles 64x64 / 64x128 / 128x64, so x2 input tiles are 32x32 / 32x64 /
+    64x32 and x4 input tiles 16x16 / 16x32 / 32x16.
+    """
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    return build_sr_checkpoint(
+        tmp_path_factory.mktemp("tiny_sr") / "tiny_vsr", head="distilled", seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_sr_flow640_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The known-bad pairing: flow-matching Euler scheduler next to a 640-style (n_grid x C) head."""
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    return build_sr_checkpoint(
+        tmp_path_factory.mktemp("tiny_sr_flow640") / "tiny_vsr", head="flow640"
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_sr_plain64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The other bad pairing: PiFlow scheduler next to a plain C-wide head."""
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    return build_sr_checkpoint(
+        tmp_path_factory.mktemp("tiny_sr_plain64") / "tiny_vsr", head="plain64"
+    )

@@ -25,6 +25,7 @@ from k6serve.models.common.inner_attention import InnerAttention
 from k6serve.models.common.modulation import Modulation
 from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
 from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
+from k6serve.ops.attention import canonical_backend_name
 
 
 def modulate(normed: Tensor, shift_BD: Tensor, scale_BD: Tensor) -> Tensor:
@@ -43,6 +44,7 @@ class SelfAttention(nn.Module):
     def __init__(self, model_dim: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads = model_dim // head_dim
+        self.head_dim = head_dim
         self.to_query = nn.Linear(model_dim, model_dim)
         self.to_key = nn.Linear(model_dim, model_dim)
         self.to_value = nn.Linear(model_dim, model_dim)
@@ -52,9 +54,10 @@ class SelfAttention(nn.Module):
         self.out_layer = nn.Linear(model_dim, model_dim)
 
     def forward(self, x_BLD: Tensor, rope: Tensor) -> Tensor:
-        query_BLNK = self.to_query(x_BLD).unflatten(-1, (self.num_heads, -1))
-        key_BLNK = self.to_key(x_BLD).unflatten(-1, (self.num_heads, -1))
-        value_BLNK = self.to_value(x_BLD).unflatten(-1, (self.num_heads, -1))
+        # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
+        query_BLNK = self.to_query(x_BLD).unflatten(-1, (-1, self.head_dim))
+        key_BLNK = self.to_key(x_BLD).unflatten(-1, (-1, self.head_dim))
+        value_BLNK = self.to_value(x_BLD).unflatten(-1, (-1, self.head_dim))
         query_BLNK = self.query_norm(query_BLNK.float()).type_as(query_BLNK)
         key_BLNK = self.key_norm(key_BLNK.float()).type_as(key_BLNK)
         query_BLNK = apply_rotary(query_BLNK, rope)
@@ -145,6 +148,13 @@ class SRTransformer(nn.Module):
         self.out_layer = OutLayer(
             config.model_dim, config.time_dim, config.out_visual_dim, config.patch_size
         )
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Point every `InnerAttention` at `backend` (a name from `resolve_attention_backend`)."""
+        backend = canonical_backend_name(backend)
+        for module in self.modules():
+            if isinstance(module, InnerAttention):
+                module.backend = backend
 
     def forward(self, latent_BTHWC: Tensor, timestep_B: Tensor) -> Tensor:
         time_embed_BE = self.time_embeddings(timestep_B) + self.pooled_bias

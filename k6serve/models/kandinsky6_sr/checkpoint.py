@@ -1,0 +1,232 @@
+"""Load a Kandinsky 6 SR checkpoint (Diffusers layout, vendor configs) into k6serve's components.
+
+Order matters: configs are read and the head/scheduler pairing is checked from safetensors headers (checks.py)
+before any weight is read, so the known-bad non-distilled checkpoint fails at load time, before any encode. Our SR
+DiT takes the diffusers state-dict keys unchanged; the K-VAE and the latent-upscaler bank are diffusers' modules
+(vae.py, upscaler.py). `load_format="dummy"` builds the released sizes (DiT 1.414 B, K-VAE 1.739 B, bank 3.654 B
+parameters) on the meta device and materialises them directly on the target device in the target dtype, so no fp32
+host copy of 6.8 B parameters is ever made.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k6serve.models.checkpoint_files import (
+    check_state_dict,
+    load_state_dict,
+    read_model_index,
+    require_components,
+)
+from k6serve.models.kandinsky6_sr import released_configs as released
+from k6serve.models.kandinsky6_sr.checks import check_head_fits_scheduler, check_sr_checkpoint
+from k6serve.models.kandinsky6_sr.config import (
+    SRSchedulerConfig,
+    SRTransformerConfig,
+    SRUpscalerConfig,
+    SRVAEConfig,
+)
+from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
+from k6serve.models.kandinsky6_sr.plan import KEEP_FP32_MODULES
+from k6serve.models.kandinsky6_sr.transformer import SRTransformer
+from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler, build_upscaler
+from k6serve.models.kandinsky6_sr.vae import SRVAE, build_vae
+from k6serve.models.plan import keeps_fp32
+from k6serve.models.variants import Variant
+
+logger = logging.getLogger(__name__)
+
+REQUIRED = ["transformer", "vae", "latent_upscaler", "scheduler"]
+META = torch.device("meta")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SRConfigs:
+    """The four component configs of one SR checkpoint."""
+
+    transformer: SRTransformerConfig
+    vae: SRVAEConfig
+    upscaler: SRUpscalerConfig
+    scheduler: SRSchedulerConfig
+
+
+@dataclass(kw_only=True)
+class SRModels:
+    """Everything an upscale request needs, placed on one device."""
+
+    transformer: SRTransformer
+    vae: SRVAE
+    upscaler: SRLatentUpscaler
+    scheduler: SRSchedulerConfig
+    device: torch.device
+    # The DiT's linear dtype (the noise is drawn in it); the K-VAE and the bank run in it too.
+    dtype: torch.dtype
+    variant: Variant
+    source: str  # folder path or "dummy"
+
+    def sampler(self) -> SRPiflowSampler:
+        """A fresh π-Flow sampler (it keeps a step index, so one per request)."""
+        return SRPiflowSampler(self.scheduler)
+
+
+def read_sr_configs(folder: Path) -> SRConfigs:
+    """Read the vendor configs and run the head/scheduler check from headers only (no weights are read)."""
+    index = read_model_index(folder)
+    require_components(folder, index, REQUIRED)
+    transformer, scheduler = check_sr_checkpoint(folder)
+    return SRConfigs(
+        transformer=transformer,
+        vae=SRVAEConfig.from_json_file(folder / "vae" / "config.json"),
+        upscaler=SRUpscalerConfig.from_json_file(folder / "latent_upscaler" / "config.json"),
+        scheduler=scheduler,
+    )
+
+
+def released_sr_configs(variant: Variant) -> SRConfigs:
+    """The released configs of `variant` (for `--load-format dummy`)."""
+    distilled = variant.distilled
+    return SRConfigs(
+        transformer=SRTransformerConfig.from_dict(
+            released.TRANSFORMER_CONFIG if distilled else released.FLOW_TRANSFORMER_CONFIG
+        ),
+        vae=SRVAEConfig.from_dict(released.VAE_CONFIG),
+        upscaler=SRUpscalerConfig.from_dict(released.LATENT_UPSCALER_CONFIG),
+        scheduler=SRSchedulerConfig.from_dict(
+            released.SCHEDULER_CONFIG if distilled else released.FLOW_SCHEDULER_CONFIG
+        ),
+    )
+
+
+def load_sr_models(
+    folder: Path | None,
+    variant: Variant,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str,
+) -> SRModels:
+    """Load (or, with load_format "dummy", build with random weights) the SR components on `device`."""
+    if load_format == "dummy":
+        return build_dummy_sr_models(
+            released_sr_configs(variant), variant, device=device, dtype=dtype
+        )
+    assert folder is not None
+    configs = read_sr_configs(folder)
+    _require_piflow(configs.scheduler)
+    transformer, vae, bank = build_empty_modules(configs, dtype=dtype)
+    _load_weights(transformer, folder / "transformer", dtype, keep_fp32=KEEP_FP32_MODULES)
+    _load_weights(vae, folder / "vae", dtype)
+    _load_weights(bank, folder / "latent_upscaler", dtype)
+    return _assemble(configs, transformer, vae, bank, variant, device, dtype, source=str(folder))
+
+
+def build_dummy_sr_models(
+    configs: SRConfigs, variant: Variant, *, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> SRModels:
+    """Random weights at the sizes of `configs`, allocated on `device` in `dtype` (outputs are noise).
+
+    On the meta device nothing is allocated or initialised, which is how the full-size build is tested on CPU.
+    """
+    _require_piflow(configs.scheduler)
+    transformer, vae, bank = build_empty_modules(configs, dtype=dtype)
+    shapes = {name: tuple(parameter.shape) for name, parameter in transformer.named_parameters()}
+    check_head_fits_scheduler(configs.transformer, configs.scheduler, shapes)
+    if device.type != "meta":
+        for offset, module in enumerate((transformer, vae, bank)):
+            module.to_empty(device=device)
+            init_dummy_weights_(module, seed=seed + offset)
+    return _assemble(configs, transformer, vae, bank, variant, device, dtype, source="dummy")
+
+
+def build_empty_modules(
+    configs: SRConfigs, *, dtype: torch.dtype
+) -> tuple[SRTransformer, nn.Module, nn.Module]:
+    """The three modules on the meta device (no storage), with the dtypes they run in.
+
+    DiT: `dtype` except the fp32 modules of the plan (time embeddings, pooled bias, every modulation). K-VAE and
+    latent-upscaler bank: `dtype` throughout (R casts both to bf16).
+    """
+    with torch.device(META):
+        transformer = SRTransformer(configs.transformer)
+        vae = build_vae(configs.vae)
+        bank = build_upscaler(configs.upscaler)
+    _cast(transformer, dtype, KEEP_FP32_MODULES)
+    _cast(vae, dtype)
+    _cast(bank, dtype)
+    return transformer, vae, bank
+
+
+@torch.no_grad()
+def init_dummy_weights_(module: nn.Module, seed: int) -> None:
+    """N(0, 1/fan_in) matrices and kernels, unit norm gains, zero biases: O(1) activations in bf16."""
+    parameters = list(module.named_parameters())
+    device = parameters[0][1].device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, parameter in parameters:
+        if parameter.ndim >= 2:
+            parameter.normal_(0.0, 1.0 / math.sqrt(parameter[0].numel()), generator=generator)
+        elif name.endswith(("gamma", "norm.weight")):
+            parameter.fill_(1.0)
+        else:
+            parameter.zero_()
+    module.eval().requires_grad_(False)
+
+
+def _cast(module: nn.Module, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()) -> None:
+    for name, parameter in module.named_parameters():
+        if parameter.is_floating_point():
+            target = torch.float32 if keeps_fp32(name, keep_fp32) else dtype
+            parameter.data = parameter.data.to(target)
+
+
+def _load_weights(
+    module: nn.Module, component_dir: Path, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()
+) -> None:
+    # Fresh, aligned storage (as the generation loader): CPU GEMMs round differently on unaligned safetensors views.
+    state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
+    expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
+    check_state_dict(expected, state, f"{component_dir.name} ({component_dir})")
+    module.load_state_dict(state, strict=True, assign=True)
+    _cast(module, dtype, keep_fp32)
+
+
+def _require_piflow(scheduler: SRSchedulerConfig) -> None:
+    if not scheduler.is_piflow:
+        raise ValueError(
+            f"this SR checkpoint uses {scheduler.class_name}; k6serve serves the distilled two-step PiFlow model "
+            f"only. Use {released.DISTILLED_REPO}."
+        )
+
+
+def _assemble(
+    configs: SRConfigs,
+    transformer: SRTransformer,
+    vae: nn.Module,
+    bank: nn.Module,
+    variant: Variant,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    source: str,
+) -> SRModels:
+    if device.type != "meta":
+        transformer = transformer.to(device)
+        vae, bank = vae.to(device), bank.to(device)
+    for module in (transformer, vae, bank):
+        module.eval().requires_grad_(False)
+    return SRModels(
+        transformer=transformer,
+        vae=SRVAE(vae),
+        upscaler=SRLatentUpscaler(bank),
+        scheduler=configs.scheduler,
+        device=device,
+        dtype=dtype,
+        variant=variant,
+        source=source,
+    )

@@ -1,0 +1,218 @@
+"""The stages of Kandinsky 6 video super-resolution, in the order `SuperResolutionPipeline` calls them.
+
+read source -> plan (scale, tile grid, output sizes: every user error is raised here, before any compute) ->
+prepare pixels (x1.125 uint8 round trip, replicate pad) -> whole-clip causal encode -> per-tile latent upscaling ->
+per-chunk π-Flow denoising -> per-tile decode -> Hann blend, crop, optional downscale (k6-super-resolution.md §2,
+the SG column of §7). Geometry, blending and noise helpers live in `sr_tiling.py`.
+
+Frames are uint8 (T, 3, H, W) tensors; latents are (B, C, T, h, w) for the K-VAE and the bank, and (B, T, h, w, C)
+channels-last for the DiT. T' below is the number of latent frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from k6serve.media.audio import OUTPUT_SAMPLE_RATE, processed_num_samples, read_source_audio
+from k6serve.media.video import read_sr_source
+from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
+from k6serve.models.kandinsky6_sr.transformer import SRTransformer
+from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
+from k6serve.models.kandinsky6_sr.vae import SRVAE
+from k6serve.pipelines.sr_tiling import (
+    ScalePlan,
+    TileGrid,
+    blend_tiles,
+    chunk_noise,
+    chunk_tiles,
+    mix_lq_noise,
+    pad_to_multiple,
+    plan_tiles,
+    pre_upscale_size,
+    pre_upscale_x1125,
+    resize_frames,
+    resolve_scale,
+    resolve_target_size,
+)
+from k6serve.pipelines.state import DecodedAudio
+from k6serve.request import UpscaleRequest
+
+StepCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, eq=False)
+class SourceVideo:
+    """The source frames kept by the 24 fps rule, and its soundtrack trimmed to them."""
+
+    frames_TCHW: Tensor  # uint8 on the pipeline's device, T = 1 + 8k <= 121
+    fps: int  # fps of the processed clip (and of the output file)
+    # Mono 44.1 kHz, at most round(T / fps * 44100) samples; None for a silent source.
+    audio: DecodedAudio | None
+    notes: tuple[str, ...]
+
+
+def read_source(video_path: str, device: torch.device) -> SourceVideo:
+    """Read the frames (24 fps rule, <= 121, floored to 1 + 8k) and the soundtrack of the processed duration."""
+    clip = read_sr_source(video_path)
+    num_samples = processed_num_samples(clip.num_frames, clip.fps, OUTPUT_SAMPLE_RATE)
+    waveform = read_source_audio(
+        video_path, sample_rate=OUTPUT_SAMPLE_RATE, num_samples=num_samples
+    )
+    audio = (
+        None
+        if waveform is None
+        else DecodedAudio(waveform=waveform, sample_rate=OUTPUT_SAMPLE_RATE)
+    )
+    frames_TCHW = torch.from_numpy(clip.frames).to(device).permute(0, 3, 1, 2)
+    return SourceVideo(frames_TCHW=frames_TCHW, fps=clip.fps, audio=audio, notes=clip.notes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpscalePlan:
+    """Everything about one request's geometry, decided before any compute."""
+
+    scale: ScalePlan
+    source_size: tuple[int, int]  # (H, W) of the source frames
+    input_size: tuple[int, int]  # (H, W) after the x1.125 pre-upscale (= source_size at x2 and x4)
+    snap: int  # pixels per latent cell: padding and tile positions align to it
+    grid: TileGrid  # over the input frame padded to `snap`
+    crop_size: tuple[int, int]  # input_size x tiling scale: the blended canvas without the padding
+    delivery_size: tuple[int, int]  # crop_size, or the downscaled target resolution
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.grid.tiles)
+
+    def describe(self) -> str:
+        (source_h, source_w), (out_h, out_w) = self.source_size, self.delivery_size
+        base_h, base_w = self.grid.base_size
+        return (
+            f"upscaled {source_w}x{source_h} to {out_w}x{out_h} with {self.num_tiles} tile(s) "
+            f"({len(self.grid.tops)}x{len(self.grid.lefts)} grid of {base_w}x{base_h} output tiles)"
+        )
+
+
+def plan_upscale(
+    source_size: tuple[int, int],
+    request: UpscaleRequest,
+    *,
+    tile_sizes: Sequence[tuple[int, int]],
+    snap: int,
+) -> UpscalePlan:
+    """Scale route, tile grid and output sizes; raises ValueError for every request that cannot run."""
+    scale = resolve_scale(request.scale)
+    height, width = source_size
+    input_size = pre_upscale_size(height, width) if scale.pre_upscale != 1.0 else (height, width)
+    padded_height, padded_width = (-(-side // snap) * snap for side in input_size)
+    grid = plan_tiles(
+        padded_height,
+        padded_width,
+        tiling_scale=scale.tiling_scale,
+        tile_sizes=tile_sizes,
+        min_overlap=request.tile_min_overlap,
+        snap=snap,
+    )
+    crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
+    delivery_size = crop_size
+    if request.target_resolution is not None:
+        delivery_size = resolve_target_size(
+            *crop_size, request.target_resolution, request.target_resize_mode
+        )
+    return UpscalePlan(
+        scale=scale,
+        source_size=(height, width),
+        input_size=input_size,
+        snap=snap,
+        grid=grid,
+        crop_size=crop_size,
+        delivery_size=delivery_size,
+    )
+
+
+def prepare_pixels(frames_TCHW: Tensor, plan: UpscalePlan) -> Tensor:
+    """x2.25: bilinear x1.125 rounded back to uint8; then replicate-pad to the latent cell (cropped at the end)."""
+    if plan.scale.pre_upscale != 1.0:
+        frames_TCHW = pre_upscale_x1125(frames_TCHW)
+    assert tuple(frames_TCHW.shape[-2:]) == plan.input_size
+    return pad_to_multiple(frames_TCHW, plan.snap)
+
+
+def encode_clip(vae: SRVAE, frames_TCHW: Tensor) -> Tensor:
+    """The whole clip through the causal K-VAE in one cache chain -> (1, C, T', h, w) scaled latent."""
+    return vae.encode_clip(frames_TCHW.permute(1, 0, 2, 3).unsqueeze(0))
+
+
+def upscale_tiles(
+    upscaler: SRLatentUpscaler, latent_BCThw: Tensor, plan: UpscalePlan
+) -> list[Tensor]:
+    """Cut each tile's window from the whole-clip latent and upscale it -> (1, T', h*s, w*s, C) fp32 per tile."""
+    tiles = []
+    for index in range(plan.num_tiles):
+        rows, columns = plan.grid.latent_window(index, plan.snap)
+        upscaled_BCThw = upscaler.upscale(latent_BCThw[..., rows, columns], plan.scale.tiling_scale)
+        tiles.append(upscaled_BCThw.permute(0, 2, 3, 4, 1))
+    return tiles
+
+
+def denoise_tiles(
+    transformer: SRTransformer,
+    sampler: SRPiflowSampler,
+    lq_tiles: Sequence[Tensor],
+    *,
+    seed: int,
+    tiles_batch_size: int,
+    lq_noise_scale: float,
+    dtype: torch.dtype,
+    on_step: StepCallback | None = None,
+) -> list[Tensor]:
+    """π-Flow from the noised LQ tiles, `tiles_batch_size` tiles per DiT call -> (T', h, w, C) fp32 per tile.
+
+    The chunk starting at tile s draws its noise from a fresh generator seeded with seed + s (§2.7), so changing
+    `tiles_batch_size` changes the noise of every tile that no longer starts a chunk. `on_step(done, total)` is
+    called after every DiT call with done/total counted in tile-steps (total = nfe x tiles), so progress and
+    cancellation move at DiT-call boundaries whatever the batch size.
+    """
+    total = sampler.num_steps * len(lq_tiles)
+    done = 0
+    denoised: list[Tensor] = []
+    for chunk in chunk_tiles(len(lq_tiles), tiles_batch_size, seed):
+        lq_BThwC = torch.cat(list(lq_tiles[chunk.start : chunk.stop])).to(dtype)
+        # Drawn on the DiT's device with a generator seeded per chunk, as R and SG do: on CUDA this is the Philox
+        # stream, on CPU the CPU generator (the one diffusers' pipeline uses in the parity test).
+        noise_BThwC = chunk_noise(lq_BThwC.shape, chunk.seed, lq_BThwC.device, dtype)
+        # The mix rounds in the DiT dtype (SG); the π-Flow state is fp32 from here on (§2.8).
+        sample_BThwC = mix_lq_noise(lq_BThwC, noise_BThwC, lq_noise_scale).float()
+        for timestep in sampler.timesteps(lq_BThwC.device):
+            output = transformer(_model_input(sample_BThwC, dtype), timestep.expand(len(lq_BThwC)))
+            sample_BThwC = sampler.step(output, timestep, sample_BThwC)
+            done += chunk.stop - chunk.start
+            if on_step is not None:
+                on_step(done, total)
+        denoised.extend(sample_BThwC)
+    return denoised
+
+
+def _model_input(sample_BThwC: Tensor, dtype: torch.dtype) -> Tensor:
+    """[latent | anchor | anchor mask]: the released model is anchor-free, so anchor and mask are zeros (§2.7)."""
+    sample_BThwC = sample_BThwC.to(dtype)
+    mask_BThw1 = sample_BThwC.new_zeros((*sample_BThwC.shape[:-1], 1))
+    return torch.cat([sample_BThwC, torch.zeros_like(sample_BThwC), mask_BThw1], dim=-1)
+
+
+def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor]) -> list[Tensor]:
+    """Each tile decoded on its own, with a fresh temporal cache chain -> uint8 (T, 3, H, W), truncated."""
+    return [vae.decode_tile(latent.permute(3, 0, 1, 2).unsqueeze(0))[0] for latent in latents_ThwC]
+
+
+def assemble_frames(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> np.ndarray:
+    """Hann-blend the tiles, crop the padding, downscale to the delivery size -> uint8 (T, H, W, 3) on the CPU."""
+    frames_TCHW = blend_tiles(tiles_TCHW, plan.grid)
+    crop_height, crop_width = plan.crop_size
+    frames_TCHW = frames_TCHW[..., :crop_height, :crop_width]
+    frames_TCHW = resize_frames(frames_TCHW, plan.delivery_size)
+    return frames_TCHW.permute(0, 2, 3, 1).contiguous().cpu().numpy()

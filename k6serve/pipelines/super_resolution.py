@@ -1,0 +1,125 @@
+"""Kandinsky 6 video super-resolution: read -> plan -> encode -> upscale -> denoise -> decode -> blend.
+
+No prompt, no guidance: each tile is denoised by the checkpoint's two-step π-Flow (2 DiT calls per tile whatever
+`num_inference_steps` says; `resolve_upscale` warns) and the source soundtrack is kept. The stages are in
+`sr_stages.py`; this class only calls them in order and times them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k6serve.models.kandinsky6_sr.checkpoint import SRModels, load_sr_models
+from k6serve.models.variants import Variant
+from k6serve.pipelines.sr_stages import (
+    StepCallback,
+    assemble_frames,
+    decode_tiles,
+    denoise_tiles,
+    encode_clip,
+    plan_upscale,
+    prepare_pixels,
+    read_source,
+    upscale_tiles,
+)
+from k6serve.pipelines.state import DecodedAudio
+from k6serve.request import UpscaleRequest
+
+
+@dataclass(frozen=True, eq=False)
+class UpscaledVideo:
+    frames_THWC: np.ndarray  # uint8, on the CPU
+
+
+@dataclass
+class SuperResolutionOutput:
+    video: UpscaledVideo
+    audio: DecodedAudio | None
+    fps: float
+    timings: dict[str, float] = field(
+        default_factory=dict
+    )  # read, encode, upscale, dit, decode, blend (s)
+    notes: list[str] = field(default_factory=list)
+
+
+class SuperResolutionPipeline:
+    def __init__(self, models: SRModels) -> None:
+        self.models = models
+
+    def __call__(
+        self, request: UpscaleRequest, *, on_step: StepCallback | None = None
+    ) -> SuperResolutionOutput:
+        m = self.models
+        timings: dict[str, float] = {}
+        with _timed(timings, "read", m.device):
+            source = read_source(request.video_path, m.device)
+        plan = plan_upscale(
+            tuple(source.frames_TCHW.shape[-2:]),
+            request,
+            tile_sizes=m.transformer.config.tile_sizes,
+            snap=m.vae.spatial_compression_ratio,
+        )
+        with _timed(timings, "encode", m.device):
+            latent = encode_clip(m.vae, prepare_pixels(source.frames_TCHW, plan))
+        with _timed(timings, "upscale", m.device):
+            lq_tiles = upscale_tiles(m.upscaler, latent, plan)
+        sampler = m.sampler()
+        with _timed(timings, "dit", m.device):
+            latents = denoise_tiles(
+                m.transformer,
+                sampler,
+                lq_tiles,
+                seed=request.seed,
+                tiles_batch_size=request.tiles_batch_size,
+                lq_noise_scale=m.transformer.config.lq_noise_scale,
+                dtype=m.dtype,
+                on_step=on_step,
+            )
+        with _timed(timings, "decode", m.device):
+            tiles = decode_tiles(m.vae, latents)
+        with _timed(timings, "blend", m.device):
+            frames_THWC = assemble_frames(tiles, plan)
+        timings["dit_per_call"] = timings["dit"] / (
+            sampler.num_steps * -(-plan.num_tiles // request.tiles_batch_size)
+        )
+        notes = [*source.notes, f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
+        return SuperResolutionOutput(
+            video=UpscaledVideo(frames_THWC=frames_THWC),
+            audio=source.audio,
+            fps=float(source.fps),
+            timings=timings,
+            notes=notes,
+        )
+
+
+@contextmanager
+def _timed(timings: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(
+            device
+        )  # GPU work is asynchronous: charge it to the stage that queued it
+    timings[name] = time.perf_counter() - start
+
+
+def build_super_resolution_pipeline(
+    folder: Path | None,
+    variant: Variant,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str,
+    attention_backend: str,
+) -> SuperResolutionPipeline:
+    """Load the SR checkpoint (head/scheduler check first) and wrap it in the pipeline."""
+    models = load_sr_models(folder, variant, device=device, dtype=dtype, load_format=load_format)
+    models.transformer.set_attention_backend(attention_backend)
+    return SuperResolutionPipeline(models)
