@@ -1,0 +1,198 @@
+"""Stage `dit`: one DiT forward, ours (each attention backend, eager and with the speed transforms) vs
+diffusers' `Kandinsky6Transformer3DModel` on the same random bf16 weights and inputs.
+
+Memory: one full-size set of weights. Ours is built directly on the device (`build_dummy_transformer`);
+diffusers' model shares those tensors (`reference.diffusers_transformer_like`) and is deleted before our
+projections are fused (fusion allocates new, concatenated weights). Order: diffusers eager, diffusers
+compiled (optional), ours eager per backend, ours fused + compiled per backend.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from k6serve.bench.flops import kandinsky6_forward_flops
+from k6serve.bench.geometry import GenerationGeometry
+from k6serve.bench.measure import cosine_similarity, measure
+from k6serve.bench.reference import diffusers_transformer_like
+from k6serve.bench.report import BenchRow
+from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6.plan import kandinsky6_plan
+from k6serve.ops.attention import resolve_attention_backend
+from k6serve.speed.fused_projections import apply_fused_projections
+from k6serve.speed.regional_compile import apply_regional_compile
+
+TIMESTEP = 500.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DitOptions:
+    label: str  # variant name shown in the table, e.g. "pro-distill"
+    transformer_config: dict
+    geometry: GenerationGeometry
+    device: torch.device
+    dtype: torch.dtype
+    backends: tuple[str, ...]  # attention backends to time ours with ("fa", "torch_sdpa")
+    eager: bool = True  # ours without transforms
+    speed: bool = True  # ours with fused projections + regional compile
+    reference: bool = True  # diffusers eager
+    reference_compiled: bool = False  # diffusers with compile_repeated_blocks(fullgraph=True)
+    compile_backend: str = "inductor"
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+
+def dit_inputs(
+    config: Kandinsky6TransformerConfig,
+    geometry: GenerationGeometry,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> dict[str, torch.Tensor]:
+    """Random inputs of one sample at `geometry` (no text mask, timestep 500), diffusers' keyword names."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+    return {
+        "hidden_states": randn(
+            1,
+            geometry.num_latent_frames,
+            geometry.latent_height,
+            geometry.latent_width,
+            config.visual_in_channels,
+        ),
+        "encoder_hidden_states": randn(1, geometry.num_text_tokens, config.in_text_dim),
+        "pooled_projections": randn(1, config.in_text_dim2),
+        "timestep": torch.tensor([TIMESTEP], device=device),
+        "audio_hidden_states": randn(1, geometry.num_audio_tokens, config.in_audio_dim),
+    }
+
+
+class _Compared:
+    """Our rows' cosine similarity to diffusers' video and audio velocities."""
+
+    def __init__(self) -> None:
+        self.video: torch.Tensor | None = None
+        self.audio: torch.Tensor | None = None
+        self.seconds: float | None = None
+
+    def fill(self, row: BenchRow, output: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        row.reference_seconds = self.seconds
+        if self.video is None:
+            return
+        video, audio = output
+        row.cosine_video = cosine_similarity(video, self.video)
+        if audio is not None and self.audio is not None:
+            row.cosine_audio = cosine_similarity(audio, self.audio)
+
+
+def _row(options: DitOptions, name: str, tflop: float) -> BenchRow:
+    return BenchRow(stage="dit", name=name, config=f"{options.label} {options.geometry.label}", tflop=tflop)
+
+
+def _timed(row: BenchRow, call, options: DitOptions):
+    result = measure(call, device=options.device, repeats=options.repeats, warmup=options.warmup)
+    row.seconds, row.times_s, row.peak_memory_gib = result.median_s, result.times_s, result.peak_memory_gib
+    return result.output
+
+
+def _run_reference(
+    ours, inputs, options: DitOptions, tflop: float, compared: _Compared
+) -> list[BenchRow]:
+    rows = [_row(options, "diffusers eager", tflop)]
+    reference = None
+    try:
+        reference = diffusers_transformer_like(ours, options.device)
+
+        def call():
+            with torch.inference_mode():
+                return reference(**inputs, return_dict=False)
+
+        video, audio = _timed(rows[0], call, options)
+        compared.video, compared.audio, compared.seconds = video, audio, rows[0].seconds
+        rows[0].reference_seconds = rows[0].seconds
+        if options.reference_compiled:
+            rows.append(_row(options, "diffusers compiled", tflop))
+            reference.compile_repeated_blocks(fullgraph=True, backend=options.compile_backend)
+            rows[-1].breakdown_s["first_call"] = _first_call(call, options.device)
+            compared.fill(rows[-1], _timed(rows[-1], call, options))
+    except Exception as error:  # recorded in the row; our variants still run
+        rows[-1].error = f"{type(error).__name__}: {error}"
+    del reference
+    gc.collect()
+    return rows
+
+
+def _first_call(call, device: torch.device) -> float:
+    """Seconds of one untimed-so-far call (compilation happens here)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _run_ours(ours, inputs, options: DitOptions, tflop: float, compared: _Compared, tag: str,
+              compiled: bool) -> list[BenchRow]:
+    rows = []
+
+    def call():
+        with torch.inference_mode():
+            return ours(**inputs)
+
+    for backend in options.backends:
+        row = _row(options, f"ours {backend} {tag}", tflop)
+        rows.append(row)
+        try:
+            ours.set_attention_backend(resolve_attention_backend(backend, options.device))
+            if compiled:
+                row.breakdown_s["first_call"] = _first_call(call, options.device)
+            compared.fill(row, _timed(row, call, options))
+        except Exception as error:
+            row.error = f"{type(error).__name__}: {error}"
+    return rows
+
+
+def run_dit(options: DitOptions) -> list[BenchRow]:
+    """All DiT rows for one variant: diffusers first (shared weights), then ours eager, then ours fast."""
+    config = Kandinsky6TransformerConfig.from_json_dict(options.transformer_config)
+    geometry = options.geometry
+    tflop = 1e-12 * kandinsky6_forward_flops(
+        config,
+        num_video_tokens=geometry.num_video_tokens,
+        num_audio_tokens=geometry.num_audio_tokens,
+        num_text_tokens=geometry.num_text_tokens,
+    )
+    ours = build_dummy_transformer(
+        options.transformer_config, device=options.device, dtype=options.dtype, seed=options.seed
+    )
+    inputs = dit_inputs(config, geometry, device=options.device, dtype=options.dtype, seed=options.seed + 1)
+    compared = _Compared()
+    rows: list[BenchRow] = []
+    if options.reference:
+        rows += _run_reference(ours, inputs, options, tflop, compared)
+    if options.eager:
+        rows += _run_ours(ours, inputs, options, tflop, compared, "eager", compiled=False)
+    if options.speed:
+        num_fused = apply_fused_projections(ours)
+        num_compiled = apply_regional_compile(ours, kandinsky6_plan(config), backend=options.compile_backend)
+        fast_rows = _run_ours(ours, inputs, options, tflop, compared, "fused+compiled", compiled=True)
+        for row in fast_rows:
+            row.note = f"{num_fused} fused attentions, {num_compiled} compiled blocks ({options.compile_backend})"
+        rows += fast_rows
+    del ours, inputs, compared
+    gc.collect()
+    if options.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,55 @@
+"""FLOPs of one Kandinsky 6 DiT forward (k6-generation.md §2.11, full count) and the H200 floor rate.
+
+A multiply-add is 2 FLOP. Per fused block, with video tokens N_v, audio tokens N_a, text tokens N_t, widths
+d, f (video) and d_a, f_a (audio):
+  video projections 16·N_v·d² + 4·N_v·d·f + 4·N_t·d² + 4·N_a·d_a·d
+  audio projections 16·N_a·d_a² + 4·N_a·d_a·f_a + 4·N_t·d_a² + 4·N_v·d·d_a
+  attention cores   4·d·(N_v² + N_v·N_t + N_v·N_a) + 4·d_a·(N_a² + N_a·N_t + N_a·N_v)
+plus the text branches, the embeddings and the heads. Without audio the audio terms of the fused blocks
+vanish (the audio text branch still runs).
+"""
+
+from __future__ import annotations
+
+import math
+
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+
+# The measured dense bf16 GEMM rate of one H200 (performance.md §0): the "floor" every row is compared to.
+FLOOR_TFLOPS = 790.0
+
+
+def _text_branch_flops(num_text: int, dim: int, ff_dim: int) -> float:
+    return 8 * num_text * dim**2 + 4 * num_text**2 * dim + 4 * num_text * dim * ff_dim
+
+
+def kandinsky6_forward_flops(
+    config: Kandinsky6TransformerConfig,
+    *,
+    num_video_tokens: int,
+    num_audio_tokens: int,
+    num_text_tokens: int,
+) -> float:
+    """FLOPs of one forward of the generation DiT on one sample (`num_audio_tokens` 0: video only)."""
+    d, f = config.model_dim, config.ff_dim
+    d_a, f_a = config.audio_model_dim, config.audio_ff_dim
+    n_v, n_a, n_t = num_video_tokens, num_audio_tokens, num_text_tokens
+    video = 16 * n_v * d**2 + 4 * n_v * d * f + 4 * n_t * d**2 + 4 * n_a * d_a * d
+    video_attention = 4 * d * (n_v**2 + n_v * n_t + n_v * n_a)
+    audio = audio_attention = 0
+    if n_a:
+        audio = 16 * n_a * d_a**2 + 4 * n_a * d_a * f_a + 4 * n_t * d_a**2 + 4 * n_v * d * d_a
+        audio_attention = 4 * d_a * (n_a**2 + n_a * n_t + n_a * n_v)
+    blocks = config.num_visual_blocks * (video + video_attention + audio + audio_attention)
+    text = config.num_text_blocks * (
+        _text_branch_flops(n_t, d, f) + _text_branch_flops(n_t, d_a, f_a)
+    )
+    patch_volume = math.prod(config.patch_size)
+    embeddings = (
+        2 * n_t * config.in_text_dim * (d + d_a)
+        + 2 * n_v * patch_volume * config.visual_in_channels * d
+        + 2 * n_a * config.in_audio_dim * d_a
+        + 2 * n_v * d * patch_volume * config.out_visual_dim
+        + 2 * n_a * d_a * config.out_audio_dim
+    )
+    return float(blocks + text + embeddings)

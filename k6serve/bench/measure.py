@@ -1,0 +1,73 @@
+"""Timing (median of warm runs, device-synchronised), peak memory and output similarity."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """Wall seconds of each timed run, their median, the peak memory and the last run's output."""
+
+    times_s: tuple[float, ...]
+    peak_memory_gib: float | None
+    output: Any
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], Any], *, device: torch.device, repeats: int, warmup: int) -> Measurement:
+    """Run `fn` `warmup` times untimed, then `repeats` times timed (each between device syncs).
+
+    Peak memory is `max_memory_allocated` over all runs on CUDA (None elsewhere). Only the last output is
+    kept, so a caller comparing outputs holds one copy.
+    """
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    output = None
+    for _ in range(warmup):
+        output = fn()
+        del output
+    times = []
+    for _ in range(repeats):
+        output = None  # free the previous output before the next run allocates its own
+        synchronize(device)
+        start = time.perf_counter()
+        output = fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    return Measurement(times_s=tuple(times), peak_memory_gib=peak, output=output)
+
+
+def cosine_similarity(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Cosine similarity of two same-shape tensors, flattened, accumulated in fp64."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    a, b = actual.reshape(-1).double(), expected.reshape(-1).double()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def max_abs_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| (uint8 frames: in units of 1/255, computed in int16 to stay small)."""
+    if actual.dtype == torch.uint8 and expected.dtype == torch.uint8:
+        return float((actual.to(torch.int16) - expected.to(torch.int16)).abs().max())
+    return float((actual.double() - expected.double()).abs().max())

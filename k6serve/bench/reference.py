@@ -1,0 +1,64 @@
+"""diffusers as the reference, imported lazily: the GPU machine may not have it installed.
+
+`diffusers_transformer_like(ours)` builds diffusers' `Kandinsky6Transformer3DModel` whose parameters *are*
+our model's tensors (`load_state_dict(assign=True)` into a model whose parameters were created on the meta
+device), so both models exist with one copy of the weights. Buffers (diffusers' RoPE tables) are built
+normally, on the CPU, and then moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+MISSING_DIFFUSERS = (
+    "diffusers is not installed: this stage compares with diffusers 0.42.1 and builds its VAE/audio "
+    "components from it; install the carried diffusers wheel (pip install diffusers-0.42.1-*.whl)"
+)
+
+
+class ReferenceUnavailable(RuntimeError):
+    """A benchmark stage needs a package that is not installed."""
+
+
+def import_diffusers():
+    try:
+        import diffusers
+    except ImportError as error:
+        raise ReferenceUnavailable(MISSING_DIFFUSERS) from error
+    return diffusers
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while buffers stay real (accelerate's `init_empty_weights`)."""
+    register_parameter = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
+        register_parameter(module, name, parameter)
+        if parameter is not None:
+            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter
+
+
+def diffusers_transformer_like(ours: nn.Module, device: torch.device) -> nn.Module:
+    """diffusers' `Kandinsky6Transformer3DModel` sharing `ours`' parameter tensors (same config).
+
+    `ours` must not be fused yet: the state-dict keys are diffusers' names only before fusion.
+    """
+    diffusers = import_diffusers()
+    config = {
+        field: getattr(ours.config, field) for field in ours.config.__dataclass_fields__
+    }
+    with parameters_on_meta():
+        reference = diffusers.Kandinsky6Transformer3DModel(**config)
+    reference.load_state_dict(ours.state_dict(), strict=True, assign=True)
+    return reference.to(device).eval().requires_grad_(False)

@@ -1,0 +1,32 @@
+"""Speed transforms applied from outside a built model (style.md rule 3), and warm-up.
+
+Each transform is an `apply_*` function on an already loaded model, composed once, in this fixed order, by
+`apply_performance_mode`:
+
+1. `apply_fused_projections(transformer)`: one GEMM for Q/K/V of every self-attention and for K/V of every
+   cross-attention (after the weights are loaded; the fused module's state-dict keys differ).
+2. `apply_regional_compile(transformer, plan)`: `torch.compile` on each repeated block of `plan.blocks`
+   (fuses the fp32 AdaLN / gate / RMSNorm / RoPE elementwise chains around the GEMMs).
+3. `apply_vae_speedups(vae, device)`: cuDNN autotuning and channels-last 3-D convolutions for the video VAE.
+
+`warmup(pipeline, request, mode)` runs a short request so compilation and autotuning happen before the
+first real request, and reports what that cost.
+"""
+
+from k6serve.speed.fused_projections import FusedProjectionAttention, apply_fused_projections
+from k6serve.speed.performance_mode import PerformanceReport, apply_performance_mode
+from k6serve.speed.regional_compile import apply_regional_compile, is_compiled
+from k6serve.speed.vae import apply_vae_speedups
+from k6serve.speed.warmup import WarmupReport, warmup
+
+__all__ = [
+    "FusedProjectionAttention",
+    "PerformanceReport",
+    "WarmupReport",
+    "apply_fused_projections",
+    "apply_performance_mode",
+    "apply_regional_compile",
+    "apply_vae_speedups",
+    "is_compiled",
+    "warmup",
+]

@@ -1,0 +1,125 @@
+"""Fused attention projections: one GEMM for Q/K/V (self-attention) or K/V (cross-attention).
+
+`apply_fused_projections(model)` replaces every `Kandinsky6Attention` of a loaded model by a
+`FusedProjectionAttention` that owns one concatenated `nn.Linear` instead of two or three. The norms, the
+output projection and the `InnerAttention` core are the *same module objects*, so attention backends,
+roles and sequence-parallel swaps keep working. The forward is the reference forward op for op except
+that the projections run as one GEMM whose output is split: in fp32 on CPU that differs from the separate
+GEMMs by rounding only (tests/unit/test_speed_transforms.py, <= 1e-5 relative); in bf16 each output
+element is still one fp32-accumulated dot product rounded once, so differences come only from the GEMM
+kernel's reduction order.
+
+Fuse *after* loading weights: the fused module's state dict holds `to_query_key_value.*` /
+`to_key_value.*` instead of `to_query/to_key/to_value.*`. Tensor-parallel (DTensor) weights are left
+alone: their column shards cannot be concatenated locally.
+
+Shape legend: B batch; L query tokens; S key tokens; D model dim; N heads; K head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k6serve.models.common.rope import apply_rotary
+from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+
+
+def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of `linears`' outputs (same input, dtype, device)."""
+    first = linears[0]
+    weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
+    has_bias = first.bias is not None
+    assert all((linear.bias is not None) == has_bias for linear in linears)
+    with torch.device("meta"):
+        fused = nn.Linear(first.in_features, weight.shape[0], bias=has_bias)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(
+            torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False
+        )
+    return fused
+
+
+class FusedProjectionAttention(nn.Module):
+    """`Kandinsky6Attention` with Q/K/V (self) or K/V (cross) computed by one concatenated GEMM."""
+
+    def __init__(self, attention: Kandinsky6Attention, *, is_self_attention: bool):
+        super().__init__()
+        self.head_dim = attention.head_dim
+        self.num_heads = attention.num_heads
+        self.num_channels = attention.to_query.out_features
+        self.is_self_attention = is_self_attention
+        if is_self_attention:
+            self.to_query_key_value = _concatenate_linears(
+                attention.to_query, attention.to_key, attention.to_value
+            )
+        else:
+            self.to_query = attention.to_query
+            self.to_key_value = _concatenate_linears(attention.to_key, attention.to_value)
+        self.query_norm = attention.query_norm
+        self.key_norm = attention.key_norm
+        self.out_layer = attention.out_layer
+        self.inner_attention = attention.inner_attention
+
+    def forward(
+        self,
+        x_BLD: Tensor,
+        context_BSD: Tensor | None = None,
+        *,
+        query_rope: Tensor | None = None,
+        key_rope: Tensor | None = None,
+        key_mask_BS: Tensor | None = None,
+    ) -> Tensor:
+        """Same contract as `Kandinsky6Attention.forward`."""
+        if self.is_self_attention:
+            assert context_BSD is None, "a self-attention was called with a context"
+            query_BLD, key_BSD, value_BSD = self.to_query_key_value(x_BLD).split(
+                self.num_channels, dim=-1
+            )
+        else:
+            query_BLD = self.to_query(x_BLD)
+            key_BSD, value_BSD = self.to_key_value(context_BSD).split(self.num_channels, dim=-1)
+        # From here on exactly Kandinsky6Attention.forward (split views are strided; every op accepts them).
+        query_BLNK = self.query_norm(query_BLD.unflatten(-1, (-1, self.head_dim)))
+        key_BSNK = self.key_norm(key_BSD.unflatten(-1, (-1, self.head_dim)))
+        value_BSNK = value_BSD.unflatten(-1, (-1, self.head_dim))
+        if query_rope is not None:
+            query_BLNK = apply_rotary(query_BLNK, query_rope)
+        if key_rope is not None:
+            key_BSNK = apply_rotary(key_BSNK, key_rope)
+        out_BLNK = self.inner_attention(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
+        return self.out_layer(out_BLNK.flatten(-2, -1))
+
+    def extra_repr(self) -> str:
+        kind = "qkv" if self.is_self_attention else "q + kv"
+        return f"fused={kind}, heads={self.num_heads}x{self.head_dim}"
+
+
+def _is_plain_tensor(parameter: Tensor) -> bool:
+    # DTensor (tensor parallel) and meta parameters cannot be concatenated into a local weight.
+    return type(parameter.data) is Tensor and not parameter.is_meta
+
+
+def apply_fused_projections(model: nn.Module) -> int:
+    """Fuse the projections of every `Kandinsky6Attention` in `model`, in place; returns how many.
+
+    Self-attention is recognised by its `InnerAttention` role (`*_self`: the model only ever calls those
+    without a context). Idempotent: already fused modules are skipped.
+    """
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, Kandinsky6Attention)
+        and all(
+            _is_plain_tensor(linear.weight)
+            for linear in (module.to_query, module.to_key, module.to_value)
+        )
+    ]
+    for name, attention in targets:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        is_self = attention.inner_attention.role.endswith("_self")
+        # One module at a time, so the extra memory is one module's projection weights.
+        setattr(parent, child_name, FusedProjectionAttention(attention, is_self_attention=is_self))
+    return len(targets)

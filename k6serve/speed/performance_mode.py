@@ -1,0 +1,95 @@
+"""`--performance-mode`: which speed transforms run, composed once in a fixed order.
+
+* "speed" (CUDA): fused projections -> regional compile of the DiT blocks -> VAE decode speed-ups. Each
+  keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
+  within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
+* "balanced" / "memory": nothing yet; they will add offloading (fusing allocates each module's
+  projection weights twice for a moment, and compiling holds graphs, which memory mode should avoid).
+* On a non-CUDA device every mode is a no-op, so CPU outputs stay bitwise equal to diffusers'.
+
+Tensor-parallel weights are not fused (see `fused_projections.py`); a `ModelPlan` supplies the blocks to
+compile, so any model family with a plan gets regional compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from k6serve.config import PERFORMANCE_MODES
+from k6serve.speed.fused_projections import apply_fused_projections
+from k6serve.speed.regional_compile import apply_regional_compile
+from k6serve.speed.vae import apply_vae_speedups
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PerformanceReport:
+    """What `apply_performance_mode` did (logged by the worker, stored by the benchmark)."""
+
+    mode: str
+    device: str
+    num_fused_attentions: int = 0
+    num_compiled_blocks: int = 0
+    vae: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def applied(self) -> bool:
+        return bool(self.num_fused_attentions or self.num_compiled_blocks or self.vae)
+
+
+def _transformer_plan(transformer: nn.Module):
+    """The `ModelPlan` of a k6serve DiT, or None for a model without one."""
+    from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer
+
+    if isinstance(transformer, Kandinsky6Transformer):
+        from k6serve.models.kandinsky6.plan import kandinsky6_plan
+
+        return kandinsky6_plan(transformer.config)
+    from k6serve.models.kandinsky6_sr.transformer import SRTransformer
+
+    if isinstance(transformer, SRTransformer):
+        from k6serve.models.kandinsky6_sr.plan import sr_plan
+
+        return sr_plan(transformer.config)
+    return None
+
+
+def apply_performance_mode(
+    models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = False
+) -> PerformanceReport:
+    """Apply `mode`'s transforms to `models` (anything with `.transformer` and optionally `.vae`).
+
+    Idempotent, so calling it on an already transformed model changes nothing.
+    """
+    if mode not in PERFORMANCE_MODES:
+        raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {mode!r}")
+    device = torch.device(device)
+    if mode != "speed" or device.type != "cuda":
+        why = "CPU: kept identical to the reference" if device.type != "cuda" else "no transforms yet"
+        return PerformanceReport(mode=mode, device=str(device), notes=(f"{mode}: {why}",))
+    notes: list[str] = []
+    transformer = models.transformer
+    num_fused = apply_fused_projections(transformer)
+    plan = _transformer_plan(transformer)
+    num_compiled = 0
+    if plan is None:
+        notes.append(f"no plan for {type(transformer).__name__}: blocks not compiled")
+    else:
+        num_compiled = apply_regional_compile(transformer, plan)
+    vae = getattr(models, "vae", None)
+    vae_applied = (
+        apply_vae_speedups(vae, device, compile_decoder=compile_vae_decoder)
+        if isinstance(vae, nn.Module)
+        else []
+    )
+    return PerformanceReport(
+        mode=mode,
+        device=str(device),
+        num_fused_attentions=num_fused,
+        num_compiled_blocks=num_compiled,
+        vae=tuple(vae_applied),
+        notes=tuple(notes),
+    )
