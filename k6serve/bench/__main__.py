@@ -1,0 +1,162 @@
+"""`python -m k6serve.bench` / `k6serve bench`: stage-by-stage benchmark against diffusers.
+
+    python -m k6serve.bench --stage dit --variant pro-distill --json dit_pro.json
+    python -m k6serve.bench --stage vae --stage audio --stage text
+    python -m k6serve.bench --stage generate --variant lite-distill
+    python -m k6serve.bench --tiny --stage all          # CPU smoke mode (CI): toy sizes, checks fields
+
+Prints a markdown table (median of `--repeats` warm runs: seconds, TFLOP/s, % of the 790 TFLOP/s floor rate,
+speed-up over diffusers, peak memory, cosine similarity to diffusers) and writes the rows as JSON. Each stage
+runs in its own try/except, so one failure is recorded as an error row and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from k6serve.bench.audio import AudioOptions, run_audio
+from k6serve.bench.dit import DitOptions, run_dit
+from k6serve.bench.end_to_end import EndToEndOptions, run_generate, run_super_resolution
+from k6serve.bench.geometry import NUM_TEXT_TOKENS, generation_geometry
+from k6serve.bench.report import BenchRow, format_table, write_json
+from k6serve.bench.text import TextOptions, run_text
+from k6serve.bench.tiny import (
+    TINY_HEIGHT,
+    TINY_NUM_FRAMES,
+    TINY_NUM_TEXT_TOKENS,
+    TINY_TRANSFORMER_CONFIG,
+    TINY_WIDTH,
+)
+from k6serve.bench.vae import VaeOptions, run_vae
+from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES
+from k6serve.models.variants import GENERATION, VARIANTS
+
+STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
+GENERATION_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.family == GENERATION)
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k6serve bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", action="append", choices=(*STAGES, "all"),
+                        help="Stage(s) to run; repeat the flag for several (default: dit).")
+    parser.add_argument("--variant", default="pro-distill", choices=GENERATION_VARIANTS)
+    parser.add_argument("--height", type=int, help="Pixels (default 512; --tiny 64).")
+    parser.add_argument("--width", type=int, help="Pixels (default 768; --tiny 96).")
+    parser.add_argument("--num-frames", type=int, help="4k+1 frames (default 121; --tiny 17).")
+    parser.add_argument("--repeats", type=int, default=3, help="Timed warm runs; the median is reported.")
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed runs before the timed ones.")
+    parser.add_argument("--json", help="Write the rows and the environment to this JSON file.")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(_DTYPES))
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: toy sizes for every stage.")
+    parser.add_argument("--backends", help="Attention backends for our DiT, comma-separated "
+                        "(default: fa,torch_sdpa on CUDA, torch_sdpa elsewhere).")
+    parser.add_argument("--skip-reference", action="store_true", help="Do not run diffusers' DiT.")
+    parser.add_argument("--reference-compiled", action="store_true",
+                        help="Also time diffusers' DiT with compile_repeated_blocks(fullgraph=True).")
+    parser.add_argument("--skip-eager", action="store_true", help="Do not time our DiT without transforms.")
+    parser.add_argument("--skip-speed", action="store_true", help="Do not time our fused + compiled DiT.")
+    parser.add_argument("--compile-backend", help="torch.compile backend (default inductor; --tiny eager).")
+    parser.add_argument("--compile-vae-decoder", action="store_true", help="Also time a compiled VAE decoder.")
+    parser.add_argument("--performance-mode", default="speed", choices=PERFORMANCE_MODES,
+                        help="generate/sr: the engine's performance mode.")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="generate/sr: the engine's attention backend.")
+    parser.add_argument("--num-inference-steps", type=int, help="generate: steps (default: the variant's).")
+    parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor.")
+    parser.add_argument("--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder).")
+    return parser
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
+    return torch.device(name)
+
+
+def _stages(args: argparse.Namespace) -> list[str]:
+    requested = args.stage or ["dit"]
+    return list(STAGES) if "all" in requested else list(dict.fromkeys(requested))
+
+
+def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[BenchRow]]]:
+    """One zero-argument runner per stage, with every option resolved from `args`."""
+    from k6serve.models.kandinsky6.checkpoint import released_transformer_config
+
+    device = _device(args.device)
+    dtype = _DTYPES[args.dtype]
+    height = args.height or (TINY_HEIGHT if args.tiny else 512)
+    width = args.width or (TINY_WIDTH if args.tiny else 768)
+    num_frames = args.num_frames or (TINY_NUM_FRAMES if args.tiny else 121)
+    num_text_tokens = TINY_NUM_TEXT_TOKENS if args.tiny else NUM_TEXT_TOKENS
+    geometry = generation_geometry(height, width, num_frames, num_text_tokens=num_text_tokens)
+    default_backends = "fa,torch_sdpa" if device.type == "cuda" else "torch_sdpa"
+    backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
+    timing = {"repeats": args.repeats, "warmup": args.warmup}
+    transformer_config = (
+        TINY_TRANSFORMER_CONFIG if args.tiny else released_transformer_config(VARIANTS[args.variant])
+    )
+    end_to_end = EndToEndOptions(
+        variant=args.variant, height=height, width=width, num_frames=num_frames, device=str(device),
+        performance_mode=args.performance_mode, attention_backend=args.attention_backend,
+        num_inference_steps=args.num_inference_steps, sr_scale=args.sr_scale, tiny=args.tiny,
+        repeats=args.repeats, output_dir=args.output_dir,
+    )
+    dit = DitOptions(
+        label="tiny" if args.tiny else args.variant, transformer_config=transformer_config, geometry=geometry,
+        device=device, dtype=dtype, backends=backends, eager=not args.skip_eager, speed=not args.skip_speed,
+        reference=not args.skip_reference, reference_compiled=args.reference_compiled,
+        compile_backend=args.compile_backend or ("eager" if args.tiny else "inductor"), **timing,
+    )
+    return {
+        "dit": lambda: run_dit(dit),
+        "vae": lambda: run_vae(VaeOptions(geometry=geometry, device=device, dtype=dtype, tiny=args.tiny,
+                                          compile_decoder=args.compile_vae_decoder, **timing)),
+        "audio": lambda: run_audio(AudioOptions(geometry=geometry, device=device, dtype=dtype, tiny=args.tiny,
+                                                **timing)),
+        "text": lambda: run_text(TextOptions(device=device, dtype=dtype, tiny=args.tiny, **timing)),
+        "generate": lambda: run_generate(end_to_end),
+        "sr": lambda: run_super_resolution(end_to_end),
+    }
+
+
+def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print) -> list[BenchRow]:
+    """Run the requested stages in order; a failing stage becomes one error row."""
+    runners = stage_runners(args)
+    rows: list[BenchRow] = []
+    for stage in _stages(args):
+        log(f"[bench] stage {stage} ...")
+        try:
+            stage_rows = runners[stage]()
+        except Exception as error:
+            stage_rows = [BenchRow(stage=stage, name="-", config="-", error=f"{type(error).__name__}: {error}")]
+        rows += stage_rows
+        log(format_table(stage_rows))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns 0 when every row ran, 1 when any row recorded an error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
+    rows = run_stages(args, log=lambda text: print(text, flush=True))
+    print("\n" + format_table(rows), flush=True)
+    if args.json:
+        write_json(args.json, rows, vars(args))
+        print(f"[bench] wrote {args.json}", flush=True)
+    return 1 if any(row.error for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The non-DiT generation components a stage times: full size with random weights, or `--tiny`.
+
+Full size mirrors `load_generation_models(..., load_format="dummy")` (the released configs, random
+weights, built in the target dtype on the device) but builds only what one stage needs. `--tiny` takes
+the components of the tiny test checkpoint (`k6serve.testing.tiny_checkpoints`), on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k6serve.bench.reference import import_diffusers
+
+
+@dataclass(kw_only=True)
+class TextComponents:
+    tokenizer: Any
+    text_encoder: Any  # Qwen2_5_VLForConditionalGeneration
+    tokenizer_2: Any
+    text_encoder_2: Any  # CLIPTextModel
+
+
+def _tiny_pipeline():
+    from k6serve.testing.tiny_checkpoints import build_generation_pipeline
+
+    return build_generation_pipeline("distill")
+
+
+def _place(module, device: torch.device, dtype: torch.dtype):
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def build_video_vae(*, tiny: bool, device: torch.device, dtype: torch.dtype):
+    """HunyuanVideo VAE (diffusers' class defaults = the released config) or the tiny one."""
+    diffusers = import_diffusers()
+    if tiny:
+        return _place(_tiny_pipeline().vae, device, dtype)
+    with torch.device(device):
+        vae = diffusers.AutoencoderKLHunyuanVideo().to(dtype)
+    return vae.eval().requires_grad_(False)
+
+
+def build_audio_decoder(*, tiny: bool, device: torch.device, dtype: torch.dtype):
+    """(MMAudio VAE, vocoder) at the released sizes, or the tiny ones."""
+    diffusers = import_diffusers()
+    if tiny:
+        pipe = _tiny_pipeline()
+        return _place(pipe.audio_vae, device, dtype), _place(pipe.vocoder, device, dtype)
+    with torch.device(device):
+        audio_vae = diffusers.MMAudioVAE().to(dtype)
+        vocoder = diffusers.MMAudioVocoder().to(dtype)
+    return audio_vae.eval().requires_grad_(False), vocoder.eval().requires_grad_(False)
+
+
+def build_text_components(*, tiny: bool, device: torch.device, dtype: torch.dtype) -> TextComponents:
+    """Qwen2.5-VL-7B + CLIP-L text (random weights) with the offline tokenizers, or the tiny ones."""
+    if tiny:
+        pipe = _tiny_pipeline()
+        return TextComponents(
+            tokenizer=pipe.tokenizer.tokenizer,
+            text_encoder=_place(pipe.text_encoder, device, dtype),
+            tokenizer_2=pipe.tokenizer_2,
+            text_encoder_2=_place(pipe.text_encoder_2, device, dtype),
+        )
+    import transformers
+
+    from k6serve.models.kandinsky6 import encoder_configs
+    from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
+
+    with torch.device(device):
+        qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
+        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(qwen_config, dtype=dtype)
+        clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
+        text_encoder_2 = transformers.CLIPTextModel._from_config(clip_config, dtype=dtype)
+    return TextComponents(
+        tokenizer=train_qwen_tokenizer(),
+        text_encoder=text_encoder.eval().requires_grad_(False),
+        tokenizer_2=train_clip_tokenizer(),
+        text_encoder_2=text_encoder_2.eval().requires_grad_(False),
+    )

@@ -1,0 +1,78 @@
+"""Stage `text`: prompt encoding, ours (Qwen trunk only, no lm_head) vs the reference's full forward.
+
+The reference (diffusers' pipeline) runs `Qwen2_5_VLForConditionalGeneration(..., output_hidden_states=True)`,
+which also computes 1153 x 152064 logits it throws away; ours runs `text_encoder.model`. Both rows include
+the CLIP pooled vector. Cosine compares the token features, which must be identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k6serve.bench.components import TextComponents, build_text_components
+from k6serve.bench.measure import cosine_similarity, measure
+from k6serve.bench.report import BenchRow
+from k6serve.pipelines.encode_text import (
+    CLIP_MAX_LENGTH,
+    MAX_SEQUENCE_LENGTH,
+    PROMPT_TEMPLATE,
+    QWEN_CROP_START,
+    encode_prompt,
+)
+
+PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextOptions:
+    device: torch.device
+    dtype: torch.dtype
+    tiny: bool = False
+    repeats: int = 3
+    warmup: int = 1
+
+
+@torch.inference_mode()
+def _reference_encode(parts: TextComponents, device: torch.device) -> torch.Tensor:
+    inputs = parts.tokenizer(
+        [PROMPT_TEMPLATE.format(PROMPT)],
+        max_length=MAX_SEQUENCE_LENGTH + QWEN_CROP_START,
+        truncation=True,
+        padding="max_length",
+        return_tensors="pt",
+    ).to(device)
+    hidden = parts.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
+    clip_inputs = parts.tokenizer_2(
+        [PROMPT], max_length=CLIP_MAX_LENGTH, truncation=True, padding="max_length", return_tensors="pt"
+    ).to(device)
+    parts.text_encoder_2(**clip_inputs)["pooler_output"]
+    return hidden[:, QWEN_CROP_START:]
+
+
+def run_text(options: TextOptions) -> list[BenchRow]:
+    config = "1024+129 Qwen tokens, 77 CLIP tokens"
+    rows = [BenchRow(stage="text", name="reference full forward", config=config)]
+    try:
+        parts = build_text_components(tiny=options.tiny, device=options.device, dtype=options.dtype)
+        reference = measure(lambda: _reference_encode(parts, options.device), device=options.device,
+                            repeats=options.repeats, warmup=options.warmup)
+        row = rows[0]
+        row.seconds, row.times_s, row.peak_memory_gib = reference.median_s, reference.times_s, reference.peak_memory_gib
+        row.reference_seconds = row.seconds
+        rows.append(BenchRow(stage="text", name="ours trunk only", config=config))
+        ours = measure(
+            lambda: encode_prompt(PROMPT, tokenizer=parts.tokenizer, text_encoder=parts.text_encoder,
+                                  tokenizer_2=parts.tokenizer_2, text_encoder_2=parts.text_encoder_2,
+                                  device=options.device, dtype=options.dtype),
+            device=options.device, repeats=options.repeats, warmup=options.warmup,
+        )
+        row = rows[1]
+        row.seconds, row.times_s, row.peak_memory_gib = ours.median_s, ours.times_s, ours.peak_memory_gib
+        row.reference_seconds = rows[0].seconds
+        row.cosine_video = cosine_similarity(ours.output.tokens_BLD.float(), reference.output.float())
+        row.note = "cos video = cosine of the Qwen token features"
+    except Exception as error:
+        rows[-1].error = f"{type(error).__name__}: {error}"
+    return rows

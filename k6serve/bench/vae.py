@@ -1,0 +1,74 @@
+"""Stage `vae`: HunyuanVideo VAE decode of one clip, diffusers' default vs ours with the speed-ups.
+
+Both rows run `k6serve.pipelines.decode.decode_video` (diffusers' default framewise temporal tiling, then
+the same uint8 quantisation), so the only difference is what `apply_vae_speedups` changed; the speed-ups
+are applied cumulatively, in place, after the baseline: cuDNN autotuning, channels-last 3-D, then (when
+asked) a compiled decoder. `max|diff|` is the largest uint8 difference from the baseline's frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k6serve.bench.components import build_video_vae
+from k6serve.bench.geometry import GenerationGeometry
+from k6serve.bench.measure import max_abs_difference, measure
+from k6serve.bench.report import BenchRow
+from k6serve.pipelines.decode import decode_video
+from k6serve.speed.vae import apply_vae_speedups
+
+_VIDEO_LATENT_CHANNELS = 16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VaeOptions:
+    geometry: GenerationGeometry
+    device: torch.device
+    dtype: torch.dtype
+    tiny: bool = False
+    compile_decoder: bool = False
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+
+def _decode_row(name: str, options: VaeOptions, vae, latents, reference_frames, reference_seconds):
+    row = BenchRow(stage="vae", name=name, config=options.geometry.label)
+    try:
+        result = measure(lambda: decode_video(vae, latents), device=options.device,
+                         repeats=options.repeats, warmup=options.warmup)
+        row.seconds, row.times_s, row.peak_memory_gib = result.median_s, result.times_s, result.peak_memory_gib
+        frames = torch.from_numpy(result.output.frames_THWC)
+        row.reference_seconds = reference_seconds or row.seconds
+        if reference_frames is not None:
+            row.max_abs_diff = max_abs_difference(frames, reference_frames)
+        return row, frames
+    except Exception as error:
+        row.error = f"{type(error).__name__}: {error}"
+        return row, None
+
+
+def run_vae(options: VaeOptions) -> list[BenchRow]:
+    geometry = options.geometry
+    vae = build_video_vae(tiny=options.tiny, device=options.device, dtype=options.dtype)
+    generator = torch.Generator(device="cpu").manual_seed(options.seed)
+    latents = torch.randn(
+        (1, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width, _VIDEO_LATENT_CHANNELS),
+        generator=generator,
+    ).to(device=options.device, dtype=options.dtype)
+    previous_benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False  # diffusers' default
+    baseline, reference_frames = _decode_row("diffusers default decode", options, vae, latents, None, None)
+    rows = [baseline]
+    steps = [("ours cudnn.benchmark", {"channels_last": False}), ("ours +channels_last_3d", {})]
+    if options.compile_decoder:
+        steps.append(("ours +compiled decoder", {"compile_decoder": True}))
+    for name, flags in steps:
+        applied = apply_vae_speedups(vae, options.device, **flags)
+        row, _ = _decode_row(name, options, vae, latents, reference_frames, baseline.seconds)
+        row.note = "applied: " + (", ".join(applied) or "nothing (not CUDA)")
+        rows.append(row)
+    torch.backends.cudnn.benchmark = previous_benchmark
+    return rows
