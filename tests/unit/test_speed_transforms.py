@@ -1,0 +1,205 @@
+"""Speed transforms on a tiny Kandinsky 6 DiT: fused projections, regional compile, performance mode, warm-up.
+
+Tolerances: fused projections in fp32 on CPU within 1e-5 * max|ref| of the unfused model; in bf16 the
+velocities keep cosine >= 0.9999 (rounding of a different GEMM shape only). Regional compile is checked
+with the cheap "eager" dynamo backend (traces every block, bitwise equal) and, when K6SERVE_SLOW_TESTS is
+set, with inductor within 1e-4 relative.
+"""
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from k6serve.bench.dit import dit_inputs
+from k6serve.bench.geometry import generation_geometry
+from k6serve.bench.measure import cosine_similarity
+from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
+from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6.plan import kandinsky6_plan
+from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+from k6serve.request import GenerateRequest
+from k6serve.speed import (
+    FusedProjectionAttention,
+    apply_fused_projections,
+    apply_performance_mode,
+    apply_regional_compile,
+    apply_vae_speedups,
+    is_compiled,
+    warmup,
+)
+
+CONFIG = Kandinsky6TransformerConfig.from_json_dict(TINY_TRANSFORMER_CONFIG)
+GEOMETRY = generation_geometry(64, 96, 9, num_text_tokens=10)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(dtype=torch.float32):
+    return build_dummy_transformer(TINY_TRANSFORMER_CONFIG, device=CPU, dtype=dtype, seed=3)
+
+
+def _inputs(dtype=torch.float32, with_mask=True):
+    inputs = dit_inputs(CONFIG, GEOMETRY, device=CPU, dtype=dtype, seed=4)
+    if with_mask:
+        mask = torch.ones(1, GEOMETRY.num_text_tokens, dtype=torch.bool)
+        mask[:, 7:] = False  # padded prompt: the masked text self/cross-attention paths run too
+        inputs["encoder_attention_mask"] = mask
+    return inputs
+
+
+def _run(model, inputs):
+    with torch.inference_mode():
+        return model(**inputs)
+
+
+def _relative_error(actual, expected):
+    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+
+
+def test_fused_projections_match_unfused_in_fp32():
+    reference = _model()
+    fused = copy.deepcopy(reference)
+    num_attentions = sum(isinstance(m, Kandinsky6Attention) for m in reference.modules())
+    assert apply_fused_projections(fused) == num_attentions == 16
+    assert not any(isinstance(m, Kandinsky6Attention) for m in fused.modules())
+    inputs = _inputs()
+    (video, audio), (expected_video, expected_audio) = _run(fused, inputs), _run(reference, inputs)
+    print(f"fp32 fused vs unfused: video {_relative_error(video, expected_video):.2e}, "
+          f"audio {_relative_error(audio, expected_audio):.2e} (relative max abs diff)")
+    assert _relative_error(video, expected_video) <= 1e-5
+    assert _relative_error(audio, expected_audio) <= 1e-5
+
+
+def test_fused_projections_in_bf16_keep_cosine():
+    reference = _model(torch.bfloat16)
+    fused = copy.deepcopy(reference)
+    apply_fused_projections(fused)
+    inputs = _inputs(torch.bfloat16)
+    (video, audio), (expected_video, expected_audio) = _run(fused, inputs), _run(reference, inputs)
+    cos_video, cos_audio = cosine_similarity(video, expected_video), cosine_similarity(audio, expected_audio)
+    print(f"bf16 fused vs unfused: cosine video {cos_video:.6f}, audio {cos_audio:.6f}")
+    assert cos_video >= 0.9999 and cos_audio >= 0.9999
+
+
+def test_fused_modules_keep_norms_core_and_backend():
+    model = _model()
+    original = model.visual_transformer_blocks[0].video_dec_block.self_attention
+    cross = model.visual_transformer_blocks[0].va_cross_attention
+    apply_fused_projections(model)
+    fused = model.visual_transformer_blocks[0].video_dec_block.self_attention
+    assert isinstance(fused, FusedProjectionAttention) and fused.is_self_attention
+    assert fused.inner_attention is original.inner_attention and fused.query_norm is original.query_norm
+    assert fused.to_query_key_value.weight.shape == (3 * CONFIG.model_dim, CONFIG.model_dim)
+    fused_cross = model.visual_transformer_blocks[0].va_cross_attention
+    assert not fused_cross.is_self_attention and fused_cross.to_query is cross.to_query
+    # K/V come from the audio stream (width model_dim_a) and project to the video width.
+    assert fused_cross.to_key_value.weight.shape == (2 * CONFIG.model_dim, CONFIG.audio_model_dim)
+    assert torch.equal(fused_cross.to_key_value.weight[: CONFIG.model_dim], cross.to_key.weight)
+    model.set_attention_backend("sdpa")  # still reaches every core
+    assert apply_fused_projections(model) == 0  # idempotent
+
+
+def test_regional_compile_eager_backend_traces_blocks_bitwise():
+    torch._dynamo.reset()
+    reference = _model()
+    compiled = copy.deepcopy(reference)
+    apply_fused_projections(compiled)
+    plan = kandinsky6_plan(CONFIG)
+    assert apply_regional_compile(compiled, plan, backend="eager") == 2 + 2 + 2
+    assert all(is_compiled(block) for block in compiled.visual_transformer_blocks)
+    assert apply_regional_compile(compiled, plan, backend="eager") == 0
+    fused_eager = copy.deepcopy(reference)
+    apply_fused_projections(fused_eager)
+    inputs = _inputs()
+    video, audio = _run(compiled, inputs)
+    expected_video, expected_audio = _run(fused_eager, inputs)
+    assert torch.equal(video, expected_video) and torch.equal(audio, expected_audio)
+    # The state dict keeps its names (nn.Module.compile wraps in place, no `_orig_mod.` prefix).
+    assert list(compiled.state_dict()) == list(fused_eager.state_dict())
+
+
+@pytest.mark.skipif(not os.environ.get("K6SERVE_SLOW_TESTS"), reason="inductor on CPU takes minutes")
+def test_regional_compile_inductor_matches_eager():
+    torch._dynamo.reset()
+    reference = _model()
+    compiled = copy.deepcopy(reference)
+    apply_regional_compile(compiled, kandinsky6_plan(CONFIG))
+    inputs = _inputs()
+    (video, audio), (expected_video, expected_audio) = _run(compiled, inputs), _run(reference, inputs)
+    assert _relative_error(video, expected_video) <= 1e-4
+    assert _relative_error(audio, expected_audio) <= 1e-4
+
+
+@dataclasses.dataclass
+class _Models:
+    transformer: torch.nn.Module
+    vae: torch.nn.Module | None = None
+
+
+def test_performance_mode_is_a_no_op_on_cpu():
+    model = _model()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    for mode in ("speed", "balanced", "memory"):
+        report = apply_performance_mode(_Models(transformer=model, vae=torch.nn.Conv3d(2, 2, 1)), mode, "cpu")
+        assert not report.applied and report.mode == mode
+    assert any(isinstance(m, Kandinsky6Attention) for m in model.modules())
+    assert not any(is_compiled(block) for block in model.visual_transformer_blocks)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_performance_mode_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="--performance-mode must be one of"):
+        apply_performance_mode(_Models(transformer=_model()), "turbo", "cpu")
+
+
+def test_vae_speedups_do_nothing_off_cuda():
+    conv = torch.nn.Conv3d(2, 2, 3)
+    assert apply_vae_speedups(conv, CPU, compile_decoder=True) == []
+    assert conv.weight.is_contiguous()
+
+
+def test_channels_last_3d_vae_decode_within_one_level():
+    """The layout change the CUDA speed-up makes, checked on CPU: uint8 frames within 1/255 of the default."""
+    from k6serve.bench.components import build_video_vae
+    from k6serve.pipelines.decode import decode_video
+
+    vae = build_video_vae(tiny=True, device=CPU, dtype=torch.float32)
+    latents = torch.randn(1, 5, 8, 12, 16, generator=torch.Generator().manual_seed(0))
+    expected = decode_video(vae, latents).frames_THWC
+    vae.to(memory_format=torch.channels_last_3d)
+    actual = decode_video(vae, latents).frames_THWC
+    assert actual.shape == expected.shape == (17, 64, 96, 3)
+    assert int(abs(actual.astype(int) - expected.astype(int)).max()) <= 1
+
+
+def _request(steps=10):
+    return GenerateRequest(prompt="a fox", negative_prompt=None, image_path=None, seed=1, height=64, width=96,
+                           num_frames=17, fps=24.0, num_inference_steps=steps, guidance_scale=1.0)
+
+
+def test_warmup_runs_a_short_request_and_reports_its_cost():
+    seen = []
+    report = warmup(seen.append, _request(), "server")
+    assert len(seen) == 1 and seen[0].num_inference_steps == 2 and seen[0].height == 64
+    assert report.mode == "server" and report.seconds >= 0.0
+    assert report.shape == (17, 64, 96) and report.num_inference_steps == 2
+    assert warmup(seen.append, _request(1), "request").num_inference_steps == 1
+
+
+def test_warmup_off_runs_nothing_and_rejects_unknown_modes():
+    seen = []
+    report = warmup(seen.append, _request(), "off")
+    assert seen == [] and report.seconds == 0.0 and report.shape is None
+    with pytest.raises(ValueError, match="--warmup-mode must be one of"):
+        warmup(seen.append, _request(), "always")
