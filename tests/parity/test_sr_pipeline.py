@@ -38,6 +38,7 @@ from k6serve.models.kandinsky6_sr.plan import KEEP_FP32_MODULES
 from k6serve.models.kandinsky6_sr.vae import build_vae
 from k6serve.models.plan import keeps_fp32
 from k6serve.models.variants import VARIANTS
+from k6serve.pipelines import sr_stages
 from k6serve.pipelines.sr_stages import plan_upscale
 from k6serve.pipelines.super_resolution import SuperResolutionPipeline
 from k6serve.request import UpscaleRequest
@@ -125,6 +126,27 @@ def test_single_tile_matches_diffusers_within_two_levels(ours, tiny_sr_dir, tmp_
     assert actual.std() > 5  # a real picture, not a constant both sides could agree on
 
 
+def test_each_chunk_is_seeded_with_seed_plus_its_first_tile(ours, tmp_path, monkeypatch):
+    draws = []
+    original = sr_stages.chunk_noise
+
+    def recording(shape, seed, device, dtype):
+        draws.append((shape[0], seed))
+        return original(shape, seed, device, dtype)
+
+    monkeypatch.setattr(sr_stages, "chunk_noise", recording)
+    clip = make_clip(tmp_path / "six_tiles.mp4", width=64, height=48, num_frames=9, fps=24)
+    single = ours(_request(clip)).video.frames_THWC
+    assert draws == [(1, SEED + tile) for tile in range(6)]
+    draws.clear()
+    batched = ours(_request(clip, tiles_batch_size=4)).video.frames_THWC
+    # Documented noise change: chunks [0, 4) and [4, 6) draw from seed + 0 and seed + 4, so every tile but 0 and 4
+    # gets other noise than with one tile per call.
+    assert draws == [(4, SEED), (2, SEED + 4)]
+    assert single.shape == batched.shape == (9, 96, 128, 3)
+    assert not np.array_equal(single, batched)
+
+
 def test_plan_errors_come_before_any_compute(ours, tmp_path):
     tile_sizes = ours.models.transformer.config.tile_sizes
     with pytest.raises(ValueError, match="need at least 32x32; use a larger input"):
@@ -136,6 +158,9 @@ def test_plan_errors_come_before_any_compute(ours, tmp_path):
             (32, 64), _request("x", target_resolution="hd", target_resize_mode="exact"),
             tile_sizes=tile_sizes, snap=8,
         )  # fmt: skip
+    fit = _request("x", target_resolution="hd", target_resize_mode="fit")
+    plan = plan_upscale((32, 64), fit, tile_sizes=tile_sizes, snap=8)
+    assert plan.delivery_size == plan.crop_size == (64, 128)  # fit never upscales
     # x2.25: 80x48 -> max(16, round(side * 1.125 / 16) * 16) = 96x48, then x2 tiles.
     plan = plan_upscale((48, 80), _request("x", scale=2.25), tile_sizes=tile_sizes, snap=8)
     assert (plan.input_size, plan.crop_size, plan.num_tiles) == ((48, 96), (96, 192), 4)
