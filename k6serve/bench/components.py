@@ -7,6 +7,7 @@ the components of the tiny test checkpoint (`k6serve.testing.tiny_checkpoints`),
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,9 @@ class TextComponents:
     text_encoder_2: Any  # CLIPTextModel
 
 
+@functools.cache
 def _tiny_pipeline():
+    """Built once per process (training its tokenizers takes seconds); stages cast their parts in place."""
     from k6serve.testing.tiny_checkpoints import build_generation_pipeline
 
     return build_generation_pipeline("distill")

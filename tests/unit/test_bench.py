@@ -1,0 +1,126 @@
+"""`k6serve bench --tiny`: the CPU smoke mode produces the table and JSON fields (not speed), and the
+work formula reproduces k6-generation.md §2.11."""
+
+import json
+
+import pytest
+import torch
+
+from k6serve.bench.__main__ import build_parser, main, run_stages
+from k6serve.bench.flops import kandinsky6_forward_flops
+from k6serve.bench.geometry import generation_geometry
+from k6serve.bench.report import COLUMNS, BenchRow, format_table
+from k6serve.models.kandinsky6.checkpoint import released_transformer_config
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.variants import VARIANTS
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("variant", "height", "width", "expected_tflop"),
+    [("pro-distill", 512, 768, 3931), ("lite-distill", 512, 768, 702), ("pro", 480, 864, 4274),
+     ("lite", 480, 864, 771)],
+)
+def test_forward_flops_match_the_documented_full_count(variant, height, width, expected_tflop):
+    geometry = generation_geometry(height, width, 121)
+    config = Kandinsky6TransformerConfig.from_json_dict(released_transformer_config(VARIANTS[variant]))
+    tflop = 1e-12 * kandinsky6_forward_flops(config, num_video_tokens=geometry.num_video_tokens,
+                                             num_audio_tokens=geometry.num_audio_tokens, num_text_tokens=1024)
+    assert abs(tflop - expected_tflop) <= 1.0
+
+
+def test_geometry_token_counts_and_errors():
+    geometry = generation_geometry(512, 768, 121)
+    assert (geometry.num_latent_frames, geometry.num_video_tokens, geometry.num_audio_tokens) == (31, 47616, 218)
+    with pytest.raises(ValueError, match="4k\\+1"):
+        generation_geometry(512, 768, 120)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        generation_geometry(500, 768, 121)
+
+
+def test_row_derived_numbers_and_table():
+    row = BenchRow(stage="dit", name="ours", config="pro", seconds=5.0, tflop=3931.0, reference_seconds=8.46)
+    assert row.tflops == pytest.approx(786.2)
+    assert row.percent_of_floor == pytest.approx(99.5, abs=0.1)
+    assert row.speedup == pytest.approx(1.692)
+    table = format_table([row, BenchRow(stage="vae", name="x", config="-", error="boom | bad")])
+    lines = table.splitlines()
+    assert lines[0] == "| " + " | ".join(COLUMNS) + " |"
+    assert "| 786 | 99.5 | 1.69 |" in lines[2]
+    assert "ERROR: boom / bad" in lines[3]
+
+
+def test_parser_defaults_and_choices():
+    args = build_parser().parse_args([])
+    assert args.stage is None and args.variant == "pro-distill" and args.repeats == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--stage", "everything"])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    code = main(["--tiny", "--stage", "dit", "--stage", "vae", "--stage", "audio", "--stage", "text",
+                 "--repeats", "2", "--warmup", "0", "--json", str(path)])
+    torch.set_num_threads(threads)
+    return code, json.loads(path.read_text())
+
+
+def test_tiny_smoke_json_fields(tiny_run):
+    code, payload = tiny_run
+    assert code == 0
+    assert {"date", "commit", "torch", "cuda", "diffusers"} <= set(payload["environment"])
+    assert payload["arguments"]["tiny"] is True
+    rows = payload["rows"]
+    assert all(row["error"] is None for row in rows), [row["error"] for row in rows]
+    expected_fields = {"stage", "name", "config", "seconds", "times_s", "tflops", "percent_of_floor", "speedup",
+                       "peak_memory_gib", "cosine_video", "cosine_audio", "max_abs_diff", "breakdown_s"}
+    assert all(expected_fields <= set(row) for row in rows)
+    assert [row["stage"] for row in rows] == ["dit"] * 3 + ["vae"] * 3 + ["audio"] + ["text"] * 2
+    assert all(len(row["times_s"]) == 2 and row["seconds"] > 0 for row in rows)
+
+
+def test_tiny_dit_rows_compare_with_diffusers(tiny_run):
+    dit = [row for row in tiny_run[1]["rows"] if row["stage"] == "dit"]
+    assert [row["name"] for row in dit] == [
+        "diffusers eager", "ours torch_sdpa eager", "ours torch_sdpa fused+compiled"]
+    assert all(row["tflops"] > 0 for row in dit)
+    # Same weights, same inputs, bf16: our velocities agree with diffusers' (bitwise for the eager model).
+    assert dit[1]["cosine_video"] == pytest.approx(1.0, abs=1e-6)
+    assert all(row["cosine_video"] >= 0.999 and row["cosine_audio"] >= 0.999 for row in dit[1:])
+    assert dit[0]["speedup"] == 1.0 and all(row["speedup"] > 0 for row in dit)
+    assert "16 fused attentions, 6 compiled blocks" in dit[2]["note"]
+
+
+def test_tiny_vae_and_text_rows(tiny_run):
+    rows = tiny_run[1]["rows"]
+    vae = [row for row in rows if row["stage"] == "vae"]
+    assert vae[0]["name"] == "diffusers default decode" and all(row["max_abs_diff"] == 0 for row in vae[1:])
+    ours_text = [row for row in rows if row["name"] == "ours trunk only"][0]
+    assert ours_text["cosine_video"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_failing_stage_is_an_error_row_and_exit_code_one(capsys):
+    code = main(["--tiny", "--stage", "dit", "--backends", "flash9", "--skip-reference", "--skip-speed",
+                 "--repeats", "1", "--warmup", "0"])
+    assert code == 1
+    assert "ERROR: ValueError: unknown attention backend 'flash9'" in capsys.readouterr().out
+
+
+def test_tiny_generate_through_diffgenerator():
+    args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1",
+                                      "--num-inference-steps", "2"])
+    rows = run_stages(args, log=lambda text: None)
+    assert [row.name for row in rows] == ["ours cold (first request)", "ours warm"], rows[0].error
+    warm = rows[1]
+    assert {"encode", "denoise", "decode_video", "decode_audio", "mux", "total"} <= set(warm.breakdown_s)
+    assert warm.seconds == pytest.approx(warm.breakdown_s["total"])
