@@ -100,7 +100,6 @@ def test_cancel_a_running_generation(generation_server):
         assert wait_for(client, after["id"], timeout=120)["status"] == "completed"
 
 
-@pytest.mark.xfail(reason="the VSR pipeline (k6serve.pipelines.super_resolution) is not merged yet", strict=False)
 def test_vsr_upload_and_video_path_are_bit_identical(server_vsr_dir, tmp_path):
     from k6serve.testing.clips import make_clip
 
