@@ -125,6 +125,7 @@ def _run_reference(
             reference.compile_repeated_blocks(fullgraph=True, backend=options.compile_backend)
             rows[-1].breakdown_s["first_call"] = _first_call(call, options.device)
             compared.fill(rows[-1], _timed(rows[-1], call, options))
+            torch._dynamo.reset()  # its graphs hold guards on the reference model's modules
     except Exception as error:  # recorded in the row; our variants still run
         rows[-1].error = f"{type(error).__name__}: {error}"
     del reference

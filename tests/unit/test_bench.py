@@ -124,3 +124,47 @@ def test_tiny_generate_through_diffgenerator():
     warm = rows[1]
     assert {"encode", "denoise", "decode_video", "decode_audio", "mux", "total"} <= set(warm.breakdown_s)
     assert warm.seconds == pytest.approx(warm.breakdown_s["total"])
+
+
+def _gpu_single():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_single.py"
+    spec = importlib.util.spec_from_file_location("gpu_single", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_single_parts_for_each_subcommand():
+    script = _gpu_single()
+    parse = script.build_parser().parse_args
+    dit = script.parts(parse(["dit", "--reference-compiled"]))
+    assert [name for name, _ in dit] == ["dit pro-distill", "dit lite-distill"]
+    assert dit[0][1] == ["--stage", "dit", "--device", "cuda", "--height", "512", "--width", "768",
+                         "--num-frames", "121", "--repeats", "3", "--variant", "pro-distill",
+                         "--backends", "fa,torch_sdpa", "--reference-compiled"]
+    generate = script.parts(parse(["generate", "--models", "lite-distill"]))
+    assert generate[0][0] == "generate lite-distill" and "--attention-backend" in generate[0][1]
+    assert [name for name, _ in script.parts(parse(["decoders"]))] == ["vae", "audio", "text"]
+    assert script.parts(parse(["sr"]))[0][1][:2] == ["--stage", "sr"]
+    assert script.parts(parse(["env"])) == []
+    for subcommand in ("dit", "generate", "decoders", "sr"):  # every part parses as bench arguments
+        for _, argv in script.parts(parse([subcommand])) + script.parts(parse([subcommand, "--tiny"])):
+            build_parser().parse_args(argv)
+    with pytest.raises(SystemExit):
+        parse(["everything"])
+
+
+def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
+    script = _gpu_single()
+    code = script.main(["dit", "--tiny", "--out", str(tmp_path), "--models", "not-a-model,lite-distill",
+                        "--repeats", "1"])
+    assert code == 1
+    payload = json.loads((tmp_path / "dit.json").read_text())
+    assert [error["part"] for error in payload["errors"]] == ["dit not-a-model"]
+    assert [row["name"] for row in payload["rows"]] == [
+        "diffusers eager", "ours torch_sdpa eager", "ours torch_sdpa fused+compiled"]
+    assert payload["device_status"]["cuda_available"] is False
+    assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()

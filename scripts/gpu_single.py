@@ -1,0 +1,181 @@
+"""One-H200 measurements for issue 5, one subcommand per device command (each well under 8 minutes).
+
+Install the carried wheels first (diffusers 0.42.1, av, fa3-fwd), then for example:
+
+    python scripts/gpu_single.py env      --out $OUT   # versions, FA3 and diffusers availability (seconds)
+    python scripts/gpu_single.py dit      --out $OUT   # Pro- and Lite-distill DiT forward 512x768x121 (~5-6 min)
+    python scripts/gpu_single.py dit      --out $OUT --models pro-distill --reference-compiled   # + diffusers compiled
+    python scripts/gpu_single.py generate --out $OUT --models pro-distill    # whole request, cold + warm (~4 min)
+    python scripts/gpu_single.py generate --out $OUT --models lite-distill   # (~2 min)
+    python scripts/gpu_single.py decoders --out $OUT   # VAE decode ours vs diffusers, audio decode, text encode
+    python scripts/gpu_single.py sr       --out $OUT   # VSR x2 of a synthetic 768x512x121 clip, cold + warm
+
+Every part (one model, one stage) runs in its own try/except: a failure is written to the JSON with its
+traceback and the remaining parts still run. Results: `<out>/<subcommand>.json` (environment + rows + errors)
+and `<out>/<subcommand>.md` (the table). `--tiny` runs the same code at toy sizes on the CPU (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from k6serve.bench.__main__ import build_parser as build_bench_parser
+from k6serve.bench.__main__ import run_stages
+from k6serve.bench.report import BenchRow, environment, format_table
+
+SUBCOMMANDS = ("env", "dit", "generate", "decoders", "sr")
+DEFAULT_MODELS = ("pro-distill", "lite-distill")
+
+
+def log(message: str) -> None:
+    print(f"[gpu_single {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("subcommand", choices=SUBCOMMANDS)
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_single_out"),
+                        help="Folder for <subcommand>.json and .md (default: $OUT).")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help="dit/generate: comma-separated generation variants.")
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--num-frames", type=int, default=121)
+    parser.add_argument("--repeats", type=int, default=3, help="Timed warm runs (generate/sr: warm requests).")
+    parser.add_argument("--backends", default="fa,torch_sdpa", help="dit: attention backends of our DiT.")
+    parser.add_argument("--reference-compiled", action="store_true",
+                        help="dit: also time diffusers with compile_repeated_blocks (adds ~1.5 min for Pro).")
+    parser.add_argument("--compile-decoder", action="store_true", help="decoders: also a compiled VAE decoder.")
+    parser.add_argument("--attention-backend", default="fa", help="generate/sr: engine attention backend.")
+    parser.add_argument("--performance-mode", default="speed", help="generate/sr: engine performance mode.")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")
+    return parser
+
+
+def _bench_argv(args: argparse.Namespace, stages: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    argv = [arg for stage in stages for arg in ("--stage", stage)]
+    if args.tiny:
+        argv += ["--tiny", "--device", "cpu"]
+    else:
+        argv += ["--device", "cuda", "--height", str(args.height), "--width", str(args.width),
+                 "--num-frames", str(args.num_frames)]
+    return argv + ["--repeats", str(args.repeats), *extra]
+
+
+def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(part name, `k6serve bench` arguments) for the subcommand; "env" has none."""
+    models = [model.strip() for model in args.models.split(",") if model.strip()]
+    if args.subcommand == "dit":
+        backends = "torch_sdpa" if args.tiny else args.backends
+        extra = ["--backends", backends] + (["--reference-compiled"] if args.reference_compiled else [])
+        return [(f"dit {model}", _bench_argv(args, ["dit"], ["--variant", model, *extra])) for model in models]
+    if args.subcommand == "generate":
+        extra = ["--performance-mode", args.performance_mode, "--warmup", "0"]
+        if not args.tiny:
+            extra += ["--attention-backend", args.attention_backend]
+        else:
+            extra += ["--num-inference-steps", "2"]
+        return [(f"generate {model}", _bench_argv(args, ["generate"], ["--variant", model, *extra]))
+                for model in models]
+    if args.subcommand == "decoders":
+        vae_extra = ["--compile-vae-decoder"] if args.compile_decoder else []
+        return [("vae", _bench_argv(args, ["vae"], vae_extra)), ("audio", _bench_argv(args, ["audio"])),
+                ("text", _bench_argv(args, ["text"]))]
+    if args.subcommand == "sr":
+        extra = ["--performance-mode", args.performance_mode, "--warmup", "0", "--sr-scale", "2"]
+        if not args.tiny:
+            extra += ["--attention-backend", args.attention_backend]
+        return [("sr x2", _bench_argv(args, ["sr"], extra))]
+    return []
+
+
+def _free_device() -> None:
+    gc.collect()
+    torch._dynamo.reset()  # drop compiled graphs that hold the previous model's guards
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_part(name: str, bench_argv: list[str]) -> tuple[list[BenchRow], dict | None]:
+    """Run one part; returns its rows and, on failure, an error record (never raises)."""
+    log(f"part {name!r} starts: k6serve bench {' '.join(bench_argv)}")
+    start = time.perf_counter()
+    rows: list[BenchRow] = []
+    error = None
+    try:
+        bench_args = build_bench_parser().parse_args(bench_argv)
+        rows = run_stages(bench_args, log=lambda text: print(text, flush=True))
+    except (Exception, SystemExit) as exception:  # argparse exits with SystemExit
+        error = {"part": name, "error": f"{type(exception).__name__}: {exception}",
+                 "traceback": traceback.format_exc()}
+        log(f"part {name!r} FAILED: {error['error']}")
+    for row in rows:
+        if row.error:
+            log(f"part {name!r} row {row.name!r} error: {row.error}")
+    _free_device()
+    log(f"part {name!r} done in {time.perf_counter() - start:.1f} s")
+    return rows, error
+
+
+def device_status() -> dict:
+    """What the GPU machine offers: FA3, diffusers and PyAV availability, device memory."""
+    from k6serve.ops.attention import fa3_unavailable_reason
+
+    status: dict = {"cuda_available": torch.cuda.is_available()}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    status["fa3_unavailable_reason"] = fa3_unavailable_reason(device)
+    for package in ("diffusers", "av", "transformers"):
+        try:
+            status[package] = getattr(__import__(package), "__version__", "installed")
+        except ImportError as error:
+            status[package] = f"missing ({error})"
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        status.update(gpu=torch.cuda.get_device_name(0), free_gib=free / 2**30, total_gib=total / 2**30,
+                      capability=torch.cuda.get_device_capability(0))
+    return status
+
+
+def write_results(out: Path, subcommand: str, rows: list[BenchRow], errors: list[dict], status: dict,
+                  argv: Sequence[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": environment(), "device_status": status, "argv": list(argv),
+               "rows": [row.to_json() for row in rows], "errors": errors}
+    (out / f"{subcommand}.json").write_text(json.dumps(payload, indent=2, default=str))
+    lines = [f"# gpu_single {subcommand}", "", f"`{' '.join(argv)}`", "", format_table(rows)]
+    lines += [f"\n**{error['part']}**: {error['error']}" for error in errors]
+    (out / f"{subcommand}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    status = device_status()
+    log(f"device status: {json.dumps(status, default=str)}")
+    rows: list[BenchRow] = []
+    errors: list[dict] = []
+    for name, bench_argv in parts(args):
+        part_rows, error = run_part(name, bench_argv)
+        rows += part_rows
+        if error:
+            errors.append(error)
+        write_results(out, args.subcommand, rows, errors, status, argv)  # after every part: nothing is lost
+    write_results(out, args.subcommand, rows, errors, status, argv)
+    print(format_table(rows), flush=True)
+    log(f"wrote {out / (args.subcommand + '.json')} and .md")
+    return 1 if errors or any(row.error for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
