@@ -80,9 +80,11 @@ def apply_performance_mode(
     else:
         num_compiled = apply_regional_compile(transformer, plan)
     vae = getattr(models, "vae", None)
+    # The SR pipeline wraps its K-VAE (`SRVAE.model`); the generation pipeline holds diffusers' module.
+    vae_module = vae if isinstance(vae, nn.Module) else getattr(vae, "model", None)
     vae_applied = (
-        apply_vae_speedups(vae, device, compile_decoder=compile_vae_decoder)
-        if isinstance(vae, nn.Module)
+        apply_vae_speedups(vae_module, device, compile_decoder=compile_vae_decoder)
+        if isinstance(vae_module, nn.Module)
         else []
     )
     return PerformanceReport(

@@ -1,4 +1,4 @@
-"""Video VAE decode speed-ups (HunyuanVideo VAE), applied to the diffusers module in place.
+"""Video VAE decode speed-ups (HunyuanVideo VAE; the SR K-VAE too), applied to the module in place.
 
 The decode keeps diffusers' default framewise temporal tiling (5-latent-frame tiles, stride 3, 4-frame
 blend): only the kernels change, never the tiling, so the frames stay within rounding of the reference.

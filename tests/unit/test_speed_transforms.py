@@ -9,6 +9,7 @@ set, with inductor within 1e-4 relative.
 import copy
 import dataclasses
 import os
+import types
 
 import pytest
 import torch
@@ -156,6 +157,28 @@ def test_performance_mode_is_a_no_op_on_cpu():
     assert any(isinstance(m, Kandinsky6Attention) for m in model.modules())
     assert not any(is_compiled(block) for block in model.visual_transformer_blocks)
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_speed_mode_composition_for_cuda(monkeypatch):
+    """The "speed" composition, exercised on CPU modules by naming a CUDA device (no forward is run)."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    model, vae = _model(), torch.nn.Conv3d(2, 2, 3)
+    report = apply_performance_mode(_Models(transformer=model, vae=vae), "speed", "cuda")
+    assert (report.num_fused_attentions, report.num_compiled_blocks) == (16, 6)
+    assert report.vae == ("cudnn_benchmark", "channels_last_3d") and report.applied
+    assert torch.backends.cudnn.benchmark
+    assert vae.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert all(is_compiled(block) for block in model.video_text_transformer_blocks)
+    again = apply_performance_mode(_Models(transformer=model, vae=vae), "speed", "cuda")
+    assert (again.num_fused_attentions, again.num_compiled_blocks) == (0, 0)
+    # The SR pipeline wraps its K-VAE module as `.model`.
+    wrapped = torch.nn.Conv3d(2, 2, 3)
+    report = apply_performance_mode(
+        _Models(transformer=_model(), vae=types.SimpleNamespace(model=wrapped)), "speed", "cuda"
+    )
+    assert "channels_last_3d" in report.vae
+    assert wrapped.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    torch._dynamo.reset()
 
 
 def test_performance_mode_rejects_unknown_mode():
