@@ -17,6 +17,20 @@ from torch import Tensor
 Branch = TypeVar("Branch")
 
 CONDITIONAL, UNCONDITIONAL = 0, 1
+# Where `attach_cfg_group` records the cfg group on a parallelised DiT (as diffusers keeps `_parallel_config`),
+# so the denoising loop finds it without the pipeline knowing about ranks.
+_CFG_GROUP_ATTRIBUTE = "_k6serve_cfg_group"
+
+
+def attach_cfg_group(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Make the denoising loop run the two guidance branches of `model` on the two ranks of `group`."""
+    assert dist.get_world_size(group) == 2, dist.get_world_size(group)
+    setattr(model, _CFG_GROUP_ATTRIBUTE, group)
+
+
+def cfg_group_of(model: object) -> dist.ProcessGroup | None:
+    """The cfg group attached to `model`, or None when CFG runs serially."""
+    return getattr(model, _CFG_GROUP_ATTRIBUTE, None)
 
 
 def select_cfg_branch(branches: Sequence[Branch], group: dist.ProcessGroup) -> Branch:

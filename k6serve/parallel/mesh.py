@@ -191,6 +191,12 @@ def validate_layout(layout: ParallelLayout, plan: ModelPlan, *, model_name: str,
             "--use-fsdp-inference shards the DiT over the ranks of a replica, and this replica has one GPU. "
             "Fix: drop --use-fsdp-inference, or give each replica more GPUs (e.g. --ulysses-degree 2)."
         )
+    if layout.fsdp and layout.tp > 1:
+        raise ValueError(
+            "--use-fsdp-inference shards whole parameters over the replica and cannot also shard them with "
+            f"--tp-size {layout.tp}. Fix: use FSDP with --ulysses-degree {layout.tp * layout.ulysses} (same GPUs), "
+            "or drop --use-fsdp-inference and keep TP."
+        )
     _check_tp(layout, plan.attention, model_name)
     _check_ulysses(layout, plan.attention, plan.sp.sharded_roles, model_name)
 
@@ -214,6 +220,13 @@ class ParallelGroups:
 
     def axis_rank(self, axis: str) -> int:
         return self.layout.coordinates(self.rank)[axis]
+
+    def axis_mesh(self, axis: str, device_type: str):
+        """A 1-D DeviceMesh over this rank's group along `axis` ("replica" for the whole replica)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.replica_group if axis == "replica" else self.axis[axis]
+        return DeviceMesh.from_group(group, device_type)
 
     def device_mesh(self, device_type: str):
         """A DeviceMesh over this replica with named axes cfg, tp, ring, ulysses (built from our groups)."""

@@ -3,6 +3,10 @@
 The DiT's own text towers depend on the timestep, so they run inside every forward (as in the reference);
 the Qwen/CLIP features are computed once per request and branch. `on_step(i, n)` runs after every step: the
 engine uses it for progress and raises from it to cancel at a step boundary.
+
+CFG-parallel: when the DiT carries a cfg group (`k6serve.parallel.cfg.attach_cfg_group`), each of its two ranks
+runs one guidance branch and both outputs are gathered before the same `cfg_combine`, so the result is
+bit-identical to the serial loop.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from k6serve.parallel.cfg import cfg_group_of, gather_cfg_branches, select_cfg_branch
 from k6serve.pipelines.guidance import cfg_combine
 from k6serve.pipelines.state import Conditioning, Latents, TextEmbeddings
 
@@ -43,6 +48,25 @@ def predict(transformer, hidden: torch.Tensor, latents: Latents, text: TextEmbed
     )
 
 
+def guided_prediction(transformer, hidden: torch.Tensor, latents: Latents, conditioning: Conditioning,
+                      timestep: torch.Tensor, *, guidance_scale: float, predict_fn: Callable = predict):
+    """(video, audio) velocity of one step: the positive branch, or both branches combined by CFG."""
+    if conditioning.negative is None:
+        return predict_fn(transformer, hidden, latents, conditioning.positive, timestep)
+    cfg_group = cfg_group_of(transformer)
+    if cfg_group is None:
+        video_v, audio_v = predict_fn(transformer, hidden, latents, conditioning.positive, timestep)
+        video_u, audio_u = predict_fn(transformer, hidden, latents, conditioning.negative, timestep)
+    else:
+        branch = select_cfg_branch((conditioning.positive, conditioning.negative), cfg_group)
+        video_local, audio_local = predict_fn(transformer, hidden, latents, branch, timestep)
+        video_v, video_u = gather_cfg_branches(video_local, cfg_group)
+        audio_v, audio_u = gather_cfg_branches(audio_local, cfg_group)
+    video_v = cfg_combine(video_v, video_u, guidance_scale)
+    audio_v = cfg_combine(audio_v, audio_u, guidance_scale) if audio_v is not None else None
+    return video_v, audio_v
+
+
 @torch.inference_mode()
 def denoise(
     transformer,
@@ -61,11 +85,8 @@ def denoise(
     for index, t in enumerate(timesteps):
         timestep = t.expand(latents.video_BTHWC.shape[0])
         hidden = model_input(latents, visual_cond)
-        video_v, audio_v = predict_fn(transformer, hidden, latents, conditioning.positive, timestep)
-        if conditioning.negative is not None:
-            video_u, audio_u = predict_fn(transformer, hidden, latents, conditioning.negative, timestep)
-            video_v = cfg_combine(video_v, video_u, guidance_scale)
-            audio_v = cfg_combine(audio_v, audio_u, guidance_scale) if audio_v is not None else None
+        video_v, audio_v = guided_prediction(transformer, hidden, latents, conditioning, timestep,
+                                             guidance_scale=guidance_scale, predict_fn=predict_fn)
         latents.video_BTHWC = scheduler.step(video_v, t, latents.video_BTHWC, return_dict=False)[0]
         if latents.audio_BLC is not None:
             latents.audio_BLC = audio_scheduler.step(audio_v, t, latents.audio_BLC, return_dict=False)[0]

@@ -1,7 +1,9 @@
 """The engine: a request queue in front of a model worker, returning futures.
 
-GPU work runs on the engine's own thread (never on the caller's event loop); requests run one at a time per
-worker, in arrival order. Cancellation is cooperative: it takes effect at the next denoising step (or SR tile)
+GPU work runs on the engine's own threads (never on the caller's event loop): one loop thread per worker replica
+(`worker.num_replicas`, dp), so with dp replicas up to dp requests run at once, taken in arrival order. By default
+the worker is the multi-process runtime (`MultiProcessWorker`: one process per GPU, also for one GPU); tests pass
+`worker=` to skip starting processes. Cancellation is cooperative: it takes effect at the next denoising step (or SR tile)
 boundary, after which the worker is free for the next request.
 """
 
@@ -51,12 +53,20 @@ _STOP = object()
 class Engine:
     def __init__(self, config: EngineConfig, *, worker: ModelWorker | None = None) -> None:
         self.config = config
-        self.worker = worker if worker is not None else ModelWorker(config)
+        if worker is None:
+            from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+            worker = MultiProcessWorker(config)
+        self.worker = worker
         self._queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="k6serve-engine", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"k6serve-engine-{index}", daemon=True)
+            for index in range(getattr(worker, "num_replicas", 1))
+        ]
         self._closed = False
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     @property
     def variant(self):
@@ -109,8 +119,14 @@ class Engine:
                 job.future.set_result(result)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Finish the running requests, stop the loop threads, then close the worker (its processes)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout)
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()

@@ -86,10 +86,32 @@ RankWorkerFactory = Callable[[EngineConfig, RankContext], RankWorker]
 
 
 def build_model_worker(config: EngineConfig, context: RankContext) -> RankWorker:
-    """The default per-rank worker: the single-device `ModelWorker` on this rank's device."""
+    """The default per-rank worker: the single-device `ModelWorker` on this rank's device, parallelised.
+
+    The checkpoint is loaded whole on every rank, then the layout is applied (`parallel.parallelize`); only the
+    leader saves the MP4 (the other ranks run with `save_output=False`).
+    """
     from k6serve.runtime.worker import ModelWorker
 
-    return ModelWorker(config)
+    worker = ModelWorker(config)
+    parallelize_worker_models(worker, config, context)
+    return worker
+
+
+def parallelize_worker_models(worker, config: EngineConfig, context: RankContext) -> None:
+    """Validate and apply the replica layout to the models a `ModelWorker` loaded (no-op work for one rank)."""
+    from k6serve.parallel.parallelize import (
+        parallelize_generation_models,
+        parallelize_sr_transformer,
+    )
+
+    device_type, layout = context.device.type, context.groups.layout
+    if worker.variant.family == GENERATION:
+        parallelize_generation_models(worker.pipeline.models, context.groups,
+                                      encoder_parallel=config.parallel.encoder_parallel, device_type=device_type)
+    elif layout.replica_size > 1 or layout.fsdp:
+        parallelize_sr_transformer(worker.pipeline.models.transformer, context.groups, model_name=worker.variant.name,
+                                   device_type=device_type)
 
 
 def _broadcast(message: object, context: RankContext) -> object:

@@ -1,0 +1,221 @@
+"""Two-GPU proof of the parallel runtime: Ulysses2 and CFG-parallel equal one GPU, step speed-ups, FSDP memory.
+
+Run one stage per command (each well under 10 minutes on two H200s), with torchrun or without (the script then
+starts its two ranks itself):
+
+    python scripts/gpu_multi.py --stage ulysses   # Pro-distill 512x768x121: Ulysses2 == 1 GPU, step times
+    python scripts/gpu_multi.py --stage cfg       # Pro, 2 steps: CFG-parallel == serial CFG, step times
+    python scripts/gpu_multi.py --stage fsdp      # Pro-distill: peak memory of Ulysses2 vs FSDP + Ulysses2
+
+Weights are `--load-format dummy` (released sizes, random, seeded identically on both ranks). The 1-GPU baseline
+runs on rank 0 with the same code minus parallelisation, before the model is parallelised (for fsdp the baseline is
+the resident Ulysses2 run); equality is checked on the float frames before quantisation and on the waveform, bit
+for bit. A DiT step time is the wall time between
+two step callbacks (synchronised), the first step (warm-up) excluded. Results: $OUT/gpu_multi_<stage>.json and
+$OUT/gpu_multi_<stage>.md (a table). CPU check of the logic: `--device cpu --model-path <tiny checkpoint>` with a
+small geometry (tests/unit/test_multi_gpu_script.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+WORLD_SIZE = 2
+STAGES = {  # stage -> (variant, default steps, [(run name, layout kwargs)])
+    "ulysses": ("pro-distill", 4, [("ulysses2", {"ulysses": 2})]),
+    "cfg": ("pro", 2, [("cfg_parallel", {"cfg": 2})]),
+    "fsdp": ("pro-distill", 2, [("ulysses2", {"ulysses": 2}), ("fsdp_ulysses2", {"ulysses": 2, "fsdp": True})]),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=sorted(STAGES), required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--model-path", default=None, help="a checkpoint folder; default: dummy released weights")
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--num-frames", type=int, default=121)
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default per stage)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT)")
+    return parser.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def load_models(args: argparse.Namespace, variant_name: str, device: torch.device):
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import VARIANTS, recognise
+    from k6serve.ops.attention import resolve_attention_backend
+
+    torch.manual_seed(0)  # dummy encoders / VAEs initialise from the global RNG: same weights on every rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model_path is None:
+        models = load_generation_models(None, VARIANTS[variant_name], device=device, dtype=dtype,
+                                        load_format="dummy")
+    else:
+        folder = Path(args.model_path)
+        models = load_generation_models(folder, recognise(str(folder), None, folder), device=device, dtype=dtype,
+                                        load_format="auto")
+    models.transformer.set_attention_backend(resolve_attention_backend(None, device))
+    return models
+
+
+def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.device) -> dict:
+    """One request; returns outputs (on the CPU), per-step times and the peak memory of this run."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    params = SamplingParams(prompt="a red fox runs through fresh snow at dawn", seed=42, height=args.height,
+                            width=args.width, num_frames=args.num_frames, num_inference_steps=steps)
+    request, _ = resolve_generate(params, models.variant)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stamps: list[float] = []
+
+    def on_step(step: int, total: int) -> None:
+        _sync(device)
+        stamps.append(time.perf_counter())
+
+    _sync(device)
+    start = time.perf_counter()
+    output = TextToVideoPipeline(models)(request, on_step=on_step)
+    _sync(device)
+    step_times = [later - earlier for earlier, later in itertools.pairwise(stamps)]
+    return {
+        "frames": output.video.frames_float_THWC,
+        "waveform": None if output.audio is None else torch.from_numpy(output.audio.waveform),
+        "step_times_s": step_times,
+        "step_s": statistics.median(step_times) if step_times else None,
+        "total_s": time.perf_counter() - start,
+        "timings": output.timings,
+        "peak_memory_gib": _peak_memory_gib(device),
+    }
+
+
+def compare(parallel: dict, baseline: dict) -> dict:
+    """Bitwise equality of frames and waveform, and the largest differences."""
+    report = {}
+    for key in ("frames", "waveform"):
+        ours, reference = parallel[key], baseline[key]
+        if ours is None or reference is None:
+            report[f"{key}_equal"] = ours is None and reference is None
+            continue
+        report[f"{key}_equal"] = bool(ours.shape == reference.shape and torch.equal(ours, reference))
+        report[f"{key}_max_abs_diff"] = float((ours.double() - reference.double()).abs().max())
+    report["num_frames_compared"] = int(baseline["frames"].shape[0])
+    return report
+
+
+def _summary(run: dict) -> dict:
+    return {key: run[key] for key in ("step_s", "step_times_s", "total_s", "timings", "peak_memory_gib")}
+
+
+def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict | None:
+    """The stage on this rank; rank 0 returns the report."""
+    from k6serve.parallel.mesh import ParallelLayout, build_groups
+    from k6serve.parallel.parallelize import parallelize_generation_models
+
+    variant_name, default_steps, runs = STAGES[args.stage]
+    steps = args.steps or default_steps
+    models = load_models(args, variant_name, device)
+    report: dict = {"stage": args.stage, "variant": models.variant.name, "steps": steps,
+                    "geometry": [args.height, args.width, args.num_frames], "device": str(device),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
+    baseline = None
+    if args.stage != "fsdp":
+        if rank == 0:
+            baseline = run_pipeline(models, args, steps, device)
+            report["runs"]["one_gpu"] = _summary(baseline)
+        dist.barrier()
+    for name, degrees in runs:
+        layout = ParallelLayout(**degrees)
+        groups = build_groups(layout, rank, backend=dist.get_backend(), timeout_s=1800)
+        if layout.fsdp:
+            # FSDP comes last in the fixed order, so it can wrap the model already parallelised by the last run.
+            from k6serve.models.kandinsky6.plan import kandinsky6_plan
+            from k6serve.parallel.fsdp import apply_fsdp
+
+            apply_fsdp(models.transformer, kandinsky6_plan(models.transformer.config).blocks,
+                       groups.axis_mesh("replica", device.type))
+        else:
+            parallelize_generation_models(models, groups, encoder_parallel="replicate", device_type=device.type)
+        result = run_pipeline(models, args, steps, device)
+        if rank == 0:
+            report["runs"][name] = _summary(result)
+            if baseline is None:  # fsdp: the resident Ulysses2 run is the baseline of FSDP + Ulysses2
+                baseline = result
+            else:
+                report["runs"][name]["equal_to_baseline"] = compare(result, baseline)
+                if baseline["step_s"] and result["step_s"]:
+                    report["runs"][name]["step_speedup"] = baseline["step_s"] / result["step_s"]
+        dist.barrier()
+    return report if rank == 0 else None
+
+
+def table(report: dict) -> str:
+    title = (f"### gpu_multi {report['stage']}: {report['variant']} {report['geometry']} x {report['steps']} "
+             f"steps on {report['gpu']}")
+    lines = [title, "",
+             "| run | DiT step (s) | speed-up | total (s) | peak memory (GiB) | frames equal | waveform equal |",
+             "|---|---|---|---|---|---|---|"]
+    for name, run in report["runs"].items():
+        equal = run.get("equal_to_baseline", {})
+        step = f"{run['step_s']:.3f}" if run["step_s"] else "-"
+        speedup = f"{run['step_speedup']:.2f}x" if "step_speedup" in run else "-"
+        memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
+        lines.append(f"| {name} | {step} | {speedup} | {run['total_s']:.1f} | {memory} | "
+                     f"{equal.get('frames_equal', '-')} | {equal.get('waveform_equal', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
+def rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        # The same GEMM reduction rules for the baseline and the parallel run.
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=WORLD_SIZE, timeout=timedelta(minutes=30))
+    try:
+        report = run_stage(args, rank, device)
+        if report is not None:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"gpu_multi_{args.stage}.json").write_text(json.dumps(report, indent=2))
+            (out / f"gpu_multi_{args.stage}.md").write_text(table(report))
+            print(table(report), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun --nproc-per-node 2
+        rank_main(int(os.environ["RANK"]), args, "env://")
+        return
+    from k6serve.runtime.launch import find_free_port
+
+    torch.multiprocessing.spawn(rank_main, args=(args, f"tcp://127.0.0.1:{find_free_port()}"), nprocs=WORLD_SIZE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""The real DiTs and pipeline under every parallel layout (CPU, gloo) against one process.
+
+One pool of 4 persistent gloo processes (from test_parallel_primitives) serves the module; 2-rank layouts run as two
+dp replicas. Every rank runs the same per-rank code as the runtime (`parallelize_generation_models` /
+`parallelize_sr_transformer` on models loaded from a tiny checkpoint) and returns the decoded frames (floats before
+quantisation) and the waveform; rank 0 of the pool computes the 1-process reference under the same thread settings.
+
+Geometry: 48x80 pixels = 3x5 tokens per latent frame; T2AV 9 frames = 3 latent frames, TI2AV 5 frames = 2 latent
+frames + the reference frame: 45 video tokens both, not a multiple of 2 or 4, and on 4 sequence ranks (shards of 12)
+the reference frame (tokens 30-44) crosses a shard boundary.
+
+Tolerances (docs/parallelism.md): Ulysses, CFG-parallel, FSDP and FSDP x Ulysses/CFG are bitwise; Ring, TP and their
+combinations and encoder folding reorder sums and are held to 1e-5 relative (max |diff| <= 1e-5 * max |ref|).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from test_parallel_primitives import GlooPool, _groups  # the module's persistent gloo pool
+
+from k6serve.parallel.mesh import ParallelLayout
+
+pytestmark = pytest.mark.multiprocess
+HEIGHT, WIDTH = 48, 80
+REQUESTS = {
+    "t2av": {"prompt": "a red fox runs", "seed": 7, "num_frames": 9, "num_inference_steps": 2,
+             "guidance_scale": 5.0},
+    "ti2av": {"prompt": "a dog", "seed": 11, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 3.0},
+}
+EXACT, CLOSE = "exact", "close"
+GENERATION_LAYOUTS = {  # name -> (layout, --encoder-parallel, tolerance)
+    "ulysses2": (ParallelLayout(dp=2, ulysses=2), "replicate", EXACT),
+    "ulysses4": (ParallelLayout(ulysses=4), "replicate", EXACT),
+    "cfg2": (ParallelLayout(dp=2, cfg=2), "replicate", EXACT),
+    "fsdp_cfg2": (ParallelLayout(dp=2, cfg=2, fsdp=True), "replicate", EXACT),
+    "fsdp_ulysses2": (ParallelLayout(dp=2, ulysses=2, fsdp=True), "auto", CLOSE),  # auto folds under FSDP
+    "ring2": (ParallelLayout(dp=2, ring=2), "replicate", CLOSE),
+    "tp2": (ParallelLayout(dp=2, tp=2), "replicate", CLOSE),
+    "tp2_ulysses2": (ParallelLayout(tp=2, ulysses=2), "replicate", CLOSE),
+    "ulysses2_ring2": (ParallelLayout(ring=2, ulysses=2), "replicate", CLOSE),
+    "fold_ulysses2": (ParallelLayout(dp=2, ulysses=2), "fold", CLOSE),
+}
+TI2AV_LAYOUTS = ("ulysses2", "ring2", "tp2", "ulysses2_ring2")
+SR_LAYOUTS = {
+    "ulysses2": (ParallelLayout(dp=2, ulysses=2), EXACT),
+    "fsdp_ulysses2": (ParallelLayout(dp=2, ulysses=2, fsdp=True), EXACT),
+    "ring2": (ParallelLayout(dp=2, ring=2), CLOSE),
+    "tp2": (ParallelLayout(dp=2, tp=2), CLOSE),
+    "ulysses2_ring2": (ParallelLayout(ring=2, ulysses=2), CLOSE),
+}
+
+
+def build_foldable_checkpoint(out_dir: Path) -> Path:
+    """The tiny Pro checkpoint with 2 key/value heads in Qwen (the stock tiny one has 1), so TP2 can fold it."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from k6serve.testing.tiny_checkpoints import build_generation_pipeline, rerandomize_
+
+    pipeline = build_generation_pipeline("pro", seed=0)
+    config = copy.deepcopy(pipeline.text_encoder.config)
+    config.text_config.num_key_value_heads = 2
+    with torch.random.fork_rng(devices=[]):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    rerandomize_(text_encoder, seed=4242)
+    pipeline.text_encoder = text_encoder
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+_LOADED: dict = {}  # per pool process: checkpoint folder -> models loaded once
+
+
+def _fresh_generation_models(folder: Path):
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import recognise
+
+    if folder not in _LOADED:
+        variant = recognise(str(folder), None, folder)
+        _LOADED[folder] = load_generation_models(folder, variant, device=torch.device("cpu"), dtype=torch.float32,
+                                                 load_format="auto")
+    models = _LOADED[folder]
+    # parallelize mutates the modules it shards: every layout starts from its own copy
+    return dataclasses.replace(
+        models, transformer=copy.deepcopy(models.transformer), text_encoder=copy.deepcopy(models.text_encoder),
+        text_encoder_2=copy.deepcopy(models.text_encoder_2),
+    )
+
+
+def _generate_task(folder: Path, layout: ParallelLayout | None, encoder_parallel: str, request_kwargs: dict):
+    """The pipeline's frames and waveform under `layout` (None: the 1-process reference, on rank 0 only)."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel=encoder_parallel, device_type="cpu")
+    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **request_kwargs), models.variant)
+    output = TextToVideoPipeline(models)(request)
+    return output.video.frames_float_THWC.numpy(), output.audio.waveform, _applied(models.transformer)
+
+
+def _applied(model: torch.nn.Module) -> dict[str, int]:
+    """What parallelisation did to the DiT: swapped attention modules and sharded (DTensor) parameters."""
+    from torch.distributed.tensor import DTensor
+
+    from k6serve.parallel.sequence_attention import GatherKVAttention, ShardedAttention
+
+    return {
+        "sharded_attention": sum(isinstance(m, ShardedAttention) for m in model.modules()),
+        "gather_kv_attention": sum(isinstance(m, GatherKVAttention) for m in model.modules()),
+        "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters()),
+    }
+
+
+def _assert_matches(parallel: np.ndarray, reference: np.ndarray, tolerance: str) -> None:
+    assert parallel.shape == reference.shape
+    if tolerance == EXACT:
+        assert np.array_equal(parallel, reference), np.abs(parallel - reference).max()
+    else:
+        difference = np.abs(parallel.astype(np.float64) - reference).max()
+        assert difference <= 1e-5 * np.abs(reference).max(), difference
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = GlooPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_foldable_checkpoint(tmp_path_factory.mktemp("tiny_pro_foldable"))
+
+
+@pytest.fixture(scope="module")
+def requests(tmp_path_factory) -> dict[str, dict]:
+    from PIL import Image
+
+    image_path = tmp_path_factory.mktemp("ti2av") / "reference.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (60, 100, 3), dtype=np.uint8)).save(image_path)
+    return {**REQUESTS, "ti2av": {**REQUESTS["ti2av"], "image_path": str(image_path)}}
+
+
+@pytest.fixture(scope="module")
+def references(pool, checkpoint, requests) -> dict:
+    """Lazily computed 1-process outputs, by request name."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = pool.run(_generate_task, checkpoint, None, "replicate", requests[name])[0]
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("request_name", "layout_name"),
+    [("t2av", name) for name in GENERATION_LAYOUTS] + [("ti2av", name) for name in TI2AV_LAYOUTS],
+)
+def test_generation_matches_one_process(pool, checkpoint, requests, references, request_name, layout_name):
+    layout, encoder_parallel, tolerance = GENERATION_LAYOUTS[layout_name]
+    reference_frames, reference_audio, _ = references(request_name)
+    for frames, audio, applied in pool.run(_generate_task, checkpoint, layout, encoder_parallel,
+                                           requests[request_name]):
+        _assert_matches(frames, reference_frames, tolerance)
+        _assert_matches(audio, reference_audio, tolerance)
+        num_blocks = 2  # the tiny DiT's fused blocks: one video_self and one audio_from_video each
+        sequence_parallel = layout.sequence_degree > 1
+        assert applied["sharded_attention"] == applied["gather_kv_attention"] == num_blocks * sequence_parallel
+        assert (applied["dtensor_parameters"] > 0) == (layout.tp > 1 or layout.fsdp)
+
+
+def _fold_layout_task(folder: Path):
+    """Which encoder linears are sharded after folding over 2 ranks (DTensor weights), and their local widths."""
+    from torch.distributed.tensor import DTensor
+
+    from k6serve.parallel.parallelize import fold_text_encoders
+
+    models = _fresh_generation_models(folder)
+    folded = fold_text_encoders([models.text_encoder, models.text_encoder_2], "fold",
+                                _groups(ParallelLayout(dp=2, ulysses=2)), device_type="cpu")
+    q_proj = models.text_encoder.model.language_model.layers[0].self_attn.q_proj.weight
+    fc2 = next(m for n, m in models.text_encoder_2.named_modules() if n.endswith("layers.0.mlp.fc2")).weight
+    return folded, isinstance(q_proj, DTensor), tuple(q_proj.to_local().shape), tuple(fc2.to_local().shape)
+
+
+def test_encoder_fold_shards_both_encoders(pool, checkpoint):
+    for folded, is_dtensor, q_shape, fc2_shape in pool.run(_fold_layout_task, checkpoint):
+        assert folded and is_dtensor
+        assert q_shape == (16, 32) and fc2_shape == (32, 32)  # half of the 32 query rows, half of the 64 MLP inputs
+
+
+def _sr_task(folder: Path, layout: ParallelLayout | None):
+    from safetensors.torch import load_file
+
+    from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
+    from k6serve.models.kandinsky6_sr.transformer import SRTransformer
+    from k6serve.parallel.parallelize import parallelize_sr_transformer
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    config = SRTransformerConfig.from_json_file(folder / "transformer" / "config.json")
+    model = SRTransformer(config).eval().requires_grad_(False)
+    model.load_state_dict(load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors"), strict=True)
+    if layout is not None:
+        parallelize_sr_transformer(model, _groups(layout), model_name="tiny-sr", device_type="cpu")
+    generator = torch.Generator().manual_seed(0)
+    # 3 x 5 x 7 = 105 tokens: odd, so every sequence layout pads
+    latent = torch.randn(1, 3, 5, 7, 2 * config.in_visual_dim + 1, generator=generator)
+    with torch.inference_mode():
+        return model(latent, torch.tensor([636.36365])).numpy()
+
+
+@pytest.fixture(scope="module")
+def sr_reference(pool, tiny_sr_dir):
+    return pool.run(_sr_task, tiny_sr_dir, None)[0]
+
+
+@pytest.mark.parametrize("layout_name", list(SR_LAYOUTS))
+def test_sr_transformer_matches_one_process(pool, tiny_sr_dir, sr_reference, layout_name):
+    layout, tolerance = SR_LAYOUTS[layout_name]
+    for output in pool.run(_sr_task, tiny_sr_dir, layout):
+        _assert_matches(output, sr_reference, tolerance)
+
+
+def _sr_pipeline_task(folder: Path, clip: Path, layout: ParallelLayout | None):
+    """The whole SR pipeline (x2, six tiles in batches of 2) under `layout`; uint8 frames."""
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+    from k6serve.parallel.parallelize import parallelize_sr_transformer
+    from k6serve.pipelines.super_resolution import SuperResolutionPipeline
+    from k6serve.request import UpscaleRequest
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"),
+                            dtype=torch.float32, load_format="auto")
+    if layout is not None:
+        parallelize_sr_transformer(models.transformer, _groups(layout), model_name="tiny-sr", device_type="cpu")
+    request = UpscaleRequest(video_path=str(clip), scale=2.0, tiles_batch_size=2, tile_min_overlap=0.2,
+                             target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=2)
+    return SuperResolutionPipeline(models)(request).video.frames_THWC
+
+
+def test_sr_pipeline_matches_one_process(pool, tiny_sr_dir, tmp_path):
+    from k6serve.testing.clips import make_clip
+
+    clip = make_clip(tmp_path / "six_tiles.mp4", width=64, height=48, num_frames=9, fps=24)
+    reference = pool.run(_sr_pipeline_task, tiny_sr_dir, clip, None)[0]
+    for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2"][0]):
+        assert np.array_equal(frames, reference)
+    for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2_ring2"][0]):
+        assert np.abs(frames.astype(int) - reference).max() <= 1  # rounding may move a pixel by one level

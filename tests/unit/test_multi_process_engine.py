@@ -1,0 +1,101 @@
+"""`Engine(config)` on the multi-process runtime with the real per-rank worker (tiny checkpoint, CPU, gloo).
+
+The default engine starts `MultiProcessWorker` for every N: one rank and Ulysses2 give the same frames and waveform
+bit for bit (through the whole stack: request broadcast, parallelised DiT, leader-only result), a SIGKILLed rank
+fails the running request instead of hanging, dp=2 replicas serve two requests at once through the engine's loop
+threads, and shutdown() stops the processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_launch import TIMEOUT_S, FakeRankWorker, make_config, note
+
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime.engine import Engine
+from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+pytestmark = pytest.mark.multiprocess
+PARAMS = SamplingParams(prompt="a red fox runs", seed=5, height=48, width=80, num_frames=5, num_inference_steps=2,
+                        guidance_scale=4.0)
+FRAMES_ONLY = OutputOptions(save_output=False, return_frames=True)
+
+
+def real_config(folder: Path, **parallel) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model_path=str(folder)),
+        parallel=ParallelConfig(dist_timeout_s=60.0, **parallel),
+        runtime=RuntimeConfig(device="cpu"),
+    )
+
+
+@pytest.fixture(scope="module")
+def one_rank_result(tiny_pro_dir):
+    engine = Engine(real_config(tiny_pro_dir))
+    try:
+        assert isinstance(engine.worker, MultiProcessWorker) and len(engine.worker.pids) == 1
+        return engine.generate(PARAMS, FRAMES_ONLY)
+    finally:
+        engine.shutdown()
+
+
+def test_ulysses2_engine_equals_one_rank_and_a_killed_rank_fails_the_request(tiny_pro_dir, one_rank_result):
+    engine = Engine(real_config(tiny_pro_dir, num_gpus=2, ulysses_degree=2))
+    worker = engine.worker
+    try:
+        result = engine.generate(PARAMS, FRAMES_ONLY)
+        assert result.frames.shape == one_rank_result.frames.shape == (5, 48, 80, 3)
+        assert np.array_equal(result.frames, one_rank_result.frames)
+        assert np.array_equal(result.audio, one_rank_result.audio)
+
+        victim = worker.pids[1]
+
+        def kill_at_first_step(step: int, total: int) -> None:
+            if step == 1:
+                os.kill(victim, signal.SIGKILL)
+
+        job = engine.submit(dataclasses.replace(PARAMS, num_inference_steps=20), FRAMES_ONLY,
+                            on_progress=kill_at_first_step)
+        with pytest.raises(RuntimeError, match=r"replica 0 .* died .*rank 1 .*exited with code -9"):
+            job.future.result(timeout=60)
+    finally:
+        engine.shutdown()
+    assert all(not process.is_alive() for process in worker._processes.values())
+
+
+def test_engine_runs_dp_replicas_at_once(tmp_path: Path):
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        marker = tmp_path / "second-started"
+        # The first request waits until the second has started: it only finishes if the engine runs both at once.
+        first = engine.submit(SamplingParams(prompt=f"wait-for:{marker}", num_inference_steps=2))
+        time.sleep(0.2)
+        second = engine.submit(SamplingParams(prompt=f"touch:{marker}", num_inference_steps=2))
+        results = [job.future.result(timeout=TIMEOUT_S + 10) for job in (first, second)]
+        assert {note(result, "replica") for result in results} == {"0", "1"}
+    finally:
+        engine.shutdown()
+    assert all(not process.is_alive() for process in worker._processes.values())
+
+
+def test_shutdown_closes_a_worker_without_processes():
+    closed = threading.Event()
+
+    class Fake:
+        variant = None
+
+        def close(self) -> None:
+            closed.set()
+
+    Engine(real_config(Path("unused")), worker=Fake()).shutdown()
+    assert closed.is_set()
