@@ -44,31 +44,60 @@ def log(message: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("subcommand", choices=SUBCOMMANDS)
-    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_single_out"),
-                        help="Folder for <subcommand>.json and .md (default: $OUT).")
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                        help="dit/generate: comma-separated generation variants.")
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT", "gpu_single_out"),
+        help="Folder for <subcommand>.json and .md (default: $OUT).",
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help="dit/generate: comma-separated generation variants.",
+    )
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--num-frames", type=int, default=121)
-    parser.add_argument("--repeats", type=int, default=3, help="Timed warm runs (generate/sr: warm requests).")
-    parser.add_argument("--backends", default="fa,torch_sdpa", help="dit: attention backends of our DiT.")
-    parser.add_argument("--reference-compiled", action="store_true",
-                        help="dit: also time diffusers with compile_repeated_blocks (adds ~1.5 min for Pro).")
-    parser.add_argument("--compile-decoder", action="store_true", help="decoders: also a compiled VAE decoder.")
-    parser.add_argument("--attention-backend", default="fa", help="generate/sr: engine attention backend.")
-    parser.add_argument("--performance-mode", default="speed", help="generate/sr: engine performance mode.")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Timed warm runs (generate/sr: warm requests)."
+    )
+    parser.add_argument(
+        "--backends", default="fa,torch_sdpa", help="dit: attention backends of our DiT."
+    )
+    parser.add_argument(
+        "--reference-compiled",
+        action="store_true",
+        help="dit: also time diffusers with compile_repeated_blocks (adds ~1.5 min for Pro).",
+    )
+    parser.add_argument(
+        "--compile-decoder", action="store_true", help="decoders: also a compiled VAE decoder."
+    )
+    parser.add_argument(
+        "--attention-backend", default="fa", help="generate/sr: engine attention backend."
+    )
+    parser.add_argument(
+        "--performance-mode", default="speed", help="generate/sr: engine performance mode."
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")
     return parser
 
 
-def _bench_argv(args: argparse.Namespace, stages: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+def _bench_argv(
+    args: argparse.Namespace, stages: Sequence[str], extra: Sequence[str] = ()
+) -> list[str]:
     argv = [arg for stage in stages for arg in ("--stage", stage)]
     if args.tiny:
         argv += ["--tiny", "--device", "cpu"]
     else:
-        argv += ["--device", "cuda", "--height", str(args.height), "--width", str(args.width),
-                 "--num-frames", str(args.num_frames)]
+        argv += [
+            "--device",
+            "cuda",
+            "--height",
+            str(args.height),
+            "--width",
+            str(args.width),
+            "--num-frames",
+            str(args.num_frames),
+        ]
     return argv + ["--repeats", str(args.repeats), *extra]
 
 
@@ -77,20 +106,30 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     models = [model.strip() for model in args.models.split(",") if model.strip()]
     if args.subcommand == "dit":
         backends = "torch_sdpa" if args.tiny else args.backends
-        extra = ["--backends", backends] + (["--reference-compiled"] if args.reference_compiled else [])
-        return [(f"dit {model}", _bench_argv(args, ["dit"], ["--variant", model, *extra])) for model in models]
+        extra = ["--backends", backends] + (
+            ["--reference-compiled"] if args.reference_compiled else []
+        )
+        return [
+            (f"dit {model}", _bench_argv(args, ["dit"], ["--variant", model, *extra]))
+            for model in models
+        ]
     if args.subcommand == "generate":
         extra = ["--performance-mode", args.performance_mode, "--warmup", "0"]
         if not args.tiny:
             extra += ["--attention-backend", args.attention_backend]
         else:
             extra += ["--num-inference-steps", "2"]
-        return [(f"generate {model}", _bench_argv(args, ["generate"], ["--variant", model, *extra]))
-                for model in models]
+        return [
+            (f"generate {model}", _bench_argv(args, ["generate"], ["--variant", model, *extra]))
+            for model in models
+        ]
     if args.subcommand == "decoders":
         vae_extra = ["--compile-vae-decoder"] if args.compile_decoder else []
-        return [("vae", _bench_argv(args, ["vae"], vae_extra)), ("audio", _bench_argv(args, ["audio"])),
-                ("text", _bench_argv(args, ["text"]))]
+        return [
+            ("vae", _bench_argv(args, ["vae"], vae_extra)),
+            ("audio", _bench_argv(args, ["audio"])),
+            ("text", _bench_argv(args, ["text"])),
+        ]
     if args.subcommand == "sr":
         extra = ["--performance-mode", args.performance_mode, "--warmup", "0", "--sr-scale", "2"]
         if not args.tiny:
@@ -115,9 +154,12 @@ def run_part(name: str, bench_argv: list[str]) -> tuple[list[BenchRow], dict | N
     try:
         bench_args = build_bench_parser().parse_args(bench_argv)
         rows = run_stages(bench_args, log=lambda text: print(text, flush=True))
-    except (Exception, SystemExit) as exception:  # argparse exits with SystemExit
-        error = {"part": name, "error": f"{type(exception).__name__}: {exception}",
-                 "traceback": traceback.format_exc()}
+    except (Exception, SystemExit) as exception:  # noqa: BLE001 (recorded; argparse exits via SystemExit)
+        error = {
+            "part": name,
+            "error": f"{type(exception).__name__}: {exception}",
+            "traceback": traceback.format_exc(),
+        }
         log(f"part {name!r} FAILED: {error['error']}")
     for row in rows:
         if row.error:
@@ -141,16 +183,31 @@ def device_status() -> dict:
             status[package] = f"missing ({error})"
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        status.update(gpu=torch.cuda.get_device_name(0), free_gib=free / 2**30, total_gib=total / 2**30,
-                      capability=torch.cuda.get_device_capability(0))
+        status.update(
+            gpu=torch.cuda.get_device_name(0),
+            free_gib=free / 2**30,
+            total_gib=total / 2**30,
+            capability=torch.cuda.get_device_capability(0),
+        )
     return status
 
 
-def write_results(out: Path, subcommand: str, rows: list[BenchRow], errors: list[dict], status: dict,
-                  argv: Sequence[str]) -> None:
+def write_results(
+    out: Path,
+    subcommand: str,
+    rows: list[BenchRow],
+    errors: list[dict],
+    status: dict,
+    argv: Sequence[str],
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": environment(), "device_status": status, "argv": list(argv),
-               "rows": [row.to_json() for row in rows], "errors": errors}
+    payload = {
+        "environment": environment(),
+        "device_status": status,
+        "argv": list(argv),
+        "rows": [row.to_json() for row in rows],
+        "errors": errors,
+    }
     (out / f"{subcommand}.json").write_text(json.dumps(payload, indent=2, default=str))
     lines = [f"# gpu_single {subcommand}", "", f"`{' '.join(argv)}`", "", format_table(rows)]
     lines += [f"\n**{error['part']}**: {error['error']}" for error in errors]
@@ -170,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += part_rows
         if error:
             errors.append(error)
-        write_results(out, args.subcommand, rows, errors, status, argv)  # after every part: nothing is lost
+        write_results(
+            out, args.subcommand, rows, errors, status, argv
+        )  # after every part: nothing is lost
     write_results(out, args.subcommand, rows, errors, status, argv)
     print(format_table(rows), flush=True)
     log(f"wrote {out / (args.subcommand + '.json')} and .md")

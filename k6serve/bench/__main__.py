@@ -42,34 +42,68 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k6serve bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", action="append", choices=(*STAGES, "all"),
-                        help="Stage(s) to run; repeat the flag for several (default: dit).")
+    parser.add_argument(
+        "--stage",
+        action="append",
+        choices=(*STAGES, "all"),
+        help="Stage(s) to run; repeat the flag for several (default: dit).",
+    )
     parser.add_argument("--variant", default="pro-distill", choices=GENERATION_VARIANTS)
     parser.add_argument("--height", type=int, help="Pixels (default 512; --tiny 64).")
     parser.add_argument("--width", type=int, help="Pixels (default 768; --tiny 96).")
     parser.add_argument("--num-frames", type=int, help="4k+1 frames (default 121; --tiny 17).")
-    parser.add_argument("--repeats", type=int, default=3, help="Timed warm runs; the median is reported.")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Timed warm runs; the median is reported."
+    )
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs before the timed ones.")
     parser.add_argument("--json", help="Write the rows and the environment to this JSON file.")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(_DTYPES))
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: toy sizes for every stage.")
-    parser.add_argument("--backends", help="Attention backends for our DiT, comma-separated "
-                        "(default: fa,torch_sdpa on CUDA, torch_sdpa elsewhere).")
+    parser.add_argument(
+        "--tiny", action="store_true", help="CPU smoke mode: toy sizes for every stage."
+    )
+    parser.add_argument(
+        "--backends",
+        help="Attention backends for our DiT, comma-separated "
+        "(default: fa,torch_sdpa on CUDA, torch_sdpa elsewhere).",
+    )
     parser.add_argument("--skip-reference", action="store_true", help="Do not run diffusers' DiT.")
-    parser.add_argument("--reference-compiled", action="store_true",
-                        help="Also time diffusers' DiT with compile_repeated_blocks(fullgraph=True).")
-    parser.add_argument("--skip-eager", action="store_true", help="Do not time our DiT without transforms.")
-    parser.add_argument("--skip-speed", action="store_true", help="Do not time our fused + compiled DiT.")
-    parser.add_argument("--compile-backend", help="torch.compile backend (default inductor; --tiny eager).")
-    parser.add_argument("--compile-vae-decoder", action="store_true", help="Also time a compiled VAE decoder.")
-    parser.add_argument("--performance-mode", default="speed", choices=PERFORMANCE_MODES,
-                        help="generate/sr: the engine's performance mode.")
-    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="generate/sr: the engine's attention backend.")
-    parser.add_argument("--num-inference-steps", type=int, help="generate: steps (default: the variant's).")
+    parser.add_argument(
+        "--reference-compiled",
+        action="store_true",
+        help="Also time diffusers' DiT with compile_repeated_blocks(fullgraph=True).",
+    )
+    parser.add_argument(
+        "--skip-eager", action="store_true", help="Do not time our DiT without transforms."
+    )
+    parser.add_argument(
+        "--skip-speed", action="store_true", help="Do not time our fused + compiled DiT."
+    )
+    parser.add_argument(
+        "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
+    )
+    parser.add_argument(
+        "--compile-vae-decoder", action="store_true", help="Also time a compiled VAE decoder."
+    )
+    parser.add_argument(
+        "--performance-mode",
+        default="speed",
+        choices=PERFORMANCE_MODES,
+        help="generate/sr: the engine's performance mode.",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="generate/sr: the engine's attention backend.",
+    )
+    parser.add_argument(
+        "--num-inference-steps", type=int, help="generate: steps (default: the variant's)."
+    )
     parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor.")
-    parser.add_argument("--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder).")
+    parser.add_argument(
+        "--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder)."
+    )
     return parser
 
 
@@ -77,7 +111,9 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
+        raise ValueError(
+            "--device cuda was requested but no CUDA GPU is visible; use --device cpu."
+        )
     return torch.device(name)
 
 
@@ -101,26 +137,53 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
     timing = {"repeats": args.repeats, "warmup": args.warmup}
     transformer_config = (
-        TINY_TRANSFORMER_CONFIG if args.tiny else released_transformer_config(VARIANTS[args.variant])
+        TINY_TRANSFORMER_CONFIG
+        if args.tiny
+        else released_transformer_config(VARIANTS[args.variant])
     )
     end_to_end = EndToEndOptions(
-        variant=args.variant, height=height, width=width, num_frames=num_frames, device=str(device),
-        performance_mode=args.performance_mode, attention_backend=args.attention_backend,
-        num_inference_steps=args.num_inference_steps, sr_scale=args.sr_scale, tiny=args.tiny,
-        repeats=args.repeats, output_dir=args.output_dir,
+        variant=args.variant,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        device=str(device),
+        performance_mode=args.performance_mode,
+        attention_backend=args.attention_backend,
+        num_inference_steps=args.num_inference_steps,
+        sr_scale=args.sr_scale,
+        tiny=args.tiny,
+        repeats=args.repeats,
+        output_dir=args.output_dir,
     )
     dit = DitOptions(
-        label="tiny" if args.tiny else args.variant, transformer_config=transformer_config, geometry=geometry,
-        device=device, dtype=dtype, backends=backends, eager=not args.skip_eager, speed=not args.skip_speed,
-        reference=not args.skip_reference, reference_compiled=args.reference_compiled,
-        compile_backend=args.compile_backend or ("eager" if args.tiny else "inductor"), **timing,
+        label="tiny" if args.tiny else args.variant,
+        transformer_config=transformer_config,
+        geometry=geometry,
+        device=device,
+        dtype=dtype,
+        backends=backends,
+        eager=not args.skip_eager,
+        speed=not args.skip_speed,
+        reference=not args.skip_reference,
+        reference_compiled=args.reference_compiled,
+        compile_backend=args.compile_backend or ("eager" if args.tiny else "inductor"),
+        **timing,
     )
     return {
         "dit": lambda: run_dit(dit),
-        "vae": lambda: run_vae(VaeOptions(geometry=geometry, device=device, dtype=dtype, tiny=args.tiny,
-                                          compile_decoder=args.compile_vae_decoder, **timing)),
-        "audio": lambda: run_audio(AudioOptions(geometry=geometry, device=device, dtype=dtype, tiny=args.tiny,
-                                                **timing)),
+        "vae": lambda: run_vae(
+            VaeOptions(
+                geometry=geometry,
+                device=device,
+                dtype=dtype,
+                tiny=args.tiny,
+                compile_decoder=args.compile_vae_decoder,
+                **timing,
+            )
+        ),
+        "audio": lambda: run_audio(
+            AudioOptions(geometry=geometry, device=device, dtype=dtype, tiny=args.tiny, **timing)
+        ),
         "text": lambda: run_text(TextOptions(device=device, dtype=dtype, tiny=args.tiny, **timing)),
         "generate": lambda: run_generate(end_to_end),
         "sr": lambda: run_super_resolution(end_to_end),
@@ -135,8 +198,12 @@ def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print) 
         log(f"[bench] stage {stage} ...")
         try:
             stage_rows = runners[stage]()
-        except Exception as error:
-            stage_rows = [BenchRow(stage=stage, name="-", config="-", error=f"{type(error).__name__}: {error}")]
+        except Exception as error:  # noqa: BLE001 (one stage's failure must not lose the others)
+            stage_rows = [
+                BenchRow(
+                    stage=stage, name="-", config="-", error=f"{type(error).__name__}: {error}"
+                )
+            ]
         rows += stage_rows
         log(format_table(stage_rows))
     return rows

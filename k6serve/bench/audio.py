@@ -27,15 +27,25 @@ class AudioOptions:
 def run_audio(options: AudioOptions) -> list[BenchRow]:
     row = BenchRow(stage="audio", name="ours decode_audio", config=options.geometry.label)
     try:
-        audio_vae, vocoder = build_audio_decoder(tiny=options.tiny, device=options.device, dtype=options.dtype)
+        audio_vae, vocoder = build_audio_decoder(
+            tiny=options.tiny, device=options.device, dtype=options.dtype
+        )
         channels = int(audio_vae.config.latent_channels)
         generator = torch.Generator(device="cpu").manual_seed(options.seed)
         latents = torch.randn((1, options.geometry.num_audio_tokens, channels), generator=generator)
         latents = latents.to(device=options.device, dtype=options.dtype)
-        result = measure(lambda: decode_audio(audio_vae, vocoder, latents), device=options.device,
-                         repeats=options.repeats, warmup=options.warmup)
-        row.seconds, row.times_s, row.peak_memory_gib = result.median_s, result.times_s, result.peak_memory_gib
+        result = measure(
+            lambda: decode_audio(audio_vae, vocoder, latents),
+            device=options.device,
+            repeats=options.repeats,
+            warmup=options.warmup,
+        )
+        row.seconds, row.times_s, row.peak_memory_gib = (
+            result.median_s,
+            result.times_s,
+            result.peak_memory_gib,
+        )
         row.note = f"{result.output.waveform.shape[0]} samples at {result.output.sample_rate} Hz"
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         row.error = f"{type(error).__name__}: {error}"
     return [row]

@@ -58,7 +58,9 @@ def build_audio_decoder(*, tiny: bool, device: torch.device, dtype: torch.dtype)
     return audio_vae.eval().requires_grad_(False), vocoder.eval().requires_grad_(False)
 
 
-def build_text_components(*, tiny: bool, device: torch.device, dtype: torch.dtype) -> TextComponents:
+def build_text_components(
+    *, tiny: bool, device: torch.device, dtype: torch.dtype
+) -> TextComponents:
     """Qwen2.5-VL-7B + CLIP-L text (random weights) with the offline tokenizers, or the tiny ones."""
     if tiny:
         pipe = _tiny_pipeline()
@@ -75,7 +77,9 @@ def build_text_components(*, tiny: bool, device: torch.device, dtype: torch.dtyp
 
     with torch.device(device):
         qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
-        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(qwen_config, dtype=dtype)
+        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
+            qwen_config, dtype=dtype
+        )
         clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
         text_encoder_2 = transformers.CLIPTextModel._from_config(clip_config, dtype=dtype)
     return TextComponents(

@@ -96,39 +96,50 @@ class _Compared:
 
 
 def _row(options: DitOptions, name: str, tflop: float) -> BenchRow:
-    return BenchRow(stage="dit", name=name, config=f"{options.label} {options.geometry.label}", tflop=tflop)
+    return BenchRow(
+        stage="dit", name=name, config=f"{options.label} {options.geometry.label}", tflop=tflop
+    )
 
 
 def _timed(row: BenchRow, call, options: DitOptions):
     result = measure(call, device=options.device, repeats=options.repeats, warmup=options.warmup)
-    row.seconds, row.times_s, row.peak_memory_gib = result.median_s, result.times_s, result.peak_memory_gib
+    row.seconds, row.times_s, row.peak_memory_gib = (
+        result.median_s,
+        result.times_s,
+        result.peak_memory_gib,
+    )
     return result.output
+
+
+def _time_reference(
+    reference, inputs, options: DitOptions, rows: list[BenchRow], tflop: float, compared: _Compared
+) -> None:
+    def call():
+        with torch.inference_mode():
+            return reference(**inputs, return_dict=False)
+
+    video, audio = _timed(rows[0], call, options)
+    compared.video, compared.audio, compared.seconds = video, audio, rows[0].seconds
+    rows[0].reference_seconds = rows[0].seconds
+    if options.reference_compiled:
+        rows.append(_row(options, "diffusers compiled", tflop))
+        reference.compile_repeated_blocks(fullgraph=True, backend=options.compile_backend)
+        rows[-1].breakdown_s["first_call"] = _first_call(call, options.device)
+        compared.fill(rows[-1], _timed(rows[-1], call, options))
+        torch._dynamo.reset()  # its graphs hold guards on the reference model's modules
 
 
 def _run_reference(
     ours, inputs, options: DitOptions, tflop: float, compared: _Compared
 ) -> list[BenchRow]:
+    """diffusers' rows; the reference model shares `ours`' weights and is dropped before returning."""
     rows = [_row(options, "diffusers eager", tflop)]
-    reference = None
     try:
         reference = diffusers_transformer_like(ours, options.device)
-
-        def call():
-            with torch.inference_mode():
-                return reference(**inputs, return_dict=False)
-
-        video, audio = _timed(rows[0], call, options)
-        compared.video, compared.audio, compared.seconds = video, audio, rows[0].seconds
-        rows[0].reference_seconds = rows[0].seconds
-        if options.reference_compiled:
-            rows.append(_row(options, "diffusers compiled", tflop))
-            reference.compile_repeated_blocks(fullgraph=True, backend=options.compile_backend)
-            rows[-1].breakdown_s["first_call"] = _first_call(call, options.device)
-            compared.fill(rows[-1], _timed(rows[-1], call, options))
-            torch._dynamo.reset()  # its graphs hold guards on the reference model's modules
-    except Exception as error:  # recorded in the row; our variants still run
+        _time_reference(reference, inputs, options, rows, tflop, compared)
+    except Exception as error:  # noqa: BLE001 (recorded in the row; our variants still run)
         rows[-1].error = f"{type(error).__name__}: {error}"
-    del reference
+    reference = None
     gc.collect()
     return rows
 
@@ -144,8 +155,9 @@ def _first_call(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _run_ours(ours, inputs, options: DitOptions, tflop: float, compared: _Compared, tag: str,
-              compiled: bool) -> list[BenchRow]:
+def _run_ours(
+    ours, inputs, options: DitOptions, tflop: float, compared: _Compared, tag: str, compiled: bool
+) -> list[BenchRow]:
     rows = []
 
     def call():
@@ -160,7 +172,7 @@ def _run_ours(ours, inputs, options: DitOptions, tflop: float, compared: _Compar
             if compiled:
                 row.breakdown_s["first_call"] = _first_call(call, options.device)
             compared.fill(row, _timed(row, call, options))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (recorded in the row; the next backend still runs)
             row.error = f"{type(error).__name__}: {error}"
     return rows
 
@@ -178,7 +190,9 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
     ours = build_dummy_transformer(
         options.transformer_config, device=options.device, dtype=options.dtype, seed=options.seed
     )
-    inputs = dit_inputs(config, geometry, device=options.device, dtype=options.dtype, seed=options.seed + 1)
+    inputs = dit_inputs(
+        config, geometry, device=options.device, dtype=options.dtype, seed=options.seed + 1
+    )
     compared = _Compared()
     rows: list[BenchRow] = []
     if options.reference:
@@ -187,8 +201,12 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
         rows += _run_ours(ours, inputs, options, tflop, compared, "eager", compiled=False)
     if options.speed:
         num_fused = apply_fused_projections(ours)
-        num_compiled = apply_regional_compile(ours, kandinsky6_plan(config), backend=options.compile_backend)
-        fast_rows = _run_ours(ours, inputs, options, tflop, compared, "fused+compiled", compiled=True)
+        num_compiled = apply_regional_compile(
+            ours, kandinsky6_plan(config), backend=options.compile_backend
+        )
+        fast_rows = _run_ours(
+            ours, inputs, options, tflop, compared, "fused+compiled", compiled=True
+        )
         for row in fast_rows:
             row.note = f"{num_fused} fused attentions, {num_compiled} compiled blocks ({options.compile_backend})"
         rows += fast_rows

@@ -56,18 +56,34 @@ def _apply_speed(generator, mode: str) -> str:
     )
 
 
-def _rows_from_results(stage: str, config: str, cold, warm: list, load_s: float, note: str) -> list[BenchRow]:
-    cold_row = BenchRow(stage=stage, name="ours cold (first request)", config=config,
-                        seconds=cold.timings.get("total"), times_s=(cold.timings.get("total", 0.0),),
-                        peak_memory_gib=cold.peak_memory_mb / 1024, breakdown_s=dict(cold.timings),
-                        note=f"load {load_s:.1f} s; {note}")
+def _rows_from_results(
+    stage: str, config: str, cold, warm: list, load_s: float, note: str
+) -> list[BenchRow]:
+    cold_row = BenchRow(
+        stage=stage,
+        name="ours cold (first request)",
+        config=config,
+        seconds=cold.timings.get("total"),
+        times_s=(cold.timings.get("total", 0.0),),
+        peak_memory_gib=cold.peak_memory_mb / 1024,
+        breakdown_s=dict(cold.timings),
+        note=f"load {load_s:.1f} s; {note}",
+    )
     rows = [cold_row]
     if warm:
         totals = tuple(result.timings.get("total", 0.0) for result in warm)
-        rows.append(BenchRow(stage=stage, name="ours warm", config=config, seconds=statistics.median(totals),
-                             times_s=totals, peak_memory_gib=max(r.peak_memory_mb for r in warm) / 1024,
-                             breakdown_s=dict(warm[-1].timings),
-                             note=" ".join(f"{k}={v:.2f}" for k, v in warm[-1].timings.items())))
+        rows.append(
+            BenchRow(
+                stage=stage,
+                name="ours warm",
+                config=config,
+                seconds=statistics.median(totals),
+                times_s=totals,
+                peak_memory_gib=max(r.peak_memory_mb for r in warm) / 1024,
+                breakdown_s=dict(warm[-1].timings),
+                note=" ".join(f"{k}={v:.2f}" for k, v in warm[-1].timings.items()),
+            )
+        )
     return rows
 
 
@@ -106,8 +122,14 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
         with _open_generator(model_path, options) as generator:
             note = _apply_speed(generator, options.performance_mode)
             load_s = time.perf_counter() - start
-            params = {"prompt": PROMPT, "height": options.height, "width": options.width,
-                      "num_frames": options.num_frames, "seed": 42, "output_path": output_dir}
+            params = {
+                "prompt": PROMPT,
+                "height": options.height,
+                "width": options.width,
+                "num_frames": options.num_frames,
+                "seed": 42,
+                "output_path": output_dir,
+            }
             if options.num_inference_steps is not None:
                 params["num_inference_steps"] = options.num_inference_steps
             cold, warm = _run_requests(generator, params, options.repeats)
@@ -121,8 +143,13 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
 
     config = f"x{options.sr_scale:g} of {options.width}x{options.height}x{options.num_frames}"
     with tempfile.TemporaryDirectory() as scratch:
-        clip = make_clip(Path(scratch) / "source.mp4", width=options.width, height=options.height,
-                         num_frames=options.num_frames, fps=24)
+        clip = make_clip(
+            Path(scratch) / "source.mp4",
+            width=options.width,
+            height=options.height,
+            num_frames=options.num_frames,
+            fps=24,
+        )
         if options.tiny:
             from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
 
@@ -133,8 +160,12 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
         with _open_generator(model_path, options) as generator:
             note = _apply_speed(generator, options.performance_mode)
             load_s = time.perf_counter() - start
-            params = {"video_path": str(clip), "sr_resolution_scale": options.sr_scale, "seed": 42,
-                      "output_path": options.output_dir or scratch}
+            params = {
+                "video_path": str(clip),
+                "sr_resolution_scale": options.sr_scale,
+                "seed": 42,
+                "output_path": options.output_dir or scratch,
+            }
             cold, warm = _run_requests(generator, params, options.repeats)
     _free()
     return _rows_from_results("sr", config, cold, warm, load_s, note)

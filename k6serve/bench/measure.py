@@ -31,7 +31,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(fn: Callable[[], Any], *, device: torch.device, repeats: int, warmup: int) -> Measurement:
+def measure(
+    fn: Callable[[], Any], *, device: torch.device, repeats: int, warmup: int
+) -> Measurement:
     """Run `fn` `warmup` times untimed, then `repeats` times timed (each between device syncs).
 
     Peak memory is `max_memory_allocated` over all runs on CUDA (None elsewhere). Only the last output is

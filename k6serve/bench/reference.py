@@ -55,9 +55,7 @@ def diffusers_transformer_like(ours: nn.Module, device: torch.device) -> nn.Modu
     `ours` must not be fused yet: the state-dict keys are diffusers' names only before fusion.
     """
     diffusers = import_diffusers()
-    config = {
-        field: getattr(ours.config, field) for field in ours.config.__dataclass_fields__
-    }
+    config = {field: getattr(ours.config, field) for field in ours.config.__dataclass_fields__}
     with parameters_on_meta():
         reference = diffusers.Kandinsky6Transformer3DModel(**config)
     reference.load_state_dict(ours.state_dict(), strict=True, assign=True)

@@ -31,7 +31,9 @@ class BenchRow:
     cosine_video: float | None = None
     cosine_audio: float | None = None
     max_abs_diff: float | None = None  # vs the reference output (uint8 levels for frames)
-    breakdown_s: dict[str, float] = field(default_factory=dict)  # per-stage seconds of a pipeline run
+    breakdown_s: dict[str, float] = field(
+        default_factory=dict
+    )  # per-stage seconds of a pipeline run
     note: str = ""
     error: str | None = None
 
@@ -52,7 +54,9 @@ class BenchRow:
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data.update(tflops=self.tflops, percent_of_floor=self.percent_of_floor, speedup=self.speedup)
+        data.update(
+            tflops=self.tflops, percent_of_floor=self.percent_of_floor, speedup=self.speedup
+        )
         return data
 
 
@@ -106,6 +110,7 @@ def _git_commit() -> str | None:
         result = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
+            check=False,
             text=True,
             timeout=5,
             cwd=Path(__file__).resolve().parent,

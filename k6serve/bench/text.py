@@ -45,7 +45,11 @@ def _reference_encode(parts: TextComponents, device: torch.device) -> torch.Tens
     ).to(device)
     hidden = parts.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
     clip_inputs = parts.tokenizer_2(
-        [PROMPT], max_length=CLIP_MAX_LENGTH, truncation=True, padding="max_length", return_tensors="pt"
+        [PROMPT],
+        max_length=CLIP_MAX_LENGTH,
+        truncation=True,
+        padding="max_length",
+        return_tensors="pt",
     ).to(device)
     parts.text_encoder_2(**clip_inputs)["pooler_output"]
     return hidden[:, QWEN_CROP_START:]
@@ -56,23 +60,45 @@ def run_text(options: TextOptions) -> list[BenchRow]:
     rows = [BenchRow(stage="text", name="reference full forward", config=config)]
     try:
         parts = build_text_components(tiny=options.tiny, device=options.device, dtype=options.dtype)
-        reference = measure(lambda: _reference_encode(parts, options.device), device=options.device,
-                            repeats=options.repeats, warmup=options.warmup)
+        reference = measure(
+            lambda: _reference_encode(parts, options.device),
+            device=options.device,
+            repeats=options.repeats,
+            warmup=options.warmup,
+        )
         row = rows[0]
-        row.seconds, row.times_s, row.peak_memory_gib = reference.median_s, reference.times_s, reference.peak_memory_gib
+        row.seconds, row.times_s, row.peak_memory_gib = (
+            reference.median_s,
+            reference.times_s,
+            reference.peak_memory_gib,
+        )
         row.reference_seconds = row.seconds
         rows.append(BenchRow(stage="text", name="ours trunk only", config=config))
         ours = measure(
-            lambda: encode_prompt(PROMPT, tokenizer=parts.tokenizer, text_encoder=parts.text_encoder,
-                                  tokenizer_2=parts.tokenizer_2, text_encoder_2=parts.text_encoder_2,
-                                  device=options.device, dtype=options.dtype),
-            device=options.device, repeats=options.repeats, warmup=options.warmup,
+            lambda: encode_prompt(
+                PROMPT,
+                tokenizer=parts.tokenizer,
+                text_encoder=parts.text_encoder,
+                tokenizer_2=parts.tokenizer_2,
+                text_encoder_2=parts.text_encoder_2,
+                device=options.device,
+                dtype=options.dtype,
+            ),
+            device=options.device,
+            repeats=options.repeats,
+            warmup=options.warmup,
         )
         row = rows[1]
-        row.seconds, row.times_s, row.peak_memory_gib = ours.median_s, ours.times_s, ours.peak_memory_gib
+        row.seconds, row.times_s, row.peak_memory_gib = (
+            ours.median_s,
+            ours.times_s,
+            ours.peak_memory_gib,
+        )
         row.reference_seconds = rows[0].seconds
-        row.cosine_video = cosine_similarity(ours.output.tokens_BLD.float(), reference.output.float())
+        row.cosine_video = cosine_similarity(
+            ours.output.tokens_BLD.float(), reference.output.float()
+        )
         row.note = "cos video = cosine of the Qwen token features"
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         rows[-1].error = f"{type(error).__name__}: {error}"
     return rows

@@ -37,15 +37,23 @@ class VaeOptions:
 def _decode_row(name: str, options: VaeOptions, vae, latents, reference_frames, reference_seconds):
     row = BenchRow(stage="vae", name=name, config=options.geometry.label)
     try:
-        result = measure(lambda: decode_video(vae, latents), device=options.device,
-                         repeats=options.repeats, warmup=options.warmup)
-        row.seconds, row.times_s, row.peak_memory_gib = result.median_s, result.times_s, result.peak_memory_gib
+        result = measure(
+            lambda: decode_video(vae, latents),
+            device=options.device,
+            repeats=options.repeats,
+            warmup=options.warmup,
+        )
+        row.seconds, row.times_s, row.peak_memory_gib = (
+            result.median_s,
+            result.times_s,
+            result.peak_memory_gib,
+        )
         frames = torch.from_numpy(result.output.frames_THWC)
         row.reference_seconds = reference_seconds or row.seconds
         if reference_frames is not None:
             row.max_abs_diff = max_abs_difference(frames, reference_frames)
         return row, frames
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         row.error = f"{type(error).__name__}: {error}"
         return row, None
 
@@ -55,12 +63,20 @@ def run_vae(options: VaeOptions) -> list[BenchRow]:
     vae = build_video_vae(tiny=options.tiny, device=options.device, dtype=options.dtype)
     generator = torch.Generator(device="cpu").manual_seed(options.seed)
     latents = torch.randn(
-        (1, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width, _VIDEO_LATENT_CHANNELS),
+        (
+            1,
+            geometry.num_latent_frames,
+            geometry.latent_height,
+            geometry.latent_width,
+            _VIDEO_LATENT_CHANNELS,
+        ),
         generator=generator,
     ).to(device=options.device, dtype=options.dtype)
     previous_benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False  # diffusers' default
-    baseline, reference_frames = _decode_row("diffusers default decode", options, vae, latents, None, None)
+    baseline, reference_frames = _decode_row(
+        "diffusers default decode", options, vae, latents, None, None
+    )
     rows = [baseline]
     steps = [("ours cudnn.benchmark", {"channels_last": False}), ("ours +channels_last_3d", {})]
     if options.compile_decoder:

@@ -68,7 +68,9 @@ def apply_performance_mode(
         raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {mode!r}")
     device = torch.device(device)
     if mode != "speed" or device.type != "cuda":
-        why = "CPU: kept identical to the reference" if device.type != "cuda" else "no transforms yet"
+        why = (
+            "CPU: kept identical to the reference" if device.type != "cuda" else "no transforms yet"
+        )
         return PerformanceReport(mode=mode, device=str(device), notes=(f"{mode}: {why}",))
     notes: list[str] = []
     transformer = models.transformer

@@ -41,7 +41,9 @@ def apply_regional_compile(
     for path in plan.blocks:
         blocks = model.get_submodule(path)
         if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"plan.blocks entry {path!r} is a {type(blocks).__name__}, not a ModuleList")
+            raise TypeError(
+                f"plan.blocks entry {path!r} is a {type(blocks).__name__}, not a ModuleList"
+            )
         for block in blocks:
             if is_compiled(block):
                 continue

@@ -19,7 +19,11 @@ from torch import nn
 
 
 def apply_vae_speedups(
-    vae: nn.Module, device: torch.device, *, channels_last: bool = True, compile_decoder: bool = False
+    vae: nn.Module,
+    device: torch.device,
+    *,
+    channels_last: bool = True,
+    compile_decoder: bool = False,
 ) -> list[str]:
     """Apply the enabled decode speed-ups on CUDA; returns the names of what was applied."""
     if torch.device(device).type != "cuda":

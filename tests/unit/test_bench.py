@@ -25,20 +25,34 @@ def _one_thread():
 
 @pytest.mark.parametrize(
     ("variant", "height", "width", "expected_tflop"),
-    [("pro-distill", 512, 768, 3931), ("lite-distill", 512, 768, 702), ("pro", 480, 864, 4274),
-     ("lite", 480, 864, 771)],
+    [
+        ("pro-distill", 512, 768, 3931),
+        ("lite-distill", 512, 768, 702),
+        ("pro", 480, 864, 4274),
+        ("lite", 480, 864, 771),
+    ],
 )
 def test_forward_flops_match_the_documented_full_count(variant, height, width, expected_tflop):
     geometry = generation_geometry(height, width, 121)
-    config = Kandinsky6TransformerConfig.from_json_dict(released_transformer_config(VARIANTS[variant]))
-    tflop = 1e-12 * kandinsky6_forward_flops(config, num_video_tokens=geometry.num_video_tokens,
-                                             num_audio_tokens=geometry.num_audio_tokens, num_text_tokens=1024)
+    config = Kandinsky6TransformerConfig.from_json_dict(
+        released_transformer_config(VARIANTS[variant])
+    )
+    tflop = 1e-12 * kandinsky6_forward_flops(
+        config,
+        num_video_tokens=geometry.num_video_tokens,
+        num_audio_tokens=geometry.num_audio_tokens,
+        num_text_tokens=1024,
+    )
     assert abs(tflop - expected_tflop) <= 1.0
 
 
 def test_geometry_token_counts_and_errors():
     geometry = generation_geometry(512, 768, 121)
-    assert (geometry.num_latent_frames, geometry.num_video_tokens, geometry.num_audio_tokens) == (31, 47616, 218)
+    assert (geometry.num_latent_frames, geometry.num_video_tokens, geometry.num_audio_tokens) == (
+        31,
+        47616,
+        218,
+    )
     with pytest.raises(ValueError, match="4k\\+1"):
         generation_geometry(512, 768, 120)
     with pytest.raises(ValueError, match="multiples of 16"):
@@ -46,7 +60,9 @@ def test_geometry_token_counts_and_errors():
 
 
 def test_row_derived_numbers_and_table():
-    row = BenchRow(stage="dit", name="ours", config="pro", seconds=5.0, tflop=3931.0, reference_seconds=8.46)
+    row = BenchRow(
+        stage="dit", name="ours", config="pro", seconds=5.0, tflop=3931.0, reference_seconds=8.46
+    )
     assert row.tflops == pytest.approx(786.2)
     assert row.percent_of_floor == pytest.approx(99.5, abs=0.1)
     assert row.speedup == pytest.approx(1.692)
@@ -69,8 +85,25 @@ def tiny_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "tiny.json"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    code = main(["--tiny", "--stage", "dit", "--stage", "vae", "--stage", "audio", "--stage", "text",
-                 "--repeats", "2", "--warmup", "0", "--json", str(path)])
+    code = main(
+        [
+            "--tiny",
+            "--stage",
+            "dit",
+            "--stage",
+            "vae",
+            "--stage",
+            "audio",
+            "--stage",
+            "text",
+            "--repeats",
+            "2",
+            "--warmup",
+            "0",
+            "--json",
+            str(path),
+        ]
+    )
     torch.set_num_threads(threads)
     return code, json.loads(path.read_text())
 
@@ -82,8 +115,21 @@ def test_tiny_smoke_json_fields(tiny_run):
     assert payload["arguments"]["tiny"] is True
     rows = payload["rows"]
     assert all(row["error"] is None for row in rows), [row["error"] for row in rows]
-    expected_fields = {"stage", "name", "config", "seconds", "times_s", "tflops", "percent_of_floor", "speedup",
-                       "peak_memory_gib", "cosine_video", "cosine_audio", "max_abs_diff", "breakdown_s"}
+    expected_fields = {
+        "stage",
+        "name",
+        "config",
+        "seconds",
+        "times_s",
+        "tflops",
+        "percent_of_floor",
+        "speedup",
+        "peak_memory_gib",
+        "cosine_video",
+        "cosine_audio",
+        "max_abs_diff",
+        "breakdown_s",
+    }
     assert all(expected_fields <= set(row) for row in rows)
     assert [row["stage"] for row in rows] == ["dit"] * 3 + ["vae"] * 3 + ["audio"] + ["text"] * 2
     assert all(len(row["times_s"]) == 2 and row["seconds"] > 0 for row in rows)
@@ -92,7 +138,10 @@ def test_tiny_smoke_json_fields(tiny_run):
 def test_tiny_dit_rows_compare_with_diffusers(tiny_run):
     dit = [row for row in tiny_run[1]["rows"] if row["stage"] == "dit"]
     assert [row["name"] for row in dit] == [
-        "diffusers eager", "ours torch_sdpa eager", "ours torch_sdpa fused+compiled"]
+        "diffusers eager",
+        "ours torch_sdpa eager",
+        "ours torch_sdpa fused+compiled",
+    ]
     assert all(row["tflops"] > 0 for row in dit)
     # Same weights, same inputs, bf16: our velocities agree with diffusers' (bitwise for the eager model).
     assert dit[1]["cosine_video"] == pytest.approx(1.0, abs=1e-6)
@@ -104,25 +153,43 @@ def test_tiny_dit_rows_compare_with_diffusers(tiny_run):
 def test_tiny_vae_and_text_rows(tiny_run):
     rows = tiny_run[1]["rows"]
     vae = [row for row in rows if row["stage"] == "vae"]
-    assert vae[0]["name"] == "diffusers default decode" and all(row["max_abs_diff"] == 0 for row in vae[1:])
-    ours_text = [row for row in rows if row["name"] == "ours trunk only"][0]
+    assert vae[0]["name"] == "diffusers default decode" and all(
+        row["max_abs_diff"] == 0 for row in vae[1:]
+    )
+    ours_text = next(row for row in rows if row["name"] == "ours trunk only")
     assert ours_text["cosine_video"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_failing_stage_is_an_error_row_and_exit_code_one(capsys):
-    code = main(["--tiny", "--stage", "dit", "--backends", "flash9", "--skip-reference", "--skip-speed",
-                 "--repeats", "1", "--warmup", "0"])
+    code = main(
+        [
+            "--tiny",
+            "--stage",
+            "dit",
+            "--backends",
+            "flash9",
+            "--skip-reference",
+            "--skip-speed",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+        ]
+    )
     assert code == 1
     assert "ERROR: ValueError: unknown attention backend 'flash9'" in capsys.readouterr().out
 
 
 def test_tiny_generate_through_diffgenerator():
-    args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1",
-                                      "--num-inference-steps", "2"])
+    args = build_parser().parse_args(
+        ["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "2"]
+    )
     rows = run_stages(args, log=lambda text: None)
     assert [row.name for row in rows] == ["ours cold (first request)", "ours warm"], rows[0].error
     warm = rows[1]
-    assert {"encode", "denoise", "decode_video", "decode_audio", "mux", "total"} <= set(warm.breakdown_s)
+    assert {"encode", "denoise", "decode_video", "decode_audio", "mux", "total"} <= set(
+        warm.breakdown_s
+    )
     assert warm.seconds == pytest.approx(warm.breakdown_s["total"])
 
 
@@ -142,16 +209,34 @@ def test_gpu_single_parts_for_each_subcommand():
     parse = script.build_parser().parse_args
     dit = script.parts(parse(["dit", "--reference-compiled"]))
     assert [name for name, _ in dit] == ["dit pro-distill", "dit lite-distill"]
-    assert dit[0][1] == ["--stage", "dit", "--device", "cuda", "--height", "512", "--width", "768",
-                         "--num-frames", "121", "--repeats", "3", "--variant", "pro-distill",
-                         "--backends", "fa,torch_sdpa", "--reference-compiled"]
+    assert dit[0][1] == [
+        "--stage",
+        "dit",
+        "--device",
+        "cuda",
+        "--height",
+        "512",
+        "--width",
+        "768",
+        "--num-frames",
+        "121",
+        "--repeats",
+        "3",
+        "--variant",
+        "pro-distill",
+        "--backends",
+        "fa,torch_sdpa",
+        "--reference-compiled",
+    ]
     generate = script.parts(parse(["generate", "--models", "lite-distill"]))
     assert generate[0][0] == "generate lite-distill" and "--attention-backend" in generate[0][1]
     assert [name for name, _ in script.parts(parse(["decoders"]))] == ["vae", "audio", "text"]
     assert script.parts(parse(["sr"]))[0][1][:2] == ["--stage", "sr"]
     assert script.parts(parse(["env"])) == []
     for subcommand in ("dit", "generate", "decoders", "sr"):  # every part parses as bench arguments
-        for _, argv in script.parts(parse([subcommand])) + script.parts(parse([subcommand, "--tiny"])):
+        for _, argv in script.parts(parse([subcommand])) + script.parts(
+            parse([subcommand, "--tiny"])
+        ):
             build_parser().parse_args(argv)
     with pytest.raises(SystemExit):
         parse(["everything"])
@@ -159,12 +244,25 @@ def test_gpu_single_parts_for_each_subcommand():
 
 def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
     script = _gpu_single()
-    code = script.main(["dit", "--tiny", "--out", str(tmp_path), "--models", "not-a-model,lite-distill",
-                        "--repeats", "1"])
+    code = script.main(
+        [
+            "dit",
+            "--tiny",
+            "--out",
+            str(tmp_path),
+            "--models",
+            "not-a-model,lite-distill",
+            "--repeats",
+            "1",
+        ]
+    )
     assert code == 1
     payload = json.loads((tmp_path / "dit.json").read_text())
     assert [error["part"] for error in payload["errors"]] == ["dit not-a-model"]
     assert [row["name"] for row in payload["rows"]] == [
-        "diffusers eager", "ours torch_sdpa eager", "ours torch_sdpa fused+compiled"]
+        "diffusers eager",
+        "ours torch_sdpa eager",
+        "ours torch_sdpa fused+compiled",
+    ]
     assert payload["device_status"]["cuda_available"] is False
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()

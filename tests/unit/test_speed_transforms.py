@@ -76,8 +76,10 @@ def test_fused_projections_match_unfused_in_fp32():
     assert not any(isinstance(m, Kandinsky6Attention) for m in fused.modules())
     inputs = _inputs()
     (video, audio), (expected_video, expected_audio) = _run(fused, inputs), _run(reference, inputs)
-    print(f"fp32 fused vs unfused: video {_relative_error(video, expected_video):.2e}, "
-          f"audio {_relative_error(audio, expected_audio):.2e} (relative max abs diff)")
+    print(
+        f"fp32 fused vs unfused: video {_relative_error(video, expected_video):.2e}, "
+        f"audio {_relative_error(audio, expected_audio):.2e} (relative max abs diff)"
+    )
     assert _relative_error(video, expected_video) <= 1e-5
     assert _relative_error(audio, expected_audio) <= 1e-5
 
@@ -88,7 +90,10 @@ def test_fused_projections_in_bf16_keep_cosine():
     apply_fused_projections(fused)
     inputs = _inputs(torch.bfloat16)
     (video, audio), (expected_video, expected_audio) = _run(fused, inputs), _run(reference, inputs)
-    cos_video, cos_audio = cosine_similarity(video, expected_video), cosine_similarity(audio, expected_audio)
+    cos_video, cos_audio = (
+        cosine_similarity(video, expected_video),
+        cosine_similarity(audio, expected_audio),
+    )
     print(f"bf16 fused vs unfused: cosine video {cos_video:.6f}, audio {cos_audio:.6f}")
     assert cos_video >= 0.9999 and cos_audio >= 0.9999
 
@@ -100,7 +105,10 @@ def test_fused_modules_keep_norms_core_and_backend():
     apply_fused_projections(model)
     fused = model.visual_transformer_blocks[0].video_dec_block.self_attention
     assert isinstance(fused, FusedProjectionAttention) and fused.is_self_attention
-    assert fused.inner_attention is original.inner_attention and fused.query_norm is original.query_norm
+    assert (
+        fused.inner_attention is original.inner_attention
+        and fused.query_norm is original.query_norm
+    )
     assert fused.to_query_key_value.weight.shape == (3 * CONFIG.model_dim, CONFIG.model_dim)
     fused_cross = model.visual_transformer_blocks[0].va_cross_attention
     assert not fused_cross.is_self_attention and fused_cross.to_query is cross.to_query
@@ -130,14 +138,19 @@ def test_regional_compile_eager_backend_traces_blocks_bitwise():
     assert list(compiled.state_dict()) == list(fused_eager.state_dict())
 
 
-@pytest.mark.skipif(not os.environ.get("K6SERVE_SLOW_TESTS"), reason="inductor on CPU takes minutes")
+@pytest.mark.skipif(
+    not os.environ.get("K6SERVE_SLOW_TESTS"), reason="inductor on CPU takes minutes"
+)
 def test_regional_compile_inductor_matches_eager():
     torch._dynamo.reset()
     reference = _model()
     compiled = copy.deepcopy(reference)
     apply_regional_compile(compiled, kandinsky6_plan(CONFIG))
     inputs = _inputs()
-    (video, audio), (expected_video, expected_audio) = _run(compiled, inputs), _run(reference, inputs)
+    (video, audio), (expected_video, expected_audio) = (
+        _run(compiled, inputs),
+        _run(reference, inputs),
+    )
     assert _relative_error(video, expected_video) <= 1e-4
     assert _relative_error(audio, expected_audio) <= 1e-4
 
@@ -152,7 +165,9 @@ def test_performance_mode_is_a_no_op_on_cpu():
     model = _model()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     for mode in ("speed", "balanced", "memory"):
-        report = apply_performance_mode(_Models(transformer=model, vae=torch.nn.Conv3d(2, 2, 1)), mode, "cpu")
+        report = apply_performance_mode(
+            _Models(transformer=model, vae=torch.nn.Conv3d(2, 2, 1)), mode, "cpu"
+        )
         assert not report.applied and report.mode == mode
     assert any(isinstance(m, Kandinsky6Attention) for m in model.modules())
     assert not any(is_compiled(block) for block in model.visual_transformer_blocks)
@@ -207,8 +222,18 @@ def test_channels_last_3d_vae_decode_within_one_level():
 
 
 def _request(steps=10):
-    return GenerateRequest(prompt="a fox", negative_prompt=None, image_path=None, seed=1, height=64, width=96,
-                           num_frames=17, fps=24.0, num_inference_steps=steps, guidance_scale=1.0)
+    return GenerateRequest(
+        prompt="a fox",
+        negative_prompt=None,
+        image_path=None,
+        seed=1,
+        height=64,
+        width=96,
+        num_frames=17,
+        fps=24.0,
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+    )
 
 
 def test_warmup_runs_a_short_request_and_reports_its_cost():
