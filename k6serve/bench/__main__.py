@@ -212,7 +212,9 @@ def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print) 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every row ran, 1 when any row recorded an error."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `k6serve bench -- ARGS` forwards the separator too.
+    args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     try:
         _device(args.device)
     except ValueError as error:

@@ -87,6 +87,7 @@ def tiny_run(tmp_path_factory):
     torch.set_num_threads(1)
     code = main(
         [
+            "--",  # `k6serve bench -- ARGS` forwards the separator
             "--tiny",
             "--stage",
             "dit",
@@ -163,6 +164,7 @@ def test_tiny_vae_and_text_rows(tiny_run):
 def test_failing_stage_is_an_error_row_and_exit_code_one(capsys):
     code = main(
         [
+            "--",  # `k6serve bench -- ARGS` forwards the separator
             "--tiny",
             "--stage",
             "dit",
