@@ -145,15 +145,17 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        # The harness has its own parser: forward everything after "bench" untouched.
+        from k6serve.bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "bench":
-            from k6serve.bench.__main__ import main as bench_main
-
-            return bench_main(args.bench_args)
         options = merged_options(args, parser)
         engine, request = split_options(options)
         if "model_path" not in engine:

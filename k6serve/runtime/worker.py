@@ -21,6 +21,7 @@ from k6serve.config import EngineConfig
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import GENERATION, Variant, recognise, resolve_generate, resolve_upscale
 from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.speed import apply_performance_mode, warmup
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ def peak_memory_mb(device: torch.device) -> float:
 class ModelWorker:
     """Loads the checkpoint named by the config and serves requests for it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, transform: Callable[["ModelWorker"], None] | None = None) -> None:
+        """Load the checkpoint; `transform(worker)` (e.g. the multi-GPU layout) runs before the speed
+        transforms, which must see the final module tree."""
         self.config = config
         self.device = resolve_device(config.runtime.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -83,9 +86,30 @@ class ModelWorker:
         self.folder = folder
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
+        if transform is not None:
+            transform(self)
+        self.performance_report = apply_performance_mode(self.pipeline.models, config.runtime.performance_mode,
+                                                         self.device)
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
             logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")
+        self.warmed_up = False
+        if config.runtime.warmup_mode == "server":
+            self._warmup(self.variant_warmup_params())
+
+    def variant_warmup_params(self) -> SamplingParams:
+        """A request of the variant's default shape (server warm-up); SR warms up on its first request."""
+        return SamplingParams(prompt="warm-up")
+
+    def _warmup(self, params: SamplingParams) -> float:
+        """Run a short request of this shape once (compilation, autotuning); returns its cost in seconds."""
+        self.warmed_up = True
+        if self.variant.family != GENERATION:
+            return 0.0
+        request, _ = self.resolve(params)
+        report = warmup(self.pipeline, request, "request")
+        logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
+        return report.seconds
 
     def _build_pipeline(self, folder: Path | None):
         from k6serve.ops.attention import resolve_attention_backend
@@ -120,6 +144,9 @@ class ModelWorker:
         request, notes = self.resolve(params)
         for note in notes:
             logger.warning(note)
+        warmup_s = None
+        if self.config.runtime.warmup_mode == "request" and not self.warmed_up:
+            warmup_s = self._warmup(params)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -138,6 +165,8 @@ class ModelWorker:
             path = str(write_mp4(folder / name, frames, fps, audio, sample_rate))
             timings["mux"] = time.perf_counter() - mux_start
         timings["total"] = time.perf_counter() - start
+        if warmup_s is not None:
+            timings["warmup"] = warmup_s
         return VideoResult(
             output_file_path=path,
             frames=frames if output.return_frames else None,

@@ -163,3 +163,15 @@ def test_cli_reference_lists_every_flag():
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
                     assert flag in text, f"docs/cli.md does not document {command} {flag}"
+
+
+def test_warmup_mode_request_is_reported_once(tiny_distill_dir):
+    from k6serve.runtime.worker import ModelWorker
+    from k6serve.api import build_engine_config, split_kwargs
+
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="request"))
+    params, output = split_kwargs({"prompt": "x", "height": 32, "width": 32, "num_frames": 5, "save_output": False})
+    first = worker.run(params, output)
+    second = worker.run(params, output)
+    assert first.timings["warmup"] > 0 and "warmup" not in second.timings
+    assert worker.performance_report.mode == "speed"  # on CPU the speed transforms are a no-op

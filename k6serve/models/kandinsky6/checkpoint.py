@@ -170,7 +170,7 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype) 
     import diffusers
     import transformers
 
-    from k6serve.testing.tokenizers import build_clip_tokenizer, build_qwen_tokenizer
+    from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
 
     transformer = build_dummy_transformer(released_transformer_config(variant), device=device, dtype=dtype)
     with torch.device(device):
@@ -194,9 +194,9 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype) 
         text_encoder=text_encoder.eval().requires_grad_(False),
         # Random weights need no real vocabulary: the project's offline BPE tokenizers keep the 129-token
         # template crop exact and produce ids inside the real vocab.
-        tokenizer=build_qwen_tokenizer(),
+        tokenizer=train_qwen_tokenizer(),
         text_encoder_2=text_encoder_2.eval().requires_grad_(False),
-        tokenizer_2=build_clip_tokenizer(),
+        tokenizer_2=train_clip_tokenizer(),
         scheduler_class=scheduler_class,
         scheduler_config=scheduler_config,
         audio_vae=audio_vae.eval().requires_grad_(False),
