@@ -47,8 +47,12 @@ class Ready:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StartupFailed:
+    """`kind` "value": a user error (ValueError: invalid layout, checkpoint mismatch), raised as ValueError with
+    `message`; "runtime": anything else, `message` holds every failing rank's error with its traceback."""
+
     replica: int
-    message: str  # every failing rank's error with its traceback
+    message: str
+    kind: str = "runtime"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

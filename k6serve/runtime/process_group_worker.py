@@ -224,7 +224,7 @@ def rank_main(
         try:
             worker = build_rank_worker(config, context)
         except Exception as error:  # noqa: BLE001 (every rank's start-up error goes to the engine)
-            failure = f"rank {spec.rank}: {''.join(traceback.format_exception(error))}"
+            failure = _classify(error, spec.rank)
         failures = _gather(failure, context)
         pids = _gather(os.getpid(), context)
         connection = None
@@ -232,7 +232,11 @@ def rank_main(
             connection = Client(engine_address, authkey=authkey)
             reported = [f for f in failures if f is not None]
             if reported:
-                connection.send(messages.StartupFailed(replica=groups.replica, message="\n".join(reported)))
+                # A user error (bad layout, checkpoint mismatch) is the same on every rank: report it once.
+                user_error = all(kind == "value" for kind, _ in reported)
+                message = reported[0][1] if user_error else "\n".join(text for _, text in reported)
+                connection.send(messages.StartupFailed(replica=groups.replica, message=message,
+                                                       kind="value" if user_error else "runtime"))
             else:
                 connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids)))
         if worker is not None and not any(failures):
@@ -369,6 +373,8 @@ class MultiProcessWorker:
                 continue
             ready = connection.recv()
             if isinstance(ready, messages.StartupFailed):
+                if ready.kind == "value":
+                    raise ValueError(ready.message)
                 raise RuntimeError(f"replica {ready.replica} failed to start:\n{ready.message}")  # noqa: TRY004
             assert isinstance(ready, messages.Ready), ready
             ranks = self.layout.replica_ranks(ready.replica)
