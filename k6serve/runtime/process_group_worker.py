@@ -93,9 +93,9 @@ def build_model_worker(config: EngineConfig, context: RankContext) -> RankWorker
     """
     from k6serve.runtime.worker import ModelWorker
 
-    worker = ModelWorker(config)
-    parallelize_worker_models(worker, config, context)
-    return worker
+    # The layout is applied inside the worker's construction, before its speed transforms and warm-up, which
+    # must see the final (sharded) module tree.
+    return ModelWorker(config, transform=lambda worker: parallelize_worker_models(worker, config, context))
 
 
 def parallelize_worker_models(worker, config: EngineConfig, context: RankContext) -> None:
