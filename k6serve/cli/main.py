@@ -144,6 +144,22 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return engine, request
 
 
+def _hosts_no_engine(engine_options: dict[str, Any]) -> bool:
+    """Hosts with --node-rank > 0, and torchrun ranks > 0, only run worker ranks; rank 0 runs the engine."""
+    import os
+
+    return int(engine_options.get("node_rank") or 0) > 0 or int(os.environ.get("RANK", "0")) > 0
+
+
+def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
+    from k6serve.api import build_engine_config
+    from k6serve.runtime.process_group_worker import serve_worker_ranks
+
+    options = dict(engine_options)
+    serve_worker_ranks(build_engine_config(options.pop("model_path"), **options))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -160,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         engine, request = split_options(options)
         if "model_path" not in engine:
             raise ValueError("--model-path is required (a checkpoint folder, a hub id, or 'demo').")
+        if _hosts_no_engine(engine):
+            return _serve_worker_ranks(engine)
         if args.command == "generate":
             from k6serve.cli.generate import run_generate
 

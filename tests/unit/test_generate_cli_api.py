@@ -175,3 +175,17 @@ def test_warmup_mode_request_is_reported_once(tiny_distill_dir):
     second = worker.run(params, output)
     assert first.timings["warmup"] > 0 and "warmup" not in second.timings
     assert worker.performance_report.mode == "speed"  # on CPU the speed transforms are a no-op
+
+
+def test_non_leader_hosts_only_serve_worker_ranks(monkeypatch):
+    import k6serve.runtime.process_group_worker as pgw
+
+    served = []
+    monkeypatch.setattr(pgw, "serve_worker_ranks", lambda config: served.append(config))
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-gpus", "2", "--ulysses-degree", "2",
+                 "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"]) == 0
+    (config,) = served
+    assert (config.parallel.node_rank, config.parallel.nnodes, config.parallel.dist_init_addr) == (1, 2, "10.0.0.1:29500")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["serve", "--model-path", "demo", "--num-gpus", "2", "--ulysses-degree", "2"]) == 0
+    assert len(served) == 2
