@@ -9,7 +9,7 @@ import torch
 
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.denoise import StepCallback, denoise
-from k6serve.pipelines.encode_text import encode_prompt
+from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding
 from k6serve.pipelines.prepare_latents import encode_reference_image, make_generator, prepare_latents
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo
@@ -31,8 +31,10 @@ def _sync(device: torch.device) -> None:
 
 
 class TextToVideoPipeline:
-    def __init__(self, models) -> None:
+    def __init__(self, models, *, trim_text_padding: bool = False) -> None:
         self.models = models
+        # Speed mode: cut the common trailing text padding (exact up to kernel rounding; see trim_text_padding).
+        self.trim_text_padding = trim_text_padding
 
     def check(self, request: GenerateRequest) -> None:
         config = self.models.transformer.config
@@ -48,6 +50,9 @@ class TextToVideoPipeline:
                       text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype)
         positive = encode_prompt(request.prompt, **kwargs)
         negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
+        if self.trim_text_padding:
+            positive = trim_text_padding(positive)
+            negative = trim_text_padding(negative) if negative is not None else None
         return Conditioning(positive=positive, negative=negative)
 
     def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None) -> GenerationOutput:

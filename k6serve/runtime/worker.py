@@ -90,6 +90,8 @@ class ModelWorker:
             transform(self)
         self.performance_report = apply_performance_mode(self.pipeline.models, config.runtime.performance_mode,
                                                          self.device)
+        if self.variant.family == GENERATION:
+            self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
             logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")

@@ -80,3 +80,20 @@ def test_ti2av_matches_diffusers(tiny_pro_dir, tmp_path):
                             num_frames=FRAMES, num_inference_steps=2, guidance_scale=3.0)
     ours, request = _ours(tiny_pro_dir, params)
     _assert_close(ours, *_reference(tiny_pro_dir, request, image=Image.open(path)))
+
+
+def test_trimmed_text_padding_matches_full_padding(tiny_pro_dir):
+    """Speed mode cuts the common trailing padding: the same video and audio up to kernel rounding."""
+    variant = recognise(str(tiny_pro_dir), None, tiny_pro_dir)
+    models = load_generation_models(tiny_pro_dir, variant, device=torch.device("cpu"), dtype=torch.float32,
+                                    load_format="auto")
+    request, _ = resolve_generate(SamplingParams(prompt="a red fox runs", seed=7, height=HEIGHT, width=WIDTH,
+                                                 num_frames=FRAMES, num_inference_steps=3), variant)
+    full = TextToVideoPipeline(models)
+    trimmed = TextToVideoPipeline(models, trim_text_padding=True)
+    cond_full, cond_trimmed = full.encode(request), trimmed.encode(request)
+    assert cond_full.positive.tokens_BLD.shape[1] == 1024
+    assert cond_trimmed.positive.tokens_BLD.shape[1] < 1024 and cond_trimmed.negative.tokens_BLD.shape[1] < 1024
+    a, b = full(request), trimmed(request)
+    assert np.abs(a.video.frames_float_THWC.numpy() - b.video.frames_float_THWC.numpy()).max() <= 1e-5
+    assert np.abs(a.audio.waveform - b.audio.waveform).max() <= 1e-5 * max(1.0, float(np.abs(a.audio.waveform).max()))
