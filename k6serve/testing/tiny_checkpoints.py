@@ -34,6 +34,7 @@ from transformers import (
     Qwen2Tokenizer,
 )
 
+from k6serve.testing.tiny_configs import AUDIO_LATENT_CHANNELS, PIFLOW_N_GRID, tiny_transformer_config
 from k6serve.testing.tokenizers import (
     build_qwen_processor,
     load_qwen_processor,
@@ -43,9 +44,6 @@ from k6serve.testing.tokenizers import (
 
 VARIANTS = ("pro", "distill", "lite")
 # PiFlow distilled heads predict n_grid candidate velocities per channel.
-_PIFLOW_N_GRID = 10
-_VIDEO_LATENT_CHANNELS = 16
-_AUDIO_LATENT_CHANNELS = 8
 # Released audio-VAE scaling factors (k6-generation.md §1.3): Pro-sft 0.5302, Pro-distill 0.417.
 _AUDIO_SCALING_FACTOR = {"pro": 0.5302, "lite": 0.5302, "distill": 0.417}
 
@@ -57,34 +55,7 @@ _DEMO_KINDS = ("t2av",)
 
 
 def _build_transformer(variant: str) -> Kandinsky6Transformer3DModel:
-    grid = _PIFLOW_N_GRID if variant == "distill" else 1
-    return Kandinsky6Transformer3DModel(
-        in_visual_dim=_VIDEO_LATENT_CHANNELS,
-        out_visual_dim=_VIDEO_LATENT_CHANNELS * grid,
-        in_text_dim=32,
-        in_text_dim2=32,
-        time_dim=32,
-        patch_size=(1, 2, 2),
-        model_dim=64,
-        ff_dim=128,
-        num_text_blocks=2,
-        num_visual_blocks=2,
-        axes_dims=(4, 6, 6),
-        visual_cond=True,
-        in_audio_dim=_AUDIO_LATENT_CHANNELS,
-        out_audio_dim=_AUDIO_LATENT_CHANNELS * grid,
-        model_dim_a=32,
-        time_dim_a=32,
-        ff_dim_a=64,
-        axes_dims_a=(4, 6, 6),
-        audio_freqs_scaling=0.144,
-        scale_factor=(1.0, 2.0, 2.0),
-        text_token_padding=True,
-        ca_rope=True,
-        cross_gates=True,
-        fix_modulation=True,
-        visual_token_type_num_embeddings=2,
-    )
+    return Kandinsky6Transformer3DModel(**tiny_transformer_config(distilled=variant == "distill"))
 
 
 def _build_vae() -> AutoencoderKLHunyuanVideo:
@@ -157,7 +128,7 @@ def _build_audio_vae(variant: str) -> MMAudioVAE:
     # Real 44.1 kHz / n_fft 2048 / hop 512, so audio lengths (1024 samples per latent) are real.
     return MMAudioVAE(
         mel_bins=16,
-        latent_channels=_AUDIO_LATENT_CHANNELS,
+        latent_channels=AUDIO_LATENT_CHANNELS,
         hidden_channels=8,
         channel_multipliers=(1, 2),
         scaling_factor=_AUDIO_SCALING_FACTOR[variant],
@@ -173,7 +144,7 @@ def _build_scheduler(variant: str) -> FlowMatchEulerDiscreteScheduler | PiflowSc
     if variant == "distill":
         return PiflowScheduler(
             shift=5.0,
-            n_grid=_PIFLOW_N_GRID,
+            n_grid=PIFLOW_N_GRID,
             eps=1e-6,
             final_step_size_scale=0.5,
             num_policy_substeps=128,

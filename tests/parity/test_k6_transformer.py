@@ -14,33 +14,12 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers import Kandinsky6Transformer3DModel
 
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.testing.tiny_configs import tiny_transformer_config
 from k6serve.models.kandinsky6.released_configs import RELEASED_TRANSFORMER_CONFIGS
 from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer, cast_for_inference
 
-TINY = {
-    "model_dim": 64,
-    "model_dim_a": 32,
-    "time_dim": 32,
-    "time_dim_a": 32,
-    "ff_dim": 128,
-    "ff_dim_a": 64,
-    "num_text_blocks": 2,
-    "num_visual_blocks": 2,
-    "axes_dims": (4, 6, 6),
-    "axes_dims_a": (4, 6, 6),
-    "in_text_dim": 32,
-    "in_text_dim2": 32,
-    "in_audio_dim": 8,
-    "out_audio_dim": 8,
-    "audio_freqs_scaling": 0.144,
-    "scale_factor": (1.0, 2.0, 2.0),
-    "text_token_padding": True,
-    "ca_rope": True,
-    "cross_gates": True,
-    "fix_modulation": True,
-    "visual_token_type_num_embeddings": 2,
-}
-DISTILLED = {**TINY, "out_visual_dim": 160, "out_audio_dim": 80}
+TINY = tiny_transformer_config()
+DISTILLED = tiny_transformer_config(distilled=True)
 BATCH, FRAMES, HEIGHT, WIDTH, TEXT_TOKENS, AUDIO_TOKENS = 2, 3, 4, 6, 10, 7
 
 
