@@ -180,9 +180,10 @@ def test_speed_mode_composition_for_cuda(monkeypatch):
     model, vae = _model(), torch.nn.Conv3d(2, 2, 3)
     report = apply_performance_mode(_Models(transformer=model, vae=vae), "speed", "cuda")
     assert (report.num_fused_attentions, report.num_compiled_blocks) == (16, 6)
-    assert report.vae == ("cudnn_benchmark", "channels_last_3d") and report.applied
+    # channels_last_3d stays off: on an H200 it made the decode 1.55x slower (docs/benchmarks.md).
+    assert report.vae == ("cudnn_benchmark",) and report.applied
     assert torch.backends.cudnn.benchmark
-    assert vae.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert not vae.weight.is_contiguous(memory_format=torch.channels_last_3d)
     assert all(is_compiled(block) for block in model.video_text_transformer_blocks)
     again = apply_performance_mode(_Models(transformer=model, vae=vae), "speed", "cuda")
     assert (again.num_fused_attentions, again.num_compiled_blocks) == (0, 0)
@@ -191,8 +192,7 @@ def test_speed_mode_composition_for_cuda(monkeypatch):
     report = apply_performance_mode(
         _Models(transformer=_model(), vae=types.SimpleNamespace(model=wrapped)), "speed", "cuda"
     )
-    assert "channels_last_3d" in report.vae
-    assert wrapped.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert report.vae == ("cudnn_benchmark",)  # the SR K-VAE gets the same (wrapped) treatment
     torch._dynamo.reset()
 
 
