@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k6serve.models.common.rope import apply_rotary
 from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
 
 
@@ -41,11 +40,14 @@ def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-class FusedProjectionAttention(nn.Module):
-    """`Kandinsky6Attention` with Q/K/V (self) or K/V (cross) computed by one concatenated GEMM."""
+class FusedProjectionAttention(Kandinsky6Attention):
+    """`Kandinsky6Attention` with Q/K/V (self) or K/V (cross) computed by one concatenated GEMM.
+
+    Only `project` differs; the head split, norms, RoPE, attention core and output are the parent's `forward`.
+    """
 
     def __init__(self, attention: Kandinsky6Attention, *, is_self_attention: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # the parent's __init__ would allocate fresh projections
         self.head_dim = attention.head_dim
         self.num_heads = attention.num_heads
         self.num_channels = attention.to_query.out_features
@@ -62,34 +64,13 @@ class FusedProjectionAttention(nn.Module):
         self.out_layer = attention.out_layer
         self.inner_attention = attention.inner_attention
 
-    def forward(
-        self,
-        x_BLD: Tensor,
-        context_BSD: Tensor | None = None,
-        *,
-        query_rope: Tensor | None = None,
-        key_rope: Tensor | None = None,
-        key_mask_BS: Tensor | None = None,
-    ) -> Tensor:
-        """Same contract as `Kandinsky6Attention.forward`."""
+    def project(self, x_BLD: Tensor, context_BSD: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        # Split views are strided; every later op accepts them.
         if self.is_self_attention:
             assert context_BSD is None, "a self-attention was called with a context"
-            query_BLD, key_BSD, value_BSD = self.to_query_key_value(x_BLD).split(
-                self.num_channels, dim=-1
-            )
-        else:
-            query_BLD = self.to_query(x_BLD)
-            key_BSD, value_BSD = self.to_key_value(context_BSD).split(self.num_channels, dim=-1)
-        # From here on exactly Kandinsky6Attention.forward (split views are strided; every op accepts them).
-        query_BLNK = self.query_norm(query_BLD.unflatten(-1, (-1, self.head_dim)))
-        key_BSNK = self.key_norm(key_BSD.unflatten(-1, (-1, self.head_dim)))
-        value_BSNK = value_BSD.unflatten(-1, (-1, self.head_dim))
-        if query_rope is not None:
-            query_BLNK = apply_rotary(query_BLNK, query_rope)
-        if key_rope is not None:
-            key_BSNK = apply_rotary(key_BSNK, key_rope)
-        out_BLNK = self.inner_attention(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
-        return self.out_layer(out_BLNK.flatten(-2, -1))
+            return self.to_query_key_value(x_BLD).split(self.num_channels, dim=-1)
+        key_BSD, value_BSD = self.to_key_value(context_BSD).split(self.num_channels, dim=-1)
+        return self.to_query(x_BLD), key_BSD, value_BSD
 
     def extra_repr(self) -> str:
         kind = "qkv" if self.is_self_attention else "q + kv"
@@ -111,6 +92,7 @@ def apply_fused_projections(model: nn.Module) -> int:
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, Kandinsky6Attention)
+        and not isinstance(module, FusedProjectionAttention)
         and all(
             _is_plain_tensor(linear.weight)
             for linear in (module.to_query, module.to_key, module.to_value)

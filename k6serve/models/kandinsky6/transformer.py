@@ -60,6 +60,11 @@ class Kandinsky6Attention(nn.Module):
         self.out_layer = nn.Linear(num_channels, num_channels)
         self.inner_attention = InnerAttention(role)
 
+    def project(self, x_BLD: Tensor, context_BSD: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V before the head split (the speed transforms replace only this step)."""
+        context_BSD = x_BLD if context_BSD is None else context_BSD
+        return self.to_query(x_BLD), self.to_key(context_BSD), self.to_value(context_BSD)
+
     def forward(
         self,
         x_BLD: Tensor,
@@ -70,11 +75,11 @@ class Kandinsky6Attention(nn.Module):
         key_mask_BS: Tensor | None = None,
     ) -> Tensor:
         """Self-attention when `context_BSD` is None, else cross-attention with K/V from the context."""
-        context_BSD = x_BLD if context_BSD is None else context_BSD
+        query_BLD, key_BSD, value_BSD = self.project(x_BLD, context_BSD)
         # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
-        query_BLNK = self.query_norm(self.to_query(x_BLD).unflatten(-1, (-1, self.head_dim)))
-        key_BSNK = self.key_norm(self.to_key(context_BSD).unflatten(-1, (-1, self.head_dim)))
-        value_BSNK = self.to_value(context_BSD).unflatten(-1, (-1, self.head_dim))
+        query_BLNK = self.query_norm(query_BLD.unflatten(-1, (-1, self.head_dim)))
+        key_BSNK = self.key_norm(key_BSD.unflatten(-1, (-1, self.head_dim)))
+        value_BSNK = value_BSD.unflatten(-1, (-1, self.head_dim))
         if query_rope is not None:
             query_BLNK = apply_rotary(query_BLNK, query_rope)
         if key_rope is not None:
