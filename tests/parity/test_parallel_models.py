@@ -264,4 +264,6 @@ def test_sr_pipeline_matches_one_process(pool, tiny_sr_dir, tmp_path):
     for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2"][0]):
         assert np.array_equal(frames, reference)
     for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2_ring2"][0]):
-        assert np.abs(frames.astype(int) - reference).max() <= 1  # rounding may move a pixel by one level
+        # Ring changes rounding (~1e-6 relative, see the DiT tests); after per-tile uint8 truncation a pixel can
+        # move by one level in each of two overlapping tiles, so by two after blending.
+        assert np.abs(frames.astype(int) - reference).max() <= 2
