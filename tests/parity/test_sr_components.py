@@ -264,3 +264,19 @@ def test_piflow_sampler_equals_diffusers_step_on_fp32_samples(checkpoint):
         actual = sampler.step(output, timestep, actual)
         expected = reference.step(output, timestep, expected, return_dict=False)[0]
     assert torch.equal(actual, expected)
+
+
+def test_vae_single_segment_encode_and_decode_match_diffusers(vae):
+    # 17 frames and 5 latent frames are exactly one segment each: no cache is carried.
+    video = torch.randint(
+        0, 256, (1, 3, 17, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        expected = vae.model.encode(video.float() / 128 - 1).latent_dist.mode() * vae.scaling_factor
+    assert torch.equal(vae.encode_clip(video), expected)
+    latent = torch.randn(1, 8, 5, 4, 4, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = vae.model.decode(latent / vae.scaling_factor).sample
+    raw = vae.decode_tile_raw(latent)
+    assert raw.shape == (1, 3, 17, 32, 32)
+    assert_close_relative(raw, reference)
