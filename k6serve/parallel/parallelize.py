@@ -70,3 +70,11 @@ def parallelize_sr_transformer(transformer: nn.Module, groups: ParallelGroups, *
 
     parallelize_model(transformer, sr_plan(transformer.config), groups, device_type=device_type,
                       model_name=model_name, has_guidance=False)
+
+
+def parallelize_sr_models(models, groups: ParallelGroups, *, model_name: str, device_type: str) -> None:
+    """The SR DiT layout, plus whole-tile parallel KVAE decode over the replica (bitwise equal to serial)."""
+    from k6serve.parallel.tile_decode import attach_decode_group
+
+    parallelize_sr_transformer(models.transformer, groups, model_name=model_name, device_type=device_type)
+    attach_decode_group(models.vae, groups.replica_group)

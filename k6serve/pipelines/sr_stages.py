@@ -41,6 +41,7 @@ from k6serve.pipelines.sr_tiling import (
 )
 from k6serve.pipelines.state import DecodedAudio
 from k6serve.request import UpscaleRequest
+from k6serve.parallel.tile_decode import decode_group_of, decode_round_robin
 
 StepCallback = Callable[[int, int], None]
 
@@ -205,8 +206,16 @@ def _model_input(sample_BThwC: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor]) -> list[Tensor]:
-    """Each tile decoded on its own, with a fresh temporal cache chain -> uint8 (T, 3, H, W), truncated."""
-    return [vae.decode_tile(latent.permute(3, 0, 1, 2).unsqueeze(0))[0] for latent in latents_ThwC]
+    """Each tile decoded on its own, with a fresh temporal cache chain -> uint8 (T, 3, H, W), truncated.
+
+    On a multi-GPU replica the tiles are decoded round-robin across its ranks (whole-tile parallel decode,
+    bitwise equal to serial; `k6serve.parallel.tile_decode`).
+    """
+
+    def decode_one(index: int) -> Tensor:
+        return vae.decode_tile(latents_ThwC[index].permute(3, 0, 1, 2).unsqueeze(0))[0]
+
+    return decode_round_robin(decode_one, len(latents_ThwC), decode_group_of(vae))
 
 
 def assemble_frames(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> np.ndarray:

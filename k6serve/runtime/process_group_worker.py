@@ -102,7 +102,7 @@ def parallelize_worker_models(worker, config: EngineConfig, context: RankContext
     """Validate and apply the replica layout to the models a `ModelWorker` loaded (no-op work for one rank)."""
     from k6serve.parallel.parallelize import (
         parallelize_generation_models,
-        parallelize_sr_transformer,
+        parallelize_sr_models,
     )
 
     device_type, layout = context.device.type, context.groups.layout
@@ -110,8 +110,8 @@ def parallelize_worker_models(worker, config: EngineConfig, context: RankContext
         parallelize_generation_models(worker.pipeline.models, context.groups,
                                       encoder_parallel=config.parallel.encoder_parallel, device_type=device_type)
     elif layout.replica_size > 1 or layout.fsdp:
-        parallelize_sr_transformer(worker.pipeline.models.transformer, context.groups, model_name=worker.variant.name,
-                                   device_type=device_type)
+        parallelize_sr_models(worker.pipeline.models, context.groups, model_name=worker.variant.name,
+                              device_type=device_type)
 
 
 def _broadcast(message: object, context: RankContext) -> object:

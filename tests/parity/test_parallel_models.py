@@ -241,7 +241,7 @@ def _sr_pipeline_task(folder: Path, clip: Path, layout: ParallelLayout | None):
     """The whole SR pipeline (x2, six tiles in batches of 2) under `layout`; uint8 frames."""
     from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
     from k6serve.models.variants import VARIANTS
-    from k6serve.parallel.parallelize import parallelize_sr_transformer
+    from k6serve.parallel.parallelize import parallelize_sr_models
     from k6serve.pipelines.super_resolution import SuperResolutionPipeline
     from k6serve.request import UpscaleRequest
 
@@ -250,7 +250,8 @@ def _sr_pipeline_task(folder: Path, clip: Path, layout: ParallelLayout | None):
     models = load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"),
                             dtype=torch.float32, load_format="auto")
     if layout is not None:
-        parallelize_sr_transformer(models.transformer, _groups(layout), model_name="tiny-sr", device_type="cpu")
+        # The DiT layout plus whole-tile parallel decode (six tiles round-robin over the replica).
+        parallelize_sr_models(models, _groups(layout), model_name="tiny-sr", device_type="cpu")
     request = UpscaleRequest(video_path=str(clip), scale=2.0, tiles_batch_size=2, tile_min_overlap=0.2,
                              target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=2)
     return SuperResolutionPipeline(models)(request).video.frames_THWC
@@ -267,3 +268,30 @@ def test_sr_pipeline_matches_one_process(pool, tiny_sr_dir, tmp_path):
         # Ring changes rounding (~1e-6 relative, see the DiT tests); after per-tile uint8 truncation a pixel can
         # move by one level in each of two overlapping tiles, so by two after blending.
         assert np.abs(frames.astype(int) - reference).max() <= 2
+
+
+def _round_robin_task(num_tiles: int, layout: ParallelLayout):
+    from k6serve.parallel.tile_decode import decode_round_robin
+
+    calls: list[int] = []
+
+    def decode_one(index: int) -> torch.Tensor:
+        calls.append(index)
+        return torch.full((2, 3, 4, 4), index, dtype=torch.uint8) + torch.arange(4, dtype=torch.uint8)
+
+    tiles = decode_round_robin(decode_one, num_tiles, _groups(layout).replica_group)
+    return tiles, calls
+
+
+@pytest.mark.parametrize("num_tiles", [1, 3, 5, 8])
+def test_whole_tile_parallel_decode_equals_serial_and_splits_the_work(pool, num_tiles):
+    expected = [torch.full((2, 3, 4, 4), i, dtype=torch.uint8) + torch.arange(4, dtype=torch.uint8)
+                for i in range(num_tiles)]
+    for layout in (ParallelLayout(dp=2, ulysses=2), ParallelLayout(ulysses=4)):
+        world = layout.replica_size
+        for rank, (tiles, calls) in enumerate(pool.run(_round_robin_task, num_tiles, layout)):
+            assert len(tiles) == num_tiles and all(torch.equal(a, b) for a, b in zip(tiles, expected))
+            if num_tiles < world:  # nothing to distribute: every rank decodes every tile
+                assert calls == list(range(num_tiles))
+            else:
+                assert calls == list(range(rank % world, num_tiles, world))
