@@ -8,9 +8,11 @@ collective carries the configured timeout so a dead peer turns into an error ins
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -140,8 +142,33 @@ def init_distributed(spec: RankSpec) -> torch.device:
 def start_process(target: Callable[..., None], args: tuple, *, name: str) -> BaseProcess:
     """Start `target(*args)` in a fresh interpreter (spawn: CUDA cannot be forked)."""
     process = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
-    process.start()
+    with _main_module_hidden():
+        process.start()
     return process
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Keep spawned ranks from re-running the caller's script.
+
+    spawn normally re-imports the parent's `__main__` (by path or module name) in every child, which runs a
+    script's top-level code again: the seed documents' `DiffGenerator` example has no `if __name__ ==
+    "__main__"` guard and would start workers recursively. Our rank targets live in k6serve modules, so the
+    children never need the caller's `__main__`; hiding it while `start()` snapshots the preparation data
+    (synchronously) makes them skip it.
+    """
+    main = sys.modules.get("__main__")
+    saved = {key: getattr(main, key) for key in ("__file__", "__spec__") if main is not None and hasattr(main, key)}
+    try:
+        for key in saved:
+            if key == "__spec__":
+                main.__spec__ = None
+            else:
+                delattr(main, key)
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(main, key, value)
 
 
 def stop_processes(processes: list[BaseProcess], *, grace_s: float = 5.0) -> None:

@@ -189,3 +189,39 @@ def test_non_leader_hosts_only_serve_worker_ranks(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert main(["serve", "--model-path", "demo", "--num-gpus", "2", "--ulysses-degree", "2"]) == 0
     assert len(served) == 2
+
+
+SEED_SCRIPT = """
+from k6serve import DiffGenerator
+
+generator = DiffGenerator.from_pretrained(
+    model_path={model_path!r},
+    num_gpus=1,
+    performance_mode="speed",
+    attention_backend="sdpa",
+    warmup_mode="off",
+)
+try:
+    result = generator.generate(sampling_params_kwargs={{
+        "prompt": "A woman chops vegetables in a sunlit kitchen, with soft jazz playing.",
+        "seed": 42,
+        "height": 32, "width": 32, "num_frames": 5,
+        "save_output": True,
+        "output_path": "kandinsky6_samples",
+        "return_file_paths_only": False,
+        "return_frames": True,
+    }})
+    print(result.output_file_path)
+finally:
+    generator.shutdown()
+"""
+
+
+def test_seed_example_runs_as_a_script_without_a_main_guard(tiny_distill_dir, tmp_path):
+    """The seed's example has no `if __name__ == "__main__"`: spawned workers must not re-run it."""
+    script = tmp_path / "seed_example.py"
+    script.write_text(SEED_SCRIPT.format(model_path=str(tiny_distill_dir)))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = tmp_path / done.stdout.strip().splitlines()[-1]
+    assert path.is_file() and probe(path).num_frames == 5
