@@ -40,11 +40,7 @@ def run_audio(options: AudioOptions) -> list[BenchRow]:
             repeats=options.repeats,
             warmup=options.warmup,
         )
-        row.seconds, row.times_s, row.peak_memory_gib = (
-            result.median_s,
-            result.times_s,
-            result.peak_memory_gib,
-        )
+        row.record(result)
         row.note = f"{result.output.waveform.shape[0]} samples at {result.output.sample_rate} Hz"
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         row.error = f"{type(error).__name__}: {error}"

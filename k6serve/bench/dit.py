@@ -103,12 +103,7 @@ def _row(options: DitOptions, name: str, tflop: float) -> BenchRow:
 
 def _timed(row: BenchRow, call, options: DitOptions):
     result = measure(call, device=options.device, repeats=options.repeats, warmup=options.warmup)
-    row.seconds, row.times_s, row.peak_memory_gib = (
-        result.median_s,
-        result.times_s,
-        result.peak_memory_gib,
-    )
-    return result.output
+    return row.record(result)
 
 
 def _time_reference(

@@ -37,6 +37,15 @@ class BenchRow:
     note: str = ""
     error: str | None = None
 
+    def record(self, result) -> Any:
+        """Take the median, the run times and the peak memory of a `measure()` result; return its output."""
+        self.seconds, self.times_s, self.peak_memory_gib = (
+            result.median_s,
+            result.times_s,
+            result.peak_memory_gib,
+        )
+        return result.output
+
     @property
     def tflops(self) -> float | None:
         return self.tflop / self.seconds if self.tflop and self.seconds else None

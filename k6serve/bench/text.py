@@ -67,11 +67,7 @@ def run_text(options: TextOptions) -> list[BenchRow]:
             warmup=options.warmup,
         )
         row = rows[0]
-        row.seconds, row.times_s, row.peak_memory_gib = (
-            reference.median_s,
-            reference.times_s,
-            reference.peak_memory_gib,
-        )
+        row.record(reference)
         row.reference_seconds = row.seconds
         rows.append(BenchRow(stage="text", name="ours trunk only", config=config))
         ours = measure(
@@ -89,11 +85,7 @@ def run_text(options: TextOptions) -> list[BenchRow]:
             warmup=options.warmup,
         )
         row = rows[1]
-        row.seconds, row.times_s, row.peak_memory_gib = (
-            ours.median_s,
-            ours.times_s,
-            ours.peak_memory_gib,
-        )
+        row.record(ours)
         row.reference_seconds = rows[0].seconds
         row.cosine_video = cosine_similarity(
             ours.output.tokens_BLD.float(), reference.output.float()

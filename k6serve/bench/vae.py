@@ -43,11 +43,7 @@ def _decode_row(name: str, options: VaeOptions, vae, latents, reference_frames, 
             repeats=options.repeats,
             warmup=options.warmup,
         )
-        row.seconds, row.times_s, row.peak_memory_gib = (
-            result.median_s,
-            result.times_s,
-            result.peak_memory_gib,
-        )
+        row.record(result)
         frames = torch.from_numpy(result.output.frames_THWC)
         row.reference_seconds = reference_seconds or row.seconds
         if reference_frames is not None:
