@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-frames", type=int, default=121)
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default per stage)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT)")
+    parser.add_argument("--performance-mode", default="default", choices=("default", "speed"),
+                        help="speed: fused projections + regionally compiled blocks (as the engine's "
+                             "--performance-mode speed), applied before the 1-GPU baseline")
+    parser.add_argument("--profile", action="store_true",
+                        help="rank 0: kernel profile of the second denoising step of every run")
     return parser.parse_args(argv)
 
 
@@ -78,8 +83,12 @@ def load_models(args: argparse.Namespace, variant_name: str, device: torch.devic
     return models
 
 
-def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.device) -> dict:
-    """One request; returns outputs (on the CPU), per-step times and the peak memory of this run."""
+def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.device, *,
+                 profile: bool = False) -> dict:
+    """One request; returns outputs (on the CPU), per-step times and the peak memory of this run.
+
+    With `profile`, the second denoising step runs under `torch.profiler` and its kernel summary is returned.
+    """
     from k6serve.models.variants import resolve_generate
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
@@ -90,17 +99,34 @@ def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stamps: list[float] = []
+    profiler = None
+    if profile and steps >= 3:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
 
     def on_step(step: int, total: int) -> None:
         _sync(device)
         stamps.append(time.perf_counter())
+        if profiler is not None and len(stamps) == 1:
+            profiler.start()
+        elif profiler is not None and len(stamps) == 2:
+            profiler.stop()
 
     _sync(device)
     start = time.perf_counter()
     output = TextToVideoPipeline(models)(request, on_step=on_step)
     _sync(device)
     step_times = [later - earlier for earlier, later in itertools.pairwise(stamps)]
+    kernel_profile = None
+    if profiler is not None and len(stamps) >= 2:
+        from k6serve.bench.kernel_profile import summarize
+
+        kernel_profile = summarize(profiler.key_averages(), wall_s=stamps[1] - stamps[0],
+                                   device=device.type == "cuda")
     return {
+        "kernel_profile": kernel_profile,
         "frames": output.video.frames_float_THWC,
         "waveform": None if output.audio is None else torch.from_numpy(output.audio.waveform),
         "step_times_s": step_times,
@@ -126,7 +152,8 @@ def compare(parallel: dict, baseline: dict) -> dict:
 
 
 def _summary(run: dict) -> dict:
-    return {key: run[key] for key in ("step_s", "step_times_s", "total_s", "timings", "peak_memory_gib")}
+    return {key: run[key] for key in ("step_s", "step_times_s", "total_s", "timings", "peak_memory_gib",
+                                      "kernel_profile")}
 
 
 def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict | None:
@@ -137,13 +164,17 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
     variant_name, default_steps, runs = STAGES[args.stage]
     steps = args.steps or default_steps
     models = load_models(args, variant_name, device)
-    report: dict = {"stage": args.stage, "variant": models.variant.name, "steps": steps,
+    if args.performance_mode == "speed":
+        from k6serve.speed.performance_mode import apply_performance_mode
+
+        apply_performance_mode(models, "speed", device)
+    report: dict = {"stage": args.stage, "performance_mode": args.performance_mode, "variant": models.variant.name, "steps": steps,
                     "geometry": [args.height, args.width, args.num_frames], "device": str(device),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
     baseline = None
     if args.stage != "fsdp":
         if rank == 0:
-            baseline = run_pipeline(models, args, steps, device)
+            baseline = run_pipeline(models, args, steps, device, profile=args.profile)
             report["runs"]["one_gpu"] = _summary(baseline)
         dist.barrier()
     for name, degrees in runs:
@@ -158,7 +189,7 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
                        groups.axis_mesh("replica", device.type))
         else:
             parallelize_generation_models(models, groups, encoder_parallel="replicate", device_type=device.type)
-        result = run_pipeline(models, args, steps, device)
+        result = run_pipeline(models, args, steps, device, profile=args.profile and rank == 0)
         if rank == 0:
             report["runs"][name] = _summary(result)
             if baseline is None:  # fsdp: the resident Ulysses2 run is the baseline of FSDP + Ulysses2
@@ -184,6 +215,11 @@ def table(report: dict) -> str:
         memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
         lines.append(f"| {name} | {step} | {speedup} | {run['total_s']:.1f} | {memory} | "
                      f"{equal.get('frames_equal', '-')} | {equal.get('waveform_equal', '-')} |")
+    from k6serve.bench.kernel_profile import format_summary
+
+    for name, run in report["runs"].items():
+        if run.get("kernel_profile"):
+            lines += ["", format_summary(f"{name}: second step, rank 0", run["kernel_profile"])]
     return "\n".join(lines) + "\n"
 
 

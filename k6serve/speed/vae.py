@@ -40,3 +40,33 @@ def apply_vae_speedups(
             decoder.compile(dynamic=False)
         applied.append("compile_decoder")
     return applied
+
+
+def _raise_recompile_limit(limit: int) -> None:
+    """The decoder's blocks share one `forward` per class but see many shapes (levels, first/later segment,
+    first-segment flag); dynamo's default limit of 8 variants per code object would silently fall back to eager."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:
+            setattr(dynamo_config, name, limit)
+
+
+def compile_sr_decoder_blocks(model: nn.Module, *, backend: str = "inductor", limit: int = 64) -> int:
+    """Compile every resnet block, upsampler and the output norm of the SR K-VAE decoder in place.
+
+    `SRVAE` calls these submodules one by one with their cache dicts (segment-by-segment decoding), so the
+    decoder's own forward never runs and compiling it would do nothing; compiling the blocks fuses the fp32
+    RMSNorm, the zq modulation, SiLU and the padding copies around each convolution. Returns the count.
+    """
+    decoder = model.decoder
+    _raise_recompile_limit(limit)
+    modules = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out]
+    for up in decoder.up:
+        modules += list(up.block)
+        if hasattr(up, "upsample"):
+            modules.append(up.upsample)
+    for module in modules:
+        if getattr(module, "_compiled_call_impl", None) is None:
+            module.compile(backend=backend, dynamic=False)
+    return len(modules)

@@ -18,9 +18,10 @@ SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_multi.py"
 SMALL = ["--device", "cpu", "--height", "48", "--width", "80", "--num-frames", "5", "--steps", "2"]
 
 
-def run_stage(stage: str, checkpoint: Path, out: Path) -> dict:
+def run_stage(stage: str, checkpoint: Path, out: Path, *extra: str) -> dict:
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--stage", stage, "--model-path", str(checkpoint), "--out", str(out), *SMALL],
+        [sys.executable, str(SCRIPT), "--stage", stage, "--model-path", str(checkpoint), "--out", str(out), *SMALL,
+         *extra],
         check=False, capture_output=True, text=True, timeout=180,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -29,11 +30,19 @@ def run_stage(stage: str, checkpoint: Path, out: Path) -> dict:
 
 
 # The ulysses stage is the fsdp stage's first run on another geometry, so two stages cover every code path.
+# The cfg stage also runs with --profile and 3 steps: the second step of each run is profiled on rank 0.
 @pytest.mark.parametrize(("stage", "run"), [("cfg", "cfg_parallel"), ("fsdp", "fsdp_ulysses2")])
 def test_stage_reports_bitwise_equality(stage, run, tiny_pro_dir, tiny_distill_dir, tmp_path):
     checkpoint = tiny_pro_dir if stage == "cfg" else tiny_distill_dir
-    report = run_stage(stage, checkpoint, tmp_path)
+    extra = ("--profile", "--steps", "3") if stage == "cfg" else ()
+    report = run_stage(stage, checkpoint, tmp_path, *extra)
     equal = report["runs"][run]["equal_to_baseline"]
     assert equal["frames_equal"] and equal["waveform_equal"] and equal["num_frames_compared"] == 5
-    assert len(report["runs"][run]["step_times_s"]) == 1  # 2 steps: one interval after the warm-up step
+    # One interval per step after the warm-up step.
+    assert len(report["runs"][run]["step_times_s"]) == (2 if stage == "cfg" else 1)
     assert len(report["runs"]) == 2
+    if stage == "cfg":
+        for name in ("one_gpu", run):
+            profile = report["runs"][name]["kernel_profile"]
+            assert profile["busy_ms"] > 0 and profile["top"] and "gemm" in profile["categories_ms"]
+        assert "second step, rank 0" in (tmp_path / "gpu_multi_cfg.md").read_text()

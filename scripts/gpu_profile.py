@@ -1,0 +1,312 @@
+"""Where the time goes on one H200: kernel profiles of the DiT, the VAE decodes and the MP4 encode.
+
+Diagnostics for issue 5 (the timed comparisons live in `gpu_single.py` / `k6serve bench`). One subcommand per
+device command, each a few minutes; several can run at once on different GPUs (`CUDA_VISIBLE_DEVICES`):
+
+    python scripts/gpu_profile.py dit  --out $OUT --models pro-distill,lite-distill   # fused + compiled, FA3
+    python scripts/gpu_profile.py vae  --out $OUT   # HunyuanVideo decode: eager vs compiled decoder, profile
+    python scripts/gpu_profile.py kvae --out $OUT   # SR K-VAE one-tile decode: eager vs compiled blocks, profile
+    python scripts/gpu_profile.py mux  --out $OUT   # x264 encode of 121 frames at 1536x1024: threads, content
+
+Writes `<out>/profile_<subcommand>.json` and `.md` after every part (a failing part is recorded, the rest run).
+`--tiny` runs the same code at toy sizes on the CPU (tests/unit/test_bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k6serve.bench.kernel_profile import format_summary, profile_call
+from k6serve.bench.report import environment
+
+
+_SAVE = None  # set by main: writes the JSON and markdown so far (after every part, so a timeout loses little)
+
+
+def save() -> None:
+    if _SAVE is not None:
+        _SAVE()
+
+
+def log(message: str) -> None:
+    print(f"[gpu_profile {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(call, device: torch.device, repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def first_call(call, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    call()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _free() -> None:
+    save()
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- dit -------------------------------------------------------------------------------------------------------
+
+
+def profile_dit(args, device, dtype, report: dict, markdown: list[str]) -> None:
+    from k6serve.bench.dit import dit_inputs
+    from k6serve.bench.geometry import NUM_TEXT_TOKENS, generation_geometry
+    from k6serve.bench.tiny import TINY_NUM_TEXT_TOKENS, TINY_TRANSFORMER_CONFIG
+    from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer, released_transformer_config
+    from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+    from k6serve.models.kandinsky6.plan import kandinsky6_plan
+    from k6serve.models.variants import VARIANTS
+    from k6serve.ops.attention import resolve_attention_backend
+    from k6serve.speed.fused_projections import apply_fused_projections
+    from k6serve.speed.regional_compile import apply_regional_compile
+
+    for name in [model.strip() for model in args.models.split(",") if model.strip()]:
+        part: dict = {}
+        report["parts"][f"dit {name}"] = part
+        try:
+            config_dict = TINY_TRANSFORMER_CONFIG if args.tiny else released_transformer_config(VARIANTS[name])
+            config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
+            geometry = generation_geometry(
+                args.height, args.width, args.num_frames,
+                num_text_tokens=TINY_NUM_TEXT_TOKENS if args.tiny else NUM_TEXT_TOKENS,
+            )
+            model = build_dummy_transformer(config_dict, device=device, dtype=dtype, seed=0)
+            inputs = dit_inputs(config, geometry, device=device, dtype=dtype, seed=1)
+            model.set_attention_backend(resolve_attention_backend(args.backend, device))
+            apply_fused_projections(model)
+            if not args.tiny:
+                apply_regional_compile(model, kandinsky6_plan(config))
+
+            def call():
+                with torch.inference_mode():
+                    return model(**inputs)
+
+            part["first_call_s"] = first_call(call, device)
+            call()
+            part["median_s"], part["times_s"] = timed(call, device, args.repeats)
+            part["profile"] = profile_call(call, device=device)
+            markdown.append(format_summary(f"dit {name}: median {part['median_s']:.3f} s", part["profile"]))
+            log(f"dit {name}: {part['median_s']:.3f} s")
+            del model, inputs
+        except Exception as error:  # noqa: BLE001
+            part["error"] = f"{type(error).__name__}: {error}"
+            part["traceback"] = traceback.format_exc()
+            log(f"dit {name} FAILED: {part['error']}")
+        _free()
+
+
+# --- vae -------------------------------------------------------------------------------------------------------
+
+
+def profile_vae(args, device, dtype, report: dict, markdown: list[str]) -> None:
+    from k6serve.bench.components import build_video_vae
+    from k6serve.pipelines.decode import decode_video
+
+    part: dict = {}
+    report["parts"]["vae"] = part
+    try:
+        vae = build_video_vae(tiny=args.tiny, device=device, dtype=dtype)
+        scale = 8  # the HunyuanVideo VAE's spatial compression
+        generator = torch.Generator().manual_seed(0)
+        latents = torch.randn(1, (args.num_frames - 1) // 4 + 1, args.height // scale, args.width // scale, 16,
+                              generator=generator).to(device=device, dtype=dtype)
+        torch.backends.cudnn.benchmark = True
+        call = lambda: decode_video(vae, latents)  # noqa: E731
+        reference = call()
+        part["eager_s"], part["eager_times_s"] = timed(call, device, args.repeats)
+        part["eager_profile"] = profile_call(call, device=device)
+        markdown.append(format_summary(f"vae eager: {part['eager_s']:.3f} s", part["eager_profile"]))
+        log(f"vae eager {part['eager_s']:.3f} s")
+        save()
+        if not args.tiny:
+            vae.decoder.compile(dynamic=False)
+            part["compiled_first_call_s"] = first_call(call, device)
+            part["compiled_s"], part["compiled_times_s"] = timed(call, device, args.repeats)
+            frames = call().frames_THWC
+            part["compiled_max_uint8_diff"] = int(
+                np.abs(frames.astype(np.int16) - reference.frames_THWC.astype(np.int16)).max()
+            )
+            part["compiled_profile"] = profile_call(call, device=device)
+            markdown.append(format_summary(f"vae compiled decoder: {part['compiled_s']:.3f} s, max diff "
+                                           f"{part['compiled_max_uint8_diff']}", part["compiled_profile"]))
+            log(f"vae compiled {part['compiled_s']:.3f} s (first {part['compiled_first_call_s']:.1f} s)")
+    except Exception as error:  # noqa: BLE001
+        part["error"] = f"{type(error).__name__}: {error}"
+        part["traceback"] = traceback.format_exc()
+        log(f"vae FAILED: {part['error']}")
+    _free()
+
+
+# --- kvae ------------------------------------------------------------------------------------------------------
+
+
+def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None:
+    import tempfile
+
+    from k6serve.models.kandinsky6_sr.checkpoint import (
+        build_dummy_sr_models,
+        read_sr_configs,
+        released_sr_configs,
+    )
+    from k6serve.models.variants import VARIANTS
+
+    part: dict = {}
+    report["parts"]["kvae"] = part
+    try:
+        variant = VARIANTS["vsr-distilled2steps"]
+        if args.tiny:  # the released K-VAE would need ~28 GB of fp32 host memory
+            from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+            with tempfile.TemporaryDirectory() as folder:
+                configs = read_sr_configs(build_sr_checkpoint(folder))
+        else:
+            configs = released_sr_configs(variant)
+        models = build_dummy_sr_models(configs, variant, device=device, dtype=dtype)
+        del models.transformer  # only the K-VAE is profiled
+        sr_vae = models.vae
+        channels = configs.vae.latent_channels
+        size = (args.height // 16, args.width // 16)  # one 512x768 output tile of an x2 upscale
+        generator = torch.Generator().manual_seed(0)
+        latent = torch.randn(1, channels, (args.num_frames - 1) // 4 + 1, *size, generator=generator)
+        latent = latent.to(device=device, dtype=dtype)
+        call = lambda: sr_vae.decode_tile(latent)  # noqa: E731
+        with torch.inference_mode():
+            torch.backends.cudnn.benchmark = True
+            reference = call()
+            part["eager_s"], part["eager_times_s"] = timed(call, device, args.repeats)
+            part["eager_profile"] = profile_call(call, device=device)
+        markdown.append(format_summary(f"kvae one tile eager: {part['eager_s']:.3f} s", part["eager_profile"]))
+        log(f"kvae eager {part['eager_s']:.3f} s")
+        save()
+        if not args.tiny:
+            from k6serve.speed.vae import compile_sr_decoder_blocks
+
+            part["compiled_modules"] = compile_sr_decoder_blocks(sr_vae.model)
+            with torch.inference_mode():
+                part["compiled_first_call_s"] = first_call(call, device)
+                part["compiled_s"], part["compiled_times_s"] = timed(call, device, args.repeats)
+                out = call()
+                part["compiled_max_uint8_diff"] = int((out.short() - reference.short()).abs().max())
+                part["compiled_profile"] = profile_call(call, device=device)
+            markdown.append(format_summary(f"kvae compiled blocks: {part['compiled_s']:.3f} s, max diff "
+                                           f"{part['compiled_max_uint8_diff']}", part["compiled_profile"]))
+            log(f"kvae compiled {part['compiled_s']:.3f} s (first {part['compiled_first_call_s']:.1f} s)")
+    except Exception as error:  # noqa: BLE001
+        part["error"] = f"{type(error).__name__}: {error}"
+        part["traceback"] = traceback.format_exc()
+        log(f"kvae FAILED: {part['error']}")
+    _free()
+
+
+# --- mux -------------------------------------------------------------------------------------------------------
+
+
+def profile_mux(args, device, dtype, report: dict, markdown: list[str]) -> None:
+    import tempfile
+
+    import k6serve.media.mux as mux
+
+    height, width, count = (1024, 1536, 121) if not args.tiny else (64, 96, 9)
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width]
+    smooth = np.stack([
+        ((np.sin(x / 40 + t / 5) + np.cos(y / 30 - t / 7)) * 60 + 128).astype(np.uint8)[..., None].repeat(3, -1)
+        for t in range(count)
+    ])
+    noise = rng.integers(0, 256, (count, height, width, 3), dtype=np.uint8)
+    waveform = (0.1 * np.sin(np.arange(int(count / 24 * 44100)) / 20)).astype(np.float32)
+    lines = ["### mux (x264 medium, crf 18, 24 fps, AAC mono)", "", "| content | threads | seconds | MB |",
+             "|---|---|---|---|"]
+    default_threads = mux.X264_THREADS
+    with tempfile.TemporaryDirectory() as folder:
+        for content, frames in (("smooth", smooth), ("noise", noise)):
+            for threads in (8, 16, 0):
+                key = f"{content} threads={threads}"
+                try:
+                    mux.X264_THREADS = threads
+                    path = Path(folder) / f"{content}_{threads}.mp4"
+                    start = time.perf_counter()
+                    mux.write_mp4(path, frames, 24.0, waveform, 44100)
+                    seconds = time.perf_counter() - start
+                    megabytes = path.stat().st_size / 1e6
+                    report["parts"][f"mux {key}"] = {"seconds": seconds, "megabytes": megabytes}
+                    lines.append(f"| {content} | {threads} | {seconds:.2f} | {megabytes:.1f} |")
+                    log(f"mux {key}: {seconds:.2f} s")
+                except Exception as error:  # noqa: BLE001
+                    report["parts"][f"mux {key}"] = {"error": f"{type(error).__name__}: {error}"}
+    mux.X264_THREADS = default_threads
+    markdown.append("\n".join(lines) + "\n")
+
+
+SUBCOMMANDS = {"dit": profile_dit, "vae": profile_vae, "kvae": profile_kvae, "mux": profile_mux}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("subcommand", choices=sorted(SUBCOMMANDS))
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_profile_out"))
+    parser.add_argument("--models", default="pro-distill,lite-distill")
+    parser.add_argument("--backend", default="fa")
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--num-frames", type=int, default=121)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tiny:
+        args.height, args.width, args.num_frames, args.repeats, args.backend = 64, 96, 9, 1, "torch_sdpa"
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"environment": environment(), "argv": sys.argv[1:] if argv is None else argv, "parts": {}}
+    markdown: list[str] = [f"# gpu_profile {args.subcommand}", ""]
+    def write() -> None:
+        (out / f"profile_{args.subcommand}.json").write_text(json.dumps(report, indent=2, default=str))
+        (out / f"profile_{args.subcommand}.md").write_text("\n".join(markdown))
+
+    global _SAVE
+    _SAVE = write
+    SUBCOMMANDS[args.subcommand](args, device, dtype, report, markdown)
+    write()
+    print("\n".join(markdown), flush=True)
+    failed = [name for name, part in report["parts"].items() if "error" in part]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
