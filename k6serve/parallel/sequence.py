@@ -60,9 +60,22 @@ def shard_sequence(x: Tensor, dim: int, shard: SequenceShard, *, mode: str = "ze
     return padded.narrow(dim, shard.index * shard.local_length, shard.local_length)
 
 
+# torch 2.13 renamed `all_gather_into_tensor` to `all_gather_single` (the old name warns); torch 2.11 has only the old.
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@torch.compiler.disable  # a collective: a compiled region breaks its graph here instead of tracing it
 def gather_sequence(x_local: Tensor, dim: int, shard: SequenceShard, group: dist.ProcessGroup) -> Tensor:
-    """The full, unpadded sequence from every rank's shard (ranks of `group` ordered by shard index)."""
+    """The full, unpadded sequence from every rank's shard (ranks of `group` ordered by shard index).
+
+    One collective into one buffer, the rank-major stack of the shards. When every dim before `dim` has size 1
+    (B == 1 for the usual (B, L, ...) along dim 1) that stack already is the sequence, so the result is a view
+    of it; otherwise one copy puts the shards in place (the cost of the concatenation it replaces).
+    """
+    dim = dim % x_local.dim()
     x_local = x_local.contiguous()
-    parts = [torch.empty_like(x_local) for _ in range(shard.degree)]
-    dist.all_gather(parts, x_local, group=group)
-    return torch.cat(parts, dim).narrow(dim, 0, shard.total_length)
+    # The concatenated output form (N * x.shape[0], ...) is the one gloo supports too (NCCL takes both).
+    gathered = x_local.new_empty((shard.degree * x_local.shape[0], *x_local.shape[1:]))
+    _all_gather_into_tensor(gathered, x_local, group=group)
+    stacked = gathered.view(shard.degree, *x_local.shape).movedim(0, dim)
+    return stacked.flatten(dim, dim + 1).narrow(dim, 0, shard.total_length)
