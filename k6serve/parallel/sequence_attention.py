@@ -1,24 +1,34 @@
 """Attention modules that replace a model's `InnerAttention` when its inputs are sequence-sharded.
 
 * `ShardedAttention` (queries and K/V sharded, e.g. "video_self"): Ulysses, Ring, or Ulysses x Ring.
-* `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first.
+* `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first, both in
+  one collective.
 
 Both read the current cut of the sequence from a `ShardState` that the split hook of
 `apply_sequence_parallel` sets once per forward, so every block reuses the same cut.
 
-Shape legend: B batch, L local query length, S key length, H heads, D head dim.
+Both forwards run eagerly under `torch.compile` (`torch.compiler.disable`): a regionally compiled block breaks
+its graph around the sharded attention instead of tracing process groups, async work handles and the shard state.
+
+Shape legend: B batch, L local query length, S key length, H heads, D head dim, 2 the (key, value) slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from k6serve.parallel.ring import ring_attention
 from k6serve.parallel.sequence import SequenceShard, gather_sequence
-from k6serve.parallel.ulysses import attend_unpadded, ulysses_attention
+from k6serve.parallel.ulysses import (
+    attend_unpadded,
+    default_overlap_chunks,
+    overlap_chunks_from_environment,
+    ulysses_attention,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,7 +43,13 @@ class ShardState:
 
 
 class ShardedAttention(nn.Module):
-    """Sequence-parallel replacement for an `InnerAttention` whose queries and K/V are both sharded."""
+    """Sequence-parallel replacement for an `InnerAttention` whose queries and K/V are both sharded.
+
+    `overlap_chunks` is the number of head chunks the Ulysses exchange is pipelined in (see
+    `k6serve.parallel.ulysses`); None takes $K6SERVE_ULYSSES_CHUNKS, else `default_overlap_chunks` of the local
+    head count (1 when Ring is on: Ring overlaps its own communication, and chunks would run the ring once per
+    chunk).
+    """
 
     def __init__(
         self,
@@ -42,14 +58,27 @@ class ShardedAttention(nn.Module):
         ulysses_group: dist.ProcessGroup,
         ring_group: dist.ProcessGroup,
         state: ShardState,
+        overlap_chunks: int | None = None,
     ):
         super().__init__()
+        if overlap_chunks is not None and overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be a positive number of head chunks, got {overlap_chunks}")
         self.inner = inner
         self.role = inner.role
         self.ulysses_group = ulysses_group
         self.ring_group = ring_group
         self.state = state
+        self.overlap_chunks = overlap_chunks if overlap_chunks is not None else overlap_chunks_from_environment()
 
+    def num_chunks(self, num_heads: int) -> int:
+        """The head chunks the Ulysses exchange of a `num_heads`-head attention is pipelined in."""
+        if self.overlap_chunks is not None:
+            return self.overlap_chunks
+        if dist.get_world_size(self.ring_group) > 1:
+            return 1
+        return default_overlap_chunks(num_heads // dist.get_world_size(self.ulysses_group))
+
+    @torch.compiler.disable
     def forward(
         self, query_BLHD: Tensor, key_BLHD: Tensor, value_BLHD: Tensor, key_mask_BS: Tensor | None = None
     ) -> Tensor:
@@ -68,11 +97,12 @@ class ShardedAttention(nn.Module):
                     group=self.ring_group, key_lengths=key_lengths, backend=self.inner.backend,
                 )
 
-        return ulysses_attention(query_BLHD, key_BLHD, value_BLHD, group=self.ulysses_group, attend=attend)
+        return ulysses_attention(query_BLHD, key_BLHD, value_BLHD, group=self.ulysses_group, attend=attend,
+                                 num_chunks=self.num_chunks(query_BLHD.shape[2]))
 
     def extra_repr(self) -> str:
         return (f"role={self.role}, ulysses={dist.get_world_size(self.ulysses_group)}, "
-                f"ring={dist.get_world_size(self.ring_group)}")
+                f"ring={dist.get_world_size(self.ring_group)}, overlap_chunks={self.overlap_chunks}")
 
 
 class GatherKVAttention(nn.Module):
@@ -85,14 +115,16 @@ class GatherKVAttention(nn.Module):
         self.sequence_group = sequence_group
         self.state = state
 
+    @torch.compiler.disable
     def forward(
         self, query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None = None
     ) -> Tensor:
         assert key_mask_BS is None, f"'{self.role}' attends to sharded keys and takes no key mask"
         shard = self.state.require()
-        key_BSHD = gather_sequence(key_BSHD, 1, shard, self.sequence_group)
-        value_BSHD = gather_sequence(value_BSHD, 1, shard, self.sequence_group)
-        return self.inner(query_BLHD, key_BSHD, value_BSHD)
+        # One collective for K and V; for B == 1 both come back as strided views of the gathered buffer.
+        key_value_BS2HD = gather_sequence(torch.stack([key_BSHD, value_BSHD], dim=2), 1, shard,
+                                          self.sequence_group)
+        return self.inner(query_BLHD, key_value_BS2HD[:, :, 0], key_value_BS2HD[:, :, 1])
 
     def extra_repr(self) -> str:
         return f"role={self.role}"

@@ -1,15 +1,30 @@
 """Ulysses sequence parallelism: all-to-all from sequence shards to head shards and back.
 
-Each rank holds L/N tokens of all H heads; after `sequence_to_heads` it holds all L tokens of H/N heads,
-runs ordinary attention on them, and `heads_to_sequence` returns its tokens. Attention per head sees exactly
+Each rank holds L/N tokens of all H heads; after the input exchange it holds all N*L tokens of H/N heads,
+runs ordinary attention on them, and the output exchange returns its tokens. Attention per head sees exactly
 the keys of the single-device run, so the output is bitwise equal to it.
 
+Communication is cut and hidden two ways:
+* Q, K and V travel in one all-to-all. The permute copy that every exchange needs writes the three tensors
+  interleaved per token into one send buffer (N, B, L, 3, h, D), so on the receiving side Q, K and V are
+  strided views of the received buffer with no copy when B == 1 (flash-attn's "qkv-packed" layout; attention
+  kernels take it as is).
+* Head-chunk pipelining. The h local heads are split into `num_chunks` groups; the input exchanges of all
+  chunks are posted asynchronously up front, chunk c's attention runs while the later chunks' exchanges are in
+  flight, and chunk c's output exchange is posted as soon as its attention ends. Attention of one head never
+  reads another, so every chunk count gives the same bits.
+
+The chunk count: `ShardedAttention(..., overlap_chunks=n)`, else the environment variable
+`K6SERVE_ULYSSES_CHUNKS=n` (read when each `ShardedAttention` is built, so set it before launching; it exists
+to compare chunk counts in benchmarks without code edits), else `default_overlap_chunks(local_heads)`.
+
 Shape legend: B batch, L local (sharded) length, S full length (N x L), H heads, h = H / N local heads,
-D head dim, N group size.
+C chunks, c = h / C heads per chunk, D head dim, N group size, 3 the (query, key, value) slot.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,42 +33,101 @@ import torch.nn.functional as F
 from torch import Tensor
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+CHUNKS_ENVIRONMENT_VARIABLE = "K6SERVE_ULYSSES_CHUNKS"
 
 
-def sequence_to_heads(x_BLHD: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """(B, L, H, D) sequence shard -> (B, N*L, H/N, D) head shard, sequence in rank order."""
+def default_overlap_chunks(local_heads: int) -> int:
+    """2 head chunks when the local heads split evenly, else 1 (no pipelining).
+
+    Two chunks already hide about half of the exchange time behind attention; more chunks shrink each
+    attention call and waste a partial wave of thread blocks per call on the GPU, so 2 is the sweet spot.
+    """
+    return 2 if local_heads % 2 == 0 else 1
+
+
+def overlap_chunks_from_environment() -> int | None:
+    """The chunk count set by $K6SERVE_ULYSSES_CHUNKS, or None when it is unset or empty."""
+    text = os.environ.get(CHUNKS_ENVIRONMENT_VARIABLE, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(
+            f"{CHUNKS_ENVIRONMENT_VARIABLE}={text!r} is not a positive integer; set it to the number of head "
+            f"chunks to pipeline (e.g. 1 or 2) or unset it for the default"
+        )
+    return int(text)
+
+
+def _check_chunks(num_chunks: int, local_heads: int) -> None:
+    if num_chunks < 1 or local_heads % num_chunks:
+        divisors = [d for d in range(1, local_heads + 1) if local_heads % d == 0]
+        raise ValueError(
+            f"Ulysses overlap chunks {num_chunks} must divide the {local_heads} heads each rank attends to; "
+            f"use one of {divisors} (overlap_chunks= or ${CHUNKS_ENVIRONMENT_VARIABLE})"
+        )
+
+
+def _post_input_exchange(
+    sources_BLNChD: list[Tensor], chunk: int, send_CNBL3cD: Tensor, received_CNBL3cD: Tensor,
+    group: dist.ProcessGroup,
+) -> dist.Work:
+    """Copy chunk `chunk` of Q, K and V into its send slab (head group n goes to rank n) and post one all-to-all."""
+    for slot, source_BLNChD in enumerate(sources_BLNChD):
+        send_CNBL3cD[chunk, :, :, :, slot].copy_(source_BLNChD[:, :, :, chunk].permute(2, 0, 1, 3, 4))
+    return dist.all_to_all_single(received_CNBL3cD[chunk], send_CNBL3cD[chunk], group=group, async_op=True)
+
+
+def _received_heads(received_NBL3cD: Tensor, slot: int) -> Tensor:
+    """(B, N*L, c, D) sequence of Q, K or V from one chunk's received slab; a view when B == 1."""
+    num_ranks, batch, length, _, chunk_heads, head_dim = received_NBL3cD.shape
+    return received_NBL3cD[:, :, :, slot].transpose(0, 1).reshape(batch, num_ranks * length, chunk_heads, head_dim)
+
+
+@torch.compiler.disable  # async collectives: a compiled block breaks its graph here instead of tracing them
+def ulysses_attention(
+    query_BLHD: Tensor,
+    key_BLHD: Tensor,
+    value_BLHD: Tensor,
+    *,
+    group: dist.ProcessGroup,
+    attend: Attend,
+    num_chunks: int = 1,
+) -> Tensor:
+    """Exchange to head shards, `attend` over the whole (padded) sequence, exchange back; (B, L, H, D).
+
+    With `num_chunks` > 1 the heads are exchanged and attended in that many pipelined groups (see the module
+    docstring); `num_chunks` must divide the local head count H / N.
+    """
     num_ranks = dist.get_world_size(group)
-    batch, length, num_heads, head_dim = x_BLHD.shape
+    if num_ranks == 1:
+        return attend(query_BLHD, key_BLHD, value_BLHD)
+    batch, length, num_heads, head_dim = query_BLHD.shape
     assert num_heads % num_ranks == 0, (num_heads, num_ranks)
     local_heads = num_heads // num_ranks
-    send_NBLhD = x_BLHD.reshape(batch, length, num_ranks, local_heads, head_dim).permute(2, 0, 1, 3, 4)
-    send_NBLhD = send_NBLhD.contiguous()
-    received_NBLhD = torch.empty_like(send_NBLhD)
-    dist.all_to_all_single(received_NBLhD, send_NBLhD, group=group)
-    return received_NBLhD.permute(1, 0, 2, 3, 4).reshape(batch, num_ranks * length, local_heads, head_dim)
-
-
-def heads_to_sequence(x_BShD: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """(B, N*L, h, D) head shard -> (B, L, N*h, D) sequence shard: the inverse of `sequence_to_heads`."""
-    num_ranks = dist.get_world_size(group)
-    batch, full_length, local_heads, head_dim = x_BShD.shape
-    assert full_length % num_ranks == 0, (full_length, num_ranks)
-    length = full_length // num_ranks
-    send_NBLhD = x_BShD.reshape(batch, num_ranks, length, local_heads, head_dim).permute(1, 0, 2, 3, 4)
-    send_NBLhD = send_NBLhD.contiguous()
-    received_NBLhD = torch.empty_like(send_NBLhD)
-    dist.all_to_all_single(received_NBLhD, send_NBLhD, group=group)
-    return received_NBLhD.permute(1, 2, 0, 3, 4).reshape(batch, length, num_ranks * local_heads, head_dim)
-
-
-def ulysses_attention(
-    query_BLHD: Tensor, key_BLHD: Tensor, value_BLHD: Tensor, *, group: dist.ProcessGroup, attend: Attend
-) -> Tensor:
-    """Exchange to head shards, `attend` over the whole (padded) sequence, exchange back."""
-    if dist.get_world_size(group) == 1:
-        return attend(query_BLHD, key_BLHD, value_BLHD)
-    query_BShD, key_BShD, value_BShD = (sequence_to_heads(x, group) for x in (query_BLHD, key_BLHD, value_BLHD))
-    return heads_to_sequence(attend(query_BShD, key_BShD, value_BShD), group)
+    _check_chunks(num_chunks, local_heads)
+    chunk_heads = local_heads // num_chunks
+    # Global head n*h + k*c + j is head j of chunk k on rank n.
+    sources_BLNChD = [x.unflatten(2, (num_ranks, num_chunks, chunk_heads)) for x in (query_BLHD, key_BLHD, value_BLHD)]
+    send_CNBL3cD = query_BLHD.new_empty(num_chunks, num_ranks, batch, length, 3, chunk_heads, head_dim)
+    received_CNBL3cD = torch.empty_like(send_CNBL3cD)
+    # The buffers stay referenced until their exchanges are waited on (NCCL reads/writes them on its stream).
+    input_works = [
+        _post_input_exchange(sources_BLNChD, chunk, send_CNBL3cD, received_CNBL3cD, group)
+        for chunk in range(num_chunks)
+    ]
+    output_exchanges: list[tuple[dist.Work, Tensor, Tensor]] = []
+    for chunk in range(num_chunks):
+        input_works[chunk].wait()
+        out_BScD = attend(*(_received_heads(received_CNBL3cD[chunk], slot) for slot in range(3)))
+        send_NBLcD = out_BScD.reshape(batch, num_ranks, length, chunk_heads, head_dim).transpose(0, 1).contiguous()
+        received_NBLcD = torch.empty_like(send_NBLcD)
+        work = dist.all_to_all_single(received_NBLcD, send_NBLcD, group=group, async_op=True)
+        output_exchanges.append((work, send_NBLcD, received_NBLcD))
+    out_BLNCcD = query_BLHD.new_empty(batch, length, num_ranks, num_chunks, chunk_heads, head_dim)
+    for chunk, (work, _, received_NBLcD) in enumerate(output_exchanges):
+        work.wait()
+        out_BLNCcD[:, :, :, chunk].copy_(received_NBLcD.permute(1, 2, 0, 3, 4))
+    return out_BLNCcD.view(batch, length, num_heads, head_dim)
 
 
 def attend_unpadded(attend: Attend, num_real: int) -> Attend:
