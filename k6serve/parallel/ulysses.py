@@ -68,12 +68,12 @@ def _check_chunks(num_chunks: int, local_heads: int) -> None:
 
 
 def _post_input_exchange(
-    sources_BLNChD: list[Tensor], chunk: int, send_CNBL3cD: Tensor, received_CNBL3cD: Tensor,
+    sources_BLNCcD: list[Tensor], chunk: int, send_CNBL3cD: Tensor, received_CNBL3cD: Tensor,
     group: dist.ProcessGroup,
 ) -> dist.Work:
     """Copy chunk `chunk` of Q, K and V into its send slab (head group n goes to rank n) and post one all-to-all."""
-    for slot, source_BLNChD in enumerate(sources_BLNChD):
-        send_CNBL3cD[chunk, :, :, :, slot].copy_(source_BLNChD[:, :, :, chunk].permute(2, 0, 1, 3, 4))
+    for slot, source_BLNCcD in enumerate(sources_BLNCcD):
+        send_CNBL3cD[chunk, :, :, :, slot].copy_(source_BLNCcD[:, :, :, chunk].permute(2, 0, 1, 3, 4))
     return dist.all_to_all_single(received_CNBL3cD[chunk], send_CNBL3cD[chunk], group=group, async_op=True)
 
 
@@ -107,12 +107,12 @@ def ulysses_attention(
     _check_chunks(num_chunks, local_heads)
     chunk_heads = local_heads // num_chunks
     # Global head n*h + k*c + j is head j of chunk k on rank n.
-    sources_BLNChD = [x.unflatten(2, (num_ranks, num_chunks, chunk_heads)) for x in (query_BLHD, key_BLHD, value_BLHD)]
+    sources_BLNCcD = [x.unflatten(2, (num_ranks, num_chunks, chunk_heads)) for x in (query_BLHD, key_BLHD, value_BLHD)]
     send_CNBL3cD = query_BLHD.new_empty(num_chunks, num_ranks, batch, length, 3, chunk_heads, head_dim)
     received_CNBL3cD = torch.empty_like(send_CNBL3cD)
     # The buffers stay referenced until their exchanges are waited on (NCCL reads/writes them on its stream).
     input_works = [
-        _post_input_exchange(sources_BLNChD, chunk, send_CNBL3cD, received_CNBL3cD, group)
+        _post_input_exchange(sources_BLNCcD, chunk, send_CNBL3cD, received_CNBL3cD, group)
         for chunk in range(num_chunks)
     ]
     output_exchanges: list[tuple[dist.Work, Tensor, Tensor]] = []
