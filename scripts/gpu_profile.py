@@ -128,6 +128,13 @@ def profile_dit(args, device, dtype, report: dict, markdown: list[str]) -> None:
 # --- vae -------------------------------------------------------------------------------------------------------
 
 
+def uint8_difference(frames: np.ndarray, reference: np.ndarray) -> dict:
+    """Max and mean |difference| in uint8 levels, and the share of values more than 1 level off."""
+    difference = np.abs(frames.astype(np.int16) - reference.astype(np.int16))
+    return {"max": int(difference.max()), "mean": float(difference.mean()),
+            "share_over_1": float((difference > 1).mean())}
+
+
 def profile_vae(args, device, dtype, report: dict, markdown: list[str]) -> None:
     from k6serve.bench.components import build_video_vae
     from k6serve.pipelines.decode import decode_video
@@ -141,8 +148,18 @@ def profile_vae(args, device, dtype, report: dict, markdown: list[str]) -> None:
         latents = torch.randn(1, (args.num_frames - 1) // 4 + 1, args.height // scale, args.width // scale, 16,
                               generator=generator).to(device=device, dtype=dtype)
         torch.backends.cudnn.benchmark = True
-        call = lambda: decode_video(vae, latents)  # noqa: E731
+        call = lambda: decode_video(vae, latents, keep_float=False)  # noqa: E731
         reference = call()
+        # An fp32 decode (TF32 off) as the accuracy yardstick for both bf16 decodes: with random weights
+        # bf16 rounding differences are amplified, so "equal to eager bf16" is not the right question.
+        vae.to(torch.float32)  # bf16 -> fp32 -> bf16 restores the weights exactly
+        previous_tf32 = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        exact = decode_video(vae, latents, keep_float=False).frames_THWC
+        torch.backends.cudnn.allow_tf32 = previous_tf32
+        vae.to(dtype)
+        part["eager_vs_fp32"] = uint8_difference(reference.frames_THWC, exact)
+        log(f"vae eager bf16 vs fp32: {part['eager_vs_fp32']}")
         part["eager_s"], part["eager_times_s"] = timed(call, device, args.repeats)
         part["eager_profile"] = profile_call(call, device=device)
         markdown.append(format_summary(f"vae eager: {part['eager_s']:.3f} s", part["eager_profile"]))
@@ -156,6 +173,9 @@ def profile_vae(args, device, dtype, report: dict, markdown: list[str]) -> None:
             part["compiled_max_uint8_diff"] = int(
                 np.abs(frames.astype(np.int16) - reference.frames_THWC.astype(np.int16)).max()
             )
+            part["compiled_vs_eager"] = uint8_difference(frames, reference.frames_THWC)
+            part["compiled_vs_fp32"] = uint8_difference(frames, exact)
+            log(f"vae compiled vs fp32: {part['compiled_vs_fp32']}")
             part["compiled_profile"] = profile_call(call, device=device)
             markdown.append(format_summary(f"vae compiled decoder: {part['compiled_s']:.3f} s, max diff "
                                            f"{part['compiled_max_uint8_diff']}", part["compiled_profile"]))

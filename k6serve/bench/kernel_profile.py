@@ -36,6 +36,11 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def _is_device_event(event: Any) -> bool:
+    device_type = getattr(event, "device_type", None)
+    return device_type is not None and getattr(device_type, "name", str(device_type)).upper() != "CPU"
+
+
 def _device_time_us(event: Any) -> float:
     for attribute in ("self_device_time_total", "self_cuda_time_total"):
         value = getattr(event, attribute, None)
@@ -51,6 +56,10 @@ def summarize(events: Any, *, wall_s: float, top: int = 40, device: bool = True)
     """
     rows = []
     for event in events:
+        # Operators (aten::mm, fa3_fwd::fwd, a Triton launch) also carry the device time of the kernels they
+        # launch; only the kernels themselves are counted, or every microsecond would appear twice.
+        if device and not _is_device_event(event):
+            continue
         micros = _device_time_us(event) if device else float(getattr(event, "self_cpu_time_total", 0.0))
         if micros <= 0:
             continue

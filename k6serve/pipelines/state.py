@@ -39,7 +39,7 @@ class Latents:
 
 @dataclass(frozen=True, slots=True)
 class DecodedVideo:
-    frames_float_THWC: torch.Tensor  # float32 in [0, 1], before quantisation (for parity checks)
+    frames_float_THWC: torch.Tensor | None  # float32 in [0, 1] before quantisation (parity checks), or None
     frames_THWC: np.ndarray  # uint8
 
 

@@ -31,10 +31,12 @@ def _sync(device: torch.device) -> None:
 
 
 class TextToVideoPipeline:
-    def __init__(self, models, *, trim_text_padding: bool = False) -> None:
+    def __init__(self, models, *, trim_text_padding: bool = False, keep_float_frames: bool = True) -> None:
         self.models = models
         # Speed mode: cut the common trailing text padding (exact up to kernel rounding; see trim_text_padding).
         self.trim_text_padding = trim_text_padding
+        # The float frames are for parity checks; the engine's worker turns them off (see decode_video).
+        self.keep_float_frames = keep_float_frames
 
     def check(self, request: GenerateRequest) -> None:
         config = self.models.transformer.config
@@ -103,6 +105,6 @@ class TextToVideoPipeline:
         _sync(m.device)
         timings["decode_audio"] = time.perf_counter() - start
         start = time.perf_counter()
-        video = decode_video(m.vae, latents.video_BTHWC)
+        video = decode_video(m.vae, latents.video_BTHWC, keep_float=self.keep_float_frames)
         timings["decode_video"] = time.perf_counter() - start
         return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)

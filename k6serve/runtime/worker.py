@@ -128,7 +128,7 @@ class ModelWorker:
             models = load_generation_models(folder, self.variant, device=self.device, dtype=self.dtype,
                                             load_format=self.config.model.load_format)
             models.transformer.set_attention_backend(backend)
-            return TextToVideoPipeline(models)
+            return TextToVideoPipeline(models, keep_float_frames=False)
         from k6serve.pipelines.super_resolution import build_super_resolution_pipeline
 
         return build_super_resolution_pipeline(folder, self.variant, device=self.device, dtype=self.dtype,

@@ -1,13 +1,20 @@
 """Video VAE decode speed-ups (HunyuanVideo VAE; the SR K-VAE too), applied to the module in place.
 
-The decode keeps diffusers' default framewise temporal tiling (5-latent-frame tiles, stride 3, 4-frame
-blend): only the kernels change, never the tiling, so the frames stay within rounding of the reference.
+The decode keeps its tiling (HunyuanVideo: diffusers' default framewise temporal tiling; SR: per-tile,
+segment-by-segment with causal caches): only the kernels change, never the tiling.
 
 * `torch.backends.cudnn.benchmark`: autotune each 3-D convolution shape once (the tiles repeat shapes).
-* channels-last 3-D weights: cuDNN's bf16 implicit-GEMM convolutions run on NDHWC; diffusers' default
-  NCDHW makes cuDNN transpose around each convolution. Our latents already arrive in that layout
-  (`decode_video` permutes a (B, T, H, W, C) tensor).
-* optionally `torch.compile` of the decoder: fuses GroupNorm + SiLU and the causal padding copies.
+* `torch.compile` of the decoder (on by default in `--performance-mode speed`). Measured on one H200
+  (docs/benchmarks.md): eager HunyuanVideo decode spends 2.2 of its 6.7 s in the bf16 GroupNorm statistics
+  kernel and 1.2 s in replication-pad copies; compiled, GroupNorm + SiLU + padding fuse into Triton
+  kernels and the decode takes 3.6 s. The SR K-VAE's fp32 RMSNorm, zq modulation, SiLU and pads fuse the
+  same way (3.7 -> 2.1 s per tile). Fusion rounds once where eager rounds after every op, so frames
+  differ from the eager bf16 decode by bf16 rounding; the benchmark compares both with an fp32 decode.
+  Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
+  `--warmup-mode server` pays it at start).
+* channels-last 3-D weights: off. cuDNN's bf16 kernels run NDHWC and transpose NCDHW inputs around each
+  convolution, but in eager mode the GroupNorm and padding kernels are much slower on channels-last
+  tensors (measured: 1.55x slower decode), and rank-4 weights break the conversion.
 
 Nothing is applied on a non-CUDA device, so CPU results are unchanged.
 """
@@ -23,7 +30,7 @@ def apply_vae_speedups(
     device: torch.device,
     *,
     channels_last: bool = False,  # measured on H200: 1.55x slower decode and up to 9/255 off; rank-4 weights break it
-    compile_decoder: bool = False,
+    compile_decoder: bool = True,
 ) -> list[str]:
     """Apply the enabled decode speed-ups on CUDA; returns the names of what was applied."""
     if torch.device(device).type != "cuda":
@@ -36,10 +43,19 @@ def apply_vae_speedups(
         applied.append("channels_last_3d")
     decoder = getattr(vae, "decoder", None)
     if compile_decoder and decoder is not None:
-        if getattr(decoder, "_compiled_call_impl", None) is None:
-            decoder.compile(dynamic=False)
-        applied.append("compile_decoder")
+        if _is_sr_vae(vae):
+            compile_sr_decoder_blocks(vae)
+            applied.append("compile_decoder_blocks")
+        else:
+            if getattr(decoder, "_compiled_call_impl", None) is None:
+                decoder.compile(dynamic=False)
+            applied.append("compile_decoder")
     return applied
+
+
+def _is_sr_vae(vae: nn.Module) -> bool:
+    # SRVAE drives the K-VAE decoder's blocks itself (segments with causal caches), never decoder.forward.
+    return type(vae).__name__ == "Kandinsky6SRVAE"
 
 
 def _raise_recompile_limit(limit: int) -> None:

@@ -2,6 +2,7 @@
 work formula reproduces k6-generation.md §2.11."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ def tiny_run(tmp_path_factory):
             "audio",
             "--stage",
             "text",
+            "--compile-vae-decoder",  # a no-op on CPU; keeps the compiled row's code path in the smoke run
             "--repeats",
             "2",
             "--warmup",
@@ -268,3 +270,43 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
     ]
     assert payload["device_status"]["cuda_available"] is False
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()
+
+
+def test_kernel_profile_counts_kernels_once_and_groups_them():
+    from types import SimpleNamespace
+
+    from k6serve.bench.kernel_profile import format_summary, kernel_category, summarize
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [
+        # The operator carries its kernel's device time too: it must not be counted a second time.
+        SimpleNamespace(key="aten::mm", count=3, self_device_time_total=900.0, device_type=cpu),
+        SimpleNamespace(key="nvjet_sm90_tst_256x128_64x4", count=3, self_device_time_total=900.0, device_type=cuda),
+        SimpleNamespace(key="void flash::FlashAttnFwdSm90<...>", count=1, self_device_time_total=2000.0,
+                        device_type=cuda),
+        SimpleNamespace(key="triton_poi_fused_gelu_3", count=2, self_device_time_total=100.0, device_type=cuda),
+        SimpleNamespace(key="ncclDevKernel_AllToAll", count=1, self_device_time_total=0.0, device_type=cuda),
+    ]
+    summary = summarize(events, wall_s=0.004)
+    assert summary["busy_ms"] == pytest.approx(3.0)
+    assert summary["idle_ms"] == pytest.approx(1.0)
+    assert summary["categories_ms"] == {"attention": 2.0, "gemm": 0.9, "triton": 0.1}
+    assert [row["name"] for row in summary["top"]][0].startswith("void flash")
+    assert kernel_category("ncclDevKernel_AllToAll") == "communication"
+    assert kernel_category("sm90_xmma_fprop_implicit_gemm_bf16") == "convolution"
+    assert "| attention | 2.0 | 66.7% |" in format_summary("t", summary)
+
+
+def test_gpu_profile_script_runs_at_toy_size(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", Path(__file__).parents[2] / "scripts" / "gpu_profile.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for subcommand in ("dit", "mux"):
+        assert script.main([subcommand, "--tiny", "--out", str(tmp_path), "--models", "pro-distill"]) == 0
+    report = json.loads((tmp_path / "profile_dit.json").read_text())
+    part = report["parts"]["dit pro-distill"]
+    assert part["median_s"] > 0 and part["profile"]["top"]
+    mux = json.loads((tmp_path / "profile_mux.json").read_text())["parts"]
+    assert mux["mux noise threads=8"]["megabytes"] > mux["mux smooth threads=8"]["megabytes"] > 0
