@@ -75,8 +75,15 @@ class RuntimeConfig:
     performance_mode: str = "speed"
     attention_backend: str = "auto"
     warmup_mode: str = "off"
+    # torch.compile of the video VAE decoder (HunyuanVideo; the SR K-VAE per block). Opt-in, not part of
+    # "speed": on H200 it makes the decode 1.9x (K-VAE 1.75x) faster, but fused kernels round once where eager
+    # rounds after every op, and on random weights the frames then differed from the eager bf16 decode by up
+    # to 12/255, beyond the 1/255 that "speed" promises (docs/benchmarks.md).
+    compile_vae: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile_vae, bool):
+            raise ValueError(f"--compile-vae must be true or false, got {self.compile_vae!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.performance_mode not in PERFORMANCE_MODES:

@@ -7,6 +7,7 @@ device command, each a few minutes; several can run at once on different GPUs (`
     python scripts/gpu_profile.py vae  --out $OUT   # HunyuanVideo decode: eager vs compiled decoder, profile
     python scripts/gpu_profile.py kvae --out $OUT   # SR K-VAE one-tile decode: eager vs compiled blocks, profile
     python scripts/gpu_profile.py mux  --out $OUT   # x264 encode of 121 frames at 1536x1024: threads, content
+    python scripts/gpu_profile.py step --out $OUT --models lite-distill   # pipeline steps, text trim on/off
 
 Writes `<out>/profile_<subcommand>.json` and `.md` after every part (a failing part is recorded, the rest run).
 `--tiny` runs the same code at toy sizes on the CPU (tests/unit/test_bench.py).
@@ -288,7 +289,80 @@ def profile_mux(args, device, dtype, report: dict, markdown: list[str]) -> None:
     markdown.append("\n".join(lines) + "\n")
 
 
-SUBCOMMANDS = {"dit": profile_dit, "vae": profile_vae, "kvae": profile_kvae, "mux": profile_mux}
+# --- step ------------------------------------------------------------------------------------------------------
+
+
+def profile_step(args, device, dtype, report: dict, markdown: list[str]) -> None:
+    """Whole denoising steps through the pipeline (speed mode, VAE eager), with and without the text trim:
+    how far a step is from one DiT forward, and whether the trimmed (short, unmasked) text costs anything."""
+    import itertools
+
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import VARIANTS, resolve_generate
+    from k6serve.ops.attention import resolve_attention_backend
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+    from k6serve.speed.performance_mode import apply_performance_mode
+
+    for name in [model.strip() for model in args.models.split(",") if model.strip()]:
+        try:
+            if args.tiny:
+                from k6serve.testing.tiny_checkpoints import build_generation_pipeline
+
+                import tempfile
+
+                folder = Path(tempfile.mkdtemp())
+                build_generation_pipeline("distill").save_pretrained(folder)
+                models = load_generation_models(folder, VARIANTS["lite-distill"], device=device, dtype=dtype,
+                                                load_format="auto")
+            else:
+                models = load_generation_models(None, VARIANTS[name], device=device, dtype=dtype,
+                                                load_format="dummy")
+            models.transformer.set_attention_backend(resolve_attention_backend(args.backend, device))
+            apply_performance_mode(models, "speed", device, compile_vae_decoder=False)
+            params = SamplingParams(prompt="a red fox runs through fresh snow at dawn", seed=42, height=args.height,
+                                    width=args.width, num_frames=args.num_frames, num_inference_steps=5)
+            request, _ = resolve_generate(params, models.variant)
+            for trim in (False, True):
+                part: dict = {}
+                report["parts"][f"step {name} trim={trim}"] = part
+                pipeline = TextToVideoPipeline(models, trim_text_padding=trim, keep_float_frames=False)
+                stamps: list[float] = []
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+                def on_step(step: int, total: int) -> None:
+                    _sync(device)
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == 3:
+                        profiler.start()
+                    elif len(stamps) == 4:
+                        profiler.stop()
+
+                output = pipeline(request, on_step=on_step)
+                intervals = [b - a for a, b in itertools.pairwise(stamps)]
+                part["step_times_s"] = intervals
+                part["step_s"] = statistics.median(intervals)
+                part["timings"] = output.timings
+                from k6serve.bench.kernel_profile import summarize
+
+                part["profile"] = summarize(profiler.key_averages(), wall_s=stamps[3] - stamps[2],
+                                            device=device.type == "cuda")
+                markdown.append(format_summary(f"step {name} trim={trim}: median {part['step_s']:.3f} s "
+                                               f"(steps {', '.join(f'{x:.3f}' for x in intervals)})",
+                                               part["profile"]))
+                log(f"step {name} trim={trim}: {part['step_s']:.3f} s {intervals}")
+                save()
+            del models
+        except Exception as error:  # noqa: BLE001
+            report["parts"][f"step {name}"] = {"error": f"{type(error).__name__}: {error}",
+                                              "traceback": traceback.format_exc()}
+            log(f"step {name} FAILED: {error}")
+        _free()
+
+
+SUBCOMMANDS = {"dit": profile_dit, "vae": profile_vae, "kvae": profile_kvae, "mux": profile_mux,
+               "step": profile_step}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="dit: also time diffusers with compile_repeated_blocks (adds ~1.5 min for Pro).",
     )
     parser.add_argument(
-        "--compile-decoder", action="store_true", help="decoders: also a compiled VAE decoder."
+        "--compile-decoder",
+        action="store_true",
+        help="decoders: also time a compiled VAE decoder; generate/sr: the engine with --compile-vae true.",
     )
     parser.add_argument(
         "--attention-backend", default="fa", help="generate/sr: engine attention backend."
@@ -113,8 +115,9 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             (f"dit {model}", _bench_argv(args, ["dit"], ["--variant", model, *extra]))
             for model in models
         ]
+    compile_vae = ["--compile-vae-decoder"] if args.compile_decoder else []
     if args.subcommand == "generate":
-        extra = ["--performance-mode", args.performance_mode, "--warmup", "0"]
+        extra = ["--performance-mode", args.performance_mode, "--warmup", "0", *compile_vae]
         if not args.tiny:
             extra += ["--attention-backend", args.attention_backend]
         else:
@@ -131,7 +134,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             ("text", _bench_argv(args, ["text"])),
         ]
     if args.subcommand == "sr":
-        extra = ["--performance-mode", args.performance_mode, "--warmup", "0", "--sr-scale", "2"]
+        extra = ["--performance-mode", args.performance_mode, "--warmup", "0", "--sr-scale", "2", *compile_vae]
         if not args.tiny:
             extra += ["--attention-backend", args.attention_backend]
         return [("sr x2", _bench_argv(args, ["sr"], extra))]

@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
     )
     parser.add_argument(
-        "--compile-vae-decoder", action="store_true", help="Also time a compiled VAE decoder."
+        "--compile-vae-decoder",
+        action="store_true",
+        help="vae: also time a compiled VAE decoder; generate/sr: run the engine with --compile-vae true.",
     )
     parser.add_argument(
         "--performance-mode",
@@ -154,6 +156,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         tiny=args.tiny,
         repeats=args.repeats,
         output_dir=args.output_dir,
+        compile_vae=args.compile_vae_decoder,
     )
     dit = DitOptions(
         label="tiny" if args.tiny else args.variant,

@@ -42,6 +42,7 @@ class EndToEndOptions:
     tiny: bool = False
     repeats: int = 1
     output_dir: str | None = None
+    compile_vae: bool = False  # the engine's --compile-vae
 
 
 def _apply_speed(generator, mode: str) -> str:
@@ -93,6 +94,7 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "performance_mode": options.performance_mode,
         "attention_backend": options.attention_backend,
         "load_format": "auto" if options.tiny else "dummy",
+        "compile_vae": options.compile_vae,
     }
 
 

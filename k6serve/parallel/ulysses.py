@@ -9,10 +9,11 @@ Communication is cut and hidden two ways:
   interleaved per token into one send buffer (N, B, L, 3, h, D), so on the receiving side Q, K and V are
   strided views of the received buffer with no copy when B == 1 (flash-attn's "qkv-packed" layout; attention
   kernels take it as is).
-* Head-chunk pipelining. The h local heads are split into `num_chunks` groups; the input exchanges of all
-  chunks are posted asynchronously up front, chunk c's attention runs while the later chunks' exchanges are in
-  flight, and chunk c's output exchange is posted as soon as its attention ends. Attention of one head never
-  reads another, so every chunk count gives the same bits.
+* Head-chunk pipelining (opt-in, off by default: see `default_overlap_chunks`). The h local heads are split
+  into `num_chunks` groups; the input exchanges of all chunks are posted asynchronously up front, chunk c's
+  attention runs while the later chunks' exchanges are in flight, and chunk c's output exchange is posted as
+  soon as its attention ends. Attention of one head never reads another, so every chunk count gives the same
+  bits.
 
 The chunk count: `ShardedAttention(..., overlap_chunks=n)`, else the environment variable
 `K6SERVE_ULYSSES_CHUNKS=n` (read when each `ShardedAttention` is built, so set it before launching; it exists
@@ -37,12 +38,16 @@ CHUNKS_ENVIRONMENT_VARIABLE = "K6SERVE_ULYSSES_CHUNKS"
 
 
 def default_overlap_chunks(local_heads: int) -> int:
-    """2 head chunks when the local heads split evenly, else 1 (no pipelining).
+    """1: no head-chunk pipelining unless asked for ($K6SERVE_ULYSSES_CHUNKS or `overlap_chunks=`).
 
-    Two chunks already hide about half of the exchange time behind attention; more chunks shrink each
-    attention call and waste a partial wave of thread blocks per call on the GPU, so 2 is the sweet spot.
+    Measured on two H200s (docs/benchmarks.md, 2026-11-30): with 2 chunks and the compiled DiT, the NCCL
+    all-to-all kernels did not overlap FlashAttention-3 (a persistent kernel that holds every SM) and the step
+    reached 1.60x, against 1.82x for the unchunked exchange in eager mode. Until a chunked run beats the
+    unchunked one on the GPU, the default is the exchange that was measured best. `local_heads` stays in the
+    signature so a measured rule (e.g. chunking only with a non-persistent attention kernel) can use it.
     """
-    return 2 if local_heads % 2 == 0 else 1
+    del local_heads
+    return 1
 
 
 def overlap_chunks_from_environment() -> int | None:

@@ -89,7 +89,7 @@ class ModelWorker:
         if transform is not None:
             transform(self)
         self.performance_report = apply_performance_mode(self.pipeline.models, config.runtime.performance_mode,
-                                                         self.device)
+                                                         self.device, compile_vae_decoder=config.runtime.compile_vae)
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
         self.load_time_s = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """`--performance-mode`: which speed transforms run, composed once in a fixed order.
 
 * "speed" (CUDA): fused projections -> regional compile of the DiT blocks -> VAE decode speed-ups (cuDNN
-  autotuning and a compiled decoder, see `speed/vae.py`). Each
+  autotuning; the compiled decoder only with `compile_vae_decoder` = `--compile-vae true`, see `speed/vae.py`). Each
   keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
   within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
 * "balanced" / "memory": nothing yet; they will add offloading (fusing allocates each module's
@@ -59,7 +59,7 @@ def _transformer_plan(transformer: nn.Module):
 
 
 def apply_performance_mode(
-    models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = True
+    models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = False
 ) -> PerformanceReport:
     """Apply `mode`'s transforms to `models` (anything with `.transformer` and optionally `.vae`).
 

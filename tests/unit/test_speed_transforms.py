@@ -252,3 +252,58 @@ def test_warmup_off_runs_nothing_and_rejects_unknown_modes():
     assert seen == [] and report.seconds == 0.0 and report.shape is None
     with pytest.raises(ValueError, match="--warmup-mode must be one of"):
         warmup(seen.append, _request(), "always")
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(2, 2, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class _HunyuanLikeVae(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = _Decoder()
+
+
+def test_compiled_vae_decoder_only_when_asked(monkeypatch):
+    """--compile-vae is opt-in: "speed" alone leaves the decoder eager; with it, HunyuanVideo's decoder is compiled
+    and the SR K-VAE's blocks are (SRVAE calls them one by one, never decoder.forward)."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    vae = _HunyuanLikeVae()
+    report = apply_performance_mode(_Models(transformer=_model(), vae=vae), "speed", "cuda")
+    assert report.vae == ("cudnn_benchmark",) and not is_compiled(vae.decoder)
+    report = apply_performance_mode(_Models(transformer=_model(), vae=vae), "speed", "cuda", compile_vae_decoder=True)
+    assert report.vae == ("cudnn_benchmark", "compile_decoder") and is_compiled(vae.decoder)
+
+    import tempfile
+
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.speed.vae import compile_sr_decoder_blocks
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        configs = read_sr_configs(build_sr_checkpoint(folder))
+    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
+    applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert applied == ["cudnn_benchmark", "compile_decoder_blocks"]
+    decoder = kvae.decoder
+    blocks = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out] + [b for up in decoder.up for b in up.block]
+    assert all(is_compiled(block) for block in blocks) and not is_compiled(decoder)
+    assert compile_sr_decoder_blocks(kvae) == len(blocks) + sum(hasattr(up, "upsample") for up in decoder.up)
+    torch._dynamo.reset()
+
+
+def test_compile_vae_flag_reaches_the_runtime_config():
+    from k6serve.api import build_engine_config
+    from k6serve.cli.main import build_parser
+
+    assert build_engine_config("demo").runtime.compile_vae is False
+    assert build_engine_config("demo", compile_vae=True).runtime.compile_vae is True
+    with pytest.raises(ValueError, match="--compile-vae must be true or false"):
+        build_engine_config("demo", compile_vae="sometimes")
+    args = build_parser().parse_args(["generate", "--model-path", "demo", "--compile-vae", "true"])
+    assert args.compile_vae is True
