@@ -11,6 +11,8 @@ bit-identical to the serial loop.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 
 import torch
@@ -80,8 +82,15 @@ def denoise(
     visual_cond: bool,
     on_step: StepCallback | None = None,
     predict_fn: Callable = predict,
+    step_seconds: list[float] | None = None,
 ) -> Latents:
+    """Run the denoising loop in place on `latents`.
+
+    With `step_seconds`, the duration of every step is appended to it, measured with CUDA events on a GPU so the
+    loop gains no host synchronisation (the events are read once, after the last step).
+    """
     num_steps = len(timesteps)
+    clock = _StepClock(latents.video_BTHWC.device) if step_seconds is not None else None
     for index, t in enumerate(timesteps):
         timestep = t.expand(latents.video_BTHWC.shape[0])
         hidden = model_input(latents, visual_cond)
@@ -90,8 +99,35 @@ def denoise(
         latents.video_BTHWC = scheduler.step(video_v, t, latents.video_BTHWC, return_dict=False)[0]
         if latents.audio_BLC is not None:
             latents.audio_BLC = audio_scheduler.step(audio_v, t, latents.audio_BLC, return_dict=False)[0]
+        if clock is not None:
+            clock.mark()
         if on_step is not None:
             on_step(index + 1, num_steps)
+    if clock is not None:
+        step_seconds.extend(clock.durations())
     if latents.tail_BHWC is not None:
         latents.video_BTHWC = latents.video_BTHWC[:, :-1]  # the reference frame is not decoded
     return latents
+
+
+class _StepClock:
+    """Step boundaries as CUDA events (no host sync until `durations`) or, on the CPU, wall-clock stamps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        if self.on_cuda:
+            self.marks[-1].synchronize()
+            return [start.elapsed_time(end) / 1e3 for start, end in zip(self.marks, self.marks[1:])]
+        return [end - start for start, end in zip(self.marks, self.marks[1:])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -93,12 +94,17 @@ class TextToVideoPipeline:
             m.scheduler_class, m.scheduler_config, request.num_inference_steps, m.device, with_audio)
 
         start = time.perf_counter()
+        step_seconds: list[float] = []
         latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler, audio_scheduler=audio_scheduler,
                           timesteps=timesteps, guidance_scale=request.guidance_scale,
-                          visual_cond=config.visual_cond, on_step=on_step)
+                          visual_cond=config.visual_cond, on_step=on_step, step_seconds=step_seconds)
         _sync(m.device)
         timings["denoise"] = time.perf_counter() - start
         timings["denoise_per_step"] = timings["denoise"] / request.num_inference_steps
+        # The steady-state step and the slowest one: a compilation or a collector pause shows as a gap here.
+        if step_seconds:
+            timings["denoise_step_median"] = statistics.median(step_seconds)
+            timings["denoise_step_max"] = max(step_seconds)
 
         start = time.perf_counter()
         audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC) if with_audio else None

@@ -21,6 +21,7 @@ from k6serve.config import EngineConfig
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import GENERATION, Variant, recognise, resolve_generate, resolve_upscale
 from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.runtime.gc_freeze import CompileGcFreezer
 from k6serve.speed import apply_performance_mode, warmup
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class ModelWorker:
         if self.variant.is_demo:
             logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")
         self.warmed_up = False
+        self.gc_freezer = CompileGcFreezer()
         if config.runtime.warmup_mode == "server":
             self._warmup(self.variant_warmup_params())
 
@@ -110,6 +112,7 @@ class ModelWorker:
             return 0.0
         request, _ = self.resolve(params)
         report = warmup(self.pipeline, request, "request")
+        self.gc_freezer.after_request()  # the warm-up compiled the graphs: keep the collector off them
         logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
         return report.seconds
 
@@ -154,6 +157,9 @@ class ModelWorker:
         start = time.perf_counter()
         result = self.pipeline(request, on_step=on_step)
         timings = dict(result.timings)
+        gc_freeze_s = self.gc_freezer.after_request()
+        if gc_freeze_s is not None:
+            timings["gc_freeze"] = gc_freeze_s
         frames = result.video.frames_THWC
         audio = result.audio.waveform if result.audio is not None else None
         sample_rate = result.audio.sample_rate if result.audio is not None else 44100

@@ -1,0 +1,61 @@
+"""Per-step denoise timings and the post-compilation GC freeze (runtime diagnostics that CI can check on CPU)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from k6serve.runtime import gc_freeze
+from k6serve.runtime.gc_freeze import CompileGcFreezer
+
+
+def test_step_timings_bound_the_denoise_time(tiny_distill_dir):
+    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.runtime.worker import ModelWorker
+
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu"))
+    params, output = split_kwargs({"prompt": "x", "height": 32, "width": 32, "num_frames": 5, "save_output": False,
+                                   "num_inference_steps": 3})
+    try:
+        timings = worker.run(params, output).timings
+        assert 0 < timings["denoise_step_median"] <= timings["denoise_step_max"] <= timings["denoise"]
+        assert "gc_freeze" in timings  # the first request always freezes what loading left behind
+        assert "gc_freeze" not in worker.run(params, output).timings  # nothing new was compiled since
+    finally:
+        gc.unfreeze()  # the rest of the test session keeps the usual collector
+
+
+def test_freezer_freezes_once_per_new_compilation(monkeypatch):
+    graphs = [0]
+    monkeypatch.setattr(gc_freeze, "compiled_graph_count", lambda: graphs[0])
+    freezer = CompileGcFreezer()
+    try:
+        assert freezer.after_request() is not None  # first call: model loading created the objects
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        assert freezer.after_request() is None
+        graphs[0] = 3  # a request compiled three graphs
+        assert freezer.after_request() is not None
+        assert freezer.after_request() is None
+    finally:
+        gc.unfreeze()
+
+
+def test_compiled_graph_count_follows_dynamo():
+    before = gc_freeze.compiled_graph_count()
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    assert gc_freeze.compiled_graph_count() == before + 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_denoise_reports_one_duration_per_step(steps):
+    from k6serve.pipelines.denoise import _StepClock
+
+    clock = _StepClock(torch.device("cpu"))
+    for _ in range(steps):
+        clock.mark()
+    durations = clock.durations()
+    assert len(durations) == steps and all(d >= 0 for d in durations)
