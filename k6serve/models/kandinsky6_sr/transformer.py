@@ -53,11 +53,16 @@ class SelfAttention(nn.Module):
         self.inner_attention = InnerAttention(role="video_self")
         self.out_layer = nn.Linear(model_dim, model_dim)
 
+    def project(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V before the head split (the speed transforms replace only this step)."""
+        return self.to_query(x_BLD), self.to_key(x_BLD), self.to_value(x_BLD)
+
     def forward(self, x_BLD: Tensor, rope: Tensor) -> Tensor:
+        query_BLD, key_BLD, value_BLD = self.project(x_BLD)
         # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
-        query_BLNK = self.to_query(x_BLD).unflatten(-1, (-1, self.head_dim))
-        key_BLNK = self.to_key(x_BLD).unflatten(-1, (-1, self.head_dim))
-        value_BLNK = self.to_value(x_BLD).unflatten(-1, (-1, self.head_dim))
+        query_BLNK = query_BLD.unflatten(-1, (-1, self.head_dim))
+        key_BLNK = key_BLD.unflatten(-1, (-1, self.head_dim))
+        value_BLNK = value_BLD.unflatten(-1, (-1, self.head_dim))
         query_BLNK = self.query_norm(query_BLNK.float()).type_as(query_BLNK)
         key_BLNK = self.key_norm(key_BLNK.float()).type_as(key_BLNK)
         query_BLNK = apply_rotary(query_BLNK, rope)
@@ -79,7 +84,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, *, video_BLD: Tensor, time_embed_BE: Tensor, video_rope: Tensor) -> Tensor:
         """`video_rope` is the (L, 1, K/2, 2, 2) rotation table; keyword arguments are the SP split points."""
-        compute_dtype = self.self_attention.to_query.weight.dtype
+        # out_layer, not to_query: a fused attention (speed/fused_projections.py) has no to_query.
+        compute_dtype = self.self_attention.out_layer.weight.dtype
         shift, scale, gate, ff_shift, ff_scale, ff_gate = self.visual_modulation(
             time_embed_BE
         ).chunk(6, dim=-1)
