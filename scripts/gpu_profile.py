@@ -68,6 +68,34 @@ def first_call(call, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def record_failure(part: dict, name: str, error: Exception) -> None:
+    part["error"] = f"{type(error).__name__}: {error}"
+    part["traceback"] = traceback.format_exc()
+    log(f"{name} FAILED: {part['error']}")
+
+
+def measure_eager(part: dict, label: str, call, device: torch.device, repeats: int, markdown: list[str]) -> None:
+    """Median of `repeats` eager calls and a kernel profile of one; saved at once (the compile may time out)."""
+    part["eager_s"], part["eager_times_s"] = timed(call, device, repeats)
+    part["eager_profile"] = profile_call(call, device=device)
+    markdown.append(format_summary(f"{label}: {part['eager_s']:.3f} s", part["eager_profile"]))
+    log(f"{label} {part['eager_s']:.3f} s")
+    save()
+
+
+def measure_compiled(part: dict, label: str, call, device: torch.device, repeats: int, difference,
+                     markdown: list[str]) -> None:
+    """First call (compilation), median of `repeats`, `difference(output)` (a dict with the uint8 max diff
+    under "compiled_max_uint8_diff") and a kernel profile of the compiled `call`."""
+    part["compiled_first_call_s"] = first_call(call, device)
+    part["compiled_s"], part["compiled_times_s"] = timed(call, device, repeats)
+    part.update(difference(call()))
+    part["compiled_profile"] = profile_call(call, device=device)
+    markdown.append(format_summary(f"{label}: {part['compiled_s']:.3f} s, max diff "
+                                   f"{part['compiled_max_uint8_diff']}", part["compiled_profile"]))
+    log(f"{label} {part['compiled_s']:.3f} s (first {part['compiled_first_call_s']:.1f} s)")
+
+
 def _free() -> None:
     save()
     gc.collect()
@@ -120,9 +148,7 @@ def profile_dit(args, device, dtype, report: dict, markdown: list[str]) -> None:
             log(f"dit {name}: {part['median_s']:.3f} s")
             del model, inputs
         except Exception as error:  # noqa: BLE001
-            part["error"] = f"{type(error).__name__}: {error}"
-            part["traceback"] = traceback.format_exc()
-            log(f"dit {name} FAILED: {part['error']}")
+            record_failure(part, f"dit {name}", error)
         _free()
 
 
@@ -161,30 +187,20 @@ def profile_vae(args, device, dtype, report: dict, markdown: list[str]) -> None:
         vae.to(dtype)
         part["eager_vs_fp32"] = uint8_difference(reference.frames_THWC, exact)
         log(f"vae eager bf16 vs fp32: {part['eager_vs_fp32']}")
-        part["eager_s"], part["eager_times_s"] = timed(call, device, args.repeats)
-        part["eager_profile"] = profile_call(call, device=device)
-        markdown.append(format_summary(f"vae eager: {part['eager_s']:.3f} s", part["eager_profile"]))
-        log(f"vae eager {part['eager_s']:.3f} s")
-        save()
+        measure_eager(part, "vae eager", call, device, args.repeats, markdown)
         if not args.tiny:
             vae.decoder.compile(dynamic=False)
-            part["compiled_first_call_s"] = first_call(call, device)
-            part["compiled_s"], part["compiled_times_s"] = timed(call, device, args.repeats)
-            frames = call().frames_THWC
-            part["compiled_max_uint8_diff"] = int(
-                np.abs(frames.astype(np.int16) - reference.frames_THWC.astype(np.int16)).max()
-            )
-            part["compiled_vs_eager"] = uint8_difference(frames, reference.frames_THWC)
-            part["compiled_vs_fp32"] = uint8_difference(frames, exact)
-            log(f"vae compiled vs fp32: {part['compiled_vs_fp32']}")
-            part["compiled_profile"] = profile_call(call, device=device)
-            markdown.append(format_summary(f"vae compiled decoder: {part['compiled_s']:.3f} s, max diff "
-                                           f"{part['compiled_max_uint8_diff']}", part["compiled_profile"]))
-            log(f"vae compiled {part['compiled_s']:.3f} s (first {part['compiled_first_call_s']:.1f} s)")
+
+            def difference(output) -> dict:
+                return {
+                    "compiled_max_uint8_diff": uint8_difference(output.frames_THWC, reference.frames_THWC)["max"],
+                    "compiled_vs_eager": uint8_difference(output.frames_THWC, reference.frames_THWC),
+                    "compiled_vs_fp32": uint8_difference(output.frames_THWC, exact),
+                }
+
+            measure_compiled(part, "vae compiled decoder", call, device, args.repeats, difference, markdown)
     except Exception as error:  # noqa: BLE001
-        part["error"] = f"{type(error).__name__}: {error}"
-        part["traceback"] = traceback.format_exc()
-        log(f"vae FAILED: {part['error']}")
+        record_failure(part, "vae", error)
     _free()
 
 
@@ -224,28 +240,18 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
         with torch.inference_mode():
             torch.backends.cudnn.benchmark = True
             reference = call()
-            part["eager_s"], part["eager_times_s"] = timed(call, device, args.repeats)
-            part["eager_profile"] = profile_call(call, device=device)
-        markdown.append(format_summary(f"kvae one tile eager: {part['eager_s']:.3f} s", part["eager_profile"]))
-        log(f"kvae eager {part['eager_s']:.3f} s")
-        save()
+            measure_eager(part, "kvae one tile eager", call, device, args.repeats, markdown)
         if not args.tiny:
             from k6serve.speed.vae import compile_sr_decoder_blocks
 
             part["compiled_modules"] = compile_sr_decoder_blocks(sr_vae.model)
+            def difference(output) -> dict:
+                return {"compiled_max_uint8_diff": int((output.short() - reference.short()).abs().max())}
+
             with torch.inference_mode():
-                part["compiled_first_call_s"] = first_call(call, device)
-                part["compiled_s"], part["compiled_times_s"] = timed(call, device, args.repeats)
-                out = call()
-                part["compiled_max_uint8_diff"] = int((out.short() - reference.short()).abs().max())
-                part["compiled_profile"] = profile_call(call, device=device)
-            markdown.append(format_summary(f"kvae compiled blocks: {part['compiled_s']:.3f} s, max diff "
-                                           f"{part['compiled_max_uint8_diff']}", part["compiled_profile"]))
-            log(f"kvae compiled {part['compiled_s']:.3f} s (first {part['compiled_first_call_s']:.1f} s)")
+                measure_compiled(part, "kvae compiled blocks", call, device, args.repeats, difference, markdown)
     except Exception as error:  # noqa: BLE001
-        part["error"] = f"{type(error).__name__}: {error}"
-        part["traceback"] = traceback.format_exc()
-        log(f"kvae FAILED: {part['error']}")
+        record_failure(part, "kvae", error)
     _free()
 
 
@@ -355,9 +361,7 @@ def profile_step(args, device, dtype, report: dict, markdown: list[str]) -> None
                 save()
             del models
         except Exception as error:  # noqa: BLE001
-            report["parts"][f"step {name}"] = {"error": f"{type(error).__name__}: {error}",
-                                              "traceback": traceback.format_exc()}
-            log(f"step {name} FAILED: {error}")
+            record_failure(report["parts"].setdefault(f"step {name}", {}), f"step {name}", error)
         _free()
 
 
