@@ -93,6 +93,11 @@ class ModelWorker:
                                                          self.device, compile_vae_decoder=config.runtime.compile_vae)
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
+        if config.parallel.ulysses_degree > 1 and self.performance_report.num_compiled_blocks:
+            # Measured on two H200s: compiled kernels are generated per shape, so a sharded run rounds
+            # differently from one GPU (docs/parallelism.md); eager kernels keep Ulysses bit-exact.
+            logger.warning("Ulysses with --performance-mode speed compiles the DiT per shape: outputs match one GPU "
+                           "within rounding, not bit for bit. Use --performance-mode balanced for bit-exact output.")
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
             logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")
