@@ -1,13 +1,15 @@
 """Fused attention projections: one GEMM for Q/K/V (self-attention) or K/V (cross-attention).
 
-`apply_fused_projections(model)` replaces every `Kandinsky6Attention` of a loaded model by a
-`FusedProjectionAttention` that owns one concatenated `nn.Linear` instead of two or three. The norms, the
-output projection and the `InnerAttention` core are the *same module objects*, so attention backends,
-roles and sequence-parallel swaps keep working. The forward is the reference forward op for op except
-that the projections run as one GEMM whose output is split: in fp32 on CPU that differs from the separate
-GEMMs by rounding only (tests/unit/test_speed_transforms.py, <= 1e-5 relative); in bf16 each output
-element is still one fp32-accumulated dot product rounded once, so differences come only from the GEMM
-kernel's reduction order.
+Covers both Kandinsky 6 DiTs. `apply_fused_projections(model)` replaces, in a loaded model,
+* every `Kandinsky6Attention` of the generation DiT by a `FusedProjectionAttention` (Q/K/V fused for
+  self-attention, K/V for cross-attention), and
+* every `SelfAttention` of the SR DiT (`kandinsky6_sr/transformer.py`) by a `FusedSRSelfAttention` (Q/K/V),
+each owning one concatenated `nn.Linear` instead of two or three. The norms, the output projection and the
+`InnerAttention` core are the *same module objects*, so attention backends, roles and sequence-parallel swaps
+keep working. The forward is the reference forward op for op except that the projections run as one GEMM
+whose output is split: in fp32 on CPU that differs from the separate GEMMs by rounding only
+(tests/unit/test_speed_transforms.py, <= 1e-5 relative); in bf16 each output element is still one
+fp32-accumulated dot product rounded once, so differences come only from the GEMM kernel's reduction order.
 
 Fuse *after* loading weights: the fused module's state dict holds `to_query_key_value.*` /
 `to_key_value.*` instead of `to_query/to_key/to_value.*`. Tensor-parallel (DTensor) weights are left
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+from k6serve.models.kandinsky6_sr.transformer import SelfAttention as SRSelfAttention
 
 
 def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
@@ -77,31 +80,70 @@ class FusedProjectionAttention(Kandinsky6Attention):
         return f"fused={kind}, heads={self.num_heads}x{self.head_dim}"
 
 
+class FusedSRSelfAttention(SRSelfAttention):
+    """The SR DiT's `SelfAttention` with Q/K/V computed by one concatenated GEMM.
+
+    Only `project` differs; norms, RoPE, attention core and output are the parent's `forward`.
+    """
+
+    def __init__(self, attention: SRSelfAttention):
+        nn.Module.__init__(self)  # the parent's __init__ would allocate fresh projections
+        self.num_heads = attention.num_heads
+        self.head_dim = attention.head_dim
+        self.num_channels = attention.to_query.out_features
+        self.to_query_key_value = _concatenate_linears(
+            attention.to_query, attention.to_key, attention.to_value
+        )
+        self.query_norm = attention.query_norm
+        self.key_norm = attention.key_norm
+        self.inner_attention = attention.inner_attention
+        self.out_layer = attention.out_layer
+
+    def project(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # Split views are strided; every later op accepts them.
+        return self.to_query_key_value(x_BLD).split(self.num_channels, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"fused=qkv, heads={self.num_heads}x{self.head_dim}"
+
+
+_FUSED = (FusedProjectionAttention, FusedSRSelfAttention)
+
+
 def _is_plain_tensor(parameter: Tensor) -> bool:
     # DTensor (tensor parallel) and meta parameters cannot be concatenated into a local weight.
     return type(parameter.data) is Tensor and not parameter.is_meta
 
 
-def apply_fused_projections(model: nn.Module) -> int:
-    """Fuse the projections of every `Kandinsky6Attention` in `model`, in place; returns how many.
-
-    Self-attention is recognised by its `InnerAttention` role (`*_self`: the model only ever calls those
-    without a context). Idempotent: already fused modules are skipped.
-    """
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, Kandinsky6Attention)
-        and not isinstance(module, FusedProjectionAttention)
+def _is_fusable(module: nn.Module) -> bool:
+    """An attention of either DiT, not fused yet, whose projection weights are plain local tensors."""
+    return (
+        isinstance(module, (Kandinsky6Attention, SRSelfAttention))
+        and not isinstance(module, _FUSED)
         and all(
             _is_plain_tensor(linear.weight)
             for linear in (module.to_query, module.to_key, module.to_value)
         )
-    ]
+    )
+
+
+def _fused(attention: Kandinsky6Attention | SRSelfAttention) -> nn.Module:
+    if isinstance(attention, SRSelfAttention):
+        return FusedSRSelfAttention(attention)
+    # The generation DiT only ever calls `*_self` roles without a context.
+    is_self = attention.inner_attention.role.endswith("_self")
+    return FusedProjectionAttention(attention, is_self_attention=is_self)
+
+
+def apply_fused_projections(model: nn.Module) -> int:
+    """Fuse the projections of every generation or SR DiT attention in `model`, in place; returns how many.
+
+    Idempotent: already fused modules are skipped, and so are tensor-parallel (DTensor) or meta weights.
+    """
+    targets = [(name, module) for name, module in model.named_modules() if _is_fusable(module)]
     for name, attention in targets:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        is_self = attention.inner_attention.role.endswith("_self")
         # One module at a time, so the extra memory is one module's projection weights.
-        setattr(parent, child_name, FusedProjectionAttention(attention, is_self_attention=is_self))
+        setattr(parent, child_name, _fused(attention))
     return len(targets)

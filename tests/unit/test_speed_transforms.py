@@ -307,3 +307,91 @@ def test_compile_vae_flag_reaches_the_runtime_config():
         build_engine_config("demo", compile_vae="sometimes")
     args = build_parser().parse_args(["generate", "--model-path", "demo", "--compile-vae", "true"])
     assert args.compile_vae is True
+
+
+@pytest.fixture(scope="module")
+def sr_transformer(tmp_path_factory):
+    """The tiny SR DiT with the random weights of a tiny Hub-layout checkpoint, fp32."""
+    from safetensors.torch import load_file
+
+    from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
+    from k6serve.models.kandinsky6_sr.transformer import SRTransformer
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    folder = build_sr_checkpoint(tmp_path_factory.mktemp("sr") / "tiny", seed=3)
+    config = SRTransformerConfig.from_json_file(folder / "transformer" / "config.json")
+    model = SRTransformer(config).eval().requires_grad_(False)
+    model.load_state_dict(
+        load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors"), strict=True
+    )
+    return model
+
+
+def _sr_inputs():
+    generator = torch.Generator().manual_seed(0)
+    latent = torch.randn(2, 3, 8, 16, 2 * 8 + 1, generator=generator)
+    return {"latent_BTHWC": latent, "timestep_B": torch.tensor([1000.0, 636.4])}
+
+
+def test_fused_sr_self_attention_matches_unfused_in_fp32(sr_transformer):
+    from k6serve.models.kandinsky6_sr.transformer import SelfAttention
+    from k6serve.speed.fused_projections import FusedSRSelfAttention
+
+    reference = sr_transformer
+    fused = copy.deepcopy(reference)
+    num_blocks = reference.config.num_visual_blocks
+    assert apply_fused_projections(fused) == num_blocks == 2
+    attentions = [m for m in fused.modules() if isinstance(m, SelfAttention)]
+    assert len(attentions) == 2 and all(isinstance(m, FusedSRSelfAttention) for m in attentions)
+    inputs = _sr_inputs()
+    expected, actual = _run(reference, inputs), _run(fused, inputs)
+    assert actual.shape == expected.shape == (2, 3, 8, 16, 80)
+    print(f"SR fp32 fused vs unfused: {_relative_error(actual, expected):.2e} (relative max abs diff)")
+    assert _relative_error(actual, expected) <= 1e-5
+
+
+def test_fused_sr_self_attention_shares_modules_and_is_idempotent(sr_transformer):
+    from k6serve.speed.fused_projections import FusedSRSelfAttention
+
+    model = copy.deepcopy(sr_transformer)
+    original = model.visual_transformer_blocks[1].self_attention
+    apply_fused_projections(model)
+    fused = model.visual_transformer_blocks[1].self_attention
+    assert isinstance(fused, FusedSRSelfAttention)
+    assert all(
+        getattr(fused, name) is getattr(original, name)
+        for name in ("query_norm", "key_norm", "inner_attention", "out_layer")
+    )
+    model_dim = model.config.model_dim
+    assert fused.to_query_key_value.weight.shape == (3 * model_dim, model_dim)
+    expected_weight = torch.cat([original.to_query.weight, original.to_key.weight, original.to_value.weight])
+    expected_bias = torch.cat([original.to_query.bias, original.to_key.bias, original.to_value.bias])
+    assert torch.equal(fused.to_query_key_value.weight, expected_weight)
+    assert torch.equal(fused.to_query_key_value.bias, expected_bias)
+    assert not hasattr(fused, "to_query")
+    assert "visual_transformer_blocks.1.self_attention.to_query_key_value.weight" in model.state_dict()
+    model.set_attention_backend("sdpa")  # still reaches every core
+    assert fused.inner_attention.backend == "torch_sdpa"
+    assert apply_fused_projections(model) == 0  # idempotent
+
+
+def test_fused_projections_skip_meta_sr_weights(sr_transformer):
+    from k6serve.models.kandinsky6_sr.transformer import SRTransformer
+
+    with torch.device("meta"):
+        model = SRTransformer(sr_transformer.config)
+    assert apply_fused_projections(model) == 0
+
+
+def test_speed_mode_composition_for_cuda_fuses_the_sr_transformer(monkeypatch, sr_transformer):
+    """SR-like models object (transformer + wrapped K-VAE) on a named CUDA device; no forward is run."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    model = copy.deepcopy(sr_transformer)
+    models = _Models(transformer=model, vae=types.SimpleNamespace(model=torch.nn.Conv3d(2, 2, 3)))
+    report = apply_performance_mode(models, "speed", "cuda")
+    assert (report.num_fused_attentions, report.num_compiled_blocks) == (2, 2)
+    assert report.vae == ("cudnn_benchmark",) and report.applied
+    assert all(is_compiled(block) for block in model.visual_transformer_blocks)
+    again = apply_performance_mode(models, "speed", "cuda")
+    assert (again.num_fused_attentions, again.num_compiled_blocks) == (0, 0)
+    torch._dynamo.reset()
