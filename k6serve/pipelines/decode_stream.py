@@ -1,0 +1,116 @@
+"""Stage: the video VAE decode as a stream of final uint8 frame chunks, so the MP4 encoder can start early.
+
+diffusers' `AutoencoderKLHunyuanVideo._temporal_tiled_decode` decodes overlapping temporal tiles (4 + 1 latent
+frames, stride 3), blends each tile's first frames into the tail of the previous one and keeps the first
+`tile_sample_stride_num_frames` frames of each tile (12 + 1 for the first). A tile is only ever blended with the
+previous, already final tile, and the blend writes into the new tile, so the frames a tile keeps are final as
+soon as that tile is decoded and blended. `decode_video_chunks` runs the same per-tile calls, blend and crop and
+quantises like `decode.decode_video`, so the concatenated chunks equal `decode_video(...).frames_THWC` bitwise.
+
+Legend: B batch (1), C channels, T frames, H height, W width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from k6serve.pipelines.decode import decode_video
+
+# The class whose `_decode` / `_temporal_tiled_decode` this file mirrors (diffusers 0.42.1).
+_MIRRORED_VAE_CLASS = "AutoencoderKLHunyuanVideo"
+
+
+@torch.inference_mode()
+def decode_video_chunks(vae, video_BTHWC: torch.Tensor) -> Iterator[np.ndarray]:
+    """Latents -> uint8 frame chunks (T_i, H, W, 3) on the host, in order, each as soon as it is final.
+
+    Without temporal tiling (a short clip, or a VAE this file does not mirror) there is one chunk, from
+    `decode_video`. Chunk i is handed out after tile i + 1 is queued, so on a GPU the device-to-host copy of
+    chunk i and the caller's work on it overlap the decode of the next tile.
+    """
+    latents_BCTHW = video_BTHWC.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor
+    if not _uses_temporal_tiles(vae, latents_BCTHW):
+        yield decode_video(vae, video_BTHWC, keep_float=False).frames_THWC
+        return
+    pending: Callable[[], np.ndarray] | None = None
+    for pixels_BCTHW in _temporal_tiles(vae, latents_BCTHW):
+        started = _start_host_copy(_quantise(pixels_BCTHW))
+        if pending is not None:
+            yield pending()
+        pending = started
+    assert pending is not None  # temporal tiling means at least two tiles
+    yield pending()
+
+
+def _uses_temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> bool:
+    """Whether diffusers' `vae.decode` would take `_temporal_tiled_decode` (the path mirrored here)."""
+    if type(vae).__name__ != _MIRRORED_VAE_CLASS or hasattr(vae, "_hf_hook"):
+        return False  # another VAE, or an accelerate offload hook that `vae.decode` would run first
+    if latents_BCTHW.shape[0] != 1:
+        return False  # decode_video decodes one clip; `use_slicing` would split a batch first
+    tile_latent_min_num_frames = vae.tile_sample_min_num_frames // vae.temporal_compression_ratio
+    return vae.use_framewise_decoding and latents_BCTHW.shape[2] > tile_latent_min_num_frames
+
+
+def _temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The kept, blended, cropped frames of each temporal tile, as `_temporal_tiled_decode` computes them."""
+    num_frames, height, width = latents_BCTHW.shape[2:]
+    num_sample_frames = (num_frames - 1) * vae.temporal_compression_ratio + 1
+    tile_latent_min_height = vae.tile_sample_min_height // vae.spatial_compression_ratio
+    tile_latent_min_width = vae.tile_sample_min_width // vae.spatial_compression_ratio
+    tile_latent_min_num_frames = vae.tile_sample_min_num_frames // vae.temporal_compression_ratio
+    tile_latent_stride_num_frames = vae.tile_sample_stride_num_frames // vae.temporal_compression_ratio
+    blend_num_frames = vae.tile_sample_min_num_frames - vae.tile_sample_stride_num_frames
+    stride_num_frames = vae.tile_sample_stride_num_frames
+    previous_BCTHW = None
+    num_emitted = 0
+    for start in range(0, num_frames, tile_latent_stride_num_frames):
+        tile_BCTHW = latents_BCTHW[:, :, start : start + tile_latent_min_num_frames + 1]
+        if start > 0 and tile_BCTHW.shape[2] == 1:
+            # One latent frame decodes to one frame, which diffusers drops as the overlap frame: the tile
+            # adds nothing (121 frames = 31 latents end on such a tile), so its decoder call is skipped.
+            continue
+        if vae.use_tiling and (tile_BCTHW.shape[-1] > tile_latent_min_width
+                               or tile_BCTHW.shape[-2] > tile_latent_min_height):
+            decoded_BCTHW = vae.tiled_decode(tile_BCTHW, return_dict=True).sample
+        else:
+            decoded_BCTHW = vae.decoder(vae.post_quant_conv(tile_BCTHW))
+        if start > 0:
+            # blend_t writes into its second argument, as in diffusers; the next tile blends with the result.
+            decoded_BCTHW = vae.blend_t(previous_BCTHW, decoded_BCTHW[:, :, 1:], blend_num_frames)
+            kept_BCTHW = decoded_BCTHW[:, :, :stride_num_frames]
+        else:
+            kept_BCTHW = decoded_BCTHW[:, :, : stride_num_frames + 1]
+        kept_BCTHW = kept_BCTHW[:, :, : num_sample_frames - num_emitted]
+        previous_BCTHW = decoded_BCTHW
+        if kept_BCTHW.shape[2] > 0:
+            num_emitted += kept_BCTHW.shape[2]
+            yield kept_BCTHW
+    assert num_emitted == num_sample_frames, (num_emitted, num_sample_frames)
+
+
+def _quantise(pixels_BCTHW: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] pixels -> uint8 (T, H, W, 3), on the pixels' device. Same math as `decode.decode_video`."""
+    frames_THWC = (pixels_BCTHW[0].float() / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous()
+    return (frames_THWC * 255).round().to(torch.uint8)
+
+
+def _start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:
+    """Queue the copy of device frames to the host; the returned function waits for it and gives the array."""
+    if frames_THWC.device.type != "cuda":
+        host_THWC = frames_THWC.cpu().numpy()
+        return lambda: host_THWC
+    # Pinned memory lets the copy run asynchronously behind the next tile's kernels on the same stream.
+    host_THWC = torch.empty(frames_THWC.shape, dtype=frames_THWC.dtype, pin_memory=True)
+    host_THWC.copy_(frames_THWC, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> np.ndarray:
+        copied.synchronize()
+        return host_THWC.numpy()
+
+    return wait
