@@ -59,3 +59,20 @@ def test_denoise_reports_one_duration_per_step(steps):
         clock.mark()
     durations = clock.durations()
     assert len(durations) == steps and all(d >= 0 for d in durations)
+
+
+def test_ulysses_with_compiled_blocks_warns_that_output_is_not_bit_exact(tiny_distill_dir, monkeypatch, caplog):
+    from k6serve.api import build_engine_config
+    from k6serve.runtime import worker as worker_module
+    from k6serve.speed.performance_mode import PerformanceReport
+
+    monkeypatch.setattr(worker_module, "apply_performance_mode",
+                        lambda *args, **kwargs: PerformanceReport(mode="speed", device="cuda", num_compiled_blocks=6))
+    config = build_engine_config(str(tiny_distill_dir), device="cpu", num_gpus=2, ulysses_degree=2)
+    with caplog.at_level("WARNING"):
+        worker_module.ModelWorker(config)
+    assert "--performance-mode balanced for bit-exact output" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        worker_module.ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu"))
+    assert "bit-exact" not in caplog.text
