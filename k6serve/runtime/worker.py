@@ -147,6 +147,33 @@ class ModelWorker:
             return resolve_generate(params, self.variant)
         return resolve_upscale(params, self.variant)
 
+    def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> Path:
+        name = sanitize_file_name(output.output_file_name) if output.output_file_name else default_file_name(request)
+        folder = Path(output.output_path)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / name
+
+    def _streams_video(self) -> bool:
+        """Whether the MP4 is encoded while the VAE decodes (generation, when the float frames are not kept)."""
+        return self.variant.family == GENERATION and not self.pipeline.keep_float_frames
+
+    def _generate_into_mp4(self, request: GenerateRequest, target: Path, on_step: ProgressCallback | None):
+        """Run the pipeline with the MP4 writer as its video sink: x264 encodes on the CPU while the GPU decodes.
+
+        Timings: "decode_video" is the decode's wall time (the encoder runs beside it), "mux" the time the MP4
+        write added after the decode finished (the encoder's backlog and flush, fsync and rename).
+        """
+        from k6serve.media.mux import write_mp4_stream
+
+        def save(frame_chunks, audio, fps) -> None:
+            waveform = audio.waveform if audio is not None else None
+            sample_rate = audio.sample_rate if audio is not None else 44100
+            write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate)
+
+        result = self.pipeline(request, on_step=on_step, video_sink=save)
+        result.timings["mux"] = result.timings.pop("video_sink")
+        return result
+
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult:
         from k6serve.media.mux import write_mp4
@@ -159,8 +186,14 @@ class ModelWorker:
             warmup_s = self._warmup(params)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        target = self._output_file(request, output) if output.save_output else None
         start = time.perf_counter()
-        result = self.pipeline(request, on_step=on_step)
+        if target is not None and self._streams_video():
+            result = self._generate_into_mp4(request, target, on_step)
+            path = str(target)
+        else:
+            result = self.pipeline(request, on_step=on_step)
+            path = None
         timings = dict(result.timings)
         gc_freeze_s = self.gc_freezer.after_request()
         if gc_freeze_s is not None:
@@ -169,13 +202,9 @@ class ModelWorker:
         audio = result.audio.waveform if result.audio is not None else None
         sample_rate = result.audio.sample_rate if result.audio is not None else 44100
         fps = result.fps
-        path = None
-        if output.save_output:
-            name = sanitize_file_name(output.output_file_name) if output.output_file_name else default_file_name(request)
-            folder = Path(output.output_path)
-            folder.mkdir(parents=True, exist_ok=True)
+        if target is not None and path is None:
             mux_start = time.perf_counter()
-            path = str(write_mp4(folder / name, frames, fps, audio, sample_rate))
+            path = str(write_mp4(target, frames, fps, audio, sample_rate))
             timings["mux"] = time.perf_counter() - mux_start
         timings["total"] = time.perf_counter() - start
         if warmup_s is not None:
