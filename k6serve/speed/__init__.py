@@ -4,16 +4,18 @@ Each transform is an `apply_*` function on an already loaded model, composed onc
 `apply_performance_mode`:
 
 1. `apply_fused_projections(transformer)`: one GEMM for Q/K/V of every self-attention and for K/V of every
-   cross-attention (after the weights are loaded; the fused module's state-dict keys differ).
+   cross-attention, in the generation DiT and the SR DiT (after the weights are loaded; the fused module's
+   state-dict keys differ).
 2. `apply_regional_compile(transformer, plan)`: `torch.compile` on each repeated block of `plan.blocks`
    (fuses the fp32 AdaLN / gate / RMSNorm / RoPE elementwise chains around the GEMMs).
-3. `apply_vae_speedups(vae, device)`: cuDNN autotuning and channels-last 3-D convolutions for the video VAE.
+3. `apply_vae_speedups(vae, device)`: cuDNN autotuning for the video VAE; with `compile_decoder`
+   (`--compile-vae true`) a compiled decoder (HunyuanVideo) or compiled decoder blocks (SR K-VAE).
 
 `warmup(pipeline, request, mode)` runs a short request so compilation and autotuning happen before the
 first real request, and reports what that cost.
 """
 
-from k6serve.speed.fused_projections import FusedProjectionAttention, apply_fused_projections
+from k6serve.speed.fused_projections import FusedProjectionAttention, FusedSRSelfAttention, apply_fused_projections
 from k6serve.speed.performance_mode import PerformanceReport, apply_performance_mode
 from k6serve.speed.regional_compile import apply_regional_compile, is_compiled
 from k6serve.speed.vae import apply_vae_speedups
@@ -21,6 +23,7 @@ from k6serve.speed.warmup import WarmupReport, warmup
 
 __all__ = [
     "FusedProjectionAttention",
+    "FusedSRSelfAttention",
     "PerformanceReport",
     "WarmupReport",
     "apply_fused_projections",
