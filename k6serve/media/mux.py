@@ -69,12 +69,12 @@ def write_mp4_stream(
     *,
     crf: int = 18,
 ) -> Path:
-    """`write_mp4` of the concatenated chunks (the same bytes), encoding while `frame_chunks` produces them.
+    """`write_mp4` of the concatenated chunks (same bytes), encoding while `frame_chunks` runs.
 
     `frame_chunks` is iterated in the calling thread (e.g. a GPU decode) while a background thread
-    encodes the chunks already produced; at most `QUEUED_CHUNKS` wait in between. Every chunk is uint8
-    (T_i, H, W, 3) with the first chunk's H and W. An error on either side stops both, removes the
-    temporary file and is raised here; the encoder thread has ended when this returns or raises.
+    encodes the chunks already produced; at most `QUEUED_CHUNKS` wait in between. Every chunk is
+    uint8 (T_i, H, W, 3) with the first chunk's H and W. An error on either side stops both,
+    removes the temporary file and is raised here; the encoder thread has ended by then.
     """
     rate = fps_fraction(fps)
     waveform = None if audio is None else _check_audio(audio, sample_rate)
@@ -174,11 +174,15 @@ def _check_next_chunk(chunk_THWC: np.ndarray, first_shape_HWC: tuple[int, ...]) 
         or chunk_THWC.dtype != np.uint8
         or chunk_THWC.shape[1:] != first_shape_HWC
     ):
-        got = (chunk_THWC.dtype, chunk_THWC.shape) if isinstance(chunk_THWC, np.ndarray) else chunk_THWC
+        got = (
+            (chunk_THWC.dtype, chunk_THWC.shape)
+            if isinstance(chunk_THWC, np.ndarray)
+            else chunk_THWC
+        )
         height, width, _ = first_shape_HWC
         raise ValueError(
-            f"every frame chunk must be a uint8 numpy array (T, {height}, {width}, 3) like the first "
-            f"chunk, got {got!r}"
+            f"every frame chunk must be a uint8 numpy array (T, {height}, {width}, 3) like the "
+            f"first chunk, got {got!r}"
         )
 
 
@@ -191,12 +195,11 @@ _ABORT = object()
 
 
 # PyAV (18.1) releases the GIL inside avcodec_send_frame / avcodec_receive_packet, sws_scale_frame
-# and av_interleaved_write_frame, and x264 encodes in its own threads, so the encoder thread runs
-# beside the decode. Measured on 2 CPU cores (48 frames 512x384, one x264 thread): a pure-Python
-# counter thread kept 35-65% of its idle speed while the encoder ran, and the encoder took 1.1 s
-# alone but 2.5-7 s beside that counter: every return from a GIL-free call waits for the switch
-# interval (5 ms) behind a thread that never releases the GIL. A GPU decode loop mostly waits in
-# CUDA calls that release the GIL, which is the case this overlap is for.
+# and av_interleaved_write_frame, and x264 encodes in its own threads, so this thread runs beside
+# the decode. Measured on 2 CPU cores (48 frames 512x384, one x264 thread): 0.46 s alone,
+# 0.46-0.49 s beside a thread looping torch convolutions (torch ops release the GIL too), but 1.9 s
+# beside a pure-Python loop, which kept its full speed: each return from a GIL-free call then waits
+# for the 5 ms switch interval. A GPU decode loop launches torch ops and waits in CUDA calls.
 def _encode_in_background(
     path: Path,
     frame_chunks: Iterable[np.ndarray],
@@ -205,7 +208,7 @@ def _encode_in_background(
     sample_rate: int,
     crf: int,
 ) -> None:
-    """Iterate `frame_chunks` here and encode them to `path` in a thread; raise either side's error."""
+    """Iterate `frame_chunks` here, encode them to `path` in a thread; raise either side's error."""
     queued: queue.Queue = queue.Queue(maxsize=QUEUED_CHUNKS)
     failures: list[BaseException] = []
 
@@ -214,7 +217,7 @@ def _encode_in_background(
             _encode(path, _take_queued(queued), rate, waveform, sample_rate, crf)
         except _ProducerFailed:
             pass
-        except BaseException as exc:  # raised in the calling thread after the join
+        except BaseException as exc:  # noqa: BLE001 (raised in the calling thread after the join)
             failures.append(exc)
 
     encoder = threading.Thread(target=encode, name="k6serve-mp4-encoder", daemon=True)
@@ -254,7 +257,7 @@ def _feed(
 def _put(
     queued: queue.Queue, item, encoder: threading.Thread, failures: list[BaseException]
 ) -> bool:
-    """Queue `item` for the encoder, waiting while the queue is full; False if the encoder stopped."""
+    """Queue `item` for the encoder, waiting while the queue is full; False once it stopped."""
     while not failures and encoder.is_alive():
         try:
             queued.put(item, timeout=0.05)

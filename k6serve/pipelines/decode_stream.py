@@ -57,7 +57,7 @@ def _uses_temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> bool:
 
 def _temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:
     """The kept, blended, cropped frames of each temporal tile, as `_temporal_tiled_decode` computes them."""
-    num_frames, height, width = latents_BCTHW.shape[2:]
+    num_frames = latents_BCTHW.shape[2]
     num_sample_frames = (num_frames - 1) * vae.temporal_compression_ratio + 1
     tile_latent_min_height = vae.tile_sample_min_height // vae.spatial_compression_ratio
     tile_latent_min_width = vae.tile_sample_min_width // vae.spatial_compression_ratio
