@@ -6,6 +6,7 @@ Builders are imported inside the fixtures, so tests that do not use them skip im
 from pathlib import Path
 
 import pytest
+import torch
 
 # ---- Kandinsky 6 generation (T2AV / TI2AV) ----
 
@@ -81,3 +82,13 @@ def tiny_sr_plain64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_sr_checkpoint(
         tmp_path_factory.mktemp("tiny_sr_plain64") / "tiny_vsr", head="plain64"
     )
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run a test on one torch thread: tiny models gain nothing from a second one, and OpenMP workers spinning
+    against other processes on a busy 2-core machine make each call 10-50x slower."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

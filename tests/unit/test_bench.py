@@ -16,12 +16,7 @@ from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.variants import VARIANTS
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(

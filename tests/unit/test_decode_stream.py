@@ -31,12 +31,7 @@ def vae():
                                      norm_num_groups=4).eval()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _latents(num_latent_frames: int, height: int = 4, width: int = 6, seed: int = 0) -> torch.Tensor:

@@ -38,12 +38,7 @@ GEOMETRY = generation_geometry(64, 96, 9, num_text_tokens=10)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(dtype=torch.float32):

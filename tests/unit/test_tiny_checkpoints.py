@@ -45,14 +45,7 @@ WEIGHT_FILES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # Tiny models gain nothing from a second thread, and OpenMP workers spinning against other
-    # processes on a busy 2-core machine make each pipeline call 10-50x slower.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model_index(ckpt_dir: Path) -> dict:
