@@ -3,11 +3,13 @@
 `torch.compile` leaves millions of long-lived Python objects (FX graphs, guards, generated code, Triton kernel
 handles). Every later full collection walks all of them, and a full collection can land in the middle of a
 denoising step: on H200 a warm request spent ~5.5 s more in its denoising loop than ten steady-state steps
-(docs/benchmarks.md, second session) for Pro and Lite alike, i.e. independent of the model's compute. After a
-request that compiled something, `CompileGcFreezer` runs one collection and then `gc.freeze()`s every object
-that survived it into the permanent generation, which collections skip. vLLM does the same after its start-up
-compilation. New objects are collected as usual; nothing is leaked (frozen objects stay alive because they are
-alive: they belong to the compiled graphs).
+(docs/benchmarks.md, second session) for Pro and Lite alike, i.e. independent of the model's compute. Before a
+request, if graphs were compiled since the last freeze, `CompileGcFreezer` runs one collection and then
+`gc.freeze()`s every object that survived it into the permanent generation, which collections skip. vLLM does
+the same after its start-up compilation. It runs before a request rather than after one so that a finished
+request's objects (frames, latents) are already gone: frozen objects are still freed by reference counting, but
+a frozen reference cycle would never be collected, so only long-lived objects (weights, compiled graphs,
+modules) should be frozen. New objects are collected as usual.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ def compiled_graph_count() -> int:
 
 
 class CompileGcFreezer:
-    """Freeze the surviving objects once after every request that compiled new graphs."""
+    """Freeze the surviving objects once after every compilation (checked before each request)."""
 
     def __init__(self) -> None:
         self._graphs_frozen = -1  # nothing frozen yet: the first call always freezes (model load, warm-up)
 
-    def after_request(self) -> float | None:
+    def freeze_if_compiled(self) -> float | None:
         """Collect and freeze if new graphs were compiled since the last freeze; returns the seconds it took."""
         graphs = compiled_graph_count()
         if graphs == self._graphs_frozen:

@@ -22,7 +22,7 @@ def test_step_timings_bound_the_denoise_time(tiny_distill_dir):
         timings = worker.run(params, output).timings
         assert 0 < timings["denoise_step_median"] <= timings["denoise_step_max"] <= timings["denoise"]
         assert "gc_freeze" in timings  # the first request always freezes what loading left behind
-        assert "gc_freeze" not in worker.run(params, output).timings  # nothing new was compiled since
+        assert "gc_freeze" not in worker.run(params, output).timings  # nothing was compiled since
     finally:
         gc.unfreeze()  # the rest of the test session keeps the usual collector
 
@@ -32,13 +32,13 @@ def test_freezer_freezes_once_per_new_compilation(monkeypatch):
     monkeypatch.setattr(gc_freeze, "compiled_graph_count", lambda: graphs[0])
     freezer = CompileGcFreezer()
     try:
-        assert freezer.after_request() is not None  # first call: model loading created the objects
+        assert freezer.freeze_if_compiled() is not None  # first call: model loading created the objects
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        assert freezer.after_request() is None
-        graphs[0] = 3  # a request compiled three graphs
-        assert freezer.after_request() is not None
-        assert freezer.after_request() is None
+        assert freezer.freeze_if_compiled() is None
+        graphs[0] = 3  # the last request compiled three graphs
+        assert freezer.freeze_if_compiled() is not None
+        assert freezer.freeze_if_compiled() is None
     finally:
         gc.unfreeze()
 
