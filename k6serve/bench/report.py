@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import subprocess
 from dataclasses import dataclass, field
@@ -114,7 +115,19 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
+COMMIT_ENVIRONMENT_VARIABLE = "K6SERVE_COMMIT"
+
+
 def _git_commit() -> str | None:
+    """$K6SERVE_COMMIT if set, else `git rev-parse --short HEAD` of the source tree.
+
+    The variable exists for copied trees: the GPU machine receives the working tree with a `.git` that can be
+    older than the code (measured: JSON of 2026-11-30 named the session's first commit), so the launcher passes
+    the commit it sent. A dirty tree is not detected either way.
+    """
+    pinned = os.environ.get(COMMIT_ENVIRONMENT_VARIABLE, "").strip()
+    if pinned:
+        return pinned
     try:
         result = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

@@ -305,3 +305,12 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     assert part["median_s"] > 0 and part["profile"]["top"]
     mux = json.loads((tmp_path / "profile_mux.json").read_text())["parts"]
     assert mux["mux noise threads=8"]["megabytes"] > mux["mux smooth threads=8"]["megabytes"] > 0
+
+
+def test_environment_commit_can_be_pinned_for_copied_trees(monkeypatch):
+    from k6serve.bench.report import environment
+
+    monkeypatch.setenv("K6SERVE_COMMIT", "abc1234")
+    assert environment()["commit"] == "abc1234"
+    monkeypatch.delenv("K6SERVE_COMMIT")
+    assert environment()["commit"] != "abc1234"
