@@ -6,8 +6,7 @@ request is reported on its own ("cold": compilation and autotuning happen there)
 requests give the median and the per-stage breakdown the pipeline reports. The engine runs its worker in
 this process (`ModelWorker`, one device), so the bench can reach the pipeline's models.
 
-With `--performance-mode speed` the bench applies `apply_performance_mode` to the worker's models itself
-(idempotent: it changes nothing once the worker applies it on its own).
+The worker applies `--performance-mode` (and `--compile-vae`) while loading; the rows' note repeats its report.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch
 
 from k6serve.bench.report import BenchRow
 from k6serve.models.variants import VARIANTS
-from k6serve.speed.performance_mode import apply_performance_mode
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
 SR_VARIANT = "vsr-distilled2steps"
@@ -45,15 +43,12 @@ class EndToEndOptions:
     compile_vae: bool = False  # the engine's --compile-vae
 
 
-def _apply_speed(generator, mode: str) -> str:
-    worker = generator.engine.worker
-    models = getattr(worker.pipeline, "models", None)
-    if models is None or not hasattr(models, "transformer"):
-        return f"{mode}: pipeline exposes no models; transforms not applied by the bench"
-    report = apply_performance_mode(models, mode, worker.device)
+def _speed_note(generator) -> str:
+    """What the engine's worker applied at load time (`--performance-mode`, `--compile-vae`)."""
+    report = generator.engine.worker.performance_report
     return (
-        f"{mode}: +{report.num_fused_attentions} fused, +{report.num_compiled_blocks} compiled, "
-        f"vae {list(report.vae)}"
+        f"{report.mode}: {report.num_fused_attentions} fused attentions, {report.num_compiled_blocks} compiled "
+        f"blocks, vae {list(report.vae)}"
     )
 
 
@@ -122,7 +117,7 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
         output_dir = options.output_dir or scratch
         start = time.perf_counter()
         with _open_generator(model_path, options) as generator:
-            note = _apply_speed(generator, options.performance_mode)
+            note = _speed_note(generator)
             load_s = time.perf_counter() - start
             params = {
                 "prompt": PROMPT,
@@ -160,7 +155,7 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
             model_path = VARIANTS[SR_VARIANT].hub_id
         start = time.perf_counter()
         with _open_generator(model_path, options) as generator:
-            note = _apply_speed(generator, options.performance_mode)
+            note = _speed_note(generator)
             load_s = time.perf_counter() - start
             params = {
                 "video_path": str(clip),

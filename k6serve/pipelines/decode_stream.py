@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from k6serve.pipelines.decode import decode_video
+from k6serve.pipelines.decode import decode_video, float_frames, quantise
 
 # The class whose `_decode` / `_temporal_tiled_decode` this file mirrors (diffusers 0.42.1).
 _MIRRORED_VAE_CLASS = "AutoencoderKLHunyuanVideo"
@@ -37,7 +37,7 @@ def decode_video_chunks(vae, video_BTHWC: torch.Tensor) -> Iterator[np.ndarray]:
         return
     pending: Callable[[], np.ndarray] | None = None
     for pixels_BCTHW in _temporal_tiles(vae, latents_BCTHW):
-        started = _start_host_copy(_quantise(pixels_BCTHW))
+        started = _start_host_copy(quantise(float_frames(pixels_BCTHW)))
         if pending is not None:
             yield pending()
         pending = started
@@ -90,12 +90,6 @@ def _temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:
             num_emitted += kept_BCTHW.shape[2]
             yield kept_BCTHW
     assert num_emitted == num_sample_frames, (num_emitted, num_sample_frames)
-
-
-def _quantise(pixels_BCTHW: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] pixels -> uint8 (T, H, W, 3), on the pixels' device. Same math as `decode.decode_video`."""
-    frames_THWC = (pixels_BCTHW[0].float() / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous()
-    return (frames_THWC * 255).round().to(torch.uint8)
 
 
 def _start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:

@@ -12,7 +12,6 @@ bit-identical to the serial loop.
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable
 
 import torch

@@ -1,9 +1,10 @@
 """Keep Python's cyclic garbage collector off the objects that compilation leaves behind.
 
 `torch.compile` leaves millions of long-lived Python objects (FX graphs, guards, generated code, Triton kernel
-handles). Every later full collection walks all of them, and a full collection can land in the middle of a
-denoising step: on H200 a warm request spent ~5.5 s more in its denoising loop than ten steady-state steps
-(docs/benchmarks.md, second session) for Pro and Lite alike, i.e. independent of the model's compute. Before a
+handles). Every later full collection walks all of them, and it can land in the middle of a denoising step.
+On H200 a warm request spent ~5.5 s more in its denoising loop than ten steady-state steps (docs/benchmarks.md,
+second session), for Pro and Lite alike, i.e. independent of the model's compute; such a collection is the
+suspected cause, not yet confirmed (the pipeline's `denoise_step_max` will show it on the next GPU run). Before a
 request, if graphs were compiled since the last freeze, `CompileGcFreezer` runs one collection and then
 `gc.freeze()`s every object that survived it into the permanent generation, which collections skip. vLLM does
 the same after its start-up compilation. It runs before a request rather than after one so that a finished

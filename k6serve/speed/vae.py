@@ -14,9 +14,9 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   which amplify rounding differences; whether trained weights stay within 1/255 is not yet measured.
   Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
   `--warmup-mode server` pays it at start).
-* channels-last 3-D weights: off. cuDNN's bf16 kernels run NDHWC and transpose NCDHW inputs around each
-  convolution, but in eager mode the GroupNorm and padding kernels are much slower on channels-last
-  tensors (measured: 1.55x slower decode), and rank-4 weights break the conversion.
+* Not applied: channels-last 3-D weights. cuDNN's bf16 kernels run NDHWC and transpose NCDHW inputs around
+  each convolution, but in eager mode the GroupNorm and padding kernels are much slower on channels-last
+  tensors (measured on H200: 1.55x slower decode, up to 9/255 off), and rank-4 weights break the conversion.
 
 Nothing is applied on a non-CUDA device, so CPU results are unchanged.
 """
@@ -26,12 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k6serve.speed.regional_compile import is_compiled
+
 
 def apply_vae_speedups(
     vae: nn.Module,
     device: torch.device,
     *,
-    channels_last: bool = False,  # measured on H200: 1.55x slower decode and up to 9/255 off; rank-4 weights break it
     compile_decoder: bool = False,
 ) -> list[str]:
     """Apply the enabled decode speed-ups on CUDA; returns the names of what was applied."""
@@ -40,16 +41,13 @@ def apply_vae_speedups(
     applied = ["cudnn_benchmark"]
     # Process-wide: every convolution in the process autotunes; the DiT has none, the audio VAE gains.
     torch.backends.cudnn.benchmark = True
-    if channels_last:
-        vae.to(memory_format=torch.channels_last_3d)
-        applied.append("channels_last_3d")
     decoder = getattr(vae, "decoder", None)
     if compile_decoder and decoder is not None:
         if _is_sr_vae(vae):
             compile_sr_decoder_blocks(vae)
             applied.append("compile_decoder_blocks")
         else:
-            if getattr(decoder, "_compiled_call_impl", None) is None:
+            if not is_compiled(decoder):
                 decoder.compile(dynamic=False)
             applied.append("compile_decoder")
     return applied
@@ -85,6 +83,6 @@ def compile_sr_decoder_blocks(model: nn.Module, *, backend: str = "inductor", li
         if hasattr(up, "upsample"):
             modules.append(up.upsample)
     for module in modules:
-        if getattr(module, "_compiled_call_impl", None) is None:
+        if not is_compiled(module):
             module.compile(backend=backend, dynamic=False)
     return len(modules)

@@ -29,7 +29,7 @@ from diffusers import (
     PiflowScheduler,
 )
 
-from k6serve.models.kandinsky6_sr.config import TILE_SIZES_OVERRIDE_KEY
+from k6serve.models.kandinsky6_sr.config import TILE_SIZES_OVERRIDE_KEY, UPSCALER_FIXED, UPSCALER_X2_FIXED
 
 TINY_CHANNELS = 8
 TINY_N_GRID = 10
@@ -202,30 +202,17 @@ def _vendor_vae(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _vendor_upscaler(raw: dict[str, Any]) -> dict[str, Any]:
-    shared = {
-        "architecture": "multi_scale",
+    shared = UPSCALER_FIXED | {
         "in_channels": raw["in_channels"],
         "stage_channels": list(raw["stage_channels"]),
         "hidden": raw["stage_channels"][0],
         "num_pre_blocks": raw["num_pre_blocks"],
         "num_mid_blocks": raw["num_mid_blocks"],
         "num_post_blocks": raw["num_post_blocks"],
-        "expand_ratio": 1,
-        "bare_stem": True,
-        "input_skip": False,
-        "modulated_norm": True,
-        "modulated_output_proj": True,
-        "upsample_mode": "pxs_v2",
-        "upsample_padding_mode": "zeros",
-        "temporal_padding": "replicate",
-        "temporal_mix": False,
     }
-    x2_entry = shared | {
-        "enable_x2_entry": True,
+    x2_entry = shared | UPSCALER_X2_FIXED | {
         "x2_adapter_blocks": raw["num_x2_adapter_blocks"],
         "x2_adapter_sources": [0, 4],
-        "x2_finisher": "pxs_residual",
-        "x2_tail_mode": "private_full",
     }
     # Hub list order: 4x first, although the weights hold x2 under `_models.0.`.
     return _metadata(raw) | {

@@ -302,8 +302,9 @@ def _widths(section: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(w) for w in widths)
 
 
-# Released latent-upscaler architecture; the diffusers bank implements exactly this (L:28-248).
-_UPSCALER_FIXED = {
+# Released latent-upscaler architecture; the diffusers bank implements exactly this (L:28-248). Public so a
+# writer of vendor configs (the tiny test checkpoint) states the same fixed fields.
+UPSCALER_FIXED = {
     "architecture": "multi_scale",
     "expand_ratio": 1,
     "bare_stem": True,
@@ -316,7 +317,7 @@ _UPSCALER_FIXED = {
     # True would add temporal mixing ("motion attention", natten or SDPA in SG), absent from the released weights.
     "temporal_mix": False,
 }
-_UPSCALER_X2_FIXED = {
+UPSCALER_X2_FIXED = {
     "enable_x2_entry": True,
     "x2_finisher": "pxs_residual",
     "x2_tail_mode": "private_full",
@@ -366,7 +367,7 @@ class SRUpscalerConfig:
                 f"latent_upscaler/config.json target scales {sorted(entries)}; k6serve supports 2x, 4x"
             )
         for scale, model in entries.items():
-            fixed = _UPSCALER_FIXED | (_UPSCALER_X2_FIXED if scale == 2 else {})
+            fixed = UPSCALER_FIXED | (UPSCALER_X2_FIXED if scale == 2 else {})
             for key, value in fixed.items():
                 if model.get(key, value) != value:
                     raise ValueError(
