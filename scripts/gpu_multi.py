@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--performance-mode", default="default", choices=("default", "speed"),
                         help="speed: fused projections + regionally compiled blocks (as the engine's "
                              "--performance-mode speed), applied before the 1-GPU baseline")
+    parser.add_argument("--ulysses-chunks", type=lambda text: [int(c) for c in text.split(",")], default=None,
+                        help="ulysses stage: one Ulysses2 run per head-chunk count, e.g. 1,2 (default: one run "
+                             "with the engine's default / $K6SERVE_ULYSSES_CHUNKS)")
     parser.add_argument("--profile", action="store_true",
                         help="rank 0: kernel profile of the second denoising step of every run")
     return parser.parse_args(argv)
@@ -156,6 +159,16 @@ def _summary(run: dict) -> dict:
                                       "kernel_profile")}
 
 
+def _set_ulysses_chunks(transformer: torch.nn.Module, chunks: int) -> None:
+    """Pipeline every Ulysses exchange of `transformer` in `chunks` head chunks (bitwise the same output)."""
+    from k6serve.parallel.sequence_attention import ShardedAttention
+
+    modules = [module for module in transformer.modules() if isinstance(module, ShardedAttention)]
+    assert modules, "no sharded attention to set chunks on"
+    for module in modules:
+        module.overlap_chunks = chunks
+
+
 def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict | None:
     """The stage on this rank; rank 0 returns the report."""
     from k6serve.parallel.mesh import ParallelLayout, build_groups
@@ -173,9 +186,15 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
     baseline = None
     if args.stage != "fsdp":
+        # Every rank runs the 1-GPU baseline on its own GPU at the same time: two "identical" GPUs can differ by a
+        # few percent, and a parallel step runs at the pace of the slower one, so the report shows both.
+        baseline = run_pipeline(models, args, steps, device, profile=args.profile and rank == 0)
+        step_per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(step_per_rank, baseline["step_s"])
         if rank == 0:
-            baseline = run_pipeline(models, args, steps, device, profile=args.profile)
-            report["runs"]["one_gpu"] = _summary(baseline)
+            report["runs"]["one_gpu"] = _summary(baseline) | {"step_s_per_rank": step_per_rank}
+        else:
+            baseline = None
         dist.barrier()
     for name, degrees in runs:
         layout = ParallelLayout(**degrees)
@@ -189,16 +208,21 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
                        groups.axis_mesh("replica", device.type))
         else:
             parallelize_generation_models(models, groups, encoder_parallel="replicate", device_type=device.type)
-        result = run_pipeline(models, args, steps, device, profile=args.profile and rank == 0)
-        if rank == 0:
-            report["runs"][name] = _summary(result)
-            if baseline is None:  # fsdp: the resident Ulysses2 run is the baseline of FSDP + Ulysses2
-                baseline = result
-            else:
-                report["runs"][name]["equal_to_baseline"] = compare(result, baseline)
-                if baseline["step_s"] and result["step_s"]:
-                    report["runs"][name]["step_speedup"] = baseline["step_s"] / result["step_s"]
-        dist.barrier()
+        chunk_counts = args.ulysses_chunks if args.stage == "ulysses" and args.ulysses_chunks else [None]
+        for chunks in chunk_counts:
+            run_name = name if chunks is None else f"{name}_chunks{chunks}"
+            if chunks is not None:
+                _set_ulysses_chunks(models.transformer, chunks)
+            result = run_pipeline(models, args, steps, device, profile=args.profile and rank == 0)
+            if rank == 0:
+                report["runs"][run_name] = _summary(result)
+                if baseline is None:  # fsdp: the resident Ulysses2 run is the baseline of FSDP + Ulysses2
+                    baseline = result
+                else:
+                    report["runs"][run_name]["equal_to_baseline"] = compare(result, baseline)
+                    if baseline["step_s"] and result["step_s"]:
+                        report["runs"][run_name]["step_speedup"] = baseline["step_s"] / result["step_s"]
+            dist.barrier()
     return report if rank == 0 else None
 
 
@@ -215,6 +239,10 @@ def table(report: dict) -> str:
         memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
         lines.append(f"| {name} | {step} | {speedup} | {run['total_s']:.1f} | {memory} | "
                      f"{equal.get('frames_equal', '-')} | {equal.get('waveform_equal', '-')} |")
+    per_rank = report["runs"].get("one_gpu", {}).get("step_s_per_rank")
+    if per_rank and all(per_rank):
+        lines += ["", "1-GPU step on each GPU (run at the same time, one model per GPU): "
+                  + " / ".join(f"GPU {index} {step:.3f} s" for index, step in enumerate(per_rank))]
     from k6serve.bench.kernel_profile import format_summary
 
     for name, run in report["runs"].items():

@@ -29,20 +29,28 @@ def run_stage(stage: str, checkpoint: Path, out: Path, *extra: str) -> dict:
     return json.loads((out / f"gpu_multi_{stage}.json").read_text())
 
 
-# The ulysses stage is the fsdp stage's first run on another geometry, so two stages cover every code path.
+# The ulysses stage runs once per head-chunk count (the fsdp stage covers its single-run form).
 # The cfg stage also runs with --profile and 3 steps: the second step of each run is profiled on rank 0.
-@pytest.mark.parametrize(("stage", "run"), [("cfg", "cfg_parallel"), ("fsdp", "fsdp_ulysses2")])
+@pytest.mark.parametrize(("stage", "run"), [("cfg", "cfg_parallel"), ("fsdp", "fsdp_ulysses2"),
+                                            ("ulysses", "ulysses2_chunks2")])
 def test_stage_reports_bitwise_equality(stage, run, tiny_pro_dir, tiny_distill_dir, tmp_path):
     checkpoint = tiny_pro_dir if stage == "cfg" else tiny_distill_dir
-    extra = ("--profile", "--steps", "3") if stage == "cfg" else ()
+    extra = {"cfg": ("--profile", "--steps", "3"), "ulysses": ("--ulysses-chunks", "1,2")}.get(stage, ())
     report = run_stage(stage, checkpoint, tmp_path, *extra)
     equal = report["runs"][run]["equal_to_baseline"]
     assert equal["frames_equal"] and equal["waveform_equal"] and equal["num_frames_compared"] == 5
     # One interval per step after the warm-up step.
     assert len(report["runs"][run]["step_times_s"]) == (2 if stage == "cfg" else 1)
-    assert len(report["runs"]) == 2
+    assert sorted(report["runs"]) == sorted({"cfg": ["one_gpu", run], "fsdp": ["ulysses2", run],
+                                             "ulysses": ["one_gpu", "ulysses2_chunks1", run]}[stage])
+    if stage == "ulysses":
+        assert report["runs"]["ulysses2_chunks1"]["equal_to_baseline"]["frames_equal"]
     if stage == "cfg":
         for name in ("one_gpu", run):
             profile = report["runs"][name]["kernel_profile"]
             assert profile["busy_ms"] > 0 and profile["top"] and "gemm" in profile["categories_ms"]
         assert "second step, rank 0" in (tmp_path / "gpu_multi_cfg.md").read_text()
+        # Both ranks ran the 1-GPU baseline on their own device at the same time.
+        per_rank = report["runs"]["one_gpu"]["step_s_per_rank"]
+        assert len(per_rank) == 2 and all(step > 0 for step in per_rank)
+        assert "1-GPU step on each GPU" in (tmp_path / "gpu_multi_cfg.md").read_text()
