@@ -68,6 +68,7 @@ def _rows_from_results(
     rows = [cold_row]
     if warm:
         totals = tuple(result.timings.get("total", 0.0) for result in warm)
+        breakdown = _median_breakdown([result.timings for result in warm])
         rows.append(
             BenchRow(
                 stage=stage,
@@ -76,11 +77,18 @@ def _rows_from_results(
                 seconds=statistics.median(totals),
                 times_s=totals,
                 peak_memory_gib=max(r.peak_memory_mb for r in warm) / 1024,
-                breakdown_s=dict(warm[-1].timings),
-                note=" ".join(f"{k}={v:.2f}" for k, v in warm[-1].timings.items()),
+                breakdown_s=breakdown,
+                breakdowns_s=tuple(dict(result.timings) for result in warm),
+                note=("median " if len(warm) > 1 else "") + " ".join(f"{k}={v:.2f}" for k, v in breakdown.items()),
             )
         )
     return rows
+
+
+def _median_breakdown(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Each stage's median over the runs (a stage missing from a run is left out of that run's values)."""
+    keys = list(dict.fromkeys(key for run in timings for key in run))
+    return {key: statistics.median(run[key] for run in timings if key in run) for key in keys}
 
 
 def _engine_kwargs(options: EndToEndOptions) -> dict:

@@ -34,7 +34,9 @@ class BenchRow:
     max_abs_diff: float | None = None  # vs the reference output (uint8 levels for frames)
     breakdown_s: dict[str, float] = field(
         default_factory=dict
-    )  # per-stage seconds of a pipeline run
+    )  # per-stage seconds of a pipeline run (several runs: the median of each stage)
+    # Every timed run's breakdown, so one slow run among them shows where its time went.
+    breakdowns_s: tuple[dict[str, float], ...] = ()
     note: str = ""
     error: str | None = None
 

@@ -190,6 +190,23 @@ def test_tiny_generate_through_diffgenerator():
         warm.breakdown_s
     )
     assert warm.seconds == pytest.approx(warm.breakdown_s["total"])
+    assert len(warm.breakdowns_s) == 1 and warm.breakdowns_s[0]["total"] == warm.breakdown_s["total"]
+
+
+def test_warm_breakdown_is_the_median_of_every_run():
+    from types import SimpleNamespace
+
+    from k6serve.bench.end_to_end import _rows_from_results
+
+    def result(total, denoise):
+        return SimpleNamespace(timings={"denoise": denoise, "total": total}, peak_memory_mb=1024.0)
+
+    warm = [result(67.7, 58.4), result(62.4, 58.5), result(62.5, 58.6)]
+    _, row = _rows_from_results("generate", "pro-distill", result(155.0, 86.0), warm, 1.0, "speed")
+    assert row.seconds == 62.5 and row.times_s == (67.7, 62.4, 62.5)
+    assert row.breakdown_s == {"denoise": 58.5, "total": 62.5}
+    assert [run["total"] for run in row.breakdowns_s] == [67.7, 62.4, 62.5]
+    assert row.note.startswith("median denoise=58.50")
 
 
 def _gpu_single():
