@@ -40,10 +40,10 @@ CHUNKS_ENVIRONMENT_VARIABLE = "K6SERVE_ULYSSES_CHUNKS"
 def default_overlap_chunks(local_heads: int) -> int:
     """1: no head-chunk pipelining unless asked for ($K6SERVE_ULYSSES_CHUNKS or `overlap_chunks=`).
 
-    Measured on two H200s (docs/benchmarks.md, 2026-11-30): with 2 chunks and the compiled DiT, the NCCL
-    all-to-all kernels did not overlap FlashAttention-3 (a persistent kernel that holds every SM) and the step
-    reached 1.60x, against 1.82x for the unchunked exchange in eager mode. Until a chunked run beats the
-    unchunked one on the GPU, the default is the exchange that was measured best. `local_heads` stays in the
+    Measured on two NVLink H200s (docs/benchmarks.md, 2026-11-30, Pro-distill Ulysses2 step speed-up): eager
+    1.81x with 1 chunk against 1.69x with 2; compiled 1.79x against 1.60x. The NCCL all-to-all kernels need SMs
+    and do not overlap FlashAttention-3 (a persistent kernel that holds every SM); NCCL's copy-engine path frees
+    the SMs but moves only 61 GB/s. So the default is the unchunked exchange. `local_heads` stays in the
     signature so a measured rule (e.g. chunking only with a non-persistent attention kernel) can use it.
     """
     del local_heads
