@@ -12,12 +12,14 @@ Legend: B batch (1), C channels, T frames, H height, W width.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
 from k6serve.pipelines.decode import decode_video, float_frames, quantise
+from k6serve.pipelines.state import DecodedAudio
 
 # The class whose `_decode` / `_temporal_tiled_decode` this file mirrors (diffusers 0.42.1).
 _MIRRORED_VAE_CLASS = "AutoencoderKLHunyuanVideo"
@@ -37,7 +39,7 @@ def decode_video_chunks(vae, video_BTHWC: torch.Tensor) -> Iterator[np.ndarray]:
         return
     pending: Callable[[], np.ndarray] | None = None
     for pixels_BCTHW in _temporal_tiles(vae, latents_BCTHW):
-        started = _start_host_copy(quantise(float_frames(pixels_BCTHW)))
+        started = start_host_copy(quantise(float_frames(pixels_BCTHW)))
         if pending is not None:
             yield pending()
         pending = started
@@ -92,7 +94,7 @@ def _temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:
     assert num_emitted == num_sample_frames, (num_emitted, num_sample_frames)
 
 
-def _start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:
+def start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:
     """Queue the copy of device frames to the host; the returned function waits for it and gives the array."""
     if frames_THWC.device.type != "cuda":
         host_THWC = frames_THWC.cpu().numpy()
@@ -108,3 +110,34 @@ def _start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:
         return host_THWC.numpy()
 
     return wait
+
+
+# Consumes the uint8 frame chunks (T_i, H, W, 3) while the VAE decodes them, given the decoded audio and the fps
+# first (e.g. a streaming MP4 writer); it must consume every chunk before it returns.
+VideoSink = Callable[[Iterator[np.ndarray], DecodedAudio | None, float], None]
+
+
+def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: DecodedAudio | None, fps: float,
+                    timings: dict[str, float], decode_key: str) -> np.ndarray:
+    """Hand `chunks` to `video_sink` and keep them; returns the concatenated uint8 frames (T, H, W, 3).
+
+    timings[decode_key]: from the start until the sink asked for a chunk after the last one, so the decode's wall
+    time, including any wait for a sink that fell behind; timings["video_sink"]: how long the sink still ran after
+    that (for the MP4 writer: the frames still queued and the encoder's flush).
+    """
+    kept: list[np.ndarray] = []
+    decode_end: list[float] = []
+
+    def produce() -> Iterator[np.ndarray]:
+        for chunk_THWC in chunks:
+            kept.append(chunk_THWC)
+            yield chunk_THWC
+        decode_end.append(time.perf_counter())
+
+    start = time.perf_counter()
+    video_sink(produce(), audio, fps)
+    if not decode_end:
+        raise RuntimeError("the video_sink returned before it consumed every frame chunk")
+    timings[decode_key] = decode_end[0] - start
+    timings["video_sink"] = time.perf_counter() - decode_end[0]
+    return kept[0] if len(kept) == 1 else np.concatenate(kept)

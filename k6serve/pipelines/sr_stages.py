@@ -11,7 +11,7 @@ channels-last for the DiT. T' below is the number of latent frames.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,8 @@ from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
 from k6serve.models.kandinsky6_sr.transformer import SRTransformer
 from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
 from k6serve.models.kandinsky6_sr.vae import SRVAE
+from k6serve.parallel.tile_decode import decode_group_of, decode_round_robin
+from k6serve.pipelines.decode_stream import start_host_copy
 from k6serve.pipelines.sr_tiling import (
     ScalePlan,
     TileGrid,
@@ -41,7 +43,6 @@ from k6serve.pipelines.sr_tiling import (
 )
 from k6serve.pipelines.state import DecodedAudio
 from k6serve.request import UpscaleRequest
-from k6serve.parallel.tile_decode import decode_group_of, decode_round_robin
 
 StepCallback = Callable[[int, int], None]
 
@@ -220,8 +221,46 @@ def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor]) -> list[Tensor]:
 
 def assemble_frames(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> np.ndarray:
     """Hann-blend the tiles, crop the padding, downscale to the delivery size -> uint8 (T, H, W, 3) on the CPU."""
+    return _assemble_on_device(tiles_TCHW, plan).cpu().numpy()
+
+
+def _assemble_on_device(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> Tensor:
     frames_TCHW = blend_tiles(tiles_TCHW, plan.grid)
     crop_height, crop_width = plan.crop_size
     frames_TCHW = frames_TCHW[..., :crop_height, :crop_width]
     frames_TCHW = resize_frames(frames_TCHW, plan.delivery_size)
-    return frames_TCHW.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    return frames_TCHW.permute(0, 2, 3, 1).contiguous()
+
+
+def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan) -> Iterator[np.ndarray]:
+    """`assemble_frames(decode_tiles(vae, latents_ThwC), plan)` as uint8 (T_i, H, W, 3) chunks, each as soon as
+    it is final, so the MP4 encoder runs beside the decode; the chunks concatenate to exactly that array.
+
+    Segment-major order: every tile keeps its own causal cache chain and decodes its segments in order, as
+    `SRVAE.decode_tile` does, but the tiles take turns per segment, so the frames of a segment are final once
+    every tile has decoded it. Blend, crop and resize compute each frame from that frame alone (the frame chunks
+    of `blend_tiles` / `resize_frames` bound memory, they do not mix frames), so blending a segment's frames gives
+    the same bytes as blending the whole clip. Chunk i is handed out after segment i + 1 is queued, so on a GPU its
+    host copy and the caller's work on it overlap the next segment's decode. The price is memory: every tile's
+    cache chain (the last input frames of each causal convolution) is alive at once, where the whole-tile order
+    holds one. A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`) and gives one
+    chunk.
+    """
+    if decode_group_of(vae) is not None:
+        yield assemble_frames(decode_tiles(vae, latents_ThwC), plan)
+        return
+    segment_iterators = [
+        vae.iter_decode_tile(latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0)) for latent_ThwC in latents_ThwC
+    ]
+    pending: Callable[[], np.ndarray] | None = None
+    while True:
+        segments = [next(iterator, None) for iterator in segment_iterators]
+        if any(segment is None for segment in segments):
+            assert all(segment is None for segment in segments), "tiles of one grid have the same segments"
+            break
+        started = start_host_copy(_assemble_on_device([segment[0] for segment in segments], plan))
+        if pending is not None:
+            yield pending()
+        pending = started
+    assert pending is not None, "a tile has at least one segment"
+    yield pending()

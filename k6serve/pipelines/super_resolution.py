@@ -18,9 +18,11 @@ import torch
 
 from k6serve.models.kandinsky6_sr.checkpoint import SRModels, load_sr_models
 from k6serve.models.variants import Variant
+from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink
 from k6serve.pipelines.sr_stages import (
     StepCallback,
     assemble_frames,
+    decode_and_assemble_chunks,
     decode_tiles,
     denoise_tiles,
     encode_clip,
@@ -45,7 +47,7 @@ class SuperResolutionOutput:
     fps: float
     timings: dict[str, float] = field(
         default_factory=dict
-    )  # read, encode, upscale, dit, decode, blend (s)
+    )  # read, encode, upscale, dit, decode, blend (s); streamed: decode (with the blend), video_sink
     notes: list[str] = field(default_factory=list)
 
 
@@ -54,8 +56,11 @@ class SuperResolutionPipeline:
         self.models = models
 
     def __call__(
-        self, request: UpscaleRequest, *, on_step: StepCallback | None = None
+        self, request: UpscaleRequest, *, on_step: StepCallback | None = None, video_sink: VideoSink | None = None
     ) -> SuperResolutionOutput:
+        """Upscale one clip. With `video_sink`, the tiles are decoded segment by segment and each blended segment
+        goes to the sink as soon as it is final (`decode_and_assemble_chunks`); then timings["decode"] includes
+        the blend, there is no "blend" entry, and "video_sink" is the sink's time after the last chunk."""
         m = self.models
         timings: dict[str, float] = {}
         with _timed(timings, "read", m.device):
@@ -82,10 +87,14 @@ class SuperResolutionPipeline:
                 dtype=m.dtype,
                 on_step=on_step,
             )
-        with _timed(timings, "decode", m.device):
-            tiles = decode_tiles(m.vae, latents)
-        with _timed(timings, "blend", m.device):
-            frames_THWC = assemble_frames(tiles, plan)
+        if video_sink is not None:
+            frames_THWC = feed_video_sink(video_sink, decode_and_assemble_chunks(m.vae, latents, plan),
+                                          source.audio, float(source.fps), timings, "decode")
+        else:
+            with _timed(timings, "decode", m.device):
+                tiles = decode_tiles(m.vae, latents)
+            with _timed(timings, "blend", m.device):
+                frames_THWC = assemble_frames(tiles, plan)
         timings["dit_per_call"] = timings["dit"] / (
             sampler.num_steps * -(-plan.num_tiles // request.tiles_batch_size)
         )

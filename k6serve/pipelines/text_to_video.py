@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from k6serve.pipelines.decode import decode_audio, decode_video
-from k6serve.pipelines.decode_stream import decode_video_chunks
+from k6serve.pipelines.decode_stream import VideoSink, decode_video_chunks, feed_video_sink
 from k6serve.pipelines.denoise import StepCallback, denoise
 from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding
-from k6serve.pipelines.prepare_latents import encode_reference_image, make_generator, prepare_latents
+from k6serve.pipelines.prepare_latents import (
+    encode_reference_image,
+    make_generator,
+    prepare_latents,
+)
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo
 from k6serve.request import GenerateRequest
-
-
-# Consumes the uint8 frame chunks (T_i, H, W, 3) while the VAE decodes them, given the decoded audio and the fps
-# first (e.g. a streaming MP4 writer); it must consume every chunk before it returns.
-VideoSink = Callable[[Iterator[np.ndarray], DecodedAudio | None, float], None]
 
 
 @dataclass
@@ -133,26 +130,7 @@ class TextToVideoPipeline:
 
     def _decode_into(self, video_sink: VideoSink, video_BTHWC: torch.Tensor, audio: DecodedAudio | None,
                      fps: float, timings: dict[str, float]) -> DecodedVideo:
-        """Stream the decoded chunks into `video_sink` and keep them.
-
-        timings["decode_video"]: from the decode's start until the sink asked for a chunk after the last one, so
-        the decode wall time, including any wait for a sink that fell behind; timings["video_sink"]: how long the
-        sink still ran after that (for the MP4 writer: the frames still queued and the encoder's flush).
-        """
-        chunks: list[np.ndarray] = []
-        decode_end: list[float] = []
-
-        def produce() -> Iterator[np.ndarray]:
-            for chunk_THWC in decode_video_chunks(self.models.vae, video_BTHWC):
-                chunks.append(chunk_THWC)
-                yield chunk_THWC
-            decode_end.append(time.perf_counter())
-
-        start = time.perf_counter()
-        video_sink(produce(), audio, fps)
-        if not decode_end:
-            raise RuntimeError("the video_sink returned before it consumed every frame chunk")
-        timings["decode_video"] = decode_end[0] - start
-        timings["video_sink"] = time.perf_counter() - decode_end[0]
-        frames_THWC = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        """Stream the decoded chunks into `video_sink` and keep them (timings: see `feed_video_sink`)."""
+        frames_THWC = feed_video_sink(video_sink, decode_video_chunks(self.models.vae, video_BTHWC), audio, fps,
+                                      timings, "decode_video")
         return DecodedVideo(frames_float_THWC=None, frames_THWC=frames_THWC)

@@ -19,8 +19,21 @@ import torch
 
 from k6serve.config import EngineConfig
 from k6serve.models.checkpoint_files import resolve_checkpoint
-from k6serve.models.variants import GENERATION, Variant, recognise, resolve_generate, resolve_upscale
-from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.models.variants import (
+    GENERATION,
+    SUPER_RESOLUTION,
+    Variant,
+    recognise,
+    resolve_generate,
+    resolve_upscale,
+)
+from k6serve.request import (
+    GenerateRequest,
+    OutputOptions,
+    SamplingParams,
+    UpscaleRequest,
+    VideoResult,
+)
 from k6serve.runtime.gc_freeze import CompileGcFreezer
 from k6serve.speed import apply_performance_mode, warmup
 
@@ -73,7 +86,7 @@ def peak_memory_mb(device: torch.device) -> float:
 class ModelWorker:
     """Loads the checkpoint named by the config and serves requests for it."""
 
-    def __init__(self, config: EngineConfig, *, transform: Callable[["ModelWorker"], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, transform: Callable[[ModelWorker], None] | None = None) -> None:
         """Load the checkpoint; `transform(worker)` (e.g. the multi-GPU layout) runs before the speed
         transforms, which must see the final module tree."""
         self.config = config
@@ -154,14 +167,17 @@ class ModelWorker:
         return folder / name
 
     def _streams_video(self) -> bool:
-        """Whether the MP4 is encoded while the VAE decodes (generation, when the float frames are not kept)."""
+        """Whether the MP4 is encoded while the VAE decodes: SR always, generation when no float frames are kept."""
+        if self.variant.family == SUPER_RESOLUTION:
+            return True
         return self.variant.family == GENERATION and not self.pipeline.keep_float_frames
 
     def _generate_into_mp4(self, request: GenerateRequest, target: Path, on_step: ProgressCallback | None):
         """Run the pipeline with the MP4 writer as its video sink: x264 encodes on the CPU while the GPU decodes.
 
-        Timings: "decode_video" is the decode's wall time (the encoder runs beside it), "mux" the time the MP4
-        write added after the decode finished (the encoder's backlog and flush, fsync and rename).
+        Timings: "decode_video" (SR: "decode", with the blend) is the decode's wall time (the encoder runs beside
+        it), "mux" the time the MP4 write added after the decode finished (the encoder's backlog and flush, fsync
+        and rename).
         """
         from k6serve.media.mux import write_mp4_stream
 

@@ -15,6 +15,8 @@ h/w latent size.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from diffusers import Kandinsky6SRVAE
 from torch import Tensor
@@ -97,14 +99,31 @@ class SRVAE:
     @torch.no_grad()
     def decode_tile_raw(self, latent_BCThw: Tensor) -> Tensor:
         """Scaled latent tile -> decoder output in normalised pixel space, with a fresh cache chain per tile."""
-        latent_BCThw = latent_BCThw.to(self.dtype) / self.scaling_factor
-        cache = self.model.decoder.make_cache()
-        segments = torch.split(latent_BCThw, decode_segment_lengths(latent_BCThw.shape[2]), dim=2)
-        return torch.cat([self._decode_segment(segment, cache) for segment in segments], dim=2)
+        return torch.cat(list(self.iter_decode_tile_raw(latent_BCThw)), dim=2)
+
+    def iter_decode_tile_raw(self, latent_BCThw: Tensor) -> Iterator[Tensor]:
+        """`decode_tile_raw` one causal segment at a time (1 + 4, 4, ... latent frames -> 17, 16, ... frames).
+
+        The tile's cache chain lives in the generator, so several tiles can be decoded segment by segment,
+        interleaved, each giving exactly the segments of its own `decode_tile_raw`.
+        """
+        with torch.no_grad():
+            latent_BCThw = latent_BCThw.to(self.dtype) / self.scaling_factor
+            cache = self.model.decoder.make_cache()
+            segments = torch.split(latent_BCThw, decode_segment_lengths(latent_BCThw.shape[2]), dim=2)
+        for segment in segments:
+            with torch.no_grad():  # not around the yield: the caller's grad mode stays its own
+                decoded = self._decode_segment(segment, cache)
+            yield decoded
 
     def decode_tile(self, latent_BCThw: Tensor) -> Tensor:
         """Scaled latent tiles (B, C, Tl, h, w) -> uint8 frames (B, T, 3, H, W), truncated as in R/SG."""
         return latent_to_uint8(self.decode_tile_raw(latent_BCThw)).transpose(1, 2)
+
+    def iter_decode_tile(self, latent_BCThw: Tensor) -> Iterator[Tensor]:
+        """`decode_tile` one causal segment at a time: uint8 (B, T_i, 3, H, W) per segment."""
+        for decoded in self.iter_decode_tile_raw(latent_BCThw):
+            yield latent_to_uint8(decoded).transpose(1, 2)
 
     def _decode_segment(self, latent_BCThw: Tensor, cache: dict) -> Tensor:
         # Kandinsky6SRDecoder3D.forward (A:497-513) with x * sigmoid(x) at norm_out; see the module docstring.
