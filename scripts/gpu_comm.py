@@ -41,6 +41,23 @@ def _time_ms(fn, repeats: int = REPEATS) -> float:
     return statistics.median(times[2:])
 
 
+def _collectives(send, received, half, gathered, peer: int) -> dict:
+    """The timed collectives on one set of buffers (`half` = this rank's share of an all-gather)."""
+
+    def all_to_all():
+        dist.all_to_all_single(received, send)
+
+    def all_gather():
+        dist.all_gather_into_tensor(gathered, half)
+
+    def send_recv():
+        ops = [dist.P2POp(dist.isend, half, peer), dist.P2POp(dist.irecv, received[: half.numel()], peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return {"all_to_all": all_to_all, "all_gather": all_gather, "send_recv": send_recv}
+
+
 def measure(rank: int) -> list[dict]:
     rows = []
     device = torch.device("cuda", rank)
@@ -54,18 +71,7 @@ def measure(rank: int) -> list[dict]:
         peer = 1 - rank
         peer_bytes = numel * 2 / WORLD_SIZE  # what crosses the link in each direction
 
-        def all_to_all():
-            dist.all_to_all_single(received, send)
-
-        def all_gather():
-            dist.all_gather_into_tensor(gathered, half)
-
-        def send_recv():
-            ops = [dist.P2POp(dist.isend, half, peer), dist.P2POp(dist.irecv, received[: numel // WORLD_SIZE], peer)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-
-        for name, fn in (("all_to_all", all_to_all), ("all_gather", all_gather), ("send_recv", send_recv)):
+        for name, fn in _collectives(send, received, half, gathered, peer).items():
             ms = _time_ms(fn)
             rows.append({"op": name, "buffer_mb": size_mb, "ms": ms, "gb_per_s_per_direction": peer_bytes / ms / 1e6})
 
@@ -96,9 +102,9 @@ def table(rows: list[dict], gpu: str) -> str:
         if row["op"] != "overlap":
             lines.append(f"| {row['op']} | {row['buffer_mb']} | {row['ms']:.2f} | {row['gb_per_s_per_direction']:.0f} |")
     overlap = rows[-1]
-    lines += ["", f"all-to-all of {overlap['buffer_mb']} MB beside a 16384x8192x8192 GEMM: GEMM {overlap['gemm_ms']:.2f} ms, "
+    lines += ["", (f"all-to-all of {overlap['buffer_mb']} MB beside a 16384x8192x8192 GEMM: GEMM {overlap['gemm_ms']:.2f} ms, "
               f"all-to-all {overlap['all_to_all_ms']:.2f} ms, together {overlap['together_ms']:.2f} ms "
-              f"({overlap['hidden_fraction']:.0%} of the shorter one hidden)"]
+              f"({overlap['hidden_fraction']:.0%} of the shorter one hidden)")]
     return "\n".join(lines) + "\n"
 
 

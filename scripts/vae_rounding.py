@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": str(device), "full": args.full, "latents": list(latent_shape), "torch": torch.__version__,
               "rows": {name: {"vs_fp32": _difference(frames, exact), "vs_eager_bf16": _difference(frames, eager)}
                        for name, frames in rows.items()}}
-    lines = [f"### vae_rounding ({'released size' if args.full else 'small random VAE'}, {device}, latents "
-             f"{list(latent_shape)})", "",
+    lines = [(f"### vae_rounding ({'released size' if args.full else 'small random VAE'}, {device}, latents "
+             f"{list(latent_shape)})"), "",
              "| decode | max vs fp32 | share > 1 vs fp32 | max vs eager bf16 | share > 1 vs eager bf16 |",
              "|---|---|---|---|---|"]
     for name, row in report["rows"].items():
