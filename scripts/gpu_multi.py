@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ulysses stage: one Ulysses2 run per head-chunk count, e.g. 1,2 (default: one run "
                              "with the engine's default / $K6SERVE_ULYSSES_CHUNKS)")
     parser.add_argument("--profile", action="store_true",
-                        help="rank 0: kernel profile of the second denoising step of every run")
+                        help="kernel profile of the second denoising step of every run (rank 0 in full; the "
+                             "parallel runs also every rank's totals by category)")
     return parser.parse_args(argv)
 
 
@@ -213,9 +214,17 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
             run_name = name if chunks is None else f"{name}_chunks{chunks}"
             if chunks is not None:
                 _set_ulysses_chunks(models.transformer, chunks)
-            result = run_pipeline(models, args, steps, device, profile=args.profile and rank == 0)
+            # Every rank profiles the parallel run: a rank whose collectives take longer is waiting for its peer.
+            result = run_pipeline(models, args, steps, device, profile=args.profile)
+            categories_by_rank = [None] * dist.get_world_size()
+            profile = result["kernel_profile"]
+            dist.all_gather_object(categories_by_rank, None if profile is None else {
+                "wall_ms": profile["wall_ms"], "busy_ms": profile["busy_ms"], "idle_ms": profile["idle_ms"],
+                "categories_ms": profile["categories_ms"]})
             if rank == 0:
                 report["runs"][run_name] = _summary(result)
+                if profile is not None:
+                    report["runs"][run_name]["kernel_profile_by_rank"] = categories_by_rank
                 if baseline is None:  # fsdp: the resident Ulysses2 run is the baseline of FSDP + Ulysses2
                     baseline = result
                 else:
@@ -245,6 +254,17 @@ def table(report: dict) -> str:
                   + " / ".join(f"GPU {index} {step:.3f} s" for index, step in enumerate(per_rank))]
     from k6serve.bench.kernel_profile import format_summary
 
+    for name, run in report["runs"].items():
+        by_rank = run.get("kernel_profile_by_rank")
+        if by_rank and all(by_rank):
+            categories = sorted({category for summary in by_rank for category in summary["categories_ms"]})
+            lines += ["", f"{name}, profiled step on every rank (kernel ms by category):", "",
+                      "| rank | wall | busy | idle | " + " | ".join(categories) + " |",
+                      "|---|---|---|---|" + "---|" * len(categories)]
+            for index, summary in enumerate(by_rank):
+                cells = " | ".join(f"{summary['categories_ms'].get(category, 0.0):.1f}" for category in categories)
+                lines.append(f"| {index} | {summary['wall_ms']:.1f} | {summary['busy_ms']:.1f} | "
+                             f"{summary['idle_ms']:.1f} | {cells} |")
     for name, run in report["runs"].items():
         if run.get("kernel_profile"):
             lines += ["", format_summary(f"{name}: second step, rank 0", run["kernel_profile"])]

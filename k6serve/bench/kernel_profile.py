@@ -41,6 +41,20 @@ def _is_device_event(event: Any) -> bool:
     return device_type is not None and getattr(device_type, "name", str(device_type)).upper() != "CPU"
 
 
+def _is_device_range(event: Any) -> bool:
+    """A range on the device timeline that is not a kernel: the profiler mirrors operator and record_function
+    ranges there ("aten::addmm", "fa3_fwd::fwd", "nccl:all_to_all") with the time of the kernels inside them,
+    and CUDA reports "Command Buffer Full" waits. Counting those would count their kernels twice."""
+    name = str(event.key)
+    return (bool(getattr(event, "is_user_annotation", False)) or _OPERATOR_NAME.fullmatch(name) is not None
+            or name.startswith("nccl:") or name == "Command Buffer Full")
+
+
+# "aten::addmm", "fa3_fwd::fwd": an operator's qualified name. Kernel names that contain "::" are C++ signatures
+# ("void at::native::elementwise_kernel<...>(...)", "cutlass::device_kernel<...>") and never match.
+_OPERATOR_NAME = re.compile(r"[A-Za-z_]\w*(::[A-Za-z_]\w*)+(\.\w+)?")
+
+
 def _device_time_us(event: Any) -> float:
     for attribute in ("self_device_time_total", "self_cuda_time_total"):
         value = getattr(event, attribute, None)
@@ -58,7 +72,7 @@ def summarize(events: Any, *, wall_s: float, top: int = 40, device: bool = True)
     for event in events:
         # Operators (aten::mm, fa3_fwd::fwd, a Triton launch) also carry the device time of the kernels they
         # launch; only the kernels themselves are counted, or every microsecond would appear twice.
-        if device and not _is_device_event(event):
+        if device and (not _is_device_event(event) or _is_device_range(event)):
             continue
         micros = _device_time_us(event) if device else float(getattr(event, "self_cpu_time_total", 0.0))
         if micros <= 0:

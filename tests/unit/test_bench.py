@@ -298,6 +298,12 @@ def test_kernel_profile_counts_kernels_once_and_groups_them():
                         device_type=cuda),
         SimpleNamespace(key="triton_poi_fused_gelu_3", count=2, self_device_time_total=100.0, device_type=cuda),
         SimpleNamespace(key="ncclDevKernel_AllToAll", count=1, self_device_time_total=0.0, device_type=cuda),
+        # Ranges mirrored on the device timeline carry the time of the kernels inside them: not kernels.
+        SimpleNamespace(key="nccl:all_to_all", count=1, self_device_time_total=500.0, device_type=cuda),
+        SimpleNamespace(key="fa3_fwd::fwd", count=1, self_device_time_total=2000.0, device_type=cuda),
+        SimpleNamespace(key="my_range", count=1, self_device_time_total=2000.0, device_type=cuda,
+                        is_user_annotation=True),
+        SimpleNamespace(key="Command Buffer Full", count=4, self_device_time_total=70.0, device_type=cuda),
     ]
     summary = summarize(events, wall_s=0.004)
     assert summary["busy_ms"] == pytest.approx(3.0)

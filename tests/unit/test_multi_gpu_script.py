@@ -50,6 +50,10 @@ def test_stage_reports_bitwise_equality(stage, run, tiny_pro_dir, tiny_distill_d
             profile = report["runs"][name]["kernel_profile"]
             assert profile["busy_ms"] > 0 and profile["top"] and "gemm" in profile["categories_ms"]
         assert "second step, rank 0" in (tmp_path / "gpu_multi_cfg.md").read_text()
+        # The parallel run was profiled on both ranks.
+        by_rank = report["runs"][run]["kernel_profile_by_rank"]
+        assert len(by_rank) == 2 and all(summary["busy_ms"] > 0 for summary in by_rank)
+        assert f"{run}, profiled step on every rank" in (tmp_path / "gpu_multi_cfg.md").read_text()
         # Both ranks ran the 1-GPU baseline on their own device at the same time.
         per_rank = report["runs"]["one_gpu"]["step_s_per_rank"]
         assert len(per_rank) == 2 and all(step > 0 for step in per_rank)
