@@ -121,9 +121,13 @@ class GatherKVAttention(nn.Module):
     ) -> Tensor:
         assert key_mask_BS is None, f"'{self.role}' attends to sharded keys and takes no key mask"
         shard = self.state.require()
-        # One collective for K and V; for B == 1 both come back as strided views of the gathered buffer.
-        key_value_BS2HD = gather_sequence(torch.stack([key_BSHD, value_BSHD], dim=2), 1, shard,
-                                          self.sequence_group)
+        # One collective for K and V; for B == 1 both come back as strided views of the gathered buffer. Two
+        # copies into the send buffer instead of torch.stack: with fused K/V projections V is a strided view, and
+        # stack's batched-cat kernel then ran 4x slower than the vectorised copy (H200 profile, 2026-11-30).
+        key_value_BS2HD = key_BSHD.new_empty((*key_BSHD.shape[:2], 2, *key_BSHD.shape[2:]))
+        key_value_BS2HD[:, :, 0].copy_(key_BSHD)
+        key_value_BS2HD[:, :, 1].copy_(value_BSHD)
+        key_value_BS2HD = gather_sequence(key_value_BS2HD, 1, shard, self.sequence_group)
         return self.inner(query_BLHD, key_value_BS2HD[:, :, 0], key_value_BS2HD[:, :, 1])
 
     def extra_repr(self) -> str:
