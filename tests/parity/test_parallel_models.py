@@ -237,8 +237,12 @@ def test_sr_transformer_matches_one_process(pool, tiny_sr_dir, sr_reference, lay
         _assert_matches(output, sr_reference, tolerance)
 
 
-def _sr_pipeline_task(folder: Path, clip: Path, layout: ParallelLayout | None):
-    """The whole SR pipeline (x2, six tiles in batches of 2) under `layout`; uint8 frames."""
+def _sr_pipeline_task(folder: Path, clip: Path, layout: ParallelLayout | None, leader_streams: bool = False):
+    """The whole SR pipeline (x2, six tiles in batches of 2) under `layout`; uint8 frames.
+
+    With `leader_streams`, rank 0 runs as the engine's leader does when it saves the MP4 (a video sink consumes
+    the decode), the other ranks as followers (no sink): both must take part in the same tile-decode collectives.
+    """
     from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
     from k6serve.models.variants import VARIANTS
     from k6serve.parallel.parallelize import parallelize_sr_models
@@ -254,6 +258,12 @@ def _sr_pipeline_task(folder: Path, clip: Path, layout: ParallelLayout | None):
         parallelize_sr_models(models, _groups(layout), model_name="tiny-sr", device_type="cpu")
     request = UpscaleRequest(video_path=str(clip), scale=2.0, tiles_batch_size=2, tile_min_overlap=0.2,
                              target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=2)
+    if leader_streams and dist.get_rank() == 0:
+        chunks: list[np.ndarray] = []
+        frames = SuperResolutionPipeline(models)(
+            request, video_sink=lambda frame_chunks, audio, fps: chunks.extend(frame_chunks)).video.frames_THWC
+        assert len(chunks) == 1 and np.array_equal(chunks[0], frames)  # a replica decodes whole tiles: one chunk
+        return frames
     return SuperResolutionPipeline(models)(request).video.frames_THWC
 
 
@@ -263,6 +273,8 @@ def test_sr_pipeline_matches_one_process(pool, tiny_sr_dir, tmp_path):
     clip = make_clip(tmp_path / "six_tiles.mp4", width=64, height=48, num_frames=9, fps=24)
     reference = pool.run(_sr_pipeline_task, tiny_sr_dir, clip, None)[0]
     for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2"][0]):
+        assert np.array_equal(frames, reference)
+    for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2"][0], True):
         assert np.array_equal(frames, reference)
     for frames in pool.run(_sr_pipeline_task, tiny_sr_dir, clip, SR_LAYOUTS["ulysses2_ring2"][0]):
         # Ring changes rounding (~1e-6 relative, see the DiT tests); after per-tile uint8 truncation a pixel can
