@@ -8,6 +8,7 @@ sequence before attention, Ring drops the padded keys of each rotated block (see
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -72,10 +73,25 @@ def gather_sequence(x_local: Tensor, dim: int, shard: SequenceShard, group: dist
     (B == 1 for the usual (B, L, ...) along dim 1) that stack already is the sequence, so the result is a view
     of it; otherwise one copy puts the shards in place (the cost of the concatenation it replaces).
     """
+    return start_gather_sequence(x_local, dim, shard, group)()
+
+
+@torch.compiler.disable
+def start_gather_sequence(
+    x_local: Tensor, dim: int, shard: SequenceShard, group: dist.ProcessGroup
+) -> Callable[[], Tensor]:
+    """`gather_sequence` started asynchronously: the collective runs on the communication stream while the caller
+    queues other work; the returned function waits for it and gives the gathered sequence. Call it exactly once.
+    """
     dim = dim % x_local.dim()
     x_local = x_local.contiguous()
     # The concatenated output form (N * x.shape[0], ...) is the one gloo supports too (NCCL takes both).
     gathered = x_local.new_empty((shard.degree * x_local.shape[0], *x_local.shape[1:]))
-    _all_gather_into_tensor(gathered, x_local, group=group)
-    stacked = gathered.view(shard.degree, *x_local.shape).movedim(0, dim)
-    return stacked.flatten(dim, dim + 1).narrow(dim, 0, shard.total_length)
+    work = _all_gather_into_tensor(gathered, x_local, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()  # also keeps x_local and gathered alive until the collective is done with them
+        stacked = gathered.view(shard.degree, *x_local.shape).movedim(0, dim)
+        return stacked.flatten(dim, dim + 1).narrow(dim, 0, shard.total_length)
+
+    return finish

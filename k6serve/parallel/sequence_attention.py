@@ -2,7 +2,7 @@
 
 * `ShardedAttention` (queries and K/V sharded, e.g. "video_self"): Ulysses, Ring, or Ulysses x Ring.
 * `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first, both in
-  one collective.
+  one collective, started when the model prepares the K/V (`prepare_key_value`) and awaited at the attention.
 
 Both read the current cut of the sequence from a `ShardState` that the split hook of
 `apply_sequence_parallel` sets once per forward, so every block reuses the same cut.
@@ -16,13 +16,15 @@ Shape legend: B batch, L local query length, S key length, H heads, D head dim, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from k6serve.models.common.inner_attention import InnerAttention
 from k6serve.parallel.ring import ring_attention
-from k6serve.parallel.sequence import SequenceShard, gather_sequence
+from k6serve.parallel.sequence import SequenceShard, start_gather_sequence
 from k6serve.parallel.ulysses import (
     attend_unpadded,
     default_overlap_chunks,
@@ -100,13 +102,22 @@ class ShardedAttention(nn.Module):
         return ulysses_attention(query_BLHD, key_BLHD, value_BLHD, group=self.ulysses_group, attend=attend,
                                  num_chunks=self.num_chunks(query_BLHD.shape[2]))
 
+    # Plans shard only self-attentions this way; should a cross-attention core be, its K/V pass through unchanged.
+    prepare_key_value = InnerAttention.prepare_key_value
+    attend_prepared = InnerAttention.attend_prepared
+
     def extra_repr(self) -> str:
         return (f"role={self.role}, ulysses={dist.get_world_size(self.ulysses_group)}, "
                 f"ring={dist.get_world_size(self.ring_group)}, overlap_chunks={self.overlap_chunks}")
 
 
 class GatherKVAttention(nn.Module):
-    """Replicated queries over sharded K/V: gather the full, unpadded K/V, then run the original attention."""
+    """Replicated queries over sharded K/V: gather the full, unpadded K/V, then run the original attention.
+
+    `prepare_key_value` starts the gather asynchronously (the model computes these K/V before the work that
+    precedes their attention, see `Kandinsky6Attention.key_value`), and `attend_prepared` waits for it: the
+    transfer runs beside that work instead of in front of the attention.
+    """
 
     def __init__(self, inner: nn.Module, *, sequence_group: dist.ProcessGroup, state: ShardState):
         super().__init__()
@@ -119,7 +130,10 @@ class GatherKVAttention(nn.Module):
     def forward(
         self, query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None = None
     ) -> Tensor:
-        assert key_mask_BS is None, f"'{self.role}' attends to sharded keys and takes no key mask"
+        return self.attend_prepared(query_BLHD, self.prepare_key_value(key_BSHD, value_BSHD), key_mask_BS)
+
+    @torch.compiler.disable
+    def prepare_key_value(self, key_BSHD: Tensor, value_BSHD: Tensor) -> _GatheringKeyValue:
         shard = self.state.require()
         # One collective for K and V; for B == 1 both come back as strided views of the gathered buffer. Two
         # copies into the send buffer instead of torch.stack: with fused K/V projections V is a strided view, and
@@ -127,8 +141,29 @@ class GatherKVAttention(nn.Module):
         key_value_BS2HD = key_BSHD.new_empty((*key_BSHD.shape[:2], 2, *key_BSHD.shape[2:]))
         key_value_BS2HD[:, :, 0].copy_(key_BSHD)
         key_value_BS2HD[:, :, 1].copy_(value_BSHD)
-        key_value_BS2HD = gather_sequence(key_value_BS2HD, 1, shard, self.sequence_group)
+        return _GatheringKeyValue(start_gather_sequence(key_value_BS2HD, 1, shard, self.sequence_group))
+
+    @torch.compiler.disable
+    def attend_prepared(
+        self, query_BLHD: Tensor, prepared: _GatheringKeyValue, key_mask_BS: Tensor | None = None
+    ) -> Tensor:
+        assert key_mask_BS is None, f"'{self.role}' attends to sharded keys and takes no key mask"
+        assert isinstance(prepared, _GatheringKeyValue), f"'{self.role}' got K/V it did not prepare"
+        key_value_BS2HD = prepared.finish()
         return self.inner(query_BLHD, key_value_BS2HD[:, :, 0], key_value_BS2HD[:, :, 1])
 
     def extra_repr(self) -> str:
         return f"role={self.role}"
+
+
+@dataclasses.dataclass(eq=False)
+class _GatheringKeyValue:
+    """K/V (stacked on dim 2) whose all-gather is in flight; `finish()` waits for it, once."""
+
+    wait: Callable[[], Tensor]
+    done: bool = False
+
+    def finish(self) -> Tensor:
+        assert not self.done, "prepared K/V are attended to once"
+        self.done = True
+        return self.wait()

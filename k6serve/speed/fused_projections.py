@@ -46,7 +46,8 @@ def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
 class FusedProjectionAttention(Kandinsky6Attention):
     """`Kandinsky6Attention` with Q/K/V (self) or K/V (cross) computed by one concatenated GEMM.
 
-    Only `project` differs; the head split, norms, RoPE, attention core and output are the parent's `forward`.
+    Only `project` (self) and `project_key_value` (cross) differ; the head split, norms, RoPE, attention core and
+    output are the parent's.
     """
 
     def __init__(self, attention: Kandinsky6Attention, *, is_self_attention: bool):
@@ -69,11 +70,13 @@ class FusedProjectionAttention(Kandinsky6Attention):
 
     def project(self, x_BLD: Tensor, context_BSD: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         # Split views are strided; every later op accepts them.
-        if self.is_self_attention:
-            assert context_BSD is None, "a self-attention was called with a context"
-            return self.to_query_key_value(x_BLD).split(self.num_channels, dim=-1)
+        assert self.is_self_attention and context_BSD is None, "project() is the self-attention path"
+        return self.to_query_key_value(x_BLD).split(self.num_channels, dim=-1)
+
+    def project_key_value(self, context_BSD: Tensor) -> tuple[Tensor, Tensor]:
+        assert not self.is_self_attention, "project_key_value() is the cross-attention path"
         key_BSD, value_BSD = self.to_key_value(context_BSD).split(self.num_channels, dim=-1)
-        return self.to_query(x_BLD), key_BSD, value_BSD
+        return key_BSD, value_BSD
 
     def extra_repr(self) -> str:
         kind = "qkv" if self.is_self_attention else "q + kv"

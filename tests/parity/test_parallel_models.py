@@ -307,3 +307,81 @@ def test_whole_tile_parallel_decode_equals_serial_and_splits_the_work(pool, num_
                 assert calls == list(range(num_tiles))
             else:
                 assert calls == list(range(rank % world, num_tiles, world))
+
+
+def _gather_order_task(folder: Path):
+    """Ulysses2 T2AV: the order in which block 0 starts the audio-from-video K/V gather, runs the video text
+    cross-attention, and waits for the gather."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel import sequence_attention
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    models = _fresh_generation_models(folder)
+    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
+                                  device_type="cpu")
+    events: list[str] = []
+    original_start = sequence_attention.start_gather_sequence
+
+    def start(*args, **kwargs):
+        events.append("gather started")
+        finish = original_start(*args, **kwargs)
+        return lambda: events.append("gather awaited") or finish()
+
+    sequence_attention.start_gather_sequence = start
+    block = models.transformer.visual_transformer_blocks[0]
+    handle = block.video_dec_block.cross_attention.register_forward_pre_hook(
+        lambda module, args: events.append("video text attention"))
+    try:
+        request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]),
+                                      models.variant)
+        request = dataclasses.replace(request, num_inference_steps=1)
+        TextToVideoPipeline(models)(request)
+    finally:
+        sequence_attention.start_gather_sequence = original_start
+        handle.remove()
+    return events
+
+
+def test_audio_from_video_kv_gather_runs_beside_the_text_cross_attention(pool, checkpoint):
+    for events in pool.run(_gather_order_task, checkpoint):
+        # Per block: started before the text cross-attention, awaited after it (at the audio-from-video
+        # attention); block 0's hook marks where each forward's first text cross-attention falls.
+        first = events.index("video text attention")
+        assert events[first - 1] == "gather started" and events[first + 1] == "gather awaited", events[:6]
+        assert events.count("gather started") == events.count("gather awaited") > 0
+
+
+def _compiled_ulysses_task(folder: Path):
+    """Ulysses2 T2AV with the DiT blocks compiled by dynamo (eager backend: the same kernels, so the same bits):
+    the frames of an uncompiled run, of the first compiled request and of a second one that may not recompile."""
+    import torch._dynamo
+
+    from k6serve.models.kandinsky6.plan import kandinsky6_plan
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+    from k6serve.speed.regional_compile import apply_regional_compile
+
+    models = _fresh_generation_models(folder)
+    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
+                                  device_type="cpu")
+    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]), models.variant)
+    frames = [TextToVideoPipeline(models)(request).video.frames_float_THWC]
+    apply_regional_compile(models.transformer, kandinsky6_plan(models.transformer.config), backend="eager")
+    try:
+        for error_on_recompile in (False, True):
+            with torch._dynamo.config.patch(error_on_recompile=error_on_recompile):
+                frames.append(TextToVideoPipeline(models)(request).video.frames_float_THWC)
+    finally:
+        torch._dynamo.reset()
+    return frames
+
+
+def test_compiled_blocks_carry_the_prepared_kv_across_graph_breaks(pool, checkpoint):
+    # The asynchronous K/V gather returns a handle from a compiler-disabled method and takes it back in another:
+    # a compiled block must pass it through its graph breaks without recompiling on the next request.
+    for eager, compiled, compiled_again in pool.run(_compiled_ulysses_task, checkpoint):
+        assert torch.equal(eager, compiled) and torch.equal(eager, compiled_again)

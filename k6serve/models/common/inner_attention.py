@@ -5,6 +5,8 @@ Shape legend: B batch, L query length, S key length, H heads, D head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from k6serve.ops.attention import TORCH_SDPA, attention, canonical_backend_name
@@ -33,5 +35,21 @@ class InnerAttention(nn.Module):
             query_BLHD, key_BSHD, value_BSHD, key_mask_BL=key_mask_BS, backend=self.backend
         )
 
+    def prepare_key_value(self, key_BSHD: Tensor, value_BSHD: Tensor) -> PreparedKeyValue:
+        """K/V computed before their query exists. Kept as they are here; a parallel replacement may start moving
+        them (e.g. an asynchronous all-gather) so the transfer runs beside the work done before `attend_prepared`."""
+        return key_BSHD, value_BSHD
+
+    def attend_prepared(
+        self, query_BLHD: Tensor, prepared: PreparedKeyValue, key_mask_BS: Tensor | None = None
+    ) -> Tensor:
+        """Attention of `query_BLHD` over K/V from `prepare_key_value`."""
+        key_BSHD, value_BSHD = prepared
+        return self(query_BLHD, key_BSHD, value_BSHD, key_mask_BS)
+
     def extra_repr(self) -> str:
         return f"role={self.role}, backend={self.backend}"
+
+
+# What `prepare_key_value` returns: a (key, value) pair, or a parallel replacement's handle to one in transit.
+PreparedKeyValue = Any

@@ -61,9 +61,13 @@ class Kandinsky6Attention(nn.Module):
         self.inner_attention = InnerAttention(role)
 
     def project(self, x_BLD: Tensor, context_BSD: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """Q, K, V before the head split (the speed transforms replace only this step)."""
+        """Q, K, V of a self-attention before the head split (the speed transforms replace the projections)."""
         context_BSD = x_BLD if context_BSD is None else context_BSD
         return self.to_query(x_BLD), self.to_key(context_BSD), self.to_value(context_BSD)
+
+    def project_key_value(self, context_BSD: Tensor) -> tuple[Tensor, Tensor]:
+        """K, V of a cross-attention context before the head split."""
+        return self.to_key(context_BSD), self.to_value(context_BSD)
 
     def forward(
         self,
@@ -75,17 +79,40 @@ class Kandinsky6Attention(nn.Module):
         key_mask_BS: Tensor | None = None,
     ) -> Tensor:
         """Self-attention when `context_BSD` is None, else cross-attention with K/V from the context."""
-        query_BLD, key_BSD, value_BSD = self.project(x_BLD, context_BSD)
-        # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
-        query_BLNK = self.query_norm(query_BLD.unflatten(-1, (-1, self.head_dim)))
-        key_BSNK = self.key_norm(key_BSD.unflatten(-1, (-1, self.head_dim)))
-        value_BSNK = value_BSD.unflatten(-1, (-1, self.head_dim))
-        if query_rope is not None:
-            query_BLNK = apply_rotary(query_BLNK, query_rope)
-        if key_rope is not None:
-            key_BSNK = apply_rotary(key_BSNK, key_rope)
+        if context_BSD is not None:
+            key_value = self.key_value(context_BSD, key_rope=key_rope)
+            return self.attend(x_BLD, key_value, query_rope=query_rope, key_mask_BS=key_mask_BS)
+        query_BLD, key_BSD, value_BSD = self.project(x_BLD, None)
+        query_BLNK = self._query_heads(query_BLD, query_rope)
+        key_BSNK, value_BSNK = self._key_value_heads(key_BSD, value_BSD, key_rope)
         out_BLNK = self.inner_attention(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
         return self.out_layer(out_BLNK.flatten(-2, -1))
+
+    def key_value(self, context_BSD: Tensor, *, key_rope: Tensor | None = None):
+        """The K/V heads of a cross-attention context (projected, key-normed, rotated), computed ahead of the query
+        and handed to the attention core's `prepare_key_value`; pass the result to `attend`."""
+        key_BSNK, value_BSNK = self._key_value_heads(*self.project_key_value(context_BSD), key_rope)
+        return self.inner_attention.prepare_key_value(key_BSNK, value_BSNK)
+
+    def attend(
+        self, x_BLD: Tensor, key_value, *, query_rope: Tensor | None = None, key_mask_BS: Tensor | None = None
+    ) -> Tensor:
+        """Cross-attention of `x_BLD` over the K/V that `key_value` prepared."""
+        query_BLNK = self._query_heads(self.to_query(x_BLD), query_rope)
+        out_BLNK = self.inner_attention.attend_prepared(query_BLNK, key_value, key_mask_BS)
+        return self.out_layer(out_BLNK.flatten(-2, -1))
+
+    # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
+    def _query_heads(self, query_BLD: Tensor, query_rope: Tensor | None) -> Tensor:
+        query_BLNK = self.query_norm(query_BLD.unflatten(-1, (-1, self.head_dim)))
+        return query_BLNK if query_rope is None else apply_rotary(query_BLNK, query_rope)
+
+    def _key_value_heads(
+        self, key_BSD: Tensor, value_BSD: Tensor, key_rope: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        key_BSNK = self.key_norm(key_BSD.unflatten(-1, (-1, self.head_dim)))
+        value_BSNK = value_BSD.unflatten(-1, (-1, self.head_dim))
+        return (key_BSNK if key_rope is None else apply_rotary(key_BSNK, key_rope)), value_BSNK
 
 
 class Kandinsky6TextEmbeddings(nn.Module):
@@ -240,6 +267,16 @@ class Kandinsky6FusedBlock(nn.Module):
         video_pre_cross_BLD = apply_scale_shift(
             video.cross_attention_norm(video_BLD.float()), video_BLD, scale, shift
         )
+        video_cross_rope, audio_cross_rope = (
+            (video_rope, audio_rope) if self.ca_rope else (None, None)
+        )
+        if audio_BAD is not None:
+            # audio_from_video's K/V, computed here although only needed after the text cross-attention and the
+            # audio stream: the same ops on the same inputs, and a sequence-parallel attention core can move them
+            # between ranks (`prepare_key_value`) while that work runs.
+            audio_from_video_key_value = self.av_cross_attention.key_value(
+                video_pre_cross_BLD, key_rope=video_cross_rope
+            )
         video_from_text_BLD = video.cross_attention(
             video_pre_cross_BLD, video_text_BSD, key_mask_BS=text_key_mask_BS
         )
@@ -273,20 +310,14 @@ class Kandinsky6FusedBlock(nn.Module):
         audio_query_BAD = apply_scale_shift(
             self.av_normalization(audio_BAD.float()), audio_BAD, av_scale, av_shift
         )
-        video_cross_rope, audio_cross_rope = (
-            (video_rope, audio_rope) if self.ca_rope else (None, None)
-        )
         video_from_audio_BLD = self.va_cross_attention(
             video_query_BLD,
             audio_pre_cross_BAD,
             query_rope=video_cross_rope,
             key_rope=audio_cross_rope,
         )
-        audio_from_video_BAD = self.av_cross_attention(
-            audio_query_BAD,
-            video_pre_cross_BLD,
-            query_rope=audio_cross_rope,
-            key_rope=video_cross_rope,
+        audio_from_video_BAD = self.av_cross_attention.attend(
+            audio_query_BAD, audio_from_video_key_value, query_rope=audio_cross_rope
         )
         video_BLD = apply_gate_sum(video_BLD, video_from_audio_BLD, video_gate)
         audio_BAD = apply_gate_sum(audio_BAD, audio_from_video_BAD, audio_gate)
