@@ -66,6 +66,7 @@ def declared_length(request: Request) -> int | None:
 async def _read_small_body(request: Request) -> bytes:
     length = declared_length(request)
     if length is not None and length > MAX_JSON_BYTES:
+        await drain(request)  # the client is still sending: let it finish so it reads the 413, not a reset
         raise too_large_json()
     body = bytearray()
     async for chunk in _stream(request):
@@ -283,6 +284,9 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
     boundary = multipart_boundary(request.headers.get("content-type", ""))
     length = declared_length(request)
     if length is not None and length > max_file_bytes + MAX_FORM_TEXT_BYTES:
+        # Refused by its declared size, nothing parsed or written; the body (up to DRAIN_BYTES) is read away so
+        # the client, still sending, reads the 413 instead of a connection reset.
+        await drain(request)
         raise too_large("The request body", max_file_bytes)
     reader = MultipartReader(boundary=boundary, file_fields=file_fields, max_file_bytes=max_file_bytes,
                              file_path=file_path)

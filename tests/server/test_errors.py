@@ -207,7 +207,7 @@ def test_oversized_uploads_are_413_and_nothing_is_written(tmp_path):
     big = os.urandom(200_000)
     try:
         with server.client() as client:
-            # Declared Content-Length over the limit: refused before reading.
+            # Declared Content-Length over the limit: refused before parsing (the body is read away, not kept).
             response = client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", big)})
             _assert_error(response, 413, code="payload_too_large", contains="--max-upload-mb")
             # No Content-Length (chunked): refused while counting the streamed bytes.
