@@ -135,7 +135,17 @@ def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: 
         decode_end.append(time.perf_counter())
 
     start = time.perf_counter()
-    video_sink(produce(), audio, fps)
+    producer = produce()
+    try:
+        video_sink(producer, audio, fps)
+    finally:
+        # A sink that failed may leave its exception (and through its traceback this frame) alive in a reference
+        # cycle: close both generators now, so the decode state they hold (SR: every tile's causal caches on the
+        # GPU) is freed at once, not at the next garbage collection.
+        producer.close()
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
     if not decode_end:
         raise RuntimeError("the video_sink returned before it consumed every frame chunk")
     timings[decode_key] = decode_end[0] - start

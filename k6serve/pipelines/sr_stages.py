@@ -11,6 +11,8 @@ channels-last for the DiT. T' below is the number of latent frames.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +47,7 @@ from k6serve.pipelines.state import DecodedAudio
 from k6serve.request import UpscaleRequest
 
 StepCallback = Callable[[int, int], None]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,34 +236,62 @@ def _assemble_on_device(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> Tens
 
 
 def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan) -> Iterator[np.ndarray]:
-    """`assemble_frames(decode_tiles(vae, latents_ThwC), plan)` as uint8 (T_i, H, W, 3) chunks, each as soon as
-    it is final, so the MP4 encoder runs beside the decode; the chunks concatenate to exactly that array.
+    """`assemble_frames(decode_tiles(vae, latents_ThwC), plan)` as uint8 (T_i, H, W, 3) chunks, one per causal
+    decode segment (17, 16, ... frames); the chunks concatenate to exactly that array.
 
-    Segment-major order: every tile keeps its own causal cache chain and decodes its segments in order, as
-    `SRVAE.decode_tile` does, but the tiles take turns per segment, so the frames of a segment are final once
-    every tile has decoded it. Blend, crop and resize compute each frame from that frame alone (the frame chunks
-    of `blend_tiles` / `resize_frames` bound memory, they do not mix frames), so blending a segment's frames gives
-    the same bytes as blending the whole clip. Chunk i is handed out after segment i + 1 is queued, so on a GPU its
-    host copy and the caller's work on it overlap the next segment's decode. The price is memory: every tile's
-    cache chain (the last input frames of each causal convolution) is alive at once, where the whole-tile order
-    holds one. A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`) and gives one
-    chunk.
+    Segment-major order, when the memory allows it: every tile keeps its own causal cache chain and decodes its
+    segments in order, as `SRVAE.decode_tile` does, but the tiles take turns per segment, so the frames of a
+    segment are final once every tile has decoded it and the MP4 encoder runs beside the rest of the decode.
+    Blend, crop and resize compute each frame from that frame alone (the frame chunks of `blend_tiles` /
+    `resize_frames` bound memory, they do not mix frames), so blending a segment's frames gives the same bytes as
+    blending the whole clip. The price is every tile's cache chain (the last input frames of each causal
+    convolution: about 1.9 GiB per 512x768 tile of the released K-VAE, counted on the meta device) alive at once, so on CUDA the first segment's
+    memory is measured and, when `num_tiles` of them would not fit (`_segment_major_fits`), the tiles are decoded
+    whole, one cache at a time, and only the blend is streamed. Chunk i is handed out after chunk i + 1 is
+    queued, so on a GPU its host copy and the caller's work on it overlap the next one's computation.
+
+    A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`): that happens here,
+    before anything is returned, so every rank joins the collectives even if the caller never reads a chunk.
     """
     if decode_group_of(vae) is not None:
-        yield assemble_frames(decode_tiles(vae, latents_ThwC), plan)
-        return
-    segment_iterators = [
-        vae.iter_decode_tile(latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0)) for latent_ThwC in latents_ThwC
-    ]
+        return iter([assemble_frames(decode_tiles(vae, latents_ThwC), plan)])
+    return _decode_and_assemble_locally(vae, latents_ThwC, plan)
+
+
+def _decode_and_assemble_locally(
+    vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan
+) -> Iterator[np.ndarray]:
+    iterators = [vae.iter_decode_tile(latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0)) for latent_ThwC in latents_ThwC]
+    device = latents_ThwC[0].device
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    first_segment = next(iterators[0])  # tile 0's first segment; its cache chain is now alive
+    per_tile_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
+    if _segment_major_fits(device, per_tile_bytes, len(iterators)):
+        segments_by_tile = [itertools.chain([first_segment], iterators[0]), *iterators[1:]]
+        tile_segments = zip(*segments_by_tile, strict=True)  # segment s of every tile, tile by tile
+    else:
+        logger.info("SR decode: %d tiles x %.1f GiB of causal caches do not fit; decoding whole tiles, streaming "
+                    "only the blend", len(iterators), per_tile_bytes / 2**30)
+        decoded = [[first_segment, *iterators[0]], *(list(iterator) for iterator in iterators[1:])]
+        tile_segments = zip(*decoded, strict=True)
     pending: Callable[[], np.ndarray] | None = None
-    while True:
-        segments = [next(iterator, None) for iterator in segment_iterators]
-        if any(segment is None for segment in segments):
-            assert all(segment is None for segment in segments), "tiles of one grid have the same segments"
-            break
+    for segments in tile_segments:
         started = start_host_copy(_assemble_on_device([segment[0] for segment in segments], plan))
         if pending is not None:
             yield pending()
         pending = started
     assert pending is not None, "a tile has at least one segment"
     yield pending()
+
+
+def _segment_major_fits(device: torch.device, per_tile_bytes: int, num_tiles: int) -> bool:
+    """Whether `num_tiles` cache chains of `per_tile_bytes` each fit beside the decode's own working memory.
+
+    Half of what the device has left (free memory plus the caching allocator's unused reserve) may go to the
+    other tiles' caches; the rest stays for the segment decode's activations. Off CUDA: always (tests, CPU runs).
+    """
+    if device.type != "cuda":
+        return True
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    unused_reserve = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return per_tile_bytes * (num_tiles - 1) <= 0.5 * (free_bytes + unused_reserve)

@@ -84,3 +84,53 @@ def test_worker_streams_the_sr_decode_into_the_same_mp4(worker, clip, tmp_path, 
     reference = mux.write_mp4(tmp_path / "reference.mp4", result.frames, result.fps, result.audio,
                               result.audio_sample_rate)
     assert Path(result.output_file_path).read_bytes() == reference.read_bytes()
+
+
+def test_whole_tile_fallback_streams_the_same_chunks(worker, clip, tmp_path, monkeypatch):
+    # When the tiles' caches would not fit side by side (decided on CUDA from the first segment's memory), the
+    # tiles are decoded whole and only the blend is streamed: the same chunks, bit for bit.
+    from k6serve.pipelines import sr_stages
+
+    params, _ = _params(clip, tmp_path)
+    request, _ = worker.resolve(params)
+    reference = worker.pipeline(request).video.frames_THWC
+    monkeypatch.setattr(sr_stages, "_segment_major_fits", lambda device, per_tile_bytes, num_tiles: False)
+    chunks: list[np.ndarray] = []
+    worker.pipeline(request, video_sink=lambda frame_chunks, audio, fps: chunks.extend(frame_chunks))
+    assert [chunk.shape[0] for chunk in chunks] == [17, 16]
+    assert np.array_equal(np.concatenate(chunks), reference)
+
+
+def test_a_failing_sink_closes_the_decode_at_once():
+    from k6serve.pipelines.decode_stream import feed_video_sink
+
+    closed = []
+
+    def decode():
+        try:
+            for index in range(3):
+                yield np.full((2, 4, 4, 3), index, dtype=np.uint8)
+        finally:
+            closed.append(True)
+
+    def sink(frame_chunks, audio, fps):
+        next(frame_chunks)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        feed_video_sink(sink, decode(), None, 24.0, {}, "decode")
+    assert closed == [True]  # not left for the garbage collector
+
+
+def test_segment_major_needs_half_of_what_is_left_for_the_other_tiles(monkeypatch):
+    from k6serve.pipelines.sr_stages import _segment_major_fits
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    cuda = torch.device("cuda", 0)
+    # 32 GiB left (30 free + 2 reserved unused): 16 GiB for the other tiles' caches.
+    assert _segment_major_fits(cuda, 2 * gib, 9)  # 8 x 2 = 16 GiB
+    assert not _segment_major_fits(cuda, 2 * gib, 10)  # 18 GiB
+    assert _segment_major_fits(torch.device("cpu"), 100 * gib, 100)  # off CUDA: always
