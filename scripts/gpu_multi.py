@@ -123,6 +123,8 @@ def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.dev
     output = TextToVideoPipeline(models)(request, on_step=on_step)
     _sync(device)
     step_times = [later - earlier for earlier, later in itertools.pairwise(stamps)]
+    if profiler is not None:
+        step_times = step_times[1:]  # the profiled step (the second) runs slower: it is no step time
     kernel_profile = None
     if profiler is not None and len(stamps) >= 2:
         from k6serve.bench.kernel_profile import summarize
@@ -178,6 +180,11 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
     variant_name, default_steps, runs = STAGES[args.stage]
     steps = args.steps or default_steps
     models = load_models(args, variant_name, device)
+    if args.stage == "ulysses" and args.ulysses_chunks:
+        local_heads = models.transformer.config.num_video_heads // WORLD_SIZE
+        bad = [chunks for chunks in args.ulysses_chunks if chunks < 1 or local_heads % chunks]
+        if bad:  # before the baseline runs, not at the first sharded attention
+            raise ValueError(f"--ulysses-chunks {bad} must divide the {local_heads} video heads of each rank")
     if args.performance_mode == "speed":
         from k6serve.speed.performance_mode import apply_performance_mode
 
@@ -189,7 +196,7 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
     if args.stage != "fsdp":
         # Every rank runs the 1-GPU baseline on its own GPU at the same time: two "identical" GPUs can differ by a
         # few percent, and a parallel step runs at the pace of the slower one, so the report shows both.
-        baseline = run_pipeline(models, args, steps, device, profile=args.profile and rank == 0)
+        baseline = run_pipeline(models, args, steps, device, profile=args.profile)  # every rank alike
         step_per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(step_per_rank, baseline["step_s"])
         if rank == 0:
@@ -231,6 +238,7 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
                     report["runs"][run_name]["equal_to_baseline"] = compare(result, baseline)
                     if baseline["step_s"] and result["step_s"]:
                         report["runs"][run_name]["step_speedup"] = baseline["step_s"] / result["step_s"]
+                write_report(report, args)  # after every run: a later failure or timeout keeps what was measured
             dist.barrier()
     return report if rank == 0 else None
 
@@ -271,6 +279,13 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(report: dict, args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gpu_multi_{args.stage}.json").write_text(json.dumps(report, indent=2))
+    (out / f"gpu_multi_{args.stage}.md").write_text(table(report))
+
+
 def rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -282,10 +297,7 @@ def rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
     try:
         report = run_stage(args, rank, device)
         if report is not None:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"gpu_multi_{args.stage}.json").write_text(json.dumps(report, indent=2))
-            (out / f"gpu_multi_{args.stage}.md").write_text(table(report))
+            write_report(report, args)
             print(table(report), flush=True)
     finally:
         dist.destroy_process_group()

@@ -135,6 +135,7 @@ class GatherKVAttention(nn.Module):
     @torch.compiler.disable
     def prepare_key_value(self, key_BSHD: Tensor, value_BSHD: Tensor) -> _GatheringKeyValue:
         shard = self.state.require()
+        assert key_BSHD.shape == value_BSHD.shape and key_BSHD.dtype == value_BSHD.dtype, "K and V are packed as one"
         # One collective for K and V; for B == 1 both come back as strided views of the gathered buffer. Two
         # copies into the send buffer instead of torch.stack: with fused K/V projections V is a strided view, and
         # stack's batched-cat kernel then ran 4x slower than the vectorised copy (H200 profile, 2026-11-30).

@@ -39,8 +39,8 @@ def test_stage_reports_bitwise_equality(stage, run, tiny_pro_dir, tiny_distill_d
     report = run_stage(stage, checkpoint, tmp_path, *extra)
     equal = report["runs"][run]["equal_to_baseline"]
     assert equal["frames_equal"] and equal["waveform_equal"] and equal["num_frames_compared"] == 5
-    # One interval per step after the warm-up step.
-    assert len(report["runs"][run]["step_times_s"]) == (2 if stage == "cfg" else 1)
+    # One interval per step after the warm-up step; with --profile (cfg, 3 steps) the profiled step is left out.
+    assert len(report["runs"][run]["step_times_s"]) == 1
     assert sorted(report["runs"]) == sorted({"cfg": ["one_gpu", run], "fsdp": ["ulysses2", run],
                                              "ulysses": ["one_gpu", "ulysses2_chunks1", run]}[stage])
     if stage == "ulysses":
@@ -58,3 +58,14 @@ def test_stage_reports_bitwise_equality(stage, run, tiny_pro_dir, tiny_distill_d
         per_rank = report["runs"]["one_gpu"]["step_s_per_rank"]
         assert len(per_rank) == 2 and all(step > 0 for step in per_rank)
         assert "1-GPU step on each GPU" in (tmp_path / "gpu_multi_cfg.md").read_text()
+
+
+def test_chunk_counts_that_do_not_divide_the_heads_fail_before_the_baseline(tiny_distill_dir, tmp_path):
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--stage", "ulysses", "--model-path", str(tiny_distill_dir), "--out",
+         str(tmp_path), *SMALL, "--ulysses-chunks", "1,3"],
+        check=False, capture_output=True, text=True, timeout=180,
+    )
+    assert completed.returncode != 0
+    assert "--ulysses-chunks [3] must divide the 2 video heads of each rank" in completed.stderr
+    assert not (tmp_path / "gpu_multi_ulysses.json").exists()  # nothing ran
