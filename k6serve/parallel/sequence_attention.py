@@ -26,10 +26,12 @@ from k6serve.models.common.inner_attention import InnerAttention
 from k6serve.parallel.ring import ring_attention
 from k6serve.parallel.sequence import SequenceShard, start_gather_sequence
 from k6serve.parallel.ulysses import (
+    UlyssesExchange,
     attend_unpadded,
     default_overlap_chunks,
+    finish_ulysses,
     overlap_chunks_from_environment,
-    ulysses_attention,
+    start_ulysses,
 )
 
 
@@ -84,8 +86,28 @@ class ShardedAttention(nn.Module):
     def forward(
         self, query_BLHD: Tensor, key_BLHD: Tensor, value_BLHD: Tensor, key_mask_BS: Tensor | None = None
     ) -> Tensor:
+        return self.attend_prepared_query_key_value(
+            self.prepare_query_key_value(query_BLHD, key_BLHD, value_BLHD, key_mask_BS)
+        )
+
+    @torch.compiler.disable
+    def prepare_query_key_value(
+        self, query_BLHD: Tensor, key_BLHD: Tensor, value_BLHD: Tensor, key_mask_BS: Tensor | None = None
+    ) -> _PreparedShardedAttention:
+        """Post the Ulysses exchange of Q/K/V (when Ulysses is on); the model's work before
+        `attend_prepared_query_key_value` runs beside it."""
         assert key_mask_BS is None, f"sharded attention '{self.role}' takes no key mask (padding is cut off)"
         shard = self.state.require()
+        if dist.get_world_size(self.ulysses_group) == 1:
+            return _PreparedShardedAttention(shard=shard, query_key_value=(query_BLHD, key_BLHD, value_BLHD))
+        exchange = start_ulysses(query_BLHD, key_BLHD, value_BLHD, group=self.ulysses_group,
+                                 num_chunks=self.num_chunks(query_BLHD.shape[2]))
+        return _PreparedShardedAttention(shard=shard, exchange=exchange)
+
+    @torch.compiler.disable
+    def attend_prepared_query_key_value(self, prepared: _PreparedShardedAttention) -> Tensor:
+        assert isinstance(prepared, _PreparedShardedAttention), f"'{self.role}' got Q/K/V it did not prepare"
+        shard = prepared.shard
         num_ring = dist.get_world_size(self.ring_group)
         if num_ring == 1:
             attend = attend_unpadded(self.inner, shard.total_length)
@@ -99,8 +121,9 @@ class ShardedAttention(nn.Module):
                     group=self.ring_group, key_lengths=key_lengths, backend=self.inner.backend,
                 )
 
-        return ulysses_attention(query_BLHD, key_BLHD, value_BLHD, group=self.ulysses_group, attend=attend,
-                                 num_chunks=self.num_chunks(query_BLHD.shape[2]))
+        if prepared.exchange is None:  # no Ulysses: the ring (or the plain core) sees this rank's shard
+            return attend(*prepared.query_key_value)
+        return finish_ulysses(prepared.exchange, attend)
 
     # Plans shard only self-attentions this way; should a cross-attention core be, its K/V pass through unchanged.
     prepare_key_value = InnerAttention.prepare_key_value
@@ -168,3 +191,12 @@ class _GatheringKeyValue:
         assert not self.done, "prepared K/V are attended to once"
         self.done = True
         return self.wait()
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class _PreparedShardedAttention:
+    """Q/K/V handed to a `ShardedAttention`: the Ulysses exchange in flight, or (no Ulysses) the local Q/K/V."""
+
+    shard: SequenceShard
+    exchange: UlyssesExchange | None = None
+    query_key_value: tuple[Tensor, Tensor, Tensor] | None = None

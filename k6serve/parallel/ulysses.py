@@ -4,6 +4,10 @@ Each rank holds L/N tokens of all H heads; after the input exchange it holds all
 runs ordinary attention on them, and the output exchange returns its tokens. Attention per head sees exactly
 the keys of the single-device run, so the output is bitwise equal to it.
 
+The exchange is split in two calls, `start_ulysses` (post the Q/K/V exchange) and `finish_ulysses` (attend and
+exchange back), so the model can queue independent work in between: the K6 DiT runs its audio self-attention
+there (`ShardedAttention.prepare_query_key_value` / `attend_prepared_query_key_value`).
+
 Communication is cut and hidden two ways:
 * Q, K and V travel in one all-to-all. The permute copy that every exchange needs writes the three tensors
   interleaved per token into one send buffer (N, B, L, 3, h, D), so on the receiving side Q, K and V are
@@ -25,6 +29,7 @@ C chunks, c = h / C heads per chunk, D head dim, N group size, 3 the (query, key
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -88,7 +93,71 @@ def _received_heads(received_NBL3cD: Tensor, slot: int) -> Tensor:
     return received_NBL3cD[:, :, :, slot].transpose(0, 1).reshape(batch, num_ranks * length, chunk_heads, head_dim)
 
 
+@dataclasses.dataclass(eq=False)
+class UlyssesExchange:
+    """The input exchange of one Ulysses attention, posted by `start_ulysses` and completed by `finish_ulysses`.
+
+    Holds the send and receive buffers until their exchanges are waited on (NCCL reads/writes them on its stream).
+    """
+
+    input_works: list
+    send_CNBL3cD: Tensor
+    received_CNBL3cD: Tensor
+    group: dist.ProcessGroup
+    shape_BLHD: tuple[int, int, int, int]
+    num_chunks: int
+    done: bool = False
+
+
 @torch.compiler.disable  # async collectives: a compiled block breaks its graph here instead of tracing them
+def start_ulysses(
+    query_BLHD: Tensor, key_BLHD: Tensor, value_BLHD: Tensor, *, group: dist.ProcessGroup, num_chunks: int = 1
+) -> UlyssesExchange:
+    """Post the exchange of Q, K and V from sequence shards to head shards (one all-to-all per head chunk); work
+    the caller queues before `finish_ulysses` runs beside it."""
+    num_ranks = dist.get_world_size(group)
+    batch, length, num_heads, head_dim = query_BLHD.shape
+    assert num_heads % num_ranks == 0, (num_heads, num_ranks)
+    local_heads = num_heads // num_ranks
+    _check_chunks(num_chunks, local_heads)
+    chunk_heads = local_heads // num_chunks
+    # Global head n*h + k*c + j is head j of chunk k on rank n.
+    sources_BLNCcD = [x.unflatten(2, (num_ranks, num_chunks, chunk_heads)) for x in (query_BLHD, key_BLHD, value_BLHD)]
+    send_CNBL3cD = query_BLHD.new_empty(num_chunks, num_ranks, batch, length, 3, chunk_heads, head_dim)
+    received_CNBL3cD = torch.empty_like(send_CNBL3cD)
+    input_works = [
+        _post_input_exchange(sources_BLNCcD, chunk, send_CNBL3cD, received_CNBL3cD, group)
+        for chunk in range(num_chunks)
+    ]
+    return UlyssesExchange(input_works=input_works, send_CNBL3cD=send_CNBL3cD, received_CNBL3cD=received_CNBL3cD,
+                           group=group, shape_BLHD=(batch, length, num_heads, head_dim), num_chunks=num_chunks)
+
+
+@torch.compiler.disable
+def finish_ulysses(exchange: UlyssesExchange, attend: Attend) -> Tensor:
+    """Wait for each chunk's input exchange, `attend` over the whole (padded) sequence, exchange back; (B, L, H, D)."""
+    assert not exchange.done, "a Ulysses exchange is finished once"
+    exchange.done = True
+    group, num_chunks = exchange.group, exchange.num_chunks
+    batch, length, num_heads, head_dim = exchange.shape_BLHD
+    num_ranks = dist.get_world_size(group)
+    chunk_heads = num_heads // num_ranks // num_chunks
+    output_exchanges: list[tuple[dist.Work, Tensor, Tensor]] = []
+    for chunk in range(num_chunks):
+        exchange.input_works[chunk].wait()
+        out_BScD = attend(*(_received_heads(exchange.received_CNBL3cD[chunk], slot) for slot in range(3)))
+        send_NBLcD = out_BScD.reshape(batch, num_ranks, length, chunk_heads, head_dim).transpose(0, 1).contiguous()
+        received_NBLcD = torch.empty_like(send_NBLcD)
+        work = dist.all_to_all_single(received_NBLcD, send_NBLcD, group=group, async_op=True)
+        output_exchanges.append((work, send_NBLcD, received_NBLcD))
+    out_BLNCcD = exchange.send_CNBL3cD.new_empty(batch, length, num_ranks, num_chunks, chunk_heads, head_dim)
+    for chunk, (work, _, received_NBLcD) in enumerate(output_exchanges):
+        work.wait()
+        out_BLNCcD[:, :, :, chunk].copy_(received_NBLcD.permute(1, 2, 0, 3, 4))
+    return out_BLNCcD.view(batch, length, num_heads, head_dim)
+
+
+@torch.compiler.disable
 def ulysses_attention(
     query_BLHD: Tensor,
     key_BLHD: Tensor,
@@ -103,36 +172,10 @@ def ulysses_attention(
     With `num_chunks` > 1 the heads are exchanged and attended in that many pipelined groups (see the module
     docstring); `num_chunks` must divide the local head count H / N.
     """
-    num_ranks = dist.get_world_size(group)
-    if num_ranks == 1:
+    if dist.get_world_size(group) == 1:
         return attend(query_BLHD, key_BLHD, value_BLHD)
-    batch, length, num_heads, head_dim = query_BLHD.shape
-    assert num_heads % num_ranks == 0, (num_heads, num_ranks)
-    local_heads = num_heads // num_ranks
-    _check_chunks(num_chunks, local_heads)
-    chunk_heads = local_heads // num_chunks
-    # Global head n*h + k*c + j is head j of chunk k on rank n.
-    sources_BLNCcD = [x.unflatten(2, (num_ranks, num_chunks, chunk_heads)) for x in (query_BLHD, key_BLHD, value_BLHD)]
-    send_CNBL3cD = query_BLHD.new_empty(num_chunks, num_ranks, batch, length, 3, chunk_heads, head_dim)
-    received_CNBL3cD = torch.empty_like(send_CNBL3cD)
-    # The buffers stay referenced until their exchanges are waited on (NCCL reads/writes them on its stream).
-    input_works = [
-        _post_input_exchange(sources_BLNCcD, chunk, send_CNBL3cD, received_CNBL3cD, group)
-        for chunk in range(num_chunks)
-    ]
-    output_exchanges: list[tuple[dist.Work, Tensor, Tensor]] = []
-    for chunk in range(num_chunks):
-        input_works[chunk].wait()
-        out_BScD = attend(*(_received_heads(received_CNBL3cD[chunk], slot) for slot in range(3)))
-        send_NBLcD = out_BScD.reshape(batch, num_ranks, length, chunk_heads, head_dim).transpose(0, 1).contiguous()
-        received_NBLcD = torch.empty_like(send_NBLcD)
-        work = dist.all_to_all_single(received_NBLcD, send_NBLcD, group=group, async_op=True)
-        output_exchanges.append((work, send_NBLcD, received_NBLcD))
-    out_BLNCcD = query_BLHD.new_empty(batch, length, num_ranks, num_chunks, chunk_heads, head_dim)
-    for chunk, (work, _, received_NBLcD) in enumerate(output_exchanges):
-        work.wait()
-        out_BLNCcD[:, :, :, chunk].copy_(received_NBLcD.permute(1, 2, 0, 3, 4))
-    return out_BLNCcD.view(batch, length, num_heads, head_dim)
+    return finish_ulysses(start_ulysses(query_BLHD, key_BLHD, value_BLHD, group=group, num_chunks=num_chunks),
+                          attend)
 
 
 def attend_unpadded(attend: Attend, num_real: int) -> Attend:

@@ -385,3 +385,40 @@ def test_compiled_blocks_carry_the_prepared_kv_across_graph_breaks(pool, checkpo
     # a compiled block must pass it through its graph breaks without recompiling on the next request.
     for eager, compiled, compiled_again in pool.run(_compiled_ulysses_task, checkpoint):
         assert torch.equal(eager, compiled) and torch.equal(eager, compiled_again)
+
+
+def _exchange_order_task(folder: Path):
+    """Ulysses2 T2AV: the order in which block 0 posts the video Q/K/V exchange, runs the audio self-attention and
+    finishes the video attention."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel import sequence_attention
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    models = _fresh_generation_models(folder)
+    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
+                                  device_type="cpu")
+    events: list[str] = []
+    original_start, original_finish = sequence_attention.start_ulysses, sequence_attention.finish_ulysses
+    sequence_attention.start_ulysses = lambda *a, **k: events.append("exchange posted") or original_start(*a, **k)
+    sequence_attention.finish_ulysses = lambda *a, **k: events.append("exchange finished") or original_finish(*a, **k)
+    block = models.transformer.visual_transformer_blocks[0]
+    # The norm opens the audio self-attention (the attention module's own methods run without its hooks).
+    handle = block.audio_dec_block.self_attention_norm.register_forward_pre_hook(
+        lambda module, args: events.append("audio self-attention"))
+    try:
+        request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]),
+                                      models.variant)
+        TextToVideoPipeline(models)(dataclasses.replace(request, num_inference_steps=1))
+    finally:
+        sequence_attention.start_ulysses, sequence_attention.finish_ulysses = original_start, original_finish
+        handle.remove()
+    return events
+
+
+def test_audio_self_attention_runs_beside_the_video_qkv_exchange(pool, checkpoint):
+    for events in pool.run(_exchange_order_task, checkpoint):
+        first = events.index("audio self-attention")
+        assert events[first - 1 : first + 2] == ["exchange posted", "audio self-attention", "exchange finished"]
+        assert events.count("exchange posted") == events.count("exchange finished") > 0

@@ -47,6 +47,16 @@ class InnerAttention(nn.Module):
         key_BSHD, value_BSHD = prepared
         return self(query_BLHD, key_BSHD, value_BSHD, key_mask_BS)
 
+    def prepare_query_key_value(
+        self, query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None = None
+    ) -> Any:
+        """Q/K/V of a self-attention handed over before the model queues other work (kept as they are here; a
+        sequence-parallel core starts its exchange, so that work runs beside it)."""
+        return query_BLHD, key_BSHD, value_BSHD, key_mask_BS
+
+    def attend_prepared_query_key_value(self, prepared: Any) -> Tensor:
+        return self(*prepared)
+
     def extra_repr(self) -> str:
         return f"role={self.role}, backend={self.backend}"
 

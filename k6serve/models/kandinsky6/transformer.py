@@ -82,11 +82,28 @@ class Kandinsky6Attention(nn.Module):
         if context_BSD is not None:
             key_value = self.key_value(context_BSD, key_rope=key_rope)
             return self.attend(x_BLD, key_value, query_rope=query_rope, key_mask_BS=key_mask_BS)
+        return self.finish_self(
+            self.start_self(x_BLD, query_rope=query_rope, key_rope=key_rope, key_mask_BS=key_mask_BS)
+        )
+
+    def start_self(
+        self,
+        x_BLD: Tensor,
+        *,
+        query_rope: Tensor | None = None,
+        key_rope: Tensor | None = None,
+        key_mask_BS: Tensor | None = None,
+    ):
+        """Self-attention up to its core: Q/K/V heads handed to the core's `prepare_query_key_value` (where a
+        sequence-parallel core starts its exchange); `finish_self` completes it. Work queued between the two runs
+        beside that exchange."""
         query_BLD, key_BSD, value_BSD = self.project(x_BLD, None)
         query_BLNK = self._query_heads(query_BLD, query_rope)
         key_BSNK, value_BSNK = self._key_value_heads(key_BSD, value_BSD, key_rope)
-        out_BLNK = self.inner_attention(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
-        return self.out_layer(out_BLNK.flatten(-2, -1))
+        return self.inner_attention.prepare_query_key_value(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
+
+    def finish_self(self, prepared) -> Tensor:
+        return self.out_layer(self.inner_attention.attend_prepared_query_key_value(prepared).flatten(-2, -1))
 
     def key_value(self, context_BSD: Tensor, *, key_rope: Tensor | None = None):
         """The K/V heads of a cross-attention context (projected, key-normed, rotated), computed ahead of the query
@@ -194,10 +211,15 @@ class Kandinsky6StreamLayers(nn.Module):
     def self_attention_residual(
         self, x: Tensor, rope: Tensor | None, shift: Tensor, scale: Tensor, gate: Tensor
     ) -> Tensor:
+        return self.finish_self_attention(x, self.start_self_attention(x, rope, shift, scale), gate)
+
+    def start_self_attention(self, x: Tensor, rope: Tensor | None, shift: Tensor, scale: Tensor):
+        """`self_attention_residual` up to the attention core (see `Kandinsky6Attention.start_self`)."""
         attention_input = apply_scale_shift(self.self_attention_norm(x.float()), x, scale, shift)
-        return apply_gate_sum(
-            x, self.self_attention(attention_input, query_rope=rope, key_rope=rope), gate
-        )
+        return self.self_attention.start_self(attention_input, query_rope=rope, key_rope=rope)
+
+    def finish_self_attention(self, x: Tensor, prepared, gate: Tensor) -> Tensor:
+        return apply_gate_sum(x, self.self_attention.finish_self(prepared), gate)
 
     def feed_forward_residual(
         self, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor
@@ -259,9 +281,18 @@ class Kandinsky6FusedBlock(nn.Module):
         video_sa, video_ca, video_ff = torch.chunk(
             video.visual_modulation(video_time_embed_BE), 3, dim=-1
         )
-        video_BLD = video.self_attention_residual(
-            video_BLD, video_rope, *torch.chunk(video_sa, 3, dim=-1)
-        )
+        video_sa_shift, video_sa_scale, video_sa_gate = torch.chunk(video_sa, 3, dim=-1)
+        video_self = video.start_self_attention(video_BLD, video_rope, video_sa_shift, video_sa_scale)
+        if audio_BAD is not None:
+            # The audio self-attention reads no video: run between the start and the end of the video one, the
+            # same ops on the same inputs, it goes beside a sequence-parallel core's Q/K/V exchange.
+            audio_sa, audio_ca, audio_ff = torch.chunk(
+                audio.visual_modulation(audio_time_embed_BE), 3, dim=-1
+            )
+            audio_BAD = audio.self_attention_residual(
+                audio_BAD, audio_rope, *torch.chunk(audio_sa, 3, dim=-1)
+            )
+        video_BLD = video.finish_self_attention(video_BLD, video_self, video_sa_gate)
         shift, scale, video_text_gate = torch.chunk(video_ca, 3, dim=-1)
         # Kept as the K/V source of audio_from_video: normalised after self-attention, before any cross residual.
         video_pre_cross_BLD = apply_scale_shift(
@@ -285,12 +316,6 @@ class Kandinsky6FusedBlock(nn.Module):
             video_BLD = apply_gate_sum(video_BLD, video_from_text_BLD, video_text_gate)
             return video.feed_forward_residual(video_BLD, *torch.chunk(video_ff, 3, dim=-1)), None
 
-        audio_sa, audio_ca, audio_ff = torch.chunk(
-            audio.visual_modulation(audio_time_embed_BE), 3, dim=-1
-        )
-        audio_BAD = audio.self_attention_residual(
-            audio_BAD, audio_rope, *torch.chunk(audio_sa, 3, dim=-1)
-        )
         shift, scale, gate = torch.chunk(audio_ca, 3, dim=-1)
         audio_pre_cross_BAD = apply_scale_shift(
             audio.cross_attention_norm(audio_BAD.float()), audio_BAD, scale, shift
