@@ -157,27 +157,6 @@ def finish_ulysses(exchange: UlyssesExchange, attend: Attend) -> Tensor:
     return out_BLNCcD.view(batch, length, num_heads, head_dim)
 
 
-@torch.compiler.disable
-def ulysses_attention(
-    query_BLHD: Tensor,
-    key_BLHD: Tensor,
-    value_BLHD: Tensor,
-    *,
-    group: dist.ProcessGroup,
-    attend: Attend,
-    num_chunks: int = 1,
-) -> Tensor:
-    """Exchange to head shards, `attend` over the whole (padded) sequence, exchange back; (B, L, H, D).
-
-    With `num_chunks` > 1 the heads are exchanged and attended in that many pipelined groups (see the module
-    docstring); `num_chunks` must divide the local head count H / N.
-    """
-    if dist.get_world_size(group) == 1:
-        return attend(query_BLHD, key_BLHD, value_BLHD)
-    return finish_ulysses(start_ulysses(query_BLHD, key_BLHD, value_BLHD, group=group, num_chunks=num_chunks),
-                          attend)
-
-
 def attend_unpadded(attend: Attend, num_real: int) -> Attend:
     """Wrap `attend` so it runs on the first `num_real` tokens only; padded query rows come back as zeros.
 

@@ -49,12 +49,12 @@ class InnerAttention(nn.Module):
 
     def prepare_query_key_value(
         self, query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor, key_mask_BS: Tensor | None = None
-    ) -> Any:
+    ) -> PreparedQueryKeyValue:
         """Q/K/V of a self-attention handed over before the model queues other work (kept as they are here; a
         sequence-parallel core starts its exchange, so that work runs beside it)."""
         return query_BLHD, key_BSHD, value_BSHD, key_mask_BS
 
-    def attend_prepared_query_key_value(self, prepared: Any) -> Tensor:
+    def attend_prepared_query_key_value(self, prepared: PreparedQueryKeyValue) -> Tensor:
         return self(*prepared)
 
     def extra_repr(self) -> str:
@@ -63,3 +63,5 @@ class InnerAttention(nn.Module):
 
 # What `prepare_key_value` returns: a (key, value) pair, or a parallel replacement's handle to one in transit.
 PreparedKeyValue = Any
+# What `prepare_query_key_value` returns: (query, key, value, key mask), or a parallel replacement's exchange.
+PreparedQueryKeyValue = Any

@@ -23,7 +23,11 @@ from torch import Tensor, nn
 
 from k6serve.models.common.embeddings import PatchEmbeddings, TimeEmbeddings
 from k6serve.models.common.feed_forward import FeedForward
-from k6serve.models.common.inner_attention import InnerAttention
+from k6serve.models.common.inner_attention import (
+    InnerAttention,
+    PreparedKeyValue,
+    PreparedQueryKeyValue,
+)
 from k6serve.models.common.modulation import Modulation, apply_gate_sum, apply_scale_shift
 from k6serve.models.common.out_layer import VideoOutLayer
 from k6serve.models.common.rope import (
@@ -93,7 +97,7 @@ class Kandinsky6Attention(nn.Module):
         query_rope: Tensor | None = None,
         key_rope: Tensor | None = None,
         key_mask_BS: Tensor | None = None,
-    ):
+    ) -> PreparedQueryKeyValue:
         """Self-attention up to its core: Q/K/V heads handed to the core's `prepare_query_key_value` (where a
         sequence-parallel core starts its exchange); `finish_self` completes it. Work queued between the two runs
         beside that exchange."""
@@ -102,17 +106,22 @@ class Kandinsky6Attention(nn.Module):
         key_BSNK, value_BSNK = self._key_value_heads(key_BSD, value_BSD, key_rope)
         return self.inner_attention.prepare_query_key_value(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
 
-    def finish_self(self, prepared) -> Tensor:
+    def finish_self(self, prepared: PreparedQueryKeyValue) -> Tensor:
         return self.out_layer(self.inner_attention.attend_prepared_query_key_value(prepared).flatten(-2, -1))
 
-    def key_value(self, context_BSD: Tensor, *, key_rope: Tensor | None = None):
+    def key_value(self, context_BSD: Tensor, *, key_rope: Tensor | None = None) -> PreparedKeyValue:
         """The K/V heads of a cross-attention context (projected, key-normed, rotated), computed ahead of the query
         and handed to the attention core's `prepare_key_value`; pass the result to `attend`."""
         key_BSNK, value_BSNK = self._key_value_heads(*self.project_key_value(context_BSD), key_rope)
         return self.inner_attention.prepare_key_value(key_BSNK, value_BSNK)
 
     def attend(
-        self, x_BLD: Tensor, key_value, *, query_rope: Tensor | None = None, key_mask_BS: Tensor | None = None
+        self,
+        x_BLD: Tensor,
+        key_value: PreparedKeyValue,
+        *,
+        query_rope: Tensor | None = None,
+        key_mask_BS: Tensor | None = None,
     ) -> Tensor:
         """Cross-attention of `x_BLD` over the K/V that `key_value` prepared."""
         query_BLNK = self._query_heads(self.to_query(x_BLD), query_rope)
@@ -213,12 +222,14 @@ class Kandinsky6StreamLayers(nn.Module):
     ) -> Tensor:
         return self.finish_self_attention(x, self.start_self_attention(x, rope, shift, scale), gate)
 
-    def start_self_attention(self, x: Tensor, rope: Tensor | None, shift: Tensor, scale: Tensor):
+    def start_self_attention(
+        self, x: Tensor, rope: Tensor | None, shift: Tensor, scale: Tensor
+    ) -> PreparedQueryKeyValue:
         """`self_attention_residual` up to the attention core (see `Kandinsky6Attention.start_self`)."""
         attention_input = apply_scale_shift(self.self_attention_norm(x.float()), x, scale, shift)
         return self.self_attention.start_self(attention_input, query_rope=rope, key_rope=rope)
 
-    def finish_self_attention(self, x: Tensor, prepared, gate: Tensor) -> Tensor:
+    def finish_self_attention(self, x: Tensor, prepared: PreparedQueryKeyValue, gate: Tensor) -> Tensor:
         return apply_gate_sum(x, self.self_attention.finish_self(prepared), gate)
 
     def feed_forward_residual(
@@ -293,6 +304,7 @@ class Kandinsky6FusedBlock(nn.Module):
                 audio_BAD, audio_rope, *torch.chunk(audio_sa, 3, dim=-1)
             )
         video_BLD = video.finish_self_attention(video_BLD, video_self, video_sa_gate)
+        del video_self  # its Q/K/V (or Ulysses buffers) would otherwise live through the rest of the block
         shift, scale, video_text_gate = torch.chunk(video_ca, 3, dim=-1)
         # Kept as the K/V source of audio_from_video: normalised after self-attention, before any cross residual.
         video_pre_cross_BLD = apply_scale_shift(
@@ -344,6 +356,7 @@ class Kandinsky6FusedBlock(nn.Module):
         audio_from_video_BAD = self.av_cross_attention.attend(
             audio_query_BAD, audio_from_video_key_value, query_rope=audio_cross_rope
         )
+        del audio_from_video_key_value  # the (gathered) video K/V: free before the feed-forwards
         video_BLD = apply_gate_sum(video_BLD, video_from_audio_BLD, video_gate)
         audio_BAD = apply_gate_sum(audio_BAD, audio_from_video_BAD, audio_gate)
 
