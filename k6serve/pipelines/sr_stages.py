@@ -245,7 +245,7 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
     Blend, crop and resize compute each frame from that frame alone (the frame chunks of `blend_tiles` /
     `resize_frames` bound memory, they do not mix frames), so blending a segment's frames gives the same bytes as
     blending the whole clip. The price is every tile's cache chain (the last input frames of each causal
-    convolution: about 1.9 GiB per 512x768 tile of the released K-VAE, counted on the meta device) alive at once, so on CUDA the first segment's
+    convolution; a helper's estimate from the released K-VAE config is ~1.9 GiB per 512x768 tile, not measured on a GPU) alive at once, so on CUDA the first segment's
     memory is measured and, when `num_tiles` of them would not fit (`_segment_major_fits`), the tiles are decoded
     whole, one cache at a time, and only the blend is streamed. Chunk i is handed out after chunk i + 1 is
     queued, so on a GPU its host copy and the caller's work on it overlap the next one's computation.

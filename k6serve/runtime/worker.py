@@ -21,7 +21,6 @@ from k6serve.config import EngineConfig
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import (
     GENERATION,
-    SUPER_RESOLUTION,
     Variant,
     recognise,
     resolve_generate,
@@ -166,13 +165,8 @@ class ModelWorker:
         folder.mkdir(parents=True, exist_ok=True)
         return folder / name
 
-    def _streams_video(self) -> bool:
-        """Whether the MP4 is encoded while the VAE decodes: SR always, generation when no float frames are kept."""
-        if self.variant.family == SUPER_RESOLUTION:
-            return True
-        return self.variant.family == GENERATION and not self.pipeline.keep_float_frames
-
-    def _generate_into_mp4(self, request: GenerateRequest, target: Path, on_step: ProgressCallback | None):
+    def _generate_into_mp4(self, request: GenerateRequest | UpscaleRequest, target: Path,
+                           on_step: ProgressCallback | None):
         """Run the pipeline with the MP4 writer as its video sink: x264 encodes on the CPU while the GPU decodes.
 
         Timings: "decode_video" (SR: "decode", with the blend) is the decode's wall time (the encoder runs beside
@@ -192,8 +186,6 @@ class ModelWorker:
 
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult:
-        from k6serve.media.mux import write_mp4
-
         request, notes = self.resolve(params)
         for note in notes:
             logger.warning(note)
@@ -206,8 +198,10 @@ class ModelWorker:
         gc_freeze_s = self.gc_freezer.freeze_if_compiled()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        target = self._output_file(request, output) if output.save_output else None
-        if target is not None and self._streams_video():
+        # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
+        # saved MP4 is always encoded while the VAE decodes.
+        if output.save_output:
+            target = self._output_file(request, output)
             result = self._generate_into_mp4(request, target, on_step)
             path = str(target)
         else:
@@ -220,10 +214,6 @@ class ModelWorker:
         audio = result.audio.waveform if result.audio is not None else None
         sample_rate = result.audio.sample_rate if result.audio is not None else 44100
         fps = result.fps
-        if target is not None and path is None:
-            mux_start = time.perf_counter()
-            path = str(write_mp4(target, frames, fps, audio, sample_rate))
-            timings["mux"] = time.perf_counter() - mux_start
         timings["total"] = time.perf_counter() - start
         if warmup_s is not None:
             timings["warmup"] = warmup_s

@@ -68,9 +68,9 @@ class FusedProjectionAttention(Kandinsky6Attention):
         self.out_layer = attention.out_layer
         self.inner_attention = attention.inner_attention
 
-    def project(self, x_BLD: Tensor, context_BSD: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # Split views are strided; every later op accepts them.
-        assert self.is_self_attention and context_BSD is None, "project() is the self-attention path"
+        assert self.is_self_attention, "project() is the self-attention path"
         return self.to_query_key_value(x_BLD).split(self.num_channels, dim=-1)
 
     def project_key_value(self, context_BSD: Tensor) -> tuple[Tensor, Tensor]:

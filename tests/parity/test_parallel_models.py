@@ -309,9 +309,9 @@ def test_whole_tile_parallel_decode_equals_serial_and_splits_the_work(pool, num_
                 assert calls == list(range(rank % world, num_tiles, world))
 
 
-def _gather_order_task(folder: Path):
-    """Ulysses2 T2AV: the order in which block 0 starts the audio-from-video K/V gather, runs the video text
-    cross-attention, and waits for the gather."""
+def _event_order_task(folder: Path):
+    """Ulysses2 T2AV, one step: the order of block 0's communication and attention events, recorded through the
+    collectives' starts and finishes and pre-hooks on modules that open an attention."""
     from k6serve.models.variants import resolve_generate
     from k6serve.parallel import sequence_attention
     from k6serve.parallel.parallelize import parallelize_generation_models
@@ -322,30 +322,41 @@ def _gather_order_task(folder: Path):
     parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
                                   device_type="cpu")
     events: list[str] = []
-    original_start = sequence_attention.start_gather_sequence
+    originals = {name: getattr(sequence_attention, name)
+                 for name in ("start_gather_sequence", "start_ulysses", "finish_ulysses")}
 
-    def start(*args, **kwargs):
+    def start_gather(*args, **kwargs):
         events.append("gather started")
-        finish = original_start(*args, **kwargs)
+        finish = originals["start_gather_sequence"](*args, **kwargs)
         return lambda: events.append("gather awaited") or finish()
 
-    sequence_attention.start_gather_sequence = start
+    sequence_attention.start_gather_sequence = start_gather
+    sequence_attention.start_ulysses = (
+        lambda *a, **k: events.append("exchange posted") or originals["start_ulysses"](*a, **k))
+    sequence_attention.finish_ulysses = (
+        lambda *a, **k: events.append("exchange finished") or originals["finish_ulysses"](*a, **k))
     block = models.transformer.visual_transformer_blocks[0]
-    handle = block.video_dec_block.cross_attention.register_forward_pre_hook(
-        lambda module, args: events.append("video text attention"))
+    handles = [
+        block.video_dec_block.cross_attention.register_forward_pre_hook(
+            lambda module, args: events.append("video text attention")),
+        # The norm opens the audio self-attention (the attention module's own methods run without its hooks).
+        block.audio_dec_block.self_attention_norm.register_forward_pre_hook(
+            lambda module, args: events.append("audio self-attention")),
+    ]
     try:
         request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]),
                                       models.variant)
-        request = dataclasses.replace(request, num_inference_steps=1)
-        TextToVideoPipeline(models)(request)
+        TextToVideoPipeline(models)(dataclasses.replace(request, num_inference_steps=1))
     finally:
-        sequence_attention.start_gather_sequence = original_start
-        handle.remove()
+        for name, function in originals.items():
+            setattr(sequence_attention, name, function)
+        for handle in handles:
+            handle.remove()
     return events
 
 
 def test_audio_from_video_kv_gather_runs_beside_the_text_cross_attention(pool, checkpoint):
-    for events in pool.run(_gather_order_task, checkpoint):
+    for events in pool.run(_event_order_task, checkpoint):
         # Per block: started before the text cross-attention, awaited after it (at the audio-from-video
         # attention); block 0's hook marks where each forward's first text cross-attention falls.
         first = events.index("video text attention")
@@ -387,38 +398,8 @@ def test_compiled_blocks_carry_the_prepared_kv_across_graph_breaks(pool, checkpo
         assert torch.equal(eager, compiled) and torch.equal(eager, compiled_again)
 
 
-def _exchange_order_task(folder: Path):
-    """Ulysses2 T2AV: the order in which block 0 posts the video Q/K/V exchange, runs the audio self-attention and
-    finishes the video attention."""
-    from k6serve.models.variants import resolve_generate
-    from k6serve.parallel import sequence_attention
-    from k6serve.parallel.parallelize import parallelize_generation_models
-    from k6serve.pipelines.text_to_video import TextToVideoPipeline
-    from k6serve.request import SamplingParams
-
-    models = _fresh_generation_models(folder)
-    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
-                                  device_type="cpu")
-    events: list[str] = []
-    original_start, original_finish = sequence_attention.start_ulysses, sequence_attention.finish_ulysses
-    sequence_attention.start_ulysses = lambda *a, **k: events.append("exchange posted") or original_start(*a, **k)
-    sequence_attention.finish_ulysses = lambda *a, **k: events.append("exchange finished") or original_finish(*a, **k)
-    block = models.transformer.visual_transformer_blocks[0]
-    # The norm opens the audio self-attention (the attention module's own methods run without its hooks).
-    handle = block.audio_dec_block.self_attention_norm.register_forward_pre_hook(
-        lambda module, args: events.append("audio self-attention"))
-    try:
-        request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]),
-                                      models.variant)
-        TextToVideoPipeline(models)(dataclasses.replace(request, num_inference_steps=1))
-    finally:
-        sequence_attention.start_ulysses, sequence_attention.finish_ulysses = original_start, original_finish
-        handle.remove()
-    return events
-
-
 def test_audio_self_attention_runs_beside_the_video_qkv_exchange(pool, checkpoint):
-    for events in pool.run(_exchange_order_task, checkpoint):
+    for events in pool.run(_event_order_task, checkpoint):
         first = events.index("audio self-attention")
         assert events[first - 1 : first + 2] == ["exchange posted", "audio self-attention", "exchange finished"]
         assert events.count("exchange posted") == events.count("exchange finished") > 0

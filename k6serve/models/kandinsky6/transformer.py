@@ -64,10 +64,9 @@ class Kandinsky6Attention(nn.Module):
         self.out_layer = nn.Linear(num_channels, num_channels)
         self.inner_attention = InnerAttention(role)
 
-    def project(self, x_BLD: Tensor, context_BSD: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K, V of a self-attention before the head split (the speed transforms replace the projections)."""
-        context_BSD = x_BLD if context_BSD is None else context_BSD
-        return self.to_query(x_BLD), self.to_key(context_BSD), self.to_value(context_BSD)
+        return self.to_query(x_BLD), self.to_key(x_BLD), self.to_value(x_BLD)
 
     def project_key_value(self, context_BSD: Tensor) -> tuple[Tensor, Tensor]:
         """K, V of a cross-attention context before the head split."""
@@ -101,7 +100,7 @@ class Kandinsky6Attention(nn.Module):
         """Self-attention up to its core: Q/K/V heads handed to the core's `prepare_query_key_value` (where a
         sequence-parallel core starts its exchange); `finish_self` completes it. Work queued between the two runs
         beside that exchange."""
-        query_BLD, key_BSD, value_BSD = self.project(x_BLD, None)
+        query_BLD, key_BSD, value_BSD = self.project(x_BLD)
         query_BLNK = self._query_heads(query_BLD, query_rope)
         key_BSNK, value_BSNK = self._key_value_heads(key_BSD, value_BSD, key_rope)
         return self.inner_attention.prepare_query_key_value(query_BLNK, key_BSNK, value_BSNK, key_mask_BS)
