@@ -44,9 +44,19 @@ _CUDA_SDPA_PRIORITY = [
 ]
 
 
+# FA3's `flash_attn_func` once imported. Compiled blocks read this global (dynamo guards on its identity, which
+# never changes once set) instead of tracing `_load_fa3`: dynamo ignores the cache wrapper and traces the import
+# statements and the `sys.modules` access inside, and the guards this installs on `sys.modules` fail as soon as
+# any new module is imported. On the H200 that recompiled every block once in the first request after the
+# compiling one (the cold request's decode and MP4 stages import modules): one Pro-distill step took 10.2 s
+# instead of 5.9 (fourth session; reproduced on CPU in tests/unit/test_attention.py).
+_FA3_FUNCTION: Callable[..., object] | None = None
+
+
 @functools.cache
 def _load_fa3() -> tuple[Callable[..., object] | None, str]:
     """Import FA3's `flash_attn_func` once; returns (function, "") or (None, why it failed)."""
+    global _FA3_FUNCTION
     try:
         import fa3_fwd_config
 
@@ -55,7 +65,13 @@ def _load_fa3() -> tuple[Callable[..., object] | None, str]:
         from fa3_fwd_interface import flash_attn_func
     except (ImportError, OSError) as error:
         return None, f"the fa3-fwd wheel could not be imported ({error})"
+    _FA3_FUNCTION = flash_attn_func
     return flash_attn_func, ""
+
+
+@torch.compiler.disable  # the import runs eagerly; normally done already when the backend was resolved
+def _load_fa3_eagerly() -> tuple[Callable[..., object] | None, str]:
+    return _load_fa3()
 
 
 def fa3_unavailable_reason(device: torch.device | str) -> str | None:
@@ -105,7 +121,9 @@ def resolve_attention_backend(requested: str | None, device: torch.device | str)
 
 
 def _fa3_function() -> Callable[..., object]:
-    flash_attn_func, reason = _load_fa3()
+    if _FA3_FUNCTION is not None:
+        return _FA3_FUNCTION
+    flash_attn_func, reason = _load_fa3_eagerly()
     if flash_attn_func is None:
         raise ValueError(
             f"attention backend 'fa' was selected but {reason}; resolve the backend with "

@@ -1,8 +1,8 @@
 """Attention modules that replace a model's `InnerAttention` when its inputs are sequence-sharded.
 
 * `ShardedAttention` (queries and K/V sharded, e.g. "video_self"): Ulysses, Ring, or Ulysses x Ring.
-* `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first, both in
-  one collective, started when the model prepares the K/V (`prepare_key_value`) and awaited at the attention.
+* `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first (one
+  collective each, or both packed in one when they come from a fused projection), started when the model prepares the K/V (`prepare_key_value`) and awaited at the attention.
 
 Both read the current cut of the sequence from a `ShardState` that the split hook of
 `apply_sequence_parallel` sets once per forward, so every block reuses the same cut.
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from k6serve.parallel.bit_copy import copy_bits_
 from k6serve.parallel.ring import ring_attention
 from k6serve.parallel.sequence import SequenceShard, start_gather_sequence
 from k6serve.parallel.ulysses import (
@@ -153,15 +154,23 @@ class GatherKVAttention(nn.Module):
     @torch.compiler.disable
     def prepare_key_value(self, key_BSHD: Tensor, value_BSHD: Tensor) -> _GatheringKeyValue:
         shard = self.state.require()
-        assert key_BSHD.shape == value_BSHD.shape and key_BSHD.dtype == value_BSHD.dtype, "K and V are packed as one"
-        # One collective for K and V; for B == 1 both come back as strided views of the gathered buffer. Two
-        # copies into the send buffer instead of torch.stack: with fused K/V projections V is a strided view and
-        # stack fell back to its non-vectorised kernel (26.7 ms per Pro step against 5.9 ms for the vectorised one
-        # in the eager run, H200 profiles of 2026-11-30); elementwise copies keep vectorised loads (not yet timed).
+        assert key_BSHD.shape == value_BSHD.shape and key_BSHD.dtype == value_BSHD.dtype, (
+            "K and V are gathered alike")
+        if key_BSHD.is_contiguous() and value_BSHD.is_contiguous():
+            # Separate projections: two collectives straight from the tensors, no packing copy on the compute
+            # stream (both run on the communication stream beside the model's work).
+            return _GatheringKeyValue(
+                key=start_gather_sequence(key_BSHD, 1, shard, self.sequence_group),
+                value=start_gather_sequence(value_BSHD, 1, shard, self.sequence_group),
+            )
+        # Fused K/V projection (V a strided view): one collective for both; for B == 1 both come back as strided
+        # views of the gathered buffer. The two packing copies move 8-byte words (`copy_bits_`): torch.stack fell
+        # back to its non-vectorised kernel on the strided V (26.7 ms per Pro step in the H200 profile of
+        # 2026-11-30).
         key_value_BS2HD = key_BSHD.new_empty((*key_BSHD.shape[:2], 2, *key_BSHD.shape[2:]))
-        key_value_BS2HD[:, :, 0].copy_(key_BSHD)
-        key_value_BS2HD[:, :, 1].copy_(value_BSHD)
-        return _GatheringKeyValue(start_gather_sequence(key_value_BS2HD, 1, shard, self.sequence_group))
+        copy_bits_(key_value_BS2HD[:, :, 0], key_BSHD)
+        copy_bits_(key_value_BS2HD[:, :, 1], value_BSHD)
+        return _GatheringKeyValue(packed=start_gather_sequence(key_value_BS2HD, 1, shard, self.sequence_group))
 
     @torch.compiler.disable
     def attend_prepared(
@@ -169,24 +178,30 @@ class GatherKVAttention(nn.Module):
     ) -> Tensor:
         assert key_mask_BS is None, f"'{self.role}' attends to sharded keys and takes no key mask"
         assert isinstance(prepared, _GatheringKeyValue), f"'{self.role}' got K/V it did not prepare"
-        key_value_BS2HD = prepared.finish()
-        return self.inner(query_BLHD, key_value_BS2HD[:, :, 0], key_value_BS2HD[:, :, 1])
+        return self.inner(query_BLHD, *prepared.finish())
 
     def extra_repr(self) -> str:
         return f"role={self.role}"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, kw_only=True)
 class _GatheringKeyValue:
-    """K/V (stacked on dim 2) whose all-gather is in flight; `finish()` waits for it, once."""
+    """K/V whose all-gather is in flight: `packed` (K and V stacked on dim 2, one collective) or `key` and
+    `value` (one collective each). `finish()` waits for them, once, and gives (K, V)."""
 
-    wait: Callable[[], Tensor]
+    packed: Callable[[], Tensor] | None = None
+    key: Callable[[], Tensor] | None = None
+    value: Callable[[], Tensor] | None = None
     done: bool = False
 
-    def finish(self) -> Tensor:
+    def finish(self) -> tuple[Tensor, Tensor]:
         assert not self.done, "prepared K/V are attended to once"
         self.done = True
-        return self.wait()
+        if self.packed is not None:
+            key_value_BS2HD = self.packed()
+            return key_value_BS2HD[:, :, 0], key_value_BS2HD[:, :, 1]
+        assert self.key is not None and self.value is not None
+        return self.key(), self.value()
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)

@@ -12,7 +12,7 @@ Communication is cut and hidden two ways:
 * Q, K and V travel in one all-to-all. The permute copy that every exchange needs writes the three tensors
   interleaved per token into one send buffer (N, B, L, 3, h, D), so on the receiving side Q, K and V are
   strided views of the received buffer with no copy when B == 1 (flash-attn's "qkv-packed" layout; attention
-  kernels take it as is).
+  kernels take it as is). The permute copies move 8-byte words (`copy_bits_`), not bf16 elements.
 * Head-chunk pipelining (opt-in, off by default: see `default_overlap_chunks`). The h local heads are split
   into `num_chunks` groups; the input exchanges of all chunks are posted asynchronously up front, chunk c's
   attention runs while the later chunks' exchanges are in flight, and chunk c's output exchange is posted as
@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+
+from k6serve.parallel.bit_copy import copy_bits_
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 CHUNKS_ENVIRONMENT_VARIABLE = "K6SERVE_ULYSSES_CHUNKS"
@@ -83,7 +85,7 @@ def _post_input_exchange(
 ) -> dist.Work:
     """Copy chunk `chunk` of Q, K and V into its send slab (head group n goes to rank n) and post one all-to-all."""
     for slot, source_BLNCcD in enumerate(sources_BLNCcD):
-        send_CNBL3cD[chunk, :, :, :, slot].copy_(source_BLNCcD[:, :, :, chunk].permute(2, 0, 1, 3, 4))
+        copy_bits_(send_CNBL3cD[chunk, :, :, :, slot], source_BLNCcD[:, :, :, chunk].permute(2, 0, 1, 3, 4))
     return dist.all_to_all_single(received_CNBL3cD[chunk], send_CNBL3cD[chunk], group=group, async_op=True)
 
 
@@ -153,7 +155,7 @@ def finish_ulysses(exchange: UlyssesExchange, attend: Attend) -> Tensor:
     out_BLNCcD = exchange.send_CNBL3cD.new_empty(batch, length, num_ranks, num_chunks, chunk_heads, head_dim)
     for chunk, (work, _, received_NBLcD) in enumerate(output_exchanges):
         work.wait()
-        out_BLNCcD[:, :, :, chunk].copy_(received_NBLcD.permute(1, 2, 0, 3, 4))
+        copy_bits_(out_BLNCcD[:, :, :, chunk], received_NBLcD.permute(1, 2, 0, 3, 4))
     return out_BLNCcD.view(batch, length, num_heads, head_dim)
 
 

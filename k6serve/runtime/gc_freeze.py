@@ -3,8 +3,11 @@
 `torch.compile` leaves millions of long-lived Python objects (FX graphs, guards, generated code, Triton kernel
 handles). Every later full collection walks all of them, and it can land in the middle of a denoising step.
 On H200 a warm request spent ~5.5 s more in its denoising loop than ten steady-state steps (docs/benchmarks.md,
-second session), for Pro and Lite alike, i.e. independent of the model's compute; such a collection is the
-suspected cause, not yet confirmed (the pipeline's `denoise_step_max` will show it on the next GPU run). Before a
+second session); such a collection was the first suspect. The fourth session's run showed the remaining gap to be
+a recompilation instead (one 10.2 s step in the first warm request only, and this freezer finding new graphs
+before the second; the cause, dynamo guarding on `sys.modules` through the FA3 loader, is fixed in
+`k6serve.ops.attention`). The freeze stays: it is cheap (0.2-0.4 s, once per compilation) and keeps a full
+collection's walk over the compiled objects out of later requests. Before a
 request, if graphs were compiled since the last freeze, `CompileGcFreezer` runs one collection and then
 `gc.freeze()`s every object that survived it into the permanent generation, which collections skip. vLLM does
 the same after its start-up compilation. It runs before a request rather than after one so that a finished

@@ -33,7 +33,7 @@ from k6serve.request import (
     UpscaleRequest,
     VideoResult,
 )
-from k6serve.runtime.gc_freeze import CompileGcFreezer
+from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.speed import apply_performance_mode, warmup
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ class ModelWorker:
         # Before the pipeline, not after: the previous request's objects are gone by now, so only long-lived
         # ones (weights, compiled graphs) are frozen, never a finished request's arrays. Part of "total".
         gc_freeze_s = self.gc_freezer.freeze_if_compiled()
+        graphs_before = compiled_graph_count()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
@@ -210,6 +211,9 @@ class ModelWorker:
         timings = dict(result.timings)
         if gc_freeze_s is not None:
             timings["gc_freeze"] = gc_freeze_s
+        # Graphs dynamo compiled during this request: the cold one's compilation, and in a warm request a
+        # recompilation that would otherwise only show as one slow step.
+        timings["graphs_compiled"] = float(compiled_graph_count() - graphs_before)
         frames = result.video.frames_THWC
         audio = result.audio.waveform if result.audio is not None else None
         sample_rate = result.audio.sample_rate if result.audio is not None else 44100

@@ -293,27 +293,36 @@ def test_ring_attention_drops_padded_keys(pool):
         assert (parallel - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
-def _gather_kv_task(layout: ParallelLayout, audio_query, video_key, video_value):
-    """Replicated audio queries over sharded video K/V ("audio_from_video")."""
+def _gather_kv_task(layout: ParallelLayout, audio_query, video_key, video_value, fused):
+    """Replicated audio queries over sharded video K/V ("audio_from_video"); `fused`: V is a strided view of a
+    K/V buffer, as a fused K/V projection gives it."""
     groups = _groups(layout)
     shard = SequenceShard(total_length=video_key.shape[1], degree=layout.sequence_degree,
                           index=layout.sequence_index(dist.get_rank()))
     inner = InnerAttention("audio_from_video")
     module = GatherKVAttention(inner, sequence_group=groups.sequence, state=ShardState(shard))
+    local_key, local_value = (shard_sequence(x, 1, shard).contiguous() for x in (video_key, video_value))
+    if fused:
+        local_key, local_value = torch.stack([local_key, local_value], dim=-2).unbind(-2)
+        assert not local_value.is_contiguous()
     with _counting_calls(sequence_module, "_all_gather_into_tensor") as calls:
-        out = module(audio_query, shard_sequence(video_key, 1, shard), shard_sequence(video_value, 1, shard))
+        out = module(audio_query, local_key, local_value)
     return out, inner(audio_query, video_key, video_value), len(calls)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("batch", [2, 1])
 @pytest.mark.parametrize("name", ["ulysses4", "ulysses2_ring2"])
-def test_gathered_video_kv_is_bitwise_single_process(pool, name, batch):
+def test_gathered_video_kv_is_bitwise_single_process(pool, name, batch, fused):
     layout = {**ULYSSES_LAYOUTS, **RING_LAYOUTS}[name]
     audio_query = random_qkv(6, seed=3, batch=batch)[0]
     _, video_key, video_value = random_qkv(37, seed=4, batch=batch)
-    for parallel, reference, num_gathers in pool.run(_gather_kv_task, layout, audio_query, video_key, video_value):
+    for parallel, reference, num_gathers in pool.run(
+        _gather_kv_task, layout, audio_query, video_key, video_value, fused
+    ):
         assert torch.equal(parallel, reference)
-        assert num_gathers == 1  # K and V in one collective
+        # Contiguous K and V are gathered as they are, one collective each; a strided V is packed with K.
+        assert num_gathers == (1 if fused else 2)
 
 
 def _gather_sequence_task(tensors_and_dims):

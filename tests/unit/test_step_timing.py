@@ -22,7 +22,17 @@ def test_step_timings_bound_the_denoise_time(tiny_distill_dir):
         timings = worker.run(params, output).timings
         assert 0 < timings["denoise_step_median"] <= timings["denoise_step_max"] <= timings["denoise"]
         assert "gc_freeze" in timings  # the first request always freezes what loading left behind
+        assert timings["graphs_compiled"] == 0  # eager model: no dynamo graph in the request
         assert "gc_freeze" not in worker.run(params, output).timings  # nothing was compiled since
+        from k6serve.runtime import worker as worker_module
+
+        counts = iter([5, 7])  # before the pipeline and after it: two graphs compiled meanwhile
+        original = worker_module.compiled_graph_count
+        worker_module.compiled_graph_count = lambda: next(counts)
+        try:
+            assert worker.run(params, output).timings["graphs_compiled"] == 2
+        finally:
+            worker_module.compiled_graph_count = original
     finally:
         gc.unfreeze()  # the rest of the test session keeps the usual collector
 
