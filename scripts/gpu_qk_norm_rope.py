@@ -1,0 +1,155 @@
+"""Where the compiled per-head RMSNorm + RoPE of Q and K loses its time (one H200, one command, ~2 minutes).
+
+The kernel profile of a compiled Pro-distill forward (docs/benchmarks.md, second session) shows the fused
+RMSNorm + RoPE kernels of Q and K at 1.12 and 0.68 ms per call, i.e. 0.7 TB/s for a pass that reads and writes
+the Q tensor once (~0.8 GB at Pro's 47,616 tokens x 32 heads x 128): four times under the H200's bandwidth.
+This times, each compiled alone with inductor at the DiT's shapes, the exact code the DiT runs and the pieces it
+is made of, against a plain copy of the same bytes, so the next change goes where the time is:
+
+    python scripts/gpu_qk_norm_rope.py                 # Pro and Lite shapes, CUDA
+    python scripts/gpu_qk_norm_rope.py --device cpu --tiny --backend eager   # CPU check of the logic (CI)
+
+Variants (input: Q as the query slice of a fused QKV projection output, as in `--performance-mode speed`):
+  copy            Q slice -> contiguous (the bandwidth yardstick)
+  norm            nn.RMSNorm per head
+  rope            apply_rotary (fp32 rotation of interleaved pairs)
+  norm_rope       both: the DiT's `_query_heads`
+  norm_rope_contiguous  both, Q already contiguous (no fused-QKV stride)
+  norm_rope_swap  both, RoPE written as x * own + swap_pairs(x) * partner over full-width fp32 tables
+Results: $OUT/qk_norm_rope.json and .md (median ms of 20 calls, effective GB/s of the bytes read and written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
+
+# (name, tokens as a (T, H, W) latent grid, heads, head_dim, RoPE axes dims): 512x768x121 after patching.
+SHAPES = {
+    "pro": ((31, 32, 48), 32, 128, (32, 48, 48)),
+    "lite": ((31, 32, 48), 28, 64, (16, 24, 24)),
+}
+TINY = {"tiny": ((2, 4, 6), 4, 16, (4, 6, 6))}
+
+
+def _variants(norm: nn.Module, rope: torch.Tensor, head_dim: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    cos_sin = _cos_sin(rope)
+
+    def heads(q):
+        return q.unflatten(-1, (-1, head_dim))
+
+    return {
+        "copy": lambda q: heads(q).contiguous(),
+        "norm": lambda q: norm(heads(q)),
+        "rope": lambda q: apply_rotary(heads(q), rope),
+        "norm_rope": lambda q: apply_rotary(norm(heads(q)), rope),
+        "norm_rope_contiguous": lambda q: apply_rotary(norm(heads(q)), rope),
+        "norm_rope_swap": lambda q: _rotate_swapped(norm(heads(q)), cos_sin),
+    }
+
+
+def _cos_sin(rope: torch.Tensor) -> torch.Tensor:
+    """(L, 1, D/2, 2, 2) rotation table -> (2, L, 1, D): per output element its own coefficient of x[j] and of
+    its pair partner x[j ^ 1] (cos, then -sin for even j and sin for odd j)."""
+    own = torch.stack([rope[..., 0, 0], rope[..., 1, 1]], dim=-1).flatten(-2)
+    partner = torch.stack([rope[..., 0, 1], rope[..., 1, 0]], dim=-1).flatten(-2)
+    return torch.stack([own, partner])
+
+
+def _rotate_swapped(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` as two full-width products: x * own + swap_pairs(x) * partner, in fp32 (the same
+    products and sums as the reference's, in the same order up to commutation)."""
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (cos_sin[0] * x32 + cos_sin[1] * swapped).to(x.dtype)
+
+
+def _time(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def run(device: torch.device, shapes: dict, backend: str, repeats: int) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16
+    for name, (grid, num_heads, head_dim, axes) in shapes.items():
+        torch.manual_seed(0)
+        tokens = grid[0] * grid[1] * grid[2]
+        width = num_heads * head_dim
+        qkv = torch.randn(1, tokens, 3 * width, device=device, dtype=dtype)
+        query_slice = qkv[..., :width]
+        query_contiguous = query_slice.contiguous()
+        norm = nn.RMSNorm(head_dim).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        positions = tuple(torch.arange(n, device=device) for n in grid)
+        rope = RotaryEmbedding3D(axes)(positions, (1.0, 2.0, 2.0)).reshape(tokens, 1, head_dim // 2, 2, 2)
+        reference = None
+        for variant, fn in _variants(norm, rope, head_dim).items():
+            compiled = torch.compile(fn, backend=backend, dynamic=False)
+            source = query_contiguous if variant == "norm_rope_contiguous" else query_slice
+            with torch.inference_mode():
+                out = compiled(source)
+                if variant == "norm_rope":
+                    reference = out
+                equal = None if reference is None or variant == "norm_rope" else bool(torch.equal(out, reference))
+                ms = _time(lambda: compiled(source), device, repeats)  # noqa: B023 - timed before the next loop
+            moved = 2 * source.numel() * source.element_size()  # read Q once, write it once
+            if variant.startswith(("rope", "norm_rope")):
+                moved += rope.numel() * rope.element_size()
+            rows.append({"shape": name, "variant": variant, "tokens": tokens, "heads": num_heads,
+                         "head_dim": head_dim, "ms": ms, "gb_per_s": moved / ms / 1e6,
+                         "bits_equal_to_norm_rope": equal})
+            print(f"{name:5s} {variant:22s} {ms:8.3f} ms {moved / ms / 1e6:8.1f} GB/s equal={equal}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = run(device, TINY if args.tiny else SHAPES, args.backend, args.repeats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "backend": args.backend, "commit": os.environ.get("K6SERVE_COMMIT"),
+              "rows": rows}
+    (out / "qk_norm_rope.json").write_text(json.dumps(report, indent=2))
+    lines = [f"### qk_norm_rope ({report['device']}, torch {report['torch']}, {args.backend})", "",
+             "| shape | variant | ms | GB/s | bits equal to norm_rope |", "|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['variant']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
+              f"{'-' if r['bits_equal_to_norm_rope'] is None else r['bits_equal_to_norm_rope']} |" for r in rows]
+    (out / "qk_norm_rope.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
