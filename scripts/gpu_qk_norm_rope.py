@@ -16,6 +16,7 @@ Variants (input: Q as the query slice of a fused QKV projection output, as in `-
   norm_rope       both: the DiT's `_query_heads`
   norm_rope_contiguous  both, Q already contiguous (no fused-QKV stride)
   norm_rope_swap  both, RoPE written as x * own + swap_pairs(x) * partner over full-width fp32 tables
+  triton_kernel   k6serve's fused Triton kernel (`k6serve.ops.rms_norm_rope`; the reference math off CUDA)
 Results: $OUT/qk_norm_rope.json and .md (median ms of 20 calls, effective GB/s of the bytes read and written).
 """
 
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
+from k6serve.ops.rms_norm_rope import default_eps, rms_norm_rope
 
 # (name, tokens as a (T, H, W) latent grid, heads, head_dim, RoPE axes dims): 512x768x121 after patching.
 SHAPES = {
@@ -55,6 +57,8 @@ def _variants(norm: nn.Module, rope: torch.Tensor, head_dim: int) -> dict[str, C
         "norm_rope": lambda q: apply_rotary(norm(heads(q)), rope),
         "norm_rope_contiguous": lambda q: apply_rotary(norm(heads(q)), rope),
         "norm_rope_swap": lambda q: _rotate_swapped(norm(heads(q)), cos_sin),
+        # k6serve's Triton kernel (k6serve/ops/rms_norm_rope.py); the reference math off CUDA.
+        "triton_kernel": lambda q: rms_norm_rope(heads(q), norm.weight, default_eps(norm.eps, q.dtype), rope, q.dtype),
     }
 
 
@@ -119,7 +123,7 @@ def run(device: torch.device, shapes: dict, backend: str, repeats: int) -> list[
                 equal = None if reference is None or variant == "norm_rope" else bool(torch.equal(out, reference))
                 ms = _time(lambda: compiled(source), device, repeats)  # noqa: B023 - timed before the next loop
             moved = 2 * source.numel() * source.element_size()  # read Q once, write it once
-            if variant.startswith(("rope", "norm_rope")):
+            if variant.startswith(("rope", "norm_rope", "triton")):
                 moved += rope.numel() * rope.element_size()
             rows.append({"shape": name, "variant": variant, "tokens": tokens, "heads": num_heads,
                          "head_dim": head_dim, "ms": ms, "gb_per_s": moved / ms / 1e6,

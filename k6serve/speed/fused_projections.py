@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
 from k6serve.models.kandinsky6_sr.transformer import SelfAttention as SRSelfAttention
+from k6serve.ops import rms_norm_rope as norm_rope_op
 
 
 def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
@@ -41,6 +42,12 @@ def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
             torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False
         )
     return fused
+
+
+def _norm_rope(heads_BLNK: Tensor, norm: nn.RMSNorm, rope: Tensor) -> Tensor:
+    """`apply_rotary(norm(heads), rope)` through the fused op (eps as nn.RMSNorm resolves None)."""
+    eps = norm_rope_op.default_eps(norm.eps, heads_BLNK.dtype)
+    return norm_rope_op.rms_norm_rope(heads_BLNK, norm.weight, eps, rope, heads_BLNK.dtype)
 
 
 class FusedProjectionAttention(Kandinsky6Attention):
@@ -67,6 +74,22 @@ class FusedProjectionAttention(Kandinsky6Attention):
         self.key_norm = attention.key_norm
         self.out_layer = attention.out_layer
         self.inner_attention = attention.inner_attention
+        # Set by `apply_fused_norm_rope`: the per-head RMSNorm and RoPE of Q and K as one Triton kernel on CUDA.
+        self.fused_norm_rope = False
+
+    def _query_heads(self, query_BLD: Tensor, query_rope: Tensor | None) -> Tensor:
+        heads_BLNK = query_BLD.unflatten(-1, (-1, self.head_dim))
+        if self.fused_norm_rope and norm_rope_op.supports(heads_BLNK, self.query_norm.weight, query_rope):
+            return _norm_rope(heads_BLNK, self.query_norm, query_rope)
+        return super()._query_heads(query_BLD, query_rope)
+
+    def _key_value_heads(
+        self, key_BSD: Tensor, value_BSD: Tensor, key_rope: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        heads_BSNK = key_BSD.unflatten(-1, (-1, self.head_dim))
+        if self.fused_norm_rope and norm_rope_op.supports(heads_BSNK, self.key_norm.weight, key_rope):
+            return _norm_rope(heads_BSNK, self.key_norm, key_rope), value_BSD.unflatten(-1, (-1, self.head_dim))
+        return super()._key_value_heads(key_BSD, value_BSD, key_rope)
 
     def project(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # Split views are strided; every later op accepts them.
@@ -136,6 +159,19 @@ def _fused(attention: Kandinsky6Attention | SRSelfAttention) -> nn.Module:
     # The generation DiT only ever calls `*_self` roles without a context.
     is_self = attention.inner_attention.role.endswith("_self")
     return FusedProjectionAttention(attention, is_self_attention=is_self)
+
+
+def apply_fused_norm_rope(model: nn.Module) -> int:
+    """Route the per-head RMSNorm + RoPE of Q and K of every fused generation-DiT attention through the fused
+    kernel (`k6serve.ops.rms_norm_rope`); returns how many attentions. Run after `apply_fused_projections`.
+
+    Each call still falls back to the model's own ops where the kernel does not apply (CPU, no RoPE, no triton).
+    Opt-in until measured in the DiT: `K6SERVE_FUSED_NORM_ROPE=1` with `--performance-mode speed`.
+    """
+    attentions = [module for module in model.modules() if isinstance(module, FusedProjectionAttention)]
+    for attention in attentions:
+        attention.fused_norm_rope = True
+    return len(attentions)
 
 
 def apply_fused_projections(model: nn.Module) -> int:

@@ -1,6 +1,7 @@
 """`--performance-mode`: which speed transforms run, composed once in a fixed order.
 
-* "speed" (CUDA): fused projections -> regional compile of the DiT blocks -> VAE decode speed-ups (cuDNN
+* "speed" (CUDA): fused projections (with $K6SERVE_FUSED_NORM_ROPE=1 also the fused RMSNorm + RoPE kernel of Q and
+  K, experimental) -> regional compile of the DiT blocks -> VAE decode speed-ups (cuDNN
   autotuning; the compiled decoder only with `compile_vae_decoder` = `--compile-vae true`, see `speed/vae.py`). Each
   keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
   within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
@@ -14,15 +15,20 @@ compile, so any model family with a plan gets regional compile.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from k6serve.config import PERFORMANCE_MODES
-from k6serve.speed.fused_projections import apply_fused_projections
+from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
 from k6serve.speed.vae import apply_vae_speedups
+
+# Opt-in, experimental: the Triton RMSNorm + RoPE kernel of Q and K (k6serve/ops/rms_norm_rope.py), until an H200
+# run of the DiT shows it faster than inductor's fused kernel. Read when the mode is applied (engine start-up).
+FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE = "K6SERVE_FUSED_NORM_ROPE"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +82,9 @@ def apply_performance_mode(
     notes: list[str] = []
     transformer = models.transformer
     num_fused = apply_fused_projections(transformer)
+    if os.environ.get(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, "").strip() == "1":
+        notes.append(f"fused RMSNorm + RoPE kernel on {apply_fused_norm_rope(transformer)} attentions "
+                     f"(${FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE}=1)")
     plan = _transformer_plan(transformer)
     num_compiled = 0
     if plan is None:

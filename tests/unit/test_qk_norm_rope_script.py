@@ -20,9 +20,11 @@ def test_cpu_run_times_every_variant_and_checks_bits(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((tmp_path / "qk_norm_rope.json").read_text())
     rows = {row["variant"]: row for row in report["rows"]}
-    assert list(rows) == ["copy", "norm", "rope", "norm_rope", "norm_rope_contiguous", "norm_rope_swap"]
+    assert list(rows) == ["copy", "norm", "rope", "norm_rope", "norm_rope_contiguous", "norm_rope_swap",
+                          "triton_kernel"]
     assert all(row["ms"] > 0 and row["gb_per_s"] > 0 for row in rows.values())
     assert rows["norm_rope"]["bits_equal_to_norm_rope"] is None
     assert rows["norm_rope_contiguous"]["bits_equal_to_norm_rope"] is True
     assert rows["norm_rope_swap"]["bits_equal_to_norm_rope"] is True  # eager: the same products and sums
+    assert rows["triton_kernel"]["bits_equal_to_norm_rope"] is True  # off CUDA the op is the model's own code
     assert "| tiny | norm_rope_swap |" in (tmp_path / "qk_norm_rope.md").read_text()

@@ -58,7 +58,7 @@ class Kandinsky6Attention(nn.Module):
         self.to_query = nn.Linear(num_channels, num_channels)
         self.to_key = nn.Linear(kv_dim, num_channels)
         self.to_value = nn.Linear(kv_dim, num_channels)
-        # eps=None: torch uses finfo(input dtype).eps (2**-7 in bf16), as the reference does.
+        # eps=None, as the reference: torch then uses its fp32 compute type's epsilon (1.2e-7), also for bf16 input.
         self.query_norm = nn.RMSNorm(head_dim)
         self.key_norm = nn.RMSNorm(head_dim)
         self.out_layer = nn.Linear(num_channels, num_channels)

@@ -1,0 +1,156 @@
+"""Per-head RMSNorm followed by RoPE on interleaved pairs, as one op: a Triton kernel on CUDA, the reference math
+elsewhere.
+
+Why a kernel: compiled by inductor, the DiT's `rope(norm(q))` runs at 27-41% of a plain copy's bandwidth on the
+H200 (0.62 ms per Pro query tensor against 0.24 ms for a copy of its bytes, 0.42 against 0.12 ms for Lite;
+`scripts/gpu_qk_norm_rope.py`, docs/benchmarks.md, fourth session): the rotation reads each value's pair partner
+with a second, computed-index load after the reduction. This kernel loads a block of whole head rows once, keeps
+them in registers for the sum of squares, the scaling and the rotation (pairs separated in registers with
+`tl.split`), and writes each row once. Not yet measured in the DiT: opt-in (`K6SERVE_FUSED_NORM_ROPE=1`, see
+`k6serve.speed.qk_norm_rope`).
+
+Semantics (`rms_norm_rope_reference`, the model's own code path): y = bf16(x * rsqrt(mean(x^2) + eps) * w) in
+fp32, rounded to the output dtype (as `nn.RMSNorm` does), then rotated in fp32 by the (L, 1, D/2, 2, 2) table and
+rounded again (as `apply_rotary` does). The kernel keeps both rounding points; its sum of squares and
+multiply-adds run in another order (a tree sum, fused multiply-adds), so its output differs from eager kernels by
+fp32 rounding that the bf16 rounding mostly absorbs (as inductor's fused kernel does too).
+
+Shape legend: B batch, L tokens, H heads, D head dim, F = D/2 frequency pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k6serve.models.common.rope import apply_rotary
+
+try:  # the CPU wheel ships without triton; CUDA builds of torch depend on it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+
+def rms_norm_rope_reference(
+    x_BLHD: Tensor, weight_D: Tensor | None, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype
+) -> Tensor:
+    """The unfused computation: `nn.RMSNorm` on `x` cast to `norm_dtype`, back to x's dtype, then `apply_rotary`."""
+    normed = torch.rms_norm(x_BLHD.to(norm_dtype), (x_BLHD.shape[-1],), weight_D, eps).to(x_BLHD.dtype)
+    return apply_rotary(normed, rope_L1F22)
+
+
+def default_eps(eps: float | None, dtype: torch.dtype) -> float:
+    """The eps `torch.rms_norm` uses when given None: its compute type's machine epsilon (fp32 for bf16/fp16 inputs,
+    not the input dtype's)."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def supports(x_BLHD: Tensor, weight_D: Tensor | None, rope_L1F22: Tensor | None) -> bool:
+    """Whether the Triton kernel takes these inputs (else callers use the unfused path)."""
+    if triton is None or rope_L1F22 is None or weight_D is None or not x_BLHD.is_cuda:
+        return False
+    batch, length, _, head_dim = x_BLHD.shape
+    return (
+        x_BLHD.dtype == torch.bfloat16  # the kernel rounds to bf16 (`_rounded_to_bf16`)
+        and head_dim in (32, 64, 128, 256)
+        and x_BLHD.stride(-1) == 1
+        and x_BLHD.stride(-2) == head_dim
+        and tuple(rope_L1F22.shape) == (length, 1, head_dim // 2, 2, 2)
+        and rope_L1F22.dtype == torch.float32
+        and weight_D.shape == (head_dim,)
+        and batch >= 1
+    )
+
+
+@torch.library.custom_op("k6serve::rms_norm_rope", mutates_args=())
+def rms_norm_rope(
+    x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype
+) -> Tensor:
+    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype."""
+    if x_BLHD.is_cuda and supports(x_BLHD, weight_D, rope_L1F22):
+        return launch(x_BLHD, weight_D, eps, rope_L1F22)
+    return rms_norm_rope_reference(x_BLHD, weight_D, eps, rope_L1F22, norm_dtype).contiguous()
+
+
+@rms_norm_rope.register_fake
+def _(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype) -> Tensor:
+    return torch.empty(x_BLHD.shape, dtype=x_BLHD.dtype, device=x_BLHD.device)
+
+
+def _rows_per_program(head_dim: int) -> int:
+    # ~4096 values per program: 16 KB of bf16 in registers across 4 warps.
+    return max(1, 4096 // head_dim)
+
+
+def launch(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor) -> Tensor:
+    """Run the Triton kernel (CUDA tensors; or CPU tensors under TRITON_INTERPRET=1, as the tests do)."""
+    assert triton is not None, "triton is not installed"
+    batch, length, num_heads, head_dim = x_BLHD.shape
+    out_BLHD = torch.empty((batch, length, num_heads, head_dim), dtype=x_BLHD.dtype, device=x_BLHD.device)
+    rope = rope_L1F22.contiguous()
+    rows = batch * length * num_heads
+    rows_per_program = _rows_per_program(head_dim)
+    grid = (triton.cdiv(rows, rows_per_program),)
+    _rms_norm_rope_kernel[grid](
+        x_BLHD, weight_D, rope, out_BLHD,
+        rows, length, num_heads,
+        x_BLHD.stride(0), x_BLHD.stride(1),
+        eps,
+        HEAD_DIM=head_dim, ROWS=rows_per_program,
+        num_warps=4,
+    )
+    return out_BLHD
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded_to_bf16(x):
+        """fp32 -> the nearest bf16 value (ties to even), kept in fp32. Written out in integer ops because Triton's
+        interpreter, which runs this kernel in the CPU tests, truncates on a cast (the GPU rounds to nearest);
+        the later cast to bf16 is then exact on both. NaN passes through unchanged."""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 - the NaN test
+
+    @triton.jit
+    def _rms_norm_rope_kernel(
+        x_ptr, weight_ptr, rope_ptr, out_ptr,
+        rows, length, num_heads,
+        x_batch_stride, x_token_stride,
+        eps,
+        HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    ):
+        """One program: ROWS head rows (row = (b, l, h), h fastest) of HEAD_DIM values each."""
+        PAIRS: tl.constexpr = HEAD_DIM // 2
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+        row_ok = row < rows
+        head = row % num_heads
+        token = (row // num_heads) % length
+        batch = row // (num_heads * length)
+        column = tl.arange(0, HEAD_DIM)  # (HEAD_DIM,)
+        source = batch.to(tl.int64) * x_batch_stride + token.to(tl.int64) * x_token_stride + head * HEAD_DIM
+        mask = row_ok[:, None]
+        x = tl.load(x_ptr + source[:, None] + column[None, :], mask=mask, other=0.0).to(tl.float32)
+
+        # RMSNorm in fp32, rounded to the output dtype as nn.RMSNorm's result is.
+        mean_square = tl.sum(x * x, axis=1) / HEAD_DIM
+        inverse_rms = 1.0 / tl.sqrt(mean_square + eps)
+        weight = tl.load(weight_ptr + column).to(tl.float32)
+        normed = _rounded_to_bf16((x * inverse_rms[:, None]) * weight[None, :])
+
+        # The table row of each token: (F, 2, 2) = [[r00, r01], [r10, r11]] per pair; out = r @ (x0, x1).
+        entry = tl.arange(0, 4 * PAIRS)
+        table = tl.load(rope_ptr + token.to(tl.int64)[:, None] * (4 * PAIRS) + entry[None, :], mask=mask, other=0.0)
+        table = tl.reshape(table, (ROWS, PAIRS, 2, 2))
+        first_column, second_column = tl.split(table)  # r[:, :, :, 0] and r[:, :, :, 1]: (ROWS, F, 2)
+        r00, r10 = tl.split(first_column)
+        r01, r11 = tl.split(second_column)
+        x0, x1 = tl.split(tl.reshape(normed, (ROWS, PAIRS, 2)))
+        rotated = tl.join(r00 * x0 + r01 * x1, r10 * x0 + r11 * x1)  # (ROWS, F, 2)
+        out = _rounded_to_bf16(tl.reshape(rotated, (ROWS, HEAD_DIM))).to(tl.bfloat16)
+        destination = row.to(tl.int64)[:, None] * HEAD_DIM + column[None, :]
+        tl.store(out_ptr + destination, out, mask=mask)

@@ -1,0 +1,102 @@
+"""The fused per-head RMSNorm + RoPE op (`k6serve.ops.rms_norm_rope`): the CPU path is the model's own code, the
+Triton kernel (run by Triton's interpreter on the CPU) matches it to bf16 rounding, and the speed transform that
+routes the generation DiT's Q/K through it falls back to the model's ops wherever the kernel does not apply."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
+from k6serve.ops.rms_norm_rope import default_eps, rms_norm_rope, supports
+
+
+def _inputs(batch=2, grid=(2, 3, 5), heads=3, head_dim=16, axes=(4, 6, 6), seed=0):
+    """Q as the query slice of a fused QKV output (strided), an RMSNorm with a random weight, a 3-D RoPE table."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = grid[0] * grid[1] * grid[2]
+    qkv = torch.randn(batch, tokens, 3 * heads * head_dim, generator=generator).to(torch.bfloat16)
+    query = qkv[..., : heads * head_dim].unflatten(-1, (heads, head_dim))
+    norm = nn.RMSNorm(head_dim).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(head_dim, generator=generator) + 0.5)
+    rope = RotaryEmbedding3D(axes)(tuple(torch.arange(n) for n in grid), (1.0, 2.0, 2.0)).flatten(0, 2)
+    return query, norm, rope
+
+
+def test_cpu_op_is_the_models_norm_then_rotation_bit_for_bit():
+    query, norm, rope = _inputs()
+    expected = apply_rotary(norm(query), rope)
+    out = rms_norm_rope(query, norm.weight, default_eps(norm.eps, query.dtype), rope, torch.bfloat16)
+    assert out.is_contiguous() and torch.equal(out, expected)
+    assert not supports(query, norm.weight, rope)  # CPU tensors: the kernel is CUDA-only
+
+
+def test_op_compiles_without_graph_breaks():
+    query, norm, rope = _inputs()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def heads(q):
+        return rms_norm_rope(q * 1, norm.weight, 2.0**-7, rope, torch.bfloat16)
+
+    assert torch.equal(heads(query), rms_norm_rope(query, norm.weight, 2.0**-7, rope, torch.bfloat16))
+
+
+_INTERPRETED = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from k6serve.models.common.rope import RotaryEmbedding3D
+    from k6serve.ops.rms_norm_rope import launch, rms_norm_rope_reference
+
+    for batch, grid, heads, head_dim, axes in ((1, (2, 3, 5), 3, 16, (4, 6, 6)), (2, (3, 2, 4), 4, 64, (16, 24, 24)),
+                                               (1, (1, 2, 3), 2, 128, (32, 48, 48))):
+        generator = torch.Generator().manual_seed(head_dim)
+        tokens = grid[0] * grid[1] * grid[2]
+        qkv = torch.randn(batch, tokens, 3 * heads * head_dim, generator=generator).to(torch.bfloat16)
+        query = qkv[..., : heads * head_dim].unflatten(-1, (heads, head_dim))
+        weight = (torch.rand(head_dim, generator=generator) + 0.5).to(torch.bfloat16)
+        rope = RotaryEmbedding3D(axes)(tuple(torch.arange(n) for n in grid), (1.0, 2.0, 2.0)).flatten(0, 2)
+        eps = 2.0 ** -7
+        expected = rms_norm_rope_reference(query, weight, eps, rope, torch.bfloat16).float()
+        out = launch(query, weight, eps, rope).float()
+        assert out.shape == expected.shape, (out.shape, expected.shape)
+        difference = (out - expected).abs()
+        # bf16 keeps 8 significant bits: a different fp32 summation order may flip the last one.
+        assert (difference <= expected.abs() * 2.0 ** -7 + 1e-6).all(), difference.max()
+        assert not out.isnan().any()
+        print(head_dim, "equal share", (difference == 0).float().mean().item())
+''')
+
+
+def test_triton_kernel_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    completed = subprocess.run([sys.executable, "-c", _INTERPRETED], check=False, capture_output=True, text=True,
+                               timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    shares = [float(line.split()[-1]) for line in completed.stdout.splitlines() if "equal share" in line]
+    assert len(shares) == 3 and min(shares) > 0.99, completed.stdout  # nearly every value bit for bit
+
+
+def test_speed_transform_falls_back_off_cuda():
+    from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+    from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.attention = Kandinsky6Attention(48, 16, role="video_self").to(torch.bfloat16)
+    _, _, rope = _inputs(heads=3, head_dim=16)
+    x = torch.randn(2, rope.shape[0], 48).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = holder.attention(x, query_rope=rope, key_rope=rope)
+        assert apply_fused_projections(holder) == 1
+        unfused_kernel = holder.attention(x, query_rope=rope, key_rope=rope)
+        assert apply_fused_norm_rope(holder) == 1 and holder.attention.fused_norm_rope
+        fused_kernel = holder.attention(x, query_rope=rope, key_rope=rope)
+    assert torch.equal(fused_kernel, unfused_kernel)  # CPU: the model's own ops ran
+    assert (fused_kernel.float() - expected.float()).abs().max() < 0.05  # fused GEMM rounding only
