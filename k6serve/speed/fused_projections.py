@@ -44,10 +44,12 @@ def _concatenate_linears(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-def _norm_rope(heads_BLNK: Tensor, norm: nn.RMSNorm, rope: Tensor) -> Tensor:
-    """`apply_rotary(norm(heads), rope)` through the fused op (eps as nn.RMSNorm resolves None)."""
-    eps = norm_rope_op.default_eps(norm.eps, heads_BLNK.dtype)
-    return norm_rope_op.rms_norm_rope(heads_BLNK, norm.weight, eps, rope, heads_BLNK.dtype)
+def _norm_rope(heads_BLNK: Tensor, norm: nn.RMSNorm, rope: Tensor, *, norm_dtype: torch.dtype | None = None) -> Tensor:
+    """`apply_rotary(norm(heads.to(norm_dtype)).type_as(heads), rope)` through the fused op (eps as torch resolves
+    None for that input dtype)."""
+    norm_dtype = norm_dtype or heads_BLNK.dtype
+    eps = norm_rope_op.default_eps(norm.eps, norm_dtype)
+    return norm_rope_op.rms_norm_rope(heads_BLNK, norm.weight, eps, rope, norm_dtype)
 
 
 class FusedProjectionAttention(Kandinsky6Attention):
@@ -124,10 +126,17 @@ class FusedSRSelfAttention(SRSelfAttention):
         self.key_norm = attention.key_norm
         self.inner_attention = attention.inner_attention
         self.out_layer = attention.out_layer
+        self.fused_norm_rope = False  # see FusedProjectionAttention
 
     def project(self, x_BLD: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # Split views are strided; every later op accepts them.
         return self.to_query_key_value(x_BLD).split(self.num_channels, dim=-1)
+
+    def normed_rotated_heads(self, x_BLD: Tensor, norm: nn.RMSNorm, rope: Tensor) -> Tensor:
+        heads_BLNK = x_BLD.unflatten(-1, (-1, self.head_dim))
+        if self.fused_norm_rope and norm_rope_op.supports(heads_BLNK, norm.weight, rope):
+            return _norm_rope(heads_BLNK, norm, rope, norm_dtype=torch.float32)  # the SR norm runs on fp32 input
+        return super().normed_rotated_heads(x_BLD, norm, rope)
 
     def extra_repr(self) -> str:
         return f"fused=qkv, heads={self.num_heads}x{self.head_dim}"
@@ -162,13 +171,13 @@ def _fused(attention: Kandinsky6Attention | SRSelfAttention) -> nn.Module:
 
 
 def apply_fused_norm_rope(model: nn.Module) -> int:
-    """Route the per-head RMSNorm + RoPE of Q and K of every fused generation-DiT attention through the fused
+    """Route the per-head RMSNorm + RoPE of Q and K of every fused attention (generation and SR DiT) through the fused
     kernel (`k6serve.ops.rms_norm_rope`); returns how many attentions. Run after `apply_fused_projections`.
 
     Each call still falls back to the model's own ops where the kernel does not apply (CPU, no RoPE, no triton).
     Opt-in until measured in the DiT: `K6SERVE_FUSED_NORM_ROPE=1` with `--performance-mode speed`.
     """
-    attentions = [module for module in model.modules() if isinstance(module, FusedProjectionAttention)]
+    attentions = [module for module in model.modules() if isinstance(module, _FUSED)]
     for attention in attentions:
         attention.fused_norm_rope = True
     return len(attentions)

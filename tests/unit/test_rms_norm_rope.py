@@ -100,3 +100,25 @@ def test_speed_transform_falls_back_off_cuda():
         fused_kernel = holder.attention(x, query_rope=rope, key_rope=rope)
     assert torch.equal(fused_kernel, unfused_kernel)  # CPU: the model's own ops ran
     assert (fused_kernel.float() - expected.float()).abs().max() < 0.05  # fused GEMM rounding only
+
+
+def test_sr_attention_fp32_norm_path_is_the_ops_reference_and_falls_back_off_cuda():
+    from k6serve.models.kandinsky6_sr.transformer import SelfAttention
+    from k6serve.ops.rms_norm_rope import rms_norm_rope_reference
+    from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
+
+    torch.manual_seed(1)
+    holder = nn.Module()
+    holder.attention = SelfAttention(64, 16).to(torch.bfloat16)
+    query, _, rope = _inputs(heads=4, head_dim=16)
+    norm = holder.attention.query_norm
+    # The SR DiT normalises fp32 heads (eps: fp32's epsilon) and rounds back before the rotation.
+    expected = holder.attention.normed_rotated_heads(query.flatten(-2), norm, rope)
+    reference = rms_norm_rope_reference(query, norm.weight, default_eps(norm.eps, torch.float32), rope, torch.float32)
+    assert torch.equal(reference, expected)
+    x = torch.randn(2, rope.shape[0], 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert apply_fused_projections(holder) == 1
+        unfused_kernel = holder.attention(x, rope)
+        assert apply_fused_norm_rope(holder) == 1 and holder.attention.fused_norm_rope
+        assert torch.equal(holder.attention(x, rope), unfused_kernel)  # CPU: the model's own ops ran

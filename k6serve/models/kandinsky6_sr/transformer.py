@@ -59,16 +59,18 @@ class SelfAttention(nn.Module):
 
     def forward(self, x_BLD: Tensor, rope: Tensor) -> Tensor:
         query_BLD, key_BLD, value_BLD = self.project(x_BLD)
-        # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
-        query_BLNK = query_BLD.unflatten(-1, (-1, self.head_dim))
-        key_BLNK = key_BLD.unflatten(-1, (-1, self.head_dim))
+        query_BLNK = self.normed_rotated_heads(query_BLD, self.query_norm, rope)
+        key_BLNK = self.normed_rotated_heads(key_BLD, self.key_norm, rope)
         value_BLNK = value_BLD.unflatten(-1, (-1, self.head_dim))
-        query_BLNK = self.query_norm(query_BLNK.float()).type_as(query_BLNK)
-        key_BLNK = self.key_norm(key_BLNK.float()).type_as(key_BLNK)
-        query_BLNK = apply_rotary(query_BLNK, rope)
-        key_BLNK = apply_rotary(key_BLNK, rope)
         out_BLNK = self.inner_attention(query_BLNK, key_BLNK, value_BLNK)
         return self.out_layer(out_BLNK.flatten(2))
+
+    def normed_rotated_heads(self, x_BLD: Tensor, norm: nn.RMSNorm, rope: Tensor) -> Tensor:
+        """Q or K heads: per-head RMSNorm in fp32, back to the stream dtype, then RoPE (a speed transform may run
+        this step as one kernel)."""
+        # Heads are read as (-1, head_dim) so tensor-parallel column shards need no attribute change.
+        heads_BLNK = x_BLD.unflatten(-1, (-1, self.head_dim))
+        return apply_rotary(norm(heads_BLNK.float()).type_as(heads_BLNK), rope)
 
 
 class TransformerBlock(nn.Module):
