@@ -20,11 +20,15 @@ def format_timings(result) -> str:
         ("mux", result.timings.get("mux")),
         ("total", result.timings.get("total")),
     ]
+    counts = {"graphs_compiled"}  # a count among the times: printed below them, not as seconds
     for key in sorted(result.timings):
-        if key not in {"encode", "denoise", "denoise_per_step", "decode_video", "decode_audio", "mux", "total"}:
+        if key not in {"encode", "denoise", "denoise_per_step", "decode_video", "decode_audio", "mux", "total",
+                       *counts}:
             rows.insert(-1, (key.replace("_", " "), result.timings[key]))
     lines = [f"{'stage':<20} {'seconds':>10}", "-" * 31]
     lines += [f"{name:<20} {value:>10.3f}" for name, value in rows if value is not None]
+    lines += [f"{key.replace('_', ' '):<20} {int(result.timings[key]):>10d}" for key in sorted(counts)
+              if key in result.timings]
     lines.append(f"{'peak memory (MiB)':<20} {result.peak_memory_mb:>10.1f}")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ H200 (0.62 ms per Pro query tensor against 0.24 ms for a copy of its bytes, 0.42
 with a second, computed-index load after the reduction. This kernel loads a block of whole head rows once, keeps
 them in registers for the sum of squares, the scaling and the rotation (pairs separated in registers with
 `tl.split`), and writes each row once. Not yet measured in the DiT: opt-in (`K6SERVE_FUSED_NORM_ROPE=1`, see
-`k6serve.speed.qk_norm_rope`).
+`k6serve.speed.fused_projections.apply_fused_norm_rope`).
 
 Semantics (`rms_norm_rope_reference`, the model's own code path): y = bf16(x * rsqrt(mean(x^2) + eps) * w) in
 fp32, rounded to the output dtype (as `nn.RMSNorm` does), then rotated in fp32 by the (L, 1, D/2, 2, 2) table and
