@@ -117,7 +117,10 @@ if triton is not None:
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 - the NaN test
 
-    @triton.jit
+    # The counts change with every prompt length (text attention) and resolution; specialising on them (Triton's
+    # "divisible by 16" / "== 1" variants) would compile new variants inside requests. Strides stay specialised:
+    # their alignment lets the loads vectorise.
+    @triton.jit(do_not_specialize=["rows", "length", "num_heads"])
     def _rms_norm_rope_kernel(
         x_ptr, weight_ptr, rope_ptr, out_ptr,
         rows, length, num_heads,
