@@ -122,3 +122,32 @@ def test_sr_attention_fp32_norm_path_is_the_ops_reference_and_falls_back_off_cud
         unfused_kernel = holder.attention(x, rope)
         assert apply_fused_norm_rope(holder) == 1 and holder.attention.fused_norm_rope
         assert torch.equal(holder.attention(x, rope), unfused_kernel)  # CPU: the model's own ops ran
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_kernel_compiles_for_hopper_with_vector_loads_and_no_spills(head_dim, monkeypatch):
+    """The interpreter checks the kernel's values; this checks what only the GPU compiler sees: the kernel
+    compiles to an sm_90 cubin (no GPU needed), with 16-byte-aligned arguments (as Triton specialises real launches
+    whose pointers and strides divide by 16) its global loads and stores are vectorised, and nothing spills."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k6serve.ops import rms_norm_rope as op
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "rope_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
+                 "length": "i32", "num_heads": "i32", "x_batch_stride": "i64", "x_token_stride": "i64",
+                 "eps": "fp32", "HEAD_DIM": "constexpr", "ROWS": "constexpr"}
+    aligned = {(index,): [["tt.divisibility", 16]] for index in (0, 1, 2, 3, 7, 8)}
+    source = ASTSource(fn=op._rms_norm_rope_kernel, signature=signature, attrs=aligned,
+                       constexprs={"HEAD_DIM": head_dim, "ROWS": op._rows_per_program(head_dim)})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"]
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx) and re.search(r"st\.global(\.\w+)*\.v\d", ptx)
+    # At most the weight row (HEAD_DIM values shared by all rows) comes in scalar bf16 loads; x never does.
+    assert len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)) <= 1
+    assert ".local" not in ptx  # no register spills
