@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-speed", action="store_true", help="Do not time our fused + compiled DiT."
     )
     parser.add_argument(
+        "--norm-rope-kernel",
+        action="store_true",
+        help="dit: also time the fused + compiled DiT with the Triton RMSNorm + RoPE kernel "
+        "(K6SERVE_FUSED_NORM_ROPE's transform).",
+    )
+    parser.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
     )
     parser.add_argument(
@@ -169,6 +175,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         speed=not args.skip_speed,
         reference=not args.skip_reference,
         reference_compiled=args.reference_compiled,
+        norm_rope_kernel=args.norm_rope_kernel,
         compile_backend=args.compile_backend or ("eager" if args.tiny else "inductor"),
         **timing,
     )

@@ -24,7 +24,7 @@ from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6.plan import kandinsky6_plan
 from k6serve.ops.attention import resolve_attention_backend
-from k6serve.speed.fused_projections import apply_fused_projections
+from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
 
 TIMESTEP = 500.0
@@ -42,6 +42,7 @@ class DitOptions:
     speed: bool = True  # ours with fused projections + regional compile
     reference: bool = True  # diffusers eager
     reference_compiled: bool = False  # diffusers with compile_repeated_blocks(fullgraph=True)
+    norm_rope_kernel: bool = False  # then ours fast again with the Triton RMSNorm + RoPE kernel of Q/K
     compile_backend: str = "inductor"
     repeats: int = 3
     warmup: int = 1
@@ -205,6 +206,15 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
         for row in fast_rows:
             row.note = f"{num_fused} fused attentions, {num_compiled} compiled blocks ({options.compile_backend})"
         rows += fast_rows
+        if options.norm_rope_kernel:
+            # The flag is read inside the compiled blocks: dynamo's guards on it recompile them for these rows.
+            num_kernel = apply_fused_norm_rope(ours)
+            kernel_rows = _run_ours(
+                ours, inputs, options, tflop, compared, "fused+compiled+norm_rope", compiled=True
+            )
+            for row in kernel_rows:
+                row.note = f"Triton RMSNorm + RoPE on {num_kernel} attentions where it applies (CUDA, bf16)"
+            rows += kernel_rows
     del ours, inputs, compared
     gc.collect()
     if options.device.type == "cuda":

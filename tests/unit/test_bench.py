@@ -94,6 +94,7 @@ def tiny_run(tmp_path_factory):
             "--stage",
             "text",
             "--compile-vae-decoder",  # a no-op on CPU; keeps the compiled row's code path in the smoke run
+            "--norm-rope-kernel",  # CPU: the kernel falls back to the model's ops; the row's code path runs
             "--repeats",
             "2",
             "--warmup",
@@ -129,7 +130,7 @@ def test_tiny_smoke_json_fields(tiny_run):
         "breakdown_s",
     }
     assert all(expected_fields <= set(row) for row in rows)
-    assert [row["stage"] for row in rows] == ["dit"] * 3 + ["vae"] * 3 + ["audio"] + ["text"] * 2
+    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["vae"] * 3 + ["audio"] + ["text"] * 2
     assert all(len(row["times_s"]) == 2 and row["seconds"] > 0 for row in rows)
 
 
@@ -139,6 +140,7 @@ def test_tiny_dit_rows_compare_with_diffusers(tiny_run):
         "diffusers eager",
         "ours torch_sdpa eager",
         "ours torch_sdpa fused+compiled",
+        "ours torch_sdpa fused+compiled+norm_rope",
     ]
     assert all(row["tflops"] > 0 for row in dit)
     # Same weights, same inputs, bf16: our velocities agree with diffusers' (bitwise for the eager model).
@@ -146,6 +148,8 @@ def test_tiny_dit_rows_compare_with_diffusers(tiny_run):
     assert all(row["cosine_video"] >= 0.999 and row["cosine_audio"] >= 0.999 for row in dit[1:])
     assert dit[0]["speedup"] == 1.0 and all(row["speedup"] > 0 for row in dit)
     assert "16 fused attentions, 6 compiled blocks" in dit[2]["note"]
+    assert "Triton RMSNorm + RoPE on 16 attentions" in dit[3]["note"]
+    assert dit[3]["cosine_video"] == dit[2]["cosine_video"]  # CPU: the same ops ran
 
 
 def test_tiny_vae_and_text_rows(tiny_run):
@@ -270,6 +274,7 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
             "not-a-model,lite-distill",
             "--repeats",
             "1",
+            "--norm-rope-kernel",  # passed through to `k6serve bench`: the fourth row
         ]
     )
     assert code == 1
@@ -279,6 +284,7 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
         "diffusers eager",
         "ours torch_sdpa eager",
         "ours torch_sdpa fused+compiled",
+        "ours torch_sdpa fused+compiled+norm_rope",
     ]
     assert payload["device_status"]["cuda_available"] is False
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()
