@@ -192,6 +192,26 @@ def test_speed_mode_composition_for_cuda(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_fused_norm_rope_kernel_only_with_its_environment_variable(monkeypatch):
+    """`K6SERVE_FUSED_NORM_ROPE=1` turns the Triton RMSNorm + RoPE kernel on for every fused attention (reported in
+    the notes); unset, the attentions keep inductor's fused ops."""
+    from k6serve.speed.performance_mode import FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.delenv(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, raising=False)
+    model = _model()
+    report = apply_performance_mode(_Models(transformer=model), "speed", "cuda")
+    fused = [module for module in model.modules() if hasattr(module, "fused_norm_rope")]
+    assert len(fused) == 16 and not any(module.fused_norm_rope for module in fused)
+    assert not any("RoPE kernel" in note for note in report.notes)
+    monkeypatch.setenv(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, "1")
+    model = _model()
+    report = apply_performance_mode(_Models(transformer=model), "speed", "cuda")
+    assert all(module.fused_norm_rope for module in model.modules() if hasattr(module, "fused_norm_rope"))
+    assert any("fused RMSNorm + RoPE kernel on 16 attentions" in note for note in report.notes)
+    torch._dynamo.reset()
+
+
 def test_performance_mode_rejects_unknown_mode():
     with pytest.raises(ValueError, match="--performance-mode must be one of"):
         apply_performance_mode(_Models(transformer=_model()), "turbo", "cpu")
