@@ -18,6 +18,7 @@ modules) should be frozen. New objects are collected as usual.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import time
 
@@ -29,6 +30,18 @@ def compiled_graph_count() -> int:
     except ImportError:  # pragma: no cover - torch without dynamo
         return 0
     return int(counters["stats"].get("unique_graphs", 0))
+
+
+_unfreeze_registered = False
+
+
+def _register_unfreeze_at_exit() -> None:
+    """Hand frozen objects back to the collector when the interpreter exits: frozen objects are never collected
+    at shutdown, and extension modules that check for leaked instances at exit (Triton >= 3.9's nanobind
+    bindings) then print pages of "leaked instance" reports after every run."""
+    global _unfreeze_registered
+    atexit.register(gc.unfreeze)
+    _unfreeze_registered = True
 
 
 class CompileGcFreezer:
@@ -45,5 +58,7 @@ class CompileGcFreezer:
         start = time.perf_counter()
         gc.collect()
         gc.freeze()
+        if not _unfreeze_registered:
+            _register_unfreeze_at_exit()
         self._graphs_frozen = graphs
         return time.perf_counter() - start
