@@ -61,6 +61,8 @@ def supports(x_BLHD: Tensor, weight_D: Tensor | None, rope_L1F22: Tensor | None)
         and tuple(rope_L1F22.shape) == (length, 1, head_dim // 2, 2, 2)
         and rope_L1F22.dtype == torch.float32
         and weight_D.shape == (head_dim,)
+        and weight_D.is_contiguous()
+        and rope_L1F22.device == x_BLHD.device
         and batch >= 1
     )
 
