@@ -53,16 +53,10 @@ def kernels(device: torch.device) -> dict[str, Callable | str]:
 
     fa3, reason = _load_fa3()
     found["fa3"] = fa3 if fa3 is not None else reason
-    try:
-        from flash_attn.cute.interface import flash_attn_func as fa4
+    from k6serve.ops import flash_attention4
 
-        def run_fa4(query, key, value):
-            out = fa4(query, key, value)
-            return out[0] if isinstance(out, tuple) else out
-
-        found["fa4"] = run_fa4
-    except Exception as error:  # noqa: BLE001 - any import failure is reported, the other kernels still run
-        found["fa4"] = f"flash-attn-4 unavailable ({type(error).__name__}: {error})"
+    fa4, reason = flash_attention4.load()
+    found["fa4"] = flash_attention4.fa4_attention if fa4 is not None else reason  # the op $K6SERVE_FA4=1 uses
     return found
 
 

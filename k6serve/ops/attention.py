@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from k6serve.ops import flash_attention4
+
 FLASH_ATTENTION_3 = "fa"
 TORCH_SDPA = "torch_sdpa"
 BACKENDS = (FLASH_ATTENTION_3, TORCH_SDPA)
@@ -180,6 +182,8 @@ def attention(
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
+        if flash_attention4.ENABLED:  # experimental: $K6SERVE_FA4=1 (see ops/flash_attention4.py)
+            return flash_attention4.fa4_attention(query_BLHD, key_BLHD, value_BLHD)
         return _fa3_function()(query_BLHD, key_BLHD, value_BLHD)
     return _sdpa(query_BLHD, key_BLHD, value_BLHD, key_mask_BL)
 

@@ -232,3 +232,32 @@ def test_compiled_fa3_call_survives_new_imports(monkeypatch):
     finally:
         attention_ops._load_fa3.cache_clear()
         torch._dynamo.reset()
+
+
+def test_fa4_switch_routes_fa3_calls_through_its_op_without_graph_breaks(monkeypatch):
+    """$K6SERVE_FA4=1 sends the calls that would run FA3 to FlashAttention-4's op (a stand-in here: SDPA), inside a
+    compiled region without a graph break; an FA4 that cannot be imported fails with how to fix it."""
+    import torch.nn.functional as F
+
+    from k6serve.ops import flash_attention4
+
+    calls = []
+
+    def stand_in(query_BLHD, key_BSHD, value_BSHD):
+        calls.append(query_BLHD.shape)
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query_BLHD, key_BSHD, value_BSHD)))
+        return out.transpose(1, 2), None  # FA4 returns (out, lse)
+
+    monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa")
+    monkeypatch.setattr(flash_attention4, "ENABLED", True)
+    monkeypatch.setattr(flash_attention4, "load", lambda: (stand_in, ""))
+    query, key, value, _ = _inputs()
+    expected = attention(query, key, value, backend="torch_sdpa")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, backend="fa"), backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(query, key, value), expected, atol=1e-6)
+    assert calls  # the stand-in ran (through the op), not FA3
+    monkeypatch.setattr(flash_attention4, "load", lambda: (None, "flash-attn-4 could not be imported (x)"))
+    with pytest.raises(ValueError, match="K6SERVE_FA4=1 asks for FlashAttention-4 but .* unset K6SERVE_FA4"):
+        attention(query, key, value, backend="fa")
+    torch._dynamo.reset()
