@@ -24,13 +24,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from k6serve.bench.measure import kernel_median_ms
 
 SHAPES = {"pro": (47_616, 32, 128), "lite": (47_616, 28, 64)}
 TINY = {"tiny": (96, 4, 16)}
@@ -60,23 +60,6 @@ def kernels(device: torch.device) -> dict[str, Callable | str]:
     return found
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
 def run(device: torch.device, shapes: dict, repeats: int) -> list[dict]:
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -98,7 +81,8 @@ def run(device: torch.device, shapes: dict, repeats: int) -> list[dict]:
                 with torch.inference_mode():
                     out = kernel(query, key, value)  # first call: compilation (FA4 JIT) happens here
                     out = kernel(query, key, value)
-                    row["ms"] = _time(lambda kernel=kernel, qkv=(query, key, value): kernel(*qkv), device, repeats)
+                    row["ms"] = kernel_median_ms(lambda kernel=kernel, qkv=(query, key, value): kernel(*qkv),
+                                                 device=device, repeats=repeats)
                 row["tflops"] = flop / row["ms"] / 1e9
                 if reference is None:
                     reference = out.float()

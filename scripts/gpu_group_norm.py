@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from k6serve.bench.measure import kernel_median_ms
 
 # (N, C, T, H, W) GroupNorm inputs of the HunyuanVideo decoder at 512x768, a few frames per framewise chunk.
 SHAPES = [(1, 128, 4, 512, 768), (1, 256, 4, 256, 384), (1, 512, 4, 128, 192), (1, 512, 2, 64, 96)]
@@ -63,25 +63,6 @@ def _ulps(out: Tensor, reference: Tensor) -> int:
     return int(((a - b).abs() / spacing).round().max().item())
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
 def run(device: torch.device, shapes: list, backend: str, repeats: int) -> list[dict]:
     rows = []
     for shape in shapes:
@@ -101,7 +82,7 @@ def run(device: torch.device, shapes: list, backend: str, repeats: int) -> list[
             reference = variants["native"]()
             for name, fn in variants.items():
                 out = fn()
-                ms = _time(fn, device, repeats)
+                ms = kernel_median_ms(fn, device=device, repeats=repeats, warmup=2)
                 rows.append({"shape": list(shape), "variant": name, "ms": ms,
                              "max_ulps_vs_native": _ulps(out, reference),
                              "equal_share": (out == reference).float().mean().item()})

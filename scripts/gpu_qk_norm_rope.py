@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from k6serve.bench.measure import kernel_median_ms
 from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
 from k6serve.ops.rms_norm_rope import default_eps, rms_norm_rope
 
@@ -78,25 +77,6 @@ def _rotate_swapped(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return (cos_sin[0] * x32 + cos_sin[1] * swapped).to(x.dtype)
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
 def run(device: torch.device, shapes: dict, backend: str, repeats: int) -> list[dict]:
     rows = []
     dtype = torch.bfloat16
@@ -124,7 +104,8 @@ def run(device: torch.device, shapes: dict, backend: str, repeats: int) -> list[
                 # How far from the DiT's bits: a rounding-order difference (the Triton kernel's tree sum and fused
                 # multiply-adds) flips a few last bf16 bits; a wrong index or mask breaks most values.
                 difference = None if equal is None else (out.float() - reference.float()).abs()
-                ms = _time(lambda: compiled(source), device, repeats)  # noqa: B023 - timed before the next loop
+                ms = kernel_median_ms(lambda: compiled(source), device=device, repeats=repeats,  # noqa: B023
+                                      warmup=3)  # (timed before the loop moves on)
             moved = 2 * source.numel() * source.element_size()  # read Q once, write it once
             if variant.startswith(("rope", "norm_rope", "triton")):
                 moved += rope.numel() * rope.element_size()

@@ -60,6 +60,27 @@ def measure(
     return Measurement(times_s=tuple(times), peak_memory_gib=peak, output=output)
 
 
+def kernel_median_ms(fn: Callable[[], Any], *, device: torch.device, repeats: int, warmup: int = 0) -> float:
+    """Median milliseconds of `repeats` calls of `fn` after `warmup` untimed ones, for sub-millisecond kernels:
+    CUDA events around each call on CUDA (no host sync inside the interval), wall time elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
 def cosine_similarity(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Cosine similarity of two same-shape tensors, flattened, accumulated in fp64."""
     if actual.shape != expected.shape:

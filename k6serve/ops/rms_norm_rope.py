@@ -72,7 +72,7 @@ def rms_norm_rope(
     x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype
 ) -> Tensor:
     """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype."""
-    if x_BLHD.is_cuda and supports(x_BLHD, weight_D, rope_L1F22):
+    if supports(x_BLHD, weight_D, rope_L1F22):
         return launch(x_BLHD, weight_D, eps, rope_L1F22)
     return rms_norm_rope_reference(x_BLHD, weight_D, eps, rope_L1F22, norm_dtype).contiguous()
 

@@ -19,19 +19,11 @@ _WORD_BYTES = 8
 
 def _word_view(x: Tensor) -> Tensor | None:
     """`x` viewed as int64 words along its last dim, or None where its layout does not allow it."""
-    item = x.element_size()
-    if item >= _WORD_BYTES or x.dim() == 0 or x.stride(-1) != 1:
+    if x.element_size() >= _WORD_BYTES or x.dim() == 0 or x.untyped_storage().data_ptr() % _WORD_BYTES:
         return None
-    ratio = _WORD_BYTES // item
-    if x.shape[-1] % ratio or x.storage_offset() % ratio:
-        return None
-    if any(stride % ratio for size, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True) if size > 1):
-        return None
-    if x.untyped_storage().data_ptr() % _WORD_BYTES:
-        return None
-    try:
+    try:  # Tensor.view(dtype) itself refuses layouts that are not whole words (last stride, size, offset, strides)
         return x.view(_WORD)
-    except RuntimeError:  # a layout rule of Tensor.view(dtype) not checked above: copy element by element
+    except RuntimeError:
         return None
 
 

@@ -32,16 +32,10 @@ def compiled_graph_count() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-_unfreeze_registered = False
-
-
-def _register_unfreeze_at_exit() -> None:
-    """Hand frozen objects back to the collector when the interpreter exits: frozen objects are never collected
-    at shutdown, and extension modules that check for leaked instances at exit (Triton >= 3.9's nanobind
-    bindings) then print pages of "leaked instance" reports after every run."""
-    global _unfreeze_registered
-    atexit.register(gc.unfreeze)
-    _unfreeze_registered = True
+# Hand frozen objects back to the collector when the interpreter exits: frozen objects are never collected at
+# shutdown, and extension modules that check for leaked instances at exit (Triton >= 3.9's nanobind bindings) then
+# print pages of "leaked instance" reports after every run. Harmless when nothing was frozen.
+atexit.register(gc.unfreeze)
 
 
 class CompileGcFreezer:
@@ -58,7 +52,5 @@ class CompileGcFreezer:
         start = time.perf_counter()
         gc.collect()
         gc.freeze()
-        if not _unfreeze_registered:
-            _register_unfreeze_at_exit()
         self._graphs_frozen = graphs
         return time.perf_counter() - start
