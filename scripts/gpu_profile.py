@@ -241,6 +241,13 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             torch.backends.cudnn.benchmark = True
             reference = call()
             measure_eager(part, "kvae one tile eager", call, device, args.repeats, markdown)
+        if args.channels_last:  # NDHWC conv weights (speed/vae.py); eager stays the NCDHW reference above
+            from k6serve.speed.vae import apply_channels_last_3d
+
+            part["channels_last_convs"] = apply_channels_last_3d(sr_vae.model.decoder)
+            if args.tiny:  # CPU: eager with the converted weights, to check the conversion changes no value
+                with torch.inference_mode():
+                    part["channels_last_max_uint8_diff"] = int((call().short() - reference.short()).abs().max())
         if not args.tiny:
             from k6serve.speed.vae import compile_sr_decoder_blocks
 
@@ -249,7 +256,8 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
                 return {"compiled_max_uint8_diff": int((output.short() - reference.short()).abs().max())}
 
             with torch.inference_mode():
-                measure_compiled(part, "kvae compiled blocks", call, device, args.repeats, difference, markdown)
+                label = "kvae compiled blocks" + (", channels-last" if args.channels_last else "")
+                measure_compiled(part, label, call, device, args.repeats, difference, markdown)
     except Exception as error:  # noqa: BLE001
         record_failure(part, "kvae", error)
     _free()
@@ -379,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--num-frames", type=int, default=121)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="kvae: compiled blocks with channels-last 3-D conv weights ($K6SERVE_VAE_CHANNELS_LAST).")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")
     return parser
 

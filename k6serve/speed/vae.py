@@ -16,19 +16,29 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   the compiled decode is 6 levels from an fp32 decode and eager bf16 is 8.
   Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
   `--warmup-mode server` pays it at start).
-* Not applied: channels-last 3-D weights. cuDNN's bf16 kernels run NDHWC and transpose NCDHW inputs around
-  each convolution, but in eager mode the GroupNorm and padding kernels are much slower on channels-last
-  tensors (measured on H200: 1.55x slower decode, up to 9/255 off), and rank-4 weights break the conversion.
+* Channels-last 3-D convolution weights, only beside the compiled decoder and opt-in
+  ($K6SERVE_VAE_CHANNELS_LAST=1, experimental until an H200 run shows it faster). cuDNN's bf16 kernels run
+  NDHWC and transpose every NCDHW input and output (the compiled K-VAE tile decode spends 0.33 of its 2.1 s
+  in those transposes, docs/benchmarks.md); with NDHWC weights cuDNN's output is NDHWC and inductor's
+  fused norm/SiLU/pad kernels write the next convolution's input in that layout. Eager is not converted:
+  its GroupNorm and padding kernels are much slower on channels-last tensors (measured on H200: 1.55x
+  slower decode). Only 5-D `Conv3d` weights are converted (`Module.to(memory_format=...)` fails on the
+  rank-4 ones); the math of every op is unchanged, only summation order inside fused reductions can move.
 
 Nothing is applied on a non-CUDA device, so CPU results are unchanged.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from k6serve.speed.regional_compile import is_compiled
+
+# Opt-in, experimental (see the module docstring): read when the speed-ups are applied (engine start-up).
+CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
 
 
 def apply_vae_speedups(
@@ -44,6 +54,9 @@ def apply_vae_speedups(
     # Process-wide: every convolution in the process autotunes; the DiT has none, the audio VAE gains.
     torch.backends.cudnn.benchmark = True
     decoder = getattr(vae, "decoder", None)
+    if compile_decoder and decoder is not None and os.environ.get(CHANNELS_LAST_ENVIRONMENT_VARIABLE, "") == "1":
+        apply_channels_last_3d(decoder)
+        applied.append("channels_last_3d")
     if compile_decoder and decoder is not None:
         if _is_sr_vae(vae):
             compile_sr_decoder_blocks(vae)
@@ -53,6 +66,20 @@ def apply_vae_speedups(
                 decoder.compile(dynamic=False)
             applied.append("compile_decoder")
     return applied
+
+
+def apply_channels_last_3d(module: nn.Module) -> int:
+    """Store every `Conv3d` weight of `module` in channels-last 3-D (NDHWC) order, in place; returns the count.
+
+    Values are untouched; a convolution with an NDHWC weight returns an NDHWC output on cuDNN, so the layout
+    propagates from the first convolution on without converting any activation here.
+    """
+    count = 0
+    for conv in module.modules():
+        if isinstance(conv, nn.Conv3d) and conv.weight.dim() == 5:
+            conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+            count += 1
+    return count
 
 
 def _is_sr_vae(vae: nn.Module) -> bool:

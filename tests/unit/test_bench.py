@@ -334,6 +334,10 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     assert part["median_s"] > 0 and part["profile"]["top"]
     mux = json.loads((tmp_path / "profile_mux.json").read_text())["parts"]
     assert mux["mux noise threads=8"]["megabytes"] > mux["mux smooth threads=8"]["megabytes"] > 0
+    # The K-VAE tile decode with channels-last conv weights: the same uint8 frames as NCDHW (CPU, eager).
+    assert script.main(["kvae", "--tiny", "--channels-last", "--out", str(tmp_path)]) == 0
+    kvae = json.loads((tmp_path / "profile_kvae.json").read_text())["parts"]["kvae"]
+    assert kvae["channels_last_convs"] > 0 and kvae["channels_last_max_uint8_diff"] == 0
 
 
 def test_environment_commit_can_be_pinned_for_copied_trees(monkeypatch):

@@ -312,6 +312,39 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_vae_channels_last_is_opt_in_and_converts_only_conv3d_weights(monkeypatch):
+    """$K6SERVE_VAE_CHANNELS_LAST=1 with --compile-vae stores every 5-D Conv3d weight NDHWC; without the
+    variable, or without the compiled decoder, nothing changes. (Meta weights here; that the decoded frames do
+    not change is checked by test_bench.py's gpu_profile kvae --tiny --channels-last run.)"""
+    import tempfile
+
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.speed.vae import CHANNELS_LAST_ENVIRONMENT_VARIABLE
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    with tempfile.TemporaryDirectory() as folder:
+        configs = read_sr_configs(build_sr_checkpoint(folder))
+    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
+    convs = [m for m in kvae.decoder.modules() if isinstance(m, torch.nn.Conv3d)]
+
+    def channels_last(conv):
+        return conv.weight.is_contiguous(memory_format=torch.channels_last_3d) and not conv.weight.is_contiguous()
+
+    monkeypatch.setenv(CHANNELS_LAST_ENVIRONMENT_VARIABLE, "1")
+    assert "channels_last_3d" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: never converted
+    assert not any(channels_last(conv) for conv in convs if conv.kernel_size != (1, 1, 1))
+    monkeypatch.delenv(CHANNELS_LAST_ENVIRONMENT_VARIABLE)
+    assert "channels_last_3d" not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    torch._dynamo.reset()
+    monkeypatch.setenv(CHANNELS_LAST_ENVIRONMENT_VARIABLE, "1")
+    applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert applied == ["cudnn_benchmark", "channels_last_3d", "compile_decoder_blocks"]
+    assert all(channels_last(conv) for conv in convs if conv.kernel_size != (1, 1, 1))
+    assert apply_vae_speedups(kvae, torch.device("cpu"), compile_decoder=True) == []  # CPU: untouched
+    torch._dynamo.reset()
+
+
 def test_compile_vae_flag_reaches_the_runtime_config():
     from k6serve.api import build_engine_config
     from k6serve.cli.main import build_parser
