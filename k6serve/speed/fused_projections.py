@@ -175,7 +175,7 @@ def apply_fused_norm_rope(model: nn.Module) -> int:
     kernel (`k6serve.ops.rms_norm_rope`); returns how many attentions. Run after `apply_fused_projections`.
 
     Each call still falls back to the model's own ops where the kernel does not apply (CPU, no RoPE, no triton).
-    Opt-in until measured in the DiT: `K6SERVE_FUSED_NORM_ROPE=1` with `--performance-mode speed`.
+    Part of `--performance-mode speed` (`K6SERVE_FUSED_NORM_ROPE=0` leaves it out; speed/performance_mode.py).
     """
     attentions = [module for module in model.modules() if isinstance(module, _FUSED)]
     for attention in attentions:

@@ -1,7 +1,7 @@
 """`--performance-mode`: which speed transforms run, composed once in a fixed order.
 
-* "speed" (CUDA): fused projections (with $K6SERVE_FUSED_NORM_ROPE=1 also the fused RMSNorm + RoPE kernel of Q and
-  K, experimental) -> regional compile of the DiT blocks -> VAE decode speed-ups (cuDNN
+* "speed" (CUDA): fused projections with the fused RMSNorm + RoPE kernel of Q and K ($K6SERVE_FUSED_NORM_ROPE=0
+  keeps inductor's fused ops instead) -> regional compile of the DiT blocks -> VAE decode speed-ups (cuDNN
   autotuning; the compiled decoder only with `compile_vae_decoder` = `--compile-vae true`, see `speed/vae.py`). Each
   keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
   within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
@@ -26,8 +26,10 @@ from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_p
 from k6serve.speed.regional_compile import apply_regional_compile
 from k6serve.speed.vae import apply_vae_speedups
 
-# Opt-in, experimental: the Triton RMSNorm + RoPE kernel of Q and K (k6serve/ops/rms_norm_rope.py), until an H200
-# run of the DiT shows it faster than inductor's fused kernel. Read when the mode is applied (engine start-up).
+# The Triton RMSNorm + RoPE kernel of Q and K (k6serve/ops/rms_norm_rope.py) is on in speed mode: measured on one
+# H200 (docs/benchmarks.md, fifth session) it takes 0.615 / 0.267 ms per tensor where inductor's fused ops take
+# 0.703 / 0.374 (Pro / Lite shapes), Lite's compiled DiT 1.369 s against 1.377, cosine to diffusers unchanged.
+# "0" turns it off (e.g. to compare, or to rule it out); read when the mode is applied (engine start-up).
 FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE = "K6SERVE_FUSED_NORM_ROPE"
 
 
@@ -82,9 +84,10 @@ def apply_performance_mode(
     notes: list[str] = []
     transformer = models.transformer
     num_fused = apply_fused_projections(transformer)
-    if os.environ.get(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, "").strip() == "1":
-        notes.append(f"fused RMSNorm + RoPE kernel on {apply_fused_norm_rope(transformer)} attentions "
-                     f"(${FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE}=1)")
+    if os.environ.get(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, "").strip() == "0":
+        notes.append(f"fused RMSNorm + RoPE kernel off (${FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE}=0)")
+    else:
+        notes.append(f"fused RMSNorm + RoPE kernel on {apply_fused_norm_rope(transformer)} attentions")
     plan = _transformer_plan(transformer)
     num_compiled = 0
     if plan is None:

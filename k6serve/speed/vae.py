@@ -16,11 +16,13 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   the compiled decode is 6 levels from an fp32 decode and eager bf16 is 8.
   Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
   `--warmup-mode server` pays it at start).
-* Channels-last 3-D convolution weights, only beside the compiled decoder and opt-in
-  ($K6SERVE_VAE_CHANNELS_LAST=1, experimental until an H200 run shows it faster). cuDNN's bf16 kernels run
-  NDHWC and transpose every NCDHW input and output (the compiled K-VAE tile decode spends 0.33 of its 2.1 s
-  in those transposes, docs/benchmarks.md); with NDHWC weights cuDNN's output is NDHWC and inductor's
-  fused norm/SiLU/pad kernels write the next convolution's input in that layout. Eager is not converted:
+* Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
+  and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
+  those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
+  write the next convolution's input in that layout. Measured on one H200 (docs/benchmarks.md, fifth
+  session): K-VAE tile 2.119 -> 1.952 s, same 15-level distance from eager, VSR x2 46.7 -> 45.7 s. So the
+  SR K-VAE gets it with `--compile-vae true` ($K6SERVE_VAE_CHANNELS_LAST=0 leaves it out); HunyuanVideo's
+  compiled decoder only with $K6SERVE_VAE_CHANNELS_LAST=1 (not yet measured there). Eager is not converted:
   its GroupNorm and padding kernels are much slower on channels-last tensors (measured on H200: 1.55x
   slower decode). Only 5-D `Conv3d` weights are converted (`Module.to(memory_format=...)` fails on the
   rank-4 ones); the math of every op is unchanged, only summation order inside fused reductions can move.
@@ -37,7 +39,7 @@ from torch import nn
 
 from k6serve.speed.regional_compile import is_compiled
 
-# Opt-in, experimental (see the module docstring): read when the speed-ups are applied (engine start-up).
+# "0": never, "1": also HunyuanVideo's decoder (see the module docstring); read when the speed-ups are applied.
 CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
 
 
@@ -54,7 +56,7 @@ def apply_vae_speedups(
     # Process-wide: every convolution in the process autotunes; the DiT has none, the audio VAE gains.
     torch.backends.cudnn.benchmark = True
     decoder = getattr(vae, "decoder", None)
-    if compile_decoder and decoder is not None and os.environ.get(CHANNELS_LAST_ENVIRONMENT_VARIABLE, "") == "1":
+    if compile_decoder and decoder is not None and _wants_channels_last(vae):
         apply_channels_last_3d(decoder)
         applied.append("channels_last_3d")
     if compile_decoder and decoder is not None:
@@ -80,6 +82,11 @@ def apply_channels_last_3d(module: nn.Module) -> int:
             conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
             count += 1
     return count
+
+
+def _wants_channels_last(vae: nn.Module) -> bool:
+    setting = os.environ.get(CHANNELS_LAST_ENVIRONMENT_VARIABLE, "").strip()
+    return setting == "1" or (setting != "0" and _is_sr_vae(vae))
 
 
 def _is_sr_vae(vae: nn.Module) -> bool:
