@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="dit: also time diffusers with compile_repeated_blocks (adds ~1.5 min for Pro).",
     )
     parser.add_argument(
+        "--compile-mode", help="dit: torch.compile mode of our blocks (k6serve bench --compile-mode)."
+    )
+    parser.add_argument(
         "--norm-rope-kernel",
         action="store_true",
         help="dit: also time our fast DiT with the Triton RMSNorm + RoPE kernel.",
@@ -115,7 +118,9 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         backends = "torch_sdpa" if args.tiny else args.backends
         extra = ["--backends", backends] + (
             ["--reference-compiled"] if args.reference_compiled else []
-        ) + (["--norm-rope-kernel"] if args.norm_rope_kernel else [])
+        ) + (["--norm-rope-kernel"] if args.norm_rope_kernel else []) + (
+            ["--compile-mode", args.compile_mode] if args.compile_mode else []
+        )
         return [
             (f"dit {model}", _bench_argv(args, ["dit"], ["--variant", model, *extra]))
             for model in models

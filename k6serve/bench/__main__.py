@@ -36,6 +36,7 @@ from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES
 from k6serve.models.variants import GENERATION, VARIANTS
 
 STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
 GENERATION_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.family == GENERATION)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help="dit: torch.compile mode of our blocks (inductor only), e.g. max-autotune-no-cudagraphs to let "
+        "inductor try Triton GEMMs with the GELU fused in.",
     )
     parser.add_argument(
         "--compile-vae-decoder",
@@ -164,6 +171,10 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         output_dir=args.output_dir,
         compile_vae=args.compile_vae_decoder,
     )
+    compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
+    if args.compile_mode and compile_backend != "inductor":
+        # torch.compile refuses a mode with any other backend; say so before minutes of setup.
+        raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")
     dit = DitOptions(
         label="tiny" if args.tiny else args.variant,
         transformer_config=transformer_config,
@@ -176,7 +187,8 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         reference=not args.skip_reference,
         reference_compiled=args.reference_compiled,
         norm_rope_kernel=args.norm_rope_kernel,
-        compile_backend=args.compile_backend or ("eager" if args.tiny else "inductor"),
+        compile_backend=compile_backend,
+        compile_mode=args.compile_mode,
         **timing,
     )
     return {

@@ -44,6 +44,9 @@ class DitOptions:
     reference_compiled: bool = False  # diffusers with compile_repeated_blocks(fullgraph=True)
     norm_rope_kernel: bool = False  # then ours fast again with the Triton RMSNorm + RoPE kernel of Q/K
     compile_backend: str = "inductor"
+    # torch.compile mode of our blocks; "max-autotune-no-cudagraphs" lets inductor time Triton GEMM templates
+    # (which can fuse the FFN's GELU into the GEMM) against cuBLAS. None: torch's default.
+    compile_mode: str | None = None
     repeats: int = 3
     warmup: int = 1
     seed: int = 0
@@ -198,13 +201,14 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
     if options.speed:
         num_fused = apply_fused_projections(ours)
         num_compiled = apply_regional_compile(
-            ours, kandinsky6_plan(config), backend=options.compile_backend
+            ours, kandinsky6_plan(config), backend=options.compile_backend, mode=options.compile_mode
         )
         fast_rows = _run_ours(
             ours, inputs, options, tflop, compared, "fused+compiled", compiled=True
         )
+        compiler = options.compile_backend + (f", {options.compile_mode}" if options.compile_mode else "")
         for row in fast_rows:
-            row.note = f"{num_fused} fused attentions, {num_compiled} compiled blocks ({options.compile_backend})"
+            row.note = f"{num_fused} fused attentions, {num_compiled} compiled blocks ({compiler})"
         rows += fast_rows
         if options.norm_rope_kernel:
             # The flag is read inside the compiled blocks: dynamo's guards on it recompile them for these rows.

@@ -24,6 +24,8 @@ Shape legend: B batch, L tokens, H heads, D head dim, F = D/2 frequency pairs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -73,16 +75,18 @@ def supports(x_BLHD: Tensor, weight_D: Tensor | None, rope_L1F22: Tensor | None)
 
 @torch.library.custom_op("k6serve::rms_norm_rope", mutates_args=())
 def rms_norm_rope(
-    x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype
+    x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype, kernel: str = ""
 ) -> Tensor:
-    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype."""
+    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype. `kernel` picks the
+    Triton kernel ("rows" / "tokens"; "" = $K6SERVE_NORM_ROPE_KERNEL or "rows")."""
     if supports(x_BLHD, weight_D, rope_L1F22):
-        return launch(x_BLHD, weight_D, eps, rope_L1F22)
+        return launch(x_BLHD, weight_D, eps, rope_L1F22, kernel or None)
     return rms_norm_rope_reference(x_BLHD, weight_D, eps, rope_L1F22, norm_dtype).contiguous()
 
 
 @rms_norm_rope.register_fake
-def _(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype) -> Tensor:
+def _(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype,
+      kernel: str = "") -> Tensor:
     return torch.empty(x_BLHD.shape, dtype=x_BLHD.dtype, device=x_BLHD.device)
 
 
@@ -92,12 +96,41 @@ def _rows_per_program(head_dim: int) -> int:
     return max(1, 2048 // head_dim)
 
 
-def launch(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor) -> Tensor:
-    """Run the Triton kernel (CUDA tensors; or CPU tensors under TRITON_INTERPRET=1, as the tests do)."""
+# Which kernel runs: "rows" (the measured default) or "tokens" (experimental, unmeasured; see
+# `_rms_norm_rope_tokens_kernel`). Read at import; `scripts/gpu_qk_norm_rope.py` times both.
+KERNEL_ENVIRONMENT_VARIABLE = "K6SERVE_NORM_ROPE_KERNEL"
+KERNELS = ("rows", "tokens")
+KERNEL = os.environ.get(KERNEL_ENVIRONMENT_VARIABLE, "").strip() or "rows"
+if KERNEL not in KERNELS:
+    raise ValueError(f"${KERNEL_ENVIRONMENT_VARIABLE} must be one of {KERNELS}, got {KERNEL!r}")
+
+
+def _heads_per_program(head_dim: int, num_heads: int) -> int:
+    # 2048 values per program, 8 per thread of 8 warps (one 16-byte load each): no shared memory and no barrier in
+    # the sm_90 code (tests/unit/test_rms_norm_rope.py); fewer heads when the model has fewer.
+    return min(max(1, 2048 // head_dim), triton.next_power_of_2(num_heads))
+
+
+def launch(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, kernel: str | None = None) -> Tensor:
+    """Run the Triton kernel `kernel` (default $K6SERVE_NORM_ROPE_KERNEL or "rows") on CUDA tensors, or on CPU
+    tensors under TRITON_INTERPRET=1, as the tests do."""
     assert triton is not None, "triton is not installed"
+    if (kernel or KERNEL) not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     batch, length, num_heads, head_dim = x_BLHD.shape
     out_BLHD = torch.empty((batch, length, num_heads, head_dim), dtype=x_BLHD.dtype, device=x_BLHD.device)
     rope = rope_L1F22.contiguous()
+    if (kernel or KERNEL) == "tokens":
+        heads = _heads_per_program(head_dim, num_heads)
+        _rms_norm_rope_tokens_kernel[(batch * length, triton.cdiv(num_heads, heads))](
+            x_BLHD, weight_D, rope, out_BLHD,
+            length, num_heads,
+            x_BLHD.stride(0), x_BLHD.stride(1),
+            eps,
+            HEAD_DIM=head_dim, HEADS=heads,
+            num_warps=8,
+        )
+        return out_BLHD
     rows = batch * length * num_heads
     rows_per_program = _rows_per_program(head_dim)
     grid = (triton.cdiv(rows, rows_per_program),)
@@ -163,4 +196,44 @@ if triton is not None:
         rotated = tl.join(r00 * x0 + r01 * x1, r10 * x0 + r11 * x1)  # (ROWS, F, 2)
         out = _rounded_to_bf16(tl.reshape(rotated, (ROWS, HEAD_DIM))).to(tl.bfloat16)
         destination = row.to(tl.int64)[:, None] * HEAD_DIM + column[None, :]
+        tl.store(out_ptr + destination, out, mask=mask)
+
+    @triton.jit(do_not_specialize=["length", "num_heads"])
+    def _rms_norm_rope_tokens_kernel(
+        x_ptr, weight_ptr, rope_ptr, out_ptr,
+        length, num_heads,
+        x_batch_stride, x_token_stride,
+        eps,
+        HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+    ):
+        """One program: HEADS heads of one token (grid: tokens x head blocks). The same math and rounding points as
+        `_rms_norm_rope_kernel`; what differs is the work split. The token's RoPE rows are loaded once per program
+        (the "rows" kernel loads them once per head row) as two HEAD_DIM vectors, diagonal (r00, r11 per pair) and
+        off-diagonal (r01, r10), so the rotation is normed * diagonal + partner * off-diagonal with the pair
+        partner swapped in registers; one integer division per program instead of three per row."""
+        PAIRS: tl.constexpr = HEAD_DIM // 2
+        token_index = tl.program_id(0)  # b * length + l
+        head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        mask = (head < num_heads)[:, None]
+        batch = token_index // length
+        token = token_index - batch * length
+        column = tl.arange(0, HEAD_DIM)
+        source = batch.to(tl.int64) * x_batch_stride + token.to(tl.int64) * x_token_stride
+        x = tl.load(x_ptr + source + head[:, None] * HEAD_DIM + column[None, :], mask=mask, other=0.0).to(tl.float32)
+
+        mean_square = tl.sum(x * x, axis=1) / HEAD_DIM
+        inverse_rms = 1.0 / tl.sqrt(mean_square + eps)
+        weight = tl.load(weight_ptr + column).to(tl.float32)
+        normed = _rounded_to_bf16((x * inverse_rms[:, None]) * weight[None, :])
+
+        # Table entries of pair i at 4i..4i+3: [r00, r01, r10, r11]; column 2i + odd takes r00 / r11 on the
+        # diagonal and r01 / r10 off it: out[2i] = r00 x0 + r01 x1, out[2i+1] = r11 x1 + r10 x0.
+        odd = column % 2
+        table = rope_ptr + token.to(tl.int64) * (4 * PAIRS) + 4 * (column // 2)
+        diagonal = tl.load(table + 3 * odd)
+        off_diagonal = tl.load(table + 1 + odd)
+        first, second = tl.split(tl.reshape(normed, (HEADS, PAIRS, 2)))
+        partner = tl.reshape(tl.join(second, first), (HEADS, HEAD_DIM))
+        out = _rounded_to_bf16(normed * diagonal[None, :] + partner * off_diagonal[None, :]).to(tl.bfloat16)
+        destination = (token_index.to(tl.int64) * num_heads + head)[:, None] * HEAD_DIM + column[None, :]
         tl.store(out_ptr + destination, out, mask=mask)

@@ -290,6 +290,29 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()
 
 
+def test_compile_mode_reaches_the_dit_options_and_needs_inductor(monkeypatch):
+    """`--compile-mode` (k6serve bench, gpu_single.py dit) is passed to our blocks' torch.compile; with a
+    backend other than inductor (the --tiny default) it is refused before any setup."""
+    from k6serve.bench import __main__ as bench
+
+    captured = {}
+    monkeypatch.setattr(bench, "run_dit", lambda options: captured.setdefault("options", options) and [])
+    args = bench.build_parser().parse_args(["--tiny", "--compile-backend", "inductor", "--compile-mode",
+                                            "max-autotune-no-cudagraphs"])
+    runners = bench.stage_runners(args)
+    runners["dit"]()
+    assert captured["options"].compile_mode == "max-autotune-no-cudagraphs"
+    assert captured["options"].compile_backend == "inductor"
+    with pytest.raises(SystemExit, match="--compile-mode needs the inductor backend"):
+        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--compile-mode", "max-autotune"]))
+    with pytest.raises(SystemExit):  # argparse: not one of the modes
+        bench.build_parser().parse_args(["--compile-mode", "fastest"])
+    script = _gpu_single()
+    parts = script.parts(script.build_parser().parse_args(["dit", "--models", "lite-distill", "--compile-mode",
+                                                           "max-autotune-no-cudagraphs"]))
+    assert parts[0][1][-2:] == ["--compile-mode", "max-autotune-no-cudagraphs"]
+
+
 def test_kernel_profile_counts_kernels_once_and_groups_them():
     from types import SimpleNamespace
 

@@ -21,12 +21,13 @@ def test_cpu_run_times_every_variant_and_checks_bits(tmp_path):
     report = json.loads((tmp_path / "qk_norm_rope.json").read_text())
     rows = {row["variant"]: row for row in report["rows"]}
     assert list(rows) == ["copy", "norm", "rope", "norm_rope", "norm_rope_contiguous", "norm_rope_swap",
-                          "triton_kernel"]
+                          "triton_kernel", "triton_kernel_tokens"]
     assert all(row["ms"] > 0 and row["gb_per_s"] > 0 for row in rows.values())
     assert rows["norm_rope"]["bits_equal_to_norm_rope"] is None
     assert rows["norm_rope_contiguous"]["bits_equal_to_norm_rope"] is True
     assert rows["norm_rope_swap"]["bits_equal_to_norm_rope"] is True  # eager: the same products and sums
     assert rows["triton_kernel"]["bits_equal_to_norm_rope"] is True  # off CUDA the op is the model's own code
+    assert rows["triton_kernel_tokens"]["bits_equal_to_norm_rope"] is True
     # The GPU run reports how close the kernel comes, not only whether every bit agrees (it rarely will).
     assert rows["triton_kernel"]["equal_share"] == 1.0 and rows["triton_kernel"]["max_abs_difference"] == 0.0
     assert rows["copy"]["equal_share"] is None

@@ -54,7 +54,8 @@ _INTERPRETED = textwrap.dedent('''
     from k6serve.models.common.rope import RotaryEmbedding3D
     from k6serve.ops.rms_norm_rope import launch, rms_norm_rope_reference
 
-    for batch, grid, heads, head_dim, axes in ((1, (2, 3, 5), 3, 16, (4, 6, 6)), (2, (3, 2, 4), 4, 64, (16, 24, 24)),
+    # Head counts below and above a power of two, so the "tokens" kernel's head mask is exercised.
+    for batch, grid, heads, head_dim, axes in ((1, (2, 3, 5), 3, 16, (4, 6, 6)), (2, (3, 2, 4), 5, 64, (16, 24, 24)),
                                                (1, (1, 2, 3), 2, 128, (32, 48, 48))):
         generator = torch.Generator().manual_seed(head_dim)
         tokens = grid[0] * grid[1] * grid[2]
@@ -64,13 +65,14 @@ _INTERPRETED = textwrap.dedent('''
         rope = RotaryEmbedding3D(axes)(tuple(torch.arange(n) for n in grid), (1.0, 2.0, 2.0)).flatten(0, 2)
         eps = 2.0 ** -7
         expected = rms_norm_rope_reference(query, weight, eps, rope, torch.bfloat16).float()
-        out = launch(query, weight, eps, rope).float()
-        assert out.shape == expected.shape, (out.shape, expected.shape)
-        difference = (out - expected).abs()
-        # bf16 keeps 8 significant bits: a different fp32 summation order may flip the last one.
-        assert (difference <= expected.abs() * 2.0 ** -7 + 1e-6).all(), difference.max()
-        assert not out.isnan().any()
-        print(head_dim, "equal share", (difference == 0).float().mean().item())
+        for kernel in ("rows", "tokens"):
+            out = launch(query, weight, eps, rope, kernel).float()
+            assert out.shape == expected.shape, (out.shape, expected.shape)
+            difference = (out - expected).abs()
+            # bf16 keeps 8 significant bits: a different fp32 summation order may flip the last one.
+            assert (difference <= expected.abs() * 2.0 ** -7 + 1e-6).all(), (kernel, difference.max())
+            assert not out.isnan().any()
+            print(kernel, head_dim, "equal share", (difference == 0).float().mean().item())
 ''')
 
 
@@ -80,7 +82,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
                                timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert completed.returncode == 0, completed.stderr[-3000:]
     shares = [float(line.split()[-1]) for line in completed.stdout.splitlines() if "equal share" in line]
-    assert len(shares) == 3 and min(shares) > 0.99, completed.stdout  # nearly every value bit for bit
+    assert len(shares) == 6 and min(shares) > 0.99, completed.stdout  # nearly every value bit for bit (both kernels)
 
 
 def test_speed_transform_falls_back_off_cuda():
@@ -151,3 +153,41 @@ def test_triton_kernel_compiles_for_hopper_with_vector_loads_and_no_spills(head_
     # At most the weight row (HEAD_DIM values shared by all rows) comes in scalar bf16 loads; x never does.
     assert len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)) <= 1
     assert ".local" not in ptx  # no register spills
+
+
+@pytest.mark.parametrize("head_dim,num_heads", [(64, 28), (128, 32)])
+def test_tokens_kernel_compiles_for_hopper_without_shared_memory_round_trips(head_dim, num_heads, monkeypatch):
+    """The experimental token-major kernel at the Lite (28 x 64) and Pro (32 x 128) head shapes: an sm_90 cubin
+    whose x loads and stores are 16-byte vectors, with no shared-memory layout conversion (no barrier) and no
+    spill; the structural reasons it is expected to beat the "rows" kernel (which has barriers), until measured."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k6serve.ops import rms_norm_rope as op
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "rope_ptr": "*fp32", "out_ptr": "*bf16", "length": "i32",
+                 "num_heads": "i32", "x_batch_stride": "i64", "x_token_stride": "i64", "eps": "fp32",
+                 "HEAD_DIM": "constexpr", "HEADS": "constexpr"}
+    aligned = {(index,): [["tt.divisibility", 16]] for index in (0, 1, 2, 3, 6, 7)}
+    heads = op._heads_per_program(head_dim, num_heads)
+    source = ASTSource(fn=op._rms_norm_rope_tokens_kernel, signature=signature, attrs=aligned,
+                       constexprs={"HEAD_DIM": head_dim, "HEADS": heads})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and heads * head_dim == 2048
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx) and re.search(r"st\.global(\.\w+)*\.v4", ptx)
+    assert "bar.sync" not in ptx and "st.shared" not in ptx
+    assert ".local" not in ptx
+
+
+def test_unknown_kernel_name_is_refused():
+    pytest.importorskip("triton")
+    from k6serve.ops.rms_norm_rope import launch
+
+    query, norm, rope = _inputs()
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        launch(query, norm.weight, 1e-6, rope, "columns")
