@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-mode", help="dit: torch.compile mode of our blocks (k6serve bench --compile-mode)."
     )
     parser.add_argument(
+        "--skip-eager", action="store_true", help="dit: do not time our DiT without transforms."
+    )
+    parser.add_argument(
         "--norm-rope-kernel",
         action="store_true",
         help="dit: also time our fast DiT with the Triton RMSNorm + RoPE kernel.",
@@ -119,8 +122,8 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         extra = ["--backends", backends] + (
             ["--reference-compiled"] if args.reference_compiled else []
         ) + (["--norm-rope-kernel"] if args.norm_rope_kernel else []) + (
-            ["--compile-mode", args.compile_mode] if args.compile_mode else []
-        )
+            ["--skip-eager"] if args.skip_eager else []
+        ) + (["--compile-mode", args.compile_mode] if args.compile_mode else [])
         return [
             (f"dit {model}", _bench_argv(args, ["dit"], ["--variant", model, *extra]))
             for model in models
