@@ -64,15 +64,17 @@ _INTERPRETED = textwrap.dedent('''
         weight = (torch.rand(head_dim, generator=generator) + 0.5).to(torch.bfloat16)
         rope = RotaryEmbedding3D(axes)(tuple(torch.arange(n) for n in grid), (1.0, 2.0, 2.0)).flatten(0, 2)
         eps = 2.0 ** -7
-        expected = rms_norm_rope_reference(query, weight, eps, rope, torch.bfloat16).float()
-        for kernel in ("rows", "tokens"):
-            out = launch(query, weight, eps, rope, kernel).float()
-            assert out.shape == expected.shape, (out.shape, expected.shape)
-            difference = (out - expected).abs()
-            # bf16 keeps 8 significant bits: a different fp32 summation order may flip the last one.
-            assert (difference <= expected.abs() * 2.0 ** -7 + 1e-6).all(), (kernel, difference.max())
-            assert not out.isnan().any()
-            print(kernel, head_dim, "equal share", (difference == 0).float().mean().item())
+        # bf16: the generation DiT's norm; fp32: the SR DiT's (its norm runs on the fp32 cast of x).
+        for norm_dtype in (torch.bfloat16, torch.float32):
+            expected = rms_norm_rope_reference(query, weight, eps, rope, norm_dtype).float()
+            for kernel in ("rows", "tokens"):
+                out = launch(query, weight, eps, rope, kernel).float()
+                assert out.shape == expected.shape, (out.shape, expected.shape)
+                difference = (out - expected).abs()
+                # bf16 keeps 8 significant bits: a different fp32 summation order may flip the last one.
+                assert (difference <= expected.abs() * 2.0 ** -7 + 1e-6).all(), (kernel, difference.max())
+                assert not out.isnan().any()
+                print(kernel, head_dim, norm_dtype, "equal share", (difference == 0).float().mean().item())
 ''')
 
 
@@ -82,7 +84,8 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
                                timeout=300, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert completed.returncode == 0, completed.stderr[-3000:]
     shares = [float(line.split()[-1]) for line in completed.stdout.splitlines() if "equal share" in line]
-    assert len(shares) == 6 and min(shares) > 0.99, completed.stdout  # nearly every value bit for bit (both kernels)
+    # Nearly every value bit for bit, for both kernels and both norm dtypes.
+    assert len(shares) == 12 and min(shares) > 0.99, completed.stdout
 
 
 def test_speed_transform_falls_back_off_cuda():
