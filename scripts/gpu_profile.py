@@ -6,6 +6,7 @@ device command, each a few minutes; several can run at once on different GPUs (`
     python scripts/gpu_profile.py dit  --out $OUT --models pro-distill,lite-distill   # fused + compiled, FA3
     python scripts/gpu_profile.py vae  --out $OUT   # HunyuanVideo decode: eager vs compiled decoder, profile
     python scripts/gpu_profile.py kvae --out $OUT   # SR K-VAE one-tile decode: eager vs compiled blocks, profile
+    python scripts/gpu_profile.py srdit --out $OUT  # SR DiT, one x2 tile: eager, fused + compiled, + norm/RoPE kernel
     python scripts/gpu_profile.py mux  --out $OUT   # x264 encode of 121 frames at 1536x1024: threads, content
     python scripts/gpu_profile.py step --out $OUT --models lite-distill   # pipeline steps, text trim on/off
 
@@ -150,6 +151,82 @@ def profile_dit(args, device, dtype, report: dict, markdown: list[str]) -> None:
         except Exception as error:  # noqa: BLE001
             record_failure(part, f"dit {name}", error)
         _free()
+
+
+# --- srdit -----------------------------------------------------------------------------------------------------
+
+
+def profile_srdit(args, device, dtype, report: dict, markdown: list[str]) -> None:
+    """One SR DiT call on one x2 tile (31 x 32 x 48 latent tokens): eager, fused + compiled, and with the
+    RMSNorm + RoPE kernel (what `--performance-mode speed` runs), TFLOP/s, cosine to eager, a kernel profile.
+    The whole VSR request (`gpu_single.py sr`) takes ~5 minutes; this isolates the DiT in ~2."""
+    import tempfile
+
+    from k6serve.bench.flops import FLOOR_TFLOPS, sr_dit_forward_flops
+    from k6serve.bench.measure import cosine_similarity
+    from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models, read_sr_configs, released_sr_configs
+    from k6serve.models.kandinsky6_sr.plan import sr_plan
+    from k6serve.models.variants import VARIANTS
+    from k6serve.ops.attention import resolve_attention_backend
+    from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
+    from k6serve.speed.regional_compile import apply_regional_compile
+
+    part: dict = {}
+    report["parts"]["srdit"] = part
+    try:
+        variant = VARIANTS["vsr-distilled2steps"]
+        if args.tiny:
+            from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+            with tempfile.TemporaryDirectory() as folder:
+                configs = read_sr_configs(build_sr_checkpoint(folder))
+        else:
+            configs = released_sr_configs(variant)
+        models = build_dummy_sr_models(configs, variant, device=device, dtype=dtype)
+        transformer = models.transformer
+        del models  # the K-VAE and the upscaler bank are not timed
+        config = configs.transformer
+        # One tile of an x2 upscale: the latent of a 512 x 768 x 121 output tile (16x spatial, 4x temporal).
+        grid = ((args.num_frames - 1) // 4 + 1, args.height // 16, args.width // 16)
+        generator = torch.Generator().manual_seed(0)
+        latent = torch.randn(1, *grid, config.in_channels, generator=generator).to(device=device, dtype=dtype)
+        timestep = torch.full((1,), 500.0, device=device)
+        tflop = 1e-12 * sr_dit_forward_flops(config, num_tokens=grid[0] * grid[1] * grid[2])
+        part.update(grid=list(grid), tflop=tflop, backend=args.backend)
+        transformer.set_attention_backend(resolve_attention_backend(args.backend, device))
+
+        def call():
+            with torch.inference_mode():
+                return transformer(latent, timestep)
+
+        reference = call().float()
+        rows = ["| variant | seconds | TFLOP/s | % of floor | cosine to eager |", "|---|---|---|---|---|"]
+        variants = [("eager", None), ("fused+compiled", "compile"), ("fused+compiled+norm_rope", "norm_rope")]
+        for name, step in variants:
+            if step == "compile":
+                part["fused_attentions"] = apply_fused_projections(transformer)
+                if not args.tiny:  # inductor on CPU takes minutes; the tiny run checks the wiring eagerly
+                    part["compiled_blocks"] = apply_regional_compile(transformer, sr_plan(config))
+            elif step == "norm_rope":
+                part["norm_rope_attentions"] = apply_fused_norm_rope(transformer)
+            if step is not None:
+                part[f"{name} first_call_s"] = first_call(call, device)
+            seconds, times = timed(call, device, args.repeats)
+            cosine = cosine_similarity(call().float(), reference)
+            part[name] = {"seconds": seconds, "times_s": times, "tflops": tflop / seconds, "cosine": cosine}
+            rows.append(f"| {name} | {seconds:.3f} | {tflop / seconds:.0f} | "
+                        f"{100 * tflop / seconds / FLOOR_TFLOPS:.1f} | {cosine:.5f} |")
+            log(f"srdit {name}: {seconds:.3f} s ({tflop / seconds:.0f} TFLOP/s), cosine {cosine:.5f}")
+            save()
+        part["profile"] = profile_call(call, device=device)
+        markdown.append(f"### srdit, one tile {grid[0]}x{grid[1]}x{grid[2]} ({tflop:.1f} TFLOP), {args.backend}\n\n"
+                        + "\n".join(rows) + "\n")
+        markdown.append(format_summary(f"srdit {variants[-1][0]}: {part[variants[-1][0]]['seconds']:.3f} s",
+                                       part["profile"]))
+        del transformer, latent
+    except Exception as error:  # noqa: BLE001
+        record_failure(part, "srdit", error)
+    _free()
 
 
 # --- vae -------------------------------------------------------------------------------------------------------
@@ -373,8 +450,8 @@ def profile_step(args, device, dtype, report: dict, markdown: list[str]) -> None
         _free()
 
 
-SUBCOMMANDS = {"dit": profile_dit, "vae": profile_vae, "kvae": profile_kvae, "mux": profile_mux,
-               "step": profile_step}
+SUBCOMMANDS = {"dit": profile_dit, "srdit": profile_srdit, "vae": profile_vae, "kvae": profile_kvae,
+               "mux": profile_mux, "step": profile_step}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
 
 # The measured dense bf16 GEMM rate of one H200 (performance.md §0): the "floor" every row is compared to.
 FLOOR_TFLOPS = 790.0
@@ -53,3 +54,11 @@ def kandinsky6_forward_flops(
         + 2 * n_a * d_a * config.out_audio_dim
     )
     return float(blocks + text + embeddings)
+
+
+def sr_dit_forward_flops(config: SRTransformerConfig, *, num_tokens: int) -> float:
+    """FLOPs of one SR DiT call on one tile of `num_tokens` latent tokens with dense attention
+    (k6-super-resolution.md §5: per block 8d² + 4d·ff per token for the projections and FFN, 4·S²·d for the
+    attention; the embeddings and the head are left out, < 0.1%)."""
+    d, f, s = config.model_dim, config.ff_dim, num_tokens
+    return float(config.num_visual_blocks * (s * (8 * d**2 + 4 * d * f) + 4 * s**2 * d))

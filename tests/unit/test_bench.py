@@ -42,6 +42,18 @@ def test_forward_flops_match_the_documented_full_count(variant, height, width, e
     assert abs(tflop - expected_tflop) <= 1.0
 
 
+def test_sr_dit_flops_match_the_documented_count():
+    """k6-super-resolution.md §5: one SR DiT call on a 31 x 32 x 48 tile is 637.6 TFLOP (117.4 linear + 520.1
+    attention; its 0.13 of embeddings and head are not counted here)."""
+    from k6serve.bench.flops import sr_dit_forward_flops
+    from k6serve.models.kandinsky6_sr.checkpoint import released_sr_configs
+
+    from k6serve.models.variants import VARIANTS
+
+    config = released_sr_configs(VARIANTS["vsr-distilled2steps"]).transformer
+    assert 1e-12 * sr_dit_forward_flops(config, num_tokens=31 * 32 * 48) == pytest.approx(637.5, abs=0.1)
+
+
 def test_geometry_token_counts_and_errors():
     geometry = generation_geometry(512, 768, 121)
     assert (geometry.num_latent_frames, geometry.num_video_tokens, geometry.num_audio_tokens) == (
@@ -357,6 +369,12 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     assert part["median_s"] > 0 and part["profile"]["top"]
     mux = json.loads((tmp_path / "profile_mux.json").read_text())["parts"]
     assert mux["mux noise threads=8"]["megabytes"] > mux["mux smooth threads=8"]["megabytes"] > 0
+    # The SR DiT on one tile: the three variants the engine can run, each compared with eager.
+    assert script.main(["srdit", "--tiny", "--out", str(tmp_path)]) == 0
+    srdit = json.loads((tmp_path / "profile_srdit.json").read_text())["parts"]["srdit"]
+    assert srdit["fused_attentions"] == srdit["norm_rope_attentions"] > 0 and srdit["tflop"] > 0
+    for name in ("eager", "fused+compiled", "fused+compiled+norm_rope"):
+        assert srdit[name]["seconds"] > 0 and srdit[name]["cosine"] > 0.99999, (name, srdit[name])
     # The K-VAE tile decode with channels-last conv weights: the same uint8 frames as NCDHW (CPU, eager).
     assert script.main(["kvae", "--tiny", "--channels-last", "--out", str(tmp_path)]) == 0
     kvae = json.loads((tmp_path / "profile_kvae.json").read_text())["parts"]["kvae"]
