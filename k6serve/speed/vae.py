@@ -22,9 +22,9 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   write the next convolution's input in that layout. Measured on one H200 (docs/benchmarks.md, fifth
   session): K-VAE tile 2.119 -> 1.952 s, same 15-level distance from eager, VSR x2 46.7 -> 45.7 s. So the
   SR K-VAE gets it with `--compile-vae true` ($K6SERVE_VAE_CHANNELS_LAST=0 leaves it out); HunyuanVideo's
-  compiled decoder only with $K6SERVE_VAE_CHANNELS_LAST=1 (measured slower there: 3.38 vs 3.1 s). Eager is not converted:
-  its GroupNorm and padding kernels are much slower on channels-last tensors (measured on H200: 1.55x
-  slower decode). Only 5-D `Conv3d` weights are converted (`Module.to(memory_format=...)` fails on the
+  compiled decoder only with $K6SERVE_VAE_CHANNELS_LAST=1 (measured slower there: 3.38 vs 3.1 s). Eager is
+  not converted: its GroupNorm and padding kernels are much slower on channels-last tensors (measured on
+  H200: 1.55x slower decode). Only 5-D `Conv3d` weights are converted (`Module.to(memory_format=...)` fails on the
   rank-4 ones); the math of every op is unchanged, only summation order inside fused reductions can move.
 
 Nothing is applied on a non-CUDA device, so CPU results are unchanged.

@@ -288,6 +288,9 @@ class _HunyuanLikeVae(torch.nn.Module):
 def test_compiled_vae_decoder_only_when_asked(monkeypatch):
     """--compile-vae is opt-in: "speed" alone leaves the decoder eager; with it, HunyuanVideo's decoder is compiled
     and the SR K-VAE's blocks are (SRVAE calls them one by one, never decoder.forward)."""
+    from k6serve.speed.vae import CHANNELS_LAST_ENVIRONMENT_VARIABLE
+
+    monkeypatch.delenv(CHANNELS_LAST_ENVIRONMENT_VARIABLE, raising=False)  # the default, whatever the shell says
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     vae = _HunyuanLikeVae()
     report = apply_performance_mode(_Models(transformer=_model(), vae=vae), "speed", "cuda")
