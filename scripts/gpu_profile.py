@@ -318,6 +318,13 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             torch.backends.cudnn.benchmark = True
             reference = call()
             measure_eager(part, "kvae one tile eager", call, device, args.repeats, markdown)
+        if args.commuted_norms:  # speed/kvae_spatial_norm.py: the same values (checked below), less traffic
+            from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
+
+            part["commuted_norms"] = apply_commuted_spatial_norms(sr_vae.model.decoder)
+            if args.tiny:
+                with torch.inference_mode():
+                    part["commuted_norms_max_uint8_diff"] = int((call().short() - reference.short()).abs().max())
         if args.channels_last:  # NDHWC conv weights (speed/vae.py); eager stays the NCDHW reference above
             from k6serve.speed.vae import apply_channels_last_3d
 
@@ -333,7 +340,8 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
                 return {"compiled_max_uint8_diff": int((output.short() - reference.short()).abs().max())}
 
             with torch.inference_mode():
-                label = "kvae compiled blocks" + (", channels-last" if args.channels_last else "")
+                label = ("kvae compiled blocks" + (", channels-last" if args.channels_last else "")
+                         + (", commuted norms" if args.commuted_norms else ""))
                 measure_compiled(part, label, call, device, args.repeats, difference, markdown)
     except Exception as error:  # noqa: BLE001
         record_failure(part, "kvae", error)
@@ -464,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--num-frames", type=int, default=121)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--commuted-norms", action="store_true",
+                        help="kvae: the norms' 1x1x1 convolutions before the upsampling ($K6SERVE_KVAE_COMMUTED_NORMS).")
     parser.add_argument("--channels-last", action="store_true",
                         help="kvae: compiled blocks with channels-last 3-D conv weights ($K6SERVE_VAE_CHANNELS_LAST).")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")

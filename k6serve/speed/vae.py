@@ -16,6 +16,9 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   the compiled decode is 6 levels from an fp32 decode and eager bf16 is 8.
   Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
   `--warmup-mode server` pays it at start).
+* The SR K-VAE's latent-conditioned norms with their 1x1x1 convolutions before the upsampling, only beside the
+  compiled decoder blocks and opt-in ($K6SERVE_KVAE_COMMUTED_NORMS=1, experimental until measured): the same
+  values, without writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py).
 * Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
   and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
   those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
@@ -37,10 +40,13 @@ import os
 import torch
 from torch import nn
 
+from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 from k6serve.speed.regional_compile import is_compiled
 
 # "0": never, "1": also HunyuanVideo's decoder (see the module docstring); read when the speed-ups are applied.
 CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
+# "1": the SR K-VAE's latent-conditioned norms convolve before upsampling (speed/kvae_spatial_norm.py); experimental.
+COMMUTED_NORMS_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_COMMUTED_NORMS"
 
 
 def apply_vae_speedups(
@@ -61,6 +67,9 @@ def apply_vae_speedups(
         applied.append("channels_last_3d")
     if compile_decoder and decoder is not None:
         if _is_sr_vae(vae):
+            if os.environ.get(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "").strip() == "1":
+                apply_commuted_spatial_norms(decoder)
+                applied.append("commuted_spatial_norms")
             compile_sr_decoder_blocks(vae)
             applied.append("compile_decoder_blocks")
         else:

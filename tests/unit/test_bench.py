@@ -376,9 +376,10 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     for name in ("eager", "fused+compiled", "fused+compiled+norm_rope"):
         assert srdit[name]["seconds"] > 0 and srdit[name]["cosine"] > 0.99999, (name, srdit[name])
     # The K-VAE tile decode with channels-last conv weights: the same uint8 frames as NCDHW (CPU, eager).
-    assert script.main(["kvae", "--tiny", "--channels-last", "--out", str(tmp_path)]) == 0
+    assert script.main(["kvae", "--tiny", "--channels-last", "--commuted-norms", "--out", str(tmp_path)]) == 0
     kvae = json.loads((tmp_path / "profile_kvae.json").read_text())["parts"]["kvae"]
     assert kvae["channels_last_convs"] > 0 and kvae["channels_last_max_uint8_diff"] == 0
+    assert kvae["commuted_norms"] > 0 and kvae["commuted_norms_max_uint8_diff"] == 0
 
 
 def test_environment_commit_can_be_pinned_for_copied_trees(monkeypatch):

@@ -362,6 +362,36 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_commuted_kvae_norms_only_with_their_variable_and_the_compiled_decoder(monkeypatch):
+    """$K6SERVE_KVAE_COMMUTED_NORMS=1 with --compile-vae routes the SR K-VAE's latent-conditioned norms through
+    speed/kvae_spatial_norm.py before the blocks are compiled; otherwise they keep diffusers' forward."""
+    import tempfile
+
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.speed.vae import COMMUTED_NORMS_ENVIRONMENT_VARIABLE
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    with tempfile.TemporaryDirectory() as folder:
+        configs = read_sr_configs(build_sr_checkpoint(folder))
+
+    def norms(kvae):
+        return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRSpatialNorm3D"]
+
+    monkeypatch.delenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, raising=False)
+    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
+    assert "commuted_spatial_norms" not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert not any("forward" in vars(norm) for norm in norms(kvae))
+    torch._dynamo.reset()
+    monkeypatch.setenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "1")
+    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
+    assert "commuted_spatial_norms" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing to gain
+    applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert applied.index("commuted_spatial_norms") < applied.index("compile_decoder_blocks")
+    assert all("forward" in vars(norm) for norm in norms(kvae))
+    torch._dynamo.reset()
+
+
 def test_compile_vae_flag_reaches_the_runtime_config():
     from k6serve.api import build_engine_config
     from k6serve.cli.main import build_parser
