@@ -75,18 +75,20 @@ def supports(x_BLHD: Tensor, weight_D: Tensor | None, rope_L1F22: Tensor | None)
 
 @torch.library.custom_op("k6serve::rms_norm_rope", mutates_args=())
 def rms_norm_rope(
-    x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype, kernel: str = ""
+    x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype, variant: str = ""
 ) -> Tensor:
-    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype. `kernel` picks the
-    Triton kernel ("rows" / "tokens"; "" = $K6SERVE_NORM_ROPE_KERNEL or "rows")."""
+    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype. `variant` picks the
+    Triton kernel ("rows" / "tokens"; "" = $K6SERVE_NORM_ROPE_KERNEL or "rows"). Not named `kernel`: inductor
+    lowers a custom op through `FallbackKernel.create(kernel, *args, **kwargs)`, and an op argument of that name
+    fails every compiled graph that calls the op (found on the H200; tests/unit/test_rms_norm_rope.py)."""
     if supports(x_BLHD, weight_D, rope_L1F22):
-        return launch(x_BLHD, weight_D, eps, rope_L1F22, kernel or None)
+        return launch(x_BLHD, weight_D, eps, rope_L1F22, variant or None)
     return rms_norm_rope_reference(x_BLHD, weight_D, eps, rope_L1F22, norm_dtype).contiguous()
 
 
 @rms_norm_rope.register_fake
 def _(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype,
-      kernel: str = "") -> Tensor:
+      variant: str = "") -> Tensor:
     return torch.empty(x_BLHD.shape, dtype=x_BLHD.dtype, device=x_BLHD.device)
 
 

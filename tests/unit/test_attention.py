@@ -257,6 +257,10 @@ def test_fa4_switch_routes_fa3_calls_through_its_op_without_graph_breaks(monkeyp
     compiled = torch.compile(lambda q, k, v: attention(q, k, v, backend="fa"), backend="eager", fullgraph=True)
     assert torch.allclose(compiled(query, key, value), expected, atol=1e-6)
     assert calls  # the stand-in ran (through the op), not FA3
+    torch._dynamo.reset()  # inductor too: it lowers the op as a fallback kernel (argument names matter there)
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, backend="fa"), backend="inductor", fullgraph=True)
+    with torch.inference_mode():
+        assert torch.allclose(compiled(query, key, value), expected, atol=1e-6)
     monkeypatch.setattr(flash_attention4, "load", lambda: (None, "flash-attn-4 could not be imported (x)"))
     with pytest.raises(ValueError, match="K6SERVE_FA4=1 asks for FlashAttention-4 but .* unset K6SERVE_FA4"):
         attention(query, key, value, backend="fa")

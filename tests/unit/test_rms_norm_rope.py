@@ -48,6 +48,22 @@ def test_op_compiles_without_graph_breaks():
     assert torch.equal(heads(query), rms_norm_rope(query, norm.weight, 2.0**-7, rope, torch.bfloat16))
 
 
+@pytest.mark.parametrize("variant", ["", "tokens"])
+def test_op_lowers_through_inductor(variant):
+    """What the compiled DiT blocks do with the op: inductor (not only dynamo) lowers it as a fallback kernel. An op
+    argument named `kernel` once collided with `FallbackKernel.create(kernel, ...)` and failed every compiled graph
+    on the GPU; the CPU lowering goes through the same code."""
+    query, norm, rope = _inputs()
+
+    @torch.compile(backend="inductor", fullgraph=True)
+    def heads(q):
+        return rms_norm_rope(q * 1, norm.weight, 2.0**-7, rope, torch.bfloat16, variant)
+
+    with torch.inference_mode():
+        assert torch.equal(heads(query), rms_norm_rope(query, norm.weight, 2.0**-7, rope, torch.bfloat16))
+    torch._dynamo.reset()
+
+
 _INTERPRETED = textwrap.dedent('''
     import torch
     from torch import nn
