@@ -490,3 +490,38 @@ def test_speed_mode_composition_for_cuda_fuses_the_sr_transformer(monkeypatch, s
     again = apply_performance_mode(models, "speed", "cuda")
     assert (again.num_fused_attentions, again.num_compiled_blocks) == (0, 0)
     torch._dynamo.reset()
+
+
+def test_speed_mode_blocks_lower_through_inductor_on_cpu(sr_transformer, monkeypatch):
+    """One block of each DiT as speed mode builds it (fused projections, the RMSNorm + RoPE op), compiled by
+    inductor rather than the eager backend: inductor lowers the custom op itself (`FallbackKernel`), which the
+    eager-backend tests never reach; an op argument named `kernel` once broke exactly that on the GPU. The op is
+    CUDA-only, so here the call sites are told it applies and the op's launch runs the reference math (~20 s)."""
+    from k6serve.ops import rms_norm_rope as op
+    from k6serve.speed.fused_projections import apply_fused_norm_rope
+
+    launched = []
+
+    def reference_launch(x, weight, eps, rope, variant=None):
+        launched.append(x.shape)
+        return op.rms_norm_rope_reference(x, weight, eps, rope, x.dtype).contiguous()
+
+    # Everything the real check asks except a CUDA device (a RoPE table and a norm weight).
+    monkeypatch.setattr(op, "supports", lambda x, weight, rope: weight is not None and rope is not None)
+    monkeypatch.setattr(op, "launch", reference_launch)
+    reference = _model()
+    model = copy.deepcopy(reference)
+    apply_fused_projections(model)
+    assert apply_fused_norm_rope(model) > 0
+    model.visual_transformer_blocks[0].compile(backend="inductor", dynamic=False)
+    inputs = _inputs()
+    (video, audio), (expected_video, expected_audio) = _run(model, inputs), _run(reference, inputs)
+    assert _relative_error(video, expected_video) <= 1e-5 and _relative_error(audio, expected_audio) <= 1e-5
+
+    sr_model = copy.deepcopy(sr_transformer)
+    apply_fused_projections(sr_model)
+    assert apply_fused_norm_rope(sr_model) > 0
+    sr_model.visual_transformer_blocks[0].compile(backend="inductor", dynamic=False)
+    assert _relative_error(_run(sr_model, _sr_inputs()), _run(sr_transformer, _sr_inputs())) <= 1e-5
+    assert launched  # the op ran inside the compiled blocks
+    torch._dynamo.reset()
