@@ -5,11 +5,14 @@ Each transform is an `apply_*` function on an already loaded model, composed onc
 
 1. `apply_fused_projections(transformer)`: one GEMM for Q/K/V of every self-attention and for K/V of every
    cross-attention, in the generation DiT and the SR DiT (after the weights are loaded; the fused module's
-   state-dict keys differ).
+   state-dict keys differ); then `apply_fused_norm_rope(transformer)`: the per-head RMSNorm + RoPE of Q/K as
+   one Triton kernel (`K6SERVE_FUSED_NORM_ROPE=0` leaves it out).
 2. `apply_regional_compile(transformer, plan)`: `torch.compile` on each repeated block of `plan.blocks`
    (fuses the fp32 AdaLN / gate / RMSNorm / RoPE elementwise chains around the GEMMs).
 3. `apply_vae_speedups(vae, device)`: cuDNN autotuning for the video VAE; with `compile_decoder`
-   (`--compile-vae true`) a compiled decoder (HunyuanVideo) or compiled decoder blocks (SR K-VAE).
+   (`--compile-vae true`) a compiled decoder (HunyuanVideo) or compiled decoder blocks (SR K-VAE, with
+   channels-last convolution weights, and with `K6SERVE_KVAE_COMMUTED_NORMS=1` its norms' convolutions moved
+   before their upsampling).
 
 `warmup(pipeline, request, mode)` runs a short request so compilation and autotuning happen before the
 first real request, and reports what that cost.
