@@ -31,7 +31,23 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-X264_THREADS = 8
+X264_THREADS_ENVIRONMENT_VARIABLE = "K6SERVE_X264_THREADS"
+
+
+def _x264_threads() -> int:
+    """x264's thread count: 8 unless $K6SERVE_X264_THREADS says otherwise. Fixed, not the machine's core count,
+    because x264's output bytes depend on it (the same count gives the same bytes on any machine). On the H200
+    host's 16 cores 16 threads encoded 121 noise frames of 1536x1024 in 9.8 s against 13.3 s (docs/benchmarks.md);
+    whether that shortens a VSR request, where x264 shares the cores with the GPU decode, is not measured yet."""
+    value = os.environ.get(X264_THREADS_ENVIRONMENT_VARIABLE, "").strip()
+    if not value:
+        return 8
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"${X264_THREADS_ENVIRONMENT_VARIABLE} must be a whole number from 1 to 64, got {value!r}")
+    return int(value)
+
+
+X264_THREADS = _x264_threads()
 # Chunks waiting for the encoder thread (write_mp4_stream): 3 x 12 frames at 512x768 is ~42 MB.
 QUEUED_CHUNKS = 3
 AAC_BIT_RATE = 192_000

@@ -128,6 +128,18 @@ def test_same_input_gives_identical_bytes(tmp_path: Path) -> None:
     assert b"Lavf" not in (tmp_path / "sub.mp4").read_bytes()  # no library version string
 
 
+def test_x264_thread_count_is_eight_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread count decides x264's bytes, so it is a fixed number (8), or $K6SERVE_X264_THREADS, checked."""
+    monkeypatch.delenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, raising=False)
+    assert mux._x264_threads() == 8
+    monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, "16")
+    assert mux._x264_threads() == 16
+    for bad in ("0", "auto", "-2", "100"):
+        monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, bad)
+        with pytest.raises(ValueError, match="K6SERVE_X264_THREADS must be a whole number from 1 to 64"):
+            mux._x264_threads()
+
+
 def test_failure_mid_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_video_frame = mux._video_frame
     listing_at_failure: list[str] = []
