@@ -8,7 +8,9 @@ and nearest upsampling only repeats positions, so the two commute exactly: convo
 first and upsampling the two results gives the same values (each output value is the same 16-term dot product
 plus bias, rounded once to the conv dtype). Under `torch.compile` the upsampling of the results then becomes an
 index computation inside the fused norm * y + b kernel: the convolutions run on 16 x 16 x 4-times fewer positions
-at the top level and the two full-resolution tensors are never written. Eager gains nothing (the upsampled
+at the top level and the two full-resolution tensors are never written. The compiled bf16 graph is a different
+graph, though, and inductor may fuse and round it differently (the tiny CPU K-VAE in bf16: 26 uint8 levels from
+eager against 22 for the default compiled decode; bit for bit in fp32 and eager). Eager gains nothing (the upsampled
 results are materialised either way), so this is applied only beside the compiled decoder blocks, and is
 experimental (`K6SERVE_KVAE_COMMUTED_NORMS=1`) until an H200 run measures it (`gpu_profile.py kvae --commuted-norms`).
 

@@ -18,7 +18,7 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   `--warmup-mode server` pays it at start).
 * The SR K-VAE's latent-conditioned norms with their 1x1x1 convolutions before the upsampling, only beside the
   compiled decoder blocks and opt-in ($K6SERVE_KVAE_COMMUTED_NORMS=1, experimental until measured): the same
-  values, without writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py).
+  convolution values, without writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py).
 * Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
   and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
   those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
