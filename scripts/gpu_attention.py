@@ -20,17 +20,14 @@ Results: $OUT/attention.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from k6serve.bench.measure import kernel_median_ms
+from k6serve.bench.measure import kernel_median_ms, kernel_script_parser, write_kernel_report
 
 SHAPES = {"pro": (47_616, 32, 128), "lite": (47_616, 28, 64)}
 TINY = {"tiny": (96, 4, 16)}
@@ -95,19 +92,11 @@ def run(device: torch.device, shapes: dict, repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="toy shape (CPU check)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args(argv)
+    args = kernel_script_parser(__doc__.split("\n\n")[0], repeats=10).parse_args(argv)
     device = torch.device(args.device)
     rows = run(device, TINY if args.tiny else SHAPES, args.repeats)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "commit": os.environ.get("K6SERVE_COMMIT"), "rows": rows}
-    (out / "attention.json").write_text(json.dumps(report, indent=2))
+    report = write_kernel_report(out, "attention", rows, device)
 
     def cell(value, spec):
         return "-" if value is None else format(value, spec)

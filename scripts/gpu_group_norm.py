@@ -24,15 +24,12 @@ Results: $OUT/group_norm.json and .md.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from k6serve.bench.measure import kernel_median_ms
+from k6serve.bench.measure import kernel_median_ms, kernel_script_parser, write_kernel_report
 
 # (N, C, T, H, W) GroupNorm inputs of the HunyuanVideo decoder at 512x768, a few frames per framewise chunk.
 SHAPES = [(1, 128, 4, 512, 768), (1, 256, 4, 256, 384), (1, 512, 4, 128, 192), (1, 512, 2, 64, 96)]
@@ -93,21 +90,11 @@ def run(device: torch.device, shapes: list, backend: str, repeats: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args(argv)
+    args = kernel_script_parser(__doc__.split("\n\n")[0], repeats=10, backend=True).parse_args(argv)
     device = torch.device(args.device)
     rows = run(device, TINY if args.tiny else SHAPES, args.backend, args.repeats)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "backend": args.backend,
-              "commit": os.environ.get("K6SERVE_COMMIT"), "rows": rows}
-    (out / "group_norm.json").write_text(json.dumps(report, indent=2))
+    report = write_kernel_report(out, "group_norm", rows, device, backend=args.backend)
     lines = [f"### group_norm ({report['device']}, torch {report['torch']}, {args.backend}, bf16, {GROUPS} groups)",
              "", "| shape | variant | ms | max ulps vs native | equal share |", "|---|---|---|---|---|"]
     lines += [f"| {'x'.join(map(str, r['shape']))} | {r['variant']} | {r['ms']:.3f} | {r['max_ulps_vs_native']} | "

@@ -23,16 +23,13 @@ Results: $OUT/qk_norm_rope.json and .md (median ms of 20 calls, effective GB/s o
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from k6serve.bench.measure import kernel_median_ms
+from k6serve.bench.measure import kernel_median_ms, kernel_script_parser, write_kernel_report
 from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
 from k6serve.ops.rms_norm_rope import default_eps, rms_norm_rope
 
@@ -125,21 +122,11 @@ def run(device: torch.device, shapes: dict, backend: str, repeats: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args(argv)
+    args = kernel_script_parser(__doc__.split("\n\n")[0], repeats=20, backend=True).parse_args(argv)
     device = torch.device(args.device)
     rows = run(device, TINY if args.tiny else SHAPES, args.backend, args.repeats)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "backend": args.backend, "commit": os.environ.get("K6SERVE_COMMIT"),
-              "rows": rows}
-    (out / "qk_norm_rope.json").write_text(json.dumps(report, indent=2))
+    report = write_kernel_report(out, "qk_norm_rope", rows, device, backend=args.backend)
     lines = [f"### qk_norm_rope ({report['device']}, torch {report['torch']}, {args.backend})", "",
              "| shape | variant | ms | GB/s | bits equal to norm_rope | equal share | max abs difference |",
              "|---|---|---|---|---|---|---|"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +88,33 @@ def kernel_median_ms(
             fn()
             times.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(times)
+
+
+def kernel_script_parser(description: str, *, repeats: int, backend: bool = False) -> argparse.ArgumentParser:
+    """The arguments every kernel micro-benchmark script takes (scripts/gpu_{attention,group_norm,qk_norm_rope}.py):
+    --device, --tiny (toy shapes, the CPU check CI runs), --repeats, --out (default $OUT), and with `backend`
+    the torch.compile backend of the compiled variants."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU check)")
+    if backend:
+        parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    return parser
+
+
+def write_kernel_report(out: str | Path, name: str, rows: list[dict], device: torch.device, **extra: Any) -> dict:
+    """Write `<out>/<name>.json` (the device, bench.report.environment(): versions, date, commit, and the rows);
+    returns the report, whose "device" and "torch" the scripts' markdown headers use."""
+    from k6serve.bench.report import environment
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              **environment(), **extra, "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    return report
 
 
 def cosine_similarity(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -99,7 +99,8 @@ def _rows_per_program(head_dim: int) -> int:
 
 
 # Which kernel runs: "rows" (the measured default) or "tokens" (experimental, unmeasured; see
-# `_rms_norm_rope_tokens_kernel`). Read at import; `scripts/gpu_qk_norm_rope.py` times both.
+# `_rms_norm_rope_tokens_kernel`). Read at import; `scripts/gpu_qk_norm_rope.py` times both. Two kernels of the
+# same math only until that run: the slower one is then deleted with this switch.
 KERNEL_ENVIRONMENT_VARIABLE = "K6SERVE_NORM_ROPE_KERNEL"
 KERNELS = ("rows", "tokens")
 KERNEL = os.environ.get(KERNEL_ENVIRONMENT_VARIABLE, "").strip() or "rows"

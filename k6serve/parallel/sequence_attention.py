@@ -2,7 +2,8 @@
 
 * `ShardedAttention` (queries and K/V sharded, e.g. "video_self"): Ulysses, Ring, or Ulysses x Ring.
 * `GatherKVAttention` (replicated queries, sharded K/V, e.g. "audio_from_video"): all-gather K/V first (one
-  collective each, or both packed in one when they come from a fused projection), started when the model prepares the K/V (`prepare_key_value`) and awaited at the attention.
+  collective each, or both packed in one when they come from a fused projection), started when the model
+  prepares the K/V (`prepare_key_value`) and awaited at the attention.
 
 Both read the current cut of the sequence from a `ShardState` that the split hook of
 `apply_sequence_parallel` sets once per forward, so every block reuses the same cut.
