@@ -1,23 +1,88 @@
-"""scripts/gpu_attention.py's logic on the CPU: SDPA is timed, the GPU kernels are listed with why they did not run."""
+"""scripts/gpu_attention.py's logic on the CPU: SDPA is timed, the GPU kernels are listed with why they did not run;
+with --fa4-tiles one row per listed FA4 tile config, and a config that fails does not stop the others."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_attention.py"
 
 
-def test_cpu_run_times_sdpa_and_reports_the_gpu_kernels(tmp_path):
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--repeats", "2"],
-                               check=False, capture_output=True, text=True, timeout=120,
-                               env=os.environ | {"OUT": str(tmp_path)})
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_script(tmp_path, *arguments):
+    """The script in a subprocess, k6serve from this checkout (an editable install may point elsewhere)."""
+    completed = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--repeats", "2",
+                                *arguments], check=False, capture_output=True, text=True, timeout=120,
+                               env=os.environ | {"OUT": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+                                   filter(None, [str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH")]))})
     assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = {row["kernel"]: row for row in json.loads((tmp_path / "attention.json").read_text())["rows"]}
+    return json.loads((tmp_path / "attention.json").read_text())["rows"]
+
+
+def test_cpu_run_times_sdpa_and_reports_the_gpu_kernels(tmp_path):
+    rows = {row["kernel"]: row for row in _run_script(tmp_path)}
     assert list(rows) == ["sdpa", "fa3", "fa4"]
     assert rows["sdpa"]["ms"] > 0 and rows["sdpa"]["tflops"] > 0 and rows["sdpa"]["max_abs_difference"] == 0
     assert rows["fa3"]["error"] == rows["fa4"]["error"] == "needs CUDA" and rows["fa3"]["ms"] is None
     assert "| tiny (4x16) | fa4 | - | - | - | needs CUDA |" in (tmp_path / "attention.md").read_text()
+
+
+def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first():
+    script = _script()
+    assert set(script.FA4_TILES) == {64, 128}
+    defaults = {128: (128, 128, True, True), 64: (192, 128, True, True)}  # flash_attn/cute/interface.py's
+    for head_dim, configs in script.FA4_TILES.items():
+        assert configs[0] == defaults[head_dim] and len(set(configs)) == len(configs)
+        for tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap in configs:
+            assert tile_m in (64, 128, 192) and tile_n % 8 == 0 and tile_n <= 256  # 1-3 MMA warpgroups, wgmma N
+            assert isinstance(mma_pv_is_rs, bool) and isinstance(intra_wg_overlap, bool)
+    assert (128, 176, True, True) in script.FA4_TILES[128]  # FA3's tile for 128-wide heads
+    assert script.fa4_tile_configs(16) == script.fa4_tile_configs(64) and script.fa4_tile_configs(80) == \
+        script.fa4_tile_configs(128) == script.fa4_tile_configs(256)
+    assert script.fa4_tile_name(128, 176, True, True) == "fa4 128x176 rs ol"
+    assert script.fa4_tile_name(192, 192, False, True) == "fa4 192x192 ol"
+    assert script.fa4_tile_name(192, 128, True, False) == "fa4 192x128 rs"
+
+
+def test_cpu_run_with_fa4_tiles_lists_every_config_with_why_it_did_not_run(tmp_path):
+    script = _script()
+    rows = _run_script(tmp_path, "--fa4-tiles")
+    names = [script.fa4_tile_name(*config) for config in script.fa4_tile_configs(16)]  # the tiny shape's 16
+    assert [row["kernel"] for row in rows] == ["sdpa", "fa3", "fa4", *names]
+    for row in rows[3:]:
+        assert row["shape"] == "tiny" and row["error"] == "needs CUDA"
+        assert row["ms"] is row["tflops"] is row["max_abs_difference"] is None
+    markdown = (tmp_path / "attention.md").read_text()
+    assert all(f"| tiny (4x16) | {name} | - | - | - | needs CUDA |" in markdown for name in names)
+
+
+def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypatch, capsys):
+    script = _script()
+
+    def broken(query, key, value):
+        raise RuntimeError("no kernel for this tile\n" + "x" * 1000)
+
+    monkeypatch.setattr(script, "fa4_tile_kernels", lambda device, head_dim: {
+        "fa4 1x1": broken, "fa4 2x2": script._sdpa, "fa4 3x3": "needs CUDA"})
+    rows = script.run(torch.device("cpu"), script.TINY, repeats=1, fa4_tiles=True)
+    tiles = {row["kernel"]: row for row in rows[3:]}
+    assert list(tiles) == ["fa4 1x1", "fa4 2x2", "fa4 3x3"]
+    error = tiles["fa4 1x1"]["error"]
+    assert error.startswith("RuntimeError: no kernel for this tile x") and "\n" not in error
+    assert len(error) == script.ERROR_CHARACTERS and error.endswith("...") and tiles["fa4 1x1"]["ms"] is None
+    assert tiles["fa4 2x2"]["error"] is None and tiles["fa4 2x2"]["ms"] > 0
+    assert tiles["fa4 2x2"]["max_abs_difference"] == 0  # the same inputs as the sdpa row, which is the reference
+    assert tiles["fa4 3x3"]["error"] == "needs CUDA"
