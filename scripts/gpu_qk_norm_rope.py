@@ -16,8 +16,9 @@ Variants (input: Q as the query slice of a fused QKV projection output, as in `-
   norm_rope       both: the DiT's `_query_heads`
   norm_rope_contiguous  both, Q already contiguous (no fused-QKV stride)
   norm_rope_swap  both, RoPE written as x * own + swap_pairs(x) * partner over full-width fp32 tables
-  triton_kernel   k6serve's fused Triton kernel (`k6serve.ops.rms_norm_rope`; the reference math off CUDA)
-  triton_kernel_tokens  its token-major variant ($K6SERVE_NORM_ROPE_KERNEL=tokens; the reference math off CUDA)
+  triton_kernel   k6serve's fused Triton kernel, row blocks (`k6serve.ops.rms_norm_rope`, "rows": the default
+                  above 64-wide heads; the reference math off CUDA)
+  triton_kernel_tokens  its token-major variant ("tokens": the default up to 64-wide heads)
 Results: $OUT/qk_norm_rope.json and .md (median ms of 20 calls, effective GB/s of the bytes read and written).
 """
 
@@ -55,8 +56,9 @@ def _variants(norm: nn.Module, rope: torch.Tensor, head_dim: int) -> dict[str, C
         "norm_rope_contiguous": lambda q: apply_rotary(norm(heads(q)), rope),
         "norm_rope_swap": lambda q: _rotate_swapped(norm(heads(q)), cos_sin),
         # k6serve's Triton kernel (k6serve/ops/rms_norm_rope.py); the reference math off CUDA.
-        "triton_kernel": lambda q: rms_norm_rope(heads(q), norm.weight, default_eps(norm.eps, q.dtype), rope, q.dtype),
-        # The experimental token-major kernel ($K6SERVE_NORM_ROPE_KERNEL=tokens), called directly (CUDA only).
+        "triton_kernel": lambda q: rms_norm_rope(heads(q), norm.weight, default_eps(norm.eps, q.dtype), rope,
+                                                 q.dtype, "rows"),
+        # The token-major kernel (the default with 64-wide heads; k6serve/ops/rms_norm_rope.py `kernel_for`).
         "triton_kernel_tokens": lambda q: rms_norm_rope(heads(q), norm.weight, default_eps(norm.eps, q.dtype), rope,
                                                         q.dtype, "tokens"),
     }

@@ -186,12 +186,17 @@ def run_part(name: str, bench_argv: list[str]) -> tuple[list[BenchRow], dict | N
 
 
 def device_status() -> dict:
-    """What the GPU machine offers: FA3, diffusers and PyAV availability, device memory."""
+    """What the GPU machine offers: FA3, FA4, diffusers and PyAV availability, device memory."""
     from k6serve.ops.attention import fa3_unavailable_reason
 
     status: dict = {"cuda_available": torch.cuda.is_available()}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     status["fa3_unavailable_reason"] = fa3_unavailable_reason(device)
+    from k6serve.ops import flash_attention4
+
+    # None: FlashAttention-4 imports and takes the FA3 calls with 64-wide heads (K6SERVE_FA4, ops/flash_attention4.py).
+    fa4_reason = "K6SERVE_FA4=0" if flash_attention4.MODE == "0" else flash_attention4.load()[1]
+    status["fa4_unavailable_reason"] = fa4_reason or None
     for package in ("diffusers", "av", "transformers"):
         try:
             status[package] = getattr(__import__(package), "__version__", "installed")

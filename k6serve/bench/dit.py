@@ -23,7 +23,9 @@ from k6serve.bench.report import BenchRow
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6.plan import kandinsky6_plan
+from k6serve.ops import flash_attention4
 from k6serve.ops.attention import resolve_attention_backend
+from k6serve.ops.rms_norm_rope import kernel_for
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
 
@@ -167,7 +169,10 @@ def _run_ours(
         row = _row(options, f"ours {backend} {tag}", tflop)
         rows.append(row)
         try:
-            ours.set_attention_backend(resolve_attention_backend(backend, options.device))
+            resolved = resolve_attention_backend(backend, options.device)
+            ours.set_attention_backend(resolved)
+            if resolved == "fa" and flash_attention4.wanted(ours.config.video_head_dim):
+                row.note = "FlashAttention-4 (64-wide heads: ops/flash_attention4.py)"
             if compiled:
                 row.breakdown_s["first_call"] = _first_call(call, options.device)
             compared.fill(row, _timed(row, call, options))
@@ -208,7 +213,9 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
         )
         compiler = options.compile_backend + (f", {options.compile_mode}" if options.compile_mode else "")
         for row in fast_rows:
-            row.note = f"{num_fused} fused attentions, {num_compiled} compiled blocks ({compiler})"
+            row.note = "; ".join(
+                filter(None, (f"{num_fused} fused attentions, {num_compiled} compiled blocks ({compiler})", row.note))
+            )
         rows += fast_rows
         if options.norm_rope_kernel:
             # The flag is read inside the compiled blocks: dynamo's guards on it recompile them for these rows.
@@ -216,8 +223,12 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
             kernel_rows = _run_ours(
                 ours, inputs, options, tflop, compared, "fused+compiled+norm_rope", compiled=True
             )
+            kernel_note = (
+                f"Triton RMSNorm + RoPE ({kernel_for(config.video_head_dim)} kernel) on {num_kernel} attentions "
+                "where it applies (CUDA, bf16)"
+            )
             for row in kernel_rows:
-                row.note = f"Triton RMSNorm + RoPE on {num_kernel} attentions where it applies (CUDA, bf16)"
+                row.note = "; ".join(filter(None, (kernel_note, row.note)))
             rows += kernel_rows
     del ours, inputs, compared
     gc.collect()

@@ -35,13 +35,15 @@ X264_THREADS_ENVIRONMENT_VARIABLE = "K6SERVE_X264_THREADS"
 
 
 def _x264_threads() -> int:
-    """x264's thread count: 8 unless $K6SERVE_X264_THREADS says otherwise. Fixed, not the machine's core count,
-    because x264's output bytes depend on it (the same count gives the same bytes on any machine). On the H200
-    host's 16 cores 16 threads encoded 121 noise frames of 1536x1024 in 9.8 s against 13.3 s (docs/benchmarks.md);
-    whether that shortens a VSR request, where x264 shares the cores with the GPU decode, is not measured yet."""
+    """x264's thread count: 16 unless $K6SERVE_X264_THREADS says otherwise. Fixed, not the machine's core count,
+    because x264's output bytes depend on it (the same count gives the same bytes on any machine). Measured on the
+    H200 host's 16 cores (docs/benchmarks.md, sixth session): a VSR x2 request of 768x512x121, where x264 shares the
+    cores with the GPU decode, spent 2.41 s encoding after the last frame with 16 threads against 3.78 s with 8
+    (44.02 -> 42.52 s in all); alone, 121 noise frames of 1536x1024 encode in 9.8 s against 13.3 s. More threads
+    than cores cost little (x264's own default is 1.5 per core)."""
     value = os.environ.get(X264_THREADS_ENVIRONMENT_VARIABLE, "").strip()
     if not value:
-        return 8
+        return 16
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"${X264_THREADS_ENVIRONMENT_VARIABLE} must be a whole number from 1 to 64, got {value!r}")
     return int(value)

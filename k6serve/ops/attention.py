@@ -9,7 +9,8 @@ Backends (the names the seeds and `--attention-backend` use):
   (fastest torch kernel on Hopper, performance.md §2.2), then flash, efficient, math. On CPU it is the
   exact call diffusers makes, so CPU outputs are bitwise equal to diffusers.
 * "fa": FlashAttention-3 forward from the `fa3-fwd` wheel (sm_90 kernels, bf16; the wheel is built
-  without fp16). FA3 takes no mask, so a call with a key mask, or with a dtype FA3 cannot take, runs on
+  without fp16); with 64-wide heads FlashAttention-4 instead when `flash-attn-4` is installed, where it
+  measured faster (ops/flash_attention4.py). FA3 takes no mask, so a call with a key mask, or with a dtype FA3 cannot take, runs on
   "torch_sdpa" instead: the math is the same, only the kernel differs. In Kandinsky 6 that is the text
   self/cross-attentions with a padding mask; the large unmasked video self-attention stays on FA3.
 
@@ -107,18 +108,23 @@ def canonical_backend_name(name: str) -> str:
 def resolve_attention_backend(requested: str | None, device: torch.device | str) -> str:
     """The backend to use on `device`: the requested one if it can run, else a ValueError saying why.
 
-    None picks the default: "fa" on Hopper when fa3-fwd imports, else "torch_sdpa".
+    None picks the default: "fa" on Hopper when fa3-fwd imports, else "torch_sdpa". When the result is "fa",
+    FlashAttention-4 is imported here too if installed, so the head dims where it is faster use it
+    (ops/flash_attention4.py).
     """
     if requested is None:
-        return FLASH_ATTENTION_3 if fa3_unavailable_reason(device) is None else TORCH_SDPA
-    backend = canonical_backend_name(requested)
+        backend = FLASH_ATTENTION_3 if fa3_unavailable_reason(device) is None else TORCH_SDPA
+    else:
+        backend = canonical_backend_name(requested)
+        if backend == FLASH_ATTENTION_3:
+            reason = fa3_unavailable_reason(device)
+            if reason is not None:
+                raise ValueError(
+                    f"attention backend 'fa' (FlashAttention-3) cannot run here: {reason}. "
+                    f"Use --attention-backend torch_sdpa."
+                )
     if backend == FLASH_ATTENTION_3:
-        reason = fa3_unavailable_reason(device)
-        if reason is not None:
-            raise ValueError(
-                f"attention backend 'fa' (FlashAttention-3) cannot run here: {reason}. "
-                f"Use --attention-backend torch_sdpa."
-            )
+        flash_attention4.prepare()
     return backend
 
 
@@ -182,7 +188,7 @@ def attention(
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
-        if flash_attention4.ENABLED:  # experimental: $K6SERVE_FA4=1 (see ops/flash_attention4.py)
+        if flash_attention4.wanted(query_BLHD.shape[-1]):  # FA4 where it is faster (ops/flash_attention4.py)
             return flash_attention4.fa4_attention(query_BLHD, key_BLHD, value_BLHD)
         return _fa3_function()(query_BLHD, key_BLHD, value_BLHD)
     return _sdpa(query_BLHD, key_BLHD, value_BLHD, key_mask_BL)

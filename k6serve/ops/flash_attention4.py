@@ -1,37 +1,136 @@
-"""FlashAttention-4 (`flash-attn-4`, CuTe-DSL kernels, JIT-compiled on first use) in place of FA3 (experimental).
+"""FlashAttention-4 (`flash-attn-4`, CuTe-DSL kernels, JIT-compiled on first use) in place of FA3 where it is faster.
 
-Why: the Pro-distill DiT's 5.6 s target is below FA3 + cuBLAS alone (5.60 s; FA3 runs the video self-attention
-at 688 TFLOP/s on the H200, docs/benchmarks.md), so only a faster attention kernel can reach it. FA4 ships an SM90
-forward kernel that had not been measured at K6's shapes; `scripts/gpu_attention.py` times it beside FA3. With
-`K6SERVE_FA4=1` (read at import), every call that would run FA3 (backend "fa", no key mask, CUDA bf16) runs FA4
-instead, so the DiT benchmarks can measure it without code changes. The same math (softmax attention, scale
-1/sqrt(D)); only the kernel, and so the rounding, differs.
+Why: on the H200 FA4's SM90 forward kernel beats FA3 with 64-wide heads (Lite's and the SR DiT's 28 x 64 video
+self-attention: 29.8 ms, 545 TFLOP/s, against 30.7 ms, 529) and loses with 128-wide ones (Pro's 32 x 128: 663
+against 691 TFLOP/s; sixth session, docs/benchmarks.md). In the Lite-distill DiT that is 1.355 -> 1.320 s per
+forward, in the SR DiT 1.201 -> 1.178 s per call. So `K6SERVE_FA4` (read at import) chooses:
+
+* unset or "auto" (default): a call that would run FA3 (backend "fa", no key mask, CUDA bf16) runs FA4 when its
+  head dim is one where FA4 measured faster (`FASTER_HEAD_DIMS`) and flash-attn-4 imported when the backend was
+  resolved (`prepare()`); otherwise FA3. Without flash-attn-4 installed nothing changes.
+* "1": every call that would run FA3 runs FA4 (a clear error if it cannot be imported): for benchmarks.
+* "0": never FA4.
+
+The same math (softmax attention, scale 1/sqrt(D)); only the kernel, and so the rounding, differs (max 0.00024
+from FA3 on unit-normal inputs, like FA3 from cuDNN). FA4 compiles its kernels on the first call of each shape
+class, which lengthens the first (cold) request; `--warmup-mode server` pays that before serving.
 
 The call goes through the custom op `k6serve::fa4_attention`, so a compiled block keeps one graph around it
-(dynamo does not trace into FA4's Python launcher or its JIT).
+(dynamo does not trace into FA4's Python launcher or its JIT), and `wanted()` reads module state only: the import
+happens eagerly in `prepare()`, never while dynamo traces (see `_FA3_FUNCTION` in ops/attention.py for what an
+import traced by dynamo costs).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+logger = logging.getLogger(__name__)
+
 ENVIRONMENT_VARIABLE = "K6SERVE_FA4"
-ENABLED = os.environ.get(ENVIRONMENT_VARIABLE, "").strip() == "1"
+MODES = ("auto", "1", "0")
+MODE = os.environ.get(ENVIRONMENT_VARIABLE, "").strip() or "auto"
+if MODE not in MODES:
+    raise ValueError(f"${ENVIRONMENT_VARIABLE} must be one of {MODES} (unset means 'auto'), got {MODE!r}")
+# Head dims where FA4 measured faster than FA3 on the H200 (64: 545 vs 529 TFLOP/s; 128: 663 vs 691).
+FASTER_HEAD_DIMS = (64,)
+# Optional FA4 tile per head dim ("128:128x176,64:192x192:ol"): FA4 picks its SM90 forward tile by head dim alone
+# (128 x 128 for 128-wide heads, where FA3's C++ picks 128 x 176), and `scripts/gpu_attention.py --fa4-tiles`
+# times others (rows named "fa4 MxN rs ol"). A head dim listed here runs FA4 with that tile (also in "auto" mode),
+# through FA4's private `_flash_attn_fwd(tile_mn=..., mma_pv_is_rs=..., intra_wg_overlap=...)`: the public
+# `flash_attn_func` takes no tile. Flags after a second colon, joined by "+": "rs" (P@V from registers), "ol"
+# (intra-warpgroup overlap), "none"; without them both are on (FA4's default). For measuring; unset by default.
+TILES_ENVIRONMENT_VARIABLE = "K6SERVE_FA4_TILES"
+_TILE_FLAGS = {"rs+ol": (True, True), "ol+rs": (True, True), "rs": (True, False), "ol": (False, True),
+               "none": (False, False)}
+
+
+def parse_tiles(text: str) -> dict[int, tuple[int, int, bool, bool]]:
+    """"HEAD_DIM:MxN[:FLAGS][,...]" -> {head_dim: (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap)}; a ValueError
+    saying the format if malformed."""
+    tiles: dict[int, tuple[int, int, bool, bool]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        head_dim, _, rest = item.partition(":")
+        tile, _, flags = rest.partition(":")
+        tile_m, _, tile_n = tile.partition("x")
+        numbers_ok = all(value.strip().isdigit() and int(value) > 0 for value in (head_dim, tile_m, tile_n))
+        if not numbers_ok or (flags or "rs+ol") not in _TILE_FLAGS:
+            raise ValueError(
+                f"${TILES_ENVIRONMENT_VARIABLE} takes HEAD_DIM:MxN[:FLAGS] items separated by commas, FLAGS one of "
+                f"{sorted(_TILE_FLAGS)} (default rs+ol), e.g. '128:128x176,64:192x192:ol'; got {item!r} in {text!r}"
+            )
+        tiles[int(head_dim)] = (int(tile_m), int(tile_n), *_TILE_FLAGS[flags or "rs+ol"])
+    return tiles
+
+
+TILES = parse_tiles(os.environ.get(TILES_ENVIRONMENT_VARIABLE, ""))
+# True once `load()` imported FA4; read by `wanted()` so compiled regions never trace the import.
+_LOADED = False
 
 
 @functools.cache
 def load() -> tuple[Callable[..., object] | None, str]:
     """FA4's `flash_attn_func` once; (function, "") or (None, why it could not be imported)."""
+    global _LOADED
     try:
         from flash_attn.cute.interface import flash_attn_func
     except Exception as error:  # noqa: BLE001 - any import failure (missing wheel, CUDA libs) is reported alike
         return None, f"flash-attn-4 could not be imported ({type(error).__name__}: {error})"
+    _LOADED = True
     return flash_attn_func, ""
+
+
+@functools.cache
+def load_tiled() -> Callable[..., object]:
+    """FA4's private `_flash_attn_fwd`, which takes `tile_mn` (for `TILES`); a ValueError if this FA4 lacks it."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except Exception as error:
+        raise ValueError(
+            f"${TILES_ENVIRONMENT_VARIABLE} needs flash-attn-4's _flash_attn_fwd(tile_mn=...) "
+            f"({type(error).__name__}: {error}); unset {TILES_ENVIRONMENT_VARIABLE}"
+        ) from error
+    return _flash_attn_fwd
+
+
+def prepare() -> str | None:
+    """Import FA4 now (eagerly) if `MODE` may use it; called where the "fa" backend is resolved. Returns why FA4
+    will not run, or None when it can."""
+    if MODE == "0":
+        return f"${ENVIRONMENT_VARIABLE}=0"
+    function, reason = load()
+    if function is None:
+        if MODE == "1":  # asked for explicitly: fail when the backend is resolved, not in the first request
+            raise ValueError(_missing_message(reason))
+        return reason
+    logger.info(
+        "FlashAttention-4 imported: it runs the FA3 calls %s ($%s=%s)",
+        "of every head dim" if MODE == "1" else f"with head dims {sorted({*FASTER_HEAD_DIMS, *TILES})}",
+        ENVIRONMENT_VARIABLE, MODE,
+    )
+    if TILES:
+        logger.info("FlashAttention-4 tiles from $%s: %s", TILES_ENVIRONMENT_VARIABLE, TILES)
+    return None
+
+
+def wanted(head_dim: int) -> bool:
+    """Whether a call that would run FA3 runs FA4 instead. Module state only: safe inside compiled regions."""
+    if MODE == "1":
+        return True
+    return MODE == "auto" and _LOADED and (head_dim in FASTER_HEAD_DIMS or head_dim in TILES)
+
+
+def _missing_message(reason: str) -> str:
+    return (
+        f"{ENVIRONMENT_VARIABLE}=1 asks for FlashAttention-4 but {reason}; install flash-attn-4 (with "
+        f"nvidia-cutlass-dsl[cu13]) or unset {ENVIRONMENT_VARIABLE} to run FA3 where FA4 is missing"
+    )
 
 
 @torch.library.custom_op("k6serve::fa4_attention", mutates_args=())
@@ -39,11 +138,16 @@ def fa4_attention(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> T
     """Softmax attention with scale 1/sqrt(D) by FA4; (B, L, H, D) in, (B, L, H, D) out."""
     function, reason = load()
     if function is None:
-        raise ValueError(
-            f"{ENVIRONMENT_VARIABLE}=1 asks for FlashAttention-4 but {reason}; install flash-attn-4 (with "
-            f"nvidia-cutlass-dsl[cu13]) or unset {ENVIRONMENT_VARIABLE} to run FA3"
+        raise ValueError(_missing_message(reason))
+    tile = TILES.get(query_BLHD.shape[-1])
+    if tile is not None:
+        tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap = tile
+        out = load_tiled()(  # (out, lse, ...); scale 1/sqrt(D) as in flash_attn_func
+            query_BLHD, key_BSHD, value_BSHD, tile_mn=(tile_m, tile_n), mma_pv_is_rs=mma_pv_is_rs,
+            intra_wg_overlap=intra_wg_overlap,
         )
-    out = function(query_BLHD, key_BSHD, value_BSHD)
+    else:
+        out = function(query_BLHD, key_BSHD, value_BSHD)
     return (out[0] if isinstance(out, tuple) else out).contiguous()  # FA4 returns (out, lse)
 
 

@@ -8,7 +8,9 @@ with a second, computed-index load after the reduction. This kernel loads a bloc
 them in registers for the sum of squares, the scaling and the rotation (pairs separated in registers with
 `tl.split`), and writes each row once. Measured on the H200 (fifth session): 0.615 ms per Pro query tensor and
 0.267 ms per Lite one, against 0.703 / 0.374 ms for inductor's fused ops in the same run; Lite's compiled DiT
-1.377 -> 1.369 s with the same cosine to diffusers. Part of `--performance-mode speed`
+1.377 -> 1.369 s with the same cosine to diffusers. A second, token-major kernel (`_rms_norm_rope_tokens_kernel`)
+is faster with 64-wide heads and slower with 128-wide ones (sixth session), so the head dim picks (`kernel_for`).
+Part of `--performance-mode speed`
 (`k6serve.speed.fused_projections.apply_fused_norm_rope`; `K6SERVE_FUSED_NORM_ROPE=0` turns it off).
 
 Semantics (`rms_norm_rope_reference`, the model's own code path): y = bf16(x * rsqrt(mean(x^2) + eps) * w) in
@@ -78,8 +80,8 @@ def rms_norm_rope(
     x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype, variant: str = ""
 ) -> Tensor:
     """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype. `variant` picks the
-    Triton kernel ("rows" / "tokens"; "" = $K6SERVE_NORM_ROPE_KERNEL or "rows"). Not named `kernel`: inductor
-    lowers a custom op through `FallbackKernel.create(kernel, *args, **kwargs)`, and an op argument of that name
+    Triton kernel ("rows" / "tokens" / "auto"; "" = $K6SERVE_NORM_ROPE_KERNEL, default "auto": see `kernel_for`).
+    Not named `kernel`: inductor lowers a custom op through `FallbackKernel.create(kernel, *args, **kwargs)`, and an op argument of that name
     fails every compiled graph that calls the op (found on the H200; tests/unit/test_rms_norm_rope.py)."""
     if supports(x_BLHD, weight_D, rope_L1F22):
         return launch(x_BLHD, weight_D, eps, rope_L1F22, variant or None)
@@ -98,14 +100,29 @@ def _rows_per_program(head_dim: int) -> int:
     return max(1, 2048 // head_dim)
 
 
-# Which kernel runs: "rows" (the measured default) or "tokens" (experimental, unmeasured; see
-# `_rms_norm_rope_tokens_kernel`). Read at import; `scripts/gpu_qk_norm_rope.py` times both. Two kernels of the
-# same math only until that run: the slower one is then deleted with this switch.
+# Which kernel runs. Measured on the H200 (sixth session, `scripts/gpu_qk_norm_rope.py`, median of 10-call
+# samples): with 64-wide heads the token-major kernel wins (Lite Q: 0.164 ms against 0.182 for "rows"; 1.361 ->
+# 1.355 s per Lite DiT forward), with 128-wide heads the row-block kernel does (Pro Q: 0.406 against 0.479 ms).
+# So "auto" (the default) picks by head dim; "rows" / "tokens" force one ($K6SERVE_NORM_ROPE_KERNEL, read at
+# import) for benchmarks.
 KERNEL_ENVIRONMENT_VARIABLE = "K6SERVE_NORM_ROPE_KERNEL"
 KERNELS = ("rows", "tokens")
-KERNEL = os.environ.get(KERNEL_ENVIRONMENT_VARIABLE, "").strip() or "rows"
-if KERNEL not in KERNELS:
-    raise ValueError(f"${KERNEL_ENVIRONMENT_VARIABLE} must be one of {KERNELS}, got {KERNEL!r}")
+KERNEL = os.environ.get(KERNEL_ENVIRONMENT_VARIABLE, "").strip() or "auto"
+if KERNEL not in ("auto", *KERNELS):
+    raise ValueError(f"${KERNEL_ENVIRONMENT_VARIABLE} must be one of {('auto', *KERNELS)}, got {KERNEL!r}")
+# Head dims up to this run the token-major kernel in "auto" mode.
+TOKENS_KERNEL_MAX_HEAD_DIM = 64
+
+
+def kernel_for(head_dim: int, kernel: str | None = None) -> str:
+    """The kernel that runs for `head_dim`: `kernel` if given, else $K6SERVE_NORM_ROPE_KERNEL, where "auto" means
+    "tokens" up to 64-wide heads and "rows" above."""
+    choice = kernel or KERNEL
+    if choice == "auto":
+        return "tokens" if head_dim <= TOKENS_KERNEL_MAX_HEAD_DIM else "rows"
+    if choice not in KERNELS:
+        raise ValueError(f"kernel must be one of {('auto', *KERNELS)}, got {choice!r}")
+    return choice
 
 
 def _heads_per_program(head_dim: int, num_heads: int) -> int:
@@ -115,15 +132,14 @@ def _heads_per_program(head_dim: int, num_heads: int) -> int:
 
 
 def launch(x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, kernel: str | None = None) -> Tensor:
-    """Run the Triton kernel `kernel` (default $K6SERVE_NORM_ROPE_KERNEL or "rows") on CUDA tensors, or on CPU
-    tensors under TRITON_INTERPRET=1, as the tests do."""
+    """Run the Triton kernel `kernel_for(head_dim, kernel)` on CUDA tensors, or on CPU tensors under
+    TRITON_INTERPRET=1, as the tests do."""
     assert triton is not None, "triton is not installed"
-    if (kernel or KERNEL) not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     batch, length, num_heads, head_dim = x_BLHD.shape
+    kernel = kernel_for(head_dim, kernel)
     out_BLHD = torch.empty((batch, length, num_heads, head_dim), dtype=x_BLHD.dtype, device=x_BLHD.device)
     rope = rope_L1F22.contiguous()
-    if (kernel or KERNEL) == "tokens":
+    if kernel == "tokens":
         heads = _heads_per_program(head_dim, num_heads)
         _rms_norm_rope_tokens_kernel[(batch * length, triton.cdiv(num_heads, heads))](
             x_BLHD, weight_D, rope, out_BLHD,

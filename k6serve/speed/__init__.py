@@ -11,8 +11,8 @@ Each transform is an `apply_*` function on an already loaded model, composed onc
    (fuses the fp32 AdaLN / gate / RMSNorm / RoPE elementwise chains around the GEMMs).
 3. `apply_vae_speedups(vae, device)`: cuDNN autotuning for the video VAE; with `compile_decoder`
    (`--compile-vae true`) a compiled decoder (HunyuanVideo) or compiled decoder blocks (SR K-VAE, with
-   channels-last convolution weights, and with `K6SERVE_KVAE_COMMUTED_NORMS=1` its norms' convolutions moved
-   before their upsampling).
+   channels-last convolution weights and its norms' convolutions moved before their upsampling;
+   `K6SERVE_VAE_CHANNELS_LAST=0` / `K6SERVE_KVAE_COMMUTED_NORMS=0` leave those out).
 
 `warmup(pipeline, request, mode)` runs a short request so compilation and autotuning happen before the
 first real request, and reports what that cost.

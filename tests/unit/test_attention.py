@@ -235,7 +235,7 @@ def test_compiled_fa3_call_survives_new_imports(monkeypatch):
 
 
 def test_fa4_switch_routes_fa3_calls_through_its_op_without_graph_breaks(monkeypatch):
-    """$K6SERVE_FA4=1 sends the calls that would run FA3 to FlashAttention-4's op (a stand-in here: SDPA), inside a
+    """$K6SERVE_FA4=1 sends every call that would run FA3 to FlashAttention-4's op (a stand-in here: SDPA), inside a
     compiled region without a graph break; an FA4 that cannot be imported fails with how to fix it."""
     import torch.nn.functional as F
 
@@ -249,7 +249,7 @@ def test_fa4_switch_routes_fa3_calls_through_its_op_without_graph_breaks(monkeyp
         return out.transpose(1, 2), None  # FA4 returns (out, lse)
 
     monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa")
-    monkeypatch.setattr(flash_attention4, "ENABLED", True)
+    monkeypatch.setattr(flash_attention4, "MODE", "1")
     monkeypatch.setattr(flash_attention4, "load", lambda: (stand_in, ""))
     query, key, value, _ = _inputs()
     expected = attention(query, key, value, backend="torch_sdpa")
@@ -265,3 +265,116 @@ def test_fa4_switch_routes_fa3_calls_through_its_op_without_graph_breaks(monkeyp
     with pytest.raises(ValueError, match="K6SERVE_FA4=1 asks for FlashAttention-4 but .* unset K6SERVE_FA4"):
         attention(query, key, value, backend="fa")
     torch._dynamo.reset()
+
+
+def test_fa4_auto_mode_takes_the_head_dims_where_it_measured_faster(monkeypatch):
+    """Default ($K6SERVE_FA4 unset = "auto"): FA4 runs the FA3 calls with 64-wide heads once the backend resolution
+    imported it, FA3 the 128-wide ones; nothing changes when FA4 is missing or $K6SERVE_FA4=0; "1" without FA4
+    fails when the backend is resolved, with how to fix it."""
+    import torch.nn.functional as F
+
+    from k6serve.ops import flash_attention4
+
+    calls = []
+
+    def stand_in(name):
+        def run(query_BLHD, key_BSHD, value_BSHD):
+            calls.append((name, query_BLHD.shape[-1]))
+            out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query_BLHD, key_BSHD, value_BSHD)))
+            return out.transpose(1, 2), None
+
+        return run
+
+    monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa")
+    monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", lambda q, k, v: stand_in("fa3")(q, k, v)[0])
+    monkeypatch.setattr(attention_ops, "fa3_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    monkeypatch.setattr(flash_attention4, "_LOADED", False)
+
+    def run(head_dim):
+        calls.clear()
+        query, key, value, _ = _inputs(head_dim=head_dim)
+        out = attention(query, key, value, backend="fa")
+        assert torch.allclose(out, attention(query, key, value, backend="torch_sdpa"), atol=1e-6)
+        return [name for name, _ in calls]
+
+    assert run(64) == ["fa3"]  # FA4 not imported (the backend was never resolved): FA3
+    monkeypatch.setattr(flash_attention4, "load", lambda: (None, "flash-attn-4 could not be imported (x)"))
+    assert attention_ops.resolve_attention_backend("fa", "cpu") == "fa"  # missing FA4 in auto mode: no error
+    assert run(64) == ["fa3"]
+
+    def load_stand_in():
+        flash_attention4._LOADED = True
+        return stand_in("fa4"), ""
+
+    monkeypatch.setattr(flash_attention4, "load", load_stand_in)
+    assert attention_ops.resolve_attention_backend(None, "cpu") == "fa"  # imports FA4 eagerly
+    assert flash_attention4._LOADED
+    assert run(64) == ["fa4"]
+    assert run(128) == ["fa3"]
+    monkeypatch.setattr(flash_attention4, "MODE", "0")
+    assert run(64) == ["fa3"]
+    assert flash_attention4.prepare() == "$K6SERVE_FA4=0"
+    monkeypatch.setattr(flash_attention4, "MODE", "1")
+    assert run(128) == ["fa4"]
+    monkeypatch.setattr(flash_attention4, "load", lambda: (None, "flash-attn-4 could not be imported (x)"))
+    with pytest.raises(ValueError, match="K6SERVE_FA4=1 asks for FlashAttention-4 but .* could not be imported"):
+        attention_ops.resolve_attention_backend("fa", "cpu")
+
+
+def test_fa4_environment_variable_is_validated():
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", "import k6serve.ops.flash_attention4"],
+        env={**os.environ, "K6SERVE_FA4": "yes"}, capture_output=True, text=True, check=False,
+    )
+    assert result.returncode != 0
+    assert "K6SERVE_FA4 must be one of ('auto', '1', '0') (unset means 'auto'), got 'yes'" in result.stderr
+
+
+def test_fa4_tiles_variable_picks_the_tile_and_the_head_dims(monkeypatch):
+    """$K6SERVE_FA4_TILES ("HEAD_DIM:MxN[:FLAGS],..."): a listed head dim runs FA4 (also in "auto" mode) through
+    FA4's `_flash_attn_fwd(tile_mn=..., mma_pv_is_rs=..., intra_wg_overlap=...)` with that tile and those flags; other head dims keep the public function; a malformed value says
+    the format."""
+    import torch.nn.functional as F
+
+    from k6serve.ops import flash_attention4
+
+    assert flash_attention4.parse_tiles("") == {}
+    assert flash_attention4.parse_tiles("128:128x176, 64:192x192:ol,32:128x128:none") == {
+        128: (128, 176, True, True), 64: (192, 192, False, True), 32: (128, 128, False, False)
+    }
+    for bad in ("128", "128:128", "128:128x", "x:1x2", "128:0x176", "128:128x176;64:192x192", "128:128x176:fast"):
+        with pytest.raises(ValueError, match=r"K6SERVE_FA4_TILES takes HEAD_DIM:MxN\[:FLAGS\] items separated"):
+            flash_attention4.parse_tiles(bad)
+
+    calls = []
+
+    def attend(query_BLHD, key_BSHD, value_BSHD):
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query_BLHD, key_BSHD, value_BSHD)))
+        return out.transpose(1, 2)
+
+    def public(query_BLHD, key_BSHD, value_BSHD):
+        calls.append(("public", None))
+        return attend(query_BLHD, key_BSHD, value_BSHD), None
+
+    def tiled(query_BLHD, key_BSHD, value_BSHD, *, tile_mn, mma_pv_is_rs, intra_wg_overlap):
+        calls.append(("tiled", (*tile_mn, mma_pv_is_rs, intra_wg_overlap)))
+        return attend(query_BLHD, key_BSHD, value_BSHD), None, None, None, None
+
+    monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa")
+    monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", lambda q, k, v: calls.append(("fa3", None)) or attend(q, k, v))
+    monkeypatch.setattr(flash_attention4, "load", lambda: (public, ""))
+    monkeypatch.setattr(flash_attention4, "load_tiled", lambda: tiled)
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    monkeypatch.setattr(flash_attention4, "_LOADED", True)
+    monkeypatch.setattr(flash_attention4, "TILES", flash_attention4.parse_tiles("128:128x176:rs"))
+    for head_dim, expected in ((128, ("tiled", (128, 176, True, False))), (64, ("public", None)), (32, ("fa3", None))):
+        calls.clear()
+        query, key, value, _ = _inputs(head_dim=head_dim)
+        out = attention(query, key, value, backend="fa")
+        assert torch.allclose(out, attention(query, key, value, backend="torch_sdpa"), atol=1e-6)
+        assert calls == [expected], head_dim

@@ -129,11 +129,11 @@ def test_same_input_gives_identical_bytes(tmp_path: Path) -> None:
 
 
 def test_x264_thread_count_is_eight_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The thread count decides x264's bytes, so it is a fixed number (8), or $K6SERVE_X264_THREADS, checked."""
+    """The thread count decides x264's bytes, so it is a fixed number (16), or $K6SERVE_X264_THREADS, checked."""
     monkeypatch.delenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, raising=False)
-    assert mux._x264_threads() == 8
-    monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, "16")
     assert mux._x264_threads() == 16
+    monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, "8")
+    assert mux._x264_threads() == 8
     for bad in ("0", "auto", "-2", "100"):
         monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, bad)
         with pytest.raises(ValueError, match="K6SERVE_X264_THREADS must be a whole number from 1 to 64"):

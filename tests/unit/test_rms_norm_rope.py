@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from k6serve.models.common.rope import RotaryEmbedding3D, apply_rotary
+from k6serve.ops import rms_norm_rope as op
 from k6serve.ops.rms_norm_rope import default_eps, rms_norm_rope, supports
 
 
@@ -48,7 +49,7 @@ def test_op_compiles_without_graph_breaks():
     assert torch.equal(heads(query), rms_norm_rope(query, norm.weight, 2.0**-7, rope, torch.bfloat16))
 
 
-@pytest.mark.parametrize("variant", ["", "tokens"])
+@pytest.mark.parametrize("variant", ["", "rows", "tokens"])
 def test_op_lowers_through_inductor(variant):
     """What the compiled DiT blocks do with the op: inductor (not only dynamo) lowers it as a fallback kernel. An op
     argument named `kernel` once collided with `FallbackKernel.create(kernel, ...)` and failed every compiled graph
@@ -158,8 +159,6 @@ def test_triton_kernel_compiles_for_hopper_with_vector_loads_and_no_spills(head_
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from k6serve.ops import rms_norm_rope as op
-
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "rope_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
                  "length": "i32", "num_heads": "i32", "x_batch_stride": "i64", "x_token_stride": "i64",
@@ -178,16 +177,14 @@ def test_triton_kernel_compiles_for_hopper_with_vector_loads_and_no_spills(head_
 
 @pytest.mark.parametrize("head_dim,num_heads", [(64, 28), (128, 32)])
 def test_tokens_kernel_compiles_for_hopper_without_shared_memory_round_trips(head_dim, num_heads, monkeypatch):
-    """The experimental token-major kernel at the Lite (28 x 64) and Pro (32 x 128) head shapes: an sm_90 cubin
-    whose x loads and stores are 16-byte vectors, with no shared-memory layout conversion (no barrier) and no
-    spill; the structural reasons it is expected to beat the "rows" kernel (which has barriers), until measured."""
+    """The token-major kernel at the Lite (28 x 64) and Pro (32 x 128) head shapes: an sm_90 cubin whose x loads
+    and stores are 16-byte vectors, with no shared-memory layout conversion (no barrier) and no spill (with
+    64-wide heads it measured faster than the "rows" kernel, with 128-wide ones slower: `kernel_for`)."""
     import re
 
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from k6serve.ops import rms_norm_rope as op
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "rope_ptr": "*fp32", "out_ptr": "*bf16", "length": "i32",
@@ -212,3 +209,17 @@ def test_unknown_kernel_name_is_refused():
     query, norm, rope = _inputs()
     with pytest.raises(ValueError, match="kernel must be one of"):
         launch(query, norm.weight, 1e-6, rope, "columns")
+
+
+def test_kernel_choice_follows_the_head_dim_unless_forced(monkeypatch):
+    """Default "auto": the token-major kernel up to 64-wide heads (Lite, SR DiT), row blocks above (Pro), as
+    measured on the H200; an explicit variant or $K6SERVE_NORM_ROPE_KERNEL forces one; a bad name says the valid
+    ones."""
+    monkeypatch.setattr(op, "KERNEL", "auto")
+    assert [op.kernel_for(d) for d in (32, 64, 128)] == ["tokens", "tokens", "rows"]
+    assert op.kernel_for(64, "rows") == "rows" and op.kernel_for(128, "tokens") == "tokens"
+    monkeypatch.setattr(op, "KERNEL", "rows")
+    assert op.kernel_for(64) == "rows"
+    assert op.kernel_for(64, "auto") == "tokens"
+    with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'rows', 'tokens'\), got 'row'"):
+        op.kernel_for(64, "row")

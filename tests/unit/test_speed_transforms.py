@@ -308,7 +308,7 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch):
         configs = read_sr_configs(build_sr_checkpoint(folder))
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert applied == ["cudnn_benchmark", "channels_last_3d", "compile_decoder_blocks"]
+    assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "compile_decoder_blocks"]
     decoder = kvae.decoder
     blocks = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out] + [b for up in decoder.up for b in up.block]
     assert all(is_compiled(block) for block in blocks) and not is_compiled(decoder)
@@ -343,7 +343,7 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch):
     assert "channels_last_3d" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: never converted
     assert convs and not any(channels_last(conv) for conv in convs)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert applied == ["cudnn_benchmark", "channels_last_3d", "compile_decoder_blocks"]
+    assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "compile_decoder_blocks"]
     assert all(channels_last(conv) for conv in convs)
     assert apply_vae_speedups(fresh_kvae()[0], torch.device("cpu"), compile_decoder=True) == []  # CPU: untouched
     torch._dynamo.reset()
@@ -362,9 +362,10 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_commuted_kvae_norms_only_with_their_variable_and_the_compiled_decoder(monkeypatch):
-    """$K6SERVE_KVAE_COMMUTED_NORMS=1 with --compile-vae routes the SR K-VAE's latent-conditioned norms through
-    speed/kvae_spatial_norm.py before the blocks are compiled; otherwise they keep diffusers' forward."""
+def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch):
+    """With --compile-vae the SR K-VAE's latent-conditioned norms go through speed/kvae_spatial_norm.py before the
+    blocks are compiled (measured faster on the H200); $K6SERVE_KVAE_COMMUTED_NORMS=0 or the eager decode keep
+    diffusers' forward."""
     import tempfile
 
     from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
@@ -378,14 +379,15 @@ def test_commuted_kvae_norms_only_with_their_variable_and_the_compiled_decoder(m
     def norms(kvae):
         return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRSpatialNorm3D"]
 
-    monkeypatch.delenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.setenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "0")
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     assert "commuted_spatial_norms" not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert not any("forward" in vars(norm) for norm in norms(kvae))
     torch._dynamo.reset()
-    monkeypatch.setenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "1")
+    monkeypatch.delenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, raising=False)
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     assert "commuted_spatial_norms" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing to gain
+    assert not any("forward" in vars(norm) for norm in norms(kvae))
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert applied.index("commuted_spatial_norms") < applied.index("compile_decoder_blocks")
     assert all("forward" in vars(norm) for norm in norms(kvae))
