@@ -124,7 +124,7 @@ def resolve_attention_backend(requested: str | None, device: torch.device | str)
                     f"Use --attention-backend torch_sdpa."
                 )
     if backend == FLASH_ATTENTION_3:
-        flash_attention4.prepare()
+        flash_attention4.prepare(device)
     return backend
 
 

@@ -6,9 +6,11 @@ against 691 TFLOP/s; sixth session, docs/benchmarks.md). In the Lite-distill DiT
 forward, in the SR DiT 1.201 -> 1.178 s per call. So `K6SERVE_FA4` (read at import) chooses:
 
 * unset or "auto" (default): a call that would run FA3 (backend "fa", no key mask, CUDA bf16) runs FA4 when its
-  head dim is one where FA4 measured faster (`FASTER_HEAD_DIMS`) and flash-attn-4 imported when the backend was
-  resolved (`prepare()`); otherwise FA3. Without flash-attn-4 installed nothing changes.
-* "1": every call that would run FA3 runs FA4 (a clear error if it cannot be imported): for benchmarks.
+  head dim is one where FA4 measured faster (`FASTER_HEAD_DIMS`) and flash-attn-4 imported and passed a small
+  probe call when the backend was resolved (`prepare()`); otherwise FA3. Without flash-attn-4 installed, or with
+  one that fails the probe (logged as a warning), nothing changes.
+* "1": every call that would run FA3 runs FA4 (a clear error at backend resolution if it cannot be imported or
+  fails the probe): for benchmarks.
 * "0": never FA4.
 
 The same math (softmax attention, scale 1/sqrt(D)); only the kernel, and so the rounding, differs (max 0.00024
@@ -70,19 +72,18 @@ def parse_tiles(text: str) -> dict[int, tuple[int, int, bool, bool]]:
 
 
 TILES = parse_tiles(os.environ.get(TILES_ENVIRONMENT_VARIABLE, ""))
-# True once `load()` imported FA4; read by `wanted()` so compiled regions never trace the import.
-_LOADED = False
+# True once `prepare()` imported FA4 and its probe passed on the device; read by `wanted()` (module state only, so
+# compiled regions never trace the import).
+_READY = False
 
 
 @functools.cache
 def load() -> tuple[Callable[..., object] | None, str]:
     """FA4's `flash_attn_func` once; (function, "") or (None, why it could not be imported)."""
-    global _LOADED
     try:
         from flash_attn.cute.interface import flash_attn_func
     except Exception as error:  # noqa: BLE001 - any import failure (missing wheel, CUDA libs) is reported alike
         return None, f"flash-attn-4 could not be imported ({type(error).__name__}: {error})"
-    _LOADED = True
     return flash_attn_func, ""
 
 
@@ -99,9 +100,14 @@ def load_tiled() -> Callable[..., object]:
     return _flash_attn_fwd
 
 
-def prepare() -> str | None:
-    """Import FA4 now (eagerly) if `MODE` may use it; called where the "fa" backend is resolved. Returns why FA4
-    will not run, or None when it can."""
+def prepare(device: torch.device | str | None = None) -> str | None:
+    """Import FA4 now (eagerly) if `MODE` may use it, and on a CUDA `device` run `probe` for each head dim it will
+    take; called where the "fa" backend is resolved. Returns why FA4 will not run, or None when it will. In "auto"
+    mode a failure only logs a warning and FA3 keeps every call: an installed but broken FA4 (its JIT needs the
+    CUDA 13 cutlass-dsl libraries and a matching driver) must not fail requests that FA3 would serve. With
+    $K6SERVE_FA4=1 it raises instead."""
+    global _READY
+    _READY = False
     if MODE == "0":
         return f"${ENVIRONMENT_VARIABLE}=0"
     function, reason = load()
@@ -109,8 +115,20 @@ def prepare() -> str | None:
         if MODE == "1":  # asked for explicitly: fail when the backend is resolved, not in the first request
             raise ValueError(_missing_message(reason))
         return reason
+    if device is not None and torch.device(device).type == "cuda":
+        head_dims = sorted({*FASTER_HEAD_DIMS, *TILES}) if MODE == "auto" else sorted({64, 128, *TILES})
+        try:
+            for head_dim in head_dims:
+                probe(torch.device(device), head_dim)
+        except Exception as error:
+            reason = f"flash-attn-4 imported but failed its probe ({type(error).__name__}: {error})"
+            if MODE == "1":
+                raise ValueError(_missing_message(reason)) from error
+            logger.warning("%s; FA3 keeps every attention call", reason)
+            return reason
+    _READY = True
     logger.info(
-        "FlashAttention-4 imported: it runs the FA3 calls %s ($%s=%s)",
+        "FlashAttention-4 ready: it runs the FA3 calls %s ($%s=%s)",
         "of every head dim" if MODE == "1" else f"with head dims {sorted({*FASTER_HEAD_DIMS, *TILES})}",
         ENVIRONMENT_VARIABLE, MODE,
     )
@@ -119,11 +137,29 @@ def prepare() -> str | None:
     return None
 
 
+def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2) -> None:
+    """One small FA4 call at `head_dim` (also JIT-compiling the kernel, whose compiled form does not depend on the
+    sequence length, so the first request does not pay it) checked against SDPA; raises if it fails or is wrong."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    query, key, value = (
+        torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=generator)
+        for _ in range(3)
+    )
+    with torch.inference_mode():
+        out = fa4_attention(query, key, value)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in (query, key, value))
+        ).transpose(1, 2)
+    difference = (out.float() - expected.float()).abs().max().item()
+    if not difference <= 0.02:  # bf16 outputs of unit-normal inputs: kernels differ by ~0.001
+        raise RuntimeError(f"its output differs from SDPA's by {difference:.3g} at head dim {head_dim}")
+
+
 def wanted(head_dim: int) -> bool:
     """Whether a call that would run FA3 runs FA4 instead. Module state only: safe inside compiled regions."""
     if MODE == "1":
         return True
-    return MODE == "auto" and _LOADED and (head_dim in FASTER_HEAD_DIMS or head_dim in TILES)
+    return MODE == "auto" and _READY and (head_dim in FASTER_HEAD_DIMS or head_dim in TILES)
 
 
 def _missing_message(reason: str) -> str:

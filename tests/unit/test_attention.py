@@ -289,7 +289,7 @@ def test_fa4_auto_mode_takes_the_head_dims_where_it_measured_faster(monkeypatch)
     monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", lambda q, k, v: stand_in("fa3")(q, k, v)[0])
     monkeypatch.setattr(attention_ops, "fa3_unavailable_reason", lambda device: None)
     monkeypatch.setattr(flash_attention4, "MODE", "auto")
-    monkeypatch.setattr(flash_attention4, "_LOADED", False)
+    monkeypatch.setattr(flash_attention4, "_READY", False)
 
     def run(head_dim):
         calls.clear()
@@ -303,13 +303,9 @@ def test_fa4_auto_mode_takes_the_head_dims_where_it_measured_faster(monkeypatch)
     assert attention_ops.resolve_attention_backend("fa", "cpu") == "fa"  # missing FA4 in auto mode: no error
     assert run(64) == ["fa3"]
 
-    def load_stand_in():
-        flash_attention4._LOADED = True
-        return stand_in("fa4"), ""
-
-    monkeypatch.setattr(flash_attention4, "load", load_stand_in)
-    assert attention_ops.resolve_attention_backend(None, "cpu") == "fa"  # imports FA4 eagerly
-    assert flash_attention4._LOADED
+    monkeypatch.setattr(flash_attention4, "load", lambda: (stand_in("fa4"), ""))
+    assert attention_ops.resolve_attention_backend(None, "cpu") == "fa"  # imports FA4 eagerly (no probe off CUDA)
+    assert flash_attention4._READY
     assert run(64) == ["fa4"]
     assert run(128) == ["fa3"]
     monkeypatch.setattr(flash_attention4, "MODE", "0")
@@ -370,7 +366,7 @@ def test_fa4_tiles_variable_picks_the_tile_and_the_head_dims(monkeypatch):
     monkeypatch.setattr(flash_attention4, "load", lambda: (public, ""))
     monkeypatch.setattr(flash_attention4, "load_tiled", lambda: tiled)
     monkeypatch.setattr(flash_attention4, "MODE", "auto")
-    monkeypatch.setattr(flash_attention4, "_LOADED", True)
+    monkeypatch.setattr(flash_attention4, "_READY", True)
     monkeypatch.setattr(flash_attention4, "TILES", flash_attention4.parse_tiles("128:128x176:rs"))
     for head_dim, expected in ((128, ("tiled", (128, 176, True, False))), (64, ("public", None)), (32, ("fa3", None))):
         calls.clear()
@@ -378,3 +374,51 @@ def test_fa4_tiles_variable_picks_the_tile_and_the_head_dims(monkeypatch):
         out = attention(query, key, value, backend="fa")
         assert torch.allclose(out, attention(query, key, value, backend="torch_sdpa"), atol=1e-6)
         assert calls == [expected], head_dim
+
+
+def test_fa4_probe_keeps_fa3_when_an_installed_fa4_fails(monkeypatch, caplog):
+    """On a CUDA device `prepare()` runs one small FA4 call per head dim it will take, checked against SDPA: in
+    "auto" mode a failing or wrong kernel logs a warning and FA3 keeps every call (an installed but broken FA4 must
+    not fail requests); with $K6SERVE_FA4=1 it raises at backend resolution."""
+    import logging
+
+    import torch.nn.functional as F
+
+    from k6serve.ops import flash_attention4
+
+    def right(query_BLHD, key_BSHD, value_BSHD):
+        out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query_BLHD, key_BSHD, value_BSHD)))
+        return out.transpose(1, 2), None
+
+    def wrong(query_BLHD, key_BSHD, value_BSHD):
+        return torch.zeros_like(query_BLHD), None
+
+    monkeypatch.setattr(flash_attention4, "TILES", {})
+    monkeypatch.setattr(flash_attention4, "_READY", False)  # restored after the test, whatever prepare() sets
+    monkeypatch.setattr(flash_attention4, "load", lambda: (right, ""))
+    flash_attention4.probe(torch.device("cpu"), 64, tokens=16)  # the probe itself, on CPU with a stand-in
+    monkeypatch.setattr(flash_attention4, "load", lambda: (wrong, ""))
+    with pytest.raises(RuntimeError, match="differs from SDPA's by .* at head dim 64"):
+        flash_attention4.probe(torch.device("cpu"), 64, tokens=16)
+
+    probed = []
+
+    def failing_probe(device, head_dim):
+        probed.append((device.type, head_dim))
+        raise RuntimeError("cutlass JIT: no kernel image")
+
+    monkeypatch.setattr(flash_attention4, "probe", failing_probe)
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    with caplog.at_level(logging.WARNING, logger="k6serve.ops.flash_attention4"):
+        reason = flash_attention4.prepare(torch.device("cuda"))
+    assert probed == [("cuda", 64)]
+    assert "failed its probe (RuntimeError: cutlass JIT: no kernel image)" in reason
+    assert "FA3 keeps every attention call" in caplog.text
+    assert not flash_attention4._READY and not flash_attention4.wanted(64)
+    monkeypatch.setattr(flash_attention4, "MODE", "1")
+    with pytest.raises(ValueError, match="K6SERVE_FA4=1 asks for FlashAttention-4 but .* failed its probe"):
+        flash_attention4.prepare(torch.device("cuda"))
+    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim: None)
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    assert flash_attention4.prepare(torch.device("cuda")) is None
+    assert flash_attention4._READY and flash_attention4.wanted(64) and not flash_attention4.wanted(128)
