@@ -138,8 +138,10 @@ def prepare(device: torch.device | str | None = None) -> str | None:
 
 
 def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2) -> None:
-    """One small FA4 call at `head_dim` (also JIT-compiling the kernel, whose compiled form does not depend on the
-    sequence length, so the first request does not pay it) checked against SDPA; raises if it fails or is wrong."""
+    """One small FA4 call at `head_dim`, checked against SDPA; raises if it fails or is wrong. It also JIT-compiles
+    the kernel the requests use: FA4's compile key (flash_attn/cute/interface.py) holds the dtype, head dims, the
+    Q-per-KV head ratio, tile and split-KV choice, but no sequence length or head count, and `flash_attn_func` never
+    splits KV (num_splits=1), so a 384-token, 2-head call compiles the same kernel as a 47,616-token one."""
     generator = torch.Generator(device=device).manual_seed(0)
     query, key, value = (
         torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=generator)
