@@ -422,3 +422,43 @@ def test_fa4_probe_keeps_fa3_when_an_installed_fa4_fails(monkeypatch, caplog):
     monkeypatch.setattr(flash_attention4, "MODE", "auto")
     assert flash_attention4.prepare(torch.device("cuda")) is None
     assert flash_attention4._READY and flash_attention4.wanted(64) and not flash_attention4.wanted(128)
+
+
+def test_fa4_exp2_emulation_setting_and_its_failure_keep_fa3(monkeypatch):
+    """$K6SERVE_FA4_EX2_EMULATION=FREQ:RES (experimental) is checked with a message saying the format; when set, the
+    patch runs as FA4 is imported, and a patch that does not fit the installed FA4 makes FA4 unavailable (so "auto"
+    keeps FA3) with the reason, instead of failing requests."""
+    import sys
+    import types
+
+    from k6serve.ops import fa4_exp2_emulation, flash_attention4
+
+    assert fa4_exp2_emulation.parse("") is None
+    assert fa4_exp2_emulation.parse(" 8:3 ") == (8, 3)
+    for bad in ("8", "8:0", "3:3", "3:8", "a:b", "128:3", "8:3:1"):
+        with pytest.raises(ValueError, match=r"K6SERVE_FA4_EX2_EMULATION takes FREQ:RES with 0 < RES < FREQ <= 64"):
+            fa4_exp2_emulation.parse(bad)
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface.flash_attn_func = lambda q, k, v: (q, None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    applied = []
+    monkeypatch.setattr(fa4_exp2_emulation, "SETTING", (8, 3))
+    monkeypatch.setattr(fa4_exp2_emulation, "apply", lambda freq, res: applied.append((freq, res)))
+    flash_attention4.load.cache_clear()
+    try:
+        function, reason = flash_attention4.load()
+        assert function is interface.flash_attn_func and reason == "" and applied == [(8, 3)]
+
+        def does_not_fit(freq, res):
+            raise AttributeError("type object 'Softmax' has no attribute 'online_softmax'")
+
+        monkeypatch.setattr(fa4_exp2_emulation, "apply", does_not_fit)
+        flash_attention4.load.cache_clear()
+        function, reason = flash_attention4.load()
+        assert function is None
+        assert "K6SERVE_FA4_EX2_EMULATION could not patch flash-attn-4's softmax (AttributeError" in reason
+    finally:
+        flash_attention4.load.cache_clear()
