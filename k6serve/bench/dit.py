@@ -171,8 +171,9 @@ def _run_ours(
         try:
             resolved = resolve_attention_backend(backend, options.device)
             ours.set_attention_backend(resolved)
-            if resolved == "fa" and flash_attention4.wanted(ours.config.video_head_dim):
-                row.note = "FlashAttention-4 (64-wide heads: ops/flash_attention4.py)"
+            head_dim = ours.config.video_head_dim
+            if resolved == "fa" and flash_attention4.wanted(head_dim):  # also 128 with $K6SERVE_FA4=1 or _TILES
+                row.note = f"FlashAttention-4 ({head_dim}-wide video heads: ops/flash_attention4.py)"
             if compiled:
                 row.breakdown_s["first_call"] = _first_call(call, options.device)
             compared.fill(row, _timed(row, call, options))

@@ -389,3 +389,27 @@ def test_environment_commit_can_be_pinned_for_copied_trees(monkeypatch):
     assert environment()["commit"] == "abc1234"
     monkeypatch.delenv("K6SERVE_COMMIT")
     assert environment()["commit"] != "abc1234"
+
+
+def test_fa4_note_names_the_head_dim_that_ran_it(monkeypatch):
+    """The row note says FA4 ran with the model's own video head dim: with $K6SERVE_FA4=1 (or a
+    $K6SERVE_FA4_TILES entry) Pro's 128-wide heads run FA4 too, and the note once said "64-wide" for them."""
+    from types import SimpleNamespace
+
+    from k6serve.bench import dit
+    from k6serve.ops import flash_attention4
+
+    monkeypatch.setattr(dit, "resolve_attention_backend", lambda backend, device: "fa")
+    monkeypatch.setattr(flash_attention4, "MODE", "1")
+    options = dit.DitOptions(label="pro-distill", transformer_config={}, geometry=generation_geometry(64, 64, 5),
+                             device=torch.device("cpu"), dtype=torch.float32, backends=("fa",), repeats=1,
+                             warmup=0)
+
+    class Model(SimpleNamespace):
+        def __call__(self, **inputs):
+            return torch.ones(2), None
+
+    ours = Model(config=SimpleNamespace(video_head_dim=128), set_attention_backend=lambda backend: None)
+    (row,) = dit._run_ours(ours, {}, options, 1.0, dit._Compared(), "eager", compiled=False)
+    assert row.error is None
+    assert row.note == "FlashAttention-4 (128-wide video heads: ops/flash_attention4.py)"
