@@ -14,8 +14,9 @@ forward, in the SR DiT 1.201 -> 1.178 s per call. So `K6SERVE_FA4` (read at impo
 * "0": never FA4.
 
 The same math (softmax attention, scale 1/sqrt(D)); only the kernel, and so the rounding, differs (max 0.00024
-from FA3 on unit-normal inputs, like FA3 from cuDNN). FA4 compiles its kernels on the first call of each shape
-class, which lengthens the first (cold) request; `--warmup-mode server` pays that before serving.
+from FA3 on unit-normal inputs, like FA3 from cuDNN). FA4 JIT-compiles a kernel per compile key (dtype, head dims,
+tile: no sequence length or head count); `prepare()`'s probe compiles those of the head dims it will take when the
+backend is resolved, at model load, so requests do not wait for it (`probe`).
 
 The call goes through the custom op `k6serve::fa4_attention`, so a compiled block keeps one graph around it
 (dynamo does not trace into FA4's Python launcher or its JIT), and `wanted()` reads module state only: the import
