@@ -12,8 +12,10 @@ once per KV block, with a copy that, in every group of FREQ consecutive elements
 with the polynomial. Everything else is the original method line for line.
 
 Numerics: the polynomial's relative error is about 1e-4 (FA4's choice for SM100), below the bf16 rounding of P
-(4e-3) that follows; exp2 of -inf becomes 2^-127 instead of 0 (k6serve's FA calls have no mask, so no score is
--inf). `flash_attention4.probe` checks each head dim against SDPA before FA4 serves a request.
+(4e-3) that follows. Inputs at or below -127 (after the row max is subtracted), -inf included, come out as exactly
+0 (the clamp to -127 leaves a zero exponent field under the polynomial's 1.0): FA4 sets the columns past the key
+length in a partial last KV block to -inf, and those still weigh nothing. `flash_attention4.probe` checks each head
+dim against SDPA before FA4 serves a request.
 
 Opt-in and unmeasured: `K6SERVE_FA4_EX2_EMULATION=FREQ:RES` (e.g. "8:3"), applied when FA4 is imported, before its
 first kernel is compiled (FA4 caches compiled kernels in-process by a key that does not see this patch, and its
