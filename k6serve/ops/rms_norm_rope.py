@@ -101,8 +101,9 @@ def _rows_per_program(head_dim: int) -> int:
 
 
 # Which kernel runs. Measured on the H200 (sixth session, `scripts/gpu_qk_norm_rope.py`, median of 10-call
-# samples): with 64-wide heads the token-major kernel wins (Lite Q: 0.164 ms against 0.182 for "rows"; 1.361 ->
-# 1.355 s per Lite DiT forward), with 128-wide heads the row-block kernel does (Pro Q: 0.406 against 0.479 ms).
+# samples): with 64-wide heads the token-major kernel wins (Lite Q: 0.164 ms against 0.182 for "rows"; the Lite DiT
+# forward 1.361 s without a Triton kernel -> 1.355 s with "tokens", not timed with "rows" in that session), with
+# 128-wide heads the row-block kernel does (Pro Q: 0.406 against 0.479 ms).
 # So "auto" (the default) picks by head dim; "rows" / "tokens" force one ($K6SERVE_NORM_ROPE_KERNEL, read at
 # import) for benchmarks.
 KERNEL_ENVIRONMENT_VARIABLE = "K6SERVE_NORM_ROPE_KERNEL"
