@@ -24,7 +24,7 @@ flag is off), called through `flash_attn.cute.interface._flash_attn_fwd` with th
 on its first call (untimed; its seconds are the row's `first_call_s`); one that fails to compile or run gets its
 error and the next one still runs; the 15 configs add a few minutes (a JIT compile of seconds each, then the
 timing, `--repeats` like the other rows; `--repeats 5` halves the timing). It decides two things. At 32 x 128: a
-config faster than FA3 (53.79 ms, 691 TFLOP/s in the sixth session; FA4's default 55.99 ms, 663) means the Pro DiT
+config faster than FA3 (53.79 ms, 691 TFLOP/s in the sixth session; FA4's default 56.00 ms, 663) means the Pro DiT
 could run FA4 with that tile (`K6SERVE_FA4_TILES=128:MxN[:FLAGS]`, ops/flash_attention4.py) and come closer to
 its 5.6 s target. At 28 x 64: whether FA4 gains anything over its own default (29.82 ms, 545 TFLOP/s; FA3 30.70
 ms), which Lite and the SR DiT already run. (A first, shorter sweep at the end of the sixth session found 192 x 128
