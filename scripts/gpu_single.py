@@ -194,7 +194,8 @@ def device_status() -> dict:
     status["fa3_unavailable_reason"] = fa3_unavailable_reason(device)
     from k6serve.ops import flash_attention4
 
-    # None: FlashAttention-4 imports and takes the FA3 calls with 64-wide heads (K6SERVE_FA4, ops/flash_attention4.py).
+    # None: FlashAttention-4 imports (whether it passes its probe shows when the backend is resolved; K6SERVE_FA4,
+    # ops/flash_attention4.py).
     fa4_reason = "K6SERVE_FA4=0" if flash_attention4.MODE == "0" else flash_attention4.load()[1]
     status["fa4_unavailable_reason"] = fa4_reason or None
     for package in ("diffusers", "av", "transformers"):

@@ -160,6 +160,11 @@ def environment() -> dict[str, Any]:
             info[package] = __import__(package).__version__
         except ImportError:
             info[package] = None
+    # The K6SERVE_* switches (FA4, kernels, VAE layouts, x264 threads) change what a row measures.
+    info["k6serve_environment"] = {
+        name: value for name, value in sorted(os.environ.items())
+        if name.startswith("K6SERVE_") and name != "K6SERVE_API_KEY"
+    }
     return info
 
 

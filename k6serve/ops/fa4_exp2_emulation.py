@@ -8,8 +8,9 @@ operations per clock per SM, and a degree-3 polynomial exp2 (FA4's own `utils.ex
 reduction, which FA4's SM100 kernels already use for a share of their exponentials) costs about six of them, so
 moving a share of the exponentials there can raise the softmax throughput. FA4's SM90 kernel has no such option;
 this replaces `Softmax.online_softmax` (flash_attn/cute/softmax.py, 4.0.0b36), which the SM90 forward kernel calls
-once per KV block, with a copy that, in every group of FREQ consecutive elements of a row, computes the last RES
-with the polynomial. Everything else is the original method line for line.
+once per KV block, with a copy that, in every group of FREQ consecutive elements of the thread's share of a row
+(each of 4 threads holds tile_n / 4 = 32 scores of a row with FA4's SM90 tiles; hence FREQ <= 32), computes the
+last RES with the polynomial. Everything else is the original method line for line.
 
 Numerics: the polynomial's relative error is about 1e-4 (FA4's choice for SM100), below the bf16 rounding of P
 (4e-3) that follows. Inputs at or below -127 (after the row max is subtracted), -inf included, come out as exactly
@@ -38,10 +39,10 @@ def parse(text: str) -> tuple[int, int] | None:
     if not text:
         return None
     freq, _, res = text.partition(":")
-    if not (freq.isdigit() and res.isdigit() and 0 < int(res) < int(freq) <= 64):
+    if not (freq.isdigit() and res.isdigit() and 0 < int(res) < int(freq) <= 32):
         raise ValueError(
-            f"${ENVIRONMENT_VARIABLE} takes FREQ:RES with 0 < RES < FREQ <= 64 (in every FREQ consecutive scores of "
-            f"a row, the last RES get the polynomial exp2), e.g. '8:3'; got {text!r}"
+            f"${ENVIRONMENT_VARIABLE} takes FREQ:RES with 0 < RES < FREQ <= 32 (in every FREQ consecutive scores of "
+            f"a thread's share of a row, the last RES get the polynomial exp2), e.g. '8:3'; got {text!r}"
         )
     return int(freq), int(res)
 

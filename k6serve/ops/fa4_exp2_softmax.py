@@ -10,8 +10,8 @@ from cutlass import Float32, cute
 from flash_attn.cute import utils
 from quack import layout_utils
 
-# Set by `fa4_exp2_emulation.apply` before FA4 compiles a kernel: in every FREQ consecutive scores of a row, the
-# last RES get the polynomial. Read while the DSL traces (compile time), so they are constants of the kernel.
+# Set by `fa4_exp2_emulation.apply` before FA4 compiles a kernel: in every FREQ consecutive scores of the thread's
+# share of a row (its register fragment), the last RES get the polynomial. Read while the DSL traces (compile time), so they are constants of the kernel.
 FREQ = 8
 RES = 3
 

@@ -165,7 +165,10 @@ def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2
             *(x.transpose(1, 2) for x in (query, key, value))
         ).transpose(1, 2)
     difference = (out.float() - expected.float()).abs().max().item()
-    if not difference <= 0.02:  # bf16 outputs of unit-normal inputs: kernels differ by ~0.001
+    # bf16 outputs of unit-normal inputs: honest kernels differ by at most ~0.002 (head dim 64) / 0.004 (128) here
+    # (a CPU simulation with P rounded to bf16); 0.01 still fails a 5% error in a share of the exponentials.
+    logger.info("FlashAttention-4 probe at head dim %d: max difference from SDPA %.3g", head_dim, difference)
+    if not difference <= 0.01:
         raise RuntimeError(f"its output differs from SDPA's by {difference:.3g} at head dim {head_dim}")
 
 

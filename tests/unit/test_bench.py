@@ -413,3 +413,16 @@ def test_fa4_note_names_the_head_dim_that_ran_it(monkeypatch):
     (row,) = dit._run_ours(ours, {}, options, 1.0, dit._Compared(), "eager", compiled=False)
     assert row.error is None
     assert row.note == "FlashAttention-4 (128-wide video heads: ops/flash_attention4.py)"
+
+
+def test_environment_records_the_k6serve_switches_but_not_the_api_key(monkeypatch):
+    """The K6SERVE_* variables change what a row measures (FA4, kernels, VAE layouts, x264 threads), so the JSON
+    records them; the server's API key is never written."""
+    from k6serve.bench.report import environment
+
+    monkeypatch.setenv("K6SERVE_FA4", "1")
+    monkeypatch.setenv("K6SERVE_X264_THREADS", "8")
+    monkeypatch.setenv("K6SERVE_API_KEY", "secret")
+    recorded = environment()["k6serve_environment"]
+    assert recorded["K6SERVE_FA4"] == "1" and recorded["K6SERVE_X264_THREADS"] == "8"
+    assert "K6SERVE_API_KEY" not in recorded

@@ -128,7 +128,7 @@ def test_same_input_gives_identical_bytes(tmp_path: Path) -> None:
     assert b"Lavf" not in (tmp_path / "sub.mp4").read_bytes()  # no library version string
 
 
-def test_x264_thread_count_is_eight_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_x264_thread_count_is_sixteen_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread count decides x264's bytes, so it is a fixed number (16), or $K6SERVE_X264_THREADS, checked."""
     monkeypatch.delenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, raising=False)
     assert mux._x264_threads() == 16
