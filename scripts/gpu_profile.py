@@ -314,10 +314,16 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
         latent = torch.randn(1, channels, (args.num_frames - 1) // 4 + 1, *size, generator=generator)
         latent = latent.to(device=device, dtype=dtype)
         call = lambda: sr_vae.decode_tile(latent)  # noqa: E731
+        from k6serve.bench.flops import sr_vae_tile_decode_flops
+
+        # All convolutions (837.6 TFLOP for the released K-VAE's 512x768x121 tile): the rate the profile's
+        # convolution time is compared with.
+        part["tflop"] = sr_vae_tile_decode_flops(configs, *latent.shape[2:]) / 1e12
         with torch.inference_mode():
             torch.backends.cudnn.benchmark = True
             reference = call()
             measure_eager(part, "kvae one tile eager", call, device, args.repeats, markdown)
+        part["eager_tflops"] = part["tflop"] / part["eager_s"]
         if args.commuted_norms:  # speed/kvae_spatial_norm.py: the same values (checked below), less traffic
             from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 
@@ -343,6 +349,9 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
                 label = ("kvae compiled blocks" + (", channels-last" if args.channels_last else "")
                          + (", commuted norms" if args.commuted_norms else ""))
                 measure_compiled(part, label, call, device, args.repeats, difference, markdown)
+                part["compiled_tflops"] = part["tflop"] / part["compiled_s"]
+                markdown.append(f"{part['tflop']:.1f} TFLOP per tile: eager {part['eager_tflops']:.0f}, compiled "
+                                f"{part['compiled_tflops']:.0f} TFLOP/s\n")
     except Exception as error:  # noqa: BLE001
         record_failure(part, "kvae", error)
     _free()
