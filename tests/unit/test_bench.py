@@ -376,10 +376,13 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     for name in ("eager", "fused+compiled", "fused+compiled+norm_rope"):
         assert srdit[name]["seconds"] > 0 and srdit[name]["cosine"] > 0.99999, (name, srdit[name])
     # The K-VAE tile decode with channels-last conv weights: the same uint8 frames as NCDHW (CPU, eager).
-    assert script.main(["kvae", "--tiny", "--channels-last", "--commuted-norms", "--out", str(tmp_path)]) == 0
+    assert script.main(["kvae", "--tiny", "--channels-last", "--commuted-norms", "--subpixel-upsample",
+                        "--out", str(tmp_path)]) == 0
     kvae = json.loads((tmp_path / "profile_kvae.json").read_text())["parts"]["kvae"]
     assert kvae["channels_last_convs"] > 0 and kvae["channels_last_max_uint8_diff"] == 0
     assert kvae["commuted_norms"] > 0 and kvae["commuted_norms_max_uint8_diff"] == 0
+    # Sub-pixel upsampler convolutions: the same values up to fp32 rounding, so at most one uint8 level.
+    assert kvae["subpixel_upsamplers"] > 0 and kvae["subpixel_max_uint8_diff"] <= 1
     assert kvae["tflop"] > 0 and kvae["eager_tflops"] == pytest.approx(kvae["tflop"] / kvae["eager_s"])
 
 

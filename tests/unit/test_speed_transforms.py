@@ -391,6 +391,32 @@ def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert applied.index("commuted_spatial_norms") < applied.index("compile_decoder_blocks")
     assert all("forward" in vars(norm) for norm in norms(kvae))
+    assert "subpixel_upsample" not in applied  # opt-in
+    torch._dynamo.reset()
+
+
+def test_subpixel_upsample_only_with_its_variable_and_the_compiled_decoder(monkeypatch):
+    """$K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=1 with --compile-vae routes the SR K-VAE's upsamplers through
+    speed/kvae_upsample.py before the blocks are compiled; the eager decode keeps diffusers' forward."""
+    import tempfile
+
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.speed.vae import SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE
+    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    with tempfile.TemporaryDirectory() as folder:
+        configs = read_sr_configs(build_sr_checkpoint(folder))
+
+    def upsamplers(kvae):
+        return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRUpsample"]
+
+    monkeypatch.setenv(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "1")
+    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
+    assert "subpixel_upsample" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing applied
+    applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert applied.index("subpixel_upsample") < applied.index("compile_decoder_blocks")
+    assert upsamplers(kvae) and all("forward" in vars(m) for m in upsamplers(kvae))
     torch._dynamo.reset()
 
 
