@@ -37,7 +37,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
     ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3) or torch_sdpa (alias sdpa).")),
-    ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server.")),
+    ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server "
+                         "(at start; SR: one upscale of a synthetic 768x512x121 clip).")),
     ("compile_vae", dict(type=lambda v: _bool(v), help="true: torch.compile the VAE decoder (~1.9x faster decode; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md).")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),

@@ -36,6 +36,10 @@ from k6serve.request import (
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.speed import apply_performance_mode, warmup
 
+# The SR server warm-up's synthetic source (width, height, frames, fps): the 5 s checkpoints' 121 frames at the
+# 3:2 landscape shape of docs/benchmarks.md's VSR runs.
+SR_WARMUP_CLIP = (768, 512, 121, 24)
+
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
@@ -115,23 +119,55 @@ class ModelWorker:
             logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")
         self.warmed_up = False
         self.gc_freezer = CompileGcFreezer()
+        self.server_warmup_s: float | None = None  # what `--warmup-mode server` cost at start (also logged)
         if config.runtime.warmup_mode == "server":
-            self._warmup(self.variant_warmup_params())
+            self.server_warmup_s = self._warmup(self.variant_warmup_params())
 
     def variant_warmup_params(self) -> SamplingParams:
-        """A request of the variant's default shape (server warm-up); SR warms up on its first request."""
+        """A request of the variant's default shape (server warm-up). SR: no params (its warm-up clip is made in
+        `_warmup_super_resolution`)."""
+        if self.variant.family != GENERATION:
+            return SamplingParams()
         return SamplingParams(prompt="warm-up")
 
     def _warmup(self, params: SamplingParams) -> float:
         """Run a short request of this shape once (compilation, autotuning); returns its cost in seconds."""
         self.warmed_up = True
         if self.variant.family != GENERATION:
-            return 0.0
+            return self._warmup_super_resolution()
         request, _ = self.resolve(params)
         report = warmup(self.pipeline, request, "request")
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
         return report.seconds
+
+    def _warmup_super_resolution(self) -> float:
+        """SR warm-up, `--warmup-mode server` only: one upscale of a synthetic clip of `SR_WARMUP_CLIP`'s shape,
+        written to a temporary MP4 through the same streamed decode and encoder as a request, so the DiT, the
+        compiled K-VAE blocks, the attention kernels and cuDNN's autotuning are ready before the first request of
+        that shape (the cold VSR x2 request took 156-194 s on an H200, the warm one 42.5 s). A source of another
+        aspect ratio (another tile) or frame count still compiles on its first request. With
+        `--warmup-mode request` there is no shorter version of an SR request to run first (its DiT takes 2 calls
+        per tile), so its first request is its own warm-up: 0 s."""
+        if self.config.runtime.warmup_mode != "server":
+            return 0.0
+        import tempfile
+
+        from k6serve.testing.clips import make_clip
+
+        width, height, num_frames, fps = SR_WARMUP_CLIP
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
+            clip = make_clip(Path(folder) / "source.mp4", width=width, height=height, num_frames=num_frames, fps=fps)
+            request, _ = self.resolve(SamplingParams(video_path=str(clip), sr_resolution_scale=2))
+            self._generate_into_mp4(request, Path(folder) / "upscaled.mp4", None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.gc_freezer.freeze_if_compiled()
+        logger.info("warm-up (server, super-resolution of %dx%dx%d) took %.2f s", width, height, num_frames,
+                    seconds)
+        return seconds
 
     def _build_pipeline(self, folder: Path | None):
         from k6serve.ops.attention import resolve_attention_backend

@@ -134,3 +134,39 @@ def test_segment_major_needs_half_of_what_is_left_for_the_other_tiles(monkeypatc
     assert _segment_major_fits(cuda, 2 * gib, 9)  # 8 x 2 = 16 GiB
     assert not _segment_major_fits(cuda, 2 * gib, 10)  # 18 GiB
     assert _segment_major_fits(torch.device("cpu"), 100 * gib, 100)  # off CUDA: always
+
+
+def test_server_warmup_upscales_a_synthetic_clip_before_the_first_request(tiny_sr_dir, monkeypatch, tmp_path):
+    """--warmup-mode server on the VSR model: at start the worker upscales a synthetic clip (SR_WARMUP_CLIP's shape)
+    into a temporary MP4 through the request path, reports its cost, and leaves no file behind; a request then
+    runs without a warm-up entry. --warmup-mode request has nothing shorter to run first for SR: 0 s."""
+    import tempfile
+
+    from k6serve.api import build_engine_config
+    from k6serve.request import OutputOptions, SamplingParams
+    from k6serve.runtime import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SR_WARMUP_CLIP", (96, 32, 17, 24))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the warm-up's temporary folder goes
+    calls = []
+    original = worker_module.ModelWorker._generate_into_mp4
+
+    def recording(self, request, target, on_step):
+        calls.append((Path(request.video_path).name, target.name))
+        return original(self, request, target, on_step)
+
+    monkeypatch.setattr(worker_module.ModelWorker, "_generate_into_mp4", recording)
+    worker = worker_module.ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", warmup_mode="server"))
+    assert worker.warmed_up and worker.server_warmup_s > 0
+    assert calls == [("source.mp4", "upscaled.mp4")]
+    assert list(tmp_path.iterdir()) == []  # the temporary clip and MP4 are gone
+    source = make_clip(tmp_path / "clip.mp4", width=96, height=32, num_frames=17, fps=24)
+    result = worker.run(SamplingParams(video_path=str(source), sr_resolution_scale=2),
+                        OutputOptions(save_output=False, return_frames=False))
+    assert "warmup" not in result.timings
+    request_mode = worker_module.ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu",
+                                                                 warmup_mode="request"))
+    assert request_mode.server_warmup_s is None
+    result = request_mode.run(SamplingParams(video_path=str(source), sr_resolution_scale=2),
+                              OutputOptions(save_output=False, return_frames=False))
+    assert result.timings["warmup"] == 0.0
