@@ -111,3 +111,14 @@ def test_upsamplers_with_other_convolutions_are_left_alone(sr_configs):
                                            padding_mode="replicate")
     assert apply_subpixel_upsample(vae.model.decoder) == len(upsamplers) - 1
     assert "forward" not in vars(upsamplers[0]) and all("forward" in vars(m) for m in upsamplers[1:])
+
+
+def test_phase_kernels_keep_channels_last_weights_channels_last():
+    """Beside channels-last decoder weights the phase kernels are channels-last too (cuDNN would otherwise
+    transpose around them); the values do not depend on the layout."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(6, 4, 1, 3, 3, generator=generator)
+    channels_last = weight.contiguous(memory_format=torch.channels_last_3d)
+    for plain, converted in zip(phase_kernels(weight), phase_kernels(channels_last), strict=True):
+        assert plain.is_contiguous() and converted.is_contiguous(memory_format=torch.channels_last_3d)
+        assert not converted.is_contiguous() and torch.equal(plain, converted)
