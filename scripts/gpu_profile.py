@@ -342,6 +342,8 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             from k6serve.speed.kvae_upsample import apply_subpixel_upsample
 
             part["subpixel_upsamplers"] = apply_subpixel_upsample(sr_vae.model.decoder)
+            # What the rewritten decode computes (86 TFLOP less per released tile): the compiled rate's numerator.
+            part["subpixel_tflop"] = sr_vae_tile_decode_flops(configs, *latent.shape[2:], subpixel_upsample=True) / 1e12
             if args.tiny:
                 with torch.inference_mode():
                     part["subpixel_max_uint8_diff"] = int((call().short() - reference.short()).abs().max())
@@ -357,9 +359,10 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
                          + (", commuted norms" if args.commuted_norms else "")
                          + (", subpixel upsample" if args.subpixel_upsample else ""))
                 measure_compiled(part, label, call, device, args.repeats, difference, markdown)
-                part["compiled_tflops"] = part["tflop"] / part["compiled_s"]
+                compiled_tflop = part.get("subpixel_tflop", part["tflop"])
+                part["compiled_tflops"] = compiled_tflop / part["compiled_s"]
                 markdown.append(f"{part['tflop']:.1f} TFLOP per tile: eager {part['eager_tflops']:.0f}, compiled "
-                                f"{part['compiled_tflops']:.0f} TFLOP/s\n")
+                                f"({compiled_tflop:.1f} TFLOP) {part['compiled_tflops']:.0f} TFLOP/s\n")
     except Exception as error:  # noqa: BLE001
         record_failure(part, "kvae", error)
     _free()

@@ -66,13 +66,16 @@ def sr_dit_forward_flops(config: SRTransformerConfig, *, num_tokens: int) -> flo
     return float(config.num_visual_blocks * (s * (8 * d**2 + 4 * d * f) + 4 * s**2 * d))
 
 
-def sr_vae_tile_decode_flops(configs, latent_frames: int, latent_height: int, latent_width: int) -> float:
+def sr_vae_tile_decode_flops(
+    configs, latent_frames: int, latent_height: int, latent_width: int, *, subpixel_upsample: bool = False
+) -> float:
     """FLOPs of the SR K-VAE's decode of one latent tile (frames x height x width latents; a 512x768 output tile of
     121 frames is 31 x 32 x 48): the sum over its convolutions, counted by torch's `FlopCounterMode` while the
     decoder runs on a meta-device build of `configs` (an `SRConfigs`), so no weights are allocated and the count
     follows the decoder's real segment and cache logic. Released K-VAE: 837.6 TFLOP per tile, all convolutions
     (sixth session). Why not a formula: the causal segments, the first-frame handling and the upsamplers make one
-    error-prone, and the count is what the profile's convolution time is compared with."""
+    error-prone, and the count is what the profile's convolution time is compared with. `subpixel_upsample`: the
+    decode with the upsamplers as four 2x2 phase convolutions (speed/kvae_upsample.py), 751.5 TFLOP per tile."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models
@@ -80,6 +83,10 @@ def sr_vae_tile_decode_flops(configs, latent_frames: int, latent_height: int, la
 
     meta = torch.device("meta")
     models = build_dummy_sr_models(configs, VARIANTS["vsr-distilled2steps"], device=meta, dtype=torch.bfloat16)
+    if subpixel_upsample:
+        from k6serve.speed.kvae_upsample import apply_subpixel_upsample
+
+        apply_subpixel_upsample(models.vae.model.decoder)
     latent = torch.empty(1, configs.vae.latent_channels, latent_frames, latent_height, latent_width,
                          device=meta, dtype=torch.bfloat16)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:

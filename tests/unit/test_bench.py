@@ -383,6 +383,7 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     assert kvae["commuted_norms"] > 0 and kvae["commuted_norms_max_uint8_diff"] == 0
     # Sub-pixel upsampler convolutions: the same values up to fp32 rounding, so at most one uint8 level.
     assert kvae["subpixel_upsamplers"] > 0 and kvae["subpixel_max_uint8_diff"] <= 1
+    assert 0 < kvae["subpixel_tflop"] < kvae["tflop"]  # the compiled rate is of what the rewritten decode computes
     assert kvae["tflop"] > 0 and kvae["eager_tflops"] == pytest.approx(kvae["tflop"] / kvae["eager_s"])
 
 
@@ -452,3 +453,6 @@ def test_sr_vae_tile_decode_flops_counts_the_real_decode(tmp_path):
     assert counter.get_total_flops() > 0
     assert sr_vae_tile_decode_flops(configs, 5, 4, 6) == counter.get_total_flops()
     assert sr_vae_tile_decode_flops(released_sr_configs(variant), 31, 32, 48) / 1e12 == pytest.approx(837.6, abs=0.05)
+    # With the upsamplers as 2x2 phases (speed/kvae_upsample.py): 154.9 -> 68.8 TFLOP of the tile's upsamplers.
+    subpixel = sr_vae_tile_decode_flops(released_sr_configs(variant), 31, 32, 48, subpixel_upsample=True) / 1e12
+    assert subpixel == pytest.approx(837.6 - 154.9 + 68.8, abs=0.1)
