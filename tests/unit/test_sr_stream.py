@@ -161,9 +161,11 @@ def test_server_warmup_upscales_a_synthetic_clip_before_the_first_request(tiny_s
     assert calls == [("source.mp4", "upscaled.mp4")]
     assert list(tmp_path.iterdir()) == []  # the temporary clip and MP4 are gone
     source = make_clip(tmp_path / "clip.mp4", width=96, height=32, num_frames=17, fps=24)
+    warmups = []
+    monkeypatch.setattr(worker, "_warmup", lambda params: warmups.append(params) or 0.0)
     result = worker.run(SamplingParams(video_path=str(source), sr_resolution_scale=2),
                         OutputOptions(save_output=False, return_frames=False))
-    assert "warmup" not in result.timings
+    assert warmups == [] and "warmup" not in result.timings  # warmed at start, not again before the request
     request_mode = worker_module.ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu",
                                                                  warmup_mode="request"))
     assert request_mode.server_warmup_s is None
