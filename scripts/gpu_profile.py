@@ -324,29 +324,30 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             reference = call()
             measure_eager(part, "kvae one tile eager", call, device, args.repeats, markdown)
         part["eager_tflops"] = part["tflop"] / part["eager_s"]
-        if args.commuted_norms:  # speed/kvae_spatial_norm.py: the same values (checked below), less traffic
-            from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
+        from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
+        from k6serve.speed.kvae_upsample import apply_subpixel_upsample
+        from k6serve.speed.vae import apply_channels_last_3d
 
-            part["commuted_norms"] = apply_commuted_spatial_norms(sr_vae.model.decoder)
+        # Each asked-for transform on top of the previous ones: (flag, JSON key of what it changed, JSON key of the
+        # CPU check, transform).
+        # On CPU (--tiny) the eager decode is compared with the reference after each: the commuted norms
+        # (speed/kvae_spatial_norm.py) and NDHWC weights (speed/vae.py) change no value, the upsampler phases
+        # (speed/kvae_upsample.py) round differently.
+        transforms = (
+            (args.commuted_norms, "commuted_norms", "commuted_norms_max_uint8_diff", apply_commuted_spatial_norms),
+            (args.channels_last, "channels_last_convs", "channels_last_max_uint8_diff", apply_channels_last_3d),
+            (args.subpixel_upsample, "subpixel_upsamplers", "subpixel_max_uint8_diff", apply_subpixel_upsample),
+        )
+        for wanted, key, difference_key, transform in transforms:
+            if not wanted:
+                continue
+            part[key] = transform(sr_vae.model.decoder)
             if args.tiny:
                 with torch.inference_mode():
-                    part["commuted_norms_max_uint8_diff"] = int((call().short() - reference.short()).abs().max())
-        if args.channels_last:  # NDHWC conv weights (speed/vae.py); eager stays the NCDHW reference above
-            from k6serve.speed.vae import apply_channels_last_3d
-
-            part["channels_last_convs"] = apply_channels_last_3d(sr_vae.model.decoder)
-            if args.tiny:  # CPU: eager with the converted weights, to check the conversion changes no value
-                with torch.inference_mode():
-                    part["channels_last_max_uint8_diff"] = int((call().short() - reference.short()).abs().max())
-        if args.subpixel_upsample:  # speed/kvae_upsample.py: the same values up to rounding, 2.25x fewer FLOPs
-            from k6serve.speed.kvae_upsample import apply_subpixel_upsample
-
-            part["subpixel_upsamplers"] = apply_subpixel_upsample(sr_vae.model.decoder)
+                    part[difference_key] = int((call().short() - reference.short()).abs().max())
+        if args.subpixel_upsample:
             # What the rewritten decode computes (86 TFLOP less per released tile): the compiled rate's numerator.
             part["subpixel_tflop"] = sr_vae_tile_decode_flops(configs, *latent.shape[2:], subpixel_upsample=True) / 1e12
-            if args.tiny:
-                with torch.inference_mode():
-                    part["subpixel_max_uint8_diff"] = int((call().short() - reference.short()).abs().max())
         if not args.tiny:
             from k6serve.speed.vae import compile_sr_decoder_blocks
 

@@ -65,6 +65,27 @@ def tiny_sr_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sr_configs(tiny_sr_dir: Path):
+    """The `SRConfigs` of `tiny_sr_dir`."""
+    from k6serve.models.kandinsky6_sr.checkpoint import read_sr_configs
+
+    return read_sr_configs(tiny_sr_dir)
+
+
+@pytest.fixture
+def build_tiny_kvae(tiny_sr_configs):
+    """dtype -> a fresh SR K-VAE wrapper of `tiny_sr_configs` with random weights on the CPU."""
+    from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models
+    from k6serve.models.variants import VARIANTS
+
+    def build(dtype: torch.dtype):
+        variant = VARIANTS["vsr-distilled2steps"]
+        return build_dummy_sr_models(tiny_sr_configs, variant, device=torch.device("cpu"), dtype=dtype).vae
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tiny_sr_flow640_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The known-bad pairing: flow-matching Euler scheduler next to a 640-style (n_grid x C) head."""
     from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint

@@ -15,8 +15,9 @@ forward, in the SR DiT 1.201 -> 1.178 s per call. So `K6SERVE_FA4` (read at impo
 
 The same math (softmax attention, scale 1/sqrt(D)); only the kernel, and so the rounding, differs (max 0.00024
 from FA3 on unit-normal inputs, like FA3 from cuDNN). FA4 JIT-compiles a kernel per compile key (dtype, head dims,
-tile: no sequence length or head count); `prepare()`'s probe compiles those of the head dims it will take when the
-backend is resolved, at model load, so requests do not wait for it (`probe`).
+tile: no sequence length or head count, read from FA4's source); `prepare()`'s probe runs at model load, when the
+backend is resolved, and by that key compiles the kernels of the head dims FA4 will take, so requests should not
+wait for them (`probe`; not yet timed on the GPU).
 
 The call goes through the custom op `k6serve::fa4_attention`, so a compiled block keeps one graph around it
 (dynamo does not trace into FA4's Python launcher or its JIT), and `wanted()` reads module state only: the import
@@ -153,7 +154,8 @@ def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2
     """One small FA4 call at `head_dim`, checked against SDPA; raises if it fails or is wrong. It also JIT-compiles
     the kernel the requests use: FA4's compile key (flash_attn/cute/interface.py) holds the dtype, head dims, the
     Q-per-KV head ratio, tile and split-KV choice, but no sequence length or head count, and `flash_attn_func` never
-    splits KV (num_splits=1), so a 384-token, 2-head call compiles the same kernel as a 47,616-token one."""
+    splits KV (num_splits=1), so a 384-token, 2-head call should compile the same kernel as a 47,616-token one
+    (read from the source; the next GPU run's first-call times will show it)."""
     generator = torch.Generator(device=device).manual_seed(0)
     query, key, value = (
         torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=generator)

@@ -124,10 +124,8 @@ class ModelWorker:
             self.server_warmup_s = self._warmup(self.variant_warmup_params())
 
     def variant_warmup_params(self) -> SamplingParams:
-        """A request of the variant's default shape (server warm-up). SR: no params (its warm-up clip is made in
+        """A request of the variant's default shape (server warm-up; SR makes its own clip instead,
         `_warmup_super_resolution`)."""
-        if self.variant.family != GENERATION:
-            return SamplingParams()
         return SamplingParams(prompt="warm-up")
 
     def _warmup(self, params: SamplingParams) -> float:

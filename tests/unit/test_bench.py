@@ -433,23 +433,21 @@ def test_environment_records_the_k6serve_switches_but_not_the_api_key(monkeypatc
     assert "K6SERVE_API_KEY" not in recorded
 
 
-def test_sr_vae_tile_decode_flops_counts_the_real_decode(tmp_path):
+def test_sr_vae_tile_decode_flops_counts_the_real_decode(tiny_sr_configs, build_tiny_kvae):
     """The meta-device count equals the count of a real decode (tiny K-VAE on CPU, the same segment and cache
     logic), and the released K-VAE's 512x768x121 tile is 837.6 TFLOP of convolutions."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from k6serve.bench.flops import sr_vae_tile_decode_flops
-    from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models, read_sr_configs, released_sr_configs
+    from k6serve.models.kandinsky6_sr.checkpoint import released_sr_configs
     from k6serve.models.variants import VARIANTS
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
 
     variant = VARIANTS["vsr-distilled2steps"]
-    configs = read_sr_configs(build_sr_checkpoint(tmp_path))
-    models = build_dummy_sr_models(configs, variant, device=torch.device("cpu"), dtype=torch.float32)
+    configs = tiny_sr_configs
     latent = torch.randn(1, configs.vae.latent_channels, 5, 4, 6)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        models.vae.decode_tile(latent)
+        build_tiny_kvae(torch.float32).decode_tile(latent)
     assert counter.get_total_flops() > 0
     assert sr_vae_tile_decode_flops(configs, 5, 4, 6) == counter.get_total_flops()
     assert sr_vae_tile_decode_flops(released_sr_configs(variant), 31, 32, 48) / 1e12 == pytest.approx(837.6, abs=0.05)

@@ -4,8 +4,6 @@ traced by dynamo; only plain 1x1x1 convolutions are commuted; parameters are unt
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 from torch import nn
@@ -13,33 +11,16 @@ from torch import nn
 from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 
 
-@pytest.fixture(scope="module")
-def sr_configs():
-    from k6serve.models.kandinsky6_sr.checkpoint import read_sr_configs
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
-
-    with tempfile.TemporaryDirectory() as folder:
-        return read_sr_configs(build_sr_checkpoint(folder))
-
-
-def _kvae(sr_configs, dtype):
-    from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models
-    from k6serve.models.variants import VARIANTS
-
-    models = build_dummy_sr_models(sr_configs, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=dtype)
-    return models.vae
-
-
-def _latent(sr_configs, dtype):
+def _latent(tiny_sr_configs, dtype):
     # 13 latent frames: three causal segments (5, 4, 4), so the first-frame path and the later-segment path both run.
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(1, sr_configs.vae.latent_channels, 13, 4, 6, generator=generator).to(dtype)
+    return torch.randn(1, tiny_sr_configs.vae.latent_channels, 13, 4, 6, generator=generator).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_commuted_norms_decode_the_same_bits(sr_configs, dtype):
-    vae = _kvae(sr_configs, dtype)
-    latent = _latent(sr_configs, dtype)
+def test_commuted_norms_decode_the_same_bits(tiny_sr_configs, dtype, build_tiny_kvae):
+    vae = build_tiny_kvae(dtype)
+    latent = _latent(tiny_sr_configs, dtype)
     keys = list(vae.model.state_dict())
     norms = [m for m in vae.model.decoder.modules() if type(m).__name__ == "Kandinsky6SRSpatialNorm3D"]
     with torch.inference_mode():
@@ -51,15 +32,15 @@ def test_commuted_norms_decode_the_same_bits(sr_configs, dtype):
     assert list(vae.model.state_dict()) == keys
 
 
-def test_commuted_norms_compile_into_the_block(sr_configs):
+def test_commuted_norms_compile_into_the_block(tiny_sr_configs, build_tiny_kvae):
     """What --compile-vae compiles: one resnet block with its two commuted norms, compiled by inductor (~20 s on
     CPU), over the first and a later segment: the upsampling of the convolved latent lowers into the block's
     kernels and the values stay those of diffusers' order, bit for bit."""
-    vae = _kvae(sr_configs, torch.float32)
+    vae = build_tiny_kvae(torch.float32)
     # The top level (full resolution: 8x the latent grid here, 4x its frames): the upsampling is real.
     block = vae.model.decoder.up[0].block[0]
     generator = torch.Generator().manual_seed(1)
-    channels = sr_configs.vae.latent_channels
+    channels = tiny_sr_configs.vae.latent_channels
     # First segment: 5 latent frames -> 1 + 16 frames (the first frame upsampled on its own); then 4 -> 16.
     segments = [(torch.randn(1, channels, 5, 4, 6, generator=generator),
                  torch.randn(1, block.in_channels, 17, 32, 48, generator=generator)),
@@ -76,8 +57,8 @@ def test_commuted_norms_compile_into_the_block(sr_configs):
     torch._dynamo.reset()
 
 
-def test_norms_with_other_convolutions_are_left_alone(sr_configs):
-    vae = _kvae(sr_configs, torch.float32)
+def test_norms_with_other_convolutions_are_left_alone(build_tiny_kvae):
+    vae = build_tiny_kvae(torch.float32)
     norms = [m for m in vae.model.decoder.modules() if type(m).__name__ == "Kandinsky6SRSpatialNorm3D"]
     norms[0].conv_y = nn.Conv3d(norms[0].conv_y.in_channels, norms[0].conv_y.out_channels, 3, padding=1)
     assert apply_commuted_spatial_norms(vae.model.decoder) == len(norms) - 1

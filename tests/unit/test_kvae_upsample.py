@@ -5,8 +5,6 @@ compiled by inductor; only zero-padded (1, 3, 3) convolutions are rewritten; par
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,23 +15,6 @@ from k6serve.speed.kvae_upsample import (
     phase_kernels,
     subpixel_upsample_conv,
 )
-
-
-@pytest.fixture(scope="module")
-def sr_configs():
-    from k6serve.models.kandinsky6_sr.checkpoint import read_sr_configs
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
-
-    with tempfile.TemporaryDirectory() as folder:
-        return read_sr_configs(build_sr_checkpoint(folder))
-
-
-def _kvae(sr_configs, dtype):
-    from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models
-    from k6serve.models.variants import VARIANTS
-
-    models = build_dummy_sr_models(sr_configs, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=dtype)
-    return models.vae
 
 
 @pytest.mark.parametrize("height,width", [(5, 7), (4, 6), (1, 1)])
@@ -63,12 +44,12 @@ def test_phase_kernels_sum_the_taps_each_phase_reads():
     assert k10.tolist() == [[0 + 3, 1 + 2 + 4 + 5], [6, 7 + 8]]
 
 
-def test_subpixel_upsampler_decodes_the_same_tile(sr_configs):
+def test_subpixel_upsampler_decodes_the_same_tile(tiny_sr_configs, build_tiny_kvae):
     """The decoded tile in fp32 over three causal segments (13 latent frames: 5, 4, 4), with the spatial-only and the
     temporal upsamplers rewritten: within fp32 rounding of diffusers' upsample-then-convolve."""
-    vae = _kvae(sr_configs, torch.float32)
+    vae = build_tiny_kvae(torch.float32)
     generator = torch.Generator().manual_seed(0)
-    latent = torch.randn(1, sr_configs.vae.latent_channels, 13, 4, 6, generator=generator)
+    latent = torch.randn(1, tiny_sr_configs.vae.latent_channels, 13, 4, 6, generator=generator)
     keys = list(vae.model.state_dict())
     upsamplers = [m for m in vae.model.decoder.modules() if type(m).__name__ == "Kandinsky6SRUpsample"]
     assert any(m.compress_time for m in upsamplers) and any(not m.compress_time for m in upsamplers)
@@ -82,10 +63,10 @@ def test_subpixel_upsampler_decodes_the_same_tile(sr_configs):
     assert list(vae.model.state_dict()) == keys
 
 
-def test_subpixel_upsampler_compiles(sr_configs):
+def test_subpixel_upsampler_compiles(build_tiny_kvae):
     """What --compile-vae compiles: one temporal upsampler, compiled by inductor, over a first and a later segment
     (the causal cache carried): the values of diffusers' forward within fp32 rounding."""
-    vae = _kvae(sr_configs, torch.float32)
+    vae = build_tiny_kvae(torch.float32)
     upsampler = next(m for m in vae.model.decoder.modules()
                      if type(m).__name__ == "Kandinsky6SRUpsample" and m.compress_time)
     channels = upsampler.spatial_conv.in_channels
@@ -103,8 +84,8 @@ def test_subpixel_upsampler_compiles(sr_configs):
     torch._dynamo.reset()
 
 
-def test_upsamplers_with_other_convolutions_are_left_alone(sr_configs):
-    vae = _kvae(sr_configs, torch.float32)
+def test_upsamplers_with_other_convolutions_are_left_alone(build_tiny_kvae):
+    vae = build_tiny_kvae(torch.float32)
     upsamplers = [m for m in vae.model.decoder.modules() if type(m).__name__ == "Kandinsky6SRUpsample"]
     conv = upsamplers[0].spatial_conv
     upsamplers[0].spatial_conv = nn.Conv3d(conv.in_channels, conv.out_channels, (1, 3, 3), padding=(0, 1, 1),

@@ -285,7 +285,7 @@ class _HunyuanLikeVae(torch.nn.Module):
         self.decoder = _Decoder()
 
 
-def test_compiled_vae_decoder_only_when_asked(monkeypatch):
+def test_compiled_vae_decoder_only_when_asked(monkeypatch, tiny_sr_configs):
     """--compile-vae is opt-in: "speed" alone leaves the decoder eager; with it, HunyuanVideo's decoder is compiled
     and the SR K-VAE's blocks are (SRVAE calls them one by one, never decoder.forward)."""
     from k6serve.speed.vae import CHANNELS_LAST_ENVIRONMENT_VARIABLE
@@ -298,14 +298,10 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch):
     report = apply_performance_mode(_Models(transformer=_model(), vae=vae), "speed", "cuda", compile_vae_decoder=True)
     assert report.vae == ("cudnn_benchmark", "compile_decoder") and is_compiled(vae.decoder)
 
-    import tempfile
-
-    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed.vae import compile_sr_decoder_blocks
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
 
-    with tempfile.TemporaryDirectory() as folder:
-        configs = read_sr_configs(build_sr_checkpoint(folder))
+    configs = tiny_sr_configs
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "compile_decoder_blocks"]
@@ -316,20 +312,15 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch):
+def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch, tiny_sr_configs):
     """With --compile-vae the SR K-VAE's 5-D Conv3d weights are stored NDHWC (measured faster on the H200);
     `K6SERVE_VAE_CHANNELS_LAST=0` leaves them; eager decoders are never converted; HunyuanVideo's compiled
     decoder only with `=1`. (Meta weights here; that the decoded frames do not change is checked by
     test_bench.py's `gpu_profile.py kvae --tiny --channels-last` run.)"""
-    import tempfile
-
-    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed.vae import CHANNELS_LAST_ENVIRONMENT_VARIABLE
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
-
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    with tempfile.TemporaryDirectory() as folder:
-        configs = read_sr_configs(build_sr_checkpoint(folder))
+    configs = tiny_sr_configs
 
     def fresh_kvae():
         _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
@@ -362,19 +353,14 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch):
+def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch, tiny_sr_configs):
     """With --compile-vae the SR K-VAE's latent-conditioned norms go through speed/kvae_spatial_norm.py before the
     blocks are compiled (measured faster on the H200); $K6SERVE_KVAE_COMMUTED_NORMS=0 or the eager decode keep
     diffusers' forward."""
-    import tempfile
-
-    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed.vae import COMMUTED_NORMS_ENVIRONMENT_VARIABLE
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
-
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    with tempfile.TemporaryDirectory() as folder:
-        configs = read_sr_configs(build_sr_checkpoint(folder))
+    configs = tiny_sr_configs
 
     def norms(kvae):
         return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRSpatialNorm3D"]
@@ -395,18 +381,13 @@ def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch)
     torch._dynamo.reset()
 
 
-def test_subpixel_upsample_only_with_its_variable_and_the_compiled_decoder(monkeypatch):
+def test_subpixel_upsample_only_with_its_variable_and_the_compiled_decoder(monkeypatch, tiny_sr_configs):
     """$K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=1 with --compile-vae routes the SR K-VAE's upsamplers through
     speed/kvae_upsample.py before the blocks are compiled; the eager decode keeps diffusers' forward."""
-    import tempfile
-
-    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules, read_sr_configs
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed.vae import SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE
-    from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
-
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    with tempfile.TemporaryDirectory() as folder:
-        configs = read_sr_configs(build_sr_checkpoint(folder))
+    configs = tiny_sr_configs
 
     def upsamplers(kvae):
         return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRUpsample"]
