@@ -13,7 +13,7 @@ DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 PERFORMANCE_MODES = ("speed", "balanced", "memory")
 WARMUP_MODES = ("off", "request", "server")
-ATTENTION_BACKENDS = ("auto", "fa", "torch_sdpa", "sdpa")
+ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
 
 
@@ -92,7 +92,8 @@ class RuntimeConfig:
             raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"--attention-backend must be one of fa, torch_sdpa (alias sdpa), got {self.attention_backend!r}"
+                f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), "
+                f"got {self.attention_backend!r}"
             )
 
 

@@ -9,6 +9,11 @@ This times, on one GPU, the video self-attention of one block (B=1, 47,616 token
   fa3    FlashAttention-3 forward from `fa3-fwd` (k6serve's `fa` backend)
   fa4    FlashAttention-4's CuTe-DSL kernels (`flash-attn-4`, JIT-compiled on first call; the op `K6SERVE_FA4`
          runs, at FA4's own tile; its wheels: docs/benchmarks.md, "Next GPU runs")
+  fa3 fp8         FA3's e4m3 kernel as the opt-in `fa_fp8` backend calls it: per-head quantization of Q, K, V
+                  included (ops/fp8_attention.py)
+  fa3 fp8 kernel  the same kernel on inputs quantized beforehand: what the quantization costs on top
+  sdpa fp8 inputs SDPA in fp32 on the dequantized e4m3 inputs: the part of the FP8 rows' difference that the
+                  input rounding alone causes (the kernel adds its e4m3 rounding of P)
 
 and reports ms, TFLOP/s and the largest difference from the first kernel's output (bf16, the same inputs):
 
@@ -47,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from k6serve.bench.measure import kernel_median_ms, kernel_script_parser, write_kernel_report
+from k6serve.ops import fp8_attention
 
 SHAPES = {"pro": (47_616, 32, 128), "lite": (47_616, 28, 64)}
 TINY = {"tiny": (96, 4, 16)}
@@ -96,11 +102,28 @@ def _sdpa(query, key, value):
         return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query, key, value))).transpose(1, 2)
 
 
+def _fp8_kernel_only(fa3: Callable) -> Callable:
+    """FA3's e4m3 kernel on inputs quantized once per input tensor (outside the timed calls after the first)."""
+    quantized: dict[tuple[int, ...], list] = {}
+
+    def attention(query, key, value):
+        pointers = tuple(x.data_ptr() for x in (query, key, value))
+        if pointers not in quantized:
+            quantized.clear()
+            quantized[pointers] = [fp8_attention.quantize_per_head(x) for x in (query, key, value)]
+        (query8, query_descale), (key8, key_descale), (value8, value_descale) = quantized[pointers]
+        return fa3(query8, key8, value8, q_descale=query_descale, k_descale=key_descale, v_descale=value_descale)
+
+    return attention
+
+
 def kernels(device: torch.device) -> dict[str, Callable | str]:
     """name -> attention(q, k, v) on (B, S, H, D) tensors, or the reason it is unavailable."""
     found: dict[str, Callable | str] = {"sdpa": _sdpa}
+    emulated = {"sdpa fp8 inputs": lambda q, k, v: fp8_attention.reference_fp8_attention(q, k, v).to(q.dtype)}
     if device.type != "cuda":
-        return found | {"fa3": "needs CUDA", "fa4": "needs CUDA"}
+        return found | {"fa3": "needs CUDA", "fa4": "needs CUDA", "fa3 fp8": "needs CUDA",
+                        "fa3 fp8 kernel": "needs CUDA"} | emulated
     from k6serve.ops.attention import _load_fa3
 
     fa3, reason = _load_fa3()
@@ -109,7 +132,12 @@ def kernels(device: torch.device) -> dict[str, Callable | str]:
 
     fa4, reason = flash_attention4.load()
     found["fa4"] = flash_attention4.fa4_attention if fa4 is not None else reason  # the op $K6SERVE_FA4=1 uses
-    return found
+    if fa3 is None:
+        return found | {"fa3 fp8": reason, "fa3 fp8 kernel": reason} | emulated
+    return found | {
+        "fa3 fp8": lambda q, k, v: fp8_attention.fp8_attention(fa3, q, k, v),  # what backend "fa_fp8" runs
+        "fa3 fp8 kernel": _fp8_kernel_only(fa3),
+    } | emulated
 
 
 def fa4_tile_configs(head_dim: int) -> list[tuple[int, int, bool, bool]]:
@@ -171,7 +199,8 @@ def time_kernels(device: torch.device, shape_name: str, shape: tuple[int, int, i
     flop = 4 * tokens * tokens * heads * head_dim
     for name, kernel in available.items():
         row = {"shape": shape_name, "kernel": name, "tokens": tokens, "heads": heads, "head_dim": head_dim,
-               "ms": None, "tflops": None, "max_abs_difference": None, "first_call_s": None, "error": None}
+               "ms": None, "tflops": None, "max_abs_difference": None, "relative_rms_difference": None,
+               "first_call_s": None, "error": None}
         rows.append(row)
         if isinstance(kernel, str):
             row["error"] = kernel
@@ -192,6 +221,8 @@ def time_kernels(device: torch.device, shape_name: str, shape: tuple[int, int, i
             if reference is None:
                 reference = out.float()
             row["max_abs_difference"] = (out.float() - reference).abs().max().item()
+            # ||out - reference|| / ||reference||: the FP8 rows' error in a unit that does not depend on the scale
+            row["relative_rms_difference"] = ((out.float() - reference).norm() / reference.norm()).item()
         except Exception as error:  # noqa: BLE001 - recorded; the next kernel still runs
             row["ms"] = row["tflops"] = None
             row["error"] = error_text(error)
@@ -231,9 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         return "-" if value is None else format(value, spec)
 
     lines = [f"### attention ({report['device']}, torch {report['torch']})", "",
-             "| shape | kernel | ms | TFLOP/s | max abs difference | error |", "|---|---|---|---|---|---|"]
+             "| shape | kernel | ms | TFLOP/s | max abs difference | relative RMS difference | error |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} ({r['heads']}x{r['head_dim']}) | {r['kernel']} | {cell(r['ms'], '.3f')} | "
               f"{cell(r['tflops'], '.0f')} | {cell(r['max_abs_difference'], '.3g')} | "
+              f"{cell(r['relative_rms_difference'], '.3g')} | "
               f"{(r['error'] or '').replace('|', '/')} |"
               for r in rows]
     (out / "attention.md").write_text("\n".join(lines) + "\n")

@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="dit: also time our fast DiT with the Triton RMSNorm + RoPE kernel.",
     )
     parser.add_argument(
+        "--fp8-attention",
+        action="store_true",
+        help="dit: then our fastest DiT once more with the FA3 FP8 backend fa_fp8 (lossy, opt-in).",
+    )
+    parser.add_argument(
         "--compile-decoder",
         action="store_true",
         help="decoders: also time a compiled VAE decoder; generate/sr: the engine with --compile-vae true.",
@@ -122,6 +127,8 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         extra = ["--backends", backends] + (
             ["--reference-compiled"] if args.reference_compiled else []
         ) + (["--norm-rope-kernel"] if args.norm_rope_kernel else []) + (
+            ["--fp8-attention"] if args.fp8_attention else []
+        ) + (
             ["--skip-eager"] if args.skip_eager else []
         ) + (["--compile-mode", args.compile_mode] if args.compile_mode else [])
         return [

@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(K6SERVE_FUSED_NORM_ROPE's transform).",
     )
     parser.add_argument(
+        "--fp8-attention",
+        action="store_true",
+        help="dit: then time the last fast configuration once more with --attention-backend fa_fp8 "
+        "(FA3's e4m3 kernel for the long attentions; lossy, opt-in; ops/fp8_attention.py).",
+    )
+    parser.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
     )
     parser.add_argument(
@@ -187,6 +193,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         reference=not args.skip_reference,
         reference_compiled=args.reference_compiled,
         norm_rope_kernel=args.norm_rope_kernel,
+        fp8_attention=args.fp8_attention,
         compile_backend=compile_backend,
         compile_mode=args.compile_mode,
         **timing,

@@ -9,6 +9,7 @@ compiled (optional), ours eager per backend, ours fused + compiled per backend.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from k6serve.bench.report import BenchRow
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6.plan import kandinsky6_plan
-from k6serve.ops import flash_attention4
+from k6serve.ops import flash_attention4, fp8_attention
 from k6serve.ops.attention import resolve_attention_backend
 from k6serve.ops.rms_norm_rope import kernel_for
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
@@ -45,6 +46,8 @@ class DitOptions:
     reference: bool = True  # diffusers eager
     reference_compiled: bool = False  # diffusers with compile_repeated_blocks(fullgraph=True)
     norm_rope_kernel: bool = False  # then ours fast again with the Triton RMSNorm + RoPE kernel of Q/K
+    # then the last fast configuration once more with backend "fa_fp8" (ops/fp8_attention.py: lossy, opt-in)
+    fp8_attention: bool = False
     compile_backend: str = "inductor"
     # torch.compile mode of our blocks; "max-autotune-no-cudagraphs" lets inductor time Triton GEMM templates
     # (which can fuse the FFN's GELU into the GEMM) against cuBLAS. None: torch's default.
@@ -174,6 +177,11 @@ def _run_ours(
             head_dim = ours.config.video_head_dim
             if resolved == "fa" and flash_attention4.wanted(head_dim):  # also 128 with $K6SERVE_FA4=1 or _TILES
                 row.note = f"FlashAttention-4 ({head_dim}-wide video heads: ops/flash_attention4.py)"
+            if resolved == "fa_fp8":
+                row.note = (
+                    f"FA3 e4m3 for attentions with >= {fp8_attention.MIN_KEYS} keys (per-head scales; "
+                    "ops/fp8_attention.py)"
+                )
             if compiled:
                 row.breakdown_s["first_call"] = _first_call(call, options.device)
             compared.fill(row, _timed(row, call, options))
@@ -231,6 +239,11 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
             for row in kernel_rows:
                 row.note = "; ".join(filter(None, (kernel_note, row.note)))
             rows += kernel_rows
+        if options.fp8_attention:
+            # The backend is read inside the compiled blocks: dynamo recompiles them for this row.
+            tag = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+            fp8_options = dataclasses.replace(options, backends=("fa_fp8",))
+            rows += _run_ours(ours, inputs, fp8_options, tflop, compared, tag, compiled=True)
     del ours, inputs, compared
     gc.collect()
     if options.device.type == "cuda":

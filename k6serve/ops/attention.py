@@ -13,6 +13,9 @@ Backends (the names the seeds and `--attention-backend` use):
   measured faster (ops/flash_attention4.py). FA3 takes no mask, so a call with a key mask, or with a dtype FA3 cannot take, runs on
   "torch_sdpa" instead: the math is the same, only the kernel differs. In Kandinsky 6 that is the text
   self/cross-attentions with a padding mask; the large unmasked video self-attention stays on FA3.
+* "fa_fp8" (opt-in, lossy): "fa", except that the unmasked calls with at least 4,096 keys (the video
+  self-attentions) run FA3's e4m3 kernel on per-head-scaled FP8 copies of Q, K and V (ops/fp8_attention.py).
+  No performance mode picks it: its rounding is far coarser than bf16's.
 
 Shape legend: B batch, L query length, S key length, H heads, D head dim.
 """
@@ -29,11 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from k6serve.ops import flash_attention4
+from k6serve.ops import flash_attention4, fp8_attention
 
 FLASH_ATTENTION_3 = "fa"
+FLASH_ATTENTION_3_FP8 = "fa_fp8"
 TORCH_SDPA = "torch_sdpa"
-BACKENDS = (FLASH_ATTENTION_3, TORCH_SDPA)
+BACKENDS = (FLASH_ATTENTION_3, FLASH_ATTENTION_3_FP8, TORCH_SDPA)
+_FA3_BACKENDS = (FLASH_ATTENTION_3, FLASH_ATTENTION_3_FP8)
 _ALIASES = {"sdpa": TORCH_SDPA}
 
 # The fa3-fwd 0.0.3 wheel ships sm_90a kernels only (performance.md §6); elsewhere it imports but cannot run.
@@ -99,8 +104,8 @@ def canonical_backend_name(name: str) -> str:
     canonical = _ALIASES.get(name, name)
     if canonical not in BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}; valid backends are 'fa' (FlashAttention-3) "
-            f"and 'torch_sdpa' (alias 'sdpa')"
+            f"unknown attention backend {name!r}; valid backends are 'fa' (FlashAttention-3), "
+            f"'fa_fp8' (FlashAttention-3 in FP8 for the long attentions, lossy) and 'torch_sdpa' (alias 'sdpa')"
         )
     return canonical
 
@@ -116,14 +121,14 @@ def resolve_attention_backend(requested: str | None, device: torch.device | str)
         backend = FLASH_ATTENTION_3 if fa3_unavailable_reason(device) is None else TORCH_SDPA
     else:
         backend = canonical_backend_name(requested)
-        if backend == FLASH_ATTENTION_3:
+        if backend in _FA3_BACKENDS:
             reason = fa3_unavailable_reason(device)
             if reason is not None:
                 raise ValueError(
-                    f"attention backend 'fa' (FlashAttention-3) cannot run here: {reason}. "
+                    f"attention backend {backend!r} (FlashAttention-3) cannot run here: {reason}. "
                     f"Use --attention-backend torch_sdpa."
                 )
-    if backend == FLASH_ATTENTION_3:
+    if backend in _FA3_BACKENDS:
         flash_attention4.prepare(device)
     return backend
 
@@ -134,7 +139,7 @@ def _fa3_function() -> Callable[..., object]:
     flash_attn_func, reason = _load_fa3_eagerly()
     if flash_attn_func is None:
         raise ValueError(
-            f"attention backend 'fa' was selected but {reason}; resolve the backend with "
+            f"attention backend 'fa' or 'fa_fp8' was selected but {reason}; resolve the backend with "
             f"resolve_attention_backend() or use --attention-backend torch_sdpa"
         )
     return flash_attn_func
@@ -142,7 +147,7 @@ def _fa3_function() -> Callable[..., object]:
 
 def _uses_fa3(backend: str, query_BLHD: Tensor, key_mask_BS: Tensor | None) -> bool:
     return (
-        backend == FLASH_ATTENTION_3
+        backend in _FA3_BACKENDS
         and key_mask_BS is None
         and query_BLHD.is_cuda
         and query_BLHD.dtype in _FA3_DTYPES
@@ -188,6 +193,8 @@ def attention(
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
+        if backend == FLASH_ATTENTION_3_FP8 and fp8_attention.applies(query_BLHD, key_BLHD):
+            return fp8_attention.fp8_attention(_fa3_function(), query_BLHD, key_BLHD, value_BLHD)
         if flash_attention4.wanted(query_BLHD.shape[-1]):  # FA4 where it is faster (ops/flash_attention4.py)
             return flash_attention4.fa4_attention(query_BLHD, key_BLHD, value_BLHD)
         return _fa3_function()(query_BLHD, key_BLHD, value_BLHD)
@@ -234,12 +241,18 @@ def attention_with_lse(
 ) -> tuple[Tensor, Tensor]:
     """`attention()` that also returns the fp32 log-sum-exp of the scaled scores, (B, H, L).
 
-    Used to merge partial results (Ring attention). CUDA: FA3 when the backend is "fa", else torch's
+    Used to merge partial results (Ring attention). CUDA: FA3 when the backend is "fa" (its FP8 kernel for the
+    long calls with "fa_fp8": a ring step's keys are one shard), else torch's
     cuDNN op for unmasked bf16/fp16; everything else (CPU, masks, fp32) takes the plain math path.
     """
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
+        if backend == FLASH_ATTENTION_3_FP8 and fp8_attention.applies(query_BLHD, key_BLHD):
+            out_BLHD, lse_BHL = fp8_attention.fp8_attention(
+                _fa3_function(), query_BLHD, key_BLHD, value_BLHD, return_lse=True
+            )
+            return out_BLHD, lse_BHL
         out_BLHD, lse_BHL = _fa3_function()(
             query_BLHD, key_BLHD, value_BLHD, return_attn_probs=True
         )

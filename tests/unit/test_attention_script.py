@@ -34,10 +34,15 @@ def _run_script(tmp_path, *arguments):
 
 def test_cpu_run_times_sdpa_and_reports_the_gpu_kernels(tmp_path):
     rows = {row["kernel"]: row for row in _run_script(tmp_path)}
-    assert list(rows) == ["sdpa", "fa3", "fa4"]
+    assert list(rows) == ["sdpa", "fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel", "sdpa fp8 inputs"]
     assert rows["sdpa"]["ms"] > 0 and rows["sdpa"]["tflops"] > 0 and rows["sdpa"]["max_abs_difference"] == 0
-    assert rows["fa3"]["error"] == rows["fa4"]["error"] == "needs CUDA" and rows["fa3"]["ms"] is None
-    assert "| tiny (4x16) | fa4 | - | - | - | needs CUDA |" in (tmp_path / "attention.md").read_text()
+    assert rows["sdpa"]["relative_rms_difference"] == 0
+    for name in ("fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel"):
+        assert rows[name]["error"] == "needs CUDA" and rows[name]["ms"] is None
+    # The e4m3 rounding of the inputs alone: clearly visible (3 mantissa bits), but a few percent, not garbage.
+    assert 0.005 < rows["sdpa fp8 inputs"]["relative_rms_difference"] < 0.08
+    markdown = (tmp_path / "attention.md").read_text()
+    assert "| tiny (4x16) | fa4 | - | - | - | - | needs CUDA |" in markdown
 
 
 def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first():
@@ -61,12 +66,13 @@ def test_cpu_run_with_fa4_tiles_lists_every_config_with_why_it_did_not_run(tmp_p
     script = _script()
     rows = _run_script(tmp_path, "--fa4-tiles")
     names = [script.fa4_tile_name(*config) for config in script.fa4_tile_configs(16)]  # the tiny shape's 16
-    assert [row["kernel"] for row in rows] == ["sdpa", "fa3", "fa4", *names]
-    for row in rows[3:]:
+    main = ["sdpa", "fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel", "sdpa fp8 inputs"]
+    assert [row["kernel"] for row in rows] == [*main, *names]
+    for row in rows[len(main):]:
         assert row["shape"] == "tiny" and row["error"] == "needs CUDA"
         assert row["ms"] is row["tflops"] is row["max_abs_difference"] is None
     markdown = (tmp_path / "attention.md").read_text()
-    assert all(f"| tiny (4x16) | {name} | - | - | - | needs CUDA |" in markdown for name in names)
+    assert all(f"| tiny (4x16) | {name} | - | - | - | - | needs CUDA |" in markdown for name in names)
 
 
 def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypatch, capsys):
@@ -78,7 +84,7 @@ def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypat
     monkeypatch.setattr(script, "fa4_tile_kernels", lambda device, head_dim: {
         "fa4 1x1": broken, "fa4 2x2": script._sdpa, "fa4 3x3": "needs CUDA"})
     rows = script.run(torch.device("cpu"), script.TINY, repeats=1, fa4_tiles=True)
-    tiles = {row["kernel"]: row for row in rows[3:]}
+    tiles = {row["kernel"]: row for row in rows[6:]}  # after the six main rows
     assert list(tiles) == ["fa4 1x1", "fa4 2x2", "fa4 3x3"]
     error = tiles["fa4 1x1"]["error"]
     assert error.startswith("RuntimeError: no kernel for this tile x") and "\n" not in error

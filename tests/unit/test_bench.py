@@ -287,6 +287,7 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
             "--repeats",
             "1",
             "--norm-rope-kernel",  # passed through to `k6serve bench`: the fourth row
+            "--fp8-attention",  # and the fifth, which on the CPU records why "fa_fp8" cannot run
         ]
     )
     assert code == 1
@@ -297,7 +298,9 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
         "ours torch_sdpa eager",
         "ours torch_sdpa fused+compiled",
         "ours torch_sdpa fused+compiled+norm_rope",
+        "ours fa_fp8 fused+compiled+norm_rope",
     ]
+    assert "'fa_fp8' (FlashAttention-3) cannot run here: it needs a CUDA GPU" in payload["rows"][-1]["error"]
     assert payload["device_status"]["cuda_available"] is False
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()
 
