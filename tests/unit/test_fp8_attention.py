@@ -9,7 +9,12 @@ import torch
 from k6serve.config import RuntimeConfig
 from k6serve.ops import attention as attention_ops
 from k6serve.ops import flash_attention4, fp8_attention
-from k6serve.ops.attention import attention, attention_with_lse, canonical_backend_name, resolve_attention_backend
+from k6serve.ops.attention import (
+    attention,
+    attention_with_lse,
+    canonical_backend_name,
+    resolve_attention_backend,
+)
 
 
 def _qkv(tokens: int, heads: int = 2, head_dim: int = 64, seed: int = 0, scale: float = 1.0):
