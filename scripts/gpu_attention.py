@@ -232,11 +232,18 @@ def time_kernels(device: torch.device, shape_name: str, shape: tuple[int, int, i
     return rows, reference
 
 
-def run(device: torch.device, shapes: dict, repeats: int, fa4_tiles: bool = False) -> list[dict]:
-    """The kernels of `kernels()` at every shape, then (`fa4_tiles`) FA4 at every config of `FA4_TILES` at every
-    shape: the sweep comes last, so a config that faults the GPU cannot cost the main rows."""
+def run(device: torch.device, shapes: dict, repeats: int, fa4_tiles: bool = False,
+        only: list[str] | None = None) -> list[dict]:
+    """The kernels of `kernels()` (those named in `only`, in its order, when given) at every shape, then
+    (`fa4_tiles`) FA4 at every config of `FA4_TILES` at every shape: the sweep comes last, so a config that faults
+    the GPU cannot cost the main rows."""
     rows, references = [], {}
     available = kernels(device)
+    if only is not None:
+        unknown = [name for name in only if name not in available]
+        if unknown:
+            raise SystemExit(f"--kernels: unknown {unknown}; the kernels are {list(available)}")
+        available = {name: available[name] for name in only}
     for shape_name, shape in shapes.items():
         shape_rows, references[shape_name] = time_kernels(device, shape_name, shape, available, repeats)
         rows += shape_rows
@@ -252,9 +259,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = kernel_script_parser(__doc__.split("\n\n")[0], repeats=10)
     parser.add_argument("--fa4-tiles", action="store_true",
                         help="also time FA4 at each forward tile config of FA4_TILES (see the module docstring)")
+    parser.add_argument("--kernels", help="comma-separated kernel names to time, in this order (default: all); the "
+                        "first one's output is the reference of the differences, e.g. 'sdpa,fa4'")
+    parser.add_argument("--shapes", help=f"comma-separated shapes (default: all of {list(SHAPES)})")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    rows = run(device, TINY if args.tiny else SHAPES, args.repeats, fa4_tiles=args.fa4_tiles)
+    shapes = TINY if args.tiny else SHAPES
+    if args.shapes and not args.tiny:
+        names = [name.strip() for name in args.shapes.split(",") if name.strip()]
+        if unknown := [name for name in names if name not in SHAPES]:
+            raise SystemExit(f"--shapes: unknown {unknown}; the shapes are {list(SHAPES)}")
+        shapes = {name: SHAPES[name] for name in names}
+    only = [name.strip() for name in args.kernels.split(",") if name.strip()] if args.kernels else None
+    rows = run(device, shapes, args.repeats, fa4_tiles=args.fa4_tiles, only=only)
     out = Path(args.out)
     report = write_kernel_report(out, "attention", rows, device)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_attention.py"
@@ -92,3 +93,11 @@ def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypat
     assert tiles["fa4 2x2"]["error"] is None and tiles["fa4 2x2"]["ms"] > 0
     assert tiles["fa4 2x2"]["max_abs_difference"] == 0  # the same inputs as the sdpa row, which is the reference
     assert tiles["fa4 3x3"]["error"] == "needs CUDA"
+
+
+def test_kernels_option_times_only_the_named_kernels_in_that_order(tmp_path):
+    rows = _run_script(tmp_path, "--kernels", "sdpa fp8 inputs,sdpa")
+    assert [row["kernel"] for row in rows] == ["sdpa fp8 inputs", "sdpa"]
+    assert rows[0]["max_abs_difference"] == 0 and rows[1]["relative_rms_difference"] > 0  # the first is the reference
+    with pytest.raises(SystemExit, match="--kernels: unknown \\['fa5'\\]"):
+        _script().main(["--device", "cpu", "--tiny", "--kernels", "sdpa,fa5", "--out", str(tmp_path)])
