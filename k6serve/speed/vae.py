@@ -21,8 +21,11 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py). Measured on one H200 (sixth
   session): tile decode 1.952 -> 1.878 s with channels-last, the same 15-level distance from eager.
 * The SR K-VAE upsamplers' 3x3 convolution as four 2x2 phase convolutions on the low-resolution grid, beside the
-  compiled decoder blocks and opt-in ($K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=1, experimental until measured): 154.9 ->
-  68.8 TFLOP per tile, the same values up to rounding (speed/kvae_upsample.py).
+  compiled decoder blocks ($K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0 leaves it out): 154.9 -> 68.8 TFLOP per tile, the
+  same values up to rounding (speed/kvae_upsample.py). Measured on one H200 (seventh session): tile decode 1.878
+  -> 1.853 s with the commuted norms and channels-last, 14 levels from eager (15 without); the VSR's decode
+  17.0 -> 16.7 s. Less than the FLOP count promised (0.16 s per tile at the convolutions' rate): the 2x2 phase
+  kernels run at a lower rate than the 3x3 one.
 * Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
   and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
   those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
@@ -53,8 +56,8 @@ CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
 # "0": the SR K-VAE's latent-conditioned norms upsample before convolving, as diffusers does; by default beside the
 # compiled decoder blocks they convolve first (speed/kvae_spatial_norm.py).
 COMMUTED_NORMS_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_COMMUTED_NORMS"
-# "1": the SR K-VAE's upsamplers convolve on the low-resolution grid as four 2x2 phases (speed/kvae_upsample.py);
-# experimental, unmeasured.
+# "0": the SR K-VAE's upsamplers convolve the upsampled image, as diffusers does; by default beside the compiled
+# decoder blocks they convolve on the low-resolution grid as four 2x2 phases (speed/kvae_upsample.py).
 SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_SUBPIXEL_UPSAMPLE"
 
 
@@ -79,7 +82,7 @@ def apply_vae_speedups(
             if os.environ.get(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "").strip() != "0":
                 apply_commuted_spatial_norms(decoder)
                 applied.append("commuted_spatial_norms")
-            if os.environ.get(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "").strip() == "1":
+            if os.environ.get(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "").strip() != "0":
                 apply_subpixel_upsample(decoder)
                 applied.append("subpixel_upsample")
             compile_sr_decoder_blocks(vae)

@@ -304,7 +304,8 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch, tiny_sr_configs):
     configs = tiny_sr_configs
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "compile_decoder_blocks"]
+    assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "subpixel_upsample",
+                       "compile_decoder_blocks"]
     decoder = kvae.decoder
     blocks = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out] + [b for up in decoder.up for b in up.block]
     assert all(is_compiled(block) for block in blocks) and not is_compiled(decoder)
@@ -334,7 +335,8 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch, tiny_sr_c
     assert "channels_last_3d" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: never converted
     assert convs and not any(channels_last(conv) for conv in convs)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "compile_decoder_blocks"]
+    assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "subpixel_upsample",
+                       "compile_decoder_blocks"]
     assert all(channels_last(conv) for conv in convs)
     assert apply_vae_speedups(fresh_kvae()[0], torch.device("cpu"), compile_decoder=True) == []  # CPU: untouched
     torch._dynamo.reset()
@@ -377,13 +379,12 @@ def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch,
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert applied.index("commuted_spatial_norms") < applied.index("compile_decoder_blocks")
     assert all("forward" in vars(norm) for norm in norms(kvae))
-    assert "subpixel_upsample" not in applied  # opt-in
     torch._dynamo.reset()
 
 
-def test_subpixel_upsample_only_with_its_variable_and_the_compiled_decoder(monkeypatch, tiny_sr_configs):
-    """$K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=1 with --compile-vae routes the SR K-VAE's upsamplers through
-    speed/kvae_upsample.py before the blocks are compiled; the eager decode keeps diffusers' forward."""
+def test_subpixel_upsample_by_default_beside_the_compiled_decoder(monkeypatch, tiny_sr_configs):
+    """With --compile-vae the SR K-VAE's upsamplers go through speed/kvae_upsample.py before the blocks are compiled
+    (measured faster on the H200); $K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0 or the eager decode keep diffusers' forward."""
     from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed.vae import SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
@@ -392,7 +393,12 @@ def test_subpixel_upsample_only_with_its_variable_and_the_compiled_decoder(monke
     def upsamplers(kvae):
         return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRUpsample"]
 
-    monkeypatch.setenv(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "1")
+    monkeypatch.setenv(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "0")
+    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
+    assert "subpixel_upsample" not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert not any("forward" in vars(m) for m in upsamplers(kvae))
+    torch._dynamo.reset()
+    monkeypatch.delenv(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE)
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     assert "subpixel_upsample" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing applied
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
