@@ -35,9 +35,6 @@ its 5.6 s target. At 28 x 64: whether FA4 gains anything over its own default (2
 ms), which Lite and the SR DiT already run. (A first, shorter sweep at the end of the sixth session found 192 x 128
 rs tying FA3 at 32 x 128 and FA4's default best at 28 x 64: docs/benchmarks/2026-11-30-session6/fa4_tiles.md.)
 
-With `K6SERVE_FA4_EX2_EMULATION=FREQ:RES` set, the `fa4` rows run FA4 with part of its softmax exponentials
-emulated on the FMA units (experimental, ops/fa4_exp2_emulation.py); one process per setting.
-
 Results: $OUT/attention.json and .md.
 """
 

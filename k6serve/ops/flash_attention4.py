@@ -35,8 +35,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from k6serve.ops import fa4_exp2_emulation
-
 logger = logging.getLogger(__name__)
 
 ENVIRONMENT_VARIABLE = "K6SERVE_FA4"
@@ -88,15 +86,6 @@ def load() -> tuple[Callable[..., object] | None, str]:
         from flash_attn.cute.interface import flash_attn_func
     except Exception as error:  # noqa: BLE001 - any import failure (missing wheel, CUDA libs) is reported alike
         return None, f"flash-attn-4 could not be imported ({type(error).__name__}: {error})"
-    if fa4_exp2_emulation.SETTING is not None:  # experimental, before any FA4 kernel is compiled
-        try:
-            fa4_exp2_emulation.apply(*fa4_exp2_emulation.SETTING)
-        except Exception as error:  # noqa: BLE001 - an FA4 version whose softmax the patch does not fit
-            return None, (
-                f"${fa4_exp2_emulation.ENVIRONMENT_VARIABLE} could not patch flash-attn-4's softmax "
-                f"({type(error).__name__}: {error})"
-            )
-        logger.info("FlashAttention-4 softmax with emulated exp2: %s", fa4_exp2_emulation.SETTING)
     return flash_attn_func, ""
 
 
