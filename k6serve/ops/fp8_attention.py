@@ -9,9 +9,17 @@ fa3-fwd wheel is built with FP8 kept (`FLASHATTENTION_DISABLE_FP8: False`).
 What changes numerically: Q, K and V are rounded to e4m3 (3 mantissa bits) with one scale per (batch, head) that
 maps the head's largest magnitude to e4m3's 448 (`quantize_per_head`); FA3 multiplies the scores by the Q and K
 descales and the output by V's, and it rounds the softmax probabilities to e4m3 for the P @ V GEMM as well. That is
-lossy: performance.md §3.1 records Sage-class attention costing visible quality on real K6 weights. So this is
-never a default and no performance mode turns it on; the user picks `--attention-backend fa_fp8`, and the bench's
-`--fp8-attention` row reports its cosine to diffusers beside its speed.
+lossy: with unit-normal inputs the e4m3 rounding of Q, K and V alone moves one attention's output by 4.8% (relative
+RMS; bf16 rounding 0.38%), and scaling finer than per head would not help (e4m3's relative precision is the same
+across its range). performance.md §3.1 records Sage-class attention costing visible quality on real K6 weights.
+
+Measured on one H200 (seventh session, docs/benchmarks.md): at 47,616 tokens the e4m3 kernel takes 40.7 ms at 32 x
+128 heads (913 TFLOP/s) against FA3's 54.4 ms in bf16, 47.3 ms with the quantization of Q, K and V; at 28 x 64 24.3
+/ 27.1 ms against FA4's 29.9. The Pro-distill DiT forward drops from 5.92 to 5.20 s (1.60x diffusers eager), but its
+velocity's cosine to diffusers drops from 0.9997 to 0.941 (video) and 0.872 (audio) on random weights, far from the
+0.999 the speed targets hold. So this is never a default and no performance mode turns it on; the user picks
+`--attention-backend fa_fp8` knowing that, and the bench's `--fp8-attention` row reports its cosine beside its
+speed.
 
 Where it applies: calls that FA3 would run (no key mask, CUDA bf16) with at least `MIN_KEYS` keys: the video
 self-attention (47,616 tokens at 512x768x121) and, in the SR DiT, its tile's self-attention. Shorter calls gain
