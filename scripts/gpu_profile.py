@@ -7,7 +7,8 @@ device command, each a few minutes; several can run at once on different GPUs (`
     python scripts/gpu_profile.py vae  --out $OUT   # HunyuanVideo decode: eager vs compiled decoder, profile
     python scripts/gpu_profile.py kvae --out $OUT   # SR K-VAE one-tile decode: eager vs compiled blocks, profile
     python scripts/gpu_profile.py srdit --out $OUT  # SR DiT, one x2 tile: eager, fused + compiled, + norm/RoPE kernel
-    python scripts/gpu_profile.py mux  --out $OUT   # x264 encode of 121 frames at 1536x1024: threads, content
+    python scripts/gpu_profile.py mux  --out $OUT   # x264 encode of 121 frames at 1536x1024: threads, content;
+                                                    # the tail after a paced feed per rc-lookahead
     python scripts/gpu_profile.py step --out $OUT --models lite-distill   # pipeline steps, text trim on/off
 
 Writes `<out>/profile_<subcommand>.json` and `.md` after every part (a failing part is recorded, the rest run).
@@ -407,6 +408,53 @@ def profile_mux(args, device, dtype, report: dict, markdown: list[str]) -> None:
                     report["parts"][f"mux {key}"] = {"error": f"{type(error).__name__}: {error}"}
     mux.X264_THREADS = default_threads
     markdown.append("\n".join(lines) + "\n")
+    markdown.append(_mux_tail(mux, smooth, noise, waveform, report, tiny=args.tiny))
+
+
+# The VSR request's decode hands the encoder its 121 frames in segments (17, then 16 each) over ~16.7 s on the H200.
+MUX_TAIL_SEGMENT_SECONDS = 16.7 / 8
+MUX_TAIL_LOOKAHEADS = (None, 20, 10)  # None: x264's own (40 with the medium preset)
+
+
+def _mux_tail(mux, smooth, noise, waveform, report: dict, *, tiny: bool) -> str:
+    """The encoder's tail after a paced feed, per rc-lookahead ($K6SERVE_X264_RC_LOOKAHEAD): frames arrive in the
+    decode's segments at its pace, and the row reports the seconds from the last segment to the finished file (what
+    the VSR request waits for), the whole write and the file size (what a shorter lookahead costs)."""
+    import tempfile
+
+    pace = 0.01 if tiny else MUX_TAIL_SEGMENT_SECONDS
+    lines = [f"### mux tail: frames in segments of 17, 16, ... every {pace:.2f} s, {mux.X264_THREADS} threads", "",
+             "| content | rc-lookahead | tail seconds | write seconds | MB |", "|---|---|---|---|---|"]
+    default_lookahead = mux.X264_RC_LOOKAHEAD
+    with tempfile.TemporaryDirectory() as folder:
+        for content, frames in (("smooth", smooth), ("noise", noise)):
+            for lookahead in MUX_TAIL_LOOKAHEADS:
+                key = f"mux tail {content} rc_lookahead={lookahead or 'x264'}"
+                last_segment = []
+
+                def segments(frames=frames, last_segment=last_segment):
+                    bounds = [0, *range(17, len(frames), 16), len(frames)]
+                    for begin, end in zip(bounds, bounds[1:]):
+                        time.sleep(pace)  # the decode of this segment
+                        last_segment[:] = [time.perf_counter()]
+                        yield frames[begin:end]
+
+                try:
+                    mux.X264_RC_LOOKAHEAD = lookahead
+                    path = Path(folder) / f"tail_{content}_{lookahead}.mp4"
+                    start = time.perf_counter()
+                    mux.write_mp4_stream(path, segments(), 24.0, waveform, 44100)
+                    end = time.perf_counter()
+                    part = {"tail_seconds": end - last_segment[0], "write_seconds": end - start,
+                            "megabytes": path.stat().st_size / 1e6}
+                    report["parts"][key] = part
+                    lines.append(f"| {content} | {lookahead or 'x264 (40)'} | {part['tail_seconds']:.2f} | "
+                                 f"{part['write_seconds']:.2f} | {part['megabytes']:.2f} |")
+                    log(f"{key}: tail {part['tail_seconds']:.2f} s")
+                except Exception as error:  # noqa: BLE001
+                    report["parts"][key] = {"error": f"{type(error).__name__}: {error}"}
+    mux.X264_RC_LOOKAHEAD = default_lookahead
+    return "\n".join(lines) + "\n"
 
 
 # --- step ------------------------------------------------------------------------------------------------------

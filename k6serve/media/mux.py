@@ -50,6 +50,29 @@ def _x264_threads() -> int:
 
 
 X264_THREADS = _x264_threads()
+RC_LOOKAHEAD_ENVIRONMENT_VARIABLE = "K6SERVE_X264_RC_LOOKAHEAD"
+
+
+def _x264_rc_lookahead() -> int | None:
+    """x264's rc-lookahead (frames): None (x264's own, 40 with the default "medium" preset) unless
+    $K6SERVE_X264_RC_LOOKAHEAD sets it. Why a knob: x264 starts encoding a frame only once the frames of its
+    lookahead have arrived, so after the last frame of a streamed decode the encoder still has about lookahead +
+    thread-count frames to encode; that tail is on the VSR request's critical path (2.4-4.0 s on the H200 host,
+    docs/benchmarks.md). A shorter lookahead shortens the tail but changes the bytes (and, slightly, the rate
+    control's choices), so the default stays x264's until `gpu_profile.py mux` has measured the tail and the file
+    size at each setting."""
+    value = os.environ.get(RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 0 <= int(value) <= 250:
+        raise ValueError(
+            f"${RC_LOOKAHEAD_ENVIRONMENT_VARIABLE} must be a whole number from 0 to 250 (frames; unset: x264's 40), "
+            f"got {value!r}"
+        )
+    return int(value)
+
+
+X264_RC_LOOKAHEAD = _x264_rc_lookahead()
 # Chunks waiting for the encoder thread (write_mp4_stream): 3 x 12 frames at 512x768 is ~42 MB.
 QUEUED_CHUNKS = 3
 AAC_BIT_RATE = 192_000
@@ -339,10 +362,14 @@ def _add_video_stream(
     stream.codec_context.time_base = 1 / rate
     # Frames are converted with the BT.709 matrix (_video_frame) and tagged so, which is what
     # players assume for HD; untagged files get guessed per resolution.
+    x264_params = ":".join(
+        ([f"asm={x264_cpu_flags()}"] if x264_cpu_flags() else [])
+        + ([f"rc-lookahead={X264_RC_LOOKAHEAD}"] if X264_RC_LOOKAHEAD is not None else [])
+    )
     stream.codec_context.options = {
         "crf": str(crf),
         "threads": str(X264_THREADS),
-        **({"x264-params": f"asm={x264_cpu_flags()}"} if x264_cpu_flags() else {}),
+        **({"x264-params": x264_params} if x264_params else {}),
         "colorspace": "bt709",
         "color_primaries": "bt709",
         "color_trc": "bt709",

@@ -9,6 +9,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
 import PIL.Image
 import pytest
@@ -138,6 +139,31 @@ def test_x264_thread_count_is_sixteen_unless_set(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, bad)
         with pytest.raises(ValueError, match="K6SERVE_X264_THREADS must be a whole number from 1 to 64"):
             mux._x264_threads()
+
+
+def test_x264_rc_lookahead_is_x264s_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$K6SERVE_X264_RC_LOOKAHEAD (checked) reaches x264: another lookahead, other bytes, the same frames count; unset
+    leaves x264's own."""
+    monkeypatch.delenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, raising=False)
+    assert mux._x264_rc_lookahead() is None
+    monkeypatch.setenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, "10")
+    assert mux._x264_rc_lookahead() == 10
+    for bad in ("-1", "auto", "251", "4.5"):
+        monkeypatch.setenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, bad)
+        with pytest.raises(ValueError, match="K6SERVE_X264_RC_LOOKAHEAD must be a whole number from 0 to 250"):
+            mux._x264_rc_lookahead()
+    y, x = np.mgrid[0:64, 0:96]
+    frames = np.stack([((np.sin(x / 7 + t / 2) + np.cos(y / 5 - t / 3)) * 60 + 128).astype(np.uint8)[..., None]
+                       .repeat(3, -1) for t in range(48)])
+    digests = {}
+    for lookahead in (None, 40, 2):
+        monkeypatch.setattr(mux, "X264_RC_LOOKAHEAD", lookahead)
+        path = mux.write_mp4(tmp_path / f"{lookahead}.mp4", frames, 24.0)
+        digests[lookahead] = hashlib.sha256(path.read_bytes()).hexdigest()
+        with av.open(str(path)) as container:
+            assert sum(1 for _ in container.decode(video=0)) == 48
+    assert digests[None] == digests[40]  # x264's own lookahead with the medium preset is 40
+    assert digests[2] != digests[None]
 
 
 def test_failure_mid_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
