@@ -178,6 +178,9 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         compile_vae=args.compile_vae_decoder,
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
+    if args.fp8_attention and args.skip_speed:
+        # The FP8 row re-times the fused + compiled DiT; without it the flag would add nothing, silently.
+        raise SystemExit("--fp8-attention times the fused + compiled DiT once more with fa_fp8: drop --skip-speed")
     if args.compile_mode and compile_backend != "inductor":
         # torch.compile refuses a mode with any other backend; say so before minutes of setup.
         raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")

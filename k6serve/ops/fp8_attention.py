@@ -41,8 +41,13 @@ _MIN_AMAX = 1e-12
 
 
 def applies(query_BLHD: Tensor, key_BSHD: Tensor) -> bool:
-    """Whether an FA3-eligible call takes the FP8 kernel (long enough, a head dim FA3 has FP8 kernels for)."""
-    return key_BSHD.shape[1] >= MIN_KEYS and query_BLHD.shape[-1] in HEAD_DIMS
+    """Whether an FA3-eligible call takes the FP8 kernel (long enough, a head dim FA3 has FP8 kernels for, and as
+    many query as key heads: FA3 takes every descale as (B, key heads), and Q is scaled per query head)."""
+    return (
+        key_BSHD.shape[1] >= MIN_KEYS
+        and query_BLHD.shape[-1] in HEAD_DIMS
+        and query_BLHD.shape[2] == key_BSHD.shape[2]
+    )
 
 
 def quantize_per_head(x_BLHD: Tensor) -> tuple[Tensor, Tensor]:

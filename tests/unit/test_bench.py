@@ -322,6 +322,8 @@ def test_compile_mode_reaches_the_dit_options_and_needs_inductor(monkeypatch):
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--compile-mode", "max-autotune"]))
     with pytest.raises(SystemExit):  # argparse: not one of the modes
         bench.build_parser().parse_args(["--compile-mode", "fastest"])
+    with pytest.raises(SystemExit, match="--fp8-attention times the fused \\+ compiled DiT.*drop --skip-speed"):
+        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--fp8-attention", "--skip-speed"]))
     script = _gpu_single()
     parts = script.parts(script.build_parser().parse_args(["dit", "--models", "lite-distill", "--skip-eager",
                                                            "--compile-mode", "max-autotune-no-cudagraphs"]))

@@ -55,6 +55,8 @@ def test_applies_to_long_calls_with_fa3_fp8_head_dims_only():
     assert fp8_attention.applies(short, long)
     odd = torch.empty(1, fp8_attention.MIN_KEYS, 2, 80)
     assert not fp8_attention.applies(odd, odd)
+    grouped = torch.empty(1, fp8_attention.MIN_KEYS, 1, 128)  # fewer K/V heads: Q's per-head descale would not fit
+    assert not fp8_attention.applies(long, grouped)
 
 
 def test_reference_fp8_attention_is_close_to_exact_attention_but_not_equal():
