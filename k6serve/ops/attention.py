@@ -113,9 +113,9 @@ def canonical_backend_name(name: str) -> str:
 def resolve_attention_backend(requested: str | None, device: torch.device | str) -> str:
     """The backend to use on `device`: the requested one if it can run, else a ValueError saying why.
 
-    None picks the default: "fa" on Hopper when fa3-fwd imports, else "torch_sdpa". When the result is "fa",
-    FlashAttention-4 is imported here too if installed, so the head dims where it is faster use it
-    (ops/flash_attention4.py).
+    None picks the default: "fa" on Hopper when fa3-fwd imports, else "torch_sdpa" (never the lossy "fa_fp8").
+    When the result is "fa" or "fa_fp8", FlashAttention-4 is imported here too if installed, so the head dims where
+    it is faster use it (with "fa_fp8", in the calls the FP8 kernel does not take; ops/flash_attention4.py).
     """
     if requested is None:
         backend = FLASH_ATTENTION_3 if fa3_unavailable_reason(device) is None else TORCH_SDPA
