@@ -387,7 +387,8 @@ def profile_mux(args, device, dtype, report: dict, markdown: list[str]) -> None:
     ])
     noise = rng.integers(0, 256, (count, height, width, 3), dtype=np.uint8)
     waveform = (0.1 * np.sin(np.arange(int(count / 24 * 44100)) / 20)).astype(np.float32)
-    lines = ["### mux (x264 medium, crf 18, 24 fps, AAC mono)", "", "| content | threads | seconds | MB |",
+    lines = [f"### mux (x264 medium, rc-lookahead {mux.X264_RC_LOOKAHEAD}, crf 18, 24 fps, AAC mono)", "",
+             "| content | threads | seconds | MB |",
              "|---|---|---|---|"]
     default_threads = mux.X264_THREADS
     with tempfile.TemporaryDirectory() as folder:
@@ -413,7 +414,7 @@ def profile_mux(args, device, dtype, report: dict, markdown: list[str]) -> None:
 
 # The VSR request's decode hands the encoder its 121 frames in segments (17, then 16 each) over ~16.7 s on the H200.
 MUX_TAIL_SEGMENT_SECONDS = 16.7 / 8
-MUX_TAIL_LOOKAHEADS = (None, 20, 10)  # None: x264's own (40 with the medium preset)
+MUX_TAIL_LOOKAHEADS = (40, 20, 10)  # x264's own with the medium preset, k6serve's default, x264's "veryfast" one
 
 
 def _mux_tail(mux, smooth, noise, waveform, report: dict, *, tiny: bool) -> str:
@@ -429,7 +430,7 @@ def _mux_tail(mux, smooth, noise, waveform, report: dict, *, tiny: bool) -> str:
     with tempfile.TemporaryDirectory() as folder:
         for content, frames in (("smooth", smooth), ("noise", noise)):
             for lookahead in MUX_TAIL_LOOKAHEADS:
-                key = f"mux tail {content} rc_lookahead={lookahead or 'x264'}"
+                key = f"mux tail {content} rc_lookahead={lookahead}"
                 last_segment = []
 
                 def segments(frames=frames, last_segment=last_segment):
@@ -448,7 +449,7 @@ def _mux_tail(mux, smooth, noise, waveform, report: dict, *, tiny: bool) -> str:
                     part = {"tail_seconds": end - last_segment[0], "write_seconds": end - start,
                             "megabytes": path.stat().st_size / 1e6}
                     report["parts"][key] = part
-                    lines.append(f"| {content} | {lookahead or 'x264 (40)'} | {part['tail_seconds']:.2f} | "
+                    lines.append(f"| {content} | {lookahead} | {part['tail_seconds']:.2f} | "
                                  f"{part['write_seconds']:.2f} | {part['megabytes']:.2f} |")
                     log(f"{key}: tail {part['tail_seconds']:.2f} s")
                 except Exception as error:  # noqa: BLE001

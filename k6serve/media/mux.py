@@ -1,7 +1,7 @@
 """Writing the output MP4: H.264 video plus an optional AAC mono soundtrack, atomically.
 
 Video: libx264, yuv420p, CRF 18, pts = frame index in time base 1/fps (k6-super-resolution.md
-§2.13). Audio: AAC, mono, 192 kb/s. The same inputs give byte-identical files: x264 runs with a
+§2.13); x264's "medium" preset with a 20-frame rc-lookahead (`_x264_rc_lookahead`). Audio: AAC, mono, 192 kb/s. The same inputs give byte-identical files: x264 runs with a
 fixed thread count (its output depends on the count, not on timing) and without its AVX-512 code
 (see `x264_cpu_flags`), and the muxer writes no library version string; MP4 creation times stay 0
 because no metadata is set. `write_mp4_stream` takes the frames as chunks and encodes them in a
@@ -53,20 +53,23 @@ X264_THREADS = _x264_threads()
 RC_LOOKAHEAD_ENVIRONMENT_VARIABLE = "K6SERVE_X264_RC_LOOKAHEAD"
 
 
-def _x264_rc_lookahead() -> int | None:
-    """x264's rc-lookahead (frames): None (x264's own, 40 with the default "medium" preset) unless
-    $K6SERVE_X264_RC_LOOKAHEAD sets it. Why a knob: x264 starts encoding a frame only once the frames of its
-    lookahead have arrived, so after the last frame of a streamed decode the encoder still has about lookahead +
-    thread-count frames to encode; that tail is on the VSR request's critical path (2.4-4.0 s on the H200 host,
-    docs/benchmarks.md). A shorter lookahead shortens the tail but changes the bytes (and, slightly, the rate
-    control's choices), so the default stays x264's until `gpu_profile.py mux` has measured the tail and the file
-    size at each setting."""
+def _x264_rc_lookahead() -> int:
+    """x264's rc-lookahead in frames: 20 unless $K6SERVE_X264_RC_LOOKAHEAD says otherwise (0-250).
+
+    Why not x264's own 40 (its "medium" preset, whose other settings we keep): x264 encodes a frame only once the
+    frames of its lookahead have arrived, so after the last frame of a streamed decode it still has about lookahead
+    + thread-count frames to encode, and that tail is on the request's critical path. Measured on the H200 host
+    (seventh session, `gpu_profile.py mux`, 121 frames of 1536x1024 arriving in the VSR decode's segments and
+    pace, 16 threads): the tail after the last segment is 3.52 s with 40, 2.30 s with 20, 1.44 s with 10 on noise
+    frames (0.51 / 0.38 / 0.28 s on smooth ones), at the same file size. On a textured, panning 384x256 clip
+    (CPU) 20 costs 0.007 dB of PSNR at the same size, 10 costs 0.08 dB at 1% less: so 20, x264's own value for
+    its "faster" preset. Like the thread count it decides the bytes, so it is a fixed number."""
     value = os.environ.get(RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, "").strip()
     if not value:
-        return None
+        return 20
     if not value.isdigit() or not 0 <= int(value) <= 250:
         raise ValueError(
-            f"${RC_LOOKAHEAD_ENVIRONMENT_VARIABLE} must be a whole number from 0 to 250 (frames; unset: x264's 40), "
+            f"${RC_LOOKAHEAD_ENVIRONMENT_VARIABLE} must be a whole number from 0 to 250 (frames; default 20), "
             f"got {value!r}"
         )
     return int(value)
@@ -364,7 +367,7 @@ def _add_video_stream(
     # players assume for HD; untagged files get guessed per resolution.
     x264_params = ":".join(
         ([f"asm={x264_cpu_flags()}"] if x264_cpu_flags() else [])
-        + ([f"rc-lookahead={X264_RC_LOOKAHEAD}"] if X264_RC_LOOKAHEAD is not None else [])
+        + [f"rc-lookahead={X264_RC_LOOKAHEAD}"]
     )
     stream.codec_context.options = {
         "crf": str(crf),

@@ -141,11 +141,11 @@ def test_x264_thread_count_is_sixteen_unless_set(monkeypatch: pytest.MonkeyPatch
             mux._x264_threads()
 
 
-def test_x264_rc_lookahead_is_x264s_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """$K6SERVE_X264_RC_LOOKAHEAD (checked) reaches x264: another lookahead, other bytes, the same frames count; unset
-    leaves x264's own."""
+def test_x264_rc_lookahead_is_twenty_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rc-lookahead (20, or $K6SERVE_X264_RC_LOOKAHEAD, checked) reaches x264: another lookahead, other bytes,
+    the same frame count."""
     monkeypatch.delenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, raising=False)
-    assert mux._x264_rc_lookahead() is None
+    assert mux._x264_rc_lookahead() == 20 == mux.X264_RC_LOOKAHEAD
     monkeypatch.setenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, "10")
     assert mux._x264_rc_lookahead() == 10
     for bad in ("-1", "auto", "251", "4.5"):
@@ -156,14 +156,13 @@ def test_x264_rc_lookahead_is_x264s_unless_set(tmp_path: Path, monkeypatch: pyte
     frames = np.stack([((np.sin(x / 7 + t / 2) + np.cos(y / 5 - t / 3)) * 60 + 128).astype(np.uint8)[..., None]
                        .repeat(3, -1) for t in range(48)])
     digests = {}
-    for lookahead in (None, 40, 2):
+    for lookahead in (20, 40):
         monkeypatch.setattr(mux, "X264_RC_LOOKAHEAD", lookahead)
         path = mux.write_mp4(tmp_path / f"{lookahead}.mp4", frames, 24.0)
         digests[lookahead] = hashlib.sha256(path.read_bytes()).hexdigest()
         with av.open(str(path)) as container:
             assert sum(1 for _ in container.decode(video=0)) == 48
-    assert digests[None] == digests[40]  # x264's own lookahead with the medium preset is 40
-    assert digests[2] != digests[None]
+    assert digests[20] != digests[40]
 
 
 def test_failure_mid_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
