@@ -258,15 +258,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time FA4 at each forward tile config of FA4_TILES (see the module docstring)")
     parser.add_argument("--kernels", help="comma-separated kernel names to time, in this order (default: all); the "
                         "first one's output is the reference of the differences, e.g. 'sdpa,fa4'")
-    parser.add_argument("--shapes", help=f"comma-separated shapes (default: all of {list(SHAPES)})")
+    parser.add_argument("--shapes", help=f"comma-separated shapes (default: all of {list(SHAPES)}; with --tiny "
+                        f"{list(TINY)})")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    shapes = TINY if args.tiny else SHAPES
-    if args.shapes and not args.tiny:
+    shapes = TINY if args.tiny else SHAPES  # --tiny's only shape, so --shapes picks among the shapes of the mode
+    if args.shapes:
         names = [name.strip() for name in args.shapes.split(",") if name.strip()]
-        if unknown := [name for name in names if name not in SHAPES]:
-            raise SystemExit(f"--shapes: unknown {unknown}; the shapes are {list(SHAPES)}")
-        shapes = {name: SHAPES[name] for name in names}
+        if unknown := [name for name in names if name not in shapes]:
+            raise SystemExit(f"--shapes: unknown {unknown}; the shapes{' with --tiny' * args.tiny} are {list(shapes)}")
+        shapes = {name: shapes[name] for name in names}
     only = [name.strip() for name in args.kernels.split(",") if name.strip()] if args.kernels else None
     rows = run(device, shapes, args.repeats, fa4_tiles=args.fa4_tiles, only=only)
     out = Path(args.out)

@@ -101,3 +101,10 @@ def test_kernels_option_times_only_the_named_kernels_in_that_order(tmp_path):
     assert rows[0]["max_abs_difference"] == 0 and rows[1]["relative_rms_difference"] > 0  # the first is the reference
     with pytest.raises(SystemExit, match="--kernels: unknown \\['fa5'\\]"):
         _script().main(["--device", "cpu", "--tiny", "--kernels", "sdpa,fa5", "--out", str(tmp_path)])
+
+
+def test_shapes_option_checks_the_names_of_the_mode(tmp_path):
+    script = _script()
+    with pytest.raises(SystemExit, match="--shapes: unknown \\['lite'\\]; the shapes with --tiny are \\['tiny'\\]"):
+        script.main(["--device", "cpu", "--tiny", "--shapes", "lite", "--out", str(tmp_path)])
+    assert [row["shape"] for row in _run_script(tmp_path, "--shapes", "tiny", "--kernels", "sdpa")] == ["tiny"]
