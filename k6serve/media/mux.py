@@ -1,8 +1,8 @@
 """Writing the output MP4: H.264 video plus an optional AAC mono soundtrack, atomically.
 
 Video: libx264, yuv420p, CRF 18, pts = frame index in time base 1/fps (k6-super-resolution.md
-§2.13); x264's "medium" preset with a 20-frame rc-lookahead (`_x264_rc_lookahead`). Audio: AAC, mono, 192 kb/s. The same inputs give byte-identical files: x264 runs with a
-fixed thread count (its output depends on the count, not on timing) and without its AVX-512 code
+§2.13); x264's "medium" preset with a 20-frame rc-lookahead (`_x264_rc_lookahead`). Audio: AAC, mono,
+192 kb/s. The same inputs give byte-identical files: x264 runs with a fixed thread count (its output depends on the count, not on timing) and without its AVX-512 code
 (see `x264_cpu_flags`), and the muxer writes no library version string; MP4 creation times stay 0
 because no metadata is set. `write_mp4_stream` takes the frames as chunks and encodes them in a
 background thread while the caller produces the next ones (a GPU decode); `write_mp4` is that path
@@ -34,6 +34,16 @@ logger = logging.getLogger(__name__)
 X264_THREADS_ENVIRONMENT_VARIABLE = "K6SERVE_X264_THREADS"
 
 
+def _whole_number_setting(variable: str, default: int, low: int, high: int) -> int:
+    """$variable as a whole number in [low, high], `default` when unset; a ValueError saying the range otherwise."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise ValueError(f"${variable} must be a whole number from {low} to {high} (default {default}), got {value!r}")
+    return int(value)
+
+
 def _x264_threads() -> int:
     """x264's thread count: 16 unless $K6SERVE_X264_THREADS says otherwise. Fixed, not the machine's core count,
     because x264's output bytes depend on it (the same count gives the same bytes on any machine). Measured on the
@@ -41,12 +51,7 @@ def _x264_threads() -> int:
     cores with the GPU decode, spent 2.41 s encoding after the last frame with 16 threads against 3.78 s with 8
     (44.02 -> 42.52 s in all); alone, 121 noise frames of 1536x1024 encode in 9.8 s against 13.3 s. More threads
     than cores cost little (x264's own default is 1.5 per core)."""
-    value = os.environ.get(X264_THREADS_ENVIRONMENT_VARIABLE, "").strip()
-    if not value:
-        return 16
-    if not value.isdigit() or not 1 <= int(value) <= 64:
-        raise ValueError(f"${X264_THREADS_ENVIRONMENT_VARIABLE} must be a whole number from 1 to 64, got {value!r}")
-    return int(value)
+    return _whole_number_setting(X264_THREADS_ENVIRONMENT_VARIABLE, 16, 1, 64)
 
 
 X264_THREADS = _x264_threads()
@@ -62,17 +67,11 @@ def _x264_rc_lookahead() -> int:
     (seventh session, `gpu_profile.py mux`, 121 frames of 1536x1024 arriving in the VSR decode's segments and
     pace, 16 threads): the tail after the last segment is 3.52 s with 40, 2.30 s with 20, 1.44 s with 10 on noise
     frames (0.51 / 0.38 / 0.28 s on smooth ones), at the same file size. On a textured, panning 384x256 clip
-    (CPU) 20 costs 0.007 dB of PSNR at the same size, 10 costs 0.08 dB at 1% less: so 20, x264's own value for
-    its "faster" preset. Like the thread count it decides the bytes, so it is a fixed number."""
-    value = os.environ.get(RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, "").strip()
-    if not value:
-        return 20
-    if not value.isdigit() or not 0 <= int(value) <= 250:
-        raise ValueError(
-            f"${RC_LOOKAHEAD_ENVIRONMENT_VARIABLE} must be a whole number from 0 to 250 (frames; default 20), "
-            f"got {value!r}"
-        )
-    return int(value)
+    (CPU) 20 keeps the PSNR of 40 (38.133 against 38.128 dB, 0.288 against 0.289 MB), 10 loses 0.08 dB at 1.4%
+    less: so 20, x264's own value for
+    its "faster" preset (`scripts/x264_lookahead_quality.py` repeats the PSNR comparison). Like the thread count it
+    decides the bytes, so it is a fixed number."""
+    return _whole_number_setting(RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, 20, 0, 250)
 
 
 X264_RC_LOOKAHEAD = _x264_rc_lookahead()
@@ -365,14 +364,11 @@ def _add_video_stream(
     stream.codec_context.time_base = 1 / rate
     # Frames are converted with the BT.709 matrix (_video_frame) and tagged so, which is what
     # players assume for HD; untagged files get guessed per resolution.
-    x264_params = ":".join(
-        ([f"asm={x264_cpu_flags()}"] if x264_cpu_flags() else [])
-        + [f"rc-lookahead={X264_RC_LOOKAHEAD}"]
-    )
+    x264_params = ([f"asm={x264_cpu_flags()}"] if x264_cpu_flags() else []) + [f"rc-lookahead={X264_RC_LOOKAHEAD}"]
     stream.codec_context.options = {
         "crf": str(crf),
         "threads": str(X264_THREADS),
-        **({"x264-params": x264_params} if x264_params else {}),
+        "x264-params": ":".join(x264_params),
         "colorspace": "bt709",
         "color_primaries": "bt709",
         "color_trc": "bt709",

@@ -10,7 +10,7 @@ What changes numerically: Q, K and V are rounded to e4m3 (3 mantissa bits) with 
 maps the head's largest magnitude to e4m3's 448 (`quantize_per_head`); FA3 multiplies the scores by the Q and K
 descales and the output by V's, and it rounds the softmax probabilities to e4m3 for the P @ V GEMM as well. That is
 lossy: with unit-normal inputs the e4m3 rounding of Q, K and V alone moves one attention's output by 4.8% (relative
-RMS; bf16 rounding 0.38%), and scaling finer than per head would not help (e4m3's relative precision is the same
+RMS, against 0.38% for a whole bf16 attention; tests/unit/test_fp8_attention.py checks the range on the CPU), and scaling finer than per head would not help (e4m3's relative precision is the same
 across its range). performance.md §3.1 records Sage-class attention costing visible quality on real K6 weights.
 
 Measured on one H200 (seventh session, docs/benchmarks.md): at 47,616 tokens the e4m3 kernel takes 40.7 ms at 32 x
@@ -71,7 +71,7 @@ def fp8_attention(
     query8, query_descale = quantize_per_head(query_BLHD)
     key8, key_descale = quantize_per_head(key_BSHD)
     value8, value_descale = quantize_per_head(value_BSHD)
-    result = fa3_function(
+    return fa3_function(
         query8,
         key8,
         value8,
@@ -80,7 +80,6 @@ def fp8_attention(
         v_descale=value_descale,
         return_attn_probs=return_lse,
     )
-    return result
 
 
 def reference_fp8_attention(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> Tensor:

@@ -129,29 +129,33 @@ def test_same_input_gives_identical_bytes(tmp_path: Path) -> None:
     assert b"Lavf" not in (tmp_path / "sub.mp4").read_bytes()  # no library version string
 
 
-def test_x264_thread_count_is_sixteen_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The thread count decides x264's bytes, so it is a fixed number (16), or $K6SERVE_X264_THREADS, checked."""
-    monkeypatch.delenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, raising=False)
-    assert mux._x264_threads() == 16
-    monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, "8")
-    assert mux._x264_threads() == 8
-    for bad in ("0", "auto", "-2", "100"):
-        monkeypatch.setenv(mux.X264_THREADS_ENVIRONMENT_VARIABLE, bad)
-        with pytest.raises(ValueError, match="K6SERVE_X264_THREADS must be a whole number from 1 to 64"):
-            mux._x264_threads()
+@pytest.mark.parametrize(
+    ("parse", "variable", "default", "good", "bads", "message"),
+    [
+        (mux._x264_threads, "K6SERVE_X264_THREADS", 16, "8", ("0", "auto", "-2", "100"),
+         "K6SERVE_X264_THREADS must be a whole number from 1 to 64"),
+        (mux._x264_rc_lookahead, "K6SERVE_X264_RC_LOOKAHEAD", 20, "10", ("-1", "auto", "251", "4.5"),
+         "K6SERVE_X264_RC_LOOKAHEAD must be a whole number from 0 to 250"),
+    ],
+)
+def test_x264_settings_are_fixed_numbers_unless_set(monkeypatch: pytest.MonkeyPatch, parse, variable, default,
+                                                    good, bads, message) -> None:
+    """The thread count and the rc-lookahead decide x264's bytes, so each is a fixed number (16, 20), or its
+    variable, checked."""
+    monkeypatch.delenv(variable, raising=False)
+    assert parse() == default
+    monkeypatch.setenv(variable, good)
+    assert parse() == int(good)
+    for bad in bads:
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ValueError, match=message):
+            parse()
 
 
-def test_x264_rc_lookahead_is_twenty_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rc-lookahead (20, or $K6SERVE_X264_RC_LOOKAHEAD, checked) reaches x264: another lookahead, other bytes,
-    the same frame count."""
-    monkeypatch.delenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, raising=False)
-    assert mux._x264_rc_lookahead() == 20 == mux.X264_RC_LOOKAHEAD
-    monkeypatch.setenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, "10")
-    assert mux._x264_rc_lookahead() == 10
-    for bad in ("-1", "auto", "251", "4.5"):
-        monkeypatch.setenv(mux.RC_LOOKAHEAD_ENVIRONMENT_VARIABLE, bad)
-        with pytest.raises(ValueError, match="K6SERVE_X264_RC_LOOKAHEAD must be a whole number from 0 to 250"):
-            mux._x264_rc_lookahead()
+def test_x264_rc_lookahead_reaches_x264(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's rc-lookahead (20 by default) is the one x264 encodes with: another lookahead, other bytes, the
+    same frame count."""
+    assert mux.X264_RC_LOOKAHEAD == 20
     y, x = np.mgrid[0:64, 0:96]
     frames = np.stack([((np.sin(x / 7 + t / 2) + np.cos(y / 5 - t / 3)) * 60 + 128).astype(np.uint8)[..., None]
                        .repeat(3, -1) for t in range(48)])
@@ -163,6 +167,23 @@ def test_x264_rc_lookahead_is_twenty_unless_set(tmp_path: Path, monkeypatch: pyt
         with av.open(str(path)) as container:
             assert sum(1 for _ in container.decode(video=0)) == 48
     assert digests[20] != digests[40]
+
+
+def test_lookahead_quality_script_reports_size_and_psnr(tmp_path: Path) -> None:
+    """scripts/x264_lookahead_quality.py at toy size: one row per lookahead, a real PSNR, the default restored."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "x264_lookahead_quality", Path(__file__).parents[2] / "scripts" / "x264_lookahead_quality.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--width", "96", "--height", "64", "--frames", "24", "--out", str(tmp_path)])
+    import json
+
+    rows = json.loads((tmp_path / "x264_lookahead_quality.json").read_text())["rows"]
+    assert [row["rc_lookahead"] for row in rows] == list(script.LOOKAHEADS)
+    assert all(20 < row["psnr_db"] < 80 and row["megabytes"] > 0 for row in rows)
+    assert mux.X264_RC_LOOKAHEAD == 20
 
 
 def test_failure_mid_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -355,55 +355,39 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch, tiny_sr_c
     torch._dynamo.reset()
 
 
-def test_commuted_kvae_norms_by_default_beside_the_compiled_decoder(monkeypatch, tiny_sr_configs):
-    """With --compile-vae the SR K-VAE's latent-conditioned norms go through speed/kvae_spatial_norm.py before the
-    blocks are compiled (measured faster on the H200); $K6SERVE_KVAE_COMMUTED_NORMS=0 or the eager decode keep
-    diffusers' forward."""
+@pytest.mark.parametrize(
+    ("variable", "name", "module_class"),
+    [
+        ("K6SERVE_KVAE_COMMUTED_NORMS", "commuted_spatial_norms", "Kandinsky6SRSpatialNorm3D"),
+        ("K6SERVE_KVAE_SUBPIXEL_UPSAMPLE", "subpixel_upsample", "Kandinsky6SRUpsample"),
+    ],
+)
+def test_kvae_rewrites_by_default_beside_the_compiled_decoder(monkeypatch, tiny_sr_configs, variable, name,
+                                                               module_class):
+    """With --compile-vae the SR K-VAE's latent-conditioned norms (speed/kvae_spatial_norm.py) and upsamplers
+    (speed/kvae_upsample.py) are rewritten before the blocks are compiled (both measured faster on the H200); their
+    variable set to "0", or the eager decode, keep diffusers' forward."""
     from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
-    from k6serve.speed.vae import COMMUTED_NORMS_ENVIRONMENT_VARIABLE
+    from k6serve.speed import vae as vae_speed
+    assert variable in (vae_speed.COMMUTED_NORMS_ENVIRONMENT_VARIABLE, vae_speed.SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     configs = tiny_sr_configs
 
-    def norms(kvae):
-        return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRSpatialNorm3D"]
+    def rewritten(kvae):
+        return [m for m in kvae.decoder.modules() if type(m).__name__ == module_class]
 
-    monkeypatch.setenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "0")
+    monkeypatch.setenv(variable, "0")
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
-    assert "commuted_spatial_norms" not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert not any("forward" in vars(norm) for norm in norms(kvae))
+    assert name not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert not any("forward" in vars(module) for module in rewritten(kvae))
     torch._dynamo.reset()
-    monkeypatch.delenv(COMMUTED_NORMS_ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.delenv(variable)
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
-    assert "commuted_spatial_norms" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing to gain
-    assert not any("forward" in vars(norm) for norm in norms(kvae))
+    assert name not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing applied
+    assert not any("forward" in vars(module) for module in rewritten(kvae))
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert applied.index("commuted_spatial_norms") < applied.index("compile_decoder_blocks")
-    assert all("forward" in vars(norm) for norm in norms(kvae))
-    torch._dynamo.reset()
-
-
-def test_subpixel_upsample_by_default_beside_the_compiled_decoder(monkeypatch, tiny_sr_configs):
-    """With --compile-vae the SR K-VAE's upsamplers go through speed/kvae_upsample.py before the blocks are compiled
-    (measured faster on the H200); $K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0 or the eager decode keep diffusers' forward."""
-    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
-    from k6serve.speed.vae import SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    configs = tiny_sr_configs
-
-    def upsamplers(kvae):
-        return [m for m in kvae.decoder.modules() if type(m).__name__ == "Kandinsky6SRUpsample"]
-
-    monkeypatch.setenv(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "0")
-    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
-    assert "subpixel_upsample" not in apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert not any("forward" in vars(m) for m in upsamplers(kvae))
-    torch._dynamo.reset()
-    monkeypatch.delenv(SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE)
-    _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
-    assert "subpixel_upsample" not in apply_vae_speedups(kvae, torch.device("cuda"))  # eager: nothing applied
-    applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
-    assert applied.index("subpixel_upsample") < applied.index("compile_decoder_blocks")
-    assert upsamplers(kvae) and all("forward" in vars(m) for m in upsamplers(kvae))
+    assert applied.index(name) < applied.index("compile_decoder_blocks")
+    assert rewritten(kvae) and all("forward" in vars(module) for module in rewritten(kvae))
     torch._dynamo.reset()
 
 
