@@ -75,7 +75,7 @@ def sr_vae_tile_decode_flops(
     follows the decoder's real segment and cache logic. Released K-VAE: 837.6 TFLOP per tile, all convolutions
     (sixth session). Why not a formula: the causal segments, the first-frame handling and the upsamplers make one
     error-prone, and the count is what the profile's convolution time is compared with. `subpixel_upsample`: the
-    decode with the upsamplers as four 2x2 phase convolutions (speed/kvae_upsample.py), 751.5 TFLOP per tile."""
+    decode with the upsamplers folded into one 2x2 phase convolution (speed/kvae_upsample.py), 735.5 TFLOP per tile."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models

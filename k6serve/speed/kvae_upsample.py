@@ -1,24 +1,36 @@
-"""The SR K-VAE's upsampler convolution on the low-resolution grid: four 2x2 "phase" convolutions instead of a 3x3
-convolution of the nearest-upsampled image (experimental).
+"""The SR K-VAE's spatial upsampler as one 2x2 convolution on the low-resolution grid: the nearest upsampling, its
+3x3 convolution and the 1x1x1 `linear` after it folded into four "phase" kernels.
 
-diffusers' `Kandinsky6SRUpsample` nearest-upsamples each frame 2x and adds a (1, 3, 3) convolution of the result:
-`h = up(x) + conv3x3(up(x))`. Every output pixel (2i + a, 2j + b) of that convolution reads a 3 x 3 window of
-`up(x)` that covers only 2 x 2 distinct pixels of `x`, so the convolution equals, for each of the four phases
-(a, b), a 2 x 2 convolution of `x` whose taps are sums of the 3 x 3 taps (along rows, phase 0 takes rows i - 1
-and i with weights W[-1] and W[0] + W[1]; phase 1 takes rows i and i + 1 with W[-1] + W[0] and W[1]; the same along
-columns; the zero padding of `up(x)` by one pixel is the zero padding of `x` by one). The four results interleave
-into the output grid. Why: these convolutions are 154.9 of the 837.6 TFLOP of one 512x768x121 K-VAE tile decode
-(`bench.flops.sr_vae_tile_decode_flops`); as phases they are 68.8 TFLOP (4 taps per output pixel instead of 9),
-and the upsampled image is no longer an input of a convolution. At the compiled decode's 539 TFLOP/s for cuDNN
-convolutions that is about 0.16 s of the 1.88 s per tile, 1.4 s per VSR x2 request, if 2 x 2 kernels run as well.
+diffusers' `Kandinsky6SRUpsample` computes, per frame, `linear(up(x) + conv3x3(up(x)))` with `up` the 2x nearest
+upsampling. Every output pixel (2i + a, 2j + b) of the 3x3 convolution reads a 3 x 3 window of `up(x)` that covers
+only 2 x 2 distinct pixels of `x`, so the convolution equals, for each of the four phases (a, b), a 2 x 2
+convolution of `x` whose taps are sums of the 3 x 3 taps (along rows, phase 0 takes rows i - 1 and i with weights
+W[-1] and W[0] + W[1]; phase 1 takes rows i and i + 1 with W[-1] + W[0] and W[1]; the same along columns; the zero
+padding of `up(x)` by one pixel is the zero padding of `x` by one). `up(x)` itself is, at phase (a, b), the tap of
+that window that reads x[i, j]. And `linear` is the same matrix L at every pixel, so it moves inside each phase:
+phase (a, b) of the whole upsampler is a 2 x 2 convolution of `x` with kernel L @ (K_ab + I at the x[i, j] tap) and
+bias L @ b_conv + b_linear. The four phases run as one convolution with 4C output channels over `x` zero-padded by
+one ((H + 1) x (W + 1) outputs; phase (a, b) is the window starting at (a, b)), and one interleave writes the
+(2H, 2W) result.
 
-Numerics: the same sum in exact arithmetic. The summed taps are computed in fp32 and rounded once to the weight
-dtype, so in bf16 a tap rounds differently from the products it replaces: outputs differ from diffusers' by
-rounding (fp32 on CPU: within 1e-5 relative, tests/unit/test_kvae_upsample.py). So it sits only beside the
-compiled decoder, which is outside eager's bits anyway, and there it is on by default (speed/vae.py;
-`K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0` leaves it out). Measured on one H200 (seventh session, `gpu_profile.py kvae
---subpixel-upsample`): 1.878 -> 1.853 s per compiled tile, 14 levels from eager (15 without it), so 0.025 s of the
-0.16 s the FLOP count promised: the 2x2 phase convolutions run at a lower rate than the 3x3 one.
+Why: in the released 512x768 tile decode the upsamplers' 3x3 convolutions are 154.9 of 837.6 TFLOP
+(`bench.flops.sr_vae_tile_decode_flops`) and their `linear` runs on the upsampled grid too; folded they are 4
+taps per output pixel instead of 9 + 1, and the upsampled image, the sum and the 1x1x1 convolution's input are never
+written. The first form of this rewrite (seventh session) ran the four phases as separate convolutions of sliced
+inputs with kernels computed inside the compiled graph: inductor laid those out NCDHW, so cuDNN transposed input,
+kernel and output around each (89 ms of the 1.85 s tile in `nchwToNhwc`/`nhwcToNchw`), plus the slice copies and
+the full-resolution `linear`; the tile decode gained 0.025 s where the FLOPs promised 0.16 s. Here the folded kernel
+is computed once, when the rewrite is applied, and kept in the conv weight's layout (channels-last beside the
+compiled decoder), and the convolution reads `x` as it is.
+
+Numerics: the same sum in exact arithmetic. The folded kernel and bias are computed in fp32 (fp64 for fp64 weights)
+and rounded once to the weight dtype, and the convolution accumulates in fp32 where diffusers rounds `up(x) + conv`
+to bf16 before `linear`: outputs differ from diffusers' by rounding (fp32 on CPU: within 1e-5 relative, exact in
+fp64, tests/unit/test_kvae_upsample.py). So it sits only beside the compiled decoder, which is outside eager's bits
+anyway, and there it is on by default (speed/vae.py; `K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0` leaves it out).
+
+The folded kernel is a buffer computed from the weights when `apply_subpixel_upsample` runs: apply it after the
+weights are final (the engine applies every decode speed-up after loading), or apply it again.
 
 The temporal half of the upsampler (`compress_time`: frames repeated and a causal (3, 1, 1) convolution, 7 TFLOP)
 is diffusers' code unchanged.
@@ -30,51 +42,86 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# What the released diffusers module splits its convolutions at (`CONV_CHUNK_ELEMENTS`): cuDNN indexes with 32 bits.
+_MAX_OUTPUT_ELEMENTS = 2 * 10**9
+_WEIGHT_BUFFER, _BIAS_BUFFER = "_k6serve_phase_weight", "_k6serve_phase_bias"
 
-def phase_kernels(weight_OI133: Tensor) -> list[Tensor]:
-    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1) of a (O, I, 1, 3, 3)
-    kernel applied to a 2x nearest-upsampled image; summed in fp32 (fp64 for fp64 weights), returned in the weight's
-    dtype."""
-    w = weight_OI133.to(torch.promote_types(weight_OI133.dtype, torch.float32))
+
+def _accumulation_dtype(tensor: Tensor) -> torch.dtype:
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def _phase_taps(weight_OI133: Tensor) -> list[Tensor]:
+    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1), unrounded (fp32/fp64)."""
+    w = weight_OI133.to(_accumulation_dtype(weight_OI133))
 
     def split(tensor: Tensor, dim: int, phase: int) -> Tensor:
         first, middle, last = tensor.narrow(dim, 0, 1), tensor.narrow(dim, 1, 1), tensor.narrow(dim, 2, 1)
         return torch.cat((first, middle + last) if phase == 0 else (first + middle, last), dim=dim)
 
-    kernels = [split(split(w, -2, a), -1, b).to(weight_OI133.dtype) for a in (0, 1) for b in (0, 1)]
-    if not weight_OI133.is_contiguous() and weight_OI133.is_contiguous(memory_format=torch.channels_last_3d):
-        # Beside channels-last decoder weights (speed/vae.py) cuDNN runs NDHWC; an NCDHW kernel would bring its
-        # input and output transposes back (0.33 s per tile before that change).
-        kernels = [kernel.contiguous(memory_format=torch.channels_last_3d) for kernel in kernels]
-    return kernels
+    return [split(split(w, -2, a), -1, b) for a in (0, 1) for b in (0, 1)]
 
 
-def subpixel_upsample_conv(x_BCTHW: Tensor, conv: nn.Conv3d) -> Tensor:
-    """`conv(nearest_upsample_2x(x))` for a (1, 3, 3) zero-padded `conv`, computed as four phase convolutions on
-    `x` and interleaved: (B, C, T, H, W) -> (B, O, T, 2H, 2W)."""
-    batch, _, frames, height, width = x_BCTHW.shape
-    padded = F.pad(x_BCTHW, (1, 1, 1, 1))
-    kernels = phase_kernels(conv.weight)
-    phases = [
-        F.conv3d(padded[:, :, :, a : a + height + 1, b : b + width + 1], kernels[2 * a + b], conv.bias)
-        for a in (0, 1)
-        for b in (0, 1)
-    ]
-    out_channels = phases[0].shape[1]
-    # (B, O, T, H, W, a, b) -> (B, O, T, H, a, W, b) -> (B, O, T, 2H, 2W): pixel (2i + a, 2j + b).
-    stacked = torch.stack(phases, dim=-1).unflatten(-1, (2, 2))
-    return stacked.permute(0, 1, 2, 3, 5, 4, 6).reshape(batch, out_channels, frames, 2 * height, 2 * width)
+def phase_kernels(weight_OI133: Tensor) -> list[Tensor]:
+    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1) of a (O, I, 1, 3, 3)
+    kernel applied to a 2x nearest-upsampled image; summed in fp32 (fp64 for fp64 weights), returned in the weight's
+    dtype."""
+    return [kernel.to(weight_OI133.dtype) for kernel in _phase_taps(weight_OI133)]
 
 
-def _subpixel_forward(self, hidden_states: Tensor, cache: dict) -> Tensor:
+def folded_upsampler_kernel(spatial_conv: nn.Conv3d, linear: nn.Conv3d) -> tuple[Tensor, Tensor]:
+    """The (4C, C, 1, 2, 2) kernel and (4C,) bias of `linear(up(x) + spatial_conv(up(x)))` as one convolution of `x`
+    zero-padded by one: output channels [p * C, (p + 1) * C) are phase p = 2a + b. Folded in fp32 (fp64 for fp64
+    weights), rounded once; channels-last when the spatial kernel is."""
+    channels = spatial_conv.out_channels
+    dtype = _accumulation_dtype(spatial_conv.weight)
+    mix = linear.weight.to(dtype).reshape(linear.out_channels, linear.in_channels)  # L
+    identity = torch.eye(channels, dtype=dtype, device=mix.device)
+    kernels = []
+    for phase, taps in enumerate(_phase_taps(spatial_conv.weight)):
+        a, b = divmod(phase, 2)
+        taps = taps.clone()
+        taps[:, :, 0, 1 - a, 1 - b] += identity  # up(x) at (2i + a, 2j + b) is x[i, j]: tap (1 - a, 1 - b)
+        kernels.append(torch.einsum("om,mikl->oikl", mix, taps[:, :, 0]).unsqueeze(2))
+    bias = mix @ _bias(spatial_conv, dtype) + _bias(linear, dtype)
+    weight = torch.cat(kernels).to(spatial_conv.weight.dtype)
+    if spatial_conv.weight.is_contiguous(memory_format=torch.channels_last_3d) and not spatial_conv.weight.is_contiguous():
+        # Beside channels-last decoder weights cuDNN runs NDHWC; an NCDHW kernel would bring its input and output
+        # transposes back (0.33 s per tile before that change).
+        weight = weight.contiguous(memory_format=torch.channels_last_3d)
+    return weight, bias.repeat(4).to(spatial_conv.weight.dtype)
+
+
+def _bias(conv: nn.Conv3d, dtype: torch.dtype) -> Tensor:
+    if conv.bias is None:
+        return torch.zeros(conv.out_channels, dtype=dtype, device=conv.weight.device)
+    return conv.bias.to(dtype)
+
+
+def folded_upsample(x_BCTHW: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """The folded upsampler on `x`: (B, C, T, H, W) -> (B, C, T, 2H, 2W), laid out channels-last (the layout of
+    the next convolution's input beside channels-last weights; the values do not depend on it)."""
+    batch, channels, frames, height, width = x_BCTHW.shape
+    per_frame = 4 * channels * (height + 1) * (width + 1) * batch
+    step = max(1, _MAX_OUTPUT_ELEMENTS // per_frame)
+    # A (1, 2, 2) kernel mixes no frames: split along time where the output would pass cuDNN's 32-bit indexing.
+    phases = torch.cat([F.conv3d(chunk, weight, bias, padding=(0, 1, 1)) for chunk in x_BCTHW.split(step, dim=2)],
+                       dim=2)
+    # (B, 4C, T, H + 1, W + 1) viewed channels-last as (B, T, H + 1, W + 1, a, b, C); phase (a, b) starts at (a, b).
+    phases = phases.permute(0, 2, 3, 4, 1).unflatten(-1, (2, 2, channels))
+    rows = [torch.stack([phases[:, :, a : a + height, b : b + width, a, b] for b in (0, 1)], dim=-2) for a in (0, 1)]
+    interleaved = torch.stack(rows, dim=3)  # (B, T, H, a, W, b, C): pixel (2i + a, 2j + b)
+    return interleaved.reshape(batch, frames, 2 * height, 2 * width, channels).permute(0, 4, 1, 2, 3)
+
+
+def _folded_forward(self, hidden_states: Tensor, cache: dict) -> Tensor:
     if self.compress_time:  # diffusers' Kandinsky6SRUpsample.forward, unchanged
         repeated = hidden_states.repeat_interleave(2, dim=2)
         if cache["temporal_conv"]["padding"] is None:
             repeated = repeated[:, :, 1:]
         conv_out = self.temporal_conv(repeated, cache["temporal_conv"])
         hidden_states = conv_out + repeated
-    upsampled = F.interpolate(hidden_states, scale_factor=(1, 2, 2), mode="nearest")
-    return self.linear(upsampled + subpixel_upsample_conv(hidden_states, self.spatial_conv))
+    return folded_upsample(hidden_states, getattr(self, _WEIGHT_BUFFER), getattr(self, _BIAS_BUFFER))
 
 
 def _is_upsampler(module: nn.Module) -> bool:
@@ -91,17 +138,38 @@ def _fits(conv: nn.Module) -> bool:
         and conv.dilation == (1, 1, 1)
         and conv.groups == 1
         and conv.padding_mode == "zeros"
+        and conv.in_channels == conv.out_channels  # the residual up(x) + conv(up(x))
+    )
+
+
+def _is_pointwise(conv: nn.Module, channels: int) -> bool:
+    return (
+        isinstance(conv, nn.Conv3d)
+        and conv.kernel_size == (1, 1, 1)
+        and conv.stride == (1, 1, 1)
+        and conv.padding in ((0, 0, 0), "valid")
+        and conv.groups == 1
+        and conv.in_channels == channels
     )
 
 
 def apply_subpixel_upsample(decoder: nn.Module) -> int:
-    """Route every `Kandinsky6SRUpsample` of `decoder` through `_subpixel_forward`, in place; returns how many.
-    Idempotent; parameters and state-dict names are untouched (only the instance's `forward` changes). An
-    upsampler whose spatial convolution is not the zero-padded (1, 3, 3) one is left as it is."""
+    """Route every `Kandinsky6SRUpsample` of `decoder` through the folded upsampler, in place; returns how many.
+
+    Idempotent. Parameters and state-dict names are untouched: the folded kernel and bias are non-persistent
+    buffers, computed now from the current weights. An upsampler whose spatial convolution is not the zero-padded
+    (1, 3, 3) one or whose `linear` is not a 1x1x1 convolution is left as it is.
+    """
     count = 0
     for module in decoder.modules():
         if not _is_upsampler(module) or "forward" in vars(module) or not _fits(module.spatial_conv):
             continue
-        module.forward = _subpixel_forward.__get__(module)
+        if not _is_pointwise(module.linear, module.spatial_conv.out_channels):
+            continue
+        with torch.no_grad():
+            weight, bias = folded_upsampler_kernel(module.spatial_conv, module.linear)
+        module.register_buffer(_WEIGHT_BUFFER, weight, persistent=False)
+        module.register_buffer(_BIAS_BUFFER, bias, persistent=False)
+        module.forward = _folded_forward.__get__(module)
         count += 1
     return count

@@ -20,12 +20,12 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   compiled decoder blocks ($K6SERVE_KVAE_COMMUTED_NORMS=0 leaves it out): the same convolution values, without
   writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py). Measured on one H200 (sixth
   session): tile decode 1.952 -> 1.878 s with channels-last, the same 15-level distance from eager.
-* The SR K-VAE upsamplers' 3x3 convolution as four 2x2 phase convolutions on the low-resolution grid, beside the
-  compiled decoder blocks ($K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0 leaves it out): 154.9 -> 68.8 TFLOP per tile, the
-  same values up to rounding (speed/kvae_upsample.py). Measured on one H200 (seventh session): tile decode 1.878
-  -> 1.853 s with the commuted norms and channels-last, 14 levels from eager (15 without); the VSR's decode
-  17.0 -> 16.7 s. Less than the FLOP count promised (0.16 s per tile at the convolutions' rate): the 2x2 phase
-  kernels run at a lower rate than the 3x3 one.
+* The SR K-VAE upsamplers (nearest 2x, 3x3 convolution, 1x1x1 `linear`) folded into one 2x2 convolution with 4C
+  outputs on the low-resolution grid, beside the compiled decoder blocks ($K6SERVE_KVAE_SUBPIXEL_UPSAMPLE=0 leaves it
+  out): 837.6 -> 735.5 TFLOP per tile, the same values up to rounding (speed/kvae_upsample.py). Its first form (four
+  separate phase convolutions, kernels computed inside the compiled graph) measured 1.878 -> 1.853 s per tile on one
+  H200 (seventh session), far less than its FLOPs promised, because inductor laid those kernels out NCDHW and cuDNN
+  transposed around them; the folded kernel is now a channels-last buffer computed once.
 * Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
   and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
   those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
@@ -57,7 +57,7 @@ CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
 # compiled decoder blocks they convolve first (speed/kvae_spatial_norm.py).
 COMMUTED_NORMS_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_COMMUTED_NORMS"
 # "0": the SR K-VAE's upsamplers convolve the upsampled image, as diffusers does; by default beside the compiled
-# decoder blocks they convolve on the low-resolution grid as four 2x2 phases (speed/kvae_upsample.py).
+# decoder blocks they run folded into one 2x2 convolution on the low-resolution grid (speed/kvae_upsample.py).
 SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_SUBPIXEL_UPSAMPLE"
 
 

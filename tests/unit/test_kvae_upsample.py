@@ -1,7 +1,8 @@
-"""The SR K-VAE upsampler's 3x3 convolution as four 2x2 phase convolutions on the low-resolution grid
-(speed/kvae_upsample.py): the same values as diffusers' upsample-then-convolve up to fp32 rounding (exact in fp64),
-for the spatial-only and the temporal upsamplers over first and later causal segments, for the decoded tile, and
-compiled by inductor; only zero-padded (1, 3, 3) convolutions are rewritten; parameters are untouched."""
+"""The SR K-VAE's spatial upsampler (nearest 2x, 3x3 convolution, 1x1x1 `linear`) folded into one 2x2 convolution
+on the low-resolution grid (speed/kvae_upsample.py): the same values as diffusers' upsample-then-convolve up to fp32
+rounding (exact in fp64), for the spatial-only and the temporal upsamplers over first and later causal segments, for
+the decoded tile, and compiled by inductor; only zero-padded (1, 3, 3) convolutions are rewritten; parameters are
+untouched; the folded kernel keeps the channels-last layout."""
 
 from __future__ import annotations
 
@@ -12,26 +13,54 @@ from torch import nn
 
 from k6serve.speed.kvae_upsample import (
     apply_subpixel_upsample,
+    folded_upsample,
+    folded_upsampler_kernel,
     phase_kernels,
-    subpixel_upsample_conv,
 )
 
 
-@pytest.mark.parametrize("height,width", [(5, 7), (4, 6), (1, 1)])
-def test_phase_convolutions_equal_convolving_the_upsampled_image(height, width):
-    """In fp64 the four phase convolutions equal conv3x3(nearest_up(x)) to the last bits; odd sizes and a 1x1
-    image exercise the zero borders."""
-    generator = torch.Generator().manual_seed(height * 10 + width)
-    conv = nn.Conv3d(3, 5, kernel_size=(1, 3, 3), padding=(0, 1, 1)).double()
+def _random_conv(shape_in: int, shape_out: int, kernel, padding, generator) -> nn.Conv3d:
+    conv = nn.Conv3d(shape_in, shape_out, kernel_size=kernel, padding=padding).double()
     with torch.no_grad():
         conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator, dtype=torch.float64))
         conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator, dtype=torch.float64))
-    x = torch.randn(2, 3, 4, height, width, generator=generator, dtype=torch.float64)
+    return conv
+
+
+@pytest.mark.parametrize("height,width", [(5, 7), (4, 6), (1, 1)])
+def test_folded_upsampler_equals_upsample_convolve_linear(height, width):
+    """In fp64 the folded convolution equals linear(up(x) + conv3x3(up(x))) to the last bits; odd sizes and a 1x1
+    image exercise the zero borders, and the output is laid out channels-last."""
+    generator = torch.Generator().manual_seed(height * 10 + width)
+    spatial = _random_conv(5, 5, (1, 3, 3), (0, 1, 1), generator)
+    linear = _random_conv(5, 5, 1, 0, generator)
+    x = torch.randn(2, 5, 4, height, width, generator=generator, dtype=torch.float64)
     with torch.no_grad():
-        expected = conv(F.interpolate(x, scale_factor=(1, 2, 2), mode="nearest"))
-        got = subpixel_upsample_conv(x, conv)
+        upsampled = F.interpolate(x, scale_factor=(1, 2, 2), mode="nearest")
+        expected = linear(upsampled + spatial(upsampled))
+        got = folded_upsample(x, *folded_upsampler_kernel(spatial, linear))
     assert got.shape == expected.shape == (2, 5, 4, 2 * height, 2 * width)
+    assert got.is_contiguous(memory_format=torch.channels_last_3d)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
+    """Where the 4C-channel output would pass cuDNN's 32-bit indexing the frames go through in chunks (the kernel
+    mixes no frames): the same values."""
+    import k6serve.speed.kvae_upsample as module
+
+    generator = torch.Generator().manual_seed(5)
+    spatial = _random_conv(3, 3, (1, 3, 3), (0, 1, 1), generator)
+    linear = _random_conv(3, 3, 1, 0, generator)
+    x = torch.randn(1, 3, 7, 4, 5, generator=generator, dtype=torch.float64)
+    kernel = folded_upsampler_kernel(spatial, linear)
+    whole = folded_upsample(x, *kernel)
+    calls = []
+    monkeypatch.setattr(module, "_MAX_OUTPUT_ELEMENTS", 4 * 3 * 5 * 6 * 2)  # two frames per convolution
+    real_conv3d = F.conv3d
+    monkeypatch.setattr(module.F, "conv3d", lambda chunk, *a, **k: calls.append(chunk.shape[2]) or real_conv3d(chunk, *a, **k))
+    torch.testing.assert_close(folded_upsample(x, *kernel), whole, rtol=0, atol=0)
+    assert calls == [2, 2, 2, 1]
 
 
 def test_phase_kernels_sum_the_taps_each_phase_reads():
@@ -46,7 +75,8 @@ def test_phase_kernels_sum_the_taps_each_phase_reads():
 
 def test_subpixel_upsampler_decodes_the_same_tile(tiny_sr_configs, build_tiny_kvae):
     """The decoded tile in fp32 over three causal segments (13 latent frames: 5, 4, 4), with the spatial-only and the
-    temporal upsamplers rewritten: within fp32 rounding of diffusers' upsample-then-convolve."""
+    temporal upsamplers rewritten: within fp32 rounding of diffusers' upsample-then-convolve; the folded kernels are
+    buffers outside the state dict."""
     vae = build_tiny_kvae(torch.float32)
     generator = torch.Generator().manual_seed(0)
     latent = torch.randn(1, tiny_sr_configs.vae.latent_channels, 13, 4, 6, generator=generator)
@@ -94,12 +124,23 @@ def test_upsamplers_with_other_convolutions_are_left_alone(build_tiny_kvae):
     assert "forward" not in vars(upsamplers[0]) and all("forward" in vars(m) for m in upsamplers[1:])
 
 
-def test_phase_kernels_keep_channels_last_weights_channels_last():
-    """Beside channels-last decoder weights the phase kernels are channels-last too (cuDNN would otherwise
-    transpose around them); the values do not depend on the layout."""
+def test_folded_kernel_keeps_channels_last_weights_channels_last():
+    """Beside channels-last decoder weights the folded kernel is channels-last too (cuDNN would otherwise transpose
+    input, kernel and output around it); the values do not depend on the layout; bf16 weights give a bf16 kernel
+    rounded once from the fp32 fold."""
     generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(6, 4, 1, 3, 3, generator=generator)
-    channels_last = weight.contiguous(memory_format=torch.channels_last_3d)
-    for plain, converted in zip(phase_kernels(weight), phase_kernels(channels_last), strict=True):
-        assert plain.is_contiguous() and converted.is_contiguous(memory_format=torch.channels_last_3d)
-        assert not converted.is_contiguous() and torch.equal(plain, converted)
+    spatial = _random_conv(4, 4, (1, 3, 3), (0, 1, 1), generator).to(torch.bfloat16)
+    linear = _random_conv(4, 4, 1, 0, generator).to(torch.bfloat16)
+    plain_weight, plain_bias = folded_upsampler_kernel(spatial, linear)
+    spatial.weight.data = spatial.weight.data.contiguous(memory_format=torch.channels_last_3d)
+    converted_weight, converted_bias = folded_upsampler_kernel(spatial, linear)
+    assert plain_weight.shape == (16, 4, 1, 2, 2) and plain_weight.dtype == plain_bias.dtype == torch.bfloat16
+    assert plain_weight.is_contiguous() and not converted_weight.is_contiguous()
+    assert converted_weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert torch.equal(plain_weight, converted_weight) and torch.equal(plain_bias, converted_bias)
+    # Rounded once: phase (1, 1)'s first output channel, folded in fp32 from the bf16 weights, then rounded.
+    mix = linear.weight.float().reshape(4, 4)
+    taps = phase_kernels(spatial.weight.float())[3][:, :, 0].clone()
+    taps[:, :, 0, 0] += torch.eye(4)
+    expected = torch.einsum("om,mikl->oikl", mix, taps)[0].to(torch.bfloat16)
+    assert torch.equal(plain_weight[12, :, 0], expected)
