@@ -85,7 +85,8 @@ def folded_upsampler_kernel(spatial_conv: nn.Conv3d, linear: nn.Conv3d) -> tuple
         kernels.append(torch.einsum("om,mikl->oikl", mix, taps[:, :, 0]).unsqueeze(2))
     bias = mix @ _bias(spatial_conv, dtype) + _bias(linear, dtype)
     weight = torch.cat(kernels).to(spatial_conv.weight.dtype)
-    if spatial_conv.weight.is_contiguous(memory_format=torch.channels_last_3d) and not spatial_conv.weight.is_contiguous():
+    source = spatial_conv.weight
+    if source.is_contiguous(memory_format=torch.channels_last_3d) and not source.is_contiguous():
         # Beside channels-last decoder weights cuDNN runs NDHWC; an NCDHW kernel would bring its input and output
         # transposes back (0.33 s per tile before that change).
         weight = weight.contiguous(memory_format=torch.channels_last_3d)

@@ -58,7 +58,11 @@ def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
     calls = []
     monkeypatch.setattr(module, "_MAX_OUTPUT_ELEMENTS", 4 * 3 * 5 * 6 * 2)  # two frames per convolution
     real_conv3d = F.conv3d
-    monkeypatch.setattr(module.F, "conv3d", lambda chunk, *a, **k: calls.append(chunk.shape[2]) or real_conv3d(chunk, *a, **k))
+    def counting_conv3d(chunk, *args, **kwargs):
+        calls.append(chunk.shape[2])
+        return real_conv3d(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(module.F, "conv3d", counting_conv3d)
     torch.testing.assert_close(folded_upsample(x, *kernel), whole, rtol=0, atol=0)
     assert calls == [2, 2, 2, 1]
 
