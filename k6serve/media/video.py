@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Self
 
 import av
 import av.container
@@ -125,42 +126,121 @@ def read_sr_source(
     Decoding stops as soon as more frames cannot change the selection, so long sources cost only
     the frames that are kept (plus up to one stride when subsampling).
     """
-    if max_frames < 1:
-        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
-    with open_input(path) as container:
-        stream = _first_video_stream(container, path)
-        source_fps = _stream_fps(stream, path)
-        plan = plan_frame_rate(source_fps, target_fps=target_fps, tolerance=tolerance)
-        selection = _FrameSelection(plan, max_frames)
-        frames = [frame for _, frame in _decode_rgb(container, stream, path, keep=selection.offer)]
-    num_decoded = selection.num_decoded
-    indices = sr_source_indices(num_decoded, plan, max_frames=max_frames)
-    # Decoding may have gone past the last selected frame; the selection is always a prefix.
-    assert selection.indices[: len(indices)] == indices, (selection.indices, indices)
-    if not indices:
-        raise ValueError(
-            f"video file {str(path)!r} gives no frames to upscale: {num_decoded} decoded frame(s) "
-            f"at {source_fps:g} fps; pass a longer clip"
-        )
-    num_kept = floor_frame_count(len(indices))
-    notes = [plan.note] if plan.note else []
-    if plan.note and plan.step is None:
-        logger.warning("%s: %s", path, plan.note)
-    if not selection.reached_end:
-        notes.append(f"kept the first {len(indices)} selected frames (limit {max_frames})")
-    if num_kept < len(indices):
-        notes.append(
-            f"dropped the last {len(indices) - num_kept} frame(s) so the count is "
-            f"1 + {FRAME_COUNT_MULTIPLE}k ({num_kept})"
-        )
+    with SRSourceReader(path, max_frames=max_frames, target_fps=target_fps, tolerance=tolerance) as reader:
+        frames = list(reader.frames())
+        summary = reader.summary()
     return SourceClip(
-        frames=np.stack(frames[:num_kept]),
-        fps=plan.output_fps,
-        source_fps=source_fps,
-        source_indices=tuple(indices[:num_kept]),
-        num_decoded_frames=num_decoded,
-        notes=tuple(notes),
+        frames=np.stack(frames[: summary.num_frames]),
+        fps=summary.fps,
+        source_fps=summary.source_fps,
+        source_indices=summary.source_indices,
+        num_decoded_frames=summary.num_decoded_frames,
+        notes=summary.notes,
     )
+
+
+@dataclass(frozen=True)
+class SourceSummary:
+    """What `SRSourceReader` kept: `SourceClip` without the frames."""
+
+    num_frames: int  # 1 + 8k: the first num_frames of the frames the reader yielded
+    fps: int
+    source_fps: float
+    source_indices: tuple[int, ...]
+    num_decoded_frames: int
+    notes: tuple[str, ...]
+
+
+class SRSourceReader:
+    """`read_sr_source` frame by frame, so a caller can work on the first frames while later ones decode.
+
+    `frames()` yields the frames the 24 fps rule selects, in order, before the 1 + 8k floor and the end-of-source
+    bound; once it is exhausted, `summary()` says how many of them are kept (a prefix). While it runs,
+    `definitely_kept()` says how many of the frames yielded so far are kept whatever follows. Opening checks the
+    file (errors name it, as `read_sr_source` does); `close()` (or the `with` block) releases it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_frames: int = MAX_NUM_FRAMES,
+        target_fps: int = TARGET_FPS,
+        tolerance: float = FPS_TOLERANCE,
+    ) -> None:
+        if max_frames < 1:
+            raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+        self.path = path
+        self._container = open_input(path)
+        try:
+            self._stream = _first_video_stream(self._container, path)
+            self.source_fps = _stream_fps(self._stream, path)
+            self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
+        except BaseException:
+            self._container.close()
+            raise
+        self.fps = self._plan.output_fps
+        self._selection = _FrameSelection(self._plan, max_frames)
+        self._max_frames = max_frames
+        self._finished = False
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._container.close()
+
+    def frames(self) -> Iterator[np.ndarray]:
+        """The selected RGB uint8 (H, W, 3) frames, decoded one at a time."""
+        for _, frame in _decode_rgb(self._container, self._stream, self.path, keep=self._selection.offer):
+            yield frame
+        self._finished = True
+
+    def definitely_kept(self) -> int:
+        """How many of the frames yielded so far the rule keeps whatever comes after them (the 1 + 8k floor, and
+        when subsampling the `i < int(N / step)` bound, which only grows with the source length N)."""
+        selection, step = self._selection, self._plan.step
+        count = len(selection.indices)
+        if step is not None:
+            count = min(count, int(selection.num_decoded / step))
+        return floor_frame_count(count) if count else 0
+
+    def summary(self) -> SourceSummary:
+        """After `frames()` is exhausted: the kept count and what changed relative to the source."""
+        if not self._finished:
+            raise RuntimeError("SRSourceReader.summary() needs frames() to be exhausted first")
+        selection, plan, path = self._selection, self._plan, self.path
+        num_decoded = selection.num_decoded
+        indices = sr_source_indices(num_decoded, plan, max_frames=self._max_frames)
+        # Decoding may have gone past the last selected frame; the selection is always a prefix.
+        assert selection.indices[: len(indices)] == indices, (selection.indices, indices)
+        if not indices:
+            raise ValueError(
+                f"video file {str(path)!r} gives no frames to upscale: {num_decoded} decoded frame(s) "
+                f"at {self.source_fps:g} fps; pass a longer clip"
+            )
+        num_kept = floor_frame_count(len(indices))
+        notes = [plan.note] if plan.note else []
+        if plan.note and plan.step is None:
+            logger.warning("%s: %s", path, plan.note)
+        if not selection.reached_end:
+            notes.append(f"kept the first {len(indices)} selected frames (limit {self._max_frames})")
+        if num_kept < len(indices):
+            notes.append(
+                f"dropped the last {len(indices) - num_kept} frame(s) so the count is "
+                f"1 + {FRAME_COUNT_MULTIPLE}k ({num_kept})"
+            )
+        return SourceSummary(
+            num_frames=num_kept,
+            fps=plan.output_fps,
+            source_fps=self.source_fps,
+            source_indices=tuple(indices[:num_kept]),
+            num_decoded_frames=num_decoded,
+            notes=tuple(notes),
+        )
 
 
 class _FrameSelection:

@@ -1,7 +1,8 @@
 """The stages of Kandinsky 6 video super-resolution, in the order `SuperResolutionPipeline` calls them.
 
 read source -> plan (scale, tile grid, output sizes: every user error is raised here, before any compute) ->
-prepare pixels (x1.125 uint8 round trip, replicate pad) -> whole-clip causal encode -> per-tile latent upscaling ->
+prepare pixels (x1.125 uint8 round trip, replicate pad) -> causal encode (these three in `sr_source.py`, the encode
+overlapping the read) -> per-tile latent upscaling ->
 per-chunk π-Flow denoising -> per-tile decode -> Hann blend, crop, optional downscale (k6-super-resolution.md §2,
 the SG column of §7). Geometry, blending and noise helpers live in `sr_tiling.py`.
 
@@ -20,8 +21,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from k6serve.media.audio import OUTPUT_SAMPLE_RATE, processed_num_samples, read_source_audio
-from k6serve.media.video import read_sr_source
 from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
 from k6serve.models.kandinsky6_sr.transformer import SRTransformer
 from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
@@ -43,38 +42,10 @@ from k6serve.pipelines.sr_tiling import (
     resolve_scale,
     resolve_target_size,
 )
-from k6serve.pipelines.state import DecodedAudio
 from k6serve.request import UpscaleRequest
 
 StepCallback = Callable[[int, int], None]
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, eq=False)
-class SourceVideo:
-    """The source frames kept by the 24 fps rule, and its soundtrack trimmed to them."""
-
-    frames_TCHW: Tensor  # uint8 on the pipeline's device, T = 1 + 8k <= 121
-    fps: int  # fps of the processed clip (and of the output file)
-    # Mono 44.1 kHz, at most round(T / fps * 44100) samples; None for a silent source.
-    audio: DecodedAudio | None
-    notes: tuple[str, ...]
-
-
-def read_source(video_path: str, device: torch.device) -> SourceVideo:
-    """Read the frames (24 fps rule, <= 121, floored to 1 + 8k) and the soundtrack of the processed duration."""
-    clip = read_sr_source(video_path)
-    num_samples = processed_num_samples(clip.num_frames, clip.fps, OUTPUT_SAMPLE_RATE)
-    waveform = read_source_audio(
-        video_path, sample_rate=OUTPUT_SAMPLE_RATE, num_samples=num_samples
-    )
-    audio = (
-        None
-        if waveform is None
-        else DecodedAudio(waveform=waveform, sample_rate=OUTPUT_SAMPLE_RATE)
-    )
-    frames_TCHW = torch.from_numpy(clip.frames).to(device).permute(0, 3, 1, 2)
-    return SourceVideo(frames_TCHW=frames_TCHW, fps=clip.fps, audio=audio, notes=clip.notes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,11 +116,6 @@ def prepare_pixels(frames_TCHW: Tensor, plan: UpscalePlan) -> Tensor:
         frames_TCHW = pre_upscale_x1125(frames_TCHW)
     assert tuple(frames_TCHW.shape[-2:]) == plan.input_size
     return pad_to_multiple(frames_TCHW, plan.snap)
-
-
-def encode_clip(vae: SRVAE, frames_TCHW: Tensor) -> Tensor:
-    """The whole clip through the causal K-VAE in one cache chain -> (1, C, T', h, w) scaled latent."""
-    return vae.encode_clip(frames_TCHW.permute(1, 0, 2, 3).unsqueeze(0))
 
 
 def upscale_tiles(

@@ -1,8 +1,8 @@
-"""Kandinsky 6 video super-resolution: read -> plan -> encode -> upscale -> denoise -> decode -> blend.
+"""Kandinsky 6 video super-resolution: read + plan + encode -> upscale -> denoise -> decode -> blend.
 
 No prompt, no guidance: each tile is denoised by the checkpoint's two-step π-Flow (2 DiT calls per tile whatever
 `num_inference_steps` says; `resolve_upscale` warns) and the source soundtrack is kept. The stages are in
-`sr_stages.py`; this class only calls them in order and times them.
+`sr_source.py` (read and encode, overlapped) and `sr_stages.py`; this class only calls them in order and times them.
 """
 
 from __future__ import annotations
@@ -19,16 +19,14 @@ import torch
 from k6serve.models.kandinsky6_sr.checkpoint import SRModels, load_sr_models
 from k6serve.models.variants import Variant
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink
+from k6serve.pipelines.sr_source import read_and_encode
 from k6serve.pipelines.sr_stages import (
     StepCallback,
     assemble_frames,
     decode_and_assemble_chunks,
     decode_tiles,
     denoise_tiles,
-    encode_clip,
     plan_upscale,
-    prepare_pixels,
-    read_source,
     upscale_tiles,
 )
 from k6serve.pipelines.state import DecodedAudio
@@ -63,16 +61,16 @@ class SuperResolutionPipeline:
         the blend, there is no "blend" entry, and "video_sink" is the sink's time after the last chunk."""
         m = self.models
         timings: dict[str, float] = {}
-        with _timed(timings, "read", m.device):
-            source = read_source(request.video_path, m.device)
-        plan = plan_upscale(
-            tuple(source.frames_TCHW.shape[-2:]),
-            request,
-            tile_sizes=m.transformer.config.tile_sizes,
-            snap=m.vae.spatial_compression_ratio,
+        source = read_and_encode(
+            m.vae,
+            request.video_path,
+            m.device,
+            lambda size: plan_upscale(
+                size, request, tile_sizes=m.transformer.config.tile_sizes, snap=m.vae.spatial_compression_ratio
+            ),
+            timings,
         )
-        with _timed(timings, "encode", m.device):
-            latent = encode_clip(m.vae, prepare_pixels(source.frames_TCHW, plan))
+        plan, latent = source.plan, source.latent_BCThw
         with _timed(timings, "upscale", m.device):
             lq_tiles = upscale_tiles(m.upscaler, latent, plan)
         sampler = m.sampler()

@@ -86,15 +86,14 @@ class SRVAE:
                 f"the clip has {num_frames} frames; the K-VAE needs 1 + {self.temporal_compression_ratio}k "
                 "(the SR reader keeps 1 + 8k frames)."
             )
-        if video_BCTHW.dtype == torch.uint8:
-            video_BCTHW = normalize_pixels(video_BCTHW)
-        video_BCTHW = video_BCTHW.to(self.dtype)
-        encoder = self.model.encoder
-        cache = encoder.make_cache()
-        segments = torch.split(video_BCTHW, encode_segment_lengths(num_frames), dim=2)
-        moments_BCTHW = torch.cat([encoder(segment, cache) for segment in segments], dim=2)
-        mean_BCTHW = moments_BCTHW[:, : self.model.config.latent_channels]
-        return mean_BCTHW * self.scaling_factor
+        encoder = self.clip_encoder()
+        for segment in torch.split(video_BCTHW, encode_segment_lengths(num_frames), dim=2):
+            encoder.push(segment)
+        return encoder.latent()
+
+    def clip_encoder(self) -> CausalClipEncoder:
+        """`encode_clip` one segment at a time, for frames that arrive while the clip is still being read."""
+        return CausalClipEncoder(self)
 
     @torch.no_grad()
     def decode_tile_raw(self, latent_BCThw: Tensor) -> Tensor:
@@ -140,3 +139,29 @@ class SRVAE:
         hidden = decoder.norm_out(hidden, latent_BCThw, cache["norm_out"])
         hidden = hidden * torch.sigmoid(hidden)
         return decoder.conv_out(hidden, cache["conv_out"])
+
+
+class CausalClipEncoder:
+    """`SRVAE.encode_clip` fed one causal segment at a time (one cache chain): push the segments of
+    `encode_segment_lengths(num_frames)` in order, then `latent()` is exactly what `encode_clip` returns for the
+    whole clip (the same encoder calls on the same segments; the mean and the scaling are per element)."""
+
+    def __init__(self, vae: SRVAE) -> None:
+        self._vae = vae
+        self._cache = vae.model.encoder.make_cache()
+        self._latents: list[Tensor] = []
+        self.segment_lengths: list[int] = []
+
+    @torch.no_grad()
+    def push(self, segment_BCTHW: Tensor) -> None:
+        """Encode the next segment: uint8 pixels, or already x/128-1."""
+        if segment_BCTHW.dtype == torch.uint8:
+            segment_BCTHW = normalize_pixels(segment_BCTHW)
+        moments_BCTHW = self._vae.model.encoder(segment_BCTHW.to(self._vae.dtype), self._cache)
+        mean_BCTHW = moments_BCTHW[:, : self._vae.model.config.latent_channels]
+        self._latents.append(mean_BCTHW * self._vae.scaling_factor)
+        self.segment_lengths.append(segment_BCTHW.shape[2])
+
+    def latent(self) -> Tensor:
+        """(1, C, T', h, w): the segments' latents in order."""
+        return torch.cat(self._latents, dim=2)
