@@ -325,6 +325,7 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             reference = call()
             measure_eager(part, "kvae one tile eager", call, device, args.repeats, markdown)
         part["eager_tflops"] = part["tflop"] / part["eager_s"]
+        from k6serve.speed.kvae_causal_conv import apply_single_causal_conv
         from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
         from k6serve.speed.kvae_upsample import apply_subpixel_upsample
         from k6serve.speed.vae import apply_channels_last_3d
@@ -338,6 +339,8 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             (args.commuted_norms, "commuted_norms", "commuted_norms_max_uint8_diff", apply_commuted_spatial_norms),
             (args.channels_last, "channels_last_convs", "channels_last_max_uint8_diff", apply_channels_last_3d),
             (args.subpixel_upsample, "subpixel_upsamplers", "subpixel_max_uint8_diff", apply_subpixel_upsample),
+            (args.single_causal_conv, "single_causal_convs", "single_causal_conv_max_uint8_diff",
+             apply_single_causal_conv),
         )
         for wanted, key, difference_key, transform in transforms:
             if not wanted:
@@ -359,7 +362,8 @@ def profile_kvae(args, device, dtype, report: dict, markdown: list[str]) -> None
             with torch.inference_mode():
                 label = ("kvae compiled blocks" + (", channels-last" if args.channels_last else "")
                          + (", commuted norms" if args.commuted_norms else "")
-                         + (", subpixel upsample" if args.subpixel_upsample else ""))
+                         + (", subpixel upsample" if args.subpixel_upsample else "")
+                         + (", single causal conv" if args.single_causal_conv else ""))
                 measure_compiled(part, label, call, device, args.repeats, difference, markdown)
                 compiled_tflop = part.get("subpixel_tflop", part["tflop"])
                 part["compiled_tflops"] = compiled_tflop / part["compiled_s"]
@@ -544,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--subpixel-upsample", action="store_true",
                         help="kvae: the upsamplers folded into one 2x2 phase convolution ($K6SERVE_KVAE_SUBPIXEL_UPSAMPLE).")
+    parser.add_argument("--single-causal-conv", action="store_true",
+                        help="kvae: each causal convolution as one convolution per segment "
+                             "($K6SERVE_KVAE_SINGLE_CAUSAL_CONV).")
     parser.add_argument("--commuted-norms", action="store_true",
                         help="kvae: the norms' 1x1x1 convolutions before the upsampling ($K6SERVE_KVAE_COMMUTED_NORMS).")
     parser.add_argument("--channels-last", action="store_true",

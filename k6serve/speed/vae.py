@@ -26,6 +26,10 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   separate phase convolutions, kernels computed inside the compiled graph) measured 1.878 -> 1.853 s per tile on one
   H200 (seventh session), far less than its FLOPs promised, because inductor laid those kernels out NCDHW and cuDNN
   transposed around them; the folded kernel is now a channels-last buffer computed once.
+* The SR K-VAE decoder's causal convolutions as one convolution per segment over `cat(carried padding, segment)`
+  instead of diffusers' two (the first `time_pad` frames from the padding, the rest alone), beside the compiled
+  decoder blocks ($K6SERVE_KVAE_SINGLE_CAUSAL_CONV=0 leaves it out): the same sums, one cuDNN launch instead of a
+  big and a thin one (speed/kvae_causal_conv.py).
 * Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
   and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
   those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
@@ -47,6 +51,7 @@ import os
 import torch
 from torch import nn
 
+from k6serve.speed.kvae_causal_conv import apply_single_causal_conv
 from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 from k6serve.speed.kvae_upsample import apply_subpixel_upsample
 from k6serve.speed.regional_compile import is_compiled
@@ -59,6 +64,9 @@ COMMUTED_NORMS_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_COMMUTED_NORMS"
 # "0": the SR K-VAE's upsamplers convolve the upsampled image, as diffusers does; by default beside the compiled
 # decoder blocks they run folded into one 2x2 convolution on the low-resolution grid (speed/kvae_upsample.py).
 SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_SUBPIXEL_UPSAMPLE"
+# "0": the SR K-VAE decoder's causal convolutions run as diffusers' two convolutions per segment; by default beside the
+# compiled decoder blocks as one (speed/kvae_causal_conv.py).
+SINGLE_CAUSAL_CONV_ENVIRONMENT_VARIABLE = "K6SERVE_KVAE_SINGLE_CAUSAL_CONV"
 
 
 def apply_vae_speedups(
@@ -83,6 +91,7 @@ def apply_vae_speedups(
             for variable, name, rewrite in (
                 (COMMUTED_NORMS_ENVIRONMENT_VARIABLE, "commuted_spatial_norms", apply_commuted_spatial_norms),
                 (SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE, "subpixel_upsample", apply_subpixel_upsample),
+                (SINGLE_CAUSAL_CONV_ENVIRONMENT_VARIABLE, "single_causal_conv", apply_single_causal_conv),
             ):
                 if os.environ.get(variable, "").strip() != "0":
                     rewrite(decoder)

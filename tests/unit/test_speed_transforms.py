@@ -305,7 +305,7 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch, tiny_sr_configs):
     _, kvae, _ = build_empty_modules(configs, dtype=torch.float32)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "subpixel_upsample",
-                       "compile_decoder_blocks"]
+                       "single_causal_conv", "compile_decoder_blocks"]
     decoder = kvae.decoder
     blocks = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out] + [b for up in decoder.up for b in up.block]
     assert all(is_compiled(block) for block in blocks) and not is_compiled(decoder)
@@ -336,7 +336,7 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch, tiny_sr_c
     assert convs and not any(channels_last(conv) for conv in convs)
     applied = apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
     assert applied == ["cudnn_benchmark", "channels_last_3d", "commuted_spatial_norms", "subpixel_upsample",
-                       "compile_decoder_blocks"]
+                       "single_causal_conv", "compile_decoder_blocks"]
     assert all(channels_last(conv) for conv in convs)
     assert apply_vae_speedups(fresh_kvae()[0], torch.device("cpu"), compile_decoder=True) == []  # CPU: untouched
     torch._dynamo.reset()
@@ -360,16 +360,18 @@ def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch, tiny_sr_c
     [
         ("K6SERVE_KVAE_COMMUTED_NORMS", "commuted_spatial_norms", "Kandinsky6SRSpatialNorm3D"),
         ("K6SERVE_KVAE_SUBPIXEL_UPSAMPLE", "subpixel_upsample", "Kandinsky6SRUpsample"),
+        ("K6SERVE_KVAE_SINGLE_CAUSAL_CONV", "single_causal_conv", "Kandinsky6SRCausalConv3d"),
     ],
 )
 def test_kvae_rewrites_by_default_beside_the_compiled_decoder(monkeypatch, tiny_sr_configs, variable, name,
                                                                module_class):
-    """With --compile-vae the SR K-VAE's latent-conditioned norms (speed/kvae_spatial_norm.py) and upsamplers
-    (speed/kvae_upsample.py) are rewritten before the blocks are compiled (both measured faster on the H200); their
-    variable set to "0", or the eager decode, keep diffusers' forward."""
+    """With --compile-vae the SR K-VAE's latent-conditioned norms (speed/kvae_spatial_norm.py), upsamplers
+    (speed/kvae_upsample.py) and causal convolutions (speed/kvae_causal_conv.py) are rewritten before the blocks are
+    compiled; their variable set to "0", or the eager decode, keep diffusers' forward."""
     from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed import vae as vae_speed
-    assert variable in (vae_speed.COMMUTED_NORMS_ENVIRONMENT_VARIABLE, vae_speed.SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE)
+    assert variable in (vae_speed.COMMUTED_NORMS_ENVIRONMENT_VARIABLE, vae_speed.SUBPIXEL_UPSAMPLE_ENVIRONMENT_VARIABLE,
+                        vae_speed.SINGLE_CAUSAL_CONV_ENVIRONMENT_VARIABLE)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     configs = tiny_sr_configs
 
