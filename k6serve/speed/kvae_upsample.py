@@ -158,19 +158,24 @@ def apply_subpixel_upsample(decoder: nn.Module) -> int:
     """Route every `Kandinsky6SRUpsample` of `decoder` through the folded upsampler, in place; returns how many.
 
     Idempotent. Parameters and state-dict names are untouched: the folded kernel and bias are non-persistent
-    buffers, computed now from the current weights. An upsampler whose spatial convolution is not the zero-padded
-    (1, 3, 3) one or whose `linear` is not a 1x1x1 convolution is left as it is.
+    buffers, computed now from the current weights; on an upsampler already routed here they are computed again
+    (so applying it again after the weights changed refreshes them; only newly routed upsamplers are counted). An
+    upsampler whose spatial convolution is not the zero-padded (1, 3, 3) one or whose `linear` is not a 1x1x1
+    convolution is left as it is.
     """
     count = 0
     for module in decoder.modules():
-        if not _is_upsampler(module) or "forward" in vars(module) or not _fits(module.spatial_conv):
+        if not _is_upsampler(module):
             continue
-        if not _is_pointwise(module.linear, module.spatial_conv.out_channels):
+        routed = getattr(vars(module).get("forward"), "__func__", None) is _folded_forward
+        if not routed and ("forward" in vars(module) or not _fits(module.spatial_conv)
+                           or not _is_pointwise(module.linear, module.spatial_conv.out_channels)):
             continue
         with torch.no_grad():
             weight, bias = folded_upsampler_kernel(module.spatial_conv, module.linear)
         module.register_buffer(_WEIGHT_BUFFER, weight, persistent=False)
         module.register_buffer(_BIAS_BUFFER, bias, persistent=False)
-        module.forward = _folded_forward.__get__(module)
-        count += 1
+        if not routed:
+            module.forward = _folded_forward.__get__(module)
+            count += 1
     return count

@@ -148,3 +148,22 @@ def test_folded_kernel_keeps_channels_last_weights_channels_last():
     taps[:, :, 0, 0] += torch.eye(4)
     expected = torch.einsum("om,mikl->oikl", mix, taps)[0].to(torch.bfloat16)
     assert torch.equal(plain_weight[12, :, 0], expected)
+
+
+def test_applying_again_refreshes_the_folded_kernel_after_the_weights_change():
+    """The folded kernel is a buffer computed from the weights: the module docstring's remedy for weights changed
+    after the rewrite (apply it again) recomputes it, so the output follows the new weights."""
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRUpsample
+
+    torch.manual_seed(4)
+    reference = Kandinsky6SRUpsample(4, compress_time=False).double()
+    rewritten = Kandinsky6SRUpsample(4, compress_time=False).double()
+    rewritten.load_state_dict(reference.state_dict())
+    assert apply_subpixel_upsample(rewritten) == 1
+    x = torch.randn(1, 4, 2, 3, 5, dtype=torch.float64)
+    with torch.no_grad():
+        new_weights = {name: 2 * tensor + 1 for name, tensor in reference.state_dict().items()}
+        reference.load_state_dict(new_weights)
+        rewritten.load_state_dict(new_weights)
+        assert apply_subpixel_upsample(rewritten) == 0  # already routed: nothing new, the kernel recomputed
+        torch.testing.assert_close(rewritten(x, {}), reference(x, {}), rtol=1e-12, atol=1e-12)
