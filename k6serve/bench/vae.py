@@ -6,10 +6,13 @@ are applied cumulatively, in place, after the baseline: cuDNN autotuning, then (
 decoder. `max|diff|` is the largest uint8 difference from the baseline's frames.
 
 What reaches the host differs, as it does between the two systems: the baseline also copies the float frames
-(570 MB of fp32 at 512x768x121), which is what diffusers' pipelines return (`output_type="np"`, converted to
-uint8 on the CPU only when a video is written), while our rows copy the uint8 frames alone, as the engine does
-(`TextToVideoPipeline(keep_float_frames=False)` in the worker). The H200 profile put the float copy at about
-0.33 s of the baseline's 6.7 s.
+(570 MB of fp32 at 512x768x121), standing in for diffusers' pipelines, which hand float frames to the host too
+(`postprocess_video` copies the decoder's output in its dtype, 285 MB of bf16 at that size, and converts it to
+fp32 on the CPU; the Kandinsky 6 pipelines' default `output_type="pil"` then quantises to uint8 on the CPU as
+well), while our rows copy the uint8 frames alone, as the engine does
+(`TextToVideoPipeline(keep_float_frames=False)` in the worker). So the baseline's host work is not diffusers'
+byte for byte: a float copy twice the size of diffusers' (and the uint8 one), none of its CPU conversions.
+The H200 profile put the fp32 copy at about 0.33 s of the baseline's 6.7 s.
 """
 
 from __future__ import annotations
