@@ -150,7 +150,7 @@ def _is_pointwise(conv: nn.Module, channels: int) -> bool:
         and conv.stride == (1, 1, 1)
         and conv.padding in ((0, 0, 0), "valid")
         and conv.groups == 1
-        and conv.in_channels == channels
+        and conv.in_channels == conv.out_channels == channels  # the interleave keeps C channels
     )
 
 
