@@ -143,7 +143,7 @@ class ModelWorker:
         """SR warm-up, `--warmup-mode server` only: one upscale of a synthetic clip of `SR_WARMUP_CLIP`'s shape,
         written to a temporary MP4 through the same streamed decode and encoder as a request, so the DiT, the
         compiled K-VAE blocks, the attention kernels and cuDNN's autotuning are ready before the first request of
-        that shape (the cold VSR x2 request took 156-194 s on an H200, the warm one 42.5 s). A source of another
+        that shape (the cold VSR x2 request took 156-237 s on an H200, the warm one 38.7 s). A source of another
         aspect ratio (another tile) or frame count still compiles on its first request. With
         `--warmup-mode request` there is no shorter version of an SR request to run first (its DiT takes 2 calls
         per tile), so its first request is its own warm-up: 0 s."""

@@ -25,11 +25,13 @@ segment-by-segment with causal caches): only the kernels change, never the tilin
   out): 837.6 -> 735.5 TFLOP per tile, the same values up to rounding (speed/kvae_upsample.py). Its first form (four
   separate phase convolutions, kernels computed inside the compiled graph) measured 1.878 -> 1.853 s per tile on one
   H200 (seventh session), far less than its FLOPs promised, because inductor laid those kernels out NCDHW and cuDNN
-  transposed around them; the folded kernel is now a channels-last buffer computed once.
+  transposed around them; the folded kernel is now a channels-last buffer computed once: 1.853 -> 1.568 s per tile
+  (eighth session, 16 levels from eager).
 * The SR K-VAE decoder's causal convolutions as one convolution per segment over `cat(carried padding, segment)`
   instead of diffusers' two (the first `time_pad` frames from the padding, the rest alone), beside the compiled
   decoder blocks ($K6SERVE_KVAE_SINGLE_CAUSAL_CONV=0 leaves it out): the same sums, one cuDNN launch instead of a
-  big and a thin one (speed/kvae_causal_conv.py).
+  big and a thin one (speed/kvae_causal_conv.py). Measured on one H200 (eighth session): 1.568 -> 1.523 s per tile
+  after the folded upsampler, 14 levels from eager; the VSR x2 decode 16.7 -> 13.75 s with both.
 * Channels-last 3-D convolution weights, only beside the compiled decoder. cuDNN's bf16 kernels run NDHWC
   and transpose every NCDHW input and output (the compiled K-VAE tile decode spent 0.33 of its 2.1 s in
   those transposes); with NDHWC weights cuDNN's output is NDHWC and inductor's fused norm/SiLU/pad kernels
