@@ -179,7 +179,6 @@ class SRSourceReader:
         except BaseException:
             self._container.close()
             raise
-        self.fps = self._plan.output_fps
         self._selection = _FrameSelection(self._plan, max_frames)
         self._max_frames = max_frames
         self._finished = False

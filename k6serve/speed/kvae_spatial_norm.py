@@ -53,7 +53,8 @@ def _is_spatial_norm(module: nn.Module) -> bool:
     return type(module).__name__ == "Kandinsky6SRSpatialNorm3D"
 
 
-def _is_pointwise_conv(conv: nn.Module) -> bool:
+def is_pointwise_conv(conv: nn.Module) -> bool:
+    """A plain 1x1x1 convolution: the same dot product at every position (also used by speed/kvae_upsample.py)."""
     return (
         isinstance(conv, nn.Conv3d)
         and conv.kernel_size == (1, 1, 1)
@@ -74,7 +75,7 @@ def apply_commuted_spatial_norms(decoder: nn.Module) -> int:
     for module in decoder.modules():
         if not _is_spatial_norm(module) or "forward" in vars(module):
             continue
-        if not (_is_pointwise_conv(module.conv_y) and _is_pointwise_conv(module.conv_b)):
+        if not (is_pointwise_conv(module.conv_y) and is_pointwise_conv(module.conv_b)):
             continue
         module.forward = _commuted_forward.__get__(module)
         count += 1

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k6serve.speed.kvae_spatial_norm import is_pointwise_conv
+
 # What the released diffusers module splits its convolutions at (`CONV_CHUNK_ELEMENTS`): cuDNN indexes with 32 bits.
 _MAX_OUTPUT_ELEMENTS = 2 * 10**9
 _WEIGHT_BUFFER, _BIAS_BUFFER = "_k6serve_phase_weight", "_k6serve_phase_bias"
@@ -52,8 +54,9 @@ def _accumulation_dtype(tensor: Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-def _phase_taps(weight_OI133: Tensor) -> list[Tensor]:
-    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1), unrounded (fp32/fp64)."""
+def phase_taps(weight_OI133: Tensor) -> list[Tensor]:
+    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1) of a (O, I, 1, 3, 3)
+    kernel applied to a 2x nearest-upsampled image, summed in fp32 (fp64 for fp64 weights) and not rounded."""
     w = weight_OI133.to(_accumulation_dtype(weight_OI133))
 
     def split(tensor: Tensor, dim: int, phase: int) -> Tensor:
@@ -61,13 +64,6 @@ def _phase_taps(weight_OI133: Tensor) -> list[Tensor]:
         return torch.cat((first, middle + last) if phase == 0 else (first + middle, last), dim=dim)
 
     return [split(split(w, -2, a), -1, b) for a in (0, 1) for b in (0, 1)]
-
-
-def phase_kernels(weight_OI133: Tensor) -> list[Tensor]:
-    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1) of a (O, I, 1, 3, 3)
-    kernel applied to a 2x nearest-upsampled image; summed in fp32 (fp64 for fp64 weights), returned in the weight's
-    dtype."""
-    return [kernel.to(weight_OI133.dtype) for kernel in _phase_taps(weight_OI133)]
 
 
 def folded_upsampler_kernel(spatial_conv: nn.Conv3d, linear: nn.Conv3d) -> tuple[Tensor, Tensor]:
@@ -79,7 +75,7 @@ def folded_upsampler_kernel(spatial_conv: nn.Conv3d, linear: nn.Conv3d) -> tuple
     mix = linear.weight.to(dtype).reshape(linear.out_channels, linear.in_channels)  # L
     identity = torch.eye(channels, dtype=dtype, device=mix.device)
     kernels = []
-    for phase, taps in enumerate(_phase_taps(spatial_conv.weight)):
+    for phase, taps in enumerate(phase_taps(spatial_conv.weight)):
         a, b = divmod(phase, 2)
         taps = taps.clone()
         taps[:, :, 0, 1 - a, 1 - b] += identity  # up(x) at (2i + a, 2j + b) is x[i, j]: tap (1 - a, 1 - b)
@@ -144,15 +140,9 @@ def _fits(conv: nn.Module) -> bool:
     )
 
 
-def _is_pointwise(conv: nn.Module, channels: int) -> bool:
-    return (
-        isinstance(conv, nn.Conv3d)
-        and conv.kernel_size == (1, 1, 1)
-        and conv.stride == (1, 1, 1)
-        and conv.padding in ((0, 0, 0), "valid")
-        and conv.groups == 1
-        and conv.in_channels == conv.out_channels == channels  # the interleave keeps C channels
-    )
+def _folds(linear: nn.Module, channels: int) -> bool:
+    # A 1x1x1 convolution, C -> C: the interleave keeps C channels.
+    return is_pointwise_conv(linear) and linear.in_channels == linear.out_channels == channels
 
 
 def apply_subpixel_upsample(decoder: nn.Module) -> int:
@@ -170,7 +160,7 @@ def apply_subpixel_upsample(decoder: nn.Module) -> int:
             continue
         routed = getattr(vars(module).get("forward"), "__func__", None) is _folded_forward
         if not routed and ("forward" in vars(module) or not _fits(module.spatial_conv)
-                           or not _is_pointwise(module.linear, module.spatial_conv.out_channels)):
+                           or not _folds(module.linear, module.spatial_conv.out_channels)):
             continue
         with torch.no_grad():
             weight, bias = folded_upsampler_kernel(module.spatial_conv, module.linear)

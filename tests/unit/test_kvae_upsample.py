@@ -15,7 +15,7 @@ from k6serve.speed.kvae_upsample import (
     apply_subpixel_upsample,
     folded_upsample,
     folded_upsampler_kernel,
-    phase_kernels,
+    phase_taps,
 )
 
 
@@ -67,9 +67,9 @@ def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
     assert calls == [2, 2, 2, 1]
 
 
-def test_phase_kernels_sum_the_taps_each_phase_reads():
+def test_phase_taps_sum_the_taps_each_phase_reads():
     weight = torch.arange(9.0).reshape(1, 1, 1, 3, 3)  # rows [0 1 2], [3 4 5], [6 7 8]
-    k00, k01, k10, k11 = (k[0, 0, 0] for k in phase_kernels(weight))
+    k00, k01, k10, k11 = (k[0, 0, 0] for k in phase_taps(weight))
     # Phase (0, 0): rows (top | middle + bottom), columns (left | middle + right).
     assert k00.tolist() == [[0, 1 + 2], [3 + 6, 4 + 5 + 7 + 8]]
     assert k11.tolist() == [[0 + 1 + 3 + 4, 2 + 5], [6 + 7, 8]]
@@ -144,7 +144,7 @@ def test_folded_kernel_keeps_channels_last_weights_channels_last():
     assert torch.equal(plain_weight, converted_weight) and torch.equal(plain_bias, converted_bias)
     # Rounded once: phase (1, 1)'s first output channel, folded in fp32 from the bf16 weights, then rounded.
     mix = linear.weight.float().reshape(4, 4)
-    taps = phase_kernels(spatial.weight.float())[3][:, :, 0].clone()
+    taps = phase_taps(spatial.weight.float())[3][:, :, 0].clone()
     taps[:, :, 0, 0] += torch.eye(4)
     expected = torch.einsum("om,mikl->oikl", mix, taps)[0].to(torch.bfloat16)
     assert torch.equal(plain_weight[12, :, 0], expected)
