@@ -277,6 +277,22 @@ def profile_vae(args, device, dtype, report: dict, markdown: list[str]) -> None:
                 }
 
             measure_compiled(part, "vae compiled decoder", call, device, args.repeats, difference, markdown)
+        if args.folded_upsample:
+            # The same decode with HunyuanVideo's upsamplers folded (speed/hunyuan_upsample.py), compiled afresh, in
+            # the same process as the row above so the two compiled rows compare on one GPU state.
+            from k6serve.speed.hunyuan_upsample import apply_folded_upsample
+
+            folded: dict = {}
+            report["parts"]["vae folded upsample"] = folded
+            torch._dynamo.reset()
+            folded["folded_upsamplers"] = apply_folded_upsample(vae.decoder)
+            if args.tiny:
+                output = call()
+                folded["eager_vs_fp32"] = uint8_difference(output.frames_THWC, exact)
+                folded["eager_vs_unfolded"] = uint8_difference(output.frames_THWC, reference.frames_THWC)
+            else:
+                measure_compiled(folded, "vae compiled decoder, folded upsamplers", call, device, args.repeats,
+                                 difference, markdown)
     except Exception as error:  # noqa: BLE001
         record_failure(part, "vae", error)
     _free()
@@ -553,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "($K6SERVE_KVAE_SINGLE_CAUSAL_CONV).")
     parser.add_argument("--commuted-norms", action="store_true",
                         help="kvae: the norms' 1x1x1 convolutions before the upsampling ($K6SERVE_KVAE_COMMUTED_NORMS).")
+    parser.add_argument("--folded-upsample", action="store_true",
+                        help="vae: then the compiled decoder again with the upsamplers folded into one phase "
+                             "convolution ($K6SERVE_HUNYUAN_FOLDED_UPSAMPLE).")
     parser.add_argument("--channels-last", action="store_true",
                         help="kvae: compiled blocks with channels-last 3-D conv weights ($K6SERVE_VAE_CHANNELS_LAST).")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")

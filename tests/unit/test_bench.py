@@ -394,6 +394,10 @@ def test_gpu_profile_script_runs_at_toy_size(tmp_path):
     assert kvae["subpixel_upsamplers"] > 0 and kvae["subpixel_max_uint8_diff"] <= 1
     assert 0 < kvae["subpixel_tflop"] < kvae["tflop"]  # the compiled rate is of what the rewritten decode computes
     assert kvae["tflop"] > 0 and kvae["eager_tflops"] == pytest.approx(kvae["tflop"] / kvae["eager_s"])
+    # HunyuanVideo's folded upsamplers (CPU, eager): the same frames up to fp32 rounding, at most one uint8 level.
+    assert script.main(["vae", "--tiny", "--folded-upsample", "--out", str(tmp_path)]) == 0
+    folded = json.loads((tmp_path / "profile_vae.json").read_text())["parts"]["vae folded upsample"]
+    assert folded["folded_upsamplers"] == 3 and folded["eager_vs_unfolded"]["max"] <= 1
 
 
 def test_environment_commit_can_be_pinned_for_copied_trees(monkeypatch):
