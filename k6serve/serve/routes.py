@@ -87,6 +87,19 @@ def _param_in_message(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Variant) -> ApiError:
+    """A 400 for the field the client actually sent: `size` and `seconds` arrive as width/height/num_frames."""
+    param = _param_in_message(message)
+    if body.size is not None and param in ("width", "height"):
+        return ApiError(400, f"size {body.size!r} (width x height): {message}", code="invalid_parameter",
+                        param="size")
+    if body.seconds is not None and body.num_frames is None and param == "num_frames":
+        fps = params.fps if params.fps is not None else variant.fps
+        return ApiError(400, f"seconds {body.seconds!r} at {fps:g} fps means {params.num_frames} frames: {message}",
+                        code="invalid_parameter", param="seconds")
+    return ApiError(400, message, code="invalid_parameter", param=param)
+
+
 CREATE_BODY_DOC = {
     "requestBody": {
         "required": True,
@@ -121,7 +134,7 @@ async def create_video(request: Request,
         try:
             resolved, notes = ctx.engine.resolve(params)
         except ValueError as exc:
-            raise ApiError(400, str(exc), code="invalid_parameter", param=_param_in_message(str(exc))) from None
+            raise _resolve_error(str(exc), body, params, ctx.variant) from None
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},

@@ -7,7 +7,9 @@ Pydantic lives only in this module and `routes.py`.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import typing
 from typing import Any, Literal
 
@@ -20,6 +22,8 @@ from k6serve.serve.jobs import Job, JobStatus
 
 FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
 _VIDEO_SUFFIXES = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm")
+# ASCII digits only: str.isdigit() also takes '²' and full-width digits, which int() then refuses or misreads.
+_SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
 
 
 def _http_field_definitions() -> dict[str, Any]:
@@ -43,6 +47,8 @@ VideoCreateBody = create_model(
     **_http_field_definitions(),
 )
 HTTP_FIELD_NAMES = tuple(VideoCreateBody.model_fields)
+_STRING_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
+                  if info.annotation in (str, str | None)}
 
 
 def parse_create_body(raw: Any) -> BaseModel:
@@ -50,13 +56,21 @@ def parse_create_body(raw: Any) -> BaseModel:
     if not isinstance(raw, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
                        code="invalid_request")
+    for name, value in raw.items():
+        # Pydantic's lax mode reads true as 1 (seed, fps, num_frames, seconds...); no field here is a boolean.
+        if isinstance(value, bool) and name in VideoCreateBody.model_fields:
+            raise ApiError(400, f"{name} must be a {'string' if name in _STRING_FIELDS else 'number'}, "
+                                f"got {json.dumps(value)}.", code="invalid_parameter", param=name)
     try:
         return VideoCreateBody.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        # Only the field: a union type adds its member to the location ('seconds.str').
+        param = str(first["loc"][0]) if first["loc"] else None
         if first["type"] == "extra_forbidden":
             message = f"Unknown field {param!r}. Valid fields: {', '.join(HTTP_FIELD_NAMES)}."
+        elif param == "seconds":
+            message = f"seconds must be a number in (0, 600] such as \"4\" or 4, got {first.get('input')!r}"
         else:
             message = f"{param}: {first['msg']} (got {first.get('input')!r})"
         raise ApiError(400, message, code="invalid_parameter", param=param) from None
@@ -74,10 +88,10 @@ def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple
         raise ApiError(400, f"{name} is taken from the source video in super-resolution; choose the output with "
                             "sr_resolution_scale and sr_target_resolution.", code="invalid_parameter", param=name)
     if body.size is not None:
-        try:
-            height, width = parse_size(body.size)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), code="invalid_parameter", param="size") from None
+        if not _SIZE.fullmatch(body.size):
+            raise ApiError(400, f"size must be 'WIDTHxHEIGHT' in ASCII digits, width first (e.g. '768x512'), got "
+                                f"{body.size!r}", code="invalid_parameter", param="size")
+        height, width = parse_size(body.size.strip())
         for name, value in (("height", height), ("width", width)):
             if values[name] is not None and values[name] != value:
                 raise ApiError(400, f"size {body.size!r} disagrees with {name}={values[name]}; send one of them.",
