@@ -7,12 +7,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, ProgressCallback
+from k6serve.runtime.worker import default_file_name, sanitize_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,56 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
     return params, OutputOptions(return_frames=bool(return_frames), **output)
 
 
+def check_output_folder(output: OutputOptions) -> None:
+    """Create the output folder and prove it writable now: a bad --output-path must fail before the model loads
+    and the request runs, not at the MP4 write after the whole denoise."""
+    if not output.save_output:
+        return
+    if not str(output.output_path).strip():
+        raise ValueError("output_path is empty; pass the folder for the MP4 (e.g. --output-path outputs).")
+    folder = Path(output.output_path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write to output_path {str(folder)!r} ({exc.strerror or exc}); pass a writable folder with "
+            "--output-path, or --no-save-output to skip the file."
+        ) from None
+
+
+def plan_output(engine: Engine, params: SamplingParams, output: OutputOptions) -> OutputOptions:
+    """Fix the output file before the request runs so no earlier file is replaced: an explicit name that exists
+    is an error, a derived name that exists (same prompt, seed and second; or an SR of the same source) gets a
+    _1, _2... suffix."""
+    if not output.save_output:
+        return output
+    check_output_folder(output)
+    folder = Path(output.output_path)
+    if output.output_file_name:
+        if Path(output.output_file_name).name != output.output_file_name:
+            raise ValueError(
+                f"output_file_name {output.output_file_name!r} must be a file name without folders; put the "
+                "folder in --output-path."
+            )
+        target = folder / sanitize_file_name(output.output_file_name)
+        if target.exists():
+            raise ValueError(
+                f"{str(target)!r} already exists and was left as it is; delete it or pass another "
+                "--output-file-name."
+            )
+        return output
+    request, _ = engine.resolve(params)
+    name = default_file_name(request)
+    stem = name.removesuffix(".mp4")
+    for index in range(1, 10_000):
+        if not (folder / name).exists():
+            break
+        name = f"{stem}_{index}.mp4"
+    return dataclasses.replace(output, output_file_name=name)
+
+
 class DiffGenerator:
     """Loads a Kandinsky 6 checkpoint once and generates (or upscales) videos with it."""
 
@@ -67,7 +121,7 @@ class DiffGenerator:
         """Run one request. Keys: every SamplingParams field plus save_output, output_path, output_file_name,
         return_frames and return_file_paths_only (the seed's names)."""
         params, output = split_kwargs({**(sampling_params_kwargs or {}), **kwargs})
-        return self.engine.generate(params, output, on_progress=on_progress)
+        return self.engine.generate(params, plan_output(self.engine, params, output), on_progress=on_progress)
 
     def upscale(self, video_path: str, **kwargs: Any) -> VideoResult:
         """Super-resolution convenience: `generate(video_path=...)`."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from k6serve.api import DiffGenerator, split_kwargs
+from k6serve.api import DiffGenerator, check_output_folder, split_kwargs
 
 
 def format_timings(result) -> str:
@@ -34,24 +34,31 @@ def format_timings(result) -> str:
 
 
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
-    params, output = split_kwargs(request_options)
+    # Checked before the model loads (minutes for a real checkpoint): typos, types and an unusable output folder.
+    _, output = split_kwargs(request_options)
+    check_output_folder(output)
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_pretrained(model_path, **engine_options)
+    bar = None
     try:
         variant = generator.variant
         if variant.is_demo:
             print("note: using the built-in tiny demo checkpoint: its weights are random, so the video and audio "
                   "are noise. Pass --model-path with a real Kandinsky 6 checkpoint for real output.", file=sys.stderr)
-        bar = tqdm(desc="denoising" if variant.family == "generation" else "super-resolution", unit="step")
 
         def on_progress(step: int, total: int) -> None:
+            nonlocal bar
+            # Opened at the first step, so a request rejected before it runs prints no empty bar above its error.
+            if bar is None:
+                bar = tqdm(desc="denoising" if variant.family == "generation" else "super-resolution", unit="step")
             bar.total = total
             bar.n = step
             bar.refresh()
 
-        result = generator.engine.generate(params, output, on_progress=on_progress)
-        bar.close()
+        result = generator.generate(request_options, on_progress=on_progress)
     finally:
+        if bar is not None:
+            bar.close()
         generator.shutdown()
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -60,4 +67,3 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
         print(f"saved {result.output_file_path} ({result.width}x{result.height}, {result.num_frames} frames, "
               f"{result.fps:g} fps{', with audio' if result.has_audio else ', no audio'})")
     return 0
-

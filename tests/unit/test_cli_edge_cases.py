@@ -1,0 +1,96 @@
+"""Edge cases of `k6serve generate` and `DiffGenerator` on the tiny checkpoints (CPU): bad input fails before any
+work with the fix in its message, and no earlier file is ever replaced."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+import pytest
+
+import k6serve.runtime.worker as worker_module
+from k6serve import DiffGenerator
+from k6serve.api import build_engine_config
+from k6serve.cli.main import main
+from k6serve.media.probe import probe
+from k6serve.runtime.engine import Engine
+from k6serve.runtime.worker import ModelWorker
+
+SMALL = {"prompt": "x", "height": 32, "width": 32, "num_frames": 5}
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_distill_dir):
+    # In-process worker: no worker process to start, and the clock below can be frozen for it.
+    config = build_engine_config(str(tiny_distill_dir), device="cpu")
+    with DiffGenerator(Engine(config, worker=ModelWorker(config))) as gen:
+        yield gen
+
+
+def test_existing_output_file_name_is_refused_and_kept(generator, tmp_path):
+    first = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"})
+    before = (tmp_path / "clip.mp4").read_bytes()
+    with pytest.raises(ValueError, match=r"clip\.mp4' already exists.*pass another --output-file-name"):
+        generator.generate({**SMALL, "seed": 7, "output_path": str(tmp_path), "output_file_name": "clip.mp4"})
+    assert first.output_file_path == str(tmp_path / "clip.mp4")
+    assert (tmp_path / "clip.mp4").read_bytes() == before
+
+
+class _FrozenClock(datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return datetime(2026, 1, 2, 3, 4, 5)
+
+
+def test_derived_names_never_collide(generator, tmp_path, monkeypatch):
+    # Same prompt and seed within one second at two sizes: the same derived name, so the second once replaced
+    # the first.
+    monkeypatch.setattr(worker_module, "datetime", _FrozenClock)
+    first = generator.generate({**SMALL, "output_path": str(tmp_path)})
+    second = generator.generate({**SMALL, "width": 48, "output_path": str(tmp_path)})
+    assert first.output_file_path == str(tmp_path / "x_seed42_20260102-030405.mp4")
+    assert second.output_file_path == str(tmp_path / "x_seed42_20260102-030405_1.mp4")
+    assert probe(first.output_file_path).width == 32 and probe(second.output_file_path).width == 48
+
+
+def test_output_file_name_with_folders_is_refused(generator, tmp_path):
+    with pytest.raises(ValueError, match="without folders; put the folder in --output-path"):
+        generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "sub/clip.mp4"})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "under_file", "empty"])
+def test_unusable_output_path_is_a_value_error(generator, tmp_path, kind):
+    (tmp_path / "afile").write_text("keep me")
+    path = {"file": tmp_path / "afile", "under_file": tmp_path / "afile" / "sub", "empty": ""}[kind]
+    with pytest.raises(ValueError, match="output_path"):
+        generator.generate({**SMALL, "output_path": str(path)})
+    assert (tmp_path / "afile").read_text() == "keep me"
+    generator.generate({**SMALL, "output_path": str(path), "save_output": False})  # nothing to write: fine
+
+
+def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
+    (tmp_path / "afile").write_text("keep me")
+    # A checkpoint path that does not exist: reaching the model load would fail with another message.
+    assert main(["generate", "--model-path", str(tmp_path / "no_model"), "--prompt", "x",
+                 "--output-path", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write to output_path" in err and "--output-path" in err and "Traceback" not in err
+
+
+def test_cli_rejected_request_prints_no_progress_bar(tiny_distill_dir, tmp_path, capsys):
+    assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", "x", "--height", "30",
+                 "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "multiple of 16" in err and "denoising" not in err
+
+
+def test_cli_repeated_run_keeps_the_first_file(tiny_distill_dir, tmp_path, capsys):
+    args = ["generate", "--model-path", str(tiny_distill_dir), "--prompt", "x", "--height", "32", "--width", "32",
+            "--num-frames", "5", "--output-path", str(tmp_path), "--output-file-name", "same"]
+    assert main(args) == 0
+    before = (tmp_path / "same.mp4").read_bytes()
+    assert main(args) == 2
+    assert re.search(r"same\.mp4' already exists", capsys.readouterr().err)
+    assert (tmp_path / "same.mp4").read_bytes() == before and len(list(tmp_path.iterdir())) == 1
+
