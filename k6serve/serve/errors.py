@@ -13,8 +13,10 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    416: "invalid_request_error",
     429: "rate_limit_error",
 }
 

@@ -14,16 +14,20 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
+from stat import S_ISREG
 from typing import Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.datastructures import Headers
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+from starlette.types import Receive, Scope, Send
 
 from k6serve.models.variants import Variant
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
-from k6serve.serve.errors import ApiError
+from k6serve.serve.errors import ApiError, error_response
 from k6serve.serve.input_paths import InputPathPolicy
 from k6serve.serve.jobs import IdempotencyConflict, Job, JobStatus, JobStore
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -243,6 +247,35 @@ async def get_video(request: Request, video_id: str) -> JSONResponse:
     return JSONResponse(ctx.view(job))
 
 
+class _Unsatisfiable(Exception):
+    def __init__(self, file_size: int) -> None:
+        super().__init__(file_size)
+        self.file_size = file_size
+
+
+class VideoFileResponse(FileResponse):
+    """Starlette's FileResponse with RFC 9110 Range errors: an unparsable Range (or another unit than bytes) is
+    ignored and the whole file sent, as the RFC asks, instead of a text/plain 400; 416 carries an OpenAI body."""
+
+    def _parse_range_header(self, http_range: str, file_size: int) -> list[tuple[int, int]]:
+        try:
+            return super()._parse_range_header(http_range, file_size)
+        except MalformedRangeHeader:
+            return []
+        except RangeNotSatisfiable as exc:
+            raise _Unsatisfiable(exc.max_size) from None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except _Unsatisfiable as exc:  # raised while parsing the header, before anything was sent
+            response = error_response(ApiError(
+                416, f"The Range {Headers(scope=scope).get('range')!r} is outside the file (bytes 0-"
+                     f"{exc.file_size - 1}); ask for a range that starts before byte {exc.file_size}.",
+                code="range_not_satisfiable", param="Range", headers={"Content-Range": f"bytes */{exc.file_size}"}))
+            await response(scope, receive, send)
+
+
 @router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": {"video/mp4": {}}},
                                                          206: {"description": "Partial content (Range)"}},
             response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)")
@@ -253,15 +286,27 @@ async def get_video_content(request: Request, video_id: str,
     if job is None:
         raise _not_found(video_id)
     if job.status != JobStatus.COMPLETED:
-        detail = f": {job.error_message}" if job.error_message else ""
-        raise ApiError(404, f"Video {video_id} has no content: its status is {job.status.value}{detail}. Poll "
-                            f"GET /v1/videos/{video_id} until status is completed.", code="video_not_ready",
-                       param="video_id")
+        detail = f" ({job.error_message.rstrip('.')})" if job.error_message else ""
+        # A failed or cancelled job never gets content: telling its client to keep polling would be a dead end.
+        advice = ("it will never have any; create a new job" if job.status.is_terminal
+                  else f"poll GET /v1/videos/{video_id} until status is completed")
+        raise ApiError(404, f"Video {video_id} has no content: its status is {job.status.value}{detail}; "
+                            f"{advice}.", code="video_not_ready", param="video_id")
     path = ctx.artifacts.output_path(job.output_file or f"{job.id}.mp4")
-    if not path.is_file():
+    try:
+        # Stat once here: a file removed after an is_file() check made FileResponse raise, a 500.
+        stat_result = path.stat()
+    except FileNotFoundError:
+        stat_result = None
+    if stat_result is None or not S_ISREG(stat_result.st_mode):
         raise ApiError(404, f"The file of video {video_id} was removed from the server.", code="content_missing",
                        param="video_id")
-    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+    return VideoFileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4", stat_result=stat_result)
+
+
+# HEAD (curl -I, download managers sizing a ranged download) answered 405; kept out of the schema, which lists
+# the documented GET.
+router.head("/v1/videos/{video_id}/content", include_in_schema=False)(get_video_content)
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoJob | VideoDeleted, responses=_ERRORS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from harness import wait_for
 from test_errors import _assert_error
 
 
@@ -50,3 +51,66 @@ def test_seconds_of_the_wrong_type(fake_client, seconds):
     response = fake_client.post("/v1/videos", content=f'{{"prompt": "x", "seconds": {seconds}}}',
                                 headers={"Content-Type": "application/json"})
     _assert_error(response, 400, param="seconds", contains='seconds must be a number in (0, 600] such as "4" or 4')
+
+
+def _completed(client, prompt: str = "content") -> str:
+    job = client.post("/v1/videos", json={"prompt": prompt, "size": "32x32", "num_frames": 5}).json()
+    assert wait_for(client, job["id"])["status"] == "completed"
+    return job["id"]
+
+
+@pytest.mark.parametrize("header", ["bytes=5-2", "items=0-2", "bytes=abc"])
+def test_an_invalid_range_is_ignored_and_the_whole_file_sent(fake_client, header):
+    # RFC 9110 14.2: a Range that cannot be parsed, or of another unit, is ignored. Starlette answered a
+    # text/plain 400 ("Range header: start must be less than end"), outside the OpenAI error shape.
+    video_id = _completed(fake_client)
+    full = fake_client.get(f"/v1/videos/{video_id}/content")
+    response = fake_client.get(f"/v1/videos/{video_id}/content", headers={"Range": header})
+    assert response.status_code == 200, response.text
+    assert response.content == full.content and response.headers["content-type"] == "video/mp4"
+
+
+def test_an_unsatisfiable_range_is_416_with_an_openai_body(fake_client):
+    video_id = _completed(fake_client)
+    size = len(fake_client.get(f"/v1/videos/{video_id}/content").content)
+    response = fake_client.get(f"/v1/videos/{video_id}/content", headers={"Range": f"bytes={size}-"})
+    error = _assert_error(response, 416, param="Range", code="range_not_satisfiable",
+                          contains=f"outside the file (bytes 0-{size - 1})")
+    assert error["type"] == "invalid_request_error"
+    assert response.headers["content-range"] == f"bytes */{size}"
+
+
+def test_head_on_content_gives_the_headers(fake_client):
+    video_id = _completed(fake_client)
+    full = fake_client.get(f"/v1/videos/{video_id}/content")
+    head = fake_client.head(f"/v1/videos/{video_id}/content")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == str(len(full.content))
+    assert head.headers["content-type"] == "video/mp4" and head.headers["accept-ranges"] == "bytes"
+    assert fake_client.head("/v1/videos/video_nope/content").status_code == 404
+
+
+def test_wrong_method_is_a_client_error(fake_client):
+    response = fake_client.put("/v1/videos")
+    error = _assert_error(response, 405, code="method_not_allowed")
+    assert error["type"] == "invalid_request_error"  # was "server_error" for the client's mistake
+
+
+def test_content_of_failed_and_cancelled_jobs_says_not_to_poll(fake_server, fake_client):
+    failed = fake_client.post("/v1/videos", json={"prompt": "fail", "size": "32x32", "num_frames": 5}).json()
+    assert wait_for(fake_client, failed["id"])["status"] == "failed"
+    error = _assert_error(fake_client.get(f"/v1/videos/{failed['id']}/content"), 404, code="video_not_ready")
+    assert error["message"] == (f"Video {failed['id']} has no content: its status is failed (RuntimeError: fake "
+                                "worker failure); it will never have any; create a new job.")
+    held = fake_client.post("/v1/videos", json={"prompt": "hold", "size": "32x32", "num_frames": 5}).json()
+    error = _assert_error(fake_client.get(f"/v1/videos/{held['id']}/content"), 404, code="video_not_ready")
+    assert error["message"].endswith(f"; poll GET /v1/videos/{held['id']} until status is completed.")
+    assert fake_client.delete(f"/v1/videos/{held['id']}").json()["status"] == "cancelled"
+    error = _assert_error(fake_client.get(f"/v1/videos/{held['id']}/content"), 404, code="video_not_ready")
+    assert ".." not in error["message"] and "it will never have any" in error["message"]
+
+
+def test_content_removed_from_disk_is_content_missing(fake_server, fake_client):
+    video_id = _completed(fake_client)
+    (fake_server.artifacts.root / f"{video_id}.mp4").unlink()
+    _assert_error(fake_client.get(f"/v1/videos/{video_id}/content"), 404, code="content_missing")
