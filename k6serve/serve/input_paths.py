@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import av
+import PIL.Image
+
 from k6serve.serve.errors import ApiError
 
 
@@ -32,3 +35,30 @@ class InputPathPolicy:
             raise ApiError(400, f"{param} {value!r} is not an existing file inside the allowed input folders "
                                 f"({allowed}).", code="invalid_path", param=param)
         return str(resolved)
+
+
+def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
+    """A 400 now, naming the field, when `path` is not an image / a video with a video stream.
+
+    Caught at creation, not minutes later as a failed job whose message showed the server's upload path.
+    Only headers are read (PIL's verify, FFmpeg's probe): the pipeline still decodes and reports the rest.
+    """
+    code = "invalid_upload" if uploaded else "invalid_path"
+    what = f"The uploaded {param}" if uploaded else f"{param} {path!r}"
+    if kind == "image":
+        try:
+            with PIL.Image.open(path) as image:
+                image.verify()
+        except Exception as exc:  # PIL raises many types (incl. DecompressionBombError) for unreadable files
+            raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG or WebP "
+                                "file.", code=code, param=param) from None
+        return
+    try:
+        with av.open(path, mode="r") as container:
+            has_video = bool(container.streams.video)
+    except (av.error.FFmpegError, UnicodeDecodeError):
+        has_video = None
+    if not has_video:
+        problem = "has no video stream" if has_video is False else "is not a readable video"
+        raise ApiError(400, f"{what} {problem}; send a video file such as an MP4, MKV, MOV or WebM.", code=code,
+                       param=param)

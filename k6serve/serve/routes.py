@@ -28,7 +28,7 @@ from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import ApiError, error_response
-from k6serve.serve.input_paths import InputPathPolicy
+from k6serve.serve.input_paths import InputPathPolicy, check_readable
 from k6serve.serve.jobs import IdempotencyConflict, Job, JobStatus, JobStore
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from k6serve.serve.runner import JobRunner, QueueFull
@@ -91,9 +91,14 @@ def _param_in_message(message: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Variant) -> ApiError:
-    """A 400 for the field the client actually sent: `size` and `seconds` arrive as width/height/num_frames."""
+def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Variant,
+                   upload_fields: dict[str, str]) -> ApiError:
+    """A 400 for the field the client actually sent: `size` and `seconds` arrive as width/height/num_frames,
+    uploads as image_path/video_path."""
     param = _param_in_message(message)
+    if param in upload_fields:
+        return ApiError(400, f"The uploaded {upload_fields[param]} became {param}: {message}",
+                        code="invalid_parameter", param=upload_fields[param])
     if body.size is not None and param in ("width", "height"):
         return ApiError(400, f"size {body.size!r} (width x height): {message}", code="invalid_parameter",
                         param="size")
@@ -131,14 +136,15 @@ async def create_video(request: Request,
     job_id = f"video_{secrets.token_hex(16)}"
     uploads: list[str] = []
     try:
-        raw, file_digests, uploads = await _read_body(request, ctx, job_id)
+        raw, file_digests, uploads, upload_fields = await _read_body(request, ctx, job_id)
         body = parse_create_body(raw)
         params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names)
         params = _checked_paths(params, ctx, uploaded=set(uploads))
         try:
             resolved, notes = ctx.engine.resolve(params)
         except ValueError as exc:
-            raise _resolve_error(str(exc), body, params, ctx.variant) from None
+            raise _resolve_error(str(exc), body, params, ctx.variant, upload_fields) from None
+        await asyncio.to_thread(_check_inputs_readable, params, upload_fields)
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
@@ -171,8 +177,10 @@ def _queue_full(ctx: ServerContext) -> ApiError:
                     headers={"Retry-After": str(ctx.runner.retry_after_s())})
 
 
-async def _read_body(request: Request, ctx: ServerContext, job_id: str) -> tuple[dict, dict[str, str], list[str]]:
-    """(fields, {file field: sha256}, uploaded paths) from a JSON or multipart body."""
+async def _read_body(request: Request, ctx: ServerContext,
+                     job_id: str) -> tuple[dict, dict[str, str], list[str], dict[str, str]]:
+    """(fields, {file field: sha256}, uploaded paths, {image_path/video_path: the file field that gave it}) from a
+    JSON or multipart body."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         form = await read_multipart(
@@ -180,6 +188,7 @@ async def _read_body(request: Request, ctx: ServerContext, job_id: str) -> tuple
             file_path=lambda field, name: ctx.artifacts.upload_path(job_id, field, name))
         raw: dict[str, Any] = dict(form.fields)
         uploads = [str(f.path) for f in form.files.values()]
+        upload_fields: dict[str, str] = {}
         for field_name, upload in form.files.items():
             target = FILE_FIELDS[field_name]
             if field_name == "input_reference" and is_video_upload(upload.content_type, upload.client_file_name):
@@ -189,9 +198,10 @@ async def _read_body(request: Request, ctx: ServerContext, job_id: str) -> tuple
                 raise ApiError(400, f"Send either the {field_name} upload or {target}, not both.",
                                code="invalid_parameter", param=target)
             raw[target] = str(upload.path)
-        return raw, {name: f.sha256 for name, f in form.files.items()}, uploads
+            upload_fields[target] = field_name
+        return raw, {name: f.sha256 for name, f in form.files.items()}, uploads, upload_fields
     if content_type == "application/x-www-form-urlencoded":
-        return await read_urlencoded_body(request), {}, []
+        return await read_urlencoded_body(request), {}, [], {}
     if content_type not in ("application/json", ""):
         await drain(request)
         raise ApiError(400, f"Content-Type {content_type!r} is not supported; send application/json, "
@@ -204,7 +214,14 @@ async def _read_body(request: Request, ctx: ServerContext, job_id: str) -> tuple
                 raise ApiError(400, f"{field_name} is a file upload: send it with multipart/form-data (or give a "
                                     f"server-side {FILE_FIELDS[field_name]} in JSON).", code="invalid_parameter",
                                param=field_name)
-    return raw, {}, []
+    return raw, {}, [], {}
+
+
+def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str]) -> None:
+    for name, kind in (("image_path", "image"), ("video_path", "video")):
+        path = getattr(params, name)
+        if path is not None:
+            check_readable(kind, path, param=upload_fields.get(name, name), uploaded=name in upload_fields)
 
 
 def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[str]) -> SamplingParams:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import av
+import numpy as np
 import pytest
 from harness import wait_for
 from test_errors import _assert_error
@@ -114,3 +116,64 @@ def test_content_removed_from_disk_is_content_missing(fake_server, fake_client):
     video_id = _completed(fake_client)
     (fake_server.artifacts.root / f"{video_id}.mp4").unlink()
     _assert_error(fake_client.get(f"/v1/videos/{video_id}/content"), 404, code="content_missing")
+
+
+def test_an_upload_that_is_not_an_image_is_400_at_creation(fake_server, fake_client):
+    # It was queued, then failed minutes later with a message that showed the server's upload folder.
+    response = fake_client.post("/v1/videos", data={"prompt": "x"},
+                                files={"input_reference": ("first.png", b"not an image at all", "image/png")})
+    error = _assert_error(response, 400, param="input_reference", code="invalid_upload")
+    assert error["message"].startswith("The uploaded input_reference is not a readable image")
+    assert str(fake_server.artifacts.root) not in error["message"]
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+def test_a_server_side_image_that_is_not_an_image_is_400(fake_server, fake_client, tmp_path):
+    (tmp_path / "inputs" / "fake.png").write_text("text")
+    response = fake_client.post("/v1/videos", json={"prompt": "x", "image_path": str(tmp_path / "inputs" / "fake.png")})
+    _assert_error(response, 400, param="image_path", code="invalid_path", contains="is not a readable image")
+
+
+def test_an_uploaded_video_for_a_generation_model_names_the_upload(fake_client):
+    response = fake_client.post("/v1/videos", data={"prompt": "x"},
+                                files={"video_reference": ("clip.mp4", b"\0" * 64, "video/mp4")})
+    error = _assert_error(response, 400, param="video_reference", code="invalid_parameter")
+    assert error["message"].startswith("The uploaded video_reference became video_path: video_path is for the "
+                                       "super-resolution model")
+
+
+@pytest.fixture
+def vsr_server(tmp_path):
+    from harness import FakeWorker, start_server
+
+    from k6serve.models.variants import VARIANTS
+
+    server = start_server(tmp_path, worker=FakeWorker(VARIANTS["vsr-distilled2steps"]))
+    yield server
+    server.stop()
+
+
+def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
+    from k6serve.testing.clips import make_clip
+
+    with vsr_server.client() as client:
+        response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", b"definitely not a video")})
+        error = _assert_error(response, 400, param="video_reference", code="invalid_upload")
+        assert error["message"].startswith("The uploaded video_reference is not a readable video")
+        # An audio-only file is a readable container without a video stream.
+        audio_only = tmp_path / "inputs" / "tone.m4a"
+        with av.open(str(audio_only), "w") as container:
+            stream = container.add_stream("aac", rate=44100)
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate = 44100
+            for packet in [*stream.encode(frame), *stream.encode(None)]:
+                container.mux(packet)
+        response = client.post("/v1/videos", json={"video_path": str(audio_only)})
+        _assert_error(response, 400, param="video_path", code="invalid_path", contains="has no video stream")
+        clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
+        response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", clip.read_bytes())})
+        assert response.status_code == 200, response.text
+        assert wait_for(client, response.json()["id"])["status"] == "completed"
+        assert list(vsr_server.artifacts.upload_dir.iterdir()) == []
+
