@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
-from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.request import OutputOptions, SamplingParams, VideoResult, fspath_values
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.runtime.worker import default_file_name, sanitize_file_name
 
@@ -43,13 +43,20 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]:
     kwargs = dict(kwargs)
-    output = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUTPUT_KEYS}
+    output = fspath_values({k: kwargs.pop(k) for k in list(kwargs) if k in _OUTPUT_KEYS})
     return_paths_only = output.pop("return_file_paths_only", None)
     params = SamplingParams.from_kwargs(kwargs)
     return_frames = output.pop("return_frames", None)
+    if return_paths_only is not None and not isinstance(return_paths_only, bool):
+        raise ValueError(f"return_file_paths_only must be true or false, got {return_paths_only!r}.")
     if return_frames is None:
         return_frames = return_paths_only is False
-    return params, OutputOptions(return_frames=bool(return_frames), **output)
+    elif return_paths_only is not None and return_frames == return_paths_only:
+        raise ValueError(
+            f"return_file_paths_only={return_paths_only} and return_frames={return_frames} contradict each other; "
+            "pass only one of them."
+        )
+    return params, OutputOptions(return_frames=return_frames, **output)
 
 
 def check_output_folder(output: OutputOptions) -> None:

@@ -9,7 +9,12 @@ the model variant's defaults when `resolve_*` turns them into a fully specified,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import numbers
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +23,38 @@ import numpy as np
 SR_SCALES = (2.0, 4.0, 2.25)
 SR_TARGET_TIERS = ("hd", "fullhd", "2k")
 SR_RESIZE_MODES = ("fit", "exact")
+
+
+_PATH_FIELDS = ("image_path", "video_path", "output_path", "output_file_name")
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """Raise ValueError when `value` does not fit the field's type; numpy scalars count as numbers."""
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    kind = kinds[0]
+    if kind is bool:
+        ok, wanted = isinstance(value, bool), "true or false"
+    elif kind is int:
+        ok, wanted = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+    elif kind is float:
+        ok, wanted = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+    else:
+        ok, wanted = isinstance(value, kind), "a string"
+    if not ok:
+        raise ValueError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__}).")
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_field_types(instance: Any) -> None:
+    hints = _type_hints(type(instance))
+    for item in dataclasses.fields(instance):
+        value = getattr(instance, item.name)
+        if value is not None:
+            _check_type(item.name, value, hints[item.name])
 
 
 def _param(help_text: str, *, cli: bool = True, http: bool = True, default: Any = None) -> Any:
@@ -62,16 +99,27 @@ class SamplingParams:
         "Return only the output file path (no frames).", default=True, cli=False, http=False
     )
 
+    def __post_init__(self) -> None:
+        # A wrong type would otherwise surface as a TypeError deep in a worker process, or worse, run: the string
+        # "no" is a true save_output.
+        _check_field_types(self)
+
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "SamplingParams":
-        """Build from a dict, rejecting unknown keys with the list of valid ones."""
+        """Build from a dict, rejecting unknown keys with the list of valid ones; `pathlib.Path` values of the
+        *_path keys become strings."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(
                 f"Unknown sampling parameter(s) {unknown}. Valid parameters: {sorted(names)}."
             )
-        return cls(**kwargs)
+        return cls(**fspath_values(kwargs))
+
+
+def fspath_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`os.PathLike` values of the path keys as strings (the typed fields hold `str`)."""
+    return {k: os.fspath(v) if k in _PATH_FIELDS and isinstance(v, os.PathLike) else v for k, v in kwargs.items()}
 
 
 def parameter_fields(*, surface: str) -> list[dataclasses.Field]:
@@ -126,6 +174,9 @@ class OutputOptions:
     output_path: str = "outputs"
     output_file_name: str | None = None
     return_frames: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
 
 
 @dataclass(kw_only=True)

@@ -61,6 +61,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
 def _bool(value: str | bool) -> bool:
     if isinstance(value, bool):
         return value
+    if not isinstance(value, str):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -118,16 +120,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read --config {path}: {exc.strerror or exc}") from None
     if path.endswith((".yaml", ".yml")):
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--config {path} is not valid YAML: {exc}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--config {path} is not valid JSON ({exc}); a YAML file must end in .yaml or .yml"
+                             ) from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} must hold a mapping of flag names to values")
-    return {key.lstrip("-").replace("-", "_"): value for key, value in data.items()}
+    return {str(key).lstrip("-").replace("-", "_"): value for key, value in data.items()}
+
+
+def _config_value(action: argparse.Action, value: Any) -> Any:
+    """A file value as the same flag on the command line gives it: JSON "64" is the integer 64 and YAML "no" is
+    false, not a truthy string that would still save the file."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+        return _bool(value)
+    if isinstance(action, argparse._AppendAction):
+        return [str(item) for item in value] if isinstance(value, list) else [str(value)]
+    if action.type in (None, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)  # YAML reads "output-path: 2026" as a number; the flag would give the string
+    elif action.type in (int, float):
+        if isinstance(value, str):
+            try:
+                value = action.type(value)
+            except ValueError:
+                wanted = "an integer" if action.type is int else "a number"
+                raise argparse.ArgumentTypeError(f"expected {wanted}, got {value!r}") from None
+    else:
+        value = action.type(value)
+    if action.choices is not None and value not in action.choices:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return value
 
 
 def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -135,11 +171,21 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     options = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config", "log_level")}
     if getattr(args, "config", None):
         from_file = load_config_file(args.config)
-        known = {action.dest for action in parser._subparsers._group_actions[0].choices[args.command]._actions}
-        unknown = sorted(set(from_file) - known)
+        actions = {action.dest: action
+                   for action in parser._subparsers._group_actions[0].choices[args.command]._actions
+                   if action.dest not in ("help", "config")}
+        unknown = sorted(set(from_file) - set(actions))
         if unknown:
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}")
-        options = {**from_file, **options}
+        converted = {}
+        for key, value in from_file.items():
+            if value is None:
+                continue  # "key:" with no value in YAML: as if the key were absent
+            try:
+                converted[key] = _config_value(actions[key], value)
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(f"--config {args.config}: {actions[key].option_strings[0]}: {exc}") from None
+        options = {**converted, **options}
     return options
 
 

@@ -94,3 +94,63 @@ def test_cli_repeated_run_keeps_the_first_file(tiny_distill_dir, tmp_path, capsy
     assert re.search(r"same\.mp4' already exists", capsys.readouterr().err)
     assert (tmp_path / "same.mp4").read_bytes() == before and len(list(tmp_path.iterdir())) == 1
 
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"height": "32"}, r"height must be an integer, got '32' \(str\)"),
+        ({"num_frames": 5.0}, r"num_frames must be an integer, got 5.0"),
+        ({"prompt": 5}, r"prompt must be a string, got 5 \(int\)"),
+        ({"fps": True}, r"fps must be a number, got True"),
+        ({"save_output": "no"}, r"save_output must be true or false, got 'no'"),
+        ({"return_frames": 1}, r"return_frames must be true or false"),
+        ({"return_file_paths_only": True, "return_frames": True}, "contradict each other"),
+    ],
+)
+def test_wrong_types_are_value_errors_naming_the_field(generator, tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generator.generate({**SMALL, "output_path": str(tmp_path), **kwargs})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_numbers_and_pathlib_paths_are_accepted(generator, tmp_path):
+    import numpy as np
+
+    result = generator.generate({**SMALL, "height": np.int64(32), "fps": np.float32(24), "output_path": tmp_path,
+                                 "output_file_name": "np"})
+    assert result.output_file_path == str(tmp_path / "np.mp4") and probe(result.output_file_path).height == 32
+
+
+def _config(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("missing.yaml", None, "cannot read --config .*missing.yaml: No such file"),
+        ("bad.yaml", "prompt: [unclosed\n", "is not valid YAML"),
+        ("bad.json", "{'prompt': 1}", "is not valid JSON"),
+        ("h.json", '{"height": "tall"}', "--height: expected an integer, got 'tall'"),
+        ("d.yaml", "dtype: float16\n", "--dtype: expected one of auto, bfloat16, float32, got 'float16'"),
+        ("s.yaml", "save-output: maybe\n", "--save-output: expected true or false, got 'maybe'"),
+    ],
+)
+def test_cli_config_file_problems_exit_2_with_the_fix(tmp_path, capsys, name, text, message):
+    path = str(tmp_path / name) if text is None else _config(tmp_path, name, text)
+    assert main(["generate", "--config", path, "--model-path", "demo", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsys):
+    # JSON strings for numbers once crashed inside the worker; YAML "no" for save-output once saved the file.
+    path = _config(tmp_path, "run.json", f'{{"model-path": "{tiny_distill_dir}", "prompt": "x", "height": "32", '
+                                         f'"width": 32, "num-frames": "5", "save-output": "no", "output-path": '
+                                         f'"{tmp_path / "out"}", "compile-vae": "false"}}')
+    assert main(["generate", "--config", path]) == 0
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    assert "saved" not in capsys.readouterr().out
