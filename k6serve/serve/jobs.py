@@ -263,7 +263,7 @@ class SqliteJobStore:
         for job in (self._decode(row) for row in rows):
             if job.attempts < MAX_ATTEMPTS:
                 updated = self.transition(
-                    job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
+                    job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0, started_at=None,
                     warnings=job.warnings + ("The server stopped while this job was running; it was re-queued.",),
                 )
                 if updated is not None:

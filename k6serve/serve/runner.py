@@ -69,7 +69,7 @@ class JobRunner:
                 job = self.store.get(current.id)
                 if job is not None:
                     self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
-                                          attempts=max(0, job.attempts - 1))
+                                          started_at=None, attempts=max(0, job.attempts - 1))
                 current.cancel()
             self._wake.notify_all()
         if self._thread is not None:

@@ -80,6 +80,11 @@ async def _read_small_body(request: Request) -> bytes:
 async def read_urlencoded_body(request: Request) -> dict[str, str]:
     """`application/x-www-form-urlencoded` (what `curl -d a=b` sends): text fields only."""
     body = await _read_small_body(request)
+    if body.lstrip()[:1] in (b"{", b"["):
+        # curl -d sends this Content-Type by default, so a JSON body arrives here far more often than a form.
+        raise ApiError(400, "The body looks like JSON but its Content-Type is application/x-www-form-urlencoded "
+                            "(curl -d's default); send it with -H 'Content-Type: application/json'.",
+                       code="invalid_form")
     try:
         pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body))
     except (UnicodeDecodeError, ValueError) as exc:

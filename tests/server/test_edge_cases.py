@@ -177,3 +177,29 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
         assert wait_for(client, response.json()["id"])["status"] == "completed"
         assert list(vsr_server.artifacts.upload_dir.iterdir()) == []
 
+
+
+def test_json_sent_as_curl_d_default_form_says_which_header(fake_client):
+    response = fake_client.post("/v1/videos", content=b'{"prompt": "a cat"}',
+                                headers={"Content-Type": "application/x-www-form-urlencoded"})
+    _assert_error(response, 400, code="invalid_form", contains="-H 'Content-Type: application/json'")
+
+
+def test_a_requeued_job_has_no_started_at(tmp_path):
+    from harness import start_server
+
+    from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
+
+    first = start_server(tmp_path)
+    with first.client() as client:
+        held = client.post("/v1/videos", json={"prompt": "hold", "size": "32x32", "num_frames": 5}).json()
+        assert wait_for(client, held["id"], ("in_progress",))["started_at"] is not None
+    first.stop()  # graceful: back to the queue
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert store.get(held["id"]).status == JobStatus.QUEUED
+    assert store.get(held["id"]).started_at is None  # a queued job that claims to have started
+    store.insert(Job(id="video_died", model="m", status=JobStatus.IN_PROGRESS, created_at=1.0, started_at=2.0,
+                     attempts=1, params={"prompt": "p"}))
+    requeued, _ = store.recover_interrupted("died")
+    assert [job.id for job in requeued] == ["video_died"] and requeued[0].started_at is None
+    store.close()
