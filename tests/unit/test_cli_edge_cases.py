@@ -154,3 +154,36 @@ def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsy
     assert main(["generate", "--config", path]) == 0
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
     assert "saved" not in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def sr_generator(tiny_sr_dir):
+    config = build_engine_config(str(tiny_sr_dir), device="cpu")
+    with DiffGenerator(Engine(config, worker=ModelWorker(config))) as gen:
+        yield gen
+
+
+@pytest.fixture(scope="module")
+def sr_clip(tmp_path_factory):
+    from k6serve.testing.clips import make_clip
+
+    return make_clip(tmp_path_factory.mktemp("edge_clips") / "clip.mp4", width=64, height=32, num_frames=9, fps=24)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fit"])
+def test_odd_sr_target_fails_before_any_dit_call(sr_generator, sr_clip, tmp_path, mode):
+    # 43 high: "fit" rounds 64 * 43/64 half-to-even up to 44, then clamps to the odd bucket side 43.
+    steps = []
+    with pytest.raises(ValueError, match=r"'86x43' has an odd side.*use 86x44 or 86x42"):
+        sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 2, "output_path": str(tmp_path),
+                               "sr_target_resolution": "86x43", "sr_target_resize_mode": mode},
+                              on_progress=lambda step, total: steps.append(step))
+    assert steps == [] and list(tmp_path.iterdir()) == []
+
+
+def test_sr_output_never_replaces_the_source(sr_generator, sr_clip):
+    before = sr_clip.read_bytes()
+    with pytest.raises(ValueError, match="already exists"):
+        sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 2,
+                               "output_path": str(sr_clip.parent), "output_file_name": sr_clip.name})
+    assert sr_clip.read_bytes() == before
