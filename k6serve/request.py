@@ -72,9 +72,9 @@ class SamplingParams:
     image_path: str | None = _param("Conditioning image for text+image-to-video+audio (TI2AV).")
     video_path: str | None = _param("Source video for super-resolution (VSR models).")
     seed: int | None = _param("Random seed (default 42).")
-    height: int | None = _param("Output height in pixels, a multiple of 16 (default 512).")
-    width: int | None = _param("Output width in pixels, a multiple of 16 (default 768).")
-    num_frames: int | None = _param("Number of frames, of the form 4k+1 (default 121).")
+    height: int | None = _param("Output height in pixels, a multiple of 16 (default 512; demo 64).")
+    width: int | None = _param("Output width in pixels, a multiple of 16 (default 768; demo 96).")
+    num_frames: int | None = _param("Number of frames, of the form 4k+1 (default 121; demo 17).")
     fps: float | None = _param("Frame rate of the output; sets the audio length (default 24).")
     num_inference_steps: int | None = _param(
         "Denoising steps (Pro/Lite 50, distilled 10; VSR always runs its 2 PiFlow steps)."
@@ -88,12 +88,18 @@ class SamplingParams:
     )
     sr_tile_min_overlap: float | None = _param("VSR minimum tile overlap in [0, 1) (default 0.2).")
     sr_target_resolution: str | None = _param(
-        "VSR delivery size, downscale only: hd, fullhd, 2k or WxH (default: none)."
+        "VSR delivery size, downscale only: hd, fullhd, 2k or WxH with even sides (default: none)."
     )
     sr_target_resize_mode: str | None = _param("VSR target resize mode: fit (default) or exact.")
     save_output: bool = _param("Write the MP4 file.", default=True, http=False)
-    output_path: str = _param("Folder for output files.", default="outputs", http=False)
-    output_file_name: str | None = _param("Output file name (default: derived from the request).", http=False)
+    output_path: str = _param(
+        "Folder for output files (default outputs; created if missing).", default="outputs", http=False
+    )
+    output_file_name: str | None = _param(
+        "Output file name, without folders; an existing file is an error, never overwritten (default: derived "
+        "from the prompt and seed, or the SR source, and the time, with _1, _2... when taken).",
+        http=False,
+    )
     return_frames: bool = _param("Return decoded frames and the waveform in the result.", default=False, http=False)
     return_file_paths_only: bool = _param(
         "Return only the output file path (no frames).", default=True, cli=False, http=False

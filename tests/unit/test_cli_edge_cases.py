@@ -187,3 +187,17 @@ def test_sr_output_never_replaces_the_source(sr_generator, sr_clip):
         sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 2,
                                "output_path": str(sr_clip.parent), "output_file_name": sr_clip.name})
     assert sr_clip.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_reference_shows_the_exact_help(command, monkeypatch):
+    """docs/cli.md's usage blocks are `k6serve <command> --help` at 120 columns, word for word."""
+    from pathlib import Path
+
+    from k6serve.cli.main import build_parser
+
+    monkeypatch.setenv("COLUMNS", "120")
+    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    block = re.search(rf"```\n(usage: k6serve {command} .*?)```", text, re.DOTALL)
+    assert block is not None and block.group(1) == sub.format_help()
