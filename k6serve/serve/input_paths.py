@@ -49,7 +49,7 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
         try:
             with PIL.Image.open(path) as image:
                 image.verify()
-        except Exception as exc:  # PIL raises many types (incl. DecompressionBombError) for unreadable files
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types (DecompressionBombError...) for bad files
             raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG or WebP "
                                 "file.", code=code, param=param) from None
         return
