@@ -37,6 +37,10 @@ TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
 # A job that was running when the server died is re-queued once; dying on it again fails it.
 MAX_ATTEMPTS = 2
 
+# How long a deleted (or expired) job's place in the creation order is remembered, so a client paging with
+# `after=<its id>` continues where it was instead of getting a 400 because the job expired between two pages.
+DELETED_CURSOR_RETENTION_S = 7 * 86400
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Job:
@@ -81,7 +85,7 @@ class JobStore(Protocol):
     def list_page(self, *, after: str | None, limit: int, ascending: bool) -> tuple[list[Job], bool]: ...
     def update(self, job_id: str, **fields: Any) -> Job | None: ...
     def transition(self, job_id: str, allowed: tuple[JobStatus, ...], **fields: Any) -> Job | None: ...
-    def delete(self, job_id: str) -> bool: ...
+    def delete(self, job_id: str, now: float | None = None) -> bool: ...
     def next_queued(self) -> Job | None: ...
     def count_by_status(self) -> dict[JobStatus, int]: ...
     def finished_before(self, timestamp: float) -> list[Job]: ...
@@ -127,6 +131,13 @@ class SqliteJobStore:
                 )"""
             )
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
+            # seq is AUTOINCREMENT, so it is never reused: a deleted job's seq still marks a unique place
+            # between the live jobs created before and after it.
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS deleted_jobs (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
+                "deleted_at REAL NOT NULL)"
+            )
+            self._db.execute("CREATE INDEX IF NOT EXISTS deleted_jobs_at ON deleted_jobs (deleted_at)")
 
     def close(self) -> None:
         with self._lock:
@@ -190,12 +201,16 @@ class SqliteJobStore:
     def list_page(self, *, after: str | None, limit: int, ascending: bool) -> tuple[list[Job], bool]:
         """Jobs in creation order after the job `after` (exclusive); returns (page, has_more).
 
-        Raises KeyError if `after` names no stored job.
+        `after` may name a job deleted in the last DELETED_CURSOR_RETENTION_S: the page continues from its place.
+        Raises KeyError if `after` names neither a stored job nor such a deleted one.
         """
         with self._lock:
             where, args = "", []
             if after is not None:
                 row = self._db.execute("SELECT seq FROM jobs WHERE id = ?", (after,)).fetchone()
+                if row is None:
+                    row = self._db.execute("SELECT seq FROM deleted_jobs WHERE id = ? AND deleted_at >= ?",
+                                           (after, time.time() - DELETED_CURSOR_RETENTION_S)).fetchone()
                 if row is None:
                     raise KeyError(after)
                 where, args = ("WHERE seq > ?" if ascending else "WHERE seq < ?"), [row["seq"]]
@@ -222,9 +237,21 @@ class SqliteJobStore:
             )
             return self._get_locked(job_id) if cursor.rowcount else None
 
-    def delete(self, job_id: str) -> bool:
+    def delete(self, job_id: str, now: float | None = None) -> bool:
+        """Delete the job, remembering its place in the creation order for `list_page` cursors."""
+        now = time.time() if now is None else now
         with self._lock:
-            return self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM deleted_jobs WHERE deleted_at < ?", (now - DELETED_CURSOR_RETENTION_S,))
+                self._db.execute("INSERT OR REPLACE INTO deleted_jobs (id, seq, deleted_at) "
+                                 "SELECT id, seq, ? FROM jobs WHERE id = ?", (now, job_id))
+                deleted = self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            return deleted
 
     def next_queued(self) -> Job | None:
         with self._lock:

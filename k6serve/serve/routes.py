@@ -29,7 +29,13 @@ from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import ApiError, error_response
 from k6serve.serve.input_paths import InputPathPolicy, check_readable
-from k6serve.serve.jobs import IdempotencyConflict, Job, JobStatus, JobStore
+from k6serve.serve.jobs import (
+    DELETED_CURSOR_RETENTION_S,
+    IdempotencyConflict,
+    Job,
+    JobStatus,
+    JobStore,
+)
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from k6serve.serve.runner import JobRunner, QueueFull
 from k6serve.serve.schemas import (
@@ -240,16 +246,21 @@ def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: l
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+_AFTER_DOC = "Cursor: a video id; one deleted or expired since still marks its place."
+
+
 @router.get("/v1/videos", response_model=VideoList, responses=_ERRORS, summary="List video jobs")
-async def list_videos(request: Request, after: str | None = Query(None, description="Cursor: a video id."),
+async def list_videos(request: Request, after: str | None = Query(None, description=_AFTER_DOC),
                       limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = Query("desc", description="By creation time.")) -> JSONResponse:
     ctx = _ctx(request)
     try:
         jobs, has_more = ctx.store.list_page(after=after, limit=limit, ascending=order == "asc")
     except KeyError:
-        raise ApiError(400, f"after={after!r} is not the id of a stored video.", code="invalid_parameter",
-                       param="after") from None
+        days = DELETED_CURSOR_RETENTION_S // 86400
+        raise ApiError(400, f"after={after!r} is not the id of a stored video, nor of one deleted or expired in "
+                            f"the last {days} days; page from the start (leave out after).",
+                       code="invalid_parameter", param="after") from None
     data = [ctx.view(job) for job in jobs]
     return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None, "has_more": has_more})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import av
@@ -182,6 +183,36 @@ def test_models_health_metrics(fake_client):
 def test_wrong_model_name_is_400(fake_client):
     response = fake_client.post("/v1/videos", json={"prompt": "x", "model": "sora-2"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def test_paging_continues_after_a_deleted_or_expired_cursor(fake_server, fake_client):
+    # A job deleted (or expired) between two pages made after=<its id> a 400: a client paging through jobs
+    # while they expire got stuck. Its place is remembered, so the next page neither skips nor repeats.
+    from k6serve.serve.app import sweep_expired_once
+    from k6serve.serve.jobs import DELETED_CURSOR_RETENTION_S
+
+    ids = [fake_client.post("/v1/videos", json={"prompt": f"p{i}", "size": "32x32", "num_frames": 5}).json()["id"]
+           for i in range(6)]
+    for video_id in ids:
+        wait_for(fake_client, video_id)
+
+    def page(**params):
+        return [j["id"] for j in fake_client.get("/v1/videos", params={"limit": 2, **params}).json()["data"]]
+
+    assert page(order="asc") == ids[:2]
+    assert fake_client.delete(f"/v1/videos/{ids[1]}").json()["deleted"] is True
+    assert page(order="asc", after=ids[1]) == ids[2:4]
+    assert page(order="desc", after=ids[1]) == ids[:1]
+    fake_server.store.update(ids[3], completed_at=time.time() - 7200)
+    assert sweep_expired_once(fake_server.store, fake_server.artifacts, ttl_s=3600) == 1
+    assert page(order="asc", after=ids[3]) == ids[4:6]
+    assert page(order="desc", after=ids[3]) == [ids[2], ids[0]]
+    fake_server.store.delete(ids[5], now=time.time() - DELETED_CURSOR_RETENTION_S - 1)
+    for after, why in ((ids[5], "deleted too long ago"), ("video_" + "0" * 32, "never existed")):
+        response = fake_client.get("/v1/videos", params={"after": after})
+        assert response.status_code == 400, why
+        error = response.json()["error"]
+        assert error["param"] == "after" and "nor of one deleted or expired in the last 7 days" in error["message"]
 
 
 def _documented_routes() -> set[tuple[str, str]]:
