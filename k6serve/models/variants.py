@@ -249,9 +249,13 @@ def resolve_generate(params: SamplingParams, variant: Variant) -> tuple[Generate
         notes.append("negative_prompt is ignored: guidance_scale is 1.0, so no unconditional branch runs.")
     seed = params.seed if params.seed is not None else variant.seed
     _check_seed(seed)
-    for name in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution"):
+    for name in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution",
+                 "sr_target_resize_mode"):
         if getattr(params, name) is not None:
-            raise ValueError(f"{name} applies to the super-resolution model only, not to {variant.name}.")
+            raise ValueError(
+                f"{name} applies to the super-resolution model only, not to {variant.name}; drop it, or load "
+                "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a video."
+            )
     request = GenerateRequest(
         prompt=params.prompt,
         negative_prompt=negative,
@@ -311,9 +315,14 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
     if not (0.0 <= overlap < 1.0):
         raise ValueError(f"sr_tile_min_overlap must be in [0, 1), got {overlap}")
     target = parse_target_resolution(params.sr_target_resolution) if params.sr_target_resolution else None
-    mode = params.sr_target_resize_mode or "fit"
+    mode = params.sr_target_resize_mode if params.sr_target_resize_mode is not None else "fit"
     if mode not in SR_RESIZE_MODES:
         raise ValueError(f"sr_target_resize_mode must be 'fit' or 'exact', got {mode!r}")
+    if params.sr_target_resize_mode is not None and target is None:
+        raise ValueError(
+            "sr_target_resize_mode only says how to reach sr_target_resolution, and none was given; pass "
+            "sr_target_resolution (hd, fullhd, 2k or WxH) as well, or drop sr_target_resize_mode."
+        )
     if params.num_inference_steps is not None and params.num_inference_steps != variant.num_inference_steps:
         notes.append(
             f"num_inference_steps={params.num_inference_steps} is ignored: this checkpoint's PiFlow "

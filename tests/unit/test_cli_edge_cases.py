@@ -201,3 +201,18 @@ def test_cli_reference_shows_the_exact_help(command, monkeypatch):
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     block = re.search(rf"```\n(usage: k6serve {command} .*?)```", text, re.DOTALL)
     assert block is not None and block.group(1) == sub.format_help()
+
+
+def test_sr_target_resize_mode_is_refused_on_a_generation_model(generator, tmp_path):
+    with pytest.raises(ValueError, match="sr_target_resize_mode applies to the super-resolution model only.*drop it"):
+        generator.generate({**SMALL, "output_path": str(tmp_path), "sr_target_resize_mode": "exact"})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", ["exact", "fit"])
+def test_sr_target_resize_mode_without_a_target_is_refused(sr_generator, sr_clip, tmp_path, mode):
+    with pytest.raises(ValueError, match="sr_target_resize_mode only says how to reach sr_target_resolution.*"
+                                         "pass sr_target_resolution"):
+        sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 2, "output_path": str(tmp_path),
+                               "sr_target_resize_mode": mode})
+    assert list(tmp_path.iterdir()) == []
