@@ -41,6 +41,7 @@ from k6serve.pipelines.sr_tiling import (
     resize_frames,
     resolve_scale,
     resolve_target_size,
+    target_bucket,
 )
 from k6serve.request import UpscaleRequest
 
@@ -59,6 +60,7 @@ class UpscalePlan:
     grid: TileGrid  # over the input frame padded to `snap`
     crop_size: tuple[int, int]  # input_size x tiling scale: the blended canvas without the padding
     delivery_size: tuple[int, int]  # crop_size, or the downscaled target resolution
+    notes: tuple[str, ...] = ()  # what the user should know about the geometry (a target that could not apply)
 
     @property
     def num_tiles(self) -> int:
@@ -95,10 +97,21 @@ def plan_upscale(
     )
     crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
     delivery_size = crop_size
+    notes: tuple[str, ...] = ()
     if request.target_resolution is not None:
         delivery_size = resolve_target_size(
             *crop_size, request.target_resolution, request.target_resize_mode
         )
+        bucket_height, bucket_width = target_bucket(*crop_size, request.target_resolution)
+        if delivery_size == crop_size and (bucket_height, bucket_width) != crop_size:
+            # "fit" only downscales, so a target at least as large as the result silently did nothing.
+            crop_height, crop_width = crop_size
+            notes = (
+                f"sr_target_resolution {request.target_resolution!r} ({bucket_width}x{bucket_height}) is not "
+                f"smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: the "
+                f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
+                "the target, or drop sr_target_resolution.",
+            )
     return UpscalePlan(
         scale=scale,
         source_size=(height, width),
@@ -107,6 +120,7 @@ def plan_upscale(
         grid=grid,
         crop_size=crop_size,
         delivery_size=delivery_size,
+        notes=notes,
     )
 
 

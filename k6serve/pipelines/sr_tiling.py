@@ -258,13 +258,18 @@ def _parse_target(target: str) -> tuple[tuple[int, int], ...]:
     )
 
 
+def target_bucket(height: int, width: int, target: str) -> tuple[int, int]:
+    """The (H, W) bucket of `target` closest in aspect to an SR result of (height, width)."""
+    return select_base_tile(height, width, _parse_target(target))
+
+
 def resolve_target_size(height: int, width: int, target: str, mode: str = "fit") -> tuple[int, int]:
     """Delivery (H, W) for an SR result of (height, width) (§2.12); never upscales.
 
     fit: one isotropic scale into the bucket closest in aspect; a bucket at least as large leaves the size as is.
     exact: the bucket itself; a bucket larger than the result in either side raises.
     """
-    bucket_height, bucket_width = select_base_tile(height, width, _parse_target(target))
+    bucket_height, bucket_width = target_bucket(height, width, target)
     if mode == "fit":
         scale = min(bucket_height / height, bucket_width / width)
         if scale >= 1:

@@ -96,7 +96,7 @@ class SuperResolutionPipeline:
         timings["dit_per_call"] = timings["dit"] / (
             sampler.num_steps * -(-plan.num_tiles // request.tiles_batch_size)
         )
-        notes = [*source.notes, f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
+        notes = [*source.notes, *plan.notes, f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
         return SuperResolutionOutput(
             video=UpscaledVideo(frames_THWC=frames_THWC),
             audio=source.audio,

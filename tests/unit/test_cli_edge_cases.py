@@ -216,3 +216,14 @@ def test_sr_target_resize_mode_without_a_target_is_refused(sr_generator, sr_clip
         sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 2, "output_path": str(tmp_path),
                                "sr_target_resize_mode": mode})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("target", "noted"), [("hd", True), ("256x64", True), ("128x64", False), ("100x40", False)])
+def test_sr_fit_target_not_smaller_than_the_result_is_noted(sr_generator, sr_clip, tmp_path, target, noted):
+    # 64x32 x2 = 128x64: "fit" only downscales, so hd and 256x64 leave the size as is, which once said nothing.
+    result = sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 2, "save_output": False,
+                                    "return_frames": True, "sr_target_resolution": target})
+    kept = [note for note in result.notes if "'fit' only downscales" in note]
+    assert len(kept) == int(noted)
+    if noted:
+        assert "the output keeps 128x64" in kept[0] and result.frames.shape[1:3] == (64, 128)
