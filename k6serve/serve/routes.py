@@ -56,7 +56,8 @@ from k6serve.serve.settings import ServerSettings
 from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
 
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 429)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429)}
+ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
 
 
 @dataclass(kw_only=True)
@@ -210,9 +211,9 @@ async def _read_body(request: Request, ctx: ServerContext,
         return await read_urlencoded_body(request), {}, [], {}
     if content_type not in ("application/json", ""):
         await drain(request)
-        raise ApiError(400, f"Content-Type {content_type!r} is not supported; send application/json, "
-                            "multipart/form-data or application/x-www-form-urlencoded.",
-                       code="unsupported_content_type")
+        raise ApiError(415, f"Content-Type {content_type!r} is not supported; send one of "
+                            f"{', '.join(ACCEPTED_CONTENT_TYPES)}.", code="unsupported_content_type",
+                       param="Content-Type")
     raw = await read_json_body(request)
     if isinstance(raw, dict):
         for field_name in FILE_FIELDS:

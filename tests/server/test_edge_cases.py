@@ -185,6 +185,17 @@ def test_json_sent_as_curl_d_default_form_says_which_header(fake_client):
     _assert_error(response, 400, code="invalid_form", contains="-H 'Content-Type: application/json'")
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/xml; charset=utf-8", "image/png"])
+def test_an_unsupported_content_type_is_415_naming_the_accepted_ones(fake_server, fake_client, content_type):
+    # It was a 400, which tells the client its body is wrong rather than the media type it chose.
+    response = fake_client.post("/v1/videos", content=b'{"prompt": "a cat"}', headers={"Content-Type": content_type})
+    error = _assert_error(response, 415, param="Content-Type", code="unsupported_content_type")
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == (f"Content-Type {content_type.split(';')[0]!r} is not supported; send one of "
+                                "application/json, multipart/form-data, application/x-www-form-urlencoded.")
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
 def test_a_requeued_job_has_no_started_at(tmp_path):
     from harness import start_server
 

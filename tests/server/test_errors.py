@@ -81,7 +81,7 @@ def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake
     _assert_error(fake_client.post("/v1/videos", content=b""), 400, code="invalid_json")
     _assert_error(fake_client.post("/v1/videos", content=b"\xff\xfe", headers={"Content-Type": "application/json"}),
                   400, code="invalid_json")
-    _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 400,
+    _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
                   code="unsupported_content_type")
     form = {"Content-Type": "multipart/form-data; boundary=XyZ"}
     _assert_error(fake_client.post("/v1/videos", content=b"garbage without boundary", headers=form), 400,
