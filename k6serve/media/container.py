@@ -33,3 +33,10 @@ def describe_streams(container: av.container.InputContainer) -> str:
         codec_name = stream.codec_context.name if stream.codec_context is not None else "unknown"
         parts.append(f"{stream.type} ({codec_name})")
     return ", ".join(parts)
+
+
+def still_image_demuxer(container: av.container.InputContainer) -> str | None:
+    """The demuxer's name when FFmpeg read `container` as a still image (its image2 or *_pipe image demuxers,
+    e.g. png_pipe, jpeg_pipe), else None. Such a file still shows one video stream, at a made-up 25 fps."""
+    name = container.format.name
+    return name if name in ("image2", "image2pipe") or name.endswith("_pipe") else None

@@ -18,7 +18,7 @@ import av.container
 import av.video.stream
 import numpy as np
 
-from k6serve.media.container import describe_streams, open_input
+from k6serve.media.container import describe_streams, open_input, still_image_demuxer
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,12 @@ class SRSourceReader:
         self.path = path
         self._container = open_input(path)
         try:
+            image_demuxer = still_image_demuxer(self._container)
+            if image_demuxer is not None:
+                raise ValueError(
+                    f"{str(path)!r} is a still image (FFmpeg reads it with its {image_demuxer} demuxer), not a "
+                    "video; super-resolution upscales a video: pass an MP4, MKV, MOV or WebM clip."
+                )
             self._stream = _first_video_stream(self._container, path)
             self.source_fps = _stream_fps(self._stream, path)
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)

@@ -227,3 +227,18 @@ def test_sr_fit_target_not_smaller_than_the_result_is_noted(sr_generator, sr_cli
     assert len(kept) == int(noted)
     if noted:
         assert "the output keeps 128x64" in kept[0] and result.frames.shape[1:3] == (64, 128)
+
+
+@pytest.mark.parametrize("suffix", [".png", ".jpg"])
+def test_sr_still_image_source_is_refused(sr_generator, tmp_path, suffix):
+    # FFmpeg opens a PNG or JPEG as a one-frame "video" at 25 fps, which once upscaled as a 1-frame clip.
+    import numpy as np
+    from PIL import Image
+
+    image = tmp_path / f"photo{suffix}"
+    Image.fromarray(np.full((32, 64, 3), 128, np.uint8)).save(image)
+    steps = []
+    with pytest.raises(ValueError, match=rf"photo\{suffix}' is a still image .*(png|jpeg)_pipe.*pass an MP4"):
+        sr_generator.generate({"video_path": str(image), "sr_resolution_scale": 2, "output_path": str(tmp_path)},
+                              on_progress=lambda step, total: steps.append(step))
+    assert steps == [] and [p.name for p in tmp_path.iterdir()] == [image.name]
