@@ -103,9 +103,21 @@ async def read_json_body(request: Request) -> Any:
         raise ApiError(400, "The request body is empty; send a JSON object such as {\"prompt\": \"...\"}.",
                        code="invalid_json")
     try:
-        return json.loads(body)
+        return json.loads(body, object_pairs_hook=_object_without_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
+
+
+def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys, so {"seed": 1, "seed": 2} silently ran with seed 2; which
+    # one the client meant cannot be known, and other parsers keep the first.
+    fields: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in fields:
+            raise ApiError(400, f"The JSON body has the key {name!r} more than once; send each field once.",
+                           code="invalid_json", param=name)
+        fields[name] = value
+    return fields
 
 
 def too_large_json() -> ApiError:

@@ -185,6 +185,19 @@ def test_json_sent_as_curl_d_default_form_says_which_header(fake_client):
     _assert_error(response, 400, code="invalid_form", contains="-H 'Content-Type: application/json'")
 
 
+@pytest.mark.parametrize(("body", "key"), [
+    ('{"prompt": "x", "seed": 1, "seed": 2}', "seed"),
+    ('{"prompt": "a", "size": "32x32", "prompt": "b"}', "prompt"),
+    ('{"prompt": "x", "seconds": {"s": 1, "s": 2}}', "s"),
+])
+def test_a_json_body_with_a_duplicate_key_is_400_naming_it(fake_client, body, key):
+    # json.loads kept the last value: {"seed": 1, "seed": 2} silently ran with seed 2.
+    response = fake_client.post("/v1/videos", content=body, headers={"Content-Type": "application/json"})
+    error = _assert_error(response, 400, param=key, code="invalid_json")
+    assert error["message"] == f"The JSON body has the key {key!r} more than once; send each field once."
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/xml; charset=utf-8", "image/png"])
 def test_an_unsupported_content_type_is_415_naming_the_accepted_ones(fake_server, fake_client, content_type):
     # It was a 400, which tells the client its body is wrong rather than the media type it chose.
