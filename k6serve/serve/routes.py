@@ -282,11 +282,21 @@ class _Unsatisfiable(Exception):
         self.file_size = file_size
 
 
+# RFC 9110 14.1.1: int-range ("first-last", "first-") or suffix-range ("-length"), ASCII digits only.
+_RANGE_SPEC = re.compile(r"[0-9]+-[0-9]*|-[0-9]+")
+
+
 class VideoFileResponse(FileResponse):
     """Starlette's FileResponse with RFC 9110 Range errors: an unparsable Range (or another unit than bytes) is
     ignored and the whole file sent, as the RFC asks, instead of a text/plain 400; 416 carries an OpenAI body."""
 
     def _parse_range_header(self, http_range: str, file_size: int) -> list[tuple[int, int]]:
+        # Starlette skips the range-specs it cannot read, so `bytes=1-2,,x` was served as `bytes=1-2`; a Range
+        # with any malformed spec is malformed as a whole. Empty list elements are allowed (RFC 9110 5.6.1).
+        _, _, range_set = http_range.partition("=")
+        specs = [spec.strip(" \t") for spec in range_set.split(",")]
+        if not all(_RANGE_SPEC.fullmatch(spec) for spec in specs if spec):
+            return []
         try:
             return super()._parse_range_header(http_range, file_size)
         except MalformedRangeHeader:

@@ -61,15 +61,25 @@ def _completed(client, prompt: str = "content") -> str:
     return job["id"]
 
 
-@pytest.mark.parametrize("header", ["bytes=5-2", "items=0-2", "bytes=abc"])
+@pytest.mark.parametrize("header", ["bytes=5-2", "items=0-2", "bytes=abc", "bytes=1-2,,x", "bytes=0-1,x-3",
+                                    "bytes=0-1,-", "bytes=0-1, 2", "bytes=1_0-20", "bytes=+1-2", "bytes=-"])
 def test_an_invalid_range_is_ignored_and_the_whole_file_sent(fake_client, header):
     # RFC 9110 14.2: a Range that cannot be parsed, or of another unit, is ignored. Starlette answered a
-    # text/plain 400 ("Range header: start must be less than end"), outside the OpenAI error shape.
+    # text/plain 400 ("Range header: start must be less than end"), outside the OpenAI error shape, and served
+    # only the specs it could read of a malformed list (`bytes=1-2,,x` as bytes 1-2).
     video_id = _completed(fake_client)
     full = fake_client.get(f"/v1/videos/{video_id}/content")
     response = fake_client.get(f"/v1/videos/{video_id}/content", headers={"Range": header})
     assert response.status_code == 200, response.text
     assert response.content == full.content and response.headers["content-type"] == "video/mp4"
+
+
+def test_empty_elements_of_a_range_list_are_ignored(fake_client):
+    # RFC 9110 5.6.1: a recipient ignores empty list elements, so this is the well-formed `bytes=2-3`.
+    video_id = _completed(fake_client)
+    full = fake_client.get(f"/v1/videos/{video_id}/content").content
+    response = fake_client.get(f"/v1/videos/{video_id}/content", headers={"Range": "bytes=2-3, ,\t,"})
+    assert response.status_code == 206 and response.content == full[2:4]
 
 
 def test_an_unsatisfiable_range_is_416_with_an_openai_body(fake_client):
