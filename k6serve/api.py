@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import tempfile
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.request import OutputOptions, SamplingParams, VideoResult, fspath_values
 from k6serve.runtime.engine import Engine, ProgressCallback
-from k6serve.runtime.worker import default_file_name, sanitize_file_name
+from k6serve.runtime.worker import sanitize_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -78,35 +77,26 @@ def check_output_folder(output: OutputOptions) -> None:
         ) from None
 
 
-def plan_output(engine: Engine, params: SamplingParams, output: OutputOptions) -> OutputOptions:
-    """Fix the output file before the request runs so no earlier file is replaced: an explicit name that exists
-    is an error, a derived name that exists (same prompt, seed and second; or an SR of the same source) gets a
-    _1, _2... suffix."""
+def check_output(output: OutputOptions) -> None:
+    """Check the output before the request runs: an unusable folder, a name with folders, or a given name that
+    already exists fails now, not after the whole denoise. A derived name is left to the worker, which writes
+    without replacing and moves a taken one (the same prompt, seed and second; an SR of the same source) on to
+    _1, _2..."""
     if not output.save_output:
-        return output
+        return
     check_output_folder(output)
-    folder = Path(output.output_path)
     if output.output_file_name:
         if Path(output.output_file_name).name != output.output_file_name:
             raise ValueError(
                 f"output_file_name {output.output_file_name!r} must be a file name without folders; put the "
                 "folder in --output-path."
             )
-        target = folder / sanitize_file_name(output.output_file_name)
+        target = Path(output.output_path) / sanitize_file_name(output.output_file_name)
         if target.exists():
             raise ValueError(
                 f"{str(target)!r} already exists and was left as it is; delete it or pass another "
                 "--output-file-name."
             )
-        return output
-    request, _ = engine.resolve(params)
-    name = default_file_name(request)
-    stem = name.removesuffix(".mp4")
-    for index in range(1, 10_000):
-        if not (folder / name).exists():
-            break
-        name = f"{stem}_{index}.mp4"
-    return dataclasses.replace(output, output_file_name=name)
 
 
 class DiffGenerator:
@@ -128,7 +118,8 @@ class DiffGenerator:
         """Run one request. Keys: every SamplingParams field plus save_output, output_path, output_file_name,
         return_frames and return_file_paths_only (the seed's names)."""
         params, output = split_kwargs({**(sampling_params_kwargs or {}), **kwargs})
-        return self.engine.generate(params, plan_output(self.engine, params, output), on_progress=on_progress)
+        check_output(output)
+        return self.engine.generate(params, output, on_progress=on_progress)
 
     def upscale(self, video_path: str, **kwargs: Any) -> VideoResult:
         """Super-resolution convenience: `generate(video_path=...)`."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from k6serve.api import DiffGenerator, check_output_folder, split_kwargs
+from k6serve.api import DiffGenerator, check_output, split_kwargs
 
 
 def format_timings(result) -> str:
@@ -34,9 +34,10 @@ def format_timings(result) -> str:
 
 
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
-    # Checked before the model loads (minutes for a real checkpoint): typos, types and an unusable output folder.
+    # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
+    # a taken --output-file-name.
     _, output = split_kwargs(request_options)
-    check_output_folder(output)
+    check_output(output)
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_pretrained(model_path, **engine_options)
     bar = None

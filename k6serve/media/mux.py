@@ -11,6 +11,7 @@ with one chunk, so both give the same bytes.
 
 from __future__ import annotations
 
+import errno
 import functools
 import itertools
 import logging
@@ -80,6 +81,8 @@ QUEUED_CHUNKS = 3
 AAC_BIT_RATE = 192_000
 AAC_FRAME_SIZE = 1024  # samples per AAC frame
 AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200)
+# A bound on numbered_names, so a folder already holding that many copies of one name fails instead of searching on.
+MAX_NUMBERED_NAMES = 10_000
 # Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
 FPS_MAX_DENOMINATOR = 10_000
 
@@ -92,15 +95,19 @@ def write_mp4(
     sample_rate: int = 44100,
     *,
     crf: int = 18,
+    number_if_taken: bool = False,
 ) -> Path:
     """Encode RGB uint8 frames (T, H, W, 3) and an optional mono waveform to an MP4 at `path`.
 
     `audio` is float32 mono in [-1, 1] (clipped) at `sample_rate`; None writes video only. The file
     appears at `path` only when complete: it is written to a hidden temporary file in the same
-    folder, synced and renamed. On any error the temporary file is removed and `path` is untouched.
+    folder, synced and linked into place. An existing file is never replaced: a taken `path` raises
+    FileExistsError, or with `number_if_taken` the file gets the first free name of
+    `numbered_names(path)`; the path written is returned. On any error the temporary file is
+    removed and existing files are untouched.
     """
     _check_frames(frames_THWC)
-    return write_mp4_stream(path, [frames_THWC], fps, audio, sample_rate, crf=crf)
+    return write_mp4_stream(path, [frames_THWC], fps, audio, sample_rate, crf=crf, number_if_taken=number_if_taken)
 
 
 def write_mp4_stream(
@@ -111,6 +118,7 @@ def write_mp4_stream(
     sample_rate: int = 44100,
     *,
     crf: int = 18,
+    number_if_taken: bool = False,
 ) -> Path:
     """`write_mp4` of the concatenated chunks (same bytes), encoding while `frame_chunks` runs.
 
@@ -131,15 +139,50 @@ def write_mp4_stream(
     try:
         _encode_in_background(temporary_path, frame_chunks, rate, waveform, sample_rate, crf)
         _fsync(temporary_path)
-        os.replace(temporary_path, path)
+        path = _move_into_place(temporary_path, path, number_if_taken)
     except BaseException:
         temporary_path.unlink(missing_ok=True)
         raise
     try:
-        _fsync(path.parent)  # makes the rename itself durable
+        _fsync(path.parent)  # makes the new name itself durable
     except OSError as exc:
         logger.debug("could not fsync folder %s: %s", path.parent, exc)
     return path
+
+
+def numbered_names(path: Path) -> Iterator[Path]:
+    """`path`, then `<stem>_1<suffix>`, `<stem>_2<suffix>`, ... in the same folder."""
+    yield path
+    for index in range(1, MAX_NUMBERED_NAMES):
+        yield path.with_name(f"{path.stem}_{index}{path.suffix}")
+
+
+def _move_into_place(temporary_path: Path, path: Path, number_if_taken: bool) -> Path:
+    """Give the finished file the first free name, never replacing a file: two requests that derived the same
+    name (replicas or threads, the same prompt and second) both keep their output. Returns the name taken."""
+    for candidate in numbered_names(path) if number_if_taken else (path,):
+        try:
+            _link_without_replacing(temporary_path, candidate)
+        except FileExistsError:
+            continue
+        temporary_path.unlink(missing_ok=True)
+        return candidate
+    raise FileExistsError(errno.EEXIST, "the file already exists and was left as it is", str(path))
+
+
+def _link_without_replacing(source: Path, target: Path) -> None:
+    """Make `target` name the file `source` names; FileExistsError when `target` exists."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise
+        # A filesystem without hard links (FAT, some network mounts): claim the name with an exclusive create,
+        # then rename onto that empty file, which is ours, so no one else's file is ever replaced.
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.replace(source, target)
 
 
 def fps_fraction(fps: float | Fraction) -> Fraction:

@@ -1,7 +1,8 @@
 """A model worker: loads one checkpoint on one device and runs requests on it, one at a time.
 
 The worker owns everything that touches the GPU. It turns `SamplingParams` into a resolved request, runs the
-family's pipeline, writes the MP4 atomically and returns a `VideoResult` with stage timings and peak memory.
+family's pipeline, writes the MP4 atomically and never over an existing file, and returns a `VideoResult` with
+stage timings and peak memory.
 """
 
 from __future__ import annotations
@@ -193,30 +194,46 @@ class ModelWorker:
             return resolve_generate(params, self.variant)
         return resolve_upscale(params, self.variant)
 
-    def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> Path:
-        name = sanitize_file_name(output.output_file_name) if output.output_file_name else default_file_name(request)
+    def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> tuple[Path, bool]:
+        """The MP4's path, and whether a name taken by the time it is written moves on to _1, _2... (a derived
+        name) instead of failing (a name the caller chose)."""
         folder = Path(output.output_path)
         folder.mkdir(parents=True, exist_ok=True)
-        return folder / name
+        if output.output_file_name:
+            return folder / sanitize_file_name(output.output_file_name), False
+        return folder / default_file_name(request), True
 
     def _generate_into_mp4(self, request: GenerateRequest | UpscaleRequest, target: Path,
-                           on_step: ProgressCallback | None):
+                           on_step: ProgressCallback | None, *, number_if_taken: bool = False):
         """Run the pipeline with the MP4 writer as its video sink: x264 encodes on the CPU while the GPU decodes.
+        Returns the pipeline's result and the path written (`target`, or its first free numbered name).
 
         Timings: "decode_video" (SR: "decode", with the blend) is the decode's wall time (the encoder runs beside
         it), "mux" the time the MP4 write added after the decode finished (the encoder's backlog and flush, fsync
-        and rename).
+        and link into place).
         """
         from k6serve.media.mux import write_mp4_stream
+
+        written: list[Path] = []
 
         def save(frame_chunks, audio, fps) -> None:
             waveform = audio.waveform if audio is not None else None
             sample_rate = audio.sample_rate if audio is not None else 44100
-            write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate)
+            written.append(write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate,
+                                            number_if_taken=number_if_taken))
 
-        result = self.pipeline(request, on_step=on_step, video_sink=save)
+        try:
+            result = self.pipeline(request, on_step=on_step, video_sink=save)
+        except FileExistsError:
+            if number_if_taken:
+                raise
+            # The API refuses a taken name before the request runs, so something took it while this one ran.
+            raise ValueError(
+                f"{str(target)!r} was created while this request ran and was left as it is; this result was not "
+                "saved: delete that file or pass another --output-file-name."
+            ) from None
         result.timings["mux"] = result.timings.pop("video_sink")
-        return result
+        return result, written[0]
 
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult:
@@ -236,9 +253,9 @@ class ModelWorker:
         # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
         # saved MP4 is always encoded while the VAE decodes.
         if output.save_output:
-            target = self._output_file(request, output)
-            result = self._generate_into_mp4(request, target, on_step)
-            path = str(target)
+            target, number_if_taken = self._output_file(request, output)
+            result, written = self._generate_into_mp4(request, target, on_step, number_if_taken=number_if_taken)
+            path = str(written)
         else:
             result = self.pipeline(request, on_step=on_step)
             path = None

@@ -242,3 +242,36 @@ def test_sr_still_image_source_is_refused(sr_generator, tmp_path, suffix):
         sr_generator.generate({"video_path": str(image), "sr_resolution_scale": 2, "output_path": str(tmp_path)},
                               on_progress=lambda step, total: steps.append(step))
     assert steps == [] and [p.name for p in tmp_path.iterdir()] == [image.name]
+
+
+def test_a_derived_name_taken_while_the_request_runs_moves_on(generator, tmp_path, monkeypatch):
+    # Another replica or thread writing the same derived name in the same second: the first request's file
+    # was once replaced by the second's.
+    monkeypatch.setattr(worker_module, "datetime", _FrozenClock)
+    taken = tmp_path / "x_seed42_20260102-030405.mp4"
+    taken_1 = tmp_path / "x_seed42_20260102-030405_1.mp4"
+
+    def another_request_finishes_first(step, total):
+        if step == 1:
+            taken.write_bytes(b"the other request's video")
+            taken_1.write_bytes(b"and a third one")
+
+    result = generator.generate({**SMALL, "output_path": str(tmp_path)}, on_progress=another_request_finishes_first)
+    assert result.output_file_path == str(tmp_path / "x_seed42_20260102-030405_2.mp4")
+    assert probe(result.output_file_path).width == 32
+    assert taken.read_bytes() == b"the other request's video" and taken_1.read_bytes() == b"and a third one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([taken.name, taken_1.name,
+                                                                 "x_seed42_20260102-030405_2.mp4"])
+
+
+def test_a_given_name_taken_while_the_request_runs_fails_and_is_kept(generator, tmp_path):
+    target = tmp_path / "clip.mp4"
+
+    def another_request_finishes_first(step, total):
+        if step == 1:
+            target.write_bytes(b"the other request's video")
+
+    with pytest.raises(ValueError, match=r"clip\.mp4' was created while this request ran and was left as it is"):
+        generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"},
+                           on_progress=another_request_finishes_first)
+    assert target.read_bytes() == b"the other request's video" and list(tmp_path.iterdir()) == [target]

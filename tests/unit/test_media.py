@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import subprocess
@@ -460,3 +461,27 @@ def test_cover_resize_center_crop_matches_diffusers(source_size, target) -> None
     assert ours.size == (width, height)
     ours_tensor = torch.from_numpy(np.array(ours).astype(np.float32) / 255.0).permute(2, 0, 1)
     assert torch.equal(reference[0], ours_tensor * 2.0 - 1.0)
+
+
+def test_write_mp4_never_replaces_an_existing_file(tmp_path: Path) -> None:
+    target = tmp_path / "out.mp4"
+    target.write_bytes(b"previous result")
+    with pytest.raises(FileExistsError):
+        media.write_mp4(target, moving_pattern(32, 32, 3), 24)
+    assert target.read_bytes() == b"previous result" and [p.name for p in tmp_path.iterdir()] == ["out.mp4"]
+    (tmp_path / "out_1.mp4").write_bytes(b"another")
+    written = media.write_mp4(target, moving_pattern(32, 32, 3), 24, number_if_taken=True)
+    assert written == tmp_path / "out_2.mp4" and media.probe(written).num_frames == 3
+    assert target.read_bytes() == b"previous result" and (tmp_path / "out_1.mp4").read_bytes() == b"another"
+
+
+def test_write_mp4_without_hard_links_still_never_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_hard_links(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(mux.os, "link", no_hard_links)
+    (tmp_path / "out.mp4").write_bytes(b"previous result")
+    written = media.write_mp4(tmp_path / "out.mp4", moving_pattern(32, 32, 3), 24, number_if_taken=True)
+    assert written == tmp_path / "out_1.mp4" and media.probe(written).num_frames == 3
+    assert (tmp_path / "out.mp4").read_bytes() == b"previous result"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.mp4", "out_1.mp4"]
