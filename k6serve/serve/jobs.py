@@ -64,6 +64,9 @@ class Job:
     request_hash: str | None = None
     attempts: int = 0  # how many times a worker started it
     warnings: tuple[str, ...] = ()
+    # Set when a DELETE asked to cancel it while running: a job that finishes anyway (the cancel came after the
+    # engine's last step boundary) ends cancelled, and neither a shutdown nor a restart re-queues it.
+    cancel_requested_at: float | None = None
 
 
 _JSON_FIELDS = {"params", "upload_files", "warnings"}
@@ -127,9 +130,13 @@ class SqliteJobStore:
                     idempotency_key TEXT UNIQUE,
                     request_hash TEXT,
                     attempts INTEGER NOT NULL,
-                    warnings TEXT NOT NULL
+                    warnings TEXT NOT NULL,
+                    cancel_requested_at REAL
                 )"""
             )
+            columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            if "cancel_requested_at" not in columns:  # a store written before cancel requests were kept
+                self._db.execute("ALTER TABLE jobs ADD COLUMN cancel_requested_at REAL")
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
             # seq is AUTOINCREMENT, so it is never reused: a deleted job's seq still marks a unique place
             # between the live jobs created before and after it.
@@ -278,17 +285,26 @@ class SqliteJobStore:
         return [self._decode(row) for row in rows]
 
     def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]:
-        """At start-up: re-queue jobs that were running when the server died, once; fail the rest.
+        """At start-up: re-queue jobs that were running when the server died, once; fail the rest, and cancel
+        those whose cancel had been accepted (a cancelled job must not run again).
 
-        Returns (requeued, failed). `message` explains the failure to the client.
+        Returns (requeued, ended): ended holds the failed and cancelled ones. `message` explains the failure.
         """
-        requeued, failed = [], []
+        requeued, ended = [], []
         with self._lock:
             rows = self._db.execute(
                 "SELECT * FROM jobs WHERE status = ? ORDER BY seq", (JobStatus.IN_PROGRESS.value,)
             ).fetchall()
         for job in (self._decode(row) for row in rows):
-            if job.attempts < MAX_ATTEMPTS:
+            if job.cancel_requested_at is not None:
+                updated = self.transition(
+                    job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.CANCELLED, error_code="cancelled",
+                    error_message="Cancelled by DELETE while running; the server stopped before the engine did.",
+                    completed_at=time.time(),
+                )
+                if updated is not None:
+                    ended.append(updated)
+            elif job.attempts < MAX_ATTEMPTS:
                 updated = self.transition(
                     job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0, started_at=None,
                     warnings=job.warnings + ("The server stopped while this job was running; it was re-queued.",),
@@ -301,5 +317,5 @@ class SqliteJobStore:
                     error_message=message, completed_at=time.time(),
                 )
                 if updated is not None:
-                    failed.append(updated)
-        return requeued, failed
+                    ended.append(updated)
+        return requeued, ended

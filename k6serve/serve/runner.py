@@ -4,6 +4,10 @@ The queue of record is the SQLite store, not the engine's in-memory queue: the d
 oldest `queued` job, marks it `in_progress`, submits it to the engine and waits for its future (in this
 thread, never in the event loop), then writes the outcome. So queued work survives a restart, a queued job is
 cancelled by a status change alone, and a running one through `EngineJob.cancel()` at the next step boundary.
+
+After the last denoising step (or SR tile) the engine has no boundary left: the VAE decode and the MP4 write run
+to the end. A cancel accepted then is recorded on the job (`cancel_requested_at`, and a warning saying why it is
+still `in_progress`), and the job ends `cancelled` with its video discarded once the engine returns.
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from k6serve.serve.jobs import Job, JobStatus, JobStore
 from k6serve.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+CANCEL_IN_DECODE = (
+    "A cancel was requested after the last denoising step, during the video decode, which has no step boundary "
+    "to stop at: the job stays in_progress until the decode ends, then it is cancelled and its video discarded."
+)
+CANCELLED_IN_DECODE = (
+    "Cancelled by DELETE during the video decode, which cannot stop midway; the engine finished it and the video "
+    "was discarded."
+)
+CANCELLED_AT_STEP = "Cancelled by DELETE while running; the engine stopped at a step boundary."
 
 DIED_TWICE = (
     "The server stopped twice while this job was running, so it is not retried again (it may be what stops the "
@@ -44,32 +58,43 @@ class JobRunner:
         self._lock = threading.Lock()  # admission, pick-next and cancel are mutually exclusive
         self._wake = threading.Condition(self._lock)
         self._current: EngineJob | None = None
+        self._past_last_step: str | None = None  # id of the job whose engine reported its last step or tile
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
 
     def start(self) -> None:
-        requeued, failed = self.store.recover_interrupted(DIED_TWICE)
+        requeued, ended = self.store.recover_interrupted(DIED_TWICE)
         for job in requeued:
             logger.warning("job %s was running when the server stopped; re-queued (attempt %d)", job.id,
                            job.attempts + 1)
-        for job in failed:
-            logger.error("job %s failed: the server stopped twice while running it", job.id)
+        for job in ended:
+            if job.status == JobStatus.CANCELLED:
+                logger.warning("job %s was being cancelled when the server stopped; marked cancelled", job.id)
+            else:
+                logger.error("job %s failed: the server stopped twice while running it", job.id)
             self.artifacts.remove(list(job.upload_files))
         self.artifacts.remove_partial_files()
         self._thread = threading.Thread(target=self._loop, name="k6serve-dispatcher", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop dispatching; a running job goes back to `queued` (not counted as an attempt) and is cancelled."""
+        """Stop dispatching; a running job goes back to `queued` (not counted as an attempt) and is cancelled.
+
+        A job whose cancel was already accepted stays `in_progress` instead: it ends `cancelled` when the engine
+        returns, or at the next start-up if the process exits first, and never runs again.
+        """
         with self._lock:
             self._stopping = True
             current = self._current
             if current is not None:
                 job = self.store.get(current.id)
-                if job is not None:
+                if job is not None and job.cancel_requested_at is None:
                     self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
                                           started_at=None, attempts=max(0, job.attempts - 1))
+                if self._past_last_step == current.id:
+                    logger.warning("job %s is in its video decode, which cannot be interrupted; shutdown waits up "
+                                   "to %g s for it", current.id, timeout)
                 current.cancel()
             self._wake.notify_all()
         if self._thread is not None:
@@ -112,6 +137,11 @@ class JobRunner:
                     self.artifacts.remove(list(cancelled.upload_files))
                     return cancelled
             elif job.status == JobStatus.IN_PROGRESS and self._current is not None and self._current.id == job_id:
+                if job.cancel_requested_at is None:
+                    past_last_step = self._past_last_step == job_id
+                    self.store.transition(
+                        job_id, (JobStatus.IN_PROGRESS,), cancel_requested_at=time.time(),
+                        warnings=job.warnings + ((CANCEL_IN_DECODE,) if past_last_step else ()))
                 self._current.cancel()
             return self.store.get(job_id)
 
@@ -158,6 +188,8 @@ class JobRunner:
             if step > 0:
                 self.metrics.step_latency.observe(now - state["last"])
             state["last"] = now
+            if 0 < total <= step:
+                self._past_last_step = job_id
             progress = min(99, int(100 * step / total)) if total > 0 else 0
             if progress != state["progress"]:
                 state["progress"] = progress
@@ -169,17 +201,27 @@ class JobRunner:
         try:
             result: VideoResult = engine_job.future.result()
         except (RequestCancelled, CancelledError):
-            if self._stopping:
+            if self._stopping and not self._cancel_requested(job.id):
                 return  # stop() already put it back in the queue
-            self._record(job, JobStatus.CANCELLED, error_code="cancelled",
-                         error_message="Cancelled by DELETE while running; the engine stopped at a step boundary.")
+            self._record(job, JobStatus.CANCELLED, error_code="cancelled", error_message=CANCELLED_AT_STEP)
         except ValueError as exc:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
             self._record(job, JobStatus.FAILED, error_code="generation_failed",
                          error_message=f"{type(exc).__name__}: {exc}")
         else:
-            self._record_success(job, result)
+            with self._lock:  # so a cancel cannot land between this check and the job becoming completed
+                if self._cancel_requested(job.id):
+                    # The cancel came after the engine's last step boundary, so the job could only run to the end.
+                    self.artifacts.remove([result.output_file_path] if result.output_file_path else [])
+                    self._record(job, JobStatus.CANCELLED, error_code="cancelled",
+                                 error_message=CANCELLED_IN_DECODE)
+                else:
+                    self._record_success(job, result)
+
+    def _cancel_requested(self, job_id: str) -> bool:
+        job = self.store.get(job_id)
+        return job is not None and job.cancel_requested_at is not None
 
     def _record(self, job: Job, status: JobStatus, **fields) -> None:
         finished = self.store.transition(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=status,

@@ -28,13 +28,16 @@ from k6serve.serve.settings import ServerSettings
 class FakeWorker:
     """Quacks like ModelWorker: real request resolution, fake steps, a tiny real MP4 that depends on the inputs.
 
-    Prompt directives: "hold" keeps stepping until `release` is set (a job that stays running), "fail" raises.
+    Prompt directives: "hold" keeps stepping until `release` is set (a job that stays running), "slow decode"
+    reports every step then waits for `release` with no step boundary left (like the VAE decode; `decoding` is
+    set meanwhile), "fail" raises.
     """
 
     def __init__(self, variant: Variant, *, step_delay_s: float = 0.0) -> None:
         self.variant = variant
         self.step_delay_s = step_delay_s
         self.release = threading.Event()
+        self.decoding = threading.Event()
         self.started: list[str] = []  # prompts / video names in start order
         self.requests: list[Any] = []  # the resolved requests, in start order
         self.lock = threading.Lock()
@@ -63,6 +66,9 @@ class FakeWorker:
             step += 1
             if on_step is not None:
                 on_step(step, total)
+        if "slow decode" in prompt:
+            self.decoding.set()
+            self.release.wait(30)
         if "fail" in prompt:
             raise RuntimeError("fake worker failure")
         digest = hashlib.sha256(repr((prompt, request.seed)).encode())

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ from k6serve.models.variants import VARIANTS
 from k6serve.serve.app import sweep_expired_once
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
+from k6serve.serve.runner import CANCEL_IN_DECODE, CANCELLED_IN_DECODE
 
 SMALL = {"size": "32x32", "num_frames": 5}
 HERE = Path(__file__).resolve().parent
@@ -77,6 +79,80 @@ def test_cancel_a_running_job_frees_the_engine(fake_server, fake_client):
     assert "step boundary" in cancelled["error"]["message"]
     assert wait_for(fake_client, waiting["id"])["status"] == "completed"  # held job never released
     assert not (fake_server.artifacts.root / f"{running['id']}.mp4").exists()
+
+
+def test_a_cancel_during_the_decode_says_so_and_ends_cancelled(tmp_path):
+    # The engine checks for a cancel only at step boundaries; after the last one the VAE decode runs to its end.
+    # The job then became `completed`, although DELETE had been accepted and nothing told the client why the
+    # job stayed in_progress.
+    server = start_server(tmp_path, cancel_wait_s=0.2)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
+            assert server.worker.decoding.wait(10)
+            answer = client.delete(f"/v1/videos/{job['id']}")
+            assert answer.status_code == 200
+            assert answer.json()["status"] == "in_progress" and answer.json()["warnings"] == [CANCEL_IN_DECODE]
+            polled = client.get(f"/v1/videos/{job['id']}").json()
+            assert polled["status"] == "in_progress" and polled["error"] is None
+            assert client.delete(f"/v1/videos/{job['id']}").json()["warnings"] == [CANCEL_IN_DECODE]  # once
+            waiting = client.post("/v1/videos", json={"prompt": "next in line", **SMALL}).json()
+            server.worker.release.set()
+            ended = wait_for(client, job["id"])
+            assert ended["status"] == "cancelled" and ended["url"] is None
+            assert ended["error"] == {"code": "cancelled", "message": CANCELLED_IN_DECODE}
+            assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
+            assert client.get(f"/v1/videos/{job['id']}/content").json()["error"]["code"] == "video_not_ready"
+            assert wait_for(client, waiting["id"])["status"] == "completed"
+    finally:
+        server.stop()
+
+
+def test_a_job_cancelled_in_its_decode_is_never_requeued(tmp_path):
+    # A clean shutdown put the running job back in the queue even when its cancel had been accepted, so it was
+    # completed by the decode it was waiting for, or ran again after the restart.
+    server = start_server(tmp_path, cancel_wait_s=0.0)
+    with server.client() as client:
+        job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
+        assert server.worker.decoding.wait(10)
+        assert client.delete(f"/v1/videos/{job['id']}").json()["status"] == "in_progress"
+    threading.Timer(0.3, server.worker.release.set).start()
+    server.stop()  # waits for the decode, which cannot be interrupted
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    stopped = store.get(job["id"])
+    assert stopped.status == JobStatus.CANCELLED and stopped.error_message == CANCELLED_IN_DECODE
+    assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
+    # The process exited before the decode ended: the restart cancels the job instead of re-queueing it.
+    store.insert(Job(id="video_cancelling", model="m", status=JobStatus.IN_PROGRESS, created_at=1.0, attempts=1,
+                     params={"prompt": "p"}, cancel_requested_at=2.0))
+    requeued, ended = store.recover_interrupted("died")
+    assert requeued == [] and [(j.id, j.status, j.error_code) for j in ended] == \
+        [("video_cancelling", JobStatus.CANCELLED, "cancelled")]
+    store.close()
+
+
+def test_a_shutdown_during_the_decode_waits_for_it_and_keeps_the_video(tmp_path):
+    server = start_server(tmp_path)
+    with server.client() as client:
+        job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
+        assert server.worker.decoding.wait(10)
+    threading.Timer(0.3, server.worker.release.set).start()
+    server.stop()
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert store.get(job["id"]).status == JobStatus.COMPLETED
+    assert (server.artifacts.root / f"{job['id']}.mp4").exists()
+    store.close()
+
+
+def test_a_job_store_from_before_cancel_requests_opens(tmp_path):
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.insert(_job("video_old", "old", JobStatus.QUEUED, attempts=0))
+    store._db.execute("ALTER TABLE jobs DROP COLUMN cancel_requested_at")
+    store.close()
+    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert reopened.get("video_old").cancel_requested_at is None
+    assert reopened.update("video_old", cancel_requested_at=3.0).cancel_requested_at == 3.0
+    reopened.close()
 
 
 def test_progress_advances_at_every_step(tmp_path):
