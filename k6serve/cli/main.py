@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
+import os
 import sys
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -196,10 +199,40 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return engine, request
 
 
+# A request or flag refused (argparse's own code), the machine failed the run (a file could not be written or
+# read), or a bug in k6serve.
+EXIT_USER_ERROR = 2
+EXIT_SYSTEM_ERROR = 1
+EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
+
+_OS_ERROR_FIXES = {
+    errno.ENOSPC: "free space on that disk",
+    errno.EDQUOT: "free space in your disk quota",
+    errno.EACCES: "check the permissions of that path",
+    errno.EPERM: "check the permissions of that path",
+    errno.EROFS: "the disk is read-only",
+}
+
+
+def describe_os_error(exc: OSError, output_path: str) -> str:
+    """One line: what failed on which file, and the fix when the error says it (disk full, no permission)."""
+    text = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
+    fix = _OS_ERROR_FIXES.get(exc.errno)
+    if fix is None:
+        return f"{text} (rerun with --log-level debug for the traceback)"
+    in_output = exc.filename is not None and Path(os.fsdecode(exc.filename)).resolve().is_relative_to(
+        Path(output_path).resolve())
+    return f"{text}; {fix}" + (", or pass --output-path on another disk" if in_output else "")
+
+
+def _print_traceback(exc: BaseException, log_level: str) -> None:
+    """The traceback above the one-line error, with --log-level debug only."""
+    if str(log_level).upper() == "DEBUG":
+        traceback.print_exception(exc, file=sys.stderr)
+
+
 def _hosts_no_engine(engine_options: dict[str, Any]) -> bool:
     """Hosts with --node-rank > 0, and torchrun ranks > 0, only run worker ranks; rank 0 runs the engine."""
-    import os
-
     return int(engine_options.get("node_rank") or 0) > 0 or int(os.environ.get("RANK", "0")) > 0
 
 
@@ -223,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
+    request: dict[str, Any] = {}
     try:
         options = merged_options(args, parser)
         engine, request = split_options(options)
@@ -239,7 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(engine, request)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except OSError as exc:
+        _print_traceback(exc, args.log_level)
+        print(f"error: {describe_os_error(exc, request.get('output_path', 'outputs'))}", file=sys.stderr)
+        return EXIT_SYSTEM_ERROR
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug: one line, the traceback at debug level
+        _print_traceback(exc, args.log_level)
+        summary = next(iter(str(exc).splitlines()), "")
+        print(f"error: internal error ({type(exc).__name__}: {summary}); this is a bug in k6serve: rerun with "
+              "--log-level debug for the traceback and report it.", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ class EngineJob:
     params: SamplingParams
     output: OutputOptions
     on_progress: ProgressCallback | None
+    # A failure is logged with its traceback unless the caller waits for the result (`Engine.generate`), which
+    # raises it: the CLI would otherwise print it twice, the traceback above its one-line error.
+    log_failure: bool = True
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: threading.Event = field(default_factory=threading.Event)
@@ -77,17 +80,19 @@ class Engine:
         return self.worker.resolve(params)
 
     def submit(self, params: SamplingParams, output: OutputOptions | None = None, *,
-               on_progress: ProgressCallback | None = None, job_id: str | None = None) -> EngineJob:
+               on_progress: ProgressCallback | None = None, job_id: str | None = None,
+               log_failure: bool = True) -> EngineJob:
         if self._closed:
             raise RuntimeError("The engine has been shut down.")
         job = EngineJob(id=job_id or f"req-{next(self._ids)}", params=params, output=output or OutputOptions(),
-                        on_progress=on_progress)
+                        on_progress=on_progress, log_failure=log_failure)
         self._queue.put(job)
         return job
 
     def generate(self, params: SamplingParams, output: OutputOptions | None = None, *,
                  on_progress: ProgressCallback | None = None) -> VideoResult:
-        return self.submit(params, output, on_progress=on_progress).future.result()
+        """Run one request and return its result; its failure is raised here, not logged."""
+        return self.submit(params, output, on_progress=on_progress, log_failure=False).future.result()
 
     def queue_depth(self) -> int:
         return self._queue.qsize()
@@ -112,7 +117,7 @@ class Engine:
                     raise RequestCancelled(f"request {job.id} was cancelled before it started")
                 result = self.worker.run(job.params, job.output, on_step=on_step)
             except BaseException as exc:  # every failure belongs to this request, not to the engine
-                if not isinstance(exc, (RequestCancelled, ValueError)):
+                if job.log_failure and not isinstance(exc, (RequestCancelled, ValueError)):
                     logger.exception("request %s failed", job.id)
                 job.future.set_exception(exc)
             else:

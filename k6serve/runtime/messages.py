@@ -71,10 +71,12 @@ class RunSucceeded:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunFailed:
     """A request failed on some rank. `kind` picks the exception the engine raises: "value" (user error,
-    ValueError), "cancelled" (RequestCancelled) or "runtime" (RuntimeError). `replica_broken` says the
-    replica's ranks disagree and it has shut down."""
+    ValueError), "cancelled" (RequestCancelled), "os" (`os_error`, e.g. disk full at the MP4 write, with
+    `message` as its remote traceback) or "runtime" (RuntimeError). `replica_broken` says the replica's ranks
+    disagree and it has shut down."""
 
     request_id: int
     kind: str
     message: str
     replica_broken: bool = False
+    os_error: OSError | None = None

@@ -127,12 +127,35 @@ def _gather(item: object, context: RankContext) -> list[object]:
     return items
 
 
-def _classify(error: BaseException, rank: int) -> tuple[str, str]:
+def _classify(error: BaseException, rank: int) -> tuple[str, str, OSError | None]:
+    """(kind, message, the OSError to raise again in the engine) for a rank's failure; a runtime message starts
+    with one line naming the error, the traceback follows."""
     if isinstance(error, RequestCancelled):
-        return "cancelled", str(error)
+        return "cancelled", str(error), None
     if isinstance(error, ValueError):
-        return "value", str(error)
-    return "runtime", f"rank {rank}: {''.join(traceback.format_exception(error))}"
+        return "value", str(error), None
+    text = f"rank {rank}: {type(error).__name__}: {error}\n{''.join(traceback.format_exception(error))}"
+    if isinstance(error, OSError):
+        # Rebuilt from its fields: a library's OSError subclass may not unpickle in the engine process, and the
+        # builtin constructor still picks the errno's subclass (PermissionError, ...).
+        rebuilt = OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))
+        return "os", text, rebuilt
+    return "runtime", text, None
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an error raised in a worker process, attached as the re-raised error's cause."""
+
+
+def _failure_error(message: messages.RunFailed, request_id: int, replica: int) -> Exception:
+    """The exception the engine raises for a request that failed on a replica (not cancelled)."""
+    if message.kind == "value":
+        return ValueError(message.message)
+    if message.kind == "os" and message.os_error is not None:
+        # An OSError (disk full, permission) stays one, so callers can tell it from a bug.
+        message.os_error.__cause__ = RemoteTraceback(message.message)
+        return message.os_error
+    return RuntimeError(f"request {request_id} failed on replica {replica}: {message.message}")
 
 
 class _ReplicaLoop:
@@ -186,7 +209,7 @@ class _ReplicaLoop:
         try:
             failures = _gather(failure, self.context)
         except Exception as error:  # noqa: BLE001 (a peer is gone: the replica cannot run collectives)
-            failures = [failure or ("runtime", f"a rank of the replica stopped responding: {error}")]
+            failures = [failure or ("runtime", f"a rank of the replica stopped responding: {error}", None)]
             broken = True
         else:
             broken = any(f is None for f in failures) and any(f is not None for f in failures)
@@ -195,9 +218,10 @@ class _ReplicaLoop:
             if not reported:
                 self.connection.send(messages.RunSucceeded(request_id=request.request_id, result=result))
             else:
-                kind, text = reported[0]
+                kind, text, os_error = reported[0]
                 self.connection.send(messages.RunFailed(
-                    request_id=request.request_id, kind=kind, message=text, replica_broken=broken
+                    request_id=request.request_id, kind=kind, message=text, replica_broken=broken,
+                    os_error=os_error,
                 ))
         return not broken
 
@@ -233,8 +257,8 @@ def rank_main(
             reported = [f for f in failures if f is not None]
             if reported:
                 # A user error (bad layout, checkpoint mismatch) is the same on every rank: report it once.
-                user_error = all(kind == "value" for kind, _ in reported)
-                message = reported[0][1] if user_error else "\n".join(text for _, text in reported)
+                user_error = all(kind == "value" for kind, _, _ in reported)
+                message = reported[0][1] if user_error else "\n".join(text for _, text, _ in reported)
                 connection.send(messages.StartupFailed(replica=groups.replica, message=message,
                                                        kind="value" if user_error else "runtime"))
             else:
@@ -438,9 +462,7 @@ class MultiProcessWorker:
             raise self._replica_died(replica, request_id, message.message)
         if message.kind == "cancelled":
             raise cancelled if cancelled is not None else RequestCancelled(message.message)
-        if message.kind == "value":
-            raise ValueError(message.message)
-        raise RuntimeError(f"request {request_id} failed on replica {replica.index}: {message.message}")
+        raise _failure_error(message, request_id, replica.index)
 
     def _replica_died(self, replica: _Replica, request_id: int, detail: str = "") -> RuntimeError:
         replica.alive = False

@@ -219,8 +219,16 @@ class ModelWorker:
         def save(frame_chunks, audio, fps) -> None:
             waveform = audio.waveform if audio is not None else None
             sample_rate = audio.sample_rate if audio is not None else 44100
-            written.append(write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate,
-                                            number_if_taken=number_if_taken))
+            try:
+                written.append(write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate,
+                                                number_if_taken=number_if_taken))
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                if not exc.errno:
+                    raise
+                # Named after the file asked for, not the hidden partial file the error was raised on.
+                raise OSError(exc.errno, f"writing the MP4 failed: {exc.strerror}", str(target)) from exc
 
         try:
             result = self.pipeline(request, on_step=on_step, video_sink=save)

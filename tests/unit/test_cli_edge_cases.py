@@ -275,3 +275,77 @@ def test_a_given_name_taken_while_the_request_runs_fails_and_is_kept(generator, 
         generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"},
                            on_progress=another_request_finishes_first)
     assert target.read_bytes() == b"the other request's video" and list(tmp_path.iterdir()) == [target]
+
+
+@pytest.fixture
+def in_process_cli(tiny_distill_dir, monkeypatch):
+    """`k6serve generate` on an in-process worker, so a test can make the MP4 write fail in this process."""
+    import k6serve.cli.generate as generate_module
+
+    def from_pretrained(model_path, **options):
+        config = build_engine_config(model_path, **options)
+        return DiffGenerator(Engine(config, worker=ModelWorker(config)))
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(from_pretrained))
+    return ["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--prompt", "x", "--height", "32",
+            "--width", "32", "--num-frames", "5"]
+
+
+def _disk_full(path):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+def test_cli_disk_full_at_the_write_is_one_line_with_the_fix(in_process_cli, tmp_path, monkeypatch, capsys):
+    from k6serve.media import mux
+
+    monkeypatch.setattr(mux, "_fsync", _disk_full)
+    assert main([*in_process_cli, "--output-path", str(tmp_path), "--output-file-name", "clip"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: writing the MP4 failed: No space left on device: '{tmp_path / 'clip.mp4'}'; free "
+                     "space on that disk, or pass --output-path on another disk"], err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_cli_debug_log_level_shows_the_traceback(in_process_cli, tmp_path, monkeypatch, capsys):
+    from k6serve.media import mux
+
+    monkeypatch.setattr(mux, "_fsync", _disk_full)
+    assert main(["--log-level", "debug", *in_process_cli, "--output-path", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "_disk_full" in err and "error: writing the MP4 failed" in err
+
+
+def test_cli_internal_error_is_told_apart_from_user_errors(in_process_cli, tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("shapes do not match\nmore detail")
+
+    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", broken)
+    assert main([*in_process_cli, "--output-path", str(tmp_path)]) == 70
+    err = capsys.readouterr().err
+    assert "error: internal error (RuntimeError: shapes do not match); this is a bug in k6serve: rerun with " \
+           "--log-level debug" in err
+    assert "Traceback" not in err and "more detail" not in err
+
+
+def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
+    import errno
+    import pickle
+
+    from k6serve.runtime import messages
+    from k6serve.runtime.process_group_worker import RemoteTraceback, _classify, _failure_error
+
+    try:
+        _disk_full("/out/clip.mp4")
+    except OSError as error:
+        kind, text, os_error = _classify(error, 3)
+    message = pickle.loads(pickle.dumps(messages.RunFailed(request_id=1, kind=kind, message=text, os_error=os_error)))
+    raised = _failure_error(message, 1, 0)
+    assert isinstance(raised, OSError) and (raised.errno, raised.filename) == (errno.ENOSPC, "/out/clip.mp4")
+    assert isinstance(raised.__cause__, RemoteTraceback) and "_disk_full" in str(raised.__cause__)
+    kind, text, _ = _classify(RuntimeError("boom"), 3)
+    raised = _failure_error(messages.RunFailed(request_id=1, kind=kind, message=text), 1, 0)
+    assert isinstance(raised, RuntimeError)
+    assert str(raised).splitlines()[0] == "request 1 failed on replica 0: rank 3: RuntimeError: boom"
