@@ -91,7 +91,10 @@ class SamplingParams:
         "VSR delivery size, downscale only: hd, fullhd, 2k or WxH with even sides (default: none)."
     )
     sr_target_resize_mode: str | None = _param("VSR target resize mode: fit (default) or exact.")
-    save_output: bool = _param("Write the MP4 file.", default=True, http=False)
+    save_output: bool = _param(
+        "Write the MP4 file (default). --no-save-output runs the request for its timings only: the video is "
+        "discarded.", default=True, http=False
+    )
     output_path: str = _param(
         "Folder for output files (default outputs; created if missing).", default="outputs", http=False
     )
@@ -100,7 +103,10 @@ class SamplingParams:
         "from the prompt and seed, or the SR source, and the time, with _1, _2... when taken).",
         http=False,
     )
-    return_frames: bool = _param("Return decoded frames and the waveform in the result.", default=False, http=False)
+    # Python API only: a command line has nowhere to put the arrays.
+    return_frames: bool = _param(
+        "Return decoded frames and the waveform in the result.", default=False, cli=False, http=False
+    )
     return_file_paths_only: bool = _param(
         "Return only the output file path (no frames).", default=True, cli=False, http=False
     )

@@ -38,6 +38,10 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     # a taken --output-file-name.
     _, output = split_kwargs(request_options)
     check_output(output)
+    if not output.save_output:
+        # Said before the model loads and the request runs, which can take minutes, not after them.
+        print("note: --no-save-output: the video is generated and then discarded; only the timings are printed. "
+              "Drop --no-save-output to write the MP4.", file=sys.stderr)
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_pretrained(model_path, **engine_options)
     bar = None
@@ -64,7 +68,10 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     print(format_timings(result))
+    shape = (f"{result.width}x{result.height}, {result.num_frames} frames, {result.fps:g} fps"
+             f"{', with audio' if result.has_audio else ', no audio'}")
     if result.output_file_path:
-        print(f"saved {result.output_file_path} ({result.width}x{result.height}, {result.num_frames} frames, "
-              f"{result.fps:g} fps{', with audio' if result.has_audio else ', no audio'})")
+        print(f"saved {result.output_file_path} ({shape})")
+    else:
+        print(f"not saved (--no-save-output): {shape}")
     return 0

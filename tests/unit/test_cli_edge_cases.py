@@ -153,7 +153,8 @@ def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsy
                                          f'"{tmp_path / "out"}", "compile-vae": "false"}}')
     assert main(["generate", "--config", path]) == 0
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
-    assert "saved" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "not saved (--no-save-output)" in out and not any(line.startswith("saved ") for line in out.splitlines())
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +350,18 @@ def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
     raised = _failure_error(messages.RunFailed(request_id=1, kind=kind, message=text), 1, 0)
     assert isinstance(raised, RuntimeError)
     assert str(raised).splitlines()[0] == "request 1 failed on replica 0: rank 3: RuntimeError: boom"
+
+
+def test_cli_has_no_return_frames_flag(capsys):
+    # It only filled arrays the command line then dropped; the Python API keeps return_frames.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model-path", "demo", "--prompt", "x", "--return-frames"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --return-frames" in capsys.readouterr().err
+
+
+def test_cli_no_save_output_says_the_video_is_discarded(in_process_cli, tmp_path, capsys):
+    assert main([*in_process_cli, "--output-path", str(tmp_path), "--no-save-output"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --no-save-output: the video is generated and then discarded" in captured.err
+    assert "not saved (--no-save-output): 32x32, 5 frames, 24 fps, with audio" in captured.out
+    assert list(tmp_path.iterdir()) == []
