@@ -106,12 +106,12 @@ def plan_upscale(
         if delivery_size == crop_size and (bucket_height, bucket_width) != crop_size:
             # "fit" only downscales, so a target at least as large as the result silently did nothing.
             crop_height, crop_width = crop_size
-            notes = (
+            notes = ((
                 f"sr_target_resolution {request.target_resolution!r} ({bucket_width}x{bucket_height}) is not "
                 f"smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: the "
                 f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
-                "the target, or drop sr_target_resolution.",
-            )
+                "the target, or drop sr_target_resolution."
+            ),)
     return UpscalePlan(
         scale=scale,
         source_size=(height, width),

@@ -305,8 +305,8 @@ def test_cli_disk_full_at_the_write_is_one_line_with_the_fix(in_process_cli, tmp
     assert main([*in_process_cli, "--output-path", str(tmp_path), "--output-file-name", "clip"]) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert lines == [f"error: writing the MP4 failed: No space left on device: '{tmp_path / 'clip.mp4'}'; free "
-                     "space on that disk, or pass --output-path on another disk"], err
+    assert lines == [(f"error: writing the MP4 failed: No space left on device: '{tmp_path / 'clip.mp4'}'; free "
+                      "space on that disk, or pass --output-path on another disk")], err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
