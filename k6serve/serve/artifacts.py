@@ -1,7 +1,8 @@
 """Where finished videos and uploaded inputs live: a local folder, files named by job id.
 
-Outputs are `<root>/<job id>.mp4`, written atomically by the worker (`media.mux.write_mp4` renames a finished
-hidden `.part` file into place), so a reader never sees half a video. Uploads go to `<root>/uploads/`.
+Outputs are `<root>/<job id>.mp4`, written atomically by the worker (`media.mux.write_mp4` links a finished hidden
+`.part` file into place, never replacing a file), so a reader never sees half a video; a job re-run after a restart
+first removes the video its interrupted attempt may have left (`serve.runner`). Uploads go to `<root>/uploads/`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from pathlib import Path
 import av
 import PIL.Image
 
+from k6serve.media.container import still_image_demuxer
 from k6serve.serve.errors import ApiError
 
 
@@ -56,8 +57,13 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
     try:
         with av.open(path, mode="r") as container:
             has_video = bool(container.streams.video)
+            image_demuxer = still_image_demuxer(container)
     except (av.error.FFmpegError, UnicodeDecodeError):
         has_video = None
+    if has_video and image_demuxer is not None:
+        # FFmpeg shows a still image as a one-frame 25 fps video; the SR source reader refuses it, so refuse it now.
+        raise ApiError(400, f"{what} is a still image (FFmpeg's {image_demuxer} demuxer), not a video; send a video "
+                            "file such as an MP4, MKV, MOV or WebM.", code=code, param=param)
     if not has_video:
         problem = "has no video stream" if has_video is False else "is not a readable video"
         raise ApiError(400, f"{what} {problem}; send a video file such as an MP4, MKV, MOV or WebM.", code=code,

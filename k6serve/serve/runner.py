@@ -160,6 +160,10 @@ class JobRunner:
                 if started is None:
                     continue
                 params = SamplingParams(**started.params)
+                # A `<job id>.mp4` already there can only be this job's own video from an earlier attempt that
+                # wrote it and was then cut off (a crash, or a shutdown that outwaited the decode, after which the
+                # job was re-queued); the worker never replaces a file, so clear it before the re-run.
+                self.artifacts.remove([self.artifacts.output_path(f"{job.id}.mp4")])
                 engine_job = self.engine.submit(params, self.artifacts.output_options(job.id),
                                                 on_progress=self._progress_callback(job.id), job_id=job.id)
                 self._current = engine_job

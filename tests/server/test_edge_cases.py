@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 import av
 import numpy as np
+import PIL.Image
 import pytest
 from harness import wait_for
 from test_errors import _assert_error
@@ -181,6 +184,11 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
                 container.mux(packet)
         response = client.post("/v1/videos", json={"video_path": str(audio_only)})
         _assert_error(response, 400, param="video_path", code="invalid_path", contains="has no video stream")
+        # A still image opens in FFmpeg as a one-frame video; the SR source reader refuses it, so creation does.
+        still = io.BytesIO()
+        PIL.Image.new("RGB", (32, 32), "red").save(still, format="PNG")
+        response = client.post("/v1/videos", files={"video_reference": ("frame.png", still.getvalue())})
+        _assert_error(response, 400, param="video_reference", code="invalid_upload", contains="is a still image")
         clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
         response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", clip.read_bytes())})
         assert response.status_code == 200, response.text

@@ -197,6 +197,9 @@ def test_restart_keeps_every_job_and_requeues_running_ones_once(tmp_path):
     store.insert(_job("video_died_twice", "died twice", JobStatus.IN_PROGRESS, attempts=2))
     store.insert(_job("video_queued", "queued at death", JobStatus.QUEUED, attempts=0))
     store.close()
+    # The first death came after the worker had written its video: the re-run replaces that leftover, which the
+    # worker alone would refuse to (it never replaces a file).
+    (tmp_path / "outputs" / "video_died_once.mp4").write_bytes(b"left by the interrupted attempt")
 
     second = start_server(tmp_path)
     second.worker.release.set()
@@ -211,6 +214,8 @@ def test_restart_keeps_every_job_and_requeues_running_ones_once(tmp_path):
             assert "stopped twice" in failed["error"]["message"]
             for job_id in (held["id"], behind["id"], "video_died_once", "video_queued"):
                 assert wait_for(client, job_id)["status"] == "completed", job_id
+            rerun = client.get("/v1/videos/video_died_once/content")
+            assert rerun.status_code == 200 and rerun.content[4:8] == b"ftyp"
             requeued = client.get("/v1/videos/video_died_once").json()
             assert any("re-queued" in w for w in requeued["warnings"])
             assert "died twice" not in second.worker.started
