@@ -90,7 +90,8 @@ class SamplingParams:
     sr_target_resolution: str | None = _param(
         "VSR delivery size, downscale only: hd, fullhd, 2k or WxH with even sides (default: none)."
     )
-    sr_target_resize_mode: str | None = _param("VSR target resize mode: fit (default) or exact.")
+    sr_target_resize_mode: str | None = _param(
+        "VSR target resize mode, with --sr-target-resolution: fit (default) or exact.")
     save_output: bool = _param(
         "Write the MP4 file (default). --no-save-output runs the request for its timings only: the video is "
         "discarded.", default=True, http=False

@@ -7,6 +7,7 @@ import re
 from datetime import datetime
 
 import pytest
+import torch
 
 import k6serve.runtime.worker as worker_module
 from k6serve import DiffGenerator
@@ -365,3 +366,22 @@ def test_cli_no_save_output_says_the_video_is_discarded(in_process_cli, tmp_path
     assert "note: --no-save-output: the video is generated and then discarded" in captured.err
     assert "not saved (--no-save-output): 32x32, 5 frames, 24 fps, with audio" in captured.out
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_cli_out_of_memory_is_a_machine_limit_with_a_fix_not_a_bug(in_process_cli, tmp_path, monkeypatch, capsys,
+                                                                     remote):
+    """In process torch raises OutOfMemoryError; from a worker process it arrives as a RuntimeError carrying the
+    rank's error text. Either way: one line saying what ran out and which flags help, exit 1, not 'a bug'."""
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB"
+
+    def exhausted(*args, **kwargs):
+        if remote:
+            raise RuntimeError(f"request 1 failed on replica 0: rank 0: OutOfMemoryError: {oom}\nTraceback ...")
+        raise torch.OutOfMemoryError(oom)
+
+    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", exhausted)
+    assert main([*in_process_cli, "--output-path", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: the GPU ran out of memory ({oom}); ask for fewer pixels or frames" in err
+    assert "--num-frames" in err and "bug" not in err and "Traceback" not in err

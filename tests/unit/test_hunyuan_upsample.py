@@ -12,7 +12,11 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLHunyuanVideo
 from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoUpsampleCausal3D
 
-from k6serve.speed.hunyuan_upsample import apply_folded_upsample, folded_upsample, folded_upsampler_kernel
+from k6serve.speed.hunyuan_upsample import (
+    apply_folded_upsample,
+    folded_upsample,
+    folded_upsampler_kernel,
+)
 
 
 def _upsampler(channels: int, out_channels: int, factor, seed: int, dtype=torch.float64) -> HunyuanVideoUpsampleCausal3D:
@@ -53,7 +57,7 @@ def test_folded_upsampler_within_fp32_rounding(factor):
 def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
     """Past cuDNN's 32-bit indexing the phase convolution runs in time chunks that overlap by the kernel's extent
     minus one frame: the same values, and more than one convolution."""
-    import k6serve.speed.hunyuan_upsample as hunyuan_upsample
+    from k6serve.speed import hunyuan_upsample
 
     for factor in ((1, 2, 2), (2, 2, 2)):
         module = _upsampler(2, 2, factor, seed=7)
@@ -64,8 +68,12 @@ def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
             phase_channels = kernel[0].shape[0]
             monkeypatch.setattr(hunyuan_upsample, "_MAX_OUTPUT_ELEMENTS", 2 * phase_channels * 4 * 5)  # two frames
             calls = []
-            real_conv3d = F.conv3d
-            monkeypatch.setattr(hunyuan_upsample.F, "conv3d", lambda *a, **k: calls.append(1) or real_conv3d(*a, **k))
+
+            def counted(*args, calls=calls, real_conv3d=F.conv3d, **kwargs):
+                calls.append(1)
+                return real_conv3d(*args, **kwargs)
+
+            monkeypatch.setattr(hunyuan_upsample.F, "conv3d", counted)
             got = folded_upsample(x, *kernel, factor[0] == 2)
             monkeypatch.undo()
         assert len(calls) == 4  # 7 frames, two per convolution
