@@ -12,6 +12,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
 PERFORMANCE_MODES = ("speed", "balanced", "memory")
+OFFLOAD_MODES = ("balanced", "memory")  # the modes that keep weights in host memory (k6serve/offload/)
 WARMUP_MODES = ("off", "request", "server")
 ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
@@ -102,3 +103,19 @@ class EngineConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        # Offloading re-points each parameter's plain tensor between host and device; a DTensor shard (TP, folded
+        # encoders) or FSDP's managed storage cannot be moved that way. Ulysses / Ring / CFG replicate the weights,
+        # so each rank offloads its own copy (and holds it in host memory: one copy per GPU).
+        mode, parallel = self.runtime.performance_mode, self.parallel
+        flags = [f"--tp-size {parallel.tp_size}"] if parallel.tp_size > 1 else []
+        flags += ["--use-fsdp-inference"] if parallel.use_fsdp_inference else []
+        flags += ["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else []
+        if mode in OFFLOAD_MODES and flags:
+            named = " and ".join(flags)
+            raise ValueError(
+                f"--performance-mode {mode} offloads the weights to host memory, which cannot work with weights "
+                f"sharded across GPUs ({named}): use --performance-mode speed with {named}, or drop "
+                f"{'them' if len(flags) > 1 else 'it'} to offload."
+            )

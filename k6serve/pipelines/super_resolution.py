@@ -18,6 +18,7 @@ import torch
 
 from k6serve.models.kandinsky6_sr.checkpoint import SRModels, load_sr_models
 from k6serve.models.variants import Variant
+from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink
 from k6serve.pipelines.sr_source import read_and_encode
 from k6serve.pipelines.sr_stages import (
@@ -52,6 +53,13 @@ class SuperResolutionOutput:
 class SuperResolutionPipeline:
     def __init__(self, models: SRModels) -> None:
         self.models = models
+        # Which components are on the device for each stage: all of them, always, unless `apply_offload` set it.
+        self.residency = RESIDENT
+
+    def components(self) -> dict[str, torch.nn.Module]:
+        """The modules the stages name in `residency.stage(...)`."""
+        return {"vae": self.models.vae.model, "upscaler": self.models.upscaler.bank,
+                "transformer": self.models.transformer}
 
     def __call__(
         self, request: UpscaleRequest, *, on_step: StepCallback | None = None, video_sink: VideoSink | None = None
@@ -61,20 +69,21 @@ class SuperResolutionPipeline:
         the blend, there is no "blend" entry, and "video_sink" is the sink's time after the last chunk."""
         m = self.models
         timings: dict[str, float] = {}
-        source = read_and_encode(
-            m.vae,
-            request.video_path,
-            m.device,
-            lambda size: plan_upscale(
-                size, request, tile_sizes=m.transformer.config.tile_sizes, snap=m.vae.spatial_compression_ratio
-            ),
-            timings,
-        )
+        with self.residency.stage("vae"):
+            source = read_and_encode(
+                m.vae,
+                request.video_path,
+                m.device,
+                lambda size: plan_upscale(
+                    size, request, tile_sizes=m.transformer.config.tile_sizes, snap=m.vae.spatial_compression_ratio
+                ),
+                timings,
+            )
         plan, latent = source.plan, source.latent_BCThw
-        with _timed(timings, "upscale", m.device):
+        with _timed(timings, "upscale", m.device), self.residency.stage("upscaler"):
             lq_tiles = upscale_tiles(m.upscaler, latent, plan)
         sampler = m.sampler()
-        with _timed(timings, "dit", m.device):
+        with _timed(timings, "dit", m.device), self.residency.stage("transformer"):
             latents = denoise_tiles(
                 m.transformer,
                 sampler,
@@ -86,10 +95,11 @@ class SuperResolutionPipeline:
                 on_step=on_step,
             )
         if video_sink is not None:
-            frames_THWC = feed_video_sink(video_sink, decode_and_assemble_chunks(m.vae, latents, plan),
-                                          source.audio, float(source.fps), timings, "decode")
+            with self.residency.stage("vae"):
+                frames_THWC = feed_video_sink(video_sink, decode_and_assemble_chunks(m.vae, latents, plan),
+                                              source.audio, float(source.fps), timings, "decode")
         else:
-            with _timed(timings, "decode", m.device):
+            with _timed(timings, "decode", m.device), self.residency.stage("vae"):
                 tiles = decode_tiles(m.vae, latents)
             with _timed(timings, "blend", m.device):
                 frames_THWC = assemble_frames(tiles, plan)
@@ -125,8 +135,10 @@ def build_super_resolution_pipeline(
     dtype: torch.dtype,
     load_format: str,
     attention_backend: str,
+    weights_device: torch.device | None = None,
 ) -> SuperResolutionPipeline:
     """Load the SR checkpoint (head/scheduler check first) and wrap it in the pipeline."""
-    models = load_sr_models(folder, variant, device=device, dtype=dtype, load_format=load_format)
+    models = load_sr_models(folder, variant, device=device, dtype=dtype, load_format=load_format,
+                            weights_device=weights_device)
     models.transformer.set_attention_backend(attention_backend)
     return SuperResolutionPipeline(models)

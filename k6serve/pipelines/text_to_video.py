@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.decode_stream import VideoSink, decode_video_chunks, feed_video_sink
 from k6serve.pipelines.denoise import StepCallback, denoise
@@ -43,6 +44,15 @@ class TextToVideoPipeline:
         self.trim_text_padding = trim_text_padding
         # The float frames are for parity checks; the engine's worker turns them off (see decode_video).
         self.keep_float_frames = keep_float_frames
+        # Which components are on the device for each stage: all of them, always, unless `apply_offload` set it.
+        self.residency = RESIDENT
+
+    def components(self) -> dict[str, torch.nn.Module]:
+        """The modules the stages name in `residency.stage(...)`."""
+        m = self.models
+        named = {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2, "transformer": m.transformer,
+                 "vae": m.vae, "audio_vae": m.audio_vae, "vocoder": m.vocoder}
+        return {name: module for name, module in named.items() if module is not None}
 
     def check(self, request: GenerateRequest) -> None:
         config = self.models.transformer.config
@@ -56,8 +66,9 @@ class TextToVideoPipeline:
         m = self.models
         kwargs = dict(tokenizer=m.tokenizer, text_encoder=m.text_encoder, tokenizer_2=m.tokenizer_2,
                       text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype)
-        positive = encode_prompt(request.prompt, **kwargs)
-        negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
+        with self.residency.stage("text_encoder", "text_encoder_2"):
+            positive = encode_prompt(request.prompt, **kwargs)
+            negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
         if self.trim_text_padding:
             positive = trim_text_padding(positive)
             negative = trim_text_padding(negative) if negative is not None else None
@@ -80,8 +91,9 @@ class TextToVideoPipeline:
             from k6serve.media.image import load_conditioning_image
 
             image = load_conditioning_image(request.image_path, request.height, request.width)
-            tail = encode_reference_image(image, m.vae, height=request.height, width=request.width, device=m.device,
-                                          dtype=m.dtype, generator=generator)
+            with self.residency.stage("vae"):
+                tail = encode_reference_image(image, m.vae, height=request.height, width=request.width,
+                                              device=m.device, dtype=m.dtype, generator=generator)
         _sync(m.device)
         timings["encode"] = time.perf_counter() - start
 
@@ -105,10 +117,12 @@ class TextToVideoPipeline:
 
         start = time.perf_counter()
         step_seconds: list[float] = []
-        latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler, audio_scheduler=audio_scheduler,
-                          timesteps=timesteps, guidance_scale=request.guidance_scale,
-                          visual_cond=config.visual_cond, on_step=on_step, step_seconds=step_seconds)
-        _sync(m.device)
+        with self.residency.stage("transformer"):
+            latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler,
+                              audio_scheduler=audio_scheduler, timesteps=timesteps,
+                              guidance_scale=request.guidance_scale, visual_cond=config.visual_cond, on_step=on_step,
+                              step_seconds=step_seconds)
+            _sync(m.device)
         timings["denoise"] = time.perf_counter() - start
         timings["denoise_per_step"] = timings["denoise"] / request.num_inference_steps
         # The steady-state step and the slowest one: a compilation or a collector pause shows as a gap here.
@@ -117,20 +131,25 @@ class TextToVideoPipeline:
             timings["denoise_step_max"] = max(step_seconds)
 
         start = time.perf_counter()
-        audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC) if with_audio else None
+        audio = None
+        if with_audio:
+            with self.residency.stage("audio_vae", "vocoder"):
+                audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC)
         _sync(m.device)
         timings["decode_audio"] = time.perf_counter() - start
         if video_sink is not None:
             video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings)
             return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)
         start = time.perf_counter()
-        video = decode_video(m.vae, latents.video_BTHWC, keep_float=self.keep_float_frames)
+        with self.residency.stage("vae"):
+            video = decode_video(m.vae, latents.video_BTHWC, keep_float=self.keep_float_frames)
         timings["decode_video"] = time.perf_counter() - start
         return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)
 
     def _decode_into(self, video_sink: VideoSink, video_BTHWC: torch.Tensor, audio: DecodedAudio | None,
                      fps: float, timings: dict[str, float]) -> DecodedVideo:
         """Stream the decoded chunks into `video_sink` and keep them (timings: see `feed_video_sink`)."""
-        frames_THWC = feed_video_sink(video_sink, decode_video_chunks(self.models.vae, video_BTHWC), audio, fps,
-                                      timings, "decode_video")
+        with self.residency.stage("vae"):
+            frames_THWC = feed_video_sink(video_sink, decode_video_chunks(self.models.vae, video_BTHWC), audio,
+                                          fps, timings, "decode_video")
         return DecodedVideo(frames_float_THWC=None, frames_THWC=frames_THWC)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from k6serve.config import EngineConfig
+from k6serve.config import OFFLOAD_MODES, EngineConfig
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import (
     GENERATION,
@@ -108,6 +108,7 @@ class ModelWorker:
             transform(self)
         self.performance_report = apply_performance_mode(self.pipeline.models, config.runtime.performance_mode,
                                                          self.device, compile_vae_decoder=config.runtime.compile_vae)
+        self.offload_report = self._apply_offload()
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
         if config.parallel.ulysses_degree > 1 and self.performance_report.num_compiled_blocks:
@@ -123,6 +124,23 @@ class ModelWorker:
         self.server_warmup_s: float | None = None  # what `--warmup-mode server` cost at start (also logged)
         if config.runtime.warmup_mode == "server":
             self.server_warmup_s = self._warmup(self.variant_warmup_params())
+
+    @property
+    def offloads(self) -> bool:
+        """Balanced / memory on a GPU: the weights live in host memory (on the CPU there is nowhere to offload to)."""
+        return self.config.runtime.performance_mode in OFFLOAD_MODES and self.device.type == "cuda"
+
+    def _apply_offload(self):
+        """After every other transform, which must see the final module tree (the weights were loaded on the host)."""
+        if not self.offloads:
+            return None
+        from k6serve.offload import apply_offload
+        from k6serve.speed.performance_mode import transformer_plan
+
+        report = apply_offload(self.pipeline, self.config.runtime.performance_mode, compute_device=self.device,
+                               plan=transformer_plan(self.pipeline.models.transformer))
+        logger.info("%s", report.describe())
+        return report
 
     def variant_warmup_params(self) -> SamplingParams:
         """A request of the variant's default shape (server warm-up; SR makes its own clip instead,
@@ -168,6 +186,12 @@ class ModelWorker:
                     seconds)
         return seconds
 
+    @property
+    def weights_device(self) -> torch.device:
+        """Where the loader puts the weights: the host when they are offloaded, so they never need to fit on the
+        GPU at once (`--load-format dummy` builds them there too), else the device."""
+        return torch.device("cpu") if self.offloads else self.device
+
     def _build_pipeline(self, folder: Path | None):
         from k6serve.ops.attention import resolve_attention_backend
 
@@ -181,13 +205,15 @@ class ModelWorker:
             from k6serve.pipelines.text_to_video import TextToVideoPipeline
 
             models = load_generation_models(folder, self.variant, device=self.device, dtype=self.dtype,
-                                            load_format=self.config.model.load_format)
+                                            load_format=self.config.model.load_format,
+                                            weights_device=self.weights_device)
             models.transformer.set_attention_backend(backend)
             return TextToVideoPipeline(models, keep_float_frames=False)
         from k6serve.pipelines.super_resolution import build_super_resolution_pipeline
 
         return build_super_resolution_pipeline(folder, self.variant, device=self.device, dtype=self.dtype,
-                                               load_format=self.config.model.load_format, attention_backend=backend)
+                                               load_format=self.config.model.load_format, attention_backend=backend,
+                                               weights_device=self.weights_device)
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:

@@ -49,7 +49,7 @@ class PerformanceReport:
         return bool(self.num_fused_attentions or self.num_compiled_blocks or self.vae)
 
 
-def _transformer_plan(transformer: nn.Module):
+def transformer_plan(transformer: nn.Module):
     """The `ModelPlan` of a k6serve DiT, or None for a model without one."""
     from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer
 
@@ -88,7 +88,7 @@ def apply_performance_mode(
         notes.append(f"fused RMSNorm + RoPE kernel off (${FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE}=0)")
     else:
         notes.append(f"fused RMSNorm + RoPE kernel on {apply_fused_norm_rope(transformer)} attentions")
-    plan = _transformer_plan(transformer)
+    plan = transformer_plan(transformer)
     num_compiled = 0
     if plan is None:
         notes.append(f"no plan for {type(transformer).__name__}: blocks not compiled")

@@ -3,7 +3,9 @@
 Our own DiT takes the diffusers state-dict keys unchanged; the text encoders come from transformers and the
 VAEs, vocoder and schedulers from diffusers (k6-generation.md §6). Every mismatch between a config and its
 weights fails here, at load time, naming the parameters. `load_format="dummy"` builds the released sizes with
-random weights directly on the target device in the target dtype (never an fp32 host copy).
+random weights directly on the target device in the target dtype (never an fp32 host copy). `weights_device`
+(default: `device`) is where the weights are placed: the host when the engine offloads them
+(`--performance-mode balanced / memory`), so the components never need to fit on the GPU at once.
 """
 
 from __future__ import annotations
@@ -64,29 +66,33 @@ class GenerationModels:
 
 
 def load_generation_models(
-    folder: Path | None, variant: Variant, *, device: torch.device, dtype: torch.dtype, load_format: str
+    folder: Path | None, variant: Variant, *, device: torch.device, dtype: torch.dtype, load_format: str,
+    weights_device: torch.device | None = None,
 ) -> GenerationModels:
+    """`device` runs the requests; the weights go to `weights_device` (default: `device`)."""
+    weights_device = device if weights_device is None else weights_device
     if load_format == "dummy":
-        return _build_dummy(variant, device=device, dtype=dtype)
+        return _build_dummy(variant, device=device, dtype=dtype, weights_device=weights_device)
     assert folder is not None
     index = read_model_index(folder)
     require_components(folder, index, REQUIRED)
     scheduler_class = index["scheduler"][1]
     scheduler_config = read_component_config(folder, "scheduler", "scheduler_config.json")
-    transformer = load_transformer(folder / "transformer", device=device, dtype=dtype)
+    transformer = load_transformer(folder / "transformer", device=weights_device, dtype=dtype)
     _check_scheduler_fits_head(transformer.config, scheduler_class, scheduler_config, folder)
     with_audio = "audio_vae" in index and "vocoder" in index and index["audio_vae"][0] is not None
     return GenerationModels(
         transformer=transformer,
-        vae=_load_diffusers(folder, "vae", "AutoencoderKLHunyuanVideo", device, dtype),
-        text_encoder=_load_transformers(folder, "text_encoder", "Qwen2_5_VLForConditionalGeneration", device, dtype),
+        vae=_load_diffusers(folder, "vae", "AutoencoderKLHunyuanVideo", weights_device, dtype),
+        text_encoder=_load_transformers(folder, "text_encoder", "Qwen2_5_VLForConditionalGeneration", weights_device,
+                                        dtype),
         tokenizer=_load_tokenizer(folder / "tokenizer"),
-        text_encoder_2=_load_transformers(folder, "text_encoder_2", "CLIPTextModel", device, dtype),
+        text_encoder_2=_load_transformers(folder, "text_encoder_2", "CLIPTextModel", weights_device, dtype),
         tokenizer_2=_load_tokenizer(folder / "tokenizer_2"),
         scheduler_class=scheduler_class,
         scheduler_config=scheduler_config,
-        audio_vae=_load_diffusers(folder, "audio_vae", "MMAudioVAE", device, dtype) if with_audio else None,
-        vocoder=_load_diffusers(folder, "vocoder", "MMAudioVocoder", device, dtype) if with_audio else None,
+        audio_vae=_load_diffusers(folder, "audio_vae", "MMAudioVAE", weights_device, dtype) if with_audio else None,
+        vocoder=_load_diffusers(folder, "vocoder", "MMAudioVocoder", weights_device, dtype) if with_audio else None,
         device=device,
         dtype=dtype,
         variant=variant,
@@ -165,15 +171,17 @@ def _load_diffusers(folder: Path, component: str, class_name: str, device: torch
     return model.to(device).eval().requires_grad_(False)
 
 
-def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype) -> GenerationModels:
-    """Released sizes, random weights, created on `device` in `dtype` (benchmarks; outputs are noise)."""
+def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
+                 weights_device: torch.device) -> GenerationModels:
+    """Released sizes, random weights, created on `weights_device` in `dtype` (benchmarks; outputs are noise).
+    Built on the host (offloading), the weights come from the CPU generator: other noise than a GPU build's."""
     import diffusers
     import transformers
 
     from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
 
-    transformer = build_dummy_transformer(released_transformer_config(variant), device=device, dtype=dtype)
-    with torch.device(device):
+    transformer = build_dummy_transformer(released_transformer_config(variant), device=weights_device, dtype=dtype)
+    with torch.device(weights_device):
         qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
         text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(qwen_config, dtype=dtype)
         clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)

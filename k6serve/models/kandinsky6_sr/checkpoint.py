@@ -5,7 +5,8 @@ before any weight is read, so the known-bad non-distilled checkpoint fails at lo
 DiT takes the diffusers state-dict keys unchanged; the K-VAE and the latent-upscaler bank are diffusers' modules
 (vae.py, upscaler.py). `load_format="dummy"` builds the released sizes (DiT 1.414 B, K-VAE 1.739 B, bank 3.654 B
 parameters) on the meta device and materialises them directly on the target device in the target dtype, so no fp32
-host copy of 6.8 B parameters is ever made.
+host copy of 6.8 B parameters is ever made. `weights_device` (default: `device`) is where the weights are placed: the
+host when the engine offloads them (`--performance-mode balanced / memory`).
 """
 
 from __future__ import annotations
@@ -110,11 +111,13 @@ def load_sr_models(
     device: torch.device,
     dtype: torch.dtype,
     load_format: str,
+    weights_device: torch.device | None = None,
 ) -> SRModels:
-    """Load (or, with load_format "dummy", build with random weights) the SR components on `device`."""
+    """Load (or, with load_format "dummy", build with random weights) the SR components for `device`, their weights
+    on `weights_device` (default: `device`)."""
     if load_format == "dummy":
         return build_dummy_sr_models(
-            released_sr_configs(variant), variant, device=device, dtype=dtype
+            released_sr_configs(variant), variant, device=device, dtype=dtype, weights_device=weights_device
         )
     assert folder is not None
     configs = read_sr_configs(folder)
@@ -123,13 +126,16 @@ def load_sr_models(
     _load_weights(transformer, folder / "transformer", dtype, keep_fp32=KEEP_FP32_MODULES)
     _load_weights(vae, folder / "vae", dtype)
     _load_weights(bank, folder / "latent_upscaler", dtype)
-    return _assemble(configs, transformer, vae, bank, variant, device, dtype, source=str(folder))
+    return _assemble(configs, transformer, vae, bank, variant, device, dtype, source=str(folder),
+                     weights_device=weights_device)
 
 
 def build_dummy_sr_models(
-    configs: SRConfigs, variant: Variant, *, device: torch.device, dtype: torch.dtype, seed: int = 0
+    configs: SRConfigs, variant: Variant, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
+    weights_device: torch.device | None = None,
 ) -> SRModels:
-    """Random weights at the sizes of `configs`, allocated on `device` in `dtype` (outputs are noise).
+    """Random weights at the sizes of `configs`, allocated on `weights_device` (default: `device`) in `dtype`
+    (outputs are noise).
 
     On the meta device nothing is allocated or initialised, which is how the full-size build is tested on CPU.
     """
@@ -137,11 +143,13 @@ def build_dummy_sr_models(
     transformer, vae, bank = build_empty_modules(configs, dtype=dtype)
     shapes = {name: tuple(parameter.shape) for name, parameter in transformer.named_parameters()}
     check_head_fits_scheduler(configs.transformer, configs.scheduler, shapes)
-    if device.type != "meta":
+    weights_device = device if weights_device is None else weights_device
+    if weights_device.type != "meta":
         for offset, module in enumerate((transformer, vae, bank)):
-            module.to_empty(device=device)
+            module.to_empty(device=weights_device)
             init_dummy_weights_(module, seed=seed + offset)
-    return _assemble(configs, transformer, vae, bank, variant, device, dtype, source="dummy")
+    return _assemble(configs, transformer, vae, bank, variant, device, dtype, source="dummy",
+                     weights_device=weights_device)
 
 
 def build_empty_modules(
@@ -214,10 +222,12 @@ def _assemble(
     dtype: torch.dtype,
     *,
     source: str,
+    weights_device: torch.device | None = None,
 ) -> SRModels:
-    if device.type != "meta":
-        transformer = transformer.to(device)
-        vae, bank = vae.to(device), bank.to(device)
+    weights_device = device if weights_device is None else weights_device
+    if weights_device.type != "meta":
+        transformer = transformer.to(weights_device)
+        vae, bank = vae.to(weights_device), bank.to(weights_device)
     for module in (transformer, vae, bank):
         module.eval().requires_grad_(False)
     return SRModels(

@@ -1,0 +1,116 @@
+"""Component offload ("balanced" and "memory"): each pipeline component lives on the host and visits the device
+only for the stage that uses it.
+
+The pipelines wrap each stage in `self.residency.stage(<component names>)`. By default that is `RESIDENT`, which
+does nothing (everything stays where it was loaded: "speed"). `apply_offload` replaces it with a
+`ComponentOffload`, which attaches the named components' device copies on entry and points them back at the host
+on exit (`host_weights.py`), so the device holds the largest single component plus activations. In "memory" mode the
+DiT's repeated blocks are streamed block by block instead (`block_stream.py`); its other weights (embeddings,
+modulation, output layers) are resident for the DiT stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from k6serve.config import OFFLOAD_MODES
+from k6serve.offload.block_stream import BlockStreamer, apply_block_streaming
+from k6serve.offload.host_weights import HostWeights, module_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class Resident:
+    """Every component stays where it was loaded; a stage changes nothing."""
+
+    def stage(self, *components: str) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
+RESIDENT = Resident()
+
+
+class ComponentOffload:
+    """Components on `offload_device`, attached to a copy on `compute_device` inside `stage(...)`."""
+
+    def __init__(self, components: Mapping[str, nn.Module], *, compute_device: torch.device,
+                 offload_device: torch.device, pin: bool, streamers: Mapping[str, BlockStreamer] | None = None
+                 ) -> None:
+        self.compute_device = torch.device(compute_device)
+        self.streamers = dict(streamers or {})
+        self.weights: dict[str, HostWeights] = {}
+        for name, module in components.items():
+            # Streamed blocks already belong to their streamer's host weights.
+            streamer = self.streamers.get(name)
+            skip = {id(tensor) for weights in streamer.weights for tensor in _slot_tensors(weights)} if streamer else set()
+            self.weights[name] = HostWeights(module_tensors([module], skip), offload_device=offload_device, pin=pin)
+        self.active: tuple[str, ...] = ()
+
+    @contextmanager
+    def stage(self, *components: str) -> Iterator[None]:
+        assert not self.active, f"stage {components} entered inside stage {self.active}"
+        unknown = [name for name in components if name not in self.weights]
+        assert not unknown, f"no component named {unknown}; known: {sorted(self.weights)}"
+        self.active = components
+        try:
+            for name in components:
+                self.weights[name].to_device(self.compute_device)
+            yield
+        finally:
+            for name in components:
+                self.weights[name].to_host()
+                if name in self.streamers:
+                    self.streamers[name].release()
+            self.active = ()
+
+
+def _slot_tensors(weights: HostWeights) -> list[torch.Tensor]:
+    return [slot.tensor for slot in weights.slots]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadReport:
+    """What `apply_offload` did (logged by the worker)."""
+
+    mode: str
+    host_bytes: dict[str, int]  # per component, the host copy (streamed blocks counted under "<name> blocks")
+    pinned: bool
+    num_streamed_blocks: int = 0
+
+    def describe(self) -> str:
+        sizes = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in self.host_bytes.items())
+        streamed = f", {self.num_streamed_blocks} DiT blocks streamed" if self.num_streamed_blocks else ""
+        return f"{self.mode}: components offloaded to {'pinned ' if self.pinned else ''}host memory ({sizes}){streamed}"
+
+
+def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
+                  offload_device: torch.device | str = "cpu", pin: bool | None = None,
+                  plan=None) -> OffloadReport:
+    """Offload `pipeline.components()` (and in "memory" mode stream the DiT blocks of `plan`) and install the
+    stage residency on `pipeline`. `pin` defaults to pinned host memory when `compute_device` is CUDA."""
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"offloading is for --performance-mode {' or '.join(OFFLOAD_MODES)}, got {mode!r}")
+    compute_device, offload_device = torch.device(compute_device), torch.device(offload_device)
+    pin = compute_device.type == "cuda" and offload_device.type == "cpu" if pin is None else pin
+    components = pipeline.components()
+    streamers: dict[str, BlockStreamer] = {}
+    if mode == "memory":
+        if plan is None:
+            raise ValueError("--performance-mode memory streams the DiT blocks its plan lists; this model has none")
+        streamers["transformer"] = apply_block_streaming(components["transformer"], plan,
+                                                         compute_device=compute_device,
+                                                         offload_device=offload_device, pin=pin)
+    residency = ComponentOffload(components, compute_device=compute_device, offload_device=offload_device, pin=pin,
+                                 streamers=streamers)
+    pipeline.residency = residency
+    host_bytes = {name: weights.num_bytes for name, weights in residency.weights.items()}
+    for name, streamer in streamers.items():
+        host_bytes[f"{name} blocks"] = streamer.num_bytes
+    return OffloadReport(mode=mode, host_bytes=host_bytes, pinned=pin,
+                         num_streamed_blocks=sum(len(streamer.blocks) for streamer in streamers.values()))

@@ -1,0 +1,134 @@
+"""The weights of some modules kept in host chunks, attached either to that host copy or to a device copy.
+
+Moving is done by re-pointing each parameter's and buffer's `.data`, never by `module.to()`: the `nn.Parameter`
+objects (and whatever hooks or swapped submodules refer to them) stay the same, the host copy is made once and never
+rewritten (the weights are frozen), so bringing a component back costs one host-to-device copy and sending it away
+costs nothing. Values are copied bit for bit, so a model computes the same wherever its weights came from.
+
+Tensors are packed per dtype into chunks of at most `CHUNK_BYTES`: one copy per chunk instead of one per tensor,
+and a bounded transient while packing (the originals are released chunk by chunk). Every tensor starts at a
+`ALIGN_BYTES` boundary, as a fresh allocation would, because kernels choose code paths (and CPU GEMMs round) by
+alignment: an unaligned view could change the output bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CHUNK_BYTES = 256 * 2**20
+ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    tensor: torch.Tensor  # the Parameter or buffer object whose `.data` is re-pointed
+    chunk: int  # index into the chunk list
+    offset: int  # in elements; -1 for a tensor stored on its own (not contiguous)
+    host: torch.Tensor  # its view of the host chunk
+
+
+def module_tensors(modules: Iterable[nn.Module], skip: set[int] = frozenset()) -> list[torch.Tensor]:
+    """Every parameter and buffer of `modules` (and their submodules) once, in module order, except ids in `skip`.
+
+    Tied parameters are one object, so they are moved once and stay tied."""
+    seen: set[int] = set(skip)
+    tensors = []
+    for root in modules:
+        for module in root.modules():
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                tensors.append(tensor)
+    return tensors
+
+
+class HostWeights:
+    """`tensors` moved into host chunks on `offload_device` (pinned when `pin`); they start attached to the host."""
+
+    def __init__(self, tensors: list[torch.Tensor], *, offload_device: torch.device, pin: bool) -> None:
+        self.offload_device = torch.device(offload_device)
+        self.pinned = pin
+        self.chunks: list[torch.Tensor] = []
+        self.slots: list[_Slot] = []
+        self.device_chunks: list[torch.Tensor] | None = None
+        self.num_bytes = 0
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for dtype_tensors in by_dtype.values():
+            self._pack(dtype_tensors)
+
+    def _pack(self, tensors: list[torch.Tensor]) -> None:
+        """Fill chunks in order; each chunk is allocated, filled and then the originals are re-pointed to it."""
+        pending: list[tuple[torch.Tensor, int]] = []
+        used = 0
+        for tensor in tensors:
+            if not tensor.is_contiguous():
+                self._store_alone(tensor)
+                continue
+            align = max(1, ALIGN_BYTES // tensor.element_size())
+            start = -(-used // align) * align
+            if pending and (start + tensor.numel()) * tensor.element_size() > CHUNK_BYTES:
+                self._fill_chunk(pending, used)
+                pending, start = [], 0
+            pending.append((tensor, start))
+            used = start + tensor.numel()
+        if pending:
+            self._fill_chunk(pending, used)
+
+    def _fill_chunk(self, pending: list[tuple[torch.Tensor, int]], num_elements: int) -> None:
+        dtype = pending[0][0].dtype
+        chunk = torch.empty(num_elements, dtype=dtype, device=self.offload_device, pin_memory=self.pinned)
+        index = len(self.chunks)
+        self.chunks.append(chunk)
+        self.num_bytes += chunk.numel() * chunk.element_size()
+        for tensor, offset in pending:
+            host = chunk[offset : offset + tensor.numel()].view(tensor.shape)
+            host.copy_(tensor.data)
+            tensor.data = host
+            self.slots.append(_Slot(tensor=tensor, chunk=index, offset=offset, host=host))
+
+    def _store_alone(self, tensor: torch.Tensor) -> None:
+        # `.to(copy=True)` keeps the strides; such tensors are rare (none in the released models), so unpinned.
+        host = tensor.data.to(self.offload_device, copy=True)
+        self.chunks.append(host)
+        self.num_bytes += host.untyped_storage().nbytes()
+        tensor.data = host
+        self.slots.append(_Slot(tensor=tensor, chunk=len(self.chunks) - 1, offset=-1, host=host))
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_chunks is not None
+
+    def copy_to(self, device: torch.device) -> list[torch.Tensor]:
+        """A device copy of every chunk, queued on the current stream (asynchronous from pinned memory)."""
+        return [chunk.to(device, non_blocking=self.pinned, copy=True) for chunk in self.chunks]
+
+    def attach(self, device_chunks: list[torch.Tensor]) -> None:
+        """Point every tensor at its part of `device_chunks` (from `copy_to`)."""
+        for slot in self.slots:
+            chunk = device_chunks[slot.chunk]
+            if slot.offset < 0:
+                slot.tensor.data = chunk
+            else:
+                slot.tensor.data = chunk[slot.offset : slot.offset + slot.host.numel()].view(slot.host.shape)
+        self.device_chunks = device_chunks
+
+    def to_device(self, device: torch.device) -> None:
+        if not self.on_device:
+            self.attach(self.copy_to(device))
+
+    def to_host(self) -> None:
+        """Point every tensor back at the host copy; the device copy is freed once nothing else holds it."""
+        for slot in self.slots:
+            slot.tensor.data = slot.host
+        self.device_chunks = None
+
+    def attached_to_host(self) -> bool:
+        """True when every tensor uses the host copy (what tests check after a stage)."""
+        return all(slot.tensor.data_ptr() == slot.host.data_ptr() for slot in self.slots)

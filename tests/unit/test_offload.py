@@ -1,0 +1,175 @@
+"""Offloading (`--performance-mode balanced / memory`) on CPU: the offload and compute devices are both the CPU, and
+every move is a real copy into fresh storage, so "on the device" means "not the host copy" (`attached_to_host`).
+
+Checked: outputs bitwise equal with and without offload (generation and SR), every component back on the host after
+its stage and only the stage's components on the device during it (checked at every call into any submodule), the
+blocks streamed in order one ahead, the CLI flag reaching the worker, and the refused layouts. (A meta "device"
+cannot stand in: a CPU parameter's `.data` cannot be re-pointed at a meta tensor.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k6serve.api import build_engine_config
+from k6serve.offload import ComponentOffload, apply_offload
+from k6serve.offload.block_stream import plan_blocks
+from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime.worker import ModelWorker
+from k6serve.speed.performance_mode import transformer_plan
+from k6serve.testing.clips import make_clip
+
+NO_FILE = OutputOptions(save_output=False, return_frames=True)
+GENERATION_STAGES = ({"text_encoder", "text_encoder_2"}, {"transformer"}, {"vae"}, {"audio_vae", "vocoder"})
+
+
+def _generate(worker: ModelWorker):
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5)
+    return worker.run(params, NO_FILE)
+
+
+def _on_device(residency: ComponentOffload) -> set[str]:
+    return {name for name, weights in residency.weights.items() if not weights.attached_to_host()}
+
+
+def _spy_stages(pipeline, residency: ComponentOffload, stages) -> list[tuple[str, set[str]]]:
+    """Record, at every call into a component, which components are on the device; check it is one stage."""
+    seen: list[tuple[str, set[str]]] = []
+
+    def spy(name):
+        def hook(module, args):
+            on_device = _on_device(residency)
+            stage = next(group for group in stages if name in group)
+            assert name in on_device and on_device <= stage, (name, on_device)
+            seen.append((name, on_device))
+
+        return hook
+
+    for name, component in pipeline.components().items():
+        for module in component.modules():
+            module.register_forward_pre_hook(spy(name))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_generation_with_offload_is_bitwise_equal_and_moves_one_stage_at_a_time(tiny_distill_dir, mode):
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode=mode,
+                                             attention_backend="sdpa"))
+    assert worker.offload_report is None  # nothing to offload to on a CPU device
+    resident = _generate(worker)
+    report = apply_offload(worker.pipeline, mode, compute_device="cpu",
+                           plan=transformer_plan(worker.pipeline.models.transformer))
+    residency = worker.pipeline.residency
+    assert not report.pinned and set(residency.weights) == set(worker.pipeline.components())
+    assert not _on_device(residency)
+    seen = _spy_stages(worker.pipeline, residency, GENERATION_STAGES)
+    offloaded = _generate(worker)
+    assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
+    assert {name for name, _ in seen} == set(residency.weights)
+    assert not _on_device(residency)
+    for streamer in residency.streamers.values():
+        assert all(weights.attached_to_host() for weights in streamer.weights)
+    assert (report.num_streamed_blocks > 0) == (mode == "memory")
+
+
+def test_block_streaming_copies_each_block_once_one_ahead(tiny_distill_dir):
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode="memory",
+                                             attention_backend="sdpa"))
+    transformer = worker.pipeline.models.transformer
+    apply_offload(worker.pipeline, "memory", compute_device="cpu", plan=transformer_plan(transformer))
+    streamer = worker.pipeline.residency.streamers["transformer"]
+    blocks = plan_blocks(transformer, transformer_plan(transformer))
+    assert streamer.blocks == blocks and len(blocks) > 2
+    copies: list[int] = []
+    for index, weights in enumerate(streamer.weights):
+        def copy_to(device, index=index, original=weights.copy_to):
+            copies.append(index)
+            return original(device)
+
+        weights.copy_to = copy_to
+    resident_at_call: list[tuple[int, set[int], set[int]]] = []  # (block, attached, prefetched)
+    for index, block in enumerate(blocks):  # registered after the streamer's hooks, so they see its work done
+        block.register_forward_pre_hook(
+            lambda module, args, index=index: resident_at_call.append(
+                (index, {i for i, w in enumerate(streamer.weights) if w.on_device}, set(streamer.prefetched))))
+    _generate(worker)
+    count = len(blocks)
+    calls = len(resident_at_call) // count
+    assert calls >= 2 and len(resident_at_call) == calls * count
+    # The plan order is the run order: text blocks (video, audio), then the fused blocks.
+    assert [index for index, _, _ in resident_at_call] == list(range(count)) * calls
+    # Each block copied once per DiT call; the last block prefetches the first for the next call, and the one made
+    # after the last call is dropped at the end of the stage.
+    assert copies == list(range(count)) * calls + [0]
+    assert all(attached == {index} and prefetched == {(index + 1) % count}
+               for index, attached, prefetched in resident_at_call)
+    assert not any(weights.on_device for weights in streamer.weights)
+
+
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_super_resolution_with_offload_is_bitwise_equal(tiny_sr_dir, tmp_path, mode):
+    torch.set_num_threads(1)
+    clip = make_clip(tmp_path / "clip.mp4", width=64, height=32, num_frames=9, fps=24)
+    worker = ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", performance_mode=mode))
+    params = SamplingParams(video_path=str(clip), sr_resolution_scale=2, num_inference_steps=2, seed=3)
+    resident = worker.run(params, NO_FILE)
+    apply_offload(worker.pipeline, mode, compute_device="cpu",
+                  plan=transformer_plan(worker.pipeline.models.transformer))
+    residency = worker.pipeline.residency
+    seen = _spy_stages(worker.pipeline, residency, ({"vae"}, {"upscaler"}, {"transformer"}))
+    offloaded = worker.run(params, NO_FILE)
+    assert np.array_equal(offloaded.frames, resident.frames)
+    assert {name for name, _ in seen} == {"vae", "upscaler", "transformer"}
+    assert not _on_device(residency)
+
+
+def test_cli_performance_mode_reaches_the_worker(tiny_distill_dir, tmp_path, monkeypatch):
+    """`--performance-mode memory` through `main`: the in-process worker loads on the host and offloads (forced on,
+    since a CPU device has nowhere to offload to)."""
+    from k6serve.cli.main import main
+    from k6serve.runtime import process_group_worker
+
+    workers: list[ModelWorker] = []
+
+    def in_process(config):
+        workers.append(ModelWorker(config))
+        return workers[-1]
+
+    monkeypatch.setattr(process_group_worker, "MultiProcessWorker", in_process)
+    monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: True))
+    assert main(["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--attention-backend",
+                 "sdpa", "--performance-mode", "memory", "--prompt", "x", "--height", "32", "--width", "32",
+                 "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
+    (worker,) = workers
+    assert worker.config.runtime.performance_mode == "memory" and worker.weights_device == torch.device("cpu")
+    assert worker.offload_report.mode == "memory" and worker.offload_report.num_streamed_blocks > 0
+    assert not _on_device(worker.pipeline.residency)
+    assert len(list(tmp_path.glob("*.mp4"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("layout", "named"),
+    [
+        ({"num_gpus": 2, "tp_size": 2}, "--tp-size 2"),
+        ({"num_gpus": 2, "ulysses_degree": 2, "use_fsdp_inference": True}, "--use-fsdp-inference"),
+        ({"num_gpus": 2, "ulysses_degree": 2, "encoder_parallel": "fold"}, "--encoder-parallel fold"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_offload_refuses_sharded_weights(layout, named, mode):
+    with pytest.raises(ValueError, match=rf"--performance-mode {mode} offloads the weights.*\({named}\): use "
+                                         rf"--performance-mode speed with {named}"):
+        build_engine_config("demo", performance_mode=mode, **layout)
+    build_engine_config("demo", performance_mode="speed", **layout)  # the same layout without offloading is fine
+
+
+def test_offload_refusal_through_the_cli(capsys):
+    from k6serve.cli.main import main
+
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-gpus", "2", "--tp-size", "2",
+                 "--performance-mode", "balanced"]) == 2
+    assert "cannot work with weights sharded across GPUs (--tp-size 2)" in capsys.readouterr().err
