@@ -173,3 +173,20 @@ def test_offload_refusal_through_the_cli(capsys):
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-gpus", "2", "--tp-size", "2",
                  "--performance-mode", "balanced"]) == 2
     assert "cannot work with weights sharded across GPUs (--tp-size 2)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory, the side stream and events need CUDA")
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
+    """On a GPU: the worker loads on the host and offloads from pinned memory; the outputs equal a resident run of
+    the same mode bit for bit, and no weight is left on the GPU after the request."""
+    config = build_engine_config(str(tiny_distill_dir), device="cuda", performance_mode=mode,
+                                 attention_backend="sdpa")
+    offloaded_worker = ModelWorker(config)
+    assert offloaded_worker.offload_report.pinned and offloaded_worker.weights_device.type == "cpu"
+    offloaded = _generate(offloaded_worker)
+    for module in offloaded_worker.pipeline.components().values():
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in module.parameters())
+    monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
+    resident = _generate(ModelWorker(config))
+    assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
