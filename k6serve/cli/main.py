@@ -38,7 +38,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("load_format", dict(choices=LOAD_FORMATS, help="'dummy' builds the released sizes with random weights (benchmarks).")),
     ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto: bfloat16 on CUDA, float32 on CPU).")),
     ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
-    ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance.")),
+    ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
+                         "eager, each component on the GPU only for its stage (weights in host memory); memory: "
+                         "balanced, and the DiT's blocks streamed one at a time.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
                           "fa_fp8 (FA3 in FP8 for the video self-attention: Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "

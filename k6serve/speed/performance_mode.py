@@ -5,8 +5,19 @@
   autotuning; the compiled decoder only with `compile_vae_decoder` = `--compile-vae true`, see `speed/vae.py`). Each
   keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
   within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
-* "balanced" / "memory": nothing yet; they will add offloading (fusing allocates each module's
-  projection weights twice for a moment, and compiling holds graphs, which memory mode should avoid).
+* "balanced" / "memory": no speed transforms (eager kernels, untrimmed text padding), so their outputs are the
+  same bits offloaded or not, and the mode stays the bit-exact reference for Ulysses runs. What they add is
+  offloading, applied by the worker after this function (`k6serve/offload/`, CUDA only: on the CPU there is
+  nowhere to offload to): "balanced" keeps every component in pinned host memory and moves it to the GPU only for
+  its stage (peak: the largest component, the 56 GiB Pro DiT, plus activations); "memory" also streams the DiT's
+  repeated blocks one at a time with the next one prefetched on a side stream (peak: the non-block weights plus
+  three blocks, ~0.9 GiB each for Pro, plus activations; the hidden copy is an estimate from PCIe bandwidth, not yet
+  measured on a GPU). Fused projections stay off because fusing allocates each module's projection weights twice
+  for a moment and the fused copy would have to move too; regional compile stays off because it buys speed these
+  modes give up anyway and its graphs hold device memory. The weights are loaded (and `--load-format dummy` builds
+  them) on the host, so the model never needs to fit on the GPU at once. Refused with sharded weights
+  (`--tp-size`, `--use-fsdp-inference`, `--encoder-parallel fold`); with Ulysses / Ring / CFG parallel each rank
+  offloads its own replica (one host copy per GPU).
 * On a non-CUDA device every mode is a no-op, so CPU outputs stay bitwise equal to diffusers'.
 
 Tensor-parallel weights are not fused (see `fused_projections.py`); a `ModelPlan` supplies the blocks to
