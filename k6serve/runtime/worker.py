@@ -115,7 +115,8 @@ class ModelWorker:
             # Measured on two H200s: compiled kernels are generated per shape, so a sharded run rounds
             # differently from one GPU (docs/parallelism.md); eager kernels keep Ulysses bit-exact.
             logger.warning("Ulysses with --performance-mode speed compiles the DiT per shape: outputs match one GPU "
-                           "within rounding, not bit for bit. Use --performance-mode balanced for bit-exact output.")
+                           "within rounding, not bit for bit. Use --performance-mode balanced for bit-exact output "
+                           "(eager kernels; it also keeps the weights on the host between stages).")
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
             logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")

@@ -26,3 +26,40 @@ def test_dummy_transformer_has_the_released_size_and_dtypes(name):
 def test_dummy_rejects_non_generation_variants():
     with pytest.raises(ValueError, match="no built-in transformer config"):
         released_transformer_config(VARIANTS["vsr"])
+
+
+def test_dummy_weights_drawn_elsewhere_equal_the_resident_build(tiny_sr_configs):
+    """Offloading builds dummy weights in host memory but draws them on the GPU (one CPU generator takes minutes
+    at the released sizes): drawn on another device and copied, the weights equal the in-place build's. On a
+    CPU-only machine "cpu:0" stands in for that other device (another torch.device, the same generator)."""
+    from k6serve.models.kandinsky6_sr.checkpoint import build_dummy_sr_models
+    from k6serve.models.variants import VARIANTS as ALL
+    from k6serve.testing.tiny_configs import tiny_transformer_config
+
+    cpu, elsewhere = torch.device("cpu"), torch.device("cpu", 0)
+    config = tiny_transformer_config(distilled=True)
+    resident = build_dummy_transformer(config, device=cpu, dtype=torch.float32, seed=4)
+    drawn = build_dummy_transformer(config, device=cpu, dtype=torch.float32, seed=4, random_device=elsewhere)
+    for (name, a), (_, b) in zip(resident.named_parameters(), drawn.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+    from k6serve.models.kandinsky6_sr import checkpoint as sr_checkpoint
+
+    draws = []
+    original = sr_checkpoint.init_dummy_weights_
+
+    def recording(module, seed, random_device=None):
+        draws.append(random_device)
+        return original(module, seed, random_device=elsewhere)
+
+    vsr = ALL["vsr-distilled2steps"]
+    expected = build_dummy_sr_models(tiny_sr_configs, vsr, device=cpu, dtype=torch.float32, seed=2)
+    sr_checkpoint.init_dummy_weights_ = recording
+    try:
+        got = build_dummy_sr_models(tiny_sr_configs, vsr, device=cpu, dtype=torch.float32, seed=2)
+    finally:
+        sr_checkpoint.init_dummy_weights_ = original
+    assert draws == [cpu, cpu, cpu]  # no GPU here: drawn where the weights live
+    for a, b in ((expected.transformer, got.transformer), (expected.vae.model, got.vae.model)):
+        for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            assert torch.equal(x, y), name

@@ -144,10 +144,13 @@ def build_dummy_sr_models(
     shapes = {name: tuple(parameter.shape) for name, parameter in transformer.named_parameters()}
     check_head_fits_scheduler(configs.transformer, configs.scheduler, shapes)
     weights_device = device if weights_device is None else weights_device
+    # On the host beside a GPU (offloading) the numbers are still drawn on the GPU, parameter by parameter: one CPU
+    # generator takes minutes for the released sizes, and the weights then equal a GPU build's.
+    random_device = device if device.type == "cuda" and weights_device.type == "cpu" else weights_device
     if weights_device.type != "meta":
         for offset, module in enumerate((transformer, vae, bank)):
             module.to_empty(device=weights_device)
-            init_dummy_weights_(module, seed=seed + offset)
+            init_dummy_weights_(module, seed=seed + offset, random_device=random_device)
     return _assemble(configs, transformer, vae, bank, variant, device, dtype, source="dummy",
                      weights_device=weights_device)
 
@@ -171,14 +174,22 @@ def build_empty_modules(
 
 
 @torch.no_grad()
-def init_dummy_weights_(module: nn.Module, seed: int) -> None:
-    """N(0, 1/fan_in) matrices and kernels, unit norm gains, zero biases: O(1) activations in bf16."""
+def init_dummy_weights_(module: nn.Module, seed: int, random_device: torch.device | None = None) -> None:
+    """N(0, 1/fan_in) matrices and kernels, unit norm gains, zero biases: O(1) activations in bf16. The normal
+    draws come from a generator on `random_device` (default: the module's device): the same values for any
+    module device."""
     parameters = list(module.named_parameters())
     device = parameters[0][1].device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    random_device = torch.device(device if random_device is None else random_device)
+    generator = torch.Generator(device=random_device).manual_seed(seed)
     for name, parameter in parameters:
         if parameter.ndim >= 2:
-            parameter.normal_(0.0, 1.0 / math.sqrt(parameter[0].numel()), generator=generator)
+            std = 1.0 / math.sqrt(parameter[0].numel())
+            if parameter.device == random_device:
+                parameter.normal_(0.0, std, generator=generator)
+            else:
+                parameter.copy_(torch.empty(parameter.shape, dtype=parameter.dtype, device=random_device).normal_(
+                    0.0, std, generator=generator))
         elif name.endswith(("gamma", "norm.weight")):
             parameter.fill_(1.0)
         else:
