@@ -176,8 +176,8 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
     """Released sizes, random weights, created on `weights_device` in `dtype` (benchmarks; outputs are noise).
 
     On the host beside a GPU (offloading) the random numbers are still drawn on the GPU, which is what makes the
-    build take seconds: drawing 38 B parameters with one CPU generator takes many minutes (measured: the Lite
-    build did not finish in 210 s on the H200 host). The DiT, which need not fit on the GPU, is drawn one
+    build take seconds: one CPU generator draws about 100 M values per 0.5 s, so Pro's 38 B parameters would take
+    over three minutes. The DiT, which need not fit on the GPU, is drawn one
     parameter at a time and copied to its host storage, from the same generator sequence as a GPU build, so its
     weights equal the resident build's; every other component is built on the GPU and then moved to the host (each
     must fit on the GPU anyway, for its stage)."""
