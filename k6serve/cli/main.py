@@ -227,22 +227,14 @@ def describe_os_error(exc: OSError, output_path: str) -> str:
     return f"{text}; {fix}" + (", or pass --output-path on another disk" if in_output else "")
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether a run failed because the device ran out of memory: in process a `torch.OutOfMemoryError`; from a
-    worker process a RuntimeError whose message carries the rank's error (its type name and torch's text)."""
-    import torch
-
-    text = str(exc)
-    return isinstance(exc, torch.OutOfMemoryError) or "OutOfMemoryError" in text or "CUDA out of memory" in text
-
-
 def describe_out_of_memory(exc: BaseException) -> str:
     """One line: the device's memory ran out (not a bug in k6serve), torch's own first line, and what to change."""
-    detail = next((line.strip() for line in str(exc).splitlines() if "out of memory" in line.lower()), "")
-    detail = detail[detail.lower().find("cuda out of memory"):] if "cuda out of memory" in detail.lower() else detail
-    return (f"the GPU ran out of memory ({detail[:200] or type(exc).__name__}); ask for fewer pixels or frames "
-            "(--height, --width, --num-frames), or spread the model over more GPUs (--num-gpus with "
-            "--use-fsdp-inference true, --ulysses-degree).")
+    from k6serve.runtime.out_of_memory import out_of_memory_detail
+
+    return (f"the GPU ran out of memory ({out_of_memory_detail(exc)}); ask for fewer pixels or frames "
+            "(--height, --width, --num-frames), run with --performance-mode balanced or memory (weights in host "
+            "memory), or spread the model over more GPUs (--num-gpus with --use-fsdp-inference true, "
+            "--ulysses-degree).")
 
 
 def _print_traceback(exc: BaseException, log_level: str) -> None:
@@ -300,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SYSTEM_ERROR
     except Exception as exc:  # noqa: BLE001 - anything else is a bug: one line, the traceback at debug level
         _print_traceback(exc, args.log_level)
+        from k6serve.runtime.out_of_memory import is_out_of_memory  # torch: imported only when a run failed
+
         if is_out_of_memory(exc):
             print(f"error: {describe_out_of_memory(exc)}", file=sys.stderr)
             return EXIT_SYSTEM_ERROR

@@ -19,6 +19,7 @@ from concurrent.futures import CancelledError
 
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
+from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, JobStore
 from k6serve.serve.metrics import ServerMetrics
@@ -211,8 +212,14 @@ class JobRunner:
         except ValueError as exc:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
-            self._record(job, JobStatus.FAILED, error_code="generation_failed",
-                         error_message=f"{type(exc).__name__}: {exc}")
+            if is_out_of_memory(exc):
+                # The request was too big for this server's GPU, not broken: say so and what a retry can change.
+                self._record(job, JobStatus.FAILED, error_code="out_of_memory",
+                             error_message=f"The GPU ran out of memory for this request ({out_of_memory_detail(exc)});"
+                                           " retry with a smaller size or fewer seconds.")
+            else:
+                self._record(job, JobStatus.FAILED, error_code="generation_failed",
+                             error_message=f"{type(exc).__name__}: {exc}")
         else:
             with self._lock:  # so a cancel cannot land between this check and the job becoming completed
                 if self._cancel_requested(job.id):

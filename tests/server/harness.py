@@ -30,7 +30,7 @@ class FakeWorker:
 
     Prompt directives: "hold" keeps stepping until `release` is set (a job that stays running), "slow decode"
     reports every step then waits for `release` with no step boundary left (like the VAE decode; `decoding` is
-    set meanwhile), "fail" raises.
+    set meanwhile), "fail" raises, "exhaust memory" raises a worker process's out-of-memory error.
     """
 
     def __init__(self, variant: Variant, *, step_delay_s: float = 0.0) -> None:
@@ -69,6 +69,10 @@ class FakeWorker:
         if "slow decode" in prompt:
             self.decoding.set()
             self.release.wait(30)
+        if "exhaust memory" in prompt:
+            # What a worker process's OOM looks like once the engine has it (process_group_worker._failure_error).
+            raise RuntimeError("request 1 failed on replica 0: rank 0: OutOfMemoryError: CUDA out of memory. "
+                               "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
         if "fail" in prompt:
             raise RuntimeError("fake worker failure")
         digest = hashlib.sha256(repr((prompt, request.seed)).encode())

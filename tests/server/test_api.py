@@ -158,6 +158,19 @@ def test_failed_job_reports_error_and_others_still_complete(fake_client):
     assert wait_for(fake_client, good["id"])["status"] == "completed"
 
 
+def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_client):
+    job = fake_client.post("/v1/videos", json={"prompt": "exhaust memory", "size": "32x32", "num_frames": 5}).json()
+    failed = wait_for(fake_client, job["id"])
+    assert failed["status"] == "failed"
+    assert failed["error"] == {
+        "code": "out_of_memory",
+        "message": "The GPU ran out of memory for this request (CUDA out of memory. Tried to allocate 9.00 GiB.); "
+                   "retry with a smaller size or fewer seconds.",
+    }
+    later = fake_client.post("/v1/videos", json={"prompt": "fine", "size": "32x32", "num_frames": 5}).json()
+    assert wait_for(fake_client, later["id"])["status"] == "completed"
+
+
 def test_models_health_metrics(fake_client):
     models = fake_client.get("/v1/models").json()
     assert models["object"] == "list"
