@@ -205,24 +205,36 @@ def train_clip_tokenizer() -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
 
 
+def video_processor_base() -> tuple[str, type]:
+    """The base class `ProcessorMixin` checks a `video_processor` against, with its name: `VideoProcessorMixin` in
+    newer transformers, `BaseVideoProcessor` in older 5.x releases (5.17, the GPU image's). The name comes from
+    transformers' own table, so neither release needs a guess."""
+    from transformers import processing_utils, video_processing_utils
+
+    name = processing_utils.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"]
+    return name, getattr(video_processing_utils, name)
+
+
 def register_video_processor_base() -> None:
     """Let transformers build `Qwen2_5_VLProcessor` without torchvision (k6-generation.md §7.3).
 
-    `ProcessorMixin` checks `video_processor` against `VideoProcessorMixin`, which it resolves
+    `ProcessorMixin` checks `video_processor` against its base class (`video_processor_base`), which it resolves
     through a transformers module object that hides the class when torchvision is missing.
     """
     from transformers import processing_utils
-    from transformers.video_processing_utils import VideoProcessorMixin
 
-    if not hasattr(processing_utils.transformers_module, "VideoProcessorMixin"):
-        processing_utils.transformers_module.VideoProcessorMixin = VideoProcessorMixin
+    name, base = video_processor_base()
+    # Where torchvision is missing the module shows a placeholder under that name (transformers 5.17) or nothing
+    # (newer releases); either way an isinstance check against it fails for a real subclass.
+    if getattr(processing_utils.transformers_module, name, None) is not base:
+        setattr(processing_utils.transformers_module, name, base)
 
 
 def _text_only_video_processor():
     """A video processor placeholder: K6 never feeds video to Qwen, only its config is needed."""
-    from transformers.video_processing_utils import VideoProcessorMixin
+    _, VideoProcessorBase = video_processor_base()  # noqa: N806 (a class)
 
-    class Qwen2VLTextOnlyVideoProcessor(VideoProcessorMixin):
+    class Qwen2VLTextOnlyVideoProcessor(VideoProcessorBase):
         merge_size = 2
         temporal_patch_size = 2
         patch_size = 14

@@ -281,3 +281,23 @@ def test_demo_builder_survives_losing_the_race(tmp_path, monkeypatch):
 def test_unknown_demo_kind_is_refused():
     with pytest.raises(ValueError, match="t2av"):
         ensure_demo_checkpoint("v2v")
+
+
+def test_qwen_processor_builds_with_either_video_processor_base(monkeypatch):
+    """transformers 5.17 (the floor in pyproject, and the GPU image's) checks a Qwen processor's video processor
+    against `BaseVideoProcessor`, shown as a torchvision placeholder without torchvision; newer releases against
+    `VideoProcessorMixin`. The demo builder read only the newer name, so `--model-path demo` failed on 5.17. Here
+    the current release is made to ask for the older name, placeholder included."""
+    from transformers import processing_utils, video_processing_utils
+
+    from k6serve.testing.tokenizers import build_qwen_processor, train_qwen_tokenizer
+
+    for name in ("VideoProcessorMixin", "BaseVideoProcessor"):
+        if not hasattr(video_processing_utils, name):
+            continue
+        monkeypatch.setitem(processing_utils.MODALITY_TO_BASE_CLASS_MAPPING, "video_processor", name)
+        placeholder = type(name, (), {})  # what transformers shows where torchvision is missing
+        monkeypatch.setattr(processing_utils.transformers_module, name, placeholder, raising=False)
+        processor = build_qwen_processor(train_qwen_tokenizer())
+        assert isinstance(processor.video_processor, getattr(video_processing_utils, name))
+        monkeypatch.undo()
