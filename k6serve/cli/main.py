@@ -297,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         if is_out_of_memory(exc):
             print(f"error: {describe_out_of_memory(exc)}", file=sys.stderr)
             return EXIT_SYSTEM_ERROR
-        summary = next(iter(str(exc).splitlines()), "")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        summary = lines[0] if lines else ""
+        if summary.endswith(":") and len(lines) > 1:
+            # A header over a worker's traceback ("replica 0 failed to start:"): its last line is the error itself.
+            summary = f"{summary} {lines[-1]}"
         print(f"error: internal error ({type(exc).__name__}: {summary}); this is a bug in k6serve: rerun with "
               "--log-level debug for the traceback and report it.", file=sys.stderr)
         return EXIT_INTERNAL_ERROR

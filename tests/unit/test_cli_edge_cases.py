@@ -385,3 +385,18 @@ def test_cli_out_of_memory_is_a_machine_limit_with_a_fix_not_a_bug(in_process_cl
     err = capsys.readouterr().err
     assert f"error: the GPU ran out of memory ({oom}); ask for fewer pixels or frames" in err
     assert "--num-frames" in err and "bug" not in err and "Traceback" not in err
+
+
+def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_process_cli, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A replica that failed to start sends a header line and its traceback; the one-line error shows the header
+    and the traceback's last line (the error itself), not the header alone."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("replica 0 failed to start:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                           "ImportError: cannot import name 'VideoProcessorMixin'\n")
+
+    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", broken)
+    assert main([*in_process_cli, "--output-path", str(tmp_path)]) == 70
+    err = capsys.readouterr().err
+    assert ("error: internal error (RuntimeError: replica 0 failed to start: ImportError: cannot import name "
+            "'VideoProcessorMixin'); this is a bug in k6serve") in err
