@@ -91,8 +91,18 @@ class Engine:
 
     def generate(self, params: SamplingParams, output: OutputOptions | None = None, *,
                  on_progress: ProgressCallback | None = None) -> VideoResult:
-        """Run one request and return its result; its failure is raised here, not logged."""
-        return self.submit(params, output, on_progress=on_progress, log_failure=False).future.result()
+        """Run one request and return its result; its failure is raised here, not logged. A caller interrupted
+        while it waits (Ctrl-C: KeyboardInterrupt) cancels the request at its next step boundary."""
+        job = self.submit(params, output, on_progress=on_progress, log_failure=False)
+        try:
+            return job.future.result()
+        except BaseException:
+            if job.future.done():
+                raise
+            # Nobody is left to take the result: without this a Ctrl-C in a notebook left the request running
+            # to its end, holding the worker for the next one, and shutdown() waited for it.
+            job.cancel()
+            raise
 
     def queue_depth(self) -> int:
         return self._queue.qsize()

@@ -1,0 +1,69 @@
+"""The Python API and the engine as a demanding user drives them: interrupts, shutdown races, progress callbacks,
+signals reaching the worker processes. Fake workers keep these in seconds; the multi-process ones use gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.models.variants import VARIANTS
+from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.runtime.engine import Engine, RequestCancelled
+
+
+def fake_config() -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model_path="fake-k6", load_format="dummy"),
+        parallel=ParallelConfig(),
+        runtime=RuntimeConfig(device="cpu"),
+    )
+
+
+class StepWorker:
+    """In-process stand-in for the worker: `num_inference_steps` steps of `step_s` seconds each."""
+
+    variant = VARIANTS["pro"]
+
+    def __init__(self, step_s: float = 0.02) -> None:
+        self.step_s = step_s
+        self.cancelled: list[int] = []
+
+    def run(self, params: SamplingParams, output: OutputOptions, on_step=None) -> VideoResult:
+        total = params.num_inference_steps or 1
+        try:
+            for step in range(1, total + 1):
+                time.sleep(self.step_s)
+                if on_step is not None:
+                    on_step(step, total)
+        except RequestCancelled:
+            self.cancelled.append(step)
+            raise
+        return VideoResult(output_file_path=None, frames=None, audio=None, audio_sample_rate=44100, fps=24.0,
+                           seed=params.seed or 42, timings={"total": 0.0}, peak_memory_mb=0.0, num_frames=1,
+                           height=16, width=16, notes=[f"steps={total}"])
+
+
+def test_ctrl_c_while_waiting_cancels_the_request_and_the_engine_stays_usable():
+    worker = StepWorker()
+    engine = Engine(fake_config(), worker=worker)
+    main_pid = os.getpid()
+
+    def interrupt_at_step_two(step: int, total: int) -> None:
+        if step == 2:
+            os.kill(main_pid, signal.SIGINT)  # what Ctrl-C (a terminal, a notebook's interrupt) delivers
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(SamplingParams(prompt="long", num_inference_steps=500), on_progress=interrupt_at_step_two)
+        start = time.monotonic()
+        # 500 steps take 10 s: the next request only runs at once if the interrupted one stopped.
+        result = engine.generate(SamplingParams(prompt="next", num_inference_steps=1))
+        assert time.monotonic() - start < 3
+        assert result.notes == ["steps=1"]
+        assert len(worker.cancelled) == 1 and worker.cancelled[0] < 100
+    finally:
+        engine.shutdown()
