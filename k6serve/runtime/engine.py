@@ -68,6 +68,7 @@ class Engine:
             for index in range(getattr(worker, "num_replicas", 1))
         ]
         self._closed = False
+        self._closing = threading.Lock()
         for thread in self._threads:
             thread.start()
 
@@ -82,11 +83,14 @@ class Engine:
     def submit(self, params: SamplingParams, output: OutputOptions | None = None, *,
                on_progress: ProgressCallback | None = None, job_id: str | None = None,
                log_failure: bool = True) -> EngineJob:
-        if self._closed:
-            raise RuntimeError("The engine has been shut down.")
         job = EngineJob(id=job_id or f"req-{next(self._ids)}", params=params, output=output or OutputOptions(),
                         on_progress=on_progress, log_failure=log_failure)
-        self._queue.put(job)
+        # Checked and queued under the lock that shutdown() takes to queue the stops: a job queued behind them
+        # would never run and its caller would wait forever.
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("The engine has been shut down.")
+            self._queue.put(job)
         return job
 
     def generate(self, params: SamplingParams, output: OutputOptions | None = None, *,
@@ -135,11 +139,12 @@ class Engine:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Finish the running requests, stop the loop threads, then close the worker (its processes)."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put(_STOP)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(_STOP)
         for thread in self._threads:
             thread.join(timeout)
         close = getattr(self.worker, "close", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -67,3 +68,40 @@ def test_ctrl_c_while_waiting_cancels_the_request_and_the_engine_stays_usable():
         assert len(worker.cancelled) == 1 and worker.cancelled[0] < 100
     finally:
         engine.shutdown()
+
+
+class _ShutdownBeforePut:
+    """A queue whose put of a request lets a concurrent shutdown() run first: the window between submit's
+    closed check and its put."""
+
+    def __init__(self, engine: Engine, inner) -> None:
+        self.engine, self.inner = engine, inner
+        self.shutdown_thread: threading.Thread | None = None
+
+    def put(self, item) -> None:
+        if hasattr(item, "future"):
+            self.shutdown_thread = threading.Thread(target=self.engine.shutdown)
+            self.shutdown_thread.start()
+            self.shutdown_thread.join(0.5)
+        self.inner.put(item)
+
+    def get(self, *args, **kwargs):
+        return self.inner.get(*args, **kwargs)
+
+    def qsize(self) -> int:
+        return self.inner.qsize()
+
+
+def test_a_request_racing_shutdown_runs_or_fails_but_never_hangs():
+    engine = Engine(fake_config(), worker=StepWorker())
+    racing = _ShutdownBeforePut(engine, engine._queue)
+    engine._queue = racing
+    try:
+        job = engine.submit(SamplingParams(prompt="racing", num_inference_steps=1))
+        assert job.future.result(timeout=5).notes == ["steps=1"]
+    finally:
+        engine.shutdown()
+        if racing.shutdown_thread is not None:
+            racing.shutdown_thread.join(5)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(SamplingParams(prompt="after", num_inference_steps=1))
