@@ -121,9 +121,9 @@ class DiffGenerator:
         check_output(output)
         return self.engine.generate(params, output, on_progress=on_progress)
 
-    def upscale(self, video_path: str, **kwargs: Any) -> VideoResult:
-        """Super-resolution convenience: `generate(video_path=...)`."""
-        return self.generate({"video_path": video_path, **kwargs})
+    def upscale(self, video_path: str, *, on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
+        """Super-resolution convenience: `generate(video_path=...)`, with the same progress callback."""
+        return self.generate({"video_path": video_path, **kwargs}, on_progress=on_progress)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

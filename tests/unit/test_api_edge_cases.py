@@ -105,3 +105,20 @@ def test_a_request_racing_shutdown_runs_or_fails_but_never_hangs():
             racing.shutdown_thread.join(5)
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(SamplingParams(prompt="after", num_inference_steps=1))
+
+
+def test_upscale_takes_a_progress_callback(tmp_path):
+    from k6serve.api import DiffGenerator
+
+    class Recorder(StepWorker):
+        def run(self, params, output, on_step=None):
+            self.params = params
+            return super().run(params, output, on_step)
+
+    worker = Recorder()
+    steps: list[tuple[int, int]] = []
+    with DiffGenerator(Engine(fake_config(), worker=worker)) as generator:
+        generator.upscale(str(tmp_path / "source.mp4"), num_inference_steps=2, save_output=False,
+                          on_progress=lambda step, total: steps.append((step, total)))
+    assert steps == [(1, 2), (2, 2)]
+    assert worker.params.video_path == str(tmp_path / "source.mp4")
