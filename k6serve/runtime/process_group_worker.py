@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -269,6 +270,16 @@ def rank_main(
         dist.destroy_process_group()
 
 
+def _engine_rank_main(*args) -> None:
+    """`rank_main` in a process the engine started: Ctrl-C is the engine's to handle.
+
+    A terminal's Ctrl-C reaches the whole process group: the ranks died mid-step with a traceback each while the
+    engine, which cancels the request and shuts them down, was still running.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank_main(*args)
+
+
 def serve_worker_ranks(config: EngineConfig, build_rank_worker: RankWorkerFactory = build_model_worker) -> None:
     """Run the ranks of a host that does not host the engine (--node-rank > 0, or torchrun rank > 0)."""
     device_type = device_type_for(config.runtime.device)
@@ -337,7 +348,8 @@ class MultiProcessWorker:
             for spec in local_rank_specs(parallel, device_type):
                 args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
                         authkey if spec.rank == 0 else None)
-                self._processes[spec.rank] = start_process(rank_main, args, name=f"k6serve-rank{spec.rank}")
+                self._processes[spec.rank] = start_process(_engine_rank_main, args,
+                                                           name=f"k6serve-rank{spec.rank}")
         self._ids = itertools.count()
         self._idle: list[_Replica] = []
         self._replicas: list[_Replica] = []
@@ -345,7 +357,9 @@ class MultiProcessWorker:
         try:
             self._replicas = self._wait_until_ready(parallel.dist_timeout_s)
         except BaseException:
-            self.close()
+            # The ranks ignore SIGINT and have no connection to be told to stop on: a Ctrl-C while they load must
+            # not wait out the usual grace before they are terminated.
+            self.close(timeout_s=2.0)
             raise
         self._idle = list(self._replicas)
 

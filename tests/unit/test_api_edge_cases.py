@@ -122,3 +122,22 @@ def test_upscale_takes_a_progress_callback(tmp_path):
                           on_progress=lambda step, total: steps.append((step, total)))
     assert steps == [(1, 2), (2, 2)]
     assert worker.params.video_path == str(tmp_path / "source.mp4")
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_reaching_the_worker_processes_leaves_them_serving():
+    from test_launch import FakeRankWorker, make_config
+
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+    worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        # A terminal sends Ctrl-C to every process of the group; the engine process decides what stops.
+        os.kill(worker.pids[0], signal.SIGINT)
+        time.sleep(0.5)
+        assert engine.generate(SamplingParams(prompt="cat", num_inference_steps=1)).num_frames > 0
+        assert all(process.is_alive() for process in worker._processes.values())
+    finally:
+        engine.shutdown()
+    assert all(not process.is_alive() for process in worker._processes.values())
