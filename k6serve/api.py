@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from pathlib import Path
@@ -113,10 +114,18 @@ class DiffGenerator:
     def variant(self):
         return self.engine.variant
 
-    def generate(self, sampling_params_kwargs: dict[str, Any] | None = None, *,
+    def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
         """Run one request. Keys: every SamplingParams field plus save_output, output_path, output_file_name,
-        return_frames and return_file_paths_only (the seed's names)."""
+        return_frames and return_file_paths_only (the seed's names). A `SamplingParams` object (the class is
+        exported) stands for the fields it sets away from their defaults; keyword arguments still win."""
+        if isinstance(sampling_params_kwargs, SamplingParams):
+            # Its unset fields are defaults, not choices: passing them on would, e.g., contradict return_frames.
+            sampling_params_kwargs = {
+                item.name: getattr(sampling_params_kwargs, item.name)
+                for item in dataclasses.fields(sampling_params_kwargs)
+                if getattr(sampling_params_kwargs, item.name) != item.default
+            }
         params, output = split_kwargs({**(sampling_params_kwargs or {}), **kwargs})
         check_output(output)
         return self.engine.generate(params, output, on_progress=on_progress)

@@ -141,3 +141,23 @@ def test_ctrl_c_reaching_the_worker_processes_leaves_them_serving():
     finally:
         engine.shutdown()
     assert all(not process.is_alive() for process in worker._processes.values())
+
+
+def test_generate_takes_a_sampling_params_object(tmp_path):
+    """`k6serve` exports SamplingParams, and `generate(SamplingParams(...))` used to fail with "'SamplingParams'
+    object is not a mapping". Its fields set away from their defaults are the request; keyword arguments win, and
+    return_frames=True no longer meets the object's default return_file_paths_only=True as a contradiction."""
+    from k6serve.api import DiffGenerator
+
+    class Recorder(StepWorker):
+        def run(self, params, output, on_step=None):
+            self.seen = (params, output)
+            return super().run(params, output, on_step)
+
+    worker = Recorder()
+    with DiffGenerator(Engine(fake_config(), worker=worker)) as generator:
+        generator.generate(SamplingParams(prompt="a cat", seed=7, num_inference_steps=2), save_output=False,
+                           seed=8, return_frames=True)
+    params, output = worker.seen
+    assert (params.prompt, params.seed, params.num_inference_steps) == ("a cat", 8, 2)
+    assert output.return_frames is True and output.save_output is False
