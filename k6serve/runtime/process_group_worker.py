@@ -354,6 +354,7 @@ class MultiProcessWorker:
         self._idle: list[_Replica] = []
         self._replicas: list[_Replica] = []
         self._changed = threading.Condition()
+        self._closed = False  # set by close(): requests then fail as shut down, not as crashed
         try:
             self._replicas = self._wait_until_ready(parallel.dist_timeout_s)
         except BaseException:
@@ -440,6 +441,9 @@ class MultiProcessWorker:
     def _take_idle_replica(self) -> _Replica:
         with self._changed:
             while True:
+                if self._closed:
+                    # A deliberate shutdown, not a crash: "replicas died, restart" would send the user hunting.
+                    raise RuntimeError("The engine has been shut down; this request did not run.")
                 if not any(r.alive for r in self._replicas):
                     raise RuntimeError("every worker replica has died; restart the engine (see the errors above).")
                 if self._idle:
@@ -479,6 +483,9 @@ class MultiProcessWorker:
         raise _failure_error(message, request_id, replica.index)
 
     def _replica_died(self, replica: _Replica, request_id: int, detail: str = "") -> RuntimeError:
+        if self._closed:
+            # close() stopped the replica under this request (shutdown outwaited it): not a crash to debug.
+            return RuntimeError(f"request {request_id} was stopped by the engine's shutdown while it ran.")
         replica.alive = False
         ranks = self.layout.replica_ranks(replica.index)
         # A rank's sentinel fires as it exits, slightly before its exit code can be read; the leader may also
@@ -499,6 +506,7 @@ class MultiProcessWorker:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every replica to shut down, then stop whatever is still running."""
+        self._closed = True
         for replica in self._replicas:
             if replica.alive:
                 try:

@@ -161,3 +161,18 @@ def test_generate_takes_a_sampling_params_object(tmp_path):
     params, output = worker.seen
     assert (params.prompt, params.seed, params.num_inference_steps) == ("a cat", 8, 2)
     assert output.return_frames is True and output.save_output is False
+
+
+@pytest.mark.multiprocess
+def test_requests_after_a_deliberate_shutdown_say_so_not_that_replicas_died():
+    """After close() a request failed with "every worker replica has died; restart the engine (see the errors
+    above)", which sent a user looking for a crash that never happened."""
+    from test_launch import FakeRankWorker, make_config
+
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+    worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
+    assert worker.run(SamplingParams(prompt="cat", num_inference_steps=1), OutputOptions(save_output=False))
+    worker.close()
+    with pytest.raises(RuntimeError, match=r"^The engine has been shut down; this request did not run\.$"):
+        worker.run(SamplingParams(prompt="cat", num_inference_steps=1), OutputOptions(save_output=False))
