@@ -125,7 +125,9 @@ def write_mp4_stream(
     `frame_chunks` is iterated in the calling thread (e.g. a GPU decode) while a background thread
     encodes the chunks already produced; at most `QUEUED_CHUNKS` wait in between. Every chunk is
     uint8 (T_i, H, W, 3) with the first chunk's H and W. An error on either side stops both,
-    removes the temporary file and is raised here; the encoder thread has ended by then.
+    removes the temporary file and is raised here; the encoder thread has ended by then. An error
+    of the producer (e.g. a request cancelled between decode chunks) drops the chunks still queued
+    unencoded, so the encoder stops after the chunk it is on.
     """
     rate = fps_fraction(fps)
     waveform = None if audio is None else _check_audio(audio, sample_rate)
@@ -297,10 +299,11 @@ def _encode_in_background(
     """Iterate `frame_chunks` here, encode them to `path` in a thread; raise either side's error."""
     queued: queue.Queue = queue.Queue(maxsize=QUEUED_CHUNKS)
     failures: list[BaseException] = []
+    aborted = threading.Event()
 
     def encode() -> None:
         try:
-            _encode(path, _take_queued(queued), rate, waveform, sample_rate, crf)
+            _encode(path, _take_queued(queued, aborted), rate, waveform, sample_rate, crf)
         except _ProducerFailed:
             pass
         except BaseException as exc:  # noqa: BLE001 (raised in the calling thread after the join)
@@ -311,6 +314,7 @@ def _encode_in_background(
     try:
         _feed(queued, frame_chunks, encoder, failures)
     except BaseException:
+        aborted.set()
         _put(queued, _ABORT, encoder, failures)
         encoder.join()
         raise
@@ -353,9 +357,10 @@ def _put(
     return False
 
 
-def _take_queued(queued: queue.Queue) -> Iterator[np.ndarray]:
+def _take_queued(queued: queue.Queue, aborted: threading.Event) -> Iterator[np.ndarray]:
     while (item := queued.get()) is not _END:
-        if item is _ABORT:
+        # Up to QUEUED_CHUNKS may wait ahead of _ABORT: encoding them would only delay a cancelled request.
+        if item is _ABORT or aborted.is_set():
             raise _ProducerFailed
         yield item
 

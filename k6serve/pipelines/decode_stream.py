@@ -7,6 +7,11 @@ previous, already final tile, and the blend writes into the new tile, so the fra
 soon as that tile is decoded and blended. `decode_video_chunks` runs the same per-tile calls, blend and crop and
 quantises like `decode.decode_video`, so the concatenated chunks equal `decode_video(...).frames_THWC` bitwise.
 
+Cancellation: the pipelines' `on_step(step, total)` (where the engine raises `RequestCancelled`) is called again
+with the final step, `on_step(total, total)`, after each tile of the decode (`final_step_check`). In a
+multi-process replica that call is a collective, so every rank must make the same checks: the ranks that do not
+stream an MP4 therefore decode through these same tiles too (`decode_video_frames`).
+
 Legend: B batch (1), C channels, T frames, H height, W width.
 """
 
@@ -25,13 +30,31 @@ from k6serve.pipelines.state import DecodedAudio
 _MIRRORED_VAE_CLASS = "AutoencoderKLHunyuanVideo"
 
 
+# Called between the chunks of a decode; it stops the request by raising (the engine's RequestCancelled).
+ChunkCheck = Callable[[], None]
+
+
+def final_step_check(on_step: Callable[[int, int], None] | None, total: int) -> ChunkCheck | None:
+    """The decode's cancellation point: the final step `total` reported again through `on_step`.
+
+    A repeat of the final step rather than a new callback, so the engine, the multi-process relay (one Progress
+    message and one broadcast per call) and progress displays (which stay at total/total) work unchanged.
+    """
+    if on_step is None:
+        return None
+    return lambda: on_step(total, total)
+
+
 @torch.inference_mode()
-def decode_video_chunks(vae, video_BTHWC: torch.Tensor) -> Iterator[np.ndarray]:
+def decode_video_chunks(vae, video_BTHWC: torch.Tensor, *,
+                        between_chunks: ChunkCheck | None = None) -> Iterator[np.ndarray]:
     """Latents -> uint8 frame chunks (T_i, H, W, 3) on the host, in order, each as soon as it is final.
 
     Without temporal tiling (a short clip, or a VAE this file does not mirror) there is one chunk, from
     `decode_video`. Chunk i is handed out after tile i + 1 is queued, so on a GPU the device-to-host copy of
-    chunk i and the caller's work on it overlap the decode of the next tile.
+    chunk i and the caller's work on it overlap the decode of the next tile. `between_chunks()` runs after each
+    temporal tile is decoded (the last one included: what follows is only the caller's work on the frames); the
+    number of calls depends on the latents' shape and the VAE alone, the same on every rank.
     """
     latents_BCTHW = video_BTHWC.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor
     if not _uses_temporal_tiles(vae, latents_BCTHW):
@@ -40,11 +63,21 @@ def decode_video_chunks(vae, video_BTHWC: torch.Tensor) -> Iterator[np.ndarray]:
     pending: Callable[[], np.ndarray] | None = None
     for pixels_BCTHW in _temporal_tiles(vae, latents_BCTHW):
         started = start_host_copy(quantise(float_frames(pixels_BCTHW)))
+        if between_chunks is not None:
+            between_chunks()
         if pending is not None:
             yield pending()
         pending = started
     assert pending is not None  # temporal tiling means at least two tiles
     yield pending()
+
+
+def decode_video_frames(vae, video_BTHWC: torch.Tensor, *,
+                        between_chunks: ChunkCheck | None = None) -> np.ndarray:
+    """`decode_video(vae, video_BTHWC, keep_float=False).frames_THWC` (bitwise), through the chunks of
+    `decode_video_chunks`, so a caller without a sink passes the same `between_chunks` points as one with."""
+    chunks = list(decode_video_chunks(vae, video_BTHWC, between_chunks=between_chunks))
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
 
 
 def _uses_temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> bool:

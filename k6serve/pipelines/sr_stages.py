@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
@@ -26,7 +27,7 @@ from k6serve.models.kandinsky6_sr.transformer import SRTransformer
 from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
 from k6serve.models.kandinsky6_sr.vae import SRVAE
 from k6serve.parallel.tile_decode import decode_group_of, decode_round_robin
-from k6serve.pipelines.decode_stream import start_host_copy
+from k6serve.pipelines.decode_stream import ChunkCheck, start_host_copy
 from k6serve.pipelines.sr_tiling import (
     ScalePlan,
     TileGrid,
@@ -189,17 +190,39 @@ def _model_input(sample_BThwC: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.cat([sample_BThwC, torch.zeros_like(sample_BThwC), mask_BThw1], dim=-1)
 
 
-def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor]) -> list[Tensor]:
+def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor], between_tiles: ChunkCheck | None = None) -> list[Tensor]:
     """Each tile decoded on its own, with a fresh temporal cache chain -> uint8 (T, 3, H, W), truncated.
 
     On a multi-GPU replica the tiles are decoded round-robin across its ranks (whole-tile parallel decode,
-    bitwise equal to serial; `k6serve.parallel.tile_decode`).
+    bitwise equal to serial; `k6serve.parallel.tile_decode`). `between_tiles()` (the cancellation point) runs
+    after each batch of `_decode_batches`: one tile on one rank, one round of tiles on several, so every rank of
+    the replica makes the same calls whether it streams the result or not.
     """
 
     def decode_one(index: int) -> Tensor:
         return vae.decode_tile(latents_ThwC[index].permute(3, 0, 1, 2).unsqueeze(0))[0]
 
-    return decode_round_robin(decode_one, len(latents_ThwC), decode_group_of(vae))
+    group = decode_group_of(vae)
+    num_ranks = dist.get_world_size(group) if group is not None else 1
+    tiles: list[Tensor] = []
+    for batch in _decode_batches(len(latents_ThwC), num_ranks):
+        tiles.extend(decode_round_robin(lambda index, start=batch.start: decode_one(start + index), len(batch),
+                                        group))
+        if between_tiles is not None:
+            between_tiles()
+    return tiles
+
+
+def _decode_batches(num_tiles: int, num_ranks: int) -> list[range]:
+    """The tile ranges `decode_tiles` decodes between two cancellation points: rounds of `num_ranks` tiles.
+
+    A last round of fewer tiles than ranks joins the round before it: alone, `decode_round_robin` would decode
+    it on every rank (fewer tiles than ranks is its serial case) instead of spreading it.
+    """
+    starts = list(range(0, num_tiles, num_ranks))
+    if num_tiles % num_ranks and len(starts) > 1:
+        starts.pop()
+    return [range(start, stop) for start, stop in zip(starts, [*starts[1:], num_tiles], strict=True)]
 
 
 def assemble_frames(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> np.ndarray:
@@ -215,7 +238,8 @@ def _assemble_on_device(tiles_TCHW: Sequence[Tensor], plan: UpscalePlan) -> Tens
     return frames_TCHW.permute(0, 2, 3, 1).contiguous()
 
 
-def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan) -> Iterator[np.ndarray]:
+def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan,
+                               between_chunks: ChunkCheck | None = None) -> Iterator[np.ndarray]:
     """`assemble_frames(decode_tiles(vae, latents_ThwC), plan)` as uint8 (T_i, H, W, 3) chunks, one per causal
     decode segment (17, 16, ... frames); the chunks concatenate to exactly that array.
 
@@ -231,32 +255,44 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
     queued, so on a GPU its host copy and the caller's work on it overlap the next one's computation.
 
     A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`): that happens here,
-    before anything is returned, so every rank joins the collectives even if the caller never reads a chunk.
+    before anything is returned, so every rank joins the collectives even if the caller never reads a chunk, and
+    `between_chunks()` runs at `decode_tiles`' points, which the ranks that call `decode_tiles` directly share.
+    Otherwise it runs after each segment (segment-major) or each whole tile (the fallback).
     """
     if decode_group_of(vae) is not None:
-        return iter([assemble_frames(decode_tiles(vae, latents_ThwC), plan)])
-    return _decode_and_assemble_locally(vae, latents_ThwC, plan)
+        return iter([assemble_frames(decode_tiles(vae, latents_ThwC, between_chunks), plan)])
+    return _decode_and_assemble_locally(vae, latents_ThwC, plan, between_chunks)
 
 
 def _decode_and_assemble_locally(
-    vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan
+    vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan, between_chunks: ChunkCheck | None
 ) -> Iterator[np.ndarray]:
+    # Only a replica of one rank gets here (one of several always has a decode group, `parallelize_sr_models`),
+    # so the number of `between_chunks` calls, which differs between the two orders, is nobody else's to match.
     iterators = [vae.iter_decode_tile(latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0)) for latent_ThwC in latents_ThwC]
     device = latents_ThwC[0].device
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     first_segment = next(iterators[0])  # tile 0's first segment; its cache chain is now alive
     per_tile_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
+    segments_by_tile = [itertools.chain([first_segment], iterators[0]), *iterators[1:]]
+    between_segments = between_chunks
     if _segment_major_fits(device, per_tile_bytes, len(iterators)):
-        segments_by_tile = [itertools.chain([first_segment], iterators[0]), *iterators[1:]]
         tile_segments = zip(*segments_by_tile, strict=True)  # segment s of every tile, tile by tile
     else:
         logger.info("SR decode: %d tiles x %.1f GiB of causal caches do not fit; decoding whole tiles, streaming "
                     "only the blend", len(iterators), per_tile_bytes / 2**30)
-        decoded = [[first_segment, *iterators[0]], *(list(iterator) for iterator in iterators[1:])]
+        decoded = []
+        for segments in segments_by_tile:
+            decoded.append(list(segments))
+            if between_chunks is not None:
+                between_chunks()
         tile_segments = zip(*decoded, strict=True)
+        between_segments = None  # the decode is over: only the blend is left
     pending: Callable[[], np.ndarray] | None = None
     for segments in tile_segments:
         started = start_host_copy(_assemble_on_device([segment[0] for segment in segments], plan))
+        if between_segments is not None:
+            between_segments()
         if pending is not None:
             yield pending()
         pending = started

@@ -19,7 +19,7 @@ import torch
 from k6serve.models.kandinsky6_sr.checkpoint import SRModels, load_sr_models
 from k6serve.models.variants import Variant
 from k6serve.offload.components import RESIDENT
-from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink
+from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink, final_step_check
 from k6serve.pipelines.sr_source import read_and_encode
 from k6serve.pipelines.sr_stages import (
     StepCallback,
@@ -66,7 +66,11 @@ class SuperResolutionPipeline:
     ) -> SuperResolutionOutput:
         """Upscale one clip. With `video_sink`, the tiles are decoded segment by segment and each blended segment
         goes to the sink as soon as it is final (`decode_and_assemble_chunks`); then timings["decode"] includes
-        the blend, there is no "blend" entry, and "video_sink" is the sink's time after the last chunk."""
+        the blend, there is no "blend" entry, and "video_sink" is the sink's time after the last chunk.
+
+        `on_step(done, total)` runs after every DiT call, then again as `on_step(total, total)` between the
+        decode's segments or tiles (`decode_tiles`, `decode_and_assemble_chunks`), so a cancel raised from it also
+        stops the decode."""
         m = self.models
         timings: dict[str, float] = {}
         with self.residency.stage("vae"):
@@ -94,13 +98,14 @@ class SuperResolutionPipeline:
                 dtype=m.dtype,
                 on_step=on_step,
             )
+        between_chunks = final_step_check(on_step, sampler.num_steps * len(lq_tiles))  # denoise_tiles' total
         if video_sink is not None:
             with self.residency.stage("vae"):
-                frames_THWC = feed_video_sink(video_sink, decode_and_assemble_chunks(m.vae, latents, plan),
-                                              source.audio, float(source.fps), timings, "decode")
+                chunks = decode_and_assemble_chunks(m.vae, latents, plan, between_chunks)
+                frames_THWC = feed_video_sink(video_sink, chunks, source.audio, float(source.fps), timings, "decode")
         else:
             with _timed(timings, "decode", m.device), self.residency.stage("vae"):
-                tiles = decode_tiles(m.vae, latents)
+                tiles = decode_tiles(m.vae, latents, between_chunks)
             with _timed(timings, "blend", m.device):
                 frames_THWC = assemble_frames(tiles, plan)
         timings["dit_per_call"] = timings["dit"] / (

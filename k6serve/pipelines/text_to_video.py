@@ -10,7 +10,14 @@ import torch
 
 from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
-from k6serve.pipelines.decode_stream import VideoSink, decode_video_chunks, feed_video_sink
+from k6serve.pipelines.decode_stream import (
+    ChunkCheck,
+    VideoSink,
+    decode_video_chunks,
+    decode_video_frames,
+    feed_video_sink,
+    final_step_check,
+)
 from k6serve.pipelines.denoise import StepCallback, denoise
 from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding
 from k6serve.pipelines.prepare_latents import (
@@ -77,7 +84,11 @@ class TextToVideoPipeline:
     def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None,
                  video_sink: VideoSink | None = None) -> GenerationOutput:
         """Generate one clip. With `video_sink`, the video is decoded in chunks that the sink consumes as they
-        are decoded (see `_decode_into`); the output still holds the uint8 frames, but no float frames."""
+        are decoded (see `_decode_into`); the output still holds the uint8 frames, but no float frames.
+
+        `on_step(step, total)` runs after every denoising step, then again as `on_step(total, total)` after each
+        temporal tile of the video decode, so a cancel raised from it also stops the decode (and the sink). Only
+        the float-frame decode (`keep_float_frames`, for parity checks) is one call with no such point."""
         m = self.models
         self.check(request)
         if video_sink is not None and self.keep_float_frames:
@@ -137,19 +148,26 @@ class TextToVideoPipeline:
                 audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC)
         _sync(m.device)
         timings["decode_audio"] = time.perf_counter() - start
+        between_chunks = final_step_check(on_step, len(timesteps))  # the total `denoise` reported
         if video_sink is not None:
-            video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings)
+            video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings, between_chunks)
             return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)
         start = time.perf_counter()
         with self.residency.stage("vae"):
-            video = decode_video(m.vae, latents.video_BTHWC, keep_float=self.keep_float_frames)
+            if self.keep_float_frames:
+                video = decode_video(m.vae, latents.video_BTHWC)
+            else:
+                # The chunked decode (same bytes) even without a sink: in a multi-process replica the ranks that
+                # save nothing must pass the same cancellation points as the leader's streamed decode.
+                video = DecodedVideo(frames_float_THWC=None, frames_THWC=decode_video_frames(
+                    m.vae, latents.video_BTHWC, between_chunks=between_chunks))
         timings["decode_video"] = time.perf_counter() - start
         return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)
 
     def _decode_into(self, video_sink: VideoSink, video_BTHWC: torch.Tensor, audio: DecodedAudio | None,
-                     fps: float, timings: dict[str, float]) -> DecodedVideo:
+                     fps: float, timings: dict[str, float], between_chunks: ChunkCheck | None) -> DecodedVideo:
         """Stream the decoded chunks into `video_sink` and keep them (timings: see `feed_video_sink`)."""
         with self.residency.stage("vae"):
-            frames_THWC = feed_video_sink(video_sink, decode_video_chunks(self.models.vae, video_BTHWC), audio,
-                                          fps, timings, "decode_video")
+            chunks = decode_video_chunks(self.models.vae, video_BTHWC, between_chunks=between_chunks)
+            frames_THWC = feed_video_sink(video_sink, chunks, audio, fps, timings, "decode_video")
         return DecodedVideo(frames_float_THWC=None, frames_THWC=frames_THWC)

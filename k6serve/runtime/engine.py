@@ -3,8 +3,9 @@
 GPU work runs on the engine's own threads (never on the caller's event loop): one loop thread per worker replica
 (`worker.num_replicas`, dp), so with dp replicas up to dp requests run at once, taken in arrival order. By default
 the worker is the multi-process runtime (`MultiProcessWorker`: one process per GPU, also for one GPU); tests pass
-`worker=` to skip starting processes. Cancellation is cooperative: it takes effect at the next denoising step (or SR tile)
-boundary, after which the worker is free for the next request.
+`worker=` to skip starting processes. Cancellation is cooperative: it takes effect at the next denoising step (or SR
+tile) boundary, or after the last one at the next chunk of the video decode (the pipelines report the final step again
+there), after which the worker is free for the next request. Only the MP4's tail, after the last chunk, runs to its end.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ProgressCallback = Callable[[int, int], None]
 
 
 class RequestCancelled(Exception):
-    """Raised inside the worker at a step boundary when the request was cancelled."""
+    """Raised inside the worker at a step boundary (or a decode chunk boundary) when the request was cancelled."""
 
 
 @dataclass(eq=False)
@@ -51,6 +52,24 @@ class EngineJob:
 
 
 _STOP = object()
+
+
+def _cancellation_point(job: EngineJob) -> ProgressCallback:
+    """The worker's `on_step`: reports progress, then raises RequestCancelled if `job` was cancelled."""
+    final_step_reported = False
+
+    def on_step(step: int, total: int) -> None:
+        nonlocal final_step_reported
+        if job.on_progress is not None:
+            job.on_progress(step, total)
+        # The pipelines report the final step again between the video decode's chunks.
+        in_decode = final_step_reported and step >= total
+        final_step_reported = final_step_reported or step >= total
+        if job.cancelled.is_set():
+            where = f"during the video decode (after step {step}/{total})" if in_decode else f"at step {step}/{total}"
+            raise RequestCancelled(f"request {job.id} was cancelled {where}")
+
+    return on_step
 
 
 class Engine:
@@ -119,17 +138,10 @@ class Engine:
             if not job.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             job.started.set()
-
-            def on_step(step: int, total: int, job: EngineJob = job) -> None:
-                if job.on_progress is not None:
-                    job.on_progress(step, total)
-                if job.cancelled.is_set():
-                    raise RequestCancelled(f"request {job.id} was cancelled at step {step}/{total}")
-
             try:
                 if job.cancelled.is_set():
                     raise RequestCancelled(f"request {job.id} was cancelled before it started")
-                result = self.worker.run(job.params, job.output, on_step=on_step)
+                result = self.worker.run(job.params, job.output, on_step=_cancellation_point(job))
             except BaseException as exc:  # every failure belongs to this request, not to the engine
                 if job.log_failure and not isinstance(exc, (RequestCancelled, ValueError)):
                     logger.exception("request %s failed", job.id)

@@ -187,6 +187,8 @@ class _ReplicaLoop:
             return messages.Shutdown()
 
     def _on_step(self, request_id: int) -> ProgressCallback:
+        # A collective: the pipelines call it at the same points on every rank, the steps and the decode's chunks
+        # (the final step reported again; the ranks that save nothing decode through the leader's chunks too).
         def on_step(step: int, total: int) -> None:
             cancel = False
             if self.connection is not None:

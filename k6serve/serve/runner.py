@@ -5,9 +5,11 @@ oldest `queued` job, marks it `in_progress`, submits it to the engine and waits 
 thread, never in the event loop), then writes the outcome. So queued work survives a restart, a queued job is
 cancelled by a status change alone, and a running one through `EngineJob.cancel()` at the next step boundary.
 
-After the last denoising step (or SR tile) the engine has no boundary left: the VAE decode and the MP4 write run
-to the end. A cancel accepted then is recorded on the job (`cancel_requested_at`, and a warning saying why it is
-still `in_progress`), and the job ends `cancelled` with its video discarded once the engine returns.
+After the last denoising step (or SR tile) the engine reports the final step again between the chunks of the video
+decode, and stops there on a cancel. Only the MP4's tail (the encoder's backlog and flush after the last chunk) has no
+boundary: a cancel accepted after the last step is recorded on the job (`cancel_requested_at`, and a warning saying
+why it may still be `in_progress`), and if the engine returns a video anyway the job ends `cancelled` with the video
+discarded.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from k6serve.serve.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 CANCEL_IN_DECODE = (
-    "A cancel was requested after the last denoising step, during the video decode, which has no step boundary "
-    "to stop at: the job stays in_progress until the decode ends, then it is cancelled and its video discarded."
+    "A cancel was requested after the last denoising step, during the video decode: the engine stops at the next "
+    "decoded chunk. If the decode had already ended, the job stays in_progress while its MP4 is finished, which "
+    "cannot stop midway, then it is cancelled and its video discarded."
 )
 CANCELLED_IN_DECODE = (
-    "Cancelled by DELETE during the video decode, which cannot stop midway; the engine finished it and the video "
-    "was discarded."
+    "Cancelled by DELETE during the video decode; the engine stopped between two decoded chunks and kept no video."
+)
+CANCELLED_AFTER_DECODE = (
+    "Cancelled by DELETE after the video decode, while the MP4 was being finished, which cannot stop midway; the "
+    "engine finished it and the video was discarded."
 )
 CANCELLED_AT_STEP = "Cancelled by DELETE while running; the engine stopped at a step boundary."
 
@@ -60,6 +66,7 @@ class JobRunner:
         self._wake = threading.Condition(self._lock)
         self._current: EngineJob | None = None
         self._past_last_step: str | None = None  # id of the job whose engine reported its last step or tile
+        self._in_decode: str | None = None  # id of the job whose engine reported its last step again: a decode chunk
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
@@ -94,8 +101,9 @@ class JobRunner:
                     self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
                                           started_at=None, attempts=max(0, job.attempts - 1))
                 if self._past_last_step == current.id:
-                    logger.warning("job %s is in its video decode, which cannot be interrupted; shutdown waits up "
-                                   "to %g s for it", current.id, timeout)
+                    logger.warning("job %s is past its last step: it stops at the next chunk of its video decode, "
+                                   "or, if the decode has ended, shutdown waits up to %g s for its MP4", current.id,
+                                   timeout)
                 current.cancel()
             self._wake.notify_all()
         if self._thread is not None:
@@ -124,7 +132,8 @@ class JobRunner:
         return max(1, round(sum(recent) / len(recent))) if recent else 5
 
     def cancel(self, job_id: str) -> Job | None:
-        """Cancel a queued job now, or ask the engine to stop a running one at its next step boundary."""
+        """Cancel a queued job now, or ask the engine to stop a running one at its next step (or decode chunk)
+        boundary."""
         with self._lock:
             job = self.store.get(job_id)
             if job is None:
@@ -186,15 +195,19 @@ class JobRunner:
                     self._current = None
 
     def _progress_callback(self, job_id: str):
-        state = {"last": time.perf_counter(), "progress": 0}
+        state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False}
 
         def on_progress(step: int, total: int) -> None:
             now = time.perf_counter()
-            if step > 0:
+            decode_chunk = 0 < total <= step and state["final_step_seen"]  # the final step reported again
+            if step > 0 and not decode_chunk:
                 self.metrics.step_latency.observe(now - state["last"])
             state["last"] = now
             if 0 < total <= step:
+                state["final_step_seen"] = True
                 self._past_last_step = job_id
+            if decode_chunk:
+                self._in_decode = job_id
             progress = min(99, int(100 * step / total)) if total > 0 else 0
             if progress != state["progress"]:
                 state["progress"] = progress
@@ -208,7 +221,8 @@ class JobRunner:
         except (RequestCancelled, CancelledError):
             if self._stopping and not self._cancel_requested(job.id):
                 return  # stop() already put it back in the queue
-            self._record(job, JobStatus.CANCELLED, error_code="cancelled", error_message=CANCELLED_AT_STEP)
+            message = CANCELLED_IN_DECODE if self._in_decode == job.id else CANCELLED_AT_STEP
+            self._record(job, JobStatus.CANCELLED, error_code="cancelled", error_message=message)
         except ValueError as exc:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
@@ -223,10 +237,10 @@ class JobRunner:
         else:
             with self._lock:  # so a cancel cannot land between this check and the job becoming completed
                 if self._cancel_requested(job.id):
-                    # The cancel came after the engine's last step boundary, so the job could only run to the end.
+                    # The cancel came after the decode's last chunk: only the MP4's tail was left; it ran to the end.
                     self.artifacts.remove([result.output_file_path] if result.output_file_path else [])
                     self._record(job, JobStatus.CANCELLED, error_code="cancelled",
-                                 error_message=CANCELLED_IN_DECODE)
+                                 error_message=CANCELLED_AFTER_DECODE)
                 else:
                     self._record_success(job, result)
 

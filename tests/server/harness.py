@@ -29,8 +29,10 @@ class FakeWorker:
     """Quacks like ModelWorker: real request resolution, fake steps, a tiny real MP4 that depends on the inputs.
 
     Prompt directives: "hold" keeps stepping until `release` is set (a job that stays running), "slow decode"
-    reports every step then waits for `release` with no step boundary left (like the VAE decode; `decoding` is
-    set meanwhile), "fail" raises, "exhaust memory" raises a worker process's out-of-memory error.
+    reports every step then, until `release` is set, reports the final step again every 10 ms as the pipelines do
+    between the video decode's chunks (`decoding` is set meanwhile), "slow tail" reports every step then waits for
+    `release` with no boundary left (like the MP4's tail after the last chunk; `decoding` is set meanwhile too),
+    "fail" raises, "exhaust memory" raises a worker process's out-of-memory error.
     """
 
     def __init__(self, variant: Variant, *, step_delay_s: float = 0.0) -> None:
@@ -67,6 +69,12 @@ class FakeWorker:
             if on_step is not None:
                 on_step(step, total)
         if "slow decode" in prompt:
+            self.decoding.set()
+            deadline = time.monotonic() + 30
+            while not self.release.wait(0.01) and time.monotonic() < deadline:
+                if on_step is not None:
+                    on_step(total, total)
+        if "slow tail" in prompt:
             self.decoding.set()
             self.release.wait(30)
         if "exhaust memory" in prompt:

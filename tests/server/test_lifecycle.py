@@ -20,7 +20,7 @@ from k6serve.models.variants import VARIANTS
 from k6serve.serve.app import sweep_expired_once
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
-from k6serve.serve.runner import CANCEL_IN_DECODE, CANCELLED_IN_DECODE
+from k6serve.serve.runner import CANCEL_IN_DECODE, CANCELLED_AFTER_DECODE, CANCELLED_IN_DECODE
 
 SMALL = {"size": "32x32", "num_frames": 5}
 HERE = Path(__file__).resolve().parent
@@ -81,14 +81,35 @@ def test_cancel_a_running_job_frees_the_engine(fake_server, fake_client):
     assert not (fake_server.artifacts.root / f"{running['id']}.mp4").exists()
 
 
-def test_a_cancel_during_the_decode_says_so_and_ends_cancelled(tmp_path):
-    # The engine checks for a cancel only at step boundaries; after the last one the VAE decode runs to its end.
-    # The job then became `completed`, although DELETE had been accepted and nothing told the client why the
-    # job stayed in_progress.
-    server = start_server(tmp_path, cancel_wait_s=0.2)
+def test_a_cancel_during_the_decode_stops_at_the_next_chunk(tmp_path):
+    # The decode used to have no boundary: a cancel after the last step waited for the whole decode and MP4 write
+    # (seconds on a GPU, tens of seconds on a CPU). The engine now stops at the next decoded chunk.
+    server = start_server(tmp_path, cancel_wait_s=5.0)
     try:
         with server.client() as client:
             job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
+            assert server.worker.decoding.wait(10)
+            waiting = client.post("/v1/videos", json={"prompt": "next in line", **SMALL}).json()
+            answer = client.delete(f"/v1/videos/{job['id']}")
+            assert answer.status_code == 200
+            ended = answer.json()
+            assert ended["status"] == "cancelled" and ended["url"] is None and ended["progress"] == 99
+            assert ended["error"] == {"code": "cancelled", "message": CANCELLED_IN_DECODE}
+            assert ended["warnings"] == [CANCEL_IN_DECODE]
+            assert not server.worker.release.is_set()  # stopped by the cancel, not by the end of the decode
+            assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
+            assert wait_for(client, waiting["id"])["status"] == "completed"
+    finally:
+        server.stop()
+
+
+def test_a_cancel_in_the_mp4_tail_says_so_and_ends_cancelled(tmp_path):
+    # After the last decoded chunk only the MP4's tail is left, which has no boundary: the job used to become
+    # `completed` although DELETE had been accepted, and nothing told the client why it stayed in_progress.
+    server = start_server(tmp_path, cancel_wait_s=0.2)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "slow tail", **SMALL}).json()
             assert server.worker.decoding.wait(10)
             answer = client.delete(f"/v1/videos/{job['id']}")
             assert answer.status_code == 200
@@ -100,7 +121,7 @@ def test_a_cancel_during_the_decode_says_so_and_ends_cancelled(tmp_path):
             server.worker.release.set()
             ended = wait_for(client, job["id"])
             assert ended["status"] == "cancelled" and ended["url"] is None
-            assert ended["error"] == {"code": "cancelled", "message": CANCELLED_IN_DECODE}
+            assert ended["error"] == {"code": "cancelled", "message": CANCELLED_AFTER_DECODE}
             assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
             assert client.get(f"/v1/videos/{job['id']}/content").json()["error"]["code"] == "video_not_ready"
             assert wait_for(client, waiting["id"])["status"] == "completed"
@@ -108,21 +129,21 @@ def test_a_cancel_during_the_decode_says_so_and_ends_cancelled(tmp_path):
         server.stop()
 
 
-def test_a_job_cancelled_in_its_decode_is_never_requeued(tmp_path):
+def test_a_job_cancelled_in_its_mp4_tail_is_never_requeued(tmp_path):
     # A clean shutdown put the running job back in the queue even when its cancel had been accepted, so it was
-    # completed by the decode it was waiting for, or ran again after the restart.
+    # completed by the MP4 write it was waiting for, or ran again after the restart.
     server = start_server(tmp_path, cancel_wait_s=0.0)
     with server.client() as client:
-        job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
+        job = client.post("/v1/videos", json={"prompt": "slow tail", **SMALL}).json()
         assert server.worker.decoding.wait(10)
         assert client.delete(f"/v1/videos/{job['id']}").json()["status"] == "in_progress"
     threading.Timer(0.3, server.worker.release.set).start()
-    server.stop()  # waits for the decode, which cannot be interrupted
+    server.stop()  # waits for the MP4's tail, which cannot be interrupted
     store = SqliteJobStore(tmp_path / "jobs.sqlite3")
     stopped = store.get(job["id"])
-    assert stopped.status == JobStatus.CANCELLED and stopped.error_message == CANCELLED_IN_DECODE
+    assert stopped.status == JobStatus.CANCELLED and stopped.error_message == CANCELLED_AFTER_DECODE
     assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
-    # The process exited before the decode ended: the restart cancels the job instead of re-queueing it.
+    # The process exited before the MP4 was finished: the restart cancels the job instead of re-queueing it.
     store.insert(Job(id="video_cancelling", model="m", status=JobStatus.IN_PROGRESS, created_at=1.0, attempts=1,
                      params={"prompt": "p"}, cancel_requested_at=2.0))
     requeued, ended = store.recover_interrupted("died")
@@ -131,10 +152,23 @@ def test_a_job_cancelled_in_its_decode_is_never_requeued(tmp_path):
     store.close()
 
 
-def test_a_shutdown_during_the_decode_waits_for_it_and_keeps_the_video(tmp_path):
+def test_a_shutdown_during_the_decode_requeues_the_job_at_the_next_chunk(tmp_path):
     server = start_server(tmp_path)
     with server.client() as client:
         job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
+        assert server.worker.decoding.wait(10)
+    server.stop()  # no release: only the cancel at a decode chunk lets it return
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    requeued = store.get(job["id"])
+    assert requeued.status == JobStatus.QUEUED and requeued.attempts == 0
+    assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
+    store.close()
+
+
+def test_a_shutdown_during_the_mp4_tail_waits_for_it_and_keeps_the_video(tmp_path):
+    server = start_server(tmp_path)
+    with server.client() as client:
+        job = client.post("/v1/videos", json={"prompt": "slow tail", **SMALL}).json()
         assert server.worker.decoding.wait(10)
     threading.Timer(0.3, server.worker.release.set).start()
     server.stop()
