@@ -104,7 +104,8 @@ def test_single_tile_matches_diffusers_within_two_levels(ours, tiny_sr_dir, tmp_
     clip = make_clip(tmp_path / "one_tile.mp4", width=64, height=32, num_frames=25, fps=24)
     progress = []
     result = ours(_request(clip), on_step=lambda done, total: progress.append((done, total)))
-    assert progress == [(1, 2), (2, 2)]  # one tile, two DiT calls
+    # One tile, two DiT calls, then the final step reported again after the tile's decode (the cancellation point).
+    assert progress == [(1, 2), (2, 2), (2, 2)]
     actual = result.video.frames_THWC
     assert actual.shape == (25, 64, 128, 3) and actual.dtype == np.uint8
 
