@@ -118,7 +118,10 @@ class DiffGenerator:
                  on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
         """Run one request. Keys: every SamplingParams field plus save_output, output_path, output_file_name,
         return_frames and return_file_paths_only (the seed's names). A `SamplingParams` object (the class is
-        exported) stands for the fields it sets away from their defaults; keyword arguments still win."""
+        exported) stands for the fields it sets away from their defaults; keyword arguments still win.
+
+        `on_progress(step, total)` runs after every denoising step (SR: every DiT call), then again with
+        `(total, total)` after each chunk of the video decode; raising from it stops the request there."""
         if isinstance(sampling_params_kwargs, SamplingParams):
             # Its unset fields are defaults, not choices: passing them on would, e.g., contradict return_frames.
             sampling_params_kwargs = {
