@@ -45,21 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k6serve.speed.kvae_upsample import phase_taps
-
-# cuDNN indexes with 32 bits: split along time where the phase output would pass this many elements.
-_MAX_OUTPUT_ELEMENTS = 2 * 10**9
-_WEIGHT_BUFFER, _BIAS_BUFFER = "_k6serve_phase_weight", "_k6serve_phase_bias"
-
-
-def _accumulation_dtype(tensor: Tensor) -> torch.dtype:
-    return torch.promote_types(tensor.dtype, torch.float32)
-
-
-def _temporal_phases(weight_OI3: Tensor) -> list[Tensor]:
-    """Phase A (output frames 2k - 1: taps W0 + W1, W2) and phase B (frames 2k: W0, W1 + W2) along dim 2."""
-    first, middle, last = (weight_OI3.narrow(2, index, 1) for index in range(3))
-    return [torch.cat((first + middle, last), dim=2), torch.cat((first, middle + last), dim=2)]
+from k6serve.speed.phase_fold import (
+    BIAS_BUFFER,
+    MAX_CONV_OUTPUT_ELEMENTS,
+    WEIGHT_BUFFER,
+    accumulation_dtype,
+    phase_taps,
+    route_folded,
+    two_tap_phases,
+)
 
 
 def folded_upsampler_kernel(conv: nn.Conv3d, temporal_upsample: bool) -> tuple[Tensor, Tensor]:
@@ -67,9 +61,11 @@ def folded_upsampler_kernel(conv: nn.Conv3d, temporal_upsample: bool) -> tuple[T
     replicate-padded by one pixel on each spatial side and kt - 1 frames in front (kt = 2 with the temporal
     upsampling, 3 without). Output channels [p * O, (p + 1) * O) are phase p = (t * 2 + a) * 2 + b, with t indexing
     (A, B) in time when there is a temporal phase. Summed in fp32 (fp64 for fp64 weights), rounded once."""
-    dtype = _accumulation_dtype(conv.weight)
+    dtype = accumulation_dtype(conv.weight)
     weight = conv.weight.to(dtype)
-    temporal = _temporal_phases(weight) if temporal_upsample else [weight]
+    # Phase A (output frames 2k - 1) reads source frames (k - 1, k) with (W0 + W1, W2): two_tap_phases' phase 1;
+    # phase B (frames 2k) the same pair with (W0, W1 + W2): its phase 0.
+    temporal = list(reversed(two_tap_phases(weight, 2))) if temporal_upsample else [weight]
     kernels = [spatial for taps in temporal for spatial in phase_taps(taps)]
     folded = torch.cat(kernels).to(conv.weight.dtype)
     if conv.weight.is_contiguous(memory_format=torch.channels_last_3d) and not conv.weight.is_contiguous():
@@ -89,7 +85,7 @@ def _phase_convolution(padded: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     kernel_frames = weight.shape[2]
     frames = padded_frames - kernel_frames + 1
     per_frame = weight.shape[0] * (height - 1) * (width - 1) * batch
-    step = max(1, _MAX_OUTPUT_ELEMENTS // per_frame)
+    step = max(1, MAX_CONV_OUTPUT_ELEMENTS // per_frame)
     if step >= frames:
         return F.conv3d(padded, weight, bias)
     chunks = [F.conv3d(padded[:, :, start : start + step + kernel_frames - 1], weight, bias)
@@ -120,7 +116,7 @@ def folded_upsample(x_BCTHW: Tensor, weight: Tensor, bias: Tensor, temporal_upsa
 
 
 def _folded_forward(self, hidden_states: Tensor) -> Tensor:
-    return folded_upsample(hidden_states, getattr(self, _WEIGHT_BUFFER), getattr(self, _BIAS_BUFFER),
+    return folded_upsample(hidden_states, getattr(self, WEIGHT_BUFFER), getattr(self, BIAS_BUFFER),
                            temporal_upsample=self.upsample_factor[0] == 2)
 
 
@@ -154,18 +150,10 @@ def apply_folded_upsample(decoder: nn.Module) -> int:
     again after the weights changed refreshes them). An upsampler that is not the replicate-padded causal 3x3x3
     convolution after a (1, 2, 2) or (2, 2, 2) nearest upsampling is left as it is.
     """
-    count = 0
-    for module in decoder.modules():
-        if not _is_upsampler(module):
-            continue
-        routed = getattr(vars(module).get("forward"), "__func__", None) is _folded_forward
-        if not routed and ("forward" in vars(module) or not _fits(module)):
-            continue
-        with torch.no_grad():
-            weight, bias = folded_upsampler_kernel(module.conv.conv, temporal_upsample=module.upsample_factor[0] == 2)
-        module.register_buffer(_WEIGHT_BUFFER, weight, persistent=False)
-        module.register_buffer(_BIAS_BUFFER, bias, persistent=False)
-        if not routed:
-            module.forward = _folded_forward.__get__(module)
-            count += 1
-    return count
+    return route_folded(
+        decoder,
+        is_upsampler=_is_upsampler,
+        fits=_fits,
+        folded_kernel=lambda module: folded_upsampler_kernel(module.conv.conv, module.upsample_factor[0] == 2),
+        forward=_folded_forward,
+    )

@@ -44,26 +44,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k6serve.speed.kvae_spatial_norm import is_pointwise_conv
+from k6serve.speed.phase_fold import (
+    BIAS_BUFFER,
+    MAX_CONV_OUTPUT_ELEMENTS,
+    WEIGHT_BUFFER,
+    accumulation_dtype,
+    phase_taps,
+    route_folded,
+)
 
-# What the released diffusers module splits its convolutions at (`CONV_CHUNK_ELEMENTS`): cuDNN indexes with 32 bits.
-_MAX_OUTPUT_ELEMENTS = 2 * 10**9
-_WEIGHT_BUFFER, _BIAS_BUFFER = "_k6serve_phase_weight", "_k6serve_phase_bias"
-
-
-def _accumulation_dtype(tensor: Tensor) -> torch.dtype:
-    return torch.promote_types(tensor.dtype, torch.float32)
-
-
-def phase_taps(weight_OI133: Tensor) -> list[Tensor]:
-    """The four (O, I, 1, 2, 2) kernels of phases (a, b) = (0, 0), (0, 1), (1, 0), (1, 1) of a (O, I, 1, 3, 3)
-    kernel applied to a 2x nearest-upsampled image, summed in fp32 (fp64 for fp64 weights) and not rounded."""
-    w = weight_OI133.to(_accumulation_dtype(weight_OI133))
-
-    def split(tensor: Tensor, dim: int, phase: int) -> Tensor:
-        first, middle, last = tensor.narrow(dim, 0, 1), tensor.narrow(dim, 1, 1), tensor.narrow(dim, 2, 1)
-        return torch.cat((first, middle + last) if phase == 0 else (first + middle, last), dim=dim)
-
-    return [split(split(w, -2, a), -1, b) for a in (0, 1) for b in (0, 1)]
+__all__ = ["apply_subpixel_upsample", "folded_upsample", "folded_upsampler_kernel", "phase_taps"]
 
 
 def folded_upsampler_kernel(spatial_conv: nn.Conv3d, linear: nn.Conv3d) -> tuple[Tensor, Tensor]:
@@ -71,7 +61,7 @@ def folded_upsampler_kernel(spatial_conv: nn.Conv3d, linear: nn.Conv3d) -> tuple
     zero-padded by one: output channels [p * C, (p + 1) * C) are phase p = 2a + b. Folded in fp32 (fp64 for fp64
     weights), rounded once; channels-last when the spatial kernel is."""
     channels = spatial_conv.out_channels
-    dtype = _accumulation_dtype(spatial_conv.weight)
+    dtype = accumulation_dtype(spatial_conv.weight)
     mix = linear.weight.to(dtype).reshape(linear.out_channels, linear.in_channels)  # L
     identity = torch.eye(channels, dtype=dtype, device=mix.device)
     kernels = []
@@ -101,7 +91,7 @@ def folded_upsample(x_BCTHW: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     the next convolution's input beside channels-last weights; the values do not depend on it)."""
     batch, channels, frames, height, width = x_BCTHW.shape
     per_frame = 4 * channels * (height + 1) * (width + 1) * batch
-    step = max(1, _MAX_OUTPUT_ELEMENTS // per_frame)
+    step = max(1, MAX_CONV_OUTPUT_ELEMENTS // per_frame)
     # A (1, 2, 2) kernel mixes no frames: split along time where the output would pass cuDNN's 32-bit indexing.
     phases = torch.cat([F.conv3d(chunk, weight, bias, padding=(0, 1, 1)) for chunk in x_BCTHW.split(step, dim=2)],
                        dim=2)
@@ -119,7 +109,7 @@ def _folded_forward(self, hidden_states: Tensor, cache: dict) -> Tensor:
             repeated = repeated[:, :, 1:]
         conv_out = self.temporal_conv(repeated, cache["temporal_conv"])
         hidden_states = conv_out + repeated
-    return folded_upsample(hidden_states, getattr(self, _WEIGHT_BUFFER), getattr(self, _BIAS_BUFFER))
+    return folded_upsample(hidden_states, getattr(self, WEIGHT_BUFFER), getattr(self, BIAS_BUFFER))
 
 
 def _is_upsampler(module: nn.Module) -> bool:
@@ -154,19 +144,10 @@ def apply_subpixel_upsample(decoder: nn.Module) -> int:
     upsampler whose spatial convolution is not the zero-padded (1, 3, 3) one or whose `linear` is not a 1x1x1
     convolution is left as it is.
     """
-    count = 0
-    for module in decoder.modules():
-        if not _is_upsampler(module):
-            continue
-        routed = getattr(vars(module).get("forward"), "__func__", None) is _folded_forward
-        if not routed and ("forward" in vars(module) or not _fits(module.spatial_conv)
-                           or not _folds(module.linear, module.spatial_conv.out_channels)):
-            continue
-        with torch.no_grad():
-            weight, bias = folded_upsampler_kernel(module.spatial_conv, module.linear)
-        module.register_buffer(_WEIGHT_BUFFER, weight, persistent=False)
-        module.register_buffer(_BIAS_BUFFER, bias, persistent=False)
-        if not routed:
-            module.forward = _folded_forward.__get__(module)
-            count += 1
-    return count
+    return route_folded(
+        decoder,
+        is_upsampler=_is_upsampler,
+        fits=lambda module: _fits(module.spatial_conv) and _folds(module.linear, module.spatial_conv.out_channels),
+        folded_kernel=lambda module: folded_upsampler_kernel(module.spatial_conv, module.linear),
+        forward=_folded_forward,
+    )

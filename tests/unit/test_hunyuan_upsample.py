@@ -66,7 +66,7 @@ def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
         with torch.no_grad():
             expected = module(x)
             phase_channels = kernel[0].shape[0]
-            monkeypatch.setattr(hunyuan_upsample, "_MAX_OUTPUT_ELEMENTS", 2 * phase_channels * 4 * 5)  # two frames
+            monkeypatch.setattr(hunyuan_upsample, "MAX_CONV_OUTPUT_ELEMENTS", 2 * phase_channels * 4 * 5)  # two frames
             calls = []
 
             def counted(*args, calls=calls, real_conv3d=F.conv3d, **kwargs):

@@ -56,7 +56,7 @@ def test_folded_upsampler_splits_long_clips_along_time(monkeypatch):
     kernel = folded_upsampler_kernel(spatial, linear)
     whole = folded_upsample(x, *kernel)
     calls = []
-    monkeypatch.setattr(module, "_MAX_OUTPUT_ELEMENTS", 4 * 3 * 5 * 6 * 2)  # two frames per convolution
+    monkeypatch.setattr(module, "MAX_CONV_OUTPUT_ELEMENTS", 4 * 3 * 5 * 6 * 2)  # two frames per convolution
     real_conv3d = F.conv3d
     def counting_conv3d(chunk, *args, **kwargs):
         calls.append(chunk.shape[2])
