@@ -52,9 +52,18 @@ def _speed_note(generator) -> str:
     )
 
 
+def _stage_peaks(generator) -> str:
+    """With offloading on CUDA: the peak allocation after each stage of the last request (`ComponentOffload`), so
+    the row shows which stage sets the peak; '' otherwise."""
+    describe = getattr(generator.engine.worker.pipeline.residency, "describe_peaks", None)
+    peaks = describe() if describe is not None else ""
+    return f"; peak after each stage: {peaks}" if peaks else ""  # appended to a row's note
+
+
 def _rows_from_results(
-    stage: str, config: str, cold, warm: list, load_s: float, note: str
+    stage: str, config: str, cold, warm: list, load_s: float, note: str, peaks: str = ""
 ) -> list[BenchRow]:
+    """The cold row and, with warm runs, their median row; `peaks` (of the last request) goes on the last row."""
     cold_row = BenchRow(
         stage=stage,
         name="ours cold (first request)",
@@ -63,7 +72,7 @@ def _rows_from_results(
         times_s=(cold.timings.get("total", 0.0),),
         peak_memory_gib=cold.peak_memory_mb / 1024,
         breakdown_s=dict(cold.timings),
-        note=f"load {load_s:.1f} s; {note}",
+        note=f"load {load_s:.1f} s; {note}" + ("" if warm else peaks),
     )
     rows = [cold_row]
     if warm:
@@ -79,7 +88,8 @@ def _rows_from_results(
                 peak_memory_gib=max(r.peak_memory_mb for r in warm) / 1024,
                 breakdown_s=breakdown,
                 breakdowns_s=tuple(dict(result.timings) for result in warm),
-                note=("median " if len(warm) > 1 else "") + " ".join(f"{k}={v:.2f}" for k, v in breakdown.items()),
+                note=("median " if len(warm) > 1 else "") + " ".join(f"{k}={v:.2f}" for k, v in breakdown.items())
+                + peaks,
             )
         )
     return rows
@@ -138,8 +148,9 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
             if options.num_inference_steps is not None:
                 params["num_inference_steps"] = options.num_inference_steps
             cold, warm = _run_requests(generator, params, options.repeats)
+            peaks = _stage_peaks(generator)
     _free()
-    return _rows_from_results("generate", config, cold, warm, load_s, note)
+    return _rows_from_results("generate", config, cold, warm, load_s, note, peaks)
 
 
 def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
@@ -172,8 +183,9 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
                 "output_path": options.output_dir or scratch,
             }
             cold, warm = _run_requests(generator, params, options.repeats)
+            peaks = _stage_peaks(generator)
     _free()
-    return _rows_from_results("sr", config, cold, warm, load_s, note)
+    return _rows_from_results("sr", config, cold, warm, load_s, note, peaks)
 
 
 def _free() -> None:

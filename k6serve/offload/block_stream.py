@@ -40,6 +40,26 @@ def plan_blocks(transformer: nn.Module, plan: ModelPlan) -> list[nn.Module]:
     return [block for path in plan.blocks for block in transformer.get_submodule(path)]
 
 
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The entries of every outermost `nn.ModuleList` of `module` that holds two or more modules of one class with
+    weights, in module order: a transformers text encoder's decoder layers and its vision tower's blocks.
+
+    Found by shape rather than by attribute path because the paths move between transformers releases (CLIP's
+    layers are `text_model.encoder.layers` in 4.x and `encoder.layers` in 5.x; Qwen2.5-VL's language model moved
+    under `model.language_model`); the blocks are what a text encoder repeats, whatever it calls them. Lists inside
+    a found block are part of that block."""
+    found: list[nn.Module] = []
+    inside: list[str] = []
+    for name, child in module.named_modules():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        if (isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(entry) for entry in child}) == 1
+                and all(any(True for _ in entry.parameters()) for entry in child)):
+            found.extend(child)
+            inside.append(f"{name}.")
+    return found
+
+
 class BlockStreamer:
     """Streams `blocks` between `offload_device` and `compute_device` around each block's forward."""
 

@@ -14,16 +14,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from k6serve.config import OFFLOAD_MODES
-from k6serve.offload.block_stream import BlockStreamer, apply_block_streaming
+from k6serve.offload.block_stream import BlockStreamer, apply_block_streaming, repeated_blocks
 from k6serve.offload.host_weights import HostWeights, module_tensors
 
 logger = logging.getLogger(__name__)
+
+# Components whose repeated blocks "memory" mode streams besides the DiT's. Qwen2.5-VL-7B is 15.5 GiB in bf16, the
+# largest component after the DiT: held whole for the text stage it would set the mode's peak once the DiT streams
+# (measured on an H200: 21.7 GiB for a Pro-distill request, text encoder and VAE decode both near it). Its 28
+# decoder layers run once per prompt on ~1,000 tokens, so the stage is bound by the copy either way: streaming costs
+# nothing that moving the whole component would not. The VAEs are not streamed: their weights are small (<1 GiB)
+# next to their activations, and each decode tile would copy them again.
+STREAMED_ENCODERS = ("text_encoder", "text_encoder_2")
 
 
 class Resident:
@@ -51,6 +59,7 @@ class ComponentOffload:
             skip = {id(tensor) for weights in streamer.weights for tensor in _slot_tensors(weights)} if streamer else set()
             self.weights[name] = HostWeights(module_tensors([module], skip), offload_device=offload_device, pin=pin)
         self.active: tuple[str, ...] = ()
+        self.peak_after: dict[str, int] = {}  # "+".join(stage components) -> bytes; CUDA only
 
     @contextmanager
     def stage(self, *components: str) -> Iterator[None]:
@@ -67,7 +76,16 @@ class ComponentOffload:
                 self.weights[name].to_host()
                 if name in self.streamers:
                     self.streamers[name].release()
+            if self.compute_device.type == "cuda":
+                self.peak_after["+".join(components)] = torch.cuda.max_memory_allocated(self.compute_device)
             self.active = ()
+
+    def describe_peaks(self) -> str:
+        """The peak after each stage of the last request, e.g. "text_encoder+text_encoder_2 3.1, transformer 9.8,
+        ... GiB" ('' off CUDA)."""
+        if not self.peak_after:
+            return ""
+        return ", ".join(f"{stage} {peak / 2**30:.1f}" for stage, peak in self.peak_after.items()) + " GiB"
 
 
 def _slot_tensors(weights: HostWeights) -> list[torch.Tensor]:
@@ -81,11 +99,16 @@ class OffloadReport:
     mode: str
     host_bytes: dict[str, int]  # per component, the host copy (streamed blocks counted under "<name> blocks")
     pinned: bool
-    num_streamed_blocks: int = 0
+    streamed_blocks: dict[str, int] = field(default_factory=dict)  # component -> blocks streamed ("memory")
+
+    @property
+    def num_streamed_blocks(self) -> int:
+        return sum(self.streamed_blocks.values())
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in self.host_bytes.items())
-        streamed = f", {self.num_streamed_blocks} DiT blocks streamed" if self.num_streamed_blocks else ""
+        streamed = ", ".join(f"{count} {name} blocks" for name, count in self.streamed_blocks.items())
+        streamed = f", streamed: {streamed}" if streamed else ""
         return f"{self.mode}: components offloaded to {'pinned ' if self.pinned else ''}host memory ({sizes}){streamed}"
 
 
@@ -106,6 +129,11 @@ def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
         streamers["transformer"] = apply_block_streaming(components["transformer"], plan,
                                                          compute_device=compute_device,
                                                          offload_device=offload_device, pin=pin)
+        for name in STREAMED_ENCODERS:
+            blocks = repeated_blocks(components[name]) if name in components else []
+            if blocks:
+                streamers[name] = BlockStreamer(blocks, compute_device=compute_device,
+                                                offload_device=offload_device, pin=pin)
     residency = ComponentOffload(components, compute_device=compute_device, offload_device=offload_device, pin=pin,
                                  streamers=streamers)
     pipeline.residency = residency
@@ -113,4 +141,4 @@ def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
     for name, streamer in streamers.items():
         host_bytes[f"{name} blocks"] = streamer.num_bytes
     return OffloadReport(mode=mode, host_bytes=host_bytes, pinned=pin,
-                         num_streamed_blocks=sum(len(streamer.blocks) for streamer in streamers.values()))
+                         streamed_blocks={name: len(streamer.blocks) for name, streamer in streamers.items()})

@@ -15,7 +15,7 @@ import torch
 
 from k6serve.api import build_engine_config
 from k6serve.offload import ComponentOffload, apply_offload
-from k6serve.offload.block_stream import plan_blocks
+from k6serve.offload.block_stream import plan_blocks, repeated_blocks
 from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.worker import ModelWorker
 from k6serve.speed.performance_mode import transformer_plan
@@ -73,6 +73,54 @@ def test_generation_with_offload_is_bitwise_equal_and_moves_one_stage_at_a_time(
     for streamer in residency.streamers.values():
         assert all(weights.attached_to_host() for weights in streamer.weights)
     assert (report.num_streamed_blocks > 0) == (mode == "memory")
+    # Streamed: the DiT's plan blocks and the text encoders' layers (the tiny Qwen's one vision block is no list).
+    expected = {"transformer": len(plan_blocks(worker.pipeline.models.transformer,
+                                               transformer_plan(worker.pipeline.models.transformer))),
+                "text_encoder": 2, "text_encoder_2": 2} if mode == "memory" else {}
+    assert report.streamed_blocks == expected
+    assert residency.describe_peaks() == ""  # peaks are recorded on CUDA only
+
+
+def test_repeated_blocks_are_the_outermost_lists_of_one_class_with_weights():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])  # part of its block
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block(), Block(), Block()])
+    model.mixed = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Conv1d(2, 2, 1)])  # two classes
+    model.weightless = torch.nn.ModuleList([torch.nn.SiLU(), torch.nn.SiLU()])
+    model.single = torch.nn.ModuleList([torch.nn.Linear(2, 2)])  # nothing repeats
+    model.tower = torch.nn.Module()
+    model.tower.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    assert repeated_blocks(model) == [*model.layers, *model.tower.blocks]
+
+
+def test_memory_mode_streams_the_text_encoder_layers_one_at_a_time(tiny_distill_dir):
+    """Each text encoder's layers are on the device only while they run, and none after the text stage; the
+    encoders' other weights (embeddings, final norm) are there for the whole stage."""
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode="memory",
+                                             attention_backend="sdpa"))
+    apply_offload(worker.pipeline, "memory", compute_device="cpu",
+                  plan=transformer_plan(worker.pipeline.models.transformer))
+    residency = worker.pipeline.residency
+    attached_at_call: list[tuple[str, int, list[int]]] = []
+    for name in ("text_encoder", "text_encoder_2"):
+        streamer = residency.streamers[name]
+        assert streamer.blocks == repeated_blocks(worker.pipeline.components()[name])
+        for index, block in enumerate(streamer.blocks):
+            block.register_forward_pre_hook(
+                lambda module, args, name=name, index=index, streamer=streamer: attached_at_call.append(
+                    (name, index, [i for i, w in enumerate(streamer.weights) if not w.attached_to_host()])))
+    _generate(worker)
+    assert {(name, index) for name, index, _ in attached_at_call} == {(n, i) for n in ("text_encoder", "text_encoder_2")
+                                                                   for i in range(2)}
+    for name, index, attached in attached_at_call:
+        assert attached == [index], (name, index, attached)
+    for name in ("text_encoder", "text_encoder_2"):
+        assert all(weights.attached_to_host() for weights in residency.streamers[name].weights)
 
 
 def test_block_streaming_copies_each_block_once_one_ahead(tiny_distill_dir):
@@ -187,6 +235,11 @@ def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
     offloaded = _generate(offloaded_worker)
     for module in offloaded_worker.pipeline.components().values():
         assert all(p.device.type == "cpu" and p.is_pinned() for p in module.parameters())
+    # The peak after each stage, in stage order, only grows; the last is the request's peak.
+    peaks = offloaded_worker.pipeline.residency.peak_after
+    assert list(peaks) == ["text_encoder+text_encoder_2", "transformer", "audio_vae+vocoder", "vae"]
+    assert list(peaks.values()) == sorted(peaks.values())
+    assert offloaded_worker.pipeline.residency.describe_peaks().endswith(" GiB")
     monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
     resident = _generate(ModelWorker(config))
     assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
