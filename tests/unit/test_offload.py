@@ -243,3 +243,24 @@ def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
     monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
     resident = _generate(ModelWorker(config))
     assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
+
+
+def test_pinned_rounding_is_limited_once_before_the_first_pinned_chunk(monkeypatch, caplog):
+    """The pinned allocator's power-of-two rounding would add 11% to the Pro DiT's host copy; the setting that stops
+    it above 64 MiB is given once per process, alone, and a torch that refuses it only costs a warning."""
+    from k6serve.offload import host_weights
+
+    calls: list[str] = []
+    monkeypatch.setattr(host_weights, "_pinned_rounding_limited", False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    host_weights.limit_pinned_rounding()
+    host_weights.limit_pinned_rounding()
+    assert calls == ["pinned_max_round_threshold_mb:64"]
+
+    def refuse(setting):
+        raise RuntimeError("Unrecognized key")
+
+    monkeypatch.setattr(host_weights, "_pinned_rounding_limited", False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
+    host_weights.limit_pinned_rounding()
+    assert "pinned host copies are rounded up to powers of two" in caplog.text
