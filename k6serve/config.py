@@ -16,6 +16,7 @@ OFFLOAD_MODES = ("balanced", "memory")  # the modes that keep weights in host me
 WARMUP_MODES = ("off", "request", "server")
 ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
+VAE_TILING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,10 +82,20 @@ class RuntimeConfig:
     # rounds after every op, and on random weights the frames then differed from the eager bf16 decode by up
     # to 12/255, beyond the 1/255 that "speed" promises (docs/benchmarks.md).
     compile_vae: bool = False
+    # Spatial tiles for the generation models' HunyuanVideo VAE decode: "on" is diffusers' `vae.enable_tiling()`
+    # with its default tiles (256 px, stride 192), "off" never, "auto" on exactly for --performance-mode memory on
+    # a GPU (speed/vae_tiling.py). Tied to memory mode because that mode promises the lowest peak, and its peak is
+    # the untiled decode (Pro-distill 512x768x121 on an H200: 21.7 GiB). Not on elsewhere: each tile is decoded
+    # without the rest of the frame and the overlaps are blended, so the frames differ from the untiled decode (as
+    # with diffusers' own enable_tiling) and the decode is slower; the CPU and the speed / balanced modes keep
+    # their bits.
+    vae_tiling: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile_vae, bool):
             raise ValueError(f"--compile-vae must be true or false, got {self.compile_vae!r}")
+        if self.vae_tiling not in VAE_TILING:
+            raise ValueError(f"--vae-tiling must be one of {VAE_TILING}, got {self.vae_tiling!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.performance_mode not in PERFORMANCE_MODES:

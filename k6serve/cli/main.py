@@ -27,6 +27,7 @@ from k6serve.config import (
     ENCODER_PARALLEL,
     LOAD_FORMATS,
     PERFORMANCE_MODES,
+    VAE_TILING,
     WARMUP_MODES,
 )
 from k6serve.request import SamplingParams, parameter_fields
@@ -49,6 +50,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                          "(at start; SR: one upscale of a synthetic 768x512x121 clip).")),
     ("compile_vae", dict(type=lambda v: _bool(v), help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md).")),
+    ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
+                        "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
+                        "decode). auto: on with --performance-mode memory on a GPU.")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),

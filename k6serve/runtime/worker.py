@@ -36,6 +36,7 @@ from k6serve.request import (
 )
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.speed import apply_performance_mode, warmup
+from k6serve.speed.vae_tiling import resolve_vae_tiling
 
 # The SR server warm-up's synthetic source (width, height, frames, fps): the 5 s checkpoints' 121 frames at the
 # 3:2 landscape shape of docs/benchmarks.md's VSR runs.
@@ -102,12 +103,16 @@ class ModelWorker:
             folder = resolve_checkpoint(model.model_path, model.revision)
         self.variant: Variant = recognise(model.model_path, model.model_id, folder)
         self.folder = folder
+        # Resolved before the weights load, so an SR checkpoint with --vae-tiling on is refused at once.
+        self.vae_tiling = resolve_vae_tiling(config.runtime.vae_tiling, config.runtime.performance_mode,
+                                             self.device, self.variant.family)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         if transform is not None:
             transform(self)
         self.performance_report = apply_performance_mode(self.pipeline.models, config.runtime.performance_mode,
                                                          self.device, compile_vae_decoder=config.runtime.compile_vae)
+        self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
@@ -130,6 +135,19 @@ class ModelWorker:
     def offloads(self) -> bool:
         """Balanced / memory on a GPU: the weights live in host memory (on the CPU there is nowhere to offload to)."""
         return self.config.runtime.performance_mode in OFFLOAD_MODES and self.device.type == "cuda"
+
+    def _apply_vae_tiling(self) -> None:
+        """Spatial tiles for the HunyuanVideo decode when `self.vae_tiling` (speed/vae_tiling.py); logged, since
+        the frames then differ from the untiled decode."""
+        if not self.vae_tiling:
+            return
+        vae = self.pipeline.models.vae
+        vae.enable_tiling()
+        logger.info("--vae-tiling %s: the video VAE decodes (and encodes) in spatial tiles of %dx%d px, stride "
+                    "%dx%d, overlaps blended, as diffusers' enable_tiling does (lower peak memory, slower decode; "
+                    "frames differ from the untiled decode)", self.config.runtime.vae_tiling,
+                    vae.tile_sample_min_height, vae.tile_sample_min_width, vae.tile_sample_stride_height,
+                    vae.tile_sample_stride_width)
 
     def _apply_offload(self):
         """After every other transform, which must see the final module tree (the weights were loaded on the host)."""

@@ -1,7 +1,8 @@
 """Video VAE decode speed-ups (HunyuanVideo VAE; the SR K-VAE too), applied to the module in place.
 
-The decode keeps its tiling (HunyuanVideo: diffusers' default framewise temporal tiling; SR: per-tile,
-segment-by-segment with causal caches): only the kernels change, never the tiling.
+The decode keeps its tiling (HunyuanVideo: diffusers' default framewise temporal tiling, plus spatial tiles with
+`--vae-tiling`, speed/vae_tiling.py; SR: per-tile, segment-by-segment with causal caches): only the kernels change,
+never the tiling.
 
 * `torch.backends.cudnn.benchmark`: autotune each 3-D convolution shape once (the tiles repeat shapes).
 * `torch.compile` of the decoder (`--compile-vae true`; not part of `--performance-mode speed`, whose
