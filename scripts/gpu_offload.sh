@@ -3,8 +3,9 @@
 # rows give the peak memory and the per-step time against speed mode. Run from the repository root on the device
 # machine with the wheels of .whlG (diffusers, av) and .whlP (pytest) carried; every step has its own time limit
 # and writes its log under $OUT, so a step that runs long still leaves the others' results.
-#   bash scripts/gpu_offload.sh lite     # the CUDA test + Lite-distill memory and balanced
-#   bash scripts/gpu_offload.sh pro      # Pro-distill memory and balanced, 3 steps
+#   bash scripts/gpu_offload.sh test lite   # the CUDA test + Lite-distill memory and balanced (the default)
+#   bash scripts/gpu_offload.sh pro         # Pro-distill memory and balanced, 3 steps
+#   steps: pinned (does torch take the pinned rounding setting), test, lite, lite-memory, pro, pro-memory
 set -u
 : "${OUT:?set OUT to the folder for logs and JSON}"
 mkdir -p /tmp/site
@@ -20,15 +21,35 @@ bench() {  # name, time limit, then the bench's own flags
     > "$OUT/$name.log" 2>&1
   echo "$name rc=$?" >> "$OUT/steps.txt"
 }
-case "${1:-lite}" in
-  lite)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_offload.py -k cuda > "$OUT/pytest_offload.log" 2>&1
-    echo "pytest rc=$?" >> "$OUT/steps.txt"
-    bench lite_memory 200 --variant lite-distill --performance-mode memory
-    bench lite_balanced 170 --variant lite-distill --performance-mode balanced
-    ;;
-  pro)
-    bench pro_memory 300 --variant pro-distill --performance-mode memory --num-inference-steps 3
-    bench pro_balanced 230 --variant pro-distill --performance-mode balanced --num-inference-steps 3
-    ;;
-esac
+pinned_check() {  # does this torch take pinned_max_round_threshold_mb? (a 150 MiB pinned chunk: 150 or 256 MiB held)
+  timeout 60 python3 -c "
+import torch
+from k6serve.offload.host_weights import limit_pinned_rounding
+limit_pinned_rounding()
+chunk = torch.empty(150 * 2**20, dtype=torch.uint8, pin_memory=True)
+stats = torch.cuda.host_memory_stats()
+print({key: value for key, value in stats.items() if 'allocat' in key and 'current' in key})
+" > "$OUT/pinned_check.log" 2>&1
+  echo "pinned_check rc=$?" >> "$OUT/steps.txt"
+}
+[ $# -eq 0 ] && set -- test lite
+for step in "$@"; do
+  case "$step" in
+    pinned) pinned_check ;;
+    test)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_offload.py -k cuda > "$OUT/pytest_offload.log" 2>&1
+      echo "pytest rc=$?" >> "$OUT/steps.txt"
+      ;;
+    lite)
+      bench lite_memory 200 --variant lite-distill --performance-mode memory
+      bench lite_balanced 170 --variant lite-distill --performance-mode balanced
+      ;;
+    lite-memory) bench lite_memory 200 --variant lite-distill --performance-mode memory ;;
+    pro)
+      bench pro_memory 300 --variant pro-distill --performance-mode memory --num-inference-steps 3
+      bench pro_balanced 230 --variant pro-distill --performance-mode balanced --num-inference-steps 3
+      ;;
+    pro-memory) bench pro_memory 300 --variant pro-distill --performance-mode memory --num-inference-steps 3 ;;
+    *) echo "unknown step $step (pinned, test, lite, lite-memory, pro, pro-memory)" >&2; exit 2 ;;
+  esac
+done

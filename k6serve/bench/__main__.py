@@ -32,7 +32,7 @@ from k6serve.bench.tiny import (
     TINY_WIDTH,
 )
 from k6serve.bench.vae import VaeOptions, run_vae
-from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES
+from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
 
 STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate/sr: the engine's performance mode.",
     )
     parser.add_argument(
+        "--vae-tiling",
+        default="auto",
+        choices=VAE_TILING,
+        help="generate: the engine's --vae-tiling (auto: on with --performance-mode memory on a GPU).",
+    )
+    parser.add_argument(
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
@@ -176,6 +182,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         repeats=args.repeats,
         output_dir=args.output_dir,
         compile_vae=args.compile_vae_decoder,
+        vae_tiling=args.vae_tiling,
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if args.fp8_attention and args.skip_speed:

@@ -41,14 +41,16 @@ class EndToEndOptions:
     repeats: int = 1
     output_dir: str | None = None
     compile_vae: bool = False  # the engine's --compile-vae
+    vae_tiling: str = "auto"  # the engine's --vae-tiling
 
 
 def _speed_note(generator) -> str:
     """What the engine's worker applied at load time (`--performance-mode`, `--compile-vae`)."""
-    report = generator.engine.worker.performance_report
+    worker = generator.engine.worker
+    report = worker.performance_report
     return (
         f"{report.mode}: {report.num_fused_attentions} fused attentions, {report.num_compiled_blocks} compiled "
-        f"blocks, vae {list(report.vae)}"
+        f"blocks, vae {list(report.vae)}" + (", vae tiling on" if getattr(worker, "vae_tiling", False) else "")
     )
 
 
@@ -108,6 +110,7 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "attention_backend": options.attention_backend,
         "load_format": "auto" if options.tiny else "dummy",
         "compile_vae": options.compile_vae,
+        "vae_tiling": options.vae_tiling,
     }
 
 
