@@ -13,45 +13,54 @@ alignment: an unaligned view could change the output bits.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
 CHUNK_BYTES = 256 * 2**20
 ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
 
-# torch's pinned-memory allocator rounds every allocation up to a power of two, so that freed blocks can be reused
-# by size. These chunks hold frozen weights for the life of the process and are never freed, so the rounding only
-# wastes host memory: the Pro DiT's blocks pack into 56.0 GiB of 128-256 MiB chunks that round up to 62.5 GiB (and
-# a Pro-distill process in "memory" mode peaked at 98 GB resident on a 128 GB host). Above this size the allocator is
-# told not to round (`pinned_max_round_threshold_mb`, torch's allocator setting); smaller pinned buffers, such as
-# the decode's frame copies, which are freed and reused, keep the rounding.
-PINNED_ROUND_THRESHOLD_MB = 64
-_pinned_rounding_limited = False
+# Pinned chunks are page-locked by `cudaHostRegister` on exact-size host allocations, not allocated with
+# `pin_memory=True`: torch's pinned allocator rounds every allocation up to a power of two so that freed blocks can be
+# reused by size, and these chunks hold frozen weights for the life of the worker, so the rounding would only waste
+# host memory. The Pro DiT's blocks pack into 56.0 GiB of 128-256 MiB chunks that round up to 62.5 GiB; a
+# Pro-distill process in "memory" mode peaked at 98 GB resident on a 128 GB H200 host. (torch 2.13's
+# `pinned_max_round_threshold_mb` allocator setting would also stop the rounding; torch 2.11 refuses the key.)
+PAGE_BYTES = 4096
 
 
-def limit_pinned_rounding() -> None:
-    """Set `pinned_max_round_threshold_mb` once per process, before the first pinned chunk is allocated.
+class PinnedBuffer:
+    """`num_bytes` of page-locked host memory, exactly: a pageable allocation registered with CUDA.
 
-    Only that key is given, so the other allocator settings (e.g. from $PYTORCH_CUDA_ALLOC_CONF) are untouched."""
-    global _pinned_rounding_limited
-    if _pinned_rounding_limited:
-        return
-    _pinned_rounding_limited = True
-    setting = f"pinned_max_round_threshold_mb:{PINNED_ROUND_THRESHOLD_MB}"
-    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    try:
-        if set_settings is not None:
-            set_settings(setting)
-        else:  # torch releases before the accelerator-wide allocator settings
-            torch.cuda.memory._set_allocator_settings(setting)
-    except (RuntimeError, ValueError) as error:  # an allocator without the key: the chunks stay rounded
-        logger.warning("could not set %s (%s): pinned host copies are rounded up to powers of two", setting, error)
+    The buffer holds the allocation, so it is unregistered (when the buffer is collected) before the memory can be
+    freed, whatever order the views into it die in; a view that outlives the buffer stays valid, only no longer
+    page-locked."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        # Page-aligned, so the registration covers only pages of this allocation.
+        allocation = torch.empty(num_bytes + PAGE_BYTES, dtype=torch.uint8)
+        offset = -allocation.data_ptr() % PAGE_BYTES
+        self.data = allocation[offset : offset + num_bytes]
+        self.pointer = self.data.data_ptr()
+        self.registered = False
+        if num_bytes:
+            error = torch.cuda.cudart().cudaHostRegister(self.pointer, num_bytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**20:.0f} MiB of host memory failed (CUDA error "
+                                   f"{int(error)}); the host may be out of lockable memory (ulimit -l), or use "
+                                   "--performance-mode speed, which keeps the weights on the GPU.")
+            self.registered = True
+
+    def view(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.data.view(dtype)
+
+    def __del__(self) -> None:
+        if getattr(self, "registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self.pointer)
+            self.registered = False
 
 
 @dataclass(eq=False, slots=True)
@@ -88,8 +97,7 @@ class HostWeights:
         self.slots: list[_Slot] = []
         self.device_chunks: list[torch.Tensor] | None = None
         self.num_bytes = 0
-        if pin:
-            limit_pinned_rounding()
+        self.pinned_buffers: list[PinnedBuffer] = []
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -116,7 +124,12 @@ class HostWeights:
 
     def _fill_chunk(self, pending: list[tuple[torch.Tensor, int]], num_elements: int) -> None:
         dtype = pending[0][0].dtype
-        chunk = torch.empty(num_elements, dtype=dtype, device=self.offload_device, pin_memory=self.pinned)
+        if self.pinned:
+            buffer = PinnedBuffer(num_elements * pending[0][0].element_size())
+            self.pinned_buffers.append(buffer)
+            chunk = buffer.view(dtype)
+        else:
+            chunk = torch.empty(num_elements, dtype=dtype, device=self.offload_device)
         index = len(self.chunks)
         self.chunks.append(chunk)
         self.num_bytes += chunk.numel() * chunk.element_size()

@@ -245,22 +245,56 @@ def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
     assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
 
 
-def test_pinned_rounding_is_limited_once_before_the_first_pinned_chunk(monkeypatch, caplog):
-    """The pinned allocator's power-of-two rounding would add 11% to the Pro DiT's host copy; the setting that stops
-    it above 64 MiB is given once per process, alone, and a torch that refuses it only costs a warning."""
-    from k6serve.offload import host_weights
+def test_pinned_chunks_are_registered_at_their_exact_size_and_unregistered_with_their_buffers(monkeypatch):
+    """Pinned chunks are exact-size host allocations locked with cudaHostRegister (torch's pinned allocator would
+    round each up to a power of two: +11% for the Pro DiT), page-aligned, and unregistered when their weights go,
+    before the memory can be freed; the weights compute the same from them. A fake cudart stands in for CUDA."""
+    import gc
 
-    calls: list[str] = []
-    monkeypatch.setattr(host_weights, "_pinned_rounding_limited", False)
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    host_weights.limit_pinned_rounding()
-    host_weights.limit_pinned_rounding()
-    assert calls == ["pinned_max_round_threshold_mb:64"]
+    from k6serve.offload.host_weights import PAGE_BYTES, HostWeights
 
-    def refuse(setting):
-        raise RuntimeError("Unrecognized key")
+    registered: dict[int, int] = {}
+    unregistered: list[int] = []
 
-    monkeypatch.setattr(host_weights, "_pinned_rounding_limited", False)
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
-    host_weights.limit_pinned_rounding()
-    assert "pinned host copies are rounded up to powers of two" in caplog.text
+    class FakeCudart:
+        @staticmethod
+        def cudaHostRegister(pointer, num_bytes, flags):
+            assert flags == 0 and pointer not in registered
+            registered[pointer] = num_bytes
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(pointer):
+            unregistered.append(pointer)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Linear(40, 8).double())
+    inputs = torch.randn(3, 48)
+    expected = model[1](model[0](inputs).double())
+    weights = HostWeights(list(model.parameters()), offload_device=torch.device("cpu"), pin=True)
+    assert sorted(registered.values()) == sorted(chunk.numel() * chunk.element_size() for chunk in weights.chunks)
+    assert all(pointer % PAGE_BYTES == 0 for pointer in registered)
+    assert {chunk.data_ptr() for chunk in weights.chunks} == set(registered)
+    assert torch.equal(model[1](model[0](inputs).double()), expected)
+    weights.to_device(torch.device("cpu"))
+    assert torch.equal(model[1](model[0](inputs).double()), expected)
+    weights.to_host()
+    del weights
+    gc.collect()
+    assert sorted(unregistered) == sorted(registered)
+    assert torch.equal(model[1](model[0](inputs).double()), expected)  # the views outlive the buffers, still valid
+
+
+def test_a_refused_registration_says_what_to_do(monkeypatch):
+    from k6serve.offload.host_weights import PinnedBuffer
+
+    class Refusing:
+        @staticmethod
+        def cudaHostRegister(pointer, num_bytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing)
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 3 MiB .*ulimit -l.*--performance-mode speed"):
+        PinnedBuffer(3 * 2**20)
