@@ -223,6 +223,18 @@ def test_offload_refusal_through_the_cli(capsys):
     assert "cannot work with weights sharded across GPUs (--tp-size 2)" in capsys.readouterr().err
 
 
+def _registered_ranges(residency: ComponentOffload) -> list[tuple[int, int]]:
+    """The address ranges of every registered (page-locked) host buffer of the offloaded components."""
+    weights = [*residency.weights.values(), *(w for streamer in residency.streamers.values() for w in streamer.weights)]
+    return [(buffer.pointer, buffer.pointer + buffer.num_bytes) for host in weights for buffer in host.pinned_buffers
+            if buffer.registered]
+
+
+def _in_ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    return any(low <= start and end <= high for low, high in ranges)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory, the side stream and events need CUDA")
 @pytest.mark.parametrize("mode", ["balanced", "memory"])
 def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
@@ -233,8 +245,11 @@ def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
     offloaded_worker = ModelWorker(config)
     assert offloaded_worker.offload_report.pinned and offloaded_worker.weights_device.type == "cpu"
     offloaded = _generate(offloaded_worker)
+    # torch 2.11's `is_pinned()` only knows its own pinned allocator (measured: False on registered pages, which
+    # copied at 53 GB/s against 6 GB/s pageable on the H200), so the check is against the registered buffers.
+    ranges = _registered_ranges(offloaded_worker.pipeline.residency)
     for module in offloaded_worker.pipeline.components().values():
-        assert all(p.device.type == "cpu" and p.is_pinned() for p in module.parameters())
+        assert all(p.device.type == "cpu" and _in_ranges(p, ranges) for p in module.parameters())
     # The peak after each stage, in stage order, only grows; the last is the request's peak.
     peaks = offloaded_worker.pipeline.residency.peak_after
     assert list(peaks) == ["text_encoder+text_encoder_2", "transformer", "audio_vae+vocoder", "vae"]
@@ -269,6 +284,17 @@ def test_pinned_chunks_are_registered_at_their_exact_size_and_unregistered_with_
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    # The whole demo pipeline, pinned: every parameter lies in a registered buffer (what the CUDA test checks).
+    worker = ModelWorker(build_engine_config("demo", device="cpu", attention_backend="sdpa"))
+    residency_report = apply_offload(worker.pipeline, "memory", compute_device="cpu", pin=True,
+                                     plan=transformer_plan(worker.pipeline.models.transformer))
+    ranges = _registered_ranges(worker.pipeline.residency)
+    assert residency_report.pinned and ranges
+    assert all(_in_ranges(p, ranges) for module in worker.pipeline.components().values() for p in module.parameters())
+    del worker, residency_report, ranges
+    gc.collect()
+    registered.clear()
+    unregistered.clear()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Linear(40, 8).double())
     inputs = torch.randn(3, 48)
