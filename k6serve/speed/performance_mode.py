@@ -11,9 +11,10 @@
   nowhere to offload to): "balanced" keeps every component in pinned host memory and moves it to the GPU only for
   its stage (peak: the largest component, the 56 GiB Pro DiT, plus activations; 62.5 GiB for a Pro-distill
   512x768x121 request on an H200); "memory" also streams the repeated blocks of the DiT and of the text encoders one
-  at a time with the next one prefetched on a side stream (DiT stage: the non-block weights plus three blocks,
-  ~0.9 GiB each for Pro, plus activations; measured on an H200, the Pro DiT step costs 1% more than in "balanced",
-  7.87 against 7.79 s, so the copies hide behind the blocks). Fused projections stay off because fusing allocates each module's projection weights twice
+  at a time with the next one prefetched on a side stream, and (`--vae-tiling auto`) decodes the video VAE in
+  spatial tiles. Measured on an H200 (Pro-distill, 512x768x121): peak 8.3 GiB, set by the DiT's stage (non-block
+  weights, three ~0.9 GiB blocks, activations); the DiT step costs 1-2.5% more than in "balanced" (7.87-7.99
+  against 7.79 s), so the copies hide behind the blocks. Fused projections stay off because fusing allocates each module's projection weights twice
   for a moment and the fused copy would have to move too; regional compile stays off because it buys speed these
   modes give up anyway and its graphs hold device memory. The weights are loaded (and `--load-format dummy` builds
   them) on the host, so the model never needs to fit on the GPU at once. Refused with sharded weights
