@@ -59,8 +59,12 @@ class PinnedBuffer:
 
     def __del__(self) -> None:
         if getattr(self, "registered", False):
-            torch.cuda.cudart().cudaHostUnregister(self.pointer)
             self.registered = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.pointer)
+            except Exception:  # noqa: BLE001 - at interpreter exit torch or the CUDA context may be gone; the
+                pass  # process's pages go with it, registered or not
+
 
 
 @dataclass(eq=False, slots=True)
