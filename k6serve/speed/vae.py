@@ -115,6 +115,10 @@ def apply_vae_speedups(
                 apply_folded_upsample(decoder)
                 applied.append("folded_upsample")
             if not is_compiled(decoder):
+                # One graph per tile shape: a 121-frame decode has 2-3 temporal tile lengths, and with --vae-tiling
+                # on each of its spatial tiles' shapes too (edge tiles are smaller: at 512x768 four heights and widths
+                # combine into up to 12 shapes), past dynamo's default of 8, after which it would silently run eager.
+                _raise_recompile_limit(64)
                 decoder.compile(dynamic=False)
             applied.append("compile_decoder")
     return applied
