@@ -3,17 +3,32 @@
     with DiffGenerator.from_pretrained(model_path="...", num_gpus=1) as generator:
         result = generator.generate(sampling_params_kwargs={"prompt": "...", "seed": 42})
         print(result.output_file_path)
+
+LoRA adapters (`set_lora`, `merge_lora_weights`, `unmerge_lora_weights`, `list_loras`) are changed between requests,
+in order with them, on every rank of every replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.lora.spec import (
+    LORA_MERGE_MODES,
+    LORA_TARGETS,
+    ListLoras,
+    LoraSpec,
+    MergeLora,
+    SetLora,
+    UnmergeLora,
+)
 from k6serve.request import OutputOptions, SamplingParams, VideoResult, fspath_values
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.runtime.worker import sanitize_file_name
@@ -100,6 +115,86 @@ def check_output(output: OutputOptions) -> None:
             )
 
 
+class LoraArgumentError(ValueError):
+    """A bad LoRA argument; `argument` is its name as the caller spelled it (the HTTP field, or the keyword)."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+def _lora_number(value: Any, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LoraArgumentError(argument, f"{argument} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def _lora_choice(value: Any, argument: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise LoraArgumentError(argument, f"{argument} must be one of {', '.join(map(repr, choices))}, got {value!r}.")
+    return value
+
+
+def _lora_list(value: Any, argument: str, length: int, nickname_argument: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise LoraArgumentError(argument, f"{argument} must be a list as long as {nickname_argument} ({length}) "
+                                          f"when {nickname_argument} is a list, got {value!r}.")
+    if len(value) != length:
+        raise LoraArgumentError(argument, f"{argument} has {len(value)} entries but {nickname_argument} has "
+                                          f"{length}; give one per adapter.")
+    return list(value)
+
+
+def set_lora_operation(nickname: str | list[str], path: str | list[str | None] | None = None,
+                       strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
+                       lora_alpha: float | None = None, names: Mapping[str, str] | None = None) -> SetLora:
+    """Check `DiffGenerator.set_lora`'s arguments (also the HTTP body's) and build the operation; a bad one raises
+    LoraArgumentError naming it as `names` spells it (e.g. {"nickname": "lora_nickname"} for HTTP)."""
+    names = {"nickname": "nickname", "path": "path", **(names or {})}
+    name_arg, path_arg = names["nickname"], names["path"]
+    many = isinstance(nickname, (list, tuple))
+    nicknames = list(nickname) if many else [nickname]
+    for item in nicknames:
+        if not isinstance(item, str) or not item.strip():
+            raise LoraArgumentError(name_arg, f"{name_arg} must be a non-empty string or a list of them, got "
+                                              f"{nickname!r}.")
+    if len(set(nicknames)) != len(nicknames):
+        raise LoraArgumentError(name_arg, f"{name_arg} names an adapter more than once: {nicknames!r}.")
+    if many:
+        paths = [None] * len(nicknames) if path is None else _lora_list(path, path_arg, len(nicknames), name_arg)
+    elif isinstance(path, (list, tuple)):
+        raise LoraArgumentError(path_arg, f"{path_arg} is a list but {name_arg} is one name; give a list of "
+                                          f"{name_arg} too.")
+    else:
+        paths = [path]
+    paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths]
+    for item in paths:
+        if item is not None and (not isinstance(item, str) or not item.strip()):
+            raise LoraArgumentError(path_arg, f"{path_arg} must be a non-empty string (a .safetensors file, a folder "
+                                              f"holding one, or a hub id) or None, got {item!r}.")
+    if isinstance(strength, (list, tuple)):
+        if not many:
+            raise LoraArgumentError("strength", f"strength is a list but {name_arg} is one name; give a list of "
+                                                f"{name_arg} too.")
+        strengths = [_lora_number(s, "strength") for s in _lora_list(strength, "strength", len(nicknames), name_arg)]
+    else:
+        strengths = [_lora_number(strength, "strength")] * len(nicknames)
+    alpha = None if lora_alpha is None else _lora_number(lora_alpha, "lora_alpha")
+    specs = tuple(LoraSpec(nickname=n, path=p, strength=s, alpha=alpha)
+                  for n, p, s in zip(nicknames, paths, strengths))
+    return SetLora(specs=specs, merge_mode=_lora_choice(merge_mode, "merge_mode", LORA_MERGE_MODES),
+                   target=_lora_choice(target, "target", LORA_TARGETS))
+
+
+def merge_lora_operation(target: str = "all", strength: float | None = None) -> MergeLora:
+    return MergeLora(target=_lora_choice(target, "target", LORA_TARGETS),
+                     strength=None if strength is None else _lora_number(strength, "strength"))
+
+
+def unmerge_lora_operation(target: str = "all") -> UnmergeLora:
+    return UnmergeLora(target=_lora_choice(target, "target", LORA_TARGETS))
+
+
 class DiffGenerator:
     """Loads a Kandinsky 6 checkpoint once and generates (or upscales) videos with it."""
 
@@ -136,6 +231,36 @@ class DiffGenerator:
     def upscale(self, video_path: str, *, on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
         """Super-resolution convenience: `generate(video_path=...)`, with the same progress callback."""
         return self.generate({"video_path": video_path, **kwargs}, on_progress=on_progress)
+
+    def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
+                 strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
+                 lora_alpha: float | None = None) -> dict:
+        """Make `nickname` (or a list of nicknames) the active LoRA adapters, replacing the previous ones.
+
+        `path` is a .safetensors file, a folder holding one, or a hub id, loaded under the nickname; None reuses the
+        adapter already loaded under it (a list gives one entry per nickname). `strength` scales each adapter (one
+        number for all, or a list). `merge_mode`: "merge" adds strength * (alpha / rank) * B @ A into the weights
+        (no per-step cost), "dynamic" leaves the weights untouched and adds the adapter's output in every forward
+        (cheap to change or stack), "auto" merges unless the weights are sharded by FSDP. `lora_alpha` overrides
+        the alpha stored in the file. `target`: "all" or "transformer" (the one DiT). Runs after the requests
+        already submitted and before later ones, on every replica; returns
+        `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
+        operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
+                                       lora_alpha=lora_alpha)
+        return self.engine.lora(operation)
+
+    def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict:
+        """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`)."""
+        return self.engine.lora(merge_lora_operation(target, strength))
+
+    def unmerge_lora_weights(self, target: str = "all") -> dict:
+        """Deactivate every adapter and restore the base weights bit for bit (merged weights are restored from
+        the saved base copy, not by subtracting the delta)."""
+        return self.engine.lora(unmerge_lora_operation(target))
+
+    def list_loras(self) -> dict:
+        """The loaded adapters and their state: `{"loras": [...]}`."""
+        return self.engine.lora(ListLoras())
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -6,6 +6,10 @@ the worker is the multi-process runtime (`MultiProcessWorker`: one process per G
 `worker=` to skip starting processes. Cancellation is cooperative: it takes effect at the next denoising step (or SR
 tile) boundary, or after the last one at the next chunk of the video decode (the pipelines report the final step again
 there), after which the worker is free for the next request. Only the MP4's tail, after the last chunk, runs to its end.
+
+LoRA operations (`Engine.lora`, `submit_lora`) queue like requests and run between them, in submission order: one
+starts once every request taken before it has finished, on every replica at once (`worker.apply_lora_operation`),
+and no request taken after it starts until it has finished, so all replicas always hold the same adapters.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from k6serve.config import EngineConfig
+from k6serve.lora.spec import LoraOperation
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.worker import ModelWorker
 
@@ -49,6 +54,14 @@ class EngineJob:
         self.cancelled.set()
         if not self.started.is_set():
             self.future.cancel()
+
+
+@dataclass(eq=False)
+class LoraJob:
+    """A LoRA operation waiting in the engine's queue; its future holds the worker's result dict."""
+
+    operation: LoraOperation
+    future: Future = field(default_factory=Future)
 
 
 _STOP = object()
@@ -88,6 +101,10 @@ class Engine:
         ]
         self._closed = False
         self._closing = threading.Lock()
+        # One loop thread takes from the queue at a time, so a LoRA operation holds back every item behind it.
+        self._taking = threading.Lock()
+        self._idle = threading.Condition()  # notified whenever a request ends
+        self._num_running = 0
         for thread in self._threads:
             thread.start()
 
@@ -130,24 +147,71 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    def submit_lora(self, operation: LoraOperation) -> Future:
+        """Queue a LoRA operation behind the requests already submitted; its future holds the result dict."""
+        job = LoraJob(operation)
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("The engine has been shut down.")
+            self._queue.put(job)
+        return job.future
+
+    def lora(self, operation: LoraOperation) -> dict:
+        """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.
+        A ValueError (bad input: the adapter state is unchanged) is raised as it is."""
+        future = self.submit_lora(operation)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # an interrupted caller: drop it if still queued
+            raise
+
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            if not job.future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            job.started.set()
+            with self._taking:
+                job = self._queue.get()
+                if job is _STOP:
+                    return
+                if isinstance(job, LoraJob):
+                    self._run_lora(job)
+                    continue
+                if not job.future.set_running_or_notify_cancel():
+                    continue  # cancelled while queued
+                job.started.set()
+                with self._idle:
+                    self._num_running += 1
             try:
-                if job.cancelled.is_set():
-                    raise RequestCancelled(f"request {job.id} was cancelled before it started")
-                result = self.worker.run(job.params, job.output, on_step=_cancellation_point(job))
-            except BaseException as exc:  # every failure belongs to this request, not to the engine
-                if job.log_failure and not isinstance(exc, (RequestCancelled, ValueError)):
-                    logger.exception("request %s failed", job.id)
-                job.future.set_exception(exc)
-            else:
-                job.future.set_result(result)
+                self._run(job)
+            finally:
+                with self._idle:
+                    self._num_running -= 1
+                    self._idle.notify_all()
+
+    def _run(self, job: EngineJob) -> None:
+        try:
+            if job.cancelled.is_set():
+                raise RequestCancelled(f"request {job.id} was cancelled before it started")
+            result = self.worker.run(job.params, job.output, on_step=_cancellation_point(job))
+        except BaseException as exc:  # every failure belongs to this request, not to the engine
+            if job.log_failure and not isinstance(exc, (RequestCancelled, ValueError)):
+                logger.exception("request %s failed", job.id)
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
+
+    def _run_lora(self, job: LoraJob) -> None:
+        """Called holding `_taking`: waits for the running requests to end; none starts until it returns."""
+        with self._idle:
+            while self._num_running:
+                self._idle.wait()
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.worker.apply_lora_operation(job.operation)
+        except BaseException as exc:  # noqa: BLE001 (raised to the caller, who waits for it)
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Finish the running requests, stop the loop threads, then close the worker (its processes)."""

@@ -1,15 +1,18 @@
 """Typed messages between the engine process and the leader rank of each replica (pickled over a socket).
 
-engine -> leader: `RunRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
+engine -> leader: `RunRequest`, `LoraRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
 leader -> engine: `Ready` / `StartupFailed` once, then per request any number of `Progress` and one
-`RunSucceeded` or `RunFailed`.
-Inside a replica the leader broadcasts `RunRequest`, `Heartbeat` and `Shutdown` to the other ranks.
+`RunSucceeded` or `RunFailed`; per `LoraRequest` one `LoraDone` or `RunFailed` (no progress).
+Inside a replica the leader broadcasts `RunRequest`, `LoraRequest`, `Heartbeat` and `Shutdown` to the other ranks;
+every rank runs a `LoraRequest`'s operation on its own model and the leader gathers their failures as for a run.
+The engine sends a `LoraRequest` to every replica at once, only while none of them runs a request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k6serve.lora.spec import LoraOperation
 from k6serve.models.variants import Variant
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 
@@ -19,6 +22,14 @@ class RunRequest:
     request_id: int
     params: SamplingParams
     output: OutputOptions
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraRequest:
+    """Apply a LoRA operation (`k6serve.lora.spec`) on every rank of the replica, between requests."""
+
+    request_id: int
+    operation: LoraOperation
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,8 +80,16 @@ class RunSucceeded:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LoraDone:
+    """Every rank of the replica applied the operation; `result` is the leader's `apply_lora_operation` dict."""
+
+    request_id: int
+    result: dict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunFailed:
-    """A request failed on some rank. `kind` picks the exception the engine raises: "value" (user error,
+    """A request (or a `LoraRequest`) failed on some rank. `kind` picks the exception the engine raises: "value" (user error,
     ValueError), "cancelled" (RequestCancelled), "os" (`os_error`, e.g. disk full at the MP4 write, with
     `message` as its remote traceback) or "runtime" (RuntimeError). `replica_broken` says the replica's ranks
     disagree and it has shut down."""

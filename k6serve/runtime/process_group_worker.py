@@ -3,7 +3,8 @@
 Engine side: `MultiProcessWorker(config)` starts the ranks (or joins the ones torchrun started), waits until
 every replica's leader (its first rank) reports `Ready`, then hands each request to an idle replica over a
 socket and relays progress and cancellation step by step. It has the members the `Engine` uses (`variant`,
-`resolve`, `run`), so `Engine(config, worker=MultiProcessWorker(config))` serves with any number of ranks,
+`resolve`, `run`, `apply_lora_operation`, which waits until every replica is idle and runs the LoRA operation on all
+of them), so `Engine(config, worker=MultiProcessWorker(config))` serves with any number of ranks,
 including 1.
 
 Rank side (`rank_main`): join the process group, build the groups of the layout, build the per-rank worker,
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from k6serve.config import EngineConfig
+from k6serve.lora.spec import LoraOperation
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
 from k6serve.request import (
@@ -68,6 +70,8 @@ class RankWorker(Protocol):
 
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult: ...
+
+    def apply_lora_operation(self, operation: LoraOperation) -> dict: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,6 +163,22 @@ def _failure_error(message: messages.RunFailed, request_id: int, replica: int) -
     return RuntimeError(f"request {request_id} failed on replica {replica}: {message.message}")
 
 
+def _lora_result(operation: LoraOperation, outcomes: list[tuple[int, dict | Exception]]) -> dict:
+    """The first replica's dict when all succeeded, else the error to raise (see `apply_lora_operation`)."""
+    failed = [(index, error) for index, error in outcomes if isinstance(error, Exception)]
+    if not failed:
+        return outcomes[0][1]
+    succeeded = [index for index, result in outcomes if not isinstance(result, Exception)]
+    index, error = failed[0]
+    if not succeeded:
+        raise error
+    raise RuntimeError(
+        f"{type(operation).__name__} succeeded on replica(s) {succeeded} but failed on replica(s) "
+        f"{[i for i, _ in failed]}, so the replicas now hold different LoRA adapters; repeat the operation, or "
+        f"call unmerge_lora_weights, to make them agree. Replica {index}: {type(error).__name__}: {error}"
+    ) from error
+
+
 class _ReplicaLoop:
     """The request loop of one rank; `connection` is the engine socket on the leader, None elsewhere."""
 
@@ -174,6 +194,8 @@ class _ReplicaLoop:
             if isinstance(message, messages.Shutdown):
                 return
             if isinstance(message, messages.RunRequest) and not self._run(message):
+                return
+            if isinstance(message, messages.LoraRequest) and not self._apply_lora(message):
                 return
 
     def _next_message(self) -> object:
@@ -209,6 +231,22 @@ class _ReplicaLoop:
             result = self.worker.run(request.params, output, on_step=self._on_step(request.request_id))
         except Exception as error:  # noqa: BLE001 (reported to the engine below; the loop keeps serving)
             failure = _classify(error, self.context.spec.rank)
+        return self._reply(request.request_id, failure,
+                           lambda: messages.RunSucceeded(request_id=request.request_id, result=result))
+
+    def _apply_lora(self, request: messages.LoraRequest) -> bool:
+        """Apply one LoRA operation on this rank; returns False when the replica can no longer serve."""
+        result, failure = None, None
+        try:
+            result = self.worker.apply_lora_operation(request.operation)
+        except Exception as error:  # noqa: BLE001 (reported to the engine below; the loop keeps serving)
+            failure = _classify(error, self.context.spec.rank)
+        return self._reply(request.request_id, failure,
+                           lambda: messages.LoraDone(request_id=request.request_id, result=result))
+
+    def _reply(self, request_id: int, failure: tuple | None, succeeded: Callable[[], object]) -> bool:
+        """Gather every rank's failure; the leader sends `succeeded()` or the first failure. Returns False when
+        the ranks disagree (some failed, some did not) or a peer is gone: the replica can no longer serve."""
         try:
             failures = _gather(failure, self.context)
         except Exception as error:  # noqa: BLE001 (a peer is gone: the replica cannot run collectives)
@@ -219,12 +257,11 @@ class _ReplicaLoop:
         if self.connection is not None:
             reported = [f for f in failures if f is not None]
             if not reported:
-                self.connection.send(messages.RunSucceeded(request_id=request.request_id, result=result))
+                self.connection.send(succeeded())
             else:
                 kind, text, os_error = reported[0]
                 self.connection.send(messages.RunFailed(
-                    request_id=request.request_id, kind=kind, message=text, replica_broken=broken,
-                    os_error=os_error,
+                    request_id=request_id, kind=kind, message=text, replica_broken=broken, os_error=os_error,
                 ))
         return not broken
 
@@ -439,6 +476,66 @@ class MultiProcessWorker:
                 if replica.alive:
                     self._idle.append(replica)
                 self._changed.notify_all()
+
+    def apply_lora_operation(self, operation: LoraOperation) -> dict:
+        """Run `operation` on every rank of every replica, once all are idle; returns the first replica's dict.
+
+        A ValueError on every replica is raised as ValueError (the adapters are unchanged); if some replicas
+        succeeded and others failed the RuntimeError says so, as they now hold different adapters.
+        """
+        replicas = self._take_all_replicas()
+        try:
+            outcomes = self._lora_on(replicas, operation)
+        finally:
+            with self._changed:
+                self._idle.extend(r for r in replicas if r.alive)
+                self._idle.sort(key=lambda r: r.index)
+                self._changed.notify_all()
+        return _lora_result(operation, outcomes)
+
+    def _take_all_replicas(self) -> list[_Replica]:
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise RuntimeError("The engine has been shut down; this LoRA operation did not run.")
+                alive = [r for r in self._replicas if r.alive]
+                if not alive:
+                    raise RuntimeError("every worker replica has died; restart the engine (see the errors above).")
+                if all(r in self._idle for r in alive):
+                    self._idle = [r for r in self._idle if r not in alive]
+                    return alive
+                self._changed.wait()
+
+    def _lora_on(self, replicas: list[_Replica], operation: LoraOperation) -> list[tuple[int, dict | Exception]]:
+        """(replica index, its result dict or the exception to raise) for each replica; all run it at once."""
+        request_id = next(self._ids)
+        unreachable = set()
+        for replica in replicas:
+            try:
+                replica.connection.send(messages.LoraRequest(request_id=request_id, operation=operation))
+            except OSError:
+                unreachable.add(replica.index)
+        outcomes: list[tuple[int, dict | Exception]] = []
+        for replica in replicas:
+            try:
+                if replica.index in unreachable:
+                    raise EOFError
+                ready = wait([replica.connection, *[p.sentinel for p in replica.processes]])
+                if replica.connection not in ready:
+                    raise EOFError
+                message = replica.connection.recv()
+            except (EOFError, OSError):
+                outcomes.append((replica.index, self._replica_died(replica, request_id)))
+                continue
+            if isinstance(message, messages.LoraDone):
+                outcomes.append((replica.index, message.result))
+                continue
+            assert isinstance(message, messages.RunFailed), message
+            if message.replica_broken:
+                outcomes.append((replica.index, self._replica_died(replica, request_id, message.message)))
+            else:
+                outcomes.append((replica.index, _failure_error(message, request_id, replica.index)))
+        return outcomes
 
     def _take_idle_replica(self) -> _Replica:
         with self._changed:
