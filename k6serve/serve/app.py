@@ -26,7 +26,13 @@ from k6serve.serve.jobs import JobStore, SqliteJobStore
 from k6serve.serve.metrics import ServerMetrics
 from k6serve.serve.routes import ServerContext, router
 from k6serve.serve.runner import JobRunner
-from k6serve.serve.schemas import FILE_FIELDS, VideoCreateBody
+from k6serve.serve.schemas import (
+    FILE_FIELDS,
+    MergeLoraBody,
+    SetLoraBody,
+    UnmergeLoraBody,
+    VideoCreateBody,
+)
 from k6serve.serve.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -100,7 +106,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the create body, which the handler streams itself (so FastAPI cannot see it)."""
+    """FastAPI's schema plus the create and LoRA bodies, which the handlers read themselves (so FastAPI cannot see
+    them)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -111,6 +118,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             form["properties"][field_name] = {"type": "string", "format": "binary",
                                               "description": f"Uploaded file, used as {target}."}
         components["VideoCreateForm"] = form
+        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody):
+            components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
         app.openapi_schema = schema
     return app.openapi_schema
 

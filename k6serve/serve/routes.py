@@ -1,7 +1,9 @@
-"""The HTTP routes: OpenAI-style async video jobs, models, health and metrics.
+"""The HTTP routes: OpenAI-style async video jobs, LoRA adapters, models, health and metrics.
 
 Handlers only translate: HTTP in (validated by `schemas`), `SamplingParams` to the engine through the
 `JobRunner`, job records out. Nothing here runs model code, so the event loop never waits on the GPU.
+The LoRA routes that change adapters queue behind the stored jobs (`JobRunner.submit_lora`) and answer once the
+engine has applied them on every replica; `GET /v1/list_loras` waits only for the running job.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -23,6 +26,13 @@ from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
+from k6serve.api import (
+    LoraArgumentError,
+    merge_lora_operation,
+    set_lora_operation,
+    unmerge_lora_operation,
+)
+from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import Variant
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
@@ -42,19 +52,26 @@ from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
     ErrorResponse,
+    LoraList,
+    LoraResult,
+    MergeLoraBody,
     ModelCard,
     ModelList,
+    SetLoraBody,
+    UnmergeLoraBody,
     VideoDeleted,
     VideoJob,
     VideoList,
     is_video_upload,
     job_view,
     parse_create_body,
+    parse_lora_body,
     to_sampling_params,
 )
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
 
+logger = logging.getLogger(__name__)
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429)}
 ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
@@ -368,6 +385,82 @@ async def delete_video(request: Request, video_id: str) -> JSONResponse:
     if job is None:
         raise _not_found(video_id)
     return JSONResponse(ctx.view(job))
+
+
+_LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500)}
+
+
+def _lora_body_doc(model: type) -> dict[str, Any]:
+    return {"requestBody": {"required": model is SetLoraBody, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+async def _read_lora_body(request: Request, model: type) -> Any:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in ("application/json", ""):
+        await drain(request)
+        raise ApiError(415, f"Content-Type {content_type!r} is not supported; the LoRA routes take application/json "
+                            "(with curl: -H 'Content-Type: application/json').", code="unsupported_content_type",
+                       param="Content-Type")
+    raw = await read_json_body(request, allow_empty=model is not SetLoraBody)
+    return parse_lora_body(model, raw)
+
+
+def _lora_operation(build, *args, **kwargs):
+    try:
+        return build(*args, **kwargs)
+    except LoraArgumentError as exc:
+        raise ApiError(400, str(exc), code="invalid_parameter", param=exc.argument) from None
+
+
+async def _lora_answer(submit) -> JSONResponse:
+    """Submit a LoRA operation and answer its result: 400 for a ValueError (bad adapter, nothing changed), 500 for
+    any other failure, with its message (the reference answers every failure with 500 and a detail string)."""
+    try:
+        result = await asyncio.wrap_future(submit())
+    except ValueError as exc:
+        match = re.search(r"\b(" + "|".join(SetLoraBody.model_fields) + r")\b", str(exc))
+        raise ApiError(400, str(exc), code="invalid_lora", param=match.group(1) if match else None) from None
+    except Exception as exc:
+        logger.exception("LoRA operation failed")
+        raise ApiError(500, f"{type(exc).__name__}: {exc}", code="lora_failed") from None
+    return JSONResponse(result)
+
+
+@router.post("/v1/set_lora", response_model=LoraResult, responses=_LORA_ERRORS,
+             openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters")
+async def set_lora(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    body = await _read_lora_body(request, SetLoraBody)
+    operation = _lora_operation(set_lora_operation, body.lora_nickname, body.lora_path, body.strength,
+                                merge_mode=body.merge_mode, target=body.target, lora_alpha=body.lora_alpha,
+                                names={"nickname": "lora_nickname", "path": "lora_path"})
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
+
+
+@router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
+             openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights")
+async def merge_lora_weights(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    body = await _read_lora_body(request, MergeLoraBody)
+    operation = _lora_operation(merge_lora_operation, body.target, body.strength)
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
+
+
+@router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
+             openapi_extra=_lora_body_doc(UnmergeLoraBody),
+             summary="Deactivate every LoRA adapter and restore the base weights bit for bit")
+async def unmerge_lora_weights(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    body = await _read_lora_body(request, UnmergeLoraBody)
+    operation = _lora_operation(unmerge_lora_operation, body.target)
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
+
+
+@router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters")
+async def list_loras(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    return await _lora_answer(lambda: ctx.engine.submit_lora(ListLoras()))
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")

@@ -10,6 +10,10 @@ decode, and stops there on a cancel. Only the MP4's tail (the encoder's backlog 
 boundary: a cancel accepted after the last step is recorded on the job (`cancel_requested_at`, and a warning saying
 why it may still be `in_progress`), and if the engine returns a video anyway the job ends `cancelled` with the video
 discarded.
+
+A LoRA operation that changes the adapters (`submit_lora`) takes its place in this queue too: the dispatcher runs it
+once every job queued or running when it arrived has left the queue, and before any job created after it, so each
+job runs with the adapters set when it was created.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
 
+from k6serve.lora.spec import LoraOperation
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
@@ -54,6 +60,15 @@ class QueueFull(Exception):
         self.queued = queued
 
 
+@dataclass(eq=False)
+class PendingLora:
+    """A LoRA operation waiting for the jobs in `after` (queued or running when it arrived) to be dispatched."""
+
+    operation: LoraOperation
+    after: frozenset[str]
+    future: Future = field(default_factory=Future)
+
+
 class JobRunner:
     def __init__(self, engine: Engine, store: JobStore, artifacts: ArtifactStore, metrics: ServerMetrics, *,
                  max_queued_jobs: int) -> None:
@@ -70,6 +85,7 @@ class JobRunner:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
+        self._pending_loras: list[PendingLora] = []
 
     def start(self) -> None:
         requeued, ended = self.store.recover_interrupted(DIED_TWICE)
@@ -105,7 +121,11 @@ class JobRunner:
                                    "or, if the decode has ended, shutdown waits up to %g s for its MP4", current.id,
                                    timeout)
                 current.cancel()
+            pending, self._pending_loras = self._pending_loras, []
             self._wake.notify_all()
+        for lora in pending:
+            if lora.future.set_running_or_notify_cancel():
+                lora.future.set_exception(RuntimeError("The server is shutting down; the LoRA operation did not run."))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -122,6 +142,19 @@ class JobRunner:
             stored, created = self.store.insert(job)
             self._wake.notify_all()
             return stored, created
+
+    def submit_lora(self, operation: LoraOperation) -> Future:
+        """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("The server is shutting down; the LoRA operation did not run.")
+            after = set(self.store.queued_ids())
+            if self._current is not None:
+                after.add(self._current.id)
+            pending = PendingLora(operation, frozenset(after))
+            self._pending_loras.append(pending)
+            self._wake.notify_all()
+            return pending.future
 
     def queue_is_full(self) -> bool:
         return self.store.count_by_status()[JobStatus.QUEUED] >= self.max_queued_jobs
@@ -158,10 +191,12 @@ class JobRunner:
     def running_count(self) -> int:
         return 1 if self._current is not None else 0
 
-    def _next(self) -> tuple[Job, EngineJob] | None:
+    def _next(self) -> tuple[Job, EngineJob] | PendingLora | None:
         with self._lock:
             while not self._stopping:
                 job = self.store.next_queued()
+                if self._pending_loras and (job is None or job.id not in self._pending_loras[0].after):
+                    return self._pending_loras.pop(0)
                 if job is None:
                     self._wake.wait(timeout=1.0)
                     continue
@@ -185,6 +220,9 @@ class JobRunner:
             picked = self._next()
             if picked is None:
                 return
+            if isinstance(picked, PendingLora):
+                self._run_lora(picked)
+                continue
             job, engine_job = picked
             try:
                 self._finish(job, engine_job)
@@ -193,6 +231,16 @@ class JobRunner:
             finally:
                 with self._lock:
                     self._current = None
+
+    def _run_lora(self, pending: PendingLora) -> None:
+        if not pending.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.engine.lora(pending.operation)
+        except BaseException as exc:  # noqa: BLE001 (answered to the HTTP client waiting for it)
+            pending.future.set_exception(exc)
+        else:
+            pending.future.set_result(result)
 
     def _progress_callback(self, job_id: str):
         state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False}

@@ -126,6 +126,77 @@ def is_video_upload(content_type: str | None, file_name: str | None) -> bool:
     return bool((content_type or "").startswith("video/") or (file_name or "").lower().endswith(_VIDEO_SUFFIXES))
 
 
+_LORA_BODY_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SetLoraBody(BaseModel):
+    """POST /v1/set_lora (JSON)."""
+
+    model_config = _LORA_BODY_CONFIG
+    lora_nickname: str | list[str] = Field(description="The adapter's name, or a list of names (one per adapter).")
+    lora_path: str | list[str | None] | None = Field(
+        None, description="A .safetensors file, a folder holding one, or a hub id, per nickname; null reuses the "
+                          "adapter already loaded under the nickname.")
+    target: str = Field("all", description="'all' or 'transformer' (the one DiT).")
+    strength: float | list[float] = Field(1.0, description="One number for every adapter, or one per adapter.")
+    merge_mode: str = Field("auto", description="'auto', 'merge' (into the weights) or 'dynamic' (per forward).")
+    lora_alpha: float | None = Field(None, description="Overrides the alpha stored in the adapter file.")
+
+
+class MergeLoraBody(BaseModel):
+    """POST /v1/merge_lora_weights (JSON; an empty body means the defaults)."""
+
+    model_config = _LORA_BODY_CONFIG
+    target: str = "all"
+    strength: float | None = Field(None, description="Merge again at this strength; null keeps the set one.")
+
+
+class UnmergeLoraBody(BaseModel):
+    """POST /v1/unmerge_lora_weights (JSON; an empty body means the defaults)."""
+
+    model_config = _LORA_BODY_CONFIG
+    target: str = "all"
+
+
+_LORA_STRING_FIELDS = {"lora_nickname", "lora_path", "target", "merge_mode"}
+
+
+def parse_lora_body(model: type[BaseModel], raw: Any) -> BaseModel:
+    """Validate a decoded JSON object as `model`; every problem is a 400 naming the field."""
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
+                       code="invalid_request")
+    for name, value in raw.items():
+        # Pydantic's lax mode reads true as 1.0 (strength, lora_alpha); no field here is a boolean.
+        if name in model.model_fields and any(isinstance(v, bool) for v in (value if isinstance(value, list)
+                                                                              else [value])):
+            kind = "string" if name in _LORA_STRING_FIELDS else "number"
+            raise ApiError(400, f"{name} must be a {kind} or a list of them, got {json.dumps(value)}.",
+                           code="invalid_parameter", param=name)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        if first["type"] == "extra_forbidden":
+            message = f"Unknown field {param!r}. Valid fields: {', '.join(model.model_fields)}."
+        elif first["type"] == "missing":
+            message = f"{param} is required."
+        else:
+            message = f"{param}: {first['msg']} (got {json.dumps(raw.get(param), default=str)})"
+        raise ApiError(400, message, code="invalid_parameter", param=param) from None
+
+
+class LoraResult(BaseModel):
+    status: Literal["ok"] = "ok"
+    message: str
+    loras: list[dict[str, Any]] = Field(description="The loaded adapters and their state, one object each.")
+
+
+class LoraList(BaseModel):
+    loras: list[dict[str, Any]] = Field(description="The loaded adapters and their state, one object each.")
+
+
 class JobError(BaseModel):
     code: str
     message: str

@@ -97,8 +97,11 @@ async def read_urlencoded_body(request: Request) -> dict[str, str]:
     return fields
 
 
-async def read_json_body(request: Request) -> Any:
+async def read_json_body(request: Request, *, allow_empty: bool = False) -> Any:
+    """The decoded JSON body; an empty one is `{}` when `allow_empty` (a body whose fields all have defaults)."""
     body = await _read_small_body(request)
+    if not body.strip() and allow_empty:
+        return {}
     if not body.strip():
         raise ApiError(400, "The request body is empty; send a JSON object such as {\"prompt\": \"...\"}.",
                        code="invalid_json")

@@ -1,0 +1,168 @@
+"""The LoRA routes against a fake engine: bodies, validation errors, worker errors, and order with the stored jobs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from harness import FakeWorker, start_server, wait_for, wait_until
+
+from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.models.variants import VARIANTS
+
+
+class LoraFakeWorker(FakeWorker):
+    """FakeWorker plus `apply_lora_operation`: nickname "missing" raises ValueError, "crash" a RuntimeError; `log`
+    holds request starts and ends and the operations, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(VARIANTS["pro-distill"])
+        self.operations: list[object] = []
+        self.log: list[str] = []
+
+    def run(self, params, output, on_step=None):
+        self.log.append(f"start {params.prompt}")
+        try:
+            return super().run(params, output, on_step)
+        finally:
+            self.log.append(f"end {params.prompt}")
+
+    def apply_lora_operation(self, operation) -> dict:
+        names = [spec.nickname for spec in getattr(operation, "specs", ())]
+        if "missing" in names:
+            raise ValueError("lora_path '/nope.safetensors' does not exist")
+        if "crash" in names:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        self.operations.append(operation)
+        self.log.append(type(operation).__name__)
+        loras = [{"nickname": name, "merged": False} for name in names]
+        if isinstance(operation, ListLoras):
+            return {"loras": loras}
+        return {"status": "ok", "message": f"{type(operation).__name__} done", "loras": loras}
+
+
+@pytest.fixture
+def lora_server(tmp_path):
+    server = start_server(tmp_path, worker=LoraFakeWorker())
+    yield server
+    server.worker.release.set()
+    server.stop()
+
+
+@pytest.fixture
+def client(lora_server):
+    with lora_server.client() as client:
+        yield client
+
+
+def _error(response, status: int, *, param: str | None = None, code: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error["message"]
+
+
+def test_the_four_routes_reach_the_worker(client, lora_server):
+    body = {"lora_nickname": "kandinsky6", "lora_path": "/path/to/adapter.safetensors", "target": "transformer",
+            "strength": 1.0, "merge_mode": "dynamic"}
+    response = client.post("/v1/set_lora", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"status": "ok", "message": "SetLora done",
+                               "loras": [{"nickname": "kandinsky6", "merged": False}]}
+    many = {"lora_nickname": ["style", "hero"], "lora_path": ["/a.safetensors", None], "strength": [0.5, 2],
+            "lora_alpha": 4}
+    assert client.post("/v1/set_lora", json=many).status_code == 200
+    assert client.post("/v1/merge_lora_weights", json={"strength": 0.5}).status_code == 200
+    assert client.post("/v1/merge_lora_weights").status_code == 200  # an empty body takes the defaults
+    assert client.post("/v1/unmerge_lora_weights", json={"target": "all"}).status_code == 200
+    assert client.get("/v1/list_loras").json() == {"loras": []}
+    assert lora_server.worker.operations == [
+        SetLora(specs=(LoraSpec(nickname="kandinsky6", path="/path/to/adapter.safetensors"),),
+                merge_mode="dynamic", target="transformer"),
+        SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors", strength=0.5, alpha=4.0),
+                       LoraSpec(nickname="hero", strength=2.0, alpha=4.0))),
+        MergeLora(strength=0.5),
+        MergeLora(),
+        UnmergeLora(),
+        ListLoras(),
+    ]
+
+
+def test_an_operation_runs_after_the_jobs_created_before_it_and_before_later_ones(lora_server, client):
+    worker = lora_server.worker
+    held = client.post("/v1/videos", json={"prompt": "hold on", "size": "32x32", "num_frames": 5}).json()
+    wait_until(lambda: "start hold on" in worker.log)
+    queued = client.post("/v1/videos", json={"prompt": "queued", "size": "32x32", "num_frames": 5}).json()
+    answers = {}
+
+    def set_lora() -> None:
+        with lora_server.client() as other:
+            answers["set"] = other.post("/v1/set_lora", json={"lora_nickname": "a", "lora_path": "/a.safetensors"})
+
+    thread = threading.Thread(target=set_lora)
+    thread.start()
+    wait_until(lambda: lora_server.app.state.ctx.runner._pending_loras)
+    later = client.post("/v1/videos", json={"prompt": "later", "size": "32x32", "num_frames": 5}).json()
+    assert "set" not in answers
+    worker.release.set()
+    thread.join(30)
+    assert answers["set"].status_code == 200, answers["set"].text
+    for job in (held, queued, later):
+        assert wait_for(client, job["id"])["status"] == "completed"
+    assert worker.log == ["start hold on", "end hold on", "start queued", "end queued", "SetLora",
+                          "start later", "end later"]
+
+
+def test_a_value_error_is_a_400_and_any_other_failure_a_500_with_its_message(client):
+    missing = client.post("/v1/set_lora", json={"lora_nickname": "missing", "lora_path": "/nope.safetensors"})
+    assert "/nope.safetensors' does not exist" in _error(missing, 400, param="lora_path", code="invalid_lora")
+    crash = client.post("/v1/set_lora", json={"lora_nickname": "crash"})
+    message = _error(crash, 500, code="lora_failed")
+    assert message == "RuntimeError: CUDA error: device-side assert triggered"
+    assert crash.json()["error"]["type"] == "server_error"
+    assert client.get("/v1/list_loras").status_code == 200  # still serving
+
+
+@pytest.mark.parametrize(("route", "body", "param", "message"), [
+    ("/v1/set_lora", {}, "lora_nickname", "lora_nickname is required."),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_scale": 1}, "lora_scale", "Unknown field 'lora_scale'"),
+    ("/v1/set_lora", {"lora_nickname": 5}, "lora_nickname", "lora_nickname"),
+    ("/v1/set_lora", {"lora_nickname": ""}, "lora_nickname", "non-empty string"),
+    ("/v1/set_lora", {"lora_nickname": ["a", "a"]}, "lora_nickname", "more than once"),
+    ("/v1/set_lora", {"lora_nickname": True}, "lora_nickname", "lora_nickname must be a string"),
+    ("/v1/set_lora", {"lora_nickname": "a", "strength": True}, "strength", "strength must be a number"),
+    ("/v1/set_lora", {"lora_nickname": ["a", "b"], "strength": [1, False]}, "strength", "must be a number"),
+    ("/v1/set_lora", {"lora_nickname": "a", "strength": "strong"}, "strength", "strength"),
+    ("/v1/set_lora", {"lora_nickname": "a", "strength": [1]}, "strength", "strength is a list"),
+    ("/v1/set_lora", {"lora_nickname": ["a", "b"], "strength": [1]}, "strength", "has 1 entries"),
+    ("/v1/set_lora", {"lora_nickname": ["a", "b"], "lora_path": "/x"}, "lora_path", "must be a list as long as"),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_path": ["/x"]}, "lora_path",
+     "lora_path is a list but lora_nickname is one name"),
+    ("/v1/set_lora", {"lora_nickname": "a", "target": "transformer_2"}, "target", "'all', 'transformer'"),
+    ("/v1/set_lora", {"lora_nickname": "a", "merge_mode": "fuse"}, "merge_mode", "'auto', 'merge', 'dynamic'"),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_alpha": "x"}, "lora_alpha", "lora_alpha"),
+    ("/v1/merge_lora_weights", {"strength": True}, "strength", "strength must be a number"),
+    ("/v1/merge_lora_weights", {"target": "critic"}, "target", "must be one of"),
+    ("/v1/unmerge_lora_weights", {"strength": 1}, "strength", "Unknown field 'strength'. Valid fields: target."),
+])
+def test_bad_bodies_are_400s_naming_the_field(client, lora_server, route, body, param, message):
+    response = client.post(route, json=body)
+    assert message in _error(response, 400, param=param, code="invalid_parameter")
+    assert lora_server.worker.operations == []
+
+
+def test_body_encoding_errors_follow_the_video_routes(client, lora_server):
+    json_header = {"Content-Type": "application/json"}
+    duplicate = client.post("/v1/set_lora", content=b'{"lora_nickname": "a", "lora_nickname": "b"}',
+                            headers=json_header)
+    _error(duplicate, 400, param="lora_nickname", code="invalid_json")
+    not_finite = client.post("/v1/set_lora", content=b'{"lora_nickname": "a", "strength": NaN}', headers=json_header)
+    _error(not_finite, 400, param="strength", code="invalid_parameter")
+    _error(client.post("/v1/set_lora", content=b"", headers=json_header), 400, code="invalid_json")
+    _error(client.post("/v1/set_lora", json=["a"]), 400, code="invalid_request")
+    form = client.post("/v1/set_lora", data={"lora_nickname": "a"})
+    assert "application/json" in _error(form, 415, param="Content-Type", code="unsupported_content_type")
+    assert lora_server.worker.operations == []
