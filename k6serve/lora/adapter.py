@@ -1,0 +1,159 @@
+"""Reading a LoRA adapter: where the file is (a path, a folder, a hub id) and what its keys mean.
+
+Only the diffusers / PEFT layout is read: `<module>.lora_A[.<adapter name>].weight` (rank x in) and
+`<module>.lora_B[.<adapter name>].weight` (out x rank), optionally `<module>.alpha`, under a `transformer.`,
+`base_model.model.` or no prefix. Our DiT keeps diffusers' module names, so `<module>` is a path in
+`Kandinsky6Transformer.named_modules()`; whether it names a Linear there is checked by `targets.py`, which has the
+model. Tensors stay on the CPU in the file's dtype: merging and the dynamic path cast them where they are used.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# PEFT writes this name; diffusers' `save_lora_weights` too. Preferred when a folder holds several files.
+PREFERRED_FILE = "pytorch_lora_weights.safetensors"
+_PREFIXES = ("base_model.model.", "transformer.")
+_WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
+_SHOWN = 5  # how many offending keys an error lists
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraModule:
+    """One targeted Linear's low-rank pair: the update is (alpha / rank) * up @ down."""
+
+    down: torch.Tensor  # lora_A, (rank, in_features)
+    up: torch.Tensor  # lora_B, (out_features, rank)
+    alpha: float | None  # from the file; None: rank (scale 1)
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraAdapter:
+    """An adapter as read from `path` (`file` is the .safetensors actually read): module path -> `LoraModule`."""
+
+    path: str
+    file: Path
+    modules: dict[str, LoraModule]
+
+    @property
+    def rank(self) -> int:
+        return max(module.rank for module in self.modules.values())
+
+    @property
+    def file_alpha(self) -> float | None:
+        """The file's alpha when every module has the same one (what `state()` reports), else None."""
+        alphas = {module.alpha for module in self.modules.values()}
+        return alphas.pop() if len(alphas) == 1 else None
+
+
+def _single_file_in(folder: Path) -> Path:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"LoRA folder {str(folder)!r} holds no .safetensors file")
+    if len(files) == 1:
+        return files[0]
+    preferred = folder / PREFERRED_FILE
+    if preferred in files:
+        return preferred
+    names = ", ".join(file.name for file in files[:_SHOWN])
+    raise ValueError(f"LoRA folder {str(folder)!r} holds {len(files)} .safetensors files ({names}) and none is "
+                     f"{PREFERRED_FILE}: pass the file's path instead")
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch the adapter file of hub repo `repo_id`: `PREFERRED_FILE`, else the repo's only .safetensors."""
+    from huggingface_hub import hf_hub_download, list_repo_files
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+
+    try:
+        try:
+            return Path(hf_hub_download(repo_id, PREFERRED_FILE))
+        except EntryNotFoundError:
+            files = [name for name in list_repo_files(repo_id) if name.endswith(".safetensors")]
+            if len(files) != 1:
+                raise ValueError(f"LoRA hub repo {repo_id!r} has no {PREFERRED_FILE} and {len(files)} other "
+                                 f".safetensors files ({', '.join(files[:_SHOWN])}); exactly one is needed") from None
+            return Path(hf_hub_download(repo_id, files[0]))
+    except ValueError:
+        raise
+    except HFValidationError:
+        raise ValueError(f"LoRA path {repo_id!r} is neither an existing file or folder nor a valid hub id") from None
+    except Exception as exc:  # noqa: BLE001 - offline, not found, gated, network: all end the same way for the user
+        raise ValueError(f"LoRA path {repo_id!r} is not a local file or folder, and fetching it from the Hugging Face "
+                         f"hub as {repo_id}/{PREFERRED_FILE} failed ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); check the path, or the network / "
+                         "HF_HUB_OFFLINE / HF_TOKEN for a hub id") from None
+
+
+def resolve_adapter_file(path: str) -> Path:
+    """The .safetensors to read for `path`: the file itself, a folder's single (or preferred) file, or a download."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        if local.suffix != ".safetensors":
+            raise ValueError(f"LoRA file {path!r} is not a .safetensors file")
+        return local
+    if local.is_dir():
+        return _single_file_in(local)
+    return _download(path)
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in _PREFIXES:  # in order: PEFT's "base_model.model." may wrap a "transformer."
+        key = key.removeprefix(prefix)
+    return key
+
+
+def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> dict[str, LoraModule]:
+    """Group a diffusers / PEFT LoRA state dict by module; `source` names the file in errors."""
+    downs: dict[str, torch.Tensor] = {}
+    ups: dict[str, torch.Tensor] = {}
+    alphas: dict[str, float] = {}
+    adapter_names: set[str] = set()
+    unknown: list[str] = []
+    for key, tensor in tensors.items():
+        name = _strip_prefix(key)
+        if match := _WEIGHT_KEY.match(name):
+            (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
+            if match["adapter"]:
+                adapter_names.add(match["adapter"])
+        elif match := _ALPHA_KEY.match(name):
+            alphas[match["module"]] = float(tensor.item())
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
+                         f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha), e.g. {unknown[:_SHOWN]}")
+    if len(adapter_names) > 1:
+        raise ValueError(f"LoRA file {source!r} holds several PEFT adapters ({sorted(adapter_names)}); save one "
+                         "adapter per file")
+    if not downs and not ups:
+        raise ValueError(f"LoRA file {source!r} holds no lora_A / lora_B weights")
+    unpaired = sorted(set(downs) ^ set(ups))
+    if unpaired:
+        raise ValueError(f"LoRA file {source!r}: module(s) with only one of lora_A / lora_B: {unpaired[:_SHOWN]}")
+    modules = {}
+    for module, down in downs.items():
+        up = ups[module]
+        if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
+            raise ValueError(f"LoRA file {source!r}: module {module!r} has lora_A {tuple(down.shape)} and lora_B "
+                             f"{tuple(up.shape)}; expected lora_A (rank, in_features) and lora_B (out_features, rank)")
+        modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module))
+    return modules
+
+
+def read_adapter(path: str) -> LoraAdapter:
+    """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
+    from safetensors.torch import load_file
+
+    file = resolve_adapter_file(path)
+    modules = parse_lora_state_dict(load_file(str(file), device="cpu"), source=str(file))
+    return LoraAdapter(path=path, file=file, modules=modules)

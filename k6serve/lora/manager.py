@@ -1,0 +1,188 @@
+"""`LoraManager`: which adapters are active on a DiT, and whether they are merged into its weights or added at run
+time. It runs between requests, on every rank, through `ModelWorker.apply_lora_operation`.
+
+* merge: W <- (W.float() + sum strength * (alpha / rank) * B.float() @ A.float()).to(W.dtype), in place on the
+  weight's current storage. In-place matters twice: the `nn.Parameter` objects are shared with offloading and
+  compiled graphs, and under `--performance-mode balanced / memory` the weight's `.data` is the host copy between
+  requests, which every later stage copies to the GPU. Each Linear's original weight is snapshotted to the CPU
+  (no GPU memory spent) before its first change; restoring `.copy_`s it back into the same storage, bit for bit.
+* dynamic: weights untouched; the targeted Linears are wrapped (`dynamic.LoraLinear`) to add the update per call.
+  Costs two thin GEMMs per targeted Linear and call, but set / unset is instant and exact by construction.
+* auto: merge, the reference server's rule (it is dynamic only for FSDP DTensor weights, which are refused here:
+  `targets.check_plain_weight`). Merged weights make the steps as fast as without an adapter.
+
+Several adapters may target the same Linear: their updates add up (summed in fp32, rounded once when merged).
+Adapters stay cached by nickname after deactivation, so `LoraSpec(path=None)` reactivates one without re-reading.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
+from k6serve.lora.dynamic import LoraDelta, LoraLinear
+from k6serve.lora.spec import LORA_MERGE_MODES, LoraSpec
+from k6serve.lora.targets import LoraTarget, resolve_targets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class _Active:
+    """An adapter in use: its strength, alpha override and resolved targets (aligned with `adapter.modules`)."""
+
+    nickname: str
+    adapter: LoraAdapter
+    strength: float
+    alpha: float | None  # LoraSpec.alpha; None: the file's, else rank
+    targets: list[LoraTarget]
+
+    def scale(self, module: LoraModule) -> float:
+        alpha = self.alpha if self.alpha is not None else module.alpha if module.alpha is not None else module.rank
+        return self.strength * alpha / module.rank
+
+    def updates(self):
+        """(target, module, scale) for each module of the adapter."""
+        for target, module in zip(self.targets, self.adapter.modules.values(), strict=True):
+            yield target, module, self.scale(module)
+
+
+def resolve_merge_mode(merge_mode: str) -> str:
+    """"merge" or "dynamic" for a mode of `LORA_MERGE_MODES` ("auto" is merge: see the module docstring)."""
+    if merge_mode not in LORA_MERGE_MODES:
+        raise ValueError(f"LoRA merge_mode must be one of {', '.join(LORA_MERGE_MODES)}, got {merge_mode!r}")
+    return "dynamic" if merge_mode == "dynamic" else "merge"
+
+
+class LoraManager:
+    """The LoRA adapters of one model (the generation DiT): cache, active list, merged or dynamic application."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.adapters: dict[str, LoraAdapter] = {}  # nickname -> adapter, active or not
+        self.active: list[_Active] = []
+        self.applied_mode: str | None = None  # "merge" | "dynamic" while `active` is applied
+        self.snapshots: dict[nn.Linear, torch.Tensor] = {}  # the original weight of each merged Linear, on the CPU
+        self.wrappers: list[tuple[LoraTarget, LoraLinear]] = []
+
+    def set(self, specs: tuple[LoraSpec, ...] | list[LoraSpec], merge_mode: str = "auto") -> None:
+        """Replace the active adapters by `specs` (empty: none), applied as `merge_mode`.
+
+        Every adapter is read and checked against the model before anything changes, so a bad file or nickname
+        leaves the current adapters as they were."""
+        mode = resolve_merge_mode(merge_mode)
+        nicknames = [spec.nickname for spec in specs]
+        if len(set(nicknames)) != len(nicknames):
+            raise ValueError(f"each LoRA nickname may appear once per request, got {nicknames}")
+        loaded = {spec.nickname: self._adapter(spec) for spec in specs}
+        active = [_Active(spec.nickname, loaded[spec.nickname], float(spec.strength), spec.alpha,
+                          resolve_targets(self.model, loaded[spec.nickname].modules, source=loaded[spec.nickname].path))
+                  for spec in specs]
+        self._restore()
+        self.adapters.update(loaded)
+        self.active = active
+        if active:
+            self._apply(mode)
+
+    def merge(self, strength: float | None = None) -> None:
+        """Merge the active adapters into the weights (from dynamic, or again at `strength` for all of them)."""
+        if not self.active:
+            raise ValueError("no LoRA adapter is active: set one first (set_lora with a path)")
+        self._restore()
+        if strength is not None:
+            for entry in self.active:
+                entry.strength = float(strength)
+        self._apply("merge")
+
+    def unmerge(self) -> None:
+        """Deactivate every adapter and restore the base weights bit for bit (the adapters stay cached)."""
+        self._restore()
+        self.active = []
+
+    def state(self) -> list[dict]:
+        """One JSON-able dict per cached adapter, the active ones first in activation order."""
+        by_nickname = {entry.nickname: entry for entry in self.active}
+        ordered = [*by_nickname, *(nickname for nickname in self.adapters if nickname not in by_nickname)]
+        rows = []
+        for nickname in ordered:
+            adapter, entry = self.adapters[nickname], by_nickname.get(nickname)
+            alpha = entry.alpha if entry is not None and entry.alpha is not None else adapter.file_alpha
+            rows.append({
+                "nickname": nickname,
+                "path": adapter.path,
+                "rank": adapter.rank,
+                "alpha": float(alpha if alpha is not None else adapter.rank),
+                "strength": entry.strength if entry is not None else None,
+                "num_modules": len(adapter.modules),
+                "active": entry is not None,
+                "merged": entry is not None and self.applied_mode == "merge",
+                "merge_mode": self.applied_mode if entry is not None else None,
+            })
+        return rows
+
+    def _adapter(self, spec: LoraSpec) -> LoraAdapter:
+        cached = self.adapters.get(spec.nickname)
+        if spec.path is None:
+            if cached is None:
+                known = ", ".join(self.adapters) or "none"
+                raise ValueError(f"no LoRA adapter is loaded under the nickname {spec.nickname!r} (loaded: {known}); "
+                                 "pass its path to load it")
+            return cached
+        # The same path under the same nickname is the cached adapter; another path replaces it.
+        if cached is not None and cached.path == spec.path:
+            return cached
+        return read_adapter(spec.path)
+
+    def _apply(self, mode: str) -> None:
+        if mode == "merge":
+            self._merge()
+        else:
+            self._install_dynamic()
+        self.applied_mode = mode
+        logger.info("LoRA %s: %s", mode, ", ".join(f"{entry.nickname} x{entry.strength:g}" for entry in self.active))
+
+    def _merge(self) -> None:
+        # Group by (Linear, rows) so that adapters sharing a layer are summed in fp32 and rounded once.
+        updates: dict[tuple[nn.Linear, int, int], list[tuple[LoraModule, float]]] = {}
+        for entry in self.active:
+            for target, module, scale in entry.updates():
+                key = (target.linear, target.rows.start, target.rows.stop)
+                updates.setdefault(key, []).append((module, scale))
+        with torch.no_grad():
+            for (linear, start, stop), terms in updates.items():
+                weight = linear.weight.data
+                if linear not in self.snapshots:
+                    self.snapshots[linear] = weight.to("cpu", copy=True)
+                rows = weight[start:stop]
+                merged = rows.float()
+                for module, scale in terms:
+                    up, down = module.up.to(weight.device, torch.float32), module.down.to(weight.device, torch.float32)
+                    merged += scale * (up @ down)
+                rows.copy_(merged)  # a view of the weight's storage: the merge is in place
+
+    def _install_dynamic(self) -> None:
+        wrappers: dict[nn.Linear, LoraLinear] = {}
+        for entry in self.active:
+            for target, module, scale in entry.updates():
+                wrapper = wrappers.get(target.linear)
+                if wrapper is None:
+                    wrapper = wrappers[target.linear] = LoraLinear(target.linear)
+                    setattr(target.parent, target.attribute, wrapper)
+                    self.wrappers.append((target, wrapper))
+                wrapper.deltas.append(LoraDelta(module.down, module.up, scale, target.rows,
+                                                full_width=not target.is_fused_slice))
+
+    def _restore(self) -> None:
+        """Put every wrapped Linear back and copy every snapshot back into its weight's storage."""
+        for target, _ in self.wrappers:
+            setattr(target.parent, target.attribute, target.linear)
+        self.wrappers = []
+        with torch.no_grad():
+            for linear, snapshot in self.snapshots.items():
+                linear.weight.data.copy_(snapshot)
+        self.snapshots = {}
+        self.applied_mode = None
