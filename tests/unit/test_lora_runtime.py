@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -238,3 +239,33 @@ def test_every_dp_replica_applies_the_operation_and_a_partial_failure_says_so(tm
     finally:
         engine.shutdown()
         worker.close()
+
+
+# ---- end to end: the real worker on the built-in demo checkpoint, through the default multi-process engine ----
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_api_changes_and_restores_the_demo_model_through_the_rank_process(demo_dir, tmp_path):
+    from safetensors import safe_open
+
+    pytest.importorskip("k6serve.lora.manager", reason="the LoRA core (ModelWorker.apply_lora_operation) is not here")
+    from test_lora import VIDEO_FFN, write_adapter
+
+    with safe_open(str(demo_dir / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as weights:
+        shape = tuple(weights.get_slice(f"{VIDEO_FFN}.weight").get_shape())
+    adapter = write_adapter(tmp_path, {VIDEO_FFN: shape}, amplitude=0.5)
+    params = {"prompt": "a fox in the snow", "seed": 7, "height": 32, "width": 48, "num_frames": 5,
+              "num_inference_steps": 2, "save_output": False, "return_frames": True}
+    with DiffGenerator.from_pretrained("demo", device="cpu", attention_backend="sdpa") as generator:
+        baseline = generator.generate(params)
+        reply = generator.set_lora("fox", str(adapter), merge_mode="merge")
+        assert reply["status"] == "ok" and [lora["nickname"] for lora in reply["loras"]] == ["fox"]
+        adapted = generator.generate(params)
+        assert not np.array_equal(adapted.frames, baseline.frames)
+        with pytest.raises(ValueError):
+            generator.set_lora("ghost", str(tmp_path / "missing.safetensors"))
+        assert [lora["nickname"] for lora in generator.list_loras()["loras"]] == ["fox"]
+        assert generator.unmerge_lora_weights()["status"] == "ok"
+        restored = generator.generate(params)
+        assert np.array_equal(restored.frames, baseline.frames) and np.array_equal(restored.audio, baseline.audio)
