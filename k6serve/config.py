@@ -17,6 +17,8 @@ WARMUP_MODES = ("off", "request", "server")
 ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
 VAE_TILING = ("auto", "on", "off")
+# Same tuple as k6serve.lora.spec.LORA_MERGE_MODES (config imports nothing from k6serve; a unit test keeps them equal).
+LORA_MERGE_MODES = ("auto", "merge", "dynamic")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,8 +28,23 @@ class ModelConfig:
     revision: str | None = None
     load_format: str = "auto"  # "dummy": released configs, random weights, no download
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    # A LoRA adapter for the generation DiT, loaded at start (k6serve/lora/): a .safetensors file, a folder holding
+    # one, or a hub id. Later adapters come and go through `/v1/set_lora` without a restart.
+    lora_path: str | None = None
+    lora_nickname: str = "default"
+    lora_scale: float = 1.0  # the adapter's strength
+    lora_alpha: float | None = None  # overrides the file's alpha (default: rank, i.e. scale 1)
+    lora_merge_mode: str = "auto"  # also the default of set_lora requests that say "auto"; auto = merge
 
     def __post_init__(self) -> None:
+        if self.lora_merge_mode not in LORA_MERGE_MODES:
+            raise ValueError(f"--lora-merge-mode must be one of {LORA_MERGE_MODES}, got {self.lora_merge_mode!r}")
+        if not self.lora_nickname:
+            raise ValueError("--lora-nickname must not be empty")
+        for name in ("lora_scale", "lora_alpha"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number, got {value!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
@@ -123,6 +140,11 @@ class EngineConfig:
         flags = [f"--tp-size {parallel.tp_size}"] if parallel.tp_size > 1 else []
         flags += ["--use-fsdp-inference"] if parallel.use_fsdp_inference else []
         flags += ["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else []
+        if self.model.lora_path and (parallel.tp_size > 1 or parallel.use_fsdp_inference):
+            sharded = " and ".join(flag for flag in flags if not flag.startswith("--encoder"))
+            raise ValueError(f"--lora-path cannot be used with weights sharded across GPUs ({sharded}): LoRA needs each "
+                             "rank's full DiT weights; drop the sharding (Ulysses / Ring / CFG parallel keep full "
+                             "weights) or the adapter.")
         if mode in OFFLOAD_MODES and flags:
             named = " and ".join(flags)
             raise ValueError(

@@ -26,6 +26,7 @@ from k6serve.config import (
     DTYPES,
     ENCODER_PARALLEL,
     LOAD_FORMATS,
+    LORA_MERGE_MODES,
     PERFORMANCE_MODES,
     VAE_TILING,
     WARMUP_MODES,
@@ -38,6 +39,15 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("revision", dict(help="Hub revision (branch, tag or commit) to download.")),
     ("load_format", dict(choices=LOAD_FORMATS, help="'dummy' builds the released sizes with random weights (benchmarks).")),
     ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto: bfloat16 on CUDA, float32 on CPU).")),
+    ("lora_path", dict(help="LoRA adapter for the generation DiT, applied at start: a diffusers/PEFT .safetensors file, "
+                       "a folder holding one, or a hub id.")),
+    ("lora_nickname", dict(help="Name of the --lora-path adapter (set_lora / list_loras refer to it; default 'default').")),
+    ("lora_scale", dict(type=float, help="Strength of the --lora-path adapter (default 1.0).")),
+    ("lora_alpha", dict(type=float, help="Alpha of the --lora-path adapter, overriding the file's (scale alpha/rank; "
+                        "default: the file's, else rank).")),
+    ("lora_merge_mode", dict(choices=LORA_MERGE_MODES, help="merge: add the update to the weights (exact unmerge from a "
+                             "host snapshot); dynamic: add it per call, weights untouched; auto: merge. Also the "
+                             "default of set_lora requests.")),
     ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
     ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
                          "eager, each component on the GPU only for its stage (weights in host memory); memory: "

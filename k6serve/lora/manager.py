@@ -152,7 +152,7 @@ class LoraManager:
             for target, module, scale in entry.updates():
                 key = (target.linear, target.rows.start, target.rows.stop)
                 updates.setdefault(key, []).append((module, scale))
-        with torch.no_grad():
+        with torch.inference_mode():  # also when the weights were loaded as inference tensors
             for (linear, start, stop), terms in updates.items():
                 weight = linear.weight.data
                 if linear not in self.snapshots:
@@ -181,7 +181,7 @@ class LoraManager:
         for target, _ in self.wrappers:
             setattr(target.parent, target.attribute, target.linear)
         self.wrappers = []
-        with torch.no_grad():
+        with torch.inference_mode():  # also when the weights were loaded as inference tensors
             for linear, snapshot in self.snapshots.items():
                 linear.weight.data.copy_(snapshot)
         self.snapshots = {}

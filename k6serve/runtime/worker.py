@@ -19,6 +19,15 @@ from pathlib import Path
 import torch
 
 from k6serve.config import OFFLOAD_MODES, EngineConfig
+from k6serve.lora.spec import (
+    LORA_TARGETS,
+    ListLoras,
+    LoraOperation,
+    LoraSpec,
+    MergeLora,
+    SetLora,
+    UnmergeLora,
+)
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import (
     GENERATION,
@@ -114,6 +123,13 @@ class ModelWorker:
                                                          self.device, compile_vae_decoder=config.runtime.compile_vae)
         self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
+        self.lora_manager = None  # created on the first LoRA operation (`_lora_manager`)
+        if model.lora_path:
+            # After the speed transforms and offloading: the manager must see the fused projections and the host
+            # storage that requests will use.
+            self.apply_lora_operation(SetLora(specs=(LoraSpec(nickname=model.lora_nickname, path=model.lora_path,
+                                                              strength=model.lora_scale, alpha=model.lora_alpha),),
+                                              merge_mode=model.lora_merge_mode))
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
         if config.parallel.ulysses_degree > 1 and self.performance_report.num_compiled_blocks:
@@ -160,6 +176,53 @@ class ModelWorker:
                                plan=transformer_plan(self.pipeline.models.transformer))
         logger.info("%s", report.describe())
         return report
+
+    def _lora_manager(self):
+        """The DiT's `LoraManager`, created on first use; refuses models and layouts without LoRA support."""
+        if self.lora_manager is not None:
+            return self.lora_manager
+        if self.variant.family != GENERATION:
+            raise ValueError(f"LoRA adapters apply to the Kandinsky 6 generation DiT; {self.variant.name} is a "
+                             "super-resolution model, which takes none.")
+        parallel = self.config.parallel
+        sharded = [f"--tp-size {parallel.tp_size}"] if parallel.tp_size > 1 else []
+        sharded += ["--use-fsdp-inference"] if parallel.use_fsdp_inference else []
+        if sharded:
+            # TP and FSDP weights are DTensor shards: there is no local full matrix to add B @ A to (a later change
+            # can add TP-aware dynamic LoRA, as the reference has).
+            raise ValueError(f"LoRA adapters need each rank's full DiT weights, and {' and '.join(sharded)} shards "
+                             "them; start without it to use LoRA (Ulysses / Ring / CFG parallel keep full weights).")
+        from k6serve.lora.manager import LoraManager
+
+        self.lora_manager = LoraManager(self.pipeline.models.transformer)
+        return self.lora_manager
+
+    def apply_lora_operation(self, operation: LoraOperation) -> dict:
+        """Run one LoRA operation (between requests, on every rank); returns a JSON-able reply.
+
+        SetLora / MergeLora / UnmergeLora -> {"status": "ok", "message", "loras"}; ListLoras -> {"loras"}. Bad input
+        raises ValueError with the message for the user. A SetLora `merge_mode` of "auto" means the server's
+        `--lora-merge-mode` (whose own auto is merge)."""
+        if isinstance(operation, ListLoras):
+            return {"loras": self.lora_manager.state() if self.lora_manager is not None else []}
+        if operation.target not in LORA_TARGETS:
+            raise ValueError(f"LoRA target must be one of {', '.join(LORA_TARGETS)} (Kandinsky 6 has one DiT), got "
+                             f"{operation.target!r}")
+        manager = self._lora_manager()
+        if isinstance(operation, SetLora):
+            merge_mode = self.config.model.lora_merge_mode if operation.merge_mode == "auto" else operation.merge_mode
+            manager.set(operation.specs, merge_mode)
+            names = ", ".join(spec.nickname for spec in operation.specs)
+            message = f"LoRA adapters active: {names}" if names else "no LoRA adapter active"
+        elif isinstance(operation, MergeLora):
+            manager.merge(operation.strength)
+            message = "LoRA adapters merged into the weights"
+        elif isinstance(operation, UnmergeLora):
+            manager.unmerge()
+            message = "LoRA adapters deactivated; base weights restored"
+        else:
+            raise TypeError(f"not a LoRA operation: {operation!r}")
+        return {"status": "ok", "message": message, "loras": manager.state()}
 
     def variant_warmup_params(self) -> SamplingParams:
         """A request of the variant's default shape (server warm-up; SR makes its own clip instead,

@@ -1,0 +1,401 @@
+"""LoRA adapters on the tiny Kandinsky 6 DiT (CPU, fp32): reading files, merge / dynamic / unmerge, fused projections,
+offloading, the worker's operations and the start-up flag.
+
+The reference is computed independently: W + strength * (alpha / rank) * B @ A. Tolerances: merged and dynamic
+forwards agree within 1e-5 of the output's largest value (fp32 rounding of a different association); fused and
+unfused within 1e-5 (the fused projection's own tolerance, test_speed_transforms.py); everything called exact is
+compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from k6serve.api import build_engine_config
+from k6serve.bench.dit import dit_inputs
+from k6serve.bench.geometry import generation_geometry
+from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
+from k6serve.config import LORA_MERGE_MODES as CONFIG_MERGE_MODES
+from k6serve.lora.adapter import PREFERRED_FILE, read_adapter, resolve_adapter_file
+from k6serve.lora.dynamic import LoraLinear
+from k6serve.lora.manager import LoraManager
+from k6serve.lora.spec import LORA_MERGE_MODES, ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.offload import apply_offload
+from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime.worker import ModelWorker
+from k6serve.speed import apply_fused_projections
+from k6serve.speed.performance_mode import transformer_plan
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RANK = 2
+VIDEO_FFN = "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj"
+AUDIO_FFN = "visual_transformer_blocks.1.audio_dec_block.feed_forward.net.2"
+SELF_KEY = "visual_transformer_blocks.0.video_dec_block.self_attention.to_key"
+CROSS_VALUE = "visual_transformer_blocks.1.video_dec_block.cross_attention.to_value"
+TIME = "video_time_embeddings.timestep_embedder.linear_1"
+MODULES = (VIDEO_FFN, AUDIO_FFN, SELF_KEY, TIME)
+NO_FILE = OutputOptions(save_output=False, return_frames=True)
+CONFIG = Kandinsky6TransformerConfig.from_json_dict(TINY_TRANSFORMER_CONFIG)
+GEOMETRY = generation_geometry(64, 96, 9, num_text_tokens=10)
+
+
+def _shapes(model: torch.nn.Module, modules) -> dict[str, tuple[int, int]]:
+    return {path: tuple(model.get_submodule(path).weight.shape) for path in modules}
+
+
+def write_adapter(folder: Path, shapes: dict[str, tuple[int, int]], *, seed: int = 0, alphas: dict[str, float] | None = None,
+                  name: str = PREFERRED_FILE, prefix: str = "transformer.", amplitude: float = 0.3) -> Path:
+    """A rank-2 adapter with diffusers-style keys on the modules of `shapes` (path -> (out, in))."""
+    alphas = alphas or {}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path, (out_features, in_features) in shapes.items():
+        tensors[f"{prefix}{path}.lora_A.weight"] = amplitude * torch.randn(RANK, in_features, generator=generator)
+        tensors[f"{prefix}{path}.lora_B.weight"] = amplitude * torch.randn(out_features, RANK, generator=generator)
+        if path in alphas:
+            tensors[f"{prefix}{path}.alpha"] = torch.tensor(alphas[path])
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / name))
+    return folder / name
+
+
+def expected_weight(base: torch.Tensor, file: Path, path: str, scale: float) -> torch.Tensor:
+    """W + scale * B @ A, from the file, independently of the manager."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(file))
+    down, up = tensors[f"transformer.{path}.lora_A.weight"], tensors[f"transformer.{path}.lora_B.weight"]
+    return (base.float() + scale * (up.float() @ down.float())).to(base.dtype)
+
+
+def _dit():
+    return build_dummy_transformer(TINY_TRANSFORMER_CONFIG, device=torch.device("cpu"), dtype=torch.float32, seed=3)
+
+
+def _forward(model):
+    with torch.inference_mode():
+        return model(**dit_inputs(CONFIG, GEOMETRY, device=torch.device("cpu"), dtype=torch.float32, seed=4))
+
+
+def _close(actual, expected, tolerance=1e-5):
+    for got, want in zip(actual, expected, strict=True):
+        error = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+        assert error <= tolerance, error
+
+
+def _equal(actual, expected) -> bool:
+    return all(torch.equal(got, want) for got, want in zip(actual, expected, strict=True))
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+# ---- the DiT alone ----
+
+
+def test_merge_adds_strength_alpha_over_rank_b_a_and_unmerge_restores_bit_for_bit(tmp_path):
+    model = _dit()
+    before = _weights(model)
+    baseline = _forward(model)
+    file = write_adapter(tmp_path, _shapes(model, MODULES), alphas={SELF_KEY: 4.0})
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="style", path=str(file), strength=0.7)], "merge")
+    for path in MODULES:
+        scale = 0.7 * (4.0 if path == SELF_KEY else RANK) / RANK  # alpha from the file, else rank
+        assert torch.equal(model.get_submodule(path).weight, expected_weight(before[f"{path}.weight"], file, path, scale))
+    untouched = "visual_transformer_blocks.0.video_dec_block.self_attention.to_query.weight"
+    assert torch.equal(model.state_dict()[untouched], before[untouched])
+    adapted = _forward(model)
+    assert not _equal(adapted, baseline)
+    assert manager.state() == [{"nickname": "style", "path": str(file), "rank": RANK, "alpha": 2.0, "strength": 0.7,
+                                "num_modules": 4, "active": True, "merged": True, "merge_mode": "merge"}]
+    manager.unmerge()
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    assert _equal(_forward(model), baseline)
+    assert manager.state()[0]["active"] is False and manager.snapshots == {}
+
+
+def test_spec_alpha_overrides_the_file_alpha(tmp_path):
+    model = _dit()
+    before = _weights(model)
+    file = write_adapter(tmp_path, _shapes(model, [SELF_KEY, VIDEO_FFN]), alphas={SELF_KEY: 4.0, VIDEO_FFN: 4.0})
+    assert read_adapter(str(file)).file_alpha == 4.0
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="a", path=str(file), strength=1.0, alpha=1.0)], "merge")
+    assert torch.equal(model.get_submodule(SELF_KEY).weight,
+                       expected_weight(before[f"{SELF_KEY}.weight"], file, SELF_KEY, 1.0 / RANK))
+    assert manager.state()[0]["alpha"] == 1.0
+    manager.set([LoraSpec(nickname="a")], "merge")  # cached, the file's alpha again
+    assert torch.equal(model.get_submodule(SELF_KEY).weight,
+                       expected_weight(before[f"{SELF_KEY}.weight"], file, SELF_KEY, 4.0 / RANK))
+    assert manager.state()[0]["alpha"] == 4.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_dynamic_matches_merge_and_strength_zero_is_the_baseline(tmp_path, fused):
+    model = _dit()
+    file = write_adapter(tmp_path, _shapes(model, [*MODULES, CROSS_VALUE]))
+    if fused:
+        apply_fused_projections(model)
+    before = _weights(model)
+    baseline = _forward(model)
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="a", path=str(file))], "merge")
+    merged = _forward(model)
+    manager.set([LoraSpec(nickname="a")], "dynamic")
+    assert all(torch.equal(tensor, before[name]) for name, tensor in _weights(model).items() if ".base." not in name)
+    wrapped = [module for module in model.modules() if isinstance(module, LoraLinear)]
+    assert len(wrapped) == 5
+    dynamic = _forward(model)
+    assert not _equal(dynamic, baseline)
+    _close(dynamic, merged)
+    assert _equal(_forward(model), dynamic)  # a repeat is identical
+    for mode in ("merge", "dynamic"):
+        manager.set([LoraSpec(nickname="a", strength=0.0)], mode)
+        assert _equal(_forward(model), baseline), mode
+    manager.merge(strength=1.0)  # dynamic -> merged, at strength 1 again
+    assert not any(isinstance(module, LoraLinear) for module in model.modules())
+    assert _equal(_forward(model), merged)
+    manager.unmerge()
+    assert _weights(model).keys() == before.keys()
+    assert all(torch.equal(tensor, before[name]) for name, tensor in _weights(model).items())
+    assert _equal(_forward(model), baseline)
+
+
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_fused_projections_give_the_unfused_result(tmp_path, mode):
+    """A LoRA on to_key / to_value lands on its row block of the fused to_query_key_value / to_key_value weight."""
+    unfused = _dit()
+    fused = copy.deepcopy(unfused)
+    apply_fused_projections(fused)
+    file = write_adapter(tmp_path, _shapes(unfused, [*MODULES, CROSS_VALUE]))
+    results = []
+    for model in (unfused, fused):
+        LoraManager(model).set([LoraSpec(nickname="a", path=str(file))], mode)
+        results.append(_forward(model))
+    _close(results[1], results[0])
+    if mode == "merge":
+        fused_weight = fused.get_submodule(SELF_KEY.replace("to_key", "to_query_key_value")).weight
+        assert torch.equal(fused_weight[64:128], unfused.get_submodule(SELF_KEY).weight)
+
+
+def test_adapters_on_the_same_module_add_up(tmp_path):
+    model = _dit()
+    before = _weights(model)
+    first = write_adapter(tmp_path / "first", _shapes(model, [VIDEO_FFN]), seed=1)
+    second = write_adapter(tmp_path / "second", _shapes(model, [VIDEO_FFN]), seed=2)
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="one", path=str(first), strength=0.5),
+                 LoraSpec(nickname="two", path=str(second), strength=2.0)], "merge")
+    expected = expected_weight(before[f"{VIDEO_FFN}.weight"], first, VIDEO_FFN, 0.5).float()
+    expected += 2.0 * (expected_weight(torch.zeros_like(expected), second, VIDEO_FFN, 1.0))
+    torch.testing.assert_close(model.get_submodule(VIDEO_FFN).weight, expected, atol=1e-6, rtol=1e-6)
+    merged = _forward(model)
+    manager.set([LoraSpec(nickname="one", strength=0.5), LoraSpec(nickname="two", strength=2.0)], "dynamic")
+    _close(_forward(model), merged)
+    assert [row["nickname"] for row in manager.state()] == ["one", "two"]
+
+
+# ---- reading files, errors ----
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", "", "base_model.model."])
+def test_key_formats(tmp_path, prefix):
+    model = _dit()
+    file = write_adapter(tmp_path, _shapes(model, [VIDEO_FFN]), prefix=prefix)
+    assert list(read_adapter(str(file)).modules) == [VIDEO_FFN]
+
+
+def test_peft_adapter_name_segment(tmp_path):
+    tensors = {f"base_model.model.{VIDEO_FFN}.lora_A.default.weight": torch.zeros(RANK, 64),
+               f"base_model.model.{VIDEO_FFN}.lora_B.default.weight": torch.zeros(128, RANK)}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    adapter = read_adapter(str(tmp_path))  # a folder with one file
+    assert list(adapter.modules) == [VIDEO_FFN] and adapter.rank == RANK
+
+
+def test_folder_prefers_the_diffusers_file_name(tmp_path):
+    write_adapter(tmp_path, {VIDEO_FFN: (128, 64)}, name="other.safetensors")
+    write_adapter(tmp_path, {VIDEO_FFN: (128, 64)}, name="third.safetensors")
+    with pytest.raises(ValueError, match="holds 2 .safetensors files.*pass the file's path"):
+        resolve_adapter_file(str(tmp_path))
+    preferred = write_adapter(tmp_path, {VIDEO_FFN: (128, 64)})
+    assert resolve_adapter_file(str(tmp_path)) == preferred
+
+
+def test_a_missing_path_says_what_was_tried(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="not a local file or folder.*hub.*someone/no-such-lora"):
+        resolve_adapter_file("someone/no-such-lora")
+
+
+def test_unknown_module_key_lists_valid_names(tmp_path):
+    model = _dit()
+    file = write_adapter(tmp_path, {**_shapes(model, [VIDEO_FFN]), "visual_transformer_blocks.0.nope": (4, 4),
+                                    "text_encoder.layers.0.q_proj": (4, 4)})
+    manager = LoraManager(model)
+    with pytest.raises(ValueError, match=r"2 module\(s\) are not Linear layers.*text_encoder.layers.0.q_proj.*"
+                                         r"visual_transformer_blocks.0.nope.*named like \['visual_embeddings.in_layer'"):
+        manager.set([LoraSpec(nickname="a", path=str(file))])
+    assert manager.state() == []  # nothing was cached or applied
+
+
+def test_shape_mismatch_names_the_module_and_shapes(tmp_path):
+    model = _dit()
+    file = write_adapter(tmp_path, {VIDEO_FFN: (128, 32)})  # the layer takes 64 features
+    with pytest.raises(ValueError, match=rf"{VIDEO_FFN}.*lora_A \(2, 32\).*maps 64 -> 128"):
+        LoraManager(model).set([LoraSpec(nickname="a", path=str(file))])
+    tensors = {f"{VIDEO_FFN}.lora_A.weight": torch.zeros(3, 64), f"{VIDEO_FFN}.lora_B.weight": torch.zeros(128, 2)}
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match=rf"module '{VIDEO_FFN}' has lora_A \(3, 64\) and lora_B \(128, 2\)"):
+        read_adapter(str(tmp_path / "bad.safetensors"))
+
+
+def test_a_failed_set_keeps_the_current_adapters(tmp_path):
+    model = _dit()
+    good = write_adapter(tmp_path / "good", _shapes(model, [VIDEO_FFN]))
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="good", path=str(good))], "merge")
+    merged = _weights(model)
+    with pytest.raises(ValueError, match="no LoRA adapter is loaded under the nickname 'missing' \\(loaded: good\\)"):
+        manager.set([LoraSpec(nickname="missing")])
+    assert all(torch.equal(tensor, merged[name]) for name, tensor in model.state_dict().items())
+    assert manager.state()[0]["active"] and manager.state()[0]["merged"]
+    with pytest.raises(ValueError, match="merge_mode must be one of auto, merge, dynamic"):
+        manager.set([LoraSpec(nickname="good")], "fast")
+
+
+def test_merge_modes_agree_with_the_config():
+    assert CONFIG_MERGE_MODES == LORA_MERGE_MODES
+
+
+# ---- the worker ----
+
+
+@pytest.fixture(scope="module")
+def demo_worker(_demo_cache_dir):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("K6SERVE_CACHE", str(_demo_cache_dir))
+        torch.set_num_threads(1)
+        yield ModelWorker(build_engine_config("demo", device="cpu", attention_backend="sdpa"))
+
+
+@pytest.fixture(scope="module")
+def adapter_file(demo_worker, tmp_path_factory):
+    transformer = demo_worker.pipeline.models.transformer
+    return write_adapter(tmp_path_factory.mktemp("lora"), _shapes(transformer, MODULES), amplitude=0.5)
+
+
+def _generate(worker: ModelWorker):
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5,
+                            num_inference_steps=2)
+    return worker.run(params, NO_FILE)
+
+
+def _same(result, other) -> bool:
+    return np.array_equal(result.frames, other.frames) and np.array_equal(result.audio, other.audio)
+
+
+@pytest.fixture(scope="module")
+def baseline(demo_worker):
+    return _generate(demo_worker)
+
+
+def test_worker_operations_and_exact_unmerge(demo_worker, adapter_file, baseline):
+    worker = demo_worker
+    before = _weights(worker.pipeline.models.transformer)
+    assert worker.apply_lora_operation(ListLoras()) == {"loras": []}
+    reply = worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=str(adapter_file)),)))
+    assert reply["status"] == "ok" and reply["loras"][0]["merged"] and reply["loras"][0]["merge_mode"] == "merge"
+    adapted = _generate(worker)
+    assert not _same(adapted, baseline)
+    assert _same(_generate(worker), adapted)
+    worker.apply_lora_operation(MergeLora(strength=0.0))
+    assert _same(_generate(worker), baseline)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", strength=0.5),), merge_mode="dynamic"))
+    half = _generate(worker)
+    assert not _same(half, baseline) and not _same(half, adapted)
+    worker.apply_lora_operation(MergeLora(strength=1.0))
+    assert _same(_generate(worker), adapted)
+    reply = worker.apply_lora_operation(UnmergeLora())
+    assert reply["status"] == "ok" and not reply["loras"][0]["active"]
+    assert all(torch.equal(tensor, before[name]) for name, tensor in worker.pipeline.models.transformer.state_dict().items())
+    assert _same(_generate(worker), baseline)
+    assert worker.apply_lora_operation(ListLoras())["loras"][0]["nickname"] == "fox"
+
+
+def test_worker_refuses_bad_operations(demo_worker):
+    with pytest.raises(ValueError, match="no LoRA adapter is loaded under the nickname 'ghost'"):
+        demo_worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="ghost"),)))
+    with pytest.raises(ValueError, match="target must be one of all, transformer"):
+        demo_worker.apply_lora_operation(UnmergeLora(target="transformer_2"))
+    with pytest.raises(ValueError, match="merge_mode must be one of auto, merge, dynamic"):
+        demo_worker.apply_lora_operation(SetLora(specs=(), merge_mode="fast"))
+
+
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_offloaded_weights_merge_in_place_and_restore_bit_for_bit(demo_dir, adapter_file, mode):
+    """memory mode on CPU: merging writes into the host copy every stage copies from; unmerge restores it."""
+    # The same worker before and after offloading: another performance mode would trim the text differently.
+    worker = ModelWorker(build_engine_config("demo", device="cpu", attention_backend="sdpa", performance_mode="memory"))
+    transformer = worker.pipeline.models.transformer
+    baseline = _generate(worker)
+    set_lora = SetLora(specs=(LoraSpec(nickname="fox", path=str(adapter_file)),), merge_mode=mode)
+    worker.apply_lora_operation(set_lora)
+    adapted = _generate(worker)
+    worker.apply_lora_operation(UnmergeLora())
+    apply_offload(worker.pipeline, "memory", compute_device="cpu", plan=transformer_plan(transformer))
+    storage = {name: tensor.data_ptr() for name, tensor in transformer.state_dict().items()}
+    before = _weights(transformer)
+    worker.apply_lora_operation(set_lora)
+    assert _same(_generate(worker), adapted) and not _same(adapted, baseline)
+    worker.apply_lora_operation(UnmergeLora())
+    assert {name: tensor.data_ptr() for name, tensor in transformer.state_dict().items()} == storage
+    assert all(torch.equal(tensor, before[name]) for name, tensor in transformer.state_dict().items())
+    assert _same(_generate(worker), baseline)
+    streamer = worker.pipeline.residency.streamers["transformer"]
+    assert all(weights.attached_to_host() for weights in streamer.weights)
+
+
+def test_lora_path_at_start_applies_the_adapter(demo_dir, adapter_file, baseline):
+    worker = ModelWorker(build_engine_config("demo", device="cpu", attention_backend="sdpa",
+                                             lora_path=str(adapter_file), lora_nickname="fox", lora_scale=0.0))
+    (state,) = worker.apply_lora_operation(ListLoras())["loras"]
+    assert state["nickname"] == "fox" and state["strength"] == 0.0 and state["merged"]
+    assert _same(_generate(worker), baseline)
+
+
+def test_lora_config_is_validated():
+    with pytest.raises(ValueError, match="--lora-merge-mode must be one of \\('auto', 'merge', 'dynamic'\\), got 'fast'"):
+        build_engine_config("demo", lora_merge_mode="fast")
+    with pytest.raises(ValueError, match="--lora-path cannot be used with weights sharded across GPUs \\(--tp-size 2\\)"):
+        build_engine_config("demo", lora_path="a.safetensors", num_gpus=2, tp_size=2)
+
+
+def test_cli_lora_flags_reach_the_config():
+    from k6serve.cli.main import build_parser, merged_options, split_options
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model-path", "demo", "--lora-path", "a.safetensors", "--lora-scale",
+                              "0.5", "--lora-alpha", "8", "--lora-merge-mode", "dynamic", "--lora-nickname", "x"])
+    engine, _ = split_options(merged_options(args, parser))
+    config = build_engine_config(engine.pop("model_path"), **engine).model
+    assert (config.lora_path, config.lora_scale, config.lora_alpha, config.lora_merge_mode, config.lora_nickname) == (
+        "a.safetensors", 0.5, 8.0, "dynamic", "x")
+
+
+def test_super_resolution_model_has_no_lora(tiny_sr_dir):
+    worker = ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu"))
+    with pytest.raises(ValueError, match="generation DiT.*super-resolution model, which takes none"):
+        worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="a", path="a.safetensors"),)))
+    assert worker.apply_lora_operation(ListLoras()) == {"loras": []}
