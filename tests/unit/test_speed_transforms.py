@@ -298,11 +298,14 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch, tiny_sr_configs):
     import torch._dynamo.config as dynamo_config
 
     limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(dynamo_config, limit_name, 8)  # dynamo's default, whatever earlier tests raised it to
-    report = apply_performance_mode(_Models(transformer=_model(), vae=vae), "speed", "cuda", compile_vae_decoder=True)
-    assert report.vae == ("cudnn_benchmark", "folded_upsample", "compile_decoder") and is_compiled(vae.decoder)
-    # Every tile shape gets its graph (spatial tiles add shapes), rather than dynamo's eager fallback after 8.
-    assert getattr(dynamo_config, limit_name) >= 64
+    # dynamo's default, whatever earlier tests raised it to. Its own patch(), not monkeypatch: pytest 9's undo
+    # deletes an attribute that was not in the module's __dict__, which hides a dynamo config for good.
+    with dynamo_config.patch(**{limit_name: 8}):
+        report = apply_performance_mode(_Models(transformer=_model(), vae=vae), "speed", "cuda",
+                                        compile_vae_decoder=True)
+        assert report.vae == ("cudnn_benchmark", "folded_upsample", "compile_decoder") and is_compiled(vae.decoder)
+        # Every tile shape gets its graph (spatial tiles add shapes), rather than dynamo's eager fallback after 8.
+        assert getattr(dynamo_config, limit_name) >= 64
 
     from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
     from k6serve.speed.vae import compile_sr_decoder_blocks
