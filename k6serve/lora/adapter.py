@@ -1,10 +1,15 @@
 """Reading a LoRA adapter: where the file is (a path, a folder, a hub id) and what its keys mean.
 
-Only the diffusers / PEFT layout is read: `<module>.lora_A[.<adapter name>].weight` (rank x in) and
-`<module>.lora_B[.<adapter name>].weight` (out x rank), optionally `<module>.alpha`, under a `transformer.`,
-`base_model.model.` or no prefix. Our DiT keeps diffusers' module names, so `<module>` is a path in
-`Kandinsky6Transformer.named_modules()`; whether it names a Linear there is checked by `targets.py`, which has the
-model. Tensors stay on the CPU in the file's dtype: merging and the dynamic path cast them where they are used.
+Two layouts are read:
+* diffusers / PEFT: `<module>.lora_A[.<adapter name>].weight` (rank x in) and `<module>.lora_B[.<adapter
+  name>].weight` (out x rank), optionally `<module>.alpha`, under a `transformer.`, `base_model.model.`,
+  `diffusion_model.` (ComfyUI) or no prefix;
+* kohya (sd-scripts, musubi-tuner, and what ComfyUI exports from them): `lora_unet_<module with "_" for
+  ".">.lora_down.weight` / `.lora_up.weight` / `.alpha` (also `lora_transformer_`). The flattened name cannot be
+  split back into a path without the model: `targets.py` matches it against the model's flattened Linear names.
+Our DiT keeps diffusers' module names, so `<module>` is a path in `Kandinsky6Transformer.named_modules()`; whether it
+names a Linear there is checked by `targets.py`, which has the model. Tensors stay on the CPU in the file's dtype:
+merging and the dynamic path cast them where they are used.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import torch
 
 # PEFT writes this name; diffusers' `save_lora_weights` too. Preferred when a folder holds several files.
 PREFERRED_FILE = "pytorch_lora_weights.safetensors"
-_PREFIXES = ("base_model.model.", "transformer.")
+_PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.")
 _WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
+# kohya: the module path flattened with "_" (resolved against the model in targets.py); down = A, up = B.
+_KOHYA_KEY = re.compile(r"^lora_(?:unet|transformer)_(?P<module>[^.]+)\.(?:lora_(?P<kind>down|up)\.weight|alpha)$")
 _SHOWN = 5  # how many offending keys an error lists
 
 
@@ -121,7 +128,12 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
     unknown: list[str] = []
     for key, tensor in tensors.items():
         name = _strip_prefix(key)
-        if match := _WEIGHT_KEY.match(name):
+        if match := _KOHYA_KEY.match(name):
+            if match["kind"] is None:
+                alphas[match["module"]] = float(tensor.item())
+            else:
+                (downs if match["kind"] == "down" else ups)[match["module"]] = tensor
+        elif match := _WEIGHT_KEY.match(name):
             (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
             if match["adapter"]:
                 adapter_names.add(match["adapter"])
@@ -131,7 +143,8 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
             unknown.append(key)
     if unknown:
         raise ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
-                         f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha), e.g. {unknown[:_SHOWN]}")
+                         f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha) nor kohya ones "
+                         f"(lora_unet_<module>.lora_down.weight / .lora_up.weight / .alpha), e.g. {unknown[:_SHOWN]}")
     if len(adapter_names) > 1:
         raise ValueError(f"LoRA file {source!r} holds several PEFT adapters ({sorted(adapter_names)}); save one "
                          "adapter per file")

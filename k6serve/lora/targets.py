@@ -84,11 +84,29 @@ def check_plain_weight(linear: nn.Linear, path: str) -> None:
                          "LoRA adapters.")
 
 
+def _flattened_names(model: nn.Module) -> dict[str, str | None]:
+    """kohya's flattened module name ("." -> "_") -> the Linear path; None where two paths flatten alike (our names
+    hold "_" too, so a flattened name could be ambiguous: such a key is refused, not guessed)."""
+    flattened: dict[str, str | None] = {}
+    for name in linear_names(model):
+        key = name.replace(".", "_")
+        flattened[key] = None if key in flattened and flattened[key] != name else name
+    return flattened
+
+
 def resolve_targets(model: nn.Module, modules: dict[str, LoraModule], *, source: str) -> list[LoraTarget]:
     """The target of every module of an adapter, with its shapes checked against the model's Linear."""
     targets, unknown = [], []
+    flattened: dict[str, str | None] | None = None
     for path in modules:
         target = _resolve(model, path)
+        if target is None and "." not in path:  # a kohya key's flattened path
+            flattened = _flattened_names(model) if flattened is None else flattened
+            dotted = flattened.get(path)
+            if dotted is not None:
+                found = _resolve(model, dotted)
+                target = None if found is None else LoraTarget(path, found.linear, found.parent, found.attribute,
+                                                               found.rows)
         if target is None:
             unknown.append(path)
         else:

@@ -209,11 +209,56 @@ def test_adapters_on_the_same_module_add_up(tmp_path):
 # ---- reading files, errors ----
 
 
-@pytest.mark.parametrize("prefix", ["transformer.", "", "base_model.model."])
+@pytest.mark.parametrize("prefix", ["transformer.", "", "base_model.model.", "diffusion_model."])
 def test_key_formats(tmp_path, prefix):
     model = _dit()
     file = write_adapter(tmp_path, _shapes(model, [VIDEO_FFN]), prefix=prefix)
     assert list(read_adapter(str(file)).modules) == [VIDEO_FFN]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_kohya_keys_merge_like_the_diffusers_ones(tmp_path, fused):
+    """kohya's `lora_unet_<path with _>.lora_down/up.weight` + `.alpha` land on the same Linears (fused rows too) with
+    the same weights as the diffusers keys of the same tensors."""
+    from safetensors.torch import load_file
+
+    diffusers_file = write_adapter(tmp_path / "diffusers", _shapes(_dit(), MODULES), alphas={SELF_KEY: 4.0})
+    kohya = {}
+    for key, tensor in load_file(str(diffusers_file)).items():
+        module, _, suffix = key.removeprefix("transformer.").rpartition(".lora_")
+        if not module:  # "<module>.alpha"
+            module, suffix = key.removeprefix("transformer.").removesuffix(".alpha"), "alpha"
+        flat = "lora_unet_" + module.replace(".", "_")
+        kohya[f"{flat}.alpha" if suffix == "alpha" else f"{flat}.lora_{'down' if suffix.startswith('A') else 'up'}"
+              ".weight"] = tensor
+    save_file(kohya, str(tmp_path / "kohya.safetensors"))
+    weights = []
+    for file in (diffusers_file, tmp_path / "kohya.safetensors"):
+        model = _dit()
+        if fused:
+            apply_fused_projections(model)
+        LoraManager(model).set([LoraSpec(nickname="a", path=str(file), strength=0.6)], "merge")
+        weights.append(_weights(model))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    changed = [name for name, tensor in _weights(_dit()).items() if name in weights[0]
+               and not torch.equal(weights[0][name], tensor)]
+    assert len(changed) == (3 if fused else 4)  # to_key lands in to_query_key_value when fused
+
+
+def test_an_ambiguous_kohya_name_is_refused_not_guessed(tmp_path):
+    model = _dit()
+    # "...video_dec_block.feed_forward_net.0.proj" flattens like VIDEO_FFN, "...feed_forward.net.0.proj".
+    inner = torch.nn.Module()
+    inner.proj = torch.nn.Linear(64, 128)
+    twin = torch.nn.Module()
+    twin.add_module("0", inner)
+    model.visual_transformer_blocks[0].video_dec_block.add_module("feed_forward_net", twin)
+    flat = "lora_unet_" + VIDEO_FFN.replace(".", "_")
+    save_file({f"{flat}.lora_down.weight": torch.zeros(RANK, 64), f"{flat}.lora_up.weight": torch.zeros(128, RANK)},
+              str(tmp_path / "kohya.safetensors"))
+    with pytest.raises(ValueError, match="not Linear layers"):
+        LoraManager(model).set([LoraSpec(nickname="a", path=str(tmp_path / "kohya.safetensors"))])
 
 
 def test_peft_adapter_name_segment(tmp_path):
