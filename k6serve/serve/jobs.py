@@ -94,6 +94,8 @@ class JobStore(Protocol):
     def count_by_status(self) -> dict[JobStatus, int]: ...
     def finished_before(self, timestamp: float) -> list[Job]: ...
     def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]: ...
+    def lora_state(self) -> list[dict[str, Any]]: ...
+    def set_lora_state(self, operations: list[dict[str, Any]]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -146,6 +148,20 @@ class SqliteJobStore:
                 "deleted_at REAL NOT NULL)"
             )
             self._db.execute("CREATE INDEX IF NOT EXISTS deleted_jobs_at ON deleted_jobs (deleted_at)")
+            # One row: the LoRA operations that rebuild the adapters (serve/lora_state.py), as JSON.
+            self._db.execute("CREATE TABLE IF NOT EXISTS lora_state (id INTEGER PRIMARY KEY CHECK (id = 1), "
+                             "operations TEXT NOT NULL)")
+
+    def lora_state(self) -> list[dict[str, Any]]:
+        with self._lock:
+            row = self._db.execute("SELECT operations FROM lora_state WHERE id = 1").fetchone()
+        return json.loads(row["operations"]) if row is not None else []
+
+    def set_lora_state(self, operations: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._db.execute("INSERT INTO lora_state (id, operations) VALUES (1, ?) "
+                             "ON CONFLICT (id) DO UPDATE SET operations = excluded.operations",
+                             (json.dumps(operations, sort_keys=True),))
 
     def close(self) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, JobStore
+from k6serve.serve.lora_state import LoraState
 from k6serve.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -86,8 +87,29 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
         self._pending_loras: list[PendingLora] = []
+        self._lora_state: LoraState | None = None
+
+    def _restore_loras(self) -> None:
+        """Rebuild the adapters recorded before a restart, before any job runs: the jobs still queued were created
+        under them. A state that cannot be rebuilt stops the start-up, rather than running those jobs without."""
+        model = getattr(getattr(self.engine, "config", None), "model", None)
+        start_adapter = (model.lora_nickname, model.lora_path) if getattr(model, "lora_path", None) else None
+        self._lora_state = LoraState.from_json(self.store.lora_state(), start_adapter=start_adapter)
+        for operation in self._lora_state.operations:
+            try:
+                self.engine.lora(operation)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"The job store records LoRA adapters set before the server stopped ({operation}), and they could "
+                    f"not be restored ({type(exc).__name__}: {exc}). Jobs queued then were created with them. Make "
+                    "the adapter files available again and restart, or start with another --job-store to begin "
+                    "without them."
+                ) from exc
+        if self._lora_state.operations:
+            logger.warning("restored the LoRA adapters set before the restart: %s", self._lora_state.operations)
 
     def start(self) -> None:
+        self._restore_loras()
         requeued, ended = self.store.recover_interrupted(DIED_TWICE)
         for job in requeued:
             logger.warning("job %s was running when the server stopped; re-queued (attempt %d)", job.id,
@@ -237,6 +259,10 @@ class JobRunner:
             return
         try:
             result = self.engine.lora(pending.operation)
+            # Saved before the client hears of it: a job created after this answer runs with these adapters,
+            # after a restart too.
+            if self._lora_state is not None and self._lora_state.record(pending.operation):
+                self.store.set_lora_state(self._lora_state.to_json())
         except BaseException as exc:  # noqa: BLE001 (answered to the HTTP client waiting for it)
             pending.future.set_exception(exc)
         else:

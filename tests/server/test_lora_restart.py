@@ -1,0 +1,86 @@
+"""LoRA adapters set through the HTTP routes survive a restart: jobs queued before it were created under them.
+
+A fake worker records the operations it is given; a second server on the same job store must replay the shortest
+list that rebuilds the adapters (the last set_lora with every path written out, the merges after it) before any job
+runs, and refuse to start when they cannot be rebuilt.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import FakeWorker, start_server
+
+from k6serve.api import build_engine_config
+from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora
+from k6serve.models.variants import VARIANTS
+from k6serve.runtime.engine import Engine
+from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.jobs import SqliteJobStore
+from k6serve.serve.metrics import ServerMetrics
+from k6serve.serve.runner import JobRunner
+
+
+class RecordingWorker(FakeWorker):
+    def __init__(self, *, refuse: bool = False) -> None:
+        super().__init__(VARIANTS["pro-distill"])
+        self.operations: list[object] = []
+        self.refuse = refuse
+
+    def apply_lora_operation(self, operation) -> dict:
+        if self.refuse and not isinstance(operation, ListLoras):
+            raise ValueError("LoRA path '/adapters/a.safetensors' is not a local file or folder")
+        self.operations.append(operation)
+        return {"status": "ok", "message": "done", "loras": []}
+
+
+def _post(server, route: str, body: dict) -> None:
+    with server.client() as client:
+        response = client.post(route, json=body)
+    assert response.status_code == 200, response.text
+
+
+def test_the_adapters_are_rebuilt_after_a_restart(tmp_path):
+    db = tmp_path / "jobs.sqlite3"
+    first = start_server(tmp_path / "one", worker=RecordingWorker(), db_path=db)
+    try:
+        _post(first, "/v1/set_lora", {"lora_nickname": "old", "lora_path": "/adapters/old.safetensors"})
+        _post(first, "/v1/set_lora", {"lora_nickname": "a", "lora_path": "/adapters/a.safetensors", "strength": 0.5})
+        # "a" by nickname only: the restarted worker has no cache, so the state writes its path out.
+        _post(first, "/v1/set_lora", {"lora_nickname": ["a", "b"], "lora_path": [None, "/adapters/b.safetensors"],
+                                      "merge_mode": "dynamic"})
+        _post(first, "/v1/merge_lora_weights", {"strength": 0.8})
+        with first.client() as client:
+            assert client.get("/v1/list_loras").status_code == 200  # reading changes nothing
+    finally:
+        first.stop()
+    second = start_server(tmp_path / "two", worker=RecordingWorker(), db_path=db)
+    try:
+        assert second.worker.operations == [
+            SetLora(specs=(LoraSpec(nickname="a", path="/adapters/a.safetensors"),
+                           LoraSpec(nickname="b", path="/adapters/b.safetensors")), merge_mode="dynamic"),
+            MergeLora(strength=0.8),
+        ]
+        _post(second, "/v1/unmerge_lora_weights", {})
+    finally:
+        second.stop()
+    third = start_server(tmp_path / "three", worker=RecordingWorker(), db_path=db)
+    try:
+        assert third.worker.operations == []  # unmerged: the base weights, nothing to rebuild
+    finally:
+        third.stop()
+
+
+def test_a_state_that_cannot_be_rebuilt_stops_the_start_and_says_how_to_go_on(tmp_path):
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.set_lora_state([{"type": "SetLora", "merge_mode": "auto", "target": "all",
+                           "specs": [{"nickname": "a", "path": "/adapters/a.safetensors", "strength": 1.0,
+                                      "alpha": None}]}])
+    engine = Engine(build_engine_config("fake-k6-model"), worker=RecordingWorker(refuse=True))
+    runner = JobRunner(engine, store, ArtifactStore(tmp_path / "outputs"), ServerMetrics(), max_queued_jobs=4)
+    try:
+        with pytest.raises(RuntimeError, match=r"could not be restored \(ValueError: LoRA path .*Jobs queued then "
+                                               r"were created with them.*another --job-store"):
+            runner.start()
+    finally:
+        engine.shutdown(timeout=10)
+        store.close()
