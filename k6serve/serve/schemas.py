@@ -51,29 +51,49 @@ _STRING_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
                   if info.annotation in (str, str | None)}
 
 
-def parse_create_body(raw: Any) -> BaseModel:
-    """Validate a decoded JSON object or form fields; every problem is a 400 naming the field."""
+def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str], describe_error=None) -> BaseModel:
+    """Validate a decoded JSON object (or form fields) as `model`; every problem is a 400 naming the field.
+
+    `describe_error(param, error)` may word a pydantic error for one field; None keeps the generic message."""
     if not isinstance(raw, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
                        code="invalid_request")
     for name, value in raw.items():
-        # Pydantic's lax mode reads true as 1 (seed, fps, num_frames, seconds...); no field here is a boolean.
-        if isinstance(value, bool) and name in VideoCreateBody.model_fields:
-            raise ApiError(400, f"{name} must be a {'string' if name in _STRING_FIELDS else 'number'}, "
-                                f"got {json.dumps(value)}.", code="invalid_parameter", param=name)
+        # Pydantic's lax mode reads true as 1 (seed, fps, strength...); no field of these bodies is a boolean.
+        values = value if isinstance(value, list) else [value]
+        if name in model.model_fields and any(isinstance(item, bool) for item in values):
+            kind = "string" if name in string_fields else "number"
+            also = " or a list of them" if isinstance(value, list) else ""
+            raise ApiError(400, f"{name} must be a {kind}{also}, got {json.dumps(value)}.",
+                           code="invalid_parameter", param=name)
     try:
-        return VideoCreateBody.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         # Only the field: a union type adds its member to the location ('seconds.str').
         param = str(first["loc"][0]) if first["loc"] else None
-        if first["type"] == "extra_forbidden":
-            message = f"Unknown field {param!r}. Valid fields: {', '.join(HTTP_FIELD_NAMES)}."
-        elif param == "seconds":
-            message = f"seconds must be a number in (0, 600] such as \"4\" or 4, got {first.get('input')!r}"
-        else:
-            message = f"{param}: {first['msg']} (got {first.get('input')!r})"
+        message = (describe_error(param, first) if describe_error is not None else None) or _error_message(
+            model, raw, param, first)
         raise ApiError(400, message, code="invalid_parameter", param=param) from None
+
+
+def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return f"Unknown field {param!r}. Valid fields: {', '.join(model.model_fields)}."
+    if error["type"] == "missing":
+        return f"{param} is required."
+    return f"{param}: {error['msg']} (got {json.dumps(raw.get(param), default=str)})"
+
+
+def _describe_video_error(param: str | None, error: dict) -> str | None:
+    if param == "seconds" and error["type"] != "extra_forbidden":
+        return f"seconds must be a number in (0, 600] such as \"4\" or 4, got {error.get('input')!r}"
+    return None
+
+
+def parse_create_body(raw: Any) -> BaseModel:
+    """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`)."""
+    return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error)
 
 
 def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...]) -> SamplingParams:
@@ -162,29 +182,8 @@ _LORA_STRING_FIELDS = {"lora_nickname", "lora_path", "target", "merge_mode"}
 
 
 def parse_lora_body(model: type[BaseModel], raw: Any) -> BaseModel:
-    """Validate a decoded JSON object as `model`; every problem is a 400 naming the field."""
-    if not isinstance(raw, dict):
-        raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
-                       code="invalid_request")
-    for name, value in raw.items():
-        # Pydantic's lax mode reads true as 1.0 (strength, lora_alpha); no field here is a boolean.
-        if name in model.model_fields and any(isinstance(v, bool) for v in (value if isinstance(value, list)
-                                                                              else [value])):
-            kind = "string" if name in _LORA_STRING_FIELDS else "number"
-            raise ApiError(400, f"{name} must be a {kind} or a list of them, got {json.dumps(value)}.",
-                           code="invalid_parameter", param=name)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None
-        if first["type"] == "extra_forbidden":
-            message = f"Unknown field {param!r}. Valid fields: {', '.join(model.model_fields)}."
-        elif first["type"] == "missing":
-            message = f"{param} is required."
-        else:
-            message = f"{param}: {first['msg']} (got {json.dumps(raw.get(param), default=str)})"
-        raise ApiError(400, message, code="invalid_parameter", param=param) from None
+    """The LoRA routes' bodies, validated as the video route's are (`parse_json_body`)."""
+    return parse_json_body(model, raw, string_fields=_LORA_STRING_FIELDS)
 
 
 class LoraResult(BaseModel):
