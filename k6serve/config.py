@@ -87,6 +87,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.num_gpus
 
+    @property
+    def dit_sharding_flags(self) -> list[str]:
+        """The flags that shard the DiT's weights across GPUs (DTensor or FSDP storage), as the user wrote them."""
+        flags = [f"--tp-size {self.tp_size}"] if self.tp_size > 1 else []
+        return flags + (["--use-fsdp-inference"] if self.use_fsdp_inference else [])
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeConfig:
@@ -137,11 +143,9 @@ class EngineConfig:
         # encoders) or FSDP's managed storage cannot be moved that way. Ulysses / Ring / CFG replicate the weights,
         # so each rank offloads its own copy (and holds it in host memory: one copy per GPU).
         mode, parallel = self.runtime.performance_mode, self.parallel
-        flags = [f"--tp-size {parallel.tp_size}"] if parallel.tp_size > 1 else []
-        flags += ["--use-fsdp-inference"] if parallel.use_fsdp_inference else []
-        flags += ["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else []
-        if self.model.lora_path and (parallel.tp_size > 1 or parallel.use_fsdp_inference):
-            sharded = " and ".join(flag for flag in flags if not flag.startswith("--encoder"))
+        flags = parallel.dit_sharding_flags + (["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else [])
+        if self.model.lora_path and parallel.dit_sharding_flags:
+            sharded = " and ".join(parallel.dit_sharding_flags)
             raise ValueError(f"--lora-path cannot be used with weights sharded across GPUs ({sharded}): LoRA needs each "
                              "rank's full DiT weights; drop the sharding (Ulysses / Ring / CFG parallel keep full "
                              "weights) or the adapter.")

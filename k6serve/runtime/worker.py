@@ -184,9 +184,7 @@ class ModelWorker:
         if self.variant.family != GENERATION:
             raise ValueError(f"LoRA adapters apply to the Kandinsky 6 generation DiT; {self.variant.name} is a "
                              "super-resolution model, which takes none.")
-        parallel = self.config.parallel
-        sharded = [f"--tp-size {parallel.tp_size}"] if parallel.tp_size > 1 else []
-        sharded += ["--use-fsdp-inference"] if parallel.use_fsdp_inference else []
+        sharded = self.config.parallel.dit_sharding_flags
         if sharded:
             # TP and FSDP weights are DTensor shards: there is no local full matrix to add B @ A to (a later change
             # can add TP-aware dynamic LoRA, as the reference has).
