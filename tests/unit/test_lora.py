@@ -1,5 +1,6 @@
 """LoRA adapters on the tiny Kandinsky 6 DiT (CPU, fp32): reading files, merge / dynamic / unmerge, fused projections,
-offloading, the worker's operations and the start-up flag.
+offloading, the worker's operations and the start-up flag; and, in bf16 (CPU, and CUDA where present), that merged
+and dynamic adapters differ by rounding only.
 
 The reference is computed independently: W + strength * (alpha / rank) * B @ A. Tolerances: merged and dynamic
 forwards agree within 1e-5 of the output's largest value (fp32 rounding of a different association); fused and
@@ -446,25 +447,55 @@ def test_super_resolution_model_has_no_lora(tiny_sr_dir):
     assert worker.apply_lora_operation(ListLoras()) == {"loras": []}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="speed mode's fused, compiled blocks and pinned offloading "
-                    "need CUDA")
-@pytest.mark.parametrize("mode", ["speed", "memory"])
-def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_path, mode):
-    """On a GPU, in bf16: with speed mode's fused projections and compiled blocks, and with pinned offloading and
-    streamed blocks, merge and dynamic change the output alike and unmerge restores the baseline bit for bit."""
-    worker = ModelWorker(build_engine_config(str(demo_dir), device="cuda", performance_mode=mode,
-                                             attention_backend="sdpa"))
-    unfused = ModelWorker(build_engine_config(str(demo_dir), device="cpu", attention_backend="sdpa"))
-    file = write_adapter(tmp_path, _shapes(unfused.pipeline.models.transformer, MODULES), amplitude=0.5)
+# bf16 adapters: merged and dynamic forwards round in different places, and in bf16 that alone moves the demo's uint8
+# frames by a noise floor of about 0.5 on average (at most 4-6), whatever the adapter's size. Measured on the CPU in
+# bf16 (write_adapter's adapters, seeds 0-5): dynamic vs merged differ by 0.50-0.62 at amplitudes 0.02 to 3;
+# the bf16 and fp32 baselines differ by 0.52; in fp32 dynamic and merged frames are identical. So "dynamic agrees with
+# merged far better than either with the baseline" only holds when the adapter's change stands well above that floor:
+# at amplitude 0.5 it changes the frames by only 0.9-1.7 (ratio dynamic-vs-merged / change 0.33-0.61; on the H200 the
+# old bound, change / 4, failed at 0.5166 / 1.5354 in speed mode and 0.5716 / 1.4186 in memory mode). At amplitude 2
+# the change is 6.2-7.8 and the ratio 0.076-0.082, about a third of the bound, while a dynamic update applied at half
+# strength still fails it (ratio 0.27-0.49).
+BF16_AMPLITUDE = 2.0
+
+
+def _merged_dynamic_unmerged(worker: ModelWorker, file: Path):
+    """Baseline, merged, dynamic and after-unmerge outputs of `worker` with the adapter in `file`."""
     baseline = _generate(worker)
     worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=str(file)),), merge_mode="merge"))
     merged = _generate(worker)
     worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox"),), merge_mode="dynamic"))
     dynamic = _generate(worker)
     worker.apply_lora_operation(UnmergeLora())
-    assert _same(_generate(worker), baseline)
-    assert not _same(merged, baseline)
+    return baseline, merged, dynamic, _generate(worker)
+
+
+def _assert_bf16_adapter_outputs(baseline, merged, dynamic, restored) -> None:
+    assert _same(restored, baseline)
+    assert not _same(merged, baseline) and not _same(dynamic, baseline)
     change = np.abs(merged.frames.astype(np.int16) - baseline.frames).mean()
-    # bf16: merged weights round once, dynamic adds the update after the GEMM; they agree far better than either
-    # agrees with the baseline.
+    # Merged and dynamic differ by bf16 rounding only (the floor above), well below the adapter's own change.
     assert np.abs(dynamic.frames.astype(np.int16) - merged.frames).mean() < change / 4
+
+
+def test_bf16_merge_and_dynamic_differ_by_rounding_only(demo_dir, tmp_path):
+    """The CUDA test's check on the CPU in bf16: the rounding behind it is the same, without the fused projections,
+    compiled blocks and offloading that only CUDA gets."""
+    worker = ModelWorker(build_engine_config(str(demo_dir), device="cpu", dtype="bfloat16", attention_backend="sdpa"))
+    file = write_adapter(tmp_path, _shapes(worker.pipeline.models.transformer, MODULES), amplitude=BF16_AMPLITUDE)
+    _assert_bf16_adapter_outputs(*_merged_dynamic_unmerged(worker, file))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="speed mode's fused, compiled blocks and pinned offloading "
+                    "need CUDA")
+@pytest.mark.parametrize("mode", ["speed", "memory"])
+def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_path, mode):
+    """On a GPU, in bf16: with speed mode's fused projections and compiled blocks, and with pinned offloading and
+    streamed blocks, merge and dynamic change the output alike and unmerge restores the baseline bit for bit.
+    "Alike" within bf16 rounding: the adapter is BF16_AMPLITUDE strong so its change stands well above the rounding
+    floor (see the comment above BF16_AMPLITUDE)."""
+    worker = ModelWorker(build_engine_config(str(demo_dir), device="cuda", performance_mode=mode,
+                                             attention_backend="sdpa"))
+    unfused = ModelWorker(build_engine_config(str(demo_dir), device="cpu", attention_backend="sdpa"))
+    file = write_adapter(tmp_path, _shapes(unfused.pipeline.models.transformer, MODULES), amplitude=BF16_AMPLITUDE)
+    _assert_bf16_adapter_outputs(*_merged_dynamic_unmerged(worker, file))
