@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k6serve.caching.params import CacheDitParams, parse_cache_dit_config
+
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -17,7 +19,8 @@ WARMUP_MODES = ("off", "request", "server")
 ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
 VAE_TILING = ("auto", "on", "off")
-# Same tuple as k6serve.lora.spec.LORA_MERGE_MODES (config imports nothing from k6serve; a unit test keeps them equal).
+# Same tuple as k6serve.lora.spec.LORA_MERGE_MODES (config imports only torch-free k6serve modules; a unit test keeps
+# them equal).
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
 
 
@@ -88,6 +91,16 @@ class ParallelConfig:
         return self.num_gpus
 
     @property
+    def cache_dit_unavailable(self) -> str | None:
+        """Why this layout cannot run Cache-DiT, or None. FSDP gathers each block's weights on every rank of the
+        replica together, and with CFG-parallel the two branches decide separately which blocks to skip."""
+        if self.use_fsdp_inference and self.enable_cfg_parallel:
+            return ("--use-fsdp-inference with --enable-cfg-parallel: each guidance branch decides on its own "
+                    "which DiT blocks to skip, but FSDP gathers every block's weights on both ranks together. "
+                    "Drop one of the two flags to use Cache-DiT.")
+        return None
+
+    @property
     def dit_sharding_flags(self) -> list[str]:
         """The flags that shard the DiT's weights across GPUs (DTensor or FSDP storage), as the user wrote them."""
         flags = [f"--tp-size {self.tp_size}"] if self.tp_size > 1 else []
@@ -113,8 +126,15 @@ class RuntimeConfig:
     # with diffusers' own enable_tiling) and the decode is slower; the CPU and the speed / balanced modes keep
     # their bits.
     vae_tiling: str = "auto"
+    # Cache-DiT on by default for every generation request, with these settings (k6serve/caching/); a request can
+    # turn it off or change settings. Given as a mapping, a JSON object string or a .json/.yaml file path, and
+    # kept as the parsed `CacheDitParams`.
+    cache_dit_config: CacheDitParams | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_dit_config is not None and not isinstance(self.cache_dit_config, CacheDitParams):
+            # Normalised once here, where every way of building the config passes (CLI, --config file, API).
+            object.__setattr__(self, "cache_dit_config", parse_cache_dit_config(self.cache_dit_config))
         if not isinstance(self.compile_vae, bool):
             raise ValueError(f"--compile-vae must be true or false, got {self.compile_vae!r}")
         if self.vae_tiling not in VAE_TILING:
@@ -149,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"--lora-path cannot be used with weights sharded across GPUs ({sharded}): LoRA needs each "
                              "rank's full DiT weights; drop the sharding (Ulysses / Ring / CFG parallel keep full "
                              "weights) or the adapter.")
+        if self.runtime.cache_dit_config is not None and parallel.cache_dit_unavailable:
+            raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
         if mode in OFFLOAD_MODES and flags:
             named = " and ".join(flags)
             raise ValueError(

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from k6serve.caching.params import CacheDitParams
+
 SR_SCALES = (2.0, 4.0, 2.25)
 SR_TARGET_TIERS = ("hd", "fullhd", "2k")
 SR_RESIZE_MODES = ("fit", "exact")
@@ -38,6 +40,8 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         ok, wanted = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
     elif kind is float:
         ok, wanted = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+    elif kind is dict:
+        ok, wanted = isinstance(value, dict), "a JSON object"
     else:
         ok, wanted = isinstance(value, kind), "a string"
     if not ok:
@@ -92,6 +96,16 @@ class SamplingParams:
     )
     sr_target_resize_mode: str | None = _param(
         "VSR target resize mode, with --sr-target-resolution: fit (default) or exact.")
+    enable_cache_dit: bool | None = _param(
+        "Cache-DiT step caching (generation models): on steps whose first DiT blocks barely changed the output, "
+        "skip the middle blocks and reuse their last residual. Faster, lossy, meant for the 50-step Pro/Lite. "
+        "Default: on exactly when the engine has --cache-dit-config; cache_dit_params alone also turns it on."
+    )
+    cache_dit_params: dict | None = _param(
+        "Cache-DiT settings for this request, over the engine's (a JSON object with cache-dit's names, e.g. "
+        '{"Fn_compute_blocks": 1, "residual_diff_threshold": 0.24, "scm_preset": "medium"}; docs/cli.md lists '
+        "them)."
+    )
     save_output: bool = _param(
         "Write the MP4 file (default). --no-save-output runs the request for its timings only: the video is "
         "discarded.", default=True, http=False
@@ -155,6 +169,7 @@ class GenerateRequest:
     num_inference_steps: int
     guidance_scale: float
     with_audio: bool = True
+    cache_dit: CacheDitParams | None = None  # Cache-DiT settings, or None for an uncached request
 
     @property
     def do_cfg(self) -> bool:

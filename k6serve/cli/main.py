@@ -64,6 +64,10 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
                         "decode). auto: on with --performance-mode memory on a GPU.")),
+    ("cache_dit_config", dict(help="Cache-DiT step caching on for every generation request (lossy, faster; for the "
+                              "50-step Pro/Lite): a JSON object of cache_dit_params (cache-dit's names, e.g. "
+                              "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
+                              "Requests may turn it off (enable_cache_dit false) or change settings.")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
@@ -91,6 +95,20 @@ def _bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+def _json_object(value: str | dict) -> dict:
+    """A JSON object flag value (a --config file may already hold the mapping)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"scm_preset\": \"medium\"}}' ({exc})"
+                                         ) from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
 def _field_type(field: dataclasses.Field) -> type:
     hint = typing.get_type_hints(SamplingParams)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
@@ -108,6 +126,8 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=None,
                                help=field.metadata["help"])
+        elif kind is dict:
+            group.add_argument(_flag(field.name), type=_json_object, default=None, help=field.metadata["help"])
         else:
             group.add_argument(_flag(field.name), type=kind, default=None, help=field.metadata["help"])
 

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from k6serve.caching.params import CacheDitParams
 from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
@@ -203,8 +204,12 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
     return _frames_rule(max(1, round(seconds * fps)))
 
 
-def resolve_generate(params: SamplingParams, variant: Variant) -> tuple[GenerateRequest, list[str]]:
-    """Fill defaults from the variant and validate; returns the request and warnings for the user."""
+def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
+                     cache_dit_unavailable: str | None = None) -> tuple[GenerateRequest, list[str]]:
+    """Fill defaults from the variant and validate; returns the request and warnings for the user.
+
+    `engine_cache_dit` is the engine's `--cache-dit-config` (caching on by default), `cache_dit_unavailable` why
+    this engine cannot cache (a request that turns caching on is then refused with it)."""
     if variant.family != GENERATION:
         raise ValueError(f"{variant.name} is a super-resolution model: pass video_path, not a prompt.")
     notes: list[str] = []
@@ -256,6 +261,7 @@ def resolve_generate(params: SamplingParams, variant: Variant) -> tuple[Generate
                 f"{name} applies to the super-resolution model only, not to {variant.name}; drop it, or load "
                 "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a video."
             )
+    cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
     request = GenerateRequest(
         prompt=params.prompt,
         negative_prompt=negative,
@@ -267,8 +273,28 @@ def resolve_generate(params: SamplingParams, variant: Variant) -> tuple[Generate
         fps=fps,
         num_inference_steps=steps,
         guidance_scale=guidance,
+        cache_dit=cache_dit,
     )
     return request, notes
+
+
+def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | None, *, num_steps: int,
+                      unavailable: str | None) -> CacheDitParams | None:
+    """The request's Cache-DiT settings: the engine's, or the defaults, with its `cache_dit_params` over them;
+    None when caching is off. Turned on by `enable_cache_dit`, by `cache_dit_params`, or by the engine's config."""
+    enabled = params.enable_cache_dit
+    if enabled is False and params.cache_dit_params is not None:
+        raise ValueError("cache_dit_params was given with enable_cache_dit false; drop one of them (the params "
+                         "alone turn caching on).")
+    if enabled is None:
+        enabled = params.cache_dit_params is not None or engine_default is not None
+    if not enabled:
+        return None
+    if unavailable is not None:
+        raise ValueError(f"Cache-DiT is not available on this engine: {unavailable}")
+    cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=engine_default)
+    cache_dit.steps_mask(num_steps)  # a mask that cannot cover the steps is refused now, not mid-request
+    return cache_dit
 
 
 def _check_seed(seed: int) -> None:
@@ -336,6 +362,9 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
             )
     if params.guidance_scale is not None and params.guidance_scale != 1.0:
         raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
+    if params.enable_cache_dit or params.cache_dit_params is not None:
+        raise ValueError("Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps "
+                         "per tile, with nothing to skip. Drop enable_cache_dit / cache_dit_params.")
     seed = params.seed if params.seed is not None else variant.seed
     _check_seed(seed)
     request = UpscaleRequest(

@@ -98,11 +98,47 @@ def _gather_hook(point: SequenceSplitPoint, groups: ParallelGroups, state: Shard
     return hook
 
 
+# Where `apply_sequence_parallel` records how to sum a per-token value over the whole sharded sequence (as
+# `attach_cfg_group` records the cfg group), for code that runs inside the sharded region and must decide the
+# same on every rank: the step cache's residual distance (k6serve/caching/).
+_TOKEN_SUM_ATTRIBUTE = "_k6serve_sequence_token_sum"
+
+
+class SequenceTokenSum:
+    """`(S, L_local) -> (S,)`: S per-token values summed over the real (unpadded) tokens of every rank's shard.
+
+    One all-reduce; every rank of the sequence group gets the same sums. Valid only inside the sharded region
+    (between the split and the gather hooks), where the shard of the forward in flight is known.
+    """
+
+    def __init__(self, state: ShardState, group) -> None:
+        self.state, self.group = state, group
+
+    def __call__(self, values_SL: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        shard = self.state.require()
+        sums_S = values_SL.narrow(1, 0, shard.real_length(shard.index)).sum(dim=1)
+        dist.all_reduce(sums_S, group=self.group)
+        return sums_S
+
+
+def _local_token_sum(values_SL: Tensor) -> Tensor:
+    return values_SL.sum(dim=1)
+
+
+def sequence_token_sum_of(model: nn.Module):
+    """How to sum per-token values of `model`'s sharded stream over the whole sequence (`SequenceTokenSum`
+    under sequence parallelism, else a plain sum over the tokens)."""
+    return getattr(model, _TOKEN_SUM_ATTRIBUTE, _local_token_sum)
+
+
 def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, groups: ParallelGroups) -> ShardState:
     """Shard the plan's stream over `groups.sequence` (ring x ulysses); a no-op at degree 1."""
     state = ShardState()
     if groups.layout.sequence_degree == 1:
         return state
+    setattr(model, _TOKEN_SUM_ATTRIBUTE, SequenceTokenSum(state, groups.sequence))
     cache = _SplitCache()
     _swap_inner_attention(model, plan, groups, state)
     by_module: dict[str, list[SequenceSplitPoint]] = {}

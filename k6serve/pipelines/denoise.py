@@ -82,15 +82,22 @@ def denoise(
     on_step: StepCallback | None = None,
     predict_fn: Callable = predict,
     step_seconds: list[float] | None = None,
+    step_cache=None,
 ) -> Latents:
     """Run the denoising loop in place on `latents`.
 
     With `step_seconds`, the duration of every step is appended to it, measured with CUDA events on a GPU so the
-    loop gains no host synchronisation (the events are read once, after the last step).
+    loop gains no host synchronisation (the events are read once, after the last step). With `step_cache` (a
+    `k6serve.caching.block_cache.BlockCacheSession` installed on the DiT), the loop tells it the step and the
+    CFG branch of every DiT call.
     """
     num_steps = len(timesteps)
     clock = _StepClock(latents.video_BTHWC.device) if step_seconds is not None else None
+    if step_cache is not None:
+        predict_fn = step_cache.branch_aware(predict_fn, conditioning)
     for index, t in enumerate(timesteps):
+        if step_cache is not None:
+            step_cache.begin_step(index)
         timestep = t.expand(latents.video_BTHWC.shape[0])
         hidden = model_input(latents, visual_cond)
         video_v, audio_v = guided_prediction(transformer, hidden, latents, conditioning, timestep,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from k6serve.caching.block_cache import block_cache
 from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.decode_stream import (
@@ -63,6 +65,8 @@ class TextToVideoPipeline:
 
     def check(self, request: GenerateRequest) -> None:
         config = self.models.transformer.config
+        if request.cache_dit is not None:
+            request.cache_dit.check_against(num_blocks=config.num_visual_blocks, num_steps=request.num_inference_steps)
         if request.image_path is not None and (not config.visual_cond or config.visual_token_type_num_embeddings < 2):
             raise ValueError(
                 f"{self.models.variant.name} cannot take a conditioning image: its transformer has no reference-frame "
@@ -128,13 +132,17 @@ class TextToVideoPipeline:
 
         start = time.perf_counter()
         step_seconds: list[float] = []
-        with self.residency.stage("transformer"):
+        notes: list[str] = []
+        with self.residency.stage("transformer"), self._step_cache(request) as step_cache:
             latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler,
                               audio_scheduler=audio_scheduler, timesteps=timesteps,
                               guidance_scale=request.guidance_scale, visual_cond=config.visual_cond, on_step=on_step,
-                              step_seconds=step_seconds)
+                              step_seconds=step_seconds, step_cache=step_cache)
             _sync(m.device)
         timings["denoise"] = time.perf_counter() - start
+        if step_cache is not None:
+            timings["cache_dit_cached_calls"] = float(step_cache.num_cached_calls)
+            notes.append(step_cache.describe())
         timings["denoise_per_step"] = timings["denoise"] / request.num_inference_steps
         # The steady-state step and the slowest one: a compilation or a collector pause shows as a gap here.
         if step_seconds:
@@ -151,7 +159,7 @@ class TextToVideoPipeline:
         between_chunks = final_step_check(on_step, len(timesteps))  # the total `denoise` reported
         if video_sink is not None:
             video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings, between_chunks)
-            return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)
+            return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes)
         start = time.perf_counter()
         with self.residency.stage("vae"):
             if self.keep_float_frames:
@@ -162,7 +170,13 @@ class TextToVideoPipeline:
                 video = DecodedVideo(frames_float_THWC=None, frames_THWC=decode_video_frames(
                     m.vae, latents.video_BTHWC, between_chunks=between_chunks))
         timings["decode_video"] = time.perf_counter() - start
-        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings)
+        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes)
+
+    def _step_cache(self, request: GenerateRequest):
+        """The request's Cache-DiT session on the DiT for the denoising loop (k6serve/caching/), or nothing."""
+        if request.cache_dit is None:
+            return contextlib.nullcontext()
+        return block_cache(self.models.transformer, request.cache_dit, num_steps=request.num_inference_steps)
 
     def _decode_into(self, video_sink: VideoSink, video_BTHWC: torch.Tensor, audio: DecodedAudio | None,
                      fps: float, timings: dict[str, float], between_chunks: ChunkCheck | None) -> DecodedVideo:

@@ -463,7 +463,8 @@ class MultiProcessWorker:
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:
-            return resolve_generate(params, self.variant)
+            return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
+                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable)
         return resolve_upscale(params, self.variant)
 
     def run(self, params: SamplingParams, output: OutputOptions,

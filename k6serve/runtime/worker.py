@@ -112,6 +112,9 @@ class ModelWorker:
             folder = resolve_checkpoint(model.model_path, model.revision)
         self.variant: Variant = recognise(model.model_path, model.model_id, folder)
         self.folder = folder
+        if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:
+            raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
+                             "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
         # Resolved before the weights load, so an SR checkpoint with --vae-tiling on is refused at once.
         self.vae_tiling = resolve_vae_tiling(config.runtime.vae_tiling, config.runtime.performance_mode,
                                              self.device, self.variant.family)
@@ -297,7 +300,8 @@ class ModelWorker:
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:
-            return resolve_generate(params, self.variant)
+            return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
+                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable)
         return resolve_upscale(params, self.variant)
 
     def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> tuple[Path, bool]:

@@ -49,9 +49,13 @@ VideoCreateBody = create_model(
 HTTP_FIELD_NAMES = tuple(VideoCreateBody.model_fields)
 _STRING_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
                   if info.annotation in (str, str | None)}
+_BOOL_FIELDS = {name for name, info in VideoCreateBody.model_fields.items() if info.annotation in (bool, bool | None)}
+_OBJECT_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
+                  if info.annotation in (dict, dict | None)}
 
 
-def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str], describe_error=None) -> BaseModel:
+def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str], describe_error=None,
+                    bool_fields: frozenset[str] = frozenset()) -> BaseModel:
     """Validate a decoded JSON object (or form fields) as `model`; every problem is a 400 naming the field.
 
     `describe_error(param, error)` may word a pydantic error for one field; None keeps the generic message."""
@@ -59,9 +63,9 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
                        code="invalid_request")
     for name, value in raw.items():
-        # Pydantic's lax mode reads true as 1 (seed, fps, strength...); no field of these bodies is a boolean.
+        # Pydantic's lax mode reads true as 1 (seed, fps, strength...): only the boolean fields take one.
         values = value if isinstance(value, list) else [value]
-        if name in model.model_fields and any(isinstance(item, bool) for item in values):
+        if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             kind = "string" if name in string_fields else "number"
             also = " or a list of them" if isinstance(value, list) else ""
             raise ApiError(400, f"{name} must be a {kind}{also}, got {json.dumps(value)}.",
@@ -92,8 +96,18 @@ def _describe_video_error(param: str | None, error: dict) -> str | None:
 
 
 def parse_create_body(raw: Any) -> BaseModel:
-    """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`)."""
-    return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error)
+    """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`). A form field can only
+    hold text, so an object field (cache_dit_params) sent as a form field is JSON text, decoded here."""
+    if isinstance(raw, dict):
+        for name in _OBJECT_FIELDS & raw.keys():
+            if isinstance(raw[name], str):
+                try:
+                    raw = {**raw, name: json.loads(raw[name])}
+                except json.JSONDecodeError:
+                    raise ApiError(400, f"{name} must be a JSON object, got {raw[name]!r}.",
+                                   code="invalid_parameter", param=name) from None
+    return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error,
+                           bool_fields=frozenset(_BOOL_FIELDS))
 
 
 def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...]) -> SamplingParams:

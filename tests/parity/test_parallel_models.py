@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -403,3 +404,47 @@ def test_audio_self_attention_runs_beside_the_video_qkv_exchange(pool, checkpoin
         first = events.index("audio self-attention")
         assert events[first - 1 : first + 2] == ["exchange posted", "audio self-attention", "exchange finished"]
         assert events.count("exchange posted") == events.count("exchange finished") > 0
+
+
+# Cache-DiT: 6 steps, distance threshold 0.05. On this checkpoint the 1-process distances run 0.010, 0.017, 0.033
+# then 0.060 (positive) and 0.013, 0.019, 0.037, 0.066 (negative): no decision sits near the threshold, so rounding
+# in the sums cannot flip one, and some steps cache and some compute.
+CACHED_REQUEST = {**REQUESTS["t2av"], "num_inference_steps": 6, "enable_cache_dit": True,
+                  "cache_dit_params": {"max_warmup_steps": 1, "residual_diff_threshold": 0.05,
+                                       "max_continuous_cached_steps": -1}}
+
+
+def _cached_generate_task(folder: Path, layout: ParallelLayout | None):
+    """A Cache-DiT request under `layout`: frames, waveform and how many DiT calls used the cache."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
+    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **CACHED_REQUEST), models.variant)
+    output = TextToVideoPipeline(models)(request)
+    # "... (positive: steps 1, 2, 3; negative: steps 1, 2; ...)": the cached steps of each branch this rank ran.
+    branches = dict(re.findall(r"(positive|negative): steps ([0-9, ]+|none)", output.notes[-1]))
+    return output.video.frames_float_THWC.numpy(), output.audio.waveform, branches
+
+
+@pytest.mark.parametrize("layout_name", ["ulysses4", "cfg2", "ring2", "tp2_ulysses2"])
+def test_cached_generation_decides_as_one_process(pool, checkpoint, layout_name):
+    """Every rank takes the 1-process decisions: the distance is summed over the real tokens of every shard (45
+    tokens on 4 ranks: the last shard holds 3 padding tokens) and all-reduced; the CFG branches decide apart."""
+    layout, _, tolerance = GENERATION_LAYOUTS[layout_name]
+    reference_frames, reference_audio, reference_cached = pool.run(_cached_generate_task, checkpoint, None)[0]
+    assert reference_cached.keys() == {"positive", "negative"}
+    assert all(steps not in ("none", "1, 2, 3, 4, 5") for steps in reference_cached.values())
+    for rank, (frames, audio, cached) in enumerate(pool.run(_cached_generate_task, checkpoint, layout)):
+        # CFG-parallel: each rank runs (and caches) one branch.
+        branches = [("positive", "negative")[layout.coordinates(rank)["cfg"]]] if layout.cfg > 1 else ["positive",
+                                                                                                       "negative"]
+        assert cached == {name: reference_cached[name] for name in branches}
+        _assert_matches(frames, reference_frames, tolerance)
+        _assert_matches(audio, reference_audio, tolerance)

@@ -33,6 +33,7 @@ ATTENTION_ROLES = (
 
 _TEXT_BLOCKS = ("video_text_transformer_blocks", "audio_text_transformer_blocks")
 _FUSED_BLOCKS = "visual_transformer_blocks"
+_BLOCK_STACK = "fused_blocks"  # Kandinsky6FusedBlockStack: runs every fused block
 
 
 def _attention_tp(attention_glob: str) -> dict[str, TensorParallelStyle]:
@@ -82,19 +83,17 @@ def _attention_sites(config: Kandinsky6TransformerConfig) -> tuple[AttentionSite
     )
 
 
-def _sequence_parallel_plan(config: Kandinsky6TransformerConfig) -> SequenceParallelPlan:
-    first_block, last_block = (
-        f"{_FUSED_BLOCKS}.0",
-        f"{_FUSED_BLOCKS}.{config.num_visual_blocks - 1}",
-    )
+def _sequence_parallel_plan() -> SequenceParallelPlan:
+    # Split and gathered around the whole fused-block stack (not at its first and last block), so a step cache
+    # that skips blocks (k6serve/caching/) still runs inside the sharded region and the gather still happens.
     return SequenceParallelPlan(
-        # The fused blocks take keyword arguments; the video rope table is (L, 1, K/2, 2, 2).
+        # The stack takes keyword arguments; the video rope table is (L, 1, K/2, 2, 2).
         split_inputs=(
-            SequenceSplitPoint(module=first_block, argument="video_BLD", dim=1),
-            SequenceSplitPoint(module=first_block, argument="video_rope", dim=0),
+            SequenceSplitPoint(module=_BLOCK_STACK, argument="video_BLD", dim=1),
+            SequenceSplitPoint(module=_BLOCK_STACK, argument="video_rope", dim=0),
         ),
         # Gathered before the head, which needs the whole (T, H, W) grid to unpatchify.
-        gather_outputs=(SequenceSplitPoint(module=last_block, output_index=0, dim=1),),
+        gather_outputs=(SequenceSplitPoint(module=_BLOCK_STACK, output_index=0, dim=1),),
         sharded_roles=("video_self",),
         gather_kv_roles=("audio_from_video",),
         local_roles=("video_text", "video_from_audio"),
@@ -107,7 +106,7 @@ def kandinsky6_plan(config: Kandinsky6TransformerConfig) -> ModelPlan:
     return ModelPlan(
         blocks=(*_TEXT_BLOCKS, _FUSED_BLOCKS),
         tp=_tensor_parallel_plan(),
-        sp=_sequence_parallel_plan(config),
+        sp=_sequence_parallel_plan(),
         keep_fp32=KEEP_FP32_MODULES,
         attention=_attention_sites(config),
         capabilities=Capabilities(tp=True, ulysses=True, ring=True, cfg_parallel=True, fsdp=True),

@@ -388,6 +388,29 @@ class Kandinsky6FusedBlock(nn.Module):
         return va_shift, va_scale, av_gate, av_shift, av_scale, va_gate
 
 
+class Kandinsky6FusedBlockStack(nn.Module):
+    """Runs the fused blocks in order: the one module around the whole stack, with no parameters of its own.
+
+    The blocks stay registered under `visual_transformer_blocks` (diffusers' names) and come in as an argument.
+    Sequence parallelism splits this module's inputs and gathers its output (plan.py), so whatever runs inside
+    sees shards; a step cache (k6serve/caching/) may set `runner` to run the blocks its own way, e.g. skip the
+    middle ones on some steps. With `runner` None every block runs, as in diffusers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (blocks, video_BLD, audio_BAD, block_kwargs) -> (video_BLD, audio_BAD); not a Module, so not a child.
+        self.runner = None
+
+    def forward(self, blocks: nn.ModuleList, *, video_BLD: Tensor, audio_BAD: Tensor | None,
+                **block_kwargs) -> tuple[Tensor, Tensor | None]:
+        if self.runner is not None:
+            return self.runner(blocks, video_BLD, audio_BAD, block_kwargs)
+        for block in blocks:
+            video_BLD, audio_BAD = block(video_BLD=video_BLD, audio_BAD=audio_BAD, **block_kwargs)
+        return video_BLD, audio_BAD
+
+
 class Kandinsky6Transformer(nn.Module):
     """The K6 generation DiT with diffusers' `Kandinsky6Transformer3DModel` parameter names and forward."""
 
@@ -446,6 +469,7 @@ class Kandinsky6Transformer(nn.Module):
         self.visual_transformer_blocks = nn.ModuleList(
             [Kandinsky6FusedBlock(config) for _ in range(config.num_visual_blocks)]
         )
+        self.fused_blocks = Kandinsky6FusedBlockStack()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -537,18 +561,18 @@ class Kandinsky6Transformer(nn.Module):
             )
 
         # Keyword arguments: sequence parallelism splits `video_BLD` / `video_rope` by name (plan.py).
-        for block in self.visual_transformer_blocks:
-            video_BLD, audio_BAD = block(
-                video_BLD=video_BLD,
-                audio_BAD=audio_BAD,
-                video_text_BSD=video_text_BSD,
-                audio_text_BSD=audio_text_BSD,
-                video_time_embed_BE=video_time_embed_BE,
-                audio_time_embed_BE=audio_time_embed_BE,
-                video_rope=video_rope,
-                audio_rope=audio_rope,
-                text_key_mask_BS=text_key_mask_BS,
-            )
+        video_BLD, audio_BAD = self.fused_blocks(
+            self.visual_transformer_blocks,
+            video_BLD=video_BLD,
+            audio_BAD=audio_BAD,
+            video_text_BSD=video_text_BSD,
+            audio_text_BSD=audio_text_BSD,
+            video_time_embed_BE=video_time_embed_BE,
+            audio_time_embed_BE=audio_time_embed_BE,
+            video_rope=video_rope,
+            audio_rope=audio_rope,
+            text_key_mask_BS=text_key_mask_BS,
+        )
 
         video_out = self.out_layer(
             video_BLD.reshape(-1, *grid_shape, video_BLD.shape[-1]), video_time_embed_BE
