@@ -13,6 +13,7 @@ runs in its own try/except, so one failure is recorded as an error row and the o
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 
@@ -127,11 +128,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-inference-steps", type=int, help="generate: steps (default: the variant's)."
     )
+    parser.add_argument(
+        "--cache-dit-params",
+        help="generate: after the uncached requests, run the same requests with Cache-DiT on with these "
+        "cache_dit_params (a JSON object, '{}' for the defaults) and add their rows: the same run, the same GPU.",
+    )
     parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor.")
     parser.add_argument(
         "--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder)."
     )
     return parser
+
+
+def _json_object(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{flag} must be a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def _device(name: str) -> torch.device:
@@ -183,6 +201,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         output_dir=args.output_dir,
         compile_vae=args.compile_vae_decoder,
         vae_tiling=args.vae_tiling,
+        cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if args.fp8_attention and args.skip_speed:

@@ -42,6 +42,8 @@ class EndToEndOptions:
     output_dir: str | None = None
     compile_vae: bool = False  # the engine's --compile-vae
     vae_tiling: str = "auto"  # the engine's --vae-tiling
+    # generate: also run the requests with Cache-DiT on, with these cache_dit_params (None: uncached only)
+    cache_dit_params: dict | None = None
 
 
 def _speed_note(generator) -> str:
@@ -150,10 +152,37 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
             }
             if options.num_inference_steps is not None:
                 params["num_inference_steps"] = options.num_inference_steps
+            if options.cache_dit_params is not None:
+                params["return_frames"] = True  # to compare the cached frames with these
             cold, warm = _run_requests(generator, params, options.repeats)
             peaks = _stage_peaks(generator)
+            rows = _rows_from_results("generate", config, cold, warm, load_s, note, peaks)
+            if options.cache_dit_params is not None:
+                rows += _cached_rows(generator, params, options, config, warm or [cold])
     _free()
-    return _rows_from_results("generate", config, cold, warm, load_s, note, peaks)
+    return rows
+
+
+def _cached_rows(generator, params: dict, options: EndToEndOptions, config: str, uncached: list) -> list[BenchRow]:
+    """The same requests with Cache-DiT on (`options.cache_dit_params`), after the uncached ones: a first one (a
+    cached step may compile new shapes) and `repeats` warm ones, the warm median compared with the uncached."""
+    cached_params = {**params, "cache_dit_params": options.cache_dit_params}
+    first, warm = _run_requests(generator, cached_params, options.repeats)
+    runs = warm or [first]
+    seconds = statistics.median(r.timings["total"] for r in runs)
+    baseline = statistics.median(r.timings["total"] for r in uncached)
+    denoise = statistics.median(r.timings["denoise"] for r in runs)
+    baseline_denoise = statistics.median(r.timings["denoise"] for r in uncached)
+    # Frames of the cached request against the uncached one of the same seed: how far caching moved the output.
+    difference = float(abs(runs[-1].frames.astype("int16") - uncached[-1].frames).mean()) \
+        if runs[-1].frames is not None and uncached[-1].frames is not None else None
+    note = (f"cache_dit_params {options.cache_dit_params}; {runs[-1].notes[-1] if runs[-1].notes else ''}; "
+            f"total x{baseline / seconds:.2f}, denoise x{baseline_denoise / denoise:.2f} against uncached"
+            + (f"; frames differ from uncached by {difference:.2f}/255 on average" if difference is not None else ""))
+    return [BenchRow(stage="generate", name="ours warm, Cache-DiT" if warm else "ours, Cache-DiT", config=config,
+                     seconds=seconds, times_s=tuple(r.timings["total"] for r in runs),
+                     peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
+                     breakdown_s=_median_breakdown([r.timings for r in runs]), note=note)]
 
 
 def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:

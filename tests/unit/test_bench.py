@@ -209,6 +209,22 @@ def test_tiny_generate_through_diffgenerator():
     assert len(warm.breakdowns_s) == 1 and warm.breakdowns_s[0]["total"] == warm.breakdown_s["total"]
 
 
+def test_tiny_generate_adds_the_cache_dit_row_of_the_same_run():
+    args = build_parser().parse_args(
+        ["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "3", "--cache-dit-params",
+         '{"max_warmup_steps": 1, "residual_diff_threshold": 1.0}']
+    )
+    rows = run_stages(args, log=lambda text: None)
+    assert [row.name for row in rows] == ["ours cold (first request)", "ours warm", "ours warm, Cache-DiT"]
+    cached = rows[2]
+    assert cached.breakdown_s["cache_dit_cached_calls"] == 2 and "cache_dit_cached_calls" not in rows[1].breakdown_s
+    assert "skipped the middle 1 of 2 DiT blocks on 2 of 3 calls" in cached.note
+    assert "against uncached; frames differ from uncached by" in cached.note
+    with pytest.raises(SystemExit, match="--cache-dit-params must be a JSON object"):
+        run_stages(build_parser().parse_args(["--tiny", "--stage", "generate", "--cache-dit-params", "[]"]),
+                   log=lambda text: None)
+
+
 def test_warm_breakdown_is_the_median_of_every_run():
     from types import SimpleNamespace
 

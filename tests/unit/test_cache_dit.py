@@ -343,3 +343,22 @@ def test_http_body_takes_the_switch_and_the_params_as_json_or_form_text():
         parse_create_body({"prompt": "x", "cache_dit_params": "{oops"})
     with pytest.raises(ApiError, match="seed must be a number, got true"):
         parse_create_body({"prompt": "x", "seed": True})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream, events and pinned copies need CUDA")
+def test_cuda_memory_mode_streaming_with_skipped_blocks_matches_resident(tiny_distill_dir, monkeypatch):
+    """On a GPU: the block streamer's prefetches run on a side stream, and a cached step leaves a prefetch of a
+    skipped block behind; the cached request must still equal the resident cached one bit for bit, and leave no
+    weight on the GPU."""
+    config = build_engine_config(str(tiny_distill_dir), device="cuda", performance_mode="memory",
+                                 attention_backend="sdpa")
+    settings = {"cache_dit_params": {"max_warmup_steps": 1, "residual_diff_threshold": 1.0,
+                                     "max_continuous_cached_steps": 2}}
+    streamed_worker = ModelWorker(config)
+    streamed = _run(streamed_worker, **settings)
+    assert streamed.timings["cache_dit_cached_calls"] == 2  # steps 1 and 2; step 3 computes (the limit)
+    for module in streamed_worker.pipeline.components().values():
+        assert all(p.device.type == "cpu" for p in module.parameters())
+    monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
+    resident = _run(ModelWorker(config), **settings)
+    assert np.array_equal(streamed.frames, resident.frames) and np.array_equal(streamed.audio, resident.audio)
