@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ulysses-chunks", type=lambda text: [int(c) for c in text.split(",")], default=None,
                         help="ulysses stage: one Ulysses2 run per head-chunk count, e.g. 1,2 (default: one run "
                              "with the engine's default / $K6SERVE_ULYSSES_CHUNKS)")
+    parser.add_argument("--cache-dit-params", type=json.loads, default=None,
+                        help="run every request with Cache-DiT on, with these cache_dit_params (JSON): the parallel "
+                             "runs must take the 1-GPU run's caching decisions and equal its output")
     parser.add_argument("--profile", action="store_true",
                         help="kernel profile of the second denoising step of every run (rank 0 in full; the "
                              "parallel runs also every rank's totals by category)")
@@ -98,7 +101,8 @@ def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.dev
     from k6serve.request import SamplingParams
 
     params = SamplingParams(prompt="a red fox runs through fresh snow at dawn", seed=42, height=args.height,
-                            width=args.width, num_frames=args.num_frames, num_inference_steps=steps)
+                            width=args.width, num_frames=args.num_frames, num_inference_steps=steps,
+                            cache_dit_params=args.cache_dit_params)
     request, _ = resolve_generate(params, models.variant)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -139,6 +143,7 @@ def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.dev
         "step_s": statistics.median(step_times) if step_times else None,
         "total_s": time.perf_counter() - start,
         "timings": output.timings,
+        "notes": output.notes,  # with Cache-DiT: which steps of each branch used the cache
         "peak_memory_gib": _peak_memory_gib(device),
     }
 
@@ -158,7 +163,7 @@ def compare(parallel: dict, baseline: dict) -> dict:
 
 
 def _summary(run: dict) -> dict:
-    return {key: run[key] for key in ("step_s", "step_times_s", "total_s", "timings", "peak_memory_gib",
+    return {key: run[key] for key in ("step_s", "step_times_s", "total_s", "timings", "notes", "peak_memory_gib",
                                       "kernel_profile")}
 
 
@@ -190,6 +195,7 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
 
         apply_performance_mode(models, "speed", device)
     report: dict = {"stage": args.stage, "performance_mode": args.performance_mode, "variant": models.variant.name, "steps": steps,
+                    "cache_dit_params": args.cache_dit_params,
                     "geometry": [args.height, args.width, args.num_frames], "device": str(device),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
     baseline = None

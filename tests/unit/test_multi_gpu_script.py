@@ -69,3 +69,14 @@ def test_chunk_counts_that_do_not_divide_the_heads_fail_before_the_baseline(tiny
     assert completed.returncode != 0
     assert "--ulysses-chunks [3] must divide the 2 video heads of each rank" in completed.stderr
     assert not (tmp_path / "gpu_multi_ulysses.json").exists()  # nothing ran
+
+
+def test_cached_ulysses_takes_the_one_gpu_decisions(tiny_distill_dir, tmp_path):
+    """--cache-dit-params: both the 1-GPU and the Ulysses2 request cache the same steps, and stay bitwise equal."""
+    report = run_stage("ulysses", tiny_distill_dir, tmp_path, "--steps", "4", "--cache-dit-params",
+                       '{"max_warmup_steps": 1, "residual_diff_threshold": 0.5}')
+    assert report["cache_dit_params"] == {"max_warmup_steps": 1, "residual_diff_threshold": 0.5}
+    one_gpu, ulysses = report["runs"]["one_gpu"], report["runs"]["ulysses2"]
+    assert one_gpu["timings"]["cache_dit_cached_calls"] > 0 and one_gpu["notes"] == ulysses["notes"]
+    equal = ulysses["equal_to_baseline"]
+    assert equal["frames_equal"] and equal["waveform_equal"]
