@@ -176,7 +176,7 @@ def _cached_rows(generator, params: dict, options: EndToEndOptions, config: str,
     # Frames of the cached request against the uncached one of the same seed: how far caching moved the output.
     difference = float(abs(runs[-1].frames.astype("int16") - uncached[-1].frames).mean()) \
         if runs[-1].frames is not None and uncached[-1].frames is not None else None
-    note = (f"cache_dit_params {options.cache_dit_params}; {runs[-1].notes[-1] if runs[-1].notes else ''}; "
+    note = (f"cache_dit_params {options.cache_dit_params}; {runs[-1].notes[-1].rstrip('.') if runs[-1].notes else ''}; "
             f"total x{baseline / seconds:.2f}, denoise x{baseline_denoise / denoise:.2f} against uncached"
             + (f"; frames differ from uncached by {difference:.2f}/255 on average" if difference is not None else ""))
     return [BenchRow(stage="generate", name="ours warm, Cache-DiT" if warm else "ours, Cache-DiT", config=config,

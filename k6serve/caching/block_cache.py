@@ -218,12 +218,17 @@ class BlockCacheSession:
         return sum(len(state.cached_steps) for state in self.branches.values())
 
     def describe(self) -> str:
+        """What the request cached, and the range of the distances it measured (to tune the threshold by)."""
         params = self.params
         middle = self.num_blocks - params.Fn_compute_blocks - params.Bn_compute_blocks
         parts = [f"{name}: steps {', '.join(map(str, state.cached_steps)) or 'none'}"
                  for name, state in self.branches.items()]
+        distances = [d for state in self.branches.values() for d in state.residual_diffs.values() if d >= 0]
+        measured = (f"; residual distances {min(distances):.3g}-{max(distances):.3g} against threshold "
+                    f"{params.residual_diff_threshold:g}" if distances else "")
         return (f"Cache-DiT skipped the middle {middle} of {self.num_blocks} DiT blocks on {self.num_cached_calls} of "
-                f"{self.num_steps * max(1, len(self.branches))} calls ({'; '.join(parts)}; steps count from 0).")
+                f"{self.num_steps * max(1, len(self.branches))} calls ({'; '.join(parts)}; steps count from 0"
+                f"{measured}).")
 
 
 @contextlib.contextmanager

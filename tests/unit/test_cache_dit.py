@@ -141,6 +141,8 @@ def test_after_warmup_a_step_within_the_threshold_reuses_the_last_middle_residua
     state = session.branches[POSITIVE]
     assert state.cached_steps == [2, 3, 5]
     assert state.residual_diffs == pytest.approx({2: 0.1, 3: 0.15, 4: 0.3, 5: 0.0})
+    assert session.describe().endswith("(positive: steps 2, 3, 5; steps count from 0; residual distances 0-0.3 "
+                                       "against threshold 0.2).")
     # A cached step adds the middle block's residual of the last computed step (101 at step 2, 104 at step 5).
     assert outputs[2] == pytest.approx((1.1 + 101, 0.11 + 10.1))
     assert outputs[5] == pytest.approx((1.3 + 104, 0.13 + 10.4))
