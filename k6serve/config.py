@@ -164,11 +164,12 @@ class EngineConfig:
         # so each rank offloads its own copy (and holds it in host memory: one copy per GPU).
         mode, parallel = self.runtime.performance_mode, self.parallel
         flags = parallel.dit_sharding_flags + (["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else [])
-        if self.model.lora_path and parallel.dit_sharding_flags:
-            sharded = " and ".join(parallel.dit_sharding_flags)
-            raise ValueError(f"--lora-path cannot be used with weights sharded across GPUs ({sharded}): LoRA needs each "
-                             "rank's full DiT weights; drop the sharding (Ulysses / Ring / CFG parallel keep full "
-                             "weights) or the adapter.")
+        if self.model.lora_path and len(parallel.dit_sharding_flags) == 2:
+            raise ValueError("--lora-path cannot be used with --tp-size > 1 and --use-fsdp-inference together: the "
+                             "weights are then sharded along two mesh axes; drop one of them (each alone works).")
+        if self.model.lora_path and parallel.use_fsdp_inference and self.model.lora_merge_mode == "merge":
+            raise ValueError("--lora-merge-mode merge cannot be used with --use-fsdp-inference: the weights are FSDP "
+                             "shards between requests; use --lora-merge-mode dynamic or auto (dynamic under FSDP).")
         if self.runtime.cache_dit_config is not None and parallel.cache_dit_unavailable:
             raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
         if mode in OFFLOAD_MODES and flags:

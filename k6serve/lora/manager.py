@@ -8,8 +8,13 @@ time. It runs between requests, on every rank, through `ModelWorker.apply_lora_o
   (no GPU memory spent) before its first change; restoring `.copy_`s it back into the same storage, bit for bit.
 * dynamic: weights untouched; the targeted Linears are wrapped (`dynamic.LoraLinear`) to add the update per call.
   Costs two thin GEMMs per targeted Linear and call, but set / unset is instant and exact by construction.
-* auto: merge, the reference server's rule (it is dynamic only for FSDP DTensor weights, which are refused here:
-  `targets.check_plain_weight`). Merged weights make the steps as fast as without an adapter.
+* auto: merge, except dynamic under FSDP (the reference server's rule). Merged weights make the steps as fast as
+  without an adapter.
+
+Sharded weights (`sharding.py`): under tensor parallelism each rank merges its block of B @ A into its local shard
+(and snapshots only that); dynamic wrappers add the update to the local output (see `dynamic.py`). Under FSDP a
+block's weight is a shard between requests and gathered whole inside the forward: dynamic adds the update there,
+merge is refused (FSDP's root unit may keep a gathered copy that a merge into the shard would not reach).
 
 Several adapters may target the same Linear: their updates add up (summed in fp32, rounded once when merged).
 Adapters stay cached by nickname after deactivation, so `LoraSpec(path=None)` reactivates one without re-reading.
@@ -25,6 +30,7 @@ from torch import nn
 
 from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
 from k6serve.lora.dynamic import LoraDelta, LoraLinear
+from k6serve.lora.sharding import ShardedWeight
 from k6serve.lora.spec import LORA_MERGE_MODES, LoraSpec
 from k6serve.lora.targets import LoraTarget, resolve_targets
 
@@ -51,18 +57,25 @@ class _Active:
             yield target, module, self.scale(module)
 
 
-def resolve_merge_mode(merge_mode: str) -> str:
-    """"merge" or "dynamic" for a mode of `LORA_MERGE_MODES` ("auto" is merge: see the module docstring)."""
+def resolve_merge_mode(merge_mode: str, *, fsdp: bool = False) -> str:
+    """"merge" or "dynamic" for a mode of `LORA_MERGE_MODES` ("auto": see the module docstring)."""
     if merge_mode not in LORA_MERGE_MODES:
         raise ValueError(f"LoRA merge_mode must be one of {', '.join(LORA_MERGE_MODES)}, got {merge_mode!r}")
-    return "dynamic" if merge_mode == "dynamic" else "merge"
+    if fsdp and merge_mode == "merge":
+        raise ValueError(FSDP_MERGE_REFUSAL)
+    return "dynamic" if merge_mode == "dynamic" or fsdp else "merge"
+
+
+FSDP_MERGE_REFUSAL = ("LoRA merge_mode 'merge' cannot be used with --use-fsdp-inference: the weights are FSDP shards "
+                      "between requests; use merge_mode 'dynamic' (or 'auto', which is dynamic under FSDP).")
 
 
 class LoraManager:
     """The LoRA adapters of one model (the generation DiT): cache, active list, merged or dynamic application."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, fsdp: bool = False) -> None:
         self.model = model
+        self.fsdp = fsdp  # the DiT's blocks are FSDP units: dynamic only
         self.adapters: dict[str, LoraAdapter] = {}  # nickname -> adapter, active or not
         self.active: list[_Active] = []
         self.applied_mode: str | None = None  # "merge" | "dynamic" while `active` is applied
@@ -74,7 +87,7 @@ class LoraManager:
 
         Every adapter is read and checked against the model before anything changes, so a bad file or nickname
         leaves the current adapters as they were."""
-        mode = resolve_merge_mode(merge_mode)
+        mode = resolve_merge_mode(merge_mode, fsdp=self.fsdp)
         nicknames = [spec.nickname for spec in specs]
         if len(set(nicknames)) != len(nicknames):
             raise ValueError(f"each LoRA nickname may appear once per request, got {nicknames}")
@@ -92,6 +105,8 @@ class LoraManager:
         """Merge the active adapters into the weights (from dynamic, or again at `strength` for all of them)."""
         if not self.active:
             raise ValueError("no LoRA adapter is active: set one first (set_lora with a path)")
+        if self.fsdp:
+            raise ValueError(FSDP_MERGE_REFUSAL)
         self._restore()
         if strength is not None:
             for entry in self.active:
@@ -154,14 +169,15 @@ class LoraManager:
                 updates.setdefault(key, []).append((module, scale))
         with torch.inference_mode():  # also when the weights were loaded as inference tensors
             for (linear, start, stop), terms in updates.items():
-                weight = linear.weight.data
+                shard = ShardedWeight.of(linear)
+                weight = shard.local(linear)  # this rank's block under tensor parallelism, else the whole weight
                 if linear not in self.snapshots:
                     self.snapshots[linear] = weight.to("cpu", copy=True)
-                rows = weight[start:stop]
+                rows = weight[start:stop] if shard.dim is None else weight  # fused slices are never sharded
                 merged = rows.float()
                 for module, scale in terms:
-                    up, down = module.up.to(weight.device, torch.float32), module.down.to(weight.device, torch.float32)
-                    merged += scale * (up @ down)
+                    up, down = shard.slice_update(module.up, module.down)
+                    merged += scale * (up.to(weight.device, torch.float32) @ down.to(weight.device, torch.float32))
                 rows.copy_(merged)  # a view of the weight's storage: the merge is in place
 
     def _install_dynamic(self) -> None:
@@ -183,6 +199,6 @@ class LoraManager:
         self.wrappers = []
         with torch.inference_mode():  # also when the weights were loaded as inference tensors
             for linear, snapshot in self.snapshots.items():
-                linear.weight.data.copy_(snapshot)
+                ShardedWeight.of(linear).local(linear).copy_(snapshot)
         self.snapshots = {}
         self.applied_mode = None

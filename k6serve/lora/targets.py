@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from k6serve.lora.adapter import LoraModule
 from k6serve.lora.dynamic import LoraLinear
+from k6serve.lora.sharding import ShardedWeight
 
 # fused Linear name -> the projections it stacks, in row order; each part has out_features / len(parts) rows.
 FUSED_PROJECTIONS = {
@@ -76,12 +76,12 @@ def linear_names(model: nn.Module) -> list[str]:
     return names
 
 
-def check_plain_weight(linear: nn.Linear, path: str) -> None:
-    """Refuse a sharded weight: a DTensor (TP or FSDP) has no local full matrix to add B @ A to."""
-    if type(linear.weight.data) is not torch.Tensor:
-        raise ValueError(f"LoRA cannot be applied to {path!r}: its weight is a {type(linear.weight.data).__name__} "
-                         "shard (tensor parallel or FSDP). Run without --tp-size > 1 and --use-fsdp-inference to use "
-                         "LoRA adapters.")
+def check_sharding(linear: nn.Linear, path: str) -> None:
+    """Refuse a weight sharded in a way LoRA cannot follow (more than one dimension or mesh axis)."""
+    try:
+        ShardedWeight.of(linear)
+    except ValueError as exc:
+        raise ValueError(f"LoRA cannot be applied to {path!r}: {exc}") from None
 
 
 def _flattened_names(model: nn.Module) -> dict[str, str | None]:
@@ -117,7 +117,7 @@ def resolve_targets(model: nn.Module, modules: dict[str, LoraModule], *, source:
                          f"{type(model).__name__}, e.g. {sorted(unknown)[:_SHOWN]}; its Linear layers are named like "
                          f"{valid[:_SHOWN]} ({len(valid)} in all)")
     for target in targets:
-        check_plain_weight(target.linear, target.path)
+        check_sharding(target.linear, target.path)
         module = modules[target.path]
         expected = (target.rows.stop - target.rows.start, target.linear.in_features)
         if module.down.shape[1] != expected[1] or module.up.shape[0] != expected[0]:

@@ -187,15 +187,11 @@ class ModelWorker:
         if self.variant.family != GENERATION:
             raise ValueError(f"LoRA adapters apply to the Kandinsky 6 generation DiT; {self.variant.name} is a "
                              "super-resolution model, which takes none.")
-        sharded = self.config.parallel.dit_sharding_flags
-        if sharded:
-            # TP and FSDP weights are DTensor shards: there is no local full matrix to add B @ A to (a later change
-            # can add TP-aware dynamic LoRA, as the reference has).
-            raise ValueError(f"LoRA adapters need each rank's full DiT weights, and {' and '.join(sharded)} shards "
-                             "them; start without it to use LoRA (Ulysses / Ring / CFG parallel keep full weights).")
         from k6serve.lora.manager import LoraManager
 
-        self.lora_manager = LoraManager(self.pipeline.models.transformer)
+        # Tensor-parallel shards take their block of each update; FSDP shards take dynamic updates only (manager.py).
+        self.lora_manager = LoraManager(self.pipeline.models.transformer,
+                                        fsdp=self.config.parallel.use_fsdp_inference)
         return self.lora_manager
 
     def apply_lora_operation(self, operation: LoraOperation) -> dict:

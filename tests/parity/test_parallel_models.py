@@ -15,6 +15,7 @@ combinations and encoder folding reorder sums and are held to 1e-5 relative (max
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import re
@@ -448,3 +449,120 @@ def test_cached_generation_decides_as_one_process(pool, checkpoint, layout_name)
         assert cached == {name: reference_cached[name] for name in branches}
         _assert_matches(frames, reference_frames, tolerance)
         _assert_matches(audio, reference_audio, tolerance)
+
+
+# LoRA on sharded weights: column-parallel (the video FFN's input, a self-attention key, colwise under TP),
+# row-parallel (the audio FFN's output, an attention output) and replicated (a time embedding) Linears.
+LORA_MODULES = (
+    "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj",
+    "visual_transformer_blocks.1.audio_dec_block.feed_forward.net.2",
+    "visual_transformer_blocks.0.video_dec_block.self_attention.to_key",
+    "visual_transformer_blocks.1.video_dec_block.self_attention.out_layer",
+    "video_time_embeddings.timestep_embedder.linear_1",
+)
+LORA_LAYOUTS = {  # name -> (layout, merge modes to run, tolerance)
+    "tp2": (ParallelLayout(dp=2, tp=2), ("merge", "dynamic"), CLOSE),
+    "fsdp_cfg2": (ParallelLayout(dp=2, cfg=2, fsdp=True), ("dynamic",), EXACT),
+    "fsdp_ulysses2": (ParallelLayout(dp=2, ulysses=2, fsdp=True), ("dynamic",), EXACT),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(checkpoint, tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+
+    models = _fresh_generation_models_local(checkpoint)
+    generator = torch.Generator().manual_seed(3)
+    tensors = {}
+    for path in LORA_MODULES:
+        out_features, in_features = models.transformer.get_submodule(path).weight.shape
+        tensors[f"transformer.{path}.lora_A.weight"] = 0.5 * torch.randn(4, in_features, generator=generator)
+        tensors[f"transformer.{path}.lora_B.weight"] = 0.5 * torch.randn(out_features, 4, generator=generator)
+    file = tmp_path_factory.mktemp("lora") / "adapter.safetensors"
+    save_file(tensors, str(file))
+    return file
+
+
+def _fresh_generation_models_local(folder: Path):
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import recognise
+
+    return load_generation_models(folder, recognise(str(folder), None, folder), device=torch.device("cpu"),
+                                  dtype=torch.float32, load_format="auto")
+
+
+def _lora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, mode: str):
+    """Frames and waveform with the adapter applied as `mode` under `layout`, and whether unmerging gave the
+    un-adapted output back bit for bit (None: the 1-process reference, on rank 0 only)."""
+    from k6serve.lora.manager import LoraManager
+    from k6serve.lora.sharding import ShardedWeight
+    from k6serve.lora.spec import LoraSpec
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
+    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]), models.variant)
+    pipeline = TextToVideoPipeline(models)
+    base = pipeline(request)
+    manager = LoraManager(models.transformer, fsdp=layout is not None and layout.fsdp)
+    manager.set([LoraSpec(nickname="a", path=str(adapter))], mode)
+    # How the targeted weights are sharded between requests: dimension -> count (None: whole).
+    layouts = collections.Counter(ShardedWeight.of(models.transformer.get_submodule(path)
+                                                   if not hasattr(models.transformer.get_submodule(path), "base")
+                                                   else models.transformer.get_submodule(path).base).dim
+                                  for path in LORA_MODULES)
+    adapted = pipeline(request)
+    manager.unmerge()
+    restored = pipeline(request)
+    unchanged = bool(torch.equal(restored.video.frames_float_THWC, base.video.frames_float_THWC))
+    return adapted.video.frames_float_THWC.numpy(), adapted.audio.waveform, (unchanged, dict(layouts))
+
+
+@pytest.mark.parametrize(("layout_name", "mode"), [(name, mode) for name, (_, modes, _) in LORA_LAYOUTS.items()
+                                                   for mode in modes])
+def test_lora_on_sharded_weights_matches_one_process(pool, checkpoint, lora_adapter, layout_name, mode):
+    """Tensor parallelism merges each rank's block of B @ A into its shard, or adds the update to its output rows
+    (column-parallel) or all-reduces the first GEMM of its input columns (row-parallel); FSDP adds it to the
+    gathered weight's output. Unmerging restores the sharded weights bit for bit."""
+    layout, _, tolerance = LORA_LAYOUTS[layout_name]
+    reference_frames, reference_audio, (reference_restored, whole) = pool.run(_lora_task, checkpoint, None,
+                                                                              lora_adapter, mode)[0]
+    assert reference_restored and whole == {None: len(LORA_MODULES)}
+    baseline_frames, _, _ = pool.run(_generate_task, checkpoint, None, "replicate", REQUESTS["t2av"])[0]
+    assert not np.array_equal(reference_frames, baseline_frames)  # the adapter changes the output
+    # TP: two column-parallel and two row-parallel targets, the time embedding whole. FSDP: the block weights are
+    # row shards between requests; the root unit (the time embedding) keeps its gathered weights after a forward,
+    # which is why merging into FSDP shards is refused.
+    expected = {0: 2, 1: 2, None: 1} if layout.tp > 1 else {0: 4, None: 1}
+    for frames, audio, (restored, layouts) in pool.run(_lora_task, checkpoint, layout, lora_adapter, mode):
+        _assert_matches(frames, reference_frames, tolerance)
+        _assert_matches(audio, reference_audio, tolerance)
+        assert restored and layouts == expected
+
+
+def _fsdp_merge_task(folder: Path, adapter: Path):
+    from k6serve.lora.manager import LoraManager
+    from k6serve.lora.spec import LoraSpec
+    from k6serve.parallel.parallelize import parallelize_generation_models
+
+    models = _fresh_generation_models(folder)
+    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, cfg=2, fsdp=True)), encoder_parallel="replicate",
+                                  device_type="cpu")
+    manager = LoraManager(models.transformer, fsdp=True)
+    try:
+        manager.set([LoraSpec(nickname="a", path=str(adapter))], "merge")
+    except ValueError as exc:
+        refused = str(exc)
+    manager.set([LoraSpec(nickname="a", path=str(adapter))], "auto")
+    return refused, manager.state()[0]["merge_mode"]
+
+
+def test_fsdp_refuses_merge_and_auto_is_dynamic(pool, checkpoint, lora_adapter):
+    for refused, auto_mode in pool.run(_fsdp_merge_task, checkpoint, lora_adapter):
+        assert "merge_mode 'merge' cannot be used with --use-fsdp-inference" in refused and auto_mode == "dynamic"

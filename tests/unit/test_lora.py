@@ -424,8 +424,14 @@ def test_lora_path_at_start_applies_the_adapter(demo_dir, adapter_file, baseline
 def test_lora_config_is_validated():
     with pytest.raises(ValueError, match="--lora-merge-mode must be one of \\('auto', 'merge', 'dynamic'\\), got 'fast'"):
         build_engine_config("demo", lora_merge_mode="fast")
-    with pytest.raises(ValueError, match="--lora-path cannot be used with weights sharded across GPUs \\(--tp-size 2\\)"):
-        build_engine_config("demo", lora_path="a.safetensors", num_gpus=2, tp_size=2)
+    # Tensor parallel and FSDP each work (tests/parity/test_parallel_models.py); both at once, or merging into FSDP
+    # shards, do not.
+    assert build_engine_config("demo", lora_path="a.safetensors", num_gpus=2, tp_size=2).parallel.tp_size == 2
+    with pytest.raises(ValueError, match="--tp-size > 1 and --use-fsdp-inference together"):
+        build_engine_config("demo", lora_path="a.safetensors", num_gpus=2, tp_size=2, use_fsdp_inference=True)
+    with pytest.raises(ValueError, match="--lora-merge-mode merge cannot be used with --use-fsdp-inference"):
+        build_engine_config("demo", lora_path="a.safetensors", num_gpus=2, enable_cfg_parallel=True,
+                            use_fsdp_inference=True, lora_merge_mode="merge")
 
 
 def test_cli_lora_flags_reach_the_config():
