@@ -6,6 +6,7 @@ starts its two ranks itself):
     python scripts/gpu_multi.py --stage ulysses   # Pro-distill 512x768x121: Ulysses2 == 1 GPU, step times
     python scripts/gpu_multi.py --stage cfg       # Pro, 2 steps: CFG-parallel == serial CFG, step times
     python scripts/gpu_multi.py --stage fsdp      # Pro-distill: peak memory of Ulysses2 vs FSDP + Ulysses2
+    python scripts/gpu_multi.py --stage tp --lora merge  # Pro-distill TP2 vs 1 GPU (within rounding), with LoRA
 
 Weights are `--load-format dummy` (released sizes, random, seeded identically on both ranks). The 1-GPU baseline
 runs on rank 0 with the same code minus parallelisation, before the model is parallelised (for fsdp the baseline is
@@ -35,7 +36,18 @@ STAGES = {  # stage -> (variant, default steps, [(run name, layout kwargs)])
     "ulysses": ("pro-distill", 4, [("ulysses2", {"ulysses": 2})]),
     "cfg": ("pro", 2, [("cfg_parallel", {"cfg": 2})]),
     "fsdp": ("pro-distill", 2, [("ulysses2", {"ulysses": 2}), ("fsdp_ulysses2", {"ulysses": 2, "fsdp": True})]),
+    "tp": ("pro-distill", 2, [("tp2", {"tp": 2})]),
 }
+# --lora: an adapter on column-parallel (a key, an FFN input), row-parallel (an attention output, an FFN output) and
+# replicated (a time embedding) Linears under TP, all in blocks 0 and 1 so tiny checkpoints have them too.
+LORA_MODULES = (
+    "visual_transformer_blocks.0.video_dec_block.self_attention.to_key",
+    "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj",
+    "visual_transformer_blocks.1.video_dec_block.self_attention.out_layer",
+    "visual_transformer_blocks.1.video_dec_block.feed_forward.net.2",
+    "video_time_embeddings.timestep_embedder.linear_1",
+)
+LORA_RANK = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dit-params", type=json.loads, default=None,
                         help="run every request with Cache-DiT on, with these cache_dit_params (JSON): the parallel "
                              "runs must take the 1-GPU run's caching decisions and equal its output")
+    parser.add_argument("--lora", choices=("merge", "dynamic"), default=None,
+                        help="after each run's request, apply a random rank-16 adapter (written by the script, its "
+                             "update about 10%% of each weight) as this merge mode, run again, and compare that too")
     parser.add_argument("--profile", action="store_true",
                         help="kernel profile of the second denoising step of every run (rank 0 in full; the "
                              "parallel runs also every rank's totals by category)")
@@ -167,6 +182,39 @@ def _summary(run: dict) -> dict:
                                       "kernel_profile")}
 
 
+def write_lora_adapter(models, out: Path) -> Path:
+    """A rank-16 diffusers-layout adapter on `LORA_MODULES`, B @ A of about a tenth of each weight's spread; the same
+    file on every rank (seeded)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(1234)
+    tensors = {}
+    for path in LORA_MODULES:
+        weight = models.transformer.get_submodule(path).weight
+        out_features, in_features = weight.shape
+        spread = float(weight.float().std()) if not hasattr(weight, "full_tensor") else 0.02
+        tensors[f"transformer.{path}.lora_A.weight"] = torch.randn(LORA_RANK, in_features, generator=generator)
+        tensors[f"transformer.{path}.lora_B.weight"] = (0.1 * spread / LORA_RANK**0.5) * torch.randn(
+            out_features, LORA_RANK, generator=generator)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"lora_rank{dist.get_rank()}.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def run_with_lora(models, adapter: Path, mode: str, args, steps, device, *, fsdp: bool) -> dict:
+    """The request with the adapter applied as `mode`; the adapter is removed again afterwards."""
+    from k6serve.lora.manager import LoraManager
+    from k6serve.lora.spec import LoraSpec
+
+    manager = LoraManager(models.transformer, fsdp=fsdp)
+    manager.set([LoraSpec(nickname="gpu_multi", path=str(adapter))], mode)
+    try:
+        return run_pipeline(models, args, steps, device)
+    finally:
+        manager.unmerge()
+
+
 def _set_ulysses_chunks(transformer: torch.nn.Module, chunks: int) -> None:
     """Pipeline every Ulysses exchange of `transformer` in `chunks` head chunks (bitwise the same output)."""
     from k6serve.parallel.sequence_attention import ShardedAttention
@@ -198,17 +246,23 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
                     "cache_dit_params": args.cache_dit_params,
                     "geometry": [args.height, args.width, args.num_frames], "device": str(device),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
-    baseline = None
+    baseline = lora_baseline = None
+    adapter = write_lora_adapter(models, Path(args.out)) if args.lora else None
     if args.stage != "fsdp":
         # Every rank runs the 1-GPU baseline on its own GPU at the same time: two "identical" GPUs can differ by a
         # few percent, and a parallel step runs at the pace of the slower one, so the report shows both.
         baseline = run_pipeline(models, args, steps, device, profile=args.profile)  # every rank alike
         step_per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(step_per_rank, baseline["step_s"])
+        if adapter is not None:
+            lora_baseline = run_with_lora(models, adapter, args.lora, args, steps, device, fsdp=False)
         if rank == 0:
             report["runs"]["one_gpu"] = _summary(baseline) | {"step_s_per_rank": step_per_rank}
+            if lora_baseline is not None:
+                report["runs"]["one_gpu_lora"] = _summary(lora_baseline) | {
+                    "lora": args.lora, "change_from_one_gpu": compare(lora_baseline, baseline)}
         else:
-            baseline = None
+            baseline = lora_baseline = None
         dist.barrier()
     for name, degrees in runs:
         layout = ParallelLayout(**degrees)
@@ -245,6 +299,15 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
                     if baseline["step_s"] and result["step_s"]:
                         report["runs"][run_name]["step_speedup"] = baseline["step_s"] / result["step_s"]
                 write_report(report, args)  # after every run: a later failure or timeout keeps what was measured
+            if adapter is not None:
+                lora_result = run_with_lora(models, adapter, args.lora, args, steps, device, fsdp=layout.fsdp)
+                if rank == 0:
+                    report["runs"][f"{run_name}_lora"] = _summary(lora_result) | {"lora": args.lora}
+                    if lora_baseline is None:  # fsdp: the resident Ulysses2 run's, as for the plain requests
+                        lora_baseline = lora_result
+                    else:
+                        report["runs"][f"{run_name}_lora"]["equal_to_baseline"] = compare(lora_result, lora_baseline)
+                    write_report(report, args)
             dist.barrier()
     return report if rank == 0 else None
 
@@ -253,15 +316,19 @@ def table(report: dict) -> str:
     title = (f"### gpu_multi {report['stage']}: {report['variant']} {report['geometry']} x {report['steps']} "
              f"steps on {report['gpu']}")
     lines = [title, "",
-             "| run | DiT step (s) | speed-up | total (s) | peak memory (GiB) | frames equal | waveform equal |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | DiT step (s) | speed-up | total (s) | peak memory (GiB) | frames equal | waveform equal | "
+             "frames max abs diff |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, run in report["runs"].items():
         equal = run.get("equal_to_baseline", {})
         step = f"{run['step_s']:.3f}" if run["step_s"] else "-"
         speedup = f"{run['step_speedup']:.2f}x" if "step_speedup" in run else "-"
         memory = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "-"
+        equal = equal or run.get("change_from_one_gpu", {})  # a LoRA baseline: how far the adapter moved it
+        difference = equal.get("frames_max_abs_diff")
         lines.append(f"| {name} | {step} | {speedup} | {run['total_s']:.1f} | {memory} | "
-                     f"{equal.get('frames_equal', '-')} | {equal.get('waveform_equal', '-')} |")
+                     f"{equal.get('frames_equal', '-')} | {equal.get('waveform_equal', '-')} | "
+                     f"{'-' if difference is None else f'{difference:.3g}'} |")
     per_rank = report["runs"].get("one_gpu", {}).get("step_s_per_rank")
     if per_rank and all(per_rank):
         lines += ["", "1-GPU step on each GPU (run at the same time, one model per GPU): "
