@@ -91,4 +91,6 @@ def test_tp_stage_with_lora_compares_within_rounding(tiny_distill_dir, tmp_path,
     change = report["runs"]["one_gpu_lora"]["change_from_one_gpu"]["frames_max_abs_diff"]
     for name in ("tp2", "tp2_lora"):
         assert report["runs"][name]["equal_to_baseline"]["frames_max_abs_diff"] <= 1e-4 < change
-    assert "frames max abs diff" in (tmp_path / "gpu_multi_tp.md").read_text()
+    assert "frames max abs diff | frames mean abs diff |" in (tmp_path / "gpu_multi_tp.md").read_text()
+    tp_lora = report["runs"]["tp2_lora"]["equal_to_baseline"]["frames_mean_abs_diff"]
+    assert tp_lora < report["runs"]["one_gpu_lora"]["change_from_one_gpu"]["frames_mean_abs_diff"] / 100
