@@ -82,11 +82,11 @@ def test_cached_ulysses_takes_the_one_gpu_decisions(tiny_distill_dir, tmp_path):
     assert equal["frames_equal"] and equal["waveform_equal"]
 
 
-@pytest.mark.parametrize("mode", ["merge", "dynamic"])
-def test_tp_stage_with_lora_compares_within_rounding(tiny_distill_dir, tmp_path, mode):
+def test_tp_stage_with_lora_compares_within_rounding(tiny_distill_dir, tmp_path):
     """--stage tp --lora: TP2 against one process with and without the adapter (TP reorders sums: close, not
-    bitwise), and how far the adapter moved the 1-process output (far more than TP's rounding)."""
-    report = run_stage("tp", tiny_distill_dir, tmp_path, "--lora", mode)
+    bitwise), and how far the adapter moved the 1-process output (far more than TP's rounding). Dynamic LoRA on TP
+    shards is checked in tests/parity/test_parallel_models.py."""
+    report = run_stage("tp", tiny_distill_dir, tmp_path, "--lora", "merge")
     assert sorted(report["runs"]) == ["one_gpu", "one_gpu_lora", "tp2", "tp2_lora"]
     change = report["runs"]["one_gpu_lora"]["change_from_one_gpu"]["frames_max_abs_diff"]
     for name in ("tp2", "tp2_lora"):
