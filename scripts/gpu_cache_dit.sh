@@ -7,15 +7,7 @@
 #   steps: test, lite-static (20 steps, cache-dit's "medium" mask with the static policy: a fixed 9 of 20 steps
 #          cached, so the time saved is the weights' property-free cost of a cached step), lite-dynamic (50 steps,
 #          the default settings: what random weights' residuals decide)
-set -u
-: "${OUT:?set OUT to the folder for logs and JSON}"
-mkdir -p /tmp/site
-if [ ! -d /tmp/site/diffusers ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whlG/*.whl .whlP/*.whl \
-    > "$OUT/install.log" 2>&1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+source "$(dirname "$0")/gpu_setup.sh"  # wheels into /tmp/site, PYTHONPATH, nvidia-smi.csv
 bench() {  # name, time limit, then the bench's own flags
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m k6serve.bench --stage generate --repeats 1 --json "$OUT/$name.json" "$@" \

@@ -6,15 +6,7 @@
 #   bash scripts/gpu_offload.sh test lite   # the CUDA test + Lite-distill memory and balanced (the default)
 #   bash scripts/gpu_offload.sh pro         # Pro-distill memory and balanced, 3 steps
 #   steps: pinned (a registered host buffer: size, pinned, copy speed), test, lite, lite-memory, pro, pro-memory
-set -u
-: "${OUT:?set OUT to the folder for logs and JSON}"
-mkdir -p /tmp/site
-if [ ! -d /tmp/site/diffusers ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whlG/*.whl .whlP/*.whl \
-    > "$OUT/install.log" 2>&1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+source "$(dirname "$0")/gpu_setup.sh"  # wheels into /tmp/site, PYTHONPATH, nvidia-smi.csv
 bench() {  # name, time limit, then the bench's own flags
   local name=$1 limit=$2; shift 2
   /usr/bin/time -v timeout "$limit" python3 -m k6serve.bench --stage generate --repeats 1 --json "$OUT/$name.json" "$@" \

@@ -1,0 +1,12 @@
+# Sourced by the GPU scripts (gpu_offload.sh, gpu_cache_dit.sh) on the device machine, from the repository root:
+# installs the carried wheels of .whlG (diffusers, av) and .whlP (pytest) into /tmp/site once per machine, puts them
+# and the tree on PYTHONPATH and records the GPU under $OUT.
+set -u
+: "${OUT:?set OUT to the folder for logs and JSON}"
+mkdir -p /tmp/site
+if [ ! -d /tmp/site/diffusers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whlG/*.whl .whlP/*.whl \
+    > "$OUT/install.log" 2>&1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.csv" 2>&1
