@@ -262,6 +262,10 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                 "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a video."
             )
     cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
+    if cache_dit is not None and variant.distilled:
+        notes.append(f"Cache-DiT on {variant.name}, a {variant.num_inference_steps}-step distilled checkpoint: each "
+                     "step moves the latents far, so there is little to skip and skipping costs quality; it is "
+                     "meant for the 50-step Pro / Lite.")
     request = GenerateRequest(
         prompt=params.prompt,
         negative_prompt=negative,

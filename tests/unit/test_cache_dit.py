@@ -277,8 +277,10 @@ def test_engine_default_request_switches_and_refusals(tiny_distill_dir, tiny_sr_
     assert resolve(enable_cache_dit=False) is None
     assert resolve(cache_dit_params={"Fn_compute_blocks": 2}) == CacheDitParams(residual_diff_threshold=0.1,
                                                                                  Fn_compute_blocks=2)
-    plain = resolve_generate(SamplingParams(prompt="x", cache_dit_params={}), variant)[0].cache_dit
-    assert plain == CacheDitParams()
+    plain, notes = resolve_generate(SamplingParams(prompt="x", cache_dit_params={}), variant)
+    assert plain.cache_dit == CacheDitParams()
+    assert "Cache-DiT on pro-distill, a 10-step distilled checkpoint" in notes[-1]
+    assert not resolve_generate(SamplingParams(prompt="x", cache_dit_params={}), VARIANTS["pro"])[1]
     assert resolve_generate(SamplingParams(prompt="x"), variant)[0].cache_dit is None
     with pytest.raises(ValueError, match="cache_dit_params was given with enable_cache_dit false"):
         resolve(enable_cache_dit=False, cache_dit_params={})
