@@ -106,6 +106,11 @@ class SamplingParams:
         '{"Fn_compute_blocks": 1, "residual_diff_threshold": 0.24, "scm_preset": "medium"}; docs/cli.md lists '
         "them)."
     )
+    loras: dict | None = _param(
+        "LoRA adapters for this request only (generation models): a JSON object {nickname: strength} of adapters "
+        "already loaded on the engine (--lora-path or set_lora); {} runs the base model. Added dynamically; the "
+        "engine's active adapters return after the request. Needs them unmerged (dynamic or none)."
+    )
     save_output: bool = _param(
         "Write the MP4 file (default). --no-save-output runs the request for its timings only: the video is "
         "discarded.", default=True, http=False
@@ -170,6 +175,7 @@ class GenerateRequest:
     guidance_scale: float
     with_audio: bool = True
     cache_dit: CacheDitParams | None = None  # Cache-DiT settings, or None for an uncached request
+    loras: tuple[tuple[str, float], ...] | None = None  # this request's adapters, or None: the engine's active ones
 
     @property
     def do_cfg(self) -> bool:

@@ -22,7 +22,9 @@ Adapters stay cached by nickname after deactivation, so `LoraSpec(path=None)` re
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +119,38 @@ class LoraManager:
         """Deactivate every adapter and restore the base weights bit for bit (the adapters stay cached)."""
         self._restore()
         self.active = []
+
+    @contextlib.contextmanager
+    def for_request(self, loras: tuple[tuple[str, float], ...]) -> Iterator[None]:
+        """Run one request with exactly `loras` ((nickname, strength) of cached adapters; empty: none), added
+        dynamically; the adapters active before come back afterwards, whatever happened.
+
+        Refused while the active adapters are merged: restoring and re-merging the weights around every request
+        would copy every targeted weight twice per request."""
+        if self.applied_mode == "merge":
+            raise ValueError("this request chooses its LoRA adapters, but the engine's adapters are merged into the "
+                             "weights; switch them to dynamic (set_lora with merge_mode 'dynamic') or unmerge them to "
+                             "choose adapters per request.")
+        unknown = [nickname for nickname, _ in loras if nickname not in self.adapters]
+        if unknown:
+            raise ValueError(f"this request names LoRA adapter(s) {unknown} that are not loaded (loaded: "
+                             f"{', '.join(self.adapters) or 'none'}); load them first with set_lora or --lora-path.")
+        previous = self.active
+        requested = [_Active(nickname, self.adapters[nickname], float(strength), None,
+                             resolve_targets(self.model, self.adapters[nickname].modules,
+                                             source=self.adapters[nickname].path))
+                     for nickname, strength in loras]
+        self._restore()
+        self.active = requested
+        if requested:
+            self._apply("dynamic")
+        try:
+            yield
+        finally:
+            self._restore()
+            self.active = previous
+            if previous:
+                self._apply("dynamic")
 
     def state(self) -> list[dict]:
         """One JSON-able dict per cached adapter, the active ones first in activation order."""

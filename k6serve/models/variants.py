@@ -266,6 +266,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         notes.append(f"Cache-DiT on {variant.name}, a {variant.num_inference_steps}-step distilled checkpoint: each "
                      "step moves the latents far, so there is little to skip and skipping costs quality; it is "
                      "meant for the 50-step Pro / Lite.")
+    loras = _resolve_loras(params.loras)
     request = GenerateRequest(
         prompt=params.prompt,
         negative_prompt=negative,
@@ -278,8 +279,23 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         num_inference_steps=steps,
         guidance_scale=guidance,
         cache_dit=cache_dit,
+        loras=loras,
     )
     return request, notes
+
+
+def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
+    """{nickname: strength} -> ((nickname, strength), ...) in the given order, checked."""
+    if loras is None:
+        return None
+    resolved = []
+    for nickname, strength in loras.items():
+        if not isinstance(nickname, str) or not nickname:
+            raise ValueError(f"loras keys must be adapter nicknames, got {nickname!r}")
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+            raise ValueError(f"loras[{nickname!r}] must be a finite number (the adapter's strength), got {strength!r}")
+        resolved.append((nickname, float(strength)))
+    return tuple(resolved)
 
 
 def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | None, *, num_steps: int,
@@ -366,6 +382,8 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
             )
     if params.guidance_scale is not None and params.guidance_scale != 1.0:
         raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
+    if params.loras is not None:
+        raise ValueError("loras applies to the generation models; the super-resolution model takes no LoRA adapter.")
     if params.enable_cache_dit or params.cache_dit_params is not None:
         raise ValueError("Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps "
                          "per tile, with nothing to skip. Drop enable_cache_dit / cache_dit_params.")

@@ -7,6 +7,7 @@ stage timings and peak memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import resource
@@ -221,6 +222,13 @@ class ModelWorker:
             raise TypeError(f"not a LoRA operation: {operation!r}")
         return {"status": "ok", "message": message, "loras": manager.state()}
 
+    def _request_loras(self, request: GenerateRequest | UpscaleRequest):
+        """The request's own LoRA adapters for its run (`LoraManager.for_request`), or nothing to change."""
+        loras = getattr(request, "loras", None)
+        if loras is None:
+            return contextlib.nullcontext()
+        return self._lora_manager().for_request(loras)
+
     def variant_warmup_params(self) -> SamplingParams:
         """A request of the variant's default shape (server warm-up; SR makes its own clip instead,
         `_warmup_super_resolution`)."""
@@ -366,13 +374,14 @@ class ModelWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
         # saved MP4 is always encoded while the VAE decodes.
-        if output.save_output:
-            target, number_if_taken = self._output_file(request, output)
-            result, written = self._generate_into_mp4(request, target, on_step, number_if_taken=number_if_taken)
-            path = str(written)
-        else:
-            result = self.pipeline(request, on_step=on_step)
-            path = None
+        with self._request_loras(request):
+            if output.save_output:
+                target, number_if_taken = self._output_file(request, output)
+                result, written = self._generate_into_mp4(request, target, on_step, number_if_taken=number_if_taken)
+                path = str(written)
+            else:
+                result = self.pipeline(request, on_step=on_step)
+                path = None
         timings = dict(result.timings)
         if gc_freeze_s is not None:
             timings["gc_freeze"] = gc_freeze_s

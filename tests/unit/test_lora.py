@@ -342,9 +342,9 @@ def adapter_file(demo_worker, tmp_path_factory):
     return write_adapter(tmp_path_factory.mktemp("lora"), _shapes(transformer, MODULES), amplitude=0.5)
 
 
-def _generate(worker: ModelWorker):
+def _generate(worker: ModelWorker, **kwargs):
     params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5,
-                            num_inference_steps=2)
+                            num_inference_steps=2, **kwargs)
     return worker.run(params, NO_FILE)
 
 
@@ -378,6 +378,37 @@ def test_worker_operations_and_exact_unmerge(demo_worker, adapter_file, baseline
     assert all(torch.equal(tensor, before[name]) for name, tensor in worker.pipeline.models.transformer.state_dict().items())
     assert _same(_generate(worker), baseline)
     assert worker.apply_lora_operation(ListLoras())["loras"][0]["nickname"] == "fox"
+
+
+def test_a_request_chooses_its_own_adapters_and_the_engines_come_back(demo_worker, adapter_file, baseline,
+                                                                       tmp_path):
+    """`loras` in a request: exactly those cached adapters, dynamic, for that request; the engine's active ones
+    (here "fox", dynamic) are back for the next request, bit for bit."""
+    worker = demo_worker
+    transformer = worker.pipeline.models.transformer
+    other = write_adapter(tmp_path, _shapes(transformer, MODULES), seed=5, amplitude=0.5)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="other", strength=0.5, path=str(other)),),
+                                        merge_mode="dynamic"))
+    other_half = _generate(worker)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=str(adapter_file)),),
+                                        merge_mode="dynamic"))
+    fox = _generate(worker)
+    assert _same(_generate(worker, loras={"other": 0.5}), other_half)
+    assert _same(_generate(worker), fox)
+    assert _same(_generate(worker, loras={}), baseline)
+    both = _generate(worker, loras={"fox": 1.0, "other": 0.5})
+    assert not _same(both, fox) and not _same(both, other_half)
+    (fox_state,) = [row for row in worker.apply_lora_operation(ListLoras())["loras"] if row["active"]]
+    assert fox_state["nickname"] == "fox" and fox_state["merge_mode"] == "dynamic"
+    with pytest.raises(ValueError, match=r"names LoRA adapter\(s\) \['ghost'\] that are not loaded \(loaded: "):
+        _generate(worker, loras={"ghost": 1.0})
+    with pytest.raises(ValueError, match=r"loras\['fox'\] must be a finite number"):
+        _generate(worker, loras={"fox": "high"})
+    worker.apply_lora_operation(MergeLora())
+    with pytest.raises(ValueError, match="the engine's adapters are merged into the weights; switch them to dynamic"):
+        _generate(worker, loras={"other": 1.0})
+    worker.apply_lora_operation(UnmergeLora())
+    assert _same(_generate(worker), baseline)
 
 
 def test_worker_refuses_bad_operations(demo_worker):
@@ -505,3 +536,18 @@ def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_p
     unfused = ModelWorker(build_engine_config(str(demo_dir), device="cpu", attention_backend="sdpa"))
     file = write_adapter(tmp_path, _shapes(unfused.pipeline.models.transformer, MODULES), amplitude=BF16_AMPLITUDE)
     _assert_bf16_adapter_outputs(*_merged_dynamic_unmerged(worker, file))
+
+
+def test_http_body_and_cli_take_a_requests_adapters():
+    from k6serve.cli.main import build_parser, merged_options, split_options
+    from k6serve.serve.schemas import parse_create_body
+
+    assert parse_create_body({"prompt": "x", "loras": {"style": 0.8}}).loras == {"style": 0.8}
+    assert parse_create_body({"prompt": "x", "loras": '{"style": 1}'}).loras == {"style": 1}  # a form field
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model-path", "demo", "--prompt", "x", "--loras", '{"style": 0.5}'])
+    assert split_options(merged_options(args, parser))[1]["loras"] == {"style": 0.5}
+    with pytest.raises(ValueError, match="loras applies to the generation models"):
+        from k6serve.models.variants import VARIANTS, resolve_upscale
+
+        resolve_upscale(SamplingParams(video_path="a.mp4", loras={}), VARIANTS["vsr"])
