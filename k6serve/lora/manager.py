@@ -143,14 +143,14 @@ class LoraManager:
         self._restore()
         self.active = requested
         if requested:
-            self._apply("dynamic")
+            self._apply("dynamic", log=False)  # per request: the worker logs the request, not each swap
         try:
             yield
         finally:
             self._restore()
             self.active = previous
             if previous:
-                self._apply("dynamic")
+                self._apply("dynamic", log=False)
 
     def state(self) -> list[dict]:
         """One JSON-able dict per cached adapter, the active ones first in activation order."""
@@ -186,13 +186,15 @@ class LoraManager:
             return cached
         return read_adapter(spec.path)
 
-    def _apply(self, mode: str) -> None:
+    def _apply(self, mode: str, *, log: bool = True) -> None:
         if mode == "merge":
             self._merge()
         else:
             self._install_dynamic()
         self.applied_mode = mode
-        logger.info("LoRA %s: %s", mode, ", ".join(f"{entry.nickname} x{entry.strength:g}" for entry in self.active))
+        if log:
+            logger.info("LoRA %s: %s", mode,
+                        ", ".join(f"{entry.nickname} x{entry.strength:g}" for entry in self.active))
 
     def _merge(self) -> None:
         # Group by (Linear, rows) so that adapters sharing a layer are summed in fp32 and rounded once.
