@@ -112,6 +112,11 @@ class Engine:
     def variant(self):
         return self.worker.variant
 
+    @property
+    def num_replicas(self) -> int:
+        """How many requests run at once: one per replica (`--dp-size`), each in its own thread."""
+        return len(self._threads)
+
     def resolve(self, params: SamplingParams):
         """Validate a request without running it (raises ValueError with the fix)."""
         return self.worker.resolve(params)

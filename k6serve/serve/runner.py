@@ -80,9 +80,12 @@ class JobRunner:
         self.max_queued_jobs = max_queued_jobs
         self._lock = threading.Lock()  # admission, pick-next and cancel are mutually exclusive
         self._wake = threading.Condition(self._lock)
-        self._current: EngineJob | None = None
-        self._past_last_step: str | None = None  # id of the job whose engine reported its last step or tile
-        self._in_decode: str | None = None  # id of the job whose engine reported its last step again: a decode chunk
+        # As many jobs run at once as the engine has replicas (`--dp-size`): one at a time per replica.
+        self._capacity = max(1, int(getattr(engine, "num_replicas", 1)))
+        self._running: dict[str, EngineJob] = {}
+        self._finishers: list[threading.Thread] = []  # one per running job: waits for it and records the outcome
+        self._past_last_step: set[str] = set()  # running jobs whose engine reported their last step or tile
+        self._in_decode: set[str] = set()  # running jobs whose engine reported their last step again: a decode chunk
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
@@ -132,13 +135,12 @@ class JobRunner:
         """
         with self._lock:
             self._stopping = True
-            current = self._current
-            if current is not None:
+            for current in self._running.values():
                 job = self.store.get(current.id)
                 if job is not None and job.cancel_requested_at is None:
                     self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
                                           started_at=None, attempts=max(0, job.attempts - 1))
-                if self._past_last_step == current.id:
+                if current.id in self._past_last_step:
                     logger.warning("job %s is past its last step: it stops at the next chunk of its video decode, "
                                    "or, if the decode has ended, shutdown waits up to %g s for its MP4", current.id,
                                    timeout)
@@ -148,8 +150,11 @@ class JobRunner:
         for lora in pending:
             if lora.future.set_running_or_notify_cancel():
                 lora.future.set_exception(RuntimeError("The server is shutting down; the LoRA operation did not run."))
+        deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
+        for finisher in list(self._finishers):
+            finisher.join(max(0.0, deadline - time.monotonic()))
 
     def admit(self, job: Job) -> tuple[Job, bool]:
         """Store a new job unless the queue is full (QueueFull); idempotent replays return the stored job."""
@@ -170,9 +175,7 @@ class JobRunner:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("The server is shutting down; the LoRA operation did not run.")
-            after = set(self.store.queued_ids())
-            if self._current is not None:
-                after.add(self._current.id)
+            after = set(self.store.queued_ids()) | set(self._running)
             pending = PendingLora(operation, frozenset(after))
             self._pending_loras.append(pending)
             self._wake.notify_all()
@@ -182,9 +185,9 @@ class JobRunner:
         return self.store.count_by_status()[JobStatus.QUEUED] >= self.max_queued_jobs
 
     def retry_after_s(self) -> int:
-        """A hint for 429 answers: about one job's time, at least 1 s."""
+        """A hint for 429 answers: about one job's time over the replicas that run jobs at once, at least 1 s."""
         recent = self._recent_durations[-10:]
-        return max(1, round(sum(recent) / len(recent))) if recent else 5
+        return max(1, round(sum(recent) / len(recent) / self._capacity)) if recent else 5
 
     def cancel(self, job_id: str) -> Job | None:
         """Cancel a queued job now, or ask the engine to stop a running one at its next step (or decode chunk)
@@ -201,17 +204,17 @@ class JobRunner:
                     self.metrics.finished(JobStatus.CANCELLED)
                     self.artifacts.remove(list(cancelled.upload_files))
                     return cancelled
-            elif job.status == JobStatus.IN_PROGRESS and self._current is not None and self._current.id == job_id:
+            elif job.status == JobStatus.IN_PROGRESS and job_id in self._running:
                 if job.cancel_requested_at is None:
-                    past_last_step = self._past_last_step == job_id
+                    past_last_step = job_id in self._past_last_step
                     self.store.transition(
                         job_id, (JobStatus.IN_PROGRESS,), cancel_requested_at=time.time(),
                         warnings=job.warnings + ((CANCEL_IN_DECODE,) if past_last_step else ()))
-                self._current.cancel()
+                self._running[job_id].cancel()
             return self.store.get(job_id)
 
     def running_count(self) -> int:
-        return 1 if self._current is not None else 0
+        return len(self._running)
 
     def _next(self) -> tuple[Job, EngineJob] | PendingLora | None:
         with self._lock:
@@ -219,7 +222,7 @@ class JobRunner:
                 job = self.store.next_queued()
                 if self._pending_loras and (job is None or job.id not in self._pending_loras[0].after):
                     return self._pending_loras.pop(0)
-                if job is None:
+                if job is None or len(self._running) >= self._capacity:
                     self._wake.wait(timeout=1.0)
                     continue
                 started = self.store.transition(job.id, (JobStatus.QUEUED,), status=JobStatus.IN_PROGRESS,
@@ -233,7 +236,7 @@ class JobRunner:
                 self.artifacts.remove([self.artifacts.output_path(f"{job.id}.mp4")])
                 engine_job = self.engine.submit(params, self.artifacts.output_options(job.id),
                                                 on_progress=self._progress_callback(job.id), job_id=job.id)
-                self._current = engine_job
+                self._running[job.id] = engine_job
                 return started, engine_job
             return None
 
@@ -246,13 +249,25 @@ class JobRunner:
                 self._run_lora(picked)
                 continue
             job, engine_job = picked
-            try:
-                self._finish(job, engine_job)
-            except Exception:  # a bookkeeping bug must not stop the dispatcher serving later jobs
-                logger.exception("recording the outcome of job %s failed", job.id)
-            finally:
-                with self._lock:
-                    self._current = None
+            # The dispatcher goes back to the queue at once; a finisher thread waits for this job. With one
+            # replica the next job still waits for this one's finisher (`_capacity`), as before.
+            finisher = threading.Thread(target=self._finish_and_release, args=(job, engine_job),
+                                        name=f"k6serve-job-{job.id}", daemon=True)
+            with self._lock:
+                self._finishers = [thread for thread in self._finishers if thread.is_alive()] + [finisher]
+            finisher.start()
+
+    def _finish_and_release(self, job: Job, engine_job: EngineJob) -> None:
+        try:
+            self._finish(job, engine_job)
+        except Exception:  # a bookkeeping bug must not stop the server serving later jobs
+            logger.exception("recording the outcome of job %s failed", job.id)
+        finally:
+            with self._lock:
+                self._running.pop(job.id, None)
+                self._past_last_step.discard(job.id)
+                self._in_decode.discard(job.id)
+                self._wake.notify_all()
 
     def _run_lora(self, pending: PendingLora) -> None:
         if not pending.future.set_running_or_notify_cancel():
@@ -279,9 +294,9 @@ class JobRunner:
             state["last"] = now
             if 0 < total <= step:
                 state["final_step_seen"] = True
-                self._past_last_step = job_id
+                self._past_last_step.add(job_id)
             if decode_chunk:
-                self._in_decode = job_id
+                self._in_decode.add(job_id)
             progress = min(99, int(100 * step / total)) if total > 0 else 0
             if progress != state["progress"]:
                 state["progress"] = progress
@@ -295,7 +310,7 @@ class JobRunner:
         except (RequestCancelled, CancelledError):
             if self._stopping and not self._cancel_requested(job.id):
                 return  # stop() already put it back in the queue
-            message = CANCELLED_IN_DECODE if self._in_decode == job.id else CANCELLED_AT_STEP
+            message = CANCELLED_IN_DECODE if job.id in self._in_decode else CANCELLED_AT_STEP
             self._record(job, JobStatus.CANCELLED, error_code="cancelled", error_message=message)
         except ValueError as exc:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
