@@ -471,7 +471,7 @@ LORA_LAYOUTS = {  # name -> (layout, merge modes to run, tolerance)
 def lora_adapter(checkpoint, tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
-    models = _fresh_generation_models_local(checkpoint)
+    models = _fresh_generation_models(checkpoint)
     generator = torch.Generator().manual_seed(3)
     tensors = {}
     for path in LORA_MODULES:
@@ -481,14 +481,6 @@ def lora_adapter(checkpoint, tmp_path_factory) -> Path:
     file = tmp_path_factory.mktemp("lora") / "adapter.safetensors"
     save_file(tensors, str(file))
     return file
-
-
-def _fresh_generation_models_local(folder: Path):
-    from k6serve.models.kandinsky6.checkpoint import load_generation_models
-    from k6serve.models.variants import recognise
-
-    return load_generation_models(folder, recognise(str(folder), None, folder), device=torch.device("cpu"),
-                                  dtype=torch.float32, load_format="auto")
 
 
 def _lora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, mode: str):
