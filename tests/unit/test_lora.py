@@ -551,3 +551,22 @@ def test_http_body_and_cli_take_a_requests_adapters():
         from k6serve.models.variants import VARIANTS, resolve_upscale
 
         resolve_upscale(SamplingParams(video_path="a.mp4", loras={}), VARIANTS["vsr"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="speed mode's fused, compiled blocks need CUDA")
+def test_cuda_a_requests_adapters_in_speed_mode_match_the_engines(demo_dir, tmp_path):
+    """On a GPU with speed mode's fused projections and compiled blocks: a request's own `loras` give the same
+    frames as the same adapters set on the engine, and the engine's own adapter is back after it (the compiled
+    blocks see the module swap both ways)."""
+    worker = ModelWorker(build_engine_config(str(demo_dir), device="cuda", attention_backend="sdpa"))
+    unfused = ModelWorker(build_engine_config(str(demo_dir), device="cpu", attention_backend="sdpa"))
+    shapes = _shapes(unfused.pipeline.models.transformer, MODULES)
+    fox = write_adapter(tmp_path / "fox", shapes, amplitude=BF16_AMPLITUDE)
+    other = write_adapter(tmp_path / "other", shapes, seed=5, amplitude=BF16_AMPLITUDE)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="other", path=str(other), strength=0.5),),
+                                        merge_mode="dynamic"))
+    other_half = _generate(worker)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=str(fox)),), merge_mode="dynamic"))
+    engine_fox = _generate(worker)
+    assert _same(_generate(worker, loras={"other": 0.5}), other_half)
+    assert _same(_generate(worker), engine_fox) and not _same(engine_fox, other_half)
