@@ -35,3 +35,26 @@ def test_two_replicas_run_two_jobs_at_once_and_a_cancel_frees_one(tmp_path):
     finally:
         worker.release.set()
         server.stop()
+
+
+def test_a_shutdown_requeues_every_running_job_and_a_restart_runs_them(tmp_path):
+    from k6serve.serve.jobs import JobStatus, SqliteJobStore
+
+    worker = TwoReplicaWorker(VARIANTS["pro-distill"])
+    server = start_server(tmp_path, worker=worker)
+    with server.client() as client:
+        ids = [client.post("/v1/videos", json={"prompt": f"hold {index}"}).json()["id"] for index in range(2)]
+        wait_until(lambda: len(worker.started) == 2)
+    server.stop()  # no release: the held jobs return only through the cancel at their next step
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert [(store.get(video_id).status, store.get(video_id).attempts) for video_id in ids] == \
+        [(JobStatus.QUEUED, 0), (JobStatus.QUEUED, 0)]
+    store.close()
+    again = TwoReplicaWorker(VARIANTS["pro-distill"])
+    again.release.set()
+    restarted = start_server(tmp_path, worker=again)
+    try:
+        with restarted.client() as client:
+            assert [wait_for(client, video_id)["status"] for video_id in ids] == ["completed", "completed"]
+    finally:
+        restarted.stop()
