@@ -163,3 +163,19 @@ def test_k6serve_serve_command(server_distill_dir, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+def test_cache_dit_through_the_worker_process(generation_server):
+    """A job with Cache-DiT runs through the engine's worker process, says in its warnings which steps were cached
+    (and that a distilled checkpoint is not what caching is for), and differs from the uncached job."""
+    with generation_server.client() as client:
+        cached = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 4, "cache_dit_params": {
+            "max_warmup_steps": 1, "residual_diff_threshold": 1.0}}).json()
+        plain = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 4}).json()
+        done = wait_for(client, cached["id"], timeout=120)
+        assert done["status"] == "completed", done
+        assert any("Cache-DiT skipped the middle 1 of 2 DiT blocks on 3 of 4 calls" in w for w in done["warnings"])
+        assert any("distilled checkpoint" in w for w in done["warnings"])
+        assert wait_for(client, plain["id"], timeout=120)["status"] == "completed"
+        assert client.get(f"/v1/videos/{cached['id']}/content").content != \
+            client.get(f"/v1/videos/{plain['id']}/content").content
