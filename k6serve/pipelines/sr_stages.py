@@ -257,7 +257,7 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
     A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`): that happens here,
     before anything is returned, so every rank joins the collectives even if the caller never reads a chunk, and
     `between_chunks()` runs at `decode_tiles`' points, which the ranks that call `decode_tiles` directly share.
-    Otherwise it runs after each segment (segment-major) or each whole tile (the fallback).
+    Otherwise it runs after each segment, in either order.
     """
     if decode_group_of(vae) is not None:
         return iter([assemble_frames(decode_tiles(vae, latents_ThwC, between_chunks), plan)])
@@ -283,9 +283,12 @@ def _decode_and_assemble_locally(
                     "only the blend", len(iterators), per_tile_bytes / 2**30)
         decoded = []
         for segments in segments_by_tile:
-            decoded.append(list(segments))
-            if between_chunks is not None:
-                between_chunks()
+            tile = []
+            for segment in segments:  # a cancel is seen after every segment, not only after a whole tile
+                tile.append(segment)
+                if between_chunks is not None:
+                    between_chunks()
+            decoded.append(tile)
         tile_segments = zip(*decoded, strict=True)
         between_segments = None  # the decode is over: only the blend is left
     pending: Callable[[], np.ndarray] | None = None

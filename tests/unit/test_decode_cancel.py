@@ -200,6 +200,27 @@ def test_a_cancel_in_the_sr_decode_stops_it_before_the_decode_ends(sr_worker, cl
     assert list(tmp_path.iterdir()) == [] and not _encoder_threads()
 
 
+def test_the_sr_whole_tile_fallback_checks_for_a_cancel_after_every_segment(sr_worker, clip, tmp_path, monkeypatch):
+    """When the tiles' causal caches would not fit on the GPU together, the streamed decode takes the tiles whole,
+    one cache at a time; a cancel still stops it after the segment in flight, not after the whole tile."""
+    from k6serve.pipelines import sr_stages
+
+    monkeypatch.setattr(sr_stages, "_segment_major_fits", lambda *args: False)
+    params, output = _sr_params(clip, tmp_path)
+    segments = _count_segments(monkeypatch, sr_worker.pipeline.models.vae)
+    with pytest.raises(RequestCancelled, match="decode check 1"):
+        sr_worker.run(params, output, on_step=CancelInDecode(at_decode_check=1))
+    assert segments[0] == 1  # tile 0's first segment only, of 2 per tile
+    assert list(tmp_path.iterdir()) == [] and not _encoder_threads()
+    params, output = _sr_params(clip, tmp_path, return_frames=True)
+    on_step = CancelInDecode(at_decode_check=None)
+    frames = sr_worker.run(params, output, on_step=on_step).frames
+    reference = sr_worker.pipeline(sr_worker.resolve(params)[0])
+    num_tiles = int(reference.notes[-1].split(" with ")[1].split(" tile")[0])
+    # Same bytes as the segment-major decode; one check per segment of every tile (33 frames: 2 segments).
+    assert np.array_equal(frames, reference.video.frames_THWC) and on_step.num_decode_checks == 2 * num_tiles
+
+
 def test_without_a_cancel_the_sr_frames_are_unchanged(sr_worker, clip, tmp_path):
     params, output = _sr_params(clip, tmp_path, return_frames=True)
     request, _ = sr_worker.resolve(params)
