@@ -193,7 +193,7 @@ def write_lora_adapter(models, out: Path) -> Path:
     for path in LORA_MODULES:
         weight = models.transformer.get_submodule(path).weight
         out_features, in_features = weight.shape
-        spread = float(weight.float().std()) if not hasattr(weight, "full_tensor") else 0.02
+        spread = float(weight.float().std())  # written before any parallelisation: a plain, whole weight
         tensors[f"transformer.{path}.lora_A.weight"] = torch.randn(LORA_RANK, in_features, generator=generator)
         tensors[f"transformer.{path}.lora_B.weight"] = (0.3 * spread / LORA_RANK**0.5) * torch.randn(
             out_features, LORA_RANK, generator=generator)

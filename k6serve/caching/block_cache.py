@@ -187,7 +187,7 @@ class BlockCacheSession:
         params, step = self.params, self.step
         if step in self.warmup_steps or not state.has_residuals:
             return False
-        if self.mask is not None and step < len(self.mask):
+        if self.mask is not None:  # one entry per step of the request
             if self.mask[step] == 1:
                 return False
             if params.scm_policy == "static":
@@ -202,9 +202,7 @@ class BlockCacheSession:
         if threshold >= 1.0:
             state.residual_diffs[step] = -1.0  # cache-dit's marker for "always similar"
             return True
-        previous_BLD = state.fingerprint_BLD
-        if previous_BLD is None or previous_BLD.shape != fingerprint_BLD.shape:
-            return False
+        previous_BLD = state.fingerprint_BLD  # set with the residuals (`has_residuals`), same shape all request
         distance_L = (previous_BLD - fingerprint_BLD).abs().float().sum(dim=(0, 2))
         reference_L = previous_BLD.abs().float().sum(dim=(0, 2))
         sums = self.token_sum(torch.stack([distance_L, reference_L]))

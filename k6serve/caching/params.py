@@ -93,10 +93,6 @@ class CacheDitParams:
                    for key, value in values.items()}
         return dataclasses.replace(base or cls(), **changes)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
-
     @property
     def uses_step_mask(self) -> bool:
         return self.scm_preset != "none" or self.scm_compute_bins is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from k6serve.models.common.inner_attention import InnerAttention
@@ -115,8 +116,6 @@ class SequenceTokenSum:
         self.state, self.group = state, group
 
     def __call__(self, values_SL: Tensor) -> Tensor:
-        import torch.distributed as dist
-
         shard = self.state.require()
         sums_S = values_SL.narrow(1, 0, shard.real_length(shard.index)).sum(dim=1)
         dist.all_reduce(sums_S, group=self.group)
