@@ -7,6 +7,8 @@ starts its two ranks itself):
     python scripts/gpu_multi.py --stage cfg       # Pro, 2 steps: CFG-parallel == serial CFG, step times
     python scripts/gpu_multi.py --stage fsdp      # Pro-distill: peak memory of Ulysses2 vs FSDP + Ulysses2
     python scripts/gpu_multi.py --stage tp --lora merge  # Pro-distill TP2 vs 1 GPU (within rounding), with LoRA
+    python scripts/gpu_multi.py --stage ring      # Pro-distill Ring2 vs 1 GPU (within rounding: blockwise softmax)
+    python scripts/gpu_multi.py --stage fold      # Pro-distill Ulysses2 with the text encoders folded over both GPUs
 
 Weights are `--load-format dummy` (released sizes, random, seeded identically on both ranks). The 1-GPU baseline
 runs on rank 0 with the same code minus parallelisation, before the model is parallelised (for fsdp the baseline is
@@ -37,6 +39,9 @@ STAGES = {  # stage -> (variant, default steps, [(run name, layout kwargs)])
     "cfg": ("pro", 2, [("cfg_parallel", {"cfg": 2})]),
     "fsdp": ("pro-distill", 2, [("ulysses2", {"ulysses": 2}), ("fsdp_ulysses2", {"ulysses": 2, "fsdp": True})]),
     "tp": ("pro-distill", 2, [("tp2", {"tp": 2})]),
+    "ring": ("pro-distill", 2, [("ring2", {"ring": 2})]),
+    # Ulysses2 with the Qwen2.5-VL and CLIP encoders tensor-parallel over both ranks (`--encoder-parallel fold`).
+    "fold": ("pro-distill", 2, [("ulysses2_fold", {"ulysses": 2, "encoder_parallel": "fold"})]),
 }
 # --lora: an adapter on column-parallel (a key, an FFN input), row-parallel (an attention output, an FFN output) and
 # replicated (a time embedding) Linears under TP, all in blocks 0 and 1 so tiny checkpoints have them too.
@@ -265,7 +270,8 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
         else:
             baseline = lora_baseline = None
         dist.barrier()
-    for name, degrees in runs:
+    for name, run_options in runs:
+        degrees = {key: value for key, value in run_options.items() if key != "encoder_parallel"}
         layout = ParallelLayout(**degrees)
         groups = build_groups(layout, rank, backend=dist.get_backend(), timeout_s=1800)
         if layout.fsdp:
@@ -276,7 +282,8 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
             apply_fsdp(models.transformer, kandinsky6_plan(models.transformer.config).blocks,
                        groups.axis_mesh("replica", device.type))
         else:
-            parallelize_generation_models(models, groups, encoder_parallel="replicate", device_type=device.type)
+            parallelize_generation_models(models, groups, device_type=device.type,
+                                          encoder_parallel=run_options.get("encoder_parallel", "replicate"))
         chunk_counts = args.ulysses_chunks if args.stage == "ulysses" and args.ulysses_chunks else [None]
         for chunks in chunk_counts:
             run_name = name if chunks is None else f"{name}_chunks{chunks}"
