@@ -1,0 +1,277 @@
+"""The HTTP server end to end on real GPUs: concurrent jobs on replicas, a cancel during the decode, and (when the
+server has the routes) releasing and resuming its GPU memory.
+
+    python scripts/gpu_server.py --out $OUT                          # Lite-distill, --num-gpus 2 --dp-size 2
+    python scripts/gpu_server.py --out $OUT --num-gpus 1 --dp-size 1 # one replica: the pair runs one after the other
+
+Starts `k6serve serve --load-format dummy` as a child process (its log: <out>/server.log) and drives it over HTTP
+like a client:
+
+1. **pair (cold)**: two jobs created together; each job's polled timeline (when it was first seen `in_progress`,
+   when `completed`). With two replicas both run at once, so they overlap; the first pair pays for compilation.
+2. **pair (warm)** and **single (warm)**: the same again, then one job alone, so the pair's wall time can be set
+   against one job's (two replicas: about equal; one replica: about twice).
+3. **cancel in decode**: a job polled every 20 ms until its `progress` is 99 (the denoising is over, the video decode
+   runs), then DELETE; the final status and error message say whether the engine stopped between decoded chunks.
+   A decode shorter than the polling (tiny CPU models) is reported as `missed`, not as a failure.
+4. **release / resume** (only if `/release_memory_occupation` is in the server's OpenAPI schema): release, the GPUs'
+   used memory from nvidia-smi, a job created while released (it must stay `queued`), resume, and that job's end.
+
+Results: <out>/gpu_server.json and <out>/gpu_server.md. CPU check of the logic (tests/unit/test_gpu_server_script.py):
+`--model-path demo --load-format auto --device cpu --num-gpus 1 --dp-size 1` with a small size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT)")
+    parser.add_argument("--model-path", default="kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers")
+    parser.add_argument("--load-format", default="dummy", choices=("dummy", "auto"),
+                        help="dummy: released sizes, random weights (GPU); auto for a real folder or 'demo'")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--num-gpus", type=int, default=2)
+    parser.add_argument("--dp-size", type=int, default=2)
+    parser.add_argument("--size", default="768x512", help="OpenAI size, WIDTH x HEIGHT (width first)")
+    parser.add_argument("--num-frames", type=int, default=121)
+    parser.add_argument("--num-inference-steps", type=int, default=None)
+    parser.add_argument("--performance-mode", default="speed")
+    parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--job-timeout", type=float, default=400.0, help="seconds to wait for one phase's jobs")
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra `k6serve serve` argument (repeat)")
+    return parser.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    """Each GPU's used memory as nvidia-smi reports it (every process, the CUDA contexts included)."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [int(line) for line in text.split() if line.strip().isdigit()]
+
+
+class Client:
+    def __init__(self, base: str, args: argparse.Namespace) -> None:
+        self.http = httpx.Client(base_url=base, timeout=60.0)
+        self.args = args
+        self.start = time.monotonic()
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.start, 3)
+
+    def create(self, seed: int) -> str:
+        body = {"prompt": "A red fox runs through fresh snow at dawn, wind in the trees.", "seed": seed,
+                "size": self.args.size, "num_frames": self.args.num_frames}
+        if self.args.num_inference_steps:
+            body["num_inference_steps"] = self.args.num_inference_steps
+        response = self.http.post("/v1/videos", json=body)
+        response.raise_for_status()
+        return response.json()["id"]
+
+    def get(self, video_id: str) -> dict:
+        response = self.http.get(f"/v1/videos/{video_id}")
+        response.raise_for_status()
+        return response.json()
+
+    def follow(self, video_ids: list[str], timeout: float, poll_s: float = 0.25) -> dict[str, dict]:
+        """Poll until every job has ended; each job's timeline in seconds since the client started."""
+        timelines = {video_id: {"created_s": self.now()} for video_id in video_ids}
+        deadline = time.monotonic() + timeout
+        pending = set(video_ids)
+        while pending and time.monotonic() < deadline:
+            for video_id in sorted(pending):
+                job = self.get(video_id)
+                timeline = timelines[video_id]
+                if job["status"] == "in_progress":
+                    timeline.setdefault("started_s", self.now())
+                if job["status"] in ("completed", "failed", "cancelled"):
+                    timeline.update(ended_s=self.now(), status=job["status"], error=job.get("error"),
+                                    warnings=job.get("warnings"))
+                    pending.discard(video_id)
+            time.sleep(poll_s)
+        for video_id in pending:
+            timelines[video_id].update(status="timeout", last=self.get(video_id)["status"])
+        return timelines
+
+
+def overlap_s(timelines: dict[str, dict]) -> float:
+    """How long the jobs were all running at the same time (0 when they ran one after the other)."""
+    spans = [(t.get("started_s"), t.get("ended_s")) for t in timelines.values()]
+    if any(start is None or end is None for start, end in spans):
+        return 0.0
+    return round(max(0.0, min(end for _, end in spans) - max(start for start, _ in spans)), 3)
+
+
+def pair_phase(client: Client, seeds: tuple[int, int], timeout: float) -> dict:
+    started = client.now()
+    ids = [client.create(seed) for seed in seeds]
+    timelines = client.follow(ids, timeout)
+    return {"jobs": timelines, "wall_s": round(client.now() - started, 3), "overlap_s": overlap_s(timelines),
+            "all_completed": all(t.get("status") == "completed" for t in timelines.values())}
+
+
+def cancel_in_decode_phase(client: Client, timeout: float) -> dict:
+    video_id = client.create(7)
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        job = client.get(video_id)
+        if not seen or seen[-1] != (job["status"], job["progress"]):
+            seen.append((job["status"], job["progress"]))
+        if job["status"] in ("completed", "failed", "cancelled"):
+            return {"result": "missed", "status": job["status"], "seen": seen}
+        if job["status"] == "in_progress" and job["progress"] >= 99:
+            deleted_at = client.now()
+            response = client.http.delete(f"/v1/videos/{video_id}")
+            final = client.follow([video_id], timeout, poll_s=0.05)[video_id]
+            message = (final.get("error") or {}).get("message") or ""
+            # The engine words the two cancels apart: stopped between decoded chunks, or the MP4 tail finished and
+            # the video discarded (both report progress 99).
+            result = ("not_cancelled" if final.get("status") != "cancelled" else
+                      "stopped_between_decoded_chunks" if "between two decoded chunks" in message else
+                      "discarded_after_mp4_tail" if "discarded" in message else "cancelled")
+            return {"result": result,
+                    "delete_status_code": response.status_code, "delete_response_status": response.json().get("status"),
+                    "final_status": final.get("status"), "error": final.get("error"),
+                    "warnings": final.get("warnings"), "seconds_to_end": round(final["ended_s"] - deleted_at, 3)
+                    if "ended_s" in final else None, "seen": seen}
+        time.sleep(0.02)
+    return {"result": "timeout", "seen": seen}
+
+
+def release_phase(client: Client, timeout: float) -> dict:
+    report: dict = {"gpu_memory_used_mib_before": gpu_memory_used_mib()}
+    started = time.monotonic()
+    response = client.http.post("/release_memory_occupation", json={}, timeout=timeout)
+    report.update(release_status_code=response.status_code, release_s=round(time.monotonic() - started, 3),
+                  release_response=_json_or_text(response), gpu_memory_used_mib_released=gpu_memory_used_mib())
+    health = client.http.get("/health")
+    report["health_while_released"] = _json_or_text(health)
+    video_id = client.create(11)
+    time.sleep(3.0)
+    report["job_status_while_released"] = client.get(video_id)["status"]
+    started = time.monotonic()
+    response = client.http.post("/resume_memory_occupation", json={}, timeout=timeout)
+    report.update(resume_status_code=response.status_code, resume_s=round(time.monotonic() - started, 3),
+                  resume_response=_json_or_text(response), gpu_memory_used_mib_resumed=gpu_memory_used_mib())
+    report["job_after_resume"] = client.follow([video_id], timeout)[video_id]
+    return report
+
+
+def _json_or_text(response: httpx.Response):
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:2000]
+
+
+def table(report: dict) -> str:
+    lines = [f"### gpu_server: {report['model_path']} on {report['num_gpus']} GPU(s), dp {report['dp_size']}, "
+             f"size {report['size']} x {report['num_frames']} frames", "",
+             "| phase | wall (s) | jobs running together (s) | all completed |", "|---|---|---|---|"]
+    for name in ("pair_cold", "pair_warm", "single_warm"):
+        phase = report["phases"].get(name)
+        if phase:
+            lines.append(f"| {name} | {phase['wall_s']} | {phase['overlap_s']} | {phase['all_completed']} |")
+    cancel = report["phases"].get("cancel_in_decode")
+    if cancel:
+        lines += ["", f"Cancel in decode: {cancel['result']} (final status {cancel.get('final_status')}, "
+                      f"{cancel.get('seconds_to_end')} s after the DELETE; error: {cancel.get('error')})"]
+    release = report["phases"].get("release_resume")
+    if release:
+        lines += ["", f"Release: HTTP {release['release_status_code']} in {release['release_s']} s; GPU memory used "
+                      f"(MiB) {release['gpu_memory_used_mib_before']} -> {release['gpu_memory_used_mib_released']} -> "
+                      f"{release['gpu_memory_used_mib_resumed']} after resume ({release['resume_s']} s); a job created "
+                      f"while released was {release['job_status_while_released']}, then "
+                      f"{release['job_after_resume'].get('status')}"]
+    if report.get("error"):
+        lines += ["", f"Error: {report['error']}"]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: Path) -> None:
+    (out / "gpu_server.json").write_text(json.dumps(report, indent=2))
+    (out / "gpu_server.md").write_text(table(report))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [sys.executable, "-m", "k6serve.cli.main", "serve", "--model-path", args.model_path,
+               "--load-format", args.load_format, "--device", args.device, "--num-gpus", str(args.num_gpus),
+               "--dp-size", str(args.dp_size), "--performance-mode", args.performance_mode,
+               "--port", str(port), "--output-path", str(out / "server_outputs"), *args.serve_arg]
+    report: dict = {"model_path": args.model_path, "num_gpus": args.num_gpus, "dp_size": args.dp_size,
+                    "size": args.size, "num_frames": args.num_frames, "command": command, "phases": {}}
+    log = (out / "server.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = Client(f"http://127.0.0.1:{port}", args)
+        deadline = time.monotonic() + args.load_timeout
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode} before answering (server.log)")
+            try:
+                if client.http.get("/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no /health answer in {args.load_timeout} s")
+            time.sleep(1.0)
+        report["load_s"] = client.now()
+        routes = client.http.get("/openapi.json").json().get("paths", {})
+        phases = report["phases"]
+        phases["pair_cold"] = pair_phase(client, (1, 2), args.job_timeout)
+        write(report, out)
+        phases["pair_warm"] = pair_phase(client, (3, 4), args.job_timeout)
+        single = client.now()
+        phases["single_warm"] = {"jobs": client.follow([client.create(5)], args.job_timeout)}
+        phases["single_warm"].update(wall_s=round(client.now() - single, 3), overlap_s=0.0,
+                                     all_completed=all(t.get("status") == "completed"
+                                                       for t in phases["single_warm"]["jobs"].values()))
+        write(report, out)
+        phases["cancel_in_decode"] = cancel_in_decode_phase(client, args.job_timeout)
+        write(report, out)
+        if "/release_memory_occupation" in routes:
+            phases["release_resume"] = release_phase(client, args.job_timeout)
+    except Exception as exc:  # noqa: BLE001 - the report keeps what was measured, with the error
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            report["server_exit_code"] = server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            report["server_exit_code"] = "killed"
+        log.close()
+        write(report, out)
+    print(table(report))
+    return 1 if report.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
