@@ -244,6 +244,11 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
         bad = [chunks for chunks in args.ulysses_chunks if chunks < 1 or local_heads % chunks]
         if bad:  # before the baseline runs, not at the first sharded attention
             raise ValueError(f"--ulysses-chunks {bad} must divide the {local_heads} video heads of each rank")
+    if args.performance_mode == "speed" and args.stage == "tp":
+        # The speed transforms fuse the Q/K/V projections that the TP plan shards by name (the engine shards
+        # first and skips fusing DTensor weights); compiled TP is measured through the engine instead.
+        raise SystemExit("--stage tp runs eager only: for compiled TP use `k6serve generate --tp-size 2 "
+                         "--num-gpus 2 --performance-mode speed` (the engine shards before the speed transforms)")
     if args.performance_mode == "speed":
         from k6serve.speed.performance_mode import apply_performance_mode
 
