@@ -130,6 +130,14 @@ class RuntimeConfig:
     # turn it off or change settings. Given as a mapping, a JSON object string or a .json/.yaml file path, and
     # kept as the parsed `CacheDitParams`.
     cache_dit_config: CacheDitParams | None = None
+    # Block streaming ("memory" mode, offload/block_stream.py): how many blocks are copied ahead of the running one
+    # (each costs one block of device memory; a deeper queue absorbs blocks whose copy outlasts their compute, as
+    # long as the total copy time stays under the total compute time), and how many of each streamed component's
+    # blocks stay on the device for the life of the worker (spread evenly over its block list; a count above a
+    # component's number of blocks keeps all of them, so one count serves the DiT and the text encoders alike).
+    # Only "memory" streams blocks: with another mode they must stay at these defaults.
+    offload_prefetch_blocks: int = 1
+    offload_resident_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.cache_dit_config is not None and not isinstance(self.cache_dit_config, CacheDitParams):
@@ -145,11 +153,31 @@ class RuntimeConfig:
             raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {self.performance_mode!r}")
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
+        self._check_block_streaming()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), "
                 f"got {self.attention_backend!r}"
             )
+
+    def _check_block_streaming(self) -> None:
+        limits = {"offload_prefetch_blocks": (1, "blocks copied ahead of the running one"),
+                  "offload_resident_blocks": (0, "blocks kept on the GPU, per streamed component")}
+        for name, (low, meaning) in limits.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low} ({meaning}), got {value!r}")
+        changed = []
+        if self.offload_prefetch_blocks != 1:
+            changed.append(f"--offload-prefetch-blocks {self.offload_prefetch_blocks}")
+        if self.offload_resident_blocks != 0:
+            changed.append(f"--offload-resident-blocks {self.offload_resident_blocks}")
+        if changed and self.performance_mode != "memory":
+            named, several = " and ".join(changed), len(changed) > 1
+            raise ValueError(f"{named} {'apply' if several else 'applies'} only to --performance-mode memory, which "
+                             f"streams the DiT's blocks between host and GPU; --performance-mode "
+                             f"{self.performance_mode} streams none. Add --performance-mode memory, or drop "
+                             f"{'them' if several else 'it'}.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

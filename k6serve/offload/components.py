@@ -6,7 +6,8 @@ does nothing (everything stays where it was loaded: "speed"). `apply_offload` re
 `ComponentOffload`, which attaches the named components' device copies on entry and points them back at the host
 on exit (`host_weights.py`), so the device holds the largest single component plus activations. In "memory" mode the
 DiT's repeated blocks are streamed block by block instead (`block_stream.py`); its other weights (embeddings,
-modulation, output layers) are resident for the DiT stage.
+modulation, output layers) are resident for the DiT stage. A streamer's resident blocks (`--offload-resident-blocks`)
+are not part of their component's weights here: they stay on the device across stages.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class OffloadReport:
     host_bytes: dict[str, int]  # per component, the host copy (streamed blocks counted under "<name> blocks")
     pinned: bool
     streamed_blocks: dict[str, int] = field(default_factory=dict)  # component -> blocks streamed ("memory")
+    prefetch_blocks: int = 1  # streamed blocks copied ahead ("memory")
+    resident_blocks: dict[str, int] = field(default_factory=dict)  # component -> blocks kept on the device
+    resident_bytes: dict[str, int] = field(default_factory=dict)  # component -> their size, on the device
 
     @property
     def num_streamed_blocks(self) -> int:
@@ -108,38 +112,50 @@ class OffloadReport:
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in self.host_bytes.items())
-        streamed = ", ".join(f"{count} {name} blocks" for name, count in self.streamed_blocks.items())
-        streamed = f", streamed: {streamed}" if streamed else ""
-        return f"{self.mode}: components offloaded to {'pinned ' if self.pinned else ''}host memory ({sizes}){streamed}"
+        text = f"{self.mode}: components offloaded to {'pinned ' if self.pinned else ''}host memory ({sizes})"
+        if self.streamed_blocks:
+            streamed = ", ".join(f"{count} {name} blocks" for name, count in self.streamed_blocks.items())
+            text += f", streamed {self.prefetch_blocks} ahead: {streamed}"
+        if self.resident_blocks:
+            resident = ", ".join(f"{count} {name} blocks {self.resident_bytes[name] / 2**30:.2f} GiB"
+                                 for name, count in self.resident_blocks.items())
+            text += f"; on the GPU for the worker's life: {resident}"
+        return text
 
 
 def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
                   offload_device: torch.device | str = "cpu", pin: bool | None = None,
-                  plan=None) -> OffloadReport:
-    """Offload `pipeline.components()` (and in "memory" mode stream the DiT blocks of `plan`) and install the
-    stage residency on `pipeline`. `pin` defaults to pinned host memory when `compute_device` is CUDA."""
+                  plan=None, prefetch_blocks: int = 1, resident_blocks: int = 0) -> OffloadReport:
+    """Offload `pipeline.components()` (and in "memory" mode stream the DiT blocks of `plan` and the text encoders'
+    blocks, `prefetch_blocks` ahead, `resident_blocks` of each kept on the device) and install the stage residency
+    on `pipeline`. `pin` defaults to pinned host memory when `compute_device` is CUDA."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"offloading is for --performance-mode {' or '.join(OFFLOAD_MODES)}, got {mode!r}")
     compute_device, offload_device = torch.device(compute_device), torch.device(offload_device)
     pin = compute_device.type == "cuda" and offload_device.type == "cpu" if pin is None else pin
     components = pipeline.components()
     streamers: dict[str, BlockStreamer] = {}
+    if mode != "memory" and (prefetch_blocks, resident_blocks) != (1, 0):
+        raise ValueError(f"prefetch_blocks / resident_blocks are for block streaming (mode 'memory'), not {mode!r}")
     if mode == "memory":
         if plan is None:
             raise ValueError("--performance-mode memory streams the DiT blocks its plan lists; this model has none")
-        streamers["transformer"] = apply_block_streaming(components["transformer"], plan,
-                                                         compute_device=compute_device,
-                                                         offload_device=offload_device, pin=pin)
+        streaming = dict(compute_device=compute_device, offload_device=offload_device, pin=pin,
+                         prefetch_blocks=prefetch_blocks, resident_blocks=resident_blocks)
+        streamers["transformer"] = apply_block_streaming(components["transformer"], plan, **streaming)
         for name in STREAMED_ENCODERS:
             blocks = repeated_blocks(components[name]) if name in components else []
             if blocks:
-                streamers[name] = BlockStreamer(blocks, compute_device=compute_device,
-                                                offload_device=offload_device, pin=pin)
+                streamers[name] = BlockStreamer(blocks, **streaming)
     residency = ComponentOffload(components, compute_device=compute_device, offload_device=offload_device, pin=pin,
                                  streamers=streamers)
     pipeline.residency = residency
     host_bytes = {name: weights.num_bytes for name, weights in residency.weights.items()}
     for name, streamer in streamers.items():
-        host_bytes[f"{name} blocks"] = streamer.num_bytes
-    return OffloadReport(mode=mode, host_bytes=host_bytes, pinned=pin,
-                         streamed_blocks={name: len(streamer.blocks) for name, streamer in streamers.items()})
+        host_bytes[f"{name} blocks"] = streamer.streamed_bytes
+    return OffloadReport(
+        mode=mode, host_bytes=host_bytes, pinned=pin,
+        streamed_blocks={name: len(s.blocks) - len(s.resident) for name, s in streamers.items()},
+        prefetch_blocks=prefetch_blocks,
+        resident_blocks={name: len(s.resident) for name, s in streamers.items() if s.resident},
+        resident_bytes={name: s.resident_bytes for name, s in streamers.items() if s.resident})

@@ -176,8 +176,11 @@ class ModelWorker:
         from k6serve.offload import apply_offload
         from k6serve.speed.performance_mode import transformer_plan
 
-        report = apply_offload(self.pipeline, self.config.runtime.performance_mode, compute_device=self.device,
-                               plan=transformer_plan(self.pipeline.models.transformer))
+        runtime = self.config.runtime
+        report = apply_offload(self.pipeline, runtime.performance_mode, compute_device=self.device,
+                               plan=transformer_plan(self.pipeline.models.transformer),
+                               prefetch_blocks=runtime.offload_prefetch_blocks,
+                               resident_blocks=runtime.offload_resident_blocks)
         logger.info("%s", report.describe())
         return report
 

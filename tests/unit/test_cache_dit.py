@@ -302,9 +302,12 @@ def test_engine_default_request_switches_and_refusals(tiny_distill_dir, tiny_sr_
         _run(worker)
 
 
-def test_memory_mode_block_streaming_gives_the_resident_cached_result(tiny_distill_dir):
+@pytest.mark.parametrize(("prefetch_blocks", "resident_blocks"), [(1, 0), (2, 0), (2, 3)])
+def test_memory_mode_block_streaming_gives_the_resident_cached_result(tiny_distill_dir, prefetch_blocks,
+                                                                      resident_blocks):
     """Our block streamer follows the order blocks actually run in, so skipped blocks cost a missed prefetch, not a
-    wrong result (the reference refuses Cache-DiT with layerwise offload)."""
+    wrong result (the reference refuses Cache-DiT with layerwise offload); also with a deeper prefetch and with
+    resident blocks (test_offload.py checks the streamer's memory bound when cached steps skip blocks)."""
     from k6serve.offload import apply_offload
     from k6serve.speed.performance_mode import transformer_plan
 
@@ -313,8 +316,8 @@ def test_memory_mode_block_streaming_gives_the_resident_cached_result(tiny_disti
                                              attention_backend="sdpa"))
     settings = {"cache_dit_params": {"max_warmup_steps": 1, "residual_diff_threshold": 1.0}}
     resident = _run(worker, **settings)
-    apply_offload(worker.pipeline, "memory", compute_device="cpu",
-                  plan=transformer_plan(worker.pipeline.models.transformer))
+    apply_offload(worker.pipeline, "memory", compute_device="cpu", prefetch_blocks=prefetch_blocks,
+                  resident_blocks=resident_blocks, plan=transformer_plan(worker.pipeline.models.transformer))
     streamed = _run(worker, **settings)
     assert streamed.timings["cache_dit_cached_calls"] == 3
     assert np.array_equal(streamed.frames, resident.frames) and np.array_equal(streamed.audio, resident.audio)

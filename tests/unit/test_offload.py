@@ -324,3 +324,344 @@ def test_a_refused_registration_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing)
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of 3 MiB .*ulimit -l.*--performance-mode speed"):
         PinnedBuffer(3 * 2**20)
+
+
+class _FakeEvent:
+    """Stands in for the CUDA event recorded after a streamed block: until the host waits on it, the block's dropped
+    device copy may still be in use by the GPU, so it counts as on the device."""
+
+    def __init__(self, index: int, unfinished: list[int]) -> None:
+        self.index, self.unfinished = index, unfinished
+        unfinished.append(index)
+
+    def synchronize(self) -> None:
+        self.unfinished.remove(self.index)
+
+
+class _Watch:
+    """Observes a `BlockStreamer` on CPU (no streams there: copies are synchronous and nothing is in flight): fake
+    finished events make the host's waits visible, and at every device copy and block call the streamed copies the
+    device could hold (attached, prefetched, dropped but not waited for) are counted against `prefetch_blocks + 2`."""
+
+    def __init__(self, streamer) -> None:
+        self.streamer = streamer
+        self.unfinished: list[int] = []
+        self.copies: list[int] = []
+        self.most_on_device = 0
+        self.prefetched_at_call: list[tuple[int, list[int]]] = []  # (block, prefetched after its `before`)
+        after = streamer.after
+
+        def after_with_event(index):  # what `after` does on CUDA, with a fake event
+            after(index)
+            if index not in streamer.resident:
+                streamer.finished.append(_FakeEvent(index, self.unfinished))
+
+        streamer.after = after_with_event
+        release = streamer.release
+
+        def release_at_stage_end():  # the events are dropped unwaited; the next use is a later stage or request
+            release()
+            self.unfinished.clear()
+
+        streamer.release = release_at_stage_end
+        for index, weights in enumerate(streamer.weights):
+            def copy_to(device, index=index, original=weights.copy_to):
+                self.copies.append(index)
+                self._count(copying=1)
+                return original(device)
+
+            weights.copy_to = copy_to
+        for index, block in enumerate(streamer.blocks):  # registered after the streamer's hooks: they see its work
+            block.register_forward_pre_hook(lambda module, args, index=index: self._called(index))
+
+    def _count(self, copying: int = 0) -> None:
+        streamer = self.streamer
+        attached = sum(weights.on_device for weights in streamer.weights)
+        on_device = attached + len(streamer.prefetched) + len(self.unfinished) + copying
+        assert on_device <= streamer.prefetch_blocks + 2, (on_device, attached, streamer.prefetched, self.unfinished)
+        self.most_on_device = max(self.most_on_device, on_device)
+
+    def _called(self, index: int) -> None:
+        self._count()
+        self.prefetched_at_call.append((index, list(self.streamer.prefetched)))
+
+
+def _streamed_after(index: int, count: int, resident: frozenset[int], depth: int) -> list[int]:
+    """The next `depth` streamed blocks after `index` in plan order, wrapping."""
+    following = [(index + step) % count for step in range(1, count)]
+    return [other for other in following if other not in resident][:depth]
+
+
+@pytest.fixture(scope="module")
+def resident_outputs(tiny_distill_dir):
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode="memory",
+                                             attention_backend="sdpa"))
+    return _generate(worker)
+
+
+@pytest.mark.parametrize(("prefetch_blocks", "resident_blocks"), [(1, 0), (2, 0), (3, 0), (1, 1), (2, 1), (2, 99)])
+def test_streaming_depth_and_resident_blocks_are_bitwise_equal_and_bounded(tiny_distill_dir, resident_outputs,
+                                                                           prefetch_blocks, resident_blocks):
+    """Every depth and resident count gives the resident model's bits; at every copy and block call at most depth
+    + 2 streamed blocks are on the "device", and depth + 2 is reached (the depth is real); after each block the
+    next `depth` streamed blocks are prefetched; resident blocks (strided; 99 > any block count: all of them) are
+    never copied and keep their storage across calls and after the stage."""
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode="memory",
+                                             attention_backend="sdpa"))
+    report = apply_offload(worker.pipeline, "memory", compute_device="cpu", prefetch_blocks=prefetch_blocks,
+                           resident_blocks=resident_blocks, plan=transformer_plan(worker.pipeline.models.transformer))
+    streamers = worker.pipeline.residency.streamers
+    watches = {name: _Watch(streamer) for name, streamer in streamers.items()}
+    storage = {name: {index: [p.data_ptr() for p in streamer.blocks[index].parameters()]
+                      for index in streamer.resident} for name, streamer in streamers.items()}
+    for _ in range(2):
+        offloaded = _generate(worker)
+        assert np.array_equal(offloaded.frames, resident_outputs.frames)
+        assert np.array_equal(offloaded.audio, resident_outputs.audio)
+    for name, streamer in streamers.items():
+        count, watch = len(streamer.blocks), watches[name]
+        assert len(streamer.resident) == min(resident_blocks, count)
+        num_streamed = count - len(streamer.resident)
+        assert report.streamed_blocks[name] == num_streamed
+        assert not set(watch.copies) & streamer.resident
+        assert storage[name] == {index: [p.data_ptr() for p in streamer.blocks[index].parameters()]
+                                 for index in streamer.resident}
+        assert not any(weights.on_device for weights in streamer.weights) and not streamer.prefetched
+        if num_streamed > prefetch_blocks:
+            assert watch.most_on_device == prefetch_blocks + 2, (name, watch.most_on_device)
+        for index, prefetched in watch.prefetched_at_call:
+            assert prefetched == _streamed_after(index, count, streamer.resident, prefetch_blocks), (name, index)
+    if resident_blocks:
+        assert report.resident_blocks == {name: len(s.resident) for name, s in streamers.items()}
+        assert report.resident_bytes["transformer"] == streamers["transformer"].resident_bytes > 0
+        assert "on the GPU for the worker's life: " in report.describe()
+    else:
+        assert report.resident_blocks == {} and "on the GPU" not in report.describe()
+    assert f"streamed {prefetch_blocks} ahead" in report.describe()
+
+
+def test_streaming_bound_holds_when_cached_steps_skip_blocks(tiny_distill_dir):
+    """Cache-DiT skips blocks on cached steps, so the predicted order goes wrong there: prefetches of blocks that
+    did not run are dropped, not kept, and the device never holds more than depth + 2 streamed blocks."""
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode="memory",
+                                             attention_backend="sdpa"))
+    apply_offload(worker.pipeline, "memory", compute_device="cpu", prefetch_blocks=2,
+                  plan=transformer_plan(worker.pipeline.models.transformer))
+    watch = _Watch(worker.pipeline.residency.streamers["transformer"])
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5,
+                            num_inference_steps=4, cache_dit_params={"max_warmup_steps": 1,
+                                                                     "residual_diff_threshold": 1.0})
+    result = worker.run(params, NO_FILE)
+    assert result.timings["cache_dit_cached_calls"] == 3
+    called = [index for index, _ in watch.prefetched_at_call]
+    assert len(called) < 4 * len(watch.streamer.blocks)  # blocks were skipped
+    assert watch.most_on_device == 4
+
+
+def test_resident_blocks_are_strided():
+    from k6serve.offload.block_stream import strided_indices
+
+    assert strided_indices(8, 0) == frozenset()
+    assert strided_indices(8, 2) == {0, 4}
+    assert strided_indices(8, 3) == {0, 2, 5}
+    assert strided_indices(48, 20) == {index * 48 // 20 for index in range(20)}
+    assert strided_indices(4, 4) == strided_indices(4, 9) == {0, 1, 2, 3}  # more than the blocks: all of them
+
+
+class _Shuffled(torch.nn.Module):
+    """Seven blocks called in another order than their list's, so the streamer must learn the order."""
+
+    ORDER = (0, 4, 1, 5, 2, 6, 3)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(7))
+
+    def forward(self, x):
+        for index in self.ORDER:
+            x = torch.tanh(self.blocks[index](x))
+        return x
+
+
+@pytest.mark.parametrize(("prefetch_blocks", "resident_blocks"), [(2, 0), (3, 2)])
+def test_deeper_prefetch_learns_the_order_the_blocks_run_in(prefetch_blocks, resident_blocks):
+    """With depth > 1 the prefetch chain is still corrected from the run order: the first call learns the order
+    within a call, the second the wrap from the last block to the next call's first; from then on each streamed
+    block is copied once per call, by prefetch, and after each block the next `depth` in run order are prefetched."""
+    from k6serve.offload.block_stream import BlockStreamer
+
+    model = _Shuffled()
+    inputs = torch.randn(3, 8)
+    expected = model(inputs)
+    cpu = torch.device("cpu")
+    streamer = BlockStreamer(list(model.blocks), compute_device=cpu, offload_device=cpu, pin=False,
+                             prefetch_blocks=prefetch_blocks, resident_blocks=resident_blocks)
+    watch = _Watch(streamer)
+    for _ in range(2):
+        assert torch.equal(model(inputs), expected)
+    for _ in range(2):
+        watch.copies.clear()
+        watch.prefetched_at_call.clear()
+        assert torch.equal(model(inputs), expected)
+        streamed_order = [index for index in _Shuffled.ORDER if index not in streamer.resident]
+        # Each streamed block once, all by prefetch (the last ones also prefetch the next call's first blocks).
+        assert sorted(watch.copies) == sorted(streamed_order)
+        run = list(_Shuffled.ORDER)
+        for position, (index, prefetched) in enumerate(watch.prefetched_at_call):
+            assert index == run[position]
+            following = [run[(position + step) % len(run)] for step in range(1, len(run))]
+            assert prefetched == [other for other in following if other not in streamer.resident][:prefetch_blocks]
+    assert watch.most_on_device == prefetch_blocks + 2
+    streamer.release()
+    assert not any(weights.on_device for weights in streamer.weights) and not streamer.prefetched
+    assert torch.equal(model(inputs), expected)
+
+
+def test_resident_blocks_have_no_host_copy_and_stay_after_release(monkeypatch):
+    """Resident blocks are packed on the compute device at install (no pinned host copy: host memory is for the
+    streamed blocks), stay attached across calls and `release()`, and are never sent back by `after()`."""
+    from k6serve.offload.block_stream import BlockStreamer
+
+    registered: list[int] = []
+
+    class FakeCudart:
+        @staticmethod
+        def cudaHostRegister(pointer, num_bytes, flags):
+            registered.append(pointer)
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(pointer):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart)
+    model = _Shuffled()
+    inputs = torch.randn(3, 8)
+    expected = model(inputs)
+    cpu = torch.device("cpu")
+    streamer = BlockStreamer(list(model.blocks), compute_device=cpu, offload_device=cpu, pin=True,
+                             prefetch_blocks=2, resident_blocks=3)
+    assert streamer.resident == {0, 2, 4}
+    assert len(registered) == 4 and all(streamer.weights[index].pinned_buffers == [] for index in streamer.resident)
+    block_bytes = streamer.weights[0].num_bytes  # every block packs alike (the bias aligned after the weight)
+    assert block_bytes >= (8 * 8 + 8) * 4
+    assert (streamer.resident_bytes, streamer.streamed_bytes) == (3 * block_bytes, 4 * block_bytes)
+    storage = {index: [p.data_ptr() for p in model.blocks[index].parameters()] for index in streamer.resident}
+    for _ in range(2):
+        assert torch.equal(model(inputs), expected)
+        streamer.release()
+        assert storage == {index: [p.data_ptr() for p in model.blocks[index].parameters()]
+                           for index in streamer.resident}
+    assert all(streamer.weights[index].attached_to_host() for index in range(7) if index not in streamer.resident)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"performance_mode": "memory", "offload_prefetch_blocks": 0},
+         r"--offload-prefetch-blocks must be an integer >= 1 \(blocks copied ahead of the running one\), got 0"),
+        ({"performance_mode": "memory", "offload_prefetch_blocks": 1.5}, r"--offload-prefetch-blocks must be an "
+                                                                         r"integer >= 1 .*got 1.5"),
+        ({"performance_mode": "memory", "offload_resident_blocks": -1},
+         r"--offload-resident-blocks must be an integer >= 0 \(blocks kept on the GPU, per streamed component\)"),
+        ({"performance_mode": "memory", "offload_resident_blocks": True}, r"--offload-resident-blocks must be an "
+                                                                          r"integer >= 0 .*got True"),
+        ({"offload_prefetch_blocks": 2}, r"^--offload-prefetch-blocks 2 applies only to --performance-mode memory, "
+                                         r"which streams the DiT's blocks between host and GPU; --performance-mode "
+                                         r"speed streams none. Add --performance-mode memory, or drop it.$"),
+        ({"performance_mode": "balanced", "offload_prefetch_blocks": 3, "offload_resident_blocks": 4},
+         r"^--offload-prefetch-blocks 3 and --offload-resident-blocks 4 apply only to --performance-mode memory.*"
+         r"--performance-mode balanced streams none. Add --performance-mode memory, or drop them.$"),
+    ],
+)
+def test_block_streaming_options_are_validated(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_engine_config("demo", **options)
+
+
+def test_block_streaming_defaults_are_accepted_in_every_mode():
+    for mode in ("speed", "balanced", "memory"):
+        runtime = build_engine_config("demo", performance_mode=mode, offload_prefetch_blocks=1,
+                                      offload_resident_blocks=0).runtime
+        assert (runtime.offload_prefetch_blocks, runtime.offload_resident_blocks) == (1, 0)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_block_streaming_flags_reach_the_runtime_config(command, tmp_path):
+    """The CLI flags of both commands, a --config file and the Python API's keyword arguments."""
+    from k6serve.api import DiffGenerator
+    from k6serve.cli.main import build_parser, merged_options, split_options
+
+    parser = build_parser()
+    extra = ["--prompt", "x"] if command == "generate" else []
+    args = parser.parse_args([command, "--model-path", "demo", "--performance-mode", "memory",
+                              "--offload-prefetch-blocks", "2", "--offload-resident-blocks", "20", *extra])
+    engine, _ = split_options(merged_options(args, parser))
+    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    assert (runtime.offload_prefetch_blocks, runtime.offload_resident_blocks) == (2, 20)
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text("performance-mode: memory\noffload-prefetch-blocks: 3\noffload-resident-blocks: '4'\n")
+    args = parser.parse_args([command, "--model-path", "demo", "--config", str(config_file), *extra])
+    engine, _ = split_options(merged_options(args, parser))
+    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    assert (runtime.offload_prefetch_blocks, runtime.offload_resident_blocks) == (3, 4)
+    captured = {}
+
+    class FakeEngine:
+        def __init__(self, config):
+            captured["config"] = config
+
+    import k6serve.api
+
+    original = k6serve.api.Engine
+    k6serve.api.Engine = FakeEngine
+    try:
+        DiffGenerator.from_pretrained("demo", performance_mode="memory", offload_prefetch_blocks=2,
+                                      offload_resident_blocks=5)
+    finally:
+        k6serve.api.Engine = original
+    assert (captured["config"].runtime.offload_prefetch_blocks,
+            captured["config"].runtime.offload_resident_blocks) == (2, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream, events and pinned copies need CUDA")
+def test_cuda_deeper_prefetch_and_resident_blocks_match_resident_and_bound_the_memory(tiny_distill_dir, monkeypatch):
+    """On a GPU with depth 2 and 2 resident blocks: the outputs equal a resident run bit for bit; at every DiT block
+    call the streamed copies the device may hold (attached, prefetched, and those dropped after a block whose
+    finished event the host has not waited on) are at most depth + 2 = 4; the DiT's peak allocation exceeds that of
+    depth 1 without resident blocks by at most two streamed blocks (one more copy ahead, and a finishing block the
+    allocator may or may not have freed yet) plus the resident bytes, so no copy is kept across calls; the resident
+    blocks stay on the GPU after the request, the streamed ones back on the host."""
+    def dit_peak_and_counts(prefetch_blocks, resident_blocks):
+        config = build_engine_config(str(tiny_distill_dir), device="cuda", performance_mode="memory",
+                                     attention_backend="sdpa", offload_prefetch_blocks=prefetch_blocks,
+                                     offload_resident_blocks=resident_blocks)
+        worker = ModelWorker(config)
+        streamer = worker.pipeline.residency.streamers["transformer"]
+        counts: list[int] = []
+        peaks: list[int] = []
+        for block in streamer.blocks:  # after the streamer's hooks
+            block.register_forward_pre_hook(lambda module, args: counts.append(
+                sum(w.on_device for w in streamer.weights) + len(streamer.prefetched) + len(streamer.finished)))
+        transformer = worker.pipeline.models.transformer
+        transformer.register_forward_pre_hook(lambda module, args: torch.cuda.reset_peak_memory_stats())
+        transformer.register_forward_hook(lambda module, args, output: peaks.append(torch.cuda.max_memory_allocated()))
+        return worker, streamer, _generate(worker), max(peaks), counts
+
+    # The baseline first: its worker leaves nothing on the GPU, while the other's resident blocks stay there.
+    _, _, baseline, baseline_peak, _ = dit_peak_and_counts(1, 0)
+    worker, streamer, offloaded, peak, counts = dit_peak_and_counts(2, 2)
+    assert len(streamer.resident) == 2 and max(counts) <= 4
+    for index, block in enumerate(streamer.blocks):
+        assert all(p.device.type == ("cuda" if index in streamer.resident else "cpu") for p in block.parameters())
+    largest_block = max(w.num_bytes for i, w in enumerate(streamer.weights) if i not in streamer.resident)
+    assert np.array_equal(offloaded.frames, baseline.frames)
+    assert peak - baseline_peak <= 2 * largest_block + streamer.resident_bytes
+    monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
+    resident = _generate(ModelWorker(build_engine_config(str(tiny_distill_dir), device="cuda",
+                                                         performance_mode="memory", attention_backend="sdpa")))
+    assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
