@@ -262,6 +262,19 @@ class DiffGenerator:
         """The loaded adapters and their state: `{"loras": [...]}`."""
         return self.engine.lora(ListLoras())
 
+    def release_memory(self) -> dict:
+        """Give the GPU memory back (sleep, e.g. to an RL trainer on the same GPUs): after the requests already
+        submitted, every weight moves to host memory on every rank and the allocator caches are freed; requests
+        submitted meanwhile wait for `resume_memory`. Returns each rank's report of what moved and what the process
+        still holds on its GPU (docs/http-api.md, POST /release_memory_occupation). Releasing twice changes
+        nothing and says so ("status": "already_released"); sharded layouts raise ValueError."""
+        return self.engine.release_memory()
+
+    def resume_memory(self) -> dict:
+        """Copy the weights back to the GPUs, bit for bit; the waiting requests then run in order. Resuming while
+        not released changes nothing ("status": "not_released")."""
+        return self.engine.resume_memory()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

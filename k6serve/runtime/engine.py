@@ -10,6 +10,12 @@ there), after which the worker is free for the next request. Only the MP4's tail
 LoRA operations (`Engine.lora`, `submit_lora`) queue like requests and run between them, in submission order: one
 starts once every request taken before it has finished, on every replica at once (`worker.apply_lora_operation`),
 and no request taken after it starts until it has finished, so all replicas always hold the same adapters.
+
+Memory operations (`release_memory`, `resume_memory`, `submit_memory`; `runtime/memory.py`) run the same way. After
+a release, requests and adapter changes taken from the queue are held back, in order, until a resume; the loop keeps
+taking, so the resume (and a `ListLoras`, which changes nothing) gets through whatever waits before it. A held
+request can still be cancelled (it then never runs); `shutdown` fails the ones still held. Releasing twice or
+resuming while not released changes nothing and says so in the reply's "status".
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ import itertools
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from k6serve.config import EngineConfig
-from k6serve.lora.spec import LoraOperation
+from k6serve.lora.spec import ListLoras, LoraOperation
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory, memory_reply
 from k6serve.runtime.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
@@ -61,6 +69,14 @@ class LoraJob:
     """A LoRA operation waiting in the engine's queue; its future holds the worker's result dict."""
 
     operation: LoraOperation
+    future: Future = field(default_factory=Future)
+
+
+@dataclass(eq=False)
+class MemoryJob:
+    """A memory release or resume waiting in the engine's queue; its future holds the reply dict (`memory_reply`)."""
+
+    operation: MemoryOperation
     future: Future = field(default_factory=Future)
 
 
@@ -105,6 +121,8 @@ class Engine:
         self._taking = threading.Lock()
         self._idle = threading.Condition()  # notified whenever a request ends
         self._num_running = 0
+        self._memory_released = False
+        self._held: deque[EngineJob | LoraJob] = deque()  # taken while released, run after the resume; `_taking`
         for thread in self._threads:
             thread.start()
 
@@ -150,33 +168,62 @@ class Engine:
             raise
 
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._held)
 
-    def submit_lora(self, operation: LoraOperation) -> Future:
-        """Queue a LoRA operation behind the requests already submitted; its future holds the result dict."""
-        job = LoraJob(operation)
+    @property
+    def memory_released(self) -> bool:
+        """True from a release until the next resume: requests wait in the queue meanwhile."""
+        return self._memory_released
+
+    def _put(self, job: LoraJob | MemoryJob) -> Future:
         with self._closing:
             if self._closed:
                 raise RuntimeError("The engine has been shut down.")
             self._queue.put(job)
         return job.future
 
-    def lora(self, operation: LoraOperation) -> dict:
-        """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.
-        A ValueError (bad input: the adapter state is unchanged) is raised as it is."""
-        future = self.submit_lora(operation)
+    def submit_lora(self, operation: LoraOperation) -> Future:
+        """Queue a LoRA operation behind the requests already submitted; its future holds the result dict."""
+        return self._put(LoraJob(operation))
+
+    def submit_memory(self, operation: MemoryOperation) -> Future:
+        """Queue a memory release or resume behind the requests already submitted; its future holds the reply."""
+        return self._put(MemoryJob(operation))
+
+    def _wait_for(self, future: Future) -> dict:
         try:
             return future.result()
         except BaseException:
             future.cancel()  # an interrupted caller: drop it if still queued
             raise
 
+    def release_memory(self) -> dict:
+        """Once the requests before it have finished, move every device tensor of every rank to host memory and
+        free the allocator caches; requests wait until `resume_memory`. Returns what each rank freed and still
+        holds (`runtime/memory.py`). A sharded layout (TP, FSDP, folded encoders) raises ValueError."""
+        return self._wait_for(self.submit_memory(ReleaseMemory()))
+
+    def resume_memory(self) -> dict:
+        """Copy the released tensors back to the devices, bit for bit; the waiting requests then run in order."""
+        return self._wait_for(self.submit_memory(ResumeMemory()))
+
+    def lora(self, operation: LoraOperation) -> dict:
+        """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.
+        A ValueError (bad input: the adapter state is unchanged) is raised as it is."""
+        return self._wait_for(self.submit_lora(operation))
+
     def _loop(self) -> None:
         while True:
             with self._taking:
-                job = self._queue.get()
+                job = self._held.popleft() if self._held and not self._memory_released else self._queue.get()
                 if job is _STOP:
                     return
+                if isinstance(job, MemoryJob):
+                    self._run_memory(job)
+                    continue
+                if self._memory_released and not (isinstance(job, LoraJob) and isinstance(job.operation, ListLoras)):
+                    self._held.append(job)
+                    continue
                 if isinstance(job, LoraJob):
                     self._run_lora(job)
                     continue
@@ -204,11 +251,14 @@ class Engine:
         else:
             job.future.set_result(result)
 
-    def _run_lora(self, job: LoraJob) -> None:
-        """Called holding `_taking`: waits for the running requests to end; none starts until it returns."""
+    def _wait_until_idle(self) -> None:
         with self._idle:
             while self._num_running:
                 self._idle.wait()
+
+    def _run_lora(self, job: LoraJob) -> None:
+        """Called holding `_taking`: waits for the running requests to end; none starts until it returns."""
+        self._wait_until_idle()
         if not job.future.set_running_or_notify_cancel():
             return
         try:
@@ -217,6 +267,19 @@ class Engine:
             job.future.set_exception(exc)
         else:
             job.future.set_result(result)
+
+    def _run_memory(self, job: MemoryJob) -> None:
+        """Called holding `_taking`, as `_run_lora`; the worker returns one report per rank."""
+        self._wait_until_idle()
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            reports = self.worker.apply_memory_operation(job.operation)
+        except BaseException as exc:  # noqa: BLE001 (raised to the caller, who waits for it)
+            job.future.set_exception(exc)
+            return
+        self._memory_released = isinstance(job.operation, ReleaseMemory)
+        job.future.set_result(memory_reply(job.operation, reports, num_waiting=len(self._held)))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Finish the running requests, stop the loop threads, then close the worker (its processes)."""
@@ -228,6 +291,11 @@ class Engine:
                 self._queue.put(_STOP)
         for thread in self._threads:
             thread.join(timeout)
+        while self._held:
+            held = self._held.popleft()
+            if held.future.set_running_or_notify_cancel():
+                held.future.set_exception(RuntimeError("The engine was shut down while its memory was released; "
+                                                       "this did not run."))
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()

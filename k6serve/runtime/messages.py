@@ -1,11 +1,13 @@
 """Typed messages between the engine process and the leader rank of each replica (pickled over a socket).
 
-engine -> leader: `RunRequest`, `LoraRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
+engine -> leader: `RunRequest`, `LoraRequest`, `MemoryRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
 leader -> engine: `Ready` / `StartupFailed` once, then per request any number of `Progress` and one
-`RunSucceeded` or `RunFailed`; per `LoraRequest` one `LoraDone` or `RunFailed` (no progress).
-Inside a replica the leader broadcasts `RunRequest`, `LoraRequest`, `Heartbeat` and `Shutdown` to the other ranks;
-every rank runs a `LoraRequest`'s operation on its own model and the leader gathers their failures as for a run.
-The engine sends a `LoraRequest` to every replica at once, only while none of them runs a request.
+`RunSucceeded` or `RunFailed`; per `LoraRequest` one `LoraDone` or `RunFailed` (no progress); per `MemoryRequest`
+one `MemoryDone` or `RunFailed`.
+Inside a replica the leader broadcasts `RunRequest`, `LoraRequest`, `MemoryRequest`, `Heartbeat` and `Shutdown` to
+the other ranks; every rank runs a `LoraRequest`'s or `MemoryRequest`'s operation on its own model and the leader
+gathers their failures as for a run (and, for memory, every rank's report).
+The engine sends a `LoraRequest` or `MemoryRequest` to every replica at once, only while none of them runs a request.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from k6serve.lora.spec import LoraOperation
 from k6serve.models.variants import Variant
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.runtime.memory import MemoryOperation
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,6 +33,14 @@ class LoraRequest:
 
     request_id: int
     operation: LoraOperation
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryRequest:
+    """Release or resume the device memory (`k6serve.runtime.memory`) on every rank of the replica, between requests."""
+
+    request_id: int
+    operation: MemoryOperation
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +96,14 @@ class LoraDone:
 
     request_id: int
     result: dict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryDone:
+    """Every rank of the replica applied the memory operation; `result` holds each rank's report, in rank order."""
+
+    request_id: int
+    result: list[dict]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

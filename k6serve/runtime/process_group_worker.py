@@ -3,8 +3,8 @@
 Engine side: `MultiProcessWorker(config)` starts the ranks (or joins the ones torchrun started), waits until
 every replica's leader (its first rank) reports `Ready`, then hands each request to an idle replica over a
 socket and relays progress and cancellation step by step. It has the members the `Engine` uses (`variant`,
-`resolve`, `run`, `apply_lora_operation`, which waits until every replica is idle and runs the LoRA operation on all
-of them), so `Engine(config, worker=MultiProcessWorker(config))` serves with any number of ranks,
+`resolve`, `run`, `apply_lora_operation` and `apply_memory_operation`, which wait until every replica is idle and run
+the operation on all of them), so `Engine(config, worker=MultiProcessWorker(config))` serves with any number of ranks,
 including 1.
 
 Rank side (`rank_main`): join the process group, build the groups of the layout, build the per-rank worker,
@@ -56,6 +56,7 @@ from k6serve.runtime.launch import (
     stop_processes,
     torchrun_rank,
 )
+from k6serve.runtime.memory import MemoryOperation, inverse
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class RankWorker(Protocol):
             on_step: ProgressCallback | None = None) -> VideoResult: ...
 
     def apply_lora_operation(self, operation: LoraOperation) -> dict: ...
+
+    def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,6 +200,8 @@ class _ReplicaLoop:
                 return
             if isinstance(message, messages.LoraRequest) and not self._apply_lora(message):
                 return
+            if isinstance(message, messages.MemoryRequest) and not self._apply_memory(message):
+                return
 
     def _next_message(self) -> object:
         assert self.connection is not None
@@ -243,6 +248,44 @@ class _ReplicaLoop:
             failure = _classify(error, self.context.spec.rank)
         return self._reply(request.request_id, failure,
                            lambda: messages.LoraDone(request_id=request.request_id, result=result))
+
+    def _apply_memory(self, request: messages.MemoryRequest) -> bool:
+        """Release or resume on this rank. If it failed on another rank of the replica, it is undone here, so the
+        ranks stay alike (all released or none); returns False when that fails too or a peer is gone."""
+        reports, failure = [], None
+        rank, replica = self.context.spec.rank, self.context.groups.replica
+        try:
+            reports = [{"replica": replica, "rank": rank, **report}
+                       for report in self.worker.apply_memory_operation(request.operation)]
+        except Exception as error:  # noqa: BLE001 (reported to the engine below; the loop keeps serving)
+            failure = _classify(error, rank)
+        try:
+            outcomes = _gather((failure, reports), self.context)
+        except Exception as error:  # noqa: BLE001 (a peer is gone: the replica cannot run collectives)
+            outcomes = [(failure or ("runtime", f"a rank of the replica stopped responding: {error}", None), [])]
+        failures = [outcome for outcome, _ in outcomes if outcome is not None]
+        broken = len(outcomes) != len(self.context.groups.replica_ranks)  # a peer is gone
+        if failures and not broken:
+            undo_failed = False
+            if failure is None:
+                try:
+                    self.worker.apply_memory_operation(inverse(request.operation))
+                except Exception:  # the ranks now differ: the replica cannot serve
+                    logger.exception("undoing %s on rank %d failed", type(request.operation).__name__, rank)
+                    undo_failed = True
+            try:
+                broken = any(_gather(undo_failed, self.context))
+            except Exception:  # noqa: BLE001 (a peer is gone)
+                broken = True
+        if self.connection is not None:
+            if not failures:
+                self.connection.send(messages.MemoryDone(request_id=request.request_id,
+                                                         result=[r for _, ranks in outcomes for r in ranks]))
+            else:
+                kind, text, os_error = failures[0]
+                self.connection.send(messages.RunFailed(request_id=request.request_id, kind=kind, message=text,
+                                                        replica_broken=broken, os_error=os_error))
+        return not broken
 
     def _reply(self, request_id: int, failure: tuple | None, succeeded: Callable[[], object]) -> bool:
         """Gather every rank's failure; the leader sends `succeeded()` or the first failure. Returns False when
@@ -484,21 +527,55 @@ class MultiProcessWorker:
         A ValueError on every replica is raised as ValueError (the adapters are unchanged); if some replicas
         succeeded and others failed the RuntimeError says so, as they now hold different adapters.
         """
-        replicas = self._take_all_replicas()
+        replicas = self._take_all_replicas("LoRA operation")
         try:
-            outcomes = self._lora_on(replicas, operation)
+            outcomes = self._control_on(replicas, lambda request_id: messages.LoraRequest(request_id=request_id,
+                                                                                        operation=operation))
         finally:
-            with self._changed:
-                self._idle.extend(r for r in replicas if r.alive)
-                self._idle.sort(key=lambda r: r.index)
-                self._changed.notify_all()
+            self._give_back(replicas)
         return _lora_result(operation, outcomes)
 
-    def _take_all_replicas(self) -> list[_Replica]:
+    def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
+        """Release or resume the memory of every rank of every replica, once all are idle; every rank's report.
+
+        All or nothing: if some replicas fail, the others are put back (`memory.inverse`) and the first failure is
+        raised (a ValueError as it is: a refused layout is refused everywhere)."""
+        replicas = self._take_all_replicas("memory operation")
+        undo_failed: list[int] = []
+        try:
+            outcomes = self._memory_on(replicas, operation)
+            failed = [(index, error) for index, error in outcomes if isinstance(error, Exception)]
+            succeeded = [r for r, (_, result) in zip(replicas, outcomes) if not isinstance(result, Exception)]
+            if failed and succeeded:
+                undone = self._memory_on(succeeded, inverse(operation))
+                undo_failed = [index for index, result in undone if isinstance(result, Exception)]
+        finally:
+            self._give_back(replicas)
+        if failed:
+            index, error = failed[0]
+            if isinstance(error, ValueError) or not succeeded:
+                raise error
+            outcome = (f"undoing it failed on replica(s) {undo_failed}, which now differ from the others; restart the "
+                       "server" if undo_failed else "the replicas where it succeeded were put back, so nothing changed")
+            raise RuntimeError(f"{type(operation).__name__} failed on replica(s) {[i for i, _ in failed]}; "
+                               f"{outcome}. Replica {index}: {type(error).__name__}: {error}") from error
+        return [report for _, reports in outcomes for report in reports]
+
+    def _memory_on(self, replicas: list[_Replica], operation: MemoryOperation) -> list[tuple[int, list | Exception]]:
+        return self._control_on(replicas, lambda request_id: messages.MemoryRequest(request_id=request_id,
+                                                                                    operation=operation))
+
+    def _give_back(self, replicas: list[_Replica]) -> None:
+        with self._changed:
+            self._idle.extend(r for r in replicas if r.alive)
+            self._idle.sort(key=lambda r: r.index)
+            self._changed.notify_all()
+
+    def _take_all_replicas(self, what: str) -> list[_Replica]:
         with self._changed:
             while True:
                 if self._closed:
-                    raise RuntimeError("The engine has been shut down; this LoRA operation did not run.")
+                    raise RuntimeError(f"The engine has been shut down; this {what} did not run.")
                 alive = [r for r in self._replicas if r.alive]
                 if not alive:
                     raise RuntimeError("every worker replica has died; restart the engine (see the errors above).")
@@ -507,13 +584,14 @@ class MultiProcessWorker:
                     return alive
                 self._changed.wait()
 
-    def _lora_on(self, replicas: list[_Replica], operation: LoraOperation) -> list[tuple[int, dict | Exception]]:
-        """(replica index, its result dict or the exception to raise) for each replica; all run it at once."""
+    def _control_on(self, replicas: list[_Replica], build: Callable[[int], object]) -> list[tuple[int, object]]:
+        """(replica index, its result or the exception to raise) for each replica; all run the message `build`
+        makes for a request id at once."""
         request_id = next(self._ids)
         unreachable = set()
         for replica in replicas:
             try:
-                replica.connection.send(messages.LoraRequest(request_id=request_id, operation=operation))
+                replica.connection.send(build(request_id))
             except OSError:
                 unreachable.add(replica.index)
         outcomes: list[tuple[int, dict | Exception]] = []
@@ -528,7 +606,7 @@ class MultiProcessWorker:
             except (EOFError, OSError):
                 outcomes.append((replica.index, self._replica_died(replica, request_id)))
                 continue
-            if isinstance(message, messages.LoraDone):
+            if isinstance(message, (messages.LoraDone, messages.MemoryDone)):
                 outcomes.append((replica.index, message.result))
                 continue
             assert isinstance(message, messages.RunFailed), message

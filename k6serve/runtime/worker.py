@@ -45,6 +45,7 @@ from k6serve.request import (
     VideoResult,
 )
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
+from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
 from k6serve.speed import apply_performance_mode, warmup
 from k6serve.speed.vae_tiling import resolve_vae_tiling
 
@@ -128,6 +129,7 @@ class ModelWorker:
         self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
         self.lora_manager = None  # created on the first LoRA operation (`_lora_manager`)
+        self.memory_release = MemoryRelease(self.device)  # sleep / wake between requests (runtime/memory.py)
         if model.lora_path:
             # After the speed transforms and offloading: the manager must see the fused projections and the host
             # storage that requests will use.
@@ -224,6 +226,10 @@ class ModelWorker:
         else:
             raise TypeError(f"not a LoRA operation: {operation!r}")
         return {"status": "ok", "message": message, "loras": manager.state()}
+
+    def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
+        """Release or resume this worker's device memory, between requests; one report (this worker is one rank)."""
+        return [apply_memory_operation(self, operation)]
 
     def _request_loras(self, request: GenerateRequest | UpscaleRequest):
         """The request's own LoRA adapters for its run (`LoraManager.for_request`), or nothing to change."""
@@ -362,6 +368,8 @@ class ModelWorker:
 
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult:
+        if self.memory_release.released:
+            raise RuntimeError("this worker's memory is released: resume it before running a request")
         request, notes = self.resolve(params)
         for note in notes:
             logger.warning(note)

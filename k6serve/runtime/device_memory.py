@@ -1,0 +1,112 @@
+"""What this process still holds on its GPU, for the memory release report (`runtime/memory.py`).
+
+Three figures, from the most to the least precise: torch's caching allocator (`allocated`: live tensors and
+allocator-owned workspaces; `reserved`: that plus cached free blocks), the device's used memory (`mem_get_info`:
+every process on the GPU), and this process's share of it from NVML (needs `nvidia-ml-py`). The difference between
+this process's share and `reserved` is memory torch's allocator never saw: the CUDA context and NCCL's buffers.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+# Named in the report, so a caller sees what cannot be freed without ending the process.
+OUTSIDE_ALLOCATOR = ("the CUDA context (driver state and the loaded kernel images of torch, cuBLAS, cuDNN and the "
+                     "compiled kernels, typically 0.3-1 GiB per process)")
+NCCL_BUFFERS = "NCCL's communicator buffers and channels (multi-GPU layouts: tens to hundreds of MiB per communicator)"
+NUM_LISTED_TENSORS = 5
+
+
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index ("cuda" -> "cuda:<current>"), so tensors' devices compare equal to it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def free_allocator_caches(device: torch.device) -> None:
+    """Collect garbage, drop cuBLAS's per-handle workspaces and return the allocator's free blocks to the driver."""
+    gc.collect()
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    # cuBLAS workspaces are allocator blocks kept per (handle, stream) for the life of the handle; torch's only way
+    # to drop them is this private binding (what inductor's CUDA-graph trees call). Recreated on the next GEMM.
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
+
+
+def live_tensor_storages(device: torch.device) -> list[dict]:
+    """The storages of live tensors on `device` that the garbage collector can reach, largest first: what is left
+    allocated after a release, with a shape and dtype of one tensor viewing each (to recognise it)."""
+    device = indexed(device)
+    storages: dict[int, dict] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device != device:
+                continue
+            storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
+        except Exception:  # noqa: BLE001, S112 - fake, functional or storage-less tensors hold no memory
+            continue
+        if pointer and pointer not in storages:
+            storages[pointer] = {"bytes": storage.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype)}
+    return sorted(storages.values(), key=lambda entry: -entry["bytes"])
+
+
+def _process_used_bytes(device: torch.device) -> int | None:
+    """This process's memory on `device` as NVML counts it (context included), or None without nvidia-ml-py."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001 - not installed, no driver access in a container, or an older torch
+        return None
+    return next((p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory is not None), None)
+
+
+def _uses_nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+
+
+def device_memory_state(device: torch.device) -> dict:
+    """What this process holds on `device` now, with the explanation of what is not torch's (JSON-able)."""
+    if device.type != "cuda":
+        return {"device": str(device), "explanation": "a CPU device: the weights already live in host memory, so a "
+                                                      "release only moves them to fresh host storage"}
+    device = indexed(device)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    process = _process_used_bytes(device)
+    live = live_tensor_storages(device)
+    outside = [OUTSIDE_ALLOCATOR] + ([NCCL_BUFFERS] if _uses_nccl() else [])
+    if process is None:
+        share = ("this process's share of the device's used memory is unknown (install nvidia-ml-py for it); what "
+                 f"is not torch's is {' and '.join(outside)}")
+    else:
+        share = (f"this process uses {process / 2**20:.0f} MiB of the device per NVML, "
+                 f"{max(0, process - reserved) / 2**20:.0f} MiB of it outside torch's allocator: {' and '.join(outside)}")
+    return {
+        "device": str(device),
+        "allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "device_used_bytes": total - free,  # every process on this GPU
+        "device_total_bytes": total,
+        "process_used_bytes": process,
+        "live_tensor_bytes": sum(entry["bytes"] for entry in live),
+        "largest_live_tensors": live[:NUM_LISTED_TENSORS],
+        "explanation": (f"torch has {allocated / 2**20:.1f} MiB allocated ({len(live)} live tensor storages, "
+                        f"{sum(e['bytes'] for e in live) / 2**20:.1f} MiB; the rest is allocator-owned workspaces) "
+                        f"and {reserved / 2**20:.1f} MiB reserved; {share}. Neither the context nor NCCL's buffers "
+                        "can be freed without ending the process."),
+    }

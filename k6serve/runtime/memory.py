@@ -1,0 +1,340 @@
+"""Release and resume a worker's device memory between requests (sleep / wake, for an RL trainer on the same GPUs).
+
+A release moves every tensor the worker keeps on its device between requests into host memory, by re-pointing each
+tensor's `.data` (`offload/host_weights.py`), so the `nn.Parameter` objects, the hooks and the compiled graphs that
+refer to them stay the same; then it frees the allocator's caches and reports what the process still holds
+(`device_memory.py`). A resume copies everything back bit for bit and drops the host copies. Each direction is
+all or nothing on a worker: a failed release (host memory) or resume (device memory still taken by the trainer)
+leaves every tensor where it was.
+
+What is moved (`device_tensors`): each pipeline component's parameters and buffers (speed mode's fused projections
+and folded buffers are registered there too), tensors kept as plain module attributes, and the dynamic LoRA
+adapters' device copies. Tensors attached to the offload residency's host copies (`--performance-mode balanced /
+memory`, between stages) are already in host memory and stay as they are; a residency copy that lives on the device
+itself (block streaming's resident blocks) is moved as a whole (`device_homes`): its chunks, the views into them and
+the tensors attached to them, so the streamer finds them where it left them after a resume.
+
+Sharded weights cannot move this way: a DTensor's local shard or FSDP's managed storage is not a plain `.data` to
+re-point, so those layouts are refused (`memory_release_refusal`), as offloading refuses them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from k6serve.config import ParallelConfig
+from k6serve.offload.host_weights import HostWeights, PinnedBuffer, module_tensors
+from k6serve.runtime.device_memory import device_memory_state, free_allocator_caches, indexed
+
+logger = logging.getLogger(__name__)
+
+LORA_ADAPTERS = "lora_adapters"  # the report's name for the dynamic LoRA adapters' device copies
+RESIDENT_BLOCKS = "offload_resident_blocks"  # ... and for the residency's copies kept on the device (`device_homes`)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReleaseMemory:
+    """Move the worker's device tensors to host memory and free the allocator caches; generation waits meanwhile."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeMemory:
+    """Copy the released tensors back to the device, bit for bit, and free their host copies."""
+
+
+MemoryOperation = ReleaseMemory | ResumeMemory
+
+
+def memory_release_refusal(parallel: ParallelConfig) -> str | None:
+    """Why this layout's memory cannot be released, naming the flags to drop; None when it can."""
+    flags = parallel.dit_sharding_flags + (["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else [])
+    if not flags:
+        return None
+    named = " and ".join(flags)
+    return (f"release_memory_occupation cannot move weights sharded across GPUs ({named}): DTensor shards and FSDP's "
+            f"managed storage cannot be re-pointed to host memory. Drop {named} to release memory (Ulysses, Ring, "
+            "CFG-parallel and --dp-size keep whole weights on every GPU, and work).")
+
+
+def _residency_copies(pipeline) -> list[HostWeights]:
+    """The offload residency's packed copies: per component, and per streamed block (none without offloading)."""
+    residency = pipeline.residency
+    weights = list(getattr(residency, "weights", {}).values())
+    for streamer in getattr(residency, "streamers", {}).values():
+        weights.extend(streamer.weights)
+    return weights
+
+
+def device_homes(pipeline, device: torch.device) -> list[HostWeights]:
+    """The residency's copies that live on `device` itself (resident blocks), which a release moves whole; on a CPU
+    device every copy is in host memory already."""
+    device = indexed(device)
+    return [weights for weights in _residency_copies(pipeline)
+            if device.type != "cpu" and weights.chunks and weights.chunks[0].device == device]
+
+
+def _attached_to_residency(pipeline) -> set[int]:
+    """Ids of the tensors using one of the residency's copies now: left to it (host) or moved with it (device)."""
+    return {id(slot.tensor) for weights in _residency_copies(pipeline) for slot in weights.slots
+            if slot.tensor.data_ptr() == slot.host.data_ptr()}
+
+
+def _attribute_tensors(module: nn.Module, seen: set[int]) -> list[torch.Tensor]:
+    """Tensors held as plain attributes of `module` or its submodules (not parameters or buffers), e.g. a copy of
+    a rotary table that a library keeps beside its buffer."""
+    found = []
+    for submodule in module.modules():
+        for value in vars(submodule).values():
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+    return found
+
+
+def device_tensors(pipeline, lora_manager, device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """Every tensor the worker keeps on `device` between requests, by owner (component name, or LORA_ADAPTERS)."""
+    device = indexed(device)
+    seen = _attached_to_residency(pipeline)
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, module in pipeline.components().items():
+        tensors = module_tensors([module], seen)
+        seen.update(id(tensor) for tensor in tensors)
+        tensors += _attribute_tensors(module, seen)
+        groups[name] = tensors
+    if lora_manager is not None:
+        caches = [delta.cache.values() for _, wrapper in lora_manager.wrappers for delta in wrapper.deltas]
+        groups[LORA_ADAPTERS] = [tensor for cache in caches for pair in cache for tensor in pair]
+    return {name: [t for t in tensors if t.device == device] for name, tensors in groups.items()}
+
+
+def _check_movable(groups: dict[str, list[torch.Tensor]]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for name, tensors in groups.items():
+        if any(isinstance(tensor, DTensor) for tensor in tensors):
+            raise ValueError(f"release_memory_occupation cannot move {name}'s sharded (DTensor) weights to host memory; "
+                             "serve without sharding its weights to release memory.")
+    # HostWeights copies each tensor on its own: tensors viewing one another's memory would come back unshared.
+    ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                    for name, tensors in groups.items() for t in tensors if t.numel())
+    for (_, end, name), (start, _, other) in itertools.pairwise(ranges):
+        assert start >= end, f"a tensor of {name} overlaps one of {other}: they cannot be released separately"
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+@dataclass(eq=False, slots=True)
+class _HostCopy:
+    """One group's tensors of one kind in host chunks (inference tensors are moved inside inference mode, so they
+    stay inference tensors; the others outside it, so they do not become ones)."""
+
+    name: str
+    weights: HostWeights
+    inference: bool
+
+    def mode(self):
+        return torch.inference_mode(self.inference)
+
+
+@dataclass(eq=False, slots=True)
+class _MovedHome:
+    """A residency copy moved off the device: its device chunks were replaced by `chunks` (held by `buffers` when
+    pinned)."""
+
+    weights: HostWeights
+    buffers: list[PinnedBuffer]
+
+
+def _copy_chunks(weights: HostWeights, device: torch.device, *, pin: bool) -> tuple[list[torch.Tensor], list]:
+    """A copy of each of `weights`' chunks on `device` (packed 1-D chunks pinned when `pin`), and the pinned buffers."""
+    chunks, buffers = [], []
+    for chunk in weights.chunks:
+        if pin and chunk.dim() == 1:
+            buffer = PinnedBuffer(chunk.numel() * chunk.element_size())
+            buffers.append(buffer)
+            chunks.append(buffer.view(chunk.dtype).copy_(chunk))
+        else:
+            chunks.append(chunk.to(device, copy=True))
+    return chunks, buffers
+
+
+def _rehome(weights: HostWeights, chunks: list[torch.Tensor]) -> None:
+    """Make `chunks` `weights`' copy: each slot's view into it, and each tensor that was attached to the old one."""
+    for slot in weights.slots:
+        attached = slot.tensor.data_ptr() == slot.host.data_ptr()
+        chunk = chunks[slot.chunk]
+        slot.host = chunk if slot.offset < 0 else chunk[slot.offset : slot.offset + slot.host.numel()].view(
+            slot.host.shape)
+        if attached:
+            slot.tensor.data = slot.host
+    weights.chunks = chunks
+
+
+class MemoryRelease:
+    """A worker's released device tensors: their host copies while released, nothing otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = indexed(device)
+        self.copies: list[_HostCopy] | None = None  # None: not released
+        self.homes: list[_MovedHome] = []
+
+    @property
+    def released(self) -> bool:
+        return self.copies is not None
+
+    def release(self, groups: dict[str, list[torch.Tensor]], homes: list[HostWeights] = ()) -> dict:
+        """Move `groups` (from `device_tensors`) and `homes` (`device_homes`) to host memory; a report of what moved
+        and what is left."""
+        if self.released:
+            return self._report("already_released", "memory was already released; nothing changed", {}, 0.0)
+        _check_movable(groups)
+        start = time.perf_counter()
+        pin = self.device.type == "cuda"
+        try:
+            self.copies = self._copy_to_host(groups, pin=pin)
+        except RuntimeError as error:
+            if not pin:
+                raise
+            # Page-locking can be refused (a container's locked-memory limit); pageable memory only resumes slower.
+            logger.warning("pinning the released weights failed (%s); releasing to pageable host memory", error)
+            pin = False
+            self.copies = self._copy_to_host(groups, pin=False)
+        try:
+            moved = [_copy_chunks(weights, torch.device("cpu"), pin=pin) for weights in homes]
+        except BaseException:
+            self._put_back()
+            raise
+        for weights, (chunks, buffers) in zip(homes, moved, strict=True):
+            _rehome(weights, chunks)
+            self.homes.append(_MovedHome(weights, buffers))
+        freed = {name: _nbytes(tensors) for name, tensors in groups.items() if tensors}
+        if homes:
+            freed[RESIDENT_BLOCKS] = sum(_nbytes(weights.chunks) for weights in homes)
+        free_allocator_caches(self.device)
+        report = self._report("released", f"moved {sum(freed.values()) / 2**20:.1f} MiB to "
+                                          f"{'pinned ' if pin else ''}host memory", freed, time.perf_counter() - start)
+        logger.info("memory released: %s; %s", report["message"], report["after"]["explanation"])
+        return report
+
+    def _put_back(self) -> None:
+        for copy in self.copies:
+            with copy.mode():
+                copy.weights.to_device(self.device)
+        self.copies = None
+
+    def _copy_to_host(self, groups: dict[str, list[torch.Tensor]], *, pin: bool) -> list[_HostCopy]:
+        """Host copies of every group, tensors re-pointed to them; on a failure every tensor is put back."""
+        copies: list[_HostCopy] = []
+        try:
+            for name, tensors in groups.items():
+                for inference in (False, True):
+                    kind = [tensor for tensor in tensors if tensor.is_inference() == inference]
+                    if kind:
+                        with torch.inference_mode(inference):
+                            copies.append(_HostCopy(name, HostWeights(kind, offload_device=torch.device("cpu"),
+                                                                      pin=pin), inference))
+        except BaseException:
+            for copy in copies:
+                with copy.mode():
+                    copy.weights.to_device(self.device)
+            # The group that failed part-way has re-pointed some tensors already.
+            for tensors in groups.values():
+                for tensor in tensors:
+                    if tensor.device != self.device:
+                        with torch.inference_mode(tensor.is_inference()):
+                            tensor.data = tensor.data.to(self.device)
+            raise
+        return copies
+
+    def resume(self) -> dict:
+        """Copy every released tensor back to the device (all copies made before any tensor is re-pointed, so an
+        out-of-memory leaves everything released) and drop the host copies."""
+        if not self.released:
+            return self._report("not_released", "memory was not released; nothing changed", {}, 0.0)
+        start = time.perf_counter()
+        device_chunks = []
+        for copy in self.copies:
+            with copy.mode():
+                device_chunks.append(copy.weights.copy_to(self.device))
+        home_chunks = [_copy_chunks(home.weights, self.device, pin=False)[0] for home in self.homes]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies from pinned memory are asynchronous
+        restored: dict[str, int] = {}
+        for copy, chunks in zip(self.copies, device_chunks, strict=True):
+            with copy.mode():
+                copy.weights.attach(chunks)
+            restored[copy.name] = restored.get(copy.name, 0) + _nbytes([slot.tensor for slot in copy.weights.slots])
+        for home, chunks in zip(self.homes, home_chunks, strict=True):
+            _rehome(home.weights, chunks)
+        if self.homes:
+            restored[RESIDENT_BLOCKS] = sum(_nbytes(home.weights.chunks) for home in self.homes)
+        self.copies, self.homes = None, []  # the host chunks go with them
+        report = self._report("resumed", f"copied {sum(restored.values()) / 2**20:.1f} MiB back to {self.device}",
+                              restored, time.perf_counter() - start)
+        logger.info("memory resumed: %s", report["message"])
+        return report
+
+    def _report(self, status: str, message: str, moved: dict[str, int], seconds: float) -> dict:
+        return {
+            "status": status,
+            "message": message,
+            "memory_released": self.released,
+            "moved_bytes": sum(moved.values()),
+            "moved_bytes_by_owner": moved,
+            "host_bytes": (sum(copy.weights.num_bytes for copy in self.copies) if self.copies else 0)
+                          + sum(_nbytes(home.weights.chunks) for home in self.homes),
+            "pinned": bool(self.copies) and all(copy.weights.pinned for copy in self.copies),
+            "seconds": round(seconds, 4),
+            "after": device_memory_state(self.device),
+        }
+
+
+def inverse(operation: MemoryOperation) -> MemoryOperation:
+    """The operation that undoes `operation` (to put back the ranks where it succeeded when another failed)."""
+    return ResumeMemory() if isinstance(operation, ReleaseMemory) else ReleaseMemory()
+
+
+def apply_memory_operation(worker, operation: MemoryOperation) -> dict:
+    """Release or resume a `ModelWorker`'s device memory; its report (`MemoryRelease`). Sharded layouts raise
+    ValueError, whatever the operation."""
+    refusal = memory_release_refusal(worker.config.parallel)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if isinstance(operation, ResumeMemory):
+        return worker.memory_release.resume()
+    if worker.memory_release.released:
+        return worker.memory_release.release({})
+    return worker.memory_release.release(device_tensors(worker.pipeline, worker.lora_manager, worker.device),
+                                         device_homes(worker.pipeline, worker.device))
+
+
+def memory_reply(operation: MemoryOperation, reports: list[dict], *, num_waiting: int) -> dict:
+    """The engine's answer: a summary over every rank's report, and the reports (one per rank of every replica)."""
+    changed = [report for report in reports if report["status"] in ("released", "resumed")]
+    if changed:
+        status = "ok"
+        verb = "released" if isinstance(operation, ReleaseMemory) else "resumed"
+        message = (f"memory {verb} on {len(changed)} rank(s): {sum(r['moved_bytes'] for r in changed) / 2**20:.1f} "
+                   f"MiB moved {'to host memory' if verb == 'released' else 'back to the devices'}")
+    else:
+        status = reports[0]["status"] if reports else "ok"
+        message = reports[0]["message"] if reports else "no rank to apply it to"
+    if num_waiting:
+        message += (f"; {num_waiting} request(s) wait for a resume" if isinstance(operation, ReleaseMemory)
+                    else f"; the {num_waiting} waiting request(s) now run, in order")
+    return {
+        "status": status,
+        "message": message,
+        "memory_released": isinstance(operation, ReleaseMemory),
+        "moved_bytes": sum(report["moved_bytes"] for report in reports),
+        "num_waiting_requests": num_waiting,
+        "ranks": reports,
+    }

@@ -1,0 +1,354 @@
+"""Releasing and resuming the worker's device memory (sleep / wake): the worker on a tiny checkpoint, the engine's
+queue, the Python API, the multi-process runtime, and a CUDA check.
+
+On the CPU the "device" and the host are the same memory, so the worker tests check what a release does to storage:
+every tensor is re-pointed to a fresh host copy (the same Parameter objects, new `data_ptr`s), again to fresh
+storage on resume, and the outputs after a release and resume equal those before, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_launch import TIMEOUT_S, FakeRankWorker, make_config
+
+from k6serve.api import DiffGenerator, build_engine_config
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig
+from k6serve.lora.spec import ListLoras, LoraSpec, SetLora
+from k6serve.models.variants import VARIANTS
+from k6serve.offload import apply_offload
+from k6serve.offload.host_weights import HostWeights, module_tensors
+from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime import memory
+from k6serve.runtime.engine import Engine
+from k6serve.runtime.memory import (
+    LORA_ADAPTERS,
+    ReleaseMemory,
+    ResumeMemory,
+    device_tensors,
+    memory_release_refusal,
+)
+from k6serve.runtime.process_group_worker import MultiProcessWorker
+from k6serve.runtime.worker import ModelWorker
+from k6serve.speed.performance_mode import transformer_plan
+
+NO_FILE = OutputOptions(save_output=False, return_frames=True)
+PARAMS = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5)
+
+
+def _worker(checkpoint: Path, **kwargs) -> ModelWorker:
+    torch.set_num_threads(1)
+    return ModelWorker(build_engine_config(str(checkpoint), device="cpu", attention_backend="sdpa", **kwargs))
+
+
+def _same_output(first, second) -> bool:
+    return np.array_equal(first.frames, second.frames) and np.array_equal(first.audio, second.audio)
+
+
+def _pointers(groups: dict[str, list[torch.Tensor]]) -> dict[int, int]:
+    return {id(tensor): tensor.data_ptr() for tensors in groups.values() for tensor in tensors}
+
+
+# ---- the worker on the tiny checkpoint ----
+
+
+def test_release_repoints_every_tensor_and_resume_gives_the_same_output(tiny_distill_dir, tmp_path):
+    from test_lora import VIDEO_FFN, write_adapter
+
+    worker = _worker(tiny_distill_dir)
+    transformer = worker.pipeline.models.transformer
+    adapter = write_adapter(tmp_path, {VIDEO_FFN: tuple(transformer.get_submodule(VIDEO_FFN).weight.shape)})
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="a", path=str(adapter)),), merge_mode="dynamic"))
+    before = worker.run(PARAMS, NO_FILE)  # also puts the adapter's copies on the "device"
+    groups = device_tensors(worker.pipeline, worker.lora_manager, worker.device)
+    assert set(groups) == {*worker.pipeline.components(), LORA_ADAPTERS} and groups[LORA_ADAPTERS]
+    values = {id(t): t.detach().clone() for tensors in groups.values() for t in tensors}
+    loaded = _pointers(groups)
+
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    assert report["status"] == "released" and report["memory_released"]
+    assert report["moved_bytes_by_owner"] == {name: sum(t.numel() * t.element_size() for t in tensors)
+                                              for name, tensors in groups.items()}
+    assert report["host_bytes"] >= report["moved_bytes"] > 0 and not report["pinned"]
+    released = _pointers(groups)
+    assert all(released[key] != loaded[key] for key in loaded)  # every tensor, the same object, in new storage
+    with pytest.raises(RuntimeError, match="resume it before"):
+        worker.run(PARAMS, NO_FILE)
+    again = worker.apply_memory_operation(ReleaseMemory())[0]
+    assert again["status"] == "already_released" and again["moved_bytes"] == 0 and _pointers(groups) == released
+
+    [report] = worker.apply_memory_operation(ResumeMemory())
+    assert report["status"] == "resumed" and not report["memory_released"] and report["host_bytes"] == 0
+    resumed = _pointers(groups)
+    assert all(resumed[key] not in (released[key], loaded[key]) for key in loaded)
+    assert all(torch.equal(t, values[id(t)]) for tensors in groups.values() for t in tensors)
+    assert worker.apply_memory_operation(ResumeMemory())[0]["status"] == "not_released"
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
+
+
+def test_offloaded_weights_stay_in_their_host_copies(tiny_distill_dir):
+    worker = _worker(tiny_distill_dir, performance_mode="balanced")
+    apply_offload(worker.pipeline, "balanced", compute_device="cpu",
+                  plan=transformer_plan(worker.pipeline.models.transformer))
+    residency = worker.pipeline.residency
+    before = worker.run(PARAMS, NO_FILE)
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    # Between requests every weight uses the residency's host copy: nothing is on the device to move.
+    assert report["status"] == "released" and report["moved_bytes"] == 0
+    assert all(weights.attached_to_host() for weights in residency.weights.values())
+    worker.apply_memory_operation(ResumeMemory())
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
+
+
+def test_a_residency_copy_on_the_device_moves_whole_and_keeps_working():
+    """Block streaming's resident blocks are packed in a copy that lives on the device (`device_homes`): a release
+    moves its chunks, the slots' views and the attached tensors together (here on the CPU: to fresh storage)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 4)
+    home = HostWeights(module_tensors([linear]), offload_device=torch.device("cpu"), pin=False)
+    values = [tensor.detach().clone() for tensor in (linear.weight, linear.bias)]
+    loaded = [linear.weight.data_ptr(), home.chunks[0].data_ptr()]
+    release = memory.MemoryRelease(torch.device("cpu"))
+    report = release.release({}, [home])
+    assert report["moved_bytes_by_owner"] == {memory.RESIDENT_BLOCKS: home.num_bytes}
+    released = [linear.weight.data_ptr(), home.chunks[0].data_ptr()]
+    assert released[0] != loaded[0] and released[1] != loaded[1] and home.attached_to_host()
+    release.resume()
+    assert linear.weight.data_ptr() not in (loaded[0], released[0]) and home.attached_to_host()
+    assert torch.equal(linear.weight, values[0]) and torch.equal(linear.bias, values[1])
+    home.to_device(torch.device("cpu"))  # the streamer's own moves still work on the moved copy
+    assert not home.attached_to_host() and torch.equal(linear.weight, values[0])
+    home.to_host()
+    assert home.attached_to_host()
+
+
+def test_a_failed_release_leaves_the_worker_serving(tiny_distill_dir, monkeypatch):
+    worker = _worker(tiny_distill_dir)
+    before = worker.run(PARAMS, NO_FILE)
+    real, calls = memory.HostWeights, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("host out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "HostWeights", failing)
+    with pytest.raises(RuntimeError, match="host out of memory"):
+        worker.apply_memory_operation(ReleaseMemory())
+    assert not worker.memory_release.released
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
+
+
+@pytest.mark.parametrize(("layout", "named"), [
+    ({"num_gpus": 2, "tp_size": 2}, "--tp-size 2"),
+    ({"num_gpus": 2, "ulysses_degree": 2, "use_fsdp_inference": True}, "--use-fsdp-inference"),
+    ({"num_gpus": 2, "ulysses_degree": 2, "encoder_parallel": "fold"}, "--encoder-parallel fold"),
+])
+def test_sharded_layouts_are_refused_with_the_flag_to_drop(layout, named):
+    parallel = ParallelConfig(**layout)
+    message = memory_release_refusal(parallel)
+    assert named in message and f"Drop {named}" in message
+    worker = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+    for operation in (ReleaseMemory(), ResumeMemory()):
+        with pytest.raises(ValueError, match="cannot move weights sharded across GPUs"):
+            memory.apply_memory_operation(worker, operation)
+    assert memory_release_refusal(ParallelConfig(num_gpus=4, ulysses_degree=2, dp_size=2)) is None
+
+
+# ---- the engine's queue, with a fake worker ----
+
+
+class FakeMemoryWorker:
+    """Runs requests instantly unless the prompt says "hold" (until `go` is set); logs starts, operations and state."""
+
+    def __init__(self, num_replicas: int = 1) -> None:
+        self.variant = VARIANTS["pro"]
+        self.num_replicas = num_replicas
+        self.go = threading.Event()
+        self.log: list[str] = []
+        self.released = False
+
+    def run(self, params, output, on_step=None) -> str:
+        assert not self.released, "a request ran while the memory was released"
+        self.log.append(f"start {params.prompt}")
+        if "hold" in params.prompt:
+            assert self.go.wait(TIMEOUT_S)
+        self.log.append(f"end {params.prompt}")
+        return params.prompt
+
+    def apply_lora_operation(self, operation) -> dict:
+        self.log.append(type(operation).__name__)
+        return {"loras": []}
+
+    def apply_memory_operation(self, operation) -> list[dict]:
+        release = isinstance(operation, ReleaseMemory)
+        status = ("released" if release else "resumed") if release != self.released else (
+            "already_released" if release else "not_released")
+        self.released = release
+        self.log.append(type(operation).__name__)
+        return [{"status": status, "message": status, "moved_bytes": 8 if status in ("released", "resumed") else 0}]
+
+
+def _engine(worker) -> Engine:
+    return Engine(EngineConfig(model=ModelConfig(model_path="fake")), worker=worker)
+
+
+def test_requests_wait_while_released_and_control_operations_get_through():
+    worker = FakeMemoryWorker()
+    engine = _engine(worker)
+    try:
+        reply = engine.release_memory()
+        assert reply["status"] == "ok" and reply["memory_released"] and engine.memory_released
+        first = engine.submit(SamplingParams(prompt="first"))
+        lora = engine.submit_lora(SetLora(specs=()))  # an adapter change waits with the requests, in order
+        cancelled = engine.submit(SamplingParams(prompt="cancelled"))
+        assert engine.lora(ListLoras()) == {"loras": []}  # changes nothing: answered now
+        assert engine.release_memory()["status"] == "already_released"  # behind the held ones, not blocked
+        cancelled.cancel()
+        assert engine.queue_depth() == 3
+        time.sleep(0.1)
+        assert not first.future.done() and not lora.done() and worker.log == [
+            "ReleaseMemory", "ListLoras", "ReleaseMemory"]
+        reply = engine.resume_memory()
+        assert reply["status"] == "ok" and not reply["memory_released"] and reply["num_waiting_requests"] == 3
+        assert first.future.result(TIMEOUT_S) == "first" and lora.result(TIMEOUT_S) == {"loras": []}
+        assert cancelled.future.cancelled()
+        assert worker.log[3:] == ["ResumeMemory", "start first", "end first", "SetLora"]
+        assert engine.resume_memory()["status"] == "not_released"
+    finally:
+        engine.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_a_release_waits_for_the_running_requests(num_replicas):
+    worker = FakeMemoryWorker(num_replicas)
+    engine = _engine(worker)
+    try:
+        running = engine.submit(SamplingParams(prompt="hold"))
+        while "start hold" not in worker.log:
+            time.sleep(0.01)
+        release = engine.submit_memory(ReleaseMemory())
+        time.sleep(0.1)
+        assert not release.done()
+        worker.go.set()
+        assert release.result(TIMEOUT_S)["memory_released"]
+        assert running.future.result(TIMEOUT_S) == "hold"
+        assert worker.log == ["start hold", "end hold", "ReleaseMemory"]
+    finally:
+        engine.shutdown(timeout=5)
+
+
+def test_shutdown_fails_the_requests_still_waiting_for_a_resume():
+    engine = _engine(FakeMemoryWorker())
+    engine.release_memory()
+    waiting = engine.submit(SamplingParams(prompt="never"))
+    engine.shutdown(timeout=5)
+    with pytest.raises(RuntimeError, match="shut down while its memory was released"):
+        waiting.future.result(1)
+
+
+# ---- the Python API on the real tiny model ----
+
+
+def test_the_api_releases_holds_a_request_and_resumes(tiny_distill_dir):
+    config = build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa")
+    torch.set_num_threads(1)
+    with DiffGenerator(Engine(config, worker=ModelWorker(config))) as generator:
+        params = {"prompt": "a fox in the snow", "seed": 7, "height": 32, "width": 48, "num_frames": 5,
+                  "save_output": False, "return_frames": True}
+        before = generator.generate(params)
+        reply = generator.release_memory()
+        assert reply["status"] == "ok" and reply["moved_bytes"] > 0 and len(reply["ranks"]) == 1
+        assert reply["ranks"][0]["after"]["device"] == "cpu"
+        results = []
+        thread = threading.Thread(target=lambda: results.append(generator.generate(params)))
+        thread.start()
+        time.sleep(0.2)
+        assert not results and generator.engine.queue_depth() == 1  # waits: not failed, not run
+        assert generator.resume_memory()["num_waiting_requests"] == 1
+        thread.join(TIMEOUT_S)
+        assert _same_output(results[0], before)
+
+
+# ---- the multi-process runtime (gloo): every rank, per-rank reports, all or nothing ----
+
+FAIL_FILE_ENV = "K6SERVE_TEST_MEMORY_FAIL_FILE"
+
+
+class MemoryRankWorker(FakeRankWorker):
+    """A rank that reports its process id with its memory state, and fails on global rank 1 while the file named by
+    $K6SERVE_TEST_MEMORY_FAIL_FILE exists. (No collective: an undo runs on the ranks that succeeded only, as the
+    real worker's does.)"""
+
+    def __init__(self, config, context) -> None:
+        super().__init__(config, context)
+        self.released = False
+
+    def apply_memory_operation(self, operation) -> list[dict]:
+        release = isinstance(operation, ReleaseMemory)
+        if self.context.spec.rank == 1 and Path(os.environ[FAIL_FILE_ENV]).exists():
+            raise RuntimeError("cudaHostRegister failed")
+        status = ("released" if release else "resumed") if release != self.released else (
+            "already_released" if release else "not_released")
+        self.released = release
+        return [{"status": status, "message": status, "moved_bytes": 8, "pid": os.getpid(),
+                 "memory_released": self.released}]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [{"ulysses_degree": 2}, {"dp_size": 2}], ids=["one-replica", "two-replicas"])
+def test_every_rank_releases_and_a_failure_on_one_is_undone_on_the_others(layout, tmp_path, monkeypatch):
+    fail = tmp_path / "fail"
+    monkeypatch.setenv(FAIL_FILE_ENV, str(fail))
+    worker = MultiProcessWorker(make_config(num_gpus=2, **layout), build_rank_worker=MemoryRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        reply = engine.release_memory()
+        replicas = [0, 0] if "ulysses_degree" in layout else [0, 1]
+        assert [(r["rank"], r["replica"], r["pid"]) for r in reply["ranks"]] == [
+            (rank, replica, worker.pids[rank]) for rank, replica in zip([0, 1], replicas)]
+        assert reply["moved_bytes"] == 16 and all(r["memory_released"] for r in reply["ranks"])
+        fail.touch()
+        with pytest.raises(RuntimeError, match="cudaHostRegister failed"):
+            engine.resume_memory()
+        assert engine.memory_released  # still released everywhere: rank 0 was put back
+        fail.unlink()
+        reply = engine.resume_memory()
+        assert [r["status"] for r in reply["ranks"]] == ["resumed", "resumed"]  # rank 0 too: it was re-released
+        result = engine.generate(SamplingParams(prompt="after", num_inference_steps=1), OutputOptions(save_output=False))
+        assert result.seed is not None
+    finally:
+        engine.shutdown()
+        worker.close()
+
+
+# ---- on a GPU ----
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["speed", "balanced"])
+def test_cuda_release_frees_the_gpu_and_resume_is_bit_identical(tiny_distill_dir, mode):
+    """After a release torch holds (almost) nothing on the GPU: the weights are in pinned host memory and the
+    allocator's caches and cuBLAS's workspaces are freed. What may remain is a few small tensors a library keeps
+    outside any module (listed in the report) and allocator rounding; the CUDA context is not torch's and is not
+    counted by `memory_allocated`."""
+    config = build_engine_config(str(tiny_distill_dir), device="cuda", attention_backend="sdpa",
+                                 performance_mode=mode)
+    worker = ModelWorker(config)
+    before = worker.run(PARAMS, NO_FILE)
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    after = report["after"]
+    assert torch.cuda.memory_allocated() <= 4 * 2**20, after
+    assert after["allocated_bytes"] == torch.cuda.memory_allocated() and after["reserved_bytes"] <= 4 * 2**20, after
+    assert report["pinned"] == (report["moved_bytes"] > 0)
+    assert (report["moved_bytes"] > 0) == (mode == "speed")  # balanced keeps its weights on the host already
+    worker.apply_memory_operation(ResumeMemory())
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
