@@ -5,7 +5,10 @@
 # and writes its log under $OUT, so a step that runs long still leaves the others' results.
 #   bash scripts/gpu_offload.sh test lite   # the CUDA test + Lite-distill memory and balanced (the default)
 #   bash scripts/gpu_offload.sh pro         # Pro-distill memory and balanced, 3 steps
-#   steps: pinned (a registered host buffer: size, pinned, copy speed), test, lite, lite-memory, pro, pro-memory
+#   bash scripts/gpu_offload.sh pro-memory pro-streaming   # memory mode's streaming knobs next to its defaults
+#   steps: pinned (a registered host buffer: size, pinned, copy speed), test, lite, lite-memory, pro, pro-memory,
+#   pro-streaming (Pro-distill memory mode with --offload-prefetch-blocks 2, then --offload-resident-blocks 20:
+#   compare their step times and peaks with pro_memory's)
 source "$(dirname "$0")/gpu_setup.sh"  # wheels into /tmp/site, PYTHONPATH, nvidia-smi.csv
 bench() {  # name, time limit, then the bench's own flags
   local name=$1 limit=$2; shift 2
@@ -50,6 +53,12 @@ for step in "$@"; do
       bench pro_balanced 230 --variant pro-distill --performance-mode balanced --num-inference-steps 3
       ;;
     pro-memory) bench pro_memory 300 --variant pro-distill --performance-mode memory --num-inference-steps 3 ;;
-    *) echo "unknown step $step (pinned, test, lite, lite-memory, pro, pro-memory)" >&2; exit 2 ;;
+    pro-streaming)
+      bench pro_memory_prefetch2 300 --variant pro-distill --performance-mode memory --num-inference-steps 3 \
+        --offload-prefetch-blocks 2
+      bench pro_memory_resident20 300 --variant pro-distill --performance-mode memory --num-inference-steps 3 \
+        --offload-resident-blocks 20
+      ;;
+    *) echo "unknown step $step (pinned, test, lite, lite-memory, pro, pro-memory, pro-streaming)" >&2; exit 2 ;;
   esac
 done

@@ -120,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate: the engine's --vae-tiling (auto: on with --performance-mode memory on a GPU).",
     )
     parser.add_argument(
+        "--offload-prefetch-blocks",
+        type=int,
+        default=1,
+        help="generate/sr: the engine's --offload-prefetch-blocks (with --performance-mode memory).",
+    )
+    parser.add_argument(
+        "--offload-resident-blocks",
+        type=int,
+        default=0,
+        help="generate/sr: the engine's --offload-resident-blocks (with --performance-mode memory).",
+    )
+    parser.add_argument(
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
@@ -201,6 +213,8 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         output_dir=args.output_dir,
         compile_vae=args.compile_vae_decoder,
         vae_tiling=args.vae_tiling,
+        offload_prefetch_blocks=args.offload_prefetch_blocks,
+        offload_resident_blocks=args.offload_resident_blocks,
         cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")

@@ -42,17 +42,22 @@ class EndToEndOptions:
     output_dir: str | None = None
     compile_vae: bool = False  # the engine's --compile-vae
     vae_tiling: str = "auto"  # the engine's --vae-tiling
+    offload_prefetch_blocks: int = 1  # the engine's --offload-prefetch-blocks
+    offload_resident_blocks: int = 0  # the engine's --offload-resident-blocks
     # generate: also run the requests with Cache-DiT on, with these cache_dit_params (None: uncached only)
     cache_dit_params: dict | None = None
 
 
 def _speed_note(generator) -> str:
-    """What the engine's worker applied at load time (`--performance-mode`, `--compile-vae`)."""
+    """What the engine's worker applied at load time (`--performance-mode`, `--compile-vae`, and with offloading
+    the offload report: what streams, how far ahead, what stays on the GPU)."""
     worker = generator.engine.worker
     report = worker.performance_report
+    offload = getattr(worker, "offload_report", None)
     return (
         f"{report.mode}: {report.num_fused_attentions} fused attentions, {report.num_compiled_blocks} compiled "
         f"blocks, vae {list(report.vae)}" + (", vae tiling on" if getattr(worker, "vae_tiling", False) else "")
+        + (f"; {offload.describe()}" if offload is not None else "")
     )
 
 
@@ -113,6 +118,8 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "load_format": "auto" if options.tiny else "dummy",
         "compile_vae": options.compile_vae,
         "vae_tiling": options.vae_tiling,
+        "offload_prefetch_blocks": options.offload_prefetch_blocks,
+        "offload_resident_blocks": options.offload_resident_blocks,
     }
 
 
