@@ -11,7 +11,8 @@
   nowhere to offload to): "balanced" keeps every component in pinned host memory and moves it to the GPU only for
   its stage (peak: the largest component, the 56 GiB Pro DiT, plus activations; 62.5 GiB for a Pro-distill
   512x768x121 request on an H200); "memory" also streams the repeated blocks of the DiT and of the text encoders one
-  at a time with the next one prefetched on a side stream, and (`--vae-tiling auto`) decodes the video VAE in
+  at a time with the next one prefetched on a side stream (deeper with `--offload-prefetch-blocks`, some kept on the
+  GPU with `--offload-resident-blocks`: `offload/block_stream.py`), and (`--vae-tiling auto`) decodes the video VAE in
   spatial tiles. Measured on an H200 (Pro-distill, 512x768x121): peak 8.3 GiB, set by the DiT's stage (non-block
   weights, three ~0.9 GiB blocks, activations); the DiT step costs 1-2.5% more than in "balanced" (7.87-7.99
   against 7.79 s), so the copies hide behind the blocks. Fused projections stay off because fusing allocates each module's projection weights twice
