@@ -28,6 +28,7 @@ from k6serve.serve.routes import ServerContext, router
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.schemas import (
     FILE_FIELDS,
+    MemoryOccupationBody,
     MergeLoraBody,
     SetLoraBody,
     UnmergeLoraBody,
@@ -106,7 +107,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the create and LoRA bodies, which the handlers read themselves (so FastAPI cannot see
+    """FastAPI's schema plus the create, LoRA and memory bodies, which the handlers read themselves (so FastAPI cannot see
     them)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -118,7 +119,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             form["properties"][field_name] = {"type": "string", "format": "binary",
                                               "description": f"Uploaded file, used as {target}."}
         components["VideoCreateForm"] = form
-        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody):
+        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody, MemoryOccupationBody):
             components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
         app.openapi_schema = schema
     return app.openapi_schema

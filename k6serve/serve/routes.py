@@ -3,7 +3,8 @@
 Handlers only translate: HTTP in (validated by `schemas`), `SamplingParams` to the engine through the
 `JobRunner`, job records out. Nothing here runs model code, so the event loop never waits on the GPU.
 The LoRA routes that change adapters queue behind the stored jobs (`JobRunner.submit_lora`) and answer once the
-engine has applied them on every replica; `GET /v1/list_loras` waits only for the running job.
+engine has applied them on every replica; `GET /v1/list_loras` waits only for the running job. The memory routes
+(`/release_memory_occupation`, `/resume_memory_occupation`) go to the engine at once (`JobRunner.submit_memory`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import Variant
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
+from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import ApiError, error_response
 from k6serve.serve.input_paths import InputPathPolicy, check_readable
@@ -54,6 +56,7 @@ from k6serve.serve.schemas import (
     ErrorResponse,
     LoraList,
     LoraResult,
+    MemoryReply,
     MergeLoraBody,
     ModelCard,
     ModelList,
@@ -66,6 +69,7 @@ from k6serve.serve.schemas import (
     job_view,
     parse_create_body,
     parse_lora_body,
+    parse_memory_body,
     to_sampling_params,
 )
 from k6serve.serve.settings import ServerSettings
@@ -95,7 +99,8 @@ class ServerContext:
         return self.engine.variant
 
     def view(self, job: Job) -> dict[str, Any]:
-        return job_view(job, output_ttl_s=self.settings.output_ttl_s).model_dump(mode="json")
+        return job_view(job, output_ttl_s=self.settings.output_ttl_s,
+                        memory_released=self.runner.holds_queue()).model_dump(mode="json")
 
 
 router = APIRouter()
@@ -395,15 +400,18 @@ def _lora_body_doc(model: type) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def _read_lora_body(request: Request, model: type) -> Any:
+async def _read_control_body(request: Request, *, allow_empty: bool, routes: str = "the LoRA routes") -> Any:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("application/json", ""):
         await drain(request)
-        raise ApiError(415, f"Content-Type {content_type!r} is not supported; the LoRA routes take application/json "
+        raise ApiError(415, f"Content-Type {content_type!r} is not supported; {routes} take application/json "
                             "(with curl: -H 'Content-Type: application/json').", code="unsupported_content_type",
                        param="Content-Type")
-    raw = await read_json_body(request, allow_empty=model is not SetLoraBody)
-    return parse_lora_body(model, raw)
+    return await read_json_body(request, allow_empty=allow_empty)
+
+
+async def _read_lora_body(request: Request, model: type) -> Any:
+    return parse_lora_body(model, await _read_control_body(request, allow_empty=model is not SetLoraBody))
 
 
 def _lora_operation(build, *args, **kwargs):
@@ -463,6 +471,40 @@ async def list_loras(request: Request) -> JSONResponse:
     return await _lora_answer(lambda: ctx.engine.submit_lora(ListLoras()))
 
 
+_MEMORY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500)}
+_MEMORY_BODY_DOC = {"requestBody": {"required": False, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/MemoryOccupationBody"}}}}}
+
+
+async def _memory_answer(request: Request, operation: MemoryOperation) -> JSONResponse:
+    """Read the optional body, run the operation, answer its reply: 400 for a refused layout (ValueError), 500 for
+    any other failure (nothing changed: a failed release or resume is undone on every rank)."""
+    ctx = _ctx(request)
+    parse_memory_body(await _read_control_body(request, allow_empty=True, routes="the memory routes"))
+    try:
+        result = await asyncio.wrap_future(ctx.runner.submit_memory(operation))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), code="unsupported_layout") from None
+    except Exception as exc:
+        logger.exception("%s failed", type(operation).__name__)
+        raise ApiError(500, f"{type(exc).__name__}: {exc}", code="memory_operation_failed") from None
+    return JSONResponse(result)
+
+
+@router.post("/release_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
+             openapi_extra=_MEMORY_BODY_DOC,
+             summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory")
+async def release_memory_occupation(request: Request) -> JSONResponse:
+    return await _memory_answer(request, ReleaseMemory())
+
+
+@router.post("/resume_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
+             openapi_extra=_MEMORY_BODY_DOC,
+             summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start")
+async def resume_memory_occupation(request: Request) -> JSONResponse:
+    return await _memory_answer(request, ResumeMemory())
+
+
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")
 async def list_models(request: Request) -> JSONResponse:
     ctx = _ctx(request)
@@ -474,9 +516,9 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [card.model_dump(mode="json")]})
 
 
-@router.get("/health", summary="Liveness (no authentication)")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+@router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)")
+async def health(request: Request) -> dict[str, Any]:
+    return {"status": "ok", "memory_released": _ctx(request).runner.holds_queue()}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS, summary="Prometheus metrics")

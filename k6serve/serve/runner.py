@@ -14,6 +14,10 @@ discarded.
 A LoRA operation that changes the adapters (`submit_lora`) takes its place in this queue too: the dispatcher runs it
 once every job queued or running when it arrived has left the queue, and before any job created after it, so each
 job runs with the adapters set when it was created.
+
+A memory release or resume (`submit_memory`) does not queue behind the stored jobs: it goes to the engine at once, and
+a release waits only for the running jobs. From then until a resume the dispatcher starts nothing (jobs stay
+`queued`, LoRA changes wait), so the GPU stays free for whoever asked for it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from k6serve.lora.spec import LoraOperation
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
+from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, JobStore
@@ -91,6 +96,7 @@ class JobRunner:
         self._recent_durations: list[float] = []
         self._pending_loras: list[PendingLora] = []
         self._lora_state: LoraState | None = None
+        self._num_releasing = 0  # releases sent to the engine and not finished: the queue is held already
 
     def _restore_loras(self) -> None:
         """Rebuild the adapters recorded before a restart, before any job runs: the jobs still queued were created
@@ -181,6 +187,28 @@ class JobRunner:
             self._wake.notify_all()
             return pending.future
 
+    def submit_memory(self, operation: MemoryOperation) -> Future:
+        """Send a memory release or resume to the engine now (see the module docstring); the future holds its reply."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("The server is shutting down; the memory operation did not run.")
+            # Under the lock that dispatching holds: every job already handed to the engine is ahead of the release.
+            releasing = isinstance(operation, ReleaseMemory)
+            self._num_releasing += releasing
+            future = self.engine.submit_memory(operation)
+
+        def finished(_: Future) -> None:
+            with self._lock:
+                self._num_releasing -= releasing
+                self._wake.notify_all()
+
+        future.add_done_callback(finished)
+        return future
+
+    def holds_queue(self) -> bool:
+        """True while the engine's memory is released (or a release is on its way): queued jobs wait for a resume."""
+        return self._num_releasing > 0 or self.engine.memory_released
+
     def queue_is_full(self) -> bool:
         return self.store.count_by_status()[JobStatus.QUEUED] >= self.max_queued_jobs
 
@@ -219,6 +247,9 @@ class JobRunner:
     def _next(self) -> tuple[Job, EngineJob] | PendingLora | None:
         with self._lock:
             while not self._stopping:
+                if self.holds_queue():
+                    self._wake.wait(timeout=1.0)
+                    continue
                 job = self.store.next_queued()
                 if self._pending_loras and (job is None or job.id not in self._pending_loras[0].after):
                     return self._pending_loras.pop(0)

@@ -200,6 +200,41 @@ def parse_lora_body(model: type[BaseModel], raw: Any) -> BaseModel:
     return parse_json_body(model, raw, string_fields=_LORA_STRING_FIELDS)
 
 
+# The reference's tags for what a release frees. This server's device memory is all weights (no KV cache, no CUDA
+# graphs), so every release frees all of it; a list without "weights" would expect weights to stay and is refused.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class MemoryOccupationBody(BaseModel):
+    """POST /release_memory_occupation and /resume_memory_occupation (JSON; optional, an empty body is the default)."""
+
+    model_config = _LORA_BODY_CONFIG
+    tags: list[Literal[MEMORY_TAGS]] | None = Field(  # type: ignore[valid-type]
+        None, description="The reference's memory kinds, accepted for its clients; the list must hold 'weights' "
+                          "(the weights are all this server keeps on the GPU, so it releases them all).")
+
+
+def parse_memory_body(raw: Any) -> MemoryOccupationBody:
+    body = parse_json_body(MemoryOccupationBody, raw, string_fields={"tags"})
+    if body.tags is not None and "weights" not in body.tags:
+        raise ApiError(400, f"tags {body.tags} leave out 'weights', but the weights are all this server keeps on the "
+                            "GPU (no KV cache, no CUDA graphs): send tags ['weights'], or no body.",
+                       code="invalid_parameter", param="tags")
+    return body
+
+
+class MemoryReply(BaseModel):
+    status: Literal["ok", "already_released", "not_released"] = Field(
+        description="'ok' when memory moved; otherwise nothing changed (released twice, or resumed while not "
+                    "released).")
+    message: str
+    memory_released: bool = Field(description="Whether the memory is released now (generation waits meanwhile).")
+    moved_bytes: int = Field(description="Bytes moved between the GPUs and host memory, over every rank.")
+    num_waiting_requests: int = Field(description="Requests held in the engine for a resume (not the stored queue).")
+    ranks: list[dict[str, Any]] = Field(description="One report per rank of every replica: what moved, by owner, "
+                                                    "and what the process still holds on its GPU ('after').")
+
+
 class LoraResult(BaseModel):
     status: Literal["ok"] = "ok"
     message: str
@@ -232,6 +267,9 @@ class VideoJob(BaseModel):
     peak_memory_mb: float | None = None
     url: str | None = Field(None, description="Relative URL of the MP4 once completed.")
     warnings: list[str] = Field(default_factory=list)
+    waiting_for: Literal["resume_memory_occupation"] | None = Field(
+        None, description="Set on a queued job that cannot start because the GPU memory is released; it starts "
+                          "after POST /resume_memory_occupation.")
 
 
 class VideoList(BaseModel):
@@ -276,7 +314,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def job_view(job: Job, *, output_ttl_s: float) -> VideoJob:
+def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) -> VideoJob:
     expires = None
     if job.completed_at is not None and output_ttl_s > 0:
         expires = int(job.completed_at + output_ttl_s)
@@ -297,4 +335,5 @@ def job_view(job: Job, *, output_ttl_s: float) -> VideoJob:
         peak_memory_mb=job.peak_memory_mb,
         url=f"/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
         warnings=list(job.warnings),
+        waiting_for="resume_memory_occupation" if memory_released and job.status == JobStatus.QUEUED else None,
     )
