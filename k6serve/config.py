@@ -133,8 +133,9 @@ class RuntimeConfig:
     # Block streaming ("memory" mode, offload/block_stream.py): how many blocks are copied ahead of the running one
     # (each costs one block of device memory; a deeper queue absorbs blocks whose copy outlasts their compute, as
     # long as the total copy time stays under the total compute time), and how many of each streamed component's
-    # blocks stay on the device for the life of the worker (spread evenly over its block list; a count above a
-    # component's number of blocks keeps all of them, so one count serves the DiT and the text encoders alike).
+    # blocks stay on the device for the life of the worker (spread evenly over its block list, block_stream.py says
+    # why; a count above a component's number of blocks keeps all of them, so one count serves the DiT and the text
+    # encoders alike).
     # Only "memory" streams blocks: with another mode they must stay at these defaults.
     offload_prefetch_blocks: int = 1
     offload_resident_blocks: int = 0
