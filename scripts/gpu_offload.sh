@@ -8,7 +8,7 @@
 #   bash scripts/gpu_offload.sh pro-memory pro-streaming   # memory mode's streaming knobs next to its defaults
 #   steps: pinned (a registered host buffer: size, pinned, copy speed), test, lite, lite-memory, pro, pro-memory,
 #   pro-streaming (Pro-distill memory mode with --offload-prefetch-blocks 2, then --offload-resident-blocks 20:
-#   compare their step times and peaks with pro_memory's)
+#   compare their step times and peaks with pro_memory's), lite-streaming (the same for Lite-distill, 16 resident)
 source "$(dirname "$0")/gpu_setup.sh"  # wheels into /tmp/site, PYTHONPATH, nvidia-smi.csv
 bench() {  # name, time limit, then the bench's own flags
   local name=$1 limit=$2; shift 2
@@ -59,6 +59,11 @@ for step in "$@"; do
       bench pro_memory_resident20 300 --variant pro-distill --performance-mode memory --num-inference-steps 3 \
         --offload-resident-blocks 20
       ;;
-    *) echo "unknown step $step (pinned, test, lite, lite-memory, pro, pro-memory, pro-streaming)" >&2; exit 2 ;;
+    lite-streaming)  # Lite's blocks are 5x smaller than Pro's and its steps 4x shorter: copies are less hidden
+      bench lite_memory_prefetch2 200 --variant lite-distill --performance-mode memory --offload-prefetch-blocks 2
+      bench lite_memory_resident16 200 --variant lite-distill --performance-mode memory --offload-resident-blocks 16
+      ;;
+    *) echo "unknown step $step (pinned, test, lite, lite-memory, lite-streaming, pro, pro-memory, pro-streaming)" >&2
+       exit 2 ;;
   esac
 done
