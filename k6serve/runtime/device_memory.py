@@ -14,8 +14,10 @@ import os
 import torch
 
 # Named in the report, so a caller sees what cannot be freed without ending the process.
+# 3.5 GB was measured on an H200 (torch 2.11, CUDA 13) before and after a release, with or without compiled kernels
+# (docs/benchmarks.md, twelfth session): the context, not something a release could still free.
 OUTSIDE_ALLOCATOR = ("the CUDA context (driver state and the loaded kernel images of torch, cuBLAS, cuDNN and the "
-                     "compiled kernels, typically 0.3-1 GiB per process)")
+                     "compiled kernels; about 3.5 GB per process on an H200 with torch 2.11 and CUDA 13)")
 NCCL_BUFFERS = "NCCL's communicator buffers and channels (multi-GPU layouts: tens to hundreds of MiB per communicator)"
 NUM_LISTED_TENSORS = 5
 
