@@ -132,10 +132,9 @@ class RuntimeConfig:
     cache_dit_config: CacheDitParams | None = None
     # Block streaming ("memory" mode, offload/block_stream.py): how many blocks are copied ahead of the running one
     # (each costs one block of device memory; a deeper queue absorbs blocks whose copy outlasts their compute, as
-    # long as the total copy time stays under the total compute time), and how many of each streamed component's
-    # blocks stay on the device for the life of the worker (spread evenly over its block list, block_stream.py says
-    # why; a count above a component's number of blocks keeps all of them, so one count serves the DiT and the text
-    # encoders alike).
+    # long as the total copy time stays under the total compute time), and how many of the DiT's blocks stay on the
+    # device for the life of the worker (spread evenly over its block list, block_stream.py says why; a count above
+    # the number of blocks keeps all of them; the text encoders' stay streamed, components.py says why).
     # Only "memory" streams blocks: with another mode they must stay at these defaults.
     offload_prefetch_blocks: int = 1
     offload_resident_blocks: int = 0
@@ -163,7 +162,7 @@ class RuntimeConfig:
 
     def _check_block_streaming(self) -> None:
         limits = {"offload_prefetch_blocks": (1, "blocks copied ahead of the running one"),
-                  "offload_resident_blocks": (0, "blocks kept on the GPU, per streamed component")}
+                  "offload_resident_blocks": (0, "DiT blocks kept on the GPU")}
         for name, (low, meaning) in limits.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

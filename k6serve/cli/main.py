@@ -56,9 +56,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("offload_prefetch_blocks", dict(type=int, help="With --performance-mode memory: streamed blocks copied ahead of "
                                  "the running one (default 1). Each costs a block of GPU memory; more hide copies "
                                  "that outlast their block.")),
-    ("offload_resident_blocks", dict(type=int, help="With --performance-mode memory: blocks of the DiT and of each "
-                                 "text encoder kept on the GPU, spread evenly (default 0; more than a model has: "
-                                 "all). GPU memory for fewer copies per step.")),
+    ("offload_resident_blocks", dict(type=int, help="With --performance-mode memory: DiT blocks kept on the GPU, "
+                                 "spread evenly (default 0; more than it has: all). GPU memory for fewer copies "
+                                 "per step.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
                           "fa_fp8 (FA3 in FP8 for the video self-attention: Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "

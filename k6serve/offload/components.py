@@ -127,7 +127,7 @@ def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
                   offload_device: torch.device | str = "cpu", pin: bool | None = None,
                   plan=None, prefetch_blocks: int = 1, resident_blocks: int = 0) -> OffloadReport:
     """Offload `pipeline.components()` (and in "memory" mode stream the DiT blocks of `plan` and the text encoders'
-    blocks, `prefetch_blocks` ahead, `resident_blocks` of each kept on the device) and install the stage residency
+    blocks, `prefetch_blocks` ahead, `resident_blocks` of the DiT's kept on the device) and install the stage residency
     on `pipeline`. `pin` defaults to pinned host memory when `compute_device` is CUDA."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"offloading is for --performance-mode {' or '.join(OFFLOAD_MODES)}, got {mode!r}")
@@ -141,8 +141,13 @@ def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
         if plan is None:
             raise ValueError("--performance-mode memory streams the DiT blocks its plan lists; this model has none")
         streaming = dict(compute_device=compute_device, offload_device=offload_device, pin=pin,
-                         prefetch_blocks=prefetch_blocks, resident_blocks=resident_blocks)
-        streamers["transformer"] = apply_block_streaming(components["transformer"], plan, **streaming)
+                         prefetch_blocks=prefetch_blocks)
+        streamers["transformer"] = apply_block_streaming(components["transformer"], plan, **streaming,
+                                                         resident_blocks=resident_blocks)
+        # Resident blocks go to the DiT alone: its blocks run at every step, so each resident one saves a copy per
+        # step, where a text encoder's layers run once per prompt; and Qwen2.5-VL's streamed list holds its vision
+        # tower, which text prompts never run (16 resident blocks of each list took 6.2 GiB more on an H200 for Lite
+        # and saved no time; docs/benchmarks.md, twelfth session).
         for name in STREAMED_ENCODERS:
             blocks = repeated_blocks(components[name]) if name in components else []
             if blocks:
