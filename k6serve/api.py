@@ -270,10 +270,12 @@ class DiffGenerator:
         nothing and says so ("status": "already_released"); sharded layouts raise ValueError."""
         return self.engine.release_memory()
 
-    def resume_memory(self) -> dict:
+    def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
         """Copy the weights back to the GPUs, bit for bit; the waiting requests then run in order. Resuming while
-        not released changes nothing ("status": "not_released")."""
-        return self.engine.resume_memory()
+        not released changes nothing ("status": "not_released"). `keep_host_copy=True` keeps the host copy (host
+        memory stays taken), so the next release re-points the weights to it without copying: for a loop of
+        releases and resumes. A LoRA change drops it."""
+        return self.engine.resume_memory(keep_host_copy=keep_host_copy)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -203,9 +203,10 @@ class Engine:
         holds (`runtime/memory.py`). A sharded layout (TP, FSDP, folded encoders) raises ValueError."""
         return self._wait_for(self.submit_memory(ReleaseMemory()))
 
-    def resume_memory(self) -> dict:
-        """Copy the released tensors back to the devices, bit for bit; the waiting requests then run in order."""
-        return self._wait_for(self.submit_memory(ResumeMemory()))
+    def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
+        """Copy the released tensors back to the devices, bit for bit; the waiting requests then run in order. With
+        `keep_host_copy` the host copies stay, so the next release only re-points the weights to them."""
+        return self._wait_for(self.submit_memory(ResumeMemory(keep_host_copy=keep_host_copy)))
 
     def lora(self, operation: LoraOperation) -> dict:
         """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.

@@ -45,7 +45,12 @@ class ReleaseMemory:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResumeMemory:
-    """Copy the released tensors back to the device, bit for bit, and free their host copies."""
+    """Copy the released tensors back to the device, bit for bit, and free their host copies; or, with
+    `keep_host_copy`, keep them, so that the next release only re-points the tensors to them (no copy, no host
+    allocation: an RL loop's every release after the first is then immediate). The weights are frozen, so the kept
+    copy stays equal to the device one; a LoRA change (which can merge into the weights) drops it."""
+
+    keep_host_copy: bool = False
 
 
 MemoryOperation = ReleaseMemory | ResumeMemory
@@ -185,10 +190,30 @@ class MemoryRelease:
         self.device = indexed(device)
         self.copies: list[_HostCopy] | None = None  # None: not released
         self.homes: list[_MovedHome] = []
+        # The host copies a `keep_host_copy` resume kept (the tensors are attached to device copies meanwhile).
+        self.kept: list[_HostCopy] | None = None
 
     @property
     def released(self) -> bool:
         return self.copies is not None
+
+    def drop_kept(self) -> None:
+        """Forget the kept host copies (the device weights may change: a LoRA operation); the next release copies."""
+        self.kept = None
+
+    def _reattach_kept(self, groups: dict[str, list[torch.Tensor]]) -> list[_HostCopy] | None:
+        """The kept copies with every tensor re-pointed to them, if they hold exactly `groups`' tensors; else None
+        (a tensor came or went since, e.g. a dynamic adapter's device copy) and they are dropped."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return None
+        held = {id(slot.tensor) for copy in kept for slot in copy.weights.slots}
+        if held != {id(tensor) for tensors in groups.values() for tensor in tensors}:
+            return None
+        for copy in kept:
+            with copy.mode():
+                copy.weights.to_host()  # re-points only: the device copies are freed with their last reference
+        return kept
 
     def release(self, groups: dict[str, list[torch.Tensor]], homes: list[HostWeights] = ()) -> dict:
         """Move `groups` (from `device_tensors`) and `homes` (`device_homes`) to host memory; a report of what moved
@@ -198,15 +223,21 @@ class MemoryRelease:
         _check_movable(groups)
         start = time.perf_counter()
         pin = self.device.type == "cuda"
-        try:
-            self.copies = self._copy_to_host(groups, pin=pin)
-        except RuntimeError as error:
-            if not pin:
-                raise
-            # Page-locking can be refused (a container's locked-memory limit); pageable memory only resumes slower.
-            logger.warning("pinning the released weights failed (%s); releasing to pageable host memory", error)
-            pin = False
-            self.copies = self._copy_to_host(groups, pin=False)
+        self.copies = self._reattach_kept(groups)
+        reused = self.copies is not None
+        if reused:
+            pin = all(copy.weights.pinned for copy in self.copies)
+        else:
+            try:
+                self.copies = self._copy_to_host(groups, pin=pin)
+            except RuntimeError as error:
+                if not pin:
+                    raise
+                # Page-locking can be refused (a container's locked-memory limit); pageable memory only resumes
+                # slower.
+                logger.warning("pinning the released weights failed (%s); releasing to pageable host memory", error)
+                pin = False
+                self.copies = self._copy_to_host(groups, pin=False)
         try:
             moved = [_copy_chunks(weights, torch.device("cpu"), pin=pin) for weights in homes]
         except BaseException:
@@ -219,7 +250,8 @@ class MemoryRelease:
         if homes:
             freed[RESIDENT_BLOCKS] = sum(_nbytes(weights.chunks) for weights in homes)
         free_allocator_caches(self.device)
-        report = self._report("released", f"moved {sum(freed.values()) / 2**20:.1f} MiB to "
+        how = "re-pointed to the host copy kept at the last resume (no copy)" if reused else "to"
+        report = self._report("released", f"moved {sum(freed.values()) / 2**20:.1f} MiB {how} "
                                           f"{'pinned ' if pin else ''}host memory", freed, time.perf_counter() - start)
         logger.info("memory released: %s; %s", report["message"], report["after"]["explanation"])
         return report
@@ -254,9 +286,9 @@ class MemoryRelease:
             raise
         return copies
 
-    def resume(self) -> dict:
+    def resume(self, *, keep_host_copy: bool = False) -> dict:
         """Copy every released tensor back to the device (all copies made before any tensor is re-pointed, so an
-        out-of-memory leaves everything released) and drop the host copies."""
+        out-of-memory leaves everything released) and drop the host copies, or keep them (`ResumeMemory`)."""
         if not self.released:
             return self._report("not_released", "memory was not released; nothing changed", {}, 0.0)
         start = time.perf_counter()
@@ -276,8 +308,12 @@ class MemoryRelease:
             _rehome(home.weights, chunks)
         if self.homes:
             restored[RESIDENT_BLOCKS] = sum(_nbytes(home.weights.chunks) for home in self.homes)
-        self.copies, self.homes = None, []  # the host chunks go with them
-        report = self._report("resumed", f"copied {sum(restored.values()) / 2**20:.1f} MiB back to {self.device}",
+        # Without `keep_host_copy` the host chunks go with them. The resident blocks' host chunks always go: they
+        # are small, and their streamer re-homes them (`_rehome`) on the next release anyway.
+        self.kept = self.copies if keep_host_copy else None
+        self.copies, self.homes = None, []
+        kept = " (host copy kept for the next release)" if keep_host_copy else ""
+        report = self._report("resumed", f"copied {sum(restored.values()) / 2**20:.1f} MiB back to {self.device}{kept}",
                               restored, time.perf_counter() - start)
         logger.info("memory resumed: %s", report["message"])
         return report
@@ -289,8 +325,9 @@ class MemoryRelease:
             "memory_released": self.released,
             "moved_bytes": sum(moved.values()),
             "moved_bytes_by_owner": moved,
-            "host_bytes": (sum(copy.weights.num_bytes for copy in self.copies) if self.copies else 0)
+            "host_bytes": sum(copy.weights.num_bytes for copy in (self.copies or self.kept or ()))
                           + sum(_nbytes(home.weights.chunks) for home in self.homes),
+            "host_copy_kept": self.kept is not None,
             "pinned": bool(self.copies) and all(copy.weights.pinned for copy in self.copies),
             "seconds": round(seconds, 4),
             "after": device_memory_state(self.device),
@@ -309,7 +346,7 @@ def apply_memory_operation(worker, operation: MemoryOperation) -> dict:
     if refusal is not None:
         raise ValueError(refusal)
     if isinstance(operation, ResumeMemory):
-        return worker.memory_release.resume()
+        return worker.memory_release.resume(keep_host_copy=operation.keep_host_copy)
     if worker.memory_release.released:
         return worker.memory_release.release({})
     return worker.memory_release.release(device_tensors(worker.pipeline, worker.lora_manager, worker.device),

@@ -212,6 +212,8 @@ class ModelWorker:
             raise ValueError(f"LoRA target must be one of {', '.join(LORA_TARGETS)} (Kandinsky 6 has one DiT), got "
                              f"{operation.target!r}")
         manager = self._lora_manager()
+        # A merge or unmerge rewrites the device weights: a host copy kept by a memory resume would go stale.
+        self.memory_release.drop_kept()
         if isinstance(operation, SetLora):
             merge_mode = self.config.model.lora_merge_mode if operation.merge_mode == "auto" else operation.merge_mode
             manager.set(operation.specs, merge_mode)

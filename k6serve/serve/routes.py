@@ -476,11 +476,14 @@ _MEMORY_BODY_DOC = {"requestBody": {"required": False, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/MemoryOccupationBody"}}}}}
 
 
-async def _memory_answer(request: Request, operation: MemoryOperation) -> JSONResponse:
+async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
     """Read the optional body, run the operation, answer its reply: 400 for a refused layout (ValueError), 500 for
     any other failure (nothing changed: a failed release or resume is undone on every rank)."""
     ctx = _ctx(request)
-    parse_memory_body(await _read_control_body(request, allow_empty=True, routes="the memory routes"))
+    body = parse_memory_body(await _read_control_body(request, allow_empty=True, routes="the memory routes"),
+                             resume=resume)
+    operation: MemoryOperation = (ResumeMemory(keep_host_copy=bool(body.keep_host_copy)) if resume
+                                  else ReleaseMemory())
     try:
         result = await asyncio.wrap_future(ctx.runner.submit_memory(operation))
     except ValueError as exc:
@@ -495,14 +498,14 @@ async def _memory_answer(request: Request, operation: MemoryOperation) -> JSONRe
              openapi_extra=_MEMORY_BODY_DOC,
              summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory")
 async def release_memory_occupation(request: Request) -> JSONResponse:
-    return await _memory_answer(request, ReleaseMemory())
+    return await _memory_answer(request, resume=False)
 
 
 @router.post("/resume_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
              openapi_extra=_MEMORY_BODY_DOC,
              summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start")
 async def resume_memory_occupation(request: Request) -> JSONResponse:
-    return await _memory_answer(request, ResumeMemory())
+    return await _memory_answer(request, resume=True)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")

@@ -13,7 +13,7 @@ import re
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, create_model
 
 from k6serve.models.variants import SUPER_RESOLUTION, Variant, seconds_to_num_frames
 from k6serve.request import SamplingParams, parameter_fields, parse_size
@@ -212,10 +212,16 @@ class MemoryOccupationBody(BaseModel):
     tags: list[Literal[MEMORY_TAGS]] | None = Field(  # type: ignore[valid-type]
         None, description="The reference's memory kinds, accepted for its clients; the list must hold 'weights' "
                           "(the weights are all this server keeps on the GPU, so it releases them all).")
+    keep_host_copy: StrictBool | None = Field(
+        None, description="Resume only: keep the host copy of the weights (host memory stays taken), so the next "
+                          "release re-points them to it without copying; a LoRA change drops it. Default false.")
 
 
-def parse_memory_body(raw: Any) -> MemoryOccupationBody:
-    body = parse_json_body(MemoryOccupationBody, raw, string_fields={"tags"})
+def parse_memory_body(raw: Any, *, resume: bool) -> MemoryOccupationBody:
+    body = parse_json_body(MemoryOccupationBody, raw, string_fields={"tags"}, bool_fields=frozenset({"keep_host_copy"}))
+    if body.keep_host_copy is not None and not resume:
+        raise ApiError(400, "keep_host_copy applies to /resume_memory_occupation (it decides whether the resume keeps "
+                            "the host copy); drop it here.", code="invalid_parameter", param="keep_host_copy")
     if body.tags is not None and "weights" not in body.tags:
         raise ApiError(400, f"tags {body.tags} leave out 'weights', but the weights are all this server keeps on the "
                             "GPU (no KV cache, no CUDA graphs): send tags ['weights'], or no body.",

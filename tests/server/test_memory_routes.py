@@ -22,6 +22,7 @@ class MemoryFakeWorker(FakeWorker):
         self.refuse = refuse
         self.released = False
         self.log: list[str] = []
+        self.operations: list = []
 
     def run(self, params, output, on_step=None):
         assert not self.released, "a job ran while the memory was released"
@@ -44,6 +45,7 @@ class MemoryFakeWorker(FakeWorker):
         changed = release != self.released
         self.released = release
         self.log.append(type(operation).__name__)
+        self.operations.append(operation)
         status = ("released" if release else "resumed") if changed else (
             "already_released" if release else "not_released")
         return [{"status": status, "message": status, "moved_bytes": 1024 if changed else 0,
@@ -138,4 +140,19 @@ def test_the_schema_documents_the_routes(memory_server):
         schema = client.get("/openapi.json").json()
     for route in ("/release_memory_occupation", "/resume_memory_occupation"):
         assert "MemoryReply" in str(schema["paths"][route]["post"]["responses"]["200"])
-    assert "tags" in schema["components"]["schemas"]["MemoryOccupationBody"]["properties"]
+    properties = schema["components"]["schemas"]["MemoryOccupationBody"]["properties"]
+    assert "tags" in properties and "keep_host_copy" in properties
+
+
+def test_keep_host_copy_reaches_the_resume_and_is_refused_on_a_release(memory_server):
+    """keep_host_copy decides what a resume does with the host copy; on a release it means nothing and is a 400."""
+    with memory_server.client() as client:
+        refused = client.post("/release_memory_occupation", json={"keep_host_copy": True})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "keep_host_copy"
+        assert "resume_memory_occupation" in refused.json()["error"]["message"]
+        assert client.post("/release_memory_occupation", json={}).status_code == 200
+        assert client.post("/resume_memory_occupation", json={"keep_host_copy": True}).status_code == 200
+        assert client.post("/release_memory_occupation").status_code == 200
+        assert client.post("/resume_memory_occupation").status_code == 200
+    kinds = [(type(op).__name__, getattr(op, "keep_host_copy", None)) for op in memory_server.worker.operations]
+    assert kinds == [("ReleaseMemory", None), ("ResumeMemory", True), ("ReleaseMemory", None), ("ResumeMemory", False)]

@@ -93,6 +93,49 @@ def test_release_repoints_every_tensor_and_resume_gives_the_same_output(tiny_dis
     assert _same_output(worker.run(PARAMS, NO_FILE), before)
 
 
+def test_a_kept_host_copy_makes_the_next_release_a_repoint(tiny_distill_dir):
+    """`ResumeMemory(keep_host_copy=True)` keeps the host copy: the next release re-points every tensor to the very
+    storage of the first release (no copy), and the outputs stay those before any release."""
+    worker = _worker(tiny_distill_dir)
+    before = worker.run(PARAMS, NO_FILE)
+    groups = device_tensors(worker.pipeline, worker.lora_manager, worker.device)
+    worker.apply_memory_operation(ReleaseMemory())
+    first_host = _pointers(groups)
+    [report] = worker.apply_memory_operation(ResumeMemory(keep_host_copy=True))
+    assert report["status"] == "resumed" and report["host_copy_kept"] and report["host_bytes"] > 0
+    assert "host copy kept" in report["message"]
+    assert all(pointer != first_host[key] for key, pointer in _pointers(groups).items())  # on the "device" again
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
+
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    assert report["status"] == "released" and "no copy" in report["message"]
+    assert _pointers(groups) == first_host  # the kept storage itself
+    [report] = worker.apply_memory_operation(ResumeMemory())  # a plain resume drops the copy
+    assert not report["host_copy_kept"] and report["host_bytes"] == 0
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    assert "no copy" not in report["message"] and _pointers(groups) != first_host
+    worker.apply_memory_operation(ResumeMemory())
+
+
+def test_a_lora_change_drops_the_kept_host_copy(tiny_distill_dir, tmp_path):
+    """A merge rewrites the device weights, so the kept copy would be stale: after a LoRA operation the next release
+    copies again, and a resume gives the merged model's output."""
+    from test_lora import VIDEO_FFN, write_adapter
+
+    worker = _worker(tiny_distill_dir)
+    transformer = worker.pipeline.models.transformer
+    adapter = write_adapter(tmp_path, {VIDEO_FFN: tuple(transformer.get_submodule(VIDEO_FFN).weight.shape)})
+    worker.apply_memory_operation(ReleaseMemory())
+    worker.apply_memory_operation(ResumeMemory(keep_host_copy=True))
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="a", path=str(adapter)),), merge_mode="merge"))
+    merged = worker.run(PARAMS, NO_FILE)
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    assert report["status"] == "released" and "no copy" not in report["message"]
+    worker.apply_memory_operation(ResumeMemory())
+    assert _same_output(worker.run(PARAMS, NO_FILE), merged)
+
+
 def test_offloaded_weights_stay_in_their_host_copies(tiny_distill_dir):
     worker = _worker(tiny_distill_dir, performance_mode="balanced")
     apply_offload(worker.pipeline, "balanced", compute_device="cpu",
