@@ -250,9 +250,10 @@ class MemoryRelease:
         if homes:
             freed[RESIDENT_BLOCKS] = sum(_nbytes(weights.chunks) for weights in homes)
         free_allocator_caches(self.device)
-        how = "re-pointed to the host copy kept at the last resume (no copy)" if reused else "to"
-        report = self._report("released", f"moved {sum(freed.values()) / 2**20:.1f} MiB {how} "
-                                          f"{'pinned ' if pin else ''}host memory", freed, time.perf_counter() - start)
+        size, pinned = f"{sum(freed.values()) / 2**20:.1f} MiB", "pinned " if pin else ""
+        message = (f"re-pointed {size} to the {pinned}host copy kept at the last resume (no copy)" if reused
+                   else f"moved {size} to {pinned}host memory")
+        report = self._report("released", message, freed, time.perf_counter() - start)
         logger.info("memory released: %s; %s", report["message"], report["after"]["explanation"])
         return report
 
