@@ -20,6 +20,14 @@ def tiny_pro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_pro_foldable_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_pro_dir` with 2 key/value heads in Qwen, so that 2 ranks can fold the text encoders (TP works too)."""
+    from k6serve.testing.tiny_checkpoints import build_foldable_generation_checkpoint
+
+    return build_foldable_generation_checkpoint(tmp_path_factory.mktemp("tiny_pro_foldable"))
+
+
+@pytest.fixture(scope="session")
 def tiny_distill_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Pro-distill-style checkpoint: PiFlow scheduler, 10x heads, with audio, seed 0."""
     from k6serve.testing.tiny_checkpoints import build_generation_checkpoint

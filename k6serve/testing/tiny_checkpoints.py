@@ -6,6 +6,7 @@ and diffusers itself can reload it as the numerical reference. Builds are determ
 and need no network.
 """
 
+import copy
 import json
 import math
 import os
@@ -233,6 +234,21 @@ def build_generation_checkpoint(
 ) -> Path:
     """Write a tiny Diffusers-layout K6 generation checkpoint to `out_dir` and return it."""
     pipeline = build_generation_pipeline(variant, seed, with_audio=with_audio)
+    out_dir = Path(out_dir)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_foldable_generation_checkpoint(out_dir: Path) -> Path:
+    """The tiny Pro checkpoint (seed 0) with 2 key/value heads in Qwen (the stock tiny one has 1), so that 2 ranks
+    can fold the text encoders (`--encoder-parallel fold`); its other components are the stock ones."""
+    pipeline = build_generation_pipeline("pro", seed=0)
+    config = copy.deepcopy(pipeline.text_encoder.config)
+    config.text_config.num_key_value_heads = 2
+    with torch.random.fork_rng(devices=[]):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    rerandomize_(text_encoder, seed=4242)
+    pipeline.text_encoder = text_encoder
     out_dir = Path(out_dir)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -59,23 +59,6 @@ SR_LAYOUTS = {
 }
 
 
-def build_foldable_checkpoint(out_dir: Path) -> Path:
-    """The tiny Pro checkpoint with 2 key/value heads in Qwen (the stock tiny one has 1), so TP2 can fold it."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from k6serve.testing.tiny_checkpoints import build_generation_pipeline, rerandomize_
-
-    pipeline = build_generation_pipeline("pro", seed=0)
-    config = copy.deepcopy(pipeline.text_encoder.config)
-    config.text_config.num_key_value_heads = 2
-    with torch.random.fork_rng(devices=[]):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    rerandomize_(text_encoder, seed=4242)
-    pipeline.text_encoder = text_encoder
-    pipeline.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
-
-
 _LOADED: dict = {}  # per pool process: checkpoint folder -> models loaded once
 
 
@@ -142,8 +125,8 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return build_foldable_checkpoint(tmp_path_factory.mktemp("tiny_pro_foldable"))
+def checkpoint(tiny_pro_foldable_dir) -> Path:
+    return tiny_pro_foldable_dir
 
 
 @pytest.fixture(scope="module")
