@@ -267,7 +267,7 @@ class DiffGenerator:
         submitted, every weight moves to host memory on every rank and the allocator caches are freed; requests
         submitted meanwhile wait for `resume_memory`. Returns each rank's report of what moved and what the process
         still holds on its GPU (docs/http-api.md, POST /release_memory_occupation). Releasing twice changes
-        nothing and says so ("status": "already_released"); sharded layouts raise ValueError."""
+        nothing and says so ("status": "already_released"); --use-fsdp-inference raises ValueError."""
         return self.engine.release_memory()
 
     def resume_memory(self, *, keep_host_copy: bool = False) -> dict:

@@ -200,7 +200,7 @@ class Engine:
     def release_memory(self) -> dict:
         """Once the requests before it have finished, move every device tensor of every rank to host memory and
         free the allocator caches; requests wait until `resume_memory`. Returns what each rank freed and still
-        holds (`runtime/memory.py`). A sharded layout (TP, FSDP, folded encoders) raises ValueError."""
+        holds (`runtime/memory.py`). --use-fsdp-inference raises ValueError."""
         return self._wait_for(self.submit_memory(ReleaseMemory()))
 
     def resume_memory(self, *, keep_host_copy: bool = False) -> dict:

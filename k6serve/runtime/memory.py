@@ -14,8 +14,15 @@ memory`, between stages) are already in host memory and stay as they are; a resi
 itself (block streaming's resident blocks) is moved as a whole (`device_homes`): its chunks, the views into them and
 the tensors attached to them, so the streamer finds them where it left them after a resume.
 
-Sharded weights cannot move this way: a DTensor's local shard or FSDP's managed storage is not a plain `.data` to
-re-point, so those layouts are refused (`memory_release_refusal`), as offloading refuses them.
+Tensor-parallel weights (`--tp-size`, and the text encoders under `--encoder-parallel fold`) are DTensors: the
+`nn.Parameter` is a wrapper holding no memory, and this rank's shard is the plain tensor `_local_tensor`. That local
+tensor is what moves (`local_shard`): re-pointing its `.data` keeps the DTensor, its placements and the Parameter
+the same objects, and nothing else keeps the shard's storage between requests (a DTensor's `.data` and `to_local()`
+hand out the shard or an alias of it per call, which the callers drop).
+
+FSDP (`--use-fsdp-inference`) is refused (`memory_release_refusal`): each parameter's `FSDPParam` keeps its own
+sharded storage, which the DTensor's local tensor views, and its all-gather buffers, so re-pointing the local tensor
+would leave FSDP reading and gathering from storage that no longer holds the weights.
 """
 
 from __future__ import annotations
@@ -57,14 +64,23 @@ MemoryOperation = ReleaseMemory | ResumeMemory
 
 
 def memory_release_refusal(parallel: ParallelConfig) -> str | None:
-    """Why this layout's memory cannot be released, naming the flags to drop; None when it can."""
-    flags = parallel.dit_sharding_flags + (["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else [])
-    if not flags:
+    """Why this layout's memory cannot be released, naming the flag to drop; None when it can."""
+    if not parallel.use_fsdp_inference:
         return None
-    named = " and ".join(flags)
-    return (f"release_memory_occupation cannot move weights sharded across GPUs ({named}): DTensor shards and FSDP's "
-            f"managed storage cannot be re-pointed to host memory. Drop {named} to release memory (Ulysses, Ring, "
-            "CFG-parallel and --dp-size keep whole weights on every GPU, and work).")
+    return ("release_memory_occupation cannot move weights sharded by --use-fsdp-inference: FSDP keeps its own "
+            "sharded storage and all-gather buffers for every parameter, which re-pointing the weights to host memory "
+            "would break. Drop --use-fsdp-inference to release memory (--tp-size, --encoder-parallel fold, Ulysses, "
+            "Ring, CFG-parallel and --dp-size work).")
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `tensor`'s memory on this rank: a DTensor's local shard, else `tensor` itself.
+
+    `_local_tensor` rather than `to_local()`: with torch 2.13 `to_local()` of a Parameter returns a fresh view even
+    without autograd (so re-pointing it would not move the shard); with torch 2.11 it returns `_local_tensor`."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _residency_copies(pipeline) -> list[HostWeights]:
@@ -103,7 +119,8 @@ def _attribute_tensors(module: nn.Module, seen: set[int]) -> list[torch.Tensor]:
 
 
 def device_tensors(pipeline, lora_manager, device: torch.device) -> dict[str, list[torch.Tensor]]:
-    """Every tensor the worker keeps on `device` between requests, by owner (component name, or LORA_ADAPTERS)."""
+    """Every tensor the worker keeps on `device` between requests, by owner (component name, or LORA_ADAPTERS); a
+    DTensor is given as its local shard, the tensor that holds its memory and moves."""
     device = indexed(device)
     seen = _attached_to_residency(pipeline)
     groups: dict[str, list[torch.Tensor]] = {}
@@ -115,16 +132,15 @@ def device_tensors(pipeline, lora_manager, device: torch.device) -> dict[str, li
     if lora_manager is not None:
         caches = [delta.cache.values() for _, wrapper in lora_manager.wrappers for delta in wrapper.deltas]
         groups[LORA_ADAPTERS] = [tensor for cache in caches for pair in cache for tensor in pair]
-    return {name: [t for t in tensors if t.device == device] for name, tensors in groups.items()}
+    return {name: [local for local in map(local_shard, tensors) if local.device == device]
+            for name, tensors in groups.items()}
 
 
 def _check_movable(groups: dict[str, list[torch.Tensor]]) -> None:
     from torch.distributed.tensor import DTensor
 
-    for name, tensors in groups.items():
-        if any(isinstance(tensor, DTensor) for tensor in tensors):
-            raise ValueError(f"release_memory_occupation cannot move {name}'s sharded (DTensor) weights to host memory; "
-                             "serve without sharding its weights to release memory.")
+    assert not any(isinstance(t, DTensor) for tensors in groups.values() for t in tensors), \
+        "DTensors move as their local shards (`device_tensors`)"
     # HostWeights copies each tensor on its own: tensors viewing one another's memory would come back unshared.
     ranges = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
                     for name, tensors in groups.items() for t in tensors if t.numel())
@@ -341,8 +357,8 @@ def inverse(operation: MemoryOperation) -> MemoryOperation:
 
 
 def apply_memory_operation(worker, operation: MemoryOperation) -> dict:
-    """Release or resume a `ModelWorker`'s device memory; its report (`MemoryRelease`). Sharded layouts raise
-    ValueError, whatever the operation."""
+    """Release or resume a `ModelWorker`'s device memory; its report (`MemoryRelease`). FSDP raises ValueError,
+    whatever the operation."""
     refusal = memory_release_refusal(worker.config.parallel)
     if refusal is not None:
         raise ValueError(refusal)

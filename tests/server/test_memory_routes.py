@@ -39,8 +39,8 @@ class MemoryFakeWorker(FakeWorker):
 
     def apply_memory_operation(self, operation) -> list[dict]:
         if self.refuse:
-            raise ValueError("release_memory_occupation cannot move weights sharded across GPUs (--tp-size 2): ... "
-                             "Drop --tp-size 2 to release memory.")
+            raise ValueError("release_memory_occupation cannot move weights sharded by --use-fsdp-inference: ... "
+                             "Drop --use-fsdp-inference to release memory.")
         release = isinstance(operation, ReleaseMemory)
         changed = release != self.released
         self.released = release
@@ -107,7 +107,7 @@ def test_a_refused_layout_is_a_400_in_the_error_format_and_nothing_is_held(tmp_p
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["code"] == "unsupported_layout" and error["type"] == "invalid_request_error"
-            assert "Drop --tp-size 2" in error["message"]
+            assert "Drop --use-fsdp-inference" in error["message"]
             assert client.get("/health").json()["memory_released"] is False
             job = client.post("/v1/videos", json=JOB).json()
             assert job["waiting_for"] is None and wait_for(client, job["id"])["status"] == "completed"

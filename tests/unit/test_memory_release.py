@@ -1,5 +1,6 @@
 """Releasing and resuming the worker's device memory (sleep / wake): the worker on a tiny checkpoint, the engine's
-queue, the Python API, the multi-process runtime, and a CUDA check.
+queue, the Python API, the multi-process runtime (tensor-parallel weights and folded encoders included), and a CUDA
+check.
 
 On the CPU the "device" and the host are the same memory, so the worker tests check what a release does to storage:
 every tensor is re-pointed to a fresh host copy (the same Parameter objects, new `data_ptr`s), again to fresh
@@ -8,6 +9,8 @@ storage on resume, and the outputs after a release and resume equal those before
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import os
 import threading
 import time
@@ -17,10 +20,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from test_launch import TIMEOUT_S, FakeRankWorker, make_config
 
 from k6serve.api import DiffGenerator, build_engine_config
-from k6serve.config import EngineConfig, ModelConfig, ParallelConfig
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.lora.spec import ListLoras, LoraSpec, SetLora
 from k6serve.models.variants import VARIANTS
 from k6serve.offload import apply_offload
@@ -190,20 +194,17 @@ def test_a_failed_release_leaves_the_worker_serving(tiny_distill_dir, monkeypatc
     assert _same_output(worker.run(PARAMS, NO_FILE), before)
 
 
-@pytest.mark.parametrize(("layout", "named"), [
-    ({"num_gpus": 2, "tp_size": 2}, "--tp-size 2"),
-    ({"num_gpus": 2, "ulysses_degree": 2, "use_fsdp_inference": True}, "--use-fsdp-inference"),
-    ({"num_gpus": 2, "ulysses_degree": 2, "encoder_parallel": "fold"}, "--encoder-parallel fold"),
-])
-def test_sharded_layouts_are_refused_with_the_flag_to_drop(layout, named):
-    parallel = ParallelConfig(**layout)
+def test_fsdp_is_refused_with_the_flag_to_drop_and_tensor_parallel_layouts_are_not():
+    parallel = ParallelConfig(num_gpus=2, ulysses_degree=2, use_fsdp_inference=True)
     message = memory_release_refusal(parallel)
-    assert named in message and f"Drop {named}" in message
+    assert "sharded by --use-fsdp-inference" in message and "Drop --use-fsdp-inference" in message
     worker = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
     for operation in (ReleaseMemory(), ResumeMemory()):
-        with pytest.raises(ValueError, match="cannot move weights sharded across GPUs"):
+        with pytest.raises(ValueError, match="cannot move weights sharded by --use-fsdp-inference"):
             memory.apply_memory_operation(worker, operation)
-    assert memory_release_refusal(ParallelConfig(num_gpus=4, ulysses_degree=2, dp_size=2)) is None
+    for layout in ({"num_gpus": 2, "tp_size": 2}, {"num_gpus": 2, "ulysses_degree": 2, "encoder_parallel": "fold"},
+                   {"num_gpus": 4, "tp_size": 2, "ulysses_degree": 2}, {"num_gpus": 4, "ulysses_degree": 2, "dp_size": 2}):
+        assert memory_release_refusal(ParallelConfig(**layout)) is None
 
 
 # ---- the engine's queue, with a fake worker ----
@@ -368,6 +369,122 @@ def test_every_rank_releases_and_a_failure_on_one_is_undone_on_the_others(layout
         assert [r["status"] for r in reply["ranks"]] == ["resumed", "resumed"]  # rank 0 too: it was re-released
         result = engine.generate(SamplingParams(prompt="after", num_inference_steps=1), OutputOptions(save_output=False))
         assert result.seed is not None
+    finally:
+        engine.shutdown()
+        worker.close()
+
+
+class ShardProbeRankWorker:
+    """The real per-rank worker (`build_model_worker`), whose memory reports add what the operation did to this rank's
+    DTensor parameters: the ids of each Parameter and of its local shard, the placements, the shard's data_ptr and a
+    digest of its bytes (`shards`); and how many of the shards' storages from before the operation are still alive
+    (`storages_alive`, of `num_storages`): a second reference to a shard's old storage would keep it on the GPU."""
+
+    def __init__(self, config, context) -> None:
+        from k6serve.runtime.process_group_worker import build_model_worker
+
+        self.worker = build_model_worker(config, context)
+        self.variant = self.worker.variant
+
+    def run(self, params, output, on_step=None):
+        return self.worker.run(params, output, on_step)
+
+    def apply_lora_operation(self, operation) -> dict:
+        return self.worker.apply_lora_operation(operation)
+
+    def apply_memory_operation(self, operation) -> list[dict]:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storages = [StorageWeakRef(parameter._local_tensor.untyped_storage())
+                    for _, parameter in _dtensor_parameters(self.worker.pipeline)]
+        reports = self.worker.apply_memory_operation(operation)
+        gc.collect()
+        alive = sum(not storage.expired() for storage in storages)
+        return [{**report, "shards": _shards(self.worker.pipeline), "storages_alive": alive,
+                 "num_storages": len(storages)} for report in reports]
+
+
+def _dtensor_parameters(pipeline) -> list[tuple[str, torch.Tensor]]:
+    from torch.distributed.tensor import DTensor
+
+    return [(f"{component}.{name}", parameter) for component, module in pipeline.components().items()
+            for name, parameter in module.named_parameters() if isinstance(parameter, DTensor)]
+
+
+def _shards(pipeline) -> dict[str, tuple]:
+    shards = {}
+    for name, parameter in _dtensor_parameters(pipeline):
+        local = parameter._local_tensor
+        digest = hashlib.sha256(local.detach().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        shards[name] = (id(parameter), id(local), str(parameter.placements), local.data_ptr(), digest)
+    return shards
+
+
+def _shard_fields(reply: dict, index: int) -> list[dict[str, object]]:
+    """Per rank: parameter name -> field `index` of `_shards` (0 Parameter id ... 3 data_ptr, 4 digest)."""
+    return [{name: shard[index] for name, shard in rank["shards"].items()} for rank in reply["ranks"]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("layout", "sharded"), [
+    ({"tp_size": 2}, {"transformer"}),
+    ({"ulysses_degree": 2, "encoder_parallel": "fold"}, {"text_encoder", "text_encoder_2"}),
+], ids=["tp2", "fold"])
+def test_tensor_parallel_shards_move_and_come_back_on_every_rank(tiny_pro_foldable_dir, tmp_path, layout, sharded):
+    """TP (and folded encoders) on 2 gloo ranks with the real worker: a release re-points every local shard (the
+    same Parameter, DTensor and local tensor objects, new storage, the old one freed), a resume brings the same
+    bytes back, and the output equals the one before; a kept host copy is re-pointed to on the next release. Under
+    TP a dynamic LoRA's device copies (column- and row-parallel targets) move too."""
+    from test_lora import AUDIO_FFN, VIDEO_FFN, write_adapter
+
+    config = EngineConfig(model=ModelConfig(model_path=str(tiny_pro_foldable_dir)),
+                          parallel=ParallelConfig(num_gpus=2, dist_timeout_s=60.0, **layout),
+                          runtime=RuntimeConfig(device="cpu"))
+    worker = MultiProcessWorker(config, build_rank_worker=ShardProbeRankWorker)
+    engine = Engine(config, worker=worker)
+    params = SamplingParams(prompt="a red fox runs", seed=5, height=48, width=80, num_frames=5,
+                            num_inference_steps=2, guidance_scale=4.0)
+    try:
+        if "tp_size" in layout:
+            with safe_open(str(next((tiny_pro_foldable_dir / "transformer").glob("*.safetensors"))), "pt") as file:
+                shapes = {path: tuple(file.get_slice(f"{path}.weight").get_shape()) for path in (VIDEO_FFN, AUDIO_FFN)}
+            adapter = write_adapter(tmp_path, shapes)
+            engine.lora(SetLora(specs=(LoraSpec(nickname="a", path=str(adapter)),), merge_mode="dynamic"))
+        before = engine.generate(params, NO_FILE)
+        loaded = engine.resume_memory()  # not released: changes nothing, reports the shards as loaded
+        assert [rank["status"] for rank in loaded["ranks"]] == ["not_released"] * 2
+        assert all({name.split(".")[0] for name in shards} == sharded for shards in _shard_fields(loaded, 0))
+        objects = [_shard_fields(loaded, index) for index in range(3)]  # Parameter, local tensor, placements
+        digests = _shard_fields(loaded, 4)
+
+        def check(reply: dict, status: str, *, kept: bool = False) -> list[dict[str, int]]:
+            """Every rank did `status` on the same objects, with the same bytes, and the storages it moved from were
+            freed (or are the host copy it `kept`); the shards' data_ptrs per rank."""
+            assert [rank["status"] for rank in reply["ranks"]] == [status] * 2
+            assert [_shard_fields(reply, index) for index in range(3)] == objects and _shard_fields(reply, 4) == digests
+            for rank in reply["ranks"]:
+                assert rank["storages_alive"] == (rank["num_storages"] if kept else 0), rank
+            return _shard_fields(reply, 3)
+
+        def all_moved(before: list[dict[str, int]], after: list[dict[str, int]]) -> bool:
+            return all(after[rank][name] != pointer for rank, pointers in enumerate(before)
+                       for name, pointer in pointers.items())
+
+        released = engine.release_memory()
+        first_host = check(released, "released")
+        assert all_moved(_shard_fields(loaded, 3), first_host)
+        assert all(sharded <= set(rank["moved_bytes_by_owner"]) for rank in released["ranks"])
+        if "tp_size" in layout:
+            assert all(rank["moved_bytes_by_owner"][LORA_ADAPTERS] > 0 for rank in released["ranks"])
+
+        assert all_moved(first_host, check(engine.resume_memory(keep_host_copy=True), "resumed", kept=True))
+        assert _same_output(engine.generate(params, NO_FILE), before)
+
+        again = engine.release_memory()
+        assert check(again, "released") == first_host  # the kept storage itself
+        assert all("no copy" in rank["message"] for rank in again["ranks"])
+        check(engine.resume_memory(), "resumed")  # the host copy is dropped
+        assert _same_output(engine.generate(params, NO_FILE), before)
     finally:
         engine.shutdown()
         worker.close()
