@@ -22,9 +22,9 @@ overall; resident blocks cut the bytes copied per DiT call.
 Resident blocks are spread evenly over the list ("strided"): the depth bounds how far copies may run ahead, so a
 run of resident blocks at the start ("leading") would leave the copy engine idle for most of it, while one between
 streamed blocks gives the next copy its compute time. The reference server offers both and measured strided ~0.5%
-faster end to end, too little for a flag of our own. Their weights are packed on the compute device when the streamer is installed, with no host copy: no
-host memory spent on them, a too-large count fails at start rather than in a request, and a LoRA merge (in place on
-the weight's storage) has one copy to change.
+faster end to end, too little for a flag of our own. Their weights are packed on the compute device when the
+streamer is installed, with no host copy: no host memory spent on them, a too-large count fails at start rather than
+in a request, and a LoRA merge (in place on the weight's storage) has one copy to change.
 
 The caching allocator serves a stream from its own pool: a prefetched chunk is allocated on the side stream, so it
 is marked with `record_stream` for the compute stream, or its memory could be handed to the next prefetch while the
