@@ -1,0 +1,335 @@
+"""The ComfyUI nodes (integrations/comfyui/k6serve_nodes), imported by path as ComfyUI does, against real servers:
+the demo checkpoint for K6Serve Generate, the tiny VSR checkpoint for K6Serve Upscale, the fake worker for the
+rest. ComfyUI itself is replaced by stub `comfy.*` / `folder_paths` modules in `sys.modules`."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import io
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from k6serve.api import build_engine_config
+from k6serve.runtime.engine import Engine
+
+NODES_DIR = Path(__file__).parents[2] / "integrations" / "comfyui" / "k6serve_nodes"
+HARNESS = Path(__file__).parents[1] / "server" / "harness.py"
+TINY = {"prompt": "A cat plays the piano", "width": 64, "height": 48, "num_frames": 5, "steps": 2,
+        "guidance_scale": 0.0, "seed": 7}
+
+
+def _import_by_path(name: str, path: Path, *, package: bool = False) -> types.ModuleType:
+    """What ComfyUI does for custom_nodes/<folder>: spec from <folder>/__init__.py, registered under the name."""
+    if name in sys.modules:
+        return sys.modules[name]
+    locations = [str(path.parent)] if package else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=locations)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+nodes_package = _import_by_path("k6serve_nodes", NODES_DIR / "__init__.py", package=True)
+harness = _import_by_path("harness", HARNESS)  # the same module tests/server imports as `harness`
+K6ServeError = sys.modules["k6serve_nodes.client"].K6ServeError
+Generate = nodes_package.NODE_CLASS_MAPPINGS["K6ServeGenerate"]
+Upscale = nodes_package.NODE_CLASS_MAPPINGS["K6ServeUpscale"]
+
+
+class InterruptProcessingException(Exception):
+    """Stands in for comfy.model_management.InterruptProcessingException."""
+
+
+class ComfyStub:
+    """Stub ComfyUI modules: a progress bar that records, an interrupt flag, an output folder."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        self.progress: list[int] = []
+        self.interrupt_when_running = False
+        self.interrupted = threading.Event()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        stub = self
+
+        class ProgressBar:
+            def __init__(self, total: int) -> None:
+                assert total == 100
+
+            def update_absolute(self, value: int, total: int | None = None) -> None:
+                stub.progress.append(value)
+
+        def throw_exception_if_processing_interrupted() -> None:
+            if stub.interrupt_when_running and any(value > 0 for value in stub.progress):
+                stub.interrupted.set()
+                raise InterruptProcessingException()
+
+        comfy = types.ModuleType("comfy")
+        utils = types.ModuleType("comfy.utils")
+        utils.ProgressBar = ProgressBar
+        model_management = types.ModuleType("comfy.model_management")
+        model_management.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
+        model_management.InterruptProcessingException = InterruptProcessingException
+        comfy.utils, comfy.model_management = utils, model_management
+        folder_paths = types.ModuleType("folder_paths")
+        folder_paths.get_output_directory = lambda: str(stub.output_dir)
+        for name, module in (("comfy", comfy), ("comfy.utils", utils), ("comfy.model_management", model_management),
+                             ("folder_paths", folder_paths)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.fixture
+def comfy(monkeypatch, tmp_path) -> ComfyStub:
+    stub = ComfyStub(tmp_path / "comfy_output")
+    stub.install(monkeypatch)
+    return stub
+
+
+@pytest.fixture(scope="module")
+def generation_server(_demo_cache_dir, tmp_path_factory):
+    from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("K6SERVE_CACHE", str(_demo_cache_dir))
+        demo = ensure_demo_checkpoint()
+    engine = Engine(build_engine_config(str(demo), device="cpu"))
+    server = harness.start_server(tmp_path_factory.mktemp("comfyui_generation"), engine=engine)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def upscale_server(tiny_sr_dir, tmp_path_factory):
+    engine = Engine(build_engine_config(str(tiny_sr_dir), device="cpu"))
+    server = harness.start_server(tmp_path_factory.mktemp("comfyui_upscale"), engine=engine)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake_server(tmp_path):
+    server = harness.start_server(tmp_path / "fake", api_key="secret-key")
+    yield server
+    server.worker.release.set()
+    server.stop()
+
+
+def _outputs(result: dict) -> tuple:
+    assert set(result) == {"ui", "result"}
+    return result["result"]
+
+
+def _newest_job(server) -> dict:
+    with server.client() as client:
+        return client.get("/v1/videos", params={"limit": 1}).json()["data"][0]
+
+
+def test_the_package_imports_by_folder_without_k6serve_or_heavy_packages():
+    # A fresh interpreter where k6serve and the server's packages cannot be imported, as in ComfyUI's env.
+    script = f"""
+import importlib.abc, importlib.util, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {{'k6serve', 'fastapi', 'httpx', 'pydantic', 'PIL', 'av', 'requests', 'uvicorn'}}:
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+folder = {str(NODES_DIR)!r}
+spec = importlib.util.spec_from_file_location('k6serve_nodes', folder + '/__init__.py',
+                                              submodule_search_locations=[folder])
+module = importlib.util.module_from_spec(spec)
+sys.modules['k6serve_nodes'] = module
+spec.loader.exec_module(module)
+print(json.dumps([sorted(module.NODE_CLASS_MAPPINGS), sorted(module.NODE_DISPLAY_NAME_MAPPINGS)]))
+"""
+    completed = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                               timeout=120, cwd=tempfile.gettempdir())
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == [["K6ServeGenerate", "K6ServeUpscale"]] * 2
+
+
+@pytest.mark.parametrize("node", [Generate, Upscale])
+def test_node_classes_follow_comfyui_conventions(node):
+    inputs = node.INPUT_TYPES()
+    assert set(inputs) == {"required", "optional"}
+    parameters = list(inspect.signature(getattr(node, node.FUNCTION)).parameters)[1:]  # after self
+    assert set(inputs["required"]) | set(inputs["optional"]) == set(parameters)
+    for name, (kind, options) in {**inputs["required"], **inputs["optional"]}.items():
+        assert isinstance(kind, (str, list)) and isinstance(options, dict), name
+        assert options.get("tooltip"), name
+    assert node.RETURN_TYPES == ("IMAGE", "AUDIO", "STRING", "FLOAT")
+    assert node.RETURN_NAMES == ("frames", "audio", "video_path", "fps")
+    assert node.CATEGORY == "k6serve" and node.OUTPUT_NODE
+    assert inputs["required"]["seed"][1]["max"] == 2**63 - 1  # the server's seed range
+    assert "width first" in Generate.INPUT_TYPES()["required"]["width"][1]["tooltip"]
+
+
+def test_fields_leave_zero_to_the_model_default():
+    generation_fields = sys.modules["k6serve_nodes.nodes"].generation_fields
+    fields = generation_fields(prompt="p", width=768, height=512, num_frames=121, steps=0, guidance_scale=0.0,
+                               seed=1, negative_prompt=" ", fps=0.0, loras="", enable_cache_dit="server default")
+    assert fields == {"prompt": "p", "size": "768x512", "num_frames": 121, "seed": 1}
+    fields = generation_fields(prompt="p", width=64, height=48, num_frames=5, steps=3, guidance_scale=5.0, seed=1,
+                               negative_prompt="blurry", fps=12.0, loras='{"style": 0.5}', enable_cache_dit="off")
+    assert fields["num_inference_steps"] == 3 and fields["guidance_scale"] == 5.0 and fields["fps"] == 12.0
+    assert fields["loras"] == {"style": 0.5} and fields["enable_cache_dit"] is False
+    with pytest.raises(K6ServeError, match="loras must be a JSON object"):
+        generation_fields(prompt="p", width=64, height=48, num_frames=5, steps=0, guidance_scale=0.0, seed=1,
+                          negative_prompt="", fps=0.0, loras="style", enable_cache_dit="on")
+    upscale_fields = sys.modules["k6serve_nodes.nodes"].upscale_fields
+    assert upscale_fields(scale="4", seed=3, tiles_batch_size=0, tile_min_overlap=-1.0, target_resolution="",
+                          target_resize_mode="fit") == {"sr_resolution_scale": 4.0, "seed": 3}
+
+
+@pytest.mark.slow
+def test_generate_text_to_video_and_audio(generation_server, comfy):
+    frames, audio, path, fps = _outputs(Generate().generate(generation_server.base_url, **TINY))
+    assert frames.dtype == torch.float32 and frames.shape == (5, 48, 64, 3)
+    assert 0.0 <= frames.min() and frames.max() <= 1.0 and frames.std() > 0.01
+    assert audio["sample_rate"] == 44100
+    waveform = audio["waveform"]
+    assert waveform.dtype == torch.float32 and waveform.ndim == 3 and waveform.shape[:2] == (1, 1)
+    assert waveform.shape[2] > 0 and torch.isfinite(waveform).all()
+    assert fps == 24.0
+    assert Path(path).is_file() and Path(path).parent == comfy.output_dir / "k6serve"
+    assert comfy.progress[-1] == 100
+
+
+@pytest.mark.slow
+def test_generate_with_an_image_uploads_it_as_input_reference(generation_server, comfy, monkeypatch):
+    received = []
+    submit = generation_server.engine.submit
+
+    def recording_submit(params, *args, **kwargs):
+        received.append(Path(params.image_path).read_bytes() if params.image_path else None)
+        return submit(params, *args, **kwargs)
+
+    monkeypatch.setattr(generation_server.engine, "submit", recording_submit)
+    image = torch.linspace(0, 1, 40 * 56 * 3).reshape(1, 40, 56, 3)
+    frames, _, path, _ = _outputs(Generate().generate(generation_server.base_url, **TINY, image=image))
+    assert frames.shape == (5, 48, 64, 3) and Path(path).is_file()
+    assert len(received) == 1 and received[0] is not None
+    uploaded = np.asarray(Image.open(io.BytesIO(received[0])))
+    assert np.array_equal(uploaded, (image[0] * 255).round().to(torch.uint8).numpy())
+
+
+@pytest.mark.slow
+def test_interrupt_during_polling_cancels_the_job_on_the_server(generation_server, comfy):
+    comfy.interrupt_when_running = True
+    with pytest.raises(InterruptProcessingException):
+        Generate().generate(generation_server.base_url, **{**TINY, "steps": 1000})
+    assert comfy.interrupted.is_set()
+    job = _newest_job(generation_server)
+    if job["status"] == "in_progress":  # DELETE waited 10 s for a step boundary: let it arrive
+        with generation_server.client() as client:
+            job = harness.wait_for(client, job["id"], timeout=60)
+    assert job["status"] == "cancelled" and 0 < job["progress"] < 100
+
+
+@pytest.mark.slow
+def test_server_errors_name_the_node_the_input_and_the_fix(generation_server, comfy):
+    with pytest.raises(K6ServeError) as refused:
+        Generate().generate(generation_server.base_url, **{**TINY, "guidance_scale": 2.0})
+    message = str(refused.value)
+    assert message.startswith("K6Serve Generate: the server refused the input 'guidance_scale'")
+    assert "requires guidance_scale exactly 1.0" in message
+    size_error = r"refused the input 'width/height'.*width must be a positive multiple of 16"
+    with pytest.raises(K6ServeError, match=size_error):
+        Generate().generate(generation_server.base_url, **{**TINY, "width": 72})
+    with pytest.raises(K6ServeError, match="serves .*generation.*Use K6Serve Generate"):
+        Upscale().upscale(generation_server.base_url, video_path=__file__, scale="2", seed=1)
+
+
+def test_connection_refused_says_to_start_the_server(comfy):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(K6ServeError) as refused:
+        Generate().generate(url, **TINY)
+    message = str(refused.value)
+    assert f"no k6serve server is listening at {url} (connection refused)" in message
+    assert f"k6serve serve --model-path <checkpoint> --port {port}" in message
+
+
+def test_api_key_from_the_environment_and_a_silent_video(fake_server, monkeypatch, tmp_path):
+    # No ComfyUI stubs: the MP4 goes to the temp folder. The fake worker writes a 16x16 video without audio.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("K6SERVE_API_KEY", raising=False)
+    with pytest.raises(K6ServeError, match="needs an API key.*K6SERVE_API_KEY"):
+        Generate().generate(fake_server.base_url, **TINY)
+    monkeypatch.setenv("K6SERVE_API_KEY", "secret-key")
+    frames, audio, path, fps = _outputs(Generate().generate(fake_server.base_url, **TINY))
+    assert frames.shape == (5, 16, 16, 3) and fps == 24.0
+    assert Path(path).parent == tmp_path / "k6serve_comfyui" / "k6serve"
+    assert audio["sample_rate"] == 44100 and audio["waveform"].shape == (1, 1, round(5 / 24 * 44100))
+    assert not audio["waveform"].any()
+
+
+def test_timeout_cancels_the_job(fake_server, comfy):
+    started = time.monotonic()
+    with pytest.raises(K6ServeError, match="did not finish within timeout_s=1 s.*cancelled on the server"):
+        Generate().generate(fake_server.base_url, **{**TINY, "prompt": "hold"}, api_key="secret-key", timeout_s=1)
+    assert time.monotonic() - started < 10
+    assert _newest_job(fake_server)["status"] == "cancelled"
+
+
+def test_a_failed_job_raises_its_error(fake_server, comfy):
+    with pytest.raises(K6ServeError, match=r"failed on the server \(generation_failed\).*fake worker failure"):
+        Generate().generate(fake_server.base_url, **{**TINY, "prompt": "fail"}, api_key="secret-key")
+
+
+def test_filename_prefix_stays_inside_the_output_folder(fake_server, comfy):
+    with pytest.raises(K6ServeError, match="points outside the output folder"):
+        Generate().generate(fake_server.base_url, **TINY, api_key="secret-key", filename_prefix="../../escape")
+
+
+@pytest.mark.slow
+def test_upscale_a_file_and_connected_frames(upscale_server, comfy, tmp_path):
+    from k6serve.testing.clips import make_clip
+
+    clip = make_clip(tmp_path / "source.mp4", width=32, height=32, num_frames=9, fps=24, audio="mono_tone")
+    frames, audio, path, fps = _outputs(Upscale().upscale(upscale_server.base_url, video_path=str(clip), scale="2",
+                                                          seed=1, tiles_batch_size=4))
+    assert frames.dtype == torch.float32 and frames.shape == (9, 64, 64, 3) and fps == 24.0
+    assert 0.0 <= frames.min() and frames.max() <= 1.0
+    assert audio["sample_rate"] == 44100 and audio["waveform"].abs().max() > 0.01  # the source's tone
+    assert Path(path).is_file() and comfy.progress[-1] == 100
+    # The decoded source fed back as IMAGE + AUDIO: encoded, uploaded, upscaled.
+    source = sys.modules["k6serve_nodes.media"].decode_video(clip)
+    again, again_audio, _, _ = _outputs(Upscale().upscale(
+        upscale_server.base_url, video_path="", scale="2", seed=1, frames=source.frames, audio=source.audio,
+        tiles_batch_size=4))
+    assert again.shape == (9, 64, 64, 3) and again_audio["waveform"].abs().max() > 0.01
+    with pytest.raises(K6ServeError, match="both frames and video_path"):
+        Upscale().upscale(upscale_server.base_url, video_path=str(clip), scale="2", seed=1, frames=source.frames)
+    with pytest.raises(K6ServeError, match="serves .*super_resolution.*Use K6Serve Upscale"):
+        Generate().generate(upscale_server.base_url, **TINY)
+
+
+def test_upscale_is_changed_follows_the_file(tmp_path):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"one")
+    first = Upscale.IS_CHANGED(video_path=str(clip), scale="2")
+    clip.write_bytes(b"three")
+    assert Upscale.IS_CHANGED(video_path=str(clip), scale="2") != first
+    assert Upscale.IS_CHANGED(video_path="") == ""
+
+
+def test_png_encoder_round_trips():
+    pixels = np.random.default_rng(0).integers(0, 256, (7, 5, 3), dtype=np.uint8)
+    png = sys.modules["k6serve_nodes.media"].encode_png(pixels)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), pixels)
