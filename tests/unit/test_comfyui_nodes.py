@@ -295,6 +295,8 @@ def test_a_failed_job_raises_its_error(fake_server, comfy):
 def test_filename_prefix_stays_inside_the_output_folder(fake_server, comfy):
     with pytest.raises(K6ServeError, match="points outside the output folder"):
         Generate().generate(fake_server.base_url, **TINY, api_key="secret-key", filename_prefix="../../escape")
+    with fake_server.client() as client:
+        assert client.get("/v1/videos").json()["data"] == []  # refused before any job was created
 
 
 @pytest.mark.slow

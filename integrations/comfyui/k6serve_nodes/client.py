@@ -81,10 +81,13 @@ class K6ServeClient:
         """Stream GET /v1/videos/{id}/content into `path` (via a hidden partial file, renamed when complete)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.part")
-        with self._open("GET", f"/v1/videos/{job_id}/content") as response, open(partial, "wb") as file:
-            while chunk := response.read(1 << 20):
-                file.write(chunk)
-        os.replace(partial, path)
+        try:
+            with self._open("GET", f"/v1/videos/{job_id}/content") as response, open(partial, "wb") as file:
+                while chunk := response.read(1 << 20):
+                    file.write(chunk)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
         return path
 
     # ---- following a job ----

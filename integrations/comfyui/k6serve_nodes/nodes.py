@@ -252,6 +252,7 @@ def upscale_fields(*, scale: str, seed: int, tiles_batch_size: int, tile_min_ove
 def run_job(client: K6ServeClient, fields: dict[str, Any], uploads: list[Upload], *, filename_prefix: str,
             timeout_s: float) -> dict[str, Any]:
     """Create the job, follow it, save the MP4 and decode it into the node's outputs."""
+    output_path(filename_prefix, "video_check", client.node_name)  # a bad prefix fails before the GPU works
     job = client.create_job(fields, uploads)
     logger.info("%s: job %s queued on %s", client.node_name, job["id"], client.base_url)
     done = client.wait(job, check_interrupt=comfy_runtime.interrupt_check(),
