@@ -43,7 +43,7 @@ class PinnedBuffer:
         # Page-aligned, so the registration covers only pages of this allocation.
         allocation = torch.empty(num_bytes + PAGE_BYTES, dtype=torch.uint8)
         # Fault the pages in on torch's intra-op threads first: cudaHostRegister faults in the pages it finds
-        # missing on one thread. On the H200 host (16 cores) a 4 GiB buffer was locked in 0.35 s this way against
+        # missing on one thread. On the H200 host (16 cores) a 4 GiB buffer was locked in 0.43 s this way against
         # 1.32 s (scripts/gpu_pinned.py): memory mode's load and a memory release page-lock tens of GiB.
         allocation.fill_(0)
         offset = -allocation.data_ptr() % PAGE_BYTES

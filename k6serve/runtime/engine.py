@@ -220,13 +220,13 @@ class Engine:
                 if job is _STOP:
                     return
                 if isinstance(job, MemoryJob):
-                    self._run_memory(job)
+                    self._run_control(job.future, self._apply_memory, job.operation)
                     continue
                 if self._memory_released and not (isinstance(job, LoraJob) and isinstance(job.operation, ListLoras)):
                     self._held.append(job)
                     continue
                 if isinstance(job, LoraJob):
-                    self._run_lora(job)
+                    self._run_control(job.future, self.worker.apply_lora_operation, job.operation)
                     continue
                 if not job.future.set_running_or_notify_cancel():
                     continue  # cancelled while queued
@@ -252,35 +252,25 @@ class Engine:
         else:
             job.future.set_result(result)
 
-    def _wait_until_idle(self) -> None:
+    def _run_control(self, future: Future, apply: Callable[[object], dict], operation: object) -> None:
+        """Run a LoRA or memory operation: called holding `_taking`, it waits for the running requests to end, and
+        none starts until it returns; `apply(operation)`'s result or exception goes to `future`."""
         with self._idle:
             while self._num_running:
                 self._idle.wait()
-
-    def _run_lora(self, job: LoraJob) -> None:
-        """Called holding `_taking`: waits for the running requests to end; none starts until it returns."""
-        self._wait_until_idle()
-        if not job.future.set_running_or_notify_cancel():
+        if not future.set_running_or_notify_cancel():
             return
         try:
-            result = self.worker.apply_lora_operation(job.operation)
+            result = apply(operation)
         except BaseException as exc:  # noqa: BLE001 (raised to the caller, who waits for it)
-            job.future.set_exception(exc)
+            future.set_exception(exc)
         else:
-            job.future.set_result(result)
+            future.set_result(result)
 
-    def _run_memory(self, job: MemoryJob) -> None:
-        """Called holding `_taking`, as `_run_lora`; the worker returns one report per rank."""
-        self._wait_until_idle()
-        if not job.future.set_running_or_notify_cancel():
-            return
-        try:
-            reports = self.worker.apply_memory_operation(job.operation)
-        except BaseException as exc:  # noqa: BLE001 (raised to the caller, who waits for it)
-            job.future.set_exception(exc)
-            return
-        self._memory_released = isinstance(job.operation, ReleaseMemory)
-        job.future.set_result(memory_reply(job.operation, reports, num_waiting=len(self._held)))
+    def _apply_memory(self, operation: MemoryOperation) -> dict:
+        reports = self.worker.apply_memory_operation(operation)  # one report per rank
+        self._memory_released = isinstance(operation, ReleaseMemory)
+        return memory_reply(operation, reports, num_waiting=len(self._held))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Finish the running requests, stop the loop threads, then close the worker (its processes)."""

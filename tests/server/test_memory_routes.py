@@ -5,37 +5,27 @@ from __future__ import annotations
 import threading
 
 import pytest
-from harness import FakeWorker, start_server, wait_for, wait_until
+from harness import start_server, wait_for, wait_until
+from test_lora_routes import LoraFakeWorker
 
-from k6serve.models.variants import VARIANTS
 from k6serve.runtime.memory import ReleaseMemory
 
 JOB = {"prompt": "a fox", "size": "32x32", "num_frames": 5}
 
 
-class MemoryFakeWorker(FakeWorker):
-    """FakeWorker plus `apply_memory_operation` and `apply_lora_operation`; `log` holds request starts, ends and
-    operations in order. With `refuse` set, every memory operation raises the refusal a sharded layout gives."""
+class MemoryFakeWorker(LoraFakeWorker):
+    """The LoRA routes' fake worker plus `apply_memory_operation`; `log` holds request starts, ends and operations
+    in order. With `refuse` set, every memory operation raises the refusal a sharded layout gives."""
 
     def __init__(self, refuse: bool = False) -> None:
-        super().__init__(VARIANTS["pro-distill"])
+        super().__init__()
         self.refuse = refuse
         self.released = False
-        self.log: list[str] = []
-        self.operations: list = []
+        self.memory_operations: list = []
 
     def run(self, params, output, on_step=None):
         assert not self.released, "a job ran while the memory was released"
-        self.log.append(f"start {params.prompt}")
-        try:
-            return super().run(params, output, on_step)
-        finally:
-            self.log.append(f"end {params.prompt}")
-
-    def apply_lora_operation(self, operation) -> dict:
-        self.log.append(type(operation).__name__)
-        return {"loras": []} if type(operation).__name__ == "ListLoras" else {"status": "ok", "message": "",
-                                                                              "loras": []}
+        return super().run(params, output, on_step)
 
     def apply_memory_operation(self, operation) -> list[dict]:
         if self.refuse:
@@ -45,7 +35,7 @@ class MemoryFakeWorker(FakeWorker):
         changed = release != self.released
         self.released = release
         self.log.append(type(operation).__name__)
-        self.operations.append(operation)
+        self.memory_operations.append(operation)
         status = ("released" if release else "resumed") if changed else (
             "already_released" if release else "not_released")
         return [{"status": status, "message": status, "moved_bytes": 1024 if changed else 0,
@@ -154,5 +144,5 @@ def test_keep_host_copy_reaches_the_resume_and_is_refused_on_a_release(memory_se
         assert client.post("/resume_memory_occupation", json={"keep_host_copy": True}).status_code == 200
         assert client.post("/release_memory_occupation").status_code == 200
         assert client.post("/resume_memory_occupation").status_code == 200
-    kinds = [(type(op).__name__, getattr(op, "keep_host_copy", None)) for op in memory_server.worker.operations]
+    kinds = [(type(op).__name__, getattr(op, "keep_host_copy", None)) for op in memory_server.worker.memory_operations]
     assert kinds == [("ReleaseMemory", None), ("ResumeMemory", True), ("ReleaseMemory", None), ("ResumeMemory", False)]

@@ -57,17 +57,22 @@ def _seed_input() -> tuple:
                     "tooltip": "Random seed; the same inputs and seed give the same video."})
 
 
-class K6ServeGenerate:
-    """Text (and optionally a first image) to video + audio on a k6serve server."""
+class _K6ServeNode:
+    """What both nodes declare alike to ComfyUI: their category and their outputs (`run_job`'s)."""
 
-    DESCRIPTION = ("Generate a video with audio with Kandinsky 6 on a running `k6serve serve` (a generation "
-                   "checkpoint). Connect an image for image+text to video. Cancel stops the job on the server.")
     CATEGORY = CATEGORY
-    FUNCTION = "generate"
     OUTPUT_NODE = True
     RETURN_TYPES = RETURN_TYPES
     RETURN_NAMES = RETURN_NAMES
     OUTPUT_TOOLTIPS = OUTPUT_TOOLTIPS
+
+
+class K6ServeGenerate(_K6ServeNode):
+    """Text (and optionally a first image) to video + audio on a k6serve server."""
+
+    DESCRIPTION = ("Generate a video with audio with Kandinsky 6 on a running `k6serve serve` (a generation "
+                   "checkpoint). Connect an image for image+text to video. Cancel stops the job on the server.")
+    FUNCTION = "generate"
     # Server field -> the input to change, for the server's 400 messages.
     INPUT_NAMES: ClassVar[dict[str, str]] = {
         "size": "width/height", "height": "height", "width": "width", "num_inference_steps": "steps",
@@ -127,18 +132,13 @@ class K6ServeGenerate:
         return run_job(client, fields, uploads, filename_prefix=filename_prefix, timeout_s=timeout_s)
 
 
-class K6ServeUpscale:
+class K6ServeUpscale(_K6ServeNode):
     """Video super-resolution (x2, x2.25, x4) on a k6serve server serving a VSR checkpoint."""
 
     DESCRIPTION = ("Upscale a video with Kandinsky 6 VSR on a running `k6serve serve` (a VSR checkpoint). Give a "
                    "video file (e.g. K6Serve Generate's video_path) or connect frames (and audio). The source "
                    "audio is kept. Cancel stops the job on the server.")
-    CATEGORY = CATEGORY
     FUNCTION = "upscale"
-    OUTPUT_NODE = True
-    RETURN_TYPES = RETURN_TYPES
-    RETURN_NAMES = RETURN_NAMES
-    OUTPUT_TOOLTIPS = OUTPUT_TOOLTIPS
     INPUT_NAMES: ClassVar[dict[str, str]] = {
         "video_path": "video_path", "video_reference": "video_path", "sr_resolution_scale": "scale",
         "sr_tiles_batch_size": "tiles_batch_size", "sr_tile_min_overlap": "tile_min_overlap",
