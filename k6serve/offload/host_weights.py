@@ -13,7 +13,12 @@ alignment: an unaligned view could change the output bits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import mmap
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,34 +34,60 @@ ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
 # Pro-distill process in "memory" mode peaked at 98 GB resident on a 128 GB H200 host. (torch 2.13's
 # `pinned_max_round_threshold_mb` allocator setting would also stop the rounding; torch 2.11 refuses the key.)
 PAGE_BYTES = 4096
+HUGE_PAGE_BYTES = 2 * 2**20
+# Pinned chunks are mapped with a request for transparent huge pages (`madvise(MADV_HUGEPAGE)`; honoured where the
+# host's THP mode is "always" or "madvise"): faulting in, locking and unmapping a 2 MiB page costs about what a
+# 4 KiB one does, so page-locking tens of GiB (memory mode's load, a memory release) and freeing them go faster.
+# `K6SERVE_PINNED_HUGE_PAGES=0` asks for ordinary pages.
+PINNED_HUGE_PAGES = os.environ.get("K6SERVE_PINNED_HUGE_PAGES", "1") != "0"
+# A `HostWeights` with several pinned chunks page-locks the next ones on background threads while the caller copies
+# into the current one: locking a chunk (faulting its pages in, registering them) takes longer than copying it.
+PIN_AHEAD_CHUNKS = 4
+PIN_THREADS = 2
+
+
+def _host_allocation(num_bytes: int, huge_pages: bool) -> torch.Tensor:
+    """`num_bytes` of fresh anonymous host memory as a uint8 tensor starting on a page (a huge-page) boundary.
+
+    Mapped directly rather than taken from torch's CPU allocator, so huge pages can be asked for on this memory only;
+    the tensor keeps the mapping alive (`torch.frombuffer`), and the mapping is unmapped when its last view dies."""
+    align = HUGE_PAGE_BYTES if huge_pages else PAGE_BYTES
+    region = mmap.mmap(-1, num_bytes + align)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
+            region.madvise(mmap.MADV_HUGEPAGE)
+    allocation = torch.frombuffer(region, dtype=torch.uint8)
+    # The head below the boundary is never touched, so it is never backed by memory.
+    offset = -allocation.data_ptr() % align
+    return allocation[offset : offset + num_bytes]
 
 
 class PinnedBuffer:
-    """`num_bytes` of page-locked host memory, exactly: a pageable allocation registered with CUDA.
+    """`num_bytes` of page-locked host memory, exactly: a fresh anonymous mapping registered with CUDA.
 
     The buffer holds the allocation, so it is unregistered (when the buffer is collected) before the memory can be
     freed, whatever order the views into it die in; a view that outlives the buffer stays valid, only no longer
     page-locked."""
 
-    def __init__(self, num_bytes: int) -> None:
+    def __init__(self, num_bytes: int, *, huge_pages: bool | None = None) -> None:
         self.num_bytes = num_bytes
-        # Page-aligned, so the registration covers only pages of this allocation.
-        allocation = torch.empty(num_bytes + PAGE_BYTES, dtype=torch.uint8)
+        self.registered = False
+        if not num_bytes:
+            self.data = torch.empty(0, dtype=torch.uint8)
+            self.pointer = self.data.data_ptr()
+            return
+        self.data = _host_allocation(num_bytes, PINNED_HUGE_PAGES if huge_pages is None else huge_pages)
         # Fault the pages in on torch's intra-op threads first: cudaHostRegister faults in the pages it finds
         # missing on one thread. On the H200 host (16 cores) a 4 GiB buffer was locked in 0.43 s this way against
         # 1.32 s (scripts/gpu_pinned.py): memory mode's load and a memory release page-lock tens of GiB.
-        allocation.fill_(0)
-        offset = -allocation.data_ptr() % PAGE_BYTES
-        self.data = allocation[offset : offset + num_bytes]
+        self.data.fill_(0)
         self.pointer = self.data.data_ptr()
-        self.registered = False
-        if num_bytes:
-            error = torch.cuda.cudart().cudaHostRegister(self.pointer, num_bytes, 0)
-            if int(error) != 0:
-                raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**20:.0f} MiB of host memory failed (CUDA error "
-                                   f"{int(error)}); the host may be out of lockable memory (ulimit -l), or use "
-                                   "--performance-mode speed, which keeps the weights on the GPU.")
-            self.registered = True
+        error = torch.cuda.cudart().cudaHostRegister(self.pointer, num_bytes, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**20:.0f} MiB of host memory failed (CUDA error "
+                               f"{int(error)}); the host may be out of lockable memory (ulimit -l), or use "
+                               "--performance-mode speed, which keeps the weights on the GPU.")
+        self.registered = True
 
     def view(self, dtype: torch.dtype) -> torch.Tensor:
         return self.data.view(dtype)
@@ -69,6 +100,44 @@ class PinnedBuffer:
             except Exception:  # noqa: BLE001 - at interpreter exit torch or the CUDA context may be gone; the
                 pass  # process's pages go with it, registered or not
 
+
+def _locked_buffer(num_bytes: int, inference: bool) -> PinnedBuffer:
+    # Inference mode is per thread: the caller's, so the chunks are inference tensors exactly when the caller's
+    # allocations would be.
+    with torch.inference_mode(inference):
+        return PinnedBuffer(num_bytes)
+
+
+def pinned_buffers(sizes: list[int]) -> Iterator[PinnedBuffer]:
+    """A `PinnedBuffer` of each of `sizes`, in order; after the first, each is page-locked on a background thread
+    while the caller works on the ones before it (at most `PIN_AHEAD_CHUNKS` ahead). A failure is raised where its
+    buffer would have been yielded; closing the generator early drops the buffers made ahead."""
+    inference = torch.is_inference_mode_enabled()
+    if len(sizes) <= 1:
+        yield from (PinnedBuffer(size) for size in sizes)
+        return
+    pending: deque = deque()
+    with ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="k6serve-pin") as pool:
+        try:
+            for size in sizes:
+                pending.append(pool.submit(_locked_buffer, size, inference))
+                if len(pending) > PIN_AHEAD_CHUNKS:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+@dataclass(eq=False, slots=True)
+class _PlannedChunk:
+    tensors: list[tuple[torch.Tensor, int]]  # each with its offset in elements
+    num_elements: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_elements * self.tensors[0][0].element_size()
 
 
 @dataclass(eq=False, slots=True)
@@ -109,31 +178,42 @@ class HostWeights:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for dtype_tensors in by_dtype.values():
-            self._pack(dtype_tensors)
+        plan = [item for dtype_tensors in by_dtype.values() for item in self._plan(dtype_tensors)]
+        sizes = [item.num_bytes for item in plan if isinstance(item, _PlannedChunk)]
+        # Closed when done, so a failure part-way drops the buffers locked ahead.
+        with contextlib.closing(pinned_buffers(sizes if pin else [])) as buffers:
+            for item in plan:
+                if isinstance(item, _PlannedChunk):
+                    self._fill_chunk(item.tensors, item.num_elements, next(buffers, None))
+                else:
+                    self._store_alone(item)
 
-    def _pack(self, tensors: list[torch.Tensor]) -> None:
-        """Fill chunks in order; each chunk is allocated, filled and then the originals are re-pointed to it."""
+    @staticmethod
+    def _plan(tensors: list[torch.Tensor]) -> list[_PlannedChunk | torch.Tensor]:
+        """The chunks of `tensors` (of one dtype), in order; a tensor that is stored on its own stands for itself."""
+        plan: list[_PlannedChunk | torch.Tensor] = []
         pending: list[tuple[torch.Tensor, int]] = []
         used = 0
         for tensor in tensors:
             if not tensor.is_contiguous():
-                self._store_alone(tensor)
+                plan.append(tensor)
                 continue
             align = max(1, ALIGN_BYTES // tensor.element_size())
             start = -(-used // align) * align
             if pending and (start + tensor.numel()) * tensor.element_size() > CHUNK_BYTES:
-                self._fill_chunk(pending, used)
+                plan.append(_PlannedChunk(pending, used))
                 pending, start = [], 0
             pending.append((tensor, start))
             used = start + tensor.numel()
         if pending:
-            self._fill_chunk(pending, used)
+            plan.append(_PlannedChunk(pending, used))
+        return plan
 
-    def _fill_chunk(self, pending: list[tuple[torch.Tensor, int]], num_elements: int) -> None:
+    def _fill_chunk(self, pending: list[tuple[torch.Tensor, int]], num_elements: int,
+                    buffer: PinnedBuffer | None) -> None:
+        """Copy `pending` into a new chunk (into `buffer` when pinned), then re-point the originals to it."""
         dtype = pending[0][0].dtype
-        if self.pinned:
-            buffer = PinnedBuffer(num_elements * pending[0][0].element_size())
+        if buffer is not None:
             self.pinned_buffers.append(buffer)
             chunk = buffer.view(dtype)
         else:

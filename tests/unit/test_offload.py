@@ -9,6 +9,9 @@ cannot stand in: a CPU parameter's `.data` cannot be re-pointed at a meta tensor
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -324,6 +327,103 @@ def test_a_refused_registration_says_what_to_do(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing)
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of 3 MiB .*ulimit -l.*--performance-mode speed"):
         PinnedBuffer(3 * 2**20)
+
+
+class _RecordingCudart:
+    """Stands in for CUDA's registration calls: records each registration (address, size, thread) and
+    unregistration, and refuses registrations of `refuse_bytes`."""
+
+    def __init__(self, refuse_bytes: int = -1) -> None:
+        self.registered: list[tuple[int, int, str]] = []
+        self.unregistered: list[int] = []
+        self.refuse_bytes = refuse_bytes
+        self.lock = threading.Lock()
+
+    def cudaHostRegister(self, pointer, num_bytes, flags):
+        if num_bytes == self.refuse_bytes:
+            return 2
+        with self.lock:
+            self.registered.append((pointer, num_bytes, threading.current_thread().name))
+        return 0
+
+    def cudaHostUnregister(self, pointer):
+        with self.lock:
+            self.unregistered.append(pointer)
+        return 0
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_pinned_chunks_are_locked_ahead_on_background_threads(monkeypatch):
+    """A copy of many chunks page-locks the next ones on background threads while it fills the current one, at most
+    PIN_AHEAD_CHUNKS ahead; the chunks come in order, start on a huge-page boundary, and hold the values bit for bit."""
+    import gc
+
+    from k6serve.offload import host_weights
+
+    cudart = _RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(host_weights, "CHUNK_BYTES", 4096)
+    sizes = [4096 * (1 + index % 3) for index in range(12)]
+    buffers = host_weights.pinned_buffers(sizes)
+    first = next(buffers)
+    # Taking the first chunk leaves the next PIN_AHEAD_CHUNKS being locked (by two threads, in either order), no more.
+    _wait_for(lambda: len(cudart.registered) >= 1 + host_weights.PIN_AHEAD_CHUNKS)
+    time.sleep(0.05)
+    assert len(cudart.registered) == 1 + host_weights.PIN_AHEAD_CHUNKS
+    assert sorted(size for _, size, _ in cudart.registered) == sorted(sizes[: 1 + host_weights.PIN_AHEAD_CHUNKS])
+    assert all(thread.startswith("k6serve-pin") for _, _, thread in cudart.registered)
+    rest = list(buffers)
+    assert [buffer.num_bytes for buffer in [first, *rest]] == sizes
+    assert all(buffer.pointer % host_weights.HUGE_PAGE_BYTES == 0 for buffer in [first, *rest])
+    del first, rest, buffers
+    gc.collect()
+    assert sorted(cudart.unregistered) == sorted(pointer for pointer, _, _ in cudart.registered)
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(700 + index) for index in range(9)]
+    values = [tensor.clone() for tensor in tensors]
+    weights = host_weights.HostWeights(tensors, offload_device=torch.device("cpu"), pin=True)
+    assert len(weights.chunks) == 9 and all(torch.equal(a, b) for a, b in zip(tensors, values, strict=True))
+    assert [chunk.data_ptr() for chunk in weights.chunks] == [buffer.pointer for buffer in weights.pinned_buffers]
+
+
+def test_a_refused_lock_ahead_is_raised_in_order_and_drops_the_buffers_made_ahead(monkeypatch):
+    import gc
+
+    from k6serve.offload import host_weights
+
+    cudart = _RecordingCudart(refuse_bytes=8192)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffers = host_weights.pinned_buffers([4096, 4096, 8192, *[4096] * 5])
+    taken = [next(buffers), next(buffers)]
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 0 MiB"):
+        next(buffers)
+    buffers.close()
+    gc.collect()
+    # Every buffer locked ahead is unregistered again; the two taken stay registered.
+    held = {buffer.pointer for buffer in taken}
+    assert len(cudart.registered) >= 2
+    assert sorted(cudart.unregistered) == sorted(pointer for pointer, _, _ in cudart.registered if pointer not in held)
+
+    # Inference mode is per thread: the buffers locked ahead follow the caller's.
+    with torch.inference_mode():
+        made = list(host_weights.pinned_buffers([4096] * 3))
+    assert all(buffer.data.is_inference() for buffer in made)
+    assert not any(buffer.data.is_inference() for buffer in host_weights.pinned_buffers([4096] * 3))
+
+
+def test_pinned_buffers_ask_for_huge_pages_only_when_told(monkeypatch):
+    from k6serve.offload import host_weights
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _RecordingCudart())
+    small = host_weights.PinnedBuffer(5000, huge_pages=False)
+    assert small.pointer % host_weights.PAGE_BYTES == 0 and small.data.numel() == 5000
+    assert host_weights.PinnedBuffer(0).data.numel() == 0
 
 
 class _FakeEvent:
