@@ -3,7 +3,8 @@
 A release moves every tensor the worker keeps on its device between requests into host memory, by re-pointing each
 tensor's `.data` (`offload/host_weights.py`), so the `nn.Parameter` objects, the hooks and the compiled graphs that
 refer to them stay the same; then it frees the allocator's caches and reports what the process still holds
-(`device_memory.py`). A resume copies everything back bit for bit and drops the host copies. Each direction is
+(`device_memory.py`). A resume copies everything back bit for bit and drops the host copies on a background thread
+(`HostCopyReaper`: unregistering and unmapping tens of GiB took 4 of a 5.4 s resume). Each direction is
 all or nothing on a worker: a failed release (host memory) or resume (device memory still taken by the trainer)
 leaves every tensor where it was.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -199,6 +201,38 @@ def _rehome(weights: HostWeights, chunks: list[torch.Tensor]) -> None:
     weights.chunks = chunks
 
 
+class HostCopyReaper:
+    """Frees dropped host copies on a background thread, so a resume answers once the weights are back on the device.
+
+    Freeing a page-locked copy unregisters and unmaps it: 4 of the 5.4 s a resume of Pro-distill's 73 GiB took on an
+    H200 host (docs/benchmarks.md, twelfth session). One copy is freed at a time, and `wait` (called before a release
+    allocates a new one) bounds the host memory the worker holds to one copy."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self.freeing_bytes = 0
+
+    def free(self, garbage: list, num_bytes: int) -> None:
+        """Free what `garbage` holds on the thread: its items are moved out of the list here, so the caller must hold
+        no other reference to them."""
+        self.wait()
+        box = garbage[:]
+        garbage.clear()
+        self.freeing_bytes = num_bytes
+
+        def run() -> None:
+            box.clear()  # the last reference: the copies' buffers unregister and unmap here
+            self.freeing_bytes = 0
+
+        self._thread = threading.Thread(target=run, name="k6serve-free-host-copy", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
 class MemoryRelease:
     """A worker's released device tensors: their host copies while released, nothing otherwise."""
 
@@ -208,6 +242,7 @@ class MemoryRelease:
         self.homes: list[_MovedHome] = []
         # The host copies a `keep_host_copy` resume kept (the tensors are attached to device copies meanwhile).
         self.kept: list[_HostCopy] | None = None
+        self.reaper = HostCopyReaper()
 
     @property
     def released(self) -> bool:
@@ -215,7 +250,9 @@ class MemoryRelease:
 
     def drop_kept(self) -> None:
         """Forget the kept host copies (the device weights may change: a LoRA operation); the next release copies."""
-        self.kept = None
+        if self.kept is not None:
+            kept, self.kept = self.kept, None
+            self.reaper.free(kept, sum(copy.weights.num_bytes for copy in kept))  # empties `kept`
 
     def _reattach_kept(self, groups: dict[str, list[torch.Tensor]]) -> list[_HostCopy] | None:
         """The kept copies with every tensor re-pointed to them, if they hold exactly `groups`' tensors; else None
@@ -238,6 +275,7 @@ class MemoryRelease:
             return self._report("already_released", "memory was already released; nothing changed", {}, 0.0)
         _check_movable(groups)
         start = time.perf_counter()
+        self.reaper.wait()  # the last resume's host copy is gone before a new one is allocated
         pin = self.device.type == "cuda"
         self.copies = self._reattach_kept(groups)
         reused = self.copies is not None
@@ -309,6 +347,26 @@ class MemoryRelease:
         if not self.released:
             return self._report("not_released", "memory was not released; nothing changed", {}, 0.0)
         start = time.perf_counter()
+        restored = self._copy_back()
+        # Without `keep_host_copy` the host chunks go with them, on the reaper's thread. The resident blocks' host
+        # chunks always go: they are small, and their streamer re-homes them (`_rehome`) on the next release anyway.
+        self.kept = self.copies if keep_host_copy else None
+        garbage = [home.buffers for home in self.homes] + ([] if keep_host_copy else [self.copies])
+        garbage_bytes = sum(home.weights.num_bytes for home in self.homes) + (
+            0 if keep_host_copy else sum(copy.weights.num_bytes for copy in self.copies))
+        self.copies, self.homes = None, []
+        if garbage_bytes:
+            self.reaper.free(garbage, garbage_bytes)
+        kept = (" (host copy kept for the next release)" if keep_host_copy
+                else f"; its {garbage_bytes / 2**20:.1f} MiB host copy is freed in the background")
+        report = self._report("resumed", f"copied {sum(restored.values()) / 2**20:.1f} MiB back to {self.device}{kept}",
+                              restored, time.perf_counter() - start)
+        logger.info("memory resumed: %s", report["message"])
+        return report
+
+    def _copy_back(self) -> dict[str, int]:
+        """Attach every released tensor to a new device copy; the bytes restored per owner. (A method of its own so
+        that no local variable outlives it holding a host copy, which must be freed on the reaper's thread.)"""
         device_chunks = []
         for copy in self.copies:
             with copy.mode():
@@ -325,15 +383,7 @@ class MemoryRelease:
             _rehome(home.weights, chunks)
         if self.homes:
             restored[RESIDENT_BLOCKS] = sum(_nbytes(home.weights.chunks) for home in self.homes)
-        # Without `keep_host_copy` the host chunks go with them. The resident blocks' host chunks always go: they
-        # are small, and their streamer re-homes them (`_rehome`) on the next release anyway.
-        self.kept = self.copies if keep_host_copy else None
-        self.copies, self.homes = None, []
-        kept = " (host copy kept for the next release)" if keep_host_copy else ""
-        report = self._report("resumed", f"copied {sum(restored.values()) / 2**20:.1f} MiB back to {self.device}{kept}",
-                              restored, time.perf_counter() - start)
-        logger.info("memory resumed: %s", report["message"])
-        return report
+        return restored
 
     def _report(self, status: str, message: str, moved: dict[str, int], seconds: float) -> dict:
         return {
@@ -345,6 +395,7 @@ class MemoryRelease:
             "host_bytes": sum(copy.weights.num_bytes for copy in (self.copies or self.kept or ()))
                           + sum(_nbytes(home.weights.chunks) for home in self.homes),
             "host_copy_kept": self.kept is not None,
+            "host_bytes_being_freed": self.reaper.freeing_bytes,
             "pinned": bool(self.copies) and all(copy.weights.pinned for copy in self.copies),
             "seconds": round(seconds, 4),
             "after": device_memory_state(self.device),
