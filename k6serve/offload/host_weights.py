@@ -52,7 +52,8 @@ def _host_allocation(num_bytes: int, huge_pages: bool) -> torch.Tensor:
     Mapped directly rather than taken from torch's CPU allocator, so huge pages can be asked for on this memory only;
     the tensor keeps the mapping alive (`torch.frombuffer`), and the mapping is unmapped when its last view dies."""
     align = HUGE_PAGE_BYTES if huge_pages else PAGE_BYTES
-    region = mmap.mmap(-1, num_bytes + align)
+    # Private: a shared anonymous mapping is shmem, whose faults are slower and which THP's madvise does not cover.
+    region = mmap.mmap(-1, num_bytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
             region.madvise(mmap.MADV_HUGEPAGE)
