@@ -90,10 +90,10 @@ def _download(repo_id: str) -> Path:
                 raise ValueError(f"LoRA hub repo {repo_id!r} has no {PREFERRED_FILE} and {len(files)} other "
                                  f".safetensors files ({', '.join(files[:_SHOWN])}); exactly one is needed") from None
             return Path(hf_hub_download(repo_id, files[0]))
+    except HFValidationError:  # a ValueError subclass: it must come before `except ValueError`
+        raise ValueError(f"LoRA path {repo_id!r} is neither an existing file or folder nor a valid hub id") from None
     except ValueError:
         raise
-    except HFValidationError:
-        raise ValueError(f"LoRA path {repo_id!r} is neither an existing file or folder nor a valid hub id") from None
     except Exception as exc:  # noqa: BLE001 - offline, not found, gated, network: all end the same way for the user
         raise ValueError(f"LoRA path {repo_id!r} is not a local file or folder, and fetching it from the Hugging Face "
                          f"hub as {repo_id}/{PREFERRED_FILE} failed ({type(exc).__name__}: "

@@ -217,6 +217,11 @@ async def _read_body(request: Request, ctx: ServerContext,
             file_path=lambda field, name: ctx.artifacts.upload_path(job_id, field, name))
         raw: dict[str, Any] = dict(form.fields)
         uploads = [str(f.path) for f in form.files.values()]
+        try:
+            _refuse_file_fields_as_text(raw)
+        except ApiError:
+            ctx.artifacts.remove(uploads)
+            raise
         upload_fields: dict[str, str] = {}
         for field_name, upload in form.files.items():
             target = FILE_FIELDS[field_name]
@@ -230,7 +235,7 @@ async def _read_body(request: Request, ctx: ServerContext,
             upload_fields[target] = field_name
         return raw, {name: f.sha256 for name, f in form.files.items()}, uploads, upload_fields
     if content_type == "application/x-www-form-urlencoded":
-        return await read_urlencoded_body(request), {}, [], {}
+        return _refuse_file_fields_as_text(await read_urlencoded_body(request)), {}, [], {}
     if content_type not in ("application/json", ""):
         await drain(request)
         raise ApiError(415, f"Content-Type {content_type!r} is not supported; send one of "
@@ -244,6 +249,19 @@ async def _read_body(request: Request, ctx: ServerContext,
                                     f"server-side {FILE_FIELDS[field_name]} in JSON).", code="invalid_parameter",
                                param=field_name)
     return raw, {}, [], {}
+
+
+def _refuse_file_fields_as_text(fields: dict[str, Any]) -> dict[str, Any]:
+    """A form's text value under a file field (`curl -F input_reference=first.png`, without the @): a 400 saying how
+    to send the file, rather than "unknown field" with a list of valid fields that leaves the file fields out."""
+    sent_as_text = sorted(FILE_FIELDS.keys() & fields.keys())
+    if sent_as_text:
+        field_name = sent_as_text[0]
+        raise ApiError(400, f"{field_name} is a file upload but came as a text field ({fields[field_name][:80]!r}); "
+                            f"send the file itself in multipart/form-data (curl -F {field_name}=@path/to/file), or "
+                            f"give a server-side {FILE_FIELDS[field_name]}.", code="invalid_parameter",
+                       param=field_name)
+    return fields
 
 
 def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str]) -> None:
@@ -407,7 +425,9 @@ async def _read_control_body(request: Request, *, allow_empty: bool, routes: str
         raise ApiError(415, f"Content-Type {content_type!r} is not supported; {routes} take application/json "
                             "(with curl: -H 'Content-Type: application/json').", code="unsupported_content_type",
                        param="Content-Type")
-    return await read_json_body(request, allow_empty=allow_empty)
+    # Only set_lora refuses an empty body; its message shows set_lora's fields, not the video route's prompt.
+    return await read_json_body(request, allow_empty=allow_empty,
+                                example='{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}')
 
 
 async def _read_lora_body(request: Request, model: type) -> Any:

@@ -97,14 +97,14 @@ async def read_urlencoded_body(request: Request) -> dict[str, str]:
     return fields
 
 
-async def read_json_body(request: Request, *, allow_empty: bool = False) -> Any:
-    """The decoded JSON body; an empty one is `{}` when `allow_empty` (a body whose fields all have defaults)."""
+async def read_json_body(request: Request, *, allow_empty: bool = False, example: str = '{"prompt": "..."}') -> Any:
+    """The decoded JSON body; an empty one is `{}` when `allow_empty` (a body whose fields all have defaults), else
+    a 400 showing `example`, the route's smallest valid body."""
     body = await _read_small_body(request)
     if not body.strip() and allow_empty:
         return {}
     if not body.strip():
-        raise ApiError(400, "The request body is empty; send a JSON object such as {\"prompt\": \"...\"}.",
-                       code="invalid_json")
+        raise ApiError(400, f"The request body is empty; send a JSON object such as {example}.", code="invalid_json")
     try:
         return json.loads(body, object_pairs_hook=_object_without_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -124,6 +124,24 @@ def test_multipart_strings_are_coerced_and_the_upload_is_used(fake_server, fake_
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []  # uploads are deleted with the finished job
 
 
+def test_a_file_field_sent_as_text_says_how_to_send_the_file(fake_server, fake_client):
+    # curl -F input_reference=first.png (no @) sends the name as text: not an "unknown field" whose list of valid
+    # fields leaves input_reference out.
+    for field_name in ("input_reference", "video_reference"):
+        error = _assert_error(fake_client.post("/v1/videos", data={"prompt": "x", field_name: "first.png"}), 400,
+                              param=field_name, code="invalid_parameter", contains=f"-F {field_name}=@")
+        assert "Unknown field" not in error["message"]
+        urlencoded = fake_client.post("/v1/videos", content=f"prompt=x&{field_name}=first.png".encode(),
+                                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+        _assert_error(urlencoded, 400, param=field_name, contains="file upload")
+    # With a real upload beside it, the upload is not kept.
+    both = fake_client.post("/v1/videos", data={"prompt": "x", "video_reference": "clip.mp4"},
+                            files={"input_reference": ("first.png", _png_bytes(), "image/png")})
+    _assert_error(both, 400, param="video_reference")
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    _still_serves(fake_client)
+
+
 def test_path_traversal_and_symlink_escapes_are_refused(fake_server, fake_client, tmp_path):
     inputs = tmp_path / "inputs"
     (inputs / "ok.png").write_bytes(_png_bytes())

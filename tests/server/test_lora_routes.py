@@ -161,7 +161,8 @@ def test_body_encoding_errors_follow_the_video_routes(client, lora_server):
     _error(duplicate, 400, param="lora_nickname", code="invalid_json")
     not_finite = client.post("/v1/set_lora", content=b'{"lora_nickname": "a", "strength": NaN}', headers=json_header)
     _error(not_finite, 400, param="strength", code="invalid_parameter")
-    _error(client.post("/v1/set_lora", content=b"", headers=json_header), 400, code="invalid_json")
+    empty = _error(client.post("/v1/set_lora", content=b"", headers=json_header), 400, code="invalid_json")
+    assert "lora_nickname" in empty and "prompt" not in empty  # set_lora's example, not the video route's
     _error(client.post("/v1/set_lora", json=["a"]), 400, code="invalid_request")
     form = client.post("/v1/set_lora", data={"lora_nickname": "a"})
     assert "application/json" in _error(form, 415, param="Content-Type", code="unsupported_content_type")

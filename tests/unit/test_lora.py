@@ -285,6 +285,16 @@ def test_a_missing_path_says_what_was_tried(monkeypatch):
         resolve_adapter_file("someone/no-such-lora")
 
 
+def test_a_missing_local_file_is_not_worded_as_a_hub_id(tmp_path, monkeypatch):
+    # huggingface_hub's HFValidationError is a ValueError: it used to pass through with "Repo id must be in the
+    # form 'repo_name' or 'namespace/repo_name'", a message about hub ids for a file path that had a typo.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = str(tmp_path / "adapters" / "style.safetensors")
+    with pytest.raises(ValueError) as raised:
+        resolve_adapter_file(missing)
+    assert str(raised.value) == f"LoRA path {missing!r} is neither an existing file or folder nor a valid hub id"
+
+
 def test_unknown_module_key_lists_valid_names(tmp_path):
     model = _dit()
     file = write_adapter(tmp_path, {**_shapes(model, [VIDEO_FFN]), "visual_transformer_blocks.0.nope": (4, 4),
