@@ -1,0 +1,88 @@
+"""What the memory a released worker keeps on its GPU (3.5 GB on an H200 with Pro-distill) is made of.
+
+    python scripts/gpu_context.py --out $OUT [--model kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers]
+
+One process takes the steps a worker takes, one at a time, and after each frees torch's caches the way a release
+does (`runtime/device_memory.free_allocator_caches`) and records this process's device memory per NVML next to
+torch's reserved bytes: the CUDA context alone; a bf16 GEMM (cuBLAS); a Linear with bias (cuBLASLt); a 3-D
+convolution (cuDNN); scaled-dot-product attention; a `torch.compile`d function (Triton); then a `ModelWorker` of
+`--model` built with dummy weights in `--performance-mode`, and its memory released
+(`runtime/memory.py`). What NVML counts beyond torch's reserved bytes is memory torch's allocator never saw: each
+step's increase is what that library loaded (kernel images, handles) or allocated itself.
+
+Results: <out>/gpu_context.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def record(rows: list[dict], step: str, device: torch.device) -> None:
+    from k6serve.runtime.device_memory import _process_used_bytes, free_allocator_caches
+
+    free_allocator_caches(device)
+    process = _process_used_bytes(device)
+    reserved = torch.cuda.memory_reserved(device)
+    row = {"step": step, "process_mib": None if process is None else round(process / 2**20),
+           "torch_reserved_mib": round(reserved / 2**20, 1),
+           "outside_torch_mib": None if process is None else round((process - reserved) / 2**20)}
+    if rows and row["outside_torch_mib"] is not None and rows[-1]["outside_torch_mib"] is not None:
+        row["added_outside_torch_mib"] = row["outside_torch_mib"] - rows[-1]["outside_torch_mib"]
+    rows.append(row)
+    print(row, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--model", default="kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers")
+    parser.add_argument("--performance-mode", default="speed")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    rows: list[dict] = []
+    report = {"torch": torch.__version__, "cuda": torch.version.cuda,
+              "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING"), "rows": rows}
+
+    torch.empty(1, device=device)
+    record(rows, "CUDA context (first tensor)", device)
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    record(rows, "bf16 GEMM (cuBLAS)", device)
+    F.linear(a, a, a[0]).sum().item()
+    record(rows, "Linear with bias (cuBLASLt)", device)
+    video = torch.randn(1, 16, 8, 64, 64, device=device, dtype=torch.bfloat16)
+    F.conv3d(video, torch.randn(16, 16, 3, 3, 3, device=device, dtype=torch.bfloat16), padding=1).sum().item()
+    record(rows, "3-D convolution (cuDNN)", device)
+    q = torch.randn(1, 24, 4096, 128, device=device, dtype=torch.bfloat16)
+    F.scaled_dot_product_attention(q, q, q).sum().item()
+    record(rows, "scaled-dot-product attention", device)
+    compiled = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
+    compiled(a).sum().item()
+    record(rows, "a torch.compile'd function (Triton)", device)
+    del a, video, q, compiled
+
+    from k6serve.api import build_engine_config
+    from k6serve.runtime.memory import ReleaseMemory
+    from k6serve.runtime.worker import ModelWorker
+
+    start = time.perf_counter()
+    worker = ModelWorker(build_engine_config(args.model, load_format="dummy", performance_mode=args.performance_mode))
+    report["load_s"] = round(time.perf_counter() - start, 1)
+    record(rows, f"ModelWorker ({args.model.split('/')[-1]}, dummy, {args.performance_mode})", device)
+    [released] = worker.apply_memory_operation(ReleaseMemory())
+    report["release_s"] = released["seconds"]
+    record(rows, "after a memory release", device)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_context.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
