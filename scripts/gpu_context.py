@@ -1,8 +1,11 @@
 """What the memory a released worker keeps on its GPU (3.5 GB on an H200 with Pro-distill) is made of.
 
     python scripts/gpu_context.py --out $OUT [--model kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers]
+    python scripts/gpu_context.py --mode nccl-eager --out $OUT   # a one-rank process group as a worker builds it
+    python scripts/gpu_context.py --mode nccl-lazy --out $OUT    # ... without a bound device (launch.py since 13th)
+    python scripts/gpu_context.py --mode engine --out $OUT       # DiffGenerator (worker process): load, release
 
-One process takes the steps a worker takes, one at a time, and after each frees torch's caches the way a release
+`steps` (the default): one process takes the steps a worker takes, one at a time, and after each frees torch's caches the way a release
 does (`runtime/device_memory.free_allocator_caches`) and records this process's device memory per NVML next to
 torch's reserved bytes: the CUDA context alone; a bf16 GEMM (cuBLAS); a Linear with bias (cuBLASLt); a 3-D
 convolution (cuDNN); scaled-dot-product attention; a `torch.compile`d function (Triton); then a `ModelWorker` of
@@ -10,7 +13,12 @@ convolution (cuDNN); scaled-dot-product attention; a `torch.compile`d function (
 (`runtime/memory.py`). What NVML counts beyond torch's reserved bytes is memory torch's allocator never saw: each
 step's increase is what that library loaded (kernel images, handles) or allocated itself.
 
-Results: <out>/gpu_context.json.
+`nccl-eager` / `nccl-lazy`: a one-GPU process group as the worker process joins it (`launch.init_distributed`, with
+and without the device bound, which makes NCCL create each communicator at once), its groups (`build_groups`) and a
+broadcast on the default group; the process's device memory after each. `engine`: the release reply of a
+`DiffGenerator` (the worker in its own process, as users run it) says what that process keeps.
+
+Results: <out>/gpu_context_<mode>.json.
 """
 
 from __future__ import annotations
@@ -40,17 +48,63 @@ def record(rows: list[dict], step: str, device: torch.device) -> None:
     print(row, flush=True)
 
 
+def nccl(rows: list[dict], device: torch.device, *, bind_device: bool) -> None:
+    import torch.distributed as dist
+
+    from k6serve.config import ParallelConfig
+    from k6serve.parallel.mesh import ParallelLayout, build_groups
+    from k6serve.runtime.launch import find_free_port
+
+    torch.cuda.set_device(device)
+    torch.empty(1, device=device)
+    record(rows, "CUDA context (first tensor)", device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
+                            device_id=device if bind_device else None)
+    record(rows, f"init_process_group(nccl{', device_id' if bind_device else ''})", device)
+    build_groups(ParallelLayout.from_config(ParallelConfig()), 0, backend="nccl", timeout_s=60)
+    record(rows, "the worker's groups (build_groups)", device)
+    dist.broadcast_object_list([1], src=0)
+    record(rows, "a broadcast on the default group", device)
+    dist.destroy_process_group()
+
+
+def engine(report: dict, args: argparse.Namespace) -> None:
+    from k6serve.api import DiffGenerator
+
+    generator = DiffGenerator.from_pretrained(args.model, load_format="dummy", performance_mode=args.performance_mode)
+    try:
+        reply = generator.release_memory()
+        after = reply["ranks"][0]["after"]
+        report["after_release"] = {key: after.get(key) for key in
+                                   ("allocated_bytes", "reserved_bytes", "process_used_bytes", "explanation")}
+        print(report["after_release"], flush=True)
+        generator.resume_memory()
+    finally:
+        generator.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("steps", "nccl-eager", "nccl-lazy", "engine"), default="steps")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--model", default="kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers")
     parser.add_argument("--performance-mode", default="speed")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     rows: list[dict] = []
-    report = {"torch": torch.__version__, "cuda": torch.version.cuda,
+    report = {"mode": args.mode, "torch": torch.__version__, "cuda": torch.version.cuda,
               "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING"), "rows": rows}
+    if args.mode == "steps":
+        steps(rows, report, device, args)
+    elif args.mode == "engine":
+        engine(report, args)
+    else:
+        nccl(rows, device, bind_device=args.mode == "nccl-eager")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"gpu_context_{args.mode}.json").write_text(json.dumps(report, indent=2))
 
+
+def steps(rows: list[dict], report: dict, device: torch.device, args: argparse.Namespace) -> None:
     torch.empty(1, device=device)
     record(rows, "CUDA context (first tensor)", device)
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
@@ -80,8 +134,6 @@ def main() -> None:
     [released] = worker.apply_memory_operation(ReleaseMemory())
     report["release_s"] = released["seconds"]
     record(rows, "after a memory release", device)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_context.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -322,10 +322,12 @@ def rank_main(
     try:
         layout = ParallelLayout.from_config(config.parallel)
         groups = build_groups(layout, spec.rank, backend=spec.backend, timeout_s=spec.timeout_s)
-        # Only rank 0 was told where the engine listens (other hosts' launchers do not know it).
-        box = [(engine_address, authkey)]
-        dist.broadcast_object_list(box, src=0)
-        engine_address, authkey = box[0]
+        # Only rank 0 was told where the engine listens (other hosts' launchers do not know it). One rank has it
+        # already, and a broadcast on the default (NCCL) group would create its communicator (`init_distributed`).
+        if spec.world_size > 1:
+            box = [(engine_address, authkey)]
+            dist.broadcast_object_list(box, src=0)
+            engine_address, authkey = box[0]
         context = RankContext(spec=spec, device=device, groups=groups)
         worker, failure = None, None
         try:
