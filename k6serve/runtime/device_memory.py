@@ -13,12 +13,14 @@ import os
 
 import torch
 
-# Named in the report, so a caller sees what cannot be freed without ending the process.
-# 3.5 GB was measured on an H200 (torch 2.11, CUDA 13) before and after a release, with or without compiled kernels
-# (docs/benchmarks.md, twelfth session): the context, not something a release could still free.
+# Named in the report, so a caller sees what cannot be freed without ending the process. Measured on an H200 (torch
+# 2.11, CUDA 13; scripts/gpu_context.py, docs/benchmarks.md thirteenth session): the context 518 MiB, cuBLAS's
+# handle 158 MiB and cuDNN's 8 MiB, with or without compiled kernels, so a released one-GPU worker keeps about
+# 0.6 GB; each NCCL communicator added about 650 MiB (one rank), and the multi-GPU layouts create one per group.
 OUTSIDE_ALLOCATOR = ("the CUDA context (driver state and the loaded kernel images of torch, cuBLAS, cuDNN and the "
-                     "compiled kernels; about 3.5 GB per process on an H200 with torch 2.11 and CUDA 13)")
-NCCL_BUFFERS = "NCCL's communicator buffers and channels (multi-GPU layouts: tens to hundreds of MiB per communicator)"
+                     "compiled kernels; about 0.6-0.7 GB per process on an H200 with torch 2.11 and CUDA 13)")
+NCCL_BUFFERS = ("NCCL's communicators, created with the multi-GPU process groups (their buffers and channels; about "
+                "650 MiB for a one-rank communicator on an H200)")
 NUM_LISTED_TENSORS = 5
 
 
@@ -75,9 +77,11 @@ def _process_used_bytes(device: torch.device) -> int | None:
 
 
 def _uses_nccl() -> bool:
+    """NCCL communicators are alive: a multi-GPU process group (a one-GPU worker creates none, `launch.py`)."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and "nccl" in str(dist.get_backend()).lower())
 
 
 def device_memory_state(device: torch.device) -> dict:
