@@ -41,6 +41,9 @@ _OUTPUT_KEYS = {"save_output", "output_path", "output_file_name", "return_frames
 def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
     """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections."""
     sections: dict[type, dict[str, Any]] = {ModelConfig: {}, ParallelConfig: {}, RuntimeConfig: {}}
+    # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
+    model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
+    kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v for k, v in kwargs.items()}
     for key, value in kwargs.items():
         for cls in sections:
             if key in cls.__dataclass_fields__:
@@ -82,6 +85,12 @@ def check_output_folder(output: OutputOptions) -> None:
     if not str(output.output_path).strip():
         raise ValueError("output_path is empty; pass the folder for the MP4 (e.g. --output-path outputs).")
     folder = Path(output.output_path)
+    if folder.exists() and not folder.is_dir():
+        # mkdir would only say "File exists", which reads as if the folder were fine.
+        raise ValueError(
+            f"output_path {str(folder)!r} is a file, not a folder; pass a folder for the MP4 with --output-path "
+            "(it is created if missing), or put the file name in --output-file-name."
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

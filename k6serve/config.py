@@ -6,6 +6,7 @@ combinations raise ValueError with the fix, before any weight is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from k6serve.caching.params import CacheDitParams, parse_cache_dit_config
@@ -22,6 +23,31 @@ VAE_TILING = ("auto", "on", "off")
 # Same tuple as k6serve.lora.spec.LORA_MERGE_MODES (config imports only torch-free k6serve modules; a unit test keeps
 # them equal).
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
+
+# What each annotated field type accepts, and how the error says it. The CLI's argparse types already convert, but
+# the Python API passes values as given: the string "false" is a true use_fsdp_inference and the string "1" a
+# num_gpus that fails only in a comparison deep in start-up, so every field is checked here, naming its flag.
+_FIELD_KINDS = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+}
+_API_ONLY_FIELDS = ("dist_timeout_s",)  # no command-line flag: named as the keyword argument
+
+
+def _check_field_types(config: object, *, checked_elsewhere: tuple[str, ...] = ()) -> None:
+    for item in dataclasses.fields(config):
+        kind, _, optional = str(item.type).partition(" | ")
+        if kind not in _FIELD_KINDS or item.name in checked_elsewhere:
+            continue  # parsed and checked by its own code (cache_dit_config), with a more specific message
+        value = getattr(config, item.name)
+        if value is None and optional == "None":
+            continue
+        accepts, wanted = _FIELD_KINDS[kind]
+        if not accepts(value):
+            name = item.name if item.name in _API_ONLY_FIELDS else "--" + item.name.replace("_", "-")
+            raise ValueError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,20 +66,17 @@ class ModelConfig:
     lora_merge_mode: str = "auto"  # also the default of set_lora requests that say "auto"; auto = merge
 
     def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("--model-path is required (a local Diffusers folder, a hub id, or 'demo').")
+        _check_field_types(self)
         if self.lora_merge_mode not in LORA_MERGE_MODES:
             raise ValueError(f"--lora-merge-mode must be one of {LORA_MERGE_MODES}, got {self.lora_merge_mode!r}")
         if not self.lora_nickname:
             raise ValueError("--lora-nickname must not be empty")
-        for name in ("lora_scale", "lora_alpha"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"--{name.replace('_', '-')} must be a number, got {value!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not self.model_path:
-            raise ValueError("--model-path is required (a local Diffusers folder, a hub id, or 'demo').")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +95,9 @@ class ParallelConfig:
     dist_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         for name in ("num_gpus", "tp_size", "ulysses_degree", "ring_degree", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -143,8 +169,7 @@ class RuntimeConfig:
         if self.cache_dit_config is not None and not isinstance(self.cache_dit_config, CacheDitParams):
             # Normalised once here, where every way of building the config passes (CLI, --config file, API).
             object.__setattr__(self, "cache_dit_config", parse_cache_dit_config(self.cache_dit_config))
-        if not isinstance(self.compile_vae, bool):
-            raise ValueError(f"--compile-vae must be true or false, got {self.compile_vae!r}")
+        _check_field_types(self, checked_elsewhere=("offload_prefetch_blocks", "offload_resident_blocks"))
         if self.vae_tiling not in VAE_TILING:
             raise ValueError(f"--vae-tiling must be one of {VAE_TILING}, got {self.vae_tiling!r}")
         if self.device not in DEVICES:

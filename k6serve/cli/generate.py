@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from k6serve.api import DiffGenerator, check_output, split_kwargs
+from k6serve.api import DiffGenerator, build_engine_config, check_output, split_kwargs
+from k6serve.request import SamplingParams
 
 
 def format_timings(result) -> str:
@@ -33,10 +35,54 @@ def format_timings(result) -> str:
     return "\n".join(lines)
 
 
+def _variant_before_loading(engine_options: dict[str, Any]):
+    """The variant the worker will recognise, where that needs no download (a local folder, the demo, a released
+    hub id, --model-id, --load-format dummy); None otherwise, or when recognition fails: the engine then reports
+    it while loading, as without this look-ahead."""
+    from k6serve.models.checkpoint_files import resolve_checkpoint
+    from k6serve.models.variants import recognise
+
+    model_path, model_id = engine_options["model_path"], engine_options.get("model_id")
+    try:
+        folder = None
+        if engine_options.get("load_format") != "dummy" and (model_path == "demo" or Path(model_path).expanduser()
+                                                             .exists()):
+            folder = resolve_checkpoint(model_path)
+        return recognise(model_path, model_id, folder)
+    except ValueError:
+        return None
+
+
+def check_request_before_loading(engine_options: dict[str, Any], params: SamplingParams) -> None:
+    """Resolve the one request against the model's variant, and open its input file, before the model loads
+    (minutes for a real checkpoint): a --seed, --height or --num-inference-steps out of range, a flag of the other
+    model family, or a missing or unreadable --image-path / --video-path fails now with its fix, as it would after
+    the load. The worker resolves the request again; this only moves the refusal earlier."""
+    variant = _variant_before_loading(engine_options)
+    if variant is None:
+        return
+    from k6serve.models.variants import GENERATION, resolve_generate, resolve_upscale
+
+    config = build_engine_config(**engine_options)
+    if variant.family == GENERATION:
+        request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
+                                      cache_dit_unavailable=config.parallel.cache_dit_unavailable)
+        if request.image_path is not None:
+            from k6serve.media.image import load_conditioning_image
+
+            load_conditioning_image(request.image_path, request.height, request.width)
+    else:
+        request, _ = resolve_upscale(params, variant)
+        from k6serve.media.container import open_input
+
+        open_input(request.video_path).close()
+
+
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
-    # a taken --output-file-name.
-    _, output = split_kwargs(request_options)
+    # a taken --output-file-name, and the request against the model's defaults and limits.
+    params, output = split_kwargs(request_options)
+    check_request_before_loading(engine_options, params)
     check_output(output)
     if not output.save_output:
         # Said before the model loads and the request runs, which can take minutes, not after them.

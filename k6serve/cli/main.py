@@ -145,17 +145,29 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(_flag(name), **spec)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=default,
+                        help="Logging level (default info); debug also prints the traceback above an error.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k6serve", description="Serve and run Kandinsky 6 video+audio generation "
                                      "and video super-resolution.")
-    parser.add_argument("--log-level", default="INFO", help="Logging level.")
+    add_log_level_flag(parser, "info")
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="Run one request offline and write the MP4.")
     generate.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
+    # Also after the command, where a user appends it to the command that just failed ("rerun with --log-level
+    # debug"); SUPPRESS leaves the value given before the command in place when it is not repeated here.
+    add_log_level_flag(generate, argparse.SUPPRESS)
     add_engine_flags(generate)
     add_request_flags(generate)
     serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).")
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
+    add_log_level_flag(serve, argparse.SUPPRESS)
     add_engine_flags(serve)
     from k6serve.cli.serve_flags import add_server_flags
 
@@ -219,7 +231,7 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         from_file = load_config_file(args.config)
         actions = {action.dest: action
                    for action in parser._subparsers._group_actions[0].choices[args.command]._actions
-                   if action.dest not in ("help", "config")}
+                   if action.dest not in ("help", "config", "log_level")}
         unknown = sorted(set(from_file) - set(actions))
         if unknown:
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}")
@@ -247,6 +259,7 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 EXIT_USER_ERROR = 2
 EXIT_SYSTEM_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 _OS_ERROR_FIXES = {
     errno.ENOSPC: "free space on that disk",
@@ -307,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(name)s: %(message)s")
     request: dict[str, Any] = {}
     try:
@@ -327,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt as exc:
+        # Ctrl-C is the user's choice, not a failure: the engine has cancelled the request and the generator shut
+        # its workers down on the way out; a traceback of the wait it interrupted would only hide that.
+        _print_traceback(exc, args.log_level)
+        stopped = "; the request was stopped" if args.command == "generate" else ""
+        print(f"error: interrupted (Ctrl-C){stopped}.", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except OSError as exc:
         _print_traceback(exc, args.log_level)
         print(f"error: {describe_os_error(exc, request.get('output_path', 'outputs'))}", file=sys.stderr)

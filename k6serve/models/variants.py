@@ -176,6 +176,8 @@ def recognise(model_path: str, model_id: str | None, local_folder: Path | None) 
                 f"--model-id {model_id!r} names no known Kandinsky 6 checkpoint. Known ids: "
                 + ", ".join(v.hub_id for v in VARIANTS.values() if v.hub_id)
             )
+        if local_folder is not None:
+            _check_model_id_fits_folder(model_id, variant, local_folder)
         return variant
     if local_folder is not None and (local_folder / DEMO_MARKER).is_file():
         return variant_from_folder(local_folder)
@@ -190,6 +192,30 @@ def recognise(model_path: str, model_id: str | None, local_folder: Path | None) 
     return variant_from_folder(local_folder)
 
 
+def _check_model_id_fits_folder(model_id: str, variant: Variant, folder: Path) -> None:
+    """--model-id routes a renamed folder and wins over the guess from its transformer's width (Pro or Lite), but
+    not over what its model_index.json states: a super-resolution pipeline is not a generation one, and a PiFlow
+    scheduler marks a distilled checkpoint. A contradiction would fail later as a missing component ("re-download
+    the repository") or, distilled against not, run CFG and 50 steps on a 10-step model without a word."""
+    try:
+        found = variant_from_folder(folder)
+    except ValueError:
+        return  # the folder's files name no Kandinsky 6 pipeline: --model-id is what routes it
+    if (found.family, found.distilled) == (variant.family, variant.distilled):
+        return
+
+    def kind(v: Variant) -> str:
+        if v.family == SUPER_RESOLUTION:
+            return "a super-resolution checkpoint"
+        return f"a {'distilled ' if v.distilled else 'non-distilled '}generation checkpoint"
+
+    raise ValueError(
+        f"--model-id {model_id!r} names {variant.name}, {kind(variant)}, but {folder} is {kind(found)} by its "
+        f"model_index.json (recognised as {found.name}); drop --model-id, or pass the name of the checkpoint "
+        "this folder holds."
+    )
+
+
 def _frames_rule(num_frames: int) -> int:
     if num_frames < 1:
         raise ValueError(f"num_frames must be >= 1, got {num_frames}")
@@ -202,6 +228,11 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
     return _frames_rule(max(1, round(seconds * fps)))
+
+
+class MissingPrompt(ValueError):
+    """A generation request without a prompt. The message shows the CLI flag (the CLI and the Python API share it);
+    the HTTP server catches this type and words its own answer around the `prompt` body field."""
 
 
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
@@ -219,7 +250,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
             "(use image_path for image conditioning)."
         )
     if not params.prompt or not params.prompt.strip():
-        raise ValueError("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano').")
+        raise MissingPrompt("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano').")
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for name, value in (("height", height), ("width", width)):

@@ -176,3 +176,32 @@ def test_requests_after_a_deliberate_shutdown_say_so_not_that_replicas_died():
     worker.close()
     with pytest.raises(RuntimeError, match=r"^The engine has been shut down; this request did not run\.$"):
         worker.run(SamplingParams(prompt="cat", num_inference_steps=1), OutputOptions(save_output=False))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # A truthy string would turn FSDP / CFG-parallel on, the opposite of what it says.
+        ({"use_fsdp_inference": "false"}, r"--use-fsdp-inference must be true or false, got 'false' \(str\)"),
+        ({"enable_cfg_parallel": "no"}, r"--enable-cfg-parallel must be true or false, got 'no'"),
+        ({"num_gpus": "1"}, r"--num-gpus must be an integer, got '1' \(str\)"),
+        ({"num_gpus": 1.0}, r"--num-gpus must be an integer, got 1.0 \(float\)"),
+        ({"compile_vae": 1}, r"--compile-vae must be true or false, got 1"),
+        ({"lora_scale": "0.5"}, r"--lora-scale must be a number, got '0.5'"),
+        ({"model_id": 6}, r"--model-id must be a string, got 6 \(int\)"),
+        ({"dist_timeout_s": 0}, r"dist_timeout_s must be > 0 seconds"),
+    ],
+)
+def test_engine_options_of_the_wrong_type_are_refused_naming_the_flag(options, message):
+    from k6serve.api import build_engine_config
+
+    with pytest.raises(ValueError, match=message):
+        build_engine_config("demo", **options)
+
+
+def test_engine_options_take_pathlib_paths(tmp_path):
+    from k6serve.api import build_engine_config
+
+    config = build_engine_config(tmp_path, lora_path=tmp_path / "a.safetensors", lora_scale=1, dist_timeout_s=5)
+    assert config.model.model_path == str(tmp_path) and config.model.lora_path == str(tmp_path / "a.safetensors")
+    assert config.model.lora_scale == 1 and config.parallel.dist_timeout_s == 5

@@ -70,13 +70,59 @@ def test_unusable_output_path_is_a_value_error(generator, tmp_path, kind):
     generator.generate({**SMALL, "output_path": str(path), "save_output": False})  # nothing to write: fine
 
 
+def test_output_path_that_is_a_file_says_so(tmp_path):
+    from k6serve.api import check_output_folder
+    from k6serve.request import OutputOptions
+
+    (tmp_path / "clip.mp4").write_text("keep me")
+    with pytest.raises(ValueError, match=r"'.*clip.mp4' is a file, not a folder;.*--output-file-name"):
+        check_output_folder(OutputOptions(output_path=str(tmp_path / "clip.mp4")))
+    assert (tmp_path / "clip.mp4").read_text() == "keep me"
+
+
 def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
     (tmp_path / "afile").write_text("keep me")
     # A checkpoint path that does not exist: reaching the model load would fail with another message.
     assert main(["generate", "--model-path", str(tmp_path / "no_model"), "--prompt", "x",
                  "--output-path", str(tmp_path / "afile")]) == 2
     err = capsys.readouterr().err
-    assert "cannot write to output_path" in err and "--output-path" in err and "Traceback" not in err
+    assert "is a file, not a folder" in err and "--output-path" in err and "Traceback" not in err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading the model fails the test: what these runs refuse must be refused before it."""
+    import k6serve.cli.generate as generate_module
+
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(from_pretrained))
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "flags", "message"),
+    [
+        ("generation", ["--prompt", "x", "--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
+        ("generation", ["--prompt", "x", "--height", "60"], "height must be a positive multiple of 16"),
+        ("generation", ["--prompt", "x", "--video-path", "clip.mp4"], "video_path is for the super-resolution model"),
+        ("generation", ["--prompt", "x", "--image-path", "missing.png"],
+         "cannot read conditioning image 'missing.png': it does not exist"),
+        ("sr", ["--video-path", "missing.mp4"], "cannot read media file 'missing.mp4': it does not exist"),
+        ("sr", ["--video-path", "clip.mp4", "--sr-resolution-scale", "3"], "sr_resolution_scale must be 2, 4 or 2.25"),
+        # A released hub id: refused before a download of the whole checkpoint.
+        ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", ["--prompt", "x", "--guidance-scale", "3"],
+         "pro-distill is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0"),
+    ],
+)
+def test_cli_refuses_a_bad_request_before_loading_the_model(request, no_model_load, tmp_path, capsys, checkpoint,
+                                                            flags, message):
+    model_path = {"generation": "tiny_distill_dir", "sr": "tiny_sr_dir"}.get(checkpoint)
+    model_path = str(request.getfixturevalue(model_path)) if model_path else checkpoint
+    assert main(["generate", "--model-path", model_path, *flags, "--output-path", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # nothing written, not even the folder
 
 
 def test_cli_rejected_request_prints_no_progress_bar(tiny_distill_dir, tmp_path, capsys):
@@ -318,6 +364,41 @@ def test_cli_debug_log_level_shows_the_traceback(in_process_cli, tmp_path, monke
     assert main(["--log-level", "debug", *in_process_cli, "--output-path", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "_disk_full" in err and "error: writing the MP4 failed" in err
+
+
+def test_cli_debug_log_level_after_the_command_shows_the_traceback(in_process_cli, tmp_path, monkeypatch, capsys):
+    """Every error line says "rerun with --log-level debug": appended to the failed command, it must work."""
+    from k6serve.media import mux
+
+    monkeypatch.setattr(mux, "_fsync", _disk_full)
+    assert main([*in_process_cli, "--output-path", str(tmp_path), "--log-level", "DEBUG"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "_disk_full" in err and "error: writing the MP4 failed" in err
+
+
+def test_cli_log_level_is_checked_and_not_a_config_key(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model-path", "demo", "--log-level", "verbose"])
+    assert exit_info.value.code == 2
+    assert "argument --log-level: invalid choice: 'verbose'" in capsys.readouterr().err
+    config = tmp_path / "run.json"
+    config.write_text('{"model-path": "demo", "log-level": "debug"}')
+    assert main(["generate", "--config", str(config)]) == 2
+    assert "unknown key(s) ['log_level']" in capsys.readouterr().err
+
+
+def test_cli_ctrl_c_is_one_line_and_exit_130(tiny_distill_dir, tmp_path, monkeypatch, capsys):
+    import k6serve.cli.generate as generate_module
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt  # where the CLI waits on the request when Ctrl-C arrives
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "generate", interrupted)
+    assert main(["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--prompt", "x",
+                 "--output-path", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "error: interrupted (Ctrl-C); the request was stopped." in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_internal_error_is_told_apart_from_user_errors(in_process_cli, tmp_path, monkeypatch, capsys):

@@ -51,8 +51,33 @@ def test_renamed_folder_routes_by_model_index(tmp_path):
         {"_class_name": "Kandinsky6TI2VAPipeline", "scheduler": ["diffusers", "PiflowScheduler"]}))
     (folder / "transformer" / "config.json").write_text(json.dumps({"model_dim": 1792}))
     assert recognise(str(folder), None, folder).name == "lite-distill"
-    # --model-id wins over the folder's own files
-    assert recognise(str(folder), "Kandinsky-6.0-Pro-5s-Diffusers", folder).name == "pro"
+    # --model-id wins over the size guessed from the transformer's width
+    assert recognise(str(folder), "Kandinsky-6.0-Pro-distill-5s-Diffusers", folder).name == "pro-distill"
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "scheduler", "model_id", "message"),
+    [
+        # A distilled folder run as Pro would get CFG 5 and 50 steps without a word.
+        ("Kandinsky6TI2VAPipeline", "PiflowScheduler", "Kandinsky-6.0-Pro-5s-Diffusers",
+         "names pro, a non-distilled generation checkpoint, but .* is a distilled generation checkpoint"),
+        ("Kandinsky6TI2VAPipeline", "FlowMatchEulerDiscreteScheduler", "Kandinsky-6.0-Lite-distill-5s-Diffusers",
+         "names lite-distill, a distilled generation checkpoint, but .* is a non-distilled generation checkpoint"),
+        # Otherwise: "lacks component(s) [...]. Re-download the full repository", the wrong fix.
+        ("Kandinsky6SRPipeline", "PiflowScheduler", "Kandinsky-6.0-Pro-distill-5s-Diffusers",
+         "names pro-distill, a distilled generation checkpoint, but .* is a super-resolution checkpoint"),
+    ],
+)
+def test_model_id_contradicting_the_folder_is_refused(tmp_path, pipeline, scheduler, model_id, message):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline,
+                                                           "scheduler": ["diffusers", scheduler]}))
+    with pytest.raises(ValueError, match=message + ".*drop --model-id"):
+        recognise(str(tmp_path), model_id, tmp_path)
+
+
+def test_model_id_routes_a_folder_whose_files_name_no_kandinsky_pipeline(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "MyRenamedPipeline"}))
+    assert recognise(str(tmp_path), "Kandinsky-6.0-Lite-5s-Diffusers", tmp_path).name == "lite"
 
 
 def test_folder_without_model_index_is_rejected(tmp_path):
