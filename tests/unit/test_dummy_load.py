@@ -63,3 +63,22 @@ def test_dummy_weights_drawn_elsewhere_equal_the_resident_build(tiny_sr_configs)
     for a, b in ((expected.transformer, got.transformer), (expected.vae.model, got.vae.model)):
         for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
             assert torch.equal(x, y), name
+
+
+def test_moving_a_gpu_built_component_to_the_host_keeps_values_ties_and_dtypes():
+    """`_move_to_host` replaces `.to("cpu")` for the dummy build's GPU-built components (faulting the host pages in
+    on torch's threads first): the same values, dtypes and buffers, fresh storage, tied weights still one tensor."""
+    from k6serve.models.kandinsky6.checkpoint import _move_to_host
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 6)
+    module = torch.nn.ModuleDict({"embed": embedding, "head": torch.nn.Linear(6, 10, bias=False),
+                                  "norm": torch.nn.BatchNorm1d(6).to(torch.bfloat16)})
+    module["head"].weight = embedding.weight  # tied, as a language model's head
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    pointers = {name: tensor.data_ptr() for name, tensor in module.state_dict().items()}
+    assert _move_to_host(module) is module
+    after = module.state_dict()
+    assert all(torch.equal(after[name], value) and after[name].dtype == value.dtype for name, value in before.items())
+    assert all(after[name].data_ptr() != pointers[name] for name in ("embed.weight", "norm.running_mean"))
+    assert module["head"].weight is module["embed"].weight
