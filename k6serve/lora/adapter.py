@@ -62,6 +62,17 @@ class LoraAdapter:
         return alphas.pop() if len(alphas) == 1 else None
 
 
+# Every error about the adapter file a LoRA path names (no such file or folder, a failed download, a file that holds
+# no usable adapter) starts with one of these. The message is all that crosses a worker process boundary, so the HTTP
+# server reads it to name its `lora_path` field (`names_adapter_file`).
+PATH_ERROR_PREFIXES = ("LoRA path ", "LoRA file ", "LoRA folder ", "LoRA hub repo ")
+
+
+def names_adapter_file(message: str) -> bool:
+    """Whether a ValueError message from loading an adapter is about the file its path names."""
+    return message.startswith(PATH_ERROR_PREFIXES)
+
+
 def _single_file_in(folder: Path) -> Path:
     files = sorted(folder.glob("*.safetensors"))
     if not files:

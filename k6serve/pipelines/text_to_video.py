@@ -21,7 +21,7 @@ from k6serve.pipelines.decode_stream import (
     final_step_check,
 )
 from k6serve.pipelines.denoise import StepCallback, denoise
-from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding
+from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding, truncation_note
 from k6serve.pipelines.prepare_latents import (
     encode_reference_image,
     make_generator,
@@ -85,6 +85,14 @@ class TextToVideoPipeline:
             negative = trim_text_padding(negative) if negative is not None else None
         return Conditioning(positive=positive, negative=negative)
 
+    def truncation_notes(self, request: GenerateRequest) -> list[str]:
+        """A warning for each prompt `encode` will truncate (see `truncation_note`)."""
+        prompts = [("prompt", request.prompt)]
+        if request.do_cfg:
+            prompts.append(("negative_prompt", request.negative_prompt))
+        notes = [truncation_note(name, text, tokenizer=self.models.tokenizer) for name, text in prompts]
+        return [note for note in notes if note is not None]
+
     def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None,
                  video_sink: VideoSink | None = None) -> GenerationOutput:
         """Generate one clip. With `video_sink`, the video is decoded in chunks that the sink consumes as they
@@ -98,6 +106,7 @@ class TextToVideoPipeline:
         if video_sink is not None and self.keep_float_frames:
             raise ValueError("a video_sink gets uint8 frames only; build the pipeline with keep_float_frames=False")
         timings: dict[str, float] = {}
+        notes = self.truncation_notes(request)
         start = time.perf_counter()
         conditioning = self.encode(request)
         generator = make_generator(request.seed)
@@ -132,7 +141,6 @@ class TextToVideoPipeline:
 
         start = time.perf_counter()
         step_seconds: list[float] = []
-        notes: list[str] = []
         with self.residency.stage("transformer"), self._step_cache(request) as step_cache:
             latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler,
                               audio_scheduler=audio_scheduler, timesteps=timesteps,

@@ -24,7 +24,7 @@ from k6serve.serve.errors import error_body, install_error_handlers
 from k6serve.serve.input_paths import InputPathPolicy
 from k6serve.serve.jobs import JobStore, SqliteJobStore
 from k6serve.serve.metrics import ServerMetrics
-from k6serve.serve.routes import ServerContext, router
+from k6serve.serve.routes import ServerContext, router, sweep_expired_once
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.schemas import (
     FILE_FIELDS,
@@ -126,7 +126,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 async def _sweep_expired(ctx: ServerContext) -> None:
-    """Delete finished jobs and their files once they are older than --output-ttl."""
+    """Delete finished jobs and their files once past their `expires_at` (the routes already answer for such a job
+    as if it were gone; this frees the disk of the jobs nobody asks about)."""
     while True:
         if ctx.settings.output_ttl_s > 0:
             try:
@@ -137,15 +138,6 @@ async def _sweep_expired(ctx: ServerContext) -> None:
             except Exception:  # the sweep must never take the server down
                 logger.exception("expired-output sweep failed")
         await asyncio.sleep(ctx.settings.cleanup_interval_s)
-
-
-def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, now: float | None = None) -> int:
-    expired = store.finished_before((now if now is not None else time.time()) - ttl_s)
-    for job in expired:
-        if store.delete(job.id):
-            files = [artifacts.output_path(job.output_file)] if job.output_file else []
-            artifacts.remove([*files, *job.upload_files])
-    return len(expired)
 
 
 def settings_from_options(options: dict[str, Any]) -> ServerSettings:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -69,6 +70,21 @@ class Job:
     cancel_requested_at: float | None = None
 
 
+def expires_at(job: Job, ttl_s: float) -> int | None:
+    """The Unix second from which a finished job reads as gone, as the job object shows it: its `completed_at` in
+    whole seconds (as shown) + --output-ttl, so `expires_at - completed_at` is the TTL; the job may thus go up to a
+    second before `completed_at + ttl` exactly. None while it is unfinished or when finished jobs are kept (`ttl_s`
+    0). The routes treat a job past it as deleted even before the periodic sweep removes it."""
+    if job.completed_at is None or ttl_s <= 0:
+        return None
+    return math.ceil(int(job.completed_at) + ttl_s)
+
+
+def is_expired(job: Job, ttl_s: float, now: float) -> bool:
+    expiry = expires_at(job, ttl_s)
+    return expiry is not None and now >= expiry
+
+
 _JSON_FIELDS = {"params", "upload_files", "warnings"}
 _COLUMNS = [f.name for f in dataclasses.fields(Job)]
 
@@ -79,6 +95,18 @@ class IdempotencyConflict(Exception):
     def __init__(self, existing: Job) -> None:
         super().__init__(existing.id)
         self.existing = existing
+
+
+class RequestIdConflict(Exception):
+    """A client-chosen job id (`request_id`) names a stored job created with a different request body (`existing`),
+    or a job deleted less than DELETED_CURSOR_RETENTION_S ago (`deleted_at`): its id still marks a place in the
+    listing order, so it is not given to another job until then."""
+
+    def __init__(self, job_id: str, *, existing: Job | None = None, deleted_at: float | None = None) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+        self.existing = existing
+        self.deleted_at = deleted_at
 
 
 class JobStore(Protocol):
@@ -193,9 +221,11 @@ class SqliteJobStore:
         return self._decode(row) if row is not None else None
 
     def insert(self, job: Job) -> tuple[Job, bool]:
-        """Insert `job`, or return the job already stored under its idempotency key: (job, created).
+        """Insert `job`, or return the job already stored under its idempotency key or its id: (job, created).
 
-        Raises IdempotencyConflict when the key exists with a different request hash.
+        Raises IdempotencyConflict when the key exists with a different request hash, RequestIdConflict when the id
+        does (or names a job deleted within DELETED_CURSOR_RETENTION_S). Server-made ids are random, so only a
+        client's `request_id` ever meets an existing one.
         """
         with self._lock:
             if job.idempotency_key is not None:
@@ -205,6 +235,15 @@ class SqliteJobStore:
                     if existing.request_hash != job.request_hash:
                         raise IdempotencyConflict(existing)
                     return existing, False
+            existing = self._get_locked(job.id)
+            if existing is not None:
+                if existing.request_hash != job.request_hash:
+                    raise RequestIdConflict(job.id, existing=existing)
+                return existing, False
+            row = self._db.execute("SELECT deleted_at FROM deleted_jobs WHERE id = ? AND deleted_at >= ?",
+                                   (job.id, time.time() - DELETED_CURSOR_RETENTION_S)).fetchone()
+            if row is not None:
+                raise RequestIdConflict(job.id, deleted_at=row["deleted_at"])
             names = ", ".join(_COLUMNS)
             marks = ", ".join("?" for _ in _COLUMNS)
             self._db.execute(

@@ -17,7 +17,7 @@ import logging
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from stat import S_ISREG
 from typing import Any, Literal
 
@@ -33,8 +33,9 @@ from k6serve.api import (
     set_lora_operation,
     unmerge_lora_operation,
 )
+from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
-from k6serve.models.variants import Variant
+from k6serve.models.variants import MissingPrompt, Variant
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
@@ -47,6 +48,8 @@ from k6serve.serve.jobs import (
     Job,
     JobStatus,
     JobStore,
+    RequestIdConflict,
+    is_expired,
 )
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from k6serve.serve.runner import JobRunner, QueueFull
@@ -106,6 +109,32 @@ class ServerContext:
 router = APIRouter()
 
 
+def forget_job(store: JobStore, artifacts: ArtifactStore, job: Job) -> bool:
+    """Delete a finished job's record, its video and its uploads; False if it was already gone."""
+    if not store.delete(job.id):
+        return False
+    files = [artifacts.output_path(job.output_file)] if job.output_file else []
+    artifacts.remove([*files, *job.upload_files])
+    return True
+
+
+def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, now: float | None = None) -> int:
+    """Delete every job past its `expires_at` (see `jobs.expires_at`), with its files; how many were deleted."""
+    now = time.time() if now is None else now
+    # expires_at <= now implies completed_at < now + 1 - ttl: a superset, which is_expired narrows.
+    candidates = store.finished_before(now + 1 - ttl_s)
+    return sum(forget_job(store, artifacts, job) for job in candidates if is_expired(job, ttl_s, now))
+
+
+def _live(ctx: ServerContext, job: Job | None) -> Job | None:
+    """`job`, or None once it is past its `expires_at`: the sweep runs only every `cleanup_interval_s`, so an
+    expired job met in between is deleted here, and every route answers as after the sweep."""
+    if job is not None and is_expired(job, ctx.settings.output_ttl_s, time.time()):
+        forget_job(ctx.store, ctx.artifacts, job)
+        return None
+    return job
+
+
 def _ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
@@ -158,29 +187,43 @@ async def create_video(request: Request,
         await drain(request)
         raise ApiError(400, "Idempotency-Key must be 1-255 printable ASCII characters without spaces.",
                        code="invalid_idempotency_key", param="Idempotency-Key")
-    replay = idempotency_key is not None and ctx.store.get_by_idempotency_key(idempotency_key) is not None
-    if not replay and ctx.runner.queue_is_full():
-        await drain(request)  # refuse before anything is parsed or written
+    replay = idempotency_key is not None and _live(ctx, ctx.store.get_by_idempotency_key(idempotency_key)) is not None
+    multipart = request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data"
+    # Refuse an upload before anything is written. Other bodies are small and read first, so a retry naming an
+    # existing job by its `request_id` is answered (admit replays it) rather than refused.
+    if multipart and not replay and ctx.runner.queue_is_full():
+        await drain(request)
         raise _queue_full(ctx)
-    job_id = f"video_{secrets.token_hex(16)}"
-    uploads: list[str] = []
+    # Uploads are named after a fresh id even when the body chooses the job's id (`request_id`): it is read only
+    # after them, and a refused replay's files must never clash with the stored job's.
+    upload_id = f"video_{secrets.token_hex(16)}"
+    uploads: tuple[str, ...] = ()
     try:
-        raw, file_digests, uploads, upload_fields = await _read_body(request, ctx, job_id)
-        body = parse_create_body(raw)
+        sent = await _read_body(request, ctx, upload_id)
+        uploads = sent.uploads
+        body = parse_create_body(sent.fields, form=sent.form)
         params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names)
         params = _checked_paths(params, ctx, uploaded=set(uploads))
         try:
             resolved, notes = ctx.engine.resolve(params)
+        except MissingPrompt:
+            # The shared message shows the CLI flag; over HTTP it is the body field.
+            raise ApiError(400, "prompt is required for Kandinsky 6 generation: send a non-empty prompt field "
+                                '(JSON {"prompt": "A cat plays piano"}, or the form field prompt).',
+                           code="invalid_parameter", param="prompt") from None
         except ValueError as exc:
-            raise _resolve_error(str(exc), body, params, ctx.variant, upload_fields) from None
-        await asyncio.to_thread(_check_inputs_readable, params, upload_fields)
+            raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
+        await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields)
+        job_id = body.request_id or upload_id
+        if body.request_id is not None:
+            _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
             size=f"{resolved.width}x{resolved.height}" if hasattr(resolved, "width") else None,
             seconds=f"{resolved.num_frames / resolved.fps:g}" if hasattr(resolved, "num_frames") else None,
-            upload_files=tuple(uploads), idempotency_key=idempotency_key,
-            request_hash=_request_hash(body.model_dump(exclude_none=True), file_digests, uploads),
+            upload_files=uploads, idempotency_key=idempotency_key,
+            request_hash=_request_hash(body.model_dump(exclude_none=True), sent.file_digests, uploads),
             warnings=tuple(notes),
         )
         try:
@@ -191,12 +234,27 @@ async def create_video(request: Request,
             raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for job "
                                 f"{conflict.existing.id} with a different request body; use a new key.",
                            code="idempotency_conflict", param="Idempotency-Key") from None
+        except RequestIdConflict as conflict:
+            raise _request_id_conflict(conflict) from None
     except BaseException:
-        ctx.artifacts.remove(uploads)
+        ctx.artifacts.remove(list(uploads))
         raise
     if not created:
-        ctx.artifacts.remove(uploads)  # the replay's copy of the files; the stored job owns its own
+        ctx.artifacts.remove(list(uploads))  # the replay's copy of the files; the stored job owns its own
     return JSONResponse(ctx.view(stored), headers={} if created else {"Idempotent-Replayed": "true"})
+
+
+def _request_id_conflict(conflict: RequestIdConflict) -> ApiError:
+    if conflict.existing is not None:
+        message = (f"request_id {conflict.job_id!r} is the id of a job created with a different request body; send "
+                   "the same body to get that job, or choose another request_id.")
+    else:
+        days = DELETED_CURSOR_RETENTION_S // 86400
+        message = (f"request_id {conflict.job_id!r} was the id of a job deleted (or expired) "
+                   f"{max(0, round(time.time() - (conflict.deleted_at or 0)))} s ago; a deleted job's id keeps its "
+                   f"place in GET /v1/videos paging for {days} days and is not given to another job until then: "
+                   "choose another request_id.")
+    return ApiError(409, message, code="request_id_conflict", param="request_id")
 
 
 def _queue_full(ctx: ServerContext) -> ApiError:
@@ -206,15 +264,24 @@ def _queue_full(ctx: ServerContext) -> ApiError:
                     headers={"Retry-After": str(ctx.runner.retry_after_s())})
 
 
-async def _read_body(request: Request, ctx: ServerContext,
-                     job_id: str) -> tuple[dict, dict[str, str], list[str], dict[str, str]]:
-    """(fields, {file field: sha256}, uploaded paths, {image_path/video_path: the file field that gave it}) from a
-    JSON or multipart body."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _SentBody:
+    """A POST /v1/videos body as read, before validation."""
+
+    fields: Any  # the decoded JSON value, or a form's text fields with each upload's path under its target field
+    form: bool  # multipart or url-encoded: every value is text
+    file_digests: dict[str, str] = field(default_factory=dict)  # {file field: sha256}
+    uploads: tuple[str, ...] = ()  # the uploaded files' paths
+    upload_fields: dict[str, str] = field(default_factory=dict)  # {image_path / video_path: the file field}
+
+
+async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _SentBody:
+    """The JSON or form body; uploads are written as `<upload_id>_<field>.<ext>`."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         form = await read_multipart(
             request, file_fields=set(FILE_FIELDS), max_file_bytes=ctx.settings.max_upload_bytes,
-            file_path=lambda field, name: ctx.artifacts.upload_path(job_id, field, name))
+            file_path=lambda field_name, name: ctx.artifacts.upload_path(upload_id, field_name, name))
         raw: dict[str, Any] = dict(form.fields)
         uploads = [str(f.path) for f in form.files.values()]
         try:
@@ -233,9 +300,10 @@ async def _read_body(request: Request, ctx: ServerContext,
                                code="invalid_parameter", param=target)
             raw[target] = str(upload.path)
             upload_fields[target] = field_name
-        return raw, {name: f.sha256 for name, f in form.files.items()}, uploads, upload_fields
+        return _SentBody(fields=raw, form=True, file_digests={name: f.sha256 for name, f in form.files.items()},
+                         uploads=tuple(uploads), upload_fields=upload_fields)
     if content_type == "application/x-www-form-urlencoded":
-        return _refuse_file_fields_as_text(await read_urlencoded_body(request)), {}, [], {}
+        return _SentBody(fields=_refuse_file_fields_as_text(await read_urlencoded_body(request)), form=True)
     if content_type not in ("application/json", ""):
         await drain(request)
         raise ApiError(415, f"Content-Type {content_type!r} is not supported; send one of "
@@ -248,7 +316,7 @@ async def _read_body(request: Request, ctx: ServerContext,
                 raise ApiError(400, f"{field_name} is a file upload: send it with multipart/form-data (or give a "
                                     f"server-side {FILE_FIELDS[field_name]} in JSON).", code="invalid_parameter",
                                param=field_name)
-    return raw, {}, [], {}
+    return _SentBody(fields=raw, form=False)
 
 
 def _refuse_file_fields_as_text(fields: dict[str, Any]) -> dict[str, Any]:
@@ -280,7 +348,7 @@ def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[
     return dataclasses.replace(params, **changes) if changes else params
 
 
-def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: list[str]) -> str:
+def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: tuple[str, ...]) -> str:
     # Upload paths differ on every retry; the files' contents identify the request instead.
     fields = {k: v for k, v in body.items() if v not in uploads}
     canonical = json.dumps({"fields": fields, "files": file_digests}, sort_keys=True, default=str)
@@ -295,6 +363,8 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
                       limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = Query("desc", description="By creation time.")) -> JSONResponse:
     ctx = _ctx(request)
+    if ctx.settings.output_ttl_s > 0:
+        sweep_expired_once(ctx.store, ctx.artifacts, ctx.settings.output_ttl_s)  # as if the sweep had just run
     try:
         jobs, has_more = ctx.store.list_page(after=after, limit=limit, ascending=order == "asc")
     except KeyError:
@@ -310,7 +380,7 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
 @router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job")
 async def get_video(request: Request, video_id: str) -> JSONResponse:
     ctx = _ctx(request)
-    job = ctx.store.get(video_id)
+    job = _live(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     return JSONResponse(ctx.view(job))
@@ -361,7 +431,7 @@ class VideoFileResponse(FileResponse):
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:
     ctx = _ctx(request)
-    job = ctx.store.get(video_id)
+    job = _live(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     if job.status != JobStatus.COMPLETED:
@@ -392,13 +462,11 @@ router.head("/v1/videos/{video_id}/content", include_in_schema=False)(get_video_
                summary="Cancel a queued/running job, or delete a finished one with its file")
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
     ctx = _ctx(request)
-    job = ctx.store.get(video_id)
+    job = _live(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     if job.status.is_terminal:
-        if ctx.store.delete(video_id):
-            files = [ctx.artifacts.output_path(job.output_file)] if job.output_file else []
-            ctx.artifacts.remove([*files, *job.upload_files])
+        forget_job(ctx.store, ctx.artifacts, job)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
     job = ctx.runner.cancel(video_id)
     deadline = time.monotonic() + ctx.settings.cancel_wait_s
@@ -441,14 +509,22 @@ def _lora_operation(build, *args, **kwargs):
         raise ApiError(400, str(exc), code="invalid_parameter", param=exc.argument) from None
 
 
+def _lora_error_param(message: str) -> str | None:
+    """The set_lora field a worker's ValueError is about: `lora_path` for the adapter file's errors, whose messages
+    say "LoRA path" / "LoRA file" (the CLI's and the API's wording too), else the first field the message names."""
+    if names_adapter_file(message):
+        return "lora_path"
+    match = re.search(r"\b(" + "|".join(SetLoraBody.model_fields) + r")\b", message)
+    return match.group(1) if match else None
+
+
 async def _lora_answer(submit) -> JSONResponse:
     """Submit a LoRA operation and answer its result: 400 for a ValueError (bad adapter, nothing changed), 500 for
     any other failure, with its message (the reference answers every failure with 500 and a detail string)."""
     try:
         result = await asyncio.wrap_future(submit())
     except ValueError as exc:
-        match = re.search(r"\b(" + "|".join(SetLoraBody.model_fields) + r")\b", str(exc))
-        raise ApiError(400, str(exc), code="invalid_lora", param=match.group(1) if match else None) from None
+        raise ApiError(400, str(exc), code="invalid_lora", param=_lora_error_param(str(exc))) from None
     except Exception as exc:
         logger.exception("LoRA operation failed")
         raise ApiError(500, f"{type(exc).__name__}: {exc}", code="lora_failed") from None

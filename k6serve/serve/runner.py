@@ -163,12 +163,13 @@ class JobRunner:
             finisher.join(max(0.0, deadline - time.monotonic()))
 
     def admit(self, job: Job) -> tuple[Job, bool]:
-        """Store a new job unless the queue is full (QueueFull); idempotent replays return the stored job."""
+        """Store a new job unless the queue is full (QueueFull); idempotent replays (by Idempotency-Key or by a
+        client-chosen id) return the stored job."""
         with self._lock:
-            if job.idempotency_key is not None:
-                existing = self.store.get_by_idempotency_key(job.idempotency_key)
-                if existing is not None:
-                    return self.store.insert(job)  # same hash: returns existing; else IdempotencyConflict
+            keyed = job.idempotency_key is not None and self.store.get_by_idempotency_key(job.idempotency_key)
+            if keyed or self.store.get(job.id) is not None:
+                # Same hash: returns the stored job; else IdempotencyConflict / RequestIdConflict.
+                return self.store.insert(job)
             queued = self.store.count_by_status()[JobStatus.QUEUED]
             if queued >= self.max_queued_jobs:
                 raise QueueFull(queued)

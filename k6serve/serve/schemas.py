@@ -18,12 +18,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from k6serve.models.variants import SUPER_RESOLUTION, Variant, seconds_to_num_frames
 from k6serve.request import SamplingParams, parameter_fields, parse_size
 from k6serve.serve.errors import ApiError
-from k6serve.serve.jobs import Job, JobStatus
+from k6serve.serve.jobs import Job, JobStatus, expires_at
 
 FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
 _VIDEO_SUFFIXES = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm")
 # ASCII digits only: str.isdigit() also takes '²' and full-width digits, which int() then refuses or misreads.
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
+# A client-chosen job id names the output file `<id>.mp4` and is a URL path segment: no '/', no ':' (the worker's
+# file-name sanitising would turn it into '_', so two ids could share a file), and no leading '.' ('..' segments,
+# hidden files).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# The OpenAI fields and the job id: HTTP only, not SamplingParams fields.
+_HTTP_ONLY_FIELDS = ("model", "size", "seconds", "request_id")
 
 
 def _http_field_definitions() -> dict[str, Any]:
@@ -37,6 +43,10 @@ def _http_field_definitions() -> dict[str, Any]:
                                                                        "(e.g. '768x512'); same as width+height."))
     definitions["seconds"] = (str | float | None, Field(
         default=None, description="Duration; mapped to num_frames = round(seconds*fps) rounded down to 4k+1."))
+    definitions["request_id"] = (str | None, Field(
+        default=None, pattern=REQUEST_ID_PATTERN,
+        description="The job's id, chosen by the client: 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or "
+                    "digit. Sending it again with the same body returns that job; with another body, 409."))
     return definitions
 
 
@@ -55,13 +65,20 @@ _OBJECT_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
 
 
 def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str], describe_error=None,
-                    bool_fields: frozenset[str] = frozenset()) -> BaseModel:
-    """Validate a decoded JSON object (or form fields) as `model`; every problem is a 400 naming the field.
+                    bool_fields: frozenset[str] = frozenset(), form: bool = False) -> BaseModel:
+    """Validate a decoded JSON object (or form fields, `form`) as `model`; every problem is a 400 naming the field.
 
     `describe_error(param, error)` may word a pydantic error for one field; None keeps the generic message."""
     if not isinstance(raw, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
                        code="invalid_request")
+    if not form:
+        # Pydantic's lax mode reads "yes", "off", 1... as booleans. A form field can only hold text, so there
+        # that coercion is the documented way to send a boolean; JSON has true and false.
+        for name in bool_fields & raw.keys():
+            if raw[name] is not None and not isinstance(raw[name], bool):
+                raise ApiError(400, f"{name} must be a JSON boolean, true or false, got "
+                                    f"{json.dumps(raw[name], default=str)}.", code="invalid_parameter", param=name)
     for name, value in raw.items():
         # Pydantic's lax mode reads true as 1 (seed, fps, strength...): only the boolean fields take one.
         values = value if isinstance(value, list) else [value]
@@ -92,12 +109,16 @@ def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: 
 def _describe_video_error(param: str | None, error: dict) -> str | None:
     if param == "seconds" and error["type"] != "extra_forbidden":
         return f"seconds must be a number in (0, 600] such as \"4\" or 4, got {error.get('input')!r}"
+    if param == "request_id" and error["type"] == "string_pattern_mismatch":
+        return ("request_id must be 1-128 characters of A-Z, a-z, 0-9, '.', '_' and '-', starting with a letter or "
+                f"digit, got {error.get('input')!r}")
     return None
 
 
-def parse_create_body(raw: Any) -> BaseModel:
+def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
     """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`). A form field can only
-    hold text, so an object field (cache_dit_params) sent as a form field is JSON text, decoded here."""
+    hold text, so an object field (cache_dit_params) sent as a form field is JSON text, decoded here, and a boolean
+    is read from text ("true", "false", ...)."""
     if isinstance(raw, dict):
         for name in _OBJECT_FIELDS & raw.keys():
             if isinstance(raw[name], str):
@@ -107,12 +128,12 @@ def parse_create_body(raw: Any) -> BaseModel:
                     raise ApiError(400, f"{name} must be a JSON object, got {raw[name]!r}.",
                                    code="invalid_parameter", param=name) from None
     return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error,
-                           bool_fields=frozenset(_BOOL_FIELDS))
+                           bool_fields=frozenset(_BOOL_FIELDS), form=form)
 
 
 def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...]) -> SamplingParams:
     """OpenAI fields mapped onto SamplingParams (size -> width/height, seconds -> num_frames)."""
-    values = {name: getattr(body, name) for name in HTTP_FIELD_NAMES if name not in ("model", "size", "seconds")}
+    values = {name: getattr(body, name) for name in HTTP_FIELD_NAMES if name not in _HTTP_ONLY_FIELDS}
     if body.model is not None and body.model.lower() not in served_names:
         raise ApiError(400, f"model {body.model!r} is not served here; use {served_names[0]!r} or omit model "
                             "(GET /v1/models lists it).", code="model_not_found", param="model")
@@ -321,9 +342,6 @@ class ErrorResponse(BaseModel):
 
 
 def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) -> VideoJob:
-    expires = None
-    if job.completed_at is not None and output_ttl_s > 0:
-        expires = int(job.completed_at + output_ttl_s)
     return VideoJob(
         id=job.id,
         model=job.model,
@@ -332,7 +350,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) ->
         created_at=int(job.created_at),
         started_at=int(job.started_at) if job.started_at is not None else None,
         completed_at=int(job.completed_at) if job.completed_at is not None else None,
-        expires_at=expires,
+        expires_at=expires_at(job, output_ttl_s),
         size=job.size,
         seconds=job.seconds,
         error=JobError(code=job.error_code or "error", message=job.error_message or "")

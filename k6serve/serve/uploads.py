@@ -2,8 +2,9 @@
 
 The framework is never asked to parse a form (Starlette would spool every upload to a temporary file first):
 the body is read from `request.stream()`, a declared `Content-Length` over the limit is refused before a byte
-is read, and bytes are counted as they arrive. Upload data stays in memory up to `SPOOL_BYTES` and only then
-spills to a hidden `.part` file, which is renamed into place when the part is complete and removed on any
+is read (at once, and the connection closed: a client may declare more than it ever sends, so waiting for the
+rest could hang), and bytes are counted as they arrive. Upload data stays in memory up to `SPOOL_BYTES` and only
+then spills to a hidden `.part` file, which is renamed into place when the part is complete and removed on any
 error; so with a limit below `SPOOL_BYTES` an oversized upload never touches the disk at all.
 """
 
@@ -27,8 +28,9 @@ from k6serve.serve.errors import ApiError
 SPOOL_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 1 * 2**20
 MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together
-# After refusing an oversized body we keep reading (and discarding) up to this much, so the client sees the
-# 413 instead of a reset connection; past it the connection is simply closed.
+# After refusing a body whose streamed bytes went over a limit we keep reading (and discarding) up to this much, so
+# the client sees the 413 instead of a reset connection; past it the connection is simply closed. A body refused by
+# its declared Content-Length is not read at all (`refuse_declared_length`).
 DRAIN_BYTES = 64 * 2**20
 
 
@@ -63,11 +65,18 @@ def declared_length(request: Request) -> int | None:
     return int(value)
 
 
-async def _read_small_body(request: Request) -> bytes:
+def refuse_declared_length(request: Request, limit_bytes: int, error: ApiError) -> None:
+    """Raise `error` (a 413 that closes the connection) when the declared Content-Length is over `limit_bytes`.
+
+    Nothing of the body is read: a client that declares more than it sends would otherwise keep the request
+    waiting for bytes that never come, and one that sends it all would only have us read data we refuse."""
     length = declared_length(request)
-    if length is not None and length > MAX_JSON_BYTES:
-        await drain(request)  # the client is still sending: let it finish so it reads the 413, not a reset
-        raise too_large_json()
+    if length is not None and length > limit_bytes:
+        raise error
+
+
+async def _read_small_body(request: Request) -> bytes:
+    refuse_declared_length(request, MAX_JSON_BYTES, too_large_json())
     body = bytearray()
     async for chunk in _stream(request):
         body += chunk
@@ -302,12 +311,8 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
                          file_path: Callable[[str, str | None], Path]) -> ParsedForm:
     """Stream-parse a multipart body. On any error every file written for it is removed."""
     boundary = multipart_boundary(request.headers.get("content-type", ""))
-    length = declared_length(request)
-    if length is not None and length > max_file_bytes + MAX_FORM_TEXT_BYTES:
-        # Refused by its declared size, nothing parsed or written; the body (up to DRAIN_BYTES) is read away so
-        # the client, still sending, reads the 413 instead of a connection reset.
-        await drain(request)
-        raise too_large("The request body", max_file_bytes)
+    refuse_declared_length(request, max_file_bytes + MAX_FORM_TEXT_BYTES,
+                           too_large("The request body", max_file_bytes))
     reader = MultipartReader(boundary=boundary, file_fields=file_fields, max_file_bytes=max_file_bytes,
                              file_path=file_path)
     try:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 
 import av
 import numpy as np
 import PIL.Image
 import pytest
 from harness import wait_for
-from test_errors import _assert_error
+from test_errors import _assert_error, _png_bytes
 
 
 @pytest.mark.parametrize("field", ["seed", "num_frames", "fps", "guidance_scale", "num_inference_steps", "seconds"])
@@ -18,6 +19,39 @@ def test_json_booleans_are_not_numbers(fake_client, field):
     error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", field: True}), 400, param=field,
                           code="invalid_parameter")
     assert error["message"] == f"{field} must be a number, got true."
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "false", 1, 0, "on", []])
+def test_json_boolean_fields_take_only_json_booleans(fake_client, value):
+    # Pydantic's lax mode ran {"enable_cache_dit": "yes"} with caching on, while the memory routes refused
+    # {"keep_host_copy": "yes"}: in JSON a boolean is true or false on every route.
+    response = fake_client.post("/v1/videos", json={"prompt": "x", "enable_cache_dit": value})
+    error = _assert_error(response, 400, param="enable_cache_dit", code="invalid_parameter")
+    assert error["message"] == f"enable_cache_dit must be a JSON boolean, true or false, got {json.dumps(value)}."
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+@pytest.mark.parametrize(("sent", "expected"), [(True, True), (False, False), (None, None)])
+def test_json_booleans_and_null_are_taken(fake_server, fake_client, sent, expected):
+    response = fake_client.post("/v1/videos", json={"prompt": "x", "size": "32x32", "num_frames": 5,
+                                                    "enable_cache_dit": sent})
+    assert response.status_code == 200, response.text
+    assert wait_for(fake_client, response.json()["id"])["status"] == "completed"
+    assert (fake_server.worker.requests[-1].cache_dit is not None) is bool(expected)
+
+
+@pytest.mark.parametrize(("text", "caching"), [("true", True), ("False", False), ("1", True), ("no", False)])
+def test_form_booleans_are_read_from_text(fake_server, fake_client, text, caching):
+    form = {"prompt": "x", "size": "32x32", "num_frames": "5", "enable_cache_dit": text}
+    upload = {"input_reference": ("a.png", _png_bytes(), "image/png")}
+    for send in (lambda: fake_client.post("/v1/videos", data=form),
+                 lambda: fake_client.post("/v1/videos", data=form, files=upload)):
+        response = send()
+        assert response.status_code == 200, response.text
+        assert wait_for(fake_client, response.json()["id"])["status"] == "completed"
+        assert (fake_server.worker.requests[-1].cache_dit is not None) is caching
+    refused = fake_client.post("/v1/videos", data={**form, "enable_cache_dit": "maybe"})
+    _assert_error(refused, 400, param="enable_cache_dit", code="invalid_parameter")
 
 
 def test_boolean_prompt_says_string(fake_client):

@@ -71,6 +71,14 @@ def test_t2av_json_and_the_seed_script(generation_server, tmp_path):
         assert client.delete(f"/v1/videos/{job['id']}").json()["deleted"] is True
 
 
+def test_a_truncated_prompt_is_a_job_warning(generation_server):
+    with generation_server.client() as client:
+        job = client.post("/v1/videos", json={**REQUEST, "prompt": "A cat plays piano. " * 110}).json()
+        done = wait_for(client, job["id"], timeout=120)
+        assert done["status"] == "completed", done
+        assert any("kept its first 1024 of 1100 tokens" in warning for warning in done["warnings"]), done
+
+
 def test_ti2av_multipart_upload(generation_server, tmp_path):
     with generation_server.client() as client:
         form = {k: str(v) for k, v in REQUEST.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 
 import pytest
 from harness import start_server, wait_for
@@ -69,6 +70,24 @@ def _still_serves(client) -> None:
 def test_invalid_json_values_are_400_with_the_allowed_values(fake_client, body, param, contains):
     _assert_error(fake_client.post("/v1/videos", json=body), 400, param=param, contains=contains)
     _still_serves(fake_client)
+
+
+@pytest.mark.parametrize("send", [
+    lambda client: client.post("/v1/videos", json={"seed": 1}),
+    lambda client: client.post("/v1/videos", json={"prompt": "  "}),
+    lambda client: client.post("/v1/videos", data={"seed": "1"}, files={"input_reference": ("a.png", _png_bytes())}),
+    lambda client: client.post("/v1/videos", data={"prompt": ""}),
+])
+def test_a_missing_prompt_names_the_body_field_not_the_cli_flag(fake_server, fake_client, send):
+    error = _assert_error(send(fake_client), 400, param="prompt", code="invalid_parameter")
+    assert "prompt field" in error["message"] and "--prompt" not in error["message"]
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    # The CLI and the Python API share the check and keep the flag in their wording.
+    from k6serve.models.variants import resolve_generate
+    from k6serve.request import SamplingParams
+
+    with pytest.raises(ValueError, match="--prompt 'A cat plays piano'"):
+        resolve_generate(SamplingParams(), fake_server.engine.variant)
 
 
 def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake_client):
@@ -197,6 +216,92 @@ def test_idempotent_retries(fake_server, fake_client):
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []
 
 
+def test_a_request_id_is_the_job_id_and_a_retry_returns_that_job(fake_server, fake_client):
+    body = {"prompt": "chosen id", **SMALL, "request_id": "order-42.v1_a"}
+    first = fake_client.post("/v1/videos", json=body)
+    assert first.status_code == 200 and first.json()["id"] == "order-42.v1_a"
+    assert "Idempotent-Replayed" not in first.headers
+    again = fake_client.post("/v1/videos", json=body)
+    assert again.json()["id"] == "order-42.v1_a" and again.headers["Idempotent-Replayed"] == "true"
+    conflict = fake_client.post("/v1/videos", json={**body, "seed": 1})
+    _assert_error(conflict, 409, param="request_id", code="request_id_conflict", contains="different request body")
+    assert wait_for(fake_client, "order-42.v1_a")["status"] == "completed"
+    assert fake_client.get("/v1/videos/order-42.v1_a/content").content[4:8] == b"ftyp"
+    assert [j["id"] for j in fake_client.get("/v1/videos").json()["data"]] == ["order-42.v1_a"]
+    assert fake_server.worker.started.count("chosen id") == 1
+    # A form takes it too; a retry with the same file replays, and only the stored job keeps its upload.
+    form = {"prompt": "form id", **SMALL, "num_frames": "5", "request_id": "form-1"}
+    files = {"input_reference": ("a.png", _png_bytes(), "image/png")}
+    upload = fake_client.post("/v1/videos", data=form, files=files)
+    replay = fake_client.post("/v1/videos", data=form, files=files)
+    assert upload.json()["id"] == replay.json()["id"] == "form-1" and replay.headers["Idempotent-Replayed"] == "true"
+    other_file = {"input_reference": ("a.png", _png_bytes() + b"\0", "image/png")}
+    _assert_error(fake_client.post("/v1/videos", data=form, files=other_file), 409, param="request_id")
+    assert wait_for(fake_client, "form-1")["status"] == "completed"
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    # DELETE takes it; the id then stays reserved (it marks a place in the paging order) rather than reused.
+    assert fake_client.delete("/v1/videos/order-42.v1_a").json() == {"id": "order-42.v1_a", "object": "video.deleted",
+                                                                     "deleted": True}
+    _assert_error(fake_client.get("/v1/videos/order-42.v1_a"), 404, code="video_not_found")
+    reused = fake_client.post("/v1/videos", json=body)
+    _assert_error(reused, 409, param="request_id", code="request_id_conflict", contains="deleted")
+    assert fake_server.worker.started.count("chosen id") == 1
+
+
+def test_a_request_id_is_free_again_once_its_deleted_place_is_forgotten(fake_server, fake_client):
+    from k6serve.serve.jobs import DELETED_CURSOR_RETENTION_S
+
+    body = {"prompt": "again", **SMALL, "request_id": "reusable"}
+    wait_for(fake_client, fake_client.post("/v1/videos", json=body).json()["id"])
+    fake_server.store.delete("reusable", now=time.time() - DELETED_CURSOR_RETENTION_S - 1)
+    recreated = fake_client.post("/v1/videos", json=body)
+    assert recreated.status_code == 200 and "Idempotent-Replayed" not in recreated.headers
+    assert wait_for(fake_client, "reusable")["status"] == "completed"
+    assert fake_server.worker.started.count("again") == 2
+
+
+def test_a_request_id_with_an_idempotency_key(fake_server, fake_client):
+    body = {"prompt": "both", **SMALL, "request_id": "r1"}
+    first = fake_client.post("/v1/videos", json=body, headers={"Idempotency-Key": "k1"})
+    assert first.json()["id"] == "r1"
+    # The key is checked first: the same key with another request_id is another body.
+    _assert_error(fake_client.post("/v1/videos", json={**body, "request_id": "r2"}, headers={"Idempotency-Key": "k1"}),
+                  409, param="Idempotency-Key", code="idempotency_conflict")
+    # A new key (or none) with the same body and request_id replays the job.
+    for headers in ({"Idempotency-Key": "k2"}, {}):
+        replay = fake_client.post("/v1/videos", json=body, headers=headers)
+        assert replay.json()["id"] == "r1" and replay.headers["Idempotent-Replayed"] == "true"
+    wait_for(fake_client, "r1")
+    assert fake_server.worker.started.count("both") == 1
+    assert [j["id"] for j in fake_client.get("/v1/videos").json()["data"]] == ["r1"]
+
+
+@pytest.mark.parametrize("request_id", ["", ":", "a:b", "a/b", "../x", ".hidden", "-x", "a" * 129, "caf\u00e9", 5,
+                                        True])
+def test_a_malformed_request_id_is_400(fake_client, request_id):
+    response = fake_client.post("/v1/videos", json={"prompt": "x", "request_id": request_id})
+    _assert_error(response, 400, param="request_id", code="invalid_parameter")
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+def test_a_request_id_replay_is_answered_while_the_queue_is_full(tmp_path):
+    server = start_server(tmp_path, max_queued_jobs=1)
+    try:
+        with server.client() as client:
+            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, running["id"], ("in_progress",))
+            body = {"prompt": "queued", **SMALL, "request_id": "queued-1"}
+            assert client.post("/v1/videos", json=body).json()["status"] == "queued"
+            one_more = client.post("/v1/videos", json={"prompt": "one more", **SMALL})
+            _assert_error(one_more, 429, code="queue_full")
+            replay = client.post("/v1/videos", json=body)
+            assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+            server.worker.release.set()
+            assert wait_for(client, "queued-1")["status"] == "completed"
+    finally:
+        server.stop()
+
+
 def test_full_queue_answers_429_with_retry_after(tmp_path):
     server = start_server(tmp_path, max_queued_jobs=2)
     try:
@@ -255,6 +360,53 @@ def test_oversized_uploads_are_413_and_nothing_is_written(tmp_path):
                                 files={"input_reference": ("a.png", _png_bytes(), "image/png")})
             assert small.status_code == 200, small.text
             assert wait_for(client, small.json()["id"])["status"] == "completed"
+    finally:
+        server.stop()
+
+
+def _raw_response(base_url: str, request: bytes, timeout: float = 5.0) -> tuple[bytes, bool]:
+    """Send `request` on a fresh connection and read until the server closes it: (everything read, closed). A
+    server still waiting for the body makes the read time out (closed False)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(request)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except TimeoutError:
+            return received, False
+    return received, True
+
+
+@pytest.mark.parametrize(("path", "content_type", "declared"), [
+    ("/v1/videos", "multipart/form-data; boundary=Q", 10 * 2**20),  # over --max-upload-mb
+    ("/v1/videos", "application/json", 2 * 2**20),  # over the 1 MiB JSON limit
+    ("/v1/videos", "application/x-www-form-urlencoded", 2 * 2**20),
+    ("/v1/set_lora", "application/json", 2 * 2**20),
+])
+def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_body(tmp_path, path, content_type,
+                                                                                    declared):
+    # The server read (and discarded) up to 64 MiB of the declared body before answering: a client that declared
+    # more than it sent waited for a 413 that never came.
+    server = start_server(tmp_path, max_upload_mb=0.05)
+    try:
+        body = (b'--Q\r\nContent-Disposition: form-data; name="video_reference"; filename="v.mp4"\r\n\r\n' + b"a" * 100
+                if content_type.startswith("multipart") else b'{"prompt": "x"}')
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {declared}\r\n\r\n").encode()
+        started = time.monotonic()
+        received, closed = _raw_response(server.base_url, head + body)
+        assert closed, f"no answer within 5 s; got {received!r}"
+        assert time.monotonic() - started < 4
+        status_line, _, rest = received.partition(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 413"), received
+        assert b"connection: close" in rest.lower() and b'"payload_too_large"' in rest
+        assert list(server.artifacts.upload_dir.iterdir()) == []
+        assert list(server.artifacts.root.glob(".*.part")) == []
+        with server.client() as client:
+            assert client.get("/v1/videos").json()["data"] == []
+            _still_serves(client)
     finally:
         server.stop()
 

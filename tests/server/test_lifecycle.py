@@ -259,6 +259,32 @@ def test_restart_keeps_every_job_and_requeues_running_ones_once(tmp_path):
         second.stop()
 
 
+def test_a_request_id_survives_a_restart(tmp_path):
+    body = {"prompt": "named before restart", **SMALL, "request_id": "client-7"}
+    first = start_server(tmp_path)
+    with first.client() as client:
+        assert client.post("/v1/videos", json=body).json()["id"] == "client-7"
+        content = client.get(f"/v1/videos/{wait_for(client, 'client-7')['id']}/content").content
+        client.post("/v1/videos", json={**body, "request_id": "gone-8"})
+        wait_for(client, "gone-8")
+        assert client.delete("/v1/videos/gone-8").json()["deleted"] is True
+    first.stop()
+    second = start_server(tmp_path)
+    try:
+        with second.client() as client:
+            assert client.get("/v1/videos/client-7").json()["status"] == "completed"
+            assert client.get("/v1/videos/client-7/content").content == content
+            replay = client.post("/v1/videos", json=body)
+            assert replay.json()["id"] == "client-7" and replay.headers["Idempotent-Replayed"] == "true"
+            conflict = client.post("/v1/videos", json={**body, "seed": 3})
+            assert conflict.status_code == 409 and conflict.json()["error"]["param"] == "request_id"
+            reused = client.post("/v1/videos", json={**body, "request_id": "gone-8"})
+            assert reused.status_code == 409 and "deleted" in reused.json()["error"]["message"]
+            assert second.worker.started == []
+    finally:
+        second.stop()
+
+
 def _spawn(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port_file = root / f"port-{time.monotonic_ns()}"
     process = subprocess.Popen([sys.executable, str(HERE / "fake_server_main.py"), str(root), str(port_file), *extra])
@@ -307,17 +333,80 @@ def test_sigkill_requeues_a_running_job_once_then_fails_it(tmp_path):
 
 
 def test_output_ttl_deletes_old_jobs_with_their_files(tmp_path):
-    server = start_server(tmp_path, output_ttl_s=0.5, cleanup_interval_s=0.1)
+    # 2 s, not less: a job reads as gone from its expires_at, int(completed_at) + ttl, maybe 1 s before the TTL.
+    server = start_server(tmp_path, output_ttl_s=2, cleanup_interval_s=0.1)
     try:
         with server.client() as client:
             job = client.post("/v1/videos", json={"prompt": "short lived", **SMALL}).json()
             done = wait_for(client, job["id"])
-            assert done["expires_at"] - done["completed_at"] in (0, 1)
+            assert done["expires_at"] - done["completed_at"] == 2
             path = server.artifacts.root / f"{job['id']}.mp4"
             wait_until(lambda: client.get(f"/v1/videos/{job['id']}").status_code == 404, timeout=10)
             assert not path.exists()
     finally:
         server.stop()
+
+
+def test_a_job_past_its_expires_at_reads_as_deleted_before_the_sweep(tmp_path):
+    # The sweep ran once a minute, so an expired job stayed listed and downloadable for up to 60 s more.
+    server = start_server(tmp_path, output_ttl_s=3600, cleanup_interval_s=3600)  # no sweep after the first one
+    try:
+        with server.client() as client:
+            body = {"prompt": "expires", **SMALL}
+            kept = wait_for(client, client.post("/v1/videos", json={"prompt": "first", **SMALL}).json()["id"])
+            job = wait_for(client, client.post("/v1/videos", json=body, headers={"Idempotency-Key": "k"}).json()["id"])
+            later = wait_for(client, client.post("/v1/videos", json={"prompt": "later", **SMALL}).json()["id"])
+            path = server.artifacts.root / f"{job['id']}.mp4"
+            assert path.exists() and client.get(f"/v1/videos/{job['id']}").status_code == 200
+            # As if it had finished an hour ago: its expires_at is now.
+            server.store.update(job["id"], completed_at=time.time() - 3600)
+            expired = server.store.get(job["id"])
+            assert expired is not None and int(expired.completed_at) + 3600 <= time.time()
+            assert client.get(f"/v1/videos/{job['id']}").json()["error"]["code"] == "video_not_found"
+            assert client.get(f"/v1/videos/{job['id']}/content").status_code == 404
+            assert client.delete(f"/v1/videos/{job['id']}").status_code == 404
+            assert not path.exists() and server.store.get(job["id"]) is None  # deleted, as the sweep does
+            listed = [j["id"] for j in client.get("/v1/videos", params={"order": "asc"}).json()["data"]]
+            assert listed == [kept["id"], later["id"]]
+            # Its place in the paging order is kept, as for a swept job.
+            after = client.get("/v1/videos", params={"order": "asc", "after": job["id"]}).json()["data"]
+            assert [j["id"] for j in after] == [later["id"]]
+            # Its Idempotency-Key is free again: the same request creates a new job.
+            again = client.post("/v1/videos", json=body, headers={"Idempotency-Key": "k"})
+            assert again.status_code == 200 and "Idempotent-Replayed" not in again.headers
+            assert again.json()["id"] != job["id"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("route", ["list", "get", "content"])
+def test_each_route_sees_an_expired_job_as_gone(tmp_path, route):
+    server = start_server(tmp_path, output_ttl_s=3600, cleanup_interval_s=3600)
+    try:
+        with server.client() as client:
+            job = wait_for(client, client.post("/v1/videos", json={"prompt": "p", **SMALL}).json()["id"])
+            server.store.update(job["id"], completed_at=time.time() - 3602)
+            if route == "list":
+                assert client.get("/v1/videos").json()["data"] == []
+            else:
+                suffix = "/content" if route == "content" else ""
+                assert client.get(f"/v1/videos/{job['id']}{suffix}").status_code == 404
+            assert server.store.get(job["id"]) is None
+            assert not (server.artifacts.root / f"{job['id']}.mp4").exists()
+    finally:
+        server.stop()
+
+
+def test_the_sweep_deletes_exactly_the_jobs_past_their_expires_at(tmp_path):
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    artifacts = ArtifactStore(tmp_path / "out")
+    store.insert(Job(id="video_a", model="m", status=JobStatus.COMPLETED, created_at=0, completed_at=100.7))
+    store.insert(Job(id="video_b", model="m", status=JobStatus.COMPLETED, created_at=0, completed_at=101.2))
+    # expires_at shows int(completed_at) + ttl: 600 for video_a, 601 for video_b.
+    assert sweep_expired_once(store, artifacts, ttl_s=500, now=599.9) == 0
+    assert sweep_expired_once(store, artifacts, ttl_s=500, now=600.0) == 1
+    assert store.get("video_a") is None and store.get("video_b") is not None
+    store.close()
 
 
 def test_ttl_sweep_leaves_unfinished_jobs(tmp_path):

@@ -7,13 +7,14 @@ import threading
 import pytest
 from harness import FakeWorker, start_server, wait_for, wait_until
 
+from k6serve.lora.adapter import resolve_adapter_file
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
 from k6serve.models.variants import VARIANTS
 
 
 class LoraFakeWorker(FakeWorker):
-    """FakeWorker plus `apply_lora_operation`: nickname "missing" raises ValueError, "crash" a RuntimeError; `log`
-    holds request starts and ends and the operations, in order."""
+    """FakeWorker plus `apply_lora_operation`: nickname "missing" raises ValueError, "crash" a RuntimeError, "real"
+    resolves its path as the real worker does; `log` holds request starts and ends and the operations, in order."""
 
     def __init__(self) -> None:
         super().__init__(VARIANTS["pro-distill"])
@@ -29,6 +30,9 @@ class LoraFakeWorker(FakeWorker):
 
     def apply_lora_operation(self, operation) -> dict:
         names = [spec.nickname for spec in getattr(operation, "specs", ())]
+        for spec in getattr(operation, "specs", ()):
+            if spec.nickname == "real":
+                resolve_adapter_file(spec.path)  # the real worker's first step, with its real errors
         if "missing" in names:
             raise ValueError("lora_path '/nope.safetensors' does not exist")
         if "crash" in names:
@@ -124,6 +128,25 @@ def test_a_value_error_is_a_400_and_any_other_failure_a_500_with_its_message(cli
     assert message == "RuntimeError: CUDA error: device-side assert triggered"
     assert crash.json()["error"]["type"] == "server_error"
     assert client.get("/v1/list_loras").status_code == 200  # still serving
+
+
+def test_an_adapter_file_that_cannot_be_found_names_lora_path(client, lora_server, tmp_path, monkeypatch):
+    # The adapter's own errors say "LoRA path ...", not the field name, so they were answered with param null.
+    missing = client.post("/v1/set_lora", json={"lora_nickname": "real",
+                                                 "lora_path": str(tmp_path / "none.safetensors")})
+    assert "is neither an existing file or folder nor a valid hub id" in _error(missing, 400, param="lora_path",
+                                                                                 code="invalid_lora")
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    unreachable = client.post("/v1/set_lora", json={"lora_nickname": "real", "lora_path": "someone/an-adapter"})
+    assert "fetching it from the Hugging Face hub" in _error(unreachable, 400, param="lora_path", code="invalid_lora")
+    empty_folder = client.post("/v1/set_lora", json={"lora_nickname": "real", "lora_path": str(tmp_path)})
+    assert "holds no .safetensors file" in _error(empty_folder, 400, param="lora_path", code="invalid_lora")
+    assert lora_server.worker.operations == []
 
 
 @pytest.mark.parametrize(("route", "body", "param", "message"), [

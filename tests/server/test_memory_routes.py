@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -146,3 +147,14 @@ def test_keep_host_copy_reaches_the_resume_and_is_refused_on_a_release(memory_se
         assert client.post("/resume_memory_occupation").status_code == 200
     kinds = [(type(op).__name__, getattr(op, "keep_host_copy", None)) for op in memory_server.worker.memory_operations]
     assert kinds == [("ReleaseMemory", None), ("ResumeMemory", True), ("ReleaseMemory", None), ("ResumeMemory", False)]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "true"])
+def test_keep_host_copy_takes_only_a_json_boolean_as_the_video_route_does(memory_server, value):
+    with memory_server.client() as client:
+        refused = client.post("/resume_memory_occupation", json={"keep_host_copy": value})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "keep_host_copy" and error["code"] == "invalid_parameter"
+        assert error["message"] == f"keep_host_copy must be a JSON boolean, true or false, got {json.dumps(value)}."
+    assert memory_server.worker.memory_operations == []

@@ -89,6 +89,44 @@ def test_bad_inputs_fail_with_their_message_and_the_generator_keeps_serving(gene
     assert ok.frames.shape[0] == 9
 
 
+# 10 tokens of the tiny Qwen tokenizer per sentence: 1100 tokens, 76 over the encoder's 1024.
+LONG_PROMPT = "A cat plays piano. " * 110
+TRUNCATED = ("prompt was truncated: the text encoder (Qwen2.5-VL) kept its first 1024 of 1100 tokens; the rest does "
+             "not reach the model. Shorten it to use all of it.")
+
+
+def test_a_truncated_prompt_is_a_note_of_the_result(generator):
+    # A 108k-character prompt completed with no word that most of it never reached the model.
+    kwargs = {"height": HEIGHT, "width": WIDTH, "num_frames": 5, "save_output": False}
+    assert TRUNCATED in generator.generate({**kwargs, "prompt": LONG_PROMPT}).notes
+    exact = generator.generate({**kwargs, "prompt": "A cat plays piano. " * 102 + "A cat plays"})  # 1023 tokens
+    assert not any("truncated" in note for note in exact.notes)
+
+
+def test_a_truncated_negative_prompt_is_noted_only_when_cfg_encodes_it():
+    from types import SimpleNamespace
+
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import GenerateRequest
+    from k6serve.testing.tokenizers import train_qwen_tokenizer
+
+    pipeline = TextToVideoPipeline(SimpleNamespace(tokenizer=train_qwen_tokenizer()))
+    request = dict(prompt="short", image_path=None, seed=1, height=64, width=64, num_frames=5, fps=24.0,
+                   num_inference_steps=2)
+    with_cfg = GenerateRequest(**request, negative_prompt=LONG_PROMPT, guidance_scale=5.0)
+    assert pipeline.truncation_notes(with_cfg) == [TRUNCATED.replace("prompt was", "negative_prompt was")]
+    both = GenerateRequest(**{**request, "prompt": LONG_PROMPT}, negative_prompt=LONG_PROMPT, guidance_scale=5.0)
+    assert [note.split(" ")[0] for note in pipeline.truncation_notes(both)] == ["prompt", "negative_prompt"]
+    without_cfg = GenerateRequest(**request, negative_prompt=None, guidance_scale=1.0)
+    assert pipeline.truncation_notes(without_cfg) == []
+
+
+def test_cli_prints_the_truncation_note(tiny_distill_dir, tmp_path, capsys):
+    assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", LONG_PROMPT, "--height", "32",
+                 "--width", "32", "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
+    assert f"note: {TRUNCATED}" in capsys.readouterr().err
+
+
 def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(f"model-path: {tiny_distill_dir}\nprompt: from the file\nseed: 3\nheight: 32\n"
