@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,8 @@ from k6serve.lora.spec import (
     SetLora,
     UnmergeLora,
 )
+from k6serve.models.checkpoint_files import ignored_revision_note
+from k6serve.models.variants import MissingPrompt, MissingSourceVideo
 from k6serve.request import OutputOptions, SamplingParams, VideoResult, fspath_values
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.runtime.worker import sanitize_file_name
@@ -102,26 +105,53 @@ def check_output_folder(output: OutputOptions) -> None:
         ) from None
 
 
-def check_output(output: OutputOptions) -> None:
-    """Check the output before the request runs: an unusable folder, a name with folders, or a given name that
-    already exists fails now, not after the whole denoise. A derived name is left to the worker, which writes
-    without replacing and moves a taken one (the same prompt, seed and second; an SR of the same source) on to
-    _1, _2..."""
-    if not output.save_output:
-        return
+def final_file_name(name: str) -> tuple[str, str | None]:
+    """The file name a given output_file_name is written under (the worker's `sanitize_file_name`), and a warning
+    when that differs from it by more than the added .mp4. A name with no letter or digit before its .mp4 ('..',
+    '???') would be written as 'video.mp4' or '_.mp4', a name the caller never chose, so it is refused."""
+    if not name.strip():
+        raise ValueError("output_file_name is empty; pass a name such as clip.mp4, or leave it out for a name "
+                         "derived from the request.")
+    stem = name[:-4] if name.lower().endswith(".mp4") else name
+    if not re.search(r"[A-Za-z0-9]", stem):
+        raise ValueError(f"output_file_name {name!r} has no letter or digit to name the file by; pass a name such "
+                         "as clip.mp4 (ASCII letters, digits, '.', '_' and '-').")
+    if Path(name).name != name:
+        raise ValueError(f"output_file_name {name!r} must be a file name without folders; put the folder in "
+                         "--output-path.")
+    final = sanitize_file_name(name)
+    if final in (name, name + ".mp4"):
+        return final, None
+    return final, (f"output_file_name {name!r} is written as {final!r}: file names keep only ASCII letters, "
+                   "digits, '.', '_' and '-' (others become '_'), and no leading dot.")
+
+
+def check_output(output: OutputOptions) -> tuple[OutputOptions, list[str]]:
+    """Check the output before the request runs: an unusable folder, an unusable name, a name with folders, or a
+    given name that already exists fails now, not after the whole denoise. Returns the options with a given name
+    as it will be written, and warnings for the user (a name changed on the way). A derived name is left to the
+    worker, which writes without replacing and moves a taken one (the same prompt, seed and second; an SR of the
+    same source) on to _1, _2..."""
+    if not output.save_output or output.output_file_name is None:
+        check_output_folder(output)
+        return output, []
+    name, warning = final_file_name(output.output_file_name)  # before the folder is created for it
     check_output_folder(output)
-    if output.output_file_name:
-        if Path(output.output_file_name).name != output.output_file_name:
-            raise ValueError(
-                f"output_file_name {output.output_file_name!r} must be a file name without folders; put the "
-                "folder in --output-path."
-            )
-        target = Path(output.output_path) / sanitize_file_name(output.output_file_name)
-        if target.exists():
-            raise ValueError(
-                f"{str(target)!r} already exists and was left as it is; delete it or pass another "
-                "--output-file-name."
-            )
+    target = Path(output.output_path) / name
+    if target.exists():
+        raise ValueError(
+            f"{str(target)!r} already exists and was left as it is; delete it or pass another "
+            "--output-file-name."
+        )
+    return dataclasses.replace(output, output_file_name=name), [warning] if warning else []
+
+
+def unsaved_output_keys(options: Mapping[str, Any]) -> list[str]:
+    """The output_path / output_file_name given with save_output false: no file is written for them to name. The
+    caller warns in its own words (flags or keywords)."""
+    if options.get("save_output", True) is not False:
+        return []
+    return [key for key in ("output_file_name", "output_path") if options.get(key) is not None]
 
 
 class LoraArgumentError(ValueError):
@@ -212,7 +242,11 @@ class DiffGenerator:
 
     @classmethod
     def from_pretrained(cls, model_path: str, **kwargs: Any) -> "DiffGenerator":
-        return cls(Engine(build_engine_config(model_path, **kwargs)))
+        config = build_engine_config(model_path, **kwargs)
+        note = ignored_revision_note(config.model.model_path, config.model.revision, config.model.load_format)
+        if note is not None:
+            logger.warning(note)  # before the load, which can take minutes
+        return cls(Engine(config))
 
     @property
     def variant(self):
@@ -233,9 +267,24 @@ class DiffGenerator:
                 for item in dataclasses.fields(sampling_params_kwargs)
                 if getattr(sampling_params_kwargs, item.name) != item.default
             }
-        params, output = split_kwargs({**(sampling_params_kwargs or {}), **kwargs})
-        check_output(output)
-        return self.engine.generate(params, output, on_progress=on_progress)
+        options = {**(sampling_params_kwargs or {}), **kwargs}
+        params, output = split_kwargs(options)
+        try:
+            self.engine.resolve(params)  # the worker resolves it again; here the two missing inputs get API words
+        except MissingPrompt:
+            raise MissingPrompt("prompt is required for Kandinsky 6 generation: pass prompt='A cat plays piano'."
+                                ) from None
+        except MissingSourceVideo:
+            raise MissingSourceVideo("super-resolution needs one source video: pass video_path='/path/to/input.mp4' "
+                                     "(or call generator.upscale('/path/to/input.mp4')).") from None
+        output, warnings = check_output(output)
+        warnings += [f"{key}={options[key]!r} is ignored: save_output=False writes no file."
+                     for key in unsaved_output_keys(options)]
+        for warning in warnings:
+            logger.warning(warning)
+        result = self.engine.generate(params, output, on_progress=on_progress)
+        result.notes[:0] = warnings
+        return result
 
     def upscale(self, video_path: str, *, on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
         """Super-resolution convenience: `generate(video_path=...)`, with the same progress callback."""

@@ -119,8 +119,9 @@ class SamplingParams:
         "Folder for output files (default outputs; created if missing).", default="outputs", http=False
     )
     output_file_name: str | None = _param(
-        "Output file name, without folders; an existing file is an error, never overwritten (default: derived "
-        "from the prompt and seed, or the SR source, and the time, with _1, _2... when taken).",
+        "Output file name, without folders; .mp4 is added, and characters other than ASCII letters, digits, '.', "
+        "'_' and '-' become '_' (with a warning). An existing file is an error, never overwritten (default: "
+        "derived from the prompt and seed, or the SR source, and the time, with _1, _2... when taken).",
         http=False,
     )
     # Python API only: a command line has nowhere to put the arrays.

@@ -8,7 +8,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from k6serve.api import DiffGenerator, build_engine_config, check_output, split_kwargs
+from k6serve.api import (
+    DiffGenerator,
+    MissingPrompt,
+    MissingSourceVideo,
+    build_engine_config,
+    check_output,
+    split_kwargs,
+    unsaved_output_keys,
+)
 from k6serve.request import SamplingParams
 
 
@@ -35,6 +43,16 @@ def format_timings(result) -> str:
     return "\n".join(lines)
 
 
+def format_summary(result) -> str:
+    """The last line: where the video went, and its shape."""
+    frames = f"{result.num_frames} frame{'' if result.num_frames == 1 else 's'}"
+    shape = (f"{result.width}x{result.height}, {frames}, {result.fps:g} fps"
+             f"{', with audio' if result.has_audio else ', no audio'}")
+    if result.output_file_path:
+        return f"saved {result.output_file_path} ({shape})"
+    return f"not saved (--no-save-output): {shape}"
+
+
 def _variant_before_loading(engine_options: dict[str, Any]):
     """The variant the worker will recognise, where that needs no download (a local folder, the demo, a released
     hub id, --model-id, --load-format dummy); None otherwise, or when recognition fails: the engine then reports
@@ -56,8 +74,9 @@ def _variant_before_loading(engine_options: dict[str, Any]):
 def check_request_before_loading(engine_options: dict[str, Any], params: SamplingParams) -> None:
     """Resolve the one request against the model's variant, and open its input file, before the model loads
     (minutes for a real checkpoint): a --seed, --height or --num-inference-steps out of range, a flag of the other
-    model family, or a missing or unreadable --image-path / --video-path fails now with its fix, as it would after
-    the load. The worker resolves the request again; this only moves the refusal earlier."""
+    model family, an --sr-target-resolution with an odd side, or a missing or unreadable --image-path /
+    --video-path fails now with its fix, as it would after the load. The worker resolves the request again; this
+    only moves the refusal earlier."""
     variant = _variant_before_loading(engine_options)
     if variant is None:
         return
@@ -78,16 +97,35 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
         open_input(request.video_path).close()
 
 
+def _checked_output_options(request_options: dict[str, Any]) -> dict[str, Any]:
+    """Check the output before the model loads and say what will happen to it: a given name changed on its way to
+    the file, or output flags that --no-save-output ignores. Returns the request with the name as it will be
+    written and without the ignored flags, so the API does not warn about them again."""
+    _, output = split_kwargs(request_options)
+    output, warnings = check_output(output)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if output.save_output:
+        if output.output_file_name is None:
+            return request_options
+        return {**request_options, "output_file_name": output.output_file_name}
+    print("note: --no-save-output: the video is generated and then discarded; only the timings are printed. "
+          "Drop --no-save-output to write the MP4.", file=sys.stderr)
+    ignored = unsaved_output_keys(request_options)
+    if ignored:
+        flags = " and ".join("--" + key.replace("_", "-") for key in ignored)
+        print(f"warning: {flags} {'is' if len(ignored) == 1 else 'are'} ignored: --no-save-output writes no file.",
+              file=sys.stderr)
+    return {key: value for key, value in request_options.items() if key not in ignored}
+
+
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
-    # a taken --output-file-name, and the request against the model's defaults and limits.
-    params, output = split_kwargs(request_options)
+    # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
+    # are said now, not after the load and the run.
+    params, _ = split_kwargs(request_options)
     check_request_before_loading(engine_options, params)
-    check_output(output)
-    if not output.save_output:
-        # Said before the model loads and the request runs, which can take minutes, not after them.
-        print("note: --no-save-output: the video is generated and then discarded; only the timings are printed. "
-              "Drop --no-save-output to write the MP4.", file=sys.stderr)
+    request_options = _checked_output_options(request_options)
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_pretrained(model_path, **engine_options)
     bar = None
@@ -106,7 +144,16 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             bar.n = step
             bar.refresh()
 
-        result = generator.generate(request_options, on_progress=on_progress)
+        try:
+            result = generator.generate(request_options, on_progress=on_progress)
+        except MissingSourceVideo:
+            # The model was recognised only once loaded (a hub id not among the released ones): the API's message
+            # names its keyword, this one the flag.
+            raise ValueError("super-resolution needs one source video: pass --video-path /path/to/input.mp4."
+                             ) from None
+        except MissingPrompt:
+            raise ValueError("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano')."
+                             ) from None
     finally:
         if bar is not None:
             bar.close()
@@ -114,10 +161,5 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     print(format_timings(result))
-    shape = (f"{result.width}x{result.height}, {result.num_frames} frames, {result.fps:g} fps"
-             f"{', with audio' if result.has_audio else ', no audio'}")
-    if result.output_file_path:
-        print(f"saved {result.output_file_path} ({shape})")
-    else:
-        print(f"not saved (--no-save-output): {shape}")
+    print(format_summary(result))
     return 0

@@ -36,7 +36,8 @@ from k6serve.request import SamplingParams, parameter_fields
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("model_path", dict(help="Local Diffusers checkpoint folder, hub id, or 'demo' (built-in tiny random model).")),
     ("model_id", dict(help="Released model name to route a renamed folder (e.g. Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
-    ("revision", dict(help="Hub revision (branch, tag or commit) to download.")),
+    ("revision", dict(help="Hub revision (branch, tag or commit) to download; ignored, with a warning, for a local "
+                        "folder, demo or --load-format dummy.")),
     ("load_format", dict(choices=LOAD_FORMATS, help="'dummy' builds the released sizes with random weights (benchmarks).")),
     ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto: bfloat16 on CUDA, float32 on CPU).")),
     ("lora_path", dict(help="LoRA adapter for the generation DiT, applied at start: a diffusers/PEFT .safetensors file, "

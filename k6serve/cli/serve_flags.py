@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +30,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
+    from k6serve.models.checkpoint_files import ignored_revision_note
     from k6serve.serve.app import serve
+
+    note = ignored_revision_note(engine_options["model_path"], engine_options.get("revision"),
+                                 engine_options.get("load_format") or "auto")
+    if note is not None:
+        logger.warning(note)  # before the load, which can take minutes
 
     return serve(engine_options, server_options)

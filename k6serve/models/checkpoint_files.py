@@ -48,6 +48,23 @@ def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
     return _download(model_path, revision)
 
 
+def ignored_revision_note(model_path: str, revision: str | None, load_format: str = "auto") -> str | None:
+    """Why `revision` is ignored (it only picks what a hub id downloads), or None where it applies or none was
+    given: `resolve_checkpoint` drops it without a word for a local folder or the demo, and a dummy load never
+    calls it."""
+    if revision is None:
+        return None
+    if load_format == "dummy":
+        where = "--load-format dummy builds random weights and downloads nothing"
+    elif model_path == "demo":
+        where = "'demo' is the built-in tiny checkpoint"
+    elif Path(model_path).expanduser().exists():
+        where = f"{model_path!r} is a local folder, used as it is"
+    else:
+        return None
+    return f"revision {revision!r} is ignored: it only picks the revision a hub id downloads, and {where}."
+
+
 def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hub_errors

@@ -231,8 +231,13 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
 
 
 class MissingPrompt(ValueError):
-    """A generation request without a prompt. The message shows the CLI flag (the CLI and the Python API share it);
-    the HTTP server catches this type and words its own answer around the `prompt` body field."""
+    """A generation request without a prompt. The message shows the CLI flag; the Python API and the HTTP server
+    catch this type and word their own answer (the `prompt=` keyword, the `prompt` body field)."""
+
+
+class MissingSourceVideo(ValueError):
+    """A super-resolution request without a source video; worded for the CLI like `MissingPrompt`, and reworded by
+    the Python API (the `video_path=` keyword)."""
 
 
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
@@ -363,6 +368,14 @@ def parse_target_resolution(value: str) -> str:
             f"sr_target_resolution must be one of {', '.join(SR_TARGET_TIERS)} or 'WxH' "
             f"(width first, e.g. 1280x720), got {value!r}"
         )
+    width, height = int(match[1]), int(match[2])
+    # Refused with the request (before the model loads, at a job's creation): the H.264 writer would reject the
+    # odd frame only after the whole upscale. (sr_tiling checks the bucket a "fit" lands on as well.)
+    if width % 2 or height % 2:
+        raise ValueError(
+            f"sr_target_resolution {value!r} has an odd side; H.264 needs even width and height: use "
+            f"{width + width % 2}x{height + height % 2} or {width - width % 2}x{height - height % 2}."
+        )
     return value
 
 
@@ -374,7 +387,7 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         )
     notes: list[str] = []
     if not params.video_path:
-        raise ValueError(
+        raise MissingSourceVideo(
             "Super-resolution needs exactly one source video: pass --video-path /path/to/input.mp4 "
             "(over HTTP: upload video_reference or give a server-side video_path)."
         )

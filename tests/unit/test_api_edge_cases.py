@@ -33,6 +33,9 @@ class StepWorker:
         self.step_s = step_s
         self.cancelled: list[int] = []
 
+    def resolve(self, params: SamplingParams):
+        return None, []  # what DiffGenerator.generate checks first; these tests are about running
+
     def run(self, params: SamplingParams, output: OutputOptions, on_step=None) -> VideoResult:
         total = params.num_inference_steps or 1
         try:

@@ -110,6 +110,14 @@ def no_model_load(monkeypatch):
          "cannot read conditioning image 'missing.png': it does not exist"),
         ("sr", ["--video-path", "missing.mp4"], "cannot read media file 'missing.mp4': it does not exist"),
         ("sr", ["--video-path", "clip.mp4", "--sr-resolution-scale", "3"], "sr_resolution_scale must be 2, 4 or 2.25"),
+        # Refused by the SR pipeline before any DiT call, but only once the model had loaded.
+        ("sr", ["--video-path", "clip.mp4", "--sr-target-resolution", "101x100"],
+         "sr_target_resolution '101x100' has an odd side; H.264 needs even width and height: use 102x100 or 100x100"),
+        # Once written as video.mp4 and _.mp4, names the user never chose.
+        ("generation", ["--prompt", "x", "--output-file-name", ".."], "output_file_name '..' has no letter or digit"),
+        ("generation", ["--prompt", "x", "--output-file-name", "?.mp4"],
+         "output_file_name '?.mp4' has no letter or digit"),
+        ("generation", ["--prompt", "x", "--output-file-name", ""], "output_file_name is empty"),
         # A released hub id: refused before a download of the whole checkpoint.
         ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", ["--prompt", "x", "--guidance-scale", "3"],
          "pro-distill is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0"),
@@ -481,3 +489,175 @@ def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_pr
     err = capsys.readouterr().err
     assert ("error: internal error (RuntimeError: replica 0 failed to start: ImportError: cannot import name "
             "'VideoProcessorMixin'); this is a bug in k6serve") in err
+
+
+@pytest.mark.parametrize("name", ["..", ".", "???", " ", ".mp4", "-.MP4"])
+def test_output_file_name_without_a_letter_or_digit_is_refused(generator, tmp_path, name):
+    # " " is empty once stripped, and said so; the others are refused as names with nothing to name the file by.
+    with pytest.raises(ValueError, match=r"(has no letter or digit to name the file by|is empty); pass a name such as "
+                                         r"clip\.mp4"):
+        generator.generate({**SMALL, "output_path": str(tmp_path / "out"), "output_file_name": name})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_changed_output_file_name_is_warned_with_the_final_name(generator, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="k6serve.api"):
+        result = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "my clip?.mp4"})
+    warning = "output_file_name 'my clip?.mp4' is written as 'my_clip_.mp4'"
+    assert result.output_file_path == str(tmp_path / "my_clip_.mp4")
+    assert any(note.startswith(warning) for note in result.notes)
+    assert warning in caplog.text
+    # Only the added .mp4: nothing to warn about.
+    result = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "plain"})
+    assert result.output_file_path == str(tmp_path / "plain.mp4")
+    assert not any("is written as" in note for note in result.notes)
+
+
+def test_cli_warns_about_a_changed_output_file_name_before_loading(in_process_cli, tmp_path, capsys):
+    assert main([*in_process_cli, "--output-path", str(tmp_path), "--output-file-name", ".my clip"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: output_file_name '.my clip' is written as 'my_clip.mp4': file names keep only ASCII letters, "
+            "digits, '.', '_' and '-' (others become '_'), and no leading dot.") in err
+    assert err.count("is written as") == 1  # said once, before the load, not again by the API
+    assert [path.name for path in tmp_path.iterdir()] == ["my_clip.mp4"]
+
+
+@pytest.mark.parametrize(("flags", "warning"), [
+    (["--output-file-name", "clip"], "warning: --output-file-name is ignored: --no-save-output writes no file."),
+    (["--output-file-name", "clip", "--output-path", "{out}"],
+     "warning: --output-file-name and --output-path are ignored: --no-save-output writes no file."),
+    ([], None),
+])
+def test_cli_no_save_output_warns_about_ignored_output_flags(in_process_cli, tmp_path, monkeypatch, capsys, flags,
+                                                            warning):
+    monkeypatch.chdir(tmp_path)
+    flags = [flag.format(out=tmp_path / "out") for flag in flags]
+    assert main([*in_process_cli, "--no-save-output", *flags]) == 0
+    err = capsys.readouterr().err
+    if warning is None:
+        assert "ignored" not in err
+    else:
+        assert err.count(warning) == 1 and err.count("ignored") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_api_no_save_output_notes_an_ignored_file_name(generator, tmp_path):
+    result = generator.generate({**SMALL, "save_output": False, "output_file_name": "clip"})
+    assert "output_file_name='clip' is ignored: save_output=False writes no file." in result.notes
+    assert result.output_file_path is None
+    result = generator.generate({**SMALL, "save_output": False})
+    assert not any("ignored" in note for note in result.notes)
+
+
+@pytest.mark.parametrize(("model_path", "load_format", "ignored_because"), [
+    ("{folder}", "auto", "is a local folder, used as it is"),
+    ("demo", "auto", "'demo' is the built-in tiny checkpoint"),
+    ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "dummy", "--load-format dummy builds random weights"),
+    ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "auto", None),
+])
+def test_revision_that_applies_to_no_hub_id_is_warned(tmp_path, monkeypatch, caplog, model_path, load_format,
+                                                      ignored_because):
+    import k6serve.api as api
+
+    monkeypatch.setattr(api, "Engine", lambda config: config)  # what is said before the load, not the load
+    with caplog.at_level("WARNING", logger="k6serve.api"):
+        DiffGenerator.from_pretrained(model_path.format(folder=tmp_path), revision="v1", load_format=load_format)
+        DiffGenerator.from_pretrained(model_path.format(folder=tmp_path), load_format=load_format)
+    warnings = [record.getMessage() for record in caplog.records]
+    if ignored_because is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(
+            "revision 'v1' is ignored: it only picks the revision a hub id downloads, and ")
+        assert ignored_because in warnings[0]
+
+
+@pytest.mark.parametrize(("num_frames", "text"), [(1, "1 frame,"), (17, "17 frames,")])
+def test_cli_summary_counts_frames_in_words(num_frames, text):
+    from types import SimpleNamespace
+
+    from k6serve.cli.generate import format_summary
+
+    result = SimpleNamespace(width=96, height=64, num_frames=num_frames, fps=24.0, has_audio=False,
+                             output_file_path=None)
+    assert format_summary(result) == f"not saved (--no-save-output): 96x64, {text} 24 fps, no audio"
+
+
+def test_sr_without_a_source_names_the_api_keyword(sr_generator, tmp_path):
+    from k6serve.api import MissingSourceVideo
+
+    with pytest.raises(MissingSourceVideo) as refused:
+        sr_generator.generate({"sr_resolution_scale": 2, "output_path": str(tmp_path)})
+    message = str(refused.value)
+    assert "pass video_path='/path/to/input.mp4' (or call generator.upscale(" in message
+    assert "--video-path" not in message and "HTTP" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_sr_without_a_source_names_the_flag_when_the_model_is_known_only_once_loaded(tiny_sr_dir, tmp_path,
+                                                                                           monkeypatch, capsys):
+    import k6serve.cli.generate as generate_module
+
+    monkeypatch.setattr(generate_module, "_variant_before_loading", lambda options: None)  # e.g. a renamed hub repo
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(
+        lambda model_path, **options: DiffGenerator(Engine(build_engine_config(model_path, **options),
+                                                           worker=FakeSRWorker()))))
+    assert main(["generate", "--model-path", str(tiny_sr_dir), "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: super-resolution needs one source video: pass --video-path /path/to/input.mp4." in err
+    assert "video_path=" not in err
+
+
+class FakeSRWorker:
+    """Stands in for a loaded SR worker: the API refuses the request before it would run."""
+
+    name = "vsr-distilled2steps"
+
+    def __init__(self) -> None:
+        from k6serve.models.variants import VARIANTS
+
+        self.variant = VARIANTS[self.name]
+
+    def resolve(self, params):
+        from k6serve.models.variants import resolve_generate, resolve_upscale
+
+        if self.variant.family == "super_resolution":
+            return resolve_upscale(params, self.variant)
+        return resolve_generate(params, self.variant)
+
+    def run(self, params, output, on_step=None):
+        raise AssertionError("the request ran")
+
+
+class FakeGenerationWorker(FakeSRWorker):
+    name = "lite-distill"
+
+
+def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_cli(tmp_path, monkeypatch, capsys):
+    from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt
+
+    assert FakeSRWorker().variant.family == SUPER_RESOLUTION
+    generator = DiffGenerator(Engine(build_engine_config("demo", device="cpu"), worker=FakeGenerationWorker()))
+    with pytest.raises(MissingPrompt, match=r"pass prompt='A cat plays piano'\.$") as refused:
+        generator.generate({"prompt": " ", "output_path": str(tmp_path)})
+    assert "--prompt" not in str(refused.value)
+
+    import k6serve.cli.generate as generate_module
+
+    monkeypatch.setattr(generate_module, "_variant_before_loading", lambda options: None)  # known only once loaded
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(
+        lambda model_path, **options: DiffGenerator(Engine(build_engine_config(model_path, **options),
+                                                           worker=FakeGenerationWorker()))))
+    assert main(["generate", "--model-path", "demo", "--prompt", " ", "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano')." in err
+    assert "prompt=" not in err
+
+
+def test_cli_serve_warns_about_an_ignored_revision_before_loading(monkeypatch, caplog):
+    import k6serve.serve.app as app
+
+    monkeypatch.setattr(app, "serve", lambda engine_options, server_options: 0)  # no model load, no server
+    with caplog.at_level("WARNING", logger="k6serve.cli.serve_flags"):
+        assert main(["serve", "--model-path", "demo", "--revision", "v1"]) == 0
+    assert "revision 'v1' is ignored: it only picks the revision a hub id downloads, and 'demo'" in caplog.text
