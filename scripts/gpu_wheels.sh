@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Download the wheels the GPU machines lack (Python 3.12, torch and transformers preinstalled; no diffusers, PyAV,
+# pytest, server packages or FA3, and no network) into git-ignored folders at the repository root, to be carried
+# with a device call (at most 64 MiB per call: .whlG + .whlP + .whlS fit together, .whlH goes alone):
+#   .whlG  diffusers 0.42.1, av 18 (cp311-abi3), zipp, importlib-metadata            ~41 MB
+#   .whlP  pytest, pluggy, iniconfig                                                  ~0.4 MB
+#   .whlS  the server: fastapi, uvicorn, httpx, python-multipart and their dependencies (fastapi 0.165 needs
+#          opentelemetry-api and annotated-doc; pydantic 2.14 its exact pydantic-core and typing-extensions >= 4.16)
+#                                                                                     ~3.8 MB
+#   .whlH  fa3-fwd 0.0.3 (FA3 forward, sm_90a) and einops                              ~27 MB
+# Install on the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlG/*.whl ...
+# then PYTHONPATH=/tmp/site:$PWD. Run here (PyPI reachable), from the repository root: bash scripts/gpu_wheels.sh
+set -eu
+grep -qx '.whl\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '.whl*/' >> .git/info/exclude; }
+get() {  # folder, then pip's options and requirements
+  local folder=$1; shift
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$folder" "$@"
+}
+# Without their dependencies: the device has torch, transformers, huggingface_hub, numpy, safetensors.
+get .whlG --no-deps diffusers==0.42.1 "av==18.*" zipp importlib-metadata
+get .whlP --no-deps pytest pluggy iniconfig
+# With them, resolved for Python 3.12, so pydantic gets its exact pydantic-core and fastapi what it now requires.
+get .whlS fastapi uvicorn httpx python-multipart
+get .whlH --no-deps fa3-fwd==0.0.3 einops
+du -sh .whlG .whlP .whlS .whlH
