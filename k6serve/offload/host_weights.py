@@ -18,7 +18,7 @@ import mmap
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +73,9 @@ class PinnedBuffer:
     def __init__(self, num_bytes: int, *, huge_pages: bool | None = None) -> None:
         self.num_bytes = num_bytes
         self.registered = False
+        # The CUDA device is per thread, and a thread that never set one uses device 0: unregistering from another
+        # thread (the release's reaper, a collector) would create a context on GPU 0 from a rank on GPU 1.
+        self.device_index = _current_device()
         if not num_bytes:
             self.data = torch.empty(0, dtype=torch.uint8)
             self.pointer = self.data.data_ptr()
@@ -97,15 +100,25 @@ class PinnedBuffer:
         if getattr(self, "registered", False):
             self.registered = False
             try:
-                torch.cuda.cudart().cudaHostUnregister(self.pointer)
+                with _on_device(self.device_index):
+                    torch.cuda.cudart().cudaHostUnregister(self.pointer)
             except Exception:  # noqa: BLE001 - at interpreter exit torch or the CUDA context may be gone; the
                 pass  # process's pages go with it, registered or not
 
 
-def _locked_buffer(num_bytes: int, inference: bool) -> PinnedBuffer:
-    # Inference mode is per thread: the caller's, so the chunks are inference tensors exactly when the caller's
-    # allocations would be.
-    with torch.inference_mode(inference):
+def _current_device() -> int | None:
+    """This thread's CUDA device, or None where CUDA is not in use (CPU runs; tests with a stand-in cudart)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _on_device(index: int | None):
+    return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
+
+
+def _locked_buffer(num_bytes: int, inference: bool, device_index: int | None) -> PinnedBuffer:
+    # Inference mode and the CUDA device are per thread: the caller's, so the chunks are inference tensors exactly
+    # when the caller's allocations would be, and registering them creates no context on another GPU.
+    with torch.inference_mode(inference), _on_device(device_index):
         return PinnedBuffer(num_bytes)
 
 
@@ -113,15 +126,15 @@ def pinned_buffers(sizes: list[int]) -> Iterator[PinnedBuffer]:
     """A `PinnedBuffer` of each of `sizes`, in order; after the first, each is page-locked on a background thread
     while the caller works on the ones before it (at most `PIN_AHEAD_CHUNKS` ahead). A failure is raised where its
     buffer would have been yielded; closing the generator early drops the buffers made ahead."""
-    inference = torch.is_inference_mode_enabled()
+    inference, device_index = torch.is_inference_mode_enabled(), _current_device()
     if len(sizes) <= 1:
         yield from (PinnedBuffer(size) for size in sizes)
         return
-    pending: deque = deque()
+    pending: deque[Future[PinnedBuffer]] = deque()
     with ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="k6serve-pin") as pool:
         try:
             for size in sizes:
-                pending.append(pool.submit(_locked_buffer, size, inference))
+                pending.append(pool.submit(_locked_buffer, size, inference, device_index))
                 if len(pending) > PIN_AHEAD_CHUNKS:
                     yield pending.popleft().result()
             while pending:
@@ -129,6 +142,8 @@ def pinned_buffers(sizes: list[int]) -> Iterator[PinnedBuffer]:
         finally:
             for future in pending:
                 future.cancel()
+            # Done futures hold their buffers: drop them now, not when a traceback that keeps this frame dies.
+            pending.clear()
 
 
 @dataclass(eq=False, slots=True)

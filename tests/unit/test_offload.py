@@ -417,13 +417,68 @@ def test_a_refused_lock_ahead_is_raised_in_order_and_drops_the_buffers_made_ahea
     assert not any(buffer.data.is_inference() for buffer in host_weights.pinned_buffers([4096] * 3))
 
 
-def test_pinned_buffers_ask_for_huge_pages_only_when_told(monkeypatch):
+def test_background_threads_register_and_unregister_on_the_callers_gpu(monkeypatch):
+    """The CUDA device is per thread, and a thread that never set one is on device 0: the lock-ahead threads and a
+    free on another thread (the release's reaper) would create a context on GPU 0 from a rank on GPU 1. Both run
+    their CUDA calls on the device of the thread that asked (here "device 1", with stand-ins for CUDA)."""
+    import contextlib
+    import gc
+
     from k6serve.offload import host_weights
 
+    cudart = _RecordingCudart()
+    on_device: list[tuple[str, int | None]] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(host_weights, "_current_device", lambda: 1)
+
+    def entering(index):
+        on_device.append((threading.current_thread().name, index))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(host_weights, "_on_device", entering)
+    buffers = list(host_weights.pinned_buffers([4096] * 6))
+    registering = {thread for _, _, thread in cudart.registered}
+    assert registering and all(thread.startswith("k6serve-pin") for thread in registering)
+    assert registering <= {thread for thread, index in on_device if index == 1}
+    assert all(buffer.device_index == 1 for buffer in buffers)
+    on_device.clear()
+    freeing = threading.Thread(target=buffers.clear, name="freeing")
+    freeing.start()
+    freeing.join()
+    gc.collect()
+    assert len(cudart.unregistered) == 6 and on_device == [("freeing", 1)] * 6
+
+
+def test_pinned_buffers_ask_for_huge_pages_only_when_told(monkeypatch):
+    """Huge pages are asked for (`madvise(MADV_HUGEPAGE)`) on a private mapping (a shared one is shmem, which THP's
+    madvise does not cover: measured 3x slower to lock), and the buffer starts on a huge-page boundary; with
+    `huge_pages=False` neither."""
+    import mmap
+
+    from k6serve.offload import host_weights
+
+    mappings: list[tuple[int, list[int]]] = []
+
+    class Recording(mmap.mmap):
+        def __new__(cls, fileno, length, flags=mmap.MAP_SHARED, **kwargs):
+            region = super().__new__(cls, fileno, length, flags=flags, **kwargs)
+            mappings.append((flags, []))
+            region.advised = mappings[-1][1]
+            return region
+
+        def madvise(self, option, *args):
+            self.advised.append(option)
+            return super().madvise(option, *args)
+
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _RecordingCudart())
+    monkeypatch.setattr(mmap, "mmap", Recording)
+    huge = host_weights.PinnedBuffer(5000, huge_pages=True)
     small = host_weights.PinnedBuffer(5000, huge_pages=False)
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    assert mappings == [(private, [mmap.MADV_HUGEPAGE]), (private, [])]
+    assert huge.pointer % host_weights.HUGE_PAGE_BYTES == 0 and huge.data.numel() == 5000
     assert small.pointer % host_weights.PAGE_BYTES == 0 and small.data.numel() == 5000
-    assert host_weights.PinnedBuffer(0).data.numel() == 0
+    assert host_weights.PinnedBuffer(0).data.numel() == 0 and len(mappings) == 2  # nothing mapped for nothing
 
 
 class _FakeEvent:
