@@ -282,14 +282,18 @@ class MemoryRelease:
         if reused:
             pin = all(copy.weights.pinned for copy in self.copies)
         else:
+            refused = None
             try:
                 self.copies = self._copy_to_host(groups, pin=pin)
-            except RuntimeError as error:
+            except (RuntimeError, OSError) as error:  # cudaHostRegister refused; mmap out of memory
                 if not pin:
                     raise
+                refused = str(error)
+            if refused is not None:
                 # Page-locking can be refused (a container's locked-memory limit); pageable memory only resumes
-                # slower.
-                logger.warning("pinning the released weights failed (%s); releasing to pageable host memory", error)
+                # slower. Copied outside the `except`: its traceback kept the failed attempt's frames, and with them
+                # its page-locked chunks, alive beside the new copy.
+                logger.warning("pinning the released weights failed (%s); releasing to pageable host memory", refused)
                 pin = False
                 self.copies = self._copy_to_host(groups, pin=False)
         try:
@@ -332,6 +336,7 @@ class MemoryRelease:
             for copy in copies:
                 with copy.mode():
                     copy.weights.to_device(self.device)
+            copies.clear()  # their host chunks go now, not with the traceback that keeps this frame
             # The group that failed part-way has re-pointed some tensors already.
             for tensors in groups.values():
                 for tensor in tensors:

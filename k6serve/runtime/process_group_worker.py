@@ -350,6 +350,11 @@ def rank_main(
                 connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids)))
         if worker is not None and not any(failures):
             _ReplicaLoop(worker, context, connection).serve()
+            # A resume's host copy may still be being freed (unregistered, unmapped) on the reaper's thread, a
+            # daemon that would otherwise be cut off in a CUDA call while the interpreter and CUDA shut down.
+            reaper = getattr(getattr(worker, "memory_release", None), "reaper", None)
+            if reaper is not None:
+                reaper.wait()
     finally:
         dist.destroy_process_group()
 

@@ -438,6 +438,7 @@ class ShardProbeRankWorker:
         storages = [StorageWeakRef(parameter._local_tensor.untyped_storage())
                     for _, parameter in _dtensor_parameters(self.worker.pipeline)]
         reports = self.worker.apply_memory_operation(operation)
+        self.worker.memory_release.reaper.wait()  # a plain resume frees the old host copy in the background
         gc.collect()
         alive = sum(not storage.expired() for storage in storages)
         return [{**report, "shards": _shards(self.worker.pipeline), "storages_alive": alive,
