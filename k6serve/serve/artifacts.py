@@ -1,12 +1,14 @@
 """Where finished videos and uploaded inputs live: a local folder, files named by job id.
 
-Outputs are `<root>/<job id>.mp4`, written atomically by the worker (`media.mux.write_mp4` links a finished hidden
+Outputs are `<root>/<job id>.mp4` for the server's own ids and `<root>/request_<digest>.mp4` for a client's
+`request_id` (`output_file_name`), written atomically by the worker (`media.mux.write_mp4` links a finished hidden
 `.part` file into place, never replacing a file), so a reader never sees half a video; a job re-run after a restart
 first removes the video its interrupted attempt may have left (`serve.runner`). Uploads go to `<root>/uploads/`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -16,6 +18,17 @@ from k6serve.request import OutputOptions
 logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+_SERVER_JOB_ID = re.compile(r"video_[0-9a-f]{32}")  # `routes.create_video`'s own ids
+
+
+def output_file_name(job_id: str) -> str:
+    """The MP4's name for a job. The server's ids name their own file; a client's `request_id` is digested: the
+    runner clears a job's file before a re-run, so a chosen name could delete a file the client picked (the folder
+    is also `k6serve generate`'s default), and two ids that differ only in case would share a file on a
+    case-insensitive disk."""
+    if _SERVER_JOB_ID.fullmatch(job_id):
+        return f"{job_id}.mp4"
+    return f"request_{hashlib.sha256(job_id.encode()).hexdigest()[:32]}.mp4"
 
 
 class ArtifactStore:
@@ -26,8 +39,8 @@ class ArtifactStore:
         self.upload_dir.mkdir(parents=True, exist_ok=True)
 
     def output_options(self, job_id: str) -> OutputOptions:
-        """What the engine is told: write `<root>/<job id>.mp4`."""
-        return OutputOptions(save_output=True, output_path=str(self.root), output_file_name=f"{job_id}.mp4")
+        """What the engine is told: write `<root>/<output_file_name(job_id)>`."""
+        return OutputOptions(save_output=True, output_path=str(self.root), output_file_name=output_file_name(job_id))
 
     def output_path(self, file_name: str) -> Path:
         path = (self.root / Path(file_name).name).resolve()

@@ -72,8 +72,9 @@ class Job:
 
 def expires_at(job: Job, ttl_s: float) -> int | None:
     """The Unix second from which a finished job reads as gone, as the job object shows it: its `completed_at` in
-    whole seconds (as shown) + --output-ttl, so `expires_at - completed_at` is the TTL; the job may thus go up to a
-    second before `completed_at + ttl` exactly. None while it is unfinished or when finished jobs are kept (`ttl_s`
+    whole seconds (as shown) + --output-ttl, rounded up to a whole second, so `expires_at - completed_at` is the TTL
+    when it is whole (and the TTL rounded up otherwise); the job may thus go up to a second before
+    `completed_at + ttl` exactly. None while it is unfinished or when finished jobs are kept (`ttl_s`
     0). The routes treat a job past it as deleted even before the periodic sweep removes it."""
     if job.completed_at is None or ttl_s <= 0:
         return None

@@ -39,7 +39,7 @@ from k6serve.models.variants import MissingPrompt, Variant
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
-from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import ApiError, error_response
 from k6serve.serve.input_paths import InputPathPolicy, check_readable
 from k6serve.serve.jobs import (
@@ -364,7 +364,12 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
                       order: Literal["asc", "desc"] = Query("desc", description="By creation time.")) -> JSONResponse:
     ctx = _ctx(request)
     if ctx.settings.output_ttl_s > 0:
-        sweep_expired_once(ctx.store, ctx.artifacts, ctx.settings.output_ttl_s)  # as if the sweep had just run
+        # As if the periodic sweep had just run; off the event loop like it (many jobs can expire during downtime),
+        # and, like it, a failure is logged, not the listing's 500: the page then may show a job about to go.
+        try:
+            await asyncio.to_thread(sweep_expired_once, ctx.store, ctx.artifacts, ctx.settings.output_ttl_s)
+        except Exception:  # noqa: BLE001
+            logger.exception("sweeping expired jobs before a listing failed")
     try:
         jobs, has_more = ctx.store.list_page(after=after, limit=limit, ascending=order == "asc")
     except KeyError:
@@ -441,7 +446,7 @@ async def get_video_content(request: Request, video_id: str,
                   else f"poll GET /v1/videos/{video_id} until status is completed")
         raise ApiError(404, f"Video {video_id} has no content: its status is {job.status.value}{detail}; "
                             f"{advice}.", code="video_not_ready", param="video_id")
-    path = ctx.artifacts.output_path(job.output_file or f"{job.id}.mp4")
+    path = ctx.artifacts.output_path(job.output_file or output_file_name(job.id))
     try:
         # Stat once here: a file removed after an is_file() check made FileResponse raise, a 500.
         stat_result = path.stat()

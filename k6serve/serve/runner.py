@@ -33,7 +33,7 @@ from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
-from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.jobs import Job, JobStatus, JobStore
 from k6serve.serve.lora_state import LoraState
 from k6serve.serve.metrics import ServerMetrics
@@ -262,10 +262,11 @@ class JobRunner:
                 if started is None:
                     continue
                 params = SamplingParams(**started.params)
-                # A `<job id>.mp4` already there can only be this job's own video from an earlier attempt that
-                # wrote it and was then cut off (a crash, or a shutdown that outwaited the decode, after which the
-                # job was re-queued); the worker never replaces a file, so clear it before the re-run.
-                self.artifacts.remove([self.artifacts.output_path(f"{job.id}.mp4")])
+                # The job's file already there can only be its own video from an earlier attempt that wrote it and
+                # was then cut off (a crash, or a shutdown that outwaited the decode, after which the job was
+                # re-queued): no client chooses that name (`output_file_name`). The worker never replaces a file, so
+                # clear it before the re-run.
+                self.artifacts.remove([self.artifacts.output_path(output_file_name(job.id))])
                 engine_job = self.engine.submit(params, self.artifacts.output_options(job.id),
                                                 on_progress=self._progress_callback(job.id), job_id=job.id)
                 self._running[job.id] = engine_job

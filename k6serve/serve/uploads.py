@@ -10,6 +10,7 @@ error; so with a limit below `SPOOL_BYTES` an oversized upload never touches the
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -28,10 +29,12 @@ from k6serve.serve.errors import ApiError
 SPOOL_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 1 * 2**20
 MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together
-# After refusing a body whose streamed bytes went over a limit we keep reading (and discarding) up to this much, so
-# the client sees the 413 instead of a reset connection; past it the connection is simply closed. A body refused by
-# its declared Content-Length is not read at all (`refuse_declared_length`).
+# After refusing a body we keep reading (and discarding) up to this much of it, so the client sees the answer
+# instead of a reset connection (closing a socket with unread data makes the kernel send RST, which can discard the
+# answer before the client reads it); past it, or after DRAIN_IDLE_S without a byte, the connection is closed (a
+# client that declared more than it sends would otherwise wait for the answer forever).
 DRAIN_BYTES = 64 * 2**20
+DRAIN_IDLE_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,18 +68,21 @@ def declared_length(request: Request) -> int | None:
     return int(value)
 
 
-def refuse_declared_length(request: Request, limit_bytes: int, error: ApiError) -> None:
-    """Raise `error` (a 413 that closes the connection) when the declared Content-Length is over `limit_bytes`.
+async def refuse_declared_length(request: Request, limit_bytes: int, error: ApiError) -> None:
+    """Raise `error` (a 413 that closes the connection) when the declared Content-Length is over `limit_bytes`,
+    before any of the body is parsed or stored.
 
-    Nothing of the body is read: a client that declares more than it sends would otherwise keep the request
-    waiting for bytes that never come, and one that sends it all would only have us read data we refuse."""
+    A client that waits for `100-continue` has sent nothing, and is answered at once; any other has started
+    sending, and what it sends is drained first (`drain`: bounded in bytes and by an idle second)."""
     length = declared_length(request)
     if length is not None and length > limit_bytes:
+        if request.headers.get("expect", "").lower() != "100-continue":
+            await drain(request)
         raise error
 
 
 async def _read_small_body(request: Request) -> bytes:
-    refuse_declared_length(request, MAX_JSON_BYTES, too_large_json())
+    await refuse_declared_length(request, MAX_JSON_BYTES, too_large_json())
     body = bytearray()
     async for chunk in _stream(request):
         body += chunk
@@ -139,14 +145,14 @@ def too_large_json() -> ApiError:
 
 
 async def drain(request: Request) -> None:
-    """Discard the rest of a refused body (bounded), so the client can read our answer."""
+    """Discard the rest of a refused body, so the client can read our answer: at most DRAIN_BYTES, and no longer
+    than DRAIN_IDLE_S without a byte."""
     seen = 0
+    chunks = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
-            seen += len(chunk)
-            if seen > DRAIN_BYTES:
-                return
-    except (ClientDisconnect, RuntimeError):
+        while seen <= DRAIN_BYTES:
+            seen += len(await asyncio.wait_for(chunks.__anext__(), DRAIN_IDLE_S))
+    except (StopAsyncIteration, TimeoutError, ClientDisconnect, RuntimeError):
         return
 
 
@@ -311,8 +317,8 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
                          file_path: Callable[[str, str | None], Path]) -> ParsedForm:
     """Stream-parse a multipart body. On any error every file written for it is removed."""
     boundary = multipart_boundary(request.headers.get("content-type", ""))
-    refuse_declared_length(request, max_file_bytes + MAX_FORM_TEXT_BYTES,
-                           too_large("The request body", max_file_bytes))
+    await refuse_declared_length(request, max_file_bytes + MAX_FORM_TEXT_BYTES,
+                                 too_large("The request body", max_file_bytes))
     reader = MultipartReader(boundary=boundary, file_fields=file_fields, max_file_bytes=max_file_bytes,
                              file_path=file_path)
     try:

@@ -248,6 +248,25 @@ def test_a_request_id_is_the_job_id_and_a_retry_returns_that_job(fake_server, fa
     assert fake_server.worker.started.count("chosen id") == 1
 
 
+def test_a_request_id_never_names_a_file_the_client_could_have_chosen(fake_server, fake_client):
+    """The runner clears a job's file before it starts (a re-run's leftover): with the file named after a client's
+    request_id, `request_id: "demo"` deleted an `outputs/demo.mp4` that `k6serve generate` had written there, and
+    "Clip" / "clip" shared one file on a case-insensitive disk. A client's id is digested into the file name."""
+    from k6serve.serve.artifacts import output_file_name
+
+    mine = fake_server.artifacts.root / "demo.mp4"
+    mine.write_bytes(b"the user's own video")
+    for request_id in ("demo", "Clip", "clip"):
+        job = fake_client.post("/v1/videos", json={"prompt": request_id, **SMALL, "request_id": request_id}).json()
+        assert wait_for(fake_client, job["id"])["status"] == "completed"
+        assert fake_client.get(f"/v1/videos/{request_id}/content").content[4:8] == b"ftyp"
+    assert mine.read_bytes() == b"the user's own video"
+    names = {output_file_name(request_id) for request_id in ("demo", "Clip", "clip")}
+    assert len(names) == 3 and all(name.startswith("request_") and name.endswith(".mp4") for name in names)
+    assert names <= {path.name for path in fake_server.artifacts.root.iterdir()}
+    assert output_file_name("video_" + "0" * 32) == "video_" + "0" * 32 + ".mp4"  # the server's own ids as before
+
+
 def test_a_request_id_is_free_again_once_its_deleted_place_is_forgotten(fake_server, fake_client):
     from k6serve.serve.jobs import DELETED_CURSOR_RETENTION_S
 
@@ -388,7 +407,7 @@ def _raw_response(base_url: str, request: bytes, timeout: float = 5.0) -> tuple[
 def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_body(tmp_path, path, content_type,
                                                                                     declared):
     # The server read (and discarded) up to 64 MiB of the declared body before answering: a client that declared
-    # more than it sent waited for a 413 that never came.
+    # more than it sent waited for a 413 that never came. Now the drain stops after an idle second.
     server = start_server(tmp_path, max_upload_mb=0.05)
     try:
         body = (b'--Q\r\nContent-Disposition: form-data; name="video_reference"; filename="v.mp4"\r\n\r\n' + b"a" * 100
@@ -407,6 +426,27 @@ def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_bod
         with server.client() as client:
             assert client.get("/v1/videos").json()["data"] == []
             _still_serves(client)
+    finally:
+        server.stop()
+
+
+def test_an_oversize_body_sent_whole_gets_its_413_and_one_that_waits_for_continue_gets_it_unsent(tmp_path):
+    """A client that sends its whole body at once (httpx, requests) reads the 413's JSON: the refused body is
+    drained before the connection closes, since closing over unread data resets it and can lose the answer. A
+    client that waits for `100 Continue` is answered before it sends anything."""
+    server = start_server(tmp_path, max_upload_mb=0.05)
+    try:
+        with server.client() as client:
+            big = b'{"prompt": "' + b"x" * (3 * 2**20) + b'"}'
+            response = client.post("/v1/videos", content=big, headers={"Content-Type": "application/json"})
+            _assert_error(response, 413, code="payload_too_large")
+            _still_serves(client)
+        head = (b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=Q\r\n"
+                b"Content-Length: 10485760\r\nExpect: 100-continue\r\n\r\n")
+        started = time.monotonic()
+        received, closed = _raw_response(server.base_url, head)
+        assert closed and time.monotonic() - started < 0.9, received  # no idle wait: nothing was sent
+        assert received.startswith(b"HTTP/1.1 413") and b"100 Continue" not in received
     finally:
         server.stop()
 
