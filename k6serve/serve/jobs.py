@@ -113,6 +113,7 @@ class RequestIdConflict(Exception):
 class JobStore(Protocol):
     def insert(self, job: Job) -> tuple[Job, bool]: ...
     def get(self, job_id: str) -> Job | None: ...
+    def id_taken(self, job_id: str) -> bool: ...
     def get_by_idempotency_key(self, key: str) -> Job | None: ...
     def list_page(self, *, after: str | None, limit: int, ascending: bool) -> tuple[list[Job], bool]: ...
     def update(self, job_id: str, **fields: Any) -> Job | None: ...
@@ -241,8 +242,7 @@ class SqliteJobStore:
                 if existing.request_hash != job.request_hash:
                     raise RequestIdConflict(job.id, existing=existing)
                 return existing, False
-            row = self._db.execute("SELECT deleted_at FROM deleted_jobs WHERE id = ? AND deleted_at >= ?",
-                                   (job.id, time.time() - DELETED_CURSOR_RETENTION_S)).fetchone()
+            row = self._deleted_locked(job.id)
             if row is not None:
                 raise RequestIdConflict(job.id, deleted_at=row["deleted_at"])
             names = ", ".join(_COLUMNS)
@@ -256,6 +256,15 @@ class SqliteJobStore:
     def get(self, job_id: str) -> Job | None:
         with self._lock:
             return self._get_locked(job_id)
+
+    def id_taken(self, job_id: str) -> bool:
+        """A stored job has this id, or one deleted within DELETED_CURSOR_RETENTION_S (`insert` refuses it)."""
+        with self._lock:
+            return self._get_locked(job_id) is not None or self._deleted_locked(job_id) is not None
+
+    def _deleted_locked(self, job_id: str):
+        return self._db.execute("SELECT deleted_at FROM deleted_jobs WHERE id = ? AND deleted_at >= ?",
+                                (job_id, time.time() - DELETED_CURSOR_RETENTION_S)).fetchone()
 
     def get_by_idempotency_key(self, key: str) -> Job | None:
         with self._lock:

@@ -167,8 +167,9 @@ class JobRunner:
         client-chosen id) return the stored job."""
         with self._lock:
             keyed = job.idempotency_key is not None and self.store.get_by_idempotency_key(job.idempotency_key)
-            if keyed or self.store.get(job.id) is not None:
-                # Same hash: returns the stored job; else IdempotencyConflict / RequestIdConflict.
+            if keyed or self.store.id_taken(job.id):
+                # Same hash: returns the stored job; else IdempotencyConflict / RequestIdConflict (a deleted job's
+                # id included): answered as what it is even when the queue is full, not as "retry later".
                 return self.store.insert(job)
             queued = self.store.count_by_status()[JobStatus.QUEUED]
             if queued >= self.max_queued_jobs:

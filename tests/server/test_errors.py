@@ -309,12 +309,19 @@ def test_a_request_id_replay_is_answered_while_the_queue_is_full(tmp_path):
         with server.client() as client:
             running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
             wait_for(client, running["id"], ("in_progress",))
+            gone = {"prompt": "gone", **SMALL, "request_id": "gone-1"}
+            assert client.post("/v1/videos", json=gone).json()["status"] == "queued"
+            assert client.delete("/v1/videos/gone-1").status_code == 200  # cancels it
+            assert client.delete("/v1/videos/gone-1").status_code == 200  # removes it: its id stays reserved
             body = {"prompt": "queued", **SMALL, "request_id": "queued-1"}
             assert client.post("/v1/videos", json=body).json()["status"] == "queued"
             one_more = client.post("/v1/videos", json={"prompt": "one more", **SMALL})
             _assert_error(one_more, 429, code="queue_full")
             replay = client.post("/v1/videos", json=body)
             assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+            # A deleted job's id is a 409 whatever the queue: a 429 would only send the client back for its 409.
+            _assert_error(client.post("/v1/videos", json=gone), 409, param="request_id", code="request_id_conflict",
+                          contains="deleted")
             server.worker.release.set()
             assert wait_for(client, "queued-1")["status"] == "completed"
     finally:
