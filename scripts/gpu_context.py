@@ -5,6 +5,7 @@ of which 2.9 GB were NCCL communicators a one-GPU worker never used; 0.6 GB sinc
     python scripts/gpu_context.py --mode nccl-eager --out $OUT   # a one-rank process group as a worker builds it
     python scripts/gpu_context.py --mode nccl-lazy --out $OUT    # ... without a bound device (launch.py since 13th)
     python scripts/gpu_context.py --mode engine --out $OUT       # DiffGenerator (worker process): load, release
+    python scripts/gpu_context.py --mode engine --option num_gpus=2 --option ulysses_degree=2   # per rank, 2 GPUs
 
 `steps` (the default): one process takes the steps a worker takes, one at a time, and after each frees torch's caches the way a release
 does (`runtime/device_memory.free_allocator_caches`) and records this process's device memory per NVML next to
@@ -69,16 +70,32 @@ def nccl(rows: list[dict], device: torch.device, *, bind_device: bool) -> None:
     dist.destroy_process_group()
 
 
+def _option(text: str) -> tuple[str, object]:
+    """`KEY=VALUE` for `DiffGenerator.from_pretrained`; the value read as JSON where it parses (2, true), else text."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--option takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def engine(report: dict, args: argparse.Namespace) -> None:
     from k6serve.api import DiffGenerator
 
-    generator = DiffGenerator.from_pretrained(args.model, load_format="dummy", performance_mode=args.performance_mode)
+    options = {"load_format": "dummy", "performance_mode": args.performance_mode, **dict(args.option)}
+    report["options"] = options
+    generator = DiffGenerator.from_pretrained(args.model, **options)
     try:
         reply = generator.release_memory()
-        after = reply["ranks"][0]["after"]
-        report["after_release"] = {key: after.get(key) for key in
-                                   ("allocated_bytes", "reserved_bytes", "process_used_bytes", "explanation")}
-        print(report["after_release"], flush=True)
+        report["after_release"] = [
+            {"replica": rank.get("replica"), "rank": rank.get("rank"),
+             **{key: rank["after"].get(key) for key in
+                ("device", "allocated_bytes", "reserved_bytes", "process_used_bytes", "explanation")}}
+            for rank in reply["ranks"]]
+        for rank in report["after_release"]:
+            print(rank, flush=True)
         generator.resume_memory()
     finally:
         generator.shutdown()
@@ -90,6 +107,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--model", default="kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers")
     parser.add_argument("--performance-mode", default="speed")
+    parser.add_argument("--option", type=_option, action="append", default=[],
+                        help="engine mode: a DiffGenerator option KEY=VALUE (repeat), e.g. num_gpus=2 ulysses_degree=2")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     rows: list[dict] = []
