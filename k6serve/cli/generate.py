@@ -152,8 +152,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             raise ValueError("super-resolution needs one source video: pass --video-path /path/to/input.mp4."
                              ) from None
         except MissingPrompt:
-            raise ValueError("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano')."
-                             ) from None
+            raise ValueError(MissingPrompt.FLAG_WORDING) from None
     finally:
         if bar is not None:
             bar.close()

@@ -234,6 +234,8 @@ class MissingPrompt(ValueError):
     """A generation request without a prompt. The message shows the CLI flag; the Python API and the HTTP server
     catch this type and word their own answer (the `prompt=` keyword, the `prompt` body field)."""
 
+    FLAG_WORDING = "prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano')."
+
 
 class MissingSourceVideo(ValueError):
     """A super-resolution request without a source video; worded for the CLI like `MissingPrompt`, and reworded by
@@ -255,7 +257,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
             "(use image_path for image conditioning)."
         )
     if not params.prompt or not params.prompt.strip():
-        raise MissingPrompt("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano').")
+        raise MissingPrompt(MissingPrompt.FLAG_WORDING)
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for name, value in (("height", height), ("width", width)):
@@ -370,7 +372,7 @@ def parse_target_resolution(value: str) -> str:
         )
     width, height = int(match[1]), int(match[2])
     # Refused with the request (before the model loads, at a job's creation): the H.264 writer would reject the
-    # odd frame only after the whole upscale. (sr_tiling checks the bucket a "fit" lands on as well.)
+    # odd frame only after the whole upscale, and "fit" clamps to this target's sides, so it lands on them too.
     if width % 2 or height % 2:
         raise ValueError(
             f"sr_target_resolution {value!r} has an odd side; H.264 needs even width and height: use "

@@ -244,15 +244,8 @@ def _parse_target(target: str) -> tuple[tuple[int, int], ...]:
         and int(width_text) > 0
         and int(height_text) > 0
     ):
-        width, height = int(width_text), int(height_text)
-        # Checked here, before any DiT call: the H.264 writer rejects the odd frame only after the whole upscale,
-        # and "fit" can land on an odd bucket side too.
-        if width % 2 or height % 2:
-            raise ValueError(
-                f"target resolution {target!r} has an odd side; H.264 needs even width and height: use "
-                f"{width + width % 2}x{height + height % 2} or {width - width % 2}x{height - height % 2}."
-            )
-        return ((height, width),)
+        # An odd side is refused with the request (`variants.parse_target_resolution`), before the model runs.
+        return ((int(height_text), int(width_text)),)
     raise ValueError(
         f"target resolution {target!r} is not one of hd, fullhd, 2k or WxH (e.g. 1280x720)."
     )

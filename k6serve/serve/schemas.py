@@ -24,9 +24,8 @@ FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
 _VIDEO_SUFFIXES = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm")
 # ASCII digits only: str.isdigit() also takes '²' and full-width digits, which int() then refuses or misreads.
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
-# A client-chosen job id names the output file `<id>.mp4` and is a URL path segment: no '/', no ':' (the worker's
-# file-name sanitising would turn it into '_', so two ids could share a file), and no leading '.' ('..' segments,
-# hidden files).
+# A client-chosen job id is a URL path segment and the listing's paging cursor: no '/' or ':', and no leading '.'
+# ('..' segments). Its output file is named by a digest of it (`artifacts.output_file_name`), not by the id.
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # The OpenAI fields and the job id: HTTP only, not SamplingParams fields.
 _HTTP_ONLY_FIELDS = ("model", "size", "seconds", "request_id")
