@@ -203,7 +203,8 @@ def validate_layout(layout: ParallelLayout, plan: ModelPlan, *, model_name: str,
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelGroups:
-    """The process groups one rank uses. Groups of size 1 are real groups too, so callers never branch.
+    """The process groups one rank uses. Groups of size 1 are real groups too, so callers never branch. Axes that
+    name the same ranks share one group object (`build_groups`).
 
     `control` is a CPU (gloo) group over the replica, used to broadcast requests even when the model's
     groups are NCCL.
@@ -240,18 +241,38 @@ class ParallelGroups:
         )
 
 
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
 def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: float) -> ParallelGroups:
     """Create every group of the layout (all ranks must call this, in the same order) and keep ours."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
+    # One group per distinct (backend, ranks): with NCCL every group that runs a collective holds a communicator
+    # (hundreds of MiB of device memory each, docs/parallelism.md), and several axes often name the same ranks
+    # (Ulysses2 on two GPUs: the ulysses, sequence and replica groups are all ranks 0 and 1). Sharing one object is
+    # safe because every rank issues its collectives in the same program order, whichever axis they belong to. torch
+    # numbers a group's ranks in sorted order, so ranks given in another order make the same group. A group of
+    # every rank on the default group's backend is the default group itself.
+    made: dict[tuple[str, tuple[int, ...]], object] = {}
+    default_backend = dist.get_backend()
 
     def create(groups: list[list[int]], group_backend: str):
         mine = None
         for ranks in groups:
-            group = dist.new_group(ranks, timeout=timeout, backend=group_backend)
+            key = (group_backend, tuple(sorted(ranks)))
+            if key not in made:
+                whole_world = len(ranks) == layout.world_size and group_backend == default_backend
+                made[key] = (
+                    _default_group() if whole_world
+                    else dist.new_group(ranks, timeout=timeout, backend=group_backend)
+                )
             if rank in ranks:
-                mine = group
+                mine = made[key]
         assert mine is not None
         return mine
 

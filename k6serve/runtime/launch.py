@@ -131,14 +131,15 @@ def init_distributed(spec: RankSpec) -> torch.device:
     else:
         device = torch.device("cpu")
     init_method = "env://" if spec.from_torchrun else f"tcp://{spec.master_addr}:{spec.master_port}"
-    # A bound device makes NCCL create every communicator at once (the default group's and each `new_group`'s). A
-    # single GPU runs no collective on them, and eager communicators cost device memory that no release can free:
-    # a one-GPU worker held 3.5 GB after releasing its weights where the same steps in a process without a process
-    # group held 0.7 GB (scripts/gpu_context.py). So one rank leaves them to be created if ever used.
+    # No bound device (`device_id`), on any number of ranks: a bound device makes NCCL create every group's
+    # communicator at once, and each holds device memory that no release can free (a one-GPU worker held 3.5 GB after
+    # releasing its weights where the same steps without a process group held 0.7 GB; one communicator on one rank
+    # took about 650 MiB: scripts/gpu_context.py). Unbound, NCCL creates a group's communicator at its first
+    # collective, so the groups of size 1 (e.g. cfg, tp and ring under Ulysses2), which never run one, cost nothing.
+    # The device is already current (set_device above), which is where those communicators are then created.
     dist.init_process_group(
         spec.backend, init_method=init_method, rank=spec.rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
-        device_id=device if spec.device_type == "cuda" and spec.world_size > 1 else None,
     )
     return device
 

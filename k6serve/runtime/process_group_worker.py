@@ -323,10 +323,12 @@ def rank_main(
         layout = ParallelLayout.from_config(config.parallel)
         groups = build_groups(layout, spec.rank, backend=spec.backend, timeout_s=spec.timeout_s)
         # Only rank 0 was told where the engine listens (other hosts' launchers do not know it). One rank has it
-        # already, and a broadcast on the default (NCCL) group would create its communicator (`init_distributed`).
+        # already. The broadcast goes over gloo: on the default NCCL group it would create a communicator
+        # (`init_distributed`) that, with dp replicas, no model collective would ever use again.
         if spec.world_size > 1:
             box = [(engine_address, authkey)]
-            dist.broadcast_object_list(box, src=0)
+            world_control = None if spec.backend == "gloo" else dist.new_group(backend="gloo")
+            dist.broadcast_object_list(box, src=0, group=world_control)
             engine_address, authkey = box[0]
         context = RankContext(spec=spec, device=device, groups=groups)
         worker, failure = None, None

@@ -80,3 +80,51 @@ def test_suggested_alternatives_are_valid():
     check(SR, False, ulysses=4, ring=2)
     check(LITE, True, tp=2, ulysses=2, ring=2)
     check(PRO, False, ulysses=2)
+
+
+def _record_new_groups(monkeypatch):
+    """Stand in for torch.distributed's group calls: each new_group returns a fresh tagged object."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def new_group(ranks=None, timeout=None, backend=None):
+        calls.append((backend, tuple(ranks) if ranks is not None else None))
+        return ("group", len(calls))
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr("k6serve.parallel.mesh._default_group", lambda: "default group")
+    return calls
+
+
+def test_axes_naming_the_same_ranks_share_one_group(monkeypatch):
+    """Each NCCL group that runs a collective holds a communicator (hundreds of MiB of device memory), so build_groups
+    makes one group per distinct rank set: under Ulysses2 on two GPUs the ulysses, sequence and replica groups are
+    the default group, and the size-1 cfg / tp / ring groups are one group per rank."""
+    from k6serve.parallel.mesh import build_groups
+
+    calls = _record_new_groups(monkeypatch)
+    groups = build_groups(ParallelLayout(ulysses=2), 1, backend="nccl", timeout_s=5)
+    # every rank still calls new_group for the same rank sets in the same order (torch requires it)
+    assert calls == [("nccl", (0,)), ("nccl", (1,)), ("gloo", (0, 1))]
+    assert groups.axis["ulysses"] is groups.sequence is groups.replica_group == "default group"
+    assert groups.axis["cfg"] is groups.axis["tp"] is groups.axis["ring"] == ("group", 2)
+    assert groups.control == ("group", 3)
+
+
+def test_distinct_rank_sets_keep_distinct_groups(monkeypatch):
+    from k6serve.parallel.mesh import build_groups
+
+    calls = _record_new_groups(monkeypatch)
+    layout = ParallelLayout(dp=2, cfg=2, ulysses=2)  # 8 ranks, replicas of 4
+    groups = build_groups(layout, 5, backend="nccl", timeout_s=5)
+    nccl_sets = [ranks for backend, ranks in calls if backend == "nccl"]
+    assert len(nccl_sets) == len(set(nccl_sets))  # no rank set made twice
+    # rank 5 = replica 1, cfg 0, ulysses 1: its groups are [4, 5] (ulysses and sequence), [5, 7] (cfg), [5] (tp, ring)
+    # and the replica [4..7]; the 8-rank world appears in no axis
+    assert groups.axis["ulysses"] is groups.sequence == ("group", calls.index(("nccl", (4, 5))) + 1)
+    assert groups.axis["cfg"] == ("group", calls.index(("nccl", (5, 7))) + 1)
+    assert groups.axis["tp"] is groups.axis["ring"] == ("group", calls.index(("nccl", (5,))) + 1)
+    assert groups.replica_group == ("group", calls.index(("nccl", (4, 5, 6, 7))) + 1)
+    assert groups.control == ("group", calls.index(("gloo", (4, 5, 6, 7))) + 1)
