@@ -14,6 +14,9 @@ alignment: an unaligned view could change the output bits.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import logging
 import mmap
 import os
 from collections import deque
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 * 2**20
 ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
@@ -87,8 +92,11 @@ class PinnedBuffer:
         # memory release page-lock tens of GiB.
         self.data.fill_(0)
         self.pointer = self.data.data_ptr()
-        error = torch.cuda.cudart().cudaHostRegister(self.pointer, num_bytes, 0)
-        if int(error) != 0:
+        # Unregistered through the runtime that registered it: a buffer that outlives a stand-in cudart (a CPU test's)
+        # must not reach the real one with a pointer it never registered.
+        self.runtime = torch.cuda.cudart()
+        error = _cuda_call(self.runtime, "cudaHostRegister", self.pointer, num_bytes, 0)
+        if error:
             raise RuntimeError(f"cudaHostRegister of {num_bytes / 2**20:.0f} MiB of host memory failed (CUDA error "
                                f"{int(error)}); the host may be out of lockable memory (ulimit -l), or use "
                                "--performance-mode speed, which keeps the weights on the GPU.")
@@ -102,9 +110,47 @@ class PinnedBuffer:
             self.registered = False
             try:
                 with _on_device(self.device_index):
-                    torch.cuda.cudart().cudaHostUnregister(self.pointer)
+                    error = _cuda_call(self.runtime, "cudaHostUnregister", self.pointer)
+                if error:
+                    logger.warning("cudaHostUnregister of %.0f MiB at %#x failed (CUDA error %d); the error was "
+                                   "cleared and the memory is freed regardless", self.num_bytes / 2**20, self.pointer,
+                                   error)
             except Exception:  # noqa: BLE001 - at interpreter exit torch or the CUDA context may be gone; the
                 pass  # process's pages go with it, registered or not
+
+
+def _cuda_call(runtime, name: str, *args) -> int:
+    """`runtime.name(*args)` (`torch.cuda.cudart()`), returning its error code; a failure is also cleared from the
+    thread's last CUDA error.
+
+    The runtime keeps a failed call's error as the calling thread's last error until something reads it, and torch
+    reads it after its next kernel launch: a refused registration (whose caller falls back to pageable memory) or a
+    failed unregister would otherwise fail that unrelated kernel. Seen on an H200 in a run of the test suite: a
+    buffer a CPU test had registered with its stand-in was unregistered later with the real runtime (error 713), and
+    the next test's text encoder raised "pointer does not correspond to a registered memory region" from an
+    embedding lookup. (Buffers now also unregister through the runtime that registered them.)"""
+    error = int(getattr(runtime, name)(*args))
+    if error:
+        library = _cuda_runtime_library()
+        if library is not None:
+            library.cudaGetLastError()
+    return error
+
+
+@functools.cache
+def _cuda_runtime_library() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (cudaGetLastError is not among torch's cudart bindings), or None."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "/libcudart.so" in path:
+                    return ctypes.CDLL(path)  # already loaded: the same library and the same per-thread error state
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in ([f"libcudart.so.{major}"] if major else []) + ["libcudart.so"]:
+        with contextlib.suppress(OSError):
+            return ctypes.CDLL(name)
+    return None
 
 
 def _current_device() -> int | None:

@@ -208,7 +208,10 @@ def test_a_residency_copy_on_the_device_moves_whole_and_keeps_working():
     released = [linear.weight.data_ptr(), home.chunks[0].data_ptr()]
     assert released[0] != loaded[0] and released[1] != loaded[1] and home.attached_to_host()
     release.resume()
-    assert linear.weight.data_ptr() not in (loaded[0], released[0]) and home.attached_to_host()
+    # Back in a fresh chunk (the allocator may hand out a freed address again, so addresses prove nothing here): the
+    # weight is a view of the home's chunk.
+    assert linear.weight.untyped_storage().data_ptr() == home.chunks[0].untyped_storage().data_ptr()
+    assert home.attached_to_host()
     assert torch.equal(linear.weight, values[0]) and torch.equal(linear.bias, values[1])
     home.to_device(torch.device("cpu"))  # the streamer's own moves still work on the moved copy
     assert not home.attached_to_host() and torch.equal(linear.weight, values[0])
@@ -541,14 +544,22 @@ def test_cuda_release_frees_the_gpu_and_resume_is_bit_identical(tiny_distill_dir
     allocator's caches and cuBLAS's workspaces are freed. What may remain is a few small tensors a library keeps
     outside any module (listed in the report) and allocator rounding; the CUDA context is not torch's and is not
     counted by `memory_allocated`."""
+    import gc
+
+    # Measured from what the process already holds: in a full run, earlier tests can leave tensors on the GPU (and
+    # the segments they sit in), which no release of this worker could free.
+    gc.collect()
+    torch.cuda.empty_cache()
+    held_allocated, held_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     config = build_engine_config(str(tiny_distill_dir), device="cuda", attention_backend="sdpa",
                                  performance_mode=mode)
     worker = ModelWorker(config)
     before = worker.run(PARAMS, NO_FILE)
     [report] = worker.apply_memory_operation(ReleaseMemory())
     after = report["after"]
-    assert torch.cuda.memory_allocated() <= 4 * 2**20, after
-    assert after["allocated_bytes"] == torch.cuda.memory_allocated() and after["reserved_bytes"] <= 4 * 2**20, after
+    assert torch.cuda.memory_allocated() <= held_allocated + 4 * 2**20, after
+    assert after["allocated_bytes"] == torch.cuda.memory_allocated(), after
+    assert after["reserved_bytes"] <= held_reserved + 4 * 2**20, after
     assert report["pinned"] == (report["moved_bytes"] > 0)
     assert (report["moved_bytes"] > 0) == (mode == "speed")  # balanced keeps its weights on the host already
     worker.apply_memory_operation(ResumeMemory())

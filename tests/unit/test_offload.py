@@ -329,6 +329,50 @@ def test_a_refused_registration_says_what_to_do(monkeypatch):
         PinnedBuffer(3 * 2**20)
 
 
+def test_a_failed_registration_call_leaves_no_cuda_error_behind(monkeypatch, caplog):
+    """CUDA keeps a failed runtime call's error as the thread's last error, and torch raises it at its next kernel
+    launch: a refused registration (the caller then falls back to pageable memory) or a failed unregister would fail
+    an unrelated kernel (on an H200, a text encoder's embedding lookup). Both are read back, and the failed unregister
+    is logged. A buffer unregisters through the runtime that registered it, even after that runtime was replaced."""
+    import gc
+
+    from k6serve.offload import host_weights
+
+    class Failing:
+        register_error = 0
+
+        def cudaHostRegister(self, pointer, num_bytes, flags):
+            return self.register_error
+
+        @staticmethod
+        def cudaHostUnregister(pointer):
+            return 713  # cudaErrorHostMemoryNotRegistered
+
+    class Runtime:
+        reads = 0
+
+        def cudaGetLastError(self):
+            self.reads += 1
+            return 0
+
+    cudart, runtime = Failing(), Runtime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(host_weights, "_cuda_runtime_library", lambda: runtime)
+    buffer = host_weights.PinnedBuffer(4096)
+    assert buffer.registered and runtime.reads == 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: pytest.fail("unregistered through another runtime"))
+    with caplog.at_level("WARNING", logger=host_weights.__name__):
+        del buffer
+        gc.collect()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    assert runtime.reads == 1
+    assert "cudaHostUnregister of 0 MiB" in caplog.text and "CUDA error 713" in caplog.text
+    cudart.register_error = 2
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 0 MiB"):
+        host_weights.PinnedBuffer(4096)
+    assert runtime.reads == 2
+
+
 class _RecordingCudart:
     """Stands in for CUDA's registration calls: records each registration (address, size, thread) and
     unregistration, and refuses registrations of `refuse_bytes`."""
