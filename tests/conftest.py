@@ -121,3 +121,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub in offline mode for this test. It reads HF_HUB_OFFLINE once, at import, so once an earlier test
+    has imported it the variable alone does nothing and a hub lookup waits on the unreachable network (46 s for one
+    LoRA test in the full suite): the module's constant is set too."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

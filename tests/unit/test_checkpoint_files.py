@@ -16,8 +16,7 @@ from k6serve.models.checkpoint_files import (
 )
 
 
-def test_offline_hub_id_gives_one_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_offline_hub_id_gives_one_clear_error(monkeypatch, tmp_path, hub_offline):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(CheckpointError) as info:
         resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")

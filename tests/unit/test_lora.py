@@ -279,16 +279,14 @@ def test_folder_prefers_the_diffusers_file_name(tmp_path):
     assert resolve_adapter_file(str(tmp_path)) == preferred
 
 
-def test_a_missing_path_says_what_was_tried(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_a_missing_path_says_what_was_tried(hub_offline):
     with pytest.raises(ValueError, match="not a local file or folder.*hub.*someone/no-such-lora"):
         resolve_adapter_file("someone/no-such-lora")
 
 
-def test_a_missing_local_file_is_not_worded_as_a_hub_id(tmp_path, monkeypatch):
+def test_a_missing_local_file_is_not_worded_as_a_hub_id(tmp_path, hub_offline):
     # huggingface_hub's HFValidationError is a ValueError: it used to pass through with "Repo id must be in the
     # form 'repo_name' or 'namespace/repo_name'", a message about hub ids for a file path that had a typo.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     missing = str(tmp_path / "adapters" / "style.safetensors")
     with pytest.raises(ValueError) as raised:
         resolve_adapter_file(missing)
