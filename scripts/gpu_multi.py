@@ -377,6 +377,10 @@ def rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         # The same GEMM reduction rules for the baseline and the parallel run.
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    else:
+        from k6serve.runtime.launch import share_cpu_cores
+
+        share_cpu_cores(WORLD_SIZE)  # both ranks compute at once: a thread per core each would spin against the other
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=WORLD_SIZE, timeout=timedelta(minutes=30))

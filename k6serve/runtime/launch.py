@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
+import os
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -38,6 +39,7 @@ class RankSpec:
     device_type: str  # "cuda" | "cpu"
     timeout_s: float
     from_torchrun: bool = False  # the launcher set the environment: rendezvous with init_method env://
+    ranks_on_host: int = 1  # the ranks sharing this host's CPU cores
 
     @property
     def backend(self) -> str:
@@ -89,6 +91,7 @@ def torchrun_rank(
         rank=int(environ["RANK"]), world_size=world_size, local_rank=int(environ["LOCAL_RANK"]),
         master_addr=environ["MASTER_ADDR"], master_port=int(environ["MASTER_PORT"]),
         device_type=device_type, timeout_s=timeout_s, from_torchrun=True,
+        ranks_on_host=int(environ.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 
@@ -118,6 +121,7 @@ def local_rank_specs(parallel: ParallelConfig, device_type: str) -> list[RankSpe
         RankSpec(
             rank=first + local, world_size=parallel.num_gpus, local_rank=local, master_addr=master_addr,
             master_port=master_port, device_type=device_type, timeout_s=parallel.dist_timeout_s,
+            ranks_on_host=per_node,
         )
         for local in range(per_node)
     ]
@@ -130,6 +134,7 @@ def init_distributed(spec: RankSpec) -> torch.device:
         device = torch.device("cuda", spec.local_rank)
     else:
         device = torch.device("cpu")
+        share_cpu_cores(spec.ranks_on_host)
     init_method = "env://" if spec.from_torchrun else f"tcp://{spec.master_addr}:{spec.master_port}"
     # No bound device (`device_id`), on any number of ranks: a bound device makes NCCL create every group's
     # communicator at once, and each holds device memory that no release can free (a one-GPU worker held 3.5 GB after
@@ -142,6 +147,20 @@ def init_distributed(spec: RankSpec) -> torch.device:
         timeout=timedelta(seconds=spec.timeout_s),
     )
     return device
+
+
+def share_cpu_cores(ranks_on_host: int) -> int:
+    """CPU ranks split the host's cores instead of each starting one intra-op thread per core; returns the count.
+
+    Every rank computes at the same time, so with a thread per core each the OpenMP workers spin against each other:
+    on a 2-core machine a two-rank CPU run's wall time varied 2.5x from run to run, and its CPU time doubled. torchrun
+    sets OMP_NUM_THREADS=1 for the same reason; an OMP_NUM_THREADS the user set wins here too."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, ranks_on_host))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def start_process(target: Callable[..., None], args: tuple, *, name: str) -> BaseProcess:

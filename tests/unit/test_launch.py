@@ -124,6 +124,28 @@ def test_nccl_never_binds_the_device(monkeypatch, world_size):
     assert joined.get("device_id") is None
 
 
+def test_cpu_ranks_split_the_hosts_cores(monkeypatch):
+    """Ranks computing at once with a thread per core each spin against each other (a two-rank CPU run varied 2.5x in
+    wall time): CPU ranks take cores / ranks-on-host threads, unless OMP_NUM_THREADS says otherwise."""
+    from k6serve.runtime import launch
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    specs = local_rank_specs(ParallelConfig(num_gpus=4, ulysses_degree=2, dp_size=2), "cpu")
+    assert [spec.ranks_on_host for spec in specs] == [4] * 4
+    assert launch.init_distributed(specs[1]) == torch.device("cpu") and threads == [2]
+    assert launch.share_cpu_cores(3) == 2 and launch.share_cpu_cores(16) == 1 and threads == [2, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    launch.share_cpu_cores(4)
+    assert threads == [2, 2, 1]  # the user's setting stands
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+               "MASTER_PORT": "1"}
+    assert torchrun_rank(environ, world_size=2, device_type="cpu", timeout_s=5).ranks_on_host == 2
+
+
 def test_multi_node_rank_specs():
     parallel = ParallelConfig(num_gpus=4, ulysses_degree=4, nnodes=2, node_rank=1, dist_init_addr="node0:29600")
     specs = local_rank_specs(parallel, "cpu")
