@@ -16,11 +16,12 @@ import torch
 # Named in the report, so a caller sees what cannot be freed without ending the process. Measured on an H200 (torch
 # 2.11, CUDA 13; scripts/gpu_context.py, docs/benchmarks.md thirteenth session): the context 518 MiB, cuBLAS's
 # handle 158 MiB and cuDNN's 8 MiB, with or without compiled kernels, so a released one-GPU worker keeps about
-# 0.6 GB; each NCCL communicator added about 650 MiB (one rank), and the multi-GPU layouts create one per group.
+# 0.6 GB; each NCCL communicator added about 650 MiB (one rank). Communicators exist only for groups that ran a
+# collective (ranks join unbound, `launch.py`; axes naming the same ranks share a group, `parallel/mesh.py`).
 OUTSIDE_ALLOCATOR = ("the CUDA context (driver state and the loaded kernel images of torch, cuBLAS, cuDNN and the "
                      "compiled kernels; about 0.6-0.7 GB per process on an H200 with torch 2.11 and CUDA 13)")
-NCCL_BUFFERS = ("NCCL's communicators, created with the multi-GPU process groups (their buffers and channels; about "
-                "650 MiB for a one-rank communicator on an H200)")
+NCCL_BUFFERS = ("NCCL's communicators, one for each process group that has run a collective (their buffers and "
+                "channels; about 650 MiB for a one-rank communicator on an H200)")
 NUM_LISTED_TENSORS = 5
 
 
