@@ -155,10 +155,10 @@ def share_cpu_cores(ranks_on_host: int) -> int:
     Every rank computes at the same time, so with a thread per core each the OpenMP workers spin against each other:
     on a 2-core machine a two-rank CPU run's wall time varied 2.5x from run to run, and its CPU time doubled. torchrun
     sets OMP_NUM_THREADS=1 for the same reason; an OMP_NUM_THREADS the user set wins here too."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS") or ranks_on_host <= 1:
+        return torch.get_num_threads()  # one rank keeps torch's own choice (physical cores), so its numbers too
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, ranks_on_host))
+    threads = max(1, min(torch.get_num_threads(), cores // ranks_on_host))
     torch.set_num_threads(threads)
     return threads
 

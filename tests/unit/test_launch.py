@@ -131,6 +131,7 @@ def test_cpu_ranks_split_the_hosts_cores(monkeypatch):
 
     threads = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's choice: the physical cores of 8 logical ones
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: None)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -138,9 +139,11 @@ def test_cpu_ranks_split_the_hosts_cores(monkeypatch):
     assert [spec.ranks_on_host for spec in specs] == [4] * 4
     assert launch.init_distributed(specs[1]) == torch.device("cpu") and threads == [2]
     assert launch.share_cpu_cores(3) == 2 and launch.share_cpu_cores(16) == 1 and threads == [2, 2, 1]
+    assert launch.share_cpu_cores(2) == 4 and threads[-1] == 4  # never more than torch would start
+    assert launch.share_cpu_cores(1) == 4 and len(threads) == 4  # one rank keeps torch's choice
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     launch.share_cpu_cores(4)
-    assert threads == [2, 2, 1]  # the user's setting stands
+    assert len(threads) == 4  # the user's setting stands
     environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
                "MASTER_PORT": "1"}
     assert torchrun_rank(environ, world_size=2, device_type="cpu", timeout_s=5).ranks_on_host == 2
