@@ -89,27 +89,38 @@ def _single_file_in(folder: Path) -> Path:
 
 def _download(repo_id: str) -> Path:
     """Fetch the adapter file of hub repo `repo_id`: `PREFERRED_FILE`, else the repo's only .safetensors."""
-    from huggingface_hub import hf_hub_download, list_repo_files
-    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+    from huggingface_hub import hf_hub_download, list_repo_files, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
+        # snapshot_download first: where the hub cannot be reached it fails at once (or serves a cached copy of the
+        # repo), where hf_hub_download and the repo listing each retry the connection with back-off (49 s on a host
+        # without network before the same error).
         try:
-            return Path(hf_hub_download(repo_id, PREFERRED_FILE))
-        except EntryNotFoundError:
-            files = [name for name in list_repo_files(repo_id) if name.endswith(".safetensors")]
-            if len(files) != 1:
-                raise ValueError(f"LoRA hub repo {repo_id!r} has no {PREFERRED_FILE} and {len(files)} other "
-                                 f".safetensors files ({', '.join(files[:_SHOWN])}); exactly one is needed") from None
-            return Path(hf_hub_download(repo_id, files[0]))
+            folder = Path(snapshot_download(repo_id, allow_patterns=[PREFERRED_FILE]))
+        except LocalEntryNotFoundError:
+            raise ValueError(
+                f"LoRA path {repo_id!r} is not a local file or folder, and the Hugging Face hub is unreachable (or "
+                f"HF_HUB_OFFLINE is set) with no copy of {repo_id} in the local cache; check the path, or run "
+                f"`hf download {repo_id}` where the hub is reachable and pass the downloaded folder"
+            ) from None
+        if (folder / PREFERRED_FILE).is_file():
+            return folder / PREFERRED_FILE
+        if any(folder.glob("*.safetensors")):  # an earlier download of this repo, e.g. served from the cache offline
+            return _single_file_in(folder)
+        files = [name for name in list_repo_files(repo_id) if name.endswith(".safetensors")]
+        if len(files) != 1:
+            raise ValueError(f"LoRA hub repo {repo_id!r} has no {PREFERRED_FILE} and {len(files)} other "
+                             f".safetensors files ({', '.join(files[:_SHOWN])}); exactly one is needed")
+        return Path(hf_hub_download(repo_id, files[0]))
     except HFValidationError:  # a ValueError subclass: it must come before `except ValueError`
         raise ValueError(f"LoRA path {repo_id!r} is neither an existing file or folder nor a valid hub id") from None
     except ValueError:
         raise
-    except Exception as exc:  # noqa: BLE001 - offline, not found, gated, network: all end the same way for the user
+    except Exception as exc:  # noqa: BLE001 - not found, gated, network: all end the same way for the user
         raise ValueError(f"LoRA path {repo_id!r} is not a local file or folder, and fetching it from the Hugging Face "
-                         f"hub as {repo_id}/{PREFERRED_FILE} failed ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}); check the path, or the network / "
-                         "HF_HUB_OFFLINE / HF_TOKEN for a hub id") from None
+                         f"hub failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check "
+                         "the path, or the network / HF_HUB_OFFLINE / HF_TOKEN for a hub id") from None
 
 
 def resolve_adapter_file(path: str) -> Path:

@@ -141,7 +141,7 @@ def test_an_adapter_file_that_cannot_be_found_names_lora_path(client, lora_serve
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     unreachable = client.post("/v1/set_lora", json={"lora_nickname": "real", "lora_path": "someone/an-adapter"})
     assert "fetching it from the Hugging Face hub" in _error(unreachable, 400, param="lora_path", code="invalid_lora")
     empty_folder = client.post("/v1/set_lora", json={"lora_nickname": "real", "lora_path": str(tmp_path)})

@@ -284,6 +284,39 @@ def test_a_missing_path_says_what_was_tried(hub_offline):
         resolve_adapter_file("someone/no-such-lora")
 
 
+def test_a_hub_adapter_is_the_preferred_file_else_the_only_one(tmp_path, monkeypatch):
+    """A hub id takes the repo's pytorch_lora_weights.safetensors, else its only .safetensors (a cached copy of the
+    repo serves as it is), else an error that lists the files; an unreachable hub with nothing cached fails at once
+    with what to do (the listing's retries took 49 s on a host without network)."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    snapshot, fetched = tmp_path / "snapshot", []
+    snapshot.mkdir()
+    listing = ["README.md", "a.safetensors"]
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(snapshot))
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id: listing)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo_id, name: fetched.append(name) or str(tmp_path / name))
+    assert resolve_adapter_file("someone/lora") == tmp_path / "a.safetensors" and fetched == ["a.safetensors"]
+    listing.append("b.safetensors")
+    with pytest.raises(ValueError, match=r"has no pytorch_lora_weights.safetensors and 2 other .safetensors files "
+                                         r"\(a.safetensors, b.safetensors\); exactly one is needed"):
+        resolve_adapter_file("someone/lora")
+    (snapshot / "cached.safetensors").touch()
+    assert resolve_adapter_file("someone/lora") == snapshot / "cached.safetensors"
+    (snapshot / PREFERRED_FILE).touch()
+    assert resolve_adapter_file("someone/lora") == snapshot / PREFERRED_FILE
+
+    def unreachable(repo_id, allow_patterns):
+        raise LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(ValueError, match=r"hub is unreachable \(or HF_HUB_OFFLINE is set\) with no copy of "
+                                         r"someone/lora in the local cache.*`hf download someone/lora`"):
+        resolve_adapter_file("someone/lora")
+
+
 def test_a_missing_local_file_is_not_worded_as_a_hub_id(tmp_path, hub_offline):
     # huggingface_hub's HFValidationError is a ValueError: it used to pass through with "Repo id must be in the
     # form 'repo_name' or 'namespace/repo_name'", a message about hub ids for a file path that had a typo.
