@@ -98,11 +98,12 @@ def _download(repo_id: str) -> Path:
         # without network before the same error).
         try:
             folder = Path(snapshot_download(repo_id, allow_patterns=[PREFERRED_FILE]))
-        except LocalEntryNotFoundError:
+        except LocalEntryNotFoundError as exc:  # also a hub that answered with a server error, so its words go too
+            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ValueError(
                 f"LoRA path {repo_id!r} is not a local file or folder, and the Hugging Face hub is unreachable (or "
-                f"HF_HUB_OFFLINE is set) with no copy of {repo_id} in the local cache; check the path, or run "
-                f"`hf download {repo_id}` where the hub is reachable and pass the downloaded folder"
+                f"HF_HUB_OFFLINE is set) with no copy of {repo_id} in the local cache ({cause}); check the path, or "
+                f"run `hf download {repo_id}` where the hub is reachable and pass the downloaded folder"
             ) from None
         if (folder / PREFERRED_FILE).is_file():
             return folder / PREFERRED_FILE

@@ -139,17 +139,17 @@ def _cuda_call(runtime, name: str, *args) -> int:
 
 @functools.cache
 def _cuda_runtime_library() -> ctypes.CDLL | None:
-    """The CUDA runtime torch loaded (cudaGetLastError is not among torch's cudart bindings), or None."""
+    """The CUDA runtime torch loaded (cudaGetLastError is not among torch's cudart bindings), or None.
+
+    Only a library already mapped into the process: another copy loaded by name would keep its own per-thread error,
+    so reading it would clear nothing (a torch built with the static runtime has none to find)."""
     with contextlib.suppress(OSError):
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1]
                 if "/libcudart.so" in path:
                     return ctypes.CDLL(path)  # already loaded: the same library and the same per-thread error state
-    major = (torch.version.cuda or "").split(".")[0]
-    for name in ([f"libcudart.so.{major}"] if major else []) + ["libcudart.so"]:
-        with contextlib.suppress(OSError):
-            return ctypes.CDLL(name)
+    logger.debug("no shared CUDA runtime is loaded: a failed page-locking call's error cannot be cleared")
     return None
 
 

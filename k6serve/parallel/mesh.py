@@ -257,29 +257,35 @@ def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: 
     # (Ulysses2 on two GPUs: the ulysses, sequence and replica groups are all ranks 0 and 1). Sharing one object is
     # safe because every rank issues its collectives in the same program order, whichever axis they belong to. torch
     # numbers a group's ranks in sorted order, so ranks given in another order make the same group. A group of
-    # every rank on the default group's backend is the default group itself.
+    # every rank on the default group's backend is the default group itself. One exception: FSDP's replica group.
+    # A communicator runs its collectives one after another, and FSDP's prefetching all-gathers are meant to run
+    # beside the sequence-parallel exchanges, so that group keeps its own communicator.
     made: dict[tuple[str, tuple[int, ...]], object] = {}
-    default_backend = dist.get_backend()
+    default_backend, world_size = dist.get_backend(), dist.get_world_size()
 
-    def create(groups: list[list[int]], group_backend: str):
+    def create(groups: list[list[int]], group_backend: str, *, shared: bool = True):
         mine = None
         for ranks in groups:
             key = (group_backend, tuple(sorted(ranks)))
-            if key not in made:
-                whole_world = len(ranks) == layout.world_size and group_backend == default_backend
-                made[key] = (
+            if not shared:
+                group = dist.new_group(ranks, timeout=timeout, backend=group_backend)
+            elif key in made:
+                group = made[key]
+            else:
+                whole_world = len(ranks) == world_size and group_backend == default_backend
+                group = made[key] = (
                     _default_group() if whole_world
                     else dist.new_group(ranks, timeout=timeout, backend=group_backend)
                 )
             if rank in ranks:
-                mine = made[key]
+                mine = group
         assert mine is not None
         return mine
 
     replicas = [layout.replica_ranks(r) for r in range(layout.dp)]
     axis = {name: create(layout.axis_groups(name), backend) for name in REPLICA_AXES}
     sequence = create(layout.sequence_groups(), backend)
-    replica_group = create(replicas, backend)
+    replica_group = create(replicas, backend, shared=not layout.fsdp)
     control = replica_group if backend == "gloo" else create(replicas, "gloo")
     replica = layout.replica_of(rank)
     return ParallelGroups(

@@ -17,7 +17,11 @@ from k6serve.models.checkpoint_files import (
 
 
 def test_offline_hub_id_gives_one_clear_error(monkeypatch, tmp_path, hub_offline):
+    from huggingface_hub import constants
+
+    # An empty cache: huggingface_hub reads HF_HOME at import, so the variable alone would leave a real cache in use.
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     with pytest.raises(CheckpointError) as info:
         resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")
     message = str(info.value)

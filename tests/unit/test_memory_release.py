@@ -207,11 +207,13 @@ def test_a_residency_copy_on_the_device_moves_whole_and_keeps_working():
     assert report["moved_bytes_by_owner"] == {memory.RESIDENT_BLOCKS: home.num_bytes}
     released = [linear.weight.data_ptr(), home.chunks[0].data_ptr()]
     assert released[0] != loaded[0] and released[1] != loaded[1] and home.attached_to_host()
+    released_chunk = home.chunks[0]  # held, so its address cannot be handed out again (the loaded one can be)
     release.resume()
-    # Back in a fresh chunk (the allocator may hand out a freed address again, so addresses prove nothing here): the
-    # weight is a view of the home's chunk.
+    # Back in a fresh chunk, and the weight is a view of it.
+    assert home.chunks[0].data_ptr() != released_chunk.data_ptr()
     assert linear.weight.untyped_storage().data_ptr() == home.chunks[0].untyped_storage().data_ptr()
     assert home.attached_to_host()
+    del released_chunk
     assert torch.equal(linear.weight, values[0]) and torch.equal(linear.bias, values[1])
     home.to_device(torch.device("cpu"))  # the streamer's own moves still work on the moved copy
     assert not home.attached_to_host() and torch.equal(linear.weight, values[0])

@@ -82,7 +82,7 @@ def test_suggested_alternatives_are_valid():
     check(PRO, False, ulysses=2)
 
 
-def _record_new_groups(monkeypatch):
+def _record_new_groups(monkeypatch, world_size):
     """Stand in for torch.distributed's group calls: each new_group returns a fresh tagged object."""
     import torch.distributed as dist
 
@@ -94,6 +94,7 @@ def _record_new_groups(monkeypatch):
 
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
     monkeypatch.setattr("k6serve.parallel.mesh._default_group", lambda: "default group")
     return calls
 
@@ -104,7 +105,7 @@ def test_axes_naming_the_same_ranks_share_one_group(monkeypatch):
     the default group, and the size-1 cfg / tp / ring groups are one group per rank."""
     from k6serve.parallel.mesh import build_groups
 
-    calls = _record_new_groups(monkeypatch)
+    calls = _record_new_groups(monkeypatch, 2)
     groups = build_groups(ParallelLayout(ulysses=2), 1, backend="nccl", timeout_s=5)
     # every rank still calls new_group for the same rank sets in the same order (torch requires it)
     assert calls == [("nccl", (0,)), ("nccl", (1,)), ("gloo", (0, 1))]
@@ -116,7 +117,7 @@ def test_axes_naming_the_same_ranks_share_one_group(monkeypatch):
 def test_distinct_rank_sets_keep_distinct_groups(monkeypatch):
     from k6serve.parallel.mesh import build_groups
 
-    calls = _record_new_groups(monkeypatch)
+    calls = _record_new_groups(monkeypatch, 8)
     layout = ParallelLayout(dp=2, cfg=2, ulysses=2)  # 8 ranks, replicas of 4
     groups = build_groups(layout, 5, backend="nccl", timeout_s=5)
     nccl_sets = [ranks for backend, ranks in calls if backend == "nccl"]
@@ -128,3 +129,15 @@ def test_distinct_rank_sets_keep_distinct_groups(monkeypatch):
     assert groups.axis["tp"] is groups.axis["ring"] == ("group", calls.index(("nccl", (5,))) + 1)
     assert groups.replica_group == ("group", calls.index(("nccl", (4, 5, 6, 7))) + 1)
     assert groups.control == ("group", calls.index(("gloo", (4, 5, 6, 7))) + 1)
+
+
+def test_fsdp_keeps_its_own_replica_group(monkeypatch):
+    """A communicator runs its collectives in turn: FSDP's prefetching all-gathers over the replica must not queue
+    behind the Ulysses exchanges on the same ranks, so under FSDP the replica group is a group of its own."""
+    from k6serve.parallel.mesh import build_groups
+
+    calls = _record_new_groups(monkeypatch, 2)
+    groups = build_groups(ParallelLayout(ulysses=2, fsdp=True), 0, backend="nccl", timeout_s=5)
+    assert groups.axis["ulysses"] is groups.sequence == "default group"
+    assert groups.replica_group == ("group", calls.index(("nccl", (0, 1))) + 1)
+    assert [ranks for backend, ranks in calls if backend == "nccl"] == [(0,), (1,), (0, 1)]
