@@ -6,6 +6,7 @@ of which 2.9 GB were NCCL communicators a one-GPU worker never used; 0.6 GB sinc
     python scripts/gpu_context.py --mode nccl-lazy --out $OUT    # ... without a bound device (launch.py since 13th)
     python scripts/gpu_context.py --mode engine --out $OUT       # DiffGenerator (worker process): load, release
     python scripts/gpu_context.py --mode engine --option num_gpus=2 --option ulysses_degree=2   # per rank, 2 GPUs
+    ... --request num_inference_steps=1 --request num_frames=25   # one request first: communicators exist then
 
 `steps` (the default): one process takes the steps a worker takes, one at a time, and after each frees torch's caches the way a release
 does (`runtime/device_memory.free_allocator_caches`) and records this process's device memory per NVML next to
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -81,6 +83,21 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def gpu_processes() -> list[dict] | None:
+    """Every process on every GPU per nvidia-smi (pid, GPU, MiB), or None without it: a rank's process on a GPU other
+    than its own is a CUDA context made on the wrong device."""
+    try:
+        completed = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if completed.returncode:
+        return None
+    rows = [line.split(", ") for line in completed.stdout.strip().splitlines() if line.strip()]
+    return [{"pid": int(pid), "gpu_bus_id": bus, "used_mib": int(used)} for pid, bus, used in rows]
+
+
 def engine(report: dict, args: argparse.Namespace) -> None:
     from k6serve.api import DiffGenerator
 
@@ -88,6 +105,14 @@ def engine(report: dict, args: argparse.Namespace) -> None:
     report["options"] = options
     generator = DiffGenerator.from_pretrained(args.model, **options)
     try:
+        if args.request:
+            # A request first: NCCL creates a group's communicator at its first collective, so only after one does
+            # the release reply show what the communicators of the layout hold.
+            request = {"prompt": "a red fox runs through snow", "save_output": False, **dict(args.request)}
+            report["request"] = request
+            started = time.perf_counter()
+            generator.generate(**request)
+            report["request_s"] = round(time.perf_counter() - started, 3)
         reply = generator.release_memory()
         report["after_release"] = [
             {"replica": rank.get("replica"), "rank": rank.get("rank"),
@@ -96,7 +121,10 @@ def engine(report: dict, args: argparse.Namespace) -> None:
             for rank in reply["ranks"]]
         for rank in report["after_release"]:
             print(rank, flush=True)
+        report["gpu_processes_after_release"] = gpu_processes()
         generator.resume_memory()
+        report["gpu_processes_after_resume"] = gpu_processes()
+        print({key: report[key] for key in ("gpu_processes_after_release", "gpu_processes_after_resume")}, flush=True)
     finally:
         generator.shutdown()
 
@@ -109,6 +137,9 @@ def main() -> None:
     parser.add_argument("--performance-mode", default="speed")
     parser.add_argument("--option", type=_option, action="append", default=[],
                         help="engine mode: a DiffGenerator option KEY=VALUE (repeat), e.g. num_gpus=2 ulysses_degree=2")
+    parser.add_argument("--request", type=_option, action="append", default=[],
+                        help="engine mode: run one request with these generate() keywords before the release "
+                             "(repeat), e.g. num_inference_steps=1 num_frames=25; the communicators exist only after")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     rows: list[dict] = []
