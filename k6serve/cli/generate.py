@@ -149,8 +149,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
         except MissingSourceVideo:
             # The model was recognised only once loaded (a hub id not among the released ones): the API's message
             # names its keyword, this one the flag.
-            raise ValueError("super-resolution needs one source video: pass --video-path /path/to/input.mp4."
-                             ) from None
+            raise ValueError(MissingSourceVideo.FLAG_WORDING) from None
         except MissingPrompt:
             raise ValueError(MissingPrompt.FLAG_WORDING) from None
     finally:

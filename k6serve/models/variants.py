@@ -241,6 +241,9 @@ class MissingSourceVideo(ValueError):
     """A super-resolution request without a source video; worded for the CLI like `MissingPrompt`, and reworded by
     the Python API (the `video_path=` keyword)."""
 
+    FLAG_WORDING = ("Super-resolution needs exactly one source video: pass --video-path /path/to/input.mp4 "
+                    "(over HTTP: upload video_reference or give a server-side video_path).")
+
 
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
                      cache_dit_unavailable: str | None = None) -> tuple[GenerateRequest, list[str]]:
@@ -389,10 +392,7 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         )
     notes: list[str] = []
     if not params.video_path:
-        raise MissingSourceVideo(
-            "Super-resolution needs exactly one source video: pass --video-path /path/to/input.mp4 "
-            "(over HTTP: upload video_reference or give a server-side video_path)."
-        )
+        raise MissingSourceVideo(MissingSourceVideo.FLAG_WORDING)
     if params.image_path is not None:
         raise ValueError("image_path is not used by the super-resolution model; pass video_path only.")
     if params.prompt:

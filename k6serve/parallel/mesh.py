@@ -217,6 +217,7 @@ class ParallelGroups:
     sequence: object  # ring x ulysses, ranks ordered by sequence index
     replica_group: object  # every rank of the replica, model backend (FSDP shards over it)
     control: object  # every rank of the replica, gloo
+    world_control: object  # every rank of every replica, gloo (the start-up broadcast of the engine's address)
     replica_ranks: tuple[int, ...]
 
     def axis_rank(self, axis: str) -> int:
@@ -271,7 +272,7 @@ def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: 
                 group = dist.new_group(ranks, timeout=timeout, backend=group_backend)
             elif key in made:
                 group = made[key]
-            else:
+            else:  # the first group of these ranks
                 whole_world = len(ranks) == world_size and group_backend == default_backend
                 group = made[key] = (
                     _default_group() if whole_world
@@ -287,8 +288,10 @@ def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: 
     sequence = create(layout.sequence_groups(), backend)
     replica_group = create(replicas, backend, shared=not layout.fsdp)
     control = replica_group if backend == "gloo" else create(replicas, "gloo")
+    # The replica's gloo group when there is one replica, the default group when that is gloo.
+    world_control = create([list(range(world_size))], "gloo")
     replica = layout.replica_of(rank)
     return ParallelGroups(
         layout=layout, rank=rank, replica=replica, axis=axis, sequence=sequence, replica_group=replica_group,
-        control=control, replica_ranks=tuple(replicas[replica]),
+        control=control, world_control=world_control, replica_ranks=tuple(replicas[replica]),
     )

@@ -26,7 +26,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener, wait
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -325,17 +324,10 @@ def rank_main(
         groups = build_groups(layout, spec.rank, backend=spec.backend, timeout_s=spec.timeout_s)
         # Only rank 0 was told where the engine listens (other hosts' launchers do not know it). One rank has it
         # already. The broadcast goes over gloo: on the default NCCL group it would create a communicator
-        # (`init_distributed`) that, with dp replicas, no model collective would ever use again. With one replica
-        # the replica's gloo group is the world already.
+        # (`init_distributed`) that, with dp replicas, no model collective would ever use again.
         if spec.world_size > 1:
             box = [(engine_address, authkey)]
-            if spec.backend == "gloo":
-                world_control = None
-            elif layout.dp == 1:
-                world_control = groups.control
-            else:
-                world_control = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s))
-            dist.broadcast_object_list(box, src=0, group=world_control)
+            dist.broadcast_object_list(box, src=0, group=groups.world_control)
             engine_address, authkey = box[0]
         context = RankContext(spec=spec, device=device, groups=groups)
         worker, failure = None, None

@@ -604,7 +604,7 @@ def test_cli_sr_without_a_source_names_the_flag_when_the_model_is_known_only_onc
                                                            worker=FakeSRWorker()))))
     assert main(["generate", "--model-path", str(tiny_sr_dir), "--output-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "error: super-resolution needs one source video: pass --video-path /path/to/input.mp4." in err
+    assert "error: Super-resolution needs exactly one source video: pass --video-path /path/to/input.mp4" in err
     assert "video_path=" not in err
 
 

@@ -112,6 +112,7 @@ def test_axes_naming_the_same_ranks_share_one_group(monkeypatch):
     assert groups.axis["ulysses"] is groups.sequence is groups.replica_group == "default group"
     assert groups.axis["cfg"] is groups.axis["tp"] is groups.axis["ring"] == ("group", 2)
     assert groups.control == ("group", 3)
+    assert groups.world_control is groups.control  # one replica: its gloo group is the world's
 
 
 def test_distinct_rank_sets_keep_distinct_groups(monkeypatch):
@@ -129,6 +130,7 @@ def test_distinct_rank_sets_keep_distinct_groups(monkeypatch):
     assert groups.axis["tp"] is groups.axis["ring"] == ("group", calls.index(("nccl", (5,))) + 1)
     assert groups.replica_group == ("group", calls.index(("nccl", (4, 5, 6, 7))) + 1)
     assert groups.control == ("group", calls.index(("gloo", (4, 5, 6, 7))) + 1)
+    assert groups.world_control == ("group", calls.index(("gloo", tuple(range(8)))) + 1)
 
 
 def test_fsdp_keeps_its_own_replica_group(monkeypatch):
