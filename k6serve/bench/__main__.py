@@ -59,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs before the timed ones.")
     parser.add_argument("--json", help="Write the rows and the environment to this JSON file.")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cuda", "cpu"),
+        help="auto: CUDA when visible, except with --tiny, which runs on the CPU unless --device cuda.",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=tuple(_DTYPES))
     parser.add_argument(
         "--tiny", action="store_true", help="CPU smoke mode: toy sizes for every stage."
@@ -164,9 +169,11 @@ def _json_object(text: str | None, flag: str) -> dict | None:
     return value
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str, *, tiny: bool = False) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # --tiny is the CPU smoke mode (CI): on a GPU host it still checks the CPU path, whose rows the tests know;
+        # `--tiny --device cuda` runs the toy sizes on the GPU.
+        return torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             "--device cuda was requested but no CUDA GPU is visible; use --device cpu."
@@ -183,7 +190,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     """One zero-argument runner per stage, with every option resolved from `args`."""
     from k6serve.models.kandinsky6.checkpoint import released_transformer_config
 
-    device = _device(args.device)
+    device = _device(args.device, tiny=args.tiny)
     dtype = _DTYPES[args.dtype]
     height = args.height or (TINY_HEIGHT if args.tiny else 512)
     width = args.width or (TINY_WIDTH if args.tiny else 768)
@@ -288,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `k6serve bench -- ARGS` forwards the separator too.
     args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     try:
-        _device(args.device)
+        _device(args.device, tiny=args.tiny)
     except ValueError as error:
         parser.error(str(error))
     rows = run_stages(args, log=lambda text: print(text, flush=True))

@@ -317,7 +317,7 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
         "ours fa_fp8 fused+compiled+norm_rope",
     ]
     assert "'fa_fp8' (FlashAttention-3) cannot run here: it needs a CUDA GPU" in payload["rows"][-1]["error"]
-    assert payload["device_status"]["cuda_available"] is False
+    assert payload["device_status"]["cuda_available"] is torch.cuda.is_available()  # the host's, recorded
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()
 
 
@@ -484,3 +484,13 @@ def test_sr_vae_tile_decode_flops_counts_the_real_decode(tiny_sr_configs, build_
     # (154.9 TFLOP) and full-resolution 1x1x1 `linear`s become 4 taps per output pixel on the low-resolution grid.
     subpixel = sr_vae_tile_decode_flops(released_sr_configs(variant), 31, 32, 48, subpixel_upsample=True) / 1e12
     assert subpixel == pytest.approx(735.5, abs=0.05)
+
+
+def test_tiny_runs_on_the_cpu_unless_cuda_is_named(monkeypatch):
+    # --tiny is the CPU smoke mode: on a GPU host `auto` still picks the CPU, whose rows the tests above know.
+    from k6serve.bench.__main__ import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _device("auto", tiny=True) == torch.device("cpu")
+    assert _device("auto") == torch.device("cuda")
+    assert _device("cuda", tiny=True) == torch.device("cuda")

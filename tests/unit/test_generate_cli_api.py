@@ -136,7 +136,8 @@ def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_
     assert code == 0
     out = capsys.readouterr().out
     assert "denoise per step" in out and "peak memory" in out
-    assert re.search(r"^graphs compiled +0$", out, re.MULTILINE)  # a count, not printed as seconds
+    # A count, not printed as seconds (0 on the CPU; on a GPU host this run compiles its blocks).
+    assert re.search(r"^graphs compiled +\d+$", out, re.MULTILINE)
     info = probe(tmp_path / "out" / "clip.mp4")
     assert (info.height, info.width, info.num_frames) == (HEIGHT, WIDTH, 9)  # the CLI's --height won
     assert info.has_audio

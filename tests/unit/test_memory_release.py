@@ -91,7 +91,10 @@ def test_release_repoints_every_tensor_and_resume_gives_the_same_output(tiny_dis
     [report] = worker.apply_memory_operation(ResumeMemory())
     assert report["status"] == "resumed" and not report["memory_released"] and report["host_bytes"] == 0
     resumed = _pointers(groups)
-    assert all(resumed[key] not in (released[key], loaded[key]) for key in loaded)
+    # Back in device storage. Not compared with `loaded`: the allocator may hand the freed block out again (malloc
+    # did on the H200's host, where this test failed with that comparison).
+    assert all(resumed[key] != released[key] for key in loaded)
+    assert all(t.device.type == torch.device(worker.device).type for tensors in groups.values() for t in tensors)
     assert all(torch.equal(t, values[id(t)]) for tensors in groups.values() for t in tensors)
     assert worker.apply_memory_operation(ResumeMemory())[0]["status"] == "not_released"
     assert _same_output(worker.run(PARAMS, NO_FILE), before)
