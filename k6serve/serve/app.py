@@ -47,14 +47,15 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # RFC 6750 / 9110: the auth scheme's name is case-insensitive ("bearer" is "Bearer").
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         from fastapi.responses import JSONResponse

@@ -123,8 +123,8 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
             if isinstance(raw[name], str):
                 try:
                     raw = {**raw, name: json.loads(raw[name])}
-                except json.JSONDecodeError:
-                    raise ApiError(400, f"{name} must be a JSON object, got {raw[name]!r}.",
+                except (json.JSONDecodeError, RecursionError):
+                    raise ApiError(400, f"{name} must be a JSON object, got {raw[name][:200]!r}.",
                                    code="invalid_parameter", param=name) from None
     return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error,
                            bool_fields=frozenset(_BOOL_FIELDS), form=form)

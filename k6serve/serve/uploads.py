@@ -124,6 +124,10 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
         return json.loads(body, object_pairs_hook=_object_without_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        # The decoder recurses once per nesting level; no field of any route nests more than a few levels.
+        raise ApiError(400, "Invalid JSON body: nested too deeply; no field takes more than a few levels of "
+                       "objects or arrays.", code="invalid_json") from None
 
 
 def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

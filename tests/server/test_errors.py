@@ -98,6 +98,11 @@ def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake
                   400)
     _assert_error(fake_client.post("/v1/videos", content=b'{"prompt": "x", "fps": NaN}'), 400, param="fps")
     _assert_error(fake_client.post("/v1/videos", content=b""), 400, code="invalid_json")
+    # Deep nesting made the decoder raise RecursionError, a 500 before.
+    deep = b'{"prompt": "x", "cache_dit_params": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}"
+    _assert_error(fake_client.post("/v1/videos", content=deep), 400, code="invalid_json", contains="nested")
+    form_deep = {"prompt": "x", "cache_dit_params": '{"a": ' * 5000 + "1" + "}" * 5000}
+    _assert_error(fake_client.post("/v1/videos", data=form_deep), 400, param="cache_dit_params")
     _assert_error(fake_client.post("/v1/videos", content=b"\xff\xfe", headers={"Content-Type": "application/json"}),
                   400, code="invalid_json")
     _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
@@ -482,6 +487,9 @@ def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
             wrong = anonymous.get("/v1/models", headers={"Authorization": "Bearer nope"})
             _assert_error(wrong, 401)
             assert anonymous.get("/v1/models", headers={"Authorization": "s3cret"}).status_code == 401
+            assert anonymous.get("/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
+            # The scheme's name is case-insensitive (RFC 9110 11.1).
+            assert anonymous.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
             assert authorised.get("/v1/models").status_code == 200
             _still_serves(authorised)
     finally:
