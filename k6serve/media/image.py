@@ -64,6 +64,13 @@ def _open_image_file(path: Path) -> PIL.Image.Image:
             # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.
             opened.load()
             return PIL.ImageOps.exif_transpose(opened)
+    except PIL.Image.DecompressionBombError as exc:
+        # Not an OSError: PIL refuses to decode more than twice its MAX_IMAGE_PIXELS (a guard against files that
+        # expand to gigabytes). The image is readable, only too large for a conditioning frame.
+        raise ValueError(
+            f"cannot read conditioning image {str(path)!r}: it is too large ({exc}); downscale it (the model "
+            "uses it at the video's size, e.g. 768x512)"
+        ) from exc
     except (PIL.UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(
             f"cannot read conditioning image {str(path)!r}: not a readable image ({exc}); "

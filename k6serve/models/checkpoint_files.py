@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
@@ -39,13 +40,54 @@ def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
         if not local.is_dir():
             raise CheckpointError(f"--model-path {model_path} is a file; pass the checkpoint folder that holds "
                                   "model_index.json.")
-        return local.resolve()
-    if not _HUB_ID.match(model_path):
+        folder, fix = local.resolve(), "copy or download it again"
+    elif not _HUB_ID.match(model_path):
         raise CheckpointError(
             f"--model-path {model_path!r} is neither an existing folder nor a hub id like "
             "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'."
         )
-    return _download(model_path, revision)
+    else:
+        folder = _download(model_path, revision)
+        fix = f"download it again: hf download {model_path} --force-download"
+    check_safetensors_files(folder, fix)
+    return folder
+
+
+def check_safetensors_files(folder: Path, fix: str) -> None:
+    """Every .safetensors file's header parses and its tensors' bytes are all there; else a CheckpointError.
+
+    An interrupted copy or download leaves a truncated file, which safetensors (and diffusers / transformers
+    through it) would only report deep inside a worker's load, as an internal error. Reading the headers costs a
+    few KiB per file, so the check runs before anything loads."""
+    for path in sorted(folder.rglob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"{path} is damaged ({problem}), e.g. by an interrupted download; {fix}.")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        head = file.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a header"
+        header_bytes = int.from_bytes(head, "little")
+        if 8 + header_bytes > size:
+            return f"its header claims {header_bytes} bytes but the file has {size}"
+        try:
+            header = json.loads(file.read(header_bytes))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return "its header is not valid JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    try:
+        data_end = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                       default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "its header lacks tensor offsets"
+    if 8 + header_bytes + data_end > size:
+        return f"it holds {size} bytes, its tensors need {8 + header_bytes + data_end}"
+    return None
 
 
 def ignored_revision_note(model_path: str, revision: str | None, load_format: str = "auto") -> str | None:
@@ -101,17 +143,28 @@ def read_model_index(folder: Path) -> dict:
     path = folder / "model_index.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no model_index.json; it is not a Diffusers-format checkpoint.")
-    return json.loads(path.read_text())
+    return read_json_file(path)
+
+
+def read_json_file(path: Path) -> dict:
+    """A checkpoint's JSON file (model_index.json, a component's config); a damaged one is a CheckpointError that
+    names it."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); restore it from the checkpoint's source "
+                              "(copy or download the checkpoint again).") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} should hold a JSON object, not {type(value).__name__}; restore it from the "
+                              "checkpoint's source (copy or download the checkpoint again).")
+    return value
 
 
 def read_component_config(folder: Path, component: str, filename: str = "config.json") -> dict:
     path = folder / component / filename
     if not path.is_file():
         raise CheckpointError(f"{folder} is missing {component}/{filename}.")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    return read_json_file(path)
 
 
 def require_components(folder: Path, index: dict, components: list[str]) -> None:
@@ -142,7 +195,10 @@ def safetensors_files(component_dir: Path) -> list[Path]:
 def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(component_dir):
-        state.update(load_file(str(path), device=str(device)))
+        try:
+            state.update(load_file(str(path), device=str(device)))
+        except SafetensorError as exc:  # damaged after resolve_checkpoint's header check, or in a way it misses
+            raise CheckpointError(f"{path} cannot be read ({exc}); copy or download the checkpoint again.") from exc
     return state
 
 

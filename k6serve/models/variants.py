@@ -7,7 +7,6 @@ by what its `model_index.json` and configs say (pipeline class, scheduler class,
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -120,9 +119,11 @@ def variant_from_id(model_id: str) -> Variant | None:
 
 def variant_from_folder(folder: Path) -> Variant:
     """Route a local Diffusers folder by what its files say."""
+    from k6serve.models.checkpoint_files import read_json_file  # that module imports torch; this one stays light
+
     marker = folder / DEMO_MARKER
     if marker.is_file():
-        return demo_variant(json.loads(marker.read_text()))
+        return demo_variant(read_json_file(marker))
     index_path = folder / "model_index.json"
     if not index_path.is_file():
         raise ValueError(
@@ -130,7 +131,7 @@ def variant_from_folder(folder: Path) -> Variant:
             "Pass the folder that holds model_index.json (e.g. a download of "
             "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers)."
         )
-    index = json.loads(index_path.read_text())
+    index = read_json_file(index_path)
     pipeline_class = index.get("_class_name", "")
     scheduler_class = (index.get("scheduler") or [None, None])[1]
     if pipeline_class == "Kandinsky6SRPipeline":
@@ -143,7 +144,7 @@ def variant_from_folder(folder: Path) -> Variant:
         )
     distilled = scheduler_class == "PiflowScheduler"
     config_path = folder / "transformer" / "config.json"
-    model_dim = json.loads(config_path.read_text()).get("model_dim") if config_path.is_file() else None
+    model_dim = read_json_file(config_path).get("model_dim") if config_path.is_file() else None
     size = "lite" if model_dim == 1792 else "pro"
     return VARIANTS[f"{size}-distill" if distilled else size]
 

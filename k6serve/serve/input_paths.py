@@ -50,7 +50,12 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
         try:
             with PIL.Image.open(path) as image:
                 image.verify()
-        except Exception as exc:  # noqa: BLE001 - PIL raises many types (DecompressionBombError...) for bad files
+        except PIL.Image.DecompressionBombError:
+            # A readable image with more than twice PIL's MAX_IMAGE_PIXELS: too large, not broken.
+            raise ApiError(400, f"{what} is too large (over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0)} pixels); "
+                                "downscale it: the model uses it at the video's size.", code=code,
+                           param=param) from None
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files
             raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG or WebP "
                                 "file.", code=code, param=param) from None
         return

@@ -81,3 +81,41 @@ def test_config_validation_messages():
         ModelConfig(model_path="x", load_format="fast")
     with pytest.raises(ValueError, match="world size must equal dp x cfg x tp x ulysses x ring"):
         ParallelConfig(num_gpus=2)
+
+
+def _checkpoint_with_weights(folder):
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Kandinsky6TI2VAPipeline"}))
+    path = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(path))
+    return path
+
+
+def test_a_truncated_weight_file_is_named_before_anything_loads(tmp_path):
+    path = _checkpoint_with_weights(tmp_path / "ok")
+    assert resolve_checkpoint(str(tmp_path / "ok")) == (tmp_path / "ok").resolve()
+    data = path.read_bytes()
+    for cut, says in ((len(data) - 4, "its tensors need"), (1000 if len(data) > 1000 else 20, "header claims"),
+                      (5, "shorter than a header")):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="interrupted download; copy or download it again") as error:
+            resolve_checkpoint(str(tmp_path / "ok"))
+        assert str(path) in str(error.value) and says in str(error.value)
+    # The loader's own read says the same kind of thing where a file is damaged in a way the header check misses.
+    path.write_bytes(data[:8] + b"{" * (len(data) - 8))
+    with pytest.raises(CheckpointError, match="header is not valid JSON"):
+        resolve_checkpoint(str(tmp_path / "ok"))
+    with pytest.raises(CheckpointError, match="cannot be read .*download the checkpoint again"):
+        load_state_dict(path.parent)
+
+
+def test_a_broken_json_file_is_named_with_the_fix(tmp_path):
+    from k6serve.models.variants import variant_from_folder
+
+    _checkpoint_with_weights(tmp_path)
+    (tmp_path / "model_index.json").write_text("{bad json")
+    with pytest.raises(CheckpointError, match=r"model_index.json is not valid JSON .*download the checkpoint again"):
+        variant_from_folder(tmp_path)
+    (tmp_path / "model_index.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="should hold a JSON object, not list"):
+        variant_from_folder(tmp_path)

@@ -444,6 +444,19 @@ def test_load_conditioning_image_errors(tmp_path: Path) -> None:
         media.load_conditioning_image(PIL.Image.new("RGB", (4, 4)), 0, 64)
 
 
+def test_an_image_over_pils_pixel_limit_is_too_large_not_unreadable(tmp_path: Path, monkeypatch) -> None:
+    # PIL's DecompressionBombError is not an OSError: it was an internal error (exit 70) before.
+    PIL.Image.new("RGB", (64, 64)).save(tmp_path / "big.png")
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 1000)  # 4,096 pixels is over twice the limit
+    with pytest.raises(ValueError, match=r"big\.png'.*too large .*downscale it"):
+        media.load_conditioning_image(tmp_path / "big.png", 64, 64)
+    from k6serve.serve.errors import ApiError
+    from k6serve.serve.input_paths import check_readable
+
+    with pytest.raises(ApiError, match="too large .*downscale it"):
+        check_readable("image", str(tmp_path / "big.png"), param="input_reference", uploaded=True)
+
+
 @pytest.mark.parametrize("source_size", [(200, 90), (90, 200), (160, 96), (37, 23), (640, 383)])
 @pytest.mark.parametrize("target", [(64, 96), (96, 64), (48, 48)])
 def test_cover_resize_center_crop_matches_diffusers(source_size, target) -> None:
