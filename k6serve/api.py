@@ -77,6 +77,10 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
             f"return_file_paths_only={return_paths_only} and return_frames={return_frames} contradict each other; "
             "pass only one of them."
         )
+    if isinstance(output.get("output_path"), str) and output["output_path"].startswith("~"):
+        # A shell expands ~ on the command line; in Python (or a --config file) it reached mkdir as a folder
+        # literally named "~".
+        output["output_path"] = os.path.expanduser(output["output_path"])
     return params, OutputOptions(return_frames=return_frames, **output)
 
 
@@ -138,7 +142,7 @@ def check_output(output: OutputOptions) -> tuple[OutputOptions, list[str]]:
     name, warning = final_file_name(output.output_file_name)  # before the folder is created for it
     check_output_folder(output)
     target = Path(output.output_path) / name
-    if target.exists():
+    if os.path.lexists(target):  # exists() follows a link: a dangling one passed, and the result was lost at the end
         raise ValueError(
             f"{str(target)!r} already exists and was left as it is; delete it or pass another "
             "--output-file-name."

@@ -276,8 +276,11 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if (rounded - 1) // 4 + 1 > 128:
         raise ValueError(f"num_frames {num_frames} gives more than 128 latent frames; use at most 509.")
     fps = float(params.fps if params.fps is not None else variant.fps)
-    if not (0 < fps <= 240) or not math.isfinite(fps):
-        raise ValueError(f"fps must be in (0, 240], got {params.fps}")
+    # The model has no fps input: fps only sets the soundtrack's length, num_frames / fps seconds. Below 1 fps a
+    # clip's audio grows without bound (1e-9 fps asked for 23 TB), so 1 is the floor.
+    if not (1 <= fps <= 240) or not math.isfinite(fps):
+        raise ValueError(f"fps must be between 1 and 240 (it sets the audio length, num_frames / fps seconds), "
+                         f"got {params.fps}")
     steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
     if steps < 1 or steps > 1000:
         raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")

@@ -37,6 +37,21 @@ def test_existing_output_file_name_is_refused_and_kept(generator, tmp_path):
     assert (tmp_path / "clip.mp4").read_bytes() == before
 
 
+def test_a_dangling_link_as_the_output_name_is_refused_before_the_run(generator, tmp_path):
+    (tmp_path / "clip.mp4").symlink_to(tmp_path / "nowhere" / "target.mp4")
+    with pytest.raises(ValueError, match=r"clip\.mp4' already exists"):
+        generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"})
+    assert (tmp_path / "clip.mp4").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_tilde_output_path_is_the_home_folder(generator, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    result = generator.generate({**SMALL, "output_path": "~/clips", "output_file_name": "a"})
+    assert result.output_file_path == str(tmp_path / "home" / "clips" / "a.mp4")
+    assert not (tmp_path / "~").exists()
+
+
 class _FrozenClock(datetime):
     @classmethod
     def now(cls, tz=None):
