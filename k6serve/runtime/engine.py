@@ -135,6 +135,12 @@ class Engine:
         """How many requests run at once: one per replica (`--dp-size`), each in its own thread."""
         return len(self._threads)
 
+    def dead_replicas(self) -> list[str]:
+        """How each replica that can no longer serve died (empty while all serve); an in-process worker has no
+        ranks to lose."""
+        probe = getattr(self.worker, "dead_replicas", None)
+        return probe() if probe is not None else []
+
     def resolve(self, params: SamplingParams):
         """Validate a request without running it (raises ValueError with the fix)."""
         return self.worker.resolve(params)

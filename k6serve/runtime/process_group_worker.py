@@ -427,6 +427,7 @@ class MultiProcessWorker:
         address = (advertised_host if many_hosts else LOCAL_HOST, self._listener.address[1])
         self._processes: dict[int, BaseProcess] = {}
         self._rank0_thread: threading.Thread | None = None
+        self._death_notes: dict[int, str] = {}  # replica index -> how it died, for dead_replicas()
         if torchrun is not None:
             # This process is global rank 0 as well as the engine: run its rank loop on a thread.
             self._rank0_thread = threading.Thread(
@@ -584,9 +585,10 @@ class MultiProcessWorker:
             while True:
                 if self._closed:
                     raise RuntimeError(f"The engine has been shut down; this {what} did not run.")
+                self._retire_ended_idle_replicas()
                 alive = [r for r in self._replicas if r.alive]
                 if not alive:
-                    raise RuntimeError("every worker replica has died; restart the engine (see the errors above).")
+                    raise RuntimeError(self._all_dead_message())
                 if all(r in self._idle for r in alive):
                     self._idle = [r for r in self._idle if r not in alive]
                     return alive
@@ -624,14 +626,48 @@ class MultiProcessWorker:
                 outcomes.append((replica.index, _failure_error(message, request_id, replica.index)))
         return outcomes
 
+    def dead_replicas(self) -> list[str]:
+        """Why each replica that can no longer serve is gone, checked now: an idle replica whose rank has ended
+        (killed, out of host memory) is retired here, not left for the next request to find and be blamed for.
+        A busy one is left to its request, which sees the rank end."""
+        with self._changed:
+            self._retire_ended_idle_replicas()
+            return [self._death_notes.get(r.index, f"replica {r.index} stopped") for r in self._replicas
+                    if not r.alive]
+
+    def _retire_ended_idle_replicas(self) -> None:
+        """Under self._changed."""
+        if self._closed:
+            return
+        for replica in [r for r in self._idle if r.alive]:
+            ranks = self.layout.replica_ranks(replica.index)
+            dead = self._dead_ranks(ranks)
+            if 0 in ranks and self._rank0_thread is not None and not self._rank0_thread.is_alive():
+                dead.append("rank 0 (this process's rank thread) stopped")
+            if not dead:
+                continue
+            replica.alive = False
+            self._idle.remove(replica)
+            self._death_notes[replica.index] = (f"replica {replica.index} (ranks {ranks}) died while idle: "
+                                                f"{'; '.join(dead)}")
+            replica.connection.close()
+            stop_processes(replica.processes, grace_s=1.0)
+            logger.error("%s; %d replica(s) still serving", self._death_notes[replica.index],
+                         sum(r.alive for r in self._replicas))
+
+    def _all_dead_message(self) -> str:
+        notes = "; ".join(note for _, note in sorted(self._death_notes.items()))
+        return f"every worker replica has died ({notes or 'see the errors above'}); restart the engine."
+
     def _take_idle_replica(self) -> _Replica:
         with self._changed:
             while True:
                 if self._closed:
                     # A deliberate shutdown, not a crash: "replicas died, restart" would send the user hunting.
                     raise RuntimeError("The engine has been shut down; this request did not run.")
+                self._retire_ended_idle_replicas()
                 if not any(r.alive for r in self._replicas):
-                    raise RuntimeError("every worker replica has died; restart the engine (see the errors above).")
+                    raise RuntimeError(self._all_dead_message())
                 if self._idle:
                     return self._idle.pop(0)
                 self._changed.wait()
@@ -674,6 +710,7 @@ class MultiProcessWorker:
             return RuntimeError(f"request {request_id} was stopped by the engine's shutdown while it ran.")
         replica.alive = False
         ranks = self.layout.replica_ranks(replica.index)
+        self._death_notes[replica.index] = f"replica {replica.index} (ranks {ranks}) died running request {request_id}"
         # A rank's sentinel fires as it exits, slightly before its exit code can be read; the leader may also
         # report the broken group before the dead rank's sentinel fires.
         ended = wait([p.sentinel for p in replica.processes], timeout=2.0)

@@ -80,7 +80,7 @@ from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_ur
 
 logger = logging.getLogger(__name__)
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429, 503)}
 ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
 
 
@@ -183,6 +183,7 @@ CREATE_BODY_DOC = {
 async def create_video(request: Request,
                        idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
     ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         await drain(request)
         raise ApiError(400, "Idempotency-Key must be 1-255 printable ASCII characters without spaces.",
@@ -483,7 +484,7 @@ async def delete_video(request: Request, video_id: str) -> JSONResponse:
     return JSONResponse(ctx.view(job))
 
 
-_LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500)}
+_LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}
 
 
 def _lora_body_doc(model: type) -> dict[str, Any]:
@@ -540,6 +541,7 @@ async def _lora_answer(submit) -> JSONResponse:
              openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters")
 async def set_lora(request: Request) -> JSONResponse:
     ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, SetLoraBody)
     operation = _lora_operation(set_lora_operation, body.lora_nickname, body.lora_path, body.strength,
                                 merge_mode=body.merge_mode, target=body.target, lora_alpha=body.lora_alpha,
@@ -551,6 +553,7 @@ async def set_lora(request: Request) -> JSONResponse:
              openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights")
 async def merge_lora_weights(request: Request) -> JSONResponse:
     ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, MergeLoraBody)
     operation = _lora_operation(merge_lora_operation, body.target, body.strength)
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
@@ -561,6 +564,7 @@ async def merge_lora_weights(request: Request) -> JSONResponse:
              summary="Deactivate every LoRA adapter and restore the base weights bit for bit")
 async def unmerge_lora_weights(request: Request) -> JSONResponse:
     ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, UnmergeLoraBody)
     operation = _lora_operation(unmerge_lora_operation, body.target)
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
@@ -569,10 +573,11 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
 @router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters")
 async def list_loras(request: Request) -> JSONResponse:
     ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
     return await _lora_answer(lambda: ctx.engine.submit_lora(ListLoras()))
 
 
-_MEMORY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500)}
+_MEMORY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}
 _MEMORY_BODY_DOC = {"requestBody": {"required": False, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/MemoryOccupationBody"}}}}}
 
@@ -581,6 +586,7 @@ async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
     """Read the optional body, run the operation, answer its reply: 400 for a refused layout (ValueError), 500 for
     any other failure (nothing changed: a failed release or resume is undone on every rank)."""
     ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
     body = parse_memory_body(await _read_control_body(request, allow_empty=True, routes="the memory routes"),
                              resume=resume)
     operation: MemoryOperation = (ResumeMemory(keep_host_copy=bool(body.keep_host_copy)) if resume
@@ -621,8 +627,28 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 @router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)")
-async def health(request: Request) -> dict[str, Any]:
-    return {"status": "ok", "memory_released": _ctx(request).runner.holds_queue()}
+async def health(request: Request) -> JSONResponse:
+    """200 while a replica serves ("ok", or "degraded" with `dead_replicas`); 503 "unavailable" once none does, so
+    a supervisor or load balancer sees a server whose workers died (it said "ok" before)."""
+    ctx = _ctx(request)
+    dead = ctx.engine.dead_replicas()
+    body: dict[str, Any] = {"status": "ok", "memory_released": ctx.runner.holds_queue()}
+    if not dead:
+        return JSONResponse(body)
+    body["dead_replicas"] = dead
+    if len(dead) < ctx.engine.num_replicas:
+        return JSONResponse({**body, "status": "degraded"})
+    return JSONResponse({**body, "status": "unavailable", "message": _NO_REPLICA}, status_code=503)
+
+
+_NO_REPLICA = "Every worker replica of this server has died; restart the server (its log says why they died)."
+
+
+async def _refuse_without_replicas(request: Request, ctx: ServerContext) -> None:
+    """A 503 before the body is used when no replica can run anything: the job would only fail once queued."""
+    if len(ctx.engine.dead_replicas()) >= ctx.engine.num_replicas:
+        await drain(request)
+        raise ApiError(503, _NO_REPLICA, code="engine_unavailable")
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS, summary="Prometheus metrics")

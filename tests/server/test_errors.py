@@ -500,3 +500,29 @@ def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
     monkeypatch.setenv("K6SERVE_API_KEY", "from-env")
     assert settings_from_options({}).api_key == "from-env"
     assert settings_from_options({"api_key": "flag"}).api_key == "flag"
+
+
+def test_dead_replicas_make_health_degraded_then_503_and_new_work_is_refused(fake_server, fake_client, monkeypatch):
+    # The engine's probe (MultiProcessWorker.dead_replicas, tested in test_multi_process_engine) stood in for here:
+    # the fake server's worker runs in-process and cannot die.
+    engine = fake_server.engine
+    monkeypatch.setattr(type(engine), "num_replicas", property(lambda self: 2))
+    dead = ["replica 1 (ranks [1]) died while idle: rank 1 (pid 7) exited with code -9"]
+    monkeypatch.setattr(engine, "dead_replicas", lambda: list(dead))
+    health = fake_client.get("/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "degraded", "memory_released": False, "dead_replicas": dead}
+    dead.append("replica 0 (ranks [0]) died running request 3")
+    health = fake_client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert "restart the server" in health.json()["message"] and health.json()["dead_replicas"] == dead
+    _assert_error(fake_client.post("/v1/videos", json={"prompt": "x"}), 503, code="engine_unavailable",
+                  contains="restart the server")
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"x")}),
+                  503, code="engine_unavailable")
+    for path in ("/v1/unmerge_lora_weights", "/release_memory_occupation"):
+        _assert_error(fake_client.post(path), 503, code="engine_unavailable")
+    _assert_error(fake_client.get("/v1/list_loras"), 503, code="engine_unavailable")
+    assert fake_client.get("/v1/videos").status_code == 200  # what already ran can still be listed and fetched
+    dead.clear()
+    assert fake_client.get("/health").json() == {"status": "ok", "memory_released": False}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import threading
 import time
@@ -86,6 +87,30 @@ def test_engine_runs_dp_replicas_at_once(tmp_path: Path):
     finally:
         engine.shutdown()
     assert all(not process.is_alive() for process in worker._processes.values())
+
+
+def test_a_replica_killed_while_idle_is_found_and_no_request_is_blamed(tmp_path: Path):
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        assert engine.dead_replicas() == []
+        os.kill(worker.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not engine.dead_replicas() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [note_1] = engine.dead_replicas()
+        assert re.search(r"replica 1 .*died while idle: rank 1 .*exited with code -9", note_1)
+        # The survivor serves every request; none is told that it was running when replica 1 died.
+        results = [engine.generate(SamplingParams(prompt="x", num_inference_steps=1)) for _ in range(3)]
+        assert {note(result, "replica") for result in results} == {"0"}
+        os.kill(worker.pids[0], signal.SIGKILL)
+        while len(engine.dead_replicas()) < 2 and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match=r"every worker replica has died \(.*replica 0 .*died while idle.*"
+                                               r"replica 1 .*died while idle.*restart the engine"):
+            engine.generate(SamplingParams(prompt="x", num_inference_steps=1))
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_closes_a_worker_without_processes():
