@@ -35,7 +35,7 @@ from k6serve.api import (
 )
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
-from k6serve.models.variants import MissingPrompt, Variant
+from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
@@ -68,7 +68,7 @@ from k6serve.serve.schemas import (
     VideoDeleted,
     VideoJob,
     VideoList,
-    is_video_upload,
+    input_reference_target,
     job_view,
     parse_create_body,
     parse_lora_body,
@@ -293,8 +293,9 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
         upload_fields: dict[str, str] = {}
         for field_name, upload in form.files.items():
             target = FILE_FIELDS[field_name]
-            if field_name == "input_reference" and is_video_upload(upload.content_type, upload.client_file_name):
-                target = "video_path"
+            if field_name == "input_reference":
+                target = input_reference_target(upload.content_type, upload.client_file_name,
+                                                super_resolution=ctx.variant.family == SUPER_RESOLUTION)
             if raw.get(target) is not None:
                 ctx.artifacts.remove(uploads)
                 raise ApiError(400, f"Send either the {field_name} upload or {target}, not both.",

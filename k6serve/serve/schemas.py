@@ -175,9 +175,22 @@ def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float
     return frames
 
 
-def is_video_upload(content_type: str | None, file_name: str | None) -> bool:
-    """A file sent as input_reference that is really a video is routed to video_path (reference behaviour)."""
-    return bool((content_type or "").startswith("video/") or (file_name or "").lower().endswith(_VIDEO_SUFFIXES))
+def input_reference_target(content_type: str | None, file_name: str | None, *, super_resolution: bool) -> str:
+    """The request field an `input_reference` upload fills: decided by the served model first, then the file.
+
+    On the super-resolution model it is always the source video, whatever the client named or typed it (a file
+    called "clip" sent as application/octet-stream was refused as missing). On a generation model it is the
+    conditioning image, unless the upload says it is a video (a video/* type, or a video suffix without an image/*
+    type): that goes to video_path, whose error says it is for the super-resolution model. A GIF is an image here:
+    PIL reads its first frame (as a video suffix, it was refused even when sent as image/gif)."""
+    if super_resolution:
+        return "video_path"
+    content_type = (content_type or "").lower()
+    name = (file_name or "").lower()
+    if content_type.startswith("image/") or name.endswith(".gif"):
+        return "image_path"
+    is_video = content_type.startswith("video/") or name.endswith(_VIDEO_SUFFIXES)
+    return "video_path" if is_video else "image_path"
 
 
 _LORA_BODY_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)

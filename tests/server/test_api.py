@@ -77,6 +77,49 @@ def test_vsr_defaults_and_sr_fields(tmp_path):
         server.stop()
 
 
+def test_input_reference_follows_the_served_model(tmp_path, fake_server, fake_client):
+    import io
+
+    from PIL import Image
+
+    from k6serve.testing.clips import make_clip
+
+    gif = io.BytesIO()
+    Image.new("RGB", (24, 16), (10, 200, 30)).save(gif, format="GIF")
+    # A generation model: a GIF is the conditioning image, by name or by type (it was taken as a video before).
+    for name, content_type in (("still.gif", "image/gif"), ("still.gif", "application/octet-stream"),
+                               ("still", "image/gif")):
+        job = fake_client.post("/v1/videos", data={"prompt": "x", "size": "32x32", "num_frames": "5"},
+                               files={"input_reference": (name, gif.getvalue(), content_type)})
+        assert job.status_code == 200, job.text
+        assert wait_for(fake_client, job.json()["id"])["status"] == "completed"
+        assert fake_server.worker.requests[-1].image_path is not None
+    # The super-resolution model: always the source video, even unnamed and untyped.
+    clip = make_clip(tmp_path / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
+    worker = FakeWorker(VARIANTS["vsr-distilled2steps"])
+    server = start_server(tmp_path / "sr", worker=worker)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", files={"input_reference": ("clip", clip.read_bytes(),
+                                                                       "application/octet-stream")})
+            assert job.status_code == 200, job.text
+            assert wait_for(client, job.json()["id"])["status"] == "completed"
+            assert worker.requests[-1].video_path.endswith("_input_reference")  # the upload, as the source
+    finally:
+        server.stop()
+
+
+def test_input_reference_target_rules():
+    from k6serve.serve.schemas import input_reference_target
+
+    assert input_reference_target("video/mp4", "a.png", super_resolution=False) == "video_path"
+    assert input_reference_target(None, "a.mp4", super_resolution=False) == "video_path"
+    assert input_reference_target("image/png", "a.mp4", super_resolution=False) == "image_path"
+    assert input_reference_target(None, "a.GIF", super_resolution=False) == "image_path"
+    assert input_reference_target(None, None, super_resolution=False) == "image_path"
+    assert input_reference_target("image/png", "a.png", super_resolution=True) == "video_path"
+
+
 def test_sr_fields_are_refused_by_a_generation_model(fake_client):
     response = fake_client.post("/v1/videos", json={"prompt": "x", "sr_resolution_scale": 2})
     assert response.status_code == 400
