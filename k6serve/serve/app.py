@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -167,8 +169,36 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     return ServerSettings(**values)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening before the model loads: a port in use or a host that is not this
+    machine's fails at once with the fix (a ValueError), not after minutes of loading as uvicorn's own bind did.
+    uvicorn then serves on this very socket, so no other process can take the port in between."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve ({exc.strerror}); pass an address of this machine, "
+                         "e.g. 127.0.0.1 or 0.0.0.0 (every interface).") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old ones linger
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use; pass another --port, or stop the process "
+                             "that listens on it.") from None
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES):
+            fix = ("pass an address of this machine, e.g. 127.0.0.1 or 0.0.0.0" if exc.errno == errno.EADDRNOTAVAIL
+                   else "ports below 1024 need privileges; pass a --port of 1024 or more")
+            raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); {fix}.") from None
+        raise
+    return sock
+
+
 def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
-    """Load the model, open the job store and serve until interrupted."""
+    """Bind the port, load the model, open the job store and serve until interrupted."""
     import uvicorn
 
     from k6serve.api import build_engine_config
@@ -176,15 +206,30 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     settings = settings_from_options(server_options)
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)
-    artifacts = ArtifactStore(settings.output_path)
-    store = SqliteJobStore(settings.job_store_path)
-    engine = Engine(config)
+    sock = listening_socket(settings.host, settings.port)
+    try:
+        artifacts = ArtifactStore(settings.output_path)
+        store = SqliteJobStore(settings.job_store_path)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        engine = Engine(config)
+    except BaseException:
+        sock.close()
+        store.close()
+        raise
     try:
         app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings)
+        port = sock.getsockname()[1]
         logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
-                    settings.port, settings.job_store_path, artifacts.root)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=10)
+                    port, settings.job_store_path, artifacts.root)
+        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=port, log_level="info",
+                                               timeout_graceful_shutdown=10))
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled; uvicorn.run does this
+            server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
         store.close()
     return 0
