@@ -11,8 +11,9 @@ import hmac
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,25 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     return ServerSettings(**values)
 
 
+def uvicorn_server(config: Any, on_exit: Callable[[], None]) -> Any:
+    """A uvicorn.Server that calls `on_exit` (in a thread) as soon as a SIGINT / SIGTERM arrives.
+
+    uvicorn first waits up to timeout_graceful_shutdown for the HTTP requests in flight and only then runs the
+    lifespan teardown that stops the job runner. A LoRA request waiting behind a running job is such a request:
+    it waited out the 10 s, was cancelled into a text/plain 500, and the running job went on meanwhile. Stopping
+    the runner at the signal cancels the job at its next step and answers the waiting LoRA callers with the
+    documented shutdown error, so the graceful wait ends at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                threading.Thread(target=on_exit, name="k6serve-stop-at-signal", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound and listening before the model loads: a port in use or a host that is not this
     machine's fails at once with the fix (a ValueError), not after minutes of loading as uvicorn's own bind did.
@@ -224,8 +244,8 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         port = sock.getsockname()[1]
         logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
                     port, settings.job_store_path, artifacts.root)
-        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=port, log_level="info",
-                                               timeout_graceful_shutdown=10))
+        server = uvicorn_server(uvicorn.Config(app, host=settings.host, port=port, log_level="info",
+                                               timeout_graceful_shutdown=10), on_exit=app.state.ctx.runner.stop)
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled; uvicorn.run does this
             server.run(sockets=[sock])
     finally:

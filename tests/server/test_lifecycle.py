@@ -496,3 +496,27 @@ def test_serve_cli_flags_become_settings(monkeypatch):
     assert (defaults.port, defaults.api_key, str(defaults.job_store_path)) == (30000, None, "outputs/jobs.sqlite3")
     with pytest.raises(ValueError, match="max-queued-jobs"):
         settings_from_options({"max_queued_jobs": 0})
+
+
+def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
+    # uvicorn would first wait up to timeout_graceful_shutdown for requests in flight (a LoRA request queued behind
+    # a running job is one), then stop the runner; the server stops it at the signal instead.
+    import signal as signals
+    import threading
+
+    import uvicorn
+
+    from k6serve.serve.app import uvicorn_server
+
+    calls: list[str] = []
+    called = threading.Event()
+
+    def on_exit() -> None:
+        calls.append(threading.current_thread().name)
+        called.set()
+
+    server = uvicorn_server(uvicorn.Config(lambda scope, receive, send: None), on_exit=on_exit)
+    server.handle_exit(signals.SIGTERM, None)
+    assert called.wait(5) and server.should_exit
+    server.handle_exit(signals.SIGINT, None)  # a second signal forces the exit; the runner is not stopped twice
+    assert server.force_exit and calls == ["k6serve-stop-at-signal"]
