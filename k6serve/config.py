@@ -73,6 +73,16 @@ class ModelConfig:
             raise ValueError(f"--lora-merge-mode must be one of {LORA_MERGE_MODES}, got {self.lora_merge_mode!r}")
         if not self.lora_nickname:
             raise ValueError("--lora-nickname must not be empty")
+        if self.lora_path is None:
+            # They describe the --lora-path adapter; without one they were silently ignored. (--lora-merge-mode
+            # stands alone: it is also the default of later set_lora requests.)
+            given = [flag for flag, value, default in (("--lora-nickname", self.lora_nickname, "default"),
+                                                       ("--lora-scale", self.lora_scale, 1.0),
+                                                       ("--lora-alpha", self.lora_alpha, None)) if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} describe(s) the --lora-path adapter, but no --lora-path was "
+                                 "given; add --lora-path, or drop them (adapters can also come later, through "
+                                 "set_lora).")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:

@@ -147,7 +147,11 @@ class SamplingParams:
             raise ValueError(
                 f"Unknown sampling parameter(s) {unknown}. Valid parameters: {sorted(names)}."
             )
-        return cls(**fspath_values(kwargs))
+        # numpy's integers (a seed from np.random, a size from an array's shape) are not int: the checks refused
+        # np.int64(3) as "not an integer in [0, 2**63)". They become the int they stand for.
+        plain = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)) else v
+                 for k, v in kwargs.items()}
+        return cls(**fspath_values(plain))
 
 
 def fspath_values(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_serve(engine, request)
     except ValueError as exc:
+        _print_traceback(exc, args.log_level)  # --log-level debug: where the refusal came from, too
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as exc:

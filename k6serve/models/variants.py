@@ -290,7 +290,9 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
             f"{variant.name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
             f"(got {guidance}); drop --guidance-scale or use a Pro/Lite checkpoint for CFG."
         )
-    if not math.isfinite(guidance) or guidance < 1.0:
+    if not math.isfinite(guidance):
+        raise ValueError(f"guidance_scale must be a finite number >= 1.0 (1.0 disables CFG), got {guidance}")
+    if guidance < 1.0:
         raise ValueError(f"guidance_scale must be >= 1.0 (1.0 disables CFG), got {guidance}")
     negative = None
     if guidance > 1.0:

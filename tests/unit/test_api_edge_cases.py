@@ -208,3 +208,30 @@ def test_engine_options_take_pathlib_paths(tmp_path):
     config = build_engine_config(tmp_path, lora_path=tmp_path / "a.safetensors", lora_scale=1, dist_timeout_s=5)
     assert config.model.model_path == str(tmp_path) and config.model.lora_path == str(tmp_path / "a.safetensors")
     assert config.model.lora_scale == 1 and config.parallel.dist_timeout_s == 5
+
+
+def test_numpy_integers_are_the_ints_they_stand_for():
+    import numpy as np
+
+    from k6serve.models.variants import resolve_generate
+
+    params = SamplingParams.from_kwargs({"prompt": "x", "seed": np.int64(3), "num_frames": np.int32(5)})
+    assert type(params.seed) is int and params.seed == 3 and type(params.num_frames) is int
+    request, _ = resolve_generate(params, VARIANTS["pro-distill"])
+    assert request.seed == 3
+
+
+def test_guidance_that_is_not_finite_says_so():
+    from k6serve.models.variants import resolve_generate
+
+    with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 1.0.*got inf"):
+        resolve_generate(SamplingParams(prompt="x", guidance_scale=float("inf")), VARIANTS["pro"])
+
+
+@pytest.mark.parametrize("option, flag", [({"lora_scale": 0.5}, "--lora-scale"), ({"lora_alpha": 8.0}, "--lora-alpha"),
+                                          ({"lora_nickname": "style"}, "--lora-nickname")])
+def test_lora_options_without_a_lora_path_are_refused(option, flag):
+    with pytest.raises(ValueError, match=f"{flag} describe\\(s\\) the --lora-path adapter, but no --lora-path"):
+        ModelConfig(model_path="demo", **option)
+    ModelConfig(model_path="demo", lora_path="a.safetensors", **option)
+    ModelConfig(model_path="demo", lora_merge_mode="dynamic")  # stands alone: set_lora's default

@@ -676,3 +676,14 @@ def test_cli_serve_warns_about_an_ignored_revision_before_loading(monkeypatch, c
     with caplog.at_level("WARNING", logger="k6serve.cli.serve_flags"):
         assert main(["serve", "--model-path", "demo", "--revision", "v1"]) == 0
     assert "revision 'v1' is ignored: it only picks the revision a hub id downloads, and 'demo'" in caplog.text
+
+
+def test_debug_prints_the_traceback_above_a_user_error_too(capsys, tmp_path):
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--fps", "0.5", "--no-save-output"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "fps must be between 1 and 240" in err
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--fps", "0.5", "--no-save-output",
+                 "--log-level", "debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1].startswith("error: fps must be between 1 and 240")
