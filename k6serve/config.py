@@ -119,12 +119,23 @@ class ParallelConfig:
             raise ValueError(
                 f"world size must equal dp x cfg x tp x ulysses x ring = {self.dp_size} x {cfg} x {self.tp_size} "
                 f"x {self.ulysses_degree} x {self.ring_degree} = {product}, but --num-gpus is {self.num_gpus}. "
-                f"For {self.num_gpus} GPUs try --ulysses-degree {self.num_gpus // max(1, self.dp_size * cfg * self.tp_size * self.ring_degree) or 1}."
+                + _layout_fix(self.num_gpus, product, self.dp_size * cfg * self.tp_size * self.ring_degree)
             )
 
     @property
     def world_size(self) -> int:
         return self.num_gpus
+
+
+def _layout_fix(num_gpus: int, product: int, others: int) -> str:
+    """What to change when the degrees do not multiply to --num-gpus: the GPU count they need, and where the other
+    degrees divide --num-gpus, the --ulysses-degree that fills it (never a no-op suggestion of the same layout)."""
+    fix = f"Pass --num-gpus {product} for this layout"
+    if num_gpus % others == 0 and num_gpus // others > 1:
+        fix += f", or keep {num_gpus} GPU(s) with --ulysses-degree {num_gpus // others}"
+    elif num_gpus == 1:
+        fix += ", or drop the parallel flags to run on one GPU"
+    return fix + "."
 
     @property
     def cache_dit_unavailable(self) -> str | None:

@@ -79,8 +79,14 @@ def test_state_dict_mismatch_names_parameters():
 def test_config_validation_messages():
     with pytest.raises(ValueError, match="--load-format must be one of"):
         ModelConfig(model_path="x", load_format="fast")
-    with pytest.raises(ValueError, match="world size must equal dp x cfg x tp x ulysses x ring"):
+    with pytest.raises(ValueError, match="world size must equal dp x cfg x tp x ulysses x ring.*"
+                                         "keep 2 GPU\\(s\\) with --ulysses-degree 2"):
         ParallelConfig(num_gpus=2)
+    # A parallel flag without --num-gpus: the fix is the GPU count (it said "For 1 GPUs try --ulysses-degree 1").
+    with pytest.raises(ValueError, match="Pass --num-gpus 2 for this layout, or drop the parallel flags"):
+        ParallelConfig(enable_cfg_parallel=True)
+    with pytest.raises(ValueError, match="Pass --num-gpus 3 for this layout\\.$"):
+        ParallelConfig(num_gpus=4, tp_size=3)
 
 
 def _checkpoint_with_weights(folder):
