@@ -295,7 +295,12 @@ def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
     final_dir = demo_cache_root() / "demo" / f"kandinsky6-demo-distill-v{DEMO_FORMAT_VERSION}"
     if (final_dir / DEMO_MARKER_NAME).is_file():
         return final_dir
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        source = "$K6SERVE_CACHE" if os.environ.get("K6SERVE_CACHE") else "the default cache (~/.cache/k6serve)"
+        raise ValueError(f"cannot create the demo checkpoint's folder {final_dir.parent} under {source} "
+                         f"({exc.strerror}); set K6SERVE_CACHE to a writable folder.") from None
     # Build beside the final folder (same file system), then rename: no one sees a partial demo.
     build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
     build_dir.chmod(0o755)

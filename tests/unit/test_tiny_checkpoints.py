@@ -301,3 +301,10 @@ def test_qwen_processor_builds_with_either_video_processor_base(monkeypatch):
         processor = build_qwen_processor(train_qwen_tokenizer())
         assert isinstance(processor.video_processor, getattr(video_processing_utils, name))
         monkeypatch.undo()
+
+
+def test_an_unusable_k6serve_cache_is_named(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("not a folder")
+    monkeypatch.setenv("K6SERVE_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(ValueError, match=r"under \$K6SERVE_CACHE .*set K6SERVE_CACHE to a writable folder"):
+        tiny_checkpoints.ensure_demo_checkpoint()
