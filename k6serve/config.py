@@ -89,6 +89,18 @@ class ModelConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
+
+def _layout_fix(num_gpus: int, product: int, others: int) -> str:
+    """What to change when the degrees do not multiply to --num-gpus: the GPU count they need, and where the other
+    degrees divide --num-gpus, the --ulysses-degree that fills it (never a no-op suggestion of the same layout)."""
+    fix = f"Pass --num-gpus {product} for this layout"
+    if num_gpus % others == 0 and num_gpus // others > 1:
+        fix += f", or keep {num_gpus} GPU(s) with --ulysses-degree {num_gpus // others}"
+    elif num_gpus == 1:
+        fix += ", or drop the parallel flags to run on one GPU"
+    return fix + "."
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     num_gpus: int = 1
@@ -126,16 +138,6 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.num_gpus
 
-
-def _layout_fix(num_gpus: int, product: int, others: int) -> str:
-    """What to change when the degrees do not multiply to --num-gpus: the GPU count they need, and where the other
-    degrees divide --num-gpus, the --ulysses-degree that fills it (never a no-op suggestion of the same layout)."""
-    fix = f"Pass --num-gpus {product} for this layout"
-    if num_gpus % others == 0 and num_gpus // others > 1:
-        fix += f", or keep {num_gpus} GPU(s) with --ulysses-degree {num_gpus // others}"
-    elif num_gpus == 1:
-        fix += ", or drop the parallel flags to run on one GPU"
-    return fix + "."
 
     @property
     def cache_dit_unavailable(self) -> str | None:

@@ -212,12 +212,17 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # YAML reads "output-path: 2026" as a number; the flag would give the string
     elif action.type in (int, float):
+        wanted = "an integer" if action.type is int else "a number"
         if isinstance(value, str):
             try:
                 value = action.type(value)
             except ValueError:
-                wanted = "an integer" if action.type is int else "a number"
                 raise argparse.ArgumentTypeError(f"expected {wanted}, got {value!r}") from None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                action.type is int and isinstance(value, float)):
+            # As `--seed 1.0` is refused. Caught here, with the file and the flag in the message, not later as a
+            # bare "height must be an integer".
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value!r}")
     else:
         value = action.type(value)
     if action.choices is not None and value not in action.choices:
