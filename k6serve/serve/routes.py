@@ -49,6 +49,7 @@ from k6serve.serve.jobs import (
     JobStatus,
     JobStore,
     RequestIdConflict,
+    expires_at,
     is_expired,
 )
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -109,9 +110,11 @@ class ServerContext:
 router = APIRouter()
 
 
-def forget_job(store: JobStore, artifacts: ArtifactStore, job: Job) -> bool:
-    """Delete a finished job's record, its video and its uploads; False if it was already gone."""
-    if not store.delete(job.id):
+def forget_job(store: JobStore, artifacts: ArtifactStore, job: Job, *, gone_at: float | None = None) -> bool:
+    """Delete a finished job's record, its video and its uploads; False if it was already gone. `gone_at`: when
+    it ended, its `expires_at` for an expired job (a later request_id conflict counts its age from there, not from
+    the sweep that found it; default now)."""
+    if not store.delete(job.id, now=gone_at):
         return False
     files = [artifacts.output_path(job.output_file)] if job.output_file else []
     artifacts.remove([*files, *job.upload_files])
@@ -123,14 +126,15 @@ def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, 
     now = time.time() if now is None else now
     # expires_at <= now implies completed_at < now + 1 - ttl: a superset, which is_expired narrows.
     candidates = store.finished_before(now + 1 - ttl_s)
-    return sum(forget_job(store, artifacts, job) for job in candidates if is_expired(job, ttl_s, now))
+    return sum(forget_job(store, artifacts, job, gone_at=expires_at(job, ttl_s)) for job in candidates
+               if is_expired(job, ttl_s, now))
 
 
 def _live(ctx: ServerContext, job: Job | None) -> Job | None:
     """`job`, or None once it is past its `expires_at`: the sweep runs only every `cleanup_interval_s`, so an
     expired job met in between is deleted here, and every route answers as after the sweep."""
     if job is not None and is_expired(job, ctx.settings.output_ttl_s, time.time()):
-        forget_job(ctx.store, ctx.artifacts, job)
+        forget_job(ctx.store, ctx.artifacts, job, gone_at=expires_at(job, ctx.settings.output_ttl_s))
         return None
     return job
 

@@ -290,3 +290,16 @@ def test_openapi_matches_the_docs(fake_client):
     docs = DOCS.read_text()
     for name in form_fields:
         assert f"`{name}`" in docs, f"docs/http-api.md does not describe field {name}"
+
+
+def test_an_expired_jobs_id_conflict_counts_from_its_expiry_not_the_sweep(fake_server, fake_client):
+    from k6serve.serve.app import sweep_expired_once
+
+    body = {"prompt": "old", "size": "32x32", "num_frames": 5, "request_id": "old-1"}
+    assert wait_for(fake_client, fake_client.post("/v1/videos", json=body).json()["id"])["status"] == "completed"
+    fake_server.store.update("old-1", completed_at=time.time() - 7200)  # expired an hour ago with a 1 h TTL
+    assert sweep_expired_once(fake_server.store, fake_server.artifacts, ttl_s=3600) == 1
+    response = fake_client.post("/v1/videos", json={**body, "prompt": "new"})
+    assert response.status_code == 409
+    age = int(re.search(r"deleted \(or expired\) (\d+) s ago", response.json()["error"]["message"])[1])
+    assert 3590 <= age <= 3700  # it said "0 s ago": the sweep's time
