@@ -56,15 +56,18 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
                                 "downscale it: the model uses it at the video's size.", code=code,
                            param=param) from None
         except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files
-            raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG or WebP "
-                                "file.", code=code, param=param) from None
+            has_video, image_demuxer = _probe_video(path)
+            if has_video and image_demuxer is None:
+                # Said plainly: a generation model's input_reference is its conditioning image, whatever the upload
+                # was named or typed, and no generation model takes a video.
+                raise ApiError(400, f"{what} is a video, not an image: a generation model is conditioned on an "
+                                    "image (TI2AV); videos are the super-resolution model's input. Send a PNG, "
+                                    "JPEG, WebP or GIF image (a GIF gives its first frame).", code=code,
+                               param=param) from None
+            raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG, WebP or "
+                                "GIF file.", code=code, param=param) from None
         return
-    try:
-        with av.open(path, mode="r") as container:
-            has_video = bool(container.streams.video)
-            image_demuxer = still_image_demuxer(container)
-    except (av.error.FFmpegError, UnicodeDecodeError):
-        has_video = None
+    has_video, image_demuxer = _probe_video(path)
     if has_video and image_demuxer is not None:
         # FFmpeg shows a still image as a one-frame 25 fps video; the SR source reader refuses it, so refuse it now.
         raise ApiError(400, f"{what} is a still image (FFmpeg's {image_demuxer} demuxer), not a video; send a video "
@@ -73,3 +76,12 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
         problem = "has no video stream" if has_video is False else "is not a readable video"
         raise ApiError(400, f"{what} {problem}; send a video file such as an MP4, MKV, MOV or WebM.", code=code,
                        param=param)
+
+
+def _probe_video(path: str) -> tuple[bool | None, str | None]:
+    """(whether FFmpeg finds a video stream, None when it cannot open the file; the still-image demuxer's name)."""
+    try:
+        with av.open(path, mode="r") as container:
+            return bool(container.streams.video), still_image_demuxer(container)
+    except (av.error.FFmpegError, UnicodeDecodeError):
+        return None, None

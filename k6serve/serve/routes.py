@@ -298,8 +298,7 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
         for field_name, upload in form.files.items():
             target = FILE_FIELDS[field_name]
             if field_name == "input_reference":
-                target = input_reference_target(upload.content_type, upload.client_file_name,
-                                                super_resolution=ctx.variant.family == SUPER_RESOLUTION)
+                target = input_reference_target(super_resolution=ctx.variant.family == SUPER_RESOLUTION)
             if raw.get(target) is not None:
                 ctx.artifacts.remove(uploads)
                 raise ApiError(400, f"Send either the {field_name} upload or {target}, not both.",

@@ -21,7 +21,6 @@ from k6serve.serve.errors import ApiError
 from k6serve.serve.jobs import Job, JobStatus, expires_at
 
 FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
-_VIDEO_SUFFIXES = (".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".webm")
 # ASCII digits only: str.isdigit() also takes '²' and full-width digits, which int() then refuses or misreads.
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
 # A client-chosen job id is a URL path segment and the listing's paging cursor: no '/' or ':', and no leading '.'
@@ -175,22 +174,14 @@ def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float
     return frames
 
 
-def input_reference_target(content_type: str | None, file_name: str | None, *, super_resolution: bool) -> str:
-    """The request field an `input_reference` upload fills: decided by the served model first, then the file.
+def input_reference_target(*, super_resolution: bool) -> str:
+    """The request field an `input_reference` upload fills, decided by the served model alone: the source video on
+    the super-resolution model, the conditioning image on a generation model (which takes no video).
 
-    On the super-resolution model it is always the source video, whatever the client named or typed it (a file
-    called "clip" sent as application/octet-stream was refused as missing). On a generation model it is the
-    conditioning image, unless the upload says it is a video (a video/* type, or a video suffix without an image/*
-    type): that goes to video_path, whose error says it is for the super-resolution model. A GIF is an image here:
-    PIL reads its first frame (as a video suffix, it was refused even when sent as image/gif)."""
-    if super_resolution:
-        return "video_path"
-    content_type = (content_type or "").lower()
-    name = (file_name or "").lower()
-    if content_type.startswith("image/") or name.endswith(".gif"):
-        return "image_path"
-    is_video = content_type.startswith("video/") or name.endswith(_VIDEO_SUFFIXES)
-    return "video_path" if is_video else "image_path"
+    Not by the client's file name or type: a GIF sent as image/gif was refused as a video, and an SR source called
+    "clip" sent as application/octet-stream as missing. What the bytes are is checked next (`check_readable`), which
+    says when an image was expected and a video came."""
+    return "video_path" if super_resolution else "image_path"
 
 
 _LORA_BODY_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -109,15 +109,25 @@ def test_input_reference_follows_the_served_model(tmp_path, fake_server, fake_cl
         server.stop()
 
 
-def test_input_reference_target_rules():
-    from k6serve.serve.schemas import input_reference_target
+def test_input_reference_is_the_image_on_a_generation_model_whatever_its_name_or_type(tmp_path, fake_client):
+    from k6serve.testing.clips import make_clip
 
-    assert input_reference_target("video/mp4", "a.png", super_resolution=False) == "video_path"
-    assert input_reference_target(None, "a.mp4", super_resolution=False) == "video_path"
-    assert input_reference_target("image/png", "a.mp4", super_resolution=False) == "image_path"
-    assert input_reference_target(None, "a.GIF", super_resolution=False) == "image_path"
-    assert input_reference_target(None, None, super_resolution=False) == "image_path"
-    assert input_reference_target("image/png", "a.png", super_resolution=True) == "video_path"
+    clip = make_clip(tmp_path / "clip.mp4", width=32, height=32, num_frames=9, fps=24).read_bytes()
+    # A video is named as such, whatever the upload says: it was routed to video_path by its name or type and
+    # refused as "video_path is for the super-resolution model", a field the client never sent.
+    for name, content_type in (("clip.mp4", "video/mp4"), ("clip", "application/octet-stream"),
+                               ("still.png", "image/png")):
+        response = fake_client.post("/v1/videos", data={"prompt": "x"},
+                                    files={"input_reference": (name, clip, content_type)})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_upload", "input_reference")
+        assert "is a video, not an image" in error["message"] and "super-resolution" in error["message"]
+        assert "video_path" not in error["message"]
+    response = fake_client.post("/v1/videos", data={"prompt": "x"},
+                                files={"input_reference": ("a.mp4", b"neither image nor video", "video/mp4")})
+    assert response.status_code == 400
+    assert "is not a readable image" in response.json()["error"]["message"]
 
 
 def test_sr_fields_are_refused_by_a_generation_model(fake_client):
