@@ -374,7 +374,9 @@ class ModelWorker:
             raise RuntimeError("this worker's memory is released: resume it before running a request")
         request, notes = self.resolve(params)
         for note in notes:
-            logger.warning(note)
+            # DEBUG: the notes travel with the result (the CLI prints them as "note:", the server's job shows them
+            # as `warnings`); logged at WARNING too, the CLI showed each twice.
+            logger.debug(note)
         warmup_s = None
         if self.config.runtime.warmup_mode == "request" and not self.warmed_up:
             warmup_s = self._warmup(params)

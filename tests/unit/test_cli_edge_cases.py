@@ -690,3 +690,14 @@ def test_debug_prints_the_traceback_above_a_user_error_too(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
     assert err.strip().splitlines()[-1].startswith("error: fps must be between 1 and 240")
+
+
+def test_the_progress_bar_draws_each_step_once_at_an_honest_rate(in_process_cli, tmp_path, capsys):
+    assert main([*in_process_cli, "--num-inference-steps", "4", "--output-path", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    draws = re.findall(r"denoising: +\d+%\|[^|]*\| (\d+)/(\d+) \[[^,\]]*(?:, *([0-9.]+)step/s)?", err)
+    steps = [int(done) for done, _, _ in draws]
+    # The final step is reported again at the decode's chunk boundaries: drawn once (plus tqdm's closing redraw).
+    assert steps[-1] == 4 and steps.count(4) <= 2 and steps == sorted(steps), draws
+    # The bar opens at the first step: that step is not counted in the rate (it read 190,000 step/s).
+    assert all(float(rate) < 1000 for _, _, rate in draws if rate), draws
