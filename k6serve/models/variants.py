@@ -276,11 +276,12 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if (rounded - 1) // 4 + 1 > 128:
         raise ValueError(f"num_frames {num_frames} gives more than 128 latent frames; use at most 509.")
     fps = float(params.fps if params.fps is not None else variant.fps)
-    # The model has no fps input: fps only sets the soundtrack's length, num_frames / fps seconds. Below 1 fps a
-    # clip's audio grows without bound (1e-9 fps asked for 23 TB), so 1 is the floor.
+    # The model has no fps input: fps only sets the soundtrack's length, num_frames / fps seconds (1e-9 fps asked
+    # for 23 TB of audio noise). 1 is the floor of a frame rate; the audio length itself is bounded just below.
     if not (1 <= fps <= 240) or not math.isfinite(fps):
         raise ValueError(f"fps must be between 1 and 240 (it sets the audio length, num_frames / fps seconds), "
                          f"got {params.fps}")
+    _check_audio_length(rounded, fps)
     steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
     if steps < 1 or steps > 1000:
         raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
@@ -329,6 +330,31 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         loras=loras,
     )
     return request, notes
+
+
+# The audio stream of every released checkpoint (and the demo): MMAudio at 44.1 kHz, one latent per 2 x 512 samples
+# (k6-generation.md §3.4), and a 1-D RoPE table of 2048 positions (models/common/rope.py MAX_SEQUENCE_POSITIONS).
+# Kept here as numbers so validation needs neither torch nor the weights; test_variants checks they agree.
+AUDIO_SAMPLE_RATE = 44100
+AUDIO_LATENT_HOP_LENGTH = 1024
+AUDIO_MAX_POSITIONS = 2048
+
+
+def _check_audio_length(num_frames: int, fps: float) -> None:
+    """The soundtrack, num_frames / fps seconds, must fit the DiT's audio positions (47.5 s), as the video fits its
+    128 latent frames. Past them the transformer refuses the request, but only in the worker, after the text
+    encoders ran; here it is refused with the request, and says which fps or frame count fits."""
+    latents = math.ceil(num_frames / fps * AUDIO_SAMPLE_RATE / AUDIO_LATENT_HOP_LENGTH)  # prepare_latents' length
+    if latents <= AUDIO_MAX_POSITIONS:
+        return
+    max_seconds = AUDIO_MAX_POSITIONS * AUDIO_LATENT_HOP_LENGTH / AUDIO_SAMPLE_RATE
+    min_fps = math.ceil(num_frames / max_seconds * 100) / 100
+    max_frames = (math.floor(max_seconds * fps) - 1) // 4 * 4 + 1
+    raise ValueError(
+        f"num_frames {num_frames} at fps {fps:g} is {num_frames / fps:.1f} s of audio, longer than the model's "
+        f"audio positions allow ({max_seconds:.1f} s: {AUDIO_MAX_POSITIONS} latents, this clip needs {latents}); "
+        f"raise fps to at least {min_fps:g}, or lower num_frames to at most {max_frames}."
+    )
 
 
 def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:

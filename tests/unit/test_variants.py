@@ -159,3 +159,35 @@ def test_openai_size_is_width_first():
 def test_unknown_sampling_parameter_lists_valid_ones():
     with pytest.raises(ValueError, match="Unknown sampling parameter.*'prompt'"):
         SamplingParams.from_kwargs({"promt": "typo"})
+
+
+def test_a_soundtrack_longer_than_the_audio_positions_is_refused_with_the_request():
+    # 509 frames at 10 fps is 50.9 s of audio, 2193 latents: the DiT's audio RoPE table holds 2048, and the worker
+    # refused it only after the text encoders ran ("reduce the input size"). Refused here, with what fits.
+    with pytest.raises(ValueError, match=r"num_frames 509 at fps 10 is 50\.9 s of audio.*2048 latents, this clip "
+                                         r"needs 2193.*fps to at least 10\.71, or lower num_frames to at most 473"):
+        resolve_generate(SamplingParams(prompt="a", num_frames=509, fps=10), VARIANTS["pro"])
+    # At the bounds it names, and at 1 fps with a short clip, the request resolves.
+    for num_frames, fps in ((509, 10.71), (473, 10), (45, 1), (509, 24)):
+        request, _ = resolve_generate(SamplingParams(prompt="a", num_frames=num_frames, fps=fps), VARIANTS["pro"])
+        assert (request.num_frames, request.fps) == (num_frames, fps)
+    with pytest.raises(ValueError, match="lower num_frames to at most 45"):
+        resolve_generate(SamplingParams(prompt="a", num_frames=49, fps=1), VARIANTS["pro"])
+
+
+def test_the_audio_bound_is_the_pipelines_length_and_the_models_rope_table():
+    from k6serve.models import variants
+    from k6serve.models.common.rope import MAX_SEQUENCE_POSITIONS
+    from k6serve.pipelines.prepare_latents import audio_latent_length
+    from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
+
+    assert variants.AUDIO_MAX_POSITIONS == MAX_SEQUENCE_POSITIONS
+    audio_vae = json.loads((ensure_demo_checkpoint() / "audio_vae" / "config.json").read_text())
+    assert audio_vae["sample_rate"] == variants.AUDIO_SAMPLE_RATE
+    assert 2 * audio_vae["hop_length"] == variants.AUDIO_LATENT_HOP_LENGTH  # MMAudioVAE.latent_hop_length
+    # The largest clip the check lets through is exactly the pipeline's longest audio that fits the table.
+    request, _ = resolve_generate(SamplingParams(prompt="a", num_frames=473, fps=10), VARIANTS["pro"])
+    length = audio_latent_length(request.num_latent_frames, request.fps, variants.AUDIO_SAMPLE_RATE,
+                                 variants.AUDIO_LATENT_HOP_LENGTH)
+    assert length <= MAX_SEQUENCE_POSITIONS < audio_latent_length(128, 10, variants.AUDIO_SAMPLE_RATE,
+                                                                  variants.AUDIO_LATENT_HOP_LENGTH)
