@@ -10,10 +10,11 @@ import errno
 import hmac
 import logging
 import os
+import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,27 @@ def uvicorn_server(config: Any, on_exit: Callable[[], None]) -> Any:
     return Server(config)
 
 
+class _Terminated(Exception):
+    """SIGTERM's counterpart of KeyboardInterrupt, raised once uvicorn has shut down (see `_sigterm_raises`)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """After its graceful shutdown uvicorn raises the signal it handled again, for the handler that was there before
+    it. For SIGINT that is a KeyboardInterrupt; for SIGTERM the default handler ended the process on the spot, before
+    the engine's shutdown and the job store's close in `serve`. Here SIGTERM raises instead, and `serve` returns 0
+    as after Ctrl-C."""
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound and listening before the model loads: a port in use or a host that is not this
     machine's fails at once with the fix (a ValueError), not after minutes of loading as uvicorn's own bind did.
@@ -246,7 +268,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
                     port, settings.job_store_path, artifacts.root)
         server = uvicorn_server(uvicorn.Config(app, host=settings.host, port=port, log_level="info",
                                                timeout_graceful_shutdown=10), on_exit=app.state.ctx.runner.stop)
-        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it handled; uvicorn.run does this
+        with _sigterm_raises(), contextlib.suppress(KeyboardInterrupt, _Terminated):
             server.run(sockets=[sock])
     finally:
         sock.close()

@@ -53,7 +53,7 @@ from k6serve.serve.jobs import (
     is_expired,
 )
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
-from k6serve.serve.runner import JobRunner, QueueFull
+from k6serve.serve.runner import JobRunner, QueueFull, ServerShuttingDown
 from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
@@ -535,6 +535,8 @@ async def _lora_answer(submit) -> JSONResponse:
         result = await asyncio.wrap_future(submit())
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_lora", param=_lora_error_param(str(exc))) from None
+    except ServerShuttingDown as exc:
+        raise ApiError(503, str(exc), code="shutting_down") from None
     except Exception as exc:
         logger.exception("LoRA operation failed")
         raise ApiError(500, f"{type(exc).__name__}: {exc}", code="lora_failed") from None
@@ -599,6 +601,8 @@ async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
         result = await asyncio.wrap_future(ctx.runner.submit_memory(operation))
     except ValueError as exc:
         raise ApiError(400, str(exc), code="unsupported_layout") from None
+    except ServerShuttingDown as exc:
+        raise ApiError(503, str(exc), code="shutting_down") from None
     except Exception as exc:
         logger.exception("%s failed", type(operation).__name__)
         raise ApiError(500, f"{type(exc).__name__}: {exc}", code="memory_operation_failed") from None

@@ -60,6 +60,14 @@ DIED_TWICE = (
 )
 
 
+class ServerShuttingDown(RuntimeError):
+    """A LoRA or memory operation refused (or dropped while it waited) because the server is stopping: answered 503,
+    not as a failed operation, since nothing was tried and another server (or this one restarted) can take it."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"The server is shutting down; the {what} did not run. Retry once it is back.")
+
+
 class QueueFull(Exception):
     def __init__(self, queued: int) -> None:
         super().__init__(queued)
@@ -155,7 +163,7 @@ class JobRunner:
             self._wake.notify_all()
         for lora in pending:
             if lora.future.set_running_or_notify_cancel():
-                lora.future.set_exception(RuntimeError("The server is shutting down; the LoRA operation did not run."))
+                lora.future.set_exception(ServerShuttingDown("LoRA operation"))
         deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
@@ -182,7 +190,7 @@ class JobRunner:
         """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
         with self._lock:
             if self._stopping:
-                raise RuntimeError("The server is shutting down; the LoRA operation did not run.")
+                raise ServerShuttingDown("LoRA operation")
             after = set(self.store.queued_ids()) | set(self._running)
             pending = PendingLora(operation, frozenset(after))
             self._pending_loras.append(pending)
@@ -193,7 +201,7 @@ class JobRunner:
         """Send a memory release or resume to the engine now (see the module docstring); the future holds its reply."""
         with self._lock:
             if self._stopping:
-                raise RuntimeError("The server is shutting down; the memory operation did not run.")
+                raise ServerShuttingDown("memory operation")
             # Under the lock that dispatching holds: every job already handed to the engine is ahead of the release.
             releasing = isinstance(operation, ReleaseMemory)
             self._num_releasing += releasing

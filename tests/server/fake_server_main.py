@@ -1,6 +1,9 @@
 """Runs a fake-worker server in its own process, for the tests that kill the server (SIGKILL) and restart it.
 
-    python fake_server_main.py ROOT PORT_FILE [--release-holds]
+    python fake_server_main.py ROOT PORT_FILE [--release-holds] [--through-serve]
+
+--through-serve runs `k6serve.serve.app.serve`, the `k6serve serve` entry point, with only the model replaced by the
+fake worker: its uvicorn server, signal handling and shutdown are the real ones (for the SIGTERM tests).
 """
 
 from __future__ import annotations
@@ -11,11 +14,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import start_server
+from harness import FakeWorker, start_server
+
+
+def serve_with_fake_worker(root: Path, port_file: Path) -> None:
+    from k6serve.models.variants import VARIANTS
+    from k6serve.runtime.engine import Engine
+    from k6serve.serve import app as app_module
+
+    worker = FakeWorker(VARIANTS["pro-distill"])
+    app_module.Engine = lambda config: Engine(config, worker=worker)
+    bind = app_module.listening_socket
+
+    def bind_a_free_port(host: str, port: int):
+        sock = bind(host, 0)  # listening from here on: a client that connects now waits in the backlog
+        port_file.write_text(f"http://{host}:{sock.getsockname()[1]}")
+        return sock
+
+    app_module.listening_socket = bind_a_free_port
+    app_module.serve({"model_path": "fake-k6-model"}, {"output_path": str(root / "outputs")})
 
 
 def main() -> None:
     root, port_file = Path(sys.argv[1]), Path(sys.argv[2])
+    if "--through-serve" in sys.argv:
+        serve_with_fake_worker(root, port_file)
+        return
     server = start_server(root)
     if "--release-holds" in sys.argv:
         server.worker.release.set()

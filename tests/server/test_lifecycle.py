@@ -498,6 +498,44 @@ def test_serve_cli_flags_become_settings(monkeypatch):
         settings_from_options({"max_queued_jobs": 0})
 
 
+def test_sigterm_stops_the_running_job_at_once_and_answers_a_waiting_lora_call_in_json(tmp_path):
+    # Through `k6serve serve`'s own entry point and a real signal. uvicorn first waits up to its 10 s graceful timeout
+    # for requests in flight (a LoRA call queued behind jobs is one) and only then let the runner stop: the running
+    # job kept running, the exit took ~12 s, and the LoRA caller got a text/plain 500 when uvicorn cancelled it.
+    process, url = _spawn(tmp_path, "--through-serve")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
+            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, running["id"], ("in_progress",))
+            queued = client.post("/v1/videos", json={"prompt": "next", **SMALL}).json()
+            with ThreadPoolExecutor(1) as pool:
+                lora = pool.submit(client.post, "/v1/unmerge_lora_weights")
+                time.sleep(1.0)  # the LoRA call waits behind both jobs
+                assert not lora.done()
+                signalled = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                answer = lora.result(timeout=30)
+                answered_s = time.monotonic() - signalled
+            process.wait(30)
+            exited_s = time.monotonic() - signalled
+        assert answer.status_code == 503 and answer.headers["content-type"] == "application/json", answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "shutting_down" and "The server is shutting down" in error["message"]
+        assert answered_s < 5 and exited_s < 8, (answered_s, exited_s)  # not after uvicorn's 10 s wait
+        assert process.returncode == 0
+        store = SqliteJobStore(tmp_path / "outputs" / "jobs.sqlite3")
+        try:
+            stopped = store.get(running["id"])  # stopped at a step and re-queued, not counted as an attempt
+            assert (stopped.status, stopped.attempts) == (JobStatus.QUEUED, 0)
+            assert store.get(queued["id"]).status == JobStatus.QUEUED
+        finally:
+            store.close()
+    finally:
+        process.kill()
+        process.wait(10)
+
+
 def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
     # uvicorn would first wait up to timeout_graceful_shutdown for requests in flight (a LoRA request queued behind
     # a running job is one), then stop the runner; the server stops it at the signal instead.
