@@ -214,3 +214,38 @@ def test_a_port_in_use_or_a_bad_host_fails_before_the_model_loads(tmp_path, monk
         assert sock.getsockname()[1] > 0
     finally:
         sock.close()
+
+
+def test_a_killed_worker_process_makes_health_503_and_new_work_is_refused(server_distill_dir, tmp_path):
+    # The audit's reproduction: kill -9 of the engine's spawned worker. /health said "ok", jobs were accepted with
+    # 200 and then failed, the first one blamed on a replica that "died while running it", and the LoRA and memory
+    # routes answered 500.
+    engine = Engine(build_engine_config(str(server_distill_dir), device="cpu"))
+    server = start_server(tmp_path, engine=engine)
+    try:
+        with server.client() as client:
+            assert client.get("/health").json() == {"status": "ok", "memory_released": False}
+            before = wait_for(client, client.post("/v1/videos", json=REQUEST).json()["id"], timeout=120)
+            assert before["status"] == "completed"
+            [pid] = engine.worker.pids.values()
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (health := client.get("/health")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert health.status_code == 503, health.text
+            body = health.json()
+            assert body["status"] == "unavailable" and "restart the server" in body["message"]
+            [note] = body["dead_replicas"]
+            assert f"pid {pid}" in note and "code -9" in note and "idle" in note
+            for method, path, kwargs in (("POST", "/v1/videos", {"json": REQUEST}),
+                                         ("POST", "/v1/set_lora", {"json": {"lora_nickname": "a"}}),
+                                         ("GET", "/v1/list_loras", {}),
+                                         ("POST", "/release_memory_occupation", {})):
+                refused = client.request(method, path, **kwargs)
+                assert refused.status_code == 503, (path, refused.text)
+                assert refused.json()["error"]["code"] == "engine_unavailable"
+            # What ran before the death is still listed and served.
+            assert client.get(f"/v1/videos/{before['id']}/content").status_code == 200
+            assert [job["id"] for job in client.get("/v1/videos").json()["data"]] == [before["id"]]
+    finally:
+        server.stop()
