@@ -122,9 +122,12 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
             if isinstance(raw[name], str):
                 try:
                     raw = {**raw, name: json.loads(raw[name])}
-                except (json.JSONDecodeError, RecursionError):
+                except json.JSONDecodeError:
                     raise ApiError(400, f"{name} must be a JSON object, got {raw[name][:200]!r}.",
                                    code="invalid_parameter", param=name) from None
+                except RecursionError:  # valid JSON, but the decoder recurses once per level
+                    raise ApiError(400, f"{name} is nested too deeply; it takes one JSON object of settings, a few "
+                                        "levels at most.", code="invalid_parameter", param=name) from None
     return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error,
                            bool_fields=frozenset(_BOOL_FIELDS), form=form)
 

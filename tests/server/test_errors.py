@@ -103,7 +103,8 @@ def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake
     deep = b'{"prompt": "x", "cache_dit_params": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}"
     _assert_error(fake_client.post("/v1/videos", content=deep), 400, code="invalid_json", contains="nested")
     form_deep = {"prompt": "x", "cache_dit_params": '{"a": ' * 5000 + "1" + "}" * 5000}
-    _assert_error(fake_client.post("/v1/videos", data=form_deep), 400, param="cache_dit_params")
+    _assert_error(fake_client.post("/v1/videos", data=form_deep), 400, param="cache_dit_params",
+                  contains="nested too deeply")
     _assert_error(fake_client.post("/v1/videos", content=b"\xff\xfe", headers={"Content-Type": "application/json"}),
                   400, code="invalid_json")
     _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
