@@ -224,6 +224,33 @@ def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_c
     assert wait_for(fake_client, later["id"])["status"] == "completed"
 
 
+def test_a_local_folder_is_named_by_the_released_checkpoint_it_is_for_both_families(server_distill_dir, server_vsr_dir,
+                                                                                     tmp_path):
+    # The audit saw the local SR folder listed as the hub id and took it for a slip, next to the demo's "demo". The
+    # rule is one for both families: a folder recognised as a released checkpoint is listed by that release's id
+    # (`root` keeps the path, and the folder's name is accepted as `model`); only the built-in demo, which is no
+    # release, goes by its own name.
+    from k6serve.api import build_engine_config
+    from k6serve.models.variants import recognise
+    from k6serve.runtime.engine import Engine
+
+    for folder, hub_id in ((server_distill_dir, "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"),
+                           (server_vsr_dir, "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers")):
+        variant = recognise(str(folder), None, folder)
+        engine = Engine(build_engine_config(str(folder), device="cpu"), worker=FakeWorker(variant))
+        server = start_server(tmp_path / variant.name, engine=engine)
+        try:
+            with server.client() as client:
+                [card] = client.get("/v1/models").json()["data"]
+                assert (card["id"], card["root"]) == (hub_id, str(folder))
+                body = ({"prompt": "x", "size": "32x32", "num_frames": 5} if variant.family == "generation"
+                        else {"video_path": "missing.mp4"})
+                answer = client.post("/v1/videos", json={**body, "model": folder.name})
+                assert (answer.json().get("error") or {}).get("param") != "model", answer.text
+        finally:
+            server.stop()
+
+
 def test_models_health_metrics(fake_client):
     models = fake_client.get("/v1/models").json()
     assert models["object"] == "list"
