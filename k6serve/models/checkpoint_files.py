@@ -48,21 +48,37 @@ def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
         )
     else:
         folder = _download(model_path, revision)
-        fix = f"download it again: hf download {model_path} --force-download"
-    check_safetensors_files(folder, fix)
+        pinned = f" --revision {revision}" if revision else ""
+        fix = f"download it again: hf download {model_path}{pinned} --force-download"
+    check_checkpoint_files(folder, fix)
     return folder
 
 
-def check_safetensors_files(folder: Path, fix: str) -> None:
-    """Every .safetensors file's header parses and its tensors' bytes are all there; else a CheckpointError.
+def check_checkpoint_files(folder: Path, fix: str) -> None:
+    """Every .safetensors file's header parses and its tensors' bytes are all there, and every .json file parses;
+    else a CheckpointError naming the file, with `fix`.
 
     An interrupted copy or download leaves a truncated file, which safetensors (and diffusers / transformers
-    through it) would only report deep inside a worker's load, as an internal error. Reading the headers costs a
-    few KiB per file, so the check runs before anything loads."""
-    for path in sorted(folder.rglob("*.safetensors")):
-        problem = _safetensors_problem(path)
+    through it) would only report deep inside a worker's load, as an internal error, and a truncated config as a
+    bare JSON message naming no file. Reading the headers and the configs costs a few MiB at most (the tokenizers'
+    JSON), so the check runs before anything loads."""
+    for path in sorted(folder.rglob("*")):
+        if path.suffix == ".safetensors":
+            problem = _safetensors_problem(path)
+        elif path.suffix == ".json" and path.is_file():
+            problem = _json_problem(path)
+        else:
+            continue
         if problem is not None:
             raise CheckpointError(f"{path} is damaged ({problem}), e.g. by an interrupted download; {fix}.")
+
+
+def _json_problem(path: Path) -> str | None:
+    try:
+        json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        return f"not valid JSON: {exc}"
+    return None
 
 
 def _safetensors_problem(path: Path) -> str | None:
@@ -180,7 +196,10 @@ def safetensors_files(component_dir: Path) -> list[Path]:
     """The weight files of one component: a single file, or the shards named by an index file."""
     indexes = sorted(component_dir.glob("*.safetensors.index.json"))
     if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        weight_map = read_json_file(indexes[0]).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{indexes[0]} has no weight_map object naming the shards; restore it from the "
+                                  "checkpoint's source (copy or download the checkpoint again).")
         files = sorted({component_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

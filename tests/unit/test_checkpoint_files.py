@@ -125,3 +125,44 @@ def test_a_broken_json_file_is_named_with_the_fix(tmp_path):
     (tmp_path / "model_index.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="should hold a JSON object, not list"):
         variant_from_folder(tmp_path)
+
+
+def test_a_truncated_config_is_named_when_the_checkpoint_is_resolved(tmp_path):
+    # A config cut short by an interrupted copy: only the loader that read it failed, later, and for configs read by
+    # diffusers / transformers (or k6serve's own transformer and SR readers) without naming the file.
+    _checkpoint_with_weights(tmp_path)
+    config = tmp_path / "text_encoder" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"hidden_size": 3584, "num_hidden')
+    with pytest.raises(CheckpointError, match=r"text_encoder/config\.json is damaged \(not valid JSON: .*\), e\.g\. "
+                                              r"by an interrupted download; copy or download it again"):
+        resolve_checkpoint(str(tmp_path))
+
+
+def test_a_hub_checkpoints_fix_is_the_forced_download_of_its_revision(tmp_path, monkeypatch):
+    from k6serve.models import checkpoint_files
+
+    path = _checkpoint_with_weights(tmp_path)
+    path.write_bytes(path.read_bytes()[:-4])
+    monkeypatch.setattr(checkpoint_files, "_download", lambda repo_id, revision: tmp_path)
+    with pytest.raises(CheckpointError, match="hf download org/repo --revision v2 --force-download"):
+        resolve_checkpoint("org/repo", "v2")
+
+
+def test_every_reader_of_a_checkpoints_json_names_the_file(tmp_path):
+    from k6serve.models.kandinsky6.checkpoint import load_transformer
+    from k6serve.models.kandinsky6_sr.checks import read_tensor_shapes
+    from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
+
+    (tmp_path / "config.json").write_text("{bad")
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        load_transformer(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON .*download the checkpoint again"):
+        SRTransformerConfig.from_json_file(tmp_path / "config.json")
+    # A shard index without its weight_map was a KeyError: an internal error (exit 70).
+    index = tmp_path / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match="has no weight_map object naming the shards"):
+        load_state_dict(tmp_path)
+    with pytest.raises(CheckpointError, match=r"names no shard for \['w'\]"):
+        read_tensor_shapes(tmp_path, ["w"])

@@ -10,7 +10,6 @@ random weights directly on the target device in the target dtype (never an fp32 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from k6serve.models.checkpoint_files import (
     check_state_dict,
     load_state_dict,
     read_component_config,
+    read_json_file,
     read_model_index,
     require_components,
 )
@@ -101,7 +101,7 @@ def load_generation_models(
 
 
 def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Kandinsky6Transformer:
-    config_dict = json.loads((component_dir / "config.json").read_text())
+    config_dict = read_json_file(component_dir / "config.json")
     config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
     with torch.device("meta"):
         model = Kandinsky6Transformer(config)

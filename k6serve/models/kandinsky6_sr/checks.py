@@ -8,12 +8,12 @@ safetensors headers only, so it fails before any weight is loaded or any pixel i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from safetensors import safe_open
 
+from k6serve.models.checkpoint_files import CheckpointError, read_json_file
 from k6serve.models.kandinsky6_sr.config import SRSchedulerConfig, SRTransformerConfig
 from k6serve.models.kandinsky6_sr.released_configs import DISTILLED_REPO, KNOWN_BAD_FLOW_REVISION
 
@@ -65,7 +65,11 @@ def read_tensor_shapes(component_dir: Path, names: Sequence[str]) -> dict[str, t
     """Shapes of the named tensors from safetensors headers (no tensor data is read)."""
     index_path = component_dir / "diffusion_pytorch_model.safetensors.index.json"
     if index_path.exists():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = read_json_file(index_path).get("weight_map")
+        unnamed = [name for name in names if not isinstance(weight_map, dict) or name not in weight_map]
+        if unnamed:
+            raise CheckpointError(f"{index_path} names no shard for {unnamed}; copy or download the checkpoint "
+                                  "again.")
         files = {name: component_dir / weight_map[name] for name in names}
     else:
         files = {name: component_dir / "diffusion_pytorch_model.safetensors" for name in names}

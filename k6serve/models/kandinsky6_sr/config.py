@@ -8,10 +8,11 @@ value that changes the computation is read from those keys here; nothing falls b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from k6serve.models.checkpoint_files import read_json_file
 
 # R `constants.py::RESOLUTIONS`: the HR tile sizes (height, width) the DiT was trained on, per `visual_size`.
 RESOLUTIONS: dict[int, tuple[tuple[int, int], ...]] = {512: ((512, 512), (512, 768), (768, 512))}
@@ -38,9 +39,8 @@ _SR_PARAMS_KEYS = frozenset(
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
-    """Read one component config file."""
-    with open(path, encoding="utf-8") as file:
-        return json.load(file)
+    """Read one component config file; a damaged one is a CheckpointError naming it, with the fix."""
+    return read_json_file(Path(path))
 
 
 def _reject_unknown(raw: dict[str, Any], known: frozenset[str], where: str) -> None:
