@@ -56,16 +56,17 @@ def format_summary(result) -> str:
 def _variant_before_loading(engine_options: dict[str, Any]):
     """The variant the worker will recognise, where that needs no download (a local folder, the demo, a released
     hub id, --model-id, --load-format dummy); None otherwise, or when recognition fails: the engine then reports
-    it while loading, as without this look-ahead."""
+    it while loading, as without this look-ahead. A local folder with a damaged file (a truncated weight file or
+    config) is refused here, before the workers start."""
     from k6serve.models.checkpoint_files import resolve_checkpoint
     from k6serve.models.variants import recognise
 
     model_path, model_id = engine_options["model_path"], engine_options.get("model_id")
+    folder = None
+    if engine_options.get("load_format") != "dummy" and (model_path == "demo" or Path(model_path).expanduser()
+                                                         .exists()):
+        folder = resolve_checkpoint(model_path)
     try:
-        folder = None
-        if engine_options.get("load_format") != "dummy" and (model_path == "demo" or Path(model_path).expanduser()
-                                                             .exists()):
-            folder = resolve_checkpoint(model_path)
         return recognise(model_path, model_id, folder)
     except ValueError:
         return None

@@ -701,3 +701,18 @@ def test_the_progress_bar_draws_each_step_once_at_an_honest_rate(in_process_cli,
     assert steps[-1] == 4 and steps.count(4) <= 2 and steps == sorted(steps), draws
     # The bar opens at the first step: that step is not counted in the rate (it read 190,000 step/s).
     assert all(float(rate) < 1000 for _, _, rate in draws if rate), draws
+
+
+def test_cli_a_damaged_local_checkpoint_is_refused_before_the_workers_start(no_model_load, capsys, tmp_path):
+    import shutil
+
+    from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
+
+    folder = tmp_path / "ck"
+    shutil.copytree(ensure_demo_checkpoint(), folder)
+    (folder / "k6serve_demo.json").unlink()  # routed by its model_index.json, as a real checkpoint
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # an interrupted copy
+    assert main(["generate", "--model-path", str(folder), "--prompt", "x", "--no-save-output"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {weights} is damaged" in err and "copy or download it again" in err
