@@ -7,6 +7,7 @@ RGB); PIL images passed in are only converted to RGB, as diffusers' pipeline doe
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import PIL.Image
@@ -66,10 +67,14 @@ def _open_image_file(path: Path) -> PIL.Image.Image:
             return PIL.ImageOps.exif_transpose(opened)
     except PIL.Image.DecompressionBombError as exc:
         # Not an OSError: PIL refuses to decode more than twice its MAX_IMAGE_PIXELS (a guard against files that
-        # expand to gigabytes). The image is readable, only too large for a conditioning frame.
+        # expand to gigabytes). The image is readable, only too large for a conditioning frame. PIL's message is
+        # the only place its pixel count is told ("Image size (N pixels) exceeds limit of M pixels, ...").
+        counts = re.findall(r"(\d+) pixels", str(exc))
+        size = (f"{int(counts[0]):,} pixels, limit {int(counts[1]):,}" if len(counts) == 2
+                else f"over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0):,} pixels")
         raise ValueError(
-            f"cannot read conditioning image {str(path)!r}: it is too large ({exc}); downscale it (the model "
-            "uses it at the video's size, e.g. 768x512)"
+            f"conditioning image {str(path)!r} is too large ({size}); downscale it (the model uses it at the "
+            "video's size, e.g. 768x512)"
         ) from exc
     except (PIL.UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(
