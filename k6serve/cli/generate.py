@@ -17,6 +17,7 @@ from k6serve.api import (
     split_kwargs,
     unsaved_output_keys,
 )
+from k6serve.models.variants import GENERATION
 from k6serve.request import SamplingParams
 
 
@@ -81,7 +82,7 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
     variant = _variant_before_loading(engine_options)
     if variant is None:
         return
-    from k6serve.models.variants import GENERATION, resolve_generate, resolve_upscale
+    from k6serve.models.variants import resolve_generate, resolve_upscale
 
     config = build_engine_config(**engine_options)
     if variant.family == GENERATION:
@@ -92,10 +93,24 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
 
             load_conditioning_image(request.image_path, request.height, request.width)
     else:
+        _refuse_text_for_upscaling(params)
         request, _ = resolve_upscale(params, variant)
         from k6serve.media.container import open_input
 
         open_input(request.video_path).close()
+
+
+def _refuse_text_for_upscaling(params: SamplingParams) -> None:
+    """--prompt / --negative-prompt with the super-resolution model: refused on the command line, as every other
+    flag of the generation models is. The shared resolver only notes the prompt as ignored, for HTTP clients
+    (OpenAI's SDK, ComfyUI) that send one with every video request; a flag typed for this run that does nothing
+    is more likely a wrong --model-path."""
+    given = [flag for flag, value in (("--prompt", params.prompt), ("--negative-prompt", params.negative_prompt))
+             if value]
+    if given:
+        raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the generation "
+                         "models; the super-resolution model upscales --video-path and takes no text: drop "
+                         f"{' and '.join(given)}, or pass a generation checkpoint as --model-path.")
 
 
 def _checked_output_options(request_options: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +147,8 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     bar = None
     try:
         variant = generator.variant
+        if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
+            _refuse_text_for_upscaling(params)
         if variant.is_demo:
             print("note: using the built-in tiny demo checkpoint: its weights are random, so the video and audio "
                   "are noise. Pass --model-path with a real Kandinsky 6 checkpoint for real output.", file=sys.stderr)

@@ -125,6 +125,12 @@ def no_model_load(monkeypatch):
          "cannot read conditioning image 'missing.png': it does not exist"),
         ("sr", ["--video-path", "missing.mp4"], "cannot read media file 'missing.mp4': it does not exist"),
         ("sr", ["--video-path", "clip.mp4", "--sr-resolution-scale", "3"], "sr_resolution_scale must be 2, 4 or 2.25"),
+        # Only a note after the load before, while the generation models' other flags were refused up front.
+        ("sr", ["--video-path", "clip.mp4", "--prompt", "x"],
+         "--prompt applies to the generation models; the super-resolution model upscales --video-path and takes no "
+         "text: drop --prompt"),
+        ("sr", ["--video-path", "clip.mp4", "--negative-prompt", "y", "--prompt", "x"],
+         "--prompt and --negative-prompt apply to the generation models"),
         # Refused by the SR pipeline before any DiT call, but only once the model had loaded.
         ("sr", ["--video-path", "clip.mp4", "--sr-target-resolution", "101x100"],
          "sr_target_resolution '101x100' has an odd side; H.264 needs even width and height: use 102x100 or 100x100"),
