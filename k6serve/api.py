@@ -63,8 +63,14 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]:
-    kwargs = dict(kwargs)
-    output = fspath_values({k: kwargs.pop(k) for k in list(kwargs) if k in _OUTPUT_KEYS})
+    kwargs = fspath_values(kwargs)
+    _refuse_image_objects(kwargs.get("image_path"))
+    for key in ("image_path", "video_path", "output_path"):
+        if isinstance(kwargs.get(key), str) and kwargs[key].startswith("~"):
+            # A shell expands ~ on the command line; in Python (or a --config file) it reached mkdir as a folder
+            # literally named "~", or an input as "does not exist". --model-path expands it too.
+            kwargs[key] = os.path.expanduser(kwargs[key])
+    output = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUTPUT_KEYS}
     return_paths_only = output.pop("return_file_paths_only", None)
     params = SamplingParams.from_kwargs(kwargs)
     return_frames = output.pop("return_frames", None)
@@ -77,11 +83,20 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
             f"return_file_paths_only={return_paths_only} and return_frames={return_frames} contradict each other; "
             "pass only one of them."
         )
-    if isinstance(output.get("output_path"), str) and output["output_path"].startswith("~"):
-        # A shell expands ~ on the command line; in Python (or a --config file) it reached mkdir as a folder
-        # literally named "~".
-        output["output_path"] = os.path.expanduser(output["output_path"])
     return params, OutputOptions(return_frames=return_frames, **output)
+
+
+def _refuse_image_objects(image: Any) -> None:
+    """image_path is a path: the request goes to the worker processes (and over HTTP, into a job store) as plain
+    values, and the workers open the file, as for the CLI and the server. A PIL image was refused only as "must be
+    a string"; this says what to do with one."""
+    if image is None or isinstance(image, str):
+        return
+    import PIL.Image
+
+    if isinstance(image, PIL.Image.Image):
+        raise ValueError("image_path takes the path of an image file (a str or pathlib.Path), not a PIL image: save "
+                         "it first, e.g. image.save('first_frame.png'), and pass that path.")
 
 
 def check_output_folder(output: OutputOptions) -> None:

@@ -429,6 +429,8 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise ValueError("image_path is not used by the super-resolution model; pass video_path only.")
     if params.prompt:
         notes.append("The super-resolution model takes no prompt; it was ignored.")
+    if params.negative_prompt:  # was dropped without a word
+        notes.append("The super-resolution model takes no negative_prompt; it was ignored.")
     scale = float(params.sr_resolution_scale if params.sr_resolution_scale is not None else 2.25)
     if scale not in SR_SCALES:
         raise ValueError(f"sr_resolution_scale must be 2, 4 or 2.25, got {params.sr_resolution_scale}")

@@ -235,3 +235,33 @@ def test_lora_options_without_a_lora_path_are_refused(option, flag):
         ModelConfig(model_path="demo", **option)
     ModelConfig(model_path="demo", lora_path="a.safetensors", **option)
     ModelConfig(model_path="demo", lora_merge_mode="dynamic")  # stands alone: set_lora's default
+
+
+def test_a_pil_image_as_image_path_says_to_pass_a_path():
+    import PIL.Image
+
+    from k6serve.api import split_kwargs
+
+    with pytest.raises(ValueError, match=r"image_path takes the path of an image file \(a str or pathlib.Path\), "
+                                         r"not a PIL image: save it first, e\.g\. image\.save"):
+        split_kwargs({"prompt": "x", "image_path": PIL.Image.new("RGB", (4, 4))})
+
+
+def test_a_tilde_in_any_request_path_is_the_home_folder(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from k6serve.api import split_kwargs
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    params, output = split_kwargs({"prompt": "x", "image_path": "~/a.png", "output_path": Path("~/out")})
+    assert params.image_path == str(tmp_path / "a.png") and output.output_path == str(tmp_path / "out")
+    params, _ = split_kwargs({"video_path": Path("~/in.mp4")})
+    assert params.video_path == str(tmp_path / "in.mp4")
+
+
+def test_a_negative_prompt_ignored_by_super_resolution_is_said():
+    from k6serve.models.variants import resolve_upscale
+
+    _, notes = resolve_upscale(SamplingParams(video_path="a.mp4", negative_prompt="blurry"),
+                               VARIANTS["vsr-distilled2steps"])
+    assert "takes no negative_prompt; it was ignored" in " ".join(notes)
