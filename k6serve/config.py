@@ -80,14 +80,15 @@ class ModelConfig:
                                                        ("--lora-scale", self.lora_scale, 1.0),
                                                        ("--lora-alpha", self.lora_alpha, None)) if value != default]
             if given:
-                raise ValueError(f"{', '.join(given)} describe(s) the --lora-path adapter, but no --lora-path was "
-                                 "given; add --lora-path, or drop them (adapters can also come later, through "
-                                 "set_lora).")
+                one = len(given) == 1
+                flags = given[0] if one else f"{', '.join(given[:-1])} and {given[-1]}"
+                raise ValueError(f"{flags} {'describes' if one else 'describe'} the --lora-path "
+                                 f"adapter, but no --lora-path was given; add --lora-path, or drop "
+                                 f"{'it' if one else 'them'} (adapters can also come later, through set_lora).")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-
 
 
 def _layout_fix(num_gpus: int, product: int, others: int) -> str:

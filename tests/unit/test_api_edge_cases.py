@@ -231,8 +231,11 @@ def test_guidance_that_is_not_finite_says_so():
 @pytest.mark.parametrize("option, flag", [({"lora_scale": 0.5}, "--lora-scale"), ({"lora_alpha": 8.0}, "--lora-alpha"),
                                           ({"lora_nickname": "style"}, "--lora-nickname")])
 def test_lora_options_without_a_lora_path_are_refused(option, flag):
-    with pytest.raises(ValueError, match=f"{flag} describe\\(s\\) the --lora-path adapter, but no --lora-path"):
+    with pytest.raises(ValueError, match=f"^{flag} describes the --lora-path adapter, but no --lora-path was given; "
+                                         "add --lora-path, or drop it "):
         ModelConfig(model_path="demo", **option)
+    with pytest.raises(ValueError, match="^--lora-scale and --lora-alpha describe the --lora-path .* drop them "):
+        ModelConfig(model_path="demo", lora_scale=0.5, lora_alpha=8.0)
     ModelConfig(model_path="demo", lora_path="a.safetensors", **option)
     ModelConfig(model_path="demo", lora_merge_mode="dynamic")  # stands alone: set_lora's default
 
