@@ -63,9 +63,13 @@ def check_checkpoint_files(folder: Path, fix: str) -> None:
     bare JSON message naming no file. Reading the headers and the configs costs a few MiB at most (the tokenizers'
     JSON), so the check runs before anything loads."""
     for path in sorted(folder.rglob("*")):
-        if path.suffix == ".safetensors":
+        if path.suffix not in (".safetensors", ".json"):
+            continue
+        if path.is_symlink() and not path.exists():
+            problem = "a link to a file that is gone, e.g. a cleaned Hugging Face cache blob"  # stat() would raise
+        elif path.suffix == ".safetensors":
             problem = _safetensors_problem(path)
-        elif path.suffix == ".json" and path.is_file():
+        elif path.is_file():
             problem = _json_problem(path)
         else:
             continue

@@ -137,6 +137,12 @@ def test_a_truncated_config_is_named_when_the_checkpoint_is_resolved(tmp_path):
     with pytest.raises(CheckpointError, match=r"text_encoder/config\.json is damaged \(not valid JSON: .*\), e\.g\. "
                                               r"by an interrupted download; copy or download it again"):
         resolve_checkpoint(str(tmp_path))
+    # A weight file whose cache blob was deleted: stat() raised FileNotFoundError, a "system error" (exit 1).
+    config.write_text("{}")
+    weights = tmp_path / "text_encoder" / "model.safetensors"
+    weights.symlink_to(tmp_path / "blobs" / "gone")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is damaged \(a link to a file that is gone"):
+        resolve_checkpoint(str(tmp_path))
 
 
 def test_a_hub_checkpoints_fix_is_the_forced_download_of_its_revision(tmp_path, monkeypatch):
