@@ -639,7 +639,8 @@ async def health(request: Request) -> JSONResponse:
     """200 while a replica serves ("ok", or "degraded" with `dead_replicas`); 503 "unavailable" once none does, so
     a supervisor or load balancer sees a server whose workers died (it said "ok" before)."""
     ctx = _ctx(request)
-    dead = ctx.engine.dead_replicas()
+    # In a thread: finding a dead rank stops the rest of its replica, which can take a second or two.
+    dead = await asyncio.to_thread(ctx.engine.dead_replicas)
     body: dict[str, Any] = {"status": "ok", "memory_released": ctx.runner.holds_queue()}
     if not dead:
         return JSONResponse(body)
@@ -654,7 +655,7 @@ _NO_REPLICA = "Every worker replica of this server has died; restart the server 
 
 async def _refuse_without_replicas(request: Request, ctx: ServerContext) -> None:
     """A 503 before the body is used when no replica can run anything: the job would only fail once queued."""
-    if len(ctx.engine.dead_replicas()) >= ctx.engine.num_replicas:
+    if len(await asyncio.to_thread(ctx.engine.dead_replicas)) >= ctx.engine.num_replicas:
         await drain(request)
         raise ApiError(503, _NO_REPLICA, code="engine_unavailable")
 

@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
+from typing import Literal
 
 from k6serve.lora.spec import LoraOperation
 from k6serve.request import SamplingParams, VideoResult
@@ -254,18 +255,20 @@ class JobRunner:
     def running_count(self) -> int:
         return len(self._running)
 
-    def _next(self) -> tuple[Job, EngineJob] | PendingLora | None:
+    def _next(self) -> tuple[Job, EngineJob] | PendingLora | Literal["look again"] | None:
+        """The next job (submitted to the engine) or LoRA operation; "look again" after waiting for a change, so
+        `_loop` checks the replicas again; None once stopping."""
         with self._lock:
             while not self._stopping:
                 if self.holds_queue():
                     self._wake.wait(timeout=1.0)
-                    continue
+                    return "look again"
                 job = self.store.next_queued()
                 if self._pending_loras and (job is None or job.id not in self._pending_loras[0].after):
                     return self._pending_loras.pop(0)
                 if job is None or len(self._running) >= self._capacity:
                     self._wake.wait(timeout=1.0)
-                    continue
+                    return "look again"
                 started = self.store.transition(job.id, (JobStatus.QUEUED,), status=JobStatus.IN_PROGRESS,
                                                 started_at=time.time(), attempts=job.attempts + 1, progress=0)
                 if started is None:
@@ -284,9 +287,20 @@ class JobRunner:
 
     def _loop(self) -> None:
         while True:
+            if len(self.engine.dead_replicas()) >= self._capacity:
+                # Every replica has died: a job started now could only fail. Queued jobs stay queued, so the restart
+                # the server now asks for (GET /health) runs them. Checked outside the lock: finding a death stops
+                # the rest of that replica's ranks, which can take a second or two.
+                with self._lock:
+                    if self._stopping:
+                        return
+                    self._wake.wait(timeout=1.0)
+                continue
             picked = self._next()
             if picked is None:
                 return
+            if picked == "look again":
+                continue
             if isinstance(picked, PendingLora):
                 self._run_lora(picked)
                 continue

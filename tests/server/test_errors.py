@@ -527,3 +527,20 @@ def test_dead_replicas_make_health_degraded_then_503_and_new_work_is_refused(fak
     assert fake_client.get("/v1/videos").status_code == 200  # what already ran can still be listed and fetched
     dead.clear()
     assert fake_client.get("/health").json() == {"status": "ok", "memory_released": False}
+
+
+def test_jobs_queued_when_the_last_replica_dies_stay_queued_for_the_restart(fake_server, fake_client, monkeypatch):
+    # They were started one after another and failed with "every worker replica has died", though the restart that
+    # /health asks for would have run them: the job store keeps queued jobs across restarts.
+    running = fake_client.post("/v1/videos", json={"prompt": "hold", "size": "32x32", "num_frames": 5}).json()
+    wait_for(fake_client, running["id"], ("in_progress",))
+    queued = fake_client.post("/v1/videos", json={"prompt": "next", "size": "32x32", "num_frames": 5}).json()
+    dead: list[str] = []
+    monkeypatch.setattr(fake_server.engine, "dead_replicas", lambda: list(dead))
+    dead.append("replica 0 (ranks [0]) died while idle: rank 0 (pid 7) exited with code -9")
+    fake_server.worker.release.set()  # the running job ends (the fake replica cannot really die)
+    assert wait_for(fake_client, running["id"])["status"] == "completed"
+    time.sleep(1.5)  # the dispatcher would have started the next job by now
+    assert fake_client.get(f"/v1/videos/{queued['id']}").json()["status"] == "queued"
+    dead.clear()  # as after the restart: the queued job runs
+    assert wait_for(fake_client, queued["id"])["status"] == "completed"
