@@ -144,6 +144,10 @@ def cancel_in_decode_phase(client: Client, timeout: float) -> dict:
         if job["status"] == "in_progress" and job["progress"] >= 99:
             deleted_at = client.now()
             response = client.http.delete(f"/v1/videos/{video_id}")
+            if response.json().get("deleted"):
+                # The job finished between the poll and the DELETE (a short decode on a fast host), so the DELETE
+                # removed it: nothing was left to cancel, and following it would be a 404.
+                return {"result": "missed", "status": "deleted_after_completion", "seen": seen}
             final = client.follow([video_id], timeout, poll_s=0.05)[video_id]
             message = (final.get("error") or {}).get("message") or ""
             # The engine words the two cancels apart: stopped between decoded chunks, or the MP4 tail finished and
