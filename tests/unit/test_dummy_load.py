@@ -76,9 +76,12 @@ def test_moving_a_gpu_built_component_to_the_host_keeps_values_ties_and_dtypes()
                                   "norm": torch.nn.BatchNorm1d(6).to(torch.bfloat16)})
     module["head"].weight = embedding.weight  # tied, as a language model's head
     before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
-    pointers = {name: tensor.data_ptr() for name, tensor in module.state_dict().items()}
+    # The old tensors stay referenced, so their memory cannot be handed to the copies. (On the GPU host the tied
+    # weight, then copied twice, got its second copy in the original's freed block: "fresh storage" looked like
+    # the same pointer. `_move_to_host` now copies a tied parameter once.)
+    originals = module.state_dict()
     assert _move_to_host(module) is module
     after = module.state_dict()
     assert all(torch.equal(after[name], value) and after[name].dtype == value.dtype for name, value in before.items())
-    assert all(after[name].data_ptr() != pointers[name] for name in ("embed.weight", "norm.running_mean"))
+    assert all(after[name].data_ptr() != originals[name].data_ptr() for name in ("embed.weight", "norm.running_mean"))
     assert module["head"].weight is module["embed"].weight

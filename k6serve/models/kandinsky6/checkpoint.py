@@ -272,12 +272,19 @@ def _fault_in(host: torch.Tensor) -> None:
 
 def _move_to_host(module: nn.Module) -> nn.Module:
     """`module.to("cpu")`, its host tensors' pages faulted in on torch's threads before each copy (`_fault_in`:
-    a GPU-built Qwen2.5-VL's 15.5 GiB took 17 s to move with `.to`)."""
+    a GPU-built Qwen2.5-VL's 15.5 GiB took 17 s to move with `.to`). A tied parameter (one Parameter object
+    under two modules) is copied once: `_apply` visits it from each owner, and the second visit returns the
+    first copy rather than copying the already-moved tensor again."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (source kept alive, its host copy)
 
     def moved(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) in copies:
+            return copies[id(tensor)][1]
         host = torch.empty_like(tensor, device="cpu")
         _fault_in(host)
-        return host.copy_(tensor)
+        host.copy_(tensor)
+        copies[id(tensor)] = (tensor, host)
+        return host
 
     return module._apply(moved)
 
