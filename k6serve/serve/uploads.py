@@ -25,6 +25,7 @@ from python_multipart.multipart import MultipartParseError, MultipartParser, par
 from starlette.requests import ClientDisconnect, Request
 
 from k6serve.serve.errors import ApiError
+from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth
 
 SPOOL_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 1 * 2**20
@@ -121,13 +122,16 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     if not body.strip():
         raise ApiError(400, f"The request body is empty; send a JSON object such as {example}.", code="invalid_json")
     try:
-        return json.loads(body, object_pairs_hook=_object_without_duplicate_keys)
+        value = json.loads(body, object_pairs_hook=_object_without_duplicate_keys)
+        too_deep = json_depth(value) > MAX_JSON_DEPTH
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
-    except RecursionError:
-        # The decoder recurses once per nesting level; no field of any route nests more than a few levels.
+    except RecursionError:  # the decoder recurses once per nesting level (Python 3.11 gives up near 1,000)
+        too_deep = True
+    if too_deep:
         raise ApiError(400, "Invalid JSON body: nested too deeply; no field takes more than a few levels of "
-                       "objects or arrays.", code="invalid_json") from None
+                       "objects or arrays.", code="invalid_json")
+    return value
 
 
 def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -105,6 +105,15 @@ def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake
     form_deep = {"prompt": "x", "cache_dit_params": '{"a": ' * 5000 + "1" + "}" * 5000}
     _assert_error(fake_client.post("/v1/videos", data=form_deep), 400, param="cache_dit_params",
                   contains="nested too deeply")
+    # 40 levels decode on every Python (3.12 decoded the 5,000 above too, and went on to a confusing "unknown
+    # key" error): the depth rule, not the decoder's recursion, refuses them.
+    forty = '{"a": ' * 40 + "1" + "}" * 40
+    _assert_error(fake_client.post("/v1/videos", content=b'{"prompt": "x", "cache_dit_params": ' + forty.encode()
+                                   + b"}"), 400, code="invalid_json", contains="nested")
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x", "cache_dit_params": forty}), 400,
+                  param="cache_dit_params", contains="nested too deeply")
+    _assert_error(fake_client.post("/v1/videos", content=b"null", headers={"Content-Type": "application/json"}),
+                  400, contains="JSON object")
     _assert_error(fake_client.post("/v1/videos", content=b"\xff\xfe", headers={"Content-Type": "application/json"}),
                   400, code="invalid_json")
     _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
@@ -544,3 +553,13 @@ def test_jobs_queued_when_the_last_replica_dies_stay_queued_for_the_restart(fake
     assert fake_client.get(f"/v1/videos/{queued['id']}").json()["status"] == "queued"
     dead.clear()  # as after the restart: the queued job runs
     assert wait_for(fake_client, queued["id"])["status"] == "completed"
+
+
+def test_json_depth_counts_objects_and_arrays_without_recursing():
+    from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth
+
+    assert [json_depth(v) for v in (1, "x", None, {}, [], {"a": [1, {"b": 2}]}, [[[]]])] == [0, 0, 0, 1, 1, 3, 3]
+    deep: list = []
+    for _ in range(100_000):  # far past the interpreter's recursion limit
+        deep = [deep]
+    assert json_depth(deep) == 100_001 > MAX_JSON_DEPTH
