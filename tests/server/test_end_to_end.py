@@ -143,7 +143,9 @@ def _free_port() -> int:
 
 def test_k6serve_serve_command(server_distill_dir, tmp_path):
     port = _free_port()
-    env = {**os.environ, "K6SERVE_API_KEY": "cli-key", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The checkout first, the caller's PYTHONPATH kept: on the GPU host it holds the carried fastapi and PyAV.
+    env = {**os.environ, "K6SERVE_API_KEY": "cli-key", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, "-m", "k6serve.cli.main", "serve", "--model-path", str(server_distill_dir), "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(port), "--output-path", str(tmp_path / "out"),

@@ -4,6 +4,7 @@ work with the fix in its message, and no earlier file is ever replaced."""
 from __future__ import annotations
 
 import re
+import sys
 from datetime import datetime
 
 import pytest
@@ -443,6 +444,28 @@ def test_cli_internal_error_is_told_apart_from_user_errors(in_process_cli, tmp_p
     assert "error: internal error (RuntimeError: shapes do not match); this is a bug in k6serve: rerun with " \
            "--log-level debug" in err
     assert "Traceback" not in err and "more detail" not in err
+
+
+@pytest.mark.parametrize("module, code", [("multipart.multipart", 1), ("fastapi", 1), ("k6serve.serve.app", 70)])
+def test_cli_missing_dependency_is_an_environment_error_with_the_pip_command(in_process_cli, tmp_path, monkeypatch,
+                                                                              capsys, module, code):
+    """A dependency missing from the running interpreter (a PYTHONPATH that replaced the one holding it did this
+    on the GPU host) is not a k6serve bug: exit 1 and the pip command for this interpreter. One of k6serve's own
+    modules missing still is."""
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", missing)
+    assert main([*in_process_cli, "--output-path", str(tmp_path)]) == code
+    err = capsys.readouterr().err
+    if code == 1:
+        distribution = "python-multipart" if module.startswith("multipart") else module
+        assert (f"error: the Python package {distribution!r} (module {module.partition('.')[0]!r}), which k6serve "
+                f"needs, is not installed for {sys.executable}: run `{sys.executable} -m pip install "
+                f"{distribution}`") in err
+        assert "bug" not in err
+    else:
+        assert "this is a bug in k6serve" in err
 
 
 def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
