@@ -2,7 +2,8 @@
 # The test suite on the GPU host (torch 2.11, transformers 5.17: the floor the project supports; CI runs torch 2.13
 # on a CPU), split so that it fits one 10-minute device call: the test files are dealt round-robin, largest first,
 # to NGROUPS pytest processes that run at once (the host has 16 cores and one GPU; each process gets
-# 16 / NGROUPS threads), each under LIMIT seconds with its log under $OUT/tests/. Carry .whlG, .whlP and .whlS.
+# 16 / NGROUPS threads), each under LIMIT seconds. The device brings back at most 8 files, so the groups' logs are
+# written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG, .whlP and .whlS.
 #   NGROUPS=8 LIMIT=540 bash scripts/gpu_tests.sh tests/unit tests/server
 #   bash scripts/gpu_tests.sh tests/unit/test_generate_cli_api.py tests/server/test_api.py
 # Prints one line per group (its files, its pytest summary) and the failures' names; $OUT/tests/summary.txt
@@ -17,6 +18,8 @@ NGROUPS=${NGROUPS:-8}
 LIMIT=${LIMIT:-540}
 [ $# -eq 0 ] && set -- tests/unit tests/server
 mkdir -p "$OUT/tests"
+LOGS=/tmp/k6serve-gpu-tests
+rm -rf "$LOGS" && mkdir -p "$LOGS"
 # Largest files first, so the round-robin deal evens out the groups' lengths (size stands in for run time).
 mapfile -t FILES < <(find "$@" -name 'test_*.py' -type f -printf '%s %p\n' | sort -rn | cut -d' ' -f2-)
 THREADS=$(( $(nproc) / NGROUPS )); [ "$THREADS" -lt 1 ] && THREADS=1
@@ -25,18 +28,23 @@ for ((g = 0; g < NGROUPS; g++)); do
   group=()
   for ((i = g; i < ${#FILES[@]}; i += NGROUPS)); do group+=("${FILES[$i]}"); done
   [ ${#group[@]} -eq 0 ] && continue
-  printf '%s\n' "${group[@]}" > "$OUT/tests/group$g.files"
+  printf '%s\n' "${group[@]}" > "$LOGS/group$g.files"
   OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfEs \
-    --durations=10 "${group[@]}" > "$OUT/tests/group$g.log" 2>&1 &
+    --durations=10 "${group[@]}" > "$LOGS/group$g.log" 2>&1 &
   pids+=("$!:$g")
 done
 : > "$OUT/tests/summary.txt"
 for entry in "${pids[@]}"; do
   pid=${entry%%:*} g=${entry##*:}
   wait "$pid"; rc=$?
-  last=$(grep -E '(passed|failed|error)' "$OUT/tests/group$g.log" | tail -1)
-  [ "$rc" -eq 124 ] && last="TIMED OUT after ${LIMIT}s; $(tail -c 300 "$OUT/tests/group$g.log" | tr '\n' ' ')"
-  echo "group$g rc=$rc files=$(wc -l < "$OUT/tests/group$g.files"): $last" >> "$OUT/tests/summary.txt"
-  grep -E '^(FAILED|ERROR) ' "$OUT/tests/group$g.log" >> "$OUT/tests/summary.txt"
+  last=$(grep -E '(passed|failed|error)' "$LOGS/group$g.log" | tail -1)
+  [ "$rc" -eq 124 ] && last="TIMED OUT after ${LIMIT}s; $(tail -c 300 "$LOGS/group$g.log" | tr '\n' ' ')"
+  echo "group$g rc=$rc files=$(wc -l < "$LOGS/group$g.files"): $last" >> "$OUT/tests/summary.txt"
+  grep -E '^(FAILED|ERROR) ' "$LOGS/group$g.log" >> "$OUT/tests/summary.txt"
 done
+for entry in "${pids[@]}"; do
+  g=${entry##*:}
+  echo "===== group$g: $(tr '\n' ' ' < "$LOGS/group$g.files")"
+  cat "$LOGS/group$g.log"
+done > "$OUT/tests/groups.log"
 cat "$OUT/tests/summary.txt"
