@@ -27,7 +27,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from typing import Any
 
 from k6serve.config import EngineConfig
 from k6serve.lora.spec import ListLoras, LoraOperation
@@ -81,6 +83,15 @@ class MemoryJob:
 
 
 _STOP = object()
+
+
+def _interruptible_result(future: Future) -> Any:
+    """`future.result()`, waking every 0.1 s while it waits. Ctrl-C is a process-wide SIGINT that the kernel may
+    hand to any thread: handed to the worker thread, it only sets Python's flag, and a main thread blocked in an
+    untimed wait ran the handler when the request ended, 10 s later in a test. A timed wait runs it within 0.1 s."""
+    while not futures_wait([future], timeout=0.1).done:
+        pass
+    return future.result()
 
 
 def _cancellation_point(job: EngineJob) -> ProgressCallback:
@@ -164,7 +175,7 @@ class Engine:
         while it waits (Ctrl-C: KeyboardInterrupt) cancels the request at its next step boundary."""
         job = self.submit(params, output, on_progress=on_progress, log_failure=False)
         try:
-            return job.future.result()
+            return _interruptible_result(job.future)
         except BaseException:
             if job.future.done():
                 raise
@@ -198,7 +209,7 @@ class Engine:
 
     def _wait_for(self, future: Future) -> dict:
         try:
-            return future.result()
+            return _interruptible_result(future)
         except BaseException:
             future.cancel()  # an interrupted caller: drop it if still queued
             raise
