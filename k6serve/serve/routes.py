@@ -356,6 +356,9 @@ def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[
 def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: tuple[str, ...]) -> str:
     # Upload paths differ on every retry; the files' contents identify the request instead.
     fields = {k: v for k, v in body.items() if v not in uploads}
+    if isinstance(fields.get("seconds"), str):
+        # OpenAI sends seconds as text ("4"), others as a number: one duration, one request (validated by now).
+        fields["seconds"] = float(fields["seconds"])
     canonical = json.dumps({"fields": fields, "files": file_digests}, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

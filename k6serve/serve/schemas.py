@@ -130,6 +130,18 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+def object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys, so {"seed": 1, "seed": 2} silently ran with seed 2; which
+    # one the client meant cannot be known, and other parsers keep the first.
+    fields: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in fields:
+            raise ApiError(400, f"The JSON body has the key {name!r} more than once; send each field once.",
+                           code="invalid_json", param=name)
+        fields[name] = value
+    return fields
+
+
 def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
     """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`). A form field can only
     hold text, so an object field (cache_dit_params) sent as a form field is JSON text, decoded here, and a boolean
@@ -138,8 +150,11 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
         for name in _OBJECT_FIELDS & raw.keys():
             if isinstance(raw[name], str):
                 try:
-                    decoded = json.loads(raw[name])
+                    decoded = json.loads(raw[name], object_pairs_hook=object_without_duplicate_keys)
                     too_deep = json_depth(decoded) > MAX_JSON_DEPTH
+                except ApiError as duplicate:  # the same key twice: which value was meant cannot be known
+                    raise ApiError(400, f"{name} has the key {duplicate.param!r} more than once; send each key "
+                                        "once.", code="invalid_parameter", param=name) from None
                 except json.JSONDecodeError:
                     raise ApiError(400, f"{name} must be a JSON object, got {raw[name][:200]!r}.",
                                    code="invalid_parameter", param=name) from None

@@ -25,7 +25,7 @@ from python_multipart.multipart import MultipartParseError, MultipartParser, par
 from starlette.requests import ClientDisconnect, Request
 
 from k6serve.serve.errors import ApiError
-from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth
+from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, object_without_duplicate_keys
 
 SPOOL_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 1 * 2**20
@@ -122,7 +122,7 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     if not body.strip():
         raise ApiError(400, f"The request body is empty; send a JSON object such as {example}.", code="invalid_json")
     try:
-        value = json.loads(body, object_pairs_hook=_object_without_duplicate_keys)
+        value = json.loads(body, object_pairs_hook=object_without_duplicate_keys)
         too_deep = json_depth(value) > MAX_JSON_DEPTH
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
@@ -132,18 +132,6 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
         raise ApiError(400, "Invalid JSON body: nested too deeply; no field takes more than a few levels of "
                        "objects or arrays.", code="invalid_json")
     return value
-
-
-def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of two equal keys, so {"seed": 1, "seed": 2} silently ran with seed 2; which
-    # one the client meant cannot be known, and other parsers keep the first.
-    fields: dict[str, Any] = {}
-    for name, value in pairs:
-        if name in fields:
-            raise ApiError(400, f"The JSON body has the key {name!r} more than once; send each field once.",
-                           code="invalid_json", param=name)
-        fields[name] = value
-    return fields
 
 
 def too_large_json() -> ApiError:

@@ -114,6 +114,10 @@ def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake
                   param="cache_dit_params", contains="nested too deeply")
     _assert_error(fake_client.post("/v1/videos", content=b"null", headers={"Content-Type": "application/json"}),
                   400, contains="JSON object")
+    # A form's JSON text is held to the body's rule: a key sent twice is refused, not silently the last one.
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x", "cache_dit_params":
+                                                       '{"max_warmup_steps": 1, "max_warmup_steps": 4}'}),
+                  400, param="cache_dit_params", code="invalid_parameter", contains="'max_warmup_steps' more than once")
     _assert_error(fake_client.post("/v1/videos", content=b"\xff\xfe", headers={"Content-Type": "application/json"}),
                   400, code="invalid_json")
     _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
@@ -293,6 +297,20 @@ def test_a_request_id_is_free_again_once_its_deleted_place_is_forgotten(fake_ser
     assert recreated.status_code == 200 and "Idempotent-Replayed" not in recreated.headers
     assert wait_for(fake_client, "reusable")["status"] == "completed"
     assert fake_server.worker.started.count("again") == 2
+
+
+def test_seconds_as_text_or_number_is_one_request_for_idempotency(fake_server, fake_client):
+    """OpenAI sends seconds as text ("0.2"); a retry of the same request as a number, or as a form field, is a replay,
+    not a 409 conflict."""
+    body = {"prompt": "duration", "size": "32x32"}
+    first = fake_client.post("/v1/videos", json={**body, "seconds": "0.2"}, headers={"Idempotency-Key": "dur-1"})
+    assert first.status_code == 200, first.text
+    for retry in ({"json": {**body, "seconds": 0.2}}, {"data": {**body, "seconds": "0.2"}}):
+        again = fake_client.post("/v1/videos", **retry, headers={"Idempotency-Key": "dur-1"})
+        assert again.json()["id"] == first.json()["id"] and again.headers["Idempotent-Replayed"] == "true", again.text
+    _assert_error(fake_client.post("/v1/videos", json={**body, "seconds": 0.4}, headers={"Idempotency-Key": "dur-1"}),
+                  409, code="idempotency_conflict")
+    wait_for(fake_client, first.json()["id"])
 
 
 def test_a_request_id_with_an_idempotency_key(fake_server, fake_client):
