@@ -70,6 +70,23 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
+class IgnoreTrailingSlash:
+    """Pure ASGI: `/v1/videos/` is `/v1/videos`. Starlette answered it with a bodiless 307 redirect, which curl
+    (without -L) and clients that do not follow redirects on POST showed as an empty reply. Outermost, so that the
+    key check sees the same path as the router."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            if scope.get("raw_path"):  # percent-encoded as sent: strip it alike rather than re-encode `path`
+                scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
+
+
 def served_model_names(engine: Engine) -> tuple[str, ...]:
     """The id shown by /v1/models first, then the other names a request's `model` may use."""
     variant = engine.variant
@@ -108,6 +125,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     app.openapi = lambda: _openapi(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    app.add_middleware(IgnoreTrailingSlash)
     return app
 
 

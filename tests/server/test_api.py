@@ -169,6 +169,18 @@ def test_unknown_ids_and_unfinished_content_are_404(fake_server, fake_client):
     wait_for(fake_client, job["id"])
 
 
+def test_a_trailing_slash_reaches_the_same_route_not_a_bodiless_redirect(fake_server, fake_client):
+    """Starlette answered /v1/videos/ with a 307 and no body: curl without -L printed nothing."""
+    created = fake_client.post("/v1/videos/", json={"prompt": "slash", "size": "32x32", "num_frames": 5})
+    assert created.status_code == 200, created.text
+    job_id = created.json()["id"]
+    assert fake_client.get(f"/v1/videos/{job_id}/").json()["id"] == job_id
+    assert job_id in [job["id"] for job in fake_client.get("/v1/videos//").json()["data"]]
+    missing = fake_client.get("/v1/nothing/")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wait_for(fake_client, job_id)
+
+
 def test_content_is_an_mp4_with_range_support(fake_client, tmp_path):
     job = fake_client.post("/v1/videos", json={"prompt": "range", "size": "32x32", "num_frames": 5}).json()
     wait_for(fake_client, job["id"])

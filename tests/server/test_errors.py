@@ -507,6 +507,8 @@ def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
     try:
         with server.client() as authorised, server.client(headers={}) as anonymous:
             assert anonymous.get("/health").status_code == 200
+            assert anonymous.get("/health/").status_code == 200  # the same path to the key check and the router
+            assert anonymous.get("/v1/models/").status_code == 401
             for method, path in (("GET", "/v1/videos"), ("POST", "/v1/videos"), ("GET", "/v1/models"),
                                  ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/videos/x/content"),
                                  ("DELETE", "/v1/videos/x")):
