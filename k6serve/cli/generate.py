@@ -149,9 +149,6 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
         variant = generator.variant
         if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
             _refuse_text_for_upscaling(params)
-        if variant.is_demo:
-            print("note: using the built-in tiny demo checkpoint: its weights are random, so the video and audio "
-                  "are noise. Pass --model-path with a real Kandinsky 6 checkpoint for real output.", file=sys.stderr)
 
         def on_progress(step: int, total: int) -> None:
             nonlocal bar

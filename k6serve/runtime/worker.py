@@ -146,7 +146,9 @@ class ModelWorker:
                            "(eager kernels; it also keeps the weights on the host between stages).")
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
-            logger.warning("Serving the built-in demo checkpoint: its weights are random, the video is noise.")
+            # The one announcement, for the CLI, the API and the server alike (the CLI printed its own too).
+            logger.warning("Serving the built-in tiny demo checkpoint: its weights are random, so the video and audio "
+                           "are noise. Pass a real Kandinsky 6 checkpoint as the model path for real output.")
         self.warmed_up = False
         self.gc_freezer = CompileGcFreezer()
         self.server_warmup_s: float | None = None  # what `--warmup-mode server` cost at start (also logged)
