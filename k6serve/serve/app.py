@@ -189,6 +189,16 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     return ServerSettings(**values)
 
 
+def uvicorn_config(app: Any, **kwargs: Any) -> Any:
+    """The uvicorn.Config the server runs under: the h11 protocol whose unparsable-request 400 is the API's JSON
+    (`http_protocol.py`). The tests' servers take it from here too, so they answer what production answers."""
+    import uvicorn
+
+    from k6serve.serve.http_protocol import JsonErrorH11Protocol
+
+    return uvicorn.Config(app, http=JsonErrorH11Protocol, **kwargs)
+
+
 def uvicorn_server(config: Any, on_exit: Callable[[], None]) -> Any:
     """A uvicorn.Server that calls `on_exit` (in a thread) as soon as a SIGINT / SIGTERM arrives.
 
@@ -259,8 +269,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
     """Bind the port, load the model, open the job store and serve until interrupted."""
-    import uvicorn
-
     from k6serve.api import build_engine_config
 
     settings = settings_from_options(server_options)
@@ -284,7 +292,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         port = sock.getsockname()[1]
         logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
                     port, settings.job_store_path, artifacts.root)
-        server = uvicorn_server(uvicorn.Config(app, host=settings.host, port=port, log_level="info",
+        server = uvicorn_server(uvicorn_config(app, host=settings.host, port=port, log_level="info",
                                                timeout_graceful_shutdown=10), on_exit=app.state.ctx.runner.stop)
         with _sigterm_raises(), contextlib.suppress(KeyboardInterrupt, _Terminated):
             server.run(sockets=[sock])

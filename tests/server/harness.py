@@ -19,7 +19,7 @@ from k6serve.media.mux import write_mp4
 from k6serve.models.variants import GENERATION, VARIANTS, Variant, resolve_generate, resolve_upscale
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine
-from k6serve.serve.app import build_app
+from k6serve.serve.app import build_app, uvicorn_config
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import SqliteJobStore
 from k6serve.serve.settings import ServerSettings
@@ -143,7 +143,7 @@ def start_server(root: Path, *, worker: Any = None, engine: Engine | None = None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -163,6 +163,13 @@ def test_k6serve_serve_command(server_distill_dir, tmp_path):
                 assert process.poll() is None and time.monotonic() < deadline, "k6serve serve did not start"
                 time.sleep(0.2)
             assert client.get("/v1/models", headers={"Authorization": ""}).status_code == 401
+            # The command runs the JSON-error h11 protocol too (an unparsable request never reaches the app).
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+                raw = b""
+                while chunk := sock.recv(65536):
+                    raw += chunk
+            assert raw.startswith(b"HTTP/1.1 400 ") and b'"code": "invalid_request"' in raw, raw
             job = client.post("/v1/videos", json=REQUEST).json()
             assert wait_for(client, job["id"], timeout=120)["status"] == "completed"
             assert (tmp_path / "out" / f"{job['id']}.mp4").is_file()

@@ -492,6 +492,28 @@ def test_an_oversize_body_sent_whole_gets_its_413_and_one_that_waits_for_continu
         server.stop()
 
 
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: abc\r\n",  # not a number
+    b"Content-Length: -1\r\n",  # negative
+    b"Content-Length: 2\r\nContent-Length: 3\r\n",  # two that disagree
+    b"Bad Header Without Colon\r\n",
+], ids=["not-a-number", "negative", "two-lengths", "no-colon"])
+def test_unparsable_request_is_the_api_json_error_and_the_server_keeps_serving(fake_server, fake_client, headers):
+    """h11 refuses these before the app sees them; uvicorn's own answer is text/plain, ours is the API's JSON."""
+    import json
+
+    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Type: application/json\r\n" + headers + b"\r\n{}")
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert closed and head.startswith(b"HTTP/1.1 400 "), received
+    assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error"
+    assert "Content-Length" in error["message"] and "well-formed HTTP/1.1" in error["message"]
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    _still_serves(fake_client)
+
+
 def test_client_disconnect_mid_upload_leaves_nothing_and_server_keeps_serving(fake_server, fake_client):
     host, port = fake_server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
