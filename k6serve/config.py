@@ -188,11 +188,22 @@ class RuntimeConfig:
     # Only "memory" streams blocks: with another mode they must stay at these defaults.
     offload_prefetch_blocks: int = 1
     offload_resident_blocks: int = 0
+    # Per component offloading, the seed's flags (offload/residency.py): the components offloaded whole between
+    # their stages, and those streamed block by block; each overrides --performance-mode's default for the
+    # components it names (e.g. speed with `text_encoder vae` offloaded keeps a compiled, resident DiT). Checkpoint
+    # component keys or the groups all, none, dit, text_encoders, audio.
+    cpu_offload_components: tuple[str, ...] = ()
+    layerwise_offload_components: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.cache_dit_config is not None and not isinstance(self.cache_dit_config, CacheDitParams):
             # Normalised once here, where every way of building the config passes (CLI, --config file, API).
             object.__setattr__(self, "cache_dit_config", parse_cache_dit_config(self.cache_dit_config))
+        from k6serve.offload.residency import normalise_component_names  # torch-free (k6serve/offload/__init__.py)
+
+        for name in ("cpu_offload_components", "layerwise_offload_components"):
+            flag = "--" + name.replace("_", "-")
+            object.__setattr__(self, name, normalise_component_names(getattr(self, name), flag))
         _check_field_types(self, checked_elsewhere=("offload_prefetch_blocks", "offload_resident_blocks"))
         if self.vae_tiling not in VAE_TILING:
             raise ValueError(f"--vae-tiling must be one of {VAE_TILING}, got {self.vae_tiling!r}")
@@ -221,12 +232,49 @@ class RuntimeConfig:
             changed.append(f"--offload-prefetch-blocks {self.offload_prefetch_blocks}")
         if self.offload_resident_blocks != 0:
             changed.append(f"--offload-resident-blocks {self.offload_resident_blocks}")
-        if changed and self.performance_mode != "memory":
+        if changed and not self.streams_dit:
             named, several = " and ".join(changed), len(changed) > 1
-            raise ValueError(f"{named} {'apply' if several else 'applies'} only to --performance-mode memory, which "
-                             f"streams the DiT's blocks between host and GPU; --performance-mode "
-                             f"{self.performance_mode} streams none. Add --performance-mode memory, or drop "
+            now = (f"--performance-mode {self.performance_mode}" + (
+                f" with --cpu-offload-components {' '.join(self.cpu_offload_components)}"
+                if self.cpu_offload_components else "") + (
+                f" with --layerwise-offload-components {' '.join(self.layerwise_offload_components)}"
+                if self.layerwise_offload_components else ""))
+            raise ValueError(f"{named} {'apply' if several else 'applies'} only when the DiT's blocks are streamed "
+                             f"between host and GPU (--performance-mode memory, or --layerwise-offload-components "
+                             f"transformer); {now} streams none. Add one of those, or drop "
                              f"{'them' if several else 'it'}.")
+
+    @property
+    def streams_dit(self) -> bool:
+        """Whether the DiT's blocks are streamed (its residency is "layerwise"): the same for both families."""
+        from k6serve.offload.residency import LAYERWISE, resolve_residency
+
+        plan = resolve_residency(self.performance_mode, super_resolution=False, present=("transformer",),
+                                 cpu_offload=self._common(self.cpu_offload_components),
+                                 layerwise=self._common(self.layerwise_offload_components))
+        return plan.residency["transformer"] == LAYERWISE
+
+    @staticmethod
+    def _common(names: tuple[str, ...]) -> tuple[str, ...]:
+        """The names that mean the same in both families (the DiT's residency does not depend on the others)."""
+        return tuple(name for name in names if name in ("all", "none", "dit", "transformer"))
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any component's weights live in host memory (resolved per model by offload/residency.py)."""
+        named = [names for names in (self.cpu_offload_components, self.layerwise_offload_components)
+                 if names and names != ("none",)]
+        return self.performance_mode in OFFLOAD_MODES or bool(named)
+
+    @property
+    def offload_flags(self) -> str:
+        """The flags that offload, as the user wrote them (for messages)."""
+        flags = [f"--performance-mode {self.performance_mode}"] if self.performance_mode in OFFLOAD_MODES else []
+        for name in ("cpu_offload_components", "layerwise_offload_components"):
+            names = getattr(self, name)
+            if names and names != ("none",):
+                flags.append(f"--{name.replace('_', '-')} {' '.join(names)}")
+        return " with ".join(flags)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -249,10 +297,11 @@ class EngineConfig:
                              "shards between requests; use --lora-merge-mode dynamic or auto (dynamic under FSDP).")
         if self.runtime.cache_dit_config is not None and parallel.cache_dit_unavailable:
             raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
-        if mode in OFFLOAD_MODES and flags:
+        if self.runtime.offloads and flags:
             named = " and ".join(flags)
+            fix = "--performance-mode speed" if mode in OFFLOAD_MODES else "no offload flags"
             raise ValueError(
-                f"--performance-mode {mode} offloads the weights to host memory, which cannot work with weights "
-                f"sharded across GPUs ({named}): use --performance-mode speed with {named}, or drop "
+                f"{self.runtime.offload_flags} offloads the weights to host memory, which cannot work with weights "
+                f"sharded across GPUs ({named}): use {fix} with {named}, or drop "
                 f"{'them' if len(flags) > 1 else 'it'} to offload."
             )

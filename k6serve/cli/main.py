@@ -60,6 +60,15 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("offload_resident_blocks", dict(type=int, help="With --performance-mode memory: DiT blocks kept on the GPU, "
                                  "spread evenly (default 0; more than it has: all). GPU memory for fewer copies "
                                  "per step.")),
+    ("cpu_offload_components", dict(nargs="+", metavar="COMPONENT", help="Keep these components in host memory, "
+                                "each copied whole to the GPU for its stage: checkpoint keys (text_encoder, "
+                                "text_encoder_2, transformer, vae, audio_vae, vocoder; SR: transformer, vae, "
+                                "latent_upscaler) or all, none, dit, text_encoders, audio. Overrides "
+                                "--performance-mode's default for them; the resident rest keeps speed's transforms.")),
+    ("layerwise_offload_components", dict(nargs="+", metavar="COMPONENT", help="Stream these components' repeated "
+                                      "blocks from host memory during their stage (the DiT and the text encoders; "
+                                      "others named, e.g. by all, are offloaded whole). Same names as "
+                                      "--cpu-offload-components, which it overrides.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
                           "fa_fp8 (FA3 in FP8 for the video self-attention: Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "

@@ -1,5 +1,5 @@
-"""Component offload ("balanced" and "memory"): each pipeline component lives on the host and visits the device
-only for the stage that uses it.
+"""Component offload ("balanced", "memory", or per component from the plan of `residency.py`): each offloaded
+pipeline component lives on the host and visits the device only for the stage that uses it; a resident one stays.
 
 The pipelines wrap each stage in `self.residency.stage(<component names>)`. By default that is `RESIDENT`, which
 does nothing (everything stays where it was loaded: "speed"). `apply_offload` replaces it with a
@@ -23,6 +23,7 @@ from torch import nn
 from k6serve.config import OFFLOAD_MODES
 from k6serve.offload.block_stream import BlockStreamer, apply_block_streaming, repeated_blocks
 from k6serve.offload.host_weights import HostWeights, module_tensors
+from k6serve.offload.residency import LAYERWISE, ResidencyPlan, resolve_residency
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,12 @@ class ComponentOffload:
     """Components on `offload_device`, attached to a copy on `compute_device` inside `stage(...)`."""
 
     def __init__(self, components: Mapping[str, nn.Module], *, compute_device: torch.device,
-                 offload_device: torch.device, pin: bool, streamers: Mapping[str, BlockStreamer] | None = None
-                 ) -> None:
+                 offload_device: torch.device, pin: bool, streamers: Mapping[str, BlockStreamer] | None = None,
+                 resident: tuple[str, ...] = ()) -> None:
         self.compute_device = torch.device(compute_device)
+        # Components that stay on the device (`--cpu-offload-components` naming only some): a stage naming them
+        # moves nothing for them.
+        self.resident = frozenset(resident)
         self.streamers = dict(streamers or {})
         self.weights: dict[str, HostWeights] = {}
         for name, module in components.items():
@@ -66,15 +70,16 @@ class ComponentOffload:
     @contextmanager
     def stage(self, *components: str) -> Iterator[None]:
         assert not self.active, f"stage {components} entered inside stage {self.active}"
-        unknown = [name for name in components if name not in self.weights]
-        assert not unknown, f"no component named {unknown}; known: {sorted(self.weights)}"
+        unknown = [name for name in components if name not in self.weights and name not in self.resident]
+        assert not unknown, f"no component named {unknown}; known: {sorted([*self.weights, *self.resident])}"
         self.active = components
+        moved = [name for name in components if name in self.weights]
         try:
-            for name in components:
+            for name in moved:
                 self.weights[name].to_device(self.compute_device)
             yield
         finally:
-            for name in components:
+            for name in moved:
                 self.weights[name].to_host()
                 if name in self.streamers:
                     self.streamers[name].release()
@@ -99,6 +104,7 @@ class OffloadReport:
     """What `apply_offload` did (logged by the worker)."""
 
     mode: str
+    residency: str  # ResidencyPlan.describe(): "resident transformer; component text_encoder, ..."
     host_bytes: dict[str, int]  # per component, the host copy (streamed blocks counted under "<name> blocks")
     pinned: bool
     streamed_blocks: dict[str, int] = field(default_factory=dict)  # component -> blocks streamed ("memory")
@@ -112,7 +118,8 @@ class OffloadReport:
 
     def describe(self) -> str:
         sizes = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in self.host_bytes.items())
-        text = f"{self.mode}: components offloaded to {'pinned ' if self.pinned else ''}host memory ({sizes})"
+        text = (f"{self.mode} ({self.residency}): components offloaded to {'pinned ' if self.pinned else ''}host "
+                f"memory ({sizes})")
         if self.streamed_blocks:
             streamed = ", ".join(f"{count} {name} blocks" for name, count in self.streamed_blocks.items())
             text += f", streamed {self.prefetch_blocks} ahead: {streamed}"
@@ -123,43 +130,53 @@ class OffloadReport:
         return text
 
 
-def apply_offload(pipeline, mode: str, *, compute_device: torch.device | str,
-                  offload_device: torch.device | str = "cpu", pin: bool | None = None,
-                  plan=None, prefetch_blocks: int = 1, resident_blocks: int = 0) -> OffloadReport:
-    """Offload `pipeline.components()` (and in "memory" mode stream the DiT blocks of `plan` and the text encoders'
-    blocks, `prefetch_blocks` ahead, `resident_blocks` of the DiT's kept on the device) and install the stage residency
-    on `pipeline`. `pin` defaults to pinned host memory when `compute_device` is CUDA."""
-    if mode not in OFFLOAD_MODES:
-        raise ValueError(f"offloading is for --performance-mode {' or '.join(OFFLOAD_MODES)}, got {mode!r}")
+def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None,
+                  compute_device: torch.device | str, offload_device: torch.device | str = "cpu",
+                  pin: bool | None = None, plan=None, prefetch_blocks: int = 1, resident_blocks: int = 0
+                  ) -> OffloadReport:
+    """Offload `pipeline.components()` as `residency` says (default: `mode`'s plan, residency.py): "component" ones
+    visit the device for their stage, "layerwise" ones stream their repeated blocks (the DiT's blocks of `plan`,
+    `prefetch_blocks` ahead, `resident_blocks` of them kept on the device; the text encoders' layers), "resident"
+    ones stay where they are. Installs the stage residency on `pipeline`. `pin` defaults to pinned host memory when
+    `compute_device` is CUDA."""
+    components = pipeline.components()
+    if residency is None:
+        if mode not in OFFLOAD_MODES:
+            raise ValueError(f"offloading is for --performance-mode {' or '.join(OFFLOAD_MODES)}, got {mode!r}")
+        residency = resolve_residency(mode, super_resolution="latent_upscaler" in components, present=components)
     compute_device, offload_device = torch.device(compute_device), torch.device(offload_device)
     pin = compute_device.type == "cuda" and offload_device.type == "cpu" if pin is None else pin
-    components = pipeline.components()
+    streamed = set(residency.named(LAYERWISE)) & set(components)
     streamers: dict[str, BlockStreamer] = {}
-    if mode != "memory" and (prefetch_blocks, resident_blocks) != (1, 0):
-        raise ValueError(f"prefetch_blocks / resident_blocks are for block streaming (mode 'memory'), not {mode!r}")
-    if mode == "memory":
+    if "transformer" not in streamed and (prefetch_blocks, resident_blocks) != (1, 0):
+        raise ValueError("prefetch_blocks / resident_blocks are for streaming the DiT's blocks, which this "
+                         f"residency does not ({residency.describe()})")
+    streaming = dict(compute_device=compute_device, offload_device=offload_device, pin=pin,
+                     prefetch_blocks=prefetch_blocks)
+    if "transformer" in streamed:
         if plan is None:
-            raise ValueError("--performance-mode memory streams the DiT blocks its plan lists; this model has none")
-        streaming = dict(compute_device=compute_device, offload_device=offload_device, pin=pin,
-                         prefetch_blocks=prefetch_blocks)
+            raise ValueError("streaming the DiT needs the blocks its plan lists; this model has none")
         streamers["transformer"] = apply_block_streaming(components["transformer"], plan, **streaming,
                                                          resident_blocks=resident_blocks)
-        # Resident blocks go to the DiT alone: its blocks run at every step, so each resident one saves a copy per
-        # step, where a text encoder's layers run once per prompt; and Qwen2.5-VL's streamed list holds its vision
-        # tower, which text prompts never run (16 resident blocks of each list took 6.2 GiB more on an H200 for Lite
-        # and saved no time; docs/benchmarks.md, twelfth session).
-        for name in STREAMED_ENCODERS:
-            blocks = repeated_blocks(components[name]) if name in components else []
-            if blocks:
-                streamers[name] = BlockStreamer(blocks, **streaming)
-    residency = ComponentOffload(components, compute_device=compute_device, offload_device=offload_device, pin=pin,
-                                 streamers=streamers)
-    pipeline.residency = residency
-    host_bytes = {name: weights.num_bytes for name, weights in residency.weights.items()}
+    # Resident blocks go to the DiT alone: its blocks run at every step, so each resident one saves a copy per
+    # step, where a text encoder's layers run once per prompt; and Qwen2.5-VL's streamed list holds its vision
+    # tower, which text prompts never run (16 resident blocks of each list took 6.2 GiB more on an H200 for Lite
+    # and saved no time; docs/benchmarks.md, twelfth session).
+    for name in STREAMED_ENCODERS:
+        blocks = repeated_blocks(components[name]) if name in streamed else []
+        if blocks:
+            streamers[name] = BlockStreamer(blocks, **streaming)
+    offloaded = {name: module for name, module in components.items() if name in residency.offloaded}
+    stages = ComponentOffload(offloaded, compute_device=compute_device, offload_device=offload_device, pin=pin,
+                              streamers=streamers,
+                              resident=tuple(name for name in components if name not in offloaded))
+    pipeline.residency = stages
+    residency_text = residency.describe()
+    host_bytes = {name: weights.num_bytes for name, weights in stages.weights.items()}
     for name, streamer in streamers.items():
         host_bytes[f"{name} blocks"] = streamer.streamed_bytes
     return OffloadReport(
-        mode=mode, host_bytes=host_bytes, pinned=pin,
+        mode=mode, residency=residency_text, host_bytes=host_bytes, pinned=pin,
         streamed_blocks={name: len(s.blocks) - len(s.resident) for name, s in streamers.items()},
         prefetch_blocks=prefetch_blocks,
         resident_blocks={name: len(s.resident) for name, s in streamers.items() if s.resident},

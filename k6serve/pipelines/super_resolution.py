@@ -58,7 +58,7 @@ class SuperResolutionPipeline:
 
     def components(self) -> dict[str, torch.nn.Module]:
         """The modules the stages name in `residency.stage(...)`."""
-        return {"vae": self.models.vae.model, "upscaler": self.models.upscaler.bank,
+        return {"vae": self.models.vae.model, "latent_upscaler": self.models.upscaler.bank,
                 "transformer": self.models.transformer}
 
     def __call__(
@@ -84,7 +84,7 @@ class SuperResolutionPipeline:
                 timings,
             )
         plan, latent = source.plan, source.latent_BCThw
-        with _timed(timings, "upscale", m.device), self.residency.stage("upscaler"):
+        with _timed(timings, "upscale", m.device), self.residency.stage("latent_upscaler"):
             lq_tiles = upscale_tiles(m.upscaler, latent, plan)
         sampler = m.sampler()
         with _timed(timings, "dit", m.device), self.residency.stage("transformer"):

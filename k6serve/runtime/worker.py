@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from k6serve.config import OFFLOAD_MODES, EngineConfig
+from k6serve.config import EngineConfig
 from k6serve.lora.spec import (
     LORA_TARGETS,
     ListLoras,
@@ -37,6 +37,7 @@ from k6serve.models.variants import (
     resolve_generate,
     resolve_upscale,
 )
+from k6serve.offload.residency import GENERATION_KEYS, RESIDENT, SUPER_RESOLUTION_KEYS, resolve_residency
 from k6serve.request import (
     GenerateRequest,
     OutputOptions,
@@ -120,12 +121,22 @@ class ModelWorker:
         # Resolved before the weights load, so an SR checkpoint with --vae-tiling on is refused at once.
         self.vae_tiling = resolve_vae_tiling(config.runtime.vae_tiling, config.runtime.performance_mode,
                                              self.device, self.variant.family)
+        # Per component: resident, offloaded whole or streamed (offload/residency.py); refused names of the other
+        # family's components are refused here, before the weights load.
+        self.residency_plan = resolve_residency(
+            config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
+            present=(SUPER_RESOLUTION_KEYS if self.variant.family != GENERATION else GENERATION_KEYS),
+            cpu_offload=config.runtime.cpu_offload_components,
+            layerwise=config.runtime.layerwise_offload_components)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         if transform is not None:
             transform(self)
-        self.performance_report = apply_performance_mode(self.pipeline.models, config.runtime.performance_mode,
-                                                         self.device, compile_vae_decoder=config.runtime.compile_vae)
+        self._place_resident_components()
+        self.performance_report = apply_performance_mode(
+            self.pipeline.models, config.runtime.performance_mode, self.device,
+            compile_vae_decoder=config.runtime.compile_vae,
+            offloaded=self.residency_plan.offloaded if self.offloads else frozenset())
         self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
         self.lora_manager = None  # created on the first LoRA operation (`_lora_manager`)
@@ -157,8 +168,19 @@ class ModelWorker:
 
     @property
     def offloads(self) -> bool:
-        """Balanced / memory on a GPU: the weights live in host memory (on the CPU there is nowhere to offload to)."""
-        return self.config.runtime.performance_mode in OFFLOAD_MODES and self.device.type == "cuda"
+        """Some component offloaded (balanced / memory, or the per component flags) on a GPU: those weights live in
+        host memory (on the CPU there is nowhere to offload to)."""
+        return self.residency_plan.offloads and self.device.type == "cuda"
+
+    def _place_resident_components(self) -> None:
+        """With some components offloaded the loader put every weight on the host; the resident ones go to the
+        device now, before the speed transforms (which must see them there) and for the worker's life."""
+        if not self.offloads:
+            return
+        components = self.pipeline.components()
+        for name in self.residency_plan.named(RESIDENT):
+            if name in components:
+                components[name].to(self.device)
 
     def _apply_vae_tiling(self) -> None:
         """Spatial tiles for the HunyuanVideo decode when `self.vae_tiling` (speed/vae_tiling.py); logged, since
@@ -181,11 +203,13 @@ class ModelWorker:
         from k6serve.speed.performance_mode import transformer_plan
 
         runtime = self.config.runtime
-        report = apply_offload(self.pipeline, runtime.performance_mode, compute_device=self.device,
-                               plan=transformer_plan(self.pipeline.models.transformer),
+        report = apply_offload(self.pipeline, runtime.performance_mode, residency=self.residency_plan,
+                               compute_device=self.device, plan=transformer_plan(self.pipeline.models.transformer),
                                prefetch_blocks=runtime.offload_prefetch_blocks,
                                resident_blocks=runtime.offload_resident_blocks)
         logger.info("%s", report.describe())
+        for note in self.residency_plan.notes:
+            logger.info("%s", note)
         return report
 
     def _lora_manager(self):

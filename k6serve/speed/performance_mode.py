@@ -81,10 +81,16 @@ def transformer_plan(transformer: nn.Module):
 
 
 def apply_performance_mode(
-    models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = False
+    models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = False,
+    offloaded: frozenset[str] = frozenset(),
 ) -> PerformanceReport:
     """Apply `mode`'s transforms to `models` (anything with `.transformer` and optionally `.vae`).
 
+    `offloaded` names the components whose weights live in host memory (`--cpu-offload-components` /
+    `--layerwise-offload-components` with speed): they stay eager, as in the balanced and memory modes. The fused
+    projections, compiled blocks and channels-last VAE weights were made and measured for weights that stay on the
+    GPU; offloading was built and measured with eager modules, whose weights `host_weights.py` re-points between
+    host and device copies (docs/benchmarks.md, tenth session). The resident components keep their transforms.
     Idempotent, so calling it on an already transformed model changes nothing.
     """
     if mode not in PERFORMANCE_MODES:
@@ -96,7 +102,32 @@ def apply_performance_mode(
         )
         return PerformanceReport(mode=mode, device=str(device), notes=(f"{mode}: {why}",))
     notes: list[str] = []
-    transformer = models.transformer
+    if "transformer" in offloaded:
+        notes.append("the DiT is offloaded: its blocks run eager (no fused projections, no compiled blocks)")
+        num_fused = num_compiled = 0
+    else:
+        num_fused, num_compiled = _speed_up_transformer(models.transformer, notes)
+    vae = getattr(models, "vae", None)
+    # The SR pipeline wraps its K-VAE (`SRVAE.model`); the generation pipeline holds diffusers' module.
+    vae_module = vae if isinstance(vae, nn.Module) else getattr(vae, "model", None)
+    vae_applied = []
+    if "vae" in offloaded:
+        notes.append("the video VAE is offloaded: it decodes eager" + (" (--compile-vae true not applied)"
+                                                                      if compile_vae_decoder else ""))
+    elif isinstance(vae_module, nn.Module):
+        vae_applied = apply_vae_speedups(vae_module, device, compile_decoder=compile_vae_decoder)
+    return PerformanceReport(
+        mode=mode,
+        device=str(device),
+        num_fused_attentions=num_fused,
+        num_compiled_blocks=num_compiled,
+        vae=tuple(vae_applied),
+        notes=tuple(notes),
+    )
+
+
+def _speed_up_transformer(transformer, notes: list[str]) -> tuple[int, int]:
+    """Fused projections, the fused RMSNorm + RoPE kernel and compiled blocks: (fused attentions, compiled blocks)."""
     num_fused = apply_fused_projections(transformer)
     if os.environ.get(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, "").strip() == "0":
         notes.append(f"fused RMSNorm + RoPE kernel off (${FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE}=0)")
@@ -108,19 +139,4 @@ def apply_performance_mode(
         notes.append(f"no plan for {type(transformer).__name__}: blocks not compiled")
     else:
         num_compiled = apply_regional_compile(transformer, plan)
-    vae = getattr(models, "vae", None)
-    # The SR pipeline wraps its K-VAE (`SRVAE.model`); the generation pipeline holds diffusers' module.
-    vae_module = vae if isinstance(vae, nn.Module) else getattr(vae, "model", None)
-    vae_applied = (
-        apply_vae_speedups(vae_module, device, compile_decoder=compile_vae_decoder)
-        if isinstance(vae_module, nn.Module)
-        else []
-    )
-    return PerformanceReport(
-        mode=mode,
-        device=str(device),
-        num_fused_attentions=num_fused,
-        num_compiled_blocks=num_compiled,
-        vae=tuple(vae_applied),
-        notes=tuple(notes),
-    )
+    return num_fused, num_compiled

@@ -171,10 +171,10 @@ def test_super_resolution_with_offload_is_bitwise_equal(tiny_sr_dir, tmp_path, m
     apply_offload(worker.pipeline, mode, compute_device="cpu",
                   plan=transformer_plan(worker.pipeline.models.transformer))
     residency = worker.pipeline.residency
-    seen = _spy_stages(worker.pipeline, residency, ({"vae"}, {"upscaler"}, {"transformer"}))
+    seen = _spy_stages(worker.pipeline, residency, ({"vae"}, {"latent_upscaler"}, {"transformer"}))
     offloaded = worker.run(params, NO_FILE)
     assert np.array_equal(offloaded.frames, resident.frames)
-    assert {name for name, _ in seen} == {"vae", "upscaler", "transformer"}
+    assert {name for name, _ in seen} == {"vae", "latent_upscaler", "transformer"}
     assert not _on_device(residency)
 
 
@@ -770,12 +770,17 @@ def test_resident_blocks_have_no_host_copy_and_stay_after_release(monkeypatch):
          r"--offload-resident-blocks must be an integer >= 0 \(DiT blocks kept on the GPU\)"),
         ({"performance_mode": "memory", "offload_resident_blocks": True}, r"--offload-resident-blocks must be an "
                                                                           r"integer >= 0 .*got True"),
-        ({"offload_prefetch_blocks": 2}, r"^--offload-prefetch-blocks 2 applies only to --performance-mode memory, "
-                                         r"which streams the DiT's blocks between host and GPU; --performance-mode "
-                                         r"speed streams none. Add --performance-mode memory, or drop it.$"),
+        ({"offload_prefetch_blocks": 2}, r"^--offload-prefetch-blocks 2 applies only when the DiT's blocks are "
+                                         r"streamed between host and GPU \(--performance-mode memory, or "
+                                         r"--layerwise-offload-components transformer\); --performance-mode speed "
+                                         r"streams none. Add one of those, or drop it.$"),
         ({"performance_mode": "balanced", "offload_prefetch_blocks": 3, "offload_resident_blocks": 4},
-         r"^--offload-prefetch-blocks 3 and --offload-resident-blocks 4 apply only to --performance-mode memory.*"
-         r"--performance-mode balanced streams none. Add --performance-mode memory, or drop them.$"),
+         r"^--offload-prefetch-blocks 3 and --offload-resident-blocks 4 apply only when the DiT's blocks are "
+         r"streamed.*--performance-mode balanced streams none. Add one of those, or drop them.$"),
+        # memory mode with the DiT offloaded whole streams none of its blocks either
+        ({"performance_mode": "memory", "cpu_offload_components": "transformer", "offload_resident_blocks": 2},
+         r"^--offload-resident-blocks 2 applies only .*--performance-mode memory with --cpu-offload-components "
+         r"transformer streams none"),
     ],
 )
 def test_block_streaming_options_are_validated(options, message):

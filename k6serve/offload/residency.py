@@ -1,0 +1,143 @@
+"""Where each component's weights live: the residency plan, as data, from the performance mode and the seed's flags.
+
+Three residencies (the reference's names, serving-reference.md §4.9):
+- "resident": on the GPU for the life of the worker (the speed transforms apply to it);
+- "component": in page-locked host memory, copied whole to the GPU for its stage (`components.py`);
+- "layerwise": in host memory, its repeated blocks streamed one at a time during its stage (`block_stream.py`).
+
+The mode gives the defaults (speed: all resident; balanced: all "component"; memory: the DiT and the text encoders
+"layerwise", the rest "component"); `--cpu-offload-components` and then `--layerwise-offload-components` override
+them per component, as the seed's recipes do ("--cpu-offload-components transformer text_encoder vae",
+"--layerwise-offload-components all", SR's "vae latent_upscaler").
+
+Only the DiT and the text encoders have repeated blocks that streaming pays for. The VAEs, the vocoder and the SR
+latent upscaler are asked for "layerwise" by the seed's `all`; they are offloaded whole instead, and the plan says so:
+their weights (under 1 GiB each, the upscaler bank's used part 1.5 GB) are small next to their activations, and a
+decode runs them per tile, so streaming their layers would copy each again per tile for no lower peak.
+
+Names are the checkpoint's component keys (model_index.json): generation `text_encoder` (Qwen2.5-VL),
+`text_encoder_2` (CLIP), `transformer`, `vae`, `audio_vae`, `vocoder`; super-resolution `transformer`, `vae`,
+`latent_upscaler`. Groups: `all`, `none`, `dit` (= transformer), `text_encoders`, `audio` (audio_vae + vocoder).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+RESIDENT, COMPONENT, LAYERWISE = "resident", "component", "layerwise"
+
+# Checkpoint key -> the pipeline's component name (`pipeline.components()`), per family: the same names.
+GENERATION_KEYS = {name: name for name in ("text_encoder", "text_encoder_2", "transformer", "vae", "audio_vae",
+                                           "vocoder")}
+SUPER_RESOLUTION_KEYS = {name: name for name in ("transformer", "vae", "latent_upscaler")}
+GROUPS = {"dit": ("transformer",), "text_encoders": ("text_encoder", "text_encoder_2"),
+          "audio": ("audio_vae", "vocoder")}
+SPECIAL = ("all", "none")
+OFFLOAD_COMPONENT_NAMES = tuple(dict.fromkeys([*SPECIAL, *GENERATION_KEYS, *SUPER_RESOLUTION_KEYS, *GROUPS]))
+# The pipeline components whose repeated blocks are streamed ("layerwise"); every other one is offloaded whole.
+STREAMABLE = ("transformer", "text_encoder", "text_encoder_2")
+
+
+def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
+    """A flag's value as a tuple of known names: a list from the CLI (nargs) or a --config file, or one string with
+    names separated by spaces or commas (the API, a --config file). Unknown names are refused with the list."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = value.replace(",", " ").split()
+    elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        items = [part for item in value for part in item.replace(",", " ").split()]
+    else:
+        raise ValueError(f"{flag} takes component names (e.g. {flag} text_encoder vae), got {value!r}")
+    names = tuple(dict.fromkeys(item.strip().lower() for item in items))
+    unknown = [name for name in names if name not in OFFLOAD_COMPONENT_NAMES]
+    if unknown:
+        raise ValueError(f"{flag}: unknown component {', '.join(map(repr, unknown))}. Known: "
+                         f"{', '.join(OFFLOAD_COMPONENT_NAMES)}.")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"{flag} none cannot be combined with other names ({' '.join(names)}); give one or the other.")
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyPlan:
+    """Per pipeline component, its residency; `notes` says where a request was changed (layerwise -> whole)."""
+
+    residency: Mapping[str, str]
+    notes: tuple[str, ...] = ()
+
+    def named(self, kind: str) -> tuple[str, ...]:
+        return tuple(name for name, value in self.residency.items() if value == kind)
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(name for name, value in self.residency.items() if value != RESIDENT)
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.offloaded)
+
+    def describe(self) -> str:
+        parts = [f"{kind} {', '.join(names)}" for kind in (RESIDENT, COMPONENT, LAYERWISE)
+                 if (names := self.named(kind))]
+        return "; ".join(parts)
+
+
+def _expand(names: Iterable[str], keys: Mapping[str, str], flag: str, family_name: str) -> set[str]:
+    """User names -> the pipeline's component names for this family; a name of no component here is refused."""
+    components: set[str] = set()
+    for name in names:
+        if name == "all":
+            components |= set(keys.values())
+        elif name in keys:
+            components.add(keys[name])
+        elif name in GROUPS and any(member in keys for member in GROUPS[name]):
+            components |= {keys[member] for member in GROUPS[name] if member in keys}
+        elif name != "none":
+            raise ValueError(f"{flag} {name}: {family_name} has no such component. Its components: "
+                             f"{', '.join(keys)} (groups: all, none"
+                             f"{''.join(f', {g}' for g, members in GROUPS.items() if any(m in keys for m in members))}"
+                             ").")
+    return components
+
+
+def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[str],
+                      cpu_offload: tuple[str, ...] = (), layerwise: tuple[str, ...] = ()) -> ResidencyPlan:
+    """The plan for a pipeline whose components are `present` (the pipeline's names; optional ones may be absent).
+
+    Priority, lowest first: the mode's defaults, `cpu_offload` ("component"; `none` keeps resident what the mode
+    would offload whole), `layerwise` (`none`: what the mode would stream is offloaded whole instead). A component named by both flags is refused: say one thing per component."""
+    keys = SUPER_RESOLUTION_KEYS if super_resolution else GENERATION_KEYS
+    family_name = "the super-resolution model" if super_resolution else "the generation model"
+    present = [name for name in keys.values() if name in set(present)]
+    if mode == "speed":
+        residency = {name: RESIDENT for name in present}
+    elif mode == "balanced":
+        residency = {name: COMPONENT for name in present}
+    else:  # memory
+        residency = {name: LAYERWISE if name in STREAMABLE else COMPONENT for name in present}
+    whole = _expand(cpu_offload, keys, "--cpu-offload-components", family_name)
+    streamed = _expand(layerwise, keys, "--layerwise-offload-components", family_name)
+    both = sorted(whole & streamed) if "all" not in cpu_offload and "all" not in layerwise else []
+    if both:
+        raise ValueError(f"{', '.join(both)} named by both --cpu-offload-components and --layerwise-offload-components;"
+                         " name each component in one of them.")
+    if cpu_offload == ("none",):
+        residency = {name: RESIDENT if value == COMPONENT else value for name, value in residency.items()}
+    if layerwise == ("none",):
+        residency = {name: COMPONENT if value == LAYERWISE else value for name, value in residency.items()}
+    for name in whole & set(present):
+        residency[name] = COMPONENT
+    notes = []
+    whole_instead = []
+    for name in [n for n in present if n in streamed]:
+        if name in STREAMABLE:
+            residency[name] = LAYERWISE
+        else:
+            residency[name] = COMPONENT
+            whole_instead.append(name)
+    if whole_instead:
+        notes.append(f"--layerwise-offload-components: {', '.join(whole_instead)} offloaded whole for their stage "
+                     "(no repeated blocks worth streaming: their weights are small next to their activations)")
+    return ResidencyPlan(residency=residency, notes=tuple(notes))

@@ -1,0 +1,263 @@
+"""Per component offloading, the seed's flags: `--cpu-offload-components` and `--layerwise-offload-components`.
+
+The plan (offload/residency.py) is checked as data: the seed's recipes, groups, priorities and the refusals' text.
+The worker is checked on the CPU as test_offload.py does (offloading forced on; every move a real copy): outputs
+bitwise equal to the resident run, only the named components offloaded, the others never moved, and the speed
+transforms kept for a resident DiT and left out for an offloaded one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k6serve.api import build_engine_config
+from k6serve.offload.residency import resolve_residency
+from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime.worker import ModelWorker
+from k6serve.speed import apply_performance_mode
+from k6serve.testing.clips import make_clip
+
+NO_FILE = OutputOptions(save_output=False, return_frames=True)
+GENERATION = ("text_encoder", "text_encoder_2", "transformer", "vae", "audio_vae", "vocoder")
+SR = ("transformer", "vae", "latent_upscaler")
+
+
+def _plan(mode="speed", *, sr=False, cpu=(), layerwise=()):
+    return resolve_residency(mode, super_resolution=sr, present=SR if sr else GENERATION, cpu_offload=cpu,
+                             layerwise=layerwise)
+
+
+def test_the_seeds_recipes():
+    # "--cpu-offload-components transformer text_encoder vae": those three whole, the rest resident (speed).
+    plan = _plan(cpu=("transformer", "text_encoder", "vae"))
+    assert plan.named("component") == ("text_encoder", "transformer", "vae")
+    assert plan.named("resident") == ("text_encoder_2", "audio_vae", "vocoder") and not plan.notes
+    # "--layerwise-offload-components all": the DiT and the text encoders streamed, the rest whole, and said so.
+    plan = _plan(layerwise=("all",))
+    assert plan.named("layerwise") == ("text_encoder", "text_encoder_2", "transformer")
+    assert plan.named("component") == ("vae", "audio_vae", "vocoder") and plan.named("resident") == ()
+    assert plan.notes == ("--layerwise-offload-components: vae, audio_vae, vocoder offloaded whole for their stage "
+                          "(no repeated blocks worth streaming: their weights are small next to their activations)",)
+    # SR's "vae latent_upscaler": both whole, the DiT resident.
+    plan = _plan(sr=True, layerwise=("vae", "latent_upscaler"))
+    assert plan.residency == {"transformer": "resident", "vae": "component", "latent_upscaler": "component"}
+
+
+def test_modes_give_the_defaults_and_the_flags_override_them():
+    assert set(_plan("speed").residency.values()) == {"resident"}
+    assert set(_plan("balanced").residency.values()) == {"component"}
+    assert _plan("memory").named("layerwise") == ("text_encoder", "text_encoder_2", "transformer")
+    # none keeps resident what the mode would offload whole, and stops what it would stream.
+    assert _plan("balanced", cpu=("none",)).named("component") == ()
+    assert _plan("memory", cpu=("none",)).named("component") == ()
+    assert _plan("memory", layerwise=("none",)).named("layerwise") == ()
+    # layerwise has the last word, also over "all"; groups expand to their members.
+    plan = _plan(cpu=("all",), layerwise=("dit",))
+    assert plan.named("layerwise") == ("transformer",) and "transformer" not in plan.named("component")
+    assert _plan(cpu=("text_encoders", "audio")).named("component") == ("text_encoder", "text_encoder_2",
+                                                                         "audio_vae", "vocoder")
+    # A component the checkpoint lacks (the optional audio ones) is left out of the plan.
+    plan = resolve_residency("speed", super_resolution=False, present=GENERATION[:4], cpu_offload=("audio",))
+    assert "audio_vae" not in plan.residency and not plan.offloads
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(cpu=("vae",), layerwise=("vae",)),
+     r"^vae named by both --cpu-offload-components and --layerwise-offload-components; name each component in one "
+     r"of them\.$"),
+    (dict(sr=True, cpu=("audio_vae",)),
+     r"^--cpu-offload-components audio_vae: the super-resolution model has no such component\. Its components: "
+     r"transformer, vae, latent_upscaler \(groups: all, none, dit\)\.$"),
+    (dict(layerwise=("latent_upscaler",)),
+     r"^--layerwise-offload-components latent_upscaler: the generation model has no such component\. Its "
+     r"components: text_encoder, text_encoder_2, transformer, vae, audio_vae, vocoder \(groups: all, none, dit, "
+     r"text_encoders, audio\)\.$"),
+])
+def test_plan_refusals_say_what_to_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(**kwargs)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"cpu_offload_components": "vae text_encoderz"},
+     r"^--cpu-offload-components: unknown component 'text_encoderz'\. Known: all, none, text_encoder, "),
+    ({"layerwise_offload_components": ["none", "vae"]},
+     r"^--layerwise-offload-components none cannot be combined with other names \(none vae\)"),
+    ({"cpu_offload_components": 3}, r"^--cpu-offload-components takes component names \(e\.g\. "),
+    ({"num_gpus": 2, "tp_size": 2, "cpu_offload_components": "vae"},
+     r"^--cpu-offload-components vae offloads the weights to host memory, which cannot work with weights sharded "
+     r"across GPUs \(--tp-size 2\): use no offload flags with --tp-size 2, or drop it to offload\.$"),
+])
+def test_config_refusals(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_engine_config("demo", **options)
+
+
+def test_config_accepts_strings_lists_and_block_streaming_with_a_streamed_dit():
+    runtime = build_engine_config("demo", cpu_offload_components="Text_Encoder, vae vae",
+                                  layerwise_offload_components=["dit"], offload_prefetch_blocks=2).runtime
+    assert runtime.cpu_offload_components == ("text_encoder", "vae")
+    assert runtime.layerwise_offload_components == ("dit",) and runtime.streams_dit and runtime.offloads
+    runtime = build_engine_config("demo", cpu_offload_components=["none"]).runtime
+    assert not runtime.offloads and not runtime.streams_dit  # speed with nothing offloaded
+    # The sharded layouts stay available when the flags offload nothing.
+    build_engine_config("demo", num_gpus=2, tp_size=2, cpu_offload_components="none")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_flags_reach_the_runtime_config(command, tmp_path):
+    from k6serve.cli.main import build_parser, merged_options, split_options
+
+    parser = build_parser()
+    extra = ["--prompt", "x"] if command == "generate" else []
+    args = parser.parse_args([command, "--model-path", "demo", "--cpu-offload-components", "transformer",
+                              "text_encoder", "vae", "--layerwise-offload-components", "text_encoder_2", *extra])
+    engine, _ = split_options(merged_options(args, parser))
+    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    assert runtime.cpu_offload_components == ("transformer", "text_encoder", "vae")
+    assert runtime.layerwise_offload_components == ("text_encoder_2",)
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text("cpu-offload-components: [vae, audio]\nlayerwise-offload-components: all\n")
+    args = parser.parse_args([command, "--model-path", "demo", "--config", str(config_file), *extra])
+    engine, _ = split_options(merged_options(args, parser))
+    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    assert (runtime.cpu_offload_components, runtime.layerwise_offload_components) == (("vae", "audio"), ("all",))
+
+
+def _forced_worker(monkeypatch, folder, **options) -> ModelWorker:
+    """A CPU worker that offloads as a GPU worker would (test_offload.py: a CPU "device" copy is a real copy)."""
+    monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: self.residency_plan.offloads))
+    return ModelWorker(build_engine_config(str(folder), device="cpu", attention_backend="sdpa", **options))
+
+
+def _watch(worker: ModelWorker) -> dict[str, list[bool]]:
+    """Per component, at every call into it: whether its weights were the host copy (False = moved for a stage)."""
+    residency = worker.pipeline.residency
+    seen: dict[str, list[bool]] = {}
+
+    def hook(name):
+        def check(module, args):
+            weights = residency.weights.get(name)
+            seen.setdefault(name, []).append(weights is not None and weights.attached_to_host())
+
+        return check
+
+    for name, component in worker.pipeline.components().items():
+        for module in component.modules():  # the pipelines call submodules (e.g. `vae.decode`), not forward
+            module.register_forward_pre_hook(hook(name))
+    return seen
+
+
+def test_generation_with_some_components_offloaded_is_bitwise_equal(tiny_distill_dir, monkeypatch):
+    torch.set_num_threads(1)
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5)
+    resident = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa")
+                           ).run(params, NO_FILE)
+    worker = _forced_worker(monkeypatch, tiny_distill_dir, cpu_offload_components=("text_encoders", "vae"),
+                            layerwise_offload_components=("dit",))
+    residency = worker.pipeline.residency
+    assert set(residency.weights) == {"text_encoder", "text_encoder_2", "vae", "transformer"}
+    assert set(residency.streamers) == {"transformer"}  # the text encoders offloaded whole, not streamed
+    assert residency.resident == {"audio_vae", "vocoder"}
+    vocoder_params = [p.data_ptr() for p in worker.pipeline.models.vocoder.parameters()]
+    seen = _watch(worker)
+    offloaded = worker.run(params, NO_FILE)
+    assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
+    assert {"text_encoder", "vae", "audio_vae", "vocoder"} <= set(seen)
+    # Offloaded components were on their stage's copy when called, and are back on the host after it.
+    assert not any(seen["text_encoder"]) and not any(seen["vae"])
+    assert all(weights.attached_to_host() for weights in residency.weights.values())
+    # The resident ones were never moved.
+    assert [p.data_ptr() for p in worker.pipeline.models.vocoder.parameters()] == vocoder_params
+    report = worker.offload_report
+    assert report.mode == "speed" and report.residency == (
+        "resident audio_vae, vocoder; component text_encoder, text_encoder_2, vae; layerwise transformer")
+    assert report.streamed_blocks == {"transformer": report.streamed_blocks["transformer"]} and \
+        report.streamed_blocks["transformer"] > 0
+    assert "speed (resident audio_vae, vocoder; component" in report.describe()
+
+
+def test_super_resolution_layerwise_vae_and_upscaler_are_offloaded_whole(tiny_sr_dir, tmp_path, monkeypatch,
+                                                                          caplog):
+    torch.set_num_threads(1)
+    clip = make_clip(tmp_path / "clip.mp4", width=64, height=32, num_frames=9, fps=24)
+    params = SamplingParams(video_path=str(clip), sr_resolution_scale=2, num_inference_steps=2, seed=3)
+    resident = ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu")).run(params, NO_FILE)
+    with caplog.at_level("INFO", logger="k6serve.runtime.worker"):
+        worker = _forced_worker(monkeypatch, tiny_sr_dir, layerwise_offload_components="vae latent_upscaler")
+    assert "vae, latent_upscaler offloaded whole for their stage" in caplog.text
+    residency = worker.pipeline.residency
+    assert set(residency.weights) == {"vae", "latent_upscaler"} and residency.resident == {"transformer"}
+    assert not residency.streamers
+    seen = _watch(worker)
+    assert np.array_equal(worker.run(params, NO_FILE).frames, resident.frames)
+    assert seen["vae"] and not any(seen["vae"]) and not any(seen["latent_upscaler"])
+
+
+def test_a_name_of_the_other_family_is_refused_before_the_weights_load(tiny_sr_dir, monkeypatch):
+    from k6serve.runtime import worker as worker_module
+
+    monkeypatch.setattr(worker_module.ModelWorker, "_build_pipeline",
+                        lambda self, folder: pytest.fail("loaded the weights before refusing the flag"))
+    with pytest.raises(ValueError, match=r"--cpu-offload-components text_encoder: the super-resolution model has no "
+                                         r"such component"):
+        ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", cpu_offload_components="text_encoder"))
+
+
+def test_speed_transforms_skip_offloaded_components(tiny_distill_dir):
+    """The GPU-only branch, on CPU modules: the plan's offloaded DiT and VAE keep their eager modules (no fused
+    projections, no compiled blocks, no channels-last VAE), and the report says so."""
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+    models = worker.pipeline.models
+    before = {name for name, _ in models.transformer.named_modules()}
+    vae_weight = next(p for p in models.vae.parameters() if p.dim() == 5)
+    report = apply_performance_mode(models, "speed", "cuda", compile_vae_decoder=True,
+                                    offloaded=frozenset({"transformer", "vae"}))
+    assert (report.num_fused_attentions, report.num_compiled_blocks, report.vae) == (0, 0, ())
+    assert report.notes == ("the DiT is offloaded: its blocks run eager (no fused projections, no compiled blocks)",
+                            "the video VAE is offloaded: it decodes eager (--compile-vae true not applied)")
+    assert {name for name, _ in models.transformer.named_modules()} == before
+    assert vae_weight.is_contiguous()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and the speed mode's compile need CUDA")
+def test_cuda_speed_mode_with_the_text_encoders_and_audio_offloaded(tiny_distill_dir):
+    """On a GPU, speed with `--cpu-offload-components text_encoders audio`: the DiT stays on the GPU and compiled,
+    the offloaded components live in host memory between their stages, and the output equals the resident speed
+    run bit for bit (neither the text encoders nor the audio decoders take speed transforms)."""
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5)
+    base = dict(device="cuda", attention_backend="sdpa")
+    resident_worker = ModelWorker(build_engine_config(str(tiny_distill_dir), **base))
+    resident = resident_worker.run(params, NO_FILE)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), cpu_offload_components="text_encoders audio",
+                                             **base))
+    assert worker.offloads and worker.offload_report.pinned
+    assert worker.performance_report.num_compiled_blocks == resident_worker.performance_report.num_compiled_blocks > 0
+    models = worker.pipeline.models
+    assert all(p.device.type == "cuda" for p in models.transformer.parameters())
+    assert all(p.device.type == "cuda" for p in models.vae.parameters())
+    offloaded = worker.run(params, NO_FILE)
+    for module in (models.text_encoder, models.text_encoder_2, models.audio_vae, models.vocoder):
+        assert all(p.device.type == "cpu" for p in module.parameters())
+    assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
+    assert list(worker.pipeline.residency.peak_after) == ["text_encoder+text_encoder_2", "transformer",
+                                                          "audio_vae+vocoder", "vae"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream, events and pinned copies need CUDA")
+def test_cuda_speed_mode_with_a_streamed_dit_runs_it_eager(tiny_distill_dir):
+    """`--layerwise-offload-components dit` with speed: the DiT's blocks stream from host memory and run eager (no
+    compiled blocks), the rest stays resident; the output is a video, and no DiT weight is left on the GPU."""
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cuda", attention_backend="sdpa",
+                                             layerwise_offload_components="dit", offload_prefetch_blocks=2))
+    assert worker.performance_report.num_compiled_blocks == 0
+    assert worker.performance_report.notes[0].startswith("the DiT is offloaded")
+    assert worker.offload_report.streamed_blocks["transformer"] > 0
+    result = worker.run(params, NO_FILE)
+    assert result.frames.shape[0] == 5 and np.isfinite(result.audio).all()
+    streamer = worker.pipeline.residency.streamers["transformer"]
+    assert not any(weights.on_device for weights in streamer.weights)
+    assert all(p.device.type == "cuda" for p in worker.pipeline.models.vae.parameters())
