@@ -173,8 +173,9 @@ class ModelWorker:
         return self.residency_plan.offloads and self.device.type == "cuda"
 
     def _place_resident_components(self) -> None:
-        """With some components offloaded the loader put every weight on the host; the resident ones go to the
-        device now, before the speed transforms (which must see them there) and for the worker's life."""
+        """With some components offloaded the resident ones must be on the device before the speed transforms
+        (which must see them there), for the worker's life: the generation loader put them there already (a no-op
+        here); the SR loader put every weight on the host."""
         if not self.offloads:
             return
         components = self.pipeline.components()
@@ -328,9 +329,12 @@ class ModelWorker:
             from k6serve.models.kandinsky6.checkpoint import load_generation_models
             from k6serve.pipelines.text_to_video import TextToVideoPipeline
 
+            # The resident components load straight onto the device (the SR models, 14 GB in all, are moved
+            # after their load by `_place_resident_components`).
+            resident = {name: self.device for name in self.residency_plan.named(RESIDENT)} if self.offloads else None
             models = load_generation_models(folder, self.variant, device=self.device, dtype=self.dtype,
                                             load_format=self.config.model.load_format,
-                                            weights_device=self.weights_device)
+                                            weights_device=self.weights_device, component_devices=resident)
             models.transformer.set_attention_backend(backend)
             return TextToVideoPipeline(models, keep_float_frames=False)
         from k6serve.pipelines.super_resolution import build_super_resolution_pipeline
