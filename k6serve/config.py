@@ -194,16 +194,21 @@ class RuntimeConfig:
     # component keys or the groups all, none, dit, text_encoders, audio.
     cpu_offload_components: tuple[str, ...] = ()
     layerwise_offload_components: tuple[str, ...] = ()
+    # `--component-residency NAME=MODE ...` (resident | component_offload | layerwise_offload), over both flags: the
+    # reference's per component setting, also the way to keep one component resident under balanced or memory.
+    component_residency: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.cache_dit_config is not None and not isinstance(self.cache_dit_config, CacheDitParams):
             # Normalised once here, where every way of building the config passes (CLI, --config file, API).
             object.__setattr__(self, "cache_dit_config", parse_cache_dit_config(self.cache_dit_config))
-        from k6serve.offload.residency import normalise_component_names  # torch-free (k6serve/offload/__init__.py)
+        # torch-free (k6serve/offload/__init__.py)
+        from k6serve.offload.residency import normalise_component_names, normalise_residency_settings
 
         for name in ("cpu_offload_components", "layerwise_offload_components"):
             flag = "--" + name.replace("_", "-")
             object.__setattr__(self, name, normalise_component_names(getattr(self, name), flag))
+        object.__setattr__(self, "component_residency", normalise_residency_settings(self.component_residency))
         _check_field_types(self, checked_elsewhere=("offload_prefetch_blocks", "offload_resident_blocks"))
         if self.vae_tiling not in VAE_TILING:
             raise ValueError(f"--vae-tiling must be one of {VAE_TILING}, got {self.vae_tiling!r}")
@@ -238,33 +243,46 @@ class RuntimeConfig:
                 f" with --cpu-offload-components {' '.join(self.cpu_offload_components)}"
                 if self.cpu_offload_components else "") + (
                 f" with --layerwise-offload-components {' '.join(self.layerwise_offload_components)}"
-                if self.layerwise_offload_components else ""))
+                if self.layerwise_offload_components else "") + (
+                " with --component-residency " + " ".join(f"{n}={m}" for n, m in self.component_residency)
+                if self.component_residency else ""))
             raise ValueError(f"{named} {'apply' if several else 'applies'} only when the DiT's blocks are streamed "
                              f"between host and GPU (--performance-mode memory, or --layerwise-offload-components "
                              f"transformer); {now} streams none. Add one of those, or drop "
                              f"{'them' if several else 'it'}.")
 
+    def residency_plan(self, *, super_resolution: bool):
+        """The plan for every component of one family (`offload/residency.py`), the names of the other left out."""
+        from k6serve.offload.residency import (
+            GENERATION_KEYS,
+            GROUPS,
+            SPECIAL,
+            SUPER_RESOLUTION_KEYS,
+            resolve_residency,
+        )
+
+        keys = SUPER_RESOLUTION_KEYS if super_resolution else GENERATION_KEYS
+
+        def here(name: str) -> bool:
+            return name in SPECIAL or name in keys or any(member in keys for member in GROUPS.get(name, ()))
+
+        return resolve_residency(
+            self.performance_mode, super_resolution=super_resolution, present=keys,
+            cpu_offload=tuple(filter(here, self.cpu_offload_components)),
+            layerwise=tuple(filter(here, self.layerwise_offload_components)),
+            settings=tuple(item for item in self.component_residency if here(item[0])))
+
     @property
     def streams_dit(self) -> bool:
         """Whether the DiT's blocks are streamed (its residency is "layerwise"): the same for both families."""
-        from k6serve.offload.residency import LAYERWISE, resolve_residency
+        from k6serve.offload.residency import LAYERWISE
 
-        plan = resolve_residency(self.performance_mode, super_resolution=False, present=("transformer",),
-                                 cpu_offload=self._common(self.cpu_offload_components),
-                                 layerwise=self._common(self.layerwise_offload_components))
-        return plan.residency["transformer"] == LAYERWISE
-
-    @staticmethod
-    def _common(names: tuple[str, ...]) -> tuple[str, ...]:
-        """The names that mean the same in both families (the DiT's residency does not depend on the others)."""
-        return tuple(name for name in names if name in ("all", "none", "dit", "transformer"))
+        return self.residency_plan(super_resolution=False).residency["transformer"] == LAYERWISE
 
     @property
     def offloads(self) -> bool:
-        """Whether any component's weights live in host memory (resolved per model by offload/residency.py)."""
-        named = [names for names in (self.cpu_offload_components, self.layerwise_offload_components)
-                 if names and names != ("none",)]
-        return self.performance_mode in OFFLOAD_MODES or bool(named)
+        """Whether any component's weights live in host memory, for either family's components."""
+        return any(self.residency_plan(super_resolution=sr).offloads for sr in (False, True))
 
     @property
     def offload_flags(self) -> str:
@@ -274,6 +292,8 @@ class RuntimeConfig:
             names = getattr(self, name)
             if names and names != ("none",):
                 flags.append(f"--{name.replace('_', '-')} {' '.join(names)}")
+        if self.component_residency:
+            flags.append("--component-residency " + " ".join(f"{n}={m}" for n, m in self.component_residency))
         return " with ".join(flags)
 
 

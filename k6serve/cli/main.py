@@ -69,6 +69,10 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                       "blocks from host memory during their stage (the DiT and the text encoders; "
                                       "others named, e.g. by all, are offloaded whole). Same names as "
                                       "--cpu-offload-components, which it overrides.")),
+    ("component_residency", dict(nargs="+", metavar="NAME=MODE", help="Per component residency over both flags "
+                             "above: resident, component_offload or layerwise_offload, e.g. vae=resident (keep the "
+                             "VAE on the GPU under --performance-mode memory) or all=component_offload "
+                             "transformer=resident. Same names; groups apply before single names.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
                           "fa_fp8 (FA3 in FP8 for the video self-attention: Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "

@@ -6,8 +6,9 @@ Three residencies (the reference's names, serving-reference.md §4.9):
 - "layerwise": in host memory, its repeated blocks streamed one at a time during its stage (`block_stream.py`).
 
 The mode gives the defaults (speed: all resident; balanced: all "component"; memory: the DiT and the text encoders
-"layerwise", the rest "component"); `--cpu-offload-components` and then `--layerwise-offload-components` override
-them per component, as the seed's recipes do ("--cpu-offload-components transformer text_encoder vae",
+"layerwise", the rest "component"); `--cpu-offload-components`, then `--layerwise-offload-components`, then
+`--component-residency NAME=MODE` (the reference's highest-priority setting, also the way to keep a component
+resident under balanced or memory) override them per component, as the seed's recipes do ("--cpu-offload-components transformer text_encoder vae",
 "--layerwise-offload-components all", SR's "vae latent_upscaler").
 
 Only the DiT and the text encoders have repeated blocks that streaming pays for. The VAEs, the vocoder and the SR
@@ -60,6 +61,45 @@ def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
     return names
 
 
+# `--component-residency NAME=MODE`: the reference's mode names and the short ones of this plan.
+RESIDENCY_NAMES = {"resident": RESIDENT, "component_offload": COMPONENT, "component": COMPONENT,
+                   "layerwise_offload": LAYERWISE, "layerwise": LAYERWISE}
+
+
+def normalise_residency_settings(value: object) -> tuple[tuple[str, str], ...]:
+    """`--component-residency` as ((name, residency), ...): "vae=resident" items from the CLI or a --config list, one
+    string of them, or a mapping {name: residency} from the API or a --config file."""
+    flag = "--component-residency"
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = [(str(name), str(mode)) for name, mode in value.items()]
+    else:
+        if isinstance(value, str):
+            parts = value.replace(",", " ").split()
+        elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+            parts = [part for item in value for part in item.replace(",", " ").split()]
+        else:
+            raise ValueError(f"{flag} takes NAME=MODE items (e.g. {flag} vae=resident transformer=layerwise_offload), "
+                             f"got {value!r}")
+        bad = [part for part in parts if part.count("=") != 1]
+        if bad:
+            raise ValueError(f"{flag}: {bad[0]!r} is not NAME=MODE (e.g. vae=resident).")
+        items = [tuple(part.split("=")) for part in parts]
+    settings: dict[str, str] = {}
+    for name, mode in items:
+        name, mode = name.strip().lower(), mode.strip().lower()
+        if name not in OFFLOAD_COMPONENT_NAMES or name == "none":
+            known = ", ".join(n for n in OFFLOAD_COMPONENT_NAMES if n != "none")
+            raise ValueError(f"{flag}: unknown component {name!r}. Known: {known}.")
+        if mode not in RESIDENCY_NAMES:
+            raise ValueError(f"{flag} {name}={mode}: the residency must be one of {', '.join(RESIDENCY_NAMES)}.")
+        if name in settings and settings[name] != RESIDENCY_NAMES[mode]:
+            raise ValueError(f"{flag} names {name} twice, with different residencies; give it once.")
+        settings[name] = RESIDENCY_NAMES[mode]
+    return tuple(settings.items())
+
+
 @dataclass(frozen=True, slots=True)
 class ResidencyPlan:
     """Per pipeline component, its residency; `notes` says where a request was changed (layerwise -> whole)."""
@@ -103,11 +143,13 @@ def _expand(names: Iterable[str], keys: Mapping[str, str], flag: str, family_nam
 
 
 def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[str],
-                      cpu_offload: tuple[str, ...] = (), layerwise: tuple[str, ...] = ()) -> ResidencyPlan:
+                      cpu_offload: tuple[str, ...] = (), layerwise: tuple[str, ...] = (),
+                      settings: tuple[tuple[str, str], ...] = ()) -> ResidencyPlan:
     """The plan for a pipeline whose components are `present` (the pipeline's names; optional ones may be absent).
 
     Priority, lowest first: the mode's defaults, `cpu_offload` ("component"; `none` keeps resident what the mode
-    would offload whole), `layerwise` (`none`: what the mode would stream is offloaded whole instead). A component named by both flags is refused: say one thing per component."""
+    would offload whole), `layerwise` (`none`: what the mode would stream is offloaded whole instead), `settings`
+    (`--component-residency NAME=MODE`, groups before single names). A component named by both flags is refused: say one thing per component."""
     keys = SUPER_RESOLUTION_KEYS if super_resolution else GENERATION_KEYS
     family_name = "the super-resolution model" if super_resolution else "the generation model"
     present = [name for name in keys.values() if name in set(present)]
@@ -132,12 +174,16 @@ def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[st
     notes = []
     whole_instead = []
     for name in [n for n in present if n in streamed]:
-        if name in STREAMABLE:
-            residency[name] = LAYERWISE
-        else:
+        residency[name] = LAYERWISE
+    # --component-residency has the last word; groups first, so that "all=component vae=resident" reads as written.
+    for name, value in sorted(settings, key=lambda item: item[0] not in ("all", *GROUPS)):
+        for component in _expand((name,), keys, "--component-residency", family_name) & set(present):
+            residency[component] = value
+    for name in present:
+        if residency[name] == LAYERWISE and name not in STREAMABLE:
             residency[name] = COMPONENT
             whole_instead.append(name)
     if whole_instead:
-        notes.append(f"--layerwise-offload-components: {', '.join(whole_instead)} offloaded whole for their stage "
+        notes.append(f"layerwise offload: {', '.join(whole_instead)} offloaded whole for their stage "
                      "(no repeated blocks worth streaming: their weights are small next to their activations)")
     return ResidencyPlan(residency=residency, notes=tuple(notes))

@@ -127,7 +127,7 @@ class ModelWorker:
             config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
             present=(SUPER_RESOLUTION_KEYS if self.variant.family != GENERATION else GENERATION_KEYS),
             cpu_offload=config.runtime.cpu_offload_components,
-            layerwise=config.runtime.layerwise_offload_components)
+            layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         if transform is not None:

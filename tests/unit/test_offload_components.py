@@ -24,9 +24,9 @@ GENERATION = ("text_encoder", "text_encoder_2", "transformer", "vae", "audio_vae
 SR = ("transformer", "vae", "latent_upscaler")
 
 
-def _plan(mode="speed", *, sr=False, cpu=(), layerwise=()):
+def _plan(mode="speed", *, sr=False, cpu=(), layerwise=(), settings=()):
     return resolve_residency(mode, super_resolution=sr, present=SR if sr else GENERATION, cpu_offload=cpu,
-                             layerwise=layerwise)
+                             layerwise=layerwise, settings=settings)
 
 
 def test_the_seeds_recipes():
@@ -38,7 +38,7 @@ def test_the_seeds_recipes():
     plan = _plan(layerwise=("all",))
     assert plan.named("layerwise") == ("text_encoder", "text_encoder_2", "transformer")
     assert plan.named("component") == ("vae", "audio_vae", "vocoder") and plan.named("resident") == ()
-    assert plan.notes == ("--layerwise-offload-components: vae, audio_vae, vocoder offloaded whole for their stage "
+    assert plan.notes == ("layerwise offload: vae, audio_vae, vocoder offloaded whole for their stage "
                           "(no repeated blocks worth streaming: their weights are small next to their activations)",)
     # SR's "vae latent_upscaler": both whole, the DiT resident.
     plan = _plan(sr=True, layerwise=("vae", "latent_upscaler"))
@@ -124,6 +124,71 @@ def test_flags_reach_the_runtime_config(command, tmp_path):
     engine, _ = split_options(merged_options(args, parser))
     runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
     assert (runtime.cpu_offload_components, runtime.layerwise_offload_components) == (("vae", "audio"), ("all",))
+
+
+def test_component_residency_has_the_last_word():
+    # Keep the VAE on the GPU under memory mode (the seed's "component-specific residency settings").
+    plan = _plan("memory", settings=(("vae", "resident"),))
+    assert plan.residency["vae"] == "resident" and plan.residency["transformer"] == "layerwise"
+    # Groups first, whatever the order given: everything whole but a resident DiT.
+    plan = _plan("speed", settings=(("transformer", "resident"), ("all", "component")))
+    assert plan.named("resident") == ("transformer",) and len(plan.named("component")) == 5
+    # Over both flags; layerwise for a component without blocks to stream is whole, and said so.
+    plan = _plan(cpu=("vae",), layerwise=("dit",), settings=(("vae", "layerwise"), ("dit", "component")))
+    assert plan.residency["vae"] == plan.residency["transformer"] == "component"
+    assert plan.notes == ("layerwise offload: vae offloaded whole for their stage (no repeated blocks worth "
+                          "streaming: their weights are small next to their activations)",)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("vae=resident, dit=layerwise_offload", (("vae", "resident"), ("dit", "layerwise"))),
+    (["VAE=Component_Offload"], (("vae", "component"),)),
+    ({"audio": "resident", "text_encoders": "component"}, (("audio", "resident"), ("text_encoders", "component"))),
+])
+def test_component_residency_forms(value, expected):
+    assert build_engine_config("demo", component_residency=value).runtime.component_residency == expected
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("vae", r"^--component-residency: 'vae' is not NAME=MODE \(e\.g\. vae=resident\)\.$"),
+    ("vae=fast", r"^--component-residency vae=fast: the residency must be one of resident, component_offload, "
+                 r"component, layerwise_offload, layerwise\.$"),
+    ("vea=resident", r"^--component-residency: unknown component 'vea'\. Known: all, text_encoder, "),
+    ("vae=resident vae=component", r"^--component-residency names vae twice, with different residencies"),
+    (7, r"^--component-residency takes NAME=MODE items"),
+])
+def test_component_residency_refusals(value, message):
+    with pytest.raises(ValueError, match=message):
+        build_engine_config("demo", component_residency=value)
+
+
+def test_component_residency_in_the_config_rules(tmp_path):
+    # Everything resident again: balanced offloads nothing, so a sharded layout is allowed.
+    runtime = build_engine_config("demo", performance_mode="balanced", component_residency="all=resident",
+                                  num_gpus=2, tp_size=2).runtime
+    assert not runtime.offloads
+    # A streamed DiT by this flag alone takes the block-streaming knobs.
+    runtime = build_engine_config("demo", component_residency="transformer=layerwise_offload",
+                                  offload_resident_blocks=3).runtime
+    assert runtime.streams_dit and runtime.offloads
+    with pytest.raises(ValueError, match=r"--performance-mode memory with --component-residency dit=component "
+                                         r"streams none"):
+        build_engine_config("demo", performance_mode="memory", component_residency="dit=component",
+                            offload_prefetch_blocks=2)
+    from k6serve.cli.main import build_parser, merged_options, split_options
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model-path", "demo", "--performance-mode", "memory",
+                              "--component-residency", "vae=resident", "audio=resident"])
+    engine, _ = split_options(merged_options(args, parser))
+    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    assert runtime.component_residency == (("vae", "resident"), ("audio", "resident"))
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text("performance-mode: memory\ncomponent-residency: {vae: resident, dit: component_offload}\n")
+    args = parser.parse_args(["serve", "--model-path", "demo", "--config", str(config_file)])
+    engine, _ = split_options(merged_options(args, parser))
+    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    assert runtime.component_residency == (("vae", "resident"), ("dit", "component")) and not runtime.streams_dit
 
 
 def _forced_worker(monkeypatch, folder, **options) -> ModelWorker:
@@ -301,3 +366,20 @@ def test_the_loader_puts_each_component_where_the_plan_says(tiny_distill_dir, mo
     assert next(models.transformer.parameters()).device.type == "meta"
     assert next(models.text_encoder.parameters()).device.type == "meta"
     assert {p.device.type for p in models.vocoder.parameters()} == {"cpu"}
+
+
+def test_memory_mode_with_the_vae_kept_resident(tiny_distill_dir, monkeypatch):
+    torch.set_num_threads(1)
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5)
+    # The same mode without offloading (on a CPU nothing is offloaded): speed trims the text padding, memory not.
+    resident = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
+                                               performance_mode="memory", vae_tiling="off")).run(params, NO_FILE)
+    worker = _forced_worker(monkeypatch, tiny_distill_dir, performance_mode="memory", vae_tiling="off",
+                            component_residency=["vae=resident"])
+    residency = worker.pipeline.residency
+    assert residency.resident == {"vae"} and set(residency.streamers) == {"transformer", "text_encoder",
+                                                                           "text_encoder_2"}
+    vae_params = [p.data_ptr() for p in worker.pipeline.models.vae.parameters()]
+    offloaded = worker.run(params, NO_FILE)
+    assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
+    assert [p.data_ptr() for p in worker.pipeline.models.vae.parameters()] == vae_params
