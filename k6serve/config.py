@@ -20,6 +20,7 @@ WARMUP_MODES = ("off", "request", "server")
 ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
 VAE_TILING = ("auto", "on", "off")
+PARALLEL_DECODE_MODES = ("whole_tile", "spatial_shard")  # the seed's --vae-config.parallel-decode-mode values
 # Same tuple as k6serve.lora.spec.LORA_MERGE_MODES (config imports only torch-free k6serve modules; a unit test keeps
 # them equal).
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
@@ -197,6 +198,14 @@ class RuntimeConfig:
     # `--component-residency NAME=MODE ...` (resident | component_offload | layerwise_offload), over both flags: the
     # reference's per component setting, also the way to keep one component resident under balanced or memory.
     component_residency: tuple[tuple[str, str], ...] = ()
+    # The seed's SR decode flags (`--vae-config.use-parallel-tiling`, `--vae-config.use-parallel-decode`,
+    # `--vae-config.parallel-decode-mode`). k6serve decodes whole tiles in parallel on every multi-GPU SR replica
+    # (parallel/tile_decode.py; bitwise equal to serial), so `true` and `whole_tile` ask for what it does anyway;
+    # what it does not do there (spatial_shard, a replicated decode) is refused with the fix
+    # (`check_decode_flags`). One GPU or a generation model: nothing to choose, as in the reference.
+    vae_parallel_tiling: bool | None = None
+    vae_parallel_decode: bool | None = None
+    vae_parallel_decode_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.cache_dit_config is not None and not isinstance(self.cache_dit_config, CacheDitParams):
@@ -219,6 +228,9 @@ class RuntimeConfig:
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
         self._check_block_streaming()
+        if self.vae_parallel_decode_mode not in (None, *PARALLEL_DECODE_MODES):
+            raise ValueError(f"--vae-config.parallel-decode-mode must be one of {', '.join(PARALLEL_DECODE_MODES)}, "
+                             f"got {self.vae_parallel_decode_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), "

@@ -27,6 +27,7 @@ from k6serve.config import (
     ENCODER_PARALLEL,
     LOAD_FORMATS,
     LORA_MERGE_MODES,
+    PARALLEL_DECODE_MODES,
     PERFORMANCE_MODES,
     VAE_TILING,
     WARMUP_MODES,
@@ -88,6 +89,13 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                               "50-step Pro/Lite): a JSON object of cache_dit_params (cache-dit's names, e.g. "
                               "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
                               "Requests may turn it off (enable_cache_dit false) or change settings.")),
+    ("vae_parallel_tiling", dict(type=lambda v: _bool(v), help="SR, the seed's flag: true (what k6serve does on a "
+                             "multi-GPU replica anyway: whole tiles decoded in parallel, bitwise equal to serial); "
+                             "false is refused there.")),
+    ("vae_parallel_decode", dict(type=lambda v: _bool(v), help="SR, the seed's flag, with "
+                             "--vae-config.parallel-decode-mode.")),
+    ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR, the seed's flag: whole_tile (k6serve's "
+                                  "decode); spatial_shard is not available and is refused on a multi-GPU replica.")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
@@ -135,6 +143,12 @@ def _field_type(field: dataclasses.Field) -> type:
     return args[0] if args else str
 
 
+# Engine options the seed spells otherwise than `--<field-name>` (its `--vae-config.<key>` decode flags).
+_SEED_SPELLINGS = {"vae_parallel_tiling": "--vae-config.use-parallel-tiling",
+                   "vae_parallel_decode": "--vae-config.use-parallel-decode",
+                   "vae_parallel_decode_mode": "--vae-config.parallel-decode-mode"}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -156,7 +170,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, spec in ENGINE_FLAGS:
         spec = {"default": None, **spec}
-        group.add_argument(_flag(name), **spec)
+        group.add_argument(_SEED_SPELLINGS.get(name, _flag(name)), dest=name, **spec)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -251,6 +265,9 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         actions = {action.dest: action
                    for action in parser._subparsers._group_actions[0].choices[args.command]._actions
                    if action.dest not in ("help", "config", "log_level")}
+        # The seed's dotted `vae-config.*` keys name the same options as its flags.
+        seed_keys = {flag.lstrip("-").replace("-", "_"): name for name, flag in _SEED_SPELLINGS.items()}
+        from_file = {seed_keys.get(key, key): value for key, value in from_file.items()}
         unknown = sorted(set(from_file) - set(actions))
         if unknown:
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}")

@@ -14,6 +14,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+def check_decode_flags(runtime, *, replica_size: int, super_resolution: bool) -> None:
+    """Refuse the seed's `--vae-config.*` decode choices that this decode does not make, where they would matter (an
+    SR model on a replica of several GPUs); elsewhere they choose nothing, as in the reference (one GPU keeps the
+    replicated decode, and the generation VAE decodes replicated)."""
+    if not super_resolution or replica_size == 1:
+        return
+    if runtime.vae_parallel_decode and runtime.vae_parallel_decode_mode == "spatial_shard":
+        raise ValueError(
+            "--vae-config.parallel-decode-mode spatial_shard (each tile's height split across GPUs, which changes "
+            "the rounding) is not available in k6serve. A multi-GPU replica decodes whole tiles in parallel, equal "
+            "to the serial decode bit for bit: drop --vae-config.use-parallel-decode and "
+            "--vae-config.parallel-decode-mode (or use parallel-decode-mode whole_tile).")
+    if runtime.vae_parallel_tiling is False:
+        raise ValueError(
+            "--vae-config.use-parallel-tiling false asks every GPU to decode every tile; k6serve decodes whole tiles "
+            "in parallel on a multi-GPU replica, and that equals the serial decode bit for bit, so it only saves "
+            "time. Drop the flag (or set it true).")
+
+
 # Where `attach_decode_group` records the group on a VAE wrapper (as the cfg group is kept on the DiT).
 _DECODE_GROUP_ATTRIBUTE = "_k6serve_decode_group"
 

@@ -118,6 +118,10 @@ class ModelWorker:
         if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:
             raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
                              "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
+        from k6serve.parallel.tile_decode import check_decode_flags
+
+        check_decode_flags(config.runtime, replica_size=config.parallel.num_gpus // config.parallel.dp_size,
+                           super_resolution=self.variant.family != GENERATION)
         # Resolved before the weights load, so an SR checkpoint with --vae-tiling on is refused at once.
         self.vae_tiling = resolve_vae_tiling(config.runtime.vae_tiling, config.runtime.performance_mode,
                                              self.device, self.variant.family)
