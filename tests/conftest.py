@@ -132,3 +132,22 @@ def hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+# ---- the CLI as it reads the engine options ----
+
+
+@pytest.fixture
+def engine_config_from_cli():
+    """`k6serve <argv>` as the CLI reads it (flags over --config values), its engine options built into the
+    `EngineConfig` the worker would get: `engine_config_from_cli("serve", "--model-path", "demo", ...)`."""
+    from k6serve.api import build_engine_config
+    from k6serve.cli.main import build_parser, merged_options, split_options
+
+    parser = build_parser()
+
+    def build(*argv: str):
+        engine, _ = split_options(merged_options(parser.parse_args(list(argv)), parser))
+        return build_engine_config(engine.pop("model_path"), **engine)
+
+    return build

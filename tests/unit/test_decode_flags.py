@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from k6serve.api import build_engine_config
-from k6serve.cli.main import build_parser, merged_options, split_options
 from k6serve.parallel.tile_decode import check_decode_flags
 from k6serve.runtime.worker import ModelWorker
 
@@ -17,21 +16,16 @@ def _runtime(**options):
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_the_seeds_spelling_reaches_the_config(command, tmp_path):
-    parser = build_parser()
+def test_the_seeds_spelling_reaches_the_config(command, tmp_path, engine_config_from_cli):
     extra = ["--prompt", "x"] if command == "generate" else []
-    args = parser.parse_args([command, "--model-path", "demo", "--vae-config.use-parallel-tiling", "true",
-                              "--vae-config.use-parallel-decode", "true", "--vae-config.parallel-decode-mode",
-                              "whole_tile", *extra])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli(command, "--model-path", "demo", "--vae-config.use-parallel-tiling", "true",
+                                     "--vae-config.use-parallel-decode", "true", "--vae-config.parallel-decode-mode",
+                                     "whole_tile", *extra).runtime
     assert (runtime.vae_parallel_tiling, runtime.vae_parallel_decode, runtime.vae_parallel_decode_mode) == (
         True, True, "whole_tile")
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("vae-config.use-parallel-tiling: false\nvae_parallel_decode_mode: spatial_shard\n")
-    args = parser.parse_args([command, "--model-path", "demo", "--config", str(config_file), *extra])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli(command, "--model-path", "demo", "--config", str(config_file), *extra).runtime
     assert (runtime.vae_parallel_tiling, runtime.vae_parallel_decode_mode) == (False, "spatial_shard")
 
 

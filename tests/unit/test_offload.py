@@ -796,23 +796,18 @@ def test_block_streaming_defaults_are_accepted_in_every_mode():
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_block_streaming_flags_reach_the_runtime_config(command, tmp_path):
+def test_block_streaming_flags_reach_the_runtime_config(command, tmp_path, engine_config_from_cli):
     """The CLI flags of both commands, a --config file and the Python API's keyword arguments."""
     from k6serve.api import DiffGenerator
-    from k6serve.cli.main import build_parser, merged_options, split_options
 
-    parser = build_parser()
     extra = ["--prompt", "x"] if command == "generate" else []
-    args = parser.parse_args([command, "--model-path", "demo", "--performance-mode", "memory",
-                              "--offload-prefetch-blocks", "2", "--offload-resident-blocks", "20", *extra])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli(command, "--model-path", "demo", "--performance-mode", "memory",
+                                     "--offload-prefetch-blocks", "2", "--offload-resident-blocks", "20",
+                                     *extra).runtime
     assert (runtime.offload_prefetch_blocks, runtime.offload_resident_blocks) == (2, 20)
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("performance-mode: memory\noffload-prefetch-blocks: 3\noffload-resident-blocks: '4'\n")
-    args = parser.parse_args([command, "--model-path", "demo", "--config", str(config_file), *extra])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli(command, "--model-path", "demo", "--config", str(config_file), *extra).runtime
     assert (runtime.offload_prefetch_blocks, runtime.offload_resident_blocks) == (3, 4)
     captured = {}
 

@@ -107,22 +107,16 @@ def test_config_accepts_strings_lists_and_block_streaming_with_a_streamed_dit():
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_flags_reach_the_runtime_config(command, tmp_path):
-    from k6serve.cli.main import build_parser, merged_options, split_options
-
-    parser = build_parser()
+def test_flags_reach_the_runtime_config(command, tmp_path, engine_config_from_cli):
     extra = ["--prompt", "x"] if command == "generate" else []
-    args = parser.parse_args([command, "--model-path", "demo", "--cpu-offload-components", "transformer",
-                              "text_encoder", "vae", "--layerwise-offload-components", "text_encoder_2", *extra])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli(command, "--model-path", "demo", "--cpu-offload-components", "transformer",
+                                     "text_encoder", "vae", "--layerwise-offload-components", "text_encoder_2",
+                                     *extra).runtime
     assert runtime.cpu_offload_components == ("transformer", "text_encoder", "vae")
     assert runtime.layerwise_offload_components == ("text_encoder_2",)
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("cpu-offload-components: [vae, audio]\nlayerwise-offload-components: all\n")
-    args = parser.parse_args([command, "--model-path", "demo", "--config", str(config_file), *extra])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli(command, "--model-path", "demo", "--config", str(config_file), *extra).runtime
     assert (runtime.cpu_offload_components, runtime.layerwise_offload_components) == (("vae", "audio"), ("all",))
 
 
@@ -162,7 +156,7 @@ def test_component_residency_refusals(value, message):
         build_engine_config("demo", component_residency=value)
 
 
-def test_component_residency_in_the_config_rules(tmp_path):
+def test_component_residency_in_the_config_rules(tmp_path, engine_config_from_cli):
     # Everything resident again: balanced offloads nothing, so a sharded layout is allowed.
     runtime = build_engine_config("demo", performance_mode="balanced", component_residency="all=resident",
                                   num_gpus=2, tp_size=2).runtime
@@ -175,19 +169,12 @@ def test_component_residency_in_the_config_rules(tmp_path):
                                          r"streams none"):
         build_engine_config("demo", performance_mode="memory", component_residency="dit=component",
                             offload_prefetch_blocks=2)
-    from k6serve.cli.main import build_parser, merged_options, split_options
-
-    parser = build_parser()
-    args = parser.parse_args(["serve", "--model-path", "demo", "--performance-mode", "memory",
-                              "--component-residency", "vae=resident", "audio=resident"])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli("serve", "--model-path", "demo", "--performance-mode", "memory",
+                                     "--component-residency", "vae=resident", "audio=resident").runtime
     assert runtime.component_residency == (("vae", "resident"), ("audio", "resident"))
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("performance-mode: memory\ncomponent-residency: {vae: resident, dit: component_offload}\n")
-    args = parser.parse_args(["serve", "--model-path", "demo", "--config", str(config_file)])
-    engine, _ = split_options(merged_options(args, parser))
-    runtime = build_engine_config(engine.pop("model_path"), **engine).runtime
+    runtime = engine_config_from_cli("serve", "--model-path", "demo", "--config", str(config_file)).runtime
     assert runtime.component_residency == (("vae", "resident"), ("dit", "component")) and not runtime.streams_dit
 
 
