@@ -132,6 +132,9 @@ class ModelWorker:
             present=(SUPER_RESOLUTION_KEYS if self.variant.family != GENERATION else GENERATION_KEYS),
             cpu_offload=config.runtime.cpu_offload_components,
             layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
+        if self.residency_plan.offloads and self.device.type != "cuda":
+            logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
+                        config.runtime.offload_flags)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         if transform is not None:

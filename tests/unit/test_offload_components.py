@@ -370,3 +370,12 @@ def test_memory_mode_with_the_vae_kept_resident(tiny_distill_dir, monkeypatch):
     offloaded = worker.run(params, NO_FILE)
     assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
     assert [p.data_ptr() for p in worker.pipeline.models.vae.parameters()] == vae_params
+
+
+def test_on_the_cpu_the_flags_offload_nothing_and_say_so(tiny_distill_dir, caplog):
+    with caplog.at_level("INFO", logger="k6serve.runtime.worker"):
+        worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
+                                                 cpu_offload_components="vae", component_residency="dit=layerwise"))
+    assert not worker.offloads and worker.offload_report is None
+    assert ("--cpu-offload-components vae with --component-residency dit=layerwise: on the CPU every weight is in "
+            "host memory already, so nothing is offloaded") in caplog.text
