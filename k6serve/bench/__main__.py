@@ -137,6 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate/sr: the engine's --offload-resident-blocks (with --performance-mode memory).",
     )
     parser.add_argument(
+        "--cpu-offload-components",
+        nargs="+",
+        default=(),
+        metavar="COMPONENT",
+        help="generate/sr: the engine's --cpu-offload-components (components offloaded whole between stages).",
+    )
+    parser.add_argument(
+        "--layerwise-offload-components",
+        nargs="+",
+        default=(),
+        metavar="COMPONENT",
+        help="generate/sr: the engine's --layerwise-offload-components (components whose blocks are streamed).",
+    )
+    parser.add_argument(
+        "--component-residency",
+        nargs="+",
+        default=(),
+        metavar="NAME=MODE",
+        help="generate/sr: the engine's --component-residency.",
+    )
+    parser.add_argument(
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
@@ -222,6 +243,9 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         vae_tiling=args.vae_tiling,
         offload_prefetch_blocks=args.offload_prefetch_blocks,
         offload_resident_blocks=args.offload_resident_blocks,
+        cpu_offload_components=tuple(args.cpu_offload_components),
+        layerwise_offload_components=tuple(args.layerwise_offload_components),
+        component_residency=tuple(args.component_residency),
         cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")

@@ -44,6 +44,9 @@ class EndToEndOptions:
     vae_tiling: str = "auto"  # the engine's --vae-tiling
     offload_prefetch_blocks: int = 1  # the engine's --offload-prefetch-blocks
     offload_resident_blocks: int = 0  # the engine's --offload-resident-blocks
+    cpu_offload_components: tuple[str, ...] = ()  # the engine's --cpu-offload-components
+    layerwise_offload_components: tuple[str, ...] = ()  # the engine's --layerwise-offload-components
+    component_residency: tuple[str, ...] = ()  # the engine's --component-residency (NAME=MODE items)
     # generate: also run the requests with Cache-DiT on, with these cache_dit_params (None: uncached only)
     cache_dit_params: dict | None = None
 
@@ -120,6 +123,9 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "vae_tiling": options.vae_tiling,
         "offload_prefetch_blocks": options.offload_prefetch_blocks,
         "offload_resident_blocks": options.offload_resident_blocks,
+        "cpu_offload_components": options.cpu_offload_components,
+        "layerwise_offload_components": options.layerwise_offload_components,
+        "component_residency": options.component_residency,
     }
 
 

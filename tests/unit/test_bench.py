@@ -494,3 +494,28 @@ def test_tiny_runs_on_the_cpu_unless_cuda_is_named(monkeypatch):
     assert _device("auto", tiny=True) == torch.device("cpu")
     assert _device("auto") == torch.device("cuda")
     assert _device("cuda", tiny=True) == torch.device("cuda")
+
+
+def test_generate_takes_the_engines_offload_flags(monkeypatch):
+    """`--cpu-offload-components`, `--layerwise-offload-components` and `--component-residency` reach the engine
+    config of the generate / sr stages (on the CPU they offload nothing; the worker logs that)."""
+    from k6serve.api import build_engine_config
+    from k6serve.bench import end_to_end
+
+    opened = []
+    real_open = end_to_end._open_generator
+
+    def spy(model_path, options):
+        opened.append(build_engine_config(model_path, **end_to_end._engine_kwargs(options)).runtime)
+        return real_open(model_path, options)
+
+    monkeypatch.setattr(end_to_end, "_open_generator", spy)
+    args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps",
+                                      "1", "--cpu-offload-components", "vae", "audio", "--layerwise-offload-components",
+                                      "dit", "--component-residency", "vocoder=resident"])
+    rows = run_stages(args, log=lambda text: None)
+    assert not any(row.error for row in rows), rows
+    (runtime,) = opened
+    assert runtime.cpu_offload_components == ("vae", "audio")
+    assert runtime.layerwise_offload_components == ("dit",)
+    assert runtime.component_residency == (("vocoder", "resident"),)
