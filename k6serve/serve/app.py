@@ -191,12 +191,12 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
 
 def uvicorn_config(app: Any, **kwargs: Any) -> Any:
     """The uvicorn.Config the server runs under: the h11 protocol whose unparsable-request 400 is the API's JSON
-    (`http_protocol.py`). The tests' servers take it from here too, so they answer what production answers."""
+    (`http_protocol.py`), no WebSockets (the API has none). The tests' servers take it from here too, so they answer what production answers."""
     import uvicorn
 
     from k6serve.serve.http_protocol import JsonErrorH11Protocol
 
-    return uvicorn.Config(app, http=JsonErrorH11Protocol, **kwargs)
+    return uvicorn.Config(app, http=JsonErrorH11Protocol, ws="none", **kwargs)
 
 
 def uvicorn_server(config: Any, on_exit: Callable[[], None]) -> Any:

@@ -12,6 +12,8 @@ import pytest
 from harness import start_server, wait_for
 from PIL import Image
 
+from k6serve.serve.http_protocol import UNPARSABLE_REQUEST_MESSAGE
+
 SMALL = {"size": "32x32", "num_frames": 5}
 
 
@@ -500,17 +502,48 @@ def test_an_oversize_body_sent_whole_gets_its_413_and_one_that_waits_for_continu
 ], ids=["not-a-number", "negative", "two-lengths", "no-colon"])
 def test_unparsable_request_is_the_api_json_error_and_the_server_keeps_serving(fake_server, fake_client, headers):
     """h11 refuses these before the app sees them; uvicorn's own answer is text/plain, ours is the API's JSON."""
-    import json
-
     received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: x\r\n"
                                      b"Content-Type: application/json\r\n" + headers + b"\r\n{}")
+    _assert_unparsable(received, closed)
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    _still_serves(fake_client)
+
+
+def _assert_unparsable(received: bytes, closed: bool) -> None:
+    import json
+
     head, _, body = received.partition(b"\r\n\r\n")
     assert closed and head.startswith(b"HTTP/1.1 400 "), received
-    assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower()
+    lowered = head.lower()
+    assert b"content-type: application/json" in lowered and b"connection: close" in lowered
+    assert f"content-length: {len(body)}".encode() in lowered and b"\r\ndate: " in lowered  # as every answer
     error = json.loads(body)["error"]
     assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error"
     assert "Content-Length" in error["message"] and "well-formed HTTP/1.1" in error["message"]
-    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("request_line", [b"POST /nope HTTP/1.1", b"GET /v1/models HTTP/1.1",
+                                          b"POST /health HTTP/1.1"])
+def test_a_broken_chunked_body_is_the_json_error_without_a_traceback(fake_server, fake_client, request_line,
+                                                                      caplog):
+    """The headers parse, the app starts answering, then the body's framing breaks: the client gets the JSON 400
+    and the app's own answer is dropped (it used to be sent on the broken connection, which uvicorn logged as
+    "Exception in ASGI application", every time for a fast route)."""
+    import logging
+
+    uvicorn_logger = logging.getLogger("uvicorn.error")  # uvicorn's "uvicorn" logger does not propagate to root
+    uvicorn_logger.addHandler(caplog.handler)
+    try:
+        for _ in range(5):
+            received, closed = _raw_response(fake_server.base_url, request_line + b"\r\nHost: x\r\n"
+                                             b"Authorization: Bearer x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                             b"zz\r\n")
+            _assert_unparsable(received, closed)
+        time.sleep(0.2)  # the app's answer, had it been sent, comes after the 400
+    finally:
+        uvicorn_logger.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert "bad chunked encoding" in UNPARSABLE_REQUEST_MESSAGE
     _still_serves(fake_client)
 
 
