@@ -35,6 +35,10 @@ _FIELD_KINDS = {
     "bool": (lambda v: isinstance(v, bool), "true or false"),
 }
 _API_ONLY_FIELDS = ("dist_timeout_s",)  # no command-line flag: named as the keyword argument
+# Options whose flag is the seed's spelling rather than `--<field-name>` (the CLI adds them so).
+SEED_FLAG_SPELLINGS = {"vae_parallel_tiling": "--vae-config.use-parallel-tiling",
+                       "vae_parallel_decode": "--vae-config.use-parallel-decode",
+                       "vae_parallel_decode_mode": "--vae-config.parallel-decode-mode"}
 
 
 def _check_field_types(config: object, *, checked_elsewhere: tuple[str, ...] = ()) -> None:
@@ -47,7 +51,8 @@ def _check_field_types(config: object, *, checked_elsewhere: tuple[str, ...] = (
             continue
         accepts, wanted = _FIELD_KINDS[kind]
         if not accepts(value):
-            name = item.name if item.name in _API_ONLY_FIELDS else "--" + item.name.replace("_", "-")
+            name = item.name if item.name in _API_ONLY_FIELDS else SEED_FLAG_SPELLINGS.get(
+                item.name, "--" + item.name.replace("_", "-"))
             raise ValueError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
@@ -244,24 +249,32 @@ class RuntimeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low} ({meaning}), got {value!r}")
-        changed = []
-        if self.offload_prefetch_blocks != 1:
-            changed.append(f"--offload-prefetch-blocks {self.offload_prefetch_blocks}")
-        if self.offload_resident_blocks != 0:
-            changed.append(f"--offload-resident-blocks {self.offload_resident_blocks}")
-        if changed and not self.streams_dit:
-            named, several = " and ".join(changed), len(changed) > 1
-            now = (f"--performance-mode {self.performance_mode}" + (
-                f" with --cpu-offload-components {' '.join(self.cpu_offload_components)}"
-                if self.cpu_offload_components else "") + (
-                f" with --layerwise-offload-components {' '.join(self.layerwise_offload_components)}"
-                if self.layerwise_offload_components else "") + (
-                " with --component-residency " + " ".join(f"{n}={m}" for n, m in self.component_residency)
-                if self.component_residency else ""))
-            raise ValueError(f"{named} {'apply' if several else 'applies'} only when the DiT's blocks are streamed "
-                             f"between host and GPU (--performance-mode memory, or --layerwise-offload-components "
-                             f"transformer); {now} streams none. Add one of those, or drop "
-                             f"{'them' if several else 'it'}.")
+        refused = []
+        if self.offload_prefetch_blocks != 1 and not self.streams_blocks:
+            refused.append(f"--offload-prefetch-blocks {self.offload_prefetch_blocks}")
+        if self.offload_resident_blocks != 0 and not self.streams_dit:
+            refused.append(f"--offload-resident-blocks {self.offload_resident_blocks}")
+        if refused:
+            named, several = " and ".join(refused), len(refused) > 1
+            which = "blocks are" if refused[0].startswith("--offload-prefetch") and not several else \
+                "the DiT's blocks are"
+            raise ValueError(
+                f"{named} {'apply' if several else 'applies'} only when {which} streamed between host and GPU, and "
+                f"`{self.residency_flags}` streams {'none' if not self.streams_blocks else 'only text encoders'}. "
+                "Stream the DiT (--performance-mode memory, --layerwise-offload-components transformer or "
+                "--component-residency transformer=layerwise_offload, with no other flag keeping it whole or "
+                f"resident), or drop {'them' if several else 'it'}.")
+
+    @property
+    def residency_flags(self) -> str:
+        """The mode and the per component flags, as the user wrote them (for messages)."""
+        text = f"--performance-mode {self.performance_mode}"
+        for name in ("cpu_offload_components", "layerwise_offload_components"):
+            if getattr(self, name):
+                text += f" --{name.replace('_', '-')} {' '.join(getattr(self, name))}"
+        if self.component_residency:
+            text += " --component-residency " + " ".join(f"{n}={m}" for n, m in self.component_residency)
+        return text
 
     def residency_plan(self, *, super_resolution: bool):
         """The plan for every component of one family (`offload/residency.py`), the names of the other left out."""
@@ -292,21 +305,33 @@ class RuntimeConfig:
         return self.residency_plan(super_resolution=False).residency["transformer"] == LAYERWISE
 
     @property
+    def streams_blocks(self) -> bool:
+        """Whether any component's blocks are streamed (the DiT's or the text encoders')."""
+        from k6serve.offload.residency import LAYERWISE
+
+        return LAYERWISE in self.residency_plan(super_resolution=False).residency.values()
+
+    @property
     def offloads(self) -> bool:
         """Whether any component's weights live in host memory, for either family's components."""
         return any(self.residency_plan(super_resolution=sr).offloads for sr in (False, True))
 
     @property
-    def offload_flags(self) -> str:
+    def offload_flag_list(self) -> list[str]:
         """The flags that offload, as the user wrote them (for messages)."""
         flags = [f"--performance-mode {self.performance_mode}"] if self.performance_mode in OFFLOAD_MODES else []
         for name in ("cpu_offload_components", "layerwise_offload_components"):
             names = getattr(self, name)
             if names and names != ("none",):
                 flags.append(f"--{name.replace('_', '-')} {' '.join(names)}")
-        if self.component_residency:
-            flags.append("--component-residency " + " ".join(f"{n}={m}" for n, m in self.component_residency))
-        return " with ".join(flags)
+        offloading = [f"{n}={m}" for n, m in self.component_residency if m != "resident"]
+        if offloading:
+            flags.append("--component-residency " + " ".join(offloading))
+        return flags
+
+    @property
+    def offload_flags(self) -> str:
+        return " ".join(self.offload_flag_list)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -331,9 +356,10 @@ class EngineConfig:
             raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
         if self.runtime.offloads and flags:
             named = " and ".join(flags)
-            fix = "--performance-mode speed" if mode in OFFLOAD_MODES else "no offload flags"
+            fixes = ["use --performance-mode speed"] if mode in OFFLOAD_MODES else []
+            fixes += [f"drop {flag}" for flag in self.runtime.offload_flag_list if not flag.startswith("--perf")]
             raise ValueError(
                 f"{self.runtime.offload_flags} offloads the weights to host memory, which cannot work with weights "
-                f"sharded across GPUs ({named}): use {fix} with {named}, or drop "
+                f"sharded across GPUs ({named}): {' and '.join(fixes)} to keep {named}, or drop "
                 f"{'them' if len(flags) > 1 else 'it'} to offload."
             )

@@ -29,6 +29,7 @@ from k6serve.config import (
     LORA_MERGE_MODES,
     PARALLEL_DECODE_MODES,
     PERFORMANCE_MODES,
+    SEED_FLAG_SPELLINGS,
     VAE_TILING,
     WARMUP_MODES,
 )
@@ -55,25 +56,29 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                          "eager, each component on the GPU only for its stage (weights in host memory); memory: "
                          "balanced, the DiT's and text encoders' blocks streamed one at a time and (--vae-tiling "
                          "auto) the VAE decoded in tiles: Pro-distill peaks at 8.3 GiB on an H200.")),
-    ("offload_prefetch_blocks", dict(type=int, help="With --performance-mode memory: streamed blocks copied ahead of "
-                                 "the running one (default 1). Each costs a block of GPU memory; more hide copies "
-                                 "that outlast their block.")),
-    ("offload_resident_blocks", dict(type=int, help="With --performance-mode memory: DiT blocks kept on the GPU, "
+    ("offload_prefetch_blocks", dict(type=int, help="When blocks are streamed (--performance-mode memory, or the "
+                                 "DiT or a text encoder streamed by the flags below): blocks copied ahead of the "
+                                 "running one (default 1). Each costs a block of GPU memory; more hide copies that "
+                                 "outlast their block.")),
+    ("offload_resident_blocks", dict(type=int, help="When the DiT's blocks are streamed: DiT blocks kept on the GPU, "
                                  "spread evenly (default 0; more than it has: all). GPU memory for fewer copies "
                                  "per step.")),
-    ("cpu_offload_components", dict(nargs="+", metavar="COMPONENT", help="Keep these components in host memory, "
-                                "each copied whole to the GPU for its stage: checkpoint keys (text_encoder, "
-                                "text_encoder_2, transformer, vae, audio_vae, vocoder; SR: transformer, vae, "
-                                "latent_upscaler) or all, none, dit, text_encoders, audio. Overrides "
-                                "--performance-mode's default for them; the resident rest keeps speed's transforms.")),
-    ("layerwise_offload_components", dict(nargs="+", metavar="COMPONENT", help="Stream these components' repeated "
-                                      "blocks from host memory during their stage (the DiT and the text encoders; "
-                                      "others named, e.g. by all, are offloaded whole). Same names as "
-                                      "--cpu-offload-components, which it overrides.")),
-    ("component_residency", dict(nargs="+", metavar="NAME=MODE", help="Per component residency over both flags "
-                             "above: resident, component_offload or layerwise_offload, e.g. vae=resident (keep the "
-                             "VAE on the GPU under --performance-mode memory) or all=component_offload "
-                             "transformer=resident. Same names; groups apply before single names.")),
+    ("cpu_offload_components", dict(nargs="+", action="extend", metavar="COMPONENT", help="Keep these components in "
+                                "host memory, each copied whole to the GPU for its stage: checkpoint keys "
+                                "(text_encoder, text_encoder_2, transformer, vae, audio_vae, vocoder; SR: "
+                                "transformer, vae, latent_upscaler), dit (= transformer) or the groups all, none, "
+                                "text_encoders, audio, default (all but the DiT). Overrides --performance-mode's "
+                                "default for them; under speed the components left on the GPU keep its transforms.")),
+    ("layerwise_offload_components", dict(nargs="+", action="extend", metavar="COMPONENT", help="Stream these "
+                                      "components' repeated blocks from host memory during their stage (the DiT and "
+                                      "the text encoders; others named, e.g. by all, are offloaded whole). Same names "
+                                      "as --cpu-offload-components; a component named by both is refused, unless one "
+                                      "of them names it through all, where this flag wins.")),
+    ("component_residency", dict(nargs="+", action="extend", metavar="NAME=MODE", help="Per component residency, "
+                             "overriding both flags above: resident, component_offload or layerwise_offload, e.g. "
+                             "vae=resident (keep the VAE on the GPU under --performance-mode memory) or "
+                             "all=component_offload transformer=resident. Same names; all applies first, then "
+                             "groups, then single components.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
                           "fa_fp8 (FA3 in FP8 for the video self-attention: Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "
@@ -89,13 +94,16 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                               "50-step Pro/Lite): a JSON object of cache_dit_params (cache-dit's names, e.g. "
                               "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
                               "Requests may turn it off (enable_cache_dit false) or change settings.")),
-    ("vae_parallel_tiling", dict(type=lambda v: _bool(v), help="SR, the seed's flag: true (what k6serve does on a "
-                             "multi-GPU replica anyway: whole tiles decoded in parallel, bitwise equal to serial); "
-                             "false is refused there.")),
-    ("vae_parallel_decode", dict(type=lambda v: _bool(v), help="SR, the seed's flag, with "
-                             "--vae-config.parallel-decode-mode.")),
-    ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR, the seed's flag: whole_tile (k6serve's "
-                                  "decode); spatial_shard is not available and is refused on a multi-GPU replica.")),
+    ("vae_parallel_tiling", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: decode "
+                             "whole tiles in parallel (true; what k6serve always does there, bitwise equal to "
+                             "serial decode). false, every GPU decoding every tile, is refused there. Accepted for "
+                             "the reference's recipes; changes nothing.")),
+    ("vae_parallel_decode", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: with "
+                             "--vae-config.parallel-decode-mode, the reference's choice of parallel decode; true with "
+                             "whole_tile is what k6serve does.")),
+    ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR on several GPUs: whole_tile (k6serve's "
+                                  "decode). spatial_shard (each tile's height split across GPUs; changes the "
+                                  "rounding) is not available and is refused there.")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
@@ -144,9 +152,7 @@ def _field_type(field: dataclasses.Field) -> type:
 
 
 # Engine options the seed spells otherwise than `--<field-name>` (its `--vae-config.<key>` decode flags).
-_SEED_SPELLINGS = {"vae_parallel_tiling": "--vae-config.use-parallel-tiling",
-                   "vae_parallel_decode": "--vae-config.use-parallel-decode",
-                   "vae_parallel_decode_mode": "--vae-config.parallel-decode-mode"}
+_SEED_SPELLINGS = SEED_FLAG_SPELLINGS
 
 
 def _flag(name: str) -> str:
@@ -228,11 +234,23 @@ def load_config_file(path: str) -> dict[str, Any]:
     return {str(key).lstrip("-").replace("-", "_"): value for key, value in data.items()}
 
 
+_COMPONENT_LIST_FLAGS = ("cpu_offload_components", "layerwise_offload_components", "component_residency")
+
+
 def _config_value(action: argparse.Action, value: Any) -> Any:
     """A file value as the same flag on the command line gives it: JSON "64" is the integer 64 and YAML "no" is
     false, not a truthy string that would still save the file."""
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         return _bool(value)
+    if action.dest in _COMPONENT_LIST_FLAGS:
+        # Checked here too, so that a bad value names the file (the config normalises it again).
+        from k6serve.offload.residency import normalise_component_names, normalise_residency_settings
+
+        if action.dest == "component_residency":
+            normalise_residency_settings(value)
+        else:
+            normalise_component_names(value, action.option_strings[0])
+        return value
     if isinstance(action, argparse._AppendAction):
         return [str(item) for item in value] if isinstance(value, list) else [str(value)]
     if action.type in (None, str):
@@ -265,9 +283,16 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         actions = {action.dest: action
                    for action in parser._subparsers._group_actions[0].choices[args.command]._actions
                    if action.dest not in ("help", "config", "log_level")}
-        # The seed's dotted `vae-config.*` keys name the same options as its flags.
+        # The seed's dotted `vae-config.*` keys name the same options as its flags; a nested `vae-config:` mapping
+        # is read as those keys.
         seed_keys = {flag.lstrip("-").replace("-", "_"): name for name, flag in _SEED_SPELLINGS.items()}
-        from_file = {seed_keys.get(key, key): value for key, value in from_file.items()}
+        flat: dict[str, Any] = {}
+        for key, value in from_file.items():
+            if key == "vae_config" and isinstance(value, dict):
+                flat.update({f"vae_config.{str(inner).replace('-', '_')}": item for inner, item in value.items()})
+            else:
+                flat[key] = value
+        from_file = {seed_keys.get(key, key): value for key, value in flat.items()}
         unknown = sorted(set(from_file) - set(actions))
         if unknown:
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}")

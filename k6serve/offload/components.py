@@ -148,9 +148,9 @@ def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None
     pin = compute_device.type == "cuda" and offload_device.type == "cpu" if pin is None else pin
     streamed = set(residency.named(LAYERWISE)) & set(components)
     streamers: dict[str, BlockStreamer] = {}
-    if "transformer" not in streamed and (prefetch_blocks, resident_blocks) != (1, 0):
-        raise ValueError("prefetch_blocks / resident_blocks are for streaming the DiT's blocks, which this "
-                         f"residency does not ({residency.describe()})")
+    if ("transformer" not in streamed and resident_blocks != 0) or (not streamed and prefetch_blocks != 1):
+        raise ValueError("resident_blocks is for streaming the DiT's blocks, prefetch_blocks for streaming any; "
+                         f"this residency streams {', '.join(sorted(streamed)) or 'none'} ({residency.describe()})")
     streaming = dict(compute_device=compute_device, offload_device=offload_device, pin=pin,
                      prefetch_blocks=prefetch_blocks)
     if "transformer" in streamed:

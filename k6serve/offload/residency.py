@@ -18,7 +18,9 @@ decode runs them per tile, so streaming their layers would copy each again per t
 
 Names are the checkpoint's component keys (model_index.json): generation `text_encoder` (Qwen2.5-VL),
 `text_encoder_2` (CLIP), `transformer`, `vae`, `audio_vae`, `vocoder`; super-resolution `transformer`, `vae`,
-`latent_upscaler`. Groups: `all`, `none`, `dit` (= transformer), `text_encoders`, `audio` (audio_vae + vocoder).
+`latent_upscaler`. Also: `dit` (another name of transformer), and the groups `all`, `none`, `text_encoders`,
+`audio` (audio_vae + vocoder) and `default` (the reference's layerwise default: the encoders and the VAEs, all but
+the DiT).
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ RESIDENT, COMPONENT, LAYERWISE = "resident", "component", "layerwise"
 GENERATION_KEYS = {name: name for name in ("text_encoder", "text_encoder_2", "transformer", "vae", "audio_vae",
                                            "vocoder")}
 SUPER_RESOLUTION_KEYS = {name: name for name in ("transformer", "vae", "latent_upscaler")}
-GROUPS = {"dit": ("transformer",), "text_encoders": ("text_encoder", "text_encoder_2"),
-          "audio": ("audio_vae", "vocoder")}
+GROUPS = {"text_encoders": ("text_encoder", "text_encoder_2"), "audio": ("audio_vae", "vocoder"),
+          # the reference's "default" layerwise set: the encoders and the VAEs (everything but the DiT)
+          "default": ("text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder")}
+# Another name for one component: read as that name everywhere (so "dit" and "transformer" are one setting).
+ALIASES = {"dit": "transformer"}
 SPECIAL = ("all", "none")
-OFFLOAD_COMPONENT_NAMES = tuple(dict.fromkeys([*SPECIAL, *GENERATION_KEYS, *SUPER_RESOLUTION_KEYS, *GROUPS]))
+OFFLOAD_COMPONENT_NAMES = tuple(dict.fromkeys([*SPECIAL, *GENERATION_KEYS, *SUPER_RESOLUTION_KEYS, *ALIASES,
+                                                *GROUPS]))
 # The pipeline components whose repeated blocks are streamed ("layerwise"); every other one is offloaded whole.
 STREAMABLE = ("transformer", "text_encoder", "text_encoder_2")
 
@@ -43,7 +49,7 @@ STREAMABLE = ("transformer", "text_encoder", "text_encoder_2")
 def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
     """A flag's value as a tuple of known names: a list from the CLI (nargs) or a --config file, or one string with
     names separated by spaces or commas (the API, a --config file). Unknown names are refused with the list."""
-    if value is None:
+    if value is None or (isinstance(value, (list, tuple)) and not value):
         return ()
     if isinstance(value, str):
         items = value.replace(",", " ").split()
@@ -51,7 +57,10 @@ def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
         items = [part for item in value for part in item.replace(",", " ").split()]
     else:
         raise ValueError(f"{flag} takes component names (e.g. {flag} text_encoder vae), got {value!r}")
-    names = tuple(dict.fromkeys(item.strip().lower() for item in items))
+    if not items:
+        raise ValueError(f"{flag} was given no component name (got {value!r}); name at least one, or leave the flag "
+                         "out.")
+    names = tuple(dict.fromkeys(ALIASES.get(name, name) for name in (item.strip().lower() for item in items)))
     unknown = [name for name in names if name not in OFFLOAD_COMPONENT_NAMES]
     if unknown:
         raise ValueError(f"{flag}: unknown component {', '.join(map(repr, unknown))}. Known: "
@@ -70,10 +79,14 @@ def normalise_residency_settings(value: object) -> tuple[tuple[str, str], ...]:
     """`--component-residency` as ((name, residency), ...): "vae=resident" items from the CLI or a --config list, one
     string of them, or a mapping {name: residency} from the API or a --config file."""
     flag = "--component-residency"
-    if value is None:
+    if value is None or (isinstance(value, (list, tuple)) and not value):
         return ()
     if isinstance(value, Mapping):
         items = [(str(name), str(mode)) for name, mode in value.items()]
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(part, str) for part in item)
+            for item in value):
+        items = [(name, mode) for name, mode in value]  # (name, mode) pairs: the API, or a config already built
     else:
         if isinstance(value, str):
             parts = value.replace(",", " ").split()
@@ -85,10 +98,14 @@ def normalise_residency_settings(value: object) -> tuple[tuple[str, str], ...]:
         bad = [part for part in parts if part.count("=") != 1]
         if bad:
             raise ValueError(f"{flag}: {bad[0]!r} is not NAME=MODE (e.g. vae=resident).")
+        if not parts:
+            raise ValueError(f"{flag} was given no NAME=MODE item (got {value!r}); give at least one, or leave the "
+                             "flag out.")
         items = [tuple(part.split("=")) for part in parts]
     settings: dict[str, str] = {}
     for name, mode in items:
-        name, mode = name.strip().lower(), mode.strip().lower()
+        name, mode = name.strip().lower(), mode.strip().lower().replace("-", "_")
+        name = ALIASES.get(name, name)
         if name not in OFFLOAD_COMPONENT_NAMES or name == "none":
             known = ", ".join(n for n in OFFLOAD_COMPONENT_NAMES if n != "none")
             raise ValueError(f"{flag}: unknown component {name!r}. Known: {known}.")
@@ -124,10 +141,16 @@ class ResidencyPlan:
         return "; ".join(parts)
 
 
+def _specificity(name: str) -> int:
+    """The order `--component-residency` applies its items in: all, then groups, then single components."""
+    return 0 if name == "all" else 1 if name in GROUPS else 2
+
+
 def _expand(names: Iterable[str], keys: Mapping[str, str], flag: str, family_name: str) -> set[str]:
     """User names -> the pipeline's component names for this family; a name of no component here is refused."""
     components: set[str] = set()
     for name in names:
+        name = ALIASES.get(name, name)
         if name == "all":
             components |= set(keys.values())
         elif name in keys:
@@ -135,10 +158,9 @@ def _expand(names: Iterable[str], keys: Mapping[str, str], flag: str, family_nam
         elif name in GROUPS and any(member in keys for member in GROUPS[name]):
             components |= {keys[member] for member in GROUPS[name] if member in keys}
         elif name != "none":
+            groups = "".join(f", {g}" for g, members in GROUPS.items() if any(m in keys for m in members))
             raise ValueError(f"{flag} {name}: {family_name} has no such component. Its components: "
-                             f"{', '.join(keys)} (groups: all, none"
-                             f"{''.join(f', {g}' for g, members in GROUPS.items() if any(m in keys for m in members))}"
-                             ").")
+                             f"{', '.join(keys)} (also: all, none, dit{groups}).")
     return components
 
 
@@ -175,8 +197,9 @@ def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[st
     whole_instead = []
     for name in [n for n in present if n in streamed]:
         residency[name] = LAYERWISE
-    # --component-residency has the last word; groups first, so that "all=component vae=resident" reads as written.
-    for name, value in sorted(settings, key=lambda item: item[0] not in ("all", *GROUPS)):
+    # --component-residency has the last word: all first, then groups, then single components, whatever the order
+    # given, so that "vae=resident all=component" keeps the VAE resident.
+    for name, value in sorted(settings, key=lambda item: _specificity(item[0])):
         for component in _expand((name,), keys, "--component-residency", family_name) & set(present):
             residency[component] = value
     for name in present:

@@ -20,12 +20,13 @@ def check_decode_flags(runtime, *, replica_size: int, super_resolution: bool) ->
     replicated decode, and the generation VAE decodes replicated)."""
     if not super_resolution or replica_size == 1:
         return
-    if runtime.vae_parallel_decode and runtime.vae_parallel_decode_mode == "spatial_shard":
+    # spatial_shard is refused even without use-parallel-decode true (which the reference needs to select it): a
+    # user who names it wants it, and would otherwise get whole tiles without a word.
+    if runtime.vae_parallel_decode_mode == "spatial_shard" and runtime.vae_parallel_decode is not False:
         raise ValueError(
             "--vae-config.parallel-decode-mode spatial_shard (each tile's height split across GPUs, which changes "
             "the rounding) is not available in k6serve. A multi-GPU replica decodes whole tiles in parallel, equal "
-            "to the serial decode bit for bit: drop --vae-config.use-parallel-decode and "
-            "--vae-config.parallel-decode-mode (or use parallel-decode-mode whole_tile).")
+            "to the serial decode bit for bit: drop --vae-config.parallel-decode-mode (or give it whole_tile).")
     if runtime.vae_parallel_tiling is False:
         raise ValueError(
             "--vae-config.use-parallel-tiling false asks every GPU to decode every tile; k6serve decodes whole tiles "

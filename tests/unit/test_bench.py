@@ -517,5 +517,5 @@ def test_generate_takes_the_engines_offload_flags(monkeypatch):
     assert not any(row.error for row in rows), rows
     (runtime,) = opened
     assert runtime.cpu_offload_components == ("vae", "audio")
-    assert runtime.layerwise_offload_components == ("dit",)
+    assert runtime.layerwise_offload_components == ("transformer",)  # dit is read as transformer
     assert runtime.component_residency == (("vocoder", "resident"),)

@@ -38,8 +38,8 @@ def test_an_unknown_decode_mode_is_refused():
 @pytest.mark.parametrize(("options", "message"), [
     (dict(vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard"),
      r"^--vae-config.parallel-decode-mode spatial_shard .* is not available in k6serve\. A multi-GPU replica decodes "
-     r"whole tiles in parallel, equal to the serial decode bit for bit: drop --vae-config.use-parallel-decode and "
-     r"--vae-config.parallel-decode-mode \(or use parallel-decode-mode whole_tile\)\.$"),
+     r"whole tiles in parallel, equal to the serial decode bit for bit: drop --vae-config.parallel-decode-mode \(or "
+     r"give it whole_tile\)\.$"),
     (dict(vae_parallel_tiling=False),
      r"^--vae-config.use-parallel-tiling false asks every GPU to decode every tile;.*Drop the flag \(or set it "
      r"true\)\.$"),
@@ -53,8 +53,12 @@ def test_refused_on_a_multi_gpu_sr_replica_only(options, message):
     # What k6serve does anyway is accepted everywhere.
     check_decode_flags(_runtime(vae_parallel_tiling=True, vae_parallel_decode=True,
                                 vae_parallel_decode_mode="whole_tile"), replica_size=4, super_resolution=True)
-    # spatial_shard without use-parallel-decode true is not selected (as in the reference).
-    check_decode_flags(_runtime(vae_parallel_decode_mode="spatial_shard"), replica_size=2, super_resolution=True)
+    # spatial_shard alone is refused too (the reference would need use-parallel-decode true to select it, and
+    # without a word decode whole tiles); with use-parallel-decode false it selects nothing.
+    with pytest.raises(ValueError, match="spatial_shard"):
+        check_decode_flags(_runtime(vae_parallel_decode_mode="spatial_shard"), replica_size=2, super_resolution=True)
+    check_decode_flags(_runtime(vae_parallel_decode=False, vae_parallel_decode_mode="spatial_shard"), replica_size=2,
+                       super_resolution=True)
 
 
 def test_the_worker_refuses_before_loading_the_weights(tiny_sr_dir, monkeypatch):

@@ -213,7 +213,7 @@ def test_cli_performance_mode_reaches_the_worker(tiny_distill_dir, tmp_path, mon
 @pytest.mark.parametrize("mode", ["balanced", "memory"])
 def test_offload_refuses_sharded_weights(layout, named, mode):
     with pytest.raises(ValueError, match=rf"--performance-mode {mode} offloads the weights.*\({named}\): use "
-                                         rf"--performance-mode speed with {named}"):
+                                         rf"--performance-mode speed to keep {named}, or drop it to offload\.$"):
         build_engine_config("demo", performance_mode=mode, **layout)
     build_engine_config("demo", performance_mode="speed", **layout)  # the same layout without offloading is fine
 
@@ -770,17 +770,18 @@ def test_resident_blocks_have_no_host_copy_and_stay_after_release(monkeypatch):
          r"--offload-resident-blocks must be an integer >= 0 \(DiT blocks kept on the GPU\)"),
         ({"performance_mode": "memory", "offload_resident_blocks": True}, r"--offload-resident-blocks must be an "
                                                                           r"integer >= 0 .*got True"),
-        ({"offload_prefetch_blocks": 2}, r"^--offload-prefetch-blocks 2 applies only when the DiT's blocks are "
-                                         r"streamed between host and GPU \(--performance-mode memory, or "
-                                         r"--layerwise-offload-components transformer\); --performance-mode speed "
-                                         r"streams none. Add one of those, or drop it.$"),
+        ({"offload_prefetch_blocks": 2}, r"^--offload-prefetch-blocks 2 applies only when blocks are streamed "
+                                         r"between host and GPU, and `--performance-mode speed` streams none\. Stream "
+                                         r"the DiT \(--performance-mode memory, --layerwise-offload-components "
+                                         r"transformer or --component-residency transformer=layerwise_offload, with no "
+                                         r"other flag keeping it whole or resident\), or drop it\.$"),
         ({"performance_mode": "balanced", "offload_prefetch_blocks": 3, "offload_resident_blocks": 4},
          r"^--offload-prefetch-blocks 3 and --offload-resident-blocks 4 apply only when the DiT's blocks are "
-         r"streamed.*--performance-mode balanced streams none. Add one of those, or drop them.$"),
-        # memory mode with the DiT offloaded whole streams none of its blocks either
+         r"streamed.*`--performance-mode balanced` streams none\. Stream the DiT .*, or drop them\.$"),
+        # memory mode with the DiT offloaded whole streams only the text encoders: no resident DiT blocks
         ({"performance_mode": "memory", "cpu_offload_components": "transformer", "offload_resident_blocks": 2},
-         r"^--offload-resident-blocks 2 applies only .*--performance-mode memory with --cpu-offload-components "
-         r"transformer streams none"),
+         r"^--offload-resident-blocks 2 applies only when the DiT's blocks are streamed.*`--performance-mode memory "
+         r"--cpu-offload-components transformer` streams only text encoders\."),
     ],
 )
 def test_block_streaming_options_are_validated(options, message):

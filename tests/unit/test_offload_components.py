@@ -69,11 +69,11 @@ def test_modes_give_the_defaults_and_the_flags_override_them():
      r"of them\.$"),
     (dict(sr=True, cpu=("audio_vae",)),
      r"^--cpu-offload-components audio_vae: the super-resolution model has no such component\. Its components: "
-     r"transformer, vae, latent_upscaler \(groups: all, none, dit\)\.$"),
+     r"transformer, vae, latent_upscaler \(also: all, none, dit, default\)\.$"),
     (dict(layerwise=("latent_upscaler",)),
      r"^--layerwise-offload-components latent_upscaler: the generation model has no such component\. Its "
-     r"components: text_encoder, text_encoder_2, transformer, vae, audio_vae, vocoder \(groups: all, none, dit, "
-     r"text_encoders, audio\)\.$"),
+     r"components: text_encoder, text_encoder_2, transformer, vae, audio_vae, vocoder \(also: all, none, dit, "
+     r"text_encoders, audio, default\)\.$"),
 ])
 def test_plan_refusals_say_what_to_do(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -88,7 +88,14 @@ def test_plan_refusals_say_what_to_do(kwargs, message):
     ({"cpu_offload_components": 3}, r"^--cpu-offload-components takes component names \(e\.g\. "),
     ({"num_gpus": 2, "tp_size": 2, "cpu_offload_components": "vae"},
      r"^--cpu-offload-components vae offloads the weights to host memory, which cannot work with weights sharded "
-     r"across GPUs \(--tp-size 2\): use no offload flags with --tp-size 2, or drop it to offload\.$"),
+     r"across GPUs \(--tp-size 2\): drop --cpu-offload-components vae to keep --tp-size 2, or drop it to offload\.$"),
+    ({"num_gpus": 2, "tp_size": 2, "performance_mode": "balanced", "component_residency": "vae=component_offload"},
+     r"^--performance-mode balanced --component-residency vae=component offloads the weights .*: use "
+     r"--performance-mode speed and drop --component-residency vae=component to keep --tp-size 2"),
+    ({"cpu_offload_components": ""}, r"^--cpu-offload-components was given no component name \(got ''\)"),
+    ({"component_residency": [" "]}, r"^--component-residency was given no NAME=MODE item"),
+    ({"component_residency": "dit=resident transformer=layerwise_offload"},
+     r"^--component-residency names transformer twice, with different residencies"),
 ])
 def test_config_refusals(options, message):
     with pytest.raises(ValueError, match=message):
@@ -99,7 +106,8 @@ def test_config_accepts_strings_lists_and_block_streaming_with_a_streamed_dit():
     runtime = build_engine_config("demo", cpu_offload_components="Text_Encoder, vae vae",
                                   layerwise_offload_components=["dit"], offload_prefetch_blocks=2).runtime
     assert runtime.cpu_offload_components == ("text_encoder", "vae")
-    assert runtime.layerwise_offload_components == ("dit",) and runtime.streams_dit and runtime.offloads
+    # dit is read as transformer, so the two are one setting
+    assert runtime.layerwise_offload_components == ("transformer",) and runtime.streams_dit and runtime.offloads
     runtime = build_engine_config("demo", cpu_offload_components=["none"]).runtime
     assert not runtime.offloads and not runtime.streams_dit  # speed with nothing offloaded
     # The sharded layouts stay available when the flags offload nothing.
@@ -135,7 +143,8 @@ def test_component_residency_has_the_last_word():
 
 
 @pytest.mark.parametrize(("value", "expected"), [
-    ("vae=resident, dit=layerwise_offload", (("vae", "resident"), ("dit", "layerwise"))),
+    ("vae=resident, dit=layerwise-offload", (("vae", "resident"), ("transformer", "layerwise"))),
+    ([("vae", "resident")], (("vae", "resident"),)),  # pairs: the API, or a config that is built again
     (["VAE=Component_Offload"], (("vae", "component"),)),
     ({"audio": "resident", "text_encoders": "component"}, (("audio", "resident"), ("text_encoders", "component"))),
 ])
@@ -165,17 +174,24 @@ def test_component_residency_in_the_config_rules(tmp_path, engine_config_from_cl
     runtime = build_engine_config("demo", component_residency="transformer=layerwise_offload",
                                   offload_resident_blocks=3).runtime
     assert runtime.streams_dit and runtime.offloads
-    with pytest.raises(ValueError, match=r"--performance-mode memory with --component-residency dit=component "
-                                         r"streams none"):
+    with pytest.raises(ValueError, match=r"`--performance-mode memory --component-residency transformer=component` "
+                                         r"streams only text encoders"):
         build_engine_config("demo", performance_mode="memory", component_residency="dit=component",
-                            offload_prefetch_blocks=2)
+                            offload_resident_blocks=2)
+    # ... while copying the text encoders' blocks further ahead is theirs to take.
+    build_engine_config("demo", performance_mode="memory", component_residency="dit=component",
+                        offload_prefetch_blocks=2)
+    with pytest.raises(ValueError, match=r"^--offload-prefetch-blocks 2 applies only when blocks are streamed"):
+        build_engine_config("demo", performance_mode="memory", layerwise_offload_components="none",
+                            component_residency="dit=component", offload_prefetch_blocks=2)
     runtime = engine_config_from_cli("serve", "--model-path", "demo", "--performance-mode", "memory",
                                      "--component-residency", "vae=resident", "audio=resident").runtime
     assert runtime.component_residency == (("vae", "resident"), ("audio", "resident"))
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("performance-mode: memory\ncomponent-residency: {vae: resident, dit: component_offload}\n")
     runtime = engine_config_from_cli("serve", "--model-path", "demo", "--config", str(config_file)).runtime
-    assert runtime.component_residency == (("vae", "resident"), ("dit", "component")) and not runtime.streams_dit
+    assert runtime.component_residency == (("vae", "resident"), ("transformer", "component"))
+    assert not runtime.streams_dit
 
 
 def _forced_worker(monkeypatch, folder, **options) -> ModelWorker:
@@ -377,5 +393,56 @@ def test_on_the_cpu_the_flags_offload_nothing_and_say_so(tiny_distill_dir, caplo
         worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
                                                  cpu_offload_components="vae", component_residency="dit=layerwise"))
     assert not worker.offloads and worker.offload_report is None
-    assert ("--cpu-offload-components vae with --component-residency dit=layerwise: on the CPU every weight is in "
-            "host memory already, so nothing is offloaded") in caplog.text
+    assert ("--cpu-offload-components vae --component-residency transformer=layerwise: on the CPU every weight is "
+            "in host memory already, so nothing is offloaded") in caplog.text
+
+
+def test_all_applies_before_groups_before_single_components():
+    for settings in ((("audio", "resident"), ("all", "component")), (("all", "component"), ("audio", "resident"))):
+        plan = _plan(settings=settings)
+        assert plan.named("resident") == ("audio_vae", "vocoder"), settings
+    for settings in ((("transformer", "layerwise"), ("all", "resident")), (("dit", "layerwise"), ("all", "resident"))):
+        assert _plan(settings=settings).named("layerwise") == ("transformer",), settings
+    # default: the reference's layerwise set, the encoders and the VAEs
+    assert _plan(layerwise=("default",)).named("resident") == ("transformer",)
+
+
+def test_a_repeated_flag_adds_to_the_first(engine_config_from_cli):
+    runtime = engine_config_from_cli("generate", "--model-path", "demo", "--prompt", "x",
+                                     "--cpu-offload-components", "vae", "--cpu-offload-components", "text_encoder",
+                                     "--component-residency", "audio=resident", "--component-residency",
+                                     "vocoder=component-offload").runtime
+    assert runtime.cpu_offload_components == ("vae", "text_encoder")
+    assert runtime.component_residency == (("audio", "resident"), ("vocoder", "component"))
+    with pytest.raises(ValueError, match="names vae twice, with different residencies"):
+        engine_config_from_cli("generate", "--model-path", "demo", "--prompt", "x", "--component-residency",
+                               "vae=resident", "--component-residency", "vae=component_offload")
+
+
+def test_a_config_that_is_built_again_keeps_its_values():
+    import dataclasses
+
+    runtime = build_engine_config("demo", component_residency=["vae=resident"], cpu_offload_components="dit").runtime
+    again = dataclasses.replace(runtime, performance_mode="memory")
+    assert again.component_residency == (("vae", "resident"),) and again.cpu_offload_components == ("transformer",)
+
+
+def test_config_files_name_themselves_in_errors_and_take_a_nested_vae_config(tmp_path, engine_config_from_cli):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("component-residency: {transformer: 3}\n")
+    with pytest.raises(ValueError, match=rf"^--config {bad}: --component-residency: --component-residency "
+                                         r"transformer=3: the residency must be one of"):
+        engine_config_from_cli("serve", "--model-path", "demo", "--config", str(bad))
+    bad.write_text("cpu-offload-components: [vae, [text_encoder]]\n")
+    with pytest.raises(ValueError, match=rf"^--config {bad}: --cpu-offload-components: --cpu-offload-components "
+                                         r"takes component names"):
+        engine_config_from_cli("serve", "--model-path", "demo", "--config", str(bad))
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("vae-config:\n  use-parallel-tiling: true\n  parallel-decode-mode: whole_tile\n")
+    runtime = engine_config_from_cli("serve", "--model-path", "demo", "--config", str(nested)).runtime
+    assert (runtime.vae_parallel_tiling, runtime.vae_parallel_decode_mode) == (True, "whole_tile")
+
+
+def test_api_type_errors_name_the_seeds_flag():
+    with pytest.raises(ValueError, match=r"^--vae-config.use-parallel-tiling must be "):
+        build_engine_config("demo", vae_parallel_tiling="yes")
