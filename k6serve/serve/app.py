@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import json
 import logging
 import os
 import signal
@@ -87,6 +88,31 @@ class IgnoreTrailingSlash:
         await self.app(scope, receive, send)
 
 
+class RefuseConflictingFraming:
+    """Pure ASGI: a request with both Transfer-Encoding and Content-Length is refused (400, the API's JSON) and
+    its connection closed. h11 reads such a body by Transfer-Encoding alone and kept the connection open; RFC 9112
+    (6.3) requires closing it, since a proxy in front may have framed the body by Content-Length instead: the
+    request-smuggling pattern. No HTTP client sends both. Outermost, before anything reads the body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope.get("headers", ())}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                body = json.dumps(error_body(
+                    400, "The request has both Transfer-Encoding and Content-Length, which HTTP/1.1 does not allow "
+                    "together: send one of them (an HTTP client library does).", code="invalid_request"),
+                    separators=(",", ":")).encode()
+                await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def served_model_names(engine: Engine) -> tuple[str, ...]:
     """The id shown by /v1/models first, then the other names a request's `model` may use."""
     variant = engine.variant
@@ -126,6 +152,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     app.add_middleware(IgnoreTrailingSlash)
+    app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app
 
 

@@ -169,7 +169,7 @@ def test_k6serve_serve_command(server_distill_dir, tmp_path):
                 raw = b""
                 while chunk := sock.recv(65536):
                     raw += chunk
-            assert raw.startswith(b"HTTP/1.1 400 ") and b'"code": "invalid_request"' in raw, raw
+            assert raw.startswith(b"HTTP/1.1 400 ") and b'"code":"invalid_request"' in raw, raw
             job = client.post("/v1/videos", json=REQUEST).json()
             assert wait_for(client, job["id"], timeout=120)["status"] == "completed"
             assert (tmp_path / "out" / f"{job['id']}.mp4").is_file()

@@ -522,6 +522,23 @@ def _assert_unparsable(received: bytes, closed: bool) -> None:
     assert "Content-Length" in error["message"] and "well-formed HTTP/1.1" in error["message"]
 
 
+def test_both_transfer_encoding_and_content_length_is_refused_and_closed(fake_server, fake_client):
+    """RFC 9112 6.3: the connection must be closed after such a request (a proxy in front may have framed its body
+    by Content-Length: request smuggling). h11 read it by Transfer-Encoding and kept the connection open."""
+    import json
+
+    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Type: application/json\r\nContent-Length: 5\r\n"
+                                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+                                     b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert closed and head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), received
+    error = json.loads(rest)["error"]  # one answer only: the smuggled second request was never read
+    assert error["code"] == "invalid_request" and "both Transfer-Encoding and Content-Length" in error["message"]
+    assert fake_client.get("/v1/videos").json()["data"] == []  # no job was created
+    _still_serves(fake_client)
+
+
 @pytest.mark.parametrize("request_line", [b"POST /nope HTTP/1.1", b"GET /v1/models HTTP/1.1",
                                           b"POST /health HTTP/1.1"])
 def test_a_broken_chunked_body_is_the_json_error_without_a_traceback(fake_server, fake_client, request_line,
