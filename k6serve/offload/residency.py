@@ -171,7 +171,8 @@ def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[st
 
     Priority, lowest first: the mode's defaults, `cpu_offload` ("component"; `none` keeps resident what the mode
     would offload whole), `layerwise` (`none`: what the mode would stream is offloaded whole instead), `settings`
-    (`--component-residency NAME=MODE`, groups before single names). A component named by both flags is refused: say one thing per component."""
+    (`--component-residency NAME=MODE`: all, then groups, then single components). A component named by both flags
+    is refused (unless through `all`): each flag should say one thing per component."""
     keys = SUPER_RESOLUTION_KEYS if super_resolution else GENERATION_KEYS
     family_name = "the super-resolution model" if super_resolution else "the generation model"
     present = [name for name in keys.values() if name in set(present)]
@@ -193,19 +194,17 @@ def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[st
         residency = {name: COMPONENT if value == LAYERWISE else value for name, value in residency.items()}
     for name in whole & set(present):
         residency[name] = COMPONENT
-    notes = []
-    whole_instead = []
-    for name in [n for n in present if n in streamed]:
+    for name in streamed & set(present):
         residency[name] = LAYERWISE
     # --component-residency has the last word: all first, then groups, then single components, whatever the order
     # given, so that "vae=resident all=component" keeps the VAE resident.
     for name, value in sorted(settings, key=lambda item: _specificity(item[0])):
         for component in _expand((name,), keys, "--component-residency", family_name) & set(present):
             residency[component] = value
-    for name in present:
-        if residency[name] == LAYERWISE and name not in STREAMABLE:
-            residency[name] = COMPONENT
-            whole_instead.append(name)
+    whole_instead = [name for name in present if residency[name] == LAYERWISE and name not in STREAMABLE]
+    notes = []
+    for name in whole_instead:
+        residency[name] = COMPONENT
     if whole_instead:
         notes.append(f"layerwise offload: {', '.join(whole_instead)} offloaded whole for their stage "
                      "(no repeated blocks worth streaming: their weights are small next to their activations)")
