@@ -341,7 +341,7 @@ AUDIO_MAX_POSITIONS = 2048
 
 
 def _check_audio_length(num_frames: int, fps: float) -> None:
-    """The soundtrack, num_frames / fps seconds, must fit the DiT's audio positions (47.5 s), as the video fits its
+    """The soundtrack, num_frames / fps seconds, must fit the DiT's audio positions (47.56 s), as the video fits its
     128 latent frames. Past them the transformer refuses the request, but only in the worker, after the text
     encoders ran; here it is refused with the request, and says which fps or frame count fits."""
     latents = math.ceil(num_frames / fps * AUDIO_SAMPLE_RATE / AUDIO_LATENT_HOP_LENGTH)  # prepare_latents' length
