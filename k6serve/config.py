@@ -265,34 +265,34 @@ class RuntimeConfig:
                 "--component-residency transformer=layerwise_offload, with no other flag keeping it whole or "
                 f"resident), or drop {'them' if several else 'it'}.")
 
+    def _component_flags(self, *, offloading_only: bool) -> list[str]:
+        """The per component flags as given (for messages); `offloading_only` leaves out what offloads nothing."""
+        flags = []
+        for name in ("cpu_offload_components", "layerwise_offload_components"):
+            names = getattr(self, name)
+            if names and not (offloading_only and names == ("none",)):
+                flags.append(f"--{name.replace('_', '-')} {' '.join(names)}")
+        settings = [f"{n}={m}" for n, m in self.component_residency if not (offloading_only and m == "resident")]
+        if settings:
+            flags.append("--component-residency " + " ".join(settings))
+        return flags
+
     @property
     def residency_flags(self) -> str:
         """The mode and the per component flags, as the user wrote them (for messages)."""
-        text = f"--performance-mode {self.performance_mode}"
-        for name in ("cpu_offload_components", "layerwise_offload_components"):
-            if getattr(self, name):
-                text += f" --{name.replace('_', '-')} {' '.join(getattr(self, name))}"
-        if self.component_residency:
-            text += " --component-residency " + " ".join(f"{n}={m}" for n, m in self.component_residency)
-        return text
+        return " ".join([f"--performance-mode {self.performance_mode}", *self._component_flags(offloading_only=False)])
 
     def residency_plan(self, *, super_resolution: bool):
         """The plan for every component of one family (`offload/residency.py`), the names of the other left out."""
-        from k6serve.offload.residency import (
-            GENERATION_KEYS,
-            GROUPS,
-            SPECIAL,
-            SUPER_RESOLUTION_KEYS,
-            resolve_residency,
-        )
+        from k6serve.offload.residency import GROUPS, SPECIAL, family_components, resolve_residency
 
-        keys = SUPER_RESOLUTION_KEYS if super_resolution else GENERATION_KEYS
+        keys = family_components(super_resolution)
 
         def here(name: str) -> bool:
             return name in SPECIAL or name in keys or any(member in keys for member in GROUPS.get(name, ()))
 
         return resolve_residency(
-            self.performance_mode, super_resolution=super_resolution, present=keys,
+            self.performance_mode, super_resolution=super_resolution,
             cpu_offload=tuple(filter(here, self.cpu_offload_components)),
             layerwise=tuple(filter(here, self.layerwise_offload_components)),
             settings=tuple(item for item in self.component_residency if here(item[0])))
@@ -319,15 +319,8 @@ class RuntimeConfig:
     @property
     def offload_flag_list(self) -> list[str]:
         """The flags that offload, as the user wrote them (for messages)."""
-        flags = [f"--performance-mode {self.performance_mode}"] if self.performance_mode in OFFLOAD_MODES else []
-        for name in ("cpu_offload_components", "layerwise_offload_components"):
-            names = getattr(self, name)
-            if names and names != ("none",):
-                flags.append(f"--{name.replace('_', '-')} {' '.join(names)}")
-        offloading = [f"{n}={m}" for n, m in self.component_residency if m != "resident"]
-        if offloading:
-            flags.append("--component-residency " + " ".join(offloading))
-        return flags
+        mode = [f"--performance-mode {self.performance_mode}"] if self.performance_mode in OFFLOAD_MODES else []
+        return mode + self._component_flags(offloading_only=True)
 
     @property
     def offload_flags(self) -> str:

@@ -151,10 +151,6 @@ def _field_type(field: dataclasses.Field) -> type:
     return args[0] if args else str
 
 
-# Engine options the seed spells otherwise than `--<field-name>` (its `--vae-config.<key>` decode flags).
-_SEED_SPELLINGS = SEED_FLAG_SPELLINGS
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -176,7 +172,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, spec in ENGINE_FLAGS:
         spec = {"default": None, **spec}
-        group.add_argument(_SEED_SPELLINGS.get(name, _flag(name)), dest=name, **spec)
+        group.add_argument(SEED_FLAG_SPELLINGS.get(name, _flag(name)), dest=name, **spec)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -285,7 +281,7 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                    if action.dest not in ("help", "config", "log_level")}
         # The seed's dotted `vae-config.*` keys name the same options as its flags; a nested `vae-config:` mapping
         # is read as those keys.
-        seed_keys = {flag.lstrip("-").replace("-", "_"): name for name, flag in _SEED_SPELLINGS.items()}
+        seed_keys = {flag.lstrip("-").replace("-", "_"): name for name, flag in SEED_FLAG_SPELLINGS.items()}
         flat: dict[str, Any] = {}
         for key, value in from_file.items():
             if key == "vae_config" and isinstance(value, dict):

@@ -171,12 +171,11 @@ def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None
                               streamers=streamers,
                               resident=tuple(name for name in components if name not in offloaded))
     pipeline.residency = stages
-    residency_text = residency.describe()
     host_bytes = {name: weights.num_bytes for name, weights in stages.weights.items()}
     for name, streamer in streamers.items():
         host_bytes[f"{name} blocks"] = streamer.streamed_bytes
     return OffloadReport(
-        mode=mode, residency=residency_text, host_bytes=host_bytes, pinned=pin,
+        mode=mode, residency=residency.describe(), host_bytes=host_bytes, pinned=pin,
         streamed_blocks={name: len(s.blocks) - len(s.resident) for name, s in streamers.items()},
         prefetch_blocks=prefetch_blocks,
         resident_blocks={name: len(s.resident) for name, s in streamers.items() if s.resident},

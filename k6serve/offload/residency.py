@@ -30,20 +30,32 @@ from dataclasses import dataclass
 
 RESIDENT, COMPONENT, LAYERWISE = "resident", "component", "layerwise"
 
-# Checkpoint key -> the pipeline's component name (`pipeline.components()`), per family: the same names.
-GENERATION_KEYS = {name: name for name in ("text_encoder", "text_encoder_2", "transformer", "vae", "audio_vae",
-                                           "vocoder")}
-SUPER_RESOLUTION_KEYS = {name: name for name in ("transformer", "vae", "latent_upscaler")}
+# Per family, the checkpoint's component keys, which are also the pipeline's names (`pipeline.components()`).
+GENERATION_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae", "audio_vae", "vocoder")
+SUPER_RESOLUTION_COMPONENTS = ("transformer", "vae", "latent_upscaler")
 GROUPS = {"text_encoders": ("text_encoder", "text_encoder_2"), "audio": ("audio_vae", "vocoder"),
           # the reference's "default" layerwise set: the encoders and the VAEs (everything but the DiT)
           "default": ("text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder")}
 # Another name for one component: read as that name everywhere (so "dit" and "transformer" are one setting).
 ALIASES = {"dit": "transformer"}
 SPECIAL = ("all", "none")
-OFFLOAD_COMPONENT_NAMES = tuple(dict.fromkeys([*SPECIAL, *GENERATION_KEYS, *SUPER_RESOLUTION_KEYS, *ALIASES,
-                                                *GROUPS]))
+OFFLOAD_COMPONENT_NAMES = tuple(dict.fromkeys([*SPECIAL, *GENERATION_COMPONENTS, *SUPER_RESOLUTION_COMPONENTS,
+                                                *ALIASES, *GROUPS]))
 # The pipeline components whose repeated blocks are streamed ("layerwise"); every other one is offloaded whole.
 STREAMABLE = ("transformer", "text_encoder", "text_encoder_2")
+
+
+def family_components(super_resolution: bool) -> tuple[str, ...]:
+    return SUPER_RESOLUTION_COMPONENTS if super_resolution else GENERATION_COMPONENTS
+
+
+def _split_items(value: object) -> list[str] | None:
+    """Items separated by spaces or commas, in one string or a list of strings; None for any other value."""
+    if isinstance(value, str):
+        return value.replace(",", " ").split()
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return [part for item in value for part in item.replace(",", " ").split()]
+    return None
 
 
 def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
@@ -51,11 +63,8 @@ def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
     names separated by spaces or commas (the API, a --config file). Unknown names are refused with the list."""
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return ()
-    if isinstance(value, str):
-        items = value.replace(",", " ").split()
-    elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-        items = [part for item in value for part in item.replace(",", " ").split()]
-    else:
+    items = _split_items(value)
+    if items is None:
         raise ValueError(f"{flag} takes component names (e.g. {flag} text_encoder vae), got {value!r}")
     if not items:
         raise ValueError(f"{flag} was given no component name (got {value!r}); name at least one, or leave the flag "
@@ -88,11 +97,8 @@ def normalise_residency_settings(value: object) -> tuple[tuple[str, str], ...]:
             for item in value):
         items = [(name, mode) for name, mode in value]  # (name, mode) pairs: the API, or a config already built
     else:
-        if isinstance(value, str):
-            parts = value.replace(",", " ").split()
-        elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-            parts = [part for item in value for part in item.replace(",", " ").split()]
-        else:
+        parts = _split_items(value)
+        if parts is None:
             raise ValueError(f"{flag} takes NAME=MODE items (e.g. {flag} vae=resident transformer=layerwise_offload), "
                              f"got {value!r}")
         bad = [part for part in parts if part.count("=") != 1]
@@ -146,17 +152,17 @@ def _specificity(name: str) -> int:
     return 0 if name == "all" else 1 if name in GROUPS else 2
 
 
-def _expand(names: Iterable[str], keys: Mapping[str, str], flag: str, family_name: str) -> set[str]:
-    """User names -> the pipeline's component names for this family; a name of no component here is refused."""
+def _expand(names: Iterable[str], keys: tuple[str, ...], flag: str, family_name: str) -> set[str]:
+    """User names -> this family's component names; a name of no component here is refused."""
     components: set[str] = set()
     for name in names:
         name = ALIASES.get(name, name)
         if name == "all":
-            components |= set(keys.values())
+            components |= set(keys)
         elif name in keys:
-            components.add(keys[name])
+            components.add(name)
         elif name in GROUPS and any(member in keys for member in GROUPS[name]):
-            components |= {keys[member] for member in GROUPS[name] if member in keys}
+            components |= {member for member in GROUPS[name] if member in keys}
         elif name != "none":
             groups = "".join(f", {g}" for g, members in GROUPS.items() if any(m in keys for m in members))
             raise ValueError(f"{flag} {name}: {family_name} has no such component. Its components: "
@@ -164,18 +170,19 @@ def _expand(names: Iterable[str], keys: Mapping[str, str], flag: str, family_nam
     return components
 
 
-def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[str],
+def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[str] | None = None,
                       cpu_offload: tuple[str, ...] = (), layerwise: tuple[str, ...] = (),
                       settings: tuple[tuple[str, str], ...] = ()) -> ResidencyPlan:
-    """The plan for a pipeline whose components are `present` (the pipeline's names; optional ones may be absent).
+    """The plan for a pipeline whose components are `present` (default: all of the family's; a checkpoint may lack
+    the optional audio ones).
 
     Priority, lowest first: the mode's defaults, `cpu_offload` ("component"; `none` keeps resident what the mode
     would offload whole), `layerwise` (`none`: what the mode would stream is offloaded whole instead), `settings`
     (`--component-residency NAME=MODE`: all, then groups, then single components). A component named by both flags
     is refused (unless through `all`): each flag should say one thing per component."""
-    keys = SUPER_RESOLUTION_KEYS if super_resolution else GENERATION_KEYS
+    keys = family_components(super_resolution)
     family_name = "the super-resolution model" if super_resolution else "the generation model"
-    present = [name for name in keys.values() if name in set(present)]
+    present = list(keys) if present is None else [name for name in keys if name in set(present)]
     if mode == "speed":
         residency = {name: RESIDENT for name in present}
     elif mode == "balanced":

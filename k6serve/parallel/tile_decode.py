@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+
 def check_decode_flags(runtime, *, replica_size: int, super_resolution: bool) -> None:
     """Refuse the seed's `--vae-config.*` decode choices that this decode does not make, where they would matter (an
     SR model on a replica of several GPUs); elsewhere they choose nothing, as in the reference (one GPU keeps the

@@ -37,7 +37,7 @@ from k6serve.models.variants import (
     resolve_generate,
     resolve_upscale,
 )
-from k6serve.offload.residency import GENERATION_KEYS, RESIDENT, SUPER_RESOLUTION_KEYS, resolve_residency
+from k6serve.offload.residency import RESIDENT, resolve_residency
 from k6serve.request import (
     GenerateRequest,
     OutputOptions,
@@ -118,9 +118,10 @@ class ModelWorker:
         if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:
             raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
                              "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
+        from k6serve.parallel.mesh import ParallelLayout
         from k6serve.parallel.tile_decode import check_decode_flags
 
-        check_decode_flags(config.runtime, replica_size=config.parallel.num_gpus // config.parallel.dp_size,
+        check_decode_flags(config.runtime, replica_size=ParallelLayout.from_config(config.parallel).replica_size,
                            super_resolution=self.variant.family != GENERATION)
         # Resolved before the weights load, so an SR checkpoint with --vae-tiling on is refused at once.
         self.vae_tiling = resolve_vae_tiling(config.runtime.vae_tiling, config.runtime.performance_mode,
@@ -129,7 +130,6 @@ class ModelWorker:
         # family's components are refused here, before the weights load.
         self.residency_plan = resolve_residency(
             config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
-            present=(SUPER_RESOLUTION_KEYS if self.variant.family != GENERATION else GENERATION_KEYS),
             cpu_offload=config.runtime.cpu_offload_components,
             layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
         if self.residency_plan.offloads and self.device.type != "cuda":

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import errno
 import hmac
-import json
 import logging
 import os
 import signal
@@ -101,14 +100,13 @@ class RefuseConflictingFraming:
         if scope["type"] == "http":
             names = {name.lower() for name, _ in scope.get("headers", ())}
             if b"transfer-encoding" in names and b"content-length" in names:
-                body = json.dumps(error_body(
-                    400, "The request has both Transfer-Encoding and Content-Length, which HTTP/1.1 does not allow "
-                    "together: send one of them (an HTTP client library does).", code="invalid_request"),
-                    separators=(",", ":")).encode()
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-                await send({"type": "http.response.body", "body": body})
+                from fastapi.responses import JSONResponse
+
+                message = ("The request has both Transfer-Encoding and Content-Length, which HTTP/1.1 does not allow "
+                           "together: send one of them (an HTTP client library does).")
+                response = JSONResponse(error_body(400, message, code="invalid_request"), status_code=400,
+                                        headers={"Connection": "close"})
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

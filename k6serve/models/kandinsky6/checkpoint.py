@@ -72,7 +72,8 @@ def load_generation_models(
 ) -> GenerationModels:
     """`device` runs the requests; the weights go to `weights_device` (default: `device`), except the components
     named in `component_devices`, which go where it says (with some components offloaded, the resident ones load
-    straight onto the GPU: moving Pro's DiT there from the host after the load took 29 s on an H200)."""
+    straight onto the GPU: loading every weight on the host and moving the resident ones after made Pro-distill's
+    load 29 s longer on an H200)."""
     weights_device = device if weights_device is None else weights_device
     overrides = dict(component_devices or {})
 
