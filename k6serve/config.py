@@ -204,10 +204,10 @@ class RuntimeConfig:
     # reference's per component setting, also the way to keep one component resident under balanced or memory.
     component_residency: tuple[tuple[str, str], ...] = ()
     # The seed's SR decode flags (`--vae-config.use-parallel-tiling`, `--vae-config.use-parallel-decode`,
-    # `--vae-config.parallel-decode-mode`). k6serve decodes whole tiles in parallel on every multi-GPU SR replica
-    # (parallel/tile_decode.py; bitwise equal to serial), so `true` and `whole_tile` ask for what it does anyway;
-    # what it does not do there (spatial_shard, a replicated decode) is refused with the fix
-    # (`check_decode_flags`). One GPU or a generation model: nothing to choose, as in the reference.
+    # `--vae-config.parallel-decode-mode`). A multi-GPU SR replica decodes whole tiles in parallel by default
+    # (parallel/tile_decode.py; bitwise equal to serial); spatial_shard splits each tile's height across the GPUs
+    # instead (parallel/spatial_shard_decode.py; changes the rounding); every GPU decoding every tile is refused
+    # with the fix (`sr_decode_mode`). One GPU or a generation model: nothing to choose, as in the reference.
     vae_parallel_tiling: bool | None = None
     vae_parallel_decode: bool | None = None
     vae_parallel_decode_mode: str | None = None
@@ -334,11 +334,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
-        # Offloading re-points each parameter's plain tensor between host and device; a DTensor shard (TP, folded
-        # encoders) or FSDP's managed storage cannot be moved that way. Ulysses / Ring / CFG replicate the weights,
-        # so each rank offloads its own copy (and holds it in host memory: one copy per GPU).
-        mode, parallel = self.runtime.performance_mode, self.parallel
-        flags = parallel.dit_sharding_flags + (["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else [])
+        parallel = self.parallel
         if self.model.lora_path and len(parallel.dit_sharding_flags) == 2:
             raise ValueError("--lora-path cannot be used with --tp-size > 1 and --use-fsdp-inference together: the "
                              "weights are then sharded along two mesh axes; drop one of them (each alone works).")
@@ -347,12 +343,25 @@ class EngineConfig:
                              "shards between requests; use --lora-merge-mode dynamic or auto (dynamic under FSDP).")
         if self.runtime.cache_dit_config is not None and parallel.cache_dit_unavailable:
             raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
-        if self.runtime.offloads and flags:
-            named = " and ".join(flags)
-            fixes = ["use --performance-mode speed"] if mode in OFFLOAD_MODES else []
-            fixes += [f"drop {flag}" for flag in self.runtime.offload_flag_list if not flag.startswith("--perf")]
-            raise ValueError(
-                f"{self.runtime.offload_flags} offloads the weights to host memory, which cannot work with weights "
-                f"sharded across GPUs ({named}): {' and '.join(fixes)} to keep {named}, or drop "
-                f"{'them' if len(flags) > 1 else 'it'} to offload."
-            )
+        # Refused here when every model family's reading of the flags offloads; a component name of one family
+        # only is checked by the worker, which knows the family and first refuses a name of the other one.
+        if all(self.runtime.residency_plan(super_resolution=sr).offloads for sr in (False, True)):
+            refuse_offload_with_sharding(self.runtime, parallel)
+
+
+def refuse_offload_with_sharding(runtime: RuntimeConfig, parallel: ParallelConfig) -> None:
+    """Offloading re-points each parameter's plain tensor between host and device; a DTensor shard (TP, folded
+    encoders) or FSDP's managed storage cannot be moved that way, so offloading flags are refused beside them.
+    Ulysses / Ring / CFG replicate the weights, so each rank offloads its own copy (one copy per GPU in host
+    memory)."""
+    flags = parallel.dit_sharding_flags + (["--encoder-parallel fold"] if parallel.encoder_parallel == "fold" else [])
+    if not flags:
+        return
+    named = " and ".join(flags)
+    fixes = ["use --performance-mode speed"] if runtime.performance_mode in OFFLOAD_MODES else []
+    fixes += [f"drop {flag}" for flag in runtime.offload_flag_list if not flag.startswith("--perf")]
+    raise ValueError(
+        f"{runtime.offload_flags} offloads the weights to host memory, which cannot work with weights "
+        f"sharded across GPUs ({named}): {' and '.join(fixes)} to keep {named}, or drop "
+        f"{'them' if len(flags) > 1 else 'it'} to offload."
+    )

@@ -95,15 +95,16 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                               "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
                               "Requests may turn it off (enable_cache_dit false) or change settings.")),
     ("vae_parallel_tiling", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: decode "
-                             "whole tiles in parallel (true; what k6serve always does there, bitwise equal to "
-                             "serial decode). false, every GPU decoding every tile, is refused there. Accepted for "
-                             "the reference's recipes; changes nothing.")),
-    ("vae_parallel_decode", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: with "
-                             "--vae-config.parallel-decode-mode, the reference's choice of parallel decode; true with "
-                             "whole_tile is what k6serve does.")),
-    ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR on several GPUs: whole_tile (k6serve's "
-                                  "decode). spatial_shard (each tile's height split across GPUs; changes the "
-                                  "rounding) is not available and is refused there.")),
+                             "whole tiles in parallel (true: the default there, bitwise equal to serial decode). "
+                             "false, every GPU decoding every tile, is refused there unless spatial_shard is "
+                             "chosen.")),
+    ("vae_parallel_decode", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: true "
+                             "with --vae-config.parallel-decode-mode spatial_shard splits each tile's height across "
+                             "the GPUs; false keeps whole tiles.")),
+    ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR on several GPUs: whole_tile (the "
+                                  "default) or spatial_shard: every GPU decodes its rows of every tile, halo rows "
+                                  "exchanged; less memory and time per tile, but frames differ from serial decode by "
+                                  "rounding (opt-in, as in the reference).")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),

@@ -72,9 +72,18 @@ def parallelize_sr_transformer(transformer: nn.Module, groups: ParallelGroups, *
                       model_name=model_name, has_guidance=False)
 
 
-def parallelize_sr_models(models, groups: ParallelGroups, *, model_name: str, device_type: str) -> None:
-    """The SR DiT layout, plus whole-tile parallel KVAE decode over the replica (bitwise equal to serial)."""
-    from k6serve.parallel.tile_decode import attach_decode_group
+def parallelize_sr_models(models, groups: ParallelGroups, *, model_name: str, device_type: str,
+                          decode: str = "whole_tile") -> None:
+    """The SR DiT layout, plus the KVAE decode over the replica: `decode` "whole_tile" (tiles round-robin, bitwise
+    equal to serial; the default) or "spatial_shard" (each tile's height split, halo rows exchanged;
+    `tile_decode.sr_decode_mode` chooses)."""
+    from k6serve.parallel.spatial_shard_decode import attach_spatial_shard
+    from k6serve.parallel.tile_decode import SERIAL, SPATIAL_SHARD, WHOLE_TILE, attach_decode_group
 
     parallelize_sr_transformer(models.transformer, groups, model_name=model_name, device_type=device_type)
-    attach_decode_group(models.vae, groups.replica_group)
+    if decode == SPATIAL_SHARD:
+        attach_spatial_shard(models.vae, groups.replica_group)
+    elif decode == WHOLE_TILE:
+        attach_decode_group(models.vae, groups.replica_group)
+    elif decode != SERIAL:  # serial: a replica of one rank (FSDP alone), nothing to spread
+        raise ValueError(f"decode must be {WHOLE_TILE!r}, {SPATIAL_SHARD!r} or {SERIAL!r}, got {decode!r}")

@@ -1,4 +1,5 @@
-"""Whole-tile parallel decode for super-resolution: tiles are decoded round-robin over the replica's ranks.
+"""Whole-tile parallel decode for super-resolution: tiles are decoded round-robin over the replica's ranks; and the
+choice between it and the spatial-shard decode (parallel/spatial_shard_decode.py) from the seed's flags.
 
 Rank r decodes tiles r, r + W, r + 2W, ... (W ranks); after each round the decoded tiles are all-gathered and
 kept in tile order, so every rank holds every tile and the blending that follows runs unchanged. Each tile is
@@ -15,24 +16,28 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def check_decode_flags(runtime, *, replica_size: int, super_resolution: bool) -> None:
-    """Refuse the seed's `--vae-config.*` decode choices that this decode does not make, where they would matter (an
-    SR model on a replica of several GPUs); elsewhere they choose nothing, as in the reference (one GPU keeps the
-    replicated decode, and the generation VAE decodes replicated)."""
+WHOLE_TILE, SPATIAL_SHARD, SERIAL = "whole_tile", "spatial_shard", "serial"
+
+
+def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str:
+    """The SR decode the seed's `--vae-config.*` flags choose on a replica of `replica_size` ranks: "serial" (one
+    GPU, or a generation model: nothing to choose, as in the reference), "spatial_shard" (each tile's height split
+    across the ranks, parallel/spatial_shard_decode.py; it takes precedence, as in the reference) or "whole_tile"
+    (the default of a multi-GPU SR replica, bitwise equal to serial). Refuses, with the fix, the one choice k6serve
+    does not make: every GPU decoding every tile."""
     if not super_resolution or replica_size == 1:
-        return
-    # spatial_shard is refused even without use-parallel-decode true (which the reference needs to select it): a
-    # user who names it wants it, and would otherwise get whole tiles without a word.
-    if runtime.vae_parallel_decode_mode == "spatial_shard" and runtime.vae_parallel_decode is not False:
-        raise ValueError(
-            "--vae-config.parallel-decode-mode spatial_shard (each tile's height split across GPUs, which changes "
-            "the rounding) is not available in k6serve. A multi-GPU replica decodes whole tiles in parallel, equal "
-            "to the serial decode bit for bit: drop --vae-config.parallel-decode-mode (or give it whole_tile).")
+        return SERIAL
+    # The reference selects spatial_shard only together with use-parallel-decode true; named alone it is taken too
+    # (a user who names it wants it, and would otherwise get whole tiles without a word). `false` turns it off.
+    if runtime.vae_parallel_decode_mode == SPATIAL_SHARD and runtime.vae_parallel_decode is not False:
+        return SPATIAL_SHARD
     if runtime.vae_parallel_tiling is False:
         raise ValueError(
             "--vae-config.use-parallel-tiling false asks every GPU to decode every tile; k6serve decodes whole tiles "
             "in parallel on a multi-GPU replica, and that equals the serial decode bit for bit, so it only saves "
-            "time. Drop the flag (or set it true).")
+            "time. Drop the flag (or set it true), or split each tile's height across the GPUs with "
+            "--vae-config.use-parallel-decode true --vae-config.parallel-decode-mode spatial_shard.")
+    return WHOLE_TILE
 
 
 # Where `attach_decode_group` records the group on a VAE wrapper (as the cfg group is kept on the DiT).

@@ -26,6 +26,7 @@ from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
 from k6serve.models.kandinsky6_sr.transformer import SRTransformer
 from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
 from k6serve.models.kandinsky6_sr.vae import SRVAE
+from k6serve.parallel.spatial_shard_decode import iter_decode_tile_sharded, spatial_shard_of
 from k6serve.parallel.tile_decode import decode_group_of, decode_round_robin
 from k6serve.pipelines.decode_stream import ChunkCheck, start_host_copy
 from k6serve.pipelines.sr_tiling import (
@@ -196,11 +197,23 @@ def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor], between_tiles: Chun
     On a multi-GPU replica the tiles are decoded round-robin across its ranks (whole-tile parallel decode,
     bitwise equal to serial; `k6serve.parallel.tile_decode`). `between_tiles()` (the cancellation point) runs
     after each batch of `_decode_batches`: one tile on one rank, one round of tiles on several, so every rank of
-    the replica makes the same calls whether it streams the result or not.
+    the replica makes the same calls whether it streams the result or not. With the spatial-shard decode
+    (`k6serve.parallel.spatial_shard_decode`) every rank decodes its rows of every tile, and the check runs after
+    each tile.
     """
 
     def decode_one(index: int) -> Tensor:
         return vae.decode_tile(latents_ThwC[index].permute(3, 0, 1, 2).unsqueeze(0))[0]
+
+    exchange = spatial_shard_of(vae)
+    if exchange is not None:
+        tiles = []
+        for latent_ThwC in latents_ThwC:
+            segments = iter_decode_tile_sharded(vae, latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0), exchange)
+            tiles.append(torch.cat(list(segments), dim=1)[0])
+            if between_tiles is not None:
+                between_tiles()
+        return tiles
 
     group = decode_group_of(vae)
     num_ranks = dist.get_world_size(group) if group is not None else 1
@@ -257,7 +270,9 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
     A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`): that happens here,
     before anything is returned, so every rank joins the collectives even if the caller never reads a chunk, and
     `between_chunks()` runs at `decode_tiles`' points, which the ranks that call `decode_tiles` directly share.
-    Otherwise it runs after each segment, in either order.
+    Otherwise it runs after each segment, in either order. The spatial-shard decode streams like one rank: each
+    rank decodes its rows of every tile segment by segment, the segments are gathered whole on every rank, and the
+    ranks agree on the order, so they make the same collectives and `between_chunks()` calls.
     """
     if decode_group_of(vae) is not None:
         return iter([assemble_frames(decode_tiles(vae, latents_ThwC, between_chunks), plan)])
@@ -267,16 +282,27 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
 def _decode_and_assemble_locally(
     vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan, between_chunks: ChunkCheck | None
 ) -> Iterator[np.ndarray]:
-    # Only a replica of one rank gets here (one of several always has a decode group, `parallelize_sr_models`),
-    # so the number of `between_chunks` calls, which differs between the two orders, is nobody else's to match.
-    iterators = [vae.iter_decode_tile(latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0)) for latent_ThwC in latents_ThwC]
+    # One rank, or every rank of a spatial-shard replica: there the fit is agreed on, so the number of
+    # `between_chunks` calls, which differs between the two orders, is the same on every rank.
+    exchange = spatial_shard_of(vae)
+
+    def iter_tile(latent_ThwC: Tensor) -> Iterator[Tensor]:
+        latent_BCThw = latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0)
+        if exchange is None:
+            return vae.iter_decode_tile(latent_BCThw)
+        return iter_decode_tile_sharded(vae, latent_BCThw, exchange)
+
+    iterators = [iter_tile(latent_ThwC) for latent_ThwC in latents_ThwC]
     device = latents_ThwC[0].device
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     first_segment = next(iterators[0])  # tile 0's first segment; its cache chain is now alive
     per_tile_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
     segments_by_tile = [itertools.chain([first_segment], iterators[0]), *iterators[1:]]
     between_segments = between_chunks
-    if _segment_major_fits(device, per_tile_bytes, len(iterators)):
+    fits = _segment_major_fits(device, per_tile_bytes, len(iterators))
+    if exchange is not None:
+        fits = exchange.agree(fits)
+    if fits:
         tile_segments = zip(*segments_by_tile, strict=True)  # segment s of every tile, tile by tile
     else:
         logger.info("SR decode: %d tiles x %.1f GiB of causal caches do not fit; decoding whole tiles, streaming "

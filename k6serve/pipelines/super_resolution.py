@@ -19,6 +19,7 @@ import torch
 from k6serve.models.kandinsky6_sr.checkpoint import SRModels, load_sr_models
 from k6serve.models.variants import Variant
 from k6serve.offload.components import RESIDENT
+from k6serve.parallel.spatial_shard_decode import spatial_shard_of
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink, final_step_check
 from k6serve.pipelines.sr_source import read_and_encode
 from k6serve.pipelines.sr_stages import (
@@ -103,6 +104,11 @@ class SuperResolutionPipeline:
             with self.residency.stage("vae"):
                 chunks = decode_and_assemble_chunks(m.vae, latents, plan, between_chunks)
                 frames_THWC = feed_video_sink(video_sink, chunks, source.audio, float(source.fps), timings, "decode")
+        elif spatial_shard_of(m.vae) is not None:
+            # A spatial-shard replica's ranks must make the collectives of the leader, which streams its segments
+            # when it saves the MP4: the same segment-major decode here, the blend inside it.
+            with _timed(timings, "decode", m.device), self.residency.stage("vae"):
+                frames_THWC = np.concatenate(list(decode_and_assemble_chunks(m.vae, latents, plan, between_chunks)))
         else:
             with _timed(timings, "decode", m.device), self.residency.stage("vae"):
                 tiles = decode_tiles(m.vae, latents, between_chunks)

@@ -119,7 +119,7 @@ def parallelize_worker_models(worker, config: EngineConfig, context: RankContext
                                       encoder_parallel=config.parallel.encoder_parallel, device_type=device_type)
     elif layout.replica_size > 1 or layout.fsdp:
         parallelize_sr_models(worker.pipeline.models, context.groups, model_name=worker.variant.name,
-                              device_type=device_type)
+                              device_type=device_type, decode=worker.sr_decode)
 
 
 def _broadcast(message: object, context: RankContext) -> object:

@@ -119,10 +119,12 @@ class ModelWorker:
             raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
                              "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
         from k6serve.parallel.mesh import ParallelLayout
-        from k6serve.parallel.tile_decode import check_decode_flags
+        from k6serve.parallel.tile_decode import sr_decode_mode
 
-        check_decode_flags(config.runtime, replica_size=ParallelLayout.from_config(config.parallel).replica_size,
-                           super_resolution=self.variant.family != GENERATION)
+        # The SR decode across a replica's GPUs; a refused choice is refused before the weights load.
+        self.sr_decode = sr_decode_mode(config.runtime,
+                                        replica_size=ParallelLayout.from_config(config.parallel).replica_size,
+                                        super_resolution=self.variant.family != GENERATION)
         # Resolved before the weights load, so an SR checkpoint with --vae-tiling on is refused at once.
         self.vae_tiling = resolve_vae_tiling(config.runtime.vae_tiling, config.runtime.performance_mode,
                                              self.device, self.variant.family)
@@ -132,6 +134,10 @@ class ModelWorker:
             config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
             cpu_offload=config.runtime.cpu_offload_components,
             layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
+        if self.residency_plan.offloads:
+            from k6serve.config import refuse_offload_with_sharding
+
+            refuse_offload_with_sharding(config.runtime, config.parallel)
         if self.residency_plan.offloads and self.device.type != "cuda":
             logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
                         config.runtime.offload_flags)

@@ -87,9 +87,12 @@ class IgnoreTrailingSlash:
         await self.app(scope, receive, send)
 
 
+SUPPORTED_HTTP_VERSIONS = ("1.0", "1.1")
+
+
 class RefuseConflictingFraming:
-    """Pure ASGI: a request with both Transfer-Encoding and Content-Length is refused (400, the API's JSON) and
-    its connection closed. h11 reads such a body by Transfer-Encoding alone and kept the connection open; RFC 9112
+    """Pure ASGI: a request line of another HTTP version than 1.0 or 1.1 is refused (505, the API's JSON), and a
+    request with both Transfer-Encoding and Content-Length is refused (400) and its connection closed. h11 reads such a body by Transfer-Encoding alone and kept the connection open; RFC 9112
     (6.3) requires closing it, since a proxy in front may have framed the body by Content-Length instead: the
     request-smuggling pattern. No HTTP client sends both. Outermost, before anything reads the body."""
 
@@ -97,6 +100,16 @@ class RefuseConflictingFraming:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("http_version", "1.1") not in SUPPORTED_HTTP_VERSIONS:
+            # h11 takes any "HTTP/d.d" request line (HTTP/9.9, HTTP/2.0 as text) and answered it as HTTP/1.1.
+            from fastapi.responses import JSONResponse
+
+            message = (f"HTTP/{scope['http_version']} is not supported: this server speaks HTTP/1.1 (and 1.0). Send "
+                       "an HTTP/1.1 request (any HTTP client library does).")
+            response = JSONResponse(error_body(505, message, code="http_version_not_supported"), status_code=505,
+                                    headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
         if scope["type"] == "http":
             names = {name.lower() for name, _ in scope.get("headers", ())}
             if b"transfer-encoding" in names and b"content-length" in names:

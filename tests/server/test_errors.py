@@ -539,6 +539,26 @@ def test_both_transfer_encoding_and_content_length_is_refused_and_closed(fake_se
     _still_serves(fake_client)
 
 
+@pytest.mark.parametrize("version", [b"9.9", b"2.0", b"0.9"])
+def test_an_unsupported_http_version_is_refused_and_closed(fake_server, fake_client, version):
+    """h11 parses any "HTTP/d.d" request line; anything but 1.0 and 1.1 is a 505 in the API's JSON, not an
+    HTTP/1.1 answer to a request the server does not speak, and no job is made."""
+    import json
+
+    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/" + version + b"\r\nHost: x\r\n"
+                                     b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert closed and head.startswith(b"HTTP/1.1 505 ") and b"connection: close" in head.lower(), received
+    error = json.loads(body)["error"]
+    assert error["code"] == "http_version_not_supported"
+    assert error["message"].startswith(f"HTTP/{version.decode()} is not supported: this server speaks HTTP/1.1")
+    assert fake_client.get("/v1/videos").json()["data"] == []
+    # HTTP/1.0 is still served.
+    received, _ = _raw_response(fake_server.base_url, b"GET /v1/models HTTP/1.0\r\nHost: x\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 200 "), received
+    _still_serves(fake_client)
+
+
 @pytest.mark.parametrize("request_line", [b"POST /nope HTTP/1.1", b"GET /v1/models HTTP/1.1",
                                           b"POST /health HTTP/1.1"])
 def test_a_broken_chunked_body_is_the_json_error_without_a_traceback(fake_server, fake_client, request_line,

@@ -253,13 +253,13 @@ def test_sr_decode_batches_are_rounds_of_tiles(num_tiles, num_ranks, batches):
 # ---- a replica of two ranks (gloo) ----
 
 
-def _engine(folder: Path, **parallel):
+def _engine(folder: Path, runtime: dict | None = None, **parallel):
     from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
     from k6serve.runtime.engine import Engine
 
     return Engine(EngineConfig(model=ModelConfig(model_path=str(folder)),
                                parallel=ParallelConfig(dist_timeout_s=60.0, num_gpus=2, **parallel),
-                               runtime=RuntimeConfig(device="cpu")))
+                               runtime=RuntimeConfig(device="cpu", **(runtime or {}))))
 
 
 def _cancel_at_decode_check(engine, params: SamplingParams, output: OutputOptions, at_decode_check: int):
@@ -322,5 +322,38 @@ def test_a_two_rank_sr_replica_cancels_in_its_parallel_tile_decode_without_hangi
                                  on_progress=lambda step, total: finished.append((step, total)))
         assert result.frames.shape == (17, 64, 384, 3)
         assert sum(1 for step, total in finished if step == total) - 1 >= 2
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_spatial_shard_replica_cancels_in_its_decode_and_then_saves(tiny_sr_dir, tmp_path):
+    """`--vae-config.use-parallel-decode true --vae-config.parallel-decode-mode spatial_shard` through the engine:
+    the leader streams its segments into the MP4, the other rank decodes its rows without a sink, and both check
+    for a cancel after every segment (the tiles' shared first segment here), so a cancel leaves them in step."""
+    from k6serve.media.probe import probe
+    from k6serve.testing.clips import make_clip
+
+    wide = make_clip(tmp_path / "wide.mp4", width=192, height=32, num_frames=17, fps=24)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    engine = _engine(tiny_sr_dir, runtime=dict(vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard"),
+                     ulysses_degree=2)
+    try:
+        params = SamplingParams(video_path=str(wide), sr_resolution_scale=2, seed=7)
+        save = OutputOptions(output_path=str(folder), output_file_name="up.mp4", save_output=True)
+        job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
+        with pytest.raises(RequestCancelled, match="during the video decode"):
+            job.future.result(timeout=120)
+        assert list(folder.iterdir()) == []
+        finished: list[tuple[int, int]] = []
+        result = engine.generate(params, OutputOptions(output_path=str(folder), output_file_name="up.mp4",
+                                                       save_output=True, return_frames=True),
+                                 on_progress=lambda step, total: finished.append((step, total)))
+        assert result.frames.shape == (17, 64, 384, 3)
+        # 17 frames are one causal segment (1 + 4 latent frames): one check after the DiT, one after the segment.
+        assert sum(1 for step, total in finished if step == total) == 2
+        info = probe(folder / "up.mp4")
+        assert (info.width, info.height, info.num_frames) == (384, 64, 17)
     finally:
         engine.shutdown()

@@ -1,13 +1,13 @@
-"""The seed's `--vae-config.*` SR decode flags: accepted where they ask for what k6serve does (whole tiles decoded in
-parallel on a multi-GPU replica, bitwise equal to serial) or choose nothing (one GPU, a generation model), refused
-with the fix where they ask for a decode k6serve does not have."""
+"""The seed's `--vae-config.*` SR decode flags: on a multi-GPU SR replica they choose whole tiles decoded in parallel
+(the default, bitwise equal to serial) or each tile's height split across the GPUs (spatial_shard); elsewhere (one
+GPU, a generation model) they choose nothing; every GPU decoding every tile is refused with the fix."""
 
 from __future__ import annotations
 
 import pytest
 
 from k6serve.api import build_engine_config
-from k6serve.parallel.tile_decode import check_decode_flags
+from k6serve.parallel.tile_decode import sr_decode_mode
 from k6serve.runtime.worker import ModelWorker
 
 
@@ -35,36 +35,45 @@ def test_an_unknown_decode_mode_is_refused():
         _runtime(vae_parallel_decode_mode="halo")
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    (dict(vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard"),
-     r"^--vae-config.parallel-decode-mode spatial_shard .* is not available in k6serve\. A multi-GPU replica decodes "
-     r"whole tiles in parallel, equal to the serial decode bit for bit: drop --vae-config.parallel-decode-mode \(or "
-     r"give it whole_tile\)\.$"),
-    (dict(vae_parallel_tiling=False),
-     r"^--vae-config.use-parallel-tiling false asks every GPU to decode every tile;.*Drop the flag \(or set it "
-     r"true\)\.$"),
-])
-def test_refused_on_a_multi_gpu_sr_replica_only(options, message):
-    runtime = _runtime(**options)
-    with pytest.raises(ValueError, match=message):
-        check_decode_flags(runtime, replica_size=2, super_resolution=True)
-    check_decode_flags(runtime, replica_size=1, super_resolution=True)  # one GPU: nothing to choose
-    check_decode_flags(runtime, replica_size=2, super_resolution=False)  # the generation VAE decodes replicated
-    # What k6serve does anyway is accepted everywhere.
-    check_decode_flags(_runtime(vae_parallel_tiling=True, vae_parallel_decode=True,
-                                vae_parallel_decode_mode="whole_tile"), replica_size=4, super_resolution=True)
-    # spatial_shard alone is refused too (the reference would need use-parallel-decode true to select it, and
-    # without a word decode whole tiles); with use-parallel-decode false it selects nothing.
-    with pytest.raises(ValueError, match="spatial_shard"):
-        check_decode_flags(_runtime(vae_parallel_decode_mode="spatial_shard"), replica_size=2, super_resolution=True)
-    check_decode_flags(_runtime(vae_parallel_decode=False, vae_parallel_decode_mode="spatial_shard"), replica_size=2,
-                       super_resolution=True)
+def test_the_decode_each_choice_selects():
+    from k6serve.parallel.tile_decode import SERIAL, SPATIAL_SHARD, WHOLE_TILE
+
+    def mode(replica_size=2, super_resolution=True, **options):
+        return sr_decode_mode(_runtime(**options), replica_size=replica_size, super_resolution=super_resolution)
+
+    assert mode() == WHOLE_TILE  # a multi-GPU SR replica's default, bitwise equal to serial
+    assert mode(vae_parallel_tiling=True, vae_parallel_decode=True, vae_parallel_decode_mode="whole_tile") == WHOLE_TILE
+    assert mode(vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard") == SPATIAL_SHARD
+    # As in the reference, spatial_shard takes precedence over use-parallel-tiling, true or false.
+    assert mode(vae_parallel_tiling=False, vae_parallel_decode=True,
+                vae_parallel_decode_mode="spatial_shard") == SPATIAL_SHARD
+    assert mode(vae_parallel_tiling=True, vae_parallel_decode=True,
+                vae_parallel_decode_mode="spatial_shard", replica_size=4) == SPATIAL_SHARD
+    # Named alone it is taken too (the reference would need use-parallel-decode true, and decode whole tiles
+    # without a word); use-parallel-decode false turns it off.
+    assert mode(vae_parallel_decode_mode="spatial_shard") == SPATIAL_SHARD
+    assert mode(vae_parallel_decode=False, vae_parallel_decode_mode="spatial_shard") == WHOLE_TILE
+    # One GPU or the generation VAE: nothing to choose.
+    assert mode(replica_size=1, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard") == SERIAL
+    assert mode(super_resolution=False, vae_parallel_decode_mode="spatial_shard") == SERIAL
+    assert mode(replica_size=1, vae_parallel_tiling=False) == SERIAL
+
+
+def test_every_gpu_decoding_every_tile_is_refused_on_a_multi_gpu_sr_replica_only():
+    runtime = _runtime(vae_parallel_tiling=False)
+    with pytest.raises(ValueError, match=r"^--vae-config.use-parallel-tiling false asks every GPU to decode every "
+                                         r"tile;.*Drop the flag \(or set it true\), or split each tile's height "
+                                         r"across the GPUs with --vae-config.use-parallel-decode true "
+                                         r"--vae-config.parallel-decode-mode spatial_shard\.$"):
+        sr_decode_mode(runtime, replica_size=2, super_resolution=True)
+    sr_decode_mode(runtime, replica_size=1, super_resolution=True)  # one GPU: nothing to choose
+    sr_decode_mode(runtime, replica_size=2, super_resolution=False)  # the generation VAE decodes replicated
 
 
 def test_the_worker_refuses_before_loading_the_weights(tiny_sr_dir, monkeypatch):
     monkeypatch.setattr(ModelWorker, "_build_pipeline",
                         lambda self, folder: pytest.fail("loaded the weights before refusing the flag"))
     config = build_engine_config(str(tiny_sr_dir), device="cpu", num_gpus=2, ulysses_degree=2,
-                                 vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
-    with pytest.raises(ValueError, match="spatial_shard"):
+                                 vae_parallel_tiling=False)
+    with pytest.raises(ValueError, match="use-parallel-tiling false"):
         ModelWorker(config)

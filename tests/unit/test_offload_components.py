@@ -272,6 +272,23 @@ def test_a_name_of_the_other_family_is_refused_before_the_weights_load(tiny_sr_d
     with pytest.raises(ValueError, match=r"--cpu-offload-components text_encoder: the super-resolution model has no "
                                          r"such component"):
         ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", cpu_offload_components="text_encoder"))
+    # Beside sharded weights too: the name is what is wrong (an SR model offloads nothing here), not the layout.
+    sharded = build_engine_config(str(tiny_sr_dir), device="cpu", num_gpus=2, tp_size=2,
+                                  cpu_offload_components="text_encoder")
+    with pytest.raises(ValueError, match=r"--cpu-offload-components text_encoder: the super-resolution model has no "
+                                         r"such component"):
+        ModelWorker(sharded)
+    # A name of one family only that offloads is refused with the layout by the worker, which knows the family
+    # (names of both families, e.g. vae, already by the config: test_config_refusals).
+    with pytest.raises(ValueError, match=r"^--cpu-offload-components latent_upscaler offloads the weights to host "
+                                         r"memory, which cannot work with weights sharded across GPUs \(--tp-size 2\)"):
+        ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", num_gpus=2, tp_size=2,
+                                        cpu_offload_components="latent_upscaler"))
+    # Names that offload in both families' readings are refused by the config, before any worker starts.
+    with pytest.raises(ValueError, match=r"offloads the weights to host memory, which cannot work with weights "
+                                         r"sharded across GPUs \(--tp-size 2\)"):
+        build_engine_config(str(tiny_sr_dir), device="cpu", num_gpus=2, tp_size=2,
+                            cpu_offload_components="text_encoder latent_upscaler")
 
 
 def test_speed_transforms_skip_offloaded_components(tiny_distill_dir):
