@@ -519,3 +519,22 @@ def test_generate_takes_the_engines_offload_flags(monkeypatch):
     assert runtime.cpu_offload_components == ("vae", "audio")
     assert runtime.layerwise_offload_components == ("transformer",)  # dit is read as transformer
     assert runtime.component_residency == (("vocoder", "resident"),)
+
+
+def test_gpu_spatial_shard_script_runs_at_toy_size(tmp_path):
+    """One rank's share of the spatial-shard decode (zeros for the halo rows): every slab decodes, its rows are the
+    rank's rows of the tile, and the table and JSON have their fields."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "scripts" / "gpu_spatial_shard.py"
+    spec = importlib.util.spec_from_file_location("gpu_spatial_shard", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--tiny", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "spatial_shard.json").read_text())
+    assert report["hooked_modules"] > 0 and report["latent"][3:] == [8, 6]
+    rows = [(row["decoder"], row["slab"], row["latent_rows"]) for row in report["rows"]]
+    assert rows == [("eager", "whole tile", 8), ("eager", "rank 0 of 2", 4), ("eager", "rank 1 of 4", 2)]
+    assert all(row["warm_s"] > 0 and row["first_s"] > 0 for row in report["rows"])
+    assert report["rows"][0]["x_whole"] == 1.0
+    assert (tmp_path / "spatial_shard.md").read_text().count("\n| eager |") == 3
