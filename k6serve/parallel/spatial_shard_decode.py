@@ -19,7 +19,7 @@ exactly the inputs the unsplit decode gives them. The temporal caches hold the e
 exchanged when those frames were current, which is what the next segment's window needs (the seed's "original
 temporal cache"). Hooks, not a rewritten forward, so every forward the speed rewrites install (one causal
 convolution per segment, the folded sub-pixel upsampler, channels-last, the compiled blocks) runs unchanged beside
-them; the exchange is a `torch.compiler.disable`d call, a graph break inside a compiled block.
+them; the exchange is a functional all-gather, which dynamo traces into the compiled blocks' graphs.
 
 What it costs: each hooked module also computes its halo rows (2 extra rows per convolution: ~3% of the work at
 W = 2 on a 512x768 tile, ~6% at W = 4) and the replica exchanges 2 rows per rank per convolution, about 70 small
@@ -69,20 +69,24 @@ class HaloExchange:
     def has_below(self) -> bool:
         return self.rank < self.world - 1
 
-    @torch.compiler.disable  # a collective: a graph break inside a compiled block, run eagerly
     def extend(self, x_BCTHW: Tensor, rows: int) -> Tensor:
         """`x` with the `rows` last rows of the slab above prepended and the `rows` first rows of the slab below
-        appended (nothing at the image's top and bottom). Every slab needs at least `rows` rows."""
+        appended (nothing at the image's top and bottom). Every slab needs at least `rows` rows.
+
+        A functional all-gather, which dynamo traces: inside a compiled block the exchange is part of the graph, so
+        inductor still fuses the norm and SiLU before a convolution into the write of its (extended) input. (A
+        `torch.compiler.disable`d exchange broke every block at each convolution: on one H200 a half-height slab
+        then took 2.09 s against 1.48 s for the whole tile.)"""
         if x_BCTHW.size(3) < rows:
             raise ValueError(f"a slab of {x_BCTHW.size(3)} rows cannot lend {rows} halo rows")
-        edges = torch.stack([x_BCTHW[:, :, :, :rows], x_BCTHW[:, :, :, -rows:]]).contiguous()
-        gathered = [torch.empty_like(edges) for _ in range(self.world)]
-        dist.all_gather(gathered, edges, group=self.group)
+        batch = x_BCTHW.size(0)
+        edges = torch.cat([x_BCTHW[:, :, :, :rows], x_BCTHW[:, :, :, -rows:]], dim=3).contiguous()
+        gathered = _all_gather_dim0(edges, self.group)  # (world * B, C, T, 2 rows, W), rank-major
         parts = [x_BCTHW]
         if self.has_above:
-            parts.insert(0, gathered[self.rank - 1][1])
+            parts.insert(0, gathered[(self.rank - 1) * batch: self.rank * batch, :, :, rows:])
         if self.has_below:
-            parts.append(gathered[self.rank + 1][0])
+            parts.append(gathered[(self.rank + 1) * batch: (self.rank + 2) * batch, :, :, :rows])
         extended = torch.cat(parts, dim=3)
         if x_BCTHW.is_contiguous(memory_format=torch.channels_last_3d) and not x_BCTHW.is_contiguous():
             # Keep the layout the channels-last decoder runs in (cuDNN would transpose an NCDHW input back).
@@ -115,6 +119,14 @@ class HaloExchange:
         gathered = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(gathered, padded, group=self.group)
         return torch.cat([slab[..., :height, :] for slab, height in zip(gathered, heights, strict=True)], dim=-2)
+
+
+def _all_gather_dim0(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Every rank's `tensor` stacked along dim 0, as a functional collective (traceable by dynamo)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed after torch 2.11
+    return gather(tensor, 0, group if group is not None else dist.group.WORLD)
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -65,7 +65,13 @@ def _decode_task(folder: Path, layout: ParallelLayout, height: int, rewrites: bo
     serial = vae.decode_tile(latent)
     exchange = attach_spatial_shard(vae, _groups(layout).replica_group)
     assert not exchange.active and torch.equal(vae.decode_tile_raw(latent), serial_raw)  # hooks idle outside
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     sharded = torch.cat(list(iter_decode_tile_sharded(vae, latent, exchange)), dim=1)
+    # The exchange is traced into the compiled blocks' graphs: no graph break (a break at every convolution made
+    # the compiled slab decode slower than the whole tile's on the GPU).
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not rewrites or counters["stats"]["unique_graphs"] > 0
     raw = None
     if height >= exchange.world:  # the raw rows too, gathered the same way
         start, stop = row_bounds(height, exchange.world)[exchange.rank]
