@@ -11,6 +11,7 @@
 #   bash scripts/gpu_two.sh tp            # compiled TP2 through the engine (3 steps)
 #   bash scripts/gpu_two.sh tp-release    # release and resume under TP2 over NCCL, through the server
 #   bash scripts/gpu_two.sh tests         # the CUDA tests in one pytest process
+#   bash scripts/gpu_two.sh spatial       # VSR x2 of 768x512x121 on Ulysses2: whole-tile against spatial-shard decode
 set -u
 source "$(dirname "$0")/gpu_setup.sh"  # .whlG / .whlP into /tmp/site, PYTHONPATH, nvidia-smi.csv
 if [ -d .whlS ] && [ ! -d /tmp/site/fastapi ]; then
@@ -47,7 +48,9 @@ for name in "$@"; do
       step tests 560 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_attention.py \
         tests/unit/test_cache_dit.py tests/unit/test_decode_stream.py tests/unit/test_lora.py \
         tests/unit/test_memory_release.py tests/unit/test_offload.py tests/unit/test_speed_transforms.py ;;
-    *) echo "unknown step $name (memory, memory-fsdp, ulysses, fsdp, server, tp, tp-release, tests)" >&2; exit 2 ;;
+    spatial) step spatial 560 python3 scripts/gpu_sr_decode.py --out "$OUT/spatial" --repeats 1 ;;
+    *) echo "unknown step $name (memory, memory-fsdp, ulysses, fsdp, server, tp, tp-release, tests, spatial)" >&2
+       exit 2 ;;
   esac
 done
 cat "$OUT/steps.txt"

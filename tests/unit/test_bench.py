@@ -538,3 +538,24 @@ def test_gpu_spatial_shard_script_runs_at_toy_size(tmp_path):
     assert all(row["warm_s"] > 0 and row["first_s"] > 0 for row in report["rows"])
     assert report["rows"][0]["x_whole"] == 1.0
     assert (tmp_path / "spatial_shard.md").read_text().count("\n| eager |") == 3
+
+
+@pytest.mark.multiprocess
+def test_gpu_sr_decode_script_runs_at_toy_size(tmp_path):
+    """The two-GPU whole-tile / spatial-shard comparison, on two gloo ranks with the tiny checkpoint: a cold and a
+    warm request per decode, and the frame distance between the two decodes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_sr_decode", Path(__file__).parents[2] / "scripts" / "gpu_sr_decode.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--tiny", "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "sr_decode.jsonl").read_text().splitlines()]
+    assert [(row["sr_decode"], row["request"]) for row in rows] == [
+        ("whole_tile", 0), ("whole_tile", 1), ("spatial_shard", 0), ("spatial_shard", 1)]
+    assert all(row["total"] > 0 and "decode" in row for row in rows)
+    # The spatial-shard decode streams segment-major, the blend inside its decode: no "blend" stage.
+    assert all(("blend" in row) == (row["sr_decode"] == "whole_tile") for row in rows)
+    summary = json.loads((tmp_path / "sr_decode.json").read_text())
+    assert summary["shape"] == [17, 128, 192, 3] and summary["max_uint8_diff"] <= 2
+    assert set(summary["warm_total_s"]) == {"whole_tile", "spatial_shard"}
