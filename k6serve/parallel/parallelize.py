@@ -83,7 +83,11 @@ def parallelize_sr_models(models, groups: ParallelGroups, *, model_name: str, de
     parallelize_sr_transformer(models.transformer, groups, model_name=model_name, device_type=device_type)
     if decode == SPATIAL_SHARD:
         attach_spatial_shard(models.vae, groups.replica_group)
+        logger.info("SR decode: spatial_shard, each tile's height split across the replica's %d ranks (frames differ "
+                    "from serial decode by rounding)", groups.layout.replica_size)
     elif decode == WHOLE_TILE:
         attach_decode_group(models.vae, groups.replica_group)
+        logger.info("SR decode: whole tiles round-robin across the replica's %d ranks (bitwise equal to serial)",
+                    groups.layout.replica_size)
     elif decode != SERIAL:  # serial: a replica of one rank (FSDP alone), nothing to spread
         raise ValueError(f"decode must be {WHOLE_TILE!r}, {SPATIAL_SHARD!r} or {SERIAL!r}, got {decode!r}")
