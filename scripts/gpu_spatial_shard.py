@@ -19,12 +19,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from k6serve.bench.measure import measure
 from k6serve.bench.report import environment
 from k6serve.parallel.spatial_shard_decode import HaloExchange, hook_decoder, row_bounds
 
@@ -46,28 +46,6 @@ class LocalHalo(HaloExchange):
         if x_BCTHW.is_contiguous(memory_format=torch.channels_last_3d) and not x_BCTHW.is_contiguous():
             extended = extended.contiguous(memory_format=torch.channels_last_3d)
         return extended
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(call, device: torch.device, repeats: int) -> tuple[float, float, list[float]]:
-    """(first call s, median warm s, warm times)."""
-    _sync(device)
-    start = time.perf_counter()
-    call()
-    _sync(device)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        call()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times), times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     slabs = {"whole": ("whole tile", 0, 1), "r0of2": ("rank 0 of 2", 0, 2), "r1of4": ("rank 1 of 4", 1, 4)}
     chosen = [slabs[name] for name in args.slabs.split(",")]
 
-    def measure(decoder_name: str) -> None:
+    def measure_slabs(decoder_name: str) -> None:
         whole = None
         for name, rank, world in chosen:
             start, stop = row_bounds(latent.size(3), world)[rank]
@@ -129,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                     return vae.decode_tile(slab)
 
             with torch.inference_mode():
-                first, warm, times = _time(call, device, repeats)
+                first = measure(call, device=device, repeats=1, warmup=0).times_s[0]  # compiles, when compiled
+                timed = measure(call, device=device, repeats=repeats, warmup=0)
+            warm, times = statistics.median(timed.times_s), list(timed.times_s)
             whole = warm if world == 1 else whole
             ratio = warm / whole if whole else None
             row = {"decoder": decoder_name, "slab": name, "latent_rows": stop - start, "first_s": first,
@@ -142,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.backends.cudnn.benchmark = device.type == "cuda"
     if not args.skip_eager:
-        measure("eager")
+        measure_slabs("eager")
     if args.compiled:
         from k6serve.speed.vae import apply_vae_speedups, compile_sr_decoder_blocks
 
@@ -156,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             for rewrite in (apply_commuted_spatial_norms, apply_subpixel_upsample, apply_single_causal_conv):
                 rewrite(vae.model.decoder)
             compile_sr_decoder_blocks(vae.model, backend="eager")
-        measure("compiled")
+        measure_slabs("compiled")
     write()
     return 0
 

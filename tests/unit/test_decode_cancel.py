@@ -262,6 +262,18 @@ def _engine(folder: Path, runtime: dict | None = None, **parallel):
                                runtime=RuntimeConfig(device="cpu", **(runtime or {}))))
 
 
+def _wide_sr_replica(folder: Path, tmp_path: Path, **runtime):
+    """A two-rank (Ulysses2) SR engine, an x2 request of a 192x32x17 clip (six tiles) and its save options."""
+    from k6serve.testing.clips import make_clip
+
+    wide = make_clip(tmp_path / "wide.mp4", width=192, height=32, num_frames=17, fps=24)
+    out = tmp_path / "out"
+    out.mkdir()
+    params = SamplingParams(video_path=str(wide), sr_resolution_scale=2, seed=7)
+    save = OutputOptions(output_path=str(out), output_file_name="up.mp4", save_output=True)
+    return _engine(folder, runtime=runtime, ulysses_degree=2), params, save, out
+
+
 def _cancel_at_decode_check(engine, params: SamplingParams, output: OutputOptions, at_decode_check: int):
     """Submit `params` and cancel the job from its progress callback at its n-th decode check; returns the job and
     the progress calls."""
@@ -301,16 +313,9 @@ def test_a_two_rank_generation_replica_cancels_in_its_decode_without_hanging(tin
 
 @pytest.mark.multiprocess
 def test_a_two_rank_sr_replica_cancels_in_its_parallel_tile_decode_without_hanging(tiny_sr_dir, tmp_path):
-    from k6serve.testing.clips import make_clip
-
     # Wide enough for several rounds of two tiles: the leader (streaming) and the other rank check after each.
-    wide = make_clip(tmp_path / "wide.mp4", width=192, height=32, num_frames=17, fps=24)
-    folder = tmp_path / "out"
-    folder.mkdir()
-    engine = _engine(tiny_sr_dir, ulysses_degree=2)
+    engine, params, save, folder = _wide_sr_replica(tiny_sr_dir, tmp_path)
     try:
-        params = SamplingParams(video_path=str(wide), sr_resolution_scale=2, seed=7)
-        save = OutputOptions(output_path=str(folder), output_file_name="up.mp4", save_output=True)
         job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
         with pytest.raises(RequestCancelled, match="during the video decode"):
             job.future.result(timeout=120)
@@ -332,16 +337,10 @@ def test_a_two_rank_spatial_shard_replica_cancels_in_its_decode_and_then_saves(t
     the leader streams its segments into the MP4, the other rank decodes its rows without a sink, and both check
     for a cancel after every segment (the tiles' shared first segment here), so a cancel leaves them in step."""
     from k6serve.media.probe import probe
-    from k6serve.testing.clips import make_clip
 
-    wide = make_clip(tmp_path / "wide.mp4", width=192, height=32, num_frames=17, fps=24)
-    folder = tmp_path / "out"
-    folder.mkdir()
-    engine = _engine(tiny_sr_dir, runtime=dict(vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard"),
-                     ulysses_degree=2)
+    engine, params, save, folder = _wide_sr_replica(
+        tiny_sr_dir, tmp_path, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
     try:
-        params = SamplingParams(video_path=str(wide), sr_resolution_scale=2, seed=7)
-        save = OutputOptions(output_path=str(folder), output_file_name="up.mp4", save_output=True)
         job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
         with pytest.raises(RequestCancelled, match="during the video decode"):
             job.future.result(timeout=120)
