@@ -33,7 +33,7 @@ class LocalHalo(HaloExchange):
     """The exchange of rank `rank` of `world` without a process group: halo rows are zeros of the right shape."""
 
     def __init__(self) -> None:  # no group: set per slab by `as_rank`
-        self.group, self.rank, self.world, self.active = None, 0, 1, False
+        self.group, self.rank, self.world, self.active, self.max_halo = None, 0, 1, False, 1
 
     def as_rank(self, rank: int, world: int) -> LocalHalo:
         self.rank, self.world = rank, world

@@ -39,8 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-# Where `attach_spatial_shard` records the exchange on the SRVAE wrapper (as `attach_decode_group` records its group).
+# Where `attach_spatial_shard` records the exchange on the SRVAE wrapper (as `attach_decode_group` records its group),
+# and `hook_decoder` on each hooked module.
 _EXCHANGE_ATTRIBUTE = "_k6serve_spatial_shard"
+_HOOKED_ATTRIBUTE = "_k6serve_halo_exchange"
 
 
 class HaloExchange:
@@ -52,6 +54,7 @@ class HaloExchange:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.active = False
+        self.max_halo = 1  # the most halo rows a hooked module reads (`hook_decoder`); every slab needs as many
 
     @contextmanager
     def sharding(self) -> Iterator[None]:
@@ -149,7 +152,7 @@ def hook_decoder(decoder: nn.Module, exchange: HaloExchange) -> int:
     """Give every row-mixing module of the K-VAE `decoder` its halo rows while `exchange` is sharding; returns how
     many modules. Their causal convolutions read `height_pad` rows each way; the upsamplers one input row (one row
     each way of the 2x grid, i.e. two output rows to cut)."""
-    count = 0
+    pending = []
     for module in decoder.modules():
         if _is_row_mixing_conv(module):
             rows, scale = module.height_pad, 1
@@ -157,13 +160,23 @@ def hook_decoder(decoder: nn.Module, exchange: HaloExchange) -> int:
             rows, scale = 1, 2
         else:
             continue
-        if getattr(module, "_k6serve_halo_hooked", False):
-            continue
+        hooked = getattr(module, _HOOKED_ATTRIBUTE, None)
+        if hooked is not None and hooked is not exchange:
+            raise RuntimeError("this K-VAE decoder is hooked for another spatial-shard exchange already")
+        if hooked is None:
+            pending.append((module, rows, scale))
+    # dynamo does not guard on the hooks of a module it has traced (skip_nnmodule_hook_guards): hooks added after
+    # compilation would be skipped without a word wherever a graph exists already. (`module.compile()` sets
+    # _compiled_call_impl: speed/regional_compile.is_compiled; parallel/ does not import speed/.)
+    if pending and any(getattr(module, "_compiled_call_impl", None) is not None for module in decoder.modules()):
+        raise RuntimeError("hook the K-VAE decoder for the spatial-shard decode before compiling its blocks (the "
+                           "engine applies the parallel layout before the speed transforms)")
+    for module, rows, scale in pending:
         module.register_forward_pre_hook(_pre_hook(exchange, rows))
         module.register_forward_hook(_post_hook(exchange, rows * scale))
-        module._k6serve_halo_hooked = True
-        count += 1
-    return count
+        setattr(module, _HOOKED_ATTRIBUTE, exchange)
+        exchange.max_halo = max(exchange.max_halo, rows)
+    return len(pending)
 
 
 def _pre_hook(exchange: HaloExchange, rows: int):
@@ -210,10 +223,12 @@ def row_bounds(height: int, world: int) -> list[tuple[int, int]]:
 
 def iter_decode_tile_sharded(vae, latent_BCThw: Tensor, exchange: HaloExchange) -> Iterator[Tensor]:
     """`vae.iter_decode_tile(latent)` with the tile's height split over the exchange's ranks: uint8 (B, T_i, 3,
-    H, W) per causal segment, the whole tile's rows on every rank. A tile of fewer latent rows than ranks is decoded
-    whole on every rank (nothing to split: the reference's replicated decode)."""
+    H, W) per causal segment, the whole tile's rows on every rank. A tile too short for every rank to lend its halo
+    rows (fewer latent rows than ranks, with the released 3x3 kernels) is decoded whole on every rank (the
+    reference's replicated decode)."""
     height = latent_BCThw.size(3)
-    if height < exchange.world:
+    # Decided from the tile's shape alone, so every rank takes the same branch (and makes the same collectives).
+    if height // exchange.world < exchange.max_halo:
         yield from vae.iter_decode_tile(latent_BCThw)
         return
     bounds = row_bounds(height, exchange.world)

@@ -27,10 +27,17 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
     does not make: every GPU decoding every tile."""
     if not super_resolution or replica_size == 1:
         return SERIAL
-    # The reference selects spatial_shard only together with use-parallel-decode true; named alone it is taken too
-    # (a user who names it wants it, and would otherwise get whole tiles without a word). `false` turns it off.
-    if runtime.vae_parallel_decode_mode == SPATIAL_SHARD and runtime.vae_parallel_decode is not False:
-        return SPATIAL_SHARD
+    if runtime.vae_parallel_decode_mode == SPATIAL_SHARD:
+        if runtime.vae_parallel_decode:
+            return SPATIAL_SHARD
+        if runtime.vae_parallel_decode is None:
+            # The reference selects it only together with use-parallel-decode true, and otherwise decodes bit for bit
+            # like serial; named alone it is not taken silently either way, since it changes the rounding.
+            raise ValueError(
+                "--vae-config.parallel-decode-mode spatial_shard is selected together with "
+                "--vae-config.use-parallel-decode true (each tile's height split across the GPUs: less memory and "
+                "time per tile, frames differ from serial decode by rounding). Add that flag, or drop the mode to "
+                "decode whole tiles in parallel, bitwise equal to serial.")
     if runtime.vae_parallel_tiling is False:
         raise ValueError(
             "--vae-config.use-parallel-tiling false asks every GPU to decode every tile; k6serve decodes whole tiles "

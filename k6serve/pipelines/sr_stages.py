@@ -197,23 +197,17 @@ def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor], between_tiles: Chun
     On a multi-GPU replica the tiles are decoded round-robin across its ranks (whole-tile parallel decode,
     bitwise equal to serial; `k6serve.parallel.tile_decode`). `between_tiles()` (the cancellation point) runs
     after each batch of `_decode_batches`: one tile on one rank, one round of tiles on several, so every rank of
-    the replica makes the same calls whether it streams the result or not. With the spatial-shard decode
-    (`k6serve.parallel.spatial_shard_decode`) every rank decodes its rows of every tile, and the check runs after
-    each tile.
+    the replica makes the same calls whether it streams the result or not. (A spatial-shard replica decodes
+    through `decode_and_assemble_chunks`, on every rank.)
     """
 
     def decode_one(index: int) -> Tensor:
         return vae.decode_tile(latents_ThwC[index].permute(3, 0, 1, 2).unsqueeze(0))[0]
 
-    exchange = spatial_shard_of(vae)
-    if exchange is not None:
-        tiles = []
-        for latent_ThwC in latents_ThwC:
-            segments = iter_decode_tile_sharded(vae, latent_ThwC.permute(3, 0, 1, 2).unsqueeze(0), exchange)
-            tiles.append(torch.cat(list(segments), dim=1)[0])
-            if between_tiles is not None:
-                between_tiles()
-        return tiles
+    if spatial_shard_of(vae) is not None:
+        # One decode order for every rank of such a replica, with or without a sink: a rank decoding here while
+        # another streams would make other collectives.
+        raise RuntimeError("a spatial-shard replica decodes through decode_and_assemble_chunks")
 
     group = decode_group_of(vae)
     num_ranks = dist.get_world_size(group) if group is not None else 1
@@ -276,7 +270,30 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
     """
     if decode_group_of(vae) is not None:
         return iter([assemble_frames(decode_tiles(vae, latents_ThwC, between_chunks), plan)])
-    return _decode_and_assemble_locally(vae, latents_ThwC, plan, between_chunks)
+    chunks = _decode_and_assemble_locally(vae, latents_ThwC, plan, between_chunks)
+    if spatial_shard_of(vae) is not None:
+        # Started here, so that however early the caller stops, closing it makes this rank's share of the
+        # replica's collectives (a generator closed before its first step would run none).
+        return _StartedChunks(chunks)
+    return chunks
+
+
+class _StartedChunks:
+    """`chunks` (a generator) advanced to its first chunk now; iterates as `chunks` would and closes it."""
+
+    def __init__(self, chunks: Iterator[np.ndarray]) -> None:
+        self._chunks = chunks
+        self._first: list[np.ndarray] = [next(chunks)]
+
+    def __iter__(self) -> _StartedChunks:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return self._first.pop() if self._first else next(self._chunks)
+
+    def close(self) -> None:
+        self._first.clear()
+        self._chunks.close()
 
 
 def _decode_and_assemble_locally(
@@ -318,15 +335,25 @@ def _decode_and_assemble_locally(
         tile_segments = zip(*decoded, strict=True)
         between_segments = None  # the decode is over: only the blend is left
     pending: Callable[[], np.ndarray] | None = None
-    for segments in tile_segments:
-        started = start_host_copy(_assemble_on_device([segment[0] for segment in segments], plan))
-        if between_segments is not None:
-            between_segments()
-        if pending is not None:
-            yield pending()
-        pending = started
-    assert pending is not None, "a tile has at least one segment"
-    yield pending()
+    try:
+        for segments in tile_segments:
+            started = start_host_copy(_assemble_on_device([segment[0] for segment in segments], plan))
+            if between_segments is not None:
+                between_segments()
+            if pending is not None:
+                yield pending()
+            pending = started
+        assert pending is not None, "a tile has at least one segment"
+        yield pending()
+    except GeneratorExit:
+        if exchange is not None:
+            # The caller stopped reading (the leader's MP4 sink failed: a full disk, an encoder error) while the
+            # other ranks, which have no sink, are still decoding their rows: make the rest of their collectives
+            # (halo rows, gathers, the cancellation checks) here, then let the caller's error through.
+            for _ in tile_segments:
+                if between_segments is not None:
+                    between_segments()
+        raise
 
 
 def _segment_major_fits(device: torch.device, per_tile_bytes: int, num_tiles: int) -> bool:

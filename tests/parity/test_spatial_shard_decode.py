@@ -28,23 +28,29 @@ def pool():
     pool.close()
 
 
-def _kvae(folder: Path, rewrites: bool):
+def _kvae(folder: Path, rewrites: bool, group):
+    """The tiny K-VAE, hooked for the spatial-shard decode over `group` as the engine does it: after the weights and
+    the decode rewrites, before the blocks are compiled (dynamo would not see hooks added after it traced)."""
     from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
     from k6serve.models.variants import VARIANTS
+    from k6serve.parallel.spatial_shard_decode import attach_spatial_shard
 
     vae = load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=torch.float32,
                          load_format="auto").vae
+    decoder = vae.model.decoder
     if rewrites:  # what --compile-vae true installs on CUDA, with dynamo's eager backend (tracing, no inductor)
         from k6serve.speed.kvae_causal_conv import apply_single_causal_conv
         from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
         from k6serve.speed.kvae_upsample import apply_subpixel_upsample
-        from k6serve.speed.vae import compile_sr_decoder_blocks
 
-        decoder = vae.model.decoder
         assert apply_commuted_spatial_norms(decoder) and apply_subpixel_upsample(decoder)
         assert apply_single_causal_conv(decoder)
+    exchange = attach_spatial_shard(vae, group)
+    if rewrites:
+        from k6serve.speed.vae import compile_sr_decoder_blocks
+
         compile_sr_decoder_blocks(vae.model, backend="eager")
-    return vae
+    return vae, exchange
 
 
 def _latent(height: int, width: int = 6, frames: int = 6) -> torch.Tensor:
@@ -53,18 +59,13 @@ def _latent(height: int, width: int = 6, frames: int = 6) -> torch.Tensor:
 
 
 def _decode_task(folder: Path, layout: ParallelLayout, height: int, rewrites: bool):
-    from k6serve.parallel.spatial_shard_decode import (
-        attach_spatial_shard,
-        iter_decode_tile_sharded,
-        row_bounds,
-    )
+    from k6serve.parallel.spatial_shard_decode import iter_decode_tile_sharded, row_bounds
 
-    vae = _kvae(folder, rewrites)
+    vae, exchange = _kvae(folder, rewrites, _groups(layout).replica_group)
     latent = _latent(height)
-    serial_raw = vae.decode_tile_raw(latent)
+    assert not exchange.active
+    serial_raw = vae.decode_tile_raw(latent)  # the hooks are idle outside `exchange.sharding()`
     serial = vae.decode_tile(latent)
-    exchange = attach_spatial_shard(vae, _groups(layout).replica_group)
-    assert not exchange.active and torch.equal(vae.decode_tile_raw(latent), serial_raw)  # hooks idle outside
     counters = torch._dynamo.utils.counters
     counters.clear()
     sharded = torch.cat(list(iter_decode_tile_sharded(vae, latent, exchange)), dim=1)
@@ -155,3 +156,137 @@ def test_the_sr_pipeline_with_spatial_shard_matches_the_whole_tile_decode(pool, 
                 assert frames.shape == reference.shape
                 assert np.abs(frames.astype(int) - reference).max() <= 2
             assert all(np.array_equal(frames, results[0]) for frames in results)  # every rank holds the same
+
+
+def _released_structure_task(layout: ParallelLayout, heights: tuple[int, ...]):
+    """The released K-VAE's structure (5 levels: x16, 3 blocks per level, time x4 from level 1) at toy widths, in
+    fp64, 14 latent frames (causal segments 5, 4, 4, 1): the sharded decode against serial, per height."""
+    from diffusers import Kandinsky6SRVAE
+
+    from k6serve.models.kandinsky6_sr.vae import SRVAE
+    from k6serve.parallel.spatial_shard_decode import attach_spatial_shard, iter_decode_tile_sharded, row_bounds
+
+    torch.manual_seed(0)
+    model = Kandinsky6SRVAE(latent_channels=4, encoder_block_out_channels=(4, 4, 8, 8, 8),
+                            decoder_block_out_channels=(4, 8, 8, 8, 8), layers_per_block=2).to(torch.float64)
+    with torch.no_grad():  # every path matters: norm gains around 1, matrices scaled to keep activations O(1)
+        for name, parameter in model.named_parameters():
+            if name.endswith("gamma"):
+                parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(torch.randn_like(parameter) / max(1, parameter[0].numel()) ** 0.5)
+    vae = SRVAE(model.eval())
+    exchange = attach_spatial_shard(vae, _groups(layout).replica_group)
+    results = {}
+    for height in heights:
+        latent = torch.randn(1, 4, 14, height, 3, generator=torch.Generator().manual_seed(height),
+                             dtype=torch.float64)
+        serial_raw, serial = vae.decode_tile_raw(latent), vae.decode_tile(latent)
+        start, stop = row_bounds(height, exchange.world)[exchange.rank]
+        with exchange.sharding():
+            slab = vae.decode_tile_raw(latent[:, :, :, start:stop])
+        raw = exchange.gather_rows(slab, [(high - low) * 16 for low, high in row_bounds(height, exchange.world)])
+        sharded = torch.cat(list(iter_decode_tile_sharded(vae, latent, exchange)), dim=1)
+        results[height] = (tuple(serial_raw.shape), _relative(raw, serial_raw), torch.equal(sharded, serial))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_released_structure_decodes_exactly_in_fp64(pool, world):
+    """Four causal segments (the carried, halo-extended caches three times), five levels with four upsamplers, one-
+    row slabs (height world + 1 on 4 ranks: 2/1/1/1) and uneven ones: the same values as serial up to fp64
+    rounding, and the same uint8 frames."""
+    heights = (world + 1, 9)
+    for results in pool.run(_released_structure_task, LAYOUTS[world], heights):
+        for height, (shape, relative, frames_equal) in results.items():
+            assert shape == (1, 3, 53, 16 * height, 48)
+            assert relative < 1e-12 and frames_equal, (height, relative)
+
+
+def _hook_order_task(folder: Path):
+    from k6serve.parallel.spatial_shard_decode import HaloExchange, attach_spatial_shard, hook_decoder
+    from k6serve.speed.vae import compile_sr_decoder_blocks
+
+    group = _groups(LAYOUTS[2]).replica_group
+    vae, exchange = _kvae(folder, False, group)
+    assert hook_decoder(vae.model.decoder, exchange) == 0  # the same exchange again: nothing new
+    messages = []
+    for attempt in (lambda: attach_spatial_shard(vae, group),
+                    lambda: hook_decoder(vae.model.decoder, HaloExchange(group))):
+        try:
+            attempt()
+        except RuntimeError as error:
+            messages.append(str(error))
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+
+    compiled = load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"),
+                              dtype=torch.float32, load_format="auto").vae
+    compile_sr_decoder_blocks(compiled.model, backend="eager")
+    try:
+        attach_spatial_shard(compiled, group)
+    except RuntimeError as error:
+        messages.append(str(error))
+    torch._dynamo.reset()
+    return messages
+
+
+def test_hooks_are_attached_once_and_before_the_blocks_compile(pool, tiny_sr_dir):
+    for messages in pool.run(_hook_order_task, tiny_sr_dir):
+        assert messages[:2] == ["this K-VAE decoder is hooked for another spatial-shard exchange already"] * 2
+        assert messages[2].startswith("hook the K-VAE decoder for the spatial-shard decode before compiling its "
+                                      "blocks")
+
+
+def _leader_sink_task(folder: Path, clip: Path, layout: ParallelLayout, fits: tuple[bool, bool]):
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+    from k6serve.parallel.parallelize import parallelize_sr_models
+    from k6serve.pipelines import sr_stages
+    from k6serve.pipelines.super_resolution import SuperResolutionPipeline
+    from k6serve.request import UpscaleRequest
+
+    rank = torch.distributed.get_rank()
+    models = load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"),
+                            dtype=torch.float32, load_format="auto")
+    groups = _groups(layout)
+    parallelize_sr_models(models, groups, model_name="tiny-sr", device_type="cpu", decode="spatial_shard")
+    # What each rank measured: whether the segment-major order fits (leader, others). Where they differ they must
+    # agree on the tile-major order.
+    fits_here = fits[0] if rank == 0 else fits[1]
+    original = sr_stages._segment_major_fits
+    sr_stages._segment_major_fits = lambda device, per_tile_bytes, num_tiles: fits_here
+    request = UpscaleRequest(video_path=str(clip), scale=2.0, tiles_batch_size=2, tile_min_overlap=0.2,
+                             target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=2)
+    outcome = "finished"
+    try:
+        if rank == 0:
+            def sink(frame_chunks, audio, fps):
+                next(frame_chunks)
+                raise OSError(28, "No space left on device")
+
+            SuperResolutionPipeline(models)(request, video_sink=sink)
+        else:
+            SuperResolutionPipeline(models)(request)
+    except OSError as error:
+        outcome = f"OSError {error.errno}"
+    finally:
+        sr_stages._segment_major_fits = original
+    # Still in step: one more collective on the replica returns at once on every rank.
+    flag = torch.ones(1)
+    torch.distributed.all_reduce(flag, group=groups.replica_group)
+    return outcome, int(flag.item())
+
+
+@pytest.mark.parametrize("fits", [(True, True), (True, False), (False, True)],
+                         ids=["segment_major", "leader_fits_only", "others_fit_only"])
+def test_a_failing_leader_sink_leaves_the_replica_in_step(pool, tiny_sr_dir, tmp_path, fits):
+    """49 frames: three causal segments, and a chunk is handed out once the next segment is decoded, so segment-
+    major the leader's sink fails while the others still have a segment to decode (and halo rows to exchange): the leader decodes its share to the end, with the cancellation
+    checks, before its error goes up. Where the ranks measured different fits they agree on whole tiles first."""
+    from k6serve.testing.clips import make_clip
+
+    clip = make_clip(tmp_path / "three_segments.mp4", width=64, height=48, num_frames=49, fps=24)
+    results = pool.run(_leader_sink_task, tiny_sr_dir, clip, LAYOUTS[2], fits)
+    # (Ranks 2 and 3 are the other replica of the dp=2 layout, both without a sink.)
+    assert results[0] == ("OSError 28", 2) and all(result == ("finished", 2) for result in results[1:])

@@ -262,11 +262,11 @@ def _engine(folder: Path, runtime: dict | None = None, **parallel):
                                runtime=RuntimeConfig(device="cpu", **(runtime or {}))))
 
 
-def _wide_sr_replica(folder: Path, tmp_path: Path, **runtime):
-    """A two-rank (Ulysses2) SR engine, an x2 request of a 192x32x17 clip (six tiles) and its save options."""
+def _wide_sr_replica(folder: Path, tmp_path: Path, num_frames: int = 17, **runtime):
+    """A two-rank (Ulysses2) SR engine, an x2 request of a 192x32 clip (six tiles) and its save options."""
     from k6serve.testing.clips import make_clip
 
-    wide = make_clip(tmp_path / "wide.mp4", width=192, height=32, num_frames=17, fps=24)
+    wide = make_clip(tmp_path / "wide.mp4", width=192, height=32, num_frames=num_frames, fps=24)
     out = tmp_path / "out"
     out.mkdir()
     params = SamplingParams(video_path=str(wide), sr_resolution_scale=2, seed=7)
@@ -335,24 +335,25 @@ def test_a_two_rank_sr_replica_cancels_in_its_parallel_tile_decode_without_hangi
 def test_a_two_rank_spatial_shard_replica_cancels_in_its_decode_and_then_saves(tiny_sr_dir, tmp_path):
     """`--vae-config.use-parallel-decode true --vae-config.parallel-decode-mode spatial_shard` through the engine:
     the leader streams its segments into the MP4, the other rank decodes its rows without a sink, and both check
-    for a cancel after every segment (the tiles' shared first segment here), so a cancel leaves them in step."""
+    for a cancel after every causal segment (33 frames: two), so a cancel after the first leaves them in step."""
     from k6serve.media.probe import probe
 
     engine, params, save, folder = _wide_sr_replica(
-        tiny_sr_dir, tmp_path, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
+        tiny_sr_dir, tmp_path, num_frames=33, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
     try:
         job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
         with pytest.raises(RequestCancelled, match="during the video decode"):
             job.future.result(timeout=120)
+        assert sum(1 for step, total in calls if step == total) == 2  # the last DiT call, then the first segment
         assert list(folder.iterdir()) == []
         finished: list[tuple[int, int]] = []
         result = engine.generate(params, OutputOptions(output_path=str(folder), output_file_name="up.mp4",
                                                        save_output=True, return_frames=True),
                                  on_progress=lambda step, total: finished.append((step, total)))
-        assert result.frames.shape == (17, 64, 384, 3)
-        # 17 frames are one causal segment (1 + 4 latent frames): one check after the DiT, one after the segment.
-        assert sum(1 for step, total in finished if step == total) == 2
+        assert result.frames.shape == (33, 64, 384, 3)
+        # One check after the DiT, then one after each of the two segments.
+        assert sum(1 for step, total in finished if step == total) == 3
         info = probe(folder / "up.mp4")
-        assert (info.width, info.height, info.num_frames) == (384, 64, 17)
+        assert (info.width, info.height, info.num_frames) == (384, 64, 33)
     finally:
         engine.shutdown()

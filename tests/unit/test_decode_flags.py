@@ -49,10 +49,15 @@ def test_the_decode_each_choice_selects():
                 vae_parallel_decode_mode="spatial_shard") == SPATIAL_SHARD
     assert mode(vae_parallel_tiling=True, vae_parallel_decode=True,
                 vae_parallel_decode_mode="spatial_shard", replica_size=4) == SPATIAL_SHARD
-    # Named alone it is taken too (the reference would need use-parallel-decode true, and decode whole tiles
-    # without a word); use-parallel-decode false turns it off.
-    assert mode(vae_parallel_decode_mode="spatial_shard") == SPATIAL_SHARD
+    # As in the reference, use-parallel-decode false keeps whole tiles (bitwise equal to serial); named alone it is
+    # refused with the fix (the reference would decode whole tiles without a word; taken, it would change the
+    # rounding without the flag that says so).
     assert mode(vae_parallel_decode=False, vae_parallel_decode_mode="spatial_shard") == WHOLE_TILE
+    with pytest.raises(ValueError, match=r"^--vae-config.parallel-decode-mode spatial_shard is selected together "
+                                         r"with --vae-config.use-parallel-decode true \(.*\)\. Add that flag, or "
+                                         r"drop the mode to decode whole tiles in parallel, bitwise equal to serial\.$"):
+        mode(vae_parallel_decode_mode="spatial_shard")
+    assert mode(replica_size=1, vae_parallel_decode_mode="spatial_shard") == SERIAL  # one GPU: nothing to choose
     # One GPU or the generation VAE: nothing to choose.
     assert mode(replica_size=1, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard") == SERIAL
     assert mode(super_resolution=False, vae_parallel_decode_mode="spatial_shard") == SERIAL
