@@ -104,7 +104,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR on several GPUs: whole_tile (the "
                                   "default) or spatial_shard: every GPU decodes its rows of every tile, halo rows "
                                   "exchanged; less memory and time per tile, but frames differ from serial decode by "
-                                  "rounding (opt-in, as in the reference).")),
+                                  "rounding (opt-in with --vae-config.use-parallel-decode true, as in the "
+                                  "reference).")),
     ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
