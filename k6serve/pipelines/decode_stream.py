@@ -167,7 +167,8 @@ def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: 
             yield chunk_THWC
         decode_end.append(time.perf_counter())
 
-    start = time.perf_counter()
+    # A decode started before it was handed over (the SR spatial-shard decode) says when it started.
+    start = getattr(chunks, "started_at", None) or time.perf_counter()
     producer = produce()
     try:
         video_sink(producer, audio, fps)

@@ -274,6 +274,14 @@ def _wide_sr_replica(folder: Path, tmp_path: Path, num_frames: int = 17, **runti
     return _engine(folder, runtime=runtime, ulysses_degree=2), params, save, out
 
 
+def _cancel_after_the_first_decode_check(engine, params: SamplingParams, save: OutputOptions, folder: Path) -> None:
+    job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
+    with pytest.raises(RequestCancelled, match="during the video decode"):
+        job.future.result(timeout=120)
+    assert sum(1 for step, total in calls if step == total) == 2  # the last DiT call, then the first decode check
+    assert list(folder.iterdir()) == []
+
+
 def _cancel_at_decode_check(engine, params: SamplingParams, output: OutputOptions, at_decode_check: int):
     """Submit `params` and cancel the job from its progress callback at its n-th decode check; returns the job and
     the progress calls."""
@@ -316,11 +324,7 @@ def test_a_two_rank_sr_replica_cancels_in_its_parallel_tile_decode_without_hangi
     # Wide enough for several rounds of two tiles: the leader (streaming) and the other rank check after each.
     engine, params, save, folder = _wide_sr_replica(tiny_sr_dir, tmp_path)
     try:
-        job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
-        with pytest.raises(RequestCancelled, match="during the video decode"):
-            job.future.result(timeout=120)
-        assert sum(1 for step, total in calls if step == total) == 2  # the last DiT call, then the first round
-        assert list(folder.iterdir()) == []
+        _cancel_after_the_first_decode_check(engine, params, save, folder)  # after the first round of tiles
         # The replica is still in step: the next request runs its whole decode, through more rounds.
         finished: list[tuple[int, int]] = []
         result = engine.generate(params, OutputOptions(save_output=False, return_frames=True),
@@ -341,11 +345,7 @@ def test_a_two_rank_spatial_shard_replica_cancels_in_its_decode_and_then_saves(t
     engine, params, save, folder = _wide_sr_replica(
         tiny_sr_dir, tmp_path, num_frames=33, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
     try:
-        job, calls = _cancel_at_decode_check(engine, params, save, at_decode_check=1)
-        with pytest.raises(RequestCancelled, match="during the video decode"):
-            job.future.result(timeout=120)
-        assert sum(1 for step, total in calls if step == total) == 2  # the last DiT call, then the first segment
-        assert list(folder.iterdir()) == []
+        _cancel_after_the_first_decode_check(engine, params, save, folder)  # after the first segment
         finished: list[tuple[int, int]] = []
         result = engine.generate(params, OutputOptions(output_path=str(folder), output_file_name="up.mp4",
                                                        save_output=True, return_frames=True),

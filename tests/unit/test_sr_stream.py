@@ -172,3 +172,35 @@ def test_server_warmup_upscales_a_synthetic_clip_before_the_first_request(tiny_s
     result = request_mode.run(SamplingParams(video_path=str(source), sr_resolution_scale=2),
                               OutputOptions(save_output=False, return_frames=False))
     assert result.timings["warmup"] == 0.0
+
+
+def test_a_decode_started_before_the_sink_is_timed_from_its_start_and_closed_by_it():
+    """The spatial-shard decode is started before the sink gets it (`_StartedChunks`): its "decode" time counts from
+    that start, and a sink that stops early closes the decode itself (where a replica's collectives are finished)."""
+    import time
+
+    from k6serve.pipelines.decode_stream import feed_video_sink
+    from k6serve.pipelines.sr_stages import _StartedChunks
+
+    closed = []
+
+    def decode():
+        try:
+            time.sleep(0.2)
+            yield np.zeros((1, 2, 2, 3), np.uint8)
+            yield np.ones((1, 2, 2, 3), np.uint8)
+        finally:
+            closed.append(True)
+
+    timings: dict[str, float] = {}
+    frames = feed_video_sink(lambda chunks, audio, fps: list(chunks), _StartedChunks(decode()), None, 24.0, timings,
+                             "decode")
+    assert frames.shape == (2, 2, 2, 3) and timings["decode"] >= 0.2 and closed == [True]
+
+    def failing_sink(chunks, audio, fps):
+        raise OSError(28, "No space left on device")  # before reading anything
+
+    closed.clear()
+    with pytest.raises(OSError):
+        feed_video_sink(failing_sink, _StartedChunks(decode()), None, 24.0, {}, "decode")
+    assert closed == [True]
