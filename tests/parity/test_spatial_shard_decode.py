@@ -191,12 +191,11 @@ def _released_structure_task(layout: ParallelLayout, heights: tuple[int, ...]):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_the_released_structure_decodes_exactly_in_fp64(pool, world):
+def test_the_released_structure_decodes_exactly_in_fp64(pool):
     """Four causal segments (the carried, halo-extended caches three times), five levels with four upsamplers, one-
-    row slabs (height world + 1 on 4 ranks: 2/1/1/1) and uneven ones: the same values as serial up to fp64
-    rounding, and the same uint8 frames."""
-    heights = (world + 1, 9)
+    row slabs (5 latent rows on 4 ranks: 2/1/1/1) and uneven ones (9: 3/2/2/2): the same values as serial up to
+    fp64 rounding, and the same uint8 frames. (2 ranks: the fp32 tests above.)"""
+    world, heights = 4, (5, 9)
     for results in pool.run(_released_structure_task, LAYOUTS[world], heights):
         for height, (shape, relative, frames_equal) in results.items():
             assert shape == (1, 3, 53, 16 * height, 48)
@@ -278,8 +277,7 @@ def _leader_sink_task(folder: Path, clip: Path, layout: ParallelLayout, fits: tu
     return outcome, int(flag.item())
 
 
-@pytest.mark.parametrize("fits", [(True, True), (True, False), (False, True)],
-                         ids=["segment_major", "leader_fits_only", "others_fit_only"])
+@pytest.mark.parametrize("fits", [(True, True), (True, False)], ids=["segment_major", "leader_fits_only"])
 def test_a_failing_leader_sink_leaves_the_replica_in_step(pool, tiny_sr_dir, tmp_path, fits):
     """49 frames: three causal segments, and a chunk is handed out once the next segment is decoded, so segment-
     major the leader's sink fails while the others still have a segment to decode (and halo rows to exchange): the leader decodes its share to the end, with the cancellation
