@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from k6serve.parallel.sequence import pad_sequence
+
 # Where `attach_spatial_shard` records the exchange on the SRVAE wrapper (as `attach_decode_group` records its group),
 # and `hook_decoder` on each hooked module.
 _EXCHANGE_ATTRIBUTE = "_k6serve_spatial_shard"
@@ -114,12 +116,8 @@ class HaloExchange:
 
     def gather_rows(self, slab_BTCHW: Tensor, heights: list[int]) -> Tensor:
         """The slabs of every rank (`heights[r]` rows each, dim -2), stacked top to bottom on every rank."""
-        tallest = max(heights)
-        padded = slab_BTCHW
-        if slab_BTCHW.size(-2) < tallest:  # all_gather needs equal shapes: pad, then trim each slab
-            padded = torch.cat([slab_BTCHW, slab_BTCHW.new_zeros(
-                (*slab_BTCHW.shape[:-2], tallest - slab_BTCHW.size(-2), slab_BTCHW.size(-1)))], dim=-2)
-        padded = padded.contiguous()
+        # all_gather needs equal shapes: pad each slab to the tallest, then trim it.
+        padded = pad_sequence(slab_BTCHW, -2, max(heights)).contiguous()
         gathered = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(gathered, padded, group=self.group)
         return torch.cat([slab[..., :height, :] for slab, height in zip(gathered, heights, strict=True)], dim=-2)

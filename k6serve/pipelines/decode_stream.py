@@ -151,10 +151,11 @@ VideoSink = Callable[[Iterator[np.ndarray], DecodedAudio | None, float], None]
 
 
 def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: DecodedAudio | None, fps: float,
-                    timings: dict[str, float], decode_key: str) -> np.ndarray:
+                    timings: dict[str, float], decode_key: str, *, started_at: float | None = None) -> np.ndarray:
     """Hand `chunks` to `video_sink` and keep them; returns the concatenated uint8 frames (T, H, W, 3).
 
-    timings[decode_key]: from the start until the sink asked for a chunk after the last one, so the decode's wall
+    timings[decode_key]: from the start (`started_at`, for a decode that began before it was handed over, or now)
+    until the sink asked for a chunk after the last one, so the decode's wall
     time, including any wait for a sink that fell behind; timings["video_sink"]: how long the sink still ran after
     that (for the MP4 writer: the frames still queued and the encoder's flush).
     """
@@ -167,8 +168,7 @@ def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: 
             yield chunk_THWC
         decode_end.append(time.perf_counter())
 
-    # A decode started before it was handed over (the SR spatial-shard decode) says when it started.
-    start = getattr(chunks, "started_at", None) or time.perf_counter()
+    start = time.perf_counter() if started_at is None else started_at
     producer = produce()
     try:
         video_sink(producer, audio, fps)

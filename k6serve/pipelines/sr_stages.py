@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -283,7 +282,6 @@ class _StartedChunks:
     """`chunks` (a generator) advanced to its first chunk now; iterates as `chunks` would and closes it."""
 
     def __init__(self, chunks: Iterator[np.ndarray]) -> None:
-        self.started_at = time.perf_counter()  # the decode's start, for `feed_video_sink`'s timing
         self._chunks = chunks
         self._first: list[np.ndarray] = [next(chunks)]
 

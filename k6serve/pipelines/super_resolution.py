@@ -102,8 +102,11 @@ class SuperResolutionPipeline:
         between_chunks = final_step_check(on_step, sampler.num_steps * len(lq_tiles))  # denoise_tiles' total
         if video_sink is not None:
             with self.residency.stage("vae"):
+                # The spatial-shard decode starts inside decode_and_assemble_chunks: time it from here.
+                started_at = time.perf_counter()
                 chunks = decode_and_assemble_chunks(m.vae, latents, plan, between_chunks)
-                frames_THWC = feed_video_sink(video_sink, chunks, source.audio, float(source.fps), timings, "decode")
+                frames_THWC = feed_video_sink(video_sink, chunks, source.audio, float(source.fps), timings, "decode",
+                                              started_at=started_at)
         elif spatial_shard_of(m.vae) is not None:
             # A spatial-shard replica's ranks must make the collectives of the leader, which streams its segments
             # when it saves the MP4: the same segment-major decode here, the blend inside it.

@@ -193,8 +193,9 @@ def test_a_decode_started_before_the_sink_is_timed_from_its_start_and_closed_by_
             closed.append(True)
 
     timings: dict[str, float] = {}
+    started_at = time.perf_counter()
     frames = feed_video_sink(lambda chunks, audio, fps: list(chunks), _StartedChunks(decode()), None, 24.0, timings,
-                             "decode")
+                             "decode", started_at=started_at)
     assert frames.shape == (2, 2, 2, 3) and timings["decode"] >= 0.2 and closed == [True]
 
     def failing_sink(chunks, audio, fps):
