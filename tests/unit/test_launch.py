@@ -27,7 +27,10 @@ from k6serve.runtime.launch import find_free_port, local_rank_specs, torchrun_ra
 from k6serve.runtime.process_group_worker import MultiProcessWorker, RankContext
 
 pytestmark = pytest.mark.multiprocess
-TIMEOUT_S = 20.0
+TIMEOUT_S = 20.0  # the tests' own waits, once the ranks are up
+# The ranks' start-up budget (and gloo's timeout): a start spawns interpreters that import torch, two at once on
+# CI's two busy cores, so 20 s left only about 2x margin.
+DIST_TIMEOUT_S = 60.0
 
 
 class FakeRankWorker:
@@ -71,7 +74,7 @@ class FakeRankWorker:
 def make_config(**parallel) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model_path="fake-k6", load_format="dummy"),
-        parallel=ParallelConfig(dist_timeout_s=TIMEOUT_S, **parallel),
+        parallel=ParallelConfig(dist_timeout_s=DIST_TIMEOUT_S, **parallel),
         runtime=RuntimeConfig(device="cpu"),
     )
 

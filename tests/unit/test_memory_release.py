@@ -368,6 +368,10 @@ def test_the_api_releases_holds_a_request_and_resumes(tiny_distill_dir):
         results = []
         thread = threading.Thread(target=lambda: results.append(generator.generate(params)))
         thread.start()
+        deadline = time.monotonic() + TIMEOUT_S  # polled: the thread may take a while to submit on a busy machine
+        while generator.engine.queue_depth() != 1:
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.01)
         time.sleep(0.2)
         assert not results and generator.engine.queue_depth() == 1  # waits: not failed, not run
         assert generator.resume_memory()["num_waiting_requests"] == 1
