@@ -14,6 +14,14 @@ This times, on one GPU, the video self-attention of one block (B=1, 47,616 token
   fa3 fp8 kernel  the same kernel on inputs quantized beforehand: what the quantization costs on top
   sdpa fp8 inputs SDPA in fp32 on the dequantized e4m3 inputs: the part of the FP8 rows' difference that the
                   input rounding alone causes (the kernel adds its e4m3 rounding of P)
+  fa3 splits N    FA3 with its key/value sequence split N ways (`num_splits=N`; k6serve calls FA3 with the default
+                  1), for the short-query shapes below
+
+The shapes: the video self-attention (`pro`, `lite`) and the audio-from-video cross-attention (`pro-av`, `lite-av`:
+218 audio queries on the 47,616 video keys, the audio stream's heads). At 218 queries FA3 runs B x H x
+ceil(218 / tile_m) CTAs, 32 for Pro's 16 heads on the H200's 132 SMs, so most of the GPU idles unless the keys are
+split (FA3's own heuristic does that, but only outside torch.compile, which refuses `num_splits <= 0`: a split
+count for the compiled blocks has to be chosen ahead, from these rows). About 20 ms per Pro forward is at stake.
 
 and reports ms, TFLOP/s and the largest difference from the first kernel's output (bf16, the same inputs):
 
@@ -21,6 +29,7 @@ and reports ms, TFLOP/s and the largest difference from the first kernel's outpu
     python scripts/gpu_attention.py --fa4-tiles                   # and FA4 at each tile of FA4_TILES
     python scripts/gpu_attention.py --device cpu --tiny           # CPU check of the logic (CI): sdpa only
     python scripts/gpu_attention.py --device cpu --tiny --fa4-tiles   # the tile rows too, "needs CUDA"
+    python scripts/gpu_attention.py --shapes pro-av,lite-av --kernels "fa3,fa3 splits 2,fa3 splits 4,fa3 splits 8"
 
 `--fa4-tiles` adds, after the rows above, one row per FA4 forward config listed in `FA4_TILES` for the shape's head
 dim (`fa4 128x176 rs ol`: tile_m x tile_n, "rs" P@V with P from registers, "ol" intra-warpgroup overlap; a missing
@@ -51,8 +60,11 @@ import torch.nn.functional as F
 from k6serve.bench.measure import kernel_median_ms, kernel_script_parser, write_kernel_report
 from k6serve.ops import fp8_attention
 
-SHAPES = {"pro": (47_616, 32, 128), "lite": (47_616, 28, 64)}
-TINY = {"tiny": (96, 4, 16)}
+# name -> (query tokens, key tokens, heads, head dim)
+SHAPES = {"pro": (47_616, 47_616, 32, 128), "lite": (47_616, 47_616, 28, 64),
+          "pro-av": (218, 47_616, 16, 128), "lite-av": (218, 47_616, 14, 64)}
+TINY = {"tiny": (96, 96, 4, 16), "tiny-av": (5, 96, 4, 16)}
+SPLITS = (2, 4, 8)  # the "fa3 splits N" rows
 
 # `--fa4-tiles`: head dim -> FA4 SM90 forward configs (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap) to time, the
 # default first (the baseline, timed in the same sweep; it reuses the `fa4` row's compiled kernel), then the rest
@@ -120,7 +132,7 @@ def kernels(device: torch.device) -> dict[str, Callable | str]:
     emulated = {"sdpa fp8 inputs": lambda q, k, v: fp8_attention.reference_fp8_attention(q, k, v).to(q.dtype)}
     if device.type != "cuda":
         return found | {"fa3": "needs CUDA", "fa4": "needs CUDA", "fa3 fp8": "needs CUDA",
-                        "fa3 fp8 kernel": "needs CUDA"} | emulated
+                        "fa3 fp8 kernel": "needs CUDA"} | emulated | split_kernels("needs CUDA")
     from k6serve.ops.attention import _load_fa3
 
     fa3, reason = _load_fa3()
@@ -130,11 +142,19 @@ def kernels(device: torch.device) -> dict[str, Callable | str]:
     fa4, reason = flash_attention4.load()
     found["fa4"] = flash_attention4.fa4_attention if fa4 is not None else reason  # the op $K6SERVE_FA4=1 uses
     if fa3 is None:
-        return found | {"fa3 fp8": reason, "fa3 fp8 kernel": reason} | emulated
+        return found | {"fa3 fp8": reason, "fa3 fp8 kernel": reason} | emulated | split_kernels(reason)
     return found | {
         "fa3 fp8": lambda q, k, v: fp8_attention.fp8_attention(fa3, q, k, v),  # what backend "fa_fp8" runs
         "fa3 fp8 kernel": _fp8_kernel_only(fa3),
-    } | emulated
+    } | emulated | split_kernels(fa3)
+
+
+def split_kernels(fa3: Callable | str) -> dict[str, Callable | str]:
+    """"fa3 splits N" -> FA3 with `num_splits=N` for each N of SPLITS, or why FA3 is unavailable."""
+    if isinstance(fa3, str):
+        return {f"fa3 splits {splits}": fa3 for splits in SPLITS}
+    return {f"fa3 splits {splits}": lambda q, k, v, splits=splits: fa3(q, k, v, num_splits=splits)
+            for splits in SPLITS}
 
 
 def fa4_tile_configs(head_dim: int) -> list[tuple[int, int, bool, bool]]:
@@ -180,22 +200,23 @@ def error_text(error: Exception) -> str:
     return text if len(text) <= ERROR_CHARACTERS else text[:ERROR_CHARACTERS - 3] + "..."
 
 
-def time_kernels(device: torch.device, shape_name: str, shape: tuple[int, int, int], available: dict,
+def time_kernels(device: torch.device, shape_name: str, shape: tuple[int, int, int, int], available: dict,
                  repeats: int, reference: torch.Tensor | None = None) -> tuple[list[dict], torch.Tensor | None]:
     """One row per kernel of `available` at `shape`; returns the rows and the reference output (the given one, or
     the first kernel's that ran), which each row's max_abs_difference is measured from."""
-    tokens, heads, head_dim = shape
+    tokens, key_tokens, heads, head_dim = shape
     rows = []
     if not any(callable(kernel) for kernel in available.values()):
         query = key = value = None
     else:  # the same seed, so the same inputs for each call at this shape
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         generator = torch.Generator(device=device).manual_seed(0)
-        query, key, value = (torch.randn(1, tokens, heads, head_dim, device=device, dtype=dtype, generator=generator)
-                             for _ in range(3))
-    flop = 4 * tokens * tokens * heads * head_dim
+        query, key, value = (torch.randn(1, length, heads, head_dim, device=device, dtype=dtype, generator=generator)
+                             for length in (tokens, key_tokens, key_tokens))
+    flop = 4 * tokens * key_tokens * heads * head_dim
     for name, kernel in available.items():
-        row = {"shape": shape_name, "kernel": name, "tokens": tokens, "heads": heads, "head_dim": head_dim,
+        row = {"shape": shape_name, "kernel": name, "tokens": tokens, "key_tokens": key_tokens, "heads": heads,
+               "head_dim": head_dim,
                "ms": None, "tflops": None, "max_abs_difference": None, "relative_rms_difference": None,
                "first_call_s": None, "error": None}
         rows.append(row)
@@ -246,7 +267,7 @@ def run(device: torch.device, shapes: dict, repeats: int, fa4_tiles: bool = Fals
         rows += shape_rows
     if fa4_tiles:
         for shape_name, shape in shapes.items():
-            shape_rows, _ = time_kernels(device, shape_name, shape, fa4_tile_kernels(device, shape[2]), repeats,
+            shape_rows, _ = time_kernels(device, shape_name, shape, fa4_tile_kernels(device, shape[3]), repeats,
                                          reference=references.pop(shape_name))
             rows += shape_rows
     return rows
@@ -262,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{list(TINY)})")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    shapes = TINY if args.tiny else SHAPES  # --tiny's only shape, so --shapes picks among the shapes of the mode
+    shapes = TINY if args.tiny else SHAPES  # --shapes picks among the shapes of the mode
     if args.shapes:
         names = [name.strip() for name in args.shapes.split(",") if name.strip()]
         if unknown := [name for name in names if name not in shapes]:

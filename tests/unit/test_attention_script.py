@@ -33,17 +33,36 @@ def _run_script(tmp_path, *arguments):
     return json.loads((tmp_path / "attention.json").read_text())["rows"]
 
 
+MAIN = ["sdpa", "fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel", "sdpa fp8 inputs", "fa3 splits 2", "fa3 splits 4",
+        "fa3 splits 8"]
+
+
 def test_cpu_run_times_sdpa_and_reports_the_gpu_kernels(tmp_path):
-    rows = {row["kernel"]: row for row in _run_script(tmp_path)}
-    assert list(rows) == ["sdpa", "fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel", "sdpa fp8 inputs"]
+    every = _run_script(tmp_path)
+    assert [row["shape"] for row in every] == ["tiny"] * len(MAIN) + ["tiny-av"] * len(MAIN)
+    rows = {row["kernel"]: row for row in every if row["shape"] == "tiny"}
+    assert list(rows) == MAIN
     assert rows["sdpa"]["ms"] > 0 and rows["sdpa"]["tflops"] > 0 and rows["sdpa"]["max_abs_difference"] == 0
     assert rows["sdpa"]["relative_rms_difference"] == 0
-    for name in ("fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel"):
+    for name in ("fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel", "fa3 splits 4"):
         assert rows[name]["error"] == "needs CUDA" and rows[name]["ms"] is None
     # The e4m3 rounding of the inputs alone: clearly visible (3 mantissa bits), but a few percent, not garbage.
     assert 0.005 < rows["sdpa fp8 inputs"]["relative_rms_difference"] < 0.08
     markdown = (tmp_path / "attention.md").read_text()
     assert "| tiny (4x16) | fa4 | - | - | - | - | needs CUDA |" in markdown
+    # The short-query shape (as the audio-from-video attention): 5 queries on 96 keys, its FLOPs from both.
+    cross = {row["kernel"]: row for row in every if row["shape"] == "tiny-av"}
+    assert (cross["sdpa"]["tokens"], cross["sdpa"]["key_tokens"]) == (5, 96) and cross["sdpa"]["ms"] > 0
+    assert cross["sdpa"]["tflops"] == pytest.approx(4 * 5 * 96 * 4 * 16 / cross["sdpa"]["ms"] / 1e9)
+    assert 0.005 < cross["sdpa fp8 inputs"]["relative_rms_difference"] < 0.08
+
+
+def test_split_kernels_pass_num_splits_to_fa3():
+    calls = []
+    splits = _script().split_kernels(lambda q, k, v, **options: calls.append(options) or q)
+    assert list(splits) == ["fa3 splits 2", "fa3 splits 4", "fa3 splits 8"]
+    assert splits["fa3 splits 4"]("q", "k", "v") == "q" and calls == [{"num_splits": 4}]
+    assert _script().split_kernels("no fa3") == {name: "no fa3" for name in splits}
 
 
 def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first():
@@ -65,9 +84,9 @@ def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first():
 
 def test_cpu_run_with_fa4_tiles_lists_every_config_with_why_it_did_not_run(tmp_path):
     script = _script()
-    rows = _run_script(tmp_path, "--fa4-tiles")
+    rows = _run_script(tmp_path, "--fa4-tiles", "--shapes", "tiny")
     names = [script.fa4_tile_name(*config) for config in script.fa4_tile_configs(16)]  # the tiny shape's 16
-    main = ["sdpa", "fa3", "fa4", "fa3 fp8", "fa3 fp8 kernel", "sdpa fp8 inputs"]
+    main = MAIN
     assert [row["kernel"] for row in rows] == [*main, *names]
     for row in rows[len(main):]:
         assert row["shape"] == "tiny" and row["error"] == "needs CUDA"
@@ -84,8 +103,8 @@ def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypat
 
     monkeypatch.setattr(script, "fa4_tile_kernels", lambda device, head_dim: {
         "fa4 1x1": broken, "fa4 2x2": script._sdpa, "fa4 3x3": "needs CUDA"})
-    rows = script.run(torch.device("cpu"), script.TINY, repeats=1, fa4_tiles=True)
-    tiles = {row["kernel"]: row for row in rows[6:]}  # after the six main rows
+    rows = script.run(torch.device("cpu"), {"tiny": script.TINY["tiny"]}, repeats=1, fa4_tiles=True)
+    tiles = {row["kernel"]: row for row in rows[len(MAIN):]}  # after the main rows
     assert list(tiles) == ["fa4 1x1", "fa4 2x2", "fa4 3x3"]
     error = tiles["fa4 1x1"]["error"]
     assert error.startswith("RuntimeError: no kernel for this tile x") and "\n" not in error
@@ -96,7 +115,7 @@ def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypat
 
 
 def test_kernels_option_times_only_the_named_kernels_in_that_order(tmp_path):
-    rows = _run_script(tmp_path, "--kernels", "sdpa fp8 inputs,sdpa")
+    rows = _run_script(tmp_path, "--kernels", "sdpa fp8 inputs,sdpa", "--shapes", "tiny")
     assert [row["kernel"] for row in rows] == ["sdpa fp8 inputs", "sdpa"]
     assert rows[0]["max_abs_difference"] == 0 and rows[1]["relative_rms_difference"] > 0  # the first is the reference
     with pytest.raises(SystemExit, match="--kernels: unknown \\['fa5'\\]"):
@@ -105,6 +124,7 @@ def test_kernels_option_times_only_the_named_kernels_in_that_order(tmp_path):
 
 def test_shapes_option_checks_the_names_of_the_mode(tmp_path):
     script = _script()
-    with pytest.raises(SystemExit, match="--shapes: unknown \\['lite'\\]; the shapes with --tiny are \\['tiny'\\]"):
+    with pytest.raises(SystemExit, match="--shapes: unknown \\['lite'\\]; the shapes with --tiny are "
+                       "\\['tiny', 'tiny-av'\\]"):
         script.main(["--device", "cpu", "--tiny", "--shapes", "lite", "--out", str(tmp_path)])
     assert [row["shape"] for row in _run_script(tmp_path, "--shapes", "tiny", "--kernels", "sdpa")] == ["tiny"]
