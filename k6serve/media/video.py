@@ -302,6 +302,17 @@ def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str
     return float(rate)
 
 
+def _upright(frame_HWC: np.ndarray, rotation: float) -> np.ndarray:
+    """`frame_HWC` as players show it. Phones store portrait video as landscape frames with a display-matrix
+    rotation (`rotation`: degrees counter-clockwise) that every player and FFmpeg apply; the upscaled MP4 carries
+    no rotation, so frames left as stored would play sideways. Angles between quarter turns (rare) are rounded to
+    the nearest quarter turn."""
+    quarter_turns = round(rotation / 90) % 4
+    if quarter_turns == 0:
+        return frame_HWC
+    return np.ascontiguousarray(np.rot90(frame_HWC, quarter_turns))
+
+
 def _decode_rgb(
     container: av.container.InputContainer,
     stream: av.video.stream.VideoStream,
@@ -325,6 +336,6 @@ def _decode_rgb(
                     f"video file {str(path)!r} changes frame size at frame {index} "
                     f"({size[0]}x{size[1]} -> {frame.width}x{frame.height}); re-encode it at one size"
                 )
-            yield index, frame.to_ndarray(format="rgb24")
+            yield index, _upright(frame.to_ndarray(format="rgb24"), frame.rotation)
     except av.error.FFmpegError as exc:
         raise ValueError(f"cannot decode video file {str(path)!r}: {exc}") from exc

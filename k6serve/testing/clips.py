@@ -45,8 +45,10 @@ def make_clip(
     audio: AudioKind = "none",
     audio_rate: int = 48000,
     tone_hz: float = 440.0,
+    rotation: int = 0,
 ) -> Path:
-    """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video."""
+    """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video; `rotation`
+    (degrees counter-clockwise) is stored as the display matrix a phone writes for a portrait video."""
     path = Path(path)
     if path.suffix not in _FORMATS:
         raise ValueError(f"clip suffix must be one of {sorted(_FORMATS)}, got {path.name!r}")
@@ -60,6 +62,8 @@ def make_clip(
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.time_base = stream.codec_context.time_base = 1 / rate
         stream.codec_context.options = {"crf": "10", "threads": "1"}
+        if rotation:
+            stream.set_display_rotation(rotation)
         audio_stream = (
             _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
         )

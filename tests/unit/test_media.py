@@ -326,6 +326,19 @@ def test_slow_source_keeps_its_rate_with_a_warning(clips, caplog: pytest.LogCapt
     assert "no frame interpolation" in caplog.text
 
 
+@pytest.mark.parametrize("rotation", [90, -90, 180])
+def test_a_rotated_phone_video_is_read_upright(tmp_path: Path, rotation: int) -> None:
+    # The same H.264 frames, once with a display-matrix rotation: players show them turned, and so must the SR
+    # source be, or the upscaled MP4 (which stores no rotation) plays sideways.
+    stored = make_clip(tmp_path / "stored.mp4", width=64, height=32, num_frames=9, fps=24)
+    rotated = make_clip(tmp_path / "rotated.mp4", width=64, height=32, num_frames=9, fps=24, rotation=rotation)
+    expected = np.rot90(media.read_video(stored).frames, rotation // 90, axes=(1, 2))
+    source = media.read_sr_source(rotated)
+    assert source.frames.shape == expected.shape
+    np.testing.assert_array_equal(source.frames, expected)
+    np.testing.assert_array_equal(media.read_video(rotated).frames, expected)
+
+
 def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
     path = make_clip(tmp_path / "long24.mp4", width=32, height=32, num_frames=130, fps=24)
     source = media.read_sr_source(path)

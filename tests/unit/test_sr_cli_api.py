@@ -35,6 +35,8 @@ def clips(tmp_path_factory):
         "wide": make_clip(folder / "wide.mp4", width=80, height=32, num_frames=9, fps=24),
         "x4": make_clip(folder / "x4.mp4", width=32, height=16, num_frames=9, fps=24),
         "small": make_clip(folder / "small.mp4", width=24, height=24, num_frames=9, fps=24),
+        # A phone's portrait clip: 64x32 frames stored with a 90 degree display rotation, shown as 32x64.
+        "portrait": make_clip(folder / "portrait.mp4", width=64, height=32, num_frames=9, fps=24, rotation=90),
     }  # fmt: skip
 
 
@@ -108,6 +110,14 @@ def test_x225_and_x4(generator, clips, tmp_path, clip, scale, shape, name):
     result = _run(generator, clips[clip], tmp_path, sr_resolution_scale=scale)
     assert result.frames.shape == shape
     assert re.fullmatch(rf"{re.escape(name)}{STAMP}\.mp4", result.output_file_path.split("/")[-1])
+
+
+def test_rotated_source_is_upscaled_upright(generator, clips, tmp_path):
+    result = _run(generator, clips["portrait"], tmp_path)
+    assert result.frames.shape == (9, 128, 64, 3)
+    info = probe(result.output_file_path)
+    assert (info.width, info.height, info.num_frames) == (64, 128, 9)
+    assert "upscaled 32x64 to 64x128" in " ".join(result.notes)
 
 
 @pytest.mark.parametrize(
