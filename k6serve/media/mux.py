@@ -83,6 +83,8 @@ AAC_FRAME_SIZE = 1024  # samples per AAC frame
 AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200)
 # A bound on numbered_names, so a folder already holding that many copies of one name fails instead of searching on.
 MAX_NUMBERED_NAMES = 10_000
+# libx264 refuses to open for a wider or taller frame (avcodec_open2 fails), whatever the level.
+MAX_FRAME_SIDE = 16384
 # Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
 FPS_MAX_DENOMINATOR = 10_000
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from k6serve.media.mux import MAX_FRAME_SIDE
 from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
 from k6serve.models.kandinsky6_sr.transformer import SRTransformer
 from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
@@ -114,6 +115,14 @@ def plan_upscale(
                 f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
                 "the target, or drop sr_target_resolution."
             ),)
+    if max(delivery_size) > MAX_FRAME_SIDE:
+        # Found here, from the first frame, rather than when the MP4 writer opens after every tile was computed.
+        out_height, out_width = delivery_size
+        raise ValueError(
+            f"the x{request.scale:g} upscale of this {width}x{height} source would be {out_width}x{out_height}, "
+            f"but H.264 frames are at most {MAX_FRAME_SIDE} pixels a side; use a smaller sr_resolution_scale, a "
+            f"smaller source, or an sr_target_resolution of at most {MAX_FRAME_SIDE} a side (e.g. 2k)."
+        )
     return UpscalePlan(
         scale=scale,
         source_size=(height, width),

@@ -35,6 +35,8 @@ def clips(tmp_path_factory):
         "wide": make_clip(folder / "wide.mp4", width=80, height=32, num_frames=9, fps=24),
         "x4": make_clip(folder / "x4.mp4", width=32, height=16, num_frames=9, fps=24),
         "small": make_clip(folder / "small.mp4", width=24, height=24, num_frames=9, fps=24),
+        # x4 would make it 16448 px wide, more than H.264 takes: refused from the first frame, not at the MP4 write.
+        "too_wide_x4": make_clip(folder / "too_wide_x4.mp4", width=4112, height=16, num_frames=1, fps=24),
         # A phone's portrait clip: 64x32 frames stored with a 90 degree display rotation, shown as 32x64.
         "portrait": make_clip(folder / "portrait.mp4", width=64, height=32, num_frames=9, fps=24, rotation=90),
     }  # fmt: skip
@@ -163,11 +165,13 @@ def test_progress_per_dit_call_and_cancellation(generator, clips, tmp_path):
             "only downscale",
         ),
         ("silent24", {"sr_tile_min_overlap": 1.0}, r"must be in \[0, 1\)"),
+        ("too_wide_x4", {"sr_resolution_scale": 4}, "would be 16448x64, but H.264 frames are at most 16384"),
     ],
 )
 def test_bad_requests_raise_with_the_fix(generator, clips, tmp_path, clip, kwargs, message):
     with pytest.raises(ValueError, match=message):
         _run(generator, clips[clip], tmp_path, **kwargs)
+    assert list(tmp_path.glob("*.mp4")) == []
 
 
 def test_head_mismatch_fails_at_load_time(tiny_sr_flow640_dir):
