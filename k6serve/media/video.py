@@ -182,6 +182,13 @@ class SRSourceReader:
             self._stream = _first_video_stream(self._container, path)
             self.source_fps = _stream_fps(self._stream, path)
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
+            if self._plan.output_fps < 1:
+                # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
+                raise ValueError(
+                    f"video file {str(path)!r} is {self.source_fps:g} fps: a source slower than {target_fps} fps "
+                    "keeps its frame rate rounded to a whole number, and this one rounds to 0 fps, which an MP4 "
+                    "cannot play; re-encode it at 1 fps or more (FFmpeg: -r 1)."
+                )
         except BaseException:
             self._container.close()
             raise

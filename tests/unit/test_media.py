@@ -339,6 +339,14 @@ def test_a_rotated_phone_video_is_read_upright(tmp_path: Path, rotation: int) ->
     np.testing.assert_array_equal(media.read_video(rotated).frames, expected)
 
 
+def test_a_source_whose_rate_rounds_to_0_fps_is_refused_with_the_fix(tmp_path: Path) -> None:
+    # A slideshow-like clip (a GIF with 2 s frames reads the same): its kept rate round(0.5) = 0 fps cannot be written.
+    path = make_clip(tmp_path / "slow.mp4", width=32, height=32, num_frames=9, fps=Fraction(1, 2))
+    with pytest.raises(ValueError, match=r"slow\.mp4' is 0\.5 fps.*rounds to 0 fps.*re-encode it at 1 fps or more"):
+        media.read_sr_source(path)
+    assert media.read_sr_source(make_clip(tmp_path / "one.mp4", width=32, height=32, num_frames=9, fps=1)).fps == 1
+
+
 def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
     path = make_clip(tmp_path / "long24.mp4", width=32, height=32, num_frames=130, fps=24)
     source = media.read_sr_source(path)
