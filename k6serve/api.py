@@ -34,7 +34,7 @@ from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import MissingPrompt, MissingSourceVideo
 from k6serve.request import OutputOptions, SamplingParams, VideoResult, fspath_values
 from k6serve.runtime.engine import Engine, ProgressCallback
-from k6serve.runtime.worker import sanitize_file_name
+from k6serve.runtime.worker import MAX_FILE_NAME_BYTES, sanitize_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,9 @@ def final_file_name(name: str) -> tuple[str, str | None]:
         raise ValueError(f"output_file_name {name!r} must be a file name without folders; put the folder in "
                          "--output-path.")
     final = sanitize_file_name(name)
+    if len(final) > MAX_FILE_NAME_BYTES:  # ASCII once sanitized: one byte a character
+        raise ValueError(f"output_file_name is {len(final)} characters long with .mp4, more than the "
+                         f"{MAX_FILE_NAME_BYTES} an output file may have; pass a shorter name.")
     if final in (name, name + ".mp4"):
         return final, None
     return final, (f"output_file_name {name!r} is written as {final!r}: file names keep only ASCII letters, "

@@ -78,6 +78,11 @@ def _slug(text: str, limit: int = 48) -> str:
     return slug or "video"
 
 
+# Filesystems take names of up to 255 bytes. The MP4 writer first writes ".<name>.<12 hex>.part" (19 bytes more), and
+# a derived name already taken becomes <stem>_<n> (up to 5 more): a longer name would fail only once the video is done.
+MAX_FILE_NAME_BYTES = 255 - 19 - 5
+
+
 def sanitize_file_name(name: str) -> str:
     """Keep a user-given output name inside the output folder and ending in .mp4."""
     base = Path(name).name
@@ -88,7 +93,14 @@ def sanitize_file_name(name: str) -> str:
 def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime | None = None) -> str:
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     if isinstance(request, UpscaleRequest):
-        return f"{Path(request.video_path).stem}_sr{request.scale:g}x_{stamp}.mp4"
+        suffix = f"_sr{request.scale:g}x_{stamp}.mp4"
+        # A source named by a long title (or in a script of 2-4 bytes a character) would give a name the
+        # filesystem refuses only at the write, after the whole upscale: its stem is cut to fit, at a character.
+        stem = Path(request.video_path).stem
+        stem_bytes = stem.encode("utf-8", "surrogateescape")
+        if len(stem_bytes) > MAX_FILE_NAME_BYTES - len(suffix):
+            stem = stem_bytes[: MAX_FILE_NAME_BYTES - len(suffix)].decode("utf-8", "ignore")
+        return f"{stem}{suffix}"
     return f"{_slug(request.prompt)}_seed{request.seed}_{stamp}.mp4"
 
 

@@ -262,6 +262,28 @@ def test_odd_sr_target_fails_before_any_dit_call(sr_generator, sr_clip, tmp_path
     assert steps == [] and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("character", "count"), [("a", 240), ("\u0432", 120)])  # 1 and 2 bytes in UTF-8
+def test_a_long_source_name_gives_a_derived_name_the_filesystem_takes(sr_generator, sr_clip, tmp_path, character,
+                                                                      count):
+    # A 240-byte stem: with the "_sr2x_<stamp>.mp4" suffix past the 255 bytes a file name may have. The write failed
+    # with "File name too long" after the whole upscale; the stem is now cut to fit, at a character.
+    source = tmp_path / f"{character * count}.mp4"
+    source.write_bytes(sr_clip.read_bytes())
+    result = sr_generator.generate({"video_path": str(source), "sr_resolution_scale": 2,
+                                    "output_path": str(tmp_path / "out")})
+    name = result.output_file_path.split("/")[-1]
+    assert re.fullmatch(rf"{character}+_sr2x_\d{{8}}-\d{{6}}\.mp4", name)
+    assert len(name.encode()) <= 255 - 24  # room for the writer's temporary name and a _<n> when taken
+    assert probe(result.output_file_path).num_frames == 9
+
+
+def test_a_given_output_file_name_too_long_for_the_filesystem_is_refused_before_the_run(generator, tmp_path):
+    with pytest.raises(ValueError, match=r"output_file_name is 254 characters long with \.mp4, more than the 231 .*"
+                                         "pass a shorter name"):
+        generator.generate({**SMALL, "output_path": str(tmp_path / "out"), "output_file_name": "c" * 250})
+    assert not (tmp_path / "out").exists()
+
+
 def test_sr_output_never_replaces_the_source(sr_generator, sr_clip):
     before = sr_clip.read_bytes()
     with pytest.raises(ValueError, match="already exists"):
