@@ -27,6 +27,10 @@ FPS_TOLERANCE = 1.5
 MAX_NUM_FRAMES = 121  # 5 s x 24 fps + 1
 # The SR model takes 1 + 8k frames (4x temporal VAE compression, latent frames paired by the DiT).
 FRAME_COUNT_MULTIPLE = 8
+# A whole decode that gives fewer than this share of the frames the file declares gets a note: a damaged or cut
+# file (a partial download with its index at the front) decodes short without an FFmpeg error. Not a refusal: a
+# clip trimmed in an editor can declare frames its edit list drops.
+SHORT_DECODE_FRACTION = 0.9
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,6 +185,7 @@ class SRSourceReader:
                 )
             self._stream = _first_video_stream(self._container, path)
             self.source_fps = _stream_fps(self._stream, path)
+            self.declared_frames = declared_frame_count(self._stream)
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
                 # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
@@ -240,6 +245,15 @@ class SRSourceReader:
             logger.warning("%s: %s", path, plan.note)
         if not selection.reached_end:
             notes.append(f"kept the first {len(indices)} selected frames (limit {self._max_frames})")
+        declared = self.declared_frames
+        if selection.reached_end and declared and num_decoded < SHORT_DECODE_FRACTION * declared:
+            short = (
+                f"decoded only {num_decoded} of the {declared} frames the file declares: it may be damaged or cut "
+                "short (a partial download?), and the output is as long as what decoded; if frames are missing, "
+                "copy or download the file again"
+            )
+            logger.warning("%s: %s", path, short)
+            notes.append(short)
         if num_kept < len(indices):
             notes.append(
                 f"dropped the last {len(indices) - num_kept} frame(s) so the count is "
@@ -297,6 +311,17 @@ def _first_video_stream(
             "pass a file that contains video"
         )
     return container.streams.video[0]
+
+
+def declared_frame_count(stream: av.video.stream.VideoStream) -> int | None:
+    """The frame count the container states for `stream` (MP4/MOV's sample table), else one from the duration it
+    states; None when it states neither (Matroska and WebM state no per-stream length)."""
+    if stream.frames:
+        return stream.frames
+    rate = stream.average_rate or stream.base_rate
+    if stream.duration and stream.time_base and rate:
+        return round(float(stream.duration * stream.time_base * rate))
+    return None
 
 
 def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str]) -> float:

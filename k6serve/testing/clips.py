@@ -10,7 +10,7 @@ from typing import Literal
 import av
 import numpy as np
 
-from k6serve.media.mux import fps_fraction
+from k6serve.media.mux import fps_fraction, x264_cpu_flags
 
 AudioKind = Literal["none", "mono_tone", "stereo_tone"]
 _FORMATS = {".mp4": "mp4", ".mkv": "matroska", ".mov": "mov"}
@@ -46,9 +46,11 @@ def make_clip(
     audio_rate: int = 48000,
     tone_hz: float = 440.0,
     rotation: int = 0,
+    faststart: bool = False,
 ) -> Path:
     """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video; `rotation`
-    (degrees counter-clockwise) is stored as the display matrix a phone writes for a portrait video."""
+    (degrees counter-clockwise) is stored as the display matrix a phone writes for a portrait video; `faststart`
+    puts an MP4/MOV's index before the media data, as web downloads have it (a cut copy then still opens)."""
     path = Path(path)
     if path.suffix not in _FORMATS:
         raise ValueError(f"clip suffix must be one of {sorted(_FORMATS)}, got {path.name!r}")
@@ -56,12 +58,16 @@ def make_clip(
         raise ValueError(f"audio must be 'none', 'mono_tone' or 'stereo_tone', got {audio!r}")
     rate = fps_fraction(fps)
     num_channels = {"none": 0, "mono_tone": 1, "stereo_tone": 2}[audio]
-    with av.open(str(path), mode="w", format=_FORMATS[path.suffix]) as container:
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), mode="w", format=_FORMATS[path.suffix], options=options) as container:
         # Every stream must exist before the first packet is muxed.
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.time_base = stream.codec_context.time_base = 1 / rate
-        stream.codec_context.options = {"crf": "10", "threads": "1"}
+        # x264's AVX-512 code makes the bytes differ from run to run (media/mux.py): off, so two clips made from
+        # the same frames are the same file and tests may compare them.
+        asm = x264_cpu_flags()
+        stream.codec_context.options = {"crf": "10", "threads": "1"} | ({"x264-params": f"asm={asm}"} if asm else {})
         if rotation:
             stream.set_display_rotation(rotation)
         audio_stream = (

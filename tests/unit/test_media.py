@@ -17,7 +17,7 @@ import pytest
 
 from k6serve import media
 from k6serve.media import mux
-from k6serve.media.video import floor_frame_count, plan_frame_rate, sr_source_indices
+from k6serve.media.video import SRSourceReader, floor_frame_count, plan_frame_rate, sr_source_indices
 from k6serve.testing.clips import make_audio_only_file, make_clip, moving_pattern
 
 AAC_FRAME_SIZE = 1024
@@ -328,11 +328,14 @@ def test_slow_source_keeps_its_rate_with_a_warning(clips, caplog: pytest.LogCapt
 
 @pytest.mark.parametrize("rotation", [90, -90, 180])
 def test_a_rotated_phone_video_is_read_upright(tmp_path: Path, rotation: int) -> None:
-    # The same H.264 frames, once with a display-matrix rotation: players show them turned, and so must the SR
-    # source be, or the upscaled MP4 (which stores no rotation) plays sideways.
-    stored = make_clip(tmp_path / "stored.mp4", width=64, height=32, num_frames=9, fps=24)
+    # H.264 frames with a display-matrix rotation: players show them turned, and so must the SR source be, or the
+    # upscaled MP4 (which stores no rotation) plays sideways. The frames as stored come from the same file (two
+    # encodes of the same frames can differ: libx264 here is not bit-reproducible from run to run).
     rotated = make_clip(tmp_path / "rotated.mp4", width=64, height=32, num_frames=9, fps=24, rotation=rotation)
-    expected = np.rot90(media.read_video(stored).frames, rotation // 90, axes=(1, 2))
+    with av.open(str(rotated)) as container:
+        stored = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    assert stored.shape == (9, 32, 64, 3)
+    expected = np.rot90(stored, rotation // 90, axes=(1, 2))
     source = media.read_sr_source(rotated)
     assert source.frames.shape == expected.shape
     np.testing.assert_array_equal(source.frames, expected)
@@ -345,6 +348,27 @@ def test_a_source_whose_rate_rounds_to_0_fps_is_refused_with_the_fix(tmp_path: P
     with pytest.raises(ValueError, match=r"slow\.mp4' is 0\.5 fps.*rounds to 0 fps.*re-encode it at 1 fps or more"):
         media.read_sr_source(path)
     assert media.read_sr_source(make_clip(tmp_path / "one.mp4", width=32, height=32, num_frames=9, fps=1)).fps == 1
+
+
+def test_a_cut_download_that_decodes_short_without_an_error_gets_a_note(tmp_path: Path, caplog) -> None:
+    # An MP4 with its index at the front (web downloads), cut at 60% of its bytes: FFmpeg decodes the frames that
+    # are there and stops without an error, so only the declared count shows that 31 of 40 frames are missing.
+    whole = make_clip(tmp_path / "whole.mp4", width=64, height=48, num_frames=40, fps=24, faststart=True)
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[: int(whole.stat().st_size * 0.6)])
+    with caplog.at_level(logging.WARNING, logger="k6serve.media.video"):
+        source = media.read_sr_source(cut)
+    assert source.num_decoded_frames < 36 and source.num_frames >= 1
+    [note] = [note for note in source.notes if "declares" in note]
+    assert note.startswith(f"decoded only {source.num_decoded_frames} of the 40 frames the file declares")
+    assert "download the file again" in note and "cut.mp4" in caplog.text
+    # The whole file, and one that declares no length (Matroska), get no such note.
+    assert not any("declares" in note for note in media.read_sr_source(whole).notes)
+    mkv = make_clip(tmp_path / "clip.mkv", width=64, height=48, num_frames=40, fps=24)
+    with SRSourceReader(mkv) as reader:
+        assert reader.declared_frames is None
+    with SRSourceReader(whole) as reader:
+        assert reader.declared_frames == 40
 
 
 def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
