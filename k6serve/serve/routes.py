@@ -66,6 +66,7 @@ from k6serve.serve.schemas import (
     ModelList,
     SetLoraBody,
     UnmergeLoraBody,
+    VideoCancelled,
     VideoDeleted,
     VideoJob,
     VideoList,
@@ -471,7 +472,7 @@ async def get_video_content(request: Request, video_id: str,
 router.head("/v1/videos/{video_id}/content", include_in_schema=False)(get_video_content)
 
 
-@router.delete("/v1/videos/{video_id}", response_model=VideoJob | VideoDeleted, responses=_ERRORS,
+@router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=_ERRORS,
                summary="Cancel a queued/running job, or delete a finished one with its file")
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
     ctx = _ctx(request)
@@ -488,7 +489,7 @@ async def delete_video(request: Request, video_id: str) -> JSONResponse:
         job = ctx.store.get(video_id)
     if job is None:
         raise _not_found(video_id)
-    return JSONResponse(ctx.view(job))
+    return JSONResponse({**ctx.view(job), "deleted": False})
 
 
 _LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}

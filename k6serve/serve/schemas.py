@@ -349,6 +349,14 @@ class VideoList(BaseModel):
     has_more: bool
 
 
+class VideoCancelled(VideoJob):
+    """DELETE on a queued or running job: the job object, with `deleted: false`."""
+
+    # OpenAI's SDK reads every DELETE answer as its VideoDeleteResponse, whose `deleted` is required: without it a
+    # cancel parsed as deleted=None. False says the truth (the record stays) and a later DELETE removes it.
+    deleted: Literal[False] = False
+
+
 class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"] = "video.deleted"
