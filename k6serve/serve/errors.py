@@ -41,8 +41,13 @@ def error_body(status: int, message: str, *, code: str | None, param: str | None
 
 
 def error_response(error: ApiError) -> JSONResponse:
+    headers = error.headers
+    if error.status == 409:
+        # OpenAI's SDKs retry a 409 twice (at OpenAI it is a lock timeout), re-sending any upload; ours is a
+        # conflict of the request itself (idempotency key, request_id), which every retry gets again.
+        headers = {"X-Should-Retry": "false", **headers}
     return JSONResponse(error_body(error.status, error.message, code=error.code, param=error.param),
-                        status_code=error.status, headers=error.headers)
+                        status_code=error.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
