@@ -65,7 +65,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code),
+        return JSONResponse(error_body(exc.status_code, _routing_message(request, exc), code=code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -73,3 +73,20 @@ def install_error_handlers(app: FastAPI) -> None:
         # Logged by Starlette; the client gets a shaped 500 and the server keeps serving.
         return JSONResponse(error_body(500, f"Internal server error: {type(exc).__name__}", code="internal_error"),
                             status_code=500)
+
+
+def _routing_message(request: Request, exc: StarletteHTTPException) -> str:
+    """Starlette's bare "Not Found" / "Method Not Allowed", with the request's route and where the routes are."""
+    if exc.status_code not in (404, 405):
+        return str(exc.detail)
+    path = request.url.path
+    # Not Starlette's Allow header: it names the methods of the first route that matched the path only.
+    message = (f"There is no route {request.method} {path} on this server" if exc.status_code == 404 else
+               f"{path} does not take {request.method}")
+    message += "; GET /openapi.json lists the routes and their methods."
+    if path.startswith("/v1/videos/"):
+        # OpenAI's SDK has these calls (client.videos.remix, .edit, .extend, .create_character); a bare 404 or
+        # 405 left its user guessing whether the id or the server was wrong.
+        message += (" k6serve serves OpenAI's video create, retrieve, list, download and delete, not remix, edits, "
+                    "extensions or characters: create a new job with POST /v1/videos.")
+    return message
