@@ -71,7 +71,7 @@ class SamplingParams:
 
     prompt: str | None = _param("Text prompt (generation models; SR takes none).")
     negative_prompt: str | None = _param(
-        "Negative prompt for CFG (Pro/Lite). Default: the model's built-in negative prompt."
+        "Negative prompt for CFG (Pro/Lite). Default (also for an empty one): the model's built-in negative prompt."
     )
     image_path: str | None = _param("Conditioning image for text+image-to-video+audio (TI2AV).")
     video_path: str | None = _param("Source video for super-resolution (VSR models).")

@@ -297,7 +297,9 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         raise ValueError(f"guidance_scale must be >= 1.0 (1.0 disables CFG), got {guidance}")
     negative = None
     if guidance > 1.0:
-        negative = params.negative_prompt if params.negative_prompt is not None else DEFAULT_NEGATIVE_PROMPT
+        # An empty negative prompt takes the built-in one, as the reference's `negative_prompt or default` does (a
+        # form's or UI's blank field sends ""); encoding "" instead changed every CFG step's unconditional branch.
+        negative = params.negative_prompt or DEFAULT_NEGATIVE_PROMPT
     elif params.negative_prompt:
         notes.append("negative_prompt is ignored: guidance_scale is 1.0, so no unconditional branch runs.")
     seed = params.seed if params.seed is not None else variant.seed

@@ -94,6 +94,15 @@ def test_generation_defaults_per_variant():
     assert (distill.num_inference_steps, distill.guidance_scale, distill.negative_prompt) == (10, 1.0, None)
 
 
+def test_an_empty_negative_prompt_takes_the_built_in_one_as_the_reference():
+    """diffusers encodes `negative_prompt or default`: a blank form or UI field ("") runs CFG against the built-in
+    negative prompt, not against an encoded empty string. Any other text, even blank, is the user's."""
+    empty, notes = resolve_generate(SamplingParams(prompt="a cat", negative_prompt=""), VARIANTS["pro"])
+    assert empty.negative_prompt == DEFAULT_NEGATIVE_PROMPT and notes == []
+    spaces, _ = resolve_generate(SamplingParams(prompt="a cat", negative_prompt=" "), VARIANTS["pro"])
+    assert spaces.negative_prompt == " "
+
+
 def test_distilled_rejects_guidance():
     with pytest.raises(ValueError, match="requires guidance_scale exactly 1.0"):
         resolve_generate(SamplingParams(prompt="a", guidance_scale=5.0), VARIANTS["pro-distill"])
