@@ -14,6 +14,32 @@ import PIL.Image
 import PIL.ImageOps
 
 
+# The cover resize scales the image until it covers the video, so one far narrower (or flatter) than the video grows
+# along its long side without bound before the crop: a 101-byte 1x4000 PNG became a 768x3,072,000 image (about 10 GB)
+# for a 768x512 video. Past PIL's own decompression-bomb threshold it is refused instead.
+MAX_COVER_RESIZED_PIXELS = 89_478_485
+
+
+def cover_resized_size(image_width: int, image_height: int, height: int, width: int) -> tuple[int, int]:
+    """(width, height) of the image after the cover resize, before the center crop (diffusers' integer rule)."""
+    if width / height > image_width / image_height:
+        return width, image_height * width // image_width
+    return image_width * height // image_height, height
+
+
+def check_cover_resize(image_width: int, image_height: int, height: int, width: int, *, source: str) -> None:
+    """Raise ValueError, its message starting with `source`, when covering a `height` x `width` video would resize
+    the image beyond MAX_COVER_RESIZED_PIXELS (an aspect ratio hundreds of times off the video's)."""
+    resized_width, resized_height = cover_resized_size(image_width, image_height, height, width)
+    if resized_width * resized_height > MAX_COVER_RESIZED_PIXELS:
+        raise ValueError(
+            f"{source} is {image_width}x{image_height}, too far from the video's {width}x{height} "
+            f"aspect ratio: covering the video would first resize it to {resized_width}x{resized_height} "
+            f"({resized_width * resized_height:,} pixels, limit {MAX_COVER_RESIZED_PIXELS:,}) before the center "
+            f"crop; crop the image closer to {width}:{height} (width:height)"
+        )
+
+
 def load_conditioning_image(
     image: str | os.PathLike[str] | PIL.Image.Image, height: int, width: int
 ) -> PIL.Image.Image:
@@ -33,6 +59,7 @@ def load_conditioning_image(
         loaded = _open_image_file(Path(image))
     if loaded.width < 1 or loaded.height < 1:
         raise ValueError(f"conditioning image {source} is empty ({loaded.width}x{loaded.height})")
+    check_cover_resize(loaded.width, loaded.height, height, width, source=f"conditioning image {source}")
     return loaded if loaded.mode == "RGB" else loaded.convert("RGB")
 
 
@@ -45,11 +72,7 @@ def cover_resize_center_crop(image: PIL.Image.Image, height: int, width: int) ->
     first floors height and width to multiples of the VAE scale factor; callers pass sizes that
     are already multiples.
     """
-    ratio = width / height
-    source_ratio = image.width / image.height
-    # Integer floor divisions exactly as diffusers, so the resized size matches to the pixel.
-    resized_width = width if ratio > source_ratio else image.width * height // image.height
-    resized_height = height if ratio <= source_ratio else image.height * width // image.width
+    resized_width, resized_height = cover_resized_size(image.width, image.height, height, width)
     resized = image.resize((resized_width, resized_height), resample=PIL.Image.Resampling.LANCZOS)
     cropped = PIL.Image.new("RGB", (width, height))
     cropped.paste(resized, box=(width // 2 - resized_width // 2, height // 2 - resized_height // 2))

@@ -12,7 +12,12 @@ import av
 import PIL.Image
 
 from k6serve.media.container import still_image_demuxer
+from k6serve.media.image import check_cover_resize
 from k6serve.serve.errors import ApiError
+
+
+_EXIF_ORIENTATION = 0x0112
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # the EXIF orientations that swap width and height
 
 
 class InputPathPolicy:
@@ -38,8 +43,10 @@ class InputPathPolicy:
         return str(resolved)
 
 
-def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
-    """A 400 now, naming the field, when `path` is not an image / a video with a video stream.
+def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
+                   video_size: tuple[int, int] | None = None) -> None:
+    """A 400 now, naming the field, when `path` is not an image / a video with a video stream, or is an image
+    too far from the `video_size` (height, width) aspect ratio to cover-resize (`check_cover_resize`).
 
     Caught at creation, not minutes later as a failed job whose message showed the server's upload path.
     Only headers are read (PIL's verify, FFmpeg's probe): the pipeline still decodes and reports the rest.
@@ -50,6 +57,10 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
         try:
             with PIL.Image.open(path) as image:
                 image.verify()
+            with PIL.Image.open(path) as image:  # verify() leaves the image unusable, so read the header again
+                size = image.size
+                if image.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSING_ORIENTATIONS:
+                    size = size[::-1]  # the pipeline applies the rotation before resizing
         except PIL.Image.DecompressionBombError:
             # A readable image with more than twice PIL's MAX_IMAGE_PIXELS: too large, not broken.
             raise ApiError(400, f"{what} is too large (over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0)} pixels); "
@@ -66,6 +77,11 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool) -> None:
                                param=param) from None
             raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG, WebP or "
                                 "GIF file.", code=code, param=param) from None
+        if video_size is not None:
+            try:
+                check_cover_resize(*size, *video_size, source=what)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), code=code, param=param) from None
         return
     has_video, image_demuxer = _probe_video(path)
     if has_video and image_demuxer is not None:

@@ -219,7 +219,8 @@ async def create_video(request: Request,
                            code="invalid_parameter", param="prompt") from None
         except ValueError as exc:
             raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
-        await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields)
+        await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields,
+                                (resolved.height, resolved.width) if hasattr(resolved, "height") else None)
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
@@ -338,11 +339,13 @@ def _refuse_file_fields_as_text(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str]) -> None:
+def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str],
+                           video_size: tuple[int, int] | None) -> None:
     for name, kind in (("image_path", "image"), ("video_path", "video")):
         path = getattr(params, name)
         if path is not None:
-            check_readable(kind, path, param=upload_fields.get(name, name), uploaded=name in upload_fields)
+            check_readable(kind, path, param=upload_fields.get(name, name), uploaded=name in upload_fields,
+                           video_size=video_size)
 
 
 def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[str]) -> SamplingParams:

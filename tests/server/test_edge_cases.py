@@ -176,6 +176,18 @@ def test_an_upload_that_is_not_an_image_is_400_at_creation(fake_server, fake_cli
     assert fake_client.get("/v1/videos").json()["data"] == []
 
 
+def test_an_upload_too_far_from_the_videos_aspect_ratio_is_400_at_creation(fake_server, fake_client):
+    # A 1 px wide strip was queued, then cover-resized to 768 x 307,200 px (1.35 GB) in the worker.
+    strip = io.BytesIO()
+    PIL.Image.new("RGB", (1, 400)).save(strip, format="PNG")
+    response = fake_client.post("/v1/videos", data={"prompt": "x", "size": "768x512"},
+                                files={"input_reference": ("strip.png", strip.getvalue(), "image/png")})
+    error = _assert_error(response, 400, param="input_reference", code="invalid_upload")
+    assert error["message"].startswith("The uploaded input_reference is 1x400, too far from the video's 768x512")
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
 def test_a_server_side_image_that_is_not_an_image_is_400(fake_server, fake_client, tmp_path):
     (tmp_path / "inputs" / "fake.png").write_text("text")
     response = fake_client.post("/v1/videos", json={"prompt": "x", "image_path": str(tmp_path / "inputs" / "fake.png")})

@@ -502,6 +502,33 @@ def test_an_image_over_pils_pixel_limit_is_too_large_not_unreadable(tmp_path: Pa
         check_readable("image", str(tmp_path / "big.png"), param="input_reference", uploaded=True)
 
 
+def test_an_image_far_from_the_videos_aspect_ratio_is_refused_before_the_resize(tmp_path: Path) -> None:
+    # Covering 768x512 with a 1x400 strip resized it to 768x307,200 first: 1.35 GB and 2 s for a 70-byte PNG,
+    # and 1x4000 (10 GB) or 40000x1 took the machine's memory.
+    PIL.Image.new("RGB", (1, 400)).save(tmp_path / "strip.png")
+    with pytest.raises(ValueError, match=r"conditioning image '.*strip\.png' is 1x400, too far from the video's "
+                                         r"768x512 aspect ratio: .* resize it to 768x307200 \(235,929,600 pixels, "
+                                         r"limit 89,478,485\) .*crop the image closer to 768:512"):
+        media.load_conditioning_image(tmp_path / "strip.png", 512, 768)
+    # The same strip covers a small video within the limit, and a photo of any usual shape covers any video.
+    assert media.load_conditioning_image(tmp_path / "strip.png", 64, 96).size == (1, 400)
+    assert media.cover_resize_center_crop(PIL.Image.new("RGB", (12000, 1000)), 2048, 16).size == (16, 2048)
+    from k6serve.serve.errors import ApiError
+    from k6serve.serve.input_paths import check_readable
+
+    with pytest.raises(ApiError, match=r"^The uploaded input_reference is 1x400, too far from the video's 768x512"):
+        check_readable("image", str(tmp_path / "strip.png"), param="input_reference", uploaded=True,
+                       video_size=(512, 768))
+    # An EXIF rotation is applied before the resize: 400x1 stored, shown as 1x400.
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6
+    PIL.Image.new("RGB", (400, 1)).save(tmp_path / "turned.jpg", exif=exif)
+    with pytest.raises(ApiError, match=r"image_path '.*turned\.jpg' is 1x400, too far"):
+        check_readable("image", str(tmp_path / "turned.jpg"), param="image_path", uploaded=False,
+                       video_size=(512, 768))
+    check_readable("image", str(tmp_path / "turned.jpg"), param="image_path", uploaded=False, video_size=(64, 96))
+
+
 @pytest.mark.parametrize("source_size", [(200, 90), (90, 200), (160, 96), (37, 23), (640, 383)])
 @pytest.mark.parametrize("target", [(64, 96), (96, 64), (48, 48)])
 def test_cover_resize_center_crop_matches_diffusers(source_size, target) -> None:
