@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import PIL.Image
 import PIL.ImageOps
 
@@ -60,6 +61,10 @@ def load_conditioning_image(
     if loaded.width < 1 or loaded.height < 1:
         raise ValueError(f"conditioning image {source} is empty ({loaded.width}x{loaded.height})")
     check_cover_resize(loaded.width, loaded.height, height, width, source=f"conditioning image {source}")
+    if loaded.mode.startswith("I;16"):
+        # A 16-bit grayscale PNG or TIFF: PIL's convert clips its values at 255, so the image came out white. Keep
+        # the high byte instead, as PIL reads 16-bit RGB PNGs.
+        loaded = PIL.Image.fromarray((np.asarray(loaded) >> 8).astype(np.uint8), mode="L")
     return loaded if loaded.mode == "RGB" else loaded.convert("RGB")
 
 

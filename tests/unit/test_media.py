@@ -471,6 +471,17 @@ def test_load_conditioning_image_converts_to_rgb(tmp_path: Path) -> None:
     assert media.load_conditioning_image(PIL.Image.new("L", (5, 5), 7), 64, 96).mode == "RGB"
 
 
+def test_a_16_bit_grayscale_image_keeps_its_levels(tmp_path: Path) -> None:
+    # PIL's convert("RGB") clips 16-bit values at 255: a mid-gray 16-bit PNG conditioned the video on a white frame.
+    levels = np.array([[0, 0x00FF, 0x8000], [0x80FF, 0xC000, 0xFFFF]], dtype=np.uint16)
+    PIL.Image.fromarray(levels).save(tmp_path / "gray16.png")
+    assert PIL.Image.open(tmp_path / "gray16.png").mode == "I;16"
+    loaded = media.load_conditioning_image(tmp_path / "gray16.png", 64, 96)
+    assert loaded.mode == "RGB"
+    assert np.array_equal(np.asarray(loaded)[..., 0], [[0, 0, 128], [128, 192, 255]])
+    assert np.array_equal(np.asarray(loaded)[..., 0], np.asarray(loaded)[..., 2])
+
+
 def test_load_conditioning_image_applies_exif_orientation(tmp_path: Path) -> None:
     image = PIL.Image.new("RGB", (40, 30), (200, 10, 10))
     exif = PIL.Image.Exif()
