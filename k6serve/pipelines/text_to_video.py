@@ -28,7 +28,7 @@ from k6serve.pipelines.prepare_latents import (
     prepare_latents,
 )
 from k6serve.pipelines.schedulers import make_schedulers
-from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo
+from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
 from k6serve.request import GenerateRequest
 
 
@@ -44,6 +44,19 @@ class GenerationOutput:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def check_finite_latents(latents: Latents, request: GenerateRequest) -> None:
+    """Refuse denoised latents that hold NaN or infinity: decoded, they became black frames and a NaN soundtrack,
+    which the MP4 writer refused as "fix the waveform before muxing", words about nothing the user passed."""
+    tensors = [latents.video_BTHWC] + ([latents.audio_BLC] if latents.audio_BLC is not None else [])
+    if all(bool(torch.isfinite(tensor).all()) for tensor in tensors):
+        return
+    cause = (f"guidance_scale {request.guidance_scale:g} overflowed the latents: use a usual scale (Pro/Lite: 5)"
+             if request.guidance_scale > 100 else
+             "lower guidance_scale or any LoRA strength, or check the checkpoint's weights")
+    raise ValueError(f"the denoised latents hold NaN or infinite values, so no video or audio can be decoded from "
+                     f"them; {cause}.")
 
 
 class TextToVideoPipeline:
@@ -148,6 +161,7 @@ class TextToVideoPipeline:
                               step_seconds=step_seconds, step_cache=step_cache)
             _sync(m.device)
         timings["denoise"] = time.perf_counter() - start
+        check_finite_latents(latents, request)
         if step_cache is not None:
             timings["cache_dit_cached_calls"] = float(step_cache.num_cached_calls)
             notes.append(step_cache.describe())

@@ -267,3 +267,21 @@ def test_seed_example_runs_as_a_script_without_a_main_guard(tiny_distill_dir, tm
     assert done.returncode == 0, done.stderr[-2000:]
     path = tmp_path / done.stdout.strip().splitlines()[-1]
     assert path.is_file() and probe(path).num_frames == 5
+
+
+def test_latents_that_overflow_are_refused_before_the_decode(tiny_pro_dir, tmp_path):
+    # guidance_scale 1e30 made the latents NaN: the frames were decoded black and the MP4 writer refused the NaN
+    # soundtrack with "fix the waveform before muxing", after the whole decode.
+    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.runtime.worker import ModelWorker
+
+    worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", attention_backend="sdpa"))
+    request = {"prompt": "x", "height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2,
+               "output_path": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"^the denoised latents hold NaN or infinite values, so no video or audio "
+                                         r"can be decoded from them; guidance_scale 1e\+30 overflowed the latents: "
+                                         r"use a usual scale \(Pro/Lite: 5\)\.$"):
+        worker.run(*split_kwargs({**request, "guidance_scale": 1e30}))
+    assert list(tmp_path.iterdir()) == []
+    result = worker.run(*split_kwargs({**request, "guidance_scale": 1e15, "save_output": False, "return_frames": True}))
+    assert np.isfinite(result.audio).all() and result.frames.shape == (5, 32, 32, 3)
