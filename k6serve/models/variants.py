@@ -289,7 +289,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if variant.distilled and guidance != 1.0:
         raise ValueError(
             f"{variant.name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
-            f"(got {guidance}); drop --guidance-scale or use a Pro/Lite checkpoint for CFG."
+            f"(got {guidance}); leave guidance_scale out (--guidance-scale on the command line), or use a Pro/Lite "
+            "checkpoint for CFG."
         )
     if not math.isfinite(guidance):
         raise ValueError(f"guidance_scale must be a finite number >= 1.0 (1.0 disables CFG), got {guidance}")

@@ -291,3 +291,10 @@ def test_a_requeued_job_has_no_started_at(tmp_path):
     requeued, _ = store.recover_interrupted("died")
     assert [job.id for job in requeued] == ["video_died"] and requeued[0].started_at is None
     store.close()
+
+
+def test_the_distilled_guidance_error_names_the_body_field(fake_client):
+    # It said "drop --guidance-scale", a flag an HTTP client does not have.
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "guidance_scale": 5.0}), 400,
+                          param="guidance_scale", code="invalid_parameter")
+    assert "leave guidance_scale out" in error["message"] and "drop --guidance-scale" not in error["message"]
