@@ -185,7 +185,7 @@ class SRSourceReader:
                 )
             self._stream = _first_video_stream(self._container, path)
             self.source_fps = _stream_fps(self._stream, path)
-            self.declared_frames = declared_frame_count(self._stream)
+            self.declared_frames = declared_frame_count(self._stream, self.source_fps)
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
                 # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
@@ -313,14 +313,13 @@ def _first_video_stream(
     return container.streams.video[0]
 
 
-def declared_frame_count(stream: av.video.stream.VideoStream) -> int | None:
+def declared_frame_count(stream: av.video.stream.VideoStream, fps: float) -> int | None:
     """The frame count the container states for `stream` (MP4/MOV's sample table), else one from the duration it
-    states; None when it states neither (Matroska and WebM state no per-stream length)."""
+    states at `fps` (`_stream_fps`); None when it states neither (Matroska and WebM state no per-stream length)."""
     if stream.frames:
         return stream.frames
-    rate = stream.average_rate or stream.base_rate
-    if stream.duration and stream.time_base and rate:
-        return round(float(stream.duration * stream.time_base * rate))
+    if stream.duration and stream.time_base:
+        return round(float(stream.duration * stream.time_base) * fps)
     return None
 
 

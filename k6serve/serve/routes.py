@@ -36,7 +36,7 @@ from k6serve.api import (
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
-from k6serve.request import SamplingParams
+from k6serve.request import GenerateRequest, SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
@@ -219,15 +219,16 @@ async def create_video(request: Request,
                            code="invalid_parameter", param="prompt") from None
         except ValueError as exc:
             raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
-        await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields,
-                                (resolved.height, resolved.width) if hasattr(resolved, "height") else None)
+        # (height, width) of a generation; an upscale's output size is known only once its source is read.
+        video_size = (resolved.height, resolved.width) if isinstance(resolved, GenerateRequest) else None
+        await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields, video_size)
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
-            size=f"{resolved.width}x{resolved.height}" if hasattr(resolved, "width") else None,
+            size=f"{video_size[1]}x{video_size[0]}" if video_size else None,
             seconds=f"{resolved.num_frames / resolved.fps:g}" if hasattr(resolved, "num_frames") else None,
             upload_files=uploads, idempotency_key=idempotency_key,
             request_hash=_request_hash(body.model_dump(exclude_none=True), sent.file_digests, uploads),
