@@ -8,6 +8,7 @@
 #          opentelemetry-api and annotated-doc; pydantic 2.14 its exact pydantic-core and typing-extensions >= 4.16)
 #                                                                                     ~3.8 MB
 #   .whlH  fa3-fwd 0.0.3 (FA3 forward, sm_90a) and einops                              ~27 MB
+#   .whlR  diffusers 0.42.1, zipp, importlib-metadata: .whlG without PyAV, to go beside .whlH   ~6.4 MB
 # Install on the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlG/*.whl ...
 # then PYTHONPATH=/tmp/site:$PWD. Run here (PyPI reachable), from the repository root: bash scripts/gpu_wheels.sh
 set -eu
@@ -24,4 +25,5 @@ get .whlP --no-deps pytest pluggy iniconfig
 # With them, resolved for Python 3.12, so pydantic gets its exact pydantic-core and fastapi what it now requires.
 get .whlS fastapi uvicorn httpx python-multipart
 get .whlH --no-deps fa3-fwd==0.0.3 einops
-du -sh .whlG .whlP .whlS .whlH
+get .whlR --no-deps diffusers==0.42.1 zipp importlib-metadata
+du -sh .whlG .whlP .whlS .whlH .whlR

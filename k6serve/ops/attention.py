@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable
 
@@ -50,6 +51,41 @@ _CUDA_SDPA_PRIORITY = [
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 ]
+
+
+# FA3 with few queries on many keys (Kandinsky 6's audio-from-video cross-attention: 218 audio queries on the
+# 47,616 video keys) runs B x H x ceil(L / 128) CTAs, 32 for Pro's 16 audio heads on the H200's 132 SMs, unless the
+# keys are split. FA3's own split heuristic (`num_splits=0`) is refused inside torch.compile, so the count is fixed
+# here and chosen from `scripts/gpu_attention.py --shapes pro-av,lite-av` rows (docs/benchmarks.md).
+# $K6SERVE_FA3_SPLITS overrides it (1 = never split). Long-query calls always run unsplit.
+FA3_SPLITS_ENVIRONMENT_VARIABLE = "K6SERVE_FA3_SPLITS"
+DEFAULT_FA3_SHORT_QUERY_SPLITS = 1
+# A call is "short-query" when its keys are at least this many times its queries and number at least
+# SHORT_QUERY_MIN_KEYS: the split's combine pass is then negligible next to the keys' work.
+SHORT_QUERY_KEY_RATIO = 16
+SHORT_QUERY_MIN_KEYS = 4096
+
+
+def _parse_splits(text: str) -> int:
+    text = text.strip()
+    if not text:
+        return DEFAULT_FA3_SHORT_QUERY_SPLITS
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise ValueError(
+            f"${FA3_SPLITS_ENVIRONMENT_VARIABLE} must be a whole number from 1 to 64 (FA3's key splits for "
+            f"short-query attention; 1 = no split), got {text!r}; unset it for the measured default"
+        )
+    return int(text)
+
+
+FA3_SHORT_QUERY_SPLITS = _parse_splits(os.environ.get(FA3_SPLITS_ENVIRONMENT_VARIABLE, ""))
+
+
+def fa3_num_splits(query_length: int, key_length: int) -> int:
+    """FA3's `num_splits` for a call: the fixed short-query count, else 1. Plain ints: safe inside compile."""
+    if key_length >= SHORT_QUERY_MIN_KEYS and key_length >= SHORT_QUERY_KEY_RATIO * query_length:
+        return FA3_SHORT_QUERY_SPLITS
+    return 1
 
 
 # FA3's `flash_attn_func` once imported. Compiled blocks read this global (dynamo guards on its identity, which
@@ -197,7 +233,10 @@ def attention(
             return fp8_attention.fp8_attention(_fa3_function(), query_BLHD, key_BLHD, value_BLHD)
         if flash_attention4.wanted(query_BLHD.shape[-1]):  # FA4 where it is faster (ops/flash_attention4.py)
             return flash_attention4.fa4_attention(query_BLHD, key_BLHD, value_BLHD)
-        return _fa3_function()(query_BLHD, key_BLHD, value_BLHD)
+        num_splits = fa3_num_splits(query_BLHD.shape[1], key_BLHD.shape[1])
+        if num_splits == 1:  # FA3's default: the call stays exactly what it was before splits existed
+            return _fa3_function()(query_BLHD, key_BLHD, value_BLHD)
+        return _fa3_function()(query_BLHD, key_BLHD, value_BLHD, num_splits=num_splits)
     return _sdpa(query_BLHD, key_BLHD, value_BLHD, key_mask_BL)
 
 

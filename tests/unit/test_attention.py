@@ -422,3 +422,53 @@ def test_fa4_probe_keeps_fa3_when_an_installed_fa4_fails(monkeypatch, caplog):
     monkeypatch.setattr(flash_attention4, "MODE", "auto")
     assert flash_attention4.prepare(torch.device("cuda")) is None
     assert flash_attention4._READY and flash_attention4.wanted(64) and not flash_attention4.wanted(128)
+
+
+def test_fa3_split_rule_splits_only_short_queries_on_long_keys(monkeypatch):
+    """Only few queries on many keys (the audio-from-video cross-attention, 218 on 47,616) get the fixed split count;
+    the video self-attention, the text attentions and small calls keep FA3's single pass."""
+    monkeypatch.setattr(attention_ops, "FA3_SHORT_QUERY_SPLITS", 4)
+    assert attention_ops.fa3_num_splits(218, 47_616) == 4  # Pro / Lite audio-from-video
+    assert attention_ops.fa3_num_splits(47_616, 47_616) == 1  # video self-attention
+    assert attention_ops.fa3_num_splits(47_616, 218) == 1  # video-from-audio
+    assert attention_ops.fa3_num_splits(218, 1_024) == 1  # too few keys to be worth a combine pass
+    assert attention_ops.fa3_num_splits(1_024, 8_192) == 1  # keys only 8x the queries
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two", "65", "1.5"])
+def test_fa3_splits_environment_variable_is_checked(text):
+    with pytest.raises(ValueError, match=r"K6SERVE_FA3_SPLITS must be a whole number from 1 to 64.*unset it"):
+        attention_ops._parse_splits(text)
+    assert attention_ops._parse_splits(" 8 ") == 8
+    assert attention_ops._parse_splits("") == attention_ops.DEFAULT_FA3_SHORT_QUERY_SPLITS
+
+
+def test_fa3_split_count_reaches_the_kernel_inside_a_compiled_region(monkeypatch):
+    """The count is a plain int chosen from static shapes, so the compiled block passes it to FA3 (a stand-in that
+    records it) and a long-query call in the same region stays unsplit (FA3's default call, no keyword)."""
+    import torch.nn.functional as F
+
+    seen = []
+
+    def flash_attn_func(query_BLHD, key_BSHD, value_BSHD, **options):
+        seen.append((query_BLHD.shape[1], options.get("num_splits", "default")))
+        return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (query_BLHD, key_BSHD, value_BSHD))
+                                              ).transpose(1, 2)
+
+    monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa")
+    monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", flash_attn_func)
+    monkeypatch.setattr(attention_ops, "FA3_SHORT_QUERY_SPLITS", 4)
+    monkeypatch.setattr(attention_ops, "SHORT_QUERY_MIN_KEYS", 64)
+    torch._dynamo.reset()
+    try:
+        @torch.compile(backend="eager")
+        def block(audio, video):
+            return attention(audio, video, video, backend="fa"), attention(video, video, video, backend="fa")
+
+        audio, video = torch.randn(1, 3, 2, 16), torch.randn(1, 64, 2, 16)
+        audio_out, video_out = block(audio, video)
+        assert seen == [(3, 4), (64, "default")]
+        reference = F.scaled_dot_product_attention(audio.transpose(1, 2), video.transpose(1, 2), video.transpose(1, 2))
+        assert torch.allclose(audio_out, reference.transpose(1, 2), atol=1e-6)
+    finally:
+        torch._dynamo.reset()
