@@ -56,10 +56,13 @@ _CUDA_SDPA_PRIORITY = [
 # FA3 with few queries on many keys (Kandinsky 6's audio-from-video cross-attention: 218 audio queries on the
 # 47,616 video keys) runs B x H x ceil(L / 128) CTAs, 32 for Pro's 16 audio heads on the H200's 132 SMs, unless the
 # keys are split. FA3's own split heuristic (`num_splits=0`) is refused inside torch.compile, so the count is fixed
-# here and chosen from `scripts/gpu_attention.py --shapes pro-av,lite-av` rows (docs/benchmarks.md).
+# here, from `scripts/gpu_splits.sh` (twentieth session, docs/benchmarks.md): at 218 x 47,616 four splits took
+# 0.163 ms against 0.508 (Pro, 16 x 128) and 0.154 against 0.541 (Lite, 14 x 64), eight no better. In a whole Pro
+# forward the gain is only 2-7 ms: unsplit, the 32-CTA kernel already overlaps the kernels around it (FA3 launches
+# with programmatic dependent launch), which the profiler's serialisation hides (there it saved 38 ms).
 # $K6SERVE_FA3_SPLITS overrides it (1 = never split). Long-query calls always run unsplit.
 FA3_SPLITS_ENVIRONMENT_VARIABLE = "K6SERVE_FA3_SPLITS"
-DEFAULT_FA3_SHORT_QUERY_SPLITS = 1
+DEFAULT_FA3_SHORT_QUERY_SPLITS = 4
 # A call is "short-query" when its keys are at least this many times its queries and number at least
 # SHORT_QUERY_MIN_KEYS: the split's combine pass is then negligible next to the keys' work.
 SHORT_QUERY_KEY_RATIO = 16
