@@ -58,8 +58,9 @@ _CUDA_SDPA_PRIORITY = [
 # keys are split. FA3's own split heuristic (`num_splits=0`) is refused inside torch.compile, so the count is fixed
 # here, from `scripts/gpu_splits.sh` (twentieth session, docs/benchmarks.md): at 218 x 47,616 four splits took
 # 0.163 ms against 0.508 (Pro, 16 x 128) and 0.154 against 0.541 (Lite, 14 x 64), eight no better. In a whole Pro
-# forward the gain is only 2-7 ms: unsplit, the 32-CTA kernel already overlaps the kernels around it (FA3 launches
-# with programmatic dependent launch), which the profiler's serialisation hides (there it saved 38 ms).
+# forward the gain is only 2-7 ms, though the kernel profile showed 38 ms saved: most likely the unsplit 32-CTA
+# kernel shares the GPU with its neighbours (programmatic dependent launch), which the profiler's kernel
+# serialisation prevents.
 # $K6SERVE_FA3_SPLITS overrides it (1 = never split). Long-query calls always run unsplit.
 FA3_SPLITS_ENVIRONMENT_VARIABLE = "K6SERVE_FA3_SPLITS"
 DEFAULT_FA3_SHORT_QUERY_SPLITS = 4
