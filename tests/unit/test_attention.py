@@ -1,5 +1,6 @@
 """`k6serve.ops.attention`: SDPA and LSE paths against a plain math reference, backend resolution errors."""
 
+import functools
 import math
 
 import pytest
@@ -182,6 +183,29 @@ def test_cuda_attention_with_lse_matches_math_reference(backend, masked):
     assert lse.dtype == torch.float32 and lse.shape == expected_lse.shape
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-2, rtol=1e-3)
     torch.testing.assert_close(out.double(), expected_out, atol=2e-2, rtol=2e-2)
+
+
+@needs_fa3
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fa3_short_query_split_matches_the_math_reference_on_the_gpu(monkeypatch, compiled):
+    """FA3 with its keys split (the default for few queries on many keys) on the real kernel, eager and inside
+    torch.compile (which refuses FA3's own split heuristic): the same answer as the math reference and as the
+    unsplit call, to bf16 rounding."""
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(1, length, 4, 128, generator=generator).cuda().bfloat16()
+                         for length in (218, 8_192, 8_192))
+    assert attention_ops.fa3_num_splits(218, 8_192) == attention_ops.DEFAULT_FA3_SHORT_QUERY_SPLITS > 1
+    call = functools.partial(attention, backend="fa")
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True)
+    split = call(query, key, value)
+    monkeypatch.setattr(attention_ops, "FA3_SHORT_QUERY_SPLITS", 1)
+    torch._dynamo.reset()
+    unsplit = attention(query, key, value, backend="fa")
+    expected, _ = _math_reference(query, key, value, None)
+    torch.testing.assert_close(split.double(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(split, unsplit, atol=4e-3, rtol=0)
 
 
 @needs_fa3
