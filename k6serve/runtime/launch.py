@@ -1,6 +1,6 @@
 """Process launch and torch.distributed start-up: one process per GPU, or the ranks torchrun started.
 
-Nothing is hard-coded: a single host rendezvouses on a free local port; several hosts use
+Nothing is hard-coded: a single host's ranks rendezvous on a store the engine binds on a port the OS picks; several hosts use
 `--dist-init-addr HOST:PORT` (node 0's address) with `--nnodes/--node-rank`; under torchrun the RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT variables win. NCCL on CUDA, gloo on CPU; every
 collective carries the configured timeout so a dead peer turns into an error instead of a hang.
@@ -39,6 +39,9 @@ class RankSpec:
     device_type: str  # "cuda" | "cpu"
     timeout_s: float
     from_torchrun: bool = False  # the launcher set the environment: rendezvous with init_method env://
+    # The engine's process holds the rendezvous store's server on master_port (`rendezvous_store`): every rank,
+    # rank 0 too, joins it as a client instead of rank 0 binding the port.
+    store_from_engine: bool = False
     ranks_on_host: int = 1  # the ranks sharing this host's CPU cores
 
     @property
@@ -47,10 +50,22 @@ class RankSpec:
 
 
 def find_free_port(host: str = LOCAL_HOST) -> int:
-    """A port the OS reports free right now (the rendezvous binds it moments later)."""
+    """A port the OS reports free right now (whoever uses it binds it moments later, so another process can take it
+    in between: the engine's own ranks rendezvous on `rendezvous_store` instead)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def rendezvous_store(timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store's server for one host's ranks, bound here on a port the OS picks (port 0).
+
+    Before, the engine picked a free port and rank 0 bound it seconds later, after its interpreter had started and
+    imported torch: a port taken in between by anything else on the host failed the whole start ("address already
+    in use"). Bound by the engine, the port is never free between choosing and binding. The engine keeps the store
+    while its ranks live (`MultiProcessWorker.close` drops it)."""
+    return dist.TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
 
 
 def device_type_for(device: str) -> str:
@@ -95,8 +110,13 @@ def torchrun_rank(
     )
 
 
-def local_rank_specs(parallel: ParallelConfig, device_type: str) -> list[RankSpec]:
-    """The ranks this host starts: all of them on one host, its slice of the world with --nnodes > 1."""
+def local_rank_specs(
+    parallel: ParallelConfig, device_type: str, *, store_port: int | None = None
+) -> list[RankSpec]:
+    """The ranks this host starts: all of them on one host, its slice of the world with --nnodes > 1.
+
+    `store_port`: on one host without --dist-init-addr, the port of the engine's `rendezvous_store`, which the
+    ranks join as clients; without it a free port is picked for rank 0 to bind."""
     if parallel.num_gpus % parallel.nnodes:
         raise ValueError(
             f"--num-gpus {parallel.num_gpus} must be a multiple of --nnodes {parallel.nnodes} (every host "
@@ -109,8 +129,11 @@ def local_rank_specs(parallel: ParallelConfig, device_type: str) -> list[RankSpe
         master_addr, master_port = parse_host_port(parallel.dist_init_addr)
     elif parallel.nnodes > 1:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, same on every host).")
+    elif store_port is not None:
+        master_addr, master_port = LOCAL_HOST, store_port
     else:
         master_addr, master_port = LOCAL_HOST, find_free_port()
+    store_from_engine = parallel.dist_init_addr is None and store_port is not None
     if device_type == "cuda" and torch.cuda.device_count() < per_node:
         raise ValueError(
             f"{per_node} GPU processes per host were asked for but {torch.cuda.device_count()} GPU(s) are "
@@ -121,7 +144,7 @@ def local_rank_specs(parallel: ParallelConfig, device_type: str) -> list[RankSpe
         RankSpec(
             rank=first + local, world_size=parallel.num_gpus, local_rank=local, master_addr=master_addr,
             master_port=master_port, device_type=device_type, timeout_s=parallel.dist_timeout_s,
-            ranks_on_host=per_node,
+            ranks_on_host=per_node, store_from_engine=store_from_engine,
         )
         for local in range(per_node)
     ]
@@ -135,7 +158,11 @@ def init_distributed(spec: RankSpec) -> torch.device:
     else:
         device = torch.device("cpu")
         share_cpu_cores(spec.ranks_on_host)
-    init_method = "env://" if spec.from_torchrun else f"tcp://{spec.master_addr}:{spec.master_port}"
+    timeout = timedelta(seconds=spec.timeout_s)
+    if spec.store_from_engine:
+        rendezvous = {"store": dist.TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)}
+    else:
+        rendezvous = {"init_method": "env://" if spec.from_torchrun else f"tcp://{spec.master_addr}:{spec.master_port}"}
     # No bound device (`device_id`), on any number of ranks: a bound device makes NCCL create every group's
     # communicator at once, and each holds device memory that no release can free (a one-GPU worker held 3.5 GB after
     # releasing its weights where the same steps without a process group held 0.7 GB; one communicator on one rank
@@ -143,8 +170,7 @@ def init_distributed(spec: RankSpec) -> torch.device:
     # collective, so the groups of size 1 (e.g. cfg, tp and ring under Ulysses2), which never run one, cost nothing.
     # The device is already current (set_device above), which is where those communicators are then created.
     dist.init_process_group(
-        spec.backend, init_method=init_method, rank=spec.rank, world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.timeout_s),
+        spec.backend, **rendezvous, rank=spec.rank, world_size=spec.world_size, timeout=timeout
     )
     return device
 

@@ -52,6 +52,7 @@ from k6serve.runtime.launch import (
     device_type_for,
     init_distributed,
     local_rank_specs,
+    rendezvous_store,
     start_process,
     stop_processes,
     torchrun_rank,
@@ -427,6 +428,7 @@ class MultiProcessWorker:
         address = (advertised_host if many_hosts else LOCAL_HOST, self._listener.address[1])
         self._processes: dict[int, BaseProcess] = {}
         self._rank0_thread: threading.Thread | None = None
+        self._store: dist.TCPStore | None = None  # the ranks' rendezvous server when this process holds it
         self._death_notes: dict[int, str] = {}  # replica index -> how it died, for dead_replicas()
         if torchrun is not None:
             # This process is global rank 0 as well as the engine: run its rank loop on a thread.
@@ -436,7 +438,12 @@ class MultiProcessWorker:
             )
             self._rank0_thread.start()
         else:
-            for spec in local_rank_specs(parallel, device_type):
+            # One host and no --dist-init-addr: this process binds the rendezvous port itself (no race with other
+            # programs for a port chosen free); the store must outlive the ranks' process groups.
+            if not many_hosts and parallel.dist_init_addr is None:
+                self._store = rendezvous_store(parallel.dist_timeout_s)
+            store_port = None if self._store is None else self._store.port
+            for spec in local_rank_specs(parallel, device_type, store_port=store_port):
                 args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
                         authkey if spec.rank == 0 else None)
                 self._processes[spec.rank] = start_process(_engine_rank_main, args,
@@ -740,6 +747,7 @@ class MultiProcessWorker:
         stop_processes(list(self._processes.values()), grace_s=timeout_s)
         if self._rank0_thread is not None:
             self._rank0_thread.join(timeout_s)
+        self._store = None  # the ranks are gone: the rendezvous server and its port go too
         self._listener.close()
         with self._changed:
             self._changed.notify_all()

@@ -166,6 +166,57 @@ def test_multi_node_rank_specs():
     assert single[0].master_addr == "127.0.0.1" and single[0].master_port > 0
 
 
+def test_engine_held_store_port_goes_to_every_local_rank():
+    """On one host the engine binds the rendezvous port itself and hands it to the ranks, which join as clients; a
+    given --dist-init-addr is the user's port and stays rank 0's to bind."""
+    specs = local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu", store_port=4321)
+    assert [(s.master_addr, s.master_port, s.store_from_engine) for s in specs] == [("127.0.0.1", 4321, True)] * 2
+    given = local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2, dist_init_addr="127.0.0.1:29700"), "cpu",
+                             store_port=4321)
+    assert [(s.master_port, s.store_from_engine) for s in given] == [(29700, False)] * 2
+    assert not any(s.store_from_engine for s in local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu"))
+
+
+def test_a_rank_joins_the_engines_store_as_a_client(monkeypatch):
+    from datetime import timedelta
+
+    from k6serve.runtime import launch
+
+    joined = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: joined.update(kwargs))
+    server = launch.rendezvous_store(timeout_s=5)
+    assert server.port > 0
+    spec = launch.RankSpec(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=server.port,
+                           device_type="cpu", timeout_s=5, store_from_engine=True)
+    launch.init_distributed(spec)
+    assert "init_method" not in joined and joined["timeout"] == timedelta(seconds=5)
+    joined["store"].set("k6serve-test", "seen")  # the rank's client reaches the engine's server
+    assert server.get("k6serve-test") == b"seen"
+
+
+def test_ranks_start_when_the_port_a_probe_found_free_is_taken(monkeypatch):
+    """The engine used to pick a free port and rank 0 bound it seconds later, once its interpreter had imported
+    torch: a port taken in between failed the start. Here every "free" port the probe reports is already taken;
+    the ranks rendezvous on the engine's own store and start anyway."""
+    import socket
+
+    from k6serve.runtime import launch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "find_free_port", lambda host="127.0.0.1": taken.getsockname()[1])
+        worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+        try:
+            result = worker.run(SamplingParams(prompt="cat", seed=2, num_inference_steps=2),
+                                OutputOptions(save_output=False))
+            assert float(note(result, "value")) == expected_value(2, 2, [0, 1])
+            assert worker._store is not None and worker._store.port != taken.getsockname()[1]
+        finally:
+            worker.close()
+    assert worker._store is None
+
+
 def test_two_ranks_run_the_same_request(engine_two_ranks):
     engine, worker = engine_two_ranks
     assert engine.variant.name == "pro"
