@@ -1,9 +1,10 @@
 """Process launch and torch.distributed start-up: one process per GPU, or the ranks torchrun started.
 
-Nothing is hard-coded: a single host's ranks rendezvous on a store the engine binds on a port the OS picks; several hosts use
-`--dist-init-addr HOST:PORT` (node 0's address) with `--nnodes/--node-rank`; under torchrun the RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT variables win. NCCL on CUDA, gloo on CPU; every
-collective carries the configured timeout so a dead peer turns into an error instead of a hang.
+Nothing is hard-coded: a single host's ranks rendezvous on a store the engine binds on a port the OS
+picks; several hosts use `--dist-init-addr HOST:PORT` (node 0's address) with `--nnodes/--node-rank`;
+under torchrun the RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT variables win. NCCL on
+CUDA, gloo on CPU; every collective carries the configured timeout so a dead peer turns into an error
+instead of a hang.
 """
 
 from __future__ import annotations
