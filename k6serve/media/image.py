@@ -2,18 +2,33 @@
 
 Loading mirrors `diffusers.utils.load_image` for files (EXIF orientation applied, converted to
 RGB); PIL images passed in are only converted to RGB, as diffusers' pipeline does not rotate them.
+Unlike diffusers, 16-bit, 32-bit integer and float grayscale images keep their levels (`_grayscale_to_8_bit`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import PIL.ImageOps
 
+
+logger = logging.getLogger(__name__)
+
+# The formats named in errors, the ones users send; PIL reads more (BMP, ICO, ...), and those work too.
+IMAGE_FORMATS = "a PNG, JPEG, WebP, TIFF or GIF image (a GIF gives its first frame)"
+
+# First bytes of those formats, to say what a file PIL cannot open was meant to be: PIL reports a PNG with a damaged
+# header, or a TIFF of a pixel type it lacks, as "cannot identify image file", the same as a text file.
+_SIGNATURES = ((0, b"\x89PNG\r\n\x1a\n", "PNG"), (0, b"\xff\xd8\xff", "JPEG"), (0, b"GIF8", "GIF"),
+               (8, b"WEBP", "WebP"), (0, b"II*\x00", "TIFF"), (0, b"MM\x00*", "TIFF"))
+# Major brands of HEIF files ("ftyp" box at byte 4): iPhone photos, which PIL cannot read without a plugin.
+_HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1")
 
 # The cover resize scales the image until it covers the video, so one far narrower (or flatter) than the video grows
 # along its long side without bound before the crop: a 101-byte 1x4000 PNG became a 768x3,072,000 image (about 10 GB)
@@ -53,19 +68,53 @@ def load_conditioning_image(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if isinstance(image, PIL.Image.Image):
-        loaded = image
+        loaded, sample_type = image, _tiff_sample_type(image)
         source = "the given PIL image"
     else:
         source = repr(str(image))
-        loaded = _open_image_file(Path(image))
+        loaded, sample_type = _open_image_file(Path(image))
     if loaded.width < 1 or loaded.height < 1:
         raise ValueError(f"conditioning image {source} is empty ({loaded.width}x{loaded.height})")
     check_cover_resize(loaded.width, loaded.height, height, width, source=f"conditioning image {source}")
-    if loaded.mode.startswith("I;16"):
-        # A 16-bit grayscale PNG or TIFF: PIL's convert clips its values at 255, so the image came out white. Keep
-        # the high byte instead, as PIL reads 16-bit RGB PNGs.
-        loaded = PIL.Image.fromarray((np.asarray(loaded) >> 8).astype(np.uint8), mode="L")
+    max_pixels = PIL.Image.MAX_IMAGE_PIXELS
+    if max_pixels is not None and loaded.width * loaded.height > max_pixels:
+        # One log line in place of PIL's DecompressionBombWarning ("could be decompression bomb DOS attack"), which
+        # _open_image_file silences: the image passed the project's own limits; only its size costs.
+        logger.info("conditioning image %s is %dx%d (%s pixels, more than PIL's decompression-bomb threshold of "
+                    "%s): decoded in full before the resize to %dx%d", source, loaded.width, loaded.height,
+                    f"{loaded.width * loaded.height:,}", f"{max_pixels:,}", width, height)
+    loaded = _grayscale_to_8_bit(loaded, sample_type, f"conditioning image {source}")
     return loaded if loaded.mode == "RGB" else loaded.convert("RGB")
+
+
+def unreadable_image_reason(path: str | os.PathLike[str], error: BaseException, pil_format: str | None) -> str:
+    """Why PIL could not open or decode the image file at `path`, and the fix, in words for the user.
+
+    `pil_format` is PIL's name for the format when it opened the file and failed later. The text never names the
+    path (the server shows it for uploads, whose path is the server's own) nor the exception class.
+    """
+    if isinstance(error, PermissionError):
+        return "the file cannot be opened (permission denied); make it readable"
+    try:
+        with open(path, "rb") as file:
+            head = file.read(16)
+    except OSError:  # gone or unreadable since PIL tried: say what PIL saw, if anything
+        head = None
+    if head == b"":
+        return f"the file is empty (0 bytes); use {IMAGE_FORMATS}"
+    found = pil_format
+    if head is not None:
+        if head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS:
+            return "it is a HEIC/HEIF photo, which k6serve cannot read; convert it to JPEG or PNG"
+        for offset, magic, name in _SIGNATURES:
+            if head[offset:offset + len(magic)] == magic:
+                found = name
+    if found is not None:
+        # PIL does not tell a cut-short file from a damaged one or from a variant it has no decoder for, except in
+        # its message text, which names the path.
+        return (f"it starts as a {found} file but its data is damaged, cut short or of a kind k6serve cannot "
+                f"decode; export or copy it again, as an 8-bit PNG or JPEG if it still fails")
+    return f"its contents are in no image format k6serve reads; use {IMAGE_FORMATS}"
 
 
 def cover_resize_center_crop(image: PIL.Image.Image, height: int, width: int) -> PIL.Image.Image:
@@ -84,15 +133,24 @@ def cover_resize_center_crop(image: PIL.Image.Image, height: int, width: int) ->
     return cropped
 
 
-def _open_image_file(path: Path) -> PIL.Image.Image:
+def _open_image_file(path: Path) -> tuple[PIL.Image.Image, tuple[int, int] | None]:
+    """The decoded image, EXIF orientation applied, and its TIFF sample type (`_tiff_sample_type`)."""
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ValueError(f"cannot read conditioning image {str(path)!r}: it {what}")
+    pil_format = None
     try:
-        with PIL.Image.open(path) as opened:
-            # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.
-            opened.load()
-            return PIL.ImageOps.exif_transpose(opened)
+        # PIL warns on stderr for images over MAX_IMAGE_PIXELS (raising only past twice that): such an image is
+        # then refused by check_cover_resize or logged in one line by load_conditioning_image.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            with PIL.Image.open(path) as opened:
+                pil_format = opened.format
+                # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.
+                opened.load()
+                # Read before exif_transpose, whose copy has no TIFF tags.
+                sample_type = _tiff_sample_type(opened)
+                return PIL.ImageOps.exif_transpose(opened), sample_type
     except PIL.Image.DecompressionBombError as exc:
         # Not an OSError: PIL refuses to decode more than twice its MAX_IMAGE_PIXELS (a guard against files that
         # expand to gigabytes). The image is readable, only too large for a conditioning frame. PIL's message is
@@ -106,6 +164,76 @@ def _open_image_file(path: Path) -> PIL.Image.Image:
         ) from exc
     except (PIL.UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(
-            f"cannot read conditioning image {str(path)!r}: not a readable image ({exc}); "
-            "pass a PNG, JPEG or WebP file"
+            f"conditioning image {str(path)!r} is not a readable image: "
+            f"{unreadable_image_reason(path, exc, pil_format)}"
         ) from exc
+
+
+def _tiff_sample_type(image: PIL.Image.Image) -> tuple[int, int] | None:
+    """(bits per sample, TIFF SampleFormat: 1 unsigned, 2 signed, 3 float) of an image opened from a TIFF, else None."""
+    tags = getattr(image, "tag_v2", None)
+    if tags is None:
+        return None
+    bits, sample_format = tags.get(258, (1,)), tags.get(339, (1,))  # TIFF's defaults: 1 bit, unsigned
+    return (bits[0] if isinstance(bits, tuple) else bits,
+            sample_format[0] if isinstance(sample_format, tuple) else sample_format)
+
+
+def _grayscale_to_8_bit(image: PIL.Image.Image, sample_type: tuple[int, int] | None,
+                        source: str) -> PIL.Image.Image:
+    """A 16-bit, 32-bit integer or float grayscale image as 8-bit "L" with its levels kept; others unchanged.
+
+    PIL's convert("RGB") clips these at 255 (a mid-gray 16- or 32-bit image came out white) and truncates floats (a
+    0..1 image came out black). Integers keep their top 8 bits of 0 (black) .. the largest value their type holds
+    (white), as PIL reads 16-bit RGB PNGs; floats map 0.0 (black) .. 1.0 (white), the usual float convention
+    (scikit-image's, for one). Values outside that range are refused, not clipped: a float image in 0..255 or -1..1
+    would otherwise come out white or half black.
+    """
+    if image.mode.startswith("I;16"):  # 16-bit grayscale PNG or TIFF
+        return PIL.Image.fromarray((np.asarray(image) >> 8).astype(np.uint8), mode="L")
+    if image.mode == "I":
+        return PIL.Image.fromarray(_integer_levels(np.asarray(image), sample_type, source), mode="L")
+    if image.mode == "F":
+        return PIL.Image.fromarray(_float_levels(np.asarray(image), source), mode="L")
+    return image
+
+
+def _integer_levels(pixels: np.ndarray, sample_type: tuple[int, int] | None, source: str) -> np.ndarray:
+    """Mode "I" pixels as uint8: the range comes from the TIFF's sample type; other files are 16-bit."""
+    if sample_type is not None and sample_type[1] in (1, 2):
+        bits, signed = sample_type[0], sample_type[1] == 2
+        kind = f"{bits}-bit {'signed' if signed else 'unsigned'} integer TIFF"
+        if bits == 32 and not signed:
+            pixels = pixels.view(np.uint32)  # PIL keeps unsigned 32-bit samples in its signed mode "I", bit for bit
+    else:
+        # Older Pillows open 16-bit grayscale PNGs, and this one 16-bit PGMs (scaled to 0..65535 from their maxval) as
+        # mode "I": those are the mode "I" files with no sample type to read.
+        bits, signed = 16, False
+        kind = "32-bit integer image (PIL mode I) not from a TIFF, so read as 16-bit,"
+    white = 2 ** (bits - signed) - 1
+    low, high = int(pixels.min()), int(pixels.max())
+    if low < 0 or high > white:
+        raise ValueError(
+            f"{source} is a {kind} with values from {low:,} to {high:,}, outside its range of 0 (black) to "
+            f"{white:,} (white); rescale it into that range, or save it as an 8- or 16-bit PNG"
+        )
+    shift = bits - signed - 8  # the top 8 bits of the range, as >> 8 for 16-bit; no wider copy of a large image
+    return (pixels >> shift if shift >= 0 else pixels * 255 // white).astype(np.uint8)
+
+
+def _float_levels(pixels: np.ndarray, source: str) -> np.ndarray:
+    """Mode "F" pixels as uint8: 0.0 black, 1.0 white; NaN, infinity and values outside 0..1 refused."""
+    num_not_finite = int(np.count_nonzero(~np.isfinite(pixels)))
+    if num_not_finite:
+        raise ValueError(
+            f"{source} is a float image with {num_not_finite:,} NaN or infinite pixel values; replace them with "
+            "values from 0.0 (black) to 1.0 (white), or save the image as an 8-bit PNG"
+        )
+    levels = np.floor(pixels * np.float32(255) + np.float32(0.5))
+    low, high = float(pixels.min()), float(pixels.max())
+    if levels.min() < 0 or levels.max() > 255:  # beyond half an 8-bit level: more than rounding error
+        raise ValueError(
+            f"{source} is a float image with values from {low:g} to {high:g}; float images are read as 0.0 "
+            "(black) to 1.0 (white): rescale it to 0..1 (divide 0..255 values by 255), or save it as an 8-bit PNG"
+        )
+    return levels.astype(np.uint8)

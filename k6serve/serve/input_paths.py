@@ -6,13 +6,14 @@ outside an allowed folder are refused alike.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import av
 import PIL.Image
 
 from k6serve.media.container import still_image_demuxer
-from k6serve.media.image import check_cover_resize
+from k6serve.media.image import IMAGE_FORMATS, check_cover_resize, unreadable_image_reason
 from k6serve.serve.errors import ApiError
 
 
@@ -54,13 +55,21 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
     code = "invalid_upload" if uploaded else "invalid_path"
     what = f"The uploaded {param}" if uploaded else f"{param} {path!r}"
     if kind == "image":
+        pil_format = None
         try:
-            with PIL.Image.open(path) as image:
-                image.verify()
-            with PIL.Image.open(path) as image:  # verify() leaves the image unusable, so read the header again
-                size = image.size
-                if image.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSING_ORIENTATIONS:
-                    size = size[::-1]  # the pipeline applies the rotation before resizing
+            # No DecompressionBombWarning on stderr for images over PIL's MAX_IMAGE_PIXELS: check_cover_resize
+            # below refuses those too large for the video, and the worker logs the size of the rest. catch_warnings
+            # swaps the process-wide filter list, so with uploads checked at once in threads this one warning may
+            # still show, or stay off afterwards.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+                with PIL.Image.open(path) as image:
+                    pil_format = image.format
+                    image.verify()
+                with PIL.Image.open(path) as image:  # verify() leaves the image unusable, so read the header again
+                    size = image.size
+                    if image.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSING_ORIENTATIONS:
+                        size = size[::-1]  # the pipeline applies the rotation before resizing
         except PIL.Image.DecompressionBombError:
             # A readable image with more than twice PIL's MAX_IMAGE_PIXELS: too large, not broken.
             raise ApiError(400, f"{what} is too large (over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0)} pixels); "
@@ -72,11 +81,11 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
                 # Said plainly: a generation model's input_reference is its conditioning image, whatever the upload
                 # was named or typed, and no generation model takes a video.
                 raise ApiError(400, f"{what} is a video, not an image: a generation model is conditioned on an "
-                                    "image (TI2AV); videos are the super-resolution model's input. Send a PNG, "
-                                    "JPEG, WebP or GIF image (a GIF gives its first frame).", code=code,
-                               param=param) from None
-            raise ApiError(400, f"{what} is not a readable image ({type(exc).__name__}); send a PNG, JPEG, WebP or "
-                                "GIF file.", code=code, param=param) from None
+                                    "image (TI2AV); videos are the super-resolution model's input. Send "
+                                    f"{IMAGE_FORMATS}.", code=code, param=param) from None
+            # The reason, not PIL's message: that names the file, here the server's upload path.
+            raise ApiError(400, f"{what} is not a readable image: {unreadable_image_reason(path, exc, pil_format)}.",
+                           code=code, param=param) from None
         if video_size is not None:
             try:
                 check_cover_resize(*size, *video_size, source=what)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import logging
+import re
 import subprocess
 import sys
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -482,6 +485,69 @@ def test_a_16_bit_grayscale_image_keeps_its_levels(tmp_path: Path) -> None:
     assert np.array_equal(np.asarray(loaded)[..., 0], np.asarray(loaded)[..., 2])
 
 
+def _mark_tiff_unsigned(path: Path) -> None:
+    """Set SampleFormat to unsigned in a little-endian TIFF PIL wrote: PIL writes mode "I" as signed 32-bit always,
+    where a camera or microscope writes unsigned."""
+    data = bytearray(path.read_bytes())
+    ifd = int.from_bytes(data[4:8], "little")
+    for index in range(int.from_bytes(data[ifd:ifd + 2], "little")):
+        entry = ifd + 2 + 12 * index
+        if int.from_bytes(data[entry:entry + 2], "little") == 339:  # SampleFormat, one SHORT held in the entry
+            data[entry + 8:entry + 10] = (1).to_bytes(2, "little")
+    path.write_bytes(data)
+
+
+def test_32_bit_integer_and_float_grayscale_images_keep_their_levels(tmp_path: Path) -> None:
+    # PIL's convert("RGB") clips mode "I" at 255 (a mid-gray 32-bit TIFF came out white) and truncates mode "F" (a
+    # mid-gray 0..1 float TIFF came out black).
+    signed = np.array([[0, 2**30, 2**31 - 1]], dtype=np.int32)
+    PIL.Image.fromarray(signed).save(tmp_path / "int32.tif")
+    unsigned = np.array([[0, 2**31, 2**32 - 1]], dtype=np.uint32)
+    PIL.Image.fromarray(unsigned.view(np.int32)).save(tmp_path / "uint32.tif")
+    _mark_tiff_unsigned(tmp_path / "uint32.tif")
+    PIL.Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32)).save(tmp_path / "float.tif")
+    # A mode "I" file that is not a TIFF is 16-bit: PIL opens 16-bit PGMs (and 16-bit PNGs in older Pillows) so.
+    PIL.Image.fromarray(np.array([[0, 0x8000, 0xFFFF]], dtype=np.uint16)).convert("I").save(tmp_path / "gray16.pgm")
+    for name, mode, sample_format in (("int32.tif", "I", (2,)), ("uint32.tif", "I", (1,)), ("float.tif", "F", (3,)),
+                                      ("gray16.pgm", "I", None)):
+        with PIL.Image.open(tmp_path / name) as opened:  # the files are the kinds this test means
+            assert (opened.mode, getattr(opened, "tag_v2", {}).get(339)) == (mode, sample_format)
+        loaded = media.load_conditioning_image(tmp_path / name, 64, 96)
+        assert loaded.mode == "RGB"
+        assert np.array_equal(np.asarray(loaded), np.repeat([[[0], [128], [255]]], 3, axis=2)), name
+    # A PIL image passed in: its TIFF tags when it comes from Image.open, else mode "I" is 16-bit as above.
+    with PIL.Image.open(tmp_path / "uint32.tif") as opened:
+        assert media.load_conditioning_image(opened, 64, 96).getpixel((1, 0)) == (128, 128, 128)
+    mid_gray_16 = PIL.Image.fromarray(np.full((2, 2), 0x8000, dtype=np.int32))
+    assert media.load_conditioning_image(mid_gray_16, 64, 96).getpixel((0, 0)) == (128, 128, 128)
+
+
+def test_grayscale_levels_outside_their_range_are_refused(tmp_path: Path) -> None:
+    PIL.Image.fromarray(np.array([[0.0, np.nan, np.inf]], dtype=np.float32)).save(tmp_path / "nan.tif")
+    with pytest.raises(ValueError, match=r"nan\.tif' is a float image with 2 NaN or infinite pixel values; replace "
+                                         r"them with values from 0\.0 \(black\) to 1\.0 \(white\)"):
+        media.load_conditioning_image(tmp_path / "nan.tif", 64, 96)
+    # A 0..255 float image would be all white read as 0..1; PIL's convert had read it as 0..255.
+    PIL.Image.fromarray(np.array([[0.0, 128.0, 255.0]], dtype=np.float32)).save(tmp_path / "float255.tif")
+    with pytest.raises(ValueError, match=r"values from 0 to 255; float images are read as 0\.0 \(black\) to 1\.0 "
+                                         r"\(white\): rescale it to 0\.\.1 \(divide 0\.\.255 values by 255\)"):
+        media.load_conditioning_image(tmp_path / "float255.tif", 64, 96)
+    PIL.Image.fromarray(np.array([[-0.5, 0.5]], dtype=np.float32)).save(tmp_path / "signed_float.tif")
+    with pytest.raises(ValueError, match=r"values from -0\.5 to 0\.5"):
+        media.load_conditioning_image(tmp_path / "signed_float.tif", 64, 96)
+    # Round-off within half an 8-bit level of 0..1 is no reason to refuse.
+    PIL.Image.fromarray(np.array([[-0.001, 1.001]], dtype=np.float32)).save(tmp_path / "round_off.tif")
+    assert media.load_conditioning_image(tmp_path / "round_off.tif", 64, 96).getpixel((1, 0)) == (255, 255, 255)
+    PIL.Image.fromarray(np.array([[-5, 2**30]], dtype=np.int32)).save(tmp_path / "negative.tif")
+    with pytest.raises(ValueError, match=r"negative\.tif' is a 32-bit signed integer TIFF with values from -5 to "
+                                         r"1,073,741,824, outside its range of 0 \(black\) to 2,147,483,647 "
+                                         r"\(white\); rescale it"):
+        media.load_conditioning_image(tmp_path / "negative.tif", 64, 96)
+    with pytest.raises(ValueError, match=r"the given PIL image is a 32-bit integer image \(PIL mode I\) not from a "
+                                         r"TIFF, so read as 16-bit, with values from 0 to 65,536"):
+        media.load_conditioning_image(PIL.Image.fromarray(np.array([[0, 65536]], dtype=np.int32)), 64, 96)
+
+
 def test_load_conditioning_image_applies_exif_orientation(tmp_path: Path) -> None:
     image = PIL.Image.new("RGB", (40, 30), (200, 10, 10))
     exif = PIL.Image.Exif()
@@ -511,6 +577,78 @@ def test_an_image_over_pils_pixel_limit_is_too_large_not_unreadable(tmp_path: Pa
 
     with pytest.raises(ApiError, match="too large .*downscale it"):
         check_readable("image", str(tmp_path / "big.png"), param="input_reference", uploaded=True)
+
+
+def _png_bytes(size: tuple[int, int] = (64, 48)) -> bytes:
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size[::-1], 3), dtype=np.uint8)).save(
+        buffer, format="PNG")
+    return buffer.getvalue()
+
+
+ACCEPTED = r"use a PNG, JPEG, WebP, TIFF or GIF image \(a GIF gives its first frame\)"
+DAMAGED = (r"it starts as a {} file but its data is damaged, cut short or of a kind k6serve cannot decode; export "
+           r"or copy it again, as an 8-bit PNG or JPEG if it still fails")
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (b"hello", rf"its contents are in no image format k6serve reads; {ACCEPTED}"),
+    (b"", rf"the file is empty \(0 bytes\); {ACCEPTED}"),
+    # PIL says "cannot identify image file" for a PNG cut inside its header, as for a text file.
+    (_png_bytes()[:30], DAMAGED.format("PNG")),
+    (_png_bytes()[:2000], DAMAGED.format("PNG")),  # cut inside the pixel data: PIL opens it, then fails
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64),
+     r"it is a HEIC/HEIF photo, which k6serve cannot read; convert it to JPEG or PNG"),
+], ids=["text", "empty", "png_cut_in_header", "png_cut_in_pixels", "heic"])
+def test_an_unreadable_image_is_explained_the_same_way_for_the_cli_and_the_server(tmp_path: Path, content,
+                                                                                     reason) -> None:
+    # The server's 400 showed only PIL's exception class ("UnidentifiedImageError"), the CLI PIL's message.
+    from k6serve.serve.errors import ApiError
+    from k6serve.serve.input_paths import check_readable
+
+    path = tmp_path / "first.png"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as cli_error:
+        media.load_conditioning_image(path, 64, 96)
+    assert re.fullmatch(rf"conditioning image '{re.escape(str(path))}' is not a readable image: {reason}",
+                        str(cli_error.value))
+    with pytest.raises(ApiError) as server_error:
+        check_readable("image", str(path), param="image_path", uploaded=False)
+    assert re.fullmatch(rf"image_path '{re.escape(str(path))}' is not a readable image: {reason}\.",
+                        server_error.value.message)
+    assert "Error" not in server_error.value.message and "Error" not in str(cli_error.value)
+
+
+def test_an_image_over_pils_warning_threshold_prints_no_python_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    # PIL warns ("could be decompression bomb DOS attack") from MAX_IMAGE_PIXELS to twice that, and raises beyond.
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 1000)
+    PIL.Image.new("RGB", (40, 40), (10, 20, 30)).save(tmp_path / "large.png")  # 1,600 pixels
+    PIL.Image.new("RGB", (1, 1500)).save(tmp_path / "strip.png")
+    with pytest.warns(PIL.Image.DecompressionBombWarning):  # what the user saw on stderr
+        PIL.Image.open(tmp_path / "large.png").close()
+    from k6serve.serve.errors import ApiError
+    from k6serve.serve.input_paths import check_readable
+
+    filters_before = list(warnings.filters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        with caplog.at_level(logging.INFO, logger="k6serve.media.image"):
+            loaded = media.load_conditioning_image(tmp_path / "large.png", 64, 96)
+            check_readable("image", str(tmp_path / "large.png"), param="input_reference", uploaded=True,
+                           video_size=(64, 96))
+        assert loaded.size == (40, 40) and loaded.getpixel((0, 0)) == (10, 20, 30)
+        assert [record.getMessage() for record in caplog.records] == [
+            f"conditioning image {str(tmp_path / 'large.png')!r} is 40x40 (1,600 pixels, more than PIL's "
+            "decompression-bomb threshold of 1,000): decoded in full before the resize to 96x64"]
+        # One too far from the video's aspect ratio gets the project's own refusal, and nothing else.
+        caplog.clear()
+        with pytest.raises(ValueError, match="is 1x1500, too far from the video's 768x512 aspect ratio"):
+            media.load_conditioning_image(tmp_path / "strip.png", 512, 768)
+        with pytest.raises(ApiError, match="is 1x1500, too far from the video's 768x512 aspect ratio"):
+            check_readable("image", str(tmp_path / "strip.png"), param="input_reference", uploaded=True,
+                           video_size=(512, 768))
+        assert caplog.records == []
+    assert warnings.filters == filters_before and PIL.Image.MAX_IMAGE_PIXELS == 1000
 
 
 def test_an_image_far_from_the_videos_aspect_ratio_is_refused_before_the_resize(tmp_path: Path) -> None:
