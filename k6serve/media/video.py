@@ -144,6 +144,17 @@ def read_sr_source(
 
 
 @dataclass(frozen=True)
+class SourcePreview:
+    """What `SRSourceReader` will give, told from the file's headers and first frame before the decode."""
+
+    frame_size: tuple[int, int]  # (H, W) of the frames `frames()` yields: the display rotation applied
+    # The kept count `summary()` gives if the file is as long as it says (`SRSourceReader.preview`); None when it
+    # states no length, or one too short to keep a frame.
+    num_frames: int | None
+    fps: int  # `summary().fps`: it depends on the stated frame rate only
+
+
+@dataclass(frozen=True)
 class SourceSummary:
     """What `SRSourceReader` kept: `SourceClip` without the frames."""
 
@@ -209,6 +220,31 @@ class SRSourceReader:
 
     def close(self) -> None:
         self._container.close()
+
+    def preview(self) -> SourcePreview:
+        """The frame size, kept count and fps of this source, from its headers and its first frame alone (PyAV
+        shows the display rotation, which swaps a portrait phone video's width and height, only on decoded frames).
+        Use a reader of its own: `frames()` would then start at the second frame.
+
+        The count is what the 24 fps rule, the cap and the 1 + 8k floor keep of the length the file states
+        (`declared_frame_count`, else the container's duration at the stream's rate: Matroska and WebM state
+        only that). A file that decodes to another length (cut short, or trimmed by an edit list) gets another
+        count from `summary()`."""
+        try:
+            frame = next(self._container.decode(self._stream), None)
+        except av.error.FFmpegError as exc:
+            raise ValueError(f"cannot decode video file {str(self.path)!r}: {exc}") from exc
+        if frame is None:
+            raise ValueError(f"video file {str(self.path)!r} has a video stream but no decodable frames")
+        frame_size = (frame.height, frame.width)
+        if _quarter_turns(frame.rotation) % 2:
+            frame_size = (frame.width, frame.height)
+        num_source_frames = self.declared_frames
+        if num_source_frames is None and self._container.duration:
+            num_source_frames = round(self._container.duration / av.time_base * self.source_fps)
+        indices = sr_source_indices(num_source_frames or 0, self._plan, max_frames=self._max_frames)
+        return SourcePreview(frame_size=frame_size, num_frames=floor_frame_count(len(indices)) if indices else None,
+                             fps=self._plan.output_fps)
 
     def frames(self) -> Iterator[np.ndarray]:
         """The selected RGB uint8 (H, W, 3) frames, decoded one at a time."""
@@ -338,10 +374,15 @@ def _upright(frame_HWC: np.ndarray, rotation: float) -> np.ndarray:
     rotation (`rotation`: degrees counter-clockwise) that every player and FFmpeg apply; the upscaled MP4 carries
     no rotation, so frames left as stored would play sideways. Angles between quarter turns (rare) are rounded to
     the nearest quarter turn."""
-    quarter_turns = round(rotation / 90) % 4
+    quarter_turns = _quarter_turns(rotation)
     if quarter_turns == 0:
         return frame_HWC
     return np.ascontiguousarray(np.rot90(frame_HWC, quarter_turns))
+
+
+def _quarter_turns(rotation: float) -> int:
+    """Counter-clockwise quarter turns (0-3) nearest to `rotation` degrees."""
+    return round(rotation / 90) % 4
 
 
 def _decode_rgb(

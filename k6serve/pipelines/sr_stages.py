@@ -78,26 +78,24 @@ class UpscalePlan:
         )
 
 
-def plan_upscale(
-    source_size: tuple[int, int],
-    request: UpscaleRequest,
-    *,
-    tile_sizes: Sequence[tuple[int, int]],
-    snap: int,
-) -> UpscalePlan:
-    """Scale route, tile grid and output sizes; raises ValueError for every request that cannot run."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpscaleSizes:
+    """The sizes of an `UpscalePlan`, without its tile grid."""
+
+    scale: ScalePlan
+    input_size: tuple[int, int]
+    crop_size: tuple[int, int]
+    delivery_size: tuple[int, int]
+    notes: tuple[str, ...] = ()
+
+
+def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> UpscaleSizes:
+    """The output sizes of `request` on a source of `source_size` (H, W); raises ValueError for a target or size that
+    cannot be made. Needs no checkpoint (the tile grid does, and does not change the sizes), so the HTTP server
+    tells a job's size when it is created, from the same code the worker runs (`plan_upscale`)."""
     scale = resolve_scale(request.scale)
     height, width = source_size
     input_size = pre_upscale_size(height, width) if scale.pre_upscale != 1.0 else (height, width)
-    padded_height, padded_width = (-(-side // snap) * snap for side in input_size)
-    grid = plan_tiles(
-        padded_height,
-        padded_width,
-        tiling_scale=scale.tiling_scale,
-        tile_sizes=tile_sizes,
-        min_overlap=request.tile_min_overlap,
-        snap=snap,
-    )
     crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
     delivery_size = crop_size
     notes: tuple[str, ...] = ()
@@ -123,15 +121,37 @@ def plan_upscale(
             f"but H.264 frames are at most {MAX_FRAME_SIDE} pixels a side; use a smaller sr_resolution_scale, a "
             f"smaller source, or an sr_target_resolution of at most {MAX_FRAME_SIDE} a side (e.g. 2k)."
         )
+    return UpscaleSizes(scale=scale, input_size=input_size, crop_size=crop_size, delivery_size=delivery_size,
+                        notes=notes)
+
+
+def plan_upscale(
+    source_size: tuple[int, int],
+    request: UpscaleRequest,
+    *,
+    tile_sizes: Sequence[tuple[int, int]],
+    snap: int,
+) -> UpscalePlan:
+    """Scale route, tile grid and output sizes; raises ValueError for every request that cannot run."""
+    sizes = upscale_sizes(source_size, request)
+    padded_height, padded_width = (-(-side // snap) * snap for side in sizes.input_size)
+    grid = plan_tiles(
+        padded_height,
+        padded_width,
+        tiling_scale=sizes.scale.tiling_scale,
+        tile_sizes=tile_sizes,
+        min_overlap=request.tile_min_overlap,
+        snap=snap,
+    )
     return UpscalePlan(
-        scale=scale,
-        source_size=(height, width),
-        input_size=input_size,
+        scale=sizes.scale,
+        source_size=tuple(source_size),
+        input_size=sizes.input_size,
         snap=snap,
         grid=grid,
-        crop_size=crop_size,
-        delivery_size=delivery_size,
-        notes=notes,
+        crop_size=sizes.crop_size,
+        delivery_size=sizes.delivery_size,
+        notes=sizes.notes,
     )
 
 

@@ -79,6 +79,7 @@ from k6serve.serve.schemas import (
 )
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
+from k6serve.serve.upscale_output import expected_upscale_output
 
 logger = logging.getLogger(__name__)
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
@@ -219,18 +220,26 @@ async def create_video(request: Request,
                            code="invalid_parameter", param="prompt") from None
         except ValueError as exc:
             raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
-        # (height, width) of a generation; an upscale's output size is known only once its source is read.
+        # (height, width) of a generation, which a conditioning image must be able to cover.
         video_size = (resolved.height, resolved.width) if isinstance(resolved, GenerateRequest) else None
         await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields, video_size)
+        if isinstance(resolved, GenerateRequest):
+            size, seconds = f"{resolved.width}x{resolved.height}", f"{resolved.num_frames / resolved.fps:g}"
+        else:
+            # After the readability check, so a source that is no video keeps that check's 400.
+            try:
+                output = await asyncio.to_thread(expected_upscale_output, resolved)
+            except ValueError as exc:  # a size that cannot be made: refused now, not after the upscale ran
+                param = "sr_target_resolution" if resolved.target_resolution else "sr_resolution_scale"
+                raise ApiError(400, str(exc), code="invalid_parameter", param=param) from None
+            size, seconds = (output.size, output.seconds) if output is not None else (None, None)
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
-            size=f"{video_size[1]}x{video_size[0]}" if video_size else None,
-            seconds=f"{resolved.num_frames / resolved.fps:g}" if hasattr(resolved, "num_frames") else None,
-            upload_files=uploads, idempotency_key=idempotency_key,
+            size=size, seconds=seconds, upload_files=uploads, idempotency_key=idempotency_key,
             request_hash=_request_hash(body.model_dump(exclude_none=True), sent.file_digests, uploads),
             warnings=tuple(notes),
         )

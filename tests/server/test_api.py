@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_vsr_defaults_and_sr_fields(tmp_path):
 
     worker = FakeWorker(VARIANTS["vsr-distilled2steps"])
     server = start_server(tmp_path, worker=worker)
-    clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
+    # 192 px: x4 makes 768, so an exact "hd" target (720 a side for a square) is a downscale the server accepts.
+    clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=192, height=192, num_frames=9, fps=24)
     try:
         with server.client() as client:
             job = client.post("/v1/videos", json={"video_path": str(clip)}).json()
@@ -73,6 +75,68 @@ def test_vsr_defaults_and_sr_fields(tmp_path):
                     request.target_resize_mode, request.seed) == (4.0, 2, 0.3, "hd", "exact", 7)
             refused = client.post("/v1/videos", json={"video_path": str(clip), "size": "64x64"})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "size"
+    finally:
+        server.stop()
+
+
+def test_an_upscale_job_reports_the_pipelines_size_and_seconds_from_creation(tmp_path):
+    """What the SR pipeline makes of each source (its reader's frames, count and fps; `plan_upscale`'s delivery
+    size) is the job's `size` and `seconds` as created: rotated, subsampled, capped, slow and Matroska sources."""
+    from fractions import Fraction
+
+    from k6serve.media.video import read_sr_source
+    from k6serve.pipelines.sr_stages import plan_upscale
+    from k6serve.testing.clips import make_clip
+    from k6serve.testing.tiny_sr_checkpoint import TINY_TILE_SIZES
+
+    worker = FakeWorker(VARIANTS["vsr-distilled2steps"])
+    server = start_server(tmp_path, worker=worker)
+    inputs = tmp_path / "inputs"
+    clips = [
+        make_clip(inputs / "portrait.mp4", width=96, height=64, num_frames=17, fps=24, rotation=90),
+        make_clip(inputs / "upside_down.mov", width=96, height=64, num_frames=9, fps=24, rotation=180),
+        make_clip(inputs / "ntsc.mkv", width=80, height=48, num_frames=50, fps=Fraction(30000, 1001),
+                  audio="mono_tone"),  # subsampled to 24 fps; Matroska states no frame count, only a duration
+        make_clip(inputs / "long.mp4", width=48, height=48, num_frames=130, fps=25),  # capped at 121 frames
+        make_clip(inputs / "slow.mp4", width=64, height=48, num_frames=20, fps=15),  # kept at 15 fps
+    ]
+    scales = [{}, {"sr_resolution_scale": 2}, {"sr_resolution_scale": 4, "sr_target_resolution": "320x240"}]
+    try:
+        with server.client() as client:
+            for clip, fields in itertools.product(clips, scales):
+                created = client.post("/v1/videos", json={"video_path": str(clip), **fields})
+                assert created.status_code == 200, created.text
+                done = wait_for(client, created.json()["id"])
+                source = read_sr_source(clip)
+                plan = plan_upscale(source.frames.shape[1:3], worker.requests[-1], tile_sizes=TINY_TILE_SIZES,
+                                    snap=8)
+                height, width = plan.delivery_size
+                expected = (f"{width}x{height}", f"{source.num_frames / source.fps:g}")
+                assert (created.json()["size"], created.json()["seconds"]) == expected, (clip.name, fields)
+                # The fake worker's MP4 is 16x16 with 5 frames: the finished job reports what was made.
+                assert (done["size"], done["seconds"]) == ("16x16", f"{5 / 24:g}")
+            portrait = client.post("/v1/videos", json={"video_path": str(clips[0])}).json()
+            assert portrait["size"] == "128x224"  # 64x96 upright, x1.125 snapped to 64x112, x2
+    finally:
+        server.stop()
+
+
+def test_an_upscale_whose_size_cannot_be_made_is_refused_at_creation(tmp_path):
+    """An `exact` target larger than the upscaled result used to be accepted, then failed by the worker after the
+    job waited its turn; the size is now planned at creation, so the 400 comes at once and no job is stored."""
+    from k6serve.testing.clips import make_clip
+
+    worker = FakeWorker(VARIANTS["vsr-distilled2steps"])
+    server = start_server(tmp_path, worker=worker)
+    clip = make_clip(tmp_path / "inputs" / "small.mp4", width=32, height=32, num_frames=9, fps=24)
+    try:
+        with server.client() as client:
+            refused = client.post("/v1/videos", json={"video_path": str(clip), "sr_resolution_scale": 4,
+                                                      "sr_target_resolution": "hd", "sr_target_resize_mode": "exact"})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert "larger than the SR result" in error["message"] and error["param"] == "sr_target_resolution"
+            assert client.get("/v1/videos").json()["data"] == [] and worker.requests == []
     finally:
         server.stop()
 

@@ -135,6 +135,41 @@ def test_vsr_upload_and_video_path_are_bit_identical(server_vsr_dir, tmp_path):
         server.stop()
 
 
+def test_an_upscale_job_reports_its_output_size_and_seconds_from_creation(server_vsr_dir, tmp_path):
+    """The size and seconds of a job just created are the finished job's and its MP4's: a portrait phone clip (a
+    display rotation) at the default x2.25, and a 30 fps Matroska clip (subsampled; no stated frame count) at x2."""
+    from k6serve.testing.clips import make_clip
+
+    engine = Engine(build_engine_config(str(server_vsr_dir), device="cpu"))
+    server = start_server(tmp_path, engine=engine)
+    inputs = tmp_path / "inputs"
+    cases = [
+        (make_clip(inputs / "portrait.mp4", width=96, height=64, num_frames=17, fps=24, rotation=90,
+                   audio="mono_tone"), {}, ("128x224", "0.708333")),  # 64x96 upright, x1.125 -> 64x112, x2
+        (make_clip(inputs / "thirty.mkv", width=96, height=64, num_frames=24, fps=30), {"sr_resolution_scale": 2},
+         ("192x128", "0.708333")),  # 24 frames at 30 fps -> 19 at 24 fps -> 17 (1 + 8k)
+    ]
+    fields = {"sr_tiles_batch_size": 1, "seed": 42}
+    try:
+        with server.client() as client:
+            for clip, scale, expected in cases:
+                created = client.post("/v1/videos", json={"video_path": str(clip), **fields, **scale}).json()
+                assert (created["size"], created["seconds"]) == expected, created
+                done = wait_for(client, created["id"], timeout=300)
+                assert done["status"] == "completed", done
+                assert (done["size"], done["seconds"]) == expected
+                output = tmp_path / f"{clip.stem}_upscaled.mp4"
+                output.write_bytes(client.get(f"/v1/videos/{created['id']}/content").content)
+                with av.open(str(output)) as container:
+                    stream = container.streams.video[0]
+                    num_frames = sum(1 for _ in container.decode(stream))
+                    made = (f"{stream.codec_context.width}x{stream.codec_context.height}",
+                            f"{num_frames / float(stream.average_rate):g}")
+                assert made == expected
+    finally:
+        server.stop()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,39 @@
+"""The `size` and `seconds` of an upscale job, known when it is created, from its source's headers and first frame.
+
+A generation job's size and duration are request fields; an upscale job's follow from its source, which the
+worker reads only when the job runs. Here the source is opened with the worker's reader and the size planned with
+the worker's own `upscale_sizes`, so the values are the ones the finished job reports. The job's values are
+replaced by the worker's when it completes: for a file whose headers state another length than it decodes to
+(`SRSourceReader.preview`), the finished job's `seconds` wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k6serve.media.video import SRSourceReader
+from k6serve.pipelines.sr_stages import upscale_sizes
+from k6serve.request import UpscaleRequest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpscaleOutput:
+    """An upscale job's `size` and `seconds` as the job object shows them."""
+
+    size: str  # "WxH", width first
+    seconds: str | None  # None when the source states no length, or one too short to keep a frame
+
+
+def expected_upscale_output(request: UpscaleRequest) -> UpscaleOutput | None:
+    """What `request` will deliver; None when the source's frame rate or first frame cannot be read (the worker
+    then fails the job with its own message, as it did before jobs knew their size at creation). A size that
+    cannot be made (an `exact` target larger than the result, a frame side over H.264's limit) raises the
+    worker's ValueError: the server refuses the job at once."""
+    try:
+        with SRSourceReader(request.video_path) as reader:
+            source = reader.preview()
+    except ValueError:
+        return None
+    height, width = upscale_sizes(source.frame_size, request).delivery_size
+    seconds = None if source.num_frames is None else f"{source.num_frames / source.fps:g}"
+    return UpscaleOutput(size=f"{width}x{height}", seconds=seconds)

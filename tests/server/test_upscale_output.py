@@ -1,0 +1,29 @@
+"""`expected_upscale_output`: an upscale job's size and seconds at creation, from the SR pipeline's own sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from k6serve.request import UpscaleRequest
+from k6serve.serve.upscale_output import expected_upscale_output
+from k6serve.testing.clips import make_clip
+
+
+def _request(scale: float, target: str | None = None, mode: str = "fit", video_path: str = "unused.mp4"):
+    return UpscaleRequest(video_path=video_path, scale=scale, tiles_batch_size=1, tile_min_overlap=0.2,
+                          target_resolution=target, target_resize_mode=mode, seed=42, requested_steps=None)
+
+
+def test_sizes_that_cannot_be_made_raise_and_unreadable_sources_have_no_expected_output(tmp_path):
+    clip = make_clip(tmp_path / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
+    assert expected_upscale_output(_request(2, video_path=str(clip))).size == "64x64"
+    # The worker's own refusals (`upscale_sizes`), now raised when the job is created.
+    with pytest.raises(ValueError, match="larger than the SR result"):
+        expected_upscale_output(_request(4, "hd", "exact", video_path=str(clip)))
+    wide = make_clip(tmp_path / "wide.mp4", width=4128, height=16, num_frames=1, fps=24)
+    with pytest.raises(ValueError, match=r"would be 16512x64, but H.264 frames are at most 16384"):
+        expected_upscale_output(_request(4, video_path=str(wide)))
+    # A file the reader cannot open: the worker fails the job with its own message, size and seconds stay unknown.
+    not_a_video = tmp_path / "broken.mp4"
+    not_a_video.write_bytes(b"\0" * 64)
+    assert expected_upscale_output(_request(2, video_path=str(not_a_video))) is None
