@@ -72,7 +72,7 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
                         size = size[::-1]  # the pipeline applies the rotation before resizing
         except PIL.Image.DecompressionBombError:
             # A readable image with more than twice PIL's MAX_IMAGE_PIXELS: too large, not broken.
-            raise ApiError(400, f"{what} is too large (over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0)} pixels); "
+            raise ApiError(400, f"{what} is too large (over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0):,} pixels); "
                                 "downscale it: the model uses it at the video's size.", code=code,
                            param=param) from None
         except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files

@@ -575,7 +575,7 @@ def test_an_image_over_pils_pixel_limit_is_too_large_not_unreadable(tmp_path: Pa
     from k6serve.serve.errors import ApiError
     from k6serve.serve.input_paths import check_readable
 
-    with pytest.raises(ApiError, match="too large .*downscale it"):
+    with pytest.raises(ApiError, match=r"too large \(over 2,000 pixels\); downscale it"):
         check_readable("image", str(tmp_path / "big.png"), param="input_reference", uploaded=True)
 
 
