@@ -394,6 +394,8 @@ class JobRunner:
         return job is not None and job.cancel_requested_at is not None
 
     def _record(self, job: Job, status: JobStatus, **fields) -> None:
+        if fields.get("error_message") and job.upload_files:
+            fields["error_message"] = without_upload_paths(fields["error_message"], job.upload_files)
         finished = self.store.transition(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=status,
                                          completed_at=time.time(), **fields)
         if finished is not None:
@@ -422,3 +424,18 @@ class JobRunner:
         self.metrics.inference_latency.observe(inference_s)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))
+
+
+UPLOADED_FILE = "(the uploaded file)"
+
+
+def without_upload_paths(message: str, upload_files: tuple[str, ...]) -> str:
+    """`message` with the server's own paths of the job's uploads replaced by `UPLOADED_FILE`.
+
+    The worker's errors name the files they could not read (a JPEG cut short inside its pixel data passes the
+    header check at creation and fails in the decode), and an upload's path is the server's, not the client's: it
+    told the client nothing and showed where the server keeps its files.
+    """
+    for path in upload_files:
+        message = message.replace(repr(str(path)), UPLOADED_FILE).replace(str(path), UPLOADED_FILE)
+    return message

@@ -15,6 +15,7 @@ import numpy as np
 import uvicorn
 
 from k6serve.api import build_engine_config
+from k6serve.media.image import load_conditioning_image
 from k6serve.media.mux import write_mp4
 from k6serve.models.variants import GENERATION, VARIANTS, Variant, resolve_generate, resolve_upscale
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
@@ -32,7 +33,8 @@ class FakeWorker:
     reports every step then, until `release` is set, reports the final step again every 10 ms as the pipelines do
     between the video decode's chunks (`decoding` is set meanwhile), "slow tail" reports every step then waits for
     `release` with no boundary left (like the MP4's tail after the last chunk; `decoding` is set meanwhile too),
-    "fail" raises, "exhaust memory" raises a worker process's out-of-memory error.
+    "fail" raises, "exhaust memory" raises a worker process's out-of-memory error, "load image" decodes the
+    conditioning image as the pipeline does (so a file broken past its header fails the job).
     """
 
     def __init__(self, variant: Variant, *, step_delay_s: float = 0.0) -> None:
@@ -83,6 +85,8 @@ class FakeWorker:
                                "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
         if "fail" in prompt:
             raise RuntimeError("fake worker failure")
+        if "load image" in prompt and getattr(request, "image_path", None):
+            load_conditioning_image(request.image_path, request.height, request.width)
         digest = hashlib.sha256(repr((prompt, request.seed)).encode())
         if self.variant.family != GENERATION:
             digest.update(Path(request.video_path).read_bytes())

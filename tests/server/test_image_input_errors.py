@@ -37,3 +37,22 @@ def test_an_unreadable_upload_says_why_in_words(fake_server, fake_client, tmp_pa
     with pytest.raises(ValueError) as cli_error:
         media.load_conditioning_image(tmp_path / "first.png", 512, 768)
     assert str(cli_error.value) == f"conditioning image '{tmp_path / 'first.png'}' is not a readable image: {reason}"
+
+
+def test_a_job_failing_on_its_upload_does_not_show_the_servers_upload_path(fake_server, fake_client):
+    """A JPEG cut inside its pixel data passes the header check at creation and fails when the worker decodes it.
+    The worker's error named the file by the server's own upload path; the job's error says "the uploaded file"."""
+    from harness import wait_for
+
+    buffer = io.BytesIO()
+    PIL.Image.effect_noise((64, 48), 60).convert("RGB").save(buffer, format="JPEG", quality=95)
+    cut = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+    created = fake_client.post("/v1/videos", data={"prompt": "load image", "size": "96x64", "num_frames": "5"},
+                               files={"input_reference": ("first.jpg", cut, "image/jpeg")})
+    assert created.status_code == 200, created.text
+    job = wait_for(fake_client, created.json()["id"])
+    assert job["status"] == "failed" and job["error"]["code"] == "invalid_request", job
+    message = job["error"]["message"]
+    assert message.startswith("conditioning image (the uploaded file) is not a readable image: it starts as a JPEG"), (
+        message)
+    assert str(fake_server.artifacts.root) not in message and "uploads" not in message
