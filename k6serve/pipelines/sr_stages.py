@@ -44,6 +44,7 @@ from k6serve.pipelines.sr_tiling import (
     resize_frames,
     resolve_scale,
     resolve_target_size,
+    stretches_aspect,
     target_bucket,
 )
 from k6serve.request import UpscaleRequest
@@ -112,6 +113,14 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
                 f"smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: the "
                 f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
                 "the target, or drop sr_target_resolution."
+            ),)
+        elif stretches_aspect(delivery_size, crop_size):
+            # Only "exact" stretches ("fit" scales both sides alike). This was a log line no user saw.
+            (crop_height, crop_width), (out_height, out_width) = crop_size, delivery_size
+            notes = ((
+                f"sr_target_resolution {request.target_resolution!r} with the 'exact' resize mode stretches the "
+                f"{crop_width}x{crop_height} upscaled result to {out_width}x{out_height}, changing its aspect "
+                f"ratio; use sr_target_resize_mode 'fit' to keep it."
             ),)
     if max(delivery_size) > MAX_FRAME_SIDE:
         # Found here, from the first frame, rather than when the MP4 writer opens after every tile was computed.

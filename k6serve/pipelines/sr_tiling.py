@@ -9,7 +9,6 @@ Frames are uint8 (T, 3, H, W) tensors unless stated otherwise; latents are (B, T
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
 
 SNAP = 16  # pixels per latent cell of the released K-VAE; tile positions and padding align to it
 DEFAULT_MIN_OVERLAP = 0.2
@@ -256,6 +254,12 @@ def target_bucket(height: int, width: int, target: str) -> tuple[int, int]:
     return select_base_tile(height, width, _parse_target(target))
 
 
+def stretches_aspect(size: tuple[int, int], result_size: tuple[int, int]) -> bool:
+    """Whether delivering `size` (H, W) from a result of `result_size` changes the aspect ratio by over 2%."""
+    (height, width), (result_height, result_width) = size, result_size
+    return abs(width / height - result_width / result_height) > 0.02 * (result_width / result_height)
+
+
 def resolve_target_size(height: int, width: int, target: str, mode: str = "fit") -> tuple[int, int]:
     """Delivery (H, W) for an SR result of (height, width) (§2.12); never upscales.
 
@@ -277,14 +281,7 @@ def resolve_target_size(height: int, width: int, target: str, mode: str = "fit")
                 f"target {target!r} ({bucket_width}x{bucket_height}) is larger than the SR result "
                 f"{width}x{height}; target resolutions only downscale. Use a larger scale or a smaller target."
             )
-        if abs(bucket_width / bucket_height - width / height) > 0.02 * (width / height):
-            logger.warning(
-                "target %dx%d changes the aspect ratio of the %dx%d result",
-                bucket_width,
-                bucket_height,
-                width,
-                height,
-            )
+        # A stretch beyond 2% is told to the user as a note of the plan (`sr_stages.upscale_sizes`).
         return bucket_height, bucket_width
     raise ValueError(f"target resize mode {mode!r} is not 'fit' or 'exact'.")
 

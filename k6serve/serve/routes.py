@@ -233,6 +233,7 @@ async def create_video(request: Request,
                 param = "sr_target_resolution" if resolved.target_resolution else "sr_resolution_scale"
                 raise ApiError(400, str(exc), code="invalid_parameter", param=param) from None
             size, seconds = (output.size, output.seconds) if output is not None else (None, None)
+            notes = [*notes, *(output.notes if output is not None else ())]  # shown from creation on
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would

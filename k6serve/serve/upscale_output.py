@@ -22,6 +22,7 @@ class UpscaleOutput:
 
     size: str  # "WxH", width first
     seconds: str | None  # None when the source states no length, or one too short to keep a frame
+    notes: tuple[str, ...] = ()  # the plan's notes on the size (a target that cannot apply, a stretch)
 
 
 def expected_upscale_output(request: UpscaleRequest) -> UpscaleOutput | None:
@@ -34,6 +35,7 @@ def expected_upscale_output(request: UpscaleRequest) -> UpscaleOutput | None:
             source = reader.preview()
     except ValueError:
         return None
-    height, width = upscale_sizes(source.frame_size, request).delivery_size
+    sizes = upscale_sizes(source.frame_size, request)
+    height, width = sizes.delivery_size
     seconds = None if source.num_frames is None else f"{source.num_frames / source.fps:g}"
-    return UpscaleOutput(size=f"{width}x{height}", seconds=seconds)
+    return UpscaleOutput(size=f"{width}x{height}", seconds=seconds, notes=sizes.notes)

@@ -137,6 +137,12 @@ def test_an_upscale_whose_size_cannot_be_made_is_refused_at_creation(tmp_path):
             error = refused.json()["error"]
             assert "larger than the SR result" in error["message"] and error["param"] == "sr_target_resolution"
             assert client.get("/v1/videos").json()["data"] == [] and worker.requests == []
+            stretched = client.post("/v1/videos", json={"video_path": str(clip), "sr_resolution_scale": 4,
+                                                        "sr_target_resolution": "64x32", "sr_target_resize_mode": "exact"})
+            assert stretched.status_code == 200, stretched.text
+            note = ("sr_target_resolution '64x32' with the 'exact' resize mode stretches the 128x128 upscaled result "
+                    "to 64x32, changing its aspect ratio; use sr_target_resize_mode 'fit' to keep it.")
+            assert note in stretched.json()["warnings"]  # known, and shown, before the job runs
     finally:
         server.stop()
 

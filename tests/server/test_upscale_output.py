@@ -27,3 +27,18 @@ def test_sizes_that_cannot_be_made_raise_and_unreadable_sources_have_no_expected
     not_a_video = tmp_path / "broken.mp4"
     not_a_video.write_bytes(b"\0" * 64)
     assert expected_upscale_output(_request(2, video_path=str(not_a_video))) is None
+
+
+def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(tmp_path):
+    """'exact' delivers the target bucket even where its aspect ratio differs from the result's: that was a log line
+    of the worker's, which no user saw. It is now a note of the plan, which the job shows from creation on."""
+    from k6serve.pipelines.sr_stages import upscale_sizes
+
+    clip = make_clip(tmp_path / "clip.mp4", width=256, height=192, num_frames=9, fps=24)
+    stretched = expected_upscale_output(_request(4, "640x360", "exact", video_path=str(clip)))
+    assert stretched.size == "640x360"
+    assert stretched.notes == ("sr_target_resolution '640x360' with the 'exact' resize mode stretches the 1024x768 "
+                               "upscaled result to 640x360, changing its aspect ratio; use sr_target_resize_mode "
+                               "'fit' to keep it.",)
+    assert upscale_sizes((192, 256), _request(4, "640x480", "exact")).notes == ()  # the same aspect ratio
+    assert upscale_sizes((192, 256), _request(4, "640x360", "fit")).notes == ()  # fit scales both sides alike
