@@ -385,6 +385,24 @@ def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
     return 0
 
 
+def _check_lora_flags(command: str, engine_options: dict[str, Any], request_options: dict[str, Any]) -> None:
+    """The LoRA flags refused before the model loads (minutes for a real checkpoint) rather than after: serve's
+    --lora-path adapter (generate's is checked by DiffGenerator.from_pretrained) and generate's --loras."""
+    if command == "generate" and request_options.get("loras") is None:
+        return
+    if command == "serve" and not engine_options.get("lora_path"):
+        return
+    from k6serve.api import build_engine_config
+    from k6serve.lora.preflight import check_request_loras, check_start_adapter
+
+    options = dict(engine_options)
+    config = build_engine_config(options.pop("model_path"), **options)
+    if command == "generate":
+        check_request_loras(config, request_options["loras"])
+    else:
+        check_start_adapter(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -404,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--model-path is required (a checkpoint folder, a hub id, or 'demo').")
         if _hosts_no_engine(engine):
             return _serve_worker_ranks(engine)
+        _check_lora_flags(args.command, engine, request)
         if args.command == "generate":
             from k6serve.cli.generate import run_generate
 

@@ -14,6 +14,7 @@ merging and the dynamic path cast them where they are used.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,10 +130,16 @@ def resolve_adapter_file(path: str) -> Path:
     local = Path(path).expanduser()
     if local.is_file():
         if local.suffix != ".safetensors":
-            raise ValueError(f"LoRA file {path!r} is not a .safetensors file")
+            raise ValueError(f"LoRA file {path!r} is not a .safetensors file; only safetensors adapters are read "
+                             "(convert a PyTorch .bin/.pt one with safetensors.torch.save_file)")
         return local
     if local.is_dir():
         return _single_file_in(local)
+    if local.suffix == ".safetensors":
+        # A file name, not a hub id ("loras/style.safetensors" is a valid one): a typo here was answered with
+        # hub words and an `hf download loras/style.safetensors` to run.
+        where = "" if local.is_absolute() else f", looked for in {Path.cwd()}"
+        raise ValueError(f"LoRA file {path!r} does not exist{where}; check the path")
     return _download(path)
 
 
@@ -153,7 +160,7 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
         name = _strip_prefix(key)
         if match := _KOHYA_KEY.match(name):
             if match["kind"] is None:
-                alphas[match["module"]] = float(tensor.item())
+                alphas[match["module"]] = _alpha(tensor, key, source)
             else:
                 (downs if match["kind"] == "down" else ups)[match["module"]] = tensor
         elif match := _WEIGHT_KEY.match(name):
@@ -161,7 +168,7 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
             if match["adapter"]:
                 adapter_names.add(match["adapter"])
         elif match := _ALPHA_KEY.match(name):
-            alphas[match["module"]] = float(tensor.item())
+            alphas[match["module"]] = _alpha(tensor, key, source)
         else:
             unknown.append(key)
     if unknown:
@@ -179,17 +186,47 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
     modules = {}
     for module, down in downs.items():
         up = ups[module]
-        if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
+        if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1] or down.shape[0] == 0:
             raise ValueError(f"LoRA file {source!r}: module {module!r} has lora_A {tuple(down.shape)} and lora_B "
-                             f"{tuple(up.shape)}; expected lora_A (rank, in_features) and lora_B (out_features, rank)")
+                             f"{tuple(up.shape)}; expected lora_A (rank, in_features) and lora_B (out_features, rank), "
+                             "rank >= 1")
+        for kind, tensor in (("lora_A", down), ("lora_B", up)):
+            # An integer (quantised) tensor has no scale to go with it here; a NaN or inf would only surface as a
+            # request failing on NaN latents, with the adapter merged.
+            if not tensor.is_floating_point():
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                raise ValueError(f"LoRA file {source!r}: module {module!r}: {kind} is {dtype}; LoRA weights must be "
+                                 "float32, float16 or bfloat16 (save the adapter unquantised)")
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"LoRA file {source!r}: module {module!r}: {kind} holds NaN or infinite values, "
+                                 "so the adapter is damaged (e.g. a diverged training run); use another checkpoint")
         modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module))
     return modules
 
 
+def _alpha(tensor: torch.Tensor, key: str, source: str) -> float:
+    """A module's alpha: one finite number."""
+    if tensor.numel() != 1:
+        raise ValueError(f"LoRA file {source!r}: {key!r} must hold one number (the module's alpha), got a tensor of "
+                         f"shape {tuple(tensor.shape)}")
+    alpha = float(tensor.item())
+    if not math.isfinite(alpha):
+        raise ValueError(f"LoRA file {source!r}: {key!r} (the module's alpha) is {alpha}; it must be a finite number")
+    return alpha
+
+
 def read_adapter(path: str) -> LoraAdapter:
     """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     file = resolve_adapter_file(path)
-    modules = parse_lora_state_dict(load_file(str(file), device="cpu"), source=str(file))
+    try:
+        tensors = load_file(str(file), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        # Not a ValueError of its own: it reached the CLI as an internal error and the HTTP client as a 500 with a
+        # traceback, for a truncated download or a file renamed to .safetensors.
+        raise ValueError(f"LoRA file {str(file)!r} cannot be read as safetensors ({exc}); it may be damaged or "
+                         "cut short (download or copy it again), or not a safetensors file") from None
+    modules = parse_lora_state_dict(tensors, source=str(file))
     return LoraAdapter(path=path, file=file, modules=modules)

@@ -23,6 +23,7 @@ Adapters stay cached by nickname after deactivation, so `LoraSpec(path=None)` re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,11 +98,8 @@ class LoraManager:
         active = [_Active(spec.nickname, loaded[spec.nickname], float(spec.strength), spec.alpha,
                           resolve_targets(self.model, loaded[spec.nickname].modules, source=loaded[spec.nickname].path))
                   for spec in specs]
-        self._restore()
+        self._switch(active, mode)
         self.adapters.update(loaded)
-        self.active = active
-        if active:
-            self._apply(mode)
 
     def merge(self, strength: float | None = None) -> None:
         """Merge the active adapters into the weights (from dynamic, or again at `strength` for all of them)."""
@@ -109,11 +107,8 @@ class LoraManager:
             raise ValueError("no LoRA adapter is active: set one first (set_lora with a path)")
         if self.fsdp:
             raise ValueError(FSDP_MERGE_REFUSAL)
-        self._restore()
-        if strength is not None:
-            for entry in self.active:
-                entry.strength = float(strength)
-        self._apply("merge")
+        self._switch([entry if strength is None else dataclasses.replace(entry, strength=float(strength))
+                      for entry in self.active], "merge")
 
     def unmerge(self) -> None:
         """Deactivate every adapter and restore the base weights bit for bit (the adapters stay cached)."""
@@ -127,30 +122,25 @@ class LoraManager:
 
         Refused while the active adapters are merged: restoring and re-merging the weights around every request
         would copy every targeted weight twice per request."""
-        if self.applied_mode == "merge":
-            raise ValueError("this request chooses its LoRA adapters, but the engine's adapters are merged into the "
-                             "weights; switch them to dynamic (set_lora with merge_mode 'dynamic') or unmerge them to "
-                             "choose adapters per request.")
+        # Unknown names first: switching the engine's adapters to dynamic would not make this request run.
         unknown = [nickname for nickname, _ in loras if nickname not in self.adapters]
         if unknown:
             raise ValueError(f"this request names LoRA adapter(s) {unknown} that are not loaded (loaded: "
                              f"{', '.join(self.adapters) or 'none'}); load them first with set_lora or --lora-path.")
+        if self.applied_mode == "merge":
+            raise ValueError("this request chooses its LoRA adapters, but the engine's adapters are merged into the "
+                             "weights; switch them to dynamic (set_lora with merge_mode 'dynamic', or start with "
+                             "--lora-merge-mode dynamic) or unmerge them to choose adapters per request.")
         previous = self.active
         requested = [_Active(nickname, self.adapters[nickname], float(strength), None,
                              resolve_targets(self.model, self.adapters[nickname].modules,
                                              source=self.adapters[nickname].path))
                      for nickname, strength in loras]
-        self._restore()
-        self.active = requested
-        if requested:
-            self._apply("dynamic", log=False)  # per request: the worker logs the request, not each swap
+        self._switch(requested, "dynamic", log=False)  # per request: the worker logs the request, not each swap
         try:
             yield
         finally:
-            self._restore()
-            self.active = previous
-            if previous:
-                self._apply("dynamic", log=False)
+            self._switch(previous, "dynamic", log=False)
 
     def state(self) -> list[dict]:
         """One JSON-able dict per cached adapter, the active ones first in activation order."""
@@ -185,6 +175,28 @@ class LoraManager:
         if cached is not None and cached.path == spec.path:
             return cached
         return read_adapter(spec.path)
+
+    def _switch(self, active: list[_Active], mode: str, *, log: bool = True) -> None:
+        """Make `active` the applied adapters, as `mode`. A failure part-way (say, out of memory while merging)
+        restores the base weights and puts the previous adapters back as they were before raising: a half-merged
+        DiT, or adapters listed as active but never applied, would otherwise serve every later request."""
+        previous, previous_mode = self.active, self.applied_mode
+        self._restore()
+        self.active = active
+        try:
+            if active:
+                self._apply(mode, log=log)
+        except BaseException:
+            self._restore()
+            self.active = previous
+            if previous:
+                try:
+                    self._apply(previous_mode, log=False)
+                except BaseException:
+                    self._restore()  # the base model, rather than part of the previous adapters
+                    self.active = []
+                    logger.error("LoRA: the previous adapters could not be put back either; none is active now")
+            raise
 
     def _apply(self, mode: str, *, log: bool = True) -> None:
         if mode == "merge":

@@ -13,6 +13,15 @@ LORA_MERGE_MODES = ("auto", "merge", "dynamic")
 LORA_TARGETS = ("all", "transformer")  # Kandinsky 6 has one DiT; "all" means it too
 
 
+def odd_nickname(nickname: str) -> str | None:
+    """What is wrong with a nickname that starts or ends with spaces or holds a control character, else None. A
+    request's `loras` must name it exactly, and a newline split the log line and every message naming it."""
+    if nickname == nickname.strip() and nickname.isprintable():
+        return None
+    return (f"{nickname!r} starts or ends with spaces or holds control characters (a newline, a tab); use plain "
+            f"text, e.g. {' '.join(nickname.split())!r}.")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraSpec:
     """One adapter to activate: `path` (a .safetensors file, a folder holding one, or a hub id) loaded under

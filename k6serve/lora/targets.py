@@ -111,18 +111,20 @@ def resolve_targets(model: nn.Module, modules: dict[str, LoraModule], *, source:
             unknown.append(path)
         else:
             targets.append(target)
+    # "LoRA path": the adapter file is what does not fit, so the HTTP answer names lora_path (`names_adapter_file`).
     if unknown:
         valid = linear_names(model)
-        raise ValueError(f"LoRA {source!r}: {len(unknown)} module(s) are not Linear layers of the "
-                         f"{type(model).__name__}, e.g. {sorted(unknown)[:_SHOWN]}; its Linear layers are named like "
-                         f"{valid[:_SHOWN]} ({len(valid)} in all)")
+        hint = " (all of them: an adapter for another model?)" if len(unknown) == len(modules) else ""
+        raise ValueError(f"LoRA path {source!r}: {len(unknown)} of its {len(modules)} module(s) are not Linear layers "
+                         f"of the {type(model).__name__}{hint}, e.g. {sorted(unknown)[:_SHOWN]}; the model's Linear "
+                         f"layers are named like {valid[:_SHOWN]} ({len(valid)} in all)")
     for target in targets:
         check_sharding(target.linear, target.path)
         module = modules[target.path]
         expected = (target.rows.stop - target.rows.start, target.linear.in_features)
         if module.down.shape[1] != expected[1] or module.up.shape[0] != expected[0]:
-            raise ValueError(f"LoRA {source!r}: module {target.path!r} has lora_A {tuple(module.down.shape)} and "
+            raise ValueError(f"LoRA path {source!r}: module {target.path!r} has lora_A {tuple(module.down.shape)} and "
                              f"lora_B {tuple(module.up.shape)}, but the model's layer maps {expected[1]} -> "
                              f"{expected[0]} features (lora_A must be (rank, {expected[1]}), lora_B "
-                             f"({expected[0]}, rank))")
+                             f"({expected[0]}, rank)): the adapter was trained for another model or model size")
     return targets

@@ -5,16 +5,22 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from harness import FakeWorker, start_server, wait_for, wait_until
+from safetensors.torch import save_file
 
-from k6serve.lora.adapter import resolve_adapter_file
+from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
+from k6serve.lora.adapter import read_adapter
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.lora.targets import resolve_targets
+from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.variants import VARIANTS
 
 
 class LoraFakeWorker(FakeWorker):
     """FakeWorker plus `apply_lora_operation`: nickname "missing" raises ValueError, "crash" a RuntimeError, "real"
-    resolves its path as the real worker does; `log` holds request starts and ends and the operations, in order."""
+    reads its adapter and matches it against the tiny DiT as the real worker does; `log` holds request starts and
+    ends and the operations, in order."""
 
     def __init__(self) -> None:
         super().__init__(VARIANTS["pro-distill"])
@@ -31,8 +37,9 @@ class LoraFakeWorker(FakeWorker):
     def apply_lora_operation(self, operation) -> dict:
         names = [spec.nickname for spec in getattr(operation, "specs", ())]
         for spec in getattr(operation, "specs", ()):
-            if spec.nickname == "real":
-                resolve_adapter_file(spec.path)  # the real worker's first step, with its real errors
+            if spec.nickname == "real":  # the real worker's first steps, with their real errors
+                dit = build_dummy_transformer(TINY_TRANSFORMER_CONFIG, device=torch.device("meta"), dtype=torch.float32)
+                resolve_targets(dit, read_adapter(spec.path).modules, source=spec.path)
         if "missing" in names:
             raise ValueError("lora_path '/nope.safetensors' does not exist")
         if "crash" in names:
@@ -134,8 +141,7 @@ def test_an_adapter_file_that_cannot_be_found_names_lora_path(client, lora_serve
     # The adapter's own errors say "LoRA path ...", not the field name, so they were answered with param null.
     missing = client.post("/v1/set_lora", json={"lora_nickname": "real",
                                                  "lora_path": str(tmp_path / "none.safetensors")})
-    assert "is neither an existing file or folder nor a valid hub id" in _error(missing, 400, param="lora_path",
-                                                                                 code="invalid_lora")
+    assert "none.safetensors' does not exist" in _error(missing, 400, param="lora_path", code="invalid_lora")
     import huggingface_hub
 
     def offline(*args, **kwargs):
@@ -149,11 +155,30 @@ def test_an_adapter_file_that_cannot_be_found_names_lora_path(client, lora_serve
     assert lora_server.worker.operations == []
 
 
+def test_an_adapter_file_that_is_damaged_or_for_another_model_is_a_400_naming_lora_path(client, lora_server,
+                                                                                       tmp_path):
+    # A damaged file was a 500 `lora_failed` whose message was a worker traceback; an adapter for another model
+    # (module names or shapes) a 400 with param null.
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"<html>404 Not Found</html>")  # a download that saved an error page
+    response = client.post("/v1/set_lora", json={"lora_nickname": "real", "lora_path": str(damaged)})
+    message = _error(response, 400, param="lora_path", code="invalid_lora")
+    assert "cannot be read as safetensors" in message and "Traceback" not in message
+    other = tmp_path / "other.safetensors"
+    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 64),
+               "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(64, 2)}, str(other))
+    response = client.post("/v1/set_lora", json={"lora_nickname": "real", "lora_path": str(other)})
+    assert "an adapter for another model?" in _error(response, 400, param="lora_path", code="invalid_lora")
+    assert lora_server.worker.operations == []
+    assert client.get("/v1/list_loras").status_code == 200  # still serving
+
+
 @pytest.mark.parametrize(("route", "body", "param", "message"), [
     ("/v1/set_lora", {}, "lora_nickname", "lora_nickname is required."),
     ("/v1/set_lora", {"lora_nickname": "a", "lora_scale": 1}, "lora_scale", "Unknown field 'lora_scale'"),
     ("/v1/set_lora", {"lora_nickname": 5}, "lora_nickname", "lora_nickname"),
     ("/v1/set_lora", {"lora_nickname": ""}, "lora_nickname", "non-empty string"),
+    ("/v1/set_lora", {"lora_nickname": "style\t"}, "lora_nickname", "holds control characters"),
     ("/v1/set_lora", {"lora_nickname": ["a", "a"]}, "lora_nickname", "more than once"),
     ("/v1/set_lora", {"lora_nickname": True}, "lora_nickname", "lora_nickname must be a string"),
     ("/v1/set_lora", {"lora_nickname": "a", "strength": True}, "strength", "strength must be a number"),

@@ -23,7 +23,7 @@ from k6serve.bench.dit import dit_inputs
 from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.config import LORA_MERGE_MODES as CONFIG_MERGE_MODES
-from k6serve.lora.adapter import PREFERRED_FILE, read_adapter, resolve_adapter_file
+from k6serve.lora.adapter import PREFERRED_FILE, names_adapter_file, read_adapter, resolve_adapter_file
 from k6serve.lora.dynamic import LoraLinear
 from k6serve.lora.manager import LoraManager
 from k6serve.lora.spec import LORA_MERGE_MODES, ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
@@ -317,13 +317,23 @@ def test_a_hub_adapter_is_the_preferred_file_else_the_only_one(tmp_path, monkeyp
         resolve_adapter_file("someone/lora")
 
 
-def test_a_missing_local_file_is_not_worded_as_a_hub_id(tmp_path, hub_offline):
+def test_a_missing_local_file_is_not_worded_as_a_hub_id(tmp_path, hub_offline, monkeypatch):
     # huggingface_hub's HFValidationError is a ValueError: it used to pass through with "Repo id must be in the
-    # form 'repo_name' or 'namespace/repo_name'", a message about hub ids for a file path that had a typo.
+    # form 'repo_name' or 'namespace/repo_name'", a message about hub ids for a file path that had a typo. A relative
+    # "adapters/style.safetensors" is a valid hub id, so it was answered with an unreachable hub and an
+    # `hf download adapters/style.safetensors` to run.
     missing = str(tmp_path / "adapters" / "style.safetensors")
     with pytest.raises(ValueError) as raised:
         resolve_adapter_file(missing)
-    assert str(raised.value) == f"LoRA path {missing!r} is neither an existing file or folder nor a valid hub id"
+    assert str(raised.value) == f"LoRA file {missing!r} does not exist; check the path"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as raised:
+        resolve_adapter_file("adapters/style.safetensors")
+    assert str(raised.value) == (f"LoRA file 'adapters/style.safetensors' does not exist, looked for in {tmp_path}; "
+                                 "check the path")
+    assert names_adapter_file(str(raised.value))  # the HTTP answer names lora_path
+    with pytest.raises(ValueError, match="hub is unreachable"):  # a name without the suffix may be a hub id
+        resolve_adapter_file("adapters/style")
 
 
 def test_unknown_module_key_lists_valid_names(tmp_path):
@@ -331,8 +341,9 @@ def test_unknown_module_key_lists_valid_names(tmp_path):
     file = write_adapter(tmp_path, {**_shapes(model, [VIDEO_FFN]), "visual_transformer_blocks.0.nope": (4, 4),
                                     "text_encoder.layers.0.q_proj": (4, 4)})
     manager = LoraManager(model)
-    with pytest.raises(ValueError, match=r"2 module\(s\) are not Linear layers.*text_encoder.layers.0.q_proj.*"
-                                         r"visual_transformer_blocks.0.nope.*named like \['visual_embeddings.in_layer'"):
+    with pytest.raises(ValueError, match=r"2 of its 3 module\(s\) are not Linear layers of the Kandinsky6Transformer, "
+                                         r".*text_encoder.layers.0.q_proj.*visual_transformer_blocks.0.nope.*"
+                                         r"named like \['visual_embeddings.in_layer'"):
         manager.set([LoraSpec(nickname="a", path=str(file))])
     assert manager.state() == []  # nothing was cached or applied
 
@@ -346,6 +357,122 @@ def test_shape_mismatch_names_the_module_and_shapes(tmp_path):
     save_file(tensors, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match=rf"module '{VIDEO_FFN}' has lora_A \(3, 64\) and lora_B \(128, 2\)"):
         read_adapter(str(tmp_path / "bad.safetensors"))
+
+
+def _damaged(folder: Path, name: str) -> Path:
+    """A .safetensors file that holds no usable adapter, one way per `name`."""
+    file = folder / f"{name}.safetensors"
+    one = {f"{VIDEO_FFN}.lora_A.weight": torch.ones(RANK, 64), f"{VIDEO_FFN}.lora_B.weight": torch.ones(128, RANK)}
+    if name == "not_safetensors":
+        file.write_bytes(b"PK\x03\x04 a zip renamed to .safetensors")
+    elif name == "cut_short":
+        save_file(one, str(file))
+        file.write_bytes(file.read_bytes()[:-100])
+    elif name == "rank_0":
+        save_file({f"{VIDEO_FFN}.lora_A.weight": torch.ones(0, 64), f"{VIDEO_FFN}.lora_B.weight": torch.ones(128, 0)},
+                  str(file))
+    elif name == "alpha_vector":
+        save_file({**one, f"{VIDEO_FFN}.alpha": torch.tensor([1.0, 2.0])}, str(file))
+    elif name == "alpha_nan":
+        save_file({**one, f"{VIDEO_FFN}.alpha": torch.tensor(float("nan"))}, str(file))
+    elif name == "int8":
+        save_file({key: tensor.to(torch.int8) for key, tensor in one.items()}, str(file))
+    elif name == "nan_weights":
+        save_file({**one, f"{VIDEO_FFN}.lora_B.weight": torch.full((128, RANK), float("nan"))}, str(file))
+    return file
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("not_safetensors", "cannot be read as safetensors .*header.*damaged or cut short"),
+    ("cut_short", "cannot be read as safetensors .*damaged or cut short"),
+    ("rank_0", r"lora_A \(0, 64\) and lora_B \(128, 0\).*rank >= 1"),
+    ("alpha_vector", r"\.alpha' must hold one number \(the module's alpha\), got a tensor of shape \(2,\)"),
+    ("alpha_nan", r"\.alpha' \(the module's alpha\) is nan; it must be a finite number"),
+    ("int8", "lora_A is int8; LoRA weights must be float32, float16 or bfloat16"),
+    ("nan_weights", "lora_B holds NaN or infinite values"),
+])
+def test_a_file_with_no_usable_adapter_is_an_error_about_the_file(tmp_path, name, message):
+    """Each was a SafetensorError, ZeroDivisionError or RuntimeError (an internal error on the CLI, a 500 with a
+    traceback over HTTP, and for rank 0 an adapter left listed as active), or was accepted: int8 values applied as
+    if they were weights, NaN weights merged and every request failing on NaN latents."""
+    file = _damaged(tmp_path, name)
+    with pytest.raises(ValueError, match=message) as raised:
+        read_adapter(str(file))
+    assert str(raised.value).startswith(f"LoRA file {str(file)!r}")
+    assert names_adapter_file(str(raised.value))  # the HTTP answer names lora_path
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_an_error_about_the_file(tmp_path):
+    """Module names or shapes of another model: the file is what is wrong, so the HTTP answer names lora_path (it
+    named no field)."""
+    model = _dit()
+    other_model = write_adapter(tmp_path / "other", {"transformer_blocks.0.attn.to_q": (64, 64)})
+    another_model = r"1 of its 1 module\(s\) are not Linear layers of the Kandinsky6Transformer \(all of them: an "
+    with pytest.raises(ValueError, match=another_model + r"adapter for another model\?\)") as raised:
+        LoraManager(model).set([LoraSpec(nickname="a", path=str(other_model))])
+    assert names_adapter_file(str(raised.value))
+    other_size = write_adapter(tmp_path / "size", {VIDEO_FFN: (256, 64)})
+    with pytest.raises(ValueError, match="maps 64 -> 128 features.*trained for another model or model size") as raised:
+        LoraManager(model).set([LoraSpec(nickname="a", path=str(other_size))])
+    assert names_adapter_file(str(raised.value))
+
+
+def _fail_on_second_merged_module(monkeypatch) -> list:
+    """Merging raises (as a CUDA out-of-memory would) after its first Linear is already written; clearing the list
+    returned arms it again."""
+    from k6serve.lora.sharding import ShardedWeight
+
+    calls = []
+    slice_update = ShardedWeight.slice_update
+
+    def failing(self, up, down):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return slice_update(self, up, down)
+
+    monkeypatch.setattr(ShardedWeight, "slice_update", failing)
+    return calls
+
+
+@pytest.mark.parametrize("previous_mode", ["merge", "dynamic"])
+def test_a_failure_while_merging_puts_the_previous_adapters_back(tmp_path, monkeypatch, previous_mode):
+    """A merge that fails part-way left the DiT's base weights with the previous adapters gone and the new ones
+    listed as active but never applied; every later request with its own `loras` then failed re-applying them."""
+    model = _dit()
+    good = write_adapter(tmp_path / "good", _shapes(model, [VIDEO_FFN, AUDIO_FFN]), seed=1)
+    new = write_adapter(tmp_path / "new", _shapes(model, MODULES), seed=2)
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="good", path=str(good), strength=0.5)], previous_mode)
+    weights, adapted, state = _weights(model), _forward(model), manager.state()
+    calls = _fail_on_second_merged_module(monkeypatch)
+    with pytest.raises(RuntimeError, match="simulated"):
+        manager.set([LoraSpec(nickname="new", path=str(new))], "merge")
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())
+    assert manager.state() == state  # "new" neither active nor cached
+    assert _equal(_forward(model), adapted)
+    if previous_mode == "dynamic":
+        calls.clear()
+        with pytest.raises(RuntimeError, match="simulated"):
+            manager.merge(strength=2.0)
+        assert manager.state() == state and _equal(_forward(model), adapted)  # still dynamic, still at 0.5
+        monkeypatch.undo()
+        with manager.for_request((("good", 0.5),)):
+            assert _equal(_forward(model), adapted)
+        assert manager.state() == state and _equal(_forward(model), adapted)
+
+
+def test_a_request_naming_an_unloaded_adapter_says_so_before_the_merged_refusal(tmp_path):
+    # Switching the engine's adapters to dynamic, as the merged refusal asked, only led to the "not loaded" error.
+    model = _dit()
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="good", path=str(write_adapter(tmp_path, _shapes(model, [VIDEO_FFN]))))], "merge")
+    with pytest.raises(ValueError, match=r"names LoRA adapter\(s\) \['ghost'\] that are not loaded \(loaded: good\)"):
+        with manager.for_request((("ghost", 1.0),)):
+            pass
+    with pytest.raises(ValueError, match="merged into the weights.*--lora-merge-mode dynamic"):
+        with manager.for_request((("good", 1.0),)):
+            pass
 
 
 def test_a_failed_set_keeps_the_current_adapters(tmp_path):

@@ -139,6 +139,10 @@ def test_the_api_builds_the_operations():
     (lambda g: g.set_lora(""), "nickname", "non-empty string"),
     (lambda g: g.set_lora(3), "nickname", "non-empty string"),
     (lambda g: g.set_lora(["a", "a"]), "nickname", "more than once"),
+    # Accepted before: a request's `loras` had to repeat the space, and the newline split every log line naming it.
+    (lambda g: g.set_lora("my style\n"), "nickname", r"nickname 'my style\\n' starts or ends with spaces or holds "
+                                                     r"control characters .*e\.g\. 'my style'"),
+    (lambda g: g.set_lora(["a", " b"]), "nickname", "starts or ends with spaces"),
     (lambda g: g.set_lora("a", ["x", "y"]), "path", "path is a list but nickname is one name"),
     (lambda g: g.set_lora(["a", "b"], "x"), "path", "must be a list as long as nickname"),
     (lambda g: g.set_lora(["a", "b"], ["x"]), "path", "has 1 entries but nickname has 2"),
