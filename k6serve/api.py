@@ -16,6 +16,7 @@ import math
 import os
 import re
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,32 +30,46 @@ from k6serve.lora.spec import (
     MergeLora,
     SetLora,
     UnmergeLora,
+    odd_nickname,
 )
+from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import MissingPrompt, MissingSourceVideo
-from k6serve.request import OutputOptions, SamplingParams, VideoResult, fspath_values
+from k6serve.request import (
+    OutputOptions,
+    SamplingParams,
+    VideoResult,
+    did_you_mean,
+    fspath_values,
+    plain_scalars,
+)
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.runtime.worker import MAX_FILE_NAME_BYTES, sanitize_file_name
 
 logger = logging.getLogger(__name__)
 
 _OUTPUT_KEYS = {"save_output", "output_path", "output_file_name", "return_frames", "return_file_paths_only"}
+_ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
+_REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
 
 
 def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
     """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections."""
-    sections: dict[type, dict[str, Any]] = {ModelConfig: {}, ParallelConfig: {}, RuntimeConfig: {}}
+    sections: dict[type, dict[str, Any]] = {cls: {} for cls in _ENGINE_SECTIONS}
     # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
     model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
-    kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v for k, v in kwargs.items()}
+    kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v
+              for k, v in plain_scalars(kwargs).items()}
     for key, value in kwargs.items():
         for cls in sections:
             if key in cls.__dataclass_fields__:
                 sections[cls][key] = value
                 break
         else:
+            if key in _REQUEST_KEYS:
+                raise ValueError(f"{key} is a request parameter: pass it to generate(), not to from_pretrained().")
             valid = sorted(k for cls in sections for k in cls.__dataclass_fields__ if k != "model_path")
-            raise ValueError(f"Unknown engine option {key!r}. Valid options: {valid}")
+            raise ValueError(f"Unknown engine option {key!r}{did_you_mean([key], valid)}. Valid options: {valid}")
     return EngineConfig(
         model=ModelConfig(model_path=model_path, **sections[ModelConfig]),
         parallel=ParallelConfig(**sections[ParallelConfig]),
@@ -63,14 +78,17 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]:
-    kwargs = fspath_values(kwargs)
+    kwargs = fspath_values(plain_scalars(kwargs))
     _refuse_image_objects(kwargs.get("image_path"))
     for key in ("image_path", "video_path", "output_path"):
         if isinstance(kwargs.get(key), str) and kwargs[key].startswith("~"):
             # A shell expands ~ on the command line; in Python (or a --config file) it reached mkdir as a folder
             # literally named "~", or an input as "does not exist". --model-path expands it too.
             kwargs[key] = os.path.expanduser(kwargs[key])
+    # None is "the default" here as in every other key: save_output=None wrote no file (the video was lost), and
+    # output_path=None failed deep in os.fspath.
     output = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUTPUT_KEYS}
+    output = {k: v for k, v in output.items() if v is not None}
     return_paths_only = output.pop("return_file_paths_only", None)
     params = SamplingParams.from_kwargs(kwargs)
     return_frames = output.pop("return_frames", None)
@@ -219,6 +237,8 @@ def set_lora_operation(nickname: str | list[str], path: str | list[str | None] |
         if not isinstance(item, str) or not item.strip():
             raise LoraArgumentError(name_arg, f"{name_arg} must be a non-empty string or a list of them, got "
                                               f"{nickname!r}.")
+        if odd_nickname(item):
+            raise LoraArgumentError(name_arg, f"{name_arg} {odd_nickname(item)}")
     if len(set(nicknames)) != len(nicknames):
         raise LoraArgumentError(name_arg, f"{name_arg} names an adapter more than once: {nicknames!r}.")
     if many:
@@ -256,18 +276,54 @@ def unmerge_lora_operation(target: str = "all") -> UnmergeLora:
     return UnmergeLora(target=_lora_choice(target, "target", LORA_TARGETS))
 
 
+def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`generate`'s request (a dict, a SamplingParams or None) and keyword arguments as one dict, keywords winning;
+    a request of another type, or an engine option in it, raises ValueError saying where it goes."""
+    if isinstance(request, SamplingParams):
+        # Its unset fields are defaults, not choices: passing them on would, e.g., contradict return_frames.
+        request = {item.name: getattr(request, item.name) for item in dataclasses.fields(request)
+                   if getattr(request, item.name) != item.default}
+    elif request is not None and not isinstance(request, Mapping):
+        example = f"generate(prompt={request!r})" if isinstance(request, str) else "generate(prompt='A cat')"
+        raise ValueError(f"generate() takes the request as a dict (or a SamplingParams) or as keyword arguments, got "
+                         f"{request!r} ({type(request).__name__}); e.g. {example} or generate({{'prompt': ...}}).")
+    options = {**(request or {}), **kwargs}
+    misplaced = sorted(key for key in options if key not in _REQUEST_KEYS
+                       and any(key in cls.__dataclass_fields__ for cls in _ENGINE_SECTIONS))
+    if misplaced:
+        what, it = ("is an engine option", "it") if len(misplaced) == 1 else ("are engine options", "them")
+        raise ValueError(f"{', '.join(misplaced)} {what}, fixed when the model loads: pass {it} to "
+                         "DiffGenerator.from_pretrained(), not to generate().")
+    return options
+
+
 class DiffGenerator:
-    """Loads a Kandinsky 6 checkpoint once and generates (or upscales) videos with it."""
+    """Loads a Kandinsky 6 checkpoint once and generates (or upscales) videos with it.
+
+        with DiffGenerator.from_pretrained(model_path="demo") as generator:
+            result = generator.generate(prompt="A cat plays piano", seed=42)
+
+    The model runs in worker processes (one per GPU); `shutdown()`, the end of the `with` block, or dropping the
+    last reference to the generator stops them and frees their memory.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # A generator dropped without shutdown() (a notebook cell run again rebinds its name) kept its worker
+        # processes, and their GPU memory, until the interpreter exited.
+        self._shutdown = weakref.finalize(self, engine.shutdown)
 
     @classmethod
     def from_pretrained(cls, model_path: str, **kwargs: Any) -> "DiffGenerator":
+        """Load `model_path` (a local Diffusers folder, a hub id, or "demo": the built-in tiny random checkpoint)
+        and start its worker processes. `kwargs` are the engine options, the CLI's flags with underscores
+        (num_gpus, performance_mode, attention_backend, warmup_mode, device, ...; docs/cli.md lists them). A bad
+        option raises ValueError before anything loads; request parameters (prompt, seed, ...) go to `generate`."""
         config = build_engine_config(model_path, **kwargs)
         note = ignored_revision_note(config.model.model_path, config.model.revision, config.model.load_format)
         if note is not None:
             logger.warning(note)  # before the load, which can take minutes
+        check_start_adapter(config)  # a bad --lora-path adapter: refused now, not after the load
         return cls(Engine(config))
 
     @property
@@ -276,20 +332,25 @@ class DiffGenerator:
 
     def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
-        """Run one request. Keys: every SamplingParams field plus save_output, output_path, output_file_name,
-        return_frames and return_file_paths_only (the seed's names). A `SamplingParams` object (the class is
-        exported) stands for the fields it sets away from their defaults; keyword arguments still win.
+        """Run one request and return its `VideoResult`. The request is a dict (the seed's sampling_params_kwargs),
+        keyword arguments, or both (keywords win): every SamplingParams field plus save_output (default True),
+        output_path (default "outputs"), output_file_name, return_frames and return_file_paths_only (the seed's
+        names); None for any of them means its default. The frames and the waveform are returned with
+        return_frames=True or return_file_paths_only=False. A `SamplingParams` object (the class is exported)
+        stands for the fields it sets away from their defaults.
 
-        `on_progress(step, total)` runs after every denoising step (SR: every DiT call), then again with
-        `(total, total)` after each chunk of the video decode; raising from it stops the request there."""
-        if isinstance(sampling_params_kwargs, SamplingParams):
-            # Its unset fields are defaults, not choices: passing them on would, e.g., contradict return_frames.
-            sampling_params_kwargs = {
-                item.name: getattr(sampling_params_kwargs, item.name)
-                for item in dataclasses.fields(sampling_params_kwargs)
-                if getattr(sampling_params_kwargs, item.name) != item.default
-            }
-        options = {**(sampling_params_kwargs or {}), **kwargs}
+        The request and the output are checked before it runs: bad input raises ValueError naming the key and the
+        fix, and writes nothing. `on_progress(step, total)` runs after every denoising step (SR: every DiT call),
+        then again with `(total, total)` after each chunk of the video decode; raising from it (or Ctrl-C) stops
+        the request there, with no file left behind. Several threads may call this at once: requests run in
+        order (N at a time with dp_size=N)."""
+        if not self._shutdown.alive:
+            raise RuntimeError("This DiffGenerator has been shut down (shutdown() or the end of its `with` block); "
+                               "load a new one with DiffGenerator.from_pretrained(...).")
+        if on_progress is not None and not callable(on_progress):
+            raise ValueError(f"on_progress must be a function called as on_progress(step, total), got "
+                             f"{on_progress!r} ({type(on_progress).__name__}).")
+        options = request_options(sampling_params_kwargs, kwargs)
         params, output = split_kwargs(options)
         try:
             self.engine.resolve(params)  # the worker resolves it again; here the two missing inputs get API words
@@ -308,8 +369,10 @@ class DiffGenerator:
         result.notes[:0] = warnings
         return result
 
-    def upscale(self, video_path: str, *, on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
-        """Super-resolution convenience: `generate(video_path=...)`, with the same progress callback."""
+    def upscale(self, video_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
+                **kwargs: Any) -> VideoResult:
+        """Super-resolution convenience (the VSR checkpoint): `generate(video_path=..., **kwargs)`, e.g. with
+        sr_resolution_scale=2, seed, output_path; the same progress callback."""
         return self.generate({"video_path": video_path, **kwargs}, on_progress=on_progress)
 
     def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
@@ -358,7 +421,9 @@ class DiffGenerator:
         return self.engine.resume_memory(keep_host_copy=keep_host_copy)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Finish the running requests, then stop the worker processes; later requests raise RuntimeError. Calling
+        it again does nothing."""
+        self._shutdown()
 
     def __enter__(self) -> "DiffGenerator":
         return self

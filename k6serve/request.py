@@ -9,6 +9,7 @@ the model variant's defaults when `resolve_*` turns them into a fully specified,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import numbers
@@ -145,13 +146,27 @@ class SamplingParams:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(
-                f"Unknown sampling parameter(s) {unknown}. Valid parameters: {sorted(names)}."
+                f"Unknown sampling parameter(s) {unknown}{did_you_mean(unknown, names)}. Valid parameters: "
+                f"{sorted(names)}."
             )
-        # numpy's integers (a seed from np.random, a size from an array's shape) are not int: the checks refused
-        # np.int64(3) as "not an integer in [0, 2**63)". They become the int they stand for.
-        plain = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)) else v
-                 for k, v in kwargs.items()}
-        return cls(**fspath_values(plain))
+        return cls(**fspath_values(plain_scalars(kwargs)))
+
+
+def plain_scalars(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """numpy scalars as the Python values they stand for: a seed from np.random, a size from an array's shape or a
+    flag from a comparison are not int or bool, and the type checks refused np.int64(3) and np.True_."""
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in kwargs.items()}
+
+
+def did_you_mean(unknown: list[str], names: typing.Iterable[str]) -> str:
+    """' (did you mean ...?)' for the unknown names that resemble a known one (a typo), else ''."""
+    guesses = {name: difflib.get_close_matches(name, sorted(names), n=1) for name in unknown}
+    guesses = {name: close[0] for name, close in guesses.items() if close}
+    if not guesses:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {next(iter(guesses.values()))!r}?)"
+    return " (did you mean " + ", ".join(f"{close!r} for {name!r}" for name, close in guesses.items()) + "?)"
 
 
 def fspath_values(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -218,9 +233,23 @@ class OutputOptions:
         _check_field_types(self)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class VideoResult:
-    """What a finished request returns to the caller."""
+    """What a finished request returns to the caller.
+
+    `frames` and `audio` are None unless the request asked for them (return_frames=True, or the seed's
+    return_file_paths_only=False); `output_file_path` is None with save_output=False. `timings` are seconds:
+    generation has "encode", "denoise" (with "denoise_per_step", "denoise_step_median", "denoise_step_max"),
+    "decode_audio", "decode_video" and, with a file, "mux" (what the MP4 write added after the decode: the encoder
+    runs beside it); super-resolution has "read", "encode", "upscale", "dit", "dit_per_call", "decode" and "mux"
+    (without a file "blend"). "gc_freeze" (a collection, part of "total") comes with the first request and the
+    first after a compilation, "warmup" with the request that warmed up (warmup_mode="request"; not part of
+    "total"), and "total" is the request's wall time in the worker.
+    Two entries are counts, not seconds: "graphs_compiled" (torch.compile graphs built during the request) and
+    "cache_dit_cached_calls" (with Cache-DiT). `peak_memory_mb`: the request's peak allocated GPU memory (on the
+    CPU, the worker process's peak resident memory so far). `notes`: what the user should know (a truncated
+    prompt, an ignored value, a renamed output file).
+    """
 
     output_file_path: str | None
     frames: np.ndarray | None  # uint8 (T, H, W, 3)
@@ -238,7 +267,16 @@ class VideoResult:
 
     @property
     def generation_time(self) -> float:
+        """`timings["total"]`, in seconds."""
         return self.timings.get("total", math.nan)
+
+    def __repr__(self) -> str:
+        # The dataclass repr printed the arrays' values: some 60 lines of pixels in front of the timings.
+        def shown(value: Any) -> str:
+            return f"<{value.dtype} array {value.shape}>" if isinstance(value, np.ndarray) else repr(value)
+
+        values = ", ".join(f"{item.name}={shown(getattr(self, item.name))}" for item in dataclasses.fields(self))
+        return f"VideoResult({values})"
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -274,3 +274,159 @@ def test_a_negative_prompt_ignored_by_super_resolution_is_said():
     _, notes = resolve_upscale(SamplingParams(video_path="a.mp4", negative_prompt="blurry"),
                                VARIANTS["vsr-distilled2steps"])
     assert "takes no negative_prompt; it was ignored" in " ".join(notes)
+
+
+class ClosingStepWorker(StepWorker):
+    """StepWorker that records what it ran and whether the engine closed it (as it stops worker processes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+        self.ran: list[SamplingParams] = []
+
+    def run(self, params, output, on_step=None):
+        self.ran.append(params)
+        return super().run(params, output, on_step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_request_that_is_not_a_mapping_says_how_to_pass_it():
+    """generate("a cat") failed with "'str' object is not a mapping", which names neither the argument nor the fix."""
+    from k6serve.api import DiffGenerator
+
+    with DiffGenerator(Engine(fake_config(), worker=StepWorker())) as generator:
+        with pytest.raises(ValueError, match=r"^generate\(\) takes the request as a dict .* got 'a cat' \(str\); "
+                                             r"e\.g\. generate\(prompt='a cat'\)"):
+            generator.generate("a cat")
+        with pytest.raises(ValueError, match=r"got \['a cat'\] \(list\)"):
+            generator.generate(["a cat"])
+
+
+def test_an_option_given_to_the_wrong_call_says_which_call_takes_it():
+    """An engine option given to generate(), or a request parameter to from_pretrained(), was only "unknown": the
+    user learnt it is misplaced only by reading the other call's list."""
+    from k6serve.api import DiffGenerator, build_engine_config
+
+    worker = ClosingStepWorker()
+    with DiffGenerator(Engine(fake_config(), worker=worker)) as generator:
+        with pytest.raises(ValueError, match=r"^num_gpus is an engine option, fixed when the model loads: pass it to "
+                                             r"DiffGenerator\.from_pretrained\(\), not to generate\(\)\.$"):
+            generator.generate(prompt="x", num_gpus=2, save_output=False)
+    assert worker.ran == []
+    with pytest.raises(ValueError, match=r"^seed is a request parameter: pass it to generate\(\), not to "
+                                         r"from_pretrained\(\)\.$"):
+        build_engine_config("demo", seed=3)
+
+
+def test_a_misspelt_option_names_the_one_it_resembles():
+    from k6serve.api import build_engine_config, split_kwargs
+
+    with pytest.raises(ValueError, match=r"^Unknown sampling parameter\(s\) \['num_inference_step'\] \(did you mean "
+                                         r"'num_inference_steps'\?\)\. Valid parameters: "):
+        split_kwargs({"prompt": "x", "num_inference_step": 2})
+    with pytest.raises(ValueError, match=r"^Unknown engine option 'num_gpu' \(did you mean 'num_gpus'\?\)\. Valid "):
+        build_engine_config("demo", num_gpu=1)
+    with pytest.raises(ValueError, match=r"^Unknown sampling parameter\(s\) \['zzz'\]\. Valid parameters: "):
+        split_kwargs({"prompt": "x", "zzz": 2})  # nothing close: no guess
+
+
+def test_numpy_scalars_are_the_python_values_they_stand_for_in_every_option():
+    """numpy ints were taken for the sampling parameters only: np.bool_ (from a comparison or arr.any()) was refused
+    as "must be true or false, got np.True_ (bool)", and every numpy value given to from_pretrained as not an
+    integer, not a number, or not true or false."""
+    import numpy as np
+
+    from k6serve.api import build_engine_config, split_kwargs
+
+    params, output = split_kwargs({"prompt": "x", "save_output": np.bool_(False), "return_frames": np.bool_(True),
+                                   "guidance_scale": np.float32(1.0), "seed": np.int64(3)})
+    assert output.save_output is False and output.return_frames is True
+    assert type(params.guidance_scale) is float and type(params.seed) is int
+    config = build_engine_config("demo", num_gpus=np.int64(1), compile_vae=np.bool_(True), lora_path="a.safetensors",
+                                 lora_scale=np.float32(0.5))
+    assert type(config.parallel.num_gpus) is int and config.runtime.compile_vae is True
+    assert config.model.lora_scale == 0.5
+
+
+def test_none_is_the_default_for_the_output_keys_too():
+    """None stands for "the default" in every request key, but save_output=None silently wrote no file (the video
+    was lost) and output_path=None failed with "expected str, bytes or os.PathLike object, not NoneType"."""
+    from k6serve.api import split_kwargs
+
+    _, output = split_kwargs({"prompt": "x", "save_output": None, "output_path": None, "output_file_name": None,
+                              "return_frames": None, "return_file_paths_only": None})
+    assert (output.save_output, output.output_path, output.return_frames) == (True, "outputs", False)
+
+
+def test_generate_after_shutdown_says_so_and_creates_nothing(tmp_path):
+    """After shutdown() (or the `with` block) generate created the output folder, then failed with "The engine has
+    been shut down.", which says neither which object nor what to do."""
+    from k6serve.api import DiffGenerator
+
+    with DiffGenerator(Engine(fake_config(), worker=StepWorker())) as generator:
+        pass
+    with pytest.raises(RuntimeError, match=r"^This DiffGenerator has been shut down \(shutdown\(\) or the end of its "
+                                           r"`with` block\); load a new one with DiffGenerator\.from_pretrained"):
+        generator.generate(prompt="x", output_path=str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    generator.shutdown()  # again: nothing to do
+
+
+def test_a_progress_callback_that_cannot_be_called_is_refused_before_the_run():
+    from k6serve.api import DiffGenerator
+
+    worker = ClosingStepWorker()
+    with DiffGenerator(Engine(fake_config(), worker=worker)) as generator:
+        with pytest.raises(ValueError, match=r"^on_progress must be a function called as on_progress\(step, total\), "
+                                             r"got 5 \(int\)\.$"):
+            generator.generate(prompt="x", save_output=False, on_progress=5)
+    assert worker.ran == []
+
+
+def test_a_dropped_generator_stops_its_worker():
+    """A generator dropped without shutdown() (a notebook cell run again rebinds its name) kept its worker processes,
+    and their GPU memory, until the interpreter exited."""
+    import gc
+
+    from k6serve.api import DiffGenerator
+
+    worker = ClosingStepWorker()
+    generator = DiffGenerator(Engine(fake_config(), worker=worker))
+    generator.generate(prompt="x", save_output=False)
+    del generator
+    gc.collect()
+    assert worker.closed
+
+
+@pytest.mark.multiprocess
+def test_a_dropped_generator_stops_its_worker_processes():
+    import gc
+
+    from test_launch import FakeRankWorker, make_config
+
+    from k6serve.api import DiffGenerator
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+    worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
+    processes = list(worker._processes.values())
+    generator = DiffGenerator(Engine(worker.config, worker=worker))
+    assert generator.generate(prompt="cat", num_inference_steps=1, save_output=False).num_frames > 0
+    del generator, worker
+    gc.collect()
+    assert all(not process.is_alive() for process in processes)
+
+
+def test_the_result_repr_summarises_its_arrays():
+    """print(result) printed the frames' and the waveform's values: some 60 lines of pixels before the timings."""
+    import numpy as np
+
+    result = VideoResult(output_file_path="out.mp4", frames=np.zeros((17, 64, 96, 3), np.uint8),
+                         audio=np.zeros(31744, np.float32), audio_sample_rate=44100, fps=24.0, seed=42,
+                         timings={"total": 1.5}, peak_memory_mb=10.0, num_frames=17, height=64, width=96)
+    text = repr(result)
+    assert "\n" not in text and len(text) < 400
+    assert "frames=<uint8 array (17, 64, 96, 3)>" in text and "audio=<float32 array (31744,)>" in text
+    assert "output_file_path='out.mp4'" in text and "timings={'total': 1.5}" in text
+    assert "frames=None" in repr(VideoResult(**{**vars(result), "frames": None, "audio": None}))

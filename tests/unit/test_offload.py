@@ -816,6 +816,9 @@ def test_block_streaming_flags_reach_the_runtime_config(command, tmp_path, engin
         def __init__(self, config):
             captured["config"] = config
 
+        def shutdown(self):  # the generator stops its engine when dropped
+            pass
+
     import k6serve.api
 
     original = k6serve.api.Engine
