@@ -10,6 +10,7 @@ change and replays it at start, before any job is dispatched.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from k6serve.lora.spec import ListLoras, LoraOperation, LoraSpec, MergeLora, SetLora, UnmergeLora
@@ -35,7 +36,7 @@ class LoraState:
         elif isinstance(operation, MergeLora):
             self.operations.append(operation)
         else:
-            specs = tuple(dataclasses.replace(spec, path=spec.path or self.paths.get(spec.nickname))
+            specs = tuple(dataclasses.replace(spec, path=_as_replayable(spec.path) or self.paths.get(spec.nickname))
                           for spec in operation.specs)
             self.paths.update((spec.nickname, spec.path) for spec in specs if spec.path)
             self.operations = [dataclasses.replace(operation, specs=specs)] if specs else []
@@ -57,6 +58,14 @@ class LoraState:
             else:
                 raise ValueError(f"unknown LoRA operation {item['type']!r} in the job store")
         return cls(operations, start_adapter=start_adapter)
+
+
+def _as_replayable(path: str | None) -> str | None:
+    """A local adapter path made absolute: the worker resolved a relative one against the server's working folder,
+    and a restart from another folder could not rebuild it ("cannot be rebuilt"). Hub ids stay as they are."""
+    if path is not None and not os.path.isabs(path) and os.path.exists(path):
+        return os.path.abspath(path)
+    return path
 
 
 def _fields(operation: LoraOperation) -> dict[str, Any]:

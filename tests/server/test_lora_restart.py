@@ -70,6 +70,30 @@ def test_the_adapters_are_rebuilt_after_a_restart(tmp_path):
         third.stop()
 
 
+def test_a_relative_adapter_path_is_rebuilt_from_another_working_folder(tmp_path, monkeypatch):
+    """set_lora with a path relative to the server's working folder: the state keeps it absolute, so a server
+    restarted from another folder rebuilds the same file (it kept the path as typed, and the start failed). A hub
+    id is kept as typed."""
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "style.safetensors").write_bytes(b"")
+    db = tmp_path / "jobs.sqlite3"
+    monkeypatch.chdir(tmp_path)
+    first = start_server(tmp_path / "one", worker=RecordingWorker(), db_path=db)
+    try:
+        _post(first, "/v1/set_lora", {"lora_nickname": ["style", "hub"],
+                                      "lora_path": ["adapters/style.safetensors", "someone/some-lora"]})
+    finally:
+        first.stop()
+    monkeypatch.chdir(tmp_path / "one")
+    second = start_server(tmp_path / "two", worker=RecordingWorker(), db_path=db)
+    try:
+        (replayed,) = second.worker.operations
+        assert [spec.path for spec in replayed.specs] == [str(tmp_path / "adapters" / "style.safetensors"),
+                                                          "someone/some-lora"]
+    finally:
+        second.stop()
+
+
 def test_a_state_that_cannot_be_rebuilt_stops_the_start_and_says_how_to_go_on(tmp_path):
     store = SqliteJobStore(tmp_path / "jobs.sqlite3")
     store.set_lora_state([{"type": "SetLora", "merge_mode": "auto", "target": "all",
