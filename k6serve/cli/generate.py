@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -55,22 +54,12 @@ def format_summary(result) -> str:
 
 
 def _variant_before_loading(engine_options: dict[str, Any]):
-    """The variant the worker will recognise, where that needs no download (a local folder, the demo, a released
-    hub id, --model-id, --load-format dummy); None otherwise, or when recognition fails: the engine then reports
-    it while loading, as without this look-ahead. A local folder with a damaged file (a truncated weight file or
-    config) is refused here, before the workers start."""
-    from k6serve.models.checkpoint_files import resolve_checkpoint
-    from k6serve.models.variants import recognise
+    """The variant the worker will recognise, where that needs no download, else None
+    (`checkpoint_files.variant_before_loading`)."""
+    from k6serve.models.checkpoint_files import variant_before_loading
 
-    model_path, model_id = engine_options["model_path"], engine_options.get("model_id")
-    folder = None
-    if engine_options.get("load_format") != "dummy" and (model_path == "demo" or Path(model_path).expanduser()
-                                                         .exists()):
-        folder = resolve_checkpoint(model_path)
-    try:
-        return recognise(model_path, model_id, folder)
-    except ValueError:
-        return None
+    return variant_before_loading(engine_options["model_path"], engine_options.get("model_id"),
+                                  engine_options.get("load_format"))[0]
 
 
 def check_request_before_loading(engine_options: dict[str, Any], params: SamplingParams) -> None:

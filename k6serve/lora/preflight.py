@@ -10,7 +10,6 @@ Pro). The worker checks everything again; this only moves the refusal earlier.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from k6serve.config import EngineConfig, ModelConfig
 from k6serve.lora.spec import odd_nickname
@@ -65,22 +64,11 @@ def check_request_loras(config: EngineConfig, loras: dict | None) -> None:
 
 
 def _local_variant(model: ModelConfig):
-    """(the checkpoint's variant, its local folder or None) where that needs no download; (None, None) when it
-    cannot be told now (the worker then says what is wrong with the checkpoint, as without this look-ahead)."""
-    from k6serve.models.variants import recognise
+    """(the checkpoint's variant, its local folder) where that needs no download, as the CLI's request check reads
+    it; the variant is None when it cannot be told now (the worker then says what is wrong, as without this)."""
+    from k6serve.models.checkpoint_files import variant_before_loading
 
-    folder = None
-    if model.load_format != "dummy":
-        if model.model_path == "demo":
-            from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
-
-            folder = ensure_demo_checkpoint()
-        elif Path(model.model_path).expanduser().is_dir():
-            folder = Path(model.model_path).expanduser()
-    try:
-        return recognise(model.model_path, model.model_id, folder), folder
-    except ValueError:
-        return None, None
+    return variant_before_loading(model.model_path, model.model_id, model.load_format)
 
 
 def _is_super_resolution(variant) -> bool:

@@ -7,10 +7,12 @@ Unlike diffusers, 16-bit, 32-bit integer and float grayscale images keep their l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +135,17 @@ def cover_resize_center_crop(image: PIL.Image.Image, height: int, width: int) ->
     return cropped
 
 
+@contextlib.contextmanager
+def no_decompression_bomb_warning() -> Iterator[None]:
+    """PIL's DecompressionBombWarning (stderr, for images over MAX_IMAGE_PIXELS; it raises only past twice that)
+    kept off while opening: such an image is refused by check_cover_resize or logged in one line by
+    load_conditioning_image. catch_warnings swaps the process-wide filter list, so with images opened at once in
+    threads (the server's upload checks) this one warning may still show, or stay off afterwards."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        yield
+
+
 def _open_image_file(path: Path) -> tuple[PIL.Image.Image, tuple[int, int] | None]:
     """The decoded image, EXIF orientation applied, and its TIFF sample type (`_tiff_sample_type`)."""
     if not path.is_file():
@@ -140,10 +153,7 @@ def _open_image_file(path: Path) -> tuple[PIL.Image.Image, tuple[int, int] | Non
         raise ValueError(f"cannot read conditioning image {str(path)!r}: it {what}")
     pil_format = None
     try:
-        # PIL warns on stderr for images over MAX_IMAGE_PIXELS (raising only past twice that): such an image is
-        # then refused by check_cover_resize or logged in one line by load_conditioning_image.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        with no_decompression_bomb_warning():
             with PIL.Image.open(path) as opened:
                 pil_format = opened.format
                 # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.

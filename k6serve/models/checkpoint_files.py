@@ -29,6 +29,22 @@ class CheckpointError(ValueError):
     """A checkpoint could not be found, fetched or read; the message says how to fix it."""
 
 
+def variant_before_loading(model_path: str, model_id: str | None, load_format: str | None):
+    """(the variant the worker will recognise, its local folder or None) where that needs no download (a local
+    folder, the demo, a released hub id, --model-id, --load-format dummy); the variant is None when it cannot be
+    told now (the engine then reports it while loading). A local folder with a damaged file (a truncated weight
+    file or config) raises CheckpointError here, before the workers start."""
+    from k6serve.models.variants import recognise
+
+    folder = None
+    if load_format != "dummy" and (model_path == "demo" or Path(model_path).expanduser().exists()):
+        folder = resolve_checkpoint(model_path)
+    try:
+        return recognise(model_path, model_id, folder), folder
+    except ValueError:
+        return None, folder
+
+
 def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
     """A local folder, or a hub id fetched (or found in the local cache) through huggingface_hub."""
     if model_path == "demo":

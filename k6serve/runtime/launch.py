@@ -126,15 +126,15 @@ def local_rank_specs(
     if not 0 <= parallel.node_rank < parallel.nnodes:
         raise ValueError(f"--node-rank must be in [0, {parallel.nnodes - 1}], got {parallel.node_rank}")
     per_node = parallel.num_gpus // parallel.nnodes
+    store_from_engine = False
     if parallel.dist_init_addr is not None:
         master_addr, master_port = parse_host_port(parallel.dist_init_addr)
     elif parallel.nnodes > 1:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, same on every host).")
     elif store_port is not None:
-        master_addr, master_port = LOCAL_HOST, store_port
+        master_addr, master_port, store_from_engine = LOCAL_HOST, store_port, True
     else:
         master_addr, master_port = LOCAL_HOST, find_free_port()
-    store_from_engine = parallel.dist_init_addr is None and store_port is not None
     if device_type == "cuda" and torch.cuda.device_count() < per_node:
         raise ValueError(
             f"{per_node} GPU processes per host were asked for but {torch.cuda.device_count()} GPU(s) are "

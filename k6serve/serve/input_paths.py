@@ -6,14 +6,18 @@ outside an allowed folder are refused alike.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import av
 import PIL.Image
 
 from k6serve.media.container import still_image_demuxer
-from k6serve.media.image import IMAGE_FORMATS, check_cover_resize, unreadable_image_reason
+from k6serve.media.image import (
+    IMAGE_FORMATS,
+    check_cover_resize,
+    no_decompression_bomb_warning,
+    unreadable_image_reason,
+)
 from k6serve.serve.errors import ApiError
 
 
@@ -57,12 +61,7 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
     if kind == "image":
         pil_format = None
         try:
-            # No DecompressionBombWarning on stderr for images over PIL's MAX_IMAGE_PIXELS: check_cover_resize
-            # below refuses those too large for the video, and the worker logs the size of the rest. catch_warnings
-            # swaps the process-wide filter list, so with uploads checked at once in threads this one warning may
-            # still show, or stay off afterwards.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            with no_decompression_bomb_warning():
                 with PIL.Image.open(path) as image:
                     pil_format = image.format
                     image.verify()

@@ -43,6 +43,16 @@ MAX_ATTEMPTS = 2
 DELETED_CURSOR_RETENTION_S = 7 * 86400
 
 
+def size_text(height: int, width: int) -> str:
+    """A job's `size`: OpenAI's "WxH", width first."""
+    return f"{width}x{height}"
+
+
+def seconds_text(num_frames: int, fps: float) -> str:
+    """A job's `seconds`, as a string as OpenAI's; one rule for the value at creation and the finished job's."""
+    return f"{num_frames / fps:g}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Job:
     id: str

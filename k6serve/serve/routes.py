@@ -51,6 +51,8 @@ from k6serve.serve.jobs import (
     RequestIdConflict,
     expires_at,
     is_expired,
+    seconds_text,
+    size_text,
 )
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
 from k6serve.serve.runner import JobRunner, QueueFull, ServerShuttingDown
@@ -224,7 +226,7 @@ async def create_video(request: Request,
         video_size = (resolved.height, resolved.width) if isinstance(resolved, GenerateRequest) else None
         await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields, video_size)
         if isinstance(resolved, GenerateRequest):
-            size, seconds = f"{resolved.width}x{resolved.height}", f"{resolved.num_frames / resolved.fps:g}"
+            size, seconds = size_text(resolved.height, resolved.width), seconds_text(resolved.num_frames, resolved.fps)
         else:
             # After the readability check, so a source that is no video keeps that check's 400.
             try:

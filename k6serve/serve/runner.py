@@ -35,7 +35,7 @@ from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
-from k6serve.serve.jobs import Job, JobStatus, JobStore
+from k6serve.serve.jobs import Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import LoraState
 from k6serve.serve.metrics import ServerMetrics
 
@@ -412,7 +412,7 @@ class JobRunner:
             job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=JobStatus.COMPLETED, progress=100,
             completed_at=completed_at, output_file=self.artifacts.output_path(result.output_file_path).name,
             inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
-            size=f"{result.width}x{result.height}", seconds=f"{result.num_frames / result.fps:g}",
+            size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
             warnings=job.warnings + tuple(n for n in result.notes if n not in job.warnings),
         )
         if finished is None:

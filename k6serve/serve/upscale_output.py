@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from k6serve.media.video import SRSourceReader
 from k6serve.pipelines.sr_stages import upscale_sizes
 from k6serve.request import UpscaleRequest
+from k6serve.serve.jobs import seconds_text, size_text
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,5 +38,5 @@ def expected_upscale_output(request: UpscaleRequest) -> UpscaleOutput | None:
         return None
     sizes = upscale_sizes(source.frame_size, request)
     height, width = sizes.delivery_size
-    seconds = None if source.num_frames is None else f"{source.num_frames / source.fps:g}"
-    return UpscaleOutput(size=f"{width}x{height}", seconds=seconds, notes=sizes.notes)
+    seconds = None if source.num_frames is None else seconds_text(source.num_frames, source.fps)
+    return UpscaleOutput(size=size_text(height, width), seconds=seconds, notes=sizes.notes)
