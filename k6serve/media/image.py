@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,13 +136,20 @@ def cover_resize_center_crop(image: PIL.Image.Image, height: int, width: int) ->
     return cropped
 
 
+# Held while the warning filter is swapped (`no_decompression_bomb_warning`): catch_warnings saves and restores the
+# process-wide filter list, so two threads inside it at once (the server checks uploads in threads) could restore
+# each other's lists and leave the filter on, or off, for good. Re-entrant so that a nested use cannot deadlock.
+_WARNING_FILTER_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def no_decompression_bomb_warning() -> Iterator[None]:
     """PIL's DecompressionBombWarning (stderr, for images over MAX_IMAGE_PIXELS; it raises only past twice that)
     kept off while opening: such an image is refused by check_cover_resize or logged in one line by
-    load_conditioning_image. catch_warnings swaps the process-wide filter list, so with images opened at once in
-    threads (the server's upload checks) this one warning may still show, or stay off afterwards."""
-    with warnings.catch_warnings():
+    load_conditioning_image. Callers hold it around `PIL.Image.open` (where PIL warns) and header checks only, not
+    around decoding: it serialises its users (`_WARNING_FILTER_LOCK`). Other threads' warnings of this one
+    category are also hidden while it is held; nothing else in the filter list changes."""
+    with _WARNING_FILTER_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
         yield
 
@@ -153,14 +161,15 @@ def _open_image_file(path: Path) -> tuple[PIL.Image.Image, tuple[int, int] | Non
         raise ValueError(f"cannot read conditioning image {str(path)!r}: it {what}")
     pil_format = None
     try:
-        with no_decompression_bomb_warning():
-            with PIL.Image.open(path) as opened:
-                pil_format = opened.format
-                # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.
-                opened.load()
-                # Read before exif_transpose, whose copy has no TIFF tags.
-                sample_type = _tiff_sample_type(opened)
-                return PIL.ImageOps.exif_transpose(opened), sample_type
+        with no_decompression_bomb_warning():  # PIL warns in open(); the decode below runs outside the lock
+            opened = PIL.Image.open(path)
+        with opened:
+            pil_format = opened.format
+            # load() decodes now, so a truncated or corrupt file fails here, not in the pipeline.
+            opened.load()
+            # Read before exif_transpose, whose copy has no TIFF tags.
+            sample_type = _tiff_sample_type(opened)
+            return PIL.ImageOps.exif_transpose(opened), sample_type
     except PIL.Image.DecompressionBombError as exc:
         # Not an OSError: PIL refuses to decode more than twice its MAX_IMAGE_PIXELS (a guard against files that
         # expand to gigabytes). The image is readable, only too large for a conditioning frame. PIL's message is

@@ -719,3 +719,38 @@ def test_write_mp4_without_hard_links_still_never_replaces(tmp_path: Path, monke
     assert written == tmp_path / "out_1.mp4" and media.probe(written).num_frames == 3
     assert (tmp_path / "out.mp4").read_bytes() == b"previous result"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.mp4", "out_1.mp4"]
+
+
+def test_the_bomb_warning_guard_lets_one_thread_swap_the_filters_at_a_time() -> None:
+    # catch_warnings saves and restores the process-wide filter list: two threads inside it at once could restore
+    # each other's lists (the server checks uploads in threads) and leave the filter changed for good.
+    import threading
+
+    from k6serve.media.image import no_decompression_bomb_warning
+
+    filters_before = list(warnings.filters)
+    first_inside, release_first, second_inside = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with no_decompression_bomb_warning():
+            first_inside.set()
+            release_first.wait(10)
+
+    def second() -> None:
+        first_inside.wait(10)
+        with no_decompression_bomb_warning():
+            second_inside.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    assert first_inside.wait(10)
+    assert not second_inside.wait(0.3)  # held off while the first thread's filter list is in place
+    release_first.set()
+    for thread in threads:
+        thread.join(10)
+    assert second_inside.is_set()
+    assert warnings.filters == filters_before
+    with no_decompression_bomb_warning(), no_decompression_bomb_warning():  # re-entrant: a nested use returns
+        pass
+    assert warnings.filters == filters_before
