@@ -11,16 +11,18 @@ in order with them, on every rank of every replica.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
 import re
 import tempfile
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from k6serve.api_errors import flags_as_keywords, reworded_errors
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.lora.spec import (
     LORA_MERGE_MODES,
@@ -54,7 +56,8 @@ _REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
 
 
 def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
-    """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections."""
+    """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections. Its errors name
+    the flags, as for the CLI and the server, which build their config here too; `DiffGenerator` rewords them."""
     sections: dict[type, dict[str, Any]] = {cls: {} for cls in _ENGINE_SECTIONS}
     # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
     model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
@@ -297,6 +300,16 @@ def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: 
     return options
 
 
+def _in_callers_words(method: Callable) -> Callable:
+    """A `DiffGenerator` method whose ValueErrors are worded for its caller (`DiffGenerator._wording`)."""
+    @functools.wraps(method)
+    def worded(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
+        with reworded_errors(self._wording):
+            return method(self, *args, **kwargs)
+
+    return worded
+
+
 class DiffGenerator:
     """Loads a Kandinsky 6 checkpoint once and generates (or upscales) videos with it.
 
@@ -304,11 +317,15 @@ class DiffGenerator:
             result = generator.generate(prompt="A cat plays piano", seed=42)
 
     The model runs in worker processes (one per GPU); `shutdown()`, the end of the `with` block, or dropping the
-    last reference to the generator stops them and frees their memory.
+    last reference to the generator stops them and frees their memory. Its ValueErrors name the keyword arguments
+    (`num_gpus=4`) where the CLI names its flags (`--num-gpus 4`).
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, wording: Callable[[str], str] = flags_as_keywords) -> None:
         self.engine = engine
+        # The engine's checks, shared with the CLI and the server, name CLI flags (`--num-gpus 4`); a Python caller
+        # reads the keywords it passes (`num_gpus=4`, api_errors.py). `k6serve generate` keeps the flags (`str`).
+        self._wording = wording
         # A generator dropped without shutdown() (a notebook cell run again rebinds its name) kept its worker
         # processes, and their GPU memory, until the interpreter exited.
         self._shutdown = weakref.finalize(self, engine.shutdown)
@@ -318,18 +335,31 @@ class DiffGenerator:
         """Load `model_path` (a local Diffusers folder, a hub id, or "demo": the built-in tiny random checkpoint)
         and start its worker processes. `kwargs` are the engine options, the CLI's flags with underscores
         (num_gpus, performance_mode, attention_backend, warmup_mode, device, ...; docs/cli.md lists them). A bad
-        option raises ValueError before anything loads; request parameters (prompt, seed, ...) go to `generate`."""
-        config = build_engine_config(model_path, **kwargs)
+        option raises ValueError before anything loads, naming the keywords (e.g. `num_gpus=4`); request
+        parameters (prompt, seed, ...) go to `generate`."""
+        with reworded_errors(flags_as_keywords):
+            return cls._load(model_path, kwargs, wording=flags_as_keywords)
+
+    @classmethod
+    def from_cli_options(cls, model_path: str, **options: Any) -> "DiffGenerator":
+        """`from_pretrained` for `k6serve generate`: the same checks and load, and a generator whose errors and
+        warnings name the flags the options came from."""
+        return cls._load(model_path, options, wording=str)
+
+    @classmethod
+    def _load(cls, model_path: str, options: dict[str, Any], *, wording: Callable[[str], str]) -> "DiffGenerator":
+        config = build_engine_config(model_path, **options)
         note = ignored_revision_note(config.model.model_path, config.model.revision, config.model.load_format)
         if note is not None:
-            logger.warning(note)  # before the load, which can take minutes
+            logger.warning(wording(note))  # before the load, which can take minutes
         check_start_adapter(config)  # a bad --lora-path adapter: refused now, not after the load
-        return cls(Engine(config))
+        return cls(Engine(config), wording=wording)
 
     @property
     def variant(self):
         return self.engine.variant
 
+    @_in_callers_words
     def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
         """Run one request and return its `VideoResult`. The request is a dict (the seed's sampling_params_kwargs),
@@ -375,6 +405,7 @@ class DiffGenerator:
         sr_resolution_scale=2, seed, output_path; the same progress callback."""
         return self.generate({"video_path": video_path, **kwargs}, on_progress=on_progress)
 
+    @_in_callers_words
     def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
                  strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
                  lora_alpha: float | None = None) -> dict:
@@ -392,27 +423,32 @@ class DiffGenerator:
                                        lora_alpha=lora_alpha)
         return self.engine.lora(operation)
 
+    @_in_callers_words
     def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict:
         """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`)."""
         return self.engine.lora(merge_lora_operation(target, strength))
 
+    @_in_callers_words
     def unmerge_lora_weights(self, target: str = "all") -> dict:
         """Deactivate every adapter and restore the base weights bit for bit (merged weights are restored from
         the saved base copy, not by subtracting the delta)."""
         return self.engine.lora(unmerge_lora_operation(target))
 
+    @_in_callers_words
     def list_loras(self) -> dict:
         """The loaded adapters and their state: `{"loras": [...]}`."""
         return self.engine.lora(ListLoras())
 
+    @_in_callers_words
     def release_memory(self) -> dict:
         """Give the GPU memory back (sleep, e.g. to an RL trainer on the same GPUs): after the requests already
         submitted, every weight moves to host memory on every rank and the allocator caches are freed; requests
         submitted meanwhile wait for `resume_memory`. Returns each rank's report of what moved and what the process
         still holds on its GPU (docs/http-api.md, POST /release_memory_occupation). Releasing twice changes
-        nothing and says so ("status": "already_released"); --use-fsdp-inference raises ValueError."""
+        nothing and says so ("status": "already_released"); use_fsdp_inference=True raises ValueError."""
         return self.engine.release_memory()
 
+    @_in_callers_words
     def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
         """Copy the weights back to the GPUs, bit for bit; the waiting requests then run in order. Resuming while
         not released changes nothing ("status": "not_released"). `keep_host_copy=True` keeps the host copy (host

@@ -24,6 +24,12 @@ PARALLEL_DECODE_MODES = ("whole_tile", "spatial_shard")  # the seed's --vae-conf
 # Same tuple as k6serve.lora.spec.LORA_MERGE_MODES (config imports only torch-free k6serve modules; a unit test keeps
 # them equal).
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
+# The options with a fixed set of values, by field name: the CLI's `choices` (a unit test keeps them equal), and what
+# tells such an option's value from the words after it when the Python API rewords a flag (api_errors.py).
+OPTION_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "lora_merge_mode": LORA_MERGE_MODES,
+                  "device": DEVICES, "performance_mode": PERFORMANCE_MODES, "attention_backend": ATTENTION_BACKENDS,
+                  "warmup_mode": WARMUP_MODES, "vae_tiling": VAE_TILING, "encoder_parallel": ENCODER_PARALLEL,
+                  "vae_parallel_decode_mode": PARALLEL_DECODE_MODES}
 
 # What each annotated field type accepts, and how the error says it. The CLI's argparse types already convert, but
 # the Python API passes values as given: the string "false" is a true use_fsdp_inference and the string "1" a

@@ -132,7 +132,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     check_request_before_loading(engine_options, params)
     request_options = _checked_output_options(request_options)
     model_path = engine_options.pop("model_path")
-    generator = DiffGenerator.from_pretrained(model_path, **engine_options)
+    generator = DiffGenerator.from_cli_options(model_path, **engine_options)
     bar = None
     try:
         variant = generator.variant

@@ -387,7 +387,7 @@ def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
 
 def _check_lora_flags(command: str, engine_options: dict[str, Any], request_options: dict[str, Any]) -> None:
     """The LoRA flags refused before the model loads (minutes for a real checkpoint) rather than after: serve's
-    --lora-path adapter (generate's is checked by DiffGenerator.from_pretrained) and generate's --loras."""
+    --lora-path adapter (generate's is checked by DiffGenerator.from_cli_options) and generate's --loras."""
     if command == "generate" and request_options.get("loras") is None:
         return
     if command == "serve" and not engine_options.get("lora_path"):

@@ -169,8 +169,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as exc:
         raise CheckpointError(
             f"Cannot fetch {repo_id}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and no complete copy is "
-            f"in the local cache. On a machine with access run `hf download {repo_id}` (add --revision to pin "
-            "one) and pass the downloaded folder with --model-path."
+            f"in the local cache. On a machine with access run `hf download {repo_id} [--revision REV]` and pass "
+            "the downloaded folder with --model-path."
         ) from exc
     return Path(folder)
 

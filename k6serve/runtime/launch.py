@@ -101,7 +101,7 @@ def torchrun_rank(
     if int(environ["WORLD_SIZE"]) != world_size:
         raise ValueError(
             f"the launcher started WORLD_SIZE={environ['WORLD_SIZE']} processes but the layout needs "
-            f"--num-gpus {world_size}; make them equal (torchrun --nproc-per-node x --nnodes = --num-gpus)."
+            f"--num-gpus {world_size}; make them equal (--num-gpus = torchrun's --nproc-per-node x --nnodes)."
         )
     return RankSpec(
         rank=int(environ["RANK"]), world_size=world_size, local_rank=int(environ["LOCAL_RANK"]),

@@ -191,21 +191,21 @@ def test_requests_after_a_deliberate_shutdown_say_so_not_that_replicas_died():
     ("options", "message"),
     [
         # A truthy string would turn FSDP / CFG-parallel on, the opposite of what it says.
-        ({"use_fsdp_inference": "false"}, r"--use-fsdp-inference must be true or false, got 'false' \(str\)"),
-        ({"enable_cfg_parallel": "no"}, r"--enable-cfg-parallel must be true or false, got 'no'"),
-        ({"num_gpus": "1"}, r"--num-gpus must be an integer, got '1' \(str\)"),
-        ({"num_gpus": 1.0}, r"--num-gpus must be an integer, got 1.0 \(float\)"),
-        ({"compile_vae": 1}, r"--compile-vae must be true or false, got 1"),
-        ({"lora_scale": "0.5"}, r"--lora-scale must be a number, got '0.5'"),
-        ({"model_id": 6}, r"--model-id must be a string, got 6 \(int\)"),
-        ({"dist_timeout_s": 0}, r"dist_timeout_s must be > 0 seconds"),
+        ({"use_fsdp_inference": "false"}, r"^use_fsdp_inference must be true or false, got 'false' \(str\)$"),
+        ({"enable_cfg_parallel": "no"}, r"^enable_cfg_parallel must be true or false, got 'no'"),
+        ({"num_gpus": "1"}, r"^num_gpus must be an integer, got '1' \(str\)$"),
+        ({"num_gpus": 1.0}, r"^num_gpus must be an integer, got 1.0 \(float\)$"),
+        ({"compile_vae": 1}, r"^compile_vae must be true or false, got 1"),
+        ({"lora_scale": "0.5"}, r"^lora_scale must be a number, got '0.5'"),
+        ({"model_id": 6}, r"^model_id must be a string, got 6 \(int\)$"),
+        ({"dist_timeout_s": 0}, r"^dist_timeout_s must be > 0 seconds"),
     ],
 )
-def test_engine_options_of_the_wrong_type_are_refused_naming_the_flag(options, message):
-    from k6serve.api import build_engine_config
+def test_engine_options_of_the_wrong_type_are_refused_naming_the_keyword(options, message):
+    from k6serve.api import DiffGenerator
 
     with pytest.raises(ValueError, match=message):
-        build_engine_config("demo", **options)
+        DiffGenerator.from_pretrained("demo", **options)  # refused while the config is built, before any start
 
 
 def test_engine_options_take_pathlib_paths(tmp_path):

@@ -110,10 +110,10 @@ def no_model_load(monkeypatch):
     """Loading the model fails the test: what these runs refuse must be refused before it."""
     import k6serve.cli.generate as generate_module
 
-    def from_pretrained(*args, **kwargs):
+    def from_cli_options(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(from_pretrained))
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
 
 
 @pytest.mark.parametrize(
@@ -385,11 +385,11 @@ def in_process_cli(tiny_distill_dir, monkeypatch):
     """`k6serve generate` on an in-process worker, so a test can make the MP4 write fail in this process."""
     import k6serve.cli.generate as generate_module
 
-    def from_pretrained(model_path, **options):
+    def from_cli_options(model_path, **options):
         config = build_engine_config(model_path, **options)
-        return DiffGenerator(Engine(config, worker=ModelWorker(config)))
+        return DiffGenerator(Engine(config, worker=ModelWorker(config)), wording=str)
 
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(from_pretrained))
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
     return ["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--prompt", "x", "--height", "32",
             "--width", "32", "--num-frames", "5"]
 
@@ -621,7 +621,8 @@ def test_api_no_save_output_notes_an_ignored_file_name(generator, tmp_path):
 @pytest.mark.parametrize(("model_path", "load_format", "ignored_because"), [
     ("{folder}", "auto", "is a local folder, used as it is"),
     ("demo", "auto", "'demo' is the built-in tiny checkpoint"),
-    ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "dummy", "--load-format dummy builds random weights"),
+    # The API's words: the keyword it was given (the CLI's warning names --load-format dummy).
+    ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "dummy", "load_format='dummy' builds random weights"),
     ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "auto", None),
 ])
 def test_revision_that_applies_to_no_hub_id_is_warned(tmp_path, monkeypatch, caplog, model_path, load_format,
@@ -671,9 +672,9 @@ def test_cli_sr_without_a_source_names_the_flag_when_the_model_is_known_only_onc
     import k6serve.cli.generate as generate_module
 
     monkeypatch.setattr(generate_module, "_variant_before_loading", lambda options: None)  # e.g. a renamed hub repo
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(
         lambda model_path, **options: DiffGenerator(Engine(build_engine_config(model_path, **options),
-                                                           worker=FakeSRWorker()))))
+                                                           worker=FakeSRWorker()), wording=str)))
     assert main(["generate", "--model-path", str(tiny_sr_dir), "--output-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "error: Super-resolution needs exactly one source video: pass --video-path /path/to/input.mp4" in err
@@ -717,9 +718,9 @@ def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_c
     import k6serve.cli.generate as generate_module
 
     monkeypatch.setattr(generate_module, "_variant_before_loading", lambda options: None)  # known only once loaded
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_pretrained", staticmethod(
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(
         lambda model_path, **options: DiffGenerator(Engine(build_engine_config(model_path, **options),
-                                                           worker=FakeGenerationWorker()))))
+                                                           worker=FakeGenerationWorker()), wording=str)))
     assert main(["generate", "--model-path", "demo", "--prompt", " ", "--output-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "error: prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano')." in err

@@ -57,9 +57,9 @@ def test_the_demos_linear_names_are_what_the_adapters_below_assume(demo_dir):
     ("other_model", r"1 of its 1 module\(s\) are not Linear layers of the Kandinsky6Transformer \(all of them"),
     ("other_size", "maps 64 -> 128 features"),
     ("damaged", "cannot be read as safetensors"),
-    ("nan_scale", "--lora-scale must be a finite number, got nan"),
-    ("inf_alpha", "--lora-alpha must be a finite number, got inf"),
-    ("odd_nickname", "--lora-nickname ' style' starts or ends with spaces"),
+    ("nan_scale", "lora_scale must be a finite number, got nan"),
+    ("inf_alpha", "lora_alpha must be a finite number, got inf"),
+    ("odd_nickname", "lora_nickname=' style' starts or ends with spaces"),
 ])
 def test_the_api_refuses_a_bad_lora_path_before_loading(demo_dir, tmp_path, no_model_load, kind, message):
     options = {"lora_path": _adapter(tmp_path)}
@@ -87,8 +87,9 @@ def test_a_fitting_adapter_goes_on_to_the_load(demo_dir, tmp_path, no_model_load
 
 
 def test_the_super_resolution_model_refuses_lora_path_before_loading(tiny_sr_dir, tmp_path, no_model_load):
-    with pytest.raises(ValueError, match="--lora-path: LoRA adapters apply to the Kandinsky 6 generation DiT; "
-                                         "vsr-distilled2steps is a super-resolution model.*Drop --lora-path"):
+    with pytest.raises(ValueError, match="^lora_path: LoRA adapters apply to the Kandinsky 6 generation DiT; "
+                                         "vsr-distilled2steps is a super-resolution model.*Drop lora_path, or pass "
+                                         "a generation checkpoint as model_path.$"):
         DiffGenerator.from_pretrained(str(tiny_sr_dir), device="cpu", lora_path=_adapter(tmp_path))
 
 

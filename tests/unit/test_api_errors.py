@@ -1,0 +1,214 @@
+"""The Python API's errors name the keywords its caller passes (`num_gpus=4`), where the same checks on the CLI name
+its flags (`--num-gpus 4`): the real refusals of the config, the launch and the engine, reached both ways, and the
+rewording rules (`k6serve/api_errors.py`) one by one."""
+
+from __future__ import annotations
+
+import pytest
+
+from k6serve.api import DiffGenerator, LoraArgumentError, build_engine_config
+from k6serve.api_errors import flags_as_keywords
+from k6serve.cli.main import main
+from k6serve.models.variants import VARIANTS
+from k6serve.runtime.engine import Engine
+
+# (API keywords, CLI flags, the API's message, the CLI's message): one refusal of the config each.
+REFUSED_BOTH_WAYS = {
+    "gpu layout": (
+        {"num_gpus": 2, "ulysses_degree": 4}, ["--num-gpus", "2", "--ulysses-degree", "4"],
+        "world size must equal dp x cfg x tp x ulysses x ring = 1 x 1 x 1 x 4 x 1 = 4, but num_gpus is 2. Pass "
+        "num_gpus=4 for this layout, or keep 2 GPU(s) with ulysses_degree=2.",
+        "world size must equal dp x cfg x tp x ulysses x ring = 1 x 1 x 1 x 4 x 1 = 4, but --num-gpus is 2. Pass "
+        "--num-gpus 4 for this layout, or keep 2 GPU(s) with --ulysses-degree 2."),
+    "fsdp with cfg parallel": (
+        {"num_gpus": 2, "enable_cfg_parallel": True, "use_fsdp_inference": True, "cache_dit_config": {}},
+        ["--num-gpus", "2", "--enable-cfg-parallel", "--use-fsdp-inference", "true", "--cache-dit-config", "{}"],
+        "cache_dit_config cannot be used with use_fsdp_inference=True with enable_cfg_parallel=True: each guidance "
+        "branch decides on its own which DiT blocks to skip, but FSDP gathers every block's weights on both ranks "
+        "together. Drop one of the two options to use Cache-DiT.",
+        "--cache-dit-config cannot be used with --use-fsdp-inference with --enable-cfg-parallel: each guidance "
+        "branch decides on its own which DiT blocks to skip, but FSDP gathers every block's weights on both ranks "
+        "together. Drop one of the two flags to use Cache-DiT."),
+    "lora option without lora_path": (
+        {"lora_scale": 0.5}, ["--lora-scale", "0.5"],
+        "lora_scale describes the lora_path adapter, but no lora_path was given; add lora_path, or drop it "
+        "(adapters can also come later, through set_lora).",
+        "--lora-scale describes the --lora-path adapter, but no --lora-path was given; add --lora-path, or drop it "
+        "(adapters can also come later, through set_lora)."),
+    "offload with tensor parallel": (
+        {"num_gpus": 2, "tp_size": 2, "performance_mode": "balanced"},
+        ["--num-gpus", "2", "--tp-size", "2", "--performance-mode", "balanced"],
+        "performance_mode='balanced' offloads the weights to host memory, which cannot work with weights sharded "
+        "across GPUs (tp_size=2): use performance_mode='speed' to keep tp_size=2, or drop it to offload.",
+        "--performance-mode balanced offloads the weights to host memory, which cannot work with weights sharded "
+        "across GPUs (--tp-size 2): use --performance-mode speed to keep --tp-size 2, or drop it to offload."),
+    "block streaming without streamed blocks": (
+        {"offload_prefetch_blocks": 2, "cpu_offload_components": ["text_encoders", "vae"]},
+        ["--offload-prefetch-blocks", "2", "--cpu-offload-components", "text_encoders", "vae"],
+        "offload_prefetch_blocks=2 applies only when blocks are streamed between host and GPU, and "
+        "`performance_mode='speed', cpu_offload_components=['text_encoders', 'vae']` streams none. Stream the DiT "
+        "(performance_mode='memory', layerwise_offload_components=['transformer'] or "
+        "component_residency={'transformer': 'layerwise_offload'}, with no other option keeping it whole or "
+        "resident), or drop it.",
+        "--offload-prefetch-blocks 2 applies only when blocks are streamed between host and GPU, and "
+        "`--performance-mode speed --cpu-offload-components text_encoders vae` streams none. Stream the DiT "
+        "(--performance-mode memory, --layerwise-offload-components transformer or "
+        "--component-residency transformer=layerwise_offload, with no other flag keeping it whole or resident), or "
+        "drop it."),
+}
+
+
+def _cli_error(capsys, flags: list[str], tmp_path) -> str:
+    assert main(["generate", "--model-path", "demo", "--prompt", "a fox", "--output-path", str(tmp_path),
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip()
+
+
+@pytest.mark.parametrize("case", REFUSED_BOTH_WAYS)
+def test_a_config_refusal_names_the_keywords_in_the_api_and_the_flags_on_the_cli(case, demo_dir, tmp_path, capsys):
+    options, flags, api_message, cli_message = REFUSED_BOTH_WAYS[case]
+    with pytest.raises(ValueError) as refused:
+        DiffGenerator.from_pretrained("demo", **options)
+    assert type(refused.value) is ValueError and str(refused.value) == api_message
+    assert _cli_error(capsys, flags, tmp_path) == f"error: {cli_message}"
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"performance_mode": "fast"}, "performance_mode must be one of ('speed', 'balanced', 'memory'), got 'fast'"),
+    # The seed's dotted flags (--vae-config.*) are the API's vae_parallel_* keywords.
+    ({"vae_parallel_decode_mode": "rows"}, "vae_parallel_decode_mode must be one of whole_tile, spatial_shard, "
+                                           "got 'rows'"),
+    ({"vae_parallel_tiling": "yes"}, "vae_parallel_tiling must be true or false, got 'yes' (str)"),
+    ({"cpu_offload_components": "text_encoders gpu"}, "cpu_offload_components: unknown component 'gpu'. Known: "
+     "all, none, text_encoder, text_encoder_2, transformer, vae, audio_vae, vocoder, latent_upscaler, dit, "
+     "text_encoders, audio, default."),
+])
+def test_api_only_refusals_name_the_keywords(options, message):
+    # The CLI's argparse refuses these values itself, in its own words.
+    with pytest.raises(ValueError) as refused:
+        DiffGenerator.from_pretrained("demo", **options)
+    assert str(refused.value) == message
+
+
+def test_a_missing_gpu_names_the_device_keyword(demo_dir, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # refused in the engine, before any process
+    with pytest.raises(ValueError) as refused:
+        DiffGenerator.from_pretrained("demo", device="cuda")
+    assert str(refused.value) == "device='cuda' was requested but no CUDA GPU is visible; use device='cpu'."
+    assert _cli_error(capsys, ["--device", "cuda"], tmp_path) == (
+        "error: --device cuda was requested but no CUDA GPU is visible; use --device cpu.")
+
+
+def test_torchruns_own_flags_stay_in_the_launch_refusal(demo_dir, tmp_path, capsys, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as refused:
+        DiffGenerator.from_pretrained("demo", device="cpu")
+    assert str(refused.value) == ("the launcher started WORLD_SIZE=8 processes but the layout needs num_gpus=1; "
+                                  "make them equal (num_gpus = torchrun's --nproc-per-node x --nnodes).")
+    assert _cli_error(capsys, ["--device", "cpu"], tmp_path) == (
+        "error: the launcher started WORLD_SIZE=8 processes but the layout needs --num-gpus 1; make them equal "
+        "(--num-gpus = torchrun's --nproc-per-node x --nnodes).")
+
+
+class FsdpWorker:
+    """An in-process stand-in with FSDP's real refusals of a memory release and of a merged adapter."""
+
+    variant = VARIANTS["pro"]
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def apply_memory_operation(self, operation) -> list[dict]:
+        from k6serve.runtime import memory
+
+        return [memory.apply_memory_operation(self, operation)]
+
+    def apply_lora_operation(self, operation) -> dict:
+        from k6serve.lora.manager import resolve_merge_mode
+
+        resolve_merge_mode(operation.merge_mode, fsdp=self.config.parallel.use_fsdp_inference)
+        return {"loras": []}
+
+
+@pytest.mark.parametrize("wording", ["api", "cli"])
+def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wording):
+    config = build_engine_config("demo", device="cpu", num_gpus=2, ulysses_degree=2, use_fsdp_inference=True)
+    engine = Engine(config, worker=FsdpWorker(config))
+    generator = DiffGenerator(engine) if wording == "api" else DiffGenerator(engine, wording=str)
+    try:
+        with pytest.raises(ValueError) as refused:
+            generator.release_memory()
+        flag = {"api": "use_fsdp_inference=True", "cli": "--use-fsdp-inference"}[wording]
+        assert str(refused.value).startswith(f"release_memory_occupation cannot move weights sharded by {flag}: ")
+        assert f"Drop {flag} to release memory (" in str(refused.value)
+        with pytest.raises(ValueError) as refused:
+            generator.set_lora("style", "style.safetensors", merge_mode="merge")
+        assert str(refused.value).startswith(f"LoRA merge_mode 'merge' cannot be used with {flag}: the weights ")
+        # A ValueError subclass keeps its type and attributes.
+        with pytest.raises(LoraArgumentError) as refused:
+            generator.set_lora(" ")
+        assert refused.value.argument == "nickname"
+    finally:
+        generator.shutdown()
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    # int: a number is its value; anything else is prose about the option.
+    ("--num-gpus 4 must be a multiple of --nnodes 3 (every", "num_gpus=4 must be a multiple of nnodes=3 (every"),
+    ("but --num-gpus is 2.", "but num_gpus is 2."),
+    ("--tp-size > 1 and --node-rank must be in [0, 1]", "tp_size > 1 and node_rank must be in [0, 1]"),
+    # a choice: one of its values (quoted or not), else prose.
+    ("use --attention-backend torch_sdpa.", "use attention_backend='torch_sdpa'."),
+    ("--lora-merge-mode merge cannot", "lora_merge_mode='merge' cannot"),
+    ("--performance-mode must be one of", "performance_mode must be one of"),
+    ("with --vae-tiling on.", "with vae_tiling='on'."),
+    ("--encoder-parallel fold has no plan", "encoder_parallel='fold' has no plan"),
+    # a boolean: true / false, else the flag alone turns it on; "must be" names the option itself.
+    ("drop --enable-cfg-parallel and use --ulysses-degree 4", "drop enable_cfg_parallel=True and use ulysses_degree=4"),
+    ("--vae-config.use-parallel-decode true", "vae_parallel_decode=True"),
+    ("--vae-config.use-parallel-tiling false asks", "vae_parallel_tiling=False asks"),
+    ("--compile-vae must be true or false", "compile_vae must be true or false"),
+    # a number.
+    ("--lora-scale 0.5, --lora-alpha 8", "lora_scale=0.5, lora_alpha=8"),
+    ("--lora-scale must be a finite number, got nan.", "lora_scale must be a finite number, got nan."),
+    # free text: only a quoted string is a value; the model id also by its released name.
+    ("--model-path '/x' is neither", "model_path='/x' is neither"),
+    ("--model-path /x is a file", "model_path /x is a file"),
+    ("e.g. --model-id Kandinsky-6.0-Lite-5s-Diffusers.", "e.g. model_id='Kandinsky-6.0-Lite-5s-Diffusers'."),
+    ("Pass --model-id with the released name", "Pass model_id with the released name"),
+    ("--dist-init-addr must be HOST:PORT", "dist_init_addr must be HOST:PORT"),
+    # component names and NAME=MODE settings: several words, as a list and a dict.
+    ("--layerwise-offload-components all streams", "layerwise_offload_components=['all'] streams"),
+    ("--component-residency vae=resident all=component_offload keeps", "component_residency={'vae': 'resident', "
+     "'all': 'component_offload'} keeps"),
+    ("--component-residency names vae twice", "component_residency names vae twice"),
+    # flags one after another are one call's arguments.
+    ("Fix: --ulysses-degree 2 --ring-degree 2 (Ulysses2)", "Fix: ulysses_degree=2, ring_degree=2 (Ulysses2)"),
+    ("--ulysses-degree / --ring-degree.", "ulysses_degree / ring_degree."),
+    # other programs' flags, and flags that are no engine option, stay; "flag" becomes "option" only beside ours.
+    ("run: hf download org/repo --revision v2 --force-download; or pass --revision v2",
+     "run: hf download org/repo --revision v2 --force-download; or pass revision v2"),
+    ("rerun with --log-level debug, or --config file and --no-save-output: no --lora-path flag",
+     "rerun with --log-level debug, or --config file and --no-save-output: no lora_path option"),
+    ("Drop the flag (--lora-path), or leave the flags out.", "Drop the option (lora_path), or leave the options out."),
+    ("--lora-paths and --num-gpus-x are not --num-gpus", "--lora-paths and --num-gpus-x are not num_gpus"),
+])
+def test_flags_as_keywords(message, expected):
+    assert flags_as_keywords(message) == expected
+    assert flags_as_keywords(expected) == expected  # a reworded message stays as it is
+
+
+def test_every_choice_of_the_cli_is_known_to_the_rewording():
+    from k6serve.cli.main import build_parser
+    from k6serve.config import OPTION_CHOICES
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    engine = [group for group in generate._action_groups if group.title == "engine"][0]
+    cli_choices = {action.dest: tuple(action.choices) for action in engine._group_actions if action.choices}
+    assert cli_choices == OPTION_CHOICES
