@@ -461,6 +461,9 @@ class DiffGenerator:
         it again does nothing."""
         self._shutdown()
 
+    # `close()` is what contextlib.closing and most Python resources call; the seed's name is shutdown().
+    close = shutdown
+
     def __enter__(self) -> "DiffGenerator":
         return self
 

@@ -430,3 +430,18 @@ def test_the_result_repr_summarises_its_arrays():
     assert "frames=<uint8 array (17, 64, 96, 3)>" in text and "audio=<float32 array (31744,)>" in text
     assert "output_file_path='out.mp4'" in text and "timings={'total': 1.5}" in text
     assert "frames=None" in repr(VideoResult(**{**vars(result), "frames": None, "audio": None}))
+
+
+def test_close_is_shutdown():
+    """contextlib.closing (and users of other Python resources) call close(); the seed names it shutdown()."""
+    import contextlib
+
+    from k6serve.api import DiffGenerator
+
+    worker = ClosingStepWorker()
+    with contextlib.closing(DiffGenerator(Engine(fake_config(), worker=worker))) as generator:
+        generator.generate(prompt="x", save_output=False)
+    with pytest.raises(RuntimeError, match=r"^This DiffGenerator has been shut down"):
+        generator.generate(prompt="x", save_output=False)
+    assert worker.closed
+    generator.close()  # again: nothing to do
