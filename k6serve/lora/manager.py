@@ -34,7 +34,7 @@ from torch import nn
 from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
 from k6serve.lora.dynamic import LoraDelta, LoraLinear
 from k6serve.lora.sharding import ShardedWeight
-from k6serve.lora.spec import LORA_MERGE_MODES, LoraSpec
+from k6serve.lora.spec import LORA_MERGE_MODES, LoraSpec, check_lora_strength
 from k6serve.lora.targets import LoraTarget, resolve_targets
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class LoraManager:
         Every adapter is read and checked against the model before anything changes, so a bad file or nickname
         leaves the current adapters as they were."""
         mode = resolve_merge_mode(merge_mode, fsdp=self.fsdp)
+        for spec in specs:
+            check_lora_strength(spec.strength, "strength")
         nicknames = [spec.nickname for spec in specs]
         if len(set(nicknames)) != len(nicknames):
             raise ValueError(f"each LoRA nickname may appear once per request, got {nicknames}")
@@ -107,6 +109,8 @@ class LoraManager:
             raise ValueError("no LoRA adapter is active: set one first (set_lora with a path)")
         if self.fsdp:
             raise ValueError(FSDP_MERGE_REFUSAL)
+        if strength is not None:
+            check_lora_strength(strength, "strength")
         self._switch([entry if strength is None else dataclasses.replace(entry, strength=float(strength))
                       for entry in self.active], "merge")
 
@@ -115,13 +119,8 @@ class LoraManager:
         self._restore()
         self.active = []
 
-    @contextlib.contextmanager
-    def for_request(self, loras: tuple[tuple[str, float], ...]) -> Iterator[None]:
-        """Run one request with exactly `loras` ((nickname, strength) of cached adapters; empty: none), added
-        dynamically; the adapters active before come back afterwards, whatever happened.
-
-        Refused while the active adapters are merged: restoring and re-merging the weights around every request
-        would copy every targeted weight twice per request."""
+    def check_request(self, loras: tuple[tuple[str, float], ...]) -> None:
+        """Raise the ValueError `for_request(loras)` would raise before changing anything."""
         # Unknown names first: switching the engine's adapters to dynamic would not make this request run.
         unknown = [nickname for nickname, _ in loras if nickname not in self.adapters]
         if unknown:
@@ -131,6 +130,17 @@ class LoraManager:
             raise ValueError("this request chooses its LoRA adapters, but the engine's adapters are merged into the "
                              "weights; switch them to dynamic (set_lora with merge_mode 'dynamic', or start with "
                              "--lora-merge-mode dynamic) or unmerge them to choose adapters per request.")
+        for nickname, strength in loras:
+            check_lora_strength(strength, f"loras[{nickname!r}]")
+
+    @contextlib.contextmanager
+    def for_request(self, loras: tuple[tuple[str, float], ...]) -> Iterator[None]:
+        """Run one request with exactly `loras` ((nickname, strength) of cached adapters; empty: none), added
+        dynamically; the adapters active before come back afterwards, whatever happened.
+
+        Refused while the active adapters are merged: restoring and re-merging the weights around every request
+        would copy every targeted weight twice per request."""
+        self.check_request(loras)
         previous = self.active
         requested = [_Active(nickname, self.adapters[nickname], float(strength), None,
                              resolve_targets(self.model, self.adapters[nickname].modules,

@@ -12,19 +12,20 @@ from __future__ import annotations
 import math
 
 from k6serve.config import EngineConfig, ModelConfig
-from k6serve.lora.spec import odd_nickname
+from k6serve.lora.spec import check_lora_strength, odd_nickname
 
 
 def check_start_adapter(config: EngineConfig) -> None:
     """Refuse, before loading, a `--lora-path` adapter the worker would refuse after loading, and a --lora-scale /
-    --lora-alpha that would make every request fail on NaN latents or an odd --lora-nickname; a ValueError with
-    the fix."""
+    --lora-alpha that would make every request fail on NaN latents (not finite, or a --lora-scale past
+    `MAX_LORA_STRENGTH`) or an odd --lora-nickname; a ValueError with the fix."""
     model = config.model
     if not model.lora_path:
         return
     for flag, value in (("--lora-scale", model.lora_scale), ("--lora-alpha", model.lora_alpha)):
         if value is not None and not math.isfinite(value):
             raise ValueError(f"{flag} must be a finite number, got {value}.")
+    check_lora_strength(model.lora_scale, "--lora-scale")
     if odd_nickname(model.lora_nickname):
         raise ValueError(f"--lora-nickname {odd_nickname(model.lora_nickname)}")
     from k6serve.lora.adapter import read_adapter

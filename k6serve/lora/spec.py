@@ -7,10 +7,28 @@ replica, through `ModelWorker.set_lora` / `merge_lora` / `unmerge_lora` / `list_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
 LORA_TARGETS = ("all", "transformer")  # Kandinsky 6 has one DiT; "all" means it too
+
+# The largest |strength| accepted anywhere (a request's `loras`, set_lora, merge_lora_weights, --lora-scale). Real use
+# stays far below it: adapters are trained for 1.0 and used within about -2..2, "slider" adapters up to about +-10,
+# and ComfyUI's LoraLoader node stops at +-100. Past that the update outweighs the weights it changes by orders of
+# magnitude, and a strength like 1e30 overflows the latents to NaN (fp32 and bf16 end at 3.4e38), which failed the
+# request only after the whole denoising loop.
+MAX_LORA_STRENGTH = 100.0
+
+
+def check_lora_strength(strength: float, name: str) -> None:
+    """Raise ValueError when `strength` (a number, called `name` in the message) is not finite or past
+    `MAX_LORA_STRENGTH`."""
+    if not math.isfinite(strength) or abs(strength) > MAX_LORA_STRENGTH:
+        raise ValueError(f"{name} must be a finite number from {-MAX_LORA_STRENGTH:g} to {MAX_LORA_STRENGTH:g}, got "
+                         f"{strength!r}; adapters are used at about -2 to 2 (1.0 is the strength they were trained "
+                         "at), and far past that the update swamps the model's weights and the latents overflow to "
+                         "NaN.")
 
 
 def odd_nickname(nickname: str) -> str | None:
@@ -64,3 +82,8 @@ class ListLoras:
 
 
 LoraOperation = SetLora | MergeLora | UnmergeLora | ListLoras
+
+
+class ReplicasDisagree(RuntimeError):
+    """A LoRA operation that succeeded on some dp replicas and failed on others: they now hold different
+    adapters, so whether a nickname it loads is there depends on the replica a job lands on."""

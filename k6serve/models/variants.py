@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k6serve.caching.params import CacheDitParams
+from k6serve.lora.spec import check_lora_strength
 from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
@@ -370,6 +371,7 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
             raise ValueError(f"loras keys must be adapter nicknames, got {nickname!r}")
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
             raise ValueError(f"loras[{nickname!r}] must be a finite number (the adapter's strength), got {strength!r}")
+        check_lora_strength(strength, f"loras[{nickname!r}]")
         resolved.append((nickname, float(strength)))
     return tuple(resolved)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,17 +47,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+USUAL_LORA_STRENGTH = 2.0  # adapters are trained at 1.0 and used within about -2..2
+
+
+class NonFiniteLatents(ValueError):
+    """The denoised latents hold NaN or infinity (`check_finite_latents`); built by `non_finite_latents`."""
+
+
+def non_finite_latents(request: GenerateRequest,
+                       adapters: Sequence[tuple[str, float, float | None]] | None = None) -> NonFiniteLatents:
+    """The error for `request`'s non-finite latents, naming the likely cause. `adapters`: (nickname, strength, alpha
+    override or None) of the LoRA adapters the DiT ran with; None means the request's own (`request.loras`), all
+    the pipeline knows. The worker, which knows the engine's adapters too, builds it again with them."""
+    if adapters is None:
+        adapters = [(nickname, strength, None) for nickname, strength in request.loras or ()]
+    return NonFiniteLatents("the denoised latents hold NaN or infinite values, so no video or audio can be decoded "
+                            f"from them; {_non_finite_cause(request, adapters)}.")
+
+
+def _non_finite_cause(request: GenerateRequest, adapters: Sequence[tuple[str, float, float | None]]) -> str:
+    if request.guidance_scale > 100:
+        return f"guidance_scale {request.guidance_scale:g} overflowed the latents: use a usual scale (Pro/Lite: 5)"
+    if not adapters:
+        return "lower guidance_scale, or check the checkpoint's weights"
+    listed = ", ".join(f"{nickname!r} at strength {strength:g}" + ("" if alpha is None else f" with alpha {alpha:g}")
+                       for nickname, strength, alpha in adapters)
+    if request.loras is not None:  # the request's own adapters, else the engine's active ones
+        lower, drop = "lower it in this request's loras", "leave the adapter out"
+    else:
+        lower = "lower it with set_lora or merge_lora_weights (--lora-scale for the --lora-path adapter)"
+        drop = "deactivate the adapters with unmerge_lora_weights"
+    if any(abs(strength) > USUAL_LORA_STRENGTH for _, strength, _ in adapters):
+        return (f"the likely cause is the LoRA strength ({listed}; adapters are used at about "
+                f"-{USUAL_LORA_STRENGTH:g} to {USUAL_LORA_STRENGTH:g}): {lower}, or {drop}")
+    return (f"the likely cause is the LoRA adapter ({listed}, a usual strength, so its file may hold extreme "
+            f"values): {drop}, or check the adapter file")
+
+
 def check_finite_latents(latents: Latents, request: GenerateRequest) -> None:
-    """Refuse denoised latents that hold NaN or infinity: decoded, they became black frames and a NaN soundtrack,
-    which the MP4 writer refused as "fix the waveform before muxing", words about nothing the user passed."""
+    """Refuse denoised latents that hold NaN or infinity (`NonFiniteLatents`): decoded, they became black frames and
+    a NaN soundtrack, which the MP4 writer refused as "fix the waveform before muxing", words about nothing the user
+    passed. Called once after the denoising loop, never inside it (each check waits for the device)."""
     tensors = [latents.video_BTHWC] + ([latents.audio_BLC] if latents.audio_BLC is not None else [])
     if all(bool(torch.isfinite(tensor).all()) for tensor in tensors):
         return
-    cause = (f"guidance_scale {request.guidance_scale:g} overflowed the latents: use a usual scale (Pro/Lite: 5)"
-             if request.guidance_scale > 100 else
-             "lower guidance_scale or any LoRA strength, or check the checkpoint's weights")
-    raise ValueError(f"the denoised latents hold NaN or infinite values, so no video or audio can be decoded from "
-                     f"them; {cause}.")
+    raise non_finite_latents(request)
 
 
 class TextToVideoPipeline:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from k6serve.config import EngineConfig
-from k6serve.lora.spec import LoraOperation
+from k6serve.lora.spec import LoraOperation, ReplicasDisagree
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
 from k6serve.request import (
@@ -176,7 +176,7 @@ def _lora_result(operation: LoraOperation, outcomes: list[tuple[int, dict | Exce
     index, error = failed[0]
     if not succeeded:
         raise error
-    raise RuntimeError(
+    raise ReplicasDisagree(
         f"{type(operation).__name__} succeeded on replica(s) {succeeded} but failed on replica(s) "
         f"{[i for i, _ in failed]}, so the replicas now hold different LoRA adapters; repeat the operation, or "
         f"call unmerge_lora_weights, to make them agree. Replica {index}: {type(error).__name__}: {error}"
@@ -541,7 +541,7 @@ class MultiProcessWorker:
         """Run `operation` on every rank of every replica, once all are idle; returns the first replica's dict.
 
         A ValueError on every replica is raised as ValueError (the adapters are unchanged); if some replicas
-        succeeded and others failed the RuntimeError says so, as they now hold different adapters.
+        succeeded and others failed `ReplicasDisagree` (a RuntimeError) says so, as they now hold different adapters.
         """
         replicas = self._take_all_replicas("LoRA operation")
         try:

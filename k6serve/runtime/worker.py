@@ -292,6 +292,21 @@ class ModelWorker:
             return contextlib.nullcontext()
         return self._lora_manager().for_request(loras)
 
+    @contextlib.contextmanager
+    def _naming_lora_strengths(self, request: GenerateRequest | UpscaleRequest):
+        """Non-finite latents raised again naming the LoRA adapters the DiT ran with, the engine's included (the
+        pipeline knows only the request's own): a huge strength is their likely cause."""
+        from k6serve.pipelines.text_to_video import NonFiniteLatents, non_finite_latents
+
+        try:
+            yield
+        except NonFiniteLatents:
+            active = self.lora_manager.active if self.lora_manager is not None else []
+            if not active:
+                raise
+            raise non_finite_latents(request, [(entry.nickname, entry.strength, entry.alpha) for entry in active]
+                                     ) from None
+
     def variant_warmup_params(self) -> SamplingParams:
         """A request of the variant's default shape (server warm-up; SR makes its own clip instead,
         `_warmup_super_resolution`)."""
@@ -432,6 +447,8 @@ class ModelWorker:
             # DEBUG: the notes travel with the result (the CLI prints them as "note:", the server's job shows them
             # as `warnings`); logged at WARNING too, the CLI showed each twice.
             logger.debug(note)
+        if getattr(request, "loras", None) is not None:
+            self._lora_manager().check_request(request.loras)  # before a warm-up: a refused request runs nothing
         warmup_s = None
         if self.config.runtime.warmup_mode == "request" and not self.warmed_up:
             warmup_s = self._warmup(params)
@@ -444,7 +461,7 @@ class ModelWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
         # saved MP4 is always encoded while the VAE decodes.
-        with self._request_loras(request):
+        with self._request_loras(request), self._naming_lora_strengths(request):
             if output.save_output:
                 target, number_if_taken = self._output_file(request, output)
                 result, written = self._generate_into_mp4(request, target, on_step, number_if_taken=number_if_taken)

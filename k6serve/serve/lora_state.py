@@ -17,7 +17,11 @@ from k6serve.lora.spec import ListLoras, LoraOperation, LoraSpec, MergeLora, Set
 
 
 class LoraState:
-    """The replay list, and where each nickname's adapter was loaded from (to write out `path=None`)."""
+    """The replay list, and where each nickname's adapter was loaded from (to write out `path=None`).
+
+    The nicknames in `paths` are also the adapters the worker holds (`loaded`): the `--lora-path` one and each one a
+    successful `SetLora` loaded (a failed one changes nothing). No operation drops an adapter, deactivated ones stay
+    cached; only a restart does, rebuilding the replay list's adapters, from which `paths` is rebuilt too."""
 
     def __init__(self, operations: list[LoraOperation] | None = None, *, start_adapter: tuple[str, str] | None = None):
         self.operations: list[LoraOperation] = list(operations or [])
@@ -42,6 +46,11 @@ class LoraState:
             self.operations = [dataclasses.replace(operation, specs=specs)] if specs else []
         return True
 
+    @property
+    def loaded(self) -> frozenset[str]:
+        """The nicknames of the adapters the worker holds now, active or not."""
+        return frozenset(self.paths)
+
     def to_json(self) -> list[dict[str, Any]]:
         return [{"type": type(operation).__name__, **_fields(operation)} for operation in self.operations]
 
@@ -58,6 +67,17 @@ class LoraState:
             else:
                 raise ValueError(f"unknown LoRA operation {item['type']!r} in the job store")
         return cls(operations, start_adapter=start_adapter)
+
+
+def loaded_after(loaded: frozenset[str], operations: list[LoraOperation]) -> frozenset[str]:
+    """The nicknames the worker will hold after `operations` run in order, from `loaded`, assuming each succeeds
+    unless it cannot: a `SetLora` that reuses (path None) a nickname not held then fails and loads nothing."""
+    nicknames = set(loaded)
+    for operation in operations:
+        if isinstance(operation, SetLora) and all(spec.path is not None or spec.nickname in nicknames
+                                                  for spec in operation.specs):
+            nicknames.update(spec.nickname for spec in operation.specs)
+    return frozenset(nicknames)
 
 
 def _as_replayable(path: str | None) -> str | None:

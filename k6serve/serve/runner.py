@@ -13,7 +13,8 @@ discarded.
 
 A LoRA operation that changes the adapters (`submit_lora`) takes its place in this queue too: the dispatcher runs it
 once every job queued or running when it arrived has left the queue, and before any job created after it, so each
-job runs with the adapters set when it was created.
+job runs with the adapters set when it was created. That order is also what `admit` checks a job's own `loras`
+against: the adapters held now plus those the LoRA operations queued before it will load (`LorasNotLoaded`).
 
 A memory release or resume (`submit_memory`) does not queue behind the stored jobs: it goes to the engine at once, and
 a release waits only for the running jobs. From then until a resume the dispatcher starts nothing (jobs stay
@@ -22,6 +23,7 @@ a release waits only for the running jobs. From then until a resume the dispatch
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -29,14 +31,14 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from k6serve.lora.spec import LoraOperation
+from k6serve.lora.spec import LoraOperation, ReplicasDisagree, SetLora
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.jobs import Job, JobStatus, JobStore, seconds_text, size_text
-from k6serve.serve.lora_state import LoraState
+from k6serve.serve.lora_state import LoraState, loaded_after
 from k6serve.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,10 @@ class ServerShuttingDown(RuntimeError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"The server is shutting down; the {what} did not run. Retry once it is back.")
+
+
+class LorasNotLoaded(ValueError):
+    """A new job's `loras` names adapters the worker will not hold when it runs (see `JobRunner._check_loras`)."""
 
 
 class QueueFull(Exception):
@@ -104,7 +110,11 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
         self._pending_loras: list[PendingLora] = []
+        self._applying_lora: PendingLora | None = None  # taken from `_pending_loras`, not finished yet
         self._lora_state: LoraState | None = None
+        # Nicknames a SetLora loaded on some dp replicas only (`ReplicasDisagree`): whether a job finds them depends
+        # on its replica, so they are not refused at creation.
+        self._loaded_somewhere: set[str] = set()
         self._num_releasing = 0  # releases sent to the engine and not finished: the queue is held already
 
     def _restore_loras(self) -> None:
@@ -180,12 +190,34 @@ class JobRunner:
                 # Same hash: returns the stored job; else IdempotencyConflict / RequestIdConflict (a deleted job's
                 # id included): answered as what it is even when the queue is full, not as "retry later".
                 return self.store.insert(job)
+            self._check_loras(job)  # before the queue's room: a retry after a 429 would only meet this 400
             queued = self.store.count_by_status()[JobStatus.QUEUED]
             if queued >= self.max_queued_jobs:
                 raise QueueFull(queued)
             stored, created = self.store.insert(job)
             self._wake.notify_all()
             return stored, created
+
+    def _check_loras(self, job: Job) -> None:
+        """Refuse a job whose `loras` names an adapter the worker will not hold when the job runs: the ones held now,
+        plus those the LoRA operations taken before it (they run first, see the module docstring) will load. Called
+        under `_lock`, which `submit_lora` and the dispatcher's pick hold too.
+
+        Not decided here, so such a job still fails when it starts: a queued set_lora that will fail (a missing or
+        damaged file) counts as loading its adapters; one dropped after this check (a shutdown, or its HTTP client
+        gone) does not load them; and with dp replicas that disagree (`ReplicasDisagree`) a nickname counts as held.
+        """
+        requested = job.params.get("loras") or {}
+        if not requested or self._lora_state is None:
+            return
+        queued = [pending.operation for pending in [self._applying_lora, *self._pending_loras]
+                  if pending is not None and not pending.future.cancelled()]
+        held = self._lora_state.loaded
+        held_then = loaded_after(held, queued)
+        found = held_then | self._loaded_somewhere
+        unknown = [nickname for nickname in requested if nickname not in found]
+        if unknown:
+            raise LorasNotLoaded(_not_loaded_message(unknown, held, held_then - held))
 
     def submit_lora(self, operation: LoraOperation) -> Future:
         """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
@@ -265,7 +297,8 @@ class JobRunner:
                     return "look again"
                 job = self.store.next_queued()
                 if self._pending_loras and (job is None or job.id not in self._pending_loras[0].after):
-                    return self._pending_loras.pop(0)
+                    self._applying_lora = self._pending_loras.pop(0)
+                    return self._applying_lora
                 if job is None or len(self._running) >= self._capacity:
                     self._wake.wait(timeout=1.0)
                     return "look again"
@@ -326,18 +359,26 @@ class JobRunner:
                 self._wake.notify_all()
 
     def _run_lora(self, pending: PendingLora) -> None:
-        if not pending.future.set_running_or_notify_cancel():
-            return
         try:
-            result = self.engine.lora(pending.operation)
-            # Saved before the client hears of it: a job created after this answer runs with these adapters,
-            # after a restart too.
-            if self._lora_state is not None and self._lora_state.record(pending.operation):
-                self.store.set_lora_state(self._lora_state.to_json())
-        except BaseException as exc:  # noqa: BLE001 (answered to the HTTP client waiting for it)
-            pending.future.set_exception(exc)
-        else:
-            pending.future.set_result(result)
+            if not pending.future.set_running_or_notify_cancel():
+                return
+            try:
+                result = self.engine.lora(pending.operation)
+                # Saved before the client hears of it: a job created after this answer runs with these adapters,
+                # after a restart too. Under the lock: `_check_loras` reads the state.
+                with self._lock:
+                    if self._lora_state is not None and self._lora_state.record(pending.operation):
+                        self.store.set_lora_state(self._lora_state.to_json())
+            except BaseException as exc:  # noqa: BLE001 (answered to the HTTP client waiting for it)
+                if isinstance(exc, ReplicasDisagree) and isinstance(pending.operation, SetLora):
+                    with self._lock:
+                        self._loaded_somewhere.update(spec.nickname for spec in pending.operation.specs)
+                pending.future.set_exception(exc)
+            else:
+                pending.future.set_result(result)
+        finally:
+            with self._lock:
+                self._applying_lora = None
 
     def _progress_callback(self, job_id: str):
         state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False}
@@ -424,6 +465,18 @@ class JobRunner:
         self.metrics.inference_latency.observe(inference_s)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))
+
+
+def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: frozenset[str]) -> str:
+    have = f"loaded: {', '.join(map(repr, sorted(held)))}" if held else "no adapter is loaded"
+    if loading:
+        have += f"; set_lora requests queued before this job load {', '.join(map(repr, sorted(loading)))}"
+    example = json.dumps({"lora_nickname": unknown[0], "lora_path": "/path/to/adapter.safetensors",
+                          "merge_mode": "dynamic"})
+    return (f"loras names LoRA adapter(s) {unknown} that this server will not have loaded when the job runs ({have}). "
+            f"Load one first with POST /v1/set_lora {example}, or start the server with --lora-path FILE "
+            f"--lora-nickname {unknown[0]} --lora-merge-mode dynamic (dynamic: a job's own adapters need the "
+            "server's unmerged); the job was not created.")
 
 
 UPLOADED_FILE = "(the uploaded file)"

@@ -235,7 +235,8 @@ class SetLoraBody(BaseModel):
         None, description="A .safetensors file, a folder holding one, or a hub id, per nickname; null reuses the "
                           "adapter already loaded under the nickname.")
     target: str = Field("all", description="'all' or 'transformer' (the one DiT).")
-    strength: float | list[float] = Field(1.0, description="One number for every adapter, or one per adapter.")
+    strength: float | list[float] = Field(1.0, description="One number for every adapter, or one per adapter; "
+                                                           "from -100 to 100.")
     merge_mode: str = Field("auto", description="'auto', 'merge' (into the weights) or 'dynamic' (per forward).")
     lora_alpha: float | None = Field(None, description="Overrides the alpha stored in the adapter file.")
 
@@ -245,7 +246,8 @@ class MergeLoraBody(BaseModel):
 
     model_config = _LORA_BODY_CONFIG
     target: str = "all"
-    strength: float | None = Field(None, description="Merge again at this strength; null keeps the set one.")
+    strength: float | None = Field(None, description="Merge again at this strength (from -100 to 100); null keeps "
+                                                     "the set one.")
 
 
 class UnmergeLoraBody(BaseModel):

@@ -1,0 +1,268 @@
+"""A job's own `loras` checked at creation: a nickname the worker will not hold when the job runs is a 400, judged
+against the adapters held now plus those the LoRA operations queued before the job will load (they run first).
+
+The real worker on the tiny distilled checkpoint runs the jobs (a job whose adapter is missing fails when it starts,
+so one that completes ran with it); a prompt with "hold" waits for `release` before running, to keep a job running
+while LoRA operations queue behind it. The strength bound's 400s use the fast fake worker.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from harness import FakeWorker, start_server, wait_for, wait_until
+from PIL import Image
+from safetensors.torch import save_file
+
+from k6serve.api import build_engine_config
+from k6serve.lora.spec import ReplicasDisagree
+from k6serve.models.variants import VARIANTS
+from k6serve.runtime.engine import Engine
+from k6serve.runtime.worker import ModelWorker
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+JOB = {"prompt": "a fox in the snow", "size": "32x32", "num_frames": 5, "num_inference_steps": 2, "seed": 7}
+TARGETS = ("visual_transformer_blocks.0.video_dec_block.self_attention.to_key",
+           "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj")
+
+
+class HeldWorker(ModelWorker):
+    """The real worker; a prompt with "hold" waits for `release` first. `log`: request starts and LoRA operations."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.release = threading.Event()
+        self.log: list[str] = []
+
+    def run(self, params, output, on_step=None):
+        self.log.append(f"start {params.prompt}")
+        if "hold" in (params.prompt or ""):
+            self.release.wait(60)
+        return super().run(params, output, on_step)
+
+    def apply_lora_operation(self, operation) -> dict:
+        result = super().apply_lora_operation(operation)
+        self.log.append(type(operation).__name__)
+        return result
+
+
+def _adapter(folder: Path, transformer: torch.nn.Module, seed: int, amplitude: float = 0.5) -> str:
+    """A rank-2 diffusers-style adapter on `TARGETS` of the tiny DiT (amplitude 1e10: it overflows at strength 100)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path in TARGETS:
+        out_features, in_features = transformer.get_submodule(path).weight.shape
+        tensors[f"transformer.{path}.lora_A.weight"] = amplitude * torch.randn(2, in_features, generator=generator)
+        tensors[f"transformer.{path}.lora_B.weight"] = amplitude * torch.randn(out_features, 2, generator=generator)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / f"adapter_{seed}.safetensors"))
+    return str(folder / f"adapter_{seed}.safetensors")
+
+
+def _start(server_distill_dir: Path, root: Path, db_path: Path | None = None):
+    worker = HeldWorker(build_engine_config(str(server_distill_dir), device="cpu", attention_backend="sdpa"))
+    server = start_server(root, engine=Engine(worker.config, worker=worker), db_path=db_path)
+    return server, worker
+
+
+@pytest.fixture
+def real_server(server_distill_dir, tmp_path):
+    server, worker = _start(server_distill_dir, tmp_path / "server")
+    yield server, worker
+    worker.release.set()
+    server.stop()
+
+
+def _set_lora(client, nickname: str, path: str | None) -> None:
+    body = {"lora_nickname": nickname, "lora_path": path, "merge_mode": "dynamic"}
+    response = client.post("/v1/set_lora", json=body)
+    assert response.status_code == 200, response.text
+
+
+def _not_loaded(response) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("lora_not_loaded", "loras", "invalid_request_error")
+    return error["message"]
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.linspace(0, 255, 32 * 32 * 3).reshape(32, 32, 3).astype(np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_an_adapter_not_loaded_is_a_400_that_creates_nothing(real_server, tmp_path):
+    server, worker = real_server
+    with server.client() as client:
+        held = client.post("/v1/videos", json={**JOB, "prompt": "hold on"}).json()
+        wait_until(lambda: "start hold on" in worker.log)
+        queued = client.post("/v1/videos", json=JOB).json()
+        before = client.get("/v1/videos").json()["data"]
+        message = _not_loaded(client.post("/v1/videos", json={**JOB, "loras": {"ghost": 1.0}},
+                                          headers={**server.headers, "Idempotency-Key": "ghost-job"}))
+        assert message == (
+            "loras names LoRA adapter(s) ['ghost'] that this server will not have loaded when the job runs (no "
+            'adapter is loaded). Load one first with POST /v1/set_lora {"lora_nickname": "ghost", "lora_path": '
+            '"/path/to/adapter.safetensors", "merge_mode": "dynamic"}, or start the server with --lora-path FILE '
+            "--lora-nickname ghost --lora-merge-mode dynamic (dynamic: a job's own adapters need the server's "
+            "unmerged); the job was not created.")
+        form = {**{key: str(value) for key, value in JOB.items()}, "loras": '{"ghost": 1}'}
+        _not_loaded(client.post("/v1/videos", data=form, files={"input_reference": ("first.png", _png(), "image/png")}))
+        # Nothing created, the queue as it was, the upload removed, the Idempotency-Key still free.
+        assert client.get("/v1/videos").json()["data"] == before
+        assert server.store.queued_ids() == [queued["id"]]
+        assert list(server.artifacts.upload_dir.iterdir()) == []
+        worker.release.set()
+        for job in (held, queued):
+            assert wait_for(client, job["id"], timeout=120)["status"] == "completed"
+
+        _set_lora(client, "style", _adapter(tmp_path, worker.pipeline.models.transformer, seed=1))
+        message = _not_loaded(client.post("/v1/videos", json={**JOB, "loras": {"style": 0.5, "ghost": 1.0}}))
+        assert message.startswith("loras names LoRA adapter(s) ['ghost'] that this server will not have loaded when "
+                                  "the job runs (loaded: 'style'). Load one first")
+        created = client.post("/v1/videos", json={**JOB, "loras": {"style": 0.5}},
+                              headers={**server.headers, "Idempotency-Key": "ghost-job"})
+        assert created.status_code == 200 and "Idempotent-Replayed" not in created.headers, created.text
+        assert wait_for(client, created.json()["id"], timeout=120)["status"] == "completed"
+
+
+def test_an_adapter_a_queued_set_lora_loads_counts_and_the_job_runs_with_it(real_server, tmp_path):
+    server, worker = real_server
+    transformer = worker.pipeline.models.transformer
+    style, other = _adapter(tmp_path, transformer, seed=1), _adapter(tmp_path, transformer, seed=2)
+    runner = server.app.state.ctx.runner
+    answers: dict[str, object] = {}
+
+    def set_lora(nickname: str, path: str) -> None:
+        with server.client() as own:
+            answers[nickname] = own.post("/v1/set_lora", json={"lora_nickname": nickname, "lora_path": path,
+                                                               "merge_mode": "dynamic"})
+
+    with server.client() as client:
+        base = client.post("/v1/videos", json={**JOB, "prompt": "hold the base"}).json()
+        wait_until(lambda: "start hold the base" in worker.log)
+        # Nothing queued: the dispatcher takes the set_lora at once, and it waits in the engine for the running job.
+        threads = [threading.Thread(target=set_lora, args=("style", style))]
+        threads[0].start()
+        wait_until(lambda: runner._applying_lora is not None)
+        with_style = client.post("/v1/videos", json={**JOB, "loras": {"style": 0.8}})
+        assert with_style.status_code == 200, with_style.text
+        # Behind that job, the next set_lora stays in the runner's queue.
+        threads.append(threading.Thread(target=set_lora, args=("other", other)))
+        threads[1].start()
+        wait_until(lambda: runner._pending_loras)
+        with_both = client.post("/v1/videos", json={**JOB, "loras": {"style": 0.8, "other": 0.5}})
+        assert with_both.status_code == 200, with_both.text
+        message = _not_loaded(client.post("/v1/videos", json={**JOB, "loras": {"ghost": 1.0}}))
+        assert "(no adapter is loaded; set_lora requests queued before this job load 'other', 'style')" in message
+        assert "SetLora" not in worker.log
+        worker.release.set()
+        for thread in threads:
+            thread.join(120)
+        assert all(answers[name].status_code == 200 for name in ("style", "other")), answers
+        done = [wait_for(client, job["id"], timeout=120) for job in (base, with_style.json(), with_both.json())]
+        assert [job["status"] for job in done] == ["completed"] * 3, done
+        contents = {client.get(f"/v1/videos/{job['id']}/content").content for job in done}
+        assert len(contents) == 3  # each ran with its own adapters
+    assert worker.log == ["start hold the base", "SetLora", "start a fox in the snow", "SetLora",
+                          "start a fox in the snow"]
+
+
+def test_deactivated_adapters_stay_loaded_and_a_restart_keeps_only_the_last_set_lora(server_distill_dir, tmp_path):
+    """Deactivating (unmerge, or set_lora with no adapter) keeps an adapter loaded, so a job may still name it; a
+    restart rebuilds only the last set_lora's adapters, and a job naming an earlier one is refused."""
+    db = tmp_path / "jobs.sqlite3"
+    server, worker = _start(server_distill_dir, tmp_path / "one", db_path=db)
+    try:
+        with server.client() as client:
+            transformer = worker.pipeline.models.transformer
+            _set_lora(client, "old", _adapter(tmp_path, transformer, seed=1))
+            _set_lora(client, "style", _adapter(tmp_path, transformer, seed=2))
+            assert client.post("/v1/unmerge_lora_weights").status_code == 200
+            assert client.post("/v1/set_lora", json={"lora_nickname": []}).status_code == 200
+            job = client.post("/v1/videos", json={**JOB, "loras": {"old": 1.0, "style": 1.0}})
+            assert job.status_code == 200, job.text
+            assert wait_for(client, job.json()["id"], timeout=120)["status"] == "completed"
+            _set_lora(client, "style", None)  # the state a restart rebuilds: this set_lora
+    finally:
+        server.stop()
+    server, worker = _start(server_distill_dir, tmp_path / "two", db_path=db)
+    try:
+        with server.client() as client:
+            message = _not_loaded(client.post("/v1/videos", json={**JOB, "loras": {"old": 1.0}}))
+            assert "['old'] that this server will not have loaded when the job runs (loaded: 'style')" in message
+            job = client.post("/v1/videos", json={**JOB, "loras": {"style": 1.0}})
+            assert job.status_code == 200, job.text
+            assert wait_for(client, job.json()["id"], timeout=120)["status"] == "completed"
+    finally:
+        server.stop()
+
+
+def test_a_job_whose_adapter_overflows_the_latents_fails_naming_its_strength(real_server, tmp_path):
+    server, worker = real_server
+    with server.client() as client:
+        _set_lora(client, "huge", _adapter(tmp_path, worker.pipeline.models.transformer, seed=3, amplitude=1e10))
+        assert client.post("/v1/unmerge_lora_weights").status_code == 200  # loaded, not active
+        plain = client.post("/v1/videos", json=JOB).json()
+        overflowed = client.post("/v1/videos", json={**JOB, "loras": {"huge": 100}}).json()
+        again = client.post("/v1/videos", json=JOB).json()
+        failed = wait_for(client, overflowed["id"], timeout=120)
+        assert failed["status"] == "failed" and failed["error"] == {
+            "code": "invalid_request",
+            "message": "the denoised latents hold NaN or infinite values, so no video or audio can be decoded from "
+                       "them; the likely cause is the LoRA strength ('huge' at strength 100; adapters are used at "
+                       "about -2 to 2): lower it in this request's loras, or leave the adapter out."}, failed
+        # The next job runs on the weights as before: the same video as the one before the failure.
+        assert [wait_for(client, job["id"], timeout=120)["status"] for job in (plain, again)] == ["completed"] * 2
+        contents = [client.get(f"/v1/videos/{job['id']}/content").content for job in (plain, again)]
+        assert contents[0] == contents[1]
+
+
+class DisagreeingWorker(FakeWorker):
+    """A fake dp server: set_lora of "split" succeeds on some replicas only."""
+
+    def __init__(self) -> None:
+        super().__init__(VARIANTS["pro-distill"])
+
+    def apply_lora_operation(self, operation) -> dict:
+        if any(spec.nickname == "split" for spec in getattr(operation, "specs", ())):
+            raise ReplicasDisagree("SetLora succeeded on replica(s) [0] but failed on replica(s) [1], ...")
+        return {"status": "ok", "message": "done", "loras": []}
+
+
+def test_an_adapter_only_some_replicas_loaded_is_left_to_the_job_start(tmp_path):
+    server = start_server(tmp_path, worker=DisagreeingWorker())
+    try:
+        with server.client() as client:
+            split = client.post("/v1/set_lora", json={"lora_nickname": "split", "lora_path": "/a.safetensors"})
+            assert split.status_code == 500 and split.json()["error"]["code"] == "lora_failed", split.text
+            job = client.post("/v1/videos", json={**JOB, "loras": {"split": 1.0}})
+            assert job.status_code == 200, job.text
+            _not_loaded(client.post("/v1/videos", json={**JOB, "loras": {"other": 1.0}}))
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("route", "body", "param", "shown"), [
+    ("/v1/videos", {**JOB, "loras": {"style": 1e30}}, "loras", "loras['style'] must be a finite number from -100 "
+                                                              "to 100, got 1e+30; adapters are used at about -2 to 2"),
+    ("/v1/videos", {**JOB, "loras": {"style": -100.5}}, "loras", "got -100.5"),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_path": "/a.safetensors", "strength": 1e30}, "strength",
+     "strength must be a finite number from -100 to 100, got 1e+30"),
+    ("/v1/set_lora", {"lora_nickname": ["a", "b"], "strength": [1.0, 250]}, "strength", "got 250.0"),
+    ("/v1/merge_lora_weights", {"strength": -1000}, "strength", "got -1000.0"),
+])
+def test_an_absurd_strength_is_a_400_before_anything_queues(fake_server, fake_client, route, body, param, shown):
+    response = fake_client.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_parameter", param) and shown in error["message"], error
+    # Nothing queued or run; the fake worker has no LoRA operations, so reaching it would have been a 500.
+    assert fake_server.store.queued_ids() == [] and fake_server.worker.started == []

@@ -1,0 +1,159 @@
+"""LoRA strengths: the bound every surface checks (`MAX_LORA_STRENGTH`), and latents that overflow anyway (an
+adapter file with extreme values, at an allowed strength), whose error names the adapters and strengths the DiT ran
+with, and after which the engine's adapters and weights are as before (tiny distilled checkpoint, CPU, fp32)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from k6serve.api import build_engine_config
+from k6serve.lora.preflight import check_start_adapter
+from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.models.variants import VARIANTS, resolve_generate
+from k6serve.pipelines.text_to_video import non_finite_latents
+from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime.worker import ModelWorker
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NO_FILE = OutputOptions(save_output=False, return_frames=True)
+TARGETS = ("visual_transformer_blocks.0.video_dec_block.self_attention.to_key",
+           "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj")
+OVERFLOWED = "the denoised latents hold NaN or infinite values, so no video or audio can be decoded from them; "
+
+
+def _adapter(folder: Path, transformer: torch.nn.Module, *, amplitude: float, seed: int = 0) -> str:
+    """A rank-2 diffusers-style adapter on `TARGETS`. An amplitude of 1e10 makes its update overflow at strength 50
+    and more, 1e18 at strength 1 (a broken file: the values are finite, so reading it succeeds)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path in TARGETS:
+        out_features, in_features = transformer.get_submodule(path).weight.shape
+        tensors[f"transformer.{path}.lora_A.weight"] = amplitude * torch.randn(2, in_features, generator=generator)
+        tensors[f"transformer.{path}.lora_B.weight"] = amplitude * torch.randn(out_features, 2, generator=generator)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / f"adapter_{seed}.safetensors"))
+    return str(folder / f"adapter_{seed}.safetensors")
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_distill_dir):
+    return ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+
+
+@pytest.fixture(scope="module")
+def adapters(worker, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    transformer = worker.pipeline.models.transformer
+    return {"fox": _adapter(folder, transformer, amplitude=0.5),
+            "huge": _adapter(folder, transformer, amplitude=1e10, seed=1),
+            "broken": _adapter(folder, transformer, amplitude=1e18, seed=2)}
+
+
+def _generate(worker: ModelWorker, **kwargs):
+    params = SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=32, num_frames=5,
+                            num_inference_steps=2, **kwargs)
+    return worker.run(params, NO_FILE)
+
+
+def _same(result, other) -> bool:
+    return np.array_equal(result.frames, other.frames) and np.array_equal(result.audio, other.audio)
+
+
+@pytest.mark.parametrize("strength", [1e30, 100.5, -101])
+def test_a_request_strength_past_the_bound_is_refused(strength):
+    params = SamplingParams(prompt="x", loras={"style": strength})
+    shown = re.escape(repr(strength))
+    with pytest.raises(ValueError, match=(
+            rf"^loras\['style'\] must be a finite number from -100 to 100, got {shown}; adapters are used at about "
+            r"-2 to 2 \(1\.0 is the strength they were trained at\), and far past that the update swamps the "
+            r"model's weights and the latents overflow to NaN\.$")):
+        resolve_generate(params, VARIANTS["pro-distill"])
+    for allowed in (100, -100.0, 0):
+        request, _ = resolve_generate(SamplingParams(prompt="x", loras={"style": allowed}), VARIANTS["pro-distill"])
+        assert request.loras == (("style", float(allowed)),)
+
+
+def test_a_start_strength_past_the_bound_is_refused_before_loading(tmp_path):
+    config = build_engine_config("demo", lora_path=str(tmp_path / "style.safetensors"), lora_scale=1e30)
+    with pytest.raises(ValueError, match=r"^--lora-scale must be a finite number from -100 to 100, got 1e\+30; "):
+        check_start_adapter(config)
+
+
+def test_the_worker_refuses_a_strength_past_the_bound_and_changes_nothing(worker, adapters):
+    before = worker.apply_lora_operation(ListLoras())
+    with pytest.raises(ValueError, match=r"^strength must be a finite number from -100 to 100, got 1e\+30; "):
+        worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=adapters["fox"], strength=1e30),)))
+    assert worker.apply_lora_operation(ListLoras()) == before
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=adapters["fox"]),)))
+    with pytest.raises(ValueError, match=r"^strength must be a finite number from -100 to 100, got -500\.0; "):
+        worker.apply_lora_operation(MergeLora(strength=-500.0))
+    worker.apply_lora_operation(UnmergeLora())
+
+
+def test_latents_overflowed_by_a_request_adapter_name_it_and_the_engine_adapters_come_back(worker, adapters):
+    weights = {name: tensor.clone() for name, tensor in worker.pipeline.models.transformer.state_dict().items()}
+    # Both loaded, "fox" active on the engine.
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="huge", path=adapters["huge"]),
+                                               LoraSpec(nickname="fox", path=adapters["fox"], strength=0.5)),
+                                        merge_mode="dynamic"))
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", strength=0.5),), merge_mode="dynamic"))
+    fox = _generate(worker)
+    with pytest.raises(ValueError, match=(
+            rf"^{OVERFLOWED}the likely cause is the LoRA strength \('huge' at strength 100; adapters are used at "
+            r"about -2 to 2\): lower it in this request's loras, or leave the adapter out\.$")):
+        _generate(worker, loras={"huge": 100})
+    (active,) = [row for row in worker.apply_lora_operation(ListLoras())["loras"] if row["active"]]
+    assert (active["nickname"], active["strength"], active["merge_mode"]) == ("fox", 0.5, "dynamic")
+    assert _same(_generate(worker), fox)
+    worker.apply_lora_operation(UnmergeLora())
+    assert all(torch.equal(tensor, weights[name])
+               for name, tensor in worker.pipeline.models.transformer.state_dict().items())
+
+
+@pytest.mark.parametrize("merge_mode", ["dynamic", "merge"])
+def test_latents_overflowed_by_the_engine_adapters_name_them_and_unmerge_restores(worker, adapters, merge_mode):
+    weights = {name: tensor.clone() for name, tensor in worker.pipeline.models.transformer.state_dict().items()}
+    baseline = _generate(worker)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="huge", path=adapters["huge"], strength=50),),
+                                        merge_mode=merge_mode))
+    with pytest.raises(ValueError, match=(
+            rf"^{OVERFLOWED}the likely cause is the LoRA strength \('huge' at strength 50; adapters are used at about "
+            r"-2 to 2\): lower it with set_lora or merge_lora_weights \(--lora-scale for the --lora-path adapter\), or "
+            r"deactivate the adapters with "
+            r"unmerge_lora_weights\.$")):
+        _generate(worker)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="broken", path=adapters["broken"]),),
+                                        merge_mode=merge_mode))
+    with pytest.raises(ValueError, match=(
+            rf"^{OVERFLOWED}the likely cause is the LoRA adapter \('broken' at strength 1, a usual strength, so its "
+            r"file may hold extreme values\): deactivate the adapters with unmerge_lora_weights, or check the "
+            r"adapter file\.$")):
+        _generate(worker)
+    worker.apply_lora_operation(UnmergeLora())
+    assert all(torch.equal(tensor, weights[name])
+               for name, tensor in worker.pipeline.models.transformer.state_dict().items())
+    assert _same(_generate(worker), baseline)
+
+
+def test_without_an_adapter_the_overflow_message_does_not_blame_one():
+    for loras in (None, {}):
+        request, _ = resolve_generate(SamplingParams(prompt="x", loras=loras), VARIANTS["pro"])
+        assert str(non_finite_latents(request)) == (f"{OVERFLOWED}lower guidance_scale, or check the checkpoint's "
+                                                    "weights.")
+    request, _ = resolve_generate(SamplingParams(prompt="x", loras={"style": 100}), VARIANTS["pro"])
+    assert "the likely cause is the LoRA strength ('style' at strength 100;" in str(non_finite_latents(request))
+
+
+def test_a_request_naming_an_adapter_not_loaded_runs_nothing_not_even_the_warm_up(tiny_distill_dir):
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
+                                             warmup_mode="request"))
+    with pytest.raises(ValueError, match=r"names LoRA adapter\(s\) \['ghost'\] that are not loaded \(loaded: none\)"):
+        _generate(worker, loras={"ghost": 1.0})
+    assert not worker.warmed_up
