@@ -32,6 +32,8 @@ from k6serve.lora.spec import (
     MergeLora,
     SetLora,
     UnmergeLora,
+    check_lora_alpha,
+    check_lora_strength,
     odd_nickname,
 )
 from k6serve.lora.preflight import check_start_adapter
@@ -205,10 +207,20 @@ class LoraArgumentError(ValueError):
         self.argument = argument
 
 
-def _lora_number(value: Any, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+def _lora_number(value: Any, argument: str, check: Callable[[float, str], None]) -> float:
+    """`value` as a float, refused unless a number that `check` (`check_lora_strength`, `check_lora_alpha`: finite,
+    within the bound) accepts: the HTTP routes build their operations here too, so both refuse it before it queues."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LoraArgumentError(argument, f"{argument} must be a finite number, got {value!r}.")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf if value > 0 else -math.inf
+    try:
+        check(number, argument)
+    except ValueError as exc:
+        raise LoraArgumentError(argument, str(exc)) from None
+    return number
 
 
 def _lora_choice(value: Any, argument: str, choices: tuple[str, ...]) -> str:
@@ -260,10 +272,11 @@ def set_lora_operation(nickname: str | list[str], path: str | list[str | None] |
         if not many:
             raise LoraArgumentError("strength", f"strength is a list but {name_arg} is one name; give a list of "
                                                 f"{name_arg} too.")
-        strengths = [_lora_number(s, "strength") for s in _lora_list(strength, "strength", len(nicknames), name_arg)]
+        strengths = [_lora_number(s, "strength", check_lora_strength)
+                     for s in _lora_list(strength, "strength", len(nicknames), name_arg)]
     else:
-        strengths = [_lora_number(strength, "strength")] * len(nicknames)
-    alpha = None if lora_alpha is None else _lora_number(lora_alpha, "lora_alpha")
+        strengths = [_lora_number(strength, "strength", check_lora_strength)] * len(nicknames)
+    alpha = None if lora_alpha is None else _lora_number(lora_alpha, "lora_alpha", check_lora_alpha)
     specs = tuple(LoraSpec(nickname=n, path=p, strength=s, alpha=alpha)
                   for n, p, s in zip(nicknames, paths, strengths))
     return SetLora(specs=specs, merge_mode=_lora_choice(merge_mode, "merge_mode", LORA_MERGE_MODES),
@@ -272,7 +285,7 @@ def set_lora_operation(nickname: str | list[str], path: str | list[str | None] |
 
 def merge_lora_operation(target: str = "all", strength: float | None = None) -> MergeLora:
     return MergeLora(target=_lora_choice(target, "target", LORA_TARGETS),
-                     strength=None if strength is None else _lora_number(strength, "strength"))
+                     strength=None if strength is None else _lora_number(strength, "strength", check_lora_strength))
 
 
 def unmerge_lora_operation(target: str = "all") -> UnmergeLora:
@@ -413,10 +426,10 @@ class DiffGenerator:
 
         `path` is a .safetensors file, a folder holding one, or a hub id, loaded under the nickname; None reuses the
         adapter already loaded under it (a list gives one entry per nickname). `strength` scales each adapter (one
-        number for all, or a list). `merge_mode`: "merge" adds strength * (alpha / rank) * B @ A into the weights
+        number for all, or a list; each from -100 to 100, `MAX_LORA_STRENGTH`). `merge_mode`: "merge" adds strength * (alpha / rank) * B @ A into the weights
         (no per-step cost), "dynamic" leaves the weights untouched and adds the adapter's output in every forward
         (cheap to change or stack), "auto" merges unless the weights are sharded by FSDP. `lora_alpha` overrides
-        the alpha stored in the file. `target`: "all" or "transformer" (the one DiT). Runs after the requests
+        the alpha stored in the file (from -10000 to 10000, `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT). Runs after the requests
         already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
@@ -425,7 +438,8 @@ class DiffGenerator:
 
     @_in_callers_words
     def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict:
-        """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`)."""
+        """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`, from -100 to
+        100). A bad target or strength raises ValueError before anything queues."""
         return self.engine.lora(merge_lora_operation(target, strength))
 
     @_in_callers_words

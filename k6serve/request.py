@@ -109,8 +109,9 @@ class SamplingParams:
     )
     loras: dict | None = _param(
         "LoRA adapters for this request only (generation models): a JSON object {nickname: strength} of adapters "
-        "already loaded on the engine (--lora-path or set_lora); {} runs the base model. Added dynamically; the "
-        "engine's active adapters return after the request. Needs them unmerged (dynamic or none)."
+        "already loaded on the engine (--lora-path or set_lora), each strength from -100 to 100 (adapters are used "
+        "at about -2 to 2); {} runs the base model. Added dynamically; the engine's active adapters return after "
+        "the request. Needs them unmerged (dynamic or none)."
     )
     save_output: bool = _param(
         "Write the MP4 file (default). --no-save-output runs the request for its timings only: the video is "

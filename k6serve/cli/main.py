@@ -45,12 +45,14 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("lora_path", dict(help="LoRA adapter for the generation DiT, applied at start: a diffusers/PEFT .safetensors file, "
                        "a folder holding one, or a hub id.")),
     ("lora_nickname", dict(help="Name of the --lora-path adapter (set_lora / list_loras refer to it; default 'default').")),
-    ("lora_scale", dict(type=float, help="Strength of the --lora-path adapter (default 1.0).")),
+    ("lora_scale", dict(type=float, help="Strength of the --lora-path adapter, from -100 to 100 (default 1.0; "
+                        "adapters are used at about -2 to 2).")),
     ("lora_alpha", dict(type=float, help="Alpha of the --lora-path adapter, overriding the file's (scale alpha/rank; "
-                        "default: the file's, else rank).")),
+                        "from -10000 to 10000; default: the file's, else rank).")),
     ("lora_merge_mode", dict(choices=LORA_MERGE_MODES, help="merge: add the update to the weights (exact unmerge from a "
-                             "host snapshot); dynamic: add it per call, weights untouched; auto: merge. Also the "
-                             "default of set_lora requests.")),
+                             "host snapshot); dynamic: add it per call, weights untouched; auto: merge (dynamic with "
+                             "--use-fsdp-inference). Also the default of set_lora requests. Requests choosing their "
+                             "own loras need dynamic.")),
     ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
     ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
                          "eager, each component on the GPU only for its stage (weights in host memory); memory: "

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from k6serve.lora.spec import check_lora_alpha
+
 # PEFT writes this name; diffusers' `save_lora_weights` too. Preferred when a folder holds several files.
 PREFERRED_FILE = "pytorch_lora_weights.safetensors"
 _PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.")
@@ -205,13 +207,14 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
 
 
 def _alpha(tensor: torch.Tensor, key: str, source: str) -> float:
-    """A module's alpha: one finite number."""
+    """A module's alpha: one finite number within `MAX_LORA_ALPHA`."""
     if tensor.numel() != 1:
         raise ValueError(f"LoRA file {source!r}: {key!r} must hold one number (the module's alpha), got a tensor of "
                          f"shape {tuple(tensor.shape)}")
     alpha = float(tensor.item())
     if not math.isfinite(alpha):
         raise ValueError(f"LoRA file {source!r}: {key!r} (the module's alpha) is {alpha}; it must be a finite number")
+    check_lora_alpha(alpha, f"LoRA file {source!r}: {key!r} (the module's alpha)")
     return alpha
 
 

@@ -34,7 +34,13 @@ from torch import nn
 from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
 from k6serve.lora.dynamic import LoraDelta, LoraLinear
 from k6serve.lora.sharding import ShardedWeight
-from k6serve.lora.spec import LORA_MERGE_MODES, LoraSpec, check_lora_strength
+from k6serve.lora.spec import (
+    FSDP_MERGE_REFUSAL,
+    LoraSpec,
+    check_lora_alpha,
+    check_lora_strength,
+    resolve_merge_mode,
+)
 from k6serve.lora.targets import LoraTarget, resolve_targets
 
 logger = logging.getLogger(__name__)
@@ -60,19 +66,6 @@ class _Active:
             yield target, module, self.scale(module)
 
 
-def resolve_merge_mode(merge_mode: str, *, fsdp: bool = False) -> str:
-    """"merge" or "dynamic" for a mode of `LORA_MERGE_MODES` ("auto": see the module docstring)."""
-    if merge_mode not in LORA_MERGE_MODES:
-        raise ValueError(f"LoRA merge_mode must be one of {', '.join(LORA_MERGE_MODES)}, got {merge_mode!r}")
-    if fsdp and merge_mode == "merge":
-        raise ValueError(FSDP_MERGE_REFUSAL)
-    return "dynamic" if merge_mode == "dynamic" or fsdp else "merge"
-
-
-FSDP_MERGE_REFUSAL = ("LoRA merge_mode 'merge' cannot be used with --use-fsdp-inference: the weights are FSDP shards "
-                      "between requests; use merge_mode 'dynamic' (or 'auto', which is dynamic under FSDP).")
-
-
 class LoraManager:
     """The LoRA adapters of one model (the generation DiT): cache, active list, merged or dynamic application."""
 
@@ -93,6 +86,8 @@ class LoraManager:
         mode = resolve_merge_mode(merge_mode, fsdp=self.fsdp)
         for spec in specs:
             check_lora_strength(spec.strength, "strength")
+            if spec.alpha is not None:
+                check_lora_alpha(spec.alpha, "lora_alpha")
         nicknames = [spec.nickname for spec in specs]
         if len(set(nicknames)) != len(nicknames):
             raise ValueError(f"each LoRA nickname may appear once per request, got {nicknames}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 
 from k6serve.config import EngineConfig, ModelConfig
-from k6serve.lora.spec import check_lora_strength, odd_nickname
+from k6serve.lora.spec import check_lora_alpha, check_lora_strength, odd_nickname, resolve_merge_mode
 
 
 def check_start_adapter(config: EngineConfig) -> None:
     """Refuse, before loading, a `--lora-path` adapter the worker would refuse after loading, and a --lora-scale /
-    --lora-alpha that would make every request fail on NaN latents (not finite, or a --lora-scale past
-    `MAX_LORA_STRENGTH`) or an odd --lora-nickname; a ValueError with the fix."""
+    --lora-alpha that would make every request fail on NaN latents (not finite, or past `MAX_LORA_STRENGTH` /
+    `MAX_LORA_ALPHA`) or an odd --lora-nickname; a ValueError with the fix."""
     model = config.model
     if not model.lora_path:
         return
@@ -26,6 +26,8 @@ def check_start_adapter(config: EngineConfig) -> None:
         if value is not None and not math.isfinite(value):
             raise ValueError(f"{flag} must be a finite number, got {value}.")
     check_lora_strength(model.lora_scale, "--lora-scale")
+    if model.lora_alpha is not None:
+        check_lora_alpha(model.lora_alpha, "--lora-alpha")
     if odd_nickname(model.lora_nickname):
         raise ValueError(f"--lora-nickname {odd_nickname(model.lora_nickname)}")
     from k6serve.lora.adapter import read_adapter
@@ -56,8 +58,6 @@ def check_request_loras(config: EngineConfig, loras: dict | None) -> None:
         raise ValueError(f"--loras names LoRA adapter(s) {unknown}, but this run loads {have}; pass --lora-path "
                          "FILE --lora-nickname NAME --lora-merge-mode dynamic and name NAME in --loras, or drop "
                          "--loras (--lora-scale sets the --lora-path adapter's strength).")
-    from k6serve.lora.manager import resolve_merge_mode
-
     if loaded and resolve_merge_mode(model.lora_merge_mode, fsdp=config.parallel.use_fsdp_inference) == "merge":
         raise ValueError(f"--loras adds its adapters dynamically for the request, but --lora-merge-mode "
                          f"{model.lora_merge_mode} merges the --lora-path adapter into the weights; pass "

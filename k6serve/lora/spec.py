@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from k6serve.config import ModelConfig
 
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
 LORA_TARGETS = ("all", "transformer")  # Kandinsky 6 has one DiT; "all" means it too
@@ -29,6 +33,47 @@ def check_lora_strength(strength: float, name: str) -> None:
                          f"{strength!r}; adapters are used at about -2 to 2 (1.0 is the strength they were trained "
                          "at), and far past that the update swamps the model's weights and the latents overflow to "
                          "NaN.")
+
+
+# The largest |alpha| accepted anywhere (set_lora's lora_alpha, --lora-alpha, an adapter file's alpha). The update is
+# strength x alpha / rank x B A, and alpha is at most a small multiple of the rank: kohya writes 1 up to the rank,
+# PEFT and diffusers trainers the rank or twice it. A rank cannot usefully pass the narrower side of the Linear it
+# adapts (full rank is a plain weight delta), 4096 at most in Kandinsky 6 (Pro's model_dim; Lite's is 1792), so even
+# a full-rank adapter at twice its rank stays under 8192. It is bounded on its own, not against the rank, because
+# set_lora is refused before the adapter file is read. Past 1e4 alpha is a typo or a broken file and, times a
+# strength up to 100, overflows the latents like a huge strength.
+MAX_LORA_ALPHA = 1e4
+
+
+def check_lora_alpha(alpha: float, name: str) -> None:
+    """Raise ValueError when `alpha` (a number, called `name` in the message) is not finite or past
+    `MAX_LORA_ALPHA`."""
+    if not math.isfinite(alpha) or abs(alpha) > MAX_LORA_ALPHA:
+        raise ValueError(f"{name} must be a finite number from {-MAX_LORA_ALPHA:g} to {MAX_LORA_ALPHA:g}, got "
+                         f"{alpha!r}; an adapter's alpha is its rank or a small multiple of it (the update is "
+                         "strength x alpha / rank x B A), and far past that the update swamps the model's weights "
+                         "and the latents overflow to NaN.")
+
+
+def resolve_merge_mode(merge_mode: str, *, fsdp: bool = False) -> str:
+    """"merge" or "dynamic" for a mode of `LORA_MERGE_MODES`: "auto" merges, except under FSDP (the reference
+    server's rule), where "merge" is refused."""
+    if merge_mode not in LORA_MERGE_MODES:
+        raise ValueError(f"LoRA merge_mode must be one of {', '.join(LORA_MERGE_MODES)}, got {merge_mode!r}")
+    if fsdp and merge_mode == "merge":
+        raise ValueError(FSDP_MERGE_REFUSAL)
+    return "dynamic" if merge_mode == "dynamic" or fsdp else "merge"
+
+
+FSDP_MERGE_REFUSAL = ("LoRA merge_mode 'merge' cannot be used with --use-fsdp-inference: the weights are FSDP shards "
+                      "between requests; use merge_mode 'dynamic' (or 'auto', which is dynamic under FSDP).")
+
+
+def set_lora_merge_mode(merge_mode: str, *, server_merge_mode: str, fsdp: bool) -> str:
+    """How the worker applies a `SetLora` whose `merge_mode` is `merge_mode`: "merge" or "dynamic". "auto" takes the
+    server's `server_merge_mode` (--lora-merge-mode), itself resolved by `resolve_merge_mode`; a ValueError where the
+    layout refuses the mode. The HTTP server predicts with it what a queued SetLora will do."""
+    return resolve_merge_mode(server_merge_mode if merge_mode == "auto" else merge_mode, fsdp=fsdp)
 
 
 def odd_nickname(nickname: str) -> str | None:
@@ -82,6 +127,14 @@ class ListLoras:
 
 
 LoraOperation = SetLora | MergeLora | UnmergeLora | ListLoras
+
+
+def start_set_lora(model: ModelConfig) -> SetLora | None:
+    """The SetLora the worker applies at start for `--lora-path` (None without one)."""
+    if not model.lora_path:
+        return None
+    return SetLora(specs=(LoraSpec(nickname=model.lora_nickname, path=model.lora_path, strength=model.lora_scale,
+                                   alpha=model.lora_alpha),), merge_mode=model.lora_merge_mode)
 
 
 class ReplicasDisagree(RuntimeError):

@@ -24,10 +24,11 @@ from k6serve.lora.spec import (
     LORA_TARGETS,
     ListLoras,
     LoraOperation,
-    LoraSpec,
     MergeLora,
     SetLora,
     UnmergeLora,
+    set_lora_merge_mode,
+    start_set_lora,
 )
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import (
@@ -169,9 +170,7 @@ class ModelWorker:
         if model.lora_path:
             # After the speed transforms and offloading: the manager must see the fused projections and the host
             # storage that requests will use.
-            self.apply_lora_operation(SetLora(specs=(LoraSpec(nickname=model.lora_nickname, path=model.lora_path,
-                                                              strength=model.lora_scale, alpha=model.lora_alpha),),
-                                              merge_mode=model.lora_merge_mode))
+            self.apply_lora_operation(start_set_lora(model))
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
         if config.parallel.ulysses_degree > 1 and self.performance_report.num_compiled_blocks:
@@ -267,7 +266,9 @@ class ModelWorker:
         # A merge or unmerge rewrites the device weights: a host copy kept by a memory resume would go stale.
         self.memory_release.drop_kept()
         if isinstance(operation, SetLora):
-            merge_mode = self.config.model.lora_merge_mode if operation.merge_mode == "auto" else operation.merge_mode
+            # The HTTP server predicts the mode with the same function (`JobRunner._check_loras`).
+            merge_mode = set_lora_merge_mode(operation.merge_mode, server_merge_mode=self.config.model.lora_merge_mode,
+                                             fsdp=self.config.parallel.use_fsdp_inference)
             manager.set(operation.specs, merge_mode)
             names = ", ".join(spec.nickname for spec in operation.specs)
             message = f"LoRA adapters active: {names}" if names else "no LoRA adapter active"

@@ -5,34 +5,92 @@ The state is the shortest list of operations that rebuilds the adapters: the las
 path written out, since a restarted worker has no adapter cache to resolve `path=None` from) and the `MergeLora`s
 after it; an `UnmergeLora` or a `SetLora` with no specs empties it. The runner records it after each successful
 change and replays it at start, before any job is dispatched.
+
+Beside it the state keeps what the worker holds (`Adapters`: the nicknames loaded, the active adapters and whether
+they are merged), folded from the `--lora-path` adapter and each successful operation with the worker's own rules,
+and predicts it after the operations queued before a new job: `JobRunner._check_loras` checks the job's `loras`
+against that.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from k6serve.lora.spec import ListLoras, LoraOperation, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.lora.spec import (
+    ListLoras,
+    LoraOperation,
+    LoraSpec,
+    MergeLora,
+    SetLora,
+    UnmergeLora,
+    set_lora_merge_mode,
+)
+
+# `Adapters.mode` after a LoRA operation that dp replicas disagree on (`ReplicasDisagree`): merged on some maybe.
+MODE_VARIES = "varies"
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """What the worker holds: `loaded`, the nicknames of the adapters it has read (active or not); `active`, the
+    active ones (strengths as applied); `mode`, how those are applied: "merge", "dynamic", None when none is active,
+    or `MODE_VARIES` (then `active` is not known)."""
+
+    loaded: frozenset[str] = frozenset()
+    active: tuple[LoraSpec, ...] = ()
+    mode: str | None = None
+
+    def after(self, operation: LoraOperation, *, server_merge_mode: str, fsdp: bool) -> Adapters:
+        """The adapters once `operation` has run, assuming it succeeds unless the worker refuses it for sure (then
+        nothing changes, as the worker changes nothing on a refusal): a SetLora that reuses (path None) a nickname
+        not loaded, or whose merge mode the layout refuses (merge under FSDP), and a MergeLora with no adapter active
+        or under FSDP. `server_merge_mode` (--lora-merge-mode) and `fsdp` resolve "auto" as the worker does."""
+        if isinstance(operation, SetLora):
+            try:
+                mode = set_lora_merge_mode(operation.merge_mode, server_merge_mode=server_merge_mode, fsdp=fsdp)
+            except ValueError:
+                return self
+            if any(spec.path is None and spec.nickname not in self.loaded for spec in operation.specs):
+                return self
+            return Adapters(self.loaded | {spec.nickname for spec in operation.specs}, operation.specs,
+                            mode if operation.specs else None)
+        if isinstance(operation, MergeLora):
+            if self.mode is None or fsdp:
+                return self
+            active = self.active if operation.strength is None else tuple(
+                dataclasses.replace(spec, strength=operation.strength) for spec in self.active)
+            return Adapters(self.loaded, active, "merge")
+        if isinstance(operation, UnmergeLora):
+            return Adapters(self.loaded)
+        return self
 
 
 class LoraState:
-    """The replay list, and where each nickname's adapter was loaded from (to write out `path=None`).
+    """The replay list, where each nickname's adapter was loaded from (to write out `path=None`), and the adapters
+    the worker holds now (`now`, `loaded`).
 
-    The nicknames in `paths` are also the adapters the worker holds (`loaded`): the `--lora-path` one and each one a
+    The worker holds the `--lora-path` adapter (`start`, applied as `server_merge_mode` says) and each one a
     successful `SetLora` loaded (a failed one changes nothing). No operation drops an adapter, deactivated ones stay
     cached; only a restart does, rebuilding the replay list's adapters, from which `paths` is rebuilt too."""
 
-    def __init__(self, operations: list[LoraOperation] | None = None, *, start_adapter: tuple[str, str] | None = None):
+    def __init__(self, operations: list[LoraOperation] | None = None, *, start: SetLora | None = None,
+                 server_merge_mode: str = "auto", fsdp: bool = False):
         self.operations: list[LoraOperation] = list(operations or [])
-        # The adapter `--lora-path` loaded at start, under `--lora-nickname`.
-        self.paths: dict[str, str] = dict([start_adapter]) if start_adapter else {}
-        for operation in self.operations:
+        self.server_merge_mode = server_merge_mode  # --lora-merge-mode: what a SetLora's "auto" means
+        self.fsdp = fsdp  # --use-fsdp-inference: "auto" is dynamic, a merge refused
+        self.paths: dict[str, str] = {}
+        self.now = Adapters()
+        for operation in ([start] if start else []) + self.operations:
             if isinstance(operation, SetLora):
                 self.paths.update((spec.nickname, spec.path) for spec in operation.specs if spec.path)
+            self.now = self.after([operation])
 
     def record(self, operation: LoraOperation) -> bool:
-        """Fold a successful `operation` in; True when the state changed (and needs saving)."""
+        """Fold a successful `operation` in; True when the replay list changed (and needs saving)."""
+        self.now = self.after([operation])
         if isinstance(operation, ListLoras):
             return False
         if isinstance(operation, UnmergeLora):
@@ -46,16 +104,28 @@ class LoraState:
             self.operations = [dataclasses.replace(operation, specs=specs)] if specs else []
         return True
 
+    def replicas_disagree(self) -> None:
+        """A LoRA operation succeeded on some dp replicas only: whether their adapters are merged is not known."""
+        self.now = Adapters(self.now.loaded, (), MODE_VARIES)
+
+    def after(self, operations: list[LoraOperation]) -> Adapters:
+        """The adapters the worker will hold once `operations` have run in order (see `Adapters.after`)."""
+        adapters = self.now
+        for operation in operations:
+            adapters = adapters.after(operation, server_merge_mode=self.server_merge_mode, fsdp=self.fsdp)
+        return adapters
+
     @property
     def loaded(self) -> frozenset[str]:
         """The nicknames of the adapters the worker holds now, active or not."""
-        return frozenset(self.paths)
+        return self.now.loaded
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"type": type(operation).__name__, **_fields(operation)} for operation in self.operations]
 
     @classmethod
-    def from_json(cls, items: list[dict[str, Any]], *, start_adapter: tuple[str, str] | None = None) -> LoraState:
+    def from_json(cls, items: list[dict[str, Any]], *, start: SetLora | None = None, server_merge_mode: str = "auto",
+                  fsdp: bool = False) -> LoraState:
         operations: list[LoraOperation] = []
         for item in items:
             fields = {key: value for key, value in item.items() if key != "type"}
@@ -66,18 +136,7 @@ class LoraState:
                 operations.append(MergeLora(**fields))
             else:
                 raise ValueError(f"unknown LoRA operation {item['type']!r} in the job store")
-        return cls(operations, start_adapter=start_adapter)
-
-
-def loaded_after(loaded: frozenset[str], operations: list[LoraOperation]) -> frozenset[str]:
-    """The nicknames the worker will hold after `operations` run in order, from `loaded`, assuming each succeeds
-    unless it cannot: a `SetLora` that reuses (path None) a nickname not held then fails and loads nothing."""
-    nicknames = set(loaded)
-    for operation in operations:
-        if isinstance(operation, SetLora) and all(spec.path is not None or spec.nickname in nicknames
-                                                  for spec in operation.specs):
-            nicknames.update(spec.nickname for spec in operation.specs)
-    return frozenset(nicknames)
+        return cls(operations, start=start, server_merge_mode=server_merge_mode, fsdp=fsdp)
 
 
 def _as_replayable(path: str | None) -> str | None:

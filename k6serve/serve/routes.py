@@ -34,7 +34,7 @@ from k6serve.api import (
     unmerge_lora_operation,
 )
 from k6serve.lora.adapter import names_adapter_file
-from k6serve.lora.spec import ListLoras, check_lora_strength
+from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
 from k6serve.request import GenerateRequest, SamplingParams
 from k6serve.runtime.engine import Engine
@@ -55,7 +55,7 @@ from k6serve.serve.jobs import (
     size_text,
 )
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
-from k6serve.serve.runner import JobRunner, LorasNotLoaded, QueueFull, ServerShuttingDown
+from k6serve.serve.runner import JobRunner, LorasMerged, LorasNotLoaded, QueueFull, ServerShuttingDown
 from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
@@ -250,8 +250,8 @@ async def create_video(request: Request,
             stored, created = ctx.runner.admit(job)
         except QueueFull:
             raise _queue_full(ctx) from None
-        except LorasNotLoaded as exc:
-            raise ApiError(400, str(exc), code="lora_not_loaded", param="loras") from None
+        except (LorasNotLoaded, LorasMerged) as exc:
+            raise ApiError(400, str(exc), code=exc.code, param="loras") from None
         except IdempotencyConflict as conflict:
             raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for job "
                                 f"{conflict.existing.id} with a different request body; use a new key.",
@@ -535,19 +535,12 @@ async def _read_lora_body(request: Request, model: type) -> Any:
 
 
 def _lora_operation(build, *args, **kwargs):
+    """The operation built by the Python API's own checks (strengths and alpha within their bounds too): a bad
+    argument is refused now, not once the running and queued jobs are done (the worker refuses it too)."""
     try:
-        operation = build(*args, **kwargs)
+        return build(*args, **kwargs)
     except LoraArgumentError as exc:
         raise ApiError(400, str(exc), code="invalid_parameter", param=exc.argument) from None
-    # Refused now, not once the running and queued jobs are done (the worker refuses them too).
-    strengths = [spec.strength for spec in getattr(operation, "specs", ())]
-    strengths += [operation.strength] if getattr(operation, "strength", None) is not None else []
-    try:
-        for strength in strengths:
-            check_lora_strength(strength, "strength")
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_parameter", param="strength") from None
-    return operation
 
 
 def _lora_error_param(message: str) -> str | None:

@@ -14,7 +14,8 @@ discarded.
 A LoRA operation that changes the adapters (`submit_lora`) takes its place in this queue too: the dispatcher runs it
 once every job queued or running when it arrived has left the queue, and before any job created after it, so each
 job runs with the adapters set when it was created. That order is also what `admit` checks a job's own `loras`
-against: the adapters held now plus those the LoRA operations queued before it will load (`LorasNotLoaded`).
+against: the adapters held now plus those the LoRA operations queued before it will load (`LorasNotLoaded`), and
+whether those operations leave the server's adapters merged (`LorasMerged`).
 
 A memory release or resume (`submit_memory`) does not queue behind the stored jobs: it goes to the engine at once, and
 a release waits only for the running jobs. From then until a resume the dispatcher starts nothing (jobs stay
@@ -31,14 +32,14 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from k6serve.lora.spec import LoraOperation, ReplicasDisagree, SetLora
+from k6serve.lora.spec import LoraOperation, ReplicasDisagree, SetLora, start_set_lora
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.jobs import Job, JobStatus, JobStore, seconds_text, size_text
-from k6serve.serve.lora_state import LoraState, loaded_after
+from k6serve.serve.lora_state import Adapters, LoraState
 from k6serve.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,15 @@ class ServerShuttingDown(RuntimeError):
 
 class LorasNotLoaded(ValueError):
     """A new job's `loras` names adapters the worker will not hold when it runs (see `JobRunner._check_loras`)."""
+
+    code = "lora_not_loaded"
+
+
+class LorasMerged(ValueError):
+    """A new job has its own `loras` ({} included) but the server's adapters will be merged when it runs, which the
+    worker refuses (`LoraManager.check_request`; see `JobRunner._check_loras`)."""
+
+    code = "lora_merged"
 
 
 class QueueFull(Exception):
@@ -120,9 +130,12 @@ class JobRunner:
     def _restore_loras(self) -> None:
         """Rebuild the adapters recorded before a restart, before any job runs: the jobs still queued were created
         under them. A state that cannot be rebuilt stops the start-up, rather than running those jobs without."""
-        model = getattr(getattr(self.engine, "config", None), "model", None)
-        start_adapter = (model.lora_nickname, model.lora_path) if getattr(model, "lora_path", None) else None
-        self._lora_state = LoraState.from_json(self.store.lora_state(), start_adapter=start_adapter)
+        config = getattr(self.engine, "config", None)
+        model = getattr(config, "model", None)
+        self._lora_state = LoraState.from_json(
+            self.store.lora_state(), start=start_set_lora(model) if getattr(model, "lora_path", None) else None,
+            server_merge_mode=getattr(model, "lora_merge_mode", "auto"),
+            fsdp=bool(getattr(getattr(config, "parallel", None), "use_fsdp_inference", False)))
         for operation in self._lora_state.operations:
             try:
                 self.engine.lora(operation)
@@ -199,25 +212,33 @@ class JobRunner:
             return stored, created
 
     def _check_loras(self, job: Job) -> None:
-        """Refuse a job whose `loras` names an adapter the worker will not hold when the job runs: the ones held now,
-        plus those the LoRA operations taken before it (they run first, see the module docstring) will load. Called
-        under `_lock`, which `submit_lora` and the dispatcher's pick hold too.
+        """Refuse a job with its own `loras` that the worker would refuse when the job starts (the same checks, in
+        its order): one naming an adapter the worker will not hold then (`LorasNotLoaded`), and one ({}, the base
+        model, included) while the server's adapters will be merged then (`LorasMerged`). Judged on the adapters
+        held now and what the LoRA operations taken before the job (they run first, see the module docstring) will
+        do, with the worker's rules (`Adapters.after`: "auto" is the server's --lora-merge-mode, merge unless under
+        FSDP). Called under `_lock`, which `submit_lora` and the dispatcher's pick hold too.
 
-        Not decided here, so such a job still fails when it starts: a queued set_lora that will fail (a missing or
-        damaged file) counts as loading its adapters; one dropped after this check (a shutdown, or its HTTP client
-        gone) does not load them; and with dp replicas that disagree (`ReplicasDisagree`) a nickname counts as held.
+        Not decided here, so such a job still fails when it starts: a queued operation counts as succeeding unless
+        the worker refuses it for sure, but one may fail yet (a missing or damaged file, memory): a set_lora that
+        fails loads no adapters, and one meant to switch merged adapters to dynamic (or an unmerge) leaves them
+        merged; one dropped after this check (a shutdown, or its HTTP client gone) does nothing either; and with dp
+        replicas that disagree (`ReplicasDisagree`) a nickname counts as held and the adapters as unmerged. The
+        other way round, a job refused because a queued operation merges the adapters would have run had that
+        operation failed: the client asked for that merge, and is told why.
         """
-        requested = job.params.get("loras") or {}
-        if not requested or self._lora_state is None:
+        requested = job.params.get("loras")
+        if requested is None or self._lora_state is None:
             return
         queued = [pending.operation for pending in [self._applying_lora, *self._pending_loras]
                   if pending is not None and not pending.future.cancelled()]
-        held = self._lora_state.loaded
-        held_then = loaded_after(held, queued)
-        found = held_then | self._loaded_somewhere
+        now, then = self._lora_state.now, self._lora_state.after(queued)
+        found = then.loaded | self._loaded_somewhere
         unknown = [nickname for nickname in requested if nickname not in found]
         if unknown:
-            raise LorasNotLoaded(_not_loaded_message(unknown, held, held_then - held))
+            raise LorasNotLoaded(_not_loaded_message(unknown, now.loaded, then.loaded - now.loaded))
+        if then.mode == "merge":
+            raise LorasMerged(_merged_message(requested, then, merged_now=then == now))
 
     def submit_lora(self, operation: LoraOperation) -> Future:
         """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
@@ -370,9 +391,12 @@ class JobRunner:
                     if self._lora_state is not None and self._lora_state.record(pending.operation):
                         self.store.set_lora_state(self._lora_state.to_json())
             except BaseException as exc:  # noqa: BLE001 (answered to the HTTP client waiting for it)
-                if isinstance(exc, ReplicasDisagree) and isinstance(pending.operation, SetLora):
+                if isinstance(exc, ReplicasDisagree):
                     with self._lock:
-                        self._loaded_somewhere.update(spec.nickname for spec in pending.operation.specs)
+                        if isinstance(pending.operation, SetLora):
+                            self._loaded_somewhere.update(spec.nickname for spec in pending.operation.specs)
+                        if self._lora_state is not None:
+                            self._lora_state.replicas_disagree()
                 pending.future.set_exception(exc)
             else:
                 pending.future.set_result(result)
@@ -477,6 +501,30 @@ def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: froze
             f"Load one first with POST /v1/set_lora {example}, or start the server with --lora-path FILE "
             f"--lora-nickname {unknown[0]} --lora-merge-mode dynamic (dynamic: a job's own adapters need the "
             "server's unmerged); the job was not created.")
+
+
+def _merged_message(requested: dict, then: Adapters, *, merged_now: bool) -> str:
+    own = f"the adapter(s) {list(requested)}" if requested else "none: {} runs the base model"
+    names = [spec.nickname for spec in then.active]
+    listed = ", ".join(f"{spec.nickname!r} at strength {spec.strength:g}" for spec in then.active)
+    merged = f"adapter(s) {listed}" if listed else "adapters"
+    when = ("are merged into the weights" if merged_now else
+            "will be merged into the weights when the job runs (by a LoRA request queued before it)")
+    again = {"lora_nickname": (names[0] if len(names) == 1 else names) if names else "NICKNAME", "lora_path": None}
+    strengths = [spec.strength for spec in then.active]
+    if strengths and len(set(strengths)) == 1:
+        again["strength"] = strengths[0]
+    elif strengths:
+        again["strength"] = strengths
+    if then.active and then.active[0].alpha is not None:
+        again["lora_alpha"] = then.active[0].alpha
+    again["merge_mode"] = "dynamic"
+    return (f"loras chooses this job's own LoRA adapters ({own}), but the server's {merged} {when}; a job's own "
+            "adapters are added dynamically, and taking merged adapters out of the weights and back in around every "
+            "job would copy each adapted weight twice per job. Make the server's adapters dynamic first: POST "
+            f"/v1/unmerge_lora_weights, then POST /v1/set_lora {json.dumps(again)} to make them active again "
+            "(merge_mode \"dynamic\": \"auto\" means the server's --lora-merge-mode, which merges unless it is "
+            "dynamic), or start the server with --lora-merge-mode dynamic; the job was not created.")
 
 
 UPLOADED_FILE = "(the uploaded file)"

@@ -238,7 +238,8 @@ class SetLoraBody(BaseModel):
     strength: float | list[float] = Field(1.0, description="One number for every adapter, or one per adapter; "
                                                            "from -100 to 100.")
     merge_mode: str = Field("auto", description="'auto', 'merge' (into the weights) or 'dynamic' (per forward).")
-    lora_alpha: float | None = Field(None, description="Overrides the alpha stored in the adapter file.")
+    lora_alpha: float | None = Field(None, description="Overrides the alpha stored in the adapter file; from -10000 "
+                                                       "to 10000.")
 
 
 class MergeLoraBody(BaseModel):

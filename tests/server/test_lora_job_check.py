@@ -1,5 +1,6 @@
 """A job's own `loras` checked at creation: a nickname the worker will not hold when the job runs is a 400, judged
-against the adapters held now plus those the LoRA operations queued before the job will load (they run first).
+against the adapters held now plus those the LoRA operations queued before the job will load (they run first); so is
+a job with its own `loras` ({} included) while the server's adapters will be merged then.
 
 The real worker on the tiny distilled checkpoint runs the jobs (a job whose adapter is missing fails when it starts,
 so one that completes ran with it); a prompt with "hold" waits for `release` before running, to keep a job running
@@ -258,11 +259,219 @@ def test_an_adapter_only_some_replicas_loaded_is_left_to_the_job_start(tmp_path)
      "strength must be a finite number from -100 to 100, got 1e+30"),
     ("/v1/set_lora", {"lora_nickname": ["a", "b"], "strength": [1.0, 250]}, "strength", "got 250.0"),
     ("/v1/merge_lora_weights", {"strength": -1000}, "strength", "got -1000.0"),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_path": "/a.safetensors", "lora_alpha": 1e30}, "lora_alpha",
+     "lora_alpha must be a finite number from -10000 to 10000, got 1e+30; an adapter's alpha is its rank or a small "
+     "multiple of it"),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_alpha": -20000}, "lora_alpha", "got -20000.0"),
 ])
-def test_an_absurd_strength_is_a_400_before_anything_queues(fake_server, fake_client, route, body, param, shown):
+def test_an_absurd_strength_or_alpha_is_a_400_before_anything_queues(fake_server, fake_client, route, body, param,
+                                                                     shown):
     response = fake_client.post(route, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("invalid_parameter", param) and shown in error["message"], error
     # Nothing queued or run; the fake worker has no LoRA operations, so reaching it would have been a 500.
     assert fake_server.store.queued_ids() == [] and fake_server.worker.started == []
+
+
+class LoraFakeWorker(FakeWorker):
+    """The fast fake worker, whose LoRA operations all succeed (the merge state is the runner's to predict)."""
+
+    def __init__(self) -> None:
+        super().__init__(VARIANTS["pro-distill"])
+        self.operations: list[object] = []
+
+    def apply_lora_operation(self, operation) -> dict:
+        self.operations.append(operation)
+        return {"status": "ok", "message": "done", "loras": []}
+
+
+def _fake_server(root: Path, db_path: Path | None = None, **options):
+    config = build_engine_config("fake-k6-model", **options)
+    worker = LoraFakeWorker()
+    return start_server(root, engine=Engine(config, worker=worker), db_path=db_path), worker
+
+
+def _num_jobs(client) -> int:
+    return len(client.get("/v1/videos").json()["data"])
+
+
+def _merged(response) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("lora_merged", "loras", "invalid_request_error")
+    return error["message"]
+
+
+@pytest.mark.parametrize(("options", "merged"), [
+    ({}, True),  # --lora-merge-mode auto: merge
+    ({"lora_merge_mode": "merge"}, True),
+    ({"lora_merge_mode": "dynamic"}, False),
+    ({"num_gpus": 2, "ulysses_degree": 2, "use_fsdp_inference": True}, False),  # auto under FSDP: dynamic
+])
+def test_a_job_with_its_own_loras_is_a_400_while_the_lora_path_adapter_is_merged(tmp_path, options, merged):
+    server, worker = _fake_server(tmp_path, lora_path="/adapters/style.safetensors", lora_nickname="style",
+                                  lora_scale=0.8, **options)
+    try:
+        with server.client() as client:
+            for loras in ({"style": 0.5}, {}):
+                response = client.post("/v1/videos", json={**JOB, "loras": loras},
+                                       headers={**server.headers, "Idempotency-Key": f"key-{len(loras)}"})
+                if merged:
+                    _merged(response)
+                else:
+                    assert response.status_code == 200, response.text
+            plain = client.post("/v1/videos", json=JOB)
+            assert plain.status_code == 200, plain.text
+            # Refused: nothing created, the Idempotency-Key still free.
+            assert _num_jobs(client) == (1 if merged else 3)
+            if merged:
+                again = client.post("/v1/videos", json={**JOB, "loras": {}},
+                                    headers={**server.headers, "Idempotency-Key": "key-0"})
+                assert "Idempotent-Replayed" not in again.headers
+                _merged(again)
+    finally:
+        server.stop()
+
+
+def test_the_merged_400_says_what_is_merged_and_how_to_switch(tmp_path):
+    server, _ = _fake_server(tmp_path, lora_path="/adapters/style.safetensors", lora_nickname="style",
+                             lora_scale=0.8, lora_alpha=16)
+    try:
+        with server.client() as client:
+            assert _merged(client.post("/v1/videos", json={**JOB, "loras": {"style": 0.5}})) == (
+                "loras chooses this job's own LoRA adapters (the adapter(s) ['style']), but the server's adapter(s) "
+                "'style' at strength 0.8 are merged into the weights; a job's own adapters are added dynamically, and "
+                "taking merged adapters out of the weights and back in around every job would copy each adapted "
+                "weight twice per job. Make the server's adapters dynamic first: POST /v1/unmerge_lora_weights, then "
+                'POST /v1/set_lora {"lora_nickname": "style", "lora_path": null, "strength": 0.8, "lora_alpha": 16, '
+                '"merge_mode": "dynamic"} to make them active again (merge_mode "dynamic": "auto" means the '
+                "server's --lora-merge-mode, which merges unless it is dynamic), or start the server with "
+                "--lora-merge-mode dynamic; the job was not created.")
+            assert _merged(client.post("/v1/videos", json={**JOB, "loras": {}})).startswith(
+                "loras chooses this job's own LoRA adapters (none: {} runs the base model), but the server's ")
+            # The fix the message gives lets the job in.
+            assert client.post("/v1/unmerge_lora_weights").status_code == 200
+            body = {"lora_nickname": "style", "lora_path": None, "strength": 0.8, "lora_alpha": 16.0,
+                    "merge_mode": "dynamic"}
+            assert client.post("/v1/set_lora", json=body).status_code == 200
+            created = client.post("/v1/videos", json={**JOB, "loras": {"style": 0.5}})
+            assert created.status_code == 200, created.text
+            assert wait_for(client, created.json()["id"])["status"] == "completed"
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("server_merge_mode", "auto_merges"), [("auto", True), ("dynamic", False)])
+def test_set_lora_auto_takes_the_servers_lora_merge_mode(tmp_path, server_merge_mode, auto_merges):
+    server, _ = _fake_server(tmp_path, lora_merge_mode=server_merge_mode)
+    job = {**JOB, "loras": {"style": 1.0}}
+    try:
+        with server.client() as client:
+            assert client.post("/v1/set_lora", json={"lora_nickname": "style", "lora_path": "/a.safetensors"}
+                               ).status_code == 200
+            response = client.post("/v1/videos", json=job)
+            if auto_merges:
+                assert "'style' at strength 1 are merged into the weights" in _merged(response)
+            else:
+                assert response.status_code == 200, response.text
+            for route, body in (("/v1/set_lora", {"lora_nickname": "style", "merge_mode": "merge"}),
+                                ("/v1/merge_lora_weights", {})):
+                assert client.post(route, json=body).status_code == 200
+                _merged(client.post("/v1/videos", json=job))
+            # Deactivated, or active again dynamically: the job's own adapters run.
+            for route, body in (("/v1/unmerge_lora_weights", {}),
+                                ("/v1/set_lora", {"lora_nickname": "style", "merge_mode": "dynamic"}),
+                                ("/v1/set_lora", {"lora_nickname": []})):
+                assert client.post(route, json=body).status_code == 200
+                response = client.post("/v1/videos", json=job)
+                assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+
+
+def test_lora_operations_queued_before_the_job_decide_whether_its_adapters_are_merged(tmp_path):
+    server, worker = _fake_server(tmp_path, lora_path="/adapters/style.safetensors", lora_nickname="style",
+                                  lora_merge_mode="dynamic")
+    runner = server.app.state.ctx.runner
+    answers: list[object] = []
+    threads: list[threading.Thread] = []
+
+    def queue(route: str, body: dict) -> None:
+        """Send a LoRA request that waits behind the held job, once the runner has it."""
+        thread = threading.Thread(target=lambda: answers.append(_post_json(server, route, body)))
+        thread.start()
+        threads.append(thread)
+        wait_until(lambda: len(runner._pending_loras) + (runner._applying_lora is not None) == len(threads))
+
+    job = {**JOB, "loras": {"style": 0.5}}
+    try:
+        with server.client() as client:
+            held = client.post("/v1/videos", json={**JOB, "prompt": "hold on"}).json()
+            wait_until(lambda: "hold on" in worker.started)
+            assert client.post("/v1/videos", json=job).status_code == 200  # dynamic now
+            queue("/v1/merge_lora_weights", {})
+            message = _merged(client.post("/v1/videos", json=job))
+            assert ("but the server's adapter(s) 'style' at strength 1 will be merged into the weights when the job "
+                    "runs (by a LoRA request queued before it);") in message
+            queue("/v1/set_lora", {"lora_nickname": "style", "strength": 0.7, "merge_mode": "dynamic"})
+            assert client.post("/v1/videos", json=job).status_code == 200
+            queue("/v1/set_lora", {"lora_nickname": "other", "lora_path": "/other.safetensors"})  # auto: dynamic
+            assert client.post("/v1/videos", json={**job, "loras": {"other": 1.0, "style": 1.0}}).status_code == 200
+            queue("/v1/merge_lora_weights", {"strength": 2.0})
+            assert "'other' at strength 2 will be merged" in _merged(client.post("/v1/videos", json={**JOB, "loras": {}}))
+            queue("/v1/unmerge_lora_weights", {})
+            assert client.post("/v1/videos", json=job).status_code == 200
+            assert worker.operations == []  # all still waiting for the held job
+            worker.release.set()
+            for thread in threads:
+                thread.join(30)
+            assert [answer.status_code for answer in answers] == [200] * 5, answers
+            ids = [job["id"] for job in client.get("/v1/videos").json()["data"]]
+            assert len(ids) == 5 and held["id"] in ids
+            assert [wait_for(client, job_id)["status"] for job_id in ids] == ["completed"] * 5
+    finally:
+        worker.release.set()
+        server.stop()
+
+
+def _post_json(server, route: str, body: dict):
+    with server.client() as own:
+        return own.post(route, json=body)
+
+
+def test_merged_adapters_only_some_replicas_hold_are_left_to_the_job_start(tmp_path):
+    config = build_engine_config("fake-k6-model", lora_path="/adapters/style.safetensors", lora_nickname="style")
+    server = start_server(tmp_path, engine=Engine(config, worker=DisagreeingWorker()))
+    job = {**JOB, "loras": {"style": 1.0}}
+    try:
+        with server.client() as client:
+            _merged(client.post("/v1/videos", json=job))
+            split = client.post("/v1/set_lora", json={"lora_nickname": "split", "lora_path": "/a.safetensors",
+                                                      "merge_mode": "dynamic"})
+            assert split.status_code == 500 and split.json()["error"]["code"] == "lora_failed", split.text
+            assert client.post("/v1/videos", json=job).status_code == 200  # merged on some replicas only, maybe
+            # An operation every replica ran makes them agree again.
+            assert client.post("/v1/merge_lora_weights", json={}).status_code == 200
+            _merged(client.post("/v1/videos", json=job))
+    finally:
+        server.stop()
+
+
+def test_the_merge_state_survives_a_restart(tmp_path):
+    db = tmp_path / "jobs.sqlite3"
+    job = {**JOB, "loras": {"style": 1.0}}
+    server, _ = _fake_server(tmp_path / "one", db_path=db, lora_merge_mode="dynamic")
+    try:
+        with server.client() as client:
+            body = {"lora_nickname": "style", "lora_path": "/a.safetensors", "merge_mode": "merge"}
+            assert client.post("/v1/set_lora", json=body).status_code == 200
+    finally:
+        server.stop()
+    server, worker = _fake_server(tmp_path / "two", db_path=db, lora_merge_mode="dynamic")
+    try:
+        assert [operation.merge_mode for operation in worker.operations] == ["merge"]  # replayed
+        with server.client() as client:
+            _merged(client.post("/v1/videos", json=job))
+    finally:
+        server.stop()

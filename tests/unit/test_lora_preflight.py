@@ -1,7 +1,7 @@
 """The start-up LoRA flags are refused before the model loads (minutes for a real checkpoint), on the CLI and the
-Python API: a bad --lora-path adapter, its --lora-scale / --lora-alpha, the super-resolution model, and generate's
---loras. Before, each of these failed only once every weight was loaded (or, for NaN strengths, after the whole
-denoise, on NaN latents)."""
+Python API: a bad --lora-path adapter, its --lora-scale / --lora-alpha (not finite, or past their bounds), the
+super-resolution model, and generate's --loras. Before, each of these failed only once every weight was loaded (or,
+for NaN strengths, after the whole denoise, on NaN latents)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_the_demos_linear_names_are_what_the_adapters_below_assume(demo_dir):
     ("damaged", "cannot be read as safetensors"),
     ("nan_scale", "lora_scale must be a finite number, got nan"),
     ("inf_alpha", "lora_alpha must be a finite number, got inf"),
+    ("huge_alpha", r"lora_alpha must be a finite number from -10000 to 10000, got 1e\+30"),
     ("odd_nickname", "lora_nickname=' style' starts or ends with spaces"),
 ])
 def test_the_api_refuses_a_bad_lora_path_before_loading(demo_dir, tmp_path, no_model_load, kind, message):
@@ -75,6 +76,8 @@ def test_the_api_refuses_a_bad_lora_path_before_loading(demo_dir, tmp_path, no_m
         options["lora_scale"] = float("nan")
     elif kind == "inf_alpha":
         options["lora_alpha"] = float("inf")
+    elif kind == "huge_alpha":
+        options["lora_alpha"] = 1e30
     else:
         options["lora_nickname"] = " style"
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,7 @@
-"""LoRA strengths: the bound every surface checks (`MAX_LORA_STRENGTH`), and latents that overflow anyway (an
-adapter file with extreme values, at an allowed strength), whose error names the adapters and strengths the DiT ran
-with, and after which the engine's adapters and weights are as before (tiny distilled checkpoint, CPU, fp32)."""
+"""LoRA strengths and alphas: the bounds every surface checks (`MAX_LORA_STRENGTH`, `MAX_LORA_ALPHA`), and latents
+that overflow anyway (an adapter file with extreme values, at an allowed strength), whose error names the adapters and
+strengths the DiT ran with, and after which the engine's adapters and weights are as before (tiny distilled
+checkpoint, CPU, fp32)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from k6serve.api import build_engine_config
+from k6serve.api import DiffGenerator, build_engine_config
+from k6serve.cli.main import main
+from k6serve.config import EngineConfig, ModelConfig
+from k6serve.lora.adapter import read_adapter
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
 from k6serve.models.variants import VARIANTS, resolve_generate
 from k6serve.pipelines.text_to_video import non_finite_latents
 from k6serve.request import OutputOptions, SamplingParams
+from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -84,6 +89,78 @@ def test_a_start_strength_past_the_bound_is_refused_before_loading(tmp_path):
     config = build_engine_config("demo", lora_path=str(tmp_path / "style.safetensors"), lora_scale=1e30)
     with pytest.raises(ValueError, match=r"^--lora-scale must be a finite number from -100 to 100, got 1e\+30; "):
         check_start_adapter(config)
+
+
+class RecordingWorker:
+    """An in-process worker that applies nothing and records the LoRA operations that reach it."""
+
+    variant = VARIANTS["pro"]
+
+    def __init__(self) -> None:
+        self.operations: list[object] = []
+
+    def apply_lora_operation(self, operation) -> dict:
+        self.operations.append(operation)
+        return {"status": "ok", "message": "done", "loras": []}
+
+
+STRENGTH_REFUSAL = r"^strength must be a finite number from -100 to 100, got {}; adapters are used at about -2 to 2 "
+ALPHA_REFUSAL = (r"^lora_alpha must be a finite number from -10000 to 10000, got {}; an adapter's alpha is its rank or "
+                 r"a small multiple of it \(the update is strength x alpha / rank x B A\), and far past that the update "
+                 r"swamps the model's weights and the latents overflow to NaN\.$")
+
+
+def test_the_python_api_refuses_a_strength_or_alpha_past_the_bound_before_queueing():
+    worker = RecordingWorker()
+    generator = DiffGenerator(Engine(EngineConfig(model=ModelConfig(model_path="fake")), worker=worker))
+    try:
+        with pytest.raises(ValueError, match=STRENGTH_REFUSAL.format(r"1e\+30")):
+            generator.set_lora("style", "/adapters/style.safetensors", strength=1e30)
+        with pytest.raises(ValueError, match=STRENGTH_REFUSAL.format("-250.0")):
+            generator.set_lora(["style", "hero"], strength=[1.0, -250])
+        with pytest.raises(ValueError, match=STRENGTH_REFUSAL.format("inf")):
+            generator.set_lora("style", strength=10 ** 400)  # past float's range: refused, not an OverflowError
+        with pytest.raises(ValueError, match=STRENGTH_REFUSAL.format("-500.0")):
+            generator.merge_lora_weights(strength=-500)
+        with pytest.raises(ValueError, match=ALPHA_REFUSAL.format(r"1e\+30")):
+            generator.set_lora("style", "/adapters/style.safetensors", lora_alpha=1e30)
+        with pytest.raises(ValueError, match=ALPHA_REFUSAL.format("-10001.0")):
+            generator.set_lora("style", lora_alpha=-10001)
+        assert worker.operations == []
+        generator.set_lora("style", "/adapters/style.safetensors", strength=-100, lora_alpha=1e4)
+        generator.merge_lora_weights(strength=100)
+        assert worker.operations == [SetLora(specs=(LoraSpec(nickname="style", path="/adapters/style.safetensors",
+                                                             strength=-100.0, alpha=1e4),)), MergeLora(strength=100.0)]
+    finally:
+        generator.shutdown()
+
+
+def test_a_start_alpha_past_the_bound_is_refused_before_loading(tmp_path, capsys):
+    config = build_engine_config("demo", lora_path=str(tmp_path / "style.safetensors"), lora_alpha=-2e4)
+    with pytest.raises(ValueError, match=r"^--lora-alpha must be a finite number from -10000 to 10000, got -20000\.0; "):
+        check_start_adapter(config)
+    assert main(["serve", "--model-path", "demo", "--lora-path", str(tmp_path / "style.safetensors"),
+                 "--lora-alpha", "1e30"]) == 2
+    assert "error: --lora-alpha must be a finite number from -10000 to 10000, got 1e+30;" in capsys.readouterr().err
+
+
+def test_an_adapter_file_whose_alpha_is_past_the_bound_is_refused(worker, tmp_path):
+    out_features, in_features = worker.pipeline.models.transformer.get_submodule(TARGETS[0]).weight.shape
+    file = tmp_path / "huge_alpha.safetensors"
+    save_file({f"transformer.{TARGETS[0]}.lora_A.weight": torch.ones(2, in_features),
+               f"transformer.{TARGETS[0]}.lora_B.weight": torch.ones(out_features, 2),
+               f"transformer.{TARGETS[0]}.alpha": torch.tensor(1e30)}, str(file))
+    with pytest.raises(ValueError, match=(
+            rf"^LoRA file '{re.escape(str(file))}': 'transformer\.{re.escape(TARGETS[0])}\.alpha' \(the module's "
+            r"alpha\) must be a finite number from -10000 to 10000, got 1\.0000000150474662e\+30; ")):
+        read_adapter(str(file))
+
+
+def test_the_worker_refuses_an_alpha_past_the_bound_and_changes_nothing(worker, adapters):
+    before = worker.apply_lora_operation(ListLoras())
+    with pytest.raises(ValueError, match=ALPHA_REFUSAL.format(r"1e\+30")):
+        worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=adapters["fox"], alpha=1e30),)))
+    assert worker.apply_lora_operation(ListLoras()) == before
 
 
 def test_the_worker_refuses_a_strength_past_the_bound_and_changes_nothing(worker, adapters):

@@ -1,0 +1,146 @@
+"""The HTTP server's prediction of the adapters a job will meet (`serve/lora_state.py`), against the worker itself.
+
+`JobRunner._check_loras` refuses at creation a job with its own `loras` ({} included) while the server's adapters will
+be merged, since the worker refuses it when it starts (`LoraManager.check_request`). The prediction folds the
+`--lora-path` adapter and each LoRA operation with the worker's rules ("auto" is the server's --lora-merge-mode, which
+merges unless under FSDP; a refused operation changes nothing); here the real worker on the tiny distilled checkpoint
+runs the same operations and must agree after each one. FSDP needs GPUs, so its rules are checked on the fold alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from k6serve.api import build_engine_config
+from k6serve.lora.spec import (
+    ListLoras,
+    LoraSpec,
+    MergeLora,
+    SetLora,
+    UnmergeLora,
+    set_lora_merge_mode,
+    start_set_lora,
+)
+from k6serve.runtime.worker import ModelWorker
+from k6serve.serve.lora_state import MODE_VARIES, Adapters, LoraState
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TARGET = "visual_transformer_blocks.0.video_dec_block.self_attention.to_key"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_distill_dir, tmp_path_factory) -> dict[str, str]:
+    """Two rank-2 adapters on one Linear of the tiny DiT."""
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+    out_features, in_features = worker.pipeline.models.transformer.get_submodule(TARGET).weight.shape
+    folder = tmp_path_factory.mktemp("adapters")
+    files = {}
+    for seed, nickname in enumerate(("fox", "hero")):
+        generator = torch.Generator().manual_seed(seed)
+        files[nickname] = str(folder / f"{nickname}.safetensors")
+        save_file({f"transformer.{TARGET}.lora_A.weight": 0.1 * torch.randn(2, in_features, generator=generator),
+                   f"transformer.{TARGET}.lora_B.weight": 0.1 * torch.randn(out_features, 2, generator=generator)},
+                  files[nickname])
+    return files
+
+
+def _operations(adapters: dict[str, str]) -> list:
+    fox, hero = LoraSpec(nickname="fox"), LoraSpec(nickname="hero", path=adapters["hero"], strength=0.5)
+    return [
+        MergeLora(strength=0.5),
+        SetLora(specs=(fox,)),  # auto: the server's --lora-merge-mode
+        SetLora(specs=(LoraSpec(nickname="ghost"),), merge_mode="dynamic"),  # refused: not loaded
+        SetLora(specs=(hero,), merge_mode="dynamic"),
+        MergeLora(),
+        ListLoras(),
+        UnmergeLora(),
+        MergeLora(),  # refused: no adapter active
+        SetLora(specs=(fox, LoraSpec(nickname="hero")), merge_mode="merge"),
+        SetLora(specs=(), merge_mode="merge"),  # none active, whatever the mode
+        SetLora(specs=(LoraSpec(nickname="hero", strength=2.0),), merge_mode="auto"),
+        SetLora(specs=(fox,), merge_mode="dynamic"),
+    ]
+
+
+def _worker_adapters(worker: ModelWorker) -> Adapters:
+    manager = worker.lora_manager
+    active = tuple(LoraSpec(nickname=entry.nickname, strength=entry.strength) for entry in manager.active)
+    return Adapters(frozenset(manager.adapters), active, manager.applied_mode)
+
+
+def _refuses_own_loras(worker: ModelWorker) -> bool:
+    try:
+        worker.lora_manager.check_request(())  # {}: the base model
+    except ValueError as exc:
+        assert "the engine's adapters are merged into the weights" in str(exc)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("server_merge_mode", ["auto", "merge", "dynamic"])
+def test_the_servers_prediction_is_what_the_worker_does(tiny_distill_dir, adapters, server_merge_mode):
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
+                                             lora_path=adapters["fox"], lora_nickname="fox", lora_scale=0.8,
+                                             lora_merge_mode=server_merge_mode))
+    state = LoraState([], start=start_set_lora(worker.config.model), server_merge_mode=server_merge_mode)
+    modes = []
+    for operation in [None, *_operations(adapters)]:
+        if operation is not None:
+            predicted = state.after([operation])
+            try:
+                worker.apply_lora_operation(operation)
+            except ValueError:
+                assert predicted == state.now, operation  # a refusal the server foresees changes nothing
+            else:
+                state.record(operation)
+                assert predicted == state.now, operation
+        held = _worker_adapters(worker)
+        assert (held.loaded, held.mode) == (state.now.loaded, state.now.mode), operation
+        assert [(spec.nickname, spec.strength) for spec in held.active] == [
+            (spec.nickname, spec.strength) for spec in state.now.active], operation
+        assert _refuses_own_loras(worker) == (state.now.mode == "merge"), operation
+        modes.append(state.now.mode)
+    merged_by_auto = "dynamic" if server_merge_mode == "dynamic" else "merge"
+    assert modes == [merged_by_auto, "merge", merged_by_auto, merged_by_auto, "dynamic", "merge", "merge", None,
+                     None, "merge", None, merged_by_auto, "dynamic"]
+
+
+def test_under_fsdp_auto_is_dynamic_and_a_merge_is_refused():
+    assert set_lora_merge_mode("auto", server_merge_mode="auto", fsdp=True) == "dynamic"
+    assert set_lora_merge_mode("auto", server_merge_mode="auto", fsdp=False) == "merge"
+    assert set_lora_merge_mode("auto", server_merge_mode="dynamic", fsdp=False) == "dynamic"
+    assert set_lora_merge_mode("dynamic", server_merge_mode="merge", fsdp=False) == "dynamic"
+    with pytest.raises(ValueError, match="cannot be used with --use-fsdp-inference"):
+        set_lora_merge_mode("merge", server_merge_mode="auto", fsdp=True)
+    start = SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),))
+    state = LoraState([], start=start, fsdp=True)
+    assert state.now.mode == "dynamic"
+    # Refused by the worker under FSDP, so nothing changes.
+    assert state.after([SetLora(specs=(LoraSpec(nickname="style"),), merge_mode="merge"), MergeLora()]) == state.now
+
+
+def test_replicas_that_disagree_leave_the_merge_to_the_job_start():
+    state = LoraState([], start=SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),)))
+    assert state.now.mode == "merge"
+    state.replicas_disagree()
+    assert state.now.mode == MODE_VARIES and state.loaded == {"style"}
+    assert state.after([MergeLora()]).mode == "merge"  # every replica merged, if it succeeds
+    assert state.after([UnmergeLora()]).mode is None
+
+
+def test_a_restart_rebuilds_the_merge_state_from_the_start_adapter_and_the_replay_list():
+    start = SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),), merge_mode="dynamic")
+    stored = [{"type": "SetLora", "merge_mode": "auto", "target": "all",
+               "specs": [{"nickname": "hero", "path": "/b.safetensors", "strength": 0.5, "alpha": None}]}]
+    assert LoraState.from_json([], start=start).now.mode == "dynamic"
+    state = LoraState.from_json(stored, start=start, server_merge_mode="dynamic")
+    assert (state.now.mode, state.loaded) == ("dynamic", {"style", "hero"})
+    state = LoraState.from_json(stored + [{"type": "MergeLora", "target": "all", "strength": None}], start=start,
+                                server_merge_mode="dynamic")
+    assert state.now.mode == "merge" and [spec.nickname for spec in state.now.active] == ["hero"]
+    assert Path(state.paths["style"]) == Path("/a.safetensors")
