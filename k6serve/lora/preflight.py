@@ -9,10 +9,15 @@ Pro). The worker checks everything again; this only moves the refusal earlier.
 
 from __future__ import annotations
 
-import math
 
 from k6serve.config import EngineConfig, ModelConfig
-from k6serve.lora.spec import check_lora_alpha, check_lora_strength, odd_nickname, resolve_merge_mode
+from k6serve.lora.spec import (
+    check_lora_alpha,
+    check_lora_strength,
+    is_finite_number,
+    odd_nickname,
+    resolve_merge_mode,
+)
 
 
 def check_start_adapter(config: EngineConfig) -> None:
@@ -23,7 +28,7 @@ def check_start_adapter(config: EngineConfig) -> None:
     if not model.lora_path:
         return
     for flag, value in (("--lora-scale", model.lora_scale), ("--lora-alpha", model.lora_alpha)):
-        if value is not None and not math.isfinite(value):
+        if value is not None and not is_finite_number(value):
             raise ValueError(f"{flag} must be a finite number, got {value}.")
     check_lora_strength(model.lora_scale, "--lora-scale")
     if model.lora_alpha is not None:

@@ -25,10 +25,19 @@ LORA_TARGETS = ("all", "transformer")  # Kandinsky 6 has one DiT; "all" means it
 MAX_LORA_STRENGTH = 100.0
 
 
+def is_finite_number(value: float) -> bool:
+    """math.isfinite for any real, an int too large for a float (10**400, which JSON and Python pass as is) included:
+    math.isfinite raises OverflowError on it, which reached the user as an internal error."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_lora_strength(strength: float, name: str) -> None:
     """Raise ValueError when `strength` (a number, called `name` in the message) is not finite or past
     `MAX_LORA_STRENGTH`."""
-    if not math.isfinite(strength) or abs(strength) > MAX_LORA_STRENGTH:
+    if not is_finite_number(strength) or abs(strength) > MAX_LORA_STRENGTH:
         raise ValueError(f"{name} must be a finite number from {-MAX_LORA_STRENGTH:g} to {MAX_LORA_STRENGTH:g}, got "
                          f"{strength!r}; adapters are used at about -2 to 2 (1.0 is the strength they were trained "
                          "at), and far past that the update swamps the model's weights and the latents overflow to "
@@ -48,7 +57,7 @@ MAX_LORA_ALPHA = 1e4
 def check_lora_alpha(alpha: float, name: str) -> None:
     """Raise ValueError when `alpha` (a number, called `name` in the message) is not finite or past
     `MAX_LORA_ALPHA`."""
-    if not math.isfinite(alpha) or abs(alpha) > MAX_LORA_ALPHA:
+    if not is_finite_number(alpha) or abs(alpha) > MAX_LORA_ALPHA:
         raise ValueError(f"{name} must be a finite number from {-MAX_LORA_ALPHA:g} to {MAX_LORA_ALPHA:g}, got "
                          f"{alpha!r}; an adapter's alpha is its rank or a small multiple of it (the update is "
                          "strength x alpha / rank x B A), and far past that the update swamps the model's weights "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k6serve.caching.params import CacheDitParams
-from k6serve.lora.spec import check_lora_strength
+from k6serve.lora.spec import check_lora_strength, is_finite_number
 from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
@@ -276,7 +276,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         notes.append(f"num_frames {num_frames} is not of the form 4k+1; using {rounded} (n // 4 * 4 + 1, as the reference).")
     if (rounded - 1) // 4 + 1 > 128:
         raise ValueError(f"num_frames {num_frames} gives more than 128 latent frames; use at most 509.")
-    fps = float(params.fps if params.fps is not None else variant.fps)
+    fps = params.fps if params.fps is not None else variant.fps
+    fps = float(fps) if is_finite_number(fps) else math.inf  # 10**400: refused below, not an OverflowError
     # The model has no fps input: fps only sets the soundtrack's length, num_frames / fps seconds (1e-9 fps asked
     # for 23 TB of audio noise). 1 is the floor of a frame rate; the audio length itself is bounded just below.
     if not (1 <= fps <= 240) or not math.isfinite(fps):
@@ -286,7 +287,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
     if steps < 1 or steps > 1000:
         raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
-    guidance = float(params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale)
+    guidance = params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale
+    guidance = float(guidance) if is_finite_number(guidance) else math.inf  # 10**400: refused below
     if variant.distilled and guidance != 1.0:
         raise ValueError(
             f"{variant.name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
@@ -369,7 +371,7 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
     for nickname, strength in loras.items():
         if not isinstance(nickname, str) or not nickname:
             raise ValueError(f"loras keys must be adapter nicknames, got {nickname!r}")
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not is_finite_number(strength):
             raise ValueError(f"loras[{nickname!r}] must be a finite number (the adapter's strength), got {strength!r}")
         check_lora_strength(strength, f"loras[{nickname!r}]")
         resolved.append((nickname, float(strength)))

@@ -533,9 +533,9 @@ UPLOADED_FILE = "(the uploaded file)"
 def without_upload_paths(message: str, upload_files: tuple[str, ...]) -> str:
     """`message` with the server's own paths of the job's uploads replaced by `UPLOADED_FILE`.
 
-    The worker's errors name the files they could not read (a JPEG cut short inside its pixel data passes the
-    header check at creation and fails in the decode), and an upload's path is the server's, not the client's: it
-    told the client nothing and showed where the server keeps its files.
+    The worker's errors name the files they could not read (an image that decodes at creation but whose values the
+    worker refuses, e.g. a float TIFF holding NaN), and an upload's path is the server's, not the client's: it told
+    the client nothing and showed where the server keeps its files.
     """
     for path in upload_files:
         message = message.replace(repr(str(path)), UPLOADED_FILE).replace(str(path), UPLOADED_FILE)

@@ -263,6 +263,11 @@ def test_an_adapter_only_some_replicas_loaded_is_left_to_the_job_start(tmp_path)
      "lora_alpha must be a finite number from -10000 to 10000, got 1e+30; an adapter's alpha is its rank or a small "
      "multiple of it"),
     ("/v1/set_lora", {"lora_nickname": "a", "lora_alpha": -20000}, "lora_alpha", "got -20000.0"),
+    # A JSON integer past float's range: loras' values are not typed by the schema, and math.isfinite raised
+    # OverflowError on it (a 500).
+    ("/v1/videos", {**JOB, "loras": {"style": 10**400}}, "loras", "loras['style'] must be a finite number"),
+    ("/v1/set_lora", {"lora_nickname": "a", "lora_path": "/a.safetensors", "strength": -10**400}, "strength",
+     "strength: Input should be a valid number"),  # a float field: pydantic refuses it
 ])
 def test_an_absurd_strength_or_alpha_is_a_400_before_anything_queues(fake_server, fake_client, route, body, param,
                                                                      shown):

@@ -200,3 +200,16 @@ def test_the_audio_bound_is_the_pipelines_length_and_the_models_rope_table():
                                  variants.AUDIO_LATENT_HOP_LENGTH)
     assert length <= MAX_SEQUENCE_POSITIONS < audio_latent_length(128, 10, variants.AUDIO_SAMPLE_RATE,
                                                                   variants.AUDIO_LATENT_HOP_LENGTH)
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"fps": 10**400}, r"^fps must be between 1 and 240 .*got 1000"),
+    ({"fps": -10**400}, r"^fps must be between 1 and 240 .*got -1000"),
+    ({"guidance_scale": 10**400}, r"requires guidance_scale exactly 1\.0 \(got inf\)"),
+    ({"loras": {"style": 10**400}}, r"^loras\['style'\] must be a finite number"),
+])
+def test_an_integer_past_floats_range_is_a_value_error(option, message):
+    """Python and JSON integers have no size limit; float() and math.isfinite raised OverflowError on 10**400, which
+    reached the user as an internal error (a 500 over HTTP) instead of the option's own refusal."""
+    with pytest.raises(ValueError, match=message):
+        resolve_generate(SamplingParams(prompt="x", **option), VARIANTS["lite-distill"])
