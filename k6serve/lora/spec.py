@@ -34,14 +34,17 @@ def is_finite_number(value: float) -> bool:
         return False
 
 
+def _check_bound(value: float, name: str, bound: float, why: str) -> None:
+    if not is_finite_number(value) or abs(value) > bound:
+        raise ValueError(f"{name} must be a finite number from {-bound:g} to {bound:g}, got {value!r}; {why}")
+
+
 def check_lora_strength(strength: float, name: str) -> None:
     """Raise ValueError when `strength` (a number, called `name` in the message) is not finite or past
     `MAX_LORA_STRENGTH`."""
-    if not is_finite_number(strength) or abs(strength) > MAX_LORA_STRENGTH:
-        raise ValueError(f"{name} must be a finite number from {-MAX_LORA_STRENGTH:g} to {MAX_LORA_STRENGTH:g}, got "
-                         f"{strength!r}; adapters are used at about -2 to 2 (1.0 is the strength they were trained "
-                         "at), and far past that the update swamps the model's weights and the latents overflow to "
-                         "NaN.")
+    _check_bound(strength, name, MAX_LORA_STRENGTH,
+                 "adapters are used at about -2 to 2 (1.0 is the strength they were trained at), and far past that "
+                 "the update swamps the model's weights and the latents overflow to NaN.")
 
 
 # The largest |alpha| accepted anywhere (set_lora's lora_alpha, --lora-alpha, an adapter file's alpha). The update is
@@ -57,11 +60,9 @@ MAX_LORA_ALPHA = 1e4
 def check_lora_alpha(alpha: float, name: str) -> None:
     """Raise ValueError when `alpha` (a number, called `name` in the message) is not finite or past
     `MAX_LORA_ALPHA`."""
-    if not is_finite_number(alpha) or abs(alpha) > MAX_LORA_ALPHA:
-        raise ValueError(f"{name} must be a finite number from {-MAX_LORA_ALPHA:g} to {MAX_LORA_ALPHA:g}, got "
-                         f"{alpha!r}; an adapter's alpha is its rank or a small multiple of it (the update is "
-                         "strength x alpha / rank x B A), and far past that the update swamps the model's weights "
-                         "and the latents overflow to NaN.")
+    _check_bound(alpha, name, MAX_LORA_ALPHA,
+                 "an adapter's alpha is its rank or a small multiple of it (the update is strength x alpha / rank x "
+                 "B A), and far past that the update swamps the model's weights and the latents overflow to NaN.")
 
 
 def resolve_merge_mode(merge_mode: str, *, fsdp: bool = False) -> str:

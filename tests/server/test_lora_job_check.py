@@ -18,13 +18,13 @@ import pytest
 import torch
 from harness import FakeWorker, start_server, wait_for, wait_until
 from PIL import Image
-from safetensors.torch import save_file
 
 from k6serve.api import build_engine_config
 from k6serve.lora.spec import ReplicasDisagree
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
+from k6serve.testing.lora_adapters import module_shapes, write_lora_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,15 +55,8 @@ class HeldWorker(ModelWorker):
 
 def _adapter(folder: Path, transformer: torch.nn.Module, seed: int, amplitude: float = 0.5) -> str:
     """A rank-2 diffusers-style adapter on `TARGETS` of the tiny DiT (amplitude 1e10: it overflows at strength 100)."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for path in TARGETS:
-        out_features, in_features = transformer.get_submodule(path).weight.shape
-        tensors[f"transformer.{path}.lora_A.weight"] = amplitude * torch.randn(2, in_features, generator=generator)
-        tensors[f"transformer.{path}.lora_B.weight"] = amplitude * torch.randn(out_features, 2, generator=generator)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / f"adapter_{seed}.safetensors"))
-    return str(folder / f"adapter_{seed}.safetensors")
+    return str(write_lora_adapter(folder / f"adapter_{seed}.safetensors", module_shapes(transformer, TARGETS),
+                                  seed=seed, amplitude=amplitude))
 
 
 def _start(server_distill_dir: Path, root: Path, db_path: Path | None = None):

@@ -34,6 +34,7 @@ from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.worker import ModelWorker
 from k6serve.speed import apply_fused_projections
 from k6serve.speed.performance_mode import transformer_plan
+from k6serve.testing.lora_adapters import module_shapes, write_lora_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,23 +51,14 @@ GEOMETRY = generation_geometry(64, 96, 9, num_text_tokens=10)
 
 
 def _shapes(model: torch.nn.Module, modules) -> dict[str, tuple[int, int]]:
-    return {path: tuple(model.get_submodule(path).weight.shape) for path in modules}
+    return module_shapes(model, modules)
 
 
 def write_adapter(folder: Path, shapes: dict[str, tuple[int, int]], *, seed: int = 0, alphas: dict[str, float] | None = None,
                   name: str = PREFERRED_FILE, prefix: str = "transformer.", amplitude: float = 0.3) -> Path:
     """A rank-2 adapter with diffusers-style keys on the modules of `shapes` (path -> (out, in))."""
-    alphas = alphas or {}
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for path, (out_features, in_features) in shapes.items():
-        tensors[f"{prefix}{path}.lora_A.weight"] = amplitude * torch.randn(RANK, in_features, generator=generator)
-        tensors[f"{prefix}{path}.lora_B.weight"] = amplitude * torch.randn(out_features, RANK, generator=generator)
-        if path in alphas:
-            tensors[f"{prefix}{path}.alpha"] = torch.tensor(alphas[path])
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / name))
-    return folder / name
+    return write_lora_adapter(folder / name, shapes, rank=RANK, seed=seed, amplitude=amplitude, prefix=prefix,
+                              alphas=alphas)
 
 
 def expected_weight(base: torch.Tensor, file: Path, path: str, scale: float) -> torch.Tensor:

@@ -24,6 +24,7 @@ from k6serve.pipelines.text_to_video import non_finite_latents
 from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
+from k6serve.testing.lora_adapters import module_shapes, write_lora_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,15 +37,8 @@ OVERFLOWED = "the denoised latents hold NaN or infinite values, so no video or a
 def _adapter(folder: Path, transformer: torch.nn.Module, *, amplitude: float, seed: int = 0) -> str:
     """A rank-2 diffusers-style adapter on `TARGETS`. An amplitude of 1e10 makes its update overflow at strength 50
     and more, 1e18 at strength 1 (a broken file: the values are finite, so reading it succeeds)."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for path in TARGETS:
-        out_features, in_features = transformer.get_submodule(path).weight.shape
-        tensors[f"transformer.{path}.lora_A.weight"] = amplitude * torch.randn(2, in_features, generator=generator)
-        tensors[f"transformer.{path}.lora_B.weight"] = amplitude * torch.randn(out_features, 2, generator=generator)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / f"adapter_{seed}.safetensors"))
-    return str(folder / f"adapter_{seed}.safetensors")
+    return str(write_lora_adapter(folder / f"adapter_{seed}.safetensors", module_shapes(transformer, TARGETS),
+                                  seed=seed, amplitude=amplitude))
 
 
 @pytest.fixture(scope="module")
