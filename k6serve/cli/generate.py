@@ -124,6 +124,44 @@ def _checked_output_options(request_options: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in request_options.items() if key not in ignored}
 
 
+class StepBar:
+    """The CLI's progress bar over the steps, fed by the API's `on_progress(step, total)`.
+
+    Opened at the first step, so a request rejected before it runs prints no empty bar above its error; the steps
+    before it opened are its `initial`, not counted in its rate (it opened at 190,000 step/s). Closed at the last
+    step: the decode that follows would otherwise count in the final rate (it read 3 s/step where the steps took
+    0.7 s). A step reported again (the decode's chunk boundaries repeat the last) draws nothing: every redraw is a
+    new line where stderr is not a terminal. A step count that starts over (a new total, or a lower step) opens a
+    new bar, or resets the open one.
+    """
+
+    def __init__(self, description: str, **tqdm_options: Any) -> None:
+        self.description = description
+        self.tqdm_options = tqdm_options
+        self.bar: tqdm | None = None
+        self.finished = False
+
+    def update(self, step: int, total: int) -> None:
+        bar = self.bar
+        if bar is None or (self.finished and (step < bar.n or total != bar.total)):
+            self.bar = bar = tqdm(desc=self.description, unit="step", total=total, initial=step, **self.tqdm_options)
+            self.finished = False
+        elif self.finished:
+            return
+        elif step < bar.n or total != bar.total:
+            bar.reset(total=total)
+            bar.update(step)
+        elif step > bar.n:
+            bar.update(step - bar.n)
+        if step >= total:
+            bar.close()
+            self.finished = True
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
     # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
@@ -138,24 +176,9 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
         variant = generator.variant
         if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
             _refuse_text_for_upscaling(params)
-
-        def on_progress(step: int, total: int) -> None:
-            nonlocal bar
-            # Opened at the first step, so a request rejected before it runs prints no empty bar above its error.
-            # `initial`: the steps before the bar existed are not counted in its rate (it opened at 190,000
-            # step/s). A step reported again (the decode's chunk boundaries repeat the last) draws nothing: every
-            # redraw is a new line where stderr is not a terminal.
-            if bar is None:
-                bar = tqdm(desc="denoising" if variant.family == "generation" else "super-resolution", unit="step",
-                           total=total, initial=step)
-            elif step < bar.n or total != bar.total:
-                bar.reset(total=total)
-                bar.update(step)
-            elif step > bar.n:
-                bar.update(step - bar.n)
-
+        bar = StepBar("denoising" if variant.family == "generation" else "super-resolution")
         try:
-            result = generator.generate(request_options, on_progress=on_progress)
+            result = generator.generate(request_options, on_progress=bar.update)
         except MissingSourceVideo:
             # The model was recognised only once loaded (a hub id not among the released ones): the API's message
             # names its keyword, this one the flag.

@@ -771,3 +771,26 @@ def test_cli_a_damaged_local_checkpoint_is_refused_before_the_workers_start(no_m
     assert main(["generate", "--model-path", str(folder), "--prompt", "x", "--no-save-output"]) == 2
     err = capsys.readouterr().err
     assert f"error: {weights} is damaged" in err and "copy or download it again" in err
+
+
+def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode():
+    """The bar closed only after the decode, so its last line counted the decode in the rate (3 s/step where the
+    steps took 0.7 s). The decode's repeats of the last step draw nothing; a count that starts over opens a bar."""
+    import io
+
+    from k6serve.cli.generate import StepBar
+
+    out = io.StringIO()
+    bar = StepBar("denoising", file=out)
+    for step in (1, 2, 3, 4):
+        bar.update(step, 4)
+    first = bar.bar
+    assert first.n == 4 and first.disable  # tqdm's state once closed
+    drawn = out.getvalue()
+    bar.update(4, 4)  # the decode's chunk boundaries
+    bar.update(4, 4)
+    assert bar.bar is first and out.getvalue() == drawn
+    bar.update(1, 2)  # a second count (a new request on the same bar object)
+    assert bar.bar is not first and bar.bar.n == 1 and not bar.bar.disable
+    bar.close()
+    bar.close()  # again: nothing to do
