@@ -128,7 +128,7 @@ def check_output_folder(output: OutputOptions) -> None:
     if not output.save_output:
         return
     if not str(output.output_path).strip():
-        raise ValueError("output_path is empty; pass the folder for the MP4 (e.g. --output-path outputs).")
+        raise ValueError("output_path is empty; pass the folder for the MP4 (e.g. --output-path 'outputs').")
     folder = Path(output.output_path)
     if folder.exists() and not folder.is_dir():
         # mkdir would only say "File exists", which reads as if the folder were fine.

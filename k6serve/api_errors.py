@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from k6serve.config import OPTION_CHOICES, SEED_FLAG_SPELLINGS, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.models.variants import variant_from_id
 from k6serve.offload.residency import OFFLOAD_COMPONENT_NAMES, RESIDENCY_NAMES
+from k6serve.request import OutputOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class _Option:
     # Options that take several words (component names, NAME=MODE settings): the literals -> one list or dict.
     gather: Callable[[list[str]], str] | None = None
     boolean: bool = False
+    # The flag turns its option off (`--no-save-output`): it reads `name=False`.
+    negated: bool = False
 
 
 _QUOTED = r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\""
@@ -108,9 +111,13 @@ def _option(field: dataclasses.Field) -> _Option:
 
 
 def _engine_options() -> dict[str, _Option]:
-    """Every engine option by its flag (`build_engine_config` takes the same names as keywords)."""
-    fields = [item for section in (ModelConfig, ParallelConfig, RuntimeConfig) for item in dataclasses.fields(section)]
-    return {SEED_FLAG_SPELLINGS.get(item.name, "--" + item.name.replace("_", "-")): _option(item) for item in fields}
+    """Every engine and output option by its flag (`build_engine_config` and `generate` take the same names as
+    keywords; the output checks are the CLI's too, e.g. "pass a folder with --output-path")."""
+    sections = (ModelConfig, ParallelConfig, RuntimeConfig, OutputOptions)
+    fields = [item for section in sections for item in dataclasses.fields(section)]
+    options = {SEED_FLAG_SPELLINGS.get(item.name, "--" + item.name.replace("_", "-")): _option(item) for item in fields}
+    options["--no-save-output"] = _Option("save_output", lambda word: None, negated=True)
+    return options
 
 
 _OPTIONS = _engine_options()
@@ -135,6 +142,8 @@ def _keyword(option: _Option, message: str, end: int) -> tuple[str, int, bool]:
     values, end = _values(option, message, end)
     if values:
         return f"{option.keyword}={option.gather(values) if option.gather else values[0]}", end, True
+    if option.negated:
+        return f"{option.keyword}=False", end, True
     if option.boolean and not re.match(r"\s+must\b", message[end:]):
         # A boolean flag turns its option on; only the type check's "--x must be true or false" names the option.
         return f"{option.keyword}=True", end, True

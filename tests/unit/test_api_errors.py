@@ -195,7 +195,13 @@ def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wordin
     ("run: hf download org/repo --revision v2 --force-download; or pass --revision v2",
      "run: hf download org/repo --revision v2 --force-download; or pass revision v2"),
     ("rerun with --log-level debug, or --config file and --no-save-output: no --lora-path flag",
-     "rerun with --log-level debug, or --config file and --no-save-output: no lora_path option"),
+     "rerun with --log-level debug, or --config file and save_output=False: no lora_path option"),
+    # the output options (generate's checks are the CLI's too); --no-save-output turns save_output off.
+    ("pass the folder for the MP4 (e.g. --output-path 'outputs').", "pass the folder for the MP4 (e.g. "
+     "output_path='outputs')."),
+    ("pass another --output-path, or --no-save-output to skip the file.", "pass another output_path, or "
+     "save_output=False to skip the file."),
+    ("or put the file name in --output-file-name.", "or put the file name in output_file_name."),
     ("Drop the flag (--lora-path), or leave the flags out.", "Drop the option (lora_path), or leave the options out."),
     ("--lora-paths and --num-gpus-x are not --num-gpus", "--lora-paths and --num-gpus-x are not num_gpus"),
 ])
@@ -212,3 +218,17 @@ def test_every_choice_of_the_cli_is_known_to_the_rewording():
     engine = [group for group in generate._action_groups if group.title == "engine"][0]
     cli_choices = {action.dest: tuple(action.choices) for action in engine._group_actions if action.choices}
     assert cli_choices == OPTION_CHOICES
+
+
+def test_the_output_checks_name_the_keywords_in_the_api_and_the_flags_on_the_cli(tmp_path, capsys):
+    """generate()'s output checks are the CLI's: a Python caller read "--output-path" and "--output-file-name"."""
+    (tmp_path / "taken").write_text("a file")
+    with DiffGenerator.from_pretrained("demo", device="cpu") as generator:
+        with pytest.raises(ValueError) as refused:
+            generator.generate(prompt="x", output_path=str(tmp_path / "taken"))
+    assert str(refused.value) == (f"output_path {str(tmp_path / 'taken')!r} is a file, not a folder; pass a folder for "
+                                  "the MP4 with output_path (it is created if missing), or put the file name in "
+                                  "output_file_name.")
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--output-path", str(tmp_path / "taken")]) == 2
+    assert ("pass a folder for the MP4 with --output-path (it is created if missing), or put the file name in "
+            "--output-file-name." in capsys.readouterr().err)

@@ -32,7 +32,7 @@ def generator(tiny_distill_dir):
 def test_existing_output_file_name_is_refused_and_kept(generator, tmp_path):
     first = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"})
     before = (tmp_path / "clip.mp4").read_bytes()
-    with pytest.raises(ValueError, match=r"clip\.mp4' already exists.*pass another --output-file-name"):
+    with pytest.raises(ValueError, match=r"clip\.mp4' already exists.*pass another output_file_name\."):
         generator.generate({**SMALL, "seed": 7, "output_path": str(tmp_path), "output_file_name": "clip.mp4"})
     assert first.output_file_path == str(tmp_path / "clip.mp4")
     assert (tmp_path / "clip.mp4").read_bytes() == before
@@ -71,7 +71,7 @@ def test_derived_names_never_collide(generator, tmp_path, monkeypatch):
 
 
 def test_output_file_name_with_folders_is_refused(generator, tmp_path):
-    with pytest.raises(ValueError, match="without folders; put the folder in --output-path"):
+    with pytest.raises(ValueError, match=r"without folders; put the folder in output_path\."):
         generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "sub/clip.mp4"})
     assert list(tmp_path.iterdir()) == []
 
