@@ -198,6 +198,13 @@ def _tiff_sample_type(image: PIL.Image.Image) -> tuple[int, int] | None:
             sample_format[0] if isinstance(sample_format, tuple) else sample_format)
 
 
+def check_pixel_levels(image: PIL.Image.Image, source: str) -> None:
+    """Raise the ValueError `load_conditioning_image` raises for a decoded 32-bit integer or float grayscale image
+    whose values it cannot read as levels (NaN, infinity, outside its range); `image` as opened, before any
+    transpose (its TIFF tags give the sample type). The server checks uploads with it at creation."""
+    _grayscale_to_8_bit(image, _tiff_sample_type(image), source)
+
+
 def _grayscale_to_8_bit(image: PIL.Image.Image, sample_type: tuple[int, int] | None,
                         source: str) -> PIL.Image.Image:
     """A 16-bit, 32-bit integer or float grayscale image as 8-bit "L" with its levels kept; others unchanged.

@@ -18,6 +18,7 @@ from k6serve.media.container import still_image_demuxer
 from k6serve.media.image import (
     IMAGE_FORMATS,
     check_cover_resize,
+    check_pixel_levels,
     no_decompression_bomb_warning,
     unreadable_image_reason,
 )
@@ -109,11 +110,18 @@ def _check_image(path: str, *, what: str, code: str, param: str, video_size: tup
             check_cover_resize(*size, *video_size, source=what)
         except ValueError as exc:
             raise ApiError(400, str(exc), code=code, param=param) from None
-    try:
-        with _DECODES.reserve(size[0] * size[1]):
-            _decode(path)
-    except Exception as exc:  # noqa: BLE001 - PIL's decoders raise many types for bad data
-        raise _unreadable(what, path, exc, pil_format, code=code, param=param) from None
+    with _DECODES.reserve(size[0] * size[1]):
+        try:
+            image = _decode(path)
+        except Exception as exc:  # noqa: BLE001 - PIL's decoders raise many types for bad data
+            raise _unreadable(what, path, exc, pil_format, code=code, param=param) from None
+        with image:
+            try:
+                # The worker's reading of 32-bit integer and float levels: NaN or out-of-range values are refused
+                # now, in its words, not when the job starts.
+                check_pixel_levels(image, what)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), code=code, param=param) from None
 
 
 def _unreadable(what: str, path: str, error: Exception, pil_format: str | None, *, code: str,
@@ -123,7 +131,7 @@ def _unreadable(what: str, path: str, error: Exception, pil_format: str | None, 
                     code=code, param=param)
 
 
-def _decode(path: str) -> None:
+def _decode(path: str) -> PIL.Image.Image:
     """Decode the image's pixel data as the worker's `load()` does (`_open_image_file`), raising what it raises.
 
     A JPEG is decoded at 1/8 scale (PIL's `draft`): libjpeg still reads every entropy-coded block, so a file cut
@@ -137,9 +145,13 @@ def _decode(path: str) -> None:
     """
     with no_decompression_bomb_warning():  # PIL warns in open(); the decode below runs outside its lock
         image = PIL.Image.open(path)
-    with image:
+    try:
         image.draft(image.mode, (1, 1))  # JPEG only (a no-op for other formats): its smallest scale, 1/8
         image.load()
+    except BaseException:
+        image.close()
+        raise
+    return image  # decoded; the caller closes it
 
 
 class _PixelBudget:

@@ -81,16 +81,36 @@ def test_an_unreadable_upload_says_why_in_words(fake_server, fake_client, tmp_pa
     assert str(cli_error.value) == f"conditioning image '{tmp_path / 'first.png'}' is not a readable image: {reason}"
 
 
-def test_a_job_failing_on_its_upload_does_not_show_the_servers_upload_path(fake_server, fake_client):
-    """A float TIFF with a NaN pixel decodes at creation and is refused by the worker, which reads its levels.
-    The worker's error named the file by the server's own upload path; the job's error says "the uploaded file"."""
-    from harness import wait_for
-
+def _nan_tiff() -> bytes:
     pixels = np.full((48, 64), 0.5, dtype=np.float32)
     pixels[3, 5] = np.nan
+    return _encoded(PIL.Image.fromarray(pixels), "TIFF")
+
+
+def test_an_image_whose_levels_the_worker_refuses_is_a_400_at_creation(fake_server, fake_client):
+    """A float TIFF with a NaN pixel decodes, but the worker refuses its levels: it was a job that failed when it
+    started. Now a 400 at creation in the worker's words, and nothing is kept."""
     created = fake_client.post("/v1/videos", data={"prompt": "load image", "size": "96x64", "num_frames": "5"},
-                               files={"input_reference": ("first.tif", _encoded(PIL.Image.fromarray(pixels), "TIFF"),
-                                                          "image/tiff")})
+                               files={"input_reference": ("first.tif", _nan_tiff(), "image/tiff")})
+    error = _assert_error(created, 400, param="input_reference", code="invalid_upload")
+    assert error["message"] == ("The uploaded input_reference is a float image with 1 NaN or infinite pixel values; "
+                                "replace them with values from 0.0 (black) to 1.0 (white), or save the image as an "
+                                "8-bit PNG")
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+def test_a_job_failing_on_its_upload_does_not_show_the_servers_upload_path(fake_server, fake_client, monkeypatch):
+    """An upload that passes the creation check and fails in the worker (here the creation's level check is turned
+    off, so the NaN TIFF gets through): the worker's error named the file by the server's own upload path; the
+    job's error says "the uploaded file"."""
+    from harness import wait_for
+
+    import k6serve.serve.input_paths as input_paths
+
+    monkeypatch.setattr(input_paths, "check_pixel_levels", lambda image, source: None)
+    created = fake_client.post("/v1/videos", data={"prompt": "load image", "size": "96x64", "num_frames": "5"},
+                               files={"input_reference": ("first.tif", _nan_tiff(), "image/tiff")})
     assert created.status_code == 200, created.text
     job = wait_for(fake_client, created.json()["id"])
     assert job["status"] == "failed" and job["error"]["code"] == "invalid_request", job
