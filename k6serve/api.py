@@ -426,10 +426,11 @@ class DiffGenerator:
 
         `path` is a .safetensors file, a folder holding one, or a hub id, loaded under the nickname; None reuses the
         adapter already loaded under it (a list gives one entry per nickname). `strength` scales each adapter (one
-        number for all, or a list; each from -100 to 100, `MAX_LORA_STRENGTH`). `merge_mode`: "merge" adds strength * (alpha / rank) * B @ A into the weights
-        (no per-step cost), "dynamic" leaves the weights untouched and adds the adapter's output in every forward
-        (cheap to change or stack), "auto" merges unless the weights are sharded by FSDP. `lora_alpha` overrides
-        the alpha stored in the file (from -10000 to 10000, `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT). Runs after the requests
+        number for all, or a list; each from -100 to 100, `MAX_LORA_STRENGTH`). `merge_mode`: "merge" adds
+        strength * (alpha / rank) * B @ A into the weights (no per-step cost), "dynamic" leaves the weights untouched
+        and adds the adapter's output in every forward (cheap to change or stack), "auto" merges unless the weights
+        are sharded by FSDP. `lora_alpha` overrides the alpha stored in the file (from -10000 to 10000,
+        `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT). Runs after the requests
         already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,

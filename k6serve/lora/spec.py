@@ -23,6 +23,7 @@ LORA_TARGETS = ("all", "transformer")  # Kandinsky 6 has one DiT; "all" means it
 # magnitude, and a strength like 1e30 overflows the latents to NaN (fp32 and bf16 end at 3.4e38), which failed the
 # request only after the whole denoising loop.
 MAX_LORA_STRENGTH = 100.0
+USUAL_LORA_STRENGTH = 2.0  # adapters are trained at 1.0 and used within about -2..2
 
 
 def is_finite_number(value: float) -> bool:
@@ -43,8 +44,9 @@ def check_lora_strength(strength: float, name: str) -> None:
     """Raise ValueError when `strength` (a number, called `name` in the message) is not finite or past
     `MAX_LORA_STRENGTH`."""
     _check_bound(strength, name, MAX_LORA_STRENGTH,
-                 "adapters are used at about -2 to 2 (1.0 is the strength they were trained at), and far past that "
-                 "the update swamps the model's weights and the latents overflow to NaN.")
+                 f"adapters are used at about -{USUAL_LORA_STRENGTH:g} to {USUAL_LORA_STRENGTH:g} (1.0 is the strength "
+                 "they were trained at), and far past that the update swamps the model's weights and the latents "
+                 "overflow to NaN.")
 
 
 # The largest |alpha| accepted anywhere (set_lora's lora_alpha, --lora-alpha, an adapter file's alpha). The update is

@@ -371,9 +371,9 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
     for nickname, strength in loras.items():
         if not isinstance(nickname, str) or not nickname:
             raise ValueError(f"loras keys must be adapter nicknames, got {nickname!r}")
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not is_finite_number(strength):
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
             raise ValueError(f"loras[{nickname!r}] must be a finite number (the adapter's strength), got {strength!r}")
-        check_lora_strength(strength, f"loras[{nickname!r}]")
+        check_lora_strength(strength, f"loras[{nickname!r}]")  # finite and within the bound
         resolved.append((nickname, float(strength)))
     return tuple(resolved)
 

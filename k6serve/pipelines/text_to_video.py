@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k6serve.caching.block_cache import block_cache
+from k6serve.lora.spec import USUAL_LORA_STRENGTH
 from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.decode_stream import (
@@ -45,9 +46,6 @@ class GenerationOutput:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-USUAL_LORA_STRENGTH = 2.0  # adapters are trained at 1.0 and used within about -2..2
 
 
 class NonFiniteLatents(ValueError):
