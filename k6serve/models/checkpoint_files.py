@@ -54,7 +54,7 @@ def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
     local = Path(model_path).expanduser()
     if local.exists():
         if not local.is_dir():
-            raise CheckpointError(f"--model-path {model_path} is a file; pass the checkpoint folder that holds "
+            raise CheckpointError(f"--model-path {model_path!r} is a file; pass the checkpoint folder that holds "
                                   "model_index.json.")
         folder, fix = local.resolve(), "copy or download it again"
     elif not _HUB_ID.match(model_path):

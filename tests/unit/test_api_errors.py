@@ -179,7 +179,7 @@ def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wordin
     ("--lora-scale must be a finite number, got nan.", "lora_scale must be a finite number, got nan."),
     # free text: only a quoted string is a value; the model id also by its released name.
     ("--model-path '/x' is neither", "model_path='/x' is neither"),
-    ("--model-path /x is a file", "model_path /x is a file"),
+    ("--model-path /x is a file", "model_path /x is a file"),  # unquoted free text is prose: the messages use !r
     ("e.g. --model-id Kandinsky-6.0-Lite-5s-Diffusers.", "e.g. model_id='Kandinsky-6.0-Lite-5s-Diffusers'."),
     ("Pass --model-id with the released name", "Pass model_id with the released name"),
     ("--dist-init-addr must be HOST:PORT", "dist_init_addr must be HOST:PORT"),
@@ -208,6 +208,16 @@ def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wordin
 def test_flags_as_keywords(message, expected):
     assert flags_as_keywords(message) == expected
     assert flags_as_keywords(expected) == expected  # a reworded message stays as it is
+
+
+def test_a_file_as_model_path_names_the_keyword_and_its_value_in_the_api(tmp_path):
+    """The message prints the path with !r, so the API reads `model_path='...'`, not `model_path /x` (the rewording
+    only takes a free-text option's value when it is quoted)."""
+    checkpoint = tmp_path / "model.safetensors"
+    checkpoint.write_bytes(b"")
+    with pytest.raises(ValueError) as refused:
+        DiffGenerator.from_pretrained(str(checkpoint), device="cpu")
+    assert str(refused.value).startswith(f"model_path={str(checkpoint)!r} is a file; pass the checkpoint folder")
 
 
 def test_every_choice_of_the_cli_is_known_to_the_rewording():
