@@ -35,6 +35,7 @@ from k6serve.bench.tiny import (
 from k6serve.bench.vae import VaeOptions, run_vae
 from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
+from k6serve.speed.fp8_linears import FP8_LINEAR_SCOPES
 
 STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
@@ -97,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="dit: then time the last fast configuration once more with --attention-backend fa_fp8 "
         "(FA3's e4m3 kernel for the long attentions; lossy, opt-in; ops/fp8_attention.py).",
+    )
+    parser.add_argument(
+        "--fp8-linears",
+        nargs="+",
+        choices=FP8_LINEAR_SCOPES,
+        default=[],
+        help="dit: then time the last fast configuration once more per scope with the video-token GEMMs in e4m3 "
+        "(ffn: the video feed-forward; video: every video-token linear; cumulative, in the order given; lossy, "
+        "opt-in; speed/fp8_linears.py).",
+    )
+    parser.add_argument(
+        "--fp8-fast-accumulation",
+        action="store_true",
+        help="dit: after the --fp8-linears rows, one more with cuBLASLt's FP8 fast accumulation.",
     )
     parser.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
@@ -252,6 +267,10 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     if args.fp8_attention and args.skip_speed:
         # The FP8 row re-times the fused + compiled DiT; without it the flag would add nothing, silently.
         raise SystemExit("--fp8-attention times the fused + compiled DiT once more with fa_fp8: drop --skip-speed")
+    if args.fp8_linears and args.skip_speed:
+        raise SystemExit("--fp8-linears times the fused + compiled DiT once more in e4m3: drop --skip-speed")
+    if args.fp8_fast_accumulation and not args.fp8_linears:
+        raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
     if args.compile_mode and compile_backend != "inductor":
         # torch.compile refuses a mode with any other backend; say so before minutes of setup.
         raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")
@@ -268,6 +287,8 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         reference_compiled=args.reference_compiled,
         norm_rope_kernel=args.norm_rope_kernel,
         fp8_attention=args.fp8_attention,
+        fp8_linears=tuple(args.fp8_linears),
+        fp8_fast_accumulation=args.fp8_fast_accumulation,
         compile_backend=compile_backend,
         compile_mode=args.compile_mode,
         **timing,

@@ -27,6 +27,7 @@ from k6serve.models.kandinsky6.plan import kandinsky6_plan
 from k6serve.ops import flash_attention4, fp8_attention
 from k6serve.ops.attention import resolve_attention_backend
 from k6serve.ops.rms_norm_rope import kernel_for
+from k6serve.speed.fp8_linears import apply_fp8_linears, set_fast_accumulation
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
 
@@ -48,6 +49,11 @@ class DitOptions:
     norm_rope_kernel: bool = False  # then ours fast again with the Triton RMSNorm + RoPE kernel of Q/K
     # then the last fast configuration once more with backend "fa_fp8" (ops/fp8_attention.py: lossy, opt-in)
     fp8_attention: bool = False
+    # then the last fast configuration once more per scope with its video-token GEMMs in e4m3 (speed/fp8_linears.py:
+    # lossy, opt-in; cumulative: "ffn" then "video" converts the FFN, then the rest), and once more with cuBLASLt's
+    # fast accumulation when `fp8_fast_accumulation`
+    fp8_linears: tuple[str, ...] = ()
+    fp8_fast_accumulation: bool = False
     compile_backend: str = "inductor"
     # torch.compile mode of our blocks; "max-autotune-no-cudagraphs" lets inductor time Triton GEMM templates
     # (which can fuse the FFN's GELU into the GEMM) against cuBLAS. None: torch's default.
@@ -190,6 +196,29 @@ def _run_ours(
     return rows
 
 
+def _run_fp8_linears(ours, inputs, options: DitOptions, tflop: float, compared: _Compared) -> list[BenchRow]:
+    """The fp8 rows: the model's Linear modules are swapped inside the compiled blocks, so dynamo's guards on them
+    recompile the blocks for each row (their first call is timed as `first_call`)."""
+    rows: list[BenchRow] = []
+    base = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+    runs = [(scope, False) for scope in options.fp8_linears]
+    if options.fp8_linears and options.fp8_fast_accumulation:
+        runs.append((options.fp8_linears[-1], True))
+    converted = 0
+    for scope, fast in runs:
+        if fast:
+            set_fast_accumulation(ours, True)
+        else:
+            converted += apply_fp8_linears(ours, scope)
+        tag = f"{base}+fp8 {scope}" + (" fast-accum" if fast else "")
+        scope_rows = _run_ours(ours, inputs, options, tflop, compared, tag, compiled=True)
+        for row in scope_rows:
+            row.note = "; ".join(filter(None, (
+                f"{converted} video-token linears in e4m3, row-wise scales (speed/fp8_linears.py; lossy)", row.note)))
+        rows += scope_rows
+    return rows
+
+
 def run_dit(options: DitOptions) -> list[BenchRow]:
     """All DiT rows for one variant: diffusers first (shared weights), then ours eager, then ours fast."""
     config = Kandinsky6TransformerConfig.from_json_dict(options.transformer_config)
@@ -244,6 +273,7 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
             tag = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
             fp8_options = dataclasses.replace(options, backends=("fa_fp8",))
             rows += _run_ours(ours, inputs, fp8_options, tflop, compared, tag, compiled=True)
+        rows += _run_fp8_linears(ours, inputs, options, tflop, compared)
     del ours, inputs, compared
     gc.collect()
     if options.device.type == "cuda":

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The video-token GEMMs in e4m3 (speed/fp8_linears.py; issue 5's last lever), on one H200, in one device call.
+# Carry .whlR (diffusers without PyAV, for the reference rows and the cosine), .whlH (fa3-fwd) and .whlP (pytest);
+# run from the repository root with OUT set:
+#   bash scripts/gpu_fp8_linears.sh [tests] [pro] [lite]
+# steps:
+#   tests  tests/unit/test_fp8_linear.py on the GPU (cuBLASLt's row-wise e4m3 GEMM, eager and compiled)
+#   pro    k6serve bench --stage dit, Pro-distill: diffusers eager, ours fused + compiled (+ norm/RoPE kernel), then
+#          the FFN in e4m3, every video-token linear in e4m3, and that with fast accumulation -> $OUT/dit_pro.json
+#   lite   the same for Lite-distill -> $OUT/dit_lite.json
+set -u
+: "${OUT:?set OUT to the folder for logs and JSON}"
+mkdir -p /tmp/site
+if [ ! -e /tmp/site/fa3_fwd_interface.py ]; then
+  wheels=$(ls .whlR/*.whl .whlH/*.whl .whlP/*.whl 2>/dev/null)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels \
+    > "$OUT/install.log" 2>&1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+step_done() { echo "$1 rc=$2 $(date +%T)" >> "$OUT/steps.txt"; }
+[ $# -eq 0 ] && set -- tests pro
+for step in "$@"; do
+  case "$step" in
+    tests)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_fp8_linear.py > "$OUT/tests.log" 2>&1
+      step_done tests $?
+      ;;
+    pro|lite)
+      variant=$([ "$step" = pro ] && echo pro-distill || echo lite-distill)
+      timeout "${LIMIT:-420}" python3 -m k6serve.bench --stage dit --variant "$variant" --device cuda --backends fa \
+        --skip-eager --norm-rope-kernel --fp8-linears ffn video --fp8-fast-accumulation --repeats 3 \
+        --json "$OUT/dit_$step.json" > "$OUT/dit_$step.log" 2>&1
+      step_done "$step" $?
+      ;;
+    *) echo "unknown step $step" >> "$OUT/steps.txt" ;;
+  esac
+done
