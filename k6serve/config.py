@@ -18,6 +18,8 @@ PERFORMANCE_MODES = ("speed", "balanced", "memory")
 OFFLOAD_MODES = ("balanced", "memory")  # the modes that keep weights in host memory (k6serve/offload/)
 WARMUP_MODES = ("off", "request", "server")
 ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
+# Online quantization of the generation DiT's video-token linears (speed/fp8_linears.py): lossy, opt-in.
+QUANTIZATIONS = ("none", "fp8")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
 VAE_TILING = ("auto", "on", "off")
 PARALLEL_DECODE_MODES = ("whole_tile", "spatial_shard")  # the seed's --vae-config.parallel-decode-mode values
@@ -29,7 +31,7 @@ LORA_MERGE_MODES = ("auto", "merge", "dynamic")
 OPTION_CHOICES = {"load_format": LOAD_FORMATS, "dtype": DTYPES, "lora_merge_mode": LORA_MERGE_MODES,
                   "device": DEVICES, "performance_mode": PERFORMANCE_MODES, "attention_backend": ATTENTION_BACKENDS,
                   "warmup_mode": WARMUP_MODES, "vae_tiling": VAE_TILING, "encoder_parallel": ENCODER_PARALLEL,
-                  "vae_parallel_decode_mode": PARALLEL_DECODE_MODES}
+                  "vae_parallel_decode_mode": PARALLEL_DECODE_MODES, "quantization": QUANTIZATIONS}
 
 # What each annotated field type accepts, and how the error says it. The CLI's argparse types already convert, but
 # the Python API passes values as given: the string "false" is a true use_fsdp_inference and the string "1" a
@@ -76,11 +78,27 @@ class ModelConfig:
     lora_scale: float = 1.0  # the adapter's strength
     lora_alpha: float | None = None  # overrides the file's alpha (default: rank, i.e. scale 1)
     lora_merge_mode: str = "auto"  # also the default of set_lora requests that say "auto"; auto = merge
+    # "fp8": the generation DiT's video-token linears in e4m3 with row-wise scales, quantized at load (the
+    # reference's online fp8 `--quantization`); measured on an H200 (docs/benchmarks.md, twenty-second session):
+    # Pro-distill's forward 5.81 -> 4.94 s and 59.6 -> 44.0 GiB peak, at a velocity cosine of 0.9981 to bf16
+    # diffusers (the speed tolerance is 0.999), so it is never on by default. The ignored layers (globs over the
+    # DiT's module names, or parts of them) stay in bf16.
+    quantization: str = "none"
+    quantization_ignored_layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("--model-path is required (a local Diffusers folder, a hub id, or 'demo').")
+        object.__setattr__(self, "quantization_ignored_layers", _layer_patterns(self.quantization_ignored_layers))
         _check_field_types(self)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_ignored_layers and self.quantization == "none":
+            raise ValueError("--quantization-ignored-layers names the layers --quantization leaves in bf16, but no "
+                             "--quantization was given; add --quantization fp8, or drop it.")
+        if self.quantization != "none" and self.lora_path:
+            raise ValueError(f"--lora-path cannot be used with --quantization {self.quantization}: an adapter "
+                             "updates bf16 weights, and the quantized linears hold e4m3 ones; drop one of them.")
         if self.lora_merge_mode not in LORA_MERGE_MODES:
             raise ValueError(f"--lora-merge-mode must be one of {LORA_MERGE_MODES}, got {self.lora_merge_mode!r}")
         if not self.lora_nickname:
@@ -101,6 +119,16 @@ class ModelConfig:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+def _layer_patterns(value: object) -> tuple[str, ...]:
+    """--quantization-ignored-layers as given by the CLI (a list), a --config file or the API (a list, or one string
+    of names separated by commas or spaces): a tuple of non-empty patterns."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) and item.strip() for item in items):
+        raise ValueError("--quantization-ignored-layers must be module names or globs (e.g. feed_forward "
+                         f"'visual_transformer_blocks.0.*'), got {value!r}")
+    return tuple(item.strip() for item in items)
 
 
 def _layout_fix(num_gpus: int, product: int, others: int) -> str:
@@ -347,12 +375,29 @@ class EngineConfig:
         if self.model.lora_path and parallel.use_fsdp_inference and self.model.lora_merge_mode == "merge":
             raise ValueError("--lora-merge-mode merge cannot be used with --use-fsdp-inference: the weights are FSDP "
                              "shards between requests; use --lora-merge-mode dynamic or auto (dynamic under FSDP).")
+        if self.model.quantization != "none":
+            self._check_quantization()
         if self.runtime.cache_dit_config is not None and parallel.cache_dit_unavailable:
             raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
         # Refused here when every model family's reading of the flags offloads; a component name of one family
         # only is checked by the worker, which knows the family and first refuses a name of the other one.
         if all(self.runtime.residency_plan(super_resolution=sr).offloads for sr in (False, True)):
             refuse_offload_with_sharding(self.runtime, parallel)
+
+
+    def _check_quantization(self) -> None:
+        flag = f"--quantization {self.model.quantization}"
+        if self.parallel.dit_sharding_flags:
+            raise ValueError(f"{flag} cannot be used with {' and '.join(self.parallel.dit_sharding_flags)}: the linears "
+                             "are quantized whole on each GPU, not as shards; drop one of them (Ulysses, Ring and "
+                             "CFG parallel work with it).")
+        from k6serve.offload.residency import RESIDENT
+
+        if self.runtime.residency_plan(super_resolution=False).residency.get("transformer") != RESIDENT:
+            raise ValueError(f"{flag} keeps the DiT resident on the GPU (its e4m3 weights take about half the "
+                             f"memory: Pro-distill peaks at 44 GiB), but `{self.runtime.residency_flags}` offloads it. "
+                             "Offload other components instead (e.g. --performance-mode speed --cpu-offload-components "
+                             "text_encoders vae), add --component-residency transformer=resident, or drop the flag.")
 
 
 def refuse_offload_with_sharding(runtime: RuntimeConfig, parallel: ParallelConfig) -> None:

@@ -33,7 +33,7 @@ from k6serve.bench.tiny import (
     TINY_WIDTH,
 )
 from k6serve.bench.vae import VaeOptions, run_vae
-from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, VAE_TILING
+from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, QUANTIZATIONS, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
 from k6serve.speed.fp8_linears import FP8_LINEAR_SCOPES
 
@@ -152,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate/sr: the engine's --offload-resident-blocks (with --performance-mode memory).",
     )
     parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="generate: the engine's --quantization (fp8: the DiT's video-token linears in e4m3; lossy).",
+    )
+    parser.add_argument(
+        "--quantization-ignored-layers",
+        nargs="+",
+        default=(),
+        metavar="PATTERN",
+        help="generate: the engine's --quantization-ignored-layers.",
+    )
+    parser.add_argument(
         "--cpu-offload-components",
         nargs="+",
         default=(),
@@ -261,6 +274,8 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         cpu_offload_components=tuple(args.cpu_offload_components),
         layerwise_offload_components=tuple(args.layerwise_offload_components),
         component_residency=tuple(args.component_residency),
+        quantization=args.quantization,
+        quantization_ignored_layers=tuple(args.quantization_ignored_layers),
         cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")

@@ -47,6 +47,8 @@ class EndToEndOptions:
     cpu_offload_components: tuple[str, ...] = ()  # the engine's --cpu-offload-components
     layerwise_offload_components: tuple[str, ...] = ()  # the engine's --layerwise-offload-components
     component_residency: tuple[str, ...] = ()  # the engine's --component-residency (NAME=MODE items)
+    quantization: str = "none"  # generate: the engine's --quantization
+    quantization_ignored_layers: tuple[str, ...] = ()  # and its --quantization-ignored-layers
     # generate: also run the requests with Cache-DiT on, with these cache_dit_params (None: uncached only)
     cache_dit_params: dict | None = None
 
@@ -60,6 +62,7 @@ def _speed_note(generator) -> str:
     return (
         f"{report.mode}: {report.num_fused_attentions} fused attentions, {report.num_compiled_blocks} compiled "
         f"blocks, vae {list(report.vae)}" + (", vae tiling on" if getattr(worker, "vae_tiling", False) else "")
+        + (f", {report.num_quantized_linears} DiT linears in e4m3" if report.num_quantized_linears else "")
         + (f"; {offload.describe()}" if offload is not None else "")
     )
 
@@ -126,6 +129,8 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "cpu_offload_components": options.cpu_offload_components,
         "layerwise_offload_components": options.layerwise_offload_components,
         "component_residency": options.component_residency,
+        "quantization": options.quantization,
+        "quantization_ignored_layers": options.quantization_ignored_layers,
     }
 
 

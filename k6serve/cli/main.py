@@ -29,6 +29,7 @@ from k6serve.config import (
     LORA_MERGE_MODES,
     PARALLEL_DECODE_MODES,
     PERFORMANCE_MODES,
+    QUANTIZATIONS,
     SEED_FLAG_SPELLINGS,
     VAE_TILING,
     WARMUP_MODES,
@@ -53,6 +54,14 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                              "host snapshot); dynamic: add it per call, weights untouched; auto: merge (dynamic with "
                              "--use-fsdp-inference). Also the default of set_lora requests. Requests choosing their "
                              "own loras need dynamic.")),
+    ("quantization", dict(choices=QUANTIZATIONS, help="fp8: the generation DiT's video-token linears in e4m3 with "
+                          "row-wise scales, quantized at load (lossy, opt-in; the DiT stays on the GPU; GPUs of "
+                          "compute capability >= 8.9). Measured on an H200: Pro-distill's forward 5.81 -> 4.94 s, "
+                          "peak 59.6 -> 44.0 GiB, velocity cosine 0.998 to bf16 (default none).")),
+    ("quantization_ignored_layers", dict(nargs="+", action="extend", metavar="PATTERN", help="DiT linears that "
+                                     "--quantization leaves in bf16: part of a module name or a glob, e.g. "
+                                     "self_attention (then only the feed-forwards and cross-attentions are e4m3) "
+                                     "or visual_transformer_blocks.0.")),
     ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
     ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
                          "eager, each component on the GPU only for its stage (weights in host memory); memory: "

@@ -10,9 +10,12 @@ range. Whether that stays within the issue's tolerance (velocity cosine >= 0.999
 The math of one `Fp8Linear` call, for input rows x_m and weight rows w_n:
     s_m = max|x_m| / 448,  t_n = max|w_n| / 448       (448: e4m3's largest finite value)
     y_mn = s_m * t_n * sum_k e4m3(x_mk / s_m) * e4m3(w_nk / t_n)  (+ bias_n)
-accumulated in fp32 by `torch._scaled_mm` (CUDA: cuBLASLt; the CPU has the same op, so CPU tests run the same
-code). The activation's row maximum and cast are plain tensor ops, so under `torch.compile` inductor fuses them into
-the kernel that produces the activation (the LayerNorm + modulation, the GELU).
+accumulated in fp32: on CUDA by `torch._scaled_mm` (cuBLASLt's e4m3 GEMM, compute capability >= 8.9); elsewhere
+written out in fp32 (`dequantized_linear`), since torch's CPU `_scaled_mm` takes row-wise scales only from 2.13 on
+and we support 2.11. The activation's row maximum and cast are plain tensor ops, so under `torch.compile` inductor
+fuses them into the kernel that produces the activation (the LayerNorm + modulation, the GELU).
+
+Besides the bench rows, the engine's `--quantization fp8` (config.py) converts the DiT with these layers.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}.")
+        if x.device.type != "cuda":
+            return dequantized_linear(x, self)
         rows = x.reshape(-1, self.in_features)
         values, scale = quantize_rowwise(rows)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -72,7 +77,8 @@ class Fp8Linear(nn.Module):
 
 
 def dequantized_linear(x: Tensor, layer: Fp8Linear) -> Tensor:
-    """What `layer(x)` computes, written out in fp32 (the tests' reference: quantize, scale back, matmul)."""
+    """What `layer(x)` computes, written out in fp32: quantize, scale back, matmul (the CPU's path, and the CUDA
+    tests' reference)."""
     values, scale = quantize_rowwise(x.reshape(-1, layer.in_features))
     weight = layer.weight.float() * layer.weight_scale.reshape(-1, 1)
     output = (values.float() * scale) @ weight.t()

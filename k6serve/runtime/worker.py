@@ -131,6 +131,7 @@ class ModelWorker:
         if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:
             raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
                              "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
+        self._check_quantization()
         from k6serve.parallel.mesh import ParallelLayout
         from k6serve.parallel.tile_decode import sr_decode_mode
 
@@ -162,7 +163,11 @@ class ModelWorker:
         self.performance_report = apply_performance_mode(
             self.pipeline.models, config.runtime.performance_mode, self.device,
             compile_vae_decoder=config.runtime.compile_vae,
-            offloaded=self.residency_plan.offloaded if self.offloads else frozenset())
+            offloaded=self.residency_plan.offloaded if self.offloads else frozenset(),
+            quantization=model.quantization, quantization_ignored_layers=model.quantization_ignored_layers)
+        if self.performance_report.num_quantized_linears:
+            logger.info("--quantization %s: %d of the DiT's video-token linears run in e4m3 (lossy)",
+                        model.quantization, self.performance_report.num_quantized_linears)
         self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
         self.lora_manager = None  # created on the first LoRA operation (`_lora_manager`)
@@ -189,6 +194,20 @@ class ModelWorker:
         self.server_warmup_s: float | None = None  # what `--warmup-mode server` cost at start (also logged)
         if config.runtime.warmup_mode == "server":
             self.server_warmup_s = self._warmup(self.variant_warmup_params())
+
+    def _check_quantization(self) -> None:
+        """--quantization before the weights load: the generation DiT only, and e4m3 GEMMs on a CUDA GPU."""
+        quantization = self.config.model.quantization
+        if quantization == "none":
+            return
+        if self.variant.family != GENERATION:
+            raise ValueError(f"--quantization {quantization} applies to the generation DiT; {self.variant.name} is a "
+                             "super-resolution model. Drop the flag.")
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            raise ValueError(f"--quantization {quantization} needs e4m3 GEMMs, which GPUs of compute capability 8.9 "
+                             f"or newer have (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(self.device)} is "
+                             f"{major}.{minor}. Drop the flag.")
 
     @property
     def offloads(self) -> bool:
@@ -244,6 +263,10 @@ class ModelWorker:
         if self.variant.family != GENERATION:
             raise ValueError(f"LoRA adapters apply to the Kandinsky 6 generation DiT; {self.variant.name} is a "
                              "super-resolution model, which takes none.")
+        if self.config.model.quantization != "none":
+            raise ValueError(f"LoRA adapters cannot be applied to a DiT quantized with --quantization "
+                             f"{self.config.model.quantization}: its linears hold e4m3 weights, adapters update bf16 "
+                             "ones. Restart the engine without --quantization to use adapters.")
         from k6serve.lora.manager import LoraManager
 
         # Tensor-parallel shards take their block of each update; FSDP shards take dynamic updates only (manager.py).

@@ -11,9 +11,14 @@ gain nothing. Two scopes, to measure the trade-off between speed and the velocit
 
 Apply after `apply_fused_projections` (it converts the fused Q/K/V Linear as it finds it) and before regional
 compile (or recompile): the block's code is unchanged, only its Linear modules are swapped.
+
+The engine's `--quantization fp8` converts the "video" scope minus `--quantization-ignored-layers`
+(`apply_quantization`, called by `apply_performance_mode` between the fused projections and the compile).
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 from torch import nn
 
@@ -40,19 +45,54 @@ def fp8_linear_paths(scope: str) -> tuple[str, ...]:
     return tuple(paths)
 
 
-def apply_fp8_linears(model: nn.Module, scope: str, *, fast_accumulation: bool = False) -> int:
-    """Swap the fused blocks' video-token `nn.Linear`s named by `scope` for `Fp8Linear`s; returns how many."""
-    paths = fp8_linear_paths(scope)
-    converted = 0
-    for block in model.visual_transformer_blocks:
-        for path in paths:
+def _linears(model: nn.Module, scope: str) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """(full module name, parent, attribute, Linear) of each plain `nn.Linear` that `scope` converts."""
+    found = []
+    for index, block in enumerate(model.visual_transformer_blocks):
+        for path in fp8_linear_paths(scope):
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             linear = getattr(parent, name, None)
             if type(linear) is nn.Linear:  # not a TP shard or an already converted one
-                setattr(parent, name, Fp8Linear.from_linear(linear, fast_accumulation=fast_accumulation))
-                converted += 1
+                found.append((f"visual_transformer_blocks.{index}.{path}", parent, name, linear))
+    return found
+
+
+def apply_fp8_linears(model: nn.Module, scope: str, *, fast_accumulation: bool = False,
+                      ignored_layers: tuple[str, ...] = ()) -> int:
+    """Swap the fused blocks' video-token `nn.Linear`s named by `scope` for `Fp8Linear`s, except those matching
+    `ignored_layers` (`is_ignored`); returns how many were swapped."""
+    converted = 0
+    for full_name, parent, name, linear in _linears(model, scope):
+        if not is_ignored(full_name, ignored_layers):
+            setattr(parent, name, Fp8Linear.from_linear(linear, fast_accumulation=fast_accumulation))
+            converted += 1
     return converted
+
+
+def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a module's full name (`visual_transformer_blocks.3.video_dec_block.feed_forward.net.2`) matches one
+    of `patterns`: a glob over the whole name, or a part of it (`feed_forward`, `self_attention.out_layer`,
+    `visual_transformer_blocks.0.`)."""
+    return any(fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*{pattern}*") for pattern in patterns)
+
+
+def apply_quantization(model: nn.Module, quantization: str, ignored_layers: tuple[str, ...] = ()) -> int:
+    """`--quantization`: "fp8" converts every video-token linear of the generation DiT but the ignored ones; returns
+    how many. A pattern that matches none of those linears is refused (a typo would otherwise quantize everything
+    it meant to keep), naming some of them."""
+    if quantization == "none":
+        return 0
+    if quantization != "fp8":
+        raise ValueError(f"--quantization must be one of none, fp8, got {quantization!r}")
+    names = [full_name for full_name, *_ in _linears(model, "video")]
+    unmatched = [pattern for pattern in ignored_layers if not any(is_ignored(name, (pattern,)) for name in names)]
+    if unmatched:
+        examples = ", ".join(names[:2] + names[-1:]) if names else "none"
+        raise ValueError(f"--quantization-ignored-layers {' '.join(map(repr, unmatched))} matches none of the DiT's "
+                         f"{len(names)} quantizable linears (e.g. {examples}); give a part of their names (e.g. "
+                         "feed_forward, self_attention, visual_transformer_blocks.0.) or a glob.")
+    return apply_fp8_linears(model, "video", ignored_layers=ignored_layers)
 
 
 def set_fast_accumulation(model: nn.Module, enabled: bool) -> int:

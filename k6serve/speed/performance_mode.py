@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from k6serve.config import PERFORMANCE_MODES
+from k6serve.speed.fp8_linears import apply_quantization
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
 from k6serve.speed.vae import apply_vae_speedups
@@ -55,6 +56,7 @@ class PerformanceReport:
     device: str
     num_fused_attentions: int = 0
     num_compiled_blocks: int = 0
+    num_quantized_linears: int = 0  # --quantization fp8: the DiT's video-token linears in e4m3
     vae: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
@@ -82,7 +84,8 @@ def transformer_plan(transformer: nn.Module):
 
 def apply_performance_mode(
     models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = False,
-    offloaded: frozenset[str] = frozenset(),
+    offloaded: frozenset[str] = frozenset(), quantization: str = "none",
+    quantization_ignored_layers: tuple[str, ...] = (),
 ) -> PerformanceReport:
     """Apply `mode`'s transforms to `models` (anything with `.transformer` and optionally `.vae`).
 
@@ -92,21 +95,34 @@ def apply_performance_mode(
     GPU; offloading was built and measured with eager modules, whose weights `host_weights.py` re-points between
     host and device copies (docs/benchmarks.md, tenth session). The resident components keep their transforms.
     Idempotent, so calling it on an already transformed model changes nothing.
+
+    `quantization` (`--quantization fp8`, lossy, any mode, the DiT resident: config.py) converts the DiT's
+    video-token linears to e4m3 (`speed/fp8_linears.py`): after the fused projections, so the fused Q/K/V is one e4m3
+    GEMM, and before the compile, which then fuses each activation's quantization into the kernel producing it.
     """
     if mode not in PERFORMANCE_MODES:
         raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {mode!r}")
     device = torch.device(device)
+
+    def quantize() -> int:
+        return apply_quantization(models.transformer, quantization, quantization_ignored_layers)
+
     if mode != "speed" or device.type != "cuda":
         why = (
             "CPU: kept identical to the reference" if device.type != "cuda" else "no transforms yet"
         )
-        return PerformanceReport(mode=mode, device=str(device), notes=(f"{mode}: {why}",))
+        num_quantized = quantize()
+        if num_quantized:
+            why = f"{num_quantized} DiT linears in e4m3 (--quantization {quantization}), no other transforms"
+        return PerformanceReport(mode=mode, device=str(device), num_quantized_linears=num_quantized,
+                                 notes=(f"{mode}: {why}",))
     notes: list[str] = []
+    num_quantized = 0
     if "transformer" in offloaded:
         notes.append("the DiT is offloaded: its blocks run eager (no fused projections, no compiled blocks)")
         num_fused = num_compiled = 0
     else:
-        num_fused, num_compiled = _speed_up_transformer(models.transformer, notes)
+        num_fused, num_compiled, num_quantized = _speed_up_transformer(models.transformer, notes, quantize)
     vae = getattr(models, "vae", None)
     # The SR pipeline wraps its K-VAE (`SRVAE.model`); the generation pipeline holds diffusers' module.
     vae_module = vae if isinstance(vae, nn.Module) else getattr(vae, "model", None)
@@ -121,14 +137,19 @@ def apply_performance_mode(
         device=str(device),
         num_fused_attentions=num_fused,
         num_compiled_blocks=num_compiled,
+        num_quantized_linears=num_quantized,
         vae=tuple(vae_applied),
         notes=tuple(notes),
     )
 
 
-def _speed_up_transformer(transformer, notes: list[str]) -> tuple[int, int]:
-    """Fused projections, the fused RMSNorm + RoPE kernel and compiled blocks: (fused attentions, compiled blocks)."""
+def _speed_up_transformer(transformer, notes: list[str], quantize) -> tuple[int, int, int]:
+    """Fused projections, the fused RMSNorm + RoPE kernel, `quantize` and compiled blocks: (fused attentions, compiled
+    blocks, quantized linears)."""
     num_fused = apply_fused_projections(transformer)
+    num_quantized = quantize()
+    if num_quantized:
+        notes.append(f"{num_quantized} DiT linears in e4m3 (--quantization)")
     if os.environ.get(FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE, "").strip() == "0":
         notes.append(f"fused RMSNorm + RoPE kernel off (${FUSED_NORM_ROPE_ENVIRONMENT_VARIABLE}=0)")
     else:
@@ -139,4 +160,4 @@ def _speed_up_transformer(transformer, notes: list[str]) -> tuple[int, int]:
         notes.append(f"no plan for {type(transformer).__name__}: blocks not compiled")
     else:
         num_compiled = apply_regional_compile(transformer, plan)
-    return num_fused, num_compiled
+    return num_fused, num_compiled, num_quantized
