@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The video-token GEMMs in e4m3 (speed/fp8_linears.py; issue 5's last lever), on one H200, in one device call.
-# Carry .whlR (diffusers without PyAV, for the reference rows and the cosine), .whlH (fa3-fwd) and .whlP (pytest);
-# run from the repository root with OUT set:
-#   bash scripts/gpu_fp8_linears.sh [tests] [pro] [lite]
+# Carry .whlR (diffusers without PyAV, for the reference rows and the cosine), .whlH (fa3-fwd) and .whlP (pytest)
+# for tests/pro/lite, or .whlG (diffusers and PyAV: the engine's VAEs and the MP4) and .whlP for generate (fa3-fwd
+# does not fit beside them in one call: attention then runs on cuDNN); run from the repository root with OUT set:
+#   bash scripts/gpu_fp8_linears.sh [tests] [pro] [lite] [generate] [generate-bf16]
 # steps:
 #   tests  tests/unit/test_fp8_linear.py on the GPU (cuBLASLt's row-wise e4m3 GEMM, eager and compiled)
 #   pro    k6serve bench --stage dit, Pro-distill: diffusers eager, ours fused + compiled (+ norm/RoPE kernel), then
 #          the FFN in e4m3, every video-token linear in e4m3, and that with fast accumulation -> $OUT/dit_pro.json
 #   lite   the same for Lite-distill -> $OUT/dit_lite.json
+#   generate       a whole Pro-distill request through the engine with --quantization fp8 (k6serve bench --stage
+#                  generate: load, a cold and a warm request) -> $OUT/generate_fp8.json
+#   generate-bf16  the same without quantization, for the ratio -> $OUT/generate_bf16.json
 set -u
 : "${OUT:?set OUT to the folder for logs and JSON}"
 mkdir -p /tmp/site
 if [ ! -e /tmp/site/fa3_fwd_interface.py ]; then
-  wheels=$(ls .whlR/*.whl .whlH/*.whl .whlP/*.whl 2>/dev/null)
+  wheels=$(ls .whlR/*.whl .whlG/*.whl .whlH/*.whl .whlP/*.whl 2>/dev/null)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels \
     > "$OUT/install.log" 2>&1
 fi
@@ -31,6 +35,13 @@ for step in "$@"; do
       timeout "${LIMIT:-420}" python3 -m k6serve.bench --stage dit --variant "$variant" --device cuda --backends fa \
         --skip-eager --norm-rope-kernel --fp8-linears ffn video --fp8-fast-accumulation --repeats 3 \
         --json "$OUT/dit_$step.json" > "$OUT/dit_$step.log" 2>&1
+      step_done "$step" $?
+      ;;
+    generate|generate-bf16)
+      quantization=$([ "$step" = generate ] && echo fp8 || echo none)
+      timeout "${GENERATE_LIMIT:-300}" python3 -m k6serve.bench --stage generate --variant pro-distill --device cuda \
+        --quantization "$quantization" --repeats 1 --warmup 0 \
+        --json "$OUT/generate_$quantization.json" > "$OUT/generate_$quantization.log" 2>&1
       step_done "$step" $?
       ;;
     *) echo "unknown step $step" >> "$OUT/steps.txt" ;;
