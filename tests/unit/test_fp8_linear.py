@@ -233,6 +233,11 @@ def test_apply_quantization_skips_the_ignored_layers_and_refuses_a_pattern_that_
     assert not any(isinstance(module, Fp8Linear) for module in first.modules())
     assert type(last.video_dec_block.feed_forward.net[2]) is nn.Linear
     assert isinstance(last.video_dec_block.self_attention.to_query_key_value, Fp8Linear)
+    # docs/cli.md's "the feed-forwards only": parts of names match every attention of their kind.
+    ffn_only = _tiny_dit(fused=True)
+    assert apply_quantization(ffn_only, "fp8", ("self_attention", "cross_attention")) == 2 * num_blocks
+    assert all(name.endswith(("net.0.proj", "net.2")) for name, module in ffn_only.named_modules()
+               if isinstance(module, Fp8Linear))
     with pytest.raises(ValueError) as refused:
         apply_quantization(_tiny_dit(fused=True), "fp8", ("feed_forwrd", "feed_forward"))
     assert str(refused.value).startswith(
