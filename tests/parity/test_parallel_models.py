@@ -169,6 +169,41 @@ def test_generation_matches_one_process(pool, checkpoint, requests, references, 
         assert (applied["dtensor_parameters"] > 0) == (layout.tp > 1 or layout.fsdp)
 
 
+def _quantized_generate_task(folder: Path, layout: ParallelLayout | None, request_kwargs: dict):
+    """`_generate_task` with --quantization fp8, applied as the worker does: after the layout's swaps."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+    from k6serve.speed.fp8_linears import apply_quantization
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
+    num_quantized = apply_quantization(models.transformer, "fp8")
+    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **request_kwargs), models.variant)
+    output = TextToVideoPipeline(models)(request)
+    return output.video.frames_float_THWC.numpy(), output.audio.waveform, num_quantized
+
+
+@pytest.mark.parametrize("layout_name", ["ulysses2", "cfg2"])
+def test_quantized_generation_matches_one_process(pool, checkpoint, requests, references, layout_name):
+    """--quantization fp8 with Ulysses and CFG parallel (docs/cli.md: they work with it) gives the one-process
+    quantized output bit for bit: the activation scales are per token, so a rank's share of the tokens is quantized
+    exactly as in the whole sequence. The e4m3 rounding itself moves the output away from the unquantized one."""
+    layout = GENERATION_LAYOUTS[layout_name][0]
+    reference_frames, reference_audio, quantized = pool.run(_quantized_generate_task, checkpoint, None,
+                                                            requests["t2av"])[0]
+    assert quantized == 2 * 12  # the tiny DiT's 2 fused blocks, unfused: 12 video-token linears each
+    assert not np.array_equal(reference_frames, references("t2av")[0])
+    for frames, audio, count in pool.run(_quantized_generate_task, checkpoint, layout, requests["t2av"]):
+        assert count == quantized
+        _assert_matches(frames, reference_frames, EXACT)
+        _assert_matches(audio, reference_audio, EXACT)
+
+
 def _fold_layout_task(folder: Path):
     """Which encoder linears are sharded after folding over 2 ranks (DTensor weights), and their local widths."""
     from torch.distributed.tensor import DTensor
