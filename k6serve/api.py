@@ -51,6 +51,10 @@ from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.runtime.worker import MAX_FILE_NAME_BYTES, sanitize_file_name
 
 logger = logging.getLogger(__name__)
+# The generators not yet shut down. A notebook cell that runs `generator = DiffGenerator.from_pretrained(...)` again
+# loads the new model while the name still holds the old one, so both are in memory until the load ends: a second
+# load beside a running generator is warned about before it starts.
+_RUNNING: "weakref.WeakSet[DiffGenerator]" = weakref.WeakSet()
 
 _OUTPUT_KEYS = {"save_output", "output_path", "output_file_name", "return_frames", "return_file_paths_only"}
 _ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
@@ -342,6 +346,7 @@ class DiffGenerator:
         # A generator dropped without shutdown() (a notebook cell run again rebinds its name) kept its worker
         # processes, and their GPU memory, until the interpreter exited.
         self._shutdown = weakref.finalize(self, engine.shutdown)
+        _RUNNING.add(self)
 
     @classmethod
     def from_pretrained(cls, model_path: str, **kwargs: Any) -> "DiffGenerator":
@@ -366,6 +371,12 @@ class DiffGenerator:
         if note is not None:
             logger.warning(wording(note))  # before the load, which can take minutes
         check_start_adapter(config)  # a bad --lora-path adapter: refused now, not after the load
+        running = sorted(generator.engine.config.model.model_path for generator in list(_RUNNING))
+        if running:
+            logger.warning(
+                f"{len(running)} generator(s) loaded earlier ({', '.join(map(repr, running))}) still hold their "
+                "model and its memory until shut down; this one loads beside them. Call shutdown() on one you are "
+                "replacing first (or open generators with `with DiffGenerator.from_pretrained(...) as generator:`).")
         return cls(Engine(config), wording=wording)
 
     @property
@@ -474,6 +485,7 @@ class DiffGenerator:
     def shutdown(self) -> None:
         """Finish the running requests, then stop the worker processes; later requests raise RuntimeError. Calling
         it again does nothing."""
+        _RUNNING.discard(self)
         self._shutdown()
 
     # `close()` is what contextlib.closing and most Python resources call; the seed's name is shutdown().

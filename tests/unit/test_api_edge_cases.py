@@ -445,3 +445,38 @@ def test_close_is_shutdown():
         generator.generate(prompt="x", save_output=False)
     assert worker.closed
     generator.close()  # again: nothing to do
+
+
+def test_a_second_generator_loading_beside_a_running_one_is_warned_about(monkeypatch, caplog):
+    """A notebook cell run again loads the new model while its name still holds the old generator: both models are
+    in memory until the load ends, so the load says so first, naming the running ones. Shut down, they are not
+    named again."""
+    import gc
+    import logging
+
+    from k6serve import api
+    from k6serve.api import DiffGenerator
+
+    class FakeEngine:
+        def __init__(self, config, worker=None):
+            self.config = config
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(api, "Engine", FakeEngine)
+    monkeypatch.setattr(api, "_RUNNING", type(api._RUNNING)())
+    caplog.set_level(logging.WARNING, logger="k6serve.api")
+    first = DiffGenerator.from_pretrained("demo", device="cpu")
+    assert not [r for r in caplog.records if "still hold" in r.getMessage()]
+    second = DiffGenerator.from_pretrained("demo", device="cpu")
+    warned = [r.getMessage() for r in caplog.records if "still hold" in r.getMessage()]
+    assert warned == ["1 generator(s) loaded earlier ('demo') still hold their model and its memory until shut down; "
+                      "this one loads beside them. Call shutdown() on one you are replacing first (or open generators "
+                      "with `with DiffGenerator.from_pretrained(...) as generator:`)."]
+    caplog.clear()
+    first.shutdown()
+    del second
+    gc.collect()  # a dropped generator is shut down by its finalizer, and is no longer running either
+    with DiffGenerator.from_pretrained("demo", device="cpu"):
+        assert not [r for r in caplog.records if "still hold" in r.getMessage()]
