@@ -55,7 +55,14 @@ from k6serve.serve.jobs import (
     size_text,
 )
 from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
-from k6serve.serve.runner import JobRunner, LorasMerged, LorasNotLoaded, QueueFull, ServerShuttingDown
+from k6serve.serve.runner import (
+    JobRunner,
+    LorasMerged,
+    LorasNotLoaded,
+    LorasQuantized,
+    QueueFull,
+    ServerShuttingDown,
+)
 from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
@@ -250,7 +257,7 @@ async def create_video(request: Request,
             stored, created = ctx.runner.admit(job)
         except QueueFull:
             raise _queue_full(ctx) from None
-        except (LorasNotLoaded, LorasMerged) as exc:
+        except (LorasNotLoaded, LorasMerged, LorasQuantized) as exc:
             raise ApiError(400, str(exc), code=exc.code, param="loras") from None
         except IdempotencyConflict as conflict:
             raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for job "

@@ -30,9 +30,9 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from k6serve.lora.spec import LoraOperation, ReplicasDisagree, SetLora, start_set_lora
+from k6serve.lora.spec import ListLoras, LoraOperation, ReplicasDisagree, SetLora, start_set_lora
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
@@ -83,6 +83,18 @@ class LorasMerged(ValueError):
     worker refuses (`LoraManager.check_request`; see `JobRunner._check_loras`)."""
 
     code = "lora_merged"
+
+
+class LorasQuantized(ValueError):
+    """A new job has its own `loras` ({} included) but the server's DiT is quantized (`--quantization fp8`), which
+    takes no adapters (`ModelWorker._lora_manager`)."""
+
+    code = "lora_quantized"
+
+
+def _quantization(engine: Any) -> str:
+    """The engine's --quantization ("none" for an engine without a config, e.g. a test's)."""
+    return getattr(getattr(getattr(engine, "config", None), "model", None), "quantization", "none")
 
 
 class QueueFull(Exception):
@@ -228,6 +240,10 @@ class JobRunner:
         operation failed: the client asked for that merge, and is told why.
         """
         requested = job.params.get("loras")
+        if requested is not None and (quantization := _quantization(self.engine)) != "none":
+            raise LorasQuantized(f"loras asks for LoRA adapters, which a DiT quantized with --quantization "
+                                 f"{quantization} cannot take (its linears hold e4m3 weights); drop loras, or restart "
+                                 "the server without --quantization; the job was not created.")
         if requested is None or self._lora_state is None:
             return
         queued = [pending.operation for pending in [self._applying_lora, *self._pending_loras]
@@ -242,6 +258,11 @@ class JobRunner:
 
     def submit_lora(self, operation: LoraOperation) -> Future:
         """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
+        if not isinstance(operation, ListLoras) and (quantization := _quantization(self.engine)) != "none":
+            # The worker's refusal, before the operation waits behind the queued jobs for it.
+            raise ValueError(f"LoRA adapters cannot be applied to a DiT quantized with --quantization {quantization}: "
+                             "its linears hold e4m3 weights, adapters update bf16 ones. Restart the server without "
+                             "--quantization to use adapters.")
         with self._lock:
             if self._stopping:
                 raise ServerShuttingDown("LoRA operation")
