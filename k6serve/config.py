@@ -124,11 +124,12 @@ class ModelConfig:
 def _layer_patterns(value: object) -> tuple[str, ...]:
     """--quantization-ignored-layers as given by the CLI (a list), a --config file or the API (a list, or one string
     of names separated by commas or spaces): a tuple of non-empty patterns."""
-    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) and item.strip() for item in items):
         raise ValueError("--quantization-ignored-layers must be module names or globs (e.g. feed_forward "
                          f"'visual_transformer_blocks.0.*'), got {value!r}")
-    return tuple(item.strip() for item in items)
+    # A --config file's `feed_forward, self_attention` reaches here as one item.
+    return tuple(part for item in items for part in item.replace(",", " ").split())
 
 
 def _layout_fix(num_gpus: int, product: int, others: int) -> str:

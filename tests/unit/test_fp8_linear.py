@@ -193,6 +193,9 @@ def test_quantization_config_checks_name_the_fix():
     assert ModelConfig(model_path="demo", quantization="fp8",
                        quantization_ignored_layers="feed_forward, self_attention").quantization_ignored_layers == (
         "feed_forward", "self_attention")  # the API's and a --config file's string form
+    assert ModelConfig(model_path="demo", quantization="fp8", quantization_ignored_layers=[
+        "feed_forward, self_attention", "av_cross_attention"]).quantization_ignored_layers == (
+        "feed_forward", "self_attention", "av_cross_attention")  # a --config file's string, as the CLI's list
     refusals = [
         (dict(quantization="int8"), "--quantization must be one of none, fp8, got 'int8'"),
         (dict(quantization_ignored_layers=["feed_forward"]), "--quantization-ignored-layers names the layers "
