@@ -163,7 +163,7 @@ def _released_structure_task(layout: ParallelLayout, heights: tuple[int, ...]):
     fp64, 14 latent frames (causal segments 5, 4, 4, 1): the sharded decode against serial, per height."""
     from diffusers import Kandinsky6SRVAE
 
-    from k6serve.models.kandinsky6_sr.vae import SRVAE
+    from k6serve.models.kandinsky6_sr.vae import SRVAE, latent_to_uint8
     from k6serve.parallel.spatial_shard_decode import attach_spatial_shard, iter_decode_tile_sharded, row_bounds
 
     torch.manual_seed(0)
@@ -181,7 +181,19 @@ def _released_structure_task(layout: ParallelLayout, heights: tuple[int, ...]):
     for height in heights:
         latent = torch.randn(1, 4, 14, height, 3, generator=torch.Generator().manual_seed(height),
                              dtype=torch.float64)
-        serial_raw, serial = vae.decode_tile_raw(latent), vae.decode_tile(latent)
+        # The serial reference is the same on every rank (same seed, same weights): rank 0 decodes it once and
+        # sends it to the others (4 serial fp64 decodes, and again for the uint8 frames, were most of the test's time
+        # on 2 cores). `decode_tile` is `latent_to_uint8` of `decode_tile_raw`, transposed.
+        if torch.distributed.get_rank() == 0:
+            serial_raw = vae.decode_tile_raw(latent)
+            shapes = [tuple(serial_raw.shape)]
+        else:
+            shapes = [None]
+        torch.distributed.broadcast_object_list(shapes, src=0)
+        if torch.distributed.get_rank() != 0:
+            serial_raw = torch.empty(shapes[0], dtype=torch.float64)
+        torch.distributed.broadcast(serial_raw, src=0)
+        serial = latent_to_uint8(serial_raw).transpose(1, 2)
         start, stop = row_bounds(height, exchange.world)[exchange.rank]
         with exchange.sharding():
             slab = vae.decode_tile_raw(latent[:, :, :, start:stop])

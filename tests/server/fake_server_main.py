@@ -1,9 +1,11 @@
 """Runs a fake-worker server in its own process, for the tests that kill the server (SIGKILL) and restart it.
 
-    python fake_server_main.py ROOT PORT_FILE [--release-holds] [--through-serve]
+    python fake_server_main.py ROOT PORT_FILE [--release-holds] [--through-serve] [--start-on-stdin]
 
 --through-serve runs `k6serve.serve.app.serve`, the `k6serve serve` entry point, with only the model replaced by the
 fake worker: its uvicorn server, signal handling and shutdown are the real ones (for the SIGTERM tests).
+--start-on-stdin imports everything, then waits for a line on stdin before it opens the job store and serves (a test
+starts the next server's slow imports while the one before it still runs; exits if stdin closes first).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def serve_with_fake_worker(root: Path, port_file: Path) -> None:
 
 def main() -> None:
     root, port_file = Path(sys.argv[1]), Path(sys.argv[2])
+    if "--start-on-stdin" in sys.argv and not sys.stdin.readline():
+        return
     if "--through-serve" in sys.argv:
         serve_with_fake_worker(root, port_file)
         return

@@ -46,12 +46,22 @@ def _png() -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture(scope="module")
-def generation_server(server_distill_dir, tmp_path_factory):
-    engine = Engine(build_engine_config(str(server_distill_dir), device="cpu"))
-    server = start_server(tmp_path_factory.mktemp("e2e_generation"), engine=engine)
+def _module_server(checkpoint, root):
+    """A server over the real engine on `checkpoint`, shared by a module's tests: its worker process starts once
+    (about 5 s on 2 cores)."""
+    server = start_server(root, engine=Engine(build_engine_config(str(checkpoint), device="cpu")))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def generation_server(server_distill_dir, tmp_path_factory):
+    yield from _module_server(server_distill_dir, tmp_path_factory.mktemp("e2e_generation"))
+
+
+@pytest.fixture(scope="module")
+def vsr_server(server_vsr_dir, tmp_path_factory):
+    yield from _module_server(server_vsr_dir, tmp_path_factory.mktemp("e2e_vsr"))
 
 
 def test_t2av_json_and_the_seed_script(generation_server, tmp_path):
@@ -108,66 +118,62 @@ def test_cancel_a_running_generation(generation_server):
         assert wait_for(client, after["id"], timeout=120)["status"] == "completed"
 
 
-def test_vsr_upload_and_video_path_are_bit_identical(server_vsr_dir, tmp_path):
+def test_vsr_upload_and_video_path_are_bit_identical(vsr_server, tmp_path):
     from k6serve.testing.clips import make_clip
 
-    engine = Engine(build_engine_config(str(server_vsr_dir), device="cpu"))
-    server = start_server(tmp_path, engine=engine)
-    clip = make_clip(tmp_path / "inputs" / "source.mp4", width=96, height=64, num_frames=9, fps=24,
-                     audio="mono_tone")
+    server = vsr_server
+    # 80x32 at x2: two 128x64 output tiles, blended.
+    clip = make_clip(server.settings.allowed_input_dirs[0] / "source.mp4", width=80, height=32, num_frames=9,
+                     fps=24, audio="mono_tone")
     fields = {"sr_resolution_scale": 2, "sr_tiles_batch_size": 1, "num_inference_steps": 2, "seed": 42}
-    try:
-        with server.client() as client:
-            by_path = client.post("/v1/videos", json={"video_path": str(clip), **fields}).json()
-            uploaded = client.post("/v1/videos", data={k: str(v) for k, v in fields.items()},
-                                   files={"video_reference": ("source.mp4", clip.read_bytes(), "video/mp4")})
-            assert uploaded.status_code == 200, uploaded.text
-            for job_id in (by_path["id"], uploaded.json()["id"]):
-                done = wait_for(client, job_id, timeout=300)
-                assert done["status"] == "completed", done
-            first = client.get(f"/v1/videos/{by_path['id']}/content").content
-            assert client.get(f"/v1/videos/{uploaded.json()['id']}/content").content == first
-            frames, audio = _decode(first, tmp_path, "sr.mp4")
-            assert frames.shape == (9, 128, 192, 3) and frames.std() > 1
-            assert audio is not None and np.sqrt(np.mean(audio**2)) > 1e-5
-            assert client.get(f"/v1/videos/{by_path['id']}").json()["size"] == "192x128"
-    finally:
-        server.stop()
+    with server.client() as client:
+        by_path = client.post("/v1/videos", json={"video_path": str(clip), **fields}).json()
+        uploaded = client.post("/v1/videos", data={k: str(v) for k, v in fields.items()},
+                               files={"video_reference": ("source.mp4", clip.read_bytes(), "video/mp4")})
+        assert uploaded.status_code == 200, uploaded.text
+        for job_id in (by_path["id"], uploaded.json()["id"]):
+            done = wait_for(client, job_id, timeout=300)
+            assert done["status"] == "completed", done
+        first = client.get(f"/v1/videos/{by_path['id']}/content").content
+        assert client.get(f"/v1/videos/{uploaded.json()['id']}/content").content == first
+        frames, audio = _decode(first, tmp_path, "sr.mp4")
+        assert frames.shape == (9, 64, 160, 3) and frames.std() > 1
+        assert audio is not None and np.sqrt(np.mean(audio**2)) > 1e-5
+        assert client.get(f"/v1/videos/{by_path['id']}").json()["size"] == "160x64"
 
 
-def test_an_upscale_job_reports_its_output_size_and_seconds_from_creation(server_vsr_dir, tmp_path):
+def test_an_upscale_job_reports_its_output_size_and_seconds_from_creation(vsr_server, tmp_path):
     """The size and seconds of a job just created are the finished job's and its MP4's: a portrait phone clip (a
     display rotation) at the default x2.25, and a 30 fps Matroska clip (subsampled; no stated frame count) at x2."""
     from k6serve.testing.clips import make_clip
 
-    engine = Engine(build_engine_config(str(server_vsr_dir), device="cpu"))
-    server = start_server(tmp_path, engine=engine)
-    inputs = tmp_path / "inputs"
+    server = vsr_server
+    inputs = server.settings.allowed_input_dirs[0]
     cases = [
-        (make_clip(inputs / "portrait.mp4", width=96, height=64, num_frames=17, fps=24, rotation=90,
-                   audio="mono_tone"), {}, ("128x224", "0.708333")),  # 64x96 upright, x1.125 -> 64x112, x2
-        (make_clip(inputs / "thirty.mkv", width=96, height=64, num_frames=24, fps=30), {"sr_resolution_scale": 2},
-         ("192x128", "0.708333")),  # 24 frames at 30 fps -> 19 at 24 fps -> 17 (1 + 8k)
+        # 24x64 upright (WxH), x1.125 -> 32x64 (27 rounds up to 32, 72 = 4.5 cells rounds half-to-even to 64), x2;
+        # one 64x128 output tile. 9 frames at 24 fps.
+        (make_clip(inputs / "portrait.mp4", width=64, height=24, num_frames=9, fps=24, rotation=90,
+                   audio="mono_tone"), {}, ("64x128", "0.375")),
+        # 14 frames at 30 fps -> 11 at 24 fps -> 9 (1 + 8k, the last 2 dropped); x2 on two 128x64 output tiles.
+        (make_clip(inputs / "thirty.mkv", width=80, height=32, num_frames=14, fps=30), {"sr_resolution_scale": 2},
+         ("160x64", "0.375")),
     ]
     fields = {"sr_tiles_batch_size": 1, "seed": 42}
-    try:
-        with server.client() as client:
-            for clip, scale, expected in cases:
-                created = client.post("/v1/videos", json={"video_path": str(clip), **fields, **scale}).json()
-                assert (created["size"], created["seconds"]) == expected, created
-                done = wait_for(client, created["id"], timeout=300)
-                assert done["status"] == "completed", done
-                assert (done["size"], done["seconds"]) == expected
-                output = tmp_path / f"{clip.stem}_upscaled.mp4"
-                output.write_bytes(client.get(f"/v1/videos/{created['id']}/content").content)
-                with av.open(str(output)) as container:
-                    stream = container.streams.video[0]
-                    num_frames = sum(1 for _ in container.decode(stream))
-                    made = (f"{stream.codec_context.width}x{stream.codec_context.height}",
-                            f"{num_frames / float(stream.average_rate):g}")
-                assert made == expected
-    finally:
-        server.stop()
+    with server.client() as client:
+        for clip, scale, expected in cases:
+            created = client.post("/v1/videos", json={"video_path": str(clip), **fields, **scale}).json()
+            assert (created["size"], created["seconds"]) == expected, created
+            done = wait_for(client, created["id"], timeout=300)
+            assert done["status"] == "completed", done
+            assert (done["size"], done["seconds"]) == expected
+            output = tmp_path / f"{clip.stem}_upscaled.mp4"
+            output.write_bytes(client.get(f"/v1/videos/{created['id']}/content").content)
+            with av.open(str(output)) as container:
+                stream = container.streams.video[0]
+                num_frames = sum(1 for _ in container.decode(stream))
+                made = (f"{stream.codec_context.width}x{stream.codec_context.height}",
+                        f"{num_frames / float(stream.average_rate):g}")
+            assert made == expected
 
 
 def _free_port() -> int:

@@ -296,13 +296,32 @@ def test_a_request_id_survives_a_restart(tmp_path):
 def _spawn(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port_file = root / f"port-{time.monotonic_ns()}"
     process = subprocess.Popen([sys.executable, str(HERE / "fake_server_main.py"), str(root), str(port_file), *extra])
+    return process, _wait_for_port(process, port_file)
+
+
+def _prepare(root: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A fake server process that does its imports (about 5 s) now and serves only once `_start` says so: the next
+    server of a restart test gets ready while the one before it still runs, and opens the job store after its end."""
+    port_file = root / f"port-{time.monotonic_ns()}"
+    process = subprocess.Popen([sys.executable, str(HERE / "fake_server_main.py"), str(root), str(port_file), *extra,
+                                "--start-on-stdin"], stdin=subprocess.PIPE)
+    return process, port_file
+
+
+def _start(process: subprocess.Popen, port_file: Path) -> tuple[subprocess.Popen, str]:
+    process.stdin.write(b"start\n")
+    process.stdin.close()
+    return process, _wait_for_port(process, port_file)
+
+
+def _wait_for_port(process: subprocess.Popen, port_file: Path) -> str:
     deadline = time.monotonic() + 60
     while not port_file.exists() or not port_file.read_text():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise AssertionError("fake server process did not start")
         time.sleep(0.05)
-    return process, port_file.read_text()
+    return port_file.read_text()
 
 
 def _kill(process: subprocess.Popen) -> None:
@@ -311,8 +330,12 @@ def _kill(process: subprocess.Popen) -> None:
 
 
 def test_sigkill_requeues_a_running_job_once_then_fails_it(tmp_path):
-    process, url = _spawn(tmp_path)
+    # The three server processes import side by side (the restarts then take no import time).
+    second, third = _prepare(tmp_path), _prepare(tmp_path, "--release-holds")
+    processes = [second[0], third[0]]
     try:
+        process, url = _spawn(tmp_path)
+        processes.append(process)
         with httpx.Client(base_url=url, timeout=30) as client:
             quick = client.post("/v1/videos", json={"prompt": "quick", **SMALL}).json()
             wait_for(client, quick["id"])
@@ -321,14 +344,14 @@ def test_sigkill_requeues_a_running_job_once_then_fails_it(tmp_path):
             later = client.post("/v1/videos", json={"prompt": "later", **SMALL}).json()
         _kill(process)
 
-        process, url = _spawn(tmp_path)
+        process, url = _start(*second)
         with httpx.Client(base_url=url, timeout=30) as client:
             again = wait_for(client, poison["id"], ("in_progress",))  # re-queued once and running again
             assert any("re-queued" in w for w in again["warnings"])
             assert client.get(f"/v1/videos/{later['id']}").json()["status"] == "queued"
         _kill(process)
 
-        process, url = _spawn(tmp_path, "--release-holds")
+        process, url = _start(*third)
         with httpx.Client(base_url=url, timeout=30) as client:
             failed = client.get(f"/v1/videos/{poison['id']}").json()
             assert failed["status"] == "failed" and failed["error"]["code"] == "server_restarted"
@@ -336,8 +359,11 @@ def test_sigkill_requeues_a_running_job_once_then_fails_it(tmp_path):
             assert client.get(f"/v1/videos/{quick['id']}/content").status_code == 200
             assert list((tmp_path / "outputs").glob(".*.part")) == []
     finally:
-        process.kill()
-        process.wait(10)
+        for process in processes:
+            process.kill()
+            process.wait(10)
+            if process.stdin is not None:
+                process.stdin.close()
 
 
 def test_output_ttl_deletes_old_jobs_with_their_files(tmp_path):
