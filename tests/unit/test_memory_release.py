@@ -100,6 +100,23 @@ def test_release_repoints_every_tensor_and_resume_gives_the_same_output(tiny_dis
     assert _same_output(worker.run(PARAMS, NO_FILE), before)
 
 
+def test_a_quantized_dit_releases_its_e4m3_weights_and_resumes_to_the_same_output(tiny_distill_dir):
+    """--quantization fp8: the e4m3 weights and their scales are buffers of float8 and fp32; they move to host memory
+    and back like every other tensor, bit for bit."""
+    worker = _worker(tiny_distill_dir, quantization="fp8")
+    assert worker.performance_report.num_quantized_linears > 0
+    before = worker.run(PARAMS, NO_FILE)
+    groups = device_tensors(worker.pipeline, None, worker.device)
+    e4m3 = [t for t in groups["transformer"] if t.dtype == torch.float8_e4m3fn]
+    assert len(e4m3) == worker.performance_report.num_quantized_linears
+    values = {id(t): t.detach().clone() for t in e4m3}
+    assert worker.apply_memory_operation(ReleaseMemory())[0]["status"] == "released"
+    assert worker.apply_memory_operation(ResumeMemory())[0]["status"] == "resumed"
+    assert all(t.dtype == torch.float8_e4m3fn and torch.equal(t.view(torch.uint8), values[id(t)].view(torch.uint8))
+               for t in e4m3)
+    assert _same_output(worker.run(PARAMS, NO_FILE), before)
+
+
 def test_a_kept_host_copy_makes_the_next_release_a_repoint(tiny_distill_dir):
     """`ResumeMemory(keep_host_copy=True)` keeps the host copy: the next release re-points every tensor to the very
     storage of the first release (no copy), and the outputs stay those before any release."""
