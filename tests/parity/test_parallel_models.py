@@ -188,20 +188,21 @@ def _quantized_generate_task(folder: Path, layout: ParallelLayout | None, reques
     return output.video.frames_float_THWC.numpy(), output.audio.waveform, num_quantized
 
 
-@pytest.mark.parametrize("layout_name", ["ulysses2", "cfg2"])
+@pytest.mark.parametrize("layout_name", ["ulysses2", "cfg2", "ring2"])
 def test_quantized_generation_matches_one_process(pool, checkpoint, requests, references, layout_name):
     """--quantization fp8 with Ulysses and CFG parallel (docs/cli.md: they work with it) gives the one-process
     quantized output bit for bit: the activation scales are per token, so a rank's share of the tokens is quantized
-    exactly as in the whole sequence. The e4m3 rounding itself moves the output away from the unquantized one."""
-    layout = GENERATION_LAYOUTS[layout_name][0]
+    exactly as in the whole sequence (Ring: within rounding, as unquantized). The e4m3 rounding itself moves the
+    output away from the unquantized one."""
+    layout, _, tolerance = GENERATION_LAYOUTS[layout_name]
     reference_frames, reference_audio, quantized = pool.run(_quantized_generate_task, checkpoint, None,
                                                             requests["t2av"])[0]
     assert quantized == 2 * 12  # the tiny DiT's 2 fused blocks, unfused: 12 video-token linears each
     assert not np.array_equal(reference_frames, references("t2av")[0])
     for frames, audio, count in pool.run(_quantized_generate_task, checkpoint, layout, requests["t2av"]):
         assert count == quantized
-        _assert_matches(frames, reference_frames, EXACT)
-        _assert_matches(audio, reference_audio, EXACT)
+        _assert_matches(frames, reference_frames, tolerance)
+        _assert_matches(audio, reference_audio, tolerance)
 
 
 def _fold_layout_task(folder: Path):

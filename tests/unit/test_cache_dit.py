@@ -369,3 +369,18 @@ def test_cuda_memory_mode_streaming_with_skipped_blocks_matches_resident(tiny_di
     monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
     resident = _run(ModelWorker(config), **settings)
     assert np.array_equal(streamed.frames, resident.frames) and np.array_equal(streamed.audio, resident.audio)
+
+
+def test_cache_dit_skips_blocks_of_a_quantized_dit(tiny_distill_dir):
+    """--quantization fp8 with Cache-DiT (docs/cli.md says they work together): the quantized DiT caches the same
+    calls, and a cached request differs from the quantized uncached one."""
+    torch.set_num_threads(1)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
+                                             quantization="fp8"))
+    assert worker.performance_report.num_quantized_linears > 0
+    baseline = _run(worker)
+    cached = _run(worker, enable_cache_dit=True, cache_dit_params={"max_warmup_steps": 1,
+                                                                   "residual_diff_threshold": 1.0})
+    assert cached.timings["cache_dit_cached_calls"] == 3  # steps 1-3 of 4, no CFG
+    assert not np.array_equal(cached.frames, baseline.frames)
+    assert np.array_equal(_run(worker).frames, baseline.frames)  # uncached again: the same quantized output
