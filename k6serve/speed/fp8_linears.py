@@ -85,14 +85,26 @@ def apply_quantization(model: nn.Module, quantization: str, ignored_layers: tupl
         return 0
     if quantization != "fp8":
         raise ValueError(f"--quantization must be one of none, fp8, got {quantization!r}")
-    names = [full_name for full_name, *_ in _linears(model, "video")]
-    unmatched = [pattern for pattern in ignored_layers if not any(is_ignored(name, (pattern,)) for name in names)]
+    check_ignored_layers(ignored_layers, [full_name for full_name, *_ in _linears(model, "video")])
+    return apply_fp8_linears(model, "video", ignored_layers=ignored_layers)
+
+
+def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
+    """Refuse a pattern that matches none of `names` (the quantizable linears), naming some of them."""
+    unmatched = [pattern for pattern in patterns if not any(is_ignored(name, (pattern,)) for name in names)]
     if unmatched:
         examples = ", ".join(names[:2] + names[-1:]) if names else "none"
         raise ValueError(f"--quantization-ignored-layers {' '.join(map(repr, unmatched))} matches none of the DiT's "
-                         f"{len(names)} quantizable linears (e.g. {examples}); give a part of their names (e.g. "
-                         "feed_forward, self_attention, visual_transformer_blocks.0.) or a glob.")
-    return apply_fp8_linears(model, "video", ignored_layers=ignored_layers)
+                         f"quantizable linears (e.g. {examples}); give a part of their names (e.g. feed_forward, "
+                         "self_attention, visual_transformer_blocks.0.) or a glob.")
+
+
+def possible_linear_names(num_blocks: int) -> list[str]:
+    """The names the quantizable linears can have in a DiT of `num_blocks` fused blocks, fused projections or not:
+    what the worker checks --quantization-ignored-layers against before the weights load (`apply_quantization`
+    checks again against the model's own, after)."""
+    return [f"visual_transformer_blocks.{index}.{path}" for index in range(num_blocks)
+            for path in fp8_linear_paths("video")]
 
 
 def set_fast_accumulation(model: nn.Module, enabled: bool) -> int:

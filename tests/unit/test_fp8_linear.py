@@ -245,8 +245,8 @@ def test_apply_quantization_skips_the_ignored_layers_and_refuses_a_pattern_that_
     with pytest.raises(ValueError) as refused:
         apply_quantization(_tiny_dit(fused=True), "fp8", ("feed_forwrd", "feed_forward"))
     assert str(refused.value).startswith(
-        f"--quantization-ignored-layers 'feed_forwrd' matches none of the DiT's {9 * num_blocks} quantizable linears "
-        "(e.g. visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj, ")
+        "--quantization-ignored-layers 'feed_forwrd' matches none of the DiT's quantizable linears (e.g. "
+        "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj, ")
 
 
 def test_speed_mode_quantizes_after_fusing_and_before_compiling(monkeypatch):
@@ -305,6 +305,23 @@ def test_the_worker_refuses_sr_models_and_gpus_without_e4m3_before_loading(monke
         Worker._check_quantization(worker(GENERATION, "cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     Worker._check_quantization(worker(GENERATION, "cuda"))
+
+
+def test_an_ignored_layer_pattern_that_matches_nothing_is_refused_before_the_weights_load(monkeypatch):
+    from k6serve.api import build_engine_config
+    from k6serve.runtime.worker import ModelWorker
+
+    def no_load(self, folder):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(ModelWorker, "_build_pipeline", no_load)
+    with pytest.raises(ValueError, match="--quantization-ignored-layers 'visual_transformer_blocks.7.' matches none "
+                                         "of the DiT's quantizable linears"):
+        ModelWorker(build_engine_config("demo", device="cpu", quantization="fp8",
+                                        quantization_ignored_layers=["feed_forward", "visual_transformer_blocks.7."]))
+    with pytest.raises(AssertionError, match="the weights were loaded"):  # the demo DiT's blocks 0 and 1 pass
+        ModelWorker(build_engine_config("demo", device="cpu", quantization="fp8",
+                                        quantization_ignored_layers=["visual_transformer_blocks.1."]))
 
 
 def test_the_demo_generates_quantized_and_refuses_adapters(tmp_path, capsys):
