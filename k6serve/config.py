@@ -94,8 +94,8 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization_ignored_layers and self.quantization == "none":
-            raise ValueError("--quantization-ignored-layers names the layers --quantization leaves in bf16, but no "
-                             "--quantization was given; add --quantization fp8, or drop it.")
+            raise ValueError("--quantization-ignored-layers names the layers --quantization leaves in bf16, but "
+                             "--quantization is none; add --quantization fp8, or drop it.")
         if self.quantization != "none" and self.lora_path:
             raise ValueError(f"--lora-path cannot be used with --quantization {self.quantization}: an adapter "
                              "updates bf16 weights, and the quantized linears hold e4m3 ones; drop one of them.")
@@ -124,9 +124,11 @@ class ModelConfig:
 def _layer_patterns(value: object) -> tuple[str, ...]:
     """--quantization-ignored-layers as given by the CLI (a list), a --config file or the API (a list, or one string
     of names separated by commas or spaces): a tuple of non-empty patterns."""
+    if value is None:
+        return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) and item.strip() for item in items):
-        raise ValueError("--quantization-ignored-layers must be module names or globs (e.g. feed_forward "
+        raise ValueError("--quantization-ignored-layers must be module names or globs (e.g. 'feed_forward' "
                          f"'visual_transformer_blocks.0.*'), got {value!r}")
     # A --config file's `feed_forward, self_attention` reaches here as one item.
     return tuple(part for item in items for part in item.replace(",", " ").split())
@@ -388,17 +390,19 @@ class EngineConfig:
 
     def _check_quantization(self) -> None:
         flag = f"--quantization {self.model.quantization}"
-        if self.parallel.dit_sharding_flags:
-            raise ValueError(f"{flag} cannot be used with {' and '.join(self.parallel.dit_sharding_flags)}: the linears "
-                             "are quantized whole on each GPU, not as shards; drop one of them (Ulysses, Ring and "
-                             "CFG parallel work with it).")
+        sharding = self.parallel.dit_sharding_flags
+        if sharding:
+            raise ValueError(f"{flag} cannot be used with {' and '.join(sharding)}: the linears are quantized whole "
+                             f"on each GPU, not as shards; drop {flag}, or drop {' and '.join(sharding)} (Ulysses, "
+                             "Ring and CFG parallel work with it).")
         from k6serve.offload.residency import RESIDENT
 
         if self.runtime.residency_plan(super_resolution=False).residency.get("transformer") != RESIDENT:
-            raise ValueError(f"{flag} keeps the DiT resident on the GPU (its e4m3 weights take about half the "
-                             f"memory: Pro-distill peaks at 44 GiB), but `{self.runtime.residency_flags}` offloads it. "
-                             "Offload other components instead (e.g. --performance-mode speed --cpu-offload-components "
-                             "text_encoders vae), add --component-residency transformer=resident, or drop the flag.")
+            raise ValueError(f"{flag} needs the DiT resident on the GPU (offloading its e4m3 weights is not "
+                             f"supported), but `{self.runtime.residency_flags}` offloads it. Offload the other "
+                             "components instead (e.g. --performance-mode speed --cpu-offload-components "
+                             "text_encoders vae; the quantized Pro-distill DiT needs about 44 GiB), add "
+                             f"--component-residency transformer=resident, or drop {flag}.")
 
 
 def refuse_offload_with_sharding(runtime: RuntimeConfig, parallel: ParallelConfig) -> None:

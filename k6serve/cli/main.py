@@ -55,13 +55,15 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                              "--use-fsdp-inference). Also the default of set_lora requests. Requests choosing their "
                              "own loras need dynamic.")),
     ("quantization", dict(choices=QUANTIZATIONS, help="fp8: the generation DiT's video-token linears in e4m3 with "
-                          "row-wise scales, quantized at load (lossy, opt-in; the DiT stays on the GPU; GPUs of "
-                          "compute capability >= 8.9). Measured on an H200: Pro-distill's forward 5.81 -> 4.94 s, "
-                          "peak 59.6 -> 44.0 GiB, velocity cosine 0.998 to bf16 (default none).")),
+                          "row-wise scales, quantized at load (lossy, opt-in; GPUs of compute capability >= 8.9). "
+                          "Measured on an H200: Pro-distill's forward 5.81 -> 4.94 s, peak 59.6 -> 44.0 GiB, velocity "
+                          "cosine 0.998 to bf16. Needs the DiT resident (refused when an offload mode or flag "
+                          "offloads it), and refused with LoRA, --tp-size and --use-fsdp-inference (default none).")),
     ("quantization_ignored_layers", dict(nargs="+", action="extend", metavar="PATTERN", help="DiT linears that "
-                                     "--quantization leaves in bf16: part of a module name or a glob, e.g. "
-                                     "self_attention (then only the feed-forwards and cross-attentions are e4m3) "
-                                     "or visual_transformer_blocks.0.")),
+                                     "--quantization leaves in bf16: whole dot-separated parts of a module name or a "
+                                     "glob over it, e.g. self_attention, '*_attention' (then only the "
+                                     "feed-forwards are e4m3) or visual_transformer_blocks.0 (block 0); naming one "
+                                     "of Q, K, V keeps all three (one GEMM in speed mode).")),
     ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
     ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
                          "eager, each component on the GPU only for its stage (weights in host memory); memory: "
@@ -244,6 +246,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 _COMPONENT_LIST_FLAGS = ("cpu_offload_components", "layerwise_offload_components", "component_residency")
+# Lists of names in a --config file whose items must be strings: a number or a mapping would be turned into its text.
+_NAME_LIST_FLAGS = ("quantization_ignored_layers",)
 
 
 def _config_value(action: argparse.Action, value: Any) -> Any:
@@ -260,6 +264,12 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         else:
             normalise_component_names(value, action.option_strings[0])
         return value
+    if action.dest in _NAME_LIST_FLAGS:
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"takes names (a string, or a list of strings), got {value!r}; quote a number to mean "
+                             "it as a name")
+        return items
     if isinstance(action, argparse._AppendAction):
         return [str(item) for item in value] if isinstance(value, list) else [str(value)]
     if action.type in (None, str):

@@ -16,6 +16,7 @@ from k6serve.lora.spec import (
     check_lora_strength,
     is_finite_number,
     odd_nickname,
+    quantized_lora_refusal,
     resolve_merge_mode,
 )
 
@@ -55,6 +56,11 @@ def check_request_loras(config: EngineConfig, loras: dict | None) -> None:
     model = config.model
     if loras is None or _is_super_resolution(_local_variant(model)[0]):
         return  # the request's own checks refuse --loras for super-resolution, in its words
+    if model.quantization != "none":
+        if loras:  # ({} is the base model, all a quantized DiT runs)
+            raise ValueError("--loras names LoRA adapters, but " + quantized_lora_refusal(
+                model.quantization, subject="the DiT", fix="Drop --loras, or --quantization."))
+        return
     loaded = [model.lora_nickname] if model.lora_path else []
     unknown = [nickname for nickname in loras if nickname not in loaded]
     if unknown:

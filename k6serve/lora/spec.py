@@ -88,6 +88,14 @@ def set_lora_merge_mode(merge_mode: str, *, server_merge_mode: str, fsdp: bool) 
     return resolve_merge_mode(server_merge_mode if merge_mode == "auto" else merge_mode, fsdp=fsdp)
 
 
+def quantized_lora_refusal(quantization: str, *, subject: str = "The DiT",
+                           fix: str = "Load the model without --quantization to use adapters.") -> str:
+    """Why a LoRA operation or a request's adapters are refused on a DiT quantized with --quantization (the worker's,
+    the server's and the CLI's words), and `fix`."""
+    return (f"{subject} is quantized with --quantization {quantization} and takes no LoRA adapters: its linears hold "
+            f"e4m3 weights, and adapters update bf16 ones. {fix}")
+
+
 def odd_nickname(nickname: str) -> str | None:
     """What is wrong with a nickname that starts or ends with spaces or holds a control character, else None. A
     request's `loras` must name it exactly, and a newline split the log line and every message naming it."""

@@ -67,8 +67,12 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         values, scale = quantize_rowwise(rows)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        output = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=bias,
+        # cuBLASLt adds a bias in its epilogue only for a 16-bit output; an fp32 model (--dtype float32) adds it after.
+        fused_bias = bias if x.dtype != torch.float32 else None
+        output = torch._scaled_mm(values, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=fused_bias,
                                   out_dtype=x.dtype, use_fast_accum=self.fast_accumulation)
+        if bias is not None and fused_bias is None:
+            output = output + bias
         return output.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

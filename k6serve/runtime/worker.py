@@ -27,6 +27,7 @@ from k6serve.lora.spec import (
     MergeLora,
     SetLora,
     UnmergeLora,
+    quantized_lora_refusal,
     set_lora_merge_mode,
     start_set_lora,
 )
@@ -274,9 +275,7 @@ class ModelWorker:
             raise ValueError(f"LoRA adapters apply to the Kandinsky 6 generation DiT; {self.variant.name} is a "
                              "super-resolution model, which takes none.")
         if self.config.model.quantization != "none":
-            raise ValueError(f"LoRA adapters cannot be applied to a DiT quantized with --quantization "
-                             f"{self.config.model.quantization}: its linears hold e4m3 weights, adapters update bf16 "
-                             "ones. Restart the engine without --quantization to use adapters.")
+            raise ValueError(quantized_lora_refusal(self.config.model.quantization))
         from k6serve.lora.manager import LoraManager
 
         # Tensor-parallel shards take their block of each update; FSDP shards take dynamic updates only (manager.py).
@@ -319,12 +318,17 @@ class ModelWorker:
         """Release or resume this worker's device memory, between requests; one report (this worker is one rank)."""
         return [apply_memory_operation(self, operation)]
 
+    def _request_chooses_adapters(self, request: GenerateRequest | UpscaleRequest) -> bool:
+        """Whether the request's own `loras` need the LoRA manager: any `loras`, but an empty one (the base model)
+        on a quantized DiT, which holds no adapters to switch off."""
+        loras = getattr(request, "loras", None)
+        return loras is not None and bool(loras or self.config.model.quantization == "none")
+
     def _request_loras(self, request: GenerateRequest | UpscaleRequest):
         """The request's own LoRA adapters for its run (`LoraManager.for_request`), or nothing to change."""
-        loras = getattr(request, "loras", None)
-        if loras is None:
+        if not self._request_chooses_adapters(request):
             return contextlib.nullcontext()
-        return self._lora_manager().for_request(loras)
+        return self._lora_manager().for_request(request.loras)
 
     @contextlib.contextmanager
     def _naming_lora_strengths(self, request: GenerateRequest | UpscaleRequest):
@@ -481,7 +485,7 @@ class ModelWorker:
             # DEBUG: the notes travel with the result (the CLI prints them as "note:", the server's job shows them
             # as `warnings`); logged at WARNING too, the CLI showed each twice.
             logger.debug(note)
-        if getattr(request, "loras", None) is not None:
+        if self._request_chooses_adapters(request):
             self._lora_manager().check_request(request.loras)  # before a warm-up: a refused request runs nothing
         warmup_s = None
         if self.config.runtime.warmup_mode == "request" and not self.warmed_up:

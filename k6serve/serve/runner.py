@@ -32,7 +32,14 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from k6serve.lora.spec import ListLoras, LoraOperation, ReplicasDisagree, SetLora, start_set_lora
+from k6serve.lora.spec import (
+    ListLoras,
+    LoraOperation,
+    ReplicasDisagree,
+    SetLora,
+    quantized_lora_refusal,
+    start_set_lora,
+)
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
@@ -240,10 +247,10 @@ class JobRunner:
         operation failed: the client asked for that merge, and is told why.
         """
         requested = job.params.get("loras")
-        if requested is not None and (quantization := _quantization(self.engine)) != "none":
-            raise LorasQuantized(f"loras asks for LoRA adapters, which a DiT quantized with --quantization "
-                                 f"{quantization} cannot take (its linears hold e4m3 weights); drop loras, or restart "
-                                 "the server without --quantization; the job was not created.")
+        if requested and (quantization := _quantization(self.engine)) != "none":
+            # ({} asks for the base model, which is all a quantized DiT runs: the worker runs it as without loras.)
+            raise LorasQuantized("loras names LoRA adapters, but " + quantized_lora_refusal(
+                quantization, subject="this server's DiT", fix="Drop loras; the job was not created."))
         if requested is None or self._lora_state is None:
             return
         queued = [pending.operation for pending in [self._applying_lora, *self._pending_loras]
@@ -260,9 +267,8 @@ class JobRunner:
         """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
         if not isinstance(operation, ListLoras) and (quantization := _quantization(self.engine)) != "none":
             # The worker's refusal, before the operation waits behind the queued jobs for it.
-            raise ValueError(f"LoRA adapters cannot be applied to a DiT quantized with --quantization {quantization}: "
-                             "its linears hold e4m3 weights, adapters update bf16 ones. Restart the server without "
-                             "--quantization to use adapters.")
+            raise ValueError(quantized_lora_refusal(quantization, subject="This server's DiT",
+                                                    fix="Restart the server without --quantization to use adapters."))
         with self._lock:
             if self._stopping:
                 raise ServerShuttingDown("LoRA operation")

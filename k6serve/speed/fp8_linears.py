@@ -45,15 +45,26 @@ def fp8_linear_paths(scope: str) -> tuple[str, ...]:
     return tuple(paths)
 
 
+# Linears that speed mode on CUDA fuses into one GEMM (speed/fused_projections.py), by their fused name: the unit a
+# pattern keeps in bf16, so that --quantization-ignored-layers selects the same GEMMs fused or not.
+_FUSED_GROUPS = {"video_dec_block.self_attention": ("to_query_key_value", "to_query", "to_key", "to_value"),
+                 "av_cross_attention": ("to_key_value", "to_key", "to_value")}
+# cuBLASLt's e4m3 GEMM takes widths in multiples of 16 (the released models' all are).
+_FP8_ALIGNMENT = 16
+
+
 def _linears(model: nn.Module, scope: str) -> list[tuple[str, nn.Module, str, nn.Linear]]:
-    """(full module name, parent, attribute, Linear) of each plain `nn.Linear` that `scope` converts."""
+    """(full module name, parent, attribute, Linear) of each plain `nn.Linear` that `scope` converts; a linear whose
+    widths are not multiples of 16 stays in bf16 (a custom checkpoint's; cuBLASLt refuses them)."""
     found = []
     for index, block in enumerate(model.visual_transformer_blocks):
         for path in fp8_linear_paths(scope):
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             linear = getattr(parent, name, None)
-            if type(linear) is nn.Linear:  # not a TP shard or an already converted one
+            if type(linear) is nn.Linear and not (linear.in_features % _FP8_ALIGNMENT
+                                                  or linear.out_features % _FP8_ALIGNMENT):
+                # (not a TP shard or an already converted one)
                 found.append((f"visual_transformer_blocks.{index}.{path}", parent, name, linear))
     return found
 
@@ -70,11 +81,31 @@ def apply_fp8_linears(model: nn.Module, scope: str, *, fast_accumulation: bool =
     return converted
 
 
+def _group(name: str) -> tuple[str, ...]:
+    """`name` and the names of the linears that form one GEMM with it in either layout: self-attention's Q, K, V and
+    their fused `to_query_key_value`; audio_from_video's K, V and `to_key_value`."""
+    parent, _, leaf = name.rpartition(".")
+    for attention, members in _FUSED_GROUPS.items():
+        if parent.endswith(attention) and leaf in members:
+            return tuple(f"{parent}.{member}" for member in members)
+    return (name,)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A glob over the whole name, or a run of whole dot-separated parts (each part may be a glob): `feed_forward`,
+    `self_attention.out_layer`, `visual_transformer_blocks.1` (block 1, not 10-19)."""
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    parts, wanted = name.split("."), pattern.strip(".").split(".")
+    return any(all(fnmatch.fnmatchcase(part, want) for part, want in zip(parts[start:], wanted))
+               for start in range(len(parts) - len(wanted) + 1))
+
+
 def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether a module's full name (`visual_transformer_blocks.3.video_dec_block.feed_forward.net.2`) matches one
-    of `patterns`: a glob over the whole name, or a part of it (`feed_forward`, `self_attention.out_layer`,
-    `visual_transformer_blocks.0.`)."""
-    return any(fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*{pattern}*") for pattern in patterns)
+    """Whether the linear named `name` (`visual_transformer_blocks.3.video_dec_block.feed_forward.net.2`) stays in
+    bf16: one of `patterns` matches it (`_matches`), or another linear of its GEMM group (`_group`: naming
+    `to_query` keeps Q, K and V, which speed mode runs as one GEMM, so both layouts keep the same GEMMs)."""
+    return any(_matches(member, pattern) for member in _group(name) for pattern in patterns)
 
 
 def apply_quantization(model: nn.Module, quantization: str, ignored_layers: tuple[str, ...] = ()) -> int:
@@ -86,12 +117,18 @@ def apply_quantization(model: nn.Module, quantization: str, ignored_layers: tupl
     if quantization != "fp8":
         raise ValueError(f"--quantization must be one of none, fp8, got {quantization!r}")
     check_ignored_layers(ignored_layers, [full_name for full_name, *_ in _linears(model, "video")])
-    return apply_fp8_linears(model, "video", ignored_layers=ignored_layers)
+    converted = apply_fp8_linears(model, "video", ignored_layers=ignored_layers)
+    if not converted:
+        raise ValueError(f"--quantization-ignored-layers {' '.join(ignored_layers)} keeps every quantizable linear of "
+                         f"the DiT in bf16, so --quantization {quantization} would change nothing; narrow the "
+                         "patterns, or drop both flags.")
+    return converted
 
 
 def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
     """Refuse a pattern that matches none of `names` (the quantizable linears), naming some of them."""
-    unmatched = [pattern for pattern in patterns if not any(is_ignored(name, (pattern,)) for name in names)]
+    unmatched = [pattern for pattern in patterns if not any(_matches(member, pattern) for name in names
+                                                            for member in _group(name))]
     if unmatched:
         examples = ", ".join(names[:2] + names[-1:]) if names else "none"
         raise ValueError(f"--quantization-ignored-layers {' '.join(map(repr, unmatched))} matches none of the DiT's "

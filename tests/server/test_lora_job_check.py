@@ -476,31 +476,33 @@ def test_the_merge_state_survives_a_restart(tmp_path):
 
 
 def test_a_quantized_server_refuses_adapters_at_once(tmp_path):
-    """--quantization fp8: the DiT takes no adapters, so a job with its own `loras` ({} too) is a 400
+    """--quantization fp8: the DiT takes no adapters, so a job naming adapters in its own `loras` is a 400
     `lora_quantized` at creation and set_lora / merge / unmerge are 400s before they queue; list_loras still
-    answers, and a job without `loras` runs."""
+    answers, and jobs without `loras` or with {} (the base model, all it runs) run."""
     server, worker = _fake_server(tmp_path, quantization="fp8")
     try:
         with server.client() as client:
-            for loras in ({}, {"style": 1.0}):
-                response = client.post("/v1/videos", json={**JOB, "loras": loras})
-                assert response.status_code == 400
-                error = response.json()["error"]
-                assert (error["code"], error["param"]) == ("lora_quantized", "loras")
-                assert error["message"] == (
-                    "loras asks for LoRA adapters, which a DiT quantized with --quantization fp8 cannot take (its "
-                    "linears hold e4m3 weights); drop loras, or restart the server without --quantization; the job "
-                    "was not created.")
+            response = client.post("/v1/videos", json={**JOB, "loras": {"style": 1.0}})
+            assert response.status_code == 400
+            error = response.json()["error"]
+            assert (error["code"], error["param"]) == ("lora_quantized", "loras")
+            assert error["message"] == (
+                "loras names LoRA adapters, but this server's DiT is quantized with --quantization fp8 and takes no "
+                "LoRA adapters: its linears hold e4m3 weights, and adapters update bf16 ones. Drop loras; the job "
+                "was not created.")
             for route, body in (("/v1/set_lora", {"lora_nickname": "style", "lora_path": str(tmp_path / "a")}),
                                 ("/v1/merge_lora_weights", {}), ("/v1/unmerge_lora_weights", {})):
                 response = client.post(route, json=body)
                 assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_lora"
-                assert response.json()["error"]["message"].startswith(
-                    "LoRA adapters cannot be applied to a DiT quantized with --quantization fp8")
+                assert response.json()["error"]["message"] == (
+                    "This server's DiT is quantized with --quantization fp8 and takes no LoRA adapters: its linears "
+                    "hold e4m3 weights, and adapters update bf16 ones. Restart the server without --quantization to "
+                    "use adapters.")
             assert client.get("/v1/list_loras").json()["loras"] == []
             assert [type(operation).__name__ for operation in worker.operations] == ["ListLoras"]  # none queued
             assert _num_jobs(client) == 0
-            job = client.post("/v1/videos", json=JOB).json()
-            assert wait_for(client, job["id"])["status"] == "completed"
+            for body in (JOB, {**JOB, "loras": {}}):
+                job = client.post("/v1/videos", json=body).json()
+                assert wait_for(client, job["id"])["status"] == "completed"
     finally:
         server.stop()

@@ -633,6 +633,8 @@ def test_revision_that_applies_to_no_hub_id_is_warned(tmp_path, monkeypatch, cap
 
     # What is said before the load, not the load: a stand-in engine (the generator stops it when dropped).
     monkeypatch.setattr(api, "Engine", lambda config: SimpleNamespace(config=config, shutdown=lambda: None))
+    # Generators other tests keep open would add the "loaded beside them" warning.
+    monkeypatch.setattr(api, "_RUNNING", type(api._RUNNING)())
     with caplog.at_level("WARNING", logger="k6serve.api"):
         DiffGenerator.from_pretrained(model_path.format(folder=tmp_path), revision="v1", load_format=load_format)
         DiffGenerator.from_pretrained(model_path.format(folder=tmp_path), load_format=load_format)

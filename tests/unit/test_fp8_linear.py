@@ -158,21 +158,22 @@ def test_tiny_bench_times_each_scope(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's row-wise FP8 GEMM needs a CUDA GPU (Hopper+)")
 @pytest.mark.parametrize("bias", [False, True])
-def test_cuda_fp8_linear_matches_its_math_eager_and_compiled(bias):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: --dtype float32, the bias added after
+def test_cuda_fp8_linear_matches_its_math_eager_and_compiled(bias, dtype):
     """On the GPU the same layer runs cuBLASLt's e4m3 GEMM (fp32 accumulation), eager and inside torch.compile
     (inductor fuses the row maximum and the cast into the producer of the input): both within bf16 rounding of the
     math written out in fp32."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 GEMMs need compute capability 8.9 or newer")
     generator = torch.Generator(device="cuda").manual_seed(2)
-    linear = nn.Linear(512, 384, bias=bias, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(3, 256, 512, device="cuda", generator=generator).to(torch.bfloat16)
+    linear = nn.Linear(512, 384, bias=bias, device="cuda", dtype=dtype)
+    x = torch.randn(3, 256, 512, device="cuda", generator=generator).to(dtype)
     layer = Fp8Linear.from_linear(linear)
     expected = dequantized_linear(x, layer).float()
     eager = layer(x)
     compiled = torch.compile(lambda t: layer(torch.nn.functional.gelu(t) + 0.5 * t), fullgraph=True)(x)
     expected_compiled = dequantized_linear(torch.nn.functional.gelu(x) + 0.5 * x, layer).float()
-    assert eager.dtype == compiled.dtype == torch.bfloat16
+    assert eager.dtype == compiled.dtype == dtype
     # The same e4m3 inputs: cuBLASLt's accumulation order and bf16 output rounding only.
     assert ((eager.float() - expected).norm() / expected.norm()).item() < 5e-3
     # Compiled, the quantized input is the GELU's fp32 result (eager rounds it to bf16 first): the 0.4% of bf16
@@ -199,7 +200,7 @@ def test_quantization_config_checks_name_the_fix():
     refusals = [
         (dict(quantization="int8"), "--quantization must be one of none, fp8, got 'int8'"),
         (dict(quantization_ignored_layers=["feed_forward"]), "--quantization-ignored-layers names the layers "
-         "--quantization leaves in bf16, but no --quantization was given; add --quantization fp8, or drop it."),
+         "--quantization leaves in bf16, but --quantization is none; add --quantization fp8, or drop it."),
         (dict(quantization="fp8", quantization_ignored_layers=[""]), "--quantization-ignored-layers must be module "
          "names or globs"),
         (dict(quantization="fp8", lora_path="a.safetensors"), "--lora-path cannot be used with --quantization fp8"),
@@ -210,15 +211,22 @@ def test_quantization_config_checks_name_the_fix():
         assert str(refused.value).startswith(message)
     model = ModelConfig(model_path="demo", quantization="fp8")
     with pytest.raises(ValueError, match="--quantization fp8 cannot be used with --tp-size 2: the linears are "
-                                         "quantized whole on each GPU"):
+                                         "quantized whole on each GPU, not as shards; drop --quantization fp8, or "
+                                         "drop --tp-size 2"):
         EngineConfig(model=model, parallel=ParallelConfig(num_gpus=2, tp_size=2))
+    with pytest.raises(ValueError, match="drop --quantization fp8, or drop --tp-size 2 and --use-fsdp-inference"):
+        EngineConfig(model=model, parallel=ParallelConfig(num_gpus=2, tp_size=2, use_fsdp_inference=True))
+    assert ModelConfig(model_path="demo", quantization="fp8",
+                       quantization_ignored_layers=None).quantization_ignored_layers == ()  # as the offload lists
     EngineConfig(model=model, parallel=ParallelConfig(num_gpus=2, ulysses_degree=2))  # replicated weights: fine
     for runtime, flags in ((RuntimeConfig(performance_mode="balanced"), "--performance-mode balanced"),
                            (RuntimeConfig(cpu_offload_components=("dit",)),
                             "--performance-mode speed --cpu-offload-components transformer")):
         with pytest.raises(ValueError) as refused:
             EngineConfig(model=model, runtime=runtime)
-        assert f"but `{flags}` offloads it. Offload other components instead" in str(refused.value)
+        assert str(refused.value).startswith("--quantization fp8 needs the DiT resident on the GPU (offloading its "
+                                             f"e4m3 weights is not supported), but `{flags}` offloads it. Offload the "
+                                             "other components instead")
     # The DiT kept resident while the rest is offloaded: the point of quantizing on a smaller GPU.
     EngineConfig(model=model, runtime=RuntimeConfig(performance_mode="balanced",
                                                     component_residency=(("transformer", "resident"),)))
@@ -237,9 +245,11 @@ def test_apply_quantization_skips_the_ignored_layers_and_refuses_a_pattern_that_
     assert not any(isinstance(module, Fp8Linear) for module in first.modules())
     assert type(last.video_dec_block.feed_forward.net[2]) is nn.Linear
     assert isinstance(last.video_dec_block.self_attention.to_query_key_value, Fp8Linear)
-    # docs/cli.md's "the feed-forwards only": parts of names match every attention of their kind.
+    # docs/cli.md's "the feed-forwards only": a glob over a part matches every attention (self_attention,
+    # cross_attention, va_cross_attention, av_cross_attention); the plain part only its own.
     ffn_only = _tiny_dit(fused=True)
-    assert apply_quantization(ffn_only, "fp8", ("self_attention", "cross_attention")) == 2 * num_blocks
+    assert apply_quantization(ffn_only, "fp8", ("*_attention",)) == 2 * num_blocks
+    assert apply_quantization(_tiny_dit(fused=True), "fp8", ("cross_attention",)) == 7 * num_blocks
     assert all(name.endswith(("net.0.proj", "net.2")) for name, module in ffn_only.named_modules()
                if isinstance(module, Fp8Linear))
     with pytest.raises(ValueError) as refused:
@@ -247,6 +257,32 @@ def test_apply_quantization_skips_the_ignored_layers_and_refuses_a_pattern_that_
     assert str(refused.value).startswith(
         "--quantization-ignored-layers 'feed_forwrd' matches none of the DiT's quantizable linears (e.g. "
         "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj, ")
+
+
+def test_patterns_match_whole_name_parts_and_keep_each_fused_gemm_whole():
+    """`visual_transformer_blocks.1` is block 1, not 10-19; naming one of Q, K, V keeps the three in bf16 in both
+    layouts (speed mode runs them as one GEMM), so the same GEMMs are quantized fused or not; a pattern that keeps
+    everything in bf16 is refused."""
+    from k6serve.speed.fp8_linears import apply_quantization, is_ignored, possible_linear_names
+
+    names = possible_linear_names(60)
+    assert {name.split(".")[1] for name in names if is_ignored(name, ("visual_transformer_blocks.1",))} == {"1"}
+    assert sum(is_ignored(name, ("*feed*",)) for name in names) == sum(is_ignored(name, ("feed_forward",))
+                                                                       for name in names) == 120
+    unfused, fused = _tiny_dit(fused=False), _tiny_dit(fused=True)
+    for pattern in ("to_query", "self_attention.to_key", "to_query_key_value", "av_cross_attention.to_value"):
+        kept = {}
+        for name, model in (("unfused", unfused), ("fused", fused)):
+            model = _tiny_dit(fused=name == "fused")
+            apply_quantization(model, "fp8", (pattern,))
+            attention = model.visual_transformer_blocks[0].video_dec_block.self_attention
+            kept[name] = not any(isinstance(module, Fp8Linear) for module in attention.children()
+                                 if module is not attention.out_layer)
+        assert kept["unfused"] == kept["fused"] == (not pattern.startswith("av_")), pattern
+    with pytest.raises(ValueError, match="--quantization-ignored-layers visual_transformer_blocks keeps every "
+                                         "quantizable linear of the DiT in bf16, so --quantization fp8 would change "
+                                         "nothing"):
+        apply_quantization(_tiny_dit(fused=True), "fp8", ("visual_transformer_blocks",))
 
 
 def test_speed_mode_quantizes_after_fusing_and_before_compiling(monkeypatch):
@@ -333,9 +369,34 @@ def test_the_demo_generates_quantized_and_refuses_adapters(tmp_path, capsys):
         result = generator.generate(prompt="x", seed=1, output_path=str(tmp_path))
         assert len(list(tmp_path.glob("*.mp4"))) == 1
         assert (result.num_frames, result.height, result.width) == (17, 64, 96)
-        with pytest.raises(ValueError, match="LoRA adapters cannot be applied to a DiT quantized with "
-                                             "quantization='fp8': its linears hold e4m3 weights"):
+        with pytest.raises(ValueError, match="The DiT is quantized with quantization='fp8' and takes no LoRA "
+                                             "adapters: its linears hold e4m3 weights"):
             generator.set_lora("style", str(tmp_path / "missing.safetensors"))
+        base = generator.generate(prompt="x", seed=1, save_output=False, loras={})  # the base model: all it runs
+        assert base.num_frames == 17
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--quantization", "fp8",
                  "--quantization-ignored-layers", "feed_forwrd", "--no-save-output"]) == 2
     assert "error: --quantization-ignored-layers 'feed_forwrd' matches none of the DiT's" in capsys.readouterr().err
+
+
+def test_cli_loras_naming_adapters_are_refused_before_the_load_and_the_base_model_is_not():
+    from k6serve.api import build_engine_config
+    from k6serve.lora.preflight import check_request_loras
+
+    config = build_engine_config("demo", quantization="fp8")
+    with pytest.raises(ValueError) as refused:
+        check_request_loras(config, {"style": 1.0})
+    assert str(refused.value) == ("--loras names LoRA adapters, but the DiT is quantized with --quantization fp8 and "
+                                  "takes no LoRA adapters: its linears hold e4m3 weights, and adapters update bf16 "
+                                  "ones. Drop --loras, or --quantization.")
+    check_request_loras(config, {})  # the base model
+
+
+def test_a_config_file_gives_the_ignored_layers_as_names_only(tmp_path, capsys):
+    from k6serve.cli.main import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("quantization: fp8\nquantization-ignored-layers: [0]\n")
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--config", str(config)]) == 2
+    assert (f"error: --config {config}: --quantization-ignored-layers: takes names (a string, or a list of strings), "
+            "got [0]; quote a number to mean it as a name") in capsys.readouterr().err
