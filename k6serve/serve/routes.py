@@ -661,7 +661,8 @@ async def list_models(request: Request) -> JSONResponse:
     card = ModelCard(id=ctx.model_name, created=int(ctx.started_at), root=ctx.engine.config.model.model_path,
                      family=variant.family, variant=variant.name,
                      default_num_inference_steps=variant.num_inference_steps,
-                     default_guidance_scale=variant.guidance_scale)
+                     default_guidance_scale=variant.guidance_scale,
+                     quantization=ctx.engine.config.model.quantization)
     return JSONResponse({"object": "list", "data": [card.model_dump(mode="json")]})
 
 

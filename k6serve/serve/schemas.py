@@ -376,6 +376,9 @@ class ModelCard(BaseModel):
     variant: str
     default_num_inference_steps: int
     default_guidance_scale: float
+    # The server's --quantization: "fp8" serves a lossy DiT (velocity cosine 0.998 to bf16), which a client may need
+    # to know.
+    quantization: str = "none"
 
 
 class ModelList(BaseModel):

@@ -339,6 +339,7 @@ def test_models_health_metrics(fake_client):
     (card,) = models["data"]
     assert card["id"] == "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers" and card["object"] == "model"
     assert card["default_num_inference_steps"] == 10 and card["default_guidance_scale"] == 1.0
+    assert card["quantization"] == "none"
     assert fake_client.get("/health").json() == {"status": "ok", "memory_released": False}
     job = fake_client.post("/v1/videos", json={"prompt": "m", "size": "32x32", "num_frames": 5,
                                                "model": "Kandinsky-6.0-Pro-distill-5s-Diffusers"}).json()

@@ -500,6 +500,7 @@ def test_a_quantized_server_refuses_adapters_at_once(tmp_path):
                     "use adapters.")
             assert client.get("/v1/list_loras").json()["loras"] == []
             assert [type(operation).__name__ for operation in worker.operations] == ["ListLoras"]  # none queued
+            assert client.get("/v1/models").json()["data"][0]["quantization"] == "fp8"  # a client can tell
             assert _num_jobs(client) == 0
             for body in (JOB, {**JOB, "loras": {}}):
                 job = client.post("/v1/videos", json=body).json()
