@@ -390,6 +390,14 @@ class EngineConfig:
 
     def _check_quantization(self) -> None:
         flag = f"--quantization {self.model.quantization}"
+        from k6serve.models.variants import GENERATION, variant_from_id
+
+        # A super-resolution checkpoint recognisable by its name is refused first, as the worker would (a renamed
+        # folder is refused there): the fixes below would not help it.
+        variant = variant_from_id(self.model.model_id or self.model.model_path)
+        if variant is not None and variant.family != GENERATION:
+            raise ValueError(f"{flag} applies to the generation DiT; {variant.name} is a super-resolution model. "
+                             "Drop the flag.")
         sharding = self.parallel.dit_sharding_flags
         if sharding:
             raise ValueError(f"{flag} cannot be used with {' and '.join(sharding)}: the linears are quantized whole "

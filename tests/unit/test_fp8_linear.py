@@ -227,6 +227,11 @@ def test_quantization_config_checks_name_the_fix():
         assert str(refused.value).startswith("--quantization fp8 needs the DiT resident on the GPU (offloading its "
                                              f"e4m3 weights is not supported), but `{flags}` offloads it. Offload the "
                                              "other components instead")
+    # A super-resolution checkpoint known by its name is refused as one, before the offload rule's fixes.
+    with pytest.raises(ValueError, match="--quantization fp8 applies to the generation DiT; vsr-distilled2steps is a "
+                                         "super-resolution model. Drop the flag."):
+        EngineConfig(model=ModelConfig(model_path="kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers",
+                                       quantization="fp8"), runtime=RuntimeConfig(performance_mode="balanced"))
     # The DiT kept resident while the rest is offloaded: the point of quantizing on a smaller GPU.
     EngineConfig(model=model, runtime=RuntimeConfig(performance_mode="balanced",
                                                     component_residency=(("transformer", "resident"),)))
