@@ -22,6 +22,7 @@ import fnmatch
 
 from torch import nn
 
+from k6serve.config import QUANTIZATIONS
 from k6serve.ops.fp8_linear import Fp8Linear
 
 FP8_LINEAR_SCOPES = ("ffn", "video")
@@ -112,10 +113,10 @@ def apply_quantization(model: nn.Module, quantization: str, ignored_layers: tupl
     """`--quantization`: "fp8" converts every video-token linear of the generation DiT but the ignored ones; returns
     how many. A pattern that matches none of those linears is refused (a typo would otherwise quantize everything
     it meant to keep), naming some of them."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "none":
         return 0
-    if quantization != "fp8":
-        raise ValueError(f"--quantization must be one of none, fp8, got {quantization!r}")
     check_ignored_layers(ignored_layers, [full_name for full_name, *_ in _linears(model, "video")])
     converted = apply_fp8_linears(model, "video", ignored_layers=ignored_layers)
     if not converted:
@@ -127,8 +128,7 @@ def apply_quantization(model: nn.Module, quantization: str, ignored_layers: tupl
 
 def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
     """Refuse a pattern that matches none of `names` (the quantizable linears), naming some of them."""
-    unmatched = [pattern for pattern in patterns if not any(_matches(member, pattern) for name in names
-                                                            for member in _group(name))]
+    unmatched = [pattern for pattern in patterns if not any(is_ignored(name, (pattern,)) for name in names)]
     if unmatched:
         examples = ", ".join(names[:2] + names[-1:]) if names else "none"
         raise ValueError(f"--quantization-ignored-layers {' '.join(map(repr, unmatched))} matches none of the DiT's "
