@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from k6serve.bench.audio import AudioOptions, run_audio
-from k6serve.bench.dit import DitOptions, run_dit
+from k6serve.bench.dit import DitOptions, parse_fp8_entry, run_dit
+from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
 from k6serve.bench.end_to_end import EndToEndOptions, run_generate, run_super_resolution
 from k6serve.bench.geometry import NUM_TEXT_TOKENS, generation_geometry
 from k6serve.bench.report import BenchRow, format_table, write_json
@@ -35,7 +36,6 @@ from k6serve.bench.tiny import (
 from k6serve.bench.vae import VaeOptions, run_vae
 from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, QUANTIZATIONS, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
-from k6serve.speed.fp8_linears import FP8_LINEAR_SCOPES
 
 STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
@@ -102,10 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fp8-linears",
         nargs="+",
-        choices=FP8_LINEAR_SCOPES,
+        type=_fp8_entry,
         default=[],
-        help="dit: then time the last fast configuration once more per scope with the video-token GEMMs in e4m3 "
-        "(ffn: the video feed-forward; video: every video-token linear; cumulative, in the order given; lossy, "
+        metavar="SCOPE[:PATTERN,...]",
+        help="dit: then time the last fast configuration once more per entry with video-token GEMMs in e4m3, each "
+        "from the bf16 model (SCOPE ffn: the video feed-forward; video: every video-token linear; PATTERNs keep "
+        "linears in bf16 as --quantization-ignored-layers does, e.g. ffn:visual_transformer_blocks.[0-9]; lossy, "
         "opt-in; speed/fp8_linears.py).",
     )
     parser.add_argument(
@@ -206,6 +208,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fp8_entry(text: str) -> str:
+    """argparse type of an --fp8-linears entry: checked here, so a typo fails before the model is built."""
+    try:
+        parse_fp8_entry(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _check_fp8_patterns(entries: list[str], transformer_config: dict) -> None:
+    """A pattern that keeps nothing in bf16 is refused before the model is built, not after the bf16 rows."""
+    from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+
+    num_blocks = Kandinsky6TransformerConfig.from_json_dict(transformer_config).num_visual_blocks
+    names = possible_linear_names(num_blocks)
+    for entry in entries:
+        try:
+            check_ignored_layers(parse_fp8_entry(entry)[1], names)
+        except ValueError as error:
+            raise SystemExit(f"--fp8-linears {entry}: {error}") from None
+
+
 def _json_object(text: str | None, flag: str) -> dict | None:
     if text is None:
         return None
@@ -286,6 +310,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         raise SystemExit("--fp8-linears times the fused + compiled DiT once more in e4m3: drop --skip-speed")
     if args.fp8_fast_accumulation and not args.fp8_linears:
         raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
+    _check_fp8_patterns(args.fp8_linears, transformer_config)
     if args.compile_mode and compile_backend != "inductor":
         # torch.compile refuses a mode with any other backend; say so before minutes of setup.
         raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")

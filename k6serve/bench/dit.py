@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from k6serve.bench.flops import kandinsky6_forward_flops
 from k6serve.bench.geometry import GenerationGeometry
@@ -27,7 +28,11 @@ from k6serve.models.kandinsky6.plan import kandinsky6_plan
 from k6serve.ops import flash_attention4, fp8_attention
 from k6serve.ops.attention import resolve_attention_backend
 from k6serve.ops.rms_norm_rope import kernel_for
-from k6serve.speed.fp8_linears import apply_fp8_linears, set_fast_accumulation
+from k6serve.speed.fp8_linears import (
+    FP8_LINEAR_SCOPES,
+    apply_fp8_linears,
+    set_fast_accumulation,
+)
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
 
@@ -49,9 +54,11 @@ class DitOptions:
     norm_rope_kernel: bool = False  # then ours fast again with the Triton RMSNorm + RoPE kernel of Q/K
     # then the last fast configuration once more with backend "fa_fp8" (ops/fp8_attention.py: lossy, opt-in)
     fp8_attention: bool = False
-    # then the last fast configuration once more per scope with its video-token GEMMs in e4m3 (speed/fp8_linears.py:
-    # lossy, opt-in; cumulative: "ffn" then "video" converts the FFN, then the rest), and once more with cuBLASLt's
-    # fast accumulation when `fp8_fast_accumulation`
+    # then the last fast configuration once more per entry with video-token GEMMs in e4m3 (speed/fp8_linears.py:
+    # lossy, opt-in), each entry from the bf16 model: a scope ("ffn", "video"), optionally with patterns of linears
+    # to keep in bf16 ("ffn:visual_transformer_blocks.[0-9]" keeps blocks 0-9's FFN, as
+    # --quantization-ignored-layers does); then the last entry once more with cuBLASLt's fast accumulation when
+    # `fp8_fast_accumulation`
     fp8_linears: tuple[str, ...] = ()
     fp8_fast_accumulation: bool = False
     compile_backend: str = "inductor"
@@ -196,25 +203,65 @@ def _run_ours(
     return rows
 
 
+def parse_fp8_entry(entry: str) -> tuple[str, tuple[str, ...]]:
+    """`--fp8-linears` entry "SCOPE" or "SCOPE:PATTERN[,PATTERN...]" -> (scope, patterns kept in bf16)."""
+    scope, colon, patterns = entry.partition(":")
+    if scope not in FP8_LINEAR_SCOPES:
+        raise ValueError(f"an --fp8-linears entry is SCOPE or SCOPE:PATTERN[,PATTERN...] with SCOPE one of "
+                         f"{', '.join(FP8_LINEAR_SCOPES)}, got {entry!r}")
+    ignored = tuple(pattern for pattern in patterns.split(",") if pattern)
+    if colon and not ignored:
+        raise ValueError(f"--fp8-linears {entry!r}: give patterns after the colon, or drop it")
+    return scope, ignored
+
+
+def _linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear]
+
+
 def _run_fp8_linears(ours, inputs, options: DitOptions, tflop: float, compared: _Compared) -> list[BenchRow]:
-    """The fp8 rows: the model's Linear modules are swapped inside the compiled blocks, so dynamo's guards on them
-    recompile the blocks for each row (their first call is timed as `first_call`)."""
+    """The fp8 rows, each entry converted from the bf16 model: the linears an entry swaps out stay on the device
+    until the next entry puts them back (so an entry's peak memory counts them, but the last's does not). Dynamo's
+    guards on the swapped modules recompile the blocks for each row (their first call is timed as `first_call`)."""
+    import torch._dynamo.config as dynamo_config
+
+    # Every entry adds graph variants of the one block class (bf16 and e4m3 blocks side by side); past dynamo's
+    # default of 8 per code object it would silently run the blocks eager and time that instead.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, 64) < 64:
+            setattr(dynamo_config, name, 64)
     rows: list[BenchRow] = []
     base = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
-    runs = [(scope, False) for scope in options.fp8_linears]
-    if options.fp8_linears and options.fp8_fast_accumulation:
-        runs.append((options.fp8_linears[-1], True))
+    entries = list(options.fp8_linears)
+    runs = [(entry, False) for entry in entries]
+    if entries and options.fp8_fast_accumulation:
+        runs.append((entries[-1], True))
+    swapped: list[tuple[nn.Module, str, nn.Linear]] = []
     converted = 0
-    for scope, fast in runs:
+    for index, (entry, fast) in enumerate(runs):
         if fast:
             set_fast_accumulation(ours, True)
         else:
-            converted += apply_fp8_linears(ours, scope)
-        tag = f"{base}+fp8 {scope}" + (" fast-accum" if fast else "")
+            for parent, name, linear in swapped:  # back to the bf16 model
+                setattr(parent, name, linear)
+            before = _linear_children(ours)
+            scope, ignored = parse_fp8_entry(entry)
+            converted = apply_fp8_linears(ours, scope, ignored_layers=ignored)
+            last = index == len(entries) - 1
+            swapped = [] if last else [(parent, name, linear) for parent, name, linear in before
+                                       if getattr(parent, name) is not linear]
+            del before
+            gc.collect()
+            if options.device.type == "cuda":
+                torch.cuda.empty_cache()
+        tag = f"{base}+fp8 {entry}" + (" fast-accum" if fast else "")
         scope_rows = _run_ours(ours, inputs, options, tflop, compared, tag, compiled=True)
+        kept = "; peak counts the bf16 linears kept for the next entry" if swapped else ""
         for row in scope_rows:
             row.note = "; ".join(filter(None, (
-                f"{converted} video-token linears in e4m3, row-wise scales (speed/fp8_linears.py; lossy)", row.note)))
+                f"{converted} video-token linears in e4m3, row-wise scales (speed/fp8_linears.py; lossy){kept}",
+                row.note)))
         rows += scope_rows
     return rows
 

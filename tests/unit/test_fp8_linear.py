@@ -113,7 +113,7 @@ def test_the_converted_dit_runs_close_to_the_original():
         assert cosine > 0.99
 
 
-def test_bench_rows_and_flag_checks(monkeypatch):
+def test_bench_rows_and_flag_checks(monkeypatch, capsys):
     from k6serve.bench import __main__ as bench
 
     captured = {}
@@ -127,8 +127,11 @@ def test_bench_rows_and_flag_checks(monkeypatch):
     with pytest.raises(SystemExit, match="--fp8-fast-accumulation times the --fp8-linears rows' model once more: "
                                          "add --fp8-linears"):
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--fp8-fast-accumulation"]))
-    with pytest.raises(SystemExit):  # argparse: not a scope
-        bench.build_parser().parse_args(["--fp8-linears", "all"])
+    for entry, message in (("all", "SCOPE one of ffn, video, got 'all'"),
+                           ("ffn:", "give patterns after the colon, or drop it")):
+        with pytest.raises(SystemExit):  # argparse refuses it before any model is built, saying why
+            bench.build_parser().parse_args(["--fp8-linears", entry])
+        assert message in capsys.readouterr().err
     # The generate stage passes the engine's --quantization through.
     monkeypatch.setattr(bench, "run_generate", lambda options: captured.setdefault("generate", options) and [])
     args = bench.build_parser().parse_args(["--tiny", "--quantization", "fp8", "--quantization-ignored-layers",
@@ -154,6 +157,28 @@ def test_tiny_bench_times_each_scope(tmp_path):
     ]
     assert all(row["error"] is None for row in rows)
     assert rows[1]["note"].startswith("4 video-token linears in e4m3") and rows[2]["note"].startswith("18 ")
+
+
+def test_tiny_bench_entries_start_from_the_bf16_model(tmp_path):
+    """Each --fp8-linears entry converts the bf16 model, not the last entry's: "video" keeping block 0 in bf16
+    after "video" converts only block 1's 9 linears, and its output differs from the full conversion's."""
+    from k6serve.bench.__main__ import main
+
+    assert main(["--tiny", "--stage", "dit", "--skip-reference", "--skip-eager", "--repeats", "1",
+                 "--fp8-linears", "video", "video:visual_transformer_blocks.0", "ffn",
+                 "--json", str(tmp_path / "dit.json")]) == 0
+    rows = json.loads((tmp_path / "dit.json").read_text())["rows"]
+    assert [row["name"] for row in rows][1:] == [
+        "ours torch_sdpa fused+compiled+fp8 video",
+        "ours torch_sdpa fused+compiled+fp8 video:visual_transformer_blocks.0",
+        "ours torch_sdpa fused+compiled+fp8 ffn",
+    ]
+    assert all(row["error"] is None for row in rows)
+    assert [row["note"].split(" ")[0] for row in rows[1:]] == ["18", "9", "4"]
+    # A pattern that keeps nothing (the tiny DiT has 2 blocks) is refused before any model is built.
+    with pytest.raises(SystemExit, match="--fp8-linears ffn:visual_transformer_blocks.7: --quantization-ignored-"
+                                         "layers 'visual_transformer_blocks.7' matches none of the DiT's"):
+        main(["--tiny", "--stage", "dit", "--fp8-linears", "ffn:visual_transformer_blocks.7"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's row-wise FP8 GEMM needs a CUDA GPU (Hopper+)")
