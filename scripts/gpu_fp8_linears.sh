@@ -49,12 +49,12 @@ for step in "$@"; do
     pro-partial)
       blocks=visual_transformer_blocks
       # FP8_ENTRIES (space-separated --fp8-linears entries) replaces the default set; FP8_FAST=0 drops the
-      # fast-accumulation row.
+      # fast-accumulation row; BENCH_ARGS adds bench flags (e.g. --reference-compiled).
       entries=${FP8_ENTRIES:-"ffn:$blocks.?,$blocks.1[0-4] ffn:$blocks.4[5-9],$blocks.5? ffn:$blocks.?,$blocks.[12]? video:$blocks.?,$blocks.[1-3]?,$blocks.4[0-4]"}
       fast=$([ "${FP8_FAST:-1}" = 1 ] && echo --fp8-fast-accumulation)
       set -f  # the entries' globs are for fnmatch, not for the shell
       timeout "${LIMIT:-540}" python3 -m k6serve.bench --stage dit --variant pro-distill --device cuda --backends fa \
-        --skip-eager --norm-rope-kernel --repeats 3 $fast --fp8-linears $entries \
+        --skip-eager --norm-rope-kernel --repeats 3 $fast ${BENCH_ARGS:-} --fp8-linears $entries \
         --json "$OUT/dit_pro_partial.json" > "$OUT/dit_pro_partial.log" 2>&1
       step_done "$step" $?
       set +f
