@@ -321,11 +321,12 @@ class RuntimeConfig:
 
     def residency_plan(self, *, super_resolution: bool):
         """The plan for every component of one family (`offload/residency.py`), the names of the other left out."""
-        from k6serve.offload.residency import GROUPS, SPECIAL, family_components, resolve_residency
+        from k6serve.offload.residency import ALIASES, GROUPS, SPECIAL, family_components, resolve_residency
 
         keys = family_components(super_resolution)
 
         def here(name: str) -> bool:
+            name = ALIASES.get(name, name)  # the config keeps the names as given (`dit`)
             return name in SPECIAL or name in keys or any(member in keys for member in GROUPS.get(name, ()))
 
         return resolve_residency(
@@ -426,6 +427,5 @@ def refuse_offload_with_sharding(runtime: RuntimeConfig, parallel: ParallelConfi
     fixes += [f"drop {flag}" for flag in runtime.offload_flag_list if not flag.startswith("--perf")]
     raise ValueError(
         f"{runtime.offload_flags} offloads the weights to host memory, which cannot work with weights "
-        f"sharded across GPUs ({named}): {' and '.join(fixes)} to keep {named}, or drop "
-        f"{'them' if len(flags) > 1 else 'it'} to offload."
+        f"sharded across GPUs ({named}): {' and '.join(fixes)} to keep {named}, or drop {named} to offload."
     )

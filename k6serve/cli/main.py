@@ -119,13 +119,16 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                   "exchanged; less memory and time per tile, but frames differ from serial decode by "
                                   "rounding (opt-in with --vae-config.use-parallel-decode true, as in the "
                                   "reference).")),
-    ("num_gpus", dict(type=int, help="Number of GPUs (worker processes).")),
+    ("num_gpus", dict(type=int, help="Number of GPUs (worker processes; default 1), the product of the degrees "
+                      "below (2 for --enable-cfg-parallel): e.g. --num-gpus 2 --ulysses-degree 2.")),
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
     ("ring_degree", dict(type=int, help="Ring attention degree over video tokens.")),
     ("enable_cfg_parallel", dict(action="store_true", default=None, help="Run CFG branches on different GPUs (Pro/Lite).")),
     ("use_fsdp_inference", dict(type=lambda v: _bool(v), help="true: shard DiT weights with FSDP2 across the replica.")),
-    ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Shard text encoders across the replica (fold) or not.")),
+    ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Text encoders on a replica of several GPUs: fold "
+                              "(tensor-parallel over the replica), replicate, or auto (default: fold only with "
+                              "--use-fsdp-inference, where their head counts divide the replica size).")),
     ("dp_size", dict(type=int, help="Independent replicas (data parallel).")),
     ("nnodes", dict(type=int, help="Number of hosts.")),
     ("node_rank", dict(type=int, help="This host's rank.")),
@@ -399,10 +402,13 @@ def _hosts_no_engine(engine_options: dict[str, Any]) -> bool:
 
 def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
     from k6serve.api import build_engine_config
+    from k6serve.parallel.preflight import check_layout_before_loading
     from k6serve.runtime.process_group_worker import serve_worker_ranks
 
     options = dict(engine_options)
-    serve_worker_ranks(build_engine_config(options.pop("model_path"), **options))
+    config = build_engine_config(options.pop("model_path"), **options)
+    check_layout_before_loading(config)  # refused here as on the engine's host, not after the load
+    serve_worker_ranks(config)
     return 0
 
 

@@ -69,7 +69,12 @@ def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
     if not items:
         raise ValueError(f"{flag} was given no component name (got {value!r}); name at least one, or leave the flag "
                          "out.")
-    names = tuple(dict.fromkeys(ALIASES.get(name, name) for name in (item.strip().lower() for item in items)))
+    # The names keep the user's spelling (`dit` stays `dit`, so messages and logs echo what was typed); an alias
+    # is read as its component where the plan is made (`_expand`), and a name given twice is kept once.
+    spellings = {}
+    for name in (item.strip().lower() for item in items):
+        spellings.setdefault(ALIASES.get(name, name), name)
+    names = tuple(spellings.values())
     unknown = [name for name in names if name not in OFFLOAD_COMPONENT_NAMES]
     if unknown:
         raise ValueError(f"{flag}: unknown component {', '.join(map(repr, unknown))}. Known: "
@@ -108,19 +113,19 @@ def normalise_residency_settings(value: object) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"{flag} was given no NAME=MODE item (got {value!r}); give at least one, or leave the "
                              "flag out.")
         items = [tuple(part.split("=")) for part in parts]
-    settings: dict[str, str] = {}
+    settings: dict[str, tuple[str, str]] = {}  # component -> (the name as given, residency)
     for name, mode in items:
         name, mode = name.strip().lower(), mode.strip().lower().replace("-", "_")
-        name = ALIASES.get(name, name)
         if name not in OFFLOAD_COMPONENT_NAMES or name == "none":
             known = ", ".join(n for n in OFFLOAD_COMPONENT_NAMES if n != "none")
             raise ValueError(f"{flag}: unknown component {name!r}. Known: {known}.")
         if mode not in RESIDENCY_NAMES:
             raise ValueError(f"{flag} {name}={mode}: the residency must be one of {', '.join(RESIDENCY_NAMES)}.")
-        if name in settings and settings[name] != RESIDENCY_NAMES[mode]:
-            raise ValueError(f"{flag} names {name} twice, with different residencies; give it once.")
-        settings[name] = RESIDENCY_NAMES[mode]
-    return tuple(settings.items())
+        component = ALIASES.get(name, name)
+        if component in settings and settings[component][1] != RESIDENCY_NAMES[mode]:
+            raise ValueError(f"{flag} names {component} twice, with different residencies; give it once.")
+        settings.setdefault(component, (name, RESIDENCY_NAMES[mode]))
+    return tuple(settings.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,10 @@ ENCODER_PLANS = {
 
 
 def _plan_of(encoder: nn.Module) -> EncoderPlan:
-    name = type(encoder).__name__
+    return _plan_named(type(encoder).__name__)
+
+
+def _plan_named(name: str) -> EncoderPlan:
     if name not in ENCODER_PLANS:
         raise ValueError(
             f"--encoder-parallel fold has no plan for {name} (known: {sorted(ENCODER_PLANS)}); use "
@@ -71,21 +74,24 @@ def _plan_of(encoder: nn.Module) -> EncoderPlan:
     return ENCODER_PLANS[name]
 
 
-def fold_blockers(encoders: list[nn.Module], size: int) -> list[str]:
-    """Why the encoders cannot be folded over `size` ranks (empty when they can)."""
+def fold_blockers(encoders: list[tuple[str, object]], size: int) -> list[str]:
+    """Why the encoders, given as (class name, transformers config) pairs, cannot be folded over `size` ranks
+    (empty when they can)."""
     blockers = []
-    for encoder in encoders:
-        for what, count in _plan_of(encoder).divisible_counts(encoder.config).items():
+    for class_name, config in encoders:
+        for what, count in _plan_named(class_name).divisible_counts(config).items():
             if count % size:
-                blockers.append(f"{type(encoder).__name__} has {count} {what}, not divisible by {size}")
+                blockers.append(f"{class_name} has {count} {what}, not divisible by {size}")
     return blockers
 
 
-def should_fold(mode: str, layout: ParallelLayout, encoders: list[nn.Module]) -> bool:
-    """Apply the `--encoder-parallel` rule of the module docstring; ValueError when "fold" cannot run."""
+def should_fold(mode: str, layout: ParallelLayout, encoders: list[nn.Module | tuple[str, object]]) -> bool:
+    """Apply the `--encoder-parallel` rule of the module docstring; ValueError when "fold" cannot run. The encoders
+    are the loaded modules, or (class name, config) pairs read before loading (`parallel/preflight.py`)."""
     if mode == "replicate":
         return False
-    blockers = fold_blockers(encoders, layout.replica_size) if layout.replica_size > 1 else ["one rank"]
+    described = [item if isinstance(item, tuple) else (type(item).__name__, item.config) for item in encoders]
+    blockers = fold_blockers(described, layout.replica_size) if layout.replica_size > 1 else ["one rank"]
     if mode == "auto":
         return layout.fsdp and not blockers
     assert mode == "fold", mode

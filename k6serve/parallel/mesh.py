@@ -162,12 +162,41 @@ def _check_ulysses(
             )
 
 
+def _sequence_flags(layout: ParallelLayout, plan: ModelPlan, degree: int) -> str:
+    """Flags that put `degree` sequence-parallel ranks on the model: Ulysses where it divides the TP-local heads of
+    the sharded attention, the rest on Ring (which has no head constraint)."""
+    heads = [site.num_heads // layout.tp for site in plan.attention if site.role in plan.sp.sharded_roles]
+    ulysses = _largest_divisor_within(math.gcd(*heads), degree) if heads else degree
+    ring = degree // ulysses
+    # A --ring-degree already given is restated even at 1, so the command line does not keep the old one.
+    return f"--ulysses-degree {ulysses}" + (f" --ring-degree {ring}" if ring > 1 or layout.ring > 1 else "")
+
+
+def validate_degrees(layout: ParallelLayout) -> None:
+    """The rules that hold for any model: FSDP needs a replica of several ranks and does not compose with TP."""
+    if layout.fsdp and layout.replica_size == 1:
+        same_gpus = (f"; or, on the same {layout.dp} GPUs, one replica: --dp-size 1 --ulysses-degree {layout.dp}"
+                     if layout.dp > 1 else "")
+        raise ValueError(
+            "--use-fsdp-inference shards the DiT over the ranks of a replica, and this replica has one GPU. "
+            f"Fix: drop --use-fsdp-inference, or give each replica more GPUs (e.g. --num-gpus {2 * layout.dp} "
+            f"--ulysses-degree 2{same_gpus})."
+        )
+    if layout.fsdp and layout.tp > 1:
+        raise ValueError(
+            "--use-fsdp-inference shards whole parameters over the replica and cannot also shard them with "
+            f"--tp-size {layout.tp}. Fix: use FSDP with --ulysses-degree {layout.tp * layout.ulysses} (same GPUs), "
+            "or drop --use-fsdp-inference and keep TP."
+        )
+
+
 def validate_layout(layout: ParallelLayout, plan: ModelPlan, *, model_name: str, has_guidance: bool) -> None:
     """Raise ValueError naming the broken rule and a valid alternative when `layout` cannot run the model.
 
     `plan` is the model's plan (head counts, sharded roles, capabilities); `has_guidance` is False for
     checkpoints that run one forward per step (distilled generation, SR).
     """
+    validate_degrees(layout)
     requested = {
         "tp": layout.tp > 1, "ulysses": layout.ulysses > 1, "ring": layout.ring > 1,
         "cfg_parallel": layout.cfg > 1, "fsdp": layout.fsdp,
@@ -181,21 +210,11 @@ def validate_layout(layout: ParallelLayout, plan: ModelPlan, *, model_name: str,
                 f"{layout.replica_size} for the same GPUs instead."
             )
     if layout.cfg > 1 and not has_guidance:
+        # The suggestion keeps the GPUs and must itself be valid: Ulysses only as far as it divides the heads.
         raise ValueError(
             f"{model_name} has no classifier-free guidance branch (it runs one forward per step), so "
             f"--enable-cfg-parallel would leave half the GPUs idle. Fix: drop --enable-cfg-parallel and use "
-            f"--ulysses-degree {layout.cfg * layout.ulysses} for the same GPUs."
-        )
-    if layout.fsdp and layout.replica_size == 1:
-        raise ValueError(
-            "--use-fsdp-inference shards the DiT over the ranks of a replica, and this replica has one GPU. "
-            "Fix: drop --use-fsdp-inference, or give each replica more GPUs (e.g. --ulysses-degree 2)."
-        )
-    if layout.fsdp and layout.tp > 1:
-        raise ValueError(
-            "--use-fsdp-inference shards whole parameters over the replica and cannot also shard them with "
-            f"--tp-size {layout.tp}. Fix: use FSDP with --ulysses-degree {layout.tp * layout.ulysses} (same GPUs), "
-            "or drop --use-fsdp-inference and keep TP."
+            f"{_sequence_flags(layout, plan, layout.cfg * layout.sequence_degree)} for the same GPUs."
         )
     _check_tp(layout, plan.attention, model_name)
     _check_ulysses(layout, plan.attention, plan.sp.sharded_roles, model_name)

@@ -116,8 +116,10 @@ class Engine:
     def __init__(self, config: EngineConfig, *, worker: ModelWorker | None = None) -> None:
         self.config = config
         if worker is None:
+            from k6serve.parallel.preflight import check_layout_before_loading
             from k6serve.runtime.process_group_worker import MultiProcessWorker
 
+            check_layout_before_loading(config)  # a layout the ranks would refuse: refused before they load
             worker = MultiProcessWorker(config)
         self.worker = worker
         self._queue: queue.Queue = queue.Queue()

@@ -69,7 +69,7 @@ def memory_release_refusal(parallel: ParallelConfig) -> str | None:
     """Why this layout's memory cannot be released, naming the flag to drop; None when it can."""
     if not parallel.use_fsdp_inference:
         return None
-    return ("release_memory_occupation cannot move weights sharded by --use-fsdp-inference: FSDP keeps its own "
+    return ("A memory release cannot move weights sharded by --use-fsdp-inference: FSDP keeps its own "
             "sharded storage and all-gather buffers for every parameter, which re-pointing the weights to host memory "
             "would break. Drop --use-fsdp-inference to release memory (--tp-size, --encoder-parallel fold, Ulysses, "
             "Ring, CFG-parallel and --dp-size work).")

@@ -39,9 +39,9 @@ REFUSED_BOTH_WAYS = {
         {"num_gpus": 2, "tp_size": 2, "performance_mode": "balanced"},
         ["--num-gpus", "2", "--tp-size", "2", "--performance-mode", "balanced"],
         "performance_mode='balanced' offloads the weights to host memory, which cannot work with weights sharded "
-        "across GPUs (tp_size=2): use performance_mode='speed' to keep tp_size=2, or drop it to offload.",
+        "across GPUs (tp_size=2): use performance_mode='speed' to keep tp_size=2, or drop tp_size=2 to offload.",
         "--performance-mode balanced offloads the weights to host memory, which cannot work with weights sharded "
-        "across GPUs (--tp-size 2): use --performance-mode speed to keep --tp-size 2, or drop it to offload."),
+        "across GPUs (--tp-size 2): use --performance-mode speed to keep --tp-size 2, or drop --tp-size 2 to offload."),
     "block streaming without streamed blocks": (
         {"offload_prefetch_blocks": 2, "cpu_offload_components": ["text_encoders", "vae"]},
         ["--offload-prefetch-blocks", "2", "--cpu-offload-components", "text_encoders", "vae"],
@@ -145,7 +145,7 @@ def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wordin
         with pytest.raises(ValueError) as refused:
             generator.release_memory()
         flag = {"api": "use_fsdp_inference=True", "cli": "--use-fsdp-inference"}[wording]
-        assert str(refused.value).startswith(f"release_memory_occupation cannot move weights sharded by {flag}: ")
+        assert str(refused.value).startswith(f"A memory release cannot move weights sharded by {flag}: ")
         assert f"Drop {flag} to release memory (" in str(refused.value)
         with pytest.raises(ValueError) as refused:
             generator.set_lora("style", "style.safetensors", merge_mode="merge")

@@ -517,7 +517,8 @@ def test_generate_takes_the_engines_offload_flags(monkeypatch):
     assert not any(row.error for row in rows), rows
     (runtime,) = opened
     assert runtime.cpu_offload_components == ("vae", "audio")
-    assert runtime.layerwise_offload_components == ("transformer",)  # dit is read as transformer
+    assert runtime.layerwise_offload_components == ("dit",)  # kept as typed; the plan reads it as transformer
+    assert runtime.residency_plan(super_resolution=False).residency["transformer"] == "layerwise"
     assert runtime.component_residency == (("vocoder", "resident"),)
 
 

@@ -246,7 +246,7 @@ def test_quantization_config_checks_name_the_fix():
     EngineConfig(model=model, parallel=ParallelConfig(num_gpus=2, ulysses_degree=2))  # replicated weights: fine
     for runtime, flags in ((RuntimeConfig(performance_mode="balanced"), "--performance-mode balanced"),
                            (RuntimeConfig(cpu_offload_components=("dit",)),
-                            "--performance-mode speed --cpu-offload-components transformer")):
+                            "--performance-mode speed --cpu-offload-components dit")):
         with pytest.raises(ValueError) as refused:
             EngineConfig(model=model, runtime=runtime)
         assert str(refused.value).startswith("--quantization fp8 needs the DiT resident on the GPU (offloading its "

@@ -127,6 +127,7 @@ def test_shutdown_closes_a_worker_without_processes():
 
 
 def test_invalid_layout_fails_at_start_with_the_rule(tiny_distill_dir):
-    # Checked on every rank after loading; a user error comes back as ValueError, once, without a traceback.
+    # The engine refuses it before the ranks start (test_layout_preflight.py); the ranks check again after loading,
+    # and their user error comes back as ValueError, once, without a traceback.
     with pytest.raises(ValueError, match=r"^pro-distill has no classifier-free guidance branch.*--ulysses-degree 2"):
-        Engine(real_config(tiny_distill_dir, num_gpus=2, enable_cfg_parallel=True))
+        MultiProcessWorker(real_config(tiny_distill_dir, num_gpus=2, enable_cfg_parallel=True))

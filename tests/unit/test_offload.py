@@ -213,7 +213,7 @@ def test_cli_performance_mode_reaches_the_worker(tiny_distill_dir, tmp_path, mon
 @pytest.mark.parametrize("mode", ["balanced", "memory"])
 def test_offload_refuses_sharded_weights(layout, named, mode):
     with pytest.raises(ValueError, match=rf"--performance-mode {mode} offloads the weights.*\({named}\): use "
-                                         rf"--performance-mode speed to keep {named}, or drop it to offload\.$"):
+                                         rf"--performance-mode speed to keep {named}, or drop {named} to offload\.$"):
         build_engine_config("demo", performance_mode=mode, **layout)
     build_engine_config("demo", performance_mode="speed", **layout)  # the same layout without offloading is fine
 

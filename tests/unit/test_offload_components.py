@@ -88,7 +88,8 @@ def test_plan_refusals_say_what_to_do(kwargs, message):
     ({"cpu_offload_components": 3}, r"^--cpu-offload-components takes component names \(e\.g\. "),
     ({"num_gpus": 2, "tp_size": 2, "cpu_offload_components": "vae"},
      r"^--cpu-offload-components vae offloads the weights to host memory, which cannot work with weights sharded "
-     r"across GPUs \(--tp-size 2\): drop --cpu-offload-components vae to keep --tp-size 2, or drop it to offload\.$"),
+     r"across GPUs \(--tp-size 2\): drop --cpu-offload-components vae to keep --tp-size 2, or drop --tp-size 2 "
+     r"to offload\.$"),
     ({"num_gpus": 2, "tp_size": 2, "performance_mode": "balanced", "component_residency": "vae=component_offload"},
      r"^--performance-mode balanced --component-residency vae=component offloads the weights .*: use "
      r"--performance-mode speed and drop --component-residency vae=component to keep --tp-size 2"),
@@ -106,12 +107,28 @@ def test_config_accepts_strings_lists_and_block_streaming_with_a_streamed_dit():
     runtime = build_engine_config("demo", cpu_offload_components="Text_Encoder, vae vae",
                                   layerwise_offload_components=["dit"], offload_prefetch_blocks=2).runtime
     assert runtime.cpu_offload_components == ("text_encoder", "vae")
-    # dit is read as transformer, so the two are one setting
-    assert runtime.layerwise_offload_components == ("transformer",) and runtime.streams_dit and runtime.offloads
+    # dit is read as transformer (the two are one setting), and kept as typed, for the messages
+    assert runtime.layerwise_offload_components == ("dit",) and runtime.streams_dit and runtime.offloads
     runtime = build_engine_config("demo", cpu_offload_components=["none"]).runtime
     assert not runtime.offloads and not runtime.streams_dit  # speed with nothing offloaded
     # The sharded layouts stay available when the flags offload nothing.
     build_engine_config("demo", num_gpus=2, tp_size=2, cpu_offload_components="none")
+
+
+def test_messages_echo_dit_as_the_user_typed_it():
+    """`dit` is another name of `transformer`: read as one setting, but echoed back as typed, not renamed."""
+    with pytest.raises(ValueError, match=r"^--cpu-offload-components dit offloads the weights to host memory, which "
+                                         r"cannot work with weights sharded across GPUs \(--tp-size 2\): drop "
+                                         r"--cpu-offload-components dit to keep --tp-size 2, or drop --tp-size 2 "
+                                         r"to offload\.$"):
+        build_engine_config("demo", num_gpus=2, tp_size=2, cpu_offload_components="dit")
+    with pytest.raises(ValueError, match=r"^--component-residency dit=component offloads"):
+        build_engine_config("demo", num_gpus=2, tp_size=2, component_residency="dit=component_offload")
+    runtime = build_engine_config("demo", cpu_offload_components="dit transformer vae").runtime
+    assert runtime.cpu_offload_components == ("dit", "vae")  # one setting, the first spelling kept
+    assert runtime.offload_flags == "--cpu-offload-components dit vae"
+    assert runtime.residency_plan(super_resolution=False).named("component") == ("transformer", "vae")
+    assert runtime.residency_plan(super_resolution=True).named("component") == ("transformer", "vae")
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -143,7 +160,7 @@ def test_component_residency_has_the_last_word():
 
 
 @pytest.mark.parametrize(("value", "expected"), [
-    ("vae=resident, dit=layerwise-offload", (("vae", "resident"), ("transformer", "layerwise"))),
+    ("vae=resident, dit=layerwise-offload", (("vae", "resident"), ("dit", "layerwise"))),
     ([("vae", "resident")], (("vae", "resident"),)),  # pairs: the API, or a config that is built again
     (["VAE=Component_Offload"], (("vae", "component"),)),
     ({"audio": "resident", "text_encoders": "component"}, (("audio", "resident"), ("text_encoders", "component"))),
@@ -174,7 +191,7 @@ def test_component_residency_in_the_config_rules(tmp_path, engine_config_from_cl
     runtime = build_engine_config("demo", component_residency="transformer=layerwise_offload",
                                   offload_resident_blocks=3).runtime
     assert runtime.streams_dit and runtime.offloads
-    with pytest.raises(ValueError, match=r"`--performance-mode memory --component-residency transformer=component` "
+    with pytest.raises(ValueError, match=r"`--performance-mode memory --component-residency dit=component` "
                                          r"streams only text encoders"):
         build_engine_config("demo", performance_mode="memory", component_residency="dit=component",
                             offload_resident_blocks=2)
@@ -190,7 +207,7 @@ def test_component_residency_in_the_config_rules(tmp_path, engine_config_from_cl
     config_file = tmp_path / "engine.yaml"
     config_file.write_text("performance-mode: memory\ncomponent-residency: {vae: resident, dit: component_offload}\n")
     runtime = engine_config_from_cli("serve", "--model-path", "demo", "--config", str(config_file)).runtime
-    assert runtime.component_residency == (("vae", "resident"), ("transformer", "component"))
+    assert runtime.component_residency == (("vae", "resident"), ("dit", "component"))
     assert not runtime.streams_dit
 
 
@@ -410,7 +427,7 @@ def test_on_the_cpu_the_flags_offload_nothing_and_say_so(tiny_distill_dir, caplo
         worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa",
                                                  cpu_offload_components="vae", component_residency="dit=layerwise"))
     assert not worker.offloads and worker.offload_report is None
-    assert ("--cpu-offload-components vae --component-residency transformer=layerwise: on the CPU every weight is "
+    assert ("--cpu-offload-components vae --component-residency dit=layerwise: on the CPU every weight is "
             "in host memory already, so nothing is offloaded") in caplog.text
 
 
@@ -441,7 +458,7 @@ def test_a_config_that_is_built_again_keeps_its_values():
 
     runtime = build_engine_config("demo", component_residency=["vae=resident"], cpu_offload_components="dit").runtime
     again = dataclasses.replace(runtime, performance_mode="memory")
-    assert again.component_residency == (("vae", "resident"),) and again.cpu_offload_components == ("transformer",)
+    assert again.component_residency == (("vae", "resident"),) and again.cpu_offload_components == ("dit",)
 
 
 def test_config_files_name_themselves_in_errors_and_take_a_nested_vae_config(tmp_path, engine_config_from_cli):
