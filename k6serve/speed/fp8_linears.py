@@ -93,13 +93,23 @@ def _group(name: str) -> tuple[str, ...]:
 
 
 def _matches(name: str, pattern: str) -> bool:
-    """A glob over the whole name, or a run of whole dot-separated parts (each part may be a glob): `feed_forward`,
-    `self_attention.out_layer`, `visual_transformer_blocks.1` (block 1, not 10-19)."""
+    """A glob over the whole name, or a run of whole dot-separated parts (each part may be a glob, or a range of
+    block indices N-M): `feed_forward`, `self_attention.out_layer`, `visual_transformer_blocks.1` (block 1, not
+    10-19), `visual_transformer_blocks.0-29` (the first 30 blocks)."""
     if fnmatch.fnmatchcase(name, pattern):
         return True
     parts, wanted = name.split("."), pattern.strip(".").split(".")
-    return any(all(fnmatch.fnmatchcase(part, want) for part, want in zip(parts[start:], wanted))
+    return any(all(_part_matches(part, want) for part, want in zip(parts[start:], wanted))
                for start in range(len(parts) - len(wanted) + 1))
+
+
+def _part_matches(part: str, wanted: str) -> bool:
+    # A range, because keeping whole runs of blocks in bf16 is the usual choice (the first blocks are the most
+    # sensitive to e4m3: docs/benchmarks.md, twenty-third session) and globs spell "0-29" as two patterns.
+    first, dash, last = wanted.partition("-")
+    if dash and first.isdigit() and last.isdigit():
+        return part.isdigit() and int(first) <= int(part) <= int(last)
+    return fnmatch.fnmatchcase(part, wanted)
 
 
 def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
@@ -133,7 +143,7 @@ def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
         examples = ", ".join(names[:2] + names[-1:]) if names else "none"
         raise ValueError(f"--quantization-ignored-layers {' '.join(map(repr, unmatched))} matches none of the DiT's "
                          f"quantizable linears (e.g. {examples}); give a part of their names (e.g. feed_forward, "
-                         "self_attention, visual_transformer_blocks.0.) or a glob.")
+                         "self_attention, visual_transformer_blocks.0-29) or a glob.")
 
 
 def possible_linear_names(num_blocks: int) -> list[str]:

@@ -299,6 +299,12 @@ def test_patterns_match_whole_name_parts_and_keep_each_fused_gemm_whole():
     assert {name.split(".")[1] for name in names if is_ignored(name, ("visual_transformer_blocks.1",))} == {"1"}
     assert sum(is_ignored(name, ("*feed*",)) for name in names) == sum(is_ignored(name, ("feed_forward",))
                                                                        for name in names) == 120
+    # A part N-M is a range of block indices: the first 30 blocks, as the two globs that spell it.
+    blocks = {int(name.split(".")[1]) for name in names if is_ignored(name, ("visual_transformer_blocks.0-29",))}
+    assert blocks == set(range(30)) == {int(name.split(".")[1]) for name in names if is_ignored(
+        name, ("visual_transformer_blocks.?", "visual_transformer_blocks.[12]?"))}
+    assert not any(is_ignored(name, ("visual_transformer_blocks.29-0",)) for name in names)  # reversed: nothing
+    assert sum(is_ignored(name, ("30-59.video_dec_block.feed_forward",)) for name in names) == 60
     unfused, fused = _tiny_dit(fused=False), _tiny_dit(fused=True)
     for pattern in ("to_query", "self_attention.to_key", "to_query_key_value", "av_cross_attention.to_value"):
         kept = {}
