@@ -98,7 +98,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                           "(alias sdpa).")),
     ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server "
                          "(at start; SR: one upscale of a synthetic 768x512x121 clip).")),
-    ("compile_vae", dict(type=lambda v: _bool(v), help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
+    ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
@@ -124,8 +124,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("tp_size", dict(type=int, help="Tensor-parallel degree (whole heads per rank).")),
     ("ulysses_degree", dict(type=int, help="Ulysses sequence-parallel degree over video tokens.")),
     ("ring_degree", dict(type=int, help="Ring attention degree over video tokens.")),
-    ("enable_cfg_parallel", dict(action="store_true", default=None, help="Run CFG branches on different GPUs (Pro/Lite).")),
-    ("use_fsdp_inference", dict(type=lambda v: _bool(v), help="true: shard DiT weights with FSDP2 across the replica.")),
+    ("enable_cfg_parallel", dict(action=argparse.BooleanOptionalAction, default=None, help="Run CFG branches on "
+                                 "different GPUs (Pro/Lite); --no-enable-cfg-parallel turns off a --config file's.")),
+    ("use_fsdp_inference", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: shard DiT weights with FSDP2 across the replica.")),
     ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Text encoders on a replica of several GPUs: fold "
                               "(tensor-parallel over the replica), replicate, or auto (default: fold only with "
                               "--use-fsdp-inference, where their head counts divide the replica size).")),

@@ -796,3 +796,17 @@ def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode():
     assert bar.bar is not first and bar.bar.n == 1 and not bar.bar.disable
     bar.close()
     bar.close()  # again: nothing to do
+
+
+def test_cli_switches_off_a_config_files_cfg_parallel(tmp_path):
+    """--enable-cfg-parallel was on-only, so a --config file's `enable-cfg-parallel: true` could not be turned off for
+    one run; --no-enable-cfg-parallel does, and a flag left out keeps the file's value."""
+    from k6serve.cli.main import build_parser, merged_options
+
+    path = _config(tmp_path, "cfg.yaml", "enable-cfg-parallel: true\nnum-gpus: 2\n")
+    parser = build_parser()
+    for flags, expected in (([], True), (["--no-enable-cfg-parallel"], False), (["--enable-cfg-parallel"], True)):
+        args = parser.parse_args(["generate", "--config", path, "--model-path", "demo", "--prompt", "x", *flags])
+        assert merged_options(args, parser)["enable_cfg_parallel"] is expected
+    usage = parser._subparsers._group_actions[0].choices["generate"].format_usage()
+    assert "--use-fsdp-inference {true,false}" in usage and "--compile-vae {true,false}" in usage
