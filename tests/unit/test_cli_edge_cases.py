@@ -810,3 +810,28 @@ def test_cli_switches_off_a_config_files_cfg_parallel(tmp_path):
         assert merged_options(args, parser)["enable_cfg_parallel"] is expected
     usage = parser._subparsers._group_actions[0].choices["generate"].format_usage()
     assert "--use-fsdp-inference {true,false}" in usage and "--compile-vae {true,false}" in usage
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"],
+                                  ["generate", "--height", "tall"]])
+def test_cli_help_and_flag_errors_do_not_import_torch(argv):
+    """`import k6serve` used to import the runtime and torch (about 2 s) before argparse could answer --help or a
+    typo; DiffGenerator is now imported on first use (k6serve/__init__.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom k6serve.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().endswith("no torch"), (result.stdout[-500:], result.stderr[-500:])
+    if argv[-1] == "tall":
+        assert "--height: invalid int value: 'tall'" in result.stderr
+
+
+def test_the_package_still_gives_diffgenerator():
+    import k6serve
+    from k6serve.api import DiffGenerator
+
+    assert k6serve.DiffGenerator is DiffGenerator and "DiffGenerator" in k6serve.__all__
+    with pytest.raises(AttributeError, match="module 'k6serve' has no attribute 'Generator'"):
+        k6serve.Generator  # noqa: B018
