@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import tempfile
 from pathlib import Path
 
 from k6serve.request import OutputOptions
@@ -37,6 +38,15 @@ class ArtifactStore:
         self.upload_dir = self.root / "uploads"
         self.root.mkdir(parents=True, exist_ok=True)
         self.upload_dir.mkdir(parents=True, exist_ok=True)
+        for folder in (self.root, self.upload_dir):
+            # Proved now, before the model loads: a folder the server cannot write made every upload a 500 and every
+            # job fail at its MP4 write, after its whole run.
+            try:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as exc:
+                raise ValueError(f"cannot write to {str(folder)!r} ({exc.strerror or exc}); pass a writable folder "
+                                 "with --output-path.") from None
 
     def output_options(self, job_id: str) -> OutputOptions:
         """What the engine is told: write `<root>/<output_file_name(job_id)>`."""

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -33,6 +39,22 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+
+
+def disk_full(exc: BaseException) -> bool:
+    """A write refused for lack of space: ENOSPC or a quota (EDQUOT), or SQLite's "database or disk is full"."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def insufficient_storage(exc: BaseException) -> ApiError:
+    """The 507 for a request that needed a write the disk had no room for (`disk_full`)."""
+    logger.warning("a request failed: the server's disk is full (%s)", exc)
+    return ApiError(507, "The server's disk is full, so this request could not be completed (an upload is not kept); "
+                         "retry it later. The server's operator must free space where its --output-path and "
+                         "--job-store are; DELETE /v1/videos/{id} of a finished job removes its video.",
+                    code="insufficient_storage", headers={"Connection": "close"})
 
 
 def error_body(status: int, message: str, *, code: str | None, param: str | None = None) -> dict[str, Any]:
@@ -65,8 +87,21 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            # RFC 9110 15.5.6: Allow lists every method the path takes; Starlette's names those of the first route
+            # that matched it only (POST for /v1/videos, which takes GET too).
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
         return JSONResponse(error_body(exc.status_code, _routing_message(request, exc), code=code),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+                            status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(OSError)
+    @app.exception_handler(sqlite3.OperationalError)
+    async def _storage(request: Request, exc: Exception) -> JSONResponse:
+        # A full disk is the machine's state, not a bug: say so (507) rather than "Internal server error".
+        if not disk_full(exc):
+            raise exc  # answered by `_unexpected`, as before
+        return error_response(insufficient_storage(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -80,9 +115,8 @@ def _routing_message(request: Request, exc: StarletteHTTPException) -> str:
     if exc.status_code not in (404, 405):
         return str(exc.detail)
     path = request.url.path
-    # Not Starlette's Allow header: it names the methods of the first route that matched the path only.
     message = (f"There is no route {request.method} {path} on this server" if exc.status_code == 404 else
-               f"{path} does not take {request.method}")
+               f"{path} does not take {request.method}, only {' or '.join(_allowed_methods(request))}")
     message += "; GET /openapi.json lists the routes and their methods."
     if path.startswith("/v1/videos/"):
         # OpenAI's SDK has these calls (client.videos.remix, .edit, .extend, .create_character); a bare 404 or
@@ -90,3 +124,14 @@ def _routing_message(request: Request, exc: StarletteHTTPException) -> str:
         message += (" k6serve serves OpenAI's video create, retrieve, list, download and delete, not remix, edits, "
                     "extensions or characters: create a new job with POST /v1/videos.")
     return message
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods some route takes at the request's path (asked of each route as the router asks it: FastAPI nests
+    an included router's routes in one route)."""
+    routes = request.app.router.routes
+    return [method for method in _METHODS
+            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

@@ -11,12 +11,18 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: the store is then unguarded, as before
+    fcntl = None
 
 
 class JobStatus(str, enum.Enum):
@@ -41,6 +47,10 @@ MAX_ATTEMPTS = 2
 # How long a deleted (or expired) job's place in the creation order is remembered, so a client paging with
 # `after=<its id>` continues where it was instead of getting a 400 because the job expired between two pages.
 DELETED_CURSOR_RETENTION_S = 7 * 86400
+
+# What the store raises when a write cannot be made now, e.g. on a full disk ("database or disk is full"): a
+# condition of the machine that passes, not of the job, so the runner retries such a write.
+STORE_WRITE_ERRORS = (sqlite3.OperationalError, OSError)
 
 
 def size_text(height: int, width: int) -> str:
@@ -139,12 +149,38 @@ class JobStore(Protocol):
     def close(self) -> None: ...
 
 
+def _own(path: Path) -> TextIO:
+    """An exclusive lock on the job store for as long as the returned file stays open (the kernel frees it when the
+    process ends, however it ends). One server per store: a second `k6serve serve` started in the same folder (say,
+    super-resolution beside generation, both on the default outputs/jobs.sqlite3) re-queued the first one's running
+    job as if its server had died, and ran its queued jobs on the other model, failing them."""
+    owner = open(path.with_name(path.name + ".lock"), "a+")  # noqa: SIM115 - held open while the store is
+    if fcntl is None:
+        return owner
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner.seek(0)
+        holder = owner.read().strip() or "unknown"
+        owner.close()
+        raise ValueError(f"the job store {str(path)!r} is in use by another k6serve server (process {holder}); "
+                         "stop that one, or give this one its own --output-path (or --job-store).") from None
+    except OSError:  # a file system without flock (some network ones): unguarded, as before
+        return owner
+    owner.truncate(0)
+    owner.write(str(os.getpid()))
+    owner.flush()
+    return owner
+
+
 class SqliteJobStore:
-    """Jobs in one SQLite file. Safe to share across threads; survives process restarts."""
+    """Jobs in one SQLite file, held by one server at a time (`_own`). Safe to share across threads; survives process
+    restarts."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._owner = _own(self.path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -206,6 +242,7 @@ class SqliteJobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._owner.close()  # frees the store for the next server
 
     @staticmethod
     def _encode(name: str, value: Any) -> Any:

@@ -92,7 +92,7 @@ from k6serve.serve.upscale_output import expected_upscale_output
 
 logger = logging.getLogger(__name__)
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429, 503, 507)}
 ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
 
 
@@ -125,11 +125,13 @@ def forget_job(store: JobStore, artifacts: ArtifactStore, job: Job, *, gone_at: 
     """Delete a finished job's record, its video and its uploads; False if it was already gone. `gone_at`: when
     it ended, its `expires_at` for an expired job (a later request_id conflict counts its age from there, not from
     the sweep that found it; default now)."""
-    if not store.delete(job.id, now=gone_at):
-        return False
-    files = [artifacts.output_path(job.output_file)] if job.output_file else []
-    artifacts.remove([*files, *job.upload_files])
-    return True
+    # Without an output_file, the job's own name may still hold a video an interrupted attempt wrote before the job
+    # was re-queued and then cancelled (no client can name that file: `output_file_name`).
+    video = artifacts.output_path(job.output_file or output_file_name(job.id))
+    # The files go first: on a full disk the job store cannot write until some space is free, and deleting finished
+    # jobs is how a client frees it. A record left by a failed delete answers content_missing until deleted again.
+    artifacts.remove([video, *job.upload_files])
+    return store.delete(job.id, now=gone_at)
 
 
 def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, now: float | None = None) -> int:

@@ -24,6 +24,7 @@ a release waits only for the running jobs. From then until a resume the dispatch
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -45,7 +46,7 @@ from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
-from k6serve.serve.jobs import Job, JobStatus, JobStore, seconds_text, size_text
+from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import Adapters, LoraState
 from k6serve.serve.metrics import ServerMetrics
 
@@ -64,6 +65,9 @@ CANCELLED_AFTER_DECODE = (
     "engine finished it and the video was discarded."
 )
 CANCELLED_AT_STEP = "Cancelled by DELETE while running; the engine stopped at a step boundary."
+
+# How often a job store write that failed (a full disk) is tried again by the dispatcher and the finishers.
+STORE_RETRY_S = 1.0
 
 DIED_TWICE = (
     "The server stopped twice while this job was running, so it is not retried again (it may be what stops the "
@@ -367,36 +371,67 @@ class JobRunner:
             return None
 
     def _loop(self) -> None:
+        failing = False
         while True:
-            if len(self.engine.dead_replicas()) >= self._capacity:
-                # Every replica has died: a job started now could only fail. Queued jobs stay queued, so the restart
-                # the server now asks for (GET /health) runs them. Checked outside the lock: finding a death stops
-                # the rest of that replica's ranks, which can take a second or two.
-                with self._lock:
-                    if self._stopping:
-                        return
-                    self._wake.wait(timeout=1.0)
-                continue
-            picked = self._next()
-            if picked is None:
-                return
-            if picked == "look again":
-                continue
-            if isinstance(picked, PendingLora):
-                self._run_lora(picked)
-                continue
-            job, engine_job = picked
-            # The dispatcher goes back to the queue at once; a finisher thread waits for this job. With one
-            # replica the next job still waits for this one's finisher (`_capacity`), as before.
-            finisher = threading.Thread(target=self._finish_and_release, args=(job, engine_job),
-                                        name=f"k6serve-job-{job.id}", daemon=True)
-            with self._lock:
-                self._finishers = [thread for thread in self._finishers if thread.is_alive()] + [finisher]
-            finisher.start()
+            try:
+                if not self._dispatch_once():
+                    return
+                failing = False
+            except Exception:  # noqa: BLE001 - e.g. the job store refusing a write on a full disk
+                # The dispatcher alone starts jobs: had it ended here, every later job would stay queued until a
+                # restart while /health said ok. It tries again until the write goes through.
+                if not failing:
+                    logger.exception("dispatching the next job failed; retrying every %g s", STORE_RETRY_S)
+                failing = True
+                if self._pause(STORE_RETRY_S):
+                    return
+
+    def _dispatch_once(self) -> bool:
+        """Start the next job or LoRA operation, or wait for a change; False once stopping."""
+        if len(self.engine.dead_replicas()) >= self._capacity:
+            # Every replica has died: a job started now could only fail. Queued jobs stay queued, so the restart
+            # the server now asks for (GET /health) runs them. Checked outside the lock: finding a death stops
+            # the rest of that replica's ranks, which can take a second or two.
+            return not self._pause(1.0)
+        picked = self._next()
+        if picked is None:
+            return False
+        if picked == "look again":
+            return True
+        if isinstance(picked, PendingLora):
+            self._run_lora(picked)
+            return True
+        job, engine_job = picked
+        # The dispatcher goes back to the queue at once; a finisher thread waits for this job. With one
+        # replica the next job still waits for this one's finisher (`_capacity`), as before.
+        finisher = threading.Thread(target=self._finish_and_release, args=(job, engine_job),
+                                    name=f"k6serve-job-{job.id}", daemon=True)
+        with self._lock:
+            self._finishers = [thread for thread in self._finishers if thread.is_alive()] + [finisher]
+        finisher.start()
+        return True
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait up to `seconds` (less on any change, e.g. stop()); True once stopping."""
+        with self._lock:
+            if not self._stopping:
+                self._wake.wait(timeout=seconds)
+            return self._stopping
 
     def _finish_and_release(self, job: Job, engine_job: EngineJob) -> None:
         try:
-            self._finish(job, engine_job)
+            for attempt in itertools.count():
+                try:
+                    self._finish(job, engine_job)
+                    break
+                except STORE_WRITE_ERRORS:
+                    # E.g. a full disk. The job keeps its replica until its outcome is written, rather than staying
+                    # in_progress for good, and no later job starts whose outcome could not be written either.
+                    if attempt == 0:
+                        logger.exception("recording the outcome of job %s failed; retrying every %g s", job.id,
+                                         STORE_RETRY_S)
+                    if self._pause(STORE_RETRY_S):
+                        break  # stopping: the job store re-queues it at the next start
         except Exception:  # a bookkeeping bug must not stop the server serving later jobs
             logger.exception("recording the outcome of job %s failed", job.id)
         finally:
@@ -447,8 +482,14 @@ class JobRunner:
                 self._in_decode.add(job_id)
             progress = min(99, int(100 * step / total)) if total > 0 else 0
             if progress != state["progress"]:
+                try:
+                    self.store.transition(job_id, (JobStatus.IN_PROGRESS,), progress=progress)
+                except STORE_WRITE_ERRORS as exc:
+                    # Progress is advisory: a write refused now (a full disk) must not fail the job; the next step
+                    # tries again.
+                    logger.warning("could not record the progress of job %s: %s", job_id, exc)
+                    return
                 state["progress"] = progress
-                self.store.transition(job_id, (JobStatus.IN_PROGRESS,), progress=progress)
 
         return on_progress
 

@@ -24,12 +24,12 @@ from typing import Any
 from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from k6serve.serve.errors import ApiError
+from k6serve.serve.errors import ApiError, disk_full, insufficient_storage
 from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, object_without_duplicate_keys
 
 SPOOL_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 1 * 2**20
-MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together
+MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together, with every part's headers
 # After refusing a body we keep reading (and discarding) up to this much of it, so the client sees the answer
 # instead of a reset connection (closing a socket with unread data makes the kernel send RST, which can discard the
 # answer before the client reads it); past it, or after DRAIN_IDLE_S without a byte, the connection is closed (a
@@ -131,6 +131,14 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     if too_deep:
         raise ApiError(400, "Invalid JSON body: nested too deeply; no field takes more than a few levels of "
                        "objects or arrays.", code="invalid_json")
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # JSON's grammar lets "\ud800" stand alone, but it is no character: such a prompt was queued, then failed the
+        # job in the text encoder ("TypeError: TextEncodeInput must be Union[...]").
+        raise ApiError(400, f"Invalid JSON body: \\u{ord(exc.object[exc.start]):04x} is one half of a UTF-16 "
+                            "surrogate pair without the other, so the text is not valid Unicode; send the character "
+                            "itself, or the escapes of both halves.", code="invalid_json") from None
     return value
 
 
@@ -204,8 +212,8 @@ class MultipartReader:
         self.finished = False
         self.parser = MultipartParser(boundary, {
             "on_part_begin": self._on_part_begin,
-            "on_header_field": lambda data, start, end: self._header_field.extend(data[start:end]),
-            "on_header_value": lambda data, start, end: self._header_value.extend(data[start:end]),
+            "on_header_field": lambda data, start, end: self._on_header_bytes(self._header_field, data[start:end]),
+            "on_header_value": lambda data, start, end: self._on_header_bytes(self._header_value, data[start:end]),
             "on_header_end": self._on_header_end,
             "on_headers_finished": self._on_headers_finished,
             "on_part_data": self._on_part_data,
@@ -216,6 +224,20 @@ class MultipartReader:
     # The parser swallows nothing: an ApiError raised in a callback propagates out of `write`.
     def _on_part_begin(self) -> None:
         self._headers = {}
+
+    def _on_header_bytes(self, into: bytearray, chunk: bytes) -> None:
+        # Part headers are form text too: uncounted, a body of two million empty fields (111 MiB, no text) was
+        # parsed whole, holding the event loop (every other request) for 25 s, before its first field was refused.
+        self._count_text(len(chunk))
+        into.extend(chunk)
+
+    def _count_text(self, num_bytes: int) -> None:
+        self.text_bytes += num_bytes
+        if self.text_bytes > MAX_FORM_TEXT_BYTES:
+            raise ApiError(413, f"Form fields (names, part headers and text) are limited to "
+                                f"{MAX_FORM_TEXT_BYTES // 2**20} MiB in total; send files as the "
+                                f"{' or '.join(sorted(self.file_fields))} upload.", code="payload_too_large",
+                           headers={"Connection": "close"})
 
     def _on_header_end(self) -> None:
         name = self._header_field.decode("latin-1").strip().lower()
@@ -239,10 +261,7 @@ class MultipartReader:
         assert part is not None
         chunk = data[start:end]
         if not part.is_file:
-            self.text_bytes += len(chunk)
-            if self.text_bytes > MAX_FORM_TEXT_BYTES:
-                raise ApiError(413, f"Form text fields are limited to {MAX_FORM_TEXT_BYTES // 2**20} MiB in total.",
-                               code="payload_too_large", headers={"Connection": "close"})
+            self._count_text(len(chunk))
             part.buffer += chunk
             return
         self.file_bytes += len(chunk)
@@ -332,6 +351,12 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
         if error.status == 413:
             await drain(request)
         raise
+    except OSError as exc:
+        reader.cleanup()
+        if not disk_full(exc):
+            raise
+        await drain(request)  # so that the client reads the 507, not a reset connection
+        raise insufficient_storage(exc) from None
     except BaseException:
         reader.cleanup()
         raise

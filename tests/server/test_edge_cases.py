@@ -145,6 +145,18 @@ def test_wrong_method_is_a_client_error(fake_client):
     assert error["type"] == "invalid_request_error"  # was "server_error" for the client's mistake
 
 
+@pytest.mark.parametrize(("method", "path", "allowed"), [("DELETE", "/v1/videos", "GET, POST"),
+                                                        ("PUT", "/v1/videos/video_x", "GET, DELETE"),
+                                                        ("POST", "/v1/videos/video_x/content", "GET, HEAD"),
+                                                        ("POST", "/health", "GET")])
+def test_a_405_allows_every_method_of_the_path(fake_client, method, path, allowed):
+    # Allow named the first matching route's methods only: POST for /v1/videos, GET for /v1/videos/{id}.
+    response = fake_client.request(method, path)
+    error = _assert_error(response, 405, code="method_not_allowed")
+    assert response.headers["allow"] == allowed
+    assert f"does not take {method}, only {allowed.replace(', ', ' or ')};" in error["message"]
+
+
 def test_content_of_failed_and_cancelled_jobs_says_not_to_poll(fake_server, fake_client):
     failed = fake_client.post("/v1/videos", json={"prompt": "fail", "size": "32x32", "num_frames": 5}).json()
     assert wait_for(fake_client, failed["id"])["status"] == "failed"
@@ -260,6 +272,23 @@ def test_a_json_body_with_a_duplicate_key_is_400_naming_it(fake_client, body, ke
     error = _assert_error(response, 400, param=key, code="invalid_json")
     assert error["message"] == f"The JSON body has the key {key!r} more than once; send each field once."
     assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/videos", '{"prompt": "a fox \\ud83e at dusk"}'),
+    ("/v1/videos", '{"prompt": "x", "loras": {"\\udc00": 1}}'),
+    ("/v1/set_lora", '{"lora_nickname": "s\\ud800", "lora_path": "style.safetensors"}'),
+])
+def test_a_json_string_holding_half_a_surrogate_pair_is_400(fake_client, path, body):
+    # Valid JSON syntax, but no Unicode text: the job was queued, then failed in the text encoder with
+    # "TypeError: TextEncodeInput must be Union[...]".
+    response = fake_client.post(path, content=body, headers={"Content-Type": "application/json"})
+    _assert_error(response, 400, code="invalid_json", contains="surrogate pair without the other")
+    assert fake_client.get("/v1/videos").json()["data"] == []
+    paired = fake_client.post("/v1/videos", content='{"prompt": "a fox \\ud83e\\udd8a at dusk", "size": "32x32"}',
+                              headers={"Content-Type": "application/json"})
+    assert paired.status_code == 200, paired.text
+    assert wait_for(fake_client, paired.json()["id"])["status"] == "completed"
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/xml; charset=utf-8", "image/png"])

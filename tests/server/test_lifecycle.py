@@ -16,7 +16,9 @@ import httpx
 import pytest
 from harness import FakeWorker, start_server, wait_for, wait_until
 
+from k6serve.api import build_engine_config
 from k6serve.models.variants import VARIANTS
+from k6serve.runtime.engine import Engine
 from k6serve.serve.app import sweep_expired_once
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
@@ -72,6 +74,19 @@ def test_cancel_a_queued_job(fake_server, fake_client):
     assert "never runs" not in fake_server.worker.started
     assert fake_client.get(f"/v1/videos/{queued['id']}/content").status_code == 404
     assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["deleted"] is True
+
+
+def test_deleting_a_cancelled_job_removes_a_video_its_interrupted_attempt_left(fake_server, fake_client):
+    # A job re-queued after its worker wrote the MP4 (the process died before the job was recorded completed), then
+    # cancelled before it ran again: its video stayed on disk for good, owned by no job.
+    running = fake_client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+    wait_for(fake_client, running["id"], ("in_progress",))
+    queued = fake_client.post("/v1/videos", json={"prompt": "re-queued", **SMALL}).json()
+    leftover = fake_server.artifacts.root / f"{queued['id']}.mp4"
+    leftover.write_bytes(b"left by the interrupted attempt")
+    assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["status"] == "cancelled"
+    assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["deleted"] is True
+    assert not leftover.exists()
 
 
 def test_cancel_a_running_job_frees_the_engine(fake_server, fake_client):
@@ -291,6 +306,33 @@ def test_a_request_id_survives_a_restart(tmp_path):
             assert second.worker.started == []
     finally:
         second.stop()
+
+
+def test_a_second_server_on_the_same_job_store_refuses_to_start(tmp_path):
+    # Say super-resolution started beside generation in the same folder (both on outputs/jobs.sqlite3): it
+    # re-queued the first server's running job as if that server had died, and ran its queued job on the other
+    # model, failing both.
+    first = start_server(tmp_path)
+    sr_worker = FakeWorker(VARIANTS["vsr-distilled2steps"])
+    sr_engine = Engine(build_engine_config("kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"),
+                       worker=sr_worker)
+    try:
+        with first.client() as client:
+            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()["id"]
+            wait_for(client, running, ("in_progress",))
+            queued = client.post("/v1/videos", json={"prompt": "behind", **SMALL}).json()["id"]
+            with pytest.raises(ValueError, match=r"job store '.*jobs.sqlite3' is in use by another k6serve server "
+                                                 rf"\(process {os.getpid()}\); .* its own --output-path"):
+                start_server(tmp_path, worker=sr_worker, engine=sr_engine)
+            first.worker.release.set()
+            assert wait_for(client, running)["status"] == "completed"
+            assert wait_for(client, queued)["status"] == "completed"
+            assert client.get(f"/v1/videos/{running}").json()["warnings"] == []
+        assert sr_worker.started == []
+    finally:
+        first.stop()
+        sr_engine.shutdown(timeout=30)
+    SqliteJobStore(tmp_path / "jobs.sqlite3").close()  # free once the first server has stopped
 
 
 def _spawn(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
