@@ -17,6 +17,7 @@
 #   generate       a whole Pro-distill request through the engine with --quantization fp8 (k6serve bench --stage
 #                  generate: load, a cold and a warm request) -> $OUT/generate_fp8.json
 #   generate-bf16  the same without quantization, for the ratio -> $OUT/generate_bf16.json
+#   (IGNORED_LAYERS="visual_transformer_blocks.0-29" keeps those linears of the fp8 request in bf16)
 set -u
 : "${OUT:?set OUT to the folder for logs and JSON}"
 mkdir -p /tmp/site
@@ -62,7 +63,8 @@ for step in "$@"; do
     generate|generate-bf16)
       quantization=$([ "$step" = generate ] && echo fp8 || echo none)
       timeout "${GENERATE_LIMIT:-300}" python3 -m k6serve.bench --stage generate --variant pro-distill --device cuda \
-        --quantization "$quantization" --repeats 1 --warmup 0 \
+        --quantization "$quantization" ${IGNORED_LAYERS:+--quantization-ignored-layers $IGNORED_LAYERS} \
+        --repeats 1 --warmup 0 \
         --json "$OUT/generate_$quantization.json" > "$OUT/generate_$quantization.log" 2>&1
       step_done "$step" $?
       ;;
