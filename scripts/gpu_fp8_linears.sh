@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The video-token GEMMs in e4m3 (speed/fp8_linears.py; issue 5's last lever), on one H200, in one device call.
 # Carry .whlR (diffusers without PyAV, for the reference rows and the cosine), .whlH (fa3-fwd) and .whlP (pytest)
-# for tests/pro/lite, or .whlG (diffusers and PyAV: the engine's VAEs and the MP4) and .whlP for generate (fa3-fwd
-# does not fit beside them in one call: attention then runs on cuDNN); run from the repository root with OUT set:
+# for tests/pro/lite, or .whlG (diffusers and PyAV: the engine's VAEs and the MP4) for generate (fa3-fwd does not fit
+# beside them in one call's carry, so FA3 for generate takes two calls, below; with .whlG alone attention runs on
+# cuDNN); run from the repository root with OUT set:
 #   bash scripts/gpu_fp8_linears.sh [tests] [pro] [lite] [pro-partial] [generate] [generate-bf16]
 # Wheels install once per machine (each file is remembered in /tmp/site/.installed), so a second call on the still
-# warm machine can carry .whlG after a first that carried .whlH and .whlR: FA3 and PyAV in one engine request.
+# warm machine can carry .whlG after a first that carried .whlH and .whlR (`bash scripts/gpu_fp8_linears.sh none`
+# installs only): FA3 and PyAV in one engine request. Issue the second call at once: the machine is given back after
+# 30 s idle.
 # steps:
 #   tests  tests/unit/test_fp8_linear.py on the GPU (cuBLASLt's row-wise e4m3 GEMM, eager and compiled)
 #   pro    k6serve bench --stage dit, Pro-distill: diffusers eager, ours fused + compiled (+ norm/RoPE kernel), then
