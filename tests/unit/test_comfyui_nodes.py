@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import types
+import urllib.error
 from pathlib import Path
 
 import numpy as np
@@ -335,3 +336,85 @@ def test_png_encoder_round_trips():
     pixels = np.random.default_rng(0).integers(0, 256, (7, 5, 3), dtype=np.uint8)
     png = sys.modules["k6serve_nodes.media"].encode_png(pixels)
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), pixels)
+
+
+@pytest.fixture
+def other_web_server():
+    """A web server that is not k6serve; `answers[path]` is (status, content type, body)."""
+    import http.server
+
+    answers: dict[str, tuple[int, str, bytes]] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, content_type, body = answers.get(self.path, (404, "text/html", b"<h1>Not Found</h1>"))
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_url_that_is_not_k6serve_says_so(other_web_server, comfy):
+    # Before: a raw JSONDecodeError / IndexError, or "serves 'gpt-4' (None) ... Use K6Serve Upscale with it".
+    url, answers = other_web_server
+    not_k6serve = "is not a k6serve server.*without a path such as /v1"
+    with pytest.raises(K6ServeError, match=not_k6serve):  # 404: ComfyUI's own port, say
+        Generate().generate(url, **TINY)
+    for body in ({"object": "list", "data": []}, {"data": [{"id": "gpt-4", "object": "model"}]}):
+        answers["/v1/models"] = (200, "application/json", json.dumps(body).encode())
+        with pytest.raises(K6ServeError, match=not_k6serve):
+            Upscale().upscale(url, video_path=__file__, scale="2", seed=1)
+    answers["/v1/models"] = (200, "text/html", b"<html>a web page</html>")
+    with pytest.raises(K6ServeError, match="answered with something other than JSON.*server_url"):
+        Generate().generate(url, **TINY)
+
+
+def test_a_missing_pyav_is_refused_before_the_job(fake_server, comfy, monkeypatch):
+    # Before: the job ran (minutes on a GPU) and only the decode of its MP4 said PyAV is missing.
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
+    with pytest.raises(ImportError, match=r"need PyAV .*pip install av"):
+        Generate().generate(fake_server.base_url, **TINY, api_key="secret-key")
+    with fake_server.client() as client:
+        assert client.get("/v1/videos").json()["data"] == []
+
+
+def test_cancel_is_heard_while_the_server_is_unreachable(monkeypatch):
+    # Before: a poll that could not reach the server retried for 30 s without looking at ComfyUI's Cancel.
+    client_module = sys.modules["k6serve_nodes.client"]
+    client = client_module.K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
+    unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
+    unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
+
+    def get_job(job_id):
+        raise unreachable
+
+    cancelled = []
+    monkeypatch.setattr(client, "get_job", get_job)
+    monkeypatch.setattr(client, "cancel_job", lambda job_id: cancelled.append(job_id) or {"status": "cancelled"})
+    real_sleep = time.sleep
+    monkeypatch.setattr(client_module.time, "sleep", lambda seconds: real_sleep(0.01))
+    monkeypatch.setattr(client_module, "POLL_OUTAGE_S", 3.0)  # before the fix: gave up after it, not at Cancel
+    checks = []
+
+    def check_interrupt():
+        checks.append(time.monotonic())
+        if len(checks) > 2:
+            raise InterruptProcessingException()
+
+    started = time.monotonic()
+    with pytest.raises(InterruptProcessingException):
+        client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=check_interrupt)
+    assert time.monotonic() - started < 2 and cancelled == ["video_1"]

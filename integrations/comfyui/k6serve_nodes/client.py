@@ -28,7 +28,12 @@ POLL_OUTAGE_S = 30.0
 
 
 class K6ServeError(RuntimeError):
-    """A failure the user can act on; the message names the node, the input and the fix."""
+    """A failure the user can act on; the message names the node, the input and the fix. `status` is the HTTP
+    status when the server answered with an error."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,21 @@ class K6ServeClient:
     # ---- routes ----
 
     def served_model(self) -> dict:
-        """The first entry of GET /v1/models (a server serves one model)."""
-        return self._json("GET", "/v1/models")["data"][0]
+        """The first entry of GET /v1/models (a server serves one model), which names its family."""
+        try:
+            model = self._json("GET", "/v1/models")["data"][0]
+        except K6ServeError as error:
+            if error.status != 404:
+                raise
+            model = None  # some other web server (ComfyUI's own port, a URL ending in /v1): said below
+        except (KeyError, IndexError, TypeError):
+            model = None
+        if not isinstance(model, dict) or "family" not in model:
+            raise K6ServeError(
+                f"{self.node_name}: the server at {self.base_url} is not a k6serve server (GET /v1/models did not "
+                "answer as `k6serve serve` does). Set server_url to the address `k6serve serve` listens on, without "
+                "a path such as /v1 (e.g. http://127.0.0.1:30000).")
+        return model
 
     def create_job(self, fields: Mapping[str, Any], uploads: list[Upload] = ()) -> dict:
         """POST /v1/videos: JSON without uploads, multipart/form-data with them."""
@@ -112,7 +130,7 @@ class K6ServeClient:
                                        "it was cancelled on the server. Raise timeout_s, or 0 for no limit.")
                 time.sleep(interval)
                 interval = min(poll_interval_s, interval * 1.5)
-                job = self._poll(job_id, job)
+                job = self._poll(job_id, check_interrupt)
         except BaseException:
             self._cancel_quietly(job_id)
             raise
@@ -121,8 +139,9 @@ class K6ServeClient:
             logger.warning("%s: job %s: %s", self.node_name, job_id, warning)
         return self._check_final(job)
 
-    def _poll(self, job_id: str, last: dict) -> dict:
-        """GET the job, riding out a short outage (a restarting server keeps its jobs in SQLite)."""
+    def _poll(self, job_id: str, check_interrupt: Callable[[], None]) -> dict:
+        """GET the job, riding out a short outage (a restarting server keeps its jobs in SQLite); Cancel still
+        stops the wait meanwhile."""
         outage_until = time.monotonic() + POLL_OUTAGE_S
         while True:
             try:
@@ -132,6 +151,7 @@ class K6ServeClient:
                     raise
                 logger.warning("%s: polling job %s failed (%s); retrying", self.node_name, job_id, error.__cause__)
                 time.sleep(1.0)
+                check_interrupt()
 
     def _cancel_quietly(self, job_id: str) -> None:
         try:
@@ -163,7 +183,12 @@ class K6ServeClient:
     def _json(self, method: str, route: str, *, body: bytes | None = None, content_type: str | None = None,
               timeout_s: float | None = None) -> dict:
         with self._open(method, route, body=body, content_type=content_type, timeout_s=timeout_s) as response:
-            return json.loads(response.read())
+            raw = response.read()
+        try:
+            return json.loads(raw)
+        except ValueError:  # e.g. an HTML page from another web server or a proxy in front of it
+            raise K6ServeError(f"{self.node_name}: {method} {self.base_url}{route} answered with something other "
+                               f"than JSON ({raw[:80]!r}); is server_url the address of `k6serve serve`?") from None
 
     def _open(self, method: str, route: str, *, body: bytes | None = None, content_type: str | None = None,
               timeout_s: float | None = None):
@@ -205,7 +230,8 @@ class K6ServeClient:
             return K6ServeError(f"{self.node_name}: the server refused the input '{node_input}' "
                                 f"(server field '{param}', {code}): {message} Change '{node_input}' and run again.")
         code_text = f", {code}" if code else ""
-        return K6ServeError(f"{self.node_name}: {where} answered HTTP {error.code}{code_text}: {message}")
+        return K6ServeError(f"{self.node_name}: {where} answered HTTP {error.code}{code_text}: {message}",
+                            status=error.code)
 
     def _connection_error(self, error: Exception) -> K6ServeError:
         reason = getattr(error, "reason", error)

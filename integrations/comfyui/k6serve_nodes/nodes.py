@@ -17,7 +17,7 @@ import torch
 
 from . import comfy_runtime
 from .client import K6ServeClient, K6ServeError, Upload
-from .media import decode_video, encode_png, encode_video, image_to_uint8
+from .media import decode_video, encode_png, encode_video, image_to_uint8, require_av
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +253,7 @@ def run_job(client: K6ServeClient, fields: dict[str, Any], uploads: list[Upload]
             timeout_s: float) -> dict[str, Any]:
     """Create the job, follow it, save the MP4 and decode it into the node's outputs."""
     output_path(filename_prefix, "video_check", client.node_name)  # a bad prefix fails before the GPU works
+    require_av()  # so does a missing PyAV, which only the decode after the job needs
     job = client.create_job(fields, uploads)
     logger.info("%s: job %s queued on %s", client.node_name, job["id"], client.base_url)
     done = client.wait(job, check_interrupt=comfy_runtime.interrupt_check(),
