@@ -7,5 +7,6 @@ computation masks), the library the reference server uses (serving-reference.md 
 mean the same here.
 
 `params.py` holds the torch-free request parameters and the step masks; `block_cache.py` the per-request state
-and the block runner that the model's fused-block stack delegates to while a request has caching on.
+and the block runner that the model's fused-block stack delegates to while a request has caching on; `preflight.py`
+checks the settings against the DiT's block count before the model loads.
 """

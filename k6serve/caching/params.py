@@ -99,12 +99,17 @@ class CacheDitParams:
 
     def check_against(self, *, num_blocks: int, num_steps: int) -> None:
         """Raise ValueError when these settings cannot run on a DiT of `num_blocks` for `num_steps` steps."""
+        self.check_blocks(num_blocks)
+        self.steps_mask(num_steps)
+
+    def check_blocks(self, num_blocks: int, *, source: str = "cache_dit_params") -> None:
+        """Raise ValueError unless Fn + Bn leave a block of a DiT of `num_blocks` to cache; `source` names where
+        the settings came from (the request's field, or --cache-dit-config)."""
         if self.Fn_compute_blocks + self.Bn_compute_blocks >= num_blocks:
             raise ValueError(
-                f"cache_dit_params: Fn_compute_blocks ({self.Fn_compute_blocks}) + Bn_compute_blocks "
+                f"{source}: Fn_compute_blocks ({self.Fn_compute_blocks}) + Bn_compute_blocks "
                 f"({self.Bn_compute_blocks}) must leave at least one of the DiT's {num_blocks} fused blocks to "
                 f"cache; lower them to a sum of at most {num_blocks - 1}.")
-        self.steps_mask(num_steps)
 
     def steps_mask(self, num_steps: int) -> tuple[int, ...] | None:
         """The step computation mask for `num_steps` steps (1 = compute), or None without one."""

@@ -65,9 +65,9 @@ def _variant_before_loading(engine_options: dict[str, Any]):
 def check_request_before_loading(engine_options: dict[str, Any], params: SamplingParams) -> None:
     """Resolve the one request against the model's variant, and open its input file, before the model loads
     (minutes for a real checkpoint): a --seed, --height or --num-inference-steps out of range, a flag of the other
-    model family, an --sr-target-resolution with an odd side, or a missing or unreadable --image-path /
-    --video-path fails now with its fix, as it would after the load. The worker resolves the request again; this
-    only moves the refusal earlier."""
+    model family, an --sr-target-resolution with an odd side, Cache-DiT settings that leave no DiT block to cache,
+    or a missing or unreadable --image-path / --video-path fails now with its fix, as it would after the load. The
+    worker resolves the request again; this only moves the refusal earlier."""
     variant = _variant_before_loading(engine_options)
     if variant is None:
         return
@@ -75,8 +75,12 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
 
     config = build_engine_config(**engine_options)
     if variant.family == GENERATION:
+        from k6serve.caching.preflight import check_cache_dit_config_before_loading, dit_blocks_before_loading
+
+        check_cache_dit_config_before_loading(config)  # named as --cache-dit-config, not as the request's params
         request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
-                                      cache_dit_unavailable=config.parallel.cache_dit_unavailable)
+                                      cache_dit_unavailable=config.parallel.cache_dit_unavailable,
+                                      num_dit_blocks=dit_blocks_before_loading(config.model))
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 

@@ -248,11 +248,13 @@ class MissingSourceVideo(ValueError):
 
 
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
-                     cache_dit_unavailable: str | None = None) -> tuple[GenerateRequest, list[str]]:
+                     cache_dit_unavailable: str | None = None,
+                     num_dit_blocks: int | None = None) -> tuple[GenerateRequest, list[str]]:
     """Fill defaults from the variant and validate; returns the request and warnings for the user.
 
     `engine_cache_dit` is the engine's `--cache-dit-config` (caching on by default), `cache_dit_unavailable` why
-    this engine cannot cache (a request that turns caching on is then refused with it)."""
+    this engine cannot cache (a request that turns caching on is then refused with it), `num_dit_blocks` the DiT's
+    fused block count where it is known (Cache-DiT settings must leave one to cache; None: the pipeline checks)."""
     if variant.family != GENERATION:
         raise ValueError(f"{variant.name} is a super-resolution model: pass video_path, not a prompt.")
     notes: list[str] = []
@@ -316,6 +318,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                 "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a video."
             )
     cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
+    if cache_dit is not None and num_dit_blocks is not None:
+        cache_dit.check_blocks(num_dit_blocks)
     if cache_dit is not None and variant.distilled:
         notes.append(f"Cache-DiT on {variant.name}, a {variant.num_inference_steps}-step distilled checkpoint: each "
                      "step moves the latents far, so there is little to skip and skipping costs quality; it is "

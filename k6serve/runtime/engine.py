@@ -116,10 +116,12 @@ class Engine:
     def __init__(self, config: EngineConfig, *, worker: ModelWorker | None = None) -> None:
         self.config = config
         if worker is None:
+            from k6serve.caching.preflight import check_cache_dit_config_before_loading
             from k6serve.parallel.preflight import check_layout_before_loading
             from k6serve.runtime.process_group_worker import MultiProcessWorker
 
             check_layout_before_loading(config)  # a layout the ranks would refuse: refused before they load
+            check_cache_dit_config_before_loading(config)  # one every request would fail on: likewise
             worker = MultiProcessWorker(config)
         self.worker = worker
         self._queue: queue.Queue = queue.Queue()

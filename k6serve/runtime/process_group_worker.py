@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from k6serve.caching.preflight import dit_blocks_before_loading
 from k6serve.config import EngineConfig
 from k6serve.lora.spec import LoraOperation, ReplicasDisagree
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
@@ -461,6 +462,9 @@ class MultiProcessWorker:
             self.close(timeout_s=2.0)
             raise
         self._idle = list(self._replicas)
+        # So a request whose Cache-DiT settings leave no block to cache is refused when resolved (a 400 when the
+        # server creates the job), not when it runs; None where the count needs a download (the pipeline checks).
+        self.num_dit_blocks = dit_blocks_before_loading(config.model)
 
     @property
     def num_replicas(self) -> int:
@@ -523,7 +527,8 @@ class MultiProcessWorker:
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:
             return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
-                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable)
+                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable,
+                                    num_dit_blocks=self.num_dit_blocks)
         return resolve_upscale(params, self.variant)
 
     def run(self, params: SamplingParams, output: OutputOptions,

@@ -1,0 +1,42 @@
+"""Cache-DiT settings checked against the DiT's block count before the model loads (minutes for a real checkpoint).
+
+Fn_compute_blocks + Bn_compute_blocks must leave a block to cache. The pipeline checks that against the loaded DiT,
+so `--cache-dit-config` or a request's `cache_dit_params` over the count was refused only after the whole load
+(`k6serve generate`), or made every accepted job fail (`k6serve serve`). Here the count is read where that needs no
+download (a local folder's transformer/config.json, the demo, a released checkpoint's built-in config), as the
+parallel preflight reads it. The pipeline checks again; this only moves the refusal earlier.
+"""
+
+from __future__ import annotations
+
+from k6serve.config import EngineConfig, ModelConfig
+
+
+def dit_blocks_before_loading(model: ModelConfig) -> int | None:
+    """The generation DiT's number of fused blocks where it needs no download; None for a super-resolution model
+    or when it cannot be told now (a hub id not among the released ones, a folder without the config)."""
+    from k6serve.models.checkpoint_files import read_json_file, variant_before_loading
+    from k6serve.models.kandinsky6.checkpoint import released_transformer_config
+    from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+    from k6serve.models.variants import GENERATION
+
+    try:
+        variant, folder = variant_before_loading(model.model_path, model.model_id, model.load_format)
+        if variant is None or variant.family != GENERATION:
+            return None
+        transformer = (read_json_file(folder / "transformer" / "config.json") if folder is not None
+                       else released_transformer_config(variant))
+        return Kandinsky6TransformerConfig.from_json_dict(transformer).num_visual_blocks
+    except (OSError, KeyError, TypeError, ValueError):
+        return None  # the load reports a damaged or missing config, in its words
+
+
+def check_cache_dit_config_before_loading(config: EngineConfig) -> None:
+    """Refuse, before loading, a --cache-dit-config that leaves no block of the DiT to cache (every request would
+    fail)."""
+    cache_dit = config.runtime.cache_dit_config
+    if cache_dit is None:
+        return
+    num_blocks = dit_blocks_before_loading(config.model)
+    if num_blocks is not None:
+        cache_dit.check_blocks(num_blocks, source="--cache-dit-config")

@@ -1,0 +1,74 @@
+"""Cache-DiT settings that leave no DiT block to cache are refused before the model loads, where the block count
+needs no download (the demo, a local folder, a released checkpoint's built-in config), and when a request is
+resolved (the server's job creation), not when it runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from k6serve import DiffGenerator
+from k6serve.api import build_engine_config
+from k6serve.caching.preflight import check_cache_dit_config_before_loading, dit_blocks_before_loading
+from k6serve.cli.main import main
+from k6serve.request import SamplingParams
+
+PRO = "kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers"
+VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
+TOO_MANY = '{"Fn_compute_blocks": 2, "Bn_compute_blocks": 1}'  # the demo DiT has 2 fused blocks
+REFUSAL = (r"Fn_compute_blocks \(2\) \+ Bn_compute_blocks \(1\) must leave at least one of the DiT's 2 fused "
+           r"blocks to cache; lower them to a sum of at most 1\.")
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Starting the ranks (which load the checkpoint) fails the test."""
+    import k6serve.runtime.process_group_worker as process_group_worker
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(process_group_worker.MultiProcessWorker, "__init__", refuse)
+
+
+def test_the_cli_refuses_before_loading(demo_dir, no_ranks, capsys):
+    # Before: the weights loaded, then the request failed.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-params", TOO_MANY,
+                 "--no-save-output"]) == 2
+    assert "error: cache_dit_params: Fn_compute_blocks (2) + Bn_compute_blocks (1)" in capsys.readouterr().err
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-config", TOO_MANY,
+                 "--no-save-output"]) == 2
+    assert "error: --cache-dit-config: Fn_compute_blocks (2)" in capsys.readouterr().err
+    # A server would have started and failed every generation job.
+    assert main(["serve", "--model-path", "demo", "--cache-dit-config", TOO_MANY]) == 2
+    assert "error: --cache-dit-config: Fn_compute_blocks (2)" in capsys.readouterr().err
+
+
+def test_the_api_refuses_an_engine_config_before_loading(demo_dir, no_ranks):
+    with pytest.raises(ValueError, match="^cache_dit_config: " + REFUSAL):  # the API names its keyword
+        DiffGenerator.from_pretrained("demo", device="cpu", cache_dit_config={"Fn_compute_blocks": 2,
+                                                                              "Bn_compute_blocks": 1})
+
+
+def test_block_counts_known_without_a_download(demo_dir, tiny_distill_dir, hub_offline):
+    assert dit_blocks_before_loading(build_engine_config("demo").model) == 2
+    assert dit_blocks_before_loading(build_engine_config(str(tiny_distill_dir)).model) == 2
+    assert dit_blocks_before_loading(build_engine_config(PRO).model) == 60  # the built-in released config
+    assert dit_blocks_before_loading(build_engine_config(VSR).model) is None  # super-resolution: no Cache-DiT
+    assert dit_blocks_before_loading(build_engine_config("someone/unknown-k6-finetune").model) is None
+    with pytest.raises(ValueError, match=r"of the DiT's 60 fused blocks to cache; lower them to a sum of at most 59"):
+        check_cache_dit_config_before_loading(build_engine_config(PRO, cache_dit_config={"Fn_compute_blocks": 60}))
+    check_cache_dit_config_before_loading(build_engine_config(PRO, cache_dit_config={"Fn_compute_blocks": 59}))
+
+
+@pytest.mark.slow
+def test_the_engine_refuses_a_request_when_it_resolves_it(demo_dir):
+    # What the server's job creation calls: before, the job was accepted (202) and failed when it ran.
+    generator = DiffGenerator.from_pretrained("demo", device="cpu")
+    try:
+        with pytest.raises(ValueError, match="^cache_dit_params: " + REFUSAL):
+            generator.engine.resolve(SamplingParams(prompt="x", cache_dit_params={"Fn_compute_blocks": 2,
+                                                                                  "Bn_compute_blocks": 1}))
+        request, _ = generator.engine.resolve(SamplingParams(prompt="x", cache_dit_params={"Fn_compute_blocks": 1}))
+        assert request.cache_dit.Fn_compute_blocks == 1
+    finally:
+        generator.shutdown()
