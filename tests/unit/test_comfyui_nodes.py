@@ -282,7 +282,7 @@ def test_api_key_from_the_environment_and_a_silent_video(fake_server, monkeypatc
 
 def test_timeout_cancels_the_job(fake_server, comfy):
     started = time.monotonic()
-    with pytest.raises(K6ServeError, match="did not finish within timeout_s=1 s.*cancelled on the server"):
+    with pytest.raises(K6ServeError, match="did not finish within timeout_s=1 s.*asked the server to cancel it"):
         Generate().generate(fake_server.base_url, **{**TINY, "prompt": "hold"}, api_key="secret-key", timeout_s=1)
     assert time.monotonic() - started < 10
     assert _newest_job(fake_server)["status"] == "cancelled"
@@ -418,3 +418,28 @@ def test_cancel_is_heard_while_the_server_is_unreachable(monkeypatch):
     with pytest.raises(InterruptProcessingException):
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=check_interrupt)
     assert time.monotonic() - started < 2 and cancelled == ["video_1"]
+
+
+def test_timeout_is_heard_while_the_server_is_unreachable(monkeypatch):
+    """timeout_s was not looked at while a poll rode out an outage (up to 30 s past it); now it ends the wait, and
+    the message promises only that the node asked for the cancel."""
+    client_module = sys.modules["k6serve_nodes.client"]
+    client = client_module.K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
+    unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
+    unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
+    calls = []
+
+    def get_job(job_id):
+        calls.append(job_id)
+        raise unreachable
+
+    cancelled = []
+    monkeypatch.setattr(client, "get_job", get_job)
+    monkeypatch.setattr(client, "cancel_job", lambda job_id: cancelled.append(job_id) or {"status": "cancelled"})
+    real_sleep = time.sleep
+    monkeypatch.setattr(client_module.time, "sleep", lambda seconds: real_sleep(min(seconds, 0.05)))
+    started = time.monotonic()
+    with pytest.raises(K6ServeError, match=r"did not finish within timeout_s=0.3 s \(last seen in_progress, "
+                                           r"progress 5%\); the node asked the server to cancel it"):
+        client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, timeout_s=0.3)
+    assert time.monotonic() - started < 2 and len(calls) > 1 and cancelled == ["video_1"]

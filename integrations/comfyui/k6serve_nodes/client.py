@@ -125,12 +125,10 @@ class K6ServeClient:
                 on_progress(int(job.get("progress") or 0))
                 check_interrupt()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise K6ServeError(f"{self.node_name}: job {job_id} did not finish within timeout_s="
-                                       f"{timeout_s:g} s (status {job['status']}, progress {job.get('progress')}%); "
-                                       "it was cancelled on the server. Raise timeout_s, or 0 for no limit.")
+                    raise self._timed_out(job, timeout_s)
                 time.sleep(interval)
                 interval = min(poll_interval_s, interval * 1.5)
-                job = self._poll(job_id, check_interrupt)
+                job = self._poll(job, check_interrupt, deadline=deadline, timeout_s=timeout_s)
         except BaseException:
             self._cancel_quietly(job_id)
             raise
@@ -139,9 +137,11 @@ class K6ServeClient:
             logger.warning("%s: job %s: %s", self.node_name, job_id, warning)
         return self._check_final(job)
 
-    def _poll(self, job_id: str, check_interrupt: Callable[[], None]) -> dict:
-        """GET the job, riding out a short outage (a restarting server keeps its jobs in SQLite); Cancel still
-        stops the wait meanwhile."""
+    def _poll(self, job: dict, check_interrupt: Callable[[], None], *, deadline: float | None,
+              timeout_s: float) -> dict:
+        """GET the job, riding out a short outage (a restarting server keeps its jobs in SQLite); Cancel and
+        timeout_s still stop the wait meanwhile."""
+        job_id = job["id"]
         outage_until = time.monotonic() + POLL_OUTAGE_S
         while True:
             try:
@@ -152,6 +152,16 @@ class K6ServeClient:
                 logger.warning("%s: polling job %s failed (%s); retrying", self.node_name, job_id, error.__cause__)
                 time.sleep(1.0)
                 check_interrupt()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise self._timed_out(job, timeout_s) from None
+
+    def _timed_out(self, job: dict, timeout_s: float) -> K6ServeError:
+        # Said before the DELETE that follows it (`wait`), which may find the job ending its decode or the server
+        # still unreachable: the node asks for the cancel, it cannot promise it.
+        return K6ServeError(f"{self.node_name}: job {job['id']} did not finish within timeout_s={timeout_s:g} s "
+                            f"(last seen {job['status']}, progress {job.get('progress')}%); the node asked the server "
+                            "to cancel it (DELETE /v1/videos/{id}; the log says whether it did). Raise timeout_s, or "
+                            "0 for no limit.")
 
     def _cancel_quietly(self, job_id: str) -> None:
         try:
