@@ -46,6 +46,7 @@ from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
+from k6serve.serve.errors import disk_full
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import Adapters, LoraState
 from k6serve.serve.metrics import ServerMetrics
@@ -509,6 +510,12 @@ class JobRunner:
                 self._record(job, JobStatus.FAILED, error_code="out_of_memory",
                              error_message=f"The GPU ran out of memory for this request ({out_of_memory_detail(exc)});"
                                            " retry with a smaller size or fewer seconds.")
+            elif disk_full(exc):
+                # The machine's state, not the request's: say so, without the server's own file paths.
+                self._record(job, JobStatus.FAILED, error_code="insufficient_storage",
+                             error_message="The server's disk was full when this job's video was written, so it was "
+                                           "not kept; submit the job again once space is free (deleting finished "
+                                           "jobs frees their videos).")
             else:
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
                              error_message=f"{type(exc).__name__}: {exc}")

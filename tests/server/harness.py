@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import socket
 import threading
@@ -33,7 +34,7 @@ class FakeWorker:
     reports every step then, until `release` is set, reports the final step again every 10 ms as the pipelines do
     between the video decode's chunks (`decoding` is set meanwhile), "slow tail" reports every step then waits for
     `release` with no boundary left (like the MP4's tail after the last chunk; `decoding` is set meanwhile too),
-    "fail" raises, "exhaust memory" raises a worker process's out-of-memory error, "load image" decodes the
+    "fail" raises, "fill the disk" raises the OSError of a full disk, "exhaust memory" raises a worker process's out-of-memory error, "load image" decodes the
     conditioning image as the pipeline does (so a file broken past its header fails the job).
     """
 
@@ -83,6 +84,10 @@ class FakeWorker:
             # What a worker process's OOM looks like once the engine has it (process_group_worker._failure_error).
             raise RuntimeError("request 1 failed on replica 0: rank 0: OutOfMemoryError: CUDA out of memory. "
                                "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
+        if "fill the disk" in prompt:
+            # What the engine raises when the MP4 write meets a full disk (process_group_worker._failure_error
+            # keeps an OSError's errno and file name).
+            raise OSError(errno.ENOSPC, "No space left on device", "/srv/k6/outputs/.video_x.mp4.part")
         if "fail" in prompt:
             raise RuntimeError("fake worker failure")
         if "load image" in prompt and getattr(request, "image_path", None):

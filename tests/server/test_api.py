@@ -306,6 +306,15 @@ def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_c
     assert wait_for(fake_client, later["id"])["status"] == "completed"
 
 
+def test_a_job_whose_video_meets_a_full_disk_says_so_without_the_servers_paths(fake_client):
+    job = fake_client.post("/v1/videos", json={"prompt": "fill the disk", "size": "32x32", "num_frames": 5}).json()
+    failed = wait_for(fake_client, job["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "insufficient_storage"
+    assert "disk was full" in failed["error"]["message"] and "/srv/k6" not in failed["error"]["message"]
+    later = fake_client.post("/v1/videos", json={"prompt": "fine", "size": "32x32", "num_frames": 5}).json()
+    assert wait_for(fake_client, later["id"])["status"] == "completed"
+
+
 def test_a_local_folder_is_named_by_the_released_checkpoint_it_is_for_both_families(server_distill_dir, server_vsr_dir,
                                                                                      tmp_path):
     # The audit saw the local SR folder listed as the hub id and took it for a slip, next to the demo's "demo". The
