@@ -27,8 +27,13 @@ def decode_video(vae, video_BTHWC: torch.Tensor, *, keep_float: bool = True) -> 
 
 
 def float_frames(pixels_BCTHW: torch.Tensor) -> torch.Tensor:
-    """Decoder output in [-1, 1] (batch 1) -> float32 frames (T, H, W, 3) in [0, 1], on its device."""
-    return (pixels_BCTHW[0].float() / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).contiguous()
+    """Decoder output in [-1, 1] (batch 1) -> float32 frames (T, H, W, 3) in [0, 1], on its device.
+
+    `(x * 0.5 + 0.5).clamp(0, 1)` runs in the decoder's dtype and only then becomes fp32, as diffusers'
+    `VaeImageProcessor.denormalize` + `pt_to_numpy` do: with a bf16 VAE the value is rounded to bf16 before the
+    `round(x * 255)`, so the uint8 frames equal diffusers' PIL frames bit for bit (in fp32 nothing changes).
+    """
+    return (pixels_BCTHW[0] * 0.5 + 0.5).clamp(0, 1).float().permute(1, 2, 3, 0).contiguous()
 
 
 def quantise(frames_THWC: torch.Tensor) -> torch.Tensor:

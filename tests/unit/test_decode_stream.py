@@ -88,6 +88,26 @@ def test_chunks_equal_decode_video_over_several_temporal_tiles(vae, monkeypatch,
     assert decoder_calls[0] == num_decoder_calls
 
 
+def test_bf16_chunks_equal_diffusers_tiled_decode_and_pil_postprocess(vae):
+    """The default bf16 VAE over several temporal tiles (11 latent frames: 4 tiles): the streamed chunks equal
+    diffusers' own `vae.decode` + `postprocess_video(output_type="pil")` bit for bit (blend and denormalisation in
+    bf16, then round(x * 255))."""
+    import copy
+
+    from diffusers.video_processor import VideoProcessor
+
+    bf16_vae = copy.deepcopy(vae).to(torch.bfloat16)
+    latents = _latents(11).to(torch.bfloat16)
+    chunks = np.concatenate(list(decode_video_chunks(bf16_vae, latents)))
+    with torch.inference_mode():
+        pixels = bf16_vae.decode(latents.permute(0, 4, 1, 2, 3) / bf16_vae.config.scaling_factor).sample
+    pil = VideoProcessor(vae_scale_factor=8).postprocess_video(pixels, output_type="pil")[0]
+    expected = np.stack([np.asarray(frame) for frame in pil])
+    assert chunks.shape == expected.shape == (41, 32, 48, 3)
+    assert np.array_equal(chunks, expected)
+    assert np.array_equal(chunks, decode_video(bf16_vae, latents).frames_THWC)
+
+
 def test_chunks_come_out_one_tile_behind_the_decode(vae, monkeypatch):
     decoder_calls = _count_forwards(vae.decoder)
     stream = decode_video_chunks(vae, _latents(11))
