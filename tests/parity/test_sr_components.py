@@ -280,3 +280,72 @@ def test_vae_single_segment_encode_and_decode_match_diffusers(vae):
     raw = vae.decode_tile_raw(latent)
     assert raw.shape == (1, 3, 17, 32, 32)
     assert_close_relative(raw, reference)
+
+
+# ---- bf16: the dtype the K-VAE and the latent-upscaler bank are loaded in by default ----
+
+
+@pytest.fixture(scope="module")
+def vae_bf16(checkpoint):
+    model = build_vae(SRVAEConfig.from_json_file(checkpoint / "vae" / "config.json")).eval()
+    model.load_state_dict(_weights(checkpoint, "vae"), strict=True)
+    return SRVAE(model.to(torch.bfloat16))
+
+
+def test_bf16_vae_encode_clip_equals_diffusers_bitwise(vae_bf16):
+    """Our segment loop and cache chain in bf16 (21 frames: segments 17 + 4) against diffusers' own `encode` on the
+    same x/128 - 1 pixels cast to bf16: the same ops in the same dtype, bit for bit."""
+    video = torch.randint(
+        0, 256, (1, 3, 21, 32, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    latent = vae_bf16.encode_clip(video)
+    with torch.no_grad():
+        pixels = (video.float() / 128 - 1).to(torch.bfloat16)
+        expected = vae_bf16.model.encode(pixels).latent_dist.mode() * vae_bf16.scaling_factor
+    assert latent.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(latent, expected)
+
+
+def test_bf16_vae_decode_is_diffusers_with_the_documented_norm_out_activation(vae_bf16):
+    """bf16 decode over segments 5 + 4 (9 latent frames). Documented choice (vae.py, k6-super-resolution.md §0/§2.10):
+    x * sigmoid(x) at norm_out, as SG, where diffusers calls F.silu. Swapping only that activation in diffusers'
+    own `decode` (forward hooks around it) gives our output bit for bit; stock diffusers differs by bf16 rounding
+    only."""
+    latent = torch.randn(1, 8, 9, 4, 4, generator=torch.Generator().manual_seed(2))
+    raw = vae_bf16.decode_tile_raw(latent)
+    decoder = vae_bf16.model.decoder
+    scaled = latent.to(torch.bfloat16) / vae_bf16.scaling_factor
+    with torch.no_grad():
+        stock = vae_bf16.model.decode(scaled).sample
+        normed = []
+        hooks = [
+            decoder.norm_out.register_forward_hook(lambda _m, _a, output: normed.append(output)),
+            decoder.conv_out.register_forward_pre_hook(
+                lambda _m, args: (normed[-1] * torch.sigmoid(normed[-1]), *args[1:])
+            ),
+        ]
+        try:
+            swapped = vae_bf16.model.decode(scaled).sample
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert len(normed) == 2  # one norm_out per causal segment
+    assert raw.dtype == swapped.dtype == torch.bfloat16 and raw.shape == (1, 3, 33, 32, 32)
+    assert torch.equal(raw, swapped)
+    assert not torch.equal(raw, stock)  # the choice is visible in bf16 ...
+    assert_close_relative(raw.float(), stock.float(), tolerance=2e-2)  # ... at bf16 rounding level
+
+
+@pytest.mark.parametrize("scale", [2, 4])
+def test_bf16_latent_upscaler_equals_diffusers_bitwise(checkpoint, scale):
+    bank = build_upscaler(
+        SRUpscalerConfig.from_json_file(checkpoint / "latent_upscaler" / "config.json")
+    ).eval()
+    bank.load_state_dict(_weights(checkpoint, "latent_upscaler"), strict=True)
+    bank.to(torch.bfloat16)
+    latent = torch.randn(1, 8, 3, 4, 6, generator=torch.Generator().manual_seed(scale))
+    actual = SRLatentUpscaler(bank).upscale(latent, scale)
+    with torch.no_grad():
+        expected = bank(latent.to(torch.bfloat16), scale=scale, return_dict=False)[0]
+    assert actual.dtype == torch.float32 and expected.dtype == torch.bfloat16  # ours hands fp32 on, as R
+    assert torch.equal(actual, expected.float())
