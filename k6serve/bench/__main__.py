@@ -16,12 +16,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from k6serve.bench.audio import AudioOptions, run_audio
 from k6serve.bench.dit import DitOptions, parse_fp8_entry, run_dit
-from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
 from k6serve.bench.end_to_end import EndToEndOptions, run_generate, run_super_resolution
 from k6serve.bench.geometry import NUM_TEXT_TOKENS, generation_geometry
 from k6serve.bench.report import BenchRow, format_table, write_json
@@ -36,6 +36,7 @@ from k6serve.bench.tiny import (
 from k6serve.bench.vae import VaeOptions, run_vae
 from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, QUANTIZATIONS, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
+from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
 
 STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Stage(s) to run; repeat the flag for several (default: dit).",
     )
     parser.add_argument("--variant", default="pro-distill", choices=GENERATION_VARIANTS)
+    parser.add_argument(
+        "--transformer-path",
+        help="dit: a local Diffusers checkpoint folder (its transformer/) or a transformer folder, whose weights "
+        "replace the random ones (the inputs stay random); its config, not --variant's, sets the shapes.",
+    )
     parser.add_argument("--height", type=int, help="Pixels (default 512; --tiny 64).")
     parser.add_argument("--width", type=int, help="Pixels (default 768; --tiny 96).")
     parser.add_argument("--num-frames", type=int, help="4k+1 frames (default 121; --tiny 17).")
@@ -217,6 +223,18 @@ def _fp8_entry(text: str) -> str:
     return text
 
 
+def _transformer_dir(path: str) -> Path:
+    """The folder with the DiT's config.json: `path` itself, or a Diffusers checkpoint's transformer/."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / "transformer"):
+        if (candidate / "config.json").is_file() and any(candidate.glob("*.safetensors")):
+            return candidate
+    raise SystemExit(f"--transformer-path {path}: neither it nor its transformer/ holds a config.json with "
+                     "safetensors weights; give a local Diffusers checkpoint folder (download it first, e.g. "
+                     "`huggingface-cli download kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers --include "
+                     "'transformer/*' --local-dir DIR`).")
+
+
 def _check_fp8_patterns(entries: list[str], transformer_config: dict) -> None:
     """A pattern that keeps nothing in bf16 is refused before the model is built, not after the bf16 rows."""
     from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
@@ -273,11 +291,17 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     default_backends = "fa,torch_sdpa" if device.type == "cuda" else "torch_sdpa"
     backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
     timing = {"repeats": args.repeats, "warmup": args.warmup}
-    transformer_config = (
-        TINY_TRANSFORMER_CONFIG
-        if args.tiny
-        else released_transformer_config(VARIANTS[args.variant])
-    )
+    weights_dir = _transformer_dir(args.transformer_path) if args.transformer_path else None
+    if weights_dir is not None:
+        from k6serve.models.checkpoint_files import read_json_file
+
+        transformer_config = read_json_file(weights_dir / "config.json")
+    else:
+        transformer_config = (
+            TINY_TRANSFORMER_CONFIG
+            if args.tiny
+            else released_transformer_config(VARIANTS[args.variant])
+        )
     end_to_end = EndToEndOptions(
         variant=args.variant,
         height=height,
@@ -315,8 +339,9 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         # torch.compile refuses a mode with any other backend; say so before minutes of setup.
         raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")
     dit = DitOptions(
-        label="tiny" if args.tiny else args.variant,
+        label=str(weights_dir) if weights_dir else "tiny" if args.tiny else args.variant,
         transformer_config=transformer_config,
+        weights_dir=weights_dir,
         geometry=geometry,
         device=device,
         dtype=dtype,

@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from k6serve.bench.geometry import GenerationGeometry
 from k6serve.bench.measure import cosine_similarity, measure
 from k6serve.bench.reference import diffusers_transformer_like
 from k6serve.bench.report import BenchRow
-from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer, load_transformer
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6.plan import kandinsky6_plan
 from k6serve.ops import flash_attention4, fp8_attention
@@ -43,6 +44,9 @@ TIMESTEP = 500.0
 class DitOptions:
     label: str  # variant name shown in the table, e.g. "pro-distill"
     transformer_config: dict
+    # A folder holding a DiT's config.json and safetensors (a checkpoint's transformer/): its weights instead of
+    # random ones, e.g. to see what --fp8-linears does to the released model. The inputs stay random.
+    weights_dir: Path | None = None
     geometry: GenerationGeometry
     device: torch.device
     dtype: torch.dtype
@@ -276,9 +280,12 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
         num_audio_tokens=geometry.num_audio_tokens,
         num_text_tokens=geometry.num_text_tokens,
     )
-    ours = build_dummy_transformer(
-        options.transformer_config, device=options.device, dtype=options.dtype, seed=options.seed
-    )
+    if options.weights_dir is not None:
+        ours = load_transformer(options.weights_dir, device=options.device, dtype=options.dtype)
+    else:
+        ours = build_dummy_transformer(
+            options.transformer_config, device=options.device, dtype=options.dtype, seed=options.seed
+        )
     inputs = dit_inputs(
         config, geometry, device=options.device, dtype=options.dtype, seed=options.seed + 1
     )

@@ -567,3 +567,21 @@ def test_gpu_sr_decode_script_runs_at_toy_size(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "sr_decode.json").read_text())
     assert summary["shape"] == [17, 64, 160, 3] and summary["max_uint8_diff"] <= 2
     assert set(summary["warm_total_s"]) == {"whole_tile", "spatial_shard"}
+
+
+def test_dit_stage_runs_a_checkpoints_own_weights(tiny_distill_dir, tmp_path):
+    """--transformer-path: the DiT rows run a folder's weights (a checkpoint root or its transformer/), against
+    diffusers on the same weights, instead of random ones; the inputs stay random."""
+    from k6serve.bench.__main__ import main
+
+    for path in (tiny_distill_dir, tiny_distill_dir / "transformer"):
+        out = tmp_path / f"{path.name}.json"
+        assert main(["--tiny", "--stage", "dit", "--transformer-path", str(path), "--skip-eager", "--repeats", "1",
+                     "--fp8-linears", "ffn", "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert [row["name"] for row in rows] == ["diffusers eager", "ours torch_sdpa fused+compiled",
+                                                 "ours torch_sdpa fused+compiled+fp8 ffn"]
+        assert all(row["error"] is None for row in rows) and str(tiny_distill_dir) in rows[0]["config"]
+        assert rows[1]["cosine_video"] > 0.99999  # fp32 weights of the folder, the same in both models
+    with pytest.raises(SystemExit, match="neither it nor its transformer/ holds a config.json with safetensors"):
+        main(["--tiny", "--stage", "dit", "--transformer-path", str(tmp_path)])
