@@ -81,8 +81,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")) or None
-        return JSONResponse(error_body(400, f"{param or 'request'}: {first['msg']}", code="invalid_parameter",
-                                       param=param), status_code=400)
+        message = f"{param or 'request'}: {first['msg']}"
+        if param == "variant" and request.url.path.endswith("/content"):
+            # OpenAI's SDK offers variant="thumbnail" / "spritesheet"; pydantic's "Input should be 'video'" does not
+            # say that those are simply not made here.
+            message = (f"variant: only 'video' is served, got {first.get('input')!r}; k6serve makes no thumbnail or "
+                       "spritesheet (take a frame of the MP4 instead).")
+        return JSONResponse(error_body(400, message, code="invalid_parameter", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -432,3 +432,13 @@ def test_an_expired_jobs_id_conflict_counts_from_its_expiry_not_the_sweep(fake_s
     assert response.status_code == 409
     age = int(re.search(r"deleted \(or expired\) (\d+) s ago", response.json()["error"]["message"])[1])
     assert 3590 <= age <= 3700  # it said "0 s ago": the sweep's time
+
+
+def test_a_thumbnail_variant_is_said_not_to_be_made(fake_client):
+    """OpenAI's SDK asks for variant=thumbnail or spritesheet; the 400 says k6serve makes neither."""
+    response = fake_client.get("/v1/videos/video_nope/content", params={"variant": "thumbnail"})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "variant: only 'video' is served, got 'thumbnail'; k6serve makes no thumbnail or spritesheet "
+                   "(take a frame of the MP4 instead).",
+        "type": "invalid_request_error", "param": "variant", "code": "invalid_parameter"}
