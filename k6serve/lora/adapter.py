@@ -3,7 +3,8 @@
 Two layouts are read:
 * diffusers / PEFT: `<module>.lora_A[.<adapter name>].weight` (rank x in) and `<module>.lora_B[.<adapter
   name>].weight` (out x rank), optionally `<module>.alpha`, under a `transformer.`, `base_model.model.`,
-  `diffusion_model.` (ComfyUI) or no prefix;
+  `diffusion_model.` (ComfyUI) or no prefix; the alpha may instead be in the file's header, where diffusers'
+  `save_lora_weights` / `save_lora_adapter` put the adapter's PEFT config (`_metadata_alphas`);
 * kohya (sd-scripts, musubi-tuner, and what ComfyUI exports from them): `lora_unet_<module with "_" for
   ".">.lora_down.weight` / `.lora_up.weight` / `.alpha` (also `lora_transformer_`). The flattened name cannot be
   split back into a path without the model: `targets.py` matches it against the model's flattened Linear names.
@@ -14,6 +15,7 @@ merging and the dynamic path cast them where they are used.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -31,6 +33,12 @@ _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 # kohya: the module path flattened with "_" (resolved against the model in targets.py); down = A, up = B.
 _KOHYA_KEY = re.compile(r"^lora_(?:unet|transformer)_(?P<module>[^.]+)\.(?:lora_(?P<kind>down|up)\.weight|alpha)$")
 _SHOWN = 5  # how many offending keys an error lists
+# diffusers' `save_lora_weights` (its training scripts) and `save_lora_adapter` write no `<module>.alpha` keys: the
+# adapter's PEFT `LoraConfig` goes into the safetensors header as JSON under this key (`lora_alpha`, `alpha_pattern`,
+# `use_rslora`, ...; each field prefixed `transformer.` when saved from a pipeline), and diffusers'
+# `load_lora_adapter` scales the adapter by it. Reading the tensors alone applied such an adapter at alpha = rank
+# (scale 1) instead of lora_alpha / rank (tests/parity/test_lora_parity.py).
+LORA_METADATA_KEY = "lora_adapter_metadata"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,8 +159,10 @@ def _strip_prefix(key: str) -> str:
     return key
 
 
-def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> dict[str, LoraModule]:
-    """Group a diffusers / PEFT LoRA state dict by module; `source` names the file in errors."""
+def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
+                          metadata: dict[str, str] | None = None) -> dict[str, LoraModule]:
+    """Group a diffusers / PEFT LoRA state dict by module; `source` names the file in errors, `metadata` is the
+    file's safetensors header (its `LORA_METADATA_KEY` entry may hold the alphas)."""
     downs: dict[str, torch.Tensor] = {}
     ups: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
@@ -185,6 +195,13 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
     unpaired = sorted(set(downs) ^ set(ups))
     if unpaired:
         raise ValueError(f"LoRA file {source!r}: module(s) with only one of lora_A / lora_B: {unpaired[:_SHOWN]}")
+    header_alphas = _metadata_alphas(metadata, downs, source)
+    for module, alpha in header_alphas.items():
+        # Both in one file have no agreed meaning (diffusers refuses `network_alphas` together with a header): a
+        # disagreement is refused rather than one of them picked.
+        if alphas.setdefault(module, alpha) != alpha:
+            raise ValueError(f"LoRA file {source!r}: module {module!r} has alpha {alphas[module]:g} in its .alpha key "
+                             f"but {alpha:g} in the {LORA_METADATA_KEY} header; keep one of them")
     modules = {}
     for module, down in downs.items():
         up = ups[module]
@@ -206,6 +223,55 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str) -> d
     return modules
 
 
+def _metadata_alphas(metadata: dict[str, str] | None, downs: dict[str, torch.Tensor],
+                     source: str) -> dict[str, float]:
+    """Each module's alpha from the PEFT `LoraConfig` diffusers stores in the header (empty without one), as PEFT
+    resolves it: `alpha_pattern`'s first pattern that matches the module path's end (peft's `get_pattern_key`),
+    else `lora_alpha`. An rsLoRA adapter (`use_rslora`) is scaled by alpha / sqrt(rank) there: as our
+    alpha / rank, that is an alpha of alpha * sqrt(rank)."""
+    raw = (metadata or {}).get(LORA_METADATA_KEY)
+    if not raw:
+        return {}
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"LoRA file {source!r}: its {LORA_METADATA_KEY} header is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA file {source!r}: its {LORA_METADATA_KEY} header is not a JSON object")
+    # A pipeline's `save_lora_weights` prefixes each field with the component (`transformer.lora_alpha`); a
+    # model's `save_lora_adapter` does not. Other components' fields (a text encoder's) do not concern the DiT.
+    prefixed = {key.removeprefix("transformer."): value for key, value in config.items()
+                if key.startswith("transformer.")}
+    config = prefixed or config
+    if "lora_alpha" not in config:
+        return {}
+    where = f"LoRA file {source!r}: {LORA_METADATA_KEY}"
+    default = _header_alpha(config["lora_alpha"], f"{where} lora_alpha")
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"{where} alpha_pattern must be an object (pattern -> alpha), got {patterns!r}")
+    alphas = {}
+    for module, down in downs.items():
+        try:
+            pattern = next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
+        except re.error as exc:
+            raise ValueError(f"{where} alpha_pattern holds a pattern that is not a regular expression "
+                             f"({exc})") from None
+        alpha = default if pattern is None else _header_alpha(patterns[pattern], f"{where} alpha_pattern[{pattern!r}]")
+        if config.get("use_rslora"):
+            alpha *= math.sqrt(down.shape[0])
+        check_lora_alpha(alpha, f"{where} (module {module!r}'s alpha)")
+        alphas[module] = alpha
+    return alphas
+
+
+def _header_alpha(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} (an alpha) must be a finite number, got {value!r}")
+    check_lora_alpha(value, name)
+    return float(value)
+
+
 def _alpha(tensor: torch.Tensor, key: str, source: str) -> float:
     """A module's alpha: one finite number within `MAX_LORA_ALPHA`."""
     if tensor.numel() != 1:
@@ -220,16 +286,18 @@ def _alpha(tensor: torch.Tensor, key: str, source: str) -> float:
 
 def read_adapter(path: str) -> LoraAdapter:
     """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     file = resolve_adapter_file(path)
     try:
-        tensors = load_file(str(file), device="cpu")
+        # safetensors.torch.load_file, plus the header's metadata (diffusers keeps the alphas there).
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata()
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except (SafetensorError, OSError) as exc:
         # Not a ValueError of its own: it reached the CLI as an internal error and the HTTP client as a 500 with a
         # traceback, for a truncated download or a file renamed to .safetensors.
         raise ValueError(f"LoRA file {str(file)!r} cannot be read as safetensors ({exc}); it may be damaged or "
                          "cut short (download or copy it again), or not a safetensors file") from None
-    modules = parse_lora_state_dict(tensors, source=str(file))
+    modules = parse_lora_state_dict(tensors, source=str(file), metadata=metadata)
     return LoraAdapter(path=path, file=file, modules=modules)

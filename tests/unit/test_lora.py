@@ -254,6 +254,46 @@ def test_an_ambiguous_kohya_name_is_refused_not_guessed(tmp_path):
         LoraManager(model).set([LoraSpec(nickname="a", path=str(tmp_path / "kohya.safetensors"))])
 
 
+def test_alpha_from_the_diffusers_header(tmp_path):
+    """diffusers' save_lora_weights / save_lora_adapter write no .alpha keys: the PEFT LoraConfig is JSON in the
+    safetensors header (fields prefixed "transformer." from a pipeline), and diffusers scales by it; ours read only
+    the tensors and applied such adapters at scale 1. Parity with diffusers: tests/parity/test_lora_parity.py."""
+    import json
+
+    ffn = {f"transformer.{VIDEO_FFN}.lora_A.weight": torch.ones(4, 64),
+           f"transformer.{VIDEO_FFN}.lora_B.weight": torch.ones(128, 4)}
+    key = {f"transformer.{SELF_KEY}.lora_A.weight": torch.ones(4, 64),
+           f"transformer.{SELF_KEY}.lora_B.weight": torch.ones(64, 4)}
+
+    def save(name, header, tensors=None, prefix="transformer."):
+        file = tmp_path / f"{name}.safetensors"
+        text = header if isinstance(header, str) else json.dumps({prefix + k: v for k, v in header.items()})
+        save_file(tensors or {**ffn, **key}, str(file), metadata={"format": "pt", "lora_adapter_metadata": text})
+        return str(file)
+
+    def alphas(path):
+        return {module: entry.alpha for module, entry in read_adapter(path).modules.items()}
+
+    pattern = {"r": 4, "lora_alpha": 8, "alpha_pattern": {r"self_attention\.to_key": 2.0}}
+    assert alphas(save("pipeline", pattern)) == {VIDEO_FFN: 8.0, SELF_KEY: 2.0}
+    assert alphas(save("model", pattern, prefix="")) == {VIDEO_FFN: 8.0, SELF_KEY: 2.0}
+    assert alphas(save("rslora", {"lora_alpha": 8, "use_rslora": True})) == {VIDEO_FFN: 16.0, SELF_KEY: 16.0}
+    assert alphas(save("no_alpha", {"r": 4})) == {VIDEO_FFN: None, SELF_KEY: None}  # alpha = rank then
+    same = {**ffn, **key, f"transformer.{VIDEO_FFN}.alpha": torch.tensor(8.0)}
+    assert alphas(save("both_agree", {"lora_alpha": 8}, same)) == {VIDEO_FFN: 8.0, SELF_KEY: 8.0}
+    for name, header, tensors, message in (
+        ("not_json", "{oops", None, "lora_adapter_metadata header is not valid JSON"),
+        ("not_object", "[8]", None, "lora_adapter_metadata header is not a JSON object"),
+        ("bad_alpha", {"lora_alpha": "eight"}, None, r"lora_alpha \(an alpha\) must be a finite number"),
+        ("huge_alpha", {"lora_alpha": 1e9}, None, "must be a finite number from -10000 to 10000"),
+        ("disagree", {"lora_alpha": 4}, same, r"alpha 8 in its \.alpha key but 4 in the lora_adapter_metadata header"),
+    ):
+        file = save(name, header, tensors)
+        with pytest.raises(ValueError, match=message) as raised:
+            read_adapter(file)
+        assert names_adapter_file(str(raised.value)), name
+
+
 def test_peft_adapter_name_segment(tmp_path):
     tensors = {f"base_model.model.{VIDEO_FFN}.lora_A.default.weight": torch.zeros(RANK, 64),
                f"base_model.model.{VIDEO_FFN}.lora_B.default.weight": torch.zeros(128, RANK)}
