@@ -24,6 +24,7 @@ from typing import Any
 
 from k6serve.api_errors import flags_as_keywords, reworded_errors
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.dependencies import MissingPackage, require_package
 from k6serve.lora.spec import (
     LORA_MERGE_MODES,
     LORA_TARGETS,
@@ -124,6 +125,24 @@ def _refuse_image_objects(image: Any) -> None:
     if isinstance(image, PIL.Image.Image):
         raise ValueError("image_path takes the path of an image file (a str or pathlib.Path), not a PIL image: save "
                          "it first, e.g. image.save('first_frame.png'), and pass that path.")
+
+
+def require_media_package(params: SamplingParams, output: OutputOptions) -> None:
+    """PyAV, which k6serve.media needs to write the MP4 and to read a source video or image, imported in the
+    caller's process: missing, the request failed in the worker only after the model had loaded and run."""
+    if output.save_output:
+        require_package("av", "to write the MP4")
+    elif params.image_path is not None or params.video_path is not None:
+        require_package("av", "to read input files")
+
+
+def _warn_without_media_package() -> None:
+    """Said before the load (minutes for a real checkpoint), which cannot know whether the requests will write an
+    MP4 (save_output, the default): `generate` refuses those, and the frames-only ones still run."""
+    try:
+        require_package("av", "to write the MP4")
+    except MissingPackage as exc:
+        logger.warning(f"{exc} Until then generate() runs only requests with save_output=False and no input file.")
 
 
 def check_output_folder(output: OutputOptions) -> None:
@@ -356,6 +375,7 @@ class DiffGenerator:
         option raises ValueError before anything loads, naming the keywords (e.g. `num_gpus=4`); request
         parameters (prompt, seed, ...) go to `generate`."""
         with reworded_errors(flags_as_keywords):
+            _warn_without_media_package()
             return cls._load(model_path, kwargs, wording=flags_as_keywords)
 
     @classmethod
@@ -406,6 +426,7 @@ class DiffGenerator:
                              f"{on_progress!r} ({type(on_progress).__name__}).")
         options = request_options(sampling_params_kwargs, kwargs)
         params, output = split_kwargs(options)
+        require_media_package(params, output)
         try:
             self.engine.resolve(params)  # the worker resolves it again; here the two missing inputs get API words
         except MissingPrompt:

@@ -13,6 +13,7 @@ from k6serve.api import (
     MissingSourceVideo,
     build_engine_config,
     check_output,
+    require_media_package,
     split_kwargs,
     unsaved_output_keys,
 )
@@ -170,7 +171,8 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
     # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
     # are said now, not after the load and the run.
-    params, _ = split_kwargs(request_options)
+    params, output = split_kwargs(request_options)
+    require_media_package(params, output)
     check_request_before_loading(engine_options, params)
     request_options = _checked_output_options(request_options)
     model_path = engine_options.pop("model_path")

@@ -340,21 +340,6 @@ def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
 
 # A request or flag refused (argparse's own code), the machine failed the run (a file could not be written or
 # read), or a bug in k6serve.
-# Import names whose PyPI distribution is named otherwise (k6serve's own dependencies).
-_DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml", "multipart": "python-multipart",
-                  "python_multipart": "python-multipart", "huggingface_hub": "huggingface_hub"}
-
-
-def describe_missing_package(module: str) -> str:
-    """One line for a dependency missing from the running environment (a bare venv, a PYTHONPATH that replaced the
-    one holding it): not a bug in k6serve, and fixed by one pip command for this interpreter."""
-    top = module.partition(".")[0]
-    distribution = _DISTRIBUTIONS.get(top, top)
-    return (f"the Python package {distribution!r} (module {top!r}), which k6serve needs, is not installed for "
-            f"{sys.executable}: run `{sys.executable} -m pip install {distribution}`, or reinstall k6serve with its "
-            "dependencies.")
-
-
 EXIT_USER_ERROR = 2
 EXIT_SYSTEM_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
@@ -478,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         # A dependency missing from this environment is the machine's fault, not a bug (one of our own modules
         # missing is, and falls through).
         if isinstance(exc, ModuleNotFoundError) and (exc.name or "k6serve").partition(".")[0] != "k6serve":
-            print(f"error: {describe_missing_package(exc.name)}", file=sys.stderr)
+            from k6serve.dependencies import MissingPackage, describe_missing_package
+
+            # A MissingPackage (checked before the load) already says what needed it.
+            message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(exc.name)
+            print(f"error: {message}", file=sys.stderr)
             return EXIT_SYSTEM_ERROR
         from k6serve.runtime.out_of_memory import is_out_of_memory  # torch: imported only when a run failed
 

@@ -311,7 +311,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
     """Bind the port, load the model, open the job store and serve until interrupted."""
     from k6serve.api import build_engine_config
+    from k6serve.dependencies import require_package
 
+    require_package("uvicorn", "to run the HTTP server")  # imported where it runs: after the load, minutes away
     settings = settings_from_options(server_options)
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)

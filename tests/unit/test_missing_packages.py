@@ -1,0 +1,100 @@
+"""A package k6serve needs, missing from the interpreter, is refused before the model loads with the pip command
+that installs it within k6serve's declared versions: not a "bug in k6serve" after the load and the whole run.
+
+`sys.modules[name] = None` makes `import name` raise ModuleNotFoundError as an uninstalled package does."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import socket
+import sys
+
+import pytest
+
+from k6serve import DiffGenerator
+from k6serve.api import require_media_package, split_kwargs
+from k6serve.cli.main import main
+from k6serve.dependencies import MissingPackage, pip_install_command
+
+DECLARED = ["torch>=2.11", "av<19,>=14", "huggingface-hub>=0.30", "uvicorn>=0.29", 'pytest>=8; extra == "test"']
+
+
+@pytest.fixture
+def declared(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: DECLARED)
+
+
+def _no_load(*args, **kwargs):
+    raise AssertionError("the model loaded")
+
+
+def test_the_pip_command_keeps_the_declared_versions(declared):
+    # A bare `pip install av` takes PyAV 19 where it has wheels, a version k6serve excludes.
+    assert pip_install_command("av") == f'{sys.executable} -m pip install "av<19,>=14"'
+    assert pip_install_command("huggingface_hub.utils").endswith('pip install "huggingface-hub>=0.30"')
+    assert pip_install_command("pytest").endswith("pip install pytest")  # an extra's: the bare name
+    assert pip_install_command("yaml").endswith("pip install pyyaml")  # not declared here: the bare name
+
+
+def test_generate_without_pyav_is_refused_before_the_load(declared, monkeypatch, tmp_path, capsys):
+    import k6serve.cli.generate as generate_module
+
+    monkeypatch.setitem(sys.modules, "av", None)
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", _no_load)
+    code = main(["generate", "--model-path", "demo", "--prompt", "x", "--output-path", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert (f"error: the Python package 'av' (module 'av'), which k6serve needs to write the MP4, is not installed "
+            f"for {sys.executable}: run `{sys.executable} -m pip install \"av<19,>=14\"`") in err
+    assert "bug" not in err and not (tmp_path / "out").exists()
+
+
+def test_serve_without_uvicorn_is_refused_before_the_load(declared, monkeypatch, tmp_path, capsys):
+    import k6serve.serve.app as app_module
+
+    monkeypatch.chdir(tmp_path)  # the job store's default folder
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    monkeypatch.setattr(app_module, "Engine", _no_load)
+    with socket.socket() as probe:  # a free port, so that only the missing package can stop the start
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = main(["serve", "--model-path", "demo", "--host", "127.0.0.1", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "'uvicorn' (module 'uvicorn'), which k6serve needs to run the HTTP server" in err
+    assert '-m pip install "uvicorn>=0.29"`' in err
+
+
+class _NoRunEngine:
+    def resolve(self, params):
+        raise AssertionError("the request was resolved")
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("the request ran")
+
+    def shutdown(self):
+        pass
+
+
+def test_api_generate_without_pyav_is_refused_before_the_run(declared, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "av", None)
+    with DiffGenerator(_NoRunEngine()) as generator, pytest.raises(
+            MissingPackage, match=r"needs to write the MP4.*pip install \"av<19,>=14\""):
+        generator.generate(prompt="x", output_path=str(tmp_path))
+
+
+def test_only_requests_with_files_need_pyav(monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)
+    require_media_package(*split_kwargs({"prompt": "x", "save_output": False}))  # frames only: runs without it
+    with pytest.raises(MissingPackage, match="needs to read input files"):
+        require_media_package(*split_kwargs({"video_path": "in.mp4", "save_output": False}))
+
+
+def test_from_pretrained_warns_before_the_load_without_pyav(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "av", None)
+    monkeypatch.setattr(DiffGenerator, "_load", classmethod(lambda cls, *args, **kwargs: "loaded"))
+    with caplog.at_level(logging.WARNING, logger="k6serve.api"):
+        assert DiffGenerator.from_pretrained("demo") == "loaded"
+    assert "which k6serve needs to write the MP4" in caplog.text
+    assert "generate() runs only requests with save_output=False and no input file" in caplog.text
