@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k6serve", description="Serve and run Kandinsky 6 video+audio generation "
                                      "and video super-resolution.")
     add_log_level_flag(parser, "info")
+    from k6serve import __version__  # the package's own module: imports nothing heavy (k6serve/__init__.py)
+
+    parser.add_argument("--version", action="version", version=f"k6serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="Run one request offline and write the MP4.")
     generate.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")

@@ -836,3 +836,12 @@ def test_the_package_still_gives_diffgenerator():
     assert k6serve.DiffGenerator is DiffGenerator and "DiffGenerator" in k6serve.__all__
     with pytest.raises(AttributeError, match="module 'k6serve' has no attribute 'Generator'"):
         k6serve.Generator  # noqa: B018
+
+
+def test_cli_version(capsys):
+    from k6serve import __version__
+    from k6serve.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"k6serve {__version__}\n"
