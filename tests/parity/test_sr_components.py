@@ -182,14 +182,19 @@ def test_vae_decode_tile_matches_diffusers_raw_output(vae):
     assert edges.tolist() == [0, 255, 254, 255]
 
 
-@pytest.mark.parametrize("scale", [2, 4])
-def test_latent_upscaler_matches_diffusers(checkpoint, scale):
+def _upscaler_bank_and_latent(checkpoint, scale: int, dtype: torch.dtype):
+    """The checkpoint's latent upscaler (diffusers' class, in `dtype`) and an fp32 latent seeded by `scale`."""
     bank = build_upscaler(
         SRUpscalerConfig.from_json_file(checkpoint / "latent_upscaler" / "config.json")
     ).eval()
     bank.load_state_dict(_weights(checkpoint, "latent_upscaler"), strict=True)
+    return bank.to(dtype), torch.randn(1, 8, 3, 4, 6, generator=torch.Generator().manual_seed(scale))
+
+
+@pytest.mark.parametrize("scale", [2, 4])
+def test_latent_upscaler_matches_diffusers(checkpoint, scale):
+    bank, latent = _upscaler_bank_and_latent(checkpoint, scale, torch.float32)
     upscaler = SRLatentUpscaler(bank)
-    latent = torch.randn(1, 8, 3, 4, 6, generator=torch.Generator().manual_seed(scale))
     actual = upscaler.upscale(latent, scale)
     with torch.no_grad():
         expected = bank(latent, scale=scale, return_dict=False)[0]
@@ -338,12 +343,7 @@ def test_bf16_vae_decode_is_diffusers_with_the_documented_norm_out_activation(va
 
 @pytest.mark.parametrize("scale", [2, 4])
 def test_bf16_latent_upscaler_equals_diffusers_bitwise(checkpoint, scale):
-    bank = build_upscaler(
-        SRUpscalerConfig.from_json_file(checkpoint / "latent_upscaler" / "config.json")
-    ).eval()
-    bank.load_state_dict(_weights(checkpoint, "latent_upscaler"), strict=True)
-    bank.to(torch.bfloat16)
-    latent = torch.randn(1, 8, 3, 4, 6, generator=torch.Generator().manual_seed(scale))
+    bank, latent = _upscaler_bank_and_latent(checkpoint, scale, torch.bfloat16)
     actual = SRLatentUpscaler(bank).upscale(latent, scale)
     with torch.no_grad():
         expected = bank(latent.to(torch.bfloat16), scale=scale, return_dict=False)[0]
