@@ -26,7 +26,7 @@ from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
 from k6serve.serve.input_paths import InputPathPolicy
-from k6serve.serve.jobs import JobStore, SqliteJobStore
+from k6serve.serve.jobs import JobStore, SqliteJobStore, hold_exclusively
 from k6serve.serve.metrics import ServerMetrics
 from k6serve.serve.routes import ServerContext, router, sweep_expired_once
 from k6serve.serve.runner import JobRunner
@@ -88,6 +88,9 @@ class IgnoreTrailingSlash:
 
 
 SUPPORTED_HTTP_VERSIONS = ("1.0", "1.1")
+# The output folder's lock file (`serve`): hidden, beside the videos, in no job's name space.
+SERVER_LOCK_NAME = ".k6serve-server.lock"
+
 # How long uvicorn waits for the HTTP requests in flight on SIGTERM. Ours end at once (the runner answers its waiting
 # calls with the shutdown error), so this bounds only a slow client's own transfer.
 GRACEFUL_SHUTDOWN_S = 10.0
@@ -318,17 +321,26 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)
     sock = listening_socket(settings.host, settings.port)
+    folder_lock = None
     try:
         artifacts = ArtifactStore(settings.output_path)
+        # One server per output folder too, whatever --job-store says: a second one's start-up sweep of partial
+        # files would delete the first one's MP4 being written, and the two would name uploads alike.
+        folder_lock = hold_exclusively(artifacts.root / SERVER_LOCK_NAME, (
+            f"the output folder {str(artifacts.root)!r} is in use by another k6serve server (process {{holder}}); "
+            "stop that one, or give this one its own --output-path."))
         store = SqliteJobStore(settings.job_store_path)
     except BaseException:
         sock.close()
+        if folder_lock is not None:
+            folder_lock.close()
         raise
     try:
         engine = Engine(config)
     except BaseException:
         sock.close()
         store.close()
+        folder_lock.close()
         raise
     try:
         app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings)
@@ -343,4 +355,5 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         sock.close()
         engine.shutdown()
         store.close()
+        folder_lock.close()
     return 0

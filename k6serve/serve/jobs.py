@@ -149,12 +149,10 @@ class JobStore(Protocol):
     def close(self) -> None: ...
 
 
-def _own(path: Path) -> TextIO:
-    """An exclusive lock on the job store for as long as the returned file stays open (the kernel frees it when the
-    process ends, however it ends). One server per store: a second `k6serve serve` started in the same folder (say,
-    super-resolution beside generation, both on the default outputs/jobs.sqlite3) re-queued the first one's running
-    job as if its server had died, and ran its queued jobs on the other model, failing them."""
-    owner = open(path.with_name(path.name + ".lock"), "a+")  # noqa: SIM115 - held open while the store is
+def hold_exclusively(lock_path: Path, refusal: str) -> TextIO:
+    """An exclusive lock on `lock_path` for as long as the returned file stays open (the kernel frees it when the
+    process ends, however it ends); held by another process, ValueError(`refusal` with its `{holder}` process id)."""
+    owner = open(lock_path, "a+")  # noqa: SIM115 - held open while the lock is
     if fcntl is None:
         return owner
     try:
@@ -163,14 +161,22 @@ def _own(path: Path) -> TextIO:
         owner.seek(0)
         holder = owner.read().strip() or "unknown"
         owner.close()
-        raise ValueError(f"the job store {str(path)!r} is in use by another k6serve server (process {holder}); "
-                         "stop that one, or give this one its own --output-path (or --job-store).") from None
+        raise ValueError(refusal.format(holder=holder)) from None
     except OSError:  # a file system without flock (some network ones): unguarded, as before
         return owner
     owner.truncate(0)
     owner.write(str(os.getpid()))
     owner.flush()
     return owner
+
+
+def _own(path: Path) -> TextIO:
+    """One server per job store: a second `k6serve serve` started in the same folder (say, super-resolution beside
+    generation, both on the default outputs/jobs.sqlite3) re-queued the first one's running job as if its server had
+    died, and ran its queued jobs on the other model, failing them."""
+    return hold_exclusively(path.with_name(path.name + ".lock"),
+                            f"the job store {str(path)!r} is in use by another k6serve server (process {{holder}}); "
+                            "stop that one, or give this one its own --output-path (or --job-store).")
 
 
 class SqliteJobStore:

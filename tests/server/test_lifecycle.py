@@ -638,3 +638,33 @@ def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
     assert called.wait(5) and server.should_exit
     server.handle_exit(signals.SIGINT, None)  # a second signal forces the exit; the runner is not stopped twice
     assert server.force_exit and calls == ["k6serve-stop-at-signal"]
+
+
+def test_a_second_server_on_the_same_output_folder_refuses_to_start_whatever_its_job_store(tmp_path, monkeypatch):
+    """Two servers on one --output-path with their own --job-store: the second one's start-up sweep of partial files
+    would delete the first one's MP4 being written. It is refused before its model loads."""
+    from k6serve.serve import app as app_module
+    from k6serve.serve.jobs import hold_exclusively
+
+    def no_load(config):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(app_module, "Engine", no_load)
+    bind = app_module.listening_socket
+    monkeypatch.setattr(app_module, "listening_socket", lambda host, port: bind(host, 0))  # any free port
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    first = hold_exclusively(outputs / app_module.SERVER_LOCK_NAME, "held {holder}")  # the running server's
+    try:
+        with pytest.raises(ValueError, match=rf"the output folder '.*outputs' is in use by another k6serve server "
+                                             rf"\(process {os.getpid()}\); stop that one, or give this one its own "
+                                             r"--output-path\.$"):
+            app_module.serve({"model_path": "demo"}, {"output_path": str(outputs),
+                                                      "job_store": str(tmp_path / "other.sqlite3")})
+    finally:
+        first.close()
+    # Free again: the next server takes the folder (and gets as far as the model, which this test refuses).
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        app_module.serve({"model_path": "demo"}, {"output_path": str(outputs),
+                                                  "job_store": str(tmp_path / "other.sqlite3")})
+    hold_exclusively(outputs / app_module.SERVER_LOCK_NAME, "still held {holder}").close()  # and it let go
