@@ -200,6 +200,16 @@ CREATE_BODY_DOC = {
 async def create_video(request: Request,
                        idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
     ctx = _ctx(request)
+    try:
+        return await _create_video(request, ctx, idempotency_key)
+    except ApiError as error:
+        # Every refusal by its code (queue_full, payload_too_large, invalid_parameter, ...), so a dashboard sees
+        # clients sending bad requests, not only a full queue.
+        ctx.metrics.rejected(error.code or f"http_{error.status}")
+        raise
+
+
+async def _create_video(request: Request, ctx: ServerContext, idempotency_key: str | None) -> JSONResponse:
     await _refuse_without_replicas(request, ctx)
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         await drain(request)
@@ -289,7 +299,6 @@ def _request_id_conflict(conflict: RequestIdConflict) -> ApiError:
 
 
 def _queue_full(ctx: ServerContext) -> ApiError:
-    ctx.metrics.rejected("queue_full")
     return ApiError(429, f"The job queue is full ({ctx.settings.max_queued_jobs} queued jobs, --max-queued-jobs); "
                          "retry after the Retry-After delay.", code="queue_full",
                     headers={"Retry-After": str(ctx.runner.retry_after_s())})

@@ -690,3 +690,13 @@ def test_json_depth_counts_objects_and_arrays_without_recursing():
     for _ in range(100_000):  # far past the interpreter's recursion limit
         deep = [deep]
     assert json_depth(deep) == 100_001 > MAX_JSON_DEPTH
+
+
+def test_every_refused_create_is_counted_by_its_code(fake_client):
+    """k6serve_requests_rejected_total counted only queue_full; a client sending bad requests did not show."""
+    _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "size": "33x32"}), 400,
+                  code="invalid_parameter")
+    _assert_error(fake_client.post("/v1/videos", content=b"x", headers={"Content-Type": "text/plain"}), 415)
+    metrics = fake_client.get("/metrics").text
+    assert 'k6serve_requests_rejected_total{reason="invalid_parameter"} 1' in metrics
+    assert 'k6serve_requests_rejected_total{reason="unsupported_content_type"} 1' in metrics
