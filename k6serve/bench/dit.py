@@ -35,7 +35,7 @@ from k6serve.speed.fp8_linears import (
     set_fast_accumulation,
 )
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
-from k6serve.speed.regional_compile import apply_regional_compile
+from k6serve.speed.regional_compile import apply_regional_compile, raise_recompile_limit
 
 TIMESTEP = 500.0
 
@@ -228,13 +228,8 @@ def _run_fp8_linears(ours, inputs, options: DitOptions, tflop: float, compared: 
     """The fp8 rows, each entry converted from the bf16 model: the linears an entry swaps out stay on the device
     until the next entry puts them back (so an entry's peak memory counts them, but the last's does not). Dynamo's
     guards on the swapped modules recompile the blocks for each row (their first call is timed as `first_call`)."""
-    import torch._dynamo.config as dynamo_config
-
-    # Every entry adds graph variants of the one block class (bf16 and e4m3 blocks side by side); past dynamo's
-    # default of 8 per code object it would silently run the blocks eager and time that instead.
-    for name in ("recompile_limit", "cache_size_limit"):
-        if getattr(dynamo_config, name, 64) < 64:
-            setattr(dynamo_config, name, 64)
+    # Every entry adds graph variants of the one block class: past dynamo's limit the blocks would run eager, timed.
+    raise_recompile_limit(64)
     rows: list[BenchRow] = []
     base = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
     entries = list(options.fp8_linears)

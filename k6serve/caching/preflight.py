@@ -15,18 +15,17 @@ from k6serve.config import EngineConfig, ModelConfig
 def dit_blocks_before_loading(model: ModelConfig) -> int | None:
     """The generation DiT's number of fused blocks where it needs no download; None for a super-resolution model
     or when it cannot be told now (a hub id not among the released ones, a folder without the config)."""
-    from k6serve.models.checkpoint_files import read_json_file, variant_before_loading
-    from k6serve.models.kandinsky6.checkpoint import released_transformer_config
-    from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+    from k6serve.models.checkpoint_files import variant_before_loading
+    from k6serve.models.kandinsky6.checkpoint import transformer_config_before_loading
     from k6serve.models.variants import GENERATION
 
     try:
         variant, folder = variant_before_loading(model.model_path, model.model_id, model.load_format)
         if variant is None or variant.family != GENERATION:
             return None
-        transformer = (read_json_file(folder / "transformer" / "config.json") if folder is not None
-                       else released_transformer_config(variant))
-        return Kandinsky6TransformerConfig.from_json_dict(transformer).num_visual_blocks
+        # --load-format dummy builds the released config whatever the folder holds (models/kandinsky6/checkpoint.py).
+        folder = None if model.load_format == "dummy" else folder
+        return transformer_config_before_loading(variant, folder).num_visual_blocks
     except (OSError, KeyError, TypeError, ValueError):
         return None  # the load reports a damaged or missing config, in its words
 

@@ -21,7 +21,7 @@ def check_layout_before_loading(config: EngineConfig) -> None:
     validate_degrees(layout)
     if layout.replica_size == 1 and config.parallel.encoder_parallel != "fold":
         return  # one rank per replica: nothing else to divide
-    from k6serve.models.checkpoint_files import variant_before_loading
+    from k6serve.models.checkpoint_files import CheckpointError, variant_before_loading
     from k6serve.models.variants import GENERATION
 
     model = config.model
@@ -32,7 +32,7 @@ def check_layout_before_loading(config: EngineConfig) -> None:
     generation = variant.family == GENERATION
     try:
         plan = _generation_plan(variant, folder) if generation else _sr_plan(variant, folder)
-    except (OSError, KeyError):
+    except (OSError, KeyError, CheckpointError):
         return  # a component missing from the folder: the ranks' load says which, as without this check
     validate_layout(layout, plan, model_name=variant.name, has_guidance=generation and not variant.distilled)
     if generation and config.parallel.encoder_parallel == "fold":  # auto never refuses: it replicates instead
@@ -46,14 +46,10 @@ def check_layout_before_loading(config: EngineConfig) -> None:
 
 
 def _generation_plan(variant, folder: Path | None):
-    from k6serve.models.checkpoint_files import read_json_file
-    from k6serve.models.kandinsky6.checkpoint import released_transformer_config
-    from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+    from k6serve.models.kandinsky6.checkpoint import transformer_config_before_loading
     from k6serve.models.kandinsky6.plan import kandinsky6_plan
 
-    transformer = (read_json_file(folder / "transformer" / "config.json") if folder
-                   else released_transformer_config(variant))
-    return kandinsky6_plan(Kandinsky6TransformerConfig.from_json_dict(transformer))
+    return kandinsky6_plan(transformer_config_before_loading(variant, folder))
 
 
 def _sr_plan(variant, folder: Path | None):

@@ -31,7 +31,7 @@ from k6serve.lora.spec import (
     set_lora_merge_mode,
     start_set_lora,
 )
-from k6serve.models.checkpoint_files import read_component_config, resolve_checkpoint
+from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import (
     GENERATION,
     Variant,
@@ -213,12 +213,11 @@ class ModelWorker:
         if ignored:
             # Against the names the DiT's linears can have, from its config: a typo is refused before a load of
             # minutes, not after it (apply_quantization checks the loaded model's own names again).
-            from k6serve.models.kandinsky6.checkpoint import released_transformer_config
+            from k6serve.models.kandinsky6.checkpoint import transformer_config_before_loading
             from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
 
-            dit_config = (read_component_config(self.folder, "transformer") if self.folder is not None
-                          else released_transformer_config(self.variant))
-            check_ignored_layers(ignored, possible_linear_names(int(dit_config.get("num_visual_blocks", 60))))
+            num_blocks = transformer_config_before_loading(self.variant, self.folder).num_visual_blocks
+            check_ignored_layers(ignored, possible_linear_names(num_blocks))
 
     @property
     def offloads(self) -> bool:

@@ -50,3 +50,14 @@ def apply_regional_compile(
             block.compile(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
             num_compiled += 1
     return num_compiled
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep up to `limit` graph variants per code object. Past its default of 8 it silently runs the code
+    eager: one block class sees many variants when its instances differ (the VAE decoders' blocks: levels, first or
+    later segment; the DiT bench: bf16 and e4m3 blocks side by side)."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:
+            setattr(dynamo_config, name, limit)

@@ -63,7 +63,7 @@ from k6serve.speed.hunyuan_upsample import apply_folded_upsample
 from k6serve.speed.kvae_causal_conv import apply_single_causal_conv
 from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 from k6serve.speed.kvae_upsample import apply_subpixel_upsample
-from k6serve.speed.regional_compile import is_compiled
+from k6serve.speed.regional_compile import is_compiled, raise_recompile_limit
 
 # "0": never, "1": also HunyuanVideo's decoder (see the module docstring); read when the speed-ups are applied.
 CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
@@ -118,7 +118,7 @@ def apply_vae_speedups(
                 # One graph per tile shape: a 121-frame decode has 2-3 temporal tile lengths, and with --vae-tiling
                 # on each of its spatial tiles' shapes too (edge tiles are smaller: at 512x768 four heights and widths
                 # combine into up to 12 shapes), past dynamo's default of 8, after which it would silently run eager.
-                _raise_recompile_limit(64)
+                raise_recompile_limit(64)
                 decoder.compile(dynamic=False)
             applied.append("compile_decoder")
     return applied
@@ -148,16 +148,6 @@ def _is_sr_vae(vae: nn.Module) -> bool:
     return type(vae).__name__ == "Kandinsky6SRVAE"
 
 
-def _raise_recompile_limit(limit: int) -> None:
-    """The decoder's blocks share one `forward` per class but see many shapes (levels, first/later segment,
-    first-segment flag); dynamo's default limit of 8 variants per code object would silently fall back to eager."""
-    import torch._dynamo.config as dynamo_config
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:
-            setattr(dynamo_config, name, limit)
-
-
 def compile_sr_decoder_blocks(model: nn.Module, *, backend: str = "inductor", limit: int = 64) -> int:
     """Compile every resnet block, upsampler and the output norm of the SR K-VAE decoder in place.
 
@@ -166,7 +156,7 @@ def compile_sr_decoder_blocks(model: nn.Module, *, backend: str = "inductor", li
     RMSNorm, the zq modulation, SiLU and the padding copies around each convolution. Returns the count.
     """
     decoder = model.decoder
-    _raise_recompile_limit(limit)
+    raise_recompile_limit(limit)
     modules = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out]
     for up in decoder.up:
         modules += list(up.block)

@@ -302,6 +302,14 @@ def _move_to_host(module: nn.Module) -> nn.Module:
     return module._apply(moved)
 
 
+def transformer_config_before_loading(variant: Variant, folder: Path | None) -> Kandinsky6TransformerConfig:
+    """The generation DiT's config as the load will build it, read without loading: `folder`'s
+    transformer/config.json, or the released one when there is no folder to read (--load-format dummy, or a released
+    hub id not downloaded yet). For the checks that refuse a request or a layout before a load of minutes."""
+    config = read_component_config(folder, "transformer") if folder is not None else released_transformer_config(variant)
+    return Kandinsky6TransformerConfig.from_json_dict(config)
+
+
 def released_transformer_config(variant: Variant) -> dict:
     """The built-in copy of the released transformer/config.json for a generation variant."""
     from k6serve.models.kandinsky6.released_configs import RELEASED_TRANSFORMER_CONFIGS
