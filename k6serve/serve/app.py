@@ -27,6 +27,7 @@ from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
 from k6serve.serve.input_paths import InputPathPolicy
 from k6serve.serve.jobs import JobStore, SqliteJobStore, hold_exclusively
+from k6serve.serve.loading import LoadingResponder
 from k6serve.serve.metrics import ServerMetrics
 from k6serve.serve.routes import ServerContext, router, sweep_expired_once
 from k6serve.serve.runner import JobRunner
@@ -141,7 +142,10 @@ def served_model_names(engine: Engine) -> tuple[str, ...]:
     return tuple([unique[0]] + [n.lower() for n in unique])
 
 
-def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, settings: ServerSettings) -> FastAPI:
+def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, settings: ServerSettings,
+              before_serving: Callable[[], None] | None = None) -> FastAPI:
+    """The app; `before_serving` is called once its start-up (the job runner's) is done, right before uvicorn
+    accepts connections (`serve` stops its loading responder there)."""
     metrics = ServerMetrics()
     runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
     allowed = list(settings.allowed_input_dirs) or [Path("inputs"), artifacts.upload_dir]
@@ -153,6 +157,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runner.start()
+        if before_serving is not None:
+            await asyncio.to_thread(before_serving)
         sweeper = asyncio.create_task(_sweep_expired(ctx))
         try:
             yield
@@ -312,7 +318,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
-    """Bind the port, load the model, open the job store and serve until interrupted."""
+    """Bind the port, open the job store, load the model (answering 503 "loading" on the port meanwhile) and serve
+    until interrupted."""
     from k6serve.api import build_engine_config
     from k6serve.dependencies import require_package
 
@@ -335,15 +342,20 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         if folder_lock is not None:
             folder_lock.close()
         raise
+    # Answers 503 "loading" on the socket until uvicorn takes it (`loading.py`).
+    responder = LoadingResponder(sock)
+    responder.start()
     try:
         engine = Engine(config)
     except BaseException:
+        responder.stop()
         sock.close()
         store.close()
         folder_lock.close()
         raise
     try:
-        app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings)
+        app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings,
+                        before_serving=responder.stop)
         port = sock.getsockname()[1]
         logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
                     port, settings.job_store_path, artifacts.root)
@@ -352,6 +364,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         with _sigterm_raises(), contextlib.suppress(KeyboardInterrupt, _Terminated):
             server.run(sockets=[sock])
     finally:
+        responder.stop()  # a no-op once the app's start-up stopped it
         sock.close()
         engine.shutdown()
         store.close()

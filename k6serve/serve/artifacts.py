@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from k6serve.request import OutputOptions
+from k6serve.serve.errors import write_refused
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,19 @@ class ArtifactStore:
             except OSError as exc:
                 raise ValueError(f"cannot write to {str(folder)!r} ({exc.strerror or exc}); pass a writable folder "
                                  "with --output-path.") from None
+
+    def unwritable_folder(self, *, uploads: bool) -> Path | None:
+        """The output folder (or, with `uploads`, the upload folder) if no file can be created in it now for want of
+        permission or on a read-only mount (`errors.write_refused`: made so after the start), else None. Any other
+        error (a full disk) is left to the write itself. Probed with an unnamed file (O_TMPFILE): nothing is left."""
+        for folder in (self.root, self.upload_dir) if uploads else (self.root,):
+            try:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as exc:
+                if write_refused(exc):
+                    return folder
+        return None
 
     def output_options(self, job_id: str) -> OutputOptions:
         """What the engine is told: write `<root>/<output_file_name(job_id)>`."""

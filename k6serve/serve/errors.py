@@ -57,6 +57,30 @@ def insufficient_storage(exc: BaseException) -> ApiError:
                     code="insufficient_storage", headers={"Connection": "close"})
 
 
+# A write refused by the folder's permissions or a read-only mount (chmod, remount), not by a full disk.
+WRITE_REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def write_refused(exc: BaseException) -> bool:
+    """A write refused for want of permission or on a read-only mount (`WRITE_REFUSED_ERRNOS`), or SQLite's "attempt
+    to write a readonly database"."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF == sqlite3.SQLITE_READONLY
+    return isinstance(exc, OSError) and exc.errno in WRITE_REFUSED_ERRNOS
+
+
+def output_not_writable(detail: object, *, where: str = "output folder (--output-path)") -> ApiError:
+    """The 507 for a request that needed a write into the output folder (or the job store) once it stopped taking
+    writes (`write_refused`). The client is told which of the server's folders, by its flag, and not its path, as
+    for a full disk; `detail` (the path or the error) goes to the server's log."""
+    logger.warning("a request failed: the server's %s is not writable (%s)", where, detail)
+    return ApiError(507, f"The server cannot write to its {where}: it was made read-only, or its permissions "
+                         "changed, after the server started, so this request could not be completed (an upload is "
+                         "not kept). The server's operator must make it writable again (e.g. chmod u+w, or "
+                         "remount it read-write); then retry.",
+                    code="output_not_writable", headers={"Connection": "close"})
+
+
 def error_body(status: int, message: str, *, code: str | None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
@@ -103,10 +127,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OSError)
     @app.exception_handler(sqlite3.OperationalError)
     async def _storage(request: Request, exc: Exception) -> JSONResponse:
-        # A full disk is the machine's state, not a bug: say so (507) rather than "Internal server error".
-        if not disk_full(exc):
-            raise exc  # answered by `_unexpected`, as before
-        return error_response(insufficient_storage(exc))
+        # A full disk, or a job store made read-only, is the machine's state, not a bug: say so (507) rather than
+        # "Internal server error".
+        if disk_full(exc):
+            return error_response(insufficient_storage(exc))
+        if isinstance(exc, sqlite3.OperationalError) and write_refused(exc):
+            return error_response(output_not_writable(exc, where="job store (--job-store)"))
+        raise exc  # answered by `_unexpected`, as before
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

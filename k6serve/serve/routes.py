@@ -40,7 +40,7 @@ from k6serve.request import GenerateRequest, SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
-from k6serve.serve.errors import ApiError, error_response
+from k6serve.serve.errors import ApiError, error_response, output_not_writable
 from k6serve.serve.input_paths import InputPathPolicy, check_readable
 from k6serve.serve.jobs import (
     DELETED_CURSOR_RETENTION_S,
@@ -222,6 +222,8 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
     if multipart and not replay and ctx.runner.queue_is_full():
         await drain(request)
         raise _queue_full(ctx)
+    if multipart and not replay:
+        await _refuse_unwritable_output(request, ctx, uploads=True)
     # Uploads are named after a fresh id even when the body chooses the job's id (`request_id`): it is read only
     # after them, and a refused replay's files must never clash with the stored job's.
     upload_id = f"video_{secrets.token_hex(16)}"
@@ -258,6 +260,9 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
+        # A replay, or a request_id conflict, writes no file: it is answered as what it is.
+        if not replay and not (body.request_id is not None and ctx.store.id_taken(job_id)):
+            await _refuse_unwritable_output(request, ctx, uploads=False)
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
@@ -283,6 +288,15 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
     if not created:
         ctx.artifacts.remove(list(uploads))  # the replay's copy of the files; the stored job owns its own
     return JSONResponse(ctx.view(stored), headers={} if created else {"Idempotent-Replayed": "true"})
+
+
+async def _refuse_unwritable_output(request: Request, ctx: ServerContext, *, uploads: bool) -> None:
+    """A 507 when the output folder (or, for `uploads`, the upload folder) no longer takes files: an upload would
+    fail, and a job could only fail at its MP4's write, after its whole run."""
+    folder = await asyncio.to_thread(ctx.artifacts.unwritable_folder, uploads=uploads)
+    if folder is not None:
+        await drain(request)  # the rest of an unread body, so that the client reads the 507 (a no-op once read)
+        raise output_not_writable(folder)
 
 
 def _request_id_conflict(conflict: RequestIdConflict) -> ApiError:

@@ -27,10 +27,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from k6serve.lora.spec import (
@@ -46,7 +48,7 @@ from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
-from k6serve.serve.errors import disk_full
+from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import Adapters, LoraState
 from k6serve.serve.metrics import ServerMetrics
@@ -516,6 +518,13 @@ class JobRunner:
                              error_message="The server's disk was full when this job's video was written, so it was "
                                            "not kept; submit the job again once space is free (deleting finished "
                                            "jobs frees their videos).")
+            elif self._output_write_refused(exc):
+                logger.warning("job %s failed: its video could not be written (%s)", job.id, exc)
+                self._record(job, JobStatus.FAILED, error_code="output_not_writable",
+                             error_message="The server could not write this job's video: its output folder "
+                                           "(--output-path) was made read-only, or its permissions changed, after "
+                                           "the server started, so the video was not kept; submit the job again "
+                                           "once the server's operator has made the folder writable again.")
             else:
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
                              error_message=f"{type(exc).__name__}: {exc}")
@@ -528,6 +537,14 @@ class JobRunner:
                                  error_message=CANCELLED_AFTER_DECODE)
                 else:
                     self._record_success(job, result)
+
+    def _output_write_refused(self, exc: BaseException) -> bool:
+        """The engine's error is a write into the output folder refused by permissions or a read-only mount (the MP4;
+        an input the worker could not read is not this)."""
+        filename = getattr(exc, "filename", None)
+        if not write_refused(exc) or filename is None:
+            return False
+        return Path(os.fsdecode(filename)).parent == self.artifacts.root
 
     def _cancel_requested(self, job_id: str) -> bool:
         job = self.store.get(job_id)

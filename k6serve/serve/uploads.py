@@ -24,7 +24,13 @@ from typing import Any
 from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from k6serve.serve.errors import ApiError, disk_full, insufficient_storage
+from k6serve.serve.errors import (
+    ApiError,
+    disk_full,
+    insufficient_storage,
+    output_not_writable,
+    write_refused,
+)
 from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, object_without_duplicate_keys
 
 SPOOL_BYTES = 8 * 2**20
@@ -353,10 +359,14 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
         raise
     except OSError as exc:
         reader.cleanup()
-        if not disk_full(exc):
+        if disk_full(exc):
+            error = insufficient_storage(exc)
+        elif write_refused(exc):  # the upload folder was made read-only after the start
+            error = output_not_writable(exc)
+        else:
             raise
         await drain(request)  # so that the client reads the 507, not a reset connection
-        raise insufficient_storage(exc) from None
+        raise error from None
     except BaseException:
         reader.cleanup()
         raise
