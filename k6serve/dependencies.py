@@ -8,6 +8,8 @@ import importlib
 import importlib.metadata
 import re
 import sys
+import tomllib
+from pathlib import Path
 
 # Import names whose PyPI distribution is named otherwise (k6serve's own dependencies).
 _DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml", "multipart": "python-multipart",
@@ -18,14 +20,28 @@ def _normalised(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _declared_requirements() -> list[str]:
+    """k6serve's requirements: the installed distribution's, else (a source tree on PYTHONPATH, never installed, as
+    on a GPU host that gets a copy of the tree) those of the pyproject.toml beside the package; none if neither."""
+    try:
+        return importlib.metadata.requires("k6serve") or []
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        with pyproject.open("rb") as file:
+            project = tomllib.load(file).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+    if project.get("name") != "k6serve":
+        return []  # another project's file (k6serve vendored into it)
+    return list(project.get("dependencies", []))
+
+
 def declared_requirement(distribution: str) -> str:
     """The requirement k6serve declares for `distribution` (e.g. `av<19,>=14`), else its bare name: a bare
     `pip install av` takes the newest release, which may be one k6serve excludes."""
-    try:
-        requires = importlib.metadata.requires("k6serve") or []
-    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
-        return distribution
-    for requirement in requires:
+    for requirement in _declared_requirements():
         if ";" in requirement:
             continue  # an extra's (pytest, triton) or a platform's requirement
         name = re.match(r"[A-Za-z0-9._-]+", requirement)
@@ -51,6 +67,11 @@ def describe_missing_package(module: str, needed_for: str | None = None) -> str:
     needs = f"needs {needed_for}" if needed_for else "needs"
     return (f"the Python package {distribution!r} (module {top!r}), which k6serve {needs}, is not installed for "
             f"{sys.executable}: run `{pip_install_command(module)}`, or reinstall k6serve with its dependencies.")
+
+
+def missing_package(exc: BaseException) -> bool:
+    """`exc` says a third-party package is not installed (one of k6serve's own modules missing is a bug, not this)."""
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "k6serve").partition(".")[0] != "k6serve"
 
 
 class MissingPackage(ModuleNotFoundError):

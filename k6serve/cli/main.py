@@ -465,9 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_traceback(exc, args.log_level)
         # A dependency missing from this environment is the machine's fault, not a bug (one of our own modules
         # missing is, and falls through).
-        if isinstance(exc, ModuleNotFoundError) and (exc.name or "k6serve").partition(".")[0] != "k6serve":
-            from k6serve.dependencies import MissingPackage, describe_missing_package
+        from k6serve.dependencies import MissingPackage, describe_missing_package, missing_package
 
+        if missing_package(exc):
             # A MissingPackage (checked before the load) already says what needed it.
             message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(exc.name)
             print(f"error: {message}", file=sys.stderr)

@@ -70,11 +70,14 @@ class Ready:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StartupFailed:
     """`kind` "value": a user error (ValueError: invalid layout, checkpoint mismatch), raised as ValueError with
-    `message`; "runtime": anything else, `message` holds every failing rank's error with its traceback."""
+    `message`; "module": a third-party package missing from the workers' interpreter, `error` the
+    ModuleNotFoundError to raise again; "runtime": anything else, `message` holds every failing rank's error with its
+    traceback."""
 
     replica: int
     message: str
     kind: str = "runtime"
+    error: Exception | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,12 +112,13 @@ class MemoryDone:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunFailed:
     """A request (or a `LoraRequest`) failed on some rank. `kind` picks the exception the engine raises: "value" (user error,
-    ValueError), "cancelled" (RequestCancelled), "os" (`os_error`, e.g. disk full at the MP4 write, with
-    `message` as its remote traceback) or "runtime" (RuntimeError). `replica_broken` says the replica's ranks
-    disagree and it has shut down."""
+    ValueError), "cancelled" (RequestCancelled), "os" (`error`, an OSError such as a full disk at the MP4 write) or
+    "module" (`error`, the ModuleNotFoundError of a third-party package missing from the workers' interpreter),
+    both with `message` as their remote traceback, or "runtime" (RuntimeError). `replica_broken` says the replica's
+    ranks disagree and it has shut down."""
 
     request_id: int
     kind: str
     message: str
     replica_broken: bool = False
-    os_error: OSError | None = None
+    error: Exception | None = None

@@ -137,8 +137,8 @@ def _gather(item: object, context: RankContext) -> list[object]:
     return items
 
 
-def _classify(error: BaseException, rank: int) -> tuple[str, str, OSError | None]:
-    """(kind, message, the OSError to raise again in the engine) for a rank's failure; a runtime message starts
+def _classify(error: BaseException, rank: int) -> tuple[str, str, Exception | None]:
+    """(kind, message, the error to raise again in the engine) for a rank's failure; a runtime message starts
     with one line naming the error, the traceback follows."""
     if isinstance(error, RequestCancelled):
         return "cancelled", str(error), None
@@ -150,6 +150,11 @@ def _classify(error: BaseException, rank: int) -> tuple[str, str, OSError | None
         # builtin constructor still picks the errno's subclass (PermissionError, ...).
         rebuilt = OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))
         return "os", text, rebuilt
+    if isinstance(error, ModuleNotFoundError) and error.name and error.name.partition(".")[0] != "k6serve":
+        # The workers' interpreter lacks a package (a PYTHONPATH that hides it, an optional one imported late): the
+        # machine's state, which the CLI and the server name with its pip command, not a bug. Kept a
+        # ModuleNotFoundError with its name so that they can; one of k6serve's own modules missing stays a bug.
+        return "module", text, ModuleNotFoundError(str(error), name=error.name)
     return "runtime", text, None
 
 
@@ -161,10 +166,10 @@ def _failure_error(message: messages.RunFailed, request_id: int, replica: int) -
     """The exception the engine raises for a request that failed on a replica (not cancelled)."""
     if message.kind == "value":
         return ValueError(message.message)
-    if message.kind == "os" and message.os_error is not None:
-        # An OSError (disk full, permission) stays one, so callers can tell it from a bug.
-        message.os_error.__cause__ = RemoteTraceback(message.message)
-        return message.os_error
+    if message.kind in ("os", "module") and message.error is not None:
+        # An OSError (disk full, permission) or a missing package stays one, so callers can tell it from a bug.
+        message.error.__cause__ = RemoteTraceback(message.message)
+        return message.error
     return RuntimeError(f"request {request_id} failed on replica {replica}: {message.message}")
 
 
@@ -284,9 +289,9 @@ class _ReplicaLoop:
                 self.connection.send(messages.MemoryDone(request_id=request.request_id,
                                                          result=[r for _, ranks in outcomes for r in ranks]))
             else:
-                kind, text, os_error = failures[0]
+                kind, text, error = failures[0]
                 self.connection.send(messages.RunFailed(request_id=request.request_id, kind=kind, message=text,
-                                                        replica_broken=broken, os_error=os_error))
+                                                        replica_broken=broken, error=error))
         return not broken
 
     def _reply(self, request_id: int, failure: tuple | None, succeeded: Callable[[], object]) -> bool:
@@ -304,9 +309,9 @@ class _ReplicaLoop:
             if not reported:
                 self.connection.send(succeeded())
             else:
-                kind, text, os_error = reported[0]
+                kind, text, error = reported[0]
                 self.connection.send(messages.RunFailed(
-                    request_id=request_id, kind=kind, message=text, replica_broken=broken, os_error=os_error,
+                    request_id=request_id, kind=kind, message=text, replica_broken=broken, error=error,
                 ))
         return not broken
 
@@ -347,8 +352,11 @@ def rank_main(
                 # A user error (bad layout, checkpoint mismatch) is the same on every rank: report it once.
                 user_error = all(kind == "value" for kind, _, _ in reported)
                 message = reported[0][1] if user_error else "\n".join(text for _, text, _ in reported)
-                connection.send(messages.StartupFailed(replica=groups.replica, message=message,
-                                                       kind="value" if user_error else "runtime"))
+                # A package missing from the workers' interpreter is named as such (the first rank's: they share it).
+                missing = next((error for kind, _, error in reported if kind == "module"), None)
+                kind = "value" if user_error else "module" if missing is not None else "runtime"
+                connection.send(messages.StartupFailed(replica=groups.replica, message=message, kind=kind,
+                                                       error=missing))
             else:
                 connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids)))
         if worker is not None and not any(failures):
@@ -516,6 +524,9 @@ class MultiProcessWorker:
             if isinstance(ready, messages.StartupFailed):
                 if ready.kind == "value":
                     raise ValueError(ready.message)
+                if ready.kind == "module" and ready.error is not None:
+                    ready.error.__cause__ = RemoteTraceback(ready.message)
+                    raise ready.error
                 raise RuntimeError(f"replica {ready.replica} failed to start:\n{ready.message}")  # noqa: TRY004
             assert isinstance(ready, messages.Ready), ready
             ranks = self.layout.replica_ranks(ready.replica)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from k6serve.dependencies import describe_missing_package, missing_package
 from k6serve.lora.spec import (
     ListLoras,
     LoraOperation,
@@ -525,6 +526,16 @@ class JobRunner:
                                            "(--output-path) was made read-only, or its permissions changed, after "
                                            "the server started, so the video was not kept; submit the job again "
                                            "once the server's operator has made the folder writable again.")
+            elif missing_package(exc):
+                # The server's environment, not the request: the client is told which package, the operator's log
+                # also gets the pip command for the server's interpreter (a path the client need not see).
+                logger.error("job %s failed: %s", job.id, describe_missing_package(exc.name))
+                top = exc.name.partition(".")[0]
+                self._record(job, JobStatus.FAILED, error_code="generation_failed",
+                             error_message=f"The server cannot run this job: the Python package that provides "
+                                           f"{top!r} is not installed in its environment. The server's operator "
+                                           "must install it (the server's log has the pip command); then submit "
+                                           "the job again.")
             else:
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
                              error_message=f"{type(exc).__name__}: {exc}")

@@ -34,7 +34,8 @@ class FakeWorker:
     reports every step then, until `release` is set, reports the final step again every 10 ms as the pipelines do
     between the video decode's chunks (`decoding` is set meanwhile), "slow tail" reports every step then waits for
     `release` with no boundary left (like the MP4's tail after the last chunk; `decoding` is set meanwhile too),
-    "fail" raises, "fill the disk" raises the OSError of a full disk, "exhaust memory" raises a worker process's out-of-memory error, "load image" decodes the
+    "fail" raises, "fill the disk" raises the OSError of a full disk, "exhaust memory" raises a worker process's out-of-memory error, "lack a package" its missing-package error,
+    "load image" decodes the
     conditioning image as the pipeline does (so a file broken past its header fails the job).
     """
 
@@ -84,6 +85,10 @@ class FakeWorker:
             # What a worker process's OOM looks like once the engine has it (process_group_worker._failure_error).
             raise RuntimeError("request 1 failed on replica 0: rank 0: OutOfMemoryError: CUDA out of memory. "
                                "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
+        if "lack a package" in prompt:
+            # What the engine raises when a worker process's interpreter lacks a package
+            # (process_group_worker._failure_error keeps a ModuleNotFoundError with its name).
+            raise ModuleNotFoundError("No module named 'av'", name="av")
         if "fill the disk" in prompt:
             # What the engine raises when the MP4 write meets a full disk (process_group_worker._failure_error
             # keeps an OSError's errno and file name).

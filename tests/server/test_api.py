@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -311,6 +312,21 @@ def test_a_job_whose_video_meets_a_full_disk_says_so_without_the_servers_paths(f
     failed = wait_for(fake_client, job["id"])
     assert failed["status"] == "failed" and failed["error"]["code"] == "insufficient_storage"
     assert "disk was full" in failed["error"]["message"] and "/srv/k6" not in failed["error"]["message"]
+    later = fake_client.post("/v1/videos", json={"prompt": "fine", "size": "32x32", "num_frames": 5}).json()
+    assert wait_for(fake_client, later["id"])["status"] == "completed"
+
+
+def test_a_job_that_meets_a_missing_package_names_it_and_leaves_the_pip_command_to_the_log(fake_client, caplog):
+    # It read "ModuleNotFoundError: No module named 'av'", as if the request had broken something.
+    with caplog.at_level("ERROR", logger="k6serve.serve.runner"):
+        job = fake_client.post("/v1/videos", json={"prompt": "lack a package", "size": "32x32", "num_frames": 5})
+        failed = wait_for(fake_client, job.json()["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "generation_failed"
+    message = failed["error"]["message"]
+    assert message.startswith("The server cannot run this job: the Python package that provides 'av' is not "
+                              "installed in its environment. The server's operator must install it")
+    assert sys.executable not in message  # the server's own paths stay in its log
+    assert f"{sys.executable} -m pip install \"av" in caplog.text
     later = fake_client.post("/v1/videos", json={"prompt": "fine", "size": "32x32", "num_frames": 5}).json()
     assert wait_for(fake_client, later["id"])["status"] == "completed"
 

@@ -491,6 +491,22 @@ def test_cli_missing_dependency_is_an_environment_error_with_the_pip_command(in_
         assert "this is a bug in k6serve" in err
 
 
+def test_a_source_tree_never_installed_still_names_the_declared_versions(monkeypatch):
+    # On the GPU host k6serve runs from a copy of the tree on PYTHONPATH: no installed metadata, and the pip
+    # command fell back to a bare `pip install fastapi` (the test above failed there).
+    import importlib.metadata
+
+    from k6serve import dependencies
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    assert dependencies.declared_requirement("fastapi").startswith("fastapi>=")
+    assert dependencies.declared_requirement("av").startswith("av") and "<19" in dependencies.declared_requirement("av")
+    assert dependencies.declared_requirement("not-a-dependency") == "not-a-dependency"
+
+
 def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
     import errno
     import pickle
@@ -501,11 +517,13 @@ def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
     try:
         _disk_full("/out/clip.mp4")
     except OSError as error:
-        kind, text, os_error = _classify(error, 3)
-    message = pickle.loads(pickle.dumps(messages.RunFailed(request_id=1, kind=kind, message=text, os_error=os_error)))
+        kind, text, rebuilt = _classify(error, 3)
+    message = pickle.loads(pickle.dumps(messages.RunFailed(request_id=1, kind=kind, message=text, error=rebuilt)))
     raised = _failure_error(message, 1, 0)
     assert isinstance(raised, OSError) and (raised.errno, raised.filename) == (errno.ENOSPC, "/out/clip.mp4")
     assert isinstance(raised.__cause__, RemoteTraceback) and "_disk_full" in str(raised.__cause__)
+    # One of k6serve's own modules missing is a bug, and stays one.
+    assert _classify(ModuleNotFoundError("No module named 'k6serve.x'", name="k6serve.x"), 0)[0] == "runtime"
     kind, text, _ = _classify(RuntimeError("boom"), 3)
     raised = _failure_error(messages.RunFailed(request_id=1, kind=kind, message=text), 1, 0)
     assert isinstance(raised, RuntimeError)

@@ -6,6 +6,7 @@ missing broadcast or a rank that runs a different request shows up in the return
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -52,6 +53,8 @@ class FakeRankWorker:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{path} never appeared: the other replica did not run concurrently")
                 time.sleep(0.02)
+        if prompt == "lack-a-package":
+            importlib.import_module("av_not_installed")  # a package this worker's interpreter lacks
         if prompt == "bad-value":
             raise ValueError("the fake worker rejects this prompt")
         total = 0.0
@@ -69,6 +72,13 @@ class FakeRankWorker:
             height=request.height, width=request.width,
             notes=[f"replica={self.context.groups.replica}", f"value={total}", f"leader_output={output}"],
         )
+
+
+class PackageLessRankWorker(FakeRankWorker):
+    """A rank whose model needs a package its interpreter lacks, found while it loads."""
+
+    def __init__(self, config: EngineConfig, context: RankContext):
+        importlib.import_module("av_not_installed")
 
 
 def make_config(**parallel) -> EngineConfig:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_launch import TIMEOUT_S, FakeRankWorker, make_config, note
+from test_launch import TIMEOUT_S, FakeRankWorker, PackageLessRankWorker, make_config, note
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.request import OutputOptions, SamplingParams
@@ -131,3 +131,28 @@ def test_invalid_layout_fails_at_start_with_the_rule(tiny_distill_dir):
     # and their user error comes back as ValueError, once, without a traceback.
     with pytest.raises(ValueError, match=r"^pro-distill has no classifier-free guidance branch.*--ulysses-degree 2"):
         MultiProcessWorker(real_config(tiny_distill_dir, num_gpus=2, enable_cfg_parallel=True))
+
+
+def test_a_package_missing_in_a_worker_process_is_named_not_reported_as_a_bug():
+    # It came back as "RuntimeError: request 1 failed on replica 0: rank 0: ModuleNotFoundError ...", which the CLI
+    # and the server call a bug in k6serve; now it is the ModuleNotFoundError, with its name, and the remote traceback.
+    from k6serve.runtime.process_group_worker import RemoteTraceback
+
+    worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        with pytest.raises(ModuleNotFoundError) as raised:
+            engine.generate(SamplingParams(prompt="lack-a-package", num_inference_steps=1))
+        assert raised.value.name == "av_not_installed"
+        assert isinstance(raised.value.__cause__, RemoteTraceback)
+        assert "rank 0: ModuleNotFoundError" in str(raised.value.__cause__) and "test_launch.py" in str(raised.value.__cause__)
+        # The replica serves on.
+        assert note(engine.generate(SamplingParams(prompt="x", num_inference_steps=1)), "replica") == "0"
+    finally:
+        engine.shutdown()
+
+
+def test_a_package_missing_while_the_workers_load_is_named_not_reported_as_a_bug():
+    with pytest.raises(ModuleNotFoundError) as raised:
+        MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=PackageLessRankWorker)
+    assert raised.value.name == "av_not_installed" and "rank 0" in str(raised.value.__cause__)
