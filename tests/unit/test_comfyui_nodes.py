@@ -443,3 +443,61 @@ def test_timeout_is_heard_while_the_server_is_unreachable(monkeypatch):
                                            r"progress 5%\); the node asked the server to cancel it"):
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, timeout_s=0.3)
     assert time.monotonic() - started < 2 and len(calls) > 1 and cancelled == ["video_1"]
+
+
+@pytest.fixture
+def loading_server():
+    """`k6serve serve`'s answers while its model loads (the real responder, on a listening socket)."""
+    import socket
+
+    from k6serve.serve.loading import LoadingResponder
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    responder = LoadingResponder(sock)
+    responder.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    responder.stop()
+    sock.close()
+
+
+def test_a_server_still_loading_is_waited_for_within_timeout_s(loading_server, comfy, monkeypatch):
+    # Before: the node failed at once with "GET .../v1/models answered HTTP 503, model_loading: ...".
+    monkeypatch.setattr(sys.modules["k6serve_nodes.client"], "LOADING_POLL_S", 0.05)
+    started = time.monotonic()
+    with pytest.raises(K6ServeError, match=r"K6Serve Generate: the server at http://127\.0\.0\.1:\d+ was still loading "
+                                           r"its model after 1 s\. Raise timeout_s, or set it to 0") as raised:
+        Generate().generate(loading_server, **TINY, timeout_s=1)
+    assert 1 <= time.monotonic() - started < 5 and raised.value.code == "model_loading"
+
+
+def test_cancel_is_heard_while_the_server_loads(loading_server, monkeypatch):
+    client_module = sys.modules["k6serve_nodes.client"]
+    monkeypatch.setattr(client_module, "LOADING_POLL_S", 0.05)
+    client = client_module.K6ServeClient(loading_server, node_name="K6Serve Upscale")
+    checks = []
+
+    def check_interrupt():
+        checks.append(1)
+        if len(checks) == 3:
+            raise InterruptProcessingException()
+
+    with pytest.raises(InterruptProcessingException):
+        client.served_model(check_interrupt=check_interrupt)
+    assert len(checks) == 3
+
+
+def test_the_job_runs_once_the_server_has_loaded(fake_server, comfy, monkeypatch):
+    client_module = sys.modules["k6serve_nodes.client"]
+    monkeypatch.setattr(client_module, "LOADING_POLL_S", 0.01)
+    real_json = client_module.K6ServeClient._json
+    loading = [2]  # GET /v1/models answers "loading" twice, then the server serves
+
+    def json_while_loading(self, method, route, **kwargs):
+        if route == "/v1/models" and loading[0]:
+            loading[0] -= 1
+            raise client_module.K6ServeError("loading", status=503, code="model_loading")
+        return real_json(self, method, route, **kwargs)
+
+    monkeypatch.setattr(client_module.K6ServeClient, "_json", json_while_loading)
+    result = Generate().generate(fake_server.base_url, **TINY, api_key="secret-key")
+    assert loading == [0] and Path(result["result"][2]).is_file()

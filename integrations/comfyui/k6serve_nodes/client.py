@@ -25,15 +25,20 @@ API_KEY_ENV = "K6SERVE_API_KEY"
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 # A poll that cannot reach the server is retried for this long before the node gives up (and tries to cancel).
 POLL_OUTAGE_S = 30.0
+# A server still loading its model (503 `model_loading`, from `k6serve serve`'s start until it serves) is waited
+# for this long when the node has no timeout_s: a released checkpoint loads in minutes, not in half an hour.
+LOADING_WAIT_S = 30 * 60.0
+LOADING_POLL_S = 2.0
 
 
 class K6ServeError(RuntimeError):
     """A failure the user can act on; the message names the node, the input and the fix. `status` is the HTTP
     status when the server answered with an error."""
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code  # the server's error code (`model_loading`, ...), when it sent one
 
 
 @dataclass(frozen=True)
@@ -63,10 +68,12 @@ class K6ServeClient:
 
     # ---- routes ----
 
-    def served_model(self) -> dict:
-        """The first entry of GET /v1/models (a server serves one model), which names its family."""
+    def served_model(self, *, check_interrupt: Callable[[], None] = lambda: None, timeout_s: float = 0.0) -> dict:
+        """The first entry of GET /v1/models (a server serves one model), which names its family. A server still
+        loading its model is waited for (ComfyUI's Cancel and `timeout_s`, 0 = LOADING_WAIT_S, stop the wait), so
+        a workflow queued while `k6serve serve` starts runs once it can."""
         try:
-            model = self._json("GET", "/v1/models")["data"][0]
+            model = self._when_loaded(lambda: self._json("GET", "/v1/models"), check_interrupt, timeout_s)["data"][0]
         except K6ServeError as error:
             if error.status != 404:
                 raise
@@ -79,6 +86,29 @@ class K6ServeClient:
                 "answer as `k6serve serve` does). Set server_url to the address `k6serve serve` listens on, without "
                 "a path such as /v1 (e.g. http://127.0.0.1:30000).")
         return model
+
+    def _when_loaded(self, call: Callable[[], dict], check_interrupt: Callable[[], None], timeout_s: float) -> dict:
+        """`call()`, again every LOADING_POLL_S while the server answers 503 `model_loading`."""
+        limit = timeout_s if timeout_s > 0 else LOADING_WAIT_S
+        deadline = time.monotonic() + limit
+        said = False
+        while True:
+            try:
+                return call()
+            except K6ServeError as error:
+                if error.code != "model_loading":
+                    raise
+                if not said:
+                    logger.info("%s: the server at %s is loading its model; waiting for it", self.node_name,
+                                self.base_url)
+                    said = True
+                check_interrupt()
+                if time.monotonic() > deadline:
+                    fix = (f"Raise timeout_s, or set it to 0 to wait up to {LOADING_WAIT_S:g} s." if timeout_s > 0
+                           else "Check the server's log, and run again once its GET /health says ok.")
+                    raise K6ServeError(f"{self.node_name}: the server at {self.base_url} was still loading its model "
+                                       f"after {limit:g} s. {fix}", status=503, code="model_loading") from None
+                time.sleep(LOADING_POLL_S)
 
     def create_job(self, fields: Mapping[str, Any], uploads: list[Upload] = ()) -> dict:
         """POST /v1/videos: JSON without uploads, multipart/form-data with them."""
@@ -241,7 +271,7 @@ class K6ServeClient:
                                 f"(server field '{param}', {code}): {message} Change '{node_input}' and run again.")
         code_text = f", {code}" if code else ""
         return K6ServeError(f"{self.node_name}: {where} answered HTTP {error.code}{code_text}: {message}",
-                            status=error.code)
+                            status=error.code, code=code or None)
 
     def _connection_error(self, error: Exception) -> K6ServeError:
         reason = getattr(error, "reason", error)

@@ -128,7 +128,7 @@ class K6ServeGenerate(_K6ServeNode):
         if image is not None:
             uploads.append(Upload("input_reference", "first_frame.png", "image/png",
                                   encode_png(image_to_uint8(image))))
-        _require_family(client, "generation", "K6Serve Upscale")
+        _require_family(client, "generation", "K6Serve Upscale", timeout_s)
         return run_job(client, fields, uploads, filename_prefix=filename_prefix, timeout_s=timeout_s)
 
 
@@ -207,7 +207,7 @@ class K6ServeUpscale(_K6ServeNode):
             fields["video_path"] = source
         elif frames is None:
             uploads.append(_video_upload(source))
-        _require_family(client, "super_resolution", "K6Serve Generate")
+        _require_family(client, "super_resolution", "K6Serve Generate", timeout_s)
         if frames is not None:
             with tempfile.TemporaryDirectory(prefix="k6serve_comfyui_") as scratch:
                 clip = encode_video(Path(scratch) / "frames.mp4", frames, frames_fps, audio)
@@ -296,8 +296,9 @@ def _video_upload(video_path: str) -> Upload:
     return Upload("video_reference", path.name, content_type, path.read_bytes())
 
 
-def _require_family(client: K6ServeClient, family: str, other_node: str) -> None:
-    model = client.served_model()
+def _require_family(client: K6ServeClient, family: str, other_node: str, timeout_s: float) -> None:
+    # Waits while the server loads its model (Cancel and timeout_s heard meanwhile).
+    model = client.served_model(check_interrupt=comfy_runtime.interrupt_check(), timeout_s=timeout_s)
     if model.get("family") != family:
         raise K6ServeError(f"{client.node_name}: the server at {client.base_url} serves {model.get('id')!r} "
                            f"({model.get('family')}), not a {family.replace('_', '-')} model. Use {other_node} "
