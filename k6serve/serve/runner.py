@@ -127,6 +127,11 @@ class PendingLora:
     future: Future = field(default_factory=Future)
 
 
+OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output folder (--output-path) was made "
+                       "read-only, or its permissions changed, after the server started, so the video was not kept; "
+                       "submit the job again once the server's operator has made the folder writable again.")
+
+
 class JobRunner:
     def __init__(self, engine: Engine, store: JobStore, artifacts: ArtifactStore, metrics: ServerMetrics, *,
                  max_queued_jobs: int) -> None:
@@ -362,6 +367,15 @@ class JobRunner:
                                                 started_at=time.time(), attempts=job.attempts + 1, progress=0)
                 if started is None:
                     continue
+                folder = self.artifacts.unwritable_folder(uploads=False)
+                if folder is not None:
+                    # Made read-only after the job was created: it could only fail at its MP4, after its whole run
+                    # on the GPU (minutes), so it fails now and the next one is looked at.
+                    logger.warning("job %s failed before it ran: the output folder %s is not writable", job.id,
+                                   folder)
+                    self._record(started, JobStatus.FAILED, error_code="output_not_writable",
+                                 error_message=OUTPUT_NOT_WRITABLE)
+                    continue
                 params = SamplingParams(**started.params)
                 # The job's file already there can only be its own video from an earlier attempt that wrote it and
                 # was then cut off (a crash, or a shutdown that outwaited the decode, after which the job was
@@ -522,10 +536,7 @@ class JobRunner:
             elif self._output_write_refused(exc):
                 logger.warning("job %s failed: its video could not be written (%s)", job.id, exc)
                 self._record(job, JobStatus.FAILED, error_code="output_not_writable",
-                             error_message="The server could not write this job's video: its output folder "
-                                           "(--output-path) was made read-only, or its permissions changed, after "
-                                           "the server started, so the video was not kept; submit the job again "
-                                           "once the server's operator has made the folder writable again.")
+                             error_message=OUTPUT_NOT_WRITABLE)
             elif missing_package(exc):
                 # The server's environment, not the request: the client is told which package, the operator's log
                 # also gets the pip command for the server's interpreter (a path the client need not see).

@@ -132,3 +132,20 @@ def test_a_folder_chmod_read_only_is_507_for_real(fake_server, fake_client):
     finally:
         root.chmod(0o755)
     assert fake_client.post("/v1/videos", json={"prompt": "after", **SMALL}).status_code == 200
+
+
+def test_a_queued_job_fails_before_it_runs_once_the_folder_is_read_only(fake_server, fake_client, monkeypatch):
+    # Before: it ran to its end on the GPU (minutes) and only then failed at its MP4.
+    running = fake_client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+    queued = fake_client.post("/v1/videos", json={"prompt": "queued", **SMALL}).json()
+    assert queued["status"] == "queued"
+    monkeypatch.setattr(tempfile, "TemporaryFile", _read_only)  # made read-only while the first one runs
+    fake_server.worker.release.set()
+    failed = wait_for(fake_client, queued["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "output_not_writable", failed
+    assert "writable again" in failed["error"]["message"]
+    assert "queued" not in fake_server.worker.started  # the worker never ran it
+    assert wait_for(fake_client, running["id"])["status"] == "completed"  # its MP4 went in before the change
+    monkeypatch.undo()
+    later = fake_client.post("/v1/videos", json={"prompt": "later", **SMALL}).json()
+    assert wait_for(fake_client, later["id"])["status"] == "completed"
