@@ -4,7 +4,11 @@ Two layouts are read:
 * diffusers / PEFT: `<module>.lora_A[.<adapter name>].weight` (rank x in) and `<module>.lora_B[.<adapter
   name>].weight` (out x rank), optionally `<module>.alpha`, under a `transformer.`, `base_model.model.`,
   `diffusion_model.` (ComfyUI) or no prefix; the alpha may instead be in the file's header, where diffusers'
-  `save_lora_weights` / `save_lora_adapter` put the adapter's PEFT config (`_metadata_alphas`);
+  `save_lora_weights` / `save_lora_adapter` put the adapter's PEFT config (`_metadata_alphas`). Also PEFT's
+  variants that diffusers' `load_lora_adapter` applies to this DiT: DoRA (`use_dora`: `<module>.lora_magnitude_vector`,
+  one magnitude per output feature), a lora_B bias (`lora_bias`: `<module>.lora_B.bias`) and LoRA on an
+  nn.Embedding (`<module>.lora_embedding_A` (rank x num_embeddings) / `.lora_embedding_B` (embedding_dim x rank),
+  read as the down / up of the Linear whose weight is the embedding table transposed);
 * kohya (sd-scripts, musubi-tuner, and what ComfyUI exports from them): `lora_unet_<module with "_" for
   ".">.lora_down.weight` / `.lora_up.weight` / `.alpha` (also `lora_transformer_`). The flattened name cannot be
   split back into a path without the model: `targets.py` matches it against the model's flattened Linear names.
@@ -28,7 +32,11 @@ from k6serve.lora.spec import check_lora_alpha
 # PEFT writes this name; diffusers' `save_lora_weights` too. Preferred when a folder holds several files.
 PREFERRED_FILE = "pytorch_lora_weights.safetensors"
 _PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.")
-_WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
+_EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?$")
+# PEFT's `get_peft_model_state_dict` (so diffusers' `save_lora_adapter`) writes `<module>.lora_magnitude_vector`; a raw
+# PEFT state dict has `.lora_magnitude_vector[.<adapter name>].weight`.
+_MAGNITUDE_KEY = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.(?P<adapter>[^.]+)\.weight|\.weight)?$")
 _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 # kohya: the module path flattened with "_" (resolved against the model in targets.py); down = A, up = B.
 _KOHYA_KEY = re.compile(r"^lora_(?:unet|transformer)_(?P<module>[^.]+)\.(?:lora_(?P<kind>down|up)\.weight|alpha)$")
@@ -43,11 +51,15 @@ LORA_METADATA_KEY = "lora_adapter_metadata"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraModule:
-    """One targeted Linear's low-rank pair: the update is (alpha / rank) * up @ down."""
+    """One targeted layer's low-rank pair: the update is (alpha / rank) * up @ down, in the layer's Linear view (an
+    Embedding's table transposed: out = embedding_dim, in = num_embeddings)."""
 
     down: torch.Tensor  # lora_A, (rank, in_features)
     up: torch.Tensor  # lora_B, (out_features, rank)
     alpha: float | None  # from the file; None: rank (scale 1)
+    magnitude: torch.Tensor | None = None  # DoRA's lora_magnitude_vector, (out_features,)
+    bias: torch.Tensor | None = None  # lora_B.bias (PEFT's lora_bias), (out_features,); added scaled like up
+    embedding: bool = False  # lora_embedding_A / _B: the target is an nn.Embedding
 
     @property
     def rank(self) -> int:
@@ -166,6 +178,10 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
     downs: dict[str, torch.Tensor] = {}
     ups: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
+    magnitudes: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor] = {}
+    embeddings: set[str] = set()  # modules with lora_embedding_A / _B keys
+    linears: set[str] = set()  # modules with lora_A / lora_B keys
     adapter_names: set[str] = set()
     unknown: list[str] = []
     for key, tensor in tensors.items():
@@ -175,18 +191,32 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
                 alphas[match["module"]] = _alpha(tensor, key, source)
             else:
                 (downs if match["kind"] == "down" else ups)[match["module"]] = tensor
-        elif match := _WEIGHT_KEY.match(name):
+            continue
+        if match := _EMBEDDING_KEY.match(name):
             (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
-            if match["adapter"]:
-                adapter_names.add(match["adapter"])
+            embeddings.add(match["module"])
+        elif (match := _WEIGHT_KEY.match(name)) and not (match["kind"] == "A" and match["param"] == "bias"):
+            if match["param"] == "bias":
+                biases[match["module"]] = tensor
+            else:
+                (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
+                linears.add(match["module"])
+        elif match := _MAGNITUDE_KEY.match(name):
+            magnitudes[match["module"]] = tensor
         elif match := _ALPHA_KEY.match(name):
             alphas[match["module"]] = _alpha(tensor, key, source)
+            continue
         else:
             unknown.append(key)
+            continue
+        if match["adapter"]:
+            adapter_names.add(match["adapter"])
     if unknown:
         raise ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
-                         f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha) nor kohya ones "
-                         f"(lora_unet_<module>.lora_down.weight / .lora_up.weight / .alpha), e.g. {unknown[:_SHOWN]}")
+                         f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha, and PEFT's "
+                         f"<module>.lora_B.bias, <module>.lora_magnitude_vector (DoRA), <module>.lora_embedding_A / "
+                         f"_B) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / .alpha), e.g. "
+                         f"{unknown[:_SHOWN]}")
     if len(adapter_names) > 1:
         raise ValueError(f"LoRA file {source!r} holds several PEFT adapters ({sorted(adapter_names)}); save one "
                          "adapter per file")
@@ -195,7 +225,10 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
     unpaired = sorted(set(downs) ^ set(ups))
     if unpaired:
         raise ValueError(f"LoRA file {source!r}: module(s) with only one of lora_A / lora_B: {unpaired[:_SHOWN]}")
-    header_alphas = _metadata_alphas(metadata, downs, source)
+    _check_variants(downs, magnitudes, biases, embeddings, linears, source)
+    config = _header_config(metadata, source)
+    _check_header_variants(config, magnitudes, biases, source)
+    header_alphas = _metadata_alphas(config, downs, source)
     for module, alpha in header_alphas.items():
         # Both in one file have no agreed meaning (diffusers refuses `network_alphas` together with a header): a
         # disagreement is refused rather than one of them picked.
@@ -209,29 +242,58 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
             raise ValueError(f"LoRA file {source!r}: module {module!r} has lora_A {tuple(down.shape)} and lora_B "
                              f"{tuple(up.shape)}; expected lora_A (rank, in_features) and lora_B (out_features, rank), "
                              "rank >= 1")
-        for kind, tensor in (("lora_A", down), ("lora_B", up)):
-            # An integer (quantised) tensor has no scale to go with it here; a NaN or inf would only surface as a
-            # request failing on NaN latents, with the adapter merged.
-            if not tensor.is_floating_point():
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                raise ValueError(f"LoRA file {source!r}: module {module!r}: {kind} is {dtype}; LoRA weights must be "
-                                 "float32, float16 or bfloat16 (save the adapter unquantised)")
-            if not torch.isfinite(tensor).all():
-                raise ValueError(f"LoRA file {source!r}: module {module!r}: {kind} holds NaN or infinite values, "
-                                 "so the adapter is damaged (e.g. a diverged training run); use another checkpoint")
-        modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module))
+        extras = {"lora_magnitude_vector": magnitudes.get(module), "lora_B.bias": biases.get(module)}
+        for kind, tensor in extras.items():
+            if tensor is not None and tuple(tensor.shape) != (up.shape[0],):
+                raise ValueError(f"LoRA file {source!r}: module {module!r} has {kind} {tuple(tensor.shape)}, but its "
+                                 f"lora_B {tuple(up.shape)} gives {up.shape[0]} output features; expected "
+                                 f"({up.shape[0]},)")
+        for kind, tensor in (("lora_A", down), ("lora_B", up), *extras.items()):
+            if tensor is not None:
+                _check_values(tensor, kind, module, source)
+        modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module), magnitude=magnitudes.get(module),
+                                     bias=biases.get(module), embedding=module in embeddings)
     return modules
 
 
-def _metadata_alphas(metadata: dict[str, str] | None, downs: dict[str, torch.Tensor],
-                     source: str) -> dict[str, float]:
-    """Each module's alpha from the PEFT `LoraConfig` diffusers stores in the header (empty without one), as PEFT
-    resolves it: `alpha_pattern`'s first pattern that matches the module path's end (peft's `get_pattern_key`),
-    else `lora_alpha`. An rsLoRA adapter (`use_rslora`) is scaled by alpha / sqrt(rank) there: as our
-    alpha / rank, that is an alpha of alpha * sqrt(rank)."""
+def _check_values(tensor: torch.Tensor, kind: str, module: str, source: str) -> None:
+    # An integer (quantised) tensor has no scale to go with it here; a NaN or inf would only surface as a request
+    # failing on NaN latents, with the adapter merged.
+    if not tensor.is_floating_point():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise ValueError(f"LoRA file {source!r}: module {module!r}: {kind} is {dtype}; LoRA weights must be "
+                         "float32, float16 or bfloat16 (save the adapter unquantised)")
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"LoRA file {source!r}: module {module!r}: {kind} holds NaN or infinite values, "
+                         "so the adapter is damaged (e.g. a diverged training run); use another checkpoint")
+
+
+def _check_variants(downs: dict[str, torch.Tensor], magnitudes: dict[str, torch.Tensor],
+                    biases: dict[str, torch.Tensor], embeddings: set[str], linears: set[str], source: str) -> None:
+    """The DoRA magnitudes, lora_B biases and embedding pairs belong to modules with a low-rank pair, in the
+    combinations PEFT can build."""
+    stray = sorted((set(magnitudes) | set(biases)) - set(downs))
+    if stray:
+        raise ValueError(f"LoRA file {source!r}: module(s) with a lora_magnitude_vector or lora_B.bias but no "
+                         f"lora_A / lora_B: {stray[:_SHOWN]}")
+    both = sorted(set(magnitudes) & set(biases))
+    if both:
+        # PEFT's LoraConfig refuses lora_bias=True with use_dora=True, so neither it nor diffusers has a meaning
+        # for the pair.
+        raise ValueError(f"LoRA file {source!r}: module(s) {both[:_SHOWN]} have both a lora_magnitude_vector (DoRA) "
+                         "and a lora_B.bias; PEFT does not combine the two (LoraConfig refuses lora_bias with "
+                         "use_dora), so the file was not written by it")
+    mixed = sorted(embeddings & (linears | set(biases)))
+    if mixed:
+        raise ValueError(f"LoRA file {source!r}: module(s) {mixed[:_SHOWN]} have lora_embedding_A / _B keys (an "
+                         "Embedding's LoRA) and lora_A / lora_B ones (a Linear's); PEFT writes one kind per module")
+
+
+def _header_config(metadata: dict[str, str] | None, source: str) -> dict | None:
+    """The PEFT `LoraConfig` fields diffusers stores in the header for the DiT (None without one)."""
     raw = (metadata or {}).get(LORA_METADATA_KEY)
     if not raw:
-        return {}
+        return None
     try:
         config = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -242,8 +304,34 @@ def _metadata_alphas(metadata: dict[str, str] | None, downs: dict[str, torch.Ten
     # model's `save_lora_adapter` does not. Other components' fields (a text encoder's) do not concern the DiT.
     prefixed = {key.removeprefix("transformer."): value for key, value in config.items()
                 if key.startswith("transformer.")}
-    config = prefixed or config
-    if "lora_alpha" not in config:
+    return prefixed or config
+
+
+def _check_header_variants(config: dict | None, magnitudes: dict[str, torch.Tensor], biases: dict[str, torch.Tensor],
+                           source: str) -> None:
+    """Refuse a header whose `use_dora` / `lora_bias` contradicts the keys. diffusers builds the PEFT layers from
+    the header alone: DoRA layers without magnitudes get them computed from the base weight, and magnitudes or
+    biases the header does not ask for are skipped with a warning. Reading the keys alone would apply something
+    else than diffusers does, silently."""
+    if config is None:
+        return
+    where = f"LoRA file {source!r}: its {LORA_METADATA_KEY} header"
+    if "use_dora" in config and bool(config["use_dora"]) != bool(magnitudes):
+        found = (f"{len(magnitudes)} lora_magnitude_vector keys" if magnitudes else "no lora_magnitude_vector keys")
+        raise ValueError(f"{where} says use_dora={config['use_dora']!r}, but the file holds {found}; the header and "
+                         "the weights come from different adapters (diffusers would apply the header's)")
+    if "lora_bias" in config and not config["lora_bias"] and biases:
+        raise ValueError(f"{where} says lora_bias={config['lora_bias']!r}, but the file holds {len(biases)} "
+                         "lora_B.bias keys, which diffusers would skip; the header and the weights come from different "
+                         "adapters")
+
+
+def _metadata_alphas(config: dict | None, downs: dict[str, torch.Tensor], source: str) -> dict[str, float]:
+    """Each module's alpha from the header's PEFT `LoraConfig` (`_header_config`; empty without one), as PEFT
+    resolves it: `alpha_pattern`'s first pattern that matches the module path's end (peft's `get_pattern_key`),
+    else `lora_alpha`. An rsLoRA adapter (`use_rslora`) is scaled by alpha / sqrt(rank) there: as our
+    alpha / rank, that is an alpha of alpha * sqrt(rank)."""
+    if config is None or "lora_alpha" not in config:
         return {}
     where = f"LoRA file {source!r}: {LORA_METADATA_KEY}"
     default = _header_alpha(config["lora_alpha"], f"{where} lora_alpha")

@@ -8,6 +8,15 @@ time. It runs between requests, on every rank, through `ModelWorker.apply_lora_o
   (no GPU memory spent) before its first change; restoring `.copy_`s it back into the same storage, bit for bit.
 * dynamic: weights untouched; the targeted Linears are wrapped (`dynamic.LoraLinear`) to add the update per call.
   Costs two thin GEMMs per targeted Linear and call, but set / unset is instant and exact by construction.
+* PEFT's variants, as PEFT applies them (tests/parity/test_lora_parity.py): a lora_B bias adds strength *
+  (alpha / rank) * bias to the layer's bias (merged; refused on a layer without one, as PEFT's merge refuses it) or
+  to its output (dynamic). DoRA (`use_dora`) makes the weight m / ||W + s B A|| * (W + s B A), the norm per output
+  row over the base weight W (not the weight with earlier adapters merged, as PEFT's `_unmerged_base_weight`),
+  s = strength * alpha / rank in both places (PEFT's `set_scale`): so a DoRA adapter at strength 0 still rescales
+  the rows to its magnitudes, as in PEFT. Stacked on other adapters of the same layer, it also scales the rows
+  of the ones before it (PEFT's order: its forward scales the output so far, its merge the weight so far); the
+  bias is not scaled (PEFT's unfused forward does scale an earlier adapter's lora_B bias, unlike its merge: both
+  our modes follow the merge). An Embedding's LoRA is that of the Linear whose weight is the table transposed.
 * auto: merge, except dynamic under FSDP (the reference server's rule). Merged weights make the steps as fast as
   without an adapter.
 
@@ -32,8 +41,8 @@ import torch
 from torch import nn
 
 from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
-from k6serve.lora.dynamic import LoraDelta, LoraLinear
-from k6serve.lora.sharding import ShardedWeight
+from k6serve.lora.dynamic import LoraDelta, LoraEmbedding, LoraLinear
+from k6serve.lora.sharding import ShardedWeight, local_tensor
 from k6serve.lora.spec import (
     FSDP_MERGE_REFUSAL,
     LoraSpec,
@@ -41,7 +50,7 @@ from k6serve.lora.spec import (
     check_lora_strength,
     resolve_merge_mode,
 )
-from k6serve.lora.targets import LoraTarget, resolve_targets
+from k6serve.lora.targets import LoraTarget, check_mergeable, linear_view, resolve_targets
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +84,9 @@ class LoraManager:
         self.adapters: dict[str, LoraAdapter] = {}  # nickname -> adapter, active or not
         self.active: list[_Active] = []
         self.applied_mode: str | None = None  # "merge" | "dynamic" while `active` is applied
-        self.snapshots: dict[nn.Linear, torch.Tensor] = {}  # the original weight of each merged Linear, on the CPU
-        self.wrappers: list[tuple[LoraTarget, LoraLinear]] = []
+        # (layer, "weight" | "bias") -> the original tensor of each merged layer, on the CPU
+        self.snapshots: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        self.wrappers: list[tuple[LoraTarget, LoraLinear | LoraEmbedding]] = []
 
     def set(self, specs: tuple[LoraSpec, ...] | list[LoraSpec], merge_mode: str = "auto") -> None:
         """Replace the active adapters by `specs` (empty: none), applied as `merge_mode`.
@@ -95,6 +105,8 @@ class LoraManager:
         active = [_Active(spec.nickname, loaded[spec.nickname], float(spec.strength), spec.alpha,
                           resolve_targets(self.model, loaded[spec.nickname].modules, source=loaded[spec.nickname].path))
                   for spec in specs]
+        if mode == "merge":
+            _check_mergeable(active)
         self._switch(active, mode)
         self.adapters.update(loaded)
 
@@ -106,6 +118,7 @@ class LoraManager:
             raise ValueError(FSDP_MERGE_REFUSAL)
         if strength is not None:
             check_lora_strength(strength, "strength")
+        _check_mergeable(self.active)
         self._switch([entry if strength is None else dataclasses.replace(entry, strength=float(strength))
                       for entry in self.active], "merge")
 
@@ -214,44 +227,104 @@ class LoraManager:
                         ", ".join(f"{entry.nickname} x{entry.strength:g}" for entry in self.active))
 
     def _merge(self) -> None:
-        # Group by (Linear, rows) so that adapters sharing a layer are summed in fp32 and rounded once.
-        updates: dict[tuple[nn.Linear, int, int], list[tuple[LoraModule, float]]] = {}
+        # Group by (layer, rows) so that adapters sharing a layer are summed in fp32 and rounded once.
+        updates: dict[tuple[nn.Module, int, int], list[tuple[LoraModule, float]]] = {}
         for entry in self.active:
             for target, module, scale in entry.updates():
-                key = (target.linear, target.rows.start, target.rows.stop)
+                key = (target.layer, target.rows.start, target.rows.stop)
                 updates.setdefault(key, []).append((module, scale))
         with torch.inference_mode():  # also when the weights were loaded as inference tensors
-            for (linear, start, stop), terms in updates.items():
-                shard = ShardedWeight.of(linear)
-                weight = shard.local(linear)  # this rank's block under tensor parallelism, else the whole weight
-                if linear not in self.snapshots:
-                    self.snapshots[linear] = weight.to("cpu", copy=True)
-                rows = weight[start:stop] if shard.dim is None else weight  # fused slices are never sharded
-                merged = rows.float()
-                for module, scale in terms:
-                    up, down = shard.slice_update(module.up, module.down)
-                    merged += scale * (up.to(weight.device, torch.float32) @ down.to(weight.device, torch.float32))
-                rows.copy_(merged)  # a view of the weight's storage: the merge is in place
+            for (layer, start, stop), terms in updates.items():
+                shard = ShardedWeight.of(layer)
+                weight = self._snapshot(layer, "weight")  # this rank's block under tensor parallelism
+                view = linear_view(layer, weight)
+                rows = view[start:stop] if shard.dim is None else view  # fused slices are never sharded
+                rows.copy_(_merged_rows(rows, terms, shard))  # a view of the weight's storage: the merge is in place
+                if any(module.bias is not None for module, _ in terms):
+                    bias = self._snapshot(layer, "bias")
+                    bias_rows = bias[start:stop] if shard.dim is None else bias
+                    merged = bias_rows.float()
+                    for module, scale in terms:
+                        if module.bias is not None:  # PEFT: bias += lora_B.bias * scaling
+                            merged = merged + shard.slice_bias(module.bias).to(bias.device, torch.float32) * scale
+                    bias_rows.copy_(merged)
+
+    def _snapshot(self, layer: nn.Module, name: str) -> torch.Tensor:
+        """The local storage of `layer.<name>`, its original copied to the CPU before the first change."""
+        tensor = local_tensor(getattr(layer, name))
+        if (layer, name) not in self.snapshots:
+            self.snapshots[layer, name] = tensor.to("cpu", copy=True)
+        return tensor
 
     def _install_dynamic(self) -> None:
-        wrappers: dict[nn.Linear, LoraLinear] = {}
+        wrappers: dict[nn.Module, LoraLinear | LoraEmbedding] = {}
+        lora_biases: dict[tuple[nn.Module, int, int], list[torch.Tensor]] = {}  # the earlier deltas' biases, per rows
         for entry in self.active:
             for target, module, scale in entry.updates():
-                wrapper = wrappers.get(target.linear)
+                wrapper = wrappers.get(target.layer)
                 if wrapper is None:
-                    wrapper = wrappers[target.linear] = LoraLinear(target.linear)
+                    wrapper = (LoraEmbedding if isinstance(target.layer, nn.Embedding) else LoraLinear)(target.layer)
+                    wrappers[target.layer] = wrapper
                     setattr(target.parent, target.attribute, wrapper)
                     self.wrappers.append((target, wrapper))
+                earlier = lora_biases.setdefault((target.layer, target.rows.start, target.rows.stop), [])
+                factor = shift = None
+                if module.magnitude is not None:
+                    factor = _dora_factor(target, module, scale)
+                    bias = _bias_so_far(target, earlier)
+                    shift = None if bias is None else (1 - factor) * bias
+                elif module.bias is not None:
+                    earlier.append(module.bias.float() * scale)
                 wrapper.deltas.append(LoraDelta(module.down, module.up, scale, target.rows,
-                                                full_width=not target.is_fused_slice))
+                                                full_width=not target.is_fused_slice, bias=module.bias, factor=factor,
+                                                shift=shift))
 
     def _restore(self) -> None:
-        """Put every wrapped Linear back and copy every snapshot back into its weight's storage."""
+        """Put every wrapped layer back and copy every snapshot back into its tensor's storage."""
         for target, _ in self.wrappers:
-            setattr(target.parent, target.attribute, target.linear)
+            setattr(target.parent, target.attribute, target.layer)
         self.wrappers = []
         with torch.inference_mode():  # also when the weights were loaded as inference tensors
-            for linear, snapshot in self.snapshots.items():
-                ShardedWeight.of(linear).local(linear).copy_(snapshot)
+            for (layer, name), snapshot in self.snapshots.items():
+                local_tensor(getattr(layer, name)).copy_(snapshot)
         self.snapshots = {}
         self.applied_mode = None
+
+
+def _check_mergeable(active: list[_Active]) -> None:
+    for entry in active:
+        check_mergeable(entry.targets, entry.adapter.modules, source=entry.adapter.path)
+
+
+def _merged_rows(rows: torch.Tensor, terms: list[tuple[LoraModule, float]], shard: ShardedWeight) -> torch.Tensor:
+    """The fp32 weight rows with every term applied in order: + scale * B A, or DoRA's m / ||W + scale B A|| *
+    (rows so far + scale * B A) with W the original `rows` (PEFT's DoRA merge, in the same ops)."""
+    merged = rows.to(torch.float32, copy=True)  # `rows` stays the original until the caller copies this back
+    for module, scale in terms:
+        up, down = shard.slice_update(module.up, module.down)
+        delta = scale * (up.to(rows.device, torch.float32) @ down.to(rows.device, torch.float32))
+        if module.magnitude is None:
+            merged += delta
+        else:  # DoRA: never sharded (targets.py refuses it on a sharded weight)
+            norm = torch.linalg.norm(rows.float() + delta, dim=1)
+            factor = module.magnitude.to(rows.device, torch.float32) / norm
+            merged = factor[:, None] * (merged + delta)
+    return merged
+
+
+def _bias_so_far(target: LoraTarget, lora_biases: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bias the target's rows get before a DoRA delta (fp32, CPU): the layer's own and the earlier deltas'
+    (None: none); DoRA leaves it unscaled. The layer is whole here (DoRA is refused on sharded weights)."""
+    base = getattr(target.layer, "bias", None)
+    terms = ([] if base is None else [base.detach()[target.rows].float().cpu()]) + lora_biases
+    return sum(terms[1:], terms[0]) if terms else None
+
+
+def _dora_factor(target: LoraTarget, module: LoraModule, scale: float) -> torch.Tensor:
+    """m / ||W + scale B A|| per row of the target (fp32, CPU), from its base weight, which dynamic mode leaves
+    as it is; computed where the weight is (the GPU, or the host copy under offloading)."""
+    with torch.no_grad():
+        weight = linear_view(target.layer, target.layer.weight.detach())[target.rows].float()
+        delta = scale * (module.up.to(weight.device, torch.float32) @ module.down.to(weight.device, torch.float32))
+        norm = torch.linalg.norm(weight + delta, dim=1)
+        return (module.magnitude.to(weight.device, torch.float32) / norm).cpu()

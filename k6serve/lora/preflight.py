@@ -43,11 +43,13 @@ def check_start_adapter(config: EngineConfig) -> None:
     if dit_config is not None:
         import torch
 
-        from k6serve.lora.targets import resolve_targets
+        from k6serve.lora.targets import check_mergeable, resolve_targets
         from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 
         dit = build_dummy_transformer(dit_config, device=torch.device("meta"), dtype=torch.float32)
-        resolve_targets(dit, adapter.modules, source=model.lora_path)
+        targets = resolve_targets(dit, adapter.modules, source=model.lora_path)
+        if resolve_merge_mode(model.lora_merge_mode, fsdp=config.parallel.use_fsdp_inference) == "merge":
+            check_mergeable(targets, adapter.modules, source=model.lora_path)
 
 
 def check_request_loras(config: EngineConfig, loras: dict | None) -> None:

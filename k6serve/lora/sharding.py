@@ -3,6 +3,8 @@
 Tensor parallelism leaves each targeted weight a DTensor on the tp mesh: column-parallel `Shard(0)` (a block of
 output rows: the update's rows of B @ A) or row-parallel `Shard(1)` (a block of input columns: B @ A's columns).
 FSDP leaves block weights `Shard(0)` DTensors between requests and plain full tensors inside the forward.
+A column-parallel Linear's bias is sharded as its rows (`Shard(0)`); a row-parallel one's is replicated, and torch
+adds it once, after the partial sums are reduced.
 
 `ShardedWeight.of(linear)` reads the layout between requests (merge and the checks); `dynamic.LoraLinear` reads
 it again inside the forward, where only tensor parallelism is still sharded.
@@ -53,4 +55,17 @@ class ShardedWeight:
         if self.dim == 1:
             return up, down[:, self.start:self.start + self.length]
         return up, down
+
+    def slice_bias(self, bias: Tensor) -> Tensor:
+        """A full-length output bias restricted to this rank's block of the layer's bias (its rows, column-parallel;
+        all of it where the weight is whole or row-parallel, whose bias is replicated)."""
+        return bias[self.start:self.start + self.length] if self.dim == 0 else bias
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """A parameter's local storage: a DTensor's local shard (a view), else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    tensor = tensor.data
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

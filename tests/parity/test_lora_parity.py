@@ -12,11 +12,17 @@ from_pretrained`) and by us (`load_transformer`, the serving path). diffusers 0.
   `save_lora_weights` / `save_lora_adapter` write (`lora_adapter_metadata`; we ignored it before, and applied such an
   adapter at scale 1 where diffusers applies lora_alpha / rank), and our `lora_alpha` override;
 * per-module ranks (diffusers' rank_pattern), kohya's layout (diffusers 0.42.1 cannot read it for this model, so ours
-  is compared with diffusers reading the same tensors in its own layout), modules only one side supports, and an
-  adapter on to_query / to_key / to_value against speed mode's fused Q/K/V (ours fused vs diffusers unfused).
+  is compared with diffusers reading the same tensors in its own layout), and an adapter on to_query / to_key /
+  to_value against speed mode's fused Q/K/V (ours fused vs diffusers unfused);
+* PEFT's variants, in files written by diffusers' own `save_lora_adapter` from a PEFT `LoraConfig` with random
+  weights: DoRA (`use_dora`; also at strength 0, and stacked with a plain adapter in either order), a lora_B bias
+  (`lora_bias`; also where diffusers' `fuse_lora` refuses it, a Linear without a bias), and LoRA / DoRA on the DiT's
+  nn.Embedding (with TI2AV's token type ids), each merged and dynamic, with unmerge restoring the weights bit for
+  bit; and a module the model lacks, which diffusers skips with a warning and we refuse.
 
-fp32: merge is bitwise (W + (s * alpha / r) * (B @ A), the same ops); dynamic is within 1e-5 of the output's largest
-value and bitwise at scale 1 (we fold the scale into B before the second GEMM, PEFT multiplies its output: a rounding
+fp32: merge is bitwise (W + (s * alpha / r) * (B @ A), the same ops; DoRA's and the bias's merges too, but after a
+plain adapter, where PEFT unmerges and re-merges it first); dynamic is within 1e-5 of the output's largest value and
+bitwise at scale 1 (we fold the scale into B before the second GEMM, PEFT multiplies its output: a rounding
 apart otherwise); fused Q/K/V within 1e-5 (one GEMM instead of three). bf16: the merged weights are compared with the
 correctly rounded W + s * alpha / r * B A, where ours rounds once and PEFT rounds A and B to bf16, then the delta, then
 the sum. Run with -s to see the measured differences.
@@ -70,11 +76,13 @@ def _ours(checkpoint: Path, dtype=torch.float32, *, fused: bool = False):
     return model
 
 
-def _inputs(dtype=torch.float32) -> dict:
+def _inputs(dtype=torch.float32, *, token_types: bool = False) -> dict:
+    """`token_types`: with the TI2AV pipeline's visual_token_type_ids (1 on the reference frame), which the DiT's
+    nn.Embedding reads."""
     generator = torch.Generator().manual_seed(1)
     mask = torch.ones(BATCH, TEXT_TOKENS, dtype=torch.bool)
     mask[1, 6:] = False
-    return {
+    inputs = {
         "hidden_states": torch.randn(BATCH, FRAMES, HEIGHT, WIDTH, 33, generator=generator).to(dtype),
         "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, 32, generator=generator).to(dtype),
         "pooled_projections": torch.randn(BATCH, 32, generator=generator).to(dtype),
@@ -82,16 +90,19 @@ def _inputs(dtype=torch.float32) -> dict:
         "audio_hidden_states": torch.randn(BATCH, AUDIO_TOKENS, 8, generator=generator).to(dtype),
         "encoder_attention_mask": mask,
     }
+    if token_types:
+        inputs["visual_token_type_ids"] = torch.tensor([[0] * (FRAMES - 1) + [1], [0] + [1] * (FRAMES - 1)])
+    return inputs
 
 
-def _run_reference(model, dtype=torch.float32):
+def _run_reference(model, dtype=torch.float32, *, token_types: bool = False):
     with torch.no_grad():
-        return tuple(model(**_inputs(dtype), return_dict=False))
+        return tuple(model(**_inputs(dtype, token_types=token_types), return_dict=False))
 
 
-def _run_ours(model, dtype=torch.float32):
+def _run_ours(model, dtype=torch.float32, *, token_types: bool = False):
     with torch.inference_mode():
-        return tuple(model(**_inputs(dtype)))
+        return tuple(model(**_inputs(dtype, token_types=token_types)))
 
 
 def _relative(actual, expected) -> list[float]:
@@ -155,16 +166,17 @@ def _save(file: Path, tensors: dict[str, torch.Tensor], header: dict | None = No
 
 
 def _load_into_diffusers(model, file: Path, *, alpha_keys_as_network_alphas: bool = True, strength=STRENGTH,
-                         network_alphas: dict[str, float] | None = None):
+                         network_alphas: dict[str, float] | None = None, prefix: str | None = "transformer"):
     """What diffusers does with `file`: `load_lora_adapter` reads the header's LoraConfig itself; `<module>.alpha`
-    keys it ignores, so (as Flux's / SD's `lora_state_dict` do) they are popped into `network_alphas`."""
+    keys it ignores, so (as Flux's / SD's `lora_state_dict` do) they are popped into `network_alphas`. `prefix`:
+    None for a file from a model's own `save_lora_adapter`, whose keys have no `transformer.`."""
     if network_alphas is not None or (alpha_keys_as_network_alphas and any(
             key.endswith(".alpha") for key in load_file(str(file)))):
         tensors = load_file(str(file))
         alphas = {key: float(tensors.pop(key)) for key in list(tensors) if key.endswith(".alpha")}
         model.load_lora_adapter(tensors, network_alphas=network_alphas or alphas, adapter_name="a")
     else:
-        model.load_lora_adapter(str(file.parent), weight_name=file.name, adapter_name="a")
+        model.load_lora_adapter(str(file.parent), weight_name=file.name, adapter_name="a", prefix=prefix)
     model.set_adapters("a", strength)
     return model
 
@@ -319,32 +331,175 @@ def test_kohya_layout(tiny_pro_dir, tmp_path, shapes):
         assert max(errors) <= 1e-5
 
 
-@pytest.mark.parametrize("extra", ["embedding", "lora_bias", "unknown_module"])
-def test_what_diffusers_applies_and_we_refuse(tiny_pro_dir, tmp_path, shapes, extra):
-    """PEFT also adapts nn.Embedding (`lora_embedding_A/B`; the DiT's visual_token_type_embeddings) and a lora_B
-    bias (`lora_bias`), and diffusers loads an adapter naming a module the model lacks with only a warning (the
-    rest applied). We refuse the whole file with an error naming the keys or module, never apply part of it."""
+def test_a_module_the_model_lacks_is_refused_where_diffusers_skips_it(tiny_pro_dir, tmp_path, shapes):
+    """diffusers loads an adapter naming a module the model lacks with only a warning and applies the rest. We
+    refuse the whole file with an error naming the module and saying why (an adapter applied in part, say with a
+    typo'd or renamed module, changes the output without anything failing), and change nothing."""
     tensors = _diffusers_keys(_factors({FFN: shapes[FFN]}))
-    if extra == "embedding":
-        tensors["transformer.visual_token_type_embeddings.lora_embedding_A"] = torch.randn(RANK, 2)
-        tensors["transformer.visual_token_type_embeddings.lora_embedding_B"] = torch.randn(64, RANK)
-        message = "not diffusers/PEFT LoRA keys.*lora_embedding_A"
-    elif extra == "lora_bias":
-        tensors[f"transformer.{FFN}.lora_B.bias"] = torch.randn(shapes[FFN][0])
-        message = r"not diffusers/PEFT LoRA keys.*lora_B\.bias"
-    else:
-        tensors["transformer.text_encoder.q_proj.lora_A.weight"] = torch.randn(RANK, 8)
-        tensors["transformer.text_encoder.q_proj.lora_B.weight"] = torch.randn(8, RANK)
-        message = r"1 of its 2 module\(s\) are not Linear layers.*text_encoder\.q_proj"
+    tensors["transformer.text_encoder.q_proj.lora_A.weight"] = torch.randn(RANK, 8)
+    tensors["transformer.text_encoder.q_proj.lora_B.weight"] = torch.randn(8, RANK)
     file = _save(tmp_path / "a.safetensors", tensors)
     reference = _load_into_diffusers(_reference(tiny_pro_dir), file)
     adapted = {name for name, module in reference.named_modules() if isinstance(module, BaseTunerLayer)}
-    assert FFN in adapted  # diffusers applied the adapter
+    assert adapted == {FFN}  # diffusers applied the rest
     ours = _ours(tiny_pro_dir)
     before = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
-    with pytest.raises(ValueError, match=message):
-        LoraManager(ours).set([LoraSpec(nickname="a", path=str(file))], "merge")
+    message = (r"1 of its 2 module\(s\) are not Linear layers.*text_encoder\.q_proj.*The whole adapter is refused "
+               r"rather than applied without them \(diffusers' load_lora_adapter would skip them with a warning\).*"
+               r"remove those modules' keys from the file to apply the rest")
+    for mode in ("merge", "dynamic"):
+        with pytest.raises(ValueError, match=message):
+            LoraManager(ours).set([LoraSpec(nickname="a", path=str(file))], mode)
     assert all(torch.equal(tensor, before[name]) for name, tensor in ours.state_dict().items())
+
+
+# ---- PEFT's variants: DoRA, lora_B bias, Embedding (files written by diffusers' own save_lora_adapter) ----
+
+EMBEDDING = "visual_token_type_embeddings"
+
+
+def _peft_file(checkpoint: Path, folder: Path, targets, *, seed: int = 0, **config) -> Path:
+    """The adapter file diffusers' `save_lora_adapter` writes for a PEFT `LoraConfig(**config)` on `targets`
+    (rank 4, alpha 8): keys without `transformer.`, the config in the header. Every adapter tensor is random
+    (N(0, 0.1^2)); DoRA's magnitudes start as PEFT sets them, the row norms of W + B A, and are then scaled by
+    U(0.5, 1.5) per row, as training would move them (at their start values DoRA at strength 1 equals LoRA)."""
+    from peft import LoraConfig
+
+    model = _reference(checkpoint)
+    model.add_adapter(LoraConfig(r=RANK, lora_alpha=8, target_modules=sorted(targets), init_lora_weights=False,
+                                 **config), adapter_name="a")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                parameter.mul_(0.5 + torch.rand(parameter.shape, generator=generator))
+            elif ".lora_" in name:
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    model.save_lora_adapter(str(folder), adapter_name="a")
+    return folder / "pytorch_lora_weights.safetensors"
+
+
+def _peft_outputs(checkpoint: Path, adapters: list[tuple[Path, float]], mode: str, *, fused: bool = False,
+                  token_types: bool = False):
+    """(ours, diffusers, whether unmerging gave the base weights back bit for bit) for `adapters` ((file,
+    strength), applied in order: diffusers' `set_adapters` order) as `mode`: merge vs `fuse_lora`, dynamic vs
+    PEFT's unfused forward."""
+    reference = _reference(checkpoint)
+    names = [f"a{index}" for index in range(len(adapters))]
+    for name, (file, _) in zip(names, adapters):
+        reference.load_lora_adapter(str(file.parent), weight_name=file.name, adapter_name=name, prefix=None)
+    reference.set_adapters(names, [strength for _, strength in adapters])
+    if mode == "merge":
+        reference.fuse_lora()
+    ours = _ours(checkpoint, fused=fused)
+    base = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
+    manager = LoraManager(ours)
+    manager.set([LoraSpec(nickname=name, path=str(file), strength=strength)
+                 for name, (file, strength) in zip(names, adapters)], mode)
+    outputs = _run_ours(ours, token_types=token_types)
+    manager.unmerge()
+    restored = all(torch.equal(tensor, base[name]) for name, tensor in ours.state_dict().items())
+    return outputs, _run_reference(reference, token_types=token_types), restored
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_qkv"])
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_dora_matches_diffusers(tiny_pro_dir, tmp_path, shapes, base_outputs, mode, fused):
+    """DoRA (`use_dora`, `lora_magnitude_vector` keys) on every Linear at strength 0.7: W' = m / ||W + s B A|| *
+    (W + s B A), the norm per output row, s = strength * alpha / rank in both places. Merged it is PEFT's merge
+    op for op (bitwise); dynamic scales the output rows (within 1e-5 of PEFT's forward); with speed mode's fused
+    Q/K/V ours applies it to the fused projection's rows (within 1e-5). Refused before: not LoRA keys."""
+    file = _peft_file(tiny_pro_dir, tmp_path, shapes, use_dora=True)
+    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, STRENGTH)], mode, fused=fused)
+    errors = _report(f"fp32 DoRA {mode}{', fused Q/K/V' if fused else ''}", ours, reference)
+    assert max(_relative(reference, base_outputs)) > 0.05 and restored
+    if mode == "merge" and not fused:
+        assert all(torch.equal(got, want) for got, want in zip(ours, reference))
+    assert max(errors) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_dora_at_strength_zero_still_applies_its_magnitudes(tiny_pro_dir, tmp_path, shapes, base_outputs, mode):
+    """PEFT scales DoRA's norm with the strength too: at 0 the weight is m / ||W|| * W, not W. Ours does the same."""
+    paths = [f"{SELF}.to_key", FFN, f"{TEXT}.out_layer", f"{CROSS}.to_query"]
+    file = _peft_file(tiny_pro_dir, tmp_path, paths, use_dora=True)
+    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, 0.0)], mode)
+    assert max(_report(f"fp32 DoRA {mode}, strength 0", ours, reference)) <= 1e-5 and restored
+    assert max(_relative(reference, base_outputs)) > 1e-3
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_qkv"])
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_lora_bias_matches_diffusers(tiny_pro_dir, tmp_path, shapes, base_outputs, mode, fused):
+    """A lora_B bias (`lora_bias`): the update is s * (B A x + b). Merged into the layer's bias (so only on layers
+    with one: every Linear with a bias here) it is PEFT's merge op for op; dynamic adds it to the output, on every
+    Linear (the FFNs have no bias), within 1e-5; also on the fused Q/K/V's rows. Refused before: not LoRA keys."""
+    model = _reference(tiny_pro_dir)
+    targets = [path for path in shapes if mode == "dynamic" or model.get_submodule(path).bias is not None]
+    assert FFN in targets if mode == "dynamic" else FFN not in targets
+    file = _peft_file(tiny_pro_dir, tmp_path, targets, lora_bias=True)
+    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, STRENGTH)], mode, fused=fused)
+    errors = _report(f"fp32 lora_bias {mode}{', fused Q/K/V' if fused else ''}", ours, reference)
+    assert max(_relative(reference, base_outputs)) > 0.05 and restored
+    if mode == "merge" and not fused:
+        assert all(torch.equal(got, want) for got, want in zip(ours, reference))
+    assert max(errors) <= 1e-5
+
+
+def test_lora_bias_on_a_layer_without_bias_is_not_merged_as_in_diffusers(tiny_pro_dir, tmp_path):
+    """PEFT cannot merge a lora_B bias into a Linear without a bias (diffusers' `fuse_lora` raises); ours refuses
+    the merge before changing anything, saying to use dynamic mode."""
+    file = _peft_file(tiny_pro_dir, tmp_path, [FFN, f"{SELF}.to_key"], lora_bias=True)
+    reference = _reference(tiny_pro_dir)
+    reference.load_lora_adapter(str(tmp_path), weight_name=file.name, adapter_name="a", prefix=None)
+    with pytest.raises(RuntimeError, match="Impossible to merge LoRA with `lora_bias=True`"):
+        reference.fuse_lora()
+    ours = _ours(tiny_pro_dir)
+    before = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
+    manager = LoraManager(ours)
+    with pytest.raises(ValueError, match=rf"1 module\(s\) have a lora_B\.bias .*no bias to merge it into, e\.g\. "
+                                         rf"\['{FFN}'\].*use merge_mode 'dynamic'"):
+        manager.set([LoraSpec(nickname="a", path=str(file))], "merge")
+    assert all(torch.equal(tensor, before[name]) for name, tensor in ours.state_dict().items())
+    assert manager.state() == []
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_embedding_lora_matches_diffusers(tiny_pro_dir, tmp_path, mode, dora):
+    """diffusers' `load_lora_adapter` applies PEFT's LoRA to the DiT's nn.Embedding (visual_token_type_embeddings,
+    read for TI2AV; `lora_embedding_A` (r, num_embeddings) / `lora_embedding_B` (dim, r)): E' = E + s (B A)^T, and
+    with DoRA m / ||.|| per embedding feature. Ours, merged and dynamic, with the TI2AV token type ids. Refused
+    before: not LoRA keys."""
+    file = _peft_file(tiny_pro_dir, tmp_path, [EMBEDDING, FFN], use_dora=dora)
+    assert any("lora_embedding_A" in key for key in load_file(str(file)))
+    reference = _load_into_diffusers(_reference(tiny_pro_dir), file, prefix=None)
+    assert isinstance(reference.get_submodule(EMBEDDING), BaseTunerLayer)  # diffusers adapts the embedding
+    base = _run_reference(_reference(tiny_pro_dir), token_types=True)
+    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, STRENGTH)], mode, token_types=True)
+    errors = _report(f"fp32 embedding {'DoRA' if dora else 'LoRA'} {mode}", ours, reference)
+    assert max(_relative(reference, base)) > 0.05 and restored
+    if mode == "merge":
+        assert all(torch.equal(got, want) for got, want in zip(ours, reference))
+    assert max(errors) <= 1e-5
+
+
+@pytest.mark.parametrize("dora_first", [False, True], ids=["lora_then_dora", "dora_then_lora"])
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_dora_stacked_with_lora_matches_diffusers(tiny_pro_dir, tmp_path, mode, dora_first):
+    """Two adapters on the same layers, one DoRA: PEFT applies them in `set_adapters` order, and a DoRA adapter
+    scales the rows of the weight (merged) or output (unfused) so far, the earlier adapter's update included; its
+    norm is over the base weight alone. Ours in the same order, merged and dynamic, within 1e-5."""
+    paths = [f"{SELF}.to_key", FFN, f"{TEXT}.out_layer", f"{CROSS}.to_value"]
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "dora").mkdir()
+    lora = _peft_file(tiny_pro_dir, tmp_path / "lora", paths, seed=1)
+    dora = _peft_file(tiny_pro_dir, tmp_path / "dora", paths, seed=2, use_dora=True)
+    adapters = [(dora, 1.3), (lora, STRENGTH)] if dora_first else [(lora, STRENGTH), (dora, 1.3)]
+    ours, reference, restored = _peft_outputs(tiny_pro_dir, adapters, mode)
+    assert max(_report(f"fp32 {mode}, {'DoRA then LoRA' if dora_first else 'LoRA then DoRA'}", ours,
+                       reference)) <= 1e-5
+    assert restored
 
 
 # ---- speed mode: to_query / to_key / to_value on the fused projections ----
