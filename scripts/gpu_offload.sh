@@ -8,7 +8,10 @@
 #   bash scripts/gpu_offload.sh pro-memory pro-streaming   # memory mode's streaming knobs next to its defaults
 #   steps: pinned (a registered host buffer: size, pinned, copy speed), test, lite, lite-memory, pro, pro-memory,
 #   pro-streaming (Pro-distill memory mode with --offload-prefetch-blocks 2, then --offload-resident-blocks 20:
-#   compare their step times and peaks with pro_memory's), lite-streaming (the same for Lite-distill, 16 resident)
+#   compare their step times and peaks with pro_memory's), lite-streaming (the same for Lite-distill, 16 resident),
+#   speed-offload (Lite-distill in speed mode with the DiT offloaded whole against resident: 512x768x121, 2 steps,
+#   one cold and one warm request each; step time, peak, recompiles, and the frames and audio bit for bit:
+#   scripts/gpu_speed_offload.py)
 source "$(dirname "$0")/gpu_setup.sh"  # wheels into /tmp/site, PYTHONPATH, nvidia-smi.csv
 bench() {  # name, time limit, then the bench's own flags
   local name=$1 limit=$2; shift 2
@@ -40,7 +43,8 @@ for step in "$@"; do
   case "$step" in
     pinned) pinned_check ;;
     test)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_offload.py -k cuda > "$OUT/pytest_offload.log" 2>&1
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/unit/test_offload.py tests/unit/test_speed_offload.py \
+        -k cuda > "$OUT/pytest_offload.log" 2>&1
       echo "pytest rc=$?" >> "$OUT/steps.txt"
       ;;
     lite)
@@ -59,11 +63,17 @@ for step in "$@"; do
       bench pro_memory_resident20 300 --variant pro-distill --performance-mode memory --num-inference-steps 3 \
         --offload-resident-blocks 20
       ;;
+    speed-offload)  # the compiled, fused DiT offloaded whole: same bits as resident, one DiT copy per request
+      /usr/bin/time -v timeout 420 python3 scripts/gpu_speed_offload.py --out "$OUT/speed_offload" \
+        > "$OUT/speed_offload.log" 2>&1
+      echo "speed_offload rc=$?" >> "$OUT/steps.txt"
+      ;;
     lite-streaming)  # Lite's blocks are 5x smaller than Pro's and its steps 4x shorter: copies are less hidden
       bench lite_memory_prefetch2 200 --variant lite-distill --performance-mode memory --offload-prefetch-blocks 2
       bench lite_memory_resident16 200 --variant lite-distill --performance-mode memory --offload-resident-blocks 16
       ;;
-    *) echo "unknown step $step (pinned, test, lite, lite-memory, lite-streaming, pro, pro-memory, pro-streaming)" >&2
+    *) echo "unknown step $step (pinned, test, lite, lite-memory, lite-streaming, pro, pro-memory, pro-streaming," \
+         "speed-offload)" >&2
        exit 2 ;;
   esac
 done

@@ -81,12 +81,14 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                 "(text_encoder, text_encoder_2, transformer, vae, audio_vae, vocoder; SR: "
                                 "transformer, vae, latent_upscaler), dit (= transformer) or the groups all, none, "
                                 "text_encoders, audio, default (all but the DiT). Overrides --performance-mode's "
-                                "default for them; under speed the components left on the GPU keep its transforms.")),
+                                "default for them; under speed they keep its transforms (the DiT fused and compiled), "
+                                "as the components left on the GPU do.")),
     ("layerwise_offload_components", dict(nargs="+", action="extend", metavar="COMPONENT", help="Stream these "
                                       "components' repeated blocks from host memory during their stage (the DiT and "
-                                      "the text encoders; others named, e.g. by all, are offloaded whole). Same names "
-                                      "as --cpu-offload-components; a component named by both is refused, unless one "
-                                      "of them names it through all, where this flag wins.")),
+                                      "the text encoders; others named, e.g. by all, are offloaded whole). Streamed "
+                                      "blocks run eager, also under speed. Same names as --cpu-offload-components; a "
+                                      "component named by both is refused, unless one of them names it through all, "
+                                      "where this flag wins.")),
     ("component_residency", dict(nargs="+", action="extend", metavar="NAME=MODE", help="Per component residency, "
                              "overriding both flags above: resident, component_offload or layerwise_offload, e.g. "
                              "vae=resident (keep the VAE on the GPU under --performance-mode memory) or "

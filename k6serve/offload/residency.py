@@ -2,8 +2,10 @@
 
 Three residencies (the reference's names, serving-reference.md §4.9):
 - "resident": on the GPU for the life of the worker (the speed transforms apply to it);
-- "component": in page-locked host memory, copied whole to the GPU for its stage (`components.py`);
-- "layerwise": in host memory, its repeated blocks streamed one at a time during its stage (`block_stream.py`).
+- "component": in page-locked host memory, copied whole to the GPU for its stage (`components.py`; the speed
+  transforms apply to it too, built on the host weights before they are offloaded: speed/performance_mode.py);
+- "layerwise": in host memory, its repeated blocks streamed one at a time during its stage (`block_stream.py`;
+  eager in every mode).
 
 The mode gives the defaults (speed: all resident; balanced: all "component"; memory: the DiT and the text encoders
 "layerwise", the rest "component"); `--cpu-offload-components`, then `--layerwise-offload-components`, then
@@ -141,6 +143,16 @@ class ResidencyPlan:
     @property
     def offloaded(self) -> frozenset[str]:
         return frozenset(name for name, value in self.residency.items() if value != RESIDENT)
+
+    @property
+    def offloaded_whole(self) -> frozenset[str]:
+        """The components copied whole to the device for their stage (speed mode keeps their transforms)."""
+        return frozenset(self.named(COMPONENT))
+
+    @property
+    def streamed(self) -> frozenset[str]:
+        """The components whose repeated blocks are streamed (they run eager in every mode)."""
+        return frozenset(self.named(LAYERWISE))
 
     @property
     def offloads(self) -> bool:

@@ -164,7 +164,10 @@ class ModelWorker:
         self.performance_report = apply_performance_mode(
             self.pipeline.models, config.runtime.performance_mode, self.device,
             compile_vae_decoder=config.runtime.compile_vae,
-            offloaded=self.residency_plan.offloaded if self.offloads else frozenset(),
+            # Offloaded whole, a component keeps speed mode's transforms; streamed, it runs eager (the offload
+            # below moves what these transforms built: the fused projections, the folded VAE kernels).
+            offloaded_whole=self.residency_plan.offloaded_whole if self.offloads else frozenset(),
+            streamed=self.residency_plan.streamed if self.offloads else frozenset(),
             quantization=model.quantization, quantization_ignored_layers=model.quantization_ignored_layers)
         if self.performance_report.num_quantized_linears:
             logger.info("--quantization %s: %d of the DiT's video-token linears run in e4m3 (lossy)",

@@ -21,6 +21,23 @@
   them) on the host, so the model never needs to fit on the GPU at once. Refused with sharded weights
   (`--tp-size`, `--use-fsdp-inference`, `--encoder-parallel fold`); with Ulysses / Ring / CFG parallel each rank
   offloads its own replica (one host copy per GPU).
+* "speed" with some components offloaded by the per component flags (`--cpu-offload-components`,
+  `--layerwise-offload-components`, `--component-residency`; `offload/residency.py`): a component offloaded *whole*
+  keeps its transforms, a component whose blocks are *streamed* runs eager (`speed_transform_targets`). Offloaded
+  whole, a component's weights are on the host when the transforms run, and each stage attaches them to a device copy
+  of all of them (`offload/host_weights.py` re-points each parameter's `.data`, keeping the objects): the fused
+  projections are new Linears built here, on the host, which the offload then packs in place of the unfused ones
+  (nothing else holds those); the compiled blocks take their parameters as graph inputs, so they read each stage's
+  copy, which passes the same guards (shape, stride, dtype, device; the pipelines enter stages outside inference mode,
+  so the copies are ordinary tensors, as resident weights are) and nothing recompiles (inductor assumes a parameter
+  aligned when compiled stays aligned, unchecked: the host chunks align every tensor to 512 bytes, and so do their
+  device copies); the RMSNorm + RoPE kernel is chosen per call, on the GPU tensors, and the attention backend at load,
+  for the compute device (`worker.py`); the VAE's folded upsampler kernels are buffers, moved with it. Streamed blocks
+  are swapped in and out block by block by forward hooks (`offload/block_stream.py`), built and measured with eager
+  blocks, so they stay eager. Why it matters: Pro-distill in speed mode peaks above an 80 GB GPU all resident (94.5
+  GiB); with every component offloaded whole (`--cpu-offload-components all`) it should keep the compiled step for one
+  copy of the DiT per request, at about balanced's peak, the DiT plus its activations (expected, not yet measured:
+  docs/cli.md).
 * On a non-CUDA device every mode is a no-op, so CPU outputs stay bitwise equal to diffusers'.
 
 Tensor-parallel weights are not fused (see `fused_projections.py`); a `ModelPlan` supplies the blocks to
@@ -82,18 +99,33 @@ def transformer_plan(transformer: nn.Module):
     return None
 
 
+# The components speed mode transforms: the DiT (fused projections, the RMSNorm + RoPE kernel, compiled blocks) and
+# the video VAE (decode speed-ups).
+SPEED_COMPONENTS = ("transformer", "vae")
+
+
+def speed_transform_targets(mode: str, device: torch.device | str, *,
+                            streamed: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Which of `SPEED_COMPONENTS` get `mode`'s transforms on `device`: both in speed mode on CUDA, but a component
+    whose blocks are `streamed`; none in the other modes or off CUDA. Resident and offloaded-whole components are
+    treated alike (the module docstring says why)."""
+    if mode != "speed" or torch.device(device).type != "cuda":
+        return frozenset()
+    return frozenset(name for name in SPEED_COMPONENTS if name not in streamed)
+
+
 def apply_performance_mode(
     models, mode: str, device: torch.device | str, *, compile_vae_decoder: bool = False,
-    offloaded: frozenset[str] = frozenset(), quantization: str = "none",
-    quantization_ignored_layers: tuple[str, ...] = (),
+    offloaded_whole: frozenset[str] = frozenset(), streamed: frozenset[str] = frozenset(),
+    quantization: str = "none", quantization_ignored_layers: tuple[str, ...] = (),
 ) -> PerformanceReport:
     """Apply `mode`'s transforms to `models` (anything with `.transformer` and optionally `.vae`).
 
-    `offloaded` names the components whose weights live in host memory (`--cpu-offload-components` /
-    `--layerwise-offload-components` with speed): they stay eager, as in the balanced and memory modes. The fused
-    projections, compiled blocks and channels-last VAE weights were made and measured for weights that stay on the
-    GPU; offloading was built and measured with eager modules, whose weights `host_weights.py` re-points between
-    host and device copies (docs/benchmarks.md, tenth session). The resident components keep their transforms.
+    `offloaded_whole` names the components that live in host memory and are copied whole to the GPU for their stage
+    (`--cpu-offload-components`; "component" in the residency plan), `streamed` those whose repeated blocks are
+    streamed (`--layerwise-offload-components`; "layerwise"). In speed mode the ones offloaded whole keep their
+    transforms, built on their host weights before the worker offloads them; the streamed ones stay eager, as in
+    the memory mode (`speed_transform_targets`; the module docstring says why). The report's notes say which.
     Idempotent, so calling it on an already transformed model changes nothing.
 
     `quantization` (`--quantization fp8`, lossy, any mode, the DiT resident: config.py) converts the DiT's
@@ -116,21 +148,16 @@ def apply_performance_mode(
             why = f"{num_quantized} DiT linears in e4m3 (--quantization {quantization}), no other transforms"
         return PerformanceReport(mode=mode, device=str(device), num_quantized_linears=num_quantized,
                                  notes=(f"{mode}: {why}",))
-    notes: list[str] = []
-    num_quantized = 0
-    if "transformer" in offloaded:
-        notes.append("the DiT is offloaded: its blocks run eager (no fused projections, no compiled blocks)")
-        num_fused = num_compiled = 0
-    else:
+    targets = speed_transform_targets(mode, device, streamed=streamed)
+    notes = _residency_notes(offloaded_whole, streamed, compile_vae_decoder)
+    num_fused = num_compiled = num_quantized = 0
+    if "transformer" in targets:
         num_fused, num_compiled, num_quantized = _speed_up_transformer(models.transformer, notes, quantize)
     vae = getattr(models, "vae", None)
     # The SR pipeline wraps its K-VAE (`SRVAE.model`); the generation pipeline holds diffusers' module.
     vae_module = vae if isinstance(vae, nn.Module) else getattr(vae, "model", None)
     vae_applied = []
-    if "vae" in offloaded:
-        notes.append("the video VAE is offloaded: it decodes eager" + (" (--compile-vae true not applied)"
-                                                                      if compile_vae_decoder else ""))
-    elif isinstance(vae_module, nn.Module):
+    if "vae" in targets and isinstance(vae_module, nn.Module):
         vae_applied = apply_vae_speedups(vae_module, device, compile_decoder=compile_vae_decoder)
     return PerformanceReport(
         mode=mode,
@@ -141,6 +168,24 @@ def apply_performance_mode(
         vae=tuple(vae_applied),
         notes=tuple(notes),
     )
+
+
+def _residency_notes(offloaded_whole: frozenset[str], streamed: frozenset[str], compile_vae_decoder: bool
+                     ) -> list[str]:
+    """What speed mode does with the offloaded DiT and video VAE (the report's first notes)."""
+    notes = []
+    if "transformer" in streamed:
+        notes.append("the DiT's blocks are streamed: they run eager (no fused projections, no compiled blocks)")
+    elif "transformer" in offloaded_whole:
+        notes.append("the DiT is offloaded whole: its fused, compiled blocks run on the copy moved to the GPU for "
+                     "its stage")
+    if "vae" in streamed:
+        notes.append("the video VAE is streamed: it decodes eager" + (" (--compile-vae true not applied)"
+                                                                       if compile_vae_decoder else ""))
+    elif "vae" in offloaded_whole:
+        notes.append("the video VAE is offloaded whole: its decode speed-ups run on the copy moved to the GPU for "
+                     "its stage")
+    return notes
 
 
 def _speed_up_transformer(transformer, notes: list[str], quantize) -> tuple[int, int, int]:

@@ -725,14 +725,16 @@ def test_bf16_merge_and_dynamic_differ_by_rounding_only(demo_dir, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="speed mode's fused, compiled blocks and pinned offloading "
                     "need CUDA")
-@pytest.mark.parametrize("mode", ["speed", "memory"])
-def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_path, mode):
-    """On a GPU, in bf16: with speed mode's fused projections and compiled blocks, and with pinned offloading and
-    streamed blocks, merge and dynamic change the output alike and unmerge restores the baseline bit for bit.
-    "Alike" within bf16 rounding: the adapter is BF16_AMPLITUDE strong so its change stands well above the rounding
-    floor (see the comment above BF16_AMPLITUDE)."""
-    worker = ModelWorker(build_engine_config(str(demo_dir), device="cuda", performance_mode=mode,
-                                             attention_backend="sdpa"))
+@pytest.mark.parametrize("options", [{"performance_mode": "speed"}, {"performance_mode": "memory"},
+                                     {"performance_mode": "speed", "cpu_offload_components": "dit"}],
+                         ids=["speed", "memory", "speed-dit-offloaded-whole"])
+def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_path, options):
+    """On a GPU, in bf16: with speed mode's fused projections and compiled blocks (resident, or offloaded whole:
+    merged into the pinned host copy), and with pinned offloading and streamed blocks, merge and dynamic change the
+    output alike and unmerge restores the baseline bit for bit. "Alike" within bf16 rounding: the adapter is
+    BF16_AMPLITUDE strong so its change stands well above the rounding floor (see the comment above
+    BF16_AMPLITUDE)."""
+    worker = ModelWorker(build_engine_config(str(demo_dir), device="cuda", attention_backend="sdpa", **options))
     unfused = ModelWorker(build_engine_config(str(demo_dir), device="cpu", attention_backend="sdpa"))
     file = write_adapter(tmp_path, _shapes(unfused.pipeline.models.transformer, MODULES), amplitude=BF16_AMPLITUDE)
     _assert_bf16_adapter_outputs(*_merged_dynamic_unmerged(worker, file))
