@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -263,6 +262,3 @@ def check_state_dict(
             "come from different repositories or revisions; re-download the component."
         )
 
-
-def hf_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
