@@ -167,6 +167,10 @@ class ParallelConfig:
         for name in ("num_gpus", "tp_size", "ulysses_degree", "ring_degree", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            # A negative rank was told it "hosts worker ranks only" and to call serve_worker_ranks.
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}] (this host's index among --nnodes "
+                             f"{self.nnodes}), got {self.node_rank}")
         if self.encoder_parallel not in ENCODER_PARALLEL:
             raise ValueError(f"--encoder-parallel must be one of {ENCODER_PARALLEL}")
         cfg = 2 if self.enable_cfg_parallel else 1
@@ -270,6 +274,13 @@ class RuntimeConfig:
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
         self._check_block_streaming()
+        if self.compile_vae and self.performance_mode != "speed":
+            # apply_performance_mode compiles only under speed: balanced and memory run eager kernels, so the flag
+            # did nothing there.
+            raise ValueError(f"--compile-vae true compiles the VAE decoder only under --performance-mode speed; "
+                             f"--performance-mode {self.performance_mode} runs eager kernels and would ignore it. Use "
+                             "--performance-mode speed (with --cpu-offload-components vae to keep the VAE in host "
+                             "memory), or drop --compile-vae.")
         if self.vae_parallel_decode_mode not in (None, *PARALLEL_DECODE_MODES):
             raise ValueError(f"--vae-config.parallel-decode-mode must be one of {', '.join(PARALLEL_DECODE_MODES)}, "
                              f"got {self.vae_parallel_decode_mode!r}")

@@ -474,10 +474,14 @@ def main(argv: list[str] | None = None) -> int:
             message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(exc.name)
             print(f"error: {message}", file=sys.stderr)
             return EXIT_SYSTEM_ERROR
-        from k6serve.runtime.out_of_memory import is_out_of_memory  # torch: imported only when a run failed
+        # torch: imported only when a run failed
+        from k6serve.runtime.out_of_memory import WorkerKilled, is_out_of_memory
 
         if is_out_of_memory(exc):
             print(f"error: {describe_out_of_memory(exc)}", file=sys.stderr)
+            return EXIT_SYSTEM_ERROR
+        if isinstance(exc, WorkerKilled):  # a rank ended by a signal (the OOM killer's SIGKILL): not our bug
+            print(f"error: {exc}", file=sys.stderr)
             return EXIT_SYSTEM_ERROR
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         summary = lines[0] if lines else ""

@@ -9,12 +9,15 @@ decode bit for bit on the same hardware. Fewer tiles than ranks: serial, replica
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+
+logger = logging.getLogger(__name__)
 
 WHOLE_TILE, SPATIAL_SHARD, SERIAL = "whole_tile", "spatial_shard", "serial"
 
@@ -26,6 +29,14 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
     (the default of a multi-GPU SR replica, bitwise equal to serial). Refuses, with the fix, the one choice k6serve
     does not make: every GPU decoding every tile."""
     if not super_resolution or replica_size == 1:
+        given = _given_decode_flags(runtime)
+        if given:
+            # As in the reference, nothing to choose here; but a flag typed for this run is said to do nothing.
+            where = "a generation model" if not super_resolution else "one GPU per replica"
+            one = len(given) == 1
+            logger.warning("%s only %s how super-resolution tiles are decoded across a replica's GPUs; with %s %s "
+                           "nothing (ignored).", " and ".join(given), "chooses" if one else "choose", where,
+                           "it does" if one else "they do")
         return SERIAL
     if runtime.vae_parallel_decode_mode == SPATIAL_SHARD:
         if runtime.vae_parallel_decode:
@@ -45,6 +56,14 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
             "time. Drop the flag (or set it true), or split each tile's height across the GPUs with "
             "--vae-config.use-parallel-decode true --vae-config.parallel-decode-mode spatial_shard.")
     return WHOLE_TILE
+
+
+def _given_decode_flags(runtime) -> list[str]:
+    """The seed's `--vae-config.*` flags given, as written."""
+    values = (("--vae-config.use-parallel-tiling", runtime.vae_parallel_tiling),
+              ("--vae-config.use-parallel-decode", runtime.vae_parallel_decode),
+              ("--vae-config.parallel-decode-mode", runtime.vae_parallel_decode_mode))
+    return [f"{flag} {str(value).lower()}" for flag, value in values if value is not None]
 
 
 # Where `attach_decode_group` records the group on a VAE wrapper (as the cfg group is kept on the DiT).

@@ -7,7 +7,36 @@ the HTTP server each add the fix in their own terms (flags there, request fields
 
 from __future__ import annotations
 
+import signal
+
 import torch
+
+
+class WorkerKilled(RuntimeError):
+    """A worker rank ended by a signal, not by an error of its own (SIGKILL: on Linux usually the kernel's
+    out-of-memory killer, the host's memory exhausted): the machine failed the run, not k6serve."""
+
+
+def describe_exit_code(exit_code: int) -> str:
+    """A worker process's exit code in words: "exited with code 1", with the signal that ended it if one did."""
+    if exit_code >= 0:
+        return f"exited with code {exit_code}"
+    try:
+        name = signal.Signals(-exit_code).name
+    except ValueError:
+        name = f"signal {-exit_code}"
+    return f"exited with code {exit_code} (killed by {name})"
+
+
+def worker_killed_hint(exit_codes: list[int]) -> str:
+    """What to do about ranks ended by a signal (empty when none was): SIGKILL is most often the out-of-memory
+    killer, whose kill the process never sees."""
+    if not any(code < 0 for code in exit_codes):
+        return ""
+    if -signal.SIGKILL in exit_codes:
+        return (" SIGKILL is usually the kernel's out-of-memory killer (see `dmesg`): the host ran out of memory; "
+                "free host memory, or use fewer GPUs per host or a smaller model.")
+    return " It was stopped from outside k6serve."
 
 
 def is_out_of_memory(error: BaseException) -> bool:

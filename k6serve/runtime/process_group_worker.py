@@ -59,6 +59,7 @@ from k6serve.runtime.launch import (
     torchrun_rank,
 )
 from k6serve.runtime.memory import MemoryOperation, inverse
+from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
 
 logger = logging.getLogger(__name__)
 
@@ -492,8 +493,16 @@ class MultiProcessWorker:
         found = []
         for rank, process in sorted(self._processes.items()):
             if (ranks is None or rank in ranks) and process.exitcode is not None:
-                found.append(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+                found.append(f"rank {rank} (pid {process.pid}) {describe_exit_code(process.exitcode)}")
         return found
+
+    def _dead_ranks_error(self, message: str, ranks: list[int] | None = None) -> RuntimeError:
+        """`message` as the error to raise: a `WorkerKilled` (the machine's failure, with its likely cause) when a
+        rank was ended by a signal, such as the out-of-memory killer's SIGKILL."""
+        codes = [p.exitcode for rank, p in self._processes.items()
+                 if (ranks is None or rank in ranks) and p.exitcode is not None]
+        hint = worker_killed_hint(codes)
+        return WorkerKilled(message + hint) if hint else RuntimeError(message)
 
     def _wait_until_ready(self, timeout_s: float) -> list[_Replica]:
         connections: queue.Queue = queue.Queue()
@@ -513,7 +522,7 @@ class MultiProcessWorker:
             if self._rank0_thread is not None and not self._rank0_thread.is_alive():
                 dead.append("rank 0 (this process) stopped")
             if dead:
-                raise RuntimeError(f"worker start-up failed: {'; '.join(dead)} (see its log above).")
+                raise self._dead_ranks_error(f"worker start-up failed: {'; '.join(dead)} (see its log above).")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker ranks were not ready within {timeout_s:.0f} s (--dist-timeout-s).")
             try:
@@ -744,11 +753,10 @@ class MultiProcessWorker:
         replica.connection.close()
         stop_processes(replica.processes, grace_s=1.0)
         remaining = sum(r.alive for r in self._replicas)
-        return RuntimeError(
+        return self._dead_ranks_error(
             f"request {request_id} failed: worker replica {replica.index} (ranks {ranks}) died while running "
             f"it: {'; '.join(dead)}{'. ' + detail if detail else ''}. The replica was shut down; "
-            f"{remaining} replica(s) still serving."
-        )
+            f"{remaining} replica(s) still serving.", ranks)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every replica to shut down, then stop whatever is still running."""

@@ -156,6 +156,9 @@ class ModelWorker:
         if self.residency_plan.offloads and self.device.type != "cuda":
             logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
                         config.runtime.offload_flags)
+        if config.runtime.compile_vae and self.device.type != "cuda":
+            logger.warning("--compile-vae true: speed mode's transforms are for CUDA GPUs; on the CPU the VAE decoder "
+                           "runs eager, as the reference does")
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         if transform is not None:

@@ -863,3 +863,20 @@ def test_cli_version(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
     assert exited.value.code == 0 and capsys.readouterr().out == f"k6serve {__version__}\n"
+
+
+def test_cli_a_worker_killed_by_the_machine_is_exit_1_not_a_bug(monkeypatch, capsys, tmp_path):
+    """A rank SIGKILLed by the out-of-memory killer (a dummy Pro model on a small host) was "internal error ...
+    this is a bug in k6serve" with exit 70; it is the machine failing the run: exit 1 and the likely cause."""
+    import k6serve.cli.generate as generate_module
+    from k6serve.runtime.out_of_memory import WorkerKilled, worker_killed_hint
+
+    def killed(model_path, **options):
+        raise WorkerKilled("worker start-up failed: rank 0 (pid 7) exited with code -9 (killed by SIGKILL) (see its "
+                           "log above)." + worker_killed_hint([-9]))
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(killed))
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--output-path", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "Traceback" not in err
+    assert re.search(r"^error: worker start-up failed: .*killed by SIGKILL.*out-of-memory killer", err, re.M), err

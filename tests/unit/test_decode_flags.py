@@ -75,6 +75,21 @@ def test_every_gpu_decoding_every_tile_is_refused_on_a_multi_gpu_sr_replica_only
     sr_decode_mode(runtime, replica_size=2, super_resolution=False)  # the generation VAE decodes replicated
 
 
+@pytest.mark.parametrize(("replica_size", "super_resolution", "where"), [
+    (1, True, "one GPU per replica"), (2, False, "a generation model"), (1, False, "a generation model")])
+def test_decode_flags_that_choose_nothing_are_said_to_be_ignored(replica_size, super_resolution, where, caplog):
+    """They did nothing there without a word: a flag typed for the run that does nothing is warned about."""
+    runtime = _runtime(vae_parallel_tiling=False, vae_parallel_decode_mode="spatial_shard")
+    with caplog.at_level("WARNING", logger="k6serve.parallel.tile_decode"):
+        assert sr_decode_mode(runtime, replica_size=replica_size, super_resolution=super_resolution) == "serial"
+    assert [record.getMessage() for record in caplog.records] == [
+        "--vae-config.use-parallel-tiling false and --vae-config.parallel-decode-mode spatial_shard only choose how "
+        f"super-resolution tiles are decoded across a replica's GPUs; with {where} they do nothing (ignored)."]
+    caplog.clear()
+    sr_decode_mode(_runtime(), replica_size=replica_size, super_resolution=super_resolution)
+    assert caplog.records == []
+
+
 def test_the_worker_refuses_before_loading_the_weights(tiny_sr_dir, monkeypatch):
     monkeypatch.setattr(ModelWorker, "_build_pipeline",
                         lambda self, folder: pytest.fail("loaded the weights before refusing the flag"))

@@ -93,3 +93,14 @@ def test_valid_layouts_pass(demo_dir, tiny_pro_foldable_dir, tiny_sr_dir, hub_of
         ("someone/renamed-finetune", {"num_gpus": 2, "enable_cfg_parallel": True}),  # told only once downloaded
     ]:
         check_layout_before_loading(build_engine_config(model_path, **options))
+
+
+@pytest.mark.parametrize("argv", [["--node-rank", "-1"], ["--node-rank", "2", "--nnodes", "2"]])
+def test_a_node_rank_outside_the_hosts_is_refused_before_anything_starts(argv, no_ranks, capsys):
+    """--node-rank -1 was told it "hosts worker ranks only" and to call serve_worker_ranks(config)."""
+    assert main(["generate", "--model-path", PRO_DISTILL, "--load-format", "dummy", "--prompt", "x", *argv]) == 2
+    nnodes = 2 if "--nnodes" in argv else 1
+    assert (f"error: --node-rank must be in [0, {nnodes - 1}] (this host's index among --nnodes {nnodes}), got "
+            f"{argv[1]}") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^node_rank must be in \[0, 0\]"):
+        DiffGenerator.from_pretrained(PRO_DISTILL, load_format="dummy", node_rank=-1)

@@ -156,3 +156,20 @@ def test_a_package_missing_while_the_workers_load_is_named_not_reported_as_a_bug
     with pytest.raises(ModuleNotFoundError) as raised:
         MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=PackageLessRankWorker)
     assert raised.value.name == "av_not_installed" and "rank 0" in str(raised.value.__cause__)
+
+
+class OutOfHostMemoryRankWorker(FakeRankWorker):
+    """A rank the kernel's out-of-memory killer ends while it loads (SIGKILL: the process sees nothing)."""
+
+    def __init__(self, config: EngineConfig, context):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_killed_while_loading_is_the_machines_failure_not_a_bug():
+    # A dummy Pro model on a host too small for it: the rank was SIGKILLed while it loaded, and the engine raised a
+    # RuntimeError that the CLI reported as "internal error ... a bug in k6serve" (exit 70).
+    from k6serve.runtime.out_of_memory import WorkerKilled
+
+    with pytest.raises(WorkerKilled, match=r"rank 0 \(pid \d+\) exited with code -9 \(killed by SIGKILL\).* "
+                                           r"out-of-memory killer"):
+        MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=OutOfHostMemoryRankWorker)

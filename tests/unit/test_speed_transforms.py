@@ -414,6 +414,26 @@ def test_compile_vae_flag_reaches_the_runtime_config():
     assert args.compile_vae is True
 
 
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_compile_vae_outside_speed_mode_is_refused_not_ignored(mode, capsys):
+    """Only speed mode compiles: `--compile-vae true --performance-mode balanced` ran eager without a word."""
+    from k6serve import DiffGenerator
+    from k6serve.api import build_engine_config
+    from k6serve.cli.main import main
+
+    with pytest.raises(ValueError, match=rf"^--compile-vae true compiles the VAE decoder only under "
+                                         rf"--performance-mode speed; --performance-mode {mode} runs eager kernels "
+                                         r"and would ignore it\. Use --performance-mode speed \(with "
+                                         r"--cpu-offload-components vae .*\), or drop --compile-vae\.$"):
+        build_engine_config("demo", compile_vae=True, performance_mode=mode)
+    build_engine_config("demo", compile_vae=False, performance_mode=mode)
+    with pytest.raises(ValueError, match=rf"^compile_vae=True compiles .* performance_mode='{mode}' runs eager"):
+        DiffGenerator.from_pretrained("demo", compile_vae=True, performance_mode=mode)
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--performance-mode", mode,
+                 "--compile-vae", "true", "--no-save-output"]) == 2
+    assert "error: --compile-vae true compiles the VAE decoder only" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def sr_transformer(tmp_path_factory):
     """The tiny SR DiT with the random weights of a tiny Hub-layout checkpoint, fp32."""
