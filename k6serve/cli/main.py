@@ -101,7 +101,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server "
                          "(at start; SR: one upscale of a synthetic 768x512x121 clip).")),
     ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
-                                                        "bf16 rounding differs from eager, see docs/benchmarks.md).")),
+                                                        "bf16 rounding differs from eager, see docs/benchmarks.md). "
+                                                        "--performance-mode speed only (the others run eager).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
                         "decode). auto: on with --performance-mode memory on a GPU.")),
