@@ -407,6 +407,10 @@ def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
 def _check_lora_flags(command: str, engine_options: dict[str, Any], request_options: dict[str, Any]) -> None:
     """The LoRA flags refused before the model loads (minutes for a real checkpoint) rather than after: serve's
     --lora-path adapter (generate's is checked by DiffGenerator.from_cli_options) and generate's --loras."""
+    if command == "generate" and engine_options.get("lora_merge_mode") and not engine_options.get("lora_path"):
+        # A server's later set_lora calls take it as their default; a one-shot generate has none, so it did nothing.
+        raise ValueError("--lora-merge-mode says how the --lora-path adapter is applied, but no --lora-path was given "
+                         "and `k6serve generate` loads no other adapter; add --lora-path, or drop --lora-merge-mode.")
     if command == "generate" and request_options.get("loras") is None:
         return
     if command == "serve" and not engine_options.get("lora_path"):

@@ -880,3 +880,13 @@ def test_cli_a_worker_killed_by_the_machine_is_exit_1_not_a_bug(monkeypatch, cap
     err = capsys.readouterr().err
     assert "internal error" not in err and "Traceback" not in err
     assert re.search(r"^error: worker start-up failed: .*killed by SIGKILL.*out-of-memory killer", err, re.M), err
+
+
+def test_generate_refuses_a_lora_merge_mode_without_an_adapter(capsys, tmp_path):
+    # It was accepted and did nothing: a one-shot generate loads no adapter but --lora-path's.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--lora-merge-mode", "dynamic",
+                 "--output-path", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --lora-merge-mode says how the --lora-path adapter is applied, but no --lora-path was given and "
+        "`k6serve generate` loads no other adapter; add --lora-path, or drop --lora-merge-mode.")
+    assert list(tmp_path.iterdir()) == []
