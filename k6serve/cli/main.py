@@ -36,6 +36,8 @@ from k6serve.config import (
 )
 from k6serve.request import SamplingParams, parameter_fields
 
+logger = logging.getLogger(__name__)
+
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("model_path", dict(help="Local Diffusers checkpoint folder, hub id, or 'demo' (built-in tiny random model).")),
     ("model_id", dict(help="Released model name to route a renamed folder (e.g. Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
@@ -99,7 +101,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "
                           "(alias sdpa).")),
     ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server "
-                         "(at start; SR: one upscale of a synthetic 768x512x121 clip).")),
+                         "(at start; SR: one upscale of a synthetic 768x512x121 clip; generate: as request, with its "
+                         "own shape).")),
     ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md). "
                                                         "--performance-mode speed only (the others run eager).")),
@@ -446,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         if _hosts_no_engine(engine):
             return _serve_worker_ranks(engine)
         _check_lora_flags(args.command, engine, request)
+        if args.command == "generate" and engine.get("warmup_mode") == "server":
+            # A server's warm-up runs the variant's default shape for the requests to come; generate's one request
+            # may have another, and compiling for both would double the wait. Warm up with the request itself.
+            logger.info("generate: --warmup-mode server warms up with this request's own shape (as request does)")
+            engine["warmup_mode"] = "request"
         if args.command == "generate":
             from k6serve.cli.generate import run_generate
 

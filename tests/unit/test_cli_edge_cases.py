@@ -890,3 +890,12 @@ def test_generate_refuses_a_lora_merge_mode_without_an_adapter(capsys, tmp_path)
         "error: --lora-merge-mode says how the --lora-path adapter is applied, but no --lora-path was given and "
         "`k6serve generate` loads no other adapter; add --lora-path, or drop --lora-merge-mode.")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_warms_up_with_its_own_request_under_warmup_mode_server(in_process_cli, tmp_path, caplog):
+    # It warmed up with the variant's default shape (512x768x121) at start, then ran the request's own shape:
+    # minutes of wasted compile for a one-shot run (an audit's CPU run of it had not ended after 120 s).
+    with caplog.at_level("INFO"):
+        assert main([*in_process_cli, "--warmup-mode", "server", "--output-path", str(tmp_path)]) == 0
+    assert "--warmup-mode server warms up with this request's own shape" in caplog.text
+    assert "warm-up (request) took" in caplog.text and "warm-up (server)" not in caplog.text
