@@ -160,17 +160,22 @@ def _not_found(video_id: str) -> ApiError:
     return ApiError(404, f"Video {video_id!r} not found.", code="video_not_found", param="video_id")
 
 
-def _param_in_message(message: str) -> str | None:
-    """The first request field a ValueError message names (resolve's messages start with the field)."""
-    match = re.search(r"\b(" + "|".join(HTTP_FIELD_NAMES) + r")\b", message)
-    return match.group(1) if match else None
+def _param_in_message(message: str, sent: set[str]) -> str | None:
+    """The request field a ValueError message is about: the first one it names that the body sent, else the first
+    one it names (resolve's messages start with the field, but words such as "model" are also plain English: "The
+    super-resolution model has no guidance; guidance_scale must be ...")."""
+    named = re.findall(r"\b(" + "|".join(HTTP_FIELD_NAMES) + r")\b", message)
+    return next((name for name in named if name in sent), named[0] if named else None)
 
 
 def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Variant,
                    upload_fields: dict[str, str]) -> ApiError:
     """A 400 for the field the client actually sent: `size` and `seconds` arrive as width/height/num_frames,
     uploads as image_path/video_path."""
-    param = _param_in_message(message)
+    sent = {name for name in body.model_fields_set if getattr(body, name) is not None}
+    sent |= {"width", "height"} if body.size is not None else set()
+    sent |= {"num_frames"} if body.seconds is not None else set()
+    param = _param_in_message(message, sent)
     if param in upload_fields:
         return ApiError(400, f"The uploaded {upload_fields[param]} became {param}: {message}",
                         code="invalid_parameter", param=upload_fields[param])

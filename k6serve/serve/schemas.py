@@ -130,6 +130,17 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+def lone_surrogate(value: Any) -> str | None:
+    """The first half of a UTF-16 surrogate pair standing alone in a decoded JSON value, as its `\\uXXXX` escape, or
+    None. JSON's grammar lets "\\ud800" stand alone, but it is no character: no answer that quotes it can be encoded
+    as UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(exc.object[exc.start]):04x}"
+    return None
+
+
 def object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     # json.loads keeps the last of two equal keys, so {"seed": 1, "seed": 2} silently ran with seed 2; which
     # one the client meant cannot be known, and other parsers keep the first.
@@ -163,6 +174,12 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
                 if too_deep:
                     raise ApiError(400, f"{name} is nested too deeply; it takes one JSON object of settings, a few "
                                         "levels at most.", code="invalid_parameter", param=name)
+                if (escape := lone_surrogate(decoded)) is not None:
+                    # The JSON body refuses it too (`read_json_body`); here it named a LoRA nickname that the 400
+                    # quoting it could not encode: a 500.
+                    raise ApiError(400, f"{name} holds {escape}, one half of a UTF-16 surrogate pair without the "
+                                        "other, so the text is not valid Unicode; send the character itself, or the "
+                                        "escapes of both halves.", code="invalid_parameter", param=name)
                 raw = {**raw, name: decoded}
     return parse_json_body(VideoCreateBody, raw, string_fields=_STRING_FIELDS, describe_error=_describe_video_error,
                            bool_fields=frozenset(_BOOL_FIELDS), form=form)
@@ -197,6 +214,10 @@ def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple
 
 def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float) -> int:
     try:
+        # float() also reads other scripts' digits ('\u0661' is 1, full-width '\uff14' is 4), which every other number
+        # field refuses, as `size` does.
+        if isinstance(seconds, str) and not seconds.isascii():
+            raise ValueError(seconds)
         value = float(seconds)
     except ValueError:
         raise ApiError(400, f"seconds must be a number such as \"4\", got {seconds!r}", code="invalid_parameter",

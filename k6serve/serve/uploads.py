@@ -31,7 +31,7 @@ from k6serve.serve.errors import (
     output_not_writable,
     write_refused,
 )
-from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, object_without_duplicate_keys
+from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, lone_surrogate, object_without_duplicate_keys
 
 SPOOL_BYTES = 8 * 2**20
 MAX_JSON_BYTES = 1 * 2**20
@@ -137,14 +137,12 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     if too_deep:
         raise ApiError(400, "Invalid JSON body: nested too deeply; no field takes more than a few levels of "
                        "objects or arrays.", code="invalid_json")
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        # JSON's grammar lets "\ud800" stand alone, but it is no character: such a prompt was queued, then failed the
-        # job in the text encoder ("TypeError: TextEncodeInput must be Union[...]").
-        raise ApiError(400, f"Invalid JSON body: \\u{ord(exc.object[exc.start]):04x} is one half of a UTF-16 "
-                            "surrogate pair without the other, so the text is not valid Unicode; send the character "
-                            "itself, or the escapes of both halves.", code="invalid_json") from None
+    if (escape := lone_surrogate(value)) is not None:
+        # Such a prompt was queued, then failed the job in the text encoder ("TypeError: TextEncodeInput must be
+        # Union[...]").
+        raise ApiError(400, f"Invalid JSON body: {escape} is one half of a UTF-16 surrogate pair without the other, so "
+                            "the text is not valid Unicode; send the character itself, or the escapes of both halves.",
+                       code="invalid_json")
     return value
 
 

@@ -84,6 +84,15 @@ def test_seconds_errors_name_seconds_not_num_frames(fake_client):
     assert error["message"].startswith("seconds '600' at 24 fps means 14401 frames: num_frames 14401 gives more")
 
 
+@pytest.mark.parametrize("seconds", ["\u0661", "\uff14", "4\u0660"])
+def test_seconds_needs_ascii_digits(fake_client, seconds):
+    # float() reads other scripts' digits: "\u0661" (Arabic-Indic one) ran a 1-second video, while every other
+    # number field and `size` refuse them.
+    _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "seconds": seconds}), 400, param="seconds",
+                  contains='seconds must be a number such as "4"')
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
 @pytest.mark.parametrize("seconds", ["1e400", "[4]", '{"s": 4}'])
 def test_seconds_of_the_wrong_type(fake_client, seconds):
     # 1e400 decodes to inf: the message was "seconds.str: Input should be a valid string (got inf)".
@@ -255,6 +264,19 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
 
 
 
+@pytest.mark.parametrize(("field", "value"), [("guidance_scale", 2.0), ("cache_dit_params", {}),
+                                              ("enable_cache_dit", True)])
+def test_super_resolution_errors_name_the_field_sent_not_model(vsr_server, tmp_path, field, value):
+    # Their messages say "the super-resolution model", and the first field name found in them was taken: param
+    # was "model", a field the client had not sent.
+    from k6serve.testing.clips import make_clip
+
+    clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
+    with vsr_server.client() as client:
+        response = client.post("/v1/videos", json={"video_path": str(clip), field: value})
+        _assert_error(response, 400, param=field, code="invalid_parameter")
+
+
 def test_json_sent_as_curl_d_default_form_says_which_header(fake_client):
     response = fake_client.post("/v1/videos", content=b'{"prompt": "a cat"}',
                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
@@ -289,6 +311,16 @@ def test_a_json_string_holding_half_a_surrogate_pair_is_400(fake_client, path, b
                               headers={"Content-Type": "application/json"})
     assert paired.status_code == 200, paired.text
     assert wait_for(fake_client, paired.json()["id"])["status"] == "completed"
+
+
+@pytest.mark.parametrize(("field", "text"), [("loras", '{"\\ud800": 1}'),
+                                           ("cache_dit_params", '{"scm_preset": "fast\\udc00"}')])
+def test_a_form_fields_json_text_holding_half_a_surrogate_pair_is_400(fake_client, field, text):
+    # The JSON body refused it, a form's JSON text did not: the nickname reached the lora_not_loaded 400, whose
+    # message quoting it could not be encoded, and the client got a 500 "Internal server error: UnicodeEncodeError".
+    response = fake_client.post("/v1/videos", files={"prompt": (None, "x"), field: (None, text)})
+    _assert_error(response, 400, param=field, code="invalid_parameter", contains="surrogate pair without the other")
+    assert fake_client.get("/v1/videos").json()["data"] == []
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/xml; charset=utf-8", "image/png"])
