@@ -410,7 +410,7 @@ def parse_target_resolution(value: str) -> str:
     value = value.strip().lower()
     if value in SR_TARGET_TIERS:
         return value
-    match = re.fullmatch(r"(\d+)x(\d+)", value)
+    match = re.fullmatch(r"([0-9]+)x([0-9]+)", value)  # ASCII digits, as `size` takes (\d also matches "６")
     if not match or int(match[1]) < 16 or int(match[2]) < 16:
         raise ValueError(
             f"sr_target_resolution must be one of {', '.join(SR_TARGET_TIERS)} or 'WxH' "

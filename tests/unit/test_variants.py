@@ -152,6 +152,8 @@ def test_sr_defaults_and_errors():
         ({"video_path": "a.mp4", "sr_tile_min_overlap": 1.0}, r"must be in \[0, 1\)"),
         ({"video_path": "a.mp4", "sr_tiles_batch_size": 0}, "integer from 1 to 64"),
         ({"video_path": "a.mp4", "sr_target_resolution": "4k"}, "hd, fullhd, 2k or 'WxH'"),
+        # Full-width digits: `size` refuses them; this was read as 640x96.
+        ({"video_path": "a.mp4", "sr_target_resolution": "\uff16\uff14\uff10x96"}, "hd, fullhd, 2k or 'WxH'"),
         ({"video_path": "a.mp4", "sr_target_resize_mode": "stretch"}, "'fit' or 'exact'"),
         ({"video_path": "a.mp4", "height": 512}, "taken from the source video"),
     ]:
