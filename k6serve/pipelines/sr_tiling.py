@@ -122,6 +122,10 @@ class TileGrid:
         )
 
 
+class SourceTooSmall(ValueError):
+    """The source frame is smaller than one tile of the chosen scale: the source is at fault, not a setting."""
+
+
 def plan_tiles(
     height: int,
     width: int,
@@ -142,7 +146,7 @@ def plan_tiles(
         )
     tile_height, tile_width = base_height // tiling_scale, base_width // tiling_scale
     if height < tile_height or width < tile_width:
-        raise ValueError(
+        raise SourceTooSmall(
             f"the source frame is {width}x{height} (WxH, after pre-upscale and padding to {snap}) but x"
             f"{tiling_scale} tiles need at least {tile_width}x{tile_height}; use a larger input or a higher scale."
         )

@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
 from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
@@ -150,9 +151,11 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
     allowed = list(settings.allowed_input_dirs) or [Path("inputs"), artifacts.upload_dir]
     names = served_model_names(engine)
+    model = engine.config.model
     ctx = ServerContext(engine=engine, store=store, artifacts=artifacts, settings=settings, metrics=metrics,
                         runner=runner, inputs=InputPathPolicy(allowed), model_name=names[0],
-                        served_names=names[1:], started_at=time.time())
+                        served_names=names[1:], started_at=time.time(),
+                        sr_tiling=sr_tiling_before_loading(model.model_path, model.model_id, model.load_format))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

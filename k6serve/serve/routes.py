@@ -35,7 +35,9 @@ from k6serve.api import (
 )
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
+from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
 from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
+from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
@@ -108,6 +110,7 @@ class ServerContext:
     model_name: str
     served_names: tuple[str, ...]
     started_at: float
+    sr_tiling: SRTiling | None = None  # an SR checkpoint's tiles, to refuse a too small source at creation
 
     @property
     def variant(self) -> Variant:
@@ -256,7 +259,10 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         else:
             # After the readability check, so a source that is no video keeps that check's 400.
             try:
-                output = await asyncio.to_thread(expected_upscale_output, resolved)
+                output = await asyncio.to_thread(expected_upscale_output, resolved, ctx.sr_tiling)
+            except SourceTooSmall as exc:  # the source, not a setting: refused now, not after waiting in the queue
+                source = sent.upload_fields.get("video_path", "video_path")
+                raise ApiError(400, str(exc), code="invalid_parameter", param=source) from None
             except ValueError as exc:  # a size that cannot be made: refused now, not after the upscale ran
                 param = "sr_target_resolution" if resolved.target_resolution else "sr_resolution_scale"
                 raise ApiError(400, str(exc), code="invalid_parameter", param=param) from None

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k6serve.media.video import SRSourceReader
-from k6serve.pipelines.sr_stages import upscale_sizes
+from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
+from k6serve.pipelines.sr_stages import plan_upscale, upscale_sizes
 from k6serve.request import UpscaleRequest
 from k6serve.serve.jobs import seconds_text, size_text
 
@@ -26,17 +27,20 @@ class UpscaleOutput:
     notes: tuple[str, ...] = ()  # the plan's notes on the size (a target that cannot apply, a stretch)
 
 
-def expected_upscale_output(request: UpscaleRequest) -> UpscaleOutput | None:
+def expected_upscale_output(request: UpscaleRequest, tiling: SRTiling | None = None) -> UpscaleOutput | None:
     """What `request` will deliver; None when the source's frame rate or first frame cannot be read (the worker
     then fails the job with its own message, as it did before jobs knew their size at creation). A size that
     cannot be made (an `exact` target larger than the result, a frame side over H.264's limit) raises the
-    worker's ValueError: the server refuses the job at once."""
+    worker's ValueError, and with the checkpoint's `tiling` a source smaller than one tile of its scale raises its
+    `SourceTooSmall`, as the worker's own plan does: the server refuses the job at once."""
     try:
         with SRSourceReader(request.video_path) as reader:
             source = reader.preview()
     except ValueError:
         return None
     sizes = upscale_sizes(source.frame_size, request)
+    if tiling is not None:
+        plan_upscale(source.frame_size, request, tile_sizes=tiling.tile_sizes, snap=tiling.snap)
     height, width = sizes.delivery_size
     seconds = None if source.num_frames is None else seconds_text(source.num_frames, source.fps)
     return UpscaleOutput(size=size_text(height, width), seconds=seconds, notes=sizes.notes)

@@ -299,3 +299,24 @@ def test_a_killed_worker_process_makes_health_503_and_new_work_is_refused(server
             assert [job["id"] for job in client.get("/v1/videos").json()["data"]] == [before["id"]]
     finally:
         server.stop()
+
+
+def test_a_source_smaller_than_one_tile_is_refused_at_creation(vsr_server):
+    # It was accepted, waited in the queue, then failed in the worker's tile plan with invalid_request.
+    from k6serve.testing.clips import make_clip
+
+    clip = make_clip(vsr_server.settings.allowed_input_dirs[0] / "tiny.mp4", width=16, height=16, num_frames=9, fps=24)
+    with vsr_server.client() as client:
+        before = client.get("/v1/videos").json()["data"]
+        for fields, files, param in (({"video_path": str(clip)}, None, "video_path"),
+                                     ({}, {"video_reference": ("tiny.mp4", clip.read_bytes(), "video/mp4")},
+                                      "video_reference")):
+            body = {"sr_resolution_scale": "2", **fields}
+            answer = client.post("/v1/videos", data=body, files=files) if files else client.post("/v1/videos",
+                                                                                                  json=body)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == param and error["code"] == "invalid_parameter", error
+            assert error["message"].startswith("the source frame is 16x16 (WxH, after pre-upscale and padding to ")
+            assert "use a larger input or a higher scale" in error["message"]
+        assert client.get("/v1/videos").json()["data"] == before  # no job was created

@@ -42,3 +42,19 @@ def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(t
                                "'fit' to keep it.",)
     assert upscale_sizes((192, 256), _request(4, "640x480", "exact")).notes == ()  # the same aspect ratio
     assert upscale_sizes((192, 256), _request(4, "640x360", "fit")).notes == ()  # fit scales both sides alike
+
+
+def test_the_tiling_is_read_without_loading_for_super_resolution_only(tmp_path):
+    from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
+    from k6serve.pipelines.sr_tiling import SourceTooSmall
+
+    released = sr_tiling_before_loading("kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", None, "dummy")
+    assert released is not None and released.snap == 16 and (512, 512) in released.tile_sizes
+    assert sr_tiling_before_loading("demo", None, None) is None  # a generation model
+    assert sr_tiling_before_loading(str(tmp_path / "missing"), None, None) is None  # cannot be told: the worker says
+    # x2 runs 256x256 low-resolution tiles of the released 512x512 ones.
+    clip = make_clip(tmp_path / "clip.mp4", width=256, height=256, num_frames=9, fps=24)
+    assert expected_upscale_output(_request(2, video_path=str(clip)), released).size == "512x512"
+    small = make_clip(tmp_path / "small.mp4", width=64, height=64, num_frames=9, fps=24)
+    with pytest.raises(SourceTooSmall, match=r"^the source frame is 64x64 .* but x2 tiles need at least"):
+        expected_upscale_output(_request(2, video_path=str(small)), released)

@@ -89,6 +89,31 @@ def read_sr_configs(folder: Path) -> SRConfigs:
     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SRTiling:
+    """What planning an upscale's tiles needs of a checkpoint: its HR tile sizes and the K-VAE's spatial factor."""
+
+    tile_sizes: tuple[tuple[int, int], ...]
+    snap: int
+
+
+def sr_tiling_before_loading(model_path: str, model_id: str | None, load_format: str | None) -> SRTiling | None:
+    """The SR checkpoint's tiling, read without loading where that needs no download (a local folder's configs, a
+    released checkpoint's built-in ones, `--load-format dummy`), so a server can refuse at a job's creation a source
+    too small for one tile; None for a generation model or when it cannot be told (the worker refuses it then)."""
+    from k6serve.models.checkpoint_files import variant_before_loading
+    from k6serve.models.variants import GENERATION
+
+    try:
+        variant, folder = variant_before_loading(model_path, model_id, load_format)
+        if variant is None or variant.family == GENERATION:
+            return None
+        configs = released_sr_configs(variant) if folder is None else read_sr_configs(folder)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return SRTiling(tile_sizes=tuple(configs.transformer.tile_sizes), snap=configs.vae.spatial_compression_ratio)
+
+
 def released_sr_configs(variant: Variant) -> SRConfigs:
     """The released configs of `variant` (for `--load-format dummy`)."""
     distilled = variant.distilled
