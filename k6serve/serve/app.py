@@ -330,6 +330,13 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     settings = settings_from_options(server_options)
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)
+    # The engine runs these checks again; here they come before the port, the folders and their locks, so that a
+    # flag's mistake is told as such, not hidden behind a port in use.
+    from k6serve.caching.preflight import check_cache_dit_config_before_loading
+    from k6serve.parallel.preflight import check_layout_before_loading
+
+    check_layout_before_loading(config)
+    check_cache_dit_config_before_loading(config)
     sock = listening_socket(settings.host, settings.port)
     folder_lock = None
     try:

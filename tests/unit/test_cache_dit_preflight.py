@@ -72,3 +72,19 @@ def test_the_engine_refuses_a_request_when_it_resolves_it(demo_dir):
         assert request.cache_dit.Fn_compute_blocks == 1
     finally:
         generator.shutdown()
+
+
+def test_serve_tells_a_flags_mistake_before_a_port_in_use(demo_dir, no_ranks, capsys, tmp_path):
+    # The port was bound first, so a busy port (CI shared with another server on the default 30000) hid the flag's
+    # mistake behind "port ... is already in use"; nor are the output folder and its lock made for a refused run.
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        assert main(["serve", "--model-path", "demo", "--port", port, "--output-path", str(tmp_path / "out"),
+                     "--cache-dit-config", TOO_MANY]) == 2
+        assert "error: --cache-dit-config: Fn_compute_blocks (2)" in capsys.readouterr().err
+        assert main(["serve", "--model-path", "demo", "--port", port, "--output-path", str(tmp_path / "out"),
+                     "--num-gpus", "2", "--enable-cfg-parallel"]) == 2
+        assert "has no classifier-free guidance branch" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
