@@ -327,6 +327,11 @@ def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: 
         raise ValueError(f"generate() takes the request as a dict (or a SamplingParams) or as keyword arguments, got "
                          f"{request!r} ({type(request).__name__}); e.g. {example} or generate({{'prompt': ...}}).")
     options = {**(request or {}), **kwargs}
+    not_names = [key for key in options if not isinstance(key, str)]
+    if not_names:
+        # Failed inside difflib's "did you mean" as "'int' object is not iterable".
+        raise ValueError(f"generate()'s request keys are parameter names (strings, e.g. 'prompt'), got "
+                         f"{not_names[0]!r} ({type(not_names[0]).__name__}).")
     misplaced = sorted(key for key in options if key not in _REQUEST_KEYS
                        and any(key in cls.__dataclass_fields__ for cls in _ENGINE_SECTIONS))
     if misplaced:
@@ -403,6 +408,11 @@ class DiffGenerator:
     def variant(self):
         return self.engine.variant
 
+    def _require_running(self) -> None:
+        if not self._shutdown.alive:
+            raise RuntimeError("This DiffGenerator has been shut down (shutdown() or the end of its `with` block); "
+                               "load a new one with DiffGenerator.from_pretrained(...).")
+
     @_in_callers_words
     def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
@@ -418,9 +428,7 @@ class DiffGenerator:
         then again with `(total, total)` after each chunk of the video decode; raising from it (or Ctrl-C) stops
         the request there, with no file left behind. Several threads may call this at once: requests run in
         order (N at a time with dp_size=N)."""
-        if not self._shutdown.alive:
-            raise RuntimeError("This DiffGenerator has been shut down (shutdown() or the end of its `with` block); "
-                               "load a new one with DiffGenerator.from_pretrained(...).")
+        self._require_running()
         if on_progress is not None and not callable(on_progress):
             raise ValueError(f"on_progress must be a function called as on_progress(step, total), got "
                              f"{on_progress!r} ({type(on_progress).__name__}).")
@@ -465,6 +473,7 @@ class DiffGenerator:
         `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT). Runs after the requests
         already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
+        self._require_running()
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
                                        lora_alpha=lora_alpha)
         return self.engine.lora(operation)
@@ -473,17 +482,20 @@ class DiffGenerator:
     def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict:
         """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`, from -100 to
         100). A bad target or strength raises ValueError before anything queues."""
+        self._require_running()
         return self.engine.lora(merge_lora_operation(target, strength))
 
     @_in_callers_words
     def unmerge_lora_weights(self, target: str = "all") -> dict:
         """Deactivate every adapter and restore the base weights bit for bit (merged weights are restored from
         the saved base copy, not by subtracting the delta)."""
+        self._require_running()
         return self.engine.lora(unmerge_lora_operation(target))
 
     @_in_callers_words
     def list_loras(self) -> dict:
         """The loaded adapters and their state: `{"loras": [...]}`."""
+        self._require_running()
         return self.engine.lora(ListLoras())
 
     @_in_callers_words
@@ -493,6 +505,7 @@ class DiffGenerator:
         submitted meanwhile wait for `resume_memory`. Returns each rank's report of what moved and what the process
         still holds on its GPU (docs/http-api.md, POST /release_memory_occupation). Releasing twice changes
         nothing and says so ("status": "already_released"); use_fsdp_inference=True raises ValueError."""
+        self._require_running()
         return self.engine.release_memory()
 
     @_in_callers_words
@@ -501,6 +514,7 @@ class DiffGenerator:
         not released changes nothing ("status": "not_released"). `keep_host_copy=True` keeps the host copy (host
         memory stays taken), so the next release re-points the weights to it without copying: for a loop of
         releases and resumes. A LoRA change drops it."""
+        self._require_running()
         return self.engine.resume_memory(keep_host_copy=keep_host_copy)
 
     def shutdown(self) -> None:

@@ -261,6 +261,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 _COMPONENT_LIST_FLAGS = ("cpu_offload_components", "layerwise_offload_components", "component_residency")
 # Lists of names in a --config file whose items must be strings: a number or a mapping would be turned into its text.
 _NAME_LIST_FLAGS = ("quantization_ignored_layers",)
+# String flags whose --config value may be a mapping (the JSON object the flag would carry as text).
+_MAPPING_FLAGS = ("cache_dit_config",)
 
 
 def _config_value(action: argparse.Action, value: Any) -> Any:
@@ -284,8 +286,15 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
                              "it as a name")
         return items
     if isinstance(action, argparse._AppendAction):
-        return [str(item) for item in value] if isinstance(value, list) else [str(value)]
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, (str, int, float)) and not isinstance(item, bool) for item in items):
+            # str() made a folder named "{'a': 1}" of a mapping.
+            raise ValueError(f"takes a string or a list of strings, got {value!r}")
+        return [str(item) for item in items]
     if action.type in (None, str):
+        if isinstance(value, (list, dict)) and action.dest not in _MAPPING_FLAGS:
+            # Passed on as is, a list or mapping failed later as an internal error (`host: [a, b]`).
+            raise ValueError(f"takes one string, got {value!r}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # YAML reads "output-path: 2026" as a number; the flag would give the string
     elif action.type in (int, float):

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -227,6 +228,11 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     for name in ("host", "port", "max_queued_jobs", "max_upload_mb"):
         if options.get(name) is not None:
             values[name] = options[name]
+    for name in ("output_path", "job_store"):
+        # Path("") is ".": an empty --output-path served from the working folder, an empty --job-store failed as
+        # "PosixPath('.') has an empty name".
+        if options.get(name) is not None and not str(options[name]).strip():
+            raise ValueError(f"{_flag_name(name)} is empty; pass a path, or leave it out for the default.")
     if options.get("output_path") is not None:
         values["output_path"] = Path(options["output_path"])
     if options.get("job_store") is not None:
@@ -235,11 +241,31 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         values["output_ttl_s"] = float(options["output_ttl"])
     if options.get("allowed_input_dir"):
         dirs = options["allowed_input_dir"]
-        values["allowed_input_dirs"] = tuple(Path(d) for d in ([dirs] if isinstance(dirs, str) else dirs))
-    api_key = options.get("api_key") or os.environ.get(API_KEY_ENV) or None
+        values["allowed_input_dirs"] = tuple(_allowed_input_dir(d)
+                                             for d in ([dirs] if isinstance(dirs, str) else dirs))
+    # An explicit empty --api-key is refused by ServerSettings (it ran with no key at all); an empty
+    # $K6SERVE_API_KEY is as if unset.
+    api_key = options.get("api_key")
+    api_key = (os.environ.get(API_KEY_ENV) or None) if api_key is None else api_key
     if api_key is not None:
         values["api_key"] = api_key
     return ServerSettings(**values)
+
+
+def _flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _allowed_input_dir(value: str) -> Path:
+    """An --allowed-input-dir: "" is Path("."), which let requests read any file under the working folder; a file
+    allowed nothing."""
+    if not str(value).strip():
+        raise ValueError("--allowed-input-dir is empty; pass a folder (e.g. --allowed-input-dir ./inputs).")
+    folder = Path(value)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--allowed-input-dir {str(folder)!r} is a file, not a folder; pass the folder that "
+                         "holds the input files.")
+    return folder
 
 
 def uvicorn_config(app: Any, **kwargs: Any) -> Any:
@@ -328,6 +354,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
 
     require_package("uvicorn", "to run the HTTP server")  # imported where it runs: after the load, minutes away
     settings = settings_from_options(server_options)
+    settings.check_paths()
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)
     # The engine runs these checks again; here they come before the port, the folders and their locks, so that a
@@ -346,7 +373,11 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         folder_lock = hold_exclusively(artifacts.root / SERVER_LOCK_NAME, (
             f"the output folder {str(artifacts.root)!r} is in use by another k6serve server (process {{holder}}); "
             "stop that one, or give this one its own --output-path."))
-        store = SqliteJobStore(settings.job_store_path)
+        try:
+            store = SqliteJobStore(settings.job_store_path)
+        except sqlite3.Error as exc:
+            raise ValueError(f"cannot open the job store {str(settings.job_store_path)!r} ({exc}); pass a writable "
+                             "--job-store file.") from None
     except BaseException:
         sock.close()
         if folder_lock is not None:

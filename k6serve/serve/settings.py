@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,14 +24,41 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not (0 < self.port < 65536):
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if not math.isfinite(self.output_ttl_s):
+            # math.ceil in `jobs.expires_at` raised on nan and inf: every finished job read as a 500.
+            raise ValueError(f"--output-ttl must be a finite number of seconds (0 keeps outputs forever), got "
+                             f"{self.output_ttl_s}")
         if self.output_ttl_s < 0:
             raise ValueError(f"--output-ttl must be >= 0 seconds (0 keeps outputs forever), got {self.output_ttl_s}")
         if self.max_queued_jobs < 1:
             raise ValueError(f"--max-queued-jobs must be >= 1, got {self.max_queued_jobs}")
-        if self.max_upload_mb <= 0:
-            raise ValueError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        if not math.isfinite(self.max_upload_mb) or self.max_upload_mb <= 0:
+            raise ValueError(f"--max-upload-mb must be a finite number > 0, got {self.max_upload_mb}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty; leave it unset to disable authentication.")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            # HTTP drops the spaces around a header value, so no client could ever send this key.
+            raise ValueError("--api-key must not start or end with whitespace, which no Authorization header can "
+                             "carry; pass the key without it.")
+
+    def check_paths(self) -> None:
+        """Refuse, before the model loads, an output folder or job store whose path a file or a folder already takes
+        (they failed as a bare "File exists" or an internal sqlite error)."""
+        for flag, path, want_dir in (("--output-path", self.output_path, True),
+                                     ("--job-store", self.job_store_path, False)):
+            if path.exists():
+                if path.is_dir() != want_dir:
+                    what = "a file, not a folder" if want_dir else "a folder, not a file"
+                    raise ValueError(f"{flag} {str(path)!r} is {what}; pass " + (
+                        "a folder (it is created if missing)." if want_dir else "the path of a SQLite file (it is "
+                        "created if missing), e.g. jobs.sqlite3 inside that folder."))
+                continue
+            for parent in path.parents:
+                if parent.exists():
+                    if not parent.is_dir():
+                        raise ValueError(f"{flag} {str(path)!r} lies under {str(parent)!r}, which is a file, not a "
+                                         "folder; pass a path in a folder.")
+                    break
 
     @property
     def job_store_path(self) -> Path:

@@ -668,3 +668,49 @@ def test_a_second_server_on_the_same_output_folder_refuses_to_start_whatever_its
         app_module.serve({"model_path": "demo"}, {"output_path": str(outputs),
                                                   "job_store": str(tmp_path / "other.sqlite3")})
     hold_exclusively(outputs / app_module.SERVER_LOCK_NAME, "still held {holder}").close()  # and it let go
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    # Each once started a server: with no key at all, serving the working folder, letting requests read any file
+    # under it, or answering 500 on every finished job (math.ceil of nan / inf in expires_at) or upload.
+    (["--api-key", ""], r"--api-key must not be empty; leave it unset"),
+    (["--api-key", " key "], r"--api-key must not start or end with whitespace"),
+    (["--output-path", ""], r"--output-path is empty; pass a path"),
+    (["--job-store", " "], r"--job-store is empty; pass a path"),  # was "PosixPath('.') has an empty name"
+    (["--allowed-input-dir", ""], r"--allowed-input-dir is empty; pass a folder"),
+    (["--allowed-input-dir", "FILE"], r"--allowed-input-dir '.*afile' is a file, not a folder"),
+    (["--output-ttl", "nan"], r"--output-ttl must be a finite number of seconds"),
+    (["--output-ttl", "inf"], r"--output-ttl must be a finite number of seconds"),
+    (["--max-upload-mb", "nan"], r"--max-upload-mb must be a finite number > 0"),
+    (["--max-upload-mb", "inf"], r"--max-upload-mb must be a finite number > 0"),
+    # Exit 1 with a bare "File exists", and exit 70 (an internal sqlite error), after binding the port.
+    (["--output-path", "FILE"], r"--output-path '.*afile' is a file, not a folder; pass a folder"),
+    (["--output-path", "FILE/sub"], r"--output-path '.*afile/sub' lies under '.*afile', which is a file"),
+    (["--job-store", "DIR"], r"--job-store '.*' is a folder, not a file; pass the path of a SQLite file"),
+    (["--job-store", "FILE/jobs.sqlite3"], r"--job-store '.*afile/jobs.sqlite3' lies under '.*afile', which is a "
+                                           r"file"),
+])
+def test_bad_server_flags_exit_2_before_the_model_loads(tmp_path, monkeypatch, capsys, flags, message):
+    from k6serve.cli.main import main
+    from k6serve.serve import app as app_module
+
+    monkeypatch.delenv("K6SERVE_API_KEY", raising=False)
+    monkeypatch.setattr(app_module, "Engine", lambda config: pytest.fail("the model loaded"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    flags = [flag.replace("FILE", str(tmp_path / "afile")).replace("DIR", str(tmp_path)) for flag in flags]
+    assert main(["serve", "--model-path", "demo", "--device", "cpu", "--port", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"^error: {message}", err), err
+    assert err.count("\n") == 1
+
+
+def test_an_empty_api_key_variable_is_unset_but_an_empty_flag_is_refused(monkeypatch):
+    from k6serve.serve.app import settings_from_options
+
+    monkeypatch.setenv("K6SERVE_API_KEY", "")
+    assert settings_from_options({}).api_key is None
+    monkeypatch.setenv("K6SERVE_API_KEY", "secret")
+    assert settings_from_options({}).api_key == "secret"
+    with pytest.raises(ValueError, match="--api-key must not be empty"):
+        settings_from_options({"api_key": ""})  # not the variable's key in its place, nor none at all

@@ -304,6 +304,16 @@ def test_a_request_that_is_not_a_mapping_says_how_to_pass_it():
             generator.generate(["a cat"])
 
 
+def test_a_request_key_that_is_not_a_name_says_so():
+    """{5: 1} failed inside difflib's "did you mean" as a TypeError "'int' object is not iterable"."""
+    from k6serve.api import DiffGenerator
+
+    with DiffGenerator(Engine(fake_config(), worker=StepWorker())) as generator:
+        with pytest.raises(ValueError, match=r"request keys are parameter names \(strings, e\.g\. 'prompt'\), got 5 "
+                                             r"\(int\)"):
+            generator.generate({"prompt": "x", 5: 1}, save_output=False)
+
+
 def test_an_option_given_to_the_wrong_call_says_which_call_takes_it():
     """An engine option given to generate(), or a request parameter to from_pretrained(), was only "unknown": the
     user learnt it is misplaced only by reading the other call's list."""
@@ -371,6 +381,11 @@ def test_generate_after_shutdown_says_so_and_creates_nothing(tmp_path):
                                            r"`with` block\); load a new one with DiffGenerator\.from_pretrained"):
         generator.generate(prompt="x", output_path=str(tmp_path / "new"))
     assert not (tmp_path / "new").exists()
+    # The LoRA and memory methods said only "The engine has been shut down."
+    for call in (lambda: generator.set_lora("x"), generator.merge_lora_weights, generator.unmerge_lora_weights,
+                 generator.list_loras, generator.release_memory, generator.resume_memory):
+        with pytest.raises(RuntimeError, match=r"^This DiffGenerator has been shut down"):
+            call()
     generator.shutdown()  # again: nothing to do
 
 

@@ -226,6 +226,29 @@ def test_cli_config_file_problems_exit_2_with_the_fix(tmp_path, capsys, name, te
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # A list or mapping for a one-string flag was passed on as is: exit 70, "internal error (TypeError: ...)".
+        ("host: [a, b]\n", r"--host: takes one string, got \['a', 'b'\]"),
+        ("output-path: {a: 1}\n", r"--output-path: takes one string, got \{'a': 1\}"),
+        # str() of a mapping allowed a folder literally named "{'a': 1}".
+        ("allowed-input-dir: {a: 1}\n", r"--allowed-input-dir: takes a string or a list of strings, got \{'a': 1\}"),
+        ("allowed-input-dir: [a, [b]]\n", r"--allowed-input-dir: takes a string or a list of strings"),
+    ],
+)
+def test_cli_serve_config_values_of_the_wrong_shape_exit_2(tmp_path, capsys, monkeypatch, text, message):
+    from k6serve.serve import app as app_module
+
+    monkeypatch.setattr(app_module, "Engine", lambda config: pytest.fail("the model loaded"))
+    monkeypatch.setattr(app_module, "listening_socket", lambda host, port: pytest.fail("the port was bound"))
+    monkeypatch.chdir(tmp_path)
+    path = _config(tmp_path, "s.yaml", text)
+    assert main(["serve", "--config", path, "--model-path", "demo", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"^error: --config .*s\.yaml: {message}", err), err
+
+
 def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsys):
     # JSON strings for numbers once crashed inside the worker; YAML "no" for save-output once saved the file.
     path = _config(tmp_path, "run.json", f'{{"model-path": "{tiny_distill_dir}", "prompt": "x", "height": "32", '
