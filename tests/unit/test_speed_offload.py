@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_speed_transforms import _HunyuanLikeVae  # a VAE with a decoder, as speed/vae.py finds one
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from k6serve.api import build_engine_config
@@ -84,21 +85,6 @@ def test_which_components_keep_speed_modes_transforms(mode, flags, device, expec
 class _Models:
     transformer: torch.nn.Module
     vae: torch.nn.Module | None = None
-
-
-class _Decoder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv3d(2, 2, 1)
-
-    def forward(self, x):
-        return self.conv(x)
-
-
-class _HunyuanLikeVae(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.decoder = _Decoder()
 
 
 def _model(dtype=torch.float32):
