@@ -112,16 +112,24 @@ def _cancellation_point(job: EngineJob) -> ProgressCallback:
     return on_step
 
 
+def check_before_loading(config: EngineConfig) -> None:
+    """Refuse, before any rank loads, a config the ranks would refuse after their load (a layout) or that every
+    request would fail on (Cache-DiT settings leaving no block to cache). `Engine` runs it; `serve` runs it before
+    it binds its port, so that a flag's mistake is not hidden behind a port in use."""
+    from k6serve.caching.preflight import check_cache_dit_config_before_loading
+    from k6serve.parallel.preflight import check_layout_before_loading
+
+    check_layout_before_loading(config)
+    check_cache_dit_config_before_loading(config)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, *, worker: ModelWorker | None = None) -> None:
         self.config = config
         if worker is None:
-            from k6serve.caching.preflight import check_cache_dit_config_before_loading
-            from k6serve.parallel.preflight import check_layout_before_loading
             from k6serve.runtime.process_group_worker import MultiProcessWorker
 
-            check_layout_before_loading(config)  # a layout the ranks would refuse: refused before they load
-            check_cache_dit_config_before_loading(config)  # one every request would fail on: likewise
+            check_before_loading(config)
             worker = MultiProcessWorker(config)
         self.worker = worker
         self._queue: queue.Queue = queue.Queue()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from k6serve.caching.preflight import dit_blocks_before_loading
 from k6serve.config import EngineConfig
+from k6serve.dependencies import missing_package
 from k6serve.lora.spec import LoraOperation, ReplicasDisagree
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
@@ -151,7 +152,7 @@ def _classify(error: BaseException, rank: int) -> tuple[str, str, Exception | No
         # builtin constructor still picks the errno's subclass (PermissionError, ...).
         rebuilt = OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))
         return "os", text, rebuilt
-    if isinstance(error, ModuleNotFoundError) and error.name and error.name.partition(".")[0] != "k6serve":
+    if missing_package(error):
         # The workers' interpreter lacks a package (a PYTHONPATH that hides it, an optional one imported late): the
         # machine's state, which the CLI and the server name with its pip command, not a bug. Kept a
         # ModuleNotFoundError with its name so that they can; one of k6serve's own modules missing stays a bug.

@@ -24,7 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
-from k6serve.runtime.engine import Engine
+from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
 from k6serve.serve.input_paths import InputPathPolicy
@@ -357,13 +357,9 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     settings.check_paths()
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)
-    # The engine runs these checks again; here they come before the port, the folders and their locks, so that a
-    # flag's mistake is told as such, not hidden behind a port in use.
-    from k6serve.caching.preflight import check_cache_dit_config_before_loading
-    from k6serve.parallel.preflight import check_layout_before_loading
-
-    check_layout_before_loading(config)
-    check_cache_dit_config_before_loading(config)
+    # Before the port, the folders and their locks, so that a flag's mistake is told as such, not hidden behind a
+    # port in use (the engine runs it again: reading a config or two).
+    check_before_loading(config)
     sock = listening_socket(settings.host, settings.port)
     folder_lock = None
     try:
