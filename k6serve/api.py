@@ -105,7 +105,11 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
     if return_paths_only is not None and not isinstance(return_paths_only, bool):
         raise ValueError(f"return_file_paths_only must be true or false, got {return_paths_only!r}.")
     if return_frames is None:
-        return_frames = return_paths_only is False
+        # save_output=False with neither return flag given returned neither a file nor frames: the request ran (minutes
+        # on a GPU) and its video was lost. Without a file the frames are the result, unless the caller says
+        # return_frames=False (timing runs: the CLI's --no-save-output, which has nowhere to put them).
+        unsaved = output.get("save_output") is False
+        return_frames = return_paths_only is False or (return_paths_only is None and unsaved)
     elif return_paths_only is not None and return_frames == return_paths_only:
         raise ValueError(
             f"return_file_paths_only={return_paths_only} and return_frames={return_frames} contradict each other; "
@@ -420,7 +424,8 @@ class DiffGenerator:
         keyword arguments, or both (keywords win): every SamplingParams field plus save_output (default True),
         output_path (default "outputs"), output_file_name, return_frames and return_file_paths_only (the seed's
         names); None for any of them means its default. The frames and the waveform are returned with
-        return_frames=True or return_file_paths_only=False. A `SamplingParams` object (the class is exported)
+        return_frames=True or return_file_paths_only=False, and with save_output=False unless return_frames=False
+        (without a file they are the result). A `SamplingParams` object (the class is exported)
         stands for the fields it sets away from their defaults.
 
         The request and the output are checked before it runs: bad input raises ValueError naming the key and the

@@ -128,7 +128,8 @@ class SamplingParams:
     )
     # Python API only: a command line has nowhere to put the arrays.
     return_frames: bool = _param(
-        "Return decoded frames and the waveform in the result.", default=False, cli=False, http=False
+        "Return decoded frames and the waveform in the result (default: only with save_output=False, where they are "
+        "the result).", default=False, cli=False, http=False
     )
     return_file_paths_only: bool = _param(
         "Return only the output file path (no frames).", default=True, cli=False, http=False
@@ -239,7 +240,8 @@ class VideoResult:
     """What a finished request returns to the caller.
 
     `frames` and `audio` are None unless the request asked for them (return_frames=True, or the seed's
-    return_file_paths_only=False); `output_file_path` is None with save_output=False. `timings` are seconds:
+    return_file_paths_only=False) or wrote no file (save_output=False, unless return_frames=False);
+    `output_file_path` is None with save_output=False. `timings` are seconds:
     generation has "encode", "denoise" (with "denoise_per_step", "denoise_step_median", "denoise_step_max"),
     "decode_audio", "decode_video" and, with a file, "mux" (what the MP4 write added after the decode: the encoder
     runs beside it); super-resolution has "read", "encode", "upscale", "dit", "dit_per_call", "decode" and "mux"

@@ -108,7 +108,8 @@ def engine(report: dict, args: argparse.Namespace) -> None:
         if args.request:
             # A request first: NCCL creates a group's communicator at its first collective, so only after one does
             # the release reply show what the communicators of the layout hold.
-            request = {"prompt": "a red fox runs through snow", "save_output": False, **dict(args.request)}
+            request = {"prompt": "a red fox runs through snow", "save_output": False, "return_frames": False,
+                       **dict(args.request)}
             report["request"] = request
             started = time.perf_counter()
             generator.generate(**request)

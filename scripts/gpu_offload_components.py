@@ -40,7 +40,8 @@ def main() -> None:
         try:
             for index in range(args.repeats):
                 result = generator.generate({"prompt": "A woman chops vegetables in a sunlit kitchen.", "seed": 42,
-                                             "num_inference_steps": args.steps, "save_output": False})
+                                             "num_inference_steps": args.steps, "save_output": False,
+                                             "return_frames": False})
                 row = {"configuration": name, "request": index, "load_s": round(load_s, 2),
                        "peak_memory_mib": round(result.peak_memory_mb, 1),
                        **{k: round(v, 3) for k, v in result.timings.items()},

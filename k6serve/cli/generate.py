@@ -126,7 +126,8 @@ def _checked_output_options(request_options: dict[str, Any]) -> dict[str, Any]:
         flags = " and ".join("--" + key.replace("_", "-") for key in ignored)
         print(f"warning: {flags} {'is' if len(ignored) == 1 else 'are'} ignored: --no-save-output writes no file.",
               file=sys.stderr)
-    return {key: value for key, value in request_options.items() if key not in ignored}
+    # The API returns the frames of a request without a file; the CLI would only hold them (GBs for an upscale).
+    return {key: value for key, value in request_options.items() if key not in ignored} | {"return_frames": False}
 
 
 class StepBar:

@@ -495,3 +495,19 @@ def test_a_second_generator_loading_beside_a_running_one_is_warned_about(monkeyp
     gc.collect()  # a dropped generator is shut down by its finalizer, and is no longer running either
     with DiffGenerator.from_pretrained("demo", device="cpu"):
         assert not [r for r in caplog.records if "still hold" in r.getMessage()]
+
+
+def test_a_request_without_a_file_returns_its_frames_unless_told_not_to():
+    """save_output=False with neither return flag returned neither a file nor frames: the run's video was lost."""
+    from k6serve.api import split_kwargs
+
+    _, output = split_kwargs({"prompt": "cat", "save_output": False})
+    assert output.return_frames is True
+    _, output = split_kwargs({"prompt": "cat", "save_output": False, "return_frames": False})
+    assert output.return_frames is False  # a timing run says so
+    _, output = split_kwargs({"prompt": "cat", "save_output": False, "return_file_paths_only": True})
+    assert output.return_frames is False  # the seed's flag, said explicitly
+    _, output = split_kwargs({"prompt": "cat"})
+    assert output.return_frames is False  # with a file, the path is the result
+    _, output = split_kwargs({"prompt": "cat", "save_output": None})
+    assert output.return_frames is False  # None is the default: a file

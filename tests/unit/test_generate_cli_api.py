@@ -85,8 +85,9 @@ def test_bad_inputs_fail_with_their_message_and_the_generator_keeps_serving(gene
         generator.generate({"prompt": "x", "height": HEIGHT, "width": WIDTH, "num_frames": 9,
                             "image_path": str(tmp_path / "missing.png")})
     ok = generator.generate({"prompt": "still alive", "height": HEIGHT, "width": WIDTH, "num_frames": 9,
-                             "save_output": False, "return_frames": True})
-    assert ok.frames.shape[0] == 9
+                             "save_output": False})
+    # Without a file the frames are the result: returned without return_frames (they were dropped).
+    assert ok.frames.shape[0] == 9 and ok.audio is not None and ok.output_file_path is None
 
 
 # 10 tokens of the tiny Qwen tokenizer per sentence: 1100 tokens, 76 over the encoder's 1024.
@@ -285,3 +286,14 @@ def test_latents_that_overflow_are_refused_before_the_decode(tiny_pro_dir, tmp_p
     assert list(tmp_path.iterdir()) == []
     result = worker.run(*split_kwargs({**request, "guidance_scale": 1e15, "save_output": False, "return_frames": True}))
     assert np.isfinite(result.audio).all() and result.frames.shape == (5, 32, 32, 3)
+
+
+def test_cli_no_save_output_does_not_ship_the_frames_back(capsys):
+    """The API returns the frames of a request without a file; the CLI only prints timings, so it asks for none
+    (for an upscale they are gigabytes pickled from the worker)."""
+    from k6serve.api import split_kwargs
+    from k6serve.cli.generate import _checked_output_options
+
+    options = _checked_output_options({"prompt": "x", "save_output": False})
+    assert options["return_frames"] is False and split_kwargs(options)[1].return_frames is False
+    assert "return_frames" not in _checked_output_options({"prompt": "x", "output_file_name": None})
