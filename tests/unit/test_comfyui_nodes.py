@@ -445,6 +445,88 @@ def test_timeout_is_heard_while_the_server_is_unreachable(monkeypatch):
     assert time.monotonic() - started < 2 and len(calls) > 1 and cancelled == ["video_1"]
 
 
+def _cancel_scenario(monkeypatch, answers):
+    """A client whose polls cannot reach the server and whose DELETEs meet `answers` in turn (an exception to raise,
+    or the job to return); returns the client and the list of DELETE attempts."""
+    client_module = sys.modules["k6serve_nodes.client"]
+    client = client_module.K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
+    unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
+    unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
+    attempts = []
+
+    def cancel_job(job_id):
+        attempts.append(job_id)
+        answer = answers[min(len(attempts), len(answers)) - 1]
+        if answer == "unreachable":
+            raise unreachable
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def get_job(job_id):
+        raise unreachable
+
+    monkeypatch.setattr(client, "get_job", get_job)
+    monkeypatch.setattr(client, "cancel_job", cancel_job)
+    monkeypatch.setattr(client_module, "CANCEL_RETRY_S", 0.01)
+    return client, attempts
+
+
+def _interrupt_after(count):
+    checks = []
+
+    def check_interrupt():
+        checks.append(1)
+        if len(checks) > count:
+            raise InterruptProcessingException()
+
+    return check_interrupt
+
+
+def test_a_cancel_lost_with_the_server_is_retried_until_it_answers(monkeypatch, caplog):
+    """The DELETE was tried once: lost while the server restarted, the job was requeued from SQLite and ran again.
+    Now it is retried beside ComfyUI, which gets the interrupt at once."""
+    caplog.set_level("INFO")
+    client, attempts = _cancel_scenario(monkeypatch, ["unreachable", "unreachable", {"status": "cancelled"}])
+    started = time.monotonic()
+    with pytest.raises(InterruptProcessingException):
+        client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
+    assert time.monotonic() - started < 1 and attempts == ["video_1"]  # the node did not wait for the retries
+    client.cancel_retry.join(timeout=10)
+    assert attempts == ["video_1"] * 3
+    assert "cancelled job video_1 on the server once it answered again" in caplog.text
+
+
+def test_a_cancel_waits_out_a_restarted_server_loading_its_model(monkeypatch, caplog):
+    caplog.set_level("INFO")
+    client_module = sys.modules["k6serve_nodes.client"]
+    loading = client_module.K6ServeError("loading", status=503, code="model_loading")
+    answers = ["unreachable", "unreachable"] + [loading] * 30 + [{"status": "cancelled"}]
+    client, attempts = _cancel_scenario(monkeypatch, answers)
+    monkeypatch.setattr(client_module, "POLL_OUTAGE_S", 0.05)  # far shorter than the 30 loading answers
+    with pytest.raises(InterruptProcessingException):
+        client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
+    client.cancel_retry.join(timeout=10)
+    assert len(attempts) == len(answers) and "once it answered again" in caplog.text
+
+
+def test_a_cancel_the_server_refuses_is_not_retried_and_an_outage_is_given_up(monkeypatch, caplog):
+    caplog.set_level("INFO")
+    client_module = sys.modules["k6serve_nodes.client"]
+    client, attempts = _cancel_scenario(monkeypatch, [client_module.K6ServeError("gone", status=404)])
+    with pytest.raises(InterruptProcessingException):
+        client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
+    assert client.cancel_retry is None and attempts == ["video_1"] and "could not cancel job video_1" in caplog.text
+    caplog.clear()
+    client, attempts = _cancel_scenario(monkeypatch, ["unreachable"])
+    monkeypatch.setattr(client_module, "POLL_OUTAGE_S", 0.2)
+    with pytest.raises(InterruptProcessingException):
+        client.wait({"id": "video_2", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
+    client.cancel_retry.join(timeout=10)
+    assert not client.cancel_retry.is_alive() and len(attempts) > 2
+    assert "gave up cancelling job video_2" in caplog.text and "DELETE /v1/videos/video_2 cancels it" in caplog.text
+
+
 @pytest.fixture
 def loading_server():
     """`k6serve serve`'s answers while its model loads (the real responder, on a listening socket)."""

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -29,6 +30,9 @@ POLL_OUTAGE_S = 30.0
 # for this long when the node has no timeout_s: a released checkpoint loads in minutes, not in half an hour.
 LOADING_WAIT_S = 30 * 60.0
 LOADING_POLL_S = 2.0
+# A cancel that cannot reach the server is retried in the background this often, for POLL_OUTAGE_S: a server that
+# restarts keeps its unfinished jobs (SQLite) and runs them again, so a job whose DELETE was lost would take the GPU.
+CANCEL_RETRY_S = 2.0
 
 
 class K6ServeError(RuntimeError):
@@ -65,6 +69,7 @@ class K6ServeClient:
         self.node_name = node_name
         self.input_names = dict(input_names or {})
         self.request_timeout_s = request_timeout_s
+        self.cancel_retry: threading.Thread | None = None  # the background retries of a lost DELETE, if any
 
     # ---- routes ----
 
@@ -177,7 +182,7 @@ class K6ServeClient:
             try:
                 return self.get_job(job_id)
             except K6ServeError as error:
-                if not isinstance(error.__cause__, (urllib.error.URLError, OSError)) or time.monotonic() > outage_until:
+                if not _unreachable(error) or time.monotonic() > outage_until:
                     raise
                 logger.warning("%s: polling job %s failed (%s); retrying", self.node_name, job_id, error.__cause__)
                 time.sleep(1.0)
@@ -199,7 +204,43 @@ class K6ServeClient:
             logger.info("%s: cancelled job %s on the server (status %s)", self.node_name, job_id,
                         job.get("status"))
         except (K6ServeError, ValueError) as error:  # the original exception matters more than a failed cancel
-            logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url, error)
+            if not (_unreachable(error) or _loading(error)):
+                logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url,
+                               error)
+                return
+            # Tried once, the DELETE was lost with the server (a restart, a network blip) and the job ran on. The
+            # retries run beside ComfyUI, which gets the node's error now (Cancel must not wait for an outage).
+            logger.warning("%s: could not cancel job %s: %s (%s); retrying in the background every %g s",
+                           self.node_name, job_id, self.base_url,
+                           "is loading its model" if _loading(error) else error.__cause__, CANCEL_RETRY_S)
+            self.cancel_retry = threading.Thread(target=self._cancel_when_reachable, args=(job_id,), daemon=True,
+                                                 name=f"k6serve-cancel-{job_id}")
+            self.cancel_retry.start()
+
+    def _cancel_when_reachable(self, job_id: str) -> None:
+        """Unreachable, the server is given POLL_OUTAGE_S to come back; once it answers that it is loading its model
+        (a restart: the job is requeued and runs when the load ends), it is given the load's LOADING_WAIT_S."""
+        started = time.monotonic()
+        give_up_at = started + POLL_OUTAGE_S
+        while time.monotonic() < give_up_at:
+            time.sleep(CANCEL_RETRY_S)
+            try:
+                job = self.cancel_job(job_id)
+            except (K6ServeError, ValueError) as error:
+                if _loading(error):
+                    give_up_at = max(give_up_at, started + LOADING_WAIT_S)
+                    continue
+                if _unreachable(error):
+                    continue
+                logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url,
+                               error)
+                return
+            logger.info("%s: cancelled job %s on the server once it answered again (status %s)", self.node_name,
+                        job_id, job.get("status"))
+            return
+        logger.warning("%s: gave up cancelling job %s after %.0f s: %s did not take the DELETE; the job may still "
+                       "run there (DELETE /v1/videos/%s cancels it)", self.node_name, job_id,
+                       time.monotonic() - started, self.base_url, job_id)
 
     def _check_final(self, job: dict) -> dict:
         if job["status"] == "completed":
@@ -286,6 +327,16 @@ class K6ServeClient:
                                 f"{self.request_timeout_s:g} s. Check that it is running and reachable.")
         return K6ServeError(f"{self.node_name}: cannot reach the server at {self.base_url}: {reason}. Check "
                             "server_url and that `k6serve serve` is running.")
+
+
+def _unreachable(error: Exception) -> bool:
+    """The server did not answer (refused, reset, timed out), as opposed to answering with an error."""
+    return isinstance(error.__cause__, (urllib.error.URLError, OSError))
+
+
+def _loading(error: Exception) -> bool:
+    """The server answered that it is still loading its model (`k6serve serve` while it starts, or restarts)."""
+    return isinstance(error, K6ServeError) and error.status == 503 and error.code == "model_loading"
 
 
 def _multipart(fields: Mapping[str, Any], uploads: list[Upload]) -> tuple[bytes, str]:
