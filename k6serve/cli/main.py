@@ -270,6 +270,12 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
     false, not a truthy string that would still save the file."""
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         return _bool(value)
+    if value == [] and (action.nargs == "+" or isinstance(action, argparse._AppendAction)):
+        # The flag takes one value or more, and the file's [] ran as if the key were absent: a list emptied to mean
+        # "none" silently kept the default.
+        offload = action.dest in ("cpu_offload_components", "layerwise_offload_components")
+        none = " (`[none]` to offload none)" if offload else ""
+        raise ValueError(f"is an empty list; the flag takes at least one value: drop the key for the default{none}")
     if action.dest in _COMPONENT_LIST_FLAGS:
         # Checked here too, so that a bad value names the file (the config normalises it again).
         from k6serve.offload.residency import normalise_component_names, normalise_residency_settings

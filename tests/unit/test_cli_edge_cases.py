@@ -216,6 +216,11 @@ def _config(tmp_path, name: str, text: str) -> str:
         ("l.yaml", "fps: [24]\n", r"l\.yaml: --fps: expected a number, got \[24\]"),
         ("d.yaml", "dtype: float16\n", "--dtype: expected one of auto, bfloat16, float32, got 'float16'"),
         ("s.yaml", "save-output: maybe\n", "--save-output: expected true or false, got 'maybe'"),
+        # [] ran as if the key were absent: a list emptied to mean "none" kept the mode's default.
+        ("e.yaml", "cpu-offload-components: []\n", r"--cpu-offload-components: is an empty list; the flag takes at "
+                                                    r"least one value: drop the key for the default \(`\[none\]` "
+                                                    r"to offload none\)"),
+        ("q.yaml", "quantization-ignored-layers: []\n", "--quantization-ignored-layers: is an empty list"),
     ],
 )
 def test_cli_config_file_problems_exit_2_with_the_fix(tmp_path, capsys, name, text, message):
@@ -235,6 +240,7 @@ def test_cli_config_file_problems_exit_2_with_the_fix(tmp_path, capsys, name, te
         # str() of a mapping allowed a folder literally named "{'a': 1}".
         ("allowed-input-dir: {a: 1}\n", r"--allowed-input-dir: takes a string or a list of strings, got \{'a': 1\}"),
         ("allowed-input-dir: [a, [b]]\n", r"--allowed-input-dir: takes a string or a list of strings"),
+        ("allowed-input-dir: []\n", r"--allowed-input-dir: is an empty list; the flag takes at least one value"),
     ],
 )
 def test_cli_serve_config_values_of_the_wrong_shape_exit_2(tmp_path, capsys, monkeypatch, text, message):
