@@ -591,6 +591,20 @@ def test_cli_out_of_memory_is_a_machine_limit_with_a_fix_not_a_bug(in_process_cl
     err = capsys.readouterr().err
     assert f"error: the GPU ran out of memory ({oom}); ask for fewer pixels or frames" in err
     assert "--num-frames" in err and "bug" not in err and "Traceback" not in err
+    # Speed mode (the default) with everything resident: the offload that keeps it compiled comes first.
+    assert "keep speed mode and move the weights to host memory between stages with --cpu-offload-components all" in err
+
+
+@pytest.mark.parametrize(("options", "keeps_speed"), [
+    ({}, True), ({"performance_mode": "speed"}, True), ({"performance_mode": "balanced"}, False),
+    ({"cpu_offload_components": ["all"]}, False), ({"layerwise_offload_components": ["transformer"]}, False),
+])
+def test_cli_out_of_memory_offers_the_offload_that_keeps_speed_mode_only_where_it_applies(options, keeps_speed):
+    from k6serve.cli.main import describe_out_of_memory
+
+    text = describe_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), options)
+    assert ("--cpu-offload-components all" in text) is keeps_speed
+    assert "--performance-mode balanced or memory" in text and "--ulysses-degree" in text
 
 
 def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_process_cli, tmp_path, monkeypatch,
