@@ -12,6 +12,8 @@ Two layouts are read:
 * kohya (sd-scripts, musubi-tuner, and what ComfyUI exports from them): `lora_unet_<module with "_" for
   ".">.lora_down.weight` / `.lora_up.weight` / `.alpha` (also `lora_transformer_`). The flattened name cannot be
   split back into a path without the model: `targets.py` matches it against the model's flattened Linear names.
+  LyCORIS's DoRA (`weight_decompose`, trained through sd-scripts) adds `.dora_scale`, also after a dotted
+  `<module>` in ComfyUI's exports: read as PEFT's magnitudes where it means the same (`_dora_scale_magnitudes`).
 Our DiT keeps diffusers' module names, so `<module>` is a path in `Kandinsky6Transformer.named_modules()`; whether it
 names a Linear there is checked by `targets.py`, which has the model. Tensors stay on the CPU in the file's dtype:
 merging and the dynamic path cast them where they are used.
@@ -39,7 +41,9 @@ _EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<kind>[AB])(?:\
 _MAGNITUDE_KEY = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.(?P<adapter>[^.]+)\.weight|\.weight)?$")
 _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 # kohya: the module path flattened with "_" (resolved against the model in targets.py); down = A, up = B.
-_KOHYA_KEY = re.compile(r"^lora_(?:unet|transformer)_(?P<module>[^.]+)\.(?:lora_(?P<kind>down|up)\.weight|alpha)$")
+_KOHYA_KEY = re.compile(r"^lora_(?:unet|transformer)_(?P<module>[^.]+)\.(?:lora_(?P<kind>down|up)\.weight|"
+                        r"(?P<extra>alpha|dora_scale))$")
+_DORA_SCALE_KEY = re.compile(r"^(?P<module>.+)\.dora_scale$")  # LyCORIS's DoRA magnitudes after a dotted path
 _SHOWN = 5  # how many offending keys an error lists
 # diffusers' `save_lora_weights` (its training scripts) and `save_lora_adapter` write no `<module>.alpha` keys: the
 # adapter's PEFT `LoraConfig` goes into the safetensors header as JSON under this key (`lora_alpha`, `alpha_pattern`,
@@ -180,6 +184,7 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
     alphas: dict[str, float] = {}
     magnitudes: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor] = {}
+    dora_scales: dict[str, tuple[str, torch.Tensor]] = {}  # module -> (its dora_scale key, the tensor)
     embeddings: set[str] = set()  # modules with lora_embedding_A / _B keys
     linears: set[str] = set()  # modules with lora_A / lora_B keys
     adapter_names: set[str] = set()
@@ -187,10 +192,15 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
     for key, tensor in tensors.items():
         name = _strip_prefix(key)
         if match := _KOHYA_KEY.match(name):
-            if match["kind"] is None:
+            if match["extra"] == "alpha":
                 alphas[match["module"]] = _alpha(tensor, key, source)
+            elif match["extra"] == "dora_scale":
+                dora_scales[match["module"]] = (key, tensor)
             else:
                 (downs if match["kind"] == "down" else ups)[match["module"]] = tensor
+            continue
+        if match := _DORA_SCALE_KEY.match(name):
+            dora_scales[match["module"]] = (key, tensor)
             continue
         if match := _EMBEDDING_KEY.match(name):
             (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
@@ -215,8 +225,8 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
         raise ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
                          f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha, and PEFT's "
                          f"<module>.lora_B.bias, <module>.lora_magnitude_vector (DoRA), <module>.lora_embedding_A / "
-                         f"_B) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / .alpha), e.g. "
-                         f"{unknown[:_SHOWN]}")
+                         f"_B) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / .alpha, and "
+                         f"LyCORIS's DoRA .dora_scale), e.g. {unknown[:_SHOWN]}")
     if len(adapter_names) > 1:
         raise ValueError(f"LoRA file {source!r} holds several PEFT adapters ({sorted(adapter_names)}); save one "
                          "adapter per file")
@@ -225,6 +235,7 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
     unpaired = sorted(set(downs) ^ set(ups))
     if unpaired:
         raise ValueError(f"LoRA file {source!r}: module(s) with only one of lora_A / lora_B: {unpaired[:_SHOWN]}")
+    magnitude_keys = _dora_scale_magnitudes(dora_scales, downs, ups, magnitudes, source)
     _check_variants(downs, magnitudes, biases, embeddings, linears, source)
     config = _header_config(metadata, source)
     _check_header_variants(config, magnitudes, biases, source)
@@ -242,7 +253,8 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
             raise ValueError(f"LoRA file {source!r}: module {module!r} has lora_A {tuple(down.shape)} and lora_B "
                              f"{tuple(up.shape)}; expected lora_A (rank, in_features) and lora_B (out_features, rank), "
                              "rank >= 1")
-        extras = {"lora_magnitude_vector": magnitudes.get(module), "lora_B.bias": biases.get(module)}
+        extras = {magnitude_keys.get(module, "lora_magnitude_vector"): magnitudes.get(module),
+                  "lora_B.bias": biases.get(module)}
         for kind, tensor in extras.items():
             if tensor is not None and tuple(tensor.shape) != (up.shape[0],):
                 raise ValueError(f"LoRA file {source!r}: module {module!r} has {kind} {tuple(tensor.shape)}, but its "
@@ -254,6 +266,51 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
         modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module), magnitude=magnitudes.get(module),
                                      bias=biases.get(module), embedding=module in embeddings)
     return modules
+
+
+def _dora_scale_magnitudes(dora_scales: dict[str, tuple[str, torch.Tensor]], downs: dict[str, torch.Tensor],
+                           ups: dict[str, torch.Tensor], magnitudes: dict[str, torch.Tensor],
+                           source: str) -> dict[str, str]:
+    """Add LyCORIS's DoRA magnitudes (`dora_scale`) to `magnitudes` as PEFT's; returns module -> the name to give
+    the tensor in errors ("dora_scale").
+
+    LyCORIS's `weight_decompose` (lycoris/modules/locon.py) keeps a Linear's magnitudes as `dora_scale`: with
+    `wd_on_out=True` of shape (out, 1), the norm of each output row over the input features, and the weight becomes
+    dora_scale / ||W + (alpha / rank) B A|| * (W + (alpha / rank) B A), PEFT's DoRA (`lora_magnitude_vector`, (out,))
+    at strength 1. (LyCORIS adds fp32's eps, 1.2e-7, to each norm, which PEFT and this reading do not: a relative
+    1.2e-7 / ||row|| on the rows.) With `wd_on_out=False` it is (1, in), the norm of each input column over the
+    output features: a different decomposition, which no per-row magnitude reproduces, so it is refused. At a
+    strength s other than 1 the manager applies PEFT's rule, m / ||W + s dW|| * (W + s dW); LyCORIS and ComfyUI
+    scale such a module by interpolating between the base weight and the strength-1 one instead (a convention of
+    those tools about strength, not a property of the file)."""
+    names = {}
+    for module, (key, tensor) in dora_scales.items():
+        if module not in downs or module not in ups:
+            raise ValueError(f"LoRA file {source!r}: {key!r} (LyCORIS's DoRA magnitudes) belongs to no module with "
+                             "lora_down / lora_up (lora_A / lora_B) weights")
+        if module in magnitudes:
+            raise ValueError(f"LoRA file {source!r}: module {module!r} has both a lora_magnitude_vector and a "
+                             f"dora_scale ({key!r}); a DoRA module has one set of magnitudes")
+        if downs[module].dim() != 2 or ups[module].dim() != 2:
+            continue  # refused below, with the lora_A / lora_B shapes
+        out_features, in_features = ups[module].shape[0], downs[module].shape[1]
+        shape = tuple(tensor.shape)
+        if shape == (out_features, 1):
+            magnitudes[module] = tensor.reshape(out_features)
+            names[module] = "dora_scale"
+        elif shape == (1, in_features):
+            raise ValueError(
+                f"LoRA file {source!r}: {key!r} has shape {shape}: LyCORIS's DoRA with wd_on_out=False, whose "
+                f"magnitudes are the norms of the weight's {in_features} input columns (over the output features). "
+                "PEFT's DoRA, which k6serve applies, normalises each output row (over the input features), and "
+                "neither decomposition can be expressed in the other, so the adapter is refused rather than applied "
+                f"otherwise than it was trained: retrain it with wd_on_out=True (dora_scale of shape "
+                f"({out_features}, 1)), or use a PEFT DoRA adapter (use_dora=True).")
+        else:
+            raise ValueError(f"LoRA file {source!r}: {key!r} has shape {shape}, but its lora_down / lora_up give a "
+                             f"{in_features} -> {out_features} layer; expected ({out_features}, 1) (LyCORIS's DoRA "
+                             "magnitudes of the output rows)")
+    return names
 
 
 def _check_values(tensor: torch.Tensor, kind: str, module: str, source: str) -> None:

@@ -13,9 +13,10 @@ they are copied to the input's device and dtype on first use and cached there.
 
 Sharded weights (`sharding.py`): under FSDP the weight is whole inside the forward, so nothing changes. Under
 tensor parallelism it is still a shard: a column-parallel Linear returns this rank's output rows, so the update
-uses those rows of B; a row-parallel one gets this rank's input columns and all-reduces its partial sums, so the
-update's first GEMM (x @ A^T, summed over the ranks' columns of A) is all-reduced too before B: (tokens x rank)
-values, one small collective per such Linear and call.
+uses those rows of B (and of DoRA's row factors); a row-parallel one gets this rank's input columns and all-reduces
+its partial sums, so the update's first GEMM (x @ A^T, summed over the ranks' columns of A) is all-reduced too
+before B: (tokens x rank) values, one small collective per such Linear and call. Its output is whole on every rank,
+so DoRA scales all its rows there. DoRA's factors are computed between requests (`dora.py`), for all rows.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class LoraDelta:
     rows: slice
     full_width: bool  # rows are all of the output: add to the whole output, no slicing
     bias: Tensor | None = None  # lora_B.bias (rows,): PEFT adds scale * bias with the update
-    # DoRA (PEFT's use_dora): factor = magnitude / ||W + scale B A|| per row, computed once when the adapter is set
-    # (the base weight is fixed while it is active); shift = (1 - factor) * the bias the rows held before it.
+    # DoRA (PEFT's use_dora): factor = magnitude / ||W + scale B A|| per row, computed when the adapter is set (the
+    # base weight is fixed while it is active; `dora.DoraCache`); shift = (1 - factor) * the bias the rows held
+    # before it. Both cover all `rows`, also on a sharded layer: `weights` takes this rank's.
     factor: Tensor | None = None  # (rows,), fp32
     shift: Tensor | None = None  # (rows,), fp32; None where that bias is zero (no bias)
     # Only tensors go in here (runtime/memory.py moves each of them for sleep / wake): (down, up[, bias][, factor][,
@@ -61,8 +63,9 @@ class LoraDelta:
             if self.factor is not None:
                 up = self.factor[:, None] * up
             up, down = shard.slice_update(up, self.down)
-            bias = None if bias is None else shard.slice_bias(bias)
-            present = (down, up, bias, self.factor, self.shift)
+            bias, factor, shift = (None if tensor is None else shard.slice_rows(tensor)
+                                   for tensor in (bias, self.factor, self.shift))
+            present = (down, up, bias, factor, shift)
             self.cache[key] = tuple(tensor.to(like.device, like.dtype) for tensor in present if tensor is not None)
         cached = self.cache[key]
         down, up, bias, factor, shift, index = cached[0], cached[1], None, None, None, 2
@@ -129,10 +132,11 @@ class LoraLinear(nn.Module):
             self.shard = ShardedWeight.of(self.base)
         for delta in self.deltas:
             down, up, bias, factor, shift = delta.weights(x, self.shard)
-            if self.shard.dim == 1:  # never DoRA: refused on sharded weights (targets.py)
-                output = output + _row_parallel_update(x, down, up, bias, self.shard.group)
-                continue
-            output = _add(output, delta, F.linear(F.linear(x, down), up, bias), factor, shift)
+            if self.shard.dim == 1:  # row-parallel: never a fused projection's rows, so `full_width`
+                update = _row_parallel_update(x, down, up, bias, self.shard.group)
+            else:
+                update = F.linear(F.linear(x, down), up, bias)
+            output = _add(output, delta, update, factor, shift)
         return output
 
     def extra_repr(self) -> str:

@@ -23,7 +23,9 @@ time. It runs between requests, on every rank, through `ModelWorker.apply_lora_o
 Sharded weights (`sharding.py`): under tensor parallelism each rank merges its block of B @ A into its local shard
 (and snapshots only that); dynamic wrappers add the update to the local output (see `dynamic.py`). Under FSDP a
 block's weight is a shard between requests and gathered whole inside the forward: dynamic adds the update there,
-merge is refused (FSDP's root unit may keep a gathered copy that a merge into the shard would not reach).
+merge is refused (FSDP's root unit may keep a gathered copy that a merge into the shard would not reach). DoRA's
+row norms on a shard (`dora.py`) are local where the rank holds whole rows (column-parallel, FSDP's Linears) and
+all-reduced over the shard's group where it holds input columns (row-parallel, FSDP's Embedding).
 
 Several adapters may target the same Linear: their updates add up (summed in fp32, rounded once when merged).
 Adapters stay cached by nickname after deactivation, so `LoraSpec(path=None)` reactivates one without re-reading.
@@ -41,6 +43,7 @@ import torch
 from torch import nn
 
 from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
+from k6serve.lora.dora import DoraCache, row_norms
 from k6serve.lora.dynamic import LoraDelta, LoraEmbedding, LoraLinear
 from k6serve.lora.sharding import ShardedWeight, local_tensor
 from k6serve.lora.spec import (
@@ -87,6 +90,7 @@ class LoraManager:
         # (layer, "weight" | "bias") -> the original tensor of each merged layer, on the CPU
         self.snapshots: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self.wrappers: list[tuple[LoraTarget, LoraLinear | LoraEmbedding]] = []
+        self.dora_rows = DoraCache()  # dynamic DoRA's row factors, kept across switches of adapters
 
     def set(self, specs: tuple[LoraSpec, ...] | list[LoraSpec], merge_mode: str = "auto") -> None:
         """Replace the active adapters by `specs` (empty: none), applied as `merge_mode`.
@@ -107,8 +111,12 @@ class LoraManager:
                   for spec in specs]
         if mode == "merge":
             _check_mergeable(active)
-        self._switch(active, mode)
-        self.adapters.update(loaded)
+        try:
+            self._switch(active, mode)
+            self.adapters.update(loaded)
+        finally:  # an adapter replaced under its nickname (or never stored) keeps no cached rows alive
+            self.dora_rows.retain({id(module) for adapter in self.adapters.values()
+                                   for module in adapter.modules.values()})
 
     def merge(self, strength: float | None = None) -> None:
         """Merge the active adapters into the weights (from dynamic, or again at `strength` for all of them)."""
@@ -175,6 +183,10 @@ class LoraManager:
                 "alpha": float(alpha if alpha is not None else adapter.rank),
                 "strength": entry.strength if entry is not None else None,
                 "num_modules": len(adapter.modules),
+                # PEFT's variants the file carries (adapter.py): DoRA magnitudes, lora_B biases, an Embedding's pair
+                "dora": any(module.magnitude is not None for module in adapter.modules.values()),
+                "lora_bias": any(module.bias is not None for module in adapter.modules.values()),
+                "embedding": any(module.embedding for module in adapter.modules.values()),
                 "active": entry is not None,
                 "merged": entry is not None and self.applied_mode == "merge",
                 "merge_mode": self.applied_mode if entry is not None else None,
@@ -246,7 +258,7 @@ class LoraManager:
                     merged = bias_rows.float()
                     for module, scale in terms:
                         if module.bias is not None:  # PEFT: bias += lora_B.bias * scaling
-                            merged = merged + shard.slice_bias(module.bias).to(bias.device, torch.float32) * scale
+                            merged = merged + shard.slice_rows(module.bias).to(bias.device, torch.float32) * scale
                     bias_rows.copy_(merged)
 
     def _snapshot(self, layer: nn.Module, name: str) -> torch.Tensor:
@@ -270,8 +282,9 @@ class LoraManager:
                 earlier = lora_biases.setdefault((target.layer, target.rows.start, target.rows.stop), [])
                 factor = shift = None
                 if module.magnitude is not None:
-                    factor = _dora_factor(target, module, scale)
-                    bias = _bias_so_far(target, earlier)
+                    rows = self.dora_rows.rows(target, module, scale)
+                    factor = rows.factor
+                    bias = _bias_so_far(rows.bias, earlier)
                     shift = None if bias is None else (1 - factor) * bias
                 elif module.bias is not None:
                     earlier.append(module.bias.float() * scale)
@@ -305,26 +318,15 @@ def _merged_rows(rows: torch.Tensor, terms: list[tuple[LoraModule, float]], shar
         delta = scale * (up.to(rows.device, torch.float32) @ down.to(rows.device, torch.float32))
         if module.magnitude is None:
             merged += delta
-        else:  # DoRA: never sharded (targets.py refuses it on a sharded weight)
-            norm = torch.linalg.norm(rows.float() + delta, dim=1)
-            factor = module.magnitude.to(rows.device, torch.float32) / norm
+        else:  # DoRA; on a shard, this rank's rows of the magnitudes, and the norms completed over its group
+            norm = row_norms(rows.float() + delta, shard)
+            factor = shard.slice_rows(module.magnitude).to(rows.device, torch.float32) / norm
             merged = factor[:, None] * (merged + delta)
     return merged
 
 
-def _bias_so_far(target: LoraTarget, lora_biases: list[torch.Tensor]) -> torch.Tensor | None:
-    """The bias the target's rows get before a DoRA delta (fp32, CPU): the layer's own and the earlier deltas'
-    (None: none); DoRA leaves it unscaled. The layer is whole here (DoRA is refused on sharded weights)."""
-    base = getattr(target.layer, "bias", None)
-    terms = ([] if base is None else [base.detach()[target.rows].float().cpu()]) + lora_biases
+def _bias_so_far(base: torch.Tensor | None, lora_biases: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bias the target's rows get before a DoRA delta (fp32, CPU): the layer's own (`base`, all the rows) and the
+    earlier deltas' (None: none); DoRA leaves it unscaled."""
+    terms = ([] if base is None else [base]) + lora_biases
     return sum(terms[1:], terms[0]) if terms else None
-
-
-def _dora_factor(target: LoraTarget, module: LoraModule, scale: float) -> torch.Tensor:
-    """m / ||W + scale B A|| per row of the target (fp32, CPU), from its base weight, which dynamic mode leaves
-    as it is; computed where the weight is (the GPU, or the host copy under offloading)."""
-    with torch.no_grad():
-        weight = linear_view(target.layer, target.layer.weight.detach())[target.rows].float()
-        delta = scale * (module.up.to(weight.device, torch.float32) @ module.down.to(weight.device, torch.float32))
-        norm = torch.linalg.norm(weight + delta, dim=1)
-        return (module.magnitude.to(weight.device, torch.float32) / norm).cpu()

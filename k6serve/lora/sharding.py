@@ -4,7 +4,8 @@ Tensor parallelism leaves each targeted weight a DTensor on the tp mesh: column-
 output rows: the update's rows of B @ A) or row-parallel `Shard(1)` (a block of input columns: B @ A's columns).
 FSDP leaves block weights `Shard(0)` DTensors between requests and plain full tensors inside the forward.
 A column-parallel Linear's bias is sharded as its rows (`Shard(0)`); a row-parallel one's is replicated, and torch
-adds it once, after the partial sums are reduced.
+adds it once, after the partial sums are reduced. An Embedding is read as the Linear whose weight is its table
+transposed (`targets.linear_view`), so FSDP's `Shard(0)` of its table is a block of that Linear's input columns.
 
 `ShardedWeight.of(linear)` reads the layout between requests (merge and the checks); `dynamic.LoraLinear` reads
 it again inside the forward, where only tensor parallelism is still sharded.
@@ -19,8 +20,8 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True, slots=True)
 class ShardedWeight:
-    """The local block of a 2-D weight: `dim` 0 (rows) or 1 (columns), from `start`, `length` long; `dim` None
-    when the weight is whole on this rank."""
+    """The local block of a 2-D weight in its Linear view (out x in): `dim` 0 (output rows) or 1 (input columns),
+    from `start`, `length` long; `dim` None when the weight is whole on this rank."""
 
     dim: int | None
     start: int = 0
@@ -28,7 +29,7 @@ class ShardedWeight:
     group: object = None  # the ProcessGroup of the shard's mesh (the row-parallel update sums over it)
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> ShardedWeight:
+    def of(cls, linear: nn.Linear | nn.Embedding) -> ShardedWeight:
         from torch.distributed.tensor import DTensor, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -39,9 +40,10 @@ class ShardedWeight:
         if weight.device_mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
             raise ValueError(f"LoRA supports weights sharded along one dimension of a 1-D mesh (tensor parallel or "
                              f"FSDP alone), not {placements} on a {weight.device_mesh.ndim}-D mesh")
-        dim = placements[0].dim % 2
+        stored = placements[0].dim % 2  # of the stored weight; an Embedding's table is the Linear view transposed
         local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
-        return cls(dim=dim, start=offset[dim], length=local_shape[dim], group=weight.device_mesh.get_group())
+        dim = 1 - stored if isinstance(linear, nn.Embedding) else stored
+        return cls(dim=dim, start=offset[stored], length=local_shape[stored], group=weight.device_mesh.get_group())
 
     def local(self, linear: nn.Linear) -> Tensor:
         """The weight's local storage (a view: writing to it changes the weight)."""
@@ -56,10 +58,11 @@ class ShardedWeight:
             return up, down[:, self.start:self.start + self.length]
         return up, down
 
-    def slice_bias(self, bias: Tensor) -> Tensor:
-        """A full-length output bias restricted to this rank's block of the layer's bias (its rows, column-parallel;
-        all of it where the weight is whole or row-parallel, whose bias is replicated)."""
-        return bias[self.start:self.start + self.length] if self.dim == 0 else bias
+    def slice_rows(self, vector: Tensor) -> Tensor:
+        """A vector over all output rows (a bias, DoRA's magnitudes or row factors) restricted to the rows this rank
+        computes (its block, column-parallel; all of them where the weight is whole or row-parallel, whose output,
+        bias included, is whole on every rank)."""
+        return vector[self.start:self.start + self.length] if self.dim == 0 else vector
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

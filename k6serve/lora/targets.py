@@ -150,13 +150,6 @@ def resolve_targets(model: nn.Module, modules: dict[str, LoraModule], *, source:
                        f"({expected[0]}, rank))")
             raise ValueError(f"LoRA path {source!r}: module {target.path!r} has {factors}: the adapter was trained "
                              "for another model or model size")
-        if module.magnitude is not None and ShardedWeight.of(target.layer).dim is not None:
-            # Not "LoRA path": the layout, not the file, is what the fix changes.
-            raise ValueError(f"LoRA adapter {source!r}: module {target.path!r} is DoRA (a lora_magnitude_vector), and "
-                             "DoRA scales each output row of the weight by the row's norm, which needs the whole "
-                             "weight, but this layer's weight is sharded across ranks (--tp-size > 1 or "
-                             "--use-fsdp-inference). Run without them (Ulysses, Ring and CFG parallel keep whole "
-                             "weights), or use a plain LoRA adapter.")
     return targets
 
 

@@ -111,7 +111,8 @@ def test_merge_adds_strength_alpha_over_rank_b_a_and_unmerge_restores_bit_for_bi
     adapted = _forward(model)
     assert not _equal(adapted, baseline)
     assert manager.state() == [{"nickname": "style", "path": str(file), "rank": RANK, "alpha": 2.0, "strength": 0.7,
-                                "num_modules": 4, "active": True, "merged": True, "merge_mode": "merge"}]
+                                "num_modules": 4, "dora": False, "lora_bias": False, "embedding": False,
+                                "active": True, "merged": True, "merge_mode": "merge"}]
     manager.unmerge()
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
     assert _equal(_forward(model), baseline)
