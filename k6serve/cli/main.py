@@ -391,21 +391,13 @@ def describe_os_error(exc: OSError, output_path: str) -> str:
 
 def describe_out_of_memory(exc: BaseException, engine_options: dict[str, Any] | None = None) -> str:
     """One line: the device's memory ran out (not a bug in k6serve), torch's own first line, and what to change."""
-    from k6serve.runtime.out_of_memory import out_of_memory_detail
+    from k6serve.runtime.out_of_memory import out_of_memory_detail, server_side_fixes
 
     engine_options = engine_options or {}
-    speed_all_resident = (engine_options.get("performance_mode", "speed") == "speed"
-                          and not engine_options.get("cpu_offload_components")
-                          and not engine_options.get("layerwise_offload_components"))
-    # Speed mode with every component offloaded whole keeps its compiled DiT, only copied in for its stage: on an
-    # 80 GB GPU that is the fast choice, ahead of balanced's eager DiT (docs/benchmarks.md, twenty-fifth session).
-    keep_speed = ("keep speed mode and move the weights to host memory between stages with --cpu-offload-components "
-                  "all (Pro-distill at 512x768x121 peaks at 59.6 GiB so, 94.5 GiB all resident), "
-                  if speed_all_resident else "")
+    fixes = server_side_fixes(engine_options.get("performance_mode", "speed"), offloaded=bool(
+        engine_options.get("cpu_offload_components") or engine_options.get("layerwise_offload_components")))
     return (f"the GPU ran out of memory ({out_of_memory_detail(exc)}); ask for fewer pixels or frames "
-            f"(--height, --width, --num-frames), {keep_speed}run with --performance-mode balanced or memory "
-            "(weights in host memory), or spread the model over more GPUs (--num-gpus with --use-fsdp-inference "
-            "true, --ulysses-degree).")
+            f"(--height, --width, --num-frames), {fixes}.")
 
 
 def _print_traceback(exc: BaseException, log_level: str) -> None:

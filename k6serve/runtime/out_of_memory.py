@@ -50,3 +50,15 @@ def out_of_memory_detail(error: BaseException) -> str:
     start = line.lower().find("cuda out of memory")
     line = line[start:] if start >= 0 else line
     return line[:200] or type(error).__name__
+
+
+def server_side_fixes(performance_mode: str, *, offloaded: bool) -> str:
+    """What the operator can change for requests that run out of GPU memory, as flags (the CLI's error, the server's
+    log): speed mode with everything resident can keep its compiled DiT and move the weights to host memory between
+    stages, the fast choice on an 80 GB GPU (docs/benchmarks.md, twenty-fifth session), before balanced's eager DiT."""
+    keep_speed = ("keep speed mode and move the weights to host memory between stages with --cpu-offload-components "
+                  "all (Pro-distill at 512x768x121 peaks at 59.6 GiB so, 94.5 GiB all resident), "
+                  if performance_mode == "speed" and not offloaded else "")
+    return (f"{keep_speed}run with --performance-mode balanced or memory (weights in host memory), or spread the "
+            "model over more GPUs (--num-gpus with --use-fsdp-inference true, --ulysses-degree)")
+

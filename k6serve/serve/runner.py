@@ -47,7 +47,7 @@ from k6serve.lora.spec import (
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
-from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail
+from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail, server_side_fixes
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
@@ -158,6 +158,11 @@ class JobRunner:
         # on its replica, so they are not refused at creation.
         self._loaded_somewhere: set[str] = set()
         self._num_releasing = 0  # releases sent to the engine and not finished: the queue is held already
+
+    def _memory_fixes(self) -> str:
+        runtime = getattr(getattr(self.engine, "config", None), "runtime", None)
+        return server_side_fixes(getattr(runtime, "performance_mode", "speed"), offloaded=bool(
+            getattr(runtime, "cpu_offload_components", ()) or getattr(runtime, "layerwise_offload_components", ())))
 
     def _restore_loras(self) -> None:
         """Rebuild the adapters recorded before a restart, before any job runs: the jobs still queued were created
@@ -523,7 +528,10 @@ class JobRunner:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
             if is_out_of_memory(exc):
-                # The request was too big for this server's GPU, not broken: say so and what a retry can change.
+                # The request was too big for this server's GPU, not broken: say so and what a retry can change;
+                # the operator's log gets what the server's flags can change.
+                logger.warning("job %s ran out of GPU memory; for such requests, %s", job.id,
+                               self._memory_fixes())
                 self._record(job, JobStatus.FAILED, error_code="out_of_memory",
                              error_message=f"The GPU ran out of memory for this request ({out_of_memory_detail(exc)});"
                                            " retry with a smaller size or fewer seconds.")

@@ -294,9 +294,13 @@ def test_failed_job_reports_error_and_others_still_complete(fake_client):
     assert wait_for(fake_client, good["id"])["status"] == "completed"
 
 
-def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_client):
+def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_client, caplog):
     job = fake_client.post("/v1/videos", json={"prompt": "exhaust memory", "size": "32x32", "num_frames": 5}).json()
-    failed = wait_for(fake_client, job["id"])
+    with caplog.at_level("WARNING", logger="k6serve.serve.runner"):
+        failed = wait_for(fake_client, job["id"])
+    # The client is told what its request can change; the operator's log, what the server's flags can.
+    assert f"job {job['id']} ran out of GPU memory; for such requests, keep speed mode" in caplog.text
+    assert "--cpu-offload-components all" in caplog.text
     assert failed["status"] == "failed"
     assert failed["error"] == {
         "code": "out_of_memory",
