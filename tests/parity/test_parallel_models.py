@@ -557,6 +557,80 @@ def test_lora_on_sharded_weights_matches_one_process(pool, checkpoint, lora_adap
         assert restored and layouts == expected
 
 
+@pytest.fixture(scope="module")
+def dora_adapter(checkpoint, lora_adapter, tmp_path_factory) -> Path:
+    """`lora_adapter` with PEFT's DoRA magnitudes (`lora_magnitude_vector`): the row norms of W + B A, where PEFT
+    starts them (at strength 1 DoRA is then the LoRA), scaled by U(0.5, 1.5) per row as training moves them."""
+    from safetensors.torch import load_file, save_file
+
+    transformer = _fresh_generation_models(checkpoint).transformer
+    tensors = load_file(str(lora_adapter))
+    generator = torch.Generator().manual_seed(4)
+    for path in LORA_MODULES:
+        update = tensors[f"transformer.{path}.lora_B.weight"] @ tensors[f"transformer.{path}.lora_A.weight"]
+        norms = torch.linalg.norm(transformer.get_submodule(path).weight.detach().float() + update, dim=1)
+        tensors[f"transformer.{path}.lora_magnitude_vector"] = norms * (0.5 + torch.rand(norms.shape,
+                                                                                         generator=generator))
+    file = tmp_path_factory.mktemp("dora") / "adapter.safetensors"
+    save_file(tensors, str(file))
+    return file
+
+
+def _dora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, modes: tuple[str, ...]):
+    """(frames, waveform) with the DoRA adapter applied as each of `modes` in turn under `layout`; whether each
+    unmerge of a merge gave this rank's targeted weights back bit for bit; how many targeted layers the dynamic
+    path gave DoRA's row factors (None: the 1-process reference, on rank 0 only)."""
+    from k6serve.lora.manager import LoraManager
+    from k6serve.lora.sharding import local_tensor
+    from k6serve.lora.spec import LoraSpec
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
+    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]), models.variant)
+    pipeline = TextToVideoPipeline(models)
+    manager = LoraManager(models.transformer, fsdp=layout is not None and layout.fsdp)
+    weights = [local_tensor(models.transformer.get_submodule(path).weight).clone() for path in LORA_MODULES]
+    outputs, restored, dora_layers = [], True, None
+    for mode in modes:
+        manager.set([LoraSpec(nickname="a", path=str(adapter))], mode)
+        if mode == "dynamic":
+            dora_layers = sum(delta.factor is not None for _, wrapper in manager.wrappers for delta in wrapper.deltas)
+        output = pipeline(request)
+        outputs.append((output.video.frames_float_THWC.numpy(), output.audio.waveform))
+        manager.unmerge()
+        if mode == "merge":  # (never under FSDP, whose root unit keeps its weights gathered after a forward)
+            restored &= all(torch.equal(local_tensor(models.transformer.get_submodule(path).weight), weight)
+                            for path, weight in zip(LORA_MODULES, weights))
+    return outputs, restored, dora_layers
+
+
+@pytest.mark.parametrize("layout_name", ["tp2", "fsdp_cfg2"])
+def test_lora_dora_on_sharded_weights_matches_one_process(pool, checkpoint, dora_adapter, layout_name):
+    """DoRA's m / ||W + s B A|| per output row, with the norm taken on the shards: local on column-parallel rows and
+    FSDP's row shards, all-reduced over the group on row-parallel columns (k6serve/lora/dora.py). Tensor parallelism
+    merges, then adds dynamically; FSDP adds dynamically (merge is refused there). One process call per side runs
+    every mode in turn on the same models (merge, unmerge, dynamic), as a server switching modes would."""
+    layout, modes, tolerance = LORA_LAYOUTS[layout_name]
+    reference, reference_restored, reference_dora = pool.run(_dora_task, checkpoint, None, dora_adapter, modes)[0]
+    assert reference_restored and reference_dora == len(LORA_MODULES)
+    if len(modes) > 1:  # merged and dynamic DoRA are the same adapter
+        for (frames, audio), (merged_frames, merged_audio) in zip(reference[1:], reference):
+            _assert_matches(frames, merged_frames, CLOSE)
+            _assert_matches(audio, merged_audio, CLOSE)
+    for outputs, restored, dora_layers in pool.run(_dora_task, checkpoint, layout, dora_adapter, modes):
+        for (frames, audio), (reference_frames, reference_audio) in zip(outputs, reference, strict=True):
+            _assert_matches(frames, reference_frames, tolerance)
+            _assert_matches(audio, reference_audio, tolerance)
+        assert restored and dora_layers == len(LORA_MODULES)
+
+
 def _fsdp_merge_task(folder: Path, adapter: Path):
     from k6serve.lora.manager import LoraManager
     from k6serve.lora.spec import LoraSpec
