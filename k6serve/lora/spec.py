@@ -101,8 +101,12 @@ def odd_nickname(nickname: str) -> str | None:
     request's `loras` must name it exactly, and a newline split the log line and every message naming it."""
     if nickname == nickname.strip() and nickname.isprintable():
         return None
+    # Every character `isprintable` refuses (a NUL, an escape, a zero-width space) separates words, as whitespace
+    # does: the example is a name this check accepts, never the refused one again.
+    plain = " ".join("".join(c if c.isprintable() else " " for c in nickname).split())
+    example = f", e.g. {plain!r}" if plain else ""
     return (f"{nickname!r} starts or ends with spaces or holds control characters (a newline, a tab); use plain "
-            f"text, e.g. {' '.join(nickname.split())!r}.")
+            f"text{example}.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

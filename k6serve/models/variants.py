@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k6serve.caching.params import CacheDitParams
-from k6serve.lora.spec import check_lora_strength, is_finite_number
+from k6serve.lora.spec import check_lora_strength, is_finite_number, odd_nickname
 from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
@@ -375,6 +375,10 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
     for nickname, strength in loras.items():
         if not isinstance(nickname, str) or not nickname:
             raise ValueError(f"loras keys must be adapter nicknames, got {nickname!r}")
+        if odd := odd_nickname(nickname):
+            # No adapter can be loaded under such a name (set_lora and --lora-nickname refuse it), and the "not
+            # loaded" 400 repeated it unescaped in the --lora-nickname it suggests.
+            raise ValueError(f"loras key {odd} No adapter can be loaded under such a nickname.")
         if isinstance(strength, bool) or not isinstance(strength, (int, float)):
             raise ValueError(f"loras[{nickname!r}] must be a finite number (the adapter's strength), got {strength!r}")
         check_lora_strength(strength, f"loras[{nickname!r}]")  # finite and within the bound

@@ -248,6 +248,11 @@ def test_an_adapter_only_some_replicas_loaded_is_left_to_the_job_start(tmp_path)
     ("/v1/videos", {**JOB, "loras": {"style": 1e30}}, "loras", "loras['style'] must be a finite number from -100 "
                                                               "to 100, got 1e+30; adapters are used at about -2 to 2"),
     ("/v1/videos", {**JOB, "loras": {"style": -100.5}}, "loras", "got -100.5"),
+    # A nickname no adapter can have: the "not loaded" 400 repeated it, NUL and all, in the --lora-nickname it
+    # suggests; refused at once, escaped, with a name that can be loaded.
+    ("/v1/videos", {**JOB, "loras": {"st\x00yle": 1.0}}, "loras",
+     "loras key 'st\\x00yle' starts or ends with spaces or holds control characters (a newline, a tab); use plain "
+     "text, e.g. 'st yle'. No adapter can be loaded under such a nickname."),
     ("/v1/set_lora", {"lora_nickname": "a", "lora_path": "/a.safetensors", "strength": 1e30}, "strength",
      "strength must be a finite number from -100 to 100, got 1e+30"),
     ("/v1/set_lora", {"lora_nickname": ["a", "b"], "strength": [1.0, 250]}, "strength", "got 250.0"),
@@ -507,3 +512,12 @@ def test_a_quantized_server_refuses_adapters_at_once(tmp_path):
                 assert wait_for(client, job["id"])["status"] == "completed"
     finally:
         server.stop()
+
+
+def test_the_not_loaded_hint_quotes_a_nickname_with_a_space_for_the_shell():
+    """`--lora-nickname my style` in the hint was two words to a shell; quoted, the line runs as shown."""
+    from k6serve.serve.runner import _not_loaded_message
+
+    message = _not_loaded_message(["my style"], frozenset(), frozenset())
+    assert "--lora-nickname 'my style' --lora-merge-mode dynamic" in message
+    assert "--lora-nickname ghost --lora-merge-mode" in _not_loaded_message(["ghost"], frozenset(), frozenset())

@@ -143,6 +143,12 @@ def test_the_api_builds_the_operations():
     (lambda g: g.set_lora("my style\n"), "nickname", r"nickname 'my style\\n' starts or ends with spaces or holds "
                                                      r"control characters .*e\.g\. 'my style'"),
     (lambda g: g.set_lora(["a", " b"]), "nickname", "starts or ends with spaces"),
+    # The example was the refused name again where the control character is no whitespace (a NUL, an escape).
+    (lambda g: g.set_lora("my\x00style"), "nickname", r"^nickname 'my\\x00style' starts .* use plain text, "
+                                                       r"e\.g\. 'my style'\.$"),
+    (lambda g: g.set_lora("\x1b[31m"), "nickname", r"^nickname '\\x1b\[31m' .* use plain text, e\.g\. '\[31m'\.$"),
+    (lambda g: g.set_lora("\x00"), "nickname", r"^nickname '\\x00' starts .* control characters \(a newline, a "
+                                                r"tab\); use plain text\.$"),
     (lambda g: g.set_lora("a", ["x", "y"]), "path", "path is a list but nickname is one name"),
     (lambda g: g.set_lora(["a", "b"], "x"), "path", "must be a list as long as nickname"),
     (lambda g: g.set_lora(["a", "b"], ["x"]), "path", "has 1 entries but nickname has 2"),
