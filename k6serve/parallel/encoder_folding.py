@@ -7,8 +7,13 @@ the cost of two all-reduces per layer.
 
 `--encoder-parallel` rule: "replicate" keeps a whole copy on every rank; "fold" shards and fails at start when a
 head count or MLP width does not divide; "auto" folds only when `--use-fsdp-inference` is on (the user asked to
-trade speed for memory) and every count divides, otherwise it replicates: for a once-per-request encoder of a
-few milliseconds' compute, replication costs no communication and memory is the only thing folding buys.
+trade speed for memory), every encoder is at least AUTO_FOLD_MIN_HIDDEN wide (the reference's gate,
+serving-reference.md §4.7: narrower ones ran slower folded) and every count divides; otherwise it replicates: for a
+once-per-request encoder of a few milliseconds' compute, replication costs no communication and memory is the
+only thing folding buys. Kandinsky 6's encoders (the Qwen2.5-VL trunk, 3,584 wide; CLIP-L, 768) are below the
+gate, so "auto" replicates them, and the seed's baseline recipes, FSDP x Ulysses included, keep one GPU's encoder
+reductions: the seed promises FSDP + Ulysses equal to resident Ulysses in every frame and the waveform, and folding
+changes the encoders' reductions ("keep auto for the baseline recipes").
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ class EncoderPlan:
     layers: str  # dotted suffix of the layers' ModuleList (wrapper prefixes differ between versions)
     layer_tp: Mapping[str, TensorParallelStyle]
     divisible_counts: Callable[[object], dict[str, int]]  # config -> the counts the fold size must divide
+    hidden_size: Callable[[object], int]  # config -> the width "auto" compares with AUTO_FOLD_MIN_HIDDEN
+
+
+# "auto" folds no encoder narrower than this (the reference's gate).
+AUTO_FOLD_MIN_HIDDEN = 4096
 
 
 ENCODER_PLANS = {
@@ -47,6 +57,7 @@ ENCODER_PLANS = {
             "key/value heads": config.text_config.num_key_value_heads,
             "MLP width": config.text_config.intermediate_size,
         },
+        hidden_size=lambda config: config.text_config.hidden_size,
     ),
     "CLIPTextModel": EncoderPlan(
         layers="encoder.layers",
@@ -57,6 +68,7 @@ ENCODER_PLANS = {
         divisible_counts=lambda config: {
             "attention heads": config.num_attention_heads, "MLP width": config.intermediate_size,
         },
+        hidden_size=lambda config: config.hidden_size,
     ),
 }
 
@@ -93,7 +105,8 @@ def should_fold(mode: str, layout: ParallelLayout, encoders: list[nn.Module | tu
     described = [item if isinstance(item, tuple) else (type(item).__name__, item.config) for item in encoders]
     blockers = fold_blockers(described, layout.replica_size) if layout.replica_size > 1 else ["one rank"]
     if mode == "auto":
-        return layout.fsdp and not blockers
+        wide = all(_plan_named(name).hidden_size(config) >= AUTO_FOLD_MIN_HIDDEN for name, config in described)
+        return layout.fsdp and wide and not blockers
     assert mode == "fold", mode
     if layout.replica_size == 1:
         raise ValueError(

@@ -23,12 +23,34 @@ def encoders():
     return [_build_qwen_text_encoder(train_qwen_tokenizer()), _build_clip_text_encoder(train_clip_tokenizer())]
 
 
+class _Config:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+def test_auto_never_folds_the_released_encoders():
+    """The seed: FSDP + Ulysses equals resident Ulysses in every frame and the waveform, and "keep auto for the
+    baseline recipes"; folding changes the encoders' reductions. The released Qwen2.5-VL trunk (3,584 wide) and
+    CLIP-L (768) are under the reference's 4,096 gate, so auto replicates them at any fold size that divides."""
+    qwen = _Config(text_config=_Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                                       intermediate_size=18944))
+    clip = _Config(hidden_size=768, num_attention_heads=12, intermediate_size=3072)
+    released = [("Qwen2_5_VLForConditionalGeneration", qwen), ("CLIPTextModel", clip)]
+    for size in (2, 4):
+        layout = ParallelLayout(ulysses=size, fsdp=True)
+        assert not should_fold("auto", layout, released)
+        assert should_fold("fold", layout, released)  # still there when asked for
+
+
 def test_encoder_parallel_rule(encoders):
     clip_only = encoders[1:]
     fsdp_two = ParallelLayout(ulysses=2, fsdp=True)
     assert not should_fold("replicate", fsdp_two, clip_only)
     assert not should_fold("auto", ParallelLayout(ulysses=2), clip_only)  # auto folds only under FSDP
-    assert should_fold("auto", fsdp_two, clip_only)
+    # ... and only encoders at least 4096 wide (the reference's gate): the tiny CLIP, as the released ones, is not
+    assert not should_fold("auto", fsdp_two, clip_only)
+    wide = [("CLIPTextModel", _Config(hidden_size=4096, num_attention_heads=32, intermediate_size=16384))]
+    assert should_fold("auto", fsdp_two, wide) and not should_fold("auto", ParallelLayout(ulysses=2), wide)
     assert should_fold("fold", ParallelLayout(ulysses=2), clip_only)
     assert not should_fold("auto", fsdp_two, encoders)  # 1 key/value head cannot be split: auto replicates
     with pytest.raises(ValueError, match=r"1 key/value heads, not divisible by 2.*--encoder-parallel replicate"):
