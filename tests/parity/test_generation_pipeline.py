@@ -9,7 +9,6 @@ in bf16 also the worker's uint8 path (`keep_float_frames=False`) against diffuse
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 

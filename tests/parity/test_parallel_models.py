@@ -42,8 +42,12 @@ GENERATION_LAYOUTS = {  # name -> (layout, --encoder-parallel, tolerance)
     "ulysses4": (ParallelLayout(ulysses=4), "replicate", EXACT),
     "cfg2": (ParallelLayout(dp=2, cfg=2), "replicate", EXACT),
     "fsdp_cfg2": (ParallelLayout(dp=2, cfg=2, fsdp=True), "replicate", EXACT),
-    "fsdp_ulysses2": (ParallelLayout(dp=2, ulysses=2, fsdp=True), "auto", CLOSE),  # auto folds under FSDP
+    # The seed's "FSDP + Ulysses matches resident Ulysses": FSDP only gathers whole weights, and auto keeps the
+    # encoders replicated (encoder_folding.AUTO_FOLD_MIN_HIDDEN), so every frame and the waveform stay bitwise.
+    "fsdp_ulysses2": (ParallelLayout(dp=2, ulysses=2, fsdp=True), "auto", EXACT),
     "ring2": (ParallelLayout(dp=2, ring=2), "replicate", CLOSE),
+    "ring4": (ParallelLayout(ring=4), "replicate", CLOSE),  # the seed's Ring4 and TP2 x Ring2 topologies
+    "tp2_ring2": (ParallelLayout(tp=2, ring=2), "replicate", CLOSE),
     "tp2": (ParallelLayout(dp=2, tp=2), "replicate", CLOSE),
     "tp2_ulysses2": (ParallelLayout(tp=2, ulysses=2), "replicate", CLOSE),
     "ulysses2_ring2": (ParallelLayout(ring=2, ulysses=2), "replicate", CLOSE),
@@ -470,6 +474,45 @@ def test_cached_generation_decides_as_one_process(pool, checkpoint, layout_name)
         _assert_matches(audio, reference_audio, tolerance)
 
 
+def _cache_switch_task(folder: Path, layout: ParallelLayout | None):
+    """On one set of models (a server's): uncached, cached, then uncached again; frames, waveform and cached
+    steps of each."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
+    pipeline = TextToVideoPipeline(models)
+    results = []
+    for cached in (False, True, False):
+        kwargs = CACHED_REQUEST if cached else {k: v for k, v in CACHED_REQUEST.items() if "cache_dit" not in k}
+        request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **kwargs), models.variant)
+        output = pipeline(request)
+        steps = dict(re.findall(r"(positive|negative): steps ([0-9, ]+|none)", " ".join(output.notes)))
+        results.append((output.video.frames_float_THWC.numpy(), output.audio.waveform, steps))
+    return results
+
+
+def test_cache_dit_switches_per_request_under_fsdp_ulysses(pool, checkpoint):
+    """The seed: request-level Cache-DiT switching is tested with FSDP. Under FSDP x Ulysses2 every rank takes the
+    1-process decisions, the cached request equals the 1-process cached one, and the uncached requests before and
+    after it equal the 1-process uncached one bit for bit."""
+    reference = pool.run(_cache_switch_task, checkpoint, None)[0]
+    (base_frames, base_audio, base_steps), (cached_frames, cached_audio, cached_steps), _ = reference
+    assert base_steps == {} and cached_steps.keys() == {"positive", "negative"}
+    assert not np.array_equal(cached_frames, base_frames)  # caching changed the output
+    for results in pool.run(_cache_switch_task, checkpoint, ParallelLayout(dp=2, ulysses=2, fsdp=True)):
+        for (frames, audio, steps), (ref_frames, ref_audio, ref_steps) in zip(results, reference, strict=True):
+            assert steps == ref_steps
+            _assert_matches(frames, ref_frames, EXACT)
+            _assert_matches(audio, ref_audio, EXACT)
+
+
 # LoRA on sharded weights: column-parallel (the video FFN's input, a self-attention key, colwise under TP),
 # row-parallel (the audio FFN's output, an attention output) and replicated (a time embedding) Linears.
 LORA_MODULES = (
@@ -483,6 +526,8 @@ LORA_LAYOUTS = {  # name -> (layout, merge modes to run, tolerance)
     "tp2": (ParallelLayout(dp=2, tp=2), ("merge", "dynamic"), CLOSE),
     "fsdp_cfg2": (ParallelLayout(dp=2, cfg=2, fsdp=True), ("dynamic",), EXACT),
     "fsdp_ulysses2": (ParallelLayout(dp=2, ulysses=2, fsdp=True), ("dynamic",), EXACT),
+    # The seed: Ring2 serving covers dynamic and merged LoRA restoration (each rank holds whole weights).
+    "ring2": (ParallelLayout(dp=2, ring=2), ("merge", "dynamic"), CLOSE),
 }
 
 
@@ -550,7 +595,9 @@ def test_lora_on_sharded_weights_matches_one_process(pool, checkpoint, lora_adap
     # TP: two column-parallel and two row-parallel targets, the time embedding whole. FSDP: the block weights are
     # row shards between requests; the root unit (the time embedding) keeps its gathered weights after a forward,
     # which is why merging into FSDP shards is refused.
-    expected = {0: 2, 1: 2, None: 1} if layout.tp > 1 else {0: 4, None: 1}
+    # Ring: every weight whole.
+    expected = ({0: 2, 1: 2, None: 1} if layout.tp > 1 else {0: 4, None: 1} if layout.fsdp
+                else {None: len(LORA_MODULES)})
     for frames, audio, (restored, layouts) in pool.run(_lora_task, checkpoint, layout, lora_adapter, mode):
         _assert_matches(frames, reference_frames, tolerance)
         _assert_matches(audio, reference_audio, tolerance)

@@ -6,6 +6,7 @@ import pytest
 
 from k6serve.models.variants import (
     DEFAULT_NEGATIVE_PROMPT,
+    SUPER_RESOLUTION,
     VARIANTS,
     recognise,
     resolve_generate,
@@ -78,6 +79,24 @@ def test_model_id_contradicting_the_folder_is_refused(tmp_path, pipeline, schedu
 def test_model_id_routes_a_folder_whose_files_name_no_kandinsky_pipeline(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "MyRenamedPipeline"}))
     assert recognise(str(tmp_path), "Kandinsky-6.0-Lite-5s-Diffusers", tmp_path).name == "lite"
+
+
+def test_model_id_keeps_super_resolution_routing_for_a_renamed_folder(tmp_path):
+    """The seed: "For a renamed local checkpoint, pass --model-id Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to
+    retain SR routing"."""
+    folder = tmp_path / "my-upscaler"
+    folder.mkdir()
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({"_class_name": "MyRenamedPipeline", "scheduler": ["diffusers", "PiflowScheduler"]}))
+    with pytest.raises(ValueError, match="pass --model-id with the original name"):
+        recognise(str(folder), None, folder)
+    routed = recognise(str(folder), "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", folder)
+    assert (routed.name, routed.family, routed.num_inference_steps) == ("vsr-distilled2steps", SUPER_RESOLUTION, 2)
+    # Files that still name the SR pipeline route the renamed folder by themselves; the flag agrees with them.
+    index.write_text(json.dumps({"_class_name": "Kandinsky6SRPipeline", "scheduler": ["diffusers", "PiflowScheduler"]}))
+    assert recognise(str(folder), None, folder).name == "vsr-distilled2steps"
+    assert recognise(str(folder), "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", folder).name == \
+        "vsr-distilled2steps"
 
 
 def test_folder_without_model_index_is_rejected(tmp_path):
