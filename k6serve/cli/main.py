@@ -43,8 +43,10 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("model_id", dict(help="Released model name to route a renamed folder (e.g. Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
     ("revision", dict(help="Hub revision (branch, tag or commit) to download; ignored, with a warning, for a local "
                         "folder, demo or --load-format dummy.")),
-    ("load_format", dict(choices=LOAD_FORMATS, help="'dummy' builds the released sizes with random weights (benchmarks).")),
-    ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto: bfloat16 on CUDA, float32 on CPU).")),
+    ("load_format", dict(choices=LOAD_FORMATS, help="auto (default): the checkpoint's weights; 'dummy' builds the "
+                         "released sizes with random weights (benchmarks).")),
+    ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto, the default: bfloat16 on CUDA, float32 on "
+                   "CPU).")),
     ("lora_path", dict(help="LoRA adapter for the generation DiT, applied at start: a diffusers/PEFT .safetensors file, "
                        "a folder holding one, or a hub id.")),
     ("lora_nickname", dict(help="Name of the --lora-path adapter (set_lora / list_loras refer to it; default 'default').")),
@@ -53,9 +55,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("lora_alpha", dict(type=float, help="Alpha of the --lora-path adapter, overriding the file's (scale alpha/rank; "
                         "from -10000 to 10000; default: the file's, else rank).")),
     ("lora_merge_mode", dict(choices=LORA_MERGE_MODES, help="merge: add the update to the weights (exact unmerge from a "
-                             "host snapshot); dynamic: add it per call, weights untouched; auto: merge (dynamic with "
-                             "--use-fsdp-inference). Also the default of set_lora requests. Requests choosing their "
-                             "own loras need dynamic.")),
+                             "host snapshot); dynamic: add it per call, weights untouched; auto (default): merge "
+                             "(dynamic with --use-fsdp-inference). Also the default of set_lora requests. Requests "
+                             "choosing their own loras need dynamic.")),
     ("quantization", dict(choices=QUANTIZATIONS, help="fp8: the generation DiT's video-token linears in e4m3 with "
                           "row-wise scales, quantized at load (lossy, opt-in; GPUs of compute capability >= 8.9). "
                           "Measured on an H200: Pro-distill's forward 5.81 -> 4.94 s, peak 59.6 -> 44.0 GiB, velocity "
@@ -66,11 +68,11 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                      "glob over it, e.g. self_attention, '*_attention' (then only the "
                                      "feed-forwards are e4m3) or visual_transformer_blocks.0 (block 0); naming one "
                                      "of Q, K, V keeps all three (one GEMM in speed mode).")),
-    ("device", dict(choices=DEVICES, help="Device to run on (auto: CUDA if available).")),
+    ("device", dict(choices=DEVICES, help="Device to run on (auto, the default: CUDA if available).")),
     ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
                          "eager, each component on the GPU only for its stage (weights in host memory); memory: "
                          "balanced, the DiT's and text encoders' blocks streamed one at a time and (--vae-tiling "
-                         "auto) the VAE decoded in tiles: Pro-distill peaks at 8.3 GiB on an H200.")),
+                         "auto) the VAE decoded in tiles: Pro-distill peaks at 8.3 GiB on an H200 (default speed).")),
     ("offload_prefetch_blocks", dict(type=int, help="When blocks are streamed (--performance-mode memory, or the "
                                  "DiT or a text encoder streamed by the flags below): blocks copied ahead of the "
                                  "running one (default 1). Each costs a block of GPU memory; more hide copies that "
@@ -96,19 +98,21 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                              "vae=resident (keep the VAE on the GPU under --performance-mode memory) or "
                              "all=component_offload transformer=resident. Same names; all applies first, then "
                              "groups, then single components.")),
-    ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
+    ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="auto (default: fa on a Hopper GPU where fa3-fwd "
+                          "imports, else torch_sdpa), fa (FlashAttention-3; FA4 for 64-wide heads when installed), "
                           "fa_fp8 (FA3 in FP8 for the video self-attention: Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa "
                           "(alias sdpa).")),
-    ("warmup_mode", dict(choices=WARMUP_MODES, help="off, request (warm up before the first request) or server "
-                         "(at start; SR: one upscale of a synthetic 768x512x121 clip; generate: as request, with its "
-                         "own shape).")),
+    ("warmup_mode", dict(choices=WARMUP_MODES, help="off (default), request (warm up before the first request) or "
+                         "server (at start; SR: one upscale of a synthetic 768x512x121 clip; generate: as request, "
+                         "with its own shape).")),
     ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md). "
-                                                        "--performance-mode speed only (the others run eager).")),
+                                                        "--performance-mode speed only (the others run eager; "
+                                                        "default false).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
-                        "decode). auto: on with --performance-mode memory on a GPU.")),
+                        "decode). auto (default): on with --performance-mode memory on a GPU.")),
     ("cache_dit_config", dict(help="Cache-DiT step caching on for every generation request (lossy, faster; for the "
                               "50-step Pro/Lite): a JSON object of cache_dit_params (cache-dit's names, e.g. "
                               "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
@@ -132,10 +136,12 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("ring_degree", dict(type=int, help="Ring attention degree over video tokens.")),
     ("enable_cfg_parallel", dict(action=argparse.BooleanOptionalAction, default=None, help="Run CFG branches on "
                                  "different GPUs (Pro/Lite); --no-enable-cfg-parallel turns off a --config file's.")),
-    ("use_fsdp_inference", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: shard DiT weights with FSDP2 across the replica.")),
+    ("use_fsdp_inference", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: shard DiT weights with FSDP2 across the replica (default "
+                               "false).")),
     ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Text encoders on a replica of several GPUs: fold "
                               "(tensor-parallel over the replica), replicate, or auto (default: fold only with "
-                              "--use-fsdp-inference, where their head counts divide the replica size).")),
+                              "--use-fsdp-inference, encoders at least 4096 wide and head counts that divide the "
+                              "replica size; Kandinsky 6's are narrower, so auto replicates them).")),
     ("dp_size", dict(type=int, help="Independent replicas (data parallel).")),
     ("nnodes", dict(type=int, help="Number of hosts.")),
     ("node_rank", dict(type=int, help="This host's rank.")),
@@ -342,7 +348,12 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         from_file = {seed_keys.get(key, key): value for key, value in flat.items()}
         unknown = sorted(set(from_file) - set(actions))
         if unknown:
-            raise ValueError(f"--config {args.config}: unknown key(s) {unknown}")
+            # --no-save-output and the other --no-* flags are the false value of one key, not keys of their own.
+            negated = [key for key in unknown if key.startswith("no_")
+                       and isinstance(actions.get(key[3:]), argparse.BooleanOptionalAction)]
+            hint = "".join(f"; --{key.replace('_', '-')} is written as {key[3:].replace('_', '-')}: false"
+                           for key in negated)
+            raise ValueError(f"--config {args.config}: unknown key(s) {unknown}{hint}")
         converted = {}
         for key, value in from_file.items():
             if value is None:

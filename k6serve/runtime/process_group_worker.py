@@ -751,6 +751,8 @@ class MultiProcessWorker:
             if process.sentinel in ended:
                 process.join(2.0)
         dead = self._dead_ranks(ranks) or ["the replica's leader closed its connection"]
+        # How it died, as for an idle replica: GET /health's dead_replicas shows this note.
+        self._death_notes[replica.index] += f": {'; '.join(dead)}"
         replica.connection.close()
         stop_processes(replica.processes, grace_s=1.0)
         remaining = sum(r.alive for r in self._replicas)

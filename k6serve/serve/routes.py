@@ -718,6 +718,10 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({**body, "status": "unavailable", "message": _NO_REPLICA}, status_code=503)
 
 
+# HEAD as GET (headers, no body): the loading responder answers HEAD /health with its 503, and a load balancer that
+# probes with HEAD got 405 once the model had loaded, so it never saw the server come up.
+router.head("/health", include_in_schema=False)(health)
+
 _NO_REPLICA = "Every worker replica of this server has died; restart the server (its log says why they died)."
 
 

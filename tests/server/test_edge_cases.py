@@ -148,6 +148,16 @@ def test_head_on_content_gives_the_headers(fake_client):
     assert fake_client.head("/v1/videos/video_nope/content").status_code == 404
 
 
+def test_head_on_health_answers_as_get_does(fake_client):
+    # HEAD /health answered 503 "loading" while the model loaded (serve/loading.py) but 405 once it was loaded, so a
+    # load balancer probing with HEAD never saw the server come up.
+    get = fake_client.get("/health")
+    head = fake_client.head("/health")
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == str(len(get.content))
+    assert head.headers["content-type"] == "application/json"
+
+
 def test_wrong_method_is_a_client_error(fake_client):
     response = fake_client.put("/v1/videos")
     error = _assert_error(response, 405, code="method_not_allowed")
@@ -157,7 +167,7 @@ def test_wrong_method_is_a_client_error(fake_client):
 @pytest.mark.parametrize(("method", "path", "allowed"), [("DELETE", "/v1/videos", "GET, POST"),
                                                         ("PUT", "/v1/videos/video_x", "GET, DELETE"),
                                                         ("POST", "/v1/videos/video_x/content", "GET, HEAD"),
-                                                        ("POST", "/health", "GET")])
+                                                        ("POST", "/health", "GET, HEAD")])
 def test_a_405_allows_every_method_of_the_path(fake_client, method, path, allowed):
     # Allow named the first matching route's methods only: POST for /v1/videos, GET for /v1/videos/{id}.
     response = fake_client.request(method, path)

@@ -942,3 +942,35 @@ def test_generate_warms_up_with_its_own_request_under_warmup_mode_server(in_proc
         assert main([*in_process_cli, "--warmup-mode", "server", "--output-path", str(tmp_path)]) == 0
     assert "--warmup-mode server warms up with this request's own shape" in caplog.text
     assert "warm-up (request) took" in caplog.text and "warm-up (server)" not in caplog.text
+
+
+def test_every_choice_flag_says_its_default():
+    """docs/cli.md's flag reference is the help: --performance-mode, --attention-backend (whose `auto` was not
+    explained), --warmup-mode, --compile-vae, --load-format, --dtype, --device, --lora-merge-mode and
+    --use-fsdp-inference did not say which value a run takes when the flag is left out."""
+    import dataclasses
+
+    from k6serve.cli.main import ENGINE_FLAGS
+    from k6serve.config import ModelConfig, ParallelConfig, RuntimeConfig
+
+    defaults = {field.name: field.default for config in (ModelConfig, ParallelConfig, RuntimeConfig)
+                for field in dataclasses.fields(config)}
+    unsaid = []
+    for name, spec in ENGINE_FLAGS:
+        default = defaults.get(name)
+        if default is None or not ("choices" in spec or spec.get("metavar") == "{true,false}"):
+            continue
+        value = re.escape(str(default).lower())
+        said = rf"\b{value} \(default|\b{value}, the default|\bdefault:? {value}\b|\b{value} \(the default\)"
+        if not re.search(said, " ".join(spec["help"].split())):
+            unsaid.append(f"--{name.replace('_', '-')} (default {default})")
+    assert unsaid == []
+
+
+def test_config_key_of_a_no_flag_says_how_to_write_it(tmp_path, capsys):
+    # docs/cli.md: --config keys are flag names; `no-save-output: true` was refused as an unknown key, no fix given.
+    config = tmp_path / "run.json"
+    config.write_text('{"model-path": "demo", "prompt": "x", "no-save-output": true}')
+    assert main(["generate", "--config", str(config)]) == 2
+    assert ("unknown key(s) ['no_save_output']; --no-save-output is written as save-output: false"
+            in capsys.readouterr().err)

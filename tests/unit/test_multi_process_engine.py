@@ -89,6 +89,24 @@ def test_engine_runs_dp_replicas_at_once(tmp_path: Path):
     assert all(not process.is_alive() for process in worker._processes.values())
 
 
+def test_a_replica_killed_while_running_says_how_it_died(tmp_path: Path):
+    # GET /health's dead_replicas (docs/http-api.md: "one line per dead replica saying how it died") said only
+    # "replica 0 (ranks [0]) died running request 0" for a replica killed mid-request; the idle case said how.
+    worker = MultiProcessWorker(make_config(), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        [pid] = worker.pids.values()
+        job = engine.submit(SamplingParams(prompt=f"wait-for:{tmp_path / 'never'}", num_inference_steps=1))
+        time.sleep(1.0)  # the rank is inside the request, waiting for the file
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="died while running it"):
+            job.future.result(timeout=TIMEOUT_S)
+        [note_0] = engine.dead_replicas()
+        assert re.search(rf"replica 0 .*died running request \d+: rank 0 \(pid {pid}\) exited with code -9", note_0)
+    finally:
+        engine.shutdown()
+
+
 def test_a_replica_killed_while_idle_is_found_and_no_request_is_blamed(tmp_path: Path):
     worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
