@@ -9,7 +9,8 @@ PEFT's `get_weight_norm` takes it, over the base weight W. Where a rank holds on
   splits its ids): each rank sums the squares of its columns, and the sums are all-reduced over the shard's group
   before the square root (fp32: the unsharded norm within rounding, the sum being split in another order).
 Every rank runs the same LoRA operations in the same order (`ModelWorker.apply_lora_operation`), so these
-collectives pair up across ranks; the cache below decides hits and misses from values every rank shares.
+collectives pair up across ranks; the cache below decides hits and misses on sharded weights (whose misses run
+them) from values every rank shares.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ class DoraCache:
     The factor depends on the module (a re-read file is new `LoraModule` objects), the scale (strength x alpha / rank)
     and the base weight only, not on the other adapters (DoRA's norm is over the base weight), so a switch between
     combinations reuses it. The base weight: the manager is its only writer, and its unmerge restores it bit for bit
-    before anything is installed dynamically; a weight whose storage was replaced (a memory release and resume) is
-    another key, so it is computed again."""
+    before anything is installed dynamically; a whole weight whose storage was replaced (a memory release and
+    resume) is another key, so it is computed again. A sharded one is keyed without its storage, which differs
+    between ranks (its values come back bit for bit from a resume)."""
 
     def __init__(self, max_bytes: int = MAX_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -110,7 +112,11 @@ class DoraCache:
 
     def rows(self, target: LoraTarget, module: LoraModule, scale: float) -> DoraRows:
         """The cached `DoraRows` of `module` on `target` at `scale`, computed on a miss."""
-        key = (id(module), target.layer, target.rows.start, target.rows.stop, scale, *_storage(target.layer))
+        # A miss on a sharded weight runs collectives, so there every rank must decide alike: the storage's address
+        # is each rank's own (a memory resume may give one rank its old address and another a new one), so it keys
+        # only whole weights, whose misses run none.
+        storage = _storage(target.layer) if ShardedWeight.of(target.layer).dim is None else ()
+        key = (id(module), target.layer, target.rows.start, target.rows.stop, scale, *storage)
         cached = self.entries.get(key)
         if cached is not None:
             self.entries.move_to_end(key)
