@@ -402,11 +402,17 @@ def describe_os_error(exc: OSError, output_path: str) -> str:
 
 def describe_out_of_memory(exc: BaseException, engine_options: dict[str, Any] | None = None) -> str:
     """One line: the device's memory ran out (not a bug in k6serve), torch's own first line, and what to change."""
+    from k6serve.config import RuntimeConfig
     from k6serve.runtime.out_of_memory import out_of_memory_detail, server_side_fixes
 
-    engine_options = engine_options or {}
-    fixes = server_side_fixes(engine_options.get("performance_mode", "speed"), offloaded=bool(
-        engine_options.get("cpu_offload_components") or engine_options.get("layerwise_offload_components")))
+    # The residency the flags give (`none` offloads nothing; --component-residency offloads too).
+    try:
+        runtime = RuntimeConfig(**{key: value for key, value in (engine_options or {}).items()
+                                   if key in ("performance_mode", "cpu_offload_components",
+                                              "layerwise_offload_components", "component_residency")})
+        fixes = server_side_fixes(runtime.performance_mode, offloaded=runtime.offloads)
+    except (ValueError, TypeError):  # options the run got past cannot fail here; the hint must not fail either
+        fixes = server_side_fixes("", offloaded=True)
     return (f"the GPU ran out of memory ({out_of_memory_detail(exc)}); ask for fewer pixels or frames "
             f"(--height, --width, --num-frames), {fixes}.")
 

@@ -162,8 +162,8 @@ class JobRunner:
 
     def _memory_fixes(self) -> str:
         runtime = getattr(getattr(self.engine, "config", None), "runtime", None)
-        return server_side_fixes(getattr(runtime, "performance_mode", "speed"), offloaded=bool(
-            getattr(runtime, "cpu_offload_components", ()) or getattr(runtime, "layerwise_offload_components", ())))
+        return server_side_fixes(getattr(runtime, "performance_mode", "speed"),
+                                 offloaded=bool(getattr(runtime, "offloads", False)))
 
     def _restore_loras(self) -> None:
         """Rebuild the adapters recorded before a restart, before any job runs: the jobs still queued were created

@@ -598,13 +598,23 @@ def test_cli_out_of_memory_is_a_machine_limit_with_a_fix_not_a_bug(in_process_cl
 @pytest.mark.parametrize(("options", "keeps_speed"), [
     ({}, True), ({"performance_mode": "speed"}, True), ({"performance_mode": "balanced"}, False),
     ({"cpu_offload_components": ["all"]}, False), ({"layerwise_offload_components": ["transformer"]}, False),
+    # `none` offloads nothing (everything resident: the fix applies); every component offloaded whole through
+    # --component-residency is what the fix would do (it was offered again, and withheld for `none`).
+    ({"cpu_offload_components": ["none"]}, True), ({"component_residency": ["all=component_offload"]}, False),
 ])
 def test_cli_out_of_memory_offers_the_offload_that_keeps_speed_mode_only_where_it_applies(options, keeps_speed):
+    from types import SimpleNamespace
+
+    from k6serve.api import build_engine_config
     from k6serve.cli.main import describe_out_of_memory
+    from k6serve.serve.runner import JobRunner
 
     text = describe_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), options)
     assert ("--cpu-offload-components all" in text) is keeps_speed
     assert "--performance-mode balanced or memory" in text and "--ulysses-degree" in text
+    runner = object.__new__(JobRunner)  # the server's log line for a job out of memory, from the same flags
+    runner.engine = SimpleNamespace(config=build_engine_config("demo", **options))
+    assert ("--cpu-offload-components all" in runner._memory_fixes()) is keeps_speed
 
 
 def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_process_cli, tmp_path, monkeypatch,
