@@ -583,3 +583,27 @@ def test_the_job_runs_once_the_server_has_loaded(fake_server, comfy, monkeypatch
     monkeypatch.setattr(client_module.K6ServeClient, "_json", json_while_loading)
     result = Generate().generate(fake_server.base_url, **TINY, api_key="secret-key")
     assert loading == [0] and Path(result["result"][2]).is_file()
+
+
+def test_an_answer_cut_off_after_its_headers_counts_as_unreachable():
+    """A reset or a short body after the headers raised http.client.IncompleteRead from the node (a traceback, and
+    a lost cancel's retry thread died with it); now it is the server being unreachable, like a refused connection."""
+    client_module = sys.modules["k6serve_nodes.client"]
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer_half():
+        connection, _ = server.accept()
+        connection.recv(65536)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"st")
+        connection.close()
+
+    thread = threading.Thread(target=answer_half, daemon=True)
+    thread.start()
+    client = client_module.K6ServeClient(f"http://127.0.0.1:{server.getsockname()[1]}", node_name="K6Serve Generate")
+    try:
+        with pytest.raises(K6ServeError, match="cannot reach the server") as raised:
+            client.get_job("video_1")
+    finally:
+        thread.join(5)
+        server.close()
+    assert client_module._unreachable(raised.value)

@@ -5,6 +5,7 @@ Errors reach the user as `K6ServeError`, worded for a ComfyUI user: which node, 
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -263,8 +264,13 @@ class K6ServeClient:
 
     def _json(self, method: str, route: str, *, body: bytes | None = None, content_type: str | None = None,
               timeout_s: float | None = None) -> dict:
-        with self._open(method, route, body=body, content_type=content_type, timeout_s=timeout_s) as response:
-            raw = response.read()
+        try:
+            with self._open(method, route, body=body, content_type=content_type, timeout_s=timeout_s) as response:
+                raw = response.read()
+        except (http.client.HTTPException, OSError) as error:
+            # Cut off after the headers (a reset, a short body): unreachable like a refused connection, so a poll
+            # rides it out and a lost cancel is retried, instead of a raw traceback from the node.
+            raise self._connection_error(error) from error
         try:
             return json.loads(raw)
         except ValueError:  # e.g. an HTML page from another web server or a proxy in front of it
@@ -331,7 +337,7 @@ class K6ServeClient:
 
 def _unreachable(error: Exception) -> bool:
     """The server did not answer (refused, reset, timed out), as opposed to answering with an error."""
-    return isinstance(error.__cause__, (urllib.error.URLError, OSError))
+    return isinstance(error.__cause__, (urllib.error.URLError, OSError, http.client.HTTPException))
 
 
 def _loading(error: Exception) -> bool:
