@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from torch import nn
 from k6serve.lora.adapter import LORA_METADATA_KEY, names_adapter_file, read_adapter
 from k6serve.lora.manager import LoraManager
 from k6serve.lora.spec import LoraSpec
+from k6serve.testing.gloo_ranks import run_on_gloo_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -204,38 +203,9 @@ def _sharded_task(files: dict[str, str]) -> dict:
     return {**_factors_task(files), **_merged_weights_task(files), **_outputs_task(files)}
 
 
-def _rank_main(rank: int, port: int, files: dict[str, str], results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results.put((rank, True, _sharded_task(files)))
-    except Exception:  # noqa: BLE001 (raised again in the test process)
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory) -> list[dict]:
-    from k6serve.runtime.launch import find_free_port
-
-    files = _files(tmp_path_factory.mktemp("dora_sharded"))
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, port, files, results), daemon=True)
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        outcomes = sorted(results.get(timeout=180) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(30)
-    assert all(ok for _, ok, _ in outcomes), [value for _, ok, value in outcomes if not ok][0]
-    return [result for _, _, result in outcomes]
+    return run_on_gloo_ranks(_sharded_task, _files(tmp_path_factory.mktemp("dora_sharded")))
 
 
 # Where each rank holds whole rows (column-parallel; FSDP's Linears, split by rows) or the whole weight (the embedding
@@ -491,59 +461,33 @@ def test_list_loras_says_which_adapters_are_dora_or_carry_a_bias_or_an_embedding
 # ---- the cache's hits and misses on shards: the same on every rank ----
 
 
-def _storage_rank_main(rank: int, port: int, files: dict[str, str], results) -> None:
+def _storage_task(files: dict[str, str]) -> dict:
     """Dynamic DoRA under tensor parallelism, set twice; between the two, rank 1 alone gets a new storage for one
     sharded weight, with the same values: a memory resume copies the weights back bit for bit, to addresses the
     allocator picks on each rank (the old one on one rank, another on the next). A miss on a shard runs collectives,
     so a rank that misses alone waits in them for peers that went on."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from k6serve.lora import dora
     from k6serve.runtime.memory import local_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=20))
-    try:
-        calls = []
-        compute = dora.dora_factor
-        dora.dora_factor = lambda *args: calls.append(1) or compute(*args)
-        model = _sharded("tp")
-        manager = LoraManager(model)
-        specs = [LoraSpec(nickname="l", path=files["dora_linears"], strength=0.6)]
-        manager.set(specs, "dynamic")
-        expected = _output(model)
-        first = len(calls)
-        if rank == 1:
-            local = local_shard(model.block.proj_in.weight)
-            local.data = local.data.clone()
-        manager.set(specs, "dynamic")
-        results.put((rank, True, {"computed": (first, len(calls) - first), "same": torch.equal(_output(model),
-                                                                                                 expected)}))
-    except Exception:  # noqa: BLE001 (raised again in the test process)
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    calls = []
+    compute = dora.dora_factor
+    dora.dora_factor = lambda *args: calls.append(1) or compute(*args)
+    model = _sharded("tp")
+    manager = LoraManager(model)
+    specs = [LoraSpec(nickname="l", path=files["dora_linears"], strength=0.6)]
+    manager.set(specs, "dynamic")
+    expected = _output(model)
+    first = len(calls)
+    if dist.get_rank() == 1:
+        local = local_shard(model.block.proj_in.weight)
+        local.data = local.data.clone()
+    manager.set(specs, "dynamic")
+    return {"computed": (first, len(calls) - first), "same": torch.equal(_output(model), expected)}
 
 
 def test_a_weight_stored_elsewhere_on_one_rank_does_not_split_the_ranks_hits(tmp_path):
-    from k6serve.runtime.launch import find_free_port
-
-    files = _files(tmp_path)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    processes = [context.Process(target=_storage_rank_main, args=(rank, port, files, results), daemon=True)
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        outcomes = sorted(results.get(timeout=180) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(30)
-    assert all(ok for _, ok, _ in outcomes), [value for _, ok, value in outcomes if not ok][0]
-    for _, _, result in outcomes:
+    # A rank left waiting in a collective fails in 20 s, not at the 180 s wait.
+    for result in run_on_gloo_ranks(_storage_task, _files(tmp_path), collective_timeout_s=20):
         assert result["computed"] == (2, 0) and result["same"], result

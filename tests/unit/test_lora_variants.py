@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
-import traceback
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from k6serve.lora.adapter import LORA_METADATA_KEY, names_adapter_file, read_ada
 from k6serve.lora.manager import LoraManager
 from k6serve.lora.spec import LoraSpec
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+from k6serve.testing.gloo_ranks import run_on_gloo_ranks
 from k6serve.testing.tiny_configs import TINY_TRANSFORMER_CONFIG
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -380,25 +379,10 @@ def _sharded_task(bias_file: str) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, bias_file: str, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results.put((rank, True, _sharded_task(bias_file)))
-    except Exception:  # noqa: BLE001 (raised again in the test process)
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_bias_under_tensor_parallelism_and_fsdp_matches_one_process(tmp_path):
     """The lora_B bias on a column-parallel Linear (its rows of the bias on each rank) and a row-parallel one (its
     bias replicated, added once after the reduction), merged and dynamic; under FSDP dynamic. Within 1e-5 of one
     process (TP reorders sums), unmerge exact."""
-    from k6serve.runtime.launch import find_free_port
-
     generator = torch.Generator().manual_seed(2)
     tensors = {}
     for module, (out_features, in_features) in {"block.proj_in": (12, 8), "block.proj_out": (6, 12)}.items():
@@ -406,20 +390,7 @@ def test_a_bias_under_tensor_parallelism_and_fsdp_matches_one_process(tmp_path):
         tensors[f"{module}.lora_B.weight"] = torch.randn(out_features, RANK, generator=generator)
         tensors[f"{module}.lora_B.bias"] = torch.randn(out_features, generator=generator)
     bias_file = _save(tmp_path / "bias", tensors)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, port, bias_file, results), daemon=True)
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        outcomes = sorted(results.get(timeout=180) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(30)
-    assert all(ok for _, ok, _ in outcomes), [value for _, ok, value in outcomes if not ok][0]
-    for _, _, result in outcomes:
+    for result in run_on_gloo_ranks(_sharded_task, bias_file):
         for case, expected_layouts in (("tp merge", (0, 1)), ("tp dynamic", (0, 1)), ("fsdp dynamic", (0, 0))):
             error, restored, layouts = result[case]
             assert error <= 1e-5 and restored and layouts == expected_layouts, (case, error, restored, layouts)
