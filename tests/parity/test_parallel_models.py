@@ -547,12 +547,10 @@ def lora_adapter(checkpoint, tmp_path_factory) -> Path:
     return file
 
 
-def _lora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, mode: str):
-    """Frames and waveform with the adapter applied as `mode` under `layout`, and whether unmerging gave the
-    un-adapted output back bit for bit (None: the 1-process reference, on rank 0 only)."""
+def _lora_setup(folder: Path, layout: ParallelLayout | None):
+    """The tiny models parallelised as `layout` (None: one process, on rank 0 only; None elsewhere), the t2av
+    request, its pipeline and a LoraManager on the DiT: what the LoRA and DoRA tasks start from."""
     from k6serve.lora.manager import LoraManager
-    from k6serve.lora.sharding import ShardedWeight
-    from k6serve.lora.spec import LoraSpec
     from k6serve.models.variants import resolve_generate
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
@@ -564,9 +562,21 @@ def _lora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, mode:
     if layout is not None:
         parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
     request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]), models.variant)
-    pipeline = TextToVideoPipeline(models)
+    return models, request, TextToVideoPipeline(models), LoraManager(models.transformer,
+                                                                     fsdp=layout is not None and layout.fsdp)
+
+
+def _lora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, mode: str):
+    """Frames and waveform with the adapter applied as `mode` under `layout`, and whether unmerging gave the
+    un-adapted output back bit for bit (None: the 1-process reference, on rank 0 only)."""
+    from k6serve.lora.sharding import ShardedWeight
+    from k6serve.lora.spec import LoraSpec
+
+    setup = _lora_setup(folder, layout)
+    if setup is None:
+        return None
+    models, request, pipeline, manager = setup
     base = pipeline(request)
-    manager = LoraManager(models.transformer, fsdp=layout is not None and layout.fsdp)
     manager.set([LoraSpec(nickname="a", path=str(adapter))], mode)
     # How the targeted weights are sharded between requests: dimension -> count (None: whole).
     layouts = collections.Counter(ShardedWeight.of(models.transformer.get_submodule(path)
@@ -627,22 +637,13 @@ def _dora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, modes
     """(frames, waveform) with the DoRA adapter applied as each of `modes` in turn under `layout`; whether each
     unmerge of a merge gave this rank's targeted weights back bit for bit; how many targeted layers the dynamic
     path gave DoRA's row factors (None: the 1-process reference, on rank 0 only)."""
-    from k6serve.lora.manager import LoraManager
     from k6serve.lora.sharding import local_tensor
     from k6serve.lora.spec import LoraSpec
-    from k6serve.models.variants import resolve_generate
-    from k6serve.parallel.parallelize import parallelize_generation_models
-    from k6serve.pipelines.text_to_video import TextToVideoPipeline
-    from k6serve.request import SamplingParams
 
-    if layout is None and dist.get_rank() != 0:
+    setup = _lora_setup(folder, layout)
+    if setup is None:
         return None
-    models = _fresh_generation_models(folder)
-    if layout is not None:
-        parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
-    request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]), models.variant)
-    pipeline = TextToVideoPipeline(models)
-    manager = LoraManager(models.transformer, fsdp=layout is not None and layout.fsdp)
+    models, request, pipeline, manager = setup
     weights = [local_tensor(models.transformer.get_submodule(path).weight).clone() for path in LORA_MODULES]
     outputs, restored, dora_layers = [], True, None
     for mode in modes:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 from harness import wait_for
-from test_lora_job_check import JOB, _adapter, _start
+import test_lora_job_check
+from test_lora_job_check import JOB, _adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,12 +26,7 @@ UNMERGE = '{"target": "transformer"}'
 HEADERS = {"Content-Type": "application/json"}
 
 
-@pytest.fixture
-def real_server(server_distill_dir, tmp_path):
-    server, worker = _start(server_distill_dir, tmp_path / "server")
-    yield server, worker
-    worker.release.set()
-    server.stop()
+real_server = test_lora_job_check.real_server  # the same server over the tiny distilled checkpoint
 
 
 def _content(client) -> bytes:
