@@ -607,3 +607,40 @@ def test_an_answer_cut_off_after_its_headers_counts_as_unreachable():
         thread.join(5)
         server.close()
     assert client_module._unreachable(raised.value)
+
+
+def test_a_download_cut_off_is_started_again_and_one_that_never_gets_through_says_where_the_video_is(
+        tmp_path, monkeypatch):
+    """The job was done and its MP4 waited on the server, but a reset mid-download lost it to ComfyUI with a raw
+    IncompleteRead. Now the download starts again; given up, the error says where the video still is."""
+    client_module = sys.modules["k6serve_nodes.client"]
+    server = socket.create_server(("127.0.0.1", 0))
+    body = bytes(range(256)) * 64
+    answers = ["cut", "whole"]
+
+    def serve():
+        for answer in answers:
+            connection, _ = server.accept()
+            connection.recv(65536)
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: video/mp4\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            connection.sendall(head + (body[:1000] if answer == "cut" else body))
+            connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    monkeypatch.setattr(client_module.time, "sleep", lambda seconds: None)
+    client = client_module.K6ServeClient(f"http://127.0.0.1:{server.getsockname()[1]}", node_name="K6Serve Generate")
+    target = tmp_path / "out" / "clip.mp4"
+    assert client.download_content("video_1", target) == target and target.read_bytes() == body
+    thread.join(5)
+    assert list(target.parent.iterdir()) == [target]  # no partial file left
+
+    answers[:] = ["cut"] * 3
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    monkeypatch.setattr(client_module, "POLL_OUTAGE_S", 0.0)  # gives up after the first failure
+    with pytest.raises(K6ServeError, match=r"The video of job video_2 is finished and stays on the server until it "
+                                           r"expires: GET http://127\.0\.0\.1:\d+/v1/videos/video_2/content"):
+        client.download_content("video_2", tmp_path / "out" / "other.mp4")
+    server.close()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["clip.mp4"]

@@ -132,17 +132,47 @@ class K6ServeClient:
         return self._json("DELETE", f"/v1/videos/{job_id}", timeout_s=max(self.request_timeout_s, 30.0))
 
     def download_content(self, job_id: str, path: Path) -> Path:
-        """Stream GET /v1/videos/{id}/content into `path` (via a hidden partial file, renamed when complete)."""
+        """Stream GET /v1/videos/{id}/content into `path` (via a hidden partial file, renamed when complete). A
+        download the network cuts off is started again, for POLL_OUTAGE_S: the job is done and its video waits on
+        the server, so losing it to a reset would throw away the GPU's minutes for nothing."""
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.part")
+        give_up_at = time.monotonic() + POLL_OUTAGE_S
         try:
-            with self._open("GET", f"/v1/videos/{job_id}/content") as response, open(partial, "wb") as file:
-                while chunk := response.read(1 << 20):
-                    file.write(chunk)
+            while True:
+                try:
+                    self._download_once(job_id, partial)
+                    break
+                except K6ServeError as error:
+                    if not _unreachable(error):
+                        raise
+                    if time.monotonic() > give_up_at:
+                        raise K6ServeError(f"{error} The video of job {job_id} is finished and stays on the server "
+                                           f"until it expires: GET {self.base_url}/v1/videos/{job_id}/content "
+                                           "fetches it.") from error
+                    logger.warning("%s: downloading job %s's video failed (%s); retrying", self.node_name, job_id,
+                                   error.__cause__)
+                    time.sleep(1.0)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
         return path
+
+    def _download_once(self, job_id: str, partial: Path) -> None:
+        with self._open("GET", f"/v1/videos/{job_id}/content") as response, open(partial, "wb") as file:
+            while True:
+                try:  # the network's failures only: a local write error (a full disk) is not retried
+                    chunk = response.read(1 << 20)
+                except (http.client.HTTPException, OSError) as error:
+                    raise self._connection_error(error) from error
+                if not chunk:
+                    break
+                file.write(chunk)
+        if response.length:
+            # http.client ends a body that the peer closed short of its Content-Length without an error (by design,
+            # for compatibility): the MP4 was saved cut short, as if complete.
+            short = http.client.IncompleteRead(b"", response.length)
+            raise self._connection_error(short) from short
 
     # ---- following a job ----
 
