@@ -61,4 +61,3 @@ def server_side_fixes(performance_mode: str, *, offloaded: bool) -> str:
                   if performance_mode == "speed" and not offloaded else "")
     return (f"{keep_speed}run with --performance-mode balanced or memory (weights in host memory), or spread the "
             "model over more GPUs (--num-gpus with --use-fsdp-inference true, --ulysses-degree)")
-

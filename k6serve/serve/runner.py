@@ -622,8 +622,8 @@ def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: froze
                           "merge_mode": "dynamic"})
     return (f"loras names LoRA adapter(s) {unknown} that this server will not have loaded when the job runs ({have}). "
             f"Load one first with POST /v1/set_lora {example}, or start the server with --lora-path FILE "
-            f"--lora-nickname {shlex.quote(unknown[0])} --lora-merge-mode dynamic (dynamic: a job's own adapters need the "
-            "server's unmerged); the job was not created.")
+            f"--lora-nickname {shlex.quote(unknown[0])} --lora-merge-mode dynamic (dynamic: a job's own adapters need "
+            "the server's unmerged); the job was not created.")
 
 
 def _merged_message(requested: dict, then: Adapters, *, merged_now: bool) -> str:
