@@ -105,8 +105,9 @@ def should_fold(mode: str, layout: ParallelLayout, encoders: list[nn.Module | tu
     described = [item if isinstance(item, tuple) else (type(item).__name__, item.config) for item in encoders]
     blockers = fold_blockers(described, layout.replica_size) if layout.replica_size > 1 else ["one rank"]
     if mode == "auto":
-        wide = all(_plan_named(name).hidden_size(config) >= AUTO_FOLD_MIN_HIDDEN for name, config in described)
-        return layout.fsdp and wide and not blockers
+        # Checked last: only where a fold could run (FSDP, no blocker) are the encoders' plans looked up.
+        return layout.fsdp and not blockers and all(
+            _plan_named(name).hidden_size(config) >= AUTO_FOLD_MIN_HIDDEN for name, config in described)
     assert mode == "fold", mode
     if layout.replica_size == 1:
         raise ValueError(

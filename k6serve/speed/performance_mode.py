@@ -35,9 +35,9 @@
   for the compute device (`worker.py`); the VAE's folded upsampler kernels are buffers, moved with it. Streamed blocks
   are swapped in and out block by block by forward hooks (`offload/block_stream.py`), built and measured with eager
   blocks, so they stay eager. Why it matters: Pro-distill in speed mode peaks above an 80 GB GPU all resident (94.5
-  GiB); with every component offloaded whole (`--cpu-offload-components all`) it should keep the compiled step for one
-  copy of the DiT per request, at about balanced's peak, the DiT plus its activations (expected, not yet measured:
-  docs/cli.md).
+  GiB); with every component offloaded whole (`--cpu-offload-components all`) it keeps the compiled step for one
+  copy of the DiT per request: measured on an H200, step 5.865 s against 5.853 resident, peak 59.6 GiB, the same
+  bits (docs/benchmarks.md, twenty-fifth session).
 * On a non-CUDA device every mode is a no-op, so CPU outputs stay bitwise equal to diffusers'.
 
 Tensor-parallel weights are not fused (see `fused_projections.py`); a `ModelPlan` supplies the blocks to
@@ -149,7 +149,7 @@ def apply_performance_mode(
         return PerformanceReport(mode=mode, device=str(device), num_quantized_linears=num_quantized,
                                  notes=(f"{mode}: {why}",))
     targets = speed_transform_targets(mode, device, streamed=streamed)
-    notes = _residency_notes(offloaded_whole, streamed, compile_vae_decoder)
+    notes = _residency_notes(offloaded_whole, streamed)
     num_fused = num_compiled = num_quantized = 0
     if "transformer" in targets:
         num_fused, num_compiled, num_quantized = _speed_up_transformer(models.transformer, notes, quantize)
@@ -170,8 +170,7 @@ def apply_performance_mode(
     )
 
 
-def _residency_notes(offloaded_whole: frozenset[str], streamed: frozenset[str], compile_vae_decoder: bool
-                     ) -> list[str]:
+def _residency_notes(offloaded_whole: frozenset[str], streamed: frozenset[str]) -> list[str]:
     """What speed mode does with the offloaded DiT and video VAE (the report's first notes)."""
     notes = []
     if "transformer" in streamed:
@@ -179,10 +178,8 @@ def _residency_notes(offloaded_whole: frozenset[str], streamed: frozenset[str], 
     elif "transformer" in offloaded_whole:
         notes.append("the DiT is offloaded whole: its fused, compiled blocks run on the copy moved to the GPU for "
                      "its stage")
-    if "vae" in streamed:
-        notes.append("the video VAE is streamed: it decodes eager" + (" (--compile-vae true not applied)"
-                                                                       if compile_vae_decoder else ""))
-    elif "vae" in offloaded_whole:
+    # The video VAE is never streamed (offload/residency.py offloads it whole instead: no repeated blocks).
+    if "vae" in offloaded_whole:
         notes.append("the video VAE is offloaded whole: its decode speed-ups run on the copy moved to the GPU for "
                      "its stage")
     return notes

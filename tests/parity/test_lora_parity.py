@@ -402,6 +402,17 @@ def _peft_outputs(checkpoint: Path, adapters: list[tuple[Path, float]], mode: st
     return outputs, _run_reference(reference, token_types=token_types), restored
 
 
+def _check_variant(label: str, tiny_pro_dir, file, base_outputs, mode: str, fused: bool) -> None:
+    """A PEFT variant's file at STRENGTH against diffusers: it changes the output, unmerge restores the weights, the
+    unfused merge is PEFT's op for op (bitwise), and every mode is within 1e-5."""
+    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, STRENGTH)], mode, fused=fused)
+    errors = _report(f"fp32 {label} {mode}{', fused Q/K/V' if fused else ''}", ours, reference)
+    assert max(_relative(reference, base_outputs)) > 0.05 and restored
+    if mode == "merge" and not fused:
+        assert all(torch.equal(got, want) for got, want in zip(ours, reference))
+    assert max(errors) <= 1e-5
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_qkv"])
 @pytest.mark.parametrize("mode", ["merge", "dynamic"])
 def test_dora_matches_diffusers(tiny_pro_dir, tmp_path, shapes, base_outputs, mode, fused):
@@ -410,12 +421,7 @@ def test_dora_matches_diffusers(tiny_pro_dir, tmp_path, shapes, base_outputs, mo
     op for op (bitwise); dynamic scales the output rows (within 1e-5 of PEFT's forward); with speed mode's fused
     Q/K/V ours applies it to the fused projection's rows (within 1e-5). Refused before: not LoRA keys."""
     file = _peft_file(tiny_pro_dir, tmp_path, shapes, use_dora=True)
-    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, STRENGTH)], mode, fused=fused)
-    errors = _report(f"fp32 DoRA {mode}{', fused Q/K/V' if fused else ''}", ours, reference)
-    assert max(_relative(reference, base_outputs)) > 0.05 and restored
-    if mode == "merge" and not fused:
-        assert all(torch.equal(got, want) for got, want in zip(ours, reference))
-    assert max(errors) <= 1e-5
+    _check_variant("DoRA", tiny_pro_dir, file, base_outputs, mode, fused)
 
 
 @pytest.mark.parametrize("mode", ["merge", "dynamic"])
@@ -438,12 +444,7 @@ def test_lora_bias_matches_diffusers(tiny_pro_dir, tmp_path, shapes, base_output
     targets = [path for path in shapes if mode == "dynamic" or model.get_submodule(path).bias is not None]
     assert FFN in targets if mode == "dynamic" else FFN not in targets
     file = _peft_file(tiny_pro_dir, tmp_path, targets, lora_bias=True)
-    ours, reference, restored = _peft_outputs(tiny_pro_dir, [(file, STRENGTH)], mode, fused=fused)
-    errors = _report(f"fp32 lora_bias {mode}{', fused Q/K/V' if fused else ''}", ours, reference)
-    assert max(_relative(reference, base_outputs)) > 0.05 and restored
-    if mode == "merge" and not fused:
-        assert all(torch.equal(got, want) for got, want in zip(ours, reference))
-    assert max(errors) <= 1e-5
+    _check_variant("lora_bias", tiny_pro_dir, file, base_outputs, mode, fused)
 
 
 def test_lora_bias_on_a_layer_without_bias_is_not_merged_as_in_diffusers(tiny_pro_dir, tmp_path):
