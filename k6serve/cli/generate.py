@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -107,18 +108,22 @@ def _refuse_text_for_upscaling(params: SamplingParams) -> None:
                          f"{' and '.join(given)}, or pass a generation checkpoint as --model-path.")
 
 
-def _checked_output_options(request_options: dict[str, Any]) -> dict[str, Any]:
+def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
     """Check the output before the model loads and say what will happen to it: a given name changed on its way to
     the file, or output flags that --no-save-output ignores. Returns the request with the name as it will be
-    written and without the ignored flags, so the API does not warn about them again."""
+    written and without the ignored flags, so the API does not warn about them again. `quiet`: the same flags
+    checked again for another prompt of a --prompt-file-path (said once, for the first)."""
     _, output = split_kwargs(request_options)
     output, warnings = check_output(output)
-    for warning in warnings:
+    for warning in warnings if not quiet else ():
         print(f"warning: {warning}", file=sys.stderr)
     if output.save_output:
         if output.output_file_name is None:
             return request_options
         return {**request_options, "output_file_name": output.output_file_name}
+    if quiet:
+        return {key: value for key, value in request_options.items()
+                if key not in unsaved_output_keys(request_options)} | {"return_frames": False}
     print("note: --no-save-output: the video is generated and then discarded; only the timings are printed. "
           "Drop --no-save-output to write the MP4.", file=sys.stderr)
     ignored = unsaved_output_keys(request_options)
@@ -168,36 +173,148 @@ class StepBar:
             self.bar.close()
 
 
+def read_prompt_file(path: str) -> list[tuple[int, str]]:
+    """`--prompt-file-path`: (line number, prompt) for each line with text, in order; a clear error for a file that
+    cannot be read as UTF-8 text or holds no prompt. A line is one prompt, as in the reference's flag; blank lines
+    are skipped (a trailing newline or a gap between groups of prompts is not a request for an empty one), and the
+    text is stripped of the spaces around it, nothing else (a '#' may begin a prompt)."""
+    try:
+        text = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise ValueError(f"--prompt-file-path {path!r} is a folder; pass a text file with one prompt per "
+                         "line.") from None
+    except FileNotFoundError:
+        raise ValueError(f"--prompt-file-path {path!r} does not exist; pass a text file with one prompt per "
+                         "line.") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read --prompt-file-path {path!r} ({exc.strerror or exc}).") from None
+    prompts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM some editors write is not text
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompt-file-path {path!r}: line {number} is not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start + 1}); save the file as UTF-8.") from None
+        if line.strip():
+            prompts.append((number, line.strip()))
+    if not prompts:
+        raise ValueError(f"--prompt-file-path {path!r} holds no prompt; write one prompt per line.")
+    return prompts
+
+
+def numbered_file_names(name: str, count: int) -> list[str]:
+    """A given --output-file-name for each of `count` prompts: clip.mp4 -> clip_1.mp4 ... clip_N.mp4 (zero-padded
+    to N's width, so they sort in the file's order); the name itself for one."""
+    if count == 1:
+        return [name]
+    stem = name[:-4] if name.lower().endswith(".mp4") else name
+    width = len(str(count))
+    return [f"{stem}_{index:0{width}d}.mp4" for index in range(1, count + 1)]
+
+
+def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """One request per prompt of --prompt-file-path, each with every other flag as given: [(label, options)]."""
+    path = request_options.pop("prompt_file_path")
+    if request_options.get("prompt"):
+        raise ValueError("--prompt and --prompt-file-path both give the prompt; pass one of them.")
+    prompts = read_prompt_file(path)
+    names = [None] * len(prompts)
+    if request_options.get("output_file_name") is not None:
+        names = numbered_file_names(request_options["output_file_name"], len(prompts))
+    batch = []
+    for (number, prompt), name in zip(prompts, names):
+        options = {**request_options, "prompt": prompt}
+        if name is not None:
+            options["output_file_name"] = name
+        batch.append((f"line {number}", options))
+    return batch
+
+
+def _refuse_prompt_file_for_upscaling() -> None:
+    raise ValueError("--prompt-file-path gives prompts to the generation models; the super-resolution model "
+                     "upscales --video-path and takes no text: drop --prompt-file-path, or pass a generation "
+                     "checkpoint as --model-path.")
+
+
+def _batch_report(done: list[tuple[str, Any]], failed: str | None, left: list[str], count: int) -> str:
+    """The --prompt-file-path run in one or three lines: how many finished and were saved, and, when it stopped
+    early, the prompt that stopped it and those not run (by line, to run again)."""
+    saved = sum(1 for _, result in done if result.output_file_path)
+    lines = [f"prompt file: {len(done)} of {count} request{'' if count == 1 else 's'} finished, {saved} saved"]
+    if failed is not None:
+        lines.append(f"prompt file: {failed} stopped the run (the videos saved before it are kept)")
+    if left:
+        lines.append(f"prompt file: not run: {', '.join(left)}")
+    return "\n".join(lines)
+
+
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
     # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
-    # are said now, not after the load and the run.
-    params, output = split_kwargs(request_options)
+    # are said now, not after the load and the run. With --prompt-file-path, every prompt's request is checked
+    # before the first runs, and the model loads once for all of them.
+    from_file = request_options.get("prompt_file_path") is not None
+    batch = _prompt_file_batch(request_options) if from_file else [("", request_options)]
+    params, output = split_kwargs(batch[0][1])
     require_media_package(params, output)
-    check_request_before_loading(engine_options, params)
-    request_options = _checked_output_options(request_options)
+    if from_file and _is_upscaler_before_loading(engine_options):
+        _refuse_prompt_file_for_upscaling()
+    checked = []
+    for index, (label, options) in enumerate(batch):
+        try:
+            check_request_before_loading(engine_options, split_kwargs(options)[0])
+            checked.append((label, _checked_output_options(options, quiet=index > 0)))
+        except ValueError as exc:
+            raise ValueError(f"{label} of --prompt-file-path: {exc}" if label else str(exc)) from None
+    batch = checked
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_cli_options(model_path, **engine_options)
-    bar = None
+    done: list[tuple[str, Any]] = []
+    current = None
     try:
         variant = generator.variant
         if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
+            if from_file:
+                _refuse_prompt_file_for_upscaling()
             _refuse_text_for_upscaling(params)
-        bar = StepBar("denoising" if variant.family == "generation" else "super-resolution")
-        try:
-            result = generator.generate(request_options, on_progress=bar.update)
-        except MissingSourceVideo:
-            # The model was recognised only once loaded (a hub id not among the released ones): the API's message
-            # names its keyword, this one the flag.
-            raise ValueError(MissingSourceVideo.FLAG_WORDING) from None
-        except MissingPrompt:
-            raise ValueError(MissingPrompt.FLAG_WORDING) from None
+        for index, (label, options) in enumerate(batch):
+            current = label
+            if from_file:
+                print(f"[{index + 1}/{len(batch)}] {label}: {options['prompt']}", file=sys.stderr)
+            result = _run_one(generator, variant, options)
+            done.append((label, result))
+            for note in result.notes:
+                print(f"note: {note}", file=sys.stderr)
+            print(format_timings(result))
+            print(format_summary(result))
+        current = None
+    except BaseException:
+        if from_file:
+            left = [label for label, _ in batch[len(done) + (current is not None):]]
+            print(_batch_report(done, current, left, len(batch)), file=sys.stderr)
+        raise
     finally:
-        if bar is not None:
-            bar.close()
         generator.shutdown()
-    for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
-    print(format_timings(result))
-    print(format_summary(result))
+    if from_file and len(batch) > 1:
+        print(_batch_report(done, None, [], len(batch)))
     return 0
+
+
+def _is_upscaler_before_loading(engine_options: dict[str, Any]) -> bool:
+    variant = _variant_before_loading(engine_options)
+    return variant is not None and variant.family != GENERATION
+
+
+def _run_one(generator: DiffGenerator, variant, options: dict[str, Any]):
+    """One request with its own progress bar, the API's errors in the flags' words."""
+    bar = StepBar("denoising" if variant.family == GENERATION else "super-resolution")
+    try:
+        return generator.generate(options, on_progress=bar.update)
+    except MissingSourceVideo:
+        # The model was recognised only once loaded (a hub id not among the released ones): the API's message
+        # names its keyword, this one the flag.
+        raise ValueError(MissingSourceVideo.FLAG_WORDING) from None
+    except MissingPrompt:
+        raise ValueError(MissingPrompt.FLAG_WORDING) from None
+    finally:
+        bar.close()

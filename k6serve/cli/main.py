@@ -222,13 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"k6serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    generate = sub.add_parser("generate", help="Run one request offline and write the MP4.")
+    generate = sub.add_parser("generate", help="Run one request offline and write the MP4 (or one per line of "
+                              "--prompt-file-path).")
     generate.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     # Also after the command, where a user appends it to the command that just failed ("rerun with --log-level
     # debug"); SUPPRESS leaves the value given before the command in place when it is not repeated here.
     add_log_level_flag(generate, argparse.SUPPRESS)
     add_engine_flags(generate)
     add_request_flags(generate)
+    generate.add_argument(
+        "--prompt-file-path", default=None, metavar="FILE",
+        help="Text file with one prompt per line (blank lines skipped): the model loads once and runs one request "
+             "per prompt, each with the other flags as given (the same --seed); instead of --prompt. A given "
+             "--output-file-name is numbered (clip_1.mp4, clip_2.mp4...). Generation models only.")
     serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).")
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)

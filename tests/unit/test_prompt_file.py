@@ -1,0 +1,171 @@
+"""`k6serve generate --prompt-file-path`: one prompt per line, the model loaded once, every prompt's request checked
+before the first runs, and a run stopped part way keeps what it saved and says which lines did not run (CPU, the
+tiny distilled checkpoint in process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k6serve import DiffGenerator
+from k6serve.api import build_engine_config
+from k6serve.cli.generate import numbered_file_names, read_prompt_file
+from k6serve.cli.main import main
+from k6serve.media.probe import probe
+from k6serve.runtime.engine import Engine
+from k6serve.runtime.worker import ModelWorker
+
+
+def test_prompt_file_lines_are_stripped_and_blank_ones_skipped(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffA cat plays piano\n\n   \n  A dog runs\t\r\n# a hash begins this prompt\n".encode())
+    assert read_prompt_file(str(path)) == [(1, "A cat plays piano"), (4, "A dog runs"),
+                                           (5, "# a hash begins this prompt")]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "does not exist; pass a text file with one prompt per line"),
+        ("folder", "is a folder; pass a text file"),
+        (b"\n \n", "holds no prompt; write one prompt per line"),
+        (b"fine\n\xff\xfe bad\n", "line 2 is not UTF-8 text (invalid start byte at byte 1); save the file as UTF-8"),
+    ],
+)
+def test_unreadable_prompt_files_say_how_to_fix_them(tmp_path, content, message):
+    path = tmp_path / "prompts.txt"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_prompt_file(str(path))
+
+
+def test_a_given_output_name_is_numbered_per_prompt():
+    assert numbered_file_names("clip.mp4", 1) == ["clip.mp4"]
+    assert numbered_file_names("clip", 3) == ["clip_1.mp4", "clip_2.mp4", "clip_3.mp4"]
+    assert numbered_file_names("clip.MP4", 10)[0] == "clip_01.mp4"  # sorted by name = the file's order
+    assert numbered_file_names("clip", 10)[-1] == "clip_10.mp4"
+
+
+@pytest.fixture
+def loads(tiny_distill_dir, monkeypatch):
+    """`k6serve generate` on in-process workers; the list records each model load."""
+    import k6serve.cli.generate as generate_module
+
+    loaded = []
+
+    def from_cli_options(model_path, **options):
+        loaded.append(model_path)
+        config = build_engine_config(model_path, **options)
+        return DiffGenerator(Engine(config, worker=ModelWorker(config)), wording=str)
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
+    return loaded
+
+
+def _args(tiny_distill_dir, tmp_path, *flags):
+    return ["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--height", "32", "--width", "32",
+            "--num-frames", "5", "--output-path", str(tmp_path / "out"), *flags]
+
+
+def test_each_prompt_of_the_file_is_one_video_from_one_model_load(tiny_distill_dir, tmp_path, loads, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("A cat plays piano\n\nA dog runs on a beach\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
+                      "clip")) == 0
+    captured = capsys.readouterr()
+    assert len(loads) == 1
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["clip_1.mp4", "clip_2.mp4"]
+    for name in ("clip_1.mp4", "clip_2.mp4"):
+        info = probe(tmp_path / "out" / name)
+        assert (info.width, info.height, info.num_frames) == (32, 32, 5)
+    assert "[1/2] line 1: A cat plays piano" in captured.err and "[2/2] line 3: A dog runs on a beach" in captured.err
+    assert captured.out.count("saved ") == 2
+    assert captured.out.rstrip().endswith("prompt file: 2 of 2 requests finished, 2 saved")
+
+
+def test_derived_names_follow_each_prompt(tiny_distill_dir, tmp_path, loads, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("red fox\nblue whale\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--seed", "3")) == 0
+    names = sorted(path.name for path in (tmp_path / "out").iterdir())
+    assert [name.split("_seed3_")[0] for name in names] == ["blue_whale", "red_fox"]
+
+
+def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"prompt_file_path: {prompts}\noutput_file_name: only\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--config", str(config))) == 0
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["only.mp4"]  # one prompt: the name as given
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import k6serve.cli.generate as generate_module
+
+    def from_cli_options(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt", "x"], "--prompt and --prompt-file-path both give the prompt; pass one of them."),
+        # Every prompt's request is checked before the load: the one that fails is named by its line.
+        (["--height", "60"], "line 1 of --prompt-file-path: height must be a positive multiple of 16"),
+        (["--output-file-name", "taken"], "line 2 of --prompt-file-path: '{out}/taken_2.mp4' already exists and was "
+                                          "left as it is"),
+    ],
+)
+def test_a_bad_batch_is_refused_before_the_model_loads(tiny_distill_dir, tmp_path, no_model_load, capsys, flags,
+                                                       message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "taken_2.mp4").write_bytes(b"keep")
+    args = _args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), *flags)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: {message.format(out=tmp_path / 'out')}" in err and "Traceback" not in err
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["taken_2.mp4"]
+
+
+def test_the_super_resolution_model_refuses_a_prompt_file(tiny_sr_dir, tmp_path, no_model_load, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\n")
+    assert main(["generate", "--model-path", str(tiny_sr_dir), "--video-path", "clip.mp4", "--prompt-file-path",
+                 str(prompts)]) == 2
+    assert ("error: --prompt-file-path gives prompts to the generation models; the super-resolution model upscales "
+            "--video-path and takes no text") in capsys.readouterr().err
+
+
+def test_a_run_stopped_part_way_keeps_what_it_saved_and_names_the_lines_left(tiny_distill_dir, tmp_path, loads,
+                                                                              monkeypatch, capsys):
+    import errno
+
+    from k6serve.media import mux
+
+    real_fsync = mux._fsync
+
+    def disk_full_on_the_second(path):
+        if "clip_2" in str(path):  # the second video's partial file
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_fsync(path)
+
+    monkeypatch.setattr(mux, "_fsync", disk_full_on_the_second)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n\nthird\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
+                      "clip")) == 1
+    err = capsys.readouterr().err
+    assert ("prompt file: 1 of 3 requests finished, 1 saved\n"
+            "prompt file: line 2 stopped the run (the videos saved before it are kept)\n"
+            "prompt file: not run: line 4\n") in err
+    assert "error: writing the MP4 failed: No space left on device" in err
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["clip_1.mp4"]
+    assert probe(tmp_path / "out" / "clip_1.mp4").num_frames == 5
