@@ -133,11 +133,12 @@ class RefuseConflictingFraming:
         await self.app(scope, receive, send)
 
 
-def served_model_names(engine: Engine) -> tuple[str, ...]:
-    """The id shown by /v1/models first, then the other names a request's `model` may use."""
+def served_model_names(engine: Engine, served_model_name: str | None = None) -> tuple[str, ...]:
+    """The id shown by /v1/models first (`--served-model-name` when given), then the other names a request's `model`
+    may use, lower-cased (a request naming the checkpoint keeps working when the operator renames it)."""
     variant = engine.variant
     model_path = engine.config.model.model_path
-    names = [variant.hub_id or Path(model_path).name, variant.name, Path(model_path).name]
+    names = [served_model_name, variant.hub_id or Path(model_path).name, variant.name, Path(model_path).name]
     if variant.hub_id:
         names.append(variant.hub_id.split("/")[-1])
     unique = list(dict.fromkeys(n for n in names if n))
@@ -151,7 +152,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     metrics = ServerMetrics()
     runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
     allowed = list(settings.allowed_input_dirs) or [Path("inputs"), artifacts.upload_dir]
-    names = served_model_names(engine)
+    names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model
     ctx = ServerContext(engine=engine, store=store, artifacts=artifacts, settings=settings, metrics=metrics,
                         runner=runner, inputs=InputPathPolicy(allowed), model_name=names[0],
@@ -220,12 +221,12 @@ async def _sweep_expired(ctx: ServerContext) -> None:
 def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
     known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
-             "allowed_input_dir", "api_key"}
+             "allowed_input_dir", "api_key", "served_model_name"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
     values: dict[str, Any] = {}
-    for name in ("host", "port", "max_queued_jobs", "max_upload_mb"):
+    for name in ("host", "port", "max_queued_jobs", "max_upload_mb", "served_model_name"):
         if options.get(name) is not None:
             values[name] = options[name]
     for name in ("output_path", "job_store"):

@@ -240,7 +240,7 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         sent = await _read_body(request, ctx, upload_id)
         uploads = sent.uploads
         body = parse_create_body(sent.fields, form=sent.form)
-        params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names)
+        params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names, model_name=ctx.model_name)
         params = _checked_paths(params, ctx, uploaded=set(uploads))
         try:
             resolved, notes = ctx.engine.resolve(params)

@@ -185,11 +185,14 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
                            bool_fields=frozenset(_BOOL_FIELDS), form=form)
 
 
-def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...]) -> SamplingParams:
-    """OpenAI fields mapped onto SamplingParams (size -> width/height, seconds -> num_frames)."""
+def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...],
+                       model_name: str | None = None) -> SamplingParams:
+    """OpenAI fields mapped onto SamplingParams (size -> width/height, seconds -> num_frames). `served_names`: the
+    lower-cased names `model` may take; `model_name`: the id /v1/models lists, as the refusal names it."""
     values = {name: getattr(body, name) for name in HTTP_FIELD_NAMES if name not in _HTTP_ONLY_FIELDS}
     if body.model is not None and body.model.lower() not in served_names:
-        raise ApiError(400, f"model {body.model!r} is not served here; use {served_names[0]!r} or omit model "
+        listed = model_name or served_names[0]
+        raise ApiError(400, f"model {body.model!r} is not served here; use {listed!r} or omit model "
                             "(GET /v1/models lists it).", code="model_not_found", param="model")
     is_sr = variant.family == SUPER_RESOLUTION
     if is_sr and (body.size is not None or body.seconds is not None):

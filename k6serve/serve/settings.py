@@ -18,6 +18,9 @@ class ServerSettings:
     max_upload_mb: float = 512.0
     allowed_input_dirs: tuple[Path, ...] = ()  # empty: ./inputs and the upload folder
     api_key: str | None = None
+    # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
+    # `model` may use otherwise (the hub id, the variant, the folder) stay accepted. None: the checkpoint's id.
+    served_model_name: str | None = None
     cleanup_interval_s: float = 60.0
     cancel_wait_s: float = 10.0  # how long DELETE waits for a running job to stop at a step boundary
 
@@ -40,6 +43,14 @@ class ServerSettings:
             # HTTP drops the spaces around a header value, so no client could ever send this key.
             raise ValueError("--api-key must not start or end with whitespace, which no Authorization header can "
                              "carry; pass the key without it.")
+
+        if self.served_model_name is not None:
+            name = self.served_model_name
+            if not name.strip() or name != name.strip() or not name.isprintable():
+                # Compared with a request's `model` as given (lower-cased): a name with spaces around it or a
+                # control character could never be matched, and an empty one lists a model with no id.
+                raise ValueError(f"--served-model-name must be a non-empty name without spaces around it or "
+                                 f"control characters, got {name!r}; e.g. --served-model-name k6-pro-distill.")
 
     def check_paths(self) -> None:
         """Refuse, before the model loads, an output folder or job store whose path a file or a folder already takes

@@ -362,6 +362,24 @@ def test_a_local_folder_is_named_by_the_released_checkpoint_it_is_for_both_famil
             server.stop()
 
 
+def test_served_model_name_is_the_listed_id_and_the_checkpoints_names_stay_accepted(tmp_path):
+    server = start_server(tmp_path, served_model_name="K6-Pro-Distill")
+    try:
+        with server.client() as client:
+            [card] = client.get("/v1/models").json()["data"]
+            assert card["id"] == "K6-Pro-Distill"
+            for name in ("K6-Pro-Distill", "k6-pro-distill", "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"):
+                job = client.post("/v1/videos", json={"prompt": "m", "size": "32x32", "num_frames": 5,
+                                                      "model": name}).json()
+                assert job["model"] == "K6-Pro-Distill", job
+                assert wait_for(client, job["id"])["status"] == "completed"
+            refused = client.post("/v1/videos", json={"prompt": "m", "model": "other"})
+            assert refused.status_code == 400
+            assert "model 'other' is not served here; use 'K6-Pro-Distill'" in refused.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
 def test_models_health_metrics(fake_client):
     models = fake_client.get("/v1/models").json()
     assert models["object"] == "list"

@@ -559,7 +559,7 @@ def test_serve_cli_flags_become_settings(monkeypatch):
     args = parser.parse_args(["serve", "--model-path", "m", "--host", "0.0.0.0", "--port", "8080", "--output-path",
                               "out", "--job-store", "j.db", "--output-ttl", "60", "--max-queued-jobs", "3",
                               "--max-upload-mb", "2.5", "--allowed-input-dir", "a", "--allowed-input-dir", "b",
-                              "--api-key", "k"])
+                              "--api-key", "k", "--served-model-name", "k6-pro"])
     engine, server = split_options(merged_options(args, parser))
     assert engine == {"model_path": "m"}
     settings = settings_from_options(server)
@@ -568,11 +568,17 @@ def test_serve_cli_flags_become_settings(monkeypatch):
     assert (settings.output_ttl_s, settings.max_queued_jobs, settings.max_upload_bytes, settings.api_key) == \
         (60.0, 3, int(2.5 * 2**20), "k")
     assert [str(d) for d in settings.allowed_input_dirs] == ["a", "b"]
+    assert settings.served_model_name == "k6-pro"
     defaults = settings_from_options(split_options(merged_options(parser.parse_args(["serve", "--model-path", "m"]),
                                                                   parser))[1])
     assert (defaults.port, defaults.api_key, str(defaults.job_store_path)) == (30000, None, "outputs/jobs.sqlite3")
     with pytest.raises(ValueError, match="max-queued-jobs"):
         settings_from_options({"max_queued_jobs": 0})
+    assert defaults.served_model_name is None
+    for bad in ("", " k6", "k6\n"):
+        with pytest.raises(ValueError, match=r"--served-model-name must be a non-empty name without spaces around it "
+                                             r"or control characters, got .*; e.g. --served-model-name k6-pro-distill"):
+            settings_from_options({"served_model_name": bad})
 
 
 def test_sigterm_stops_the_running_job_at_once_and_answers_a_waiting_lora_call_in_json(tmp_path):
