@@ -17,7 +17,8 @@ DEVICES = ("auto", "cuda", "cpu")
 PERFORMANCE_MODES = ("speed", "balanced", "memory")
 OFFLOAD_MODES = ("balanced", "memory")  # the modes that keep weights in host memory (k6serve/offload/)
 WARMUP_MODES = ("off", "request", "server")
-ATTENTION_BACKENDS = ("auto", "fa", "fa_fp8", "torch_sdpa", "sdpa")
+# "fa3" and "fa4" are the reference's spellings of "fa" (plain aliases: the GPU and $K6SERVE_FA4 pick the kernel).
+ATTENTION_BACKENDS = ("auto", "fa", "fa3", "fa4", "fa_fp8", "torch_sdpa", "sdpa")
 # Online quantization of the generation DiT's video-token linears (speed/fp8_linears.py): lossy, opt-in.
 QUANTIZATIONS = ("none", "fp8")
 ENCODER_PARALLEL = ("auto", "fold", "replicate")
@@ -286,8 +287,8 @@ class RuntimeConfig:
                              f"got {self.vae_parallel_decode_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), "
-                f"got {self.attention_backend!r}"
+                f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), fa3 or fa4 (aliases "
+                f"of fa), got {self.attention_backend!r}"
             )
 
     def _check_block_streaming(self) -> None:

@@ -8,14 +8,18 @@ Backends (the names the seeds and `--attention-backend` use):
 * "torch_sdpa" (alias "sdpa"): `F.scaled_dot_product_attention`. On CUDA it prefers cuDNN attention
   (fastest torch kernel on Hopper, performance.md §2.2), then flash, efficient, math. On CPU it is the
   exact call diffusers makes, so CPU outputs are bitwise equal to diffusers.
-* "fa": FlashAttention-3 forward from the `fa3-fwd` wheel (sm_90 kernels, bf16; the wheel is built
-  without fp16); with 64-wide heads FlashAttention-4 instead when `flash-attn-4` is installed, where it
-  measured faster (ops/flash_attention4.py). FA3 takes no mask, so a call with a key mask, or with a dtype FA3 cannot take, runs on
-  "torch_sdpa" instead: the math is the same, only the kernel differs. In Kandinsky 6 that is the text
-  self/cross-attentions with a padding mask; the large unmasked video self-attention stays on FA3.
+* "fa" (aliases "fa3", "fa4": the reference's spellings, names only; $K6SERVE_FA4 chooses the kernel): on Hopper,
+  FlashAttention-3 forward from the `fa3-fwd` wheel (sm_90 kernels, bf16; the wheel is built without fp16); with
+  64-wide heads FlashAttention-4 instead when `flash-attn-4` is installed, where it measured faster
+  (ops/flash_attention4.py). On datacenter Blackwell (sm_100 B200/GB200, sm_103 B300/GB300), where fa3-fwd's sm_90a
+  kernels cannot run, FlashAttention-4 takes every one of those calls, Ring attention's (out, lse) ones included
+  (CPU-tested dispatch only: no Blackwell GPU was available; FA4's probe at load guards the kernels). FA3 and FA4
+  take no mask, so a call with a key mask, or with a dtype they cannot take, runs on "torch_sdpa" instead: the math
+  is the same, only the kernel differs. In Kandinsky 6 that is the text self/cross-attentions with a padding mask;
+  the large unmasked video self-attention stays on FlashAttention.
 * "fa_fp8" (opt-in, lossy): "fa", except that the unmasked calls with at least 4,096 keys (the video
   self-attentions) run FA3's e4m3 kernel on per-head-scaled FP8 copies of Q, K and V (ops/fp8_attention.py).
-  No performance mode picks it: its rounding is far coarser than bf16's.
+  No performance mode picks it: its rounding is far coarser than bf16's. Hopper only (FA3's FP8 kernel).
 
 Shape legend: B batch, L query length, S key length, H heads, D head dim.
 """
@@ -23,6 +27,7 @@ Shape legend: B batch, L query length, S key length, H heads, D head dim.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import sys
@@ -35,15 +40,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k6serve.ops import flash_attention4, fp8_attention
 
-FLASH_ATTENTION_3 = "fa"
-FLASH_ATTENTION_3_FP8 = "fa_fp8"
+logger = logging.getLogger(__name__)
+
+FLASH_ATTENTION = "fa"
+FLASH_ATTENTION_FP8 = "fa_fp8"
 TORCH_SDPA = "torch_sdpa"
-BACKENDS = (FLASH_ATTENTION_3, FLASH_ATTENTION_3_FP8, TORCH_SDPA)
-_FA3_BACKENDS = (FLASH_ATTENTION_3, FLASH_ATTENTION_3_FP8)
-_ALIASES = {"sdpa": TORCH_SDPA}
+BACKENDS = (FLASH_ATTENTION, FLASH_ATTENTION_FP8, TORCH_SDPA)
+_FLASH_BACKENDS = (FLASH_ATTENTION, FLASH_ATTENTION_FP8)
+# "fa3" / "fa4" are the reference's spellings of "fa" (serving-reference.md), plain aliases as there: they do not pick
+# a kernel (the GPU and $K6SERVE_FA4 do), so "fa3" on a B200 runs FA4 and "fa4" on an H200 runs FA3 for 128-wide heads.
+_ALIASES = {"sdpa": TORCH_SDPA, "fa3": FLASH_ATTENTION, "fa4": FLASH_ATTENTION}
 
 # The fa3-fwd 0.0.3 wheel ships sm_90a kernels only (performance.md §6); elsewhere it imports but cannot run.
 _FA3_CAPABILITIES = ((9, 0),)
+# Datacenter Blackwell, compute capability 10.x: sm_100 (B200, GB200) and sm_103 (B300, GB300). There "fa" runs FA4,
+# which has SM100 kernels. Not sm_120 (RTX Blackwell): the reference maps FA to SDPA there, and flash-attn-4's SM120
+# path is a different, smaller kernel that crashed in vLLM-Omni (performance.md §6).
+_DATACENTER_BLACKWELL_MAJOR = 10
 _FA3_DTYPES = (torch.bfloat16,)
 _CUDA_SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
@@ -139,36 +152,113 @@ def fa3_unavailable_reason(device: torch.device | str) -> str | None:
     return None if flash_attn_func is not None else reason
 
 
+def _is_datacenter_blackwell(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device)[0] == _DATACENTER_BLACKWELL_MAJOR
+    )
+
+
+def _architecture(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    name = {10: " (datacenter Blackwell)", 12: " (RTX Blackwell)"}.get(major, "")
+    return f"sm_{major}{minor}{name}"
+
+
+def prepare_flash_attention(device: torch.device | str) -> tuple[str, str] | None:
+    """Get backend "fa" ready on `device`: None when it can run, else (why not, the fix other than SDPA, or "").
+
+    Hopper: FA3 when fa3-fwd imports, plus FA4 for the head dims where it is faster if installed. Datacenter Blackwell:
+    FA4 for every call, imported and probed here. Anywhere else no FlashAttention kernel k6serve uses can run."""
+    device = torch.device(device)
+    if _is_datacenter_blackwell(device):
+        reason = flash_attention4.prepare(device, every_call=True)
+        if reason is None:
+            return None
+        why = f"on this GPU, {_architecture(device)}, it runs FlashAttention-4 (fa3-fwd's kernels are Hopper only)"
+        variable = flash_attention4.ENVIRONMENT_VARIABLE
+        if reason == f"${variable}=0":
+            return f"{why}, and ${variable}=0 turns FlashAttention-4 off", f"Unset {variable}"
+        if flash_attention4.load()[0] is None:
+            return f"{why}, but {reason}", f"Install it with `{flash_attention4.INSTALL_COMMAND}`"
+        return f"{why}, but {reason}", (
+            f"Check the flash-attn-4 install (`{flash_attention4.INSTALL_COMMAND}`; its JIT needs the CUDA 13 "
+            f"cutlass-dsl libraries and a matching driver)"
+        )
+    if (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device) not in _FA3_CAPABILITIES
+    ):
+        why = (
+            f"k6serve's FlashAttention kernels run on Hopper (sm_90: FlashAttention-3 from fa3-fwd) and datacenter "
+            f"Blackwell (sm_100, sm_103: FlashAttention-4) only, and this GPU is {_architecture(device)}"
+        )
+        return why, ""
+    reason = fa3_unavailable_reason(device)
+    if reason is not None:
+        return reason, ""
+    flash_attention4.prepare(device)
+    return None
+
+
 def canonical_backend_name(name: str) -> str:
     """Map an alias to its backend name; raise ValueError listing the valid names otherwise."""
     canonical = _ALIASES.get(name, name)
     if canonical not in BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}; valid backends are 'fa' (FlashAttention-3), "
-            f"'fa_fp8' (FlashAttention-3 in FP8 for the long attentions, lossy) and 'torch_sdpa' (alias 'sdpa')"
+            f"unknown attention backend {name!r}; valid backends are 'fa' (FlashAttention: FA3 on Hopper, FA4 on "
+            f"datacenter Blackwell; aliases 'fa3', 'fa4'), 'fa_fp8' (FlashAttention-3 in FP8 for the long "
+            f"attentions, lossy, Hopper only) and 'torch_sdpa' (alias 'sdpa')"
         )
     return canonical
+
+
+def _default_backend(device: torch.device) -> str:
+    unavailable = prepare_flash_attention(device)
+    if unavailable is None:
+        return FLASH_ATTENTION
+    if _is_datacenter_blackwell(device):  # the GPU FlashAttention is meant for here: say what is missing
+        why, fix = unavailable
+        logger.warning(
+            "attention backend 'fa' cannot run: %s. Attention runs on torch_sdpa instead, slower. %s to run "
+            "FlashAttention.", why, fix,
+        )
+    return TORCH_SDPA
 
 
 def resolve_attention_backend(requested: str | None, device: torch.device | str) -> str:
     """The backend to use on `device`: the requested one if it can run, else a ValueError saying why.
 
-    None picks the default: "fa" on Hopper when fa3-fwd imports, else "torch_sdpa" (never the lossy "fa_fp8").
-    When the result is "fa" or "fa_fp8", FlashAttention-4 is imported here too if installed, so the head dims where
-    it is faster use it (with "fa_fp8", in the calls the FP8 kernel does not take; ops/flash_attention4.py).
+    None (or "auto") picks the default: "fa" on Hopper when fa3-fwd imports and on datacenter Blackwell when
+    FlashAttention-4 imports and passes its probe (else a warning saying how to install it), "torch_sdpa" elsewhere
+    (never the lossy "fa_fp8"). When the result is "fa" or "fa_fp8", FlashAttention-4 is imported here too if
+    installed, so the calls it takes use it (on Hopper the head dims where it is faster; with "fa_fp8", in the calls
+    the FP8 kernel does not take; ops/flash_attention4.py).
     """
-    if requested is None:
-        backend = FLASH_ATTENTION_3 if fa3_unavailable_reason(device) is None else TORCH_SDPA
-    else:
-        backend = canonical_backend_name(requested)
-        if backend in _FA3_BACKENDS:
-            reason = fa3_unavailable_reason(device)
-            if reason is not None:
-                raise ValueError(
-                    f"attention backend {backend!r} (FlashAttention-3) cannot run here: {reason}. "
-                    f"Use --attention-backend torch_sdpa."
-                )
-    if backend in _FA3_BACKENDS:
+    device = torch.device(device)
+    if requested is None or requested == "auto":
+        return _default_backend(device)
+    backend = canonical_backend_name(requested)
+    if backend == FLASH_ATTENTION:
+        unavailable = prepare_flash_attention(device)
+        if unavailable is not None:
+            why, fix = unavailable
+            name = repr(requested) if requested == backend else f"{requested!r} (an alias of 'fa')"
+            fix = f"{fix}, or use" if fix else "Use"
+            raise ValueError(
+                f"attention backend {name} (FlashAttention) cannot run here: {why}. "
+                f"{fix} --attention-backend torch_sdpa."
+            )
+    elif backend == FLASH_ATTENTION_FP8:
+        reason = fa3_unavailable_reason(device)
+        if reason is not None:
+            other = "fa (FlashAttention-4 on this GPU) or " if _is_datacenter_blackwell(device) else ""
+            raise ValueError(
+                f"attention backend {backend!r} (FlashAttention-3) cannot run here: {reason}. "
+                f"Use --attention-backend {other}torch_sdpa."
+            )
         flash_attention4.prepare(device)
     return backend
 
@@ -186,8 +276,9 @@ def _fa3_function() -> Callable[..., object]:
 
 
 def _uses_fa3(backend: str, query_BLHD: Tensor, key_mask_BS: Tensor | None) -> bool:
+    """Whether the call takes the FlashAttention path: FA3 on Hopper, FA4 where `flash_attention4` says so."""
     return (
-        backend in _FA3_BACKENDS
+        backend in _FLASH_BACKENDS
         and key_mask_BS is None
         and query_BLHD.is_cuda
         and query_BLHD.dtype in _FA3_DTYPES
@@ -233,7 +324,7 @@ def attention(
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
-        if backend == FLASH_ATTENTION_3_FP8 and fp8_attention.applies(query_BLHD, key_BLHD):
+        if backend == FLASH_ATTENTION_FP8 and fp8_attention.applies(query_BLHD, key_BLHD):
             return fp8_attention.fp8_attention(_fa3_function(), query_BLHD, key_BLHD, value_BLHD)
         if flash_attention4.wanted(query_BLHD.shape[-1]):  # FA4 where it is faster (ops/flash_attention4.py)
             return flash_attention4.fa4_attention(query_BLHD, key_BLHD, value_BLHD)
@@ -285,17 +376,19 @@ def attention_with_lse(
     """`attention()` that also returns the fp32 log-sum-exp of the scaled scores, (B, H, L).
 
     Used to merge partial results (Ring attention). CUDA: FA3 when the backend is "fa" (its FP8 kernel for the
-    long calls with "fa_fp8": a ring step's keys are one shard), else torch's
+    long calls with "fa_fp8": a ring step's keys are one shard), FA4 instead on datacenter Blackwell, else torch's
     cuDNN op for unmasked bf16/fp16; everything else (CPU, masks, fp32) takes the plain math path.
     """
     backend = canonical_backend_name(backend)
     _check_key_mask(key_mask_BL)
     if _uses_fa3(backend, query_BLHD, key_mask_BL):
-        if backend == FLASH_ATTENTION_3_FP8 and fp8_attention.applies(query_BLHD, key_BLHD):
+        if backend == FLASH_ATTENTION_FP8 and fp8_attention.applies(query_BLHD, key_BLHD):
             out_BLHD, lse_BHL = fp8_attention.fp8_attention(
                 _fa3_function(), query_BLHD, key_BLHD, value_BLHD, return_lse=True
             )
             return out_BLHD, lse_BHL
+        if flash_attention4.replaces_fa3():  # datacenter Blackwell: FA4's lse has FA3's layout, (B, H, L) fp32
+            return flash_attention4.fa4_attention_with_lse(query_BLHD, key_BLHD, value_BLHD)
         out_BLHD, lse_BHL = _fa3_function()(
             query_BLHD, key_BLHD, value_BLHD, return_attn_probs=True
         )

@@ -19,6 +19,13 @@ tile: no sequence length or head count, read from FA4's source); `prepare()`'s p
 backend is resolved, and by that key compiles the kernels of the head dims FA4 will take, so requests should not
 wait for them (`probe`; not yet timed on the GPU).
 
+On datacenter Blackwell (sm_100 B200/GB200, sm_103 B300/GB300) FA3 cannot run (fa3-fwd ships sm_90a kernels only),
+so there FA4 is the "fa" backend's kernel: `prepare(device, every_call=True)` (ops/attention.py decides) makes it take
+every call FA3 would take on Hopper, of every head dim, and Ring attention's (out, lse) calls too
+(`fa4_attention_with_lse`); a failure there is returned to the resolution, which falls back to SDPA (default) or
+refuses "fa" (explicit), since no FA3 stands behind it. That path is CPU-tested dispatch only (no Blackwell GPU was
+available): the probe at load is what guards the kernels.
+
 The call goes through the custom op `k6serve::fa4_attention`, so a compiled block keeps one graph around it
 (dynamo does not trace into FA4's Python launcher or its JIT), and `wanted()` reads module state only: the import
 happens eagerly in `prepare()`, never while dynamo traces (see `_FA3_FUNCTION` in ops/attention.py for what an
@@ -77,6 +84,11 @@ TILES = parse_tiles(os.environ.get(TILES_ENVIRONMENT_VARIABLE, ""))
 # True once `prepare()` imported FA4 and its probe passed on the device; read by `wanted()` (module state only, so
 # compiled regions never trace the import).
 _READY = False
+# True once `prepare(every_call=True)` succeeded (datacenter Blackwell): FA4 then replaces FA3 in every call.
+_EVERY_CALL = False
+# What to install, in the errors and warnings that ask for FA4 (the version k6serve was written against, performance.md
+# §6; its JIT needs the CUDA 13 cutlass-dsl libraries).
+INSTALL_COMMAND = 'pip install flash-attn-4==4.0.0b36 "nvidia-cutlass-dsl[cu13]"'
 
 
 @functools.cache
@@ -102,14 +114,17 @@ def load_tiled() -> Callable[..., object]:
     return _flash_attn_fwd
 
 
-def prepare(device: torch.device | str | None = None) -> str | None:
+def prepare(device: torch.device | str | None = None, *, every_call: bool = False) -> str | None:
     """Import FA4 now (eagerly) if `MODE` may use it, and on a CUDA `device` run `probe` for each head dim it will
     take; called where the "fa" backend is resolved. Returns why FA4 will not run, or None when it will. In "auto"
     mode a failure only logs a warning and FA3 keeps every call: an installed but broken FA4 (its JIT needs the
     CUDA 13 cutlass-dsl libraries and a matching driver) must not fail requests that FA3 would serve. With
-    $K6SERVE_FA4=1 it raises instead."""
-    global _READY
-    _READY = False
+    $K6SERVE_FA4=1 it raises instead.
+
+    `every_call=True` (datacenter Blackwell, where FA3 cannot run): FA4 takes every call FA3 would take, so every head
+    dim is probed, and a failure is returned without the warning: the caller falls back to SDPA or refuses "fa"."""
+    global _READY, _EVERY_CALL
+    _READY = _EVERY_CALL = False
     if MODE == "0":
         return f"${ENVIRONMENT_VARIABLE}=0"
     function, reason = load()
@@ -118,7 +133,8 @@ def prepare(device: torch.device | str | None = None) -> str | None:
             raise ValueError(_missing_message(reason))
         return reason
     if device is not None and torch.device(device).type == "cuda":
-        head_dims = sorted({*FASTER_HEAD_DIMS, *TILES}) if MODE == "auto" else sorted({64, 128, *TILES})
+        every_head_dim = MODE == "1" or every_call
+        head_dims = sorted({64, 128, *TILES}) if every_head_dim else sorted({*FASTER_HEAD_DIMS, *TILES})
         try:
             for head_dim in head_dims:
                 probe(torch.device(device), head_dim)
@@ -126,12 +142,13 @@ def prepare(device: torch.device | str | None = None) -> str | None:
             reason = f"flash-attn-4 imported but failed its probe ({type(error).__name__}: {error})"
             if MODE == "1":
                 raise ValueError(_missing_message(reason)) from error
-            logger.warning("%s; FA3 keeps every attention call", reason)
+            if not every_call:
+                logger.warning("%s; FA3 keeps every attention call", reason)
             return reason
-    _READY = True
+    _READY, _EVERY_CALL = True, every_call
     logger.info(
         "FlashAttention-4 ready: it runs the FA3 calls %s ($%s=%s)",
-        "of every head dim" if MODE == "1" else f"with head dims {sorted({*FASTER_HEAD_DIMS, *TILES})}",
+        "of every head dim" if MODE == "1" or every_call else f"with head dims {sorted({*FASTER_HEAD_DIMS, *TILES})}",
         ENVIRONMENT_VARIABLE, MODE,
     )
     if TILES:
@@ -167,13 +184,19 @@ def wanted(head_dim: int) -> bool:
     """Whether a call that would run FA3 runs FA4 instead. Module state only: safe inside compiled regions."""
     if MODE == "1":
         return True
-    return MODE == "auto" and _READY and (head_dim in FASTER_HEAD_DIMS or head_dim in TILES)
+    return MODE == "auto" and _READY and (_EVERY_CALL or head_dim in FASTER_HEAD_DIMS or head_dim in TILES)
+
+
+def replaces_fa3() -> bool:
+    """Whether FA4 runs every call FA3 would run, Ring attention's (out, lse) ones included: on datacenter Blackwell
+    once `prepare(every_call=True)` succeeded. On Hopper FA3 keeps the lse calls. Module state only."""
+    return _READY and _EVERY_CALL
 
 
 def _missing_message(reason: str) -> str:
     return (
-        f"{ENVIRONMENT_VARIABLE}=1 asks for FlashAttention-4 but {reason}; install flash-attn-4 (with "
-        f"nvidia-cutlass-dsl[cu13]) or unset {ENVIRONMENT_VARIABLE} to run FA3 where FA4 is missing"
+        f"{ENVIRONMENT_VARIABLE}=1 asks for FlashAttention-4 but {reason}; install it with `{INSTALL_COMMAND}`, "
+        f"or unset {ENVIRONMENT_VARIABLE} (on Hopper FA3 then runs where FA4 is missing)"
     )
 
 
@@ -198,3 +221,25 @@ def fa4_attention(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> T
 @fa4_attention.register_fake
 def _(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> Tensor:
     return query_BLHD.new_empty((*query_BLHD.shape[:-1], value_BSHD.shape[-1]))
+
+
+@torch.library.custom_op("k6serve::fa4_attention_with_lse", mutates_args=())
+def fa4_attention_with_lse(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> tuple[Tensor, Tensor]:
+    """`fa4_attention` that also returns the fp32 log-sum-exp of the scaled scores, (B, H, L), for Ring attention.
+
+    FA4's `flash_attn_func(..., return_lse=True)` returns (out, lse) with lse (B, H, L) float32 in natural log
+    (flash_attn/cute/interface.py, 4.0.0b36: `lse_shape = (batch_size, num_head, seqlen_q)`; the kernels multiply
+    the log2 sum by ln 2), the layout and base of FA3's. $K6SERVE_FA4_TILES is not applied here: it is for timing
+    the plain forward."""
+    function, reason = load()
+    if function is None:
+        raise ValueError(_missing_message(reason))
+    out_BLHD, lse_BHL = function(query_BLHD, key_BSHD, value_BSHD, return_lse=True)[:2]
+    return out_BLHD.contiguous(), lse_BHL.float().contiguous()
+
+
+@fa4_attention_with_lse.register_fake
+def _(query_BLHD: Tensor, key_BSHD: Tensor, value_BSHD: Tensor) -> tuple[Tensor, Tensor]:
+    batch, length, num_heads, _ = query_BLHD.shape
+    return (query_BLHD.new_empty((batch, length, num_heads, value_BSHD.shape[-1])),
+            query_BLHD.new_empty((batch, num_heads, length), dtype=torch.float32))

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -122,11 +123,22 @@ def test_fa_without_the_wheel_names_the_import_failure(monkeypatch):
     assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
 
 
-def test_fa_on_a_non_hopper_gpu_names_the_architecture(monkeypatch):
+@pytest.mark.parametrize(("capability", "architecture"), [((8, 9), "sm_89"), ((12, 0), r"sm_120 \(RTX Blackwell\)")])
+def test_fa_on_a_gpu_without_flash_attention_names_the_architecture(monkeypatch, caplog, capability, architecture):
+    """Ada and RTX Blackwell (sm_120, where the reference maps FA to SDPA too): an explicit "fa" (or its alias "fa4")
+    says which GPUs have FlashAttention and what to use; the default is SDPA, quietly (nothing to install there)."""
+    import logging
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    with pytest.raises(ValueError, match=r"Hopper \(sm_90\) only and this GPU is sm_89"):
-        resolve_attention_backend("fa", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for name in ("fa", "fa4"):
+        with pytest.raises(ValueError, match=rf"{name}'.*cannot run here: .*Hopper \(sm_90: FlashAttention-3 .* "
+                                             rf"datacenter Blackwell \(sm_100, sm_103: FlashAttention-4\) only, and "
+                                             rf"this GPU is {architecture}. Use --attention-backend torch_sdpa"):
+            resolve_attention_backend(name, "cuda")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
+    assert [record for record in caplog.records if record.name.startswith("k6serve")] == []
 
 
 def test_default_and_alias_resolution_on_cpu():
@@ -496,3 +508,228 @@ def test_fa3_split_count_reaches_the_kernel_inside_a_compiled_region(monkeypatch
         assert torch.allclose(audio_out, reference.transpose(1, 2), atol=1e-6)
     finally:
         torch._dynamo.reset()
+
+
+_REAL_CUDA_IS_AVAILABLE = torch.cuda.is_available
+
+
+class _StandInFA4:
+    """flash-attn-4's `flash_attn_func` on the CPU: SDPA in fp32, returning (out, lse) as FA4 does (lse (B, H, L) fp32
+    in natural log when return_lse=True, else None; flash_attn/cute/interface.py, 4.0.0b36)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, query_BLHD, key_BSHD, value_BSHD, return_lse=False):
+        self.calls.append((query_BLHD.shape[-1], return_lse))
+        out, lse = _math_reference(query_BLHD, key_BSHD, value_BSHD)
+        return out.to(query_BLHD.dtype), (lse.float() if return_lse else None)
+
+
+def _no_fa3(*args, **kwargs):
+    raise AssertionError("FA3 was called: its sm_90a kernels cannot run on Blackwell")
+
+
+@pytest.fixture
+def blackwell(monkeypatch):
+    """A datacenter Blackwell GPU (sm_100) with FA4 a stand-in and no FA3; `_uses_fa3` is the real rule with "the
+    tensor is on CUDA" taken as true, so CPU bf16 tensors take the FlashAttention path as CUDA ones would."""
+    from k6serve.ops import flash_attention4
+
+    fa4 = _StandInFA4()
+    probed = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(attention_ops, "_load_fa3", _no_fa3)
+    monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", _no_fa3)
+    monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: (
+        backend in ("fa", "fa_fp8") and mask is None and query.dtype == torch.bfloat16))
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    monkeypatch.setattr(flash_attention4, "TILES", {})
+    monkeypatch.setattr(flash_attention4, "_READY", False)
+    monkeypatch.setattr(flash_attention4, "_EVERY_CALL", False)
+    monkeypatch.setattr(flash_attention4, "load", lambda: (fa4, ""))
+    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim: probed.append((device.type, head_dim)))
+    fa4.probed = probed
+    return fa4
+
+
+def _compiled_through(op_name, function, backend):
+    """`function` compiled in one graph (fullgraph), checked to call the custom op `op_name` (not to trace into it)."""
+    def check(graph_module, example_inputs):
+        assert op_name in str(graph_module.graph), graph_module.graph
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    return torch.compile(functools.partial(function, backend=backend), backend=check, fullgraph=True)
+
+
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3)])  # B200 / GB200, B300 / GB300
+def test_fa_on_datacenter_blackwell_runs_fa4_for_every_call_fa3_would_run(blackwell, monkeypatch, capability):
+    """On sm_100 / sm_103 the default is "fa" once FA4 imports and passes its probe (both Kandinsky 6 head dims), and
+    every unmasked bf16 call of "fa" (or its aliases) runs FA4 through its custom op, inside compile without a graph
+    break, 128-wide heads included; Ring attention's lse call takes FA4's (out, lse). FA3 is never called; masked or
+    fp32 calls run SDPA as on Hopper."""
+    from k6serve.ops import flash_attention4
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_attention_backend(None, "cuda") == "fa"
+    assert blackwell.probed == [("cuda", 64), ("cuda", 128)]
+    assert flash_attention4.replaces_fa3()
+    # The dispatch reads module state only (no device query inside compiled regions); dynamo itself must see the
+    # CPU-only torch again, or it tries to initialise CUDA.
+    monkeypatch.setattr(torch.cuda, "is_available", _REAL_CUDA_IS_AVAILABLE)
+    for head_dim in (128, 64):
+        query, key, value, key_mask = (x.bfloat16() if x.is_floating_point() else x
+                                       for x in _inputs(head_dim=head_dim))
+        expected, expected_lse = _math_reference(query, key, value)
+        for name in ("fa", "fa3", "fa4"):
+            blackwell.calls.clear()
+            out = _compiled_through("k6serve.fa4_attention.default", attention, name)(query, key, value)
+            assert blackwell.calls == [(head_dim, False)], name
+            torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+        blackwell.calls.clear()
+        out, lse = _compiled_through("k6serve.fa4_attention_with_lse.default", attention_with_lse, "fa")(
+            query, key, value)
+        assert blackwell.calls == [(head_dim, True)]
+        assert lse.dtype == torch.float32 and lse.shape == expected_lse.shape
+        torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+        blackwell.calls.clear()
+        attention(query, key, value, key_mask_BL=key_mask, backend="fa")  # masked: SDPA
+        attention(query.float(), key.float(), value.float(), backend="fa")  # not bf16: SDPA
+        attention_with_lse(query, key, value, key_mask_BL=key_mask, backend="fa")
+        assert blackwell.calls == []
+    torch._dynamo.reset()
+
+
+def test_fa4_with_lse_op_traces_with_its_fake(blackwell):
+    """The (out, lse) op has a fake implementation, so a compiled Ring step sees FA4's shapes: out (B, L, H, D) in the
+    query dtype, lse (B, H, L) fp32."""
+    from k6serve.ops import flash_attention4
+
+    query, key, value = (x.bfloat16() for x in _inputs(length=5, keys=11, heads=2, head_dim=64)[:3])
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        out, lse = flash_attention4.fa4_attention_with_lse(*(mode.from_tensor(x) for x in (query, key, value)))
+    assert out.shape == (2, 5, 2, 64) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 2, 5) and lse.dtype == torch.float32
+
+
+INSTALL = re.escape('pip install flash-attn-4==4.0.0b36 "nvidia-cutlass-dsl[cu13]"')
+
+
+def test_blackwell_without_fa4_defaults_to_sdpa_and_refuses_fa_saying_how_to_install(blackwell, monkeypatch, caplog):
+    """A B200 without flash-attn-4: the default warns how to install it and runs SDPA; an explicit "fa" (or "fa4")
+    is refused with the pip command or torch_sdpa; nothing is routed to FA4 (or FA3) afterwards."""
+    import logging
+
+    from k6serve.ops import flash_attention4
+
+    monkeypatch.setattr(flash_attention4, "load", lambda: (None, "flash-attn-4 could not be imported (x)"))
+    with caplog.at_level(logging.WARNING, logger="k6serve.ops.attention"):
+        assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
+    assert re.search(rf"sm_100 \(datacenter Blackwell\), it runs FlashAttention-4 .*could not be imported \(x\).*"
+                     rf"runs on torch_sdpa.*{INSTALL}", caplog.text)
+    for name, said in (("fa", "'fa'"), ("fa4", r"'fa4' \(an alias of 'fa'\)")):
+        with pytest.raises(ValueError, match=rf"attention backend {said} \(FlashAttention\) cannot run here: on this "
+                                             rf"GPU, sm_100 \(datacenter Blackwell\), it runs FlashAttention-4.*could "
+                                             rf"not be imported \(x\). Install it with `{INSTALL}`, or use "
+                                             rf"--attention-backend torch_sdpa."):
+            resolve_attention_backend(name, "cuda")
+    assert not flash_attention4.replaces_fa3() and not flash_attention4.wanted(128)
+    assert blackwell.probed == []
+
+
+def test_blackwell_fa4_switched_off_or_failing_its_probe_says_what_to_do(blackwell, monkeypatch, caplog):
+    """$K6SERVE_FA4=0 on Blackwell leaves no FlashAttention kernel: "fa" says to unset it. An installed FA4 that fails
+    its probe: SDPA by default, and "fa" names the failure; no "FA3 keeps every call" warning, there is no FA3."""
+    import logging
+
+    from k6serve.ops import flash_attention4
+
+    monkeypatch.setattr(flash_attention4, "MODE", "0")
+    with pytest.raises(ValueError, match=r"K6SERVE_FA4=0 turns FlashAttention-4 off. Unset K6SERVE_FA4, or use "
+                                         r"--attention-backend torch_sdpa."):
+        resolve_attention_backend("fa", "cuda")
+    assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
+
+    def failing_probe(device, head_dim):
+        raise RuntimeError("cutlass JIT: no kernel image")
+
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    monkeypatch.setattr(flash_attention4, "probe", failing_probe)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
+    assert "failed its probe (RuntimeError: cutlass JIT: no kernel image)" in caplog.text
+    assert "FA3 keeps every attention call" not in caplog.text
+    with pytest.raises(ValueError, match=r"failed its probe .*Check the flash-attn-4 install"):
+        resolve_attention_backend("fa", "cuda")
+    assert not flash_attention4.replaces_fa3()
+
+
+def test_fa_fp8_on_blackwell_says_it_is_hopper_only_and_offers_fa(blackwell):
+    with pytest.raises(ValueError, match=r"'fa_fp8' \(FlashAttention-3\) cannot run here: the fa3-fwd kernels are "
+                                         r"built for Hopper \(sm_90\) only and this GPU is sm_100. Use "
+                                         r"--attention-backend fa \(FlashAttention-4 on this GPU\) or torch_sdpa."):
+        resolve_attention_backend("fa_fp8", "cuda")
+
+
+def test_hopper_keeps_fa3_for_128_wide_heads_and_for_ring_attention(monkeypatch):
+    """Blackwell support changes nothing on Hopper: FA4 (installed, probed) takes only the 64-wide plain calls, FA3
+    the 128-wide ones and every lse call."""
+    from k6serve.ops import flash_attention4
+
+    fa4, fa3_calls, probed = _StandInFA4(), [], []
+
+    def fa3(query_BLHD, key_BSHD, value_BSHD, return_attn_probs=False):
+        fa3_calls.append((query_BLHD.shape[-1], return_attn_probs))
+        out, lse = _math_reference(query_BLHD, key_BSHD, value_BSHD)
+        return (out.to(query_BLHD.dtype), lse.float()) if return_attn_probs else out.to(query_BLHD.dtype)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention_ops, "_load_fa3", lambda: (fa3, ""))
+    monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", fa3)
+    monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa" and mask is None)
+    monkeypatch.setattr(flash_attention4, "MODE", "auto")
+    monkeypatch.setattr(flash_attention4, "TILES", {})
+    monkeypatch.setattr(flash_attention4, "_READY", False)
+    monkeypatch.setattr(flash_attention4, "_EVERY_CALL", False)
+    monkeypatch.setattr(flash_attention4, "load", lambda: (fa4, ""))
+    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim: probed.append(head_dim))
+    assert resolve_attention_backend(None, "cuda") == "fa"
+    assert probed == [64] and not flash_attention4.replaces_fa3()
+    for head_dim, plain in ((64, "fa4"), (128, "fa3")):
+        fa4.calls.clear()
+        fa3_calls.clear()
+        query, key, value, _ = _inputs(head_dim=head_dim)
+        attention(query, key, value, backend="fa4")  # the alias picks no kernel
+        attention_with_lse(query, key, value, backend="fa")
+        assert (fa4.calls, fa3_calls) == (([(64, False)], [(64, True)]) if plain == "fa4"
+                                          else ([], [(128, False), (128, True)]))
+
+
+def test_fa3_and_fa4_are_aliases_of_fa_everywhere_a_backend_is_named():
+    """The reference's spellings: the ops, InnerAttention, the config (Python API) and both CLI commands accept them,
+    as the name "fa"; the unknown-backend error lists them."""
+    from k6serve.api import build_engine_config
+    from k6serve.cli.main import build_parser, merged_options, split_options
+    from k6serve.config import ATTENTION_BACKENDS, RuntimeConfig
+
+    assert {"fa3", "fa4"} <= set(ATTENTION_BACKENDS)
+    for name in ("fa3", "fa4"):
+        assert attention_ops.canonical_backend_name(name) == "fa"
+        assert InnerAttention("video_self", backend=name).backend == "fa"
+        assert RuntimeConfig(attention_backend=name).attention_backend == name
+        assert build_engine_config("demo", device="cpu", attention_backend=name).runtime.attention_backend == name
+        for command in ("generate", "serve"):
+            parser = build_parser()
+            args = parser.parse_args([command, "--model-path", "demo", "--attention-backend", name])
+            engine, _ = split_options(merged_options(args, parser))
+            assert engine["attention_backend"] == name
+        with pytest.raises(ValueError, match=rf"'{name}' \(an alias of 'fa'\) \(FlashAttention\) cannot run here: "
+                                             r"it needs a CUDA GPU"):
+            resolve_attention_backend(name, "cpu")
+    with pytest.raises(ValueError, match=r"unknown attention backend 'fa5'.*aliases 'fa3', 'fa4'"):
+        attention_ops.canonical_backend_name("fa5")
