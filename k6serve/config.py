@@ -7,6 +7,7 @@ combinations raise ValueError with the fix, before any weight is loaded.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from k6serve.caching.params import CacheDitParams, parse_cache_dit_config
@@ -205,12 +206,63 @@ class ParallelConfig:
         return flags + (["--use-fsdp-inference"] if self.use_fsdp_inference else [])
 
 
+@dataclass(frozen=True, slots=True)
+class WarmupSize:
+    """One `--warmup-resolutions` item: width and height in pixels, width first (as the HTTP API's `size` and the
+    reference's flag), and the frame count when given (None: the model's default; super-resolution: that of
+    `runtime.warmup_sizes.SR_WARMUP_CLIP`)."""
+
+    width: int
+    height: int
+    num_frames: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}" + ("" if self.num_frames is None else f"x{self.num_frames}")
+
+
+_WARMUP_SIZE = re.compile(r"([0-9]+)x([0-9]+)(?:x([0-9]+))?")  # ASCII digits, as the HTTP API's `size` takes
+
+
+def parse_warmup_sizes(value: object) -> tuple[WarmupSize, ...]:
+    """--warmup-resolutions as given by the CLI (a list), a --config file or the API (a list, or one string of sizes
+    separated by commas or spaces): the sizes, in order. The model's own rules (multiples of 16, frame counts)
+    are checked where the model is known (`runtime/warmup_sizes.py`)."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, WarmupSize)) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"--warmup-resolutions takes sizes WxH or WxHxF (e.g. 1280x720 768x512x61), got {value!r}")
+    sizes: list[WarmupSize] = []
+    for item in items:
+        if isinstance(item, WarmupSize):
+            sizes.append(item)
+            continue
+        words = item.replace(",", " ").split() if isinstance(item, str) else [item]
+        for word in words:
+            match = _WARMUP_SIZE.fullmatch(word.lower()) if isinstance(word, str) else None
+            if match is None or any(group is not None and int(group) == 0 for group in match.groups()):
+                raise ValueError(f"--warmup-resolutions {word!r} is not a size: write WxH, or WxHxF with a frame "
+                                 "count, in positive whole pixels and frames, width first as in the HTTP API's size "
+                                 "(e.g. 1280x720 or 768x512x61).")
+            width, height, frames = match.groups()
+            sizes.append(WarmupSize(int(width), int(height), None if frames is None else int(frames)))
+    repeated = sorted({str(size) for size in sizes if sizes.count(size) > 1})
+    if repeated:
+        raise ValueError(f"--warmup-resolutions lists {', '.join(repeated)} more than once; each size is warmed once: "
+                         "drop the repeat.")
+    return tuple(sizes)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeConfig:
     device: str = "auto"
     performance_mode: str = "speed"
     attention_backend: str = "auto"
     warmup_mode: str = "off"
+    # The shapes `--warmup-mode server` warms at start-up, in order, instead of the model's default request: speed
+    # mode compiles the DiT per shape, so the first request of every other size paid that compile (tens of seconds
+    # on a GPU). Each is checked as a request of its size is, before the load where the model is known.
+    warmup_resolutions: tuple[WarmupSize, ...] = ()
     # torch.compile of the video VAE decoder (HunyuanVideo; the SR K-VAE per block). Opt-in, not part of
     # "speed": on H200 it makes the decode 1.9x (K-VAE 1.75x) faster, but fused kernels round once where eager
     # rounds after every op, and on random weights the frames then differed from the eager bf16 decode by up
@@ -274,6 +326,7 @@ class RuntimeConfig:
             raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {self.performance_mode!r}")
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
+        self._check_warmup_resolutions()
         self._check_block_streaming()
         if self.compile_vae and self.performance_mode != "speed":
             # apply_performance_mode compiles only under speed: balanced and memory run eager kernels, so the flag
@@ -290,6 +343,20 @@ class RuntimeConfig:
                 f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), fa3 or fa4 (aliases "
                 f"of fa), got {self.attention_backend!r}"
             )
+
+    def _check_warmup_resolutions(self) -> None:
+        object.__setattr__(self, "warmup_resolutions", parse_warmup_sizes(self.warmup_resolutions))
+        if not self.warmup_resolutions or self.warmup_mode == "server":
+            return
+        # The reference derives an unset mode from the list ("request"); ours has a real default, "off", so a list
+        # beside another mode is a contradiction to name, not a mode to pick silently: "off" warms nothing, and
+        # "request" warms the first request's own shape, on that request's time, whatever the list says.
+        does = ("warms nothing" if self.warmup_mode == "off" else
+                "warms only the first request's own shape, right before it runs")
+        default = " (the default)" if self.warmup_mode == "off" else ""
+        raise ValueError(f"--warmup-resolutions lists sizes to warm at start-up, which --warmup-mode server does; "
+                         f"--warmup-mode {self.warmup_mode}{default} {does}. Add --warmup-mode server, or drop "
+                         "--warmup-resolutions.")
 
     def _check_block_streaming(self) -> None:
         limits = {"offload_prefetch_blocks": (1, "blocks copied ahead of the running one"),

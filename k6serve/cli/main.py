@@ -105,8 +105,15 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                           "(Hopper only: FA3 in FP8 for the video self-attention, Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa (alias sdpa).")),
     ("warmup_mode", dict(choices=WARMUP_MODES, help="off (default), request (warm up before the first request) or "
-                         "server (at start; SR: one upscale of a synthetic 768x512x121 clip; generate: as request, "
-                         "with its own shape).")),
+                         "server (at start, the model's default shape or each --warmup-resolutions size; SR: one "
+                         "upscale of a synthetic 768x512x121 clip; generate without --warmup-resolutions: as "
+                         "request, with its own shape).")),
+    ("warmup_resolutions", dict(nargs="+", action="extend", metavar="SIZE", help="With --warmup-mode server: the "
+                                "shapes warmed at start, in order, instead of the default one (speed mode compiles "
+                                "per shape): WxH, width first as the HTTP API's size (the CLI's --width and --height "
+                                "are separate flags), or WxHxF with a frame count (default: the model's), e.g. "
+                                "1280x720 768x512x61; each checked as a request of it. SR: source clip sizes (F "
+                                "default 121).")),
     ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md). "
                                                         "--performance-mode speed only (the others run eager; "
@@ -274,6 +281,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 _COMPONENT_LIST_FLAGS = ("cpu_offload_components", "layerwise_offload_components", "component_residency")
 # Lists of names in a --config file whose items must be strings: a number or a mapping would be turned into its text.
 _NAME_LIST_FLAGS = ("quantization_ignored_layers",)
+# Lists of sizes (`1280x720`) in a --config file: strings, parsed by the config (a YAML 1280 would be a number).
+_SIZE_LIST_FLAGS = ("warmup_resolutions",)
 # String flags whose --config value may be a mapping (the JSON object the flag would carry as text).
 _MAPPING_FLAGS = ("cache_dit_config",)
 
@@ -298,6 +307,12 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         else:
             normalise_component_names(value, action.option_strings[0])
         return value
+    if action.dest in _SIZE_LIST_FLAGS:
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"takes sizes WxH or WxHxF (a string, or a list of strings, e.g. [1280x720, 768x512x61]), "
+                             f"got {value!r}")
+        return items
     if action.dest in _NAME_LIST_FLAGS:
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in items):
@@ -490,9 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         if _hosts_no_engine(engine):
             return _serve_worker_ranks(engine)
         _check_lora_flags(args.command, engine, request)
-        if args.command == "generate" and engine.get("warmup_mode") == "server":
+        if args.command == "generate" and engine.get("warmup_mode") == "server" and not engine.get(
+                "warmup_resolutions"):
             # A server's warm-up runs the variant's default shape for the requests to come; generate's one request
             # may have another, and compiling for both would double the wait. Warm up with the request itself.
+            # Listed --warmup-resolutions are the user's explicit choice (e.g. to time each shape's compile): kept.
             logger.info("generate: --warmup-mode server warms up with this request's own shape (as request does)")
             engine["warmup_mode"] = "request"
         if args.command == "generate":

@@ -36,6 +36,7 @@ from k6serve.lora.spec import ListLoras, LoraOperation
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory, memory_reply
 from k6serve.runtime.worker import ModelWorker
+from k6serve.speed.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +114,17 @@ def _cancellation_point(job: EngineJob) -> ProgressCallback:
 
 
 def check_before_loading(config: EngineConfig) -> None:
-    """Refuse, before any rank loads, a config the ranks would refuse after their load (a layout) or that every
-    request would fail on (Cache-DiT settings leaving no block to cache). `Engine` runs it; `serve` runs it before
-    it binds its port, so that a flag's mistake is not hidden behind a port in use."""
+    """Refuse, before any rank loads, a config the ranks would refuse after their load (a layout, a
+    --warmup-resolutions size) or that every request would fail on (Cache-DiT settings leaving no block to cache).
+    `Engine` runs it; `serve` runs it before it binds its port, so that a flag's mistake is not hidden behind a port
+    in use."""
     from k6serve.caching.preflight import check_cache_dit_config_before_loading
     from k6serve.parallel.preflight import check_layout_before_loading
+    from k6serve.runtime.warmup_sizes import check_warmup_sizes_before_loading
 
     check_layout_before_loading(config)
     check_cache_dit_config_before_loading(config)
+    check_warmup_sizes_before_loading(config)
 
 
 class Engine:
@@ -157,6 +161,13 @@ class Engine:
     def num_replicas(self) -> int:
         """How many requests run at once: one per replica (`--dp-size`), each in its own thread."""
         return len(self._threads)
+
+    @property
+    def startup_warmups(self) -> tuple[WarmupReport, ...]:
+        """What `--warmup-mode server` warmed at start-up, a `WarmupReport` per shape with its cost (with several
+        replicas, replica 0's: each warms the same shapes at the same time); empty without a server warm-up."""
+        # A stand-in worker (the HTTP tests' fakes) runs no warm-up.
+        return tuple(getattr(self.worker, "server_warmups", ()))
 
     def dead_replicas(self) -> list[str]:
         """How each replica that can no longer serve died (empty while all serve); an in-process worker has no

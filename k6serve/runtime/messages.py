@@ -18,6 +18,7 @@ from k6serve.lora.spec import LoraOperation
 from k6serve.models.variants import Variant
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.memory import MemoryOperation
+from k6serve.speed.warmup import WarmupReport
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +66,7 @@ class Ready:
     replica: int
     variant: Variant
     pids: tuple[int, ...]  # one per rank of the replica, in rank order
+    warmups: tuple[WarmupReport, ...] = ()  # the leader's `--warmup-mode server` shapes and what each cost
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

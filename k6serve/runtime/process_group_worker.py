@@ -61,6 +61,7 @@ from k6serve.runtime.launch import (
 )
 from k6serve.runtime.memory import MemoryOperation, inverse
 from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
+from k6serve.speed.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +361,9 @@ def rank_main(
                 connection.send(messages.StartupFailed(replica=groups.replica, message=message, kind=kind,
                                                        error=missing))
             else:
-                connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids)))
+                # A rank worker without a server warm-up (the tests' stand-ins) reports none.
+                connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids),
+                                               warmups=tuple(getattr(worker, "server_warmups", ()))))
         if worker is not None and not any(failures):
             _ReplicaLoop(worker, context, connection).serve()
             # A resume's host copy may still be being freed (unregistered, unmapped) on the reaper's thread, a
@@ -543,6 +546,8 @@ class MultiProcessWorker:
             processes = [self._processes[r] for r in ranks if r in self._processes]
             replicas[ready.replica] = _Replica(ready.replica, connection, ready.pids, processes)
             self.variant: Variant = ready.variant
+            if ready.replica == 0:
+                self.server_warmups: tuple[WarmupReport, ...] = ready.warmups  # what `Engine.startup_warmups` says
         return [replicas[index] for index in range(self.layout.dp)]
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:

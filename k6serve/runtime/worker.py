@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from k6serve.config import EngineConfig
+from k6serve.config import EngineConfig, WarmupSize
 from k6serve.lora.spec import (
     LORA_TARGETS,
     ListLoras,
@@ -49,12 +49,16 @@ from k6serve.request import (
 )
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
-from k6serve.speed import apply_performance_mode, warmup
+from k6serve.runtime.warmup_sizes import (
+    SR_WARMUP_CLIP,
+    SR_WARMUP_SCALE,
+    check_sr_warmup_size,
+    check_warmup_sizes,
+    generation_warmups,
+    sr_warmup_source,
+)
+from k6serve.speed import WarmupReport, apply_performance_mode, warmup
 from k6serve.speed.vae_tiling import resolve_vae_tiling
-
-# The SR server warm-up's synthetic source (width, height, frames, fps): the 5 s checkpoints' 121 frames at the
-# 3:2 landscape shape of docs/benchmarks.md's VSR runs.
-SR_WARMUP_CLIP = (768, 512, 121, 24)
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +137,10 @@ class ModelWorker:
             raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
                              "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
         self._check_quantization()
+        if config.runtime.warmup_mode == "server":
+            # A listed size the model cannot take is refused before the load (minutes), not after it.
+            check_warmup_sizes(config.runtime.warmup_resolutions, self.variant,
+                               sr_default_num_frames=SR_WARMUP_CLIP[2])
         from k6serve.parallel.mesh import ParallelLayout
         from k6serve.parallel.tile_decode import sr_decode_mode
 
@@ -198,9 +206,12 @@ class ModelWorker:
                            "are noise. Pass a real Kandinsky 6 checkpoint as the model path for real output.")
         self.warmed_up = False
         self.gc_freezer = CompileGcFreezer()
-        self.server_warmup_s: float | None = None  # what `--warmup-mode server` cost at start (also logged)
+        # `--warmup-mode server`: each shape warmed at start with what it cost, and their total (also logged).
+        self.server_warmups: tuple[WarmupReport, ...] = ()
+        self.server_warmup_s: float | None = None
         if config.runtime.warmup_mode == "server":
-            self.server_warmup_s = self._warmup(self.variant_warmup_params())
+            self.server_warmups = self._server_warmup()
+            self.server_warmup_s = sum(report.seconds for report in self.server_warmups)
 
     def _check_quantization(self) -> None:
         """--quantization before the weights load: the generation DiT only, and e4m3 GEMMs on a CUDA GPU."""
@@ -351,48 +362,98 @@ class ModelWorker:
                                      ) from None
 
     def variant_warmup_params(self) -> SamplingParams:
-        """A request of the variant's default shape (server warm-up; SR makes its own clip instead,
-        `_warmup_super_resolution`)."""
+        """A request of the variant's default shape (server warm-up without --warmup-resolutions; SR makes its own
+        clip instead, `_warmup_super_resolution`)."""
         return SamplingParams(prompt="warm-up")
 
     def _warmup(self, params: SamplingParams) -> float:
-        """Run a short request of this shape once (compilation, autotuning); returns its cost in seconds."""
+        """`--warmup-mode request`: run a short request of this shape once (compilation, autotuning); returns its
+        cost in seconds. There is no shorter version of an SR request to run first (its DiT takes 2 calls per
+        tile), so an SR model's first request is its own warm-up: 0 s."""
         self.warmed_up = True
         if self.variant.family != GENERATION:
-            return self._warmup_super_resolution()
+            return 0.0
         request, _ = self.resolve(params)
         report = warmup(self.pipeline, request, "request")
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
         return report.seconds
 
-    def _warmup_super_resolution(self) -> float:
-        """SR warm-up, `--warmup-mode server` only: one upscale of a synthetic clip of `SR_WARMUP_CLIP`'s shape,
+    def _server_warmup(self) -> tuple[WarmupReport, ...]:
+        """`--warmup-mode server`: warm each --warmup-resolutions size in order, or the variant's default shape when
+        none is listed. Every rank of a replica builds its worker from the same config, so all ranks warm the same
+        sizes in the same order and run each one's collectives together, as they run a request."""
+        self.warmed_up = True
+        sizes = self.config.runtime.warmup_resolutions
+        if self.variant.family != GENERATION:
+            reports = [self._warmup_super_resolution(size) for size in sizes or (None,)]
+        elif not sizes:
+            reports = [self._warmup_generation(None, self.resolve(self.variant_warmup_params())[0])]
+        else:
+            requests = generation_warmups(sizes, self.variant, self.resolve)
+            reports = [self._warmup_generation(size, request) for size, request in zip(sizes, requests)]
+        self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
+        if len(reports) > 1:
+            logger.info("warm-up (server) of %d shapes took %.2f s: %s", len(reports),
+                        sum(report.seconds for report in reports),
+                        ", ".join(f"{report.size} {report.seconds:.2f} s" for report in reports))
+        return tuple(reports)
+
+    @contextlib.contextmanager
+    def _naming_size(self, size: WarmupSize | None):
+        """A listed size's warm-up failing is said with the size: refused (ValueError), or failed (out of memory)."""
+        try:
+            yield
+        except ValueError as error:
+            if size is None or str(error).startswith("--warmup-resolutions"):
+                raise
+            raise ValueError(f"--warmup-resolutions {size}: {error}") from error
+        except Exception:
+            if size is not None:
+                logger.error("--warmup-resolutions %s: the warm-up of this shape failed", size)
+            raise
+
+    def _warmup_generation(self, size: WarmupSize | None, request: GenerateRequest) -> WarmupReport:
+        """One short request (`WARMUP_STEPS` steps) of `size`'s resolved request."""
+        if size is not None and size.num_frames not in (None, request.num_frames):
+            logger.info("--warmup-resolutions %s: %d frames is not of the form 4k+1; warming %d, as a request of "
+                        "it runs", size, size.num_frames, request.num_frames)
+        with self._naming_size(size):
+            report = warmup(self.pipeline, request, "server")
+        logger.info("warm-up (server, %s) took %.2f s", report.size, report.seconds)
+        return report
+
+    def _warmup_super_resolution(self, size: WarmupSize | None) -> WarmupReport:
+        """SR server warm-up: one x2 upscale of a synthetic clip of `size` (default `SR_WARMUP_CLIP`'s shape),
         written to a temporary MP4 through the same streamed decode and encoder as a request, so the DiT, the
         compiled K-VAE blocks, the attention kernels and cuDNN's autotuning are ready before the first request of
         that shape (the cold VSR x2 request took 156-237 s on an H200, the warm one 38.7 s). A source of another
-        aspect ratio (another tile) or frame count still compiles on its first request. With
-        `--warmup-mode request` there is no shorter version of an SR request to run first (its DiT takes 2 calls
-        per tile), so its first request is its own warm-up: 0 s."""
-        if self.config.runtime.warmup_mode != "server":
-            return 0.0
+        aspect ratio (another tile) or frame count still compiles on its first request."""
         import tempfile
 
+        from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
         from k6serve.testing.clips import make_clip
 
-        width, height, num_frames, fps = SR_WARMUP_CLIP
+        default_width, default_height, default_num_frames, fps = SR_WARMUP_CLIP
+        (width, height, num_frames), notes = sr_warmup_source(
+            size or WarmupSize(default_width, default_height, default_num_frames), default_num_frames)
+        if size is not None:
+            for note in notes:
+                logger.info("--warmup-resolutions %s: %s", size, note)
+            # Against the loaded tiles, before the clip is written: a source smaller than one tile is refused.
+            models = self.pipeline.models
+            check_sr_warmup_size(size, self.variant, SRTiling(tile_sizes=tuple(models.transformer.config.tile_sizes),
+                                                              snap=models.vae.spatial_compression_ratio))
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
+        with self._naming_size(size), tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
             clip = make_clip(Path(folder) / "source.mp4", width=width, height=height, num_frames=num_frames, fps=fps)
-            request, _ = self.resolve(SamplingParams(video_path=str(clip), sr_resolution_scale=2))
+            request, _ = self.resolve(SamplingParams(video_path=str(clip), sr_resolution_scale=SR_WARMUP_SCALE))
             self._generate_into_mp4(request, Path(folder) / "upscaled.mp4", None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.gc_freezer.freeze_if_compiled()
-        logger.info("warm-up (server, super-resolution of %dx%dx%d) took %.2f s", width, height, num_frames,
-                    seconds)
-        return seconds
+        report = WarmupReport(mode="server", seconds=time.perf_counter() - start, shape=(num_frames, height, width))
+        logger.info("warm-up (server, super-resolution of %s) took %.2f s", report.size, report.seconds)
+        return report
 
     @property
     def weights_device(self) -> torch.device:

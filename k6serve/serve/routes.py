@@ -710,6 +710,10 @@ async def health(request: Request) -> JSONResponse:
     # In a thread: finding a dead rank stops the rest of its replica, which can take a second or two.
     dead = await asyncio.to_thread(ctx.engine.dead_replicas)
     body: dict[str, Any] = {"status": "ok", "memory_released": ctx.runner.holds_queue()}
+    warmups = ctx.engine.startup_warmups
+    if warmups:  # `--warmup-mode server`: what start-up warmed, each shape's cost and the total
+        body["warmup"] = {"seconds": round(sum(report.seconds for report in warmups), 3),
+                          "shapes": [{"size": report.size, "seconds": round(report.seconds, 3)} for report in warmups]}
     if not dead:
         return JSONResponse(body)
     body["dead_replicas"] = dead

@@ -2,8 +2,8 @@
 
 * "off": nothing runs; the first request pays for compilation and cuDNN autotuning.
 * "request": the worker warms up lazily, right before the first request, with that request's shape.
-* "server": the worker warms up once at start-up, with the variant's default request, before it reports
-  ready.
+* "server": the worker warms up once at start-up, before it reports ready: with each `--warmup-resolutions` size
+  in turn (`runtime/warmup_sizes.py`), or with the variant's default request when none is listed.
 
 Both warm modes run the same thing: the request with its shape (what compiled graphs and cuDNN plans are
 keyed on) but only `WARMUP_STEPS` denoising steps, and report the wall time it took.
@@ -30,8 +30,17 @@ class WarmupReport:
 
     mode: str
     seconds: float
-    shape: tuple[int, int, int] | None = None  # (num_frames, height, width) of a generation request
+    # (num_frames, height, width) of a generation request, or of a super-resolution source clip (the frames it keeps)
+    shape: tuple[int, int, int] | None = None
     num_inference_steps: int | None = None
+
+    @property
+    def size(self) -> str:
+        """The shape as `--warmup-resolutions` writes it, width first: WxHxF ("" without a shape)."""
+        if self.shape is None:
+            return ""
+        num_frames, height, width = self.shape
+        return f"{width}x{height}x{num_frames}"
 
 
 def warmup_request(request):

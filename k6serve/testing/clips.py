@@ -16,9 +16,10 @@ AudioKind = Literal["none", "mono_tone", "stereo_tone"]
 _FORMATS = {".mp4": "mp4", ".mkv": "matroska", ".mov": "mov"}
 
 
-def moving_pattern(width: int, height: int, num_frames: int) -> np.ndarray:
-    """uint8 (T, H, W, 3) frames of smooth gradients that drift every frame (cheap to encode well)."""
-    t = np.arange(num_frames, dtype=np.float64)[:, None, None]
+def moving_pattern(width: int, height: int, num_frames: int, *, first_frame: int = 0) -> np.ndarray:
+    """uint8 (T, H, W, 3) frames of smooth gradients that drift every frame (cheap to encode well), from frame
+    `first_frame` of the pattern on."""
+    t = np.arange(first_frame, first_frame + num_frames, dtype=np.float64)[:, None, None]
     y = np.arange(height, dtype=np.float64)[None, :, None] / height
     x = np.arange(width, dtype=np.float64)[None, None, :] / width
     red = 128 + 90 * np.sin(2 * np.pi * (x + t / 40))
@@ -73,7 +74,10 @@ def make_clip(
         audio_stream = (
             _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
         )
-        for index, frame_HWC in enumerate(moving_pattern(width, height, num_frames)):
+        # One frame at a time: the whole clip's float64 intermediates peaked at about 60 bytes a pixel (15 GB for a
+        # 1920x1080x121 server warm-up source, runtime/warmup_sizes.py).
+        for index in range(num_frames):
+            frame_HWC = moving_pattern(width, height, 1, first_frame=index)[0]
             frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
             frame.pts = index
             container.mux(stream.encode(frame))
