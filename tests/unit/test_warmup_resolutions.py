@@ -289,3 +289,22 @@ def test_every_rank_of_a_replica_warms_the_listed_shapes(tiny_pro_dir):
         assert "warmup" not in result.timings
     finally:
         engine.shutdown()
+
+
+def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path):
+    """scripts/gpu_warmup_sizes.py on the demo checkpoint (CPU: nothing compiles): the warm-up per listed shape, then
+    a request per listed shape and a cold and a warm one of the unlisted shape, in the JSON and the exit code."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_warmup_sizes.py"
+    spec = importlib.util.spec_from_file_location("gpu_warmup_sizes", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--tiny", "--out", str(tmp_path), "--sizes", "48x32x5", "32x32x5", "--unlisted", "64x32x5",
+                        "--steps", "2"]) == 0
+    report = json.loads((tmp_path / "warmup_sizes.json").read_text())
+    assert [warm["size"] for warm in report["warmups"]] == ["48x32x5", "32x32x5"]
+    assert [(row["request"], row["frames"]) for row in report["requests"]] == [
+        ("listed", "48x32x5"), ("listed", "32x32x5"), ("unlisted cold", "64x32x5"), ("unlisted warm", "64x32x5")]
+    assert all(row["graphs_compiled"] == 0 and row["denoise_s"] > 0 for row in report["requests"])
