@@ -308,3 +308,53 @@ def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path):
     assert [(row["request"], row["frames"]) for row in report["requests"]] == [
         ("listed", "48x32x5"), ("listed", "32x32x5"), ("unlisted cold", "64x32x5"), ("unlisted warm", "64x32x5")]
     assert all(row["graphs_compiled"] == 0 and row["denoise_s"] > 0 for row in report["requests"])
+
+
+@pytest.mark.parametrize("mode", ["request", "server"])
+def test_a_compiled_warm_up_also_warms_another_prompt_length(tiny_distill_dir, monkeypatch, mode):
+    """Speed mode trims the text padding, so the compiled blocks see each prompt's token count: dynamo compiles them
+    static on the first and dynamic on the second. The warm-up runs one DiT step with a prompt of another length
+    (stopped before the decode), so the first real request of any prompt compiles nothing; on the H200 it had
+    compiled 3 graphs (10.7 s) after a server warm-up. Counted with dynamo's CPU `aot_eager` backend."""
+    import functools
+
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from k6serve.speed import apply_performance_mode, performance_mode
+    from k6serve.speed.regional_compile import apply_regional_compile
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(performance_mode, "apply_regional_compile",
+                        functools.partial(apply_regional_compile, backend=counter))
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+    apply_performance_mode(worker.pipeline.models, "speed", "cuda")  # the CUDA transforms, compiled by the counter
+    worker.pipeline.trim_text_padding = True  # as the worker sets it in speed mode
+    calls = []
+    pipeline = worker.pipeline
+    monkeypatch.setattr(worker, "pipeline", lambda request, **kwargs: (calls.append(request), pipeline(request,
+                                                                                                      **kwargs))[1])
+    shape = dict(height=32, width=48, num_frames=5)
+    if mode == "request":
+        worker._warmup(SamplingParams(prompt="warm-up", **shape))
+    else:
+        monkeypatch.setattr(worker, "variant_warmup_params", lambda: SamplingParams(prompt="warm-up", **shape))
+        worker._server_warmup()
+    assert [(request.prompt, request.num_inference_steps) for request in calls] == [
+        ("warm-up", 2), ("warm-up warm-up", 1)]
+    for prompt in ("a fox runs through the deep snow of a pine forest at dawn", "cat"):
+        result = worker.run(SamplingParams(prompt=prompt, num_inference_steps=2, **shape), NO_OUTPUT)
+        assert result.timings["graphs_compiled"] == 0, prompt
+    torch._dynamo.reset()
+
+
+def test_an_eager_warm_up_runs_one_pass(tiny_distill_dir, monkeypatch):
+    """Nothing compiled (eager modes, the CPU): no second pass, the warm-up costs one short request."""
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu"))
+    calls = []
+    pipeline = worker.pipeline
+    monkeypatch.setattr(worker, "pipeline", lambda request, **kwargs: (calls.append(request), pipeline(request,
+                                                                                                      **kwargs))[1])
+    worker._warmup(SamplingParams(prompt="warm-up", height=32, width=48, num_frames=5))
+    assert [request.prompt for request in calls] == ["warm-up"]
