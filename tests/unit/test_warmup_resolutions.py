@@ -312,10 +312,11 @@ def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path):
 
 @pytest.mark.parametrize("mode", ["request", "server"])
 def test_a_compiled_warm_up_also_warms_another_prompt_length(tiny_distill_dir, monkeypatch, mode):
-    """Speed mode trims the text padding, so the compiled blocks see each prompt's token count: dynamo compiles them
-    static on the first and dynamic on the second. The warm-up runs one DiT step with a prompt of another length
-    (stopped before the decode), so the first real request of any prompt compiles nothing; on the H200 it had
-    compiled 3 graphs (10.7 s) after a server warm-up. Counted with dynamo's CPU `aot_eager` backend."""
+    """Speed mode trims the text padding, so the compiled blocks see each prompt's token count (and the soundtrack's
+    length, from the fps): dynamo compiles them static on the first and dynamic on the second. The warm-up runs one
+    DiT step with a prompt of another length at another fps (stopped before the decode), so the first real request
+    of any prompt or fps compiles nothing; on the H200 it had compiled 3 graphs (10.7 s) after a server warm-up.
+    Counted with dynamo's CPU `aot_eager` backend."""
     import functools
 
     import torch
@@ -341,11 +342,12 @@ def test_a_compiled_warm_up_also_warms_another_prompt_length(tiny_distill_dir, m
     else:
         monkeypatch.setattr(worker, "variant_warmup_params", lambda: SamplingParams(prompt="warm-up", **shape))
         worker._server_warmup()
-    assert [(request.prompt, request.num_inference_steps) for request in calls] == [
-        ("warm-up", 2), ("warm-up warm-up", 1)]
-    for prompt in ("a fox runs through the deep snow of a pine forest at dawn", "cat"):
-        result = worker.run(SamplingParams(prompt=prompt, num_inference_steps=2, **shape), NO_OUTPUT)
-        assert result.timings["graphs_compiled"] == 0, prompt
+    assert [(request.prompt, request.fps, request.num_inference_steps) for request in calls] == [
+        ("warm-up", 24.0, 2), ("warm-up warm-up", 30.0, 1)]
+    # Another prompt length, another soundtrack length (5 frames at 20 fps: 11 audio tokens, 9 at 24).
+    for prompt, fps in (("a fox runs through the deep snow of a pine forest at dawn", 24.0), ("cat", 20.0)):
+        result = worker.run(SamplingParams(prompt=prompt, fps=fps, num_inference_steps=2, **shape), NO_OUTPUT)
+        assert result.timings["graphs_compiled"] == 0, (prompt, fps)
     torch._dynamo.reset()
 
 
