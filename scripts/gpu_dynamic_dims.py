@@ -9,8 +9,9 @@ fps, once more with those dimensions dynamic; a server runs on the dynamic graph
 (one prompt) time the static ones. One worker in this process (`--performance-mode speed`, `--load-format dummy`,
 no warm-up): request 1 (prompt A, cold: the static compile), request 2 (A, warm: static), request 3 (a prompt of
 another length at another fps: the dynamic compile), request 4 (A again, on the graphs dynamo now picks), request 5
-(another prompt again). Per request: graphs compiled and the median DiT step. Writes <out>/dynamic_dims.json and a
-table.
+(another prompt again), request 6 (A at half the height: the video dimensions' compile), request 7 (A at its own
+size again, on the graphs dynamic in every length). Per request: graphs compiled and the median DiT step. Writes
+<out>/dynamic_dims.json and a table.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     worker = ModelWorker(config)
     load_s = time.perf_counter() - start
-    plan = [("1 A cold (static compile)", PROMPT_A, 24.0), ("2 A warm (static)", PROMPT_A, 24.0),
-            ("3 B at 30 fps (recompile)", PROMPT_B, 30.0), ("4 A again", PROMPT_A, 24.0),
-            ("5 C (dynamic)", PROMPT_C, 24.0)]
+    # A smaller shape for the video dimensions' recompile: half the height (a multiple of 16 at both sizes).
+    small = dict(height=16, width=48, num_frames=5) if args.tiny else dict(height=256, width=768)
+    plan = [("1 A cold (static compile)", PROMPT_A, 24.0, shape), ("2 A warm (static)", PROMPT_A, 24.0, shape),
+            ("3 B at 30 fps (recompile)", PROMPT_B, 30.0, shape), ("4 A again", PROMPT_A, 24.0, shape),
+            ("5 C (dynamic)", PROMPT_C, 24.0, shape), ("6 A at half height", PROMPT_A, 24.0, small),
+            ("7 A again", PROMPT_A, 24.0, shape)]
     rows = []
-    for label, prompt, fps in plan:
-        params = SamplingParams(prompt=prompt, fps=fps, num_inference_steps=args.steps, seed=7, **shape)
+    for label, prompt, fps, size in plan:
+        params = SamplingParams(prompt=prompt, fps=fps, num_inference_steps=args.steps, seed=7, **size)
         begin = time.perf_counter()
         result = worker.run(params, NO_OUTPUT)
         rows.append({"request": label, "wall_s": round(time.perf_counter() - begin, 3),

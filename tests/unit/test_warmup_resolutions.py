@@ -363,7 +363,7 @@ def test_an_eager_warm_up_runs_one_pass(tiny_distill_dir, monkeypatch):
 
 
 def test_gpu_dynamic_dims_script_runs_at_toy_size(tmp_path):
-    """scripts/gpu_dynamic_dims.py on the demo checkpoint (CPU: nothing compiles): its five requests in the JSON."""
+    """scripts/gpu_dynamic_dims.py on the demo checkpoint (CPU: nothing compiles): its seven requests in the JSON."""
     import importlib.util
     from pathlib import Path
 
@@ -373,5 +373,5 @@ def test_gpu_dynamic_dims_script_runs_at_toy_size(tmp_path):
     spec.loader.exec_module(script)
     assert script.main(["--tiny", "--out", str(tmp_path), "--steps", "2"]) == 0
     report = json.loads((tmp_path / "dynamic_dims.json").read_text())
-    assert [row["request"][:1] for row in report["requests"]] == ["1", "2", "3", "4", "5"]
+    assert [row["request"][:1] for row in report["requests"]] == ["1", "2", "3", "4", "5", "6", "7"]
     assert all(row["step_median_s"] > 0 and row["graphs_compiled"] == 0 for row in report["requests"])
