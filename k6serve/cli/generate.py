@@ -179,7 +179,9 @@ def read_prompt_file(path: str) -> list[tuple[int, str]]:
     are skipped (a trailing newline or a gap between groups of prompts is not a request for an empty one), and the
     text is stripped of the spaces around it, nothing else (a '#' may begin a prompt)."""
     try:
-        text = Path(path).read_bytes()
+        # A shell expands ~ on the command line; a --config file's value arrives as written (split_kwargs does the
+        # same for the request's paths).
+        text = Path(path).expanduser().read_bytes()
     except IsADirectoryError:
         raise ValueError(f"--prompt-file-path {path!r} is a folder; pass a text file with one prompt per "
                          "line.") from None
@@ -265,7 +267,9 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             check_request_before_loading(engine_options, split_kwargs(options)[0])
             checked.append((label, _checked_output_options(options, quiet=index > 0)))
         except ValueError as exc:
-            raise ValueError(f"{label} of --prompt-file-path: {exc}" if label else str(exc)) from None
+            if not label:
+                raise  # one request: its own error, with where it came from for --log-level debug
+            raise ValueError(f"{label} of --prompt-file-path: {exc}") from exc
     batch = checked
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_cli_options(model_path, **engine_options)
@@ -283,11 +287,11 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
                 print(f"[{index + 1}/{len(batch)}] {label}: {options['prompt']}", file=sys.stderr)
             result = _run_one(generator, variant, options)
             done.append((label, result))
+            current = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
             for note in result.notes:
                 print(f"note: {note}", file=sys.stderr)
             print(format_timings(result))
             print(format_summary(result))
-        current = None
     except BaseException:
         if from_file:
             left = [label for label, _ in batch[len(done) + (current is not None):]]

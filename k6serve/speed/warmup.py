@@ -47,7 +47,12 @@ def warmup_request(request):
     """The short request a warm-up runs: same shape, `WARMUP_STEPS` steps (SR requests unchanged)."""
     if isinstance(request, GenerateRequest):
         steps = min(WARMUP_STEPS, request.num_inference_steps)
-        return dataclasses.replace(request, num_inference_steps=steps)
+        cache_dit = request.cache_dit
+        if cache_dit is not None and cache_dit.scm_preset != "none":
+            # A preset step mask needs 4, 6 or >= 8 steps and refused the warm-up's 2 (a valid request, or the
+            # start-up, failed on it). The mask only picks the steps that may reuse the cache: same blocks run.
+            cache_dit = dataclasses.replace(cache_dit, scm_preset="none")
+        return dataclasses.replace(request, num_inference_steps=steps, cache_dit=cache_dit)
     return request
 
 

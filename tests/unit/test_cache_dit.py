@@ -384,3 +384,21 @@ def test_cache_dit_skips_blocks_of_a_quantized_dit(tiny_distill_dir):
     assert cached.timings["cache_dit_cached_calls"] == 3  # steps 1-3 of 4, no CFG
     assert not np.array_equal(cached.frames, baseline.frames)
     assert np.array_equal(_run(worker).frames, baseline.frames)  # uncached again: the same quantized output
+
+
+def test_a_warm_up_runs_a_request_whose_step_mask_preset_needs_more_steps_than_it(tiny_pro_dir, monkeypatch):
+    # scm_preset needs 4, 6 or at least 8 steps, and a warm-up runs 2 (then 1 for another prompt length): it warms
+    # the same blocks without the mask, instead of refusing a valid 8-step request (request mode) or the start-up
+    # (server mode with --cache-dit-config).
+    torch.set_num_threads(1)
+    preset = {"scm_preset": "fast"}
+    worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", warmup_mode="request"))
+    result = worker.run(SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5,
+                                       num_inference_steps=8, enable_cache_dit=True, cache_dit_params=preset),
+                        NO_FILE)
+    assert result.timings["warmup"] > 0 and result.timings["cache_dit_cached_calls"] >= 0
+    monkeypatch.setattr(ModelWorker, "variant_warmup_params", lambda self: SamplingParams(
+        prompt="warm-up", height=32, width=48, num_frames=5))
+    worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", warmup_mode="server",
+                                             cache_dit_config=preset))
+    assert [report.num_inference_steps for report in worker.server_warmups] == [2]

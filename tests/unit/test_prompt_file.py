@@ -169,3 +169,37 @@ def test_a_run_stopped_part_way_keeps_what_it_saved_and_names_the_lines_left(tin
     assert "error: writing the MP4 failed: No space left on device" in err
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["clip_1.mp4"]
     assert probe(tmp_path / "out" / "clip_1.mp4").num_frames == 5
+
+
+def test_a_prompt_file_path_from_a_config_file_expands_the_home_folder(tmp_path, monkeypatch):
+    # A shell expands ~ on the command line; a --config file's value arrives as written (as for --image-path).
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "prompts.txt").write_text("one\n")
+    assert read_prompt_file("~/prompts.txt") == [(1, "one")]
+
+
+def test_a_run_stopped_after_a_finished_prompt_names_the_next_one_as_not_run(tiny_distill_dir, tmp_path, loads,
+                                                                              monkeypatch, capsys):
+    # Stopped while the first prompt's summary was printed (Ctrl-C, or stdout closed by `| head`): line 1 finished
+    # and was saved, so it did not stop the run, and line 2 did not run.
+    import k6serve.cli.generate as generate_module
+
+    def interrupted(result):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_module, "format_summary", interrupted)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
+                      "clip")) == 130
+    err = capsys.readouterr().err
+    assert "prompt file: 1 of 2 requests finished, 1 saved\nprompt file: not run: line 2\n" in err
+    assert "stopped the run" not in err
+
+
+def test_a_refusal_before_the_load_keeps_its_origin_for_log_level_debug(tiny_distill_dir, tmp_path, no_model_load,
+                                                                        capsys):
+    # --log-level debug prints where the refusal came from (the request rules), not only the CLI's re-raise.
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt", "x", "--height", "60", "--log-level", "debug")) == 2
+    err = capsys.readouterr().err
+    assert "error: height must be a positive multiple of 16" in err and "variants.py" in err
