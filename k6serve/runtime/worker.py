@@ -209,6 +209,7 @@ class ModelWorker:
         # `--warmup-mode server`: each shape warmed at start with what it cost, and their total (also logged).
         self.server_warmups: tuple[WarmupReport, ...] = ()
         self.server_warmup_s: float | None = None
+        self._other_lengths_warmed = False  # see `_other_lengths`
         if config.runtime.warmup_mode == "server":
             self.server_warmups = self._server_warmup()
             self.server_warmup_s = sum(report.seconds for report in self.server_warmups)
@@ -374,10 +375,19 @@ class ModelWorker:
         if self.variant.family != GENERATION:
             return 0.0
         request, _ = self.resolve(params)
-        report = warmup(self.pipeline, request, "request")
+        report = warmup(self.pipeline, request, "request", other_lengths=self._other_lengths())
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
         return report.seconds
+
+    def _other_lengths(self) -> bool:
+        """Whether this generation warm-up also runs `speed.warmup.warm_other_lengths`: once per worker, when the
+        DiT's blocks are compiled (after that pass their text, audio and image inputs are dynamic for every shape
+        compiled later). Decided from the configuration, the same on every rank of a replica."""
+        if self._other_lengths_warmed or not self.performance_report.num_compiled_blocks:
+            return False
+        self._other_lengths_warmed = True
+        return True
 
     def _server_warmup(self) -> tuple[WarmupReport, ...]:
         """`--warmup-mode server`: warm each --warmup-resolutions size in order, or the variant's default shape when
@@ -419,7 +429,7 @@ class ModelWorker:
             logger.info("--warmup-resolutions %s: %d frames is not of the form 4k+1; warming %d, as a request of "
                         "it runs", size, size.num_frames, request.num_frames)
         with self._naming_size(size):
-            report = warmup(self.pipeline, request, "server")
+            report = warmup(self.pipeline, request, "server", other_lengths=self._other_lengths())
         logger.info("warm-up (server, %s) took %.2f s", report.size, report.seconds)
         return report
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -57,7 +58,7 @@ def warmup_request(request):
 
 
 class _FirstStepDone(Exception):
-    """Raised from `on_step` to end the second text length's pass after its one DiT step (no decode)."""
+    """Raised from `on_step` to end the other lengths' pass after its one DiT step (no decode)."""
 
 
 def other_text_length_prompt(prompt: str) -> str:
@@ -73,50 +74,64 @@ def other_audio_length_fps(fps: float) -> float:
     return fps * 1.25 if fps * 1.25 <= 240 else fps / 1.25
 
 
-def _warm_second_text_length(pipeline: Callable, request: GenerateRequest) -> None:
-    """One DiT step of `request` with a prompt of another length and another soundtrack length, stopped before the
-    decode.
+def other_lengths_request(request: GenerateRequest, image_path: str) -> GenerateRequest:
+    """`request` with every other thing a request may change without changing the video's shape changed: a prompt
+    (and negative prompt) of another length, another soundtrack length, and the conditioning image toggled (`image_path`
+    for a text-only request), one DiT step."""
+    negative = request.negative_prompt
+    return dataclasses.replace(
+        request, prompt=other_text_length_prompt(request.prompt),
+        negative_prompt=None if negative is None else other_text_length_prompt(negative),
+        fps=other_audio_length_fps(request.fps), image_path=None if request.image_path else image_path,
+        num_inference_steps=1)
+
+
+def warm_other_lengths(pipeline: Callable, request: GenerateRequest) -> None:
+    """One DiT step of `request` as `other_lengths_request` changes it, stopped before the decode.
 
     Why: speed mode trims the text padding (pipelines/encode_text.py, `trim_text_padding`), so the text length the
     compiled blocks see is the prompt's token count. Dynamo compiles them static on the first length it sees and,
     on the second, once more with that dimension dynamic, which then serves every length. A warm-up with one prompt
     left that second compile to the first real request whose prompt had another length: on the H200 a warmed
     Lite-distill request at 768x512x121 compiled 3 graphs and spent 10.7 s of its denoise compiling
-    (scripts/gpu_warmup_sizes.py, twenty-sixth session). A Pro request with CFG sees two lengths (the prompt and the
-    negative prompt) in its first pass already. The soundtrack's length (num_frames / fps) is such a dimension too: a
-    request at another --fps recompiled the same way, so this pass also changes the fps (`other_audio_length_fps`),
-    and dynamo makes both dimensions dynamic in one compile. On the H200 the graphs made dynamic by such a second
-    compile ran Lite-distill's 768x512x121 steps at a median of 1.360 s, where the static forward measured 1.355 s
-    with FA3 (sixth session): the dynamic dimensions cost nothing measurable."""
+    (scripts/gpu_warmup_sizes.py, twenty-sixth session). The soundtrack's length (num_frames / fps) is such a
+    dimension too (a request at another --fps recompiled the same way), the negative prompt's length is the only one
+    the CFG-parallel rank of the negative branch sees, and a conditioning image (TI2AV) takes another graph than a
+    text-only request; this pass changes them all, so dynamo compiles once more for all of them. On the H200 the
+    graphs made dynamic by such a second compile ran Lite-distill's 768x512x121 steps at a median of 1.360 s, where
+    the static forward measured 1.355 s with FA3 (sixth session): the dynamic dimensions cost nothing measurable."""
+    import tempfile
+
+    from PIL import Image
 
     def stop(step: int, total: int) -> None:
         if step >= 1:
             raise _FirstStepDone
 
-    other = dataclasses.replace(request, prompt=other_text_length_prompt(request.prompt),
-                                fps=other_audio_length_fps(request.fps), num_inference_steps=1)
-    try:
-        pipeline(other, on_step=stop)
-    except _FirstStepDone:
-        pass
+    with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
+        image_path = str(Path(folder) / "image.png")
+        Image.new("RGB", (request.width, request.height), (128, 128, 128)).save(image_path)
+        try:
+            pipeline(other_lengths_request(request, image_path), on_step=stop)
+        except _FirstStepDone:
+            pass
 
 
-def warmup(pipeline: Callable, request_like, mode: str) -> WarmupReport:
-    """Run `pipeline` once on a short version of `request_like` unless `mode` is "off"; report the cost. When that
-    compiled graphs (speed mode), a generation request also runs one DiT step with a prompt of another length, so
-    the compiled blocks take any prompt length (`_warm_second_text_length`); its time is in the report."""
-    from k6serve.runtime.gc_freeze import compiled_graph_count
-
+def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool = False) -> WarmupReport:
+    """Run `pipeline` once on a short version of `request_like` unless `mode` is "off"; report the cost. With
+    `other_lengths` (the caller's compiled DiT has not yet seen a second prompt length), a generation request also
+    runs one DiT step with the prompt's, the soundtrack's and the image's other variants (`warm_other_lengths`), so
+    the compiled blocks take any of them; its time is in the report. The caller decides from its configuration, not
+    from what this process compiled, so that every rank of a replica runs the same passes (and collectives)."""
     if mode not in WARMUP_MODES:
         raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {mode!r}")
     if mode == "off":
         return WarmupReport(mode=mode, seconds=0.0)
     request = warmup_request(request_like)
     start = time.perf_counter()
-    graphs_before = compiled_graph_count()
     pipeline(request)
-    if isinstance(request, GenerateRequest) and compiled_graph_count() > graphs_before:
-        _warm_second_text_length(pipeline, request)
+    if other_lengths and isinstance(request, GenerateRequest):
+        warm_other_lengths(pipeline, request)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

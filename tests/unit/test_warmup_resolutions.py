@@ -8,6 +8,7 @@ on every rank of a replica, and reports each one's cost (the worker, the engine,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -311,15 +312,17 @@ def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["request", "server"])
-def test_a_compiled_warm_up_also_warms_another_prompt_length(tiny_distill_dir, monkeypatch, mode):
+def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_dir, tmp_path, monkeypatch, mode):
     """Speed mode trims the text padding, so the compiled blocks see each prompt's token count (and the soundtrack's
-    length, from the fps): dynamo compiles them static on the first and dynamic on the second. The warm-up runs one
-    DiT step with a prompt of another length at another fps (stopped before the decode), so the first real request
-    of any prompt or fps compiles nothing; on the H200 it had compiled 3 graphs (10.7 s) after a server warm-up.
-    Counted with dynamo's CPU `aot_eager` backend."""
+    length, from the fps; and an image request takes another graph): dynamo compiles them static on the first and
+    dynamic on the second. The warm-up's first shape also runs one DiT step with the prompt twice at another fps and
+    with an image (stopped before the decode), so the first real request of any prompt, fps or image compiles
+    nothing; on the H200 it had compiled 3 graphs (10.7 s) after a server warm-up. Counted with dynamo's CPU
+    `aot_eager` backend."""
     import functools
 
     import torch
+    from PIL import Image
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from k6serve.speed import apply_performance_mode, performance_mode
@@ -330,7 +333,8 @@ def test_a_compiled_warm_up_also_warms_another_prompt_length(tiny_distill_dir, m
     monkeypatch.setattr(performance_mode, "apply_regional_compile",
                         functools.partial(apply_regional_compile, backend=counter))
     worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
-    apply_performance_mode(worker.pipeline.models, "speed", "cuda")  # the CUDA transforms, compiled by the counter
+    # The CUDA transforms, compiled by the counter; the report is what the worker decides the extra pass from.
+    worker.performance_report = apply_performance_mode(worker.pipeline.models, "speed", "cuda")
     worker.pipeline.trim_text_padding = True  # as the worker sets it in speed mode
     calls = []
     pipeline = worker.pipeline
@@ -340,19 +344,42 @@ def test_a_compiled_warm_up_also_warms_another_prompt_length(tiny_distill_dir, m
     if mode == "request":
         worker._warmup(SamplingParams(prompt="warm-up", **shape))
     else:
-        monkeypatch.setattr(worker, "variant_warmup_params", lambda: SamplingParams(prompt="warm-up", **shape))
+        runtime = dataclasses.replace(worker.config.runtime, warmup_mode="server",
+                                      warmup_resolutions=(WarmupSize(48, 32, 5), WarmupSize(32, 32, 5)))
+        worker.config = dataclasses.replace(worker.config, runtime=runtime)
         worker._server_warmup()
-    assert [(request.prompt, request.fps, request.num_inference_steps) for request in calls] == [
-        ("warm-up", 24.0, 2), ("warm-up warm-up", 30.0, 1)]
-    # Another prompt length, another soundtrack length (5 frames at 20 fps: 11 audio tokens, 9 at 24).
-    for prompt, fps in (("a fox runs through the deep snow of a pine forest at dawn", 24.0), ("cat", 20.0)):
-        result = worker.run(SamplingParams(prompt=prompt, fps=fps, num_inference_steps=2, **shape), NO_OUTPUT)
-        assert result.timings["graphs_compiled"] == 0, (prompt, fps)
+    expected = [("warm-up", 24.0, 2, False), ("warm-up warm-up", 30.0, 1, True)]
+    if mode == "server":
+        expected.append(("warm-up", 24.0, 2, False))  # the second shape: the other lengths are dynamic already
+    assert [(request.prompt, request.fps, request.num_inference_steps, request.image_path is not None)
+            for request in calls] == expected
+    image = tmp_path / "image.png"
+    Image.new("RGB", (48, 32), (10, 200, 30)).save(image)
+    # Another prompt length, another soundtrack length (5 frames at 20 fps: 11 audio tokens, 9 at 24), an image.
+    for prompt, fps, image_path in (("a fox runs through the deep snow of a pine forest at dawn", 24.0, None),
+                                    ("cat", 20.0, None), ("a dog", 24.0, str(image))):
+        result = worker.run(SamplingParams(prompt=prompt, fps=fps, image_path=image_path, num_inference_steps=2,
+                                           **shape), NO_OUTPUT)
+        assert result.timings["graphs_compiled"] == 0, (prompt, fps, image_path)
     torch._dynamo.reset()
 
 
+def test_the_other_lengths_request_changes_the_negative_prompt_and_toggles_the_image():
+    from k6serve.request import GenerateRequest
+    from k6serve.speed.warmup import other_lengths_request
+
+    request = GenerateRequest(prompt="p", negative_prompt="static", image_path=None, seed=1, height=32, width=48,
+                              num_frames=5, fps=240.0, num_inference_steps=2, guidance_scale=5.0)
+    other = other_lengths_request(request, "/tmp/image.png")
+    assert (other.prompt, other.negative_prompt, other.fps, other.image_path, other.num_inference_steps) == (
+        "p p", "static static", 192.0, "/tmp/image.png", 1)
+    with_image = other_lengths_request(dataclasses.replace(request, image_path="/x.png", negative_prompt=None), "y")
+    assert (with_image.image_path, with_image.negative_prompt, with_image.fps) == (None, None, 192.0)
+    assert other_lengths_request(dataclasses.replace(request, prompt="x" * 1000), "y").prompt == "a"
+
+
 def test_an_eager_warm_up_runs_one_pass(tiny_distill_dir, monkeypatch):
-    """Nothing compiled (eager modes, the CPU): no second pass, the warm-up costs one short request."""
+    """The DiT's blocks not compiled (eager modes, the CPU): no second pass, the warm-up is one short request."""
     worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu"))
     calls = []
     pipeline = worker.pipeline
