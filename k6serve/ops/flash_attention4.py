@@ -137,7 +137,9 @@ def prepare(device: torch.device | str | None = None, *, every_call: bool = Fals
         head_dims = sorted({64, 128, *TILES}) if every_head_dim else sorted({*FASTER_HEAD_DIMS, *TILES})
         try:
             for head_dim in head_dims:
-                probe(torch.device(device), head_dim)
+                # On Blackwell Ring attention's (out, lse) calls run FA4 too: probed as well, so a broken lse path
+                # is found at load, not in a request.
+                probe(torch.device(device), head_dim, with_lse=every_call)
         except Exception as error:
             reason = f"flash-attn-4 imported but failed its probe ({type(error).__name__}: {error})"
             if MODE == "1":
@@ -156,7 +158,7 @@ def prepare(device: torch.device | str | None = None, *, every_call: bool = Fals
     return None
 
 
-def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2) -> None:
+def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2, *, with_lse: bool = False) -> None:
     """One small FA4 call at `head_dim`, checked against SDPA; raises if it fails or is wrong. It also JIT-compiles
     the kernel the requests use: FA4's compile key (flash_attn/cute/interface.py) holds the dtype, head dims, the
     Q-per-KV head ratio, tile and split-KV choice, but no sequence length or head count, and `flash_attn_func` never
@@ -178,6 +180,17 @@ def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2
     logger.info("FlashAttention-4 probe at head dim %d: max difference from SDPA %.3g", head_dim, difference)
     if not difference <= 0.01:
         raise RuntimeError(f"its output differs from SDPA's by {difference:.3g} at head dim {head_dim}")
+    if with_lse:
+        with torch.inference_mode():
+            out_lse, lse_BHL = fa4_attention_with_lse(query, key, value)
+            scores_BHLS = torch.einsum("blhd,bshd->bhls", query.float(), key.float()) / head_dim**0.5
+            expected_lse = torch.logsumexp(scores_BHLS, dim=-1)
+        lse_difference = (lse_BHL.float() - expected_lse).abs().max().item()
+        out_difference = (out_lse.float() - expected.float()).abs().max().item()
+        # fp32 log-sum-exps of bf16 scores: an honest kernel is within ~1e-3 of the fp32 math here.
+        if not (lse_difference <= 0.01 and out_difference <= 0.01):
+            raise RuntimeError(f"its (out, lse) call differs from the math by {out_difference:.3g} / "
+                               f"{lse_difference:.3g} at head dim {head_dim}")
 
 
 def wanted(head_dim: int) -> bool:

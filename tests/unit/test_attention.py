@@ -412,6 +412,30 @@ def test_fa4_tiles_variable_picks_the_tile_and_the_head_dims(monkeypatch):
         assert calls == [expected], head_dim
 
 
+def test_fa4_probe_checks_the_lse_call_where_ring_attention_uses_it(monkeypatch):
+    """On Blackwell Ring attention's (out, lse) calls run FA4 too, so its probe checks them: a kernel whose lse is
+    wrong is found at load."""
+    import torch.nn.functional as F
+
+    from k6serve.ops import flash_attention4
+
+    def kernel(lse_offset):
+        def flash_attn_func(query_BLHD, key_BSHD, value_BSHD, return_lse=False):
+            q, k, v = (x.transpose(1, 2) for x in (query_BLHD, key_BSHD, value_BSHD))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+            lse = torch.logsumexp((q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5, dim=-1)
+            return out, (lse + lse_offset if return_lse else None)
+        return flash_attn_func
+
+    monkeypatch.setattr(flash_attention4, "TILES", {})
+    monkeypatch.setattr(flash_attention4, "load", lambda: (kernel(0.0), ""))
+    flash_attention4.probe(torch.device("cpu"), 128, tokens=16, with_lse=True)
+    monkeypatch.setattr(flash_attention4, "load", lambda: (kernel(0.5), ""))  # ln vs log2, say
+    flash_attention4.probe(torch.device("cpu"), 128, tokens=16)  # the plain call is right
+    with pytest.raises(RuntimeError, match=r"its \(out, lse\) call differs from the math by .* / 0.5 at head dim 128"):
+        flash_attention4.probe(torch.device("cpu"), 128, tokens=16, with_lse=True)
+
+
 def test_fa4_probe_keeps_fa3_when_an_installed_fa4_fails(monkeypatch, caplog):
     """On a CUDA device `prepare()` runs one small FA4 call per head dim it will take, checked against SDPA: in
     "auto" mode a failing or wrong kernel logs a warning and FA3 keeps every call (an installed but broken FA4 must
@@ -439,7 +463,7 @@ def test_fa4_probe_keeps_fa3_when_an_installed_fa4_fails(monkeypatch, caplog):
 
     probed = []
 
-    def failing_probe(device, head_dim):
+    def failing_probe(device, head_dim, **options):
         probed.append((device.type, head_dim))
         raise RuntimeError("cutlass JIT: no kernel image")
 
@@ -454,7 +478,7 @@ def test_fa4_probe_keeps_fa3_when_an_installed_fa4_fails(monkeypatch, caplog):
     monkeypatch.setattr(flash_attention4, "MODE", "1")
     with pytest.raises(ValueError, match="K6SERVE_FA4=1 asks for FlashAttention-4 but .* failed its probe"):
         flash_attention4.prepare(torch.device("cuda"))
-    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim: None)
+    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim, with_lse=False: None)
     monkeypatch.setattr(flash_attention4, "MODE", "auto")
     assert flash_attention4.prepare(torch.device("cuda")) is None
     assert flash_attention4._READY and flash_attention4.wanted(64) and not flash_attention4.wanted(128)
@@ -549,7 +573,8 @@ def blackwell(monkeypatch):
     monkeypatch.setattr(flash_attention4, "_READY", False)
     monkeypatch.setattr(flash_attention4, "_EVERY_CALL", False)
     monkeypatch.setattr(flash_attention4, "load", lambda: (fa4, ""))
-    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim: probed.append((device.type, head_dim)))
+    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim, with_lse=False: probed.append(
+        (device.type, head_dim, with_lse)))
     fa4.probed = probed
     return fa4
 
@@ -574,7 +599,7 @@ def test_fa_on_datacenter_blackwell_runs_fa4_for_every_call_fa3_would_run(blackw
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert resolve_attention_backend(None, "cuda") == "fa"
-    assert blackwell.probed == [("cuda", 64), ("cuda", 128)]
+    assert blackwell.probed == [("cuda", 64, True), ("cuda", 128, True)]  # with the (out, lse) call
     assert flash_attention4.replaces_fa3()
     # The dispatch reads module state only (no device query inside compiled regions); dynamo itself must see the
     # CPU-only torch again, or it tries to initialise CUDA.
@@ -653,7 +678,7 @@ def test_blackwell_fa4_switched_off_or_failing_its_probe_says_what_to_do(blackwe
         resolve_attention_backend("fa", "cuda")
     assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
 
-    def failing_probe(device, head_dim):
+    def failing_probe(device, head_dim, **options):
         raise RuntimeError("cutlass JIT: no kernel image")
 
     monkeypatch.setattr(flash_attention4, "MODE", "auto")
@@ -697,9 +722,10 @@ def test_hopper_keeps_fa3_for_128_wide_heads_and_for_ring_attention(monkeypatch)
     monkeypatch.setattr(flash_attention4, "_READY", False)
     monkeypatch.setattr(flash_attention4, "_EVERY_CALL", False)
     monkeypatch.setattr(flash_attention4, "load", lambda: (fa4, ""))
-    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim: probed.append(head_dim))
+    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim, with_lse=False: probed.append(
+        (head_dim, with_lse)))
     assert resolve_attention_backend(None, "cuda") == "fa"
-    assert probed == [64] and not flash_attention4.replaces_fa3()
+    assert probed == [(64, False)] and not flash_attention4.replaces_fa3()
     for head_dim, plain in ((64, "fa4"), (128, "fa3")):
         fa4.calls.clear()
         fa3_calls.clear()
