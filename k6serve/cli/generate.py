@@ -14,6 +14,7 @@ from k6serve.api import (
     MissingSourceVideo,
     build_engine_config,
     check_output,
+    final_file_name,
     require_media_package,
     split_kwargs,
     unsaved_output_keys,
@@ -221,8 +222,14 @@ def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[
         raise ValueError("--prompt and --prompt-file-path both give the prompt; pass one of them.")
     prompts = read_prompt_file(path)
     names = [None] * len(prompts)
-    if request_options.get("output_file_name") is not None:
-        names = numbered_file_names(request_options["output_file_name"], len(prompts))
+    name = request_options.get("output_file_name")
+    if name is not None and request_options.get("save_output") is not False and len(prompts) > 1:
+        # The name as given is checked, and said changed, once, before it is numbered: numbered, a name refused
+        # alone ("..mp4") passed as "._1.mp4", and one with folders was refused as "sub/clip_1.mp4" of line 1.
+        final, warning = final_file_name(name)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        names = numbered_file_names(final, len(prompts))
     batch = []
     for (number, prompt), name in zip(prompts, names):
         options = {**request_options, "prompt": prompt}
@@ -250,6 +257,84 @@ def _batch_report(done: list[tuple[str, Any]], failed: str | None, left: list[st
     return "\n".join(lines)
 
 
+def _print_result(result) -> None:
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(format_timings(result))
+    print(format_summary(result))
+
+
+class _Batch:
+    """A --prompt-file-path run's progress, for the report when it stops early: the requests finished, the one that
+    failed (None for Ctrl-C or a stop between requests), and the rest, not run or not finished."""
+
+    def __init__(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
+        self.batch = batch
+        self.done: list[tuple[str, Any]] = []
+        self.failed: str | None = None
+
+    def report(self) -> str:
+        finished = {label for label, _ in self.done}
+        left = [label for label, _ in self.batch if label not in finished and label != self.failed]
+        return _batch_report(self.done, self.failed, left, len(self.batch))
+
+
+def _run_in_order(generator: DiffGenerator, variant, progress: _Batch, numbered: bool) -> None:
+    for index, (label, options) in enumerate(progress.batch):
+        progress.failed = label
+        if numbered:
+            print(f"[{index + 1}/{len(progress.batch)}] {label}: {options['prompt']}", file=sys.stderr)
+        result = _run_one(generator, variant, options)
+        progress.done.append((label, result))
+        progress.failed = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
+        _print_result(result)
+
+
+def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int) -> None:
+    """--prompt-file-path with `--dp-size` N: N prompts at once (`DiffGenerator.generate` runs N requests at a time,
+    one per replica, from as many threads), the next one given as soon as one finishes, so no replica waits while
+    another works; each result prints as it finishes. After a failure no prompt is started; the running ones finish
+    (their videos are kept) and the failure is raised."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    print(f"prompt file: {len(progress.batch)} prompts, {replicas} at a time (--dp-size {replicas}); no progress "
+          "bars", file=sys.stderr)
+    queue = iter(progress.batch)
+    error: BaseException | None = None
+    running: dict = {}
+    pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="k6serve-prompt")
+
+    def start_next() -> None:
+        item = next(queue, None)
+        if item is not None:
+            running[pool.submit(generator.generate, item[1])] = item
+
+    try:
+        for _ in range(replicas):
+            start_next()
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                label, options = running.pop(future)
+                try:
+                    result = future.result()
+                except Exception as exc:  # noqa: BLE001 - the first is raised once the running ones finish
+                    if error is None:
+                        error, progress.failed = exc, label
+                    continue
+                progress.done.append((label, result))
+                print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {options['prompt']}",
+                      file=sys.stderr)
+                _print_result(result)
+                if error is None:
+                    start_next()
+    finally:
+        # Ctrl-C leaves the running requests to the generator's shutdown, which ends them.
+        pool.shutdown(wait=error is not None)
+    if error is not None:
+        raise error
+
+
 def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
     # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
@@ -270,37 +355,28 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             if not label:
                 raise  # one request: its own error, with where it came from for --log-level debug
             raise ValueError(f"{label} of --prompt-file-path: {exc}") from exc
-    batch = checked
+    progress = _Batch(checked)
     model_path = engine_options.pop("model_path")
     generator = DiffGenerator.from_cli_options(model_path, **engine_options)
-    done: list[tuple[str, Any]] = []
-    current = None
     try:
         variant = generator.variant
         if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
             if from_file:
                 _refuse_prompt_file_for_upscaling()
             _refuse_text_for_upscaling(params)
-        for index, (label, options) in enumerate(batch):
-            current = label
-            if from_file:
-                print(f"[{index + 1}/{len(batch)}] {label}: {options['prompt']}", file=sys.stderr)
-            result = _run_one(generator, variant, options)
-            done.append((label, result))
-            current = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
-            for note in result.notes:
-                print(f"note: {note}", file=sys.stderr)
-            print(format_timings(result))
-            print(format_summary(result))
+        replicas = generator.engine.num_replicas
+        if from_file and replicas > 1 and len(checked) > 1:
+            _run_side_by_side(generator, progress, replicas)
+        else:
+            _run_in_order(generator, variant, progress, numbered=from_file)
     except BaseException:
         if from_file:
-            left = [label for label, _ in batch[len(done) + (current is not None):]]
-            print(_batch_report(done, current, left, len(batch)), file=sys.stderr)
+            print(progress.report(), file=sys.stderr)
         raise
     finally:
         generator.shutdown()
-    if from_file and len(batch) > 1:
-        print(_batch_report(done, None, [], len(batch)))
+    if from_file and len(checked) > 1:
+        print(_batch_report(progress.done, None, [], len(checked)))
     return 0
 
 

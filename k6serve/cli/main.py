@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-file-path", default=None, metavar="FILE",
         help="Text file with one prompt per line (blank lines skipped): the model loads once and runs one request "
              "per prompt, each with the other flags as given (the same --seed); instead of --prompt. A given "
-             "--output-file-name is numbered (clip_1.mp4, clip_2.mp4...). Generation models only.")
+             "--output-file-name is numbered (clip_1.mp4, clip_2.mp4...); with --dp-size N, N prompts run at once. "
+             "Generation models only.")
     serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).")
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)

@@ -120,6 +120,9 @@ def no_model_load(monkeypatch):
         (["--height", "60"], "line 1 of --prompt-file-path: height must be a positive multiple of 16"),
         (["--output-file-name", "taken"], "line 2 of --prompt-file-path: '{out}/taken_2.mp4' already exists and was "
                                           "left as it is"),
+        # The name as given is checked before it is numbered (numbered, "..mp4" passed as "._1.mp4").
+        (["--output-file-name", "sub/clip"], "output_file_name 'sub/clip' must be a file name without folders"),
+        (["--output-file-name", "..mp4"], "output_file_name '..mp4' has no letter or digit"),
     ],
 )
 def test_a_bad_batch_is_refused_before_the_model_loads(tiny_distill_dir, tmp_path, no_model_load, capsys, flags,
@@ -203,3 +206,75 @@ def test_a_refusal_before_the_load_keeps_its_origin_for_log_level_debug(tiny_dis
     assert main(_args(tiny_distill_dir, tmp_path, "--prompt", "x", "--height", "60", "--log-level", "debug")) == 2
     err = capsys.readouterr().err
     assert "error: height must be a positive multiple of 16" in err and "variants.py" in err
+
+
+class _Replicas:
+    """A stand-in generator with two replicas: `generate` records how many requests run at once; the prompt "fail"
+    raises 0.05 s after it starts, the others finish after 0.3 s."""
+
+    def __init__(self):
+        import threading
+
+        from k6serve.models.variants import VARIANTS
+
+        self.variant = VARIANTS["pro-distill"]
+        self.engine = type("Engine", (), {"num_replicas": 2})()
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+        self.started = []
+        self.shut = False
+
+    def generate(self, options, on_progress=None):
+        import time
+        from types import SimpleNamespace
+
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.started.append(options["prompt"])
+        try:
+            if options["prompt"] == "fail":  # fails while the first prompt still runs
+                time.sleep(0.05)
+                raise RuntimeError("the replica's GPU fell off the bus")
+            time.sleep(0.3)
+            return SimpleNamespace(notes=[], timings={"total": 0.2}, peak_memory_mb=1.0, num_frames=5, width=32,
+                                   height=32, fps=24.0, has_audio=True, output_file_path=f"out/{options['prompt']}.mp4")
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def shutdown(self):
+        self.shut = True
+
+
+def _with_replicas(monkeypatch):
+    import k6serve.cli.generate as generate_module
+
+    replicas = _Replicas()
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(lambda *a, **k: replicas))
+    return replicas
+
+
+def test_with_two_replicas_the_prompts_run_two_at_a_time(tiny_distill_dir, tmp_path, monkeypatch, capsys):
+    replicas = _with_replicas(monkeypatch)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\nc\nd\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 0
+    captured = capsys.readouterr()
+    assert replicas.most == 2 and sorted(replicas.started) == ["a", "b", "c", "d"] and replicas.shut
+    assert "prompt file: 4 prompts, 2 at a time (--dp-size 2)" in captured.err
+    assert captured.err.count(" finished] line ") == 4 and captured.out.count("saved out/") == 4
+    assert captured.out.rstrip().endswith("prompt file: 4 of 4 requests finished, 4 saved")
+
+
+def test_with_two_replicas_a_failure_stops_the_prompts_not_started(tiny_distill_dir, tmp_path, monkeypatch, capsys):
+    replicas = _with_replicas(monkeypatch)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ok\nfail\nnever\nnor this\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 70
+    err = capsys.readouterr().err
+    assert sorted(replicas.started) == ["fail", "ok"]  # the two started together; the rest never did
+    assert ("prompt file: 1 of 4 requests finished, 1 saved\nprompt file: line 2 stopped the run (the videos saved "
+            "before it are kept)\nprompt file: not run: line 3, line 4\n") in err
+    assert "the replica's GPU fell off the bus" in err
