@@ -351,6 +351,10 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
     return value
 
 
+# Keys that give the same thing in two ways (`k6serve generate` refuses both at once).
+_EITHER_OR_KEYS = (("prompt", "prompt_file_path"),)
+
+
 def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """CLI values over --config values; unset flags are omitted so the typed defaults apply."""
     options = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "config", "log_level")}
@@ -385,6 +389,11 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                 converted[key] = _config_value(actions[key], value)
             except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
                 raise ValueError(f"--config {args.config}: {actions[key].option_strings[0]}: {exc}") from None
+        for pair in _EITHER_OR_KEYS:
+            # The command line wins over the file also where two keys exclude each other: --prompt-file-path typed
+            # over a file's `prompt` replaces it, as --prompt would.
+            if any(key in options for key in pair):
+                converted = {key: value for key, value in converted.items() if key not in pair}
         options = {**converted, **options}
     return options
 

@@ -278,3 +278,21 @@ def test_with_two_replicas_a_failure_stops_the_prompts_not_started(tiny_distill_
     assert ("prompt file: 1 of 4 requests finished, 1 saved\nprompt file: line 2 stopped the run (the videos saved "
             "before it are kept)\nprompt file: not run: line 3, line 4\n") in err
     assert "the replica's GPU fell off the bus" in err
+
+
+@pytest.mark.parametrize(("in_file", "typed", "expected"), [
+    ("prompt: from the file\n", ["--prompt-file-path", "PROMPTS"], ["first", "second"]),
+    ("prompt_file_path: PROMPTS\n", ["--prompt", "typed"], ["typed"]),
+])
+def test_the_command_line_wins_over_a_config_files_other_way_to_give_the_prompt(tiny_distill_dir, tmp_path,
+                                                                               monkeypatch, capsys, in_file, typed,
+                                                                               expected):
+    replicas = _with_replicas(monkeypatch)
+    replicas.engine.num_replicas = 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(in_file.replace("PROMPTS", str(prompts)))
+    args = [str(prompts) if arg == "PROMPTS" else arg for arg in typed]
+    assert main(_args(tiny_distill_dir, tmp_path, "--config", str(config), *args)) == 0
+    assert replicas.started == expected
