@@ -150,9 +150,9 @@ def _recording_warmups(monkeypatch) -> list:
     seen = []
     original = worker_module.warmup
 
-    def recording(pipeline, request, mode):
+    def recording(pipeline, request, mode, **options):
         seen.append(request)
-        return original(pipeline, request, mode)
+        return original(pipeline, request, mode, **options)
 
     monkeypatch.setattr(worker_module, "warmup", recording)
     return seen
