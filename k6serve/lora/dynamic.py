@@ -49,6 +49,18 @@ class LoraDelta:
     # Only tensors go in here (runtime/memory.py moves each of them for sleep / wake): (down, up[, bias][, factor][,
     # shift]), the optional ones where set.
     cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, ...]] = field(default_factory=dict)
+    # `up` and `bias` with the scale (and DoRA's factor) folded in, fp32 CPU, made with the delta (`__post_init__`).
+    scaled_up: Tensor = field(init=False)
+    scaled_bias: Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The scale is folded into `up` in fp32, before the cast: one multiply fewer per call, and the rank-r GEMM
+        # that follows rounds once, as the merged weight's single GEMM does. Folded here, not on the first call: a
+        # compiled block whose first call filled the cache read `scale` as a constant and compiled again for the next
+        # strength (a request's own `loras` makes new deltas every time).
+        up = self.up.float() * self.scale
+        self.scaled_up = up if self.factor is None else self.factor[:, None] * up
+        self.scaled_bias = None if self.bias is None else self.bias.float() * self.scale
 
     def weights(self, like: Tensor, shard: ShardedWeight) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
                                                                    Tensor | None]:
@@ -56,15 +68,9 @@ class LoraDelta:
         `up` and `bias` carry the scale (and DoRA's factor), the missing ones are None."""
         key = (like.device, like.dtype)
         if key not in self.cache:
-            # The scale is folded into `up` in fp32, before the cast: one multiply fewer per call, and the rank-r
-            # GEMM that follows rounds once, as the merged weight's single GEMM does.
-            up = self.up.float() * self.scale
-            bias = None if self.bias is None else self.bias.float() * self.scale
-            if self.factor is not None:
-                up = self.factor[:, None] * up
-            up, down = shard.slice_update(up, self.down)
+            up, down = shard.slice_update(self.scaled_up, self.down)
             bias, factor, shift = (None if tensor is None else shard.slice_rows(tensor)
-                                   for tensor in (bias, self.factor, self.shift))
+                                   for tensor in (self.scaled_bias, self.factor, self.shift))
             present = (down, up, bias, factor, shift)
             self.cache[key] = tuple(tensor.to(like.device, like.dtype) for tensor in present if tensor is not None)
         cached = self.cache[key]
@@ -106,7 +112,7 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.deltas: list[LoraDelta] = []
-        self.shard: ShardedWeight | None = None  # the weight's layout inside the forward, read on the first call
+        self.shard: ShardedWeight | None = None  # the weight's layout inside the forward: `prepare`, or the first call
 
     # The model reads some Linears' weight (the dtype to cast a time embedding or modulation input to): the wrapper
     # answers for the layer it stands in for.
@@ -125,6 +131,17 @@ class LoraLinear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.base.out_features
+
+    def prepare(self, device: torch.device) -> None:
+        """Read the weight's layout and cast the deltas for an input on `device` in the weight's dtype now, before
+        the forward (not under FSDP, whose weight is whole only inside it). Left to a compiled block's first call,
+        this made that call's graph unlike every later call's: two graphs per new set of wrapped layers instead of
+        one. An input of another dtype still fills its cache on first use."""
+        if self.shard is None:
+            self.shard = ShardedWeight.of(self.base)
+        like = torch.empty(0, device=device, dtype=self.base.weight.dtype)
+        for delta in self.deltas:
+            delta.weights(like, self.shard)
 
     def forward(self, x: Tensor) -> Tensor:
         output = self.base(x)
@@ -166,6 +183,12 @@ class LoraEmbedding(nn.Module):
     @property
     def embedding_dim(self) -> int:
         return self.base.embedding_dim
+
+    def prepare(self, device: torch.device) -> None:
+        """Cast the deltas for `device` and the table's dtype now (`LoraLinear.prepare`)."""
+        like = torch.empty(0, device=device, dtype=self.base.weight.dtype)
+        for delta in self.deltas:
+            delta.weights(like, self._WHOLE)
 
     def forward(self, ids: Tensor) -> Tensor:
         output = self.base(ids)

@@ -168,6 +168,14 @@ class LoraManager:
         finally:
             self._switch(previous, "dynamic", log=False)
 
+    def prepare(self, device: torch.device) -> None:
+        """Ready the dynamic wrappers for a request on `device` (`LoraLinear.prepare`), so that the compiled blocks'
+        first call runs the same code as every later one. Under FSDP they read the layout in the forward, as before."""
+        if self.fsdp:
+            return
+        for _, wrapper in self.wrappers:
+            wrapper.prepare(device)
+
     def state(self) -> list[dict]:
         """One JSON-able dict per cached adapter, the active ones first in activation order."""
         by_nickname = {entry.nickname: entry for entry in self.active}

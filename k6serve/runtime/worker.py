@@ -576,6 +576,8 @@ class ModelWorker:
         # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
         # saved MP4 is always encoded while the VAE decodes.
         with self._request_loras(request), self._naming_lora_strengths(request):
+            if self.lora_manager is not None:
+                self.lora_manager.prepare(self.device)  # dynamic adapters cast before the compiled blocks' first call
             if output.save_output:
                 target, number_if_taken = self._output_file(request, output)
                 result, written = self._generate_into_mp4(request, target, on_step, number_if_taken=number_if_taken)

@@ -773,3 +773,42 @@ def test_cuda_a_requests_adapters_in_speed_mode_match_the_engines(demo_dir, tmp_
     engine_fox = _generate(worker)
     assert _same(_generate(worker, loras={"other": 0.5}), other_half)
     assert _same(_generate(worker), engine_fox) and not _same(engine_fox, other_half)
+
+
+def test_compiled_blocks_compile_new_wrapped_layers_once_and_no_new_strength(tiny_distill_dir, tmp_path,
+                                                                              monkeypatch):
+    """Speed mode's compiled blocks (counted with dynamo's CPU `aot_eager` backend): a request's own `loras` compile
+    one graph per block whose wrapped layers are new (fused blocks 0 and 1 wrap different ones: 2), and the same
+    adapter at another strength, in a request or on the engine, compiles nothing. Every request makes new wrappers
+    and deltas; their weights were cast in the compiled block's first call, which compiled a graph of its own (4 in
+    all), and read the scale there as a constant, so each new strength compiled again (the recompile log's
+    `deltas[0].scale == 1.0`)."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from k6serve.speed import apply_performance_mode, performance_mode
+    from k6serve.speed.regional_compile import apply_regional_compile
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(performance_mode, "apply_regional_compile",
+                        functools.partial(apply_regional_compile, backend=CompileCounterWithBackend("aot_eager")))
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+    shapes = _shapes(worker.pipeline.models.transformer, MODULES)  # before the speed transforms fuse Q/K/V
+    worker.performance_report = apply_performance_mode(worker.pipeline.models, "speed", "cuda")
+    worker.pipeline.trim_text_padding = True
+    file = write_adapter(tmp_path, shapes)
+    worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", path=str(file)),), merge_mode="dynamic"))
+    worker.apply_lora_operation(UnmergeLora())  # loaded, not active
+
+    def graphs_compiled(**kwargs) -> int:
+        return int(_generate(worker, **kwargs).timings["graphs_compiled"])
+
+    assert graphs_compiled() > 0  # the base model's graphs
+    assert graphs_compiled(loras={"fox": 1.0}) == 2
+    assert [graphs_compiled(loras={"fox": strength}) for strength in (1.0, 0.5, 0.25)] == [0, 0, 0]
+    for strength in (0.7, 0.3):
+        worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="fox", strength=strength),),
+                                            merge_mode="dynamic"))
+        assert graphs_compiled() == 0
+    torch._dynamo.reset()
