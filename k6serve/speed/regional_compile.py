@@ -23,6 +23,9 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
+BLOCK_RECOMPILE_LIMIT = 64
+
+
 def apply_regional_compile(
     model: nn.Module,
     plan: ModelPlan,
@@ -36,7 +39,13 @@ def apply_regional_compile(
 
     Idempotent: blocks that are already compiled are skipped. `dynamic=None` is torch's default (static
     first, dynamic after a shape change), which suits a server that sees several resolutions.
+
+    Dynamo's limit of graph variants per code object is raised to `BLOCK_RECOMPILE_LIMIT`: all blocks of a class
+    share one code object, and a served DiT gathers variants (static, then dynamic lengths: 2-3 after the warm-up;
+    one more per new set of layers a request's own LoRA adapters wrap). At the default 8 the blocks then ran eager
+    for the rest of the process, silently, at eager speed: a recompile costs once, that forever.
     """
+    raise_recompile_limit(BLOCK_RECOMPILE_LIMIT)
     num_compiled = 0
     for path in plan.blocks:
         blocks = model.get_submodule(path)
