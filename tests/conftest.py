@@ -151,3 +151,14 @@ def engine_config_from_cli():
         return build_engine_config(engine.pop("model_path"), **engine)
 
     return build
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`k6serve generate` failing the test if it loads the model: what a run refuses must be refused before it."""
+    import k6serve.cli.generate as generate_module
+
+    def from_cli_options(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))

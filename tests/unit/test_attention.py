@@ -554,12 +554,19 @@ def _no_fa3(*args, **kwargs):
     raise AssertionError("FA3 was called: its sm_90a kernels cannot run on Blackwell")
 
 
+def _fa4_stand_in(monkeypatch, fa4, probe) -> None:
+    """FA4 importable as the stand-in `fa4`, its probe `probe`, its module state fresh ("auto", no tiles, not ready)."""
+    from k6serve.ops import flash_attention4
+
+    for name, value in (("MODE", "auto"), ("TILES", {}), ("_READY", False), ("_EVERY_CALL", False),
+                        ("load", lambda: (fa4, "")), ("probe", probe)):
+        monkeypatch.setattr(flash_attention4, name, value)
+
+
 @pytest.fixture
 def blackwell(monkeypatch):
     """A datacenter Blackwell GPU (sm_100) with FA4 a stand-in and no FA3; `_uses_fa3` is the real rule with "the
     tensor is on CUDA" taken as true, so CPU bf16 tensors take the FlashAttention path as CUDA ones would."""
-    from k6serve.ops import flash_attention4
-
     fa4 = _StandInFA4()
     probed = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -568,12 +575,7 @@ def blackwell(monkeypatch):
     monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", _no_fa3)
     monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: (
         backend in ("fa", "fa_fp8") and mask is None and query.dtype == torch.bfloat16))
-    monkeypatch.setattr(flash_attention4, "MODE", "auto")
-    monkeypatch.setattr(flash_attention4, "TILES", {})
-    monkeypatch.setattr(flash_attention4, "_READY", False)
-    monkeypatch.setattr(flash_attention4, "_EVERY_CALL", False)
-    monkeypatch.setattr(flash_attention4, "load", lambda: (fa4, ""))
-    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim, with_lse=False: probed.append(
+    _fa4_stand_in(monkeypatch, fa4, lambda device, head_dim, with_lse=False: probed.append(
         (device.type, head_dim, with_lse)))
     fa4.probed = probed
     return fa4
@@ -717,13 +719,7 @@ def test_hopper_keeps_fa3_for_128_wide_heads_and_for_ring_attention(monkeypatch)
     monkeypatch.setattr(attention_ops, "_load_fa3", lambda: (fa3, ""))
     monkeypatch.setattr(attention_ops, "_FA3_FUNCTION", fa3)
     monkeypatch.setattr(attention_ops, "_uses_fa3", lambda backend, query, mask: backend == "fa" and mask is None)
-    monkeypatch.setattr(flash_attention4, "MODE", "auto")
-    monkeypatch.setattr(flash_attention4, "TILES", {})
-    monkeypatch.setattr(flash_attention4, "_READY", False)
-    monkeypatch.setattr(flash_attention4, "_EVERY_CALL", False)
-    monkeypatch.setattr(flash_attention4, "load", lambda: (fa4, ""))
-    monkeypatch.setattr(flash_attention4, "probe", lambda device, head_dim, with_lse=False: probed.append(
-        (head_dim, with_lse)))
+    _fa4_stand_in(monkeypatch, fa4, lambda device, head_dim, with_lse=False: probed.append((head_dim, with_lse)))
     assert resolve_attention_backend(None, "cuda") == "fa"
     assert probed == [(64, False)] and not flash_attention4.replaces_fa3()
     for head_dim, plain in ((64, "fa4"), (128, "fa3")):

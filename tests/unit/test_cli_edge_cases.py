@@ -105,17 +105,6 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
     assert "is a file, not a folder" in err and "--output-path" in err and "Traceback" not in err
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Loading the model fails the test: what these runs refuse must be refused before it."""
-    import k6serve.cli.generate as generate_module
-
-    def from_cli_options(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
-
-
 @pytest.mark.parametrize(
     ("checkpoint", "flags", "message"),
     [

@@ -102,16 +102,6 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["only.mp4"]  # one prompt: the name as given
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import k6serve.cli.generate as generate_module
-
-    def from_cli_options(*args, **kwargs):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
-
-
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
