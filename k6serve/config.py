@@ -259,9 +259,10 @@ class RuntimeConfig:
     performance_mode: str = "speed"
     attention_backend: str = "auto"
     warmup_mode: str = "off"
-    # The shapes `--warmup-mode server` warms at start-up, in order, instead of the model's default request: speed
-    # mode compiles the DiT per shape, so the first request of every other size paid that compile (tens of seconds
-    # on a GPU). Each is checked as a request of its size is, before the load where the model is known.
+    # The shapes `--warmup-mode server` warms at start-up, in order, instead of the model's default request: a
+    # shape's first request pays what is keyed on its size (cuDNN's VAE tuning; a compile where the DiT's graphs are
+    # not yet dynamic, speed/warmup.py). Each is checked as a request of its size is, before the load where the
+    # model is known.
     warmup_resolutions: tuple[WarmupSize, ...] = ()
     # torch.compile of the video VAE decoder (HunyuanVideo; the SR K-VAE per block). Opt-in, not part of
     # "speed": on H200 it makes the decode 1.9x (K-VAE 1.75x) faster, but fused kernels round once where eager

@@ -76,8 +76,8 @@ def other_audio_length_fps(fps: float) -> float:
 
 def other_lengths_request(request: GenerateRequest, image_path: str) -> GenerateRequest:
     """`request` with every other thing a request may change without changing the video's shape changed: a prompt
-    (and negative prompt) of another length, another soundtrack length, and the conditioning image toggled (`image_path`
-    for a text-only request), one DiT step."""
+    (and negative prompt) of another length, another soundtrack length, and the conditioning image toggled
+    (`image_path` for a text-only request), one DiT step."""
     negative = request.negative_prompt
     return dataclasses.replace(
         request, prompt=other_text_length_prompt(request.prompt),
@@ -99,7 +99,7 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest) -> None:
     the CFG-parallel rank of the negative branch sees, and a conditioning image (TI2AV) takes another graph than a
     text-only request; this pass changes them all, so dynamo compiles once more for all of them. On the H200 graphs
     dynamic in every length ran the Pro-distill step in 5.860 s against 5.835 s static (0.4%;
-    scripts/gpu_dynamic_dims.py, twenty-sixth session), where each recompile they spare a request costs 8-16 s."""
+    scripts/gpu_dynamic_dims.py, twenty-sixth session), where each recompile they spare a request costs 7-8 s."""
     import tempfile
 
     from PIL import Image
