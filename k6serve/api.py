@@ -132,12 +132,13 @@ def _refuse_image_objects(image: Any) -> None:
 
 
 def require_media_package(params: SamplingParams, output: OutputOptions) -> None:
-    """PyAV, which k6serve.media needs to write the MP4 and to read a source video or image, imported in the
-    caller's process: missing, the request failed in the worker only after the model had loaded and run."""
+    """PyAV, which k6serve.media needs to write the MP4 and to read a source video, imported in the caller's
+    process: missing, the request failed in the worker only after the model had loaded and run. A conditioning
+    image is read with Pillow alone (k6serve/media/__init__.py)."""
     if output.save_output:
         require_package("av", "to write the MP4")
-    elif params.image_path is not None or params.video_path is not None:
-        require_package("av", "to read input files")
+    elif params.video_path is not None:
+        require_package("av", "to read the source video")
 
 
 def _warn_without_media_package() -> None:
@@ -146,7 +147,7 @@ def _warn_without_media_package() -> None:
     try:
         require_package("av", "to write the MP4")
     except MissingPackage as exc:
-        logger.warning(f"{exc} Until then generate() runs only requests with save_output=False and no input file.")
+        logger.warning(f"{exc} Until then generate() runs only requests with save_output=False and no source video.")
 
 
 def check_output_folder(output: OutputOptions) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -87,8 +88,29 @@ def test_api_generate_without_pyav_is_refused_before_the_run(declared, monkeypat
 def test_only_requests_with_files_need_pyav(monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)
     require_media_package(*split_kwargs({"prompt": "x", "save_output": False}))  # frames only: runs without it
-    with pytest.raises(MissingPackage, match="needs to read input files"):
+    # A conditioning image is read with Pillow: the frames-only TI2AV request runs too.
+    require_media_package(*split_kwargs({"prompt": "x", "image_path": "in.png", "save_output": False}))
+    with pytest.raises(MissingPackage, match="needs to read the source video"):
         require_media_package(*split_kwargs({"video_path": "in.mp4", "save_output": False}))
+
+
+def test_the_conditioning_image_loads_without_pyav(tmp_path):
+    """k6serve.media imported every module, PyAV's among them, for the image loader: the server warm-up's image
+    pass failed with "No module named 'av'" on a host without PyAV (the H200, twenty-seventh session)."""
+    from PIL import Image
+
+    Image.new("RGB", (96, 64), (200, 10, 10)).save(tmp_path / "in.png")
+    code = ("import sys; sys.modules['av'] = None; "
+            "from k6serve.pipelines import text_to_video; from k6serve import media; "
+            "image = media.load_conditioning_image(sys.argv[1], 64, 96); "
+            "assert 'k6serve.media.audio' not in sys.modules and 'k6serve.media.mux' not in sys.modules; "
+            "print(tuple(image.shape) if hasattr(image, 'shape') else image.size)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.png")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    # The MP4 writer still needs PyAV, and its import says so.
+    writer = subprocess.run([sys.executable, "-c", "import sys; sys.modules['av'] = None; "
+                             "from k6serve import media; media.write_mp4"], capture_output=True, text=True)
+    assert writer.returncode != 0 and "ModuleNotFoundError" in writer.stderr and "av" in writer.stderr
 
 
 def test_from_pretrained_warns_before_the_load_without_pyav(monkeypatch, caplog):
@@ -97,4 +119,4 @@ def test_from_pretrained_warns_before_the_load_without_pyav(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="k6serve.api"):
         assert DiffGenerator.from_pretrained("demo") == "loaded"
     assert "which k6serve needs to write the MP4" in caplog.text
-    assert "generate() runs only requests with save_output=False and no input file" in caplog.text
+    assert "generate() runs only requests with save_output=False and no source video" in caplog.text
