@@ -40,11 +40,11 @@ from k6serve.lora.spec import (
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import MissingPrompt, MissingSourceVideo
+from k6serve.reference_names import unknown_names_hint
 from k6serve.request import (
     OutputOptions,
     SamplingParams,
     VideoResult,
-    did_you_mean,
     fspath_values,
     plain_scalars,
 )
@@ -79,7 +79,9 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
             if key in _REQUEST_KEYS:
                 raise ValueError(f"{key} is a request parameter: pass it to generate(), not to from_pretrained().")
             valid = sorted(k for cls in sections for k in cls.__dataclass_fields__ if k != "model_path")
-            raise ValueError(f"Unknown engine option {key!r}{did_you_mean([key], valid)}. Valid options: {valid}")
+            # SGLang's names (enable_torch_compile) get what to use instead, not a guess at a look-alike.
+            hint = unknown_names_hint([key], valid, surface="api")
+            raise ValueError(f"Unknown engine option {key!r}{hint}. Valid options: {valid}")
     return EngineConfig(
         model=ModelConfig(model_path=model_path, **sections[ModelConfig]),
         parallel=ParallelConfig(**sections[ParallelConfig]),

@@ -147,9 +147,12 @@ class SamplingParams:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
+            # SGLang's names (guidance_rescale) get what to use instead; it imports this module, hence here.
+            from k6serve.reference_names import unknown_names_hint
+
             raise ValueError(
-                f"Unknown sampling parameter(s) {unknown}{did_you_mean(unknown, names)}. Valid parameters: "
-                f"{sorted(names)}."
+                f"Unknown sampling parameter(s) {unknown}{unknown_names_hint(unknown, names, surface='api')}. "
+                f"Valid parameters: {sorted(names)}."
             )
         return cls(**fspath_values(plain_scalars(kwargs)))
 
@@ -160,13 +163,14 @@ def plain_scalars(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.item() if isinstance(v, np.generic) else v for k, v in kwargs.items()}
 
 
-def did_you_mean(unknown: list[str], names: typing.Iterable[str]) -> str:
-    """' (did you mean ...?)' for the unknown names that resemble a known one (a typo), else ''."""
+def did_you_mean(unknown: list[str], names: typing.Iterable[str], *, name_each: bool = False) -> str:
+    """' (did you mean ...?)' for the unknown names that resemble a known one (a typo), else ''; `name_each` says
+    which name each guess is for also when there is one (the message lists other unknown names)."""
     guesses = {name: difflib.get_close_matches(name, sorted(names), n=1) for name in unknown}
     guesses = {name: close[0] for name, close in guesses.items() if close}
     if not guesses:
         return ""
-    if len(unknown) == 1:
+    if len(unknown) == 1 and not name_each:
         return f" (did you mean {next(iter(guesses.values()))!r}?)"
     return " (did you mean " + ", ".join(f"{close!r} for {name!r}" for name, close in guesses.items()) + "?)"
 

@@ -34,6 +34,7 @@ from k6serve.config import (
     VAE_TILING,
     WARMUP_MODES,
 )
+from k6serve.reference_names import aliases, aliases_of, unknown_names_hint, value_fix
 from k6serve.request import SamplingParams, parameter_fields
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,12 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                      "feed-forwards are e4m3) or visual_transformer_blocks.0 (block 0); naming one "
                                      "of Q, K, V keeps all three (one GEMM in speed mode).")),
     ("device", dict(choices=DEVICES, help="Device to run on (auto, the default: CUDA if available).")),
-    ("performance_mode", dict(choices=PERFORMANCE_MODES, help="speed: every optimisation within tolerance; balanced: "
-                         "eager, each component on the GPU only for its stage (weights in host memory); memory: "
-                         "balanced, the DiT's and text encoders' blocks streamed one at a time and (--vae-tiling "
-                         "auto) the VAE decoded in tiles: Pro-distill peaks at 8.3 GiB on an H200 (default speed).")),
+    # The type refuses SGLang's modes (auto, manual) with the fix, before the choices check.
+    ("performance_mode", dict(choices=PERFORMANCE_MODES, type=lambda v: _not_a_reference_value("performance_mode", v),
+                              help="speed: every optimisation within tolerance; balanced: eager, each component on "
+                              "the GPU only for its stage (weights in host memory); memory: balanced, the DiT's and "
+                              "text encoders' blocks streamed one at a time and (--vae-tiling auto) the VAE decoded in "
+                              "tiles: Pro-distill peaks at 8.3 GiB on an H200 (default speed).")),
     ("offload_prefetch_blocks", dict(type=int, help="When blocks are streamed (--performance-mode memory, or the "
                                  "DiT or a text encoder streamed by the flags below): blocks copied ahead of the "
                                  "running one (default 1). Each costs a block of GPU memory; more hide copies that "
@@ -170,6 +173,15 @@ def _bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+def _not_a_reference_value(option: str, value: Any) -> Any:
+    """A choice flag's value, refused with the fix where it is a value of SGLang's same option that k6serve does not
+    take (`--mode auto`); the choices check sees every other value."""
+    fix = value_fix(option, value)
+    if fix is not None:
+        raise argparse.ArgumentTypeError(fix)
+    return value
+
+
 def _json_object(value: str | dict) -> dict:
     """A JSON object flag value (a --config file may already hold the mapping)."""
     if isinstance(value, dict):
@@ -211,7 +223,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for name, spec in ENGINE_FLAGS:
         spec = {"default": None, **spec}
-        group.add_argument(SEED_FLAG_SPELLINGS.get(name, _flag(name)), dest=name, **spec)
+        # SGLang's names of the same option (`--mode`) are accepted too (k6serve/reference_names.py).
+        group.add_argument(SEED_FLAG_SPELLINGS.get(name, _flag(name)), *aliases_of(name), dest=name, **spec)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -223,15 +236,16 @@ def add_log_level_flag(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No prefix abbreviations: `--compile true` set --compile-vae, and SGLang's `--mode` was "ambiguous".
     parser = argparse.ArgumentParser(prog="k6serve", description="Serve and run Kandinsky 6 video+audio generation "
-                                     "and video super-resolution.")
+                                     "and video super-resolution.", allow_abbrev=False)
     add_log_level_flag(parser, "info")
     from k6serve import __version__  # the package's own module: imports nothing heavy (k6serve/__init__.py)
 
     parser.add_argument("--version", action="version", version=f"k6serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="Run one request offline and write the MP4 (or one per line of "
-                              "--prompt-file-path).")
+                              "--prompt-file-path).", allow_abbrev=False)
     generate.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     # Also after the command, where a user appends it to the command that just failed ("rerun with --log-level
     # debug"); SUPPRESS leaves the value given before the command in place when it is not repeated here.
@@ -244,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
              "per prompt, each with the other flags as given (the same --seed); instead of --prompt. A given "
              "--output-file-name is numbered (clip_1.mp4, clip_2.mp4...); with --dp-size N, N prompts run at once. "
              "Generation models only.")
-    serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).")
+    serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).", allow_abbrev=False)
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)
     add_engine_flags(serve)
@@ -372,7 +386,8 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                 flat.update({f"vae_config.{str(inner).replace('-', '_')}": item for inner, item in value.items()})
             else:
                 flat[key] = value
-        from_file = {seed_keys.get(key, key): value for key, value in flat.items()}
+        from_file = _renamed_reference_keys({seed_keys.get(key, key): value for key, value in flat.items()},
+                                            args.config)
         unknown = sorted(set(from_file) - set(actions))
         if unknown:
             # --no-save-output and the other --no-* flags are the false value of one key, not keys of their own.
@@ -380,7 +395,10 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        and isinstance(actions.get(key[3:]), argparse.BooleanOptionalAction)]
             hint = "".join(f"; --{key.replace('_', '-')} is written as {key[3:].replace('_', '-')}: false"
                            for key in negated)
-            raise ValueError(f"--config {args.config}: unknown key(s) {unknown}{hint}")
+            # SGLang's names get what to use instead; other keys a "did you mean" where one is close.
+            reference = unknown_names_hint([key for key in unknown if key not in negated], actions,
+                                           surface=_surface(args.command))
+            raise ValueError(f"--config {args.config}: unknown key(s) {unknown}{reference}{hint}")
         converted = {}
         for key, value in from_file.items():
             if value is None:
@@ -396,6 +414,48 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                 converted = {key: value for key, value in converted.items() if key not in pair}
         options = {**converted, **options}
     return options
+
+
+def _renamed_reference_keys(options: dict[str, Any], path: str) -> dict[str, Any]:
+    """A --config file's keys with SGLang's names of k6serve options (`mode: speed`) read as those options."""
+    renamed: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for key, value in options.items():
+        name = aliases().get(key, key)
+        if name in renamed:
+            alias = key if key != name else given[name]
+            raise ValueError(f"--config {path}: keys {given[name]!r} and {key!r} both set {_flag(name)} ({alias!r} "
+                             "is SGLang's name of it); keep one of them.")
+        renamed[name], given[name] = value, key
+    return renamed
+
+
+def _surface(command: str) -> str:
+    """Where `k6serve <command>`'s flags and --config keys were typed, for `reference_names`."""
+    return "serve" if command == "serve" else "cli"
+
+
+def _looks_like_flag(argument: str) -> bool:
+    """`--dit-cpu-offload` or `--4k`, not a value such as `true` or `-0.5`."""
+    if not argument.startswith("-") or argument == "-":
+        return False
+    try:
+        float(argument)
+    except ValueError:
+        return True
+    return False
+
+
+def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, command: str) -> str:
+    """argparse's "unrecognized arguments", naming the flags only (`--dit-cpu-offload true` is one flag and its
+    value), each of SGLang's with what to use instead, and a typo with the flag it resembles."""
+    flags = list(dict.fromkeys(argument.split("=", 1)[0] for argument in unknown if _looks_like_flag(argument)))
+    if not flags:
+        return f"unrecognized arguments: {' '.join(unknown)}"
+    command_parser = parser._subparsers._group_actions[0].choices[command]
+    known = [flag for each in (parser, command_parser) for action in each._actions for flag in action.option_strings
+             if flag.startswith("--")]
+    return f"unrecognized arguments: {' '.join(flags)}{unknown_names_hint(flags, known, surface=_surface(command))}"
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -502,9 +562,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(name)s: %(message)s")
+    if unknown:
+        print(f"error: {unrecognized_arguments(unknown, parser, args.command)}", file=sys.stderr)
+        return EXIT_USER_ERROR
     request: dict[str, Any] = {}
     engine: dict[str, Any] = {}
     try:

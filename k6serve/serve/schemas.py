@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, create_model
 
 from k6serve.models.variants import SUPER_RESOLUTION, Variant, seconds_to_num_frames
+from k6serve.reference_names import unknown_names_hint
 from k6serve.request import SamplingParams, parameter_fields, parse_size
 from k6serve.serve.errors import ApiError
 from k6serve.serve.jobs import Job, JobStatus, expires_at
@@ -105,6 +106,11 @@ def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: 
 
 
 def _describe_video_error(param: str | None, error: dict) -> str | None:
+    if error["type"] == "extra_forbidden" and param is not None:
+        # SGLang's field names (guidance_rescale) get what to send instead, a typo the field it resembles.
+        fields = list(VideoCreateBody.model_fields)
+        return (f"Unknown field {param!r}{unknown_names_hint([param], fields, surface='http')}. Valid fields: "
+                f"{', '.join(fields)}.")
     if param == "seconds" and error["type"] != "extra_forbidden":
         return f"seconds must be a number in (0, 600] such as \"4\" or 4, got {error.get('input')!r}"
     if param == "request_id" and error["type"] == "string_pattern_mismatch":

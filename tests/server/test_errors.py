@@ -76,6 +76,20 @@ def test_invalid_json_values_are_400_with_the_allowed_values(fake_client, body, 
     _still_serves(fake_client)
 
 
+def test_an_sglang_field_is_a_400_saying_what_to_send_instead(fake_server, fake_client):
+    """SGLang's request fields (k6serve/reference_names.py) keep the unknown-field 400, with the fix in its message,
+    in JSON and in a form."""
+    fix = "Kandinsky 6 uses plain classifier-free guidance without rescale: guidance_scale sets its strength"
+    for sent in ({"json": {"prompt": "x", "guidance_rescale": 0.7}},
+                 {"data": {"prompt": "x", "guidance_rescale": "0.7"},
+                  "files": {"input_reference": ("a.png", _png_bytes(), "image/png")}}):
+        error = _assert_error(fake_client.post("/v1/videos", **sent), 400, param="guidance_rescale",
+                              code="invalid_parameter", contains="Unknown field 'guidance_rescale' (SGLang's field; ")
+        assert fix in error["message"] and "Valid fields: " in error["message"]
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    _still_serves(fake_client)
+
+
 @pytest.mark.parametrize("send", [
     lambda client: client.post("/v1/videos", json={"seed": 1}),
     lambda client: client.post("/v1/videos", json={"prompt": "  "}),

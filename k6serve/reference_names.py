@@ -1,0 +1,324 @@
+"""The reference server's (SGLang diffusion's) option names that k6serve does not take under that name.
+
+Users arriving from the reference's docs type its flags, keywords and JSON fields. Each name here has either an
+alias (a k6serve option of exactly the same meaning and values: accepted by the CLI and --config files) or a fix
+(one sentence: what k6serve does instead, with the option to use, or why the name does not apply to Kandinsky 6).
+Names are keyed by their underscore form; each surface spells them its own way (`--enable-torch-compile` on the
+command line and in --config files, `enable_torch_compile` as a Python keyword or an HTTP field).
+
+Fixes are written in command-line words. The Python API reads them with its keywords instead (`flags_as_keywords`
+for engine options, and the request flags as parameter names); the HTTP API with request fields, an engine option
+staying a flag of `k6serve serve`. Where a fix has no such reading (a flag of the command line only), the entry
+carries the API's and the server's own sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from k6serve.request import SamplingParams, did_you_mean
+
+ENGINE, REQUEST = "engine", "request"
+# Where a name was typed: `k6serve generate` (or its --config file), `k6serve serve` (or its --config file), the
+# Python API, or the HTTP API's request body.
+SURFACES = ("cli", "serve", "api", "http")
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceName:
+    """One reference name: an engine option or a request parameter, with its k6serve alias or its fix."""
+
+    kind: str  # ENGINE or REQUEST
+    alias: str | None = None  # the k6serve option of the same meaning and values
+    fix: str | None = None  # in command-line words
+    api_fix: str | None = None  # for the Python API and the HTTP API, where the command-line words do not apply
+    http_fix: str | None = None  # for the HTTP API, where neither of the above applies
+
+
+def _engine(fix: str, *, api_fix: str | None = None) -> ReferenceName:
+    return ReferenceName(ENGINE, fix=fix, api_fix=api_fix)
+
+
+def _request(fix: str, *, api_fix: str | None = None, http_fix: str | None = None) -> ReferenceName:
+    return ReferenceName(REQUEST, fix=fix, api_fix=api_fix, http_fix=http_fix)
+
+
+_COMPILE = ("k6serve compiles the DiT's repeated blocks on CUDA under --performance-mode speed, the default; "
+            "--compile-vae true compiles the VAE decoder too")
+_PREFETCH = ("k6serve's --offload-prefetch-blocks takes a count of blocks copied ahead of the running one, default 1, "
+             "e.g. --offload-prefetch-blocks 2, for every streamed component; no fraction, no per component value")
+_RESIDENT_LAYERS = ("k6serve's --offload-resident-blocks keeps that many of the DiT's streamed blocks on the GPU, "
+                    "spread evenly, e.g. --offload-resident-blocks 8; the text encoders' blocks always stream")
+_RESIDENCY_POLICY = ("k6serve always spreads --offload-resident-blocks evenly over the DiT's blocks, SGLang's "
+                     "strided policy; there is no leading policy")
+_CUDA_GRAPHS = ("k6serve captures no CUDA graphs, and Kandinsky 6 is not on SGLang's list for them either, as its "
+                "text length varies; --performance-mode speed, the default, compiles the DiT's blocks instead")
+_PRECISION = ("k6serve has one --dtype for every component: auto, the default, is bfloat16 on CUDA and float32 on "
+              "the CPU")
+_ATTENTION = ("k6serve takes one --attention-backend, for the DiT, and the text encoders keep their own attention; "
+              "there are no per component backends or backend settings")
+_NO_WEB_UI = "k6serve has no web UI; clients use the HTTP API of `k6serve serve`, docs/http-api.md"
+_BATCHING = ("k6serve runs one request per replica at a time, in arrival order; run several at once with "
+             "--dp-size 2 and --num-gpus 2")
+_REQUEST_LOGS = ("uvicorn's access log lists each HTTP request, GET /v1/videos/{id} a job's state and inference "
+                 "time, and GET /metrics the Prometheus counters and latency histograms")
+_TRACES = ("k6serve exports no traces; GET /metrics of `k6serve serve` serves Prometheus counters and latency "
+           "histograms")
+_SEQUENCE_PARALLEL = ("k6serve's sequence parallelism is --ulysses-degree and --ring-degree, whose product is "
+                      "SGLang's --sp-degree, e.g. --ulysses-degree 4")
+_HSDP = ("k6serve shards the DiT's weights with FSDP across a whole replica with --use-fsdp-inference true, and "
+         "replicas are --dp-size")
+_SIZE = ("k6serve takes the size as --height and --width in pixels, multiples of 16 up to 2048, default height "
+         "512, width 768, e.g. --height 720 --width 1280")
+_SIZE_API = ("k6serve takes the size as height and width in pixels, multiples of 16 up to 2048, default height "
+             "512, width 768, e.g. height=720, width=1280")
+_SIZE_HTTP = ("k6serve takes the size as height and width in pixels, multiples of 16 up to 2048, default height "
+              "512, width 768, or as size, width first, e.g. \"1280x720\"")
+_FRAMES = ("k6serve takes --num-frames of the form 4k+1 up to 509 and turns another count n into n // 4 * 4 + 1 "
+           "with a note, e.g. 120 -> 121, 123 -> 121, never rounding it to the number of GPUs")
+_PROFILE = ("`k6serve generate` prints each stage's seconds after the run, e.g. encode, denoise per step and decode; "
+            "`k6serve bench` times the stages against diffusers")
+_PROFILE_API = ("the result's timings hold each stage's seconds, e.g. encode, denoise_per_step and decode_video; "
+                "`k6serve bench` times the stages against diffusers")
+_PROFILE_HTTP = ("a finished job reports its inference_time_s, GET /metrics the step and job latencies, and "
+                 "`k6serve bench` times the stages against diffusers")
+_TRAJECTORY = "k6serve returns the finished video only, not the latents or frames of the intermediate steps"
+
+REFERENCE_NAMES: dict[str, ReferenceName] = {
+    # Engine options: pure renames, accepted on the command line and in --config files.
+    "mode": ReferenceName(ENGINE, alias="performance_mode"),
+    "dp": ReferenceName(ENGINE, alias="dp_size"),
+    "data_parallel_size": ReferenceName(ENGINE, alias="dp_size"),
+    "layerwise_offload_modules": ReferenceName(ENGINE, alias="layerwise_offload_components"),
+    # Compile and CUDA graphs.
+    "enable_torch_compile": _engine(_COMPILE),
+    "regional_compile": _engine(_COMPILE),
+    "enable_breakable_cuda_graph": _engine(_CUDA_GRAPHS),
+    "bcg_text_buckets": _engine(_CUDA_GRAPHS),
+    "warmup_steps": _engine("k6serve's warm-up, --warmup-mode request or server, runs at most 2 denoising steps of "
+                            "each shape it warms; there is no step count to set"),
+    "offload_during_compile": _engine("k6serve never compiles streamed blocks, which run eager, and runs no "
+                                      "max-autotune warm-up, so there is nothing to switch during a compile: drop "
+                                      "it"),
+    # Offload and residency.
+    "dit_cpu_offload": _engine("offload the DiT with --cpu-offload-components transformer, or keep it on the GPU, "
+                               "SGLang's false, with --component-residency transformer=resident"),
+    "text_encoder_cpu_offload": _engine("offload the text encoders with --cpu-offload-components text_encoders, or "
+                                        "keep them on the GPU, SGLang's false, with --component-residency "
+                                        "text_encoders=resident"),
+    "vae_cpu_offload": _engine("offload the VAE with --cpu-offload-components vae, or keep it on the GPU, SGLang's "
+                               "false, with --component-residency vae=resident; the group audio names the audio VAE "
+                               "and the vocoder"),
+    "image_encoder_cpu_offload": _engine("Kandinsky 6 has no image encoder, as the video VAE encodes a TI2AV "
+                                         "image: drop it"),
+    "dit_layerwise_offload": _engine("stream the DiT's blocks with --layerwise-offload-components transformer, or "
+                                     "the DiT's and the text encoders' with --performance-mode memory"),
+    "dit_offload_prefetch_size": _engine(_PREFETCH),
+    "layerwise_prefetch_size": _engine(_PREFETCH),
+    "dit_layerwise_resident_layers": _engine(_RESIDENT_LAYERS),
+    "layerwise_resident_layers": _engine(_RESIDENT_LAYERS),
+    "dit_layerwise_residency_policy": _engine(_RESIDENCY_POLICY),
+    "layerwise_residency_policy": _engine(_RESIDENCY_POLICY),
+    "pin_cpu_memory": _engine("k6serve always page-locks the host copies of offloaded weights on CUDA; there is no "
+                              "switch"),
+    # Parallelism and devices.
+    "sp_degree": _engine(_SEQUENCE_PARALLEL),
+    "kv_gather_degree": _engine(_SEQUENCE_PARALLEL),
+    "cfg_parallel_size": _engine("k6serve runs Kandinsky 6's two guidance branches on two GPUs with "
+                                 "--enable-cfg-parallel (always 2 branches)"),
+    "hsdp_replicate_dim": _engine(_HSDP),
+    "hsdp_shard_dim": _engine(_HSDP),
+    "gpu_ids": _engine("k6serve uses the first --num-gpus visible GPUs: pick them with CUDA_VISIBLE_DEVICES, e.g. "
+                       "CUDA_VISIBLE_DEVICES=2,3 with --num-gpus 2"),
+    "base_gpu_id": _engine("k6serve uses the first --num-gpus visible GPUs: pick them with CUDA_VISIBLE_DEVICES, "
+                           "e.g. CUDA_VISIBLE_DEVICES=2,3 with --num-gpus 2"),
+    "dist_timeout": _engine("k6serve's timeout of collectives and start-up is the Python API's dist_timeout_s, in "
+                            "seconds, default 600; the command line keeps the default",
+                            api_fix="k6serve calls it dist_timeout_s, in seconds, default 600"),
+    "master_port": _engine("k6serve's ranks on one host meet on a port the OS picks; several hosts use "
+                           "--dist-init-addr HOST:PORT"),
+    # Precision, backends, loading.
+    "dit_precision": _engine(_PRECISION),
+    "vae_precision": _engine(_PRECISION),
+    "text_encoder_precisions": _engine(_PRECISION),
+    "backend": _engine("k6serve is its own native implementation of Kandinsky 6, with no diffusers fallback: drop "
+                       "it"),
+    "trust_remote_code": _engine("k6serve runs no code from the checkpoint, as it builds Kandinsky 6 with its own "
+                                 "classes and those of diffusers and transformers: drop it"),
+    "attention_backend_config": _engine(_ATTENTION),
+    "component_attention_backends": _engine(_ATTENTION),
+    # The VAE.
+    "vae_slicing": _engine("k6serve decodes one video per request, so there is no batch to slice; --vae-tiling on "
+                           "lowers the decode's peak memory"),
+    "vae_sp": _engine("k6serve does not split the generation VAE's decode across GPUs, and --vae-tiling on lowers "
+                      "its peak; the super-resolution VAE's tiles are decoded across GPUs by default, "
+                      "--vae-config.use-parallel-tiling"),
+    "vae_config.use_tiling": _engine("k6serve's switch is --vae-tiling on or off; auto, the default, is on with "
+                                     "--performance-mode memory on a GPU"),
+    # LoRA.
+    "lora_weight_name": _engine("pass the .safetensors file itself as --lora-path; a folder is read for "
+                                "pytorch_lora_weights.safetensors, else its only .safetensors file"),
+    "lora_target_modules": _engine("an adapter applies to the DiT modules its file names, and one the DiT lacks is "
+                                   "refused; to leave modules out, remove their keys from the file"),
+    # The server.
+    "strict_ports": _engine("k6serve never picks another port: a --port in use is refused at start"),
+    "webui": _engine(_NO_WEB_UI),
+    "webui_port": _engine(_NO_WEB_UI),
+    "scheduler_port": _engine("k6serve's request queue runs in the server process, with no scheduler socket to "
+                              "place: drop it"),
+    "batching_mode": _engine(_BATCHING),
+    "batching_max_size": _engine(_BATCHING),
+    "batching_delay_ms": _engine(_BATCHING),
+    "input_save_path": _engine("k6serve keeps uploads in the uploads folder of --output-path and deletes each when "
+                               "its job finishes"),
+    "log_requests": _engine(_REQUEST_LOGS),
+    "log_requests_level": _engine(_REQUEST_LOGS),
+    "log_requests_format": _engine(_REQUEST_LOGS),
+    "log_requests_target": _engine(_REQUEST_LOGS),
+    "enable_trace": _engine(_TRACES),
+    "otlp_traces_endpoint": _engine(_TRACES),
+    "srt_encoder_url": _engine("k6serve runs the text encoders in the same replica as the DiT, with no remote "
+                               "encoder: drop it"),
+    "pe_server_url": _engine("k6serve has no prompt enhancement: drop it"),
+    "comfyui_mode": _engine("k6serve's ComfyUI nodes, integrations/comfyui and docs/comfyui.md, call a plain "
+                            "`k6serve serve`; there is no mode to set"),
+    "disagg_role": _engine("k6serve runs every stage of Kandinsky 6 in one replica, as SGLang serves it too: drop "
+                           "it"),
+    # Request parameters.
+    "prompt_path": _request("k6serve reads prompts from a file, one per line, with --prompt-file-path FILE, or "
+                            "takes one with --prompt",
+                            api_fix="k6serve takes the text itself as prompt, one prompt per request"),
+    "generator_device": _request("k6serve chooses where the noise is drawn: the generation models use a CPU "
+                                 "generator, so a seed gives the same video on every device, and super-resolution "
+                                 "draws on the device it runs on: drop it"),
+    "4k": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),
+    "2k": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),
+    "1080p": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),
+    "720p": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),
+    "guidance_rescale": _request("Kandinsky 6 uses plain classifier-free guidance without rescale: --guidance-scale "
+                                 "sets its strength, and the distilled models run without guidance"),
+    "boundary_ratio": _request("Kandinsky 6 runs one DiT for every step, so there is no expert boundary to set: "
+                               "drop it"),
+    "num_outputs_per_prompt": _request(
+        "k6serve makes one video per request: run again with another --seed; --prompt-file-path runs several "
+        "prompts on one model load",
+        api_fix="k6serve makes one video per request: call generate() again with another seed",
+        http_fix="k6serve makes one video per job: send another request with another seed"),
+    "return_frames": _request("the command line writes the MP4; the Python API's generate(..., return_frames=True) "
+                              "returns the frames",
+                              http_fix="the server delivers the MP4 at GET /v1/videos/{id}/content"),
+    "return_trajectory_latents": _request(_TRAJECTORY),
+    "return_trajectory_decoded": _request(_TRAJECTORY),
+    "adjust_frames": _request(_FRAMES),
+    "num_frames_round_down": _request(_FRAMES),
+    "enable_teacache": _request("k6serve's step caching is Cache-DiT: --enable-cache-dit for one request, tuned "
+                                "with --cache-dit-params, or the engine's --cache-dit-config for every request"),
+    "profile": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
+    "num_profiled_timesteps": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
+    "profile_all_stages": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
+    "debug": _request("--log-level debug prints k6serve's debug log and the traceback above an error",
+                      api_fix="k6serve logs through the logging module: "
+                              "logging.getLogger('k6serve').setLevel(logging.DEBUG)",
+                      http_fix="the server's log level is set when it starts, with --log-level debug"),
+}
+
+# Values of a k6serve option that the reference's same option takes and k6serve does not, by (option, value).
+REFERENCE_VALUES: dict[tuple[str, str], str] = {
+    ("performance_mode", "auto"): (
+        "'auto' is SGLang's mode; k6serve does not pick a mode from the free GPU memory: choose speed (the default: "
+        "every component on the GPU, compiled), balanced (each component on the GPU only for its stage) or memory "
+        "(blocks streamed: the lowest peak)"),
+    ("performance_mode", "manual"): (
+        "'manual' is SGLang's mode; k6serve needs none, since the per component flags always win over a mode's "
+        "defaults: choose speed (the default), balanced or memory, and place components with "
+        "--cpu-offload-components, --layerwise-offload-components or --component-residency"),
+}
+
+_REQUEST_FIELDS = frozenset(item.name for item in dataclasses.fields(SamplingParams))
+_FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)")
+
+
+def aliases() -> dict[str, str]:
+    """Every accepted reference name -> the k6serve option it renames (underscore names)."""
+    return {name: entry.alias for name, entry in REFERENCE_NAMES.items() if entry.alias is not None}
+
+
+def aliases_of(option: str) -> list[str]:
+    """The reference names that `option` is also accepted under, as flags (`--mode` for performance_mode)."""
+    return [_as_flag(name) for name, alias in aliases().items() if alias == option]
+
+
+def value_fix(option: str, value: object) -> str | None:
+    """The fix for a value that the reference's same option takes and k6serve does not, or None."""
+    return REFERENCE_VALUES.get((option, value)) if isinstance(value, str) else None
+
+
+def _as_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _key(name: str) -> str:
+    """`--enable-torch-compile`, `enable-torch-compile` or `enable_torch_compile` -> `enable_torch_compile`."""
+    return name.split("=", 1)[0].lstrip("-").replace("-", "_")
+
+
+def lookup(name: str) -> tuple[str, ReferenceName] | None:
+    """The table entry for a name as typed on any surface (a `--no-` flag finds its option), or None."""
+    key = _key(name)
+    for candidate in (key, key.removeprefix("no_")):
+        if candidate in REFERENCE_NAMES:
+            return candidate, REFERENCE_NAMES[candidate]
+    return None
+
+
+def _request_flags_as_names(text: str) -> str:
+    """`--guidance-scale` -> `guidance_scale`, for the request parameters; other flags stay."""
+    def name(match: re.Match) -> str:
+        field = match.group(1).replace("-", "_")
+        return field if field in _REQUEST_FIELDS else match.group(0)
+
+    return _FLAG.sub(name, text)
+
+
+def _fix_text(entry: ReferenceName, surface: str) -> str:
+    if entry.alias is not None:
+        return f"k6serve calls it {entry.alias if surface == 'api' else _as_flag(entry.alias)}"
+    if surface == "cli" or (entry.kind == ENGINE and surface != "api"):
+        return entry.fix  # a flag of `k6serve generate`, or of `k6serve serve` (over HTTP: the server's)
+    if surface == "api":
+        from k6serve.api_errors import flags_as_keywords  # imports the config and model tables: only when needed
+
+        return entry.api_fix or flags_as_keywords(_request_flags_as_names(entry.fix))
+    # A request parameter sent over HTTP (`k6serve serve` takes request parameters only there).
+    return entry.http_fix or entry.api_fix or _request_flags_as_names(entry.fix)
+
+
+def reference_note(name: str, surface: str, *, named: bool = False) -> str | None:
+    """What reference name `name` (as typed on `surface`) is and what to do instead, or None when it is not one;
+    `named` starts the note with the name (for a message listing several)."""
+    assert surface in SURFACES, surface
+    found = lookup(name)
+    if found is None:
+        return None
+    key, entry = found
+    if entry.kind == ENGINE and surface == "http":
+        what = f"SGLang's server flag {_as_flag(key)}, not a request field"
+    elif entry.kind == REQUEST and surface == "serve":
+        what = f"SGLang's request field {key}, sent in the POST /v1/videos body"
+    elif surface == "api":
+        what = "SGLang's " + ("option" if entry.kind == ENGINE else "parameter")
+    else:
+        what = "SGLang's " + ("field" if surface == "http" else "flag")
+    return f"{name} is {what}; {_fix_text(entry, surface)}" if named else f"{what}; {_fix_text(entry, surface)}"
+
+
+def unknown_names_hint(unknown: list[str], known: Iterable[str], *, surface: str) -> str:
+    """The end of an "unknown name" error: ` (note)` for each reference name (`reference_note`), and
+    `did_you_mean`'s guess for the others (a typo). Names are as the surface spells them (flags on the command
+    line), and so are `known`."""
+    rest = [name for name in unknown if lookup(name) is None]
+    notes = [f" ({reference_note(name, surface, named=len(unknown) > 1)})" for name in unknown if name not in rest]
+    return did_you_mean(rest, known, name_each=len(unknown) > 1) + "".join(notes)

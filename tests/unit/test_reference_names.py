@@ -1,0 +1,305 @@
+"""SGLang's (the reference server's) option names on every surface: the renames are accepted, the others refused with
+what k6serve does instead, and the table cannot name an option k6serve lacks or shadow one it has."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from k6serve.api import DiffGenerator, build_engine_config, split_kwargs
+from k6serve.cli.main import build_parser, main, merged_options, split_options
+from k6serve.config import OPTION_CHOICES, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.models.variants import VARIANTS
+from k6serve.reference_names import (
+    ENGINE,
+    REFERENCE_NAMES,
+    REFERENCE_VALUES,
+    REQUEST,
+    SURFACES,
+    aliases,
+    reference_note,
+)
+from k6serve.request import SamplingParams
+from k6serve.runtime.engine import Engine
+from k6serve.serve.errors import ApiError
+from k6serve.serve.schemas import HTTP_FIELD_NAMES, parse_create_body
+
+COMPILE_FIX = ("k6serve compiles the DiT's repeated blocks on CUDA under --performance-mode speed, the default; "
+               "--compile-vae true compiles the VAE decoder too")
+ENGINE_FIELDS = {item.name for section in (ModelConfig, ParallelConfig, RuntimeConfig)
+                 for item in dataclasses.fields(section)}
+REQUEST_FIELDS = {item.name for item in dataclasses.fields(SamplingParams)}
+# Names the Python API takes that the command line does not: SGLang's CLI flag of the same name is in the table.
+API_ONLY_NAMES = {"return_frames"}
+
+
+def _subparser(command: str):
+    return build_parser()._subparsers._group_actions[0].choices[command]
+
+
+def _option_strings(command: str) -> dict[str, str]:
+    """Every flag of `k6serve <command>` (and the top-level ones) -> its dest."""
+    parsers = (build_parser(), _subparser(command))
+    return {flag: action.dest for parser in parsers for action in parser._actions for flag in action.option_strings}
+
+
+def _options(argv: list[str]) -> dict:
+    parser = build_parser()
+    return merged_options(parser.parse_args(argv), parser)
+
+
+def _config(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# ---- the command line ----
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_sglang_flag_is_refused_with_the_fix_exit_2(command, capsys, monkeypatch):
+    import k6serve.cli.generate as generate_module
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options",
+                        staticmethod(lambda *args, **kwargs: pytest.fail("the model loaded")))
+    request = ["--prompt", "x"] if command == "generate" else []
+    assert main([command, "--model-path", "demo", *request, "--enable-torch-compile"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: unrecognized arguments: --enable-torch-compile (SGLang's flag; {COMPILE_FIX})\n"
+
+
+def test_each_flag_is_named_not_its_value(capsys):
+    # `--dit-cpu-offload true`: argparse left both words unrecognized; `true` is the flag's value, not a flag.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--dit-cpu-offload", "true",
+                 "--guidance-rescale", "-0.5", "--dit-precision=bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: --dit-cpu-offload --guidance-rescale --dit-precision (")
+    assert " true" not in err.split("(")[0] and "-0.5" not in err
+    assert ("(--dit-cpu-offload is SGLang's flag; offload the DiT with --cpu-offload-components transformer, or "
+            "keep it on the GPU, SGLang's false, with --component-residency transformer=resident)") in err
+    assert "(--guidance-rescale is SGLang's flag; Kandinsky 6 uses plain classifier-free guidance" in err
+    assert "(--dit-precision is SGLang's flag; k6serve has one --dtype for every component" in err
+
+
+def test_mode_is_performance_mode():
+    flags = ["generate", "--model-path", "demo", "--prompt", "x"]
+    assert _options([*flags, "--mode", "speed"]) == _options([*flags, "--performance-mode", "speed"])
+    engine, _ = split_options(_options([*flags, "--mode", "memory"]))
+    assert engine["performance_mode"] == "memory"
+    assert build_engine_config(**engine) == build_engine_config(**split_options(
+        _options([*flags, "--performance-mode", "memory"]))[0])
+
+
+@pytest.mark.parametrize("value", ["auto", "manual"])
+@pytest.mark.parametrize("flag", ["--mode", "--performance-mode"])
+def test_sglangs_modes_are_refused_with_the_choice_to_make(flag, value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model-path", "demo", "--prompt", "x", flag, value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert f"error: argument --performance-mode/--mode: '{value}' is SGLang's mode; k6serve " in err
+    assert "choose speed (the default" in err and "balanced" in err and "memory" in err
+
+
+@pytest.mark.parametrize("alias", ["--dp", "--data-parallel-size"])
+def test_dp_is_dp_size(alias):
+    flags = ["serve", "--model-path", "demo", "--num-gpus", "2"]
+    assert _options([*flags, alias, "2"]) == _options([*flags, "--dp-size", "2"])
+
+
+def test_layerwise_offload_modules_is_layerwise_offload_components():
+    flags = ["generate", "--model-path", "demo", "--prompt", "x"]
+    assert (_options([*flags, "--layerwise-offload-modules", "transformer"])
+            == _options([*flags, "--layerwise-offload-components", "transformer"]))
+
+
+def test_flags_are_not_abbreviated(capsys):
+    """`--compile true` set --compile-vae; `--mode speed` was "ambiguous option: --mode could match --model-path,
+    --model-id" before it was an alias."""
+    parser = build_parser()
+    assert not parser.allow_abbrev and not _subparser("generate").allow_abbrev and not _subparser("serve").allow_abbrev
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--compile", "true"]) == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --compile (did you mean '--compile-vae'?)\n"
+    assert main(["serve", "--model-path", "demo", "--ulysses", "2"]) == 2
+    assert "unrecognized arguments: --ulysses (did you mean '--ulysses-degree'?)" in capsys.readouterr().err
+
+
+def test_a_typo_gets_the_flag_it_resembles_and_other_arguments_the_plain_message(capsys):
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-frame", "5"]) == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --num-frame (did you mean '--num-frames'?)\n"
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--zzzzzz"]) == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --zzzzzz\n"
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "y"]) == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: y\n"
+
+
+def test_serve_words_request_parameters_as_request_fields(capsys):
+    assert main(["serve", "--model-path", "demo", "--num-outputs-per-prompt", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: unrecognized arguments: --num-outputs-per-prompt (SGLang's request field num_outputs_per_prompt, sent "
+        "in the POST /v1/videos body; k6serve makes one video per job: send another request with another seed)\n")
+
+
+# ---- --config files ----
+
+
+def test_config_file_takes_sglangs_names_of_k6serve_options(tmp_path):
+    path = _config(tmp_path, "mode: speed\ndp: 1\nlayerwise-offload-modules: [transformer]\n")
+    options = _options(["generate", "--config", path, "--model-path", "demo", "--prompt", "x"])
+    assert options["performance_mode"] == "speed" and options["dp_size"] == 1
+    assert options["layerwise_offload_components"] == ["transformer"]
+    assert not {"mode", "dp", "layerwise_offload_modules"} & options.keys()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("enable_torch_compile: true\n",
+     f"unknown key(s) ['enable_torch_compile'] (SGLang's flag; {COMPILE_FIX})"),
+    ("enable-torch-compile: true\nnum_frame: 5\n",
+     "unknown key(s) ['enable_torch_compile', 'num_frame'] (did you mean 'num_frames' for 'num_frame'?) "
+     f"(enable_torch_compile is SGLang's flag; {COMPILE_FIX})"),
+    ("mode: auto\n", "--performance-mode: 'auto' is SGLang's mode; k6serve does not pick a mode from the free GPU "
+                     "memory"),
+    ("mode: speed\nperformance-mode: memory\n",
+     "keys 'mode' and 'performance_mode' both set --performance-mode ('mode' is SGLang's name of it); keep one of "
+     "them."),
+])
+def test_config_file_refuses_sglangs_other_names_with_the_fix(tmp_path, capsys, text, message):
+    path = _config(tmp_path, text)
+    assert main(["generate", "--config", path, "--model-path", "demo", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config {path}: ") and message in err, err
+
+
+# ---- the Python API ----
+
+
+class _RefusingWorker:
+    variant = VARIANTS["pro-distill"]
+
+    def resolve(self, params):
+        pytest.fail("the request got past its keys")
+
+    run = resolve
+
+
+def test_from_pretrained_names_the_fix_in_keywords_not_a_look_alike():
+    with pytest.raises(ValueError) as raised:
+        DiffGenerator.from_pretrained(model_path="demo", enable_torch_compile=True)
+    assert str(raised.value).startswith(
+        "Unknown engine option 'enable_torch_compile' (SGLang's option; k6serve compiles the DiT's repeated blocks on "
+        "CUDA under performance_mode='speed', the default; compile_vae=True compiles the VAE decoder too). Valid "
+        "options: [")
+    assert "did you mean" not in str(raised.value)
+    with pytest.raises(ValueError, match=r"^Unknown engine option 'dit_cpu_offload' \(SGLang's option; offload the "
+                                         r"DiT with cpu_offload_components=\['transformer'\], or keep it on the GPU, "
+                                         r"SGLang's false, with component_residency=\{'transformer': 'resident'\}\)"):
+        DiffGenerator.from_pretrained(model_path="demo", dit_cpu_offload=True)
+    # The API takes no renames: the message names k6serve's keyword.
+    with pytest.raises(ValueError, match=r"^Unknown engine option 'mode' \(SGLang's option; k6serve calls it "
+                                         r"performance_mode\)\. Valid options: "):
+        build_engine_config("demo", mode="speed")
+    with pytest.raises(ValueError, match=r"^Unknown engine option 'num_gpu' \(did you mean 'num_gpus'\?\)\. Valid "):
+        build_engine_config("demo", num_gpu=1)  # a typo keeps its guess
+
+
+def test_generate_names_the_fix_for_sglangs_sampling_parameters():
+    config = build_engine_config("fake-k6", load_format="dummy", device="cpu")
+    with DiffGenerator(Engine(config, worker=_RefusingWorker())) as generator:
+        with pytest.raises(ValueError, match=r"^Unknown sampling parameter\(s\) \['num_outputs_per_prompt'\] "
+                                             r"\(SGLang's parameter; k6serve makes one video per request: call "
+                                             r"generate\(\) again with another seed\)\. Valid parameters: "):
+            generator.generate(sampling_params_kwargs={"prompt": "x", "num_outputs_per_prompt": 2})
+        with pytest.raises(ValueError, match=r"\(SGLang's parameter; k6serve's step caching is Cache-DiT: "
+                                             r"enable_cache_dit for one request, tuned with cache_dit_params, or the "
+                                             r"engine's cache_dit_config for every request\)"):
+            generator.generate(prompt="x", enable_teacache=True)
+    with pytest.raises(ValueError, match=r"^Unknown sampling parameter\(s\) \['guidance_rescale', 'num_frame'\] "
+                                         r"\(did you mean 'num_frames' for 'num_frame'\?\) \(guidance_rescale is "
+                                         r"SGLang's parameter; Kandinsky 6 uses plain classifier-free guidance "
+                                         r"without rescale: guidance_scale sets its strength"):
+        split_kwargs({"prompt": "x", "guidance_rescale": 0.7, "num_frame": 5})
+
+
+# ---- the HTTP API ----
+
+
+@pytest.mark.parametrize("form", [False, True])
+def test_http_body_with_an_sglang_field_is_a_400_with_the_fix(form):
+    body = {"prompt": "x", "guidance_rescale": "0.7" if form else 0.7}
+    with pytest.raises(ApiError) as raised:
+        parse_create_body(body, form=form)
+    error = raised.value
+    assert (error.status, error.code, error.param) == (400, "invalid_parameter", "guidance_rescale")
+    assert error.message.startswith(
+        "Unknown field 'guidance_rescale' (SGLang's field; Kandinsky 6 uses plain classifier-free guidance without "
+        "rescale: guidance_scale sets its strength, and the distilled models run without guidance). Valid fields: "
+        "prompt, ")
+
+
+def test_http_body_with_an_sglang_server_flag_says_it_is_the_servers():
+    with pytest.raises(ApiError) as raised:
+        parse_create_body({"prompt": "x", "enable_torch_compile": True})
+    assert raised.value.message.startswith(
+        f"Unknown field 'enable_torch_compile' (SGLang's server flag --enable-torch-compile, not a request field; "
+        f"{COMPILE_FIX}). Valid fields: ")
+    with pytest.raises(ApiError, match=r"^Unknown field 'num_frame' \(did you mean 'num_frames'\?\)\. Valid fields: "):
+        parse_create_body({"prompt": "x", "num_frame": 5})
+
+
+# ---- the table itself ----
+
+
+def test_every_alias_is_a_flag_of_the_real_parser_for_its_option():
+    for command in ("generate", "serve"):
+        flags = _option_strings(command)
+        for name, option in aliases().items():
+            assert option in ENGINE_FIELDS, name
+            assert flags["--" + name.replace("_", "-")] == option, (command, name)
+
+
+def test_no_table_name_is_a_k6serve_name():
+    """A table name that k6serve also takes would be shadowed on one surface and refused on another."""
+    taken = set(ENGINE_FIELDS) | set(HTTP_FIELD_NAMES) | (REQUEST_FIELDS - API_ONLY_NAMES)
+    for command in ("generate", "serve"):
+        taken |= {flag.lstrip("-").replace("-", "_") for flag, dest in _option_strings(command).items()
+                  if flag.lstrip("-").replace("-", "_") not in aliases()}
+        taken |= {action.dest for action in _subparser(command)._actions}
+    assert sorted(set(REFERENCE_NAMES) & taken) == []
+    assert API_ONLY_NAMES <= REQUEST_FIELDS and API_ONLY_NAMES <= set(REFERENCE_NAMES)
+
+
+def test_every_flag_a_fix_names_is_a_k6serve_flag():
+    known = set(_option_strings("generate")) | set(_option_strings("serve"))
+    sglang = {"--" + name.replace("_", "-") for name in REFERENCE_NAMES}
+    for name, entry in REFERENCE_NAMES.items():
+        for text in filter(None, (entry.fix, entry.api_fix, entry.http_fix)):
+            named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9.-]*[a-z0-9]", text)) - sglang
+            assert named <= known, (name, named - known)
+    for (option, value), text in REFERENCE_VALUES.items():
+        assert option in OPTION_CHOICES and value not in OPTION_CHOICES[option]
+        assert set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", text)) <= known
+
+
+def test_each_entry_is_an_alias_or_one_sentence_of_fix():
+    for name, entry in REFERENCE_NAMES.items():
+        assert entry.kind in (ENGINE, REQUEST)
+        assert (entry.alias is None) != (entry.fix is None), name
+        for text in filter(None, (entry.fix, entry.api_fix, entry.http_fix)):
+            assert not text.endswith(".") and not re.search(r"(?<!e\.g)\.\s", text), (name, text)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_NAMES))
+def test_each_surface_spells_k6serve_options_its_own_way(name):
+    """The Python API names keywords, never an engine option's or a request parameter's flag; a request body names
+    request fields, never a request flag."""
+    api = reference_note(name, "api")
+    keyword_flags = {"--" + field.replace("_", "-") for field in ENGINE_FIELDS | REQUEST_FIELDS}
+    assert not set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", api)) & keyword_flags, api
+    http = reference_note(name, "http")
+    request_flags = {"--" + field.replace("_", "-") for field in HTTP_FIELD_NAMES}
+    assert not set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", http)) & request_flags, http
+    for surface in SURFACES:
+        assert reference_note(name, surface).startswith("SGLang's ")
