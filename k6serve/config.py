@@ -324,7 +324,11 @@ class RuntimeConfig:
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.performance_mode not in PERFORMANCE_MODES:
-            raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {self.performance_mode!r}")
+            from k6serve.reference_names import value_fix  # it imports the request module, which imports this one
+
+            fix = value_fix("performance_mode", self.performance_mode)  # SGLang's auto / manual: which to pick
+            raise ValueError(f"--performance-mode must be one of {PERFORMANCE_MODES}, got {self.performance_mode!r}"
+                             + (f": {fix}" if fix else ""))
         if self.warmup_mode not in WARMUP_MODES:
             raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {self.warmup_mode!r}")
         self._check_warmup_resolutions()

@@ -303,3 +303,14 @@ def test_each_surface_spells_k6serve_options_its_own_way(name):
     assert not set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", http)) & request_flags, http
     for surface in SURFACES:
         assert reference_note(name, surface).startswith("SGLang's ")
+
+
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_the_api_refuses_sglangs_modes_with_which_to_pick(mode):
+    """`performance_mode='auto'` through the Python API: the config's check adds the same fix as the CLI's, in the
+    API's words (no flags)."""
+    with pytest.raises(ValueError, match=rf"got '{mode}': '{mode}' is SGLang's mode; k6serve .*speed") as caught:
+        DiffGenerator.from_pretrained(model_path="demo", performance_mode=mode)
+    assert "--" not in str(caught.value)
+    with pytest.raises(ValueError, match=f"'{mode}' is SGLang's mode"):
+        build_engine_config("demo", performance_mode=mode)
