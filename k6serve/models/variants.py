@@ -290,15 +290,18 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if steps < 1 or steps > 1000:
         raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
     guidance = params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale
+    # The value as given, for the messages: nan was reported as "got inf" (the comparisons below read it as inf).
+    shown = guidance if isinstance(guidance, float) else "a number too large" if not is_finite_number(guidance) \
+        else guidance
     guidance = float(guidance) if is_finite_number(guidance) else math.inf  # 10**400: refused below
     if variant.distilled and guidance != 1.0:
         raise ValueError(
             f"{variant.name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
-            f"(got {guidance}); leave guidance_scale out (--guidance-scale on the command line), or use a Pro/Lite "
+            f"(got {shown}); leave guidance_scale out (--guidance-scale on the command line), or use a Pro/Lite "
             "checkpoint for CFG."
         )
     if not math.isfinite(guidance):
-        raise ValueError(f"guidance_scale must be a finite number >= 1.0 (1.0 disables CFG), got {guidance}")
+        raise ValueError(f"guidance_scale must be a finite number >= 1.0 (1.0 disables CFG), got {shown}")
     if guidance < 1.0:
         raise ValueError(f"guidance_scale must be >= 1.0 (1.0 disables CFG), got {guidance}")
     negative = None

@@ -232,6 +232,11 @@ def test_guidance_that_is_not_finite_says_so():
 
     with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 1.0.*got inf"):
         resolve_generate(SamplingParams(prompt="x", guidance_scale=float("inf")), VARIANTS["pro"])
+    # nan is reported as nan (it read "got inf", the value the comparisons use), on a CFG and a distilled model.
+    with pytest.raises(ValueError, match=r"guidance_scale must be a finite number >= 1.0.*got nan$"):
+        resolve_generate(SamplingParams(prompt="x", guidance_scale=float("nan")), VARIANTS["pro"])
+    with pytest.raises(ValueError, match=r"requires guidance_scale exactly 1\.0 \(got nan\)"):
+        resolve_generate(SamplingParams(prompt="x", guidance_scale=float("nan")), VARIANTS["pro-distill"])
 
 
 @pytest.mark.parametrize("option, flag", [({"lora_scale": 0.5}, "--lora-scale"), ({"lora_alpha": 8.0}, "--lora-alpha"),
