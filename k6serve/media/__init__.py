@@ -20,6 +20,14 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
+try:
+    # `probe` is also the name of its module: the first import of `k6serve.media.probe` anywhere binds the package's
+    # `probe` to that module, and `__getattr__` below is then never asked (in CI, `media.probe(...)` called the
+    # module). Bound here, before any such import, it stays the function, as when this file imported everything.
+    from k6serve.media.probe import MediaInfo, probe
+except ImportError:  # no PyAV: then neither the module nor the function can be imported, so nothing can rebind it
+    pass
+
 
 def __getattr__(name: str):
     if name not in _HOMES:

@@ -754,3 +754,15 @@ def test_the_bomb_warning_guard_lets_one_thread_swap_the_filters_at_a_time() -> 
     with no_decompression_bomb_warning(), no_decompression_bomb_warning():  # re-entrant: a nested use returns
         pass
     assert warnings.filters == filters_before
+
+
+def test_media_probe_stays_the_function_whichever_module_is_imported_first():
+    """k6serve.media imports its modules on first use; `probe` is also its module's name, and when a test imported
+    `k6serve.media.probe` first the package's `probe` was that module ("'module' object is not callable", ten tests
+    in CI). Fresh interpreters, each import order."""
+    for code in ("import k6serve.media.probe; from k6serve import media; assert callable(media.probe)",
+                 "from k6serve.media.probe import probe; from k6serve import media; assert media.probe is probe",
+                 "from k6serve import media; import k6serve.media.probe; assert callable(media.probe)",
+                 "from k6serve import media; media.write_mp4; import k6serve.media.probe; assert callable(media.probe)"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, (code, done.stderr)
