@@ -18,7 +18,8 @@ _HOMES = {
     "DecodedVideo": "video", "SourceClip": "video", "read_sr_source": "video", "read_video": "video",
 }
 
-__all__ = sorted(_HOMES)
+__all__ = ["DecodedVideo", "MediaInfo", "SourceClip", "cover_resize_center_crop", "load_conditioning_image", "probe",
+           "processed_num_samples", "read_source_audio", "read_sr_source", "read_video", "write_mp4"]
 
 try:
     # `probe` is also the name of its module: the first import of `k6serve.media.probe` anywhere binds the package's

@@ -766,3 +766,8 @@ def test_media_probe_stays_the_function_whichever_module_is_imported_first():
                  "from k6serve import media; media.write_mp4; import k6serve.media.probe; assert callable(media.probe)"):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 0, (code, done.stderr)
+
+
+def test_media_all_lists_every_lazy_name():
+    assert sorted(media.__all__) == sorted(media._HOMES)
+    assert all(callable(getattr(media, name)) for name in media.__all__)
