@@ -86,6 +86,23 @@ _PROFILE_API = ("the result's timings hold each stage's seconds, e.g. encode, de
 _PROFILE_HTTP = ("a finished job reports its inference_time_s, GET /metrics the step and job latencies, and "
                  "`k6serve bench` times the stages against diffusers")
 _TRAJECTORY = "k6serve returns the finished video only, not the latents or frames of the intermediate steps"
+_ONE_VIDEO = _request(
+    "k6serve makes one video per request: run again with another --seed; --prompt-file-path runs several "
+    "prompts on one model load",
+    api_fix="k6serve makes one video per request: call generate() again with another seed",
+    http_fix="k6serve makes one video per job: send another request with another seed")
+_ONE_GUIDANCE = ("Kandinsky 6 has one guidance scale, --guidance-scale, for Pro and Lite; the distilled models run "
+                 "without guidance")
+_ENCODING = ("k6serve writes H.264 with x264's crf 18 and medium preset, and AAC audio; there is no quality setting: "
+             "drop it")
+_URLS = ("k6serve fetches no URLs: download the file and pass it as --image-path, or --video-path for "
+         "super-resolution")
+_URLS_API = ("k6serve fetches no URLs: download the file and pass its path as image_path, or video_path for "
+             "super-resolution")
+_URLS_HTTP = ("k6serve fetches no URLs: upload the file as input_reference in a multipart request, or name a file "
+              "on the server, in a folder it allows with --allowed-input-dir, as image_path or video_path")
+_EXTRA = _request("put the parameters in the request itself",
+                  http_fix="put its fields in the body itself, as the OpenAI SDK's extra_body does")
 
 REFERENCE_NAMES: dict[str, ReferenceName] = {
     # Engine options: pure renames, accepted on the command line and in --config files.
@@ -202,11 +219,23 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
                                  "sets its strength, and the distilled models run without guidance"),
     "boundary_ratio": _request("Kandinsky 6 runs one DiT for every step, so there is no expert boundary to set: "
                                "drop it"),
-    "num_outputs_per_prompt": _request(
-        "k6serve makes one video per request: run again with another --seed; --prompt-file-path runs several "
-        "prompts on one model load",
-        api_fix="k6serve makes one video per request: call generate() again with another seed",
-        http_fix="k6serve makes one video per job: send another request with another seed"),
+    "num_outputs_per_prompt": _ONE_VIDEO,
+    "n": _ONE_VIDEO,
+    "guidance_scale_2": _request(_ONE_GUIDANCE),
+    "true_cfg_scale": _request(_ONE_GUIDANCE),
+    "max_sequence_length": _request("k6serve encodes the first 1,024 tokens of a prompt with Qwen2.5-VL and notes a "
+                                    "longer prompt's truncation in the result; there is no length to set"),
+    "flow_shift": _request("the sampler's shift is the checkpoint's own, from scheduler/scheduler_config.json; "
+                           "there is none to set per request"),
+    "output_quality": _request(_ENCODING),
+    "output_compression": _request(_ENCODING),
+    "diffusers_kwargs": _request("k6serve runs its own pipeline, not diffusers', so there are no arguments to pass "
+                                 "through: drop it"),
+    "perf_dump_path": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
+    "reference_url": _request(_URLS, api_fix=_URLS_API, http_fix=_URLS_HTTP),
+    "video_url": _request(_URLS, api_fix=_URLS_API, http_fix=_URLS_HTTP),
+    "extra_body": _EXTRA,
+    "extra_params": _EXTRA,
     "return_frames": _request("the command line writes the MP4; the Python API's generate(..., return_frames=True) "
                               "returns the frames",
                               http_fix="the server delivers the MP4 at GET /v1/videos/{id}/content"),

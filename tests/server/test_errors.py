@@ -90,6 +90,18 @@ def test_an_sglang_field_is_a_400_saying_what_to_send_instead(fake_server, fake_
     _still_serves(fake_client)
 
 
+@pytest.mark.parametrize("field", ["output_path", "output_file_name", "save_output", "return_file_paths_only"])
+def test_an_offline_output_option_in_a_job_says_where_the_video_goes(fake_server, fake_client, field):
+    """The CLI's and the API's output options are not a job's: a 400 that says so and where the MP4 is (output_path
+    read "Unknown field 'output_path'." and nothing more)."""
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", field: "x"}), 400, param=field,
+                          code="invalid_parameter", contains=f"Unknown field {field!r} (an option of `k6serve "
+                          "generate` and the Python API, not of a job: the server writes every job's MP4 under its own "
+                          "--output-path and serves it at GET /v1/videos/{id}/content). Valid fields: ")
+    assert "did you mean" not in error["message"]
+    _still_serves(fake_client)
+
+
 @pytest.mark.parametrize("send", [
     lambda client: client.post("/v1/videos", json={"seed": 1}),
     lambda client: client.post("/v1/videos", json={"prompt": "  "}),

@@ -20,11 +20,12 @@ from k6serve.reference_names import (
     SURFACES,
     aliases,
     reference_note,
+    unknown_names_hint,
 )
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.serve.errors import ApiError
-from k6serve.serve.schemas import HTTP_FIELD_NAMES, parse_create_body
+from k6serve.serve.schemas import HTTP_FIELD_NAMES, VideoCreateBody, parse_create_body
 
 COMPILE_FIX = ("k6serve compiles the DiT's repeated blocks on CUDA under --performance-mode speed, the default; "
                "--compile-vae true compiles the VAE decoder too")
@@ -314,3 +315,20 @@ def test_the_api_refuses_sglangs_modes_with_which_to_pick(mode):
     assert "--" not in str(caught.value)
     with pytest.raises(ValueError, match=f"'{mode}' is SGLang's mode"):
         build_engine_config("demo", performance_mode=mode)
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    ("n", "k6serve makes one video per job: send another request with another seed"),
+    ("video_url", "k6serve fetches no URLs: upload the file as input_reference in a multipart request"),
+    ("reference_url", "or name a file on the server, in a folder it allows with --allowed-input-dir"),
+    ("extra_body", "put its fields in the body itself, as the OpenAI SDK's extra_body does"),
+    ("guidance_scale_2", "Kandinsky 6 has one guidance scale, guidance_scale"),
+    ("max_sequence_length", "first 1,024 tokens of a prompt"),
+    ("flow_shift", "scheduler/scheduler_config.json"),
+    ("output_quality", "crf 18"),
+])
+def test_sglangs_video_body_fields_say_what_to_send_instead(name, fragment):
+    """The reference's POST /v1/videos fields (serving-reference.md §2.3) that k6serve does not take: each refusal
+    says what to do (video_url had "did you mean 'video_path'?", a wrong lead: a URL is not a server path)."""
+    hint = unknown_names_hint([name], list(VideoCreateBody.model_fields), surface="http")
+    assert hint.startswith(" (SGLang's field; ") and fragment in hint and "did you mean" not in hint
