@@ -72,11 +72,14 @@ _SEQUENCE_PARALLEL = ("k6serve's sequence parallelism is --ulysses-degree and --
 _HSDP = ("k6serve shards the DiT's weights with FSDP across a whole replica with --use-fsdp-inference true, and "
          "replicas are --dp-size")
 _SIZE = ("k6serve takes the size as --height and --width in pixels, multiples of 16 up to 2048, default height "
-         "512, width 768, e.g. --height 720 --width 1280")
+         "512, width 768, e.g. --height 720 --width 1280; super-resolution's output size is --sr-target-resolution, "
+         "e.g. fullhd")
 _SIZE_API = ("k6serve takes the size as height and width in pixels, multiples of 16 up to 2048, default height "
-             "512, width 768, e.g. height=720, width=1280")
+             "512, width 768, e.g. height=720, width=1280; super-resolution's output size is sr_target_resolution, "
+             "e.g. 'fullhd'")
 _SIZE_HTTP = ("k6serve takes the size as height and width in pixels, multiples of 16 up to 2048, default height "
-              "512, width 768, or as size, width first, e.g. \"1280x720\"")
+              "512, width 768, or as size, width first, e.g. \"1280x720\"; super-resolution's output size is "
+              "sr_target_resolution, e.g. \"fullhd\"")
 _FRAMES = ("k6serve takes --num-frames of the form 4k+1 up to 509 and turns another count n into n // 4 * 4 + 1 "
            "with a note, e.g. 120 -> 121, 123 -> 121, never rounding it to the number of GPUs")
 _PROFILE = ("`k6serve generate` prints each stage's seconds after the run, e.g. encode, denoise per step and decode; "
@@ -115,8 +118,8 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "regional_compile": _engine(_COMPILE),
     "enable_breakable_cuda_graph": _engine(_CUDA_GRAPHS),
     "bcg_text_buckets": _engine(_CUDA_GRAPHS),
-    "warmup_steps": _engine("k6serve's warm-up, --warmup-mode request or server, runs at most 2 denoising steps of "
-                            "each shape it warms; there is no step count to set"),
+    "warmup_steps": _engine("k6serve's warm-up, with --warmup-mode request or --warmup-mode server, runs at most 2 "
+                            "denoising steps of each shape it warms; there is no step count to set"),
     "offload_during_compile": _engine("k6serve never compiles streamed blocks, which run eager, and runs no "
                                       "max-autotune warm-up, so there is nothing to switch during a compile: drop "
                                       "it"),
@@ -156,7 +159,9 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
                             "seconds, default 600; the command line keeps the default",
                             api_fix="k6serve calls it dist_timeout_s, in seconds, default 600"),
     "master_port": _engine("k6serve's ranks on one host meet on a port the OS picks; several hosts use "
-                           "--dist-init-addr HOST:PORT"),
+                           "--dist-init-addr HOST:PORT",
+                           api_fix="k6serve's ranks on one host meet on a port the OS picks; several hosts use "
+                                   "dist_init_addr='HOST:PORT'"),
     # Precision, backends, loading.
     "dit_precision": _engine(_PRECISION),
     "vae_precision": _engine(_PRECISION),
@@ -173,15 +178,16 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "vae_sp": _engine("k6serve does not split the generation VAE's decode across GPUs, and --vae-tiling on lowers "
                       "its peak; the super-resolution VAE's tiles are decoded across GPUs by default, "
                       "--vae-config.use-parallel-tiling"),
-    "vae_config.use_tiling": _engine("k6serve's switch is --vae-tiling on or off; auto, the default, is on with "
-                                     "--performance-mode memory on a GPU"),
+    "vae_config.use_tiling": _engine("k6serve's switch is --vae-tiling on or --vae-tiling off; auto, the default, is "
+                                     "on with --performance-mode memory on a GPU"),
     # LoRA.
     "lora_weight_name": _engine("pass the .safetensors file itself as --lora-path; a folder is read for "
                                 "pytorch_lora_weights.safetensors, else its only .safetensors file"),
     "lora_target_modules": _engine("an adapter applies to the DiT modules its file names, and one the DiT lacks is "
                                    "refused; to leave modules out, remove their keys from the file"),
     # The server.
-    "strict_ports": _engine("k6serve never picks another port: a --port in use is refused at start"),
+    "strict_ports": _engine("k6serve never picks another port: a --port in use is refused at start",
+                            api_fix="the Python API opens no port, and `k6serve serve` never picks another one"),
     "webui": _engine(_NO_WEB_UI),
     "webui_port": _engine(_NO_WEB_UI),
     "scheduler_port": _engine("k6serve's request queue runs in the server process, with no scheduler socket to "
@@ -190,7 +196,9 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "batching_max_size": _engine(_BATCHING),
     "batching_delay_ms": _engine(_BATCHING),
     "input_save_path": _engine("k6serve keeps uploads in the uploads folder of --output-path and deletes each when "
-                               "its job finishes"),
+                               "its job finishes",
+                               api_fix="the Python API takes no uploads; `k6serve serve` keeps them in the uploads "
+                                       "folder of its output folder and deletes each when its job finishes"),
     "log_requests": _engine(_REQUEST_LOGS),
     "log_requests_level": _engine(_REQUEST_LOGS),
     "log_requests_format": _engine(_REQUEST_LOGS),
@@ -248,9 +256,10 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "profile": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
     "num_profiled_timesteps": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
     "profile_all_stages": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
-    "debug": _request("--log-level debug prints k6serve's debug log and the traceback above an error",
-                      api_fix="k6serve logs through the logging module: "
-                              "logging.getLogger('k6serve').setLevel(logging.DEBUG)",
+    "debug": _request("--log-level debug prints k6serve's debug log, its worker processes' too, and the traceback "
+                      "above an error",
+                      api_fix="k6serve logs through the logging module: logging.basicConfig(level=logging.DEBUG) "
+                              "before from_pretrained(), which its worker processes follow",
                       http_fix="the server's log level is set when it starts, with --log-level debug"),
 }
 
@@ -294,12 +303,17 @@ def _key(name: str) -> str:
     return name.split("=", 1)[0].lstrip("-").replace("-", "_")
 
 
-def lookup(name: str) -> tuple[str, ReferenceName] | None:
-    """The table entry for a name as typed on any surface (a `--no-` flag finds its option), or None."""
+def lookup(name: str, surface: str) -> tuple[str, ReferenceName] | None:
+    """The table entry for a name as typed on `surface`, or None. On the command line (and in --config files) a
+    `--no-` flag finds its switch; an alias has no `--no-` form (`--no-mode` is nobody's flag), and a Python keyword
+    or a JSON field named `no_debug` is not SGLang's either."""
     key = _key(name)
-    for candidate in (key, key.removeprefix("no_")):
-        if candidate in REFERENCE_NAMES:
-            return candidate, REFERENCE_NAMES[candidate]
+    if key in REFERENCE_NAMES:
+        return key, REFERENCE_NAMES[key]
+    switch = key.removeprefix("no_")
+    if surface in ("cli", "serve") and switch != key and switch in REFERENCE_NAMES \
+            and REFERENCE_NAMES[switch].alias is None:
+        return switch, REFERENCE_NAMES[switch]
     return None
 
 
@@ -329,7 +343,7 @@ def reference_note(name: str, surface: str, *, named: bool = False) -> str | Non
     """What reference name `name` (as typed on `surface`) is and what to do instead, or None when it is not one;
     `named` starts the note with the name (for a message listing several)."""
     assert surface in SURFACES, surface
-    found = lookup(name)
+    found = lookup(name, surface)
     if found is None:
         return None
     key, entry = found
@@ -348,6 +362,6 @@ def unknown_names_hint(unknown: list[str], known: Iterable[str], *, surface: str
     """The end of an "unknown name" error: ` (note)` for each reference name (`reference_note`), and
     `did_you_mean`'s guess for the others (a typo). Names are as the surface spells them (flags on the command
     line), and so are `known`."""
-    rest = [name for name in unknown if lookup(name) is None]
+    rest = [name for name in unknown if lookup(name, surface) is None]
     notes = [f" ({reference_note(name, surface, named=len(unknown) > 1)})" for name in unknown if name not in rest]
     return did_you_mean(rest, known, name_each=len(unknown) > 1) + "".join(notes)

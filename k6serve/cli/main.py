@@ -35,6 +35,7 @@ from k6serve.config import (
     WARMUP_MODES,
 )
 from k6serve.reference_names import aliases, aliases_of, unknown_names_hint, value_fix
+from k6serve.reference_names import lookup as lookup_reference_name
 from k6serve.request import SamplingParams, parameter_fields
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def add_log_level_flag(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # No prefix abbreviations: `--compile true` set --compile-vae, and SGLang's `--mode` was "ambiguous".
+    # No prefix abbreviations: `--compile true` set --compile-vae.
     parser = argparse.ArgumentParser(prog="k6serve", description="Serve and run Kandinsky 6 video+audio generation "
                                      "and video super-resolution.", allow_abbrev=False)
     add_log_level_flag(parser, "info")
@@ -423,9 +424,11 @@ def _renamed_reference_keys(options: dict[str, Any], path: str) -> dict[str, Any
     for key, value in options.items():
         name = aliases().get(key, key)
         if name in renamed:
-            alias = key if key != name else given[name]
-            raise ValueError(f"--config {path}: keys {given[name]!r} and {key!r} both set {_flag(name)} ({alias!r} "
-                             "is SGLang's name of it); keep one of them.")
+            sglangs = [each for each in (given[name], key) if each != name]
+            which = (f"{sglangs[0]!r} is SGLang's name of it" if len(sglangs) == 1
+                     else "both are SGLang's names of it")
+            raise ValueError(f"--config {path}: keys {given[name]!r} and {key!r} both set {_flag(name)} ({which}); "
+                             "keep one of them.")
         renamed[name], given[name] = value, key
     return renamed
 
@@ -436,8 +439,8 @@ def _surface(command: str) -> str:
 
 
 def _looks_like_flag(argument: str) -> bool:
-    """`--dit-cpu-offload` or `--4k`, not a value such as `true` or `-0.5`."""
-    if not argument.startswith("-") or argument == "-":
+    """`--dit-cpu-offload` or `--4k`, not a value such as `true` or `-0.5`, nor the `--` that ends the flags."""
+    if not argument.startswith("-") or argument in ("-", "--"):
         return False
     try:
         float(argument)
@@ -446,16 +449,54 @@ def _looks_like_flag(argument: str) -> bool:
     return False
 
 
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
+
+
 def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, command: str) -> str:
-    """argparse's "unrecognized arguments", naming the flags only (`--dit-cpu-offload true` is one flag and its
-    value), each of SGLang's with what to use instead, and a typo with the flag it resembles."""
-    flags = list(dict.fromkeys(argument.split("=", 1)[0] for argument in unknown if _looks_like_flag(argument)))
-    if not flags:
-        return f"unrecognized arguments: {' '.join(unknown)}"
-    command_parser = parser._subparsers._group_actions[0].choices[command]
-    known = [flag for each in (parser, command_parser) for action in each._actions for flag in action.option_strings
-             if flag.startswith("--")]
-    return f"unrecognized arguments: {' '.join(flags)}{unknown_names_hint(flags, known, surface=_surface(command))}"
+    """argparse's "unrecognized arguments", with what to do about each: an unknown flag is named without the value
+    it may have taken (`--dit-cpu-offload true` is one flag), SGLang's with what to use instead, an abbreviation or a
+    typo with the flag it stands for; a flag of `k6serve` itself typed after the command is moved before it; and
+    words that are no flag's value (`--prompt A cat` leaves `cat`; or what follows `--`) are named as such, since
+    k6serve takes no positional arguments."""
+    command_known = _option_strings(parser._subparsers._group_actions[0].choices[command])
+    before_command = _option_strings(parser) - command_known
+    shown: list[str] = []
+    flags: list[str] = []
+    loose: list[str] = []
+    value_allowed = False  # the word after an unknown flag may be its value
+    for position, word in enumerate(unknown):
+        if word == "--":
+            loose += unknown[position:]
+            shown += unknown[position:]
+            break
+        if _looks_like_flag(word):
+            name = word.split("=", 1)[0]
+            if name not in flags:
+                flags.append(name)
+                shown.append(name)
+            value_allowed = "=" not in word
+        elif value_allowed:
+            value_allowed = False
+        else:
+            loose.append(word)
+            shown.append(word)
+    notes = []
+    misplaced = [flag for flag in flags if flag in before_command]
+    notes += [f" ({flag} goes before the command: k6serve {flag})" for flag in misplaced]
+    rest = [flag for flag in flags if flag not in before_command]
+    # An abbreviation (flags are matched whole) gets the one flag it begins, before difflib's look-alike guess.
+    whole = {flag: [known for known in command_known if known.startswith(flag)] for flag in rest
+             if lookup_reference_name(flag, _surface(command)) is None}
+    whole = {flag: matches[0] for flag, matches in whole.items() if len(matches) == 1}
+    notes += [f" ({flag}: flags are written whole; did you mean {known!r}?)" for flag, known in whole.items()]
+    rest = [flag for flag in rest if flag not in whole]
+    if rest:
+        notes.append(unknown_names_hint(rest, command_known, surface=_surface(command)))
+    if loose:
+        notes.append(f"; k6serve takes no positional arguments ({' '.join(loose)}): quote a value with spaces, e.g. "
+                     "--prompt \"A cat plays the piano\"")
+    return f"unrecognized arguments: {' '.join(shown)}{''.join(notes)}"
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -113,12 +113,13 @@ def _describe_video_error(param: str | None, error: dict) -> str | None:
     if error["type"] == "extra_forbidden" and param is not None:
         # SGLang's field names (guidance_rescale) get what to send instead, a typo the field it resembles.
         fields = list(VideoCreateBody.model_fields)
-        hint = unknown_names_hint([param], fields, surface='http')
-        if not hint and param in _OFFLINE_OUTPUT_FIELDS:
-            # The CLI's and the API's output options, which a job does not choose ("did you mean 'video_path'?"
-            # or nothing at all was the answer).
+        if param in _OFFLINE_OUTPUT_FIELDS:
+            # The CLI's and the API's output options, which a job does not choose (the answer was a bare
+            # "Unknown field").
             hint = (" (an option of `k6serve generate` and the Python API, not of a job: the server writes every "
                     "job's MP4 under its own --output-path and serves it at GET /v1/videos/{id}/content)")
+        else:
+            hint = unknown_names_hint([param], fields, surface="http")
         return f"Unknown field {param!r}{hint}. Valid fields: {', '.join(fields)}."
     if param == "seconds" and error["type"] != "extra_forbidden":
         return f"seconds must be a number in (0, 600] such as \"4\" or 4, got {error.get('input')!r}"

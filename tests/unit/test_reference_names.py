@@ -118,23 +118,47 @@ def test_layerwise_offload_modules_is_layerwise_offload_components():
 
 
 def test_flags_are_not_abbreviated(capsys):
-    """`--compile true` set --compile-vae; `--mode speed` was "ambiguous option: --mode could match --model-path,
-    --model-id" before it was an alias."""
+    """`--compile true` set --compile-vae. An abbreviation is refused with the one flag it begins."""
     parser = build_parser()
     assert not parser.allow_abbrev and not _subparser("generate").allow_abbrev and not _subparser("serve").allow_abbrev
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--compile", "true"]) == 2
-    assert capsys.readouterr().err == "error: unrecognized arguments: --compile (did you mean '--compile-vae'?)\n"
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --compile (--compile: flags are written whole; "
+                                       "did you mean '--compile-vae'?)\n")
+    # --neg got difflib's '--nnodes'; the flag it abbreviates comes first.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--neg", "y"]) == 2
+    assert "did you mean '--negative-prompt'?" in capsys.readouterr().err
     assert main(["serve", "--model-path", "demo", "--ulysses", "2"]) == 2
-    assert "unrecognized arguments: --ulysses (did you mean '--ulysses-degree'?)" in capsys.readouterr().err
+    assert "unrecognized arguments: --ulysses (--ulysses: flags are written whole; did you mean '--ulysses-degree'?)" \
+        in capsys.readouterr().err
 
 
 def test_a_typo_gets_the_flag_it_resembles_and_other_arguments_the_plain_message(capsys):
-    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-frame", "5"]) == 2
-    assert capsys.readouterr().err == "error: unrecognized arguments: --num-frame (did you mean '--num-frames'?)\n"
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-framez", "5"]) == 2
+    assert capsys.readouterr().err == "error: unrecognized arguments: --num-framez (did you mean '--num-frames'?)\n"
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--zzzzzz"]) == 2
     assert capsys.readouterr().err == "error: unrecognized arguments: --zzzzzz\n"
+
+
+POSITIONAL = "k6serve takes no positional arguments ({}): quote a value with spaces, e.g. --prompt \"A cat plays the piano\""
+
+
+def test_words_that_are_no_flags_value_are_named_as_such(capsys):
+    """An unquoted prompt's other words, and what follows `--`, were dropped from the message once it named only
+    flags ("--" itself got "did you mean '--dp'?")."""
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "y"]) == 2
-    assert capsys.readouterr().err == "error: unrecognized arguments: y\n"
+    assert capsys.readouterr().err == f"error: unrecognized arguments: y; {POSITIONAL.format('y')}\n"
+    assert main(["generate", "--model-path", "demo", "--prompt", "A", "cat", "--enable-torch-compile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: cat --enable-torch-compile (SGLang's flag; ")
+    assert err.endswith(f"; {POSITIONAL.format('cat')}\n")
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--", "extra"]) == 2
+    assert capsys.readouterr().err == f"error: unrecognized arguments: -- extra; {POSITIONAL.format('-- extra')}\n"
+
+
+def test_a_flag_of_k6serve_itself_after_the_command_is_moved_before_it(capsys):
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--version"]) == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --version (--version goes before the command: "
+                                       "k6serve --version)\n")
 
 
 def test_serve_words_request_parameters_as_request_fields(capsys):
@@ -166,6 +190,8 @@ def test_config_file_takes_sglangs_names_of_k6serve_options(tmp_path):
     ("mode: speed\nperformance-mode: memory\n",
      "keys 'mode' and 'performance_mode' both set --performance-mode ('mode' is SGLang's name of it); keep one of "
      "them."),
+    ("dp: 1\ndata-parallel-size: 1\n",
+     "keys 'dp' and 'data_parallel_size' both set --dp-size (both are SGLang's names of it); keep one of them."),
 ])
 def test_config_file_refuses_sglangs_other_names_with_the_fix(tmp_path, capsys, text, message):
     path = _config(tmp_path, text)
@@ -332,3 +358,24 @@ def test_sglangs_video_body_fields_say_what_to_send_instead(name, fragment):
     says what to do (video_url had "did you mean 'video_path'?", a wrong lead: a URL is not a server path)."""
     hint = unknown_names_hint([name], list(VideoCreateBody.model_fields), surface="http")
     assert hint.startswith(" (SGLang's field; ") and fragment in hint and "did you mean" not in hint
+
+
+def test_no_forms_are_switches_of_the_command_line_only(capsys):
+    """`--no-debug` is the false of SGLang's switch; `--no-mode` (an alias's), and no_debug as a JSON field or a
+    Python keyword, are nobody's names and were answered as SGLang's."""
+    assert reference_note("--no-debug", "cli") is not None
+    assert reference_note("--no-mode", "cli") is None
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--no-mode"]) == 2
+    assert "SGLang" not in capsys.readouterr().err
+    fields = list(VideoCreateBody.model_fields)
+    assert "SGLang" not in unknown_names_hint(["no_debug"], fields, surface="http")
+    assert "SGLang" not in unknown_names_hint(["no_profile"], ["prompt"], surface="api")
+    assert "SGLang's field" in unknown_names_hint(["debug"], fields, surface="http")
+
+
+def test_a_serve_config_file_takes_the_aliases(tmp_path):
+    path = _config(tmp_path, "mode: memory\ndp: 2\nlayerwise-offload-modules: [transformer]\n")
+    options = _options(["serve", "--config", path, "--model-path", "demo", "--num-gpus", "2"])
+    assert (options["performance_mode"], options["dp_size"], options["layerwise_offload_components"]) == (
+        "memory", 2, ["transformer"])
+    assert not {"mode", "dp", "layerwise_offload_modules"} & set(options)
