@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import os
 import socket
@@ -44,6 +45,7 @@ class RankSpec:
     # rank 0 too, joins it as a client instead of rank 0 binding the port.
     store_from_engine: bool = False
     ranks_on_host: int = 1  # the ranks sharing this host's CPU cores
+    log_level: int = logging.INFO  # the starting process's (`parent_log_level`): --log-level debug reaches the ranks
 
     @property
     def backend(self) -> str:
@@ -111,6 +113,14 @@ def torchrun_rank(
     )
 
 
+def parent_log_level() -> int:
+    """The level a rank process logs at: this process's, where its logging is configured (the CLI's --log-level),
+    else INFO, what the ranks always used (a Python API caller who configured nothing still sees their INFO lines,
+    which its own unconfigured logging would hide)."""
+    root = logging.getLogger()
+    return root.getEffectiveLevel() if root.handlers else logging.INFO
+
+
 def local_rank_specs(
     parallel: ParallelConfig, device_type: str, *, store_port: int | None = None
 ) -> list[RankSpec]:
@@ -145,7 +155,7 @@ def local_rank_specs(
         RankSpec(
             rank=first + local, world_size=parallel.num_gpus, local_rank=local, master_addr=master_addr,
             master_port=master_port, device_type=device_type, timeout_s=parallel.dist_timeout_s,
-            ranks_on_host=per_node, store_from_engine=store_from_engine,
+            ranks_on_host=per_node, store_from_engine=store_from_engine, log_level=parent_log_level(),
         )
         for local in range(per_node)
     ]

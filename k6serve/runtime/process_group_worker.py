@@ -327,7 +327,7 @@ def rank_main(
     authkey: bytes | None,
 ) -> None:
     """The body of one rank's process: join, build, report readiness, serve until shut down."""
-    logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=spec.log_level, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
     device = init_distributed(spec)
     try:
         layout = ParallelLayout.from_config(config.parallel)

@@ -345,3 +345,30 @@ def test_torchrun_style_environment_is_honoured():
     assert all(p.returncode == 0 for p in procs), outputs
     assert f"VALUE {expected_value(11, 2, [0, 1])}" in outputs[0], outputs[0]
     assert "WORKER DONE" in outputs[1], outputs[1]
+
+
+def test_ranks_log_at_the_starting_process_level(monkeypatch):
+    """`k6serve --log-level debug` configured the engine's process only: the ranks always logged at INFO, so a
+    worker's DEBUG lines (a request's notes, worker.py) never showed. Where nothing configured logging (a Python
+    API caller), the ranks keep INFO, as before."""
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    assert {spec.log_level for spec in local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu")} == {
+        logging.INFO}
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
+    monkeypatch.setattr(root, "level", logging.DEBUG)
+    assert {spec.log_level for spec in local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu")} == {
+        logging.DEBUG}
+
+
+def test_log_level_debug_reaches_a_rank_process():
+    """End to end: `k6serve --log-level debug generate` on the demo (one rank process) prints the rank's DEBUG line
+    for a request note (the default level is the unit test above)."""
+    command = [sys.executable, "-m", "k6serve.cli.main", "generate", "--model-path", "demo", "--prompt", "x",
+               "--no-save-output", "--num-frames", "6"]
+    debug = subprocess.run([*command[:3], "--log-level", "debug", *command[3:]], capture_output=True, text=True,
+                           timeout=300)
+    assert debug.returncode == 0, debug.stderr
+    assert "[rank 0] DEBUG k6serve.runtime.worker: num_frames 6 is not of the form 4k+1" in debug.stderr
