@@ -290,9 +290,12 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if steps < 1 or steps > 1000:
         raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
     guidance = params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale
-    # The value as given, for the messages: nan was reported as "got inf" (the comparisons below read it as inf).
-    shown = guidance if isinstance(guidance, float) else "a number too large" if not is_finite_number(guidance) \
-        else guidance
+    # The messages show the value as given (nan read "got inf", what the comparisons below take it for), but an
+    # integer past a float's range as words, not its 400 digits.
+    if isinstance(guidance, int) and not is_finite_number(guidance):
+        shown = "an integer too large for a float"
+    else:
+        shown = guidance
     guidance = float(guidance) if is_finite_number(guidance) else math.inf  # 10**400: refused below
     if variant.distilled and guidance != 1.0:
         raise ValueError(

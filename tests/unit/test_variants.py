@@ -226,7 +226,8 @@ def test_the_audio_bound_is_the_pipelines_length_and_the_models_rope_table():
 @pytest.mark.parametrize(("option", "message"), [
     ({"fps": 10**400}, r"^fps must be between 1 and 240 .*got 1000"),
     ({"fps": -10**400}, r"^fps must be between 1 and 240 .*got -1000"),
-    ({"guidance_scale": 10**400}, r"requires guidance_scale exactly 1\.0 \(got a number too large\)"),
+    ({"guidance_scale": 10**400}, r"requires guidance_scale exactly 1\.0 \(got an integer too large for a float\)"),
+    ({"guidance_scale": -10**400}, r"requires guidance_scale exactly 1\.0 \(got an integer too large for a float\)"),
     ({"loras": {"style": 10**400}}, r"^loras\['style'\] must be a finite number"),
 ])
 def test_an_integer_past_floats_range_is_a_value_error(option, message):
