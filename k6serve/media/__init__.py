@@ -1,9 +1,9 @@
 """Video and audio files: reading sources, probing, and writing the output MP4 (PyAV), and the conditioning image
 (Pillow only).
 
-The names below are imported on first use (PEP 562), not with the package: `k6serve.media.image` needs no PyAV, so a
-text-and-image request whose frames are kept in memory (`save_output=False`), and the server warm-up's image pass,
-run where PyAV is missing (the GPU host has none; it failed the warm-up there when this file imported every module).
+The names below are imported on first use (PEP 562), so that reading a conditioning image does not need PyAV: a
+frames-only text-and-image request (`save_output=False`) and the server warm-up's image pass run where PyAV is
+missing. `probe` is the exception, imported with the package where PyAV imports (see below).
 """
 
 from __future__ import annotations

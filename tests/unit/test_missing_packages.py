@@ -96,7 +96,7 @@ def test_only_requests_with_files_need_pyav(monkeypatch):
 
 def test_the_conditioning_image_loads_without_pyav(tmp_path):
     """k6serve.media imported every module, PyAV's among them, for the image loader: the server warm-up's image
-    pass failed with "No module named 'av'" on a host without PyAV (the H200, twenty-seventh session)."""
+    pass failed with "No module named 'av'" on a host without PyAV."""
     from PIL import Image
 
     Image.new("RGB", (96, 64), (200, 10, 10)).save(tmp_path / "in.png")
