@@ -88,6 +88,7 @@ _PROFILE_API = ("the result's timings hold each stage's seconds, e.g. encode, de
                 "`k6serve bench` times the stages against diffusers")
 _PROFILE_HTTP = ("a finished job reports its inference_time_s, GET /metrics the step and job latencies, and "
                  "`k6serve bench` times the stages against diffusers")
+_PROFILING = _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP)
 _TRAJECTORY = "k6serve returns the finished video only, not the latents or frames of the intermediate steps"
 _ONE_VIDEO = _request(
     "k6serve makes one video per request: run again with another --seed; --prompt-file-path runs several "
@@ -104,6 +105,7 @@ _URLS_API = ("k6serve fetches no URLs: download the file and pass its path as im
              "super-resolution")
 _URLS_HTTP = ("k6serve fetches no URLs: upload the file as input_reference in a multipart request, or name a file "
               "on the server, in a folder it allows with --allowed-input-dir, as image_path or video_path")
+_URL_FIELD = _request(_URLS, api_fix=_URLS_API, http_fix=_URLS_HTTP)
 _EXTRA = _request("put the parameters in the request itself",
                   http_fix="put its fields in the body itself, as the OpenAI SDK's extra_body does")
 
@@ -239,9 +241,9 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "output_compression": _request(_ENCODING),
     "diffusers_kwargs": _request("k6serve runs its own pipeline, not diffusers', so there are no arguments to pass "
                                  "through: drop it"),
-    "perf_dump_path": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
-    "reference_url": _request(_URLS, api_fix=_URLS_API, http_fix=_URLS_HTTP),
-    "video_url": _request(_URLS, api_fix=_URLS_API, http_fix=_URLS_HTTP),
+    "perf_dump_path": _PROFILING,
+    "reference_url": _URL_FIELD,
+    "video_url": _URL_FIELD,
     "extra_body": _EXTRA,
     "extra_params": _EXTRA,
     "return_frames": _request("the command line writes the MP4; the Python API's generate(..., return_frames=True) "
@@ -253,9 +255,9 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "num_frames_round_down": _request(_FRAMES),
     "enable_teacache": _request("k6serve's step caching is Cache-DiT: --enable-cache-dit for one request, tuned "
                                 "with --cache-dit-params, or the engine's --cache-dit-config for every request"),
-    "profile": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
-    "num_profiled_timesteps": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
-    "profile_all_stages": _request(_PROFILE, api_fix=_PROFILE_API, http_fix=_PROFILE_HTTP),
+    "profile": _PROFILING,
+    "num_profiled_timesteps": _PROFILING,
+    "profile_all_stages": _PROFILING,
     "debug": _request("--log-level debug prints k6serve's debug log, its worker processes' too, and the traceback "
                       "above an error",
                       api_fix="k6serve logs through the logging module: logging.basicConfig(level=logging.DEBUG) "
