@@ -101,11 +101,9 @@ _ENCODING = ("k6serve writes H.264 with x264's crf 18 and medium preset, and AAC
              "drop it")
 _URLS = ("k6serve fetches no URLs: download the file and pass it as --image-path, or --video-path for "
          "super-resolution")
-_URLS_API = ("k6serve fetches no URLs: download the file and pass its path as image_path, or video_path for "
-             "super-resolution")
 _URLS_HTTP = ("k6serve fetches no URLs: upload the file as input_reference in a multipart request, or name a file "
               "on the server, in a folder it allows with --allowed-input-dir, as image_path or video_path")
-_URL_FIELD = _request(_URLS, api_fix=_URLS_API, http_fix=_URLS_HTTP)
+_URL_FIELD = _request(_URLS, http_fix=_URLS_HTTP)  # the API's words: the flags as parameter names
 _EXTRA = _request("put the parameters in the request itself",
                   http_fix="put its fields in the body itself, as the OpenAI SDK's extra_body does")
 
