@@ -25,7 +25,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_parallel_primitives import GlooPool, _groups  # the module's persistent gloo pool
+from test_parallel_primitives import (  # the module's persistent gloo pool
+    GlooPool,
+    _groups,
+    first_replica_groups,
+    first_replica_results,
+)
 
 from k6serve.parallel.mesh import ParallelLayout
 
@@ -183,6 +188,8 @@ def _quantized_generate_task(folder: Path, layout: ParallelLayout | None, reques
 
     if layout is None and dist.get_rank() != 0:
         return None
+    if layout is not None and first_replica_groups(layout) is None:
+        return None
     models = _fresh_generation_models(folder)
     if layout is not None:
         parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
@@ -203,7 +210,8 @@ def test_quantized_generation_matches_one_process(pool, checkpoint, requests, re
                                                             requests["t2av"])[0]
     assert quantized == 2 * 12  # the tiny DiT's 2 fused blocks, unfused: 12 video-token linears each
     assert not np.array_equal(reference_frames, references("t2av")[0])
-    for frames, audio, count in pool.run(_quantized_generate_task, checkpoint, layout, requests["t2av"]):
+    for frames, audio, count in first_replica_results(
+            pool.run(_quantized_generate_task, checkpoint, layout, requests["t2av"]), layout):
         assert count == quantized
         _assert_matches(frames, reference_frames, tolerance)
         _assert_matches(audio, reference_audio, tolerance)
@@ -334,6 +342,9 @@ def test_whole_tile_parallel_decode_equals_serial_and_splits_the_work(pool, num_
                 assert calls == list(range(rank % world, num_tiles, world))
 
 
+ULYSSES2 = ParallelLayout(dp=2, ulysses=2)
+
+
 def _event_order_task(folder: Path):
     """Ulysses2 T2AV, one step: the order of block 0's communication and attention events, recorded through the
     collectives' starts and finishes and pre-hooks on modules that open an attention."""
@@ -343,9 +354,11 @@ def _event_order_task(folder: Path):
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
 
+    groups = first_replica_groups(ULYSSES2)
+    if groups is None:
+        return None
     models = _fresh_generation_models(folder)
-    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
-                                  device_type="cpu")
+    parallelize_generation_models(models, groups, encoder_parallel="replicate", device_type="cpu")
     events: list[str] = []
     originals = {name: getattr(sequence_attention, name)
                  for name in ("start_gather_sequence", "start_ulysses", "finish_ulysses")}
@@ -380,8 +393,14 @@ def _event_order_task(folder: Path):
     return events
 
 
-def test_audio_from_video_kv_gather_runs_beside_the_text_cross_attention(pool, checkpoint):
-    for events in pool.run(_event_order_task, checkpoint):
+@pytest.fixture(scope="module")
+def ulysses_events(pool, checkpoint) -> list[list[str]]:
+    """`_event_order_task`'s events on each rank of the first Ulysses2 replica (both tests below read them)."""
+    return first_replica_results(pool.run(_event_order_task, checkpoint), ULYSSES2)
+
+
+def test_audio_from_video_kv_gather_runs_beside_the_text_cross_attention(ulysses_events):
+    for events in ulysses_events:
         # Per block: started before the text cross-attention, awaited after it (at the audio-from-video
         # attention); block 0's hook marks where each forward's first text cross-attention falls.
         first = events.index("video text attention")
@@ -401,9 +420,11 @@ def _compiled_ulysses_task(folder: Path):
     from k6serve.request import SamplingParams
     from k6serve.speed.regional_compile import apply_regional_compile
 
+    groups = first_replica_groups(ULYSSES2)
+    if groups is None:
+        return None
     models = _fresh_generation_models(folder)
-    parallelize_generation_models(models, _groups(ParallelLayout(dp=2, ulysses=2)), encoder_parallel="replicate",
-                                  device_type="cpu")
+    parallelize_generation_models(models, groups, encoder_parallel="replicate", device_type="cpu")
     request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **REQUESTS["t2av"]), models.variant)
     frames = [TextToVideoPipeline(models)(request).video.frames_float_THWC]
     apply_regional_compile(models.transformer, kandinsky6_plan(models.transformer.config), backend="eager")
@@ -419,12 +440,13 @@ def _compiled_ulysses_task(folder: Path):
 def test_compiled_blocks_carry_the_prepared_kv_across_graph_breaks(pool, checkpoint):
     # The asynchronous K/V gather returns a handle from a compiler-disabled method and takes it back in another:
     # a compiled block must pass it through its graph breaks without recompiling on the next request.
-    for eager, compiled, compiled_again in pool.run(_compiled_ulysses_task, checkpoint):
+    for eager, compiled, compiled_again in first_replica_results(pool.run(_compiled_ulysses_task, checkpoint),
+                                                                 ULYSSES2):
         assert torch.equal(eager, compiled) and torch.equal(eager, compiled_again)
 
 
-def test_audio_self_attention_runs_beside_the_video_qkv_exchange(pool, checkpoint):
-    for events in pool.run(_event_order_task, checkpoint):
+def test_audio_self_attention_runs_beside_the_video_qkv_exchange(ulysses_events):
+    for events in ulysses_events:
         first = events.index("audio self-attention")
         assert events[first - 1 : first + 2] == ["exchange posted", "audio self-attention", "exchange finished"]
         assert events.count("exchange posted") == events.count("exchange finished") > 0
@@ -484,6 +506,8 @@ def _cache_switch_task(folder: Path, layout: ParallelLayout | None):
 
     if layout is None and dist.get_rank() != 0:
         return None
+    if layout is not None and first_replica_groups(layout) is None:
+        return None
     models = _fresh_generation_models(folder)
     if layout is not None:
         parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
@@ -506,7 +530,8 @@ def test_cache_dit_switches_per_request_under_fsdp_ulysses(pool, checkpoint):
     (base_frames, base_audio, base_steps), (cached_frames, cached_audio, cached_steps), _ = reference
     assert base_steps == {} and cached_steps.keys() == {"positive", "negative"}
     assert not np.array_equal(cached_frames, base_frames)  # caching changed the output
-    for results in pool.run(_cache_switch_task, checkpoint, ParallelLayout(dp=2, ulysses=2, fsdp=True)):
+    layout = ParallelLayout(dp=2, ulysses=2, fsdp=True)
+    for results in first_replica_results(pool.run(_cache_switch_task, checkpoint, layout), layout):
         for (frames, audio, steps), (ref_frames, ref_audio, ref_steps) in zip(results, reference, strict=True):
             assert steps == ref_steps
             _assert_matches(frames, ref_frames, EXACT)
@@ -558,6 +583,8 @@ def _lora_setup(folder: Path, layout: ParallelLayout | None):
 
     if layout is None and dist.get_rank() != 0:
         return None
+    if layout is not None and first_replica_groups(layout) is None:
+        return None
     models = _fresh_generation_models(folder)
     if layout is not None:
         parallelize_generation_models(models, _groups(layout), encoder_parallel="replicate", device_type="cpu")
@@ -568,7 +595,7 @@ def _lora_setup(folder: Path, layout: ParallelLayout | None):
 
 def _lora_task(folder: Path, layout: ParallelLayout | None, adapter: Path, mode: str):
     """Frames and waveform with the adapter applied as `mode` under `layout`, and whether unmerging gave the
-    un-adapted output back bit for bit (None: the 1-process reference, on rank 0 only)."""
+    un-adapted output back bit for bit (None: the 1-process reference, on rank 0 only; the first replica only)."""
     from k6serve.lora.sharding import ShardedWeight
     from k6serve.lora.spec import LoraSpec
 
@@ -608,7 +635,8 @@ def test_lora_on_sharded_weights_matches_one_process(pool, checkpoint, lora_adap
     # Ring: every weight whole.
     expected = ({0: 2, 1: 2, None: 1} if layout.tp > 1 else {0: 4, None: 1} if layout.fsdp
                 else {None: len(LORA_MODULES)})
-    for frames, audio, (restored, layouts) in pool.run(_lora_task, checkpoint, layout, lora_adapter, mode):
+    for frames, audio, (restored, layouts) in first_replica_results(
+            pool.run(_lora_task, checkpoint, layout, lora_adapter, mode), layout):
         _assert_matches(frames, reference_frames, tolerance)
         _assert_matches(audio, reference_audio, tolerance)
         assert restored and layouts == expected
@@ -672,7 +700,8 @@ def test_lora_dora_on_sharded_weights_matches_one_process(pool, checkpoint, dora
         for (frames, audio), (merged_frames, merged_audio) in zip(reference[1:], reference):
             _assert_matches(frames, merged_frames, CLOSE)
             _assert_matches(audio, merged_audio, CLOSE)
-    for outputs, restored, dora_layers in pool.run(_dora_task, checkpoint, layout, dora_adapter, modes):
+    for outputs, restored, dora_layers in first_replica_results(
+            pool.run(_dora_task, checkpoint, layout, dora_adapter, modes), layout):
         for (frames, audio), (reference_frames, reference_audio) in zip(outputs, reference, strict=True):
             _assert_matches(frames, reference_frames, tolerance)
             _assert_matches(audio, reference_audio, tolerance)

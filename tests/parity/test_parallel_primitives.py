@@ -46,6 +46,23 @@ def _groups(layout: ParallelLayout):
     return _GROUPS[layout]
 
 
+def first_replica_groups(layout: ParallelLayout):
+    """This rank's groups, or None on the ranks of every replica after the first. Every rank builds the groups (a
+    collective); a task that returns early on None leaves the later replicas idle. A dp=2 layout fills the pool's 4
+    ranks, but its second replica repeats the first one's work on the same 2 CPU cores (the test's time doubled for
+    no check the first replica does not make); the generation tests keep both replicas, which checks that replicas
+    run apart."""
+    groups = _groups(layout)
+    return groups if groups.replica == 0 else None
+
+
+def first_replica_results(results: list, layout: ParallelLayout) -> list:
+    """`GlooPool.run`'s results of the first replica's ranks (see `first_replica_groups`), checked to be all there."""
+    kept = [result for result in results if result is not None]
+    assert len(kept) == layout.replica_size, f"{len(kept)} results for a replica of {layout.replica_size} ranks"
+    return kept
+
+
 def _pool_main(rank: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
