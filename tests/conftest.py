@@ -55,6 +55,26 @@ def demo_dir(_demo_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return ensure_demo_checkpoint()
 
 
+@pytest.fixture
+def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Engines built while the test runs load their model in the test's process (`ModelWorker`), not in a spawned
+    rank process: for tests of what the CLI and the API do around a request (names, messages, config files), whose
+    worker process adds seconds of interpreter start-up and proves nothing there. The list gathers the workers.
+    The rank processes themselves are tested in test_multi_process_engine.py, test_launch.py and the main job's
+    tests."""
+    from k6serve.runtime import process_group_worker
+    from k6serve.runtime.worker import ModelWorker
+
+    workers: list = []
+
+    def in_process(config):
+        workers.append(ModelWorker(config))
+        return workers[-1]
+
+    monkeypatch.setattr(process_group_worker, "MultiProcessWorker", in_process)
+    return workers
+
+
 # ---- Kandinsky 6 super-resolution ----
 
 

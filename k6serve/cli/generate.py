@@ -69,8 +69,10 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
     """Resolve the one request against the model's variant, and open its input file, before the model loads
     (minutes for a real checkpoint): a --seed, --height or --num-inference-steps out of range, a flag of the other
     model family, an --sr-target-resolution with an odd side, Cache-DiT settings that leave no DiT block to cache,
-    or a missing or unreadable --image-path / --video-path fails now with its fix, as it would after the load. The
-    worker resolves the request again; this only moves the refusal earlier."""
+    or a missing or unreadable --image-path / --video-path fails now with its fix, as it would after the load; so
+    does a --video-path smaller than one super-resolution tile, or an upscale to a size that cannot be made, planned
+    as the server plans a job at its creation. The worker resolves the request again; this only moves the refusal
+    earlier."""
     variant = _variant_before_loading(engine_options)
     if variant is None:
         return
@@ -92,8 +94,12 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
         _refuse_text_for_upscaling(params)
         request, _ = resolve_upscale(params, variant)
         from k6serve.media.container import open_input
+        from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
+        from k6serve.serve.upscale_output import expected_upscale_output
 
         open_input(request.video_path).close()
+        expected_upscale_output(request, sr_tiling_before_loading(
+            engine_options["model_path"], engine_options.get("model_id"), engine_options.get("load_format")))
 
 
 def _refuse_text_for_upscaling(params: SamplingParams) -> None:

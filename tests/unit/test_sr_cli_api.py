@@ -189,7 +189,7 @@ def _cli(model_dir, clip, out_dir, *extra):
                  "--save-output", "--output-path", str(out_dir), *extra])  # fmt: skip
 
 
-def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys):
+def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys, in_process_worker):
     assert _cli(tiny_sr_dir, clips["silent24"], tmp_path / "default") == 0
     (written,) = (tmp_path / "default").iterdir()
     assert re.fullmatch(rf"silent24_sr2x_{STAMP}\.mp4", written.name)
@@ -204,8 +204,12 @@ def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys):
     assert "saved" in capsys.readouterr().out
 
 
-def test_cli_errors(tiny_sr_dir, tiny_sr_flow640_dir, clips, tmp_path, capsys):
-    assert _cli(tiny_sr_dir, clips["small"], tmp_path) == 2
+def test_cli_errors(tiny_sr_dir, tiny_sr_flow640_dir, clips, tmp_path, capsys, monkeypatch):
+    from k6serve.runtime import process_group_worker
+
+    with monkeypatch.context() as patch:  # a source smaller than one tile is refused before the model loads
+        patch.setattr(process_group_worker, "MultiProcessWorker", lambda *args, **kwargs: pytest.fail("loaded"))
+        assert _cli(tiny_sr_dir, clips["small"], tmp_path) == 2
     assert "need at least 32x32" in capsys.readouterr().err
     assert _cli(tiny_sr_flow640_dir, clips["silent24"], tmp_path) == 2
     assert "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers" in capsys.readouterr().err
