@@ -115,16 +115,19 @@ def _cancellation_point(job: EngineJob) -> ProgressCallback:
 
 def check_before_loading(config: EngineConfig) -> None:
     """Refuse, before any rank loads, a config the ranks would refuse after their load (a layout, a
-    --warmup-resolutions size) or that every request would fail on (Cache-DiT settings leaving no block to cache).
+    --warmup-resolutions size, a --quantization-ignored-layers typo) or that every request would fail on (Cache-DiT
+    settings leaving no block to cache).
     `Engine` runs it; `serve` runs it before it binds its port, so that a flag's mistake is not hidden behind a port
     in use."""
     from k6serve.caching.preflight import check_cache_dit_config_before_loading
     from k6serve.parallel.preflight import check_layout_before_loading
     from k6serve.runtime.warmup_sizes import check_warmup_sizes_before_loading
+    from k6serve.speed.fp8_linears import check_quantization_before_loading
 
     check_layout_before_loading(config)
     check_cache_dit_config_before_loading(config)
     check_warmup_sizes_before_loading(config)
+    check_quantization_before_loading(config)
 
 
 class Engine:

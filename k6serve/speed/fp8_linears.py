@@ -146,6 +146,20 @@ def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
                          "self_attention, visual_transformer_blocks.0-29) or a glob.")
 
 
+def check_quantization_before_loading(config) -> None:
+    """Refuse, before any rank process starts, a --quantization-ignored-layers pattern that matches none of the
+    DiT's quantizable linears, where the DiT's block count needs no download (`dit_blocks_before_loading`); the
+    worker checks it again (`ModelWorker._check_quantization`), with the GPU's own checks."""
+    model = config.model
+    if model.quantization == "none" or not model.quantization_ignored_layers:
+        return
+    from k6serve.caching.preflight import dit_blocks_before_loading
+
+    num_blocks = dit_blocks_before_loading(model)
+    if num_blocks is not None:
+        check_ignored_layers(model.quantization_ignored_layers, possible_linear_names(num_blocks))
+
+
 def possible_linear_names(num_blocks: int) -> list[str]:
     """The names the quantizable linears can have in a DiT of `num_blocks` fused blocks, fused projections or not:
     what the worker checks --quantization-ignored-layers against before the weights load (`apply_quantization`

@@ -230,7 +230,8 @@ def test_every_choice_of_the_cli_is_known_to_the_rewording():
     assert cli_choices == OPTION_CHOICES
 
 
-def test_the_output_checks_name_the_keywords_in_the_api_and_the_flags_on_the_cli(tmp_path, capsys):
+def test_the_output_checks_name_the_keywords_in_the_api_and_the_flags_on_the_cli(tmp_path, capsys,
+                                                                                   in_process_worker):
     """generate()'s output checks are the CLI's: a Python caller read "--output-path" and "--output-file-name"."""
     (tmp_path / "taken").write_text("a file")
     with DiffGenerator.from_pretrained("demo", device="cpu") as generator:

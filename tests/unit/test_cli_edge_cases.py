@@ -151,7 +151,7 @@ def test_cli_rejected_request_prints_no_progress_bar(tiny_distill_dir, tmp_path,
     assert "multiple of 16" in err and "denoising" not in err
 
 
-def test_cli_repeated_run_keeps_the_first_file(tiny_distill_dir, tmp_path, capsys):
+def test_cli_repeated_run_keeps_the_first_file(tiny_distill_dir, tmp_path, capsys, in_process_worker):
     args = ["generate", "--model-path", str(tiny_distill_dir), "--prompt", "x", "--height", "32", "--width", "32",
             "--num-frames", "5", "--output-path", str(tmp_path), "--output-file-name", "same"]
     assert main(args) == 0
@@ -244,7 +244,7 @@ def test_cli_serve_config_values_of_the_wrong_shape_exit_2(tmp_path, capsys, mon
     assert re.search(rf"^error: --config .*s\.yaml: {message}", err), err
 
 
-def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsys):
+def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsys, in_process_worker):
     # JSON strings for numbers once crashed inside the worker; YAML "no" for save-output once saved the file.
     path = _config(tmp_path, "run.json", f'{{"model-path": "{tiny_distill_dir}", "prompt": "x", "height": "32", '
                                          f'"width": 32, "num-frames": "5", "save-output": "no", "output-path": '

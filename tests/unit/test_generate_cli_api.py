@@ -122,13 +122,13 @@ def test_a_truncated_negative_prompt_is_noted_only_when_cfg_encodes_it():
     assert pipeline.truncation_notes(without_cfg) == []
 
 
-def test_cli_prints_the_truncation_note(tiny_distill_dir, tmp_path, capsys):
+def test_cli_prints_the_truncation_note(tiny_distill_dir, tmp_path, capsys, in_process_worker):
     assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", LONG_PROMPT, "--height", "32",
                  "--width", "32", "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
     assert f"note: {TRUNCATED}" in capsys.readouterr().err
 
 
-def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_path, capsys):
+def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_path, capsys, in_process_worker):
     config = tmp_path / "run.yaml"
     config.write_text(f"model-path: {tiny_distill_dir}\nprompt: from the file\nseed: 3\nheight: 32\n"
                       f"width: {WIDTH}\nnum-frames: 9\n")
@@ -144,7 +144,7 @@ def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_
     assert info.has_audio
 
 
-def test_cli_default_name_from_prompt_seed_and_time(tiny_distill_dir, tmp_path):
+def test_cli_default_name_from_prompt_seed_and_time(tiny_distill_dir, tmp_path, in_process_worker):
     assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", "Red fox, snow!", "--seed", "9",
                  "--height", "32", "--width", "32", "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
     names = [p.name for p in tmp_path.iterdir()]
