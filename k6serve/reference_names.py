@@ -4,12 +4,13 @@ Users arriving from the reference's docs type its flags, keywords and JSON field
 alias (a k6serve option of exactly the same meaning and values: accepted by the CLI and --config files) or a fix
 (one sentence: what k6serve does instead, with the option to use, or why the name does not apply to Kandinsky 6).
 Names are keyed by their underscore form; each surface spells them its own way (`--enable-torch-compile` on the
-command line and in --config files, `enable_torch_compile` as a Python keyword or an HTTP field).
+command line and in --config files, `enable_torch_compile` as a Python keyword or an HTTP field). SGLang's flags
+of a whole config section (`--dit-config.<field>`, `--component-paths.<component>`) share their section's entry.
 
 Fixes are written in command-line words. The Python API reads them with its keywords instead (`flags_as_keywords`
-for engine options, and the request flags as parameter names); the HTTP API with request fields, an engine option
-staying a flag of `k6serve serve`. Where a fix has no such reading (a flag of the command line only), the entry
-carries the API's and the server's own sentence.
+for engine options, and the request flags as parameter names); the HTTP API and `k6serve serve` with request fields,
+an engine option staying a flag of `k6serve serve`. Where a fix has no such reading (a flag of the command line
+only), the entry carries the API's and the server's own sentence.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from k6serve.request import SamplingParams, did_you_mean
+from k6serve.request import SamplingParams, did_you_mean, parameter_fields
 
 ENGINE, REQUEST = "engine", "request"
 # Where a name was typed: `k6serve generate` (or its --config file), `k6serve serve` (or its --config file), the
@@ -35,11 +36,11 @@ class ReferenceName:
     alias: str | None = None  # the k6serve option of the same meaning and values
     fix: str | None = None  # in command-line words
     api_fix: str | None = None  # for the Python API and the HTTP API, where the command-line words do not apply
-    http_fix: str | None = None  # for the HTTP API, where neither of the above applies
+    http_fix: str | None = None  # for the HTTP API and `k6serve serve`, where neither of the above applies
 
 
-def _engine(fix: str, *, api_fix: str | None = None) -> ReferenceName:
-    return ReferenceName(ENGINE, fix=fix, api_fix=api_fix)
+def _engine(fix: str, *, api_fix: str | None = None, http_fix: str | None = None) -> ReferenceName:
+    return ReferenceName(ENGINE, fix=fix, api_fix=api_fix, http_fix=http_fix)
 
 
 def _request(fix: str, *, api_fix: str | None = None, http_fix: str | None = None) -> ReferenceName:
@@ -106,6 +107,37 @@ _URLS_HTTP = ("k6serve fetches no URLs: upload the file as input_reference in a 
 _URL_FIELD = _request(_URLS, http_fix=_URLS_HTTP)  # the API's words: the flags as parameter names
 _EXTRA = _request("put the parameters in the request itself",
                   http_fix="put its fields in the body itself, as the OpenAI SDK's extra_body does")
+_NO_IMAGE_ENCODER = "Kandinsky 6 has no image encoder, as the video VAE encodes a TI2AV image: drop it"
+_PIPELINE = ("k6serve picks the pipeline by the model's name or its model_index.json, and --model-id names the model "
+             "of a renamed folder, e.g. --model-id Kandinsky-6.0-Pro-distill-5s-Diffusers")
+_PIPELINE_CONFIG = _engine("k6serve has no pipeline config: its settings are flags, e.g. --vae-tiling on, which a "
+                           "--config FILE can hold too",
+                           api_fix="k6serve has no pipeline config: its settings are keywords of from_pretrained(), "
+                                   "e.g. vae_tiling='on'")
+# The checkpoints' component keys (model_index.json), for SGLang's `--<component>-path`.
+_CHECKPOINT_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                          "scheduler", "audio_vae", "vocoder", "latent_upscaler")
+_COMPONENT_PATHS = ("k6serve loads every component from the --model-path folder: to swap one, copy the folder, "
+                    "replace that component's subfolder, e.g. vae, and pass the copy as --model-path")
+_WHOLE_VAE = ("k6serve loads the video VAE whole, as it decodes every video and encodes a TI2AV image or a "
+              "super-resolution source: drop it")
+_SPATIAL_TILES = ("k6serve's spatial VAE tiles, with --vae-tiling on, are 256 pixels with a stride of 192, SGLang's "
+                  "defaults too; there is no tile size to set")
+_TEMPORAL_TILES = ("k6serve's generation VAE decodes in temporal tiles of 16 frames with a stride of 12, blended over "
+                   "4, SGLang's defaults too; there is no switch or size to set")
+_NVTX = "k6serve adds no NVTX ranges; "
+_OTHER_RESOLUTION = "a pipeline resolution is a setting of other models, not of Kandinsky 6; "
+_INTERPOLATION = ("k6serve adds no interpolated frames: the video holds the --num-frames frames the model makes, "
+                  "played at --fps")
+_SR_CHECKPOINT = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
+_UPSCALING = _request(
+    "k6serve upscales with the Kandinsky 6 super-resolution model, loaded on its own: run `k6serve generate` of "
+    f"{_SR_CHECKPOINT} with the finished video as --video-path and --sr-resolution-scale 2, 4 or 2.25",
+    api_fix="k6serve upscales with the Kandinsky 6 super-resolution model, loaded on its own: pass the finished "
+            f"video to upscale() of a DiffGenerator of {_SR_CHECKPOINT}, with sr_resolution_scale=2, 4 or 2.25",
+    http_fix="k6serve upscales with the Kandinsky 6 super-resolution model, loaded on its own: upload the finished "
+             f"video as video_reference to a `k6serve serve` of {_SR_CHECKPOINT}, with sr_resolution_scale 2, 4 or "
+             "2.25")
 
 REFERENCE_NAMES: dict[str, ReferenceName] = {
     # Engine options: pure renames, accepted on the command line and in --config files.
@@ -132,8 +164,7 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "vae_cpu_offload": _engine("offload the VAE with --cpu-offload-components vae, or keep it on the GPU, SGLang's "
                                "false, with --component-residency vae=resident; the group audio names the audio VAE "
                                "and the vocoder"),
-    "image_encoder_cpu_offload": _engine("Kandinsky 6 has no image encoder, as the video VAE encodes a TI2AV "
-                                         "image: drop it"),
+    "image_encoder_cpu_offload": _engine(_NO_IMAGE_ENCODER),
     "dit_layerwise_offload": _engine("stream the DiT's blocks with --layerwise-offload-components transformer, or "
                                      "the DiT's and the text encoders' with --performance-mode memory"),
     "dit_offload_prefetch_size": _engine(_PREFETCH),
@@ -147,6 +178,7 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     # Parallelism and devices.
     "sp_degree": _engine(_SEQUENCE_PARALLEL),
     "kv_gather_degree": _engine(_SEQUENCE_PARALLEL),
+    "sp_split_auto": _engine(_SEQUENCE_PARALLEL),
     "cfg_parallel_size": _engine("k6serve runs Kandinsky 6's two guidance branches on two GPUs with "
                                  "--enable-cfg-parallel (always 2 branches)"),
     "hsdp_replicate_dim": _engine(_HSDP),
@@ -162,16 +194,45 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
                            "--dist-init-addr HOST:PORT",
                            api_fix="k6serve's ranks on one host meet on a port the OS picks; several hosts use "
                                    "dist_init_addr='HOST:PORT'"),
+    "enable_nccl_nvls": _engine("k6serve sets none of NCCL's options: NVLS follows NCCL's own environment variable, "
+                                "e.g. NCCL_NVLS_ENABLE=0"),
     # Precision, backends, loading.
     "dit_precision": _engine(_PRECISION),
     "vae_precision": _engine(_PRECISION),
     "text_encoder_precisions": _engine(_PRECISION),
+    "image_encoder_precision": _engine(_NO_IMAGE_ENCODER),
+    "disable_autocast": _engine("k6serve runs no autocast, so there is none to turn off: the weights are cast once "
+                                "to --dtype, as diffusers' torch_dtype does"),
+    "kv_cache_quant": _engine("k6serve keeps no KV cache to quantize, as Kandinsky 6 is not a causal model; "
+                              "--quantization fp8 quantizes the DiT's video-token linears"),
     "backend": _engine("k6serve is its own native implementation of Kandinsky 6, with no diffusers fallback: drop "
                        "it"),
     "trust_remote_code": _engine("k6serve runs no code from the checkpoint, as it builds Kandinsky 6 with its own "
                                  "classes and those of diffusers and transformers: drop it"),
     "attention_backend_config": _engine(_ATTENTION),
     "component_attention_backends": _engine(_ATTENTION),
+    "model_subfolder": _engine("k6serve reads model_index.json at the top of --model-path: download the repository "
+                               "and pass the subfolder that holds it, e.g. --model-path ./repo/subfolder",
+                               api_fix="k6serve reads model_index.json at the top of model_path: download the "
+                                       "repository and pass the subfolder that holds it, e.g. "
+                                       "model_path='./repo/subfolder'"),
+    "model_variant": _engine("each Kandinsky 6 variant is a checkpoint of its own: pass its hub id or folder as "
+                             "--model-path, e.g. kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"),
+    "pipeline": _engine(_PIPELINE),
+    "pipeline_class_name": _engine(_PIPELINE),
+    "pipeline_config": _PIPELINE_CONFIG,
+    "pipeline_config_path": _PIPELINE_CONFIG,
+    "dit_config": _engine("k6serve builds the DiT as the checkpoint's transformer/config.json says, with nothing to "
+                          "override: drop it"),
+    "component_paths": _engine(_COMPONENT_PATHS),
+    **{f"{component}_path": _engine(_COMPONENT_PATHS) for component in _CHECKPOINT_COMPONENTS},
+    "transformer_weights_path": _engine("k6serve loads the DiT from the checkpoint's transformer folder only, with "
+                                        "no pre-quantized or GGUF weights; --quantization fp8 quantizes its "
+                                        "video-token linears at load"),
+    "direct_gpu_weight_loading": _engine("k6serve reads the DiT's weights into host memory and then moves them to "
+                                         "the GPU; there is no direct load to choose: drop it"),
+    "load_diffusion_decoder": _engine("Kandinsky 6 has no diffusion decoder, an LTX-2.5 component, as its VAEs and "
+                                      "vocoder decode the video and the audio: drop it"),
     # The VAE.
     "vae_slicing": _engine("k6serve decodes one video per request, so there is no batch to slice; --vae-tiling on "
                            "lowers the decode's peak memory"),
@@ -180,6 +241,25 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
                       "--vae-config.use-parallel-tiling"),
     "vae_config.use_tiling": _engine("k6serve's switch is --vae-tiling on or --vae-tiling off; auto, the default, is "
                                      "on with --performance-mode memory on a GPU"),
+    "vae_config.load_encoder": _engine(_WHOLE_VAE),
+    "vae_config.load_decoder": _engine(_WHOLE_VAE),
+    "vae_config.tile_sample_min_height": _engine(_SPATIAL_TILES),
+    "vae_config.tile_sample_min_width": _engine(_SPATIAL_TILES),
+    "vae_config.tile_sample_stride_height": _engine(_SPATIAL_TILES),
+    "vae_config.tile_sample_stride_width": _engine(_SPATIAL_TILES),
+    "vae_config.tile_sample_min_num_frames": _engine(_TEMPORAL_TILES),
+    "vae_config.tile_sample_stride_num_frames": _engine(_TEMPORAL_TILES),
+    "vae_config.blend_num_frames": _engine(_TEMPORAL_TILES),
+    "vae_config.use_temporal_tiling": _engine(_TEMPORAL_TILES),
+    # The pipeline's settings of other models.
+    "resolution": _engine(_OTHER_RESOLUTION + _SIZE, api_fix=_OTHER_RESOLUTION + _SIZE_API,
+                          http_fix=_OTHER_RESOLUTION + _SIZE_HTTP),
+    "embedded_cfg_scale": _engine("Kandinsky 6 has no embedded guidance, a feature of guidance-distilled models "
+                                  "such as FLUX: Pro and Lite take --guidance-scale, and the distilled models run "
+                                  "without guidance"),
+    "dmd_denoising_steps": _engine("Kandinsky 6's distilled generation models are PiFlow, not DMD: the "
+                                   "checkpoint's scheduler spaces the timesteps for --num-inference-steps, default "
+                                   "10; there is no list of steps to set"),
     # LoRA.
     "lora_weight_name": _engine("pass the .safetensors file itself as --lora-path; a folder is read for "
                                 "pytorch_lora_weights.safetensors, else its only .safetensors file"),
@@ -195,6 +275,14 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "batching_mode": _engine(_BATCHING),
     "batching_max_size": _engine(_BATCHING),
     "batching_delay_ms": _engine(_BATCHING),
+    "batching_config": _engine(_BATCHING),
+    "enable_batching_metrics": _engine("k6serve runs one request per replica at a time, so there are no batches to "
+                                       "measure; GET /metrics of `k6serve serve` serves the queue depth, the running "
+                                       "jobs and their latencies"),
+    "scheduler_rpc_timeout": _engine("k6serve puts no time limit on a request: DELETE /v1/videos/{id} cancels a job "
+                                     "of `k6serve serve`, and Ctrl-C a `k6serve generate` run, at its next step",
+                                     api_fix="k6serve puts no time limit on a request: Ctrl-C cancels the request "
+                                             "that generate() waits for, at its next step"),
     "input_save_path": _engine("k6serve keeps uploads in the uploads folder of --output-path and deletes each when "
                                "its job finishes",
                                api_fix="the Python API takes no uploads; `k6serve serve` keeps them in the uploads "
@@ -203,6 +291,13 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "log_requests_level": _engine(_REQUEST_LOGS),
     "log_requests_format": _engine(_REQUEST_LOGS),
     "log_requests_target": _engine(_REQUEST_LOGS),
+    "uvicorn_access_log_exclude_prefixes": _engine("k6serve's uvicorn access log lists every HTTP request, with no "
+                                                   "prefix to leave out: filter it where it is read, e.g. grep -v "
+                                                   "/metrics"),
+    "enable_cache_report": _engine("k6serve caches no prompt tokens, so a job has no cached tokens to report: drop "
+                                   "it"),
+    "enable_layerwise_nvtx_marker": _engine(_NVTX + _PROFILE, api_fix=_NVTX + _PROFILE_API,
+                                            http_fix=_NVTX + _PROFILE_HTTP),
     "enable_trace": _engine(_TRACES),
     "otlp_traces_endpoint": _engine(_TRACES),
     "srt_encoder_url": _engine("k6serve runs the text encoders in the same replica as the DiT, with no remote "
@@ -256,6 +351,16 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "profile": _PROFILING,
     "num_profiled_timesteps": _PROFILING,
     "profile_all_stages": _PROFILING,
+    "data_type": _request("k6serve's output is always a video, written as MP4: drop it"),
+    "no_override_protected_fields": _request("k6serve fills only the parameters a request leaves out with the "
+                                             "model's defaults, never one it sets: drop it"),
+    "enable_frame_interpolation": _request(_INTERPOLATION),
+    "frame_interpolation_exp": _request(_INTERPOLATION),
+    "frame_interpolation_scale": _request(_INTERPOLATION),
+    "frame_interpolation_model_path": _request(_INTERPOLATION),
+    "enable_upscaling": _UPSCALING,
+    "upscaling_model_path": _UPSCALING,
+    "upscaling_scale": _UPSCALING,
     "debug": _request("--log-level debug prints k6serve's debug log, its worker processes' too, and the traceback "
                       "above an error",
                       api_fix="k6serve logs through the logging module: logging.basicConfig(level=logging.DEBUG) "
@@ -275,7 +380,11 @@ REFERENCE_VALUES: dict[tuple[str, str], str] = {
         "--cpu-offload-components, --layerwise-offload-components or --component-residency"),
 }
 
+# SGLang's config sections whose every dotted flag (`--dit-config.num-layers`) has the section's fix; a --config
+# file's `dit-config:` mapping is the section's own key.
+_SECTIONS = frozenset({"dit_config", "component_paths", "component_attention_backends"})
 _REQUEST_FIELDS = frozenset(item.name for item in dataclasses.fields(SamplingParams))
+_HTTP_REQUEST_FIELDS = frozenset(item.name for item in parameter_fields(surface="http"))
 _FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)")
 
 
@@ -308,20 +417,26 @@ def lookup(name: str, surface: str) -> tuple[str, ReferenceName] | None:
     `--no-` flag finds its switch; an alias has no `--no-` form (`--no-mode` is nobody's flag), and a Python keyword
     or a JSON field named `no_debug` is not SGLang's either."""
     key = _key(name)
-    if key in REFERENCE_NAMES:
-        return key, REFERENCE_NAMES[key]
+    if (entry := _entry(key)) is not None:
+        return key, entry
     switch = key.removeprefix("no_")
-    if surface in ("cli", "serve") and switch != key and switch in REFERENCE_NAMES \
-            and REFERENCE_NAMES[switch].alias is None:
-        return switch, REFERENCE_NAMES[switch]
+    if surface in ("cli", "serve") and switch != key and (entry := _entry(switch)) is not None \
+            and entry.alias is None:
+        return switch, entry
     return None
 
 
-def _request_flags_as_names(text: str) -> str:
-    """`--guidance-scale` -> `guidance_scale`, for the request parameters; other flags stay."""
+def _entry(key: str) -> ReferenceName | None:
+    """`key`'s entry, or for a flag of a section in `_SECTIONS` (`component_paths.vae`) the section's."""
+    section = key.split(".", 1)[0]
+    return REFERENCE_NAMES.get(key) or (REFERENCE_NAMES[section] if section in _SECTIONS and key != section else None)
+
+
+def _request_flags_as_names(text: str, fields: frozenset[str] = _REQUEST_FIELDS) -> str:
+    """`--guidance-scale` -> `guidance_scale`, for the request parameters among `fields`; other flags stay."""
     def name(match: re.Match) -> str:
         field = match.group(1).replace("-", "_")
-        return field if field in _REQUEST_FIELDS else match.group(0)
+        return field if field in fields else match.group(0)
 
     return _FLAG.sub(name, text)
 
@@ -329,8 +444,12 @@ def _request_flags_as_names(text: str) -> str:
 def _fix_text(entry: ReferenceName, surface: str) -> str:
     if entry.alias is not None:
         return f"k6serve calls it {entry.alias if surface == 'api' else _as_flag(entry.alias)}"
-    if surface == "cli" or (entry.kind == ENGINE and surface != "api"):
-        return entry.fix  # a flag of `k6serve generate`, or of `k6serve serve` (over HTTP: the server's)
+    if surface == "cli":
+        return entry.fix
+    if entry.kind == ENGINE and surface != "api":
+        # A flag of `k6serve serve` (over HTTP: the server's), whose requests come over HTTP: a request parameter
+        # the fix names is a field there (`--output-path` stays, the server's own flag).
+        return entry.http_fix or _request_flags_as_names(entry.fix, _HTTP_REQUEST_FIELDS)
     if surface == "api":
         from k6serve.api_errors import flags_as_keywords  # imports the config and model tables: only when needed
 

@@ -29,6 +29,35 @@ from k6serve.serve.schemas import HTTP_FIELD_NAMES, VideoCreateBody, parse_creat
 
 COMPILE_FIX = ("k6serve compiles the DiT's repeated blocks on CUDA under --performance-mode speed, the default; "
                "--compile-vae true compiles the VAE decoder too")
+# The fixes shared by the rarer names (serving-reference.md §2.1, §2.2, §2.4), in command-line words.
+NO_IMAGE_ENCODER_FIX = "Kandinsky 6 has no image encoder, as the video VAE encodes a TI2AV image: drop it"
+PIPELINE_FIX = ("k6serve picks the pipeline by the model's name or its model_index.json, and --model-id names the "
+                "model of a renamed folder, e.g. --model-id Kandinsky-6.0-Pro-distill-5s-Diffusers")
+PIPELINE_CONFIG_FIX = ("k6serve has no pipeline config: its settings are flags, e.g. --vae-tiling on, which a --config "
+                       "FILE can hold too")
+COMPONENT_PATHS_FIX = ("k6serve loads every component from the --model-path folder: to swap one, copy the folder, "
+                       "replace that component's subfolder, e.g. vae, and pass the copy as --model-path")
+WHOLE_VAE_FIX = ("k6serve loads the video VAE whole, as it decodes every video and encodes a TI2AV image or a "
+                 "super-resolution source: drop it")
+SPATIAL_TILES_FIX = ("k6serve's spatial VAE tiles, with --vae-tiling on, are 256 pixels with a stride of 192, SGLang's "
+                     "defaults too; there is no tile size to set")
+TEMPORAL_TILES_FIX = ("k6serve's generation VAE decodes in temporal tiles of 16 frames with a stride of 12, blended "
+                      "over 4, SGLang's defaults too; there is no switch or size to set")
+INTERPOLATION_FIX = ("k6serve adds no interpolated frames: the video holds the --num-frames frames the model makes, "
+                     "played at --fps")
+SR_CHECKPOINT = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
+UPSCALING_FIX = ("k6serve upscales with the Kandinsky 6 super-resolution model, loaded on its own: run `k6serve "
+                 f"generate` of {SR_CHECKPOINT} with the finished video as --video-path and --sr-resolution-scale 2, 4 "
+                 "or 2.25")
+NVTX_FIX = ("k6serve adds no NVTX ranges; `k6serve generate` prints each stage's seconds after the run, e.g. encode, "
+            "denoise per step and decode; `k6serve bench` times the stages against diffusers")
+OTHER_RESOLUTION = "a pipeline resolution is a setting of other models, not of Kandinsky 6; "
+SIZE_FIX = (OTHER_RESOLUTION + "k6serve takes the size as --height and --width in pixels, multiples of 16 up to 2048, "
+            "default height 512, width 768, e.g. --height 720 --width 1280; super-resolution's output size is "
+            "--sr-target-resolution, e.g. fullhd")
+SIZE_HTTP_FIX = (OTHER_RESOLUTION + "k6serve takes the size as height and width in pixels, multiples of 16 up to "
+                 "2048, default height 512, width 768, or as size, width first, e.g. \"1280x720\"; super-resolution's "
+                 "output size is sr_target_resolution, e.g. \"fullhd\"")
 ENGINE_FIELDS = {item.name for section in (ModelConfig, ParallelConfig, RuntimeConfig)
                  for item in dataclasses.fields(section)}
 REQUEST_FIELDS = {item.name for item in dataclasses.fields(SamplingParams)}
@@ -161,6 +190,69 @@ def test_a_flag_of_k6serve_itself_after_the_command_is_moved_before_it(capsys):
                                        "k6serve --version)\n")
 
 
+@pytest.mark.parametrize(("command", "typed", "fix"), [
+    ("generate", ["--image-encoder-precision", "bf16"], NO_IMAGE_ENCODER_FIX),
+    ("serve", ["--pipeline-class-name", "Kandinsky6TI2VAPipeline"], PIPELINE_FIX),
+    ("serve", ["--pipeline", "Kandinsky6TI2VAPipeline"], PIPELINE_FIX),
+    ("generate", ["--pipeline-config-path", "pipeline.json"], PIPELINE_CONFIG_FIX),
+    ("serve", ["--component-paths.vae", "/models/vae"], COMPONENT_PATHS_FIX),
+    ("generate", ["--transformer-path=/models/transformer"], COMPONENT_PATHS_FIX),
+    ("generate", ["--vae-config.load-encoder", "false"], WHOLE_VAE_FIX),
+    ("serve", ["--vae-config.tile-sample-min-height", "128"], SPATIAL_TILES_FIX),
+    ("generate", ["--vae-config.tile-sample-stride-width", "96"], SPATIAL_TILES_FIX),
+    ("generate", ["--vae-config.tile-sample-stride-num-frames", "8"], TEMPORAL_TILES_FIX),
+    ("serve", ["--vae-config.use-temporal-tiling", "false"], TEMPORAL_TILES_FIX),
+    ("generate", ["--enable-frame-interpolation"], INTERPOLATION_FIX),
+    ("generate", ["--upscaling-scale", "4"], UPSCALING_FIX),
+    ("generate", ["--enable-layerwise-nvtx-marker"], NVTX_FIX),
+    ("generate", ["--resolution", "720"], SIZE_FIX),
+    ("generate", ["--embedded-cfg-scale", "6"], "Kandinsky 6 has no embedded guidance, a feature of "
+                                                "guidance-distilled models such as FLUX: Pro and Lite take "
+                                                "--guidance-scale, and the distilled models run without guidance"),
+])
+def test_sglangs_rarer_flags_are_refused_with_the_fix_exit_2(command, typed, fix, capsys):
+    """The rarer flags of serving-reference.md, dotted ones included, once answered with a look-alike (`--vae-path`:
+    did you mean '--video-path'?) or nothing; each shared fix once."""
+    request = ["--prompt", "x"] if command == "generate" else []
+    assert main([command, "--model-path", "demo", *request, *typed]) == 2
+    flag = typed[0].split("=", 1)[0]
+    assert capsys.readouterr().err == f"error: unrecognized arguments: {flag} (SGLang's flag; {fix})\n"
+
+
+@pytest.mark.parametrize(("flag", "fix"), [
+    ("--resolution", SIZE_HTTP_FIX),
+    ("--embedded-cfg-scale", "Kandinsky 6 has no embedded guidance, a feature of guidance-distilled models such as "
+                             "FLUX: Pro and Lite take guidance_scale, and the distilled models run without guidance"),
+    ("--dmd-denoising-steps", "Kandinsky 6's distilled generation models are PiFlow, not DMD: the checkpoint's "
+                              "scheduler spaces the timesteps for num_inference_steps, default 10; there is no list of "
+                              "steps to set"),
+])
+def test_serve_words_the_request_parameters_an_engine_fix_names_as_fields(flag, fix, capsys):
+    """`k6serve serve` has no --height or --guidance-scale: a request gives them, as body fields."""
+    assert main(["serve", "--model-path", "demo", flag, "1"]) == 2
+    assert capsys.readouterr().err == f"error: unrecognized arguments: {flag} (SGLang's flag; {fix})\n"
+
+
+def test_a_dotted_flag_takes_its_sections_fix_only_for_sglangs_whole_sections():
+    """`--dit-config.<field>` and `--component-paths.<component>` are SGLang's flags whatever follows the dot; another
+    dotted word is not SGLang's for being dotted (`--mode.x` is nobody's flag)."""
+    assert reference_note("--dit-config.num-layers", "cli").startswith("SGLang's flag; k6serve builds the DiT as the "
+                                                                        "checkpoint's transformer/config.json says")
+    assert reference_note("--component-attention-backends.text-encoder", "cli").startswith(
+        "SGLang's flag; k6serve takes one --attention-backend, for the DiT")
+    assert reference_note("component_paths.vocoder", "http") == (
+        f"SGLang's server flag --component-paths.vocoder, not a request field; {COMPONENT_PATHS_FIX}")
+    for name in ("--mode.x", "--debug.x", "--vae-config.bogus", "--model-path.x"):
+        assert reference_note(name, "cli") is None, name
+
+
+def test_every_component_of_the_checkpoints_has_sglangs_path_flag():
+    from k6serve.offload.residency import GENERATION_COMPONENTS, SUPER_RESOLUTION_COMPONENTS
+
+    for component in {*GENERATION_COMPONENTS, *SUPER_RESOLUTION_COMPONENTS, "tokenizer", "tokenizer_2", "scheduler"}:
+        assert reference_note(f"--{component.replace('_', '-')}-path", "cli") == f"SGLang's flag; {COMPONENT_PATHS_FIX}"
+
+
 def test_serve_words_request_parameters_as_request_fields(capsys):
     assert main(["serve", "--model-path", "demo", "--num-outputs-per-prompt", "2"]) == 2
     assert capsys.readouterr().err == (
@@ -192,6 +284,13 @@ def test_config_file_takes_sglangs_names_of_k6serve_options(tmp_path):
      "them."),
     ("dp: 1\ndata-parallel-size: 1\n",
      "keys 'dp' and 'data_parallel_size' both set --dp-size (both are SGLang's names of it); keep one of them."),
+    # SGLang's sections as nested mappings: `vae-config:` is read as its dotted keys, `dit-config:` is one key.
+    ("vae-config:\n  tile-sample-min-height: 128\n  use-parallel-tiling: true\ndit-config:\n  num_layers: 2\n",
+     "unknown key(s) ['dit_config', 'vae_config.tile_sample_min_height'] (dit_config is SGLang's flag; k6serve builds "
+     "the DiT as the checkpoint's transformer/config.json says, with nothing to override: drop it) "
+     f"(vae_config.tile_sample_min_height is SGLang's flag; {SPATIAL_TILES_FIX})"),
+    ("vae-config.blend-num-frames: 4\n",
+     f"unknown key(s) ['vae_config.blend_num_frames'] (SGLang's flag; {TEMPORAL_TILES_FIX})"),
 ])
 def test_config_file_refuses_sglangs_other_names_with_the_fix(tmp_path, capsys, text, message):
     path = _config(tmp_path, text)
@@ -250,6 +349,52 @@ def test_generate_names_the_fix_for_sglangs_sampling_parameters():
         split_kwargs({"prompt": "x", "guidance_rescale": 0.7, "num_frame": 5})
 
 
+@pytest.mark.parametrize(("options", "fix"), [
+    ({"pipeline_config": {"vae_tiling": True}}, "k6serve has no pipeline config: its settings are keywords of "
+                                                "from_pretrained(), e.g. vae_tiling='on'"),
+    ({"component_paths": {"vae": "/models/vae"}}, "k6serve loads every component from the model_path folder: to swap "
+                                                  "one, copy the folder, replace that component's subfolder, e.g. vae, "
+                                                  "and pass the copy as model_path"),
+    ({"model_subfolder": "k6"}, "k6serve reads model_index.json at the top of model_path: download the repository and "
+                                "pass the subfolder that holds it, e.g. model_path='./repo/subfolder'"),
+    ({"pipeline_class_name": "Kandinsky6TI2VAPipeline"},
+     "k6serve picks the pipeline by the model's name or its model_index.json, and model_id names the model of a "
+     "renamed folder, e.g. model_id='Kandinsky-6.0-Pro-distill-5s-Diffusers'"),
+    ({"resolution": 720}, "a pipeline resolution is a setting of other models, not of Kandinsky 6; k6serve takes the "
+                          "size as height and width in pixels, multiples of 16 up to 2048, default height 512, width "
+                          "768, e.g. height=720, width=1280; super-resolution's output size is sr_target_resolution, "
+                          "e.g. 'fullhd'"),
+    ({"enable_layerwise_nvtx_marker": True}, "k6serve adds no NVTX ranges; the result's timings hold each stage's "
+                                             "seconds, e.g. encode, denoise_per_step and decode_video; `k6serve bench` "
+                                             "times the stages against diffusers"),
+    ({"scheduler_rpc_timeout": 60}, "k6serve puts no time limit on a request: Ctrl-C cancels the request that "
+                                    "generate() waits for, at its next step"),
+    ({"vae_config.tile_sample_min_height": 128},
+     "k6serve's spatial VAE tiles, with vae_tiling='on', are 256 pixels with a stride of 192, SGLang's defaults too; "
+     "there is no tile size to set"),
+])
+def test_the_api_words_the_rarer_engine_fixes_in_keywords(options, fix):
+    (name,) = options
+    with pytest.raises(ValueError) as raised:
+        DiffGenerator.from_pretrained(model_path="demo", **options)
+    assert str(raised.value).startswith(f"Unknown engine option {name!r} (SGLang's option; {fix}). Valid options: [")
+
+
+@pytest.mark.parametrize(("name", "fix"), [
+    ("frame_interpolation_exp", "k6serve adds no interpolated frames: the video holds the num_frames frames the model "
+                                "makes, played at fps"),
+    ("upscaling_scale", "k6serve upscales with the Kandinsky 6 super-resolution model, loaded on its own: pass the "
+                        f"finished video to upscale() of a DiffGenerator of {SR_CHECKPOINT}, with "
+                        "sr_resolution_scale=2, 4 or 2.25"),
+    ("no_override_protected_fields", "k6serve fills only the parameters a request leaves out with the model's "
+                                     "defaults, never one it sets: drop it"),
+])
+def test_the_api_words_the_rarer_request_fixes_in_parameters(name, fix):
+    with pytest.raises(ValueError) as raised:
+        split_kwargs({"prompt": "x", name: 2})
+    assert str(raised.value).startswith(f"Unknown sampling parameter(s) [{name!r}] (SGLang's parameter; {fix}). ")
+
+
 # ---- the HTTP API ----
 
 
@@ -274,6 +419,28 @@ def test_http_body_with_an_sglang_server_flag_says_it_is_the_servers():
         f"{COMPILE_FIX}). Valid fields: ")
     with pytest.raises(ApiError, match=r"^Unknown field 'num_frame' \(did you mean 'num_frames'\?\)\. Valid fields: "):
         parse_create_body({"prompt": "x", "num_frame": 5})
+
+
+@pytest.mark.parametrize(("name", "what", "fix"), [
+    ("enable_upscaling", "SGLang's field",
+     "k6serve upscales with the Kandinsky 6 super-resolution model, loaded on its own: upload the finished video as "
+     f"video_reference to a `k6serve serve` of {SR_CHECKPOINT}, with sr_resolution_scale 2, 4 or 2.25"),
+    ("frame_interpolation_model_path", "SGLang's field",
+     "k6serve adds no interpolated frames: the video holds the num_frames frames the model makes, played at fps"),
+    ("resolution", "SGLang's server flag --resolution, not a request field", SIZE_HTTP_FIX),
+    ("embedded_cfg_scale", "SGLang's server flag --embedded-cfg-scale, not a request field",
+     "Kandinsky 6 has no embedded guidance, a feature of guidance-distilled models such as FLUX: Pro and Lite take "
+     "guidance_scale, and the distilled models run without guidance"),
+    ("vae_config.tile_sample_min_num_frames",
+     "SGLang's server flag --vae-config.tile-sample-min-num-frames, not a request field", TEMPORAL_TILES_FIX),
+    ("dit_config.num_layers", "SGLang's server flag --dit-config.num-layers, not a request field",
+     "k6serve builds the DiT as the checkpoint's transformer/config.json says, with nothing to override: drop it"),
+])
+def test_http_body_with_a_rarer_sglang_name_is_a_400_with_the_fix(name, what, fix):
+    with pytest.raises(ApiError) as raised:
+        parse_create_body({"prompt": "x", name: 1})
+    assert (raised.value.status, raised.value.param) == (400, name)
+    assert raised.value.message.startswith(f"Unknown field {name!r} ({what}; {fix}). Valid fields: prompt, ")
 
 
 # ---- the table itself ----
@@ -320,14 +487,15 @@ def test_each_entry_is_an_alias_or_one_sentence_of_fix():
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_NAMES))
 def test_each_surface_spells_k6serve_options_its_own_way(name):
-    """The Python API names keywords, never an engine option's or a request parameter's flag; a request body names
-    request fields, never a request flag."""
+    """The Python API names keywords, never an engine option's or a request parameter's flag; a request body, and
+    `k6serve serve`, name request fields, never a request flag."""
     api = reference_note(name, "api")
     keyword_flags = {"--" + field.replace("_", "-") for field in ENGINE_FIELDS | REQUEST_FIELDS}
     assert not set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", api)) & keyword_flags, api
-    http = reference_note(name, "http")
     request_flags = {"--" + field.replace("_", "-") for field in HTTP_FIELD_NAMES}
-    assert not set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", http)) & request_flags, http
+    for surface in ("http", "serve"):  # `k6serve serve` takes its requests over HTTP only
+        note = reference_note(name, surface)
+        assert not set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", note)) & request_flags, (surface, note)
     for surface in SURFACES:
         assert reference_note(name, surface).startswith("SGLang's ")
 
