@@ -4,7 +4,9 @@
 # to NGROUPS pytest processes that run at once (the host has 16 cores and one GPU; each process gets
 # 16 / NGROUPS threads), each under LIMIT seconds. The device brings back at most 8 files, so the groups' logs are
 # written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG, .whlP and .whlS.
-#   NGROUPS=8 LIMIT=540 bash scripts/gpu_tests.sh tests/unit tests/server
+#   NGROUPS=10 LIMIT=560 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
+#   (the whole suite: at NGROUPS=8 one group of the heaviest multi-process files ran past 550 s in the
+#   twenty-eighth session; ten groups deal those files further apart, not yet measured)
 #   bash scripts/gpu_tests.sh tests/unit/test_generate_cli_api.py tests/server/test_api.py
 # Prints one line per group (its files, its pytest summary) and the failures' names; $OUT/tests/summary.txt
 # keeps the same.
