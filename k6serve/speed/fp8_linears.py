@@ -22,7 +22,7 @@ import fnmatch
 
 from torch import nn
 
-from k6serve.config import QUANTIZATIONS
+from k6serve.config import QUANTIZATIONS, EngineConfig
 from k6serve.ops.fp8_linear import Fp8Linear
 
 FP8_LINEAR_SCOPES = ("ffn", "video")
@@ -146,7 +146,7 @@ def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
                          "self_attention, visual_transformer_blocks.0-29) or a glob.")
 
 
-def check_quantization_before_loading(config) -> None:
+def check_quantization_before_loading(config: EngineConfig) -> None:
     """Refuse, before any rank process starts, a --quantization-ignored-layers pattern that matches none of the
     DiT's quantizable linears, where the DiT's block count needs no download (`dit_blocks_before_loading`); the
     worker checks it again (`ModelWorker._check_quantization`), with the GPU's own checks."""
