@@ -56,6 +56,19 @@ def demo_dir(_demo_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting the rank processes (which load the checkpoint) fails the test: for refusals that must come before
+    the load."""
+    import k6serve.runtime.process_group_worker as process_group_worker
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(process_group_worker.MultiProcessWorker, "__init__", refuse)
+    monkeypatch.setattr(process_group_worker, "serve_worker_ranks", refuse)
+
+
+@pytest.fixture
 def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> list:
     """Engines built while the test runs load their model in the test's process (`ModelWorker`), not in a spawned
     rank process: for tests of what the CLI and the API do around a request (names, messages, config files), whose

@@ -19,17 +19,6 @@ REFUSAL = (r"Fn_compute_blocks \(2\) \+ Bn_compute_blocks \(1\) must leave at le
            r"blocks to cache; lower them to a sum of at most 1\.")
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting the ranks (which load the checkpoint) fails the test."""
-    import k6serve.runtime.process_group_worker as process_group_worker
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the ranks were started")
-
-    monkeypatch.setattr(process_group_worker.MultiProcessWorker, "__init__", refuse)
-
-
 def test_the_cli_refuses_before_loading(demo_dir, no_ranks, capsys):
     # Before: the weights loaded, then the request failed.
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-params", TOO_MANY,

@@ -399,15 +399,8 @@ def test_a_given_name_taken_while_the_request_runs_fails_and_is_kept(generator, 
 
 
 @pytest.fixture
-def in_process_cli(tiny_distill_dir, monkeypatch):
+def in_process_cli(tiny_distill_dir, in_process_worker):
     """`k6serve generate` on an in-process worker, so a test can make the MP4 write fail in this process."""
-    import k6serve.cli.generate as generate_module
-
-    def from_cli_options(model_path, **options):
-        config = build_engine_config(model_path, **options)
-        return DiffGenerator(Engine(config, worker=ModelWorker(config)), wording=str)
-
-    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(from_cli_options))
     return ["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--prompt", "x", "--height", "32",
             "--width", "32", "--num-frames", "5"]
 

@@ -396,10 +396,8 @@ def test_an_ignored_layer_pattern_that_matches_nothing_is_refused_before_the_wei
                                         quantization_ignored_layers=["visual_transformer_blocks.1."]))
 
 
-def test_the_demo_generates_quantized_and_refuses_adapters(tmp_path, capsys, monkeypatch):
+def test_the_demo_generates_quantized_and_refuses_adapters(tmp_path):
     from k6serve import DiffGenerator
-    from k6serve.cli.main import main
-    from k6serve.runtime import process_group_worker
 
     with DiffGenerator.from_pretrained("demo", device="cpu", quantization="fp8",
                                        quantization_ignored_layers=["self_attention"]) as generator:
@@ -411,8 +409,12 @@ def test_the_demo_generates_quantized_and_refuses_adapters(tmp_path, capsys, mon
             generator.set_lora("style", str(tmp_path / "missing.safetensors"))
         base = generator.generate(prompt="x", seed=1, save_output=False, loras={})  # the base model: all it runs
         assert base.num_frames == 17
-    # A typo'd pattern is refused before any rank process starts (a load of minutes for a real checkpoint).
-    monkeypatch.setattr(process_group_worker, "MultiProcessWorker", lambda *args, **kwargs: pytest.fail("loaded"))
+
+
+def test_a_typod_ignored_layer_is_refused_before_the_ranks_start(capsys, no_ranks):
+    """Before any rank process starts (a load of minutes for a real checkpoint)."""
+    from k6serve.cli.main import main
+
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--quantization", "fp8",
                  "--quantization-ignored-layers", "feed_forwrd", "--no-save-output"]) == 2
     assert "error: --quantization-ignored-layers 'feed_forwrd' matches none of the DiT's" in capsys.readouterr().err

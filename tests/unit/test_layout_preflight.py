@@ -14,18 +14,6 @@ PRO = "kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers"
 VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting the ranks (which load the checkpoint) fails the test."""
-    import k6serve.runtime.process_group_worker as process_group_worker
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the ranks were started")
-
-    monkeypatch.setattr(process_group_worker.MultiProcessWorker, "__init__", refuse)
-    monkeypatch.setattr(process_group_worker, "serve_worker_ranks", refuse)
-
-
 @pytest.mark.parametrize(("options", "message"), [
     ({"num_gpus": 2, "enable_cfg_parallel": True},
      r"^demo-distill has no classifier-free guidance branch .* Fix: drop enable_cfg_parallel=True and use "

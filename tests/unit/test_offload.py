@@ -178,24 +178,16 @@ def test_super_resolution_with_offload_is_bitwise_equal(tiny_sr_dir, tmp_path, m
     assert not _on_device(residency)
 
 
-def test_cli_performance_mode_reaches_the_worker(tiny_distill_dir, tmp_path, monkeypatch):
+def test_cli_performance_mode_reaches_the_worker(tiny_distill_dir, tmp_path, monkeypatch, in_process_worker):
     """`--performance-mode memory` through `main`: the in-process worker loads on the host and offloads (forced on,
     since a CPU device has nowhere to offload to)."""
     from k6serve.cli.main import main
-    from k6serve.runtime import process_group_worker
 
-    workers: list[ModelWorker] = []
-
-    def in_process(config):
-        workers.append(ModelWorker(config))
-        return workers[-1]
-
-    monkeypatch.setattr(process_group_worker, "MultiProcessWorker", in_process)
     monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: True))
     assert main(["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--attention-backend",
                  "sdpa", "--performance-mode", "memory", "--prompt", "x", "--height", "32", "--width", "32",
                  "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
-    (worker,) = workers
+    (worker,) = in_process_worker
     assert worker.config.runtime.performance_mode == "memory" and worker.weights_device == torch.device("cpu")
     assert worker.offload_report.mode == "memory" and worker.offload_report.num_streamed_blocks > 0
     assert not _on_device(worker.pipeline.residency)

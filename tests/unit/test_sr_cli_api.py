@@ -204,13 +204,13 @@ def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys, in_p
     assert "saved" in capsys.readouterr().out
 
 
-def test_cli_errors(tiny_sr_dir, tiny_sr_flow640_dir, clips, tmp_path, capsys, monkeypatch):
-    from k6serve.runtime import process_group_worker
-
-    with monkeypatch.context() as patch:  # a source smaller than one tile is refused before the model loads
-        patch.setattr(process_group_worker, "MultiProcessWorker", lambda *args, **kwargs: pytest.fail("loaded"))
-        assert _cli(tiny_sr_dir, clips["small"], tmp_path) == 2
+def test_cli_refuses_a_source_smaller_than_a_tile_before_the_load(tiny_sr_dir, clips, tmp_path, capsys, no_ranks):
+    assert _cli(tiny_sr_dir, clips["small"], tmp_path) == 2
     assert "need at least 32x32" in capsys.readouterr().err
+    assert list(tmp_path.glob("*.mp4")) == []
+
+
+def test_cli_errors(tiny_sr_flow640_dir, clips, tmp_path, capsys):
     assert _cli(tiny_sr_flow640_dir, clips["silent24"], tmp_path) == 2
     assert "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers" in capsys.readouterr().err
     assert list(tmp_path.glob("*.mp4")) == []
