@@ -348,6 +348,51 @@ def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: 
     return options
 
 
+def _options_with_server_args(server_args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's `server_args` dict under the keyword arguments. SGLang's own `ServerArgs` object holds SGLang's whole
+    option set, hundreds of options k6serve has no use for, so it is refused, asking for the options that matter."""
+    if server_args is None:
+        return kwargs
+    if not isinstance(server_args, Mapping):
+        raise ValueError(
+            f"server_args takes the engine options as a dict of keyword names, e.g. server_args={{'model_path': "
+            f"'demo', 'num_gpus': 1}}, got {type(server_args).__name__}; SGLang's ServerArgs object is not "
+            "k6serve's: pass the options you set on it as a dict, or as keyword arguments of from_pretrained().")
+    not_names = [key for key in server_args if not isinstance(key, str)]
+    if not_names:
+        raise ValueError(f"server_args's keys are engine option names (strings, e.g. 'num_gpus'), got "
+                         f"{not_names[0]!r} ({type(not_names[0]).__name__}).")
+    return {**server_args, **kwargs}
+
+
+def _model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
+    """The model path given as the argument or among the options (SGLang's `server_args` holds it), taken out of
+    `options`; both, naming different models, is an error rather than a guess."""
+    in_options = options.pop("model_path", None)
+    if model_path is None and in_options is None:
+        raise ValueError("from_pretrained() needs the model: model_path='demo' (the built-in tiny checkpoint), a "
+                         "local Diffusers folder or a hub id, e.g. "
+                         "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'.")
+    if model_path is not None and in_options is not None and os.fspath(model_path) != os.fspath(in_options):
+        raise ValueError(f"from_pretrained() got two models: model_path={os.fspath(model_path)!r} and "
+                         f"server_args's model_path={os.fspath(in_options)!r}; pass one.")
+    return in_options if model_path is None else model_path
+
+
+def _check_local_mode(local_mode: Any) -> None:
+    local_mode = plain_scalars({"local_mode": local_mode})["local_mode"]  # np.True_ is True
+    if local_mode is True:
+        return
+    if local_mode is False:
+        # SGLang's remote mode talks to a running server's scheduler over ZMQ; k6serve's server is reached over HTTP.
+        raise ValueError(
+            "local_mode=False (SGLang's client of a running server's scheduler) is not k6serve's: a DiffGenerator "
+            "always starts its own workers (local_mode=True, the default). To use a running `k6serve serve`, send "
+            "its HTTP API the jobs (docs/http-api.md), e.g. with the OpenAI SDK: OpenAI(base_url='http://HOST:PORT"
+            "/v1', api_key='none').videos.create(prompt=...).")
+    raise ValueError(f"local_mode must be True or False, got {local_mode!r} ({type(local_mode).__name__}).")
+
+
 def _in_callers_words(method: Callable) -> Callable:
     """A `DiffGenerator` method whose ValueErrors are worded for its caller (`DiffGenerator._wording`)."""
     @functools.wraps(method)
@@ -380,15 +425,28 @@ class DiffGenerator:
         _RUNNING.add(self)
 
     @classmethod
-    def from_pretrained(cls, model_path: str, **kwargs: Any) -> "DiffGenerator":
+    def from_pretrained(cls, model_path: str | os.PathLike[str] | None = None, *, local_mode: bool = True,
+                        server_args: Mapping[str, Any] | None = None, **kwargs: Any) -> "DiffGenerator":
         """Load `model_path` (a local Diffusers folder, a hub id, or "demo": the built-in tiny random checkpoint)
         and start its worker processes. `kwargs` are the engine options, the CLI's flags with underscores
         (num_gpus, performance_mode, attention_backend, warmup_mode, device, ...; docs/cli.md lists them). A bad
         option raises ValueError before anything loads, naming the keywords (e.g. `num_gpus=4`); request
-        parameters (prompt, seed, ...) go to `generate`."""
+        parameters (prompt, seed, ...) go to `generate`.
+
+        SGLang's two other arguments are taken as it defines them: `server_args`, the engine options as a dict
+        (`model_path` may be one of them), under the keyword arguments (a keyword given in both wins, as SGLang's
+        doc ranks them); `local_mode=True`, the only mode, as the workers always run here."""
         with reworded_errors(flags_as_keywords):
+            _check_local_mode(local_mode)
+            options = _options_with_server_args(server_args, kwargs)
+            model_path = _model_path_of(model_path, options)
             _warn_without_media_package()
-            return cls._load(model_path, kwargs, wording=flags_as_keywords)
+            return cls._load(model_path, options, wording=flags_as_keywords)
+
+    @classmethod
+    def from_server_args(cls, server_args: Mapping[str, Any], local_mode: bool = True) -> "DiffGenerator":
+        """SGLang's other constructor: `from_pretrained(server_args=server_args)`, the model path among them."""
+        return cls.from_pretrained(server_args=server_args, local_mode=local_mode)
 
     @classmethod
     def from_cli_options(cls, model_path: str, **options: Any) -> "DiffGenerator":

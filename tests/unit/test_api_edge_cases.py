@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
@@ -516,3 +517,44 @@ def test_a_request_without_a_file_returns_its_frames_unless_told_not_to():
     assert output.return_frames is False  # with a file, the path is the result
     _, output = split_kwargs({"prompt": "cat", "save_output": None})
     assert output.return_frames is False  # None is the default: a file
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (dict(model_path="demo", local_mode=False),
+         r"^local_mode=False \(SGLang's client of a running server's scheduler\) is not k6serve's: .*docs/http-api.md"),
+        (dict(model_path="demo", local_mode="yes"), r"^local_mode must be True or False, got 'yes' \(str\)\.$"),
+        (dict(), r"^from_pretrained\(\) needs the model: model_path='demo'"),
+        (dict(server_args={"num_gpus": 1}), r"^from_pretrained\(\) needs the model"),
+        (dict(model_path="demo", server_args={"model_path": "other"}),
+         r"^from_pretrained\(\) got two models: model_path='demo' and server_args's model_path='other'; pass one\.$"),
+        (dict(server_args=["demo"]), r"^server_args takes the engine options as a dict of keyword names, .* got list;"),
+        (dict(server_args={"model_path": "demo", 1: 2}), r"^server_args's keys are engine option names"),
+        # server_args's options get the keyword arguments' checks and wording.
+        (dict(server_args={"model_path": "demo", "num_gpus": "1"}), r"^num_gpus must be an integer, got '1'"),
+        (dict(server_args={"model_path": "demo", "enable_torch_compile": True}),
+         r"^Unknown engine option 'enable_torch_compile' \(SGLang's option; k6serve compiles"),
+    ],
+)
+def test_sglangs_server_args_and_local_mode_are_checked_before_anything_starts(call, message, no_ranks):
+    from k6serve.api import DiffGenerator
+
+    with pytest.raises(ValueError, match=message):
+        DiffGenerator.from_pretrained(**call)
+
+
+def test_server_args_are_the_engine_options_under_the_keyword_arguments(monkeypatch):
+    from k6serve import api
+    from k6serve.api import DiffGenerator
+
+    loaded = {}
+    monkeypatch.setattr(api.DiffGenerator, "_load", classmethod(
+        lambda cls, model_path, options, wording: loaded.update(model_path=model_path, options=options)))
+    DiffGenerator.from_pretrained(server_args={"model_path": "demo", "num_gpus": 2, "dp_size": 2}, dp_size=1,
+                                  local_mode=True)
+    assert loaded == {"model_path": "demo", "options": {"num_gpus": 2, "dp_size": 1}}
+    DiffGenerator.from_server_args({"model_path": "demo", "warmup_mode": "off"})
+    assert loaded == {"model_path": "demo", "options": {"warmup_mode": "off"}}
+    DiffGenerator.from_pretrained("demo", server_args={"model_path": "demo"}, local_mode=np.True_)  # the same model
+    assert loaded == {"model_path": "demo", "options": {}}
