@@ -10,17 +10,20 @@ engine has applied them on every replica; `GET /v1/list_loras` waits only for th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from stat import S_ISREG
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
+import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
@@ -340,8 +343,23 @@ class _SentBody:
     upload_fields: dict[str, str] = field(default_factory=dict)  # {image_path / video_path: the file field}
 
 
+async def _refuse_content_encoding(request: Request) -> None:
+    """A 415 for a compressed body (`Content-Encoding: gzip`, ...), as RFC 9110 (8.4) asks of a server that does
+    not decode it: it was parsed as it came, and refused as "Invalid JSON body: 'utf-8' codec can't decode byte
+    0x8b", which did not say what to change."""
+    codings = [coding.strip().lower() for coding in request.headers.get("content-encoding", "").split(",")]
+    codings = [coding for coding in codings if coding and coding != "identity"]
+    if codings:
+        await drain(request)
+        raise ApiError(415, f"Content-Encoding {', '.join(codings)!r} is not supported: the server reads request "
+                            "bodies uncompressed; send the body without compressing it (no Content-Encoding "
+                            "header).", code="unsupported_content_type", param="Content-Encoding",
+                       headers={"Accept-Encoding": "identity"})
+
+
 async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _SentBody:
     """The JSON or form body; uploads are written as `<upload_id>_<field>.<ext>`."""
+    await _refuse_content_encoding(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         form = await read_multipart(
@@ -473,7 +491,26 @@ _RANGE_SPEC = re.compile(r"[0-9]+-[0-9]*|-[0-9]+")
 
 class VideoFileResponse(FileResponse):
     """Starlette's FileResponse with RFC 9110 Range errors: an unparsable Range (or another unit than bytes) is
-    ignored and the whole file sent, as the RFC asks, instead of a text/plain 400; 416 carries an OpenAI body."""
+    ignored and the whole file sent, as the RFC asks, instead of a text/plain 400; 416 carries an OpenAI body.
+
+    It sends the file the route opened (`file`), not the one its path names when the body starts: Starlette opens
+    the path only after the 200 and its Content-Length are sent, so a DELETE landing in between (another client, or
+    the TTL sweep) cut the download off with no byte of the body and a traceback in the log. An open file stays
+    readable after it is unlinked."""
+
+    def __init__(self, path: Any, *, file: BinaryIO | None = None, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._file = file
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self):
+        if self._file is None:
+            async with super()._open_file() as file:
+                yield file
+            return
+        # Each of Starlette's senders opens the file once and seeks where it needs (the whole file reads from 0).
+        self._file.seek(0)
+        yield anyio.wrap_file(self._file)
 
     def _parse_range_header(self, http_range: str, file_size: int) -> list[tuple[int, int]]:
         # Starlette skips the range-specs it cannot read, so `bytes=1-2,,x` was served as `bytes=1-2`; a Range
@@ -498,6 +535,9 @@ class VideoFileResponse(FileResponse):
                      f"{exc.file_size - 1}); ask for a range that starts before byte {exc.file_size}.",
                 code="range_not_satisfiable", param="Range", headers={"Content-Range": f"bytes */{exc.file_size}"}))
             await response(scope, receive, send)
+        finally:
+            if self._file is not None:
+                self._file.close()
 
 
 @router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": {"video/mp4": {}}},
@@ -517,15 +557,21 @@ async def get_video_content(request: Request, video_id: str,
         raise ApiError(404, f"Video {video_id} has no content: its status is {job.status.value}{detail}; "
                             f"{advice}.", code="video_not_ready", param="video_id")
     path = ctx.artifacts.output_path(job.output_file or output_file_name(job.id))
+    # Opened here, before any byte is answered: a file removed after an is_file() check made FileResponse raise, a
+    # 500, and one removed after the 200's headers cut the download off (`VideoFileResponse`). What is open stays
+    # readable if a DELETE unlinks it meanwhile. Only a regular file is opened (opening a FIFO would block).
+    file = None
     try:
-        # Stat once here: a file removed after an is_file() check made FileResponse raise, a 500.
-        stat_result = path.stat()
+        if S_ISREG(path.stat().st_mode):
+            file = open(path, "rb")  # noqa: SIM115 - closed by the response once sent
     except FileNotFoundError:
-        stat_result = None
-    if stat_result is None or not S_ISREG(stat_result.st_mode):
+        pass
+    if file is None:
         raise ApiError(404, f"The file of video {video_id} was removed from the server.", code="content_missing",
                        param="video_id")
-    return VideoFileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4", stat_result=stat_result)
+    stat_result = os.fstat(file.fileno())  # the file being sent, whatever its path names by now
+    return VideoFileResponse(path, file=file, media_type="video/mp4", filename=f"{video_id}.mp4",
+                             stat_result=stat_result)
 
 
 # HEAD (curl -I, download managers sizing a ranged download) answered 405; kept out of the schema, which lists
@@ -562,6 +608,7 @@ def _lora_body_doc(model: type) -> dict[str, Any]:
 
 
 async def _read_control_body(request: Request, *, allow_empty: bool, routes: str = "the LoRA routes") -> Any:
+    await _refuse_content_encoding(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("application/json", ""):
         await drain(request)

@@ -63,13 +63,27 @@ _OBJECT_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
                   if info.annotation in (dict, dict | None)}
 
 
+def json_type_name(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words: the client sent `null` or `[...]`, not Python's "NoneType" or
+    "list", which the refusal of a body that is no object named."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else type(value).__name__
+
+
 def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str], describe_error=None,
                     bool_fields: frozenset[str] = frozenset(), form: bool = False) -> BaseModel:
     """Validate a decoded JSON object (or form fields, `form`) as `model`; every problem is a 400 naming the field.
 
     `describe_error(param, error)` may word a pydantic error for one field; None keeps the generic message."""
     if not isinstance(raw, dict):
-        raise ApiError(400, f"The request body must be a JSON object, got {type(raw).__name__}.",
+        raise ApiError(400, f"The request body must be a JSON object ({{...}}), got {json_type_name(raw)}.",
                        code="invalid_request")
     if not form:
         # Pydantic's lax mode reads "yes", "off", 1... as booleans. A form field can only hold text, so there

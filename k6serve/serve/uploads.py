@@ -293,6 +293,13 @@ class MultipartReader:
             try:
                 self.form.fields[part.name] = part.buffer.decode("utf-8")
             except UnicodeDecodeError:
+                if part.name in self.file_fields:
+                    # A file's bytes in a part without a filename (curl -F 'input_reference=<file.png', or a client
+                    # given no file name) are a text field to multipart; "not valid UTF-8" did not say what to fix.
+                    raise ApiError(400, f"{part.name} is a file upload but came as a text part (one without a "
+                                        "filename in its Content-Disposition); send it as a file part with a "
+                                        f"filename (curl -F {part.name}=@path/to/file).", code="invalid_parameter",
+                                   param=part.name) from None
                 raise ApiError(400, f"Form field {part.name!r} is not valid UTF-8.", code="invalid_multipart",
                                param=part.name) from None
             return

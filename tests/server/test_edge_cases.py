@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 
@@ -196,6 +197,37 @@ def test_content_removed_from_disk_is_content_missing(fake_server, fake_client):
     _assert_error(fake_client.get(f"/v1/videos/{video_id}/content"), 404, code="content_missing")
 
 
+@pytest.mark.parametrize("headers", [{}, {"Range": "bytes=2-9"}, {"Range": "bytes=0-1,4-5"}])
+def test_a_delete_as_the_download_starts_does_not_cut_it_off(fake_server, fake_client, monkeypatch, headers):
+    # Starlette opened the file only after the 200 (or 206) and its Content-Length had gone out, so a DELETE (or the
+    # TTL sweep) landing in between ended the download with no byte of its body ("peer closed connection without
+    # sending complete message body") and a FileNotFoundError traceback in the log. The route opens it first now.
+    from k6serve.serve import routes
+
+    video_id = _completed(fake_client)
+    expected = fake_client.get(f"/v1/videos/{video_id}/content", headers=headers)
+    assert expected.status_code in (200, 206)
+    call = routes.VideoFileResponse.__call__
+
+    async def delete_as_the_headers_go_out(self, scope, receive, send):
+        async def sending(message):
+            await send(message)
+            if message["type"] == "http.response.start":  # what DELETE /v1/videos/{id} does, in between
+                assert routes.forget_job(fake_server.store, fake_server.artifacts, fake_server.store.get(video_id))
+        await call(self, scope, receive, sending)
+
+    monkeypatch.setattr(routes.VideoFileResponse, "__call__", delete_as_the_headers_go_out)
+    response = fake_client.get(f"/v1/videos/{video_id}/content", headers=headers)
+
+    def body(answer):  # a multi-range answer's parts are split by a random boundary
+        boundary = answer.headers["content-type"].partition("boundary=")[2]
+        return answer.content.replace(boundary.encode(), b"B") if boundary else answer.content
+
+    assert response.status_code == expected.status_code and body(response) == body(expected)
+    assert not (fake_server.artifacts.root / f"{video_id}.mp4").exists()
+    _assert_error(fake_client.get(f"/v1/videos/{video_id}/content"), 404, code="video_not_found")
+
+
 def test_an_upload_that_is_not_an_image_is_400_at_creation(fake_server, fake_client):
     # It was queued, then failed minutes later with a message that showed the server's upload folder.
     response = fake_client.post("/v1/videos", data={"prompt": "x"},
@@ -342,6 +374,29 @@ def test_an_unsupported_content_type_is_415_naming_the_accepted_ones(fake_server
     assert error["message"] == (f"Content-Type {content_type.split(';')[0]!r} is not supported; send one of "
                                 "application/json, multipart/form-data, application/x-www-form-urlencoded.")
     assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/set_lora", "/release_memory_occupation"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip", "br"])
+def test_a_compressed_body_is_415_naming_content_encoding(fake_server, fake_client, path, encoding):
+    # RFC 9110 8.4: a content coding the server does not decode is a 415. The gzip bytes were parsed as they came,
+    # a 400 "Invalid JSON body: 'utf-8' codec can't decode byte 0x8b" that did not say what to change.
+    body = gzip.compress(b'{"prompt": "a cat", "lora_nickname": "style"}')
+    response = fake_client.post(path, content=body, headers={"Content-Type": "application/json",
+                                                              "Content-Encoding": encoding})
+    error = _assert_error(response, 415, param="Content-Encoding", code="unsupported_content_type",
+                          contains="send the body without compressing it")
+    assert response.headers["accept-encoding"] == "identity"
+    assert fake_client.get("/v1/videos").json()["data"] == []
+    form = fake_client.post("/v1/videos", data={"prompt": "a cat"}, files={"input_reference": ("a.png", _png_bytes())},
+                            headers={"Content-Encoding": encoding})
+    _assert_error(form, 415, param="Content-Encoding")
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    # identity is no coding at all: taken
+    plain = fake_client.post("/v1/videos", json={"prompt": "a cat", "size": "32x32", "num_frames": 5},
+                             headers={"Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.text
+    assert error["type"] == "invalid_request_error"
 
 
 def test_a_requeued_job_has_no_started_at(tmp_path):

@@ -120,6 +120,16 @@ def test_a_missing_prompt_names_the_body_field_not_the_cli_flag(fake_server, fak
         resolve_generate(SamplingParams(), fake_server.engine.variant)
 
 
+@pytest.mark.parametrize(("body", "named"), [(b"null", "null"), (b"[1, 2]", "an array"), (b'"x"', "a string"),
+                                           (b"4", "a number"), (b"true", "a boolean")])
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/set_lora", "/resume_memory_occupation"])
+def test_a_body_that_is_no_object_is_named_in_json_words(fake_client, path, body, named):
+    # The refusal said "got NoneType" / "got list" / "got str": Python's names for what the client wrote as JSON.
+    response = fake_client.post(path, content=body, headers={"Content-Type": "application/json"})
+    error = _assert_error(response, 400, code="invalid_request")
+    assert error["message"] == f"The request body must be a JSON object ({{...}}), got {named}."
+
+
 def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake_client):
     _assert_error(fake_client.post("/v1/videos", content=b"{not json"), 400, code="invalid_json")
     _assert_error(fake_client.post("/v1/videos", content=b"[1, 2]", headers={"Content-Type": "application/json"}),
@@ -207,6 +217,20 @@ def test_a_file_field_sent_as_text_says_how_to_send_the_file(fake_server, fake_c
                             files={"input_reference": ("first.png", _png_bytes(), "image/png")})
     _assert_error(both, 400, param="video_reference")
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    _still_serves(fake_client)
+
+
+def test_a_files_bytes_sent_without_a_filename_say_how_to_send_the_file(fake_server, fake_client):
+    # A part without a filename is a text field to multipart (curl -F 'input_reference=<first.png', or a client given
+    # no file name): a PNG's bytes there were refused as "Form field 'input_reference' is not valid UTF-8.".
+    response = fake_client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": (None, _png_bytes())})
+    error = _assert_error(response, 400, param="input_reference", code="invalid_parameter",
+                          contains="-F input_reference=@path/to/file")
+    assert "UTF-8" not in error["message"] and "without a filename" in error["message"]
+    # Another field's bytes that are no text keep their own refusal.
+    _assert_error(fake_client.post("/v1/videos", files={"prompt": (None, b"\xff\xfe")}), 400, param="prompt",
+                  code="invalid_multipart", contains="not valid UTF-8")
+    assert fake_client.get("/v1/videos").json()["data"] == []
     _still_serves(fake_client)
 
 
