@@ -92,6 +92,7 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]:
     kwargs = fspath_values(plain_scalars(kwargs))
     _refuse_image_objects(kwargs.get("image_path"))
+    _refuse_pixel_arrays(kwargs)
     for key in ("image_path", "video_path", "output_path"):
         if isinstance(kwargs.get(key), str) and kwargs[key].startswith("~"):
             # A shell expands ~ on the command line; in Python (or a --config file) it reached mkdir as a folder
@@ -131,6 +132,24 @@ def _refuse_image_objects(image: Any) -> None:
     if isinstance(image, PIL.Image.Image):
         raise ValueError("image_path takes the path of an image file (a str or pathlib.Path), not a PIL image: save "
                          "it first, e.g. image.save('first_frame.png'), and pass that path.")
+
+
+def _refuse_pixel_arrays(kwargs: Mapping[str, Any]) -> None:
+    """A numpy array or torch tensor of pixels as image_path / video_path (frames from OpenCV, decord, a previous
+    result's `frames`): the type check refused it as "must be a string, got array([[[0, 0, 0], ..." with some 50
+    lines of pixels and no fix. Said in one line, with its shape, and what to pass instead."""
+    for key, saved_as, example in (("image_path", "an image file", "PIL.Image.fromarray(pixels).save('first.png')"),
+                                   ("video_path", "a video file (MP4, MKV, MOV or WebM)", None)):
+        value = kwargs.get(key)
+        if value is None or isinstance(value, str):
+            continue
+        package = type(value).__module__.partition(".")[0]
+        if package not in ("numpy", "torch") or not hasattr(value, "shape"):
+            continue
+        fix = f", e.g. {example}," if example else ""
+        raise ValueError(f"{key} takes the path of {saved_as} (a str or pathlib.Path), not a {package}."
+                         f"{type(value).__name__} of shape {tuple(value.shape)}: save it first{fix} and pass that "
+                         "path.")
 
 
 def require_media_package(params: SamplingParams, output: OutputOptions) -> None:

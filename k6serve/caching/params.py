@@ -141,7 +141,7 @@ def parse_cache_dit_config(value: Any) -> CacheDitParams:
             except OSError as exc:
                 raise ValueError(f"--cache-dit-config {value!r} is neither a JSON object nor a readable file "
                                  f"({exc.strerror or exc}).") from None
-            if path.suffix in (".yaml", ".yml"):
+            if path.suffix.lower() in (".yaml", ".yml"):  # cache.YAML too, not read as JSON
                 import yaml
 
                 try:

@@ -102,6 +102,16 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
             engine_options["model_path"], engine_options.get("model_id"), engine_options.get("load_format")))
 
 
+def _check_engine_before_loading(engine_options: dict[str, Any]) -> None:
+    """The engine options alone (no request), as `check_request_before_loading` checks them with each request."""
+    config = build_engine_config(**engine_options)
+    variant = _variant_before_loading(engine_options)
+    if variant is not None and variant.family == GENERATION:
+        from k6serve.caching.preflight import check_cache_dit_config_before_loading
+
+        check_cache_dit_config_before_loading(config)
+
+
 def _refuse_text_for_upscaling(params: SamplingParams) -> None:
     """--prompt / --negative-prompt with the super-resolution model: refused on the command line, as every other
     flag of the generation models is. The shared resolver only notes the prompt as ignored, for HTTP clients
@@ -352,6 +362,11 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     require_media_package(params, output)
     if from_file and _is_upscaler_before_loading(engine_options):
         _refuse_prompt_file_for_upscaling()
+    if from_file:
+        # The engine flags are the run's, not a prompt's: checked once here, an error in them (a --dp-size without
+        # the --num-gpus for it, a --cache-dit-config with no block to cache) was reported as "line 1 of
+        # --prompt-file-path: ...", sending the user to a prompt that was fine.
+        _check_engine_before_loading(engine_options)
     checked = []
     for index, (label, options) in enumerate(batch):
         try:

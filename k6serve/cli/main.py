@@ -276,7 +276,7 @@ def load_config_file(path: str) -> dict[str, Any]:
         text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"cannot read --config {path}: {exc.strerror or exc}") from None
-    if path.endswith((".yaml", ".yml")):
+    if path.lower().endswith((".yaml", ".yml")):  # run.YAML too: it was read as JSON and refused as such
         import yaml
 
         try:
@@ -347,6 +347,7 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
             raise ValueError(f"takes one string, got {value!r}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # YAML reads "output-path: 2026" as a number; the flag would give the string
+        value = _yaml_scalar_as_text(action, value)
     elif action.type in (int, float):
         wanted = "an integer" if action.type is int else "a number"
         if isinstance(value, str):
@@ -363,6 +364,29 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         value = action.type(value)
     if action.choices is not None and value not in action.choices:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return value
+
+
+def _yaml_scalar_as_text(action: argparse.Action, value: Any) -> Any:
+    """A string flag's --config value that YAML read as a boolean or a date, as the text the flag would give.
+
+    YAML 1.1 reads unquoted off / on / yes / no as booleans and 2026-01-01 as a date: `warmup-mode: off` and
+    `vae-tiling: off` (the flags' own choices) were refused as "expected one of off, request, server, got False",
+    and `output-path: 2026-01-01` failed as "output_path must be a string, got datetime.date(2026, 1, 1)"."""
+    import datetime
+
+    if isinstance(value, bool):
+        word = "on" if value else "off"
+        if action.choices is not None and word in action.choices:
+            return word
+        # yes, true and on all read as True: the word written cannot be told, so it must be quoted.
+        raise ValueError(f"takes one string, got {str(value).lower()} (YAML reads an unquoted yes, no, on, off, true "
+                         "or false as a boolean); quote the value, e.g. 'no'")
+    if isinstance(value, datetime.datetime):
+        raise ValueError(f"takes one string, got the date and time {value} (YAML reads an unquoted date and time as "
+                         "a timestamp); quote the value")
+    if isinstance(value, datetime.date):
+        return value.isoformat()  # YAML's only form of a plain date: 2026-01-01, as written
     return value
 
 

@@ -102,7 +102,9 @@ def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime |
         suffix = f"_sr{request.scale:g}x_{stamp}.mp4"
         # A source named by a long title (or in a script of 2-4 bytes a character) would give a name the
         # filesystem refuses only at the write, after the whole upscale: its stem is cut to fit, at a character.
-        stem = Path(request.video_path).stem
+        # A hidden source (".clip.mp4") gave a hidden output (".clip_sr2x_...mp4") that `ls` and file browsers do
+        # not show; a given name loses its leading dot too (sanitize_file_name).
+        stem = Path(request.video_path).stem.lstrip(".") or "video"
         stem_bytes = stem.encode("utf-8", "surrogateescape")
         if len(stem_bytes) > MAX_FILE_NAME_BYTES - len(suffix):
             stem = stem_bytes[: MAX_FILE_NAME_BYTES - len(suffix)].decode("utf-8", "ignore")

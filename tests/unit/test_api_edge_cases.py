@@ -262,6 +262,22 @@ def test_a_pil_image_as_image_path_says_to_pass_a_path():
         split_kwargs({"prompt": "x", "image_path": PIL.Image.new("RGB", (4, 4))})
 
 
+@pytest.mark.parametrize("key", ["image_path", "video_path"])
+def test_an_array_of_pixels_as_a_path_says_to_save_it_in_one_line(key):
+    # A numpy array (frames from OpenCV, a result's `frames`) was refused as "must be a string, got array([[[0, 0,
+    # 0], ..." with some 50 lines of pixels and no fix.
+    import torch
+
+    from k6serve.api import split_kwargs
+
+    for pixels, kind in ((np.zeros((64, 96, 3), np.uint8), "numpy.ndarray"), (torch.zeros(3, 8, 8), "torch.Tensor")):
+        with pytest.raises(ValueError) as error:
+            split_kwargs({"prompt": "x", key: pixels})
+        message = str(error.value)
+        assert message.startswith(f"{key} takes the path of ") and "\n" not in message
+        assert f"not a {kind} of shape {tuple(pixels.shape)}: save it first" in message
+
+
 def test_a_tilde_in_any_request_path_is_the_home_folder(tmp_path, monkeypatch):
     from pathlib import Path
 

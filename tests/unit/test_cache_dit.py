@@ -82,6 +82,9 @@ def test_config_is_parsed_from_json_text_a_file_or_a_mapping(tmp_path):
     yaml_file.write_text("Fn_compute_blocks: 2\nscm_compute_bins: [3, 1]\nscm_cache_bins: [2]\n")
     assert parse_cache_dit_config(str(yaml_file)) == CacheDitParams(Fn_compute_blocks=2, scm_compute_bins=(3, 1),
                                                                     scm_cache_bins=(2,))
+    upper = tmp_path / "CACHE.YML"  # a capitalised suffix was read as JSON and refused
+    upper.write_text("Fn_compute_blocks: 2\n")
+    assert parse_cache_dit_config(str(upper)) == CacheDitParams(Fn_compute_blocks=2)
     assert parse_cache_dit_config('{"residual_diff_threshold": 0.12}').residual_diff_threshold == 0.12
     assert parse_cache_dit_config("{}") == CacheDitParams()
     with pytest.raises(ValueError, match="neither a JSON object nor a readable file"):

@@ -244,6 +244,29 @@ def test_cli_serve_config_values_of_the_wrong_shape_exit_2(tmp_path, capsys, mon
     assert re.search(rf"^error: --config .*s\.yaml: {message}", err), err
 
 
+def test_cli_config_yaml_booleans_and_dates_of_string_flags_are_read_as_written(tmp_path, capsys):
+    # YAML reads an unquoted off as false and 2026-01-01 as a date: `warmup-mode: off` (a choice of the flag) was
+    # refused as "expected one of off, request, server, got False", and `output-path: 2026-01-01` failed as
+    # "output_path must be a string, got datetime.date(2026, 1, 1)".
+    from k6serve.cli.main import build_parser, merged_options
+
+    parser = build_parser()
+    path = _config(tmp_path, "run.yaml", "model-path: demo\nwarmup-mode: off\nvae-tiling: on\n"
+                                         "output-path: 2026-01-01\nprompt: a cat\n")
+    options = merged_options(parser.parse_args(["generate", "--config", path]), parser)
+    assert (options["warmup_mode"], options["vae_tiling"], options["output_path"]) == ("off", "on", "2026-01-01")
+    # A YAML file named in capitals (run.YAML) was read as JSON and refused as "not valid JSON".
+    upper = tmp_path / "RUN.YML"
+    upper.write_text("model-path: demo\nprompt: a cat\n")
+    assert merged_options(parser.parse_args(["generate", "--config", str(upper)]), parser)["prompt"] == "a cat"
+    # A boolean where no choice reads it (yes, true and on are one value): refused, naming the file and the flag.
+    path = _config(tmp_path, "bad.yaml", "negative-prompt: no\n")
+    assert main(["generate", "--config", path, "--model-path", "demo", "--prompt", "x"]) == 2
+    assert re.search(r"error: --config .*bad\.yaml: --negative-prompt: takes one string, got false \(YAML reads an "
+                     r"unquoted yes, no, on, off, true or false as a boolean\); quote the value",
+                     capsys.readouterr().err)
+
+
 def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsys, in_process_worker):
     # JSON strings for numbers once crashed inside the worker; YAML "no" for save-output once saved the file.
     path = _config(tmp_path, "run.json", f'{{"model-path": "{tiny_distill_dir}", "prompt": "x", "height": "32", '
@@ -293,6 +316,18 @@ def test_a_long_source_name_gives_a_derived_name_the_filesystem_takes(sr_generat
     assert re.fullmatch(rf"{character}+_sr2x_\d{{8}}-\d{{6}}\.mp4", name)
     assert len(name.encode()) <= 255 - 24  # room for the writer's temporary name and a _<n> when taken
     assert probe(result.output_file_path).num_frames == 9
+
+
+@pytest.mark.parametrize(("source_name", "stem"), [(".hidden.mp4", "hidden"), (".mp4", "mp4"), ("..mp4", "video")])
+def test_a_hidden_source_gives_a_visible_derived_name(source_name, stem):
+    # The SR output name is derived from the source's stem: a hidden source (".hidden.mp4") gave a hidden output
+    # (".hidden_sr2x_<stamp>.mp4") that ls and file browsers do not list.
+    from k6serve.request import UpscaleRequest
+
+    request = UpscaleRequest(video_path=f"/clips/{source_name}", scale=2.0, tiles_batch_size=1, tile_min_overlap=0.2,
+                             target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=None)
+    name = worker_module.default_file_name(request, datetime(2026, 1, 2, 3, 4, 5))
+    assert name == f"{stem}_sr2x_20260102-030405.mp4"
 
 
 def test_a_given_output_file_name_too_long_for_the_filesystem_is_refused_before_the_run(generator, tmp_path):

@@ -108,6 +108,9 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
         (["--prompt", "x"], "--prompt and --prompt-file-path both give the prompt; pass one of them."),
         # Every prompt's request is checked before the load: the one that fails is named by its line.
         (["--height", "60"], "line 1 of --prompt-file-path: height must be a positive multiple of 16"),
+        # An engine flag is the run's, not a line's: its error names no line of the file.
+        (["--dp-size", "2"], "world size must equal dp x cfg x tp x ulysses x ring = 2 x 1 x 1 x 1 x 1 = 2, but "
+                             "--num-gpus is 1."),
         (["--output-file-name", "taken"], "line 2 of --prompt-file-path: '{out}/taken_2.mp4' already exists and was "
                                           "left as it is"),
         # The name as given is checked before it is numbered (numbered, "..mp4" passed as "._1.mp4").
