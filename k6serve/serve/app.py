@@ -52,9 +52,10 @@ PUBLIC_PATHS = ("/health",)
 class BearerAuth:
     """Pure ASGI (so request bodies stay unread streams): every path but /health needs the API key."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -67,6 +68,10 @@ class BearerAuth:
             return
         from fastapi.responses import JSONResponse
 
+        if self.metrics is not None and scope["method"] == "POST" and scope["path"] == "/v1/videos":
+            # `k6serve_requests_rejected_total` counts every refused create, and this one never reaches the route
+            # that counts the others: a client with a wrong key showed on no dashboard.
+            self.metrics.rejected("invalid_api_key")
         message = "Missing or invalid API key: send 'Authorization: Bearer <key>' (the server's --api-key)."
         response = JSONResponse(error_body(401, message, code="invalid_api_key"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
@@ -178,7 +183,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     app.include_router(router)
     app.openapi = lambda: _openapi(app)
     if settings.api_key:
-        app.add_middleware(BearerAuth, api_key=settings.api_key)
+        app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
     app.add_middleware(IgnoreTrailingSlash)
     app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app

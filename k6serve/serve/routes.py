@@ -574,11 +574,6 @@ async def get_video_content(request: Request, video_id: str,
                              stat_result=stat_result)
 
 
-# HEAD (curl -I, download managers sizing a ranged download) answered 405; kept out of the schema, which lists
-# the documented GET.
-router.head("/v1/videos/{video_id}/content", include_in_schema=False)(get_video_content)
-
-
 @router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=_ERRORS,
                summary="Cancel a queued/running job, or delete a finished one with its file")
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
@@ -737,16 +732,31 @@ async def resume_memory_occupation(request: Request) -> JSONResponse:
     return await _memory_answer(request, resume=True)
 
 
-@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")
-async def list_models(request: Request) -> JSONResponse:
-    ctx = _ctx(request)
+def _model_card(ctx: ServerContext) -> dict[str, Any]:
     variant = ctx.variant
     card = ModelCard(id=ctx.model_name, created=int(ctx.started_at), root=ctx.engine.config.model.model_path,
                      family=variant.family, variant=variant.name,
                      default_num_inference_steps=variant.num_inference_steps,
                      default_guidance_scale=variant.guidance_scale,
                      quantization=ctx.engine.config.model.quantization)
-    return JSONResponse({"object": "list", "data": [card.model_dump(mode="json")]})
+    return card.model_dump(mode="json")
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(_ctx(request))]})
+
+
+# `:path`: a hub id has a slash (kandinskylab/Kandinsky-6.0-...), and a request's `model` may name the checkpoint.
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, summary="The served model, by name")
+async def retrieve_model(request: Request, model: str) -> JSONResponse:
+    """OpenAI's `GET /v1/models/{model}` (the SDK's `client.models.retrieve`), which answered 404 "unknown route":
+    the served model's card under any name a job's `model` may use, else 404 `model_not_found`."""
+    ctx = _ctx(request)
+    if model.lower() not in ctx.served_names:  # the names a job's `model` takes, lower-cased
+        raise ApiError(404, f"The model {model!r} is not served here: this server serves {ctx.model_name!r} (GET "
+                            "/v1/models lists it).", code="model_not_found", param="model")
+    return JSONResponse(_model_card(ctx))
 
 
 @router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)")
@@ -769,10 +779,6 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({**body, "status": "unavailable", "message": _NO_REPLICA}, status_code=503)
 
 
-# HEAD as GET (headers, no body): the loading responder answers HEAD /health with its 503, and a load balancer that
-# probes with HEAD got 405 once the model had loaded, so it never saw the server come up.
-router.head("/health", include_in_schema=False)(health)
-
 _NO_REPLICA = "Every worker replica of this server has died; restart the server (its log says why they died)."
 
 
@@ -790,3 +796,17 @@ async def metrics(request: Request) -> PlainTextResponse:
     text = ctx.metrics.render(queue_depth=counts[JobStatus.QUEUED], jobs_by_status=counts,
                               running=ctx.runner.running_count())
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+
+def _head_wherever_get() -> None:
+    """HEAD on every GET route, answered as the GET without its body, as RFC 9110 (9.1) asks of every server. It
+    answered 405 but on two paths: a load balancer probing /health with HEAD never saw the server come up (the
+    loading responder answers HEAD /health), and curl -I or a download manager sizing a ranged download of
+    /content got no size; HEAD /v1/videos/{id} and the rest answered 405 too. Kept out of the schema, which lists
+    the documented GETs."""
+    for route in list(router.routes):
+        if "GET" in route.methods:
+            router.head(route.path, include_in_schema=False)(route.endpoint)
+
+
+_head_wherever_get()

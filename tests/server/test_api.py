@@ -403,6 +403,24 @@ def test_models_health_metrics(fake_client):
         assert line.startswith("#") or re.fullmatch(r'[a-z0-9_]+(\{[a-z]+="[^"]*"\})? [0-9.e+-]+', line), line
 
 
+@pytest.mark.parametrize("name", ["kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers",
+                                  "Kandinsky-6.0-Pro-distill-5s-Diffusers", "KANDINSKY-6.0-PRO-DISTILL-5S-DIFFUSERS",
+                                  "kandinskylab%2FKandinsky-6.0-Pro-distill-5s-Diffusers"])
+def test_a_model_is_retrieved_by_any_name_a_job_takes(fake_client, name):
+    # OpenAI's GET /v1/models/{model} (the SDK's client.models.retrieve) answered 404 "unknown route".
+    card = fake_client.get(f"/v1/models/{name}")
+    assert card.status_code == 200 and card.json() == fake_client.get("/v1/models").json()["data"][0]
+
+
+def test_a_model_not_served_is_404_model_not_found(fake_client):
+    response = fake_client.get("/v1/models/sora-2")
+    assert response.status_code == 404
+    assert response.json()["error"] == {
+        "message": "The model 'sora-2' is not served here: this server serves "
+                   "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers' (GET /v1/models lists it).",
+        "type": "not_found_error", "param": "model", "code": "model_not_found"}
+
+
 def test_wrong_model_name_is_400(fake_client):
     response = fake_client.post("/v1/videos", json={"prompt": "x", "model": "sora-2"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"

@@ -159,14 +159,28 @@ def test_head_on_health_answers_as_get_does(fake_client):
     assert head.headers["content-type"] == "application/json"
 
 
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/videos/{id}", "/v1/models", "/metrics"])
+def test_head_answers_every_get_route_as_get_does(fake_client, path):
+    # RFC 9110 asks every server for HEAD wherever GET works; only /health and /content took it, the rest got 405.
+    path = path.format(id=_completed(fake_client))
+    get, head = fake_client.get(path), fake_client.head(path)
+    assert head.status_code == get.status_code == 200 and head.content == b"" and get.content
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path != "/metrics":  # its counters move with the GET itself
+        assert head.headers["content-length"] == str(len(get.content))
+    assert fake_client.head("/v1/videos/video_nope").status_code == 404
+    schema_paths = fake_client.get("/openapi.json").json()["paths"]
+    assert all("head" not in methods for methods in schema_paths.values())  # the schema lists the documented GETs
+
+
 def test_wrong_method_is_a_client_error(fake_client):
     response = fake_client.put("/v1/videos")
     error = _assert_error(response, 405, code="method_not_allowed")
     assert error["type"] == "invalid_request_error"  # was "server_error" for the client's mistake
 
 
-@pytest.mark.parametrize(("method", "path", "allowed"), [("DELETE", "/v1/videos", "GET, POST"),
-                                                        ("PUT", "/v1/videos/video_x", "GET, DELETE"),
+@pytest.mark.parametrize(("method", "path", "allowed"), [("DELETE", "/v1/videos", "GET, HEAD, POST"),
+                                                        ("PUT", "/v1/videos/video_x", "GET, HEAD, DELETE"),
                                                         ("POST", "/v1/videos/video_x/content", "GET, HEAD"),
                                                         ("POST", "/health", "GET, HEAD")])
 def test_a_405_allows_every_method_of_the_path(fake_client, method, path, allowed):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import socket
 import time
 
@@ -679,6 +680,9 @@ def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
             # The scheme's name is case-insensitive (RFC 9110 11.1).
             assert anonymous.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
             assert authorised.get("/v1/models").status_code == 200
+            # The refused creates are counted, by their code, as the route counts its own refusals.
+            assert re.search(r'^k6serve_requests_rejected_total\{reason="invalid_api_key"\} 1$',
+                             authorised.get("/metrics").text, re.MULTILINE)
             _still_serves(authorised)
     finally:
         server.stop()

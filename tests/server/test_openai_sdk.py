@@ -147,6 +147,17 @@ def test_errors_are_the_sdks_exceptions_with_our_messages(sdk_server, client):
     assert auth.value.code == "invalid_api_key" and "--api-key" in auth.value.message
 
 
+def test_the_sdks_models_calls(client):
+    (listed,) = client.models.list().data
+    assert listed.id == GENERATION_MODEL
+    # retrieve() answered 404 "unknown route"; the SDK sends the hub id's slash as it is.
+    assert client.models.retrieve(GENERATION_MODEL).id == GENERATION_MODEL
+    assert client.models.retrieve(GENERATION_MODEL.split("/")[-1]).id == GENERATION_MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("sora-2")
+    assert missing.value.code == "model_not_found"
+
+
 def test_calls_the_server_does_not_serve_say_so(client):
     video = client.videos.create(prompt="remix me", size="32x32", seconds="0.2")
     with pytest.raises(openai.NotFoundError) as remix:
