@@ -190,6 +190,9 @@ def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Var
                         param="size")
     if body.seconds is not None and body.num_frames is None and param == "num_frames":
         fps = params.fps if params.fps is not None else variant.fps
+        most = re.search(r"use at most (\d+)\.$", message)
+        if most:  # the limit in the client's unit too: a job of N frames reports N / fps seconds
+            message = f"{message[:-1]} frames, seconds up to {int(most.group(1)) / fps:g} at {fps:g} fps."
         return ApiError(400, f"seconds {body.seconds!r} at {fps:g} fps means {params.num_frames} frames: {message}",
                         code="invalid_parameter", param="seconds")
     return ApiError(400, message, code="invalid_parameter", param=param)

@@ -83,6 +83,11 @@ def test_seconds_errors_name_seconds_not_num_frames(fake_client):
     error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "seconds": "600"}), 400,
                           param="seconds", code="invalid_parameter")
     assert error["message"].startswith("seconds '600' at 24 fps means 14401 frames: num_frames 14401 gives more")
+    # The limit in seconds too, as the client counts (509 frames at 24 fps: a job reports 21.2083 s).
+    assert error["message"].endswith("use at most 509 frames, seconds up to 21.2083 at 24 fps.")
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "seconds": "60", "fps": 12}), 400,
+                          param="seconds")
+    assert error["message"].endswith("seconds up to 42.4167 at 12 fps.")
 
 
 @pytest.mark.parametrize("seconds", ["\u0661", "\uff14", "4\u0660"])
