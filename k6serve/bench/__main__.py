@@ -122,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="dit: after the --fp8-linears rows, one more with cuBLASLt's FP8 fast accumulation.",
     )
     parser.add_argument(
+        "--blas-libraries",
+        nargs="+",
+        choices=("cublas", "cublaslt"),
+        default=[],
+        metavar="{cublas,cublaslt}",
+        help="dit: then time the last bf16 fast configuration once more per entry, in order, with torch's preferred "
+        "BLAS library set to it (e.g. cublaslt cublas: the second row a control of the GPU's drift); nothing "
+        "recompiles.",
+    )
+    parser.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
     )
     parser.add_argument(
@@ -332,6 +342,10 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         raise SystemExit("--fp8-attention times the fused + compiled DiT once more with fa_fp8: drop --skip-speed")
     if args.fp8_linears and args.skip_speed:
         raise SystemExit("--fp8-linears times the fused + compiled DiT once more in e4m3: drop --skip-speed")
+    if args.blas_libraries and args.skip_speed:
+        raise SystemExit("--blas-libraries times the fused + compiled DiT once more per library: drop --skip-speed")
+    if args.blas_libraries and device.type != "cuda":
+        raise SystemExit("--blas-libraries picks among cuBLAS's kernels: it needs a CUDA device")
     if args.fp8_fast_accumulation and not args.fp8_linears:
         raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
     _check_fp8_patterns(args.fp8_linears, transformer_config)
@@ -354,6 +368,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         fp8_attention=args.fp8_attention,
         fp8_linears=tuple(args.fp8_linears),
         fp8_fast_accumulation=args.fp8_fast_accumulation,
+        blas_libraries=tuple(args.blas_libraries),
         compile_backend=compile_backend,
         compile_mode=args.compile_mode,
         **timing,

@@ -65,6 +65,11 @@ class DitOptions:
     # `fp8_fast_accumulation`
     fp8_linears: tuple[str, ...] = ()
     fp8_fast_accumulation: bool = False
+    # then the last bf16 fast configuration once more per entry with torch's preferred BLAS library set to it
+    # ("cublaslt", "cublas"), in order, before any fp8 row: another GEMM kernel choice, whose energy per FLOP (the
+    # forward is power-bound on the H200) may differ. The compiled graphs call aten's GEMMs, which read the setting
+    # at each call: nothing recompiles. The library is put back after the rows.
+    blas_libraries: tuple[str, ...] = ()
     compile_backend: str = "inductor"
     # torch.compile mode of our blocks; "max-autotune-no-cudagraphs" lets inductor time Triton GEMM templates
     # (which can fuse the FFN's GELU into the GEMM) against cuBLAS. None: torch's default.
@@ -224,6 +229,24 @@ def _linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]
             if type(child) is nn.Linear]
 
 
+def _run_blas_libraries(ours, inputs, options: DitOptions, tflop: float, compared: _Compared) -> list[BenchRow]:
+    """The last bf16 fast configuration once more per `options.blas_libraries` entry (see DitOptions)."""
+    rows: list[BenchRow] = []
+    base = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        for library in options.blas_libraries:
+            torch.backends.cuda.preferred_blas_library(library)
+            library_rows = _run_ours(ours, inputs, options, tflop, compared, f"{base}+{library}", compiled=True)
+            for row in library_rows:
+                row.note = "; ".join(filter(None, (f"torch.backends.cuda.preferred_blas_library({library!r})",
+                                                   row.note)))
+            rows += library_rows
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+    return rows
+
+
 def _run_fp8_linears(ours, inputs, options: DitOptions, tflop: float, compared: _Compared) -> list[BenchRow]:
     """The fp8 rows, each entry converted from the bf16 model: the linears an entry swaps out stay on the device
     until the next entry puts them back (so an entry's peak memory counts them, but the last's does not). Dynamo's
@@ -317,6 +340,7 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
             for row in kernel_rows:
                 row.note = "; ".join(filter(None, (kernel_note, row.note)))
             rows += kernel_rows
+        rows += _run_blas_libraries(ours, inputs, options, tflop, compared)
         if options.fp8_attention:
             # The backend is read inside the compiled blocks: dynamo recompiles them for this row.
             tag = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"

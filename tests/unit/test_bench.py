@@ -585,3 +585,35 @@ def test_dit_stage_runs_a_checkpoints_own_weights(tiny_distill_dir, tmp_path):
         assert rows[1]["cosine_video"] > 0.99999  # fp32 weights of the folder, the same in both models
     with pytest.raises(SystemExit, match="neither it nor its transformer/ holds a config.json with safetensors"):
         main(["--tiny", "--stage", "dit", "--transformer-path", str(tmp_path)])
+
+
+def test_blas_library_rows_time_the_fast_dit_per_library_and_put_it_back(monkeypatch, tmp_path):
+    """--blas-libraries: the fused + compiled DiT once more per library, in order, nothing recompiled, and torch's
+    preferred library put back after (on the CPU, where torch refuses cuBLASLt, the setter is faked)."""
+    import dataclasses
+
+    from k6serve.bench import __main__ as bench
+    from k6serve.bench import dit
+
+    calls = []
+
+    def preferred(library=None):
+        if library is not None:
+            calls.append(library)
+        return calls[-1] if calls else "cublas-default"
+
+    captured = {}
+    monkeypatch.setattr(bench, "run_dit", lambda options: captured.setdefault("options", options) and [])
+    bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--skip-reference", "--skip-eager", "--repeats",
+                                                         "1"]))["dit"]()
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    rows = dit.run_dit(dataclasses.replace(captured["options"], blas_libraries=("cublaslt", "cublas")))
+    assert [row.name for row in rows] == ["ours torch_sdpa fused+compiled", "ours torch_sdpa fused+compiled+cublaslt",
+                                          "ours torch_sdpa fused+compiled+cublas"]
+    assert all(row.error is None for row in rows)
+    assert "preferred_blas_library('cublaslt')" in rows[1].note
+    assert calls == ["cublaslt", "cublas", "cublas-default"]  # each row's library, then the one before
+    with pytest.raises(SystemExit, match="--blas-libraries picks among cuBLAS's kernels: it needs a CUDA device"):
+        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--blas-libraries", "cublaslt"]))
+    with pytest.raises(SystemExit, match="--blas-libraries times the fused \\+ compiled DiT.*drop --skip-speed"):
+        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--blas-libraries", "cublas", "--skip-speed"]))
