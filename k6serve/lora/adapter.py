@@ -77,6 +77,13 @@ class LoraAdapter:
     path: str
     file: Path
     modules: dict[str, LoraModule]
+    stamp: tuple[int, int, int] | None = None  # `file_stamp(file)` when it was read
+
+    def unchanged(self) -> bool:
+        """Whether `file` is still the one read (same inode, size and modification time): a set_lora naming the
+        same path again reuses this adapter only then. An adapter retrained and saved over its file was otherwise
+        kept from the first read, silently serving the old weights under the new file's name."""
+        return self.stamp is not None and file_stamp(self.file) == self.stamp
 
     @property
     def rank(self) -> int:
@@ -429,11 +436,21 @@ def _alpha(tensor: torch.Tensor, key: str, source: str) -> float:
     return alpha
 
 
+def file_stamp(file: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime in ns) of `file` (symlinks followed, as the hub cache's are), or None if it is gone."""
+    try:
+        stat = file.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def read_adapter(path: str) -> LoraAdapter:
     """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
     from safetensors import SafetensorError, safe_open
 
     file = resolve_adapter_file(path)
+    stamp = file_stamp(file)  # before reading: a file rewritten meanwhile is read again next time
     try:
         # safetensors.torch.load_file, plus the header's metadata (diffusers keeps the alphas there).
         with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -445,4 +462,4 @@ def read_adapter(path: str) -> LoraAdapter:
         raise ValueError(f"LoRA file {str(file)!r} cannot be read as safetensors ({exc}); it may be damaged or "
                          "cut short (download or copy it again), or not a safetensors file") from None
     modules = parse_lora_state_dict(tensors, source=str(file), metadata=metadata)
-    return LoraAdapter(path=path, file=file, modules=modules)
+    return LoraAdapter(path=path, file=file, modules=modules, stamp=stamp)

@@ -86,6 +86,10 @@ class LoraManager:
         self.fsdp = fsdp  # the DiT's blocks are FSDP units: dynamic only
         self.adapters: dict[str, LoraAdapter] = {}  # nickname -> adapter, active or not
         self.active: list[_Active] = []
+        # nickname -> the alpha override of its last successful set (None: the file's). A request's own `loras`
+        # name adapters by nickname and strength only: without this they ran at the file's alpha, silently not
+        # the --lora-alpha / set_lora lora_alpha the adapter was loaded with.
+        self.alphas: dict[str, float | None] = {}
         self.applied_mode: str | None = None  # "merge" | "dynamic" while `active` is applied
         # (layer, "weight" | "bias") -> the original tensor of each merged layer, on the CPU
         self.snapshots: dict[tuple[nn.Module, str], torch.Tensor] = {}
@@ -114,6 +118,7 @@ class LoraManager:
         try:
             self._switch(active, mode)
             self.adapters.update(loaded)
+            self.alphas.update((spec.nickname, spec.alpha) for spec in specs)
         finally:  # an adapter replaced under its nickname (or never stored) keeps no cached rows alive
             self.dora_rows.retain({id(module) for adapter in self.adapters.values()
                                    for module in adapter.modules.values()})
@@ -158,7 +163,7 @@ class LoraManager:
         would copy every targeted weight twice per request."""
         self.check_request(loras)
         previous = self.active
-        requested = [_Active(nickname, self.adapters[nickname], float(strength), None,
+        requested = [_Active(nickname, self.adapters[nickname], float(strength), self.alphas.get(nickname),
                              resolve_targets(self.model, self.adapters[nickname].modules,
                                              source=self.adapters[nickname].path))
                      for nickname, strength in loras]
@@ -183,7 +188,8 @@ class LoraManager:
         rows = []
         for nickname in ordered:
             adapter, entry = self.adapters[nickname], by_nickname.get(nickname)
-            alpha = entry.alpha if entry is not None and entry.alpha is not None else adapter.file_alpha
+            override = entry.alpha if entry is not None else self.alphas.get(nickname)  # what a request would use
+            alpha = override if override is not None else adapter.file_alpha
             rows.append({
                 "nickname": nickname,
                 "path": adapter.path,
@@ -209,8 +215,9 @@ class LoraManager:
                 raise ValueError(f"no LoRA adapter is loaded under the nickname {spec.nickname!r} (loaded: {known}); "
                                  "pass its path to load it")
             return cached
-        # The same path under the same nickname is the cached adapter; another path replaces it.
-        if cached is not None and cached.path == spec.path:
+        # The same path under the same nickname is the cached adapter, unless its file changed since it was read
+        # (an adapter retrained and saved over it); another path replaces it.
+        if cached is not None and cached.path == spec.path and cached.unchanged():
             return cached
         return read_adapter(spec.path)
 

@@ -61,6 +61,11 @@ def test_bin_masks_alternate_compute_and_cache_runs():
     ({"scm_compute_bins": [2, 0], "scm_cache_bins": [1]}, r"scm_compute_bins must be a non-empty list of integers"),
     ({"scm_preset": "fast", "scm_compute_bins": [2], "scm_cache_bins": [1]}, r"give one of them"),
     ({"Fn": 1}, r"Unknown cache_dit_params key\(s\) \['Fn'\]. Valid keys: \['Fn_compute_blocks', "),
+    # A typo, or another case, names the key it resembles, as a mistyped flag or request field does.
+    ({"residual_diff_treshold": 0.1},
+     r"\['residual_diff_treshold'\] \(did you mean 'residual_diff_threshold'\?\). Valid keys: "),
+    ({"fn_compute_blocks": 2}, r"\['fn_compute_blocks'\] \(did you mean 'Fn_compute_blocks'\?\)"),
+    ({"max_warmup_step": 2, "Fn": 1}, r"\(did you mean 'max_warmup_steps' for 'max_warmup_step'\?\)"),
 ])
 def test_bad_params_are_refused_with_the_fix(values, message):
     with pytest.raises(ValueError, match=message):

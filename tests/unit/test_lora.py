@@ -135,6 +135,49 @@ def test_spec_alpha_overrides_the_file_alpha(tmp_path):
     assert manager.state()[0]["alpha"] == 4.0
 
 
+def test_a_requests_adapters_keep_the_alpha_they_were_set_with(tmp_path):
+    # `k6serve generate --lora-path F --lora-alpha 8 --lora-merge-mode dynamic --loras '{"s": 1}'` ran the request
+    # at the file's alpha: a request's `loras` carry strengths only, and the override was dropped with them.
+    model = _dit()
+    file = write_adapter(tmp_path, _shapes(model, [SELF_KEY, VIDEO_FFN]))  # no alpha in the file: rank
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="s", path=str(file), strength=1.0, alpha=8.0)], "dynamic")
+    engine = _forward(model)
+    with manager.for_request((("s", 1.0),)):
+        assert _equal(_forward(model), engine)
+    manager.set([])  # inactive: a request naming it still takes its alpha, and list_loras says so
+    assert manager.state()[0]["alpha"] == 8.0
+    with manager.for_request((("s", 1.0),)):
+        assert _equal(_forward(model), engine)
+    manager.set([LoraSpec(nickname="s")], "dynamic")  # set again without an override: the file's alpha again
+    at_rank = _forward(model)
+    assert not _equal(at_rank, engine)
+    with manager.for_request((("s", 1.0),)):
+        assert _equal(_forward(model), at_rank)
+
+
+def test_the_same_path_is_read_again_when_its_file_changed(tmp_path):
+    # A set_lora naming the path it was loaded from reused the first read: an adapter retrained and saved over its
+    # file kept serving the old weights.
+    model = _dit()
+    before = _weights(model)
+    file = write_adapter(tmp_path, _shapes(model, [SELF_KEY]), seed=1)
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="s", path=str(file))], "merge")
+    first = manager.adapters["s"]
+    manager.set([LoraSpec(nickname="s", path=str(file))], "merge")
+    assert manager.adapters["s"] is first  # unchanged: the cached adapter, not read again
+    write_adapter(tmp_path, _shapes(model, [SELF_KEY]), seed=2)  # saved over it
+    manager.set([LoraSpec(nickname="s", path=str(file))], "merge")
+    assert manager.adapters["s"] is not first
+    assert torch.equal(model.get_submodule(SELF_KEY).weight,
+                       expected_weight(before[f"{SELF_KEY}.weight"], file, SELF_KEY, 1.0))
+    file.unlink()  # gone: an error about the file, and the adapter in place stays
+    with pytest.raises(ValueError, match="does not exist"):
+        manager.set([LoraSpec(nickname="s", path=str(file))], "merge")
+    assert manager.state()[0]["active"] and manager.state()[0]["merged"]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_dynamic_matches_merge_and_strength_zero_is_the_baseline(tmp_path, fused):
     model = _dit()
