@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from k6serve.api import (
 )
 from k6serve.models.variants import GENERATION
 from k6serve.request import SamplingParams
+from k6serve.runtime.engine import RequestCancelled
 
 
 def format_timings(result) -> str:
@@ -319,17 +321,27 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
     error: BaseException | None = None
     running: dict = {}
     pool = ThreadPoolExecutor(max_workers=replicas, thread_name_prefix="k6serve-prompt")
+    stop = threading.Event()
+
+    def stop_point(step: int, total: int) -> None:
+        # Ctrl-C reaches the main thread, which waits below, not the pool's threads waiting in generate(): those
+        # requests learn of it here, at their next step boundary, and end there with no file left behind (raising
+        # from on_progress cancels a request on every rank of its replica).
+        if stop.is_set():
+            raise RequestCancelled("stopped by Ctrl-C")
 
     def start_next() -> None:
         item = next(queue, None)
         if item is not None:
-            running[pool.submit(generator.generate, item[1])] = item
+            running[pool.submit(generator.generate, item[1], on_progress=stop_point)] = item
 
     try:
         for _ in range(replicas):
             start_next()
         while running:
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            # Timed: the kernel may hand Ctrl-C's SIGINT to any thread, which only sets Python's flag; a main thread
+            # in an untimed wait saw it when a request ended (engine.py: _interruptible_result).
+            finished, _ = wait(running, timeout=0.1, return_when=FIRST_COMPLETED)
             for future in finished:
                 label, options = running.pop(future)
                 try:
@@ -344,8 +356,22 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
                 _print_result(result)
                 if error is None:
                     start_next()
+    except BaseException:
+        # Ctrl-C: the generator's shutdown() finishes running requests, so without this the prompts running then
+        # were saved after the report had named them "not run". Stop them, and count those that end anyway (past
+        # their last step) as finished, so the report names exactly the lines to run again.
+        stop.set()
+        for future, (label, options) in list(running.items()):
+            try:
+                result = future.result()
+            except Exception:  # noqa: BLE001 - stopped (or failed): not saved, so "not run"
+                continue
+            progress.done.append((label, result))
+            print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {options['prompt']}",
+                  file=sys.stderr)
+            _print_result(result)
+        raise
     finally:
-        # Ctrl-C leaves the running requests to the generator's shutdown, which ends them.
         pool.shutdown(wait=error is not None)
     if error is not None:
         raise error

@@ -229,8 +229,17 @@ class _ReplicaLoop:
         def on_step(step: int, total: int) -> None:
             cancel = False
             if self.connection is not None:
-                self.connection.send(messages.Progress(request_id=request_id, step=step, total=total))
-                reply = self.connection.recv()
+                try:
+                    self.connection.send(messages.Progress(request_id=request_id, step=step, total=total))
+                    reply = self.connection.recv()
+                except (EOFError, OSError):
+                    # The engine is gone mid-request (killed, or OOM-killed). Cancelled through the broadcast below,
+                    # the replica's ranks stay in step and shut down at the next message (`_next_message`); raised
+                    # here, the leader left its peers in this broadcast, and they held their memory until the
+                    # collective timeout (10 minutes by default).
+                    logger.warning("the engine closed its connection during request %d; it is cancelled",
+                                   request_id)
+                    reply = messages.StepReply(cancel=True)
                 assert isinstance(reply, messages.StepReply), reply
                 cancel = reply.cancel
             if _broadcast(cancel, self.context):
@@ -289,12 +298,12 @@ class _ReplicaLoop:
                 broken = True
         if self.connection is not None:
             if not failures:
-                self.connection.send(messages.MemoryDone(request_id=request.request_id,
-                                                         result=[r for _, ranks in outcomes for r in ranks]))
+                self._send(messages.MemoryDone(request_id=request.request_id,
+                                               result=[r for _, ranks in outcomes for r in ranks]))
             else:
                 kind, text, error = failures[0]
-                self.connection.send(messages.RunFailed(request_id=request.request_id, kind=kind, message=text,
-                                                        replica_broken=broken, error=error))
+                self._send(messages.RunFailed(request_id=request.request_id, kind=kind, message=text,
+                                              replica_broken=broken, error=error))
         return not broken
 
     def _reply(self, request_id: int, failure: tuple | None, succeeded: Callable[[], object]) -> bool:
@@ -310,13 +319,22 @@ class _ReplicaLoop:
         if self.connection is not None:
             reported = [f for f in failures if f is not None]
             if not reported:
-                self.connection.send(succeeded())
+                self._send(succeeded())
             else:
                 kind, text, error = reported[0]
-                self.connection.send(messages.RunFailed(
+                self._send(messages.RunFailed(
                     request_id=request_id, kind=kind, message=text, replica_broken=broken, error=error,
                 ))
         return not broken
+
+    def _send(self, reply: object) -> None:
+        """The leader's reply to the engine. An engine gone meanwhile is not this rank's error: raised, it ended the
+        leader alone, out of step with its peers; the next `_next_message` reads the closed connection and shuts
+        the whole replica down."""
+        try:
+            self.connection.send(reply)
+        except (EOFError, OSError):
+            logger.warning("the engine closed its connection; the reply to it is dropped")
 
 
 def rank_main(

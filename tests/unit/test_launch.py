@@ -347,6 +347,55 @@ def test_torchrun_style_environment_is_honoured():
     assert "WORKER DONE" in outputs[1], outputs[1]
 
 
+ENGINE_KILLED_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {test_dir!r})
+    from test_launch import FakeRankWorker, make_config
+    from k6serve.request import OutputOptions, SamplingParams
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+    worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+    print("PIDS", *worker.pids.values(), flush=True)
+
+    def die(step, total):  # the engine's process killed mid-request (the OOM killer, kill -9): no cleanup runs
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    worker.run(SamplingParams(prompt="slow", num_inference_steps=50), OutputOptions(save_output=False), on_step=die)
+""")
+
+
+def test_ranks_shut_down_when_the_engine_dies_mid_request(tmp_path: Path):
+    # The leader's step report to a dead engine raised out of the request, leaving the other ranks in the step's
+    # broadcast: the replica held its memory until the collective timeout (600 s by default, 60 s here). It must
+    # cancel the request on every rank and shut down at once, as when the engine dies between requests.
+    script = ENGINE_KILLED_SCRIPT.format(test_dir=str(Path(__file__).parent))
+    log = tmp_path / "engine.log"  # a file, not a pipe: the orphaned ranks keep a pipe open, and reading it waits
+    with log.open("w") as out:
+        engine = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=Path(__file__).parents[2])
+        engine.wait(timeout=DIST_TIMEOUT_S + 30)
+    output = log.read_text()
+    assert engine.returncode == -signal.SIGKILL, output
+    pids = [int(pid) for pid in next(line for line in output.splitlines() if line.startswith("PIDS")).split()[1:]]
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in pids if _is_running(pid)]
+    for pid in alive:  # the test's own cleanup: orphaned ranks are nobody's children here
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived the engine by 20 s"
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited (no parent left to reap it yet)
+    except FileNotFoundError:
+        return False
+
+
 def test_ranks_log_at_the_starting_process_level(monkeypatch):
     """`k6serve --log-level debug` configured the engine's process only: the ranks always logged at INFO, so a
     worker's DEBUG lines (a request's notes, worker.py) never showed. Where nothing configured logging (a Python

@@ -289,3 +289,45 @@ def test_the_command_line_wins_over_a_config_files_other_way_to_give_the_prompt(
     args = [str(prompts) if arg == "PROMPTS" else arg for arg in typed]
     assert main(_args(tiny_distill_dir, tmp_path, "--config", str(config), *args)) == 0
     assert replicas.started == expected
+
+
+def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_so(tiny_distill_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    # Ctrl-C reaches the main thread, not the pool's threads waiting in generate(): the requests running then went
+    # on to their end in shutdown() and were saved, while the report named their lines "not run". They must stop at
+    # their next step (a request ended by raising from on_progress leaves no file), and the report must match.
+    import _thread
+    import time
+    from types import SimpleNamespace
+
+    replicas = _with_replicas(monkeypatch)
+    ended = {}
+
+    def generate(options, on_progress=None):
+        prompt = options["prompt"]
+        with replicas.lock:
+            replicas.started.append(prompt)
+        try:
+            for step in range(1, 201):  # 2 s unless stopped
+                if prompt == "a" and step == 5:
+                    _thread.interrupt_main()  # Ctrl-C while both prompts run
+                time.sleep(0.01)
+                if on_progress is not None:
+                    on_progress(step, 200)
+        except BaseException:
+            ended[prompt] = "stopped"
+            raise
+        ended[prompt] = "saved"
+        return SimpleNamespace(notes=[], timings={"total": 2.0}, peak_memory_mb=1.0, num_frames=5, width=32,
+                               height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4")
+
+    replicas.generate = generate
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\nc\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 130
+    deadline = time.monotonic() + 5
+    while len(ended) < 2 and time.monotonic() < deadline:  # before the fix they ran on after main() returned
+        time.sleep(0.05)
+    assert sorted(replicas.started) == ["a", "b"] and ended == {"a": "stopped", "b": "stopped"}
+    err = capsys.readouterr().err
+    assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: not run: line 1, line 2, line 3\n" in err
