@@ -229,10 +229,15 @@ def _linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]
             if type(child) is nn.Linear]
 
 
+def _last_fast_tag(options: DitOptions) -> str:
+    """The tag of the last bf16 fast configuration, which the fp8 and BLAS-library rows time once more."""
+    return "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+
+
 def _run_blas_libraries(ours, inputs, options: DitOptions, tflop: float, compared: _Compared) -> list[BenchRow]:
     """The last bf16 fast configuration once more per `options.blas_libraries` entry (see DitOptions)."""
     rows: list[BenchRow] = []
-    base = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+    base = _last_fast_tag(options)
     before = torch.backends.cuda.preferred_blas_library()
     try:
         for library in options.blas_libraries:
@@ -254,7 +259,7 @@ def _run_fp8_linears(ours, inputs, options: DitOptions, tflop: float, compared: 
     # Every entry adds graph variants of the one block class: past dynamo's limit the blocks would run eager, timed.
     raise_recompile_limit(64)
     rows: list[BenchRow] = []
-    base = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+    base = _last_fast_tag(options)
     entries = list(options.fp8_linears)
     runs = [(entry, False) for entry in entries]
     if entries and options.fp8_fast_accumulation:
@@ -343,7 +348,7 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
         rows += _run_blas_libraries(ours, inputs, options, tflop, compared)
         if options.fp8_attention:
             # The backend is read inside the compiled blocks: dynamo recompiles them for this row.
-            tag = "fused+compiled+norm_rope" if options.norm_rope_kernel else "fused+compiled"
+            tag = _last_fast_tag(options)
             fp8_options = dataclasses.replace(options, backends=("fa_fp8",))
             rows += _run_ours(ours, inputs, fp8_options, tflop, compared, tag, compiled=True)
         rows += _run_fp8_linears(ours, inputs, options, tflop, compared)

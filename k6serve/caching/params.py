@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import numbers
 from collections.abc import Mapping
@@ -89,7 +88,10 @@ class CacheDitParams:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(names))
         if unknown:
-            raise ValueError(f"Unknown cache_dit_params key(s) {unknown}{_did_you_mean(unknown, names)}. Valid keys: "
+            from k6serve.request import did_you_mean  # imported here: request.py imports this module
+
+            # A typo (residual_diff_treshold) gets the key it resembles, as a mistyped flag or field does.
+            raise ValueError(f"Unknown cache_dit_params key(s) {unknown}{did_you_mean(unknown, names)}. Valid keys: "
                              f"{names}.")
         changes = {key: tuple(value) if key.endswith("_bins") and isinstance(value, list) else value
                    for key, value in values.items()}
@@ -165,23 +167,6 @@ def _require_mapping(value: Any) -> Mapping:
     if not isinstance(value, Mapping):
         raise ValueError(f"--cache-dit-config must hold a mapping of cache_dit_params keys, got {type(value).__name__}")
     return value
-
-
-def _did_you_mean(unknown: list[str], names: list[str]) -> str:
-    """' (did you mean ...?)' for the unknown keys that resemble a valid one, as flags and request fields get
-    (`request.did_you_mean`, which imports this module): a typo such as residual_diff_treshold, or fn_compute_blocks
-    in another case, was answered with the thirteen valid keys to search by eye."""
-    guesses = {}
-    lowered = {name.lower(): name for name in names}
-    for key in unknown:
-        close = [lowered[key.lower()]] if key.lower() in lowered else difflib.get_close_matches(key, names, n=1)
-        if close:
-            guesses[key] = close[0]
-    if not guesses:
-        return ""
-    if len(unknown) == 1:
-        return f" (did you mean {guesses[unknown[0]]!r}?)"
-    return " (did you mean " + ", ".join(f"{close!r} for {key!r}" for key, close in guesses.items()) + "?)"
 
 
 def _check_int(name: str, value: Any, *, minimum: int, why: str = "") -> None:

@@ -20,6 +20,7 @@ from k6serve.api import (
     split_kwargs,
     unsaved_output_keys,
 )
+from k6serve.config import EngineConfig
 from k6serve.models.variants import GENERATION
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import RequestCancelled
@@ -67,6 +68,17 @@ def _variant_before_loading(engine_options: dict[str, Any]):
                                   engine_options.get("load_format"))[0]
 
 
+def _checked_engine_config(engine_options: dict[str, Any], variant) -> EngineConfig:
+    """The engine options built and checked alone, without a request: a prompt file's run checks them once, before
+    its lines, and `check_request_before_loading` with each request."""
+    config = build_engine_config(**engine_options)
+    if variant is not None and variant.family == GENERATION:
+        from k6serve.caching.preflight import check_cache_dit_config_before_loading
+
+        check_cache_dit_config_before_loading(config)  # named as --cache-dit-config, not as the request's params
+    return config
+
+
 def check_request_before_loading(engine_options: dict[str, Any], params: SamplingParams) -> None:
     """Resolve the one request against the model's variant, and open its input file, before the model loads
     (minutes for a real checkpoint): a --seed, --height or --num-inference-steps out of range, a flag of the other
@@ -80,11 +92,10 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
         return
     from k6serve.models.variants import resolve_generate, resolve_upscale
 
-    config = build_engine_config(**engine_options)
+    config = _checked_engine_config(engine_options, variant)
     if variant.family == GENERATION:
-        from k6serve.caching.preflight import check_cache_dit_config_before_loading, dit_blocks_before_loading
+        from k6serve.caching.preflight import dit_blocks_before_loading
 
-        check_cache_dit_config_before_loading(config)  # named as --cache-dit-config, not as the request's params
         request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
                                       cache_dit_unavailable=config.parallel.cache_dit_unavailable,
                                       num_dit_blocks=dit_blocks_before_loading(config.model))
@@ -104,14 +115,6 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
             engine_options["model_path"], engine_options.get("model_id"), engine_options.get("load_format")))
 
 
-def _check_engine_before_loading(engine_options: dict[str, Any]) -> None:
-    """The engine options alone (no request), as `check_request_before_loading` checks them with each request."""
-    config = build_engine_config(**engine_options)
-    variant = _variant_before_loading(engine_options)
-    if variant is not None and variant.family == GENERATION:
-        from k6serve.caching.preflight import check_cache_dit_config_before_loading
-
-        check_cache_dit_config_before_loading(config)
 
 
 def _refuse_text_for_upscaling(params: SamplingParams) -> None:
@@ -330,6 +333,11 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
         if stop.is_set():
             raise RequestCancelled("stopped by Ctrl-C")
 
+    def report_finished(label: str, options: dict[str, Any], result) -> None:
+        progress.done.append((label, result))
+        print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {options['prompt']}", file=sys.stderr)
+        _print_result(result)
+
     def start_next() -> None:
         item = next(queue, None)
         if item is not None:
@@ -350,10 +358,7 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
                     if error is None:
                         error, progress.failed = exc, label
                     continue
-                progress.done.append((label, result))
-                print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {options['prompt']}",
-                      file=sys.stderr)
-                _print_result(result)
+                report_finished(label, options, result)
                 if error is None:
                     start_next()
     except BaseException:
@@ -366,10 +371,7 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
                 result = future.result()
             except Exception:  # noqa: BLE001 - stopped (or failed): not saved, so "not run"
                 continue
-            progress.done.append((label, result))
-            print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {options['prompt']}",
-                  file=sys.stderr)
-            _print_result(result)
+            report_finished(label, options, result)
         raise
     finally:
         pool.shutdown(wait=error is not None)
@@ -392,7 +394,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
         # The engine flags are the run's, not a prompt's: checked once here, an error in them (a --dp-size without
         # the --num-gpus for it, a --cache-dit-config with no block to cache) was reported as "line 1 of
         # --prompt-file-path: ...", sending the user to a prompt that was fine.
-        _check_engine_before_loading(engine_options)
+        _checked_engine_config(engine_options, _variant_before_loading(engine_options))
     checked = []
     for index, (label, options) in enumerate(batch):
         try:
