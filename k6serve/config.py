@@ -7,6 +7,7 @@ combinations raise ValueError with the fix, before any weight is loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -136,14 +137,30 @@ def _layer_patterns(value: object) -> tuple[str, ...]:
     return tuple(part for item in items for part in item.replace(",", " ").split())
 
 
-def _layout_fix(num_gpus: int, product: int, others: int) -> str:
+# The largest Ulysses degree every released DiT's heads divide by: gcd of Pro's 32, Lite's 28 and SR's 28. The
+# config is checked before the model is known, so a suggestion made here must hold for any of them.
+_ULYSSES_FOR_ANY_MODEL = 4
+
+
+def _layout_fix(num_gpus: int, product: int, *, others: int, tp: int, ulysses_given: int, ring_given: int) -> str:
     """What to change when the degrees do not multiply to --num-gpus: the GPU count they need, and where the other
-    degrees divide --num-gpus, the --ulysses-degree that fills it (never a no-op suggestion of the same layout)."""
+    degrees (`others`: dp x cfg x tp) divide --num-gpus, the sequence-parallel degrees that fill it (never a no-op
+    suggestion of the same layout). Ulysses splits heads, so its share is a divisor of every released model's heads;
+    Ring, which has no head constraint, takes the rest (3 GPUs were told --ulysses-degree 3, which the model's heads
+    then refused)."""
     fix = f"Pass --num-gpus {product} for this layout"
-    if num_gpus % others == 0 and num_gpus // others > 1:
-        fix += f", or keep {num_gpus} GPU(s) with --ulysses-degree {num_gpus // others}"
-    elif num_gpus == 1:
-        fix += ", or drop the parallel flags to run on one GPU"
+    degree = num_gpus // others if num_gpus % others == 0 else 0
+    if num_gpus == 1:
+        return fix + ", or drop the parallel flags to run on one GPU."
+    if degree:
+        # Ulysses splits the TP-local heads: under --tp-size 2 every model keeps a multiple of 2 per rank.
+        cap = _ULYSSES_FOR_ANY_MODEL // math.gcd(_ULYSSES_FOR_ANY_MODEL, tp)
+        ulysses = max(d for d in range(1, cap + 1) if cap % d == 0 and degree % d == 0)
+        # A degree already given is restated even at 1, so the command line does not keep the old one.
+        flags = [f"--ulysses-degree {ulysses}"] if ulysses > 1 or ulysses_given > 1 else []
+        flags += [f"--ring-degree {degree // ulysses}"] if degree // ulysses > 1 or ring_given > 1 else []
+        if flags:
+            fix += f", or keep {num_gpus} GPU(s) with {' '.join(flags)}"
     return fix + "."
 
 
@@ -181,7 +198,8 @@ class ParallelConfig:
             raise ValueError(
                 f"world size must equal dp x cfg x tp x ulysses x ring = {self.dp_size} x {cfg} x {self.tp_size} "
                 f"x {self.ulysses_degree} x {self.ring_degree} = {product}, but --num-gpus is {self.num_gpus}. "
-                + _layout_fix(self.num_gpus, product, self.dp_size * cfg * self.tp_size * self.ring_degree)
+                + _layout_fix(self.num_gpus, product, others=self.dp_size * cfg * self.tp_size, tp=self.tp_size,
+                              ulysses_given=self.ulysses_degree, ring_given=self.ring_degree)
             )
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from k6serve.config import ParallelConfig
@@ -81,6 +83,29 @@ def test_suggested_alternatives_are_valid():
     check(LITE, True, tp=2, ulysses=2, ring=2)
     check(PRO, False, ulysses=2)
 
+
+
+def _suggested_degrees(message: str) -> dict[str, int]:
+    flags = dict(re.findall(r"--(ulysses-degree|ring-degree) (\d+)", message.split(" GPU(s) with ")[1]))
+    return {name.split("-")[0]: int(value) for name, value in flags.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("num_gpus", [2, 3, 4, 5, 6, 7, 8])
+def test_a_gpu_count_mismatch_suggests_degrees_every_released_model_takes(num_gpus, tp):
+    """The config is checked before the model is known: its "keep N GPU(s) with ..." must pass each released
+    model's head rules (3 GPUs were told --ulysses-degree 3, which Pro's 32 and Lite's 28 heads then refused)."""
+    if num_gpus % tp:
+        return
+    for given in ({"ulysses_degree": 16}, {"ulysses_degree": 2, "ring_degree": 16}):
+        with pytest.raises(ValueError, match=rf"but --num-gpus is {num_gpus}\. Pass --num-gpus") as refused:
+            ParallelConfig(num_gpus=num_gpus, tp_size=tp, **given)
+        # The command line as the user would run it next: the flags given, those the message names replaced.
+        degrees = {"ulysses": given["ulysses_degree"], "ring": given.get("ring_degree", 1),
+                   **_suggested_degrees(str(refused.value))}
+        assert tp * degrees["ulysses"] * degrees["ring"] == num_gpus, refused.value
+        for plan in (PRO, LITE, SR):
+            check(plan, tp=tp, **degrees)
 
 def _record_new_groups(monkeypatch, world_size):
     """Stand in for torch.distributed's group calls: each new_group returns a fresh tagged object."""
