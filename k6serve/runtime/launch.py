@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -200,12 +201,37 @@ def share_cpu_cores(ranks_on_host: int) -> int:
     return threads
 
 
-def start_process(target: Callable[..., None], args: tuple, *, name: str) -> BaseProcess:
-    """Start `target(*args)` in a fresh interpreter (spawn: CUDA cannot be forked)."""
+def start_process(target: Callable[..., None], args: tuple, *, name: str, block_sigint: bool = False) -> BaseProcess:
+    """Start `target(*args)` in a fresh interpreter (spawn: CUDA cannot be forked).
+
+    `block_sigint`: the child starts with SIGINT blocked, for ranks whose Ctrl-C is the engine's to handle. A
+    terminal's Ctrl-C reaches the whole process group, and a target that ignores SIGINT only does so once its
+    interpreter has booted and imported torch (seconds): a Ctrl-C while the ranks started printed a
+    KeyboardInterrupt traceback from each. The signal mask survives fork and exec, so the child never sees one.
+    """
     process = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
-    with _main_module_hidden():
+    with _main_module_hidden(), (_sigint_blocked() if block_sigint else contextlib.nullcontext()):
         process.start()
     return process
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked for this thread while the block runs; one that arrived meanwhile is delivered at its end (a
+    Ctrl-C in the window is not lost: the caller sees its KeyboardInterrupt right after)."""
+    if not hasattr(signal, "pthread_sigmask"):  # not on Windows, where spawn does not share the console's signal
+        yield
+        return
+    # spawn starts multiprocessing's resource tracker with the first process, and that start unblocks SIGINT in
+    # this thread (it blocks and then unblocks, not restores): started first, the child's start keeps the mask.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

@@ -397,7 +397,8 @@ def _engine_rank_main(*args) -> None:
     """`rank_main` in a process the engine started: Ctrl-C is the engine's to handle.
 
     A terminal's Ctrl-C reaches the whole process group: the ranks died mid-step with a traceback each while the
-    engine, which cancels the request and shuts them down, was still running.
+    engine, which cancels the request and shuts them down, was still running. (They also start with SIGINT
+    blocked, `start_process(block_sigint=True)`, for the seconds before this line runs.)
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank_main(*args)
@@ -478,7 +479,7 @@ class MultiProcessWorker:
             for spec in local_rank_specs(parallel, device_type, store_port=store_port):
                 args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
                         authkey if spec.rank == 0 else None)
-                self._processes[spec.rank] = start_process(_engine_rank_main, args,
+                self._processes[spec.rank] = start_process(_engine_rank_main, args, block_sigint=True,
                                                            name=f"k6serve-rank{spec.rank}")
         self._ids = itertools.count()
         self._idle: list[_Replica] = []

@@ -421,3 +421,27 @@ def test_log_level_debug_reaches_a_rank_process():
                            timeout=300)
     assert debug.returncode == 0, debug.stderr
     assert "[rank 0] DEBUG k6serve.runtime.worker: num_frames 6 is not of the form 4k+1" in debug.stderr
+
+
+def test_a_rank_started_with_sigint_blocked_survives_ctrl_c_while_its_interpreter_boots():
+    """A terminal's Ctrl-C reaches every process of the group, the ranks too, while they still import torch (before
+    they can ignore it): each printed a KeyboardInterrupt traceback. Started with SIGINT blocked, a rank outlives
+    it; the same signal ends a child started without the block, and one sent to the parent during the start is
+    delivered to it after, not lost."""
+    from k6serve.runtime.launch import _sigint_blocked, start_process
+
+    blocked = start_process(time.sleep, (1.0,), name="k6serve-test-blocked", block_sigint=True)
+    unblocked = start_process(time.sleep, (1.0,), name="k6serve-test-unblocked")
+    for process in (blocked, unblocked):
+        os.kill(process.pid, signal.SIGINT)  # during the boot: spawn's child is still starting Python
+    blocked.join(20)
+    unblocked.join(20)
+    assert blocked.exitcode == 0
+    assert unblocked.exitcode != 0
+
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_blocked():
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread, the one blocking it
+            time.sleep(0.05)  # blocked: no KeyboardInterrupt inside the block
+            inside = True
+    assert inside
