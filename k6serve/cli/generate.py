@@ -21,9 +21,15 @@ from k6serve.api import (
     unsaved_output_keys,
 )
 from k6serve.config import EngineConfig
-from k6serve.models.variants import GENERATION
+from k6serve.models.variants import GENERATION, DistilledGuidance
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import RequestCancelled
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `k6serve generate`, with what it stopped, for the CLI's last line ("error: interrupted
+    (Ctrl-C); the request was stopped."): one that came while the MP4 was already saved (the summary printing, the
+    workers shutting down) said the request was stopped, though its video was on disk."""
 
 
 def format_timings(result) -> str:
@@ -96,9 +102,12 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
     if variant.family == GENERATION:
         from k6serve.caching.preflight import dit_blocks_before_loading
 
-        request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
-                                      cache_dit_unavailable=config.parallel.cache_dit_unavailable,
-                                      num_dit_blocks=dit_blocks_before_loading(config.model))
+        try:
+            request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
+                                          cache_dit_unavailable=config.parallel.cache_dit_unavailable,
+                                          num_dit_blocks=dit_blocks_before_loading(config.model))
+        except DistilledGuidance as exc:
+            raise ValueError(exc.flag_wording) from None
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 
@@ -293,6 +302,19 @@ class _Batch:
         self.batch = batch
         self.done: list[tuple[str, Any]] = []
         self.failed: str | None = None
+        self.stopped = 0  # running prompts that a Ctrl-C stopped side by side (in order: `failed` is the one)
+
+    def interrupted(self, *, from_file: bool) -> Interrupted:
+        """What a Ctrl-C stopped, for the CLI's last line."""
+        stopped = self.stopped + (self.failed is not None)
+        if stopped:
+            return Interrupted("; the request was stopped" if not from_file else
+                               f"; the {'request' if stopped == 1 else f'{stopped} requests'} running then "
+                               f"{'was' if stopped == 1 else 'were'} stopped")
+        if not from_file and self.done:
+            return Interrupted(f" after the request finished; {format_summary(self.done[-1][1])}")
+        return Interrupted(" between two prompts; none was running" if from_file and self.done else
+                           " before the request started; nothing was generated")
 
     def report(self) -> str:
         finished = {label for label, _ in self.done}
@@ -370,6 +392,7 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
             try:
                 result = future.result()
             except Exception:  # noqa: BLE001 - stopped (or failed): not saved, so "not run"
+                progress.stopped += 1
                 continue
             report_finished(label, options, result)
         raise
@@ -406,24 +429,30 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             raise ValueError(f"{label} of --prompt-file-path: {exc}") from exc
     progress = _Batch(checked)
     model_path = engine_options.pop("model_path")
-    generator = DiffGenerator.from_cli_options(model_path, **engine_options)
     try:
-        variant = generator.variant
-        if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
-            if from_file:
-                _refuse_prompt_file_for_upscaling()
-            _refuse_text_for_upscaling(params)
-        replicas = generator.engine.num_replicas
-        if from_file and replicas > 1 and len(checked) > 1:
-            _run_side_by_side(generator, progress, replicas)
-        else:
-            _run_in_order(generator, variant, progress, numbered=from_file)
-    except BaseException:
+        generator = DiffGenerator.from_cli_options(model_path, **engine_options)
+    except KeyboardInterrupt as exc:
+        raise Interrupted(" while the model loaded; nothing was generated") from exc
+    try:
+        try:
+            variant = generator.variant
+            if variant.family != GENERATION:  # recognised only now (e.g. a hub id not among the released ones)
+                if from_file:
+                    _refuse_prompt_file_for_upscaling()
+                _refuse_text_for_upscaling(params)
+            replicas = generator.engine.num_replicas
+            if from_file and replicas > 1 and len(checked) > 1:
+                _run_side_by_side(generator, progress, replicas)
+            else:
+                _run_in_order(generator, variant, progress, numbered=from_file)
+        finally:
+            generator.shutdown()  # a Ctrl-C here, after the last video was saved, is told as such below
+    except BaseException as exc:
         if from_file:
             print(progress.report(), file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise progress.interrupted(from_file=from_file) from exc
         raise
-    finally:
-        generator.shutdown()
     if from_file and len(checked) > 1:
         print(_batch_report(progress.done, None, [], len(checked)))
     return 0
@@ -445,5 +474,7 @@ def _run_one(generator: DiffGenerator, variant, options: dict[str, Any]):
         raise ValueError(MissingSourceVideo.FLAG_WORDING) from None
     except MissingPrompt:
         raise ValueError(MissingPrompt.FLAG_WORDING) from None
+    except DistilledGuidance as exc:
+        raise ValueError(exc.flag_wording) from None
     finally:
         bar.close()

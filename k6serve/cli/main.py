@@ -665,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C is the user's choice, not a failure: the engine has cancelled the request and the generator shut
         # its workers down on the way out; a traceback of the wait it interrupted would only hide that.
         _print_traceback(exc, args.log_level)
-        stopped = "; the request was stopped" if args.command == "generate" else ""
+        # generate's says what it stopped (cli/generate.py: Interrupted); a Ctrl-C before it knew, nothing.
+        stopped = str(exc) if args.command == "generate" and type(exc) is not KeyboardInterrupt else ""
         print(f"error: interrupted (Ctrl-C){stopped}.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:

@@ -131,7 +131,8 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
         ("generation", ["--prompt", "x", "--output-file-name", ""], "output_file_name is empty"),
         # A released hub id: refused before a download of the whole checkpoint.
         ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", ["--prompt", "x", "--guidance-scale", "3"],
-         "pro-distill is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0"),
+         "pro-distill is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 (got 3.0); leave "
+         "--guidance-scale out, or use a Pro/Lite checkpoint for CFG."),
     ],
 )
 def test_cli_refuses_a_bad_request_before_loading_the_model(request, no_model_load, tmp_path, capsys, checkpoint,
@@ -500,6 +501,36 @@ def test_cli_ctrl_c_is_one_line_and_exit_130(tiny_distill_dir, tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "error: interrupted (Ctrl-C); the request was stopped." in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_ctrl_c_after_the_video_was_saved_says_so(tiny_distill_dir, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the workers shut down, the MP4 already on disk, said "the request was stopped"; one during
+    the load said the same of a request that never started."""
+    import k6serve.cli.generate as generate_module
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    args = ["generate", "--model-path", str(tiny_distill_dir), "--device", "cpu", "--prompt", "x", "--num-frames",
+            "5", "--height", "32", "--width", "32", "--output-path", str(tmp_path), "--output-file-name", "clip"]
+    shutdown = generate_module.DiffGenerator.shutdown
+
+    def shut_down_then_interrupted(self, *a, **kw):
+        shutdown(self, *a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "shutdown", shut_down_then_interrupted)
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    saved = tmp_path / "clip.mp4"
+    assert saved.is_file()
+    assert err.endswith(f"error: interrupted (Ctrl-C) after the request finished; saved {saved} (32x32, 5 frames, "
+                        "24 fps, with audio).\n"), err
+
+    monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", classmethod(interrupted))
+    assert main([*args, "--output-file-name", "other"]) == 130
+    assert capsys.readouterr().err.endswith(
+        "error: interrupted (Ctrl-C) while the model loaded; nothing was generated.\n")
 
 
 def test_cli_internal_error_is_told_apart_from_user_errors(in_process_cli, tmp_path, monkeypatch, capsys):

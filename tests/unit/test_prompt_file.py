@@ -191,6 +191,7 @@ def test_a_run_stopped_after_a_finished_prompt_names_the_next_one_as_not_run(tin
     err = capsys.readouterr().err
     assert "prompt file: 1 of 2 requests finished, 1 saved\nprompt file: not run: line 2\n" in err
     assert "stopped the run" not in err
+    assert err.endswith("error: interrupted (Ctrl-C) between two prompts; none was running.\n")
 
 
 def test_a_refusal_before_the_load_keeps_its_origin_for_log_level_debug(tiny_distill_dir, tmp_path, no_model_load,
@@ -331,3 +332,4 @@ def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_
     assert sorted(replicas.started) == ["a", "b"] and ended == {"a": "stopped", "b": "stopped"}
     err = capsys.readouterr().err
     assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: not run: line 1, line 2, line 3\n" in err
+    assert err.endswith("error: interrupted (Ctrl-C); the 2 requests running then were stopped.\n")
