@@ -29,9 +29,11 @@ import math
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from k6serve.caching.params import CacheDitParams
+from k6serve.parallel.cfg import cfg_group_of
 from k6serve.parallel.sequence_parallel import sequence_token_sum_of
 
 POSITIVE, NEGATIVE = "positive", "negative"
@@ -107,9 +109,10 @@ class BlockCacheSession:
     """One request's DBCache state; installed as the fused-block stack's runner by `block_cache`."""
 
     def __init__(self, params: CacheDitParams, *, num_steps: int, num_blocks: int,
-                 token_sum: Callable[[Tensor], Tensor]) -> None:
+                 token_sum: Callable[[Tensor], Tensor], cfg_group: dist.ProcessGroup | None = None) -> None:
         params.check_against(num_blocks=num_blocks, num_steps=num_steps)
         self.params = params
+        self.cfg_group = cfg_group
         self.num_steps, self.num_blocks = num_steps, num_blocks
         self.token_sum = token_sum
         self.mask = params.steps_mask(num_steps)
@@ -211,6 +214,23 @@ class BlockCacheSession:
         return diff < threshold
 
     # -- reporting -----------------------------------------------------------------------------------------------
+    def share_branches(self) -> None:
+        """CFG-parallel: each rank of the cfg group ran (and cached) one guidance branch, so the request's note and
+        `cache_dit_cached_calls` named the leader's branch only; take the other rank's cached steps and distances.
+        A collective: every rank of the cfg group calls it, after the denoising loop. Nothing without the group."""
+        if self.cfg_group is None:
+            return
+        records: list[dict | None] = [None] * dist.get_world_size(self.cfg_group)
+        dist.all_gather_object(records, {name: (state.cached_steps, state.residual_diffs)
+                                         for name, state in self.branches.items()}, group=self.cfg_group)
+        for record in records:
+            for name, (cached_steps, residual_diffs) in record.items():
+                if name not in self.branches:
+                    self.branches[name] = BranchState(cached_steps=list(cached_steps),
+                                                      residual_diffs=dict(residual_diffs))
+        # In the order one process runs them: conditional, then unconditional.
+        self.branches = {name: self.branches[name] for name in (POSITIVE, NEGATIVE) if name in self.branches}
+
     @property
     def num_cached_calls(self) -> int:
         return sum(len(state.cached_steps) for state in self.branches.values())
@@ -237,7 +257,7 @@ def block_cache(transformer: nn.Module, params: CacheDitParams, *, num_steps: in
     if stack.runner is not None:
         raise RuntimeError("the DiT's fused-block stack already has a runner; one cached request at a time")
     session = BlockCacheSession(params, num_steps=num_steps, num_blocks=len(transformer.visual_transformer_blocks),
-                                token_sum=sequence_token_sum_of(transformer))
+                                token_sum=sequence_token_sum_of(transformer), cfg_group=cfg_group_of(transformer))
     stack.runner = session
     try:
         yield session

@@ -194,6 +194,8 @@ class TextToVideoPipeline:
                               step_seconds=step_seconds, step_cache=step_cache)
             _sync(m.device)
         timings["denoise"] = time.perf_counter() - start
+        if step_cache is not None:
+            step_cache.share_branches()  # before anything that may raise: a collective over the cfg group
         check_finite_latents(latents, request)
         if step_cache is not None:
             timings["cache_dit_cached_calls"] = float(step_cache.num_cached_calls)
