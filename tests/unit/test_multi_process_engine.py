@@ -39,9 +39,14 @@ def real_config(folder: Path, **parallel) -> EngineConfig:
     )
 
 
+# Bitwise equality needs the same CPU kernels on both sides: ranks split the host's cores (2 ranks on 2 cores: one
+# thread each) while one rank takes them all, and on an AVX2 CPU (AMD EPYC) a matmul's sums depend on its thread
+# count. One thread in every rank, as on a GPU each rank's kernels are the one-GPU kernels.
 @pytest.fixture(scope="module")
 def one_rank_result(tiny_pro_dir):
-    engine = Engine(real_config(tiny_pro_dir))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # read by the spawned rank at its start
+        engine = Engine(real_config(tiny_pro_dir))
     try:
         assert isinstance(engine.worker, MultiProcessWorker) and len(engine.worker.pids) == 1
         return engine.generate(PARAMS, FRAMES_ONLY)
@@ -49,7 +54,9 @@ def one_rank_result(tiny_pro_dir):
         engine.shutdown()
 
 
-def test_ulysses2_engine_equals_one_rank_and_a_killed_rank_fails_the_request(tiny_pro_dir, one_rank_result):
+def test_ulysses2_engine_equals_one_rank_and_a_killed_rank_fails_the_request(tiny_pro_dir, one_rank_result,
+                                                                             monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     engine = Engine(real_config(tiny_pro_dir, num_gpus=2, ulysses_degree=2))
     worker = engine.worker
     try:
