@@ -247,6 +247,25 @@ class MissingSourceVideo(ValueError):
                     "(over HTTP: upload video_reference or give a server-side video_path).")
 
 
+class DistilledGuidance(ValueError):
+    """guidance_scale other than 1.0 for a distilled checkpoint. The message names the request field, as the Python
+    API and the HTTP server take it; the CLI catches this type and says `flag_wording`, which names its flag (an HTTP
+    client was told of `--guidance-scale`, which it never typed)."""
+
+    def __init__(self, message: str, *, flag_wording: str | None = None) -> None:
+        # The message is the one positional argument, as in any ValueError: copy and pickle rebuild it from `args`.
+        super().__init__(message)
+        self.flag_wording = flag_wording or message
+
+    @classmethod
+    def for_variant(cls, variant_name: str, shown: object) -> DistilledGuidance:
+        def refusal(name: str) -> str:
+            return (f"{variant_name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
+                    f"(got {shown}); leave {name} out, or use a Pro/Lite checkpoint for CFG.")
+
+        return cls(refusal("guidance_scale"), flag_wording=refusal("--guidance-scale"))
+
+
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
                      cache_dit_unavailable: str | None = None,
                      num_dit_blocks: int | None = None) -> tuple[GenerateRequest, list[str]]:
@@ -298,11 +317,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         shown = guidance
     guidance = float(guidance) if is_finite_number(guidance) else math.inf  # 10**400: refused below
     if variant.distilled and guidance != 1.0:
-        raise ValueError(
-            f"{variant.name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
-            f"(got {shown}); leave guidance_scale out (--guidance-scale on the command line), or use a Pro/Lite "
-            "checkpoint for CFG."
-        )
+        raise DistilledGuidance.for_variant(variant.name, shown)
     if not math.isfinite(guidance):
         raise ValueError(f"guidance_scale must be a finite number >= 1.0 (1.0 disables CFG), got {shown}")
     if guidance < 1.0:

@@ -75,8 +75,10 @@ def test_same_seed_is_bit_identical_and_other_seed_differs(generator, tmp_path):
 
 
 def test_bad_inputs_fail_with_their_message_and_the_generator_keeps_serving(generator, tmp_path):
-    with pytest.raises(ValueError, match="requires guidance_scale exactly 1.0"):
+    with pytest.raises(ValueError, match="requires guidance_scale exactly 1.0") as refused:
         generator.generate({"prompt": "x", "guidance_scale": 5.0})
+    # A Python caller passes the keyword: the CLI's --guidance-scale is not named.
+    assert str(refused.value).endswith("(got 5.0); leave guidance_scale out, or use a Pro/Lite checkpoint for CFG.")
     with pytest.raises(ValueError, match="multiple of 16"):
         generator.generate({"prompt": "x", "height": 50})
     with pytest.raises(ValueError, match="Unknown sampling parameter"):
@@ -154,7 +156,8 @@ def test_cli_default_name_from_prompt_seed_and_time(tiny_distill_dir, tmp_path, 
 def test_cli_errors_exit_2_with_the_fix(tiny_distill_dir, capsys, tmp_path):
     assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", "x",
                  "--guidance-scale", "5", "--output-path", str(tmp_path)]) == 2
-    assert "requires guidance_scale exactly 1.0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "requires guidance_scale exactly 1.0 (got 5.0); leave --guidance-scale out, or use a Pro/Lite" in err
     assert main(["generate", "--prompt", "x"]) == 2
     assert "--model-path is required" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
