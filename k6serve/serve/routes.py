@@ -20,12 +20,14 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import timezone
+from email.utils import parsedate_to_datetime
 from stat import S_ISREG
 from typing import Any, BinaryIO, Literal
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
@@ -490,11 +492,44 @@ class _Unsatisfiable(Exception):
 
 # RFC 9110 14.1.1: int-range ("first-last", "first-") or suffix-range ("-length"), ASCII digits only.
 _RANGE_SPEC = re.compile(r"[0-9]+-[0-9]*|-[0-9]+")
+# An entity-tag, weak (W/) or strong (RFC 9110 8.8.3). Its opaque part may hold a comma, so an If-None-Match list is
+# read tag by tag rather than split on commas.
+_ENTITY_TAG = re.compile(r'(W/)?"([^"]*)"')
+# What a 304 keeps of the 200's headers (RFC 9110 15.4.5): those a cache refreshes its stored copy with. The body's
+# own (Content-Length, Content-Type, Content-Disposition, Accept-Ranges) would describe a body that is not sent.
+_NOT_MODIFIED_HEADERS = frozenset({"cache-control", "content-location", "date", "etag", "expires", "last-modified",
+                                   "vary"})
+
+
+def _matches_any_tag(if_none_match: str, etag: str) -> bool:
+    """If-None-Match's weak comparison (RFC 9110 13.1.2): whether the list names `etag`, W/ or not; `*` names any
+    file, and the route answers only for one that exists."""
+    if any(item.strip(" \t") == "*" for item in if_none_match.split(",")):
+        return True
+    ours = _ENTITY_TAG.fullmatch(etag).group(2)
+    return any(tag.group(2) == ours for tag in _ENTITY_TAG.finditer(if_none_match))
+
+
+def _not_modified_since(if_modified_since: str, mtime: float) -> bool:
+    """Whether the file is not newer than the If-Modified-Since date; False for a date that cannot be read, which
+    RFC 9110 (13.1.3) says to ignore. Last-Modified shows whole seconds, so the file's time is compared as such."""
+    try:
+        since = parsedate_to_datetime(if_modified_since)
+    except ValueError:
+        return False
+    if since.tzinfo is None:  # the asctime form carries no zone: HTTP dates are GMT
+        since = since.replace(tzinfo=timezone.utc)
+    return int(mtime) <= since.timestamp()
 
 
 class VideoFileResponse(FileResponse):
     """Starlette's FileResponse with RFC 9110 Range errors: an unparsable Range (or another unit than bytes) is
     ignored and the whole file sent, as the RFC asks, instead of a text/plain 400; 416 carries an OpenAI body.
+
+    With conditional requests too, which Starlette's FileResponse ignores (it sent the whole file again to a client
+    or cache revalidating its copy): 304 Not Modified when If-None-Match names the file's ETag, or, without
+    If-None-Match, when the file is not newer than If-Modified-Since (RFC 9110 13.2.2). A request that does not
+    match goes on to Range and If-Range as before. The route passes `stat_result`, which the ETag comes from.
 
     It sends the file the route opened (`file`), not the one its path names when the body starts: Starlette opens
     the path only after the 200 and its Content-Length are sent, so a DELETE landing in between (another client, or
@@ -529,9 +564,19 @@ class VideoFileResponse(FileResponse):
         except RangeNotSatisfiable as exc:
             raise _Unsatisfiable(exc.max_size) from None
 
+    def _not_modified(self, request: Headers) -> bool:
+        if "if-none-match" in request:  # then If-Modified-Since is ignored, even when no tag matches
+            return _matches_any_tag(",".join(request.getlist("if-none-match")), self.headers["etag"])
+        if_modified_since = request.get("if-modified-since")
+        return if_modified_since is not None and _not_modified_since(if_modified_since, self.stat_result.st_mtime)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self._not_modified(Headers(scope=scope)):
+                kept = {name: value for name, value in self.headers.items() if name in _NOT_MODIFIED_HEADERS}
+                await Response(status_code=304, headers=kept)(scope, receive, send)
+            else:
+                await super().__call__(scope, receive, send)
         except _Unsatisfiable as exc:  # raised while parsing the header, before anything was sent
             response = error_response(ApiError(
                 416, f"The Range {Headers(scope=scope).get('range')!r} is outside the file (bytes 0-"
@@ -544,7 +589,9 @@ class VideoFileResponse(FileResponse):
 
 
 @router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": {"video/mp4": {}}},
-                                                         206: {"description": "Partial content (Range)"}},
+                                                         206: {"description": "Partial content (Range)"},
+                                                         304: {"description": "Not modified (If-None-Match, "
+                                                                              "If-Modified-Since)"}},
             response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)")
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from email.utils import formatdate, parsedate_to_datetime
 
 import av
 import numpy as np
@@ -152,6 +153,76 @@ def test_head_on_content_gives_the_headers(fake_client):
     assert head.headers["content-length"] == str(len(full.content))
     assert head.headers["content-type"] == "video/mp4" and head.headers["accept-ranges"] == "bytes"
     assert fake_client.head("/v1/videos/video_nope/content").status_code == 404
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+@pytest.mark.parametrize("if_none_match", ["{etag}", "*", '"other", {etag} , "more"', "W/{etag}", '"a,b", W/{etag}'])
+def test_a_matching_if_none_match_is_304_without_a_body(fake_client, method, if_none_match):
+    # Starlette's FileResponse sent an ETag but ignored If-None-Match: a client or cache revalidating its copy got
+    # the whole MP4 again, every time.
+    video_id = _completed(fake_client)
+    full = fake_client.get(f"/v1/videos/{video_id}/content")
+    etag = full.headers["etag"]
+    response = fake_client.request(method, f"/v1/videos/{video_id}/content",
+                                   headers={"If-None-Match": if_none_match.format(etag=etag)})
+    assert response.status_code == 304 and response.content == b""
+    # What a cache refreshes its copy with stays; what describes the body that is not sent goes.
+    assert response.headers["etag"] == etag and response.headers["last-modified"] == full.headers["last-modified"]
+    for name in ("content-length", "content-type", "content-disposition", "accept-ranges"):
+        assert name not in response.headers, name
+
+
+@pytest.mark.parametrize("if_none_match", ['"other"', 'W/"other", "more"', "", "{altered}", "W/{altered}"])
+def test_an_if_none_match_naming_another_tag_gets_the_file(fake_client, if_none_match):
+    video_id = _completed(fake_client)
+    full = fake_client.get(f"/v1/videos/{video_id}/content")
+    etag = full.headers["etag"]
+    sent = {"If-None-Match": if_none_match.format(altered=etag[:-2] + ("0" if etag[-2] != "0" else "1") + '"')}
+    response = fake_client.get(f"/v1/videos/{video_id}/content", headers=sent)
+    assert response.status_code == 200 and response.content == full.content
+    assert response.headers["content-type"] == "video/mp4"
+    assert response.headers["content-length"] == str(len(full.content))
+    # Range and If-Range go on as without the condition.
+    part = fake_client.get(f"/v1/videos/{video_id}/content", headers={**sent, "Range": "bytes=2-5"})
+    assert part.status_code == 206 and part.content == full.content[2:6]
+    stale = fake_client.get(f"/v1/videos/{video_id}/content",
+                            headers={**sent, "Range": "bytes=2-5", "If-Range": '"stale"'})
+    assert stale.status_code == 200 and stale.content == full.content
+
+
+def test_if_modified_since_is_304_unless_the_file_is_newer(fake_client):
+    video_id = _completed(fake_client)
+    url = f"/v1/videos/{video_id}/content"
+    full = fake_client.get(url)
+    last_modified = full.headers["last-modified"]
+    modified_at = parsedate_to_datetime(last_modified).timestamp()
+    asctime = parsedate_to_datetime(last_modified).strftime("%a %b %d %H:%M:%S %Y")  # no zone: GMT
+    for since in (last_modified, formatdate(modified_at + 3600, usegmt=True), asctime):
+        response = fake_client.get(url, headers={"If-Modified-Since": since})
+        assert response.status_code == 304 and response.content == b"", since
+        assert response.headers["last-modified"] == last_modified and response.headers["etag"] == full.headers["etag"]
+    head = fake_client.head(url, headers={"If-Modified-Since": last_modified})
+    assert head.status_code == 304 and "content-length" not in head.headers
+    # Newer than the date, or a date that cannot be read (ignored, RFC 9110 13.1.3): the file.
+    for since in (formatdate(modified_at - 1, usegmt=True), "yesterday", "Sun, 06 Nov 1994 25:49:37 GMT"):
+        response = fake_client.get(url, headers={"If-Modified-Since": since})
+        assert response.status_code == 200 and response.content == full.content, since
+
+
+def test_if_none_match_takes_precedence_over_if_modified_since(fake_client):
+    # RFC 9110 13.2.2: with If-None-Match sent, If-Modified-Since is not looked at, whichever way it would answer.
+    video_id = _completed(fake_client)
+    url = f"/v1/videos/{video_id}/content"
+    full = fake_client.get(url)
+    etag, last_modified = full.headers["etag"], full.headers["last-modified"]
+    earlier = formatdate(parsedate_to_datetime(last_modified).timestamp() - 60, usegmt=True)
+    other = fake_client.get(url, headers={"If-None-Match": '"other"', "If-Modified-Since": last_modified})
+    assert other.status_code == 200 and other.content == full.content
+    same = fake_client.get(url, headers={"If-None-Match": etag, "If-Modified-Since": earlier})
+    assert same.status_code == 304 and same.content == b""
+    # The condition comes before Range (13.2.2): a cached copy is not sent again in part either.
+    ranged = fake_client.get(url, headers={"If-None-Match": etag, "Range": "bytes=0-3"})
+    assert ranged.status_code == 304 and ranged.content == b""
 
 
 def test_head_on_health_answers_as_get_does(fake_client):
@@ -439,7 +510,9 @@ def test_a_requeued_job_has_no_started_at(tmp_path):
 
 
 def test_the_distilled_guidance_error_names_the_body_field(fake_client):
-    # It said "drop --guidance-scale", a flag an HTTP client does not have.
+    # It said "drop --guidance-scale", then "(--guidance-scale on the command line)": flags an HTTP client never typed.
     error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "guidance_scale": 5.0}), 400,
                           param="guidance_scale", code="invalid_parameter")
-    assert "leave guidance_scale out" in error["message"] and "drop --guidance-scale" not in error["message"]
+    assert error["message"].endswith("requires guidance_scale exactly 1.0 (got 5.0); leave guidance_scale out, or "
+                                     "use a Pro/Lite checkpoint for CFG.")
+    assert "--" not in error["message"] and "command line" not in error["message"]
