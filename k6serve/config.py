@@ -319,8 +319,9 @@ class RuntimeConfig:
     # The seed's SR decode flags (`--vae-config.use-parallel-tiling`, `--vae-config.use-parallel-decode`,
     # `--vae-config.parallel-decode-mode`). A multi-GPU SR replica decodes whole tiles in parallel by default
     # (parallel/tile_decode.py; bitwise equal to serial); spatial_shard splits each tile's height across the GPUs
-    # instead (parallel/spatial_shard_decode.py; changes the rounding); use-parallel-tiling false has every GPU
-    # decode every tile, as in the reference (`sr_decode_mode`). One GPU or a generation model: nothing to choose.
+    # instead (parallel/spatial_shard_decode.py; changes the rounding); use-parallel-tiling false, every GPU
+    # decoding every tile in the reference, has the same frames and is decoded as whole tiles (`sr_decode_mode`).
+    # One GPU or a generation model: nothing to choose, as in the reference.
     vae_parallel_tiling: bool | None = None
     vae_parallel_decode: bool | None = None
     vae_parallel_decode_mode: str | None = None

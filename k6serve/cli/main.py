@@ -131,8 +131,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                               "Requests may turn it off (enable_cache_dit false) or change settings.")),
     ("vae_parallel_tiling", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: decode "
                              "whole tiles in parallel (true: the default there, bitwise equal to serial decode). "
-                             "false: every GPU decodes every tile, as in the reference (the same frames, slower; "
-                             "spatial_shard takes precedence).")),
+                             "false, every GPU decoding every tile in the reference, gives the same frames and is "
+                             "decoded as true, with a warning.")),
     ("vae_parallel_decode", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: true "
                              "with --vae-config.parallel-decode-mode spatial_shard splits each tile's height across "
                              "the GPUs; false keeps whole tiles.")),

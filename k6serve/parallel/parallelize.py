@@ -89,5 +89,5 @@ def parallelize_sr_models(models, groups: ParallelGroups, *, model_name: str, de
         attach_decode_group(models.vae, groups.replica_group)
         logger.info("SR decode: whole tiles round-robin across the replica's %d ranks (bitwise equal to serial)",
                     groups.layout.replica_size)
-    elif decode != SERIAL:  # serial: every rank decodes every tile (--vae-config.use-parallel-tiling false)
+    elif decode != SERIAL:  # serial: a replica of one rank, nothing to spread
         raise ValueError(f"decode must be {WHOLE_TILE!r}, {SPATIAL_SHARD!r} or {SERIAL!r}, got {decode!r}")

@@ -26,8 +26,8 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
     """The SR decode the seed's `--vae-config.*` flags choose on a replica of `replica_size` ranks: "serial" (one
     GPU, or a generation model: nothing to choose, as in the reference), "spatial_shard" (each tile's height split
     across the ranks, parallel/spatial_shard_decode.py; it takes precedence, as in the reference) or "whole_tile"
-    (the default of a multi-GPU SR replica, bitwise equal to serial); `use-parallel-tiling false` alone keeps the
-    reference's serial decode on every rank, with a warning that it only costs time."""
+    (the default of a multi-GPU SR replica, bitwise equal to serial; `use-parallel-tiling false`, every GPU decoding
+    every tile in the reference, gives the same frames and is taken as whole_tile with a warning)."""
     if not super_resolution or replica_size == 1:
         given = _given_decode_flags(runtime)
         if given:
@@ -50,13 +50,13 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
                 "time per tile, frames differ from serial decode by rounding). Add that flag, or drop the mode to "
                 "decode whole tiles in parallel, bitwise equal to serial.")
     if runtime.vae_parallel_tiling is False:
-        # The reference's own choice, taken as asked (it was refused, so its command lines failed here): each rank
-        # decodes every tile, the same frames as the default whole-tile decode, only slower.
-        logger.warning("--vae-config.use-parallel-tiling false: every GPU of the replica decodes every tile, as in "
-                       "the reference; the frames are the same as the default parallel decode's (whole tiles "
-                       "spread over the GPUs, bit for bit equal), which takes about 1/%d of the decode time. Drop the "
-                       "flag (or set it true) for that.", replica_size)
-        return SERIAL
+        # The reference's choice, every rank decoding every tile, has the frames of the whole-tile decode bit for bit,
+        # so it is accepted and decoded that way, in less time: it was refused, and the reference's command lines
+        # failed here. (Serial on several ranks is not offered: the leader streams its decode into the MP4 and the
+        # others do not, so their cancellation checks, each a collective, would not pair up.)
+        logger.warning("--vae-config.use-parallel-tiling false (every GPU decoding every tile) is taken as the "
+                       "parallel whole-tile decode: the same frames bit for bit, in about 1/%d of the decode time "
+                       "across this replica's GPUs.", replica_size)
     return WHOLE_TILE
 
 

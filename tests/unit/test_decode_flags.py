@@ -1,7 +1,7 @@
 """The seed's `--vae-config.*` SR decode flags: on a multi-GPU SR replica they choose whole tiles decoded in parallel
 (the default, bitwise equal to serial) or each tile's height split across the GPUs (spatial_shard); elsewhere (one
-GPU, a generation model) they choose nothing; every GPU decoding every tile, the reference's choice, is taken with
-a warning that it only costs time."""
+GPU, a generation model) they choose nothing; every GPU decoding every tile, the reference's choice, has the same
+frames and is decoded as whole tiles, with a warning."""
 
 from __future__ import annotations
 
@@ -65,18 +65,20 @@ def test_the_decode_each_choice_selects():
     assert mode(replica_size=1, vae_parallel_tiling=False) == SERIAL
 
 
-def test_every_gpu_decoding_every_tile_is_taken_as_asked_with_a_warning(caplog):
-    """The reference's --vae-config.use-parallel-tiling false was refused, so its command lines failed here: it is
-    the serial decode on every rank (the same frames, tests/parity/test_spatial_shard_decode.py), said to be slower."""
-    from k6serve.parallel.tile_decode import SERIAL
+def test_every_gpu_decoding_every_tile_is_decoded_as_whole_tiles_with_a_warning(caplog):
+    """The reference's --vae-config.use-parallel-tiling false was refused, so its command lines failed here. Its
+    frames are the whole-tile decode's bit for bit (tests/parity/test_parallel_models.py: whole-tile equals serial),
+    so it is accepted and said to be decoded that way."""
+    from k6serve.parallel.tile_decode import SPATIAL_SHARD, WHOLE_TILE
 
     runtime = _runtime(vae_parallel_tiling=False)
     with caplog.at_level("WARNING", logger="k6serve.parallel.tile_decode"):
-        assert sr_decode_mode(runtime, replica_size=4, super_resolution=True) == SERIAL
+        assert sr_decode_mode(runtime, replica_size=4, super_resolution=True) == WHOLE_TILE
     assert [record.getMessage() for record in caplog.records] == [
-        "--vae-config.use-parallel-tiling false: every GPU of the replica decodes every tile, as in the reference; the "
-        "frames are the same as the default parallel decode's (whole tiles spread over the GPUs, bit for bit equal), "
-        "which takes about 1/4 of the decode time. Drop the flag (or set it true) for that."]
+        "--vae-config.use-parallel-tiling false (every GPU decoding every tile) is taken as the parallel whole-tile "
+        "decode: the same frames bit for bit, in about 1/4 of the decode time across this replica's GPUs."]
+    spatial = _runtime(vae_parallel_tiling=False, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
+    assert sr_decode_mode(spatial, replica_size=2, super_resolution=True) == SPATIAL_SHARD
 
 
 @pytest.mark.parametrize(("replica_size", "super_resolution", "where"), [
