@@ -515,7 +515,7 @@ def _not_modified_since(if_modified_since: str, mtime: float) -> bool:
     RFC 9110 (13.1.3) says to ignore. Last-Modified shows whole seconds, so the file's time is compared as such."""
     try:
         since = parsedate_to_datetime(if_modified_since)
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):  # a year of 20 digits overflows: it was a 500
         return False
     if since.tzinfo is None:  # the asctime form carries no zone: HTTP dates are GMT
         since = since.replace(tzinfo=timezone.utc)
@@ -528,8 +528,9 @@ class VideoFileResponse(FileResponse):
 
     With conditional requests too, which Starlette's FileResponse ignores (it sent the whole file again to a client
     or cache revalidating its copy): 304 Not Modified when If-None-Match names the file's ETag, or, without
-    If-None-Match, when the file is not newer than If-Modified-Since (RFC 9110 13.2.2). A request that does not
-    match goes on to Range and If-Range as before. The route passes `stat_result`, which the ETag comes from.
+    If-None-Match, when the file is not newer than If-Modified-Since (the precedence of RFC 9110 13.2.2; If-Match
+    and If-Unmodified-Since, for requests that change state, are not evaluated). A request that does not match goes
+    on to Range and If-Range as before. The route passes `stat_result`, which the ETag comes from.
 
     It sends the file the route opened (`file`), not the one its path names when the body starts: Starlette opens
     the path only after the 200 and its Content-Length are sent, so a DELETE landing in between (another client, or
