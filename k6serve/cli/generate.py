@@ -302,19 +302,28 @@ class _Batch:
         self.batch = batch
         self.done: list[tuple[str, Any]] = []
         self.failed: str | None = None
-        self.stopped = 0  # running prompts that a Ctrl-C stopped side by side (in order: `failed` is the one)
+        # Side by side (--dp-size): `failed` is the prompt that failed, `error` its error, `stopped` the running
+        # prompts a Ctrl-C stopped. In order, `failed` is the prompt running, which a Ctrl-C stops.
+        self.side_by_side = False
+        self.error: BaseException | None = None
+        self.stopped = 0
 
     def interrupted(self, *, from_file: bool) -> Interrupted:
         """What a Ctrl-C stopped, for the CLI's last line."""
-        stopped = self.stopped + (self.failed is not None)
+        stopped = self.stopped if self.side_by_side else int(self.failed is not None)
+        # An error side by side waits for the running prompts to finish; a Ctrl-C then must not hide it.
+        failed_before = f"; {self.failed} had failed before it: {self.error}" if self.error is not None else ""
         if stopped:
-            return Interrupted("; the request was stopped" if not from_file else
-                               f"; the {'request' if stopped == 1 else f'{stopped} requests'} running then "
-                               f"{'was' if stopped == 1 else 'were'} stopped")
-        if not from_file and self.done:
-            return Interrupted(f" after the request finished; {format_summary(self.done[-1][1])}")
-        return Interrupted(" between two prompts; none was running" if from_file and self.done else
-                           " before the request started; nothing was generated")
+            return Interrupted(("; the request was stopped" if not from_file else
+                                f"; the {'request' if stopped == 1 else f'{stopped} requests'} running then "
+                                f"{'was' if stopped == 1 else 'were'} stopped") + failed_before)
+        if not from_file:
+            return Interrupted(f" after the request finished; {format_summary(self.done[-1][1])}" if self.done else
+                               " before the request started; nothing was generated")
+        if len(self.done) == len(self.batch):
+            return Interrupted(" after the last prompt finished; every video is kept")
+        return Interrupted((" between two prompts; none was running" if self.done or failed_before else
+                            " before the first prompt started; nothing was generated") + failed_before)
 
     def report(self) -> str:
         finished = {label for label, _ in self.done}
@@ -342,6 +351,7 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
 
     print(f"prompt file: {len(progress.batch)} prompts, {replicas} at a time (--dp-size {replicas}); no progress "
           "bars", file=sys.stderr)
+    progress.side_by_side = True
     queue = iter(progress.batch)
     error: BaseException | None = None
     running: dict = {}
@@ -378,7 +388,8 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
                     result = future.result()
                 except Exception as exc:  # noqa: BLE001 - the first is raised once the running ones finish
                     if error is None:
-                        error, progress.failed = exc, label
+                        error = progress.error = exc
+                        progress.failed = label
                     continue
                 report_finished(label, options, result)
                 if error is None:

@@ -4,6 +4,8 @@ tiny distilled checkpoint in process)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from k6serve import DiffGenerator
@@ -333,3 +335,56 @@ def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_
     err = capsys.readouterr().err
     assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: not run: line 1, line 2, line 3\n" in err
     assert err.endswith("error: interrupted (Ctrl-C); the 2 requests running then were stopped.\n")
+
+
+def test_ctrl_c_after_every_prompt_finished_says_every_video_is_kept(tiny_distill_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    # While the workers shut down after the last prompt: "between two prompts" named a prompt that did not exist.
+    replicas = _with_replicas(monkeypatch)
+
+    def interrupted_shutdown():
+        replicas.shut = True
+        raise KeyboardInterrupt
+
+    replicas.shutdown = interrupted_shutdown
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 130
+    err = capsys.readouterr().err
+    assert "prompt file: 2 of 2 requests finished, 2 saved\n" in err
+    assert err.endswith("error: interrupted (Ctrl-C) after the last prompt finished; every video is kept.\n")
+
+
+def test_with_two_replicas_ctrl_c_after_a_failure_names_the_failure_too(tiny_distill_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    # Side by side a failure waits for the running prompt; a Ctrl-C then counted the failed prompt as stopped ("the
+    # 2 requests running then were stopped") and its error was never printed.
+    import _thread
+    import time
+    from types import SimpleNamespace
+
+    replicas = _with_replicas(monkeypatch)
+    failed = threading.Event()
+
+    def generate(options, on_progress=None):
+        if options["prompt"] == "fail":
+            failed.set()
+            raise RuntimeError("the replica's GPU fell off the bus")
+        for step in range(1, 301):  # 3 s unless stopped
+            if step == 5:
+                failed.wait(5)
+                time.sleep(0.2)  # the main thread has taken the failure
+                _thread.interrupt_main()
+            time.sleep(0.01)
+            on_progress(step, 300)
+        return SimpleNamespace(notes=[], timings={"total": 3.0}, peak_memory_mb=1.0, num_frames=5, width=32,
+                               height=32, fps=24.0, has_audio=True, output_file_path="out/slow.mp4")
+
+    replicas.generate = generate
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("slow\nfail\nnever\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 130
+    err = capsys.readouterr().err
+    assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: line 2 stopped the run" in err
+    assert err.endswith("error: interrupted (Ctrl-C); the request running then was stopped; line 2 had failed "
+                        "before it: the replica's GPU fell off the bus.\n")
