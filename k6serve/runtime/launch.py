@@ -210,8 +210,15 @@ def start_process(target: Callable[..., None], args: tuple, *, name: str, block_
     KeyboardInterrupt traceback from each. The signal mask survives fork and exec, so the child never sees one.
     """
     process = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
-    with _main_module_hidden(), (_sigint_blocked() if block_sigint else contextlib.nullcontext()):
-        process.start()
+    try:
+        with _main_module_hidden(), (_sigint_blocked() if block_sigint else contextlib.nullcontext()):
+            process.start()
+    except BaseException:
+        # A Ctrl-C held back while the child started arrives as the mask is restored, before the caller could keep
+        # the process to stop it: stop it here (SIGTERM; SIGINT is blocked there).
+        if process.pid is not None:
+            stop_processes([process], grace_s=0.0)
+        raise
     return process
 
 

@@ -463,34 +463,18 @@ class MultiProcessWorker:
         self._rank0_thread: threading.Thread | None = None
         self._store: dist.TCPStore | None = None  # the ranks' rendezvous server when this process holds it
         self._death_notes: dict[int, str] = {}  # replica index -> how it died, for dead_replicas()
-        if torchrun is not None:
-            # This process is global rank 0 as well as the engine: run its rank loop on a thread.
-            self._rank0_thread = threading.Thread(
-                target=rank_main, args=(torchrun, config, build_rank_worker, address, authkey),
-                name="k6serve-rank0", daemon=True,
-            )
-            self._rank0_thread.start()
-        else:
-            # One host and no --dist-init-addr: this process binds the rendezvous port itself (no race with other
-            # programs for a port chosen free); the store must outlive the ranks' process groups.
-            if not many_hosts and parallel.dist_init_addr is None:
-                self._store = rendezvous_store(parallel.dist_timeout_s)
-            store_port = None if self._store is None else self._store.port
-            for spec in local_rank_specs(parallel, device_type, store_port=store_port):
-                args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
-                        authkey if spec.rank == 0 else None)
-                self._processes[spec.rank] = start_process(_engine_rank_main, args, block_sigint=True,
-                                                           name=f"k6serve-rank{spec.rank}")
         self._ids = itertools.count()
         self._idle: list[_Replica] = []
         self._replicas: list[_Replica] = []
         self._changed = threading.Condition()
         self._closed = False  # set by close(): requests then fail as shut down, not as crashed
         try:
+            self._start_ranks(torchrun, config, build_rank_worker, address, authkey, many_hosts, device_type)
             self._replicas = self._wait_until_ready(parallel.dist_timeout_s)
         except BaseException:
-            # The ranks ignore SIGINT and have no connection to be told to stop on: a Ctrl-C while they load must
-            # not wait out the usual grace before they are terminated.
+            # The ranks ignore SIGINT and have no connection to be told to stop on: a Ctrl-C while they start or
+            # load must not wait out the usual grace before they are terminated (nor leave the ones already
+            # started, the listener and the rendezvous store behind in a notebook that goes on).
             self.close(timeout_s=2.0)
             raise
         self._idle = list(self._replicas)
@@ -784,6 +768,28 @@ class MultiProcessWorker:
             f"request {request_id} failed: worker replica {replica.index} (ranks {ranks}) died while running "
             f"it: {'; '.join(dead)}{'. ' + detail if detail else ''}. The replica was shut down; "
             f"{remaining} replica(s) still serving.", ranks)
+
+    def _start_ranks(self, torchrun, config: EngineConfig, build_rank_worker: RankWorkerFactory, address,
+                     authkey: bytes, many_hosts: bool, device_type: str) -> None:
+        parallel = config.parallel
+        if torchrun is not None:
+            # This process is global rank 0 as well as the engine: run its rank loop on a thread.
+            self._rank0_thread = threading.Thread(
+                target=rank_main, args=(torchrun, config, build_rank_worker, address, authkey),
+                name="k6serve-rank0", daemon=True,
+            )
+            self._rank0_thread.start()
+            return
+        # One host and no --dist-init-addr: this process binds the rendezvous port itself (no race with other
+        # programs for a port chosen free); the store must outlive the ranks' process groups.
+        if not many_hosts and parallel.dist_init_addr is None:
+            self._store = rendezvous_store(parallel.dist_timeout_s)
+        store_port = None if self._store is None else self._store.port
+        for spec in local_rank_specs(parallel, device_type, store_port=store_port):
+            args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
+                    authkey if spec.rank == 0 else None)
+            self._processes[spec.rank] = start_process(_engine_rank_main, args, block_sigint=True,
+                                                       name=f"k6serve-rank{spec.rank}")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every replica to shut down, then stop whatever is still running."""

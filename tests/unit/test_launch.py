@@ -445,3 +445,24 @@ def test_a_rank_started_with_sigint_blocked_survives_ctrl_c_while_its_interprete
             time.sleep(0.05)  # blocked: no KeyboardInterrupt inside the block
             inside = True
     assert inside
+
+
+def test_a_ctrl_c_held_back_while_a_rank_started_stops_that_rank(monkeypatch):
+    """The Ctrl-C that arrives while SIGINT is blocked is raised as the mask is restored, inside `start_process`,
+    before the caller holds the process: the rank must not be left running (in a notebook that goes on)."""
+    import multiprocessing.process
+
+    from k6serve.runtime import launch
+
+    start = multiprocessing.process.BaseProcess.start
+    started = []
+
+    def start_then_ctrl_c(self):
+        start(self)
+        started.append(self)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # pending until the mask is restored
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        launch.start_process(time.sleep, (30.0,), name="k6serve-test-interrupted", block_sigint=True)
+    assert len(started) == 1 and not started[0].is_alive()
