@@ -10,10 +10,9 @@ frames + the reference frame: 45 video tokens both, not a multiple of 2 or 4, an
 the reference frame (tokens 30-44) crosses a shard boundary.
 
 Tolerances (docs/parallelism.md): Ulysses, CFG-parallel, FSDP and FSDP x Ulysses/CFG are bitwise; Ring, TP and their
-combinations and encoder folding reorder sums and are held to 2e-5 relative (max |diff| <= 2e-5 * max |ref|) of the
-frames and the waveform after two steps, the VAE and the vocoder (1e-5 until an AVX2 CPU, AMD EPYC, put the
-waveform of encoder folding and of TP with DoRA at 1.03-1.29e-5; the DiT layers themselves are held to 1e-5 in
-test_parallel_primitives).
+combinations and encoder folding reorder sums and are held to 1e-5 relative (max |diff| <= 1e-5 * max |ref|), the
+waveform to 2e-5: the vocoder amplifies the latents' differences, and on an AVX2 CPU (AMD EPYC) encoder folding and
+TP with DoRA put it at 1.03-1.29e-5.
 """
 
 from __future__ import annotations
@@ -120,13 +119,16 @@ def _applied(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
-def _assert_matches(parallel: np.ndarray, reference: np.ndarray, tolerance: str) -> None:
+WAVEFORM_BOUND = 2e-5  # relative, for CLOSE layouts (the module docstring says why)
+
+
+def _assert_matches(parallel: np.ndarray, reference: np.ndarray, tolerance: str, bound: float = 1e-5) -> None:
     assert parallel.shape == reference.shape
     if tolerance == EXACT:
         assert np.array_equal(parallel, reference), np.abs(parallel - reference).max()
     else:
         difference = np.abs(parallel.astype(np.float64) - reference).max()
-        assert difference <= 2e-5 * np.abs(reference).max(), difference
+        assert difference <= bound * np.abs(reference).max(), difference
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +176,7 @@ def test_generation_matches_one_process(pool, checkpoint, requests, references, 
     for frames, audio, applied in pool.run(_generate_task, checkpoint, layout, encoder_parallel,
                                            requests[request_name]):
         _assert_matches(frames, reference_frames, tolerance)
-        _assert_matches(audio, reference_audio, tolerance)
+        _assert_matches(audio, reference_audio, tolerance, bound=WAVEFORM_BOUND)
         num_blocks = 2  # the tiny DiT's fused blocks: one video_self and one audio_from_video each
         sequence_parallel = layout.sequence_degree > 1
         assert applied["sharded_attention"] == applied["gather_kv_attention"] == num_blocks * sequence_parallel
@@ -217,7 +219,7 @@ def test_quantized_generation_matches_one_process(pool, checkpoint, requests, re
             pool.run(_quantized_generate_task, checkpoint, layout, requests["t2av"]), layout):
         assert count == quantized
         _assert_matches(frames, reference_frames, tolerance)
-        _assert_matches(audio, reference_audio, tolerance)
+        _assert_matches(audio, reference_audio, tolerance, bound=WAVEFORM_BOUND)
 
 
 def _fold_layout_task(folder: Path):
@@ -494,7 +496,7 @@ def test_cached_generation_decides_as_one_process(pool, checkpoint, layout_name)
         # CFG-parallel: each rank runs (and caches) one branch, and the note names both (it named the rank's own).
         assert cached == reference_cached
         _assert_matches(frames, reference_frames, tolerance)
-        _assert_matches(audio, reference_audio, tolerance)
+        _assert_matches(audio, reference_audio, tolerance, bound=WAVEFORM_BOUND)
 
 
 def _cache_switch_task(folder: Path, layout: ParallelLayout | None):
@@ -536,7 +538,7 @@ def test_cache_dit_switches_per_request_under_fsdp_ulysses(pool, checkpoint):
         for (frames, audio, steps), (ref_frames, ref_audio, ref_steps) in zip(results, reference, strict=True):
             assert steps == ref_steps
             _assert_matches(frames, ref_frames, EXACT)
-            _assert_matches(audio, ref_audio, EXACT)
+            _assert_matches(audio, ref_audio, EXACT, bound=WAVEFORM_BOUND)
 
 
 # LoRA on sharded weights: column-parallel (the video FFN's input, a self-attention key, colwise under TP),
@@ -639,7 +641,7 @@ def test_lora_on_sharded_weights_matches_one_process(pool, checkpoint, lora_adap
     for frames, audio, (restored, layouts) in first_replica_results(
             pool.run(_lora_task, checkpoint, layout, lora_adapter, mode), layout):
         _assert_matches(frames, reference_frames, tolerance)
-        _assert_matches(audio, reference_audio, tolerance)
+        _assert_matches(audio, reference_audio, tolerance, bound=WAVEFORM_BOUND)
         assert restored and layouts == expected
 
 
@@ -700,12 +702,12 @@ def test_lora_dora_on_sharded_weights_matches_one_process(pool, checkpoint, dora
     if len(modes) > 1:  # merged and dynamic DoRA are the same adapter
         for (frames, audio), (merged_frames, merged_audio) in zip(reference[1:], reference):
             _assert_matches(frames, merged_frames, CLOSE)
-            _assert_matches(audio, merged_audio, CLOSE)
+            _assert_matches(audio, merged_audio, CLOSE, bound=WAVEFORM_BOUND)
     for outputs, restored, dora_layers in first_replica_results(
             pool.run(_dora_task, checkpoint, layout, dora_adapter, modes), layout):
         for (frames, audio), (reference_frames, reference_audio) in zip(outputs, reference, strict=True):
             _assert_matches(frames, reference_frames, tolerance)
-            _assert_matches(audio, reference_audio, tolerance)
+            _assert_matches(audio, reference_audio, tolerance, bound=WAVEFORM_BOUND)
         assert restored and dora_layers == len(LORA_MODULES)
 
 
