@@ -204,6 +204,14 @@ def test_a_refusal_before_the_load_keeps_its_origin_for_log_level_debug(tiny_dis
     assert "error: height must be a positive multiple of 16" in err and "variants.py" in err
 
 
+def _saved(prompt: str, seconds: float):
+    """What a stand-in replica's `generate` returns for a finished prompt."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(notes=[], timings={"total": seconds}, peak_memory_mb=1.0, num_frames=5, width=32,
+                           height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4")
+
+
 class _Replicas:
     """A stand-in generator with two replicas: `generate` records how many requests run at once; the prompt "fail"
     raises 0.05 s after it starts, the others finish after 0.3 s."""
@@ -223,7 +231,6 @@ class _Replicas:
 
     def generate(self, options, on_progress=None):
         import time
-        from types import SimpleNamespace
 
         with self.lock:
             self.running += 1
@@ -234,8 +241,7 @@ class _Replicas:
                 time.sleep(0.05)
                 raise RuntimeError("the replica's GPU fell off the bus")
             time.sleep(0.3)
-            return SimpleNamespace(notes=[], timings={"total": 0.2}, peak_memory_mb=1.0, num_frames=5, width=32,
-                                   height=32, fps=24.0, has_audio=True, output_file_path=f"out/{options['prompt']}.mp4")
+            return _saved(options["prompt"], 0.2)
         finally:
             with self.lock:
                 self.running -= 1
@@ -301,7 +307,6 @@ def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_
     # their next step (a request ended by raising from on_progress leaves no file), and the report must match.
     import _thread
     import time
-    from types import SimpleNamespace
 
     replicas = _with_replicas(monkeypatch)
     ended = {}
@@ -321,8 +326,7 @@ def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_
             ended[prompt] = "stopped"
             raise
         ended[prompt] = "saved"
-        return SimpleNamespace(notes=[], timings={"total": 2.0}, peak_memory_mb=1.0, num_frames=5, width=32,
-                               height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4")
+        return _saved(prompt, 2.0)
 
     replicas.generate = generate
     prompts = tmp_path / "prompts.txt"
@@ -337,6 +341,14 @@ def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_
     assert err.endswith("error: interrupted (Ctrl-C); the 2 requests running then were stopped.\n")
 
 
+def _interrupted_run(checkpoint, tmp_path, capsys, lines: str) -> str:
+    """A prompt file of `lines` run to its Ctrl-C (exit 130): what it printed on stderr."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(lines)
+    assert main(_args(checkpoint, tmp_path, "--prompt-file-path", str(prompts))) == 130
+    return capsys.readouterr().err
+
+
 def test_ctrl_c_after_every_prompt_finished_says_every_video_is_kept(tiny_distill_dir, tmp_path, monkeypatch,
                                                                      capsys):
     # While the workers shut down after the last prompt: "between two prompts" named a prompt that did not exist.
@@ -347,10 +359,7 @@ def test_ctrl_c_after_every_prompt_finished_says_every_video_is_kept(tiny_distil
         raise KeyboardInterrupt
 
     replicas.shutdown = interrupted_shutdown
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a\nb\n")
-    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 130
-    err = capsys.readouterr().err
+    err = _interrupted_run(tiny_distill_dir, tmp_path, capsys, "a\nb\n")
     assert "prompt file: 2 of 2 requests finished, 2 saved\n" in err
     assert err.endswith("error: interrupted (Ctrl-C) after the last prompt finished; every video is kept.\n")
 
@@ -361,7 +370,6 @@ def test_with_two_replicas_ctrl_c_after_a_failure_names_the_failure_too(tiny_dis
     # 2 requests running then were stopped") and its error was never printed.
     import _thread
     import time
-    from types import SimpleNamespace
 
     replicas = _with_replicas(monkeypatch)
     failed = threading.Event()
@@ -377,14 +385,10 @@ def test_with_two_replicas_ctrl_c_after_a_failure_names_the_failure_too(tiny_dis
                 _thread.interrupt_main()
             time.sleep(0.01)
             on_progress(step, 300)
-        return SimpleNamespace(notes=[], timings={"total": 3.0}, peak_memory_mb=1.0, num_frames=5, width=32,
-                               height=32, fps=24.0, has_audio=True, output_file_path="out/slow.mp4")
+        return _saved("slow", 3.0)
 
     replicas.generate = generate
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("slow\nfail\nnever\n")
-    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))) == 130
-    err = capsys.readouterr().err
+    err = _interrupted_run(tiny_distill_dir, tmp_path, capsys, "slow\nfail\nnever\n")
     assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: line 2 stopped the run" in err
     assert err.endswith("error: interrupted (Ctrl-C); the request running then was stopped; line 2 had failed "
                         "before it: the replica's GPU fell off the bus.\n")
