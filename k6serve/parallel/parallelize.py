@@ -19,6 +19,7 @@ from k6serve.parallel.mesh import ParallelGroups, validate_layout
 from k6serve.parallel.sequence_attention import ShardState
 from k6serve.parallel.sequence_parallel import apply_sequence_parallel
 from k6serve.parallel.tensor_parallel import apply_tp
+from k6serve.runtime.rank_logging import ONCE
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def fold_text_encoders(encoders: list[nn.Module], mode: str, groups: ParallelGro
     mesh = groups.axis_mesh("replica", device_type)
     for encoder in encoders:
         fold_encoder(encoder, mesh)
-    logger.info("text encoders folded over %d ranks", groups.layout.replica_size)
+    logger.info("text encoders folded over %d ranks", groups.layout.replica_size, extra=ONCE)
     return True
 
 
@@ -84,10 +85,10 @@ def parallelize_sr_models(models, groups: ParallelGroups, *, model_name: str, de
     if decode == SPATIAL_SHARD:
         attach_spatial_shard(models.vae, groups.replica_group)
         logger.info("SR decode: spatial_shard, each tile's height split across the replica's %d ranks (frames differ "
-                    "from serial decode by rounding)", groups.layout.replica_size)
+                    "from serial decode by rounding)", groups.layout.replica_size, extra=ONCE)
     elif decode == WHOLE_TILE:
         attach_decode_group(models.vae, groups.replica_group)
         logger.info("SR decode: whole tiles round-robin across the replica's %d ranks (bitwise equal to serial)",
-                    groups.layout.replica_size)
+                    groups.layout.replica_size, extra=ONCE)
     elif decode != SERIAL:  # serial: a replica of one rank, nothing to spread
         raise ValueError(f"decode must be {WHOLE_TILE!r}, {SPATIAL_SHARD!r} or {SERIAL!r}, got {decode!r}")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from k6serve.runtime.rank_logging import ONCE
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
             one = len(given) == 1
             logger.warning("%s only %s how super-resolution tiles are decoded across a replica's GPUs; with %s %s "
                            "nothing (ignored).", " and ".join(given), "chooses" if one else "choose", where,
-                           "it does" if one else "they do")
+                           "it does" if one else "they do", extra=ONCE)
         return SERIAL
     if runtime.vae_parallel_decode_mode == SPATIAL_SHARD:
         if runtime.vae_parallel_decode:
@@ -56,7 +57,7 @@ def sr_decode_mode(runtime, *, replica_size: int, super_resolution: bool) -> str
         # others do not, so their cancellation checks, each a collective, would not pair up.)
         logger.warning("--vae-config.use-parallel-tiling false (every GPU decoding every tile) is taken as the "
                        "parallel whole-tile decode: the same frames bit for bit, in about 1/%d of the decode time "
-                       "across this replica's GPUs.", replica_size)
+                       "across this replica's GPUs.", replica_size, extra=ONCE)
     return WHOLE_TILE
 
 

@@ -61,6 +61,7 @@ from k6serve.runtime.launch import (
 )
 from k6serve.runtime.memory import MemoryOperation, inverse
 from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
+from k6serve.runtime.rank_logging import configure_rank_logging
 from k6serve.speed.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ def rank_main(
     authkey: bytes | None,
 ) -> None:
     """The body of one rank's process: join, build, report readiness, serve until shut down."""
-    logging.basicConfig(level=spec.log_level, format=f"[rank {spec.rank}] %(levelname)s %(name)s: %(message)s")
+    configure_rank_logging(spec.rank, spec.log_level)
     device = init_distributed(spec)
     try:
         layout = ParallelLayout.from_config(config.parallel)

@@ -49,6 +49,7 @@ from k6serve.request import (
 )
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
+from k6serve.runtime.rank_logging import ONCE
 from k6serve.runtime.warmup_sizes import (
     SR_WARMUP_CLIP,
     SR_WARMUP_SCALE,
@@ -165,10 +166,10 @@ class ModelWorker:
             refuse_offload_with_sharding(config.runtime, config.parallel)
         if self.residency_plan.offloads and self.device.type != "cuda":
             logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
-                        config.runtime.offload_flags)
+                        config.runtime.offload_flags, extra=ONCE)
         if config.runtime.compile_vae and self.device.type != "cuda":
             logger.warning("--compile-vae true: speed mode's transforms are for CUDA GPUs; on the CPU the VAE decoder "
-                           "runs eager, as the reference does")
+                           "runs eager, as the reference does", extra=ONCE)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         if transform is not None:
@@ -184,7 +185,7 @@ class ModelWorker:
             quantization=model.quantization, quantization_ignored_layers=model.quantization_ignored_layers)
         if self.performance_report.num_quantized_linears:
             logger.info("--quantization %s: %d of the DiT's video-token linears run in e4m3 (lossy)",
-                        model.quantization, self.performance_report.num_quantized_linears)
+                        model.quantization, self.performance_report.num_quantized_linears, extra=ONCE)
         self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
         self.lora_manager = None  # created on the first LoRA operation (`_lora_manager`)
@@ -200,12 +201,13 @@ class ModelWorker:
             # differently from one GPU (docs/parallelism.md); eager kernels keep Ulysses bit-exact.
             logger.warning("Ulysses with --performance-mode speed compiles the DiT per shape: outputs match one GPU "
                            "within rounding, not bit for bit. Use --performance-mode balanced for bit-exact output "
-                           "(eager kernels; it also keeps the weights on the host between stages).")
+                           "(eager kernels; it also keeps the weights on the host between stages).", extra=ONCE)
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
             # The one announcement, for the CLI, the API and the server alike (the CLI printed its own too).
             logger.warning("Serving the built-in tiny demo checkpoint: its weights are random, so the video and audio "
-                           "are noise. Pass a real Kandinsky 6 checkpoint as the model path for real output.")
+                           "are noise. Pass a real Kandinsky 6 checkpoint as the model path for real output.",
+                           extra=ONCE)
         self.warmed_up = False
         self.gc_freezer = CompileGcFreezer()
         # `--warmup-mode server`: each shape warmed at start with what it cost, and their total (also logged).
@@ -267,7 +269,7 @@ class ModelWorker:
                     "%dx%d, overlaps blended, as diffusers' enable_tiling does (lower peak memory, slower decode; "
                     "frames differ from the untiled decode)", self.config.runtime.vae_tiling,
                     vae.tile_sample_min_height, vae.tile_sample_min_width, vae.tile_sample_stride_height,
-                    vae.tile_sample_stride_width)
+                    vae.tile_sample_stride_width, extra=ONCE)
 
     def _apply_offload(self):
         """After every other transform, which must see the final module tree (the weights were loaded on the host)."""
@@ -281,9 +283,9 @@ class ModelWorker:
                                compute_device=self.device, plan=transformer_plan(self.pipeline.models.transformer),
                                prefetch_blocks=runtime.offload_prefetch_blocks,
                                resident_blocks=runtime.offload_resident_blocks)
-        logger.info("%s", report.describe())
+        logger.info("%s", report.describe(), extra=ONCE)
         for note in self.residency_plan.notes:
-            logger.info("%s", note)
+            logger.info("%s", note, extra=ONCE)
         return report
 
     def _lora_manager(self):

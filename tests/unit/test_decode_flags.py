@@ -77,6 +77,7 @@ def test_every_gpu_decoding_every_tile_is_decoded_as_whole_tiles_with_a_warning(
     assert [record.getMessage() for record in caplog.records] == [
         "--vae-config.use-parallel-tiling false (every GPU decoding every tile) is taken as the parallel whole-tile "
         "decode: the same frames bit for bit, in about 1/4 of the decode time across this replica's GPUs."]
+    assert caplog.records[0].k6serve_same_on_every_rank  # written by rank 0 only (runtime/rank_logging.py)
     spatial = _runtime(vae_parallel_tiling=False, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
     assert sr_decode_mode(spatial, replica_size=2, super_resolution=True) == SPATIAL_SHARD
 
@@ -91,6 +92,7 @@ def test_decode_flags_that_choose_nothing_are_said_to_be_ignored(replica_size, s
     assert [record.getMessage() for record in caplog.records] == [
         "--vae-config.use-parallel-tiling false and --vae-config.parallel-decode-mode spatial_shard only choose how "
         f"super-resolution tiles are decoded across a replica's GPUs; with {where} they do nothing (ignored)."]
+    assert caplog.records[0].k6serve_same_on_every_rank
     caplog.clear()
     sr_decode_mode(_runtime(), replica_size=replica_size, super_resolution=super_resolution)
     assert caplog.records == []

@@ -423,6 +423,24 @@ def test_log_level_debug_reaches_a_rank_process():
     assert "[rank 0] DEBUG k6serve.runtime.worker: num_frames 6 is not of the form 4k+1" in debug.stderr
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_what_every_rank_would_say_alike_is_said_by_rank_0_only(rank):
+    """A run on N GPUs printed each configuration message (the demo checkpoint, an offload flag on the CPU, the SR
+    decode choice) N times: records marked `ONCE` are written by rank 0 only; a rank's own records by every rank.
+    (A fresh interpreter: the rank's root logging is process-wide.)"""
+    script = textwrap.dedent(f"""
+        import logging
+        from k6serve.runtime.rank_logging import ONCE, configure_rank_logging
+        configure_rank_logging({rank}, "INFO")
+        logging.getLogger("k6serve.x").warning("the same on every rank", extra=ONCE)
+        logging.getLogger("k6serve.x").info("this rank's own")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    alike = ["[rank 0] WARNING k6serve.x: the same on every rank"] if rank == 0 else []
+    assert run.stderr.splitlines() == [*alike, f"[rank {rank}] INFO k6serve.x: this rank's own"]
+
+
 def test_a_rank_started_with_sigint_blocked_survives_ctrl_c_while_its_interpreter_boots():
     """A terminal's Ctrl-C reaches every process of the group, the ranks too, while they still import torch (before
     they can ignore it): each printed a KeyboardInterrupt traceback. Started with SIGINT blocked, a rank outlives
