@@ -21,6 +21,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
+    412: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     416: "invalid_request_error",

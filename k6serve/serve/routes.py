@@ -510,27 +510,45 @@ def _matches_any_tag(if_none_match: str, etag: str) -> bool:
     return any(tag.group(2) == ours for tag in _ENTITY_TAG.finditer(if_none_match))
 
 
-def _not_modified_since(if_modified_since: str, mtime: float) -> bool:
-    """Whether the file is not newer than the If-Modified-Since date; False for a date that cannot be read, which
-    RFC 9110 (13.1.3) says to ignore. Last-Modified shows whole seconds, so the file's time is compared as such."""
+def _matches_strongly(if_match: str, etag: str) -> bool:
+    """If-Match's strong comparison (RFC 9110 13.1.1): whether the list names `etag` as a strong tag (a W/ tag never
+    matches); `*` names any file, and the route answers only for one that exists."""
+    if any(item.strip(" \t") == "*" for item in if_match.split(",")):
+        return True
+    ours = _ENTITY_TAG.fullmatch(etag).group(2)
+    return any(tag.group(1) is None and tag.group(2) == ours for tag in _ENTITY_TAG.finditer(if_match))
+
+
+def _http_date(value: str) -> float | None:
+    """An HTTP date as a POSIX time; None for one that cannot be read, which RFC 9110 (13.1.3, 13.1.4) says to
+    ignore."""
     try:
-        since = parsedate_to_datetime(if_modified_since)
+        date = parsedate_to_datetime(value)
     except (ValueError, TypeError, OverflowError):  # a year of 20 digits overflows: it was a 500
-        return False
-    if since.tzinfo is None:  # the asctime form carries no zone: HTTP dates are GMT
-        since = since.replace(tzinfo=timezone.utc)
-    return int(mtime) <= since.timestamp()
+        return None
+    if date.tzinfo is None:  # the asctime form carries no zone: HTTP dates are GMT
+        date = date.replace(tzinfo=timezone.utc)
+    return date.timestamp()
+
+
+def _not_modified_since(if_modified_since: str, mtime: float) -> bool:
+    """Whether the file is not newer than the If-Modified-Since date; False for a date that cannot be read.
+    Last-Modified shows whole seconds, so the file's time is compared as such."""
+    since = _http_date(if_modified_since)
+    return since is not None and int(mtime) <= since
 
 
 class VideoFileResponse(FileResponse):
     """Starlette's FileResponse with RFC 9110 Range errors: an unparsable Range (or another unit than bytes) is
     ignored and the whole file sent, as the RFC asks, instead of a text/plain 400; 416 carries an OpenAI body.
 
-    With conditional requests too, which Starlette's FileResponse ignores (it sent the whole file again to a client
-    or cache revalidating its copy): 304 Not Modified when If-None-Match names the file's ETag, or, without
-    If-None-Match, when the file is not newer than If-Modified-Since (the precedence of RFC 9110 13.2.2; If-Match
-    and If-Unmodified-Since, for requests that change state, are not evaluated). A request that does not match goes
-    on to Range and If-Range as before. The route passes `stat_result`, which the ETag comes from.
+    With conditional requests too, which Starlette's FileResponse ignores, evaluated in RFC 9110 13.2.2's order:
+    412 Precondition Failed when If-Match names no strong tag of the file or, without If-Match, the file is newer
+    than If-Unmodified-Since (a client resuming a download into a copy of the file it had: a file replaced since
+    would be spliced into it); then 304 Not Modified when If-None-Match names the file's ETag or, without
+    If-None-Match, the file is not newer than If-Modified-Since (it sent the whole file again to a client or cache
+    revalidating its copy). A request that passes goes on to Range and If-Range as before. The route passes
+    `stat_result`, which the ETag comes from.
 
     It sends the file the route opened (`file`), not the one its path names when the body starts: Starlette opens
     the path only after the 200 and its Content-Length are sent, so a DELETE landing in between (another client, or
@@ -565,6 +583,14 @@ class VideoFileResponse(FileResponse):
         except RangeNotSatisfiable as exc:
             raise _Unsatisfiable(exc.max_size) from None
 
+    def _precondition_failed(self, request: Headers) -> str | None:
+        """The header whose condition the file fails, or None (RFC 9110 13.2.2 steps 1 and 2)."""
+        if "if-match" in request:  # then If-Unmodified-Since is ignored, even when no tag matches
+            matched = _matches_strongly(",".join(request.getlist("if-match")), self.headers["etag"])
+            return None if matched else "If-Match"
+        since = _http_date(request.get("if-unmodified-since", ""))
+        return "If-Unmodified-Since" if since is not None and int(self.stat_result.st_mtime) > since else None
+
     def _not_modified(self, request: Headers) -> bool:
         if "if-none-match" in request:  # then If-Modified-Since is ignored, even when no tag matches
             return _matches_any_tag(",".join(request.getlist("if-none-match")), self.headers["etag"])
@@ -573,7 +599,15 @@ class VideoFileResponse(FileResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if self._not_modified(Headers(scope=scope)):
+            failed = self._precondition_failed(Headers(scope=scope))
+            if failed is not None:
+                await error_response(ApiError(
+                    412, f"The video's file does not meet the request's {failed} condition: it is not the file "
+                         f"{'named by that entity-tag' if failed == 'If-Match' else 'as of that date'} (now ETag "
+                         f"{self.headers['etag']}, Last-Modified {self.headers['last-modified']}). Download it again "
+                         f"without {failed}.", code="precondition_failed", param=failed,
+                    headers={"ETag": self.headers["etag"]}))(scope, receive, send)
+            elif self._not_modified(Headers(scope=scope)):
                 kept = {name: value for name, value in self.headers.items() if name in _NOT_MODIFIED_HEADERS}
                 await Response(status_code=304, headers=kept)(scope, receive, send)
             else:
@@ -592,7 +626,9 @@ class VideoFileResponse(FileResponse):
 @router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": {"video/mp4": {}}},
                                                          206: {"description": "Partial content (Range)"},
                                                          304: {"description": "Not modified (If-None-Match, "
-                                                                              "If-Modified-Since)"}},
+                                                                              "If-Modified-Since)"},
+                                                         412: {"description": "Precondition failed (If-Match, "
+                                                                              "If-Unmodified-Since)"}},
             response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)")
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:

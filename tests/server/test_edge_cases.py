@@ -227,6 +227,51 @@ def test_if_none_match_takes_precedence_over_if_modified_since(fake_client):
     assert ranged.status_code == 304 and ranged.content == b""
 
 
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_if_match_and_if_unmodified_since_are_412_for_another_file(fake_client, method):
+    """A client resuming a download sends If-Match (or If-Unmodified-Since) with its Range, so that a file replaced
+    meanwhile is not spliced into the part it has (RFC 9110 13.1.1, 13.1.4); both were ignored."""
+    video_id = _completed(fake_client)
+    url = f"/v1/videos/{video_id}/content"
+    full = fake_client.get(url)
+    etag, last_modified = full.headers["etag"], full.headers["last-modified"]
+    modified_at = parsedate_to_datetime(last_modified).timestamp()
+    # Strong comparison: a W/ tag never matches; `*` matches the file that exists.
+    for if_match in ('"other"', f"W/{etag}", f'"a,b", W/{etag}'):
+        failed = fake_client.request(method, url, headers={"If-Match": if_match, "Range": "bytes=2-5"})
+        assert failed.status_code == 412, if_match
+        assert failed.headers["etag"] == etag
+        if method == "GET":
+            assert failed.json()["error"] == {
+                "message": f"The video's file does not meet the request's If-Match condition: it is not the file "
+                           f"named by that entity-tag (now ETag {etag}, Last-Modified {last_modified}). Download it "
+                           "again without If-Match.",
+                "type": "invalid_request_error", "param": "If-Match", "code": "precondition_failed"}
+    for if_match in (etag, "*", f'"other", {etag}'):
+        part = fake_client.request(method, url, headers={"If-Match": if_match, "Range": "bytes=2-5"})
+        assert part.status_code == 206, if_match
+        assert part.content == (full.content[2:6] if method == "GET" else b"")
+    # If-Unmodified-Since: a file newer than the date fails; one not newer, or a date that cannot be read, passes.
+    newer = fake_client.request(method, url, headers={"If-Unmodified-Since": formatdate(modified_at - 1, usegmt=True)})
+    assert newer.status_code == 412
+    if method == "GET":
+        assert newer.json()["error"]["param"] == "If-Unmodified-Since"
+        assert "it is not the file as of that date" in newer.json()["error"]["message"]
+    for since in (last_modified, formatdate(modified_at + 60, usegmt=True), "yesterday",
+                  "Sun, 06 Nov 99999999999999999999 08:49:37 GMT"):
+        same = fake_client.request(method, url, headers={"If-Unmodified-Since": since})
+        assert same.status_code == 200, since
+    # With If-Match sent, If-Unmodified-Since is not looked at (13.2.2), whichever way it would answer; both come
+    # before If-None-Match.
+    earlier = formatdate(modified_at - 60, usegmt=True)
+    assert fake_client.request(method, url, headers={"If-Match": etag, "If-Unmodified-Since": earlier}).status_code \
+        == 200
+    assert fake_client.request(method, url, headers={"If-Match": '"other"', "If-Unmodified-Since": last_modified}) \
+        .status_code == 412
+    assert fake_client.request(method, url, headers={"If-Match": '"other"', "If-None-Match": etag}).status_code == 412
+    assert fake_client.request(method, url, headers={"If-Match": etag, "If-None-Match": etag}).status_code == 304
+
+
 def test_head_on_health_answers_as_get_does(fake_client):
     # HEAD /health answered 503 "loading" while the model loaded (serve/loading.py) but 405 once it was loaded, so a
     # load balancer probing with HEAD never saw the server come up.
