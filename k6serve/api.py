@@ -49,7 +49,7 @@ from k6serve.request import (
     plain_scalars,
 )
 from k6serve.runtime.engine import Engine, ProgressCallback
-from k6serve.runtime.worker import MAX_FILE_NAME_BYTES, sanitize_file_name
+from k6serve.media.output_names import MAX_FILE_NAME_BYTES, sanitize_file_name
 
 logger = logging.getLogger(__name__)
 # The generators not yet shut down. A notebook cell that runs `generator = DiffGenerator.from_pretrained(...)` again

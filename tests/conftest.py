@@ -108,7 +108,7 @@ def tiny_sr_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sr_configs(tiny_sr_dir: Path):
     """The `SRConfigs` of `tiny_sr_dir`."""
-    from k6serve.models.kandinsky6_sr.checkpoint import read_sr_configs
+    from k6serve.models.kandinsky6_sr.config_before_loading import read_sr_configs
 
     return read_sr_configs(tiny_sr_dir)
 

@@ -289,7 +289,7 @@ def _stages(args: argparse.Namespace) -> list[str]:
 
 def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[BenchRow]]]:
     """One zero-argument runner per stage, with every option resolved from `args`."""
-    from k6serve.models.kandinsky6.checkpoint import released_transformer_config
+    from k6serve.models.kandinsky6.config_before_loading import released_transformer_config
 
     device = _device(args.device, tiny=args.tiny)
     dtype = _DTYPES[args.dtype]

@@ -16,7 +16,7 @@ def dit_blocks_before_loading(model: ModelConfig) -> int | None:
     """The generation DiT's number of fused blocks where it needs no download; None for a super-resolution model
     or when it cannot be told now (a hub id not among the released ones, a folder without the config)."""
     from k6serve.models.checkpoint_files import variant_before_loading
-    from k6serve.models.kandinsky6.checkpoint import transformer_config_before_loading
+    from k6serve.models.kandinsky6.config_before_loading import transformer_config_before_loading
     from k6serve.models.variants import GENERATION
 
     try:

@@ -116,7 +116,7 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
         _refuse_text_for_upscaling(params)
         request, _ = resolve_upscale(params, variant)
         from k6serve.media.container import open_input
-        from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
+        from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
         from k6serve.serve.upscale_output import expected_upscale_output
 
         open_input(request.video_path).close()

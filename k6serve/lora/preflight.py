@@ -106,7 +106,7 @@ def _dit_config_before_loading(model: ModelConfig) -> dict | None:
         return None
     try:
         if model.load_format == "dummy":
-            from k6serve.models.kandinsky6.checkpoint import released_transformer_config
+            from k6serve.models.kandinsky6.config_before_loading import released_transformer_config
 
             return released_transformer_config(variant)
         return None if folder is None else read_json_file(folder / "transformer" / "config.json")

@@ -47,6 +47,11 @@ def variant_before_loading(model_path: str, model_id: str | None, load_format: s
 def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
     """A local folder, or a hub id fetched (or found in the local cache) through huggingface_hub."""
     if model_path == "demo":
+        from k6serve.testing.demo_location import built_demo_checkpoint
+
+        built = built_demo_checkpoint()
+        if built is not None:  # the usual case; the builder imports diffusers and transformers (seconds)
+            return built
         from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
 
         return ensure_demo_checkpoint()

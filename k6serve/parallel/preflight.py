@@ -46,14 +46,14 @@ def check_layout_before_loading(config: EngineConfig) -> None:
 
 
 def _generation_plan(variant, folder: Path | None):
-    from k6serve.models.kandinsky6.checkpoint import transformer_config_before_loading
+    from k6serve.models.kandinsky6.config_before_loading import transformer_config_before_loading
     from k6serve.models.kandinsky6.plan import kandinsky6_plan
 
     return kandinsky6_plan(transformer_config_before_loading(variant, folder))
 
 
 def _sr_plan(variant, folder: Path | None):
-    from k6serve.models.kandinsky6_sr.checkpoint import released_sr_configs
+    from k6serve.models.kandinsky6_sr.config_before_loading import released_sr_configs
     from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
     from k6serve.models.kandinsky6_sr.plan import sr_plan
 

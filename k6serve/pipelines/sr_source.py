@@ -33,7 +33,8 @@ from k6serve.models.kandinsky6_sr.vae import (
     CausalClipEncoder,
     encode_segment_lengths,
 )
-from k6serve.pipelines.sr_stages import UpscalePlan, prepare_pixels
+from k6serve.pipelines.sr_plan import UpscalePlan
+from k6serve.pipelines.sr_stages import prepare_pixels
 from k6serve.pipelines.state import DecodedAudio
 
 # Decoded frames waiting for the encode: bounds host memory for large sources (a 4K RGB frame is 25 MB).

@@ -285,7 +285,7 @@ def resolve_target_size(height: int, width: int, target: str, mode: str = "fit")
                 f"target {target!r} ({bucket_width}x{bucket_height}) is larger than the SR result "
                 f"{width}x{height}; target resolutions only downscale. Use a larger scale or a smaller target."
             )
-        # A stretch beyond 2% is told to the user as a note of the plan (`sr_stages.upscale_sizes`).
+        # A stretch beyond 2% is told to the user as a note of the plan (`sr_plan.upscale_sizes`).
         return bucket_height, bucket_width
     raise ValueError(f"target resize mode {mode!r} is not 'fit' or 'exact'.")
 

@@ -21,6 +21,7 @@ from k6serve.models.variants import Variant
 from k6serve.offload.components import RESIDENT
 from k6serve.parallel.spatial_shard_decode import spatial_shard_of
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink, final_step_check
+from k6serve.pipelines.sr_plan import plan_upscale
 from k6serve.pipelines.sr_source import read_and_encode
 from k6serve.pipelines.sr_stages import (
     StepCallback,
@@ -28,7 +29,6 @@ from k6serve.pipelines.sr_stages import (
     decode_and_assemble_chunks,
     decode_tiles,
     denoise_tiles,
-    plan_upscale,
     upscale_tiles,
 )
 from k6serve.pipelines.state import DecodedAudio

@@ -29,14 +29,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k6serve.config import EngineConfig
 from k6serve.lora.spec import ListLoras, LoraOperation
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory, memory_reply
-from k6serve.runtime.worker import ModelWorker
 from k6serve.speed.warmup import WarmupReport
+
+if TYPE_CHECKING:  # the engine's process imports no model code (the ranks build the models)
+    from k6serve.runtime.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from k6serve.models.variants import GENERATION, Variant, resolve_generate, resol
 from k6serve.request import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
+    from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
 
 # The SR server warm-up's synthetic source when no size is listed (width, height, frames, fps): the 5 s
 # checkpoints' 121 frames at the 3:2 landscape shape of docs/benchmarks.md's VSR runs. Listed sizes take its frames
@@ -70,7 +70,7 @@ def check_sr_warmup_size(size: WarmupSize, variant: Variant, tiling: SRTiling | 
         raise ValueError(f"--warmup-resolutions {size}: the warm-up writes its source clip in H.264 (4:2:0), which "
                          f"needs even sides; use {size.width + size.width % 2}x{size.height + size.height % 2}"
                          f"{frames}.")
-    from k6serve.pipelines.sr_stages import plan_upscale, upscale_sizes
+    from k6serve.pipelines.sr_plan import plan_upscale, upscale_sizes
 
     request, _ = resolve_upscale(SamplingParams(video_path="warm-up.mp4", sr_resolution_scale=SR_WARMUP_SCALE),
                                  variant)
@@ -114,7 +114,7 @@ def check_warmup_sizes_before_loading(config: EngineConfig) -> None:
     if runtime.warmup_mode != "server" or not runtime.warmup_resolutions:
         return
     from k6serve.models.checkpoint_files import variant_before_loading
-    from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
+    from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
 
     try:
         variant, _ = variant_before_loading(model.model_path, model.model_id, model.load_format)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import resource
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -47,6 +45,7 @@ from k6serve.request import (
     UpscaleRequest,
     VideoResult,
 )
+from k6serve.media.output_names import default_file_name, sanitize_file_name
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
 from k6serve.runtime.rank_logging import ONCE
@@ -58,8 +57,9 @@ from k6serve.runtime.warmup_sizes import (
     generation_warmups,
     sr_warmup_source,
 )
-from k6serve.speed import WarmupReport, apply_performance_mode, warmup
+from k6serve.speed.performance_mode import apply_performance_mode
 from k6serve.speed.vae_tiling import resolve_vae_tiling
+from k6serve.speed.warmup import WarmupReport, warmup
 
 logger = logging.getLogger(__name__)
 
@@ -78,39 +78,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def _slug(text: str, limit: int = 48) -> str:
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:limit].strip("_")
-    return slug or "video"
-
-
-# Filesystems take names of up to 255 bytes. The MP4 writer first writes ".<name>.<12 hex>.part" (19 bytes more), and
-# a derived name already taken becomes <stem>_<n> (up to 5 more): a longer name would fail only once the video is done.
-MAX_FILE_NAME_BYTES = 255 - 19 - 5
-
-
-def sanitize_file_name(name: str) -> str:
-    """Keep a user-given output name inside the output folder and ending in .mp4."""
-    base = Path(name).name
-    base = re.sub(r"[^A-Za-z0-9._-]+", "_", base).lstrip(".") or "video"
-    return base if base.lower().endswith(".mp4") else base + ".mp4"
-
-
-def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime | None = None) -> str:
-    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    if isinstance(request, UpscaleRequest):
-        suffix = f"_sr{request.scale:g}x_{stamp}.mp4"
-        # A source named by a long title (or in a script of 2-4 bytes a character) would give a name the
-        # filesystem refuses only at the write, after the whole upscale: its stem is cut to fit, at a character.
-        # A hidden source (".clip.mp4") gave a hidden output (".clip_sr2x_...mp4") that `ls` and file browsers do
-        # not show; a given name loses its leading dot too (sanitize_file_name).
-        stem = Path(request.video_path).stem.lstrip(".") or "video"
-        stem_bytes = stem.encode("utf-8", "surrogateescape")
-        if len(stem_bytes) > MAX_FILE_NAME_BYTES - len(suffix):
-            stem = stem_bytes[: MAX_FILE_NAME_BYTES - len(suffix)].decode("utf-8", "ignore")
-        return f"{stem}{suffix}"
-    return f"{_slug(request.prompt)}_seed{request.seed}_{stamp}.mp4"
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -235,7 +202,7 @@ class ModelWorker:
         if ignored:
             # Against the names the DiT's linears can have, from its config: a typo is refused before a load of
             # minutes, not after it (apply_quantization checks the loaded model's own names again).
-            from k6serve.models.kandinsky6.checkpoint import transformer_config_before_loading
+            from k6serve.models.kandinsky6.config_before_loading import transformer_config_before_loading
             from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
 
             num_blocks = transformer_config_before_loading(self.variant, self.folder).num_visual_blocks
@@ -445,7 +412,7 @@ class ModelWorker:
         aspect ratio (another tile) or frame count still compiles on its first request."""
         import tempfile
 
-        from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
+        from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
         from k6serve.testing.clips import make_clip
 
         default_width, default_height, default_num_frames, fps = SR_WARMUP_CLIP

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
+from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
 from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers

@@ -40,7 +40,7 @@ from k6serve.api import (
 )
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
-from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
+from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
 from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k6serve.media.video import SRSourceReader
-from k6serve.models.kandinsky6_sr.checkpoint import SRTiling
-from k6serve.pipelines.sr_stages import plan_upscale, upscale_sizes
+from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
+from k6serve.pipelines.sr_plan import plan_upscale, upscale_sizes
 from k6serve.request import UpscaleRequest
 from k6serve.serve.jobs import seconds_text, size_text
 

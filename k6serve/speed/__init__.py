@@ -14,15 +14,32 @@ Each transform is an `apply_*` function on an already loaded model, composed onc
    channels-last convolution weights and its norms' convolutions moved before their upsampling;
    `K6SERVE_VAE_CHANNELS_LAST=0` / `K6SERVE_KVAE_COMMUTED_NORMS=0` leave those out).
 
-`warmup(pipeline, request, mode)` runs a short request so compilation and autotuning happen before the
+`warmup.warmup(pipeline, request, mode)` (the function of the submodule of that name) runs a short request so compilation and autotuning happen before the
 first real request, and reports what that cost.
 """
 
-from k6serve.speed.fused_projections import FusedProjectionAttention, FusedSRSelfAttention, apply_fused_projections
-from k6serve.speed.performance_mode import PerformanceReport, apply_performance_mode
-from k6serve.speed.regional_compile import apply_regional_compile, is_compiled
-from k6serve.speed.vae import apply_vae_speedups
-from k6serve.speed.warmup import WarmupReport, warmup
+import importlib
+
+# Loaded on first use (PEP 562): the engine's own process, which only starts the ranks and writes the MP4, reads
+# `WarmupReport`s and must not import the models (and through them torch._dynamo) to do so.
+_WHERE = {
+    "FusedProjectionAttention": "fused_projections",
+    "FusedSRSelfAttention": "fused_projections",
+    "apply_fused_projections": "fused_projections",
+    "PerformanceReport": "performance_mode",
+    "apply_performance_mode": "performance_mode",
+    "apply_regional_compile": "regional_compile",
+    "is_compiled": "regional_compile",
+    "apply_vae_speedups": "vae",
+    "WarmupReport": "warmup",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "FusedProjectionAttention",
@@ -34,5 +51,4 @@ __all__ = [
     "apply_regional_compile",
     "apply_vae_speedups",
     "is_compiled",
-    "warmup",
 ]

@@ -35,6 +35,7 @@ from transformers import (
     Qwen2Tokenizer,
 )
 
+from k6serve.testing.demo_location import DEMO_DEFAULTS, DEMO_MARKER_NAME, demo_checkpoint_dir
 from k6serve.testing.tiny_configs import AUDIO_LATENT_CHANNELS, PIFLOW_N_GRID, tiny_transformer_config
 from k6serve.testing.tokenizers import (
     build_qwen_processor,
@@ -48,11 +49,6 @@ VARIANTS = ("pro", "distill", "lite")
 # Released audio-VAE scaling factors (k6-generation.md §1.3): Pro-sft 0.5302, Pro-distill 0.417.
 _AUDIO_SCALING_FACTOR = {"pro": 0.5302, "lite": 0.5302, "distill": 0.417}
 
-# Bump when the demo builder's output changes, so stale cached demos are not reused.
-DEMO_FORMAT_VERSION = 1
-DEMO_MARKER_NAME = "k6serve_demo.json"
-DEMO_DEFAULTS = {"height": 64, "width": 96, "num_frames": 17, "fps": 24}
-_DEMO_KINDS = ("t2av",)
 
 
 def _build_transformer(variant: str) -> Kandinsky6Transformer3DModel:
@@ -281,18 +277,9 @@ def _copy_to_fresh_storage_(module: nn.Module) -> None:
         tensor.data = tensor.data.clone()
 
 
-def demo_cache_root() -> Path:
-    """The k6serve cache folder: `$K6SERVE_CACHE`, else `~/.cache/k6serve`."""
-    return Path(os.environ.get("K6SERVE_CACHE") or Path.home() / ".cache" / "k6serve")
-
-
 def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
     """Return the cached random-weight demo checkpoint, building it once (atomically) if missing."""
-    if kind not in _DEMO_KINDS:
-        raise ValueError(
-            f"unknown demo checkpoint kind {kind!r}; use one of {', '.join(_DEMO_KINDS)}"
-        )
-    final_dir = demo_cache_root() / "demo" / f"kandinsky6-demo-distill-v{DEMO_FORMAT_VERSION}"
+    final_dir = demo_checkpoint_dir(kind)
     if (final_dir / DEMO_MARKER_NAME).is_file():
         return final_dir
     try:

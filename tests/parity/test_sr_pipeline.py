@@ -41,7 +41,7 @@ from k6serve.models.kandinsky6_sr.vae import build_vae
 from k6serve.models.plan import keeps_fp32
 from k6serve.models.variants import VARIANTS
 from k6serve.pipelines import sr_stages
-from k6serve.pipelines.sr_stages import plan_upscale
+from k6serve.pipelines.sr_plan import plan_upscale
 from k6serve.pipelines.super_resolution import SuperResolutionPipeline
 from k6serve.request import UpscaleRequest
 from k6serve.testing.clips import make_clip

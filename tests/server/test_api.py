@@ -86,7 +86,7 @@ def test_an_upscale_job_reports_the_pipelines_size_and_seconds_from_creation(tmp
     from fractions import Fraction
 
     from k6serve.media.video import read_sr_source
-    from k6serve.pipelines.sr_stages import plan_upscale
+    from k6serve.pipelines.sr_plan import plan_upscale
     from k6serve.testing.clips import make_clip
     from k6serve.testing.tiny_sr_checkpoint import TINY_TILE_SIZES
 

@@ -32,7 +32,7 @@ def test_sizes_that_cannot_be_made_raise_and_unreadable_sources_have_no_expected
 def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(tmp_path):
     """'exact' delivers the target bucket even where its aspect ratio differs from the result's: that was a log line
     of the worker's, which no user saw. It is now a note of the plan, which the job shows from creation on."""
-    from k6serve.pipelines.sr_stages import upscale_sizes
+    from k6serve.pipelines.sr_plan import upscale_sizes
 
     clip = make_clip(tmp_path / "clip.mp4", width=256, height=192, num_frames=9, fps=24)
     stretched = expected_upscale_output(_request(4, "640x360", "exact", video_path=str(clip)))
@@ -45,7 +45,7 @@ def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(t
 
 
 def test_the_tiling_is_read_without_loading_for_super_resolution_only(tmp_path):
-    from k6serve.models.kandinsky6_sr.checkpoint import sr_tiling_before_loading
+    from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
     from k6serve.pipelines.sr_tiling import SourceTooSmall
 
     released = sr_tiling_before_loading("kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", None, "dummy")

@@ -46,7 +46,7 @@ def test_sr_dit_flops_match_the_documented_count():
     """k6-super-resolution.md §5: one SR DiT call on a 31 x 32 x 48 tile is 637.6 TFLOP (117.4 linear + 520.1
     attention; its 0.13 of embeddings and head are not counted here)."""
     from k6serve.bench.flops import sr_dit_forward_flops
-    from k6serve.models.kandinsky6_sr.checkpoint import released_sr_configs
+    from k6serve.models.kandinsky6_sr.config_before_loading import released_sr_configs
 
     from k6serve.models.variants import VARIANTS
 
@@ -469,7 +469,7 @@ def test_sr_vae_tile_decode_flops_counts_the_real_decode(tiny_sr_configs, build_
     from torch.utils.flop_counter import FlopCounterMode
 
     from k6serve.bench.flops import sr_vae_tile_decode_flops
-    from k6serve.models.kandinsky6_sr.checkpoint import released_sr_configs
+    from k6serve.models.kandinsky6_sr.config_before_loading import released_sr_configs
     from k6serve.models.variants import VARIANTS
 
     variant = VARIANTS["vsr-distilled2steps"]

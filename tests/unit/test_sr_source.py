@@ -16,7 +16,8 @@ from k6serve.media.audio import OUTPUT_SAMPLE_RATE, processed_num_samples, read_
 from k6serve.media.video import SRSourceReader, read_sr_source
 from k6serve.pipelines import sr_source
 from k6serve.pipelines.sr_source import read_and_encode
-from k6serve.pipelines.sr_stages import plan_upscale, prepare_pixels
+from k6serve.pipelines.sr_plan import plan_upscale
+from k6serve.pipelines.sr_stages import prepare_pixels
 from k6serve.request import UpscaleRequest
 from k6serve.testing.clips import make_clip
 

@@ -242,9 +242,9 @@ def test_super_resolution_sizes_are_checked_before_loading(tiny_sr_dir, size, me
 def test_a_source_too_small_for_the_loaded_tiles_is_refused_by_the_worker(tiny_sr_dir, monkeypatch):
     # When the tiles cannot be read before the load (a hub id), the worker plans the source once loaded, before it
     # writes the clip.
-    import k6serve.models.kandinsky6_sr.checkpoint as sr_checkpoint
+    import k6serve.models.kandinsky6_sr.config_before_loading as sr_configs
 
-    monkeypatch.setattr(sr_checkpoint, "sr_tiling_before_loading", lambda *args: None)
+    monkeypatch.setattr(sr_configs, "sr_tiling_before_loading", lambda *args: None)
     config = build_engine_config(str(tiny_sr_dir), device="cpu", warmup_mode="server", warmup_resolutions=["16x16"])
     check_before_loading(config)
     monkeypatch.setattr("k6serve.testing.clips.make_clip", lambda *args, **kwargs: pytest.fail("clip written"))

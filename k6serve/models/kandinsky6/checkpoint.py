@@ -30,6 +30,7 @@ from k6serve.models.checkpoint_files import (
 )
 from k6serve.models.kandinsky6 import encoder_configs
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6.config_before_loading import released_transformer_config
 from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer, cast_for_inference
 from k6serve.models.variants import Variant
 
@@ -300,23 +301,6 @@ def _move_to_host(module: nn.Module) -> nn.Module:
         return host
 
     return module._apply(moved)
-
-
-def transformer_config_before_loading(variant: Variant, folder: Path | None) -> Kandinsky6TransformerConfig:
-    """The generation DiT's config as the load will build it, read without loading: `folder`'s
-    transformer/config.json, or the released one when there is no folder to read (--load-format dummy, or a released
-    hub id not downloaded yet). For the checks that refuse a request or a layout before a load of minutes."""
-    config = read_component_config(folder, "transformer") if folder is not None else released_transformer_config(variant)
-    return Kandinsky6TransformerConfig.from_json_dict(config)
-
-
-def released_transformer_config(variant: Variant) -> dict:
-    """The built-in copy of the released transformer/config.json for a generation variant."""
-    from k6serve.models.kandinsky6.released_configs import RELEASED_TRANSFORMER_CONFIGS
-
-    if variant.size not in ("pro", "lite"):
-        raise ValueError(f"--load-format dummy has no built-in transformer config for {variant.name}.")
-    return RELEASED_TRANSFORMER_CONFIGS[f"{variant.size}_distill" if variant.distilled else variant.size]
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -1,0 +1,44 @@
+"""The names of output files: a user-given name kept inside the output folder, and the default name of a request's
+video. Its own module so that the API and the CLI check a name in the engine's process without importing the
+worker (which imports the models)."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+
+from k6serve.request import GenerateRequest, UpscaleRequest
+
+
+def _slug(text: str, limit: int = 48) -> str:
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:limit].strip("_")
+    return slug or "video"
+
+
+# Filesystems take names of up to 255 bytes. The MP4 writer first writes ".<name>.<12 hex>.part" (19 bytes more), and
+# a derived name already taken becomes <stem>_<n> (up to 5 more): a longer name would fail only once the video is done.
+MAX_FILE_NAME_BYTES = 255 - 19 - 5
+
+
+def sanitize_file_name(name: str) -> str:
+    """Keep a user-given output name inside the output folder and ending in .mp4."""
+    base = Path(name).name
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", base).lstrip(".") or "video"
+    return base if base.lower().endswith(".mp4") else base + ".mp4"
+
+
+def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime | None = None) -> str:
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    if isinstance(request, UpscaleRequest):
+        suffix = f"_sr{request.scale:g}x_{stamp}.mp4"
+        # A source named by a long title (or in a script of 2-4 bytes a character) would give a name the
+        # filesystem refuses only at the write, after the whole upscale: its stem is cut to fit, at a character.
+        # A hidden source (".clip.mp4") gave a hidden output (".clip_sr2x_...mp4") that `ls` and file browsers do
+        # not show; a given name loses its leading dot too (sanitize_file_name).
+        stem = Path(request.video_path).stem.lstrip(".") or "video"
+        stem_bytes = stem.encode("utf-8", "surrogateescape")
+        if len(stem_bytes) > MAX_FILE_NAME_BYTES - len(suffix):
+            stem = stem_bytes[: MAX_FILE_NAME_BYTES - len(suffix)].decode("utf-8", "ignore")
+        return f"{stem}{suffix}"
+    return f"{_slug(request.prompt)}_seed{request.seed}_{stamp}.mp4"

@@ -1,0 +1,132 @@
+"""An upscale's geometry, decided before any compute: its output sizes (`upscale_sizes`, which needs no checkpoint)
+and its tile grid (`plan_upscale`). Its own module, without the stages' decode code, so the HTTP server tells a
+job's output size when the job is created from the same code the worker runs, without importing the models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from k6serve.media.mux import MAX_FRAME_SIDE
+from k6serve.pipelines.sr_tiling import (
+    ScalePlan,
+    TileGrid,
+    plan_tiles,
+    pre_upscale_size,
+    resolve_scale,
+    resolve_target_size,
+    stretches_aspect,
+    target_bucket,
+)
+from k6serve.request import UpscaleRequest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpscalePlan:
+    """Everything about one request's geometry, decided before any compute."""
+
+    scale: ScalePlan
+    source_size: tuple[int, int]  # (H, W) of the source frames
+    input_size: tuple[int, int]  # (H, W) after the x1.125 pre-upscale (= source_size at x2 and x4)
+    snap: int  # pixels per latent cell: padding and tile positions align to it
+    grid: TileGrid  # over the input frame padded to `snap`
+    crop_size: tuple[int, int]  # input_size x tiling scale: the blended canvas without the padding
+    delivery_size: tuple[int, int]  # crop_size, or the downscaled target resolution
+    notes: tuple[str, ...] = ()  # what the user should know about the geometry (a target that could not apply)
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.grid.tiles)
+
+    def describe(self) -> str:
+        (source_h, source_w), (out_h, out_w) = self.source_size, self.delivery_size
+        base_h, base_w = self.grid.base_size
+        return (
+            f"upscaled {source_w}x{source_h} to {out_w}x{out_h} with {self.num_tiles} tile(s) "
+            f"({len(self.grid.tops)}x{len(self.grid.lefts)} grid of {base_w}x{base_h} output tiles)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpscaleSizes:
+    """The sizes of an `UpscalePlan`, without its tile grid."""
+
+    scale: ScalePlan
+    input_size: tuple[int, int]
+    crop_size: tuple[int, int]
+    delivery_size: tuple[int, int]
+    notes: tuple[str, ...] = ()
+
+
+def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> UpscaleSizes:
+    """The output sizes of `request` on a source of `source_size` (H, W); raises ValueError for a target or size that
+    cannot be made. Needs no checkpoint (the tile grid does, and does not change the sizes), so the HTTP server
+    tells a job's size when it is created, from the same code the worker runs (`plan_upscale`)."""
+    scale = resolve_scale(request.scale)
+    height, width = source_size
+    input_size = pre_upscale_size(height, width) if scale.pre_upscale != 1.0 else (height, width)
+    crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
+    delivery_size = crop_size
+    notes: tuple[str, ...] = ()
+    if request.target_resolution is not None:
+        delivery_size = resolve_target_size(
+            *crop_size, request.target_resolution, request.target_resize_mode
+        )
+        bucket_height, bucket_width = target_bucket(*crop_size, request.target_resolution)
+        if delivery_size == crop_size and (bucket_height, bucket_width) != crop_size:
+            # "fit" only downscales, so a target at least as large as the result silently did nothing.
+            crop_height, crop_width = crop_size
+            notes = ((
+                f"sr_target_resolution {request.target_resolution!r} ({bucket_width}x{bucket_height}) is not "
+                f"smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: the "
+                f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
+                "the target, or drop sr_target_resolution."
+            ),)
+        elif stretches_aspect(delivery_size, crop_size):
+            # Only "exact" stretches ("fit" scales both sides alike). This was a log line no user saw.
+            (crop_height, crop_width), (out_height, out_width) = crop_size, delivery_size
+            notes = ((
+                f"sr_target_resolution {request.target_resolution!r} with the 'exact' resize mode stretches the "
+                f"{crop_width}x{crop_height} upscaled result to {out_width}x{out_height}, changing its aspect "
+                f"ratio; use sr_target_resize_mode 'fit' to keep it."
+            ),)
+    if max(delivery_size) > MAX_FRAME_SIDE:
+        # Found here, from the first frame, rather than when the MP4 writer opens after every tile was computed.
+        out_height, out_width = delivery_size
+        raise ValueError(
+            f"the x{request.scale:g} upscale of this {width}x{height} source would be {out_width}x{out_height}, "
+            f"but H.264 frames are at most {MAX_FRAME_SIDE} pixels a side; use a smaller sr_resolution_scale, a "
+            f"smaller source, or an sr_target_resolution of at most {MAX_FRAME_SIDE} a side (e.g. 2k)."
+        )
+    return UpscaleSizes(scale=scale, input_size=input_size, crop_size=crop_size, delivery_size=delivery_size,
+                        notes=notes)
+
+
+def plan_upscale(
+    source_size: tuple[int, int],
+    request: UpscaleRequest,
+    *,
+    tile_sizes: Sequence[tuple[int, int]],
+    snap: int,
+) -> UpscalePlan:
+    """Scale route, tile grid and output sizes; raises ValueError for every request that cannot run."""
+    sizes = upscale_sizes(source_size, request)
+    padded_height, padded_width = (-(-side // snap) * snap for side in sizes.input_size)
+    grid = plan_tiles(
+        padded_height,
+        padded_width,
+        tiling_scale=sizes.scale.tiling_scale,
+        tile_sizes=tile_sizes,
+        min_overlap=request.tile_min_overlap,
+        snap=snap,
+    )
+    return UpscalePlan(
+        scale=sizes.scale,
+        source_size=tuple(source_size),
+        input_size=sizes.input_size,
+        snap=snap,
+        grid=grid,
+        crop_size=sizes.crop_size,
+        delivery_size=sizes.delivery_size,
+        notes=sizes.notes,
+    )
