@@ -52,6 +52,7 @@ from k6serve.runtime.launch import (
     LOCAL_HOST,
     RankSpec,
     device_type_for,
+    exit_without_teardown,
     init_distributed,
     local_rank_specs,
     rendezvous_store,
@@ -403,6 +404,13 @@ def _engine_rank_main(*args) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank_main(*args)
+    exit_without_teardown(0)  # shut down cleanly: the engine need not wait for the interpreter's teardown
+
+
+def _host_rank_main(*args) -> None:
+    """`rank_main` in a process `serve_worker_ranks` started (a host without the engine)."""
+    rank_main(*args)
+    exit_without_teardown(0)
 
 
 def serve_worker_ranks(config: EngineConfig, build_rank_worker: RankWorkerFactory = build_model_worker) -> None:
@@ -415,7 +423,7 @@ def serve_worker_ranks(config: EngineConfig, build_rank_worker: RankWorkerFactor
         return
     specs = local_rank_specs(config.parallel, device_type)
     processes = [
-        start_process(rank_main, (spec, config, build_rank_worker, None, None), name=f"k6serve-rank{spec.rank}")
+        start_process(_host_rank_main, (spec, config, build_rank_worker, None, None), name=f"k6serve-rank{spec.rank}")
         for spec in specs
     ]
     for process in processes:

@@ -25,6 +25,9 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, task: Ca
         results.put((rank, False, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+    from k6serve.runtime.launch import exit_without_teardown
+
+    exit_without_teardown(0)  # the queue's feeder still flushes the result (an atexit finalizer)
 
 
 def run_on_gloo_ranks(task: Callable[..., Any], *args: Any, world_size: int = 2, collective_timeout_s: float = 120.0,

@@ -423,6 +423,31 @@ def test_log_level_debug_reaches_a_rank_process():
     assert "[rank 0] DEBUG k6serve.runtime.worker: num_frames 6 is not of the form 4k+1" in debug.stderr
 
 
+def test_a_rank_exits_without_the_interpreters_teardown_but_after_what_an_exit_must_do(tmp_path):
+    """Ranks end with `exit_without_teardown` (the interpreter's teardown took ~2 s a rank, which every shutdown
+    waited for): the other non-daemon threads still finish, atexit handlers and finalizers still run, buffered
+    output is still written, and the exit code is the one given."""
+    script = textwrap.dedent(f"""
+        import atexit, sys, threading, time, weakref
+        from pathlib import Path
+        from k6serve.runtime.launch import exit_without_teardown
+
+        folder = Path({str(tmp_path)!r})
+        atexit.register(lambda: (folder / "atexit").write_text("ran"))
+        class Held: pass
+        held = Held()
+        weakref.finalize(held, lambda: (folder / "finalizer").write_text("ran"))
+        threading.Thread(target=lambda: (time.sleep(0.3), (folder / "thread").write_text("done"))).start()
+        sys.stdout.write("buffered, no newline")
+        exit_without_teardown(3)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr
+    assert run.stdout == "buffered, no newline"
+    assert {path.name: path.read_text() for path in tmp_path.iterdir()} == {
+        "atexit": "ran", "finalizer": "ran", "thread": "done"}
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_what_every_rank_would_say_alike_is_said_by_rank_0_only(rank):
     """A run on N GPUs printed each configuration message (the demo checkpoint, an offload flag on the CPU, the SR
