@@ -239,16 +239,6 @@ def run_stage(args: argparse.Namespace, rank: int, device: torch.device) -> dict
     variant_name, default_steps, runs = STAGES[args.stage]
     steps = args.steps or default_steps
     models = load_models(args, variant_name, device)
-    if args.stage == "ulysses" and args.ulysses_chunks:
-        local_heads = models.transformer.config.num_video_heads // WORLD_SIZE
-        bad = [chunks for chunks in args.ulysses_chunks if chunks < 1 or local_heads % chunks]
-        if bad:  # before the baseline runs, not at the first sharded attention
-            raise ValueError(f"--ulysses-chunks {bad} must divide the {local_heads} video heads of each rank")
-    if args.performance_mode == "speed" and args.stage == "tp":
-        # The speed transforms fuse the Q/K/V projections that the TP plan shards by name (the engine shards
-        # first and skips fusing DTensor weights); compiled TP is measured through the engine instead.
-        raise SystemExit("--stage tp runs eager only: for compiled TP use `k6serve generate --tp-size 2 "
-                         "--num-gpus 2 --performance-mode speed` (the engine shards before the speed transforms)")
     if args.performance_mode == "speed":
         from k6serve.speed.performance_mode import apply_performance_mode
 
@@ -391,10 +381,36 @@ def rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
             print(table(report), flush=True)
     finally:
         dist.destroy_process_group()
+    from k6serve.runtime.launch import exit_without_teardown
+
+    exit_without_teardown(0)  # as the engine's ranks do: the interpreter's teardown took ~2 s per rank
+
+
+def check_before_starting(args: argparse.Namespace) -> None:
+    """What the arguments cannot run, said before the ranks start and load the model (minutes at full size)."""
+    from k6serve.models.kandinsky6.config_before_loading import transformer_config_before_loading
+    from k6serve.models.variants import VARIANTS, recognise
+
+    if args.performance_mode == "speed" and args.stage == "tp":
+        # The speed transforms fuse the Q/K/V projections that the TP plan shards by name (the engine shards
+        # first and skips fusing DTensor weights); compiled TP is measured through the engine instead.
+        raise SystemExit("--stage tp runs eager only: for compiled TP use `k6serve generate --tp-size 2 "
+                         "--num-gpus 2 --performance-mode speed` (the engine shards before the speed transforms)")
+    if args.stage == "ulysses" and args.ulysses_chunks:
+        if args.model_path is None:
+            config = transformer_config_before_loading(VARIANTS[STAGES[args.stage][0]], None)
+        else:
+            folder = Path(args.model_path)
+            config = transformer_config_before_loading(recognise(str(folder), None, folder), folder)
+        local_heads = config.num_video_heads // WORLD_SIZE
+        bad = [chunks for chunks in args.ulysses_chunks if chunks < 1 or local_heads % chunks]
+        if bad:  # before any rank starts, not at the first sharded attention
+            raise SystemExit(f"--ulysses-chunks {bad} must divide the {local_heads} video heads of each rank")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_before_starting(args)
     if "RANK" in os.environ:  # torchrun --nproc-per-node 2
         rank_main(int(os.environ["RANK"]), args, "env://")
         return
