@@ -14,14 +14,18 @@ Each transform is an `apply_*` function on an already loaded model, composed onc
    channels-last convolution weights and its norms' convolutions moved before their upsampling;
    `K6SERVE_VAE_CHANNELS_LAST=0` / `K6SERVE_KVAE_COMMUTED_NORMS=0` leave those out).
 
-`warmup.warmup(pipeline, request, mode)` (the function of the submodule of that name) runs a short request so compilation and autotuning happen before the
+`warmup(pipeline, request, mode)` runs a short request so compilation and autotuning happen before the
 first real request, and reports what that cost.
 """
 
 import importlib
 
-# Loaded on first use (PEP 562): the engine's own process, which only starts the ranks and writes the MP4, reads
-# `WarmupReport`s and must not import the models (and through them torch._dynamo) to do so.
+# The warm-up's names are imported here (its module needs no model code; and a later first import of the
+# submodule would otherwise bind `warmup` to the module); the others on first use (PEP 562): the engine's own
+# process, which only starts the ranks and writes the MP4, reads `WarmupReport`s and must not import the models
+# (and through them torch._dynamo) to do so.
+from k6serve.speed.warmup import WarmupReport, warmup
+
 _WHERE = {
     "FusedProjectionAttention": "fused_projections",
     "FusedSRSelfAttention": "fused_projections",
@@ -31,7 +35,6 @@ _WHERE = {
     "apply_regional_compile": "regional_compile",
     "is_compiled": "regional_compile",
     "apply_vae_speedups": "vae",
-    "WarmupReport": "warmup",
 }
 
 
@@ -51,4 +54,5 @@ __all__ = [
     "apply_regional_compile",
     "apply_vae_speedups",
     "is_compiled",
+    "warmup",
 ]
