@@ -10,7 +10,7 @@ from datetime import datetime
 import pytest
 import torch
 
-import k6serve.runtime.worker as worker_module
+import k6serve.media.output_names as output_names
 from k6serve import DiffGenerator
 from k6serve.api import build_engine_config
 from k6serve.cli.main import main
@@ -62,7 +62,7 @@ class _FrozenClock(datetime):
 def test_derived_names_never_collide(generator, tmp_path, monkeypatch):
     # Same prompt and seed within one second at two sizes: the same derived name, so the second once replaced
     # the first.
-    monkeypatch.setattr(worker_module, "datetime", _FrozenClock)
+    monkeypatch.setattr(output_names, "datetime", _FrozenClock)
     first = generator.generate({**SMALL, "output_path": str(tmp_path)})
     second = generator.generate({**SMALL, "width": 48, "output_path": str(tmp_path)})
     assert first.output_file_path == str(tmp_path / "x_seed42_20260102-030405.mp4")
@@ -327,7 +327,7 @@ def test_a_hidden_source_gives_a_visible_derived_name(source_name, stem):
 
     request = UpscaleRequest(video_path=f"/clips/{source_name}", scale=2.0, tiles_batch_size=1, tile_min_overlap=0.2,
                              target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=None)
-    name = worker_module.default_file_name(request, datetime(2026, 1, 2, 3, 4, 5))
+    name = output_names.default_file_name(request, datetime(2026, 1, 2, 3, 4, 5))
     assert name == f"{stem}_sr2x_20260102-030405.mp4"
 
 
@@ -404,7 +404,7 @@ def test_sr_still_image_source_is_refused(sr_generator, tmp_path, suffix):
 def test_a_derived_name_taken_while_the_request_runs_moves_on(generator, tmp_path, monkeypatch):
     # Another replica or thread writing the same derived name in the same second: the first request's file
     # was once replaced by the second's.
-    monkeypatch.setattr(worker_module, "datetime", _FrozenClock)
+    monkeypatch.setattr(output_names, "datetime", _FrozenClock)
     taken = tmp_path / "x_seed42_20260102-030405.mp4"
     taken_1 = tmp_path / "x_seed42_20260102-030405_1.mp4"
 
