@@ -229,16 +229,16 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
     A rank process holds torch, diffusers and transformers; tearing the interpreter down (clearing every module and
     collecting their objects several times, `Py_FinalizeEx`) took 0.6 s for torch alone and about 2 s for a rank
     on this project's CI machine, and the engine waits for it at every shutdown (`k6serve generate` ended that much
-    later). What an exit must still do is done first: the other non-daemon threads finish, the atexit handlers run
-    (logging's flush, multiprocessing's finalizers such as a queue's feeder, weakref finalizers, torch's own), and
-    the standard streams are flushed; the operating system frees the memory, the files and the device context."""
+    later). What an exit must still do is done first, in the interpreter's own order: threading's shutdown (its
+    exit hooks, which wake idle `concurrent.futures` workers such as inductor's compile pool: joined without them,
+    those never ended; then every non-daemon thread finishes), the atexit handlers (logging's flush,
+    multiprocessing's finalizers such as a queue's feeder, weakref finalizers, torch's own), and the standard
+    streams are flushed; the operating system frees the memory, the files and the device context. Called from the
+    main thread."""
     import atexit
     import threading
 
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what Py_FinalizeEx runs first (wait_for_thread_shutdown)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -438,6 +438,11 @@ def test_a_rank_exits_without_the_interpreters_teardown_but_after_what_an_exit_m
         held = Held()
         weakref.finalize(held, lambda: (folder / "finalizer").write_text("ran"))
         threading.Thread(target=lambda: (time.sleep(0.3), (folder / "thread").write_text("done"))).start()
+        # A thread pool still referenced (inductor keeps its compile pool): its idle workers are not daemons and end
+        # only when threading's exit hook wakes them; joined without it they waited for ever.
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(1)
+        pool.submit(lambda: (folder / "pool").write_text("ran")).result()
         sys.stdout.write("buffered, no newline")
         exit_without_teardown(3)
     """)
@@ -445,7 +450,7 @@ def test_a_rank_exits_without_the_interpreters_teardown_but_after_what_an_exit_m
     assert run.returncode == 3, run.stderr
     assert run.stdout == "buffered, no newline"
     assert {path.name: path.read_text() for path in tmp_path.iterdir()} == {
-        "atexit": "ran", "finalizer": "ran", "thread": "done"}
+        "atexit": "ran", "finalizer": "ran", "thread": "done", "pool": "ran"}
 
 
 @pytest.mark.parametrize("rank", [0, 1])
