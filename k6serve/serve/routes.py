@@ -20,8 +20,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from datetime import timezone
-from email.utils import parsedate_to_datetime
+from datetime import datetime, timezone
 from stat import S_ISREG
 from typing import Any, BinaryIO, Literal
 
@@ -519,20 +518,47 @@ def _matches_strongly(if_match: str, etag: str) -> bool:
     return any(tag.group(1) is None and tag.group(2) == ours for tag in _ENTITY_TAG.finditer(if_match))
 
 
-def _http_date(value: str) -> float | None:
-    """An HTTP date as a POSIX time; None for one that cannot be read, which RFC 9110 (13.1.3, 13.1.4) says to
-    ignore."""
-    try:
-        date = parsedate_to_datetime(value)
-    except (ValueError, TypeError, OverflowError):  # a year of 20 digits overflows: it was a 500
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MONTH = "(" + "|".join(_MONTHS) + ")"
+# RFC 9110 5.6.7's three forms, GMT only: IMF-fixdate, the obsolete RFC 850 form (two-digit year) and asctime.
+_IMF_FIXDATE = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), (\d\d) " + _MONTH + r" (\d{4}) (\d\d):(\d\d):(\d\d) GMT",
+                          re.ASCII)
+_RFC850_DATE = re.compile(r"(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday), (\d\d)-" + _MONTH
+                          + r"-(\d\d) (\d\d):(\d\d):(\d\d) GMT", re.ASCII)
+_ASCTIME_DATE = re.compile(r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) " + _MONTH + r" ([ \d]\d) (\d\d):(\d\d):(\d\d) (\d{4})",
+                           re.ASCII)
+
+
+def _http_date(values: list[str]) -> float | None:
+    """A conditional header's HTTP date as a POSIX time; None where RFC 9110 (13.1.3, 13.1.4) says to ignore the
+    header: a value that is not one HTTP-date in one of its three forms (a list of dates, another zone than GMT, a
+    missing field, an hour of 25, a year of 20 digits: Python's e-mail date parser took most of those), or the header
+    given more than once."""
+    if len(values) != 1:
         return None
-    if date.tzinfo is None:  # the asctime form carries no zone: HTTP dates are GMT
-        date = date.replace(tzinfo=timezone.utc)
+    value = values[0].strip(" \t")
+    try:
+        if match := _IMF_FIXDATE.fullmatch(value):
+            day, month, year, hour, minute, second = match.groups()
+        elif match := _ASCTIME_DATE.fullmatch(value):
+            month, day, hour, minute, second, year = match.groups()
+        elif match := _RFC850_DATE.fullmatch(value):
+            day, month, short_year, hour, minute, second = match.groups()
+            # 5.6.7: a two-digit year more than 50 years ahead is the latest past year with those digits.
+            year = 2000 + int(short_year)
+            if year > datetime.now(timezone.utc).year + 50:
+                year -= 100
+        else:
+            return None
+        date = datetime(int(year), _MONTHS.index(month) + 1, int(day), int(hour), int(minute), int(second),
+                        tzinfo=timezone.utc)
+    except ValueError:  # a day, hour, minute or second out of range
+        return None
     return date.timestamp()
 
 
-def _not_modified_since(if_modified_since: str, mtime: float) -> bool:
-    """Whether the file is not newer than the If-Modified-Since date; False for a date that cannot be read.
+def _not_modified_since(if_modified_since: list[str], mtime: float) -> bool:
+    """Whether the file is not newer than the If-Modified-Since date; False for a header to ignore.
     Last-Modified shows whole seconds, so the file's time is compared as such."""
     since = _http_date(if_modified_since)
     return since is not None and int(mtime) <= since
@@ -588,14 +614,13 @@ class VideoFileResponse(FileResponse):
         if "if-match" in request:  # then If-Unmodified-Since is ignored, even when no tag matches
             matched = _matches_strongly(",".join(request.getlist("if-match")), self.headers["etag"])
             return None if matched else "If-Match"
-        since = _http_date(request.get("if-unmodified-since", ""))
+        since = _http_date(request.getlist("if-unmodified-since"))
         return "If-Unmodified-Since" if since is not None and int(self.stat_result.st_mtime) > since else None
 
     def _not_modified(self, request: Headers) -> bool:
         if "if-none-match" in request:  # then If-Modified-Since is ignored, even when no tag matches
             return _matches_any_tag(",".join(request.getlist("if-none-match")), self.headers["etag"])
-        if_modified_since = request.get("if-modified-since")
-        return if_modified_since is not None and _not_modified_since(if_modified_since, self.stat_result.st_mtime)
+        return _not_modified_since(request.getlist("if-modified-since"), self.stat_result.st_mtime)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -627,8 +652,11 @@ class VideoFileResponse(FileResponse):
                                                          206: {"description": "Partial content (Range)"},
                                                          304: {"description": "Not modified (If-None-Match, "
                                                                               "If-Modified-Since)"},
-                                                         412: {"description": "Precondition failed (If-Match, "
-                                                                              "If-Unmodified-Since)"}},
+                                                         412: {"model": ErrorResponse,
+                                                               "description": "Precondition failed (If-Match, "
+                                                                              "If-Unmodified-Since)"},
+                                                         416: {"model": ErrorResponse,
+                                                               "description": "Range not satisfiable"}},
             response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)")
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:

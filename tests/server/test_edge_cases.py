@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from datetime import datetime, timezone
 from email.utils import formatdate, parsedate_to_datetime
 
 import av
@@ -205,8 +206,11 @@ def test_if_modified_since_is_304_unless_the_file_is_newer(fake_client):
     assert head.status_code == 304 and "content-length" not in head.headers
     # Newer than the date, or a date that cannot be read (ignored, RFC 9110 13.1.3): the file.
     # A 20-digit year or hour overflowed the date parser (a 500).
+    # A list of dates (the e-mail parser took the first) or another zone than GMT: ignored (13.1.3), so the file.
+    later = formatdate(modified_at + 3600, usegmt=True)
     for since in (formatdate(modified_at - 1, usegmt=True), "yesterday", "Sun, 06 Nov 1994 25:49:37 GMT",
-                  "Sun, 06 Nov 99999999999999999999 08:49:37 GMT", "Sun, 06 Nov 1994 99999999999999999999:49:37 GMT"):
+                  "Sun, 06 Nov 99999999999999999999 08:49:37 GMT", "Sun, 06 Nov 1994 99999999999999999999:49:37 GMT",
+                  f"{later}, {later}", later.replace("GMT", "+0000")):
         response = fake_client.get(url, headers={"If-Modified-Since": since})
         assert response.status_code == 200 and response.content == full.content, since
 
@@ -257,10 +261,21 @@ def test_if_match_and_if_unmodified_since_are_412_for_another_file(fake_client, 
     if method == "GET":
         assert newer.json()["error"]["param"] == "If-Unmodified-Since"
         assert "it is not the file as of that date" in newer.json()["error"]["message"]
+    # Ignored too (RFC 9110 13.1.4), where Python's e-mail date parser read one: a list of dates (it took the first),
+    # another zone than GMT, a date without its seconds or weekday.
+    old = formatdate(modified_at - 3600, usegmt=True)
     for since in (last_modified, formatdate(modified_at + 60, usegmt=True), "yesterday",
-                  "Sun, 06 Nov 99999999999999999999 08:49:37 GMT"):
+                  "Sun, 06 Nov 99999999999999999999 08:49:37 GMT", f"{old}, {last_modified}",
+                  old.replace("GMT", "+0300"), old[:-7] + " GMT", old[5:]):
         same = fake_client.request(method, url, headers={"If-Unmodified-Since": since})
         assert same.status_code == 200, since
+    # The header twice: ignored, whatever each says.
+    twice = fake_client.request(method, url, headers=[("If-Unmodified-Since", old), ("If-Unmodified-Since", old)])
+    assert twice.status_code == 200
+    # The other two forms of HTTP-date are read: RFC 850 (a two-digit year) and asctime.
+    for form in ("%A, %d-%b-%y %H:%M:%S GMT", "%a %b %e %H:%M:%S %Y"):
+        date = datetime.fromtimestamp(modified_at - 3600, timezone.utc).strftime(form)
+        assert fake_client.request(method, url, headers={"If-Unmodified-Since": date}).status_code == 412, date
     # With If-Match sent, If-Unmodified-Since is not looked at (13.2.2), whichever way it would answer; both come
     # before If-None-Match.
     earlier = formatdate(modified_at - 60, usegmt=True)
