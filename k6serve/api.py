@@ -197,9 +197,10 @@ def check_output_folder(output: OutputOptions) -> None:
 
 
 def final_file_name(name: str) -> tuple[str, str | None]:
-    """The file name a given output_file_name is written under (the worker's `sanitize_file_name`), and a warning
-    when that differs from it by more than the added .mp4. A name with no letter or digit before its .mp4 ('..',
-    '???') would be written as 'video.mp4' or '_.mp4', a name the caller never chose, so it is refused."""
+    """The file name a given output_file_name is written under (`media/output_names.sanitize_file_name`, as the
+    worker writes it), and a warning when that differs from it by more than the added .mp4. A name with no letter or
+    digit before its .mp4 ('..', '???') would be written as 'video.mp4' or '_.mp4', a name the caller never chose,
+    so it is refused."""
     if not name.strip():
         raise ValueError("output_file_name is empty; pass a name such as clip.mp4, or leave it out for a name "
                          "derived from the request.")

@@ -19,7 +19,7 @@ from k6serve.parallel.mesh import ParallelGroups, validate_layout
 from k6serve.parallel.sequence_attention import ShardState
 from k6serve.parallel.sequence_parallel import apply_sequence_parallel
 from k6serve.parallel.tensor_parallel import apply_tp
-from k6serve.runtime.rank_logging import ONCE
+from k6serve.rank_logging import ONCE
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from k6serve.runtime.rank_logging import ONCE
+from k6serve.rank_logging import ONCE
 
 logger = logging.getLogger(__name__)
 

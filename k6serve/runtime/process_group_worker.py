@@ -39,6 +39,7 @@ from k6serve.dependencies import missing_package
 from k6serve.lora.spec import LoraOperation, ReplicasDisagree
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
+from k6serve.rank_logging import configure_rank_logging
 from k6serve.request import (
     GenerateRequest,
     OutputOptions,
@@ -62,7 +63,6 @@ from k6serve.runtime.launch import (
 )
 from k6serve.runtime.memory import MemoryOperation, inverse
 from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
-from k6serve.runtime.rank_logging import configure_rank_logging
 from k6serve.speed.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ from k6serve.models.variants import (
     resolve_upscale,
 )
 from k6serve.offload.residency import RESIDENT, resolve_residency
+from k6serve.rank_logging import ONCE
 from k6serve.request import (
     GenerateRequest,
     OutputOptions,
@@ -48,7 +49,6 @@ from k6serve.request import (
 from k6serve.media.output_names import default_file_name, sanitize_file_name
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
-from k6serve.runtime.rank_logging import ONCE
 from k6serve.runtime.warmup_sizes import (
     SR_WARMUP_CLIP,
     SR_WARMUP_SCALE,

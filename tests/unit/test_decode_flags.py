@@ -77,7 +77,7 @@ def test_every_gpu_decoding_every_tile_is_decoded_as_whole_tiles_with_a_warning(
     assert [record.getMessage() for record in caplog.records] == [
         "--vae-config.use-parallel-tiling false (every GPU decoding every tile) is taken as the parallel whole-tile "
         "decode: the same frames bit for bit, in about 1/4 of the decode time across this replica's GPUs."]
-    assert caplog.records[0].k6serve_same_on_every_rank  # written by rank 0 only (runtime/rank_logging.py)
+    assert caplog.records[0].k6serve_same_on_every_rank  # written by rank 0 only (rank_logging.py)
     spatial = _runtime(vae_parallel_tiling=False, vae_parallel_decode=True, vae_parallel_decode_mode="spatial_shard")
     assert sr_decode_mode(spatial, replica_size=2, super_resolution=True) == SPATIAL_SHARD
 

@@ -460,7 +460,7 @@ def test_what_every_rank_would_say_alike_is_said_by_rank_0_only(rank):
     (A fresh interpreter: the rank's root logging is process-wide.)"""
     script = textwrap.dedent(f"""
         import logging
-        from k6serve.runtime.rank_logging import ONCE, configure_rank_logging
+        from k6serve.rank_logging import ONCE, configure_rank_logging
         configure_rank_logging({rank}, "INFO")
         logging.getLogger("k6serve.x").warning("the same on every rank", extra=ONCE)
         logging.getLogger("k6serve.x").info("this rank's own")
