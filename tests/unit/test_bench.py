@@ -101,15 +101,17 @@ def tiny_run(tmp_path_factory):
     # --compile-vae-decoder: a no-op on the CPU that keeps the compiled row's code path in the smoke run.
     runs = (("bf16", ["dit", "text"], ["--norm-rope-kernel"]),
             ("fp32", ["vae", "audio"], ["--dtype", "float32", "--compile-vae-decoder"]))
-    for name, stages, extra in runs:
-        path = folder / f"{name}.json"
-        codes.append(main(["--",  # `k6serve bench -- ARGS` forwards the separator
-                           "--tiny", *(arg for stage in stages for arg in ("--stage", stage)), *extra,
-                           "--repeats", "2", "--warmup", "0", "--json", str(path)]))
-        payload = json.loads(path.read_text())
-        rows.extend(payload["rows"])
-    torch.set_num_threads(threads)
-    return max(codes), {**payload, "rows": rows}
+    try:
+        for name, stages, extra in runs:
+            path = folder / f"{name}.json"
+            codes.append(main(["--",  # `k6serve bench -- ARGS` forwards the separator
+                               "--tiny", *(arg for stage in stages for arg in ("--stage", stage)), *extra,
+                               "--repeats", "2", "--warmup", "0", "--json", str(path)]))
+            payload = json.loads(path.read_text())
+            rows.extend(payload["rows"])
+    finally:
+        torch.set_num_threads(threads)
+    return max(codes), {**payload, "rows": rows}  # the environment and arguments: the fp32 run's
 
 
 def test_tiny_smoke_json_fields(tiny_run):
