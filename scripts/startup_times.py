@@ -4,7 +4,11 @@ and from Ctrl-C to its exit, and the Python API's `Engine` start, request and sh
 interpreter. `--tree` runs another checkout of k6serve (an older commit, for a before/after table) with the same
 interpreter and packages.
 
-    python scripts/startup_times.py --repeats 3 --out out/ [--tree /path/to/other/checkout] [--device cuda]
+    python scripts/startup_times.py --repeats 3 --out out/ [--tree /path/to/other/checkout]
+        [--device cuda --performance-mode balanced]
+
+On a GPU the default mode (speed) compiles the DiT's blocks in every fresh process, which is not what this times:
+pass `--performance-mode balanced` there.
 
 Prints a table (median of the repeats, seconds) and writes `<out>/startup_times.json`.
 """
@@ -34,7 +38,9 @@ _ENGINE = textwrap.dedent("""
     from k6serve.request import OutputOptions, SamplingParams
     from k6serve.runtime.engine import Engine
     imported = time.perf_counter()
-    engine = Engine(EngineConfig(model=ModelConfig(model_path="demo"), runtime=RuntimeConfig(device=sys.argv[1])))
+    mode = {"performance_mode": sys.argv[2]} if sys.argv[2] else {}
+    runtime = RuntimeConfig(device=sys.argv[1], **mode)
+    engine = Engine(EngineConfig(model=ModelConfig(model_path="demo"), runtime=runtime))
     started = time.perf_counter()
     engine.generate(SamplingParams(prompt="a fox", num_frames=5, num_inference_steps=2),
                     OutputOptions(save_output=False, return_frames=True))
@@ -73,19 +79,25 @@ def _status(port: int) -> int | None:
         return None
 
 
-def time_generate(env: dict, device: str, folder: str) -> dict:
+def _mode(mode: str | None) -> list[str]:
+    return ["--performance-mode", mode] if mode else []
+
+
+def time_generate(env: dict, device: str, folder: str, mode: str | None = None) -> dict:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "k6serve.cli.main", "generate", "--model-path", "demo", "--prompt", "a fox",
-                    "--num-frames", "5", "--num-inference-steps", "2", "--device", device, "--output-path", folder],
+                    "--num-frames", "5", "--num-inference-steps", "2", "--device", device, "--output-path", folder,
+                    *_mode(mode)],
                    env=env, cwd=folder_parent(folder), check=True, capture_output=True, timeout=600)
     return {"generate_wall": time.perf_counter() - start}
 
 
-def time_serve(env: dict, device: str, folder: str) -> dict:
+def time_serve(env: dict, device: str, folder: str, mode: str | None = None) -> dict:
     port = _free_port()
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "k6serve.cli.main", "serve", "--model-path", "demo", "--device",
-                                device, "--host", "127.0.0.1", "--port", str(port), "--output-path", folder],
+                                device, "--host", "127.0.0.1", "--port", str(port), "--output-path", folder,
+                                *_mode(mode)],
                                env=env, cwd=folder_parent(folder), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     first = ready = None
@@ -109,8 +121,8 @@ def time_serve(env: dict, device: str, folder: str) -> dict:
             process.kill()
 
 
-def time_engine(env: dict, device: str, folder: str) -> dict:
-    completed = subprocess.run([sys.executable, "-c", _ENGINE, device], env=env, cwd=folder_parent(folder),
+def time_engine(env: dict, device: str, folder: str, mode: str | None = None) -> dict:
+    completed = subprocess.run([sys.executable, "-c", _ENGINE, device, mode or ""], env=env, cwd=folder_parent(folder),
                                check=True, capture_output=True, text=True, timeout=600)
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -120,16 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, default=ROOT, help="the k6serve checkout to time (default: this one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--performance-mode", default=None, help="passed to every run (default: the engine's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="k6serve-startup-") as scratch:
         env = _env(args.tree.resolve(), os.path.join(scratch, "cache"))
-        time_generate(env, args.device, os.path.join(scratch, "warm"))  # builds the demo once; not counted
+        # builds the demo once; not counted
+        time_generate(env, args.device, os.path.join(scratch, "warm"), args.performance_mode)
         runs: dict[str, list[float]] = {}
         for repeat in range(args.repeats):
             for measure in (time_generate, time_serve, time_engine):
                 folder = os.path.join(scratch, f"{measure.__name__}{repeat}")
-                for key, seconds in measure(env, args.device, folder).items():
+                for key, seconds in measure(env, args.device, folder, args.performance_mode).items():
                     runs.setdefault(key, []).append(seconds)
     medians = {key: statistics.median(values) for key, values in runs.items()}
     print(f"| measure ({args.tree}) | median s | runs |\n|---|---|---|")
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "startup_times.json").write_text(json.dumps(
-            {"tree": str(args.tree), "device": args.device, "repeats": args.repeats, "median_s": medians,
+            {"tree": str(args.tree), "device": args.device, "performance_mode": args.performance_mode,
+             "repeats": args.repeats, "median_s": medians,
              "runs_s": runs}, indent=2) + "\n")
     return 0
 

@@ -35,7 +35,8 @@ def test_medians_of_the_counted_runs_in_the_table_and_the_json(tmp_path, monkeyp
     calls = []
 
     def stand_in(name, values):
-        def measure(env, device, folder):
+        def measure(env, device, folder, mode):
+            assert mode == "balanced"
             calls.append((name, Path(folder).name))
             return {f"{name}_s": values[len([c for c in calls if c[0] == name]) - 1]}
         measure.__name__ = f"time_{name}"
@@ -45,7 +46,8 @@ def test_medians_of_the_counted_runs_in_the_table_and_the_json(tmp_path, monkeyp
     monkeypatch.setattr(script, "time_generate", stand_in("generate", [99.0, 3.0, 1.0, 2.0]))
     monkeypatch.setattr(script, "time_serve", stand_in("serve", [5.0, 4.0, 6.0]))
     monkeypatch.setattr(script, "time_engine", stand_in("engine", [0.5, 0.7, 0.6]))
-    assert script.main(["--repeats", "3", "--out", str(tmp_path), "--tree", str(tmp_path)]) == 0
+    assert script.main(["--repeats", "3", "--out", str(tmp_path), "--tree", str(tmp_path),
+                        "--performance-mode", "balanced"]) == 0
     assert calls[0] == ("generate", "warm")
     payload = json.loads((tmp_path / "startup_times.json").read_text())
     assert payload["median_s"] == {"generate_s": 2.0, "serve_s": 5.0, "engine_s": 0.6}
