@@ -500,22 +500,13 @@ _NOT_MODIFIED_HEADERS = frozenset({"cache-control", "content-location", "date", 
                                    "vary"})
 
 
-def _matches_any_tag(if_none_match: str, etag: str) -> bool:
-    """If-None-Match's weak comparison (RFC 9110 13.1.2): whether the list names `etag`, W/ or not; `*` names any
-    file, and the route answers only for one that exists."""
-    if any(item.strip(" \t") == "*" for item in if_none_match.split(",")):
+def _names_etag(header: str, etag: str, *, strong: bool) -> bool:
+    """Whether an If-None-Match (weak comparison) or If-Match (`strong`: a W/ tag never matches) list names `etag`
+    (RFC 9110 13.1.1, 13.1.2); `*` names any file, and the route answers only for one that exists."""
+    if any(item.strip(" \t") == "*" for item in header.split(",")):
         return True
     ours = _ENTITY_TAG.fullmatch(etag).group(2)
-    return any(tag.group(2) == ours for tag in _ENTITY_TAG.finditer(if_none_match))
-
-
-def _matches_strongly(if_match: str, etag: str) -> bool:
-    """If-Match's strong comparison (RFC 9110 13.1.1): whether the list names `etag` as a strong tag (a W/ tag never
-    matches); `*` names any file, and the route answers only for one that exists."""
-    if any(item.strip(" \t") == "*" for item in if_match.split(",")):
-        return True
-    ours = _ENTITY_TAG.fullmatch(etag).group(2)
-    return any(tag.group(1) is None and tag.group(2) == ours for tag in _ENTITY_TAG.finditer(if_match))
+    return any(tag.group(2) == ours and not (strong and tag.group(1)) for tag in _ENTITY_TAG.finditer(header))
 
 
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
@@ -612,14 +603,14 @@ class VideoFileResponse(FileResponse):
     def _precondition_failed(self, request: Headers) -> str | None:
         """The header whose condition the file fails, or None (RFC 9110 13.2.2 steps 1 and 2)."""
         if "if-match" in request:  # then If-Unmodified-Since is ignored, even when no tag matches
-            matched = _matches_strongly(",".join(request.getlist("if-match")), self.headers["etag"])
+            matched = _names_etag(",".join(request.getlist("if-match")), self.headers["etag"], strong=True)
             return None if matched else "If-Match"
         since = _http_date(request.getlist("if-unmodified-since"))
         return "If-Unmodified-Since" if since is not None and int(self.stat_result.st_mtime) > since else None
 
     def _not_modified(self, request: Headers) -> bool:
         if "if-none-match" in request:  # then If-Modified-Since is ignored, even when no tag matches
-            return _matches_any_tag(",".join(request.getlist("if-none-match")), self.headers["etag"])
+            return _names_etag(",".join(request.getlist("if-none-match")), self.headers["etag"], strong=False)
         return _not_modified_since(request.getlist("if-modified-since"), self.stat_result.st_mtime)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

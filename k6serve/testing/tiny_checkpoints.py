@@ -35,7 +35,12 @@ from transformers import (
     Qwen2Tokenizer,
 )
 
-from k6serve.testing.demo_location import DEMO_DEFAULTS, DEMO_MARKER_NAME, demo_checkpoint_dir
+from k6serve.testing.demo_location import (
+    DEMO_DEFAULTS,
+    DEMO_MARKER_NAME,
+    built_demo_checkpoint,
+    demo_checkpoint_dir,
+)
 from k6serve.testing.tiny_configs import AUDIO_LATENT_CHANNELS, PIFLOW_N_GRID, tiny_transformer_config
 from k6serve.testing.tokenizers import (
     build_qwen_processor,
@@ -279,9 +284,10 @@ def _copy_to_fresh_storage_(module: nn.Module) -> None:
 
 def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
     """Return the cached random-weight demo checkpoint, building it once (atomically) if missing."""
+    built = built_demo_checkpoint(kind)
+    if built is not None:
+        return built
     final_dir = demo_checkpoint_dir(kind)
-    if (final_dir / DEMO_MARKER_NAME).is_file():
-        return final_dir
     try:
         final_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
