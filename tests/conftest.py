@@ -3,6 +3,7 @@
 Builders are imported inside the fixtures, so tests that do not use them skip importing diffusers.
 """
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,25 @@ def hub_offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+# ---- the repository's scripts ----
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """name -> scripts/<name>.py imported as a fresh module: the scripts are files to run, not a package, and each
+    test gets its own module so that a monkeypatched attribute does not leak into the next."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 # ---- the CLI as it reads the engine options ----

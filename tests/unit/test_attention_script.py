@@ -3,7 +3,6 @@ with --fa4-tiles one row per listed FA4 tile config, and a config that fails doe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,13 +13,6 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_attention.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_script(tmp_path, *arguments):
@@ -57,16 +49,16 @@ def test_cpu_run_times_sdpa_and_reports_the_gpu_kernels(tmp_path):
     assert 0.005 < cross["sdpa fp8 inputs"]["relative_rms_difference"] < 0.08
 
 
-def test_split_kernels_pass_num_splits_to_fa3():
+def test_split_kernels_pass_num_splits_to_fa3(load_script):
     calls = []
-    splits = _script().split_kernels(lambda q, k, v, **options: calls.append(options) or q)
+    splits = load_script("gpu_attention").split_kernels(lambda q, k, v, **options: calls.append(options) or q)
     assert list(splits) == ["fa3 splits 2", "fa3 splits 4", "fa3 splits 8"]
     assert splits["fa3 splits 4"]("q", "k", "v") == "q" and calls == [{"num_splits": 4}]
-    assert _script().split_kernels("no fa3") == {name: "no fa3" for name in splits}
+    assert load_script("gpu_attention").split_kernels("no fa3") == {name: "no fa3" for name in splits}
 
 
-def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first():
-    script = _script()
+def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first(load_script):
+    script = load_script("gpu_attention")
     assert set(script.FA4_TILES) == {64, 128}
     defaults = {128: (128, 128, True, True), 64: (192, 128, True, True)}  # flash_attn/cute/interface.py's
     for head_dim, configs in script.FA4_TILES.items():
@@ -82,8 +74,8 @@ def test_fa4_tile_configs_are_plausible_sm90_configs_with_the_default_first():
     assert script.fa4_tile_name(192, 128, True, False) == "fa4 192x128 rs"
 
 
-def test_cpu_run_with_fa4_tiles_lists_every_config_with_why_it_did_not_run(tmp_path):
-    script = _script()
+def test_cpu_run_with_fa4_tiles_lists_every_config_with_why_it_did_not_run(tmp_path, load_script):
+    script = load_script("gpu_attention")
     rows = _run_script(tmp_path, "--fa4-tiles", "--shapes", "tiny")
     names = [script.fa4_tile_name(*config) for config in script.fa4_tile_configs(16)]  # the tiny shape's 16
     main = MAIN
@@ -95,8 +87,8 @@ def test_cpu_run_with_fa4_tiles_lists_every_config_with_why_it_did_not_run(tmp_p
     assert all(f"| tiny (4x16) | {name} | - | - | - | - | needs CUDA |" in markdown for name in names)
 
 
-def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypatch, capsys):
-    script = _script()
+def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypatch, capsys, load_script):
+    script = load_script("gpu_attention")
 
     def broken(query, key, value):
         raise RuntimeError("no kernel for this tile\n" + "x" * 1000)
@@ -114,16 +106,17 @@ def test_a_failing_tile_config_is_recorded_and_the_next_one_still_runs(monkeypat
     assert tiles["fa4 3x3"]["error"] == "needs CUDA"
 
 
-def test_kernels_option_times_only_the_named_kernels_in_that_order(tmp_path):
+def test_kernels_option_times_only_the_named_kernels_in_that_order(tmp_path, load_script):
     rows = _run_script(tmp_path, "--kernels", "sdpa fp8 inputs,sdpa", "--shapes", "tiny")
     assert [row["kernel"] for row in rows] == ["sdpa fp8 inputs", "sdpa"]
     assert rows[0]["max_abs_difference"] == 0 and rows[1]["relative_rms_difference"] > 0  # the first is the reference
     with pytest.raises(SystemExit, match="--kernels: unknown \\['fa5'\\]"):
-        _script().main(["--device", "cpu", "--tiny", "--kernels", "sdpa,fa5", "--out", str(tmp_path)])
+        load_script("gpu_attention").main(["--device", "cpu", "--tiny", "--kernels", "sdpa,fa5",
+                                           "--out", str(tmp_path)])
 
 
-def test_shapes_option_checks_the_names_of_the_mode(tmp_path):
-    script = _script()
+def test_shapes_option_checks_the_names_of_the_mode(tmp_path, load_script):
+    script = load_script("gpu_attention")
     with pytest.raises(SystemExit, match="--shapes: unknown \\['lite'\\]; the shapes with --tiny are "
                        "\\['tiny', 'tiny-av'\\]"):
         script.main(["--device", "cpu", "--tiny", "--shapes", "lite", "--out", str(tmp_path)])

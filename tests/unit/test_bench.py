@@ -2,7 +2,6 @@
 work formula reproduces k6-generation.md §2.11."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -236,19 +235,8 @@ def test_warm_breakdown_is_the_median_of_every_run():
     assert row.note.startswith("median denoise=58.50")
 
 
-def _gpu_single():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_single.py"
-    spec = importlib.util.spec_from_file_location("gpu_single", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_single_parts_for_each_subcommand():
-    script = _gpu_single()
+def test_gpu_single_parts_for_each_subcommand(load_script):
+    script = load_script("gpu_single")
     parse = script.build_parser().parse_args
     dit = script.parts(parse(["dit", "--reference-compiled"]))
     assert [name for name, _ in dit] == ["dit pro-distill", "dit lite-distill"]
@@ -285,8 +273,8 @@ def test_gpu_single_parts_for_each_subcommand():
         parse(["everything"])
 
 
-def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
-    script = _gpu_single()
+def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path, load_script):
+    script = load_script("gpu_single")
     code = script.main(
         [
             "dit",
@@ -316,7 +304,7 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path):
     assert "| dit | ours torch_sdpa eager | tiny 64x96x17 |" in (tmp_path / "dit.md").read_text()
 
 
-def test_compile_mode_reaches_the_dit_options_and_needs_inductor(monkeypatch):
+def test_compile_mode_reaches_the_dit_options_and_needs_inductor(monkeypatch, load_script):
     """`--compile-mode` (k6serve bench, gpu_single.py dit) is passed to our blocks' torch.compile; with a
     backend other than inductor (the --tiny default) it is refused before any setup."""
     from k6serve.bench import __main__ as bench
@@ -335,7 +323,7 @@ def test_compile_mode_reaches_the_dit_options_and_needs_inductor(monkeypatch):
         bench.build_parser().parse_args(["--compile-mode", "fastest"])
     with pytest.raises(SystemExit, match="--fp8-attention times the fused \\+ compiled DiT.*drop --skip-speed"):
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--fp8-attention", "--skip-speed"]))
-    script = _gpu_single()
+    script = load_script("gpu_single")
     parts = script.parts(script.build_parser().parse_args(["dit", "--models", "lite-distill", "--skip-eager",
                                                            "--compile-mode", "max-autotune-no-cudagraphs"]))
     assert parts[0][1][-3:] == ["--skip-eager", "--compile-mode", "max-autotune-no-cudagraphs"]
@@ -372,12 +360,8 @@ def test_kernel_profile_counts_kernels_once_and_groups_them():
     assert "| attention | 2.0 | 66.7% |" in format_summary("t", summary)
 
 
-def test_gpu_profile_script_runs_at_toy_size(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_profile", Path(__file__).parents[2] / "scripts" / "gpu_profile.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+def test_gpu_profile_script_runs_at_toy_size(tmp_path, load_script):
+    script = load_script("gpu_profile")
     for subcommand in ("dit", "mux"):
         assert script.main([subcommand, "--tiny", "--out", str(tmp_path), "--models", "pro-distill"]) == 0
     report = json.loads((tmp_path / "profile_dit.json").read_text())
@@ -517,15 +501,10 @@ def test_generate_takes_the_engines_offload_flags(monkeypatch):
     assert runtime.component_residency == (("vocoder", "resident"),)
 
 
-def test_gpu_spatial_shard_script_runs_at_toy_size(tmp_path):
+def test_gpu_spatial_shard_script_runs_at_toy_size(tmp_path, load_script):
     """One rank's share of the spatial-shard decode (zeros for the halo rows): every slab decodes, its rows are the
     rank's rows of the tile, and the table and JSON have their fields."""
-    import importlib.util
-
-    path = Path(__file__).parents[2] / "scripts" / "gpu_spatial_shard.py"
-    spec = importlib.util.spec_from_file_location("gpu_spatial_shard", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_spatial_shard")
     assert script.main(["--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "spatial_shard.json").read_text())
     assert report["hooked_modules"] > 0 and report["latent"][3:] == [8, 6]
@@ -537,11 +516,9 @@ def test_gpu_spatial_shard_script_runs_at_toy_size(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_gpu_sr_decode_script_runs_at_toy_size(tmp_path, monkeypatch):
+def test_gpu_sr_decode_script_runs_at_toy_size(tmp_path, monkeypatch, load_script):
     """The two-GPU whole-tile / spatial-shard comparison, on two gloo ranks with the tiny checkpoint: a cold and a
     warm request per decode, and the frame distance between the two decodes."""
-    import importlib.util
-
     from k6serve.testing import clips
 
     # The script's --tiny clip is 96x64 (12 x2 tiles, four requests of about 5 s each on 2 cores); 80x32 gives two
@@ -549,9 +526,7 @@ def test_gpu_sr_decode_script_runs_at_toy_size(tmp_path, monkeypatch):
     make_clip = clips.make_clip
     monkeypatch.setattr(clips, "make_clip", lambda path, **kwargs: make_clip(path, **{**kwargs, "width": 80,
                                                                                      "height": 32}))
-    spec = importlib.util.spec_from_file_location("gpu_sr_decode", Path(__file__).parents[2] / "scripts" / "gpu_sr_decode.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_sr_decode")
     assert script.main(["--tiny", "--out", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "sr_decode.jsonl").read_text().splitlines()]
     assert [(row["sr_decode"], row["request"]) for row in rows] == [

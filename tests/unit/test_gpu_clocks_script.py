@@ -3,7 +3,6 @@ table and the JSON (no samples off CUDA, so the clock columns are empty, not mad
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,15 +12,8 @@ from pathlib import Path
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_clocks.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_clocks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_sample_lines_and_reasons():
-    clocks = _module()
+def test_sample_lines_and_reasons(load_script):
+    clocks = load_script("gpu_clocks")
     sample = clocks.parse_sample("2026/12/03 01:02:03.250, 1755, 698.41, 61, 0x0000000000000004\n")
     assert sample["sm_mhz"] == 1755.0 and sample["power_w"] == 698.41 and sample["temp_c"] == 61.0
     assert sample["reasons"] == 4 and clocks.reasons(sample["reasons"]) == ["sw_power_cap"]
@@ -29,8 +21,8 @@ def test_sample_lines_and_reasons():
     assert clocks.parse_sample("") is None and clocks.parse_sample("[N/A], 1, 2, 3, 0x0") is None
 
 
-def test_row_share_of_the_peak_at_the_clock_it_ran_at():
-    clocks = _module()
+def test_row_share_of_the_peak_at_the_clock_it_ran_at(load_script):
+    clocks = load_script("gpu_clocks")
     times = [(100.0 + i * 0.1, 700.0) for i in range(30)]
     samples = [{"t": 100.5, "sm_mhz": 1830.0, "power_w": 690.0, "temp_c": 60.0, "reasons": 0x4},
                {"t": 101.5, "sm_mhz": 1650.0, "power_w": 700.0, "temp_c": 62.0, "reasons": 0x0}]

@@ -3,7 +3,6 @@ nn.GroupNorm in bf16 units in the last place; the split-statistics GroupNorm kee
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,15 +15,8 @@ from torch import nn
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_group_norm.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_group_norm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_split_statistics_group_norm_is_within_one_ulp_of_native():
-    script = _script()
+def test_split_statistics_group_norm_is_within_one_ulp_of_native(load_script):
+    script = load_script("gpu_group_norm")
     torch.manual_seed(0)
     x = (torch.randn(2, 64, 3, 5, 7) * 3 + 1).to(torch.bfloat16)
     norm = nn.GroupNorm(32, 64, eps=1e-6).to(torch.bfloat16)

@@ -173,14 +173,9 @@ def test_x264_rc_lookahead_reaches_x264(tmp_path: Path, monkeypatch: pytest.Monk
     assert digests[20] != digests[40]
 
 
-def test_lookahead_quality_script_reports_size_and_psnr(tmp_path: Path) -> None:
+def test_lookahead_quality_script_reports_size_and_psnr(tmp_path: Path, load_script) -> None:
     """scripts/x264_lookahead_quality.py at toy size: one row per lookahead, a real PSNR, the default restored."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "x264_lookahead_quality", Path(__file__).parents[2] / "scripts" / "x264_lookahead_quality.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("x264_lookahead_quality")
     script.main(["--width", "96", "--height", "64", "--frames", "24", "--out", str(tmp_path)])
     import json
 

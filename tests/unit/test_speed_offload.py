@@ -17,10 +17,8 @@ import copy
 import dataclasses
 import functools
 import gc
-import importlib.util
 import json
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -344,19 +342,11 @@ def test_cuda_speed_mode_with_the_dit_and_vae_offloaded_whole(tiny_distill_dir):
         assert np.array_equal(result.frames, resident.frames) and np.array_equal(result.audio, resident.audio)
 
 
-def _script():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_speed_offload.py"
-    spec = importlib.util.spec_from_file_location("gpu_speed_offload", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_speed_offload_script_runs_at_toy_size(tmp_path, demo_dir, monkeypatch):
+def test_gpu_speed_offload_script_runs_at_toy_size(tmp_path, demo_dir, monkeypatch, load_script):
     """The GPU script on the demo checkpoint, offloading forced on the CPU: the offloaded configuration first, a cold
     and a warm request each, and the bit comparison of the two (eager on the CPU, so equal)."""
     monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: self.residency_plan.offloads))
-    assert _script().main(["--tiny", "--out", str(tmp_path)]) == 0
+    assert load_script("gpu_speed_offload").main(["--tiny", "--out", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "speed_offload.jsonl").read_text().splitlines()]
     assert [(row["configuration"], row["request"]) for row in rows] == [
         ("speed, --cpu-offload-components transformer", 0), ("speed, --cpu-offload-components transformer", 1),

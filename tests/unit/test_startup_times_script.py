@@ -6,7 +6,6 @@ docs/benchmarks.md."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -14,15 +13,8 @@ from pathlib import Path
 SCRIPT = Path(__file__).parents[2] / "scripts" / "startup_times.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("startup_times", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_tree_comes_first_and_runs_start_outside_a_checkout(tmp_path, monkeypatch):
-    script = _module()
+def test_the_tree_comes_first_and_runs_start_outside_a_checkout(tmp_path, monkeypatch, load_script):
+    script = load_script("startup_times")
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     env = script._env(tmp_path / "old", "/cache")
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "old"), "/somewhere/else"]
@@ -30,8 +22,8 @@ def test_the_tree_comes_first_and_runs_start_outside_a_checkout(tmp_path, monkey
     assert script.folder_parent(str(tmp_path / "scratch" / "run0")) == str(tmp_path / "scratch")
 
 
-def test_medians_of_the_counted_runs_in_the_table_and_the_json(tmp_path, monkeypatch, capsys):
-    script = _module()
+def test_medians_of_the_counted_runs_in_the_table_and_the_json(tmp_path, monkeypatch, capsys, load_script):
+    script = load_script("startup_times")
     calls = []
 
     def stand_in(name, values):

@@ -292,16 +292,10 @@ def test_every_rank_of_a_replica_warms_the_listed_shapes(tiny_pro_dir):
         engine.shutdown()
 
 
-def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path):
+def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path, load_script):
     """scripts/gpu_warmup_sizes.py on the demo checkpoint (CPU: nothing compiles): the warm-up per listed shape, then
     a request per listed shape and a cold and a warm one of the unlisted shape, in the JSON and the exit code."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_warmup_sizes.py"
-    spec = importlib.util.spec_from_file_location("gpu_warmup_sizes", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_warmup_sizes")
     assert script.main(["--tiny", "--out", str(tmp_path), "--sizes", "48x32x5", "32x32x5", "--unlisted", "64x32x5",
                         "--steps", "2"]) == 0
     report = json.loads((tmp_path / "warmup_sizes.json").read_text())
@@ -393,15 +387,9 @@ def test_an_eager_warm_up_runs_one_pass(tiny_distill_dir, monkeypatch):
     assert [request.prompt for request in calls] == ["warm-up"]
 
 
-def test_gpu_dynamic_dims_script_runs_at_toy_size(tmp_path):
+def test_gpu_dynamic_dims_script_runs_at_toy_size(tmp_path, load_script):
     """scripts/gpu_dynamic_dims.py on the demo checkpoint (CPU: nothing compiles): its seven requests in the JSON."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_dynamic_dims.py"
-    spec = importlib.util.spec_from_file_location("gpu_dynamic_dims", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("gpu_dynamic_dims")
     assert script.main(["--tiny", "--out", str(tmp_path), "--steps", "2"]) == 0
     report = json.loads((tmp_path / "dynamic_dims.json").read_text())
     assert [row["request"][:1] for row in report["requests"]] == ["1", "2", "3", "4", "5", "6", "7"]
