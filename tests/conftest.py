@@ -4,10 +4,18 @@ Builders are imported inside the fixtures, so tests that do not use them skip im
 """
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n 2` (the README's command) two workers share the machine's cores: one torch thread each, and
+    # one for every process they start (ranks, servers, CLI runs read OMP_NUM_THREADS at their start), or OpenMP's
+    # spinning workers make each other's calls many times slower. A value set by the user wins.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # ---- Kandinsky 6 generation (T2AV / TI2AV) ----
 
