@@ -381,7 +381,7 @@ def rank_main(rank: int, args: argparse.Namespace, init_method: str) -> None:
             print(table(report), flush=True)
     finally:
         dist.destroy_process_group()
-    from k6serve.runtime.launch import exit_without_teardown
+    from k6serve.process_exit import exit_without_teardown
 
     exit_without_teardown(0)  # as the engine's ranks do: the interpreter's teardown took ~2 s per rank
 

@@ -47,13 +47,13 @@ from k6serve.request import (
     UpscaleRequest,
     VideoResult,
 )
+from k6serve.process_exit import exit_without_teardown
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.runtime.launch import (
     LOCAL_HOST,
     RankSpec,
     device_type_for,
-    exit_without_teardown,
     init_distributed,
     local_rank_specs,
     rendezvous_store,

@@ -25,7 +25,7 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, task: Ca
         results.put((rank, False, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
-    from k6serve.runtime.launch import exit_without_teardown
+    from k6serve.process_exit import exit_without_teardown
 
     exit_without_teardown(0)  # the queue's feeder still flushes the result (an atexit finalizer)
 

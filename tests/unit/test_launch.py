@@ -430,7 +430,7 @@ def test_a_rank_exits_without_the_interpreters_teardown_but_after_what_an_exit_m
     script = textwrap.dedent(f"""
         import atexit, sys, threading, time, weakref
         from pathlib import Path
-        from k6serve.runtime.launch import exit_without_teardown
+        from k6serve.process_exit import exit_without_teardown
 
         folder = Path({str(tmp_path)!r})
         atexit.register(lambda: (folder / "atexit").write_text("ran"))

@@ -1,0 +1,50 @@
+"""The `k6serve` command ends without the interpreter's teardown (`cli.main.console_main`): main's exit code, the
+atexit handlers and the buffered output kept, the module teardown skipped."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+
+def test_the_command_is_console_main():
+    (entry,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "k6serve"]
+    assert entry.value == "k6serve.cli.main:console_main"
+
+
+def test_console_main_exits_with_mains_code(monkeypatch):
+    from k6serve import process_exit
+    from k6serve.cli import main as cli_main
+
+    class Exited(Exception):
+        pass
+
+    def exit_without_teardown(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(cli_main, "main", lambda: 3)
+    monkeypatch.setattr(process_exit, "exit_without_teardown", exit_without_teardown)
+    with pytest.raises(Exited, match="3"):
+        cli_main.console_main()
+
+
+def test_a_refused_run_keeps_its_code_output_and_atexit_handlers_but_skips_the_teardown(tmp_path):
+    # A refusal (exit 2) before any model loads: the process runs main, then console_main's exit.
+    script = (
+        "import atexit, sys\n"
+        "class Torn:\n"
+        "    def __del__(self):\n"
+        "        print('teardown ran', flush=True)\n"
+        "kept = Torn()  # a module global: collected by the interpreter's teardown, not by os._exit\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "print('buffered line')  # stdout is a pipe: block-buffered until the exit flushes it\n"
+        "sys.argv = ['k6serve', 'generate', '--model-path', 'demo', '--prompt', 'a fox', '--num-frames', '0',\n"
+        f"            '--output-path', {str(tmp_path)!r}]\n"
+        "from k6serve.cli.main import console_main\n"
+        "console_main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error:" in done.stderr and "num-frames" in done.stderr.replace("num_frames", "num-frames")
+    assert done.stdout.splitlines() == ["buffered line", "atexit ran"]
