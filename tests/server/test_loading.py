@@ -94,7 +94,7 @@ def test_a_silent_or_slow_client_delays_no_other(responder):
         started = time.monotonic()
         for _ in range(5):
             _assert_loading_health(httpx.get(f"{url}/health"))
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 3  # one after another: over 4 s; room for a busy 2-core machine
         # The silent and the half-sent ones are answered too once their head's time is up, then closed.
         for conn in silent:
             conn.settimeout(5)
