@@ -15,7 +15,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # one for every process they start (ranks, servers, CLI runs read OMP_NUM_THREADS at their start), or OpenMP's
     # spinning workers make each other's calls many times slower. A value set by the user wins.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # ---- Kandinsky 6 generation (T2AV / TI2AV) ----
 

@@ -39,6 +39,7 @@ from k6serve.dependencies import missing_package
 from k6serve.lora.spec import LoraOperation, ReplicasDisagree
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
+from k6serve.process_exit import exit_without_teardown
 from k6serve.rank_logging import configure_rank_logging
 from k6serve.request import (
     GenerateRequest,
@@ -47,7 +48,6 @@ from k6serve.request import (
     UpscaleRequest,
     VideoResult,
 )
-from k6serve.process_exit import exit_without_teardown
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.runtime.launch import (
