@@ -109,6 +109,8 @@ def unreadable_image_reason(path: str | os.PathLike[str], error: BaseException, 
     if head is not None:
         if head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS:
             return "it is a HEIC/HEIF photo, which k6serve cannot read; convert it to JPEG or PNG"
+        if head.startswith(b"%PDF-"):
+            return "it is a PDF document, not an image; export the page as a PNG or JPEG"
         for offset, magic, name in _SIGNATURES:
             if head[offset:offset + len(magic)] == magic:
                 found = name

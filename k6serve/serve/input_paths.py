@@ -98,7 +98,7 @@ def _check_image(path: str, *, what: str, code: str, param: str, video_size: tup
                        param=param) from None
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files
         has_video, image_demuxer = _probe_video(path)
-        if has_video and image_demuxer is None:
+        if has_video and image_demuxer is None and _has_two_frames(path):
             # Said plainly: a generation model's input_reference is its conditioning image, whatever the upload
             # was named or typed, and no generation model takes a video.
             raise ApiError(400, f"{what} is a video, not an image: a generation model is conditioned on an "
@@ -185,6 +185,20 @@ class _PixelBudget:
 # Twice PIL's default MAX_IMAGE_PIXELS: the largest image PIL opens (`DecompressionBombError` beyond), so the checks
 # together hold no more than the largest single image that can reach them.
 _DECODES = _PixelBudget(2 * 89_478_485)
+
+
+def _has_two_frames(path: str) -> bool:
+    """Whether FFmpeg decodes a second frame from `path`. Its raw-stream demuxers find a video in files that are no
+    video: the mjpeg demuxer, for one, reads the JPEG inside a PDF page as a one-frame MJPEG stream, and such an
+    upload was called "a video". Decoding stops at the second frame."""
+    try:
+        with av.open(path, mode="r") as container:
+            for index, _ in enumerate(container.decode(video=0)):
+                if index == 1:
+                    return True
+    except (av.error.FFmpegError, UnicodeDecodeError, ValueError):
+        pass
+    return False
 
 
 def _probe_video(path: str) -> tuple[bool | None, str | None]:

@@ -581,6 +581,13 @@ def _png_bytes(size: tuple[int, int] = (64, 48)) -> bytes:
     return buffer.getvalue()
 
 
+def _pdf_bytes() -> bytes:
+    # PIL writes the page as a JPEG inside the PDF, which FFmpeg's mjpeg demuxer reads as a one-frame video stream.
+    buffer = io.BytesIO()
+    PIL.Image.new("RGB", (64, 48), (200, 10, 10)).save(buffer, format="PDF")
+    return buffer.getvalue()
+
+
 ACCEPTED = r"use a PNG, JPEG, WebP, TIFF or GIF image \(a GIF gives its first frame\)"
 DAMAGED = (r"it starts as a {} file but its data is damaged, cut short or of a kind k6serve cannot decode; export "
            r"or copy it again, as an 8-bit PNG or JPEG if it still fails")
@@ -594,7 +601,9 @@ DAMAGED = (r"it starts as a {} file but its data is damaged, cut short or of a k
     (_png_bytes()[:2000], DAMAGED.format("PNG")),  # cut inside the pixel data: PIL opens it, then fails
     (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64),
      r"it is a HEIC/HEIF photo, which k6serve cannot read; convert it to JPEG or PNG"),
-], ids=["text", "empty", "png_cut_in_header", "png_cut_in_pixels", "heic"])
+    # The server called it "a video, not an image" (FFmpeg's probe found the page's JPEG as a one-frame stream).
+    (_pdf_bytes(), r"it is a PDF document, not an image; export the page as a PNG or JPEG"),
+], ids=["text", "empty", "png_cut_in_header", "png_cut_in_pixels", "heic", "pdf"])
 def test_an_unreadable_image_is_explained_the_same_way_for_the_cli_and_the_server(tmp_path: Path, content,
                                                                                      reason) -> None:
     # The server's 400 showed only PIL's exception class ("UnidentifiedImageError"), the CLI PIL's message.
