@@ -68,6 +68,15 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
     crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
     delivery_size = crop_size
     notes: tuple[str, ...] = ()
+    if input_size != (height, width) and stretches_aspect(input_size, source_size):
+        # The reference's rounding of each side to a multiple of 16 (kept: the tiles need it) stretched a small source
+        # with nothing said, while a target's stretch was told (96x64 came out 224x128: aspect 1.5 -> 1.75).
+        notes = ((
+            f"the x{request.scale:g} scale first enlarges the {width}x{height} source x{scale.pre_upscale:g} with "
+            f"each side rounded to a multiple of 16, to {input_size[1]}x{input_size[0]}, changing its aspect ratio "
+            f"({width / height:.3g} -> {input_size[1] / input_size[0]:.3g}); use sr_resolution_scale 2 or 4 to "
+            "keep it."
+        ),)
     if request.target_resolution is not None:
         delivery_size = resolve_target_size(
             *crop_size, request.target_resolution, request.target_resize_mode
@@ -76,7 +85,7 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
         if delivery_size == crop_size and (bucket_height, bucket_width) != crop_size:
             # "fit" only downscales, so a target at least as large as the result silently did nothing.
             crop_height, crop_width = crop_size
-            notes = ((
+            notes += ((
                 f"sr_target_resolution {request.target_resolution!r} ({bucket_width}x{bucket_height}) is not "
                 f"smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: the "
                 f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
@@ -85,7 +94,7 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
         elif stretches_aspect(delivery_size, crop_size):
             # Only "exact" stretches ("fit" scales both sides alike). This was a log line no user saw.
             (crop_height, crop_width), (out_height, out_width) = crop_size, delivery_size
-            notes = ((
+            notes += ((
                 f"sr_target_resolution {request.target_resolution!r} with the 'exact' resize mode stretches the "
                 f"{crop_width}x{crop_height} upscaled result to {out_width}x{out_height}, changing its aspect "
                 f"ratio; use sr_target_resize_mode 'fit' to keep it."

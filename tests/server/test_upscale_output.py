@@ -44,6 +44,25 @@ def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(t
     assert upscale_sizes((192, 256), _request(4, "640x360", "fit")).notes == ()  # fit scales both sides alike
 
 
+def test_the_x2_25_pre_upscale_that_changes_the_aspect_ratio_is_a_note():
+    """x2.25 enlarges the source x1.125 with each side rounded to a multiple of 16 (the reference's rule, kept): a
+    96x64 source becomes 112x64, a 17% stretch of what comes out (224x128), which nothing said."""
+    from k6serve.pipelines.sr_plan import upscale_sizes
+
+    stretched = upscale_sizes((64, 96), _request(2.25))
+    assert (stretched.input_size, stretched.delivery_size) == ((64, 112), (128, 224))
+    assert stretched.notes == ("the x2.25 scale first enlarges the 96x64 source x1.125 with each side rounded to a "
+                               "multiple of 16, to 112x64, changing its aspect ratio (1.5 -> 1.75); use "
+                               "sr_resolution_scale 2 or 4 to keep it.",)
+    assert upscale_sizes((512, 768), _request(2.25)).notes == ()  # 576x864 exactly: the released clips' size
+    assert upscale_sizes((64, 96), _request(2)).notes == ()  # no pre-upscale
+    # Within 2% (the target stretch's bound): 100x200 -> 112x224 keeps 2.0.
+    assert upscale_sizes((100, 200), _request(2.25)).notes == ()
+    # With a target that stretches too, both are said, the pre-upscale first.
+    both = upscale_sizes((64, 96), _request(2.25, "160x120", "exact")).notes
+    assert len(both) == 2 and both[0] == stretched.notes[0] and "'exact' resize mode stretches" in both[1]
+
+
 def test_the_tiling_is_read_without_loading_for_super_resolution_only(tmp_path):
     from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
     from k6serve.pipelines.sr_tiling import SourceTooSmall
