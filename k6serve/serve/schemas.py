@@ -380,6 +380,8 @@ class VideoJob(BaseModel):
     id: str
     object: Literal["video"] = "video"
     model: str
+    # OpenAI's Video object has it, and its SDK's `Video.prompt` read None from every job before.
+    prompt: str | None = Field(None, description="The job's prompt as sent; null for super-resolution.")
     status: JobStatus
     progress: int = Field(description="0-100; advanced at every denoising step (every tile for VSR).")
     created_at: int
@@ -455,6 +457,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) ->
     return VideoJob(
         id=job.id,
         model=job.model,
+        prompt=job.params.get("prompt") or None,  # super-resolution takes none (the OpenAI SDK sends "")
         status=job.status,
         progress=job.progress,
         created_at=int(job.created_at),

@@ -57,6 +57,7 @@ def test_create_poll_download_delete(sdk_server, client, tmp_path):
     fields = created.model_dump()
     assert fields["object"] == "video" and fields["status"] in ("queued", "in_progress")
     assert fields["id"].startswith("video_") and fields["model"] == GENERATION_MODEL
+    assert fields["prompt"] == "A cat plays the piano"  # OpenAI's Video.prompt; it read None before
     assert isinstance(fields["created_at"], int) and abs(fields["created_at"] - time.time()) < 60
     # OpenAI's size is width first; one second at 24 fps is 24 frames, rounded to the model's 4k+1: 25 frames.
     assert fields["size"] == "96x64" and fields["seconds"] == f"{25 / 24:g}"
@@ -235,6 +236,7 @@ def test_super_resolution_takes_the_video_as_input_reference(tmp_path):
             video = client.videos.create_and_poll(prompt="", input_reference=clip, poll_interval_ms=20,
                                                   extra_body={"sr_resolution_scale": 2})
             assert video.status == "completed" and video.model == VARIANTS["vsr-distilled2steps"].hub_id
+            assert video.prompt is None
             request = server.worker.requests[-1]
             assert request.scale == 2
             assert Path(request.video_path).name.endswith("_input_reference.mp4")
