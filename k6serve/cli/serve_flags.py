@@ -23,8 +23,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-upload-mb", type=float, default=None,
                        help="Largest accepted upload in MiB; larger answers 413 (default 512).")
     group.add_argument("--allowed-input-dir", action="append", default=None,
-                       help="Folder that JSON video_path/image_path may point into (repeatable; default: ./inputs "
-                            "and the upload folder).")
+                       help="Folder that JSON video_path/image_path may point into (repeatable; default: ./inputs; "
+                            "never the upload folder).")
     group.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="Model id that /v1/models lists and jobs report (default: the checkpoint's hub id, or "
                             "the folder's name); requests may name it or the checkpoint in `model`.")

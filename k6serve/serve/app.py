@@ -156,7 +156,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     accepts connections (`serve` stops its loading responder there)."""
     metrics = ServerMetrics()
     runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
-    allowed = list(settings.allowed_input_dirs) or [Path("inputs"), artifacts.upload_dir]
+    allowed = list(settings.allowed_input_dirs) or [Path("inputs")]
     names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model
     ctx = ServerContext(engine=engine, store=store, artifacts=artifacts, settings=settings, metrics=metrics,

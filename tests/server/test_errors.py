@@ -265,6 +265,24 @@ def test_path_traversal_and_symlink_escapes_are_refused(fake_server, fake_client
     assert fake_server.worker.requests[-1].image_path == str((inputs / "ok.png").resolve())
 
 
+def test_a_json_path_into_the_upload_folder_is_refused_even_when_allowed(fake_server, fake_client):
+    """Another job's upload, named in JSON, was accepted and then failed ("it does not exist") once that job ended
+    and its uploads were deleted. The harness allows the upload folder explicitly: refused all the same."""
+    assert fake_server.artifacts.upload_dir in fake_server.settings.allowed_input_dirs
+    held = fake_server.artifacts.upload_dir / "video_0123_input_reference.png"
+    held.write_bytes(_png_bytes())
+    for path in (str(held), str(fake_server.artifacts.upload_dir / "missing.png")):
+        error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "image_path": path, **SMALL}),
+                              400, param="image_path", code="path_not_allowed")
+        assert error["message"] == (
+            f"image_path {path!r} is in the server's upload folder, whose files belong to the jobs that uploaded "
+            "them and are deleted when those end; upload the file with this request (multipart input_reference) "
+            "or put it in an allowed input folder.")
+    held.unlink()
+    assert fake_client.get("/v1/videos").json()["data"] == []
+    _still_serves(fake_client)
+
+
 def test_idempotent_retries(fake_server, fake_client):
     body = {"prompt": "idempotent", **SMALL}
     first = fake_client.post("/v1/videos", json=body, headers={"Idempotency-Key": "key-1"})
