@@ -756,7 +756,11 @@ def _lora_error_param(message: str) -> str | None:
     if names_adapter_file(message):
         return "lora_path"
     match = re.search(r"\b(" + "|".join(SetLoraBody.model_fields) + r")\b", message)
-    return match.group(1) if match else None
+    if match:
+        return match.group(1)
+    # The manager's "no LoRA adapter is loaded under the nickname 'x'" (a set_lora without lora_path) says
+    # "nickname", its word in the Python API too; it was answered with param null.
+    return "lora_nickname" if re.search(r"\bnickname\b", message) else None
 
 
 async def _lora_answer(submit) -> JSONResponse:

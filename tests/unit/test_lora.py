@@ -557,9 +557,14 @@ def test_a_failed_set_keeps_the_current_adapters(tmp_path):
     manager = LoraManager(model)
     manager.set([LoraSpec(nickname="good", path=str(good))], "merge")
     merged = _weights(model)
-    with pytest.raises(ValueError, match="no LoRA adapter is loaded under the nickname 'missing' \\(loaded: good\\)"):
+    with pytest.raises(ValueError,
+                       match="no LoRA adapter is loaded under the nickname 'missing' \\(loaded: good\\)") as unknown:
         manager.set([LoraSpec(nickname="missing")])
     assert all(torch.equal(tensor, merged[name]) for name, tensor in model.state_dict().items())
+    from k6serve.serve.routes import _lora_error_param
+
+    # The HTTP 400's param names the field (it was null: the message says "nickname", not "lora_nickname").
+    assert _lora_error_param(str(unknown.value)) == "lora_nickname"
     assert manager.state()[0]["active"] and manager.state()[0]["merged"]
     with pytest.raises(ValueError, match="merge_mode must be one of auto, merge, dynamic"):
         manager.set([LoraSpec(nickname="good")], "fast")
