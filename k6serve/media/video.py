@@ -196,7 +196,12 @@ class SRSourceReader:
                 )
             self._stream = _first_video_stream(self._container, path)
             self.source_fps = _stream_fps(self._stream, path)
+            # What the file states: its frame count, else its stream's or (Matroska, WebM) its container's duration
+            # at the stream's rate. `preview` counts from it; `summary` tells a decode far short of it (a cut
+            # Matroska file, which states only the container's duration, was not told).
             self.declared_frames = declared_frame_count(self._stream, self.source_fps)
+            if self.declared_frames is None and self._container.duration:
+                self.declared_frames = round(self._container.duration / av.time_base * self.source_fps)
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
                 # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
@@ -239,10 +244,7 @@ class SRSourceReader:
         frame_size = (frame.height, frame.width)
         if _quarter_turns(frame.rotation) % 2:
             frame_size = (frame.width, frame.height)
-        num_source_frames = self.declared_frames
-        if num_source_frames is None and self._container.duration:
-            num_source_frames = round(self._container.duration / av.time_base * self.source_fps)
-        indices = sr_source_indices(num_source_frames or 0, self._plan, max_frames=self._max_frames)
+        indices = sr_source_indices(self.declared_frames or 0, self._plan, max_frames=self._max_frames)
         return SourcePreview(frame_size=frame_size, num_frames=floor_frame_count(len(indices)) if indices else None,
                              fps=self._plan.output_fps)
 

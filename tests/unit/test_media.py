@@ -253,8 +253,17 @@ def test_write_mp4_rejects_bad_input(tmp_path: Path, frames, kwargs, message: st
 
 
 def test_write_mp4_names_a_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not exist"):
+    # An OSError (ENOENT), which the CLI answers with exit code 1: the folder was checked before the request ran,
+    # so it went missing while it ran (a ValueError read as "request refused", exit code 2, after the whole run).
+    from k6serve.cli.main import describe_os_error
+
+    with pytest.raises(FileNotFoundError) as missing:
         media.write_mp4(tmp_path / "missing" / "x.mp4", moving_pattern(32, 32, 2), 24)
+    assert missing.value.errno == errno.ENOENT and missing.value.filename == str(tmp_path / "missing" / "x.mp4")
+    assert missing.value.strerror == (f"folder {str(tmp_path / 'missing')!r} does not exist (removed while the "
+                                      "request ran?); create it and run again")
+    assert describe_os_error(missing.value, str(tmp_path)).startswith(missing.value.strerror)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- the SR 24 fps rule ----
@@ -360,13 +369,21 @@ def test_a_cut_download_that_decodes_short_without_an_error_gets_a_note(tmp_path
     [note] = [note for note in source.notes if "declares" in note]
     assert note.startswith(f"decoded only {source.num_decoded_frames} of the 40 frames the file declares")
     assert "download the file again" in note and "cut.mp4" in caplog.text
-    # The whole file, and one that declares no length (Matroska), get no such note.
-    assert not any("declares" in note for note in media.read_sr_source(whole).notes)
-    mkv = make_clip(tmp_path / "clip.mkv", width=64, height=48, num_frames=40, fps=24)
-    with SRSourceReader(mkv) as reader:
-        assert reader.declared_frames is None
+    assert not any("declares" in note for note in media.read_sr_source(whole).notes)  # the whole file: none
     with SRSourceReader(whole) as reader:
         assert reader.declared_frames == 40
+    # Matroska states no frame count, only the container's duration: it counts, so a cut one is told too (it was
+    # not: the declared count was None, and the output silently shorter).
+    mkv = make_clip(tmp_path / "clip.mkv", width=64, height=48, num_frames=40, fps=24)
+    with SRSourceReader(mkv) as reader:
+        assert reader.declared_frames == 40
+    assert not any("declares" in note for note in media.read_sr_source(mkv).notes)
+    cut_mkv = tmp_path / "cut.mkv"
+    cut_mkv.write_bytes(mkv.read_bytes()[: int(mkv.stat().st_size * 0.4)])
+    cut_source = media.read_sr_source(cut_mkv)
+    assert cut_source.num_decoded_frames < 36
+    [note] = [note for note in cut_source.notes if "declares" in note]
+    assert note.startswith(f"decoded only {cut_source.num_decoded_frames} of the 40 frames the file declares")
 
 
 def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
