@@ -137,7 +137,10 @@ def write_mp4_stream(
         raise ValueError(f"crf must be an integer in [0, 51], got {crf!r}")
     path = Path(path)
     if not path.parent.is_dir():
-        raise ValueError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+        # An OSError, not a ValueError: the callers check the folder before a request runs, so here it was removed
+        # while it ran, and the CLI answered exit code 2 ("refused, nothing written") after the whole run.
+        raise FileNotFoundError(errno.ENOENT, f"folder {str(path.parent)!r} does not exist (removed while the "
+                                              "request ran?); create it and run again", str(path))
     # A leading dot keeps the partial file out of listings and artifact scans.
     temporary_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
     try:

@@ -24,6 +24,7 @@ a release waits only for the running jobs. From then until a resume the dispatch
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -128,9 +129,10 @@ class PendingLora:
     future: Future = field(default_factory=Future)
 
 
-OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output folder (--output-path) was made "
-                       "read-only, or its permissions changed, after the server started, so the video was not kept; "
-                       "submit the job again once the server's operator has made the folder writable again.")
+OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output folder (--output-path) was "
+                       "removed, made read-only, or its permissions changed, after the server started, so the video "
+                       "was not kept; submit the job again once the server's operator has made the folder writable "
+                       "again.")
 
 
 class JobRunner:
@@ -573,7 +575,10 @@ class JobRunner:
         """The engine's error is a write into the output folder refused by permissions or a read-only mount (the MP4;
         an input the worker could not read is not this)."""
         filename = getattr(exc, "filename", None)
-        if not write_refused(exc) or filename is None:
+        # ENOENT: the folder itself was removed (the MP4 writer's FileNotFoundError; this was a ValueError answered
+        # as the client's invalid_request, with the server's path).
+        removed = isinstance(exc, OSError) and exc.errno == errno.ENOENT
+        if not (write_refused(exc) or removed) or filename is None:
             return False
         return Path(os.fsdecode(filename)).parent == self.artifacts.root
 
