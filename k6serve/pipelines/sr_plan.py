@@ -39,11 +39,14 @@ class UpscalePlan:
         return len(self.grid.tiles)
 
     def describe(self) -> str:
-        (source_h, source_w), (out_h, out_w) = self.source_size, self.delivery_size
+        (source_h, source_w), (crop_h, crop_w) = self.source_size, self.crop_size
         base_h, base_w = self.grid.base_size
+        # The upscaled size, then the target's (which only downscales): "upscaled 96x64 to 90x60" read as an upscale.
+        resized = ("" if self.delivery_size == self.crop_size
+                   else f", then resized to {self.delivery_size[1]}x{self.delivery_size[0]} (sr_target_resolution)")
         return (
-            f"upscaled {source_w}x{source_h} to {out_w}x{out_h} with {self.num_tiles} tile(s) "
-            f"({len(self.grid.tops)}x{len(self.grid.lefts)} grid of {base_w}x{base_h} output tiles)"
+            f"upscaled {source_w}x{source_h} to {crop_w}x{crop_h} with {self.num_tiles} tile(s) "
+            f"({len(self.grid.tops)}x{len(self.grid.lefts)} grid of {base_w}x{base_h} output tiles){resized}"
         )
 
 
@@ -68,15 +71,23 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
     crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
     delivery_size = crop_size
     notes: tuple[str, ...] = ()
-    if input_size != (height, width) and stretches_aspect(input_size, source_size):
+    if scale.pre_upscale != 1.0:
         # The reference's rounding of each side to a multiple of 16 (kept: the tiles need it) stretched a small source
-        # with nothing said, while a target's stretch was told (96x64 came out 224x128: aspect 1.5 -> 1.75).
-        notes = ((
-            f"the x{request.scale:g} scale first enlarges the {width}x{height} source x{scale.pre_upscale:g} with "
-            f"each side rounded to a multiple of 16, to {input_size[1]}x{input_size[0]}, changing its aspect ratio "
-            f"({width / height:.3g} -> {input_size[1] / input_size[0]:.3g}); use sr_resolution_scale 2 or 4 to "
-            "keep it."
-        ),)
+        # with nothing said, while a target's stretch was told (96x64 came out 224x128: aspect 1.5 -> 1.75), or
+        # gave x2 for the x2.25 asked (32x32 rounds back to 32x32).
+        enlarged = (f"the x{request.scale:g} scale first enlarges the {width}x{height} source x{scale.pre_upscale:g} "
+                    f"with each side rounded to a multiple of 16, to {input_size[1]}x{input_size[0]}")
+        factors = (crop_size[0] / height, crop_size[1] / width)
+        if stretches_aspect(input_size, source_size):
+            notes = ((
+                f"{enlarged}, changing its aspect ratio ({width / height:.3g} -> "
+                f"{input_size[1] / input_size[0]:.3g}); use sr_resolution_scale 2 or 4 to keep it."
+            ),)
+        elif any(abs(factor - request.scale) > 0.02 * request.scale for factor in factors):
+            notes = ((
+                f"{enlarged}: the output, {crop_size[1]}x{crop_size[0]}, is x{factors[1]:.3g} the source, not "
+                f"x{request.scale:g}; use sr_resolution_scale 2 or 4 for an exact scale."
+            ),)
     if request.target_resolution is not None:
         delivery_size = resolve_target_size(
             *crop_size, request.target_resolution, request.target_resize_mode

@@ -44,9 +44,10 @@ def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(t
     assert upscale_sizes((192, 256), _request(4, "640x360", "fit")).notes == ()  # fit scales both sides alike
 
 
-def test_the_x2_25_pre_upscale_that_changes_the_aspect_ratio_is_a_note():
+def test_the_x2_25_pre_upscale_that_changes_the_aspect_ratio_or_the_scale_is_a_note():
     """x2.25 enlarges the source x1.125 with each side rounded to a multiple of 16 (the reference's rule, kept): a
-    96x64 source becomes 112x64, a 17% stretch of what comes out (224x128), which nothing said."""
+    96x64 source becomes 112x64, a 17% stretch of what comes out (224x128), and a 32x32 one stays 32x32 (x2 in
+    all), which nothing said."""
     from k6serve.pipelines.sr_plan import upscale_sizes
 
     stretched = upscale_sizes((64, 96), _request(2.25))
@@ -56,11 +57,27 @@ def test_the_x2_25_pre_upscale_that_changes_the_aspect_ratio_is_a_note():
                                "sr_resolution_scale 2 or 4 to keep it.",)
     assert upscale_sizes((512, 768), _request(2.25)).notes == ()  # 576x864 exactly: the released clips' size
     assert upscale_sizes((64, 96), _request(2)).notes == ()  # no pre-upscale
-    # Within 2% (the target stretch's bound): 100x200 -> 112x224 keeps 2.0.
+    # Within 2% (the target stretch's bound): 100x200 -> 112x224 keeps 2.0, and is x2.24.
     assert upscale_sizes((100, 200), _request(2.25)).notes == ()
+    # A square source whose sides x1.125 round back to themselves keeps its aspect ratio and gets x2, not x2.25.
+    same = upscale_sizes((32, 32), _request(2.25))
+    assert (same.input_size, same.delivery_size) == ((32, 32), (64, 64))
+    assert same.notes == ("the x2.25 scale first enlarges the 32x32 source x1.125 with each side rounded to a "
+                          "multiple of 16, to 32x32: the output, 64x64, is x2 the source, not x2.25; use "
+                          "sr_resolution_scale 2 or 4 for an exact scale.",)
     # With a target that stretches too, both are said, the pre-upscale first.
     both = upscale_sizes((64, 96), _request(2.25, "160x120", "exact")).notes
     assert len(both) == 2 and both[0] == stretched.notes[0] and "'exact' resize mode stretches" in both[1]
+
+
+def test_the_plans_description_says_upscaled_to_the_upscaled_size_and_then_the_targets():
+    # With a target it read "upscaled 96x64 to 90x60": the delivered size, a downscale, as the upscale's.
+    from k6serve.pipelines.sr_plan import plan_upscale
+
+    plain = plan_upscale((64, 96), _request(2), tile_sizes=[(64, 64)], snap=16).describe()
+    assert plain == "upscaled 96x64 to 192x128 with 15 tile(s) (3x5 grid of 64x64 output tiles)"
+    targeted = plan_upscale((64, 96), _request(2, "100x60"), tile_sizes=[(64, 64)], snap=16).describe()
+    assert targeted == plain + ", then resized to 90x60 (sr_target_resolution)"
 
 
 def test_the_tiling_is_read_without_loading_for_super_resolution_only(tmp_path):
