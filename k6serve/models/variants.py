@@ -372,7 +372,7 @@ AUDIO_MAX_POSITIONS = 2048
 
 
 def _check_audio_length(num_frames: int, fps: float) -> None:
-    """The soundtrack, num_frames / fps seconds, must fit the DiT's audio positions (47.56 s), as the video fits its
+    """The soundtrack, num_frames / fps seconds, must fit the DiT's audio positions (47.55 s), as the video fits its
     128 latent frames. Past them the transformer refuses the request, but only in the worker, after the text
     encoders ran; here it is refused with the request, and says which fps or frame count fits."""
     latents = math.ceil(num_frames / fps * AUDIO_SAMPLE_RATE / AUDIO_LATENT_HOP_LENGTH)  # prepare_latents' length
@@ -381,9 +381,13 @@ def _check_audio_length(num_frames: int, fps: float) -> None:
     max_seconds = AUDIO_MAX_POSITIONS * AUDIO_LATENT_HOP_LENGTH / AUDIO_SAMPLE_RATE
     min_fps = math.ceil(num_frames / max_seconds * 100) / 100
     max_frames = (math.floor(max_seconds * fps) - 1) // 4 * 4 + 1
+    # As many decimals as tell the two lengths apart: 509 frames at 10.7 fps read "47.6 s ... (47.6 s: ...)".
+    seconds = num_frames / fps
+    decimals = next((d for d in range(1, 4) if round(seconds, d) != round(max_seconds, d)), 4)
     raise ValueError(
-        f"num_frames {num_frames} at fps {fps:g} is {num_frames / fps:.1f} s of audio, longer than the model's "
-        f"audio positions allow ({max_seconds:.1f} s: {AUDIO_MAX_POSITIONS} latents, this clip needs {latents}); "
+        f"num_frames {num_frames} at fps {fps:g} is {seconds:.{decimals}f} s of audio, longer than the model's "
+        f"audio positions allow ({max_seconds:.{decimals}f} s: {AUDIO_MAX_POSITIONS} latents, this clip needs "
+        f"{latents}); "
         f"raise fps to at least {min_fps:g}, or lower num_frames to at most {max_frames}."
     )
 

@@ -203,6 +203,10 @@ def test_a_soundtrack_longer_than_the_audio_positions_is_refused_with_the_reques
         assert (request.num_frames, request.fps) == (num_frames, fps)
     with pytest.raises(ValueError, match="lower num_frames to at most 45"):
         resolve_generate(SamplingParams(prompt="a", num_frames=49, fps=1), VARIANTS["pro"])
+    # Just past the bound, the two lengths get the decimals that tell them apart (both read "47.6 s" before).
+    with pytest.raises(ValueError, match=r"at fps 10\.7 is 47\.57 s of audio, longer than the model's audio "
+                                         r"positions allow \(47\.55 s: 2048 latents, this clip needs 2049\)"):
+        resolve_generate(SamplingParams(prompt="a", num_frames=509, fps=10.7), VARIANTS["pro"])
 
 
 def test_the_audio_bound_is_the_pipelines_length_and_the_models_rope_table():
