@@ -4,13 +4,19 @@ atexit handlers and the buffered output kept, the module teardown skipped."""
 import importlib.metadata
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
 
 def test_the_command_is_console_main():
-    (entry,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "k6serve"]
-    assert entry.value == "k6serve.cli.main:console_main"
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"k6serve": "k6serve.cli.main:console_main"}
+    # An install of this tree (CI's, the README's) has the entry point; the GPU host runs the tree from PYTHONPATH,
+    # not installed, so there may be none.
+    installed = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "k6serve"]
+    assert [e.value for e in installed] in ([], ["k6serve.cli.main:console_main"])
 
 
 def test_console_main_exits_with_mains_code(monkeypatch):
