@@ -444,8 +444,8 @@ def _refuse_upload_folder(param: str, value: str, ctx: ServerContext) -> None:
     a job naming one was accepted and then failed ("it does not exist") once that job finished, while it queued."""
     try:
         resolved = Path(value).resolve(strict=False)
-    except (OSError, RuntimeError):
-        return  # the input check says it cannot be resolved
+    except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte
+        return  # the input check refuses it, saying why
     if resolved.is_relative_to(ctx.artifacts.upload_dir.resolve()):
         raise ApiError(400, f"{param} {value!r} is in the server's upload folder, whose files belong to the jobs "
                             "that uploaded them and are deleted when those end; upload the file with this request "

@@ -279,6 +279,9 @@ def test_a_json_path_into_the_upload_folder_is_refused_even_when_allowed(fake_se
             "them and are deleted when those end; upload the file with this request (multipart input_reference) "
             "or put it in an allowed input folder.")
     held.unlink()
+    # A path the upload-folder check cannot resolve keeps the input check's 400 (a NUL byte was a 500).
+    _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "image_path": "a\u0000b.png", **SMALL}), 400,
+                  param="image_path", code="invalid_path", contains="must be a file path")
     assert fake_client.get("/v1/videos").json()["data"] == []
     _still_serves(fake_client)
 
