@@ -15,6 +15,10 @@ def open_input(path: str | os.PathLike[str]) -> av.container.InputContainer:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ValueError(f"cannot read media file {str(path)!r}: it {what}; pass a video file path")
+    if is_pdf(path):
+        # FFmpeg's mjpeg demuxer reads the JPEG of each page as a video frame: a PDF was upscaled as a clip.
+        raise ValueError(f"cannot read media file {str(path)!r}: it is a PDF document, not a video; pass a video "
+                         "file such as an MP4, MKV, MOV or WebM")
     try:
         return av.open(str(path), mode="r")
     except (av.error.FFmpegError, UnicodeDecodeError) as exc:
@@ -40,3 +44,12 @@ def still_image_demuxer(container: av.container.InputContainer) -> str | None:
     e.g. png_pipe, jpeg_pipe), else None. Such a file still shows one video stream, at a made-up 25 fps."""
     name = container.format.name
     return name if name in ("image2", "image2pipe") or name.endswith("_pipe") else None
+
+
+def is_pdf(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts as a PDF document (which FFmpeg's mjpeg demuxer reads as video: its pages' JPEGs)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(5) == b"%PDF-"
+    except OSError:
+        return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Self
@@ -196,12 +197,12 @@ class SRSourceReader:
                 )
             self._stream = _first_video_stream(self._container, path)
             self.source_fps = _stream_fps(self._stream, path)
-            # What the file states: its frame count, else its stream's or (Matroska, WebM) its container's duration
-            # at the stream's rate. `preview` counts from it; `summary` tells a decode far short of it (a cut
-            # Matroska file, which states only the container's duration, was not told).
             self.declared_frames = declared_frame_count(self._stream, self.source_fps)
-            if self.declared_frames is None and self._container.duration:
-                self.declared_frames = round(self._container.duration / av.time_base * self.source_fps)
+            # Matroska and WebM state no frame count, but their muxers tag each track with its duration: a decode
+            # that ends far before the video track's is a cut file too (`summary`). Not the container's duration,
+            # which a longer soundtrack sets, nor a count from it, which a variable frame rate breaks.
+            self._declared_seconds = (_tagged_duration(self._stream) if self.declared_frames is None else None)
+            self._decoded_until: float | None = None  # the end of the last decoded frame, in seconds
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
                 # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
@@ -244,15 +245,24 @@ class SRSourceReader:
         frame_size = (frame.height, frame.width)
         if _quarter_turns(frame.rotation) % 2:
             frame_size = (frame.width, frame.height)
-        indices = sr_source_indices(self.declared_frames or 0, self._plan, max_frames=self._max_frames)
+        num_source_frames = self.declared_frames
+        if num_source_frames is None and self._container.duration:
+            num_source_frames = round(self._container.duration / av.time_base * self.source_fps)
+        indices = sr_source_indices(num_source_frames or 0, self._plan, max_frames=self._max_frames)
         return SourcePreview(frame_size=frame_size, num_frames=floor_frame_count(len(indices)) if indices else None,
                              fps=self._plan.output_fps)
 
     def frames(self) -> Iterator[np.ndarray]:
         """The selected RGB uint8 (H, W, 3) frames, decoded one at a time."""
-        for _, frame in _decode_rgb(self._container, self._stream, self.path, keep=self._selection.offer):
+        for _, frame in _decode_rgb(self._container, self._stream, self.path, keep=self._selection.offer,
+                                    seen=self._seen):
             yield frame
         self._finished = True
+
+    def _seen(self, frame: av.VideoFrame) -> None:
+        if self._declared_seconds is not None and frame.time is not None:
+            duration = float(frame.duration * frame.time_base) if frame.duration and frame.time_base else 0.0
+            self._decoded_until = frame.time + (duration or 1 / self.source_fps)
 
     def definitely_kept(self) -> int:
         """How many of the frames yielded so far the rule keeps whatever comes after them (the 1 + 8k floor, and
@@ -283,13 +293,17 @@ class SRSourceReader:
             logger.warning("%s: %s", path, plan.note)
         if not selection.reached_end:
             notes.append(f"kept the first {len(indices)} selected frames (limit {self._max_frames})")
-        declared = self.declared_frames
+        declared, declared_seconds, decoded_until = self.declared_frames, self._declared_seconds, self._decoded_until
+        short = None
         if selection.reached_end and declared and num_decoded < SHORT_DECODE_FRACTION * declared:
-            short = (
-                f"decoded only {num_decoded} of the {declared} frames the file declares: it may be damaged or cut "
-                "short (a partial download?), and the output is as long as what decoded; if frames are missing, "
-                "copy or download the file again"
-            )
+            short = f"decoded only {num_decoded} of the {declared} frames the file declares"
+        elif (selection.reached_end and declared_seconds and decoded_until is not None
+              and decoded_until < SHORT_DECODE_FRACTION * declared_seconds):
+            short = (f"decoded only {decoded_until:.2f} s of the {declared_seconds:.2f} s of video the file "
+                     "declares")
+        if short is not None:
+            short += (": it may be damaged or cut short (a partial download?), and the output is as long as what "
+                      "decoded; if frames are missing, copy or download the file again")
             logger.warning("%s: %s", path, short)
             notes.append(short)
         if num_kept < len(indices):
@@ -361,6 +375,17 @@ def declared_frame_count(stream: av.video.stream.VideoStream, fps: float) -> int
     return None
 
 
+def _tagged_duration(stream: av.video.stream.VideoStream) -> float | None:
+    """The stream's DURATION tag in seconds ("00:00:04.031000000", as FFmpeg's and mkvmerge's Matroska muxers
+    write it per track), or None."""
+    tag = stream.metadata.get("DURATION") or stream.metadata.get("duration")
+    match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}(?:\.\d+)?)", tag.strip()) if tag else None
+    if match is None:
+        return None
+    hours, minutes, seconds = match.groups()
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
 def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str]) -> float:
     rate = stream.average_rate or stream.base_rate
     if not rate or rate <= 0:
@@ -392,13 +417,17 @@ def _decode_rgb(
     stream: av.video.stream.VideoStream,
     path: str | os.PathLike[str],
     keep: Callable[[int], bool | None],
+    seen: Callable[[av.VideoFrame], None] | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """Yield (index, RGB frame) for decoded frames where `keep(index)` is True; stop on None."""
+    """Yield (index, RGB frame) for decoded frames where `keep(index)` is True; stop on None. `seen` gets every
+    decoded frame, kept or not."""
     stream.codec_context.thread_type = "AUTO"
     size = None
     try:
         for index, frame in enumerate(container.decode(stream)):
             decision = keep(index)
+            if seen is not None and decision is not None:
+                seen(frame)
             if decision is None:
                 return
             if not decision:

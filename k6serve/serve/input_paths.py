@@ -14,7 +14,7 @@ from pathlib import Path
 import av
 import PIL.Image
 
-from k6serve.media.container import still_image_demuxer
+from k6serve.media.container import is_pdf, still_image_demuxer
 from k6serve.media.image import (
     IMAGE_FORMATS,
     check_cover_resize,
@@ -68,6 +68,9 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
     if kind == "image":
         _check_image(path, what=what, code=code, param=param, video_size=video_size)
         return
+    if is_pdf(path):
+        raise ApiError(400, f"{what} is a PDF document, not a video; send a video file such as an MP4, MKV, MOV or "
+                            "WebM.", code=code, param=param)
     has_video, image_demuxer = _probe_video(path)
     if has_video and image_demuxer is not None:
         # FFmpeg shows a still image as a one-frame 25 fps video; the SR source reader refuses it, so refuse it now.
@@ -97,8 +100,10 @@ def _check_image(path: str, *, what: str, code: str, param: str, video_size: tup
                             "downscale it: the model uses it at the video's size.", code=code,
                        param=param) from None
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files
-        has_video, image_demuxer = _probe_video(path)
-        if has_video and image_demuxer is None and _has_two_frames(path):
+        # A PDF is not probed: FFmpeg's mjpeg demuxer reads the JPEG of each page as a video frame, and a PDF
+        # upload was called "a video".
+        has_video, image_demuxer = (None, None) if is_pdf(path) else _probe_video(path)
+        if has_video and image_demuxer is None:
             # Said plainly: a generation model's input_reference is its conditioning image, whatever the upload
             # was named or typed, and no generation model takes a video.
             raise ApiError(400, f"{what} is a video, not an image: a generation model is conditioned on an "
@@ -185,20 +190,6 @@ class _PixelBudget:
 # Twice PIL's default MAX_IMAGE_PIXELS: the largest image PIL opens (`DecompressionBombError` beyond), so the checks
 # together hold no more than the largest single image that can reach them.
 _DECODES = _PixelBudget(2 * 89_478_485)
-
-
-def _has_two_frames(path: str) -> bool:
-    """Whether FFmpeg decodes a second frame from `path`. Its raw-stream demuxers find a video in files that are no
-    video: the mjpeg demuxer, for one, reads the JPEG inside a PDF page as a one-frame MJPEG stream, and such an
-    upload was called "a video". Decoding stops at the second frame."""
-    try:
-        with av.open(path, mode="r") as container:
-            for index, _ in enumerate(container.decode(video=0)):
-                if index == 1:
-                    return True
-    except (av.error.FFmpegError, UnicodeDecodeError, ValueError):
-        pass
-    return False
 
 
 def _probe_video(path: str) -> tuple[bool | None, str | None]:

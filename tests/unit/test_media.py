@@ -372,18 +372,57 @@ def test_a_cut_download_that_decodes_short_without_an_error_gets_a_note(tmp_path
     assert not any("declares" in note for note in media.read_sr_source(whole).notes)  # the whole file: none
     with SRSourceReader(whole) as reader:
         assert reader.declared_frames == 40
-    # Matroska states no frame count, only the container's duration: it counts, so a cut one is told too (it was
-    # not: the declared count was None, and the output silently shorter).
+    # Matroska states no frame count, but its muxer tags each track with its duration: a cut one is told too (it was
+    # not), in seconds of the video track's.
     mkv = make_clip(tmp_path / "clip.mkv", width=64, height=48, num_frames=40, fps=24)
     with SRSourceReader(mkv) as reader:
-        assert reader.declared_frames == 40
+        assert reader.declared_frames is None
     assert not any("declares" in note for note in media.read_sr_source(mkv).notes)
     cut_mkv = tmp_path / "cut.mkv"
     cut_mkv.write_bytes(mkv.read_bytes()[: int(mkv.stat().st_size * 0.4)])
     cut_source = media.read_sr_source(cut_mkv)
     assert cut_source.num_decoded_frames < 36
     [note] = [note for note in cut_source.notes if "declares" in note]
-    assert note.startswith(f"decoded only {cut_source.num_decoded_frames} of the 40 frames the file declares")
+    decoded = cut_source.num_decoded_frames / 24
+    assert note.startswith(f"decoded only {decoded:.2f} s of the 1.67 s of video the file declares: it may be "
+                           "damaged or cut short")
+
+
+def test_a_whole_matroska_file_with_a_longer_soundtrack_or_a_variable_frame_rate_gets_no_cut_short_note(tmp_path):
+    # The container's duration is the longest track's and a count from it assumes one frame rate: a first try at
+    # the Matroska note, counting from it, called both of these files cut short.
+    longer_audio = tmp_path / "longer_audio.mkv"
+    with av.open(str(longer_audio), mode="w", format="matroska") as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=44100)
+        audio.layout = "mono"
+        for index, frame in enumerate(moving_pattern(64, 48, 48)):
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            picture.pts = index
+            container.mux(video.encode(picture))
+        container.mux(video.encode())
+        samples = np.zeros((1, 1024), dtype=np.float32)
+        for index in range(4 * 44100 // 1024):  # 4 s against the video's 2
+            chunk = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+            chunk.sample_rate, chunk.pts = 44100, index * 1024
+            container.mux(audio.encode(chunk))
+        container.mux(audio.encode())
+    variable = tmp_path / "variable.mkv"
+    with av.open(str(variable), mode="w", format="matroska") as container:
+        video = container.add_stream("libx264", rate=30)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        video.codec_context.time_base = Fraction(1, 30)
+        # 30 fps for a second, then 10 fps for three: 60 frames over 4 s.
+        times = [index for index in range(30)] + [30 + 3 * index for index in range(30)]
+        for pts, frame in zip(times, moving_pattern(64, 48, 60)):
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            picture.pts, picture.time_base = pts, Fraction(1, 30)
+            container.mux(video.encode(picture))
+        container.mux(video.encode())
+    for path in (longer_audio, variable):
+        source = media.read_sr_source(path)
+        assert not any("declares" in note for note in source.notes), (path.name, source.notes)
 
 
 def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
@@ -599,9 +638,11 @@ def _png_bytes(size: tuple[int, int] = (64, 48)) -> bytes:
 
 
 def _pdf_bytes() -> bytes:
-    # PIL writes the page as a JPEG inside the PDF, which FFmpeg's mjpeg demuxer reads as a one-frame video stream.
+    # PIL writes each page as a JPEG inside the PDF, which FFmpeg's mjpeg demuxer reads as video frames: two pages,
+    # two frames, as a clip's would be.
     buffer = io.BytesIO()
-    PIL.Image.new("RGB", (64, 48), (200, 10, 10)).save(buffer, format="PDF")
+    PIL.Image.new("RGB", (64, 48), (200, 10, 10)).save(buffer, format="PDF", save_all=True,
+                                                       append_images=[PIL.Image.new("RGB", (64, 48), (9, 9, 9))])
     return buffer.getvalue()
 
 
@@ -638,6 +679,21 @@ def test_an_unreadable_image_is_explained_the_same_way_for_the_cli_and_the_serve
     assert re.fullmatch(rf"image_path '{re.escape(str(path))}' is not a readable image: {reason}\.",
                         server_error.value.message)
     assert "Error" not in server_error.value.message and "Error" not in str(cli_error.value)
+
+
+def test_a_pdf_is_no_video_for_super_resolution_either(tmp_path: Path) -> None:
+    # It passed the server's check as a video (FFmpeg found an MJPEG stream) and was upscaled as a two-frame clip.
+    from k6serve.serve.errors import ApiError
+    from k6serve.serve.input_paths import check_readable
+
+    path = tmp_path / "scan.pdf"
+    path.write_bytes(_pdf_bytes())
+    with pytest.raises(ValueError, match=r"scan\.pdf': it is a PDF document, not a video; pass a video file"):
+        media.read_sr_source(path)
+    with pytest.raises(ApiError) as refused:
+        check_readable("video", str(path), param="video_path", uploaded=False)
+    assert refused.value.message == (f"video_path {str(path)!r} is a PDF document, not a video; send a video file "
+                                     "such as an MP4, MKV, MOV or WebM.")
 
 
 def test_an_image_over_pils_warning_threshold_prints_no_python_warning(tmp_path: Path, monkeypatch, caplog) -> None:
