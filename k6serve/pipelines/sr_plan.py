@@ -77,15 +77,16 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
         # gave x2 for the x2.25 asked (32x32 rounds back to 32x32).
         enlarged = (f"the x{request.scale:g} scale first enlarges the {width}x{height} source x{scale.pre_upscale:g} "
                     f"with each side rounded to a multiple of 16, to {input_size[1]}x{input_size[0]}")
-        factors = (crop_size[0] / height, crop_size[1] / width)
+        wide, high = crop_size[1] / width, crop_size[0] / height
         if stretches_aspect(input_size, source_size):
             notes = ((
                 f"{enlarged}, changing its aspect ratio ({width / height:.3g} -> "
                 f"{input_size[1] / input_size[0]:.3g}); use sr_resolution_scale 2 or 4 to keep it."
             ),)
-        elif any(abs(factor - request.scale) > 0.02 * request.scale for factor in factors):
+        elif any(abs(factor - request.scale) > 0.02 * request.scale for factor in (wide, high)):
+            factor = f"x{wide:.3g}" if f"{wide:.3g}" == f"{high:.3g}" else f"x{wide:.3g} wide and x{high:.3g} high"
             notes = ((
-                f"{enlarged}: the output, {crop_size[1]}x{crop_size[0]}, is x{factors[1]:.3g} the source, not "
+                f"{enlarged}: the upscaled result, {crop_size[1]}x{crop_size[0]}, scales the source {factor}, not "
                 f"x{request.scale:g}; use sr_resolution_scale 2 or 4 for an exact scale."
             ),)
     if request.target_resolution is not None:

@@ -63,8 +63,13 @@ def test_the_x2_25_pre_upscale_that_changes_the_aspect_ratio_or_the_scale_is_a_n
     same = upscale_sizes((32, 32), _request(2.25))
     assert (same.input_size, same.delivery_size) == ((32, 32), (64, 64))
     assert same.notes == ("the x2.25 scale first enlarges the 32x32 source x1.125 with each side rounded to a "
-                          "multiple of 16, to 32x32: the output, 64x64, is x2 the source, not x2.25; use "
-                          "sr_resolution_scale 2 or 4 for an exact scale.",)
+                          "multiple of 16, to 32x32: the upscaled result, 64x64, scales the source x2, not x2.25; "
+                          "use sr_resolution_scale 2 or 4 for an exact scale.",)
+    # Where the sides' factors differ (each within the 2% that keeps the aspect ratio), both are given: the width's
+    # alone read "x2.25 ..., not x2.25" for 114x218, whose height is x2.2.
+    assert upscale_sizes((218, 114), _request(2.25)).notes[0].endswith(
+        "to 128x240: the upscaled result, 256x480, scales the source x2.25 wide and x2.2 high, not x2.25; use "
+        "sr_resolution_scale 2 or 4 for an exact scale.")
     # With a target that stretches too, both are said, the pre-upscale first.
     both = upscale_sizes((64, 96), _request(2.25, "160x120", "exact")).notes
     assert len(both) == 2 and both[0] == stretched.notes[0] and "'exact' resize mode stretches" in both[1]
