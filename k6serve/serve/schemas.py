@@ -457,7 +457,8 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) ->
     return VideoJob(
         id=job.id,
         model=job.model,
-        prompt=job.params.get("prompt") or None,  # super-resolution takes none (the OpenAI SDK sends "")
+        # Super-resolution ignores a prompt (the OpenAI SDK sends one with every request, "" or not; a note says so).
+        prompt=None if "video_path" in job.params else job.params.get("prompt"),
         status=job.status,
         progress=job.progress,
         created_at=int(job.created_at),

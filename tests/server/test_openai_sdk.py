@@ -237,6 +237,11 @@ def test_super_resolution_takes_the_video_as_input_reference(tmp_path):
                                                   extra_body={"sr_resolution_scale": 2})
             assert video.status == "completed" and video.model == VARIANTS["vsr-distilled2steps"].hub_id
             assert video.prompt is None
+            # A prompt sent all the same is ignored (a note says so), and not shown as the job's.
+            told = client.videos.create_and_poll(prompt="make it sharp", input_reference=clip, poll_interval_ms=20,
+                                                 extra_body={"sr_resolution_scale": 2})
+            assert told.status == "completed" and told.prompt is None
+            assert any("takes no prompt" in note for note in told.model_extra["warnings"])
             request = server.worker.requests[-1]
             assert request.scale == 2
             assert Path(request.video_path).name.endswith("_input_reference.mp4")
