@@ -206,8 +206,8 @@ def final_file_name(name: str) -> tuple[str, str | None]:
                          "derived from the request.")
     stem = name[:-4] if name.lower().endswith(".mp4") else name
     if not re.search(r"[A-Za-z0-9]", stem):
-        raise ValueError(f"output_file_name {name!r} has no ASCII letter or digit to name the file by; pass a name such "
-                         "as clip.mp4 (ASCII letters, digits, '.', '_' and '-').")
+        raise ValueError(f"output_file_name {name!r} has no ASCII letter or digit to name the file by; pass a name "
+                         "such as clip.mp4 (ASCII letters, digits, '.', '_' and '-').")
     if Path(name).name != name:
         raise ValueError(f"output_file_name {name!r} must be a file name without folders; put the folder in "
                          "--output-path.")

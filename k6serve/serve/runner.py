@@ -131,8 +131,8 @@ class PendingLora:
 
 OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output folder (--output-path) was "
                        "removed, made read-only, or its permissions changed, after the server started, so the video "
-                       "was not kept; submit the job again once the server's operator has made the folder writable "
-                       "again.")
+                       "was not kept; submit the job again (a removed folder is created again for it; one made "
+                       "unwritable must first be made writable again by the server's operator).")
 
 
 class JobRunner:
@@ -572,8 +572,8 @@ class JobRunner:
                     self._record_success(job, result)
 
     def _output_write_refused(self, exc: BaseException) -> bool:
-        """The engine's error is a write into the output folder refused by permissions or a read-only mount (the MP4;
-        an input the worker could not read is not this)."""
+        """The engine's error is a write into the output folder refused by permissions or a read-only mount, or
+        failed because the folder was removed (the MP4; an input the worker could not read is not this)."""
         filename = getattr(exc, "filename", None)
         # ENOENT: the folder itself was removed (the MP4 writer's FileNotFoundError; this was a ValueError answered
         # as the client's invalid_request, with the server's path).

@@ -125,7 +125,8 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
         ("sr", ["--video-path", "clip.mp4", "--sr-target-resolution", "101x100"],
          "sr_target_resolution '101x100' has an odd side; H.264 needs even width and height: use 102x100 or 100x100"),
         # Once written as video.mp4 and _.mp4, names the user never chose.
-        ("generation", ["--prompt", "x", "--output-file-name", ".."], "output_file_name '..' has no ASCII letter or digit"),
+        ("generation", ["--prompt", "x", "--output-file-name", ".."],
+         "output_file_name '..' has no ASCII letter or digit"),
         ("generation", ["--prompt", "x", "--output-file-name", "?.mp4"],
          "output_file_name '?.mp4' has no ASCII letter or digit"),
         ("generation", ["--prompt", "x", "--output-file-name", ""], "output_file_name is empty"),
@@ -685,8 +686,8 @@ def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_pr
 def test_output_file_name_without_a_letter_or_digit_is_refused(generator, tmp_path, name):
     # " " is empty once stripped, and said so; the others are refused as names with nothing to name the file by
     # (Cyrillic letters are letters: the message says ASCII, as the names written keep only ASCII).
-    with pytest.raises(ValueError, match=r"(has no ASCII letter or digit to name the file by|is empty); pass a name such as "
-                                         r"clip\.mp4"):
+    with pytest.raises(ValueError, match=r"(has no ASCII letter or digit to name the file by|is empty); pass a name "
+                                         r"such as clip\.mp4"):
         generator.generate({**SMALL, "output_path": str(tmp_path / "out"), "output_file_name": name})
     assert not (tmp_path / "out").exists()
 
