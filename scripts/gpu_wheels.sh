@@ -5,8 +5,9 @@
 #   .whlG  diffusers 0.42.1, av 18 (cp311-abi3), zipp, importlib-metadata            ~41 MB
 #   .whlP  pytest, pluggy, iniconfig                                                  ~0.4 MB
 #   .whlS  the server: fastapi, uvicorn, httpx, python-multipart and their dependencies (fastapi 0.165 needs
-#          opentelemetry-api and annotated-doc; pydantic 2.14 its exact pydantic-core and typing-extensions >= 4.16)
-#                                                                                     ~3.8 MB
+#          opentelemetry-api and annotated-doc; pydantic 2.14 its exact pydantic-core and typing-extensions >= 4.16),
+#          and the openai SDK its tests drive the server with (without it tests/server/test_openai_sdk.py skips)
+#                                                                                     ~6.7 MB
 #   .whlH  fa3-fwd 0.0.3 (FA3 forward, sm_90a) and einops                              ~27 MB
 #   .whlR  diffusers 0.42.1, zipp, importlib-metadata: .whlG without PyAV, to go beside .whlH   ~6.4 MB
 # Install on the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlG/*.whl ...
@@ -23,7 +24,7 @@ get() {  # folder, then pip's options and requirements
 get .whlG --no-deps diffusers==0.42.1 "av==18.*" zipp importlib-metadata
 get .whlP --no-deps pytest pluggy iniconfig
 # With them, resolved for Python 3.12, so pydantic gets its exact pydantic-core and fastapi what it now requires.
-get .whlS fastapi uvicorn httpx python-multipart
+get .whlS fastapi uvicorn httpx python-multipart openai
 get .whlH --no-deps fa3-fwd==0.0.3 einops
 get .whlR --no-deps diffusers==0.42.1 zipp importlib-metadata
 du -sh .whlG .whlP .whlS .whlH .whlR
