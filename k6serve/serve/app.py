@@ -160,8 +160,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model
     ctx = ServerContext(engine=engine, store=store, artifacts=artifacts, settings=settings, metrics=metrics,
-                        runner=runner, inputs=InputPathPolicy(allowed), model_name=names[0],
-                        served_names=names[1:], started_at=time.time(),
+                        runner=runner, inputs=InputPathPolicy(allowed, upload_dir=artifacts.upload_dir),
+                        model_name=names[0], served_names=names[1:], started_at=time.time(),
                         sr_tiling=sr_tiling_before_loading(model.model_path, model.model_id, model.load_format))
 
     @contextlib.asynccontextmanager

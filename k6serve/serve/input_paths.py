@@ -30,8 +30,12 @@ _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # the EXIF orientations that swap widt
 
 
 class InputPathPolicy:
-    def __init__(self, allowed_dirs: list[Path]) -> None:
+    """`allowed_dirs`: where JSON paths may point. `upload_dir`: refused even inside one, since its files are other
+    jobs' uploads, deleted when their job ends (a job naming one was accepted, then failed "it does not exist")."""
+
+    def __init__(self, allowed_dirs: list[Path], *, upload_dir: Path | None = None) -> None:
         self.allowed_dirs = tuple(Path(d).resolve() for d in allowed_dirs)
+        self.upload_dir = None if upload_dir is None else Path(upload_dir).resolve()
 
     def check(self, param: str, value: str) -> str:
         """The resolved path of an allowed, existing regular file; else a 400 saying what is allowed."""
@@ -42,6 +46,11 @@ class InputPathPolicy:
             resolved = Path(value).resolve(strict=False)
         except (OSError, RuntimeError):  # symlink loops
             raise ApiError(400, f"{param} {value!r} cannot be resolved.", code="invalid_path", param=param) from None
+        if self.upload_dir is not None and resolved.is_relative_to(self.upload_dir):
+            raise ApiError(400, f"{param} {value!r} is in the server's upload folder, whose files belong to the jobs "
+                                "that uploaded them and are deleted when those end; upload the file with this "
+                                "request (multipart input_reference) or put it in an allowed input folder.",
+                           code="path_not_allowed", param=param)
         if not any(resolved.is_relative_to(folder) for folder in self.allowed_dirs):
             raise ApiError(400, f"{param} {value!r} is outside the allowed input folders ({allowed}); put the file "
                                 "there (server --allowed-input-dir) or upload it instead.",

@@ -21,7 +21,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from stat import S_ISREG
 from typing import Any, BinaryIO, Literal
 
@@ -434,23 +433,8 @@ def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[
     for name in ("image_path", "video_path"):
         value = getattr(params, name)
         if value is not None and value not in uploaded:
-            _refuse_upload_folder(name, value, ctx)
             changes[name] = ctx.inputs.check(name, value)
     return dataclasses.replace(params, **changes) if changes else params
-
-
-def _refuse_upload_folder(param: str, value: str, ctx: ServerContext) -> None:
-    """A 400 for a JSON path into the upload folder. Its files are other jobs' uploads, deleted when their job ends:
-    a job naming one was accepted and then failed ("it does not exist") once that job finished, while it queued."""
-    try:
-        resolved = Path(value).resolve(strict=False)
-    except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte
-        return  # the input check refuses it, saying why
-    if resolved.is_relative_to(ctx.artifacts.upload_dir.resolve()):
-        raise ApiError(400, f"{param} {value!r} is in the server's upload folder, whose files belong to the jobs "
-                            "that uploaded them and are deleted when those end; upload the file with this request "
-                            "(multipart input_reference) or put it in an allowed input folder.",
-                       code="path_not_allowed", param=param)
 
 
 def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: tuple[str, ...]) -> str:

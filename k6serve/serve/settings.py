@@ -16,7 +16,7 @@ class ServerSettings:
     output_ttl_s: float = 86400.0  # finished jobs and their files are deleted this long after finishing; 0 keeps
     max_queued_jobs: int = 64
     max_upload_mb: float = 512.0
-    allowed_input_dirs: tuple[Path, ...] = ()  # empty: ./inputs (never the upload folder: routes.py)
+    allowed_input_dirs: tuple[Path, ...] = ()  # empty: ./inputs (never the upload folder: InputPathPolicy)
     api_key: str | None = None
     # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
     # `model` may use otherwise (the hub id, the variant, the folder) stay accepted. None: the checkpoint's id.
