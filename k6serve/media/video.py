@@ -378,7 +378,7 @@ def declared_frame_count(stream: av.video.stream.VideoStream, fps: float) -> int
 def _tagged_duration(stream: av.video.stream.VideoStream) -> float | None:
     """The stream's DURATION tag in seconds ("00:00:04.031000000", as FFmpeg's and mkvmerge's Matroska muxers
     write it per track), or None."""
-    tag = stream.metadata.get("DURATION") or stream.metadata.get("duration")
+    tag = stream.metadata.get("DURATION")
     match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}(?:\.\d+)?)", tag.strip()) if tag else None
     if match is None:
         return None
