@@ -172,6 +172,11 @@ async def _stream(request: Request):
         raise ApiError(400, "The client disconnected before the body was complete.", code="incomplete_body") from None
 
 
+def _text(header_value: str) -> str:
+    """A part header's value (held as latin-1, one character a byte) as the UTF-8 text clients send."""
+    return header_value.encode("latin-1").decode("utf-8", "replace")
+
+
 class _Part:
     """One form part being received: a text field (kept in memory) or a file (spooled, then spilled)."""
 
@@ -184,7 +189,8 @@ class _Part:
         self.name = name.decode("utf-8", "replace")
         file_name = options.get(b"filename")
         self.file_name = file_name.decode("utf-8", "replace") if file_name is not None else None
-        self.content_type = headers.get("content-type")
+        content_type = headers.get("content-type")
+        self.content_type = _text(content_type) if content_type is not None else None
         self.buffer = bytearray()
         self.spill_path: Path | None = None
         self.spill = None
@@ -245,7 +251,10 @@ class MultipartReader:
 
     def _on_header_end(self) -> None:
         name = self._header_field.decode("latin-1").strip().lower()
-        self._headers[name] = self._header_value.decode("utf-8", "replace").strip()
+        # Kept as latin-1, which maps every byte to one character: browsers, curl and httpx send a part's file name
+        # as raw UTF-8 bytes, and python-multipart's parse_options_header encodes its text back to latin-1 (a name
+        # decoded as UTF-8 raised UnicodeEncodeError there, a 500, for "видео.mp4"). `_text` decodes the values.
+        self._headers[name] = self._header_value.decode("latin-1").strip()
         self._header_field.clear()
         self._header_value.clear()
 

@@ -203,6 +203,26 @@ def test_multipart_strings_are_coerced_and_the_upload_is_used(fake_server, fake_
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []  # uploads are deleted with the finished job
 
 
+@pytest.mark.parametrize("client_name", ["первый кадр.png", "最初.PNG", "café.png"])
+def test_an_upload_named_in_any_script_is_read_and_its_name_kept(fake_server, fake_client, client_name):
+    # Clients send a part's file name as raw UTF-8: Cyrillic or CJK names were a 500 (UnicodeEncodeError in the
+    # header's parse), and "café.png" came through as "caf\ufffd.png".
+    response = fake_client.post("/v1/videos", data={"prompt": "x", **SMALL, "num_frames": "5"},
+                                files={"input_reference": (client_name, _png_bytes(), "image/png")})
+    assert response.status_code == 200, response.text
+    assert wait_for(fake_client, response.json()["id"])["status"] == "completed"
+    assert fake_server.worker.requests[-1].image_path.endswith(".png")
+    boundary = b"xYz"
+    body = (b"--xYz\r\nContent-Disposition: form-data; name=\"video_reference\"; filename=\""
+            + client_name.encode() + b"\"\r\nContent-Type: video/mp4\r\n\r\nabc\r\n--xYz--\r\n")
+    reader = uploads.MultipartReader(boundary=boundary, file_fields={"video_reference"}, max_file_bytes=100,
+                                     file_path=lambda field, name: fake_server.artifacts.upload_dir / "probe.bin")
+    reader.parser.write(body)
+    (upload,) = reader.form.files.values()
+    assert upload.client_file_name == client_name and upload.content_type == "video/mp4"
+    reader.cleanup()
+
+
 def test_a_file_field_sent_as_text_says_how_to_send_the_file(fake_server, fake_client):
     # curl -F input_reference=first.png (no @) sends the name as text: not an "unknown field" whose list of valid
     # fields leaves input_reference out.
