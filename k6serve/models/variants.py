@@ -443,7 +443,7 @@ def parse_target_resolution(value: str) -> str:
     if not match or int(match[1]) < 16 or int(match[2]) < 16:
         raise ValueError(
             f"sr_target_resolution must be one of {', '.join(SR_TARGET_TIERS)} or 'WxH' "
-            f"(width first, e.g. 1280x720), got {value!r}"
+            f"(width first, each side at least 16, e.g. 1280x720), got {value!r}"
         )
     width, height = int(match[1]), int(match[2])
     # Refused with the request (before the model loads, at a job's creation): the H.264 writer would reject the

@@ -275,10 +275,19 @@ def resolve_target_size(height: int, width: int, target: str, mode: str = "fit")
         scale = min(bucket_height / height, bucket_width / width)
         if scale >= 1:
             return height, width
-        return (
+        fitted = (
             min(bucket_height, round(height * scale / 2) * 2),
             min(bucket_width, round(width * scale / 2) * 2),
         )
+        if min(fitted) < 2:
+            # A strip of a source (1024x32 at x2 into 16x16) rounded its short side to 0, then divided by it.
+            raise ValueError(
+                f"fitting the {width}x{height} upscaled result into target {target!r} "
+                f"({bucket_width}x{bucket_height}) would leave its "
+                f"{'height' if fitted[0] < 2 else 'width'} under 2 pixels; use a larger sr_target_resolution "
+                f"or drop it."
+            )
+        return fitted
     if mode == "exact":
         if bucket_height > height or bucket_width > width:
             raise ValueError(

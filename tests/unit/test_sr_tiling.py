@@ -189,6 +189,11 @@ def test_target_resolution_fit_exact_and_downscale_only():
         resolve_target_size(1024, 1536, "2k", mode="exact")
     with pytest.raises(ValueError, match="hd, fullhd, 2k or WxH"):
         resolve_target_size(1024, 1536, "4k")
+    # A strip (1024x32 at x2) fitted into 16x16 rounded its height to 0, then stretches_aspect divided by it.
+    with pytest.raises(ValueError, match=r"2048x64 upscaled result into target '16x16' \(16x16\) would leave its "
+                                         r"height under 2 pixels; use a larger sr_target_resolution"):
+        resolve_target_size(64, 2048, "16x16")
+    assert resolve_target_size(64, 2048, "64x64") == (2, 64)
     frames = torch.randint(
         0, 256, (9, 3, 32, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)
     )
