@@ -233,8 +233,8 @@ class SRSourceReader:
         Use a reader of its own: `frames()` would then start at the second frame.
 
         The count is what the 24 fps rule, the cap and the 1 + 8k floor keep of the length the file states
-        (`declared_frame_count`, else the container's duration at the stream's rate: Matroska and WebM state
-        only that). A file that decodes to another length (cut short, or trimmed by an edit list) gets another
+        (`declared_frame_count`, else the video track's tagged duration, else the container's, at the stream's
+        rate: Matroska and WebM state no count). A file that decodes to another length (cut short, or trimmed by an edit list) gets another
         count from `summary()`."""
         try:
             frame = next(self._container.decode(self._stream), None)
@@ -246,6 +246,10 @@ class SRSourceReader:
         if _quarter_turns(frame.rotation) % 2:
             frame_size = (frame.width, frame.height)
         num_source_frames = self.declared_frames
+        if num_source_frames is None and self._declared_seconds is not None:
+            # The video track's tagged duration: the container's is the longest track's, so a soundtrack longer
+            # than the picture made a 9-frame MKV read as 4 s of video at a job's creation.
+            num_source_frames = round(self._declared_seconds * self.source_fps)
         if num_source_frames is None and self._container.duration:
             num_source_frames = round(self._container.duration / av.time_base * self.source_fps)
         indices = sr_source_indices(num_source_frames or 0, self._plan, max_frames=self._max_frames)

@@ -423,6 +423,10 @@ def test_a_whole_matroska_file_with_a_longer_soundtrack_or_a_variable_frame_rate
     for path in (longer_audio, variable):
         source = media.read_sr_source(path)
         assert not any("declares" in note for note in source.notes), (path.name, source.notes)
+    # The preview a job's `seconds` is told at creation counts from the video track's tagged duration too: from the
+    # container's (the soundtrack's 4 s), it was 89 frames, where the whole read keeps 41.
+    with SRSourceReader(longer_audio) as reader:
+        assert reader.preview().num_frames == media.read_sr_source(longer_audio).num_frames == 41
 
 
 def test_long_source_is_capped_at_121_and_decoding_stops_early(tmp_path: Path) -> None:
