@@ -2,8 +2,19 @@
 
 The soundtrack is kept, converted to mono 44.1 kHz float32 and trimmed to the processed video
 duration, round(num_frames / fps * 44100) samples. As in the reference it is only trimmed, never
-padded: a soundtrack shorter than the processed video stays shorter, and the output file then
-has audio that ends before the video does.
+padded at the end: a soundtrack shorter than the processed video stays shorter, and the output file
+then has audio that ends before the video does.
+
+Two recorded departures from the reference (SG `extract_source_audio`), each only where its output is damaged:
+- Sync: the reference starts the output's audio at the soundtrack's first sample, wherever that lies against the
+  video. A soundtrack that starts after the first frame (0.23 s later in a camera file or a stream-copy cut) then
+  played that much early, one that starts before it that much late. Here the audio is aligned to the first video
+  frame's time: silence before a late start, the samples before the first frame dropped. Files whose tracks start
+  together (nearly all, FFmpeg's decoders already dropping the AAC encoder's priming) give the same samples.
+- Level: FFmpeg's downmix to mono adds correlated channels at 0.707 each (+3 dB for a centred stereo mix, more for
+  5.1), and the reference clips the sum to [-1, 1]: a master louder than -3 dBFS came out hard-clipped (4%
+  distortion at -2 dBFS). A soundtrack whose mono mix would clip is scaled down as a whole to a peak of 1 instead;
+  one that does not is unchanged.
 """
 
 from __future__ import annotations
@@ -35,13 +46,14 @@ def read_source_audio(
     *,
     sample_rate: int = OUTPUT_SAMPLE_RATE,
     num_samples: int | None,
+    video_start: float | None = None,
 ) -> np.ndarray | None:
     """First audio stream as mono float32 in [-1, 1] at `sample_rate`, cut to `num_samples`.
 
     Returns None when the file has no audio stream, or one that decodes to no samples (the output
-    is then video-only). `num_samples=None` keeps the whole soundtrack. Decoding stops once
-    `num_samples` samples exist: resampled samples already emitted never change, so this equals
-    decoding everything and trimming.
+    is then video-only). `num_samples=None` keeps the whole soundtrack. `video_start` (seconds, the
+    first kept video frame's time) aligns the soundtrack to it (module docstring); None takes its
+    first sample as the start. A mix that would clip is scaled to a peak of 1 (module docstring).
     """
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 or None, got {num_samples}")
@@ -51,23 +63,41 @@ def read_source_audio(
         stream = container.streams.audio[0]
         resampler = av.AudioResampler(format="fltp", layout="mono", rate=sample_rate)
         chunks: list[np.ndarray] = []
-        num_collected = 0
+        num_decoded = 0
+        lead = None  # samples to add (> 0) or drop (< 0) at the start, from the first frame's time
         try:
             for frame in container.decode(stream):
+                if lead is None:
+                    lead = _lead_samples(frame.time, video_start, sample_rate)
+                    if num_samples is not None and lead >= num_samples:
+                        logger.warning("%s: the soundtrack starts %.2f s after the first video frame, after the "
+                                       "processed video ends; writing video only", path, lead / sample_rate)
+                        return None
                 for resampled in resampler.resample(frame):
                     chunks.append(resampled.to_ndarray()[0])
-                    num_collected += resampled.samples
-                if num_samples is not None and num_collected >= num_samples:
+                    num_decoded += resampled.samples
+                if num_samples is not None and num_decoded + lead >= num_samples:
                     break
             else:
                 chunks.extend(resampled.to_ndarray()[0] for resampled in resampler.resample(None))
         except av.error.FFmpegError as exc:
-            raise ValueError(f"cannot decode the audio of {str(path)!r}: {exc}") from exc
+            raise ValueError(
+                f"cannot decode the audio of {str(path)!r} ({exc}): its soundtrack is damaged. To upscale the "
+                "picture alone, copy the file without its audio (FFmpeg: ffmpeg -i IN -c copy -an OUT) and pass "
+                "that; or repair the soundtrack (re-encode it: ffmpeg -i IN -c:v copy -c:a aac OUT)."
+            ) from exc
     if sum(chunk.shape[0] for chunk in chunks) == 0:
         logger.warning("%s: the audio stream has no samples; writing video only", path)
         return None
-    # fltp output is already float; the clip guards against resampler overshoot on loud input.
-    waveform = np.clip(np.concatenate(chunks).astype(np.float32, copy=False), -1.0, 1.0)
+    waveform = np.concatenate(chunks).astype(np.float32, copy=False)
+    lead = lead or 0
+    if lead < 0:
+        if -lead >= waveform.shape[0]:
+            logger.warning("%s: the soundtrack ends before the first video frame; writing video only", path)
+            return None
+        waveform = waveform[-lead:]
+    elif lead > 0:
+        waveform = np.concatenate([np.zeros(lead, dtype=np.float32), waveform])
     if num_samples is not None:
         if waveform.shape[0] < num_samples:
             logger.info(
@@ -78,4 +108,18 @@ def read_source_audio(
                 num_samples,
             )
         waveform = waveform[:num_samples]
+    peak = float(np.max(np.abs(waveform)))
+    if peak > 1.0:
+        # Scaled rather than clipped (module docstring): the mono mix of a loud stereo or 5.1 master exceeds 1.
+        logger.info("%s: the mono mix of the soundtrack peaks at %.3f (+%.1f dB); scaled to a peak of 1 instead of "
+                    "clipped", path, peak, 20 * np.log10(peak))
+        waveform = waveform / np.float32(peak)
     return waveform
+
+
+def _lead_samples(audio_start: float | None, video_start: float | None, sample_rate: int) -> int:
+    """Samples of silence to put before the soundtrack (> 0), or of it to drop (< 0), so that it starts with the
+    first video frame; 0 when either start is unknown."""
+    if audio_start is None or video_start is None:
+        return 0
+    return round((audio_start - video_start) * sample_rate)

@@ -165,6 +165,9 @@ class SourceSummary:
     source_indices: tuple[int, ...]
     num_decoded_frames: int
     notes: tuple[str, ...]
+    # The first kept frame's presentation time in seconds (None when the file gives none): the soundtrack is
+    # aligned to it (`media.audio.read_source_audio`).
+    start_time: float | None = None
 
 
 class SRSourceReader:
@@ -203,6 +206,8 @@ class SRSourceReader:
             # which a longer soundtrack sets, nor a count from it, which a variable frame rate breaks.
             self._declared_seconds = (_tagged_duration(self._stream) if self.declared_frames is None else None)
             self._decoded_until: float | None = None  # the end of the last decoded frame, in seconds
+            self._start_time: float | None = None  # the first decoded frame's time (always kept), in seconds
+            self._num_seen = 0
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
                 # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
@@ -264,6 +269,9 @@ class SRSourceReader:
         self._finished = True
 
     def _seen(self, frame: av.VideoFrame) -> None:
+        self._num_seen += 1
+        if self._num_seen == 1:
+            self._start_time = frame.time
         if self._declared_seconds is not None and frame.time is not None:
             duration = float(frame.duration * frame.time_base) if frame.duration and frame.time_base else 0.0
             self._decoded_until = frame.time + (duration or 1 / self.source_fps)
@@ -322,6 +330,7 @@ class SRSourceReader:
             source_indices=tuple(indices[:num_kept]),
             num_decoded_frames=num_decoded,
             notes=tuple(notes),
+            start_time=self._start_time,
         )
 
 

@@ -156,6 +156,7 @@ class _BackgroundSource:
                 self._path,
                 sample_rate=OUTPUT_SAMPLE_RATE,
                 num_samples=processed_num_samples(summary.num_frames, summary.fps, OUTPUT_SAMPLE_RATE),
+                video_start=summary.start_time,
             )
             self._put(("end", _End(summary=summary, audio=audio, read_s=time.perf_counter() - self._start)))
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it

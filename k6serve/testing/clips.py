@@ -48,10 +48,13 @@ def make_clip(
     tone_hz: float = 440.0,
     rotation: int = 0,
     faststart: bool = False,
+    audio_delay: float = 0.0,
 ) -> Path:
     """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video; `rotation`
     (degrees counter-clockwise) is stored as the display matrix a phone writes for a portrait video; `faststart`
-    puts an MP4/MOV's index before the media data, as web downloads have it (a cut copy then still opens)."""
+    puts an MP4/MOV's index before the media data, as web downloads have it (a cut copy then still opens);
+    `audio_delay` (seconds) starts the soundtrack that much after the first frame, or (< 0) the video that many
+    whole frames after the soundtrack, as camera files and stream-copy cuts have it."""
     path = Path(path)
     if path.suffix not in _FORMATS:
         raise ValueError(f"clip suffix must be one of {sorted(_FORMATS)}, got {path.name!r}")
@@ -79,13 +82,14 @@ def make_clip(
         for index in range(num_frames):
             frame_HWC = moving_pattern(width, height, 1, first_frame=index)[0]
             frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
-            frame.pts = index
+            frame.pts = index + (round(-audio_delay * rate) if audio_delay < 0 else 0)
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
         if audio_stream is not None:
             num_samples = round(num_frames / rate * audio_rate)
             waveform_CN = tone(num_samples, audio_rate, tone_hz, num_channels)
-            _encode_audio(container, audio_stream, waveform_CN, audio_rate)
+            _encode_audio(container, audio_stream, waveform_CN, audio_rate,
+                          first_pts=round(max(audio_delay, 0) * audio_rate))
     return path
 
 
@@ -108,12 +112,12 @@ def _add_aac_stream(container, sample_rate: int, num_channels: int):
     return stream
 
 
-def _encode_audio(container, stream, waveform_CN: np.ndarray, sample_rate: int) -> None:
+def _encode_audio(container, stream, waveform_CN: np.ndarray, sample_rate: int, first_pts: int = 0) -> None:
     layout = "stereo" if waveform_CN.shape[0] == 2 else "mono"
     for start in range(0, waveform_CN.shape[1], 1024):
         chunk_CN = np.ascontiguousarray(waveform_CN[:, start : start + 1024])
         frame = av.AudioFrame.from_ndarray(chunk_CN, format="fltp", layout=layout)
         frame.sample_rate = sample_rate
-        frame.pts = start
+        frame.pts = first_pts + start
         container.mux(stream.encode(frame))
     container.mux(stream.encode(None))

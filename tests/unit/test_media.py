@@ -103,12 +103,13 @@ def test_audio_track_is_aac_mono_44k_and_as_long_as_the_waveform(tmp_path: Path)
     np.testing.assert_allclose(decoded[2048:-2048], waveform[2048:-2048], atol=0.02)
 
 
-def test_audio_is_clipped_to_unit_range(tmp_path: Path) -> None:
+def test_audio_over_full_scale_is_scaled_into_unit_range(tmp_path: Path) -> None:
+    # A soundtrack that decodes above 1 is scaled as a whole to a peak of 1 (media/audio.py), not clipped.
     time_s = np.arange(20_000) / 44100
     loud = (2.0 * np.sin(2 * np.pi * 220 * time_s)).astype(np.float32)
     path = media.write_mp4(tmp_path / "loud.mp4", moving_pattern(32, 32, 10), 24, loud)
     decoded = media.read_source_audio(path, num_samples=None)
-    assert 0.9 < np.abs(decoded[2048:-2048]).max() <= 1.0
+    assert np.abs(decoded).max() == 1.0 and 0.8 < np.abs(decoded[2048:-2048]).max() <= 1.0
 
 
 def test_same_input_gives_identical_bytes(tmp_path: Path) -> None:
@@ -494,6 +495,93 @@ def test_short_soundtrack_is_not_padded(clips) -> None:
 def test_silent_source_gives_no_audio(clips) -> None:
     assert media.read_source_audio(clips["24fps_silent"], num_samples=1000) is None
     assert media.read_source_audio(clips["25fps_mkv"], num_samples=None) is None
+
+
+def _first_times(path: Path) -> tuple[float, float]:
+    with av.open(str(path)) as container:
+        video_time = next(container.decode(video=0)).time
+    with av.open(str(path)) as container:
+        audio_time = next(container.decode(audio=0)).time
+    return video_time, audio_time
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])
+def test_a_soundtrack_that_starts_after_the_first_frame_keeps_its_place(tmp_path: Path, suffix: str) -> None:
+    # A camera file or a stream-copy cut whose audio starts 0.25 s into the video: the reference (and k6serve before)
+    # started the output's audio at its first sample, so the sound played 0.23 s early.
+    path = make_clip(tmp_path / f"late{suffix}", width=32, height=32, num_frames=17, fps=24, audio="mono_tone",
+                     audio_delay=0.25)
+    video_start, audio_start = _first_times(path)
+    assert video_start == 0 and 0.2 < audio_start <= 0.25
+    num_samples = media.processed_num_samples(17, 24)
+    unaligned = media.read_source_audio(path, num_samples=None)
+    aligned = media.read_source_audio(path, num_samples=num_samples, video_start=video_start)
+    lead = round(audio_start * 44100)
+    assert aligned.shape == (num_samples,)
+    assert not np.any(aligned[:lead])
+    np.testing.assert_array_equal(aligned[lead:], unaligned[: num_samples - lead])
+    # Through the SR source stream that feeds the pipeline: the first frame's time comes from the video reader.
+    with SRSourceReader(path) as reader:
+        list(reader.frames())
+        assert reader.summary().start_time == video_start
+    # Starting after the processed clip ends: no soundtrack rather than a file of silence.
+    assert media.read_source_audio(path, num_samples=lead - 10, video_start=video_start) is None
+
+
+def test_a_soundtrack_that_starts_before_the_first_frame_loses_what_comes_before_it(tmp_path: Path) -> None:
+    path = make_clip(tmp_path / "early.mp4", width=32, height=32, num_frames=17, fps=24, audio="mono_tone",
+                     audio_delay=-0.25)
+    video_start, audio_start = _first_times(path)
+    assert abs(video_start - 0.25) < 0.01 and audio_start == 0
+    unaligned = media.read_source_audio(path, num_samples=None)
+    aligned = media.read_source_audio(path, num_samples=5000, video_start=video_start)
+    drop = round(video_start * 44100)
+    np.testing.assert_array_equal(aligned, unaligned[drop: drop + 5000])
+    # Tracks that start together read as before, with or without the video's start.
+    together = make_clip(tmp_path / "together.mp4", width=32, height=32, num_frames=17, fps=24, audio="stereo_tone")
+    np.testing.assert_array_equal(media.read_source_audio(together, num_samples=9000, video_start=0.0),
+                                  media.read_source_audio(together, num_samples=9000))
+
+
+def test_a_loud_stereo_mix_is_scaled_to_full_scale_not_clipped(tmp_path: Path) -> None:
+    # L = R at a 0.8 peak (-2 dBFS): FFmpeg's mono downmix adds them at 0.707 each, a 1.13 peak, which the reference
+    # clipped to 1 (a third of the samples, 4% distortion). Scaled as a whole instead: the same waveform, peak 1.
+    path = tmp_path / "loud.mp4"
+    rate = 48000
+    time_s = np.arange(rate // 2) / rate
+    channel = (0.8 * np.sin(2 * np.pi * 440 * time_s)).astype(np.float32)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("aac", rate=rate)
+        stream.layout = "stereo"
+        for start in range(0, channel.shape[0], 1024):
+            chunk = np.ascontiguousarray(np.stack([channel[start:start + 1024]] * 2))
+            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+            frame.sample_rate, frame.pts = rate, start
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    audio = media.read_source_audio(path, num_samples=None)
+    assert np.abs(audio).max() == 1.0
+    assert np.mean(np.abs(audio) >= 0.999) < 0.02  # a sine spends ~2% of its time within 0.1% of its peak
+    middle = audio[2000:20000]
+    expected = np.sin(2 * np.pi * 440 * (np.arange(middle.shape[0]) + 2000) / 44100)
+    fit = float(np.dot(middle, expected) / np.dot(expected, expected))
+    assert 0.95 < fit <= 1.0 and np.abs(middle - fit * expected).max() < 0.05  # a sine (AAC's noise), not clipped
+
+
+def test_a_damaged_soundtrack_says_how_to_upscale_the_picture_alone(tmp_path: Path) -> None:
+    path = make_clip(tmp_path / "clip.mkv", width=32, height=32, num_frames=17, fps=24, audio="mono_tone")
+    data = bytearray(path.read_bytes())
+    with av.open(str(path)) as container:
+        packets = [(packet.pos, packet.size) for packet in container.demux(audio=0) if packet.size]
+    generator = np.random.default_rng(3)
+    for position, size in packets[3:6]:  # the second half of each: the block headers stay readable
+        data[position + size // 2:position + size] = generator.integers(0, 256, size - size // 2,
+                                                                        dtype=np.uint8).tobytes()
+    damaged = tmp_path / "damaged.mkv"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"cannot decode the audio of .*damaged\.mkv.*its soundtrack is damaged\. "
+                                         r"To upscale the picture alone.*ffmpeg -i IN -c copy -an OUT"):
+        media.read_source_audio(damaged, num_samples=None)
 
 
 def test_sr_output_round_trip_with_source_audio(clips, tmp_path: Path) -> None:
