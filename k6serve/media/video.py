@@ -239,8 +239,8 @@ class SRSourceReader:
 
         The count is what the 24 fps rule, the cap and the 1 + 8k floor keep of the length the file states
         (`declared_frame_count`, else the video track's tagged duration, else the container's, at the stream's
-        rate: Matroska and WebM state no count). A file that decodes to another length (cut short, or trimmed by an edit list) gets another
-        count from `summary()`."""
+        rate: Matroska and WebM state no count). A file that decodes to another length (cut short, or trimmed by
+        an edit list) gets another count from `summary()`."""
         try:
             frame = next(self._container.decode(self._stream), None)
         except av.error.FFmpegError as exc:
