@@ -79,7 +79,7 @@ def plan_frame_rate(
     if not source_fps > 0:
         raise ValueError(f"source fps must be > 0, got {source_fps}")
     if abs(source_fps - target_fps) < tolerance:
-        return FrameRatePlan(output_fps=round(source_fps), step=None, note=None)
+        return FrameRatePlan(output_fps=round(source_fps), step=None, note=_drift_note(source_fps))
     if source_fps > target_fps:
         step = source_fps / target_fps
         note = f"subsampled {source_fps:g} fps to {target_fps} fps (stride {step:g})"
@@ -88,7 +88,21 @@ def plan_frame_rate(
         f"source is {source_fps:g} fps, below {target_fps} fps: kept every frame at "
         f"{round(source_fps)} fps; no frame interpolation is done"
     )
-    return FrameRatePlan(output_fps=round(source_fps), step=None, note=note)
+    drift = _drift_note(source_fps)
+    return FrameRatePlan(output_fps=round(source_fps), step=None, note=f"{note}; {drift}" if drift else note)
+
+
+def _drift_note(source_fps: float) -> str | None:
+    """What keeping every frame at the whole-number rate (the reference's round) does to the timing, when it drifts
+    by more than a frame over the longest clip (121 frames): the soundtrack keeps its speed, so the two part."""
+    output_fps = round(source_fps)
+    if output_fps < 1 or abs(output_fps / source_fps - 1) * MAX_NUM_FRAMES <= 1:
+        return None
+    change = output_fps / source_fps - 1
+    return (f"at {output_fps} fps the picture plays {abs(change):.1%} {'faster' if change > 0 else 'slower'} than "
+            f"the source's {source_fps:g} fps, and its soundtrack keeps its speed, so the picture runs "
+            f"{'ahead of' if change > 0 else 'behind'} the sound by {abs(change):.2f} s each second; to keep them "
+            f"together, convert the source to a whole frame rate first (FFmpeg: -r {output_fps})")
 
 
 def sr_source_indices(

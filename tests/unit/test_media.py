@@ -282,6 +282,16 @@ def test_frame_rate_plans() -> None:
     assert plan_frame_rate(22.5).output_fps == 22  # |22.5 - 24| is not < 1.5; round(22.5) is 22
     with pytest.raises(ValueError, match="fps must be > 0"):
         plan_frame_rate(0.0)
+    # Kept at a whole-number rate (the reference's round), a fractional one plays at another speed than its
+    # soundtrack: said when it drifts more than a frame over 121 frames (23.976 -> 24 drifts 0.12 of one).
+    slow = plan_frame_rate(7.5)
+    assert slow.output_fps == 8 and slow.note == (
+        "source is 7.5 fps, below 24 fps: kept every frame at 8 fps; no frame interpolation is done; at 8 fps the "
+        "picture plays 6.7% faster than the source's 7.5 fps, and its soundtrack keeps its speed, so the picture "
+        "runs ahead of the sound by 0.07 s each second; to keep them together, convert the source to a whole frame "
+        "rate first (FFmpeg: -r 8)")
+    assert "4.0% slower" in plan_frame_rate(12.5).note and "behind the sound by 0.04 s" in plan_frame_rate(12.5).note
+    assert "1.8% faster" in plan_frame_rate(22.6).note  # kept within 1.5 of 24, at 23 fps
 
 
 def test_subsample_indices_use_half_to_even_rounding() -> None:
