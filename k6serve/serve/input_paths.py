@@ -86,7 +86,7 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
         raise ApiError(400, f"{what} is a still image (FFmpeg's {image_demuxer} demuxer), not a video; send a video "
                             "file such as an MP4, MKV, MOV or WebM.", code=code, param=param)
     if not has_video:
-        problem = "has no video stream" if has_video is False else "is not a readable video"
+        problem = "has no video stream" if has_video is False else _unreadable_video(path)
         raise ApiError(400, f"{what} {problem}; send a video file such as an MP4, MKV, MOV or WebM.", code=code,
                        param=param)
 
@@ -199,6 +199,20 @@ class _PixelBudget:
 # Twice PIL's default MAX_IMAGE_PIXELS: the largest image PIL opens (`DecompressionBombError` beyond), so the checks
 # together hold no more than the largest single image that can reach them.
 _DECODES = _PixelBudget(2 * 89_478_485)
+
+
+def _unreadable_video(path: str) -> str:
+    """Why FFmpeg cannot open `path`, for the refusal: an MP4 cut before its index ("moov atom not found") was
+    told only "is not a readable video"."""
+    if Path(path).stat().st_size == 0:
+        return "is empty (0 bytes)"
+    try:
+        with av.open(path, mode="r"):
+            return "is not a readable video"
+    except (av.error.FFmpegError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+    return (f"is not a readable video (FFmpeg: {reason}): it may be damaged or cut short (an incomplete download or "
+            "copy?)")
 
 
 def _probe_video(path: str) -> tuple[bool | None, str | None]:

@@ -434,7 +434,19 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
     with vsr_server.client() as client:
         response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", b"definitely not a video")})
         error = _assert_error(response, 400, param="video_reference", code="invalid_upload")
-        assert error["message"].startswith("The uploaded video_reference is not a readable video")
+        assert error["message"].startswith("The uploaded video_reference is not a readable video (FFmpeg: Invalid "
+                                           "data found when processing input): it may be damaged or cut short")
+        # An MP4 cut before its index (an incomplete download) is told so; an empty file is called empty.
+        whole = make_clip(tmp_path / "whole.mp4", width=32, height=32, num_frames=9, fps=24)
+        cut = whole.read_bytes()[: whole.stat().st_size // 2]
+        error = _assert_error(client.post("/v1/videos", files={"video_reference": ("cut.mp4", cut)}), 400,
+                              param="video_reference", code="invalid_upload")
+        assert "cut short (an incomplete download or copy?)" in error["message"]
+        (tmp_path / "inputs" / "empty.mp4").write_bytes(b"")
+        error = _assert_error(client.post("/v1/videos", json={"video_path": str(tmp_path / "inputs" / "empty.mp4")}),
+                              400, param="video_path", code="invalid_path")
+        assert error["message"].endswith("empty.mp4' is empty (0 bytes); send a video file such as an MP4, MKV, MOV "
+                                         "or WebM.")
         # An audio-only file is a readable container without a video stream.
         audio_only = tmp_path / "inputs" / "tone.m4a"
         with av.open(str(audio_only), "w") as container:
