@@ -1,7 +1,7 @@
 """Typed messages between the engine process and the leader rank of each replica (pickled over a socket).
 
 engine -> leader: `RunRequest`, `LoraRequest`, `MemoryRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
-leader -> engine: `Ready` / `StartupFailed` once, then per request any number of `Progress` and one
+leader -> engine: `Joined` once its replica's process group is formed, `Ready` / `StartupFailed` once, then per request any number of `Progress` and one
 `RunSucceeded` or `RunFailed`; per `LoraRequest` one `LoraDone` or `RunFailed` (no progress); per `MemoryRequest`
 one `MemoryDone` or `RunFailed`.
 Inside a replica the leader broadcasts `RunRequest`, `LoraRequest`, `MemoryRequest`, `Heartbeat` and `Shutdown` to
@@ -59,6 +59,15 @@ class Shutdown:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Heartbeat:
     """Sent by an idle leader so the other ranks' blocking broadcast never reaches the collective timeout."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Joined:
+    """Sent by a replica's leader as soon as its ranks have joined, before the checkpoint is fetched and loaded:
+    from then on the engine waits for `Ready` as long as the ranks live (a first download of tens of GiB, a
+    load and a server warm-up are not bounded by `dist_timeout_s`, which bounds joining and each collective)."""
+
+    replica: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

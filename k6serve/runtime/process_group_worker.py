@@ -360,6 +360,10 @@ def rank_main(
             dist.broadcast_object_list(box, src=0, group=groups.world_control)
             engine_address, authkey = box[0]
         context = RankContext(spec=spec, device=device, groups=groups)
+        connection = None
+        if context.is_leader:
+            connection = Client(engine_address, authkey=authkey)
+            connection.send(messages.Joined(replica=groups.replica))
         worker, failure = None, None
         try:
             worker = build_rank_worker(config, context)
@@ -367,9 +371,7 @@ def rank_main(
             failure = _classify(error, spec.rank)
         failures = _gather(failure, context)
         pids = _gather(os.getpid(), context)
-        connection = None
         if context.is_leader:
-            connection = Client(engine_address, authkey=authkey)
             reported = [f for f in failures if f is not None]
             if reported:
                 # A user error (bad layout, checkpoint mismatch) is the same on every rank: report it once.
@@ -521,6 +523,9 @@ class MultiProcessWorker:
         return WorkerKilled(message + hint) if hint else RuntimeError(message)
 
     def _wait_until_ready(self, timeout_s: float) -> list[_Replica]:
+        """Each replica's `Ready`. `timeout_s` bounds only the joining (every leader's `Joined`); then the wait lasts
+        as long as the ranks live: fetching the checkpoint (a first download of tens of GiB), loading it and a
+        server warm-up took longer than 600 s on a slow link, and start-up failed with the model half loaded."""
         connections: queue.Queue = queue.Queue()
 
         def accept() -> None:
@@ -532,34 +537,67 @@ class MultiProcessWorker:
 
         threading.Thread(target=accept, name="k6serve-accept", daemon=True).start()
         replicas: dict[int, _Replica] = {}
+        joined: set[int] = set()
+        pending: list[Connection] = []  # leaders connected, not yet ready
+        replica_of: dict[Connection, int] = {}
+        closed: list[Connection] = []  # leaders whose connection ended before their Ready
+
+        def read(timeout: float) -> None:
+            """Handle what the leaders sent within `timeout` s: raises their start-up failure."""
+            while not connections.empty():
+                pending.append(connections.get())
+            if not pending:
+                time.sleep(timeout)
+                return
+            for connection in wait(pending, timeout=timeout):
+                try:
+                    message = connection.recv()
+                except (EOFError, OSError):
+                    pending.remove(connection)
+                    closed.append(connection)
+                    continue
+                if isinstance(message, messages.Joined):
+                    joined.add(message.replica)
+                    replica_of[connection] = message.replica
+                    continue
+                pending.remove(connection)
+                if isinstance(message, messages.StartupFailed):
+                    if message.kind == "value":
+                        raise ValueError(message.message)
+                    if message.kind == "module" and message.error is not None:
+                        message.error.__cause__ = RemoteTraceback(message.message)
+                        raise message.error
+                    raise RuntimeError(f"replica {message.replica} failed to start:\n{message.message}")
+                assert isinstance(message, messages.Ready), message
+                ranks = self.layout.replica_ranks(message.replica)
+                processes = [self._processes[r] for r in ranks if r in self._processes]
+                replicas[message.replica] = _Replica(message.replica, connection, message.pids, processes)
+                self.variant: Variant = message.variant
+                if message.replica == 0:
+                    self.server_warmups: tuple[WarmupReport, ...] = message.warmups  # `Engine.startup_warmups`
+
         deadline = time.monotonic() + timeout_s
         while len(replicas) < self.layout.dp:
+            read(0.2)
+            if closed:
+                # A leader is gone. One of this host's is named by its exit code, there a moment after its socket
+                # closed; one on another host only by this (no deadline would end the wait).
+                time.sleep(0.5)
             dead = self._dead_ranks()
             if self._rank0_thread is not None and not self._rank0_thread.is_alive():
                 dead.append("rank 0 (this process) stopped")
             if dead:
+                read(0.0)  # the start-up failure a leader sent just before it exited is the better report
                 raise self._dead_ranks_error(f"worker start-up failed: {'; '.join(dead)} (see its log above).")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"worker ranks were not ready within {timeout_s:.0f} s (--dist-timeout-s).")
-            try:
-                connection = connections.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            ready = connection.recv()
-            if isinstance(ready, messages.StartupFailed):
-                if ready.kind == "value":
-                    raise ValueError(ready.message)
-                if ready.kind == "module" and ready.error is not None:
-                    ready.error.__cause__ = RemoteTraceback(ready.message)
-                    raise ready.error
-                raise RuntimeError(f"replica {ready.replica} failed to start:\n{ready.message}")  # noqa: TRY004
-            assert isinstance(ready, messages.Ready), ready
-            ranks = self.layout.replica_ranks(ready.replica)
-            processes = [self._processes[r] for r in ranks if r in self._processes]
-            replicas[ready.replica] = _Replica(ready.replica, connection, ready.pids, processes)
-            self.variant: Variant = ready.variant
-            if ready.replica == 0:
-                self.server_warmups: tuple[WarmupReport, ...] = ready.warmups  # what `Engine.startup_warmups` says
+            if closed:
+                raise RuntimeError(f"the leader of replica {replica_of.get(closed[0], '?')} closed its connection "
+                                   "during start-up; see the log of the host that runs it.")
+            if len(joined) < self.layout.dp and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"worker ranks did not join within {timeout_s:g} s ({len(joined)} of {self.layout.dp} "
+                    f"replica(s) joined); check that every host and GPU of the layout is up and can reach the "
+                    f"rendezvous address, or give them longer (the Python API's dist_timeout_s)."
+                )
         return [replicas[index] for index in range(self.layout.dp)]
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:

@@ -183,6 +183,30 @@ def test_a_package_missing_while_the_workers_load_is_named_not_reported_as_a_bug
     assert raised.value.name == "av_not_installed" and "rank 0" in str(raised.value.__cause__)
 
 
+class SlowLoadingRankWorker(FakeRankWorker):
+    """A rank whose model takes longer to fetch and load than dist_timeout_s (a first download of a hub id)."""
+
+    def __init__(self, config: EngineConfig, context):
+        time.sleep(config.parallel.dist_timeout_s + 4)
+        super().__init__(config, context)
+
+
+def test_a_load_longer_than_dist_timeout_s_is_waited_for():
+    # dist_timeout_s (600 s by default) bounded the whole start-up, the ranks' download, load and warm-up included:
+    # a first run of a hub checkpoint on a slow link failed once it passed, naming a flag that does not exist. It
+    # now bounds the joining; a rank that joined is waited for as long as it lives.
+    config = make_config(num_gpus=1)
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dist_timeout_s=8.0))
+    started = time.monotonic()
+    worker = MultiProcessWorker(config, build_rank_worker=SlowLoadingRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        assert time.monotonic() - started > 12
+        assert note(engine.generate(SamplingParams(prompt="x", num_inference_steps=2)), "replica") == "0"
+    finally:
+        engine.shutdown()
+
+
 class OutOfHostMemoryRankWorker(FakeRankWorker):
     """A rank the kernel's out-of-memory killer ends while it loads (SIGKILL: the process sees nothing)."""
 
