@@ -514,11 +514,14 @@ class MultiProcessWorker:
                 found.append(f"rank {rank} (pid {process.pid}) {describe_exit_code(process.exitcode)}")
         return found
 
-    def _dead_ranks_error(self, message: str, ranks: list[int] | None = None) -> RuntimeError:
+    def _dead_ranks_error(self, message: str, ranks: list[int] | None = None,
+                          codes: list[int] | None = None) -> RuntimeError:
         """`message` as the error to raise: a `WorkerKilled` (the machine's failure, with its likely cause) when a
-        rank was ended by a signal, such as the out-of-memory killer's SIGKILL."""
-        codes = [p.exitcode for rank, p in self._processes.items()
-                 if (ranks is None or rank in ranks) and p.exitcode is not None]
+        rank was ended by a signal, such as the out-of-memory killer's SIGKILL. `codes`: the exit codes to judge
+        by, when not those the processes have now (a rank the engine itself killed is no sign of the machine's)."""
+        if codes is None:
+            codes = [p.exitcode for rank, p in self._processes.items()
+                     if (ranks is None or rank in ranks) and p.exitcode is not None]
         hint = worker_killed_hint(codes)
         return WorkerKilled(message + hint) if hint else RuntimeError(message)
 
@@ -805,16 +808,28 @@ class MultiProcessWorker:
         for process in replica.processes:
             if process.sentinel in ended:
                 process.join(2.0)
-        dead = self._dead_ranks(ranks) or ["the replica's leader closed its connection"]
-        # How it died, as for an idle replica: GET /health's dead_replicas shows this note.
-        self._death_notes[replica.index] += f": {'; '.join(dead)}"
+        dead = self._dead_ranks(ranks)
+        codes = [p.exitcode for p in replica.processes if p.exitcode is not None]
+        running = {rank: p for rank, p in sorted(self._processes.items()) if rank in ranks and p.exitcode is None}
         replica.connection.close()
         stop_processes(replica.processes, grace_s=1.0)
+        # A rank still running when a peer had ended is named as such: the engine's own SIGKILL of it read as
+        # "killed by SIGKILL ... the out-of-memory killer", and a rank that hung (its peers timed out waiting for it,
+        # then exited cleanly) was never named.
+        if dead:
+            hung = all(code == 0 for code in codes)
+            dead += [f"rank {rank} (pid {p.pid}) "
+                     + ("stopped responding (its peers timed out waiting for it)" if hung else "was still running")
+                     + " and was stopped by the engine" for rank, p in running.items()]
+        else:
+            dead = ["the replica's leader closed its connection"]
+        # How it died, as for an idle replica: GET /health's dead_replicas shows this note.
+        self._death_notes[replica.index] += f": {'; '.join(dead)}"
         remaining = sum(r.alive for r in self._replicas)
         return self._dead_ranks_error(
             f"request {request_id} failed: worker replica {replica.index} (ranks {ranks}) died while running "
             f"it: {'; '.join(dead)}{'. ' + detail if detail else ''}. The replica was shut down; "
-            f"{remaining} replica(s) still serving.", ranks)
+            f"{remaining} replica(s) still serving.", ranks, codes)
 
     def _start_ranks(self, torchrun, config: EngineConfig, build_rank_worker: RankWorkerFactory, address,
                      authkey: bytes, many_hosts: bool, device_type: str) -> None:

@@ -114,6 +114,33 @@ def test_a_replica_killed_while_running_says_how_it_died(tmp_path: Path):
         engine.shutdown()
 
 
+def test_a_rank_that_hangs_is_named_and_not_called_out_of_memory(tmp_path: Path):
+    # A stopped rank (SIGSTOP; a hang outside any collective reads the same): its peer timed out in the step's
+    # collective and exited cleanly, then the engine SIGKILLed the stopped one, and the request's error named only
+    # the peer ("exited with code 0") and read the engine's own SIGKILL as the out-of-memory killer's.
+    config = make_config(num_gpus=2, ulysses_degree=2)
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dist_timeout_s=8.0))
+    worker = MultiProcessWorker(config, build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        victim = worker.pids[1]
+
+        def stop_at_first_step(step: int, total: int) -> None:
+            if step == 1:
+                os.kill(victim, signal.SIGSTOP)
+
+        job = engine.submit(SamplingParams(prompt="slow", num_inference_steps=50), on_progress=stop_at_first_step)
+        with pytest.raises(RuntimeError) as raised:
+            job.future.result(timeout=60)
+        message = str(raised.value)
+        assert re.search(rf"rank 1 \(pid {victim}\) stopped responding \(its peers timed out waiting for it\) and "
+                         r"was stopped by the engine", message), message
+        assert "out-of-memory" not in message and type(raised.value).__name__ == "RuntimeError"
+    finally:
+        engine.shutdown()
+    assert all(not process.is_alive() for process in worker._processes.values())
+
+
 def test_a_replica_killed_while_idle_is_found_and_no_request_is_blamed(tmp_path: Path):
     worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
