@@ -205,7 +205,16 @@ class _ReplicaLoop:
 
     def serve(self) -> None:
         while True:
-            message = _broadcast(self._next_message() if self.connection else None, self.context)
+            sent = self._next_message() if self.connection else None
+            try:
+                message = _broadcast(sent, self.context)
+            except RuntimeError as error:  # torch.distributed's errors (DistBackendError among them)
+                # A peer of the replica is gone (killed while idle): the engine finds the dead rank and says how it
+                # died. This rank's traceback ("Connection closed by peer") printed before that, on every rank left.
+                if not isinstance(sent, messages.Shutdown):
+                    logger.warning("a peer of replica %d is gone (%s); this rank shuts down",
+                                   self.context.groups.replica, str(error).splitlines()[0] if str(error) else error)
+                return
             if isinstance(message, messages.Shutdown):
                 return
             if isinstance(message, messages.RunRequest) and not self._run(message):

@@ -165,6 +165,24 @@ def test_a_replica_killed_while_idle_is_found_and_no_request_is_blamed(tmp_path:
         engine.shutdown()
 
 
+def test_a_peer_killed_while_idle_leaves_the_leader_without_a_traceback(capfd):
+    # The leader's next broadcast to the dead peer raised out of its loop: "Process k6serve-rank0: Traceback ...
+    # Connection closed by peer" printed above the engine's own account of the death.
+    worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        os.kill(worker.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not engine.dead_replicas() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert re.search(r"replica 0 .*died while idle: rank 1 .*exited with code -9", engine.dead_replicas()[0])
+        worker._processes[0].join(10)
+    finally:
+        engine.shutdown()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Connection closed by peer" not in err, err
+
+
 def test_shutdown_closes_a_worker_without_processes():
     closed = threading.Event()
 
