@@ -189,7 +189,8 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
                            "e.g. CUDA_VISIBLE_DEVICES=2,3 with --num-gpus 2"),
     "dist_timeout": _engine("k6serve's timeout of collectives and of the ranks' joining is the Python API's "
                             "dist_timeout_s, in seconds, default 600 (a model's download, load and warm-up are "
-                            "waited for as long as the ranks live); the command line keeps the default",
+                            "waited for as long as the ranks live, if a replica's ranks finish within it of each "
+                            "other); the command line keeps the default",
                             api_fix="k6serve calls it dist_timeout_s, in seconds, default 600"),
     "master_port": _engine("k6serve's ranks on one host meet on a port the OS picks; several hosts use "
                            "--dist-init-addr HOST:PORT",

@@ -1,9 +1,9 @@
 """Typed messages between the engine process and the leader rank of each replica (pickled over a socket).
 
 engine -> leader: `RunRequest`, `LoraRequest`, `MemoryRequest`, `Shutdown`, and a `StepReply` to every `Progress`.
-leader -> engine: `Joined` once its replica's process group is formed, `Ready` / `StartupFailed` once, then per request any number of `Progress` and one
-`RunSucceeded` or `RunFailed`; per `LoraRequest` one `LoraDone` or `RunFailed` (no progress); per `MemoryRequest`
-one `MemoryDone` or `RunFailed`.
+leader -> engine: `Joined` once its replica's process group is formed, `Ready` / `StartupFailed` once, then per
+request any number of `Progress` and one `RunSucceeded` or `RunFailed`; per `LoraRequest` one `LoraDone` or
+`RunFailed` (no progress); per `MemoryRequest` one `MemoryDone` or `RunFailed`.
 Inside a replica the leader broadcasts `RunRequest`, `LoraRequest`, `MemoryRequest`, `Heartbeat` and `Shutdown` to
 the other ranks; every rank runs a `LoraRequest`'s or `MemoryRequest`'s operation on its own model and the leader
 gathers their failures as for a run (and, for memory, every rank's report).
@@ -65,7 +65,9 @@ class Heartbeat:
 class Joined:
     """Sent by a replica's leader as soon as its ranks have joined, before the checkpoint is fetched and loaded:
     from then on the engine waits for `Ready` as long as the ranks live (a first download of tens of GiB, a
-    load and a server warm-up are not bounded by `dist_timeout_s`, which bounds joining and each collective)."""
+    load and a server warm-up are not bounded by `dist_timeout_s`, which bounds joining and each collective; the
+    ranks' gather after loading is one, so a replica's ranks must finish within it of each other, as one host's
+    do, sharing the download)."""
 
     replica: int
 

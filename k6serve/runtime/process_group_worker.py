@@ -537,7 +537,8 @@ class MultiProcessWorker:
     def _wait_until_ready(self, timeout_s: float) -> list[_Replica]:
         """Each replica's `Ready`. `timeout_s` bounds only the joining (every leader's `Joined`); then the wait lasts
         as long as the ranks live: fetching the checkpoint (a first download of tens of GiB), loading it and a
-        server warm-up took longer than 600 s on a slow link, and start-up failed with the model half loaded."""
+        server warm-up took longer than 600 s on a slow link, and start-up failed with the model half loaded. (The
+        ranks' gather after loading is a collective: a replica's ranks finish within `timeout_s` of each other.)"""
         connections: queue.Queue = queue.Queue()
 
         def accept() -> None:
@@ -556,45 +557,54 @@ class MultiProcessWorker:
 
         def read(timeout: float) -> None:
             """Handle what the leaders sent within `timeout` s: raises their start-up failure."""
+            if not pending:
+                try:  # the first connection: waited for here, so that it is read at once
+                    pending.append(connections.get(timeout=timeout))
+                except queue.Empty:
+                    return
             while not connections.empty():
                 pending.append(connections.get())
-            if not pending:
-                time.sleep(timeout)
-                return
             for connection in wait(pending, timeout=timeout):
-                try:
-                    message = connection.recv()
-                except (EOFError, OSError):
-                    pending.remove(connection)
-                    closed.append(connection)
-                    continue
-                if isinstance(message, messages.Joined):
-                    joined.add(message.replica)
-                    replica_of[connection] = message.replica
-                    continue
+                # Every message there is: a leader that failed fast sends Joined, then StartupFailed, and exits; read
+                # one at a time, the Joined was the last handled when its exit was seen, and the failure was lost.
+                while connection in pending and connection.poll():
+                    handle(connection)
+
+        def handle(connection: Connection) -> None:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
                 pending.remove(connection)
-                if isinstance(message, messages.StartupFailed):
-                    if message.kind == "value":
-                        raise ValueError(message.message)
-                    if message.kind == "module" and message.error is not None:
-                        message.error.__cause__ = RemoteTraceback(message.message)
-                        raise message.error
-                    raise RuntimeError(f"replica {message.replica} failed to start:\n{message.message}")
-                assert isinstance(message, messages.Ready), message
-                ranks = self.layout.replica_ranks(message.replica)
-                processes = [self._processes[r] for r in ranks if r in self._processes]
-                replicas[message.replica] = _Replica(message.replica, connection, message.pids, processes)
-                self.variant: Variant = message.variant
-                if message.replica == 0:
-                    self.server_warmups: tuple[WarmupReport, ...] = message.warmups  # `Engine.startup_warmups`
+                closed.append(connection)
+                return
+            if isinstance(message, messages.Joined):
+                joined.add(message.replica)
+                replica_of[connection] = message.replica
+                return
+            pending.remove(connection)
+            if isinstance(message, messages.StartupFailed):
+                if message.kind == "value":
+                    raise ValueError(message.message)
+                if message.kind == "module" and message.error is not None:
+                    message.error.__cause__ = RemoteTraceback(message.message)
+                    raise message.error
+                raise RuntimeError(f"replica {message.replica} failed to start:\n{message.message}")
+            assert isinstance(message, messages.Ready), message
+            ranks = self.layout.replica_ranks(message.replica)
+            processes = [self._processes[r] for r in ranks if r in self._processes]
+            replicas[message.replica] = _Replica(message.replica, connection, message.pids, processes)
+            self.variant: Variant = message.variant
+            if message.replica == 0:
+                self.server_warmups: tuple[WarmupReport, ...] = message.warmups  # `Engine.startup_warmups`
 
         deadline = time.monotonic() + timeout_s
         while len(replicas) < self.layout.dp:
             read(0.2)
             if closed:
-                # A leader is gone. One of this host's is named by its exit code, there a moment after its socket
-                # closed; one on another host only by this (no deadline would end the wait).
-                time.sleep(0.5)
+                # A leader is gone. One of this host's is named by its exit code, there once the process has ended
+                # (its interpreter's teardown can take seconds after the socket closed); one on another host only
+                # by this (no deadline would end the wait).
+                wait([process.sentinel for process in self._processes.values()], timeout=5.0)
             dead = self._dead_ranks()
             if self._rank0_thread is not None and not self._rank0_thread.is_alive():
                 dead.append("rank 0 (this process) stopped")
@@ -813,10 +823,15 @@ class MultiProcessWorker:
         self._death_notes[replica.index] = f"replica {replica.index} (ranks {ranks}) died running request {request_id}"
         # A rank's sentinel fires as it exits, slightly before its exit code can be read; the leader may also
         # report the broken group before the dead rank's sentinel fires.
-        ended = wait([p.sentinel for p in replica.processes], timeout=2.0)
-        for process in replica.processes:
-            if process.sentinel in ended:
+        # Every rank that is ending gets the 2 s: taken at the first exit, healthy peers a few milliseconds behind
+        # it were named as hung ("stopped responding") beside the one that was.
+        grace_end = time.monotonic() + 2.0
+        running = [p for p in replica.processes if p.exitcode is None]
+        while running and (left := grace_end - time.monotonic()) > 0:
+            for sentinel in wait([p.sentinel for p in running], timeout=left):
+                process = next(p for p in running if p.sentinel == sentinel)
                 process.join(2.0)
+                running.remove(process)
         dead = self._dead_ranks(ranks)
         codes = [p.exitcode for p in replica.processes if p.exitcode is not None]
         running = {rank: p for rank, p in sorted(self._processes.items()) if rank in ranks and p.exitcode is None}
