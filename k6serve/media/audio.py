@@ -63,8 +63,19 @@ def read_source_audio(
         stream = container.streams.audio[0]
         resampler = av.AudioResampler(format="fltp", layout="mono", rate=sample_rate)
         chunks: list[np.ndarray] = []
-        num_decoded = 0
+        num_decoded = num_kept = 0
         lead = None  # samples to add (> 0) or drop (< 0) at the start, from the first frame's time
+        skip = 0  # of the samples still to come, how many to drop: never held, however early the soundtrack starts
+
+        def keep(samples: np.ndarray) -> None:
+            nonlocal num_decoded, num_kept, skip
+            num_decoded += samples.shape[0]
+            dropped = min(skip, samples.shape[0])
+            skip -= dropped
+            if dropped < samples.shape[0]:
+                chunks.append(samples[dropped:])
+                num_kept += samples.shape[0] - dropped
+
         try:
             for frame in container.decode(stream):
                 if lead is None:
@@ -73,30 +84,32 @@ def read_source_audio(
                         logger.warning("%s: the soundtrack starts %.2f s after the first video frame, after the "
                                        "processed video ends; writing video only", path, lead / sample_rate)
                         return None
+                    if lead:
+                        logger.info("%s: the soundtrack starts %.3f s %s the first video frame; %s to keep them in "
+                                    "sync", path, abs(lead) / sample_rate, "after" if lead > 0 else "before",
+                                    "silence put before it" if lead > 0 else "what comes before the frame dropped")
+                    skip = max(-lead, 0)
                 for resampled in resampler.resample(frame):
-                    chunks.append(resampled.to_ndarray()[0])
-                    num_decoded += resampled.samples
-                if num_samples is not None and num_decoded + lead >= num_samples:
+                    keep(resampled.to_ndarray()[0])
+                if num_samples is not None and max(lead, 0) + num_kept >= num_samples:
                     break
             else:
-                chunks.extend(resampled.to_ndarray()[0] for resampled in resampler.resample(None))
+                for resampled in resampler.resample(None):
+                    keep(resampled.to_ndarray()[0])
         except av.error.FFmpegError as exc:
             raise ValueError(
                 f"cannot decode the audio of {str(path)!r} ({exc}): its soundtrack is damaged. To upscale the "
                 "picture alone, copy the file without its audio (FFmpeg: ffmpeg -i IN -c copy -an OUT) and pass "
                 "that; or repair the soundtrack (re-encode it: ffmpeg -i IN -c:v copy -c:a aac OUT)."
             ) from exc
-    if sum(chunk.shape[0] for chunk in chunks) == 0:
-        logger.warning("%s: the audio stream has no samples; writing video only", path)
+    if num_kept == 0:
+        if num_decoded:
+            logger.warning("%s: the soundtrack ends before the first video frame; writing video only", path)
+        else:
+            logger.warning("%s: the audio stream has no samples; writing video only", path)
         return None
     waveform = np.concatenate(chunks).astype(np.float32, copy=False)
-    lead = lead or 0
-    if lead < 0:
-        if -lead >= waveform.shape[0]:
-            logger.warning("%s: the soundtrack ends before the first video frame; writing video only", path)
-            return None
-        waveform = waveform[-lead:]
-    elif lead > 0:
+    if lead and lead > 0:
         waveform = np.concatenate([np.zeros(lead, dtype=np.float32), waveform])
     if num_samples is not None:
         if waveform.shape[0] < num_samples:

@@ -547,6 +547,8 @@ def test_a_soundtrack_that_starts_before_the_first_frame_loses_what_comes_before
     aligned = media.read_source_audio(path, num_samples=5000, video_start=video_start)
     drop = round(video_start * 44100)
     np.testing.assert_array_equal(aligned, unaligned[drop: drop + 5000])
+    # A soundtrack that ends before the first frame: none, not what was decoded (the skipped samples are not kept).
+    assert media.read_source_audio(path, num_samples=5000, video_start=100.0) is None
     # Tracks that start together read as before, with or without the video's start.
     together = make_clip(tmp_path / "together.mp4", width=32, height=32, num_frames=17, fps=24, audio="stereo_tone")
     np.testing.assert_array_equal(media.read_source_audio(together, num_samples=9000, video_start=0.0),

@@ -51,11 +51,14 @@ def vae(tiny_sr_configs):
         (46, 24, 2.25, "none", 41),  # floored: 17, 16, 8; the x1.125 pre-upscale per segment
         (45, 30, 2.0, "stereo_tone", 33),  # subsampled: 36 selected while decoding, int(45 / 1.25) = 36 -> 33
         (11, 30, 2.0, "none", 1),  # 9 selected while decoding, the end bound keeps 8 -> 1 frame
+        (17, 24, 2.0, "late_mono_tone", 17),  # the soundtrack starts 0.25 s in: aligned to the first frame
     ],
 )
 def test_streamed_encode_equals_encoding_the_whole_clip(vae, tiny_sr_configs, tmp_path, num_frames, fps, scale,
                                                         audio, kept):
-    path = make_clip(tmp_path / "source.mp4", width=48, height=32, num_frames=num_frames, fps=fps, audio=audio)
+    delay = 0.25 if audio.startswith("late_") else 0.0
+    path = make_clip(tmp_path / "source.mp4", width=48, height=32, num_frames=num_frames, fps=fps,
+                     audio=audio.removeprefix("late_"), audio_delay=delay)
     request = _request(path, scale)
     make_plan = _planner(request, vae, tiny_sr_configs.transformer.tile_sizes)
     timings: dict[str, float] = {}
@@ -70,7 +73,10 @@ def test_streamed_encode_equals_encoding_the_whole_clip(vae, tiny_sr_configs, tm
     assert torch.equal(streamed.latent_BCThw, expected)
     assert streamed.plan == plan and streamed.fps == clip.fps and streamed.notes == clip.notes
     expected_audio = read_source_audio(path, sample_rate=OUTPUT_SAMPLE_RATE,
-                                       num_samples=processed_num_samples(kept, clip.fps, OUTPUT_SAMPLE_RATE))
+                                       num_samples=processed_num_samples(kept, clip.fps, OUTPUT_SAMPLE_RATE),
+                                       video_start=0.0)
+    if delay:
+        assert not np.any(expected_audio[:round(0.2 * OUTPUT_SAMPLE_RATE)])  # the silence before the late start
     if expected_audio is None:
         assert streamed.audio is None
     else:
