@@ -254,7 +254,9 @@ class MultipartReader:
         # Kept as latin-1, which maps every byte to one character: browsers, curl and httpx send a part's file name
         # as raw UTF-8 bytes, and python-multipart's parse_options_header encodes its text back to latin-1 (a name
         # decoded as UTF-8 raised UnicodeEncodeError there, a 500, for "видео.mp4"). `_text` decodes the values.
-        self._headers[name] = self._header_value.decode("latin-1").strip()
+        # Only spaces and tabs are stripped: str.strip() also takes U+0085 and U+00A0, here the last bytes of a
+        # UTF-8 "à" or "х" that ends an unquoted file name.
+        self._headers[name] = self._header_value.decode("latin-1").strip(" \t")
         self._header_field.clear()
         self._header_value.clear()
 

@@ -221,6 +221,13 @@ def test_an_upload_named_in_any_script_is_read_and_its_name_kept(fake_server, fa
     (upload,) = reader.form.files.values()
     assert upload.client_file_name == client_name and upload.content_type == "video/mp4"
     reader.cleanup()
+    # Unquoted, a name ending in "à" (its UTF-8 ends in 0xA0, latin-1's no-break space) keeps its last letter.
+    reader = uploads.MultipartReader(boundary=boundary, file_fields={"video_reference"}, max_file_bytes=100,
+                                     file_path=lambda field, name: fake_server.artifacts.upload_dir / "probe.bin")
+    reader.parser.write(b"--xYz\r\nContent-Disposition: form-data; name=video_reference; filename="
+                        + "voilà".encode() + b"\r\n\r\nabc\r\n--xYz--\r\n")
+    assert [upload.client_file_name for upload in reader.form.files.values()] == ["voilà"]
+    reader.cleanup()
 
 
 def test_a_file_field_sent_as_text_says_how_to_send_the_file(fake_server, fake_client):
