@@ -202,8 +202,9 @@ _DECODES = _PixelBudget(2 * 89_478_485)
 
 
 def _unreadable_video(path: str) -> str:
-    """Why FFmpeg cannot open `path`, for the refusal: an MP4 cut before its index ("moov atom not found") was
-    told only "is not a readable video"."""
+    """Why FFmpeg cannot open `path`, for the refusal: an MP4 cut before its index was told only "is not a readable
+    video" (PyAV gives FFmpeg's error code's text, "Invalid data found when processing input", not its log's
+    "moov atom not found")."""
     if Path(path).stat().st_size == 0:
         return "is empty (0 bytes)"
     try:
