@@ -604,7 +604,10 @@ class MultiProcessWorker:
                 # A leader is gone. One of this host's is named by its exit code, there once the process has ended
                 # (its interpreter's teardown can take seconds after the socket closed); one on another host only
                 # by this (no deadline would end the wait).
-                wait([process.sentinel for process in self._processes.values()], timeout=5.0)
+                ended = wait([process.sentinel for process in self._processes.values()], timeout=5.0)
+                for process in self._processes.values():
+                    if process.sentinel in ended:
+                        process.join(2.0)  # its sentinel fires slightly before its exit code can be read
             dead = self._dead_ranks()
             if self._rank0_thread is not None and not self._rank0_thread.is_alive():
                 dead.append("rank 0 (this process) stopped")
