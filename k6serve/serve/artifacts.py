@@ -37,12 +37,12 @@ class ArtifactStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.upload_dir = self.root / "uploads"
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.upload_dir.mkdir(parents=True, exist_ok=True)
         for folder in (self.root, self.upload_dir):
             # Proved now, before the model loads: a folder the server cannot write made every upload a 500 and every
-            # job fail at its MP4 write, after its whole run.
+            # job fail at its MP4 write, after its whole run. Its creation too: a folder that could not be made
+            # (under a read-only parent, or an `uploads` that is a file) was a raw OSError, exit 1, not exit 2.
             try:
+                folder.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryFile(dir=folder):
                     pass
             except OSError as exc:

@@ -131,6 +131,21 @@ def test_an_output_folder_the_server_cannot_write_stops_it_before_the_model_load
                          {"output_path": str(tmp_path / "outputs"), "host": "127.0.0.1", "port": _free_port()})
 
 
+def test_an_output_folder_the_server_cannot_create_stops_it_with_the_same_refusal(tmp_path):
+    # Its creation raised a raw OSError (exit 1, "File exists: '.../uploads'"), where a folder that exists but cannot
+    # be written gets the documented "cannot write to ..." (exit 2).
+    from k6serve.serve.artifacts import ArtifactStore
+
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "uploads").write_bytes(b"a file where the upload folder goes")
+    with pytest.raises(ValueError, match=r"cannot write to '.*outputs/uploads' \(File exists\); pass a writable "
+                                         r"folder with --output-path"):
+        ArtifactStore(tmp_path / "outputs")
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"cannot write to '.*file/outputs' \(Not a directory\)"):
+        ArtifactStore(tmp_path / "file" / "outputs")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
