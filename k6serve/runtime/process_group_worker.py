@@ -550,9 +550,8 @@ class MultiProcessWorker:
 
         threading.Thread(target=accept, name="k6serve-accept", daemon=True).start()
         replicas: dict[int, _Replica] = {}
-        joined: set[int] = set()
         pending: list[Connection] = []  # leaders connected, not yet ready
-        replica_of: dict[Connection, int] = {}
+        replica_of: dict[Connection, int] = {}  # each leader's replica, from its Joined
         closed: list[Connection] = []  # leaders whose connection ended before their Ready
 
         def read(timeout: float) -> None:
@@ -578,7 +577,6 @@ class MultiProcessWorker:
                 closed.append(connection)
                 return
             if isinstance(message, messages.Joined):
-                joined.add(message.replica)
                 replica_of[connection] = message.replica
                 return
             pending.remove(connection)
@@ -617,9 +615,9 @@ class MultiProcessWorker:
             if closed:
                 raise RuntimeError(f"the leader of replica {replica_of.get(closed[0], '?')} closed its connection "
                                    "during start-up; see the log of the host that runs it.")
-            if len(joined) < self.layout.dp and time.monotonic() > deadline:
+            if len(replica_of) < self.layout.dp and time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"worker ranks did not join within {timeout_s:g} s ({len(joined)} of {self.layout.dp} "
+                    f"worker ranks did not join within {timeout_s:g} s ({len(replica_of)} of {self.layout.dp} "
                     f"replica(s) joined); check that every host and GPU of the layout is up and can reach the "
                     f"rendezvous address, or give them longer (the Python API's dist_timeout_s)."
                 )
@@ -829,12 +827,12 @@ class MultiProcessWorker:
         # Every rank that is ending gets the 2 s: taken at the first exit, healthy peers a few milliseconds behind
         # it were named as hung ("stopped responding") beside the one that was.
         grace_end = time.monotonic() + 2.0
-        running = [p for p in replica.processes if p.exitcode is None]
-        while running and (left := grace_end - time.monotonic()) > 0:
-            for sentinel in wait([p.sentinel for p in running], timeout=left):
-                process = next(p for p in running if p.sentinel == sentinel)
+        ending = [p for p in replica.processes if p.exitcode is None]
+        while ending and (left := grace_end - time.monotonic()) > 0:
+            for sentinel in wait([p.sentinel for p in ending], timeout=left):
+                process = next(p for p in ending if p.sentinel == sentinel)
                 process.join(2.0)
-                running.remove(process)
+                ending.remove(process)
         dead = self._dead_ranks(ranks)
         codes = [p.exitcode for p in replica.processes if p.exitcode is not None]
         running = {rank: p for rank, p in sorted(self._processes.items()) if rank in ranks and p.exitcode is None}
