@@ -24,6 +24,10 @@ from k6serve.serve.jobs import Job, JobStatus, expires_at
 FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
 # ASCII digits only: str.isdigit() also takes '²' and full-width digits, which int() then refuses or misreads.
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
+# A number sent as text (every form field; `seconds` in OpenAI's JSON): a plain decimal number. float() and pydantic
+# also read '4_0' as 40 (Python's digit grouping), and float() 'inf' and other scripts' digits ('\u0661' is 1,
+# full-width '\uff14' is 4).
+_DECIMAL = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
 # A client-chosen job id is a URL path segment and the listing's paging cursor: no '/' or ':', and no leading '.'
 # ('..' segments). Its output file is named by a digest of it (`artifacts.output_file_name`), not by the id.
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -92,9 +96,15 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
             if raw[name] is not None and not isinstance(raw[name], bool):
                 raise ApiError(400, f"{name} must be a JSON boolean, true or false, got "
                                     f"{json.dumps(raw[name], default=str)}.", code="invalid_parameter", param=name)
+    numeric = _numeric_fields(model)
     for name, value in raw.items():
         # Pydantic's lax mode reads true as 1 (seed, fps, strength...): only the boolean fields take one.
         values = value if isinstance(value, list) else [value]
+        if name in numeric and any(isinstance(item, str) and not _DECIMAL.fullmatch(item) for item in values):
+            # Pydantic's lax mode reads the text "4_0" as 40: a typo of "4.0" or "40" ran a 40-frame video.
+            also = " or a list of them" if isinstance(value, list) else ""
+            raise ApiError(400, f"{name} must be a number such as 4{also}, got {json.dumps(value)}.",
+                           code="invalid_parameter", param=name)
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             kind = "string" if name in string_fields else "number"
             also = " or a list of them" if isinstance(value, list) else ""
@@ -109,6 +119,17 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         message = (describe_error(param, first) if describe_error is not None else None) or _error_message(
             model, raw, param, first)
         raise ApiError(400, message, code="invalid_parameter", param=param) from None
+
+
+def _numeric_fields(model: type[BaseModel]) -> set[str]:
+    """The fields that hold numbers only (int, float, or a list of them; None allowed), not `seconds`, which is text
+    or a number and checked on its own."""
+    def numeric(annotation: Any) -> bool:
+        if annotation in (int, float):
+            return True
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return bool(args) and all(numeric(arg) for arg in args)
+    return {name for name, info in model.model_fields.items() if numeric(info.annotation)}
 
 
 def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: dict) -> str:
@@ -247,9 +268,7 @@ def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple
 
 def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float) -> int:
     try:
-        # float() also reads other scripts' digits ('\u0661' is 1, full-width '\uff14' is 4), which every other number
-        # field refuses, as `size` does.
-        if isinstance(seconds, str) and not seconds.isascii():
+        if isinstance(seconds, str) and not _DECIMAL.fullmatch(seconds):
             raise ValueError(seconds)
         value = float(seconds)
     except ValueError:

@@ -101,6 +101,42 @@ def test_seconds_needs_ascii_digits(fake_client, seconds):
     assert fake_client.get("/v1/videos").json()["data"] == []
 
 
+@pytest.mark.parametrize("seconds", ["4_0", "1_2", "inf", "0x4", "4 0", ""])
+def test_seconds_text_is_a_plain_decimal_number(fake_client, seconds):
+    # float("4_0") is 40 (Python's digit grouping): a typo of "4.0" or "40" ran a 40-second job.
+    for send in (lambda: fake_client.post("/v1/videos", json={"prompt": "x", "seconds": seconds}),
+                 lambda: fake_client.post("/v1/videos", data={"prompt": "x", "seconds": seconds})):
+        _assert_error(send(), 400, param="seconds", contains='seconds must be a number such as "4"')
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+@pytest.mark.parametrize(("field", "text"), [("num_frames", "2_5"), ("fps", "2_4"), ("seed", "1_000"),
+                                             ("guidance_scale", "5_0.5"), ("num_frames", "\uff15")])
+def test_number_fields_sent_as_text_take_plain_decimals_only(fake_client, field, text):
+    # Pydantic's lax mode reads the text "2_5" as 25 (in a form every field is text; in JSON, a quoted number).
+    for send in (lambda: fake_client.post("/v1/videos", json={"prompt": "x", field: text}),
+                 lambda: fake_client.post("/v1/videos", data={"prompt": "x", field: text})):
+        error = _assert_error(send(), 400, param=field, code="invalid_parameter")
+        assert error["message"] == f"{field} must be a number such as 4, got {json.dumps(text)}."
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+def test_number_fields_sent_as_plain_decimal_text_are_read(fake_server, fake_client):
+    form = {"prompt": "x", "size": "32x32", "num_frames": " 5 ", "seed": "+7", "seconds": " .21 ", "fps": "24.0"}
+    response = fake_client.post("/v1/videos", data=form)
+    assert response.status_code == 200, response.text
+    assert wait_for(fake_client, response.json()["id"])["status"] == "completed"
+    request = fake_server.worker.requests[-1]
+    assert (request.num_frames, request.seed) == (5, 7)
+
+
+def test_lora_strength_sent_as_text_takes_plain_decimals_only(fake_client):
+    response = fake_client.post("/v1/set_lora", json={"lora_nickname": "a", "lora_path": "/nowhere.safetensors",
+                                                      "strength": ["1", "0_5"]})
+    error = _assert_error(response, 400, param="strength", code="invalid_parameter")
+    assert error["message"] == 'strength must be a number such as 4 or a list of them, got ["1", "0_5"].'
+
+
 @pytest.mark.parametrize("seconds", ["1e400", "[4]", '{"s": 4}'])
 def test_seconds_of_the_wrong_type(fake_client, seconds):
     # 1e400 decodes to inf: the message was "seconds.str: Input should be a valid string (got inf)".
