@@ -120,8 +120,10 @@ def test_a_rank_that_hangs_is_named_and_not_called_out_of_memory(tmp_path: Path)
     # the peer ("exited with code 0") and read the engine's own SIGKILL as the out-of-memory killer's.
     # Four ranks: the healthy peers end a few milliseconds apart, and taken at the first exit they were all named
     # as hung too.
+    # dist_timeout_s is how long the peers wait in the collective, and also bounds the four ranks' joining: 8 s was
+    # too short for four spawned ranks to import torch on two busy cores (CI failed with "did not join within 8 s").
     config = make_config(num_gpus=4, ulysses_degree=4)
-    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dist_timeout_s=8.0))
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dist_timeout_s=20.0))
     worker = MultiProcessWorker(config, build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
     try:
