@@ -387,6 +387,7 @@ REFERENCE_VALUES: dict[tuple[str, str], str] = {
 _SECTIONS = frozenset({"dit_config", "component_paths", "component_attention_backends"})
 _REQUEST_FIELDS = frozenset(item.name for item in dataclasses.fields(SamplingParams))
 _HTTP_REQUEST_FIELDS = frozenset(item.name for item in parameter_fields(surface="http"))
+_FILE_FIELDS = ("input_reference", "video_reference")  # the HTTP API's uploads (serve.schemas.FILE_FIELDS)
 _FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)")
 
 
@@ -479,10 +480,63 @@ def reference_note(name: str, surface: str, *, named: bool = False) -> str | Non
     return f"{name} is {what}; {_fix_text(entry, surface)}" if named else f"{what}; {_fix_text(entry, surface)}"
 
 
+# k6serve's own names typed on a surface that spells them otherwise: the HTTP API's OpenAI fields on the command line
+# and in the Python API (`--size` was answered "did you mean '--tp-size'?", `--seconds` "'--seed'?"), and names of
+# other video APIs. Per surface, the note (command-line words on "cli", keywords on "api").
+_URLS_API = ("k6serve fetches no URLs: download the file and pass its path as image_path, or video_path for "
+             "super-resolution")
+_OWN_NAMES: dict[str, dict[str, str]] = {
+    "size": {
+        "cli": "the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size is --height and "
+               "--width, e.g. --height 512 --width 768",
+        "api": "the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size is height and width, e.g. "
+               "height=512, width=768"},
+    "seconds": {
+        "cli": "the HTTP API's field, OpenAI's; here a video's length is --num-frames, of the form 4k+1, at --fps, "
+               "e.g. --num-frames 121 --fps 24 for 5 s",
+        "api": "the HTTP API's field, OpenAI's; here a video's length is num_frames, of the form 4k+1, at fps, "
+               "e.g. num_frames=121, fps=24 for 5 s"},
+    "duration": {
+        "cli": "k6serve sets a video's length with --num-frames, of the form 4k+1, at --fps, e.g. --num-frames 121 "
+               "--fps 24 for 5 s",
+        "api": "k6serve sets a video's length with num_frames, of the form 4k+1, at fps, e.g. num_frames=121, "
+               "fps=24 for 5 s",
+        "http": "k6serve takes a video's length as OpenAI's seconds, e.g. \"4\", or as num_frames (4k+1) at fps",
+        "serve": "a video's length is chosen per request, in the POST /v1/videos body: seconds, or num_frames at "
+                 "fps"},
+    "input_reference": {
+        "cli": "the HTTP API's upload field; here pass the file's path: --image-path FILE to generate from an "
+               "image, --video-path FILE for super-resolution",
+        "api": "the HTTP API's upload field; here pass the file's path: image_path to generate from an image, "
+               "video_path for super-resolution"},
+    "image_url": {"cli": _URLS, "api": _URLS_API, "http": _URLS_HTTP},
+}
+_OWN_NAMES["video_reference"] = _OWN_NAMES["input_reference"]
+
+
+def own_name_note(name: str, surface: str) -> str | None:
+    """What to use instead of `name`, one of k6serve's own names (or another API's) typed on `surface`, where it is
+    not taken; None for any other name. On `k6serve serve` every request field is one: it is sent per request."""
+    key = _key(name)
+    if (note := _OWN_NAMES.get(key, {}).get(surface)) is not None:
+        return note
+    if surface == "serve" and key in _HTTP_REQUEST_FIELDS | {"size", "seconds", *_FILE_FIELDS}:
+        return "a field of each POST /v1/videos request (docs/http-api.md), not a flag of the server"
+    return None
+
+
 def unknown_names_hint(unknown: list[str], known: Iterable[str], *, surface: str) -> str:
-    """The end of an "unknown name" error: ` (note)` for each reference name (`reference_note`), and
-    `did_you_mean`'s guess for the others (a typo). Names are as the surface spells them (flags on the command
-    line), and so are `known`."""
-    rest = [name for name in unknown if lookup(name, surface) is None]
-    notes = [f" ({reference_note(name, surface, named=len(unknown) > 1)})" for name in unknown if name not in rest]
-    return did_you_mean(rest, known, name_each=len(unknown) > 1) + "".join(notes)
+    """The end of an "unknown name" error: ` (note)` for each reference name (`reference_note`) and each of
+    k6serve's own names typed where they do not apply (`own_name_note`), and `did_you_mean`'s guess for the others
+    (a typo). Names are as the surface spells them (flags on the command line), and so are `known`."""
+    named = len(unknown) > 1
+    notes = []
+    rest = []
+    for name in unknown:
+        if lookup(name, surface) is not None:
+            notes.append(f" ({reference_note(name, surface, named=named)})")
+        elif (note := own_name_note(name, surface)) is not None:
+            notes.append(f" ({name} is {note})" if named else f" ({note})")
+        else:
+            rest.append(name)
+    return did_you_mean(rest, known, name_each=named) + "".join(notes)

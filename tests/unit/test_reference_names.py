@@ -18,6 +18,7 @@ from k6serve.reference_names import (
     REFERENCE_VALUES,
     REQUEST,
     SURFACES,
+    _OWN_NAMES,
     aliases,
     reference_note,
     unknown_names_hint,
@@ -260,6 +261,79 @@ def test_serve_words_request_parameters_as_request_fields(capsys):
         "in the POST /v1/videos body; k6serve makes one video per job: send another request with another seed)\n")
 
 
+# ---- k6serve's own names of another surface ----
+
+
+@pytest.mark.parametrize(("flag", "note"), [
+    # The HTTP API's OpenAI fields were answered with a look-alike: --size "did you mean '--tp-size'?", --seconds
+    # "'--seed'?", and another API's --duration "'--quantization'?".
+    ("--size", "the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size is --height and --width, "
+               "e.g. --height 512 --width 768"),
+    ("--seconds", "the HTTP API's field, OpenAI's; here a video's length is --num-frames, of the form 4k+1, at --fps, "
+                  "e.g. --num-frames 121 --fps 24 for 5 s"),
+    ("--duration", "k6serve sets a video's length with --num-frames, of the form 4k+1, at --fps, e.g. --num-frames "
+                   "121 --fps 24 for 5 s"),
+    ("--input-reference", "the HTTP API's upload field; here pass the file's path: --image-path FILE to generate "
+                          "from an image, --video-path FILE for super-resolution"),
+    ("--image-url", "k6serve fetches no URLs: download the file and pass it as --image-path, or --video-path for "
+                    "super-resolution"),
+])
+def test_generate_says_what_to_use_for_the_http_apis_names(flag, note, capsys):
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", flag, "4"]) == 2
+    assert capsys.readouterr().err == f"error: unrecognized arguments: {flag} ({note})\n"
+
+
+def test_generate_names_each_of_several_http_names(capsys):
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--size", "9", "--seconds", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: --size --seconds (--size is the HTTP API's field, ")
+    assert " (--seconds is the HTTP API's field, OpenAI's; here " in err
+
+
+def test_a_config_file_key_of_the_http_api_gets_the_cli_words(tmp_path, capsys):
+    config = tmp_path / "c.json"
+    config.write_text('{"size": "96x64", "prompt": "x"}')
+    assert main(["generate", "--model-path", "demo", "--config", str(config)]) == 2
+    assert "unknown key(s) ['size'] (the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size " \
+           "is --height and --width" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--num-frames", "--size", "--seconds", "--input-reference"])
+def test_serve_says_a_request_field_is_sent_per_request(flag, capsys):
+    # `k6serve serve --seed 3` was answered "did you mean '--dp'?".
+    assert main(["serve", "--model-path", "demo", flag, "3"]) == 2
+    assert capsys.readouterr().err == (f"error: unrecognized arguments: {flag} (a field of each POST /v1/videos "
+                                       "request (docs/http-api.md), not a flag of the server)\n")
+
+
+@pytest.mark.parametrize(("name", "note"), [
+    ("size", "the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size is height and width, e.g. "
+             "height=512, width=768"),
+    ("seconds", "the HTTP API's field, OpenAI's; here a video's length is num_frames, of the form 4k+1, at fps, e.g. "
+                "num_frames=121, fps=24 for 5 s"),
+    ("input_reference", "the HTTP API's upload field; here pass the file's path: image_path to generate from an "
+                        "image, video_path for super-resolution"),
+    ("image_url", "k6serve fetches no URLs: download the file and pass its path as image_path, or video_path for "
+                  "super-resolution"),
+])
+def test_the_api_says_what_to_use_for_the_http_apis_names(name, note):
+    with pytest.raises(ValueError) as raised:
+        SamplingParams.from_kwargs({"prompt": "x", name: 1})
+    assert str(raised.value).startswith(f"Unknown sampling parameter(s) [{name!r}] ({note}). Valid parameters: ")
+
+
+@pytest.mark.parametrize(("name", "note"), [
+    ("duration", "k6serve takes a video's length as OpenAI's seconds, e.g. \"4\", or as num_frames (4k+1) at fps"),
+    ("image_url", "k6serve fetches no URLs: upload the file as input_reference in a multipart request, or name a "
+                  "file on the server, in a folder it allows with --allowed-input-dir, as image_path or video_path"),
+])
+def test_http_body_with_another_apis_name_says_what_to_send(name, note):
+    with pytest.raises(ApiError) as raised:
+        parse_create_body({"prompt": "x", name: "4"})
+    assert (raised.value.status, raised.value.param) == (400, name)
+    assert raised.value.message.startswith(f"Unknown field {name!r} ({note}). Valid fields: prompt, ")
+
+
 # ---- --config files ----
 
 
@@ -475,6 +549,12 @@ def test_every_flag_a_fix_names_is_a_k6serve_flag():
     for (option, value), text in REFERENCE_VALUES.items():
         assert option in OPTION_CHOICES and value not in OPTION_CHOICES[option]
         assert set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", text)) <= known
+    for name, notes in _OWN_NAMES.items():
+        for surface, text in notes.items():
+            assert set(re.findall(r"--[a-z][a-z0-9-]*[a-z0-9]", text)) <= known, (name, surface)
+            if surface in ("api", "http"):
+                keywords = set(re.findall(r"\b([a-z]+(?:_[a-z]+)+)\b", text))
+                assert keywords <= REQUEST_FIELDS | set(HTTP_FIELD_NAMES) | {"input_reference"}, (name, keywords)
 
 
 def test_each_entry_is_an_alias_or_one_sentence_of_fix():
