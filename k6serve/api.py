@@ -523,9 +523,9 @@ class DiffGenerator:
         require_media_package(params, output)
         try:
             self.engine.resolve(params)  # the worker resolves it again; here the two missing inputs get API words
-        except MissingPrompt:
-            raise MissingPrompt("prompt is required for Kandinsky 6 generation: pass prompt='A cat plays piano'."
-                                ) from None
+        except MissingPrompt as exc:
+            raise MissingPrompt("prompt is required for Kandinsky 6 generation: pass prompt='A cat plays piano'.",
+                                detail=exc.detail) from None
         except MissingSourceVideo:
             raise MissingSourceVideo("super-resolution needs one source video: pass video_path='/path/to/input.mp4' "
                                      "(or call generator.upscale('/path/to/input.mp4')).") from None

@@ -16,6 +16,7 @@ import numbers
 import os
 import types
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,6 +285,13 @@ class VideoResult:
 
         values = ", ".join(f"{item.name}={shown(getattr(self, item.name))}" for item in dataclasses.fields(self))
         return f"VideoResult({values})"
+
+
+def has_visible_text(text: str) -> bool:
+    """Whether `text` holds a character that shows: not only spaces, zero-width or format characters (U+200B, a
+    byte-order mark U+FEFF left where UTF-8 files were joined) or control characters. A prompt of those is as empty
+    as one of spaces, which every surface refuses; it ran as a prompt."""
+    return any(not char.isspace() and unicodedata.category(char) not in ("Cf", "Cc") for char in text)
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from k6serve.api import (
 )
 from k6serve.config import EngineConfig
 from k6serve.models.variants import GENERATION, DistilledGuidance
-from k6serve.request import SamplingParams
+from k6serve.request import SamplingParams, has_visible_text
 from k6serve.runtime.engine import RequestCancelled
 
 
@@ -224,11 +224,12 @@ def read_prompt_file(path: str) -> list[tuple[int, str]]:
     prompts = []
     for number, raw in enumerate(text.splitlines(), start=1):
         try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM some editors write is not text
+            # A byte-order mark some editors write is not text, also where files were joined (on a later line).
+            line = raw.decode("utf-8").lstrip("\ufeff")
         except UnicodeDecodeError as exc:
             raise ValueError(f"--prompt-file-path {path!r}: line {number} is not UTF-8 text ({exc.reason} at byte "
                              f"{exc.start + 1}); save the file as UTF-8.") from None
-        if line.strip():
+        if has_visible_text(line):  # a line that shows as blank (spaces, zero-width characters) is skipped
             prompts.append((number, line.strip()))
     if not prompts:
         raise ValueError(f"--prompt-file-path {path!r} holds no prompt; write one prompt per line.")
@@ -483,8 +484,8 @@ def _run_one(generator: DiffGenerator, variant, options: dict[str, Any]):
         # The model was recognised only once loaded (a hub id not among the released ones): the API's message
         # names its keyword, this one the flag.
         raise ValueError(MissingSourceVideo.FLAG_WORDING) from None
-    except MissingPrompt:
-        raise ValueError(MissingPrompt.FLAG_WORDING) from None
+    except MissingPrompt as exc:
+        raise ValueError(MissingPrompt.FLAG_WORDING + exc.detail) from None
     except DistilledGuidance as exc:
         raise ValueError(exc.flag_wording) from None
     finally:

@@ -30,6 +30,9 @@ IMAGE_FORMATS = "a PNG, JPEG, WebP, TIFF or GIF image (a GIF gives its first fra
 # header, or a TIFF of a pixel type it lacks, as "cannot identify image file", the same as a text file.
 _SIGNATURES = ((0, b"\x89PNG\r\n\x1a\n", "PNG"), (0, b"\xff\xd8\xff", "JPEG"), (0, b"GIF8", "GIF"),
                (8, b"WEBP", "WebP"), (0, b"II*\x00", "TIFF"), (0, b"MM\x00*", "TIFF"))
+# A URL or a data URI given as a path: scheme "://" (not a Windows drive, "C:\\"), or "data:".
+_URL = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]+://|data:)")
+
 # Major brands of HEIF files ("ftyp" box at byte 4): iPhone photos, which PIL cannot read without a plugin.
 _HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1")
 
@@ -37,6 +40,12 @@ _HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b
 # along its long side without bound before the crop: a 101-byte 1x4000 PNG became a 768x3,072,000 image (about 10 GB)
 # for a 768x512 video. Past PIL's own decompression-bomb threshold it is refused instead.
 MAX_COVER_RESIZED_PIXELS = 89_478_485
+
+
+def looks_like_url(path: str) -> bool:
+    """Whether an input path is a URL or a data URI, which k6serve does not fetch: it was reported as a missing file,
+    quoted with its '//' collapsed by Path()."""
+    return _URL.match(path) is not None
 
 
 def cover_resized_size(image_width: int, image_height: int, height: int, width: int) -> tuple[int, int]:
@@ -74,8 +83,12 @@ def load_conditioning_image(
         loaded, sample_type = image, _tiff_sample_type(image)
         source = "the given PIL image"
     else:
-        source = repr(str(image))
-        loaded, sample_type = _open_image_file(Path(image))
+        text = os.fspath(image)
+        source = repr(text)  # as given: Path() collapses the '//' of a URL the message would quote
+        if looks_like_url(text) and not os.path.exists(text):  # ('a://b' can be a folder 'a:' and a file)
+            raise ValueError(f"cannot read conditioning image {source}: k6serve fetches no URLs; download the image "
+                             "and pass the file's path.")
+        loaded, sample_type = _open_image_file(Path(text), source)
     if loaded.width < 1 or loaded.height < 1:
         raise ValueError(f"conditioning image {source} is empty ({loaded.width}x{loaded.height})")
     check_cover_resize(loaded.width, loaded.height, height, width, source=f"conditioning image {source}")
@@ -156,11 +169,13 @@ def no_decompression_bomb_warning() -> Iterator[None]:
         yield
 
 
-def _open_image_file(path: Path) -> tuple[PIL.Image.Image, tuple[int, int] | None]:
-    """The decoded image, EXIF orientation applied, and its TIFF sample type (`_tiff_sample_type`)."""
+def _open_image_file(path: Path, source: str | None = None) -> tuple[PIL.Image.Image, tuple[int, int] | None]:
+    """The decoded image, EXIF orientation applied, and its TIFF sample type (`_tiff_sample_type`); `source` is the
+    path as the user gave it, for the messages."""
+    source = source or repr(str(path))
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(f"cannot read conditioning image {str(path)!r}: it {what}")
+        raise ValueError(f"cannot read conditioning image {source}: it {what}")
     pil_format = None
     try:
         with no_decompression_bomb_warning():  # PIL warns in open(); the decode below runs outside the lock
@@ -180,12 +195,12 @@ def _open_image_file(path: Path) -> tuple[PIL.Image.Image, tuple[int, int] | Non
         size = (f"{int(counts[0]):,} pixels, limit {int(counts[1]):,}" if len(counts) == 2
                 else f"over {2 * (PIL.Image.MAX_IMAGE_PIXELS or 0):,} pixels")
         raise ValueError(
-            f"conditioning image {str(path)!r} is too large ({size}); downscale it (the model uses it at the "
+            f"conditioning image {source} is too large ({size}); downscale it (the model uses it at the "
             "video's size, e.g. 768x512)"
         ) from exc
     except (PIL.UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(
-            f"conditioning image {str(path)!r} is not a readable image: "
+            f"conditioning image {source} is not a readable image: "
             f"{unreadable_image_reason(path, exc, pil_format)}"
         ) from exc
 

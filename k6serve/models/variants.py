@@ -14,6 +14,7 @@ from pathlib import Path
 
 from k6serve.caching.params import CacheDitParams
 from k6serve.lora.spec import check_lora_strength, is_finite_number, odd_nickname
+from k6serve.request import has_visible_text
 from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
@@ -234,9 +235,23 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
 
 class MissingPrompt(ValueError):
     """A generation request without a prompt. The message shows the CLI flag; the Python API and the HTTP server
-    catch this type and word their own answer (the `prompt=` keyword, the `prompt` body field)."""
+    catch this type and word their own answer (the `prompt=` keyword, the `prompt` body field), adding `detail`."""
 
     FLAG_WORDING = "prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano')."
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        # The message is the one positional argument, as in any ValueError (copy and pickle rebuild it from `args`).
+        super().__init__(message + detail)
+        self.detail = detail
+
+    @classmethod
+    def for_prompt(cls, prompt: str | None) -> MissingPrompt:
+        detail = ""
+        if prompt and prompt.strip():
+            shown = ascii(prompt if len(prompt) <= 24 else prompt[:24] + "...")
+            detail = (f" The prompt given, {shown}, has no visible character: only zero-width, format or control "
+                      "characters (a byte-order mark U+FEFF, U+200B).")
+        return cls(cls.FLAG_WORDING, detail=detail)
 
 
 class MissingSourceVideo(ValueError):
@@ -282,8 +297,12 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
             f"video_path is for the super-resolution model; {variant.name} generates from a prompt "
             "(use image_path for image conditioning)."
         )
-    if not params.prompt or not params.prompt.strip():
-        raise MissingPrompt(MissingPrompt.FLAG_WORDING)
+    if params.image_path is not None and not params.image_path.strip():
+        # Path("") is ".": the message was "cannot read conditioning image '.': it is a directory".
+        raise ValueError("image_path is empty: pass an image file's path, or leave it out to generate from the "
+                         "prompt alone.")
+    if not params.prompt or not has_visible_text(params.prompt):
+        raise MissingPrompt.for_prompt(params.prompt)
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for name, value in (("height", height), ("width", width)):
@@ -327,6 +346,11 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         # An empty negative prompt takes the built-in one, as the reference's `negative_prompt or default` does (a
         # form's or UI's blank field sends ""); encoding "" instead changed every CFG step's unconditional branch.
         negative = params.negative_prompt or DEFAULT_NEGATIVE_PROMPT
+        if params.negative_prompt and not has_visible_text(params.negative_prompt):
+            # Encoded as written, as the reference does: the way to guide against an almost empty negative branch.
+            # A blank form field that sends spaces means the built-in one, hence the note.
+            notes.append(f"negative_prompt {ascii(negative[:24])} has no visible character and is encoded as "
+                         "written; send an empty one, or leave it out, for the model's built-in negative prompt.")
     elif params.negative_prompt:
         notes.append("negative_prompt is ignored: guidance_scale is 1.0, so no unconditional branch runs.")
     seed = params.seed if params.seed is not None else variant.seed

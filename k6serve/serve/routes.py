@@ -251,10 +251,10 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         params = _checked_paths(params, ctx, uploaded=set(uploads))
         try:
             resolved, notes = ctx.engine.resolve(params)
-        except MissingPrompt:
+        except MissingPrompt as exc:
             # The shared message shows the CLI flag; over HTTP it is the body field.
             raise ApiError(400, "prompt is required for Kandinsky 6 generation: send a non-empty prompt field "
-                                '(JSON {"prompt": "A cat plays piano"}, or the form field prompt).',
+                                '(JSON {"prompt": "A cat plays piano"}, or the form field prompt).' + exc.detail,
                            code="invalid_parameter", param="prompt") from None
         except ValueError as exc:
             raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None

@@ -103,7 +103,7 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         if name in numeric and any(isinstance(item, str) and not _DECIMAL.fullmatch(item) for item in values):
             # Pydantic's lax mode reads the text "4_0" as 40: a typo of "4.0" or "40" ran a 40-frame video.
             also = " or a list of them" if isinstance(value, list) else ""
-            raise ApiError(400, f"{name} must be a number such as 4{also}, got {json.dumps(value)}.",
+            raise ApiError(400, f"{name} must be {numeric[name]} such as 4{also}, got {json.dumps(value)}.",
                            code="invalid_parameter", param=name)
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             kind = "string" if name in string_fields else "number"
@@ -121,15 +121,16 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         raise ApiError(400, message, code="invalid_parameter", param=param) from None
 
 
-def _numeric_fields(model: type[BaseModel]) -> set[str]:
-    """The fields that hold numbers only (int, float, or a list of them; None allowed), not `seconds`, which is text
-    or a number and checked on its own."""
-    def numeric(annotation: Any) -> bool:
+def _numeric_fields(model: type[BaseModel]) -> dict[str, str]:
+    """The fields that hold numbers only (int, float, or a list of them; None allowed) -> "an integer" or "a number";
+    not `seconds`, which is text or a number and checked on its own."""
+    def kinds(annotation: Any) -> set[type] | None:
         if annotation in (int, float):
-            return True
-        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        return bool(args) and all(numeric(arg) for arg in args)
-    return {name for name, info in model.model_fields.items() if numeric(info.annotation)}
+            return {annotation}
+        args = [kinds(arg) for arg in typing.get_args(annotation) if arg is not type(None)]
+        return set().union(*args) if args and all(arg is not None for arg in args) else None
+    found = {name: kinds(info.annotation) for name, info in model.model_fields.items()}
+    return {name: "an integer" if kind == {int} else "a number" for name, kind in found.items() if kind}
 
 
 def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: dict) -> str:

@@ -101,6 +101,18 @@ def test_seconds_needs_ascii_digits(fake_client, seconds):
     assert fake_client.get("/v1/videos").json()["data"] == []
 
 
+@pytest.mark.parametrize("prompt", ["\ufeff", "\u200b\u200b"])
+def test_a_prompt_with_no_visible_character_is_refused(fake_client, prompt):
+    # Accepted and run, while a prompt of spaces was refused.
+    for send in (lambda: fake_client.post("/v1/videos", json={"prompt": prompt}),
+                 lambda: fake_client.post("/v1/videos", data={"prompt": prompt})):
+        error = _assert_error(send(), 400, param="prompt", code="invalid_parameter")
+        assert error["message"].startswith("prompt is required for Kandinsky 6 generation: send a non-empty prompt "
+                                           f"field (JSON {{\"prompt\": \"A cat plays piano\"}}, or the form field "
+                                           f"prompt). The prompt given, {ascii(prompt)}, has no visible character")
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
 @pytest.mark.parametrize("seconds", ["4_0", "1_2", "inf", "0x4", "4 0", ""])
 def test_seconds_text_is_a_plain_decimal_number(fake_client, seconds):
     # float("4_0") is 40 (Python's digit grouping): a typo of "4.0" or "40" ran a 40-second job.
@@ -117,7 +129,8 @@ def test_number_fields_sent_as_text_take_plain_decimals_only(fake_client, field,
     for send in (lambda: fake_client.post("/v1/videos", json={"prompt": "x", field: text}),
                  lambda: fake_client.post("/v1/videos", data={"prompt": "x", field: text})):
         error = _assert_error(send(), 400, param=field, code="invalid_parameter")
-        assert error["message"] == f"{field} must be a number such as 4, got {json.dumps(text)}."
+        kind = "a number" if field in ("fps", "guidance_scale") else "an integer"
+        assert error["message"] == f"{field} must be {kind} such as 4, got {json.dumps(text)}."
     assert fake_client.get("/v1/videos").json()["data"] == []
 
 

@@ -114,6 +114,20 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
         ("generation", ["--prompt", "x", "--image-path", "missing.png"],
          "cannot read conditioning image 'missing.png': it does not exist"),
         ("sr", ["--video-path", "missing.mp4"], "cannot read media file 'missing.mp4': it does not exist"),
+        # A URL was called a missing file, quoted with its '//' collapsed ('https:/example.com/a.png').
+        ("generation", ["--prompt", "x", "--image-path", "https://example.com/a.png"],
+         "cannot read conditioning image 'https://example.com/a.png': k6serve fetches no URLs; download the image and "
+         "pass the file's path."),
+        ("generation", ["--prompt", "x", "--image-path", "data:image/png;base64,iVBORw0KGgo="],
+         "cannot read conditioning image 'data:image/png;base64,iVBORw0KGgo=': k6serve fetches no URLs"),
+        ("sr", ["--video-path", "http://example.com/clip.mp4"],
+         "cannot read media file 'http://example.com/clip.mp4': k6serve fetches no URLs; download the video and pass "
+         "the file's path"),
+        ("generation", ["--prompt", "x", "--image-path", ""],
+         "image_path is empty: pass an image file's path, or leave it out to generate from the prompt alone."),
+        ("generation", ["--prompt", "\ufeff"],
+         "prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano'). The prompt given, "
+         "'\\ufeff', has no visible character"),
         ("sr", ["--video-path", "clip.mp4", "--sr-resolution-scale", "3"], "sr_resolution_scale must be 2, 4 or 2.25"),
         # Only a note after the load before, while the generation models' other flags were refused up front.
         ("sr", ["--video-path", "clip.mp4", "--prompt", "x"],
@@ -839,6 +853,11 @@ def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_c
     with pytest.raises(MissingPrompt, match=r"pass prompt='A cat plays piano'\.$") as refused:
         generator.generate({"prompt": " ", "output_path": str(tmp_path)})
     assert "--prompt" not in str(refused.value)
+    with pytest.raises(MissingPrompt) as refused:  # a byte-order mark alone ran as a prompt
+        generator.generate({"prompt": "\ufeff", "output_path": str(tmp_path)})
+    assert str(refused.value) == ("prompt is required for Kandinsky 6 generation: pass prompt='A cat plays piano'. The "
+                                  "prompt given, '\\ufeff', has no visible character: only zero-width, format or "
+                                  "control characters (a byte-order mark U+FEFF, U+200B).")
 
     import k6serve.cli.generate as generate_module
 

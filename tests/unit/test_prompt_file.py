@@ -24,6 +24,17 @@ def test_prompt_file_lines_are_stripped_and_blank_ones_skipped(tmp_path):
                                            (5, "# a hash begins this prompt")]
 
 
+def test_prompt_file_lines_that_show_as_blank_are_skipped_and_every_bom_dropped(tmp_path):
+    # Files joined with `cat` keep each one's byte-order mark at the start of a line: a line of a BOM alone ran as a
+    # prompt, and the others kept it in their text; a line of zero-width spaces shows as blank too.
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufefffirst\r\n\ufeffsecond\r\n\ufeff\r\n\u200b \u200b\n\u200bthird\n".encode())
+    assert read_prompt_file(str(path)) == [(1, "first"), (2, "second"), (5, "\u200bthird")]
+    path.write_bytes("\ufeff\n\u200b\n".encode())
+    with pytest.raises(ValueError, match="holds no prompt"):
+        read_prompt_file(str(path))
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

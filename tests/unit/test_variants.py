@@ -6,6 +6,7 @@ import pytest
 
 from k6serve.models.variants import (
     DEFAULT_NEGATIVE_PROMPT,
+    MissingPrompt,
     SUPER_RESOLUTION,
     VARIANTS,
     recognise,
@@ -118,8 +119,41 @@ def test_an_empty_negative_prompt_takes_the_built_in_one_as_the_reference():
     negative prompt, not against an encoded empty string. Any other text, even blank, is the user's."""
     empty, notes = resolve_generate(SamplingParams(prompt="a cat", negative_prompt=""), VARIANTS["pro"])
     assert empty.negative_prompt == DEFAULT_NEGATIVE_PROMPT and notes == []
-    spaces, _ = resolve_generate(SamplingParams(prompt="a cat", negative_prompt=" "), VARIANTS["pro"])
+    # Spaces are encoded as written, as diffusers' `negative_prompt or default` does, with a note (a blank form field
+    # that sends spaces means the built-in one).
+    spaces, notes = resolve_generate(SamplingParams(prompt="a cat", negative_prompt=" "), VARIANTS["pro"])
     assert spaces.negative_prompt == " "
+    assert notes == ["negative_prompt ' ' has no visible character and is encoded as written; send an empty one, or "
+                     "leave it out, for the model's built-in negative prompt."]
+    _, notes = resolve_generate(SamplingParams(prompt="a cat", negative_prompt=" blurry "), VARIANTS["pro"])
+    assert notes == []
+
+
+@pytest.mark.parametrize("prompt", ["\ufeff", "\u200b\u200b", " \u200b\n", "\x00", "\u2060"])
+def test_a_prompt_with_no_visible_character_is_refused_as_empty(prompt):
+    # A byte-order mark or zero-width space alone ran as a prompt while "   " was refused.
+    with pytest.raises(MissingPrompt) as refused:
+        resolve_generate(SamplingParams(prompt=prompt), VARIANTS["pro"])
+    assert str(refused.value).startswith("prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays "
+                                         f"piano'). The prompt given, {ascii(prompt)}, has no visible character: ")
+    assert refused.value.detail and str(refused.value).endswith(refused.value.detail)
+    with pytest.raises(MissingPrompt) as refused:
+        resolve_generate(SamplingParams(prompt="  "), VARIANTS["pro"])
+    assert refused.value.detail == ""
+
+
+@pytest.mark.parametrize("prompt", ["\u200bcat", "\U0001f408", "\u0301", "\u00a0a"])
+def test_a_prompt_with_a_visible_character_is_taken_verbatim(prompt):
+    request, _ = resolve_generate(SamplingParams(prompt=prompt), VARIANTS["pro"])
+    assert request.prompt == prompt
+
+
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_image_path_is_refused_as_empty(path):
+    # Path("") is ".": the message was "cannot read conditioning image '.': it is a directory".
+    with pytest.raises(ValueError, match=r"^image_path is empty: pass an image file's path, or leave it out to "
+                                         r"generate from the prompt alone\.$"):
+        resolve_generate(SamplingParams(prompt="a", image_path=path), VARIANTS["pro"])
 
 
 def test_distilled_rejects_guidance():
