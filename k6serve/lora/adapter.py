@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -445,17 +446,31 @@ def file_stamp(file: Path) -> tuple[int, int, int] | None:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
+def _header_metadata(data: bytes) -> dict[str, str] | None:
+    """The `__metadata__` of a safetensors file's JSON header (`safe_open(...).metadata()`), from its bytes, which
+    `safetensors.torch.load` has checked."""
+    (length,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8:8 + length]).get("__metadata__")
+    return metadata if isinstance(metadata, dict) else None
+
+
 def read_adapter(path: str) -> LoraAdapter:
     """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
-    from safetensors import SafetensorError, safe_open
+    import safetensors.torch
+    from safetensors import SafetensorError
 
     file = resolve_adapter_file(path)
     stamp = file_stamp(file)  # before reading: a file rewritten meanwhile is read again next time
     try:
-        # safetensors.torch.load_file, plus the header's metadata (diffusers keeps the alphas there).
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            metadata = handle.metadata()
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        # The file's bytes, read whole into memory, not mapped: `safe_open(...).get_tensor` gives CPU tensors that
+        # share the file's mapping, so a loaded adapter was the bytes on disk now. A file copied over in place (cp,
+        # shutil.copy: the same inode) changed the next request with no LoRA call, and a shorter one killed the
+        # worker with SIGBUS at the adapter's next use, the server's every replica with it.
+        data = file.read_bytes()
+        # In key order, as safe_open lists them: load's own order varies from process to process (a hash map), and
+        # the ranks of a sharded DiT apply the modules in this order, each with its collectives.
+        tensors = dict(sorted(safetensors.torch.load(data).items()))
+        metadata = _header_metadata(data)  # diffusers keeps the alphas there
     except (SafetensorError, OSError) as exc:
         # Not a ValueError of its own: it reached the CLI as an internal error and the HTTP client as a 500 with a
         # traceback, for a truncated download or a file renamed to .safetensors.

@@ -36,7 +36,18 @@ def worker_killed_hint(exit_codes: list[int]) -> str:
     if -signal.SIGKILL in exit_codes:
         return (" SIGKILL is usually the kernel's out-of-memory killer (see `dmesg`): the host ran out of memory; "
                 "free host memory, or use fewer GPUs per host or a smaller model.")
+    crashes = sorted({signal.Signals(-code).name for code in exit_codes if -code in _CRASH_SIGNALS})
+    if crashes:
+        # Raised by the process's own fault, not sent from outside (a SIGBUS was read as a stop from outside).
+        kind = "is a crash" if len(crashes) == 1 else "are crashes"
+        return (f" {' and '.join(crashes)} {kind} inside the process: a memory-mapped file changed or cut short "
+                "under it (a checkpoint overwritten in place while it was served), or a fault in a native library; "
+                "see the rank's log above, and report it with that log if the files are unchanged.")
     return " It was stopped from outside k6serve."
+
+
+# Signals a process raises on itself by faulting; the others (SIGTERM, SIGINT, SIGHUP...) come from outside.
+_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE})
 
 
 def is_out_of_memory(error: BaseException) -> bool:

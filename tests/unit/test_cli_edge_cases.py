@@ -988,6 +988,21 @@ def test_cli_version(capsys):
     assert exited.value.code == 0 and capsys.readouterr().out == f"k6serve {__version__}\n"
 
 
+@pytest.mark.parametrize(("codes", "start"), [
+    ([-9], " SIGKILL is usually the kernel's out-of-memory killer"),
+    # A SIGBUS from a mapped file cut short under the worker (a LoRA file copied over in place did it) was called
+    # "stopped from outside k6serve".
+    ([-7], " SIGBUS is a crash inside the process: a memory-mapped file changed or cut short under it"),
+    ([0, -11, -7], " SIGBUS and SIGSEGV are crashes inside the process: "),
+    ([-15], " It was stopped from outside k6serve."),
+    ([1, 0], ""),
+])
+def test_a_signal_that_ended_a_rank_is_told_by_where_it_came_from(codes, start):
+    from k6serve.runtime.out_of_memory import worker_killed_hint
+
+    assert worker_killed_hint(codes).startswith(start) and bool(worker_killed_hint(codes)) == bool(start)
+
+
 def test_cli_a_worker_killed_by_the_machine_is_exit_1_not_a_bug(monkeypatch, capsys, tmp_path):
     """A rank SIGKILLed by the out-of-memory killer (a dummy Pro model on a small host) was "internal error ...
     this is a bug in k6serve" with exit 70; it is the machine failing the run: exit 1 and the likely cause."""

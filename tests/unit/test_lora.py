@@ -23,6 +23,7 @@ from k6serve.bench.dit import dit_inputs
 from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.config import LORA_MERGE_MODES as CONFIG_MERGE_MODES
+import k6serve.lora.adapter as adapter_module
 from k6serve.lora.adapter import PREFERRED_FILE, names_adapter_file, read_adapter, resolve_adapter_file
 from k6serve.lora.dynamic import LoraLinear
 from k6serve.lora.manager import LoraManager
@@ -176,6 +177,37 @@ def test_the_same_path_is_read_again_when_its_file_changed(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         manager.set([LoraSpec(nickname="s", path=str(file))], "merge")
     assert manager.state()[0]["active"] and manager.state()[0]["merged"]
+
+
+def test_a_loaded_adapter_is_a_copy_not_the_file_on_disk(tmp_path):
+    # The tensors shared the file's mapping: a file copied over in place (cp, shutil.copy keep the inode) changed a
+    # loaded adapter with no LoRA call, and a shorter one killed the worker with SIGBUS at its next use.
+    model = _dit()
+    file = write_adapter(tmp_path, _shapes(model, [VIDEO_FFN]), seed=1)
+    other = write_adapter(tmp_path, _shapes(model, [VIDEO_FFN]), seed=2, name="other.safetensors")
+    adapter = read_adapter(str(file))
+    before = {name: tensor.clone() for name, tensor in (("down", adapter.modules[VIDEO_FFN].down),
+                                                         ("up", adapter.modules[VIDEO_FFN].up))}
+    inode = file.stat().st_ino
+    with open(file, "r+b") as handle:  # in place, as cp does
+        handle.write(other.read_bytes())
+    assert file.stat().st_ino == inode and not adapter.unchanged()
+    assert torch.equal(adapter.modules[VIDEO_FFN].down, before["down"])
+    assert torch.equal(adapter.modules[VIDEO_FFN].up, before["up"])
+    with open(file, "r+b") as handle:  # cut short: the old mapping's pages are gone
+        handle.truncate(16)
+    assert float(adapter.modules[VIDEO_FFN].up.sum()) == float(before["up"].sum())
+
+
+def test_the_header_metadata_is_read_as_safe_open_reads_it(tmp_path):
+    from safetensors import safe_open
+
+    file = tmp_path / "a.safetensors"
+    save_file({"x": torch.ones(2)}, str(file), metadata={"format": "pt", "lora_adapter_metadata": '{"r": 2}'})
+    with safe_open(str(file), framework="pt") as handle:
+        assert adapter_module._header_metadata(file.read_bytes()) == handle.metadata()
+    save_file({"x": torch.ones(2)}, str(file))
+    assert adapter_module._header_metadata(file.read_bytes()) is None
 
 
 @pytest.mark.parametrize("fused", [False, True])
