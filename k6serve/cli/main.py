@@ -34,7 +34,7 @@ from k6serve.config import (
     VAE_TILING,
     WARMUP_MODES,
 )
-from k6serve.reference_names import aliases, aliases_of, unknown_names_hint, value_fix
+from k6serve.reference_names import aliases, aliases_of, own_name_note, unknown_names_hint, value_fix
 from k6serve.reference_names import lookup as lookup_reference_name
 from k6serve.request import SamplingParams, parameter_fields
 
@@ -183,18 +183,29 @@ def _not_a_reference_value(option: str, value: Any) -> Any:
     return value
 
 
-def _json_object(value: str | dict) -> dict:
-    """A JSON object flag value (a --config file may already hold the mapping)."""
-    if isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"scm_preset\": \"medium\"}}' ({exc})"
-                                         ) from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
-    return parsed
+# An example value of each JSON-object request flag, for its parse error (one example served both: --loras was shown
+# a Cache-DiT setting).
+_JSON_EXAMPLES = {"cache_dit_params": '{"scm_preset": "medium"}', "loras": '{"style": 0.8}'}
+
+
+def _json_object_type(name: str):
+    """The argparse type of the JSON-object flag for request field `name` (a --config file may already hold the
+    mapping)."""
+    example = _JSON_EXAMPLES.get(name, "{...}")
+
+    def parse(value: str | dict) -> dict:
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{example}' ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{example}', got {value!r}")
+        return parsed
+
+    parse.__name__ = "JSON object"  # argparse names the type in "invalid <type> value" messages
+    return parse
 
 
 def _field_type(field: dataclasses.Field) -> type:
@@ -215,7 +226,8 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=None,
                                help=field.metadata["help"])
         elif kind is dict:
-            group.add_argument(_flag(field.name), type=_json_object, default=None, help=field.metadata["help"])
+            group.add_argument(_flag(field.name), type=_json_object_type(field.name), default=None,
+                               help=field.metadata["help"])
         else:
             group.add_argument(_flag(field.name), type=kind, default=None, help=field.metadata["help"])
 
@@ -421,8 +433,10 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             hint = "".join(f"; --{key.replace('_', '-')} is written as {key[3:].replace('_', '-')}: false"
                            for key in negated)
             # SGLang's names get what to use instead; other keys a "did you mean" where one is close.
-            reference = unknown_names_hint([key for key in unknown if key not in negated], actions,
-                                           surface=_surface(args.command))
+            other = _other_command_notes([key for key in unknown if key not in negated], parser, args.command)
+            reference = "".join(f" ({note})" for note in other.values()) + unknown_names_hint(
+                [key for key in unknown if key not in negated and key not in other], actions,
+                surface=_surface(args.command))
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}{reference}{hint}")
         converted = {}
         for key, value in from_file.items():
@@ -477,6 +491,27 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
 
 
+def _other_command_notes(flags: list[str], parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """flag -> a note, for the `flags` that only the other command takes (`k6serve generate --port` was refused
+    with no word of `k6serve serve`, a generate --config file's `prompt:` given to serve "did you mean 'port'?").
+    A request field typed on `k6serve serve` gets `own_name_note`'s word instead, with the rest of the unknown."""
+    commands = parser._subparsers._group_actions[0].choices
+    other = "serve" if command == "generate" else "generate"
+    only_other = _option_strings(commands[other]) - _option_strings(commands[command])
+    notes = {}
+    for flag in flags:
+        spelled = "--" + flag.split("=", 1)[0].lstrip("-").replace("_", "-")
+        if spelled not in only_other or own_name_note(spelled, _surface(command)) is not None:
+            continue
+        if other == "serve":
+            notes[flag] = (f"{spelled} is a flag of `k6serve serve`, which serves requests over HTTP; "
+                           "`k6serve generate` runs its request and exits")
+        else:
+            notes[flag] = (f"{spelled} is a flag of `k6serve generate`; a server's requests come over HTTP, "
+                           "POST /v1/videos (docs/http-api.md)")
+    return notes
+
+
 def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, command: str) -> str:
     """argparse's "unrecognized arguments", with what to do about each: an unknown flag is named without the value
     it may have taken (`--dit-cpu-offload true` is one flag), SGLang's with what to use instead, an abbreviation or a
@@ -515,6 +550,9 @@ def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, 
     whole = {flag: matches[0] for flag, matches in whole.items() if len(matches) == 1}
     notes += [f" ({flag}: flags are written whole; did you mean {known!r}?)" for flag, known in whole.items()]
     rest = [flag for flag in rest if flag not in whole]
+    other = _other_command_notes(rest, parser, command)
+    notes += [f" ({note})" for note in other.values()]
+    rest = [flag for flag in rest if flag not in other]
     if rest:
         notes.append(unknown_names_hint(rest, command_known, surface=_surface(command)))
     if loose:

@@ -1069,3 +1069,15 @@ def test_config_key_of_a_no_flag_says_how_to_write_it(tmp_path, capsys):
     assert main(["generate", "--config", str(config)]) == 2
     assert ("unknown key(s) ['no_save_output']; --no-save-output is written as save-output: false"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    # --loras was shown --cache-dit-params' example.
+    ("--loras", "style:0.8", "argument --loras: expected a JSON object, e.g. '{\"style\": 0.8}' (Expecting value: "),
+    ("--cache-dit-params", "[1]",
+     "argument --cache-dit-params: expected a JSON object, e.g. '{\"scm_preset\": \"medium\"}', got '[1]'"),
+])
+def test_a_json_object_flag_shows_its_own_example(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model-path", "demo", "--prompt", "x", flag, value])
+    assert exited.value.code == 2 and message in capsys.readouterr().err

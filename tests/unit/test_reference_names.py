@@ -306,6 +306,26 @@ def test_serve_says_a_request_field_is_sent_per_request(flag, capsys):
                                        "request (docs/http-api.md), not a flag of the server)\n")
 
 
+def test_a_flag_of_the_other_command_is_named_as_its(tmp_path, capsys):
+    # `k6serve generate --port` had no word of `k6serve serve`; a generate --config file's `prompt:` given to serve
+    # was "did you mean 'port'?".
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--port", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --port (--port is a flag of `k6serve serve`, "
+                                       "which serves requests over HTTP; `k6serve generate` runs its request and "
+                                       "exits)\n")
+    assert main(["serve", "--model-path", "demo", "--prompt-file-path", "p.txt"]) == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --prompt-file-path (--prompt-file-path is a "
+                                       "flag of `k6serve generate`; a server's requests come over HTTP, POST "
+                                       "/v1/videos (docs/http-api.md))\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("host: 0.0.0.0\nprompt: hi\n")
+    assert main(["generate", "--model-path", "demo", "--config", str(config)]) == 2
+    assert "unknown key(s) ['host'] (--host is a flag of `k6serve serve`" in capsys.readouterr().err
+    assert main(["serve", "--model-path", "demo", "--config", str(config)]) == 2
+    assert ("unknown key(s) ['prompt'] (a field of each POST /v1/videos request (docs/http-api.md), not a flag of the "
+            "server)") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("name", "note"), [
     ("size", "the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size is height and width, e.g. "
              "height=512, width=768"),
