@@ -133,40 +133,53 @@ class CacheDitParams:
 
 
 def parse_cache_dit_config(value: Any) -> CacheDitParams:
-    """`--cache-dit-config`: a mapping, a JSON object string, or the path of a .json / .yaml / .yml file."""
+    """`--cache-dit-config`: a mapping, a JSON object string, or the path of a .json / .yaml / .yml file. Every
+    error names the flag, and the file when one was given (an unknown key in a file read "Unknown cache_dit_params
+    key(s)", with neither)."""
     if isinstance(value, CacheDitParams):
         return value
+    source = "--cache-dit-config"
     if isinstance(value, str):
         text = value.strip()
         if not text.startswith("{"):
             path = Path(text)
+            source = f"--cache-dit-config {value!r}"
             try:
                 text = path.read_text()
             except OSError as exc:
-                raise ValueError(f"--cache-dit-config {value!r} is neither a JSON object nor a readable file "
+                raise ValueError(f"{source} is neither a JSON object nor a readable file "
                                  f"({exc.strerror or exc}).") from None
             if path.suffix.lower() in (".yaml", ".yml"):  # cache.YAML too, not read as JSON
                 import yaml
 
                 try:
-                    value = yaml.safe_load(text)
+                    mapping = yaml.safe_load(text)
                 except yaml.YAMLError as exc:
-                    raise ValueError(f"--cache-dit-config {value!r} is not valid YAML: {exc}") from None
-                return CacheDitParams.from_mapping(_require_mapping(value))
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--cache-dit-config is not a valid JSON object ({exc}); e.g. "
-                             '\'{"residual_diff_threshold": 0.12}\', or a .json / .yaml file.') from None
-    return CacheDitParams.from_mapping(_require_mapping(value))
+                    raise ValueError(f"{source} is not valid YAML: {exc}") from None
+                return _from_config(mapping, source)
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{source} is not valid JSON ({exc}); write a JSON object of cache_dit_params "
+                                 'keys, e.g. {"residual_diff_threshold": 0.12}, or YAML in a .yaml file.') from None
+        else:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--cache-dit-config is not a valid JSON object ({exc}); e.g. "
+                                 '\'{"residual_diff_threshold": 0.12}\', or a .json / .yaml file.') from None
+    return _from_config(value, source)
 
 
-def _require_mapping(value: Any) -> Mapping:
+def _from_config(value: Any, source: str) -> CacheDitParams:
     if value is None:
-        return {}  # an empty file or `{}`: every setting at its default
+        return CacheDitParams()  # an empty file or `{}`: every setting at its default
     if not isinstance(value, Mapping):
-        raise ValueError(f"--cache-dit-config must hold a mapping of cache_dit_params keys, got {type(value).__name__}")
-    return value
+        raise ValueError(f"{source} must hold a mapping of cache_dit_params keys, got {type(value).__name__}")
+    try:
+        return CacheDitParams.from_mapping(value)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def _check_int(name: str, value: Any, *, minimum: int, why: str = "") -> None:

@@ -450,7 +450,19 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
     if unavailable is not None:
         raise ValueError(f"Cache-DiT is not available on this engine: {unavailable}")
     cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=engine_default)
-    cache_dit.steps_mask(num_steps)  # a mask that cannot cover the steps is refused now, not mid-request
+    try:
+        cache_dit.steps_mask(num_steps)  # a mask that cannot cover the steps is refused now, not mid-request
+    except ValueError:
+        if engine_default is None or any(key.startswith("scm_") for key in params.cache_dit_params or {}):
+            raise
+        # The mask is the engine's: the refusal told the client to drop a cache_dit_params key it never sent.
+        what = (f"its scm_compute_bins and scm_cache_bins cover "
+                f"{sum(cache_dit.scm_compute_bins) + sum(cache_dit.scm_cache_bins)} steps"
+                if cache_dit.scm_compute_bins is not None else
+                f"its scm_preset {cache_dit.scm_preset!r} needs 4, 6 or at least 8 steps")
+        raise ValueError(f"num_inference_steps {num_steps} does not fit the engine's Cache-DiT step mask "
+                         f"(--cache-dit-config: {what}); use steps it covers, or turn caching off for this request "
+                         "with enable_cache_dit false.") from None
     return cache_dit
 
 

@@ -100,6 +100,47 @@ def test_config_is_parsed_from_json_text_a_file_or_a_mapping(tmp_path):
     assert config == CacheDitParams(max_warmup_steps=2)
 
 
+def test_a_config_files_errors_name_the_flag_and_the_file(tmp_path):
+    # "Unknown cache_dit_params key(s)" named neither; a .json file that does not parse was shown an inline example.
+    for name, text in (("c.json", '{"scm_presett": "fast"}'), ("c.yaml", "scm_presett: fast\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError) as raised:
+            parse_cache_dit_config(str(tmp_path / name))
+        assert str(raised.value).startswith(f"--cache-dit-config {str(tmp_path / name)!r}: Unknown cache_dit_params "
+                                            "key(s) ['scm_presett'] (did you mean 'scm_preset'?)")
+    (tmp_path / "d.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"^--cache-dit-config '.*d\.json' is not valid JSON \(Expecting property "):
+        parse_cache_dit_config(str(tmp_path / "d.json"))
+    (tmp_path / "l.yaml").write_text("- 1\n")
+    with pytest.raises(ValueError, match=r"^--cache-dit-config '.*l\.yaml' must hold a mapping of cache_dit_params "
+                                         r"keys, got list$"):
+        parse_cache_dit_config(str(tmp_path / "l.yaml"))
+    with pytest.raises(ValueError, match=r"^--cache-dit-config: cache_dit_params\.Fn_compute_blocks must be an "):
+        parse_cache_dit_config('{"Fn_compute_blocks": -1}')
+
+
+def test_a_step_count_the_engines_mask_cannot_cover_says_how_to_run_it():
+    # The refusal blamed cache_dit_params (which the client had not sent) and said to drop scm_preset; what works is
+    # another step count, or caching off for the request.
+    engine = CacheDitParams(scm_preset="fast")
+    with pytest.raises(ValueError) as raised:
+        resolve_generate(SamplingParams(prompt="a", num_inference_steps=3), VARIANTS["pro"], engine_cache_dit=engine)
+    assert str(raised.value) == ("num_inference_steps 3 does not fit the engine's Cache-DiT step mask "
+                                 "(--cache-dit-config: its scm_preset 'fast' needs 4, 6 or at least 8 steps); use "
+                                 "steps it covers, or turn caching off for this request with enable_cache_dit false.")
+    bins = CacheDitParams(scm_compute_bins=(2,), scm_cache_bins=(1,))
+    with pytest.raises(ValueError, match=r"\(--cache-dit-config: its scm_compute_bins and scm_cache_bins cover 3 "
+                                         r"steps\)"):
+        resolve_generate(SamplingParams(prompt="a", num_inference_steps=10), VARIANTS["pro"], engine_cache_dit=bins)
+    request, _ = resolve_generate(SamplingParams(prompt="a", num_inference_steps=3, enable_cache_dit=False),
+                                  VARIANTS["pro"], engine_cache_dit=engine)
+    assert request.cache_dit is None
+    # The request's own mask keeps the field's wording.
+    with pytest.raises(ValueError, match=r"^cache_dit_params\.scm_preset needs 4, 6 or at least 8 steps"):
+        resolve_generate(SamplingParams(prompt="a", num_inference_steps=3, cache_dit_params={"scm_preset": "fast"}),
+                         VARIANTS["pro"], engine_cache_dit=CacheDitParams())
+
+
 # -- DBCache decisions on toy blocks ----------------------------------------------------------------------------
 
 
