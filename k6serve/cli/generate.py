@@ -42,16 +42,19 @@ def format_timings(result) -> str:
         ("mux", result.timings.get("mux")),
         ("total", result.timings.get("total")),
     ]
-    counts = {"graphs_compiled"}  # a count among the times: printed below them, not as seconds
+    # Counts among the times: printed below them, as whole numbers (Cache-DiT's was "8.000" seconds).
+    counts = {"graphs_compiled", "cache_dit_cached_calls"}
     for key in sorted(result.timings):
         if key not in {"encode", "denoise", "denoise_per_step", "decode_video", "decode_audio", "mux", "total",
                        *counts}:
             rows.insert(-1, (key.replace("_", " "), result.timings[key]))
-    lines = [f"{'stage':<20} {'seconds':>10}", "-" * 31]
-    lines += [f"{name:<20} {value:>10.3f}" for name, value in rows if value is not None]
-    lines += [f"{key.replace('_', ' '):<20} {int(result.timings[key]):>10d}" for key in sorted(counts)
-              if key in result.timings]
-    lines.append(f"{'peak memory (MiB)':<20} {result.peak_memory_mb:>10.1f}")
+    count_rows = [(key.replace("_", " "), int(result.timings[key])) for key in sorted(counts) if key in result.timings]
+    # As wide as the longest name: a longer one pushed its value out of the column.
+    width = max(20, *(len(name) for name, _ in rows + count_rows))
+    lines = [f"{'stage':<{width}} {'seconds':>10}", "-" * (width + 11)]
+    lines += [f"{name:<{width}} {value:>10.3f}" for name, value in rows if value is not None]
+    lines += [f"{name:<{width}} {value:>10d}" for name, value in count_rows]
+    lines.append(f"{'peak memory (MiB)':<{width}} {result.peak_memory_mb:>10.1f}")
     return "\n".join(lines)
 
 

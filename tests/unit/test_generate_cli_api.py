@@ -300,3 +300,17 @@ def test_cli_no_save_output_does_not_ship_the_frames_back(capsys):
     options = _checked_output_options({"prompt": "x", "save_output": False})
     assert options["return_frames"] is False and split_kwargs(options)[1].return_frames is False
     assert "return_frames" not in _checked_output_options({"prompt": "x", "output_file_name": None})
+
+
+def test_the_timing_table_keeps_its_columns_and_prints_counts_whole():
+    # "cache dit cached calls" (22 characters) pushed its value two columns right, printed as "8.000" seconds.
+    from types import SimpleNamespace
+
+    from k6serve.cli.generate import format_timings
+
+    result = SimpleNamespace(timings={"encode": 0.5, "denoise": 2.0, "total": 3.0, "graphs_compiled": 2.0,
+                                      "cache_dit_cached_calls": 8.0}, peak_memory_mb=12.5)
+    lines = format_timings(result).splitlines()
+    assert "cache dit cached calls          8" in lines and "graphs compiled                 2" in lines
+    ends = {len(line) for line in lines if not line.startswith("-")}
+    assert ends == {len(lines[0])}, lines
