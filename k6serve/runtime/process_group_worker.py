@@ -432,13 +432,22 @@ def serve_worker_ranks(config: EngineConfig, build_rank_worker: RankWorkerFactor
     if spec is not None:
         rank_main(spec, config, build_rank_worker, None, None)
         return
-    specs = local_rank_specs(config.parallel, device_type)
+    parallel = config.parallel
+    specs = local_rank_specs(parallel, device_type)
+    ranks = f"ranks {specs[0].rank}-{specs[-1].rank}" if len(specs) > 1 else f"rank {specs[0].rank}"
+    # A host waiting for node 0 printed nothing, nor anything when its ranks ended.
+    logger.info("host %d of %d: starting worker %s, joining node 0 at %s within %g s", parallel.node_rank,
+                parallel.nnodes, ranks, parallel.dist_init_addr, parallel.dist_timeout_s)
     processes = [
         start_process(_host_rank_main, (spec, config, build_rank_worker, None, None), name=f"k6serve-rank{spec.rank}")
         for spec in specs
     ]
     for process in processes:
         process.join()
+    codes = [process.exitcode for process in processes]
+    logger.info("host %d of %d: worker %s ended (%s)", parallel.node_rank, parallel.nnodes, ranks,
+                "exited with code 0" if not any(codes) else
+                "; ".join(f"rank {spec.rank} {describe_exit_code(code)}" for spec, code in zip(specs, codes) if code))
 
 
 @dataclasses.dataclass(eq=False)
@@ -488,6 +497,12 @@ class MultiProcessWorker:
         self._replicas: list[_Replica] = []
         self._changed = threading.Condition()
         self._closed = False  # set by close(): requests then fail as shut down, not as crashed
+        if parallel.nnodes > 1:
+            # Node 0 waited for the other hosts with nothing printed.
+            others = ("the other host (--node-rank 1)" if parallel.nnodes == 2 else
+                      f"the other {parallel.nnodes - 1} hosts (--node-rank 1 to {parallel.nnodes - 1})")
+            logger.info("waiting for the worker ranks of %s to join at %s, within %g s", others,
+                        parallel.dist_init_addr, parallel.dist_timeout_s)
         try:
             self._start_ranks(torchrun, config, build_rank_worker, address, authkey, many_hosts, device_type)
             self._replicas = self._wait_until_ready(parallel.dist_timeout_s)
