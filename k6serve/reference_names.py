@@ -509,7 +509,7 @@ _OWN_NAMES: dict[str, dict[str, str]] = {
                "image, --video-path FILE for super-resolution",
         "api": "the HTTP API's upload field; here pass the file's path: image_path to generate from an image, "
                "video_path for super-resolution"},
-    "image_url": {"cli": _URLS, "api": _URLS_API, "http": _URLS_HTTP},
+    "image_url": {"cli": _URLS, "api": _URLS_API, "http": _URLS_HTTP, "serve": _URLS_HTTP},
 }
 _OWN_NAMES["video_reference"] = _OWN_NAMES["input_reference"]
 
@@ -520,23 +520,25 @@ def own_name_note(name: str, surface: str) -> str | None:
     key = _key(name)
     if (note := _OWN_NAMES.get(key, {}).get(surface)) is not None:
         return note
-    if surface == "serve" and key in _HTTP_REQUEST_FIELDS | {"size", "seconds", *_FILE_FIELDS}:
+    fields = _HTTP_REQUEST_FIELDS | {"size", "seconds", *_FILE_FIELDS}
+    if surface == "serve" and (key in fields or key.startswith("no_") and key[3:] in fields):  # --no-enable-cache-dit
         return "a field of each POST /v1/videos request (docs/http-api.md), not a flag of the server"
     return None
 
 
-def unknown_names_hint(unknown: list[str], known: Iterable[str], *, surface: str) -> str:
+def unknown_names_hint(unknown: list[str], known: Iterable[str], *, surface: str, named: bool | None = None) -> str:
     """The end of an "unknown name" error: ` (note)` for each reference name (`reference_note`) and each of
     k6serve's own names typed where they do not apply (`own_name_note`), and `did_you_mean`'s guess for the others
-    (a typo). Names are as the surface spells them (flags on the command line), and so are `known`."""
-    named = len(unknown) > 1
+    (a typo). Names are as the surface spells them (flags on the command line), and so are `known`. `named` starts
+    each note with its name; by default, when there are several (the caller knows of others it worded itself)."""
+    named = len(unknown) > 1 if named is None else named
     notes = []
     rest = []
     for name in unknown:
         if lookup(name, surface) is not None:
             notes.append(f" ({reference_note(name, surface, named=named)})")
         elif (note := own_name_note(name, surface)) is not None:
-            notes.append(f" ({name} is {note})" if named else f" ({note})")
+            notes.append(f" ({name}: {note})" if named else f" ({note})")  # a note may be a sentence of its own
         else:
             rest.append(name)
     return did_you_mean(rest, known, name_each=named) + "".join(notes)

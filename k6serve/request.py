@@ -289,9 +289,14 @@ class VideoResult:
 
 def has_visible_text(text: str) -> bool:
     """Whether `text` holds a character that shows: not only spaces, zero-width or format characters (U+200B, a
-    byte-order mark U+FEFF left where UTF-8 files were joined) or control characters. A prompt of those is as empty
+    byte-order mark U+FEFF left where UTF-8 files were joined), control characters or blank fillers (U+3164). A prompt of those is as empty
     as one of spaces, which every surface refuses; it ran as a prompt."""
-    return any(not char.isspace() and unicodedata.category(char) not in ("Cf", "Cc") for char in text)
+    return any(not char.isspace() and unicodedata.category(char) not in ("Cf", "Cc") and char not in _BLANK_LETTERS
+               for char in text)
+
+
+# Letters and symbols that are drawn blank (filler characters, the empty braille pattern), used as invisible text.
+_BLANK_LETTERS = frozenset("\u115f\u1160\u2800\u3164\uffa0")
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -120,16 +120,28 @@ class CacheDitParams:
         if not self.uses_step_mask:
             return None
         if self.scm_compute_bins is not None:
-            if sum(self.scm_compute_bins) + sum(self.scm_cache_bins) < num_steps:
-                raise ValueError(
-                    f"cache_dit_params: scm_compute_bins and scm_cache_bins cover "
-                    f"{sum(self.scm_compute_bins) + sum(self.scm_cache_bins)} steps; the request has {num_steps}. "
-                    "Lengthen the bins to cover every step.")
+            covered = sum(self.scm_compute_bins) + sum(self.scm_cache_bins)
+            if covered < num_steps:
+                raise StepMaskMismatch(
+                    f"cache_dit_params: scm_compute_bins and scm_cache_bins cover {covered} steps; the request has "
+                    f"{num_steps}. Lengthen the bins to cover every step.",
+                    what=f"its scm_compute_bins and scm_cache_bins cover {covered} steps")
             return tuple(_bins_mask(list(self.scm_compute_bins), list(self.scm_cache_bins), num_steps))
         if num_steps < 8 and num_steps not in (4, 6):
-            raise ValueError(f"cache_dit_params.scm_preset needs 4, 6 or at least 8 steps, the request has "
-                             f"{num_steps}; drop scm_preset or give scm_compute_bins / scm_cache_bins.")
+            raise StepMaskMismatch(
+                f"cache_dit_params.scm_preset needs 4, 6 or at least 8 steps, the request has {num_steps}; drop "
+                "scm_preset or give scm_compute_bins / scm_cache_bins.",
+                what=f"its scm_preset {self.scm_preset!r} needs 4, 6 or at least 8 steps")
         return tuple(_preset_mask(self.scm_preset, num_steps))
+
+
+class StepMaskMismatch(ValueError):
+    """A step computation mask that cannot run a request's steps. The message is worded for the request's own
+    `cache_dit_params`; `what` says what the mask needs, for a mask that came from the engine's --cache-dit-config."""
+
+    def __init__(self, message: str, *, what: str = "") -> None:
+        super().__init__(message)  # the one positional argument, as copy and pickle rebuild it
+        self.what = what
 
 
 def parse_cache_dit_config(value: Any) -> CacheDitParams:

@@ -433,10 +433,11 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             hint = "".join(f"; --{key.replace('_', '-')} is written as {key[3:].replace('_', '-')}: false"
                            for key in negated)
             # SGLang's names get what to use instead; other keys a "did you mean" where one is close.
-            other = _other_command_notes([key for key in unknown if key not in negated], parser, args.command)
+            keys = [key for key in unknown if key not in negated]
+            other = _other_command_notes(keys, parser, args.command)
             reference = "".join(f" ({note})" for note in other.values()) + unknown_names_hint(
-                [key for key in unknown if key not in negated and key not in other], actions,
-                surface=_surface(args.command))
+                [key for key in keys if key not in other], actions, surface=_surface(args.command),
+                named=len(keys) > 1)
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}{reference}{hint}")
         converted = {}
         for key, value in from_file.items():
@@ -495,6 +496,8 @@ def _other_command_notes(flags: list[str], parser: argparse.ArgumentParser, comm
     """flag -> a note, for the `flags` that only the other command takes (`k6serve generate --port` was refused
     with no word of `k6serve serve`, a generate --config file's `prompt:` given to serve "did you mean 'port'?").
     A request field typed on `k6serve serve` gets `own_name_note`'s word instead, with the rest of the unknown."""
+    if command not in ("generate", "serve"):
+        return {}  # `k6serve bench` takes neither's flags
     commands = parser._subparsers._group_actions[0].choices
     other = "serve" if command == "generate" else "generate"
     only_other = _option_strings(commands[other]) - _option_strings(commands[command])
@@ -552,9 +555,8 @@ def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, 
     rest = [flag for flag in rest if flag not in whole]
     other = _other_command_notes(rest, parser, command)
     notes += [f" ({note})" for note in other.values()]
-    rest = [flag for flag in rest if flag not in other]
-    if rest:
-        notes.append(unknown_names_hint(rest, command_known, surface=_surface(command)))
+    if rest_named := [flag for flag in rest if flag not in other]:
+        notes.append(unknown_names_hint(rest_named, command_known, surface=_surface(command), named=len(rest) > 1))
     if loose:
         notes.append(f"; k6serve takes no positional arguments ({' '.join(loose)}): quote a value with spaces, e.g. "
                      "--prompt \"A cat plays the piano\"")

@@ -8,14 +8,14 @@ from pathlib import Path
 import av
 import av.container
 
-from k6serve.media.image import looks_like_url
+from k6serve.media.image import looks_like_url, shown_path
 
 
 def open_input(path: str | os.PathLike[str]) -> av.container.InputContainer:
     """Open `path` for demuxing; a missing or unreadable file raises ValueError naming it."""
     if looks_like_url(os.fspath(path)) and not os.path.exists(path):
-        raise ValueError(f"cannot read media file {os.fspath(path)!r}: k6serve fetches no URLs; download the video "
-                         "and pass the file's path")
+        raise ValueError(f"cannot read media file {shown_path(os.fspath(path))}: k6serve fetches no URLs; download "
+                         "the video and pass the file's path")
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"

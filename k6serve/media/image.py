@@ -31,7 +31,7 @@ IMAGE_FORMATS = "a PNG, JPEG, WebP, TIFF or GIF image (a GIF gives its first fra
 _SIGNATURES = ((0, b"\x89PNG\r\n\x1a\n", "PNG"), (0, b"\xff\xd8\xff", "JPEG"), (0, b"GIF8", "GIF"),
                (8, b"WEBP", "WebP"), (0, b"II*\x00", "TIFF"), (0, b"MM\x00*", "TIFF"))
 # A URL or a data URI given as a path: scheme "://" (not a Windows drive, "C:\\"), or "data:".
-_URL = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]+://|data:)")
+_URL = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]+://|data:)", re.IGNORECASE)
 
 # Major brands of HEIF files ("ftyp" box at byte 4): iPhone photos, which PIL cannot read without a plugin.
 _HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1")
@@ -46,6 +46,11 @@ def looks_like_url(path: str) -> bool:
     """Whether an input path is a URL or a data URI, which k6serve does not fetch: it was reported as a missing file,
     quoted with its '//' collapsed by Path()."""
     return _URL.match(path) is not None
+
+
+def shown_path(path: str) -> str:
+    """`path` quoted for a message, its start only past 120 characters (a data URI of an image is megabytes)."""
+    return repr(path) if len(path) <= 120 else f"{path[:100]!r}... ({len(path):,} characters)"
 
 
 def cover_resized_size(image_width: int, image_height: int, height: int, width: int) -> tuple[int, int]:
@@ -86,8 +91,8 @@ def load_conditioning_image(
         text = os.fspath(image)
         source = repr(text)  # as given: Path() collapses the '//' of a URL the message would quote
         if looks_like_url(text) and not os.path.exists(text):  # ('a://b' can be a folder 'a:' and a file)
-            raise ValueError(f"cannot read conditioning image {source}: k6serve fetches no URLs; download the image "
-                             "and pass the file's path.")
+            raise ValueError(f"cannot read conditioning image {shown_path(text)}: k6serve fetches no URLs; download "
+                             "the image and pass the file's path.")
         loaded, sample_type = _open_image_file(Path(text), source)
     if loaded.width < 1 or loaded.height < 1:
         raise ValueError(f"conditioning image {source} is empty ({loaded.width}x{loaded.height})")

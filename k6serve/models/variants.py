@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from k6serve.caching.params import CacheDitParams
+from k6serve.caching.params import CacheDitParams, StepMaskMismatch
 from k6serve.lora.spec import check_lora_strength, is_finite_number, odd_nickname
-from k6serve.request import has_visible_text
 from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
@@ -22,6 +21,7 @@ from k6serve.request import (
     GenerateRequest,
     SamplingParams,
     UpscaleRequest,
+    has_visible_text,
 )
 
 GENERATION = "generation"
@@ -249,8 +249,8 @@ class MissingPrompt(ValueError):
         detail = ""
         if prompt and prompt.strip():
             shown = ascii(prompt if len(prompt) <= 24 else prompt[:24] + "...")
-            detail = (f" The prompt given, {shown}, has no visible character: only zero-width, format or control "
-                      "characters (a byte-order mark U+FEFF, U+200B).")
+            detail = (f" The prompt given, {shown}, has no visible character: only spaces and zero-width, format, "
+                      "control or blank characters (a byte-order mark U+FEFF, U+200B, U+3164).")
         return cls(cls.FLAG_WORDING, detail=detail)
 
 
@@ -435,6 +435,10 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
     return tuple(resolved)
 
 
+# The cache_dit_params keys that choose the step mask (scm_policy only says how a masked step is used).
+_MASK_KEYS = frozenset({"scm_preset", "scm_compute_bins", "scm_cache_bins"})
+
+
 def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | None, *, num_steps: int,
                       unavailable: str | None) -> CacheDitParams | None:
     """The request's Cache-DiT settings: the engine's, or the defaults, with its `cache_dit_params` over them;
@@ -452,17 +456,13 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
     cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=engine_default)
     try:
         cache_dit.steps_mask(num_steps)  # a mask that cannot cover the steps is refused now, not mid-request
-    except ValueError:
-        if engine_default is None or any(key.startswith("scm_") for key in params.cache_dit_params or {}):
+    except StepMaskMismatch as exc:
+        if engine_default is None or _MASK_KEYS & set(params.cache_dit_params or {}):
             raise
         # The mask is the engine's: the refusal told the client to drop a cache_dit_params key it never sent.
-        what = (f"its scm_compute_bins and scm_cache_bins cover "
-                f"{sum(cache_dit.scm_compute_bins) + sum(cache_dit.scm_cache_bins)} steps"
-                if cache_dit.scm_compute_bins is not None else
-                f"its scm_preset {cache_dit.scm_preset!r} needs 4, 6 or at least 8 steps")
         raise ValueError(f"num_inference_steps {num_steps} does not fit the engine's Cache-DiT step mask "
-                         f"(--cache-dit-config: {what}); use steps it covers, or turn caching off for this request "
-                         "with enable_cache_dit false.") from None
+                         f"(--cache-dit-config: {exc.what}); use steps it covers, or turn caching off for this "
+                         "request with enable_cache_dit false.") from None
     return cache_dit
 
 

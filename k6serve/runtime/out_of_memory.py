@@ -13,8 +13,9 @@ import torch
 
 
 class WorkerKilled(RuntimeError):
-    """A worker rank ended by a signal, not by an error of its own (SIGKILL: on Linux usually the kernel's
-    out-of-memory killer, the host's memory exhausted): the machine failed the run, not k6serve."""
+    """A worker rank ended by a signal, not by a Python error of its own: SIGKILL (on Linux usually the kernel's
+    out-of-memory killer, the host's memory exhausted) or SIGTERM from outside, where the machine failed the run; or
+    a crash (SIGSEGV, SIGBUS...) in native code, which `worker_killed_hint` tells apart."""
 
 
 def describe_exit_code(exit_code: int) -> str:
@@ -40,9 +41,10 @@ def worker_killed_hint(exit_codes: list[int]) -> str:
     if crashes:
         # Raised by the process's own fault, not sent from outside (a SIGBUS was read as a stop from outside).
         kind = "is a crash" if len(crashes) == 1 else "are crashes"
-        return (f" {' and '.join(crashes)} {kind} inside the process: a memory-mapped file changed or cut short "
-                "under it (a checkpoint overwritten in place while it was served), or a fault in a native library; "
-                "see the rank's log above, and report it with that log if the files are unchanged.")
+        cause = ("a memory-mapped file changed or cut short under it (a checkpoint overwritten in place while it was "
+                 "served) or a fault in a native library" if "SIGBUS" in crashes else "a fault in a native library")
+        return (f" {' and '.join(crashes)} {kind} inside the process, not a stop from outside: {cause}; see the "
+                "rank's log above.")
     return " It was stopped from outside k6serve."
 
 

@@ -7,6 +7,7 @@ Pydantic lives only in this module and `routes.py`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -26,8 +27,18 @@ FILE_FIELDS = {"input_reference": "image_path", "video_reference": "video_path"}
 _SIZE = re.compile(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*")
 # A number sent as text (every form field; `seconds` in OpenAI's JSON): a plain decimal number. float() and pydantic
 # also read '4_0' as 40 (Python's digit grouping), and float() 'inf' and other scripts' digits ('\u0661' is 1,
-# full-width '\uff14' is 4).
-_DECIMAL = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
+# full-width '\uff14' is 4). Unambiguous, so that it runs in linear time ('[0-9]+\.?[0-9]*' backtracked: 20,000
+# digits and an 'x' took 14 s on the event loop), and at most _MAX_NUMBER_TEXT characters.
+_DECIMAL = re.compile(r"[ \t\r\n]*[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t\r\n]*")
+# An integer field's text: a whole number, "4" or "4.0" (pydantic takes the latter; "4.5" and "1e1" it refuses).
+_INTEGER = re.compile(r"[ \t\r\n]*[+-]?[0-9]+(?:\.0*)?[ \t\r\n]*")
+_MAX_NUMBER_TEXT = 64
+
+
+def _is_number_text(text: str, pattern: re.Pattern = _DECIMAL) -> bool:
+    return len(text) <= _MAX_NUMBER_TEXT and pattern.fullmatch(text) is not None
+
+
 # A client-chosen job id is a URL path segment and the listing's paging cursor: no '/' or ':', and no leading '.'
 # ('..' segments). Its output file is named by a digest of it (`artifacts.output_file_name`), not by the id.
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -100,10 +111,13 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
     for name, value in raw.items():
         # Pydantic's lax mode reads true as 1 (seed, fps, strength...): only the boolean fields take one.
         values = value if isinstance(value, list) else [value]
-        if name in numeric and any(isinstance(item, str) and not _DECIMAL.fullmatch(item) for item in values):
+        pattern = _INTEGER if numeric.get(name) == "an integer" else _DECIMAL
+        if name in numeric and any(isinstance(item, str) and not _is_number_text(item, pattern) for item in values):
             # Pydantic's lax mode reads the text "4_0" as 40: a typo of "4.0" or "40" ran a 40-frame video.
             also = " or a list of them" if isinstance(value, list) else ""
-            raise ApiError(400, f"{name} must be {numeric[name]} such as 4{also}, got {json.dumps(value)}.",
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown):,} characters)"
+            raise ApiError(400, f"{name} must be {numeric[name]} such as 4{also}, got {shown}.",
                            code="invalid_parameter", param=name)
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             kind = "string" if name in string_fields else "number"
@@ -121,6 +135,7 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         raise ApiError(400, message, code="invalid_parameter", param=param) from None
 
 
+@functools.cache
 def _numeric_fields(model: type[BaseModel]) -> dict[str, str]:
     """The fields that hold numbers only (int, float, or a list of them; None allowed) -> "an integer" or "a number";
     not `seconds`, which is text or a number and checked on its own."""
@@ -269,11 +284,12 @@ def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple
 
 def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float) -> int:
     try:
-        if isinstance(seconds, str) and not _DECIMAL.fullmatch(seconds):
+        if isinstance(seconds, str) and not _is_number_text(seconds):
             raise ValueError(seconds)
         value = float(seconds)
     except ValueError:
-        raise ApiError(400, f"seconds must be a number such as \"4\", got {seconds!r}", code="invalid_parameter",
+        shown = repr(seconds) if len(seconds) <= 80 else f"{seconds[:60]!r}... ({len(seconds):,} characters)"
+        raise ApiError(400, f"seconds must be a number such as \"4\", got {shown}", code="invalid_parameter",
                        param="seconds") from None
     if not math.isfinite(value) or value <= 0 or value > 600:
         raise ApiError(400, f"seconds must be in (0, 600], got {seconds!r}", code="invalid_parameter",

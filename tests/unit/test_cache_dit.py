@@ -135,6 +135,10 @@ def test_a_step_count_the_engines_mask_cannot_cover_says_how_to_run_it():
     request, _ = resolve_generate(SamplingParams(prompt="a", num_inference_steps=3, enable_cache_dit=False),
                                   VARIANTS["pro"], engine_cache_dit=engine)
     assert request.cache_dit is None
+    # A request that sets only how masked steps are used (scm_policy) did not choose the mask: the engine's words.
+    with pytest.raises(ValueError, match=r"^num_inference_steps 3 does not fit the engine's Cache-DiT step mask"):
+        resolve_generate(SamplingParams(prompt="a", num_inference_steps=3, cache_dit_params={"scm_policy": "static"}),
+                         VARIANTS["pro"], engine_cache_dit=engine)
     # The request's own mask keeps the field's wording.
     with pytest.raises(ValueError, match=r"^cache_dit_params\.scm_preset needs 4, 6 or at least 8 steps"):
         resolve_generate(SamplingParams(prompt="a", num_inference_steps=3, cache_dit_params={"scm_preset": "fast"}),

@@ -120,6 +120,10 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
          "pass the file's path."),
         ("generation", ["--prompt", "x", "--image-path", "data:image/png;base64,iVBORw0KGgo="],
          "cannot read conditioning image 'data:image/png;base64,iVBORw0KGgo=': k6serve fetches no URLs"),
+        # A data URI of a real image is megabytes: the message quotes its start.
+        ("generation", ["--prompt", "x", "--image-path", "DATA:image/png;base64," + "A" * 5000],
+         "cannot read conditioning image 'DATA:image/png;base64," + "A" * 78 + "'... (5,022 characters): k6serve "
+         "fetches no URLs"),
         ("sr", ["--video-path", "http://example.com/clip.mp4"],
          "cannot read media file 'http://example.com/clip.mp4': k6serve fetches no URLs; download the video and pass "
          "the file's path"),
@@ -856,8 +860,8 @@ def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_c
     with pytest.raises(MissingPrompt) as refused:  # a byte-order mark alone ran as a prompt
         generator.generate({"prompt": "\ufeff", "output_path": str(tmp_path)})
     assert str(refused.value) == ("prompt is required for Kandinsky 6 generation: pass prompt='A cat plays piano'. The "
-                                  "prompt given, '\\ufeff', has no visible character: only zero-width, format or "
-                                  "control characters (a byte-order mark U+FEFF, U+200B).")
+                                  "prompt given, '\\ufeff', has no visible character: only spaces and zero-width, "
+                                  "format, control or blank characters (a byte-order mark U+FEFF, U+200B, U+3164).")
 
     import k6serve.cli.generate as generate_module
 
@@ -992,8 +996,10 @@ def test_cli_version(capsys):
     ([-9], " SIGKILL is usually the kernel's out-of-memory killer"),
     # A SIGBUS from a mapped file cut short under the worker (a LoRA file copied over in place did it) was called
     # "stopped from outside k6serve".
-    ([-7], " SIGBUS is a crash inside the process: a memory-mapped file changed or cut short under it"),
-    ([0, -11, -7], " SIGBUS and SIGSEGV are crashes inside the process: "),
+    ([-7], " SIGBUS is a crash inside the process, not a stop from outside: a memory-mapped file changed or cut "
+           "short under it"),
+    ([0, -11, -7], " SIGBUS and SIGSEGV are crashes inside the process, not a stop from outside: a memory-mapped "),
+    ([-11], " SIGSEGV is a crash inside the process, not a stop from outside: a fault in a native library; see "),
     ([-15], " It was stopped from outside k6serve."),
     ([1, 0], ""),
 ])

@@ -23,8 +23,13 @@ from k6serve.bench.dit import dit_inputs
 from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.config import LORA_MERGE_MODES as CONFIG_MERGE_MODES
-import k6serve.lora.adapter as adapter_module
-from k6serve.lora.adapter import PREFERRED_FILE, names_adapter_file, read_adapter, resolve_adapter_file
+from k6serve.lora.adapter import (
+    PREFERRED_FILE,
+    _header_metadata,
+    names_adapter_file,
+    read_adapter,
+    resolve_adapter_file,
+)
 from k6serve.lora.dynamic import LoraLinear
 from k6serve.lora.manager import LoraManager
 from k6serve.lora.spec import LORA_MERGE_MODES, ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
@@ -205,9 +210,9 @@ def test_the_header_metadata_is_read_as_safe_open_reads_it(tmp_path):
     file = tmp_path / "a.safetensors"
     save_file({"x": torch.ones(2)}, str(file), metadata={"format": "pt", "lora_adapter_metadata": '{"r": 2}'})
     with safe_open(str(file), framework="pt") as handle:
-        assert adapter_module._header_metadata(file.read_bytes()) == handle.metadata()
+        assert _header_metadata(file.read_bytes()) == handle.metadata()
     save_file({"x": torch.ones(2)}, str(file))
-    assert adapter_module._header_metadata(file.read_bytes()) is None
+    assert _header_metadata(file.read_bytes()) is None
 
 
 @pytest.mark.parametrize("fused", [False, True])

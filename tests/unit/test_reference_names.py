@@ -286,8 +286,14 @@ def test_generate_says_what_to_use_for_the_http_apis_names(flag, note, capsys):
 def test_generate_names_each_of_several_http_names(capsys):
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--size", "9", "--seconds", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: unrecognized arguments: --size --seconds (--size is the HTTP API's field, ")
-    assert " (--seconds is the HTTP API's field, OpenAI's; here " in err
+    assert err.startswith("error: unrecognized arguments: --size --seconds (--size: the HTTP API's field, ")
+    assert " (--seconds: the HTTP API's field, OpenAI's; here " in err
+    # A note that is a sentence of its own reads as one after its name ("--image-url is k6serve fetches ...").
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--image-url", "a", "--duration", "3"]) == 2
+    assert "(--image-url: k6serve fetches no URLs: " in capsys.readouterr().err
+    # Each note names its flag when another flag of the command line got a note of another kind.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--port", "3", "--enable-torch-compile"]) == 2
+    assert "(--enable-torch-compile is SGLang's flag; " in capsys.readouterr().err
 
 
 def test_a_config_file_key_of_the_http_api_gets_the_cli_words(tmp_path, capsys):
@@ -298,7 +304,8 @@ def test_a_config_file_key_of_the_http_api_gets_the_cli_words(tmp_path, capsys):
            "is --height and --width" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--seed", "--num-frames", "--size", "--seconds", "--input-reference"])
+@pytest.mark.parametrize("flag", ["--seed", "--num-frames", "--size", "--seconds", "--input-reference",
+                                  "--no-enable-cache-dit"])
 def test_serve_says_a_request_field_is_sent_per_request(flag, capsys):
     # `k6serve serve --seed 3` was answered "did you mean '--dp'?".
     assert main(["serve", "--model-path", "demo", flag, "3"]) == 2

@@ -129,7 +129,7 @@ def test_an_empty_negative_prompt_takes_the_built_in_one_as_the_reference():
     assert notes == []
 
 
-@pytest.mark.parametrize("prompt", ["\ufeff", "\u200b\u200b", " \u200b\n", "\x00", "\u2060"])
+@pytest.mark.parametrize("prompt", ["\ufeff", "\u200b\u200b", " \u200b\n", "\x00", "\u2060", "\u3164", "\u2800 "])
 def test_a_prompt_with_no_visible_character_is_refused_as_empty(prompt):
     # A byte-order mark or zero-width space alone ran as a prompt while "   " was refused.
     with pytest.raises(MissingPrompt) as refused:
