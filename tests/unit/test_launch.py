@@ -310,16 +310,19 @@ def test_killed_rank_fails_the_request_and_engine_shuts_down():
     assert all(not p.is_alive() for p in worker._processes.values())
 
 
-TORCHRUN_SCRIPT = textwrap.dedent("""
-    import os, sys
+# One host's process of a two-rank run: the engine on the leader (torchrun's rank 0, or --node-rank 0), worker ranks
+# only on the other. `layout` adds ParallelConfig fields (several hosts), `leader` is the test of which it is.
+HOST_SCRIPT = textwrap.dedent("""
+    import logging, os, sys
     sys.path.insert(0, {test_dir!r})
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     from test_launch import FakeRankWorker, make_config, note
     from k6serve.request import SamplingParams
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.process_group_worker import MultiProcessWorker, serve_worker_ranks
 
-    config = make_config(num_gpus=2, ulysses_degree=2)
-    if os.environ["RANK"] == "0":
+    config = make_config(num_gpus=2, ulysses_degree=2, **{layout!r})
+    if {leader}:
         worker = MultiProcessWorker(config, build_rank_worker=FakeRankWorker)
         engine = Engine(config, worker=worker)
         result = engine.generate(SamplingParams(prompt="cat", seed=11, num_inference_steps=2))
@@ -334,7 +337,7 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 
 def test_torchrun_style_environment_is_honoured():
     port = find_free_port()
-    script = TORCHRUN_SCRIPT.format(test_dir=str(Path(__file__).parent))
+    script = HOST_SCRIPT.format(test_dir=str(Path(__file__).parent), layout={}, leader='os.environ["RANK"] == "0"')
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
@@ -347,35 +350,14 @@ def test_torchrun_style_environment_is_honoured():
     assert "WORKER DONE" in outputs[1], outputs[1]
 
 
-TWO_HOSTS_SCRIPT = textwrap.dedent("""
-    import logging, sys
-    sys.path.insert(0, {test_dir!r})
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    from test_launch import FakeRankWorker, make_config, note
-    from k6serve.request import SamplingParams
-    from k6serve.runtime.engine import Engine
-    from k6serve.runtime.process_group_worker import MultiProcessWorker, serve_worker_ranks
-
-    config = make_config(num_gpus=2, ulysses_degree=2, nnodes=2, node_rank={node_rank},
-                         dist_init_addr="127.0.0.1:{port}")
-    if {node_rank} == 0:
-        worker = MultiProcessWorker(config, build_rank_worker=FakeRankWorker)
-        engine = Engine(config, worker=worker)
-        result = engine.generate(SamplingParams(prompt="cat", seed=11, num_inference_steps=2))
-        print("VALUE", note(result, "value"))
-        engine.shutdown()
-        worker.close()
-    else:
-        serve_worker_ranks(config, FakeRankWorker)
-""")
-
-
 def test_two_hosts_say_what_they_wait_for_and_how_their_ranks_ended():
     # Node 0 waited for the other host with nothing printed, and the other host printed nothing at all.
     port = find_free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_HOSTS_SCRIPT.format(
-        test_dir=str(Path(__file__).parent), node_rank=node_rank, port=port)], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2]) for node_rank in (1, 0)]
+    procs = [subprocess.Popen([sys.executable, "-c", HOST_SCRIPT.format(
+        test_dir=str(Path(__file__).parent), leader=node_rank == 0,
+        layout={"nnodes": 2, "node_rank": node_rank, "dist_init_addr": f"127.0.0.1:{port}"})],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2])
+        for node_rank in (1, 0)]
     host1, host0 = [p.communicate(timeout=90)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), (host0, host1)
     assert f"VALUE {expected_value(11, 2, [0, 1])}" in host0, host0
