@@ -9,7 +9,11 @@ parallel preflight reads it. The pipeline checks again; this only moves the refu
 
 from __future__ import annotations
 
+import logging
+
 from k6serve.config import EngineConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def dit_blocks_before_loading(model: ModelConfig) -> int | None:
@@ -39,3 +43,28 @@ def check_cache_dit_config_before_loading(config: EngineConfig) -> None:
     num_blocks = dit_blocks_before_loading(config.model)
     if num_blocks is not None:
         cache_dit.check_blocks(num_blocks, source="--cache-dit-config")
+
+
+def warn_if_the_default_steps_do_not_fit(config: EngineConfig) -> None:
+    """`k6serve serve`: a --cache-dit-config step mask that cannot run the model's default step count fails every
+    job that leaves num_inference_steps out (each told why). Said once at start, not refused: a client may always
+    send steps the mask covers. (`k6serve generate` checks its one request before the load.)"""
+    from k6serve.caching.params import StepMaskMismatch
+    from k6serve.models.checkpoint_files import variant_before_loading
+    from k6serve.models.variants import GENERATION
+
+    cache_dit = config.runtime.cache_dit_config
+    if cache_dit is None or not cache_dit.uses_step_mask:
+        return
+    try:
+        variant, _ = variant_before_loading(config.model.model_path, config.model.model_id, config.model.load_format)
+    except (OSError, KeyError, TypeError, ValueError):
+        return
+    if variant is None or variant.family != GENERATION:
+        return
+    try:
+        cache_dit.steps_mask(variant.num_inference_steps)
+    except StepMaskMismatch as exc:
+        logger.warning("--cache-dit-config: %s, and %s runs %d steps by default: every request that leaves "
+                       "num_inference_steps out will be refused; send steps the mask covers, or change the mask",
+                       exc.what.removeprefix("its "), variant.name, variant.num_inference_steps)

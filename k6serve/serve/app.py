@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from k6serve.caching.preflight import warn_if_the_default_steps_do_not_fit
 from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
 from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.serve.artifacts import ArtifactStore
@@ -366,6 +367,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     # Before the port, the folders and their locks, so that a flag's mistake is told as such, not hidden behind a
     # port in use (the engine runs it again: reading a config or two).
     check_before_loading(config)
+    warn_if_the_default_steps_do_not_fit(config)
     sock = listening_socket(settings.host, settings.port)
     folder_lock = None
     try:

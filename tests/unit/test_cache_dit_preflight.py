@@ -49,6 +49,23 @@ def test_block_counts_known_without_a_download(demo_dir, tiny_distill_dir, hub_o
     check_cache_dit_config_before_loading(build_engine_config(PRO, cache_dit_config={"Fn_compute_blocks": 59}))
 
 
+def test_serve_warns_at_start_of_a_mask_that_cannot_run_the_default_steps(demo_dir, caplog):
+    # Every job that left num_inference_steps out was refused, with nothing said at start.
+    from k6serve.caching.preflight import warn_if_the_default_steps_do_not_fit
+
+    with caplog.at_level("WARNING", logger="k6serve.caching.preflight"):
+        warn_if_the_default_steps_do_not_fit(build_engine_config("demo", cache_dit_config={
+            "scm_compute_bins": [2], "scm_cache_bins": [1]}))
+        assert caplog.messages == [
+            "--cache-dit-config: scm_compute_bins and scm_cache_bins cover 3 steps, and demo-distill runs 10 steps by "
+            "default: every request that leaves num_inference_steps out will be refused; send steps the mask covers, "
+            "or change the mask"]
+        caplog.clear()
+        for cache_dit in ({"scm_compute_bins": [6], "scm_cache_bins": [4]}, {"scm_preset": "fast"}, {}, None):
+            warn_if_the_default_steps_do_not_fit(build_engine_config("demo", cache_dit_config=cache_dit))
+        assert caplog.messages == []
+
+
 @pytest.mark.slow
 def test_the_engine_refuses_a_request_when_it_resolves_it(demo_dir):
     # What the server's job creation calls: before, the job was accepted (202) and failed when it ran.
