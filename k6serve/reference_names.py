@@ -483,8 +483,6 @@ def reference_note(name: str, surface: str, *, named: bool = False) -> str | Non
 # k6serve's own names typed on a surface that spells them otherwise: the HTTP API's OpenAI fields on the command line
 # and in the Python API (`--size` was answered "did you mean '--tp-size'?", `--seconds` "'--seed'?"), and names of
 # other video APIs. Per surface, the note (command-line words on "cli", keywords on "api").
-_URLS_API = ("k6serve fetches no URLs: download the file and pass its path as image_path, or video_path for "
-             "super-resolution")
 _OWN_NAMES: dict[str, dict[str, str]] = {
     "size": {
         "cli": "the HTTP API's field, OpenAI's \"WxH\" with the width first; here the size is --height and "
@@ -509,7 +507,7 @@ _OWN_NAMES: dict[str, dict[str, str]] = {
                "image, --video-path FILE for super-resolution",
         "api": "the HTTP API's upload field; here pass the file's path: image_path to generate from an image, "
                "video_path for super-resolution"},
-    "image_url": {"cli": _URLS, "api": _URLS_API, "http": _URLS_HTTP, "serve": _URLS_HTTP},
+    "image_url": {"cli": _URLS, "api": _request_flags_as_names(_URLS), "http": _URLS_HTTP, "serve": _URLS_HTTP},
 }
 _OWN_NAMES["video_reference"] = _OWN_NAMES["input_reference"]
 

@@ -289,8 +289,8 @@ class VideoResult:
 
 def has_visible_text(text: str) -> bool:
     """Whether `text` holds a character that shows: not only spaces, zero-width or format characters (U+200B, a
-    byte-order mark U+FEFF left where UTF-8 files were joined), control characters or blank fillers (U+3164). A prompt of those is as empty
-    as one of spaces, which every surface refuses; it ran as a prompt."""
+    byte-order mark U+FEFF left where UTF-8 files were joined), control characters or blank fillers (U+3164). A
+    prompt of those is as empty as one of spaces, which every surface refuses; it ran as a prompt."""
     return any(not char.isspace() and unicodedata.category(char) not in ("Cf", "Cc") and char not in _BLANK_LETTERS
                for char in text)
 

@@ -125,13 +125,13 @@ class CacheDitParams:
                 raise StepMaskMismatch(
                     f"cache_dit_params: scm_compute_bins and scm_cache_bins cover {covered} steps; the request has "
                     f"{num_steps}. Lengthen the bins to cover every step.",
-                    what=f"its scm_compute_bins and scm_cache_bins cover {covered} steps")
+                    what=f"scm_compute_bins and scm_cache_bins cover {covered} steps")
             return tuple(_bins_mask(list(self.scm_compute_bins), list(self.scm_cache_bins), num_steps))
         if num_steps < 8 and num_steps not in (4, 6):
             raise StepMaskMismatch(
                 f"cache_dit_params.scm_preset needs 4, 6 or at least 8 steps, the request has {num_steps}; drop "
                 "scm_preset or give scm_compute_bins / scm_cache_bins.",
-                what=f"its scm_preset {self.scm_preset!r} needs 4, 6 or at least 8 steps")
+                what=f"scm_preset {self.scm_preset!r} needs 4, 6 or at least 8 steps")
         return tuple(_preset_mask(self.scm_preset, num_steps))
 
 

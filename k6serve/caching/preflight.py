@@ -67,4 +67,4 @@ def warn_if_the_default_steps_do_not_fit(config: EngineConfig) -> None:
     except StepMaskMismatch as exc:
         logger.warning("--cache-dit-config: %s, and %s runs %d steps by default: every request that leaves "
                        "num_inference_steps out will be refused; send steps the mask covers, or change the mask",
-                       exc.what.removeprefix("its "), variant.name, variant.num_inference_steps)
+                       exc.what, variant.name, variant.num_inference_steps)

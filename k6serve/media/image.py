@@ -174,10 +174,9 @@ def no_decompression_bomb_warning() -> Iterator[None]:
         yield
 
 
-def _open_image_file(path: Path, source: str | None = None) -> tuple[PIL.Image.Image, tuple[int, int] | None]:
+def _open_image_file(path: Path, source: str) -> tuple[PIL.Image.Image, tuple[int, int] | None]:
     """The decoded image, EXIF orientation applied, and its TIFF sample type (`_tiff_sample_type`); `source` is the
-    path as the user gave it, for the messages."""
-    source = source or repr(str(path))
+    path as the user gave it, quoted, for the messages."""
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ValueError(f"cannot read conditioning image {source}: it {what}")

@@ -461,7 +461,7 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
             raise
         # The mask is the engine's: the refusal told the client to drop a cache_dit_params key it never sent.
         raise ValueError(f"num_inference_steps {num_steps} does not fit the engine's Cache-DiT step mask "
-                         f"(--cache-dit-config: {exc.what}); use steps it covers, or turn caching off for this "
+                         f"(--cache-dit-config: its {exc.what}); use steps it covers, or turn caching off for this "
                          "request with enable_cache_dit false.") from None
     return cache_dit
 

@@ -39,6 +39,14 @@ def _is_number_text(text: str, pattern: re.Pattern = _DECIMAL) -> bool:
     return len(text) <= _MAX_NUMBER_TEXT and pattern.fullmatch(text) is not None
 
 
+def _shown_value(value: Any) -> str:
+    """A refused value as JSON for its message, its start only when long (a form field can hold a megabyte)."""
+    shown = json.dumps(value)
+    if len(shown) <= 80:
+        return shown
+    return f"{shown[:60]}... ({len(value) if isinstance(value, str) else len(shown):,} characters)"
+
+
 # A client-chosen job id is a URL path segment and the listing's paging cursor: no '/' or ':', and no leading '.'
 # ('..' segments). Its output file is named by a digest of it (`artifacts.output_file_name`), not by the id.
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -115,9 +123,7 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         if name in numeric and any(isinstance(item, str) and not _is_number_text(item, pattern) for item in values):
             # Pydantic's lax mode reads the text "4_0" as 40: a typo of "4.0" or "40" ran a 40-frame video.
             also = " or a list of them" if isinstance(value, list) else ""
-            shown = json.dumps(value)
-            shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown):,} characters)"
-            raise ApiError(400, f"{name} must be {numeric[name]} such as 4{also}, got {shown}.",
+            raise ApiError(400, f"{name} must be {numeric[name]} such as 4{also}, got {_shown_value(value)}.",
                            code="invalid_parameter", param=name)
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             kind = "string" if name in string_fields else "number"
@@ -288,8 +294,8 @@ def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float
             raise ValueError(seconds)
         value = float(seconds)
     except ValueError:
-        shown = repr(seconds) if len(seconds) <= 80 else f"{seconds[:60]!r}... ({len(seconds):,} characters)"
-        raise ApiError(400, f"seconds must be a number such as \"4\", got {shown}", code="invalid_parameter",
+        raise ApiError(400, f"seconds must be a number such as \"4\", got {_shown_value(seconds)}",
+                       code="invalid_parameter",
                        param="seconds") from None
     if not math.isfinite(value) or value <= 0 or value > 600:
         raise ApiError(400, f"seconds must be in (0, 600], got {seconds!r}", code="invalid_parameter",

@@ -340,7 +340,7 @@ def test_a_flag_of_the_other_command_is_named_as_its(tmp_path, capsys):
                 "num_frames=121, fps=24 for 5 s"),
     ("input_reference", "the HTTP API's upload field; here pass the file's path: image_path to generate from an "
                         "image, video_path for super-resolution"),
-    ("image_url", "k6serve fetches no URLs: download the file and pass its path as image_path, or video_path for "
+    ("image_url", "k6serve fetches no URLs: download the file and pass it as image_path, or video_path for "
                   "super-resolution"),
 ])
 def test_the_api_says_what_to_use_for_the_http_apis_names(name, note):
