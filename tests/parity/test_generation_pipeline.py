@@ -3,7 +3,8 @@
 Same seed on CPU: decoded frames (floats in [0, 1], before quantisation) and the waveform are bitwise equal, in
 fp32 and in the default bf16 load (keep-fp32 rule on both sides); the same math op for op, so nothing looser is
 needed. Covers Pro with CFG (FlowMatch Euler), the distilled model with PiFlow, and TI2AV with a reference image;
-in bf16 also the worker's uint8 path (`keep_float_frames=False`) against diffusers' PIL frames.
+in bf16 also the worker's uint8 path (`keep_float_frames=False`) against diffusers' PIL frames, and a clip long
+enough for the VAE's temporally tiled decode.
 """
 
 from pathlib import Path
@@ -29,7 +30,7 @@ def _ours(folder: Path, params: SamplingParams, dtype=torch.float32, keep_float_
     return TextToVideoPipeline(models, keep_float_frames=keep_float_frames)(request), request
 
 
-def _reference(folder: Path, request, image=None, dtype=torch.float32, output_type="np"):
+def _reference(folder: Path, request, image=None, dtype=torch.float32, output_type="np", num_frames=FRAMES):
     pipe = load_reference_pipeline(folder, dtype)
     output = pipe(
         prompt=request.prompt,
@@ -37,7 +38,7 @@ def _reference(folder: Path, request, image=None, dtype=torch.float32, output_ty
         image=image,
         height=HEIGHT,
         width=WIDTH,
-        num_frames=FRAMES,
+        num_frames=num_frames,
         num_inference_steps=request.num_inference_steps,
         guidance_scale=request.guidance_scale,
         generator=torch.Generator("cpu").manual_seed(request.seed),
@@ -48,10 +49,10 @@ def _reference(folder: Path, request, image=None, dtype=torch.float32, output_ty
     return np.asarray(output.frames[0]), np.asarray(output.audio[0])
 
 
-def _assert_close(ours, reference_frames, reference_audio):
+def _assert_close(ours, reference_frames, reference_audio, num_frames=FRAMES):
     """Bitwise (which is within the 1e-5 relative rule); the numbers are printed for the record."""
     frames = ours.video.frames_float_THWC.numpy()
-    assert frames.shape == reference_frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
+    assert frames.shape == reference_frames.shape == (num_frames, HEIGHT, WIDTH, 3)
     assert ours.audio.waveform.shape == reference_audio.shape
     print(f"frames max|diff| {np.abs(frames - reference_frames).max():.3g}, "
           f"audio max|diff| {np.abs(ours.audio.waveform - reference_audio).max():.3g}")
@@ -74,6 +75,33 @@ def test_distill_with_piflow_matches_diffusers(tiny_distill_dir):
     ours, request = _ours(tiny_distill_dir, params)
     assert request.guidance_scale == 1.0 and request.negative_prompt is None
     _assert_close(ours, *_reference(tiny_distill_dir, request))
+
+
+def test_temporally_tiled_decode_matches_diffusers(tiny_distill_dir, monkeypatch):
+    """25 frames are 7 latent frames: more than the 4 that diffusers' HunyuanVideo VAE decodes at once, so it
+    decodes overlapping temporal tiles (the last one short) and blends them; the worker's uint8 path mirrors that in
+    its own chunked decode (pipelines/decode_stream.py), which the 9-frame cases above never leave one tile of.
+    fp32 (bf16 triples the test's time on the CPU; the rounding is the 9-frame bf16 cases'), the worker's frames
+    against diffusers' PIL frames: bitwise."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    tiled_calls = []
+    original = AutoencoderKLHunyuanVideo._temporal_tiled_decode
+
+    def counted(self, *args, **kwargs):
+        tiled_calls.append(args[0].shape[2])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AutoencoderKLHunyuanVideo, "_temporal_tiled_decode", counted)
+    params = SamplingParams(prompt="waves on a beach", seed=9, height=HEIGHT, width=WIDTH, num_frames=25,
+                            num_inference_steps=2)
+    ours, request = _ours(tiny_distill_dir, params, keep_float_frames=False)
+    assert request.num_frames == 25 and not tiled_calls  # ours decodes the tiles itself
+    frames, audio = _reference(tiny_distill_dir, request, output_type="pil", num_frames=25)
+    assert tiled_calls == [7], tiled_calls  # the reference did take the temporally tiled path
+    assert ours.video.frames_THWC.shape == frames.shape == (25, HEIGHT, WIDTH, 3)
+    assert np.array_equal(ours.video.frames_THWC, frames)
+    assert np.array_equal(ours.audio.waveform, audio)
 
 
 def test_ti2av_matches_diffusers(tiny_pro_dir, tmp_path):
