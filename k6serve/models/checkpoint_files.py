@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -22,6 +23,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a generation or SR download needs; skips e.g. the native-format bundles some repos also carry.
 _ALLOW_PATTERNS = ["model_index.json", "sr_config.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model",
                    "*/*.jinja"]
+
+
+_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"  # what diffusers' save_pretrained writes, and loads
+# diffusers' variant files: diffusion_pytorch_model.fp16.safetensors, diffusion_pytorch_model.fp16-00001-of-00002...
+_VARIANT_FILE = re.compile(r"\.[A-Za-z0-9_]+(-\d+-of-\d+)?\.safetensors$")
+_SHARD_FILE = re.compile(r"-\d+-of-\d+\.safetensors$")
 
 
 class CheckpointError(ValueError):
@@ -67,11 +74,29 @@ def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
             "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'."
         )
     else:
-        folder = _download(model_path, revision)
+        try:
+            folder = _download(model_path, revision)
+        except CheckpointError as exc:
+            near = _local_folder_near(model_path)
+            if near is None:
+                raise
+            raise CheckpointError(f"{exc} {near}") from exc.__cause__
         pinned = f" --revision {revision}" if revision else ""
         fix = f"download it again: hf download {model_path}{pinned} --force-download"
     check_checkpoint_files(folder, fix)
     return folder
+
+
+def _local_folder_near(model_path: str) -> str | None:
+    """For a hub id that could not be fetched, whose first part is a local folder ("ckpt/distil" where ckpt/
+    exists): most likely a mistyped local path, which was reported as a hub id only."""
+    parent = Path(model_path).parent
+    if not parent.is_dir():
+        return None
+    names = sorted(p.name for p in parent.iterdir() if p.is_dir())
+    shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    return (f"If {model_path!r} is meant as a local folder: there is none, though {str(parent)!r} exists and holds "
+            f"{'the folders ' + shown if names else 'no folders'}.")
 
 
 def check_checkpoint_files(folder: Path, fix: str) -> None:
@@ -217,22 +242,57 @@ def require_components(folder: Path, index: dict, components: list[str]) -> None
 
 
 def safetensors_files(component_dir: Path) -> list[Path]:
-    """The weight files of one component: a single file, or the shards named by an index file."""
-    indexes = sorted(component_dir.glob("*.safetensors.index.json"))
+    """The weight files of one component, chosen as diffusers' `from_pretrained` (no variant) chooses them: the
+    shards its index names, else `diffusion_pytorch_model.safetensors`. Every `*.safetensors` used to be read and
+    merged, the last in name order winning: a folder with the fp16 variant beside the weights read both (twice the
+    I/O for Pro's 56 GiB), one with only the variant ran it with no word (diffusers refuses it without
+    variant="fp16"), and a stray copy ("... (1).safetensors") could replace the weights."""
+    indexes = sorted(component_dir.glob("*.safetensors.index.json"))  # a variant's index is *.index.fp16.json
     if indexes:
-        weight_map = read_json_file(indexes[0]).get("weight_map")
+        standard = component_dir / (_WEIGHTS_NAME + ".index.json")
+        if standard in indexes:
+            index = standard
+        elif len(indexes) == 1:
+            index = indexes[0]
+        else:
+            raise CheckpointError(f"{component_dir} holds several shard indexes {[i.name for i in indexes]} and "
+                                  f"no {standard.name}; keep the one of the checkpoint's weights.")
+        weight_map = read_json_file(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{indexes[0]} has no weight_map object naming the shards; restore it from the "
+            raise CheckpointError(f"{index} has no weight_map object naming the shards; restore it from the "
                                   "checkpoint's source (copy or download the checkpoint again).")
         files = sorted({component_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{component_dir} is missing shard(s) {missing} named in {indexes[0].name}.")
+            raise CheckpointError(f"{component_dir} is missing shard(s) {missing} named in {index.name}.")
         return files
-    files = sorted(component_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{component_dir} holds no .safetensors weights.")
-    return files
+    if (component_dir / _WEIGHTS_NAME).is_file():
+        return [component_dir / _WEIGHTS_NAME]
+    found = sorted(component_dir.glob("*.safetensors"))
+    plain = [f for f in found if not _VARIANT_FILE.search(f.name)]
+    if len(plain) == 1:
+        return plain  # a component saved under another name, alone in its folder
+    if len(plain) > 1:
+        shards = all(_SHARD_FILE.search(f.name) for f in plain)
+        raise CheckpointError(
+            f"{component_dir} holds {len(plain)} weight files {[f.name for f in plain][:6]} and "
+            + ("no shard index (*.safetensors.index.json) naming them; copy or download the component again."
+               if shards else f"no {_WEIGHTS_NAME}: keep only the checkpoint's weights in the folder.")
+        )
+    if found:
+        raise CheckpointError(
+            f"{component_dir} holds only variant weights {[f.name for f in found][:6]}, not {_WEIGHTS_NAME}. "
+            "diffusers loads those only when asked for the variant, and k6serve loads the released weights: "
+            "download the repository without a variant (or, to run the variant's weights, rename its file to "
+            f"{_WEIGHTS_NAME})."
+        )
+    other = sorted(f.name for f in component_dir.glob("*.bin")) + sorted(f.name for f in component_dir.glob("*.pt"))
+    if other:
+        raise CheckpointError(f"{component_dir} holds no .safetensors weights, only {other[:4]}: k6serve reads "
+                              "weights from safetensors files only (the released checkpoints' format, which cannot "
+                              "run code when loaded); convert them, e.g. load the component with diffusers and "
+                              "save_pretrained it (safe_serialization is the default).")
+    raise CheckpointError(f"{component_dir} holds no .safetensors weights.")
 
 
 def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -246,9 +306,11 @@ def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> 
 
 
 def check_state_dict(
-    expected: dict[str, torch.Size], state: dict[str, torch.Tensor], component: str
+    expected: dict[str, torch.Size], state: dict[str, torch.Tensor], component: str, floating: Collection[str] = ()
 ) -> None:
-    """Fail at load time, naming the parameters, when the file and the config disagree."""
+    """Fail at load time, naming the parameters, when the file and the config disagree; `floating` names the
+    parameters that must be floating point (an integer tensor there failed inside load_state_dict, reported as an
+    internal error)."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     mismatched = sorted(
@@ -256,9 +318,12 @@ def check_state_dict(
         for k in set(expected) & set(state)
         if tuple(state[k].shape) != tuple(expected[k])
     )
-    if missing or unexpected or mismatched:
+    not_floating = sorted(f"{k}: {str(state[k].dtype).removeprefix('torch.')}" for k in set(floating) & set(state)
+                          if not state[k].is_floating_point())
+    if missing or unexpected or mismatched or not_floating:
         parts = []
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched),
+                             ("not floating point", not_floating)):
             if items:
                 shown = ", ".join(items[:8]) + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
                 parts.append(f"{label}: {shown}")

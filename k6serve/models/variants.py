@@ -1,12 +1,14 @@
 """Known Kandinsky 6 checkpoints: recognition by id or model_index.json, and per-variant request defaults.
 
 Recognition follows the reference serving system: the id is normalised (lower case, '-', '_', '.' and '/'
-removed) and matched against the released names; a renamed local folder is routed by `--model-id`, or else
-by what its `model_index.json` and configs say (pipeline class, scheduler class, transformer width).
+removed) and matched against the released names. A folder (local, or a hub id's download) is what its
+`model_index.json` and configs say (pipeline class, scheduler class, transformer width), the name only choosing
+among releases with the same files; `--model-id` names a renamed folder's release.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from k6serve.request import (
     UpscaleRequest,
     has_visible_text,
 )
+
+logger = logging.getLogger(__name__)
 
 GENERATION = "generation"
 SUPER_RESOLUTION = "super_resolution"
@@ -171,7 +175,9 @@ def demo_variant(marker: dict) -> Variant:
 
 
 def recognise(model_path: str, model_id: str | None, local_folder: Path | None) -> Variant:
-    """Pick the variant: --model-id wins, then the path's name, then the folder's own files."""
+    """Pick the variant: --model-id wins; then a folder's own files (a local folder, or a hub id's download), with
+    the path's name choosing among the releases the files cannot tell apart (Pro, Pro-sft, Pro-pretrain); then, with
+    no folder to read (--load-format dummy) or none that names its pipeline, the path's name alone."""
     if model_id:
         variant = variant_from_id(model_id)
         if variant is None:
@@ -184,15 +190,38 @@ def recognise(model_path: str, model_id: str | None, local_folder: Path | None) 
         return variant
     if local_folder is not None and (local_folder / DEMO_MARKER).is_file():
         return variant_from_folder(local_folder)
-    variant = variant_from_id(model_path)
-    if variant is not None:
-        return variant
-    if local_folder is None:
+    named = variant_from_id(model_path)
+    if local_folder is None or (named is not None and not (local_folder / "model_index.json").is_file()):
+        if named is not None:
+            return named
         raise ValueError(
             f"Cannot tell which Kandinsky 6 model {model_path!r} is. Pass --model-id with the released name, "
             "e.g. --model-id Kandinsky-6.0-Pro-distill-5s-Diffusers."
         )
-    return variant_from_folder(local_folder)
+    try:
+        found = variant_from_folder(local_folder)
+    except ValueError:
+        if named is None:
+            raise
+        return named  # its files name no Kandinsky 6 pipeline: the name routes it, as --model-id would
+    if named is None or _kind(named, local_folder) == _kind(found, local_folder):
+        return named or found
+    # The name is matched anywhere in the path, parent folders included (a hub cache's snapshot folder is named by
+    # its commit; its repo's name is two levels up): "/data/projects/kandinsky6/run1" read as Pro, and a distilled
+    # checkpoint in a folder named "...-Pro-5s-Diffusers (copy)" ran CFG and 50 steps, 5x the work, with no word.
+    # The files say what the checkpoint is; the name only labels it.
+    logger.warning("%s reads as %s by its path's name, but its model_index.json and transformer config say %s; "
+                   "serving it as %s (pass --model-id to name the checkpoint explicitly).",
+                   model_path, named.name, found.name, found.name)
+    return found
+
+
+def _kind(variant: Variant, folder: Path | None = None) -> tuple:
+    """What a checkpoint's files tell (family, distilled, Pro or Lite), to compare a name's guess with them; the
+    size only where the folder has a transformer config to read it from (`variant_from_folder` guesses Pro)."""
+    if folder is not None and not (folder / "transformer" / "config.json").is_file():
+        return variant.family, variant.distilled
+    return variant.family, variant.distilled, variant.size
 
 
 def _check_model_id_fits_folder(model_id: str, variant: Variant, folder: Path) -> None:

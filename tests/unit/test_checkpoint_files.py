@@ -1,6 +1,7 @@
 """Checkpoint resolution and weight checks: errors name the repo or parameters and say how to fix them."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from k6serve.models.checkpoint_files import (
     load_state_dict,
     require_components,
     resolve_checkpoint,
+    safetensors_files,
 )
 
 
@@ -68,6 +70,91 @@ def test_sharded_safetensors_with_index(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing shard"):
         load_state_dict(tmp_path)
+
+
+def _weights(path, **tensors):
+    save_file({name: torch.full((2,), value) for name, value in tensors.items()}, str(path))
+
+
+def test_the_weights_are_diffusers_file_not_every_safetensors_in_the_folder(tmp_path):
+    """Every *.safetensors was read and merged, the last in name order winning: the fp16 variant beside the weights
+    was read too (Pro: 56 GiB more I/O), a stray copy could replace them."""
+    _weights(tmp_path / "diffusion_pytorch_model.safetensors", w=1.0)
+    _weights(tmp_path / "diffusion_pytorch_model.fp16.safetensors", w=2.0)
+    _weights(tmp_path / "zz (1).safetensors", w=3.0)
+    assert load_state_dict(tmp_path)["w"].tolist() == [1.0, 1.0]
+    assert safetensors_files(tmp_path) == [tmp_path / "diffusion_pytorch_model.safetensors"]
+
+
+def test_a_folder_with_only_a_variants_weights_is_refused_as_diffusers_refuses_it(tmp_path):
+    _weights(tmp_path / "diffusion_pytorch_model.fp16.safetensors", w=2.0)
+    with pytest.raises(CheckpointError, match=r"holds only variant weights \['diffusion_pytorch_model.fp16.safetensors'"
+                                              r"\], not diffusion_pytorch_model.safetensors.*without a variant"):
+        safetensors_files(tmp_path)
+
+
+def test_one_weight_file_of_another_name_loads_and_several_are_refused(tmp_path):
+    _weights(tmp_path / "model.safetensors", w=1.0)
+    assert safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
+    _weights(tmp_path / "model (1).safetensors", w=3.0)
+    with pytest.raises(CheckpointError, match=r"holds 2 weight files .* no diffusion_pytorch_model.safetensors: keep"):
+        safetensors_files(tmp_path)
+
+
+def test_shards_without_their_index_are_refused_naming_the_index(tmp_path):
+    _weights(tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors", a=1.0)
+    _weights(tmp_path / "diffusion_pytorch_model-00002-of-00002.safetensors", b=1.0)
+    with pytest.raises(CheckpointError, match=r"holds 2 weight files .* no shard index"):
+        safetensors_files(tmp_path)
+
+
+def test_the_standard_index_wins_over_another(tmp_path):
+    _weights(tmp_path / "a.safetensors", a=1.0)
+    _weights(tmp_path / "b.safetensors", a=2.0)
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "a.safetensors"}}))
+    (tmp_path / "other.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "b.safetensors"}}))
+    assert load_state_dict(tmp_path)["a"].tolist() == [1.0, 1.0]
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").rename(tmp_path / "third.safetensors.index.json")
+    with pytest.raises(CheckpointError, match="several shard indexes"):
+        safetensors_files(tmp_path)
+
+
+def test_pickled_weights_are_refused_saying_how_to_convert(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "diffusion_pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"only \['diffusion_pytorch_model.bin'\]: k6serve reads weights from "
+                                              r"safetensors files only.*save_pretrained"):
+        safetensors_files(tmp_path)
+
+
+def test_an_integer_tensor_for_a_float_parameter_is_named():
+    """It failed inside load_state_dict ("Only Tensors of floating point ... can require gradients"), reported as
+    an internal error of k6serve."""
+    expected = {"w": torch.Size([2]), "steps": torch.Size([2])}
+    state = {"w": torch.zeros(2, dtype=torch.int32), "steps": torch.zeros(2, dtype=torch.int64)}
+    with pytest.raises(CheckpointError, match=r"not floating point: w: int32\)"):
+        check_state_dict(expected, state, "transformer", floating=["w"])
+    check_state_dict(expected, {"w": torch.zeros(2), "steps": state["steps"]}, "transformer", floating=["w"])
+
+
+def test_a_mistyped_local_path_read_as_a_hub_id_says_what_the_folder_holds(tmp_path, monkeypatch):
+    """"ckpt/distil" (for ckpt/distill) is a valid hub id, so it was only "cannot fetch ckpt/distil: the Hub is
+    unreachable"; the local folder it nearly names went unmentioned."""
+    from k6serve.models import checkpoint_files
+
+    def unreachable(repo_id, revision):
+        raise CheckpointError(f"Cannot fetch {repo_id}: the Hub is unreachable.")
+
+    monkeypatch.setattr(checkpoint_files, "_download", unreachable)
+    (tmp_path / "ckpt" / "distill").mkdir(parents=True)
+    (tmp_path / "ckpt" / "lite").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"Cannot fetch ckpt/distil: the Hub is unreachable\. If 'ckpt/distil' "
+                                              r"is meant as a local folder: there is none, though 'ckpt' exists and "
+                                              r"holds the folders distill, lite\.$"):
+        resolve_checkpoint("ckpt/distil")
+    with pytest.raises(CheckpointError, match=r"unreachable\.$"):  # an org name that is no local folder: as before
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")
 
 
 def test_state_dict_mismatch_names_parameters():
@@ -172,3 +259,70 @@ def test_every_reader_of_a_checkpoints_json_names_the_file(tmp_path):
         load_state_dict(tmp_path)
     with pytest.raises(CheckpointError, match=r"names no shard for \['w'\]"):
         read_tensor_shapes(tmp_path, ["w"])
+
+
+def _load_copy(tiny_dir, tmp_path, damage):
+    """load_generation_models on a copy of the tiny distilled checkpoint after `damage(folder)`."""
+    import shutil
+
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import VARIANTS
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, folder)
+    damage(folder)
+    return load_generation_models(folder, VARIANTS["pro-distill"], device=torch.device("cpu"), dtype=torch.float32,
+                                  load_format="auto")
+
+
+@pytest.mark.parametrize("component, held", [("tokenizer", "['chat_template.jinja', 'processor_config.json', "
+                                                           "'tokenizer_config.json']"),
+                                             ("tokenizer_2", "['tokenizer_config.json']")])
+def test_a_tokenizer_without_its_vocabulary_is_refused(tiny_distill_dir, tmp_path, component, held):
+    """transformers builds a tokenizer from tokenizer_config.json alone, with no error: 8 special tokens for Qwen,
+    which encoded every prompt as nothing, 2 for CLIP (every word unknown), so each video had no prompt."""
+    with pytest.raises(CheckpointError, match=rf"The tokenizer in .*{component} has no vocabulary: it needs "
+                                              rf"tokenizer.json \(or vocab.json and merges.txt\) and holds "
+                                              rf"{re.escape(held)}.*download the checkpoint again"):
+        _load_copy(tiny_distill_dir, tmp_path, lambda folder: (folder / component / "tokenizer.json").unlink())
+
+
+def test_a_tokenizer_whose_vocabulary_encodes_nothing_is_refused(tiny_distill_dir, tmp_path):
+    def empty_vocabulary(folder):
+        path = folder / "tokenizer_2" / "tokenizer.json"
+        data = json.loads(path.read_text())
+        data["model"]["vocab"] = {token: i for token, i in data["model"]["vocab"].items() if token.startswith("<|")}
+        data["model"]["merges"] = []
+        path.write_text(json.dumps(data))
+
+    with pytest.raises(CheckpointError, match=r"The tokenizer in .*tokenizer_2 \(\d+ tokens\) encodes 'A cat plays "
+                                              r"the piano' as \[.*\]: its vocabulary files are damaged"):
+        _load_copy(tiny_distill_dir, tmp_path, empty_vocabulary)
+
+
+@pytest.mark.parametrize("component, remove", [("text_encoder", "model.safetensors"),
+                                               ("vae", "diffusion_pytorch_model.safetensors")])
+def test_a_component_loaded_by_transformers_or_diffusers_names_its_missing_files(tiny_distill_dir, tmp_path,
+                                                                                  component, remove):
+    """Their OSError ("Error no file named ...", or "We couldn't connect to 'https://huggingface.co'" for a local
+    folder) was reported as an internal error of k6serve."""
+    with pytest.raises(CheckpointError, match=rf"Cannot load {component} from .*{component} \(it holds "
+                                              r"\['config.json'.*\]\): .*copy or download the checkpoint again"):
+        _load_copy(tiny_distill_dir, tmp_path, lambda folder: (folder / component / remove).unlink())
+
+
+def test_listed_audio_components_must_be_there_and_unlisted_ones_are_warned_of(tiny_distill_dir, tmp_path, caplog):
+    import shutil
+
+    with pytest.raises(CheckpointError, match=r"lacks component\(s\) \['audio_vae'\].*Re-download"):
+        _load_copy(tiny_distill_dir, tmp_path / "a", lambda folder: shutil.rmtree(folder / "audio_vae"))
+
+    def unlist(folder):
+        index = json.loads((folder / "model_index.json").read_text())
+        del index["audio_vae"], index["vocoder"]
+        (folder / "model_index.json").write_text(json.dumps(index))
+
+    with caplog.at_level("WARNING", logger="k6serve.models.kandinsky6.checkpoint"):
+        models = _load_copy(tiny_distill_dir, tmp_path / "b", unlist)
+    assert not models.has_audio
+    assert "lists no audio_vae and vocoder, so the videos will have no audio track" in caplog.text

@@ -57,6 +57,51 @@ def test_renamed_folder_routes_by_model_index(tmp_path):
     assert recognise(str(folder), "Kandinsky-6.0-Pro-distill-5s-Diffusers", folder).name == "pro-distill"
 
 
+def _generation_folder(folder, *, distilled, model_dim):
+    (folder / "transformer").mkdir(parents=True)
+    scheduler = "PiflowScheduler" if distilled else "FlowMatchEulerDiscreteScheduler"
+    (folder / "model_index.json").write_text(json.dumps(
+        {"_class_name": "Kandinsky6TI2VAPipeline", "scheduler": ["diffusers", scheduler]}))
+    (folder / "transformer" / "config.json").write_text(json.dumps({"model_dim": model_dim}))
+    return folder
+
+
+@pytest.mark.parametrize("relative", ["projects/kandinsky6/run1", "Kandinsky-6.0-Pro-5s-Diffusers (copy)",
+                                      "Kandinsky-6.0-Lite-distill-5s-Diffusers"])
+def test_a_folder_is_what_its_files_say_whatever_its_path_is_named(tmp_path, caplog, relative):
+    """The name was matched anywhere in the path and won over the files: a distilled checkpoint under
+    ".../projects/kandinsky6/" ("pro" in "projects"), or copied into a folder named after Pro, ran CFG and 50 steps
+    (5x the work, another sampler) with no word; a Pro one named as Lite was served as Lite."""
+    folder = _generation_folder(tmp_path / relative, distilled=True, model_dim=4096)
+    with caplog.at_level("WARNING", logger="k6serve.models.variants"):
+        variant = recognise(str(folder), None, folder)
+    assert (variant.name, variant.num_inference_steps, variant.guidance_scale) == ("pro-distill", 10, 1.0)
+    named = variant_from_id(str(folder))
+    if named is not None and named.name != "pro-distill":
+        assert f"reads as {named.name} by its path's name" in caplog.text and "serving it as pro-distill" in caplog.text
+
+
+@pytest.mark.parametrize(("relative", "model_dim", "distilled", "expected"), [
+    # Releases with the same files: the name tells them apart.
+    ("Kandinsky-6.0-Pro-sft-5s-Diffusers", 4096, False, "pro-sft"),
+    ("Kandinsky-6.0-Lite-pretrain-5s-Diffusers", 1792, False, "lite-pretrain"),
+    # A hub cache snapshot is named by its commit; the repo's name is two levels up.
+    ("models--kandinskylab--Kandinsky-6.0-Pro-pretrain-5s-Diffusers/snapshots/0123abcd", 4096, False, "pro-pretrain"),
+])
+def test_the_name_labels_a_folder_whose_files_agree(tmp_path, caplog, relative, model_dim, distilled, expected):
+    folder = _generation_folder(tmp_path / relative, distilled=distilled, model_dim=model_dim)
+    with caplog.at_level("WARNING", logger="k6serve.models.variants"):
+        assert recognise(str(folder), None, folder).name == expected
+    assert "reads as" not in caplog.text
+
+
+def test_a_released_name_routes_a_folder_whose_files_name_no_kandinsky_pipeline(tmp_path):
+    folder = tmp_path / "Kandinsky-6.0-Lite-5s-Diffusers"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "MyRenamedPipeline"}))
+    assert recognise(str(folder), None, folder).name == "lite"
+
+
 @pytest.mark.parametrize(
     ("pipeline", "scheduler", "model_id", "message"),
     [

@@ -10,6 +10,7 @@ random weights directly on the target device in the target dtype (never an fp32 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -85,12 +86,18 @@ def load_generation_models(
         return _build_dummy(variant, device=device, dtype=dtype, where=where)
     assert folder is not None
     index = read_model_index(folder)
-    require_components(folder, index, REQUIRED)
+    with_audio = "audio_vae" in index and "vocoder" in index and index["audio_vae"][0] is not None
+    # The audio components are optional, as in diffusers (no audio track then), but listed ones must be there: a
+    # listed folder that is missing was an internal error with a "check your internet connection" text.
+    require_components(folder, index, REQUIRED + (["audio_vae", "vocoder"] if with_audio else []))
+    if not with_audio:
+        logger.warning("%s: model_index.json lists no audio_vae and vocoder, so the videos will have no audio track "
+                       "(the released checkpoints have both; copy them from the checkpoint's source for audio).",
+                       folder)
     scheduler_class = index["scheduler"][1]
     scheduler_config = read_component_config(folder, "scheduler", "scheduler_config.json")
     transformer = load_transformer(folder / "transformer", device=where("transformer"), dtype=dtype)
     _check_scheduler_fits_head(transformer.config, scheduler_class, scheduler_config, folder)
-    with_audio = "audio_vae" in index and "vocoder" in index and index["audio_vae"][0] is not None
     return GenerationModels(
         transformer=transformer,
         vae=_load_diffusers(folder, "vae", "AutoencoderKLHunyuanVideo", where("vae"), dtype),
@@ -119,7 +126,8 @@ def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.
     # differently on unaligned data (~1e-7), which would break bitwise parity with a freshly built model.
     state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    check_state_dict(expected, state, f"{component_dir.name} ({component_dir})")
+    floating = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point()]
+    check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
     model.load_state_dict(state, strict=True, assign=True)
     del state
     cast_for_inference(model, dtype)
@@ -144,13 +152,31 @@ def _check_scheduler_fits_head(config: Kandinsky6TransformerConfig, scheduler_cl
         )
 
 
+# A byte-level BPE tokenizer (Qwen's and CLIP's) is its tokenizer.json, or its vocab.json with merges.txt.
+_VOCABULARY_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+_PROBE_TEXT = "A cat plays the piano"
+
+
 def _load_tokenizer(path: Path):
+    """The component's tokenizer, refused when it has no vocabulary: without its tokenizer.json transformers
+    builds one from tokenizer_config.json alone (the special tokens: 8 for Qwen, 2 for CLIP) with no error, which
+    encodes every prompt as nothing (Qwen) or unknown tokens (CLIP), so each video was generated from no prompt."""
     from transformers import AutoTokenizer
 
+    fix = "copy or download the checkpoint again"
+    if not any(all((path / name).is_file() for name in names) for names in _VOCABULARY_FILES):
+        present = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        raise CheckpointError(f"The tokenizer in {path} has no vocabulary: it needs tokenizer.json (or vocab.json "
+                              f"and merges.txt) and holds {present}, e.g. after an interrupted download; {fix}.")
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types here; the path is what the user needs
         raise CheckpointError(f"Cannot load the tokenizer in {path}: {exc}") from exc
+    ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if not ids or all(i == tokenizer.unk_token_id for i in ids):
+        raise CheckpointError(f"The tokenizer in {path} ({len(tokenizer)} tokens) encodes {_PROBE_TEXT!r} as "
+                              f"{ids}: its vocabulary files are damaged or from another tokenizer; {fix}.")
+    return tokenizer
 
 
 def _report_loading_info(component: str, folder: Path, info: dict) -> None:
@@ -167,7 +193,8 @@ def _load_transformers(folder: Path, component: str, class_name: str, device: to
     import transformers
 
     cls = getattr(transformers, class_name)
-    model, info = cls.from_pretrained(str(folder / component), dtype=dtype, output_loading_info=True)
+    with _component_load_errors(folder, component):
+        model, info = cls.from_pretrained(str(folder / component), dtype=dtype, output_loading_info=True)
     _report_loading_info(component, folder, info)
     return model.to(device).eval().requires_grad_(False)
 
@@ -176,9 +203,27 @@ def _load_diffusers(folder: Path, component: str, class_name: str, device: torch
     import diffusers
 
     cls = getattr(diffusers, class_name)
-    model, info = cls.from_pretrained(str(folder / component), torch_dtype=dtype, output_loading_info=True)
+    with _component_load_errors(folder, component):
+        model, info = cls.from_pretrained(str(folder / component), torch_dtype=dtype, output_loading_info=True)
     _report_loading_info(component, folder, info)
     return model.to(device).eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _component_load_errors(folder: Path, component: str):
+    """A component's files missing or unreadable (a weight file or shard gone, only a variant's weights): diffusers
+    and transformers raise OSError, whose text may talk of the Hub ("check your internet connection") for a local
+    folder, and which k6serve reported as an internal error. Said as a checkpoint problem naming the folder, with
+    what it holds."""
+    try:
+        yield
+    except OSError as exc:
+        directory = folder / component
+        present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        raise CheckpointError(f"Cannot load {component} from {directory} (it holds {present}): "
+                              f"{(str(exc).splitlines() or [type(exc).__name__])[0].rstrip('.')}. The folder lacks "
+                              "files of the component, or holds only a variant's weights (e.g. .fp16.safetensors); "
+                              "copy or download the checkpoint again.") from exc
 
 
 def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,

@@ -166,7 +166,8 @@ def _load_weights(
     # Fresh, aligned storage (as the generation loader): CPU GEMMs round differently on unaligned safetensors views.
     state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
     expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
-    check_state_dict(expected, state, f"{component_dir.name} ({component_dir})")
+    floating = [name for name, tensor in module.state_dict().items() if tensor.is_floating_point()]
+    check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
     module.load_state_dict(state, strict=True, assign=True)
     _cast(module, dtype, keep_fp32)
 
