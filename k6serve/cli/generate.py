@@ -335,11 +335,18 @@ class _Batch:
         return _batch_report(self.done, self.failed, left, len(self.batch))
 
 
+def _progress_prompt(prompt: str, limit: int = 160) -> str:
+    """A prompt as a progress line shows it: its first `limit` characters on one line (a 5,000-character prompt
+    filled the terminal at every start and finish; the file holds the whole of it)."""
+    flat = " ".join(prompt.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def _run_in_order(generator: DiffGenerator, variant, progress: _Batch, numbered: bool) -> None:
     for index, (label, options) in enumerate(progress.batch):
         progress.failed = label
         if numbered:
-            print(f"[{index + 1}/{len(progress.batch)}] {label}: {options['prompt']}", file=sys.stderr)
+            print(f"[{index + 1}/{len(progress.batch)}] {label}: {_progress_prompt(options['prompt'])}", file=sys.stderr)
         result = _run_one(generator, variant, options)
         progress.done.append((label, result))
         progress.failed = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
@@ -371,7 +378,8 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
 
     def report_finished(label: str, options: dict[str, Any], result) -> None:
         progress.done.append((label, result))
-        print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {options['prompt']}", file=sys.stderr)
+        print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {_progress_prompt(options['prompt'])}",
+              file=sys.stderr)
         _print_result(result)
 
     def start_next() -> None:

@@ -403,3 +403,13 @@ def test_with_two_replicas_ctrl_c_after_a_failure_names_the_failure_too(tiny_dis
     assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: line 2 stopped the run" in err
     assert err.endswith("error: interrupted (Ctrl-C); the request running then was stopped; line 2 had failed "
                         "before it: the replica's GPU fell off the bus.\n")
+
+
+def test_a_progress_line_shows_the_start_of_a_long_prompt_on_one_line():
+    """A 5,000-character prompt (a prompt file's line) was printed whole at every start and finish."""
+    from k6serve.cli.generate import _progress_prompt
+
+    assert _progress_prompt("A cat plays piano") == "A cat plays piano"
+    long = "A cat\tplays " + "piano " * 1000
+    shown = _progress_prompt(long)
+    assert len(shown) == 160 and shown.startswith("A cat plays piano piano") and shown.endswith("...")
