@@ -209,11 +209,19 @@ def recognise(model_path: str, model_id: str | None, local_folder: Path | None) 
     # The name is matched anywhere in the path, parent folders included (a hub cache's snapshot folder is named by
     # its commit; its repo's name is two levels up): "/data/projects/kandinsky6/run1" read as Pro, and a distilled
     # checkpoint in a folder named "...-Pro-5s-Diffusers (copy)" ran CFG and 50 steps, 5x the work, with no word.
-    # The files say what the checkpoint is; the name only labels it.
-    logger.warning("%s reads as %s by its path's name, but its model_index.json and transformer config say %s; "
-                   "serving it as %s (pass --model-id to name the checkpoint explicitly).",
-                   model_path, named.name, found.name, found.name)
+    # The files say what the checkpoint is; the name only labels it. Said when the folder's own name is a release's
+    # (a word of a parent folder, "projects", is no claim), once per process: each check of the request recognises.
+    own_name = variant_from_id(local_folder.name)
+    if own_name is not None and _kind(own_name, local_folder) != _kind(found, local_folder) \
+            and str(local_folder) not in _WARNED_NAMES:
+        _WARNED_NAMES.add(str(local_folder))
+        logger.warning("%s is named as %s, but its model_index.json and transformer config say %s; serving it as "
+                       "%s (pass --model-id to name the checkpoint explicitly).", local_folder.name, own_name.name,
+                       found.name, found.name)
     return found
+
+
+_WARNED_NAMES: set[str] = set()
 
 
 def _kind(variant: Variant, folder: Path | None = None) -> tuple:
