@@ -121,8 +121,12 @@ def write_mp4_stream(
     *,
     crf: int = 18,
     number_if_taken: bool = False,
+    sample_aspect_ratio: Fraction | None = None,
 ) -> Path:
     """`write_mp4` of the concatenated chunks (same bytes), encoding while `frame_chunks` runs.
+
+    `sample_aspect_ratio` (pixel width over height; None: square) tags the stream, so that players show frames of
+    non-square pixels (an anamorphic SR source's, upscaled as stored) in their shape.
 
     `frame_chunks` is iterated in the calling thread (e.g. a GPU decode) while a background thread
     encodes the chunks already produced; at most `QUEUED_CHUNKS` wait in between. Every chunk is
@@ -135,6 +139,8 @@ def write_mp4_stream(
     waveform = None if audio is None else _check_audio(audio, sample_rate)
     if not (isinstance(crf, int) and 0 <= crf <= 51):
         raise ValueError(f"crf must be an integer in [0, 51], got {crf!r}")
+    if sample_aspect_ratio is not None and not (isinstance(sample_aspect_ratio, Fraction) and sample_aspect_ratio > 0):
+        raise ValueError(f"sample_aspect_ratio must be a positive Fraction or None, got {sample_aspect_ratio!r}")
     path = Path(path)
     if not path.parent.is_dir():
         # An OSError, not a ValueError: the callers check the folder before a request runs, so here it was removed
@@ -144,7 +150,7 @@ def write_mp4_stream(
     # A leading dot keeps the partial file out of listings and artifact scans.
     temporary_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
     try:
-        _encode_in_background(temporary_path, frame_chunks, rate, waveform, sample_rate, crf)
+        _encode_in_background(temporary_path, frame_chunks, rate, waveform, sample_rate, crf, sample_aspect_ratio)
         _fsync(temporary_path)
         path = _move_into_place(temporary_path, path, number_if_taken)
     except BaseException:
@@ -300,6 +306,7 @@ def _encode_in_background(
     waveform: np.ndarray | None,
     sample_rate: int,
     crf: int,
+    sample_aspect_ratio: Fraction | None = None,
 ) -> None:
     """Iterate `frame_chunks` here, encode them to `path` in a thread; raise either side's error."""
     queued: queue.Queue = queue.Queue(maxsize=QUEUED_CHUNKS)
@@ -308,7 +315,7 @@ def _encode_in_background(
 
     def encode() -> None:
         try:
-            _encode(path, _take_queued(queued, aborted), rate, waveform, sample_rate, crf)
+            _encode(path, _take_queued(queued, aborted), rate, waveform, sample_rate, crf, sample_aspect_ratio)
         except _ProducerFailed:
             pass
         except BaseException as exc:  # noqa: BLE001 (raised in the calling thread after the join)
@@ -377,12 +384,16 @@ def _encode(
     waveform: np.ndarray | None,
     sample_rate: int,
     crf: int,
+    sample_aspect_ratio: Fraction | None = None,
 ) -> None:
     first_chunk_THWC = next(frame_chunks)  # the file is created once there is something to write
     container_options = {"movflags": "+faststart", "fflags": "+bitexact"}
     with av.open(str(path), mode="w", format="mp4", options=container_options) as container:
         height, width = first_chunk_THWC.shape[1:3]
         video_stream = _add_video_stream(container, rate, width, height, crf)
+        if sample_aspect_ratio is not None:
+            # x264 writes it into the stream's VUI and the MP4 muxer a 'pasp' box: players scale the width by it.
+            video_stream.codec_context.sample_aspect_ratio = sample_aspect_ratio
         audio_stream = None
         if waveform is not None:
             audio_stream = _add_audio_stream(container, sample_rate)

@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Self
 
 import av
@@ -182,6 +183,9 @@ class SourceSummary:
     # The first kept frame's presentation time in seconds (None when the file gives none): the soundtrack is
     # aligned to it (`media.audio.read_source_audio`).
     start_time: float | None = None
+    # The shape of the source's pixels as its frames are yielded (display rotation applied), width over height;
+    # None for square pixels. The upscale keeps it: the output MP4 is tagged with it (`media.mux`).
+    sample_aspect_ratio: Fraction | None = None
 
 
 class SRSourceReader:
@@ -221,6 +225,8 @@ class SRSourceReader:
             self._declared_seconds = (_tagged_duration(self._stream) if self.declared_frames is None else None)
             self._decoded_until: float | None = None  # the end of the last decoded frame, in seconds
             self._start_time: float | None = None  # the first decoded frame's time (always kept), in seconds
+            self._sample_aspect_ratio: Fraction | None = None  # the first decoded frame's (`pixel_aspect_ratio`)
+            self._transfer: int | None = None  # the first decoded frame's transfer characteristic (AVCOL_TRC_*)
             self._num_seen = 0
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
@@ -286,6 +292,8 @@ class SRSourceReader:
         self._num_seen += 1
         if self._num_seen == 1:
             self._start_time = frame.time
+            self._sample_aspect_ratio = pixel_aspect_ratio(self._stream.sample_aspect_ratio, frame.rotation)
+            self._transfer = frame.color_trc
         if self._declared_seconds is not None and frame.time is not None:
             duration = float(frame.duration * frame.time_base) if frame.duration and frame.time_base else 0.0
             self._decoded_until = frame.time + (duration or 1 / self.source_fps)
@@ -337,6 +345,17 @@ class SRSourceReader:
                 f"dropped the last {len(indices) - num_kept} frame(s) so the count is "
                 f"1 + {FRAME_COUNT_MULTIPLE}k ({num_kept})"
             )
+        sar = self._sample_aspect_ratio
+        if sar is not None:
+            notes.append(f"the source's pixels are not square (sample aspect ratio {sar.numerator}:{sar.denominator}"
+                         "): the frames are upscaled as stored, and the MP4 is tagged with the ratio so that players "
+                         "show the source's shape")
+        if self._transfer in HDR_TRANSFERS:
+            hdr = (f"the source is HDR ({HDR_TRANSFERS[self._transfer]} transfer): its code values are upscaled as "
+                   "they are and the MP4 is tagged BT.709 SDR, so it looks washed out; tone-map the source to SDR "
+                   "(BT.709) first for true colours")
+            logger.warning("%s: %s", path, hdr)
+            notes.append(hdr)
         return SourceSummary(
             num_frames=num_kept,
             fps=plan.output_fps,
@@ -345,6 +364,7 @@ class SRSourceReader:
             num_decoded_frames=num_decoded,
             notes=tuple(notes),
             start_time=self._start_time,
+            sample_aspect_ratio=sar,
         )
 
 
@@ -421,6 +441,19 @@ def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str
             f"{stream.average_rate}, base rate {stream.base_rate}); re-mux it with a frame rate"
         )
     return float(rate)
+
+
+# FFmpeg's AVCOL_TRC_* values of the HDR transfers: PQ (HDR10, Dolby Vision's base) and HLG.
+HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
+
+
+def pixel_aspect_ratio(sample_aspect_ratio: Fraction | None, rotation: float) -> Fraction | None:
+    """A stream's sample aspect ratio (pixel width over height) for its frames as `_upright` turns them: inverted
+    by a quarter turn; None for square pixels or none stated (FFmpeg's 0:1)."""
+    if sample_aspect_ratio is None or sample_aspect_ratio <= 0 or sample_aspect_ratio == 1:
+        return None
+    sar = Fraction(sample_aspect_ratio)
+    return 1 / sar if _quarter_turns(rotation) % 2 else sar
 
 
 def _upright(frame_HWC: np.ndarray, rotation: float) -> np.ndarray:

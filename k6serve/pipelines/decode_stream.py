@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -147,12 +148,16 @@ def start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:
 
 # Consumes the uint8 frame chunks (T_i, H, W, 3) while the VAE decodes them, given the decoded audio and the fps
 # first (e.g. a streaming MP4 writer); it must consume every chunk before it returns.
-VideoSink = Callable[[Iterator[np.ndarray], DecodedAudio | None, float], None]
+# (frame chunks, audio, fps); a sink of super-resolution output also takes the keyword `sample_aspect_ratio`
+# (`feed_video_sink`), given where the source's pixels are not square.
+VideoSink = Callable[..., None]
 
 
 def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: DecodedAudio | None, fps: float,
-                    timings: dict[str, float], decode_key: str, *, started_at: float | None = None) -> np.ndarray:
+                    timings: dict[str, float], decode_key: str, *, started_at: float | None = None,
+                    sample_aspect_ratio: Fraction | None = None) -> np.ndarray:
     """Hand `chunks` to `video_sink` and keep them; returns the concatenated uint8 frames (T, H, W, 3).
+    A `sample_aspect_ratio` (an SR source's non-square pixels) is passed on as the sink's keyword of that name.
 
     timings[decode_key]: from the start (`started_at`, for a decode that began before it was handed over, or now)
     until the sink asked for a chunk after the last one, so the decode's wall
@@ -171,7 +176,10 @@ def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: 
     start = time.perf_counter() if started_at is None else started_at
     producer = produce()
     try:
-        video_sink(producer, audio, fps)
+        if sample_aspect_ratio is None:
+            video_sink(producer, audio, fps)
+        else:
+            video_sink(producer, audio, fps, sample_aspect_ratio=sample_aspect_ratio)
     finally:
         # A sink that failed may leave its exception (and through its traceback this frame) alive in a reference
         # cycle: close both generators now, so the decode state they hold (SR: every tile's causal caches on the

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ class EncodedSource:
     # Mono 44.1 kHz, at most round(T / fps * 44100) samples; None for a silent source.
     audio: DecodedAudio | None
     notes: tuple[str, ...]
+    sample_aspect_ratio: Fraction | None = None  # the source's non-square pixels, kept by the output file
 
 
 def read_and_encode(
@@ -102,7 +104,7 @@ def read_and_encode(
     timings["encode"] = time.perf_counter() - start - read_s
     waveform = None if audio is None else DecodedAudio(waveform=audio, sample_rate=OUTPUT_SAMPLE_RATE)
     return EncodedSource(latent_BCThw=latent, plan=plan, num_frames=summary.num_frames, fps=summary.fps,
-                         audio=waveform, notes=summary.notes)
+                         audio=waveform, notes=summary.notes, sample_aspect_ratio=summary.sample_aspect_ratio)
 
 
 def _next_full_segment(encoded: int) -> int:

@@ -106,7 +106,7 @@ class SuperResolutionPipeline:
                 started_at = time.perf_counter()
                 chunks = decode_and_assemble_chunks(m.vae, latents, plan, between_chunks)
                 frames_THWC = feed_video_sink(video_sink, chunks, source.audio, float(source.fps), timings, "decode",
-                                              started_at=started_at)
+                                              started_at=started_at, sample_aspect_ratio=source.sample_aspect_ratio)
         elif spatial_shard_of(m.vae) is not None:
             # A spatial-shard replica's ranks must make the collectives of the leader, which streams its segments
             # when it saves the MP4: the same segment-major decode here, the blend inside it.

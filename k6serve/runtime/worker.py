@@ -496,12 +496,13 @@ class ModelWorker:
 
         written: list[Path] = []
 
-        def save(frame_chunks, audio, fps) -> None:
+        def save(frame_chunks, audio, fps, sample_aspect_ratio=None) -> None:
             waveform = audio.waveform if audio is not None else None
             sample_rate = audio.sample_rate if audio is not None else 44100
             try:
                 written.append(write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate,
-                                                number_if_taken=number_if_taken))
+                                                number_if_taken=number_if_taken,
+                                                sample_aspect_ratio=sample_aspect_ratio))
             except FileExistsError:
                 raise
             except OSError as exc:

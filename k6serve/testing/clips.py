@@ -49,12 +49,16 @@ def make_clip(
     rotation: int = 0,
     faststart: bool = False,
     audio_delay: float = 0.0,
+    sample_aspect_ratio: Fraction | None = None,
+    hdr_transfer: int | None = None,
 ) -> Path:
     """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video; `rotation`
     (degrees counter-clockwise) is stored as the display matrix a phone writes for a portrait video; `faststart`
     puts an MP4/MOV's index before the media data, as web downloads have it (a cut copy then still opens);
     `audio_delay` (seconds) starts the soundtrack that much after the first frame, or (< 0) the video that many
-    whole frames after the soundtrack, as camera files and stream-copy cuts have it."""
+    whole frames after the soundtrack, as camera files and stream-copy cuts have it. `sample_aspect_ratio` tags
+    non-square pixels (an anamorphic DVD or camera file: a 4:3 ratio shows 64x48 as 16:9); `hdr_transfer` (FFmpeg's
+    AVCOL_TRC_*: 16 PQ, 18 HLG) tags the stream HDR, BT.2020, as an HDR10 or HLG camera file is."""
     path = Path(path)
     if path.suffix not in _FORMATS:
         raise ValueError(f"clip suffix must be one of {sorted(_FORMATS)}, got {path.name!r}")
@@ -74,6 +78,11 @@ def make_clip(
         stream.codec_context.options = {"crf": "10", "threads": "1"} | ({"x264-params": f"asm={asm}"} if asm else {})
         if rotation:
             stream.set_display_rotation(rotation)
+        if sample_aspect_ratio is not None:
+            stream.codec_context.sample_aspect_ratio = sample_aspect_ratio
+        if hdr_transfer is not None:
+            stream.codec_context.color_trc = hdr_transfer
+            stream.codec_context.color_primaries = stream.codec_context.colorspace = 9  # BT.2020 (non-constant)
         audio_stream = (
             _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
         )

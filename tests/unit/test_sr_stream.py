@@ -8,6 +8,7 @@ and an exact target size adds the antialiased downscale.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +206,32 @@ def test_a_decode_started_before_the_sink_is_timed_from_its_start_and_closed_by_
     with pytest.raises(OSError):
         feed_video_sink(failing_sink, _StartedChunks(decode()), None, 24.0, {}, "decode")
     assert closed == [True]
+
+
+@pytest.mark.parametrize("rotation, shown", [(0, "4:3"), (90, "3:4")])
+def test_an_anamorphic_source_is_upscaled_into_a_file_tagged_with_its_pixel_shape(worker, tmp_path, rotation, shown):
+    """A 64x48 source of 4:3 pixels plays as 16:9; its upscale was written with square pixels, so it played as 4:3,
+    squeezed by a quarter. The frames are upscaled as stored (as the reference does) and the MP4 keeps the ratio;
+    a source turned a quarter by its display matrix has its frames turned upright, and the ratio inverted."""
+    import av
+
+    source = make_clip(tmp_path / "anamorphic.mp4", width=64, height=32, num_frames=9, fps=24,
+                       sample_aspect_ratio=Fraction(4, 3), rotation=rotation)
+    params, output = _params(source, tmp_path)
+    result = worker.run(params, output)
+    expected = Fraction(4, 3) if rotation == 0 else Fraction(3, 4)
+    assert any(f"sample aspect ratio {shown}" in note for note in result.notes)
+    with av.open(result.output_file_path) as container:
+        stream = container.streams.video[0]
+        assert (stream.width, stream.height) == ((128, 64) if rotation == 0 else (64, 128))
+        assert stream.sample_aspect_ratio == expected
+
+
+def test_a_square_pixel_source_writes_the_same_bytes_as_before(worker, clip, tmp_path):
+    """No ratio tag where the source has square pixels: the file is write_mp4's of the frames, byte for byte."""
+    params, output = _params(clip, tmp_path)
+    result = worker.run(params, output)
+    assert not any("aspect ratio" in note for note in result.notes)
+    reference = mux.write_mp4(tmp_path / "reference.mp4", result.frames, result.fps, result.audio,
+                              result.audio_sample_rate)
+    assert Path(result.output_file_path).read_bytes() == reference.read_bytes()
