@@ -160,6 +160,21 @@ def _check_ulysses(
                 f"(Ulysses{ulysses} x Ring{ring} uses the same GPUs; ring rotates whole K/V shards, so it "
                 f"imposes no head constraint)."
             )
+        _check_overlap_chunks(layout, site, local_heads // layout.ulysses, model_name)
+
+
+def _check_overlap_chunks(layout: ParallelLayout, site: AttentionSite, rank_heads: int, model_name: str) -> None:
+    """$K6SERVE_ULYSSES_CHUNKS must divide the heads each Ulysses rank attends to: checked with the layout, before
+    the load, not by the first request's exchange (`ulysses._check_chunks`), minutes later."""
+    from k6serve.parallel.ulysses import CHUNKS_ENVIRONMENT_VARIABLE, overlap_chunks_from_environment
+
+    chunks = overlap_chunks_from_environment()
+    if layout.ulysses > 1 and chunks is not None and rank_heads % chunks:
+        raise ValueError(
+            f"{model_name}: ${CHUNKS_ENVIRONMENT_VARIABLE}={chunks} must divide the heads each Ulysses rank attends "
+            f"to, but '{site.role}' has {site.num_heads} heads / tp {layout.tp} / ulysses {layout.ulysses} = "
+            f"{rank_heads}. Fix: set it to one of {_divisors(rank_heads)}, or unset it."
+        )
 
 
 def _sequence_flags(layout: ParallelLayout, plan: ModelPlan, degree: int) -> str:

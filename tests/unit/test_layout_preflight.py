@@ -92,3 +92,21 @@ def test_a_node_rank_outside_the_hosts_is_refused_before_anything_starts(argv, n
             f"{argv[1]}") in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^node_rank must be in \[0, 0\]"):
         DiffGenerator.from_pretrained(PRO_DISTILL, load_format="dummy", node_rank=-1)
+
+
+@pytest.mark.parametrize(("chunks", "options", "ok"), [
+    ("2", {"num_gpus": 4, "ulysses_degree": 4}, False),  # 4 video heads / 4 ranks: 1 head each
+    ("2", {"num_gpus": 2, "ulysses_degree": 2}, True),   # 2 heads each
+    ("2", {"num_gpus": 2, "ring_degree": 2}, True),      # no Ulysses exchange to chunk
+])
+def test_ulysses_overlap_chunks_that_cannot_divide_the_heads_are_refused_before_the_ranks_start(
+        demo_dir, no_ranks, monkeypatch, chunks, options, ok):
+    """$K6SERVE_ULYSSES_CHUNKS was checked by the first request's exchange only, after the whole load."""
+    monkeypatch.setenv("K6SERVE_ULYSSES_CHUNKS", chunks)
+    if ok:
+        check_layout_before_loading(build_engine_config("demo", device="cpu", **options))
+        return
+    with pytest.raises(ValueError, match=r"^demo-distill: \$K6SERVE_ULYSSES_CHUNKS=2 must divide the heads each "
+                                         r"Ulysses rank attends to, but 'video_self' has 4 heads / tp 1 / ulysses 4 "
+                                         r"= 1\. Fix: set it to one of \[1\], or unset it\.$"):
+        DiffGenerator.from_pretrained("demo", device="cpu", **options)
