@@ -27,7 +27,8 @@ _ALLOW_PATTERNS = ["model_index.json", "sr_config.json", "*/*.json", "*/*.safete
 
 _WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"  # what diffusers' save_pretrained writes, and loads
 # diffusers' variant files: diffusion_pytorch_model.fp16.safetensors, diffusion_pytorch_model.fp16-00001-of-00002...
-_VARIANT_FILE = re.compile(r"\.[A-Za-z0-9_]+(-\d+-of-\d+)?\.safetensors$")
+# (a dotted name of another stem, "transformer_v1.0.safetensors", is no variant)
+_VARIANT_FILE = re.compile(r"^diffusion_pytorch_model\.[A-Za-z0-9_]+(-\d+-of-\d+)?\.safetensors$")
 _SHARD_FILE = re.compile(r"-\d+-of-\d+\.safetensors$")
 
 
@@ -91,9 +92,12 @@ def _local_folder_near(model_path: str) -> str | None:
     """For a hub id that could not be fetched, whose first part is a local folder ("ckpt/distil" where ckpt/
     exists): most likely a mistyped local path, which was reported as a hub id only."""
     parent = Path(model_path).parent
-    if not parent.is_dir():
+    try:
+        names = sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else None
+    except OSError:  # unreadable: the hub error stands alone
+        names = None
+    if names is None:
         return None
-    names = sorted(p.name for p in parent.iterdir() if p.is_dir())
     shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
     return (f"If {model_path!r} is meant as a local folder: there is none, though {str(parent)!r} exists and holds "
             f"{'the folders ' + shown if names else 'no folders'}.")
@@ -242,8 +246,9 @@ def require_components(folder: Path, index: dict, components: list[str]) -> None
 
 
 def safetensors_files(component_dir: Path) -> list[Path]:
-    """The weight files of one component, chosen as diffusers' `from_pretrained` (no variant) chooses them: the
-    shards its index names, else `diffusion_pytorch_model.safetensors`. Every `*.safetensors` used to be read and
+    """The weight files of one component, chosen as diffusers' `from_pretrained` (no variant) chooses them (the
+    shards its index names, else `diffusion_pytorch_model.safetensors`), or else the folder's one weight file of
+    another name. Every `*.safetensors` used to be read and
     merged, the last in name order winning: a folder with the fp16 variant beside the weights read both (twice the
     I/O for Pro's 56 GiB), one with only the variant ran it with no word (diffusers refuses it without
     variant="fp16"), and a stray copy ("... (1).safetensors") could replace the weights."""

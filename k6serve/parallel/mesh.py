@@ -168,8 +168,10 @@ def _check_overlap_chunks(layout: ParallelLayout, site: AttentionSite, rank_head
     the load, not by the first request's exchange (`ulysses._check_chunks`), minutes later."""
     from k6serve.parallel.ulysses import CHUNKS_ENVIRONMENT_VARIABLE, overlap_chunks_from_environment
 
+    if layout.ulysses == 1:
+        return  # no Ulysses exchange: the variable is not read (a leftover value must not refuse a TP or CFG run)
     chunks = overlap_chunks_from_environment()
-    if layout.ulysses > 1 and chunks is not None and rank_heads % chunks:
+    if chunks is not None and rank_heads % chunks:
         raise ValueError(
             f"{model_name}: ${CHUNKS_ENVIRONMENT_VARIABLE}={chunks} must divide the heads each Ulysses rank attends "
             f"to, but '{site.role}' has {site.num_heads} heads / tp {layout.tp} / ulysses {layout.ulysses} = "

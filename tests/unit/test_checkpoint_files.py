@@ -94,7 +94,9 @@ def test_a_folder_with_only_a_variants_weights_is_refused_as_diffusers_refuses_i
 
 
 def test_one_weight_file_of_another_name_loads_and_several_are_refused(tmp_path):
-    _weights(tmp_path / "model.safetensors", w=1.0)
+    _weights(tmp_path / "transformer_v1.0.safetensors", w=1.0)  # dotted, but no diffusers variant
+    assert safetensors_files(tmp_path) == [tmp_path / "transformer_v1.0.safetensors"]
+    (tmp_path / "transformer_v1.0.safetensors").rename(tmp_path / "model.safetensors")
     assert safetensors_files(tmp_path) == [tmp_path / "model.safetensors"]
     _weights(tmp_path / "model (1).safetensors", w=3.0)
     with pytest.raises(CheckpointError, match=r"holds 2 weight files .* no diffusion_pytorch_model.safetensors: keep"):
@@ -257,8 +259,19 @@ def test_every_reader_of_a_checkpoints_json_names_the_file(tmp_path):
     index.write_text('{"metadata": {}}')
     with pytest.raises(CheckpointError, match="has no weight_map object naming the shards"):
         load_state_dict(tmp_path)
-    with pytest.raises(CheckpointError, match=r"names no shard for \['w'\]"):
+    with pytest.raises(CheckpointError, match="has no weight_map object naming the shards"):
         read_tensor_shapes(tmp_path, ["w"])
+
+
+def test_the_sr_head_check_reads_the_files_the_load_reads(tmp_path):
+    """It opened diffusion_pytorch_model.safetensors by name: a transformer/ the load takes (one file of another
+    name) failed there with a bare FileNotFoundError, an internal error."""
+    from k6serve.models.kandinsky6_sr.checks import read_tensor_shapes
+
+    save_file({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    assert read_tensor_shapes(tmp_path, ["w", "b"]) == {"w": (3, 2), "b": (3,)}
+    with pytest.raises(CheckpointError, match=r"weights hold no tensor \['x'\]; copy or download"):
+        read_tensor_shapes(tmp_path, ["w", "x"])
 
 
 def _load_copy(tiny_dir, tmp_path, damage):
@@ -311,6 +324,20 @@ def test_a_component_loaded_by_transformers_or_diffusers_names_its_missing_files
         _load_copy(tiny_distill_dir, tmp_path, lambda folder: (folder / component / remove).unlink())
 
 
+def test_pickled_weights_of_a_component_diffusers_loads_are_refused_too(tiny_distill_dir, tmp_path):
+    """diffusers loads a VAE saved as .bin ("Defaulting to unsafe serialization"): refused as the DiT's are."""
+    def pickled(folder):
+        from safetensors.torch import load_file
+
+        weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+        torch.save(load_file(str(weights)), folder / "vae" / "diffusion_pytorch_model.bin")
+        weights.unlink()
+
+    with pytest.raises(CheckpointError, match=r"Cannot load vae from .*'diffusion_pytorch_model.bin'.*pickled .bin "
+                                              r"weights \(k6serve reads safetensors only"):
+        _load_copy(tiny_distill_dir, tmp_path, pickled)
+
+
 def test_listed_audio_components_must_be_there_and_unlisted_ones_are_warned_of(tiny_distill_dir, tmp_path, caplog):
     import shutil
 
@@ -325,4 +352,4 @@ def test_listed_audio_components_must_be_there_and_unlisted_ones_are_warned_of(t
     with caplog.at_level("WARNING", logger="k6serve.models.kandinsky6.checkpoint"):
         models = _load_copy(tiny_distill_dir, tmp_path / "b", unlist)
     assert not models.has_audio
-    assert "lists no audio_vae and vocoder, so the videos will have no audio track" in caplog.text
+    assert "lists no audio_vae or vocoder, so the videos will have no audio track" in caplog.text

@@ -98,6 +98,7 @@ def test_a_node_rank_outside_the_hosts_is_refused_before_anything_starts(argv, n
     ("2", {"num_gpus": 4, "ulysses_degree": 4}, False),  # 4 video heads / 4 ranks: 1 head each
     ("2", {"num_gpus": 2, "ulysses_degree": 2}, True),   # 2 heads each
     ("2", {"num_gpus": 2, "ring_degree": 2}, True),      # no Ulysses exchange to chunk
+    ("abc", {"num_gpus": 2, "tp_size": 2}, True),        # nor here: a leftover value is not even read
 ])
 def test_ulysses_overlap_chunks_that_cannot_divide_the_heads_are_refused_before_the_ranks_start(
         demo_dir, no_ranks, monkeypatch, chunks, options, ok):

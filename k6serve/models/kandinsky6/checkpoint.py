@@ -91,9 +91,10 @@ def load_generation_models(
     # listed folder that is missing was an internal error with a "check your internet connection" text.
     require_components(folder, index, REQUIRED + (["audio_vae", "vocoder"] if with_audio else []))
     if not with_audio:
-        logger.warning("%s: model_index.json lists no audio_vae and vocoder, so the videos will have no audio track "
-                       "(the released checkpoints have both; copy them from the checkpoint's source for audio).",
-                       folder)
+        unlisted = [name for name in ("audio_vae", "vocoder") if name not in index or index[name][0] is None]
+        logger.warning("%s: model_index.json lists no %s, so the videos will have no audio track (the released "
+                       "checkpoints have audio_vae and vocoder; copy them from the checkpoint's source for audio).",
+                       folder, " or ".join(unlisted))
     scheduler_class = index["scheduler"][1]
     scheduler_config = read_component_config(folder, "scheduler", "scheduler_config.json")
     transformer = load_transformer(folder / "transformer", device=where("transformer"), dtype=dtype)
@@ -165,7 +166,7 @@ def _load_tokenizer(path: Path):
 
     fix = "copy or download the checkpoint again"
     if not any(all((path / name).is_file() for name in names) for names in _VOCABULARY_FILES):
-        present = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        present = _listing(path)
         raise CheckpointError(f"The tokenizer in {path} has no vocabulary: it needs tokenizer.json (or vocab.json "
                               f"and merges.txt) and holds {present}, e.g. after an interrupted download; {fix}.")
     try:
@@ -194,7 +195,8 @@ def _load_transformers(folder: Path, component: str, class_name: str, device: to
 
     cls = getattr(transformers, class_name)
     with _component_load_errors(folder, component):
-        model, info = cls.from_pretrained(str(folder / component), dtype=dtype, output_loading_info=True)
+        model, info = cls.from_pretrained(str(folder / component), dtype=dtype, output_loading_info=True,
+                                          use_safetensors=True)
     _report_loading_info(component, folder, info)
     return model.to(device).eval().requires_grad_(False)
 
@@ -204,7 +206,8 @@ def _load_diffusers(folder: Path, component: str, class_name: str, device: torch
 
     cls = getattr(diffusers, class_name)
     with _component_load_errors(folder, component):
-        model, info = cls.from_pretrained(str(folder / component), torch_dtype=dtype, output_loading_info=True)
+        model, info = cls.from_pretrained(str(folder / component), torch_dtype=dtype, output_loading_info=True,
+                                          use_safetensors=True)
     _report_loading_info(component, folder, info)
     return model.to(device).eval().requires_grad_(False)
 
@@ -219,11 +222,20 @@ def _component_load_errors(folder: Path, component: str):
         yield
     except OSError as exc:
         directory = folder / component
-        present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        present = _listing(directory)
         raise CheckpointError(f"Cannot load {component} from {directory} (it holds {present}): "
                               f"{(str(exc).splitlines() or [type(exc).__name__])[0].rstrip('.')}. The folder lacks "
-                              "files of the component, or holds only a variant's weights (e.g. .fp16.safetensors); "
-                              "copy or download the checkpoint again.") from exc
+                              "files of the component, or holds only a variant's weights (e.g. .fp16.safetensors) "
+                              "or pickled .bin weights (k6serve reads safetensors only, the released format, which "
+                              "cannot run code when loaded); copy or download the checkpoint again.") from exc
+
+
+def _listing(directory: Path) -> list[str]:
+    """The names in `directory`, for an error about it; [] when it is missing or unreadable (the error stands)."""
+    try:
+        return sorted(p.name for p in directory.iterdir())
+    except OSError:
+        return []
 
 
 def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,

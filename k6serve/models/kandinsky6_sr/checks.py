@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from k6serve.models.checkpoint_files import CheckpointError, read_json_file
+from k6serve.models.checkpoint_files import CheckpointError, safetensors_files
 from k6serve.models.kandinsky6_sr.config import SRSchedulerConfig, SRTransformerConfig
 from k6serve.models.kandinsky6_sr.released_configs import DISTILLED_REPO, KNOWN_BAD_FLOW_REVISION
 
@@ -63,21 +63,18 @@ def check_head_fits_scheduler(
 
 def read_tensor_shapes(component_dir: Path, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """Shapes of the named tensors from safetensors headers (no tensor data is read)."""
-    index_path = component_dir / "diffusion_pytorch_model.safetensors.index.json"
-    if index_path.exists():
-        weight_map = read_json_file(index_path).get("weight_map")
-        unnamed = [name for name in names if not isinstance(weight_map, dict) or name not in weight_map]
-        if unnamed:
-            raise CheckpointError(f"{index_path} names no shard for {unnamed}; copy or download the checkpoint "
-                                  "again.")
-        files = {name: component_dir / weight_map[name] for name in names}
-    else:
-        files = {name: component_dir / "diffusion_pytorch_model.safetensors" for name in names}
+    # The files the load reads (`safetensors_files`: an index's shards, the standard file, or the one file of
+    # another name); a tensor no file holds is named, not a KeyError.
     shapes = {}
-    for name, path in files.items():
+    for path in safetensors_files(component_dir):
         with safe_open(path, framework="pt") as handle:
-            shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+            for name in set(names) & set(handle.keys()) - shapes.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    missing = [name for name in names if name not in shapes]
+    if missing:
+        raise CheckpointError(f"{component_dir}'s weights hold no tensor {missing}; copy or download the checkpoint "
+                              "again.")
+    return {name: shapes[name] for name in names}
 
 
 def check_sr_checkpoint(model_dir: str | Path) -> tuple[SRTransformerConfig, SRSchedulerConfig]:
