@@ -18,6 +18,7 @@ import types
 import typing
 import unicodedata
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -272,6 +273,9 @@ class VideoResult:
     width: int
     has_audio: bool = False
     notes: list[str] = field(default_factory=list)
+    # Super-resolution of a source with non-square pixels: their width over height, kept by the output (the MP4 is
+    # tagged with it; scale `frames`' width by it to show them in the source's shape). None: square pixels.
+    sample_aspect_ratio: Fraction | None = None
 
     @property
     def generation_time(self) -> float:

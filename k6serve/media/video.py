@@ -58,6 +58,8 @@ class SourceClip:
     # Frames decoded: less than the source length when decoding stopped early.
     num_decoded_frames: int
     notes: tuple[str, ...]  # what was changed relative to the source, one sentence each
+    # Pixel width over height of the frames (the display rotation applied); None for square pixels.
+    sample_aspect_ratio: Fraction | None = None
 
     @property
     def num_frames(self) -> int:
@@ -156,6 +158,7 @@ def read_sr_source(
         source_indices=summary.source_indices,
         num_decoded_frames=summary.num_decoded_frames,
         notes=summary.notes,
+        sample_aspect_ratio=summary.sample_aspect_ratio,
     )
 
 
@@ -348,8 +351,8 @@ class SRSourceReader:
         sar = self._sample_aspect_ratio
         if sar is not None:
             notes.append(f"the source's pixels are not square (sample aspect ratio {sar.numerator}:{sar.denominator}"
-                         "): the frames are upscaled as stored, and the MP4 is tagged with the ratio so that players "
-                         "show the source's shape")
+                         "): its frames are as stored, which shows them squeezed or stretched until scaled by that "
+                         "ratio")
         if self._transfer in HDR_TRANSFERS:
             hdr = (f"the source is HDR ({HDR_TRANSFERS[self._transfer]} transfer): its code values are upscaled as "
                    "they are and the MP4 is tagged BT.709 SDR, so it looks washed out; tone-map the source to SDR "

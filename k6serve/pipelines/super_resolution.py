@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,9 @@ from k6serve.models.variants import Variant
 from k6serve.offload.components import RESIDENT
 from k6serve.parallel.spatial_shard_decode import spatial_shard_of
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink, final_step_check
-from k6serve.pipelines.sr_plan import plan_upscale
+from k6serve.pipelines.sr_plan import UpscalePlan, plan_upscale
 from k6serve.pipelines.sr_source import read_and_encode
+from k6serve.pipelines.sr_tiling import stretches_aspect
 from k6serve.pipelines.sr_stages import (
     StepCallback,
     assemble_frames,
@@ -49,6 +51,8 @@ class SuperResolutionOutput:
         default_factory=dict
     )  # read, encode, upscale, dit, decode, blend (s); streamed: decode (with the blend), video_sink
     notes: list[str] = field(default_factory=list)
+    # Pixel width over height of the frames: the source's non-square pixels, kept (None: square).
+    sample_aspect_ratio: Fraction | None = None
 
 
 class SuperResolutionPipeline:
@@ -85,6 +89,7 @@ class SuperResolutionPipeline:
                 timings,
             )
         plan, latent = source.plan, source.latent_BCThw
+        sample_aspect_ratio, aspect_note = _output_pixel_shape(source.sample_aspect_ratio, plan)
         with _timed(timings, "upscale", m.device), self.residency.stage("latent_upscaler"):
             lq_tiles = upscale_tiles(m.upscaler, latent, plan)
         sampler = m.sampler()
@@ -106,7 +111,7 @@ class SuperResolutionPipeline:
                 started_at = time.perf_counter()
                 chunks = decode_and_assemble_chunks(m.vae, latents, plan, between_chunks)
                 frames_THWC = feed_video_sink(video_sink, chunks, source.audio, float(source.fps), timings, "decode",
-                                              started_at=started_at, sample_aspect_ratio=source.sample_aspect_ratio)
+                                              started_at=started_at, sample_aspect_ratio=sample_aspect_ratio)
         elif spatial_shard_of(m.vae) is not None:
             # A spatial-shard replica's ranks must make the collectives of the leader, which streams its segments
             # when it saves the MP4: the same segment-major decode here, the blend inside it.
@@ -120,14 +125,32 @@ class SuperResolutionPipeline:
         timings["dit_per_call"] = timings["dit"] / (
             sampler.num_steps * -(-plan.num_tiles // request.tiles_batch_size)
         )
-        notes = [*source.notes, *plan.notes, f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
+        notes = [*source.notes, *plan.notes, *aspect_note,
+                 f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
         return SuperResolutionOutput(
             video=UpscaledVideo(frames_THWC=frames_THWC),
             audio=source.audio,
             fps=float(source.fps),
             timings=timings,
             notes=notes,
+            sample_aspect_ratio=sample_aspect_ratio,
         )
+
+
+def _output_pixel_shape(source_ratio: Fraction | None, plan: UpscalePlan) -> tuple[Fraction | None, list[str]]:
+    """The output's pixel aspect ratio and the note about it. The upscale scales both sides alike, so the source's
+    non-square pixels stay that shape and the output is tagged with their ratio (players then show the source's
+    shape). An 'exact' sr_target_resolution that reshapes the result sets the output's shape itself: its frames
+    are written with square pixels (tagged with the source's ratio they would show at another shape again)."""
+    if source_ratio is None:
+        return None, []
+    ratio = f"{source_ratio.numerator}:{source_ratio.denominator}"
+    if stretches_aspect(plan.delivery_size, plan.crop_size):
+        height, width = plan.delivery_size
+        return None, [f"the 'exact' sr_target_resolution sets the output's shape: its {width}x{height} frames have "
+                      f"square pixels, not the source's {ratio}"]
+    return source_ratio, [f"the output keeps the source's sample aspect ratio {ratio} (the result's "
+                          "sample_aspect_ratio; the MP4 is tagged with it), so players show the source's shape"]
 
 
 @contextmanager

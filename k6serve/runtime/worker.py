@@ -584,4 +584,5 @@ class ModelWorker:
             width=int(frames.shape[2]),
             has_audio=audio is not None,
             notes=notes + result.notes,
+            sample_aspect_ratio=getattr(result, "sample_aspect_ratio", None),  # SR only
         )

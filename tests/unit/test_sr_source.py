@@ -179,3 +179,15 @@ def test_pixel_aspect_ratio_is_turned_with_the_frames():
     assert pixel_aspect_ratio(Fraction(4, 3), 180.0) == Fraction(4, 3)
     assert pixel_aspect_ratio(None, 0.0) is pixel_aspect_ratio(Fraction(1, 1), 90.0) is None
     assert pixel_aspect_ratio(Fraction(0, 1), 0.0) is None  # FFmpeg's "unknown"
+
+
+def test_read_sr_source_gives_the_pixel_shape_with_the_frames(tmp_path):
+    from fractions import Fraction
+
+    path = make_clip(tmp_path / "anamorphic.mp4", width=32, height=32, num_frames=9, fps=24,
+                     sample_aspect_ratio=Fraction(4, 3))
+    clip = read_sr_source(path)
+    assert clip.sample_aspect_ratio == Fraction(4, 3)
+    assert any("pixels are not square (sample aspect ratio 4:3)" in note for note in clip.notes)
+    assert read_sr_source(make_clip(tmp_path / "square.mp4", width=32, height=32, num_frames=9,
+                                    fps=24)).sample_aspect_ratio is None

@@ -220,11 +220,29 @@ def test_an_anamorphic_source_is_upscaled_into_a_file_tagged_with_its_pixel_shap
     params, output = _params(source, tmp_path)
     result = worker.run(params, output)
     expected = Fraction(4, 3) if rotation == 0 else Fraction(3, 4)
-    assert any(f"sample aspect ratio {shown}" in note for note in result.notes)
+    assert result.sample_aspect_ratio == expected  # also for a caller of the frames
+    assert any(f"the output keeps the source's sample aspect ratio {shown}" in note for note in result.notes)
     with av.open(result.output_file_path) as container:
         stream = container.streams.video[0]
         assert (stream.width, stream.height) == ((128, 64) if rotation == 0 else (64, 128))
         assert stream.sample_aspect_ratio == expected
+    params, output = _params(source, tmp_path, save_output=False)
+    assert worker.run(params, output).sample_aspect_ratio == expected  # no file: the ratio is in the result
+
+
+def test_an_exact_target_that_reshapes_an_anamorphic_source_is_written_with_square_pixels(worker, tmp_path):
+    """Tagged with the source's 4:3 after 'exact' had set the shape, a 128x72 output showed at 2.37:1."""
+    import av
+
+    source = make_clip(tmp_path / "anamorphic.mp4", width=64, height=48, num_frames=9, fps=24,
+                       sample_aspect_ratio=Fraction(4, 3))
+    params, output = _params(source, tmp_path, sr_target_resolution="128x72", sr_target_resize_mode="exact")
+    result = worker.run(params, output)
+    assert (result.width, result.height) == (128, 72) and result.sample_aspect_ratio is None
+    assert "the 'exact' sr_target_resolution sets the output's shape: its 128x72 frames have square pixels, not " \
+           "the source's 4:3" in result.notes
+    with av.open(result.output_file_path) as container:
+        assert container.streams.video[0].sample_aspect_ratio in (None, Fraction(1, 1))
 
 
 def test_a_square_pixel_source_writes_the_same_bytes_as_before(worker, clip, tmp_path):
