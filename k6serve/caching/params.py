@@ -169,17 +169,14 @@ def parse_cache_dit_config(value: Any) -> CacheDitParams:
                 except yaml.YAMLError as exc:
                     raise ValueError(f"{source} is not valid YAML: {exc}") from None
                 return _from_config(mapping, source)
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{source} is not valid JSON ({exc}); write a JSON object of cache_dit_params "
-                                 'keys, e.g. {"residual_diff_threshold": 0.12}, or YAML in a .yaml file.') from None
-        else:
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if source == "--cache-dit-config":  # the flag's own text
                 raise ValueError(f"--cache-dit-config is not a valid JSON object ({exc}); e.g. "
                                  '\'{"residual_diff_threshold": 0.12}\', or a .json / .yaml file.') from None
+            raise ValueError(f"{source} is not valid JSON ({exc}); write a JSON object of cache_dit_params keys, "
+                             'e.g. {"residual_diff_threshold": 0.12}, or YAML in a .yaml file.') from None
     return _from_config(value, source)
 
 

@@ -92,15 +92,20 @@ def _local_folder_near(model_path: str) -> str | None:
     """For a hub id that could not be fetched, whose first part is a local folder ("ckpt/distil" where ckpt/
     exists): most likely a mistyped local path, which was reported as a hub id only."""
     parent = Path(model_path).parent
-    try:
-        names = sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else None
-    except OSError:  # unreadable: the hub error stands alone
-        names = None
-    if names is None:
+    if not parent.is_dir():
         return None
+    names = [name for name in folder_listing(parent) if (parent / name).is_dir()]
     shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
     return (f"If {model_path!r} is meant as a local folder: there is none, though {str(parent)!r} exists and holds "
             f"{'the folders ' + shown if names else 'no folders'}.")
+
+
+def folder_listing(directory: Path) -> list[str]:
+    """The names in `directory`, for an error about it; [] when it is missing or unreadable (the error stands)."""
+    try:
+        return sorted(p.name for p in directory.iterdir())
+    except OSError:
+        return []
 
 
 def check_checkpoint_files(folder: Path, fix: str) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from k6serve.models.checkpoint_files import (
     CheckpointError,
     check_state_dict,
+    folder_listing,
     load_state_dict,
     read_component_config,
     read_json_file,
@@ -86,12 +87,12 @@ def load_generation_models(
         return _build_dummy(variant, device=device, dtype=dtype, where=where)
     assert folder is not None
     index = read_model_index(folder)
-    with_audio = "audio_vae" in index and "vocoder" in index and index["audio_vae"][0] is not None
+    unlisted = [name for name in ("audio_vae", "vocoder") if name not in index or index[name][0] is None]
+    with_audio = not unlisted
     # The audio components are optional, as in diffusers (no audio track then), but listed ones must be there: a
     # listed folder that is missing was an internal error with a "check your internet connection" text.
     require_components(folder, index, REQUIRED + (["audio_vae", "vocoder"] if with_audio else []))
     if not with_audio:
-        unlisted = [name for name in ("audio_vae", "vocoder") if name not in index or index[name][0] is None]
         logger.warning("%s: model_index.json lists no %s, so the videos will have no audio track (the released "
                        "checkpoints have audio_vae and vocoder; copy them from the checkpoint's source for audio).",
                        folder, " or ".join(unlisted))
@@ -166,7 +167,7 @@ def _load_tokenizer(path: Path):
 
     fix = "copy or download the checkpoint again"
     if not any(all((path / name).is_file() for name in names) for names in _VOCABULARY_FILES):
-        present = _listing(path)
+        present = folder_listing(path)
         raise CheckpointError(f"The tokenizer in {path} has no vocabulary: it needs tokenizer.json (or vocab.json "
                               f"and merges.txt) and holds {present}, e.g. after an interrupted download; {fix}.")
     try:
@@ -222,20 +223,12 @@ def _component_load_errors(folder: Path, component: str):
         yield
     except OSError as exc:
         directory = folder / component
-        present = _listing(directory)
+        present = folder_listing(directory)
         raise CheckpointError(f"Cannot load {component} from {directory} (it holds {present}): "
                               f"{(str(exc).splitlines() or [type(exc).__name__])[0].rstrip('.')}. The folder lacks "
                               "files of the component, or holds only a variant's weights (e.g. .fp16.safetensors) "
                               "or pickled .bin weights (k6serve reads safetensors only, the released format, which "
                               "cannot run code when loaded); copy or download the checkpoint again.") from exc
-
-
-def _listing(directory: Path) -> list[str]:
-    """The names in `directory`, for an error about it; [] when it is missing or unreadable (the error stands)."""
-    try:
-        return sorted(p.name for p in directory.iterdir())
-    except OSError:
-        return []
 
 
 def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
