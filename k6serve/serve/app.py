@@ -10,11 +10,13 @@ import errno
 import hmac
 import logging
 import os
+import re
 import signal
 import socket
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,21 +81,44 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
-class IgnoreTrailingSlash:
-    """Pure ASGI: `/v1/videos/` is `/v1/videos`. Starlette answered it with a bodiless 307 redirect, which curl
-    (without -L) and clients that do not follow redirects on POST showed as an empty reply. Outermost, so that the
-    key check sees the same path as the router."""
+class NormaliseRequestTarget:
+    """Pure ASGI: the router sees one path per resource.
+
+    - `/v1/videos/` is `/v1/videos`. Starlette answered it with a bodiless 307 redirect, which curl (without -L) and
+      clients that do not follow redirects on POST showed as an empty reply.
+    - An absolute-form target (`GET http://host:port/v1/videos HTTP/1.1`) is its path: RFC 9112 (3.2.2) says a
+      server MUST accept it, and clients configured to talk through a proxy that forwards targets unchanged send it.
+      uvicorn puts the whole URL in `path`, which was a 404 "no route GET /http://...". The host in it is not
+      checked against ours: the server has one site, whatever name it is reached by (as with `Host`).
+
+    Outermost but for the framing check, so that the key check sees the same path as the router."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
-            scope = {**scope, "path": path.rstrip("/") or "/"}
-            if scope.get("raw_path"):  # percent-encoded as sent: strip it alike rather than re-encode `path`
-                scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
+        if scope["type"] == "http":
+            scope = _origin_form(scope)
+            path = scope.get("path", "")
+            if len(path) > 1 and path.endswith("/"):
+                scope = {**scope, "path": path.rstrip("/") or "/"}
+                if scope.get("raw_path"):  # percent-encoded as sent: strip it alike rather than re-encode `path`
+                    scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
         await self.app(scope, receive, send)
+
+
+_ABSOLUTE_FORM = re.compile(rb"^https?://[^/?#]*", re.IGNORECASE)
+
+
+def _origin_form(scope: Scope) -> Scope:
+    """`scope` with an absolute-form target's scheme and authority dropped from `raw_path` and `path` (`http://h/x`
+    -> `/x`, `http://h` -> `/`); any other scope as it is. The query string is uvicorn's already."""
+    raw = scope.get("raw_path") or b""
+    match = _ABSOLUTE_FORM.match(raw)
+    if match is None:
+        return scope
+    raw_path = raw[match.end():] or b"/"
+    return {**scope, "raw_path": raw_path, "path": urllib.parse.unquote(raw_path.decode("latin-1"))}
 
 
 SUPPORTED_HTTP_VERSIONS = ("1.0", "1.1")
@@ -185,7 +210,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     app.openapi = lambda: _openapi(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
-    app.add_middleware(IgnoreTrailingSlash)
+    app.add_middleware(NormaliseRequestTarget)
     app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -250,6 +252,37 @@ def test_a_trailing_slash_reaches_the_same_route_not_a_bodiless_redirect(fake_se
     missing = fake_client.get("/v1/nothing/")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wait_for(fake_client, job_id)
+
+
+def _raw_get(base_url: str, target: str) -> tuple[int, bytes]:
+    """GET `target` exactly as written on the request line: (status, body)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_an_absolute_form_target_reaches_its_route(fake_server, fake_client):
+    """RFC 9112 3.2.2: a server MUST accept `GET http://host/path` (what clients send through a forwarding proxy);
+    uvicorn put the whole URL in the path, a 404 "no route GET /http://..."."""
+    job = fake_client.post("/v1/videos", json={"prompt": "absolute", "size": "32x32", "num_frames": 5}).json()
+    base = fake_server.base_url
+    status, body = _raw_get(base, f"{base}/v1/videos/{job['id']}")
+    assert status == 200 and json.loads(body)["id"] == job["id"]
+    status, body = _raw_get(base, f"HTTPS{base[4:]}/v1/videos/?limit=1")  # any case, either scheme
+    assert status == 200 and len(json.loads(body)["data"]) == 1
+    status, body = _raw_get(base, "http://another.name:1/v1/models")  # one site, whatever name reaches it
+    assert status == 200 and json.loads(body)["data"]
+    status, body = _raw_get(base, "https://x/v1/nothing%2Fhere")
+    assert status == 404 and "GET /v1/nothing/here " in json.loads(body)["error"]["message"]
+    assert _raw_get(base, "http://x")[0] == 404  # the bare authority is "/", which has no route
+    status, body = _raw_get(base, "/v1/http://x/v1/models")  # only a target that starts with a scheme is absolute
+    assert status == 404
+    wait_for(fake_client, job["id"])
 
 
 def test_content_is_an_mp4_with_range_support(fake_client, tmp_path):
