@@ -390,7 +390,8 @@ def _model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
     `options`; both, naming different models, is an error rather than a guess."""
     in_options = options.pop("model_path", None)
     if model_path is None and in_options is None:
-        raise ValueError("from_pretrained() needs the model: model_path='demo' (the built-in tiny checkpoint), a "
+        raise ValueError("from_pretrained() needs the model: model_path='demo' or 'demo-sr' (the built-in tiny "
+                         "generation / super-resolution checkpoints), a "
                          "local Diffusers folder or a hub id, e.g. "
                          "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'.")
     if model_path is not None and in_options is not None and os.fspath(model_path) != os.fspath(in_options):
@@ -447,8 +448,8 @@ class DiffGenerator:
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike[str] | None = None, *, local_mode: bool = True,
                         server_args: Mapping[str, Any] | None = None, **kwargs: Any) -> "DiffGenerator":
-        """Load `model_path` (a local Diffusers folder, a hub id, or "demo": the built-in tiny random checkpoint)
-        and start its worker processes. `kwargs` are the engine options, the CLI's flags with underscores
+        """Load `model_path` (a local Diffusers folder, a hub id, or "demo" / "demo-sr": the built-in tiny random
+        checkpoints) and start its worker processes. `kwargs` are the engine options, the CLI's flags with underscores
         (num_gpus, performance_mode, attention_backend, warmup_mode, device, ...; docs/cli.md lists them). A bad
         option raises ValueError before anything loads, naming the keywords (e.g. `num_gpus=4`); request
         parameters (prompt, seed, ...) go to `generate`.

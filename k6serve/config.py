@@ -91,7 +91,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.model_path:
-            raise ValueError("--model-path is required (a local Diffusers folder, a hub id, or 'demo').")
+            raise ValueError("--model-path is required (a local Diffusers folder, a hub id, or 'demo' / 'demo-sr').")
         object.__setattr__(self, "quantization_ignored_layers", _layer_patterns(self.quantization_ignored_layers))
         _check_field_types(self)
         if self.quantization not in QUANTIZATIONS:

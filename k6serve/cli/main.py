@@ -41,10 +41,11 @@ from k6serve.request import SamplingParams, parameter_fields
 logger = logging.getLogger(__name__)
 
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("model_path", dict(help="Local Diffusers checkpoint folder, hub id, or 'demo' (built-in tiny random model).")),
+    ("model_path", dict(help="Local Diffusers checkpoint folder, hub id, or 'demo' / 'demo-sr' (built-in tiny random "
+                             "generation / super-resolution models).")),
     ("model_id", dict(help="Released model name to route a renamed folder (e.g. Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
     ("revision", dict(help="Hub revision (branch, tag or commit) to download; ignored, with a warning, for a local "
-                        "folder, demo or --load-format dummy.")),
+                        "folder, the demos or --load-format dummy.")),
     ("load_format", dict(choices=LOAD_FORMATS, help="auto (default): the checkpoint's weights; 'dummy' builds the "
                          "released sizes with random weights (benchmarks).")),
     ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto, the default: bfloat16 on CUDA, float32 on "
@@ -679,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         options = merged_options(args, parser)
         engine, request = split_options(options)
         if "model_path" not in engine:
-            raise ValueError("--model-path is required (a checkpoint folder, a hub id, or 'demo').")
+            raise ValueError("--model-path is required (a checkpoint folder, a hub id, or 'demo' / 'demo-sr').")
         if _hosts_no_engine(engine):
             return _serve_worker_ranks(engine)
         _check_lora_flags(args.command, engine, request)

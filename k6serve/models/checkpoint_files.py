@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from k6serve.testing.demo_location import DEMO_MODEL_PATHS
+
 logger = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -44,7 +46,7 @@ def variant_before_loading(model_path: str, model_id: str | None, load_format: s
     from k6serve.models.variants import recognise
 
     folder = None
-    if load_format != "dummy" and (model_path == "demo" or Path(model_path).expanduser().exists()):
+    if load_format != "dummy" and (model_path in DEMO_MODEL_PATHS or Path(model_path).expanduser().exists()):
         folder = resolve_checkpoint(model_path)
     try:
         return recognise(model_path, model_id, folder), folder
@@ -54,15 +56,15 @@ def variant_before_loading(model_path: str, model_id: str | None, load_format: s
 
 def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
     """A local folder, or a hub id fetched (or found in the local cache) through huggingface_hub."""
-    if model_path == "demo":
+    if model_path in DEMO_MODEL_PATHS:
         from k6serve.testing.demo_location import built_demo_checkpoint
 
-        built = built_demo_checkpoint()
+        built = built_demo_checkpoint(DEMO_MODEL_PATHS[model_path])
         if built is not None:  # the usual case; the builder imports diffusers and transformers (seconds)
             return built
         from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
 
-        return ensure_demo_checkpoint()
+        return ensure_demo_checkpoint(DEMO_MODEL_PATHS[model_path])
     local = Path(model_path).expanduser()
     if local.exists():
         if not local.is_dir():
@@ -172,8 +174,8 @@ def ignored_revision_note(model_path: str, revision: str | None, load_format: st
         return None
     if load_format == "dummy":
         where = "--load-format dummy builds random weights and downloads nothing"
-    elif model_path == "demo":
-        where = "'demo' is the built-in tiny checkpoint"
+    elif model_path in DEMO_MODEL_PATHS:
+        where = f"{model_path!r} is a built-in tiny checkpoint"
     elif Path(model_path).expanduser().exists():
         where = f"{model_path!r} is a local folder, used as it is"
     else:

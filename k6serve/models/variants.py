@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,8 @@ def variant_from_folder(folder: Path) -> Variant:
 
 
 def demo_variant(marker: dict) -> Variant:
+    if marker.get("variant") == "sr":  # `demo-sr`: the distilled VSR's defaults (x2.25, 2 steps per tile)
+        return dataclasses.replace(VARIANTS["vsr-distilled2steps"], name="demo-sr", hub_id=None, is_demo=True)
     defaults = marker.get("defaults", {})
     distilled = marker.get("variant", "distill") == "distill"
     return Variant(

@@ -172,9 +172,10 @@ class ModelWorker:
         self.load_time_s = time.perf_counter() - start
         if self.variant.is_demo:
             # The one announcement, for the CLI, the API and the server alike (the CLI printed its own too).
-            logger.warning("Serving the built-in tiny demo checkpoint: its weights are random, so the video and audio "
-                           "are noise. Pass a real Kandinsky 6 checkpoint as the model path for real output.",
-                           extra=ONCE)
+            noise = ("the upscaled video is noise (the source's audio is kept)" if self.variant.family != GENERATION
+                     else "the video and audio are noise")
+            logger.warning("Serving the built-in tiny demo checkpoint: its weights are random, so %s. Pass a real "
+                           "Kandinsky 6 checkpoint as the model path for real output.", noise, extra=ONCE)
         self.warmed_up = False
         self.gc_freezer = CompileGcFreezer()
         # `--warmup-mode server`: each shape warmed at start with what it cost, and their total (also logged).

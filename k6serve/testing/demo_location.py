@@ -11,7 +11,10 @@ from pathlib import Path
 DEMO_FORMAT_VERSION = 1
 DEMO_MARKER_NAME = "k6serve_demo.json"
 DEMO_DEFAULTS = {"height": 64, "width": 96, "num_frames": 17, "fps": 24}
-_DEMO_KINDS = ("t2av",)
+# `--model-path` names of the built-in checkpoints and their kinds: generation (T2AV / TI2AV) and super-resolution
+# (the distilled 2-step VSR, so that the SR surfaces, the ComfyUI Upscale node included, can be tried offline too).
+DEMO_MODEL_PATHS = {"demo": "t2av", "demo-sr": "sr"}
+_DEMO_FOLDERS = {"t2av": "kandinsky6-demo-distill", "sr": "kandinsky6-demo-sr"}
 
 
 def demo_cache_root() -> Path:
@@ -21,11 +24,11 @@ def demo_cache_root() -> Path:
 
 def demo_checkpoint_dir(kind: str = "t2av") -> Path:
     """The folder the demo checkpoint of `kind` is (or will be) built in."""
-    if kind not in _DEMO_KINDS:
+    if kind not in _DEMO_FOLDERS:
         raise ValueError(
-            f"unknown demo checkpoint kind {kind!r}; use one of {', '.join(_DEMO_KINDS)}"
+            f"unknown demo checkpoint kind {kind!r}; use one of {', '.join(_DEMO_FOLDERS)}"
         )
-    return demo_cache_root() / "demo" / f"kandinsky6-demo-distill-v{DEMO_FORMAT_VERSION}"
+    return demo_cache_root() / "demo" / f"{_DEMO_FOLDERS[kind]}-v{DEMO_FORMAT_VERSION}"
 
 
 def built_demo_checkpoint(kind: str = "t2av") -> Path | None:

@@ -298,8 +298,14 @@ def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
     build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
     build_dir.chmod(0o755)
     try:
-        build_generation_checkpoint(build_dir, "distill", seed=0)
-        marker = {"demo": True, "variant": "distill", "defaults": DEMO_DEFAULTS}
+        if kind == "sr":
+            from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
+
+            build_sr_checkpoint(build_dir, head="distilled", seed=0)
+            marker = {"demo": True, "variant": "sr"}
+        else:
+            build_generation_checkpoint(build_dir, "distill", seed=0)
+            marker = {"demo": True, "variant": "distill", "defaults": DEMO_DEFAULTS}
         (build_dir / DEMO_MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
         try:
             os.rename(build_dir, final_dir)

@@ -761,7 +761,7 @@ def test_api_no_save_output_notes_an_ignored_file_name(generator, tmp_path):
 
 @pytest.mark.parametrize(("model_path", "load_format", "ignored_because"), [
     ("{folder}", "auto", "is a local folder, used as it is"),
-    ("demo", "auto", "'demo' is the built-in tiny checkpoint"),
+    ("demo", "auto", "'demo' is a built-in tiny checkpoint"),
     # The API's words: the keyword it was given (the CLI's warning names --load-format dummy).
     ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "dummy", "load_format='dummy' builds random weights"),
     ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "auto", None),

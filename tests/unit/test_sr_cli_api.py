@@ -7,6 +7,7 @@ silent 24 fps clips. The tiny K-VAE's latent cell is 8 px and its x2 input tiles
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 
@@ -18,6 +19,7 @@ from k6serve.api import DiffGenerator
 from k6serve.cli.main import main
 from k6serve.media.mux import AAC_FRAME_SIZE
 from k6serve.media.probe import probe
+from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.testing.clips import make_clip
 
@@ -202,6 +204,30 @@ def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys, in_p
     assert [p.name for p in (tmp_path / "named").iterdir()] == ["mine.mp4"]
     assert probe(tmp_path / "named" / "mine.mp4").has_audio
     assert "saved" in capsys.readouterr().out
+
+
+def test_cli_runs_the_built_in_sr_demo(clips, tmp_path, caplog, in_process_worker, monkeypatch):
+    """`--model-path demo-sr`: the tiny random-weight distilled VSR, built once under K6SERVE_CACHE (the same
+    checkpoint as tiny_sr_dir), so the SR surfaces can be tried offline as `demo` lets generation be tried."""
+    from k6serve.testing.tiny_sr_checkpoint import TINY_TILE_SIZES
+
+    monkeypatch.setenv("K6SERVE_CACHE", str(tmp_path / "cache"))
+    assert _cli("demo-sr", clips["silent24"], tmp_path / "out", "--revision", "main") == 0
+    (written,) = (tmp_path / "out").iterdir()
+    info = probe(written)
+    assert (info.width, info.height, info.num_frames) == (128, 64, 9)
+    assert "revision 'main' is ignored: it only picks the revision a hub id downloads, and 'demo-sr' is a " \
+           "built-in tiny checkpoint." in caplog.text
+    assert "the upscaled video is noise (the source's audio is kept)" in caplog.text
+    (built,) = (tmp_path / "cache" / "demo").iterdir()
+    assert built.name == "kandinsky6-demo-sr-v1"
+    assert json.loads((built / "k6serve_demo.json").read_text()) == {"demo": True, "variant": "sr"}
+    assert json.loads((built / "model_index.json").read_text())["_class_name"] == "Kandinsky6SRPipeline"
+    (worker,) = in_process_worker
+    assert (worker.variant.name, worker.variant.family, worker.variant.is_demo) == ("demo-sr", "super_resolution", True)
+    assert (worker.variant.num_inference_steps, worker.variant.hub_id) == (2, None)
+    tiling = sr_tiling_before_loading("demo-sr", None, "auto")
+    assert (tiling.tile_sizes, tiling.snap) == (TINY_TILE_SIZES, 8)
 
 
 def test_cli_refuses_a_source_smaller_than_a_tile_before_the_load(tiny_sr_dir, clips, tmp_path, capsys, no_ranks):
