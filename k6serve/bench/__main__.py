@@ -45,7 +45,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k6serve bench", description=__doc__.split("\n\n")[0])
+    # allow_abbrev=False as generate and serve: "--rep 1" must not silently be --repeats.
+    parser = argparse.ArgumentParser(prog="k6serve bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument(
         "--stage",
         action="append",

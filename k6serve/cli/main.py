@@ -121,8 +121,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                 "request of it. SR: source clip sizes (F default 121).")),
     ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
                                                         "bf16 rounding differs from eager, see docs/benchmarks.md). "
-                                                        "--performance-mode speed only (the others run eager; "
-                                                        "default false).")),
+                                                        "--performance-mode speed only (refused under the others, "
+                                                        "which run eager; default false).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
                         "decode). auto (default): on with --performance-mode memory on a GPU.")),

@@ -90,6 +90,7 @@ from k6serve.serve.schemas import (
     parse_create_body,
     parse_lora_body,
     parse_memory_body,
+    seconds_rounding_note,
     to_sampling_params,
 )
 from k6serve.serve.settings import ServerSettings
@@ -263,6 +264,8 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields, video_size)
         if isinstance(resolved, GenerateRequest):
             size, seconds = size_text(resolved.height, resolved.width), seconds_text(resolved.num_frames, resolved.fps)
+            rounded = seconds_rounding_note(body.seconds, resolved.num_frames, resolved.fps)
+            notes = [*notes, *([rounded] if rounded else [])]
         else:
             # After the readability check, so a source that is no video keeps that check's 400.
             try:

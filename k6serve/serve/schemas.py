@@ -64,7 +64,7 @@ def _http_field_definitions() -> dict[str, Any]:
     definitions["size"] = (str | None, Field(default=None, description="OpenAI size 'WxH', width first "
                                                                        "(e.g. '768x512'); same as width+height."))
     definitions["seconds"] = (str | float | None, Field(
-        default=None, description="Duration; mapped to num_frames = round(seconds*fps) rounded down to 4k+1."))
+        default=None, description="Duration; mapped to num_frames = round(seconds*fps), then n // 4 * 4 + 1."))
     definitions["request_id"] = (str | None, Field(
         default=None, pattern=REQUEST_ID_PATTERN,
         description="The job's id, chosen by the client: 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or "
@@ -307,6 +307,17 @@ def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float
         raise ApiError(400, f"seconds={seconds} gives {frames} frames at {fps:g} fps but num_frames={num_frames}; "
                             "send one of them.", code="invalid_parameter", param="seconds")
     return frames
+
+
+def seconds_rounding_note(seconds: str | float | None, num_frames: int, fps: float) -> str | None:
+    """The job's warning when `seconds` (already accepted by `to_sampling_params`) did not come to a 4k+1 frame
+    count, so `num_frames` (what runs) is another duration: said as a `num_frames` off the rule is said, since the
+    client sent no frame count to see it in."""
+    frames = max(1, round(float(seconds) * fps)) if seconds is not None else num_frames
+    if frames == num_frames:
+        return None
+    return (f"seconds {seconds} at {fps:g} fps is {frames} frames, not of the form 4k+1; using {num_frames} "
+            f"({num_frames / fps:g} s; n // 4 * 4 + 1 frames, as the reference).")
 
 
 def input_reference_target(*, super_resolution: bool) -> str:

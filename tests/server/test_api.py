@@ -29,6 +29,11 @@ def test_json_create_completes_with_every_job_field(fake_client):
     assert job["id"].startswith("video_")
     # size is width first; 2 s at 24 fps = 48 frames -> 49 by the (n // 4) * 4 + 1 rule -> 2.04167 s.
     assert job["size"] == "96x64" and job["seconds"] == "2.04167"
+    # Said, as a num_frames off the rule is said (it was silent: the client sent no frame count to see it in).
+    assert job["warnings"] == ["seconds 2 at 24 fps is 48 frames, not of the form 4k+1; using 49 (2.04167 s; "
+                               "n // 4 * 4 + 1 frames, as the reference)."]
+    exact = fake_client.post("/v1/videos", json={"prompt": "a red fox", "size": "96x64", "seconds": 0.375}).json()
+    assert exact["seconds"] == "0.375" and exact["warnings"] == []  # 9 frames: 4k+1 already
     done = wait_for(fake_client, job["id"])
     assert done["status"] == "completed" and done["progress"] == 100
     assert done["model"] == "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"

@@ -365,15 +365,17 @@ def test_sr_output_never_replaces_the_source(sr_generator, sr_clip):
     assert sr_clip.read_bytes() == before
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_cli_reference_shows_the_exact_help(command, monkeypatch):
-    """docs/cli.md's usage blocks are `k6serve <command> --help` at 120 columns, word for word."""
+    """docs/cli.md's usage blocks are `k6serve <command> --help` at 120 columns, word for word (bench's flags were
+    documented nowhere)."""
     from pathlib import Path
 
+    from k6serve.bench.__main__ import build_parser as build_bench_parser
     from k6serve.cli.main import build_parser
 
     monkeypatch.setenv("COLUMNS", "120")
-    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    sub = build_bench_parser() if command == "bench" else build_parser()._subparsers._group_actions[0].choices[command]
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     block = re.search(rf"```\n(usage: k6serve {command} .*?)```", text, re.DOTALL)
     assert block is not None and block.group(1) == sub.format_help()

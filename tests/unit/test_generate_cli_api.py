@@ -202,9 +202,11 @@ def test_cli_reference_lists_every_flag():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    from k6serve.bench.__main__ import build_parser as build_bench_parser
+
     parser = build_parser()
-    for command in ("generate", "serve"):
-        sub = parser._subparsers._group_actions[0].choices[command]
+    for command in ("generate", "serve", "bench"):
+        sub = build_bench_parser() if command == "bench" else parser._subparsers._group_actions[0].choices[command]
         for action in sub._actions:
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":

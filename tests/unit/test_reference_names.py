@@ -160,6 +160,10 @@ def test_flags_are_not_abbreviated(capsys):
     assert main(["serve", "--model-path", "demo", "--ulysses", "2"]) == 2
     assert "unrecognized arguments: --ulysses (--ulysses: flags are written whole; did you mean '--ulysses-degree'?)" \
         in capsys.readouterr().err
+    # `k6serve bench` has its own parser: `--rep 1 --compile-b eager` ran as --repeats 1 --compile-backend eager.
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--tiny", "--rep", "1"])
+    assert exited.value.code == 2 and "k6serve bench: error: unrecognized arguments: --rep 1" in capsys.readouterr().err
 
 
 def test_a_typo_gets_the_flag_it_resembles_and_other_arguments_the_plain_message(capsys):
