@@ -606,7 +606,8 @@ class DiffGenerator:
 
     def shutdown(self) -> None:
         """Finish the running requests, then stop the worker processes; later requests raise RuntimeError. Calling
-        it again does nothing."""
+        it again does nothing. Requests still running after 30 s are cancelled at their next step (their callers get
+        RequestCancelled saying so), and those queued behind them do not start."""
         _RUNNING.discard(self)
         self._shutdown()
 

@@ -24,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -61,9 +62,12 @@ class EngineJob:
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str | None = None  # said after "cancelled at step i/n" when the caller did not ask for it
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str | None = None) -> None:
         """Cancel now if still queued, else at the next step boundary."""
+        if reason is not None:
+            self.cancel_reason = reason
         self.cancelled.set()
         if not self.started.is_set():
             self.future.cancel()
@@ -86,6 +90,9 @@ class MemoryJob:
 
 
 _STOP = object()
+# How long shutdown() waits, after cancelling the requests still running, for them to reach a step boundary before
+# it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 takes 6-8 s on an H200.
+SHUTDOWN_CANCEL_WAIT_S = 60.0
 
 
 def _interruptible_result(future: Future) -> Any:
@@ -110,7 +117,8 @@ def _cancellation_point(job: EngineJob) -> ProgressCallback:
         final_step_reported = final_step_reported or step >= total
         if job.cancelled.is_set():
             where = f"during the video decode (after step {step}/{total})" if in_decode else f"at step {step}/{total}"
-            raise RequestCancelled(f"request {job.id} was cancelled {where}")
+            why = f": {job.cancel_reason}" if job.cancel_reason else ""
+            raise RequestCancelled(f"request {job.id} was cancelled {where}{why}")
 
     return on_step
 
@@ -153,6 +161,8 @@ class Engine:
         self._taking = threading.Lock()
         self._idle = threading.Condition()  # notified whenever a request ends
         self._num_running = 0
+        self._running: set[EngineJob] = set()  # under `_idle`
+        self._shutdown_reason: str | None = None  # set by a shutdown() that stopped waiting; under `_idle`
         self._memory_released = False
         self._held: deque[EngineJob | LoraJob] = deque()  # taken while released, run after the resume; `_taking`
         for thread in self._threads:
@@ -278,17 +288,22 @@ class Engine:
                 job.started.set()
                 with self._idle:
                     self._num_running += 1
+                    self._running.add(job)
+                    if self._shutdown_reason is not None:
+                        job.cancel(self._shutdown_reason)
             try:
                 self._run(job)
             finally:
                 with self._idle:
                     self._num_running -= 1
+                    self._running.discard(job)
                     self._idle.notify_all()
 
     def _run(self, job: EngineJob) -> None:
         try:
             if job.cancelled.is_set():
-                raise RequestCancelled(f"request {job.id} was cancelled before it started")
+                why = f": {job.cancel_reason}" if job.cancel_reason else ""
+                raise RequestCancelled(f"request {job.id} was cancelled before it started{why}")
             result = self.worker.run(job.params, job.output, on_step=_cancellation_point(job))
         except BaseException as exc:  # every failure belongs to this request, not to the engine
             if job.log_failure and not isinstance(exc, (RequestCancelled, ValueError)):
@@ -318,15 +333,30 @@ class Engine:
         return memory_reply(operation, reports, num_waiting=len(self._held))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Finish the running requests, stop the loop threads, then close the worker (its processes)."""
+        """Finish the requests submitted before it, stop the loop threads, then close the worker (its processes).
+
+        A request still running after `timeout` seconds is cancelled at its next step (or decode chunk) boundary,
+        its caller told why, before the worker closes: closing under it stopped its ranks mid-request, which failed
+        it 30 s later as "AssertionError: Shutdown()" (a notebook's shutdown() beside a long request, or the
+        interpreter exiting with one running in a daemon thread)."""
         with self._closing:
             if self._closed:
                 return
             self._closed = True
             for _ in self._threads:
                 self._queue.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
+            reason = f"the engine was shut down (it waited {timeout:g} s for the requests before it to finish)"
+            with self._idle:
+                self._shutdown_reason = reason  # the requests still queued behind the running ones: not started
+                running = list(self._running)
+            for job in running:
+                job.cancel(reason)
+            for thread in self._threads:
+                thread.join(SHUTDOWN_CANCEL_WAIT_S)
         while self._held:
             held = self._held.popleft()
             if held.future.set_running_or_notify_cancel():

@@ -117,6 +117,35 @@ def test_a_request_racing_shutdown_runs_or_fails_but_never_hangs():
         engine.generate(SamplingParams(prompt="after", num_inference_steps=1))
 
 
+def test_shutdown_cancels_a_request_still_running_after_its_wait_and_says_why():
+    """shutdown() closed the worker under a request still running after its 30 s wait: the ranks stopped
+    mid-request and the caller got "AssertionError: Shutdown()" (a notebook's shutdown() beside a long request; the
+    interpreter exiting with one in a daemon thread). It is cancelled at its next step now, and told why; the
+    request queued behind it is not started."""
+    worker = StepWorker(step_s=0.05)
+    engine = Engine(fake_config(), worker=worker)
+    running = engine.submit(SamplingParams(prompt="long", num_inference_steps=400))
+    queued = engine.submit(SamplingParams(prompt="next", num_inference_steps=1))
+    running.started.wait(5)
+    start = time.monotonic()
+    engine.shutdown(timeout=0.3)
+    assert time.monotonic() - start < 5
+    with pytest.raises(RequestCancelled, match=r"^request req-\d+ was cancelled at step \d+/400: the engine was shut "
+                                               r"down \(it waited 0.3 s for the requests before it to finish\)$"):
+        running.future.result(timeout=0)
+    with pytest.raises(RequestCancelled, match=r"cancelled before it started: the engine was shut down"):
+        queued.future.result(timeout=0)
+    assert len(worker.cancelled) == 1 and worker.cancelled[0] < 400
+
+
+def test_shutdown_lets_a_request_that_ends_within_the_wait_finish():
+    engine = Engine(fake_config(), worker=StepWorker(step_s=0.02))
+    job = engine.submit(SamplingParams(prompt="short", num_inference_steps=5))
+    job.started.wait(5)
+    engine.shutdown(timeout=10)
+    assert job.future.result(timeout=0).notes == ["steps=5"]
+
+
 def test_upscale_takes_a_progress_callback(tmp_path):
     from k6serve.api import DiffGenerator
 
