@@ -8,15 +8,19 @@ wins.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -578,6 +582,41 @@ EXIT_SYSTEM_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
+
+class _StopSignals:
+    """`k6serve generate` stops at SIGTERM (`timeout`, `kill`, a job scheduler) and SIGHUP (the terminal closed) as at
+    Ctrl-C: the request is cancelled at its next step, its temporary file removed, a --prompt-file-path run says
+    which prompts ran, and the exit code is 128 + the signal's number. Their default action ended the process on the
+    spot: no message, no summary, a hidden `.part` file left in the output folder. (`serve` has uvicorn's handling.)
+    """
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers while the block runs (main() is also called in-process, by tests and scripts); none outside
+        the main thread, the only one where Python sets them."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {signum: signal.signal(signum, self._raise) for signum in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _raise(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    def how(self) -> tuple[str, int]:
+        """The words for the last line and the exit code."""
+        if self.received is None:
+            return "interrupted (Ctrl-C)", EXIT_INTERRUPTED
+        return f"stopped by {self.received.name}", 128 + int(self.received)
+
 _OS_ERROR_FIXES = {
     errno.ENOSPC: "free space on that disk",
     errno.EDQUOT: "free space in your disk quota",
@@ -676,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     request: dict[str, Any] = {}
     engine: dict[str, Any] = {}
+    stop_signals = _StopSignals()
     try:
         options = merged_options(args, parser)
         engine, request = split_options(options)
@@ -694,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from k6serve.cli.generate import run_generate
 
-            return run_generate(engine, request)
+            with stop_signals.installed():
+                return run_generate(engine, request)
         from k6serve.cli.serve_flags import run_serve
 
         return run_serve(engine, request)
@@ -708,8 +749,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_traceback(exc, args.log_level)
         # generate's says what it stopped (cli/generate.py: Interrupted); a Ctrl-C before it knew, nothing.
         stopped = str(exc) if args.command == "generate" and type(exc) is not KeyboardInterrupt else ""
-        print(f"error: interrupted (Ctrl-C){stopped}.", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        how, code = stop_signals.how()
+        print(f"error: {how}{stopped}.", file=sys.stderr)
+        return code
     except OSError as exc:
         _print_traceback(exc, args.log_level)
         print(f"error: {describe_os_error(exc, request.get('output_path', 'outputs'))}", file=sys.stderr)

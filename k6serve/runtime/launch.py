@@ -201,10 +201,16 @@ def share_cpu_cores(ranks_on_host: int) -> int:
     return threads
 
 
+# The signals a rank the engine started leaves to the engine (ignored there, blocked while it starts): a terminal's
+# Ctrl-C and closing (SIGHUP) reach the whole process group, and so does `timeout`'s SIGTERM.
+ENGINE_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def start_process(target: Callable[..., None], args: tuple, *, name: str, block_sigint: bool = False) -> BaseProcess:
     """Start `target(*args)` in a fresh interpreter (spawn: CUDA cannot be forked).
 
-    `block_sigint`: the child starts with SIGINT blocked, for ranks whose Ctrl-C is the engine's to handle. A
+    `block_sigint`: the child starts with SIGINT (and SIGTERM, SIGHUP: `ENGINE_HANDLED_SIGNALS`) blocked, for ranks
+    whose Ctrl-C is the engine's to handle. A
     terminal's Ctrl-C reaches the whole process group, and a target that ignores SIGINT only does so once its
     interpreter has booted and imported torch (seconds): a Ctrl-C while the ranks started printed a
     KeyboardInterrupt traceback from each. The signal mask survives fork and exec, so the child never sees one.
@@ -217,24 +223,31 @@ def start_process(target: Callable[..., None], args: tuple, *, name: str, block_
         # A Ctrl-C held back while the child started arrives as the mask is restored, before the caller could keep
         # the process to stop it: stop it here (SIGTERM; SIGINT is blocked there).
         if process.pid is not None:
-            stop_processes([process], grace_s=0.0)
+            stop_processes([process], grace_s=0.0, terminate=not block_sigint)
         raise
     return process
 
 
 @contextlib.contextmanager
 def _sigint_blocked():
-    """SIGINT blocked for this thread while the block runs; one that arrived meanwhile is delivered at its end (a
-    Ctrl-C in the window is not lost: the caller sees its KeyboardInterrupt right after)."""
+    """SIGINT, SIGTERM and SIGHUP blocked for this thread while the block runs; one that arrived meanwhile is
+    delivered at its end (a Ctrl-C in the window is not lost: the caller sees its KeyboardInterrupt right after)."""
     if not hasattr(signal, "pthread_sigmask"):  # not on Windows, where spawn does not share the console's signal
         yield
         return
     # spawn starts multiprocessing's resource tracker with the first process, and that start unblocks SIGINT in
     # this thread (it blocks and then unblocks, not restores): started first, the child's start keeps the mask.
+    # The tracker ignores SIGINT and SIGTERM but not SIGHUP: a closed terminal's SIGHUP killed it, and the one
+    # started again in its place printed a KeyError traceback for each name it had never been told of. It starts
+    # with SIGHUP blocked, which it keeps.
     from multiprocessing import resource_tracker
 
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(ENGINE_HANDLED_SIGNALS))
     try:
         yield
     finally:
@@ -265,12 +278,13 @@ def _main_module_hidden():
             setattr(main, key, value)
 
 
-def stop_processes(processes: list[BaseProcess], *, grace_s: float = 5.0) -> None:
-    """Wait for processes to exit, then terminate, then kill what is left."""
+def stop_processes(processes: list[BaseProcess], *, grace_s: float = 5.0, terminate: bool = True) -> None:
+    """Wait for processes to exit, then terminate (SIGTERM; `terminate=False` for the engine's ranks, which ignore
+    it), then kill what is left."""
     for process in processes:
         process.join(grace_s)
     for process in processes:
-        if process.is_alive():
+        if process.is_alive() and terminate:
             process.terminate()
             process.join(grace_s)
         if process.is_alive():

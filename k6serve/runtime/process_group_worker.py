@@ -51,6 +51,7 @@ from k6serve.request import (
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.runtime.launch import (
+    ENGINE_HANDLED_SIGNALS,
     LOCAL_HOST,
     RankSpec,
     device_type_for,
@@ -407,15 +408,43 @@ def rank_main(
 
 
 def _engine_rank_main(*args) -> None:
-    """`rank_main` in a process the engine started: Ctrl-C is the engine's to handle.
+    """`rank_main` in a process the engine started: Ctrl-C, SIGTERM and SIGHUP are the engine's to handle.
 
     A terminal's Ctrl-C reaches the whole process group: the ranks died mid-step with a traceback each while the
-    engine, which cancels the request and shuts them down, was still running. (They also start with SIGINT
-    blocked, `start_process(block_sigint=True)`, for the seconds before this line runs.)
+    engine, which cancels the request and shuts them down, was still running. So do `timeout`'s SIGTERM and a
+    closed terminal's SIGHUP: the ranks died at once (the video's temporary file left behind) while `k6serve
+    generate` stopped the request as at Ctrl-C. (They also start with these signals blocked,
+    `start_process(block_sigint=True)`, for the seconds before this line runs.) A rank whose engine is gone exits by
+    itself (`_exit_when_orphaned`); the engine stops a rank with SIGKILL when it must (`stop_processes`).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in ENGINE_HANDLED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    _exit_when_orphaned()
     rank_main(*args)
     exit_without_teardown(0)  # shut down cleanly: the engine need not wait for the interpreter's teardown
+
+
+def _exit_when_orphaned(poll_s: float = 0.5) -> None:
+    """A daemon thread that ends this rank once the engine process that started it is gone (it is re-parented).
+
+    Mid-request a rank notices through its connection; before that, in the rendezvous, it waited up to
+    --dist-timeout-s (600 s) for peers that would never come, a process with no parent (on a GPU, holding a CUDA
+    context): the engine killed by SIGTERM or SIGKILL while the model loaded."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return
+    expected = parent.pid
+
+    def watch() -> None:
+        while os.getppid() == expected:
+            time.sleep(poll_s)
+        os.write(2, f"k6serve rank process {os.getpid()}: the engine process {expected} that started it is gone; "
+                    "exiting.\n".encode())
+        os._exit(1)
+
+    threading.Thread(target=watch, name="k6serve-orphan-watch", daemon=True).start()
 
 
 def _host_rank_main(*args) -> None:
@@ -777,7 +806,7 @@ class MultiProcessWorker:
             self._death_notes[replica.index] = (f"replica {replica.index} (ranks {ranks}) died while idle: "
                                                 f"{'; '.join(dead)}")
             replica.connection.close()
-            stop_processes(replica.processes, grace_s=1.0)
+            stop_processes(replica.processes, grace_s=1.0, terminate=False)
             logger.error("%s; %d replica(s) still serving", self._death_notes[replica.index],
                          sum(r.alive for r in self._replicas))
 
@@ -852,7 +881,7 @@ class MultiProcessWorker:
         codes = [p.exitcode for p in replica.processes if p.exitcode is not None]
         running = {rank: p for rank, p in sorted(self._processes.items()) if rank in ranks and p.exitcode is None}
         replica.connection.close()
-        stop_processes(replica.processes, grace_s=1.0)
+        stop_processes(replica.processes, grace_s=1.0, terminate=False)
         # A rank still running when a peer had ended is named as such: the engine's own SIGKILL of it read as
         # "killed by SIGKILL ... the out-of-memory killer", and a rank that hung (its peers timed out waiting for it,
         # then exited cleanly) was never named.
@@ -903,7 +932,7 @@ class MultiProcessWorker:
                 except OSError:
                     pass
                 replica.alive = False
-        stop_processes(list(self._processes.values()), grace_s=timeout_s)
+        stop_processes(list(self._processes.values()), grace_s=timeout_s, terminate=False)
         if self._rank0_thread is not None:
             self._rank0_thread.join(timeout_s)
         self._store = None  # the ranks are gone: the rendezvous server and its port go too

@@ -1,0 +1,95 @@
+"""`k6serve generate` and its rank processes under the signals a process is stopped with: SIGTERM (`timeout`, `kill`,
+a job scheduler) and SIGHUP (the terminal closed) stop the request as Ctrl-C does, and ranks whose engine is gone
+exit by themselves.
+
+Each test runs the real command in its own session (process group), as a shell runs a command, so that a signal to
+the group reaches the ranks too, as `timeout`'s and a terminal's do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (zombies, ended but not yet reaped, are not counted)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _start_generate(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """`k6serve generate` of the demo with more steps than the test waits for, its stderr in a file."""
+    err = tmp_path / "stderr.txt"
+    env = {**os.environ, "K6SERVE_CACHE": os.environ.get("K6SERVE_CACHE", str(tmp_path / "cache"))}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "k6serve.cli.main", "generate", "--model-path", "demo", "--prompt", "a fox",
+         "--num-inference-steps", "1000", "--output-path", str(tmp_path / "out"), *extra],
+        stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True, env=env)
+    return process, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_to_the_group_stops_the_request_as_ctrl_c_does(tmp_path, signum, _demo_cache_dir, monkeypatch):
+    """SIGTERM ended `k6serve generate` on the spot (its default action): no message, no summary, the ranks killed
+    alike mid-write, a hidden `.part` file left in the output folder."""
+    monkeypatch.setenv("K6SERVE_CACHE", str(_demo_cache_dir))
+    process, err = _start_generate(tmp_path)
+    try:
+        assert _wait_until(lambda: "denoising:" in err.read_text() and "1/1000" in err.read_text(), 120), \
+            err.read_text()
+        os.killpg(process.pid, signum)
+        assert process.wait(60) == 128 + signum
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = err.read_text()
+    assert text.rstrip().endswith(f"error: stopped by {signal.Signals(signum).name}; the request was stopped."), text
+    assert "Traceback" not in text and "leaked semaphore" not in text
+    assert list((tmp_path / "out").iterdir()) == []  # no video, no temporary file
+    assert _wait_until(lambda: not _group_members(process.pid), 10), _group_members(process.pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_exit_when_the_engine_is_killed_while_they_start(tmp_path, _demo_cache_dir, monkeypatch):
+    """The engine killed while the model loaded left its rank waiting in the rendezvous for --dist-timeout-s (600 s),
+    a process with no parent (holding a CUDA context on a GPU)."""
+    monkeypatch.setenv("K6SERVE_CACHE", str(_demo_cache_dir))
+    process, err = _start_generate(tmp_path)
+    try:
+        assert _wait_until(lambda: len(_group_members(process.pid)) >= 2, 60)  # a rank process has started
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        assert _wait_until(lambda: not _group_members(process.pid), 15), _group_members(process.pid)
+    finally:
+        for pid in _group_members(process.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert f"the engine process {process.pid} that started it is gone; exiting." in err.read_text()
