@@ -501,28 +501,23 @@ class ModelWorker:
             waveform = audio.waveform if audio is not None else None
             sample_rate = audio.sample_rate if audio is not None else 44100
             try:
+                # A chosen name is numbered too when it was taken while the request ran (the caller's check found
+                # it free): the finished video is kept under the next free name, and a note says so (run).
                 written.append(write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate,
-                                                number_if_taken=number_if_taken,
-                                                sample_aspect_ratio=sample_aspect_ratio))
-            except FileExistsError:
-                raise
+                                                number_if_taken=True, sample_aspect_ratio=sample_aspect_ratio))
             except OSError as exc:
                 if not exc.errno:
                     raise
                 # Named after the file asked for, not the hidden partial file the error was raised on.
                 raise OSError(exc.errno, f"writing the MP4 failed: {exc.strerror}", str(target)) from exc
 
-        try:
-            result = self.pipeline(request, on_step=on_step, video_sink=save)
-        except FileExistsError:
-            if number_if_taken:
-                raise
-            # The API refuses a taken name before the request runs, so something took it while this one ran.
-            raise ValueError(
-                f"{str(target)!r} was created while this request ran and was left as it is; this result was not "
-                "saved: delete that file or pass another --output-file-name."
-            ) from None
+        result = self.pipeline(request, on_step=on_step, video_sink=save)
         result.timings["mux"] = result.timings.pop("video_sink")
+        if not number_if_taken and written[0] != target:
+            # The API refuses a taken name before the request runs, so something took it while this one ran. The
+            # request's result was thrown away then ("was not saved"): minutes of GPU time for a name.
+            result.notes.append(f"{str(target)!r} was created while this request ran and was left as it is; this "
+                                f"video was saved as {str(written[0])!r} instead.")
         return result, written[0]
 
     def run(self, params: SamplingParams, output: OutputOptions,

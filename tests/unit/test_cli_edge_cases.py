@@ -442,17 +442,21 @@ def test_a_derived_name_taken_while_the_request_runs_moves_on(generator, tmp_pat
                                                                  "x_seed42_20260102-030405_2.mp4"])
 
 
-def test_a_given_name_taken_while_the_request_runs_fails_and_is_kept(generator, tmp_path):
+def test_a_given_name_taken_while_the_request_runs_is_kept_and_the_video_saved_beside_it(generator, tmp_path):
+    """The finished video was thrown away ("this result was not saved"): minutes of GPU time lost for a name."""
     target = tmp_path / "clip.mp4"
 
     def another_request_finishes_first(step, total):
         if step == 1:
             target.write_bytes(b"the other request's video")
 
-    with pytest.raises(ValueError, match=r"clip\.mp4' was created while this request ran and was left as it is"):
-        generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"},
-                           on_progress=another_request_finishes_first)
-    assert target.read_bytes() == b"the other request's video" and list(tmp_path.iterdir()) == [target]
+    result = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "clip"},
+                                on_progress=another_request_finishes_first)
+    assert target.read_bytes() == b"the other request's video"
+    assert result.output_file_path == str(tmp_path / "clip_1.mp4") and probe(result.output_file_path).width == 32
+    assert f"{str(target)!r} was created while this request ran and was left as it is; this video was saved as " \
+           f"{str(tmp_path / 'clip_1.mp4')!r} instead." in result.notes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4", "clip_1.mp4"]
 
 
 @pytest.fixture
