@@ -20,7 +20,6 @@ import numbers
 import os
 import platform
 import queue
-import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from fractions import Fraction
@@ -29,6 +28,8 @@ from pathlib import Path
 import av
 import av.container
 import numpy as np
+
+from k6serve.media.output_names import partial_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def write_mp4_stream(
         raise FileNotFoundError(errno.ENOENT, f"folder {str(path.parent)!r} does not exist (removed while the "
                                               "request ran?); create it and run again", str(path))
     # A leading dot keeps the partial file out of listings and artifact scans.
-    temporary_path = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
+    temporary_path = partial_file_path(path)
     try:
         _encode_in_background(temporary_path, frame_chunks, rate, waveform, sample_rate, crf, sample_aspect_ratio)
         _fsync(temporary_path)

@@ -4,7 +4,9 @@ worker (which imports the models)."""
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +21,24 @@ def _slug(text: str, limit: int = 48) -> str:
 # Filesystems take names of up to 255 bytes. The MP4 writer first writes ".<name>.<12 hex>.part" (19 bytes more), and
 # a derived name already taken becomes <stem>_<n> (up to 5 more): a longer name would fail only once the video is done.
 MAX_FILE_NAME_BYTES = 255 - 19 - 5
+
+
+def partial_file_path(path: Path) -> Path:
+    """The hidden file the MP4 writer writes before linking it to `path`: ".<name>.<12 hex>.part", the writer's pid in
+    the first 6 hex digits (`remove_partial_files`), 6 random ones after it."""
+    return path.parent / f".{path.name}.{os.getpid() & 0xFFFFFF:06x}{secrets.token_hex(3)}.part"
+
+
+def remove_partial_files(folder: str | Path, pid: int) -> list[Path]:
+    """Remove the partial MP4s that process `pid`, now known dead, left in `folder` (a rank killed mid-write: the
+    out-of-memory killer, kill -9) and return them. Only a dead writer's: another process's file there may be one
+    it is writing."""
+    tag = f"{pid & 0xFFFFFF:06x}"
+    removed = []
+    for path in Path(folder).glob(f".*.{tag}{'[0-9a-f]' * 6}.part"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def sanitize_file_name(name: str) -> str:

@@ -488,6 +488,20 @@ class _Replica:
     alive: bool = True
 
 
+def _remove_dead_writers_files(folder: str, pids: tuple[int, ...]) -> None:
+    """The partial MP4 a replica killed mid-write left (its leader writes the video; `_replica_died` has stopped the
+    replica by now). The server sweeps such files at start; the CLI and the API never did, so each kill by the
+    out-of-memory killer left a hidden file of up to tens of MB in the user's output folder."""
+    from k6serve.media.output_names import remove_partial_files
+
+    for pid in pids:
+        try:
+            for path in remove_partial_files(folder, pid):
+                logger.info("removed %s, the partial video of the rank that died", path)
+        except OSError as exc:
+            logger.warning("could not remove the dead rank's partial video in %s: %s", folder, exc)
+
+
 class MultiProcessWorker:
     """The engine's view of all ranks: `variant`, `resolve(params)` and `run(params, output, on_step)`.
 
@@ -849,7 +863,10 @@ class MultiProcessWorker:
                     continue
                 break
         except (EOFError, OSError):
-            raise self._replica_died(replica, request_id) from None
+            died = self._replica_died(replica, request_id)
+            if output.save_output:
+                _remove_dead_writers_files(output.output_path, replica.pids)
+            raise died from None
         if isinstance(message, messages.RunSucceeded):
             return message.result
         assert isinstance(message, messages.RunFailed), message

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.media.output_names import partial_file_path
 from k6serve.models.variants import VARIANTS, resolve_generate
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, RequestCancelled
@@ -57,6 +58,8 @@ class FakeRankWorker:
             importlib.import_module("av_not_installed")  # a package this worker's interpreter lacks
         if prompt == "bad-value":
             raise ValueError("the fake worker rejects this prompt")
+        if prompt == "write-partial" and output.save_output:  # as the MP4 writer begins: its hidden partial file
+            partial_file_path(Path(output.output_path) / "clip.mp4").write_bytes(b"half a video")
         total = 0.0
         for step in range(request.num_inference_steps):
             value = torch.tensor([float(request.seed + step + rank)])
@@ -285,6 +288,27 @@ def test_dp2_serves_two_requests_at_once(tmp_path: Path):
             assert float(note(result, "value")) == expected_value(5, 2, ranks)
     finally:
         worker.close()
+
+
+def test_a_rank_killed_mid_write_has_its_partial_video_removed(tmp_path: Path):
+    """The CLI and the API left the hidden `.part` file of a rank killed while it wrote the MP4 (the out-of-memory
+    killer) in the user's output folder, one per kill; another process's partial file there is left alone."""
+    worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
+    victim = worker.pids[0]
+    others = tmp_path / f".other.mp4.{(victim + 1) & 0xFFFFFF:06x}abcdef.part"
+    others.write_bytes(b"another writer's")
+
+    def kill_at_step_one(step: int, total: int) -> None:
+        if step == 1:
+            os.kill(victim, signal.SIGKILL)
+
+    try:
+        with pytest.raises(RuntimeError, match=r"died"):
+            worker.run(SamplingParams(prompt="write-partial", num_inference_steps=20),
+                       OutputOptions(save_output=True, output_path=str(tmp_path)), on_step=kill_at_step_one)
+    finally:
+        worker.close(timeout_s=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [others.name]
 
 
 def test_killed_rank_fails_the_request_and_engine_shuts_down():
