@@ -482,7 +482,9 @@ class DiffGenerator:
         if note is not None:
             logger.warning(wording(note))  # before the load, which can take minutes
         check_start_adapter(config)  # a bad --lora-path adapter: refused now, not after the load
-        running = sorted(generator.engine.config.model.model_path for generator in list(_RUNNING))
+        # A generator whose every replica died holds no model (its processes are gone): not counted.
+        running = sorted(generator.engine.config.model.model_path for generator in list(_RUNNING)
+                         if len(generator.engine.dead_replicas()) < generator.engine.num_replicas)
         if running:
             logger.warning(
                 f"{len(running)} generator(s) loaded earlier ({', '.join(map(repr, running))}) still hold their "

@@ -623,6 +623,9 @@ _OS_ERROR_FIXES = {
     errno.EACCES: "check the permissions of that path",
     errno.EPERM: "check the permissions of that path",
     errno.EROFS: "the disk is read-only",
+    # RLIMIT_FSIZE (a shell's `ulimit -f`, a batch system's file-size limit) or the file system's largest file.
+    errno.EFBIG: "the file is larger than this process may write (`ulimit -f`) or than the file system takes (FAT32: "
+                 "4 GiB); raise the limit",
 }
 
 

@@ -826,7 +826,8 @@ class MultiProcessWorker:
 
     def _all_dead_message(self) -> str:
         notes = "; ".join(note for _, note in sorted(self._death_notes.items()))
-        return f"every worker replica has died ({notes or 'see the errors above'}); restart the engine."
+        return (f"every worker replica has died ({notes or 'see the errors above'}); nothing can run on them now: "
+                "load the model again (a new DiffGenerator, or restart k6serve).")
 
     def _take_idle_replica(self) -> _Replica:
         with self._changed:

@@ -49,7 +49,7 @@ from k6serve.lora.spec import (
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
-from k6serve.runtime.out_of_memory import is_out_of_memory, out_of_memory_detail, server_side_fixes
+from k6serve.runtime.out_of_memory import WorkerKilled, is_out_of_memory, out_of_memory_detail, server_side_fixes
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
@@ -548,6 +548,15 @@ class JobRunner:
                 logger.warning("job %s failed: its video could not be written (%s)", job.id, exc)
                 self._record(job, JobStatus.FAILED, error_code="output_not_writable",
                              error_message=OUTPUT_NOT_WRITABLE)
+            elif isinstance(exc, WorkerKilled):
+                # The machine failed the run (the out-of-memory killer, a crash in native code): the client is
+                # told that and that a retry may run; the operator's log gets the ranks, exit codes and host fixes.
+                logger.error("job %s failed: %s", job.id, exc)
+                self._record(job, JobStatus.FAILED, error_code="worker_died",
+                             error_message="The server's worker process running this job was killed (the host ran "
+                                           "out of memory, or a crash; the server's log says which) and the job did "
+                                           "not finish. Submit it again: it runs on a replica still serving, or is "
+                                           "refused with engine_unavailable if none is left.")
             elif missing_package(exc):
                 # The server's environment, not the request: the client is told which package, the operator's log
                 # also gets the pip command for the server's interpreter (a path the client need not see).

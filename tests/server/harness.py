@@ -85,6 +85,13 @@ class FakeWorker:
             # What a worker process's OOM looks like once the engine has it (process_group_worker._failure_error).
             raise RuntimeError("request 1 failed on replica 0: rank 0: OutOfMemoryError: CUDA out of memory. "
                                "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
+        if "kill the worker" in prompt:
+            from k6serve.runtime.out_of_memory import WorkerKilled
+
+            # What the engine raises when a rank is killed mid-request (process_group_worker._replica_died).
+            raise WorkerKilled("request 1 failed: worker replica 0 (ranks [0]) died while running it: rank 0 (pid 7) "
+                               "was killed by SIGKILL. The replica was shut down; 0 replica(s) still serving. On "
+                               "Linux SIGKILL is usually the out-of-memory killer: free host memory")
         if "lack a package" in prompt:
             # What the engine raises when a worker process's interpreter lacks a package
             # (process_group_worker._failure_error keeps a ModuleNotFoundError with its name).

@@ -349,6 +349,18 @@ def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_c
     assert wait_for(fake_client, later["id"])["status"] == "completed"
 
 
+def test_a_job_whose_worker_was_killed_says_so_in_the_clients_words(fake_client, caplog):
+    """It failed as generation_failed with the engine's text ("WorkerKilled: ... replica 0 (ranks [0]) ... free host
+    memory, or use fewer GPUs per host"): the operator's advice, shown to the client."""
+    job = fake_client.post("/v1/videos", json={"prompt": "kill the worker", "size": "32x32", "num_frames": 5}).json()
+    with caplog.at_level("ERROR", logger="k6serve.serve.runner"):
+        failed = wait_for(fake_client, job["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_died"
+    assert failed["error"]["message"].startswith("The server's worker process running this job was killed")
+    assert "ranks" not in failed["error"]["message"] and "free host memory" not in failed["error"]["message"]
+    assert f"job {job['id']} failed: request 1 failed: worker replica 0 (ranks [0]) died" in caplog.text
+
+
 def test_a_job_whose_video_meets_a_full_disk_says_so_without_the_servers_paths(fake_client):
     job = fake_client.post("/v1/videos", json={"prompt": "fill the disk", "size": "32x32", "num_frames": 5}).json()
     failed = wait_for(fake_client, job["id"])

@@ -524,8 +524,14 @@ def test_a_second_generator_loading_beside_a_running_one_is_warned_about(monkeyp
     from k6serve.api import DiffGenerator
 
     class FakeEngine:
+        num_replicas = 1
+
         def __init__(self, config, worker=None):
             self.config = config
+            self.dead = []
+
+        def dead_replicas(self):
+            return self.dead
 
         def shutdown(self):
             pass
@@ -544,8 +550,12 @@ def test_a_second_generator_loading_beside_a_running_one_is_warned_about(monkeyp
     first.shutdown()
     del second
     gc.collect()  # a dropped generator is shut down by its finalizer, and is no longer running either
-    with DiffGenerator.from_pretrained("demo", device="cpu"):
+    with DiffGenerator.from_pretrained("demo", device="cpu") as third:
         assert not [r for r in caplog.records if "still hold" in r.getMessage()]
+        # One whose every replica died (killed by the OOM killer) holds nothing: it was counted as holding its model.
+        third.engine.dead = ["replica 0 (ranks [0]) died while idle: rank 0 exited with code -9"]
+        with DiffGenerator.from_pretrained("demo", device="cpu"):
+            assert not [r for r in caplog.records if "still hold" in r.getMessage()]
 
 
 def test_a_request_without_a_file_returns_its_frames_unless_told_not_to():

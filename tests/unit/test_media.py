@@ -267,6 +267,18 @@ def test_write_mp4_names_a_missing_folder(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_size_limit_is_told_with_its_fix(tmp_path: Path) -> None:
+    """`ulimit -f` (RLIMIT_FSIZE) makes the write fail with EFBIG: "File too large" had no fix, where a full disk
+    and a permission did."""
+    from k6serve.cli.main import describe_os_error
+
+    error = OSError(errno.EFBIG, "writing the MP4 failed: File too large", str(tmp_path / "clip.mp4"))
+    assert describe_os_error(error, str(tmp_path)) == (
+        f"writing the MP4 failed: File too large: {str(tmp_path / 'clip.mp4')!r}; the file is larger than this "
+        "process may write (`ulimit -f`) or than the file system takes (FAT32: 4 GiB); raise the limit, or pass "
+        "--output-path on another disk")
+
+
 # ---- the SR 24 fps rule ----
 
 
