@@ -468,6 +468,12 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
                 _run_side_by_side(generator, progress, replicas)
             else:
                 _run_in_order(generator, variant, progress, numbered=from_file)
+        except KeyboardInterrupt:
+            # The request stops at its next step or decode chunk, then the workers shut down: seconds (a CPU decode
+            # chunk took 20 s) in which nothing was printed. A second Ctrl-C during the shutdown stops at once.
+            print("\nstopping: the running request ends at its next step, then the workers shut down (Ctrl-C again "
+                  "to stop at once)", file=sys.stderr, flush=True)
+            raise
         finally:
             generator.shutdown()  # a Ctrl-C here, after the last video was saved, is told as such below
     except BaseException as exc:

@@ -16,6 +16,7 @@ collective timeout and exit.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
@@ -25,6 +26,7 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
 from multiprocessing.process import BaseProcess
@@ -422,6 +424,21 @@ def _engine_rank_main(*args) -> None:
     _exit_when_orphaned()
     rank_main(*args)
     exit_without_teardown(0)  # shut down cleanly: the engine need not wait for the interpreter's teardown
+
+
+# The engine's rank processes still running, stopped with SIGKILL when the interpreter exits (`_kill_ranks_at_exit`).
+_ENGINE_RANKS: "weakref.WeakSet[BaseProcess]" = weakref.WeakSet()
+
+
+@atexit.register  # after multiprocessing's own exit hook (imported above), so it runs before that hook
+def _kill_ranks_at_exit() -> None:
+    """multiprocessing's exit hook stops daemonic children with SIGTERM, then joins them: the engine's ranks ignore
+    SIGTERM (`_engine_rank_main`), and a process exiting with its ranks alive (a shutdown cut short by a second
+    Ctrl-C, a generator's finalizer detached) waited for them forever. They get SIGKILL here first."""
+    for process in list(_ENGINE_RANKS):
+        if process.is_alive():
+            process.kill()
+            process.join(5)
 
 
 def _exit_when_orphaned(poll_s: float = 0.5) -> None:
@@ -939,6 +956,7 @@ class MultiProcessWorker:
                     authkey if spec.rank == 0 else None)
             self._processes[spec.rank] = start_process(_engine_rank_main, args, block_sigint=True,
                                                        name=f"k6serve-rank{spec.rank}")
+            _ENGINE_RANKS.add(self._processes[spec.rank])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every replica to shut down, then stop whatever is still running."""

@@ -74,6 +74,8 @@ def test_a_stop_signal_to_the_group_stops_the_request_as_ctrl_c_does(tmp_path, s
     text = err.read_text()
     assert text.rstrip().endswith(f"error: stopped by {signal.Signals(signum).name}; the request was stopped."), text
     assert "Traceback" not in text and "leaked semaphore" not in text
+    assert "stopping: the running request ends at its next step, then the workers shut down (Ctrl-C again to stop " \
+           "at once)" in text  # said at once: the stop can take a decode chunk's time
     assert list((tmp_path / "out").iterdir()) == []  # no video, no temporary file
     assert _wait_until(lambda: not _group_members(process.pid), 10), _group_members(process.pid)
 
@@ -93,3 +95,17 @@ def test_ranks_exit_when_the_engine_is_killed_while_they_start(tmp_path, _demo_c
         for pid in _group_members(process.pid):
             os.kill(pid, signal.SIGKILL)
     assert f"the engine process {process.pid} that started it is gone; exiting." in err.read_text()
+
+
+def test_a_process_exiting_with_its_ranks_alive_does_not_wait_for_them_forever(tmp_path, _demo_cache_dir):
+    """multiprocessing's exit hook stops daemonic children with SIGTERM and joins them; the ranks ignore SIGTERM
+    (the engine's to handle), so an exit with ranks alive (a shutdown cut short by a second Ctrl-C) hung."""
+    script = ("from k6serve import DiffGenerator\n"
+              "generator = DiffGenerator.from_pretrained('demo')\n"
+              "generator._shutdown.detach()  # its shutdown never runs: the ranks are alive at the exit\n"
+              "print('exiting', flush=True)\n")
+    env = {**os.environ, "K6SERVE_CACHE": str(_demo_cache_dir)}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout == "exiting\n", done.stderr
+    assert time.monotonic() - start < 60
