@@ -103,11 +103,20 @@ def _rows_from_results(
                 peak_memory_gib=max(r.peak_memory_mb for r in warm) / 1024,
                 breakdown_s=breakdown,
                 breakdowns_s=tuple(dict(result.timings) for result in warm),
-                note=("median " if len(warm) > 1 else "") + " ".join(f"{k}={v:.2f}" for k, v in breakdown.items())
-                + peaks,
+                note=("each stage's median (over the runs, so they need not add up to the median total) "
+                      if len(warm) > 1 else "") + _breakdown_text(breakdown) + peaks,
             )
         )
     return rows
+
+
+# Timings entries that are counts, not seconds (the worker's result keeps them beside the stages').
+_COUNTS = ("graphs_compiled", "cache_dit_cached_calls")
+
+
+def _breakdown_text(breakdown: dict[str, float]) -> str:
+    """`stage=seconds ...`, counts as whole numbers (they read as seconds: "graphs_compiled=0.00")."""
+    return " ".join(f"{key}={value:.0f}" if key in _COUNTS else f"{key}={value:.2f}" for key, value in breakdown.items())
 
 
 def _median_breakdown(timings: list[dict[str, float]]) -> dict[str, float]:

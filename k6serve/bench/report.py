@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -34,7 +35,9 @@ class BenchRow:
     max_abs_diff: float | None = None  # vs the reference output (uint8 levels for frames)
     breakdown_s: dict[str, float] = field(
         default_factory=dict
-    )  # per-stage seconds of a pipeline run (several runs: the median of each stage)
+    )  # the worker's timings of a pipeline run: per-stage seconds, per-step seconds ("denoise_per_step", ...) and
+    # counts ("graphs_compiled", "cache_dit_cached_calls"); several runs: the median of each entry, so the stages
+    # need not add up to the row's median total
     # Every timed run's breakdown, so one slow run among them shows where its time went.
     breakdowns_s: tuple[dict[str, float], ...] = ()
     note: str = ""
@@ -125,7 +128,7 @@ def _git_commit() -> str | None:
 
     The variable exists for copied trees: the GPU machine receives the working tree with a `.git` that can be
     older than the code (measured: JSON of 2026-11-30 named the session's first commit), so the launcher passes
-    the commit it sent. A dirty tree is not detected either way.
+    the commit it sent. Whether the tree has changes beyond it is `environment()["tree_modified"]`.
     """
     pinned = os.environ.get(COMMIT_ENVIRONMENT_VARIABLE, "").strip()
     if pinned:
@@ -144,22 +147,49 @@ def _git_commit() -> str | None:
     return result.stdout.strip() or None
 
 
-def environment() -> dict[str, Any]:
-    """Versions and hardware, recorded with every result (docs/benchmarks.md asks for them)."""
+def _tree_modified() -> bool | None:
+    """Whether the source tree differs from its git HEAD (uncommitted changes ran); None without git or a `.git`
+    (the GPU machine's copy may have a stale one: then it says modified, which is the truth about that HEAD)."""
+    try:
+        result = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                check=False, text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(result.stdout.strip()) if result.returncode == 0 else None
+
+
+def _gpu_facts() -> dict[str, Any]:
+    """The driver, clocks and power cap of GPU 0 (nvidia-smi; the forward is power-bound at the H200's 700 W, and
+    hosts differed by 0.15 s a step), empty where there is none."""
+    query = "driver_version,clocks.max.sm,power.limit"
+    try:
+        result = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", "0"],
+                                capture_output=True, check=False, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [value.strip() for value in result.stdout.strip().split(",")]
+    return dict(zip(("driver", "max_sm_clock_mhz", "power_limit_w"), values)) if len(values) == 3 else {}
+
+
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Versions and hardware, recorded with every result (docs/benchmarks.md asks for them). `date` is when the
+    environment is written, at the end of the run; `gpu` the GPU the rows ran on (None for a CPU run)."""
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git_commit(),
+        "tree_modified": _tree_modified(),
+        "k6serve": _version("k6serve"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
+        **(_gpu_facts() if on_gpu else {}),
     }
-    for package in ("diffusers", "transformers"):
-        try:
-            info[package] = __import__(package).__version__
-        except ImportError:
-            info[package] = None
+    # diffusers is the reference; the fa / compiled rows depend on FA3 (fa3-fwd), FA4 (CUTLASS DSL) and Triton.
+    for package in ("diffusers", "transformers", "triton", "fa3-fwd", "nvidia-cutlass-dsl"):
+        info[package] = _version(package)
     # The K6SERVE_* switches (FA4, kernels, VAE layouts, x264 threads) change what a row measures.
     info["k6serve_environment"] = {
         name: value for name, value in sorted(os.environ.items())
@@ -168,9 +198,17 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]) -> None:
     payload = {
-        "environment": environment(),
+        # "auto" and unset: the rows ran on CUDA where it is visible.
+        "environment": environment(arguments.get("device") if arguments.get("device") in ("cpu", "cuda") else None),
         "arguments": arguments,
         "rows": [row.to_json() for row in rows],
     }

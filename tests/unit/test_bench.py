@@ -2,6 +2,7 @@
 work formula reproduces k6-generation.md §2.11."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -116,7 +117,11 @@ def tiny_run(tmp_path_factory):
 def test_tiny_smoke_json_fields(tiny_run):
     code, payload = tiny_run
     assert code == 0
-    assert {"date", "commit", "torch", "cuda", "diffusers"} <= set(payload["environment"])
+    environment = payload["environment"]
+    assert {"date", "commit", "tree_modified", "k6serve", "torch", "cuda", "diffusers", "triton", "fa3-fwd"} \
+        <= set(environment)
+    assert environment["k6serve"] and environment["tree_modified"] in (True, False, None)
+    assert environment["gpu"] is None  # a CPU run names no GPU, whatever the machine has
     assert payload["arguments"]["tiny"] is True
     rows = payload["rows"]
     assert all(row["error"] is None for row in rows), [row["error"] for row in rows]
@@ -136,7 +141,7 @@ def test_tiny_smoke_json_fields(tiny_run):
         "breakdown_s",
     }
     assert all(expected_fields <= set(row) for row in rows)
-    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["text"] * 2 + ["vae"] * 3 + ["audio"]
+    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["text"] * 2 + ["vae"] * 4 + ["audio"]
     assert all(len(row["times_s"]) == 2 and row["seconds"] > 0 for row in rows)
 
 
@@ -161,9 +166,12 @@ def test_tiny_dit_rows_compare_with_diffusers(tiny_run):
 def test_tiny_vae_and_text_rows(tiny_run):
     rows = tiny_run[1]["rows"]
     vae = [row for row in rows if row["stage"] == "vae"]
-    assert vae[0]["name"] == "diffusers default decode" and all(
-        row["max_abs_diff"] == 0 for row in vae[1:]
-    )
+    assert [row["name"] for row in vae] == ["diffusers default decode", "diffusers default decode, uint8 to host",
+                                            "ours cudnn.benchmark", "ours +compiled decoder"]
+    assert all(row["max_abs_diff"] == 0 for row in vae[1:])
+    assert vae[0]["speedup"] == 1.0 and all(row["speedup"] > 0 for row in vae[1:])
+    # The speed-ups' own ratio too, against the baseline doing our host work (the float copy left out).
+    assert all(re.search(r"; x\d+\.\d\d against the same host work$", row["note"]) for row in vae[2:])
     ours_text = next(row for row in rows if row["name"] == "ours trunk only")
     assert ours_text["cosine_video"] == pytest.approx(1.0, abs=1e-6)
 
@@ -232,7 +240,8 @@ def test_warm_breakdown_is_the_median_of_every_run():
     assert row.seconds == 62.5 and row.times_s == (67.7, 62.4, 62.5)
     assert row.breakdown_s == {"denoise": 58.5, "total": 62.5}
     assert [run["total"] for run in row.breakdowns_s] == [67.7, 62.4, 62.5]
-    assert row.note.startswith("median denoise=58.50")
+    assert row.note.startswith("each stage's median (over the runs, so they need not add up to the median total) "
+                               "denoise=58.50")
 
 
 def test_gpu_single_parts_for_each_subcommand(load_script):
@@ -587,3 +596,63 @@ def test_blas_library_rows_time_the_fast_dit_per_library_and_put_it_back(monkeyp
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--blas-libraries", "cublaslt"]))
     with pytest.raises(SystemExit, match="--blas-libraries times the fused \\+ compiled DiT.*drop --skip-speed"):
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--blas-libraries", "cublas", "--skip-speed"]))
+
+
+def test_vae_rows_after_a_failed_baseline_show_no_ratio_and_a_failed_speed_up_restores_cudnn(monkeypatch):
+    """A failed baseline made our rows "x diffusers 1.00" (their own time as the reference); a speed-up that raised
+    left cudnn.benchmark on for the later stages of the process."""
+    from k6serve.bench import vae as vae_stage
+    from k6serve.bench.geometry import generation_geometry
+
+    options = vae_stage.VaeOptions(geometry=generation_geometry(32, 32, 5), device=torch.device("cpu"),
+                                   dtype=torch.float32, tiny=True, repeats=1, warmup=0)
+    decode = vae_stage.decode_video
+
+    def baseline_fails(vae, latents, keep_float):
+        if keep_float:
+            raise RuntimeError("the baseline broke")
+        return decode(vae, latents, keep_float=keep_float)
+
+    monkeypatch.setattr(vae_stage, "decode_video", baseline_fails)
+    rows = vae_stage.run_vae(options)
+    assert rows[0].error == "RuntimeError: the baseline broke"
+    assert all(row.seconds > 0 and row.reference_seconds is None and row.speedup is None for row in rows[1:])
+
+    monkeypatch.setattr(vae_stage, "decode_video", decode)
+
+    def speed_up_fails(vae, device, compile_decoder):
+        torch.backends.cudnn.benchmark = True  # as the real one sets it before compiling
+        raise RuntimeError("inductor failed")
+
+    monkeypatch.setattr(vae_stage, "apply_vae_speedups", speed_up_fails)
+    previous = torch.backends.cudnn.benchmark
+    rows = vae_stage.run_vae(options)
+    assert torch.backends.cudnn.benchmark == previous
+    assert rows[-1].name == "ours cudnn.benchmark" and rows[-1].error == "RuntimeError: inductor failed"
+
+
+@pytest.mark.parametrize("with_audio", [True, False])
+def test_forward_flops_are_what_the_tiny_dit_computes(with_audio):
+    """The formula against torch's FlopCounterMode on the tiny DiT (math attention), with and without audio: the
+    video-only count had the skipped audio cross-attention's projections in it (Pro: +5.3%). The counter also sees
+    the timestep and modulation GEMVs (one vector each), which the formula leaves out: well under 1% here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k6serve.bench.dit import dit_inputs
+    from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
+    from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+
+    config = Kandinsky6TransformerConfig.from_json_dict(TINY_TRANSFORMER_CONFIG)
+    geometry = generation_geometry(64, 96, 17, num_text_tokens=16)
+    model = build_dummy_transformer(TINY_TRANSFORMER_CONFIG, device="cpu", dtype=torch.float32)
+    inputs = dit_inputs(config, geometry, device=torch.device("cpu"), dtype=torch.float32, seed=1)
+    if not with_audio:
+        inputs.pop("audio_hidden_states")
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
+        model(**inputs)
+    formula = kandinsky6_forward_flops(config, num_video_tokens=geometry.num_video_tokens,
+                                       num_audio_tokens=geometry.num_audio_tokens if with_audio else 0,
+                                       num_text_tokens=16)
+    measured = counter.get_total_flops()
+    assert 0 <= measured - formula < 0.01 * measured, (measured, formula)
