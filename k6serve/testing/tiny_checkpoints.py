@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -282,6 +283,22 @@ def _copy_to_fresh_storage_(module: nn.Module) -> None:
         tensor.data = tensor.data.clone()
 
 
+# A build takes seconds; one older than this was abandoned (its process killed with SIGKILL, which skips the
+# cleanup). By age, not by its process: the cache can be a home folder that several hosts share.
+ABANDONED_BUILD_AGE_S = 6 * 3600
+
+
+def _remove_abandoned_builds(final_dir: Path) -> None:
+    """Remove the hidden build folders of `final_dir` that builds killed outright left (3 MB each, never reused)."""
+    now = time.time()
+    for stale in final_dir.parent.glob(f".{final_dir.name}.*"):
+        try:
+            if stale.is_dir() and now - stale.stat().st_mtime > ABANDONED_BUILD_AGE_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            continue
+
+
 def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
     """Return the cached random-weight demo checkpoint, building it once (atomically) if missing."""
     built = built_demo_checkpoint(kind)
@@ -294,6 +311,7 @@ def ensure_demo_checkpoint(kind: str = "t2av") -> Path:
         source = "$K6SERVE_CACHE" if os.environ.get("K6SERVE_CACHE") else "the default cache (~/.cache/k6serve)"
         raise ValueError(f"cannot create the demo checkpoint's folder {final_dir.parent} under {source} "
                          f"({exc.strerror}); set K6SERVE_CACHE to a writable folder.") from None
+    _remove_abandoned_builds(final_dir)
     # Build beside the final folder (same file system), then rename: no one sees a partial demo.
     build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.", dir=final_dir.parent))
     build_dir.chmod(0o755)

@@ -259,6 +259,23 @@ def test_demo_builder_is_idempotent(tmp_path, monkeypatch):
     assert sorted(path.name for path in (tmp_path / "demo").iterdir()) == [first.name]
 
 
+def test_a_build_abandoned_long_ago_is_removed_and_a_recent_one_kept(tmp_path, monkeypatch):
+    """A build killed outright (SIGKILL skips its cleanup) left a hidden folder that no later run removed."""
+    import os
+    import time
+
+    monkeypatch.setenv("K6SERVE_CACHE", str(tmp_path))
+    final = tiny_checkpoints.demo_checkpoint_dir()
+    final.parent.mkdir(parents=True)
+    abandoned, running = final.parent / f".{final.name}.abc123", final.parent / f".{final.name}.def456"
+    for folder in (abandoned, running):
+        (folder / "transformer").mkdir(parents=True)
+    old = time.time() - tiny_checkpoints.ABANDONED_BUILD_AGE_S - 60
+    os.utime(abandoned, (old, old))
+    ensure_demo_checkpoint()
+    assert not abandoned.exists() and running.is_dir()  # another process's build in progress: left alone
+
+
 def test_demo_builder_survives_losing_the_race(tmp_path, monkeypatch):
     monkeypatch.setenv("K6SERVE_CACHE", str(tmp_path))
     real_build = tiny_checkpoints.build_generation_checkpoint
