@@ -421,13 +421,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `k6serve bench -- ARGS` forwards the separator too.
     args = parser.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     try:
-        _device(args.device, tiny=args.tiny)
+        device = _device(args.device, tiny=args.tiny)
     except ValueError as error:
         parser.error(str(error))
     rows = run_stages(args, log=lambda text: print(text, flush=True))
     print("\n" + format_table(rows), flush=True)
     if args.json:
-        write_json(args.json, rows, vars(args))
+        write_json(args.json, rows, vars(args), device=device)
         print(f"[bench] wrote {args.json}", flush=True)
     return 1 if any(row.error for row in rows) else 0
 

@@ -211,10 +211,11 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]) -> None:
+def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any],
+               device: torch.device | str | None = None) -> None:
+    """`device`: where the rows ran (`--device auto --tiny` is the CPU), so a CPU run names no GPU."""
     payload = {
-        # "auto" and unset: the rows ran on CUDA where it is visible.
-        "environment": environment(arguments.get("device") if arguments.get("device") in ("cpu", "cuda") else None),
+        "environment": environment(device),
         "arguments": arguments,
         "rows": [row.to_json() for row in rows],
     }

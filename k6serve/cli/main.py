@@ -583,11 +583,34 @@ EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
+def _leave_a_hung_up_terminal() -> None:
+    """Point stdout and stderr at /dev/null where they are a terminal that has hung up (closed: every write fails with
+    EIO). The stop's own messages then raised OSError in place of the KeyboardInterrupt, and the run ended with exit
+    code 1 and without its --prompt-file-path summary's cleanup path. A terminal that is still there (a `kill -HUP`),
+    a file or a pipe keeps its output: a hung-up terminal is a character device that no longer answers as a terminal
+    (isatty asks it, and it answers EIO), and /dev/null is one too but not that."""
+    import stat
+
+    try:
+        null = os.stat(os.devnull).st_rdev
+    except OSError:
+        return
+    for fd in (1, 2):
+        try:
+            status = os.fstat(fd)
+            if stat.S_ISCHR(status.st_mode) and not os.isatty(fd) and status.st_rdev != null:
+                with open(os.devnull, "wb") as sink:
+                    os.dup2(sink.fileno(), fd)
+        except OSError:
+            continue
+
+
 class _StopSignals:
     """`k6serve generate` stops at SIGTERM (`timeout`, `kill`, a job scheduler) and SIGHUP (the terminal closed) as at
     Ctrl-C: the request is cancelled at its next step, its temporary file removed, a --prompt-file-path run says
     which prompts ran, and the exit code is 128 + the signal's number. Their default action ended the process on the
-    spot: no message, no summary, a hidden `.part` file left in the output folder. (`serve` has uvicorn's handling.)
+    spot: no message, no summary, a hidden `.part` file left in the output folder. (`serve`: uvicorn handles SIGINT
+    and SIGTERM; SIGHUP ends it, and its ranks, whose engine is then gone, exit by themselves.)
     """
 
     def __init__(self) -> None:
@@ -609,6 +632,8 @@ class _StopSignals:
 
     def _raise(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum)
+        if signum == signal.SIGHUP:
+            _leave_a_hung_up_terminal()
         raise KeyboardInterrupt
 
     def how(self) -> tuple[str, int]:

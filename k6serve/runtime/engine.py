@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -90,6 +91,9 @@ class MemoryJob:
 
 
 _STOP = object()
+# Every engine not yet garbage-collected: shut down, as their owners would have, before the process's exit kills what
+# is left of their ranks (process_group_worker._kill_ranks_at_exit).
+LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 # How long shutdown() waits, after cancelling the requests still running, for them to reach a step boundary before
 # it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 takes 6-8 s on an H200.
 SHUTDOWN_CANCEL_WAIT_S = 60.0
@@ -149,6 +153,7 @@ class Engine:
             check_before_loading(config)
             worker = MultiProcessWorker(config)
         self.worker = worker
+        LIVE_ENGINES.add(self)
         self._queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._threads = [
@@ -274,6 +279,12 @@ class Engine:
                 job = self._held.popleft() if self._held and not self._memory_released else self._queue.get()
                 if job is _STOP:
                     return
+                if isinstance(job, (MemoryJob, LoraJob)) and self._shutdown_reason is not None:
+                    # Queued behind a request that shutdown() stopped waiting for: an adapter load or a memory
+                    # release could outlast the last wait, and the worker would be closed under it.
+                    if job.future.set_running_or_notify_cancel():
+                        job.future.set_exception(RuntimeError(f"Not run: {self._shutdown_reason}."))
+                    continue
                 if isinstance(job, MemoryJob):
                     self._run_control(job.future, self._apply_memory, job.operation)
                     continue
@@ -354,9 +365,11 @@ class Engine:
                 self._shutdown_reason = reason  # the requests still queued behind the running ones: not started
                 running = list(self._running)
             for job in running:
-                job.cancel(reason)
+                if not job.cancelled.is_set():  # a caller's own cancel keeps its words
+                    job.cancel(reason)
+            deadline = time.monotonic() + SHUTDOWN_CANCEL_WAIT_S  # one wait for all replicas, not one each
             for thread in self._threads:
-                thread.join(SHUTDOWN_CANCEL_WAIT_S)
+                thread.join(max(0.0, deadline - time.monotonic()))
         while self._held:
             held = self._held.popleft()
             if held.future.set_running_or_notify_cancel():

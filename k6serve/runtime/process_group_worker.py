@@ -409,6 +409,10 @@ def rank_main(
         dist.destroy_process_group()
 
 
+def _leave_to_the_engine(signum: int, frame: object) -> None:
+    """A rank's handler of the signals the engine handles (`_engine_rank_main`): nothing to do here."""
+
+
 def _engine_rank_main(*args) -> None:
     """`rank_main` in a process the engine started: Ctrl-C, SIGTERM and SIGHUP are the engine's to handle.
 
@@ -419,8 +423,13 @@ def _engine_rank_main(*args) -> None:
     `start_process(block_sigint=True)`, for the seconds before this line runs.) A rank whose engine is gone exits by
     itself (`_exit_when_orphaned`); the engine stops a rank with SIGKILL when it must (`stop_processes`).
     """
+    # A Python handler that does nothing, not SIG_IGN, then the mask unblocked: an ignored or blocked signal stays so
+    # in every process the rank starts (inductor's compile workers, whose pool is stopped with SIGTERM), where a
+    # handler is reset by exec.
     for signum in ENGINE_HANDLED_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signum, _leave_to_the_engine)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(ENGINE_HANDLED_SIGNALS))
     _exit_when_orphaned()
     rank_main(*args)
     exit_without_teardown(0)  # shut down cleanly: the engine need not wait for the interpreter's teardown
@@ -434,7 +443,18 @@ _ENGINE_RANKS: "weakref.WeakSet[BaseProcess]" = weakref.WeakSet()
 def _kill_ranks_at_exit() -> None:
     """multiprocessing's exit hook stops daemonic children with SIGTERM, then joins them: the engine's ranks ignore
     SIGTERM (`_engine_rank_main`), and a process exiting with its ranks alive (a shutdown cut short by a second
-    Ctrl-C, a generator's finalizer detached) waited for them forever. They get SIGKILL here first."""
+    Ctrl-C, a generator's finalizer detached) waited for them forever. They get SIGKILL here first.
+
+    But only after every engine still alive has been shut down as its owner would have (`Engine.shutdown`: the
+    running request finished or cancelled with the reason, the ranks told to stop): atexit runs this hook before a
+    generator's finalizer registered earlier, which found its ranks killed ("replica died while running it")."""
+    from k6serve.runtime.engine import LIVE_ENGINES
+
+    for engine in list(LIVE_ENGINES):
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 (the process is exiting: what is left is killed below)
+            logger.exception("shutting an engine down at exit failed")
     for process in list(_ENGINE_RANKS):
         if process.is_alive():
             process.kill()

@@ -476,8 +476,8 @@ class ModelWorker:
         return resolve_upscale(params, self.variant)
 
     def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> tuple[Path, bool]:
-        """The MP4's path, and whether a name taken by the time it is written moves on to _1, _2... (a derived
-        name) instead of failing (a name the caller chose)."""
+        """The MP4's path, and whether it is a derived name (True) or one the caller chose (False). Either moves on
+        to _1, _2... when it is taken by the time the video is written; for a chosen one a note says so."""
         folder = Path(output.output_path)
         folder.mkdir(parents=True, exist_ok=True)
         if output.output_file_name:
@@ -516,8 +516,9 @@ class ModelWorker:
         if not number_if_taken and written[0] != target:
             # The API refuses a taken name before the request runs, so something took it while this one ran. The
             # request's result was thrown away then ("was not saved"): minutes of GPU time for a name.
-            result.notes.append(f"{str(target)!r} was created while this request ran and was left as it is; this "
-                                f"video was saved as {str(written[0])!r} instead.")
+            # Names, not paths: the server shows notes to its clients as the job's warnings.
+            result.notes.append(f"{target.name!r} was created in the output folder while this request ran and was "
+                                f"left as it is; this video was saved as {written[0].name!r} instead.")
         return result, written[0]
 
     def run(self, params: SamplingParams, output: OutputOptions,

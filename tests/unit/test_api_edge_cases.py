@@ -122,10 +122,20 @@ def test_shutdown_cancels_a_request_still_running_after_its_wait_and_says_why():
     mid-request and the caller got "AssertionError: Shutdown()" (a notebook's shutdown() beside a long request; the
     interpreter exiting with one in a daemon thread). It is cancelled at its next step now, and told why; the
     request queued behind it is not started."""
-    worker = StepWorker(step_s=0.05)
+    from k6serve.lora.spec import ListLoras
+
+    class LoraWorker(StepWorker):
+        lora_operations: list = []
+
+        def apply_lora_operation(self, operation):
+            self.lora_operations.append(operation)
+            return {}
+
+    worker = LoraWorker(step_s=0.05)
     engine = Engine(fake_config(), worker=worker)
     running = engine.submit(SamplingParams(prompt="long", num_inference_steps=400))
     queued = engine.submit(SamplingParams(prompt="next", num_inference_steps=1))
+    lora = engine.submit_lora(ListLoras())
     running.started.wait(5)
     start = time.monotonic()
     engine.shutdown(timeout=0.3)
@@ -136,6 +146,10 @@ def test_shutdown_cancels_a_request_still_running_after_its_wait_and_says_why():
     with pytest.raises(RequestCancelled, match=r"cancelled before it started: the engine was shut down"):
         queued.future.result(timeout=0)
     assert len(worker.cancelled) == 1 and worker.cancelled[0] < 400
+    # An adapter change queued behind them does not run either: it could outlast the last wait, under close().
+    with pytest.raises(RuntimeError, match=r"^Not run: the engine was shut down \(it waited 0.3 s"):
+        lora.result(timeout=0)
+    assert worker.lora_operations == []
 
 
 def test_shutdown_lets_a_request_that_ends_within_the_wait_finish():

@@ -656,3 +656,16 @@ def test_forward_flops_are_what_the_tiny_dit_computes(with_audio):
                                        num_text_tokens=16)
     measured = counter.get_total_flops()
     assert 0 <= measured - formula < 0.01 * measured, (measured, formula)
+
+
+def test_the_environment_names_the_gpu_only_for_rows_that_ran_on_one(monkeypatch):
+    """`--device auto --tiny` runs on the CPU; on a GPU host its JSON named the GPU, its driver and clocks."""
+    from k6serve.bench import report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(report, "_gpu_facts", lambda: {"driver": "580.159.04"})
+    assert report.environment(torch.device("cpu"))["gpu"] is None
+    assert "driver" not in report.environment(torch.device("cpu"))
+    on_gpu = report.environment(torch.device("cuda", 0))
+    assert (on_gpu["gpu"], on_gpu["driver"]) == ("NVIDIA H200", "580.159.04")

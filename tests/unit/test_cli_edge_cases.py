@@ -454,8 +454,8 @@ def test_a_given_name_taken_while_the_request_runs_is_kept_and_the_video_saved_b
                                 on_progress=another_request_finishes_first)
     assert target.read_bytes() == b"the other request's video"
     assert result.output_file_path == str(tmp_path / "clip_1.mp4") and probe(result.output_file_path).width == 32
-    assert f"{str(target)!r} was created while this request ran and was left as it is; this video was saved as " \
-           f"{str(tmp_path / 'clip_1.mp4')!r} instead." in result.notes
+    assert "'clip.mp4' was created in the output folder while this request ran and was left as it is; this video " \
+           "was saved as 'clip_1.mp4' instead." in result.notes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4", "clip_1.mp4"]
 
 
