@@ -241,6 +241,11 @@ class OutputOptions:
         _check_field_types(self)
 
 
+# The entries of `VideoResult.timings` that are counts, not seconds: printed as whole numbers (the CLI's table, the
+# bench's notes).
+TIMING_COUNTS = ("graphs_compiled", "cache_dit_cached_calls")
+
+
 @dataclass(kw_only=True, repr=False)
 class VideoResult:
     """What a finished request returns to the caller.

@@ -21,6 +21,7 @@ import torch
 
 from k6serve.bench.report import BenchRow
 from k6serve.models.variants import VARIANTS
+from k6serve.request import TIMING_COUNTS
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
 SR_VARIANT = "vsr-distilled2steps"
@@ -110,13 +111,10 @@ def _rows_from_results(
     return rows
 
 
-# Timings entries that are counts, not seconds (the worker's result keeps them beside the stages').
-_COUNTS = ("graphs_compiled", "cache_dit_cached_calls")
-
-
 def _breakdown_text(breakdown: dict[str, float]) -> str:
     """`stage=seconds ...`, counts as whole numbers (they read as seconds: "graphs_compiled=0.00")."""
-    return " ".join(f"{key}={value:.0f}" if key in _COUNTS else f"{key}={value:.2f}" for key, value in breakdown.items())
+    return " ".join(f"{key}={value:.0f}" if key in TIMING_COUNTS else f"{key}={value:.2f}"
+                    for key, value in breakdown.items())
 
 
 def _median_breakdown(timings: list[dict[str, float]]) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+import k6serve
 from k6serve.bench.flops import FLOOR_TFLOPS
 
 
@@ -179,7 +180,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git_commit(),
         "tree_modified": _tree_modified(),
-        "k6serve": _version("k6serve") or _own_version(),  # the GPU host runs the tree from PYTHONPATH, uninstalled
+        "k6serve": k6serve.__version__,  # not the installed metadata's: the GPU host runs the tree uninstalled
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -196,12 +197,6 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         if name.startswith("K6SERVE_") and name != "K6SERVE_API_KEY"
     }
     return info
-
-
-def _own_version() -> str:
-    import k6serve
-
-    return k6serve.__version__
 
 
 def _version(distribution: str) -> str | None:

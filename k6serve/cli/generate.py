@@ -22,7 +22,7 @@ from k6serve.api import (
 )
 from k6serve.config import EngineConfig
 from k6serve.models.variants import GENERATION, DistilledGuidance
-from k6serve.request import SamplingParams, has_visible_text
+from k6serve.request import TIMING_COUNTS, SamplingParams, has_visible_text
 from k6serve.runtime.engine import RequestCancelled
 
 
@@ -43,7 +43,7 @@ def format_timings(result) -> str:
         ("total", result.timings.get("total")),
     ]
     # Counts among the times: printed below them, as whole numbers (Cache-DiT's was "8.000" seconds).
-    counts = {"graphs_compiled", "cache_dit_cached_calls"}
+    counts = set(TIMING_COUNTS)
     for key in sorted(result.timings):
         if key not in {"encode", "denoise", "denoise_per_step", "decode_video", "decode_audio", "mux", "total",
                        *counts}:

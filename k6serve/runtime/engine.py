@@ -65,6 +65,11 @@ class EngineJob:
     started: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None  # said after "cancelled at step i/n" when the caller did not ask for it
 
+    @property
+    def cancel_words(self) -> str:
+        """": <reason>" to end a cancellation's message with, when it has one."""
+        return f": {self.cancel_reason}" if self.cancel_reason else ""
+
     def cancel(self, reason: str | None = None) -> None:
         """Cancel now if still queued, else at the next step boundary."""
         if reason is not None:
@@ -121,8 +126,7 @@ def _cancellation_point(job: EngineJob) -> ProgressCallback:
         final_step_reported = final_step_reported or step >= total
         if job.cancelled.is_set():
             where = f"during the video decode (after step {step}/{total})" if in_decode else f"at step {step}/{total}"
-            why = f": {job.cancel_reason}" if job.cancel_reason else ""
-            raise RequestCancelled(f"request {job.id} was cancelled {where}{why}")
+            raise RequestCancelled(f"request {job.id} was cancelled {where}{job.cancel_words}")
 
     return on_step
 
@@ -165,8 +169,7 @@ class Engine:
         # One loop thread takes from the queue at a time, so a LoRA operation holds back every item behind it.
         self._taking = threading.Lock()
         self._idle = threading.Condition()  # notified whenever a request ends
-        self._num_running = 0
-        self._running: set[EngineJob] = set()  # under `_idle`
+        self._running: set[EngineJob] = set()  # the requests running now, under `_idle`
         self._shutdown_reason: str | None = None  # set by a shutdown() that stopped waiting; under `_idle`
         self._memory_released = False
         self._held: deque[EngineJob | LoraJob] = deque()  # taken while released, run after the resume; `_taking`
@@ -298,7 +301,6 @@ class Engine:
                     continue  # cancelled while queued
                 job.started.set()
                 with self._idle:
-                    self._num_running += 1
                     self._running.add(job)
                     if self._shutdown_reason is not None:
                         job.cancel(self._shutdown_reason)
@@ -306,15 +308,13 @@ class Engine:
                 self._run(job)
             finally:
                 with self._idle:
-                    self._num_running -= 1
                     self._running.discard(job)
                     self._idle.notify_all()
 
     def _run(self, job: EngineJob) -> None:
         try:
             if job.cancelled.is_set():
-                why = f": {job.cancel_reason}" if job.cancel_reason else ""
-                raise RequestCancelled(f"request {job.id} was cancelled before it started{why}")
+                raise RequestCancelled(f"request {job.id} was cancelled before it started{job.cancel_words}")
             result = self.worker.run(job.params, job.output, on_step=_cancellation_point(job))
         except BaseException as exc:  # every failure belongs to this request, not to the engine
             if job.log_failure and not isinstance(exc, (RequestCancelled, ValueError)):
@@ -327,7 +327,7 @@ class Engine:
         """Run a LoRA or memory operation: called holding `_taking`, it waits for the running requests to end, and
         none starts until it returns; `apply(operation)`'s result or exception goes to `future`."""
         with self._idle:
-            while self._num_running:
+            while self._running:
                 self._idle.wait()
         if not future.set_running_or_notify_cancel():
             return
