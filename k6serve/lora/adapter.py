@@ -3,8 +3,11 @@
 Two layouts are read:
 * diffusers / PEFT: `<module>.lora_A[.<adapter name>].weight` (rank x in) and `<module>.lora_B[.<adapter
   name>].weight` (out x rank), optionally `<module>.alpha`, under a `transformer.`, `base_model.model.`,
-  `diffusion_model.` (ComfyUI) or no prefix; the alpha may instead be in the file's header, where diffusers'
-  `save_lora_weights` / `save_lora_adapter` put the adapter's PEFT config (`_metadata_alphas`). Also PEFT's
+  `diffusion_model.` (ComfyUI) or no prefix; ComfyUI's own LoRA save / extract / training nodes name the same pair
+  `<module>.lora_down.weight` / `.lora_up.weight` (kohya's factor names after a dotted path), alpha as kohya's.
+  The alpha may instead be in the adapter's PEFT `LoraConfig`: in the file's header, where diffusers'
+  `save_lora_weights` / `save_lora_adapter` put it, or in the `adapter_config.json` beside the file, where PEFT's
+  `save_pretrained` does (`_config_alphas`). Also PEFT's
   variants that diffusers' `load_lora_adapter` applies to this DiT: DoRA (`use_dora`: `<module>.lora_magnitude_vector`,
   one magnitude per output feature), a lora_B bias (`lora_bias`: `<module>.lora_B.bias`) and LoRA on an
   nn.Embedding (`<module>.lora_embedding_A` (rank x num_embeddings) / `.lora_embedding_B` (embedding_dim x rank),
@@ -32,8 +35,13 @@ import torch
 
 from k6serve.lora.spec import check_lora_alpha
 
-# PEFT writes this name; diffusers' `save_lora_weights` too. Preferred when a folder holds several files.
+# diffusers' `save_lora_weights` / `save_lora_adapter` write this name. Preferred when a folder holds several files.
 PREFERRED_FILE = "pytorch_lora_weights.safetensors"
+# PEFT's `save_pretrained` writes the weights as PEFT_WEIGHTS_FILE and the `LoraConfig` beside them as
+# PEFT_CONFIG_FILE, with no alpha in the weights: the scale (lora_alpha / r, per module with alpha_pattern /
+# rank_pattern) is only in the JSON. Reading the weights alone applied `LoraConfig(r=4, lora_alpha=16)` at a quarter.
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_CONFIG_FILE = "adapter_config.json"
 _PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.")
 _WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
 _EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?$")
@@ -45,6 +53,8 @@ _ALPHA_KEY = re.compile(r"^(?P<module>.+)\.alpha$")
 _KOHYA_KEY = re.compile(r"^lora_(?:unet|transformer)_(?P<module>[^.]+)\.(?:lora_(?P<kind>down|up)\.weight|"
                         r"(?P<extra>alpha|dora_scale))$")
 _DORA_SCALE_KEY = re.compile(r"^(?P<module>.+)\.dora_scale$")  # LyCORIS's DoRA magnitudes after a dotted path
+# ComfyUI's LoRA save / extract / training nodes: kohya's factor names after a dotted module path.
+_DOTTED_KOHYA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>down|up)\.weight$")
 _SHOWN = 5  # how many offending keys an error lists
 # diffusers' `save_lora_weights` (its training scripts) and `save_lora_adapter` write no `<module>.alpha` keys: the
 # adapter's PEFT `LoraConfig` goes into the safetensors header as JSON under this key (`lora_alpha`, `alpha_pattern`,
@@ -79,12 +89,16 @@ class LoraAdapter:
     file: Path
     modules: dict[str, LoraModule]
     stamp: tuple[int, int, int] | None = None  # `file_stamp(file)` when it was read
+    # `file_stamp` of the PEFT_CONFIG_FILE beside `file` when it was read (None: there was none); its alphas count.
+    config_stamp: tuple[int, int, int] | None = None
 
     def unchanged(self) -> bool:
-        """Whether `file` is still the one read (same inode, size and modification time): a set_lora naming the
-        same path again reuses this adapter only then. An adapter retrained and saved over its file was otherwise
-        kept from the first read, silently serving the old weights under the new file's name."""
-        return self.stamp is not None and file_stamp(self.file) == self.stamp
+        """Whether `file` is still the one read (same inode, size and modification time), and the PEFT config beside
+        it too: a set_lora naming the same path again reuses this adapter only then. An adapter retrained and saved
+        over its file was otherwise kept from the first read, silently serving the old weights under the new file's
+        name."""
+        return (self.stamp is not None and file_stamp(self.file) == self.stamp
+                and file_stamp(self.file.parent / PEFT_CONFIG_FILE) == self.config_stamp)
 
     @property
     def rank(self) -> int:
@@ -123,7 +137,8 @@ def _single_file_in(folder: Path) -> Path:
 
 
 def _download(repo_id: str) -> Path:
-    """Fetch the adapter file of hub repo `repo_id`: `PREFERRED_FILE`, else the repo's only .safetensors."""
+    """Fetch the adapter file of hub repo `repo_id`: `PREFERRED_FILE`, else the repo's only .safetensors; a PEFT
+    repo's PEFT_CONFIG_FILE comes with it, into the same snapshot folder, where `read_adapter` finds it."""
     from huggingface_hub import hf_hub_download, list_repo_files, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -132,7 +147,9 @@ def _download(repo_id: str) -> Path:
         # repo), where hf_hub_download and the repo listing each retry the connection with back-off (49 s on a host
         # without network before the same error).
         try:
-            folder = Path(snapshot_download(repo_id, allow_patterns=[PREFERRED_FILE]))
+            # One snapshot for a PEFT repo's weights and config: the two from one revision, without a listing.
+            folder = Path(snapshot_download(repo_id, allow_patterns=[PREFERRED_FILE, PEFT_WEIGHTS_FILE,
+                                                                     PEFT_CONFIG_FILE]))
         except LocalEntryNotFoundError as exc:  # also a hub that answered with a server error, so its words go too
             cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ValueError(
@@ -183,10 +200,19 @@ def _strip_prefix(key: str) -> str:
     return key
 
 
-def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
-                          metadata: dict[str, str] | None = None) -> dict[str, LoraModule]:
+def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, metadata: dict[str, str] | None = None,
+                          peft_config: dict | None = None) -> dict[str, LoraModule]:
     """Group a diffusers / PEFT LoRA state dict by module; `source` names the file in errors, `metadata` is the
-    file's safetensors header (its `LORA_METADATA_KEY` entry may hold the alphas)."""
+    file's safetensors header (its `LORA_METADATA_KEY` entry may hold the alphas), `peft_config` the PEFT_CONFIG_FILE
+    found beside the file (`_peft_folder_config`)."""
+    configs = [_LoraConfig(fields=fields, name=f"the {LORA_METADATA_KEY} header", short="header", reader="diffusers")
+               for fields in [_header_config(metadata, source)] if fields is not None]
+    if peft_config is not None:
+        configs.append(_LoraConfig(fields=peft_config, name=f"the {PEFT_CONFIG_FILE} beside it",
+                                   short=PEFT_CONFIG_FILE, reader="PEFT"))
+    for config in configs:  # first: an option like modules_to_save or bias="all" also explains the keys it adds
+        _check_config_options(config, source)
+    factor_keys: dict[tuple[str, str], str] = {}  # (module, "down" / "up") -> the key read for it
     downs: dict[str, torch.Tensor] = {}
     ups: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
@@ -205,19 +231,25 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
             elif match["extra"] == "dora_scale":
                 dora_scales[match["module"]] = (key, tensor)
             else:
-                (downs if match["kind"] == "down" else ups)[match["module"]] = tensor
+                _add_factor(downs, ups, factor_keys, match["module"], match["kind"], key, tensor, source)
+            continue
+        if match := _DOTTED_KOHYA_KEY.match(name):
+            _add_factor(downs, ups, factor_keys, match["module"], match["kind"], key, tensor, source)
+            linears.add(match["module"])
             continue
         if match := _DORA_SCALE_KEY.match(name):
             dora_scales[match["module"]] = (key, tensor)
             continue
         if match := _EMBEDDING_KEY.match(name):
-            (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
+            _add_factor(downs, ups, factor_keys, match["module"], "down" if match["kind"] == "A" else "up", key,
+                        tensor, source)
             embeddings.add(match["module"])
         elif (match := _WEIGHT_KEY.match(name)) and not (match["kind"] == "A" and match["param"] == "bias"):
             if match["param"] == "bias":
                 biases[match["module"]] = tensor
             else:
-                (downs if match["kind"] == "A" else ups)[match["module"]] = tensor
+                _add_factor(downs, ups, factor_keys, match["module"], "down" if match["kind"] == "A" else "up", key,
+                            tensor, source)
                 linears.add(match["module"])
         elif match := _MAGNITUDE_KEY.match(name):
             magnitudes[match["module"]] = tensor
@@ -233,8 +265,9 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
         raise ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
                          f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha, and PEFT's "
                          f"<module>.lora_B.bias, <module>.lora_magnitude_vector (DoRA), <module>.lora_embedding_A / "
-                         f"_B) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / .alpha, and "
-                         f"LyCORIS's DoRA .dora_scale), e.g. {unknown[:_SHOWN]}")
+                         f"_B), ComfyUI ones (<module>.lora_down.weight / .lora_up.weight / .alpha, under "
+                         f"diffusion_model.) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / "
+                         f".alpha, and LyCORIS's DoRA .dora_scale), e.g. {unknown[:_SHOWN]}")
     if len(adapter_names) > 1:
         raise ValueError(f"LoRA file {source!r} holds several PEFT adapters ({sorted(adapter_names)}); save one "
                          "adapter per file")
@@ -245,15 +278,17 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
         raise ValueError(f"LoRA file {source!r}: module(s) with only one of lora_A / lora_B: {unpaired[:_SHOWN]}")
     magnitude_keys = _dora_scale_magnitudes(dora_scales, downs, ups, magnitudes, source)
     _check_variants(downs, magnitudes, biases, embeddings, linears, source)
-    config = _header_config(metadata, source)
-    _check_header_variants(config, magnitudes, biases, source)
-    header_alphas = _metadata_alphas(config, downs, source)
-    for module, alpha in header_alphas.items():
-        # Both in one file have no agreed meaning (diffusers refuses `network_alphas` together with a header): a
-        # disagreement is refused rather than one of them picked.
-        if alphas.setdefault(module, alpha) != alpha:
-            raise ValueError(f"LoRA file {source!r}: module {module!r} has alpha {alphas[module]:g} in its .alpha key "
-                             f"but {alpha:g} in the {LORA_METADATA_KEY} header; keep one of them")
+    origins = dict.fromkeys(alphas, "its .alpha key")
+    for config in configs:
+        _check_config_variants(config, magnitudes, biases, source)
+        for module, alpha in _config_alphas(config, downs, source).items():
+            # No precedence: diffusers reads only the header (and refuses `network_alphas` together with it), PEFT
+            # only its JSON, and the .alpha keys are kohya's. Each is the whole adapter's scale to the tool that
+            # wrote it, so a disagreement means two adapters' parts in one place: refused rather than one picked.
+            if alphas.setdefault(module, alpha) != alpha:
+                raise ValueError(f"LoRA file {source!r}: module {module!r} has alpha {alphas[module]:g} in "
+                                 f"{origins[module]} but {alpha:g} in {config.name}; keep one of them")
+            origins.setdefault(module, config.name)
     modules = {}
     for module, down in downs.items():
         up = ups[module]
@@ -274,6 +309,18 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str,
         modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module), magnitude=magnitudes.get(module),
                                      bias=biases.get(module), embedding=module in embeddings)
     return modules
+
+
+def _add_factor(downs: dict[str, torch.Tensor], ups: dict[str, torch.Tensor], factor_keys: dict[tuple[str, str], str],
+                module: str, kind: str, key: str, tensor: torch.Tensor, source: str) -> None:
+    """Record `tensor` as `module`'s down (lora_A) or up (lora_B) factor (`kind`), refusing a second key for it (a
+    lora_A and a lora_down, or the same name under two prefixes): one of them would be dropped silently."""
+    if (module, kind) in factor_keys:
+        raise ValueError(f"LoRA file {source!r}: {factor_keys[module, kind]!r} and {key!r} are both the "
+                         f"{'lora_A (down)' if kind == 'down' else 'lora_B (up)'} factor of module {module!r}; "
+                         "a module has one pair, so the file mixes two adapters (save one adapter per file)")
+    factor_keys[module, kind] = key
+    (downs if kind == "down" else ups)[module] = tensor
 
 
 def _dora_scale_magnitudes(dora_scales: dict[str, tuple[str, torch.Tensor]], downs: dict[str, torch.Tensor],
@@ -372,46 +419,114 @@ def _header_config(metadata: dict[str, str] | None, source: str) -> dict | None:
     return prefixed or config
 
 
-def _check_header_variants(config: dict | None, magnitudes: dict[str, torch.Tensor], biases: dict[str, torch.Tensor],
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LoraConfig:
+    """A PEFT `LoraConfig` that came with the weights (diffusers' header or PEFT's JSON), and how errors name it."""
+
+    fields: dict
+    name: str  # "the lora_adapter_metadata header", "the adapter_config.json beside it"
+    short: str  # "header", "adapter_config.json"
+    reader: str  # the library that applies the adapter from it: "diffusers" or "PEFT"
+
+
+# LoraConfig fields that change nothing in the update a saved adapter makes on this DiT.
+_INERT_FIELDS = frozenset({
+    "peft_version", "auto_mapping", "base_model_name_or_path", "revision", "task_type", "inference_mode",
+    "runtime_config",  # bookkeeping
+    "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",  # what was adapted: the keys say it
+    "lora_dropout",  # training only
+    "fan_in_fan_out",  # PEFT sets it back to False on an nn.Linear and an nn.Embedding ignores it: the DiT's targets
+    "megatron_config", "megatron_core",  # Megatron's parallel layers only
+    "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config",  # read with their switch only
+    "ensure_weight_tying",  # tied layers (an LLM's embedding and head); the DiT has none
+    "velora_config",  # VeLoRA changes the backward pass only; its merge is plain LoRA's
+})
+_READ_FIELDS = frozenset({"r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora", "lora_bias"})
+# init_lora_weights values that leave the base weights as they were. PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite
+# them (W - the initial B A, or a quantised W), so their adapter fits only the base saved with it.
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica")
+
+
+def _check_config_options(config: _LoraConfig, source: str) -> None:
+    """Refuse a config whose options change the math in ways k6serve does not apply (anything but plain LoRA,
+    rsLoRA, DoRA and lora_bias), rather than apply the adapter otherwise than PEFT would."""
+    where = f"LoRA file {source!r}: {config.name}"
+    for field, value in config.fields.items():
+        if field in _INERT_FIELDS or field in _READ_FIELDS:
+            continue
+        if field == "peft_type":
+            if value != "LORA":
+                raise ValueError(f"{where} says peft_type={value!r}: not a LoRA adapter; k6serve reads LoRA (and "
+                                 "DoRA) adapters only")
+        elif field == "init_lora_weights":
+            if not (isinstance(value, bool) or value in _PLAIN_INITS):
+                raise ValueError(f"{where} says init_lora_weights={value!r}: that initialisation rewrites the base "
+                                 "weights, so the adapter fits only the base saved with it; save it from PEFT again "
+                                 "with save_pretrained(..., path_initial_model_for_weight_conversion=<the initial "
+                                 "adapter>), which turns it into a plain LoRA of the original weights")
+        elif field == "bias":
+            if value != "none":
+                raise ValueError(f"{where} says bias={value!r}: the adapter also trained the layers' own biases, "
+                                 "which k6serve does not load; train it with bias='none' (or lora_bias=True)")
+        elif value not in (None, False, "", [], {}):
+            # modules_to_save, layer_replication, target_parameters, trainable_token_indices, use_qalora, aLoRA,
+            # Arrow, BD-LoRA, KaSA, MonteCLoRA, and fields of PEFT versions after 0.21.
+            raise ValueError(f"{where} sets {field}={value!r}, which changes what {config.reader} does with the "
+                             "adapter beyond plain LoRA, rsLoRA, DoRA and lora_bias (the options k6serve applies); "
+                             f"use an adapter trained without {field}")
+
+
+def _check_config_variants(config: _LoraConfig, magnitudes: dict[str, torch.Tensor], biases: dict[str, torch.Tensor],
                            source: str) -> None:
-    """Refuse a header whose `use_dora` / `lora_bias` contradicts the keys. diffusers builds the PEFT layers from
-    the header alone: DoRA layers without magnitudes get them computed from the base weight, and magnitudes or
-    biases the header does not ask for are skipped with a warning. Reading the keys alone would apply something
-    else than diffusers does, silently."""
-    if config is None:
-        return
-    where = f"LoRA file {source!r}: its {LORA_METADATA_KEY} header"
-    if "use_dora" in config and bool(config["use_dora"]) != bool(magnitudes):
+    """Refuse a config whose `use_dora` / `lora_bias` contradicts the keys. diffusers and PEFT build the layers from
+    the config alone: DoRA layers without magnitudes get them computed from the base weight, and magnitudes or
+    biases the config does not ask for are skipped with a warning. Reading the keys alone would apply something
+    else than they do, silently."""
+    where = f"LoRA file {source!r}: {config.name}"
+    fields, mismatch = config.fields, f"the {config.short} and the weights come from different adapters"
+    if "use_dora" in fields and bool(fields["use_dora"]) != bool(magnitudes):
         found = (f"{len(magnitudes)} lora_magnitude_vector keys" if magnitudes else "no lora_magnitude_vector keys")
-        raise ValueError(f"{where} says use_dora={config['use_dora']!r}, but the file holds {found}; the header and "
-                         "the weights come from different adapters (diffusers would apply the header's)")
-    if "lora_bias" in config and not config["lora_bias"] and biases:
-        raise ValueError(f"{where} says lora_bias={config['lora_bias']!r}, but the file holds {len(biases)} "
-                         "lora_B.bias keys, which diffusers would skip; the header and the weights come from different "
-                         "adapters")
+        raise ValueError(f"{where} says use_dora={fields['use_dora']!r}, but the file holds {found}; {mismatch} "
+                         f"({config.reader} would apply the {config.short}'s)")
+    if "lora_bias" in fields and not fields["lora_bias"] and biases:
+        raise ValueError(f"{where} says lora_bias={fields['lora_bias']!r}, but the file holds {len(biases)} "
+                         f"lora_B.bias keys, which {config.reader} would skip; {mismatch}")
 
 
-def _metadata_alphas(config: dict | None, downs: dict[str, torch.Tensor], source: str) -> dict[str, float]:
-    """Each module's alpha from the header's PEFT `LoraConfig` (`_header_config`; empty without one), as PEFT
-    resolves it: `alpha_pattern`'s first pattern that matches the module path's end (peft's `get_pattern_key`),
-    else `lora_alpha`. An rsLoRA adapter (`use_rslora`) is scaled by alpha / sqrt(rank) there: as our
-    alpha / rank, that is an alpha of alpha * sqrt(rank)."""
-    if config is None or "lora_alpha" not in config:
-        return {}
-    where = f"LoRA file {source!r}: {LORA_METADATA_KEY}"
-    default = _header_alpha(config["lora_alpha"], f"{where} lora_alpha")
-    patterns = config.get("alpha_pattern") or {}
-    if not isinstance(patterns, dict):
-        raise ValueError(f"{where} alpha_pattern must be an object (pattern -> alpha), got {patterns!r}")
+def _pattern_key(patterns: dict, module: str, where: str) -> str | None:
+    """The first of `patterns` that matches the end of `module`'s path, as peft's `get_pattern_key` finds it."""
+    try:
+        return next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
+    except re.error as exc:
+        raise ValueError(f"{where} holds a pattern that is not a regular expression ({exc})") from None
+
+
+def _config_alphas(config: _LoraConfig, downs: dict[str, torch.Tensor], source: str) -> dict[str, float]:
+    """Each module's alpha from a PEFT `LoraConfig` (empty without `lora_alpha`), as PEFT's `_create_and_replace`
+    resolves it: `alpha_pattern`'s first pattern that matches the module path's end (`_pattern_key`), else
+    `lora_alpha`; rank likewise from `rank_pattern` / `r`, which must be the weights' (PEFT would fail to load them
+    otherwise). An rsLoRA adapter (`use_rslora`) is scaled by alpha / sqrt(rank) there: as our alpha / rank, that is
+    an alpha of alpha * sqrt(rank)."""
+    fields, where = config.fields, f"LoRA file {source!r}: {config.name}"
+    patterns = {}
+    for field in ("alpha_pattern", "rank_pattern"):
+        patterns[field] = fields.get(field) or {}
+        if not isinstance(patterns[field], dict):
+            raise ValueError(f"{where}'s {field} must be an object (pattern -> value), got {patterns[field]!r}")
     alphas = {}
     for module, down in downs.items():
-        try:
-            pattern = next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
-        except re.error as exc:
-            raise ValueError(f"{where} alpha_pattern holds a pattern that is not a regular expression "
-                             f"({exc})") from None
-        alpha = default if pattern is None else _header_alpha(patterns[pattern], f"{where} alpha_pattern[{pattern!r}]")
-        if config.get("use_rslora"):
+        rank_key = _pattern_key(patterns["rank_pattern"], module, f"{where}'s rank_pattern")
+        rank = fields.get("r") if rank_key is None else patterns["rank_pattern"][rank_key]
+        if rank is not None and (isinstance(rank, bool) or rank != down.shape[0]):
+            field = "r" if rank_key is None else f"rank_pattern[{rank_key!r}]"
+            raise ValueError(f"{where} gives module {module!r} rank {rank!r} ({field}), but its lora_A has rank "
+                             f"{down.shape[0]}; the {config.short} and the weights come from different adapters")
+        if "lora_alpha" not in fields:
+            continue
+        alpha_key = _pattern_key(patterns["alpha_pattern"], module, f"{where}'s alpha_pattern")
+        alpha = (_header_alpha(fields["lora_alpha"], f"{where}'s lora_alpha") if alpha_key is None else
+                 _header_alpha(patterns["alpha_pattern"][alpha_key], f"{where}'s alpha_pattern[{alpha_key!r}]"))
+        if fields.get("use_rslora"):
             alpha *= math.sqrt(down.shape[0])
         check_lora_alpha(alpha, f"{where} (module {module!r}'s alpha)")
         alphas[module] = alpha
@@ -454,6 +569,33 @@ def _header_metadata(data: bytes) -> dict[str, str] | None:
     return metadata if isinstance(metadata, dict) else None
 
 
+def _peft_folder_config(file: Path) -> dict | None:
+    """The PEFT `LoraConfig` that `save_pretrained` wrote beside `file` as PEFT_CONFIG_FILE (None without one)."""
+    config_file = file.parent / PEFT_CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    where = f"LoRA file {str(file)!r}: the {PEFT_CONFIG_FILE} beside it"
+    others = sorted(other.name for other in file.parent.glob("*.safetensors") if other.name != file.name)
+    if file.name != PEFT_WEIGHTS_FILE and others:
+        # PEFT's config belongs to its own PEFT_WEIGHTS_FILE; next to several other files it may be any one's.
+        raise ValueError(f"{where} (a PEFT adapter's config, which sets its scale) may belong to another of the "
+                         f"folder's .safetensors files ({', '.join(others[:_SHOWN])}); put the adapter in a folder "
+                         f"of its own, with its {PEFT_CONFIG_FILE} if it is this file's")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where} cannot be read as JSON ({exc}); save the adapter again with PEFT's "
+                         "save_pretrained") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} is not a JSON object; save the adapter again with PEFT's save_pretrained")
+    missing = [field for field in ("r", "lora_alpha") if field not in config]
+    if missing:
+        # PEFT writes every field; without these it would use its defaults (r=8, lora_alpha=8), which no file states.
+        raise ValueError(f"{where} has no {' / '.join(missing)}, which PEFT's save_pretrained always writes and "
+                         "which set the adapter's scale (lora_alpha / r); add them as the adapter was trained")
+    return config
+
+
 def read_adapter(path: str) -> LoraAdapter:
     """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
     import safetensors.torch
@@ -461,6 +603,7 @@ def read_adapter(path: str) -> LoraAdapter:
 
     file = resolve_adapter_file(path)
     stamp = file_stamp(file)  # before reading: a file rewritten meanwhile is read again next time
+    config_stamp = file_stamp(file.parent / PEFT_CONFIG_FILE)
     try:
         # The file's bytes, read whole into memory, not mapped: `safe_open(...).get_tensor` gives CPU tensors that
         # share the file's mapping, so a loaded adapter was the bytes on disk now. A file copied over in place (cp,
@@ -476,5 +619,6 @@ def read_adapter(path: str) -> LoraAdapter:
         # traceback, for a truncated download or a file renamed to .safetensors.
         raise ValueError(f"LoRA file {str(file)!r} cannot be read as safetensors ({exc}); it may be damaged or "
                          "cut short (download or copy it again), or not a safetensors file") from None
-    modules = parse_lora_state_dict(tensors, source=str(file), metadata=metadata)
-    return LoraAdapter(path=path, file=file, modules=modules, stamp=stamp)
+    modules = parse_lora_state_dict(tensors, source=str(file), metadata=metadata,
+                                    peft_config=_peft_folder_config(file))
+    return LoraAdapter(path=path, file=file, modules=modules, stamp=stamp, config_stamp=config_stamp)
