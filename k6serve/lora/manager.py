@@ -47,7 +47,6 @@ from k6serve.lora.dora import DoraCache, row_norms
 from k6serve.lora.dynamic import LoraDelta, LoraEmbedding, LoraLinear
 from k6serve.lora.sharding import ShardedWeight, local_tensor
 from k6serve.lora.spec import (
-    FSDP_MERGE_REFUSAL,
     LoraSpec,
     check_lora_alpha,
     check_lora_strength,
@@ -95,6 +94,9 @@ class LoraManager:
         self.snapshots: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self.wrappers: list[tuple[LoraTarget, LoraLinear | LoraEmbedding]] = []
         self.dora_rows = DoraCache()  # dynamic DoRA's row factors, kept across switches of adapters
+        # Counts the times the model's weights or modules were changed: the worker drops a memory release's kept
+        # host copy after an operation that changed them, and keeps it after a refusal, which changes nothing.
+        self.num_changes = 0
 
     def set(self, specs: tuple[LoraSpec, ...] | list[LoraSpec], merge_mode: str = "auto") -> None:
         """Replace the active adapters by `specs` (empty: none), applied as `merge_mode`.
@@ -128,15 +130,19 @@ class LoraManager:
         if not self.active:
             raise ValueError("no LoRA adapter is active: set one first (set_lora with a path)")
         if self.fsdp:
-            raise ValueError(FSDP_MERGE_REFUSAL)
+            raise ValueError("the LoRA adapters cannot be merged with --use-fsdp-inference: the weights are FSDP "
+                             "shards between requests. The active adapters stay dynamic, as they are; nothing changed.")
         if strength is not None:
             check_lora_strength(strength, "strength")
-        _check_mergeable(self.active)
+        # merge_lora_weights has no merge_mode: the fix is to leave the adapters dynamic, as they are
+        _check_mergeable(self.active, fix="they stay dynamic (which adds the bias at run time), as they are; nothing "
+                                          "changed.")
         self._switch([entry if strength is None else dataclasses.replace(entry, strength=float(strength))
                       for entry in self.active], "merge")
 
     def unmerge(self) -> None:
         """Deactivate every adapter and restore the base weights bit for bit (the adapters stay cached)."""
+        self.num_changes += 1
         self._restore()
         self.active = []
 
@@ -171,7 +177,19 @@ class LoraManager:
         try:
             yield
         finally:
-            self._switch(previous, "dynamic", log=False)
+            try:
+                # On failure, the base model: `_switch`'s own fallback, the adapters active before the switch, would
+                # be this request's, serving every later request.
+                self._switch(previous, "dynamic", log=False, fallback=[])
+            except Exception as exc:
+                lost = ", ".join(f"{entry.nickname} x{entry.strength:g}" for entry in previous)
+                logger.error("LoRA: the engine's adapters (%s) could not be put back after a request's own; none is "
+                             "active now", lost)
+                raise RuntimeError(
+                    f"This request ran with its own LoRA adapters, but the engine's ({lost}) could not be put back "
+                    f"after it ({type(exc).__name__}: {exc}): no adapter is active now, so later requests run the base "
+                    "model. Set them again (set_lora with their nicknames, or restart the server)."
+                ) from exc
 
     def prepare(self, device: torch.device) -> None:
         """Ready the dynamic wrappers for a request on `device` (`LoraLinear.prepare`), so that the compiled blocks'
@@ -221,11 +239,16 @@ class LoraManager:
             return cached
         return read_adapter(spec.path)
 
-    def _switch(self, active: list[_Active], mode: str, *, log: bool = True) -> None:
+    def _switch(self, active: list[_Active], mode: str, *, log: bool = True,
+                fallback: list[_Active] | None = None) -> None:
         """Make `active` the applied adapters, as `mode`. A failure part-way (say, out of memory while merging)
-        restores the base weights and puts the previous adapters back as they were before raising: a half-merged
-        DiT, or adapters listed as active but never applied, would otherwise serve every later request."""
+        restores the base weights and puts the previous adapters (or `fallback`, [] for the base model) back as they
+        were before raising: a half-merged DiT, or adapters listed as active but never applied, would otherwise serve
+        every later request."""
         previous, previous_mode = self.active, self.applied_mode
+        if fallback is not None:
+            previous = fallback
+        self.num_changes += 1
         self._restore()
         self.active = active
         try:
@@ -319,9 +342,9 @@ class LoraManager:
         self.applied_mode = None
 
 
-def _check_mergeable(active: list[_Active]) -> None:
+def _check_mergeable(active: list[_Active], **fix: str) -> None:
     for entry in active:
-        check_mergeable(entry.targets, entry.adapter.modules, source=entry.adapter.path)
+        check_mergeable(entry.targets, entry.adapter.modules, source=entry.adapter.path, **fix)
 
 
 def _merged_rows(rows: torch.Tensor, terms: list[tuple[LoraModule, float]], shard: ShardedWeight) -> torch.Tensor:

@@ -113,7 +113,8 @@ def odd_nickname(nickname: str) -> str | None:
 class LoraSpec:
     """One adapter to activate: `path` (a .safetensors file, a folder holding one, or a hub id) loaded under
     `nickname`; `path=None` reuses the adapter already loaded under that nickname. `strength` multiplies the
-    adapter's alpha / rank scale; `alpha` overrides the alpha stored in the file (default: rank, i.e. scale 1)."""
+    adapter's alpha / rank scale; `alpha` overrides the alpha stored in the file (default: the file's alpha, else
+    the rank, i.e. scale 1)."""
 
     nickname: str
     path: str | None = None

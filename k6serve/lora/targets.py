@@ -181,14 +181,17 @@ def _unknown_modules(model: nn.Module, modules: dict[str, LoraModule], unknown: 
                       "adapter is for this model, or remove those modules' keys from the file to apply the rest.")
 
 
-def check_mergeable(targets: list[LoraTarget], modules: dict[str, LoraModule], *, source: str) -> None:
+MERGE_MODE_FIX = "use merge_mode 'dynamic' (--lora-merge-mode dynamic), which adds the bias at run time."
+
+
+def check_mergeable(targets: list[LoraTarget], modules: dict[str, LoraModule], *, source: str,
+                    fix: str = MERGE_MODE_FIX) -> None:
     """Refuse to merge a lora_B bias into a layer without a bias (PEFT's merge, so diffusers' fuse_lora, refuses it
-    too); dynamic mode adds it at run time."""
+    too); dynamic mode adds it at run time. `fix` ends the message: what to do instead."""
     no_bias = [target.path for target in targets
                if modules[target.path].bias is not None and getattr(target.layer, "bias", None) is None]
     if no_bias:
         # Not "LoRA path" (the HTTP answer would name lora_path): merge_mode is what the fix changes.
         raise ValueError(f"LoRA adapter {source!r}: {len(no_bias)} module(s) have a lora_B.bias (PEFT's lora_bias), "
                          f"but the model's layer has no bias to merge it into, e.g. {no_bias[:_SHOWN]} (diffusers' "
-                         "fuse_lora refuses these too); use merge_mode 'dynamic' (--lora-merge-mode dynamic), which "
-                         "adds the bias at run time.")
+                         f"fuse_lora refuses these too); {fix}")

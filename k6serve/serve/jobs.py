@@ -253,7 +253,9 @@ class SqliteJobStore:
     @staticmethod
     def _encode(name: str, value: Any) -> Any:
         if name in _JSON_FIELDS:
-            return json.dumps(list(value) if isinstance(value, tuple) else value, sort_keys=True)
+            # Not sorted: the order of a job's `loras` is the order its adapters are stacked in, which changes the
+            # output (a DoRA adapter rescales the ones before it).
+            return json.dumps(list(value) if isinstance(value, tuple) else value)
         if isinstance(value, JobStatus):
             return value.value
         return value

@@ -1,10 +1,15 @@
 """The server's LoRA state, kept in the job store so that jobs queued before a restart run with the adapters they
 were created under.
 
-The state is the shortest list of operations that rebuilds the adapters: the last `SetLora` (every spec with its
-path written out, since a restarted worker has no adapter cache to resolve `path=None` from) and the `MergeLora`s
-after it; an `UnmergeLora` or a `SetLora` with no specs empties it. The runner records it after each successful
-change and replays it at start, before any job is dispatched.
+The state is the shortest list of operations that rebuilds the adapters the worker holds:
+- every adapter loaded but not active (a `SetLora` replaced it, or an unmerge deactivated it), loaded again by one
+  dynamic `SetLora` followed by an `UnmergeLora`, since a job queued before the restart may name it in its own
+  `loras` (the `--lora-path` adapter, which the worker loads at start, is left out unless set again since);
+- then the active ones: the last `SetLora` (every spec with its path written out, since a restarted worker has no
+  adapter cache to resolve `path=None` from) and the `MergeLora`s after it; or, after an `UnmergeLora` or an empty
+  `SetLora`, an `UnmergeLora`, which also takes the `--lora-path` adapter out again (an empty list would bring it back
+  active, though the jobs queued since were created without it).
+The runner records it after each successful change and replays it at start, before any job is dispatched.
 
 Beside it the state keeps what the worker holds (`Adapters`: the nicknames loaded, the active adapters and whether
 they are merged), folded from the `--lora-path` adapter and each successful operation with the worker's own rules,
@@ -69,24 +74,34 @@ class Adapters:
 
 
 class LoraState:
-    """The replay list, where each nickname's adapter was loaded from (to write out `path=None`), and the adapters
-    the worker holds now (`now`, `loaded`).
+    """The replay list (`operations`), where each nickname's adapter was loaded from and with which alpha override
+    (to write out `path=None` and to load inactive adapters again), and the adapters the worker holds now (`now`,
+    `loaded`).
 
     The worker holds the `--lora-path` adapter (`start`, applied as `server_merge_mode` says) and each one a
-    successful `SetLora` loaded (a failed one changes nothing). No operation drops an adapter, deactivated ones stay
-    cached; only a restart does, rebuilding the replay list's adapters, from which `paths` is rebuilt too."""
+    successful `SetLora` loaded (a failed one changes nothing). No operation drops an adapter: deactivated ones stay
+    cached, and a restart loads them again."""
 
     def __init__(self, operations: list[LoraOperation] | None = None, *, start: SetLora | None = None,
                  server_merge_mode: str = "auto", fsdp: bool = False):
-        self.operations: list[LoraOperation] = list(operations or [])
         self.server_merge_mode = server_merge_mode  # --lora-merge-mode: what a SetLora's "auto" means
         self.fsdp = fsdp  # --use-fsdp-inference: "auto" is dynamic, a merge refused
+        self.start = start
         self.paths: dict[str, str] = {}
+        self.alphas: dict[str, float | None] = {}  # the alpha override of each nickname's last successful SetLora
         self.now = Adapters()
-        for operation in ([start] if start else []) + self.operations:
-            if isinstance(operation, SetLora):
-                self.paths.update((spec.nickname, spec.path) for spec in operation.specs if spec.path)
-            self.now = self.after([operation])
+        # The operations that make the active adapters: None while they are still the start's (nothing recorded),
+        # [] once deactivated.
+        self._active: list[LoraOperation] | None = None
+        if start is not None:
+            self._loaded_by(start)
+            self.now = self.after([start])
+        for operation in operations or []:
+            self.record(operation)
+
+    def _loaded_by(self, operation: SetLora) -> None:
+        self.paths.update((spec.nickname, spec.path) for spec in operation.specs if spec.path)
+        self.alphas.update((spec.nickname, spec.alpha) for spec in operation.specs)
 
     def record(self, operation: LoraOperation) -> bool:
         """Fold a successful `operation` in; True when the replay list changed (and needs saving)."""
@@ -94,15 +109,38 @@ class LoraState:
         if isinstance(operation, ListLoras):
             return False
         if isinstance(operation, UnmergeLora):
-            self.operations = []
+            self._active = []
         elif isinstance(operation, MergeLora):
-            self.operations.append(operation)
+            self._active = [*(self._active or []), operation]
         else:
             specs = tuple(dataclasses.replace(spec, path=_as_replayable(spec.path) or self.paths.get(spec.nickname))
                           for spec in operation.specs)
-            self.paths.update((spec.nickname, spec.path) for spec in specs if spec.path)
-            self.operations = [dataclasses.replace(operation, specs=specs)] if specs else []
+            operation = dataclasses.replace(operation, specs=specs)
+            self._loaded_by(operation)
+            self._active = [operation] if specs else []
         return True
+
+    @property
+    def operations(self) -> list[LoraOperation]:
+        """The operations that rebuild the adapters on a worker that has just loaded the `--lora-path` adapter."""
+        start = {spec.nickname: spec for spec in self.start.specs} if self.start is not None else {}
+        first = self._active[0] if self._active else None
+        # The active adapters: the SetLora's, or the start's when only merges followed it
+        active = [spec.nickname for spec in first.specs] if isinstance(first, SetLora) else list(start) if first else []
+        inactive = tuple(LoraSpec(nickname=nickname, path=path, alpha=self.alphas.get(nickname))
+                         for nickname, path in self.paths.items()
+                         if nickname in self.now.loaded and nickname not in active
+                         # the start adapter as it was given: the worker has loaded it already
+                         and not (nickname in start and (start[nickname].path, start[nickname].alpha) == (
+                             path, self.alphas.get(nickname))))
+        replay: list[LoraOperation] = []
+        if inactive:
+            replay += [SetLora(specs=inactive, merge_mode="dynamic"), UnmergeLora()]
+        if self._active:
+            replay += self._active
+        elif self._active == [] and self.start is not None and not inactive:
+            replay.append(UnmergeLora())
+        return replay
 
     def replicas_disagree(self) -> None:
         """A LoRA operation succeeded on some dp replicas only: whether their adapters are merged is not known."""
@@ -134,6 +172,8 @@ class LoraState:
                 operations.append(SetLora(**fields))
             elif item["type"] == "MergeLora":
                 operations.append(MergeLora(**fields))
+            elif item["type"] == "UnmergeLora":
+                operations.append(UnmergeLora(**fields))
             else:
                 raise ValueError(f"unknown LoRA operation {item['type']!r} in the job store")
         return cls(operations, start=start, server_merge_mode=server_merge_mode, fsdp=fsdp)

@@ -446,6 +446,9 @@ def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: t
     if isinstance(fields.get("seconds"), str):
         # OpenAI sends seconds as text ("4"), others as a number: one duration, one request (validated by now).
         fields["seconds"] = float(fields["seconds"])
+    if isinstance(fields.get("loras"), dict):
+        # The canonical form sorts keys, but the adapters' order is part of the request (they are stacked in it).
+        fields["loras"] = list(fields["loras"].items())
     canonical = json.dumps({"fields": fields, "files": file_digests}, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -737,26 +740,30 @@ def _lora_operation(build, *args, **kwargs):
         raise ApiError(400, str(exc), code="invalid_parameter", param=exc.argument) from None
 
 
-def _lora_error_param(message: str) -> str | None:
-    """The set_lora field a worker's ValueError is about: `lora_path` for the adapter file's errors, whose messages
-    say "LoRA path" / "LoRA file" (the CLI's and the API's wording too), else the first field the message names."""
-    if names_adapter_file(message):
+def _lora_error_param(message: str, body: type | None) -> str | None:
+    """The field of the route's `body` a worker's ValueError is about: for set_lora, `lora_path` for the adapter
+    file's errors, whose messages say "LoRA path" / "LoRA file" (the CLI's and the API's wording too), else the first
+    field the message names (a merge_lora_weights refusal that names merge_mode was answered with that param, which
+    the route does not take)."""
+    if body is None:
+        return None
+    if body is SetLoraBody and names_adapter_file(message):
         return "lora_path"
-    match = re.search(r"\b(" + "|".join(SetLoraBody.model_fields) + r")\b", message)
+    match = re.search(r"\b(" + "|".join(body.model_fields) + r")\b", message)
     if match:
         return match.group(1)
     # The manager's "no LoRA adapter is loaded under the nickname 'x'" (a set_lora without lora_path) says
     # "nickname", its word in the Python API too; it was answered with param null.
-    return "lora_nickname" if re.search(r"\bnickname\b", message) else None
+    return "lora_nickname" if body is SetLoraBody and re.search(r"\bnickname\b", message) else None
 
 
-async def _lora_answer(submit) -> JSONResponse:
+async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
     """Submit a LoRA operation and answer its result: 400 for a ValueError (bad adapter, nothing changed), 500 for
     any other failure, with its message (the reference answers every failure with 500 and a detail string)."""
     try:
         result = await asyncio.wrap_future(submit())
     except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_lora", param=_lora_error_param(str(exc))) from None
+        raise ApiError(400, str(exc), code="invalid_lora", param=_lora_error_param(str(exc), body)) from None
     except ServerShuttingDown as exc:
         raise ApiError(503, str(exc), code="shutting_down") from None
     except Exception as exc:
@@ -774,7 +781,7 @@ async def set_lora(request: Request) -> JSONResponse:
     operation = _lora_operation(set_lora_operation, body.lora_nickname, body.lora_path, body.strength,
                                 merge_mode=body.merge_mode, target=body.target, lora_alpha=body.lora_alpha,
                                 names={"nickname": "lora_nickname", "path": "lora_path"})
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), SetLoraBody)
 
 
 @router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
@@ -784,7 +791,7 @@ async def merge_lora_weights(request: Request) -> JSONResponse:
     await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, MergeLoraBody)
     operation = _lora_operation(merge_lora_operation, body.target, body.strength)
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), MergeLoraBody)
 
 
 @router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
@@ -795,7 +802,7 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
     await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, UnmergeLoraBody)
     operation = _lora_operation(unmerge_lora_operation, body.target)
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation))
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnmergeLoraBody)
 
 
 @router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters")

@@ -1,8 +1,9 @@
 """LoRA adapters set through the HTTP routes survive a restart: jobs queued before it were created under them.
 
 A fake worker records the operations it is given; a second server on the same job store must replay the shortest
-list that rebuilds the adapters (the last set_lora with every path written out, the merges after it) before any job
-runs, and refuse to start when they cannot be rebuilt.
+list that rebuilds the adapters (the adapters loaded but not active, loaded again and deactivated; the last set_lora
+with every path written out and the merges after it) before any job runs, and refuse to start when they cannot be
+rebuilt.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 from harness import FakeWorker, start_server
 
 from k6serve.api import build_engine_config
-from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora
+from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
@@ -56,6 +57,9 @@ def test_the_adapters_are_rebuilt_after_a_restart(tmp_path):
     second = start_server(tmp_path / "two", worker=RecordingWorker(), db_path=db)
     try:
         assert second.worker.operations == [
+            # "old" is loaded, not active: a job queued before the restart may name it in its own loras
+            SetLora(specs=(LoraSpec(nickname="old", path="/adapters/old.safetensors"),), merge_mode="dynamic"),
+            UnmergeLora(),
             SetLora(specs=(LoraSpec(nickname="a", path="/adapters/a.safetensors"),
                            LoraSpec(nickname="b", path="/adapters/b.safetensors")), merge_mode="dynamic"),
             MergeLora(strength=0.8),
@@ -65,7 +69,13 @@ def test_the_adapters_are_rebuilt_after_a_restart(tmp_path):
         second.stop()
     third = start_server(tmp_path / "three", worker=RecordingWorker(), db_path=db)
     try:
-        assert third.worker.operations == []  # unmerged: the base weights, nothing to rebuild
+        # unmerged: the base weights, with every adapter loaded again and none active
+        assert third.worker.operations == [
+            SetLora(specs=(LoraSpec(nickname="old", path="/adapters/old.safetensors"),
+                           LoraSpec(nickname="a", path="/adapters/a.safetensors"),
+                           LoraSpec(nickname="b", path="/adapters/b.safetensors")), merge_mode="dynamic"),
+            UnmergeLora(),
+        ]
     finally:
         third.stop()
 

@@ -215,3 +215,44 @@ def test_body_encoding_errors_follow_the_video_routes(client, lora_server):
     form = client.post("/v1/set_lora", data={"lora_nickname": "a"})
     assert "application/json" in _error(form, 415, param="Content-Type", code="unsupported_content_type")
     assert lora_server.worker.operations == []
+
+
+def test_a_jobs_own_adapters_run_in_the_order_given(lora_server):
+    """Stacked adapters are applied in the order of `loras` (a DoRA adapter rescales the ones before it): the job
+    store kept the params as sorted JSON, so a job ran its adapters alphabetically, not as the Python API and the CLI
+    run the same request. An idempotent retry in another order is another request."""
+    with lora_server.client() as client:
+        response = client.post("/v1/set_lora", json={"lora_nickname": ["z_plain", "a_dora"],
+                                                     "lora_path": ["/z.safetensors", "/a.safetensors"],
+                                                     "merge_mode": "dynamic"})
+        assert response.status_code == 200, response.text
+        body = {"prompt": "ordered", "size": "32x32", "seconds": 0.2, "loras": {"z_plain": 1.0, "a_dora": 0.5}}
+        job = client.post("/v1/videos", json=body, headers={"Idempotency-Key": "order-1"})
+        assert job.status_code == 200, job.text
+        assert wait_for(client, job.json()["id"])["status"] == "completed"
+        assert lora_server.worker.requests[-1].loras == (("z_plain", 1.0), ("a_dora", 0.5))
+        reordered = client.post("/v1/videos", json={**body, "loras": {"a_dora": 0.5, "z_plain": 1.0}},
+                                headers={"Idempotency-Key": "order-1"})
+        assert reordered.status_code == 409 and reordered.json()["error"]["code"] == "idempotency_conflict"
+
+
+class MergeRefusingWorker(LoraFakeWorker):
+    def apply_lora_operation(self, operation) -> dict:
+        if isinstance(operation, (MergeLora, SetLora)):
+            raise ValueError("LoRA adapter '/a.safetensors': 1 module(s) have a lora_B.bias (PEFT's lora_bias), but "
+                             "the model's layer has no bias to merge it into; use merge_mode 'dynamic' (set_lora)")
+        return super().apply_lora_operation(operation)
+
+
+def test_a_refusal_names_only_a_field_of_the_route_that_got_it(tmp_path):
+    """merge_lora_weights takes no merge_mode: a refusal naming one was answered with param "merge_mode"."""
+    server = start_server(tmp_path, worker=MergeRefusingWorker())
+    try:
+        with server.client() as client:
+            merge = client.post("/v1/merge_lora_weights", json={}).json()["error"]
+            assert (merge["code"], merge["param"]) == ("invalid_lora", None)
+            set_lora = client.post("/v1/set_lora", json={"lora_nickname": "a", "lora_path": "/a.safetensors",
+                                                         "merge_mode": "merge"}).json()["error"]
+            assert (set_lora["code"], set_lora["param"]) == ("invalid_lora", "merge_mode")
+    finally:
+        server.stop()

@@ -575,6 +575,37 @@ def test_a_failure_while_merging_puts_the_previous_adapters_back(tmp_path, monke
         assert manager.state() == state and _equal(_forward(model), adapted)
 
 
+def test_engine_adapters_that_cannot_be_put_back_after_a_request_leave_the_base_model(tmp_path, monkeypatch):
+    """Putting the engine's adapters back after a request's own can fail (a dynamic DoRA adapter's rows recomputed
+    out of memory): `_switch` then restored what was active before it, the request's adapters, which served every
+    later request. The base model is what is left, and the request says so."""
+    model = _dit()
+    base = _forward(model)
+    manager = LoraManager(model)
+    manager.set([LoraSpec(nickname="engine", path=str(write_adapter(tmp_path / "e", _shapes(model, [VIDEO_FFN]))))],
+                "dynamic")
+    manager.set([LoraSpec(nickname="req", path=str(write_adapter(tmp_path / "r", _shapes(model, [AUDIO_FFN]),
+                                                                 seed=3)))], "dynamic")
+    manager.set([LoraSpec(nickname="engine", strength=0.5)], "dynamic")
+    install = LoraManager._install_dynamic
+    armed = []
+
+    def failing(self):
+        if armed and any(entry.nickname == "engine" for entry in self.active):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return install(self)
+
+    monkeypatch.setattr(LoraManager, "_install_dynamic", failing)
+    with pytest.raises(RuntimeError, match=r"^This request ran with its own LoRA adapters, but the engine's \(engine "
+                                           r"x0\.5\) could not be put back after it \(RuntimeError: CUDA out of memory "
+                                           r"\(simulated\)\): no adapter is active now.*Set them again"):
+        with manager.for_request((("req", 1.0),)):
+            armed.append(True)
+    assert manager.active == [] and not manager.wrappers
+    assert _equal(_forward(model), base)
+    assert {row["nickname"]: row["active"] for row in manager.state()} == {"engine": False, "req": False}
+
+
 def test_a_request_naming_an_unloaded_adapter_says_so_before_the_merged_refusal(tmp_path):
     # Switching the engine's adapters to dynamic, as the merged refusal asked, only led to the "not loaded" error.
     model = _dit()
@@ -599,9 +630,10 @@ def test_a_failed_set_keeps_the_current_adapters(tmp_path):
         manager.set([LoraSpec(nickname="missing")])
     assert all(torch.equal(tensor, merged[name]) for name, tensor in model.state_dict().items())
     from k6serve.serve.routes import _lora_error_param
+    from k6serve.serve.schemas import SetLoraBody
 
     # The HTTP 400's param names the field (it was null: the message says "nickname", not "lora_nickname").
-    assert _lora_error_param(str(unknown.value)) == "lora_nickname"
+    assert _lora_error_param(str(unknown.value), SetLoraBody) == "lora_nickname"
     assert manager.state()[0]["active"] and manager.state()[0]["merged"]
     with pytest.raises(ValueError, match="merge_mode must be one of auto, merge, dynamic"):
         manager.set([LoraSpec(nickname="good")], "fast")

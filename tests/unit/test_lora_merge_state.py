@@ -9,6 +9,7 @@ runs the same operations and must agree after each one. FSDP needs GPUs, so its 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,64 @@ def test_a_restart_rebuilds_the_merge_state_from_the_start_adapter_and_the_repla
                                 server_merge_mode="dynamic")
     assert state.now.mode == "merge" and [spec.nickname for spec in state.now.active] == ["hero"]
     assert Path(state.paths["style"]) == Path("/a.safetensors")
+
+
+def _replayed(state: LoraState, start: SetLora | None) -> LoraState:
+    """The state of a server restarted on the same job store: the stored list read back and replayed."""
+    stored = json.loads(json.dumps(state.to_json()))
+    restarted = LoraState(start=start, server_merge_mode=state.server_merge_mode)
+    for operation in LoraState.from_json(stored, start=start, server_merge_mode=state.server_merge_mode).operations:
+        restarted.record(operation)
+    return restarted
+
+
+def test_a_deactivated_start_adapter_stays_deactivated_after_a_restart():
+    """An unmerge (or an empty set_lora) recorded as an empty list brought the --lora-path adapter back active after
+    a restart, though the jobs queued since were created without it."""
+    start = SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),))
+    for deactivate in (UnmergeLora(), SetLora(specs=())):
+        state = LoraState(start=start)
+        assert state.operations == []  # nothing changed: the worker's start is the state
+        state.record(deactivate)
+        assert state.operations == [UnmergeLora()] and state.now.active == ()
+        restarted = _replayed(state, start)
+        assert (restarted.now.active, restarted.loaded) == ((), {"style"})
+    # without a --lora-path adapter there is nothing to deactivate at start
+    state = LoraState()
+    state.record(SetLora(specs=()))
+    assert state.operations == []
+
+
+def test_adapters_loaded_but_not_active_are_loaded_again_after_a_restart():
+    """A job queued before the restart may name any loaded adapter in its own loras: a restart that dropped the ones
+    the last set_lora did not name failed those jobs when they started."""
+    start = SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),), merge_mode="dynamic")
+    state = LoraState(start=start, server_merge_mode="dynamic")
+    state.record(SetLora(specs=(LoraSpec(nickname="hero", path="/h.safetensors", alpha=8.0),), merge_mode="dynamic"))
+    state.record(SetLora(specs=(LoraSpec(nickname="crowd", path="/c.safetensors", strength=0.5),)))
+    assert state.loaded == {"style", "hero", "crowd"}
+    assert state.operations == [
+        # the start adapter is loaded by the worker itself; hero keeps its alpha override (a job's own loras use it)
+        SetLora(specs=(LoraSpec(nickname="hero", path="/h.safetensors", alpha=8.0),), merge_mode="dynamic"),
+        UnmergeLora(),
+        SetLora(specs=(LoraSpec(nickname="crowd", path="/c.safetensors", strength=0.5),)),
+    ]
+    restarted = _replayed(state, start)
+    assert restarted.loaded == state.loaded and restarted.now == state.now
+    assert restarted.operations == state.operations  # replaying the list gives the same list
+    # the start adapter loaded again from another file is no longer what the worker loads at start
+    state.record(SetLora(specs=(LoraSpec(nickname="style", path="/b.safetensors"),)))
+    state.record(UnmergeLora())
+    assert state.operations == [SetLora(specs=(LoraSpec(nickname="style", path="/b.safetensors"),
+                                               LoraSpec(nickname="hero", path="/h.safetensors", alpha=8.0),
+                                               LoraSpec(nickname="crowd", path="/c.safetensors")),
+                                        merge_mode="dynamic"), UnmergeLora()]
+    assert _replayed(state, start).now == Adapters(frozenset({"style", "hero", "crowd"}))
+
+
+def test_merges_of_the_start_adapter_replay_as_merges():
+    start = SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),), merge_mode="dynamic")
+    state = LoraState(start=start, server_merge_mode="dynamic")
+    state.record(MergeLora(strength=0.5))
+    assert state.operations == [MergeLora(strength=0.5)]  # the start's adapter is the active one: nothing to load
+    assert _replayed(state, start).now == state.now
