@@ -79,7 +79,7 @@ class ModelConfig:
     lora_path: str | None = None
     lora_nickname: str = "default"
     lora_scale: float = 1.0  # the adapter's strength
-    lora_alpha: float | None = None  # overrides the file's alpha (default: rank, i.e. scale 1)
+    lora_alpha: float | None = None  # overrides the file's alpha (default: the file's, else the rank: scale 1)
     lora_merge_mode: str = "auto"  # also the default of set_lora requests that say "auto"; auto = merge
     # "fp8": the generation DiT's video-token linears in e4m3 with row-wise scales, quantized at load (the
     # reference's online fp8 `--quantization`); measured on an H200 (docs/benchmarks.md, twenty-second session):
@@ -389,21 +389,36 @@ class RuntimeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low} ({meaning}), got {value!r}")
+        # The model's family is known only once the worker recognises the checkpoint: here the generation plan,
+        # which streams whatever the super-resolution plan streams (their DiTs alike) and the text encoders besides;
+        # the worker checks the super-resolution plan before it loads (`block_streaming_refusal`).
+        refusal = self.block_streaming_refusal(super_resolution=False)
+        if refusal:
+            raise ValueError(refusal)
+
+    def block_streaming_refusal(self, *, super_resolution: bool) -> str | None:
+        """Why --offload-prefetch-blocks / --offload-resident-blocks cannot apply to one family's plan (None when
+        they can): the first needs some component's blocks streamed, the second the DiT's."""
+        from k6serve.offload.residency import LAYERWISE
+
+        residency = self.residency_plan(super_resolution=super_resolution).residency
+        streams_blocks = LAYERWISE in residency.values()
         refused = []
-        if self.offload_prefetch_blocks != 1 and not self.streams_blocks:
+        if self.offload_prefetch_blocks != 1 and not streams_blocks:
             refused.append(f"--offload-prefetch-blocks {self.offload_prefetch_blocks}")
-        if self.offload_resident_blocks != 0 and not self.streams_dit:
+        if self.offload_resident_blocks != 0 and residency.get("transformer") != LAYERWISE:
             refused.append(f"--offload-resident-blocks {self.offload_resident_blocks}")
-        if refused:
-            named, several = " and ".join(refused), len(refused) > 1
-            which = "blocks are" if refused[0].startswith("--offload-prefetch") and not several else \
-                "the DiT's blocks are"
-            raise ValueError(
-                f"{named} {'apply' if several else 'applies'} only when {which} streamed between host and GPU, and "
-                f"`{self.residency_flags}` streams {'none' if not self.streams_blocks else 'only text encoders'}. "
-                "Stream the DiT (--performance-mode memory, --layerwise-offload-components transformer or "
-                "--component-residency transformer=layerwise_offload, with no other flag keeping it whole or "
-                f"resident), or drop {'them' if several else 'it'}.")
+        if not refused:
+            return None
+        named, several = " and ".join(refused), len(refused) > 1
+        which = "blocks are" if refused[0].startswith("--offload-prefetch") and not several else "the DiT's blocks are"
+        streams = "none" if not streams_blocks else "only text encoders"
+        if super_resolution:
+            streams += " for the super-resolution model"
+        return (f"{named} {'apply' if several else 'applies'} only when {which} streamed between host and GPU, and "
+                f"`{self.residency_flags}` streams {streams}. Stream the DiT (--performance-mode memory, "
+                "--layerwise-offload-components transformer or --component-residency transformer=layerwise_offload, "
+                f"with no other flag keeping it whole or resident), or drop {'them' if several else 'it'}.")
 
     def _component_flags(self, *, offloading_only: bool) -> list[str]:
         """The per component flags as given (for messages); `offloading_only` leaves out what offloads nothing."""

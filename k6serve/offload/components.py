@@ -65,7 +65,9 @@ class ComponentOffload:
             skip = {id(tensor) for weights in streamer.weights for tensor in _slot_tensors(weights)} if streamer else set()
             self.weights[name] = HostWeights(module_tensors([module], skip), offload_device=offload_device, pin=pin)
         self.active: tuple[str, ...] = ()
-        self.peak_after: dict[str, int] = {}  # "+".join(stage components) -> bytes; CUDA only
+        # ("+".join(stage components), bytes) in the order the stages ran, since `reset_peaks` (the worker's, at each
+        # request's start); CUDA only. A list: a TI2AV request runs the VAE twice (the image's encode, the decode).
+        self.peak_after: list[tuple[str, int]] = []
 
     @contextmanager
     def stage(self, *components: str) -> Iterator[None]:
@@ -84,15 +86,20 @@ class ComponentOffload:
                 if name in self.streamers:
                     self.streamers[name].release()
             if self.compute_device.type == "cuda":
-                self.peak_after["+".join(components)] = torch.cuda.max_memory_allocated(self.compute_device)
+                self.peak_after.append(("+".join(components), torch.cuda.max_memory_allocated(self.compute_device)))
             self.active = ()
 
+    def reset_peaks(self) -> None:
+        """Forget the stages' peaks, where the device's peak counter is reset: a stage the next request skips (no
+        audio) showed the last one's peak."""
+        self.peak_after = []
+
     def describe_peaks(self) -> str:
-        """The peak after each stage of the last request, e.g. "text_encoder+text_encoder_2 3.1, transformer 9.8,
-        ... GiB" ('' off CUDA)."""
+        """The peak after each stage of the last request, in order, e.g. "text_encoder+text_encoder_2 3.1,
+        transformer 9.8, ... GiB" ('' off CUDA)."""
         if not self.peak_after:
             return ""
-        return ", ".join(f"{stage} {peak / 2**30:.1f}" for stage, peak in self.peak_after.items()) + " GiB"
+        return ", ".join(f"{stage} {peak / 2**30:.1f}" for stage, peak in self.peak_after) + " GiB"
 
 
 def _slot_tensors(weights: HostWeights) -> list[torch.Tensor]:

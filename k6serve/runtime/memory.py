@@ -401,7 +401,10 @@ class MemoryRelease:
                           + sum(_nbytes(home.weights.chunks) for home in self.homes),
             "host_copy_kept": self.kept is not None,
             "host_bytes_being_freed": self.reaper.freeing_bytes,
-            "pinned": bool(self.copies) and all(copy.weights.pinned for copy in self.copies),
+            # The resident DiT blocks' copies (`homes`, all a memory-mode release moves) count too: they were said to
+            # be in pinned memory while the report said False.
+            "pinned": bool(self.copies or self.homes) and all(copy.weights.pinned for copy in self.copies or ())
+                      and all(len(home.buffers) == len(home.weights.chunks) for home in self.homes),
             "seconds": round(seconds, 4),
             "after": device_memory_state(self.device),
         }

@@ -67,10 +67,18 @@ def out_of_memory_detail(error: BaseException) -> str:
 
 def server_side_fixes(performance_mode: str, *, offloaded: bool) -> str:
     """What the operator can change for requests that run out of GPU memory, as flags (the CLI's error, the server's
-    log): speed mode with everything resident can keep its compiled DiT and move the weights to host memory between
-    stages, the fast choice on an 80 GB GPU (docs/benchmarks.md, twenty-fifth session), before balanced's eager DiT."""
+    log), from where the run is: speed mode with everything resident can keep its compiled DiT and move the weights
+    to host memory between stages, the fast choice on an 80 GB GPU (docs/benchmarks.md, twenty-fifth session), before
+    balanced's eager DiT; balanced goes on to memory; memory mode has no mode left, only its own settings. FSDP is
+    offered only where nothing is offloaded: the config refuses it beside offloading."""
+    fsdp = " or --use-fsdp-inference true" if not offloaded else ""
+    more_gpus = f"or spread the model over more GPUs (--num-gpus with --ulysses-degree{fsdp})"
+    if performance_mode == "memory":
+        return ("keep --vae-tiling on (auto is on in memory mode), lower --offload-resident-blocks and "
+                f"--offload-prefetch-blocks if they were raised, {more_gpus}")
+    if performance_mode == "balanced":
+        return f"run with --performance-mode memory (the DiT's blocks streamed from host memory), {more_gpus}"
     keep_speed = ("keep speed mode and move the weights to host memory between stages with --cpu-offload-components "
                   "all (Pro-distill at 512x768x121 peaks at 59.6 GiB so, 94.5 GiB all resident), "
                   if performance_mode == "speed" and not offloaded else "")
-    return (f"{keep_speed}run with --performance-mode balanced or memory (weights in host memory), or spread the "
-            "model over more GPUs (--num-gpus with --use-fsdp-inference true, --ulysses-degree)")
+    return f"{keep_speed}run with --performance-mode balanced or memory (weights in host memory), {more_gpus}"

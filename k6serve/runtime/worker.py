@@ -88,6 +88,24 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
+def _run_lora_operation(manager, operation: LoraOperation, config: EngineConfig) -> str:
+    """Run a SetLora / MergeLora / UnmergeLora on `manager`; the reply's message."""
+    if isinstance(operation, SetLora):
+        # The HTTP server predicts the mode with the same function (`JobRunner._check_loras`).
+        merge_mode = set_lora_merge_mode(operation.merge_mode, server_merge_mode=config.model.lora_merge_mode,
+                                         fsdp=config.parallel.use_fsdp_inference)
+        manager.set(operation.specs, merge_mode)
+        names = ", ".join(spec.nickname for spec in operation.specs)
+        return f"LoRA adapters active: {names}" if names else "no LoRA adapter active"
+    if isinstance(operation, MergeLora):
+        manager.merge(operation.strength)
+        return "LoRA adapters merged into the weights"
+    if isinstance(operation, UnmergeLora):
+        manager.unmerge()
+        return "LoRA adapters deactivated; base weights restored"
+    raise TypeError(f"not a LoRA operation: {operation!r}")
+
+
 class ModelWorker:
     """Loads the checkpoint named by the config and serves requests for it."""
 
@@ -127,6 +145,11 @@ class ModelWorker:
             config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
             cpu_offload=config.runtime.cpu_offload_components,
             layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
+        # The config checked the block-streaming flags against the generation plan (the family was unknown then);
+        # this family's own plan may stream less (an SR checkpoint has no text encoders).
+        refusal = config.runtime.block_streaming_refusal(super_resolution=self.variant.family != GENERATION)
+        if refusal:
+            raise ValueError(refusal)
         if self.residency_plan.offloads:
             from k6serve.config import refuse_offload_with_sharding
 
@@ -284,23 +307,14 @@ class ModelWorker:
             raise ValueError(f"LoRA target must be one of {', '.join(LORA_TARGETS)} (Kandinsky 6 has one DiT), got "
                              f"{operation.target!r}")
         manager = self._lora_manager()
-        # A merge or unmerge rewrites the device weights: a host copy kept by a memory resume would go stale.
-        self.memory_release.drop_kept()
-        if isinstance(operation, SetLora):
-            # The HTTP server predicts the mode with the same function (`JobRunner._check_loras`).
-            merge_mode = set_lora_merge_mode(operation.merge_mode, server_merge_mode=self.config.model.lora_merge_mode,
-                                             fsdp=self.config.parallel.use_fsdp_inference)
-            manager.set(operation.specs, merge_mode)
-            names = ", ".join(spec.nickname for spec in operation.specs)
-            message = f"LoRA adapters active: {names}" if names else "no LoRA adapter active"
-        elif isinstance(operation, MergeLora):
-            manager.merge(operation.strength)
-            message = "LoRA adapters merged into the weights"
-        elif isinstance(operation, UnmergeLora):
-            manager.unmerge()
-            message = "LoRA adapters deactivated; base weights restored"
-        else:
-            raise TypeError(f"not a LoRA operation: {operation!r}")
+        changes = manager.num_changes
+        try:
+            message = _run_lora_operation(manager, operation, self.config)
+        finally:
+            if manager.num_changes != changes:
+                # A merge or unmerge rewrote the device weights: a host copy kept by a memory resume is stale. A
+                # refused operation changed nothing and keeps it (tens of GiB not to copy again at the next release).
+                self.memory_release.drop_kept()
         return {"status": "ok", "message": message, "loras": manager.state()}
 
     def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
@@ -542,6 +556,9 @@ class ModelWorker:
         graphs_before = compiled_graph_count()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        reset_peaks = getattr(getattr(self.pipeline, "residency", None), "reset_peaks", None)
+        if reset_peaks is not None:  # the offloaded stages' peaks, counted from the same reset
+            reset_peaks()
         # Both pipelines take a video sink (the generation pipeline is built without float frames for it), so a
         # saved MP4 is always encoded while the VAE decodes.
         with self._request_loras(request), self._naming_lora_strengths(request):

@@ -669,14 +669,23 @@ def test_cli_out_of_memory_is_a_machine_limit_with_a_fix_not_a_bug(in_process_cl
     assert "keep speed mode and move the weights to host memory between stages with --cpu-offload-components all" in err
 
 
-@pytest.mark.parametrize(("options", "keeps_speed"), [
-    ({}, True), ({"performance_mode": "speed"}, True), ({"performance_mode": "balanced"}, False),
-    ({"cpu_offload_components": ["all"]}, False), ({"layerwise_offload_components": ["transformer"]}, False),
+SPEED_NEXT = "--performance-mode balanced or memory (weights in host memory)"
+
+
+@pytest.mark.parametrize(("options", "keeps_speed", "next_step"), [
+    ({}, True, SPEED_NEXT), ({"performance_mode": "speed"}, True, SPEED_NEXT),
+    # balanced goes on to memory; memory has no mode left (both were offered to it, it being one of them)
+    ({"performance_mode": "balanced"}, False, "--performance-mode memory (the DiT's blocks streamed from host memory)"),
+    ({"performance_mode": "memory"}, False, "keep --vae-tiling on (auto is on in memory mode), lower "
+                                            "--offload-resident-blocks and --offload-prefetch-blocks if they were raised"),
+    ({"cpu_offload_components": ["all"]}, False, SPEED_NEXT),
+    ({"layerwise_offload_components": ["transformer"]}, False, SPEED_NEXT),
     # `none` offloads nothing (everything resident: the fix applies); every component offloaded whole through
     # --component-residency is what the fix would do (it was offered again, and withheld for `none`).
-    ({"cpu_offload_components": ["none"]}, True), ({"component_residency": ["all=component_offload"]}, False),
+    ({"cpu_offload_components": ["none"]}, True, SPEED_NEXT),
+    ({"component_residency": ["all=component_offload"]}, False, SPEED_NEXT),
 ])
-def test_cli_out_of_memory_offers_the_offload_that_keeps_speed_mode_only_where_it_applies(options, keeps_speed):
+def test_cli_out_of_memory_offers_the_fixes_that_apply_where_the_run_is(options, keeps_speed, next_step):
     from types import SimpleNamespace
 
     from k6serve.api import build_engine_config
@@ -685,10 +694,13 @@ def test_cli_out_of_memory_offers_the_offload_that_keeps_speed_mode_only_where_i
 
     text = describe_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), options)
     assert ("--cpu-offload-components all" in text) is keeps_speed
-    assert "--performance-mode balanced or memory" in text and "--ulysses-degree" in text
+    assert next_step in text and "--ulysses-degree" in text
+    # FSDP only where nothing is offloaded: the config refuses it beside offloading
+    offloads = build_engine_config("demo", **options).runtime.offloads
+    assert ("--use-fsdp-inference true" in text) is not offloads
     runner = object.__new__(JobRunner)  # the server's log line for a job out of memory, from the same flags
     runner.engine = SimpleNamespace(config=build_engine_config("demo", **options))
-    assert ("--cpu-offload-components all" in runner._memory_fixes()) is keeps_speed
+    assert runner._memory_fixes() in text
 
 
 def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_process_cli, tmp_path, monkeypatch,

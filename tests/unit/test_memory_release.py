@@ -197,7 +197,12 @@ def test_a_lora_change_drops_the_kept_host_copy(tiny_distill_dir, tmp_path):
     adapter = write_adapter(tmp_path, {VIDEO_FFN: tuple(transformer.get_submodule(VIDEO_FFN).weight.shape)})
     worker.apply_memory_operation(ReleaseMemory())
     worker.apply_memory_operation(ResumeMemory(keep_host_copy=True))
+    # A refused operation changes no weight: the copy stays kept (it was dropped before the operation ran)
+    with pytest.raises(ValueError, match="no LoRA adapter is loaded under the nickname 'ghost'"):
+        worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="ghost"),)))
+    assert worker.memory_release.kept is not None
     worker.apply_lora_operation(SetLora(specs=(LoraSpec(nickname="a", path=str(adapter)),), merge_mode="merge"))
+    assert worker.memory_release.kept is None
     merged = worker.run(PARAMS, NO_FILE)
     [report] = worker.apply_memory_operation(ReleaseMemory())
     assert report["status"] == "released" and "no copy" not in report["message"]
@@ -595,3 +600,28 @@ def test_cuda_release_frees_the_gpu_and_resume_is_bit_identical(tiny_distill_dir
     assert (report["moved_bytes"] > 0) == (mode == "speed")  # balanced keeps its weights on the host already
     worker.apply_memory_operation(ResumeMemory())
     assert _same_output(worker.run(PARAMS, NO_FILE), before)
+
+
+def test_resident_blocks_moved_to_pinned_memory_are_reported_pinned(monkeypatch):
+    """Memory mode between requests keeps every weight in the residency's host copies but the DiT blocks held
+    resident (--offload-resident-blocks), which a release moves to pinned buffers: the report said "moved ... to
+    pinned host memory" beside "pinned": false. The CUDA path on the CPU: pinned buffers and the device's state
+    are stood in for."""
+    from k6serve.runtime import memory
+
+    class Pinned:
+        def __init__(self, num_bytes):
+            self.data = torch.empty(num_bytes, dtype=torch.uint8)
+
+        def view(self, dtype):
+            return self.data.view(dtype)
+
+    monkeypatch.setattr(memory, "PinnedBuffer", Pinned)
+    monkeypatch.setattr(memory, "free_allocator_caches", lambda device: None)
+    monkeypatch.setattr(memory, "device_memory_state", lambda device: {"explanation": "-"})
+    release = memory.MemoryRelease(torch.device("cuda", 0))
+    block = HostWeights(module_tensors([torch.nn.Linear(8, 4)]), offload_device=torch.device("cpu"), pin=False)
+    report = release.release({"transformer": []}, [block])
+    assert report["message"].startswith("moved ") and report["message"].endswith(" to pinned host memory")
+    assert report["pinned"] and report["moved_bytes_by_owner"] == {
+        "offload_resident_blocks": sum(chunk.numel() * chunk.element_size() for chunk in block.chunks)}

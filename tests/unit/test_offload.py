@@ -247,8 +247,8 @@ def test_cuda_offload_matches_resident(tiny_distill_dir, mode, monkeypatch):
         assert all(p.device.type == "cpu" and _in_ranges(p, ranges) for p in module.parameters())
     # The peak after each stage, in stage order, only grows; the last is the request's peak.
     peaks = offloaded_worker.pipeline.residency.peak_after
-    assert list(peaks) == ["text_encoder+text_encoder_2", "transformer", "audio_vae+vocoder", "vae"]
-    assert list(peaks.values()) == sorted(peaks.values())
+    assert [stage for stage, _ in peaks] == ["text_encoder+text_encoder_2", "transformer", "audio_vae+vocoder", "vae"]
+    assert [peak for _, peak in peaks] == sorted(peak for _, peak in peaks)
     assert offloaded_worker.pipeline.residency.describe_peaks().endswith(" GiB")
     monkeypatch.setattr(ModelWorker, "offloads", property(lambda self: False))
     resident = _generate(ModelWorker(config))

@@ -308,6 +308,36 @@ def test_a_name_of_the_other_family_is_refused_before_the_weights_load(tiny_sr_d
                             cpu_offload_components="text_encoder latent_upscaler")
 
 
+@pytest.mark.parametrize(("options", "streams"), [
+    # memory mode with the DiT offloaded whole streams the generation model's text encoders: the config accepts
+    # the prefetch count, but an SR model has no text encoders and streams nothing
+    ({"performance_mode": "memory", "cpu_offload_components": "transformer", "offload_prefetch_blocks": 2},
+     r"`--performance-mode memory --cpu-offload-components transformer` streams none for the super-resolution model"),
+    # the reference's "default" layerwise set streams the text encoders; for an SR model it is its VAE, whole
+    ({"performance_mode": "balanced", "layerwise_offload_components": "default", "offload_prefetch_blocks": 3},
+     r"`--performance-mode balanced --layerwise-offload-components default` streams none for the "
+     r"super-resolution model"),
+])
+def test_block_streaming_flags_an_sr_plan_cannot_use_are_refused_before_the_weights_load(tiny_sr_dir, monkeypatch,
+                                                                                       options, streams):
+    from k6serve.runtime import worker as worker_module
+
+    config = build_engine_config(str(tiny_sr_dir), device="cpu", **options)  # the generation plan streams blocks
+    monkeypatch.setattr(worker_module.ModelWorker, "_build_pipeline",
+                        lambda self, folder: pytest.fail("loaded the weights before refusing the flag"))
+    with pytest.raises(ValueError, match=rf"^--offload-prefetch-blocks \d applies only when blocks are streamed "
+                                         rf"between host and GPU, and {streams}\. Stream the DiT \(--performance-mode "
+                                         r"memory, .*\), or drop it\.$"):
+        ModelWorker(config)
+
+
+def test_block_streaming_flags_an_sr_plan_uses_are_accepted(tiny_sr_dir, monkeypatch):
+    """Memory mode streams the SR model's DiT too: resident and prefetched blocks apply (on the CPU nothing moves)."""
+    worker = ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", performance_mode="memory",
+                                             offload_prefetch_blocks=2, offload_resident_blocks=1))
+    assert worker.residency_plan.residency["transformer"] == "layerwise"
+
+
 def test_speed_transforms_skip_streamed_components_and_keep_those_offloaded_whole(tiny_distill_dir, monkeypatch):
     """The GPU-only branch, on CPU modules: the plan's streamed DiT keeps its eager modules (no fused projections, no
     compiled blocks), the VAE offloaded whole keeps its decode speed-ups (--compile-vae true included), and the report
@@ -349,8 +379,8 @@ def test_cuda_speed_mode_with_the_text_encoders_and_audio_offloaded(tiny_distill
     for module in (models.text_encoder, models.text_encoder_2, models.audio_vae, models.vocoder):
         assert all(p.device.type == "cpu" for p in module.parameters())
     assert np.array_equal(offloaded.frames, resident.frames) and np.array_equal(offloaded.audio, resident.audio)
-    assert list(worker.pipeline.residency.peak_after) == ["text_encoder+text_encoder_2", "transformer",
-                                                          "audio_vae+vocoder", "vae"]
+    assert [stage for stage, _ in worker.pipeline.residency.peak_after] == [
+        "text_encoder+text_encoder_2", "transformer", "audio_vae+vocoder", "vae"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream, events and pinned copies need CUDA")
@@ -485,3 +515,26 @@ def test_config_files_name_themselves_in_errors_and_take_a_nested_vae_config(tmp
 def test_api_type_errors_name_the_seeds_flag():
     with pytest.raises(ValueError, match=r"^--vae-config.use-parallel-tiling must be "):
         build_engine_config("demo", vae_parallel_tiling="yes")
+
+
+def test_stage_peaks_are_the_last_requests_in_the_order_the_stages_ran(monkeypatch):
+    """The peaks the bench prints beside its rows: a stage the next request skipped (no audio) showed the previous
+    request's peak, and a second VAE stage (a TI2AV request's image encode, then the decode) kept the first one's
+    place, so the peaks read as a running maximum going down. On CUDA only; the counter is stubbed here."""
+    from k6serve.offload.components import ComponentOffload
+
+    peaks = iter([3, 21, 21, 21, 21, 3, 8, 8])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks) * 2**30)
+    residency = ComponentOffload({}, compute_device=torch.device("cuda"), offload_device=torch.device("cpu"),
+                                 pin=False, resident=("text_encoder", "vae", "transformer", "audio_vae"))
+
+    def request(*stages):
+        residency.reset_peaks()  # where the worker resets the device's peak counter
+        for stage in stages:
+            with residency.stage(*stage.split("+")):
+                pass
+        return residency.describe_peaks()
+
+    assert request("text_encoder", "vae", "transformer", "audio_vae", "vae") == (
+        "text_encoder 3.0, vae 21.0, transformer 21.0, audio_vae 21.0, vae 21.0 GiB")
+    assert request("text_encoder", "transformer", "vae") == "text_encoder 3.0, transformer 8.0, vae 8.0 GiB"
