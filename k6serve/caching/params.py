@@ -1,7 +1,8 @@
 """Cache-DiT request parameters (torch-free: the CLI, the HTTP schema and the request resolver import it).
 
 Names and meanings are cache-dit's `DBCacheConfig` / `TaylorSeerCalibratorConfig` / `steps_mask` (1.5.3), so a
-`cache_dit_params` object written for the reference server works here unchanged. The defaults are the reference
+`cache_dit_params` object written for the reference server works here unchanged, but for its DMD keys (enable_dmd,
+dmd_*, secondary), which are refused as unknown. The defaults are the reference
 server's native-backend ones (F1B0, 4 warmup steps, threshold 0.24, at most 3 cached steps in a row); cache-dit's
 own dataclass defaults (F8B0, 8 steps, 0.08, no limit) are tuned for image models with 28+ steps.
 """

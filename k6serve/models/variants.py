@@ -493,7 +493,13 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
         return None
     if unavailable is not None:
         raise ValueError(f"Cache-DiT is not available on this engine: {unavailable}")
-    cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=engine_default)
+    base = engine_default
+    if base is not None and _MASK_KEYS & set(params.cache_dit_params or {}):
+        # The request's step mask replaces the engine's whole (as the reference's request bins win over the server's
+        # preset): keys merged one by one, a request's bins beside the engine's preset were refused as "both define
+        # the step mask", though the client gave one.
+        base = dataclasses.replace(base, scm_preset="none", scm_compute_bins=None, scm_cache_bins=None)
+    cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=base)
     try:
         cache_dit.steps_mask(num_steps)  # a mask that cannot cover the steps is refused now, not mid-request
     except StepMaskMismatch as exc:

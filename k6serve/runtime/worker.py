@@ -8,6 +8,7 @@ stage timings and peak memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import resource
 import sys
@@ -361,7 +362,22 @@ class ModelWorker:
         if self.variant.family != GENERATION:
             return 0.0
         request, _ = self.resolve(params)
-        report = warmup(self.pipeline, request, "request", other_lengths=self._other_lengths())
+        start = time.perf_counter()
+        try:
+            report = warmup(self.pipeline, request, "request", other_lengths=self._other_lengths())
+        except Exception as exc:
+            from k6serve.parallel.mesh import ParallelLayout
+
+            if ParallelLayout.from_config(self.config.parallel).replica_size > 1:
+                # The replica's other ranks may still be inside the warm-up's collectives: running the request here
+                # would pair this rank's collectives with theirs. The request fails, saying it was the warm-up.
+                raise RuntimeError(f"the warm-up (--warmup-mode request) before this request failed "
+                                   f"({type(exc).__name__}: {exc})") from exc
+            # As the reference's server does: the warm-up only saves the first request's compile time, so its failure
+            # is logged and the request runs (it was failed with an error that did not say it was the warm-up).
+            logger.warning("warm-up (request) failed after %.2f s (%s: %s); running the request without it",
+                           time.perf_counter() - start, type(exc).__name__, exc)
+            return time.perf_counter() - start
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
         return report.seconds
@@ -384,9 +400,9 @@ class ModelWorker:
         if self.variant.family != GENERATION:
             reports = [self._warmup_super_resolution(size) for size in sizes or (None,)]
         elif not sizes:
-            reports = [self._warmup_generation(None, self.resolve(self.variant_warmup_params())[0])]
+            reports = [self._warmup_generation(None, self._resolve_warmup(self.variant_warmup_params())[0])]
         else:
-            requests = generation_warmups(sizes, self.variant, self.resolve)
+            requests = generation_warmups(sizes, self.variant, self._resolve_warmup)
             reports = [self._warmup_generation(size, request) for size, request in zip(sizes, requests)]
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         if len(reports) > 1:
@@ -482,6 +498,16 @@ class ModelWorker:
         return build_super_resolution_pipeline(folder, self.variant, device=self.device, dtype=self.dtype,
                                                load_format=self.config.model.load_format, attention_backend=backend,
                                                weights_device=self.weights_device)
+
+    def _resolve_warmup(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
+        """`resolve` for a server warm-up's request, without the engine's Cache-DiT step mask: the request is resolved
+        at the variant's default steps and then run at `WARMUP_STEPS` (`warmup_request`), and --cache-dit-config bins
+        covering another step count stopped the start-up after the load. The mask only picks which steps may reuse
+        the cache; the same blocks run."""
+        engine = self.config.runtime.cache_dit_config
+        if engine is not None and engine.uses_step_mask and params.cache_dit_params is None:
+            params = dataclasses.replace(params, cache_dit_params={"scm_preset": "none"})  # replaces the whole mask
+        return self.resolve(params)
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:

@@ -610,12 +610,18 @@ class JobRunner:
             return
         completed_at = time.time()
         inference_s = result.timings.get("total", completed_at - (job.started_at or completed_at))
+        notes = [n for n in result.notes if n not in job.warnings]
+        if result.timings.get("warmup") is not None:
+            # The job that paid for a --warmup-mode request warm-up says so: its inference_time_s leaves it out, and
+            # nothing else reported its cost over HTTP.
+            notes.append(f"this job ran the server's warm-up first (--warmup-mode request): "
+                         f"{result.timings['warmup']:.2f} s before its own run, not in inference_time_s")
         finished = self.store.transition(
             job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=JobStatus.COMPLETED, progress=100,
             completed_at=completed_at, output_file=self.artifacts.output_path(result.output_file_path).name,
             inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
             size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
-            warnings=job.warnings + tuple(n for n in result.notes if n not in job.warnings),
+            warnings=job.warnings + tuple(notes),
         )
         if finished is None:
             # Deleted while running: nobody owns the file any more.

@@ -49,10 +49,11 @@ def warmup_request(request):
     if isinstance(request, GenerateRequest):
         steps = min(WARMUP_STEPS, request.num_inference_steps)
         cache_dit = request.cache_dit
-        if cache_dit is not None and cache_dit.scm_preset != "none":
+        if cache_dit is not None and cache_dit.uses_step_mask:
             # A preset step mask needs 4, 6 or >= 8 steps and refused the warm-up's 2 (a valid request, or the
-            # start-up, failed on it). The mask only picks the steps that may reuse the cache: same blocks run.
-            cache_dit = dataclasses.replace(cache_dit, scm_preset="none")
+            # start-up, failed on it); bins cover their own step count. The mask only picks the steps that may reuse
+            # the cache: the same blocks run.
+            cache_dit = dataclasses.replace(cache_dit, scm_preset="none", scm_compute_bins=None, scm_cache_bins=None)
         return dataclasses.replace(request, num_inference_steps=steps, cache_dit=cache_dit)
     return request
 

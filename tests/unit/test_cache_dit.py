@@ -145,6 +145,20 @@ def test_a_step_count_the_engines_mask_cannot_cover_says_how_to_run_it():
                          VARIANTS["pro"], engine_cache_dit=CacheDitParams())
 
 
+def test_a_requests_step_mask_replaces_the_engines_whole():
+    """Request keys are merged over the engine's, but a step mask is one setting: a request's bins beside the
+    engine's preset (or its preset beside the engine's bins) were refused as "both define the step mask"."""
+    bins = {"scm_compute_bins": [4, 2], "scm_cache_bins": [1, 2]}
+    request, _ = resolve_generate(SamplingParams(prompt="a", num_inference_steps=9, cache_dit_params=bins),
+                                  VARIANTS["pro"], engine_cache_dit=CacheDitParams(scm_preset="medium",
+                                                                                   max_warmup_steps=2))
+    assert request.cache_dit == CacheDitParams(scm_compute_bins=(4, 2), scm_cache_bins=(1, 2), max_warmup_steps=2)
+    request, _ = resolve_generate(
+        SamplingParams(prompt="a", num_inference_steps=8, cache_dit_params={"scm_preset": "fast"}), VARIANTS["pro"],
+        engine_cache_dit=CacheDitParams(scm_compute_bins=(2,), scm_cache_bins=(1,)))
+    assert request.cache_dit == CacheDitParams(scm_preset="fast")
+
+
 # -- DBCache decisions on toy blocks ----------------------------------------------------------------------------
 
 
@@ -249,6 +263,18 @@ def test_taylorseer_extrapolates_a_linear_residual_exactly():
     _, _, plain = _drive(CacheDitParams(max_warmup_steps=4, residual_diff_threshold=1.0,
                                         max_continuous_cached_steps=-1), [1.0] * 7, middle)
     assert plain[6] == pytest.approx((1.0 + middle[3], 0.1 + middle[3] / 10))
+
+
+@pytest.mark.parametrize("taylorseer", [False, True])
+def test_without_warmup_steps_the_first_step_is_computed(taylorseer):
+    """max_warmup_steps 0: the first step has nothing to reuse. With TaylorSeer, whose state exists from the start,
+    the first steps skipped the middle blocks and added a residual of 0 (or compared against no fingerprint)."""
+    params = CacheDitParams(max_warmup_steps=0, residual_diff_threshold=1.0, max_continuous_cached_steps=-1,
+                            enable_taylorseer=taylorseer)
+    _, ran, outputs = _drive(params, [1.0] * 4)
+    assert ran == ["FMB", "F", "F", "F"]
+    assert outputs[0] == pytest.approx((1.0 + 100.0, 0.1 + 10.0))
+    _drive(CacheDitParams(max_warmup_steps=0, enable_taylorseer=taylorseer), [1.0] * 4)  # the default threshold ran
 
 
 def test_taylorseer_skips_the_derivative_before_its_third_step_as_cache_dit_does():
@@ -455,3 +481,20 @@ def test_a_warm_up_runs_a_request_whose_step_mask_preset_needs_more_steps_than_i
     worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", warmup_mode="server",
                                              cache_dit_config=preset))
     assert [report.num_inference_steps for report in worker.server_warmups] == [2]
+
+
+def test_a_warm_up_runs_a_request_whose_step_mask_bins_cover_other_steps(tiny_pro_dir, monkeypatch):
+    """--cache-dit-config bins cover their own step count (here 9): the server warm-up's request was resolved at
+    the variant's default steps (50 for Pro) and refused after the load, with a client's wording; a request-mode
+    warm-up of a request whose bins cover its 9 steps ran 2 of them against the bins."""
+    torch.set_num_threads(1)
+    bins = {"scm_compute_bins": [4, 2], "scm_cache_bins": [1, 2]}
+    monkeypatch.setattr(ModelWorker, "variant_warmup_params", lambda self: SamplingParams(
+        prompt="warm-up", height=32, width=48, num_frames=5))
+    worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", warmup_mode="server",
+                                             cache_dit_config=bins))
+    assert [report.num_inference_steps for report in worker.server_warmups] == [2]
+    worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", warmup_mode="request"))
+    result = worker.run(SamplingParams(prompt="a fox in the snow", seed=7, height=32, width=48, num_frames=5,
+                                       num_inference_steps=9, cache_dit_params=bins), NO_FILE)
+    assert result.timings["warmup"] > 0 and "cache_dit_cached_calls" in result.timings

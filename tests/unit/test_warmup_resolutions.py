@@ -394,3 +394,26 @@ def test_gpu_dynamic_dims_script_runs_at_toy_size(tmp_path, load_script):
     report = json.loads((tmp_path / "dynamic_dims.json").read_text())
     assert [row["request"][:1] for row in report["requests"]] == ["1", "2", "3", "4", "5", "6", "7"]
     assert all(row["step_median_s"] > 0 and row["graphs_compiled"] == 0 for row in report["requests"])
+
+
+def test_a_failed_request_warm_up_is_logged_and_the_request_runs(tiny_distill_dir, monkeypatch, caplog):
+    """--warmup-mode request: a warm-up that failed (say, out of memory while compiling) failed the user's first
+    request with an error that did not say it was the warm-up. As the reference's server does, the failure is
+    logged and the request runs; the warm-up is not tried again."""
+    calls = []
+
+    def failing(pipeline, request, mode, **kwargs):
+        calls.append(mode)
+        raise RuntimeError("CUDA out of memory (simulated, during warm-up)")
+
+    monkeypatch.setattr(worker_module, "warmup", failing)
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="request"))
+    params = SamplingParams(prompt="a fox", seed=1, height=32, width=48, num_frames=5)
+    no_file = OutputOptions(save_output=False, return_frames=True)
+    with caplog.at_level("WARNING", logger="k6serve.runtime.worker"):
+        result = worker.run(params, no_file)
+    assert result.frames.shape[0] == 5 and "warmup" in result.timings
+    assert ("warm-up (request) failed after" in caplog.text
+            and "(RuntimeError: CUDA out of memory (simulated, during warm-up)); running the request without it"
+            in caplog.text)
+    assert "warmup" not in worker.run(params, no_file).timings and calls == ["request"]
