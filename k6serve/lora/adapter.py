@@ -41,6 +41,7 @@ PREFERRED_FILE = "pytorch_lora_weights.safetensors"
 # PEFT_CONFIG_FILE, with no alpha in the weights: the scale (lora_alpha / r, per module with alpha_pattern /
 # rank_pattern) is only in the JSON. Reading the weights alone applied `LoraConfig(r=4, lora_alpha=16)` at a quarter.
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_DEFAULT_LORA_ALPHA = 8  # `peft.LoraConfig`'s default lora_alpha
 PEFT_CONFIG_FILE = "adapter_config.json"
 _PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.")
 _WEIGHT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
@@ -205,7 +206,9 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, meta
     """Group a diffusers / PEFT LoRA state dict by module; `source` names the file in errors, `metadata` is the
     file's safetensors header (its `LORA_METADATA_KEY` entry may hold the alphas), `peft_config` the PEFT_CONFIG_FILE
     found beside the file (`_peft_folder_config`)."""
-    configs = [_LoraConfig(fields=fields, name=f"the {LORA_METADATA_KEY} header", short="header", reader="diffusers")
+    # diffusers builds `LoraConfig(**header)`: a header without lora_alpha gets PEFT's default (8), not the rank.
+    configs = [_LoraConfig(fields={"lora_alpha": PEFT_DEFAULT_LORA_ALPHA, **fields},
+                           name=f"the {LORA_METADATA_KEY} header", short="header", reader="diffusers")
                for fields in [_header_config(metadata, source)] if fields is not None]
     if peft_config is not None:
         configs.append(_LoraConfig(fields=peft_config, name=f"the {PEFT_CONFIG_FILE} beside it",

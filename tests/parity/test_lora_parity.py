@@ -286,6 +286,11 @@ def test_diffusers_header_alphas_and_rslora(tiny_pro_dir, tmp_path, shapes):
             assert max(errors) <= 1e-5
             if mode == "merge":
                 assert all(torch.equal(got, want) for got, want in zip(ours, reference))
+    # A header without lora_alpha: diffusers builds LoraConfig(**header), whose default lora_alpha is 8 (not the
+    # rank, which ours applied: scale 1 where diffusers' is 2).
+    no_alpha = _save(tmp_path / "no_alpha.safetensors", _diffusers_keys(factors), {"r": RANK, "target_modules": paths})
+    ours, reference = _pair(tiny_pro_dir, no_alpha, "merge")
+    assert all(torch.equal(got, want) for got, want in zip(ours, reference))
     # A model's own `save_lora_adapter` writes the fields unprefixed, with unprefixed keys.
     model = _load_into_diffusers(_reference(tiny_pro_dir), file)
     model.save_lora_adapter(str(tmp_path / "saved"), adapter_name="a")

@@ -359,7 +359,8 @@ def test_alpha_from_the_diffusers_header(tmp_path):
     assert alphas(save("pipeline", pattern)) == {VIDEO_FFN: 8.0, SELF_KEY: 2.0}
     assert alphas(save("model", pattern, prefix="")) == {VIDEO_FFN: 8.0, SELF_KEY: 2.0}
     assert alphas(save("rslora", {"lora_alpha": 8, "use_rslora": True})) == {VIDEO_FFN: 16.0, SELF_KEY: 16.0}
-    assert alphas(save("no_alpha", {"r": 4})) == {VIDEO_FFN: None, SELF_KEY: None}  # alpha = rank then
+    # diffusers applies LoraConfig(**header): without lora_alpha, PEFT's default 8 (not the rank: scale 2 here)
+    assert alphas(save("no_alpha", {"r": 4})) == {VIDEO_FFN: 8.0, SELF_KEY: 8.0}
     same = {**ffn, **key, f"transformer.{VIDEO_FFN}.alpha": torch.tensor(8.0)}
     assert alphas(save("both_agree", {"lora_alpha": 8}, same)) == {VIDEO_FFN: 8.0, SELF_KEY: 8.0}
     for name, header, tensors, message in (
