@@ -178,6 +178,20 @@ def test_node_classes_follow_comfyui_conventions(node):
     assert "width first" in Generate.INPUT_TYPES()["required"]["width"][1]["tooltip"]
 
 
+def test_num_frames_widget_stays_within_what_the_server_takes():
+    # Before: max 14401 (the server refuses > 509), and "rounded down" where the server makes 20 frames 21.
+    from k6serve.models.variants import VARIANTS, resolve_generate
+    from k6serve.request import SamplingParams
+
+    options = Generate.INPUT_TYPES()["required"]["num_frames"][1]
+    largest = options["max"]
+    assert resolve_generate(SamplingParams(prompt="p", num_frames=largest), VARIANTS["pro-distill"])[0].num_frames \
+        == largest
+    with pytest.raises(ValueError, match="more than 128 latent frames"):
+        resolve_generate(SamplingParams(prompt="p", num_frames=largest + options["step"]), VARIANTS["pro-distill"])
+    assert "rounded down" not in options["tooltip"] and "20 -> 21" in options["tooltip"]
+
+
 def test_fields_leave_zero_to_the_model_default():
     generation_fields = sys.modules["k6serve_nodes.nodes"].generation_fields
     fields = generation_fields(prompt="p", width=768, height=512, num_frames=121, steps=0, guidance_scale=0.0,
@@ -323,13 +337,28 @@ def test_upscale_a_file_and_connected_frames(upscale_server, comfy, tmp_path):
         Generate().generate(upscale_server.base_url, **TINY)
 
 
-def test_upscale_is_changed_follows_the_file(tmp_path):
+def test_upscale_is_changed_follows_the_file(tmp_path, monkeypatch):
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(b"one")
     first = Upscale.IS_CHANGED(video_path=str(clip), scale="2")
     clip.write_bytes(b"three")
     assert Upscale.IS_CHANGED(video_path=str(clip), scale="2") != first
     assert Upscale.IS_CHANGED(video_path="") == ""
+    # Before: "~/clip.mp4" was not expanded (the upload expands it), so a changed file kept the cached result.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    first = Upscale.IS_CHANGED(video_path="~/clip.mp4", scale="2")
+    clip.write_bytes(b"three more")
+    assert first and Upscale.IS_CHANGED(video_path="~/clip.mp4", scale="2") != first
+
+
+@pytest.mark.parametrize("node", [Generate, Upscale])
+def test_the_doc_lists_every_input_of_each_node(node):
+    doc = (Path(__file__).parents[2] / "docs" / "comfyui.md").read_text()
+    title = "## K6Serve Generate" if node is Generate else "## K6Serve Upscale"
+    table = doc.split(title, 1)[1].split("\n## ", 1)[0]
+    inputs = node.INPUT_TYPES()
+    for name in [*inputs["required"], *inputs["optional"]]:
+        assert f"`{name}`" in table, f"docs/comfyui.md {title[3:]} does not list `{name}`"
 
 
 def test_png_encoder_round_trips():
@@ -397,9 +426,12 @@ def test_cancel_is_heard_while_the_server_is_unreachable(monkeypatch):
     client = client_module.K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
     unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
     unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
+    checks = []
 
     def get_job(job_id):
-        raise unreachable
+        if len(checks) <= 2:  # unreachable until Cancel; then the cancel's GET finds the job running
+            raise unreachable
+        return {"id": job_id, "status": "in_progress"}
 
     cancelled = []
     monkeypatch.setattr(client, "get_job", get_job)
@@ -407,7 +439,6 @@ def test_cancel_is_heard_while_the_server_is_unreachable(monkeypatch):
     real_sleep = time.sleep
     monkeypatch.setattr(client_module.time, "sleep", lambda seconds: real_sleep(0.01))
     monkeypatch.setattr(client_module, "POLL_OUTAGE_S", 3.0)  # before the fix: gave up after it, not at Cancel
-    checks = []
 
     def check_interrupt():
         checks.append(time.monotonic())
@@ -428,47 +459,52 @@ def test_timeout_is_heard_while_the_server_is_unreachable(monkeypatch):
     unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
     unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
     calls = []
+    started = time.monotonic()
 
     def get_job(job_id):
         calls.append(job_id)
-        raise unreachable
+        if time.monotonic() < started + 0.3:  # unreachable until timeout_s has passed, then the cancel's GET
+            raise unreachable
+        return {"id": job_id, "status": "in_progress"}
 
     cancelled = []
     monkeypatch.setattr(client, "get_job", get_job)
     monkeypatch.setattr(client, "cancel_job", lambda job_id: cancelled.append(job_id) or {"status": "cancelled"})
     real_sleep = time.sleep
     monkeypatch.setattr(client_module.time, "sleep", lambda seconds: real_sleep(min(seconds, 0.05)))
-    started = time.monotonic()
     with pytest.raises(K6ServeError, match=r"did not finish within timeout_s=0.3 s \(last seen in_progress, "
                                            r"progress 5%\); the node asked the server to cancel it"):
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, timeout_s=0.3)
     assert time.monotonic() - started < 2 and len(calls) > 1 and cancelled == ["video_1"]
 
 
-def _cancel_scenario(monkeypatch, answers):
-    """A client whose polls cannot reach the server and whose DELETEs meet `answers` in turn (an exception to raise,
-    or the job to return); returns the client and the list of DELETE attempts."""
+def _cancel_scenario(monkeypatch, answers, status="in_progress"):
+    """A client (interrupted before its first poll) whose cancel attempts meet `answers` in turn: an exception the
+    cancel's GET raises, or the DELETE's answer once the GET found the job `status`; returns the client and the list
+    of attempts (GETs) and DELETEs."""
     client_module = sys.modules["k6serve_nodes.client"]
     client = client_module.K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
     unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
     unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
-    attempts = []
+    attempts, deletes = [], []
 
-    def cancel_job(job_id):
+    def get_job(job_id):
         attempts.append(job_id)
         answer = answers[min(len(attempts), len(answers)) - 1]
         if answer == "unreachable":
             raise unreachable
         if isinstance(answer, Exception):
             raise answer
-        return answer
+        return {"id": job_id, "status": status}
 
-    def get_job(job_id):
-        raise unreachable
+    def cancel_job(job_id):
+        deletes.append(job_id)
+        return answers[min(len(attempts), len(answers)) - 1]
 
     monkeypatch.setattr(client, "get_job", get_job)
     monkeypatch.setattr(client, "cancel_job", cancel_job)
     monkeypatch.setattr(client_module, "CANCEL_RETRY_S", 0.01)
+    client.deletes = deletes
     return client, attempts
 
 
@@ -493,7 +529,7 @@ def test_a_cancel_lost_with_the_server_is_retried_until_it_answers(monkeypatch, 
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
     assert time.monotonic() - started < 1 and attempts == ["video_1"]  # the node did not wait for the retries
     client.cancel_retry.join(timeout=10)
-    assert attempts == ["video_1"] * 3
+    assert attempts == ["video_1"] * 3 and client.deletes == ["video_1"]
     assert "cancelled job video_1 on the server once it answered again" in caplog.text
 
 
@@ -513,7 +549,7 @@ def test_a_cancel_waits_out_a_restarted_server_loading_its_model(monkeypatch, ca
 def test_a_cancel_the_server_refuses_is_not_retried_and_an_outage_is_given_up(monkeypatch, caplog):
     caplog.set_level("INFO")
     client_module = sys.modules["k6serve_nodes.client"]
-    client, attempts = _cancel_scenario(monkeypatch, [client_module.K6ServeError("gone", status=404)])
+    client, attempts = _cancel_scenario(monkeypatch, [client_module.K6ServeError("broken", status=500)])
     with pytest.raises(InterruptProcessingException):
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
     assert client.cancel_retry is None and attempts == ["video_1"] and "could not cancel job video_1" in caplog.text

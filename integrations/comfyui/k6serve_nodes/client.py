@@ -9,6 +9,7 @@ import http.client
 import json
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -34,6 +35,13 @@ LOADING_POLL_S = 2.0
 # A cancel that cannot reach the server is retried in the background this often, for POLL_OUTAGE_S: a server that
 # restarts keeps its unfinished jobs (SQLite) and runs them again, so a job whose DELETE was lost would take the GPU.
 CANCEL_RETRY_S = 2.0
+# An upload is sent with `Expect: 100-continue` and its body held back this long for the server's answer: k6serve
+# answers at once, with 100 or with its refusal (413 over --max-upload-mb, 503 while loading). A server or proxy
+# that ignores the header gets the body after the wait, as RFC 9110 10.1.1 lets a client do.
+EXPECT_CONTINUE_S = 5.0
+# K6ServeError.code of an upload whose connection the server closed while it was being sent (no 100-continue
+# confirmed the size first): most likely over --max-upload-mb, so the create is not sent again.
+UPLOAD_CUT_OFF = "upload_cut_off"
 
 
 class K6ServeError(RuntimeError):
@@ -44,6 +52,28 @@ class K6ServeError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.code = code  # the server's error code (`model_loading`, ...), when it sent one
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A node's timeout_s as one clock for its whole run (waiting for a loading server, creating the job, the job,
+    its download): the input promises a limit with queue time included, not one per phase. `at` is None for 0."""
+
+    timeout_s: float = 0.0
+    at: float | None = None
+
+    @classmethod
+    def after(cls, timeout_s: float) -> Deadline:
+        return cls(timeout_s, time.monotonic() + timeout_s if timeout_s > 0 else None)
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() > self.at
+
+
+def new_request_id() -> str:
+    """The `request_id` of one node run: the job's id, so a create whose answer was lost can be sent again (the
+    server replays the job) or cancelled by its id. 40 characters of the server's allowed `A-Za-z0-9._-`."""
+    return f"comfyui-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -74,12 +104,14 @@ class K6ServeClient:
 
     # ---- routes ----
 
-    def served_model(self, *, check_interrupt: Callable[[], None] = lambda: None, timeout_s: float = 0.0) -> dict:
+    def served_model(self, *, check_interrupt: Callable[[], None] = lambda: None, timeout_s: float = 0.0,
+                     deadline: Deadline | None = None) -> dict:
         """The first entry of GET /v1/models (a server serves one model), which names its family. A server still
-        loading its model is waited for (ComfyUI's Cancel and `timeout_s`, 0 = LOADING_WAIT_S, stop the wait), so
-        a workflow queued while `k6serve serve` starts runs once it can."""
+        loading its model is waited for (ComfyUI's Cancel and the deadline, `timeout_s` from now unless given,
+        stop the wait; none: LOADING_WAIT_S), so a workflow queued while `k6serve serve` starts runs once it can."""
+        deadline = deadline or Deadline.after(timeout_s)
         try:
-            model = self._when_loaded(lambda: self._json("GET", "/v1/models"), check_interrupt, timeout_s)["data"][0]
+            model = self._when_loaded(lambda: self._json("GET", "/v1/models"), check_interrupt, deadline)["data"][0]
         except K6ServeError as error:
             if error.status != 404:
                 raise
@@ -93,36 +125,94 @@ class K6ServeClient:
                 "a path such as /v1 (e.g. http://127.0.0.1:30000).")
         return model
 
-    def _when_loaded(self, call: Callable[[], dict], check_interrupt: Callable[[], None], timeout_s: float) -> dict:
+    def _when_loaded(self, call: Callable[[], dict], check_interrupt: Callable[[], None], deadline: Deadline) -> dict:
         """`call()`, again every LOADING_POLL_S while the server answers 503 `model_loading`."""
-        limit = timeout_s if timeout_s > 0 else LOADING_WAIT_S
-        deadline = time.monotonic() + limit
-        said = False
+        def still_loading(error: K6ServeError) -> K6ServeError:
+            limit = deadline.timeout_s if deadline.at is not None else LOADING_WAIT_S
+            fix = (f"Raise timeout_s, or set it to 0 to wait up to {LOADING_WAIT_S:g} s." if deadline.at is not None
+                   else "Check the server's log, and run again once its GET /health says ok.")
+            return K6ServeError(f"{self.node_name}: the server at {self.base_url} was still loading its model after "
+                                f"{limit:g} s. {fix}", status=503, code="model_loading")
+
+        return self._ride_out(call, check_interrupt, deadline, what="before sending the job",
+                              retry_unreachable=False, give_up=still_loading, on_deadline=still_loading)
+
+    def _ride_out(self, call: Callable[[], Any], check_interrupt: Callable[[], None], deadline: Deadline, *,
+                  what: str, retry_unreachable: bool | Callable[[K6ServeError], bool] = True,
+                  give_up: Callable[[K6ServeError], BaseException] = lambda error: error,
+                  on_deadline: Callable[[K6ServeError], BaseException] = lambda error: error) -> Any:
+        """`call()`, again while the server is unreachable (for POLL_OUTAGE_S) or answers that it is loading its
+        model (a restart: until the deadline, or for LOADING_WAIT_S without one). A restarted `k6serve serve` binds
+        its port before it loads, so a restart is a few seconds of refused connections, then minutes of 503
+        `model_loading`; its jobs wait in SQLite meanwhile. Cancel (`check_interrupt`) is heard between tries."""
+        outage_since = loading_since = None
         while True:
             try:
                 return call()
             except K6ServeError as error:
-                if error.code != "model_loading":
+                now = time.monotonic()
+                if _loading(error):
+                    if loading_since is None:
+                        logger.info("%s: the server at %s is loading its model (started, or restarted); waiting "
+                                    "for it (%s)", self.node_name, self.base_url, what)
+                    loading_since, outage_since = loading_since or now, None
+                    give_up_at = deadline.at if deadline.at is not None else loading_since + LOADING_WAIT_S
+                    pause = LOADING_POLL_S
+                elif _unreachable(error) and (retry_unreachable(error) if callable(retry_unreachable)
+                                              else retry_unreachable):
+                    outage_since = outage_since or now
+                    give_up_at = outage_since + POLL_OUTAGE_S
+                    pause = 1.0
+                    logger.warning("%s: %s: the server did not answer (%s); retrying", self.node_name, what,
+                                   error.__cause__)
+                else:
                     raise
-                if not said:
-                    logger.info("%s: the server at %s is loading its model; waiting for it", self.node_name,
-                                self.base_url)
-                    said = True
-                check_interrupt()
-                if time.monotonic() > deadline:
-                    fix = (f"Raise timeout_s, or set it to 0 to wait up to {LOADING_WAIT_S:g} s." if timeout_s > 0
-                           else "Check the server's log, and run again once its GET /health says ok.")
-                    raise K6ServeError(f"{self.node_name}: the server at {self.base_url} was still loading its model "
-                                       f"after {limit:g} s. {fix}", status=503, code="model_loading") from None
-                time.sleep(LOADING_POLL_S)
+                failure = give_up(error) if now >= give_up_at else None
+                if failure is None:
+                    time.sleep(pause)
+                    check_interrupt()
+                    failure = on_deadline(error) if deadline.passed() else None
+                if failure is error:
+                    raise
+                if failure is not None:
+                    raise failure from error
 
-    def create_job(self, fields: Mapping[str, Any], uploads: list[Upload] = ()) -> dict:
-        """POST /v1/videos: JSON without uploads, multipart/form-data with them."""
+    def create_job(self, fields: Mapping[str, Any], uploads: list[Upload] = (), *, request_id: str | None = None,
+                   check_interrupt: Callable[[], None] = lambda: None, deadline: Deadline | None = None) -> dict:
+        """POST /v1/videos: JSON without uploads, multipart/form-data with them.
+
+        With a `request_id` (the job's id) the POST is sent again, the same bytes, while the server is unreachable
+        or loading its model: one whose answer was lost created the job, and the server replays it for the same
+        body rather than making a second. Given up (or Cancel meanwhile), the id is cancelled, so that a job the
+        server did create does not run untracked."""
+        fields = dict(fields)
+        if request_id is not None:
+            fields["request_id"] = request_id
         if uploads:
-            body, content_type = _multipart(fields, uploads)
+            body, content_type = _multipart(fields, uploads)  # built once: a retry must send the same bytes
         else:
-            body, content_type = json.dumps(dict(fields)).encode(), "application/json"
-        return self._json("POST", "/v1/videos", body=body, content_type=content_type)
+            body, content_type = json.dumps(fields).encode(), "application/json"
+        deadline = deadline or Deadline()
+
+        def post() -> dict:
+            return self._json("POST", "/v1/videos", body=body, content_type=content_type, upload=bool(uploads))
+
+        if request_id is None:
+            return post()
+
+        def out_of_time(error: K6ServeError) -> K6ServeError:
+            return K6ServeError(f"{self.node_name}: the job could not be sent within timeout_s="
+                                f"{deadline.timeout_s:g} s (queue time included): {error} Raise timeout_s, or 0 for "
+                                "no limit.", status=error.status, code=error.code)
+
+        try:
+            return self._ride_out(post, check_interrupt, deadline, what="sending the job",
+                                  retry_unreachable=lambda error: error.code != UPLOAD_CUT_OFF,
+                                  on_deadline=out_of_time)
+        except BaseException as error:
+            if not _refused(error):  # the server may hold the job: its answer was lost, or the node stopped
+                self._cancel_quietly(request_id)
+            raise
 
     def get_job(self, job_id: str) -> dict:
         return self._json("GET", f"/v1/videos/{job_id}")
@@ -131,28 +221,24 @@ class K6ServeClient:
         """DELETE on a running job stops it at the next step; the server waits up to 10 s for that."""
         return self._json("DELETE", f"/v1/videos/{job_id}", timeout_s=max(self.request_timeout_s, 30.0))
 
-    def download_content(self, job_id: str, path: Path) -> Path:
+    def download_content(self, job_id: str, path: Path, *, check_interrupt: Callable[[], None] = lambda: None,
+                         deadline: Deadline | None = None) -> Path:
         """Stream GET /v1/videos/{id}/content into `path` (via a hidden partial file, renamed when complete). A
-        download the network cuts off is started again, for POLL_OUTAGE_S: the job is done and its video waits on
-        the server, so losing it to a reset would throw away the GPU's minutes for nothing."""
+        download the network cuts off is started again, for POLL_OUTAGE_S, and one that meets a restarted server
+        loading its model waits for it (until the deadline, or LOADING_WAIT_S): the job is done and its video waits
+        on the server, so losing it to a reset would throw away the GPU's minutes for nothing. The job is finished:
+        Cancel and the deadline stop the node, never delete the job."""
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.part")
-        give_up_at = time.monotonic() + POLL_OUTAGE_S
+
+        def where(error: K6ServeError) -> K6ServeError:
+            return K6ServeError(f"{error} The video of job {job_id} is finished and stays on the server until it "
+                                f"expires: GET {self.base_url}/v1/videos/{job_id}/content fetches it.",
+                                status=error.status, code=error.code)
+
         try:
-            while True:
-                try:
-                    self._download_once(job_id, partial)
-                    break
-                except K6ServeError as error:
-                    if not _unreachable(error):
-                        raise
-                    if time.monotonic() > give_up_at:
-                        raise K6ServeError(f"{error} The video of job {job_id} is finished and stays on the server "
-                                           f"until it expires: GET {self.base_url}/v1/videos/{job_id}/content "
-                                           "fetches it.") from error
-                    logger.warning("%s: downloading job %s's video failed (%s); retrying", self.node_name, job_id,
-                                   error.__cause__)
-                    time.sleep(1.0)
+            self._ride_out(lambda: self._download_once(job_id, partial), check_interrupt, deadline or Deadline(),
+                           what=f"downloading job {job_id}'s video", give_up=where, on_deadline=where)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
@@ -178,23 +264,24 @@ class K6ServeClient:
 
     def wait(self, job: dict, *, check_interrupt: Callable[[], None] = lambda: None,
              on_progress: Callable[[int], None] = lambda progress: None, timeout_s: float = 0.0,
-             poll_interval_s: float = 1.0) -> dict:
+             deadline: Deadline | None = None, poll_interval_s: float = 1.0) -> dict:
         """Poll until the job is final and return it; raise K6ServeError unless it completed.
 
         `check_interrupt` raises to stop waiting (ComfyUI's interrupt): the job is then cancelled on the server
-        with DELETE, so the GPU moves on, and the exception propagates. A timeout (0 = none) cancels likewise."""
+        with DELETE, so the GPU moves on, and the exception propagates. The deadline (`timeout_s` from now unless
+        given; 0 = none) cancels likewise."""
         job_id = job["id"]
-        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        deadline = deadline or Deadline.after(timeout_s)
         interval = min(0.1, poll_interval_s)
         try:
             while job["status"] not in FINAL_STATUSES:
                 on_progress(int(job.get("progress") or 0))
                 check_interrupt()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise self._timed_out(job, timeout_s)
+                if deadline.passed():
+                    raise self._timed_out(job, deadline.timeout_s)
                 time.sleep(interval)
                 interval = min(poll_interval_s, interval * 1.5)
-                job = self._poll(job, check_interrupt, deadline=deadline, timeout_s=timeout_s)
+                job = self._poll(job, check_interrupt, deadline)
         except BaseException:
             self._cancel_quietly(job_id)
             raise
@@ -203,23 +290,22 @@ class K6ServeClient:
             logger.warning("%s: job %s: %s", self.node_name, job_id, warning)
         return self._check_final(job)
 
-    def _poll(self, job: dict, check_interrupt: Callable[[], None], *, deadline: float | None,
-              timeout_s: float) -> dict:
-        """GET the job, riding out a short outage (a restarting server keeps its jobs in SQLite); Cancel and
-        timeout_s still stop the wait meanwhile."""
+    def _poll(self, job: dict, check_interrupt: Callable[[], None], deadline: Deadline) -> dict:
+        """GET the job, riding out an outage or a restart (the server keeps its jobs in SQLite, re-queues the
+        running one and runs it once its model is loaded again); Cancel and timeout_s still stop the wait."""
         job_id = job["id"]
-        outage_until = time.monotonic() + POLL_OUTAGE_S
-        while True:
-            try:
-                return self.get_job(job_id)
-            except K6ServeError as error:
-                if not _unreachable(error) or time.monotonic() > outage_until:
-                    raise
-                logger.warning("%s: polling job %s failed (%s); retrying", self.node_name, job_id, error.__cause__)
-                time.sleep(1.0)
-                check_interrupt()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise self._timed_out(job, timeout_s) from None
+
+        def given_up(error: K6ServeError) -> K6ServeError:
+            if not _loading(error):
+                return error
+            return K6ServeError(f"{self.node_name}: the server at {self.base_url} was still loading its model "
+                                f"{LOADING_WAIT_S:g} s after it restarted under job {job_id}; the node gave up on "
+                                "the job and asked the server to cancel it. Check the server's log.",
+                                status=503, code="model_loading")
+
+        return self._ride_out(lambda: self.get_job(job_id), check_interrupt, deadline,
+                              what=f"polling job {job_id}", give_up=given_up,
+                              on_deadline=lambda error: self._timed_out(job, deadline.timeout_s))
 
     def _timed_out(self, job: dict, timeout_s: float) -> K6ServeError:
         # Said before the DELETE that follows it (`wait`), which may find the job ending its decode or the server
@@ -229,11 +315,35 @@ class K6ServeClient:
                             "to cancel it (DELETE /v1/videos/{id}; the log says whether it did). Raise timeout_s, or "
                             "0 for no limit.")
 
+    def _cancel_if_running(self, job_id: str, *, when: str = "") -> None:
+        """GET the job, and DELETE it only while it is queued or running: DELETE on a finished job deletes its
+        record and MP4 instead, and a job can finish while its cancel waits out a restart (it is re-run then).
+        Logs what happened; raises K6ServeError when the server did not answer (or is loading its model)."""
+        try:
+            job = self.get_job(job_id)
+            if job.get("status") in FINAL_STATUSES:
+                kept = (f"; its video: GET {self.base_url}/v1/videos/{job_id}/content"
+                        if job["status"] == "completed" else "")
+                logger.info("%s: job %s had already ended on the server (%s)%s, so it was not cancelled%s",
+                            self.node_name, job_id, job["status"], when, kept)
+                return
+            answer = self.cancel_job(job_id)
+        except K6ServeError as error:
+            if error.status != 404:
+                raise
+            logger.info("%s: job %s is not on the server (never created there, or deleted)%s; nothing to cancel",
+                        self.node_name, job_id, when)
+            return
+        if answer.get("deleted"):  # it ended between the GET and the DELETE
+            logger.warning("%s: job %s ended on the server just before the DELETE%s, which deleted it (its record "
+                           "and video)", self.node_name, job_id, when)
+        else:
+            logger.info("%s: cancelled job %s on the server%s (status %s)", self.node_name, job_id, when,
+                        answer.get("status"))
+
     def _cancel_quietly(self, job_id: str) -> None:
         try:
-            job = self.cancel_job(job_id)
-            logger.info("%s: cancelled job %s on the server (status %s)", self.node_name, job_id,
-                        job.get("status"))
+            self._cancel_if_running(job_id)
         except (K6ServeError, ValueError) as error:  # the original exception matters more than a failed cancel
             if not (_unreachable(error) or _loading(error)):
                 logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url,
@@ -256,7 +366,7 @@ class K6ServeClient:
         while time.monotonic() < give_up_at:
             time.sleep(CANCEL_RETRY_S)
             try:
-                job = self.cancel_job(job_id)
+                self._cancel_if_running(job_id, when=" once it answered again")
             except (K6ServeError, ValueError) as error:
                 if _loading(error):
                     give_up_at = max(give_up_at, started + LOADING_WAIT_S)
@@ -265,9 +375,6 @@ class K6ServeClient:
                     continue
                 logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url,
                                error)
-                return
-            logger.info("%s: cancelled job %s on the server once it answered again (status %s)", self.node_name,
-                        job_id, job.get("status"))
             return
         logger.warning("%s: gave up cancelling job %s after %.0f s: %s did not take the DELETE; the job may still "
                        "run there (DELETE /v1/videos/%s cancels it)", self.node_name, job_id,
@@ -293,14 +400,19 @@ class K6ServeClient:
     # ---- HTTP ----
 
     def _json(self, method: str, route: str, *, body: bytes | None = None, content_type: str | None = None,
-              timeout_s: float | None = None) -> dict:
-        try:
-            with self._open(method, route, body=body, content_type=content_type, timeout_s=timeout_s) as response:
-                raw = response.read()
-        except (http.client.HTTPException, OSError) as error:
-            # Cut off after the headers (a reset, a short body): unreachable like a refused connection, so a poll
-            # rides it out and a lost cancel is retried, instead of a raw traceback from the node.
-            raise self._connection_error(error) from error
+              timeout_s: float | None = None, upload: bool = False) -> dict:
+        if upload and self._direct():
+            raw = self._send_expecting_continue(route, body, content_type, timeout_s)
+        else:
+            upload_bytes = len(body) if upload and body else 0
+            try:
+                with self._open(method, route, body=body, content_type=content_type, timeout_s=timeout_s,
+                                upload_bytes=upload_bytes) as response:
+                    raw = response.read()
+            except (http.client.HTTPException, OSError) as error:
+                # Cut off after the headers (a reset, a short body): unreachable like a refused connection, so a
+                # poll rides it out and a lost cancel is retried, instead of a raw traceback from the node.
+                raise self._connection_error(error, upload_bytes=upload_bytes) from error
         try:
             return json.loads(raw)
         except ValueError:  # e.g. an HTML page from another web server or a proxy in front of it
@@ -308,50 +420,98 @@ class K6ServeClient:
                                f"than JSON ({raw[:80]!r}); is server_url the address of `k6serve serve`?") from None
 
     def _open(self, method: str, route: str, *, body: bytes | None = None, content_type: str | None = None,
-              timeout_s: float | None = None):
-        request = urllib.request.Request(self.base_url + route, data=body, method=method)
-        request.add_header("Accept", "application/json")
-        if content_type is not None:
-            request.add_header("Content-Type", content_type)
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
+              timeout_s: float | None = None, upload_bytes: int = 0):
+        request = urllib.request.Request(self.base_url + route, data=body, method=method,
+                                         headers=self._headers(content_type))
         try:
             return urllib.request.urlopen(request, timeout=timeout_s or self.request_timeout_s)
         except urllib.error.HTTPError as error:
-            raise self._http_error(error, method, route) from None
+            raise self._http_error(error.code, error.headers, error.read(), method, route) from None
         except (urllib.error.URLError, OSError) as error:
-            raise self._connection_error(error) from error
+            raise self._connection_error(error, upload_bytes=upload_bytes) from error
 
-    def _http_error(self, error: urllib.error.HTTPError, method: str, route: str) -> K6ServeError:
-        raw = error.read()
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def _direct(self) -> bool:
+        """Whether urllib would reach the server without a proxy (HTTP_PROXY, ...): uploads then go through
+        `_send_expecting_continue`. Through a proxy, or over https, they take urllib's way."""
+        parts = urllib.parse.urlsplit(self.base_url)
+        return parts.scheme == "http" and (
+            "http" not in urllib.request.getproxies() or bool(urllib.request.proxy_bypass(parts.hostname or "")))
+
+    def _send_expecting_continue(self, route: str, body: bytes, content_type: str | None,
+                                 timeout_s: float | None) -> bytes:
+        """POST an upload with `Expect: 100-continue` (urllib cannot), so a server refusing it answers before the
+        body is sent: over --max-upload-mb, k6serve reads at most 64 MiB of a body it refuses and then closes, and
+        urllib, still sending, got a reset and said that the server could not be reached instead of the 413."""
+        parts = urllib.parse.urlsplit(self.base_url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port or 80,
+                                                timeout=timeout_s or self.request_timeout_s)
+        confirmed = False  # the server said 100 Continue: the size is accepted, a reset is the network's
+        try:
+            connection.putrequest("POST", parts.path + route)
+            for name, value in {**self._headers(content_type), "Content-Length": str(len(body)),
+                                "Expect": "100-continue"}.items():
+                connection.putheader(name, value)
+            connection.endheaders()
+            answer = _await_continue(connection.sock)
+            confirmed = answer == "continue"
+            if answer != "final":
+                connection.send(body)
+            response = connection.getresponse()
+            raw = response.read()
+        except (http.client.HTTPException, OSError) as error:
+            raise self._connection_error(error, upload_bytes=0 if confirmed else len(body)) from error
+        finally:
+            connection.close()
+        if response.status >= 400:
+            raise self._http_error(response.status, response.headers, raw, "POST", route)
+        return raw
+
+    def _http_error(self, status: int, headers: Any, raw: bytes, method: str, route: str) -> K6ServeError:
         try:
             detail = json.loads(raw)["error"]
             message, code, param = detail.get("message", ""), detail.get("code", ""), detail.get("param")
         except (ValueError, KeyError, TypeError):
             message, code, param = raw.decode("utf-8", "replace")[:500], "", None
         where = f"{method} {self.base_url}{route}"
-        if error.code == 401:
+        said = {"status": status, "code": code or None}
+        if status == 401:
             return K6ServeError(f"{self.node_name}: the server at {self.base_url} needs an API key ({message}). "
                                 f"Set the api_key input, or {API_KEY_ENV} in ComfyUI's environment, to the "
-                                "server's --api-key.")
-        if error.code == 429:
-            retry = error.headers.get("Retry-After")
+                                "server's --api-key.", **said)
+        if status == 429:
+            retry = headers.get("Retry-After")
             return K6ServeError(f"{self.node_name}: the server's queue is full ({message}). Try again"
                                 f"{f' in {retry} s' if retry else ' later'}, or start the server with a larger "
-                                "--max-queued-jobs.")
-        if error.code == 413:
+                                "--max-queued-jobs.", **said)
+        if status == 413:
             return K6ServeError(f"{self.node_name}: the upload is too large for the server ({message}). Send a "
-                                "shorter or smaller clip, or start the server with a larger --max-upload-mb.")
-        if error.code == 400 and param:
+                                "shorter or smaller clip, or start the server with a larger --max-upload-mb.", **said)
+        if status == 400 and param:
             node_input = self.input_names.get(param, param)
             return K6ServeError(f"{self.node_name}: the server refused the input '{node_input}' "
-                                f"(server field '{param}', {code}): {message} Change '{node_input}' and run again.")
+                                f"(server field '{param}', {code}): {message} Change '{node_input}' and run again.",
+                                **said)
         code_text = f", {code}" if code else ""
-        return K6ServeError(f"{self.node_name}: {where} answered HTTP {error.code}{code_text}: {message}",
-                            status=error.code, code=code or None)
+        return K6ServeError(f"{self.node_name}: {where} answered HTTP {status}{code_text}: {message}", **said)
 
-    def _connection_error(self, error: Exception) -> K6ServeError:
+    def _connection_error(self, error: Exception, *, upload_bytes: int = 0) -> K6ServeError:
         reason = getattr(error, "reason", error)
+        if upload_bytes and isinstance(reason, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            # A server closing the connection mid-upload is most often refusing its size (k6serve reads at most
+            # 64 MiB of a refused body, then closes); "cannot reach the server" would send the user looking for it.
+            return K6ServeError(
+                f"{self.node_name}: the server at {self.base_url} closed the connection while the node was sending "
+                f"its {upload_bytes / 2**20:.1f} MiB upload ({reason}); most likely the upload is larger than the "
+                "server's --max-upload-mb (default 512). Send a shorter or smaller clip, or start the server with a "
+                "larger --max-upload-mb.", code=UPLOAD_CUT_OFF)
         if isinstance(reason, ConnectionRefusedError):
             port = urllib.parse.urlsplit(self.base_url).port or 30000
             return K6ServeError(
@@ -373,6 +533,30 @@ def _unreachable(error: Exception) -> bool:
 def _loading(error: Exception) -> bool:
     """The server answered that it is still loading its model (`k6serve serve` while it starts, or restarts)."""
     return isinstance(error, K6ServeError) and error.status == 503 and error.code == "model_loading"
+
+
+def _refused(error: BaseException) -> bool:
+    """The server answered a create with a 4xx: it made no job (a 409 `request_id_conflict` names another one)."""
+    return isinstance(error, K6ServeError) and error.status is not None and 400 <= error.status < 500
+
+
+def _await_continue(sock: socket.socket) -> str:
+    """After a request's head sent with `Expect: 100-continue`: "continue" once the server's interim 100 has come
+    (and was read off the socket), "final" when its final answer came instead (left unread, for http.client), or
+    "silent" when nothing came within EXPECT_CONTINUE_S."""
+    deadline = time.monotonic() + EXPECT_CONTINUE_S
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            return "silent"
+        head = sock.recv(1024, socket.MSG_PEEK)  # "HTTP/1.1 100 Continue\r\n\r\n"; bytes 9-11 the status
+        if not head or (len(head) >= 12 and head[9:12] != b"100"):
+            return "final"  # or closed: getresponse() says so
+        end = head.find(b"\r\n\r\n")
+        if end >= 0:
+            sock.recv(end + 4)  # only the 100's bytes: nothing else comes before the body is sent
+            return "continue"
+        time.sleep(0.01)  # the interim answer came in pieces
 
 
 def _multipart(fields: Mapping[str, Any], uploads: list[Upload]) -> tuple[bytes, str]:

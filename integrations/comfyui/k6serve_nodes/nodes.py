@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import comfy_runtime
-from .client import K6ServeClient, K6ServeError, Upload
+from .client import Deadline, K6ServeClient, K6ServeError, Upload, new_request_id
 from .media import decode_video, encode_png, encode_video, image_to_uint8, require_av
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 CATEGORY = "k6serve"
 DEFAULT_SERVER_URL = "http://127.0.0.1:30000"
 MAX_SEED = 2**63 - 1  # the server takes 0 <= seed < 2^63
+MAX_FRAMES = 509  # the server's largest num_frames (4k+1)
 RETURN_TYPES = ("IMAGE", "AUDIO", "STRING", "FLOAT")
 RETURN_NAMES = ("frames", "audio", "video_path", "fps")
 OUTPUT_TOOLTIPS = (
@@ -47,7 +48,8 @@ def _shared_inputs() -> dict[str, dict[str, tuple]]:
         "filename_prefix": ("STRING", {"default": "k6serve/K6Serve", "tooltip": "Saved as <output folder>/"
                                        "<prefix>_<job id>.mp4; may include subfolders."}),
         "timeout_s": ("INT", {"default": 0, "min": 0, "max": 7 * 24 * 3600, "tooltip": "Cancel the job if it has "
-                              "not finished after this many seconds (queue time included); 0 = no limit."}),
+                              "not finished this many seconds after the node started (waiting for a loading server "
+                              "and queue time included); 0 = no limit."}),
     }
     return {"required": required, "optional": optional}
 
@@ -89,9 +91,9 @@ class K6ServeGenerate(_K6ServeNode):
                               "(768 x 512 -> size \"768x512\")."}),
             "height": ("INT", {"default": 512, "min": 16, "max": 2048, "step": 16, "tooltip": "Video height in "
                                "pixels, a multiple of 16 (the second number of size \"WxH\")."}),
-            "num_frames": ("INT", {"default": 121, "min": 1, "max": 14401, "step": 4, "tooltip": "Frames, of the "
-                                   "form 4k+1 (121 = 5 s at 24 fps); others are rounded down to 4k+1 by the "
-                                   "server, with a warning in the log."}),
+            "num_frames": ("INT", {"default": 121, "min": 1, "max": MAX_FRAMES, "step": 4, "tooltip": "Frames, of "
+                                   f"the form 4k+1, at most {MAX_FRAMES} (121 = 5 s at 24 fps); the server makes "
+                                   "others (n // 4) * 4 + 1 (20 -> 21, 23 -> 21), with a warning in the log."}),
             "steps": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip": "Denoising steps; 0 = the model's "
                               "default (distilled 10, Pro/Lite 50)."}),
             "guidance_scale": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 100.0, "step": 0.1, "tooltip": "CFG "
@@ -120,6 +122,7 @@ class K6ServeGenerate(_K6ServeNode):
                  guidance_scale: float, seed: int, negative_prompt: str = "", image: torch.Tensor | None = None,
                  fps: float = 0.0, loras: str = "", enable_cache_dit: str = "server default", api_key: str = "",
                  filename_prefix: str = "k6serve/K6Serve", timeout_s: int = 0) -> dict[str, Any]:
+        deadline = Deadline.after(timeout_s)
         client = K6ServeClient(server_url, api_key, node_name="K6Serve Generate", input_names=self.INPUT_NAMES)
         fields = generation_fields(prompt=prompt, width=width, height=height, num_frames=num_frames, steps=steps,
                                    guidance_scale=guidance_scale, seed=seed, negative_prompt=negative_prompt,
@@ -128,8 +131,8 @@ class K6ServeGenerate(_K6ServeNode):
         if image is not None:
             uploads.append(Upload("input_reference", "first_frame.png", "image/png",
                                   encode_png(image_to_uint8(image))))
-        _require_family(client, "generation", "K6Serve Upscale", timeout_s)
-        return run_job(client, fields, uploads, filename_prefix=filename_prefix, timeout_s=timeout_s)
+        _require_family(client, "generation", "K6Serve Upscale", deadline)
+        return run_job(client, fields, uploads, filename_prefix=filename_prefix, deadline=deadline)
 
 
 class K6ServeUpscale(_K6ServeNode):
@@ -179,8 +182,9 @@ class K6ServeUpscale(_K6ServeNode):
 
     @classmethod
     def IS_CHANGED(cls, video_path: str = "", video_path_on_server: bool = False, **kwargs: Any) -> str:
-        """Re-run when the source file changes on disk, not only when the inputs do."""
-        path = Path(video_path.strip()) if video_path and video_path.strip() else None
+        """Re-run when the source file changes on disk, not only when the inputs do. The path is the one
+        `_video_upload` reads (`~` expanded), so a change to that file is seen."""
+        path = Path(video_path.strip()).expanduser() if video_path and video_path.strip() else None
         if path is None or video_path_on_server or not path.is_file():
             return ""
         stat = path.stat()
@@ -191,6 +195,7 @@ class K6ServeUpscale(_K6ServeNode):
                 tiles_batch_size: int = 0, tile_min_overlap: float = -1.0, target_resolution: str = "",
                 target_resize_mode: str = "fit", api_key: str = "", filename_prefix: str = "k6serve/K6Serve",
                 timeout_s: int = 0) -> dict[str, Any]:
+        deadline = Deadline.after(timeout_s)
         client = K6ServeClient(server_url, api_key, node_name="K6Serve Upscale", input_names=self.INPUT_NAMES)
         fields = upscale_fields(scale=scale, seed=seed, tiles_batch_size=tiles_batch_size,
                                 tile_min_overlap=tile_min_overlap, target_resolution=target_resolution,
@@ -207,12 +212,12 @@ class K6ServeUpscale(_K6ServeNode):
             fields["video_path"] = source
         elif frames is None:
             uploads.append(_video_upload(source))
-        _require_family(client, "super_resolution", "K6Serve Generate", timeout_s)
+        _require_family(client, "super_resolution", "K6Serve Generate", deadline)
         if frames is not None:
             with tempfile.TemporaryDirectory(prefix="k6serve_comfyui_") as scratch:
                 clip = encode_video(Path(scratch) / "frames.mp4", frames, frames_fps, audio)
                 uploads = [Upload("video_reference", "frames.mp4", "video/mp4", clip.read_bytes())]
-        return run_job(client, fields, uploads, filename_prefix=filename_prefix, timeout_s=timeout_s)
+        return run_job(client, fields, uploads, filename_prefix=filename_prefix, deadline=deadline)
 
 
 def generation_fields(*, prompt: str, width: int, height: int, num_frames: int, steps: int, guidance_scale: float,
@@ -250,15 +255,18 @@ def upscale_fields(*, scale: str, seed: int, tiles_batch_size: int, tile_min_ove
 
 
 def run_job(client: K6ServeClient, fields: dict[str, Any], uploads: list[Upload], *, filename_prefix: str,
-            timeout_s: float) -> dict[str, Any]:
+            deadline: Deadline) -> dict[str, Any]:
     """Create the job, follow it, save the MP4 and decode it into the node's outputs."""
     output_path(filename_prefix, "video_check", client.node_name)  # a bad prefix fails before the GPU works
     require_av()  # so does a missing PyAV, which only the decode after the job needs
-    job = client.create_job(fields, uploads)
+    check_interrupt = comfy_runtime.interrupt_check()
+    job = client.create_job(fields, uploads, request_id=new_request_id(), check_interrupt=check_interrupt,
+                            deadline=deadline)
     logger.info("%s: job %s queued on %s", client.node_name, job["id"], client.base_url)
-    done = client.wait(job, check_interrupt=comfy_runtime.interrupt_check(),
-                       on_progress=comfy_runtime.progress_reporter(), timeout_s=timeout_s)
-    path = client.download_content(done["id"], output_path(filename_prefix, done["id"], client.node_name))
+    done = client.wait(job, check_interrupt=check_interrupt, on_progress=comfy_runtime.progress_reporter(),
+                       deadline=deadline)
+    path = client.download_content(done["id"], output_path(filename_prefix, done["id"], client.node_name),
+                                   check_interrupt=check_interrupt, deadline=deadline)
     logger.info("%s: job %s done in %s s, saved %s", client.node_name, done["id"], done.get("inference_time_s"),
                 path)
     video = decode_video(path)
@@ -296,9 +304,9 @@ def _video_upload(video_path: str) -> Upload:
     return Upload("video_reference", path.name, content_type, path.read_bytes())
 
 
-def _require_family(client: K6ServeClient, family: str, other_node: str, timeout_s: float) -> None:
-    # Waits while the server loads its model (Cancel and timeout_s heard meanwhile).
-    model = client.served_model(check_interrupt=comfy_runtime.interrupt_check(), timeout_s=timeout_s)
+def _require_family(client: K6ServeClient, family: str, other_node: str, deadline: Deadline) -> None:
+    # Waits while the server loads its model (Cancel and timeout_s heard meanwhile; the wait counts in timeout_s).
+    model = client.served_model(check_interrupt=comfy_runtime.interrupt_check(), deadline=deadline)
     if model.get("family") != family:
         raise K6ServeError(f"{client.node_name}: the server at {client.base_url} serves {model.get('id')!r} "
                            f"({model.get('family')}), not a {family.replace('_', '-')} model. Use {other_node} "
