@@ -696,6 +696,11 @@ async def delete_video(request: Request, video_id: str) -> JSONResponse:
     if job.status.is_terminal:
         forget_job(ctx.store, ctx.artifacts, job)
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+    return JSONResponse({**ctx.view(await _cancel_and_wait(ctx, video_id)), "deleted": False})
+
+
+async def _cancel_and_wait(ctx: ServerContext, video_id: str) -> Job:
+    """Cancel a queued or running job; the job once the engine has stopped it, or after the cancel wait."""
     job = ctx.runner.cancel(video_id)
     deadline = time.monotonic() + ctx.settings.cancel_wait_s
     while job is not None and not job.status.is_terminal and time.monotonic() < deadline:
@@ -703,7 +708,24 @@ async def delete_video(request: Request, video_id: str) -> JSONResponse:
         job = ctx.store.get(video_id)
     if job is None:
         raise _not_found(video_id)
-    return JSONResponse({**ctx.view(job), "deleted": False})
+    return job
+
+
+@router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=_ERRORS,
+             summary="Cancel a queued/running job; a finished one is left as it is (409)")
+async def cancel_video(request: Request, video_id: str) -> JSONResponse:
+    """DELETE cancels a job that is still running but deletes one that has finished (its record and video): a
+    client that retries a cancel (after a restart, a lost answer) could delete the video of a job that completed
+    meanwhile. This route only cancels."""
+    ctx = _ctx(request)
+    job = _live(ctx, ctx.store.get(video_id))
+    if job is None:
+        raise _not_found(video_id)
+    if job.status.is_terminal:
+        raise ApiError(409, f"Video {video_id!r} has already ended ({job.status.value}); nothing to cancel. GET "
+                            f"/v1/videos/{video_id} shows it (and /content its video, if it completed).",
+                       code="video_finished", param="video_id")
+    return JSONResponse(ctx.view(await _cancel_and_wait(ctx, video_id)))
 
 
 _LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import av
 import pytest
-from harness import FakeWorker, start_server, wait_for
+from harness import FakeWorker, start_server, wait_for, wait_until
 
 from k6serve.models.variants import VARIANTS
 from k6serve.serve.schemas import VideoCreateBody
@@ -548,3 +548,26 @@ def test_a_thumbnail_variant_is_said_not_to_be_made(fake_client):
         "message": "variant: only 'video' is served, got 'thumbnail'; k6serve makes no thumbnail or spritesheet "
                    "(take a frame of the MP4 instead).",
         "type": "invalid_request_error", "param": "variant", "code": "invalid_parameter"}
+
+
+def test_the_cancel_route_cancels_a_running_job_and_leaves_a_finished_one(fake_server, fake_client):
+    """DELETE deletes a finished job (record and video): a client retrying a cancel could delete a video that
+    completed meanwhile. POST .../cancel only cancels; on a finished job it is a 409 that changes nothing."""
+    held = fake_client.post("/v1/videos", json={"prompt": "hold on", "size": "32x32", "num_frames": 5}).json()
+    wait_until(lambda: fake_client.get(f"/v1/videos/{held['id']}").json()["status"] == "in_progress")
+    cancelled = fake_client.post(f"/v1/videos/{held['id']}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert "deleted" not in cancelled.json()
+    done = wait_for(fake_client, fake_client.post("/v1/videos", json={"prompt": "done", "size": "32x32",
+                                                                       "num_frames": 5}).json()["id"])
+    for job in (done, cancelled.json()):
+        again = fake_client.post(f"/v1/videos/{job['id']}/cancel")
+        assert again.status_code == 409
+        error = again.json()["error"]
+        assert (error["code"], error["param"]) == ("video_finished", "video_id")
+        assert error["message"].startswith(f"Video {job['id']!r} has already ended ({job['status']}); nothing to "
+                                           "cancel.")
+        assert fake_client.get(f"/v1/videos/{job['id']}").json()["status"] == job["status"]
+    assert fake_client.get(f"/v1/videos/{done['id']}/content").content[4:8] == b"ftyp"
+    missing = fake_client.post("/v1/videos/video_nope/cancel")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"
