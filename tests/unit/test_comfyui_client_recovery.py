@@ -210,47 +210,104 @@ def fake_server(tmp_path):
 
 # ---- a cancel that waited out a restart ----
 
-def _late_cancel(monkeypatch, job_after_restart: dict, delete_answer: dict | None = None):
-    """A node interrupted while the server is unreachable; once it answers, its GET gives `job_after_restart`."""
+FINISHED = K6ServeError("K6Serve Generate: POST ... answered HTTP 409, video_finished: already ended", status=409,
+                        code="video_finished")
+
+
+def _late_cancel(monkeypatch, cancel_answer: Exception, job_after_restart: dict | Exception):
+    """A node interrupted while the server is unreachable; once it answers, the cancel meets `cancel_answer` and a
+    GET `job_after_restart`. Returns the cancel attempts and the GETs."""
     client = K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
-    gets, deletes = [], []
+    cancels, gets = [], []
+
+    def cancel_job(job_id):
+        cancels.append(job_id)
+        raise _unreachable_error(client) if len(cancels) < 3 else cancel_answer
 
     def get_job(job_id):
         gets.append(job_id)
-        if len(gets) < 3:
-            raise _unreachable_error(client)
+        if isinstance(job_after_restart, Exception):
+            raise job_after_restart
         return job_after_restart
 
+    monkeypatch.setattr(client, "cancel_job", cancel_job)
     monkeypatch.setattr(client, "get_job", get_job)
-    monkeypatch.setattr(client, "cancel_job", lambda job_id: deletes.append(job_id) or delete_answer)
     monkeypatch.setattr(client_module, "CANCEL_RETRY_S", 0.01)
     with pytest.raises(Interrupt):
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5},
                     check_interrupt=nodes_tests._interrupt_after(0))
     client.cancel_retry.join(timeout=10)
-    return deletes
+    return cancels, gets
 
 
 @pytest.mark.parametrize("status", ["completed", "failed", "cancelled"])
 def test_a_late_cancel_leaves_a_job_that_ended_meanwhile_alone(monkeypatch, caplog, status):
     """Before: the retried DELETE went out blindly, and on a job that had completed meanwhile (re-run after a
-    restart) it deleted the job and its MP4; the log said "cancelled"."""
+    restart) it deleted the job and its MP4; the log said "cancelled". Then a GET went first, and a job ending
+    between it and the DELETE was still deleted. Now the cancel route answers 409, and the GET after it words the
+    log only."""
     caplog.set_level("INFO")
-    deletes = _late_cancel(monkeypatch, {"id": "video_1", "status": status})
-    assert deletes == []
+    cancels, gets = _late_cancel(monkeypatch, FINISHED, {"id": "video_1", "status": status})
+    assert cancels == ["video_1"] * 3 and gets == ["video_1"]
     assert f"job video_1 had already ended on the server ({status}) once it answered again, so it was not " \
            "cancelled" in caplog.text
     assert "cancelled job" not in caplog.text
     assert ("GET http://127.0.0.1:9/v1/videos/video_1/content" in caplog.text) == (status == "completed")
 
 
-def test_a_delete_that_deleted_a_job_says_so(monkeypatch, caplog):
+def test_a_late_cancel_says_the_job_ended_even_when_the_get_after_it_fails(monkeypatch, caplog):
     caplog.set_level("INFO")
-    deletes = _late_cancel(monkeypatch, {"id": "video_1", "status": "in_progress"},
-                           {"id": "video_1", "object": "video.deleted", "deleted": True})
-    assert deletes == ["video_1"] and "cancelled job" not in caplog.text
-    assert "job video_1 ended on the server just before the DELETE once it answered again, which deleted it" \
+    get_lost = _unreachable_error(K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate"))
+    _late_cancel(monkeypatch, FINISHED, get_lost)
+    assert "job video_1 had already ended on the server once it answered again, so it was not cancelled" \
         in caplog.text
+    assert "retrying" in caplog.text and caplog.text.count("could not cancel") == 1  # the first attempt's only
+
+
+def test_a_server_without_the_cancel_route_is_not_taken_for_a_missing_job(monkeypatch, caplog):
+    """A server older than the nodes answers 404 `not_found` (no such route), not the job's `video_not_found`."""
+    caplog.set_level("INFO")
+    no_route = K6ServeError("K6Serve Generate: POST ... answered HTTP 404, not_found: There is no route POST ...",
+                            status=404, code="not_found")
+    cancels, gets = _late_cancel(monkeypatch, no_route, {})
+    assert cancels == ["video_1"] * 3 and gets == []
+    assert "not on the server" not in caplog.text and "could not cancel job video_1" in caplog.text
+    assert "There is no route POST" in caplog.text
+
+
+def test_a_cancel_retried_after_the_job_completed_keeps_its_video(fake_server, monkeypatch, caplog):
+    """Against the real routes: the first cancel is lost (a restart, a network blip), the job completes meanwhile,
+    and the retried cancel (POST .../cancel, not DELETE) leaves the job and its MP4 on the server."""
+    caplog.set_level("INFO")
+    client = K6ServeClient(fake_server.base_url, "secret-key", node_name="K6Serve Generate")
+    job = client.create_job({"prompt": "hold", "size": "32x32", "num_frames": 5})
+    harness.wait_until(lambda: fake_server.worker.started, timeout=30)
+    real_json = client._json
+    cancels = []
+
+    def lose_the_first_cancel(method, route, **kwargs):
+        if route.endswith("/cancel"):
+            cancels.append((method, route))
+            if len(cancels) == 1:
+                fake_server.worker.release.set()
+                with fake_server.client() as http:
+                    assert harness.wait_for(http, job["id"])["status"] == "completed"
+                raise _unreachable_error(client)
+        return real_json(method, route, **kwargs)
+
+    monkeypatch.setattr(client, "_json", lose_the_first_cancel)
+    monkeypatch.setattr(client_module, "CANCEL_RETRY_S", 0.01)
+    with pytest.raises(Interrupt):
+        client.wait(job, check_interrupt=nodes_tests._interrupt_after(0))
+    client.cancel_retry.join(timeout=30)
+    assert not client.cancel_retry.is_alive()
+    assert cancels == [("POST", f"/v1/videos/{job['id']}/cancel")] * 2
+    with fake_server.client() as http:
+        assert http.get(f"/v1/videos/{job['id']}").json()["status"] == "completed"
+        content = http.get(f"/v1/videos/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4" and content.content
+    assert f"job {job['id']} had already ended on the server (completed) once it answered again, so it was not " \
+           f"cancelled; its video: GET {fake_server.base_url}/v1/videos/{job['id']}/content" in caplog.text
 
 
 # ---- a create whose answer is lost ----
@@ -338,7 +395,7 @@ def test_a_create_that_never_gets_an_answer_cancels_its_job(fake_server, comfy, 
 
     def answer_lost(self, method, route, **kwargs):
         answer = real_json(self, method, route, **kwargs)
-        if method == "POST":
+        if method == "POST" and route == "/v1/videos":
             posts.append(answer["id"])
             raise self._connection_error(ConnectionResetError()) from ConnectionResetError()
         return answer
@@ -349,7 +406,7 @@ def test_a_create_that_never_gets_an_answer_cancels_its_job(fake_server, comfy, 
     assert len(posts) > 1 and set(posts) == {posts[0]}  # replayed: one job
     with fake_server.client() as client:
         jobs = client.get("/v1/videos").json()["data"]
-        if jobs and jobs[0]["status"] == "in_progress":  # the DELETE waits for a step boundary
+        if jobs and jobs[0]["status"] == "in_progress":  # the cancel waits for a step boundary
             jobs = [harness.wait_for(client, jobs[0]["id"])]
     assert [(job["id"], job["status"]) for job in jobs] == [(posts[0], "cancelled")]
     assert f"cancelled job {posts[0]} on the server" in caplog.text
@@ -359,19 +416,22 @@ def test_a_create_cancelled_before_the_server_saw_it_is_fine(monkeypatch, fast_r
     caplog.set_level("INFO")
     client = K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
 
-    def post(*args, **kwargs):
-        raise LOADING
+    routes = []
 
-    monkeypatch.setattr(client, "_json", post)
-    monkeypatch.setattr(client, "get_job", lambda job_id: (_ for _ in ()).throw(
-        K6ServeError("not found", status=404, code="video_not_found")))
+    def loading_then_not_found(method, route, **kwargs):
+        routes.append((method, route))
+        if route == "/v1/videos":
+            raise LOADING
+        raise K6ServeError("not found", status=404, code="video_not_found")  # the cancel, once the server serves
+
+    monkeypatch.setattr(client, "_json", loading_then_not_found)
     with pytest.raises(Interrupt):
         client.create_job({"prompt": "p"}, request_id="comfyui-1", check_interrupt=nodes_tests._interrupt_after(2))
-    assert client.cancel_retry is None
+    assert client.cancel_retry is None and routes[-1] == ("POST", "/v1/videos/comfyui-1/cancel")
     assert "job comfyui-1 is not on the server (never created there, or deleted); nothing to cancel" in caplog.text
     monkeypatch.setattr(client, "_json", lambda *args, **kwargs: (_ for _ in ()).throw(
         K6ServeError("refused", status=400, code="invalid_parameter")))
-    monkeypatch.setattr(client, "get_job", lambda job_id: pytest.fail("a refused create made no job to cancel"))
+    monkeypatch.setattr(client, "cancel_job", lambda job_id: pytest.fail("a refused create made no job to cancel"))
     with pytest.raises(K6ServeError, match="refused"):
         client.create_job({"prompt": "p"}, request_id="comfyui-2")
 

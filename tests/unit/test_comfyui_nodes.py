@@ -248,7 +248,7 @@ def test_interrupt_during_polling_cancels_the_job_on_the_server(generation_serve
         Generate().generate(generation_server.base_url, **{**TINY, "steps": 1000})
     assert comfy.interrupted.is_set()
     job = _newest_job(generation_server)
-    if job["status"] == "in_progress":  # DELETE waited 10 s for a step boundary: let it arrive
+    if job["status"] == "in_progress":  # the cancel waited 10 s for a step boundary: let it arrive
         with generation_server.client() as client:
             job = harness.wait_for(client, job["id"], timeout=60)
     assert job["status"] == "cancelled" and 0 < job["progress"] < 100
@@ -429,9 +429,7 @@ def test_cancel_is_heard_while_the_server_is_unreachable(monkeypatch):
     checks = []
 
     def get_job(job_id):
-        if len(checks) <= 2:  # unreachable until Cancel; then the cancel's GET finds the job running
-            raise unreachable
-        return {"id": job_id, "status": "in_progress"}
+        raise unreachable
 
     cancelled = []
     monkeypatch.setattr(client, "get_job", get_job)
@@ -463,9 +461,7 @@ def test_timeout_is_heard_while_the_server_is_unreachable(monkeypatch):
 
     def get_job(job_id):
         calls.append(job_id)
-        if time.monotonic() < started + 0.3:  # unreachable until timeout_s has passed, then the cancel's GET
-            raise unreachable
-        return {"id": job_id, "status": "in_progress"}
+        raise unreachable
 
     cancelled = []
     monkeypatch.setattr(client, "get_job", get_job)
@@ -478,33 +474,28 @@ def test_timeout_is_heard_while_the_server_is_unreachable(monkeypatch):
     assert time.monotonic() - started < 2 and len(calls) > 1 and cancelled == ["video_1"]
 
 
-def _cancel_scenario(monkeypatch, answers, status="in_progress"):
+def _cancel_scenario(monkeypatch, answers):
     """A client (interrupted before its first poll) whose cancel attempts meet `answers` in turn: an exception the
-    cancel's GET raises, or the DELETE's answer once the GET found the job `status`; returns the client and the list
-    of attempts (GETs) and DELETEs."""
+    cancel raises, or the cancel route's answer; returns the client and the list of attempts. No GET goes first: the
+    cancel route decides on the server whether the job still runs."""
     client_module = sys.modules["k6serve_nodes.client"]
     client = client_module.K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
     unreachable = client._connection_error(urllib.error.URLError(ConnectionRefusedError()))
     unreachable.__cause__ = urllib.error.URLError(ConnectionRefusedError())
-    attempts, deletes = [], []
+    attempts = []
 
-    def get_job(job_id):
+    def cancel_job(job_id):
         attempts.append(job_id)
         answer = answers[min(len(attempts), len(answers)) - 1]
         if answer == "unreachable":
             raise unreachable
         if isinstance(answer, Exception):
             raise answer
-        return {"id": job_id, "status": status}
+        return answer
 
-    def cancel_job(job_id):
-        deletes.append(job_id)
-        return answers[min(len(attempts), len(answers)) - 1]
-
-    monkeypatch.setattr(client, "get_job", get_job)
+    monkeypatch.setattr(client, "get_job", lambda job_id: pytest.fail("the cancel needs no GET"))
     monkeypatch.setattr(client, "cancel_job", cancel_job)
     monkeypatch.setattr(client_module, "CANCEL_RETRY_S", 0.01)
-    client.deletes = deletes
     return client, attempts
 
 
@@ -520,7 +511,7 @@ def _interrupt_after(count):
 
 
 def test_a_cancel_lost_with_the_server_is_retried_until_it_answers(monkeypatch, caplog):
-    """The DELETE was tried once: lost while the server restarted, the job was requeued from SQLite and ran again.
+    """The cancel was tried once: lost while the server restarted, the job was requeued from SQLite and ran again.
     Now it is retried beside ComfyUI, which gets the interrupt at once."""
     caplog.set_level("INFO")
     client, attempts = _cancel_scenario(monkeypatch, ["unreachable", "unreachable", {"status": "cancelled"}])
@@ -529,7 +520,7 @@ def test_a_cancel_lost_with_the_server_is_retried_until_it_answers(monkeypatch, 
         client.wait({"id": "video_1", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
     assert time.monotonic() - started < 1 and attempts == ["video_1"]  # the node did not wait for the retries
     client.cancel_retry.join(timeout=10)
-    assert attempts == ["video_1"] * 3 and client.deletes == ["video_1"]
+    assert attempts == ["video_1"] * 3
     assert "cancelled job video_1 on the server once it answered again" in caplog.text
 
 
@@ -560,7 +551,8 @@ def test_a_cancel_the_server_refuses_is_not_retried_and_an_outage_is_given_up(mo
         client.wait({"id": "video_2", "status": "in_progress", "progress": 5}, check_interrupt=_interrupt_after(0))
     client.cancel_retry.join(timeout=10)
     assert not client.cancel_retry.is_alive() and len(attempts) > 2
-    assert "gave up cancelling job video_2" in caplog.text and "DELETE /v1/videos/video_2 cancels it" in caplog.text
+    assert "gave up cancelling job video_2" in caplog.text
+    assert "POST /v1/videos/video_2/cancel cancels it" in caplog.text
 
 
 @pytest.fixture

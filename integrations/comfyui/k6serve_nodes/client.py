@@ -33,7 +33,7 @@ POLL_OUTAGE_S = 30.0
 LOADING_WAIT_S = 30 * 60.0
 LOADING_POLL_S = 2.0
 # A cancel that cannot reach the server is retried in the background this often, for POLL_OUTAGE_S: a server that
-# restarts keeps its unfinished jobs (SQLite) and runs them again, so a job whose DELETE was lost would take the GPU.
+# restarts keeps its unfinished jobs (SQLite) and runs them again, so a job whose cancel was lost would take the GPU.
 CANCEL_RETRY_S = 2.0
 # An upload is sent with `Expect: 100-continue` and its body held back this long for the server's answer: k6serve
 # answers at once, with 100 or with its refusal (413 over --max-upload-mb, 503 while loading). A server or proxy
@@ -100,7 +100,7 @@ class K6ServeClient:
         self.node_name = node_name
         self.input_names = dict(input_names or {})
         self.request_timeout_s = request_timeout_s
-        self.cancel_retry: threading.Thread | None = None  # the background retries of a lost DELETE, if any
+        self.cancel_retry: threading.Thread | None = None  # the background retries of a lost cancel, if any
 
     # ---- routes ----
 
@@ -218,8 +218,10 @@ class K6ServeClient:
         return self._json("GET", f"/v1/videos/{job_id}")
 
     def cancel_job(self, job_id: str) -> dict:
-        """DELETE on a running job stops it at the next step; the server waits up to 10 s for that."""
-        return self._json("DELETE", f"/v1/videos/{job_id}", timeout_s=max(self.request_timeout_s, 30.0))
+        """POST /v1/videos/{id}/cancel: a queued or running job stops at its next step (the server waits up to 10 s
+        for that); a finished one is left as it is, answered 409 `video_finished`. Not DELETE, which deletes a
+        finished job's record and MP4: a retried cancel may meet a job that completed meanwhile."""
+        return self._json("POST", f"/v1/videos/{job_id}/cancel", timeout_s=max(self.request_timeout_s, 30.0))
 
     def download_content(self, job_id: str, path: Path, *, check_interrupt: Callable[[], None] = lambda: None,
                          deadline: Deadline | None = None) -> Path:
@@ -268,8 +270,8 @@ class K6ServeClient:
         """Poll until the job is final and return it; raise K6ServeError unless it completed.
 
         `check_interrupt` raises to stop waiting (ComfyUI's interrupt): the job is then cancelled on the server
-        with DELETE, so the GPU moves on, and the exception propagates. The deadline (`timeout_s` from now unless
-        given; 0 = none) cancels likewise."""
+        (POST /v1/videos/{id}/cancel), so the GPU moves on, and the exception propagates. The deadline (`timeout_s`
+        from now unless given; 0 = none) cancels likewise."""
         job_id = job["id"]
         deadline = deadline or Deadline.after(timeout_s)
         interval = min(0.1, poll_interval_s)
@@ -308,48 +310,50 @@ class K6ServeClient:
                               on_deadline=lambda error: self._timed_out(job, deadline.timeout_s))
 
     def _timed_out(self, job: dict, timeout_s: float) -> K6ServeError:
-        # Said before the DELETE that follows it (`wait`), which may find the job ending its decode or the server
+        # Said before the cancel that follows it (`wait`), which may find the job ending its decode or the server
         # still unreachable: the node asks for the cancel, it cannot promise it.
         return K6ServeError(f"{self.node_name}: job {job['id']} did not finish within timeout_s={timeout_s:g} s "
                             f"(last seen {job['status']}, progress {job.get('progress')}%); the node asked the server "
-                            "to cancel it (DELETE /v1/videos/{id}; the log says whether it did). Raise timeout_s, or "
-                            "0 for no limit.")
+                            "to cancel it (POST /v1/videos/{id}/cancel; the log says whether it did). Raise "
+                            "timeout_s, or 0 for no limit.")
 
-    def _cancel_if_running(self, job_id: str, *, when: str = "") -> None:
-        """GET the job, and DELETE it only while it is queued or running: DELETE on a finished job deletes its
-        record and MP4 instead, and a job can finish while its cancel waits out a restart (it is re-run then).
-        Logs what happened; raises K6ServeError when the server did not answer (or is loading its model)."""
+    def _cancel(self, job_id: str, *, when: str = "") -> None:
+        """Cancel the job and log what happened; raises K6ServeError when the server did not answer (or is loading
+        its model). The server decides in one step whether the job is still running: no GET before, no race."""
         try:
-            job = self.get_job(job_id)
-            if job.get("status") in FINAL_STATUSES:
-                kept = (f"; its video: GET {self.base_url}/v1/videos/{job_id}/content"
-                        if job["status"] == "completed" else "")
-                logger.info("%s: job %s had already ended on the server (%s)%s, so it was not cancelled%s",
-                            self.node_name, job_id, job["status"], when, kept)
-                return
             answer = self.cancel_job(job_id)
         except K6ServeError as error:
-            if error.status != 404:
+            if error.status == 409 and error.code == "video_finished":
+                self._log_already_ended(job_id, when)
+            # Only the job's own 404: a plain `not_found` is a server without the cancel route (older than the nodes).
+            elif error.status == 404 and error.code == "video_not_found":
+                logger.info("%s: job %s is not on the server (never created there, or deleted)%s; nothing to "
+                            "cancel", self.node_name, job_id, when)
+            else:
                 raise
-            logger.info("%s: job %s is not on the server (never created there, or deleted)%s; nothing to cancel",
-                        self.node_name, job_id, when)
             return
-        if answer.get("deleted"):  # it ended between the GET and the DELETE
-            logger.warning("%s: job %s ended on the server just before the DELETE%s, which deleted it (its record "
-                           "and video)", self.node_name, job_id, when)
-        else:
-            logger.info("%s: cancelled job %s on the server%s (status %s)", self.node_name, job_id, when,
-                        answer.get("status"))
+        logger.info("%s: cancelled job %s on the server%s (status %s)", self.node_name, job_id, when,
+                    answer.get("status"))
+
+    def _log_already_ended(self, job_id: str, when: str) -> None:
+        """The 409 does not say how the job ended: a GET, for the log only (the video's URL when it completed)."""
+        try:
+            status = self.get_job(job_id).get("status")
+        except (K6ServeError, ValueError, AttributeError):
+            status = None
+        kept = f"; its video: GET {self.base_url}/v1/videos/{job_id}/content" if status == "completed" else ""
+        logger.info("%s: job %s had already ended on the server%s%s, so it was not cancelled%s", self.node_name,
+                    job_id, f" ({status})" if status else "", when, kept)
 
     def _cancel_quietly(self, job_id: str) -> None:
         try:
-            self._cancel_if_running(job_id)
+            self._cancel(job_id)
         except (K6ServeError, ValueError) as error:  # the original exception matters more than a failed cancel
             if not (_unreachable(error) or _loading(error)):
                 logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url,
                                error)
                 return
-            # Tried once, the DELETE was lost with the server (a restart, a network blip) and the job ran on. The
+            # Tried once, the cancel was lost with the server (a restart, a network blip) and the job ran on. The
             # retries run beside ComfyUI, which gets the node's error now (Cancel must not wait for an outage).
             logger.warning("%s: could not cancel job %s: %s (%s); retrying in the background every %g s",
                            self.node_name, job_id, self.base_url,
@@ -366,7 +370,7 @@ class K6ServeClient:
         while time.monotonic() < give_up_at:
             time.sleep(CANCEL_RETRY_S)
             try:
-                self._cancel_if_running(job_id, when=" once it answered again")
+                self._cancel(job_id, when=" once it answered again")
             except (K6ServeError, ValueError) as error:
                 if _loading(error):
                     give_up_at = max(give_up_at, started + LOADING_WAIT_S)
@@ -376,8 +380,8 @@ class K6ServeClient:
                 logger.warning("%s: could not cancel job %s on %s: %s", self.node_name, job_id, self.base_url,
                                error)
             return
-        logger.warning("%s: gave up cancelling job %s after %.0f s: %s did not take the DELETE; the job may still "
-                       "run there (DELETE /v1/videos/%s cancels it)", self.node_name, job_id,
+        logger.warning("%s: gave up cancelling job %s after %.0f s: %s did not take the cancel; the job may still "
+                       "run there (POST /v1/videos/%s/cancel cancels it)", self.node_name, job_id,
                        time.monotonic() - started, self.base_url, job_id)
 
     def _check_final(self, job: dict) -> dict:
@@ -386,7 +390,7 @@ class K6ServeClient:
         error = job.get("error") or {}
         if job["status"] == "cancelled":
             raise K6ServeError(f"{self.node_name}: job {job['id']} was cancelled on the server "
-                               f"({error.get('message') or 'DELETE from another client'}).")
+                               f"({error.get('message') or 'a cancel from another client'}).")
         code = error.get("code") or "unknown"
         hint = {
             "out_of_memory": " Lower width/height or num_frames, or start the server with --performance-mode "

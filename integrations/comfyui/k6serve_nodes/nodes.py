@@ -1,7 +1,8 @@
 """The ComfyUI nodes: K6Serve Generate (T2AV / TI2AV) and K6Serve Upscale (video super-resolution).
 
-Both send one job to a running `k6serve serve`, follow it (progress bar, Cancel sends DELETE), save the MP4 in
-ComfyUI's output folder and return it decoded: frames (IMAGE), audio (AUDIO), the file's path and its fps.
+Both send one job to a running `k6serve serve`, follow it (progress bar; Cancel sends POST /v1/videos/{id}/cancel),
+save the MP4 in ComfyUI's output folder and return it decoded: frames (IMAGE), audio (AUDIO), the file's path and
+its fps.
 """
 
 from __future__ import annotations
