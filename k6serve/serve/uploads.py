@@ -364,7 +364,11 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
                 reader.parser.write(chunk)
             reader.parser.finalize()
         except MultipartParseError as exc:
-            raise ApiError(400, f"Malformed multipart body: {exc}", code="invalid_multipart") from None
+            # python-multipart's own words name bytes by number ("Expected boundary character 45, got 103 at index
+            # 2"): say what that means for the client too.
+            hint = (f" The body must start with the boundary given in Content-Type ('--{boundary.decode('latin-1')}'),"
+                    " as an HTTP client's multipart encoder writes it." if "boundary" in str(exc).lower() else "")
+            raise ApiError(400, f"Malformed multipart body: {exc}.{hint}", code="invalid_multipart") from None
         if not reader.finished:
             raise ApiError(400, "Malformed multipart body: it ended before the closing boundary.",
                            code="invalid_multipart")

@@ -65,6 +65,10 @@ def _still_serves(client) -> None:
         ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
         ({"prompt": "x", "size": "64x32", "width": 32}, "size", "disagrees"),
         ({"prompt": "x", "seconds": "-1"}, "seconds", "(0, 600]"),
+        # both ends of the range: 0, just over 600, and one that overflowed to infinity frames (a 500 without it)
+        ({"prompt": "x", "seconds": "0"}, "seconds", "seconds must be in (0, 600], got '0'"),
+        ({"prompt": "x", "seconds": "600.5"}, "seconds", "(0, 600]"),
+        ({"prompt": "x", "seconds": "1e308"}, "seconds", "(0, 600]"),
         ({"prompt": "x", "seconds": "four"}, "seconds", "number"),
         ({"prompt": "x", "seconds": 2, "num_frames": 5}, "seconds", "send one of them"),
         ({"prompt": "x", "video_path": "/etc/hosts"}, "video_path", "allowed input folders"),
@@ -163,14 +167,18 @@ def test_malformed_bodies_are_400_and_the_server_keeps_serving(fake_server, fake
     _assert_error(fake_client.post("/v1/videos", content=b"prompt=x", headers={"Content-Type": "text/plain"}), 415,
                   code="unsupported_content_type")
     form = {"Content-Type": "multipart/form-data; boundary=XyZ"}
+    # Each malformed body is answered by its own refusal (they share the code)
     _assert_error(fake_client.post("/v1/videos", content=b"garbage without boundary", headers=form), 400,
-                  code="invalid_multipart")
+                  code="invalid_multipart", contains="The body must start with the boundary given in Content-Type "
+                                                      "('--XyZ')")
     truncated = b'--XyZ\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nhello'
-    _assert_error(fake_client.post("/v1/videos", content=truncated, headers=form), 400, code="invalid_multipart")
+    _assert_error(fake_client.post("/v1/videos", content=truncated, headers=form), 400, code="invalid_multipart",
+                  contains="ended before the closing boundary")
     _assert_error(fake_client.post("/v1/videos", content=b"", headers={"Content-Type": "multipart/form-data"}), 400,
-                  code="invalid_multipart")
+                  code="invalid_multipart", contains="needs a boundary parameter")
     no_name = b"--XyZ\r\nContent-Disposition: form-data\r\n\r\nhello\r\n--XyZ--\r\n"
-    _assert_error(fake_client.post("/v1/videos", content=no_name, headers=form), 400, code="invalid_multipart")
+    _assert_error(fake_client.post("/v1/videos", content=no_name, headers=form), 400, code="invalid_multipart",
+                  contains="has no Content-Disposition name")
     _assert_error(fake_client.post("/v1/videos", data={"prompt": "x"}, files={"other": ("a.png", b"123")}), 400,
                   param="other", code="invalid_multipart")
     duplicate = (b'--XyZ\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na\r\n'

@@ -216,6 +216,8 @@ def test_distilled_rejects_guidance():
     [
         ({"prompt": ""}, "prompt is required"),
         ({"prompt": "a", "height": 500}, "height must be a positive multiple of 16"),
+        ({"prompt": "a", "height": 0}, "height must be a positive multiple of 16"),  # 0 and -16 are multiples of 16
+        ({"prompt": "a", "width": -16}, "width must be a positive multiple of 16"),
         ({"prompt": "a", "width": 4096}, "width must be at most 2048"),
         ({"prompt": "a", "num_frames": 0}, "num_frames must be >= 1"),
         ({"prompt": "a", "fps": 0.0}, "fps must be between 1 and 240"),
@@ -230,6 +232,19 @@ def test_distilled_rejects_guidance():
 def test_generation_bad_inputs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolve_generate(SamplingParams(**kwargs), VARIANTS["pro"])
+
+
+def test_the_largest_and_smallest_values_each_limit_allows_resolve():
+    """The limits were tested from the refused side only: an off-by-one that refused the largest valid value
+    (2048 pixels, 240 fps, 1,000 steps, a soundtrack of exactly 2,048 latents) or one frame passed the suite."""
+    cases = [({"height": 2048, "width": 2048}, {"height": 2048, "width": 2048}),
+             ({"fps": 240.0}, {"fps": 240.0}),
+             ({"num_inference_steps": 1000}, {"num_inference_steps": 1000}),
+             ({"num_frames": 1}, {"num_frames": 1}),
+             ({"num_frames": 97, "fps": 2.04}, {"num_frames": 97, "fps": 2.04})]  # 97 / 2.04 s: 2,048 audio latents
+    for given, resolved in cases:
+        request, _ = resolve_generate(SamplingParams(prompt="a", **given), VARIANTS["pro"])
+        assert {name: getattr(request, name) for name in resolved} == resolved, given
 
 
 def test_frames_follow_the_reference_rounding_with_a_note():
