@@ -108,9 +108,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                              "all=component_offload transformer=resident. Same names; all applies first, then "
                              "groups, then single components.")),
     ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="auto (default: fa on Hopper where fa3-fwd imports "
-                          "and on datacenter Blackwell, B200/B300, where flash-attn-4 imports; else torch_sdpa), fa "
-                          "(FlashAttention: FA3 on Hopper, FA4 for 64-wide heads when installed; FA4 on datacenter "
-                          "Blackwell), fa3 and fa4 (aliases of fa that pick no kernel: K6SERVE_FA4 does), fa_fp8 "
+                          "and on datacenter Blackwell, B200/B300, where flash-attn-4 imports, for a bf16 model; else "
+                          "torch_sdpa), fa (FlashAttention, bf16 only, the DiTs' attention: FA3 on Hopper, FA4 for "
+                          "64-wide heads when installed; FA4 on datacenter Blackwell), fa3 and fa4 (aliases of fa that pick no kernel: K6SERVE_FA4 does), fa_fp8 "
                           "(Hopper only: FA3 in FP8 for the video self-attention, Pro DiT 5.9 -> 5.2 s on an H200 but "
                           "lossy, velocity cosine 0.94 to bf16) or torch_sdpa (alias sdpa).")),
     ("warmup_mode", dict(choices=WARMUP_MODES, help="off (default), request (warm up before the first request) or "

@@ -58,6 +58,8 @@ _FA3_CAPABILITIES = ((9, 0),)
 # path is a different, smaller kernel that crashed in vLLM-Omni (performance.md §6).
 _DATACENTER_BLACKWELL_MAJOR = 10
 _FA3_DTYPES = (torch.bfloat16,)
+# What to do where FlashAttention-3 is what the GPU runs but its wheel does not import (README, "FlashAttention").
+FA3_INSTALL_FIX = "Install it with `pip install fa3-fwd` (it needs a CUDA 13 build of torch)"
 _CUDA_SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
@@ -198,7 +200,9 @@ def prepare_flash_attention(device: torch.device | str) -> tuple[str, str] | Non
         return why, ""
     reason = fa3_unavailable_reason(device)
     if reason is not None:
-        return reason, ""
+        # Here the GPU is Hopper (or there is none): on Hopper what is missing is the wheel, so say how to get it.
+        on_hopper = device.type == "cuda" and torch.cuda.is_available()
+        return reason, FA3_INSTALL_FIX if on_hopper else ""
     flash_attention4.prepare(device)
     return None
 
@@ -228,18 +232,22 @@ def _default_backend(device: torch.device) -> str:
     return TORCH_SDPA
 
 
-def resolve_attention_backend(requested: str | None, device: torch.device | str) -> str:
-    """The backend to use on `device`: the requested one if it can run, else a ValueError saying why.
+def resolve_attention_backend(requested: str | None, device: torch.device | str,
+                              dtype: torch.dtype | None = None) -> str:
+    """The backend to use on `device` for a model in `dtype`: the requested one if it can run, else a ValueError
+    saying why.
 
     None (or "auto") picks the default: "fa" on Hopper when fa3-fwd imports and on datacenter Blackwell when
     FlashAttention-4 imports and passes its probe (else a warning saying how to install it), "torch_sdpa" elsewhere
-    (never the lossy "fa_fp8"). When the result is "fa" or "fa_fp8", FlashAttention-4 is imported here too if
-    installed, so the calls it takes use it (on Hopper the head dims where it is faster; with "fa_fp8", in the calls
-    the FP8 kernel does not take; ops/flash_attention4.py).
+    (never the lossy "fa_fp8"), and for a model not in bf16, whose every call FlashAttention would hand to torch
+    SDPA. When the result is "fa" or "fa_fp8", FlashAttention-4 is imported here too if installed, so the calls it
+    takes use it (on Hopper the head dims where it is faster; with "fa_fp8", in the calls the FP8 kernel does not
+    take; ops/flash_attention4.py).
     """
     device = torch.device(device)
+    runs_flash = dtype is None or dtype in _FA3_DTYPES
     if requested is None or requested == "auto":
-        return _default_backend(device)
+        return _default_backend(device) if runs_flash else TORCH_SDPA
     backend = canonical_backend_name(requested)
     if backend == FLASH_ATTENTION:
         unavailable = prepare_flash_attention(device)
@@ -257,10 +265,22 @@ def resolve_attention_backend(requested: str | None, device: torch.device | str)
             other = "fa (FlashAttention-4 on this GPU) or " if _is_datacenter_blackwell(device) else ""
             raise ValueError(
                 f"attention backend {backend!r} (FlashAttention-3) cannot run here: {reason}. "
-                f"Use --attention-backend {other}torch_sdpa."
+                f"{FA3_INSTALL_FIX + ', or use' if _hopper(device) else 'Use'} --attention-backend {other}torch_sdpa."
             )
         flash_attention4.prepare(device)
+    if backend in _FLASH_BACKENDS and not runs_flash:
+        # Accepted, every call took torch SDPA (`_uses_fa3` checks the dtype), silently: the flag did nothing.
+        raise ValueError(
+            f"attention backend {requested!r} (FlashAttention) runs bf16 only, and the model runs in "
+            f"{str(dtype).removeprefix('torch.')} (--dtype): every call would run on torch SDPA. Use --dtype bfloat16, "
+            f"or --attention-backend torch_sdpa."
+        )
     return backend
+
+
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and (
+        torch.cuda.get_device_capability(device) in _FA3_CAPABILITIES)
 
 
 def _fa3_function() -> Callable[..., object]:

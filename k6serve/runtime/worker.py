@@ -354,17 +354,26 @@ class ModelWorker:
         clip instead, `_warmup_super_resolution`)."""
         return SamplingParams(prompt="warm-up")
 
-    def _warmup(self, params: SamplingParams) -> float:
+    def _warmup(self, params: SamplingParams, on_step: ProgressCallback | None = None) -> float:
         """`--warmup-mode request`: run a short request of this shape once (compilation, autotuning); returns its
         cost in seconds. There is no shorter version of an SR request to run first (its DiT takes 2 calls per
-        tile), so an SR model's first request is its own warm-up: 0 s."""
+        tile), so an SR model's first request is its own warm-up: 0 s. `on_step` is the request's: called at the
+        warm-up's steps as (0, the request's steps), so a cancel of the request stops its warm-up too (a minute of
+        compiling on a GPU), and its progress stays at 0 meanwhile."""
+        from k6serve.runtime.engine import RequestCancelled
+
         self.warmed_up = True
         if self.variant.family != GENERATION:
             return 0.0
         request, _ = self.resolve(params)
+        cancel_point = None if on_step is None else (lambda step, total: on_step(0, request.num_inference_steps))
         start = time.perf_counter()
         try:
-            report = warmup(self.pipeline, request, "request", other_lengths=self._other_lengths())
+            report = warmup(self.pipeline, request, "request", other_lengths=self._other_lengths(),
+                            on_step=cancel_point)
+        except RequestCancelled:
+            self.warmed_up = False  # the next request warms up
+            raise
         except Exception as exc:
             from k6serve.parallel.mesh import ParallelLayout
 
@@ -478,7 +487,7 @@ class ModelWorker:
 
         backend = resolve_attention_backend(
             None if self.config.runtime.attention_backend == "auto" else self.config.runtime.attention_backend,
-            self.device,
+            self.device, self.dtype,
         )
         self.attention_backend = backend
         if self.variant.family == GENERATION:
@@ -574,7 +583,7 @@ class ModelWorker:
             self._lora_manager().check_request(request.loras)  # before a warm-up: a refused request runs nothing
         warmup_s = None
         if self.config.runtime.warmup_mode == "request" and not self.warmed_up:
-            warmup_s = self._warmup(params)
+            warmup_s = self._warmup(params, on_step)
         start = time.perf_counter()
         # Before the pipeline, not after: the previous request's objects are gone by now, so only long-lived
         # ones (weights, compiled graphs) are frozen, never a finished request's arrays. Part of "total".

@@ -87,7 +87,8 @@ def other_lengths_request(request: GenerateRequest, image_path: str) -> Generate
         num_inference_steps=1)
 
 
-def warm_other_lengths(pipeline: Callable, request: GenerateRequest) -> None:
+def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
+                       on_step: Callable[[int, int], None] | None = None) -> None:
     """One DiT step of `request` as `other_lengths_request` changes it, stopped before the decode.
 
     Why: speed mode trims the text padding (pipelines/encode_text.py, `trim_text_padding`), so the text length the
@@ -106,6 +107,8 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest) -> None:
     from PIL import Image
 
     def stop(step: int, total: int) -> None:
+        if on_step is not None:
+            on_step(step, total)  # the caller's cancellation point first
         if step >= 1:
             raise _FirstStepDone
 
@@ -118,21 +121,26 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest) -> None:
             pass
 
 
-def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool = False) -> WarmupReport:
+def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool = False,
+           on_step: Callable[[int, int], None] | None = None) -> WarmupReport:
     """Run `pipeline` once on a short version of `request_like` unless `mode` is "off"; report the cost. With
     `other_lengths` (the caller's compiled DiT has not yet seen a second prompt length), a generation request also
     runs one DiT step with the prompt's, the soundtrack's and the image's other variants (`warm_other_lengths`), so
     the compiled blocks take any of them; its time is in the report. The caller decides from its configuration, not
-    from what this process compiled, so that every rank of a replica runs the same passes (and collectives)."""
+    from what this process compiled, so that every rank of a replica runs the same passes (and collectives).
+    `on_step` is called at the warm-up's steps, as a pipeline's (a request's cancellation point)."""
     if mode not in WARMUP_MODES:
         raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {mode!r}")
     if mode == "off":
         return WarmupReport(mode=mode, seconds=0.0)
     request = warmup_request(request_like)
     start = time.perf_counter()
-    pipeline(request)
+    if on_step is None:
+        pipeline(request)
+    else:
+        pipeline(request, on_step=on_step)
     if other_lengths and isinstance(request, GenerateRequest):
-        warm_other_lengths(pipeline, request)
+        warm_other_lengths(pipeline, request, on_step)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -116,11 +116,32 @@ def test_fa_without_the_wheel_names_the_import_failure(monkeypatch):
     monkeypatch.setattr(
         attention_ops, "_load_fa3", lambda: (None, "the fa3-fwd wheel could not be imported (x)")
     )
+    # On Hopper the missing piece is the wheel: the refusal says how to install it (it said only "use sdpa")
     with pytest.raises(
-        ValueError, match=r"fa3-fwd wheel could not be imported.*--attention-backend torch_sdpa"
+        ValueError, match=r"fa3-fwd wheel could not be imported \(x\)\. Install it with `pip install fa3-fwd` \(it "
+                          r"needs a CUDA 13 build of torch\), or use --attention-backend torch_sdpa\.$"
     ):
         resolve_attention_backend("fa", "cuda")
+    with pytest.raises(ValueError, match=r"Install it with `pip install fa3-fwd` .*, or use --attention-backend "
+                                         r"torch_sdpa\.$"):
+        resolve_attention_backend("fa_fp8", "cuda")
     assert resolve_attention_backend(None, "cuda") == "torch_sdpa"
+
+
+def test_fa_for_a_model_not_in_bf16_is_refused_and_auto_takes_sdpa(monkeypatch):
+    """FlashAttention takes bf16 only: with --dtype float32 an explicit `fa` was accepted and every call ran on
+    torch SDPA, silently."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention_ops, "_load_fa3", lambda: (lambda *args, **kwargs: None, None))
+    for requested in ("fa", "fa3", "fa_fp8"):
+        with pytest.raises(ValueError, match=rf"^attention backend '{requested}' \(FlashAttention\) runs bf16 only, "
+                                             r"and the model runs in float32 \(--dtype\): every call would run on "
+                                             r"torch SDPA\. Use --dtype bfloat16, or --attention-backend torch_sdpa\.$"):
+            resolve_attention_backend(requested, "cuda", torch.float32)
+        assert resolve_attention_backend(requested, "cuda", torch.bfloat16) in ("fa", "fa_fp8")
+    assert resolve_attention_backend(None, "cuda", torch.float32) == "torch_sdpa"
+    assert resolve_attention_backend(None, "cuda", torch.bfloat16) == "fa"
 
 
 @pytest.mark.parametrize(("capability", "architecture"), [((8, 9), "sm_89"), ((12, 0), r"sm_120 \(RTX Blackwell\)")])

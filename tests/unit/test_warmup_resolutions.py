@@ -417,3 +417,27 @@ def test_a_failed_request_warm_up_is_logged_and_the_request_runs(tiny_distill_di
             and "(RuntimeError: CUDA out of memory (simulated, during warm-up)); running the request without it"
             in caplog.text)
     assert "warmup" not in worker.run(params, no_file).timings and calls == ["request"]
+
+
+def test_a_cancel_during_the_request_warm_up_stops_it_and_the_next_request_warms(tiny_distill_dir):
+    """The request's cancellation point reaches its warm-up (a minute of compiling on a GPU went on after a cancel),
+    with its progress held at 0; a cancelled warm-up is done again by the next request."""
+    from k6serve.runtime.engine import RequestCancelled
+
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="request"))
+    params = SamplingParams(prompt="a fox", seed=1, height=32, width=48, num_frames=5, num_inference_steps=3)
+    reported = []
+
+    def cancel(step, total):
+        reported.append((step, total))
+        raise RequestCancelled("request 1 was cancelled at step 0/3")
+
+    runs = []
+    pipeline = worker.pipeline
+    worker.pipeline = lambda request, **kwargs: runs.append(request.num_inference_steps) or pipeline(request, **kwargs)
+    with pytest.raises(RequestCancelled):
+        worker.run(params, OutputOptions(save_output=False), on_step=cancel)
+    assert runs == [2] and reported == [(0, 3)]  # the warm-up's first step; the request itself never ran
+    assert not worker.warmed_up
+    result = worker.run(params, OutputOptions(save_output=False, return_frames=True))
+    assert runs == [2, 2, 3] and result.timings["warmup"] > 0
