@@ -200,12 +200,7 @@ def test_timeout_s_is_one_clock_for_the_wait_for_a_loading_server_and_the_job(fa
     assert nodes_tests._newest_job(fake_server)["status"] == "cancelled"
 
 
-@pytest.fixture
-def fake_server(tmp_path):
-    server = harness.start_server(tmp_path / "fake", api_key="secret-key")
-    yield server
-    server.worker.release.set()
-    server.stop()
+fake_server = nodes_tests.fake_server  # the same fixture: a fake engine behind the API key
 
 
 # ---- a cancel that waited out a restart ----
