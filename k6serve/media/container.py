@@ -11,6 +11,29 @@ import av.container
 from k6serve.media.image import looks_like_url, shown_path
 
 
+# The demuxers a video input may be read with. Not FFmpeg's whole list: its playlist and stream-description readers
+# (hls for an .m3u8, concat, dash, sdp / rtp / rtsp) open the files or network addresses the input names, so an
+# uploaded playlist read any video on the server, outside --allowed-input-dir (its frames upscaled for download).
+# The image demuxers stay, so that a still image is told apart from a video.
+VIDEO_DEMUXERS = ("mov", "matroska", "avi", "mpegts", "flv", "mpeg", "ogg", "asf", "mxf", "gif", "apng", "nut", "dv",
+                  "ivf", "h264", "hevc", "m4v", "obu", "mjpeg", "mpegvideo", "yuv4mpegpipe", "image2",
+                  *sorted(name for name in av.formats_available if name.endswith("_pipe")))
+_WHITELIST = {"format_whitelist": ",".join(VIDEO_DEMUXERS)}
+REFUSED_DEMUXER = ("FFmpeg reads it with a demuxer k6serve does not open (a playlist such as HLS .m3u8, a concat "
+                   "list or a stream description such as SDP, which read other files or the network)")
+
+
+def open_media(path: str | os.PathLike[str]) -> av.container.InputContainer:
+    """`av.open(path)` for reading, with FFmpeg held to `VIDEO_DEMUXERS`; a demuxer outside them raises
+    av.error.ArgumentError (EINVAL), which `refused_demuxer` tells apart."""
+    return av.open(str(path), mode="r", container_options=dict(_WHITELIST))
+
+
+def refused_demuxer(error: BaseException) -> bool:
+    """Whether `open_media` failed on the demuxer list (FFmpeg answers EINVAL; a damaged file gets another error)."""
+    return isinstance(error, av.error.ArgumentError)
+
+
 def open_input(path: str | os.PathLike[str]) -> av.container.InputContainer:
     """Open `path` for demuxing; a missing or unreadable file raises ValueError naming it."""
     if looks_like_url(os.fspath(path)) and not os.path.exists(path):
@@ -25,8 +48,11 @@ def open_input(path: str | os.PathLike[str]) -> av.container.InputContainer:
         raise ValueError(f"cannot read media file {str(path)!r}: it is a PDF document, not a video; pass a video "
                          "file such as an MP4, MKV, MOV or WebM")
     try:
-        return av.open(str(path), mode="r")
+        return open_media(path)
     except (av.error.FFmpegError, UnicodeDecodeError) as exc:
+        if refused_demuxer(exc):
+            raise ValueError(f"cannot read media file {str(path)!r}: {REFUSED_DEMUXER}; pass a video file such as an "
+                             "MP4, MKV, MOV or WebM") from None
         raise ValueError(
             f"cannot read media file {str(path)!r}: FFmpeg could not open it ({exc}); "
             "pass a valid video file such as an MP4, MKV, MOV or WebM"

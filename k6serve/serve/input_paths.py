@@ -14,7 +14,7 @@ from pathlib import Path
 import av
 import PIL.Image
 
-from k6serve.media.container import is_pdf, still_image_demuxer
+from k6serve.media.container import REFUSED_DEMUXER, is_pdf, open_media, refused_demuxer, still_image_demuxer
 from k6serve.media.image import (
     IMAGE_FORMATS,
     check_cover_resize,
@@ -208,9 +208,11 @@ def _unreadable_video(path: str) -> str:
     if Path(path).stat().st_size == 0:
         return "is empty (0 bytes)"
     try:
-        with av.open(path, mode="r"):
+        with open_media(path):
             return "is not a readable video"
     except (av.error.FFmpegError, UnicodeDecodeError) as exc:
+        if refused_demuxer(exc):
+            return f"is not a video file k6serve reads: {REFUSED_DEMUXER}"
         reason = getattr(exc, "strerror", None) or str(exc)
     return (f"is not a readable video (FFmpeg: {reason}): it may be damaged or cut short (an incomplete download or "
             "copy?)")
@@ -219,7 +221,7 @@ def _unreadable_video(path: str) -> str:
 def _probe_video(path: str) -> tuple[bool | None, str | None]:
     """(whether FFmpeg finds a video stream, None when it cannot open the file; the still-image demuxer's name)."""
     try:
-        with av.open(path, mode="r") as container:
+        with open_media(path) as container:
             return bool(container.streams.video), still_image_demuxer(container)
     except (av.error.FFmpegError, UnicodeDecodeError):
         return None, None

@@ -132,6 +132,9 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
         too_deep = json_depth(value) > MAX_JSON_DEPTH
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
+    except ValueError as exc:  # Python's limit on an integer's digits (4,300): it was a 500 with a traceback
+        raise ApiError(400, f"Invalid JSON body: a number in it is too long ({exc}); no field takes more than a "
+                            "few dozen digits.", code="invalid_json") from None
     except RecursionError:  # the decoder recurses once per nesting level (Python 3.11 gives up near 1,000)
         too_deep = True
     if too_deep:

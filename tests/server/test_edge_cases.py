@@ -656,3 +656,20 @@ def test_the_distilled_guidance_error_names_the_body_field(fake_client):
     assert error["message"].endswith("requires guidance_scale exactly 1.0 (got 5.0); leave guidance_scale out, or "
                                      "use a Pro/Lite checkpoint for CFG.")
     assert "--" not in error["message"] and "command line" not in error["message"]
+
+
+def test_an_uploaded_playlist_cannot_read_a_file_outside_the_allowed_folders(vsr_server, tmp_path):
+    """An HLS playlist naming a video elsewhere on the server was read through at creation (its size and length
+    became the job's) and by the worker; it is refused as a format k6serve does not open, and no job is made."""
+    from k6serve.testing.clips import make_clip
+
+    (tmp_path / "private").mkdir()
+    private = make_clip(tmp_path / "private" / "secret.mp4", width=64, height=64, num_frames=9, fps=24)
+    playlist = f"#EXTM3U\n#EXT-X-TARGETDURATION:2\n#EXTINF:2.0,\n{private}\n#EXT-X-ENDLIST\n".encode()
+    with vsr_server.client() as client:
+        response = client.post("/v1/videos", files={"video_reference": ("clip.m3u8", playlist)},
+                               data={"sr_resolution_scale": "2"})
+        error = _assert_error(response, 400, param="video_reference", code="invalid_upload")
+        assert error["message"].startswith("The uploaded video_reference is not a video file k6serve reads: FFmpeg "
+                                           "reads it with a demuxer k6serve does not open (a playlist such as HLS")
+        assert client.get("/v1/videos").json()["data"] == []

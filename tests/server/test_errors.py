@@ -321,6 +321,15 @@ def test_a_json_path_into_the_upload_folder_is_refused_even_when_allowed(fake_se
     _still_serves(fake_client)
 
 
+def test_a_number_past_pythons_digit_limit_is_a_400_not_a_500(fake_client):
+    """json.loads raises a plain ValueError for an integer of over 4,300 digits: it was a 500 with a traceback."""
+    body = '{"prompt": "x", "seed": ' + "9" * 5000 + "}"
+    error = _assert_error(fake_client.post("/v1/videos", content=body, headers={"Content-Type": "application/json"}),
+                          400, code="invalid_json")
+    assert error["message"].startswith("Invalid JSON body: a number in it is too long (")
+    _still_serves(fake_client)
+
+
 def test_idempotent_retries(fake_server, fake_client):
     body = {"prompt": "idempotent", **SMALL}
     first = fake_client.post("/v1/videos", json=body, headers={"Idempotency-Key": "key-1"})

@@ -964,3 +964,26 @@ def test_media_probe_stays_the_function_whichever_module_is_imported_first():
 def test_media_all_lists_every_lazy_name():
     assert sorted(media.__all__) == sorted(media._HOMES)
     assert all(callable(getattr(media, name)) for name in media.__all__)
+
+
+@pytest.mark.parametrize("kind", ["hls", "concat"])
+def test_a_playlist_naming_another_file_is_refused_not_read(tmp_path: Path, kind: str) -> None:
+    """FFmpeg's playlist readers open the files a playlist names: an uploaded .m3u8 read a video outside the allowed
+    input folders, and the SR job upscaled its frames for download. The reader is held to video demuxers."""
+    from k6serve.media.container import open_input
+
+    private = make_clip(tmp_path / "private.mp4", width=64, height=32, num_frames=9, fps=24)
+    if kind == "hls":
+        playlist = tmp_path / "clip.m3u8"
+        playlist.write_text(f"#EXTM3U\n#EXT-X-TARGETDURATION:2\n#EXTINF:2.0,\n{private}\n#EXT-X-ENDLIST\n")
+        with av.open(str(playlist)) as container:  # FFmpeg alone reads the private clip through it
+            assert container.format.name == "hls" and container.streams.video[0].width == 64
+    else:
+        playlist = tmp_path / "clip.ffconcat"
+        playlist.write_text(f"ffconcat version 1.0\nfile '{private}'\n")
+    with pytest.raises(ValueError, match=r"FFmpeg reads it with a demuxer k6serve does not open \(a playlist such as "
+                                         r"HLS \.m3u8, a concat list"):
+        open_input(playlist)
+    with pytest.raises(ValueError, match="demuxer k6serve does not open"):
+        SRSourceReader(playlist)
+    open_input(private).close()  # a video itself opens as before
