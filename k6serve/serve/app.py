@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import ipaddress
 import logging
 import os
 import re
@@ -79,6 +80,64 @@ class BearerAuth:
         response = JSONResponse(error_body(401, message, code="invalid_api_key"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
         await response(scope, receive, send)
+
+
+class RefuseOtherSites:
+    """Pure ASGI, for a server without --api-key: requests that a web page of another site makes through a visitor's
+    browser are refused (/health excepted).
+
+    A browser sends a cross-site POST of a form, or of a body without a JSON Content-Type, without asking the server
+    first: the page reads nothing back, but the job is made, or the memory released (cross-site request forgery). A
+    page whose own name it re-points at 127.0.0.1 (DNS rebinding) is same-origin with the server and reads every
+    answer. So an `Origin` other than the server's own authority is a 403, and a server bound to a loopback address
+    answers only Host names of the loopback. With --api-key neither can happen (a page cannot send the key), and
+    programs (curl, the SDKs, the ComfyUI nodes) send no Origin."""
+
+    def __init__(self, app: ASGIApp, *, bound_host: str) -> None:
+        self.app = app
+        self.loopback_only = _loopback(bound_host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1").strip()
+        origin = headers.get(b"origin")
+        problem = None
+        if origin is not None:
+            text = origin.decode("latin-1").strip()
+            if text == "null" or urllib.parse.urlsplit(text).netloc.lower() != host.lower():
+                problem = f"it comes from a web page of another site (Origin {text!r})"
+        named = urllib.parse.urlsplit(f"//{host}").hostname
+        if problem is None and self.loopback_only and host and not _loopback(named):
+            problem = (f"its Host {host!r} is not a loopback name, and this server listens on the loopback only (a "
+                       "web page re-pointing its name at this machine: DNS rebinding; a reverse proxy in front of it "
+                       "should send Host: localhost)")
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        from fastapi.responses import JSONResponse
+
+        message = (f"Request refused: {problem}. A server without --api-key answers the programs of this machine "
+                   "(curl, the OpenAI SDK, the ComfyUI nodes), not web pages, which could make jobs through a "
+                   "visitor's browser; to serve a browser client, start the server with --api-key and send the key.")
+        response = JSONResponse(error_body(403, message, code="cross_site_request"), status_code=403,
+                                headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _loopback(host: str | None) -> bool:
+    """Whether `host` (a name or an address, IPv6 without brackets) names the loopback."""
+    if not host:
+        return False
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class NormaliseRequestTarget:
@@ -210,6 +269,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     app.openapi = lambda: _openapi(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
+    else:
+        app.add_middleware(RefuseOtherSites, bound_host=settings.host)
     app.add_middleware(NormaliseRequestTarget)
     app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app

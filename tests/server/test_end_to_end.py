@@ -206,7 +206,7 @@ def test_k6serve_serve_command(server_distill_dir, tmp_path):
             assert client.get("/v1/models", headers={"Authorization": ""}).status_code == 401
             # The command runs the JSON-error h11 protocol too (an unparsable request never reaches the app).
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+                sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n")
                 raw = b""
                 while chunk := sock.recv(65536):
                     raw += chunk

@@ -582,7 +582,7 @@ def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_bod
     try:
         body = (b'--Q\r\nContent-Disposition: form-data; name="video_reference"; filename="v.mp4"\r\n\r\n' + b"a" * 100
                 if content_type.startswith("multipart") else b'{"prompt": "x"}')
-        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {declared}\r\n\r\n").encode()
         started = time.monotonic()
         received, closed = _raw_response(server.base_url, head + body, timeout=10.0)
@@ -612,7 +612,7 @@ def test_an_oversize_body_sent_whole_gets_its_413_and_one_that_waits_for_continu
             response = client.post("/v1/videos", content=big, headers={"Content-Type": "application/json"})
             _assert_error(response, 413, code="payload_too_large")
             _still_serves(client)
-        head = (b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=Q\r\n"
+        head = (b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=Q\r\n"
                 b"Content-Length: 10485760\r\nExpect: 100-continue\r\n\r\n")
         # An idle drain made 30 s long, so "answered at once" is told from it with room to spare (the 1 s default
         # left 0.1 s of margin, too little on a busy machine).
@@ -633,7 +633,7 @@ def test_an_oversize_body_sent_whole_gets_its_413_and_one_that_waits_for_continu
 ], ids=["not-a-number", "negative", "two-lengths", "no-colon"])
 def test_unparsable_request_is_the_api_json_error_and_the_server_keeps_serving(fake_server, fake_client, headers):
     """h11 refuses these before the app sees them; uvicorn's own answer is text/plain, ours is the API's JSON."""
-    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: x\r\n"
+    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\n"
                                      b"Content-Type: application/json\r\n" + headers + b"\r\n{}")
     _assert_unparsable(received, closed)
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []
@@ -658,10 +658,10 @@ def test_both_transfer_encoding_and_content_length_is_refused_and_closed(fake_se
     by Content-Length: request smuggling). h11 read it by Transfer-Encoding and kept the connection open."""
     import json
 
-    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: x\r\n"
+    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\n"
                                      b"Content-Type: application/json\r\nContent-Length: 5\r\n"
                                      b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
-                                     b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                                     b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
     head, _, rest = received.partition(b"\r\n\r\n")
     assert closed and head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), received
     error = json.loads(rest)["error"]  # one answer only: the smuggled second request was never read
@@ -676,7 +676,7 @@ def test_an_unsupported_http_version_is_refused_and_closed(fake_server, fake_cli
     HTTP/1.1 answer to a request the server does not speak, and no job is made."""
     import json
 
-    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/" + version + b"\r\nHost: x\r\n"
+    received, closed = _raw_response(fake_server.base_url, b"POST /v1/videos HTTP/" + version + b"\r\nHost: localhost\r\n"
                                      b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
     head, _, body = received.partition(b"\r\n\r\n")
     assert closed and head.startswith(b"HTTP/1.1 505 ") and b"connection: close" in head.lower(), received
@@ -685,7 +685,7 @@ def test_an_unsupported_http_version_is_refused_and_closed(fake_server, fake_cli
     assert error["message"].startswith(f"HTTP/{version.decode()} is not supported: this server speaks HTTP/1.1")
     assert fake_client.get("/v1/videos").json()["data"] == []
     # HTTP/1.0 is still served.
-    received, _ = _raw_response(fake_server.base_url, b"GET /v1/models HTTP/1.0\r\nHost: x\r\n\r\n")
+    received, _ = _raw_response(fake_server.base_url, b"GET /v1/models HTTP/1.0\r\nHost: localhost\r\n\r\n")
     assert received.startswith(b"HTTP/1.1 200 "), received
     _still_serves(fake_client)
 
@@ -703,7 +703,7 @@ def test_a_broken_chunked_body_is_the_json_error_without_a_traceback(fake_server
     uvicorn_logger.addHandler(caplog.handler)
     try:
         for _ in range(5):
-            received, closed = _raw_response(fake_server.base_url, request_line + b"\r\nHost: x\r\n"
+            received, closed = _raw_response(fake_server.base_url, request_line + b"\r\nHost: localhost\r\n"
                                              b"Authorization: Bearer x\r\nTransfer-Encoding: chunked\r\n\r\n"
                                              b"zz\r\n")
             _assert_unparsable(received, closed)
@@ -718,7 +718,7 @@ def test_a_broken_chunked_body_is_the_json_error_without_a_traceback(fake_server
 def test_client_disconnect_mid_upload_leaves_nothing_and_server_keeps_serving(fake_server, fake_client):
     host, port = fake_server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=Q\r\n"
+        sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\nContent-Type: multipart/form-data; boundary=Q\r\n"
                      b"Content-Length: 100000\r\n\r\n--Q\r\nContent-Disposition: form-data; name=\"video_reference\";"
                      b" filename=\"v.mp4\"\r\n\r\n" + b"a" * 5000)
     _still_serves(fake_client)
@@ -819,3 +819,34 @@ def test_every_refused_create_is_counted_by_its_code(fake_client):
     metrics = fake_client.get("/metrics").text
     assert 'k6serve_requests_rejected_total{reason="invalid_parameter"} 1' in metrics
     assert 'k6serve_requests_rejected_total{reason="unsupported_content_type"} 1' in metrics
+
+
+def test_web_pages_of_other_sites_are_refused_without_an_api_key(fake_server, fake_client):
+    """Without --api-key, a web page could make jobs through a visitor's browser (a cross-site form POST needs no
+    permission) and, re-pointing its own name at 127.0.0.1 (DNS rebinding), read every job; programs send no Origin
+    and connect by a loopback name."""
+    body = {"prompt": "from a page", "size": "32x32", "num_frames": 5}
+    host, port = fake_server.base_url.removeprefix("http://").split(":")
+    for headers, refused in ((({"Origin": "https://evil.example"}), "comes from a web page of another site "
+                                                                    "(Origin 'https://evil.example')"),
+                             ({"Origin": "null"}, "Origin 'null'"),
+                             ({"Host": f"attacker.example:{port}"}, "its Host 'attacker.example:" + port + "' is not a "
+                                                                    "loopback name")):
+        error = _assert_error(fake_client.post("/v1/videos", json=body, headers=headers), 403,
+                              code="cross_site_request", contains=refused)
+        assert "start the server with --api-key" in error["message"]
+    assert fake_client.get("/v1/videos").json()["data"] == []
+    for headers in ({"Origin": f"http://{host}:{port}"}, {"Host": f"localhost:{port}"}, {"Host": f"[::1]:{port}"}):
+        assert fake_client.get("/v1/videos", headers=headers).status_code == 200, headers
+    assert fake_client.get("/health", headers={"Origin": "https://evil.example"}).status_code == 200
+
+
+def test_with_an_api_key_the_key_decides_not_the_origin(tmp_path):
+    server = start_server(tmp_path, api_key="k3y")
+    try:
+        with server.client() as client:
+            headers = {"Origin": "https://app.example", "Host": "api.example"}
+            assert client.get("/v1/videos", headers=headers).status_code == 200  # the client sends the key
+            assert client.get("/v1/videos", headers={**headers, "Authorization": "Bearer nope"}).status_code == 401
+    finally:
+        server.stop()

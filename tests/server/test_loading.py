@@ -77,7 +77,7 @@ def test_the_responder_answers_every_request_at_once(responder):
     assert time.monotonic() - started < 5
     # Not HTTP at all, an absolute-form target, an HTTP/1.0 request: answered all the same.
     assert _raw_answer(address, b"\x16\x03\x01\x00\xff garbage\r\n\r\n").startswith(b"HTTP/1.1 503 ")
-    assert b'"status": "loading"' in _raw_answer(address, f"GET {url}/health HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert b'"status": "loading"' in _raw_answer(address, f"GET {url}/health HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
     assert b'"model_loading"' in _raw_answer(address, b"GET /metrics HTTP/1.0\r\n\r\n")
     assert responder.num_answered == 11
 
@@ -88,7 +88,7 @@ def test_a_silent_or_slow_client_delays_no_other(responder):
     # Served one after another, these would hold the others back HEAD_TIMEOUT_S each: 4 s in all.
     silent = [socket.create_connection(address) for _ in range(7)]
     half = socket.create_connection(address)
-    half.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Le")  # and nothing more
+    half.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\nContent-Le")  # and nothing more
     socket.create_connection(address).close()  # a TCP probe: connects, says nothing, leaves
     try:
         started = time.monotonic()
@@ -121,7 +121,7 @@ def test_stop_gives_the_socket_back_as_it_was_and_leaves_unaccepted_connections_
         assert sock.gettimeout() is None and sock.getblocking()
         assert not any(t.name == "k6serve-loading-responder" for t in threading.enumerate())
         with socket.create_connection(sock.getsockname(), timeout=5) as client:
-            client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             sock.settimeout(5)
             conn, _ = sock.accept()  # waited in the backlog for the next owner; the responder did not take it
             with conn:
