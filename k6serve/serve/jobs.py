@@ -428,7 +428,7 @@ class SqliteJobStore:
             if job.cancel_requested_at is not None:
                 updated = self.transition(
                     job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.CANCELLED, error_code="cancelled",
-                    error_message="Cancelled by DELETE while running; the server stopped before the engine did.",
+                    error_message="Cancelled by the client while running; the server stopped before the engine did.",
                     completed_at=time.time(),
                 )
                 if updated is not None:

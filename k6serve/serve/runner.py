@@ -64,13 +64,13 @@ CANCEL_IN_DECODE = (
     "cannot stop midway, then it is cancelled and its video discarded."
 )
 CANCELLED_IN_DECODE = (
-    "Cancelled by DELETE during the video decode; the engine stopped between two decoded chunks and kept no video."
+    "Cancelled by the client during the video decode; the engine stopped between two decoded chunks and kept no video."
 )
 CANCELLED_AFTER_DECODE = (
-    "Cancelled by DELETE after the video decode, while the MP4 was being finished, which cannot stop midway; the "
+    "Cancelled by the client after the video decode, while the MP4 was being finished, which cannot stop midway; the "
     "engine finished it and the video was discarded."
 )
-CANCELLED_AT_STEP = "Cancelled by DELETE while running; the engine stopped at a step boundary."
+CANCELLED_AT_STEP = "Cancelled by the client while running; the engine stopped at a step boundary."
 
 # How often a job store write that failed (a full disk) is tried again by the dispatcher and the finishers.
 STORE_RETRY_S = 1.0
@@ -339,7 +339,7 @@ class JobRunner:
             if job.status == JobStatus.QUEUED:
                 cancelled = self.store.transition(
                     job_id, (JobStatus.QUEUED,), status=JobStatus.CANCELLED, completed_at=time.time(),
-                    error_code="cancelled", error_message="Cancelled by DELETE before it started.")
+                    error_code="cancelled", error_message="Cancelled by the client before it started.")
                 if cancelled is not None:
                     self.metrics.finished(JobStatus.CANCELLED)
                     self.artifacts.remove(list(cancelled.upload_files))
