@@ -273,6 +273,11 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
     return _frames_rule(max(1, round(seconds * fps)))
 
 
+# Far above what the text encoder keeps (1,024 Qwen2.5-VL tokens: 3-6 thousand characters of English, about 1,000
+# of Chinese), so no prompt it could use is refused.
+MAX_PROMPT_CHARACTERS = 32_768
+
+
 class MissingPrompt(ValueError):
     """A generation request without a prompt. The message shows the CLI flag; the Python API and the HTTP server
     catch this type and word their own answer (the `prompt=` keyword, the `prompt` body field), adding `detail`."""
@@ -343,6 +348,13 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                          "prompt alone.")
     if not params.prompt or not has_visible_text(params.prompt):
         raise MissingPrompt.for_prompt(params.prompt)
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(params, name)
+        if text is not None and len(text) > MAX_PROMPT_CHARACTERS:
+            # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
+            # with the job (the HTTP job store grew by a megabyte a job) and dropped.
+            raise ValueError(f"{name} has {len(text):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are taken (the "
+                             "text encoder keeps its first 1,024 tokens, a few thousand characters): shorten it.")
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for name, value in (("height", height), ("width", width)):

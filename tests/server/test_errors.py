@@ -65,6 +65,8 @@ def _still_serves(client) -> None:
         ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
         ({"prompt": "x", "size": "64x32", "width": 32}, "size", "disagrees"),
         ({"prompt": "x", "seconds": "-1"}, "seconds", "(0, 600]"),
+        # a megabyte prompt was stored whole with the job (the store grew 100 MiB in 5 s of create and cancel)
+        ({"prompt": "x" * 40_000}, "prompt", "at most 32,768 are taken"),
         # both ends of the range: 0, just over 600, and one that overflowed to infinity frames (a 500 without it)
         ({"prompt": "x", "seconds": "0"}, "seconds", "seconds must be in (0, 600], got '0'"),
         ({"prompt": "x", "seconds": "600.5"}, "seconds", "(0, 600]"),

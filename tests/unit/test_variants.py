@@ -217,6 +217,8 @@ def test_distilled_rejects_guidance():
         ({"prompt": ""}, "prompt is required"),
         ({"prompt": "a", "height": 500}, "height must be a positive multiple of 16"),
         ({"prompt": "a", "height": 0}, "height must be a positive multiple of 16"),  # 0 and -16 are multiples of 16
+        ({"prompt": "a" * 32_769}, r"^prompt has 32,769 characters; at most 32,768 are taken"),
+        ({"prompt": "a", "negative_prompt": "b" * 40_000}, r"^negative_prompt has 40,000 characters"),
         ({"prompt": "a", "width": -16}, "width must be a positive multiple of 16"),
         ({"prompt": "a", "width": 4096}, "width must be at most 2048"),
         ({"prompt": "a", "num_frames": 0}, "num_frames must be >= 1"),
