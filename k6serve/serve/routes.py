@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ import os
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from stat import S_ISREG
@@ -261,7 +263,7 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
             raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
         # (height, width) of a generation, which a conditioning image must be able to cover.
         video_size = (resolved.height, resolved.width) if isinstance(resolved, GenerateRequest) else None
-        await asyncio.to_thread(_check_inputs_readable, params, sent.upload_fields, video_size)
+        await _on_input_check_threads(_check_inputs_readable, params, sent.upload_fields, video_size)
         if isinstance(resolved, GenerateRequest):
             size, seconds = size_text(resolved.height, resolved.width), seconds_text(resolved.num_frames, resolved.fps)
             rounded = seconds_rounding_note(body.seconds, resolved.num_frames, resolved.fps)
@@ -269,7 +271,7 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         else:
             # After the readability check, so a source that is no video keeps that check's 400.
             try:
-                output = await asyncio.to_thread(expected_upscale_output, resolved, ctx.sr_tiling)
+                output = await _on_input_check_threads(expected_upscale_output, resolved, ctx.sr_tiling)
             except SourceTooSmall as exc:  # the source, not a setting: refused now, not after waiting in the queue
                 source = sent.upload_fields.get("video_path", "video_path")
                 raise ApiError(400, str(exc), code="invalid_parameter", param=source) from None
@@ -420,6 +422,16 @@ def _refuse_file_fields_as_text(fields: dict[str, Any]) -> dict[str, Any]:
                             f"give a server-side {FILE_FIELDS[field_name]}.", code="invalid_parameter",
                        param=field_name)
     return fields
+
+
+# The input checks decode images and probe videos (seconds for a large one), on threads of their own: on asyncio's
+# default pool (min(32, cores + 4) threads: 6 on 2 cores) a dozen large uploads held every thread, and /health and
+# every other create, which need one too, waited 35 s behind them.
+_INPUT_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="k6serve-input-check")
+
+
+async def _on_input_check_threads(function, *args):
+    return await asyncio.get_running_loop().run_in_executor(_INPUT_CHECKS, functools.partial(function, *args))
 
 
 def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str],

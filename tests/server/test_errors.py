@@ -10,7 +10,7 @@ import socket
 import time
 
 import pytest
-from harness import start_server, wait_for
+from harness import start_server, wait_for, wait_until
 from PIL import Image
 
 from k6serve.serve import uploads
@@ -852,3 +852,36 @@ def test_with_an_api_key_the_key_decides_not_the_origin(tmp_path):
             assert client.get("/v1/videos", headers={**headers, "Authorization": "Bearer nope"}).status_code == 401
     finally:
         server.stop()
+
+
+def test_slow_input_checks_do_not_hold_health_or_the_other_routes(fake_server, fake_client, monkeypatch):
+    """Large uploads' checks (image decodes, video probes) ran on asyncio's default pool, 6 threads on 2 cores:
+    a dozen of them held every thread, and /health (which needs one) took 35 s. They have threads of their own."""
+    import threading
+
+    from k6serve.serve import routes
+
+    release = threading.Event()
+    checking = []
+
+    def slow_check(*args):
+        checking.append(1)
+        release.wait(20)
+
+    monkeypatch.setattr(routes, "_check_inputs_readable", slow_check)
+    creates = [threading.Thread(target=lambda: fake_client.post("/v1/videos", json={"prompt": f"slow {i}",
+                                                                                      "size": "32x32",
+                                                                                      "num_frames": 5}))
+               for i in range(10)]
+    try:
+        for thread in creates:
+            thread.start()
+        wait_until(lambda: len(checking) >= 2)
+        started = time.monotonic()
+        assert fake_client.get("/health").status_code == 200
+        assert fake_client.get("/v1/videos").status_code == 200
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        for thread in creates:
+            thread.join(30)
