@@ -357,3 +357,30 @@ def test_a_two_rank_spatial_shard_replica_cancels_in_its_decode_and_then_saves(t
         assert (info.width, info.height, info.num_frames) == (384, 64, 33)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_replica_cancelled_in_its_request_warm_up_stays_in_step(tiny_pro_dir, tmp_path):
+    """--warmup-mode request: the warm-up calls the request's cancellation point on every rank at the same steps, so
+    a cancel during it stops both ranks together; the next request warms up and runs on both."""
+    engine = _engine(tiny_pro_dir, runtime={"warmup_mode": "request"}, ulysses_degree=2)
+    try:
+        params = SamplingParams(**{**GENERATE, "guidance_scale": 4.0})
+        submitted = threading.Event()
+        calls, box = [], []
+
+        def on_progress(step: int, total: int) -> None:
+            calls.append((step, total))
+            submitted.wait(10)
+            box[0].cancel()
+
+        box.append(engine.submit(params, OutputOptions(save_output=False), on_progress=on_progress))
+        submitted.set()
+        with pytest.raises(RequestCancelled, match="at step 0/2"):
+            box[0].future.result(timeout=120)
+        assert calls == [(0, 2)]  # the warm-up's first step, reported as step 0 of the request
+        result = engine.generate(dataclasses.replace(params, seed=6),
+                                 OutputOptions(save_output=False, return_frames=True))
+        assert result.frames.shape == (33, 32, 32, 3) and result.timings["warmup"] > 0
+    finally:
+        engine.shutdown()
