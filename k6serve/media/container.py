@@ -15,12 +15,14 @@ from k6serve.media.image import looks_like_url, shown_path
 # (hls for an .m3u8, concat, dash, sdp / rtp / rtsp) open the files or network addresses the input names, so an
 # uploaded playlist read any video on the server, outside --allowed-input-dir (its frames upscaled for download).
 # The image demuxers stay, so that a still image is told apart from a video.
-VIDEO_DEMUXERS = ("mov", "matroska", "avi", "mpegts", "flv", "mpeg", "ogg", "asf", "mxf", "gif", "apng", "nut", "dv",
-                  "ivf", "h264", "hevc", "m4v", "obu", "mjpeg", "mpegvideo", "yuv4mpegpipe", "image2",
+VIDEO_DEMUXERS = ("mov", "matroska", "avi", "mpegts", "flv", "live_flv", "mpeg", "ogg", "asf", "mxf", "gif", "apng",
+                  "nut", "dv", "ivf", "rm", "wtv", "swf", "h264", "hevc", "vvc", "h263", "m4v", "vc1", "av1", "obu",
+                  "dirac", "cavsvideo", "mjpeg", "mjpeg_2000", "mpegvideo", "yuv4mpegpipe", "image2",
                   *sorted(name for name in av.formats_available if name.endswith("_pipe")))
 _WHITELIST = {"format_whitelist": ",".join(VIDEO_DEMUXERS)}
-REFUSED_DEMUXER = ("FFmpeg reads it with a demuxer k6serve does not open (a playlist such as HLS .m3u8, a concat "
-                   "list or a stream description such as SDP, which read other files or the network)")
+REFUSED_DEMUXER = ("FFmpeg reads it as a format k6serve does not open (a playlist such as HLS .m3u8, a concat list "
+                   "or a stream description such as SDP, which read other files or the network, or a container "
+                   "outside the video formats k6serve reads)")
 
 
 def open_media(path: str | os.PathLike[str]) -> av.container.InputContainer:

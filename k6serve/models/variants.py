@@ -278,6 +278,18 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
 MAX_PROMPT_CHARACTERS = 32_768
 
 
+def _check_prompt_lengths(params: SamplingParams) -> None:
+    """Refuse a prompt or negative prompt over MAX_PROMPT_CHARACTERS, whatever the model (an SR model ignores them,
+    but the HTTP job stores them)."""
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(params, name)
+        if text is not None and len(text) > MAX_PROMPT_CHARACTERS:
+            # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
+            # with the job (the HTTP job store grew by a megabyte a job) and dropped.
+            raise ValueError(f"{name} has {len(text):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are taken (the "
+                             "text encoder keeps its first 1,024 tokens, a few thousand characters): shorten it.")
+
+
 class MissingPrompt(ValueError):
     """A generation request without a prompt. The message shows the CLI flag; the Python API and the HTTP server
     catch this type and word their own answer (the `prompt=` keyword, the `prompt` body field), adding `detail`."""
@@ -348,13 +360,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                          "prompt alone.")
     if not params.prompt or not has_visible_text(params.prompt):
         raise MissingPrompt.for_prompt(params.prompt)
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(params, name)
-        if text is not None and len(text) > MAX_PROMPT_CHARACTERS:
-            # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
-            # with the job (the HTTP job store grew by a megabyte a job) and dropped.
-            raise ValueError(f"{name} has {len(text):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are taken (the "
-                             "text encoder keeps its first 1,024 tokens, a few thousand characters): shorten it.")
+    _check_prompt_lengths(params)
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for name, value in (("height", height), ("width", width)):
@@ -561,6 +567,7 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise MissingSourceVideo(MissingSourceVideo.FLAG_WORDING)
     if params.image_path is not None:
         raise ValueError("image_path is not used by the super-resolution model; pass video_path only.")
+    _check_prompt_lengths(params)
     if params.prompt:
         notes.append("The super-resolution model takes no prompt; it was ignored.")
     if params.negative_prompt:  # was dropped without a word

@@ -107,10 +107,9 @@ class RefuseOtherSites:
         problem = None
         if origin is not None:
             text = origin.decode("latin-1").strip()
-            if text == "null" or urllib.parse.urlsplit(text).netloc.lower() != host.lower():
+            if text == "null" or _authority(text) != host.lower():
                 problem = f"it comes from a web page of another site (Origin {text!r})"
-        named = urllib.parse.urlsplit(f"//{host}").hostname
-        if problem is None and self.loopback_only and host and not _loopback(named):
+        if problem is None and self.loopback_only and host and not _loopback(_hostname(host)):
             problem = (f"its Host {host!r} is not a loopback name, and this server listens on the loopback only (a "
                        "web page re-pointing its name at this machine: DNS rebinding; a reverse proxy in front of it "
                        "should send Host: localhost)")
@@ -127,17 +126,38 @@ class RefuseOtherSites:
         await response(scope, receive, send)
 
 
+def _authority(origin: str) -> str | None:
+    """The host[:port] of an Origin header, lowercased; None for one that does not parse (refused as foreign)."""
+    try:
+        return urllib.parse.urlsplit(origin).netloc.lower()
+    except ValueError:  # "http://[": a malformed header was a 500
+        return None
+
+
+def _hostname(host: str) -> str | None:
+    """The name or address in a Host header, without its port or IPv6 brackets; None for one that does not parse."""
+    try:
+        return urllib.parse.urlsplit(f"//{host}").hostname
+    except ValueError:
+        return None
+
+
 def _loopback(host: str | None) -> bool:
     """Whether `host` (a name or an address, IPv6 without brackets) names the loopback."""
     if not host:
         return False
-    host = host.strip("[]").lower()
+    host = host.strip("[]").lower().removesuffix(".")  # "localhost." is the same name, fully qualified
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))  # 127.1, as inet_aton and browsers read it
+        except OSError:
+            return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class NormaliseRequestTarget:

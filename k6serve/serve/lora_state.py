@@ -142,6 +142,21 @@ class LoraState:
             replay.append(UnmergeLora())
         return replay
 
+    def inactive_reload(self) -> SetLora | None:
+        """The replay list's step that loads the inactive adapters again, if it has one: by construction
+        (`operations`) a first SetLora followed by an UnmergeLora."""
+        replay = self.operations
+        if len(replay) >= 2 and isinstance(replay[0], SetLora) and isinstance(replay[1], UnmergeLora):
+            return replay[0]
+        return None
+
+    def forget(self, nicknames: set[str]) -> None:
+        """Adapters that could not be loaded again at a restart (their file gone): no longer held, nor replayed."""
+        for nickname in nicknames:
+            self.paths.pop(nickname, None)
+            self.alphas.pop(nickname, None)
+        self.now = Adapters(self.now.loaded - nicknames, self.now.active, self.now.mode)
+
     def replicas_disagree(self) -> None:
         """A LoRA operation succeeded on some dp replicas only: whether their adapters are merged is not known."""
         self.now = Adapters(self.now.loaded, (), MODE_VARIES)

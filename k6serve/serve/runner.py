@@ -176,7 +176,11 @@ class JobRunner:
             self.store.lora_state(), start=start_set_lora(model) if getattr(model, "lora_path", None) else None,
             server_merge_mode=getattr(model, "lora_merge_mode", "auto"),
             fsdp=bool(getattr(getattr(config, "parallel", None), "use_fsdp_inference", False)))
+        reload = self._lora_state.inactive_reload()
         for operation in self._lora_state.operations:
+            if operation == reload:
+                self._reload_inactive(operation)
+                continue
             try:
                 self.engine.lora(operation)
             except Exception as exc:
@@ -188,6 +192,22 @@ class JobRunner:
                 ) from exc
         if self._lora_state.operations:
             logger.warning("restored the LoRA adapters set before the restart: %s", self._lora_state.operations)
+
+    def _reload_inactive(self, operation: SetLora) -> None:
+        """Load the adapters that were loaded but not active, one at a time: one whose file is gone since (an
+        adapter set long ago) is dropped with a warning, rather than stopping the start-up of every job's server;
+        only the queued jobs that name it fail, when they start, saying it is not loaded."""
+        missing = {}
+        for spec in operation.specs:
+            try:
+                self.engine.lora(SetLora(specs=(spec,), merge_mode="dynamic", target=operation.target))
+            except Exception as exc:  # noqa: BLE001 - any failure to load it drops this adapter only
+                missing[spec.nickname] = f"{type(exc).__name__}: {exc}"
+        if missing:
+            logger.warning("LoRA adapters loaded before the restart but not active could not be loaded again, and are "
+                           "dropped (queued jobs naming them will fail): %s", missing)
+            self._lora_state.forget(set(missing))
+            self.store.set_lora_state(self._lora_state.to_json())
 
     def start(self) -> None:
         self._restore_loras()

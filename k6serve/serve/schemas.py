@@ -242,6 +242,9 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
                 except json.JSONDecodeError:
                     raise ApiError(400, f"{name} must be a JSON object, got {raw[name][:200]!r}.",
                                    code="invalid_parameter", param=name) from None
+                except ValueError as exc:  # Python's 4,300-digit limit on an integer: it was a 500
+                    raise ApiError(400, f"{name} holds a number that is too long ({exc}).", code="invalid_parameter",
+                                   param=name) from None
                 except RecursionError:  # valid JSON, but the decoder recurses once per level (Python 3.11)
                     too_deep = True
                 if too_deep:

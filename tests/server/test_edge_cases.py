@@ -671,5 +671,5 @@ def test_an_uploaded_playlist_cannot_read_a_file_outside_the_allowed_folders(vsr
                                data={"sr_resolution_scale": "2"})
         error = _assert_error(response, 400, param="video_reference", code="invalid_upload")
         assert error["message"].startswith("The uploaded video_reference is not a video file k6serve reads: FFmpeg "
-                                           "reads it with a demuxer k6serve does not open (a playlist such as HLS")
+                                           "reads it as a format k6serve does not open (a playlist such as HLS")
         assert client.get("/v1/videos").json()["data"] == []

@@ -329,6 +329,10 @@ def test_a_number_past_pythons_digit_limit_is_a_400_not_a_500(fake_client):
     error = _assert_error(fake_client.post("/v1/videos", content=body, headers={"Content-Type": "application/json"}),
                           400, code="invalid_json")
     assert error["message"].startswith("Invalid JSON body: a number in it is too long (")
+    # a form's object field is decoded apart: the same limit was a 500 there
+    form = {"prompt": "x", "loras": '{"a": ' + "1" * 5000 + "}"}
+    _assert_error(fake_client.post("/v1/videos", data=form), 400, param="loras", code="invalid_parameter",
+                  contains="holds a number that is too long")
     _still_serves(fake_client)
 
 
@@ -838,8 +842,14 @@ def test_web_pages_of_other_sites_are_refused_without_an_api_key(fake_server, fa
                               code="cross_site_request", contains=refused)
         assert "start the server with --api-key" in error["message"]
     assert fake_client.get("/v1/videos").json()["data"] == []
-    for headers in ({"Origin": f"http://{host}:{port}"}, {"Host": f"localhost:{port}"}, {"Host": f"[::1]:{port}"}):
+    for headers in ({"Origin": f"http://{host}:{port}"}, {"Host": f"localhost:{port}"}, {"Host": f"[::1]:{port}"},
+                    {"Host": f"localhost.:{port}"}, {"Host": f"127.1:{port}"}, {"Host": f"[::ffff:127.0.0.1]:{port}"}):
         assert fake_client.get("/v1/videos", headers=headers).status_code == 200, headers
+    # headers that do not parse are refused, not a 500
+    for raw in (f"Host: {host}:{port}\r\nOrigin: http://[", "Host: [::1"):
+        received, _ = _raw_response(fake_server.base_url, f"GET /v1/videos HTTP/1.1\r\n{raw}\r\n"
+                                                           "Connection: close\r\n\r\n".encode())
+        assert received.startswith(b"HTTP/1.1 403 ") and b"cross_site_request" in received, received
     assert fake_client.get("/health", headers={"Origin": "https://evil.example"}).status_code == 200
 
 

@@ -69,11 +69,11 @@ def test_the_adapters_are_rebuilt_after_a_restart(tmp_path):
         second.stop()
     third = start_server(tmp_path / "three", worker=RecordingWorker(), db_path=db)
     try:
-        # unmerged: the base weights, with every adapter loaded again and none active
+        # unmerged: the base weights, with every adapter loaded again (one at a time, so that one whose file is
+        # gone drops only itself) and none active
         assert third.worker.operations == [
-            SetLora(specs=(LoraSpec(nickname="old", path="/adapters/old.safetensors"),
-                           LoraSpec(nickname="a", path="/adapters/a.safetensors"),
-                           LoraSpec(nickname="b", path="/adapters/b.safetensors")), merge_mode="dynamic"),
+            *(SetLora(specs=(LoraSpec(nickname=name, path=f"/adapters/{name}.safetensors"),), merge_mode="dynamic")
+              for name in ("old", "a", "b")),
             UnmergeLora(),
         ]
     finally:
@@ -118,3 +118,42 @@ def test_a_state_that_cannot_be_rebuilt_stops_the_start_and_says_how_to_go_on(tm
     finally:
         engine.shutdown(timeout=10)
         store.close()
+
+
+class MissingFileWorker(RecordingWorker):
+    """Refuses any SetLora naming `gone` (its file deleted since it was set)."""
+
+    def apply_lora_operation(self, operation) -> dict:
+        if any(spec.nickname == "gone" for spec in getattr(operation, "specs", ())):
+            raise ValueError("LoRA path '/adapters/gone.safetensors' is not a local file or folder")
+        return super().apply_lora_operation(operation)
+
+
+def test_an_inactive_adapter_whose_file_is_gone_is_dropped_not_fatal(tmp_path, caplog):
+    """Every adapter ever loaded is loaded again at a restart; one set long ago whose file was deleted since
+    stopped the start-up (the fix offered: a new job store, losing every job). It is dropped with a warning; the
+    active adapters are rebuilt, and the next restart no longer tries it."""
+    db = tmp_path / "jobs.sqlite3"
+    first = start_server(tmp_path / "one", worker=RecordingWorker(), db_path=db)
+    try:
+        _post(first, "/v1/set_lora", {"lora_nickname": "gone", "lora_path": "/adapters/gone.safetensors"})
+        _post(first, "/v1/set_lora", {"lora_nickname": "kept", "lora_path": "/adapters/kept.safetensors"})
+        _post(first, "/v1/set_lora", {"lora_nickname": "a", "lora_path": "/adapters/a.safetensors"})
+    finally:
+        first.stop()
+    with caplog.at_level("WARNING", logger="k6serve.serve.runner"):
+        second = start_server(tmp_path / "two", worker=MissingFileWorker(), db_path=db)
+    try:
+        assert second.worker.operations == [
+            SetLora(specs=(LoraSpec(nickname="kept", path="/adapters/kept.safetensors"),), merge_mode="dynamic"),
+            UnmergeLora(),
+            SetLora(specs=(LoraSpec(nickname="a", path="/adapters/a.safetensors"),)),
+        ]
+        assert "could not be loaded again, and are dropped" in caplog.text and "gone" in caplog.text
+    finally:
+        second.stop()
+    third = start_server(tmp_path / "three", worker=RecordingWorker(), db_path=db)
+    try:
+        assert [spec.nickname for spec in third.worker.operations[0].specs] == ["kept"]
+    finally:
+        third.stop()

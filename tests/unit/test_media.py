@@ -981,9 +981,29 @@ def test_a_playlist_naming_another_file_is_refused_not_read(tmp_path: Path, kind
     else:
         playlist = tmp_path / "clip.ffconcat"
         playlist.write_text(f"ffconcat version 1.0\nfile '{private}'\n")
-    with pytest.raises(ValueError, match=r"FFmpeg reads it with a demuxer k6serve does not open \(a playlist such as "
+    with pytest.raises(ValueError, match=r"FFmpeg reads it as a format k6serve does not open \(a playlist such as "
                                          r"HLS \.m3u8, a concat list"):
         open_input(playlist)
-    with pytest.raises(ValueError, match="demuxer k6serve does not open"):
+    with pytest.raises(ValueError, match="as a format k6serve does not open"):
         SRSourceReader(playlist)
     open_input(private).close()  # a video itself opens as before
+
+
+@pytest.mark.parametrize(("suffix", "container_format", "codec"), [
+    (".mkv", "matroska", "libx264"), (".webm", "webm", "libvpx"), (".avi", "avi", "mpeg4"), (".ts", "mpegts", "libx264"),
+    (".flv", "flv", "flv"), (".rm", "rm", "rv20"), (".nut", "nut", "mpeg4"), (".y4m", "yuv4mpegpipe", "rawvideo"),
+])
+def test_the_demuxer_allowlist_still_opens_the_video_formats_users_send(tmp_path: Path, suffix: str,
+                                                                       container_format: str, codec: str) -> None:
+    from k6serve.media.container import open_input
+
+    path = tmp_path / f"clip{suffix}"
+    with av.open(str(path), mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=24)
+        stream.width, stream.height = 64, 32
+        stream.pix_fmt = "yuv420p"
+        for frame in moving_pattern(64, 32, 5):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
+    with open_input(path) as container:
+        assert container.streams.video[0].width == 64

@@ -276,6 +276,8 @@ def test_sr_defaults_and_errors():
         ({"video_path": "a.mp4", "sr_target_resolution": "\uff16\uff14\uff10x96"}, "hd, fullhd, 2k or 'WxH'"),
         ({"video_path": "a.mp4", "sr_target_resize_mode": "stretch"}, "'fit' or 'exact'"),
         ({"video_path": "a.mp4", "height": 512}, "taken from the source video"),
+        # ignored by the SR model, but an HTTP job stores it
+        ({"video_path": "a.mp4", "prompt": "x" * 40_000}, r"^prompt has 40,000 characters; at most 32,768"),
     ]:
         with pytest.raises(ValueError, match=message):
             resolve_upscale(SamplingParams(**kwargs), VARIANTS["vsr-distilled2steps"])
