@@ -200,9 +200,8 @@ def prepare_flash_attention(device: torch.device | str) -> tuple[str, str] | Non
         return why, ""
     reason = fa3_unavailable_reason(device)
     if reason is not None:
-        # Here the GPU is Hopper (or there is none): on Hopper what is missing is the wheel, so say how to get it.
-        on_hopper = device.type == "cuda" and torch.cuda.is_available()
-        return reason, FA3_INSTALL_FIX if on_hopper else ""
+        # On Hopper what is missing is the wheel: say how to get it.
+        return reason, FA3_INSTALL_FIX if _hopper(device) else ""
     flash_attention4.prepare(device)
     return None
 

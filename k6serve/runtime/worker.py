@@ -384,9 +384,10 @@ class ModelWorker:
                                    f"({type(exc).__name__}: {exc})") from exc
             # As the reference's server does: the warm-up only saves the first request's compile time, so its failure
             # is logged and the request runs (it was failed with an error that did not say it was the warm-up).
-            logger.warning("warm-up (request) failed after %.2f s (%s: %s); running the request without it",
-                           time.perf_counter() - start, type(exc).__name__, exc)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            logger.warning("warm-up (request) failed after %.2f s (%s: %s); running the request without it", seconds,
+                           type(exc).__name__, exc)
+            return seconds
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
         return report.seconds

@@ -604,3 +604,43 @@ def test_bf16_merge_rounds_once_and_is_closer_than_peft_fuse(tiny_pro_dir, tmp_p
             assert counts["ours"] < counts["diffusers"] and errors["ours"] < errors["diffusers"]
         else:
             assert counts["ours"] == counts["diffusers"] and errors["ours"] == errors["diffusers"]  # the same fp32 ops
+
+
+@pytest.mark.parametrize("config", [
+    {"r": 4, "lora_alpha": 16},
+    {"r": 4, "lora_alpha": 16, "use_rslora": True},
+    {"r": 4, "lora_alpha": 16, "alpha_pattern": {"net.2": 2, r"visual_transformer_blocks\.1\..*to_key": 32},
+     "rank_pattern": {"to_key": 2}},
+    {"r": 4, "lora_alpha": 8, "use_dora": True},
+], ids=["plain", "rslora", "patterns", "dora"])
+def test_a_peft_save_pretrained_folder_merges_as_peft_merges_it(tmp_path, config):
+    """A PEFT folder's scale is only in its adapter_config.json: read without it, LoraConfig(r=4, lora_alpha=16)
+    merged at a quarter. Against PEFT's own save_pretrained and merge_and_unload on the tiny DiT (k6serve's model;
+    PEFT wraps any nn.Module), bit for bit but for DoRA's norm (within 1e-6)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
+    from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
+
+    base = build_dummy_transformer(TINY_TRANSFORMER_CONFIG, device=torch.device("cpu"), dtype=torch.float32, seed=3)
+    targets = ["video_dec_block.self_attention.to_key", "video_dec_block.feed_forward.net.0.proj",
+               "audio_dec_block.feed_forward.net.2"]
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(target_modules=targets, init_lora_weights=False,
+                                                                **config))
+    if config.get("use_dora"):  # magnitudes away from ||W||, so that DoRA changes something
+        for name, parameter in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                parameter.data.mul_(1.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    reference = peft_model.merge_and_unload().state_dict()
+    ours = copy.deepcopy(base)
+    LoraManager(ours).set([LoraSpec(nickname="a", path=str(tmp_path / "adapter"))], "merge")
+    changed = [name for name in reference if not torch.equal(reference[name], base.state_dict()[name])]
+    assert len(changed) >= 3 * 2  # every targeted layer of both blocks
+    tolerance = 1e-6 if config.get("use_dora") else 0.0
+    for name in changed:
+        assert (ours.state_dict()[name] - reference[name]).abs().max() <= tolerance, name

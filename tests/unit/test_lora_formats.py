@@ -3,9 +3,9 @@ in its adapter_config.json, and ComfyUI's dotted `lora_down` / `lora_up` names.
 
 Before the fix a PEFT folder was merged at alpha = rank (LoraConfig(r=4, lora_alpha=16) at a quarter of its
 update) and ComfyUI's names were refused as unknown keys. PEFT is not needed here: the folder is written as PEFT
-0.21.2's `save_pretrained` writes it (the fields below are its `adapter_config.json`), and merging such folders with
-k6serve was checked bit for bit against PEFT's own `merge_and_unload` (plain, rsLoRA, alpha_pattern + rank_pattern,
-DoRA). The references are computed independently: W + (alpha / r) * B @ A, in fp32; merging uses the same ops, so
+0.21.2's `save_pretrained` writes it (the fields below are its `adapter_config.json`); merging real PEFT folders
+against PEFT's own `merge_and_unload` (plain, rsLoRA, alpha_pattern + rank_pattern, DoRA) is
+tests/parity/test_lora_parity.py::test_a_peft_save_pretrained_folder_merges_as_peft_merges_it. The references are computed independently: W + (alpha / r) * B @ A, in fp32; merging uses the same ops, so
 they are compared bit for bit.
 """
 
