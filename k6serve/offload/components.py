@@ -52,18 +52,31 @@ class ComponentOffload:
 
     def __init__(self, components: Mapping[str, nn.Module], *, compute_device: torch.device,
                  offload_device: torch.device, pin: bool, streamers: Mapping[str, BlockStreamer] | None = None,
-                 resident: tuple[str, ...] = ()) -> None:
+                 resident: tuple[str, ...] = (), parts: Mapping[str, Mapping[str, nn.Module]] | None = None) -> None:
         self.compute_device = torch.device(compute_device)
         # Components that stay on the device (`--cpu-offload-components` naming only some): a stage naming them
         # moves nothing for them.
         self.resident = frozenset(resident)
         self.streamers = dict(streamers or {})
+        # A component whose stage uses one of its parts at a time (SR's latent-upscaler bank: an x2 and an x4
+        # upscaler, 2.2B and 1.45B parameters, of which a request runs one): each part is a copy of its own,
+        # "<component>[<part>]", and `stage("latent_upscaler[x2]")` moves that part (and the component's weights
+        # outside every part, if any) instead of the whole bank. `stage("<component>")` still moves all of it.
+        self.parts: dict[str, tuple[str, ...]] = {}
         self.weights: dict[str, HostWeights] = {}
         for name, module in components.items():
             # Streamed blocks already belong to their streamer's host weights.
             streamer = self.streamers.get(name)
             skip = {id(tensor) for weights in streamer.weights for tensor in _slot_tensors(weights)} if streamer else set()
-            self.weights[name] = HostWeights(module_tensors([module], skip), offload_device=offload_device, pin=pin)
+            component_parts = dict((parts or {}).get(name, {}))
+            for part, submodule in component_parts.items():
+                tensors = module_tensors([submodule], skip)
+                skip |= {id(tensor) for tensor in tensors}
+                self.weights[f"{name}[{part}]"] = HostWeights(tensors, offload_device=offload_device, pin=pin)
+            self.parts[name] = tuple(f"{name}[{part}]" for part in component_parts)
+            rest = module_tensors([module], skip)
+            if rest or not component_parts:
+                self.weights[name] = HostWeights(rest, offload_device=offload_device, pin=pin)
         self.active: tuple[str, ...] = ()
         # ("+".join(stage components), bytes) in the order the stages ran, since `reset_peaks` (the worker's, at each
         # request's start); CUDA only. A list: a TI2AV request runs the VAE twice (the image's encode, the decode).
@@ -72,10 +85,8 @@ class ComponentOffload:
     @contextmanager
     def stage(self, *components: str) -> Iterator[None]:
         assert not self.active, f"stage {components} entered inside stage {self.active}"
-        unknown = [name for name in components if name not in self.weights and name not in self.resident]
-        assert not unknown, f"no component named {unknown}; known: {sorted([*self.weights, *self.resident])}"
+        moved = list(dict.fromkeys(copy for name in components for copy in self._copies(name)))
         self.active = components
-        moved = [name for name in components if name in self.weights]
         try:
             for name in moved:
                 self.weights[name].to_device(self.compute_device)
@@ -88,6 +99,20 @@ class ComponentOffload:
             if self.compute_device.type == "cuda":
                 self.peak_after.append(("+".join(components), torch.cuda.max_memory_allocated(self.compute_device)))
             self.active = ()
+
+    def _copies(self, name: str) -> list[str]:
+        """The host copies a stage naming `name` moves: a component's (all its parts too), or one part's plus the
+        component's weights outside its parts; none for a resident component."""
+        component, _, part = name.partition("[")
+        if component in self.resident:
+            return []
+        rest = [component] if component in self.weights else []
+        if not part:
+            assert component in self.weights or component in self.parts, (
+                f"no component named {component!r}; known: {sorted([*self.parts, *self.resident])}")
+            return [*self.parts.get(component, ()), *rest]
+        assert name in self.weights, f"no part named {name!r}; known: {sorted(self.weights)}"
+        return [name, *rest]
 
     def reset_peaks(self) -> None:
         """Forget the stages' peaks, where the device's peak counter is reset: a stage the next request skips (no
@@ -174,9 +199,11 @@ def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None
         if blocks:
             streamers[name] = BlockStreamer(blocks, **streaming)
     offloaded = {name: module for name, module in components.items() if name in residency.offloaded}
+    component_parts = getattr(pipeline, "component_parts", dict)()
     stages = ComponentOffload(offloaded, compute_device=compute_device, offload_device=offload_device, pin=pin,
                               streamers=streamers,
-                              resident=tuple(name for name in components if name not in offloaded))
+                              resident=tuple(name for name in components if name not in offloaded),
+                              parts={name: parts for name, parts in component_parts.items() if name in offloaded})
     pipeline.residency = stages
     host_bytes = {name: weights.num_bytes for name, weights in stages.weights.items()}
     for name, streamer in streamers.items():

@@ -66,6 +66,12 @@ class SuperResolutionPipeline:
         return {"vae": self.models.vae.model, "latent_upscaler": self.models.upscaler.bank,
                 "transformer": self.models.transformer}
 
+    def component_parts(self) -> dict[str, dict[str, torch.nn.Module]]:
+        """The bank's upscalers, one per scale ("x2", "x4"): an offloaded bank moves only the one a request runs
+        (`ComponentOffload`), so balanced / memory mode stages 2.2B or 1.45B parameters, not both."""
+        upscaler = self.models.upscaler
+        return {"latent_upscaler": {f"x{scale}": upscaler.model(scale) for scale in upscaler.scales}}
+
     def __call__(
         self, request: UpscaleRequest, *, on_step: StepCallback | None = None, video_sink: VideoSink | None = None
     ) -> SuperResolutionOutput:
@@ -90,7 +96,9 @@ class SuperResolutionPipeline:
             )
         plan, latent = source.plan, source.latent_BCThw
         sample_aspect_ratio, aspect_note = _output_pixel_shape(source.sample_aspect_ratio, plan)
-        with _timed(timings, "upscale", m.device), self.residency.stage("latent_upscaler"):
+        m.upscaler.model(plan.scale.tiling_scale)  # a scale the bank lacks is refused before weights move
+        with _timed(timings, "upscale", m.device), self.residency.stage(
+                f"latent_upscaler[x{plan.scale.tiling_scale}]"):
             lq_tiles = upscale_tiles(m.upscaler, latent, plan)
         sampler = m.sampler()
         with _timed(timings, "dit", m.device), self.residency.stage("transformer"):

@@ -34,7 +34,8 @@ def _generate(worker: ModelWorker):
 
 
 def _on_device(residency: ComponentOffload) -> set[str]:
-    return {name for name, weights in residency.weights.items() if not weights.attached_to_host()}
+    """The components with weights on the device now (a part's copy, "latent_upscaler[x2]", as its component)."""
+    return {name.partition("[")[0] for name, weights in residency.weights.items() if not weights.attached_to_host()}
 
 
 def _spy_stages(pipeline, residency: ComponentOffload, stages) -> list[tuple[str, set[str]]]:

@@ -274,11 +274,26 @@ def test_super_resolution_layerwise_vae_and_upscaler_are_offloaded_whole(tiny_sr
         worker = _forced_worker(monkeypatch, tiny_sr_dir, layerwise_offload_components="vae latent_upscaler")
     assert "vae, latent_upscaler offloaded whole for their stage" in caplog.text
     residency = worker.pipeline.residency
-    assert set(residency.weights) == {"vae", "latent_upscaler"} and residency.resident == {"transformer"}
-    assert not residency.streamers
+    # The bank is one copy per upscaler (it has no weights outside them), so a request moves only its scale's.
+    assert set(residency.weights) == {"vae", "latent_upscaler[x2]", "latent_upscaler[x4]"}
+    assert residency.resident == {"transformer"} and not residency.streamers
     seen = _watch(worker)
+    upscaler = worker.pipeline.models.upscaler
+    on_host = []
+    for scale in (2, 4):
+        upscaler.model(scale).register_forward_pre_hook(lambda module, args, scale=scale: on_host.append(
+            (scale, residency.weights["latent_upscaler[x2]"].attached_to_host(),
+             residency.weights["latent_upscaler[x4]"].attached_to_host())))
     assert np.array_equal(worker.run(params, NO_FILE).frames, resident.frames)
-    assert seen["vae"] and not any(seen["vae"]) and not any(seen["latent_upscaler"])
+    assert seen["vae"] and not any(seen["vae"])
+    # x2 ran on its device copy while x4 stayed on the host; then x4 alone, for an x4 request.
+    assert on_host and set(on_host) == {(2, False, True)}
+    on_host.clear()
+    x4 = SamplingParams(video_path=str(clip), sr_resolution_scale=4, num_inference_steps=2, seed=3)
+    assert np.array_equal(worker.run(x4, NO_FILE).frames,
+                          ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu")).run(x4, NO_FILE).frames)
+    assert on_host and set(on_host) == {(4, True, False)}
+    assert all(weights.attached_to_host() for weights in residency.weights.values())
 
 
 def test_a_name_of_the_other_family_is_refused_before_the_weights_load(tiny_sr_dir, monkeypatch):

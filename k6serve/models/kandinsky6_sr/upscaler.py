@@ -28,6 +28,14 @@ class SRLatentUpscaler:
         self.bank = bank
         self.scales = tuple(int(scale) for scale in bank.config.scales)
 
+    def model(self, scale: int) -> torch.nn.Module:
+        """The bank's upscaler for x`scale`."""
+        if scale not in self.scales:
+            raise ValueError(
+                f"no latent upscaler for x{scale}; this checkpoint has {list(self.scales)} (scale 2.25 uses x2)."
+            )
+        return self.bank._models[self.scales.index(scale)]
+
     @torch.no_grad()
     def upscale(self, latent_BCThw: Tensor, scale: int) -> Tensor:
         """(B, C, T, h, w) latent x scaling_factor -> (B, C, T, h*scale, w*scale) in fp32.
@@ -35,10 +43,6 @@ class SRLatentUpscaler:
         zq (the modulation input) is the same tensor; the bank runs in its parameter dtype, the result returns in
         fp32 as in R.
         """
-        if scale not in self.scales:
-            raise ValueError(
-                f"no latent upscaler for x{scale}; this checkpoint has {list(self.scales)} (scale 2.25 uses x2)."
-            )
-        dtype = next(self.bank.parameters()).dtype
-        model = self.bank._models[self.scales.index(scale)]
+        model = self.model(scale)
+        dtype = next(model.parameters()).dtype
         return model(latent_BCThw.to(dtype)).float()
