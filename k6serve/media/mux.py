@@ -86,6 +86,15 @@ AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000
 MAX_NUMBERED_NAMES = 10_000
 # libx264 refuses to open for a wider or taller frame (avcodec_open2 fails), whatever the level.
 MAX_FRAME_SIDE = 16384
+# H.264's largest level (6.2) allows frames of at most 139,264 16x16 macroblocks (8192x4320; 8K UHD 7680x4320 is
+# 129,600). libx264 encodes a larger frame anyway and labels the stream level 6.2 (checked with PyAV 18: a 9000x4400
+# frame), a file that conforming and hardware decoders may refuse.
+MAX_FRAME_MACROBLOCKS = 139_264
+
+
+def frame_macroblocks(height: int, width: int) -> int:
+    """16x16 macroblocks of an H.264 frame of `height` x `width` pixels."""
+    return -(-height // 16) * -(-width // 16)
 # Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
 FPS_MAX_DENOMINATOR = 10_000
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from k6serve.media.mux import MAX_FRAME_SIDE
+from k6serve.media.mux import MAX_FRAME_MACROBLOCKS, MAX_FRAME_SIDE, frame_macroblocks
 from k6serve.pipelines.sr_tiling import (
     ScalePlan,
     TileGrid,
@@ -19,6 +19,11 @@ from k6serve.pipelines.sr_tiling import (
     target_bucket,
 )
 from k6serve.request import UpscaleRequest
+
+
+class UpscaleTooLarge(ValueError):
+    """The upscaled frame is over H.264's largest level: the scale or the source is what to change (a target does
+    not help), so the HTTP error names `sr_resolution_scale` even beside a target."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,6 +94,16 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
                 f"{enlarged}: the upscaled result, {crop_size[1]}x{crop_size[0]}, scales the source {factor}, not "
                 f"x{request.scale:g}; use sr_resolution_scale 2 or 4 for an exact scale."
             ),)
+    if frame_macroblocks(*crop_size) > MAX_FRAME_MACROBLOCKS:
+        # The upscaled canvas is computed whole before any sr_target_resolution downscales it, so a target does not
+        # help; a bound here also bounds the request's host memory (the canvas of 121 frames: 12.9 GB at the
+        # bound; an 8000x8000 source at x2 was accepted and needed 93 GB) and its time (tiles grow with the area).
+        raise UpscaleTooLarge(
+            f"the x{request.scale:g} upscale of this {width}x{height} source would be {crop_size[1]}x{crop_size[0]} "
+            f"({frame_macroblocks(*crop_size):,} macroblocks of 16x16 pixels), more than H.264's largest level "
+            f"allows in a frame ({MAX_FRAME_MACROBLOCKS:,}, e.g. 8192x4320 or 7680x4320), and the output is "
+            f"computed at that size before any sr_target_resolution; {_smaller_scales(source_size, request.scale)}"
+        )
     if request.target_resolution is not None:
         delivery_size = resolve_target_size(
             *crop_size, request.target_resolution, request.target_resize_mode
@@ -121,6 +136,22 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
         )
     return UpscaleSizes(scale=scale, input_size=input_size, crop_size=crop_size, delivery_size=delivery_size,
                         notes=notes)
+
+
+def _smaller_scales(source_size: tuple[int, int], scale: float) -> str:
+    """The fix for a source too large at `scale`: the smaller scales that fit, or the source's largest size."""
+    height, width = source_size
+    fitting = []
+    for smaller in (2.25, 2):
+        if smaller < scale:
+            plan = resolve_scale(smaller)
+            input_size = pre_upscale_size(height, width) if plan.pre_upscale != 1.0 else (height, width)
+            if frame_macroblocks(*(side * plan.tiling_scale for side in input_size)) <= MAX_FRAME_MACROBLOCKS:
+                fitting.append(f"{smaller:g}")
+    if fitting:
+        return f"use sr_resolution_scale {' or '.join(fitting)}, or a smaller source."
+    return ("downscale the source first (at x2, to at most 4096x2160 or another frame of at most "
+            f"{MAX_FRAME_MACROBLOCKS // 4:,} macroblocks).")
 
 
 def plan_upscale(

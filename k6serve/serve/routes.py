@@ -43,6 +43,7 @@ from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
 from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
 from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
+from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams
 from k6serve.runtime.engine import Engine
@@ -276,7 +277,8 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
                 source = sent.upload_fields.get("video_path", "video_path")
                 raise ApiError(400, str(exc), code="invalid_parameter", param=source) from None
             except ValueError as exc:  # a size that cannot be made: refused now, not after the upscale ran
-                param = "sr_target_resolution" if resolved.target_resolution else "sr_resolution_scale"
+                too_large = isinstance(exc, UpscaleTooLarge) or not resolved.target_resolution
+                param = "sr_resolution_scale" if too_large else "sr_target_resolution"
                 raise ApiError(400, str(exc), code="invalid_parameter", param=param) from None
             size, seconds = (output.size, output.seconds) if output is not None else (None, None)
             notes = [*notes, *(output.notes if output is not None else ())]  # shown from creation on

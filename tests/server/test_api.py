@@ -151,6 +151,16 @@ def test_an_upscale_whose_size_cannot_be_made_is_refused_at_creation(tmp_path):
             note = ("sr_target_resolution '64x32' with the 'exact' resize mode stretches the 128x128 upscaled result "
                     "to 64x32, changing its aspect ratio; use sr_target_resize_mode 'fit' to keep it.")
             assert note in stretched.json()["warnings"]  # known, and shown, before the job runs
+            # Over H.264's largest level: the scale is what to change, a target would not help (`param` says so).
+            uhd = make_clip(tmp_path / "inputs" / "uhd.mp4", width=3840, height=2160, num_frames=1, fps=24)
+            stored = [job["id"] for job in client.get("/v1/videos").json()["data"]]
+            too_large = client.post("/v1/videos", json={"video_path": str(uhd), "sr_target_resolution": "hd"})
+            assert too_large.status_code == 400, too_large.text
+            error = too_large.json()["error"]
+            assert error["param"] == "sr_resolution_scale" and error["message"].startswith(
+                "the x2.25 upscale of this 3840x2160 source would be 8640x4864 (164,160 macroblocks")
+            assert error["message"].endswith("use sr_resolution_scale 2, or a smaller source.")
+            assert [job["id"] for job in client.get("/v1/videos").json()["data"]] == stored  # none stored
     finally:
         server.stop()
 

@@ -99,3 +99,35 @@ def test_the_tiling_is_read_without_loading_for_super_resolution_only(tmp_path):
     small = make_clip(tmp_path / "small.mp4", width=64, height=64, num_frames=9, fps=24)
     with pytest.raises(SourceTooSmall, match=r"^the source frame is 64x64 .* but x2 tiles need at least"):
         expected_upscale_output(_request(2, video_path=str(small)), released)
+
+
+@pytest.mark.parametrize(("source", "scale", "fix"), [
+    ((2160, 3840), 4, "use sr_resolution_scale 2, or a smaller source."),
+    ((2160, 3840), 2.25, "use sr_resolution_scale 2, or a smaller source."),
+    ((1440, 2560), 4, "use sr_resolution_scale 2.25 or 2, or a smaller source."),
+    ((8000, 8000), 2, "downscale the source first (at x2, to at most 4096x2160"),
+])
+def test_an_upscale_larger_than_h264s_largest_level_is_refused_with_the_scale_that_fits(source, scale, fix):
+    """An 8000x8000 source at x2 was accepted (16000x16000 is under libx264's 16384 a side): 93 GB of frames and a
+    stream labelled level 6.2 that exceeds it. Sizes are (H, W) here, as the CLI's --height/--width order."""
+    from k6serve.pipelines.sr_plan import upscale_sizes
+
+    with pytest.raises(ValueError, match=r"macroblocks of 16x16 pixels\), more than H.264's largest level allows in "
+                                         r"a frame \(139,264, e.g. 8192x4320 or 7680x4320\)") as refused:
+        upscale_sizes(source, _request(scale))
+    assert str(refused.value).endswith(fix) or fix in str(refused.value)
+    # A target does not help (the canvas is computed whole before the downscale): still refused.
+    with pytest.raises(ValueError, match="before any sr_target_resolution"):
+        upscale_sizes(source, _request(scale, "hd"))
+
+
+@pytest.mark.parametrize(("source", "scale", "output"), [
+    ((2160, 3840), 2, (4320, 7680)),  # 4K to 8K UHD: 129,600 macroblocks
+    ((1080, 1920), 4, (4320, 7680)),
+    ((2160, 4096), 2, (4320, 8192)),  # the level's own example, 138,240
+    ((1080, 1920), 2.25, (2432, 4320)),
+])
+def test_the_largest_upscales_h264_allows_still_plan(source, scale, output):
+    from k6serve.pipelines.sr_plan import upscale_sizes
+
+    assert upscale_sizes(source, _request(scale)).crop_size == output
