@@ -23,6 +23,8 @@ import logging
 import os
 
 import av
+import av.audio.stream
+import av.container
 import numpy as np
 
 from k6serve.media.container import open_input
@@ -47,20 +49,24 @@ def read_source_audio(
     sample_rate: int = OUTPUT_SAMPLE_RATE,
     num_samples: int | None,
     video_start: float | None = None,
+    notes: list[str] | None = None,
 ) -> np.ndarray | None:
-    """First audio stream as mono float32 in [-1, 1] at `sample_rate`, cut to `num_samples`.
+    """The soundtrack (`soundtrack_stream`) as mono float32 in [-1, 1] at `sample_rate`, cut to `num_samples`.
 
     Returns None when the file has no audio stream, or one that decodes to no samples (the output
     is then video-only). `num_samples=None` keeps the whole soundtrack. `video_start` (seconds, the
     first kept video frame's time) aligns the soundtrack to it (module docstring); None takes its
     first sample as the start. A mix that would clip is scaled to a peak of 1 (module docstring).
+    A soundtrack damaged or cut short part-way is kept up to the damage. What the user should know (another
+    audio stream dropped, the damage) is appended to `notes`, one sentence each, and logged.
     """
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 or None, got {num_samples}")
+    notes = [] if notes is None else notes
     with open_input(path) as container:
         if not container.streams.audio:
             return None
-        stream = container.streams.audio[0]
+        stream = soundtrack_stream(container, path, notes)
         resampler = av.AudioResampler(format="fltp", layout="mono", rate=sample_rate)
         chunks: list[np.ndarray] = []
         num_decoded = num_kept = 0
@@ -76,32 +82,83 @@ def read_source_audio(
                 chunks.append(samples[dropped:])
                 num_kept += samples.shape[0] - dropped
 
-        try:
-            for frame in container.decode(stream):
-                if lead is None:
-                    lead = _lead_samples(frame.time, video_start, sample_rate)
-                    if num_samples is not None and lead >= num_samples:
-                        logger.warning("%s: the soundtrack starts %.2f s after the first video frame, after the "
-                                       "processed video ends; writing video only", path, lead / sample_rate)
-                        return None
-                    if lead:
-                        logger.info("%s: the soundtrack starts %.3f s %s the first video frame; %s to keep them in "
-                                    "sync", path, abs(lead) / sample_rate, "after" if lead > 0 else "before",
-                                    "silence put before it" if lead > 0 else "what comes before the frame dropped")
-                    skip = max(-lead, 0)
-                for resampled in resampler.resample(frame):
-                    keep(resampled.to_ndarray()[0])
-                if num_samples is not None and max(lead, 0) + num_kept >= num_samples:
-                    break
-            else:
-                for resampled in resampler.resample(None):
-                    keep(resampled.to_ndarray()[0])
-        except av.error.FFmpegError as exc:
+        # Packet by packet, as FFmpeg's own tools decode: a packet that does not decode (a damaged block, the last
+        # one of a cut download) is replaced by its length of silence, so what follows stays in sync, instead of
+        # failing the whole request; only a soundtrack of which nothing decodes is refused.
+        damaged: list[tuple[float, str]] = []  # (where, FFmpeg's error) of each packet replaced by silence
+        silence = 0  # samples of silence standing in for them
+
+        lost = 0.0  # seconds of the soundtrack lost in damaged packets, of which `silence` was put in
+
+        def stand_in(packet: av.Packet, error: BaseException) -> None:
+            nonlocal silence, lost
+            damaged.append((num_decoded / sample_rate, str(error)))
+            if lead is None:
+                return  # before the first decoded frame the soundtrack's start is aligned by that frame's time
+            # The codec's samples per packet (AAC: 1,024) where it has a fixed count: Matroska's millisecond
+            # packet durations would put 1 ms less per AAC packet, the rest out of sync by that much.
+            frame_size, rate = stream.codec_context.frame_size, stream.codec_context.sample_rate
+            if frame_size and rate:
+                lost += frame_size / rate
+            elif packet.duration is not None and packet.time_base is not None:
+                lost += float(packet.duration * packet.time_base)
+            gap = round(lost * sample_rate) - silence
+            silence += gap
+            keep(np.zeros(gap, dtype=np.float32))
+
+        def decoded_frames():
+            packets = container.demux(stream)
+            while True:
+                try:
+                    packet = next(packets)
+                except StopIteration:
+                    return
+                except av.error.FFmpegError as exc:  # the container itself ends in damage: stop there
+                    damaged.append((num_decoded / sample_rate, str(exc)))
+                    return
+                try:
+                    frames = packet.decode()
+                except av.error.FFmpegError as exc:
+                    stand_in(packet, exc)
+                    continue
+                yield from frames
+
+        for frame in decoded_frames():
+            if lead is None:
+                lead = _lead_samples(frame.time, video_start, sample_rate)
+                if num_samples is not None and lead >= num_samples:
+                    logger.warning("%s: the soundtrack starts %.2f s after the first video frame, after the "
+                                   "processed video ends; writing video only", path, lead / sample_rate)
+                    return None
+                if lead:
+                    logger.info("%s: the soundtrack starts %.3f s %s the first video frame; %s to keep them in "
+                                "sync", path, abs(lead) / sample_rate, "after" if lead > 0 else "before",
+                                "silence put before it" if lead > 0 else "what comes before the frame dropped")
+                skip = max(-lead, 0)
+            for resampled in resampler.resample(frame):
+                keep(resampled.to_ndarray()[0])
+            if num_samples is not None and max(lead, 0) + num_kept >= num_samples:
+                break
+        else:
+            for resampled in resampler.resample(None):
+                keep(resampled.to_ndarray()[0])
+        if damaged and num_decoded == silence:
+            where, error = damaged[0]
             raise ValueError(
-                f"cannot decode the audio of {str(path)!r} ({exc}): its soundtrack is damaged. To upscale the "
+                f"cannot decode the audio of {str(path)!r} ({error}): its soundtrack is damaged. To upscale the "
                 "picture alone, copy the file without its audio (FFmpeg: ffmpeg -i IN -c copy -an OUT) and pass "
                 "that; or repair the soundtrack (re-encode it: ffmpeg -i IN -c:v copy -c:a aac OUT)."
-            ) from exc
+            )
+        if damaged:
+            where, error = damaged[0]
+            note = (f"{len(damaged)} part(s) of the soundtrack do not decode, the first at {where:.2f} s ({error}): "
+                    f"the file may be damaged or cut short (a partial download?); "
+                    + (f"{silence / sample_rate:.3f} s of silence stand in for them, keeping the rest in sync"
+                       if silence else "the sound ends there")
+                    + "; copy or download the file again, or repair its soundtrack (FFmpeg: ffmpeg -i IN -c:v "
+                      "copy -c:a aac OUT)")
+            logger.warning("%s: %s", path, note)
+            notes.append(note)
     if num_kept == 0:
         if num_decoded:
             logger.warning("%s: the soundtrack ends before the first video frame; writing video only", path)
@@ -128,6 +185,25 @@ def read_source_audio(
                     "clipped", path, peak, 20 * np.log10(peak))
         waveform = waveform / np.float32(peak)
     return waveform
+
+
+def soundtrack_stream(container: av.container.InputContainer, path: str | os.PathLike[str],
+                      notes: list[str]) -> av.audio.stream.AudioStream:
+    """The audio stream kept: the first one, as the reference keeps, unless another is flagged default and it is
+    not (a film's main track after its commentary); with several, a note says which and how to keep another."""
+    streams = list(container.streams.audio)
+    default = [stream for stream in streams if stream.disposition & av.stream.Disposition.default]
+    chosen = streams[0] if not default or streams[0] in default else default[0]
+    if len(streams) > 1:
+        position = streams.index(chosen)
+        title = chosen.metadata.get("title") or chosen.metadata.get("language")
+        kept = (f"the source has {len(streams)} audio streams; the output keeps audio stream {position} "
+                f"({'flagged default' if chosen in default and position else 'the first'}"
+                f"{f', {title!r}' if title else ''}) and drops the others; to keep another, make a copy with it "
+                "first (FFmpeg: ffmpeg -i IN -map 0:v:0 -map 0:a:N -c copy OUT, N counting from 0)")
+        logger.info("%s: %s", path, kept)
+        notes.append(kept)
+    return chosen
 
 
 def _lead_samples(audio_start: float | None, video_start: float | None, sample_rate: int) -> int:

@@ -52,13 +52,31 @@ def open_input(path: str | os.PathLike[str]) -> av.container.InputContainer:
     try:
         return open_media(path)
     except (av.error.FFmpegError, UnicodeDecodeError) as exc:
-        if refused_demuxer(exc):
-            raise ValueError(f"cannot read media file {str(path)!r}: {REFUSED_DEMUXER}; pass a video file such as an "
-                             "MP4, MKV, MOV or WebM") from None
-        raise ValueError(
-            f"cannot read media file {str(path)!r}: FFmpeg could not open it ({exc}); "
-            "pass a valid video file such as an MP4, MKV, MOV or WebM"
-        ) from exc
+        raise ValueError(f"cannot read media file {str(path)!r}: it {unreadable_reason(path, exc)}; pass a video "
+                         "file such as an MP4, MKV, MOV or WebM") from exc
+
+
+def unreadable_reason(path: str | os.PathLike[str], error: BaseException) -> str:
+    """Why `open_media(path)` raised `error`, as the end of "<the file> ...": the CLI, the API and the HTTP server
+    say the same. PyAV gives FFmpeg's error code's text ("Invalid data found when processing input"), not its log's
+    "moov atom not found", so an MP4 cut before its index is told what that text usually means."""
+    try:
+        if Path(path).stat().st_size == 0:
+            return "is empty (0 bytes)"
+    except OSError:
+        pass
+    if refused_demuxer(error):
+        return f"is not a video file k6serve reads: {REFUSED_DEMUXER}"
+    reason = getattr(error, "strerror", None) or str(error)
+    return (f"is not a readable video (FFmpeg: {reason}): it may be damaged or cut short (an incomplete download or "
+            "copy?)")
+
+
+def video_streams(container: av.container.InputContainer) -> list:
+    """The container's video streams that are video: not an attached picture (a music file's cover art, a
+    thumbnail), which FFmpeg lists as a one-frame video stream at a made-up rate (90,000 fps in an MP4)."""
+    return [stream for stream in container.streams.video
+            if not stream.disposition & av.stream.Disposition.attached_pic]
 
 
 def describe_streams(container: av.container.InputContainer) -> str:
@@ -68,7 +86,8 @@ def describe_streams(container: av.container.InputContainer) -> str:
     parts = []
     for stream in container.streams:
         codec_name = stream.codec_context.name if stream.codec_context is not None else "unknown"
-        parts.append(f"{stream.type} ({codec_name})")
+        picture = stream.type == "video" and stream.disposition & av.stream.Disposition.attached_pic
+        parts.append(f"{'attached picture' if picture else stream.type} ({codec_name})")
     return ", ".join(parts)
 
 

@@ -20,7 +20,7 @@ import av.container
 import av.video.stream
 import numpy as np
 
-from k6serve.media.container import describe_streams, open_input, still_image_demuxer
+from k6serve.media.container import describe_streams, open_input, still_image_demuxer, video_streams
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ FRAME_COUNT_MULTIPLE = 8
 # file (a partial download with its index at the front) decodes short without an FFmpeg error. Not a refusal: a
 # clip trimmed in an editor can declare frames its edit list drops.
 SHORT_DECODE_FRACTION = 0.9
+# A source whose frames lie this far (seconds) from where its average frame rate puts them gets a note: a variable
+# frame rate, which the index-based selection turns into picture and sound out of sync. 0.1 s is past the lip-sync
+# offsets viewers notice (about 45 ms early, 125 ms late: ITU-R BT.1359); a phone's jitter of a few ms is not.
+VFR_NOTE_SECONDS = 0.1
 
 
 @dataclass(frozen=True, eq=False)
@@ -231,6 +235,8 @@ class SRSourceReader:
             self._sample_aspect_ratio: Fraction | None = None  # the first decoded frame's (`pixel_aspect_ratio`)
             self._transfer: int | None = None  # the first decoded frame's transfer characteristic (AVCOL_TRC_*)
             self._num_seen = 0
+            # Per decoded frame index: its time less its time at the average rate, in seconds.
+            self._timing_offsets: dict[int, float] = {}
             self._plan = plan_frame_rate(self.source_fps, target_fps=target_fps, tolerance=tolerance)
             if self._plan.output_fps < 1:
                 # Checked here: the 0 would otherwise fail the audio trim or the MP4 writer with no hint of a fix.
@@ -297,6 +303,13 @@ class SRSourceReader:
             self._start_time = frame.time
             self._sample_aspect_ratio = pixel_aspect_ratio(self._stream.sample_aspect_ratio, frame.rotation)
             self._transfer = frame.color_trc
+        if frame.time is not None and self._start_time is not None:
+            # Frames are selected by index at the stream's average rate, as the reference does; a variable frame
+            # rate (or frames lost in a damaged stretch) puts them elsewhere in time than that rate says, and the
+            # soundtrack, aligned by time, parts from the picture by as much (`summary` says so, for the frames
+            # kept, beyond VFR_NOTE_SECONDS).
+            self._timing_offsets[self._num_seen - 1] = (
+                (frame.time - self._start_time) - (self._num_seen - 1) / self.source_fps)
         if self._declared_seconds is not None and frame.time is not None:
             duration = float(frame.duration * frame.time_base) if frame.duration and frame.time_base else 0.0
             self._decoded_until = frame.time + (duration or 1 / self.source_fps)
@@ -343,6 +356,16 @@ class SRSourceReader:
                       "decoded; if frames are missing, copy or download the file again")
             logger.warning("%s: %s", path, short)
             notes.append(short)
+        offset = max((self._timing_offsets.get(index, 0.0) for index in indices[:num_kept]), key=abs)
+        if abs(offset) > VFR_NOTE_SECONDS:
+            vfr = (f"the source's frames are not evenly spaced in time (a variable frame rate, or frames missing "
+                   f"from a damaged stretch): a kept frame plays {abs(offset):.2f} s "
+                   f"{'earlier' if offset < 0 else 'later'} in it than its average {self.source_fps:g} "
+                   f"fps puts it, and the output plays its frames at a constant {plan.output_fps} fps, so its "
+                   "picture and sound part by up to that much; to keep them together, convert the source to a "
+                   f"constant frame rate first (FFmpeg: ffmpeg -i IN -vf fps={plan.output_fps} -c:a copy OUT)")
+            logger.warning("%s: %s", path, vfr)
+            notes.append(vfr)
         if num_kept < len(indices):
             notes.append(
                 f"dropped the last {len(indices) - num_kept} frame(s) so the count is "
@@ -407,12 +430,13 @@ class _FrameSelection:
 def _first_video_stream(
     container: av.container.InputContainer, path: str | os.PathLike[str]
 ) -> av.video.stream.VideoStream:
-    if not container.streams.video:
+    streams = video_streams(container)
+    if not streams:
         raise ValueError(
             f"media file {str(path)!r} has no video stream (found: {describe_streams(container)}); "
             "pass a file that contains video"
         )
-    return container.streams.video[0]
+    return streams[0]
 
 
 def declared_frame_count(stream: av.video.stream.VideoStream, fps: float) -> int | None:

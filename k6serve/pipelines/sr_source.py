@@ -87,7 +87,7 @@ def read_and_encode(
                 del pending[:length]
                 encoded += length
                 length = _next_full_segment(encoded)
-        summary, audio, read_s = item.summary, item.audio, item.read_s
+        summary, audio, read_s, audio_notes = item.summary, item.audio, item.read_s, item.audio_notes
     finally:
         source.close()
     assert plan is not None, "the reader raises for a source without frames"
@@ -104,7 +104,8 @@ def read_and_encode(
     timings["encode"] = time.perf_counter() - start - read_s
     waveform = None if audio is None else DecodedAudio(waveform=audio, sample_rate=OUTPUT_SAMPLE_RATE)
     return EncodedSource(latent_BCThw=latent, plan=plan, num_frames=summary.num_frames, fps=summary.fps,
-                         audio=waveform, notes=summary.notes, sample_aspect_ratio=summary.sample_aspect_ratio)
+                         audio=waveform, notes=summary.notes + audio_notes,
+                         sample_aspect_ratio=summary.sample_aspect_ratio)
 
 
 def _next_full_segment(encoded: int) -> int:
@@ -121,6 +122,7 @@ class _End:
     summary: SourceSummary
     audio: np.ndarray | None
     read_s: float  # from the reader's start to the end of the soundtrack read
+    audio_notes: tuple[str, ...] = ()  # the soundtrack's (`read_source_audio`)
 
 
 class _BackgroundSource:
@@ -154,13 +156,16 @@ class _BackgroundSource:
                     if not self._put(("frame", (frame, reader.definitely_kept()))):
                         return
                 summary = reader.summary()
+            audio_notes: list[str] = []
             audio = read_source_audio(
                 self._path,
                 sample_rate=OUTPUT_SAMPLE_RATE,
                 num_samples=processed_num_samples(summary.num_frames, summary.fps, OUTPUT_SAMPLE_RATE),
                 video_start=summary.start_time,
+                notes=audio_notes,
             )
-            self._put(("end", _End(summary=summary, audio=audio, read_s=time.perf_counter() - self._start)))
+            self._put(("end", _End(summary=summary, audio=audio, read_s=time.perf_counter() - self._start,
+                                   audio_notes=tuple(audio_notes))))
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
             self._put(("error", error))
 

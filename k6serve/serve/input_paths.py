@@ -14,7 +14,7 @@ from pathlib import Path
 import av
 import PIL.Image
 
-from k6serve.media.container import REFUSED_DEMUXER, is_pdf, open_media, refused_demuxer, still_image_demuxer
+from k6serve.media.container import is_pdf, open_media, still_image_demuxer, unreadable_reason, video_streams
 from k6serve.media.image import (
     IMAGE_FORMATS,
     check_cover_resize,
@@ -202,26 +202,18 @@ _DECODES = _PixelBudget(2 * 89_478_485)
 
 
 def _unreadable_video(path: str) -> str:
-    """Why FFmpeg cannot open `path`, for the refusal: an MP4 cut before its index was told only "is not a readable
-    video" (PyAV gives FFmpeg's error code's text, "Invalid data found when processing input", not its log's
-    "moov atom not found")."""
-    if Path(path).stat().st_size == 0:
-        return "is empty (0 bytes)"
+    """Why FFmpeg cannot open `path`, for the refusal (`container.unreadable_reason`, as the CLI says it)."""
     try:
         with open_media(path):
             return "is not a readable video"
     except (av.error.FFmpegError, UnicodeDecodeError) as exc:
-        if refused_demuxer(exc):
-            return f"is not a video file k6serve reads: {REFUSED_DEMUXER}"
-        reason = getattr(exc, "strerror", None) or str(exc)
-    return (f"is not a readable video (FFmpeg: {reason}): it may be damaged or cut short (an incomplete download or "
-            "copy?)")
+        return unreadable_reason(path, exc)
 
 
 def _probe_video(path: str) -> tuple[bool | None, str | None]:
     """(whether FFmpeg finds a video stream, None when it cannot open the file; the still-image demuxer's name)."""
     try:
         with open_media(path) as container:
-            return bool(container.streams.video), still_image_demuxer(container)
+            return bool(video_streams(container)), still_image_demuxer(container)
     except (av.error.FFmpegError, UnicodeDecodeError):
         return None, None

@@ -71,6 +71,7 @@ from k6serve.serve.runner import (
     LorasQuantized,
     QueueFull,
     ServerShuttingDown,
+    without_upload_paths,
 )
 from k6serve.serve.schemas import (
     FILE_FIELDS,
@@ -98,7 +99,7 @@ from k6serve.serve.schemas import (
 )
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
-from k6serve.serve.upscale_output import expected_upscale_output
+from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 
 logger = logging.getLogger(__name__)
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
@@ -276,12 +277,16 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
             except SourceTooSmall as exc:  # the source, not a setting: refused now, not after waiting in the queue
                 source = sent.upload_fields.get("video_path", "video_path")
                 raise ApiError(400, str(exc), code="invalid_parameter", param=source) from None
+            except SourceUnusable as exc:  # the reader's refusal of the file itself (e.g. 0.5 fps, cover art only)
+                source = sent.upload_fields.get("video_path", "video_path")
+                code = "invalid_upload" if "video_path" in sent.upload_fields else "invalid_path"
+                raise ApiError(400, without_upload_paths(str(exc), uploads), code=code, param=source) from None
             except ValueError as exc:  # a size that cannot be made: refused now, not after the upscale ran
                 too_large = isinstance(exc, UpscaleTooLarge) or not resolved.target_resolution
                 param = "sr_resolution_scale" if too_large else "sr_target_resolution"
                 raise ApiError(400, str(exc), code="invalid_parameter", param=param) from None
-            size, seconds = (output.size, output.seconds) if output is not None else (None, None)
-            notes = [*notes, *(output.notes if output is not None else ())]  # shown from creation on
+            size, seconds = output.size, output.seconds
+            notes = [*notes, *output.notes]  # shown from creation on
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would

@@ -27,17 +27,23 @@ class UpscaleOutput:
     notes: tuple[str, ...] = ()  # the plan's notes on the size (a target that cannot apply, a stretch)
 
 
-def expected_upscale_output(request: UpscaleRequest, tiling: SRTiling | None = None) -> UpscaleOutput | None:
-    """What `request` will deliver; None when the source's frame rate or first frame cannot be read (the worker
-    then fails the job with its own message, as it did before jobs knew their size at creation). A size that
-    cannot be made (an `exact` target larger than the result, a frame side over H.264's limit) raises the
-    worker's ValueError, and with the checkpoint's `tiling` a source smaller than one tile of its scale raises its
-    `SourceTooSmall`, as the worker's own plan does: the server refuses the job at once."""
+class SourceUnusable(ValueError):
+    """The worker's reader refuses the source itself (a frame rate that rounds to 0 fps, a music file whose only
+    picture is its cover art, a still image, a first frame that does not decode): its message, raised before the
+    model loads (CLI) or when the job is created (HTTP), not after a load or a wait in the queue."""
+
+
+def expected_upscale_output(request: UpscaleRequest, tiling: SRTiling | None = None) -> UpscaleOutput:
+    """What `request` will deliver. A source the worker's reader refuses raises `SourceUnusable` with the reader's
+    message (the worker would fail the job with it, after the load or the queue). A size that cannot be made (an `exact` target larger than the result, a frame over
+    H.264's limits) raises the worker's ValueError, and with the checkpoint's `tiling` a source smaller than one
+    tile of its scale raises its `SourceTooSmall`, as the worker's own plan does: the server refuses the job at
+    once."""
     try:
         with SRSourceReader(request.video_path) as reader:
             source = reader.preview()
-    except ValueError:
-        return None
+    except ValueError as exc:
+        raise SourceUnusable(str(exc)) from None
     sizes = upscale_sizes(source.frame_size, request)
     if tiling is not None:
         plan_upscale(source.frame_size, request, tile_sizes=tiling.tile_sizes, snap=tiling.snap)

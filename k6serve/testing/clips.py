@@ -103,15 +103,37 @@ def make_clip(
 
 
 def make_audio_only_file(
-    path: str | os.PathLike[str], *, seconds: float, sample_rate: int = 44100
+    path: str | os.PathLike[str], *, seconds: float, sample_rate: int = 44100, cover_art: bool = False
 ) -> Path:
-    """Write an .mp4 holding only a mono AAC tone (no video stream), for error-path tests."""
+    """Write an .mp4 holding only a mono AAC tone (no video stream), for error-path tests; with `cover_art`, also a
+    32x32 MJPEG picture flagged as attached (a music file's cover, which FFmpeg lists as a video stream)."""
     path = Path(path)
     with av.open(str(path), mode="w", format="mp4") as container:
         stream = _add_aac_stream(container, sample_rate, 1)
+        write_cover = add_cover_art(container) if cover_art else None
+        if write_cover is not None:
+            write_cover()
         waveform_CN = tone(round(seconds * sample_rate), sample_rate, 440.0, 1)
         _encode_audio(container, stream, waveform_CN, sample_rate)
     return path
+
+
+def add_cover_art(container):
+    """Add a one-picture MJPEG stream flagged `attached_pic` to `container` (open for writing); returns the call that
+    writes its picture, to make once every stream exists (the first packet writes the header)."""
+    picture = container.add_stream("mjpeg", rate=1)
+    picture.width = picture.height = 32
+    picture.pix_fmt = "yuvj420p"
+    picture.disposition = av.stream.Disposition.attached_pic
+
+    def write() -> None:
+        frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 128, np.uint8), format="rgb24").reformat(
+            format="yuvj420p")
+        frame.pts = 0
+        container.mux(picture.encode(frame))
+        container.mux(picture.encode(None))
+
+    return write
 
 
 def _add_aac_stream(container, sample_rate: int, num_channels: int):

@@ -495,7 +495,9 @@ def vsr_server(tmp_path):
 
 
 def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
-    from k6serve.testing.clips import make_clip
+    from fractions import Fraction
+
+    from k6serve.testing.clips import make_audio_only_file, make_clip
 
     with vsr_server.client() as client:
         response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", b"definitely not a video")})
@@ -523,6 +525,18 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
                 container.mux(packet)
         response = client.post("/v1/videos", json={"video_path": str(audio_only)})
         _assert_error(response, 400, param="video_path", code="invalid_path", contains="has no video stream")
+        # A song with cover art: FFmpeg lists the cover as a (90,000 fps) video stream, which is no video.
+        song = make_audio_only_file(tmp_path / "song.mp4", seconds=0.5, cover_art=True)
+        response = client.post("/v1/videos", files={"video_reference": ("song.mp4", song.read_bytes())})
+        _assert_error(response, 400, param="video_reference", code="invalid_upload", contains="has no video stream")
+        # The reader's refusals come at creation, not when the job runs (a 0.5 fps clip rounds to 0 fps); the
+        # message names the upload as such, not by the server's path.
+        slow = make_clip(tmp_path / "slow.mp4", width=32, height=32, num_frames=3, fps=Fraction(1, 2))
+        response = client.post("/v1/videos", files={"video_reference": ("slow.mp4", slow.read_bytes())})
+        error = _assert_error(response, 400, param="video_reference", code="invalid_upload")
+        assert error["message"].startswith("video file (the uploaded file) is 0.5 fps: a source slower than 24 fps")
+        response = client.post("/v1/videos", json={"video_path": str(slow.rename(tmp_path / "inputs" / "slow.mp4"))})
+        _assert_error(response, 400, param="video_path", code="invalid_path", contains="slow.mp4' is 0.5 fps")
         # A still image opens in FFmpeg as a one-frame video; the SR source reader refuses it, so creation does.
         still = io.BytesIO()
         PIL.Image.new("RGB", (32, 32), "red").save(still, format="PNG")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k6serve.request import UpscaleRequest
-from k6serve.serve.upscale_output import expected_upscale_output
+from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 from k6serve.testing.clips import make_clip
 
 
@@ -14,7 +14,7 @@ def _request(scale: float, target: str | None = None, mode: str = "fit", video_p
                           target_resolution=target, target_resize_mode=mode, seed=42, requested_steps=None)
 
 
-def test_sizes_that_cannot_be_made_raise_and_unreadable_sources_have_no_expected_output(tmp_path):
+def test_sizes_that_cannot_be_made_and_unreadable_sources_raise(tmp_path):
     clip = make_clip(tmp_path / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
     assert expected_upscale_output(_request(2, video_path=str(clip))).size == "64x64"
     # The worker's own refusals (`upscale_sizes`), now raised when the job is created.
@@ -23,10 +23,11 @@ def test_sizes_that_cannot_be_made_raise_and_unreadable_sources_have_no_expected
     wide = make_clip(tmp_path / "wide.mp4", width=4128, height=16, num_frames=1, fps=24)
     with pytest.raises(ValueError, match=r"would be 16512x64, but H.264 frames are at most 16384"):
         expected_upscale_output(_request(4, video_path=str(wide)))
-    # A file the reader cannot open: the worker fails the job with its own message, size and seconds stay unknown.
+    # A file the reader refuses: its message, raised at creation (the worker would fail the job with it).
     not_a_video = tmp_path / "broken.mp4"
     not_a_video.write_bytes(b"\0" * 64)
-    assert expected_upscale_output(_request(2, video_path=str(not_a_video))) is None
+    with pytest.raises(SourceUnusable, match=r"broken\.mp4': it is not a readable video"):
+        expected_upscale_output(_request(2, video_path=str(not_a_video)))
 
 
 def test_an_exact_target_that_stretches_the_picture_is_a_note_from_creation_on(tmp_path):

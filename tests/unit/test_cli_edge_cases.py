@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 import sys
 from datetime import datetime
+from fractions import Fraction
 
+import PIL.Image
 import pytest
 import torch
 
@@ -162,6 +164,29 @@ def test_cli_refuses_a_bad_request_before_loading_the_model(request, no_model_lo
     err = capsys.readouterr().err
     assert f"error: {message}" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # nothing written, not even the folder
+
+
+def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_load, tiny_sr_dir, tmp_path, capsys):
+    """The pre-load check read the source's first frame but let the reader's own refusals through to the worker:
+    a 0.5 fps clip, a song with cover art or a still image named .mp4 were refused only after the model loaded."""
+    from k6serve.testing.clips import make_audio_only_file, make_clip
+
+    cases = [
+        (make_clip(tmp_path / "slow.mp4", width=32, height=32, num_frames=3, fps=Fraction(1, 2)),
+         "slow.mp4' is 0.5 fps: a source slower than 24 fps keeps its frame rate rounded to a whole number, and this "
+         "one rounds to 0 fps"),
+        (make_audio_only_file(tmp_path / "song.mp4", seconds=0.5, cover_art=True),
+         "song.mp4' has no video stream (found: audio (aac), attached picture (mjpeg))"),
+    ]
+    still = tmp_path / "still.mp4"
+    PIL.Image.new("RGB", (32, 32), "red").save(still, format="PNG")
+    cases.append((still, "still.mp4' is a still image (FFmpeg reads it with its png_pipe demuxer)"))
+    for path, message in cases:
+        assert main(["generate", "--model-path", str(tiny_sr_dir), "--video-path", str(path),
+                     "--output-path", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_rejected_request_prints_no_progress_bar(tiny_distill_dir, tmp_path, capsys):

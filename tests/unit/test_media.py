@@ -21,7 +21,7 @@ import pytest
 from k6serve import media
 from k6serve.media import mux
 from k6serve.media.video import SRSourceReader, floor_frame_count, plan_frame_rate, sr_source_indices
-from k6serve.testing.clips import make_audio_only_file, make_clip, moving_pattern
+from k6serve.testing.clips import add_cover_art, make_audio_only_file, make_clip, moving_pattern
 
 AAC_FRAME_SIZE = 1024
 
@@ -471,17 +471,114 @@ def test_read_errors_name_the_file(tmp_path: Path) -> None:
     audio_only = make_audio_only_file(tmp_path / "sound.mp4", seconds=0.5)
     junk = tmp_path / "junk.mp4"
     junk.write_bytes(b"not a video" * 50)
+    empty = tmp_path / "empty.mp4"
+    empty.write_bytes(b"")
+    # An MP4 cut before its index (at the end of a file not written for the web): FFmpeg says only "Invalid data".
+    whole = make_clip(tmp_path / "whole.mp4", width=32, height=32, num_frames=9, fps=24)
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     cases = [
         (audio_only, r"sound\.mp4'.*no video stream \(found: audio \(aac\)\)"),
         (tmp_path / "missing.mp4", r"missing\.mp4'.*does not exist"),
         (tmp_path, "is a directory"),
-        (junk, r"junk\.mp4'.*FFmpeg could not open it"),
+        # The HTTP server's wording (input_paths.check_readable), so the CLI and the API say as much.
+        (junk, r"junk\.mp4': it is not a readable video \(FFmpeg: Invalid data found when processing input\): it "
+               r"may be damaged or cut short \(an incomplete download or copy\?\); pass a video file such as"),
+        (cut, r"cut\.mp4': it is not a readable video .*: it may be damaged or cut short"),
+        (empty, r"empty\.mp4': it is empty \(0 bytes\); pass a video file such as an MP4"),
     ]
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
             media.read_sr_source(path)
         with pytest.raises(ValueError, match=message):
             media.read_video(path)
+
+
+def _timed_clip(path: Path, frame_times_ms: list[int], *, cover_art_first: bool = False,
+                audio_streams: tuple[dict, ...] = ()) -> Path:
+    """H.264 frames at the given times (a variable frame rate), optionally after an attached cover picture, and AAC
+    streams of a 1 kHz beep each (dicts: `beep_at` seconds, `default` flag, `title`)."""
+    with av.open(str(path), "w", format="matroska" if path.suffix == ".mkv" else "mp4") as container:
+        write_cover = add_cover_art(container) if cover_art_first else None
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
+        video.time_base = video.codec_context.time_base = Fraction(1, 1000)
+        sounds = []
+        for spec in audio_streams:
+            sound = container.add_stream("aac", rate=44100)
+            sound.layout = "mono"
+            sound.disposition = av.stream.Disposition.default if spec.get("default") else 0
+            if spec.get("title"):
+                sound.metadata["title"] = spec["title"]
+            sounds.append((sound, spec))
+        if write_cover is not None:
+            write_cover()
+        for index, time_ms in enumerate(frame_times_ms):
+            frame = av.VideoFrame.from_ndarray(moving_pattern(32, 32, 1, first_frame=index)[0], format="rgb24")
+            frame.pts, frame.time_base = time_ms, Fraction(1, 1000)
+            container.mux(video.encode(frame))
+        container.mux(video.encode(None))
+        seconds = frame_times_ms[-1] / 1000 + 0.1
+        for sound, spec in sounds:
+            t = np.arange(round(seconds * 44100)) / 44100
+            beep = np.where((t >= spec["beep_at"]) & (t < spec["beep_at"] + 0.05), 0.8 * np.sin(2 * np.pi * 1000 * t),
+                            0.0).astype(np.float32)[None]
+            for start in range(0, beep.shape[1], 1024):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(beep[:, start:start + 1024]), format="fltp",
+                                                   layout="mono")
+                frame.sample_rate, frame.pts = 44100, start
+                container.mux(sound.encode(frame))
+            container.mux(sound.encode(None))
+    return path
+
+
+def test_a_variable_frame_rate_that_parts_picture_and_sound_gets_a_note(tmp_path: Path, caplog) -> None:
+    """Frames are kept by index at the average rate (the reference's rule); 60 frames at 30 fps then 15 at 5 fps
+    average 16.7 fps, so frame 60 (shown at 2.0 s) plays at 3.5 s: the note said the drift was 0.02 s a second."""
+    strong = _timed_clip(tmp_path / "vfr.mp4", [round(i * 1000 / 30) for i in range(60)]
+                         + [2000 + 200 * i for i in range(15)])
+    with caplog.at_level("WARNING", logger="k6serve.media.video"):
+        source = media.read_sr_source(strong)
+    (note,) = [note for note in source.notes if "not evenly spaced" in note]
+    offset = float(re.search(r"a kept frame plays (\d+\.\d+) s earlier in it than its average", note).group(1))
+    assert 1.4 < offset < 1.7 and note in caplog.text
+    assert note.endswith("convert the source to a constant frame rate first (FFmpeg: ffmpeg -i IN -vf fps=17 -c:a "
+                         "copy OUT)")
+    # A phone's jitter (frames 20 and 60 ms apart, 25 fps on average) is not worth a note.
+    mild = _timed_clip(tmp_path / "jitter.mp4", [int(t) for t in np.cumsum([0] + [20, 60] * 8)])
+    assert not [note for note in media.read_sr_source(mild).notes if "evenly" in note]
+
+
+def test_cover_art_is_not_the_video(tmp_path: Path) -> None:
+    """FFmpeg lists a music file's cover (an attached picture) as a video stream at 90,000 fps: a song was read as
+    a one-frame clip ("1 decoded frame(s) at 90000 fps"), and a video whose cover came first was upscaled as its
+    cover."""
+    song = make_audio_only_file(tmp_path / "song.mp4", seconds=1.0, cover_art=True)
+    with pytest.raises(ValueError, match=r"song\.mp4' has no video stream \(found: audio \(aac\), attached "
+                                         r"picture \(mjpeg\)\); pass a file that contains video"):
+        media.read_sr_source(song)
+    covered = _timed_clip(tmp_path / "covered.mp4", [round(i * 1000 / 24) for i in range(9)], cover_art_first=True)
+    source = media.read_sr_source(covered)
+    assert source.num_frames == 9 and source.frames.shape[1:3] == (32, 32)
+    np.testing.assert_allclose(source.frames[4].astype(float), moving_pattern(32, 32, 1, first_frame=4)[0], atol=40)
+
+
+def test_the_soundtrack_flagged_default_is_kept_and_a_note_names_it(tmp_path: Path) -> None:
+    times = [round(i * 1000 / 24) for i in range(9)]
+    two = _timed_clip(tmp_path / "two.mkv", times, audio_streams=(
+        dict(beep_at=0.1, title="commentary"), dict(beep_at=0.2, default=True, title="main")))
+    notes: list[str] = []
+    audio = media.read_source_audio(two, num_samples=None, notes=notes)
+    assert 0.19 < np.argmax(np.abs(audio) > 0.3) / 44100 < 0.21  # the main track's beep, not the commentary's
+    assert notes == ["the source has 2 audio streams; the output keeps audio stream 1 (flagged default, 'main') and "
+                     "drops the others; to keep another, make a copy with it first (FFmpeg: ffmpeg -i IN -map 0:v:0 "
+                     "-map 0:a:N -c copy OUT, N counting from 0)"]
+    # Neither flagged (or the first one flagged): the first, as the reference keeps.
+    first = _timed_clip(tmp_path / "first.mkv", times, audio_streams=(dict(beep_at=0.1), dict(beep_at=0.2)))
+    notes.clear()
+    audio = media.read_source_audio(first, num_samples=None, notes=notes)
+    assert 0.09 < np.argmax(np.abs(audio) > 0.3) / 44100 < 0.11
+    assert notes[0].startswith("the source has 2 audio streams; the output keeps audio stream 0 (the first) and")
 
 
 # ---- source audio ----
@@ -592,20 +689,48 @@ def test_a_loud_stereo_mix_is_scaled_to_full_scale_not_clipped(tmp_path: Path) -
     assert 0.95 < fit <= 1.0 and np.abs(middle - fit * expected).max() < 0.05  # a sine (AAC's noise), not clipped
 
 
-def test_a_damaged_soundtrack_says_how_to_upscale_the_picture_alone(tmp_path: Path) -> None:
-    path = make_clip(tmp_path / "clip.mkv", width=32, height=32, num_frames=17, fps=24, audio="mono_tone")
+def _damage_audio_packets(path: Path, out: Path, which: slice) -> None:
+    """A copy of `path` with the second half of each audio packet in `which` overwritten (the block headers stay
+    readable, so the demuxer reads on and the decoder refuses those packets)."""
     data = bytearray(path.read_bytes())
     with av.open(str(path)) as container:
         packets = [(packet.pos, packet.size) for packet in container.demux(audio=0) if packet.size]
     generator = np.random.default_rng(3)
-    for position, size in packets[3:6]:  # the second half of each: the block headers stay readable
+    for position, size in packets[which]:
         data[position + size // 2:position + size] = generator.integers(0, 256, size - size // 2,
                                                                         dtype=np.uint8).tobytes()
-    damaged = tmp_path / "damaged.mkv"
-    damaged.write_bytes(bytes(data))
+    out.write_bytes(bytes(data))
+
+
+def test_damaged_audio_packets_become_silence_that_keeps_the_rest_in_sync(tmp_path: Path, caplog) -> None:
+    """A damaged block (or a cut download's last, part-written packet) failed the whole request; FFmpeg's own tools
+    decode on past it. Its length of silence stands in for it, so the sound after it stays in sync; a note says so."""
+    path = make_clip(tmp_path / "clip.mkv", width=32, height=32, num_frames=17, fps=24, audio="mono_tone")
+    _damage_audio_packets(path, tmp_path / "damaged.mkv", slice(3, 6))
+    whole = media.read_source_audio(path, num_samples=None)
+    notes: list[str] = []
+    with caplog.at_level("WARNING", logger="k6serve.media.audio"):
+        kept = media.read_source_audio(tmp_path / "damaged.mkv", num_samples=None, notes=notes)
+    # Three AAC packets of 1,024 samples at 48 kHz: 0.064 s of silence in their place, within the resampler's
+    # rounding of 3,072 samples at 48 kHz to 2,822.4 at 44.1 kHz.
+    assert abs(kept.shape[0] - whole.shape[0]) <= 1
+    assert len(notes) == 1 and notes[0].startswith("3 part(s) of the soundtrack do not decode, the first at 0.0")
+    assert "0.064 s of silence stand in for them, keeping the rest in sync" in notes[0] and notes[0] in caplog.text
+    first_damage = round(3 * 1024 / 48000 * 44100)
+    np.testing.assert_array_equal(kept[: first_damage - 2048], whole[: first_damage - 2048])
+    gap = slice(first_damage + 1024, round(6 * 1024 / 48000 * 44100) - 1024)
+    assert np.abs(kept[gap]).max() < 1e-3 < np.abs(whole[gap]).max()
+    # The tone goes on after the gap at the same phase: the samples after it line up with the whole decode's.
+    after = slice(round(8 * 1024 / 48000 * 44100), min(kept.shape[0], whole.shape[0]) - 2048)  # not the tail
+    assert np.abs(kept[after] - whole[after]).max() < 0.05
+
+
+def test_a_soundtrack_of_which_nothing_decodes_says_how_to_upscale_the_picture_alone(tmp_path: Path) -> None:
+    path = make_clip(tmp_path / "clip.mkv", width=32, height=32, num_frames=17, fps=24, audio="mono_tone")
+    _damage_audio_packets(path, tmp_path / "damaged.mkv", slice(None))
     with pytest.raises(ValueError, match=r"cannot decode the audio of .*damaged\.mkv.*its soundtrack is damaged\. "
                                          r"To upscale the picture alone.*ffmpeg -i IN -c copy -an OUT"):
-        media.read_source_audio(damaged, num_samples=None)
+        media.read_source_audio(tmp_path / "damaged.mkv", num_samples=None)
 
 
 def test_sr_output_round_trip_with_source_audio(clips, tmp_path: Path) -> None:
