@@ -85,16 +85,18 @@ def read_source_audio(
         # Packet by packet, as FFmpeg's own tools decode: a packet that does not decode (a damaged block, the last
         # one of a cut download) is replaced by its length of silence, so what follows stays in sync, instead of
         # failing the whole request; only a soundtrack of which nothing decodes is refused.
-        damaged: list[tuple[float, str]] = []  # (where, FFmpeg's error) of each packet replaced by silence
-        silence = 0  # samples of silence standing in for them
-
-        lost = 0.0  # seconds of the soundtrack lost in damaged packets, of which `silence` was put in
+        damaged: list[tuple[float, str]] = []  # (where, FFmpeg's error) of each damaged packet
+        silence = 0  # samples of silence standing in for those after the first decoded frame
+        lost = 0.0  # seconds of the soundtrack lost in them, of which `silence` was put in
+        skipped_at_start = 0  # damaged packets before the first decoded frame, whose time aligns the soundtrack
+        ended_in_damage = False  # the container itself stops at damage (a cut file)
 
         def stand_in(packet: av.Packet, error: BaseException) -> None:
-            nonlocal silence, lost
+            nonlocal silence, lost, skipped_at_start
             damaged.append((num_decoded / sample_rate, str(error)))
             if lead is None:
-                return  # before the first decoded frame the soundtrack's start is aligned by that frame's time
+                skipped_at_start += 1
+                return
             # The codec's samples per packet (AAC: 1,024) where it has a fixed count: Matroska's millisecond
             # packet durations would put 1 ms less per AAC packet, the rest out of sync by that much.
             frame_size, rate = stream.codec_context.frame_size, stream.codec_context.sample_rate
@@ -114,6 +116,8 @@ def read_source_audio(
                 except StopIteration:
                     return
                 except av.error.FFmpegError as exc:  # the container itself ends in damage: stop there
+                    nonlocal ended_in_damage
+                    ended_in_damage = True
                     damaged.append((num_decoded / sample_rate, str(exc)))
                     return
                 try:
@@ -143,20 +147,23 @@ def read_source_audio(
             for resampled in resampler.resample(None):
                 keep(resampled.to_ndarray()[0])
         if damaged and num_decoded == silence:
-            where, error = damaged[0]
             raise ValueError(
-                f"cannot decode the audio of {str(path)!r} ({error}): its soundtrack is damaged. To upscale the "
-                "picture alone, copy the file without its audio (FFmpeg: ffmpeg -i IN -c copy -an OUT) and pass "
+                f"cannot decode the audio of {str(path)!r} ({damaged[0][1]}): its soundtrack is damaged. To upscale "
+                "the picture alone, copy the file without its audio (FFmpeg: ffmpeg -i IN -c copy -an OUT) and pass "
                 "that; or repair the soundtrack (re-encode it: ffmpeg -i IN -c:v copy -c:a aac OUT)."
             )
         if damaged:
             where, error = damaged[0]
+            effects = [
+                *([f"{silence / sample_rate:.3f} s of silence stand in for them, keeping the rest in sync"]
+                  if silence else []),
+                *(["the sound starts at its first part that decodes, at that part's time"] if skipped_at_start else []),
+                *(["the sound ends there"] if ended_in_damage else []),
+            ]
             note = (f"{len(damaged)} part(s) of the soundtrack do not decode, the first at {where:.2f} s ({error}): "
-                    f"the file may be damaged or cut short (a partial download?); "
-                    + (f"{silence / sample_rate:.3f} s of silence stand in for them, keeping the rest in sync"
-                       if silence else "the sound ends there")
-                    + "; copy or download the file again, or repair its soundtrack (FFmpeg: ffmpeg -i IN -c:v "
-                      "copy -c:a aac OUT)")
+                    f"the file may be damaged or cut short (a partial download?); {', and '.join(effects)}; copy or "
+                    "download the file again, or repair its soundtrack (FFmpeg: ffmpeg -i IN -c:v copy -c:a aac "
+                    "OUT)")
             logger.warning("%s: %s", path, note)
             notes.append(note)
     if num_kept == 0:

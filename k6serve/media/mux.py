@@ -90,13 +90,13 @@ MAX_FRAME_SIDE = 16384
 # 129,600). libx264 encodes a larger frame anyway and labels the stream level 6.2 (checked with PyAV 18: a 9000x4400
 # frame), a file that conforming and hardware decoders may refuse.
 MAX_FRAME_MACROBLOCKS = 139_264
+# Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
+FPS_MAX_DENOMINATOR = 10_000
 
 
 def frame_macroblocks(height: int, width: int) -> int:
     """16x16 macroblocks of an H.264 frame of `height` x `width` pixels."""
     return -(-height // 16) * -(-width // 16)
-# Frame rates are stored as fractions; 10^4 keeps NTSC rates exact (24000/1001, 30000/1001).
-FPS_MAX_DENOMINATOR = 10_000
 
 
 def write_mp4(

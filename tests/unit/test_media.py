@@ -723,6 +723,13 @@ def test_damaged_audio_packets_become_silence_that_keeps_the_rest_in_sync(tmp_pa
     # The tone goes on after the gap at the same phase: the samples after it line up with the whole decode's.
     after = slice(round(8 * 1024 / 48000 * 44100), min(kept.shape[0], whole.shape[0]) - 2048)  # not the tail
     assert np.abs(kept[after] - whole[after]).max() < 0.05
+    # Damage before anything decodes: the soundtrack starts at its first packet that does, aligned by its time.
+    _damage_audio_packets(path, tmp_path / "start.mkv", slice(0, 2))
+    notes.clear()
+    late = media.read_source_audio(tmp_path / "start.mkv", num_samples=None, notes=notes, video_start=0.0)
+    assert notes[0].startswith("2 part(s) of the soundtrack do not decode, the first at 0.00 s")
+    assert "the sound starts at its first part that decodes, at that part's time; copy or download" in notes[0]
+    assert abs(late.shape[0] - whole.shape[0]) <= 1024 and np.abs(late[:1500]).max() < 1e-3  # silence in place
 
 
 def test_a_soundtrack_of_which_nothing_decodes_says_how_to_upscale_the_picture_alone(tmp_path: Path) -> None:
