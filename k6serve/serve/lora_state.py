@@ -111,7 +111,16 @@ class LoraState:
         if isinstance(operation, UnmergeLora):
             self._active = []
         elif isinstance(operation, MergeLora):
-            self._active = [*(self._active or []), operation]
+            # A merge rebuilds the merged weights from the base at the strength it gives (one without a strength
+            # keeps the strengths the adapters have), so of merges in a row only the last strength given matters:
+            # one merge stands for them, and the list a restart replays stays as long as the adapters, not as the
+            # number of strength changes (300 merges were 300 replayed merges, each rewriting every adapted weight).
+            earlier = self._active or []
+            if earlier and isinstance(earlier[-1], MergeLora):
+                strength = earlier[-1].strength if operation.strength is None else operation.strength
+                operation = dataclasses.replace(operation, strength=strength)
+                earlier = earlier[:-1]
+            self._active = [*earlier, operation]
         else:
             specs = tuple(dataclasses.replace(spec, path=_as_replayable(spec.path) or self.paths.get(spec.nickname))
                           for spec in operation.specs)

@@ -191,7 +191,11 @@ class JobRunner:
                     "without them."
                 ) from exc
         if self._lora_state.operations:
-            logger.warning("restored the LoRA adapters set before the restart: %s", self._lora_state.operations)
+            # A summary, not the replay list: with a hundred adapters loaded that was one 23 KB line.
+            now = self._lora_state.now
+            active = ", ".join(f"{spec.nickname} {spec.strength:g}" for spec in now.active) or "none"
+            logger.warning("restored the LoRA adapters set before the restart: %d loaded; active: %s%s",
+                           len(now.loaded), active, f" ({now.mode})" if now.mode else "")
 
     def _reload_inactive(self, operation: SetLora) -> None:
         """Load the adapters that were loaded but not active, one at a time: one whose file is gone since (an

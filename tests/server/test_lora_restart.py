@@ -49,7 +49,11 @@ def test_the_adapters_are_rebuilt_after_a_restart(tmp_path):
         # "a" by nickname only: the restarted worker has no cache, so the state writes its path out.
         _post(first, "/v1/set_lora", {"lora_nickname": ["a", "b"], "lora_path": [None, "/adapters/b.safetensors"],
                                       "merge_mode": "dynamic"})
-        _post(first, "/v1/merge_lora_weights", {"strength": 0.8})
+        # Merges in a row replay as one, at the last strength given (a merge without one keeps it): 300 merges
+        # were 300 replayed merges, each rewriting every adapted weight.
+        for strength in (0.3, 0.6, 0.8):
+            _post(first, "/v1/merge_lora_weights", {"strength": strength})
+        _post(first, "/v1/merge_lora_weights", {})
         with first.client() as client:
             assert client.get("/v1/list_loras").status_code == 200  # reading changes nothing
     finally:

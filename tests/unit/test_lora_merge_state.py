@@ -206,3 +206,33 @@ def test_merges_of_the_start_adapter_replay_as_merges():
     state.record(MergeLora(strength=0.5))
     assert state.operations == [MergeLora(strength=0.5)]  # the start's adapter is the active one: nothing to load
     assert _replayed(state, start).now == state.now
+
+
+def test_merges_in_a_row_replay_as_one_at_the_last_strength_given():
+    start = SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors"),))
+    state = LoraState(start=start, server_merge_mode="dynamic")
+    for strength in [*(0.01 * step for step in range(1, 300)), None]:
+        state.record(MergeLora(strength=strength))
+    assert state.operations == [MergeLora(strength=2.99)]
+    assert state.now.active == (LoraSpec(nickname="style", path="/a.safetensors", strength=2.99),)
+    # A SetLora or an unmerge in between starts a new run: the merges before it are not folded across it.
+    state.record(SetLora(specs=(LoraSpec(nickname="style", strength=0.5),), merge_mode="dynamic"))
+    state.record(MergeLora())
+    state.record(MergeLora(strength=0.7))
+    assert state.operations == [SetLora(specs=(LoraSpec(nickname="style", path="/a.safetensors", strength=0.5),),
+                                        merge_mode="dynamic"), MergeLora(strength=0.7)]
+
+
+def test_one_merge_at_the_last_strength_gives_the_weights_of_the_merges_it_stands_for(tiny_distill_dir, adapters):
+    """What the compacted replay list rests on: re-merging rebuilds from the base weights, so merges at 0.3, 0.6,
+    then without a strength leave the weights bit for bit as one merge at 0.6 does."""
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+    weight = worker.pipeline.models.transformer.get_submodule(TARGET).weight
+    fox = SetLora(specs=(LoraSpec(nickname="fox", path=adapters["fox"]),), merge_mode="dynamic")
+    merged = []
+    for merges in ([MergeLora(strength=0.3), MergeLora(strength=0.6), MergeLora()], [MergeLora(strength=0.6)]):
+        for operation in [fox, *merges]:
+            worker.apply_lora_operation(operation)
+        merged.append(weight.detach().clone())
+        worker.apply_lora_operation(UnmergeLora())
+    assert torch.equal(merged[0], merged[1])
