@@ -134,6 +134,8 @@ def _git_commit() -> str | None:
     pinned = os.environ.get(COMMIT_ENVIRONMENT_VARIABLE, "").strip()
     if pinned:
         return pinned
+    if _source_tree() is None:
+        return None
     try:
         result = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -148,9 +150,23 @@ def _git_commit() -> str | None:
     return result.stdout.strip() or None
 
 
+def _source_tree() -> Path | None:
+    """The k6serve checkout this code runs from, or None for an installed package: git run beside an installed
+    copy (a virtual environment inside the user's own repository) answered with that repository's commit."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        named = 'name = "k6serve"' in (root / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return root if named else None
+
+
 def _tree_modified() -> bool | None:
     """Whether the source tree differs from its git HEAD (uncommitted changes ran); None without git or a `.git`
-    (the GPU machine's copy may have a stale one: then it says modified, which is the truth about that HEAD)."""
+    (the GPU machine's copy may have a stale one: then it says modified, which is the truth about that HEAD), and
+    for an installed package."""
+    if _source_tree() is None:
+        return None
     try:
         result = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 check=False, text=True, timeout=10, cwd=Path(__file__).resolve().parent)

@@ -669,3 +669,26 @@ def test_the_environment_names_the_gpu_only_for_rows_that_ran_on_one(monkeypatch
     assert "driver" not in report.environment(torch.device("cpu"))
     on_gpu = report.environment(torch.device("cuda", 0))
     assert (on_gpu["gpu"], on_gpu["driver"]) == ("NVIDIA H200", "580.159.04")
+
+
+def test_an_installed_copy_reports_no_commit_even_inside_another_git_repository(tmp_path, monkeypatch):
+    """git run beside an installed k6serve (a virtual environment inside the user's project) named the project's
+    commit as k6serve's. Only a k6serve source tree asks git."""
+    import subprocess
+
+    from k6serve.bench import report
+
+    project = tmp_path / "project"
+    installed = project / ".venv" / "lib" / "site-packages" / "k6serve" / "bench"
+    installed.mkdir(parents=True)
+    (project / "pyproject.toml").write_text('[project]\nname = "their-app"\n')
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q",
+                    "--allow-empty", "-m", "theirs"], check=True)
+    monkeypatch.delenv(report.COMMIT_ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.setattr(report, "__file__", str(installed / "report.py"))
+    assert report._git_commit() is None and report._tree_modified() is None
+    # This checkout's own code still names its commit.
+    monkeypatch.undo()
+    monkeypatch.delenv(report.COMMIT_ENVIRONMENT_VARIABLE, raising=False)
+    assert report._source_tree() is not None and report._git_commit()

@@ -120,3 +120,17 @@ def test_from_pretrained_warns_before_the_load_without_pyav(monkeypatch, caplog)
         assert DiffGenerator.from_pretrained("demo") == "loaded"
     assert "which k6serve needs to write the MP4" in caplog.text
     assert "generate() runs only requests with save_output=False and no source video" in caplog.text
+
+
+def test_the_package_version_is_the_projects():
+    """`k6serve --version` and the server's OpenAPI version read `k6serve.__version__`; pip reads pyproject's."""
+    import tomllib
+    from pathlib import Path
+
+    import k6serve
+
+    pyproject = tomllib.loads((Path(k6serve.__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == k6serve.__version__ == importlib.metadata.version("k6serve")
+    # PEP 561's marker ships with the package, so type checkers read its annotations from an installed copy.
+    assert (Path(k6serve.__file__).parent / "py.typed").is_file()
+    assert pyproject["tool"]["setuptools"]["package-data"]["k6serve"] == ["py.typed"]
