@@ -84,6 +84,19 @@ class ArtifactStore:
             except OSError as exc:  # a file we cannot remove must not fail the request that owns it
                 logger.warning("could not remove %s: %s", path, exc)
 
+    def remove_orphan_uploads(self, owned: set[str]) -> int:
+        """Delete the upload folder's files that no stored job owns (start-up only, under the folder's lock): an
+        upload is moved there before its job is stored, so a server killed between the two left it behind, up to
+        --max-upload-mb each, and nothing deleted it later (the TTL sweep deletes stored jobs' files)."""
+        owned = {str(Path(path).resolve()) for path in owned}
+        orphans = [path for path in self.upload_dir.iterdir()
+                   if path.is_file() and not path.name.startswith(".") and str(path.resolve()) not in owned]
+        if orphans:
+            logger.warning("deleting %d uploaded file(s) no job owns (left by a server that stopped while creating "
+                           "their jobs)", len(orphans))
+        self.remove(orphans)
+        return len(orphans)
+
     def remove_partial_files(self) -> int:
         """Delete `.part` files left by a process that died mid-write (start-up only)."""
         stale = [*self.root.glob(".*.part"), *self.upload_dir.glob(".*.part")]

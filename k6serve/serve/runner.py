@@ -226,6 +226,7 @@ class JobRunner:
                 logger.error("job %s failed: the server stopped twice while running it", job.id)
             self.artifacts.remove(list(job.upload_files))
         self.artifacts.remove_partial_files()
+        self.artifacts.remove_orphan_uploads(self.store.upload_files())
         self._thread = threading.Thread(target=self._loop, name="k6serve-dispatcher", daemon=True)
         self._thread.start()
 

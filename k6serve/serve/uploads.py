@@ -33,7 +33,10 @@ from k6serve.serve.errors import (
 )
 from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, lone_surrogate, object_without_duplicate_keys
 
-SPOOL_BYTES = 8 * 2**20
+# Small: every complete upload is written to disk anyway (the spool only delays the file's creation), and each
+# connection holds its spool for as long as its client takes to send the part; at 8 MiB, 60 clients that sent 7.5
+# MiB and stalled held 520 MB of the server's memory, which it kept after they left.
+SPOOL_BYTES = 256 * 2**10
 MAX_JSON_BYTES = 1 * 2**20
 MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together, with every part's headers
 # After refusing a body we keep reading (and discarding) up to this much of it, so the client sees the answer

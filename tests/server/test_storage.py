@@ -150,3 +150,36 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_uploads_no_job_owns_are_deleted_at_start(tmp_path):
+    """An upload is moved into the upload folder before its job is stored: a server killed between the two left
+    the file (up to --max-upload-mb), and neither a restart nor the TTL sweep ever deleted it."""
+    from harness import FakeWorker
+
+    from k6serve.api import build_engine_config
+    from k6serve.models.variants import VARIANTS
+    from k6serve.runtime.engine import Engine
+    from k6serve.serve.artifacts import ArtifactStore
+    from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
+    from k6serve.serve.metrics import ServerMetrics
+    from k6serve.serve.runner import JobRunner
+
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    artifacts = ArtifactStore(tmp_path / "outputs")
+    owned = artifacts.upload_path("video_owned", "input_reference", "photo.png")
+    orphan = artifacts.upload_path("video_orphan", "input_reference", "photo.png")
+    partial = artifacts.upload_dir / ".video_part_input_reference.png.part"
+    for path in (owned, orphan, partial):
+        path.write_bytes(b"\x89PNG")
+    store.insert(Job(id="video_owned", model="k6", status=JobStatus.COMPLETED, created_at=time.time(),
+                     completed_at=time.time(), upload_files=(str(owned),)))
+    engine = Engine(build_engine_config("fake-k6-model"), worker=FakeWorker(VARIANTS["pro-distill"]))
+    runner = JobRunner(engine, store, artifacts, ServerMetrics(), max_queued_jobs=4)
+    try:
+        runner.start()
+        assert sorted(path.name for path in artifacts.upload_dir.iterdir()) == [owned.name]
+    finally:
+        runner.stop()
+        engine.shutdown(timeout=10)
+        store.close()
