@@ -32,6 +32,7 @@ from k6serve.lora.spec import (
     LoraSpec,
     MergeLora,
     SetLora,
+    UnloadLora,
     UnmergeLora,
     check_lora_alpha,
     check_lora_strength,
@@ -342,6 +343,17 @@ def unmerge_lora_operation(target: str = "all") -> UnmergeLora:
     return UnmergeLora(target=_lora_choice(target, "target", LORA_TARGETS))
 
 
+def unload_lora_operation(nickname: str | list[str], *, name: str = "nickname") -> UnloadLora:
+    """Check `DiffGenerator.unload_lora`'s argument (also the HTTP body's, `name` as it spells it)."""
+    nicknames = list(nickname) if isinstance(nickname, (list, tuple)) else [nickname]
+    if not nicknames or any(not isinstance(item, str) or not item.strip() for item in nicknames):
+        raise LoraArgumentError(name, f"{name} must be a non-empty string or a non-empty list of them, got "
+                                      f"{nickname!r}.")
+    if len(set(nicknames)) != len(nicknames):
+        raise LoraArgumentError(name, f"{name} names an adapter more than once: {nicknames!r}.")
+    return UnloadLora(nicknames=tuple(nicknames))
+
+
 def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`generate`'s request (a dict, a SamplingParams or None) and keyword arguments as one dict, keywords winning;
     a request of another type, or an engine option in it, raises ValueError saying where it goes."""
@@ -580,6 +592,14 @@ class DiffGenerator:
         the saved base copy, not by subtracting the delta)."""
         self._require_running()
         return self.engine.lora(unmerge_lora_operation(target))
+
+    @_in_callers_words
+    def unload_lora(self, nickname: str | list[str]) -> dict:
+        """Forget loaded adapters that are not active (a nickname or a list): their weights leave memory. An active
+        or unknown one raises ValueError and nothing changes; deactivate it first (`set_lora` with the adapters to
+        keep, or `unmerge_lora_weights`). Runs after the requests already submitted, as the other LoRA calls."""
+        self._require_running()
+        return self.engine.lora(unload_lora_operation(nickname))
 
     @_in_callers_words
     def list_loras(self) -> dict:

@@ -146,6 +146,23 @@ class LoraManager:
         self._restore()
         self.active = []
 
+    def unload(self, nicknames: tuple[str, ...] | list[str]) -> None:
+        """Drop loaded adapters that are not active (their tensors go with their last reference); an unknown or
+        active nickname raises ValueError and nothing changes."""
+        unknown = [nickname for nickname in nicknames if nickname not in self.adapters]
+        if unknown:
+            raise ValueError(f"no LoRA adapter is loaded under the nickname(s) {', '.join(map(repr, unknown))} "
+                             f"(loaded: {', '.join(self.adapters) or 'none'}); nothing was unloaded.")
+        active = [entry.nickname for entry in self.active if entry.nickname in nicknames]
+        if active:
+            raise ValueError(f"the LoRA adapter(s) {', '.join(map(repr, active))} are active: deactivate them first "
+                             "(set_lora with the adapters to keep active, or unmerge_lora_weights for none), then "
+                             "unload; nothing was unloaded.")
+        for nickname in nicknames:
+            del self.adapters[nickname]
+            self.alphas.pop(nickname, None)
+        self.dora_rows.retain({id(module) for adapter in self.adapters.values() for module in adapter.modules.values()})
+
     def check_request(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Raise the ValueError `for_request(loras)` would raise before changing anything."""
         # Unknown names first: switching the engine's adapters to dynamic would not make this request run.

@@ -147,11 +147,20 @@ class UnmergeLora:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class UnloadLora:
+    """Forget loaded adapters that are not active: their weights leave the worker's memory, and a restart no longer
+    loads them. A server that sets many adapters over its life otherwise holds every one it ever read."""
+
+    nicknames: tuple[str, ...]
+    target: str = "all"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ListLoras:
     pass
 
 
-LoraOperation = SetLora | MergeLora | UnmergeLora | ListLoras
+LoraOperation = SetLora | MergeLora | UnmergeLora | UnloadLora | ListLoras
 
 
 def start_set_lora(model: ModelConfig) -> SetLora | None:

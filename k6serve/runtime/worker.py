@@ -25,6 +25,7 @@ from k6serve.lora.spec import (
     LoraOperation,
     MergeLora,
     SetLora,
+    UnloadLora,
     UnmergeLora,
     quantized_lora_refusal,
     set_lora_merge_mode,
@@ -104,6 +105,9 @@ def _run_lora_operation(manager, operation: LoraOperation, config: EngineConfig)
     if isinstance(operation, UnmergeLora):
         manager.unmerge()
         return "LoRA adapters deactivated; base weights restored"
+    if isinstance(operation, UnloadLora):
+        manager.unload(operation.nicknames)
+        return f"LoRA adapters unloaded: {', '.join(operation.nicknames)}"
     raise TypeError(f"not a LoRA operation: {operation!r}")
 
 

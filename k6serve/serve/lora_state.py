@@ -9,7 +9,8 @@ The state is the shortest list of operations that rebuilds the adapters the work
   adapter cache to resolve `path=None` from) and the `MergeLora`s after it; or, after an `UnmergeLora` or an empty
   `SetLora`, an `UnmergeLora`, which also takes the `--lora-path` adapter out again (an empty list would bring it back
   active, though the jobs queued since were created without it).
-The runner records it after each successful change and replays it at start, before any job is dispatched.
+An `UnloadLora` is not replayed: the adapters it drops leave the first step. The runner records the state after each
+successful change and replays it at start, before any job is dispatched.
 
 Beside it the state keeps what the worker holds (`Adapters`: the nicknames loaded, the active adapters and whether
 they are merged), folded from the `--lora-path` adapter and each successful operation with the worker's own rules,
@@ -30,6 +31,7 @@ from k6serve.lora.spec import (
     LoraSpec,
     MergeLora,
     SetLora,
+    UnloadLora,
     UnmergeLora,
     set_lora_merge_mode,
 )
@@ -70,6 +72,11 @@ class Adapters:
             return Adapters(self.loaded, active, "merge")
         if isinstance(operation, UnmergeLora):
             return Adapters(self.loaded)
+        if isinstance(operation, UnloadLora):
+            nicknames = set(operation.nicknames)
+            if not nicknames <= self.loaded or nicknames & {spec.nickname for spec in self.active}:
+                return self  # the worker refuses an adapter it does not hold or one that is active
+            return Adapters(self.loaded - nicknames, self.active, self.mode)
         return self
 
 
@@ -108,6 +115,13 @@ class LoraState:
         self.now = self.after([operation])
         if isinstance(operation, ListLoras):
             return False
+        if isinstance(operation, UnloadLora):
+            # Not replayed: the adapters leave the list that loads the inactive ones again (the --lora-path adapter
+            # is loaded at every start all the same: the flag asks for it).
+            for nickname in operation.nicknames:
+                self.paths.pop(nickname, None)
+                self.alphas.pop(nickname, None)
+            return True
         if isinstance(operation, UnmergeLora):
             self._active = []
         elif isinstance(operation, MergeLora):

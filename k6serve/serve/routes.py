@@ -37,6 +37,7 @@ from k6serve.api import (
     LoraArgumentError,
     merge_lora_operation,
     set_lora_operation,
+    unload_lora_operation,
     unmerge_lora_operation,
 )
 from k6serve.lora.adapter import names_adapter_file
@@ -84,6 +85,7 @@ from k6serve.serve.schemas import (
     ModelCard,
     ModelList,
     SetLoraBody,
+    UnloadLoraBody,
     UnmergeLoraBody,
     VideoCancelled,
     VideoDeleted,
@@ -769,7 +771,8 @@ async def _read_control_body(request: Request, *, allow_empty: bool, routes: str
 
 
 async def _read_lora_body(request: Request, model: type) -> Any:
-    return parse_lora_body(model, await _read_control_body(request, allow_empty=model is not SetLoraBody))
+    return parse_lora_body(model, await _read_control_body(request,
+                                                           allow_empty=model not in (SetLoraBody, UnloadLoraBody)))
 
 
 def _lora_operation(build, *args, **kwargs):
@@ -844,6 +847,17 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
     body = await _read_lora_body(request, UnmergeLoraBody)
     operation = _lora_operation(unmerge_lora_operation, body.target)
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnmergeLoraBody)
+
+
+@router.post("/v1/unload_lora", response_model=LoraResult, responses=_LORA_ERRORS,
+             openapi_extra=_lora_body_doc(UnloadLoraBody),
+             summary="Forget loaded LoRA adapters that are not active, freeing their memory")
+async def unload_lora(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
+    body = await _read_lora_body(request, UnloadLoraBody)
+    operation = _lora_operation(unload_lora_operation, body.lora_nickname, name="lora_nickname")
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnloadLoraBody)
 
 
 @router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters")

@@ -43,6 +43,7 @@ from k6serve.lora.spec import (
     LoraOperation,
     ReplicasDisagree,
     SetLora,
+    UnloadLora,
     quantized_lora_refusal,
     start_set_lora,
 )
@@ -501,6 +502,8 @@ class JobRunner:
                 # Saved before the client hears of it: a job created after this answer runs with these adapters,
                 # after a restart too. Under the lock: `_check_loras` reads the state.
                 with self._lock:
+                    if isinstance(pending.operation, UnloadLora):  # held by no replica any more
+                        self._loaded_somewhere -= set(pending.operation.nicknames)
                     if self._lora_state is not None and self._lora_state.record(pending.operation):
                         self.store.set_lora_state(self._lora_state.to_json())
             except BaseException as exc:  # noqa: BLE001 (answered to the HTTP client waiting for it)

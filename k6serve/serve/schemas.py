@@ -368,6 +368,13 @@ class UnmergeLoraBody(BaseModel):
     target: str = "all"
 
 
+class UnloadLoraBody(BaseModel):
+    """POST /v1/unload_lora (JSON)."""
+
+    model_config = _LORA_BODY_CONFIG
+    lora_nickname: str | list[str] = Field(description="The loaded, inactive adapter to forget, or a list of them.")
+
+
 _LORA_STRING_FIELDS = {"lora_nickname", "lora_path", "target", "merge_mode"}
 
 

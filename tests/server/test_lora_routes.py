@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.lora.adapter import read_adapter
-from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnloadLora, UnmergeLora
 from k6serve.lora.targets import resolve_targets
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.variants import VARIANTS
@@ -195,6 +195,9 @@ def test_an_adapter_file_that_is_damaged_or_for_another_model_is_a_400_naming_lo
     ("/v1/merge_lora_weights", {"strength": True}, "strength", "strength must be a number"),
     ("/v1/merge_lora_weights", {"target": "critic"}, "target", "must be one of"),
     ("/v1/unmerge_lora_weights", {"strength": 1}, "strength", "Unknown field 'strength'. Valid fields: target."),
+    ("/v1/unload_lora", {"lora_nickname": []}, "lora_nickname", "must be a non-empty string or a non-empty list"),
+    ("/v1/unload_lora", {"lora_nickname": ["a", "a"]}, "lora_nickname", "names an adapter more than once"),
+    ("/v1/unload_lora", {"lora_nickname": "a", "strength": 1}, "strength", "Valid fields: lora_nickname."),
 ])
 def test_bad_bodies_are_400s_naming_the_field(client, lora_server, route, body, param, message):
     response = client.post(route, json=body)
@@ -256,3 +259,19 @@ def test_a_refusal_names_only_a_field_of_the_route_that_got_it(tmp_path):
             assert (set_lora["code"], set_lora["param"]) == ("invalid_lora", "merge_mode")
     finally:
         server.stop()
+
+
+def test_unload_lora_forgets_an_inactive_adapter_and_later_jobs_naming_it_are_refused(client, lora_server):
+    """Without it a server held every adapter it ever loaded (1.2 MB each for a tiny one; a real adapter is
+    hundreds), and reloaded them all at each restart."""
+    for nickname in ("old", "new"):
+        body = {"lora_nickname": nickname, "lora_path": f"/adapters/{nickname}.safetensors", "merge_mode": "dynamic"}
+        assert client.post("/v1/set_lora", json=body).status_code == 200
+    response = client.post("/v1/unload_lora", json={"lora_nickname": "old"})
+    assert response.status_code == 200 and response.json()["message"] == "UnloadLora done", response.text
+    assert lora_server.worker.operations[-1] == UnloadLora(nicknames=("old",))
+    assert client.post("/v1/unload_lora", json={"lora_nickname": ["x", "y"]}).status_code == 200  # a list too
+    assert lora_server.worker.operations[-1] == UnloadLora(nicknames=("x", "y"))
+    refused = client.post("/v1/videos", json={"prompt": "a fox", "loras": {"old": 1.0}})
+    assert "old" in _error(refused, 400, code="lora_not_loaded")
+    assert client.post("/v1/unload_lora").status_code == 400  # the nickname is required

@@ -448,7 +448,8 @@ def test_generate_after_shutdown_says_so_and_creates_nothing(tmp_path):
     assert not (tmp_path / "new").exists()
     # The LoRA and memory methods said only "The engine has been shut down."
     for call in (lambda: generator.set_lora("x"), generator.merge_lora_weights, generator.unmerge_lora_weights,
-                 generator.list_loras, generator.release_memory, generator.resume_memory):
+                 lambda: generator.unload_lora("x"), generator.list_loras, generator.release_memory,
+                 generator.resume_memory):
         with pytest.raises(RuntimeError, match=r"^This DiffGenerator has been shut down"):
             call()
     generator.shutdown()  # again: nothing to do

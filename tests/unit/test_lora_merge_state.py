@@ -22,6 +22,7 @@ from k6serve.lora.spec import (
     LoraSpec,
     MergeLora,
     SetLora,
+    UnloadLora,
     UnmergeLora,
     set_lora_merge_mode,
     start_set_lora,
@@ -65,6 +66,10 @@ def _operations(adapters: dict[str, str]) -> list:
         SetLora(specs=(), merge_mode="merge"),  # none active, whatever the mode
         SetLora(specs=(LoraSpec(nickname="hero", strength=2.0),), merge_mode="auto"),
         SetLora(specs=(fox,), merge_mode="dynamic"),
+        UnloadLora(nicknames=("fox",)),  # refused: active
+        UnloadLora(nicknames=("hero", "ghost")),  # refused: ghost is not loaded (and hero stays)
+        UnloadLora(nicknames=("hero",)),
+        SetLora(specs=(LoraSpec(nickname="hero"),), merge_mode="dynamic"),  # refused: unloaded
     ]
 
 
@@ -108,7 +113,8 @@ def test_the_servers_prediction_is_what_the_worker_does(tiny_distill_dir, adapte
         modes.append(state.now.mode)
     merged_by_auto = "dynamic" if server_merge_mode == "dynamic" else "merge"
     assert modes == [merged_by_auto, "merge", merged_by_auto, merged_by_auto, "dynamic", "merge", "merge", None,
-                     None, "merge", None, merged_by_auto, "dynamic"]
+                     None, "merge", None, merged_by_auto, "dynamic", "dynamic", "dynamic", "dynamic", "dynamic"]
+    assert state.now.loaded == {"fox"} and set(worker.lora_manager.adapters) == {"fox"}
 
 
 def test_under_fsdp_auto_is_dynamic_and_a_merge_is_refused():
@@ -236,3 +242,17 @@ def test_one_merge_at_the_last_strength_gives_the_weights_of_the_merges_it_stand
         merged.append(weight.detach().clone())
         worker.apply_lora_operation(UnmergeLora())
     assert torch.equal(merged[0], merged[1])
+
+
+def test_an_unloaded_adapter_is_not_loaded_again_after_a_restart():
+    state = LoraState(server_merge_mode="dynamic")
+    for nickname in ("old", "kept", "active"):
+        state.record(SetLora(specs=(LoraSpec(nickname=nickname, path=f"/{nickname}.safetensors"),)))
+    state.record(UnloadLora(nicknames=("old",)))
+    assert state.loaded == {"kept", "active"}
+    assert state.operations == [
+        SetLora(specs=(LoraSpec(nickname="kept", path="/kept.safetensors"),), merge_mode="dynamic"), UnmergeLora(),
+        SetLora(specs=(LoraSpec(nickname="active", path="/active.safetensors"),))]
+    # The server's prediction of a refused unload (an active adapter, one not loaded) changes nothing.
+    assert state.after([UnloadLora(nicknames=("active",))]) == state.now
+    assert state.after([UnloadLora(nicknames=("old",))]) == state.now

@@ -283,3 +283,9 @@ def test_the_api_changes_and_restores_the_demo_model_through_the_rank_process(de
         assert generator.unmerge_lora_weights()["status"] == "ok"
         restored = generator.generate(params)
         assert np.array_equal(restored.frames, baseline.frames) and np.array_equal(restored.audio, baseline.audio)
+        # Inactive now: it can be forgotten, and then it cannot be reused by nickname.
+        with pytest.raises(ValueError, match=r"no LoRA adapter is loaded under the nickname\(s\) 'ghost'"):
+            generator.unload_lora("ghost")
+        assert generator.unload_lora("fox")["loras"] == [] and generator.list_loras() == {"loras": []}
+        with pytest.raises(ValueError, match="no LoRA adapter is loaded under the nickname 'fox'"):
+            generator.set_lora("fox")
