@@ -20,6 +20,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     412: "invalid_request_error",
     413: "invalid_request_error",

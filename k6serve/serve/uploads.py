@@ -45,6 +45,10 @@ MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together, with every
 # client that declared more than it sends would otherwise wait for the answer forever).
 DRAIN_BYTES = 64 * 2**20
 DRAIN_IDLE_S = 1.0
+# A body whose client sends nothing for this long is refused with a 408 and its connection closed: a stalled
+# upload held its connection, its handler and its spooled bytes for as long as the client kept the socket open.
+# Generous for any client that is still sending (a slow link delivers bytes every few seconds).
+BODY_IDLE_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,11 +175,20 @@ async def drain(request: Request) -> None:
 
 
 async def _stream(request: Request):
+    chunks = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), BODY_IDLE_S)
+            except StopAsyncIteration:
+                return
             yield chunk
     except ClientDisconnect:
         raise ApiError(400, "The client disconnected before the body was complete.", code="incomplete_body") from None
+    except TimeoutError:
+        raise ApiError(408, f"The client sent no byte of the request body for {BODY_IDLE_S:g} s; send the whole body "
+                            "without stopping (an HTTP client library does), and retry.", code="request_timeout",
+                       headers={"Connection": "close"}) from None
 
 
 def _text(header_value: str) -> str:

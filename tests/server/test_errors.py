@@ -731,6 +731,25 @@ def test_client_disconnect_mid_upload_leaves_nothing_and_server_keeps_serving(fa
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []
 
 
+@pytest.mark.parametrize("content_type", ["multipart/form-data; boundary=Q", "application/json"])
+def test_a_body_that_stalls_is_a_408_and_its_connection_closed(fake_server, fake_client, monkeypatch, content_type):
+    """A client that stops sending mid-body held its connection, handler and spooled bytes for as long as it kept the
+    socket open (60 of them held 520 MB); after BODY_IDLE_S without a byte the server answers and closes."""
+    monkeypatch.setattr(uploads, "BODY_IDLE_S", 0.5)
+    start = b"--Q\r\nContent-Disposition: form-data; name=\"input_reference\"; filename=\"a.png\"\r\n\r\n" + b"a" * 5000 \
+        if content_type.startswith("multipart") else b'{"prompt": "a fox'
+    request = (b"POST /v1/videos HTTP/1.1\r\nHost: localhost\r\nContent-Type: " + content_type.encode()
+               + b"\r\nContent-Length: 100000\r\n\r\n" + start)
+    started = time.monotonic()
+    received, closed = _raw_response(fake_server.base_url, request, timeout=10)
+    assert closed and 0.4 < time.monotonic() - started < 8, received
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), head
+    assert b'"code":"request_timeout"' in body.replace(b" ", b"") and b"no byte of the request body for 0.5 s" in body
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []  # the part written so far is removed
+    _still_serves(fake_client)
+
+
 def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
     server = start_server(tmp_path, api_key="s3cret")
     try:
