@@ -21,7 +21,7 @@ class _OnRankZeroOnly(logging.Filter):
 
 def configure_rank_logging(rank: int, level: int | str) -> None:
     """Root logging for the process of global rank `rank` (called first thing in the rank's process)."""
-    logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     if rank != 0:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_OnRankZeroOnly())

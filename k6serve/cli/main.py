@@ -246,6 +246,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# With the time: a server's lines are matched to jobs' created_at / completed_at and to its metrics by it.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_log_level_flag(parser: argparse.ArgumentParser, default: Any) -> None:
@@ -736,8 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
     if unknown:
         print(f"error: {unrecognized_arguments(unknown, parser, args.command)}", file=sys.stderr)
         return EXIT_USER_ERROR

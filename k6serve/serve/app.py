@@ -93,9 +93,10 @@ class RefuseOtherSites:
     answers only Host names of the loopback. With --api-key neither can happen (a page cannot send the key), and
     programs (curl, the SDKs, the ComfyUI nodes) send no Origin."""
 
-    def __init__(self, app: ASGIApp, *, bound_host: str) -> None:
+    def __init__(self, app: ASGIApp, *, bound_host: str, metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.loopback_only = _loopback(bound_host)
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -118,6 +119,8 @@ class RefuseOtherSites:
             return
         from fastapi.responses import JSONResponse
 
+        if self.metrics is not None and scope["method"] == "POST" and scope["path"] == "/v1/videos":
+            self.metrics.rejected("cross_site_request")  # a refused create, as BearerAuth counts its own
         message = (f"Request refused: {problem}. A server without --api-key answers the programs of this machine "
                    "(curl, the OpenAI SDK, the ComfyUI nodes), not web pages, which could make jobs through a "
                    "visitor's browser; to serve a browser client, start the server with --api-key and send the key.")
@@ -290,7 +293,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
     else:
-        app.add_middleware(RefuseOtherSites, bound_host=settings.host)
+        app.add_middleware(RefuseOtherSites, bound_host=settings.host, metrics=metrics)
     app.add_middleware(NormaliseRequestTarget)
     app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app
@@ -510,8 +513,12 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         port = sock.getsockname()[1]
         logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
                     port, settings.job_store_path, artifacts.root)
-        server = uvicorn_server(uvicorn_config(app, host=settings.host, port=port, log_level="info",
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), on_exit=app.state.ctx.runner.stop)
+        # uvicorn's lines (start-up, one access line per request) at --log-level (it was always "info": every poll
+        # was logged, whatever the flag), through the root handler, so they carry its format and timestamps.
+        server = uvicorn_server(uvicorn_config(app, host=settings.host, port=port,
+                                               log_level=logging.getLogger().getEffectiveLevel(), log_config=None,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+                                on_exit=app.state.ctx.runner.stop)
         with _sigterm_raises(), contextlib.suppress(KeyboardInterrupt, _Terminated):
             server.run(sockets=[sock])
     finally:

@@ -50,7 +50,8 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.step_latency = Histogram("k6serve_step_latency_seconds",
-                                      "Time per denoising step (per tile for super-resolution).", STEP_BUCKETS_S)
+                                      "Time per DiT call: a denoising step (two per tile for super-resolution); a job's first "
+                                      "call, which follows its text encoding, is left out.", STEP_BUCKETS_S)
         self.job_latency = Histogram("k6serve_job_latency_seconds",
                                      "End-to-end time from job creation to completion.", JOB_BUCKETS_S)
         self.inference_latency = Histogram("k6serve_inference_seconds",
@@ -91,7 +92,8 @@ class ServerMetrics:
             "# TYPE k6serve_requests_rejected_total counter",
             *(f'k6serve_requests_rejected_total{{reason="{reason}"}} {count}'
               for reason, count in sorted(rejected.items())),
-            "# HELP k6serve_peak_gpu_memory_mb Highest peak accelerator memory of any job (MiB; CPU: peak RSS).",
+            "# HELP k6serve_peak_gpu_memory_mb Highest peak accelerator memory of any completed job since the server "
+            "started (MiB; 0 before the first; CPU: the worker's peak RSS).",
             "# TYPE k6serve_peak_gpu_memory_mb gauge",
             f"k6serve_peak_gpu_memory_mb {peak:.1f}",
             *self.step_latency.render(),

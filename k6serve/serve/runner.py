@@ -367,6 +367,7 @@ class JobRunner:
                     job_id, (JobStatus.QUEUED,), status=JobStatus.CANCELLED, completed_at=time.time(),
                     error_code="cancelled", error_message="Cancelled by the client before it started.")
                 if cancelled is not None:
+                    logger.info("job %s cancelled (cancelled): %s", job_id, cancelled.error_message)
                     self.metrics.finished(JobStatus.CANCELLED)
                     self.artifacts.remove(list(cancelled.upload_files))
                     return cancelled
@@ -408,7 +409,7 @@ class JobRunner:
                     logger.warning("job %s failed before it ran: the output folder %s is not writable", job.id,
                                    folder)
                     self._record(started, JobStatus.FAILED, error_code="output_not_writable",
-                                 error_message=OUTPUT_NOT_WRITABLE)
+                                 error_message=OUTPUT_NOT_WRITABLE, logged=True)
                     continue
                 params = SamplingParams(**started.params)
                 # The job's file already there can only be its own video from an earlier attempt that wrote it and
@@ -416,8 +417,11 @@ class JobRunner:
                 # re-queued): no client chooses that name (`output_file_name`). The worker never replaces a file, so
                 # clear it before the re-run.
                 self.artifacts.remove([self.artifacts.output_path(output_file_name(job.id))])
+                # The runner logs each job's end once (`_record`); the engine's own log of a failure would repeat
+                # it with a traceback.
                 engine_job = self.engine.submit(params, self.artifacts.output_options(job.id),
-                                                on_progress=self._progress_callback(job.id), job_id=job.id)
+                                                on_progress=self._progress_callback(job.id), job_id=job.id,
+                                                log_failure=False)
                 self._running[job.id] = engine_job
                 return started, engine_job
             return None
@@ -521,12 +525,15 @@ class JobRunner:
                 self._applying_lora = None
 
     def _progress_callback(self, job_id: str):
-        state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False}
+        state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False, "reports": 0}
 
         def on_progress(step: int, total: int) -> None:
             now = time.perf_counter()
             decode_chunk = 0 < total <= step and state["final_step_seen"]  # the final step reported again
-            if step > 0 and not decode_chunk:
+            state["reports"] += 1
+            # The first report's time since dispatch holds the text encoding, the conditioning and a first compile
+            # (0.25 s against 0.01 s a step on the demo): not a step's time.
+            if step > 0 and not decode_chunk and state["reports"] > 1:
                 self.metrics.step_latency.observe(now - state["last"])
             state["last"] = now
             if 0 < total <= step:
@@ -565,7 +572,7 @@ class JobRunner:
                                self._memory_fixes())
                 self._record(job, JobStatus.FAILED, error_code="out_of_memory",
                              error_message=f"The GPU ran out of memory for this request ({out_of_memory_detail(exc)});"
-                                           " retry with a smaller size or fewer seconds.")
+                                           " retry with a smaller size or fewer seconds.", logged=True)
             elif disk_full(exc):
                 # The machine's state, not the request's: say so, without the server's own file paths.
                 self._record(job, JobStatus.FAILED, error_code="insufficient_storage",
@@ -575,7 +582,7 @@ class JobRunner:
             elif self._output_write_refused(exc):
                 logger.warning("job %s failed: its video could not be written (%s)", job.id, exc)
                 self._record(job, JobStatus.FAILED, error_code="output_not_writable",
-                             error_message=OUTPUT_NOT_WRITABLE)
+                             error_message=OUTPUT_NOT_WRITABLE, logged=True)
             elif isinstance(exc, WorkerKilled):
                 # The machine failed the run (the out-of-memory killer, a crash in native code): the client is
                 # told that and that a retry may run; the operator's log gets the ranks, exit codes and host fixes.
@@ -584,7 +591,7 @@ class JobRunner:
                              error_message="The server's worker process running this job was killed (the host ran "
                                            "out of memory, or a crash; the server's log says which) and the job did "
                                            "not finish. Submit it again: it runs on a replica still serving, or is "
-                                           "refused with engine_unavailable if none is left.")
+                                           "refused with engine_unavailable if none is left.", logged=True)
             elif missing_package(exc):
                 # The server's environment, not the request: the client is told which package, the operator's log
                 # also gets the pip command for the server's interpreter (a path the client need not see).
@@ -594,10 +601,12 @@ class JobRunner:
                              error_message=f"The server cannot run this job: the Python package that provides "
                                            f"{top!r} is not installed in its environment. The server's operator "
                                            "must install it (the server's log has the pip command); then submit "
-                                           "the job again.")
+                                           "the job again.", logged=True)
             else:
+                # Unexpected: the one failure logged with its traceback.
+                logger.error("job %s failed", job.id, exc_info=exc)
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
-                             error_message=f"{type(exc).__name__}: {exc}")
+                             error_message=f"{type(exc).__name__}: {exc}", logged=True)
         else:
             with self._lock:  # so a cancel cannot land between this check and the job becoming completed
                 if self._cancel_requested(job.id):
@@ -623,12 +632,19 @@ class JobRunner:
         job = self.store.get(job_id)
         return job is not None and job.cancel_requested_at is not None
 
-    def _record(self, job: Job, status: JobStatus, **fields) -> None:
+    def _record(self, job: Job, status: JobStatus, *, logged: bool = False, **fields) -> None:
+        """End `job` as `status` (failed or cancelled) with `fields`; one log line says so, unless the caller
+        `logged` its own (with what only the operator should read: pip commands, host fixes, a traceback). A job
+        that failed on the client's input was in no log before (the engine leaves ValueErrors to the caller)."""
         if fields.get("error_message") and job.upload_files:
             fields["error_message"] = without_upload_paths(fields["error_message"], job.upload_files)
         finished = self.store.transition(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=status,
                                          completed_at=time.time(), **fields)
         if finished is not None:
+            if not logged:
+                level = logging.INFO if status == JobStatus.CANCELLED else logging.WARNING
+                logger.log(level, "job %s %s (%s): %s", job.id, status.value, fields.get("error_code"),
+                           fields.get("error_message"))
             self.metrics.finished(status)
             self.artifacts.remove(list(finished.upload_files))
 
@@ -655,6 +671,8 @@ class JobRunner:
             # Deleted while running: nobody owns the file any more.
             self.artifacts.remove([result.output_file_path])
             return
+        logger.info("job %s completed in %.1f s (%.1f s from its creation)", job.id, inference_s,
+                    completed_at - job.created_at)
         self.metrics.finished(JobStatus.COMPLETED, result.peak_memory_mb)
         self.metrics.job_latency.observe(completed_at - job.created_at)
         self.metrics.inference_latency.observe(inference_s)

@@ -859,8 +859,10 @@ def test_web_pages_of_other_sites_are_refused_without_an_api_key(fake_server, fa
                                                                     "loopback name")):
         error = _assert_error(fake_client.post("/v1/videos", json=body, headers=headers), 403,
                               code="cross_site_request", contains=refused)
-        assert "start the server with --api-key" in error["message"]
+        assert "start the server with --api-key" in error["message"] and error["type"] == "permission_error"
     assert fake_client.get("/v1/videos").json()["data"] == []
+    # Refused creates are counted as the route counts its own (they never reach it).
+    assert 'k6serve_requests_rejected_total{reason="cross_site_request"} 3' in fake_client.get("/metrics").text
     for headers in ({"Origin": f"http://{host}:{port}"}, {"Host": f"localhost:{port}"}, {"Host": f"[::1]:{port}"},
                     {"Host": f"localhost.:{port}"}, {"Host": f"127.1:{port}"}, {"Host": f"[::ffff:127.0.0.1]:{port}"}):
         assert fake_client.get("/v1/videos", headers=headers).status_code == 200, headers
@@ -914,3 +916,41 @@ def test_slow_input_checks_do_not_hold_health_or_the_other_routes(fake_server, f
         release.set()
         for thread in creates:
             thread.join(30)
+
+
+def test_each_job_that_ends_is_logged_once_and_only_the_unexpected_failure_with_its_traceback(tmp_path, caplog):
+    """A job failed on its input (a worker ValueError) was in no log line at all, and an unexpected failure was
+    logged twice (the engine's traceback, then the runner's line)."""
+    from harness import FakeWorker
+
+    from k6serve.models.variants import VARIANTS
+
+    class RefusingWorker(FakeWorker):
+        def run(self, params, output, on_step=None):
+            if params.prompt == "refuse":
+                raise ValueError("the worker refuses this request")
+            return super().run(params, output, on_step)
+
+    server = start_server(tmp_path, worker=RefusingWorker(VARIANTS["pro-distill"]))
+    try:
+        with caplog.at_level("INFO"), server.client() as client:
+            ids = {}
+            for prompt in ("refuse", "fail", "fine"):
+                ids[prompt] = client.post("/v1/videos", json={"prompt": prompt, "size": "32x32",
+                                                               "num_frames": 5}).json()["id"]
+                wait_for(client, ids[prompt])
+        about = {prompt: [record for record in caplog.records if job_id in record.getMessage()
+                          and record.name.startswith("k6serve")] for prompt, job_id in ids.items()}
+        (refused,) = about["refuse"]
+        assert refused.levelname == "WARNING" and refused.exc_info is None
+        assert refused.getMessage() == (f"job {ids['refuse']} failed (invalid_request): the worker refuses this "
+                                        "request")
+        (failed,) = [record for record in about["fail"] if record.levelname in ("WARNING", "ERROR")]
+        assert failed.levelname == "ERROR" and failed.exc_info is not None
+        assert not [record for record in caplog.records if record.name == "k6serve.runtime.engine"
+                    and record.levelname == "ERROR"]  # not a second time by the engine
+        (done,) = about["fine"]
+        assert done.levelname == "INFO" and re.fullmatch(rf"job {ids['fine']} completed in \d+\.\d s \(\d+\.\d s "
+                                                         r"from its creation\)", done.getMessage())
+    finally:
+        server.stop()

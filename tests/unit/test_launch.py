@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -513,7 +514,10 @@ def test_what_every_rank_would_say_alike_is_said_by_rank_0_only(rank):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     alike = ["[rank 0] WARNING k6serve.x: the same on every rank"] if rank == 0 else []
-    assert run.stderr.splitlines() == [*alike, f"[rank {rank}] INFO k6serve.x: this rank's own"]
+    # Each line starts with its time (asctime), then the rank.
+    lines = run.stderr.splitlines()
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[rank", line) for line in lines), lines
+    assert [line.split(" ", 2)[2] for line in lines] == [*alike, f"[rank {rank}] INFO k6serve.x: this rank's own"]
 
 
 def test_a_rank_started_with_sigint_blocked_survives_ctrl_c_while_its_interpreter_boots():
