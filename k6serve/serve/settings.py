@@ -43,6 +43,12 @@ class ServerSettings:
             # HTTP drops the spaces around a header value, so no client could ever send this key.
             raise ValueError("--api-key must not start or end with whitespace, which no Authorization header can "
                              "carry; pass the key without it.")
+        if self.api_key is not None and not all(" " <= character <= "~" for character in self.api_key):
+            # A header value is visible ASCII and spaces (RFC 9110 5.5): a key with a newline (a file read with its
+            # line end) or any other character was accepted, and every request was then a 401.
+            raise ValueError("--api-key must be printable ASCII (letters, digits, punctuation, inner spaces), which "
+                             "is what an Authorization header carries; it holds another character (a line end from a "
+                             "file read whole?).")
 
         if self.served_model_name is not None:
             name = self.served_model_name

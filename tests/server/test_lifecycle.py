@@ -681,6 +681,9 @@ def test_a_second_server_on_the_same_output_folder_refuses_to_start_whatever_its
     # under it, or answering 500 on every finished job (math.ceil of nan / inf in expires_at) or upload.
     (["--api-key", ""], r"--api-key must not be empty; leave it unset"),
     (["--api-key", " key "], r"--api-key must not start or end with whitespace"),
+    # Accepted, and then every request was a 401: no header carries a line end (a key file read whole).
+    (["--api-key", "k1\nk2"], r"--api-key must be printable ASCII .*\(a line end from a file read whole\?\)"),
+    (["--api-key", "ключ"], r"--api-key must be printable ASCII"),
     (["--output-path", ""], r"--output-path is empty; pass a path"),
     (["--job-store", " "], r"--job-store is empty; pass a path"),  # was "PosixPath('.') has an empty name"
     (["--allowed-input-dir", ""], r"--allowed-input-dir is empty; pass a folder"),
