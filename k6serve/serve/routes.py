@@ -801,6 +801,14 @@ def _lora_error_param(message: str, body: type | None) -> str | None:
     return "lora_nickname" if body is SetLoraBody and re.search(r"\bnickname\b", message) else None
 
 
+def _refuse_lora_on_super_resolution(ctx: ServerContext) -> None:
+    """The worker's refusal of any adapter change on a super-resolution model, now: it waited behind every queued
+    job (45 s behind two) before saying so."""
+    if ctx.variant.family == SUPER_RESOLUTION:
+        raise ApiError(400, f"LoRA adapters apply to the Kandinsky 6 generation DiT; {ctx.variant.name} is a "
+                            "super-resolution model, which takes none.", code="invalid_lora")
+
+
 async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
     """Submit a LoRA operation and answer its result: 400 for a ValueError (bad adapter, nothing changed), 500 for
     any other failure, with its message (the reference answers every failure with 500 and a detail string)."""
@@ -822,6 +830,7 @@ async def set_lora(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, SetLoraBody)
+    _refuse_lora_on_super_resolution(ctx)
     operation = _lora_operation(set_lora_operation, body.lora_nickname, body.lora_path, body.strength,
                                 merge_mode=body.merge_mode, target=body.target, lora_alpha=body.lora_alpha,
                                 names={"nickname": "lora_nickname", "path": "lora_path"})
@@ -834,6 +843,7 @@ async def merge_lora_weights(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, MergeLoraBody)
+    _refuse_lora_on_super_resolution(ctx)
     operation = _lora_operation(merge_lora_operation, body.target, body.strength)
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation), MergeLoraBody)
 
@@ -845,6 +855,7 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, UnmergeLoraBody)
+    _refuse_lora_on_super_resolution(ctx)
     operation = _lora_operation(unmerge_lora_operation, body.target)
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnmergeLoraBody)
 
@@ -856,6 +867,7 @@ async def unload_lora(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     await _refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, UnloadLoraBody)
+    _refuse_lora_on_super_resolution(ctx)
     operation = _lora_operation(unload_lora_operation, body.lora_nickname, name="lora_nickname")
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnloadLoraBody)
 

@@ -687,3 +687,14 @@ def test_an_uploaded_playlist_cannot_read_a_file_outside_the_allowed_folders(vsr
         assert error["message"].startswith("The uploaded video_reference is not a video file k6serve reads: FFmpeg "
                                            "reads it as a format k6serve does not open (a playlist such as HLS")
         assert client.get("/v1/videos").json()["data"] == []
+
+
+def test_adapter_changes_on_a_super_resolution_server_are_refused_at_once(vsr_server):
+    """The worker refuses them (its DiT takes no adapters), but only after every queued job: 45 s behind two."""
+    with vsr_server.client() as client:
+        for route, body in (("/v1/set_lora", {"lora_nickname": "a", "lora_path": "/a.safetensors"}),
+                            ("/v1/merge_lora_weights", {}), ("/v1/unmerge_lora_weights", {}),
+                            ("/v1/unload_lora", {"lora_nickname": "a"})):
+            error = _assert_error(client.post(route, json=body), 400, code="invalid_lora")
+            assert error["message"] == ("LoRA adapters apply to the Kandinsky 6 generation DiT; vsr-distilled2steps "
+                                        "is a super-resolution model, which takes none."), route
