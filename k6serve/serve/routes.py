@@ -824,52 +824,44 @@ async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
     return JSONResponse(result)
 
 
+async def _lora_route(request: Request, model: type, build) -> JSONResponse:
+    """The adapter-changing routes' one flow: the body read and checked, a super-resolution server's refusal, the
+    operation built by the Python API's checks (`build(body)`), then queued behind the jobs created before it."""
+    ctx = _ctx(request)
+    await _refuse_without_replicas(request, ctx)
+    body = await _read_lora_body(request, model)
+    _refuse_lora_on_super_resolution(ctx)
+    operation = _lora_operation(build, body)
+    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), model)
+
+
 @router.post("/v1/set_lora", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters")
 async def set_lora(request: Request) -> JSONResponse:
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
-    body = await _read_lora_body(request, SetLoraBody)
-    _refuse_lora_on_super_resolution(ctx)
-    operation = _lora_operation(set_lora_operation, body.lora_nickname, body.lora_path, body.strength,
-                                merge_mode=body.merge_mode, target=body.target, lora_alpha=body.lora_alpha,
-                                names={"nickname": "lora_nickname", "path": "lora_path"})
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), SetLoraBody)
+    return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
+        body.lora_nickname, body.lora_path, body.strength, merge_mode=body.merge_mode, target=body.target,
+        lora_alpha=body.lora_alpha, names={"nickname": "lora_nickname", "path": "lora_path"}))
 
 
 @router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights")
 async def merge_lora_weights(request: Request) -> JSONResponse:
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
-    body = await _read_lora_body(request, MergeLoraBody)
-    _refuse_lora_on_super_resolution(ctx)
-    operation = _lora_operation(merge_lora_operation, body.target, body.strength)
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), MergeLoraBody)
+    return await _lora_route(request, MergeLoraBody, lambda body: merge_lora_operation(body.target, body.strength))
 
 
 @router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(UnmergeLoraBody),
              summary="Deactivate every LoRA adapter and restore the base weights bit for bit")
 async def unmerge_lora_weights(request: Request) -> JSONResponse:
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
-    body = await _read_lora_body(request, UnmergeLoraBody)
-    _refuse_lora_on_super_resolution(ctx)
-    operation = _lora_operation(unmerge_lora_operation, body.target)
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnmergeLoraBody)
+    return await _lora_route(request, UnmergeLoraBody, lambda body: unmerge_lora_operation(body.target))
 
 
 @router.post("/v1/unload_lora", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(UnloadLoraBody),
              summary="Forget loaded LoRA adapters that are not active, freeing their memory")
 async def unload_lora(request: Request) -> JSONResponse:
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
-    body = await _read_lora_body(request, UnloadLoraBody)
-    _refuse_lora_on_super_resolution(ctx)
-    operation = _lora_operation(unload_lora_operation, body.lora_nickname, name="lora_nickname")
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), UnloadLoraBody)
+    return await _lora_route(request, UnloadLoraBody,
+                             lambda body: unload_lora_operation(body.lora_nickname, name="lora_nickname"))
 
 
 @router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters")
