@@ -739,6 +739,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        # Above info, the libraries' progress bars go too (transformers' "Loading weights", two per rank at every
+        # start, and hub downloads'): huggingface_hub reads this when imported, here and in the rank processes,
+        # which inherit the environment. k6serve's own denoising bar on the console stays.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if unknown:
         print(f"error: {unrecognized_arguments(unknown, parser, args.command)}", file=sys.stderr)
         return EXIT_USER_ERROR

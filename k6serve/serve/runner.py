@@ -195,7 +195,7 @@ class JobRunner:
             # A summary, not the replay list: with a hundred adapters loaded that was one 23 KB line.
             now = self._lora_state.now
             active = ", ".join(f"{spec.nickname} {spec.strength:g}" for spec in now.active) or "none"
-            logger.warning("restored the LoRA adapters set before the restart: %d loaded; active: %s%s",
+            logger.info("restored the LoRA adapters set before the restart: %d loaded; active: %s%s",
                            len(now.loaded), active, f" ({now.mode})" if now.mode else "")
 
     def _reload_inactive(self, operation: SetLora) -> None:
@@ -244,6 +244,8 @@ class JobRunner:
                 if job is not None and job.cancel_requested_at is None:
                     self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
                                           started_at=None, attempts=max(0, job.attempts - 1))
+                    logger.info("job %s was running at the shutdown: back in the queue, it runs again at the next "
+                                "start", job.id)
                 if current.id in self._past_last_step:
                     logger.warning("job %s is past its last step: it stops at the next chunk of its video decode, "
                                    "or, if the decode has ended, shutdown waits up to %g s for its MP4", current.id,

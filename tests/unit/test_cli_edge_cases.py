@@ -1130,3 +1130,17 @@ def test_a_json_object_flag_shows_its_own_example(flag, value, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["generate", "--model-path", "demo", "--prompt", "x", flag, value])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_above_info_the_libraries_progress_bars_are_off(monkeypatch, capsys):
+    """transformers' "Loading weights" bars (two per rank at every start) printed even at --log-level warning; the
+    hub's switch is set for this process and the ranks it starts, unless the user set it."""
+    import os
+
+    environ = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    monkeypatch.setattr(os, "environ", environ)
+    assert main(["generate", "--log-level", "warning", "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
+    assert environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0"  # the user's own choice stays
+    assert main(["generate", "--log-level", "error", "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
+    assert environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
