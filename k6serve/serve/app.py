@@ -362,10 +362,17 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     # An explicit empty --api-key is refused by ServerSettings (it ran with no key at all); an empty
     # $K6SERVE_API_KEY is as if unset.
     api_key = options.get("api_key")
+    from_environment = api_key is None and bool(os.environ.get(API_KEY_ENV))
     api_key = (os.environ.get(API_KEY_ENV) or None) if api_key is None else api_key
     if api_key is not None:
         values["api_key"] = api_key
-    return ServerSettings(**values)
+    try:
+        return ServerSettings(**values)
+    except ValueError as exc:
+        if from_environment and "--api-key" in str(exc):
+            # The key came from the environment: the message named a flag the user never typed.
+            raise ValueError(str(exc).replace("--api-key", f"${API_KEY_ENV} (the --api-key default)", 1)) from None
+        raise
 
 
 def _flag_name(option: str) -> str:

@@ -413,6 +413,8 @@ class JobRunner:
                     self._record(started, JobStatus.FAILED, error_code="output_not_writable",
                                  error_message=OUTPUT_NOT_WRITABLE, logged=True)
                     continue
+                logger.info("job %s started%s", job.id,
+                            f" (attempt {started.attempts})" if started.attempts > 1 else "")
                 params = SamplingParams(**started.params)
                 # The job's file already there can only be its own video from an earlier attempt that wrote it and
                 # was then cut off (a crash, or a shutdown that outwaited the decode, after which the job was

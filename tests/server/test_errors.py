@@ -939,8 +939,12 @@ def test_each_job_that_ends_is_logged_once_and_only_the_unexpected_failure_with_
                 ids[prompt] = client.post("/v1/videos", json={"prompt": prompt, "size": "32x32",
                                                                "num_frames": 5}).json()["id"]
                 wait_for(client, ids[prompt])
-        about = {prompt: [record for record in caplog.records if job_id in record.getMessage()
-                          and record.name.startswith("k6serve")] for prompt, job_id in ids.items()}
+        mentions = {prompt: [record for record in caplog.records if job_id in record.getMessage()
+                             and record.name.startswith("k6serve")] for prompt, job_id in ids.items()}
+        # One INFO line when each starts, then the one that says how it ended.
+        for prompt, records in mentions.items():
+            assert records[0].getMessage() == f"job {ids[prompt]} started" and records[0].levelname == "INFO"
+        about = {prompt: records[1:] for prompt, records in mentions.items()}
         (refused,) = about["refuse"]
         assert refused.levelname == "WARNING" and refused.exc_info is None
         assert refused.getMessage() == (f"job {ids['refuse']} failed (invalid_request): the worker refuses this "

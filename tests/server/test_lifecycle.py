@@ -723,3 +723,10 @@ def test_an_empty_api_key_variable_is_unset_but_an_empty_flag_is_refused(monkeyp
     assert settings_from_options({}).api_key == "secret"
     with pytest.raises(ValueError, match="--api-key must not be empty"):
         settings_from_options({"api_key": ""})  # not the variable's key in its place, nor none at all
+    # A bad key from the variable is named as the variable, not as a flag the user never typed.
+    monkeypatch.setenv("K6SERVE_API_KEY", " secret\n")
+    with pytest.raises(ValueError, match=r"^\$K6SERVE_API_KEY \(the --api-key default\) must not start or end with "
+                                         r"whitespace"):
+        settings_from_options({})
+    with pytest.raises(ValueError, match=r"^--api-key must be printable ASCII"):
+        settings_from_options({"api_key": "k\n1"})  # the flag's own key keeps the flag's name
