@@ -108,7 +108,8 @@ class ComponentOffload:
             return []
         rest = [component] if component in self.weights else []
         if not part:
-            assert component in self.weights or component in self.parts, (
+            # `parts` names every offloaded component (an empty tuple for one without parts)
+            assert component in self.parts, (
                 f"no component named {component!r}; known: {sorted([*self.parts, *self.resident])}")
             return [*self.parts.get(component, ()), *rest]
         assert name in self.weights, f"no part named {name!r}; known: {sorted(self.weights)}"

@@ -72,8 +72,7 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
     tells a job's size when it is created, from the same code the worker runs (`plan_upscale`)."""
     scale = resolve_scale(request.scale)
     height, width = source_size
-    input_size = pre_upscale_size(height, width) if scale.pre_upscale != 1.0 else (height, width)
-    crop_size = (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
+    input_size, crop_size = _input_and_crop_sizes(source_size, scale)
     delivery_size = crop_size
     notes: tuple[str, ...] = ()
     if scale.pre_upscale != 1.0:
@@ -138,16 +137,17 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
                         notes=notes)
 
 
+def _input_and_crop_sizes(source_size: tuple[int, int], scale: ScalePlan
+                          ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(H, W) after the x1.125 pre-upscale (the source's at x2 and x4), and that x the tiling scale: the canvas."""
+    input_size = pre_upscale_size(*source_size) if scale.pre_upscale != 1.0 else tuple(source_size)
+    return input_size, (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
+
+
 def _smaller_scales(source_size: tuple[int, int], scale: float) -> str:
     """The fix for a source too large at `scale`: the smaller scales that fit, or the source's largest size."""
-    height, width = source_size
-    fitting = []
-    for smaller in (2.25, 2):
-        if smaller < scale:
-            plan = resolve_scale(smaller)
-            input_size = pre_upscale_size(height, width) if plan.pre_upscale != 1.0 else (height, width)
-            if frame_macroblocks(*(side * plan.tiling_scale for side in input_size)) <= MAX_FRAME_MACROBLOCKS:
-                fitting.append(f"{smaller:g}")
+    fitting = [f"{smaller:g}" for smaller in (2.25, 2) if smaller < scale and frame_macroblocks(
+        *_input_and_crop_sizes(source_size, resolve_scale(smaller))[1]) <= MAX_FRAME_MACROBLOCKS]
     if fitting:
         return f"use sr_resolution_scale {' or '.join(fitting)}, or a smaller source."
     return ("downscale the source first (at x2, to at most 4096x2160 or another frame of at most "

@@ -6,7 +6,8 @@ The state is the shortest list of operations that rebuilds the adapters the work
   dynamic `SetLora` followed by an `UnmergeLora`, since a job queued before the restart may name it in its own
   `loras` (the `--lora-path` adapter, which the worker loads at start, is left out unless set again since);
 - then the active ones: the last `SetLora` (every spec with its path written out, since a restarted worker has no
-  adapter cache to resolve `path=None` from) and the `MergeLora`s after it; or, after an `UnmergeLora` or an empty
+  adapter cache to resolve `path=None` from) and the `MergeLora` after it (merges in a row folded into one, at the
+  last strength given: a merge rebuilds from the base weights); or, after an `UnmergeLora` or an empty
   `SetLora`, an `UnmergeLora`, which also takes the `--lora-path` adapter out again (an empty list would bring it back
   active, though the jobs queued since were created without it).
 An `UnloadLora` is not replayed: the adapters it drops leave the first step. The runner records the state after each

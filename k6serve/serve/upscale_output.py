@@ -35,10 +35,10 @@ class SourceUnusable(ValueError):
 
 def expected_upscale_output(request: UpscaleRequest, tiling: SRTiling | None = None) -> UpscaleOutput:
     """What `request` will deliver. A source the worker's reader refuses raises `SourceUnusable` with the reader's
-    message (the worker would fail the job with it, after the load or the queue). A size that cannot be made (an `exact` target larger than the result, a frame over
-    H.264's limits) raises the worker's ValueError, and with the checkpoint's `tiling` a source smaller than one
-    tile of its scale raises its `SourceTooSmall`, as the worker's own plan does: the server refuses the job at
-    once."""
+    message (the worker would fail the job with it, after the load or the queue). A size that cannot be made (an
+    `exact` target larger than the result, a frame over H.264's limits) raises the worker's ValueError, and with the
+    checkpoint's `tiling` a source smaller than one tile of its scale raises its `SourceTooSmall`, as the worker's own
+    plan does: the server refuses the job at once."""
     try:
         with SRSourceReader(request.video_path) as reader:
             source = reader.preview()
