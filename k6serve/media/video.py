@@ -20,6 +20,7 @@ import av.container
 import av.video.stream
 import numpy as np
 
+from k6serve.media.color import SdrFrames
 from k6serve.media.container import describe_streams, open_input, still_image_demuxer, video_streams
 
 logger = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ class SRSourceReader:
             self._decoded_until: float | None = None  # the end of the last decoded frame, in seconds
             self._start_time: float | None = None  # the first decoded frame's time (always kept), in seconds
             self._sample_aspect_ratio: Fraction | None = None  # the first decoded frame's (`pixel_aspect_ratio`)
-            self._transfer: int | None = None  # the first decoded frame's transfer characteristic (AVCOL_TRC_*)
+            self._colors = SdrFrames()  # HDR and wide-gamut frames brought into BT.709 SDR (`media.color`)
             self._num_seen = 0
             # Per decoded frame index: its time less its time at the average rate, in seconds.
             self._timing_offsets: dict[int, float] = {}
@@ -293,7 +294,7 @@ class SRSourceReader:
     def frames(self) -> Iterator[np.ndarray]:
         """The selected RGB uint8 (H, W, 3) frames, decoded one at a time."""
         for _, frame in _decode_rgb(self._container, self._stream, self.path, keep=self._selection.offer,
-                                    seen=self._seen):
+                                    seen=self._seen, colors=self._colors):
             yield frame
         self._finished = True
 
@@ -302,7 +303,6 @@ class SRSourceReader:
         if self._num_seen == 1:
             self._start_time = frame.time
             self._sample_aspect_ratio = pixel_aspect_ratio(self._stream.sample_aspect_ratio, frame.rotation)
-            self._transfer = frame.color_trc
         if frame.time is not None and self._start_time is not None:
             # Frames are selected by index at the stream's average rate, as the reference does; a variable frame
             # rate (or frames lost in a damaged stretch) puts them elsewhere in time than that rate says, and the
@@ -376,12 +376,10 @@ class SRSourceReader:
             notes.append(f"the source's pixels are not square (sample aspect ratio {sar.numerator}:{sar.denominator}"
                          "): its frames are as stored, which shows them squeezed or stretched until scaled by that "
                          "ratio")
-        if self._transfer in HDR_TRANSFERS:
-            hdr = (f"the source is HDR ({HDR_TRANSFERS[self._transfer]} transfer): its code values are upscaled as "
-                   "they are and the MP4 is tagged BT.709 SDR, so it looks washed out; tone-map the source to SDR "
-                   "(BT.709) first for true colours")
-            logger.warning("%s: %s", path, hdr)
-            notes.append(hdr)
+        if self._colors.mapping is not None:
+            colors = self._colors.mapping.note()
+            logger.info("%s: %s", path, colors)
+            notes.append(colors)
         return SourceSummary(
             num_frames=num_kept,
             fps=plan.output_fps,
@@ -470,10 +468,6 @@ def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str
     return float(rate)
 
 
-# FFmpeg's AVCOL_TRC_* values of the HDR transfers: PQ (HDR10, Dolby Vision's base) and HLG.
-HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
-
-
 def pixel_aspect_ratio(sample_aspect_ratio: Fraction | None, rotation: float) -> Fraction | None:
     """A stream's sample aspect ratio (pixel width over height) for its frames as `_upright` turns them: inverted
     by a quarter turn; None for square pixels or none stated (FFmpeg's 0:1)."""
@@ -505,9 +499,11 @@ def _decode_rgb(
     path: str | os.PathLike[str],
     keep: Callable[[int], bool | None],
     seen: Callable[[av.VideoFrame], None] | None = None,
+    colors: SdrFrames | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (index, RGB frame) for decoded frames where `keep(index)` is True; stop on None. `seen` gets every
-    decoded frame, kept or not."""
+    decoded frame, kept or not; `colors` converts them (BT.709 SDR RGB; a new `SdrFrames` when None)."""
+    colors = SdrFrames() if colors is None else colors
     stream.codec_context.thread_type = "AUTO"
     size = None
     try:
@@ -526,6 +522,6 @@ def _decode_rgb(
                     f"video file {str(path)!r} changes frame size at frame {index} "
                     f"({size[0]}x{size[1]} -> {frame.width}x{frame.height}); re-encode it at one size"
                 )
-            yield index, _upright(frame.to_ndarray(format="rgb24"), frame.rotation)
+            yield index, _upright(colors.rgb(frame), frame.rotation)
     except av.error.FFmpegError as exc:
         raise ValueError(f"cannot decode video file {str(path)!r}: {exc}") from exc

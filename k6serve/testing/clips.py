@@ -51,6 +51,7 @@ def make_clip(
     audio_delay: float = 0.0,
     sample_aspect_ratio: Fraction | None = None,
     hdr_transfer: int | None = None,
+    color_primaries: int | None = None,
 ) -> Path:
     """Write `moving_pattern` as H.264 in an .mp4/.mkv/.mov, with an AAC tone as long as the video; `rotation`
     (degrees counter-clockwise) is stored as the display matrix a phone writes for a portrait video; `faststart`
@@ -58,7 +59,9 @@ def make_clip(
     `audio_delay` (seconds) starts the soundtrack that much after the first frame, or (< 0) the video that many
     whole frames after the soundtrack, as camera files and stream-copy cuts have it. `sample_aspect_ratio` tags
     non-square pixels (an anamorphic DVD or camera file: a 4:3 ratio shows 64x48 as 16:9); `hdr_transfer` (FFmpeg's
-    AVCOL_TRC_*: 16 PQ, 18 HLG) tags the stream HDR, BT.2020, as an HDR10 or HLG camera file is."""
+    AVCOL_TRC_*: 16 PQ, 18 HLG) tags the stream HDR, BT.2020, as an HDR10 or HLG camera file is; `color_primaries`
+    (AVCOL_PRI_*: 9 BT.2020, 12 Display P3) tags the stream's primaries (and, for 9, its matrix). Only the tags: the
+    pixels are the pattern's codes either way."""
     path = Path(path)
     if path.suffix not in _FORMATS:
         raise ValueError(f"clip suffix must be one of {sorted(_FORMATS)}, got {path.name!r}")
@@ -83,6 +86,10 @@ def make_clip(
         if hdr_transfer is not None:
             stream.codec_context.color_trc = hdr_transfer
             stream.codec_context.color_primaries = stream.codec_context.colorspace = 9  # BT.2020 (non-constant)
+        if color_primaries is not None:
+            stream.codec_context.color_primaries = color_primaries
+            if color_primaries == 9:
+                stream.codec_context.colorspace = 9
         audio_stream = (
             _add_aac_stream(container, audio_rate, num_channels) if num_channels else None
         )

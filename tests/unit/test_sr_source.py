@@ -153,22 +153,6 @@ def test_summary_needs_the_frames_read_first(tmp_path):
         reader.summary()
 
 
-@pytest.mark.parametrize("transfer, name", [(16, "PQ, SMPTE ST 2084"), (18, "HLG, ARIB STD-B67")])
-def test_an_hdr_source_is_said_to_come_out_tagged_sdr(tmp_path, caplog, transfer, name):
-    """An HDR10 or HLG camera file was re-tagged BT.709 SDR with its code values as they were (washed out), and
-    nothing said so."""
-    path = make_clip(tmp_path / "hdr.mp4", width=32, height=32, num_frames=9, fps=24, hdr_transfer=transfer)
-    with caplog.at_level("WARNING", logger="k6serve.media.video"), SRSourceReader(path) as reader:
-        list(reader.frames())
-        summary = reader.summary()
-    hdr = [note for note in summary.notes if "HDR" in note]
-    assert hdr == [f"the source is HDR ({name} transfer): its code values are upscaled as they are and the MP4 is "
-                   "tagged BT.709 SDR, so it looks washed out; tone-map the source to SDR (BT.709) first for true "
-                   "colours"]
-    assert hdr[0] in caplog.text
-    assert summary.sample_aspect_ratio is None
-
-
 def test_pixel_aspect_ratio_is_turned_with_the_frames():
     from fractions import Fraction
 
