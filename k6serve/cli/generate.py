@@ -59,10 +59,11 @@ def format_timings(result) -> str:
 
 
 def format_summary(result) -> str:
-    """The last line: where the video went, and its shape."""
+    """The last line: where the video went, its shape and its seed."""
     frames = f"{result.num_frames} frame{'' if result.num_frames == 1 else 's'}"
+    # The seed too: with --output-file-name, --no-save-output or an SR name, the file name does not carry it.
     shape = (f"{result.width}x{result.height}, {frames}, {result.fps:g} fps"
-             f"{', with audio' if result.has_audio else ', no audio'}")
+             f"{', with audio' if result.has_audio else ', no audio'}, seed {result.seed}")
     if result.output_file_path:
         return f"saved {result.output_file_path} ({shape})"
     return f"not saved (--no-save-output): {shape}"

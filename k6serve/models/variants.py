@@ -39,6 +39,9 @@ DEFAULT_NEGATIVE_PROMPT = (
 DEMO_MARKER = "k6serve_demo.json"
 
 
+DEFAULT_SEED = 42  # every variant's: a request without a seed runs with it
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Variant:
     name: str  # e.g. "pro-distill"
@@ -52,7 +55,7 @@ class Variant:
     width: int = 768
     num_frames: int = 121
     fps: float = 24.0
-    seed: int = 42
+    seed: int = DEFAULT_SEED
     is_demo: bool = False
 
 

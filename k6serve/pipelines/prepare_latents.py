@@ -2,7 +2,9 @@
 
 Random numbers follow the reference order on one generator: (TI2AV) the VAE posterior sample of the image,
 then the video noise, then the audio noise, each drawn on the generator's device directly in the transformer
-dtype. We use a CPU generator, so a seed gives the same noise on every device.
+dtype. We use a CPU generator, so a seed gives the same noise on every device. That generator (torch's Mersenne
+Twister, which diffusers draws with too) keeps only a seed's low 32 bits: seeds 2**32 apart draw the same noise, so
+outputs follow diffusers' for every seed, and `cpu_seed_note` tells a user whose seed is 2**32 or more.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ VAE_TEMPORAL = 4
 
 def make_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def cpu_seed_note(seed: int) -> str | None:
+    """A note for a seed that torch's CPU generator cuts to its low 32 bits (the module docstring), else None."""
+    if seed < 2**32:
+        return None
+    return (f"seed {seed} draws the same noise as seed {seed % 2**32}: torch's CPU random generator, which draws "
+            "the noise (as in diffusers), keeps only a seed's low 32 bits; for distinct outputs use seeds below "
+            "2**32 (4294967296)")
 
 
 def randn(shape: tuple[int, ...], generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

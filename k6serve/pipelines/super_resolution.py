@@ -22,6 +22,7 @@ from k6serve.models.variants import Variant
 from k6serve.offload.components import RESIDENT
 from k6serve.parallel.spatial_shard_decode import spatial_shard_of
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink, final_step_check
+from k6serve.pipelines.prepare_latents import cpu_seed_note
 from k6serve.pipelines.sr_plan import UpscalePlan, plan_upscale
 from k6serve.pipelines.sr_source import read_and_encode
 from k6serve.pipelines.sr_tiling import stretches_aspect
@@ -133,7 +134,9 @@ class SuperResolutionPipeline:
         timings["dit_per_call"] = timings["dit"] / (
             sampler.num_steps * -(-plan.num_tiles // request.tiles_batch_size)
         )
-        notes = [*source.notes, *plan.notes, *aspect_note,
+        # Tile noise is drawn on the DiT's device: CUDA's Philox generator takes all 64 bits of a seed, the CPU's 32.
+        seed_note = cpu_seed_note(request.seed) if m.device.type == "cpu" else None
+        notes = [*source.notes, *plan.notes, *aspect_note, *([seed_note] if seed_note else []),
                  f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
         return SuperResolutionOutput(
             video=UpscaledVideo(frames_THWC=frames_THWC),

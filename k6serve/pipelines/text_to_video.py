@@ -25,6 +25,7 @@ from k6serve.pipelines.decode_stream import (
 from k6serve.pipelines.denoise import StepCallback, denoise
 from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding, truncation_note
 from k6serve.pipelines.prepare_latents import (
+    cpu_seed_note,
     encode_reference_image,
     make_generator,
     prepare_latents,
@@ -153,6 +154,8 @@ class TextToVideoPipeline:
             raise ValueError("a video_sink gets uint8 frames only; build the pipeline with keep_float_frames=False")
         timings: dict[str, float] = {}
         notes = self.truncation_notes(request)
+        if (seed_note := cpu_seed_note(request.seed)) is not None:
+            notes.append(seed_note)
         start = time.perf_counter()
         conditioning = self.encode(request)
         generator = make_generator(request.seed)

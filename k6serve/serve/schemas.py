@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, create_model
 
-from k6serve.models.variants import SUPER_RESOLUTION, Variant, seconds_to_num_frames
+from k6serve.models.variants import DEFAULT_SEED, SUPER_RESOLUTION, Variant, seconds_to_num_frames
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import SamplingParams, parameter_fields, parse_size
 from k6serve.serve.errors import ApiError
@@ -125,6 +125,14 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
             also = " or a list of them" if isinstance(value, list) else ""
             raise ApiError(400, f"{name} must be {numeric[name]} such as 4{also}, got {_shown_value(value)}.",
                            code="invalid_parameter", param=name)
+        if numeric.get(name) == "an integer" and any(isinstance(item, float) and not abs(item) < 2**53
+                                                     for item in values):
+            # A JSON number written with a decimal point or an exponent is a double, which holds every integer only
+            # below 2**53: {"seed": 9007199254740993.0} ran with seed 9007199254740992, and 1e19 got pydantic's
+            # "unable to parse input string".
+            raise ApiError(400, f"{name} must be an integer such as 4, written without a decimal point or an exponent "
+                                f"at this size (a decimal number holds every integer only below 2**53), got "
+                                f"{_shown_value(value)}.", code="invalid_parameter", param=name)
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             kind = "string" if name in string_fields else "number"
             also = " or a list of them" if isinstance(value, list) else ""
@@ -453,6 +461,8 @@ class VideoJob(BaseModel):
     expires_at: int | None = Field(None, description="When the output and this record are deleted (--output-ttl).")
     size: str | None = Field(None, description="'WxH', width first.")
     seconds: str | None = None
+    seed: int | None = Field(None, description="The noise seed the job runs with (42 when the request gave none): "
+                                               "the same request with this seed gives the same video.")
     error: JobError | None = None
     inference_time_s: float | None = None
     peak_memory_mb: float | None = None
@@ -530,6 +540,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) ->
         expires_at=expires_at(job, output_ttl_s),
         size=job.size,
         seconds=job.seconds,
+        seed=DEFAULT_SEED if job.params.get("seed") is None else job.params["seed"],
         error=JobError(code=job.error_code or "error", message=job.error_message or "")
         if job.status == JobStatus.FAILED or job.error_message else None,
         inference_time_s=job.inference_time_s,

@@ -29,6 +29,7 @@ def test_json_create_completes_with_every_job_field(fake_client):
     assert job["id"].startswith("video_")
     # size is width first; 2 s at 24 fps = 48 frames -> 49 by the (n // 4) * 4 + 1 rule -> 2.04167 s.
     assert job["size"] == "96x64" and job["seconds"] == "2.04167"
+    assert job["seed"] == 42  # the default, so the user can run the same video again
     # Said, as a num_frames off the rule is said (it was silent: the client sent no frame count to see it in).
     assert job["warnings"] == ["seconds 2 at 24 fps is 48 frames, not of the form 4k+1; using 49 (2.04167 s; "
                                "n // 4 * 4 + 1 frames, as the reference)."]
@@ -77,6 +78,7 @@ def test_vsr_defaults_and_sr_fields(tmp_path):
                       "sr_tile_min_overlap": 0.3, "sr_target_resolution": "hd", "sr_target_resize_mode": "exact",
                       "seed": 7}
             job = client.post("/v1/videos", json=fields).json()
+            assert job["seed"] == 7 and wait_for(client, job["id"])["seed"] == 7
             assert wait_for(client, job["id"])["status"] == "completed"
             request = worker.requests[-1]
             assert (request.scale, request.tiles_batch_size, request.tile_min_overlap, request.target_resolution,

@@ -52,6 +52,10 @@ def _still_serves(client) -> None:
         ({"prompt": "x", "seed": "abc"}, "seed", "integer"),
         ({"prompt": "x", "seed": -1}, "seed", "[0, 2**63)"),
         ({"prompt": "x", "seed": 1.5}, "seed", "integer"),
+        # A decimal number holds every integer only below 2**53: 9007199254740993.0 ran with ...992, and 1e19 got
+        # pydantic's "unable to parse input string".
+        ({"prompt": "x", "seed": 9007199254740993.0}, "seed", "without a decimal point or an exponent"),
+        ({"prompt": "x", "seed": 1e19}, "seed", "got 1e+19"),
         ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "between 1 and 1000"),
         ({"prompt": "x", "guidance_scale": 2.0}, "guidance_scale", "exactly 1.0"),
         ({"prompt": "x", "width": 33}, "width", "multiple of 16"),

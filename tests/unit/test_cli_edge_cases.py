@@ -8,6 +8,7 @@ import sys
 from datetime import datetime
 from fractions import Fraction
 
+import numpy as np
 import PIL.Image
 import pytest
 import torch
@@ -29,6 +30,18 @@ def generator(tiny_distill_dir):
     config = build_engine_config(str(tiny_distill_dir), device="cpu")
     with DiffGenerator(Engine(config, worker=ModelWorker(config))) as gen:
         yield gen
+
+
+def test_a_seed_past_32_bits_is_said_to_draw_its_low_32_bits_noise(generator):
+    """torch's CPU generator (diffusers' too) keeps a seed's low 32 bits: seeds 2**32 apart made the same video,
+    and nothing said so while the docs took seeds up to 2**63."""
+    low = generator.generate({**SMALL, "seed": 7, "save_output": False, "return_frames": True})
+    high = generator.generate({**SMALL, "seed": 2**32 + 7, "save_output": False, "return_frames": True})
+    np.testing.assert_array_equal(high.frames, low.frames)
+    assert not [note for note in low.notes if "32 bits" in note]
+    assert f"seed {2**32 + 7} draws the same noise as seed 7: torch's CPU random generator, which draws the noise " \
+           "(as in diffusers), keeps only a seed's low 32 bits; for distinct outputs use seeds below 2**32 " \
+           "(4294967296)" in high.notes
 
 
 def test_existing_output_file_name_is_refused_and_kept(generator, tmp_path):
@@ -382,6 +395,19 @@ def test_a_given_output_file_name_too_long_for_the_filesystem_is_refused_before_
     assert not (tmp_path / "out").exists()
 
 
+def test_sr_on_the_cpu_says_a_seed_past_32_bits_draws_its_low_32_bits_noise(sr_generator, sr_clip):
+    """SR draws tile noise on its device: on the CPU a seed 2**32 larger draws the same; on CUDA (Philox, all 64
+    bits) it would not, so only a CPU run gets the note."""
+    request = {"video_path": str(sr_clip), "sr_resolution_scale": 2, "save_output": False, "return_frames": True}
+    low = sr_generator.generate({**request, "seed": 3})
+    high = sr_generator.generate({**request, "seed": 2**32 + 3})
+    np.testing.assert_array_equal(high.frames, low.frames)
+    assert [note for note in high.notes if "low 32 bits" in note] == [
+        f"seed {2**32 + 3} draws the same noise as seed 3: torch's CPU random generator, which draws the noise (as "
+        "in diffusers), keeps only a seed's low 32 bits; for distinct outputs use seeds below 2**32 (4294967296)"]
+    assert not [note for note in low.notes if "low 32 bits" in note]
+
+
 def test_sr_output_never_replaces_the_source(sr_generator, sr_clip):
     before = sr_clip.read_bytes()
     with pytest.raises(ValueError, match="already exists"):
@@ -575,7 +601,7 @@ def test_cli_ctrl_c_after_the_video_was_saved_says_so(tiny_distill_dir, tmp_path
     saved = tmp_path / "clip.mp4"
     assert saved.is_file()
     assert err.endswith(f"error: interrupted (Ctrl-C) after the request finished; saved {saved} (32x32, 5 frames, "
-                        "24 fps, with audio).\n"), err
+                        "24 fps, with audio, seed 42).\n"), err
 
     monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", classmethod(interrupted))
     assert main([*args, "--output-file-name", "other"]) == 130
@@ -669,7 +695,7 @@ def test_cli_no_save_output_says_the_video_is_discarded(in_process_cli, tmp_path
     assert main([*in_process_cli, "--output-path", str(tmp_path), "--no-save-output"]) == 0
     captured = capsys.readouterr()
     assert "note: --no-save-output: the video is generated and then discarded" in captured.err
-    assert "not saved (--no-save-output): 32x32, 5 frames, 24 fps, with audio" in captured.out
+    assert "not saved (--no-save-output): 32x32, 5 frames, 24 fps, with audio, seed 42" in captured.out
     assert list(tmp_path.iterdir()) == []
 
 
@@ -838,8 +864,8 @@ def test_cli_summary_counts_frames_in_words(num_frames, text):
     from k6serve.cli.generate import format_summary
 
     result = SimpleNamespace(width=96, height=64, num_frames=num_frames, fps=24.0, has_audio=False,
-                             output_file_path=None)
-    assert format_summary(result) == f"not saved (--no-save-output): 96x64, {text} 24 fps, no audio"
+                             output_file_path=None, seed=2**40)
+    assert format_summary(result) == f"not saved (--no-save-output): 96x64, {text} 24 fps, no audio, seed {2**40}"
 
 
 def test_sr_without_a_source_names_the_api_keyword(sr_generator, tmp_path):
