@@ -78,6 +78,19 @@ def test_the_bt2390_roll_off_keeps_the_shadows_and_lands_the_peak():
     torch.testing.assert_close(color.bt2390_eetf(nits, 150.0, 203.0), nits.clamp(max=203.0))
 
 
+@pytest.mark.parametrize("peak", [250.0, 1000.0, 4000.0])
+def test_the_roll_off_table_is_the_formula_to_a_fiftieth_of_a_code_level(peak):
+    light = torch.cat([torch.linspace(0, 10000 / 203, 100001), torch.logspace(-6, 1.69, 10001)]).double()
+    exact = color.bt2390_eetf(light * 203, peak, 203) / 203
+    table = color._roll_off(light.float().unsqueeze(-1).repeat(1, 3), color._roll_off_ratios(peak / 203))
+
+    def code(linear):
+        return 255 * linear.double().clamp(0, 1) ** (1 / 2.4)
+
+    assert (code(table[:, 0]) - code(exact)).abs().max() < 0.02
+    torch.testing.assert_close(table[:, 1], table[:, 0])  # every channel scaled alike
+
+
 @pytest.mark.parametrize("nits", [1, 5, 20, 50, 80])
 def test_pq_grey_below_the_knee_is_ffmpegs_relative_colorimetric_mapping(nits):
     frame = _rgb48_frame((_pq_code(nits),) * 3, PQ, color.PRIMARIES_BT2020)
