@@ -2,7 +2,9 @@
 
 Loading mirrors `diffusers.utils.load_image` for files (EXIF orientation applied, converted to
 RGB); PIL images passed in are only converted to RGB, as diffusers' pipeline does not rotate them.
-Unlike diffusers, 16-bit, 32-bit integer and float grayscale images keep their levels (`_grayscale_to_8_bit`).
+Unlike diffusers, 16-bit, 32-bit integer and float grayscale images keep their levels (`_grayscale_to_8_bit`), and
+an image whose embedded ICC profile is not sRGB (an iPhone's Display P3, Adobe RGB, a CMYK or gray profile) is
+converted to sRGB, the video's colours (`media/icc.py`); an image with no profile, or an sRGB one, is diffusers' pixels.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import PIL.Image
 import PIL.ImageOps
 
+from k6serve.media.icc import to_srgb
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +77,13 @@ def check_cover_resize(image_width: int, image_height: int, height: int, width: 
 
 
 def load_conditioning_image(
-    image: str | os.PathLike[str] | PIL.Image.Image, height: int, width: int
+    image: str | os.PathLike[str] | PIL.Image.Image, height: int, width: int, *, notes: list[str] | None = None
 ) -> PIL.Image.Image:
     """Open and check a conditioning image for a `height` x `width` video; returns it RGB, unresized.
 
     The pipeline resizes it (`cover_resize_center_crop`); height and width are checked here so a
-    bad request fails before any model work.
+    bad request fails before any model work. A conversion of its colours to sRGB, or an ICC profile that could not
+    be used, is logged and, with `notes`, told there in a sentence for the user (`icc.to_srgb`).
     """
     for name, value in (("height", height), ("width", width)):
         if not isinstance(value, int) or value < 1:
@@ -104,7 +108,9 @@ def load_conditioning_image(
         logger.info("conditioning image %s is %dx%d (%s pixels, more than PIL's decompression-bomb threshold of "
                     "%s): decoded in full before the resize to %dx%d", source, loaded.width, loaded.height,
                     f"{loaded.width * loaded.height:,}", f"{max_pixels:,}", width, height)
+    icc_profile = loaded.info.get("icc_profile")  # read first: the 8-bit copy of a 16-bit image has no info
     loaded = _grayscale_to_8_bit(loaded, sample_type, f"conditioning image {source}")
+    loaded = to_srgb(loaded, icc_profile, f"conditioning image {source}", notes)
     return loaded if loaded.mode == "RGB" else loaded.convert("RGB")
 
 
@@ -284,3 +290,4 @@ def _float_levels(pixels: np.ndarray, source: str) -> np.ndarray:
             "(black) to 1.0 (white): rescale it to 0..1 (divide 0..255 values by 255), or save it as an 8-bit PNG"
         )
     return levels.astype(np.uint8)
+

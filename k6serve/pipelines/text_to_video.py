@@ -163,7 +163,7 @@ class TextToVideoPipeline:
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 
-            image = load_conditioning_image(request.image_path, request.height, request.width)
+            image = load_conditioning_image(request.image_path, request.height, request.width, notes=notes)
             with self.residency.stage("vae"):
                 tail = encode_reference_image(image, m.vae, height=request.height, width=request.width,
                                               device=m.device, dtype=m.dtype, generator=generator)
