@@ -157,7 +157,7 @@ class SdrMapping:
         if self.primaries != PRIMARIES_BT709:
             light = _into_gamut(light @ primaries_matrix(self.primaries).T)
         if self.transfer is not None:
-            light = _roll_off(light, self._roll_off_ratios)
+            light = _roll_off(light, self._roll_off_table)
         else:
             # A colour brighter than BT.709 holds (a saturated BT.2020 red: 1.66 of BT.709's red) is scaled down
             # whole, keeping its hue and saturation, rather than clipped or desaturated to white.
@@ -165,7 +165,7 @@ class SdrMapping:
         return light.clamp_(0, 1).pow_(1 / _SDR_GAMMA).mul_(255).round_().to(torch.uint8).numpy()
 
     @functools.cached_property
-    def _roll_off_ratios(self) -> torch.Tensor:
+    def _roll_off_table(self) -> torch.Tensor:
         return _roll_off_ratios(self.peak_nits / REFERENCE_WHITE_NITS)
 
     @functools.cached_property
