@@ -15,7 +15,6 @@ import functools
 import logging
 import math
 import os
-import re
 import tempfile
 import weakref
 from collections.abc import Callable, Mapping
@@ -50,7 +49,7 @@ from k6serve.request import (
     plain_scalars,
 )
 from k6serve.runtime.engine import Engine, ProgressCallback
-from k6serve.media.output_names import MAX_FILE_NAME_BYTES, sanitize_file_name
+from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, sanitize_file_name
 
 logger = logging.getLogger(__name__)
 # The generators not yet shut down. A notebook cell that runs `generator = DiffGenerator.from_pretrained(...)` again
@@ -206,20 +205,20 @@ def final_file_name(name: str) -> tuple[str, str | None]:
         raise ValueError("output_file_name is empty; pass a name such as clip.mp4, or leave it out for a name "
                          "derived from the request.")
     stem = name[:-4] if name.lower().endswith(".mp4") else name
-    if not re.search(r"[A-Za-z0-9]", stem):
-        raise ValueError(f"output_file_name {name!r} has no ASCII letter or digit to name the file by; pass a name "
-                         "such as clip.mp4 (ASCII letters, digits, '.', '_' and '-').")
+    if not any(is_name_character(char) for char in stem):
+        raise ValueError(f"output_file_name {name!r} has no letter or digit to name the file by; pass a name "
+                         "such as clip.mp4 (letters and digits of any script, '.', '_' and '-').")
     if Path(name).name != name:
         raise ValueError(f"output_file_name {name!r} must be a file name without folders; put the folder in "
                          "--output-path.")
     final = sanitize_file_name(name)
-    if len(final) > MAX_FILE_NAME_BYTES:  # ASCII once sanitized: one byte a character
-        raise ValueError(f"output_file_name is {len(final)} characters long with .mp4, more than the "
+    if len(final.encode()) > MAX_FILE_NAME_BYTES:  # filesystems count bytes: 2 a Cyrillic letter, 3 a Chinese one
+        raise ValueError(f"output_file_name is {len(final.encode())} bytes long with .mp4 in UTF-8, more than the "
                          f"{MAX_FILE_NAME_BYTES} an output file may have; pass a shorter name.")
     if final in (name, name + ".mp4"):
         return final, None
-    return final, (f"output_file_name {name!r} is written as {final!r}: file names keep only ASCII letters, "
-                   "digits, '.', '_' and '-' (others become '_'), and no leading dot.")
+    return final, (f"output_file_name {name!r} is written as {final!r}: file names keep only letters and digits "
+                   "(of any script), '.', '_' and '-' (others become '_'), and no leading dot.")
 
 
 def check_output(output: OutputOptions) -> tuple[OutputOptions, list[str]]:

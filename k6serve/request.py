@@ -14,6 +14,7 @@ import functools
 import math
 import numbers
 import os
+import sys
 import types
 import typing
 import unicodedata
@@ -123,9 +124,9 @@ class SamplingParams:
         "Folder for output files (default outputs; created if missing).", default="outputs", http=False
     )
     output_file_name: str | None = _param(
-        "Output file name, without folders; .mp4 is added, and characters other than ASCII letters, digits, '.', "
-        "'_' and '-' become '_' (with a warning). An existing file is an error, never overwritten (default: "
-        "derived from the prompt and seed, or the SR source, and the time, with _1, _2... when taken).",
+        "Output file name, without folders; .mp4 is added, and characters other than letters and digits (of any "
+        "script), '.', '_' and '-' become '_' (with a warning). An existing file is an error, never overwritten "
+        "(default: derived from the prompt and seed, or the SR source, and the time, with _1, _2... when taken).",
         http=False,
     )
     # Python API only: a command line has nowhere to put the arrays.
@@ -294,6 +295,19 @@ class VideoResult:
 
         values = ", ".join(f"{item.name}={shown(getattr(self, item.name))}" for item in dataclasses.fields(self))
         return f"VideoResult({values})"
+
+
+def unencodable_path(path: str) -> str | None:
+    """Why `path` cannot name a file in this process, when its filesystem encoding (a non-UTF-8 locale such as
+    ru_RU.CP1251, or PYTHONUTF8=0 with LANG=C) cannot hold the path's characters; None when it can. Such a path
+    failed inside the library: a 500 at an HTTP image_path, "does not exist" for a LoRA file that does."""
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        return (f"{path!r} has characters ({exc.object[exc.start:exc.end]!r}) that this process's filesystem "
+                f"encoding, {sys.getfilesystemencoding()}, cannot hold; run it under a UTF-8 locale (e.g. "
+                "LANG=C.UTF-8) or with PYTHONUTF8=1")
+    return None
 
 
 def has_visible_text(text: str) -> bool:

@@ -158,10 +158,13 @@ def parse_cache_dit_config(value: Any) -> CacheDitParams:
             path = Path(text)
             source = f"--cache-dit-config {value!r}"
             try:
-                text = path.read_text()
+                text = path.read_text(encoding="utf-8-sig")  # UTF-8 whatever the locale, as --config
             except OSError as exc:
                 raise ValueError(f"{source} is neither a JSON object nor a readable file "
                                  f"({exc.strerror or exc}).") from None
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start + 1}); save it as "
+                                 "UTF-8.") from None
             if path.suffix.lower() in (".yaml", ".yml"):  # cache.YAML too, not read as JSON
                 import yaml
 

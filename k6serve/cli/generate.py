@@ -225,6 +225,10 @@ def read_prompt_file(path: str) -> list[tuple[int, str]]:
                          "line.") from None
     except OSError as exc:
         raise ValueError(f"cannot read --prompt-file-path {path!r} ({exc.strerror or exc}).") from None
+    if b"\x00" in text:
+        # UTF-16 (what Windows Notepad saves as "Unicode"): without a byte-order mark, Cyrillic text is valid UTF-8
+        # byte for byte, and ran as a prompt of control characters.
+        raise ValueError(f"--prompt-file-path {path!r} holds NUL bytes, as a UTF-16 file does; save it as UTF-8.")
     prompts = []
     for number, raw in enumerate(text.splitlines(), start=1):
         try:

@@ -290,11 +290,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _printable_stdout() -> None:
+    """Print what the console's encoding cannot show as escapes, as stderr already does: a saved video's Cyrillic
+    or Chinese path under a cp1251 or ASCII stdout (Windows redirected to a file) failed the command after the video
+    was written, and a prompt file stopped at its first such line."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a replaced stdout (a test's, an IDE's) may have none
+    if reconfigure is not None and sys.stdout.encoding.lower().replace("-", "") != "utf8":
+        reconfigure(errors="backslashreplace")
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        # UTF-8 whatever the locale (a Russian Windows reads cp1251 by default: a UTF-8 file's Cyrillic prompt ran as
+        # mojibake), a byte-order mark allowed (JSON refused one that YAML took).
+        text = Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise ValueError(f"cannot read --config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path} is not UTF-8 text ({exc.reason} at byte {exc.start + 1}); save it as "
+                         "UTF-8.") from None
     if path.lower().endswith((".yaml", ".yml")):  # run.YAML too: it was read as JSON and refused as such
         import yaml
 
@@ -731,6 +745,7 @@ def _check_lora_flags(command: str, engine_options: dict[str, Any], request_opti
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _printable_stdout()
     if argv and argv[0] == "bench":
         # The harness has its own parser: forward everything after "bench" untouched.
         from k6serve.bench.__main__ import main as bench_main

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from k6serve.lora.spec import check_lora_alpha
+from k6serve.request import unencodable_path
 
 # diffusers' `save_lora_weights` / `save_lora_adapter` write this name. Preferred when a folder holds several files.
 PREFERRED_FILE = "pytorch_lora_weights.safetensors"
@@ -179,6 +180,8 @@ def _download(repo_id: str) -> Path:
 
 def resolve_adapter_file(path: str) -> Path:
     """The .safetensors to read for `path`: the file itself, a folder's single (or preferred) file, or a download."""
+    if (reason := unencodable_path(path)) is not None:
+        raise ValueError(f"LoRA file {reason}")
     local = Path(path).expanduser()
     if local.is_file():
         if local.suffix != ".safetensors":

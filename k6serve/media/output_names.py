@@ -5,16 +5,40 @@ worker (which imports the models)."""
 from __future__ import annotations
 
 import os
-import re
 import secrets
+import unicodedata
 from datetime import datetime
 from pathlib import Path
 
 from k6serve.request import GenerateRequest, UpscaleRequest
 
 
+def is_name_character(char: str) -> bool:
+    """Letters, combining marks and digits of any script: what a file is named by. A Russian, Chinese or Arabic
+    prompt's words name its video as an English one's do (an ASCII-only rule named every one `video_seed42_...`,
+    and two at the same second collided); spaces, punctuation, symbols, emoji, control and format characters (a
+    right-to-left override would show the name reversed) are not."""
+    category = unicodedata.category(char)
+    return category[0] in "LM" or category == "Nd"
+
+
+def name_characters(text: str, keep: str = "") -> str:
+    """`text` in NFC (macOS and Linux give the same bytes for an accented letter typed either way) with each run of
+    characters that are not `is_name_character` or in `keep` as one '_'."""
+    parts: list[str] = []
+    for char in unicodedata.normalize("NFC", text):
+        if is_name_character(char) or char in keep:
+            parts.append(char)
+        elif not parts or parts[-1] is not _GAP:
+            parts.append(_GAP)
+    return "".join("_" if part is _GAP else part for part in parts)
+
+
+_GAP = object()  # a run of other characters, in `name_characters`
+
+
 def _slug(text: str, limit: int = 48) -> str:
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:limit].strip("_")
+    slug = name_characters(text).strip("_")[:limit].strip("_")
     return slug or "video"
 
 
@@ -42,9 +66,10 @@ def remove_partial_files(folder: str | Path, pid: int) -> list[Path]:
 
 
 def sanitize_file_name(name: str) -> str:
-    """Keep a user-given output name inside the output folder and ending in .mp4."""
+    """Keep a user-given output name inside the output folder and ending in .mp4: letters, marks and digits of any
+    script, '.', '_' and '-' (`name_characters`), no leading dot."""
     base = Path(name).name
-    base = re.sub(r"[^A-Za-z0-9._-]+", "_", base).lstrip(".") or "video"
+    base = name_characters(base, keep="._-").lstrip(".") or "video"
     return base if base.lower().endswith(".mp4") else base + ".mp4"
 
 

@@ -226,7 +226,7 @@ def read_json_file(path: Path) -> dict:
     """A checkpoint's JSON file (model_index.json, a component's config); a damaged one is a CheckpointError that
     names it."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8 (RFC 8259), whatever the locale
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); restore it from the checkpoint's source "
                               "(copy or download the checkpoint again).") from exc

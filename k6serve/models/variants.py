@@ -8,10 +8,11 @@ among releases with the same files; `--model-id` names a renamed folder's releas
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
-import dataclasses
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,16 +282,37 @@ def seconds_to_num_frames(seconds: float, fps: float) -> int:
 MAX_PROMPT_CHARACTERS = 32_768
 
 
-def _check_prompt_lengths(params: SamplingParams) -> None:
-    """Refuse a prompt or negative prompt over MAX_PROMPT_CHARACTERS, whatever the model (an SR model ignores them,
-    but the HTTP job stores them)."""
+def _check_prompt_texts(params: SamplingParams) -> None:
+    """Refuse a prompt or negative prompt over MAX_PROMPT_CHARACTERS (whatever the model: an SR model ignores them,
+    but the HTTP job stores them), or one that is not text: a lone surrogate or a control character."""
     for name in ("prompt", "negative_prompt"):
         text = getattr(params, name)
-        if text is not None and len(text) > MAX_PROMPT_CHARACTERS:
+        if text is None:
+            continue
+        if len(text) > MAX_PROMPT_CHARACTERS:
             # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
             # with the job (the HTTP job store grew by a megabyte a job) and dropped.
             raise ValueError(f"{name} has {len(text):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are taken (the "
                              "text encoder keeps its first 1,024 tokens, a few thousand characters): shorten it.")
+        _check_is_text(name, text)
+
+
+def _check_is_text(name: str, text: str) -> None:
+    """What a wrong encoding leaves of a prompt, refused with the way to send it right: a lone surrogate (a
+    non-ASCII command line under a non-UTF-8 locale: the worker's tokenizer failed on it as "a bug in k6serve"), or
+    a control character other than tab and line ends (a UTF-16 file or form field read as UTF-8 put a NUL after
+    each Cyrillic code unit and reached the text encoder as garbage; UTF-8 read as Latin-1 gives C1 controls)."""
+    for index, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            raise ValueError(
+                f"{name} is not valid Unicode text: character {index + 1} is a lone surrogate (U+{ord(char):04X}), "
+                "what a command line or file read under a non-UTF-8 locale leaves of non-ASCII text; use a UTF-8 "
+                "locale (e.g. export LANG=C.UTF-8) or put the prompt in a UTF-8 file (--prompt-file-path).")
+        if unicodedata.category(char) == "Cc" and char not in "\t\n\r":
+            raise ValueError(
+                f"{name} holds the control character U+{ord(char):04X} at character {index + 1}: text read in the "
+                "wrong encoding (a UTF-16 file read as UTF-8 has a U+0000 beside every letter) or a pasted terminal "
+                "escape; send the prompt as UTF-8 text without control characters.")
 
 
 class MissingPrompt(ValueError):
@@ -363,7 +385,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                          "prompt alone.")
     if not params.prompt or not has_visible_text(params.prompt):
         raise MissingPrompt.for_prompt(params.prompt)
-    _check_prompt_lengths(params)
+    _check_prompt_texts(params)
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for name, value in (("height", height), ("width", width)):
@@ -570,7 +592,7 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise MissingSourceVideo(MissingSourceVideo.FLAG_WORDING)
     if params.image_path is not None:
         raise ValueError("image_path is not used by the super-resolution model; pass video_path only.")
-    _check_prompt_lengths(params)
+    _check_prompt_texts(params)
     if params.prompt:
         notes.append("The super-resolution model takes no prompt; it was ignored.")
     if params.negative_prompt:  # was dropped without a word

@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import sqlite3
+import sys
 import threading
 import time
 import urllib.parse
@@ -478,6 +479,12 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     require_package("uvicorn", "to run the HTTP server")  # imported where it runs: after the load, minutes away
     settings = settings_from_options(server_options)
     settings.check_paths()
+    if sys.getfilesystemencoding().lower().replace("-", "") != "utf8":
+        # Requests' paths (image_path, video_path, lora_path) with non-ASCII characters cannot be opened then; each
+        # is refused saying so (`unencodable_path`), and this says it once, at the start.
+        logger.warning("this server's filesystem encoding is %s, not UTF-8: paths with characters it cannot hold "
+                       "(Cyrillic, Chinese...) cannot be opened; start it under a UTF-8 locale (e.g. LANG=C.UTF-8) "
+                       "or with PYTHONUTF8=1", sys.getfilesystemencoding())
     engine_options = dict(engine_options)
     config = build_engine_config(engine_options.pop("model_path"), **engine_options)
     # Before the port, the folders and their locks, so that a flag's mistake is told as such, not hidden behind a

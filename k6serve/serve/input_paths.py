@@ -22,6 +22,7 @@ from k6serve.media.image import (
     no_decompression_bomb_warning,
     unreadable_image_reason,
 )
+from k6serve.request import unencodable_path
 from k6serve.serve.errors import ApiError
 
 
@@ -42,6 +43,8 @@ class InputPathPolicy:
         allowed = ", ".join(str(d) for d in self.allowed_dirs)
         if "\x00" in value or not value.strip():
             raise ApiError(400, f"{param} must be a file path.", code="invalid_path", param=param)
+        if (reason := unencodable_path(value)) is not None:
+            raise ApiError(400, f"{param} {reason} (the server's).", code="invalid_path", param=param)
         try:
             resolved = Path(value).resolve(strict=False)
         except (OSError, RuntimeError):  # symlink loops

@@ -689,7 +689,7 @@ def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: froze
     if loading:
         have += f"; set_lora requests queued before this job load {', '.join(map(repr, sorted(loading)))}"
     example = json.dumps({"lora_nickname": unknown[0], "lora_path": "/path/to/adapter.safetensors",
-                          "merge_mode": "dynamic"})
+                          "merge_mode": "dynamic"}, ensure_ascii=False)
     return (f"loras names LoRA adapter(s) {unknown} that this server will not have loaded when the job runs ({have}). "
             f"Load one first with POST /v1/set_lora {example}, or start the server with --lora-path FILE "
             f"--lora-nickname {shlex.quote(unknown[0])} --lora-merge-mode dynamic (dynamic: a job's own adapters need "

@@ -40,11 +40,15 @@ def _is_number_text(text: str, pattern: re.Pattern = _DECIMAL) -> bool:
 
 
 def _shown_value(value: Any) -> str:
-    """A refused value as JSON for its message, its start only when long (a form field can hold a megabyte)."""
-    shown = json.dumps(value)
+    """A refused value as JSON for its message, its start only when long (a form field can hold a megabyte). Text is
+    shown as sent, not as \\u escapes ("пять" read "\\u043f\\u044f\\u0442\\u044c", and a long one was cut inside an
+    escape); the response body is UTF-8 JSON either way."""
+    shown = json.dumps(value, ensure_ascii=False)
     if len(shown) <= 80:
         return shown
-    return f"{shown[:60]}... ({len(value) if isinstance(value, str) else len(shown):,} characters)"
+    if isinstance(value, str):
+        return f"{json.dumps(value[:60], ensure_ascii=False)[:-1]}... ({len(value):,} characters)"
+    return f"{shown[:60]}... ({len(shown):,} characters)"
 
 
 # A client-chosen job id is a URL path segment and the listing's paging cursor: no '/' or ':', and no leading '.'

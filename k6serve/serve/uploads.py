@@ -115,11 +115,26 @@ async def read_urlencoded_body(request: Request) -> dict[str, str]:
                             "(curl -d's default); send it with -H 'Content-Type: application/json'.",
                        code="invalid_form")
     try:
-        pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body))
+        # Latin-1 first: each byte (raw or percent-encoded) as one character, so each field is decoded as UTF-8 on
+        # its own below and a bad one is named. parse_qsl's own UTF-8 decode replaces what is not UTF-8 with U+FFFD:
+        # a form of Windows-1251 or KOI8-R text ran with a prompt of question marks.
+        pairs = urllib.parse.parse_qsl(body.decode("latin-1"), keep_blank_values=True, strict_parsing=bool(body),
+                                       encoding="latin-1")
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, f"Invalid form body: {exc}", code="invalid_form") from None
     fields: dict[str, str] = {}
-    for name, value in pairs:
+    for raw_name, raw_value in pairs:
+        try:
+            name = raw_name.encode("latin-1").decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, "A form field's name is not UTF-8 text; send the form percent-encoded as UTF-8.",
+                           code="invalid_form") from None
+        try:
+            value = raw_value.encode("latin-1").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, f"Form field {name!r} is not UTF-8 text (byte {exc.start + 1} of its value); send "
+                                "the form percent-encoded as UTF-8 (a charset such as windows-1251 is not read).",
+                           code="invalid_form", param=name) from None
         if name in fields:
             raise ApiError(400, f"Form field {name!r} was sent twice.", code="invalid_form", param=name)
         fields[name] = value
@@ -137,7 +152,12 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     try:
         value = json.loads(body, object_pairs_hook=object_without_duplicate_keys)
         too_deep = json_depth(value) > MAX_JSON_DEPTH
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        # json.loads reads UTF-8, -16 and -32; a declared charset such as windows-1251 is not read (RFC 8259: JSON
+        # is UTF-8), and the codec's words alone did not say what to send.
+        raise ApiError(400, f"Invalid JSON body: it is not UTF-8 text ({exc.reason} at byte {exc.start + 1}); send "
+                            "JSON as UTF-8.", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
     except ValueError as exc:  # Python's limit on an integer's digits (4,300): it was a 500 with a traceback
         raise ApiError(400, f"Invalid JSON body: a number in it is too long ({exc}); no field takes more than a "

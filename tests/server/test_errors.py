@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 
 import pytest
 from harness import start_server, wait_for, wait_until
@@ -962,3 +963,35 @@ def test_each_job_that_ends_is_logged_once_and_only_the_unexpected_failure_with_
                                                          r"from its creation\)", done.getMessage())
     finally:
         server.stop()
+
+
+def test_text_in_other_scripts_and_encodings(fake_server, fake_client):
+    """Russian text through HTTP: a UTF-8 form reaches the job as typed; a Windows-1251 or KOI8-R form, a
+    Windows-1251 JSON body and a UTF-16 form field are refused naming the encoding, not run as U+FFFD or control
+    characters; a refused value is echoed as typed, not as \\u escapes."""
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    ok = fake_client.post("/v1/videos", content=b"prompt=%D0%9B%D0%B8%D1%81%D0%B0+" + "бежит".encode() + b"&"
+                          b"size=32x32&num_frames=5", headers=form)
+    assert ok.status_code == 200, ok.text
+    assert wait_for(fake_client, ok.json()["id"])["status"] == "completed"
+    assert fake_server.worker.requests[-1].prompt == "Лиса бежит"
+    for encoding in ("cp1251", "koi8-r"):
+        body = "prompt=" + urllib.parse.quote("Лиса бежит".encode(encoding))
+        _assert_error(fake_client.post("/v1/videos", content=body.encode(), headers=form), 400, param="prompt",
+                      code="invalid_form", contains="is not UTF-8 text (byte 1 of its value); send the form "
+                                                    "percent-encoded as UTF-8")
+    cp1251_json = '{"prompt": "Лиса"}'.encode("cp1251")
+    _assert_error(fake_client.post("/v1/videos", content=cp1251_json,
+                                   headers={"Content-Type": "application/json; charset=windows-1251"}), 400,
+                  code="invalid_json", contains="it is not UTF-8 text (invalid continuation byte at byte 13); send "
+                                                "JSON as UTF-8")
+    utf16_field = fake_client.post("/v1/videos", files={"prompt": (None, "Лиса".encode("utf-16-le"),
+                                                                   "text/plain; charset=utf-16le")})
+    _assert_error(utf16_field, 400, param="prompt", contains="holds the control character U+001B at character 1")
+    for text, contains in (("Лиса\x00бежит", "holds the control character U+0000 at character 5"),
+                           ("\x1b[31mЛиса", "holds the control character U+001B at character 1")):
+        _assert_error(fake_client.post("/v1/videos", json={"prompt": text}), 400, param="prompt", contains=contains)
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "seconds": "пять"}), 400,
+                          param="seconds")
+    assert '"пять"' in error["message"] and "\\u" not in error["message"]
+    _still_serves(fake_client)

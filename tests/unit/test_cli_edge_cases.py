@@ -7,6 +7,7 @@ import re
 import sys
 from datetime import datetime
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import PIL.Image
@@ -159,9 +160,9 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
          "sr_target_resolution '101x100' has an odd side; H.264 needs even width and height: use 102x100 or 100x100"),
         # Once written as video.mp4 and _.mp4, names the user never chose.
         ("generation", ["--prompt", "x", "--output-file-name", ".."],
-         "output_file_name '..' has no ASCII letter or digit"),
+         "output_file_name '..' has no letter or digit"),
         ("generation", ["--prompt", "x", "--output-file-name", "?.mp4"],
-         "output_file_name '?.mp4' has no ASCII letter or digit"),
+         "output_file_name '?.mp4' has no letter or digit"),
         ("generation", ["--prompt", "x", "--output-file-name", ""], "output_file_name is empty"),
         # A released hub id: refused before a download of the whole checkpoint.
         ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", ["--prompt", "x", "--guidance-scale", "3"],
@@ -389,9 +390,12 @@ def test_a_hidden_source_gives_a_visible_derived_name(source_name, stem):
 
 
 def test_a_given_output_file_name_too_long_for_the_filesystem_is_refused_before_the_run(generator, tmp_path):
-    with pytest.raises(ValueError, match=r"output_file_name is 254 characters long with \.mp4, more than the 231 .*"
-                                         "pass a shorter name"):
+    with pytest.raises(ValueError, match=r"output_file_name is 254 bytes long with \.mp4 in UTF-8, more than the "
+                                         "231 .*pass a shorter name"):
         generator.generate({**SMALL, "output_path": str(tmp_path / "out"), "output_file_name": "c" * 250})
+    # Bytes, not characters: 120 Cyrillic letters are 240 bytes.
+    with pytest.raises(ValueError, match=r"output_file_name is 244 bytes long"):
+        generator.generate({**SMALL, "output_path": str(tmp_path / "out"), "output_file_name": "л" * 120})
     assert not (tmp_path / "out").exists()
 
 
@@ -769,14 +773,29 @@ def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_pr
             "'VideoProcessorMixin'); this is a bug in k6serve") in err
 
 
-@pytest.mark.parametrize("name", ["..", ".", "???", " ", ".mp4", "-.MP4", "видео.mp4"])
+@pytest.mark.parametrize("name", ["..", ".", "???", " ", ".mp4", "-.MP4", "🦊.mp4", "\u202e.mp4"])
 def test_output_file_name_without_a_letter_or_digit_is_refused(generator, tmp_path, name):
-    # " " is empty once stripped, and said so; the others are refused as names with nothing to name the file by
-    # (Cyrillic letters are letters: the message says ASCII, as the names written keep only ASCII).
-    with pytest.raises(ValueError, match=r"(has no ASCII letter or digit to name the file by|is empty); pass a name "
+    # " " is empty once stripped, and said so; the others are refused as names with nothing to name the file by.
+    with pytest.raises(ValueError, match=r"(has no letter or digit to name the file by|is empty); pass a name "
                                          r"such as clip\.mp4"):
         generator.generate({**SMALL, "output_path": str(tmp_path / "out"), "output_file_name": name})
     assert not (tmp_path / "out").exists()
+
+
+def test_names_in_other_scripts_name_the_file(generator, tmp_path):
+    """Russian, Chinese or accented names were cut to ASCII: every Russian prompt's video was video_seed42_<time>.mp4
+    (two at one second collided) and a given "Лиса.mp4" was refused."""
+    given = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "Лиса в снегу.mp4"})
+    assert given.output_file_path == str(tmp_path / "Лиса_в_снегу.mp4")
+    assert any("is written as 'Лиса_в_снегу.mp4'" in note for note in given.notes)
+    kept = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "一只狐狸.mp4"})
+    assert kept.output_file_path == str(tmp_path / "一只狐狸.mp4")
+    assert not any("is written as" in note for note in kept.notes)
+    derived = generator.generate({**SMALL, "prompt": "Лиса бежит по снегу, 🦊!", "output_path": str(tmp_path)})
+    assert Path(derived.output_file_path).name.startswith("Лиса_бежит_по_снегу_seed42_")
+    # NFD "é" (e + U+0301, as macOS may type it) is written NFC: the same bytes as a precomposed "é".
+    accented = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "cafe\u0301"})
+    assert accented.output_file_path == str(tmp_path / "caf\u00e9.mp4")
 
 
 def test_a_changed_output_file_name_is_warned_with_the_final_name(generator, tmp_path, caplog):
@@ -795,8 +814,8 @@ def test_a_changed_output_file_name_is_warned_with_the_final_name(generator, tmp
 def test_cli_warns_about_a_changed_output_file_name_before_loading(in_process_cli, tmp_path, capsys):
     assert main([*in_process_cli, "--output-path", str(tmp_path), "--output-file-name", ".my clip"]) == 0
     err = capsys.readouterr().err
-    assert ("warning: output_file_name '.my clip' is written as 'my_clip.mp4': file names keep only ASCII letters, "
-            "digits, '.', '_' and '-' (others become '_'), and no leading dot.") in err
+    assert ("warning: output_file_name '.my clip' is written as 'my_clip.mp4': file names keep only letters and "
+            "digits (of any script), '.', '_' and '-' (others become '_'), and no leading dot.") in err
     assert err.count("is written as") == 1  # said once, before the load, not again by the API
     assert [path.name for path in tmp_path.iterdir()] == ["my_clip.mp4"]
 

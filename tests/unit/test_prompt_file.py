@@ -128,7 +128,7 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
                                           "left as it is"),
         # The name as given is checked before it is numbered (numbered, "..mp4" passed as "._1.mp4").
         (["--output-file-name", "sub/clip"], "output_file_name 'sub/clip' must be a file name without folders"),
-        (["--output-file-name", "..mp4"], "output_file_name '..mp4' has no ASCII letter or digit"),
+        (["--output-file-name", "..mp4"], "output_file_name '..mp4' has no letter or digit"),
     ],
 )
 def test_a_bad_batch_is_refused_before_the_model_loads(tiny_distill_dir, tmp_path, no_model_load, capsys, flags,
@@ -220,7 +220,7 @@ def _saved(prompt: str, seconds: float):
     from types import SimpleNamespace
 
     return SimpleNamespace(notes=[], timings={"total": seconds}, peak_memory_mb=1.0, num_frames=5, width=32,
-                           height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4")
+                           height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4", seed=42)
 
 
 class _Replicas:
