@@ -131,7 +131,7 @@ def test_number_fields_sent_as_text_take_plain_decimals_only(fake_client, field,
                  lambda: fake_client.post("/v1/videos", data={"prompt": "x", field: text})):
         error = _assert_error(send(), 400, param=field, code="invalid_parameter")
         kind = "a number" if field in ("fps", "guidance_scale") else "an integer"
-        assert error["message"] == f"{field} must be {kind} such as 4, got {json.dumps(text)}."
+        assert error["message"] == f"{field} must be {kind} such as 4, got {json.dumps(text, ensure_ascii=False)}."
     assert fake_client.get("/v1/videos").json()["data"] == []
 
 
