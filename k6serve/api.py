@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
+import inspect
 import os
 import tempfile
 import weakref
@@ -119,6 +120,14 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
             "pass only one of them."
         )
     return params, OutputOptions(return_frames=return_frames, **output)
+
+
+def _absolute_if_here(path: Any) -> Any:
+    """A LoRA `path` that exists from this process's folder, made absolute; anything else (a hub id, a path that
+    does not exist: the worker says so) as it is."""
+    if isinstance(path, (str, os.PathLike)) and os.path.exists(os.path.expanduser(path)):
+        return os.path.abspath(os.path.expanduser(path))
+    return path
 
 
 def _refuse_image_objects(image: Any) -> None:
@@ -455,6 +464,9 @@ class DiffGenerator:
         # processes, and their GPU memory, until the interpreter exited.
         self._shutdown = weakref.finalize(self, engine.shutdown)
         _RUNNING.add(self)
+        # The worker processes keep the folder they started in; a caller that moves (a notebook's %cd) gives its
+        # relative paths from where it is (`_from_callers_folder`).
+        self._start_folder = os.getcwd()
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike[str] | None = None, *, local_mode: bool = True,
@@ -532,7 +544,13 @@ class DiffGenerator:
         if on_progress is not None and not callable(on_progress):
             raise ValueError(f"on_progress must be a function called as on_progress(step, total), got "
                              f"{on_progress!r} ({type(on_progress).__name__}).")
-        options = request_options(sampling_params_kwargs, kwargs)
+        if inspect.iscoroutinefunction(on_progress) or inspect.iscoroutinefunction(
+                getattr(on_progress, "__call__", None)):
+            # Called, it only makes a coroutine nobody awaits: no progress, and "never awaited" warnings.
+            raise ValueError("on_progress is an async function; it is called on the engine's thread, outside any "
+                             "event loop, so pass a plain function (to reach a loop from it, use "
+                             "loop.call_soon_threadsafe).")
+        options = self._from_callers_folder(request_options(sampling_params_kwargs, kwargs))
         params, output = split_kwargs(options)
         require_media_package(params, output)
         try:
@@ -551,6 +569,22 @@ class DiffGenerator:
         result = self.engine.generate(params, output, on_progress=on_progress)
         result.notes[:0] = warnings
         return result
+
+    def _from_callers_folder(self, options: dict[str, Any]) -> dict[str, Any]:
+        """`options` with relative paths made absolute from the caller's folder when it is not the one the workers
+        started in: after a chdir, the caller's check created an empty output folder here and the MP4 was written
+        there (its returned path a relative one that did not exist from here), and a source here "did not exist".
+        Unchanged otherwise, so paths (and the messages naming them) stay as given."""
+        if os.getcwd() == self._start_folder:
+            return options
+        options = dict(options)
+        if options.get("output_path") is None and options.get("save_output") is not False:
+            options["output_path"] = OutputOptions().output_path
+        for key in ("image_path", "video_path", "output_path"):
+            value = options.get(key)
+            if isinstance(value, (str, os.PathLike)) and os.fspath(value).strip():
+                options[key] = os.path.abspath(os.path.expanduser(os.fspath(value)))
+        return options
 
     def upscale(self, video_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
                 **kwargs: Any) -> VideoResult:
@@ -574,6 +608,9 @@ class DiffGenerator:
         already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         self._require_running()
+        if os.getcwd() != self._start_folder:  # a relative adapter path from the caller's folder, as a request's
+            path = ([_absolute_if_here(item) for item in path] if isinstance(path, list)
+                    else _absolute_if_here(path))
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
                                        lora_alpha=lora_alpha)
         return self.engine.lora(operation)
@@ -627,10 +664,14 @@ class DiffGenerator:
 
     def shutdown(self) -> None:
         """Finish the running requests, then stop the worker processes; later requests raise RuntimeError. Calling
-        it again does nothing. Requests still running after 30 s are cancelled at their next step (their callers get
-        RequestCancelled saying so), and those queued behind them do not start."""
+        it again does nothing, unless the first was interrupted (Ctrl-C while it waited): then it finishes the job.
+        Requests still running after 30 s are cancelled at their next step (their callers get RequestCancelled
+        saying so), and those queued behind them do not start."""
+        if self._shutdown.alive:
+            # Not the finalizer itself: once called it is spent even if interrupted, and the worker's ranks stayed.
+            self.engine.shutdown()
+            self._shutdown.detach()
         _RUNNING.discard(self)
-        self._shutdown()
 
     # `close()` is what contextlib.closing and most Python resources call; the seed's name is shutdown().
     close = shutdown

@@ -164,7 +164,8 @@ class Engine:
             threading.Thread(target=self._loop, name=f"k6serve-engine-{index}", daemon=True)
             for index in range(getattr(worker, "num_replicas", 1))
         ]
-        self._closed = False
+        self._closed = False  # shutdown() began: no request is taken
+        self._shut_down = False  # shutdown() ended: the worker is closed
         self._closing = threading.Lock()
         # One loop thread takes from the queue at a time, so a LoRA operation holds back every item behind it.
         self._taking = threading.Lock()
@@ -219,6 +220,7 @@ class Engine:
                  on_progress: ProgressCallback | None = None) -> VideoResult:
         """Run one request and return its result; its failure is raised here, not logged. A caller interrupted
         while it waits (Ctrl-C: KeyboardInterrupt) cancels the request at its next step boundary."""
+        self._check_not_own_thread("a request")
         job = self.submit(params, output, on_progress=on_progress, log_failure=False)
         try:
             return _interruptible_result(job.future)
@@ -253,8 +255,17 @@ class Engine:
         """Queue a memory release or resume behind the requests already submitted; its future holds the reply."""
         return self._put(MemoryJob(operation))
 
+    def _check_not_own_thread(self, what: str) -> None:
+        """Refuse to wait, on an engine thread (in an on_progress callback), for work that thread must run: the
+        wait never ended."""
+        if threading.current_thread() in self._threads:
+            raise RuntimeError(f"{what} was made from an on_progress callback, which runs on the engine's thread that "
+                               "runs the request: it would wait for itself forever; make it once generate() has "
+                               "returned, or from another thread.")
+
     def _wait_for(self, future: Future) -> dict:
         try:
+            self._check_not_own_thread("a LoRA or memory call")
             return _interruptible_result(future)
         except BaseException:
             future.cancel()  # an interrupted caller: drop it if still queued
@@ -350,12 +361,19 @@ class Engine:
         its caller told why, before the worker closes: closing under it stopped its ranks mid-request, which failed
         it 30 s later as "AssertionError: Shutdown()" (a notebook's shutdown() beside a long request, or the
         interpreter exiting with one running in a daemon thread)."""
+        if threading.current_thread() in self._threads:
+            # A join of its own thread raised "cannot join current thread" after the engine was marked closed.
+            raise RuntimeError("shutdown() was called from the engine's own thread (an on_progress callback): it "
+                               "would wait for the request that called it; call it once generate() has returned.")
         with self._closing:
-            if self._closed:
+            if self._shut_down:
                 return
-            self._closed = True
-            for _ in self._threads:
-                self._queue.put(_STOP)
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    self._queue.put(_STOP)
+        # From here each step may run again: a shutdown interrupted (Ctrl-C while it waits for a request) is
+        # finished by the next call, which closes the worker; it once returned at once, its ranks left running.
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -378,3 +396,4 @@ class Engine:
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
+        self._shut_down = True

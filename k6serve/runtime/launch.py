@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -115,11 +116,14 @@ def torchrun_rank(
 
 
 def parent_log_level() -> int:
-    """The level a rank process logs at: this process's, where its logging is configured (the CLI's --log-level),
-    else INFO, what the ranks always used (a Python API caller who configured nothing still sees their INFO lines,
-    which its own unconfigured logging would hide)."""
-    root = logging.getLogger()
-    return root.getEffectiveLevel() if root.handlers else logging.INFO
+    """The level a rank process logs at: this process's for k6serve, where its logging is configured (the CLI's
+    --log-level; a host's root level, or its level for the "k6serve" logger: one set to ERROR still saw the
+    ranks' warnings), else INFO, what the ranks always used (a Python API caller who configured nothing still sees
+    their INFO lines, which its own unconfigured logging would hide)."""
+    package = logging.getLogger("k6serve")
+    if logging.getLogger().handlers or package.level != logging.NOTSET:
+        return package.getEffectiveLevel()
+    return logging.INFO
 
 
 def local_rank_specs(
@@ -217,7 +221,8 @@ def start_process(target: Callable[..., None], args: tuple, *, name: str, block_
     """
     process = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
     try:
-        with _main_module_hidden(), (_sigint_blocked() if block_sigint else contextlib.nullcontext()):
+        with _START_LOCK, _main_module_hidden(), _start_method_kept(), (
+                _sigint_blocked() if block_sigint else contextlib.nullcontext()):
             process.start()
     except BaseException:
         # A Ctrl-C held back while the child started arrives as the mask is restored, before the caller could keep
@@ -252,6 +257,24 @@ def _sigint_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# One start at a time: `_main_module_hidden` edits the process-wide `__main__`, and two generators loading at once
+# from two threads could restore its names out of order.
+_START_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _start_method_kept():
+    """Leave the host's default multiprocessing start method unset if it was: CPython's spawn preparation asks for
+    it, which fixes it for the process ('fork' on Linux), and a host's later set_start_method("spawn") then raised
+    "context has already been set"."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        if before is None and multiprocessing.get_start_method(allow_none=True) is not None:
+            multiprocessing.set_start_method(None, force=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,126 @@
+"""The Python API inside someone else's program: callbacks that call back, an interrupted shutdown, a caller that
+changes folder, and what starting the workers leaves in the host process."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from k6serve import DiffGenerator
+from k6serve.api import build_engine_config
+from k6serve.runtime import launch
+from k6serve.runtime.engine import Engine
+from k6serve.runtime.worker import ModelWorker
+
+SMALL = {"prompt": "x", "height": 32, "width": 32, "num_frames": 5, "save_output": False}
+
+
+def _generator(tiny_distill_dir) -> DiffGenerator:
+    config = build_engine_config(str(tiny_distill_dir), device="cpu")
+    return DiffGenerator(Engine(config, worker=ModelWorker(config)))
+
+
+def test_a_callback_that_waits_on_the_generator_is_refused_not_deadlocked(tiny_distill_dir):
+    """on_progress runs on the engine's thread: a generate() (or a LoRA call) from it waited for itself forever,
+    and a shutdown() from it spent the generator while its worker kept running."""
+    errors: list[str] = []
+    with _generator(tiny_distill_dir) as generator:
+        def callback(step: int, total: int) -> None:
+            if step == 1:
+                for call in (lambda: generator.generate(SMALL), generator.list_loras, generator.shutdown):
+                    try:
+                        call()
+                    except RuntimeError as exc:
+                        errors.append(str(exc))
+
+        generator.generate(SMALL, on_progress=callback)
+        assert [error.split(" from ")[0] for error in errors] == ["a request was made", "a LoRA or memory call was made",
+                                                                  "shutdown() was called"]
+        assert "it would wait for itself forever" in errors[0]
+        generator.generate(SMALL)  # still serving
+
+        async def async_callback(step: int, total: int) -> None:
+            pass
+
+        with pytest.raises(ValueError, match="on_progress is an async function; it is called on the engine's "
+                                             "thread, outside any event loop"):
+            generator.generate(SMALL, on_progress=async_callback)
+
+
+def test_a_shutdown_interrupted_while_it_waits_is_finished_by_the_next_call(tiny_distill_dir):
+    """A Ctrl-C while shutdown() waited for a running request spent it: the next call returned at once and the
+    worker's ranks kept running (a notebook's GPU memory held until the kernel restarts)."""
+    generator = _generator(tiny_distill_dir)
+    started = threading.Event()
+
+    def slow(step: int, total: int) -> None:
+        started.set()
+        time.sleep(0.3)
+
+    runner = threading.Thread(target=lambda: generator.generate(SMALL, on_progress=slow), daemon=True)
+    runner.start()
+    assert started.wait(60)
+    closed = []
+    generator.engine.worker.close = lambda *args, **kwargs: closed.append(True)
+    threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        generator.shutdown()
+    assert closed == []  # interrupted before the worker closed
+    generator.shutdown()
+    runner.join(60)
+    assert closed == [True] and not generator._shutdown.alive
+    generator.shutdown()  # done: nothing more
+    assert closed == [True]
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        generator.generate(SMALL)
+
+
+def test_relative_paths_are_the_callers_after_it_changes_folder(tiny_distill_dir, tmp_path, monkeypatch):
+    """The workers keep the folder they started in: after a %cd the caller's check made an empty folder here, the
+    MP4 went there, and the returned relative path did not exist from here."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    with _generator(tiny_distill_dir) as generator:
+        monkeypatch.chdir(second)
+        result = generator.generate({**SMALL, "save_output": True, "output_path": "out"})
+        assert result.output_file_path.startswith(str(second / "out") + os.sep)
+        assert os.path.isfile(result.output_file_path) and list(first.iterdir()) == []
+        default = generator.generate({**SMALL, "save_output": True})
+        assert default.output_file_path.startswith(str(second / "outputs") + os.sep)
+        monkeypatch.chdir(first)  # back where it started: paths are left as given
+        same = generator.generate({**SMALL, "save_output": True, "output_path": "out"})
+        assert same.output_file_path.startswith("out" + os.sep)
+
+
+def test_starting_workers_leaves_the_hosts_start_method_unset():
+    """CPython's spawn preparation fixes the default start method: a host's set_start_method("spawn") after a
+    generator loaded raised "context has already been set"."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        multiprocessing.set_start_method(None, force=True)
+        with launch._start_method_kept():
+            multiprocessing.get_start_method()  # what spawn's preparation does
+        assert multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("fork", force=True)
+        with launch._start_method_kept():
+            pass
+        assert multiprocessing.get_start_method(allow_none=True) == "fork"  # the host's own choice is kept
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+
+
+def test_the_ranks_log_at_the_hosts_level_for_k6serve(monkeypatch):
+    root, package = logging.getLogger(), logging.getLogger("k6serve")
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(package, "level", logging.NOTSET)
+    assert launch.parent_log_level() == logging.INFO  # nothing configured: the ranks' INFO lines still show
+    monkeypatch.setattr(package, "level", logging.ERROR)
+    assert launch.parent_log_level() == logging.ERROR  # a host quieting k6serve quiets its ranks too
