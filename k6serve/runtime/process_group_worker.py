@@ -17,17 +17,20 @@ collective timeout and exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -629,6 +632,30 @@ class MultiProcessWorker:
         hint = worker_killed_hint(codes)
         return WorkerKilled(message + hint) if hint else RuntimeError(message)
 
+    def _accept_leaders(self, connections: queue.Queue) -> None:
+        """Put each replica leader's authenticated connection in `connections`, until all have come or `close()`."""
+        accepted = 0
+        while accepted < self.layout.dp and not self._closed:
+            try:
+                connection = self._listener.accept()
+            except OSError:
+                return  # the listener was closed: start-up failed
+            except (EOFError, AuthenticationError):
+                continue  # a connection that did not authenticate: `close()`'s wake-up, or a stranger's
+            if self._closed:
+                connection.close()
+                return
+            connections.put(connection)
+            accepted += 1
+
+    def _wake_accept(self) -> None:
+        """End an accept() still waiting for a leader (a Ctrl-C while the ranks start): closing the listener does
+        not wake it on Linux, and each interrupted load left its thread and two descriptors for good. A connection
+        that sends nothing fails its authentication, and the thread, seeing `_closed`, returns."""
+        host, port = self._listener.address[:2]
+        with contextlib.suppress(OSError):
+            socket.create_connection((LOCAL_HOST if host == "0.0.0.0" else host, port), timeout=1.0).close()
+
     def _wait_until_ready(self, timeout_s: float) -> list[_Replica]:
         """Each replica's `Ready`. `timeout_s` bounds only the joining (every leader's `Joined`); then the wait lasts
         as long as the ranks live: fetching the checkpoint (a first download of tens of GiB), loading it and a
@@ -636,14 +663,8 @@ class MultiProcessWorker:
         ranks' gather after loading is a collective: a replica's ranks finish within `timeout_s` of each other.)"""
         connections: queue.Queue = queue.Queue()
 
-        def accept() -> None:
-            for _ in range(self.layout.dp):
-                try:
-                    connections.put(self._listener.accept())
-                except OSError:
-                    return  # the listener was closed: start-up failed
-
-        threading.Thread(target=accept, name="k6serve-accept", daemon=True).start()
+        threading.Thread(target=self._accept_leaders, args=(connections,), name="k6serve-accept",
+                         daemon=True).start()
         replicas: dict[int, _Replica] = {}
         pending: list[Connection] = []  # leaders connected, not yet ready
         replica_of: dict[Connection, int] = {}  # each leader's replica, from its Joined
@@ -992,6 +1013,7 @@ class MultiProcessWorker:
         if self._rank0_thread is not None:
             self._rank0_thread.join(timeout_s)
         self._store = None  # the ranks are gone: the rendezvous server and its port go too
+        self._wake_accept()
         self._listener.close()
         with self._changed:
             self._changed.notify_all()

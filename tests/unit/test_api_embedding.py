@@ -124,3 +124,30 @@ def test_the_ranks_log_at_the_hosts_level_for_k6serve(monkeypatch):
     assert launch.parent_log_level() == logging.INFO  # nothing configured: the ranks' INFO lines still show
     monkeypatch.setattr(package, "level", logging.ERROR)
     assert launch.parent_log_level() == logging.ERROR  # a host quieting k6serve quiets its ranks too
+
+
+def test_closing_during_start_up_ends_the_thread_waiting_for_the_leaders():
+    """A Ctrl-C before the ranks connected closed the listener, which does not wake a blocked accept() on Linux:
+    each interrupted load left the thread and two descriptors for good."""
+    import queue
+    from multiprocessing.connection import Client, Listener
+    from types import SimpleNamespace
+
+    from k6serve.runtime.launch import LOCAL_HOST
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
+
+    worker = MultiProcessWorker.__new__(MultiProcessWorker)
+    worker._listener = Listener((LOCAL_HOST, 0), authkey=b"k" * 32)
+    worker._closed = False
+    worker.layout = SimpleNamespace(dp=2)
+    connections: queue.Queue = queue.Queue()
+    thread = threading.Thread(target=worker._accept_leaders, args=(connections,), daemon=True)
+    thread.start()
+    leader = Client(worker._listener.address, authkey=b"k" * 32)  # one of two leaders arrives
+    assert connections.get(timeout=10) is not None
+    worker._closed = True
+    worker._wake_accept()
+    thread.join(10)
+    assert not thread.is_alive()
+    worker._listener.close()
+    leader.close()
