@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -342,9 +343,20 @@ class _Batch:
 
 def _progress_prompt(prompt: str, limit: int = 160) -> str:
     """A prompt as a progress line shows it: its first `limit` characters on one line (a 5,000-character prompt
-    filled the terminal at every start and finish; the file holds the whole of it)."""
+    filled the terminal at every start and finish; the file holds the whole of it). Control and format characters
+    are shown escaped, not sent to the terminal (an escape sequence or a right-to-left override in a prompt file
+    recoloured or reversed the line; the request itself refuses control characters), and a cut does not end on a
+    combining mark or a joiner (half of an accented letter or of an emoji sequence)."""
     flat = " ".join(prompt.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+    flat = "".join(ascii(char)[1:-1] if unicodedata.category(char) in ("Cc", "Cf") and char != "\u200d" else char
+                   for char in flat)
+    if len(flat) <= limit:
+        return flat
+    cut = limit - 3
+    while cut > 0 and (unicodedata.category(flat[cut]) in ("Mn", "Mc", "Me") or flat[cut - 1] == "\u200d"
+                       or flat[cut] == "\u200d"):
+        cut -= 1  # back to the start of the character the cut would split
+    return flat[:cut] + "..."
 
 
 def _run_in_order(generator: DiffGenerator, variant, progress: _Batch, numbered: bool) -> None:

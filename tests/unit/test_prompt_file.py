@@ -413,3 +413,15 @@ def test_a_progress_line_shows_the_start_of_a_long_prompt_on_one_line():
     long = "A cat\tplays " + "piano " * 1000
     shown = _progress_prompt(long)
     assert len(shown) == 160 and shown.startswith("A cat plays piano piano") and shown.endswith("...")
+
+
+def test_a_progress_line_escapes_terminal_controls_and_cuts_between_characters():
+    """An escape sequence or a right-to-left override in a prompt file's line recoloured or reversed the terminal's
+    line; a cut at character 157 split an accented letter or an emoji's joined sequence."""
+    from k6serve.cli.generate import _progress_prompt
+
+    assert _progress_prompt("\x1b[31mЛиса\u202e бежит") == "\\x1b[31mЛиса\\u202e бежит"
+    family = "\U0001f468\u200d\U0001f469\u200d\U0001f467"
+    assert _progress_prompt("a" * 154 + family + "b" * 20) == "a" * 154 + "..."  # not half a family
+    assert _progress_prompt("e" * 156 + "e\u0301\u0301x" + "b" * 20) == "e" * 156 + "..."  # not a bare accent
+    assert _progress_prompt("a" * 100 + family + "b" * 100).startswith("a" * 100 + family)  # whole ones are kept
