@@ -36,7 +36,7 @@ from k6serve.serve.input_paths import InputPathPolicy
 from k6serve.serve.jobs import JobStore, SqliteJobStore, hold_exclusively
 from k6serve.serve.loading import LoadingResponder
 from k6serve.serve.metrics import ServerMetrics
-from k6serve.serve.routes import ServerContext, router, sweep_expired_once
+from k6serve.serve.routes import ServerContext, router, sweep_expired
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.schemas import (
     FILE_FIELDS,
@@ -325,8 +325,7 @@ async def _sweep_expired(ctx: ServerContext) -> None:
     while True:
         if ctx.settings.output_ttl_s > 0:
             try:
-                removed = await asyncio.to_thread(sweep_expired_once, ctx.store, ctx.artifacts,
-                                                  ctx.settings.output_ttl_s)
+                removed = await asyncio.to_thread(sweep_expired, ctx)
                 if removed:
                     logger.info("removed %d expired job(s)", removed)
             except Exception:  # the sweep must never take the server down

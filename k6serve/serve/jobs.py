@@ -106,6 +106,10 @@ def is_expired(job: Job, ttl_s: float, now: float) -> bool:
     return expiry is not None and now >= expiry
 
 
+# The TTL sweep's query, on the completed_at index: left to choose, SQLite took the status index (reading and sorting
+# every finished job) or a scan of the whole table in seq order; the index gives only the jobs old enough.
+FINISHED_BEFORE_SQL = (f"SELECT * FROM jobs INDEXED BY jobs_completed WHERE status IN "
+                       f"({', '.join('?' for _ in TERMINAL)}) AND completed_at < ? ORDER BY seq")
 _JSON_FIELDS = {"params", "upload_files", "warnings"}
 _COLUMNS = [f.name for f in dataclasses.fields(Job)]
 
@@ -142,6 +146,7 @@ class JobStore(Protocol):
     def next_queued(self) -> Job | None: ...
     def queued_ids(self) -> list[str]: ...
     def count_by_status(self) -> dict[JobStatus, int]: ...
+    def count_queued(self) -> int: ...
     def finished_before(self, timestamp: float) -> list[Job]: ...
     def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]: ...
     def upload_files(self) -> set[str]: ...
@@ -224,6 +229,9 @@ class SqliteJobStore:
             if "cancel_requested_at" not in columns:  # a store written before cancel requests were kept
                 self._db.execute("ALTER TABLE jobs ADD COLUMN cancel_requested_at REAL")
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
+            # The TTL sweep's candidates (`finished_before`) by index: without it each sweep, run before every
+            # listing too, read and sorted every finished job (39 ms a listing at 100k stored jobs).
+            self._db.execute("CREATE INDEX IF NOT EXISTS jobs_completed ON jobs (completed_at)")
             # seq is AUTOINCREMENT, so it is never reused: a deleted job's seq still marks a unique place
             # between the live jobs created before and after it.
             self._db.execute(
@@ -397,6 +405,13 @@ class SqliteJobStore:
             ).fetchall()
         return [row["id"] for row in rows]
 
+    def count_queued(self) -> int:
+        """The queued jobs (an index search: `count_by_status` groups every job, 10 ms at 100k stored jobs, and
+        admission runs it on the event loop for every job created)."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = ?",
+                                    (JobStatus.QUEUED.value,)).fetchone()[0]
+
     def count_by_status(self) -> dict[JobStatus, int]:
         with self._lock:
             rows = self._db.execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status").fetchall()
@@ -406,12 +421,8 @@ class SqliteJobStore:
 
     def finished_before(self, timestamp: float) -> list[Job]:
         """Terminal jobs that finished before `timestamp` (the TTL sweep)."""
-        marks = ", ".join("?" for _ in TERMINAL)
         with self._lock:
-            rows = self._db.execute(
-                f"SELECT * FROM jobs WHERE status IN ({marks}) AND completed_at < ? ORDER BY seq",
-                [s.value for s in TERMINAL] + [timestamp],
-            ).fetchall()
+            rows = self._db.execute(FINISHED_BEFORE_SQL, [s.value for s in TERMINAL] + [timestamp]).fetchall()
         return [self._decode(row) for row in rows]
 
     def upload_files(self) -> set[str]:

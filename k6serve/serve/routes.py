@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -122,6 +123,9 @@ class ServerContext:
     served_names: tuple[str, ...]
     started_at: float
     sr_tiling: SRTiling | None = None  # an SR checkpoint's tiles, to refuse a too small source at creation
+    # Held by the one TTL sweep running (`sweep_expired`): each listing ran its own, and after a backlog (jobs that
+    # expired while the server was down) eight listings filled the thread pool for seconds, /health with it.
+    sweep_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def variant(self) -> Variant:
@@ -155,6 +159,16 @@ def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, 
     candidates = store.finished_before(now + 1 - ttl_s)
     return sum(forget_job(store, artifacts, job, gone_at=expires_at(job, ttl_s)) for job in candidates
                if is_expired(job, ttl_s, now))
+
+
+def sweep_expired(ctx: ServerContext) -> int | None:
+    """`sweep_expired_once` unless a sweep is already running (then None: that one does the work)."""
+    if not ctx.sweep_lock.acquire(blocking=False):
+        return None
+    try:
+        return sweep_expired_once(ctx.store, ctx.artifacts, ctx.settings.output_ttl_s)
+    finally:
+        ctx.sweep_lock.release()
 
 
 def _live(ctx: ServerContext, job: Job | None) -> Job | None:
@@ -484,9 +498,10 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
     ctx = _ctx(request)
     if ctx.settings.output_ttl_s > 0:
         # As if the periodic sweep had just run; off the event loop like it (many jobs can expire during downtime),
-        # and, like it, a failure is logged, not the listing's 500: the page then may show a job about to go.
+        # and, like it, a failure is logged, not the listing's 500. While another sweep runs this one skips it, and
+        # the page leaves out the jobs past their expires_at that it has not reached yet.
         try:
-            await asyncio.to_thread(sweep_expired_once, ctx.store, ctx.artifacts, ctx.settings.output_ttl_s)
+            await asyncio.to_thread(sweep_expired, ctx)
         except Exception:  # noqa: BLE001
             logger.exception("sweeping expired jobs before a listing failed")
     try:
@@ -496,9 +511,12 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
         raise ApiError(400, f"after={after!r} is not the id of a stored video, nor of one deleted or expired in "
                             f"the last {days} days; page from the start (leave out after).",
                        code="invalid_parameter", param="after") from None
-    data = [ctx.view(job) for job in jobs]
-    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                         "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+    now = time.time()
+    data = [ctx.view(job) for job in jobs if not is_expired(job, ctx.settings.output_ttl_s, now)]
+    # The cursors are the page's own ends, an expired job's id among them: `after` takes a deleted id, so paging
+    # goes on past a page whose jobs all expired.
+    return JSONResponse({"object": "list", "data": data, "first_id": jobs[0].id if jobs else None,
+                         "last_id": jobs[-1].id if jobs else None, "has_more": has_more})
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job")

@@ -155,6 +155,8 @@ class JobRunner:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._recent_durations: list[float] = []
+        # Job id -> time.monotonic() at its creation here, for the latency metric; dropped when the job ends.
+        self._created_monotonic: dict[str, float] = {}
         self._pending_loras: list[PendingLora] = []
         self._applying_lora: PendingLora | None = None  # taken from `_pending_loras`, not finished yet
         self._lora_state: LoraState | None = None
@@ -272,10 +274,12 @@ class JobRunner:
                 # id included): answered as what it is even when the queue is full, not as "retry later".
                 return self.store.insert(job)
             self._check_loras(job)  # before the queue's room: a retry after a 429 would only meet this 400
-            queued = self.store.count_by_status()[JobStatus.QUEUED]
+            queued = self.store.count_queued()
             if queued >= self.max_queued_jobs:
                 raise QueueFull(queued)
             stored, created = self.store.insert(job)
+            if created:
+                self._created_monotonic[stored.id] = time.monotonic()
             self._wake.notify_all()
             return stored, created
 
@@ -350,7 +354,7 @@ class JobRunner:
         return self._num_releasing > 0 or self.engine.memory_released
 
     def queue_is_full(self) -> bool:
-        return self.store.count_by_status()[JobStatus.QUEUED] >= self.max_queued_jobs
+        return self.store.count_queued() >= self.max_queued_jobs
 
     def retry_after_s(self) -> int:
         """A hint for 429 answers: about one job's time over the replicas that run jobs at once, at least 1 s."""
@@ -640,6 +644,7 @@ class JobRunner:
         """End `job` as `status` (failed or cancelled) with `fields`; one log line says so, unless the caller
         `logged` its own (with what only the operator should read: pip commands, host fixes, a traceback). A job
         that failed on the client's input was in no log before (the engine leaves ValueErrors to the caller)."""
+        self._created_monotonic.pop(job.id, None)
         if fields.get("error_message") and job.upload_files:
             fields["error_message"] = without_upload_paths(fields["error_message"], job.upload_files)
         finished = self.store.transition(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=status,
@@ -678,7 +683,12 @@ class JobRunner:
         logger.info("job %s completed in %.1f s (%.1f s from its creation)", job.id, inference_s,
                     completed_at - job.created_at)
         self.metrics.finished(JobStatus.COMPLETED, result.peak_memory_mb)
-        self.metrics.job_latency.observe(completed_at - job.created_at)
+        # The monotonic clock for a job created in this process: the wall clock stepped back an hour (NTP) made the
+        # histogram's sum -3,600, which Prometheus reads as a counter reset. A job from before a restart has only
+        # the wall clock: clamped at 0.
+        created = self._created_monotonic.pop(job.id, None)
+        self.metrics.job_latency.observe(time.monotonic() - created if created is not None
+                                         else max(0.0, completed_at - job.created_at))
         self.metrics.inference_latency.observe(inference_s)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together, with every
 # client that declared more than it sends would otherwise wait for the answer forever).
 DRAIN_BYTES = 64 * 2**20
 DRAIN_IDLE_S = 1.0
+DRAIN_TOTAL_S = 5.0  # as the loading responder's drain
 # A body whose client sends nothing for this long is refused with a 408 and its connection closed: a stalled
 # upload held its connection, its handler and its spooled bytes for as long as the client kept the socket open.
 # Generous for any client that is still sending (a slow link delivers bytes every few seconds).
@@ -183,13 +185,18 @@ def too_large_json() -> ApiError:
 
 
 async def drain(request: Request) -> None:
-    """Discard the rest of a refused body, so the client can read our answer: at most DRAIN_BYTES, and no longer
-    than DRAIN_IDLE_S without a byte."""
+    """Discard the rest of a refused body, so the client can read our answer: at most DRAIN_BYTES, no longer than
+    DRAIN_IDLE_S without a byte, and no longer than DRAIN_TOTAL_S in all (a client trickling a byte every half
+    second held the refusal of a 2 MB body back for its whole length)."""
     seen = 0
     chunks = request.stream().__aiter__()
+    deadline = time.monotonic() + DRAIN_TOTAL_S
     try:
         while seen <= DRAIN_BYTES:
-            seen += len(await asyncio.wait_for(chunks.__anext__(), DRAIN_IDLE_S))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            seen += len(await asyncio.wait_for(chunks.__anext__(), min(DRAIN_IDLE_S, left)))
     except (StopAsyncIteration, TimeoutError, ClientDisconnect, RuntimeError):
         return
 

@@ -19,9 +19,9 @@ from harness import FakeWorker, start_server, wait_for, wait_until
 from k6serve.api import build_engine_config
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
-from k6serve.serve.app import sweep_expired_once
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
+from k6serve.serve.routes import sweep_expired_once
 from k6serve.serve.runner import CANCEL_IN_DECODE, CANCELLED_AFTER_DECODE, CANCELLED_IN_DECODE
 
 SMALL = {"size": "32x32", "num_frames": 5}
@@ -456,6 +456,38 @@ def test_a_job_past_its_expires_at_reads_as_deleted_before_the_sweep(tmp_path):
         server.stop()
 
 
+def test_a_listing_during_a_sweep_skips_expired_jobs_and_pages_past_them(tmp_path):
+    """Each listing ran its own full sweep: after a backlog of expired jobs eight listings filled the thread pool
+    (/health took 14.7 s). One sweep runs at a time; a listing meanwhile leaves out what is past its expires_at,
+    and its cursors still page on."""
+    server = start_server(tmp_path, output_ttl_s=3600, cleanup_interval_s=3600)
+    try:
+        with server.client() as client:
+            ids = [wait_for(client, client.post("/v1/videos", json={"prompt": f"p{i}", **SMALL}).json()["id"])["id"]
+                   for i in range(4)]
+            for job_id in ids[1:3]:
+                server.store.update(job_id, completed_at=time.time() - 3602)
+            ctx = server.app.state.ctx
+            with ctx.sweep_lock:  # the periodic sweep (or another listing) is at work
+                page = client.get("/v1/videos", params={"order": "asc", "limit": 2}).json()
+                assert [job["id"] for job in page["data"]] == [ids[0]]
+                assert (page["first_id"], page["last_id"], page["has_more"]) == (ids[0], ids[1], True)
+                rest = client.get("/v1/videos", params={"order": "asc", "limit": 2, "after": page["last_id"]}).json()
+                assert [job["id"] for job in rest["data"]] == [ids[3]]
+                assert server.store.get(ids[1]) is not None  # left to the sweep that holds the lock
+            client.get("/v1/videos")  # no sweep running: this one sweeps
+            assert server.store.get(ids[1]) is None and server.store.get(ids[2]) is None
+            # The sweep's candidates come from an index, not a sort of every finished job.
+            from k6serve.serve.jobs import FINISHED_BEFORE_SQL, TERMINAL
+
+            plan = " ".join(row[-1] for row in server.store._db.execute(
+                f"EXPLAIN QUERY PLAN {FINISHED_BEFORE_SQL}", [s.value for s in TERMINAL] + [time.time()]).fetchall())
+            assert "jobs_completed" in plan, plan
+            assert server.store.count_queued() == 0
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("route", ["list", "get", "content"])
 def test_each_route_sees_an_expired_job_as_gone(tmp_path, route):
     server = start_server(tmp_path, output_ttl_s=3600, cleanup_interval_s=3600)
@@ -730,3 +762,41 @@ def test_an_empty_api_key_variable_is_unset_but_an_empty_flag_is_refused(monkeyp
         settings_from_options({})
     with pytest.raises(ValueError, match=r"^--api-key must be printable ASCII"):
         settings_from_options({"api_key": "k\n1"})  # the flag's own key keeps the flag's name
+
+
+def test_the_latency_metric_stays_positive_when_the_wall_clock_steps_back(tmp_path, monkeypatch):
+    """NTP stepping the clock back an hour made k6serve_job_latency_seconds_sum -3,600 (a counter reset to
+    Prometheus): a job created in this process is timed on the monotonic clock."""
+    server = start_server(tmp_path)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+            real = time.time
+            monkeypatch.setattr(time, "time", lambda: real() - 3600)
+            wait_for(client, job["id"])
+            monkeypatch.setattr(time, "time", real)
+            body = client.get("/metrics").text
+        total = float(re.search(r"^k6serve_job_latency_seconds_sum (\S+)$", body, re.MULTILINE)[1])
+        assert 0 <= total < 60
+    finally:
+        server.stop()
+
+
+def test_a_refused_body_is_drained_for_a_few_seconds_at_most(monkeypatch):
+    """A client trickling a byte every half second held the refusal of a 2 MB body back for its whole length."""
+    import asyncio
+
+    from k6serve.serve import uploads
+
+    class Trickle:
+        def stream(self):
+            async def chunks():
+                while True:
+                    await asyncio.sleep(0.05)
+                    yield b"x"
+            return chunks()
+
+    monkeypatch.setattr(uploads, "DRAIN_TOTAL_S", 0.5)
+    started = time.monotonic()
+    asyncio.run(uploads.drain(Trickle()))
+    assert time.monotonic() - started < 2.0
