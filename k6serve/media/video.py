@@ -7,6 +7,7 @@ every frame, faster sources are stride-subsampled to 24 fps, slower sources keep
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ from typing import Self
 
 import av
 import av.container
+import av.filter
 import av.video.stream
 import numpy as np
 
@@ -235,6 +237,7 @@ class SRSourceReader:
             self._start_time: float | None = None  # the first decoded frame's time (always kept), in seconds
             self._sample_aspect_ratio: Fraction | None = None  # the first decoded frame's (`pixel_aspect_ratio`)
             self._colors = SdrFrames()  # HDR and wide-gamut frames brought into BT.709 SDR (`media.color`)
+            self._progressive = Deinterlacer()  # an interlaced source's frames made progressive
             self._num_seen = 0
             # Per decoded frame index: its time less its time at the average rate, in seconds.
             self._timing_offsets: dict[int, float] = {}
@@ -294,7 +297,7 @@ class SRSourceReader:
     def frames(self) -> Iterator[np.ndarray]:
         """The selected RGB uint8 (H, W, 3) frames, decoded one at a time."""
         for _, frame in _decode_rgb(self._container, self._stream, self.path, keep=self._selection.offer,
-                                    seen=self._seen, colors=self._colors):
+                                    seen=self._seen, colors=self._colors, progressive=self._progressive):
             yield frame
         self._finished = True
 
@@ -376,6 +379,12 @@ class SRSourceReader:
             notes.append(f"the source's pixels are not square (sample aspect ratio {sar.numerator}:{sar.denominator}"
                          "): its frames are as stored, which shows them squeezed or stretched until scaled by that "
                          "ratio")
+        if self._progressive.field_order is not None:
+            deinterlaced = (f"the source is interlaced ({self._progressive.field_order}): its frames were "
+                            "deinterlaced (FFmpeg's bwdif, one frame each, so the frame rate is the source's) before "
+                            "upscaling")
+            logger.info("%s: %s", path, deinterlaced)
+            notes.append(deinterlaced)
         if self._colors.mapping is not None:
             colors = self._colors.mapping.note()
             logger.info("%s: %s", path, colors)
@@ -493,6 +502,56 @@ def _quarter_turns(rotation: float) -> int:
     return round(rotation / 90) % 4
 
 
+class Deinterlacer:
+    """An interlaced source's frames made progressive before they are upscaled: DVDs (480i, 576i), broadcast and
+    camcorder 1080i store two fields of different instants in each frame, which decoded as they are show combing
+    on everything that moves, and the upscale sharpens the comb. FFmpeg's bwdif (Bob Weaver, motion adaptive) makes
+    one progressive frame of each (send_frame: the frame rate, and so the 24 fps rule, stay the source's), the
+    field order taken from the frames. Decided on the first frame; a progressive source passes untouched."""
+
+    def __init__(self) -> None:
+        self.field_order: str | None = None  # set when the source is deinterlaced: "top field first", ...
+
+    def frames(self, decoded: Iterator[av.VideoFrame],
+               stream: av.video.stream.VideoStream) -> Iterator[av.VideoFrame]:
+        decoded = iter(decoded)
+        first = next(decoded, None)
+        if first is None:
+            return
+        if not first.interlaced_frame:
+            yield first
+            yield from decoded
+            return
+        self.field_order = _FIELD_ORDERS.get(stream.codec_context.field_order, "field order not stated")
+        graph = av.filter.Graph()
+        source = graph.add_buffer(template=stream)
+        bwdif = graph.add("bwdif", "mode=send_frame:parity=auto:deint=all")
+        sink = graph.add("buffersink")
+        source.link_to(bwdif)
+        bwdif.link_to(sink)
+        graph.configure()
+        # bwdif holds each frame until the next arrives (it needs both neighbours): output k follows input k + 1,
+        # and the end of the input releases the last.
+        for frame in itertools.chain([first], decoded):
+            graph.push(frame)
+            yield from _pulled(graph)
+        graph.push(None)
+        yield from _pulled(graph)
+
+
+# AVFieldOrder: the first field shown (1 is progressive; 0 unknown).
+_FIELD_ORDERS = {2: "top field first", 4: "top field first", 3: "bottom field first", 5: "bottom field first"}
+
+
+def _pulled(graph: av.filter.Graph) -> Iterator[av.VideoFrame]:
+    """The frames `graph` has ready."""
+    while True:
+        try:
+            yield graph.pull()
+        except (BlockingIOError, av.error.EOFError):
+            return
+
+
 def _decode_rgb(
     container: av.container.InputContainer,
     stream: av.video.stream.VideoStream,
@@ -500,14 +559,17 @@ def _decode_rgb(
     keep: Callable[[int], bool | None],
     seen: Callable[[av.VideoFrame], None] | None = None,
     colors: SdrFrames | None = None,
+    progressive: Deinterlacer | None = None,
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (index, RGB frame) for decoded frames where `keep(index)` is True; stop on None. `seen` gets every
-    decoded frame, kept or not; `colors` converts them (BT.709 SDR RGB; a new `SdrFrames` when None)."""
+    decoded frame, kept or not; `progressive` deinterlaces them and `colors` converts them (BT.709 SDR RGB); new
+    ones when None."""
     colors = SdrFrames() if colors is None else colors
+    progressive = Deinterlacer() if progressive is None else progressive
     stream.codec_context.thread_type = "AUTO"
     size = None
     try:
-        for index, frame in enumerate(container.decode(stream)):
+        for index, frame in enumerate(progressive.frames(container.decode(stream), stream)):
             decision = keep(index)
             if seen is not None and decision is not None:
                 seen(frame)
