@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import math
-import inspect
 import os
 import tempfile
 import weakref
@@ -50,6 +50,7 @@ from k6serve.request import (
     plain_scalars,
 )
 from k6serve.runtime.engine import Engine, ProgressCallback
+from k6serve.media.image import looks_like_url
 from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, sanitize_file_name
 
 logger = logging.getLogger(__name__)
@@ -122,12 +123,19 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
     return params, OutputOptions(return_frames=return_frames, **output)
 
 
-def _absolute_if_here(path: Any) -> Any:
-    """A LoRA `path` that exists from this process's folder, made absolute; anything else (a hub id, a path that
-    does not exist: the worker says so) as it is."""
-    if isinstance(path, (str, os.PathLike)) and os.path.exists(os.path.expanduser(path)):
-        return os.path.abspath(os.path.expanduser(path))
-    return path
+_PATH_KEYS = ("image_path", "video_path", "output_path")
+
+
+def _from_here(path: Any, *, existing_only: bool) -> Any:
+    """A relative `path` made absolute from this process's folder (`DiffGenerator._from_callers_folder`); with
+    `existing_only`, only one that exists here (a LoRA path may be a hub id). A URL or data URI is left as it is,
+    for its own refusal (k6serve fetches no URLs), as are empty and non-path values."""
+    if not isinstance(path, (str, os.PathLike)):
+        return path
+    text = os.path.expanduser(os.fspath(path))
+    if not text.strip() or looks_like_url(text) or (existing_only and not os.path.exists(text)):
+        return path
+    return os.path.abspath(text)
 
 
 def _refuse_image_objects(image: Any) -> None:
@@ -575,16 +583,22 @@ class DiffGenerator:
         started in: after a chdir, the caller's check created an empty output folder here and the MP4 was written
         there (its returned path a relative one that did not exist from here), and a source here "did not exist".
         Unchanged otherwise, so paths (and the messages naming them) stay as given."""
-        if os.getcwd() == self._start_folder:
+        if not self._moved():
             return options
         options = dict(options)
         if options.get("output_path") is None and options.get("save_output") is not False:
             options["output_path"] = OutputOptions().output_path
         for key in ("image_path", "video_path", "output_path"):
-            value = options.get(key)
-            if isinstance(value, (str, os.PathLike)) and os.fspath(value).strip():
-                options[key] = os.path.abspath(os.path.expanduser(os.fspath(value)))
-        return options
+            options[key] = _from_here(options.get(key), existing_only=False)
+        return {key: value for key, value in options.items() if value is not None or key not in _PATH_KEYS}
+
+    def _moved(self) -> bool:
+        """Whether this process is in another folder than the one the workers started in (False when its folder
+        was deleted: paths are then left to fail as they are)."""
+        try:
+            return os.getcwd() != self._start_folder
+        except FileNotFoundError:
+            return False
 
     def upscale(self, video_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
                 **kwargs: Any) -> VideoResult:
@@ -608,9 +622,9 @@ class DiffGenerator:
         already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         self._require_running()
-        if os.getcwd() != self._start_folder:  # a relative adapter path from the caller's folder, as a request's
-            path = ([_absolute_if_here(item) for item in path] if isinstance(path, list)
-                    else _absolute_if_here(path))
+        if self._moved():  # a relative adapter path from the caller's folder, as a request's; a hub id as it is
+            path = ([_from_here(item, existing_only=True) for item in path] if isinstance(path, list)
+                    else _from_here(path, existing_only=True))
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
                                        lora_alpha=lora_alpha)
         return self.engine.lora(operation)

@@ -315,8 +315,8 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
                             "takes one with --prompt",
                             api_fix="k6serve takes the text itself as prompt, one prompt per request"),
     "generator_device": _request("k6serve chooses where the noise is drawn: the generation models use a CPU "
-                                 "generator, so a seed gives the same initial noise on every device, and super-resolution "
-                                 "draws on the device it runs on: drop it"),
+                                 "generator, so a seed gives the same initial noise on every device, and "
+                                 "super-resolution draws on the device it runs on: drop it"),
     "4k": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),
     "2k": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),
     "1080p": _request(_SIZE, api_fix=_SIZE_API, http_fix=_SIZE_HTTP),

@@ -343,20 +343,24 @@ class _Batch:
 
 def _progress_prompt(prompt: str, limit: int = 160) -> str:
     """A prompt as a progress line shows it: its first `limit` characters on one line (a 5,000-character prompt
-    filled the terminal at every start and finish; the file holds the whole of it). Control and format characters
-    are shown escaped, not sent to the terminal (an escape sequence or a right-to-left override in a prompt file
-    recoloured or reversed the line; the request itself refuses control characters), and a cut does not end on a
-    combining mark or a joiner (half of an accented letter or of an emoji sequence)."""
+    filled the terminal at every start and finish; the file holds the whole of it), cut where no character is
+    split (not on a combining mark, nor inside an emoji's joined sequence). Control characters and the bidi
+    embedding, override and isolate marks are shown escaped, not sent to the terminal (an escape sequence or a
+    right-to-left override in a prompt file recoloured or reversed the line); other format characters (a zero-width
+    non-joiner in a Persian word, left-to-right marks) are text and stay."""
     flat = " ".join(prompt.split())
-    flat = "".join(ascii(char)[1:-1] if unicodedata.category(char) in ("Cc", "Cf") and char != "\u200d" else char
+    if len(flat) > limit:
+        cut = limit - 3
+        # Back to the start of the character the cut would split.
+        while cut > 0 and (unicodedata.category(flat[cut]) in ("Mn", "Mc", "Me")
+                           or "\u200d" in flat[cut - 1:cut + 1]):
+            cut -= 1
+        flat = flat[:cut] + "..."
+    return "".join(ascii(char)[1:-1] if unicodedata.category(char) == "Cc" or char in _BIDI_CONTROLS else char
                    for char in flat)
-    if len(flat) <= limit:
-        return flat
-    cut = limit - 3
-    while cut > 0 and (unicodedata.category(flat[cut]) in ("Mn", "Mc", "Me") or flat[cut - 1] == "\u200d"
-                       or flat[cut] == "\u200d"):
-        cut -= 1  # back to the start of the character the cut would split
-    return flat[:cut] + "..."
+
+
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 def _run_in_order(generator: DiffGenerator, variant, progress: _Batch, numbered: bool) -> None:

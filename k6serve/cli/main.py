@@ -8,6 +8,7 @@ wins.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import dataclasses
 import errno
@@ -295,7 +296,7 @@ def _printable_stdout() -> None:
     or Chinese path under a cp1251 or ASCII stdout (Windows redirected to a file) failed the command after the video
     was written, and a prompt file stopped at its first such line."""
     reconfigure = getattr(sys.stdout, "reconfigure", None)  # a replaced stdout (a test's, an IDE's) may have none
-    if reconfigure is not None and sys.stdout.encoding.lower().replace("-", "") != "utf8":
+    if reconfigure is not None and codecs.lookup(sys.stdout.encoding).name != "utf-8":
         reconfigure(errors="backslashreplace")
 
 

@@ -12,10 +12,11 @@ weak colours. The SR model was trained on SDR video, so each frame is brought in
 3. to BT.709 primaries (3x3 in linear light, both D65); a colour outside BT.709 is desaturated toward its own
    luminance until no channel is negative (clipping channels would shift the hue), and an SDR one still brighter
    than BT.709's white allows is scaled down whole;
-4. HDR only: ITU-R BT.2408's mapping of HDR reference white (203 cd/m^2) to SDR white, with ITU-R BT.2390's EETF
-   rolling the highlights between about 90 cd/m^2 and the source's peak (the file's MaxCLL, else its mastering
-   display's peak, else 1000 cd/m^2) off into the rest of SDR's range: on the largest channel, the others scaled
-   with it, which keeps hue and saturation;
+4. HDR only: scaled so HDR reference white (203 cd/m^2, ITU-R BT.2408) would be SDR white, with ITU-R BT.2390's
+   EETF rolling everything between about 90 cd/m^2 and the source's peak (the file's MaxCLL, else its mastering
+   display's peak, else 1000 cd/m^2) off into the rest of SDR's range (reference white itself ends near 90% of
+   SDR white for a 1000 cd/m^2 peak, about 82% for 4000): on the largest channel, the others scaled with it, which
+   keeps hue and saturation;
 5. BT.1886's inverse (the 1/2.4 power) to 8 bits.
 
 The curves run as tables: each 16-bit code's linear light, and the roll-off's ratio at 4,096 points interpolated
@@ -52,6 +53,7 @@ _PRIMARIES_XY = {
     PRIMARIES_P3_D65: ((0.680, 0.320), (0.265, 0.690), (0.150, 0.060)),
 }
 WIDE_GAMUTS = {PRIMARIES_BT2020: "BT.2020", PRIMARIES_P3_D65: "Display P3"}
+_BT709_CLASS_PRIMARIES = (PRIMARIES_BT709, 5, 6)  # BT.709, BT.470BG (PAL), SMPTE 170M (NTSC)
 _D65_XY = (0.3127, 0.3290)
 
 # ITU-R BT.2408: HDR reference (diffuse) white, which SDR white stands for.
@@ -142,9 +144,10 @@ class SdrMapping:
                     "(colours outside it desaturated to fit), before upscaling")
         colours = f", {gamut} colours" if gamut else ""
         return (f"the source is HDR ({HDR_TRANSFERS[self.transfer]} transfer{colours}): its frames were "
-                f"tone-mapped to SDR BT.709 before upscaling (HDR reference white, {REFERENCE_WHITE_NITS:g} cd/m^2, "
-                f"to SDR white; highlights up to {self.peak_nits:g} cd/m^2 ({self.peak_source}) rolled off by "
-                "ITU-R BT.2390's curve), so the output is SDR")
+                f"tone-mapped to SDR BT.709 before upscaling (scaled so HDR reference white, "
+                f"{REFERENCE_WHITE_NITS:g} cd/m^2, would be SDR white, and everything from about 90 cd/m^2 up to "
+                f"{self.peak_nits:g} cd/m^2 ({self.peak_source}) rolled off into SDR's range by ITU-R BT.2390's "
+                "curve), so the output is SDR")
 
     def to_sdr(self, rgb_HWC: np.ndarray) -> np.ndarray:
         """16-bit R'G'B' (H, W, 3) of the source's curve and primaries to 8-bit BT.709 SDR R'G'B'."""
@@ -231,7 +234,9 @@ def sdr_mapping(frame: av.VideoFrame) -> SdrMapping | None:
     if primaries not in WIDE_GAMUTS:
         if transfer is None:
             return None
-        primaries = PRIMARIES_BT2020  # untagged or odd primaries on an HDR curve: HDR is BT.2020 in practice
+        # An HDR curve on BT.709's primaries (or BT.601's, as near) is a camera mode (HLG on BT.709): kept as BT.709,
+        # no matrix; untagged or odd ones are BT.2020, which HDR is in practice.
+        primaries = PRIMARIES_BT709 if primaries in _BT709_CLASS_PRIMARIES else PRIMARIES_BT2020
     peak, peak_source = DEFAULT_PEAK_NITS, "assumed: the file states no peak"
     if transfer == TRC_HLG:
         peak_source = "HLG's nominal display peak"

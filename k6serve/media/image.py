@@ -1,7 +1,7 @@
 """Loading the conditioning image of an image-to-video request, and diffusers' cover-resize + crop.
 
 Loading mirrors `diffusers.utils.load_image` for files (EXIF orientation applied, converted to
-RGB); PIL images passed in are only converted to RGB, as diffusers' pipeline does not rotate them.
+RGB); PIL images passed in are not rotated, as diffusers' pipeline does not rotate them.
 Unlike diffusers, 16-bit, 32-bit integer and float grayscale images keep their levels (`_grayscale_to_8_bit`), and
 an image whose embedded ICC profile is not sRGB (an iPhone's Display P3, Adobe RGB, a CMYK or gray profile) is
 converted to sRGB, the video's colours (`media/icc.py`); an image with no profile, or an sRGB one, is diffusers' pixels.
@@ -290,4 +290,3 @@ def _float_levels(pixels: np.ndarray, source: str) -> np.ndarray:
             "(black) to 1.0 (white): rescale it to 0..1 (divide 0..255 values by 255), or save it as an 8-bit PNG"
         )
     return levels.astype(np.uint8)
-

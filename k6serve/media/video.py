@@ -525,7 +525,8 @@ class Deinterlacer:
         self.field_order = _FIELD_ORDERS.get(stream.codec_context.field_order, "field order not stated")
         graph = av.filter.Graph()
         source = graph.add_buffer(template=stream)
-        bwdif = graph.add("bwdif", "mode=send_frame:parity=auto:deint=all")
+        # deint=interlaced: a frame flagged progressive in a mixed clip (a film cadence, an edit) passes untouched.
+        bwdif = graph.add("bwdif", "mode=send_frame:parity=auto:deint=interlaced")
         sink = graph.add("buffersink")
         source.link_to(bwdif)
         bwdif.link_to(sink)
@@ -539,8 +540,9 @@ class Deinterlacer:
         yield from _pulled(graph)
 
 
-# AVFieldOrder: the first field shown (1 is progressive; 0 unknown).
-_FIELD_ORDERS = {2: "top field first", 4: "top field first", 3: "bottom field first", 5: "bottom field first"}
+# AVFieldOrder by the field shown first: TT (2) and BT (5, bottom coded first, top shown first) show the top field
+# first, BB (3) and TB (4) the bottom one (1 is progressive; 0 unknown).
+_FIELD_ORDERS = {2: "top field first", 5: "top field first", 3: "bottom field first", 4: "bottom field first"}
 
 
 def _pulled(graph: av.filter.Graph) -> Iterator[av.VideoFrame]:

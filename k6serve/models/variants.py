@@ -300,8 +300,8 @@ def _check_prompt_texts(params: SamplingParams) -> None:
 def _check_is_text(name: str, text: str) -> None:
     """What a wrong encoding leaves of a prompt, refused with the way to send it right: a lone surrogate (a
     non-ASCII command line under a non-UTF-8 locale: the worker's tokenizer failed on it as "a bug in k6serve"), or
-    a control character other than tab and line ends (a UTF-16 file or form field read as UTF-8 put a NUL after
-    each Cyrillic code unit and reached the text encoder as garbage; UTF-8 read as Latin-1 gives C1 controls)."""
+    a control character other than tab and line ends (a UTF-16 file or form field read as UTF-8 put U+0004 beside
+    each Cyrillic letter and reached the text encoder as garbage; UTF-8 read as Latin-1 gives C1 controls)."""
     for index, char in enumerate(text):
         if "\ud800" <= char <= "\udfff":
             raise ValueError(
@@ -311,8 +311,8 @@ def _check_is_text(name: str, text: str) -> None:
         if unicodedata.category(char) == "Cc" and char not in "\t\n\r":
             raise ValueError(
                 f"{name} holds the control character U+{ord(char):04X} at character {index + 1}: text read in the "
-                "wrong encoding (a UTF-16 file read as UTF-8 has a U+0000 beside every letter) or a pasted terminal "
-                "escape; send the prompt as UTF-8 text without control characters.")
+                "wrong encoding (a UTF-16 file read as UTF-8 has a control character beside every letter) or a pasted "
+                "terminal escape; send the prompt as UTF-8 text without control characters.")
 
 
 class MissingPrompt(ValueError):

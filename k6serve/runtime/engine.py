@@ -166,6 +166,7 @@ class Engine:
         ]
         self._closed = False  # shutdown() began: no request is taken
         self._shut_down = False  # shutdown() ended: the worker is closed
+        self._shutting_down = threading.Lock()  # held by the shutdown() running
         self._closing = threading.Lock()
         # One loop thread takes from the queue at a time, so a LoRA operation holds back every item behind it.
         self._taking = threading.Lock()
@@ -265,7 +266,6 @@ class Engine:
 
     def _wait_for(self, future: Future) -> dict:
         try:
-            self._check_not_own_thread("a LoRA or memory call")
             return _interruptible_result(future)
         except BaseException:
             future.cancel()  # an interrupted caller: drop it if still queued
@@ -275,16 +275,19 @@ class Engine:
         """Once the requests before it have finished, move every device tensor of every rank to host memory and
         free the allocator caches; requests wait until `resume_memory`. Returns what each rank freed and still
         holds (`runtime/memory.py`). --use-fsdp-inference raises ValueError."""
+        self._check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_memory(ReleaseMemory()))
 
     def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
         """Copy the released tensors back to the devices, bit for bit; the waiting requests then run in order. With
         `keep_host_copy` the host copies stay, so the next release only re-points the weights to them."""
+        self._check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_memory(ResumeMemory(keep_host_copy=keep_host_copy)))
 
     def lora(self, operation: LoraOperation) -> dict:
         """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.
         A ValueError (bad input: the adapter state is unchanged) is raised as it is."""
+        self._check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_lora(operation))
 
     def _loop(self) -> None:
@@ -365,6 +368,13 @@ class Engine:
             # A join of its own thread raised "cannot join current thread" after the engine was marked closed.
             raise RuntimeError("shutdown() was called from the engine's own thread (an on_progress callback): it "
                                "would wait for the request that called it; call it once generate() has returned.")
+        # One shutdown at a time: a second caller waits for the first, then finds it done. One interrupted (Ctrl-C
+        # while it waits for a request) lets go, and the next call finishes it: each step below may run again. It
+        # once returned at once, the worker's ranks left running.
+        with self._shutting_down:
+            self._shutdown(timeout)
+
+    def _shutdown(self, timeout: float | None) -> None:
         with self._closing:
             if self._shut_down:
                 return
@@ -372,8 +382,6 @@ class Engine:
                 self._closed = True
                 for _ in self._threads:
                     self._queue.put(_STOP)
-        # From here each step may run again: a shutdown interrupted (Ctrl-C while it waits for a request) is
-        # finished by the next call, which closes the worker; it once returned at once, its ranks left running.
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

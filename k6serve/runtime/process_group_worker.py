@@ -570,6 +570,7 @@ class MultiProcessWorker:
             parallel.dist_init_addr.rpartition(":")[0] if parallel.dist_init_addr else LOCAL_HOST)
         authkey = os.urandom(32)
         self._listener = Listener(("0.0.0.0" if many_hosts else LOCAL_HOST, 0), authkey=authkey)
+        self._listener_address = self._listener.address  # for `_wake_accept`, which may run after the close
         address = (advertised_host if many_hosts else LOCAL_HOST, self._listener.address[1])
         self._processes: dict[int, BaseProcess] = {}
         self._rank0_thread: threading.Thread | None = None
@@ -652,7 +653,7 @@ class MultiProcessWorker:
         """End an accept() still waiting for a leader (a Ctrl-C while the ranks start): closing the listener does
         not wake it on Linux, and each interrupted load left its thread and two descriptors for good. A connection
         that sends nothing fails its authentication, and the thread, seeing `_closed`, returns."""
-        host, port = self._listener.address[:2]
+        host, port = self._listener_address[:2]
         with contextlib.suppress(OSError):
             socket.create_connection((LOCAL_HOST if host == "0.0.0.0" else host, port), timeout=1.0).close()
 

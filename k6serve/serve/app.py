@@ -5,6 +5,7 @@ the `k6serve serve` entry point that runs it under uvicorn.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import errno
 import hmac
@@ -478,7 +479,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     require_package("uvicorn", "to run the HTTP server")  # imported where it runs: after the load, minutes away
     settings = settings_from_options(server_options)
     settings.check_paths()
-    if sys.getfilesystemencoding().lower().replace("-", "") != "utf8":
+    if codecs.lookup(sys.getfilesystemencoding()).name != "utf-8":
         # Requests' paths (image_path, video_path, lora_path) with non-ASCII characters cannot be opened then; each
         # is refused saying so (`unencodable_path`), and this says it once, at the start.
         logger.warning("this server's filesystem encoding is %s, not UTF-8: paths with characters it cannot hold "

@@ -44,7 +44,8 @@ class InputPathPolicy:
         if "\x00" in value or not value.strip():
             raise ApiError(400, f"{param} must be a file path.", code="invalid_path", param=param)
         if (reason := unencodable_path(value)) is not None:
-            raise ApiError(400, f"{param} {reason} (the server's).", code="invalid_path", param=param)
+            raise ApiError(400, f"{param} {reason.replace('this process', 'the server')}.", code="invalid_path",
+                           param=param)
         try:
             resolved = Path(value).resolve(strict=False)
         except (OSError, RuntimeError):  # symlink loops

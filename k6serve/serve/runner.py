@@ -373,6 +373,7 @@ class JobRunner:
                     job_id, (JobStatus.QUEUED,), status=JobStatus.CANCELLED, completed_at=time.time(),
                     error_code="cancelled", error_message="Cancelled by the client before it started.")
                 if cancelled is not None:
+                    self._created_monotonic.pop(job_id, None)
                     logger.info("job %s cancelled (cancelled): %s", job_id, cancelled.error_message)
                     self.metrics.finished(JobStatus.CANCELLED)
                     self.artifacts.remove(list(cancelled.upload_files))
@@ -658,6 +659,7 @@ class JobRunner:
             self.artifacts.remove(list(finished.upload_files))
 
     def _record_success(self, job: Job, result: VideoResult) -> None:
+        created = self._created_monotonic.pop(job.id, None)
         if result.output_file_path is None:
             self._record(job, JobStatus.FAILED, error_code="no_output", error_message="The engine wrote no file.")
             return
@@ -686,7 +688,6 @@ class JobRunner:
         # The monotonic clock for a job created in this process: the wall clock stepped back an hour (NTP) made the
         # histogram's sum -3,600, which Prometheus reads as a counter reset. A job from before a restart has only
         # the wall clock: clamped at 0.
-        created = self._created_monotonic.pop(job.id, None)
         self.metrics.job_latency.observe(time.monotonic() - created if created is not None
                                          else max(0.0, completed_at - job.created_at))
         self.metrics.inference_latency.observe(inference_s)

@@ -32,6 +32,7 @@ from k6serve.serve.errors import (
     output_not_writable,
     write_refused,
 )
+from k6serve.serve.loading import DRAIN_BYTES, DRAIN_IDLE_S, DRAIN_TOTAL_S
 from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, lone_surrogate, object_without_duplicate_keys
 
 # Small: every complete upload is written to disk anyway (the spool only delays the file's creation), and each
@@ -40,13 +41,11 @@ from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, lone_surrogate, ob
 SPOOL_BYTES = 256 * 2**10
 MAX_JSON_BYTES = 1 * 2**20
 MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together, with every part's headers
-# After refusing a body we keep reading (and discarding) up to this much of it, so the client sees the answer
+# After refusing a body we keep reading (and discarding) up to DRAIN_BYTES of it, so the client sees the answer
 # instead of a reset connection (closing a socket with unread data makes the kernel send RST, which can discard the
-# answer before the client reads it); past it, or after DRAIN_IDLE_S without a byte, the connection is closed (a
-# client that declared more than it sends would otherwise wait for the answer forever).
-DRAIN_BYTES = 64 * 2**20
-DRAIN_IDLE_S = 1.0
-DRAIN_TOTAL_S = 5.0  # as the loading responder's drain
+# answer before the client reads it); past it, after DRAIN_IDLE_S without a byte, or DRAIN_TOTAL_S in all, the
+# connection is closed (a client that declared more than it sends would otherwise wait for the answer forever). The
+# loading responder's bounds, one set for both.
 # A body whose client sends nothing for this long is refused with a 408 and its connection closed: a stalled
 # upload held its connection, its handler and its spooled bytes for as long as the client kept the socket open.
 # Generous for any client that is still sending (a slow link delivers bytes every few seconds).

@@ -770,9 +770,11 @@ def test_the_latency_metric_stays_positive_when_the_wall_clock_steps_back(tmp_pa
     server = start_server(tmp_path)
     try:
         with server.client() as client:
-            job = client.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+            job = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()  # runs until released
+            wait_until(lambda: client.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress")
             real = time.time
             monkeypatch.setattr(time, "time", lambda: real() - 3600)
+            server.worker.release.set()
             wait_for(client, job["id"])
             monkeypatch.setattr(time, "time", real)
             body = client.get("/metrics").text

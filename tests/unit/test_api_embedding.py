@@ -138,6 +138,7 @@ def test_closing_during_start_up_ends_the_thread_waiting_for_the_leaders():
 
     worker = MultiProcessWorker.__new__(MultiProcessWorker)
     worker._listener = Listener((LOCAL_HOST, 0), authkey=b"k" * 32)
+    worker._listener_address = worker._listener.address
     worker._closed = False
     worker.layout = SimpleNamespace(dp=2)
     connections: queue.Queue = queue.Queue()
@@ -150,4 +151,18 @@ def test_closing_during_start_up_ends_the_thread_waiting_for_the_leaders():
     thread.join(10)
     assert not thread.is_alive()
     worker._listener.close()
+    worker._wake_accept()  # again, after the close (a second close()): nothing to wake, no error
     leader.close()
+
+
+def test_after_a_chdir_a_url_stays_a_url(tiny_distill_dir, tmp_path, monkeypatch):
+    """Made absolute, "https://example.com/a.png" became "<folder>/https:/example.com/a.png": "does not exist"
+    instead of the refusal that k6serve fetches no URLs."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    with _generator(tiny_distill_dir) as generator:
+        monkeypatch.chdir(second)
+        with pytest.raises(ValueError, match="fetches no URLs"):
+            generator.generate({**SMALL, "image_path": "https://example.com/a.png"})

@@ -143,6 +143,16 @@ def test_a_colour_outside_bt709_keeps_its_hue():
     assert green[1] >= 245 and green[0] == 0 and green[2] < 110
 
 
+def test_an_hdr_curve_on_bt709_primaries_keeps_them():
+    """HLG on BT.709 primaries is a camera mode: taken as BT.2020 it came out over-saturated ((227, 0, 70) for
+    BT.709's red)."""
+    red = color.SdrFrames().rgb(_rgb48_frame((round(0.75 * 65535), 0, 0), HLG, color.PRIMARIES_BT709))[0, 0]
+    assert red[1] == 0 and red[2] == 0 and red[0] > 150
+    untagged = color.SdrFrames()
+    untagged.rgb(_rgb48_frame((round(0.75 * 65535), 0, 0), HLG, 2))
+    assert untagged.mapping.primaries == color.PRIMARIES_BT2020  # untagged HDR: BT.2020
+
+
 @pytest.mark.parametrize("transfer, primaries", [(1, 1), (6, 6), (2, 2), (13, 1), (1, 5)])
 def test_sdr_bt709_class_frames_are_decoded_as_before(transfer, primaries):
     rng = np.random.default_rng(0)
@@ -187,8 +197,9 @@ def test_the_peak_comes_from_the_files_hdr10_metadata(tmp_path, params, peak, so
     clip = read_sr_source(path)
     note = [note for note in clip.notes if "HDR" in note]
     assert note == [f"the source is HDR (PQ, SMPTE ST 2084 transfer, BT.2020 colours): its frames were tone-mapped "
-                    f"to SDR BT.709 before upscaling (HDR reference white, 203 cd/m^2, to SDR white; highlights up "
-                    f"to {peak} cd/m^2 ({source}) rolled off by ITU-R BT.2390's curve), so the output is SDR"]
+                    f"to SDR BT.709 before upscaling (scaled so HDR reference white, 203 cd/m^2, would be SDR white, "
+                    f"and everything from about 90 cd/m^2 up to {peak} cd/m^2 ({source}) rolled off into SDR's range "
+                    "by ITU-R BT.2390's curve), so the output is SDR"]
     # 10-bit code 600 is about 250 cd/m^2 (after H.264): above reference white, rolled off, and darker for a
     # brighter peak.
     assert clip.frames.shape == (9, 32, 32, 3)

@@ -250,7 +250,7 @@ def test_a_start_up_failure_sent_just_before_the_leader_exits_is_the_one_reporte
     worker = MultiProcessWorker.__new__(MultiProcessWorker)
     worker.layout = ParallelLayout.from_config(ParallelConfig(num_gpus=1))
     worker._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-    worker._processes, worker._rank0_thread = {0: EndedProcess()}, None
+    worker._processes, worker._rank0_thread, worker._closed = {0: EndedProcess()}, None, False
 
     def leader() -> None:  # a thread: connecting waits for the engine's accept, in _wait_until_ready
         with Client(worker._listener.address, authkey=authkey) as connection:

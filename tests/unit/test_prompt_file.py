@@ -425,3 +425,5 @@ def test_a_progress_line_escapes_terminal_controls_and_cuts_between_characters()
     assert _progress_prompt("a" * 154 + family + "b" * 20) == "a" * 154 + "..."  # not half a family
     assert _progress_prompt("e" * 156 + "e\u0301\u0301x" + "b" * 20) == "e" * 156 + "..."  # not a bare accent
     assert _progress_prompt("a" * 100 + family + "b" * 100).startswith("a" * 100 + family)  # whole ones are kept
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"  # a zero-width non-joiner inside the word
+    assert _progress_prompt(persian) == persian

@@ -52,7 +52,7 @@ def test_a_utf16_prompt_file_is_refused_as_such(tmp_path):
                          "command line or file read under a non-UTF-8 locale leaves of non-ASCII text; use a UTF-8 "
                          "locale"),
     ("\x1b\x048\x04A\x04", "prompt holds the control character U+001B at character 1: text read in the wrong "
-                           "encoding (a UTF-16 file read as UTF-8 has a U+0000 beside every letter)"),
+                           "encoding (a UTF-16 file read as UTF-8 has a control character beside every letter)"),
     ("cafÃ©\x85", "prompt holds the control character U+0085 at character 6"),
 ])
 def test_what_a_wrong_encoding_leaves_of_a_prompt_is_refused(text, message):
