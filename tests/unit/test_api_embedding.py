@@ -95,6 +95,10 @@ def test_relative_paths_are_the_callers_after_it_changes_folder(tiny_distill_dir
         assert os.path.isfile(result.output_file_path) and list(first.iterdir()) == []
         default = generator.generate({**SMALL, "save_output": True})
         assert default.output_file_path.startswith(str(second / "outputs") + os.sep)
+        # A URL stays a URL, refused as one: made absolute it was "<folder>/https:/example.com/a.png", which
+        # "does not exist".
+        with pytest.raises(ValueError, match="fetches no URLs"):
+            generator.generate({**SMALL, "image_path": "https://example.com/a.png"})
         monkeypatch.chdir(first)  # back where it started: paths are left as given
         same = generator.generate({**SMALL, "save_output": True, "output_path": "out"})
         assert same.output_file_path.startswith("out" + os.sep)
@@ -154,15 +158,3 @@ def test_closing_during_start_up_ends_the_thread_waiting_for_the_leaders():
     worker._wake_accept()  # again, after the close (a second close()): nothing to wake, no error
     leader.close()
 
-
-def test_after_a_chdir_a_url_stays_a_url(tiny_distill_dir, tmp_path, monkeypatch):
-    """Made absolute, "https://example.com/a.png" became "<folder>/https:/example.com/a.png": "does not exist"
-    instead of the refusal that k6serve fetches no URLs."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    monkeypatch.chdir(first)
-    with _generator(tiny_distill_dir) as generator:
-        monkeypatch.chdir(second)
-        with pytest.raises(ValueError, match="fetches no URLs"):
-            generator.generate({**SMALL, "image_path": "https://example.com/a.png"})
