@@ -123,9 +123,6 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]
     return params, OutputOptions(return_frames=return_frames, **output)
 
 
-_PATH_KEYS = ("image_path", "video_path", "output_path")
-
-
 def _from_here(path: Any, *, existing_only: bool) -> Any:
     """A relative `path` made absolute from this process's folder (`DiffGenerator._from_callers_folder`); with
     `existing_only`, only one that exists here (a LoRA path may be a hub id). A URL or data URI is left as it is,
@@ -589,8 +586,9 @@ class DiffGenerator:
         if options.get("output_path") is None and options.get("save_output") is not False:
             options["output_path"] = OutputOptions().output_path
         for key in ("image_path", "video_path", "output_path"):
-            options[key] = _from_here(options.get(key), existing_only=False)
-        return {key: value for key, value in options.items() if value is not None or key not in _PATH_KEYS}
+            if key in options:
+                options[key] = _from_here(options[key], existing_only=False)
+        return options
 
     def _moved(self) -> bool:
         """Whether this process is in another folder than the one the workers started in (False when its folder

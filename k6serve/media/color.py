@@ -95,8 +95,10 @@ def hlg_to_scene_light(signal: torch.Tensor) -> torch.Tensor:
     return torch.where(signal <= 0.5, signal**2 / 3, (torch.exp((signal - _HLG_C) / _HLG_A) + _HLG_B) / 12)
 
 
+@functools.cache
 def primaries_matrix(source: int, target: int = PRIMARIES_BT709) -> torch.Tensor:
-    """3x3 from linear RGB of `source` primaries to linear RGB of `target` primaries (same white)."""
+    """3x3 from linear RGB of `source` primaries to linear RGB of `target` primaries (same white). Cached: asked for
+    every frame; callers only read it."""
     return torch.from_numpy(np.linalg.solve(_rgb_to_xyz(target), _rgb_to_xyz(source))).float()
 
 
@@ -107,6 +109,7 @@ def _rgb_to_xyz(primaries: int) -> np.ndarray:
     return columns * np.linalg.solve(columns, white)
 
 
+@functools.cache
 def luminance_weights(primaries: int) -> torch.Tensor:
     """Y of linear RGB in these primaries (the XYZ matrix's middle row: 0.2126, 0.7152, 0.0722 for BT.709)."""
     return torch.from_numpy(_rgb_to_xyz(primaries)[1]).float()
