@@ -116,7 +116,8 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 
-            load_conditioning_image(request.image_path, request.height, request.width)
+            # log=False: the pipeline's own load of the image logs its colour conversion; this is only the check.
+            load_conditioning_image(request.image_path, request.height, request.width, log=False)
     else:
         _refuse_text_for_upscaling(params)
         request, _ = resolve_upscale(params, variant)

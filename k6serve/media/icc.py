@@ -40,11 +40,13 @@ _OTHER_PROFILE_CLASSES = {"link": "device link", "abst": "abstract", "nmcl": "na
 _SRGB_TOLERANCE = 1
 
 
-def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: list[str] | None) -> PIL.Image.Image:
+def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: list[str] | None, *,
+            log: bool = True) -> PIL.Image.Image:
     """`image` (8-bit, as `_grayscale_to_8_bit` leaves it) converted from its embedded ICC profile `icc_profile` to
     sRGB, in mode "RGB"; `image` itself, untouched, when it has no profile or an sRGB one (`_is_srgb`, which looks
     at what the profile does to colours, not at its name), so its pixels stay diffusers'. A conversion is logged
-    and told in `notes`.
+    and told in `notes`; `log=False` for a check ahead of the load that will say it (the CLI's preflight), so the
+    log does not say it twice.
 
     A profile that cannot be used (one littleCMS cannot parse, or one for other colours than the image's, such as
     a CMYK profile left on an image converted to RGB) does not fail the request: the image is read as sRGB, as it
@@ -55,21 +57,22 @@ def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: lis
     try:
         from PIL import ImageCms
     except ImportError:  # a Pillow built without littleCMS; the wheels ship it
-        return _profile_not_used(image, source, notes, "this Pillow was built without littleCMS (PIL.ImageCms)")
+        return _profile_not_used(image, source, notes, log, "this Pillow was built without littleCMS (PIL.ImageCms)")
     try:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc_profile))  # type: ignore[arg-type]
         name = _profile_name(profile.profile.profile_description)
         space, device_class = profile.profile.xcolor_space.strip(), profile.profile.device_class
     except Exception as exc:  # noqa: BLE001 - littleCMS and PIL raise several types for a damaged profile
-        return _profile_not_used(image, source, notes, "littleCMS cannot read it", exc)
+        return _profile_not_used(image, source, notes, log, "littleCMS cannot read it", exc)
     if device_class not in _IMAGE_PROFILE_CLASSES:
         kind = _OTHER_PROFILE_CLASSES.get(device_class, f"{device_class!r} class")
-        return _profile_not_used(image, source, notes, f"it is a {kind} profile ({name}), which describes no image")
+        return _profile_not_used(image, source, notes, log,
+                                 f"it is a {kind} profile ({name}), which describes no image")
     space_words, mode, image_modes = _PROFILE_SPACES.get(space, (f"{space!r}", None, frozenset()))
     if image.mode not in image_modes:
         image_words = ("grayscale" if image.mode in _GRAY_MODES else "RGB" if image.mode in _RGB_MODES
                        else "CMYK" if image.mode == "CMYK" else f"of PIL mode {image.mode}")
-        return _profile_not_used(image, source, notes,
+        return _profile_not_used(image, source, notes, log,
                                  f"it is for {space_words} colours ({name}), but the image is {image_words}")
     working = image if image.mode == mode else image.convert(mode)
     try:
@@ -88,18 +91,19 @@ def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: lis
         converted = ImageCms.buildTransform(profile, srgb, mode, "RGB",
                                             renderingIntent=ImageCms.Intent.PERCEPTUAL).apply(working)
     except Exception as exc:  # noqa: BLE001 - as above: a profile littleCMS read but cannot convert with
-        return _profile_not_used(image, source, notes, f"littleCMS cannot convert with it ({name})", exc)
+        return _profile_not_used(image, source, notes, log, f"littleCMS cannot convert with it ({name})", exc)
     # ImageCms tags `converted` with its sRGB profile: true, and a second load leaves it as it is.
     note = (f"the conditioning image carries an ICC colour profile ({name}), not sRGB: its colours were converted "
             "to sRGB, the video's colours, as colour-managed viewers show them (perceptual intent; colours sRGB "
             "cannot show brought inside it)")
-    logger.info("%s: %s", source, note)
+    if log:
+        logger.info("%s: %s", source, note)
     if notes is not None:
         notes.append(note)
     return converted
 
 
-def _profile_not_used(image: PIL.Image.Image, source: str, notes: list[str] | None, reason: str,
+def _profile_not_used(image: PIL.Image.Image, source: str, notes: list[str] | None, log: bool, reason: str,
                       error: BaseException | None = None) -> PIL.Image.Image:
     """`image` unchanged, read as sRGB as it was before profiles were read, after a warning that its profile could
     not be used because of `reason` (in words; `error`, littleCMS's, goes to the log only)."""
@@ -107,7 +111,8 @@ def _profile_not_used(image: PIL.Image.Image, source: str, notes: list[str] | No
             "which shifts them if they are not; to be sure of them, save the image as sRGB (most editors convert "
             "to sRGB on export)")
     detail = "" if error is None else f" [{type(error).__name__}: {error}]"
-    logger.warning("%s: %s%s", source, note, detail)
+    if log:
+        logger.warning("%s: %s%s", source, note, detail)
     if notes is not None:
         notes.append(note)
     return image

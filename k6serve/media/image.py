@@ -77,13 +77,15 @@ def check_cover_resize(image_width: int, image_height: int, height: int, width: 
 
 
 def load_conditioning_image(
-    image: str | os.PathLike[str] | PIL.Image.Image, height: int, width: int, *, notes: list[str] | None = None
+    image: str | os.PathLike[str] | PIL.Image.Image, height: int, width: int, *, notes: list[str] | None = None,
+    log: bool = True,
 ) -> PIL.Image.Image:
     """Open and check a conditioning image for a `height` x `width` video; returns it RGB, unresized.
 
     The pipeline resizes it (`cover_resize_center_crop`); height and width are checked here so a
     bad request fails before any model work. A conversion of its colours to sRGB, or an ICC profile that could not
-    be used, is logged and, with `notes`, told there in a sentence for the user (`icc.to_srgb`).
+    be used, is logged (unless `log` is False: a check ahead of the load that logs it) and, with `notes`, told
+    there in a sentence for the user (`icc.to_srgb`).
     """
     for name, value in (("height", height), ("width", width)):
         if not isinstance(value, int) or value < 1:
@@ -110,7 +112,7 @@ def load_conditioning_image(
                     f"{loaded.width * loaded.height:,}", f"{max_pixels:,}", width, height)
     icc_profile = loaded.info.get("icc_profile")  # read first: the 8-bit copy of a 16-bit image has no info
     loaded = _grayscale_to_8_bit(loaded, sample_type, f"conditioning image {source}")
-    loaded = to_srgb(loaded, icc_profile, f"conditioning image {source}", notes)
+    loaded = to_srgb(loaded, icc_profile, f"conditioning image {source}", notes, log=log)
     return loaded if loaded.mode == "RGB" else loaded.convert("RGB")
 
 

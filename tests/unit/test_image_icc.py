@@ -346,6 +346,23 @@ def test_a_profile_for_other_colours_than_the_images_is_not_used(tmp_path: Path,
     assert len(caplog.records) == 2
 
 
+def test_the_cli_check_before_loading_logs_no_conversion(tmp_path: Path, tiny_distill_dir, caplog) -> None:
+    """The CLI checks the image before loading the model (`check_request_before_loading`); the pipeline's load logs
+    the conversion. The check logging it too said it twice."""
+    from k6serve.cli.generate import check_request_before_loading
+    from k6serve.request import SamplingParams
+
+    path = _save(tmp_path / "p3.png", _patches(COLOURS), _rgb_profile("Display P3", _P3_XY, SRGB_CURVE))
+    damaged = _save(tmp_path / "bad.png", _patches(COLOURS), _BROKEN["not a profile"])
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    for image in (path, damaged):
+        check_request_before_loading({"model_path": str(tiny_distill_dir)},
+                                     SamplingParams(prompt="x", image_path=str(image), height=32, width=32))
+    assert not caplog.records
+    load_conditioning_image(path, 32, 32)
+    assert len(caplog.records) == 1
+
+
 def test_the_conversion_note_reaches_a_generation_result(tmp_path: Path, tiny_distill_dir) -> None:
     """The pipeline passes its notes list: the user sees the note on the CLI and in the HTTP job's warnings."""
     from k6serve import DiffGenerator
