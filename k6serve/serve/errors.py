@@ -118,6 +118,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405 and request.url.path.rstrip("/") in _UNSERVED_VIDEO_ROUTES:
+            # POST /v1/videos/edits matches GET/DELETE /v1/videos/{video_id}: a 405 "does not take POST, only GET
+            # or HEAD or DELETE" read as if the route existed, and the SDK has no class for 405 (remix's 404 is its
+            # NotFoundError). These are OpenAI routes this server does not have: 404.
+            exc = StarletteHTTPException(404)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:
@@ -143,6 +148,10 @@ def install_error_handlers(app: FastAPI) -> None:
         # Logged by Starlette; the client gets a shaped 500 and the server keeps serving.
         return JSONResponse(error_body(500, f"Internal server error: {type(exc).__name__}", code="internal_error"),
                             status_code=500)
+
+
+# OpenAI's video routes that sit where a job id would (client.videos.edit, .extend, .create_character).
+_UNSERVED_VIDEO_ROUTES = frozenset({"/v1/videos/edits", "/v1/videos/extensions", "/v1/videos/characters"})
 
 
 def _routing_message(request: Request, exc: StarletteHTTPException) -> str:

@@ -44,7 +44,7 @@ from k6serve.api import (
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
 from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
-from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, Variant
+from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, MissingSourceVideo, Variant
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams
@@ -277,6 +277,13 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
             raise ApiError(400, "prompt is required for Kandinsky 6 generation: send a non-empty prompt field "
                                 '(JSON {"prompt": "A cat plays piano"}, or the form field prompt).' + exc.detail,
                            code="invalid_parameter", param="prompt") from None
+        except MissingSourceVideo:
+            # The shared message leads with the CLI's --video-path; an HTTP client (OpenAI's SDK above all) sends
+            # the source as the input_reference upload, which it did not mention.
+            raise ApiError(400, "Super-resolution needs a source video: upload it as input_reference (OpenAI's SDK: "
+                                "input_reference=Path(\"input.mp4\")) or video_reference in multipart/form-data, or "
+                                "give a server-side video_path inside --allowed-input-dir.",
+                           code="invalid_parameter", param="video_path") from None
         except ValueError as exc:
             raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
         # (height, width) of a generation, which a conditioning image must be able to cover.
@@ -726,16 +733,21 @@ async def get_video_content(request: Request, video_id: str,
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=_ERRORS,
-               summary="Cancel a queued/running job, or delete a finished one with its file")
+               summary="Delete a job and its files, cancelling it first if it is queued or running")
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
     ctx = _ctx(request)
     job = _live(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
-    if job.status.is_terminal:
-        forget_job(ctx.store, ctx.artifacts, job)
-        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
-    return JSONResponse({**ctx.view(await _cancel_and_wait(ctx, video_id)), "deleted": False})
+    if not job.status.is_terminal:
+        # Cancelled first. Once it has stopped (a queued job at once, a running one at its next step boundary) it
+        # is deleted as a finished one is: OpenAI SDK code checks `client.videos.delete(id).deleted`, and a cancelled
+        # record left behind needed a second DELETE. POST .../cancel is the route that keeps the record.
+        job = await _cancel_and_wait(ctx, video_id)
+        if not job.status.is_terminal:  # a step longer than the wait: the record stays, DELETE again later
+            return JSONResponse({**ctx.view(job), "deleted": False})
+    forget_job(ctx.store, ctx.artifacts, job)
+    return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 
 async def _cancel_and_wait(ctx: ServerContext, video_id: str) -> Job:

@@ -238,10 +238,64 @@ def object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any
     return fields
 
 
+# `name[key]`: how OpenAI's SDK (which sends every videos.create as multipart) and other form encoders flatten an
+# object: extra_body={"loras": {"style": 0.8}} arrives as the form field loras[style] = "0.8". A list inside it is
+# sent as repeated `name[key][]` fields, a nested object as `name[key][sub]`, and an empty object not at all.
+_BRACKETED_FIELD = re.compile(r"([^\[\]]+)\[([^\[\]]*)\](.*)", re.DOTALL)
+
+
+def bracketed_object_field(name: str) -> str | None:
+    """The object field (`loras`, `cache_dit_params`) a form field named like `loras[style]` flattens, or None."""
+    match = _BRACKETED_FIELD.fullmatch(name)
+    return match[1] if match is not None and match[1] in _OBJECT_FIELDS else None
+
+
+def json_text_hint(field: str) -> str:
+    """How to send object field `field` in a form: as JSON text, which keeps lists, nesting and `{}`."""
+    return (f"send {field} as one form field holding JSON text instead (with OpenAI's SDK: "
+            f"extra_body={{\"{field}\": json.dumps({{...}})}}; curl -F '{field}={{...}}')")
+
+
+def _fold_bracketed_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Form fields `loras[style]` / `cache_dit_params[Fn_compute_blocks]` folded back into their object, each value
+    read as JSON when it is a JSON scalar ("0.8", "true", "8") and as text otherwise. Only one level of keys with
+    one value each: a list or a nested object (or an empty object, which the SDK drops without a trace) needs the
+    object sent as JSON text, and the refusal says so."""
+    folded: dict[str, dict[str, Any]] = {}
+    kept: dict[str, Any] = {}
+    for name, value in raw.items():
+        field = bracketed_object_field(name)
+        if field is None:
+            kept[name] = value
+            continue
+        match = _BRACKETED_FIELD.fullmatch(name)
+        assert match is not None
+        key, rest = match[2], match[3]
+        if not key or rest:
+            what = "a list" if rest.endswith("[]") or not key else "a nested object"
+            raise ApiError(400, f"Form field {name!r} is {what} inside {field}, flattened into bracketed field "
+                                f"names, which the server reads one level deep only; {json_text_hint(field)}.",
+                           code="invalid_parameter", param=field)
+        try:
+            decoded = json.loads(value)
+        except (json.JSONDecodeError, ValueError, RecursionError):
+            decoded = value
+        folded.setdefault(field, {})[key] = decoded if not isinstance(decoded, (dict, list)) else value
+    for field, value in folded.items():
+        if field in kept:
+            raise ApiError(400, f"{field} was sent both as the form field {field!r} and as {field}[...] fields; "
+                                "send it one way.", code="invalid_parameter", param=field)
+        kept[field] = value
+    return kept
+
+
 def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
     """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`). A form field can only
     hold text, so an object field (cache_dit_params) sent as a form field is JSON text, decoded here, and a boolean
-    is read from text ("true", "false", ...)."""
+    is read from text ("true", "false", ...); `loras[style]`-style fields, OpenAI's SDK's flattening of an object
+    in extra_body, are folded back into their object (`_fold_bracketed_fields`)."""
+    if form and isinstance(raw, dict):
+        raw = _fold_bracketed_fields(raw)
     if isinstance(raw, dict):
         for name in _OBJECT_FIELDS & raw.keys():
             if isinstance(raw[name], str):
@@ -486,7 +540,8 @@ class VideoList(BaseModel):
 
 
 class VideoCancelled(VideoJob):
-    """DELETE on a queued or running job: the job object, with `deleted: false`."""
+    """DELETE on a running job whose step outlasted the cancel wait: the job object (still in_progress, its cancel
+    accepted), with `deleted: false`."""
 
     # OpenAI's SDK reads every DELETE answer as its VideoDeleteResponse, whose `deleted` is required: without it a
     # cancel parsed as deleted=None. False says the truth (the record stays) and a later DELETE removes it.

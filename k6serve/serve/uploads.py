@@ -33,7 +33,8 @@ from k6serve.serve.errors import (
     write_refused,
 )
 from k6serve.serve.loading import DRAIN_BYTES, DRAIN_IDLE_S, DRAIN_TOTAL_S
-from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth, lone_surrogate, object_without_duplicate_keys
+from k6serve.serve.schemas import (MAX_JSON_DEPTH, bracketed_object_field, json_depth, json_text_hint, lone_surrogate,
+                                   object_without_duplicate_keys)
 
 # Small: every complete upload is written to disk anyway (the spool only delays the file's creation), and each
 # connection holds its spool for as long as its client takes to send the part; at 8 MiB, 60 clients that sent 7.5
@@ -137,9 +138,19 @@ async def read_urlencoded_body(request: Request) -> dict[str, str]:
                                 "the form percent-encoded as UTF-8 (a charset such as windows-1251 is not read).",
                            code="invalid_form", param=name) from None
         if name in fields:
-            raise ApiError(400, f"Form field {name!r} was sent twice.", code="invalid_form", param=name)
+            raise ApiError(400, twice_message(name), code="invalid_form", param=bracketed_object_field(name) or name)
         fields[name] = value
     return fields
+
+
+def twice_message(name: str) -> str:
+    """The refusal of form field `name` sent twice. `loras[x][]` twice is a list that a form encoder (OpenAI's SDK)
+    flattened into repeated fields: the answer says how to send it."""
+    field = bracketed_object_field(name)
+    if field is not None:
+        return (f"Form field {name!r} was sent more than once: a list inside {field}, flattened into repeated "
+                f"fields, which the server does not read; {json_text_hint(field)}.")
+    return f"Form field {name!r} was sent twice."
 
 
 async def read_json_body(request: Request, *, allow_empty: bool = False, example: str = '{"prompt": "..."}') -> Any:
@@ -308,8 +319,8 @@ class MultipartReader:
     def _on_headers_finished(self) -> None:
         part = _Part(self._headers)
         if part.name in self.form.fields or part.name in self.form.files:
-            raise ApiError(400, f"Form field {part.name!r} was sent twice.", code="invalid_multipart",
-                           param=part.name)
+            raise ApiError(400, twice_message(part.name), code="invalid_multipart",
+                           param=bracketed_object_field(part.name) or part.name)
         if part.is_file and part.name not in self.file_fields:
             raise ApiError(400, f"Unexpected file field {part.name!r}; upload files as "
                                 f"{' or '.join(sorted(self.file_fields))}.", code="invalid_multipart",

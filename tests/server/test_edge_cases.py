@@ -404,7 +404,7 @@ def test_content_of_failed_and_cancelled_jobs_says_not_to_poll(fake_server, fake
     held = fake_client.post("/v1/videos", json={"prompt": "hold", "size": "32x32", "num_frames": 5}).json()
     error = _assert_error(fake_client.get(f"/v1/videos/{held['id']}/content"), 404, code="video_not_ready")
     assert error["message"].endswith(f"; poll GET /v1/videos/{held['id']} until status is completed.")
-    assert fake_client.delete(f"/v1/videos/{held['id']}").json()["status"] == "cancelled"
+    assert fake_client.post(f"/v1/videos/{held['id']}/cancel").json()["status"] == "cancelled"
     error = _assert_error(fake_client.get(f"/v1/videos/{held['id']}/content"), 404, code="video_not_ready")
     assert ".." not in error["message"] and "it will never have any" in error["message"]
 
@@ -698,3 +698,27 @@ def test_adapter_changes_on_a_super_resolution_server_are_refused_at_once(vsr_se
             error = _assert_error(client.post(route, json=body), 400, code="invalid_lora")
             assert error["message"] == ("LoRA adapters apply to the Kandinsky 6 generation DiT; vsr-distilled2steps "
                                         "is a super-resolution model, which takes none."), route
+
+
+def test_bracketed_object_fields_in_either_form_encoding(fake_server, fake_client):
+    # `cache_dit_params[key]` is how form encoders (OpenAI's SDK, PHP's, Rails') flatten an object; read one level
+    # deep, in multipart and in url-encoded forms alike.
+    form = {"prompt": "x", "size": "32x32", "num_frames": "5", "cache_dit_params[Fn_compute_blocks]": "3",
+            "cache_dit_params[scm_preset]": "medium"}
+    for sent in ({"data": form, "files": {"input_reference": ("first.png", _png_bytes(), "image/png")}}, {"data": form}):
+        created = fake_client.post("/v1/videos", **sent)
+        assert created.status_code == 200, created.text
+        wait_for(fake_client, created.json()["id"])
+        cache = fake_server.worker.requests[-1].cache_dit
+        assert (cache.Fn_compute_blocks, cache.scm_preset) == (3, "medium")
+    both = fake_client.post("/v1/videos", data={**form, "cache_dit_params": "{}"})
+    error = _assert_error(both, 400, param="cache_dit_params", code="invalid_parameter")
+    assert error["message"] == ("cache_dit_params was sent both as the form field 'cache_dit_params' and as "
+                                "cache_dit_params[...] fields; send it one way.")
+    # A list: repeated fields (url-encoded here), refused with the JSON-text fix.
+    listed = fake_client.post("/v1/videos", content="prompt=x&loras[a][]=1&loras[a][]=2",
+                              headers={"Content-Type": "application/x-www-form-urlencoded"})
+    error = _assert_error(listed, 400, param="loras", code="invalid_form")
+    assert error["message"].startswith("Form field 'loras[a][]' was sent more than once: a list inside loras")
+    # Another name with brackets is an unknown field as before.
+    _assert_error(fake_client.post("/v1/videos", data={"prompt": "x", "colour[a]": "1"}), 400, param="colour[a]")

@@ -113,7 +113,7 @@ def test_cancel_a_running_generation(generation_server):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         after = client.post("/v1/videos", json=REQUEST).json()
-        cancelled = client.delete(f"/v1/videos/{long['id']}").json()
+        cancelled = client.post(f"/v1/videos/{long['id']}/cancel").json()
         assert cancelled["status"] == "cancelled" and 0 < cancelled["progress"] < 100
         assert wait_for(client, after["id"], timeout=120)["status"] == "completed"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import PIL.Image
 import pytest
 from harness import FakeWorker, start_server, wait_for, wait_until
 
@@ -65,7 +67,7 @@ def test_cancel_a_queued_job(fake_server, fake_client):
     running = fake_client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
     wait_for(fake_client, running["id"], ("in_progress",))
     queued = fake_client.post("/v1/videos", json={"prompt": "never runs", **SMALL}).json()
-    cancelled = fake_client.delete(f"/v1/videos/{queued['id']}")
+    cancelled = fake_client.post(f"/v1/videos/{queued['id']}/cancel")
     assert cancelled.status_code == 200
     body = cancelled.json()
     assert body["status"] == "cancelled" and body["error"]["code"] == "cancelled" and body["completed_at"]
@@ -76,6 +78,31 @@ def test_cancel_a_queued_job(fake_server, fake_client):
     assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["deleted"] is True
 
 
+def test_delete_of_an_unfinished_job_cancels_and_deletes_it(fake_server, fake_client):
+    # OpenAI SDK code checks `client.videos.delete(id).deleted`; a DELETE used to cancel and leave the record (deleted
+    # false) until a second DELETE. A queued job is gone at once, with its upload; a running one once it stops.
+    running = fake_client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+    wait_for(fake_client, running["id"], ("in_progress",))
+    image = io.BytesIO()
+    PIL.Image.new("RGB", (32, 32)).save(image, format="PNG")
+    queued = fake_client.post("/v1/videos", data={"prompt": "never runs", "size": "32x32", "seconds": "0.2"},
+                              files={"input_reference": ("first.png", image.getvalue(), "image/png")}).json()
+    uploads = list(fake_server.artifacts.upload_dir.iterdir())
+    assert uploads
+    for job in (queued, running):
+        answer = fake_client.delete(f"/v1/videos/{job['id']}")
+        assert answer.status_code == 200
+        assert answer.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+        assert fake_client.get(f"/v1/videos/{job['id']}").status_code == 404
+        assert fake_client.delete(f"/v1/videos/{job['id']}").status_code == 404
+    assert not any(path.exists() for path in uploads)
+    assert "never runs" not in fake_server.worker.started
+    assert not (fake_server.artifacts.root / f"{running['id']}.mp4").exists()
+    # The engine was freed: the next job runs (no release needed).
+    after = fake_client.post("/v1/videos", json={"prompt": "after", **SMALL}).json()
+    assert wait_for(fake_client, after["id"])["status"] == "completed"
+
+
 def test_deleting_a_cancelled_job_removes_a_video_its_interrupted_attempt_left(fake_server, fake_client):
     # A job re-queued after its worker wrote the MP4 (the process died before the job was recorded completed), then
     # cancelled before it ran again: its video stayed on disk for good, owned by no job.
@@ -84,7 +111,7 @@ def test_deleting_a_cancelled_job_removes_a_video_its_interrupted_attempt_left(f
     queued = fake_client.post("/v1/videos", json={"prompt": "re-queued", **SMALL}).json()
     leftover = fake_server.artifacts.root / f"{queued['id']}.mp4"
     leftover.write_bytes(b"left by the interrupted attempt")
-    assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["status"] == "cancelled"
+    assert fake_client.post(f"/v1/videos/{queued['id']}/cancel").json()["status"] == "cancelled"
     assert fake_client.delete(f"/v1/videos/{queued['id']}").json()["deleted"] is True
     assert not leftover.exists()
 
@@ -94,7 +121,7 @@ def test_cancel_a_running_job_frees_the_engine(fake_server, fake_client):
     job = wait_for(fake_client, running["id"], ("in_progress",))
     assert job["started_at"] is not None
     waiting = fake_client.post("/v1/videos", json={"prompt": "next in line", **SMALL}).json()
-    response = fake_client.delete(f"/v1/videos/{running['id']}")
+    response = fake_client.post(f"/v1/videos/{running['id']}/cancel")
     assert response.status_code == 200
     cancelled = response.json()
     assert cancelled["status"] == "cancelled" and cancelled["progress"] < 100  # acknowledged at a step boundary
@@ -112,7 +139,7 @@ def test_a_cancel_during_the_decode_stops_at_the_next_chunk(tmp_path):
             job = client.post("/v1/videos", json={"prompt": "slow decode", **SMALL}).json()
             assert server.worker.decoding.wait(10)
             waiting = client.post("/v1/videos", json={"prompt": "next in line", **SMALL}).json()
-            answer = client.delete(f"/v1/videos/{job['id']}")
+            answer = client.post(f"/v1/videos/{job['id']}/cancel")
             assert answer.status_code == 200
             ended = answer.json()
             assert ended["status"] == "cancelled" and ended["url"] is None and ended["progress"] == 99
@@ -136,6 +163,7 @@ def test_a_cancel_in_the_mp4_tail_says_so_and_ends_cancelled(tmp_path):
             answer = client.delete(f"/v1/videos/{job['id']}")
             assert answer.status_code == 200
             assert answer.json()["status"] == "in_progress" and answer.json()["warnings"] == [CANCEL_IN_DECODE]
+            assert answer.json()["deleted"] is False  # not stopped within the wait: the record stays
             polled = client.get(f"/v1/videos/{job['id']}").json()
             assert polled["status"] == "in_progress" and polled["error"] is None
             assert client.delete(f"/v1/videos/{job['id']}").json()["warnings"] == [CANCEL_IN_DECODE]  # once

@@ -7,6 +7,7 @@ response is checked through the SDK's own models (`model_dump()`), which is what
 from __future__ import annotations
 
 import io
+import json
 import time
 from pathlib import Path
 
@@ -165,9 +166,17 @@ def test_calls_the_server_does_not_serve_say_so(client):
         client.videos.remix(video.id, prompt="again")
     assert f"There is no route POST /v1/videos/{video.id}/remix" in remix.value.message
     assert "not remix, edits, extensions or characters: create a new job with POST /v1/videos" in remix.value.message
-    with pytest.raises(openai.APIStatusError) as edit:
-        client.videos.edit(prompt="again", video=("clip.mp4", b"\0", "video/mp4"))
-    assert edit.value.status_code == 405 and "/v1/videos/edits does not take POST" in edit.value.message
+    # POST /v1/videos/edits (extensions, characters) matches the job route's path: it was a 405 "does not take
+    # POST", for which the SDK has no error class; a 404 is its NotFoundError, as remix's.
+    clip = ("clip.mp4", b"\0", "video/mp4")
+    for name, call in (("edits", lambda: client.videos.edit(prompt="again", video=clip)),
+                       ("extensions", lambda: client.videos.extend(prompt="on", seconds="4", video=clip)),
+                       ("characters", lambda: client.videos.create_character(name="cat", video=clip))):
+        with pytest.raises(openai.NotFoundError) as unserved:
+            call()
+        assert unserved.value.code == "not_found"
+        assert f"There is no route POST /v1/videos/{name} on this server" in unserved.value.message
+        assert "not remix, edits, extensions or characters" in unserved.value.message
     client.videos.poll(video.id, poll_interval_ms=20)
 
 
@@ -190,15 +199,44 @@ def test_delete_cancels_a_running_job_then_deletes_it(sdk_server, client):
     while client.videos.retrieve(held.id).status != "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    cancelled = client.videos.delete(held.id)
-    # Our DELETE of an unfinished job cancels it and answers the job; the SDK reads it as a VideoDeleteResponse,
-    # whose required `deleted` says the record is still there.
-    assert cancelled.id == held.id and cancelled.deleted is False
-    assert cancelled.model_extra["status"] == "cancelled" and cancelled.model_extra["error"]["code"] == "cancelled"
-    # "cancelled" is not among the SDK's statuses: poll returns it rather than waiting forever.
-    polled = client.videos.poll(held.id, poll_interval_ms=20)
+    # Cancelled, then deleted once stopped: one call, as Sora cleanup code expects (it took a second delete()).
+    deleted = client.videos.delete(held.id)
+    assert deleted.model_dump() == {"id": held.id, "deleted": True, "object": "video.deleted"}
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(held.id)
+    # Cancel-only is our own route; "cancelled" is not among the SDK's statuses: poll returns it rather than
+    # waiting forever.
+    kept = client.videos.create(prompt="hold on", size="32x32", seconds="0.2")
+    assert client.post(f"/videos/{kept.id}/cancel", cast_to=object)["status"] == "cancelled"
+    polled = client.videos.poll(kept.id, poll_interval_ms=20)
     assert polled.status == "cancelled" and polled.error.code == "cancelled"
-    assert client.videos.delete(held.id).deleted is True
+    assert client.videos.delete(kept.id).deleted is True
+
+
+def test_objects_in_extra_body_arrive_folded_from_the_sdks_bracketed_fields(sdk_server, client):
+    # The SDK sends a create as multipart and flattens an object: cache_dit_params[Fn_compute_blocks]=2. Each was a
+    # 400 "Unknown field 'cache_dit_params[Fn_compute_blocks]'".
+    video = client.videos.create(prompt="cached", size="32x32", seconds="0.2", extra_body={"cache_dit_params": {
+        "Fn_compute_blocks": 2, "scm_preset": "fast", "enable_taylorseer": True, "residual_diff_threshold": 0.1}})
+    client.videos.poll(video.id, poll_interval_ms=20)
+    cache = sdk_server.worker.requests[-1].cache_dit
+    assert (cache.Fn_compute_blocks, cache.scm_preset, cache.enable_taylorseer, cache.residual_diff_threshold) == (
+        2, "fast", True, 0.1)
+    # loras[ghost]=1.0 is read as loras: the answer is about the adapter, not an unknown field.
+    with pytest.raises(openai.BadRequestError) as ghost:
+        client.videos.create(prompt="styled", size="32x32", seconds="0.2", extra_body={"loras": {"ghost": 1.0}})
+    assert ghost.value.param == "loras" and "ghost" in ghost.value.message
+    assert ghost.value.code in ("lora_not_loaded", "invalid_parameter")
+    # A list inside is repeated fields the server does not read: the answer says to send JSON text, which works.
+    bins = {"scm_compute_bins": [4, 2, 2], "scm_cache_bins": [1, 2]}
+    with pytest.raises(openai.BadRequestError) as listed:
+        client.videos.create(prompt="x", size="32x32", seconds="0.2", extra_body={"cache_dit_params": bins})
+    assert listed.value.param == "cache_dit_params"
+    assert 'extra_body={"cache_dit_params": json.dumps({...})}' in listed.value.message
+    video = client.videos.create(prompt="binned", size="32x32", seconds="0.2",
+                                 extra_body={"cache_dit_params": json.dumps(bins)})
+    client.videos.poll(video.id, poll_interval_ms=20)
+    assert sdk_server.worker.requests[-1].cache_dit is not None
 
 
 def test_a_failed_job_carries_the_sdks_error_object(client):
@@ -248,6 +286,14 @@ def test_super_resolution_takes_the_video_as_input_reference(tmp_path):
             with pytest.raises(openai.BadRequestError) as sized:
                 client.videos.create(prompt="", input_reference=clip, size="192x128")
             assert sized.value.param == "size" and "sr_resolution_scale" in sized.value.message
+            # No source: the answer named the CLI's --video-path first, not the SDK's input_reference.
+            with pytest.raises(openai.BadRequestError) as sourceless:
+                client.videos.create(prompt="upscale")
+            assert sourceless.value.param == "video_path" and "--video-path" not in sourceless.value.message
+            assert sourceless.value.message.endswith(
+                "Super-resolution needs a source video: upload it as input_reference (OpenAI's SDK: "
+                'input_reference=Path("input.mp4")) or video_reference in multipart/form-data, or give a '
+                "server-side video_path inside --allowed-input-dir.")
     finally:
         server.stop()
 

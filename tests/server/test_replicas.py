@@ -25,7 +25,7 @@ def test_two_replicas_run_two_jobs_at_once_and_a_cancel_frees_one(tmp_path):
             statuses = [client.get(f"/v1/videos/{video_id}").json()["status"] for video_id in ids]
             assert statuses == ["in_progress", "in_progress", "queued"]
             assert "k6serve_running_jobs 2" in client.get("/metrics").text
-            assert client.delete(f"/v1/videos/{ids[0]}").status_code == 200
+            assert client.post(f"/v1/videos/{ids[0]}/cancel").status_code == 200
             assert wait_for(client, ids[0])["status"] == "cancelled"
             wait_until(lambda: len(worker.started) == 3)  # the freed replica takes the queued job
             assert client.get(f"/v1/videos/{ids[1]}").json()["status"] == "in_progress"
