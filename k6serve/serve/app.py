@@ -212,6 +212,9 @@ SERVER_LOCK_NAME = ".k6serve-server.lock"
 # How long uvicorn waits for the HTTP requests in flight on SIGTERM. Ours end at once (the runner answers its waiting
 # calls with the shutdown error), so this bounds only a slow client's own transfer.
 GRACEFUL_SHUTDOWN_S = 10.0
+# After the engine's shutdown has ended the ranks, how long the server waits for a job that outlived the runner's
+# stop() to have its outcome recorded, before closing the job store.
+_OUTCOMES_AFTER_SHUTDOWN_S = 5.0
 
 
 class RefuseConflictingFraming:
@@ -426,20 +429,47 @@ class _Terminated(Exception):
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def _sigterm_raises(server: Any) -> Iterator[None]:
     """After its graceful shutdown uvicorn raises the signal it handled again, for the handler that was there before
     it. For SIGINT that is a KeyboardInterrupt; for SIGTERM the default handler ended the process on the spot, before
     the engine's shutdown and the job store's close in `serve`. Here SIGTERM raises instead, and `serve` returns 0
-    as after Ctrl-C."""
+    as after Ctrl-C.
+
+    SIGHUP (the terminal or SSH session closed, or a supervisor's reload) is not among uvicorn's signals: it ended
+    the server on the spot, with no log line, its running job left in_progress (a second such exit during one job
+    failed it as server_restarted). It now shuts `server` down as SIGTERM does (the ranks block it already)."""
 
     def raise_terminated(signum: int, frame: Any) -> None:
         raise _Terminated
 
+    def hang_up(signum: int, frame: Any) -> None:
+        logger.warning("SIGHUP received (a closed terminal or session?): shutting down as on SIGTERM")
+        server.handle_exit(signal.SIGTERM, frame)
+
     previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous_hangup = signal.signal(signal.SIGHUP, hang_up) if hasattr(signal, "SIGHUP") else None
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_hangup is not None:
+            signal.signal(signal.SIGHUP, previous_hangup)
+
+
+def server_url(host: str, port: int) -> str:
+    """The server's URL for the log: an IPv6 address bracketed ("http://:::30000" for --host :: was no URL)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def open_server_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The start-up warning of a server that other machines can reach without a key, or None. Every client that
+    reaches it can make jobs, and load LoRA adapters from any path the server can read (docs/http-api.md
+    "Security"): a choice to make knowingly, not a default to miss."""
+    if api_key or _loopback(host):
+        return None
+    return (f"serving on {host} without --api-key: any client that reaches port {port} can use every route, "
+            f"set_lora with any path this server can read included; set --api-key (or ${API_KEY_ENV}), or bind "
+            "127.0.0.1 behind a proxy that authenticates")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -521,24 +551,29 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         store.close()
         folder_lock.close()
         raise
+    app = None
     try:
         app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings,
                         before_serving=responder.stop)
         port = sock.getsockname()[1]
-        logger.info("serving %s on http://%s:%d (jobs: %s, outputs: %s)", app.state.ctx.model_name, settings.host,
-                    port, settings.job_store_path, artifacts.root)
+        logger.info("serving %s on %s (jobs: %s, outputs: %s)", app.state.ctx.model_name,
+                    server_url(settings.host, port), settings.job_store_path, artifacts.root)
+        if (warning := open_server_warning(settings.host, port, settings.api_key)) is not None:
+            logger.warning("%s", warning)
         # uvicorn's lines (start-up, one access line per request) at --log-level (it was always "info": every poll
         # was logged, whatever the flag), through the root handler, so they carry its format and timestamps.
         server = uvicorn_server(uvicorn_config(app, host=settings.host, port=port,
                                                log_level=logging.getLogger().getEffectiveLevel(), log_config=None,
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
                                 on_exit=app.state.ctx.runner.stop)
-        with _sigterm_raises(), contextlib.suppress(KeyboardInterrupt, _Terminated):
+        with _sigterm_raises(server), contextlib.suppress(KeyboardInterrupt, _Terminated):
             server.run(sockets=[sock])
     finally:
         responder.stop()  # a no-op once the app's start-up stopped it
         sock.close()
         engine.shutdown()
+        if app is not None:
+            app.state.ctx.runner.wait_for_outcomes(_OUTCOMES_AFTER_SHUTDOWN_S)
         store.close()
         folder_lock.close()
     return 0

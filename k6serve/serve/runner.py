@@ -244,10 +244,11 @@ class JobRunner:
             for current in self._running.values():
                 job = self.store.get(current.id)
                 if job is not None and job.cancel_requested_at is None:
-                    self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0,
-                                          started_at=None, attempts=max(0, job.attempts - 1))
-                    logger.info("job %s was running at the shutdown: back in the queue, it runs again at the next "
-                                "start", job.id)
+                    requeued = self.store.transition(job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED,
+                                                     progress=0, started_at=None, attempts=max(0, job.attempts - 1))
+                    if requeued is not None:  # not again when stop() runs twice (the lifespan's end, uvicorn's exit)
+                        logger.info("job %s was running at the shutdown: back in the queue, it runs again at the "
+                                    "next start", job.id)
                 if current.id in self._past_last_step:
                     logger.warning("job %s is past its last step: it stops at the next chunk of its video decode, "
                                    "or, if the decode has ended, shutdown waits up to %g s for its MP4", current.id,
@@ -261,6 +262,13 @@ class JobRunner:
         deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
+        self.wait_for_outcomes(max(0.0, deadline - time.monotonic()))
+
+    def wait_for_outcomes(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the running jobs' outcomes to be recorded: the server calls it again after the
+        engine's shutdown, whose end of the ranks ends a job that outlived stop()'s wait, before closing the job
+        store (a late outcome met a closed store: sqlite3.ProgrammingError in the log)."""
+        deadline = time.monotonic() + timeout
         for finisher in list(self._finishers):
             finisher.join(max(0.0, deadline - time.monotonic()))
 
@@ -566,9 +574,31 @@ class JobRunner:
     def _finish(self, job: Job, engine_job: EngineJob) -> None:
         try:
             result: VideoResult = engine_job.future.result()
+        except BaseException as exc:
+            if self._stopping and not self._cancel_requested(job.id) and not isinstance(exc, ValueError):
+                # stop() already put it back in the queue. A failure now is the shutdown's doing (its cancel, or a
+                # worker killed or hung as the server stops: `worker_died`), not the job's: it was recorded failed
+                # after the log had said "back in the queue".
+                logger.info("job %s ended as the server stopped (%s): left in the queue, it runs again at the "
+                            "next start", job.id, type(exc).__name__)
+                return
+            self._record_failure(job, exc)
+        else:
+            with self._lock:  # so a cancel cannot land between this check and the job becoming completed
+                if self._cancel_requested(job.id):
+                    # The cancel came after the decode's last chunk: only the MP4's tail was left; it ran to the end.
+                    self.artifacts.remove([result.output_file_path] if result.output_file_path else [])
+                    self._record(job, JobStatus.CANCELLED, error_code="cancelled",
+                                 error_message=CANCELLED_AFTER_DECODE)
+                else:
+                    self._record_success(job, result)
+
+    def _record_failure(self, job: Job, error: BaseException) -> None:
+        """End `job` by the engine's `error`: cancelled, failed on its input, or failed for a reason the client is
+        told in words (memory, disk, a dead worker, a missing package), else with the exception's text."""
+        try:
+            raise error
         except (RequestCancelled, CancelledError):
-            if self._stopping and not self._cancel_requested(job.id):
-                return  # stop() already put it back in the queue
             message = CANCELLED_IN_DECODE if job.id in self._in_decode else CANCELLED_AT_STEP
             self._record(job, JobStatus.CANCELLED, error_code="cancelled", error_message=message)
         except ValueError as exc:
@@ -616,15 +646,6 @@ class JobRunner:
                 logger.error("job %s failed", job.id, exc_info=exc)
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
                              error_message=f"{type(exc).__name__}: {exc}", logged=True)
-        else:
-            with self._lock:  # so a cancel cannot land between this check and the job becoming completed
-                if self._cancel_requested(job.id):
-                    # The cancel came after the decode's last chunk: only the MP4's tail was left; it ran to the end.
-                    self.artifacts.remove([result.output_file_path] if result.output_file_path else [])
-                    self._record(job, JobStatus.CANCELLED, error_code="cancelled",
-                                 error_message=CANCELLED_AFTER_DECODE)
-                else:
-                    self._record_success(job, result)
 
     def _output_write_refused(self, exc: BaseException) -> bool:
         """The engine's error is a write into the output folder refused by permissions or a read-only mount, or

@@ -682,6 +682,29 @@ def test_sigterm_stops_the_running_job_at_once_and_answers_a_waiting_lora_call_i
         process.wait(10)
 
 
+def test_sighup_shuts_the_server_down_as_sigterm_does(tmp_path):
+    # A closed terminal or SSH session sends SIGHUP, which uvicorn does not handle: the server died on the spot
+    # (exit 129, no log line) with its running job left in_progress; two such exits during one job failed it.
+    process, url = _spawn(tmp_path, "--through-serve")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
+            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, running["id"], ("in_progress",))
+            process.send_signal(signal.SIGHUP)
+            process.wait(30)
+        assert process.returncode == 0
+        store = SqliteJobStore(tmp_path / "outputs" / "jobs.sqlite3")
+        try:
+            stopped = store.get(running["id"])
+            assert (stopped.status, stopped.attempts) == (JobStatus.QUEUED, 0)
+        finally:
+            store.close()
+    finally:
+        process.kill()
+        process.wait(10)
+
+
 def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
     # uvicorn would first wait up to timeout_graceful_shutdown for requests in flight (a LoRA request queued behind
     # a running job is one), then stop the runner; the server stops it at the signal instead.
@@ -830,3 +853,53 @@ def test_a_refused_body_is_drained_for_a_few_seconds_at_most(monkeypatch):
     started = time.monotonic()
     asyncio.run(uploads.drain(Trickle()))
     assert time.monotonic() - started < 2.0
+
+
+class _DiesAtTheShutdown(FakeWorker):
+    """A worker whose ranks are killed (or hang and are killed) as the server stops: the running job ends with
+    WorkerKilled, not with the cancel."""
+
+    def run(self, params, output, on_step=None):
+        from k6serve.runtime.engine import RequestCancelled
+        from k6serve.runtime.out_of_memory import WorkerKilled
+
+        try:
+            return super().run(params, output, on_step)
+        except RequestCancelled:
+            raise WorkerKilled("request 1 failed: worker replica 0 (ranks [0]) died while running it") from None
+
+
+def test_a_job_put_back_in_the_queue_at_the_shutdown_stays_queued_whatever_ends_it(tmp_path, caplog):
+    # stop() put the running job back in the queue and logged so; the worker then died as the server stopped, and
+    # the job was recorded failed (worker_died): it would not run again after the restart.
+    server = start_server(tmp_path, worker=_DiesAtTheShutdown(VARIANTS["pro-distill"]))
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, job["id"], ("in_progress",))
+        caplog.set_level("INFO", logger="k6serve.serve.runner")
+        runner = server.app.state.ctx.runner
+        runner.stop(timeout=10)
+        runner.stop(timeout=10)  # the lifespan's end and uvicorn's exit both call it
+        stored = server.store.get(job["id"])
+        assert stored.status == JobStatus.QUEUED and stored.error_code is None, stored
+        messages = [record.getMessage() for record in caplog.records]
+        assert sum("was running at the shutdown" in message for message in messages) == 1
+        assert any(f"job {job['id']} ended as the server stopped (WorkerKilled)" in message for message in messages)
+    finally:
+        server.stop()
+
+
+def test_the_start_line_url_and_the_open_server_warning():
+    from k6serve.serve.app import open_server_warning, server_url
+
+    assert server_url("::", 30000) == "http://[::]:30000" and server_url("0.0.0.0", 8) == "http://0.0.0.0:8"
+    assert server_url("fe80::1%eth0", 5) == "http://[fe80::1%eth0]:5"
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert open_server_warning(host, 30000, None) is None
+    for host in ("0.0.0.0", "::", "10.0.0.5"):
+        assert open_server_warning(host, 30000, "key") is None
+        warning = open_server_warning(host, 30000, None)
+        assert warning.startswith(f"serving on {host} without --api-key: any client that reaches port 30000 can use "
+                                  "every route, set_lora with any path this server can read included")
+        assert "$K6SERVE_API_KEY" in warning
