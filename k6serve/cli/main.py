@@ -744,6 +744,13 @@ def _check_lora_flags(command: str, engine_options: dict[str, Any], request_opti
         check_start_adapter(config)
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _printable_stdout()
@@ -755,10 +762,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
-    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+    if logging.getLogger().getEffectiveLevel() > logging.INFO or not _is_terminal(sys.stderr):
         # Above info, the libraries' progress bars go too (transformers' "Loading weights", two per rank at every
         # start, and hub downloads'): huggingface_hub reads this when imported, here and in the rank processes,
-        # which inherit the environment. k6serve's own denoising bar on the console stays.
+        # which inherit the environment. k6serve's own denoising bar on the console stays. So do they when stderr
+        # is no terminal (a service's journal, a container's log collector): each redraw was a "\r" line there.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if unknown:
         print(f"error: {unrecognized_arguments(unknown, parser, args.command)}", file=sys.stderr)

@@ -7,8 +7,10 @@ folder and says what to do.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 from collections.abc import Collection
 from pathlib import Path
@@ -206,13 +208,29 @@ def _download(repo_id: str, revision: str | None) -> Path:
         if status in (401, 403):
             raise CheckpointError(f"The Hub refused access to {repo_id} (HTTP {status}). {token_hint}") from exc
         raise CheckpointError(f"Downloading {repo_id} failed: {exc}") from exc
-    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as exc:
+    except OSError as exc:
+        if isinstance(exc, (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled)) or \
+                exc.errno not in _CACHE_WRITE_ERRNOS:
+            raise CheckpointError(_UNREACHABLE.format(repo_id=repo_id)) from exc
+        # The cache could not be written (read-only, not ours, full): it was told as "the Hub is unreachable".
+        from huggingface_hub import constants
+
+        reason = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else os.strerror(exc.errno).lower()
         raise CheckpointError(
-            f"Cannot fetch {repo_id}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and no complete copy is "
-            f"in the local cache. On a machine with access run `hf download {repo_id} [--revision REV]` and pass "
-            "the downloaded folder with --model-path."
+            f"Cannot download {repo_id} into the Hugging Face cache {constants.HF_HUB_CACHE!r}: {reason} "
+            f"({exc.filename or exc}). Set HF_HOME (or HF_HUB_CACHE) to a writable folder with room for the "
+            "checkpoint, or download it elsewhere and pass the folder with --model-path."
         ) from exc
     return Path(folder)
+
+
+# A write into the Hub cache refused or failed, as opposed to a network failure.
+_CACHE_WRITE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
+_UNREACHABLE = (
+    "Cannot fetch {repo_id}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and no complete copy is in the local "
+    "cache. On a machine with access run `hf download {repo_id} [--revision REV]` and pass the downloaded folder "
+    "with --model-path."
+)
 
 
 def read_model_index(folder: Path) -> dict:

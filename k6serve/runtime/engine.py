@@ -142,10 +142,25 @@ def check_before_loading(config: EngineConfig) -> None:
     from k6serve.runtime.warmup_sizes import check_warmup_sizes_before_loading
     from k6serve.speed.fp8_linears import check_quantization_before_loading
 
+    check_temporary_folder()
     check_layout_before_loading(config)
     check_cache_dit_config_before_loading(config)
     check_warmup_sizes_before_loading(config)
     check_quantization_before_loading(config)
+
+
+def check_temporary_folder() -> None:
+    """Refuse to start without a writable temporary folder: torch finds its compiler's cache folder there as the
+    ranks import it, so a container with a read-only root and no /tmp mounted failed each rank's start-up, told as
+    "a bug in k6serve"."""
+    import tempfile
+
+    try:
+        tempfile.gettempdir()
+    except FileNotFoundError as exc:
+        raise ValueError(f"there is no writable temporary folder ({exc.strerror or exc}); torch needs one for its "
+                         "compiler's cache. Set TMPDIR to a writable folder (in a container, mount one at /tmp), or "
+                         "TORCHINDUCTOR_CACHE_DIR to one for that cache.") from None
 
 
 class Engine:

@@ -49,6 +49,39 @@ def test_gated_repo_error_says_how_to_authenticate(monkeypatch):
         resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers")
 
 
+@pytest.mark.parametrize(("error", "reason"), [
+    (OSError(30, "Read-only file system", "/cache/hub/models--x/blobs/abc.incomplete"), "read-only file system"),
+    (PermissionError(13, "Permission denied", "/cache/hub/.locks"), "permission denied"),
+    (OSError(28, "No space left on device", "/cache/hub/models--x/blobs/abc.incomplete"), "the disk is full"),
+])
+def test_a_hub_cache_that_cannot_be_written_is_told_as_such(monkeypatch, error, reason):
+    # A container's read-only or full HF cache was told as "the Hub is unreachable", sending the user to the network.
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def fake_download(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    with pytest.raises(CheckpointError) as refused:
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers")
+    message = str(refused.value)
+    assert message.startswith("Cannot download kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers into the Hugging Face "
+                              f"cache {constants.HF_HUB_CACHE!r}: {reason} ({error.filename}).")
+    assert "Set HF_HOME (or HF_HUB_CACHE) to a writable folder" in message and "unreachable" not in message
+
+
+def test_a_network_failure_is_still_told_as_the_hub_unreachable(monkeypatch):
+    import huggingface_hub
+
+    def fake_download(*args, **kwargs):
+        raise ConnectionError(101, "Network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    with pytest.raises(CheckpointError, match="the Hub is unreachable"):
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers")
+
+
 def test_not_a_folder_nor_hub_id():
     with pytest.raises(CheckpointError, match="neither an existing folder nor a hub id"):
         resolve_checkpoint("/definitely/not/here")

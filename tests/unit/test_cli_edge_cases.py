@@ -1189,3 +1189,43 @@ def test_above_info_the_libraries_progress_bars_are_off(monkeypatch, capsys):
     environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0"  # the user's own choice stays
     assert main(["generate", "--log-level", "error", "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
     assert environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_at_info_the_libraries_progress_bars_are_off_when_stderr_is_no_terminal(monkeypatch, capsys, caplog,
+                                                                                terminal):
+    # A service's journal or a container's log collector got each bar redraw of "Loading weights" as a line.
+    import os
+
+    import k6serve.cli.main as cli_main
+
+    environ = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(cli_main, "_is_terminal", lambda stream: terminal)
+    caplog.set_level("INFO")  # the root level --log-level info sets (pytest's handlers make basicConfig a no-op)
+    assert main(["generate", "--log-level", "info", "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
+    assert environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == (None if terminal else "1")
+
+
+def test_a_stream_without_a_terminal_is_told_as_none():
+    import io
+
+    from k6serve.cli.main import _is_terminal
+
+    closed = io.StringIO()
+    closed.close()
+    assert not _is_terminal(io.StringIO()) and not _is_terminal(closed) and not _is_terminal(object())
+
+
+def test_no_writable_temporary_folder_is_told_with_the_fix(tmp_path, capsys, monkeypatch):
+    # A container with a read-only root and no /tmp: every rank failed as it imported torch (its compiler's cache
+    # folder), told as "internal error ... this is a bug in k6serve", exit 70.
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(tmp_path / "missing")])
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--output-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "there is no writable temporary folder (No usable temporary directory found in" in err
+    assert "Set TMPDIR to a writable folder (in a container, mount one at /tmp)" in err
+    assert "TORCHINDUCTOR_CACHE_DIR" in err and "bug" not in err
