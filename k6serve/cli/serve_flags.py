@@ -28,6 +28,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="Model id that /v1/models lists and jobs report (default: the checkpoint's hub id, or "
                             "the folder's name); requests may name it or the checkpoint in `model`.")
+    group.add_argument("--root-path", default=None, metavar="PREFIX",
+                       help="Path prefix a reverse proxy serves the API under, e.g. /k6: job URLs and /docs carry it; "
+                            "requests are served with or without it (default: none).")
     group.add_argument("--api-key", default=None,
                        help="Require 'Authorization: Bearer KEY' on every route but /health (or set K6SERVE_API_KEY).")
 

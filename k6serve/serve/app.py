@@ -47,7 +47,7 @@ from k6serve.serve.schemas import (
     UnmergeLoraBody,
     VideoCreateBody,
 )
-from k6serve.serve.settings import ServerSettings
+from k6serve.serve.settings import ServerSettings, normal_root_path
 
 logger = logging.getLogger(__name__)
 
@@ -175,14 +175,20 @@ class NormaliseRequestTarget:
       uvicorn puts the whole URL in `path`, which was a 404 "no route GET /http://...". The host in it is not
       checked against ours: the server has one site, whatever name it is reached by (as with `Host`).
 
+    - With --root-path, a path under the prefix (a proxy that passes the path on: `/k6/v1/videos`) is the path
+      below it; one without it (a proxy that strips the prefix) is served as it is.
+
     Outermost but for the framing check, so that the key check sees the same path as the router."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, root_path: str = "") -> None:
         self.app = app
+        self.root_path = root_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope = _origin_form(scope)
+            if self.root_path:
+                scope = _below_root_path(scope, self.root_path)
             path = scope.get("path", "")
             if len(path) > 1 and path.endswith("/"):
                 scope = {**scope, "path": path.rstrip("/") or "/"}
@@ -192,6 +198,21 @@ class NormaliseRequestTarget:
 
 
 _ABSOLUTE_FORM = re.compile(rb"^https?://[^/?#]*", re.IGNORECASE)
+
+
+def _below_root_path(scope: Scope, root_path: str) -> Scope:
+    """`scope` with the --root-path prefix taken off its `path` and `raw_path` when they start with it (`/k6` is `/`,
+    `/k6/v1/videos` is `/v1/videos`, `/k6x` stays); the prefix is ASCII without '%' (`check_root_path`), so it is the
+    same in both. The scope's `root_path` is set either way: /docs builds its schema's URL from it."""
+    path = scope.get("path", "")
+    if path != root_path and not path.startswith(root_path + "/"):
+        return {**scope, "root_path": root_path}
+    below = {**scope, "root_path": root_path, "path": path[len(root_path):] or "/"}
+    raw = scope.get("raw_path") or b""
+    prefix = root_path.encode("ascii")
+    if raw == prefix or raw.startswith(prefix + b"/"):
+        below["raw_path"] = raw[len(prefix):] or b"/"
+    return below
 
 
 def _origin_form(scope: Scope) -> Scope:
@@ -299,7 +320,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
     else:
         app.add_middleware(RefuseOtherSites, bound_host=settings.host, metrics=metrics)
-    app.add_middleware(NormaliseRequestTarget)
+    app.add_middleware(NormaliseRequestTarget, root_path=settings.root_path)
     app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app
 
@@ -308,7 +329,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema plus the create, LoRA and memory bodies, which the handlers read themselves (so FastAPI cannot see
     them)."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        root_path = app.state.ctx.settings.root_path
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
+                             servers=[{"url": root_path}] if root_path else None)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         body = VideoCreateBody.model_json_schema(ref_template="#/components/schemas/{model}")
         components["VideoCreateBody"] = body
@@ -340,7 +363,7 @@ async def _sweep_expired(ctx: ServerContext) -> None:
 def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
     known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
-             "allowed_input_dir", "api_key", "served_model_name"}
+             "allowed_input_dir", "api_key", "served_model_name", "root_path"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
@@ -355,6 +378,8 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
             raise ValueError(f"{_flag_name(name)} is empty; pass a path, or leave it out for the default.")
     if options.get("output_path") is not None:
         values["output_path"] = Path(options["output_path"])
+    if options.get("root_path") is not None:
+        values["root_path"] = normal_root_path(str(options["root_path"]))
     if options.get("job_store") is not None:
         values["job_store"] = Path(options["job_store"])
     if options.get("output_ttl") is not None:

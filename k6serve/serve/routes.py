@@ -132,8 +132,8 @@ class ServerContext:
         return self.engine.variant
 
     def view(self, job: Job) -> dict[str, Any]:
-        return job_view(job, output_ttl_s=self.settings.output_ttl_s,
-                        memory_released=self.runner.holds_queue()).model_dump(mode="json")
+        return job_view(job, output_ttl_s=self.settings.output_ttl_s, memory_released=self.runner.holds_queue(),
+                        root_path=self.settings.root_path).model_dump(mode="json")
 
 
 router = APIRouter()

@@ -585,7 +585,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) -> VideoJob:
+def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, root_path: str = "") -> VideoJob:
     return VideoJob(
         id=job.id,
         model=job.model,
@@ -604,7 +604,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False) ->
         if job.status == JobStatus.FAILED or job.error_message else None,
         inference_time_s=job.inference_time_s,
         peak_memory_mb=job.peak_memory_mb,
-        url=f"/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
+        url=f"{root_path}/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
         warnings=list(job.warnings),
         waiting_for="resume_memory_occupation" if memory_released and job.status == JobStatus.QUEUED else None,
     )

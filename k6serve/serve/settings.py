@@ -21,6 +21,9 @@ class ServerSettings:
     # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
     # `model` may use otherwise (the hub id, the variant, the folder) stay accepted. None: the checkpoint's id.
     served_model_name: str | None = None
+    # The path prefix a reverse proxy serves the API under ("/k6"), or "": job URLs and /docs carry it, and requests
+    # are served with it (a proxy that passes the path on) or without it (one that strips it).
+    root_path: str = ""
     cleanup_interval_s: float = 60.0
     cancel_wait_s: float = 10.0  # how long DELETE waits for a running job to stop at a step boundary
 
@@ -50,6 +53,8 @@ class ServerSettings:
                              "is what an Authorization header carries; it holds another character (a line end from a "
                              "file read whole?).")
 
+        if self.root_path:
+            check_root_path(self.root_path)
         if self.served_model_name is not None:
             name = self.served_model_name
             if not name.strip() or name != name.strip() or not name.isprintable():
@@ -84,3 +89,26 @@ class ServerSettings:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 2**20)
+
+
+# The first path segments of the server's own routes: a --root-path starting with one would be stripped from them.
+_ROUTE_SEGMENTS = frozenset({"v1", "health", "metrics", "docs", "redoc", "openapi.json"})
+
+
+def normal_root_path(value: str) -> str:
+    """--root-path as the server keeps it: "/k6/" and "k6" are "/k6", "/" is "" (no prefix)."""
+    value = value.strip()
+    return "" if value.strip("/") == "" else "/" + value.strip("/")
+
+
+def check_root_path(root_path: str) -> None:
+    """Refuse a --root-path that is no plain URL path prefix, or that would hide the server's own routes."""
+    segments = root_path.split("/")[1:]
+    if not root_path.startswith("/") or root_path.endswith("/") or not all(
+            segment and all(character.isascii() and character.isprintable() and character not in " ?#%\\"
+                            for character in segment) for segment in segments):
+        raise ValueError(f"--root-path must be a URL path prefix such as /k6 (ASCII, no spaces, '?', '#' or '%'), "
+                         f"got {root_path!r}")
+    if segments[0] in _ROUTE_SEGMENTS:
+        raise ValueError(f"--root-path {root_path!r} starts with /{segments[0]}, one of the server's own routes; "
+                         "choose another prefix, e.g. /k6")

@@ -903,3 +903,53 @@ def test_the_start_line_url_and_the_open_server_warning():
         assert warning.startswith(f"serving on {host} without --api-key: any client that reaches port 30000 can use "
                                   "every route, set_lora with any path this server can read included")
         assert "$K6SERVE_API_KEY" in warning
+
+
+def test_a_root_path_serves_behind_a_proxy_that_keeps_or_strips_the_prefix(tmp_path):
+    # Behind a proxy at https://example.com/k6/ the job's url pointed at /v1/videos/... (the proxy's own root), and a
+    # proxy that passes the prefix on got 404s.
+    server = start_server(tmp_path, root_path="/k6", api_key="key")
+    try:
+        with server.client() as client:
+            kept = client.post("/k6/v1/videos", json={"prompt": "through a proxy", **SMALL})
+            assert kept.status_code == 200, kept.text
+            stripped = client.post("/v1/videos", json={"prompt": "stripped", **SMALL})
+            assert stripped.status_code == 200, stripped.text
+            for job in (kept.json(), stripped.json()):
+                done = wait_for(client, job["id"])
+                assert done["url"] == f"/k6/v1/videos/{job['id']}/content"
+                assert client.get(done["url"]).content[4:8] == b"ftyp"
+            listed = client.get("/k6/v1/videos").json()["data"]
+            assert {job["url"] for job in listed} == {f"/k6/v1/videos/{kept.json()['id']}/content",
+                                                      f"/k6/v1/videos/{stripped.json()['id']}/content"}
+            assert client.get("/k6/openapi.json").json()["servers"] == [{"url": "/k6"}]
+            assert "/k6/openapi.json" in client.get("/k6/docs").text
+        with httpx.Client(base_url=server.base_url) as anonymous:  # /health stays public under the prefix
+            assert anonymous.get("/k6/health").status_code == 200
+            assert anonymous.get("/k6/v1/videos").status_code == 401
+            assert anonymous.get("/k6x/health").status_code == 401  # not under the prefix: no such route, keyed
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("given", "kept"), [("/k6", "/k6"), ("/k6/", "/k6"), ("k6", "/k6"), ("/a/b", "/a/b"),
+                                             ("/", ""), ("", "")])
+def test_root_path_values(given, kept):
+    from k6serve.serve.app import settings_from_options
+
+    assert settings_from_options({"root_path": given}).root_path == kept
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ("/v1", "--root-path '/v1' starts with /v1, one of the server's own routes; choose another prefix, e.g. /k6"),
+    ("/health/x", "--root-path '/health/x' starts with /health"),
+    ("/a b", "--root-path must be a URL path prefix such as /k6"),
+    ("/a?b", "--root-path must be a URL path prefix such as /k6"),
+    ("/a//b", "--root-path must be a URL path prefix such as /k6"),
+    ("/%41", "--root-path must be a URL path prefix such as /k6"),
+])
+def test_bad_root_paths_are_refused(given, message):
+    from k6serve.serve.app import settings_from_options
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        settings_from_options({"root_path": given})
