@@ -372,11 +372,12 @@ class Engine:
         self._memory_released = isinstance(operation, ReleaseMemory)
         return memory_reply(operation, reports, num_waiting=len(self._held))
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
+    def shutdown(self, timeout: float | None = 30.0, *, cancel_wait_s: float = SHUTDOWN_CANCEL_WAIT_S) -> None:
         """Finish the requests submitted before it, stop the loop threads, then close the worker (its processes).
 
         A request still running after `timeout` seconds is cancelled at its next step (or decode chunk) boundary,
-        its caller told why, before the worker closes: closing under it stopped its ranks mid-request, which failed
+        its caller told why, and waited for up to `cancel_wait_s` seconds (a hung rank never gets there) before the
+        worker closes: closing under it stopped its ranks mid-request, which failed
         it 30 s later as "AssertionError: Shutdown()" (a notebook's shutdown() beside a long request, or the
         interpreter exiting with one running in a daemon thread)."""
         if threading.current_thread() in self._threads:
@@ -387,9 +388,9 @@ class Engine:
         # while it waits for a request) lets go, and the next call finishes it: each step below may run again. It
         # once returned at once, the worker's ranks left running.
         with self._shutting_down:
-            self._shutdown(timeout)
+            self._shutdown(timeout, cancel_wait_s)
 
-    def _shutdown(self, timeout: float | None) -> None:
+    def _shutdown(self, timeout: float | None, cancel_wait_s: float) -> None:
         with self._closing:
             if self._shut_down:
                 return
@@ -408,7 +409,7 @@ class Engine:
             for job in running:
                 if not job.cancelled.is_set():  # a caller's own cancel keeps its words
                     job.cancel(reason)
-            deadline = time.monotonic() + SHUTDOWN_CANCEL_WAIT_S  # one wait for all replicas, not one each
+            deadline = time.monotonic() + cancel_wait_s  # one wait for all replicas, not one each
             for thread in self._threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
         while self._held:

@@ -236,6 +236,8 @@ GRACEFUL_SHUTDOWN_S = 10.0
 # After the engine's shutdown has ended the ranks, how long the server waits for a job that outlived the runner's
 # stop() to have its outcome recorded, before closing the job store.
 _OUTCOMES_AFTER_SHUTDOWN_S = 5.0
+# How long the engine's shutdown waits, after the runner's stop, for a job still running to reach a boundary.
+_CANCEL_WAIT_AFTER_STOP_S = 10.0
 
 
 class RefuseConflictingFraming:
@@ -430,7 +432,7 @@ def uvicorn_config(app: Any, **kwargs: Any) -> Any:
     return uvicorn.Config(app, http=JsonErrorH11Protocol, ws="none", **kwargs)
 
 
-def uvicorn_server(config: Any, on_exit: Callable[[], None]) -> Any:
+def uvicorn_server(config: Any, on_exit: Callable[[], None], on_force: Callable[[], None] | None = None) -> Any:
     """A uvicorn.Server that calls `on_exit` (in a thread) as soon as a SIGINT / SIGTERM arrives.
 
     uvicorn first waits up to timeout_graceful_shutdown for the HTTP requests in flight and only then runs the
@@ -441,7 +443,17 @@ def uvicorn_server(config: Any, on_exit: Callable[[], None]) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
+        forced = False  # a second signal came: `serve` stops the engine without waiting for the running job
+
         def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit and not self.forced:
+                # A second SIGTERM did nothing (uvicorn forces only on a second SIGINT) while a hung rank made the
+                # stop take two minutes. The job stays queued either way (`JobRunner.stop`).
+                self.forced = self.force_exit = True
+                logger.warning("a second stop signal: stopping now, without waiting for the running job (it stays "
+                               "in the queue)")
+                if on_force is not None:
+                    on_force()
             if not self.should_exit:
                 threading.Thread(target=on_exit, name="k6serve-stop-at-signal", daemon=True).start()
             super().handle_exit(sig, frame)
@@ -576,7 +588,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         store.close()
         folder_lock.close()
         raise
-    app = None
+    app = server = None
     try:
         app = build_app(engine=engine, store=store, artifacts=artifacts, settings=settings,
                         before_serving=responder.stop)
@@ -590,13 +602,17 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         server = uvicorn_server(uvicorn_config(app, host=settings.host, port=port,
                                                log_level=logging.getLogger().getEffectiveLevel(), log_config=None,
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
-                                on_exit=app.state.ctx.runner.stop)
+                                on_exit=app.state.ctx.runner.stop, on_force=app.state.ctx.runner.stop_waiting)
         with _sigterm_raises(server), contextlib.suppress(KeyboardInterrupt, _Terminated):
             server.run(sockets=[sock])
     finally:
         responder.stop()  # a no-op once the app's start-up stopped it
         sock.close()
-        engine.shutdown()
+        # The runner's stop (at the signal and at the lifespan's end) has cancelled the running job and waited up to
+        # 30 s for it: a job still running is in its MP4's tail or on a hung rank. The engine's own waits (30 s, then
+        # 60 s after its cancel) made a hung rank's stop take two minutes, past every supervisor's grace period.
+        forced = server is not None and server.forced
+        engine.shutdown(timeout=0.0, cancel_wait_s=0.0 if forced else _CANCEL_WAIT_AFTER_STOP_S)
         if app is not None:
             app.state.ctx.runner.wait_for_outcomes(_OUTCOMES_AFTER_SHUTDOWN_S)
         store.close()

@@ -150,6 +150,7 @@ class JobRunner:
         self._capacity = max(1, int(getattr(engine, "num_replicas", 1)))
         self._running: dict[str, EngineJob] = {}
         self._finishers: list[threading.Thread] = []  # one per running job: waits for it and records the outcome
+        self._no_more_waiting = threading.Event()  # `stop_waiting`
         self._past_last_step: set[str] = set()  # running jobs whose engine reported their last step or tile
         self._in_decode: set[str] = set()  # running jobs whose engine reported their last step again: a decode chunk
         self._stopping = False
@@ -261,7 +262,7 @@ class JobRunner:
                 lora.future.set_exception(ServerShuttingDown("LoRA operation"))
         deadline = time.monotonic() + timeout
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._join(self._thread, deadline)
         self.wait_for_outcomes(max(0.0, deadline - time.monotonic()))
 
     def wait_for_outcomes(self, timeout: float) -> None:
@@ -270,7 +271,18 @@ class JobRunner:
         store (a late outcome met a closed store: sqlite3.ProgrammingError in the log)."""
         deadline = time.monotonic() + timeout
         for finisher in list(self._finishers):
-            finisher.join(max(0.0, deadline - time.monotonic()))
+            self._join(finisher, deadline)
+
+    def stop_waiting(self) -> None:
+        """End stop()'s and wait_for_outcomes()' waits now (a second stop signal: a hung job would hold them)."""
+        self._no_more_waiting.set()
+
+    def _join(self, thread: threading.Thread, deadline: float) -> None:
+        while thread.is_alive() and not self._no_more_waiting.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            thread.join(min(remaining, 0.1))
 
     def admit(self, job: Job) -> tuple[Job, bool]:
         """Store a new job unless the queue is full (QueueFull); idempotent replays (by Idempotency-Key or by a

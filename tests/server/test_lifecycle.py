@@ -705,6 +705,33 @@ def test_sighup_shuts_the_server_down_as_sigterm_does(tmp_path):
         process.wait(10)
 
 
+def test_a_second_sigterm_stops_a_server_whose_job_does_not_stop(tmp_path):
+    # A hung rank (here a job in a tail with no boundary for 30 s) made the stop wait for it: 30 s in the runner's
+    # stop, 30 s and 60 s more in the engine's shutdown. A second SIGTERM did nothing (uvicorn forces only on a
+    # second SIGINT); now it stops the server at once, the job left in the queue.
+    process, url = _spawn(tmp_path, "--through-serve")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
+            stuck = client.post("/v1/videos", json={"prompt": "slow tail", **SMALL}).json()
+            wait_until(lambda: client.get(f"/v1/videos/{stuck['id']}").json()["progress"] == 99, timeout=30)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+            exited_s = time.monotonic() - signalled
+        assert process.returncode == 0 and exited_s < 20, (process.returncode, exited_s)
+        store = SqliteJobStore(tmp_path / "outputs" / "jobs.sqlite3")
+        try:
+            assert store.get(stuck["id"]).status == JobStatus.QUEUED
+        finally:
+            store.close()
+    finally:
+        process.kill()
+        process.wait(10)
+
+
 def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
     # uvicorn would first wait up to timeout_graceful_shutdown for requests in flight (a LoRA request queued behind
     # a running job is one), then stop the runner; the server stops it at the signal instead.
