@@ -71,7 +71,8 @@ class ServerMetrics:
             if peak_memory_mb is not None:
                 self.peak_memory_mb = max(self.peak_memory_mb, peak_memory_mb)
 
-    def render(self, *, queue_depth: int, jobs_by_status: dict[JobStatus, int], running: int) -> str:
+    def render(self, *, queue_depth: int, jobs_by_status: dict[JobStatus, int], running: int,
+               seconds_since_progress: float = 0.0, replicas: int = 1, dead_replicas: int = 0) -> str:
         with self._lock:
             rejected, finished, peak = dict(self._rejected), dict(self._finished), self.peak_memory_mb
         lines = [
@@ -81,6 +82,15 @@ class ServerMetrics:
             "# HELP k6serve_running_jobs Jobs the engine is working on.",
             "# TYPE k6serve_running_jobs gauge",
             f"k6serve_running_jobs {running}",
+            "# HELP k6serve_seconds_since_progress Seconds since the longest-silent running job last reported a "
+            "step or decode chunk (its dispatch before the first; 0 when none runs). Far above the step latency: a "
+            "hung worker. A cold request's first step includes its compile.",
+            "# TYPE k6serve_seconds_since_progress gauge",
+            f"k6serve_seconds_since_progress {seconds_since_progress:.3f}",
+            "# HELP k6serve_replicas Worker replicas by state.",
+            "# TYPE k6serve_replicas gauge",
+            f'k6serve_replicas{{state="serving"}} {replicas - dead_replicas}',
+            f'k6serve_replicas{{state="dead"}} {dead_replicas}',
             "# HELP k6serve_jobs Stored jobs by status.",
             "# TYPE k6serve_jobs gauge",
             *(f'k6serve_jobs{{status="{status.value}"}} {jobs_by_status.get(status, 0)}' for status in JobStatus),

@@ -976,6 +976,9 @@ async def health(request: Request) -> JSONResponse:
     # In a thread: finding a dead rank stops the rest of its replica, which can take a second or two.
     dead = await asyncio.to_thread(ctx.engine.dead_replicas)
     body: dict[str, Any] = {"status": "ok", "memory_released": ctx.runner.holds_queue()}
+    if ctx.runner.running_count():
+        # A hung worker's processes are alive, so the status stays "ok": this says how long the job has been silent.
+        body["seconds_since_progress"] = round(ctx.runner.seconds_since_progress(), 1)
     warmups = ctx.engine.startup_warmups
     if warmups:  # `--warmup-mode server`: what start-up warmed, each shape's cost and the total
         body["warmup"] = {"seconds": round(sum(report.seconds for report in warmups), 3),
@@ -1002,8 +1005,11 @@ async def _refuse_without_replicas(request: Request, ctx: ServerContext) -> None
 async def metrics(request: Request) -> PlainTextResponse:
     ctx = _ctx(request)
     counts = ctx.store.count_by_status()
+    dead = await asyncio.to_thread(ctx.engine.dead_replicas)
     text = ctx.metrics.render(queue_depth=counts[JobStatus.QUEUED], jobs_by_status=counts,
-                              running=ctx.runner.running_count())
+                              running=ctx.runner.running_count(),
+                              seconds_since_progress=ctx.runner.seconds_since_progress(),
+                              replicas=ctx.engine.num_replicas, dead_replicas=len(dead))
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 

@@ -151,6 +151,8 @@ class JobRunner:
         self._running: dict[str, EngineJob] = {}
         self._finishers: list[threading.Thread] = []  # one per running job: waits for it and records the outcome
         self._no_more_waiting = threading.Event()  # `stop_waiting`
+        # Running job id -> time.monotonic() of its dispatch or last progress report (`seconds_since_progress`).
+        self._last_heard: dict[str, float] = {}
         self._past_last_step: set[str] = set()  # running jobs whose engine reported their last step or tile
         self._in_decode: set[str] = set()  # running jobs whose engine reported their last step again: a decode chunk
         self._stopping = False
@@ -410,6 +412,12 @@ class JobRunner:
     def running_count(self) -> int:
         return len(self._running)
 
+    def seconds_since_progress(self) -> float:
+        """Seconds since the running job heard from last (its dispatch, a step, a decode chunk) did so; 0 when none
+        runs. Far above a step's time it is a hung worker, which /health cannot see (its processes are alive)."""
+        heard = list(self._last_heard.values())
+        return max(0.0, time.monotonic() - min(heard)) if heard else 0.0
+
     def _next(self) -> tuple[Job, EngineJob] | PendingLora | Literal["look again"] | None:
         """The next job (submitted to the engine) or LoRA operation; "look again" after waiting for a change, so
         `_loop` checks the replicas again; None once stopping."""
@@ -452,6 +460,7 @@ class JobRunner:
                                                 on_progress=self._progress_callback(job.id), job_id=job.id,
                                                 log_failure=False)
                 self._running[job.id] = engine_job
+                self._last_heard[job.id] = time.monotonic()
                 return started, engine_job
             return None
 
@@ -522,6 +531,7 @@ class JobRunner:
         finally:
             with self._lock:
                 self._running.pop(job.id, None)
+                self._last_heard.pop(job.id, None)
                 self._past_last_step.discard(job.id)
                 self._in_decode.discard(job.id)
                 self._wake.notify_all()
@@ -558,6 +568,8 @@ class JobRunner:
 
         def on_progress(step: int, total: int) -> None:
             now = time.perf_counter()
+            if job_id in self._last_heard:  # a plain store: read without the lock by `seconds_since_progress`
+                self._last_heard[job_id] = time.monotonic()
             decode_chunk = 0 < total <= step and state["final_step_seen"]  # the final step reported again
             state["reports"] += 1
             # The first report's time since dispatch holds the text encoding, the conditioning and a first compile

@@ -980,3 +980,38 @@ def test_bad_root_paths_are_refused(given, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         settings_from_options({"root_path": given})
+
+
+def _gauge(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def test_a_silent_running_job_shows_in_health_and_metrics(tmp_path):
+    # A hung rank keeps its process alive: /health said "ok" and nothing told how long the job had been silent.
+    server = start_server(tmp_path)
+    try:
+        with server.client() as client:
+            idle = client.get("/metrics").text
+            assert _gauge(idle, "k6serve_seconds_since_progress") == 0
+            assert 'k6serve_replicas{state="serving"} 1' in idle and 'k6serve_replicas{state="dead"} 0' in idle
+            assert "seconds_since_progress" not in client.get("/health").json()
+            stepping = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, stepping["id"], ("in_progress",))
+            time.sleep(0.5)
+            assert client.get("/health").json()["seconds_since_progress"] < 0.5  # a step every 10 ms
+            server.worker.release.set()
+            wait_for(client, stepping["id"])
+            server.worker.release.clear()
+            silent = client.post("/v1/videos", json={"prompt": "slow tail", **SMALL}).json()
+            assert server.worker.decoding.wait(10)
+            time.sleep(1.2)
+            health = client.get("/health").json()
+            assert health["status"] == "ok" and health["seconds_since_progress"] >= 1.0
+            assert _gauge(client.get("/metrics").text, "k6serve_seconds_since_progress") >= 1.0
+            server.worker.release.set()
+            wait_for(client, silent["id"])
+            assert _gauge(client.get("/metrics").text, "k6serve_seconds_since_progress") == 0
+    finally:
+        server.worker.release.set()
+        server.stop()
