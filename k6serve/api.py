@@ -441,6 +441,14 @@ def _check_local_mode(local_mode: Any) -> None:
 
 def _in_callers_words(method: Callable) -> Callable:
     """A `DiffGenerator` method whose ValueErrors are worded for its caller (`DiffGenerator._wording`)."""
+    if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)
+        async def worded_async(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
+            with reworded_errors(self._wording):
+                return await method(self, *args, **kwargs)
+
+        return worded_async
+
     @functools.wraps(method)
     def worded(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
         with reworded_errors(self._wording):
@@ -456,8 +464,10 @@ class DiffGenerator:
             result = generator.generate(prompt="A cat plays piano", seed=42)
 
     The model runs in worker processes (one per GPU); `shutdown()`, the end of the `with` block, or dropping the
-    last reference to the generator stops them and frees their memory. Its ValueErrors name the keyword arguments
-    (`num_gpus=4`) where the CLI names its flags (`--num-gpus 4`).
+    last reference to the generator stops them and frees their memory. In a notebook, call `shutdown()` (or use
+    `with`): a cell that showed the generator keeps a reference to it in IPython's output history (`Out`, `_`), so
+    `del generator` leaves its workers running. Its ValueErrors name the keyword arguments (`num_gpus=4`) where the
+    CLI names its flags (`--num-gpus 4`).
     """
 
     def __init__(self, engine: Engine, *, wording: Callable[[str], str] = flags_as_keywords) -> None:
@@ -524,6 +534,11 @@ class DiffGenerator:
     def variant(self):
         return self.engine.variant
 
+    def __repr__(self) -> str:
+        # A notebook shows this for a bare `generator`: which model, and whether it still holds its workers.
+        state = "running" if self._shutdown.alive else "shut down"
+        return f"<DiffGenerator {str(self.engine.config.model.model_path)!r}, {state}>"
+
     def _require_running(self) -> None:
         if not self._shutdown.alive:
             raise RuntimeError("This DiffGenerator has been shut down (shutdown() or the end of its `with` block); "
@@ -544,7 +559,28 @@ class DiffGenerator:
         fix, and writes nothing. `on_progress(step, total)` runs after every denoising step (SR: every DiT call),
         then again with `(total, total)` after each chunk of the video decode; raising from it (or Ctrl-C) stops
         the request there, with no file left behind. Several threads may call this at once: requests run in
-        order (N at a time with dp_size=N)."""
+        order (N at a time with dp_size=N). From asyncio code, `await generator.agenerate(...)`."""
+        params, output, warnings = self._checked_request(sampling_params_kwargs, on_progress, kwargs)
+        result = self.engine.generate(params, output, on_progress=on_progress)
+        result.notes[:0] = warnings
+        return result
+
+    @_in_callers_words
+    async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+                        on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
+        """`generate` for asyncio code (a web app, a notebook's event loop): the same request, checks and result,
+        awaited without blocking the loop. Cancelling the awaiting task (asyncio.wait_for's timeout, task.cancel())
+        cancels the request at its next step boundary, with no file left behind; several may be awaited at once
+        (asyncio.gather), run in order as threads' generate() calls are. Super-resolution: pass video_path=."""
+        params, output, warnings = self._checked_request(sampling_params_kwargs, on_progress, kwargs)
+        result = await self.engine.agenerate(params, output, on_progress=on_progress)
+        result.notes[:0] = warnings
+        return result
+
+    def _checked_request(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
+                         on_progress: ProgressCallback | None, kwargs: dict[str, Any]
+                         ) -> tuple[SamplingParams, OutputOptions, list[str]]:
+        """`generate`'s request as (params, output, warnings), checked: raises ValueError before anything runs."""
         self._require_running()
         if on_progress is not None and not callable(on_progress):
             raise ValueError(f"on_progress must be a function called as on_progress(step, total), got "
@@ -571,9 +607,7 @@ class DiffGenerator:
                      for key in unsaved_output_keys(options)]
         for warning in warnings:
             logger.warning(warning)
-        result = self.engine.generate(params, output, on_progress=on_progress)
-        result.notes[:0] = warnings
-        return result
+        return params, output, warnings
 
     def _from_callers_folder(self, options: dict[str, Any]) -> dict[str, Any]:
         """`options` with relative paths made absolute from the caller's folder when it is not the one the workers

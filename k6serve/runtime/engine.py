@@ -64,6 +64,14 @@ class EngineJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None  # said after "cancelled at step i/n" when the caller did not ask for it
+    # The caller stopped waiting (Ctrl-C, a cancelled asyncio task): its on_progress is not called again. It ran
+    # once more at the cancelling step, printing into a notebook's next cell.
+    caller_gone: bool = False
+
+    def abandon(self) -> None:
+        """The caller has stopped waiting: cancel at the next boundary, and call its on_progress no more."""
+        self.caller_gone = True
+        self.cancel()
 
     @property
     def cancel_words(self) -> str:
@@ -119,7 +127,7 @@ def _cancellation_point(job: EngineJob) -> ProgressCallback:
 
     def on_step(step: int, total: int) -> None:
         nonlocal final_step_reported
-        if job.on_progress is not None:
+        if job.on_progress is not None and not job.caller_gone:
             job.on_progress(step, total)
         # The pipelines report the final step again between the video decode's chunks.
         in_decode = final_step_reported and step >= total
@@ -245,7 +253,24 @@ class Engine:
                 raise
             # Nobody is left to take the result: without this a Ctrl-C in a notebook left the request running
             # to its end, holding the worker for the next one, and shutdown() waited for it.
-            job.cancel()
+            job.abandon()
+            raise
+
+    async def agenerate(self, params: SamplingParams, output: OutputOptions | None = None, *,
+                        on_progress: ProgressCallback | None = None) -> VideoResult:
+        """`generate` for asyncio: awaits the request without blocking the event loop. Cancelling the awaiting task
+        (asyncio.wait_for's timeout, task.cancel(), a notebook's interrupt) cancels the request at its next step
+        boundary; `await asyncio.to_thread(generate, ...)` left it running to its end, its file written, the next
+        request waiting behind it."""
+        import asyncio
+
+        self._check_not_own_thread("a request")
+        job = self.submit(params, output, on_progress=on_progress, log_failure=False)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except BaseException:
+            if not job.future.done() or job.future.cancelled():
+                job.abandon()
             raise
 
     def queue_depth(self) -> int:

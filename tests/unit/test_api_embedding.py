@@ -158,3 +158,45 @@ def test_closing_during_start_up_ends_the_thread_waiting_for_the_leaders():
     worker._wake_accept()  # again, after the close (a second close()): nothing to wake, no error
     leader.close()
 
+
+
+def test_agenerate_awaits_the_same_request_and_a_cancelled_task_cancels_it(tiny_distill_dir, tmp_path):
+    """`await asyncio.to_thread(generate, ...)` under asyncio.wait_for's timeout (or a cancelled task) left the
+    request running to its end: its file written, the next request waiting behind it. agenerate cancels it."""
+    import asyncio
+
+    import numpy as np
+
+    with _generator(tiny_distill_dir) as generator:
+        awaited = asyncio.run(generator.agenerate(SMALL, seed=7))
+        assert np.array_equal(awaited.frames, generator.generate(SMALL, seed=7).frames)
+        with pytest.raises(ValueError, match="prompt is required"):
+            asyncio.run(generator.agenerate({**SMALL, "prompt": ""}))
+
+        steps: list[int] = []
+
+        async def too_long() -> None:
+            await asyncio.wait_for(generator.agenerate({**SMALL, "save_output": True, "num_inference_steps": 1000},
+                                                       output_path=str(tmp_path), seed=1,
+                                                       on_progress=lambda step, total: steps.append(step)),
+                                   timeout=1.0)
+
+        with pytest.raises(TimeoutError):
+            asyncio.run(too_long())
+        reported = len(steps)
+        started = time.monotonic()
+        generator.generate(SMALL)  # not behind the cancelled request's remaining steps
+        assert time.monotonic() - started < 30
+        assert 0 < reported < 1000 and len(steps) <= reported + 1  # no callback after it was abandoned
+        assert list(tmp_path.iterdir()) == []  # no MP4, no part file
+
+        async def both() -> list:
+            return await asyncio.gather(generator.agenerate(SMALL, seed=1), generator.agenerate(SMALL, seed=2))
+
+        first, second = asyncio.run(both())
+        assert (first.seed, second.seed) == (1, 2)
+        # Errors name the keyword, as generate's do (its checks run before anything is queued).
+        with pytest.raises(ValueError, match="num_inference_steps must be between 1 and 1000"):
+            asyncio.run(generator.agenerate(SMALL, num_inference_steps=0))
+        assert repr(generator) == f"<DiffGenerator {str(tiny_distill_dir)!r}, running>"
+    assert repr(generator) == f"<DiffGenerator {str(tiny_distill_dir)!r}, shut down>"
