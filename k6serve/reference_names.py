@@ -293,10 +293,10 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "log_requests_level": _engine(_REQUEST_LOGS),
     "log_requests_format": _engine(_REQUEST_LOGS),
     "log_requests_target": _engine(_REQUEST_LOGS),
-    "uvicorn_access_log_exclude_prefixes": _engine("k6serve's uvicorn access log lists every HTTP request, with no "
-                                                   "prefix to leave out: --log-level warning turns it off (one line "
-                                                   "per finished job stays), or filter it where it is read, e.g. "
-                                                   "grep -v /metrics"),
+    "uvicorn_access_log_exclude_prefixes": _engine("k6serve's uvicorn access log leaves out the probes (GET and HEAD "
+                                                   "of /health and /metrics that succeed) and lists every other "
+                                                   "request, with no other prefix to leave out: --log-level warning "
+                                                   "turns it off (failed jobs stay), or filter it where it is read"),
     "enable_cache_report": _engine("k6serve caches no prompt tokens, so a job has no cached tokens to report: drop "
                                    "it"),
     "enable_layerwise_nvtx_marker": _engine(_NVTX + _PROFILE, api_fix=_NVTX + _PROFILE_API,

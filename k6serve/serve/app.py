@@ -493,6 +493,36 @@ def _sigterm_raises(server: Any) -> Iterator[None]:
             signal.signal(signal.SIGHUP, previous_hangup)
 
 
+class _QuietProbes(logging.Filter):
+    """Leaves out uvicorn's access lines for probes that succeed (GET / HEAD of /health and /metrics under 400): a
+    supervisor's probe every few seconds buried the job lines, and --log-level warning, the only way to quiet them,
+    dropped the jobs' start and end lines too. A failing probe is still logged. uvicorn logs the path as sent, so
+    under a --root-path the prefixed paths count too."""
+
+    def __init__(self, root_path: str = "") -> None:
+        super().__init__()
+        self.paths = _PROBE_PATHS | {root_path + path for path in _PROBE_PATHS}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:  # uvicorn's (client, method, path, version, status)
+            return True
+        _, method, path, _, status = args
+        probe = method in ("GET", "HEAD") and str(path).split("?")[0] in self.paths
+        return not (probe and isinstance(status, int) and status < 400)
+
+
+_PROBE_PATHS = frozenset({"/health", "/metrics"})
+
+
+def quiet_probe_access_lines(root_path: str = "") -> None:
+    """Install `_QuietProbes` on uvicorn's access logger (in place of one installed before)."""
+    access = logging.getLogger("uvicorn.access")
+    for existing in [existing for existing in access.filters if isinstance(existing, _QuietProbes)]:
+        access.removeFilter(existing)
+    access.addFilter(_QuietProbes(root_path))
+
+
 def server_url(host: str, port: int) -> str:
     """The server's URL for the log: an IPv6 address bracketed ("http://:::30000" for --host :: was no URL)."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -599,6 +629,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
             logger.warning("%s", warning)
         # uvicorn's lines (start-up, one access line per request) at --log-level (it was always "info": every poll
         # was logged, whatever the flag), through the root handler, so they carry its format and timestamps.
+        quiet_probe_access_lines(settings.root_path)
         server = uvicorn_server(uvicorn_config(app, host=settings.host, port=port,
                                                log_level=logging.getLogger().getEffectiveLevel(), log_config=None,
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 import signal
@@ -1014,4 +1015,33 @@ def test_a_silent_running_job_shows_in_health_and_metrics(tmp_path):
             assert _gauge(client.get("/metrics").text, "k6serve_seconds_since_progress") == 0
     finally:
         server.worker.release.set()
+        server.stop()
+
+
+def test_successful_probes_are_left_out_of_the_access_log(tmp_path):
+    # A supervisor's probe every few seconds buried the job lines; --log-level warning, the only way to quiet it,
+    # dropped the jobs' own lines too.
+    from k6serve.serve.app import quiet_probe_access_lines
+
+    server = start_server(tmp_path, root_path="/k6", api_key="key")
+    access = logging.getLogger("uvicorn.access")
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = access.level
+    access.setLevel(logging.INFO)
+    access.addHandler(handler)
+    quiet_probe_access_lines("/k6")
+    try:
+        with server.client() as client:
+            for path in ("/health", "/k6/health", "/metrics", "/k6/metrics?x=1", "/v1/models"):
+                assert client.get(path).status_code == 200
+            client.head("/health")
+        with httpx.Client(base_url=server.base_url) as anonymous:
+            assert anonymous.get("/metrics").status_code == 401  # a failing probe stays in the log
+        assert [line.split('"')[1] for line in lines] == ["GET /v1/models HTTP/1.1", "GET /metrics HTTP/1.1"], lines
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+        access.filters.clear()
         server.stop()
