@@ -685,7 +685,13 @@ def describe_os_error(exc: OSError, output_path: str) -> str:
 def describe_out_of_memory(exc: BaseException, engine_options: dict[str, Any] | None = None) -> str:
     """One line: the device's memory ran out (not a bug in k6serve), torch's own first line, and what to change."""
     from k6serve.config import RuntimeConfig
-    from k6serve.runtime.out_of_memory import out_of_memory_detail, server_side_fixes
+    from k6serve.runtime.out_of_memory import is_host_out_of_memory, out_of_memory_detail, server_side_fixes
+
+    if is_host_out_of_memory(exc):
+        # The host's RAM, not the GPU's: the GPU flags are no fix (on a CPU run they do nothing).
+        return (f"the host ran out of memory ({out_of_memory_detail(exc)}); ask for fewer pixels or frames "
+                "(--height, --width, --num-frames), free host memory (other processes, a lower --dp-size), or run "
+                "on a machine with more.")
 
     # The residency the flags give (`none` offloads nothing; --component-residency offloads too).
     try:

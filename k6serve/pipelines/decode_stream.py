@@ -52,14 +52,18 @@ def decode_video_chunks(vae, video_BTHWC: torch.Tensor, *,
     """Latents -> uint8 frame chunks (T_i, H, W, 3) on the host, in order, each as soon as it is final.
 
     Without temporal tiling (a short clip, or a VAE this file does not mirror) there is one chunk, from
-    `decode_video`. Chunk i is handed out after tile i + 1 is queued, so on a GPU the device-to-host copy of
+    `decode_video`, and `between_chunks()` runs once after it: a cancel that came after the last step was not
+    looked at again, and the audio decode and the MP4 went on (a cancelled short request kept its file). Chunk i is handed out after tile i + 1 is queued, so on a GPU the device-to-host copy of
     chunk i and the caller's work on it overlap the decode of the next tile. `between_chunks()` runs after each
     temporal tile is decoded (the last one included: what follows is only the caller's work on the frames); the
     number of calls depends on the latents' shape and the VAE alone, the same on every rank.
     """
     latents_BCTHW = video_BTHWC.permute(0, 4, 1, 2, 3).to(vae.dtype) / vae.config.scaling_factor
     if not _uses_temporal_tiles(vae, latents_BCTHW):
-        yield decode_video(vae, video_BTHWC, keep_float=False).frames_THWC
+        frames_THWC = decode_video(vae, video_BTHWC, keep_float=False).frames_THWC
+        if between_chunks is not None:
+            between_chunks()
+        yield frames_THWC
         return
     pending: Callable[[], np.ndarray] | None = None
     for pixels_BCTHW in _temporal_tiles(vae, latents_BCTHW):

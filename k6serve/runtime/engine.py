@@ -146,6 +146,7 @@ def check_before_loading(config: EngineConfig) -> None:
     `Engine` runs it; `serve` runs it before it binds its port, so that a flag's mistake is not hidden behind a port
     in use."""
     from k6serve.caching.preflight import check_cache_dit_config_before_loading
+    from k6serve.runtime.device_fit import check_device_fits
     from k6serve.parallel.preflight import check_layout_before_loading
     from k6serve.runtime.warmup_sizes import check_warmup_sizes_before_loading
     from k6serve.speed.fp8_linears import check_quantization_before_loading
@@ -155,6 +156,7 @@ def check_before_loading(config: EngineConfig) -> None:
     check_cache_dit_config_before_loading(config)
     check_warmup_sizes_before_loading(config)
     check_quantization_before_loading(config)
+    check_device_fits(config)  # last: a layout or flag mistake is told first, whatever the machine
 
 
 def check_temporary_folder() -> None:

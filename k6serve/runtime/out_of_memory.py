@@ -7,6 +7,8 @@ the HTTP server each add the fix in their own terms (flags there, request fields
 
 from __future__ import annotations
 
+import errno
+import re
 import signal
 
 import torch
@@ -53,15 +55,40 @@ _CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signa
 
 
 def is_out_of_memory(error: BaseException) -> bool:
+    """The GPU's memory ran out, or the host's (`is_host_out_of_memory`)."""
     text = str(error)
-    return isinstance(error, torch.OutOfMemoryError) or "OutOfMemoryError" in text or "CUDA out of memory" in text
+    return (isinstance(error, torch.OutOfMemoryError) or "OutOfMemoryError" in text or "CUDA out of memory" in text
+            or is_host_out_of_memory(error))
+
+
+def is_host_out_of_memory(error: BaseException) -> bool:
+    """The host's memory ran out under an allocation (torch's CPU allocator, Python's MemoryError, ENOMEM), in this
+    process or told by a worker's: it was "an internal error ... a bug in k6serve", or a job's 4,800-character
+    traceback. (The kernel's out-of-memory killer is `WorkerKilled`.)"""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    if isinstance(error, MemoryError) or getattr(error, "errno", None) == errno.ENOMEM:
+        return True
+    text = str(error)
+    return "CUDA out of memory" not in text and _HOST_OUT_OF_MEMORY.search(text) is not None
+
+
+# What torch's CPU allocator, Python and the C library say when an allocation fails (a worker's error carries them as
+# text: the exception crossed a process boundary); MemoryError as a word, not the end of torch's OutOfMemoryError.
+_HOST_OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator: can't allocate memory|Cannot allocate memory|\bMemoryError\b")
 
 
 def out_of_memory_detail(error: BaseException) -> str:
-    """torch's own line ("CUDA out of memory. Tried to allocate ..."), at most 200 characters, or the type name."""
-    line = next((line.strip() for line in str(error).splitlines() if "out of memory" in line.lower()), "")
-    start = line.lower().find("cuda out of memory")
-    line = line[start:] if start >= 0 else line
+    """torch's own line ("CUDA out of memory. Tried to allocate ...", "DefaultCPUAllocator: can't allocate memory:
+    you tried to allocate ..."), at most 200 characters, or the type name."""
+    markers = ("out of memory", "can't allocate memory", "cannot allocate memory", "memoryerror")
+    line = next((line.strip() for line in str(error).splitlines()
+                 if any(marker in line.lower() for marker in markers)), "")
+    for start_marker in ("cuda out of memory", "defaultcpuallocator"):
+        start = line.lower().find(start_marker)
+        if start >= 0:
+            line = line[start:]
+            break
     return line[:200] or type(error).__name__
 
 

@@ -50,7 +50,8 @@ from k6serve.lora.spec import (
 from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
-from k6serve.runtime.out_of_memory import WorkerKilled, is_out_of_memory, out_of_memory_detail, server_side_fixes
+from k6serve.runtime.out_of_memory import (WorkerKilled, is_host_out_of_memory, is_out_of_memory,
+                                           out_of_memory_detail, server_side_fixes)
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
@@ -135,6 +136,17 @@ OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output 
                        "was not kept; submit the job again (a removed folder is created again for it; one made "
                        "unwritable must first be made writable again by the server's operator).")
 
+
+
+def _client_words(error: BaseException) -> str:
+    """An unexpected failure as the client reads it: its type and first lines, without the worker's traceback that
+    a rank's error carries as text (4,800 characters with the server's file paths), which the log keeps."""
+    text = str(error).split("\nTraceback (most recent call last)")[0].strip()
+    text = text if len(text) <= _CLIENT_MESSAGE_CHARS else text[:_CLIENT_MESSAGE_CHARS - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+_CLIENT_MESSAGE_CHARS = 500
 
 class JobRunner:
     def __init__(self, engine: Engine, store: JobStore, artifacts: ArtifactStore, metrics: ServerMetrics, *,
@@ -629,13 +641,17 @@ class JobRunner:
             self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
         except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
             if is_out_of_memory(exc):
-                # The request was too big for this server's GPU, not broken: say so and what a retry can change;
-                # the operator's log gets what the server's flags can change.
-                logger.warning("job %s ran out of GPU memory; for such requests, %s", job.id,
-                               self._memory_fixes())
+                # The request was too big for this server's GPU (or host), not broken: say so and what a retry can
+                # change; the operator's log gets what the server's flags can change.
+                host = is_host_out_of_memory(exc)
+                where = "server's host" if host else "GPU"
+                logger.warning("job %s ran out of %s memory; for such requests, %s", job.id,
+                               "host" if host else "GPU",
+                               "free host memory or run on a machine with more" if host else self._memory_fixes())
                 self._record(job, JobStatus.FAILED, error_code="out_of_memory",
-                             error_message=f"The GPU ran out of memory for this request ({out_of_memory_detail(exc)});"
-                                           " retry with a smaller size or fewer seconds.", logged=True)
+                             error_message=f"The {where} ran out of memory for this request "
+                                           f"({out_of_memory_detail(exc)}); retry with a smaller size or fewer "
+                                           "seconds.", logged=True)
             elif disk_full(exc):
                 # The machine's state, not the request's: say so, without the server's own file paths.
                 self._record(job, JobStatus.FAILED, error_code="insufficient_storage",
@@ -669,7 +685,7 @@ class JobRunner:
                 # Unexpected: the one failure logged with its traceback.
                 logger.error("job %s failed", job.id, exc_info=exc)
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
-                             error_message=f"{type(exc).__name__}: {exc}", logged=True)
+                             error_message=_client_words(exc), logged=True)
 
     def _output_write_refused(self, exc: BaseException) -> bool:
         """The engine's error is a write into the output folder refused by permissions or a read-only mount, or

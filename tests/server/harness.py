@@ -85,6 +85,15 @@ class FakeWorker:
             # What a worker process's OOM looks like once the engine has it (process_group_worker._failure_error).
             raise RuntimeError("request 1 failed on replica 0: rank 0: OutOfMemoryError: CUDA out of memory. "
                                "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
+        if "exhaust host memory" in prompt:
+            # A worker's CPU allocation failing, as the engine carries it (the worker's traceback as text).
+            raise RuntimeError("request 1 failed on replica 0: rank 0: RuntimeError: [enforce fail at "
+                               "alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 3221225472 bytes. Error code 12 (Cannot allocate memory)\nTraceback (most "
+                               "recent call last):\n  File \"/srv/k6serve/pipelines/x.py\", line 1\n")
+        if "break with a traceback" in prompt:
+            raise RuntimeError("request 1 failed on replica 0: rank 0: KeyError: 'x'\nTraceback (most recent call "
+                               "last):\n  File \"/srv/k6serve/models/secret_path.py\", line 9, in f\n" + "x" * 4000)
         if "kill the worker" in prompt:
             from k6serve.runtime.out_of_memory import WorkerKilled
 

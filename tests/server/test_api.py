@@ -361,6 +361,27 @@ def test_out_of_memory_job_says_the_request_was_too_big_not_that_it_broke(fake_c
     assert wait_for(fake_client, later["id"])["status"] == "completed"
 
 
+def test_host_memory_running_out_and_an_unexpected_failure_in_the_clients_words(fake_client, caplog):
+    # The host's RAM running out was a generation_failed with the worker's whole traceback (4,800 characters, the
+    # server's file paths), as was any unexpected failure; the log keeps the traceback.
+    host = fake_client.post("/v1/videos", json={"prompt": "exhaust host memory", "size": "32x32",
+                                                "num_frames": 5}).json()
+    broken = fake_client.post("/v1/videos", json={"prompt": "break with a traceback", "size": "32x32",
+                                                  "num_frames": 5}).json()
+    with caplog.at_level("WARNING", logger="k6serve.serve.runner"):
+        failed_host, failed_broken = wait_for(fake_client, host["id"]), wait_for(fake_client, broken["id"])
+    assert f"job {host['id']} ran out of host memory; for such requests, free host memory" in caplog.text
+    assert failed_host["error"] == {
+        "code": "out_of_memory",
+        "message": "The server's host ran out of memory for this request (DefaultCPUAllocator: can't allocate "
+                   "memory: you tried to allocate 3221225472 bytes. Error code 12 (Cannot allocate memory)); retry "
+                   "with a smaller size or fewer seconds.",
+    }
+    assert failed_broken["error"] == {"code": "generation_failed", "message": "RuntimeError: request 1 failed on "
+                                      "replica 0: rank 0: KeyError: 'x'"}
+    assert "secret_path.py" in caplog.text  # the operator's log has it all
+
+
 def test_a_job_whose_worker_was_killed_says_so_in_the_clients_words(fake_client, caplog):
     """It failed as generation_failed with the engine's text ("WorkerKilled: ... replica 0 (ranks [0]) ... free host
     memory, or use fewer GPUs per host"): the operator's advice, shown to the client."""

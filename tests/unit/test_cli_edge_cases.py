@@ -1229,3 +1229,28 @@ def test_no_writable_temporary_folder_is_told_with_the_fix(tmp_path, capsys, mon
     assert "there is no writable temporary folder (No usable temporary directory found in" in err
     assert "Set TMPDIR to a writable folder (in a container, mount one at /tmp)" in err
     assert "TORCHINDUCTOR_CACHE_DIR" in err and "bug" not in err
+
+
+@pytest.mark.parametrize(("error", "host"), [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 3221225472 bytes. Error code 12 (Cannot allocate memory)"), True),
+    (MemoryError(), True),
+    (OSError(12, "Cannot allocate memory"), True),
+    (RuntimeError("request 1 failed on replica 0: rank 0: MemoryError: \nTraceback ..."), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB."), False),
+    (RuntimeError("rank 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB."), False),
+])
+def test_the_hosts_memory_running_out_is_told_as_such_not_as_a_bug(error, host):
+    # It was "internal error (...); this is a bug in k6serve" (exit 70), and the GPU's flags were offered for it.
+    from k6serve.cli.main import describe_out_of_memory
+    from k6serve.runtime.out_of_memory import is_host_out_of_memory, is_out_of_memory
+
+    assert is_out_of_memory(error) and is_host_out_of_memory(error) is host
+    message = describe_out_of_memory(error, {})
+    if host:
+        assert message.startswith("the host ran out of memory (")
+        assert message.endswith("; ask for fewer pixels or frames (--height, --width, --num-frames), free host "
+                                "memory (other processes, a lower --dp-size), or run on a machine with more.")
+        assert "--performance-mode" not in message
+    else:
+        assert message.startswith("the GPU ran out of memory (CUDA out of memory. Tried to allocate 9.00 GiB.)")
