@@ -139,6 +139,19 @@ def test_a_cancel_in_the_generation_decode_stops_it_before_the_next_tile(generat
     assert list(tmp_path.iterdir()) == [] and not _encoder_threads()
 
 
+@pytest.mark.parametrize("save_output", [True, False], ids=["streamed-mp4", "no-sink"])
+def test_a_short_clip_checks_for_a_cancel_after_its_one_decode(generation_worker, tmp_path, save_output):
+    # 5 frames decode in one piece (no temporal tiles), after which nothing looked at a cancel that came after the
+    # last step: the audio decode and the MP4 went on, and a cancelled request kept its file.
+    params, output = _split({**GENERATE, "num_frames": 5, "output_path": str(tmp_path),
+                             "output_file_name": "clip.mp4", "save_output": save_output})
+    on_step = CancelInDecode(at_decode_check=1)
+    with pytest.raises(RequestCancelled, match="decode check 1"):
+        generation_worker.run(params, output, on_step=on_step)
+    assert on_step.calls == [(1, 2), (2, 2), (2, 2)]
+    assert list(tmp_path.iterdir()) == [] and not _encoder_threads()
+
+
 def test_without_a_cancel_the_generation_frames_are_the_one_shot_decode(generation_worker, tmp_path):
     params, output = _split({**GENERATE, "output_path": str(tmp_path), "output_file_name": "clip.mp4",
                              "return_frames": True})
