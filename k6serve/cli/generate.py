@@ -294,8 +294,29 @@ def _batch_report(done: list[tuple[str, Any]], failed: str | None, left: list[st
     if failed is not None:
         lines.append(f"prompt file: {failed} stopped the run (the videos saved before it are kept)")
     if left:
-        lines.append(f"prompt file: not run: {', '.join(left)}")
+        lines.append(f"prompt file: not run: {_line_ranges(left)}")
     return "\n".join(lines)
+
+
+def _line_ranges(labels: list[str]) -> str:
+    """"line 3", "line 4", ..., "line 200" as "lines 3-200" (126 labels of one line each were unreadable, and could
+    not be turned back into a prompt file); labels that are not "line N" are listed as they are."""
+    numbers, others = [], []
+    for label in labels:
+        kind, _, number = label.partition(" ")
+        if kind == "line" and number.isdigit():
+            numbers.append(int(number))
+        else:
+            others.append(label)
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    parts = [f"{start}" if start == end else f"{start}-{end}" for start, end in runs]
+    named = [f"line{'s' if len(numbers) > 1 else ''} {', '.join(parts)}"] if parts else []
+    return ", ".join(named + others)
 
 
 def _print_result(result) -> None:

@@ -289,7 +289,7 @@ def test_with_two_replicas_a_failure_stops_the_prompts_not_started(tiny_distill_
     err = capsys.readouterr().err
     assert sorted(replicas.started) == ["fail", "ok"]  # the two started together; the rest never did
     assert ("prompt file: 1 of 4 requests finished, 1 saved\nprompt file: line 2 stopped the run (the videos saved "
-            "before it are kept)\nprompt file: not run: line 3, line 4\n") in err
+            "before it are kept)\nprompt file: not run: lines 3-4\n") in err
     assert "the replica's GPU fell off the bus" in err
 
 
@@ -348,7 +348,7 @@ def test_with_two_replicas_ctrl_c_stops_the_running_prompts_and_the_report_says_
         time.sleep(0.05)
     assert sorted(replicas.started) == ["a", "b"] and ended == {"a": "stopped", "b": "stopped"}
     err = capsys.readouterr().err
-    assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: not run: line 1, line 2, line 3\n" in err
+    assert "prompt file: 0 of 3 requests finished, 0 saved\nprompt file: not run: lines 1-3\n" in err
     assert err.endswith("error: interrupted (Ctrl-C); the 2 requests running then were stopped.\n")
 
 
@@ -427,3 +427,12 @@ def test_a_progress_line_escapes_terminal_controls_and_cuts_between_characters()
     assert _progress_prompt("a" * 100 + family + "b" * 100).startswith("a" * 100 + family)  # whole ones are kept
     persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"  # a zero-width non-joiner inside the word
     assert _progress_prompt(persian) == persian
+
+
+def test_the_prompts_not_run_are_told_as_line_ranges():
+    # 126 labels "line 75, line 76, ..." on one line could not be read, nor turned back into a prompt file.
+    from k6serve.cli.generate import _line_ranges
+
+    assert _line_ranges(["line 4"]) == "line 4"
+    assert _line_ranges([f"line {n}" for n in range(75, 201)]) == "lines 75-200"
+    assert _line_ranges(["line 1", "line 2", "line 3", "line 7", "line 9", "line 10"]) == "lines 1-3, 7, 9-10"
