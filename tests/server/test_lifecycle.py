@@ -683,54 +683,48 @@ def test_sigterm_stops_the_running_job_at_once_and_answers_a_waiting_lora_call_i
         process.wait(10)
 
 
-def test_sighup_shuts_the_server_down_as_sigterm_does(tmp_path):
-    # A closed terminal or SSH session sends SIGHUP, which uvicorn does not handle: the server died on the spot
-    # (exit 129, no log line) with its running job left in_progress; two such exits during one job failed it.
+def _stop_a_served_job(tmp_path, prompt: str, *signals_sent: int):
+    """A job running in a `k6serve serve` process, then `signals_sent` (each a second after the one before): the exit
+    code, the seconds from the first signal to the exit, and the job as stored."""
     process, url = _spawn(tmp_path, "--through-serve")
     try:
         with httpx.Client(base_url=url, timeout=30) as client:
             wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
-            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
-            wait_for(client, running["id"], ("in_progress",))
-            process.send_signal(signal.SIGHUP)
-            process.wait(30)
-        assert process.returncode == 0
+            job = client.post("/v1/videos", json={"prompt": prompt, **SMALL}).json()
+            # A "slow tail" job is past its steps (progress 99) before its tail, which has no boundary.
+            wait_for(client, job["id"], ("in_progress",))
+            if "tail" in prompt:
+                wait_until(lambda: client.get(f"/v1/videos/{job['id']}").json()["progress"] == 99, timeout=30)
+            signalled = time.monotonic()
+            for index, sent in enumerate(signals_sent):
+                if index:
+                    time.sleep(1.0)
+                process.send_signal(sent)
+            process.wait(60)
+            exited_s = time.monotonic() - signalled
         store = SqliteJobStore(tmp_path / "outputs" / "jobs.sqlite3")
         try:
-            stopped = store.get(running["id"])
-            assert (stopped.status, stopped.attempts) == (JobStatus.QUEUED, 0)
+            return process.returncode, exited_s, store.get(job["id"])
         finally:
             store.close()
     finally:
         process.kill()
         process.wait(10)
+
+
+def test_sighup_shuts_the_server_down_as_sigterm_does(tmp_path):
+    # A closed terminal or SSH session sends SIGHUP, which uvicorn does not handle: the server died on the spot
+    # (exit 129, no log line) with its running job left in_progress; two such exits during one job failed it.
+    code, _, stopped = _stop_a_served_job(tmp_path, "hold", signal.SIGHUP)
+    assert code == 0 and (stopped.status, stopped.attempts) == (JobStatus.QUEUED, 0)
 
 
 def test_a_second_sigterm_stops_a_server_whose_job_does_not_stop(tmp_path):
     # A hung rank (here a job in a tail with no boundary for 30 s) made the stop wait for it: 30 s in the runner's
     # stop, 30 s and 60 s more in the engine's shutdown. A second SIGTERM did nothing (uvicorn forces only on a
     # second SIGINT); now it stops the server at once, the job left in the queue.
-    process, url = _spawn(tmp_path, "--through-serve")
-    try:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
-            stuck = client.post("/v1/videos", json={"prompt": "slow tail", **SMALL}).json()
-            wait_until(lambda: client.get(f"/v1/videos/{stuck['id']}").json()["progress"] == 99, timeout=30)
-            signalled = time.monotonic()
-            process.send_signal(signal.SIGTERM)
-            time.sleep(1.0)
-            process.send_signal(signal.SIGTERM)
-            process.wait(60)
-            exited_s = time.monotonic() - signalled
-        assert process.returncode == 0 and exited_s < 20, (process.returncode, exited_s)
-        store = SqliteJobStore(tmp_path / "outputs" / "jobs.sqlite3")
-        try:
-            assert store.get(stuck["id"]).status == JobStatus.QUEUED
-        finally:
-            store.close()
-    finally:
-        process.kill()
-        process.wait(10)
+    code, exited_s, stuck = _stop_a_served_job(tmp_path, "slow tail", signal.SIGTERM, signal.SIGTERM)
+    assert code == 0 and exited_s < 20 and stuck.status == JobStatus.QUEUED, (code, exited_s, stuck)
 
 
 def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
