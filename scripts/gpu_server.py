@@ -12,7 +12,8 @@ like a client:
 2. **pair (warm)** and **single (warm)**: the same again, then one job alone, so the pair's wall time can be set
    against one job's (two replicas: about equal; one replica: about twice).
 3. **cancel in decode**: a job polled every 20 ms until its `progress` is 99 (the denoising is over, the video decode
-   runs), then DELETE; the final status and error message say whether the engine stopped between decoded chunks.
+   runs), then POST /v1/videos/{id}/cancel (DELETE would delete the record it follows); the final status and
+   error message say whether the engine stopped between decoded chunks.
    A decode shorter than the polling (tiny CPU models) is reported as `missed`, not as a failure.
 4. **release / resume** (only if `/release_memory_occupation` is in the server's OpenAPI schema): release, the GPUs'
    used memory from nvidia-smi, a job created while released (it must stay `queued`), resume, and that job's end.
@@ -142,12 +143,13 @@ def cancel_in_decode_phase(client: Client, timeout: float) -> dict:
         if job["status"] in ("completed", "failed", "cancelled"):
             return {"result": "missed", "status": job["status"], "seen": seen}
         if job["status"] == "in_progress" and job["progress"] >= 99:
-            deleted_at = client.now()
-            response = client.http.delete(f"/v1/videos/{video_id}")
-            if response.json().get("deleted"):
-                # The job finished between the poll and the DELETE (a short decode on a fast host), so the DELETE
-                # removed it: nothing was left to cancel, and following it would be a 404.
-                return {"result": "missed", "status": "deleted_after_completion", "seen": seen}
+            cancelled_at = client.now()
+            # The cancel route, not DELETE: DELETE deletes the job once it has stopped, and there would be nothing
+            # left to follow.
+            response = client.http.post(f"/v1/videos/{video_id}/cancel")
+            if response.status_code == 409:
+                # The job finished between the poll and the cancel (a short decode on a fast host).
+                return {"result": "missed", "status": "finished_before_the_cancel", "seen": seen}
             final = client.follow([video_id], timeout, poll_s=0.05)[video_id]
             message = (final.get("error") or {}).get("message") or ""
             # The engine words the two cancels apart: stopped between decoded chunks, or the MP4 tail finished and
@@ -156,9 +158,9 @@ def cancel_in_decode_phase(client: Client, timeout: float) -> dict:
                       "stopped_between_decoded_chunks" if "between two decoded chunks" in message else
                       "discarded_after_mp4_tail" if "discarded" in message else "cancelled")
             return {"result": result,
-                    "delete_status_code": response.status_code, "delete_response_status": response.json().get("status"),
+                    "cancel_status_code": response.status_code, "cancel_response_status": response.json().get("status"),
                     "final_status": final.get("status"), "error": final.get("error"),
-                    "warnings": final.get("warnings"), "seconds_to_end": round(final["ended_s"] - deleted_at, 3)
+                    "warnings": final.get("warnings"), "seconds_to_end": round(final["ended_s"] - cancelled_at, 3)
                     if "ended_s" in final else None, "seen": seen}
         time.sleep(0.02)
     return {"result": "timeout", "seen": seen}
@@ -201,7 +203,7 @@ def table(report: dict) -> str:
     cancel = report["phases"].get("cancel_in_decode")
     if cancel:
         lines += ["", f"Cancel in decode: {cancel['result']} (final status {cancel.get('final_status')}, "
-                      f"{cancel.get('seconds_to_end')} s after the DELETE; error: {cancel.get('error')})"]
+                      f"{cancel.get('seconds_to_end')} s after the cancel; error: {cancel.get('error')})"]
     release = report["phases"].get("release_resume")
     if release:
         lines += ["", f"Release: HTTP {release['release_status_code']} in {release['release_s']} s; GPU memory used "

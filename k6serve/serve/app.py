@@ -474,17 +474,23 @@ def _sigterm_raises(server: Any) -> Iterator[None]:
 
     SIGHUP (the terminal or SSH session closed, or a supervisor's reload) is not among uvicorn's signals: it ended
     the server on the spot, with no log line, its running job left in_progress (a second such exit during one job
-    failed it as server_restarted). It now shuts `server` down as SIGTERM does (the ranks block it already)."""
+    failed it as server_restarted). It now shuts `server` down as SIGTERM does (the ranks block it already), unless
+    SIGHUP was ignored when the server started (`nohup`)."""
 
     def raise_terminated(signum: int, frame: Any) -> None:
         raise _Terminated
 
     def hang_up(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            return  # a closed session sends SIGHUP twice (the shell's and the kernel's): not a second, forcing stop
         logger.warning("SIGHUP received (a closed terminal or session?): shutting down as on SIGTERM")
         server.handle_exit(signal.SIGTERM, frame)
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
-    previous_hangup = signal.signal(signal.SIGHUP, hang_up) if hasattr(signal, "SIGHUP") else None
+    # Only where SIGHUP would end the process: `nohup` (or a supervisor) ignores it so that the server outlives the
+    # session, and that stays so.
+    hang_up_default = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    previous_hangup = signal.signal(signal.SIGHUP, hang_up) if hang_up_default else None
     try:
         yield
     finally:
@@ -608,7 +614,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
             folder_lock.close()
         raise
     # Answers 503 "loading" on the socket until uvicorn takes it (`loading.py`).
-    responder = LoadingResponder(sock)
+    responder = LoadingResponder(sock, root_path=settings.root_path)
     responder.start()
     try:
         engine = Engine(config)
@@ -645,7 +651,8 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         forced = server is not None and server.forced
         engine.shutdown(timeout=0.0, cancel_wait_s=0.0 if forced else _CANCEL_WAIT_AFTER_STOP_S)
         if app is not None:
-            app.state.ctx.runner.wait_for_outcomes(_OUTCOMES_AFTER_SHUTDOWN_S)
+            # After a forced stop too (briefly): the ranks have ended, and a finisher must not meet a closed store.
+            app.state.ctx.runner.wait_for_outcomes(1.0 if forced else _OUTCOMES_AFTER_SHUTDOWN_S, forced_too=True)
         store.close()
         folder_lock.close()
     return 0

@@ -48,7 +48,7 @@ LOADING_MESSAGE = ("The server is still loading the model and serves no request 
 class LoadingResponder:
     """Answers 503 "loading" on a listening socket from `start()` to `stop()` (idempotent, from any thread)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, root_path: str = "") -> None:
         self.sock = sock
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -57,6 +57,7 @@ class LoadingResponder:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._timeout = sock.gettimeout()
         self._started = time.monotonic()
+        self._health_paths = {"/health", f"{root_path}/health"}
         self.num_answered = 0
 
     def start(self) -> None:
@@ -140,7 +141,8 @@ class LoadingResponder:
     def response(self, head: bytes) -> bytes:
         """The whole HTTP answer to a request whose head (as far as it came) is `head`."""
         method, path = _method_and_path(head)
-        if path == "/health" and method in (b"GET", b"HEAD"):
+        # Under --root-path a proxy that passes the path on sends /k6/health.
+        if path in self._health_paths and method in (b"GET", b"HEAD"):
             body = {"status": "loading", "message": HEALTH_MESSAGE,
                     "elapsed_s": round(time.monotonic() - self._started, 1)}
         else:

@@ -765,9 +765,9 @@ async def _cancel_and_wait(ctx: ServerContext, video_id: str) -> Job:
 @router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=_ERRORS,
              summary="Cancel a queued/running job; a finished one is left as it is (409)")
 async def cancel_video(request: Request, video_id: str) -> JSONResponse:
-    """DELETE cancels a job that is still running but deletes one that has finished (its record and video): a
-    client that retries a cancel (after a restart, a lost answer) could delete the video of a job that completed
-    meanwhile. This route only cancels."""
+    """DELETE deletes a job (cancelling it first if it still runs), its record and video: a client that retries a
+    cancel with it (after a restart, a lost answer) could delete the video of a job that completed meanwhile, and
+    never reads how the job ended. This route only cancels, and keeps the record."""
     ctx = _ctx(request)
     job = _live(ctx, ctx.store.get(video_id))
     if job is None:

@@ -279,20 +279,21 @@ class JobRunner:
             self._join(self._thread, deadline)
         self.wait_for_outcomes(max(0.0, deadline - time.monotonic()))
 
-    def wait_for_outcomes(self, timeout: float) -> None:
+    def wait_for_outcomes(self, timeout: float, *, forced_too: bool = False) -> None:
         """Wait up to `timeout` s for the running jobs' outcomes to be recorded: the server calls it again after the
         engine's shutdown, whose end of the ranks ends a job that outlived stop()'s wait, before closing the job
-        store (a late outcome met a closed store: sqlite3.ProgrammingError in the log)."""
+        store (a late outcome met a closed store: sqlite3.ProgrammingError in the log); `forced_too`: even after
+        `stop_waiting`."""
         deadline = time.monotonic() + timeout
         for finisher in list(self._finishers):
-            self._join(finisher, deadline)
+            self._join(finisher, deadline, forced_too=forced_too)
 
     def stop_waiting(self) -> None:
         """End stop()'s and wait_for_outcomes()' waits now (a second stop signal: a hung job would hold them)."""
         self._no_more_waiting.set()
 
-    def _join(self, thread: threading.Thread, deadline: float) -> None:
-        while thread.is_alive() and not self._no_more_waiting.is_set():
+    def _join(self, thread: threading.Thread, deadline: float, *, forced_too: bool = False) -> None:
+        while thread.is_alive() and (forced_too or not self._no_more_waiting.is_set()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return

@@ -92,7 +92,8 @@ class ServerSettings:
 
 
 # The first path segments of the server's own routes: a --root-path starting with one would be stripped from them.
-_ROUTE_SEGMENTS = frozenset({"v1", "health", "metrics", "docs", "redoc", "openapi.json"})
+_ROUTE_SEGMENTS = frozenset({"v1", "health", "metrics", "release_memory_occupation", "resume_memory_occupation",
+                             "docs", "redoc", "openapi.json"})  # tests/server/test_lifecycle.py checks it is whole
 
 
 def normal_root_path(value: str) -> str:

@@ -962,9 +962,23 @@ def test_root_path_values(given, kept):
     assert settings_from_options({"root_path": given}).root_path == kept
 
 
+def test_root_paths_may_not_start_with_any_route_of_the_server(tmp_path):
+    from k6serve.serve.settings import _ROUTE_SEGMENTS
+
+    server = start_server(tmp_path)
+    try:
+        paths = server.app.openapi()["paths"]
+    finally:
+        server.stop()
+    served = {path.split("/")[1] for path in paths} | {"docs", "redoc", "openapi.json"}
+    assert served <= _ROUTE_SEGMENTS, served - _ROUTE_SEGMENTS
+    assert {"release_memory_occupation", "v1", "health"} <= served
+
+
 @pytest.mark.parametrize(("given", "message"), [
     ("/v1", "--root-path '/v1' starts with /v1, one of the server's own routes; choose another prefix, e.g. /k6"),
     ("/health/x", "--root-path '/health/x' starts with /health"),
+    ("/release_memory_occupation", "starts with /release_memory_occupation, one of the server's own routes"),
     ("/a b", "--root-path must be a URL path prefix such as /k6"),
     ("/a?b", "--root-path must be a URL path prefix such as /k6"),
     ("/a//b", "--root-path must be a URL path prefix such as /k6"),

@@ -203,3 +203,21 @@ def test_a_load_that_fails_stops_the_answers_and_exits_with_its_error(tmp_path):
     finally:
         process.kill()
         process.wait(10)
+
+
+def test_under_a_root_path_the_loading_health_is_answered_with_the_prefix_too():
+    # A proxy that passes /k6/health on got the generic model_loading body, not the health one.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    loading = LoadingResponder(sock, root_path="/k6")
+    loading.start()
+    try:
+        address = sock.getsockname()
+        url = f"http://{address[0]}:{address[1]}"
+        _assert_loading_health(httpx.get(f"{url}/k6/health"))
+        _assert_loading_health(httpx.get(f"{url}/health"))
+        _assert_model_loading(httpx.get(f"{url}/k6/v1/videos"))
+    finally:
+        loading.stop()
+        sock.close()
