@@ -364,9 +364,10 @@ def test_a_second_server_on_the_same_job_store_refuses_to_start(tmp_path):
     SqliteJobStore(tmp_path / "jobs.sqlite3").close()  # free once the first server has stopped
 
 
-def _spawn(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _spawn(root: Path, *extra: str, **popen: object) -> tuple[subprocess.Popen, str]:
     port_file = root / f"port-{time.monotonic_ns()}"
-    process = subprocess.Popen([sys.executable, str(HERE / "fake_server_main.py"), str(root), str(port_file), *extra])
+    process = subprocess.Popen([sys.executable, str(HERE / "fake_server_main.py"), str(root), str(port_file), *extra],
+                               **popen)
     return process, _wait_for_port(process, port_file)
 
 
@@ -717,6 +718,23 @@ def test_sighup_shuts_the_server_down_as_sigterm_does(tmp_path):
     # (exit 129, no log line) with its running job left in_progress; two such exits during one job failed it.
     code, _, stopped = _stop_a_served_job(tmp_path, "hold", signal.SIGHUP)
     assert code == 0 and (stopped.status, stopped.attempts) == (JobStatus.QUEUED, 0)
+
+
+def test_sighup_is_left_ignored_under_nohup(tmp_path):
+    # `nohup k6serve serve ...` starts it with SIGHUP ignored so that it outlives the session: that stays so.
+    process, url = _spawn(tmp_path, "--through-serve",
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
+            process.send_signal(signal.SIGHUP)
+            time.sleep(1.0)
+            assert process.poll() is None and client.get("/health").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+        process.wait(10)
 
 
 def test_a_second_sigterm_stops_a_server_whose_job_does_not_stop(tmp_path):
