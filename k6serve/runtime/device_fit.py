@@ -20,8 +20,10 @@ logger = logging.getLogger(__name__)
 # Weights past this size on the CPU by default are refused: the demos hold a few MB, the smallest released model
 # (Lite) tens of GB.
 CPU_DEFAULT_LIMIT_BYTES = 2 * 2**30
-# About how many parameters the released checkpoints' models hold (counted on the meta device): the DiT by size,
-# and the text encoders (Qwen2.5-VL 7B and CLIP) every generation model loads.
+# About how many parameters the released checkpoints' models hold: the generation DiTs' as built on the meta device
+# (tests/unit/test_dummy_load.py checks them), the SR model's and the text encoders' (Qwen2.5-VL 7B and CLIP, which
+# every generation model loads) as counted once on the meta device from their released configs. For a refusal's
+# "about N GiB", not for planning memory.
 _RELEASED_PARAMETERS = {"pro": 30.1e9, "lite": 3.2e9, "sr": 6.8e9}
 _TEXT_ENCODER_PARAMETERS = 8.3e9
 

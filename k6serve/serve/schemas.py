@@ -264,13 +264,11 @@ def _fold_bracketed_fields(raw: dict[str, Any]) -> dict[str, Any]:
     folded: dict[str, dict[str, Any]] = {}
     kept: dict[str, Any] = {}
     for name, value in raw.items():
-        field = bracketed_object_field(name)
-        if field is None:
+        match = _BRACKETED_FIELD.fullmatch(name)
+        if match is None or match[1] not in _OBJECT_FIELDS:
             kept[name] = value
             continue
-        match = _BRACKETED_FIELD.fullmatch(name)
-        assert match is not None
-        key, rest = match[2], match[3]
+        field, key, rest = match[1], match[2], match[3]
         if not key or rest:
             what = "a list" if rest.endswith("[]") or not key else "a nested object"
             raise ApiError(400, f"Form field {name!r} is {what} inside {field}, flattened into bracketed field "
