@@ -256,9 +256,42 @@ def numbered_file_names(name: str, count: int) -> list[str]:
     return [f"{stem}_{index:0{width}d}.mp4" for index in range(1, count + 1)]
 
 
+def parse_line_selection(spec: str) -> list[tuple[int, int | None]]:
+    """`--prompt-file-lines`: "3-200", "5", "3-5,9,12-" as [(first, last)] ranges of file line numbers (last None:
+    to the end of the file), the form the report of a stopped run prints."""
+    ranges: list[tuple[int, int | None]] = []
+    for part in spec.replace(" ", "").split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdecimal() or (last and not last.isdecimal()) or int(first) < 1 or (last and int(last) < int(first)):
+            raise ValueError(f"--prompt-file-lines {spec!r}: {part!r} is not a line number or range; write lines "
+                             "as the stopped run's report names them, e.g. 5, 3-200 or 3-5,9,12- (12 to the end).")
+        ranges.append((int(first), int(last) if last else (None if dash else int(first))))
+    return ranges
+
+
+def _selected_prompts(prompts: list[tuple[int, str]], spec: str, path: str) -> set[int]:
+    """The line numbers of `prompts` that --prompt-file-lines `spec` names; an error for a line past the file's last
+    prompt or a single line named that holds no prompt (a range may span blank lines, as the report's ranges do)."""
+    numbers = {number for number, _ in prompts}
+    chosen: set[int] = set()
+    for first, last in parse_line_selection(spec):
+        if first > max(numbers):
+            raise ValueError(f"--prompt-file-lines {spec!r}: the last prompt of {path!r} is on line {max(numbers)}, "
+                             f"so none is on line {first} or after it.")
+        if last == first and first not in numbers:
+            raise ValueError(f"--prompt-file-lines {spec!r}: line {first} of {path!r} holds no prompt (blank lines "
+                             "are skipped).")
+        chosen |= {number for number in numbers if first <= number and (last is None or number <= last)}
+    if not chosen:
+        raise ValueError(f"--prompt-file-lines {spec!r}: no line of {path!r} in it holds a prompt.")
+    return chosen
+
+
 def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """One request per prompt of --prompt-file-path, each with every other flag as given: [(label, options)]."""
+    """One request per prompt of --prompt-file-path (or of its --prompt-file-lines), each with every other flag as
+    given: [(label, options)]."""
     path = request_options.pop("prompt_file_path")
+    lines = request_options.pop("prompt_file_lines", None)
     if request_options.get("prompt"):
         raise ValueError("--prompt and --prompt-file-path both give the prompt; pass one of them.")
     prompts = read_prompt_file(path)
@@ -271,8 +304,13 @@ def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         names = numbered_file_names(final, len(prompts))
+    # Chosen after the names are numbered: a rerun of the lines a stopped run names writes clip_7.mp4 for the
+    # seventh prompt, as the whole run would have, beside the videos the first run saved.
+    chosen = None if lines is None else _selected_prompts(prompts, lines, path)
     batch = []
     for (number, prompt), name in zip(prompts, names):
+        if chosen is not None and number not in chosen:
+            continue
         options = {**request_options, "prompt": prompt}
         if name is not None:
             options["output_file_name"] = name
@@ -295,7 +333,20 @@ def _batch_report(done: list[tuple[str, Any]], failed: str | None, left: list[st
         lines.append(f"prompt file: {failed} stopped the run (the videos saved before it are kept)")
     if left:
         lines.append(f"prompt file: not run: {_line_ranges(left)}")
+    unfinished = ([failed] if failed is not None else []) + left
+    if unfinished:
+        # The flag that runs them, with the same other flags (the failed line too: a full disk or a Ctrl-C is no
+        # fault of its prompt; leave it out where it is).
+        lines.append(f"prompt file: to run {'it' if len(unfinished) == 1 else 'them'} again, add "
+                     f"--prompt-file-lines {_line_spec(unfinished)}")
     return "\n".join(lines)
+
+
+def _line_spec(labels: list[str]) -> str:
+    """"line 5", "line 6", ..., "line 200" as --prompt-file-lines's "5-200" (in the file's order: side by side, a
+    failed line may come after lines stopped with it)."""
+    labels = sorted(labels, key=lambda label: int(label.partition(" ")[2]))
+    return _line_ranges(labels).removeprefix("lines ").removeprefix("line ").replace(" ", "")
 
 
 def _line_ranges(labels: list[str]) -> str:
@@ -474,6 +525,9 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     # are said now, not after the load and the run. With --prompt-file-path, every prompt's request is checked
     # before the first runs, and the model loads once for all of them.
     from_file = request_options.get("prompt_file_path") is not None
+    if not from_file and request_options.pop("prompt_file_lines", None) is not None:
+        raise ValueError("--prompt-file-lines picks lines of --prompt-file-path; pass the prompt file too, or drop "
+                         "--prompt-file-lines.")
     batch = _prompt_file_batch(request_options) if from_file else [("", request_options)]
     params, output = split_kwargs(batch[0][1])
     require_media_package(params, output)

@@ -279,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
              "per prompt, each with the other flags as given (the same --seed); instead of --prompt. A given "
              "--output-file-name is numbered (clip_1.mp4, clip_2.mp4...); with --dp-size N, N prompts run at once. "
              "Generation models only.")
+    generate.add_argument(
+        "--prompt-file-lines", default=None, metavar="LINES",
+        help="Run only these lines of --prompt-file-path, by their number in the file: 5, 3-200, 3-5,9,12- (12 to "
+             "the end). A stopped run's report prints the value that runs what did not finish; a numbered "
+             "--output-file-name keeps the numbers of the whole file.")
     serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).", allow_abbrev=False)
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)

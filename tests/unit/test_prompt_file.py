@@ -129,6 +129,11 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
         # The name as given is checked before it is numbered (numbered, "..mp4" passed as "._1.mp4").
         (["--output-file-name", "sub/clip"], "output_file_name 'sub/clip' must be a file name without folders"),
         (["--output-file-name", "..mp4"], "output_file_name '..mp4' has no letter or digit"),
+        (["--prompt-file-lines", "0"], "--prompt-file-lines '0': '0' is not a line number or range; write lines as "
+                                       "the stopped run's report names them, e.g. 5, 3-200 or 3-5,9,12- (12 to the "
+                                       "end)."),
+        (["--prompt-file-lines", "3-"], "--prompt-file-lines '3-': the last prompt of '{prompts}' is on line 2, so "
+                                        "none is on line 3 or after it."),
     ],
 )
 def test_a_bad_batch_is_refused_before_the_model_loads(tiny_distill_dir, tmp_path, no_model_load, capsys, flags,
@@ -140,7 +145,7 @@ def test_a_bad_batch_is_refused_before_the_model_loads(tiny_distill_dir, tmp_pat
     args = _args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), *flags)
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert f"error: {message.format(out=tmp_path / 'out')}" in err and "Traceback" not in err
+    assert f"error: {message.format(out=tmp_path / 'out', prompts=prompts)}" in err and "Traceback" not in err
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["taken_2.mp4"]
 
 
@@ -174,10 +179,58 @@ def test_a_run_stopped_part_way_keeps_what_it_saved_and_names_the_lines_left(tin
     err = capsys.readouterr().err
     assert ("prompt file: 1 of 3 requests finished, 1 saved\n"
             "prompt file: line 2 stopped the run (the videos saved before it are kept)\n"
-            "prompt file: not run: line 4\n") in err
+            "prompt file: not run: line 4\n"
+            "prompt file: to run them again, add --prompt-file-lines 2,4\n") in err
     assert "error: writing the MP4 failed: No space left on device" in err
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["clip_1.mp4"]
     assert probe(tmp_path / "out" / "clip_1.mp4").num_frames == 5
+    # The disk has room again: the flag the report printed runs the rest, numbered as the whole file numbers them.
+    monkeypatch.setattr(mux, "_fsync", real_fsync)
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
+                      "clip", "--prompt-file-lines", "2,4")) == 0
+    captured = capsys.readouterr()
+    assert "[1/2] line 2: second" in captured.err and "[2/2] line 4: third" in captured.err
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["clip_1.mp4", "clip_2.mp4", "clip_3.mp4"]
+
+
+def test_prompt_file_lines_picks_lines_and_keeps_the_whole_files_numbered_names(tiny_distill_dir, tmp_path, loads,
+                                                                                  capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n\nthird\nfourth\n")
+    config = tmp_path / "run.yaml"
+    config.write_text("prompt_file_lines: 4\n")  # YAML reads it as a number
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name", "clip",
+                      "--config", str(config))) == 0
+    assert "[1/1] line 4: third" in capsys.readouterr().err
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name", "clip",
+                      "--prompt-file-lines", "1, 5-")) == 0
+    assert "[1/2] line 1: first" in capsys.readouterr().err
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["clip_1.mp4", "clip_3.mp4", "clip_4.mp4"]
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    ("3", "--prompt-file-lines '3': line 3 of '{prompts}' holds no prompt (blank lines are skipped)."),
+    ("3-3", "--prompt-file-lines '3-3': line 3 of '{prompts}' holds no prompt (blank lines are skipped)."),
+    ("2-", None),  # a range over a blank line runs the prompts in it
+])
+def test_prompt_file_lines_that_name_no_prompt_are_refused(tmp_path, lines, message):
+    from k6serve.cli.generate import _prompt_file_batch
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsecond\n\nthird\n")
+    options = {"prompt_file_path": str(prompts), "prompt_file_lines": lines}
+    if message is None:
+        assert [label for label, _ in _prompt_file_batch(options)] == ["line 2", "line 4"]
+    else:
+        with pytest.raises(ValueError) as error:
+            _prompt_file_batch(options)
+        assert str(error.value) == message.format(prompts=prompts)
+
+
+def test_prompt_file_lines_without_a_prompt_file_is_refused(tiny_distill_dir, tmp_path, no_model_load, capsys):
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt", "x", "--prompt-file-lines", "2")) == 2
+    assert ("error: --prompt-file-lines picks lines of --prompt-file-path; pass the prompt file too, or drop "
+            "--prompt-file-lines.") in capsys.readouterr().err
 
 
 def test_a_prompt_file_path_from_a_config_file_expands_the_home_folder(tmp_path, monkeypatch):
@@ -202,7 +255,8 @@ def test_a_run_stopped_after_a_finished_prompt_names_the_next_one_as_not_run(tin
     assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
                       "clip")) == 130
     err = capsys.readouterr().err
-    assert "prompt file: 1 of 2 requests finished, 1 saved\nprompt file: not run: line 2\n" in err
+    assert ("prompt file: 1 of 2 requests finished, 1 saved\nprompt file: not run: line 2\n"
+            "prompt file: to run it again, add --prompt-file-lines 2\n") in err
     assert "stopped the run" not in err
     assert err.endswith("error: interrupted (Ctrl-C) between two prompts; none was running.\n")
 
