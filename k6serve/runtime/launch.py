@@ -29,6 +29,7 @@ from k6serve.config import ParallelConfig
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LOCAL_HOST = "127.0.0.1"
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +81,16 @@ def device_type_for(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
     return device
+
+
+def warn_of_cpu_ranks(device: str, device_type: str, num_gpus: int) -> None:
+    """Warn when --device auto found no GPU and --num-gpus N > 1 will start N CPU processes: on a host whose GPUs
+    are not visible (no driver in the container, CUDA_VISIBLE_DEVICES="") they started without a word, a run
+    hundreds of times slower that looked like a slow GPU."""
+    if device == "auto" and device_type == "cpu" and num_gpus > 1:
+        logger.warning("no CUDA GPU is visible: --num-gpus %d runs %d processes on this host's CPUs (gloo), sharing "
+                       "its %d cores; pass --device cpu if that is what you want, or make the GPUs visible "
+                       "(nvidia-smi; CUDA_VISIBLE_DEVICES)", num_gpus, num_gpus, os.cpu_count() or 1)
 
 
 def parse_host_port(address: str) -> tuple[str, int]:

@@ -37,8 +37,11 @@ def worker_killed_hint(exit_codes: list[int]) -> str:
     if not any(code < 0 for code in exit_codes):
         return ""
     if -signal.SIGKILL in exit_codes:
+        # Each rank holds its own copy of the host-side weights: fewer ranks per host is the fix, GPUs or not (on a
+        # CPU host "fewer GPUs" named hardware that was not there).
+        fewer = "fewer GPUs per host" if torch.cuda.is_available() else "fewer processes (--num-gpus)"
         return (" SIGKILL is usually the kernel's out-of-memory killer (see `dmesg`): the host ran out of memory; "
-                "free host memory, or use fewer GPUs per host or a smaller model.")
+                f"free host memory, or use {fewer} or a smaller model.")
     crashes = sorted({signal.Signals(-code).name for code in exit_codes if -code in _CRASH_SIGNALS})
     if crashes:
         # Raised by the process's own fault, not sent from outside (a SIGBUS was read as a stop from outside).

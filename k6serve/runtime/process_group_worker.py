@@ -66,6 +66,7 @@ from k6serve.runtime.launch import (
     start_process,
     stop_processes,
     torchrun_rank,
+    warn_of_cpu_ranks,
 )
 from k6serve.runtime.memory import MemoryOperation, inverse
 from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
@@ -558,6 +559,7 @@ class MultiProcessWorker:
         self.config = config
         self.layout = ParallelLayout.from_config(parallel)
         device_type = device_type_for(config.runtime.device)
+        warn_of_cpu_ranks(config.runtime.device, device_type, parallel.num_gpus)
         torchrun = torchrun_rank(os.environ, world_size=parallel.num_gpus, device_type=device_type,
                                  timeout_s=parallel.dist_timeout_s)
         if torchrun is not None and torchrun.rank != 0:

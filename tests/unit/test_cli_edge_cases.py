@@ -1097,6 +1097,14 @@ def test_a_signal_that_ended_a_rank_is_told_by_where_it_came_from(codes, start):
     assert worker_killed_hint(codes).startswith(start) and bool(worker_killed_hint(codes)) == bool(start)
 
 
+@pytest.mark.parametrize(("cuda", "fix"), [(True, "fewer GPUs per host"), (False, "fewer processes (--num-gpus)")])
+def test_the_out_of_memory_killers_fix_names_what_the_host_has(monkeypatch, cuda, fix):
+    from k6serve.runtime.out_of_memory import worker_killed_hint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert worker_killed_hint([-9]).endswith(f"free host memory, or use {fix} or a smaller model.")
+
+
 def test_cli_a_worker_killed_by_the_machine_is_exit_1_not_a_bug(monkeypatch, capsys, tmp_path):
     """A rank SIGKILLed by the out-of-memory killer (a dummy Pro model on a small host) was "internal error ...
     this is a bug in k6serve" with exit 70; it is the machine failing the run: exit 1 and the likely cause."""

@@ -110,6 +110,19 @@ def engine_two_ranks():
     worker.close()
 
 
+def test_gpus_asked_for_without_a_visible_gpu_are_warned_of(caplog):
+    from k6serve.runtime.launch import warn_of_cpu_ranks
+
+    with caplog.at_level("WARNING", logger="k6serve.runtime.launch"):
+        warn_of_cpu_ranks("auto", "cpu", 4)
+        warn_of_cpu_ranks("cpu", "cpu", 4)  # --device cpu: asked for
+        warn_of_cpu_ranks("auto", "cpu", 1)  # one process: as without --num-gpus
+        warn_of_cpu_ranks("auto", "cuda", 4)
+    assert [record.getMessage().split(" (gloo)")[0] for record in caplog.records] == [
+        "no CUDA GPU is visible: --num-gpus 4 runs 4 processes on this host's CPUs"]
+    assert "pass --device cpu if that is what you want" in caplog.records[0].getMessage()
+
+
 def test_torchrun_environment_is_parsed():
     environ = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
     spec = torchrun_rank(environ, world_size=4, device_type="cpu", timeout_s=5)
