@@ -532,7 +532,9 @@ async def get_video(request: Request, video_id: str) -> JSONResponse:
     job = _live(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
-    return JSONResponse(ctx.view(job))
+    # OpenAI's poll hint, which its SDK's videos.poll / create_and_poll read (1 s without it).
+    headers = None if job.status.is_terminal else {"openai-poll-after-ms": str(ctx.runner.poll_after_ms())}
+    return JSONResponse(ctx.view(job), headers=headers)
 
 
 class _Unsatisfiable(Exception):

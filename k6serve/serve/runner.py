@@ -396,6 +396,16 @@ class JobRunner:
         recent = self._recent_durations[-10:]
         return max(1, round(sum(recent) / len(recent) / self._capacity)) if recent else 5
 
+    def poll_after_ms(self) -> int:
+        """The `openai-poll-after-ms` hint on an unfinished job: a twentieth of a recent job's time, 0.5-10 s (1 s,
+        the OpenAI SDK's own default, before any finished). The SDK's `poll` / `create_and_poll` read it at the first
+        poll and keep it, so a job is seen finished within about 5% of its time, without a poll a second through
+        a ten-minute job."""
+        recent = self._recent_durations[-10:]
+        if not recent:
+            return 1000
+        return min(10_000, max(500, round(sum(recent) / len(recent) * 1000 / 20)))
+
     def cancel(self, job_id: str) -> Job | None:
         """Cancel a queued job now, or ask the engine to stop a running one at its next step (or decode chunk)
         boundary."""

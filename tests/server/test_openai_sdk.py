@@ -213,6 +213,30 @@ def test_delete_cancels_a_running_job_then_deletes_it(sdk_server, client):
     assert client.videos.delete(kept.id).deleted is True
 
 
+def test_an_unfinished_job_carries_the_poll_hint_the_sdk_reads(sdk_server, client):
+    held = client.videos.create(prompt="hold on", size="32x32", seconds="0.2")
+    raw = client.videos.with_raw_response.retrieve(held.id)
+    # The SDK's poll() sleeps this long between retrieves (it read no header and slept 1 s).
+    assert 500 <= int(raw.headers["openai-poll-after-ms"]) <= 10_000
+    client.post(f"/videos/{held.id}/cancel", cast_to=object)
+    assert "openai-poll-after-ms" not in client.videos.with_raw_response.retrieve(held.id).headers
+    client.videos.delete(held.id)
+
+
+def test_the_poll_hint_follows_the_recent_jobs_time():
+    from k6serve.serve.runner import JobRunner
+
+    runner = JobRunner.__new__(JobRunner)  # only the durations are read
+    runner._recent_durations = []
+    assert runner.poll_after_ms() == 1000  # nothing finished yet: the SDK's own default
+    runner._recent_durations = [60.0, 64.0]
+    assert runner.poll_after_ms() == 3100  # a twentieth of about a minute
+    runner._recent_durations = [0.2]
+    assert runner.poll_after_ms() == 500
+    runner._recent_durations = [1800.0]
+    assert runner.poll_after_ms() == 10_000
+
+
 def test_objects_in_extra_body_arrive_folded_from_the_sdks_bracketed_fields(sdk_server, client):
     # The SDK sends a create as multipart and flattens an object: cache_dit_params[Fn_compute_blocks]=2. Each was a
     # 400 "Unknown field 'cache_dit_params[Fn_compute_blocks]'".
