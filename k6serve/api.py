@@ -10,6 +10,7 @@ in order with them, on every rank of every replica.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -40,7 +41,7 @@ from k6serve.lora.spec import (
 )
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
-from k6serve.models.variants import MissingPrompt, MissingSourceVideo
+from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import (
     OutputOptions,
@@ -546,7 +547,8 @@ class DiffGenerator:
 
     @_in_callers_words
     def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
-                 on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
+                 on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                 **kwargs: Any) -> VideoResult:
         """Run one request and return its `VideoResult`. The request is a dict (the seed's sampling_params_kwargs),
         keyword arguments, or both (keywords win): every SamplingParams field plus save_output (default True),
         output_path (default "outputs"), output_file_name, return_frames and return_file_paths_only (the seed's
@@ -558,24 +560,51 @@ class DiffGenerator:
         The request and the output are checked before it runs: bad input raises ValueError naming the key and the
         fix, and writes nothing. `on_progress(step, total)` runs after every denoising step (SR: every DiT call),
         then again with `(total, total)` after each chunk of the video decode; raising from it (or Ctrl-C) stops
-        the request there, with no file left behind. Several threads may call this at once: requests run in
-        order (N at a time with dp_size=N). From asyncio code, `await generator.agenerate(...)`."""
+        the request there, with no file left behind. `progress_bar=True` shows the CLI's bar over the steps on
+        stderr (in a notebook, under the cell), beside any on_progress. Several threads may call this at once:
+        requests run in order (N at a time with dp_size=N). From asyncio code, `await generator.agenerate(...)`."""
         params, output, warnings = self._checked_request(sampling_params_kwargs, on_progress, kwargs)
-        result = self.engine.generate(params, output, on_progress=on_progress)
+        with self._step_bar(on_progress, progress_bar) as on_step:
+            result = self.engine.generate(params, output, on_progress=on_step)
         result.notes[:0] = warnings
         return result
 
     @_in_callers_words
     async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
-                        on_progress: ProgressCallback | None = None, **kwargs: Any) -> VideoResult:
+                        on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                        **kwargs: Any) -> VideoResult:
         """`generate` for asyncio code (a web app, a notebook's event loop): the same request, checks and result,
         awaited without blocking the loop. Cancelling the awaiting task (asyncio.wait_for's timeout, task.cancel())
         cancels the request at its next step boundary, with no file left behind; several may be awaited at once
         (asyncio.gather), run in order as threads' generate() calls are. Super-resolution: pass video_path=."""
         params, output, warnings = self._checked_request(sampling_params_kwargs, on_progress, kwargs)
-        result = await self.engine.agenerate(params, output, on_progress=on_progress)
+        with self._step_bar(on_progress, progress_bar) as on_step:
+            result = await self.engine.agenerate(params, output, on_progress=on_step)
         result.notes[:0] = warnings
         return result
+
+    @contextlib.contextmanager
+    def _step_bar(self, on_progress: ProgressCallback | None, progress_bar: bool):
+        """`on_progress`, and with `progress_bar` the bar fed first (a callback that raises to stop the request
+        leaves the bar at the step it stopped), closed when the request ends however it ends."""
+        if not isinstance(progress_bar, bool):
+            raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")
+        if not progress_bar:
+            yield on_progress
+            return
+        from k6serve.step_bar import StepBar
+
+        bar = StepBar("denoising" if self.engine.variant.family == GENERATION else "super-resolution")
+
+        def on_step(step: int, total: int) -> None:
+            bar.update(step, total)
+            if on_progress is not None:
+                on_progress(step, total)
+
+        try:
+            yield on_step
+        finally:
+            bar.close()
 
     def _checked_request(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
                          on_progress: ProgressCallback | None, kwargs: dict[str, Any]

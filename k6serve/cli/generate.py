@@ -8,8 +8,6 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from k6serve.api import (
     DiffGenerator,
     MissingPrompt,
@@ -170,44 +168,6 @@ def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = Fa
               file=sys.stderr)
     # The API returns the frames of a request without a file; the CLI would only hold them (GBs for an upscale).
     return {key: value for key, value in request_options.items() if key not in ignored} | {"return_frames": False}
-
-
-class StepBar:
-    """The CLI's progress bar over the steps, fed by the API's `on_progress(step, total)`.
-
-    Opened at the first step, so a request rejected before it runs prints no empty bar above its error; the steps
-    before it opened are its `initial`, not counted in its rate (it opened at 190,000 step/s). Closed at the last
-    step: the decode that follows would otherwise count in the final rate (it read 3 s/step where the steps took
-    0.7 s). A step reported again (the decode's chunk boundaries repeat the last) draws nothing: every redraw is a
-    new line where stderr is not a terminal. A step count that starts over (a new total, or a lower step) opens a
-    new bar, or resets the open one.
-    """
-
-    def __init__(self, description: str, **tqdm_options: Any) -> None:
-        self.description = description
-        self.tqdm_options = tqdm_options
-        self.bar: tqdm | None = None
-        self.finished = False
-
-    def update(self, step: int, total: int) -> None:
-        bar = self.bar
-        if bar is None or (self.finished and (step < bar.n or total != bar.total)):
-            self.bar = bar = tqdm(desc=self.description, unit="step", total=total, initial=step, **self.tqdm_options)
-            self.finished = False
-        elif self.finished:
-            return
-        elif step < bar.n or total != bar.total:
-            bar.reset(total=total)
-            bar.update(step)
-        elif step > bar.n:
-            bar.update(step - bar.n)
-        if step >= total:
-            bar.close()
-            self.finished = True
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def read_prompt_file(path: str) -> list[tuple[int, str]]:
@@ -436,12 +396,12 @@ def _progress_prompt(prompt: str, limit: int = 160) -> str:
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
-def _run_in_order(generator: DiffGenerator, variant, progress: _Batch, numbered: bool) -> None:
+def _run_in_order(generator: DiffGenerator, progress: _Batch, numbered: bool) -> None:
     for index, (label, options) in enumerate(progress.batch):
         progress.failed = label
         if numbered:
             print(f"[{index + 1}/{len(progress.batch)}] {label}: {_progress_prompt(options['prompt'])}", file=sys.stderr)
-        result = _run_one(generator, variant, options)
+        result = _run_one(generator, options)
         progress.done.append((label, result))
         progress.failed = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
         _print_result(result)
@@ -564,7 +524,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             if from_file and replicas > 1 and len(checked) > 1:
                 _run_side_by_side(generator, progress, replicas)
             else:
-                _run_in_order(generator, variant, progress, numbered=from_file)
+                _run_in_order(generator, progress, numbered=from_file)
         except KeyboardInterrupt:
             # The request stops at its next step or decode chunk, then the workers shut down: seconds (a CPU decode
             # chunk took 20 s) in which nothing was printed. A second Ctrl-C during the shutdown stops at once.
@@ -589,11 +549,10 @@ def _is_upscaler_before_loading(engine_options: dict[str, Any]) -> bool:
     return variant is not None and variant.family != GENERATION
 
 
-def _run_one(generator: DiffGenerator, variant, options: dict[str, Any]):
+def _run_one(generator: DiffGenerator, options: dict[str, Any]):
     """One request with its own progress bar, the API's errors in the flags' words."""
-    bar = StepBar("denoising" if variant.family == GENERATION else "super-resolution")
     try:
-        return generator.generate(options, on_progress=bar.update)
+        return generator.generate(options, progress_bar=True)
     except MissingSourceVideo:
         # The model was recognised only once loaded (a hub id not among the released ones): the API's message
         # names its keyword, this one the flag.
@@ -602,5 +561,3 @@ def _run_one(generator: DiffGenerator, variant, options: dict[str, Any]):
         raise ValueError(MissingPrompt.FLAG_WORDING + exc.detail) from None
     except DistilledGuidance as exc:
         raise ValueError(exc.flag_wording) from None
-    finally:
-        bar.close()

@@ -200,3 +200,19 @@ def test_agenerate_awaits_the_same_request_and_a_cancelled_task_cancels_it(tiny_
             asyncio.run(generator.agenerate(SMALL, num_inference_steps=0))
         assert repr(generator) == f"<DiffGenerator {str(tiny_distill_dir)!r}, running>"
     assert repr(generator) == f"<DiffGenerator {str(tiny_distill_dir)!r}, shut down>"
+
+
+def test_progress_bar_shows_the_steps_beside_on_progress(tiny_distill_dir, capsys):
+    """A notebook user saw nothing for the minute of a request (diffusers' pipeline shows its bar); the CLI's bar
+    is one keyword away, and on_progress still runs beside it."""
+    seen = []
+    with _generator(tiny_distill_dir) as generator:
+        generator.generate({**SMALL, "num_inference_steps": 3}, progress_bar=True,
+                           on_progress=lambda step, total: seen.append(step))
+        err = capsys.readouterr().err
+        assert "denoising: 100%" in err and "3/3" in err
+        assert seen[:3] == [1, 2, 3]
+        generator.generate(SMALL)
+        assert "denoising" not in capsys.readouterr().err  # off unless asked for
+        with pytest.raises(ValueError, match="progress_bar must be True or False, got 'yes'"):
+            generator.generate(SMALL, progress_bar="yes")

@@ -1014,7 +1014,7 @@ def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode():
     steps took 0.7 s). The decode's repeats of the last step draw nothing; a count that starts over opens a bar."""
     import io
 
-    from k6serve.cli.generate import StepBar
+    from k6serve.step_bar import StepBar
 
     out = io.StringIO()
     bar = StepBar("denoising", file=out)

@@ -294,7 +294,7 @@ class _Replicas:
         self.started = []
         self.shut = False
 
-    def generate(self, options, on_progress=None):
+    def generate(self, options, on_progress=None, progress_bar=False):
         import time
 
         with self.lock:
