@@ -772,7 +772,9 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT)
+    from k6serve.rank_logging import configure_logging
+
+    configure_logging(getattr(logging, args.log_level.upper()), LOG_FORMAT)
     if logging.getLogger().getEffectiveLevel() > logging.INFO or not _is_terminal(sys.stderr):
         # Above info, the libraries' progress bars go too (transformers' "Loading weights", two per rank at every
         # start, and hub downloads'): huggingface_hub reads this when imported, here and in the rank processes,

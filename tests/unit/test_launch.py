@@ -527,9 +527,9 @@ def test_what_every_rank_would_say_alike_is_said_by_rank_0_only(rank):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     alike = ["[rank 0] WARNING k6serve.x: the same on every rank"] if rank == 0 else []
-    # Each line starts with its time (asctime), then the rank.
+    # Each line starts with its time, with its UTC offset, then the rank.
     lines = run.stderr.splitlines()
-    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[rank", line) for line in lines), lines
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}[+-]\d{4} \[rank", line) for line in lines), lines
     assert [line.split(" ", 2)[2] for line in lines] == [*alike, f"[rank {rank}] INFO k6serve.x: this rank's own"]
 
 
