@@ -731,7 +731,17 @@ async def get_video_content(request: Request, video_id: str,
                        param="video_id")
     stat_result = os.fstat(file.fileno())  # the file being sent, whatever its path names by now
     return VideoFileResponse(path, file=file, media_type="video/mp4", filename=f"{video_id}.mp4",
-                             stat_result=stat_result)
+                             stat_result=stat_result, headers={"Cache-Control": _content_cache_control(ctx, job)})
+
+
+def _content_cache_control(ctx: ServerContext, job: Job) -> str:
+    """A job's MP4 never changes under its URL (ids are not reused), so a browser or player may keep it until the
+    job expires instead of downloading it again on every visit (no Cache-Control let a cache guess from
+    Last-Modified). `private`: the answer is one client's (and, with --api-key, authorized); shared caches keep
+    nothing. Finished jobs kept forever (--output-ttl 0) get a day."""
+    expiry = expires_at(job, ctx.settings.output_ttl_s)
+    max_age = 86400 if expiry is None else max(0, int(expiry - time.time()))
+    return f"private, max-age={max_age}, immutable"
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=_ERRORS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import time
 from datetime import datetime, timezone
 from email.utils import formatdate, parsedate_to_datetime
 
@@ -220,6 +221,17 @@ def test_head_on_content_gives_the_headers(fake_client):
     assert head.headers["content-length"] == str(len(full.content))
     assert head.headers["content-type"] == "video/mp4" and head.headers["accept-ranges"] == "bytes"
     assert fake_client.head("/v1/videos/video_nope/content").status_code == 404
+
+
+def test_content_may_be_kept_by_the_clients_cache_until_the_job_expires(fake_client):
+    video_id = _completed(fake_client)
+    job = fake_client.get(f"/v1/videos/{video_id}").json()
+    full = fake_client.get(f"/v1/videos/{video_id}/content")
+    directives = dict(part.strip().partition("=")[::2] for part in full.headers["cache-control"].split(","))
+    assert set(directives) == {"private", "max-age", "immutable"}  # private: no shared cache keeps it
+    assert 0 <= job["expires_at"] - time.time() - int(directives["max-age"]) <= 2
+    revalidated = fake_client.get(f"/v1/videos/{video_id}/content", headers={"If-None-Match": full.headers["etag"]})
+    assert revalidated.status_code == 304 and "cache-control" in revalidated.headers
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD"])
