@@ -15,6 +15,11 @@ Two recorded departures from the reference (SG `extract_source_audio`), each onl
   5.1), and the reference clips the sum to [-1, 1]: a master louder than -3 dBFS came out hard-clipped (4%
   distortion at -2 dBFS). A soundtrack whose mono mix would clip is scaled down as a whole to a peak of 1 instead;
   one that does not is unchanged.
+
+And where the reference fails or joins what it should not: each decoded frame is placed by its timestamp (a gap of up
+to GAP_LIMIT_S filled with silence, an overlap of up to OVERLAP_LIMIT_S dropped; larger jumps are discontinuities,
+joined end to end), and a change of channel layout or sample rate part-way gets a new resampler (the reference's one
+resampler raises "Frame does not match AudioResampler setup").
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ from k6serve.media.container import open_input
 logger = logging.getLogger(__name__)
 
 OUTPUT_SAMPLE_RATE = 44100
+# How far a decoded frame's time may be from where the samples before it end before a gap is filled or an overlap
+# dropped: above Matroska's millisecond timestamps and a resampler's delay, below what is heard as out of sync.
+TIMESTAMP_SLACK_S = 0.02
+# A jump forward in the timestamps longer than this is a discontinuity, not a dropout; one back longer than this,
+# not an overlap (an edit's or a splice's repeat is a few packets).
+GAP_LIMIT_S = 2.0
+OVERLAP_LIMIT_S = 0.5
 
 
 def processed_num_samples(
@@ -67,7 +79,8 @@ def read_source_audio(
         if not container.streams.audio:
             return None
         stream = soundtrack_stream(container, path, notes)
-        resampler = av.AudioResampler(format="fltp", layout="mono", rate=sample_rate)
+        resampler = None
+        source_format = None  # (sample format, layout, rate) the resampler was made for
         chunks: list[np.ndarray] = []
         num_decoded = num_kept = 0
         lead = None  # samples to add (> 0) or drop (< 0) at the start, from the first frame's time
@@ -127,25 +140,73 @@ def read_source_audio(
                     continue
                 yield from frames
 
+        first_time = None  # the first decoded frame's time, from which every later frame's place is read
+        gaps: list[tuple[float, int]] = []  # (where, samples of silence put in) for each jump in the timestamps
+        overlaps: list[tuple[float, int]] = []  # (where, samples dropped) for each step back in them
+
         for frame in decoded_frames():
             if lead is None:
                 lead = _lead_samples(frame.time, video_start, sample_rate)
+                first_time = frame.time
                 if num_samples is not None and lead >= num_samples:
-                    logger.warning("%s: the soundtrack starts %.2f s after the first video frame, after the "
-                                   "processed video ends; writing video only", path, lead / sample_rate)
+                    note = (f"the soundtrack starts {lead / sample_rate:.2f} s after the first video frame, after the "
+                            "processed video ends: the output has no audio")
+                    logger.warning("%s: %s", path, note)
+                    notes.append(note)
                     return None
                 if lead:
                     logger.info("%s: the soundtrack starts %.3f s %s the first video frame; %s to keep them in "
                                 "sync", path, abs(lead) / sample_rate, "after" if lead > 0 else "before",
                                 "silence put before it" if lead > 0 else "what comes before the frame dropped")
                 skip = max(-lead, 0)
+            elif first_time is not None and frame.time is not None:
+                # Samples were joined end to end: a stretch of the stream with no audio packets (a capture's
+                # dropout, an edit) moved every later sound earlier by its length, out of sync with the picture.
+                # Each frame is put where its time says (FFmpeg's aresample=async does the same): silence in a
+                # gap, the repeated part of an overlap dropped. Jitter below TIMESTAMP_SLACK_S is left alone.
+                drift = round((frame.time - first_time) * sample_rate) - num_decoded
+                if drift > GAP_LIMIT_S * sample_rate or -drift > OVERLAP_LIMIT_S * sample_rate:
+                    # A discontinuity (`cat a.ts b.ts`, whose second part's timestamps start again; a broadcast
+                    # recording's clock jump): no overlap, and hardly a dropout, is that long, and dropping or
+                    # silencing that much would lose the rest of the sound, while the picture, read frame by
+                    # frame, goes straight on. Joined end to end, as before; the timeline goes on from here.
+                    logger.info("%s: the soundtrack's timestamps jump by %+.2f s at %.2f s; its sound is joined "
+                                "across the jump", path, drift / sample_rate, num_decoded / sample_rate)
+                    first_time = frame.time - num_decoded / sample_rate
+                elif drift > TIMESTAMP_SLACK_S * sample_rate:
+                    gaps.append((frame.time - first_time, drift))
+                    keep(np.zeros(drift, dtype=np.float32))
+                elif -drift > TIMESTAMP_SLACK_S * sample_rate:
+                    overlaps.append((frame.time - first_time, -drift))
+                    num_decoded += drift  # back to this frame's place: its first -drift samples are dropped
+                    skip += -drift
+            layout = (frame.format.name, frame.layout.name, frame.sample_rate)
+            if layout != source_format:
+                # A broadcast recording switches stereo <-> 5.1 (or its rate) between programmes; PyAV's resampler
+                # takes one input format only ("Frame does not match AudioResampler setup"): the old one is
+                # flushed and a new one made.
+                if resampler is not None:
+                    for resampled in resampler.resample(None):
+                        keep(resampled.to_ndarray()[0])
+                resampler = av.AudioResampler(format="fltp", layout="mono", rate=sample_rate)
+                source_format = layout
             for resampled in resampler.resample(frame):
                 keep(resampled.to_ndarray()[0])
             if num_samples is not None and max(lead, 0) + num_kept >= num_samples:
                 break
         else:
-            for resampled in resampler.resample(None):
+            for resampled in resampler.resample(None) if resampler is not None else ():
                 keep(resampled.to_ndarray()[0])
+        if gaps or overlaps:
+            told = [f"{len(gaps)} gap(s) in its timestamps (the first at {gaps[0][0]:.2f} s) filled with "
+                    f"{sum(size for _, size in gaps) / sample_rate:.3f} s of silence" if gaps else "",
+                    f"{len(overlaps)} overlap(s) (the first at {overlaps[0][0]:.2f} s) whose "
+                    f"{sum(size for _, size in overlaps) / sample_rate:.3f} s of repeated sound were dropped"
+                    if overlaps else ""]
+            note = (f"the soundtrack has {' and '.join(part for part in told if part)}, so that the sound after "
+                    "them stays in sync with the picture")
+            logger.warning("%s: %s", path, note)
+            notes.append(note)
         if damaged and num_decoded == silence:
             raise ValueError(
                 f"cannot decode the audio of {str(path)!r} ({damaged[0][1]}): its soundtrack is damaged. To upscale "
@@ -167,10 +228,10 @@ def read_source_audio(
             logger.warning("%s: %s", path, note)
             notes.append(note)
     if num_kept == 0:
-        if num_decoded:
-            logger.warning("%s: the soundtrack ends before the first video frame; writing video only", path)
-        else:
-            logger.warning("%s: the audio stream has no samples; writing video only", path)
+        note = ("the soundtrack ends before the first video frame: the output has no audio" if num_decoded else
+                "the audio stream has no samples: the output has no audio")
+        logger.warning("%s: %s", path, note)
+        notes.append(note)
         return None
     waveform = np.concatenate(chunks).astype(np.float32, copy=False)
     if lead and lead > 0:

@@ -643,8 +643,12 @@ def test_a_soundtrack_that_starts_after_the_first_frame_keeps_its_place(tmp_path
     with SRSourceReader(path) as reader:
         list(reader.frames())
         assert reader.summary().start_time == video_start
-    # Starting after the processed clip ends: no soundtrack rather than a file of silence.
-    assert media.read_source_audio(path, num_samples=lead - 10, video_start=video_start) is None
+    # Starting after the processed clip ends: no soundtrack rather than a file of silence, and a note says so (it
+    # was in the log only: a client saw a video without its sound and no word of why).
+    notes: list[str] = []
+    assert media.read_source_audio(path, num_samples=lead - 10, video_start=video_start, notes=notes) is None
+    assert notes == [f"the soundtrack starts {lead / 44100:.2f} s after the first video frame, after the processed "
+                     "video ends: the output has no audio"]
 
 
 def test_a_soundtrack_that_starts_before_the_first_frame_loses_what_comes_before_it(tmp_path: Path) -> None:
@@ -657,7 +661,9 @@ def test_a_soundtrack_that_starts_before_the_first_frame_loses_what_comes_before
     drop = round(video_start * 44100)
     np.testing.assert_array_equal(aligned, unaligned[drop: drop + 5000])
     # A soundtrack that ends before the first frame: none, not what was decoded (the skipped samples are not kept).
-    assert media.read_source_audio(path, num_samples=5000, video_start=100.0) is None
+    notes: list[str] = []
+    assert media.read_source_audio(path, num_samples=5000, video_start=100.0, notes=notes) is None
+    assert notes == ["the soundtrack ends before the first video frame: the output has no audio"]
     # Tracks that start together read as before, with or without the video's start.
     together = make_clip(tmp_path / "together.mp4", width=32, height=32, num_frames=17, fps=24, audio="stereo_tone")
     np.testing.assert_array_equal(media.read_source_audio(together, num_samples=9000, video_start=0.0),
@@ -730,6 +736,65 @@ def test_damaged_audio_packets_become_silence_that_keeps_the_rest_in_sync(tmp_pa
     assert notes[0].startswith("2 part(s) of the soundtrack do not decode, the first at 0.00 s")
     assert "the sound starts at its first part that decodes, at that part's time; copy or download" in notes[0]
     assert abs(late.shape[0] - whole.shape[0]) <= 1024 and np.abs(late[:1500]).max() < 1e-3  # silence in place
+
+
+def _write_tone(path: Path, *, layout: str = "mono", rate: int = 48000, seconds: float = 1.0, freq: float = 440.0,
+                skip: tuple[float, float] | None = None, click: float | None = None, fmt: str | None = None) -> None:
+    """An AAC soundtrack alone: a tone, a full-scale click at `click` s, no packets from skip[0] to skip[1] s (the
+    timestamps jump over them, as in a capture's dropout)."""
+    from fractions import Fraction
+
+    total = int(seconds * rate)
+    tone = (0.3 * np.sin(2 * np.pi * freq * np.arange(total) / rate)).astype(np.float32)
+    if click is not None:
+        tone[int(click * rate):int(click * rate) + 64] = 0.9
+    with av.open(str(path), mode="w", format=fmt) as container:
+        stream = container.add_stream("aac", rate=rate)
+        stream.layout = layout
+        channels = len(av.AudioLayout(layout).channels)
+        for start in range(0, total - 1023, 1024):
+            if skip is not None and skip[0] <= start / rate < skip[1]:
+                continue
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(np.stack([tone[start:start + 1024]] * channels)),
+                                               format="fltp", layout=layout)
+            frame.sample_rate, frame.pts, frame.time_base = rate, start, Fraction(1, rate)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+
+
+def test_a_gap_in_the_soundtracks_timestamps_is_silence_that_keeps_the_sound_after_it_in_place(tmp_path: Path) -> None:
+    """Samples were joined end to end: 0.2 s without audio packets (a dropout) moved the click at 1.0 s to 0.8 s,
+    out of sync with its picture, and the soundtrack ended early; nothing was said."""
+    _write_tone(tmp_path / "whole.mkv", seconds=1.5, click=1.0)
+    _write_tone(tmp_path / "gap.mkv", seconds=1.5, click=1.0, skip=(0.5, 0.7))
+    notes: list[str] = []
+    whole = media.read_source_audio(tmp_path / "whole.mkv", num_samples=None)
+    gapped = media.read_source_audio(tmp_path / "gap.mkv", num_samples=None, notes=notes)
+    assert abs(int(np.argmax(gapped)) - int(np.argmax(whole))) < 0.005 * 44100  # the click stays at 1.0 s
+    assert abs(gapped.shape[0] - whole.shape[0]) < 0.005 * 44100
+    assert np.abs(gapped[round(0.53 * 44100):round(0.68 * 44100)]).max() < 1e-3  # silence in the gap
+    assert notes == ["the soundtrack has 1 gap(s) in its timestamps (the first at 0.70 s) filled with 0.192 s of "
+                     "silence, so that the sound after them stays in sync with the picture"]
+
+
+@pytest.mark.parametrize(("second_layout", "second_rate"), [("5.1", 48000), ("stereo", 44100)])
+def test_a_soundtrack_that_changes_layout_or_rate_part_way_is_read_across_the_change(tmp_path: Path, second_layout,
+                                                                                     second_rate) -> None:
+    """`cat a.ts b.ts` of a stereo and a 5.1 (or 44.1 kHz) recording, as a broadcast switches between programmes:
+    it failed with "Frame does not match AudioResampler setup". The second part's timestamps start again: a
+    discontinuity, joined end to end (not an overlap of a second to drop)."""
+    _write_tone(tmp_path / "a.ts", layout="stereo", freq=440.0, fmt="mpegts")
+    _write_tone(tmp_path / "b.ts", layout=second_layout, rate=second_rate, freq=660.0, fmt="mpegts")
+    joined = tmp_path / "joined.ts"
+    joined.write_bytes((tmp_path / "a.ts").read_bytes() + (tmp_path / "b.ts").read_bytes())
+    notes: list[str] = []
+    audio = media.read_source_audio(joined, num_samples=None, notes=notes)
+    assert notes == [] and abs(audio.shape[0] - 2 * 44100) < 0.05 * 44100
+
+    def frequency(part: np.ndarray) -> float:
+        return float(np.argmax(np.abs(np.fft.rfft(part))) * 44100 / part.shape[0])
+
+    assert abs(frequency(audio[4410:39690]) - 440) < 3 and abs(frequency(audio[48510:83790]) - 660) < 3
 
 
 def test_a_soundtrack_of_which_nothing_decodes_says_how_to_upscale_the_picture_alone(tmp_path: Path) -> None:
