@@ -367,6 +367,23 @@ def test_png_encoder_round_trips():
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), pixels)
 
 
+@pytest.mark.parametrize(("channels", "kept"), [(6, 6), (2, 2), (10, 1)])
+def test_frames_with_surround_sound_upload_every_channel(tmp_path, channels, kept):
+    """A 5.1 AUDIO input kept its first two channels only: the centre, where a film's dialogue is, was dropped
+    before the server's downmix to mono. Every channel goes now (in FFmpeg's layout for its count); more than 8
+    have no layout and go as their mono average."""
+    media = sys.modules["k6serve_nodes.media"]
+    waveform = torch.zeros(1, channels, 44100)
+    centre = min(2, channels - 1)
+    waveform[0, centre] = 0.5 * torch.sin(torch.arange(44100) * 2 * np.pi * 440 / 44100)
+    path = media.encode_video(tmp_path / "up.mp4", torch.rand(9, 32, 32, 3), 24.0,
+                              {"waveform": waveform, "sample_rate": 44100})
+    decoded = media.decode_video(path).audio["waveform"][0]
+    assert decoded.shape[0] == kept
+    level = 0.5 / channels if kept == 1 else 0.5
+    assert abs(float(decoded[min(centre, kept - 1), 4000:40000].abs().max()) - level) < 0.05 * level + 0.005
+
+
 @pytest.fixture
 def other_web_server():
     """A web server that is not k6serve; `answers[path]` is (status, content type, body)."""

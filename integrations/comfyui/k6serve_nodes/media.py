@@ -124,8 +124,7 @@ def encode_video(path: Path, frames: torch.Tensor, fps: float, audio: dict | Non
         video.codec_context.options = {"crf": "10"}
         audio_stream = None
         if audio is not None:
-            waveform = audio["waveform"][0].detach().to("cpu", torch.float32).numpy()  # [channels, samples]
-            layout = "mono" if waveform.shape[0] == 1 else "stereo"
+            waveform, layout = _channels_for_aac(audio["waveform"][0].detach().to("cpu", torch.float32).numpy())
             audio_stream = container.add_stream("aac", rate=int(audio["sample_rate"]), layout=layout)
         for index, frame_HWC in enumerate(pixels):
             frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
@@ -133,12 +132,24 @@ def encode_video(path: Path, frames: torch.Tensor, fps: float, audio: dict | Non
             container.mux(video.encode(frame))
         container.mux(video.encode(None))
         if audio_stream is not None:
-            _encode_audio(av, container, audio_stream, waveform[:2], int(audio["sample_rate"]))
+            _encode_audio(av, container, audio_stream, waveform, layout, int(audio["sample_rate"]))
     return path
 
 
-def _encode_audio(av, container, stream, waveform: np.ndarray, sample_rate: int) -> None:
-    layout = "mono" if waveform.shape[0] == 1 else "stereo"
+# FFmpeg's layouts by channel count, in its channel order (what `_decode_audio` gives back for such a file).
+_LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
+
+
+def _channels_for_aac(waveform: np.ndarray) -> tuple[np.ndarray, str]:
+    """[channels, samples] and its layout, every channel kept: the server downmixes to mono with FFmpeg's weights
+    (centre and surrounds included). Only the first two were kept, so a 5.1 track lost its centre, the dialogue.
+    More than 8 channels have no layout and are averaged to mono."""
+    if waveform.shape[0] in _LAYOUTS:
+        return waveform, _LAYOUTS[waveform.shape[0]]
+    return waveform.mean(axis=0, keepdims=True), "mono"
+
+
+def _encode_audio(av, container, stream, waveform: np.ndarray, layout: str, sample_rate: int) -> None:
     frame_size = stream.codec_context.frame_size or 1024
     for start in range(0, waveform.shape[1], frame_size):
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform[:, start:start + frame_size]),
