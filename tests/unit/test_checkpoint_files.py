@@ -333,6 +333,39 @@ def test_a_tokenizer_without_its_vocabulary_is_refused(tiny_distill_dir, tmp_pat
         _load_copy(tiny_distill_dir, tmp_path, lambda folder: (folder / component / "tokenizer.json").unlink())
 
 
+def test_a_checkpoints_own_python_code_is_never_run(tiny_distill_dir, tmp_path, monkeypatch):
+    """A tokenizer_config.json (or a text encoder's config.json) whose `auto_map` names code in the folder made
+    transformers ask on the terminal whether to run it, and ran it on "y"."""
+    ran = tmp_path / "ran"
+    code = f"import pathlib\npathlib.Path({str(ran)!r}).touch()\nfrom transformers import CLIPTokenizer\n" \
+           "class EvilTokenizer(CLIPTokenizer):\n    pass\n"
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # the answer a user might give
+
+    def own_tokenizer_code(folder):
+        path = folder / "tokenizer_2" / "tokenizer_config.json"
+        config = json.loads(path.read_text())
+        config.update(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]}, tokenizer_class="EvilTokenizer")
+        path.write_text(json.dumps(config))
+        (folder / "tokenizer_2" / "evil.py").write_text(code)
+
+    with pytest.raises(CheckpointError, match=r"The tokenizer in .*tokenizer_2 needs its own Python code \('auto_map' "
+                                              r"in tokenizer_config.json.*k6serve runs no code from a checkpoint"):
+        _load_copy(tiny_distill_dir, tmp_path, own_tokenizer_code)
+    assert not ran.exists()
+
+    from k6serve.parallel.preflight import _text_encoder_configs
+
+    folder = tmp_path / "ckpt"
+    path = folder / "text_encoder" / "config.json"
+    config = json.loads(path.read_text())
+    config.update(auto_map={"AutoConfig": "evil.EvilConfig"}, model_type="evil")
+    path.write_text(json.dumps(config))
+    (folder / "text_encoder" / "evil.py").write_text(code.replace("EvilTokenizer(CLIPTokenizer)", "EvilConfig"))
+    assert [type(config).__name__ for _, config in _text_encoder_configs(folder)] == ["Qwen2_5_VLConfig",
+                                                                                    "CLIPTextConfig"]
+    assert not ran.exists()
+
+
 def test_a_tokenizer_whose_vocabulary_encodes_nothing_is_refused(tiny_distill_dir, tmp_path):
     def empty_vocabulary(folder):
         path = folder / "tokenizer_2" / "tokenizer.json"

@@ -171,8 +171,16 @@ def _load_tokenizer(path: Path):
         raise CheckpointError(f"The tokenizer in {path} has no vocabulary: it needs tokenizer.json (or vocab.json "
                               f"and merges.txt) and holds {present}, e.g. after an interrupted download; {fix}.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        # Said, not left to the default: a tokenizer_config.json whose `auto_map` names the folder's own Python code
+        # made transformers ask on the terminal whether to run it, and run it on "y". False uses transformers' own
+        # class where the config names one, and refuses otherwise.
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # transformers raises many types here; the path is what the user needs
+        if "trust_remote_code" in str(exc):
+            raise CheckpointError(f"The tokenizer in {path} needs its own Python code ('auto_map' in "
+                                  "tokenizer_config.json, with no tokenizer class of transformers'); k6serve runs no "
+                                  f"code from a checkpoint. The released checkpoints' tokenizers need none: {fix}."
+                                  ) from None
         raise CheckpointError(f"Cannot load the tokenizer in {path}: {exc}") from exc
     ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
     if not ids or all(i == tokenizer.unk_token_id for i in ids):
