@@ -501,10 +501,66 @@ def _check_config_variants(config: _LoraConfig, magnitudes: dict[str, torch.Tens
 
 def _pattern_key(patterns: dict, module: str, where: str) -> str | None:
     """The first of `patterns` that matches the end of `module`'s path, as peft's `get_pattern_key` finds it."""
+    for key in patterns:
+        _check_pattern_cost(key, where)
     try:
         return next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
     except re.error as exc:
         raise ValueError(f"{where} holds a pattern that is not a regular expression ({exc})") from None
+
+
+# Open-ended repeats (`*`, `+`, `{n,}`) a pattern may hold: Python's backtracking matcher tries each split of the
+# path between them, about len(path) ** count steps for a path that does not match (5 took 0.09 s a module, a
+# minute for a DiT's hundreds of modules; peft's own patterns hold one or two `.*`).
+_MAX_OPEN_REPEATS = 3
+
+
+def _check_pattern_cost(key: str, where: str) -> None:
+    """Refuse an alpha_pattern / rank_pattern key whose matching would not end in any useful time: a repeat inside
+    an open-ended repeat (`([a-z_.]+)+X` hung the loader, the server's set_lora among them, at 100% CPU, as a
+    28-character path took 8 s), or more than `_MAX_OPEN_REPEATS` open-ended repeats. The file comes from someone
+    else; its patterns are checked before they are matched."""
+    import re._parser as parser  # the stdlib's parser of the patterns re compiles (Python >= 3.11)
+
+    if not isinstance(key, str):
+        raise ValueError(f"{where} holds the key {key!r}, which is not a pattern (a string)")
+    try:
+        parsed = parser.parse(key)
+    except re.error as exc:
+        raise ValueError(f"{where} holds a pattern that is not a regular expression ({exc})") from None
+    repeats = (parser.MAX_REPEAT, parser.MIN_REPEAT, getattr(parser, "POSSESSIVE_REPEAT", parser.MAX_REPEAT))
+    open_ended = 0
+
+    def nested() -> ValueError:
+        return ValueError(f"{where} holds the pattern {key!r}, with a repeat or an alternation inside a repeat, whose "
+                          "matching can take hours on a path it does not match; peft's patterns name the end of a "
+                          "module path (e.g. 'blocks\\.0\\.attn' or '.*to_q'), so write it without nesting them")
+
+    def walk(items, inside_repeat: bool) -> None:
+        nonlocal open_ended
+        for op, value in items:
+            if op in repeats:
+                low, high, body = value
+                repeats_body = high > 1  # `?` (at most once) tries one split, not one per length
+                if inside_repeat and repeats_body:
+                    raise nested()
+                open_ended += high == parser.MAXREPEAT
+                walk(body, inside_repeat or repeats_body)
+            elif op == parser.SUBPATTERN:
+                walk(value[-1], inside_repeat)
+            elif op == parser.BRANCH:
+                if inside_repeat:  # `(.|\w)+`: each character matched two ways, 2 ** len(path) tries
+                    raise nested()
+                for branch in value[1]:
+                    walk(branch, inside_repeat)
+            elif op in (parser.ASSERT, parser.ASSERT_NOT):
+                walk(value[1], inside_repeat)
+
+    walk(parsed, False)
+    if open_ended > _MAX_OPEN_REPEATS:
+        raise ValueError(f"{where} holds the pattern {key!r}, with {open_ended} open-ended repeats (*, +, {{n,}}), "
+                         f"whose matching can take minutes on a path it does not match; use at most "
+                         f"{_MAX_OPEN_REPEATS} (peft's patterns hold one or two '.*')")
 
 
 def _config_alphas(config: _LoraConfig, downs: dict[str, torch.Tensor], source: str) -> dict[str, float]:

@@ -168,6 +168,12 @@ def test_header_and_json_must_agree(tmp_path):
     ({"use_dora": True}, r"adapter_config\.json beside it says use_dora=True, but the file holds no "
                          r"lora_magnitude_vector keys"),
     ({"alpha_pattern": [16]}, r"alpha_pattern must be an object"),
+    # Patterns whose matching would not end (the loader, and the server's set_lora, hung at 100% CPU).
+    ({"alpha_pattern": {"([a-z_.0-9]+)+X": 3}}, r"alpha_pattern holds the pattern '\(\[a-z_\.0-9\]\+\)\+X', "
+                                               r"with a repeat or an alternation inside a repeat"),
+    ({"rank_pattern": {".*.*.*.*Z": 4}}, r"rank_pattern holds the pattern '\.\*\.\*\.\*\.\*Z', with 4 "
+                                         r"open-ended repeats"),
+    ({"alpha_pattern": {"[": 3}}, r"alpha_pattern holds a pattern that is not a regular expression"),
 ])
 def test_a_config_option_k6serve_cannot_apply_is_refused(tmp_path, config, message):
     folder = _peft_folder(tmp_path / "peft", _factors(module_shapes(_dit(), [VIDEO_FFN])), **config)
