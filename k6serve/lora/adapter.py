@@ -414,7 +414,7 @@ def _header_config(metadata: dict[str, str] | None, source: str) -> dict | None:
         return None
     try:
         config = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # nested 50,000 deep: a RecursionError, a 500 with a trace
         raise ValueError(f"LoRA file {source!r}: its {LORA_METADATA_KEY} header is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"LoRA file {source!r}: its {LORA_METADATA_KEY} header is not a JSON object")
@@ -645,7 +645,7 @@ def _peft_folder_config(file: Path) -> dict | None:
                          f"of its own, with its {PEFT_CONFIG_FILE} if it is this file's")
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"{where} cannot be read as JSON ({exc}); save the adapter again with PEFT's "
                          "save_pretrained") from None
     if not isinstance(config, dict):

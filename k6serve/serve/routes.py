@@ -73,6 +73,7 @@ from k6serve.serve.runner import (
     LorasQuantized,
     QueueFull,
     ServerShuttingDown,
+    client_words,
     without_upload_paths,
 )
 from k6serve.serve.schemas import (
@@ -862,7 +863,9 @@ async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
         raise ApiError(503, str(exc), code="shutting_down") from None
     except Exception as exc:
         logger.exception("LoRA operation failed")
-        raise ApiError(500, f"{type(exc).__name__}: {exc}", code="lora_failed") from None
+        # In the client's words: a rank's error carries its traceback as text (2 KB with the server's paths),
+        # which the log keeps.
+        raise ApiError(500, client_words(exc), code="lora_failed") from None
     return JSONResponse(result)
 
 
@@ -935,7 +938,7 @@ async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
         raise ApiError(503, str(exc), code="shutting_down") from None
     except Exception as exc:
         logger.exception("%s failed", type(operation).__name__)
-        raise ApiError(500, f"{type(exc).__name__}: {exc}", code="memory_operation_failed") from None
+        raise ApiError(500, client_words(exc), code="memory_operation_failed") from None
     return JSONResponse(result)
 
 

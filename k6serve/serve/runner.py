@@ -138,7 +138,7 @@ OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output 
 
 
 
-def _client_words(error: BaseException) -> str:
+def client_words(error: BaseException) -> str:
     """An unexpected failure as the client reads it: its type and first lines, without the worker's traceback that
     a rank's error carries as text (4,800 characters with the server's file paths), which the log keeps."""
     text = str(error).split("\nTraceback (most recent call last)")[0].strip()
@@ -696,7 +696,7 @@ class JobRunner:
                 # Unexpected: the one failure logged with its traceback.
                 logger.error("job %s failed", job.id, exc_info=exc)
                 self._record(job, JobStatus.FAILED, error_code="generation_failed",
-                             error_message=_client_words(exc), logged=True)
+                             error_message=client_words(exc), logged=True)
 
     def _output_write_refused(self, exc: BaseException) -> bool:
         """The engine's error is a write into the output folder refused by permissions or a read-only mount, or

@@ -43,7 +43,9 @@ class LoraFakeWorker(FakeWorker):
         if "missing" in names:
             raise ValueError("lora_path '/nope.safetensors' does not exist")
         if "crash" in names:
-            raise RuntimeError("CUDA error: device-side assert triggered")
+            # As a rank's error arrives: its traceback as text, which the client does not get.
+            raise RuntimeError("CUDA error: device-side assert triggered\nTraceback (most recent call last):\n"
+                               '  File "/srv/k6serve/lora/adapter.py", line 416, in _header_config\n')
         self.operations.append(operation)
         self.log.append(type(operation).__name__)
         loras = [{"nickname": name, "merged": False} for name in names]

@@ -154,6 +154,10 @@ def test_header_and_json_must_agree(tmp_path):
                                          r"16 in the adapter_config\.json beside it; keep one of them") as raised:
         read_adapter(str(disagree))
     assert names_adapter_file(str(raised.value))
+    # A header nested past Python's recursion limit: a 400's refusal, not a RecursionError (a 500 with a trace).
+    deep = _peft_folder(tmp_path / "deep", factors, metadata={LORA_METADATA_KEY: "[" * 50_000 + "]" * 50_000})
+    with pytest.raises(ValueError, match=r"its lora_adapter_metadata header is not valid JSON \(maximum recursion"):
+        read_adapter(str(deep))
 
 
 @pytest.mark.parametrize(("config", "message"), [
