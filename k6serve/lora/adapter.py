@@ -125,7 +125,9 @@ def names_adapter_file(message: str) -> bool:
 
 
 def _single_file_in(folder: Path) -> Path:
-    files = sorted(folder.glob("*.safetensors"))
+    # Regular files only (links to them followed): a `*.safetensors` link to /dev/zero was read until the host ran out
+    # of memory, and a FIFO hung the worker; a path naming such a file directly is refused by `is_file` already.
+    files = sorted(file for file in folder.glob("*.safetensors") if file.is_file())
     if not files:
         raise ValueError(f"LoRA folder {str(folder)!r} holds no .safetensors file")
     if len(files) == 1:

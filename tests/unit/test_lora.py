@@ -393,6 +393,19 @@ def test_folder_prefers_the_diffusers_file_name(tmp_path):
     assert resolve_adapter_file(str(tmp_path)) == preferred
 
 
+def test_a_folder_reads_regular_files_only(tmp_path):
+    """A folder whose only .safetensors was a link to /dev/zero was read until the host ran out of memory (a FIFO
+    hung the worker): such entries are not files of the folder."""
+    import os
+
+    (tmp_path / "zero.safetensors").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(ValueError, match="holds no .safetensors file"):
+        resolve_adapter_file(str(tmp_path))
+    adapter = write_adapter(tmp_path, {VIDEO_FFN: (128, 64)}, name="style.safetensors")
+    assert resolve_adapter_file(str(tmp_path)) == adapter
+
+
 def test_a_missing_path_says_what_was_tried(hub_offline):
     with pytest.raises(ValueError, match="not a local file or folder.*hub.*someone/no-such-lora"):
         resolve_adapter_file("someone/no-such-lora")
