@@ -25,6 +25,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-input-dir", action="append", default=None,
                        help="Folder that JSON video_path/image_path may point into (repeatable; default: ./inputs; "
                             "never the upload folder).")
+    group.add_argument("--allowed-lora-dir", action="append", default=None,
+                       help="Folder that set_lora's lora_path must point into (repeatable); with it, other paths and "
+                            "hub ids are refused (default: any path the server can read, and hub ids).")
     group.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="Model id that /v1/models lists and jobs report (default: the checkpoint's hub id, or "
                             "the folder's name); requests may name it or the checkpoint in `model`.")

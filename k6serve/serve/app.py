@@ -33,7 +33,7 @@ from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_
 from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
-from k6serve.serve.input_paths import InputPathPolicy
+from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy
 from k6serve.serve.jobs import JobStore, SqliteJobStore, hold_exclusively
 from k6serve.serve.loading import LoadingResponder
 from k6serve.serve.metrics import ServerMetrics
@@ -297,6 +297,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     model = engine.config.model
     ctx = ServerContext(engine=engine, store=store, artifacts=artifacts, settings=settings, metrics=metrics,
                         runner=runner, inputs=InputPathPolicy(allowed, upload_dir=artifacts.upload_dir),
+                        lora_paths=LoraPathPolicy(settings.allowed_lora_dirs),
                         model_name=names[0], served_names=names[1:], started_at=time.time(),
                         sr_tiling=sr_tiling_before_loading(model.model_path, model.model_id, model.load_format))
 
@@ -365,7 +366,7 @@ async def _sweep_expired(ctx: ServerContext) -> None:
 def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
     known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
-             "allowed_input_dir", "api_key", "served_model_name", "root_path"}
+             "allowed_input_dir", "allowed_lora_dir", "api_key", "served_model_name", "root_path"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
@@ -386,10 +387,10 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         values["job_store"] = Path(options["job_store"])
     if options.get("output_ttl") is not None:
         values["output_ttl_s"] = float(options["output_ttl"])
-    if options.get("allowed_input_dir"):
-        dirs = options["allowed_input_dir"]
-        values["allowed_input_dirs"] = tuple(_allowed_input_dir(d)
-                                             for d in ([dirs] if isinstance(dirs, str) else dirs))
+    for option in ("allowed_input_dir", "allowed_lora_dir"):
+        if options.get(option):
+            dirs = options[option]
+            values[f"{option}s"] = tuple(_allowed_dir(d, option) for d in ([dirs] if isinstance(dirs, str) else dirs))
     # An explicit empty --api-key is refused by ServerSettings (it ran with no key at all); an empty
     # $K6SERVE_API_KEY is as if unset.
     api_key = options.get("api_key")
@@ -410,15 +411,16 @@ def _flag_name(option: str) -> str:
     return "--" + option.replace("_", "-")
 
 
-def _allowed_input_dir(value: str) -> Path:
-    """An --allowed-input-dir: "" is Path("."), which let requests read any file under the working folder; a file
-    allowed nothing."""
+def _allowed_dir(value: str, option: str) -> Path:
+    """An --allowed-input-dir / --allowed-lora-dir: "" is Path("."), which let requests read any file under the
+    working folder; a file allowed nothing."""
+    flag, example = _flag_name(option), "./inputs" if option == "allowed_input_dir" else "./loras"
     if not str(value).strip():
-        raise ValueError("--allowed-input-dir is empty; pass a folder (e.g. --allowed-input-dir ./inputs).")
+        raise ValueError(f"{flag} is empty; pass a folder (e.g. {flag} {example}).")
     folder = Path(value)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--allowed-input-dir {str(folder)!r} is a file, not a folder; pass the folder that "
-                         "holds the input files.")
+        raise ValueError(f"{flag} {str(folder)!r} is a file, not a folder; pass the folder that holds the "
+                         f"{'input files' if option == 'allowed_input_dir' else 'adapters'}.")
     return folder
 
 
@@ -534,15 +536,16 @@ def server_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def open_server_warning(host: str, port: int, api_key: str | None) -> str | None:
+def open_server_warning(host: str, port: int, api_key: str | None, *, lora_dirs: bool = False) -> str | None:
     """The start-up warning of a server that other machines can reach without a key, or None. Every client that
     reaches it can make jobs, and load LoRA adapters from any path the server can read (docs/http-api.md
-    "Security"): a choice to make knowingly, not a default to miss."""
+    "Exposing the server"): a choice to make knowingly, not a default to miss."""
     if api_key or _loopback(host):
         return None
-    return (f"serving on {host} without --api-key: any client that reaches port {port} can use every route, "
-            f"set_lora with any path this server can read included; set --api-key (or ${API_KEY_ENV}), or bind "
-            "127.0.0.1 behind a proxy that authenticates")
+    reach = ("" if lora_dirs else
+             ", set_lora with any path this server can read included (or limit it: --allowed-lora-dir)")
+    return (f"serving on {host} without --api-key: any client that reaches port {port} can use every route{reach}; "
+            f"set --api-key (or ${API_KEY_ENV}), or bind 127.0.0.1 behind a proxy that authenticates")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -631,7 +634,8 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         port = sock.getsockname()[1]
         logger.info("serving %s on %s (jobs: %s, outputs: %s)", app.state.ctx.model_name,
                     server_url(settings.host, port), settings.job_store_path, artifacts.root)
-        if (warning := open_server_warning(settings.host, port, settings.api_key)) is not None:
+        warning = open_server_warning(settings.host, port, settings.api_key, lora_dirs=bool(settings.allowed_lora_dirs))
+        if warning is not None:
             logger.warning("%s", warning)
         # uvicorn's lines (start-up, one access line per request) at --log-level (it was always "info": every poll
         # was logged, whatever the flag), through the root handler, so they carry its format and timestamps.

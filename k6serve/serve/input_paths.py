@@ -65,6 +65,47 @@ class InputPathPolicy:
         return str(resolved)
 
 
+class LoraPathPolicy:
+    """Where set_lora's `lora_path` may point: anywhere the server can read, and hub ids, without `allowed_dirs`
+    (documented: give the server a key); with them (--allowed-lora-dir), an existing file or folder inside one, its
+    symlinks resolved, and no hub id (a download is a path outside them)."""
+
+    def __init__(self, allowed_dirs: tuple[Path, ...]) -> None:
+        self.allowed_dirs = tuple(Path(folder).resolve() for folder in allowed_dirs)
+
+    def check(self, value: str | list[str | None] | None) -> str | list[str | None] | None:
+        """`value` (one path, a list of them, None entries reusing a loaded adapter) with each path resolved; a 400
+        naming lora_path for one outside the allowed folders."""
+        if not self.allowed_dirs or value is None:
+            return value
+        if isinstance(value, list):
+            return [None if item is None else self._one(item) for item in value]
+        return self._one(value)
+
+    def _one(self, value: str) -> str:
+        allowed = ", ".join(str(folder) for folder in self.allowed_dirs)
+        where = f"this server loads LoRA adapters only from its --allowed-lora-dir folders ({allowed})"
+        if not isinstance(value, str) or "\x00" in value or not value.strip():
+            raise ApiError(400, f"lora_path must be a file or folder path; {where}.", code="invalid_path",
+                           param="lora_path")
+        if (reason := unencodable_path(value)) is not None:
+            raise ApiError(400, f"lora_path {reason.replace('this process', 'the server')}.", code="invalid_path",
+                           param="lora_path")
+        try:
+            resolved = Path(value).expanduser().resolve(strict=False)
+        except (OSError, RuntimeError):  # symlink loops
+            raise ApiError(400, f"lora_path {value!r} cannot be resolved.", code="invalid_path",
+                           param="lora_path") from None
+        if not any(resolved.is_relative_to(folder) for folder in self.allowed_dirs):
+            raise ApiError(400, f"lora_path {value!r} is outside them: {where}; put the adapter there (a hub id is "
+                                "not downloaded: download it into one of them first).", code="path_not_allowed",
+                           param="lora_path")
+        if not (resolved.is_file() or resolved.is_dir()):
+            raise ApiError(400, f"lora_path {value!r} is not an existing file or folder; {where}.",
+                           code="invalid_path", param="lora_path")
+        return str(resolved)
+
+
 def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
                    video_size: tuple[int, int] | None = None) -> None:
     """A 400 now, naming the field, when `path` is not an image / a video with a video stream, or is an image

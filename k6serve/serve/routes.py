@@ -52,7 +52,7 @@ from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import ApiError, error_response, output_not_writable
-from k6serve.serve.input_paths import InputPathPolicy, check_readable
+from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy, check_readable
 from k6serve.serve.jobs import (
     DELETED_CURSOR_RETENTION_S,
     IdempotencyConflict,
@@ -120,6 +120,7 @@ class ServerContext:
     metrics: ServerMetrics
     runner: JobRunner
     inputs: InputPathPolicy
+    lora_paths: LoraPathPolicy
     model_name: str
     served_names: tuple[str, ...]
     started_at: float
@@ -883,8 +884,9 @@ async def _lora_route(request: Request, model: type, build) -> JSONResponse:
 @router.post("/v1/set_lora", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters")
 async def set_lora(request: Request) -> JSONResponse:
+    lora_paths = _ctx(request).lora_paths
     return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
-        body.lora_nickname, body.lora_path, body.strength, merge_mode=body.merge_mode, target=body.target,
+        body.lora_nickname, lora_paths.check(body.lora_path), body.strength, merge_mode=body.merge_mode, target=body.target,
         lora_alpha=body.lora_alpha, names={"nickname": "lora_nickname", "path": "lora_path"}))
 
 

@@ -17,6 +17,7 @@ class ServerSettings:
     max_queued_jobs: int = 64
     max_upload_mb: float = 512.0
     allowed_input_dirs: tuple[Path, ...] = ()  # empty: ./inputs (never the upload folder: InputPathPolicy)
+    allowed_lora_dirs: tuple[Path, ...] = ()  # empty: set_lora reads any path and hub id (LoraPathPolicy)
     api_key: str | None = None
     # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
     # `model` may use otherwise (the hub id, the variant, the folder) stay accepted. None: the checkpoint's id.

@@ -811,6 +811,9 @@ def test_a_second_server_on_the_same_output_folder_refuses_to_start_whatever_its
     (["--job-store", " "], r"--job-store is empty; pass a path"),  # was "PosixPath('.') has an empty name"
     (["--allowed-input-dir", ""], r"--allowed-input-dir is empty; pass a folder"),
     (["--allowed-input-dir", "FILE"], r"--allowed-input-dir '.*afile' is a file, not a folder"),
+    (["--allowed-lora-dir", ""], r"--allowed-lora-dir is empty; pass a folder \(e.g. --allowed-lora-dir ./loras\)"),
+    (["--allowed-lora-dir", "FILE"], r"--allowed-lora-dir '.*afile' is a file, not a folder; pass the folder that "
+                                     r"holds the adapters"),
     (["--output-ttl", "nan"], r"--output-ttl must be a finite number of seconds"),
     (["--output-ttl", "inf"], r"--output-ttl must be a finite number of seconds"),
     (["--max-upload-mb", "nan"], r"--max-upload-mb must be a finite number > 0"),
@@ -941,8 +944,10 @@ def test_the_start_line_url_and_the_open_server_warning():
         assert open_server_warning(host, 30000, "key") is None
         warning = open_server_warning(host, 30000, None)
         assert warning.startswith(f"serving on {host} without --api-key: any client that reaches port 30000 can use "
-                                  "every route, set_lora with any path this server can read included")
+                                  "every route, set_lora with any path this server can read included (or limit "
+                                  "it: --allowed-lora-dir); ")
         assert "$K6SERVE_API_KEY" in warning
+        assert "set_lora" not in open_server_warning(host, 30000, None, lora_dirs=True)
 
 
 def test_a_root_path_serves_behind_a_proxy_that_keeps_or_strips_the_prefix(tmp_path):

@@ -277,3 +277,30 @@ def test_unload_lora_forgets_an_inactive_adapter_and_later_jobs_naming_it_are_re
     refused = client.post("/v1/videos", json={"prompt": "a fox", "loras": {"old": 1.0}})
     assert "old" in _error(refused, 400, code="lora_not_loaded")
     assert client.post("/v1/unload_lora").status_code == 400  # the nickname is required
+
+
+def test_allowed_lora_dirs_keep_set_lora_inside_them(tmp_path):
+    """set_lora read any path the server could read (and downloaded hub ids): with --allowed-lora-dir only what lies
+    inside those folders, symlinks resolved, is read."""
+    loras = tmp_path / "loras"
+    (loras / "style").mkdir(parents=True)
+    (loras / "style.safetensors").write_bytes(b"x")
+    (tmp_path / "secret.safetensors").write_bytes(b"x")
+    (loras / "escape.safetensors").symlink_to(tmp_path / "secret.safetensors")
+    server = start_server(tmp_path / "server", worker=LoraFakeWorker(), allowed_lora_dirs=(loras,))
+    try:
+        with server.client() as client:
+            for path in (str(loras / "style.safetensors"), str(loras / "style"), f"{loras}/style/../style.safetensors"):
+                assert client.post("/v1/set_lora", json={"lora_nickname": "a", "lora_path": path}).status_code == 200
+            resolved = server.worker.operations[-1].specs[0].path
+            assert resolved == str(loras / "style.safetensors")  # what the worker reads: resolved, inside
+            for path in (str(tmp_path / "secret.safetensors"), str(loras / "escape.safetensors"),
+                         f"{loras}/../secret.safetensors", "someone/style-lora"):
+                refused = client.post("/v1/set_lora", json={"lora_nickname": "b", "lora_path": path})
+                assert "this server loads LoRA adapters only from its --allowed-lora-dir folders" in _error(
+                    refused, 400, param="lora_path", code="path_not_allowed")
+            missing = client.post("/v1/set_lora", json={"lora_nickname": ["a", "b"],
+                                                         "lora_path": [None, str(loras / "nope.safetensors")]})
+            assert "is not an existing file or folder" in _error(missing, 400, param="lora_path", code="invalid_path")
+    finally:
+        server.stop()
