@@ -70,8 +70,10 @@ def describe_missing_package(module: str, needed_for: str | None = None) -> str:
 
 
 def missing_package(exc: BaseException) -> bool:
-    """`exc` says a third-party package is not installed (one of k6serve's own modules missing is a bug, not this)."""
-    return isinstance(exc, ModuleNotFoundError) and (exc.name or "k6serve").partition(".")[0] != "k6serve"
+    """`exc` says a third-party package is not installed (one of k6serve's own modules missing is a bug, not this;
+    so is a standard-library module this platform lacks, such as `resource` on Windows, which pip cannot install)."""
+    top = (getattr(exc, "name", None) or "k6serve").partition(".")[0]
+    return isinstance(exc, ModuleNotFoundError) and top != "k6serve" and top not in sys.stdlib_module_names
 
 
 class MissingPackage(ModuleNotFoundError):

@@ -645,7 +645,9 @@ class _StopSignals:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {signum: signal.signal(signum, self._raise) for signum in (signal.SIGTERM, signal.SIGHUP)}
+        # SIGHUP where the platform has it (not Windows, which imported, then failed here).
+        stops = [signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+        previous = {signum: signal.signal(signum, self._raise) for signum in stops}
         try:
             yield
         finally:
@@ -654,7 +656,7 @@ class _StopSignals:
 
     def _raise(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum)
-        if signum == signal.SIGHUP:
+        if signum == getattr(signal, "SIGHUP", None):
             _leave_a_hung_up_terminal()
         raise KeyboardInterrupt
 

@@ -490,7 +490,16 @@ def _mux_audio(
 
 
 def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
+    """Flush `path` (the written file, or its folder) to disk. The file is opened for writing: Windows' fsync
+    (FlushFileBuffers) refuses a read-only handle, and every MP4 failed there once written; Windows has no fsync of
+    a folder, which is skipped (its caller tolerates a failure anyway)."""
+    if path.is_dir():
+        if os.name == "nt":
+            return
+        flags = os.O_RDONLY
+    else:
+        flags = os.O_RDWR | getattr(os, "O_BINARY", 0)
+    descriptor = os.open(path, flags)
     try:
         os.fsync(descriptor)
     finally:

@@ -11,6 +11,7 @@ model there, on purpose.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from k6serve.config import EngineConfig
@@ -45,11 +46,14 @@ def check_device_fits(config: EngineConfig) -> None:
     build = torch.__version__
     why = (f"torch {build} is a CPU-only build" if torch.version.cuda is None
            else "no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    # A Mac has no CUDA build of torch to install; its GPU (MPS) is not one k6serve runs on.
+    where = ("a Linux host with a CUDA GPU (k6serve does not run on Apple's GPUs, MPS)" if sys.platform == "darwin"
+             else "a CUDA GPU (install a CUDA build of torch)")
     raise ValueError(
         f"{what} is a full-size model, about {size_bytes / 2**30:.0f} GiB of weights in float32 on the CPU, and "
-        f"{why}: on the CPU it would fill the host's memory for minutes and take hours a step. Run it on a CUDA GPU "
-        "(install a CUDA build of torch), try the built-in demo (--model-path demo, or demo-sr for "
-        "super-resolution), or pass --device cpu to run it on the CPU all the same.")
+        f"{why}: on the CPU it would fill the host's memory for minutes and take hours a step. Run it on {where}, "
+        "try the built-in demo (--model-path demo, or demo-sr for super-resolution), or pass --device cpu to run "
+        "it on the CPU all the same.")
 
 
 def _weights_before_loading(config: EngineConfig) -> tuple[float, str] | None:

@@ -218,7 +218,7 @@ def share_cpu_cores(ranks_on_host: int) -> int:
 
 # The signals a rank the engine started leaves to the engine (ignored there, blocked while it starts): a terminal's
 # Ctrl-C and closing (SIGHUP) reach the whole process group, and so does `timeout`'s SIGTERM.
-ENGINE_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ENGINE_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 def start_process(target: Callable[..., None], args: tuple, *, name: str, block_sigint: bool = False) -> BaseProcess:

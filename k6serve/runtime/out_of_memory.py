@@ -36,7 +36,7 @@ def worker_killed_hint(exit_codes: list[int]) -> str:
     killer, whose kill the process never sees."""
     if not any(code < 0 for code in exit_codes):
         return ""
-    if -signal.SIGKILL in exit_codes:
+    if hasattr(signal, "SIGKILL") and -signal.SIGKILL in exit_codes:
         # Each rank holds its own copy of the host-side weights: fewer ranks per host is the fix, GPUs or not (on a
         # CPU host "fewer GPUs" named hardware that was not there).
         fewer = "fewer GPUs per host" if torch.cuda.is_available() else "fewer processes (--num-gpus)"
@@ -54,7 +54,9 @@ def worker_killed_hint(exit_codes: list[int]) -> str:
 
 
 # Signals a process raises on itself by faulting; the others (SIGTERM, SIGINT, SIGHUP...) come from outside.
-_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE})
+# By name, where the platform has them: Windows has no SIGBUS (nor SIGKILL), and the module failed to import there.
+_CRASH_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")
+                           if hasattr(signal, name))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

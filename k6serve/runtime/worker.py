@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import resource
 import sys
 import time
 from collections.abc import Callable
@@ -85,7 +84,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    # CPU: the process's peak resident set (ru_maxrss is KiB on Linux, bytes on macOS).
+    # CPU: the process's peak resident set (ru_maxrss is KiB on Linux, bytes on macOS). `resource` is Unix's: imported
+    # at the top, it failed the worker's import on Windows (told as "pip install resource").
+    try:
+        import resource
+    except ImportError:
+        return 0.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 

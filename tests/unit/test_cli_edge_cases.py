@@ -4,6 +4,7 @@ work with the fix in its message, and no earlier file is ever replaced."""
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from datetime import datetime
 from fractions import Fraction
@@ -1080,15 +1081,19 @@ def test_cli_version(capsys):
     assert exited.value.code == 0 and capsys.readouterr().out == f"k6serve {__version__}\n"
 
 
+# Exit codes by signal name: SIGBUS is 7 on Linux, 10 on macOS (where 7 is SIGEMT).
+KILL, BUS, SEGV, TERM = (-int(getattr(signal, name)) for name in ("SIGKILL", "SIGBUS", "SIGSEGV", "SIGTERM"))
+
+
 @pytest.mark.parametrize(("codes", "start"), [
-    ([-9], " SIGKILL is usually the kernel's out-of-memory killer"),
+    ([KILL], " SIGKILL is usually the kernel's out-of-memory killer"),
     # A SIGBUS from a mapped file cut short under the worker (a LoRA file copied over in place did it) was called
     # "stopped from outside k6serve".
-    ([-7], " SIGBUS is a crash inside the process, not a stop from outside: a memory-mapped file changed or cut "
+    ([BUS], " SIGBUS is a crash inside the process, not a stop from outside: a memory-mapped file changed or cut "
            "short under it"),
-    ([0, -11, -7], " SIGBUS and SIGSEGV are crashes inside the process, not a stop from outside: a memory-mapped "),
-    ([-11], " SIGSEGV is a crash inside the process, not a stop from outside: a fault in a native library; see "),
-    ([-15], " It was stopped from outside k6serve."),
+    ([0, SEGV, BUS], " SIGBUS and SIGSEGV are crashes inside the process, not a stop from outside: a memory-mapped "),
+    ([SEGV], " SIGSEGV is a crash inside the process, not a stop from outside: a fault in a native library; see "),
+    ([TERM], " It was stopped from outside k6serve."),
     ([1, 0], ""),
 ])
 def test_a_signal_that_ended_a_rank_is_told_by_where_it_came_from(codes, start):
@@ -1102,7 +1107,7 @@ def test_the_out_of_memory_killers_fix_names_what_the_host_has(monkeypatch, cuda
     from k6serve.runtime.out_of_memory import worker_killed_hint
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert worker_killed_hint([-9]).endswith(f"free host memory, or use {fix} or a smaller model.")
+    assert worker_killed_hint([KILL]).endswith(f"free host memory, or use {fix} or a smaller model.")
 
 
 def test_cli_a_worker_killed_by_the_machine_is_exit_1_not_a_bug(monkeypatch, capsys, tmp_path):

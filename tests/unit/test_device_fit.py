@@ -26,6 +26,13 @@ def test_a_full_size_model_is_refused_on_the_cpu_with_the_fixes(capsys):
         DiffGenerator.from_pretrained(PRO_DISTILL, load_format="dummy")
 
 
+def test_a_mac_is_not_told_to_install_a_cuda_build(monkeypatch):
+    monkeypatch.setattr(device_fit.sys, "platform", "darwin")
+    with pytest.raises(ValueError, match=r"Run it on a Linux host with a CUDA GPU \(k6serve does not run on Apple's "
+                                         r"GPUs, MPS\), try the built-in demo"):
+        check_device_fits(build_engine_config(PRO_DISTILL, load_format="dummy"))
+
+
 @pytest.mark.parametrize(("model", "expected_gib"), [
     ("kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers", 43),
     ("kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", 25),

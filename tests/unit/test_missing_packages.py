@@ -139,3 +139,12 @@ def test_the_package_version_is_the_projects():
     # PEP 561's marker ships with the package, so type checkers read its annotations from an installed copy.
     assert (Path(k6serve.__file__).parent / "py.typed").is_file()
     assert pyproject["tool"]["setuptools"]["package-data"]["k6serve"] == ["py.typed"]
+
+
+def test_a_standard_library_module_the_platform_lacks_is_no_package_to_install():
+    # Windows has no `resource`: the worker's import failed there as "run pip install resource".
+    from k6serve.dependencies import missing_package
+
+    assert missing_package(ModuleNotFoundError("No module named 'av'", name="av"))
+    assert not missing_package(ModuleNotFoundError("No module named 'resource'", name="resource"))
+    assert not missing_package(ModuleNotFoundError("No module named 'k6serve.x'", name="k6serve.x"))
