@@ -119,20 +119,28 @@ def check_checkpoint_files(folder: Path, fix: str) -> None:
     An interrupted copy or download leaves a truncated file, which safetensors (and diffusers / transformers
     through it) would only report deep inside a worker's load, as an internal error, and a truncated config as a
     bare JSON message naming no file. Reading the headers and the configs costs a few MiB at most (the tokenizers'
-    JSON), so the check runs before anything loads."""
-    for path in sorted(folder.rglob("*")):
-        if path.suffix not in (".safetensors", ".json"):
-            continue
+    JSON), so the check runs before anything loads.
+
+    Only where the loaders read, the places a hub download fills (`_ALLOW_PATTERNS`): the folder's own .json files
+    and its components' (one level down). The whole tree was walked: `--model-path ~` read every JSON file of the
+    home folder (9 s and 534 MB) before saying it holds no model_index.json, and a bad one anywhere was "damaged".
+    Only regular files (links to them followed): a FIFO named *.safetensors blocked the open."""
+    paths = [*folder.glob("*.json"), *folder.glob("*/*.json"), *folder.glob("*/*.safetensors")]
+    for path in sorted(paths):
         if path.is_symlink() and not path.exists():
             problem = "a link to a file that is gone, e.g. a cleaned Hugging Face cache blob"  # stat() would raise
+        elif not path.is_file():
+            continue
         elif path.suffix == ".safetensors":
             problem = _safetensors_problem(path)
-        elif path.is_file():
-            problem = _json_problem(path)
         else:
-            continue
+            problem = _json_problem(path)
         if problem is not None:
             raise CheckpointError(f"{path} is damaged ({problem}), e.g. by an interrupted download; {fix}.")
+
+
+# safetensors refuses a longer header (its MAX_HEADER_SIZE).
+_MAX_HEADER_BYTES = 100_000_000
 
 
 def _json_problem(path: Path) -> str | None:
@@ -152,6 +160,8 @@ def _safetensors_problem(path: Path) -> str | None:
         header_bytes = int.from_bytes(head, "little")
         if 8 + header_bytes > size:
             return f"its header claims {header_bytes} bytes but the file has {size}"
+        if header_bytes > _MAX_HEADER_BYTES:  # read whole below: a stray 3 GB file cost 4.2 GB of memory
+            return f"its header claims {header_bytes} bytes, more than safetensors reads ({_MAX_HEADER_BYTES})"
         try:
             header = json.loads(file.read(header_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):

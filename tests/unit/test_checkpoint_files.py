@@ -237,6 +237,27 @@ def test_a_truncated_weight_file_is_named_before_anything_loads(tmp_path):
         load_state_dict(path.parent)
 
 
+def test_the_file_check_reads_only_where_the_loaders_read(tmp_path):
+    """It walked the whole tree (`--model-path ~` read every JSON file of the home folder before saying it holds no
+    model_index.json), opened a FIFO named *.safetensors (blocked forever) and read any header length a file
+    claimed (a stray 3 GB file: 4.2 GB of memory)."""
+    import os
+
+    folder = tmp_path / "ckpt"
+    path = _checkpoint_with_weights(folder)
+    (folder / "notes" / "deep").mkdir(parents=True)
+    (folder / "notes" / "deep" / "draft.json").write_text("{not json")  # not a component's: never read
+    os.mkfifo(folder / "transformer" / "pipe.safetensors")
+    assert resolve_checkpoint(str(folder)) == folder.resolve()
+    (folder / "transformer" / "pipe.safetensors").unlink()
+    with open(path, "r+b") as file:  # a header claiming 200 MB in a file that long
+        file.write((200_000_000).to_bytes(8, "little"))
+        file.truncate(200_000_100)
+    with pytest.raises(CheckpointError, match=r"its header claims 200000000 bytes, more than safetensors reads "
+                                              r"\(100000000\)"):
+        resolve_checkpoint(str(folder))
+
+
 def test_a_broken_json_file_is_named_with_the_fix(tmp_path):
     from k6serve.models.variants import variant_from_folder
 
