@@ -16,7 +16,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from k6serve.testing.demo_location import DEMO_MODEL_PATHS
@@ -333,6 +333,26 @@ def safetensors_files(component_dir: Path) -> list[Path]:
                               "run code when loaded); convert them, e.g. load the component with diffusers and "
                               "save_pretrained it (safe_serialization is the default).")
     raise CheckpointError(f"{component_dir} holds no .safetensors weights.")
+
+
+def check_block_counts(component_dir: Path, counts: dict[str, tuple[str, int]]) -> None:
+    """Each `counts[list name] = (config key, count)` against the blocks the weights hold (`<list name>.<i>.`),
+    read from the safetensors headers (names only, no tensor data), before the model is built from the config: a
+    config.json saying num_visual_blocks 1000000 grew the host's memory by gigabytes for minutes, building blocks
+    on the meta device, before the weights were compared with it."""
+    held: dict[str, int] = {}
+    pattern = re.compile(r"^(" + "|".join(re.escape(name) for name in counts) + r")\.(\d+)\.")
+    for path in safetensors_files(component_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if (match := pattern.match(key)) is not None:
+                    held[match[1]] = max(held.get(match[1], 0), int(match[2]) + 1)
+    for name, (key, count) in counts.items():
+        if held.get(name, 0) != count:
+            raise CheckpointError(
+                f"{component_dir / 'config.json'} says {key} {count}, but the weights hold "
+                f"{held.get(name, 0)} {name} (the config and the weights come from different repositories or "
+                "revisions, or the config was edited); copy or download the checkpoint again.")
 
 
 def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

@@ -387,6 +387,44 @@ def test_a_checkpoints_own_python_code_is_never_run(tiny_distill_dir, tmp_path, 
     assert not ran.exists()
 
 
+def _edit_config(folder, component, **values):
+    path = folder / component / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+@pytest.mark.parametrize(("component", "values", "message"), [
+    # Built block by block on the meta device before the weights were compared: gigabytes for minutes.
+    ("transformer", {"num_visual_blocks": 1_000_000}, r"transformer/config\.json says num_visual_blocks 1000000, but "
+                                                      r"the weights hold 2 visual_transformer_blocks"),
+    ("transformer", {"ff_dim": -128}, r"transformer/config\.json: transformer config key 'ff_dim': must be > 0, got "
+                                      r"-128; copy or download"),
+    ("transformer", {"num_visual_blocks": "2"}, r"transformer/config\.json: transformer config key "
+                                                r"'num_visual_blocks': expected an integer, got '2'"),
+    # Internal errors before ("a bug in k6serve"), or advice to pass flags k6serve does not have.
+    ("vae", {"block_out_channels": [8, 8, 8, 16]}, r"vae's weights in .*vae do not fit its config\.json \(.* expected "
+                                                   r"shape .*\)\. The config and weights come from different"),
+    ("text_encoder_2", {"intermediate_size": 100}, r"text_encoder_2's weights in .*text_encoder_2 do not fit its "
+                                                   r"config\.json \(a weight's shape differs"),
+])
+def test_a_config_that_does_not_fit_its_weights_is_named_before_it_costs_memory(tiny_distill_dir, tmp_path, component,
+                                                                                values, message):
+    with pytest.raises(CheckpointError, match=message):
+        _load_copy(tiny_distill_dir, tmp_path, lambda folder: _edit_config(folder, component, **values))
+
+
+def test_a_config_asking_for_more_than_the_host_has_is_told_as_the_configs(tmp_path, monkeypatch):
+    from k6serve.models.kandinsky6 import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_host_memory_bytes", lambda: 64 * 2**30)
+    with pytest.raises(CheckpointError, match=r"vae/config\.json asks for a tensor of 805 GiB, more than this host's "
+                                              r"memory: the config is damaged or edited"):
+        with checkpoint._component_load_errors(tmp_path, "vae"):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 864000000000 bytes.")
+    with pytest.raises(RuntimeError, match="tried to allocate 8000000000 bytes"):  # the host's size: a real shortage
+        with checkpoint._component_load_errors(tmp_path, "vae"):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000 bytes.")
+
+
 def test_a_tokenizer_whose_vocabulary_encodes_nothing_is_refused(tiny_distill_dir, tmp_path):
     def empty_vocabulary(folder):
         path = folder / "tokenizer_2" / "tokenizer.json"
@@ -440,3 +478,19 @@ def test_listed_audio_components_must_be_there_and_unlisted_ones_are_warned_of(t
         models = _load_copy(tiny_distill_dir, tmp_path / "b", unlist)
     assert not models.has_audio
     assert "lists no audio_vae or vocoder, so the videos will have no audio track" in caplog.text
+
+
+def test_a_super_resolution_config_with_more_blocks_than_its_weights_is_refused_before_the_build(tiny_sr_dir,
+                                                                                                 tmp_path):
+    import shutil
+
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+
+    folder = tmp_path / "sr"
+    shutil.copytree(tiny_sr_dir, folder)
+    _edit_config(folder, "transformer", num_visual_blocks=1_000_000)
+    with pytest.raises(CheckpointError, match=r"says num_visual_blocks 1000000, but the weights hold \d+ "
+                                              r"visual_transformer_blocks"):
+        load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=torch.float32,
+                       load_format="auto")

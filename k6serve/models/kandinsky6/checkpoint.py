@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from torch import nn
 
 from k6serve.models.checkpoint_files import (
     CheckpointError,
+    check_block_counts,
     check_state_dict,
     folder_listing,
     load_state_dict,
@@ -121,7 +124,14 @@ def load_generation_models(
 
 def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Kandinsky6Transformer:
     config_dict = read_json_file(component_dir / "config.json")
-    config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
+    try:
+        config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
+    except ValueError as exc:  # the key and the value; the file too
+        raise CheckpointError(f"{component_dir / 'config.json'}: {exc}; copy or download the checkpoint again.") from None
+    check_block_counts(component_dir, {
+        "visual_transformer_blocks": ("num_visual_blocks", config.num_visual_blocks),
+        "video_text_transformer_blocks": ("num_text_blocks", config.num_text_blocks),
+        "audio_text_transformer_blocks": ("num_text_blocks", config.num_text_blocks)})
     with torch.device("meta"):
         model = Kandinsky6Transformer(config)
     # Fresh, aligned storage: safetensors hands out views at arbitrary file offsets, and CPU GEMMs round
@@ -229,6 +239,26 @@ def _component_load_errors(folder: Path, component: str):
     what it holds."""
     try:
         yield
+    except (ValueError, RuntimeError) as exc:
+        # The weights and config.json disagree (diffusers' "Cannot load  because ... expected shape", transformers'
+        # "ignore_mismatched_sizes": an internal error, advising flags k6serve has not), or the config asks for a
+        # tensor larger than the host (an edited size: "the host ran out of memory, ask for fewer pixels").
+        config = folder / component / "config.json"
+        text = str(exc)
+        wanted = re.search(r"tried to allocate (\d+) bytes", text)
+        if wanted is not None and int(wanted[1]) > _host_memory_bytes():
+            raise CheckpointError(f"{config} asks for a tensor of {int(wanted[1]) / 2**30:,.0f} GiB, more than this "
+                                  "host's memory: the config is damaged or edited; copy or download the checkpoint "
+                                  "again.") from exc
+        if isinstance(exc, torch.OutOfMemoryError) or wanted is not None or not (
+                "expected shape" in text or "ignore_mismatched_sizes" in text or "size mismatch" in text):
+            raise
+        detail = (text.split(". If you want")[0].replace("Cannot load  because ", "").strip()
+                  if "expected shape" in text else  # diffusers names the weight
+                  "a weight's shape differs from the config's; transformers' report above names it")
+        raise CheckpointError(f"{component}'s weights in {folder / component} do not fit its config.json ({detail}). "
+                              "The config and weights come from different repositories or revisions, or the config "
+                              "was edited; copy or download the checkpoint again.") from exc
     except OSError as exc:
         directory = folder / component
         present = folder_listing(directory)
@@ -237,6 +267,13 @@ def _component_load_errors(folder: Path, component: str):
                               "files of the component, or holds only a variant's weights (e.g. .fp16.safetensors) "
                               "or pickled .bin weights (k6serve reads safetensors only, the released format, which "
                               "cannot run code when loaded); copy or download the checkpoint again.") from exc
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): any size may be the host's
+        return 2**62
 
 
 def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,

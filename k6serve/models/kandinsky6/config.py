@@ -45,6 +45,14 @@ class Kandinsky6TransformerConfig:
     visual_token_type_num_embeddings: int = 0
 
     def __post_init__(self) -> None:
+        for key in ("in_visual_dim", "out_visual_dim", "in_text_dim", "in_text_dim2", "time_dim", "model_dim",
+                    "ff_dim", "in_audio_dim", "out_audio_dim", "model_dim_a", "time_dim_a", "ff_dim_a"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:  # ff_dim -128 failed deep in the build, as "a bug in k6serve"
+                raise ValueError(f"transformer config key {key!r}: must be > 0, got {value}")
+        for key in ("num_text_blocks", "num_visual_blocks"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"transformer config key {key!r}: must be >= 0, got {getattr(self, key)}")
         for key, dims in (("axes_dims", self.axes_dims), ("axes_dims_a", self.audio_axes_dims)):
             if any(dim <= 0 or dim % 2 for dim in dims):
                 raise ValueError(

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from k6serve.models.checkpoint_files import check_state_dict, load_state_dict
+from k6serve.models.checkpoint_files import check_block_counts, check_state_dict, load_state_dict
 from k6serve.models.kandinsky6_sr import released_configs as released
 from k6serve.models.kandinsky6_sr.checks import check_head_fits_scheduler
 from k6serve.models.kandinsky6_sr.config import SRSchedulerConfig
@@ -78,6 +78,8 @@ def load_sr_models(
     assert folder is not None
     configs = read_sr_configs(folder)
     _require_piflow(configs.scheduler)
+    check_block_counts(folder / "transformer", {
+        "visual_transformer_blocks": ("num_visual_blocks", configs.transformer.num_visual_blocks)})
     transformer, vae, bank = build_empty_modules(configs, dtype=dtype)
     _load_weights(transformer, folder / "transformer", dtype, keep_fp32=KEEP_FP32_MODULES)
     _load_weights(vae, folder / "vae", dtype)
