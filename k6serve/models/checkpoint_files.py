@@ -250,6 +250,20 @@ def read_model_index(folder: Path) -> dict:
     return read_json_file(path)
 
 
+def index_class(index: dict, component: str, path: Path) -> str | None:
+    """The class model_index.json names for `component` (its `[library, class]` pair), None where it lists none (or
+    `[null, null]`); a CheckpointError naming the file for any other form (`"scheduler": "PiflowScheduler"` was
+    read as the class "i", `["diffusers"]` failed as an internal error)."""
+    entry = index.get(component)
+    if entry is None or entry == [None, None]:
+        return None
+    if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(item, str) for item in entry)):
+        raise CheckpointError(f"{path}: {component!r} must be a [library, class] pair such as [\"diffusers\", "
+                              f"\"PiflowScheduler\"], got {json.dumps(entry)}; restore it from the checkpoint's "
+                              "source (copy or download the checkpoint again).")
+    return entry[1]
+
+
 def read_json_file(path: Path) -> dict:
     """A checkpoint's JSON file (model_index.json, a component's config); a damaged one is a CheckpointError that
     names it."""

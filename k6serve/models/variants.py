@@ -130,7 +130,7 @@ def variant_from_id(model_id: str) -> Variant | None:
 
 def variant_from_folder(folder: Path) -> Variant:
     """Route a local Diffusers folder by what its files say."""
-    from k6serve.models.checkpoint_files import read_json_file  # that module imports torch; this one stays light
+    from k6serve.models.checkpoint_files import index_class, read_json_file  # imports torch; this one stays light
 
     marker = folder / DEMO_MARKER
     if marker.is_file():
@@ -144,7 +144,7 @@ def variant_from_folder(folder: Path) -> Variant:
         )
     index = read_json_file(index_path)
     pipeline_class = index.get("_class_name", "")
-    scheduler_class = (index.get("scheduler") or [None, None])[1]
+    scheduler_class = index_class(index, "scheduler", index_path)
     if pipeline_class == "Kandinsky6SRPipeline":
         return VARIANTS["vsr-distilled2steps" if scheduler_class == "PiflowScheduler" else "vsr"]
     if pipeline_class != "Kandinsky6TI2VAPipeline":

@@ -9,14 +9,14 @@ import copy
 
 import torch
 
-_CLASSES = ("FlowMatchEulerDiscreteScheduler", "PiflowScheduler")
+from k6serve.models.kandinsky6.config import SCHEDULER_CLASSES
 
 
 def build_scheduler(class_name: str, config: dict):
     import diffusers
 
-    if class_name not in _CLASSES:
-        raise ValueError(f"Unsupported scheduler {class_name!r}; Kandinsky 6 uses one of {_CLASSES}.")
+    if class_name not in SCHEDULER_CLASSES:
+        raise ValueError(f"Unsupported scheduler {class_name!r}; Kandinsky 6 uses one of {SCHEDULER_CLASSES}.")
     cls = getattr(diffusers, class_name)
     known = {k: v for k, v in config.items() if not k.startswith("_")}
     return cls.from_config(known)

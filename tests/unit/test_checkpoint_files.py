@@ -387,8 +387,8 @@ def test_a_checkpoints_own_python_code_is_never_run(tiny_distill_dir, tmp_path, 
     assert not ran.exists()
 
 
-def _edit_config(folder, component, **values):
-    path = folder / component / "config.json"
+def _edit_config(folder, component, name="config.json", **values):
+    path = folder / component / name
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
 
 
@@ -410,6 +410,29 @@ def test_a_config_that_does_not_fit_its_weights_is_named_before_it_costs_memory(
                                                                                 values, message):
     with pytest.raises(CheckpointError, match=message):
         _load_copy(tiny_distill_dir, tmp_path, lambda folder: _edit_config(folder, component, **values))
+
+
+def _edit_index(folder, **values):
+    path = folder / "model_index.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    # `index["scheduler"][1]` of these: the class "i", an IndexError ("a bug in k6serve").
+    (lambda folder: _edit_index(folder, scheduler="PiflowScheduler"),
+     r"model_index\.json: 'scheduler' must be a \[library, class\] pair such as \[\"diffusers\", "
+     r"\"PiflowScheduler\"\], got \"PiflowScheduler\""),
+    (lambda folder: _edit_index(folder, scheduler=["diffusers"]), r"'scheduler' must be a \[library, class\] pair"),
+    # Loaded, then every request failed "Unsupported scheduler".
+    (lambda folder: _edit_index(folder, scheduler=["diffusers", "DDIMScheduler"]),
+     r"model_index\.json names the scheduler 'DDIMScheduler'; Kandinsky 6 generation runs "
+     r"FlowMatchEulerDiscreteScheduler or PiflowScheduler"),
+    (lambda folder: _edit_config(folder, "scheduler", n_grid=None, name="scheduler_config.json"),
+     r"scheduler_config\.json: n_grid must be a whole number > 0, got null"),
+])
+def test_a_damaged_scheduler_entry_is_named_with_its_file(tiny_distill_dir, tmp_path, damage, message):
+    with pytest.raises(CheckpointError, match=message):
+        _load_copy(tiny_distill_dir, tmp_path, damage)
 
 
 def test_a_config_asking_for_more_than_the_host_has_is_told_as_the_configs(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ random weights directly on the target device in the target dtype (never an fp32 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -25,6 +26,7 @@ from torch import nn
 from k6serve.models.checkpoint_files import (
     CheckpointError,
     check_block_counts,
+    index_class,
     check_state_dict,
     folder_listing,
     load_state_dict,
@@ -34,7 +36,7 @@ from k6serve.models.checkpoint_files import (
     require_components,
 )
 from k6serve.models.kandinsky6 import encoder_configs
-from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
+from k6serve.models.kandinsky6.config import SCHEDULER_CLASSES, Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6.config_before_loading import released_transformer_config
 from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer, cast_for_inference
 from k6serve.models.variants import Variant
@@ -99,7 +101,12 @@ def load_generation_models(
         logger.warning("%s: model_index.json lists no %s, so the videos will have no audio track (the released "
                        "checkpoints have audio_vae and vocoder; copy them from the checkpoint's source for audio).",
                        folder, " or ".join(unlisted))
-    scheduler_class = index["scheduler"][1]
+    scheduler_class = index_class(index, "scheduler", folder / "model_index.json")
+    if scheduler_class not in SCHEDULER_CLASSES:
+        # Loaded, then every request failed "Unsupported scheduler", naming no file.
+        raise CheckpointError(f"{folder / 'model_index.json'} names the scheduler {scheduler_class!r}; Kandinsky 6 "
+                              f"generation runs {' or '.join(SCHEDULER_CLASSES)} (the released checkpoints' "
+                              "schedulers): restore the file from the checkpoint's source.")
     scheduler_config = read_component_config(folder, "scheduler", "scheduler_config.json")
     transformer = load_transformer(folder / "transformer", device=where("transformer"), dtype=dtype)
     _check_scheduler_fits_head(transformer.config, scheduler_class, scheduler_config, folder)
@@ -150,7 +157,10 @@ def _check_scheduler_fits_head(config: Kandinsky6TransformerConfig, scheduler_cl
                                folder: Path) -> None:
     """A PiFlow scheduler needs n_grid-wide heads, a flow-matching one plain heads; anything else cannot run."""
     if scheduler_class == "PiflowScheduler":
-        n_grid = int(scheduler_config.get("n_grid", 10))
+        n_grid = scheduler_config.get("n_grid", 10)
+        if isinstance(n_grid, bool) or not isinstance(n_grid, int) or n_grid < 1:  # null was "a bug in k6serve"
+            raise CheckpointError(f"{folder / 'scheduler' / 'scheduler_config.json'}: n_grid must be a whole number "
+                                  f"> 0, got {json.dumps(n_grid)}; copy or download the checkpoint again.")
         ok = config.out_visual_dim == n_grid * config.in_visual_dim and config.out_audio_dim == n_grid * config.in_audio_dim
         want = f"{n_grid} x latent channels ({n_grid * config.in_visual_dim} video / {n_grid * config.in_audio_dim} audio)"
     else:

@@ -14,6 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 
+# The diffusers schedulers Kandinsky 6 generation runs (model_index.json's "scheduler"): flow matching (Pro, Lite)
+# and PiFlow (the distilled ones).
+SCHEDULER_CLASSES = ("FlowMatchEulerDiscreteScheduler", "PiflowScheduler")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Kandinsky6TransformerConfig:
     """Init arguments of the K6 DiT; `*_a` audio sizes default to the video ones when None."""
