@@ -797,6 +797,19 @@ def test_a_soundtrack_that_changes_layout_or_rate_part_way_is_read_across_the_ch
     assert abs(frequency(audio[4410:39690]) - 440) < 3 and abs(frequency(audio[48510:83790]) - 660) < 3
 
 
+def test_a_short_step_back_in_the_timestamps_drops_the_repeated_sound(tmp_path: Path) -> None:
+    """A second part whose timestamps start 0.3 s back (within OVERLAP_LIMIT_S): its first 0.3 s overlap what was
+    kept and are dropped, so the sound after them plays at its time; the total is the timeline's length."""
+    _write_tone(tmp_path / "a.ts", seconds=0.3, freq=440.0, fmt="mpegts")
+    _write_tone(tmp_path / "b.ts", seconds=1.0, freq=660.0, fmt="mpegts")
+    joined = tmp_path / "joined.ts"
+    joined.write_bytes((tmp_path / "a.ts").read_bytes() + (tmp_path / "b.ts").read_bytes())
+    notes: list[str] = []
+    audio = media.read_source_audio(joined, num_samples=None, notes=notes)
+    assert len(notes) == 1 and notes[0].startswith("the soundtrack has 1 overlap(s) (the first at 0.00 s) whose 0.3")
+    assert abs(audio.shape[0] - 44100) < 0.05 * 44100  # b's second, not 1.3 s
+
+
 def test_a_soundtrack_of_which_nothing_decodes_says_how_to_upscale_the_picture_alone(tmp_path: Path) -> None:
     path = make_clip(tmp_path / "clip.mkv", width=32, height=32, num_frames=17, fps=24, audio="mono_tone")
     _damage_audio_packets(path, tmp_path / "damaged.mkv", slice(None))
