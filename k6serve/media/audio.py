@@ -174,10 +174,10 @@ def read_source_audio(
                                 "across the jump", path, drift / sample_rate, num_decoded / sample_rate)
                     first_time = frame.time - num_decoded / sample_rate
                 elif drift > TIMESTAMP_SLACK_S * sample_rate:
-                    gaps.append((frame.time - first_time, drift))
+                    gaps.append((num_decoded / sample_rate, drift))  # where in the soundtrack, as played
                     keep(np.zeros(drift, dtype=np.float32))
                 elif -drift > TIMESTAMP_SLACK_S * sample_rate:
-                    overlaps.append((frame.time - first_time, -drift))
+                    overlaps.append((num_decoded / sample_rate, -drift))
                     num_decoded += drift  # back to this frame's place: its first -drift samples are dropped
                     skip += -drift
             layout = (frame.format.name, frame.layout.name, frame.sample_rate)

@@ -773,7 +773,7 @@ def test_a_gap_in_the_soundtracks_timestamps_is_silence_that_keeps_the_sound_aft
     assert abs(int(np.argmax(gapped)) - int(np.argmax(whole))) < 0.005 * 44100  # the click stays at 1.0 s
     assert abs(gapped.shape[0] - whole.shape[0]) < 0.005 * 44100
     assert np.abs(gapped[round(0.53 * 44100):round(0.68 * 44100)]).max() < 1e-3  # silence in the gap
-    assert notes == ["the soundtrack has 1 gap(s) in its timestamps (the first at 0.70 s) filled with 0.192 s of "
+    assert notes == ["the soundtrack has 1 gap(s) in its timestamps (the first at 0.51 s) filled with 0.192 s of "
                      "silence, so that the sound after them stays in sync with the picture"]
 
 
@@ -806,7 +806,7 @@ def test_a_short_step_back_in_the_timestamps_drops_the_repeated_sound(tmp_path: 
     joined.write_bytes((tmp_path / "a.ts").read_bytes() + (tmp_path / "b.ts").read_bytes())
     notes: list[str] = []
     audio = media.read_source_audio(joined, num_samples=None, notes=notes)
-    assert len(notes) == 1 and notes[0].startswith("the soundtrack has 1 overlap(s) (the first at 0.00 s) whose 0.3")
+    assert len(notes) == 1 and notes[0].startswith("the soundtrack has 1 overlap(s) (the first at 0.32 s) whose 0.3")
     assert abs(audio.shape[0] - 44100) < 0.05 * 44100  # b's second, not 1.3 s
 
 
