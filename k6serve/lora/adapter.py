@@ -200,6 +200,32 @@ def resolve_adapter_file(path: str) -> Path:
     return _download(path)
 
 
+def _key_kind(key: str) -> tuple[str, re.Match | None]:
+    """What a state-dict key is, by its name alone: ("kohya" | "dotted_kohya" | "dora_scale" | "embedding" |
+    "weight" | "magnitude" | "alpha", its match), or ("unknown", None). `parse_lora_state_dict` reads the tensors by
+    it; `read_adapter` checks a file's header names with it before reading any tensor."""
+    name = _strip_prefix(key)
+    for kind, pattern in (("kohya", _KOHYA_KEY), ("dotted_kohya", _DOTTED_KOHYA_KEY), ("dora_scale", _DORA_SCALE_KEY),
+                          ("embedding", _EMBEDDING_KEY)):
+        if match := pattern.match(name):
+            return kind, match
+    if (match := _WEIGHT_KEY.match(name)) and not (match["kind"] == "A" and match["param"] == "bias"):
+        return "weight", match
+    for kind, pattern in (("magnitude", _MAGNITUDE_KEY), ("alpha", _ALPHA_KEY)):
+        if match := pattern.match(name):
+            return kind, match
+    return "unknown", None
+
+
+def _unknown_keys_error(unknown: list[str], source: str) -> ValueError:
+    return ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
+                      f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha, and PEFT's "
+                      f"<module>.lora_B.bias, <module>.lora_magnitude_vector (DoRA), <module>.lora_embedding_A / "
+                      f"_B), ComfyUI ones (<module>.lora_down.weight / .lora_up.weight / .alpha, under "
+                      f"diffusion_model.) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / "
+                      f".alpha, and LyCORIS's DoRA .dora_scale), e.g. {unknown[:_SHOWN]}")
+
+
 def _strip_prefix(key: str) -> str:
     for prefix in _PREFIXES:  # in order: PEFT's "base_model.model." may wrap a "transformer."
         key = key.removeprefix(prefix)
@@ -232,8 +258,8 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, meta
     adapter_names: set[str] = set()
     unknown: list[str] = []
     for key, tensor in tensors.items():
-        name = _strip_prefix(key)
-        if match := _KOHYA_KEY.match(name):
+        kind, match = _key_kind(key)
+        if kind == "kohya":
             if match["extra"] == "alpha":
                 alphas[match["module"]] = _alpha(tensor, key, source)
             elif match["extra"] == "dora_scale":
@@ -241,27 +267,27 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, meta
             else:
                 _add_factor(downs, ups, factor_keys, match["module"], match["kind"], key, tensor, source)
             continue
-        if match := _DOTTED_KOHYA_KEY.match(name):
+        if kind == "dotted_kohya":
             _add_factor(downs, ups, factor_keys, match["module"], match["kind"], key, tensor, source)
             linears.add(match["module"])
             continue
-        if match := _DORA_SCALE_KEY.match(name):
+        if kind == "dora_scale":
             dora_scales[match["module"]] = (key, tensor)
             continue
-        if match := _EMBEDDING_KEY.match(name):
+        if kind == "embedding":
             _add_factor(downs, ups, factor_keys, match["module"], "down" if match["kind"] == "A" else "up", key,
                         tensor, source)
             embeddings.add(match["module"])
-        elif (match := _WEIGHT_KEY.match(name)) and not (match["kind"] == "A" and match["param"] == "bias"):
+        elif kind == "weight":
             if match["param"] == "bias":
                 biases[match["module"]] = tensor
             else:
                 _add_factor(downs, ups, factor_keys, match["module"], "down" if match["kind"] == "A" else "up", key,
                             tensor, source)
                 linears.add(match["module"])
-        elif match := _MAGNITUDE_KEY.match(name):
+        elif kind == "magnitude":
             magnitudes[match["module"]] = tensor
-        elif match := _ALPHA_KEY.match(name):
+        elif kind == "alpha":
             alphas[match["module"]] = _alpha(tensor, key, source)
             continue
         else:
@@ -270,12 +296,7 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, meta
         if match["adapter"]:
             adapter_names.add(match["adapter"])
     if unknown:
-        raise ValueError(f"LoRA file {source!r}: {len(unknown)} key(s) are not diffusers/PEFT LoRA keys "
-                         f"(<module>.lora_A.weight, <module>.lora_B.weight, <module>.alpha, and PEFT's "
-                         f"<module>.lora_B.bias, <module>.lora_magnitude_vector (DoRA), <module>.lora_embedding_A / "
-                         f"_B), ComfyUI ones (<module>.lora_down.weight / .lora_up.weight / .alpha, under "
-                         f"diffusion_model.) nor kohya ones (lora_unet_<module>.lora_down.weight / .lora_up.weight / "
-                         f".alpha, and LyCORIS's DoRA .dora_scale), e.g. {unknown[:_SHOWN]}")
+        raise _unknown_keys_error(unknown, source)
     if len(adapter_names) > 1:
         raise ValueError(f"LoRA file {source!r} holds several PEFT adapters ({sorted(adapter_names)}); save one "
                          "adapter per file")
@@ -662,6 +683,7 @@ def _peft_folder_config(file: Path) -> dict | None:
 
 def read_adapter(path: str) -> LoraAdapter:
     """Read the adapter named by `path` (a .safetensors file, a folder holding one, or a hub id) onto the CPU."""
+    import safetensors
     import safetensors.torch
     from safetensors import SafetensorError
 
@@ -669,6 +691,12 @@ def read_adapter(path: str) -> LoraAdapter:
     stamp = file_stamp(file)  # before reading: a file rewritten meanwhile is read again next time
     config_stamp = file_stamp(file.parent / PEFT_CONFIG_FILE)
     try:
+        # The key names first, from the header (no tensor read): a file that is no LoRA (a model's 1 GiB of weights
+        # named by mistake) was read whole, and copied into tensors, before its keys refused it.
+        with safetensors.safe_open(str(file), framework="pt") as handle:
+            unknown = [key for key in handle.keys() if _key_kind(key)[0] == "unknown"]
+        if unknown:
+            raise _unknown_keys_error(unknown, str(file))
         # The file's bytes, read whole into memory, not mapped: `safe_open(...).get_tensor` gives CPU tensors that
         # share the file's mapping, so a loaded adapter was the bytes on disk now. A file copied over in place (cp,
         # shutil.copy: the same inode) changed the next request with no LoRA call, and a shorter one killed the

@@ -406,6 +406,22 @@ def test_a_folder_reads_regular_files_only(tmp_path):
     assert resolve_adapter_file(str(tmp_path)) == adapter
 
 
+def test_a_file_that_is_no_lora_is_refused_from_its_header_before_its_tensors_are_read(tmp_path, monkeypatch):
+    """A model's weights named as an adapter (1 GiB) were read whole, and copied into tensors, before their keys
+    refused them: the header's names say it, without the data."""
+    from k6serve.lora.adapter import read_adapter
+
+    path = tmp_path / "model.safetensors"
+    save_file({"visual_transformer_blocks.0.ff.weight": torch.zeros(8, 8)}, str(path))
+    read = []
+    real_read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or real_read_bytes(self))
+    with pytest.raises(ValueError, match=r"1 key\(s\) are not diffusers/PEFT LoRA keys .*e\.g\. "
+                                         r"\['visual_transformer_blocks\.0\.ff\.weight'\]"):
+        read_adapter(str(path))
+    assert path not in read
+
+
 def test_a_missing_path_says_what_was_tried(hub_offline):
     with pytest.raises(ValueError, match="not a local file or folder.*hub.*someone/no-such-lora"):
         resolve_adapter_file("someone/no-such-lora")
