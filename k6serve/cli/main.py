@@ -479,6 +479,9 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             # over a file's `prompt` replaces it, as --prompt would.
             if any(key in options for key in pair):
                 converted = {key: value for key, value in converted.items() if key not in pair}
+        if "prompt" in options and "prompt_file_path" not in options:
+            # The file's lines go with the file that --prompt replaced.
+            converted.pop("prompt_file_lines", None)
         options = {**converted, **options}
     return options
 
