@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from k6serve.caching.preflight import warn_if_the_default_steps_do_not_fit
 from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
+from k6serve.models.variants import SUPER_RESOLUTION
 from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
@@ -44,8 +45,10 @@ from k6serve.serve.schemas import (
     MemoryOccupationBody,
     MergeLoraBody,
     SetLoraBody,
+    UnloadLoraBody,
     UnmergeLoraBody,
     VideoCreateBody,
+    input_reference_target,
 )
 from k6serve.serve.settings import ServerSettings, normal_root_path
 
@@ -53,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "K6SERVE_API_KEY"
 PUBLIC_PATHS = ("/health",)
+# The API's description, which holds no job or secret: a browser opening /docs sends no Authorization header, so
+# on a server with a key the interactive docs answered 401 and could not be used (its Authorize button sends the key).
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class BearerAuth:
@@ -64,7 +70,8 @@ class BearerAuth:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or (
+                scope["path"] in DOCS_PATHS and scope["method"] in ("GET", "HEAD")):
             await self.app(scope, receive, send)
             return
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
@@ -338,15 +345,52 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         body = VideoCreateBody.model_json_schema(ref_template="#/components/schemas/{model}")
         components["VideoCreateBody"] = body
-        form = {**body, "title": "VideoCreateForm", "properties": dict(body["properties"])}
+        # A form field is text or absent, never JSON null: a client generated with null in the type sent "None".
+        form = {**body, "title": "VideoCreateForm",
+                "properties": {name: _without_null(value) for name, value in body["properties"].items()}}
+        super_resolution = app.state.ctx.variant.family == SUPER_RESOLUTION
         for field_name, target in FILE_FIELDS.items():
+            if field_name == "input_reference":  # what the served model reads it as (the SR source video there)
+                target = input_reference_target(super_resolution=super_resolution)
             form["properties"][field_name] = {"type": "string", "format": "binary",
                                               "description": f"Uploaded file, used as {target}."}
         components["VideoCreateForm"] = form
-        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody, MemoryOccupationBody):
+        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody, UnloadLoraBody, MemoryOccupationBody):
             components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        _errors_as_served(schema, api_key=bool(app.state.ctx.settings.api_key))
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """A property's schema without its `null` alternative (`anyOf: [X, null]` becomes X, with the description)."""
+    options = [option for option in schema.get("anyOf", ()) if option != {"type": "null"}]
+    if "anyOf" not in schema or len(options) == len(schema["anyOf"]):
+        return schema
+    rest = {key: value for key, value in schema.items() if key != "anyOf" and not (key == "default" and value is None)}
+    return {**rest, **options[0]} if len(options) == 1 else {**rest, "anyOf": options}
+
+
+def _errors_as_served(schema: dict[str, Any], *, api_key: bool) -> None:
+    """The error answers as the server gives them: no 422 (validation errors are 400s with the ErrorResponse body,
+    `errors.py`; a generated client carried a dead HTTPValidationError branch), any other status as the `default`
+    ErrorResponse (403 cross_site_request, 405, 500...), and with --api-key the bearer scheme, /health excepted."""
+    for path, item in schema["paths"].items():
+        for operation in item.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            if path != "/metrics":  # its answers are text; its errors JSON, as everywhere
+                responses.setdefault("default", {"description": "Error", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+            if api_key and path == "/health":
+                operation["security"] = []
+    components = schema["components"]["schemas"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    if api_key:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                              "description": "The server's --api-key."}}
+        schema["security"] = [{"bearer": []}]
 
 
 async def _sweep_expired(ctx: ServerContext) -> None:

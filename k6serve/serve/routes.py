@@ -695,8 +695,12 @@ class VideoFileResponse(FileResponse):
                 self._file.close()
 
 
-@router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": {"video/mp4": {}}},
-                                                         206: {"description": "Partial content (Range)"},
+_MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  # a generated client's bytes
+
+
+@router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": _MP4_BYTES},
+                                                         206: {"description": "Partial content (Range)",
+                                                               "content": _MP4_BYTES},
                                                          304: {"description": "Not modified (If-None-Match, "
                                                                               "If-Modified-Since)"},
                                                          412: {"model": ErrorResponse,
@@ -797,7 +801,7 @@ _LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 4
 
 
 def _lora_body_doc(model: type) -> dict[str, Any]:
-    return {"requestBody": {"required": model is SetLoraBody, "content": {
+    return {"requestBody": {"required": model in (SetLoraBody, UnloadLoraBody), "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
@@ -985,7 +989,9 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
     return JSONResponse(_model_card(ctx))
 
 
-@router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)")
+@router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)",
+            responses={503: {"description": "The model is still loading (status 'loading') or no worker replica is "
+                                            "left (status 'unavailable')"}})
 async def health(request: Request) -> JSONResponse:
     """200 while a replica serves ("ok", or "degraded" with `dead_replicas`); 503 "unavailable" once none does, so
     a supervisor or load balancer sees a server whose workers died (it said "ok" before)."""

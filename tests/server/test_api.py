@@ -559,6 +559,55 @@ def test_openapi_matches_the_docs(fake_client):
     docs = DOCS.read_text()
     for name in form_fields:
         assert f"`{name}`" in docs, f"docs/http-api.md does not describe field {name}"
+    _check_generator_ready(schema)
+
+
+def _references(node):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from ([value] if key == "$ref" else _references(value))
+    elif isinstance(node, list):
+        for value in node:
+            yield from _references(value)
+
+
+def _check_generator_ready(schema: dict) -> None:
+    """What client generators need of the document: openapi-typescript refused it for one dangling $ref (the unload
+    route's body, which openapi-python-client then left out), the MP4 had no schema (a generated download raised on
+    its 200), every route listed a 422 the server never sends, and form fields could be null (sent as "None")."""
+    components = schema["components"]["schemas"]
+    dangling = {ref for ref in _references(schema) if ref.rsplit("/", 1)[-1] not in components}
+    assert not dangling
+    operations = [operation for item in schema["paths"].values() for operation in item.values()]
+    assert not any("422" in operation["responses"] for operation in operations)
+    assert "HTTPValidationError" not in components
+    content = schema["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]
+    for status in ("200", "206"):
+        assert content[status]["content"]["video/mp4"]["schema"] == {"type": "string", "format": "binary"}
+    assert schema["paths"]["/v1/unload_lora"]["post"]["requestBody"]["required"] is True
+    assert schema["paths"]["/health"]["get"]["responses"]["503"]
+    form = components["VideoCreateForm"]["properties"]
+    assert not any({"type": "null"} in value.get("anyOf", ()) for value in form.values())
+    assert form["input_reference"]["description"] == "Uploaded file, used as image_path."
+
+
+def test_a_keyed_servers_document_says_so_and_its_docs_open_in_a_browser(tmp_path):
+    from harness import start_server
+
+    server = start_server(tmp_path, api_key="sekret")
+    try:
+        import httpx
+
+        with httpx.Client(base_url=server.base_url) as anonymous:  # a browser opening the page sends no key
+            assert anonymous.get("/docs").status_code == 200
+            schema = anonymous.get("/openapi.json").json()
+            assert anonymous.get("/v1/videos").status_code == 401  # the API itself still needs it
+        assert schema["security"] == [{"bearer": []}]
+        assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+        assert schema["paths"]["/health"]["get"]["security"] == []
+        _check_generator_ready(schema)
+    finally:
+        server.stop()
 
 
 def test_an_expired_jobs_id_conflict_counts_from_its_expiry_not_the_sweep(fake_server, fake_client):
@@ -605,3 +654,15 @@ def test_the_cancel_route_cancels_a_running_job_and_leaves_a_finished_one(fake_s
     assert fake_client.get(f"/v1/videos/{done['id']}/content").content[4:8] == b"ftyp"
     missing = fake_client.post("/v1/videos/video_nope/cancel")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"
+
+
+def test_a_super_resolution_servers_form_says_the_upload_is_the_source_video(tmp_path):
+    from harness import start_server
+
+    server = start_server(tmp_path, worker=FakeWorker(VARIANTS["vsr-distilled2steps"]))
+    try:
+        with server.client() as client:
+            form = client.get("/openapi.json").json()["components"]["schemas"]["VideoCreateForm"]["properties"]
+        assert form["input_reference"]["description"] == "Uploaded file, used as video_path."
+    finally:
+        server.stop()
