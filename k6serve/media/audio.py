@@ -37,9 +37,10 @@ from k6serve.media.container import open_input
 logger = logging.getLogger(__name__)
 
 OUTPUT_SAMPLE_RATE = 44100
-# How far a decoded frame's time may be from where the samples before it end before a gap is filled or an overlap
-# dropped: above Matroska's millisecond timestamps and a resampler's delay, below what is heard as out of sync.
-TIMESTAMP_SLACK_S = 0.02
+# How far a decoded frame's time may be from where the frame before it ends before a gap is filled or an overlap
+# dropped: above a VBR packet's timing error where the times come from byte counts (an AVI's MP3, up to ~40 ms a
+# packet) and Matroska's millisecond rounding; a dropout shorter than this is joined end to end, as before.
+TIMESTAMP_SLACK_S = 0.06
 # A jump forward in the timestamps longer than this is a discontinuity, not a dropout; one back longer than this,
 # not an overlap (an edit's or a splice's repeat is a few packets).
 GAP_LIMIT_S = 2.0
@@ -105,7 +106,7 @@ def read_source_audio(
         ended_in_damage = False  # the container itself stops at damage (a cut file)
 
         def stand_in(packet: av.Packet, error: BaseException) -> None:
-            nonlocal silence, lost, skipped_at_start
+            nonlocal silence, lost, skipped_at_start, expected_time
             damaged.append((num_decoded / sample_rate, str(error)))
             if lead is None:
                 skipped_at_start += 1
@@ -120,6 +121,8 @@ def read_source_audio(
             gap = round(lost * sample_rate) - silence
             silence += gap
             keep(np.zeros(gap, dtype=np.float32))
+            if expected_time is not None:  # the packet's time is filled: not a gap again at the next frame
+                expected_time += gap / sample_rate
 
         def decoded_frames():
             packets = container.demux(stream)
@@ -140,14 +143,13 @@ def read_source_audio(
                     continue
                 yield from frames
 
-        first_time = None  # the first decoded frame's time, from which every later frame's place is read
+        expected_time = None  # where the next frame starts if the sound goes on without a jump (seconds)
         gaps: list[tuple[float, int]] = []  # (where, samples of silence put in) for each jump in the timestamps
         overlaps: list[tuple[float, int]] = []  # (where, samples dropped) for each step back in them
 
         for frame in decoded_frames():
             if lead is None:
                 lead = _lead_samples(frame.time, video_start, sample_rate)
-                first_time = frame.time
                 if num_samples is not None and lead >= num_samples:
                     note = (f"the soundtrack starts {lead / sample_rate:.2f} s after the first video frame, after the "
                             "processed video ends: the output has no audio")
@@ -159,27 +161,32 @@ def read_source_audio(
                                 "sync", path, abs(lead) / sample_rate, "after" if lead > 0 else "before",
                                 "silence put before it" if lead > 0 else "what comes before the frame dropped")
                 skip = max(-lead, 0)
-            elif first_time is not None and frame.time is not None:
+            elif expected_time is not None and frame.time is not None:
                 # Samples were joined end to end: a stretch of the stream with no audio packets (a capture's
                 # dropout, an edit) moved every later sound earlier by its length, out of sync with the picture.
-                # Each frame is put where its time says (FFmpeg's aresample=async does the same): silence in a
-                # gap, the repeated part of an overlap dropped. Jitter below TIMESTAMP_SLACK_S is left alone.
-                drift = round((frame.time - first_time) * sample_rate) - num_decoded
-                if drift > GAP_LIMIT_S * sample_rate or -drift > OVERLAP_LIMIT_S * sample_rate:
+                # A jump between one frame's end and the next one's time is made good (silence in a gap, the
+                # repeated part of an overlap dropped); the timestamps' slow wander is not followed (an AVI's VBR
+                # MP3 timed by its bytes wanders by a few hundred ms and back, though its sound is continuous),
+                # nor a jump under TIMESTAMP_SLACK_S (a VBR packet's timing error, Matroska's rounding).
+                jump = round((frame.time - expected_time) * sample_rate)
+                if jump > GAP_LIMIT_S * sample_rate or -jump > OVERLAP_LIMIT_S * sample_rate:
                     # A discontinuity (`cat a.ts b.ts`, whose second part's timestamps start again; a broadcast
                     # recording's clock jump): no overlap, and hardly a dropout, is that long, and dropping or
                     # silencing that much would lose the rest of the sound, while the picture, read frame by
-                    # frame, goes straight on. Joined end to end, as before; the timeline goes on from here.
+                    # frame, goes straight on. Joined end to end, as before.
                     logger.info("%s: the soundtrack's timestamps jump by %+.2f s at %.2f s; its sound is joined "
-                                "across the jump", path, drift / sample_rate, num_decoded / sample_rate)
-                    first_time = frame.time - num_decoded / sample_rate
-                elif drift > TIMESTAMP_SLACK_S * sample_rate:
-                    gaps.append((num_decoded / sample_rate, drift))  # where in the soundtrack, as played
-                    keep(np.zeros(drift, dtype=np.float32))
-                elif -drift > TIMESTAMP_SLACK_S * sample_rate:
-                    overlaps.append((num_decoded / sample_rate, -drift))
-                    num_decoded += drift  # back to this frame's place: its first -drift samples are dropped
-                    skip += -drift
+                                "across the jump", path, jump / sample_rate, num_decoded / sample_rate)
+                elif jump > TIMESTAMP_SLACK_S * sample_rate:
+                    gaps.append((num_decoded / sample_rate, jump))  # where in the soundtrack
+                    keep(np.zeros(jump, dtype=np.float32))
+                elif -jump > TIMESTAMP_SLACK_S * sample_rate:
+                    overlaps.append((num_decoded / sample_rate, -jump))
+                    num_decoded += jump  # back to this frame's place: its first -jump samples are dropped
+                    skip += -jump
+            if frame.time is not None:
+                expected_time = frame.time + frame.samples / frame.sample_rate
+            elif expected_time is not None:
+                expected_time += frame.samples / frame.sample_rate
             layout = (frame.format.name, frame.layout.name, frame.sample_rate)
             if layout != source_format:
                 # A broadcast recording switches stereo <-> 5.1 (or its rate) between programmes; PyAV's resampler
