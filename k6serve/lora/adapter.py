@@ -536,6 +536,8 @@ def _pattern_key(patterns: dict, module: str, where: str) -> str | None:
 # path between them, about len(path) ** count steps for a path that does not match (5 took 0.09 s a module, a
 # minute for a DiT's hundreds of modules; peft's own patterns hold one or two `.*`).
 _MAX_OPEN_REPEATS = 3
+_SHORT_REPEAT = 8  # a repeat of at most this many counts as a few literals, not as open-ended
+_MAX_REPEATS = 8  # repeats of any length
 
 
 def _check_pattern_cost(key: str, where: str) -> None:
@@ -552,7 +554,7 @@ def _check_pattern_cost(key: str, where: str) -> None:
     except re.error as exc:
         raise ValueError(f"{where} holds a pattern that is not a regular expression ({exc})") from None
     repeats = (parser.MAX_REPEAT, parser.MIN_REPEAT, getattr(parser, "POSSESSIVE_REPEAT", parser.MAX_REPEAT))
-    open_ended = 0
+    open_ended = any_repeats = 0
 
     def nested() -> ValueError:
         return ValueError(f"{where} holds the pattern {key!r}, with a repeat or an alternation inside a repeat, whose "
@@ -560,14 +562,17 @@ def _check_pattern_cost(key: str, where: str) -> None:
                           "module path (e.g. 'blocks\\.0\\.attn' or '.*to_q'), so write it without nesting them")
 
     def walk(items, inside_repeat: bool) -> None:
-        nonlocal open_ended
+        nonlocal open_ended, any_repeats
         for op, value in items:
             if op in repeats:
                 low, high, body = value
                 repeats_body = high > 1  # `?` (at most once) tries one split, not one per length
                 if inside_repeat and repeats_body:
                     raise nested()
-                open_ended += high == parser.MAXREPEAT
+                # `.{0,60}` splits a path as many ways as `.*` does on a module path's length; many short ones
+                # (`.{0,8}` thirty times) multiply as much.
+                open_ended += high > _SHORT_REPEAT
+                any_repeats += repeats_body
                 walk(body, inside_repeat or repeats_body)
             elif op == parser.SUBPATTERN:
                 walk(value[-1], inside_repeat)
@@ -578,10 +583,21 @@ def _check_pattern_cost(key: str, where: str) -> None:
                     walk(branch, inside_repeat)
             elif op in (parser.ASSERT, parser.ASSERT_NOT):
                 walk(value[1], inside_repeat)
+            elif op == getattr(parser, "ATOMIC_GROUP", None):  # (?>...): its inside backtracks as any other
+                walk(value, inside_repeat)
+            elif op == parser.GROUPREF_EXISTS:  # (?(1)yes|no)
+                for branch in value[1:]:
+                    if branch:
+                        walk(branch, inside_repeat)
 
     walk(parsed, False)
+    if any_repeats > _MAX_REPEATS:
+        raise ValueError(f"{where} holds the pattern {key!r}, with {any_repeats} repeats, whose matching can take "
+                         f"minutes on a path it does not match; use at most {_MAX_REPEATS} (peft's patterns hold one "
+                         "or two)")
     if open_ended > _MAX_OPEN_REPEATS:
-        raise ValueError(f"{where} holds the pattern {key!r}, with {open_ended} open-ended repeats (*, +, {{n,}}), "
+        raise ValueError(f"{where} holds the pattern {key!r}, with {open_ended} open-ended repeats (*, +, {{n,}}, "
+                         f"{{0,{_SHORT_REPEAT + 1}}} and longer), "
                          f"whose matching can take minutes on a path it does not match; use at most "
                          f"{_MAX_OPEN_REPEATS} (peft's patterns hold one or two '.*')")
 

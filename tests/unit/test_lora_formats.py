@@ -178,6 +178,11 @@ def test_header_and_json_must_agree(tmp_path):
     ({"rank_pattern": {".*.*.*.*Z": 4}}, r"rank_pattern holds the pattern '\.\*\.\*\.\*\.\*Z', with 4 "
                                          r"open-ended repeats"),
     ({"alpha_pattern": {"[": 3}}, r"alpha_pattern holds a pattern that is not a regular expression"),
+    # Inside an atomic group or a conditional, and bounded repeats that split a path as many ways.
+    ({"alpha_pattern": {"(?>([a-z_.0-9]+)+X)": 3}}, r"with a repeat or an alternation inside a repeat"),
+    ({"alpha_pattern": {"(a)?(?(1)([a-z_.0-9]+)+X|c)": 3}}, r"with a repeat or an alternation inside a repeat"),
+    ({"alpha_pattern": {".{0,60}" * 7 + "X": 3}}, r"with 7 open-ended repeats"),
+    ({"alpha_pattern": {".{0,8}" * 30 + "X": 3}}, r"with 30 repeats"),
 ])
 def test_a_config_option_k6serve_cannot_apply_is_refused(tmp_path, config, message):
     folder = _peft_folder(tmp_path / "peft", _factors(module_shapes(_dit(), [VIDEO_FFN])), **config)
