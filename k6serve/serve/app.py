@@ -461,7 +461,7 @@ def _allowed_dir(value: str, option: str) -> Path:
     flag, example = _flag_name(option), "./inputs" if option == "allowed_input_dir" else "./loras"
     if not str(value).strip():
         raise ValueError(f"{flag} is empty; pass a folder (e.g. {flag} {example}).")
-    folder = Path(value)
+    folder = Path(value).expanduser()  # a --config file's "~/loras" is not expanded by a shell
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{flag} {str(folder)!r} is a file, not a folder; pass the folder that holds the "
                          f"{'input files' if option == 'allowed_input_dir' else 'adapters'}.")

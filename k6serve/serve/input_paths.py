@@ -7,6 +7,7 @@ outside an allowed folder are refused alike.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,10 +72,10 @@ class LoraPathPolicy:
     symlinks resolved, and no hub id (a download is a path outside them)."""
 
     def __init__(self, allowed_dirs: tuple[Path, ...]) -> None:
-        self.allowed_dirs = tuple(Path(folder).resolve() for folder in allowed_dirs)
+        self.allowed_dirs = tuple(Path(folder).expanduser().resolve() for folder in allowed_dirs)
 
     def check(self, value: str | list[str | None] | None) -> str | list[str | None] | None:
-        """`value` (one path, a list of them, None entries reusing a loaded adapter) with each path resolved; a 400
+        """`value` (one path, a list of them, None entries reusing a loaded adapter) with each path absolute; a 400
         naming lora_path for one outside the allowed folders."""
         if not self.allowed_dirs or value is None:
             return value
@@ -103,7 +104,11 @@ class LoraPathPolicy:
         if not (resolved.is_file() or resolved.is_dir()):
             raise ApiError(400, f"lora_path {value!r} is not an existing file or folder; {where}.",
                            code="invalid_path", param="lora_path")
-        return str(resolved)
+        # The path as named, made absolute, not its link's target: the reader needs the link's name (a hub cache's
+        # snapshots/<rev>/adapter_model.safetensors points at a blob with no suffix) and folder (the
+        # adapter_config.json beside it, which sets the scale). Where it leads is checked above. Not normalised:
+        # `a/link/../b` is where the kernel goes through the link, which is what was checked, not `a/b`.
+        return os.path.join(os.getcwd(), os.path.expanduser(value))
 
 
 def check_readable(kind: str, path: str, *, param: str, uploaded: bool,

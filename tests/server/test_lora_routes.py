@@ -292,8 +292,16 @@ def test_allowed_lora_dirs_keep_set_lora_inside_them(tmp_path):
         with server.client() as client:
             for path in (str(loras / "style.safetensors"), str(loras / "style"), f"{loras}/style/../style.safetensors"):
                 assert client.post("/v1/set_lora", json={"lora_nickname": "a", "lora_path": path}).status_code == 200
-            resolved = server.worker.operations[-1].specs[0].path
-            assert resolved == str(loras / "style.safetensors")  # what the worker reads: resolved, inside
+            named = server.worker.operations[-1].specs[0].path
+            assert named == str(loras / "style" / ".." / "style.safetensors")  # absolute, as named
+            # A link inside to a file inside is read under its own name (a hub cache's snapshot links to a blob with
+            # no suffix; the adapter_config.json beside the link sets the scale).
+            (loras / "blobs").mkdir()
+            (loras / "blobs" / "3fa9").write_bytes(b"x")
+            (loras / "linked.safetensors").symlink_to(loras / "blobs" / "3fa9")
+            assert client.post("/v1/set_lora", json={"lora_nickname": "c", "lora_path": str(
+                loras / "linked.safetensors")}).status_code == 200
+            assert server.worker.operations[-1].specs[0].path == str(loras / "linked.safetensors")
             for path in (str(tmp_path / "secret.safetensors"), str(loras / "escape.safetensors"),
                          f"{loras}/../secret.safetensors", "someone/style-lora"):
                 refused = client.post("/v1/set_lora", json={"lora_nickname": "b", "lora_path": path})
