@@ -367,7 +367,7 @@ def test_png_encoder_round_trips():
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), pixels)
 
 
-@pytest.mark.parametrize(("channels", "kept"), [(6, 6), (2, 2), (10, 1)])
+@pytest.mark.parametrize(("channels", "kept"), [(1, 1), (2, 2), (6, 6), (8, 8), (10, 1)])
 def test_frames_with_surround_sound_upload_every_channel(tmp_path, channels, kept):
     """A 5.1 AUDIO input kept its first two channels only: the centre, where a film's dialogue is, was dropped
     before the server's downmix to mono. Every channel goes now (in FFmpeg's layout for its count); more than 8

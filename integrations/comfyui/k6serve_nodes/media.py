@@ -103,9 +103,12 @@ def _decode_audio(av, container) -> tuple[torch.Tensor | None, int]:
     if not container.streams.audio:
         return None, 0
     stream = container.streams.audio[0]
-    resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=stream.rate)
-    chunks = [resampled.to_ndarray() for frame in container.decode(stream) for resampled in resampler.resample(frame)]
-    chunks += [resampled.to_ndarray() for resampled in resampler.resample(None)]
+    # Packed samples, one plane, split into channels here: PyAV 18's planar frames of 8 channels crash to_ndarray.
+    channels = stream.channels
+    resampler = av.AudioResampler(format="flt", layout=stream.layout.name, rate=stream.rate)
+    chunks = [resampled.to_ndarray().reshape(-1, channels).T
+              for frame in container.decode(stream) for resampled in resampler.resample(frame)]
+    chunks += [resampled.to_ndarray().reshape(-1, channels).T for resampled in resampler.resample(None)]
     if not chunks:
         return None, 0
     waveform = torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))  # [channels, samples]
@@ -152,8 +155,10 @@ def _channels_for_aac(waveform: np.ndarray) -> tuple[np.ndarray, str]:
 def _encode_audio(av, container, stream, waveform: np.ndarray, layout: str, sample_rate: int) -> None:
     frame_size = stream.codec_context.frame_size or 1024
     for start in range(0, waveform.shape[1], frame_size):
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform[:, start:start + frame_size]),
-                                           format="fltp", layout=layout)
+        # Packed (interleaved) samples, one plane: PyAV 18 builds a planar frame of 8 channels wrongly (7.1 raised
+        # IndexError); the encoder converts to its own planar format.
+        chunk = waveform[:, start:start + frame_size]
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk.T.reshape(1, -1)), format="flt", layout=layout)
         frame.sample_rate = sample_rate
         frame.pts = start
         container.mux(stream.encode(frame))
