@@ -474,13 +474,16 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                 converted[key] = _config_value(actions[key], value)
             except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
                 raise ValueError(f"--config {args.config}: {actions[key].option_strings[0]}: {exc}") from None
+        file_gives_prompt = any(key in converted for key in ("prompt", "prompt_file_path"))
         for pair in _EITHER_OR_KEYS:
             # The command line wins over the file also where two keys exclude each other: --prompt-file-path typed
             # over a file's `prompt` replaces it, as --prompt would.
             if any(key in options for key in pair):
                 converted = {key: value for key, value in converted.items() if key not in pair}
-        if "prompt" in options and "prompt_file_path" not in options:
-            # The file's lines go with the file that --prompt replaced.
+        if (file_gives_prompt and ("prompt" in options or "prompt_file_path" in options)
+                and "prompt_file_lines" not in options):
+            # The file's lines go with the prompt file it named, which a typed --prompt or --prompt-file-path
+            # replaced (another file's lines 3-5 are other prompts). Lines alone in it pick from the typed file.
             converted.pop("prompt_file_lines", None)
         options = {**converted, **options}
     return options

@@ -711,7 +711,10 @@ def read_adapter(path: str) -> LoraAdapter:
         # named by mistake) was read whole, and copied into tensors, before its keys refused it.
         with safetensors.safe_open(str(file), framework="pt") as handle:
             unknown = [key for key in handle.keys() if _key_kind(key)[0] == "unknown"]
-        if unknown:
+            with_config = LORA_METADATA_KEY in (handle.metadata() or {})
+        # Not where a PEFT config comes with it: its options (modules_to_save, bias="all") add keys of their own, and
+        # the parse says which option, not only which keys.
+        if unknown and not with_config and not (file.parent / PEFT_CONFIG_FILE).is_file():
             raise _unknown_keys_error(unknown, str(file))
         # The file's bytes, read whole into memory, not mapped: `safe_open(...).get_tensor` gives CPU tensors that
         # share the file's mapping, so a loaded adapter was the bytes on disk now. A file copied over in place (cp,

@@ -353,6 +353,7 @@ def test_with_two_replicas_a_failure_stops_the_prompts_not_started(tiny_distill_
     # The file's lines go with the file --prompt replaced (it was refused: "--prompt-file-lines picks lines of...").
     ("prompt_file_path: PROMPTS\nprompt_file_lines: 2\n", ["--prompt", "typed"], ["typed"]),
     ("prompt_file_path: PROMPTS\nprompt_file_lines: 2\n", [], ["second"]),
+    ("prompt_file_path: other.txt\nprompt_file_lines: 2\n", ["--prompt-file-path", "PROMPTS"], ["first", "second"]),
 ])
 def test_the_command_line_wins_over_a_config_files_other_way_to_give_the_prompt(tiny_distill_dir, tmp_path,
                                                                                monkeypatch, capsys, in_file, typed,

@@ -265,7 +265,7 @@ def _component_load_errors(folder: Path, component: str):
             raise
         detail = (text.split(". If you want")[0].replace("Cannot load  because ", "").strip()
                   if "expected shape" in text else  # diffusers names the weight
-                  "a weight's shape differs from the config's; transformers' report above names it")
+                  "a weight's shape differs from the config's; transformers' warning in the log names it")
         raise CheckpointError(f"{component}'s weights in {folder / component} do not fit its config.json ({detail}). "
                               "The config and weights come from different repositories or revisions, or the config "
                               "was edited; copy or download the checkpoint again.") from exc

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k6serve.models.checkpoint_files import read_component_config
+from k6serve.models.checkpoint_files import CheckpointError, read_component_config
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.variants import Variant
 
@@ -16,7 +16,14 @@ def transformer_config_before_loading(variant: Variant, folder: Path | None) -> 
     transformer/config.json, or the released one when there is no folder to read (--load-format dummy, or a released
     hub id not downloaded yet). For the checks that refuse a request or a layout before a load of minutes."""
     config = read_component_config(folder, "transformer") if folder is not None else released_transformer_config(variant)
-    return Kandinsky6TransformerConfig.from_json_dict(config)
+    try:
+        return Kandinsky6TransformerConfig.from_json_dict(config)
+    except ValueError as exc:
+        if folder is None:
+            raise
+        # As the load says it (checkpoint.load_transformer): the file too.
+        raise CheckpointError(f"{folder / 'transformer' / 'config.json'}: {exc}; copy or download the checkpoint "
+                              "again.") from None
 
 
 def released_transformer_config(variant: Variant) -> dict:
