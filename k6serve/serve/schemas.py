@@ -476,7 +476,13 @@ def parse_memory_body(raw: Any, *, resume: bool) -> MemoryOccupationBody:
     return body
 
 
+# The answers' models: a field with a default is still always sent, so it is `required` in the document (a generated
+# TypeScript client typed `warnings?: string[]` and made every reader check for undefined).
+_ANSWER_CONFIG = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
 class MemoryReply(BaseModel):
+    model_config = _ANSWER_CONFIG
     status: Literal["ok", "already_released", "not_released"] = Field(
         description="'ok' when memory moved; otherwise nothing changed (released twice, or resumed while not "
                     "released).")
@@ -489,21 +495,25 @@ class MemoryReply(BaseModel):
 
 
 class LoraResult(BaseModel):
+    model_config = _ANSWER_CONFIG
     status: Literal["ok"] = "ok"
     message: str
     loras: list[dict[str, Any]] = Field(description="The loaded adapters and their state, one object each.")
 
 
 class LoraList(BaseModel):
+    model_config = _ANSWER_CONFIG
     loras: list[dict[str, Any]] = Field(description="The loaded adapters and their state, one object each.")
 
 
 class JobError(BaseModel):
+    model_config = _ANSWER_CONFIG
     code: str
     message: str
 
 
 class VideoJob(BaseModel):
+    model_config = _ANSWER_CONFIG
     id: str
     object: Literal["video"] = "video"
     model: str
@@ -530,6 +540,7 @@ class VideoJob(BaseModel):
 
 
 class VideoList(BaseModel):
+    model_config = _ANSWER_CONFIG
     object: Literal["list"] = "list"
     data: list[VideoJob]
     first_id: str | None
@@ -547,12 +558,14 @@ class VideoCancelled(VideoJob):
 
 
 class VideoDeleted(BaseModel):
+    model_config = _ANSWER_CONFIG
     id: str
     object: Literal["video.deleted"] = "video.deleted"
     deleted: bool = True
 
 
 class ModelCard(BaseModel):
+    model_config = _ANSWER_CONFIG
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -568,11 +581,13 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    model_config = _ANSWER_CONFIG
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class ErrorDetail(BaseModel):
+    model_config = _ANSWER_CONFIG
     message: str
     type: str
     param: str | None
@@ -580,6 +595,7 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    model_config = _ANSWER_CONFIG
     error: ErrorDetail
 
 

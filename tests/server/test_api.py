@@ -589,6 +589,8 @@ def _check_generator_ready(schema: dict) -> None:
     form = components["VideoCreateForm"]["properties"]
     assert not any({"type": "null"} in value.get("anyOf", ()) for value in form.values())
     assert form["input_reference"]["description"] == "Uploaded file, used as image_path."
+    # Always sent, so required (TypeScript typed them `warnings?: string[]`); test_json_create_... reads them all.
+    assert {"warnings", "url", "error", "seed", "size"} <= set(components["VideoJob"]["required"])
 
 
 def test_a_keyed_servers_document_says_so_and_its_docs_open_in_a_browser(tmp_path):
