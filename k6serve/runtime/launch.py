@@ -69,9 +69,25 @@ def rendezvous_store(timeout_s: float) -> dist.TCPStore:
     Before, the engine picked a free port and rank 0 bound it seconds later, after its interpreter had started and
     imported torch: a port taken in between by anything else on the host failed the whole start ("address already
     in use"). Bound by the engine, the port is never free between choosing and binding. The engine keeps the store
-    while its ranks live (`MultiProcessWorker.close` drops it)."""
-    return dist.TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    while its ranks live (`MultiProcessWorker.close` drops it).
+
+    On the loopback only: given a port, TCPStore listens on every interface, so the unauthenticated store, where any
+    client may set keys the ranks read (a group's communicator ids), was open to the network for the engine's life
+    (and on a Mac asked the firewall for it). The socket is bound here and handed over; a torch that cannot take it
+    gets the port as before."""
+    timeout = timedelta(seconds=timeout_s)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOCAL_HOST, 0))
+        listener.listen(128)
+        store = dist.TCPStore(LOCAL_HOST, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=timeout, master_listen_fd=listener.fileno())
+    except (TypeError, RuntimeError, ValueError) as exc:
+        listener.close()
+        logger.debug("TCPStore took no listening socket (%s); it binds its own port", exc)
+        return dist.TCPStore(LOCAL_HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    listener.detach()  # the store's server owns the descriptor now (closing ours would close its socket)
+    return store
 
 
 def device_type_for(device: str) -> str:

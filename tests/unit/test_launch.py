@@ -123,6 +123,25 @@ def test_gpus_asked_for_without_a_visible_gpu_are_warned_of(caplog):
     assert "pass --device cpu if that is what you want" in caplog.records[0].getMessage()
 
 
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's table of listening sockets")
+def test_the_rendezvous_store_listens_on_the_loopback_only():
+    """Given a port, TCPStore listened on every interface: the unauthenticated store, whose keys the ranks read, was
+    open to the network for the engine's life."""
+    from k6serve.runtime.launch import rendezvous_store
+
+    from datetime import timedelta
+
+    store = rendezvous_store(10.0)
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    listening = {line.split()[1] for table in tables if table.exists()
+                 for line in table.read_text().splitlines()[1:] if line.split()[3] == "0A"}  # LISTEN, hex IP:PORT
+    ours = {address for address in listening if address.endswith(f":{store.port:04X}")}
+    assert ours == {f"0100007F:{store.port:04X}"}  # not 0.0.0.0, nor IPv6's [::] (every interface, both families)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("key", "value")
+    assert store.get("key") == b"value"
+
+
 def test_torchrun_environment_is_parsed():
     environ = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
     spec = torchrun_rank(environ, world_size=4, device_type="cpu", timeout_s=5)
