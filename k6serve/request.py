@@ -79,13 +79,13 @@ class SamplingParams:
     )
     image_path: str | None = _param("Conditioning image for text+image-to-video+audio (TI2AV).")
     video_path: str | None = _param("Source video for super-resolution (VSR models).")
-    seed: int | None = _param("Random seed (default 42).")
-    height: int | None = _param("Output height in pixels, a multiple of 16 (default 512; demo 64).")
-    width: int | None = _param("Output width in pixels, a multiple of 16 (default 768; demo 96).")
+    seed: int | None = _param("Random seed, 0 to 2**63 - 1 (default 42).")
+    height: int | None = _param("Output height in pixels, a multiple of 16 up to 2048 (default 512; demo 64).")
+    width: int | None = _param("Output width in pixels, a multiple of 16 up to 2048 (default 768; demo 96).")
     num_frames: int | None = _param("Number of frames, of the form 4k+1 (default 121; demo 17).")
-    fps: float | None = _param("Frame rate of the output; sets the audio length (default 24).")
+    fps: float | None = _param("Frame rate of the output, 1 to 240; sets the audio length (default 24).")
     num_inference_steps: int | None = _param(
-        "Denoising steps (Pro/Lite 50, distilled 10; VSR always runs its 2 PiFlow steps)."
+        "Denoising steps, 1 to 1000 (Pro/Lite 50, distilled 10; VSR always runs its 2 PiFlow steps)."
     )
     guidance_scale: float | None = _param(
         "Classifier-free guidance scale (Pro/Lite 5.0; distilled models require exactly 1.0)."
@@ -99,7 +99,7 @@ class SamplingParams:
         "VSR delivery size, downscale only: hd, fullhd, 2k or WxH with even sides of at least 16 (default: none)."
     )
     sr_target_resize_mode: str | None = _param(
-        "VSR target resize mode, with --sr-target-resolution: fit (default) or exact.")
+        "VSR target resize mode, with sr_target_resolution (--sr-target-resolution): fit (default) or exact.")
     enable_cache_dit: bool | None = _param(
         "Cache-DiT step caching (generation models): on steps whose first DiT blocks barely changed the output, "
         "skip the middle blocks and reuse their last residual. Faster, lossy, meant for the 50-step Pro/Lite. "
