@@ -4,6 +4,8 @@ importing the CLI."""
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 from tqdm import tqdm
@@ -18,6 +20,10 @@ class StepBar:
     0.7 s). A step reported again (the decode's chunk boundaries repeat the last) draws nothing: every redraw is a
     new line where stderr is not a terminal. A step count that starts over (a new total, or a lower step) opens a
     new bar, or resets the open one.
+
+    Where the stream is no terminal (a CI log, a service's journal, `2>log`) and no notebook, whose output cell
+    handles a bar's carriage returns, it writes plain lines instead, at each tenth of the steps and the last: the
+    bar's redraws were one line of `\r`-joined frames there.
     """
 
     def __init__(self, description: str, **tqdm_options: Any) -> None:
@@ -25,8 +31,15 @@ class StepBar:
         self.tqdm_options = tqdm_options
         self.bar: tqdm | None = None
         self.finished = False
+        stream = tqdm_options.get("file") or sys.stderr
+        self.lines = not (_is_terminal(stream) or "ipykernel" in sys.modules)
+        self._shown = (0, -1)  # line mode: (total, tenth) of the last line written
+        self._started = 0.0
 
     def update(self, step: int, total: int) -> None:
+        if self.lines:
+            self._write_line(step, total)
+            return
         bar = self.bar
         if bar is None or (self.finished and (step < bar.n or total != bar.total)):
             self.bar = bar = tqdm(desc=self.description, unit="step", total=total, initial=step, **self.tqdm_options)
@@ -45,3 +58,22 @@ class StepBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def _write_line(self, step: int, total: int) -> None:
+        shown_total, shown_tenth = self._shown
+        if total != shown_total or step * 10 // max(total, 1) < shown_tenth:  # a count that starts over
+            shown_tenth, self._started = -1, time.monotonic()
+        tenth = step * 10 // max(total, 1)
+        if tenth <= shown_tenth or (tenth == shown_tenth and step < total):
+            return
+        self._shown = (total, tenth)
+        stream = self.tqdm_options.get("file") or sys.stderr
+        print(f"{self.description}: {step}/{total} steps, {time.monotonic() - self._started:.1f} s", file=stream,
+              flush=True)
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or closed
+        return False

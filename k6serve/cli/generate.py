@@ -330,11 +330,32 @@ def _line_ranges(labels: list[str]) -> str:
     return ", ".join(named + others)
 
 
+class StdoutFailed(Exception):
+    """Standard output could not take the results (`| head -1` closed it, `>/dev/full`): told as such, not as the
+    disk or file error its OSError reads as ("No space left on device; free space on that disk" for /dev/full, a
+    video saved), and the same whether Python buffers stdout or not (buffered, the failure surfaced only at exit,
+    where it was ignored: exit 0 with the results lost)."""
+
+    def __init__(self, error: OSError, saved: str | None) -> None:
+        super().__init__(error)
+        self.error = error
+        self.saved = saved
+
+
+def _out(text: str, saved: str | None = None) -> None:
+    """One result line (or table) on stdout, flushed now so a failure is this line's; `saved`: the video it is about."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        raise StdoutFailed(exc, saved) from exc
+
+
 def _print_result(result) -> None:
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(format_timings(result))
-    print(format_summary(result))
+    _out(format_timings(result), result.output_file_path)
+    _out(format_summary(result), result.output_file_path)
 
 
 class _Batch:
@@ -540,7 +561,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             raise progress.interrupted(from_file=from_file) from exc
         raise
     if from_file and len(checked) > 1:
-        print(_batch_report(progress.done, None, [], len(checked)))
+        _out(_batch_report(progress.done, None, [], len(checked)))
     return 0
 
 

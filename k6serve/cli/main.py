@@ -609,6 +609,7 @@ EXIT_USER_ERROR = 2
 EXIT_SYSTEM_ERROR = 1
 EXIT_INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout (`| head -1`) stopped reading
 
 
 def _leave_a_hung_up_terminal() -> None:
@@ -835,34 +836,63 @@ def main(argv: list[str] | None = None) -> int:
         _print_traceback(exc, args.log_level)
         print(f"error: {describe_os_error(exc, request.get('output_path', 'outputs'))}", file=sys.stderr)
         return EXIT_SYSTEM_ERROR
-    except Exception as exc:  # noqa: BLE001 - anything else is a bug: one line, the traceback at debug level
+    except Exception as exc:
+        from k6serve.cli.generate import StdoutFailed
+
+        if not isinstance(exc, StdoutFailed):
+            return _unexpected(exc, args, engine)
         _print_traceback(exc, args.log_level)
-        # A dependency missing from this environment is the machine's fault, not a bug (one of our own modules
-        # missing is, and falls through).
-        from k6serve.dependencies import MissingPackage, describe_missing_package, missing_package
+        # Nothing more can reach stdout: what is still buffered would fail again at exit.
+        _detach_stdout()
+        if exc.error.errno == errno.EPIPE:
+            # The reader stopped reading (`| head -1`): as a program killed by SIGPIPE, quietly.
+            return EXIT_BROKEN_PIPE
+        saved = f"; the video was saved: {exc.saved}" if exc.saved else ""
+        print(f"error: cannot write the results to standard output ({exc.error.strerror or exc.error}){saved}.",
+              file=sys.stderr)
+        return EXIT_SYSTEM_ERROR
 
-        if missing_package(exc):
-            # A MissingPackage (checked before the load) already says what needed it.
-            message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(exc.name)
-            print(f"error: {message}", file=sys.stderr)
-            return EXIT_SYSTEM_ERROR
-        # torch: imported only when a run failed
-        from k6serve.runtime.out_of_memory import WorkerKilled, is_out_of_memory
 
-        if is_out_of_memory(exc):
-            print(f"error: {describe_out_of_memory(exc, engine)}", file=sys.stderr)
-            return EXIT_SYSTEM_ERROR
-        if isinstance(exc, WorkerKilled):  # a rank ended by a signal (the OOM killer's SIGKILL): not our bug
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_SYSTEM_ERROR
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        summary = lines[0] if lines else ""
-        if summary.endswith(":") and len(lines) > 1:
-            # A header over a worker's traceback ("replica 0 failed to start:"): its last line is the error itself.
-            summary = f"{summary} {lines[-1]}"
-        print(f"error: internal error ({type(exc).__name__}: {summary}); this is a bug in k6serve: rerun with "
-              "--log-level debug for the traceback and report it.", file=sys.stderr)
-        return EXIT_INTERNAL_ERROR
+
+def _detach_stdout() -> None:
+    """Point fd 1 and sys.stdout at /dev/null, so the exit's flush of what is still buffered does not fail again."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    with contextlib.suppress(Exception):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+
+
+def _unexpected(exc: Exception, args: argparse.Namespace, engine: dict[str, Any]) -> int:
+    """Anything else is a bug, or the machine's: one line, the traceback at debug level."""
+    _print_traceback(exc, args.log_level)
+    # A dependency missing from this environment is the machine's fault, not a bug (one of our own modules
+    # missing is, and falls through).
+    from k6serve.dependencies import MissingPackage, describe_missing_package, missing_package
+
+    if missing_package(exc):
+        # A MissingPackage (checked before the load) already says what needed it.
+        message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(exc.name)
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_SYSTEM_ERROR
+    # torch: imported only when a run failed
+    from k6serve.runtime.out_of_memory import WorkerKilled, is_out_of_memory
+
+    if is_out_of_memory(exc):
+        print(f"error: {describe_out_of_memory(exc, engine)}", file=sys.stderr)
+        return EXIT_SYSTEM_ERROR
+    if isinstance(exc, WorkerKilled):  # a rank ended by a signal (the OOM killer's SIGKILL): not our bug
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_SYSTEM_ERROR
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    summary = lines[0] if lines else ""
+    if summary.endswith(":") and len(lines) > 1:
+        # A header over a worker's traceback ("replica 0 failed to start:"): its last line is the error itself.
+        summary = f"{summary} {lines[-1]}"
+    print(f"error: internal error ({type(exc).__name__}: {summary}); this is a bug in k6serve: rerun with "
+          "--log-level debug for the traceback and report it.", file=sys.stderr)
+    return EXIT_INTERNAL_ERROR
 
 
 def console_main() -> typing.NoReturn:

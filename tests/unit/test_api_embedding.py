@@ -210,7 +210,7 @@ def test_progress_bar_shows_the_steps_beside_on_progress(tiny_distill_dir, capsy
         generator.generate({**SMALL, "num_inference_steps": 3}, progress_bar=True,
                            on_progress=lambda step, total: seen.append(step))
         err = capsys.readouterr().err
-        assert "denoising: 100%" in err and "3/3" in err
+        assert "denoising: 3/3 steps" in err  # plain lines: pytest's stderr is no terminal (nor a notebook)
         assert seen[:3] == [1, 2, 3]
         generator.generate(SMALL)
         assert "denoising" not in capsys.readouterr().err  # off unless asked for

@@ -984,7 +984,8 @@ def test_debug_prints_the_traceback_above_a_user_error_too(capsys, tmp_path):
     assert err.strip().splitlines()[-1].startswith("error: fps must be between 1 and 240")
 
 
-def test_the_progress_bar_draws_each_step_once_at_an_honest_rate(in_process_cli, tmp_path, capsys):
+def test_the_progress_bar_draws_each_step_once_at_an_honest_rate(in_process_cli, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("k6serve.step_bar._is_terminal", lambda stream: True)  # the bar, as on a terminal
     assert main([*in_process_cli, "--num-inference-steps", "4", "--output-path", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     draws = re.findall(r"denoising: +\d+%\|[^|]*\| (\d+)/(\d+) \[[^,\]]*(?:, *([0-9.]+)step/s)?", err)
@@ -1010,13 +1011,24 @@ def test_cli_a_damaged_local_checkpoint_is_refused_before_the_workers_start(no_m
     assert f"error: {weights} is damaged" in err and "copy or download it again" in err
 
 
-def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode():
+def test_progress_is_plain_lines_where_stderr_is_no_terminal(in_process_cli, tmp_path, capsys):
+    """In a CI log or `2>log` the bar's redraws were one line of carriage-return-joined frames."""
+    assert main([*in_process_cli, "--num-inference-steps", "20", "--output-path", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "\rdenoising" not in err and "%|" not in err.split("denoising", 1)[1]
+    counts = re.findall(r"^denoising: (\d+)/20 steps, [0-9.]+ s$", err, re.MULTILINE)
+    # The first step (it started), then each tenth once, the last once despite the decode's repeats of it.
+    assert counts == ["1", *(str(step) for step in range(2, 21, 2))]
+
+
+def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode(monkeypatch):
     """The bar closed only after the decode, so its last line counted the decode in the rate (3 s/step where the
     steps took 0.7 s). The decode's repeats of the last step draw nothing; a count that starts over opens a bar."""
     import io
 
     from k6serve.step_bar import StepBar
 
+    monkeypatch.setattr("k6serve.step_bar._is_terminal", lambda stream: True)
     out = io.StringIO()
     bar = StepBar("denoising", file=out)
     for step in (1, 2, 3, 4):

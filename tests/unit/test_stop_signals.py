@@ -99,7 +99,9 @@ def test_ranks_exit_when_the_engine_is_killed_while_they_start(tmp_path, _demo_c
     monkeypatch.setenv("K6SERVE_CACHE", str(_demo_cache_dir))
     process, err = _start_generate(tmp_path)
     try:
-        assert _wait_until(lambda: _rank_started(process.pid), 60)
+        # The rank has read what spawn hands it and logs (killed before, while the engine still wrote it to the
+        # rank's pipe, the rank ended in an EOFError of its unpickling instead: a busy CI machine's flake).
+        assert _wait_until(lambda: _rank_started(process.pid) and "[rank 0]" in err.read_text(), 60)
         os.kill(process.pid, signal.SIGKILL)
         process.wait(10)
         assert _wait_until(lambda: not _group_members(process.pid), 15), _group_members(process.pid)
