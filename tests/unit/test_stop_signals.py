@@ -200,3 +200,25 @@ def test_closing_the_terminal_stops_the_request_with_exit_code_129(tmp_path, _de
     assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP, seen[-500:]
     assert list((tmp_path / "out").iterdir()) == []
     assert _wait_until(lambda: not _group_members(pid), 10), _group_members(pid)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("buffered", [True, False])
+def test_results_that_stdout_cannot_take_are_told_as_such_buffered_or_not(tmp_path, _demo_cache_dir, buffered):
+    """`>/dev/full` exited 0 with the results lost (buffered stdout: the failure came at exit, ignored) or 1 with
+    'No space left on device; free space on that disk' (unbuffered), the video saved either way."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    env.update(K6SERVE_CACHE=str(_demo_cache_dir), **({} if buffered else {"PYTHONUNBUFFERED": "1"}))
+    command = [sys.executable, "-m", "k6serve.cli.main", "generate", "--model-path", "demo", "--prompt", "a fox",
+               "--output-path", str(tmp_path / "out")]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=180)
+    saved = next((tmp_path / "out").iterdir())
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.rstrip().endswith(f"error: cannot write the results to standard output (No space left on "
+                                         f"device); the video was saved: {tmp_path / 'out' / saved.name}.")
+    # A reader that stops reading (`| head -1`): quietly, as a program killed by SIGPIPE.
+    reader = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    reader.stdout.close()
+    assert reader.wait(180) == 141
+    assert "error" not in reader.stderr.read()
