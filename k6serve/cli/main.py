@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -330,7 +331,19 @@ def load_config_file(path: str) -> dict[str, Any]:
                              ) from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} must hold a mapping of flag names to values")
-    return {str(key).lstrip("-").replace("-", "_"): value for key, value in data.items()}
+    options = {str(key).lstrip("-").replace("-", "_"): value for key, value in data.items()}
+    for key, value in options.items():
+        # A shell expands $VAR on the command line; a file's value arrives as written: `output-path: ${OUT}/videos`
+        # wrote into a folder named "${OUT}" under the working folder, with no word.
+        if key.endswith(("_path", "_dir", "_config", "_store")) and isinstance(value, str) and _ENV_REFERENCE.search(
+                value):
+            raise ValueError(f"--config {path}: {key.replace('_', '-')} {value!r} names an environment variable, "
+                             "which k6serve does not expand in a config file; write the value out, or pass it as a "
+                             "flag, which the shell expands.")
+    return options
+
+
+_ENV_REFERENCE = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 
 
 _COMPONENT_LIST_FLAGS = ("cpu_offload_components", "layerwise_offload_components", "component_residency")

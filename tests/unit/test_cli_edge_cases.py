@@ -1021,6 +1021,15 @@ def test_progress_is_plain_lines_where_stderr_is_no_terminal(in_process_cli, tmp
     assert counts == ["1", *(str(step) for step in range(2, 21, 2))]
 
 
+def test_a_config_path_naming_an_environment_variable_is_refused(tmp_path, capsys, no_model_load):
+    """`output-path: ${OUT}/videos` wrote into a folder named "${OUT}" under the working folder, exit 0."""
+    config = tmp_path / "run.yaml"
+    config.write_text("output-path: ${OUT}/videos\nprompt: a $5 bill\n")  # a prompt may hold a dollar sign
+    assert main(["generate", "--model-path", "demo", "--config", str(config)]) == 2
+    assert ("output-path '${OUT}/videos' names an environment variable, which k6serve does not expand in a config "
+            "file; write the value out, or pass it as a flag") in capsys.readouterr().err
+
+
 def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode(monkeypatch):
     """The bar closed only after the decode, so its last line counted the decode in the rate (3 s/step where the
     steps took 0.7 s). The decode's repeats of the last step draw nothing; a count that starts over opens a bar."""
