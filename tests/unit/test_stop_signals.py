@@ -108,7 +108,11 @@ def test_ranks_exit_when_the_engine_is_killed_while_they_start(tmp_path, _demo_c
     finally:
         for pid in _group_members(process.pid):
             os.kill(pid, signal.SIGKILL)
-    assert f"the engine process {process.pid} that started it is gone; exiting." in err.read_text()
+    # Told by the watcher of the parent while it loads, or by the engine's connection once it serves (the tiny demo
+    # may be past its load by the time the kill lands).
+    said = err.read_text()
+    assert (f"the engine process {process.pid} that started it is gone; exiting." in said
+            or "the engine closed its connection; replica 0 shuts down" in said), said
 
 
 def test_a_process_exiting_with_its_ranks_alive_does_not_wait_for_them_forever(tmp_path, _demo_cache_dir):
