@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 class StepBar:
@@ -17,9 +18,8 @@ class StepBar:
     Opened at the first step, so a request rejected before it runs prints no empty bar above its error; the steps
     before it opened are its `initial`, not counted in its rate (it opened at 190,000 step/s). Closed at the last
     step: the decode that follows would otherwise count in the final rate (it read 3 s/step where the steps took
-    0.7 s). A step reported again (the decode's chunk boundaries repeat the last) draws nothing: every redraw is a
-    new line where stderr is not a terminal. A step count that starts over (a new total, or a lower step) opens a
-    new bar, or resets the open one.
+    0.7 s). A step reported again (the decode's chunk boundaries repeat the last) draws nothing. A step count that
+    starts over (a new total, or a lower step) opens a new bar, or resets the open one.
 
     Where the stream is no terminal (a CI log, a service's journal, `2>log`) and no notebook, whose output cell
     handles a bar's carriage returns, it writes plain lines instead, at each tenth of the steps and the last: the
@@ -32,7 +32,7 @@ class StepBar:
         self.bar: tqdm | None = None
         self.finished = False
         stream = tqdm_options.get("file") or sys.stderr
-        self.lines = not (_is_terminal(stream) or "ipykernel" in sys.modules)
+        self.lines = not (is_terminal(stream) or "ipykernel" in sys.modules)
         self._shown = (0, -1)  # line mode: (total, tenth) of the last line written
         self._started = 0.0
 
@@ -42,6 +42,8 @@ class StepBar:
             return
         bar = self.bar
         if bar is None or (self.finished and (step < bar.n or total != bar.total)):
+            from tqdm import tqdm  # here: `is_terminal` is imported by the CLI's entry, which stays light
+
             self.bar = bar = tqdm(desc=self.description, unit="step", total=total, initial=step, **self.tqdm_options)
             self.finished = False
         elif self.finished:
@@ -61,10 +63,10 @@ class StepBar:
 
     def _write_line(self, step: int, total: int) -> None:
         shown_total, shown_tenth = self._shown
-        if total != shown_total or step * 10 // max(total, 1) < shown_tenth:  # a count that starts over
-            shown_tenth, self._started = -1, time.monotonic()
         tenth = step * 10 // max(total, 1)
-        if tenth <= shown_tenth or (tenth == shown_tenth and step < total):
+        if total != shown_total or tenth < shown_tenth:  # a count that starts over
+            shown_tenth, self._started = -1, time.monotonic()
+        if tenth <= shown_tenth:
             return
         self._shown = (total, tenth)
         stream = self.tqdm_options.get("file") or sys.stderr
@@ -72,7 +74,8 @@ class StepBar:
               flush=True)
 
 
-def _is_terminal(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
+    """Whether `stream` is a terminal; False for a replaced stream without isatty, or a closed one."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):  # no isatty, or closed

@@ -222,7 +222,8 @@ def parse_line_selection(spec: str) -> list[tuple[int, int | None]]:
     ranges: list[tuple[int, int | None]] = []
     for part in spec.replace(" ", "").split(","):
         first, dash, last = part.partition("-")
-        if not first.isdecimal() or (last and not last.isdecimal()) or int(first) < 1 or (last and int(last) < int(first)):
+        if (not first.isdecimal() or (last and not last.isdecimal()) or int(first) < 1
+                or (last and int(last) < int(first))):
             raise ValueError(f"--prompt-file-lines {spec!r}: {part!r} is not a line number or range; write lines "
                              "as the stopped run's report names them, e.g. 5, 3-200 or 3-5,9,12- (12 to the end).")
         ranges.append((int(first), int(last) if last else (None if dash else int(first))))

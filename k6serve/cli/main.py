@@ -43,6 +43,7 @@ from k6serve.config import (
 from k6serve.reference_names import aliases, aliases_of, own_name_note, unknown_names_hint, value_fix
 from k6serve.reference_names import lookup as lookup_reference_name
 from k6serve.request import SamplingParams, parameter_fields
+from k6serve.step_bar import is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -777,13 +778,6 @@ def _check_lora_flags(command: str, engine_options: dict[str, Any], request_opti
         check_start_adapter(config)
 
 
-def _is_terminal(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _printable_stdout()
@@ -797,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     from k6serve.rank_logging import configure_logging
 
     configure_logging(getattr(logging, args.log_level.upper()), LOG_FORMAT)
-    if logging.getLogger().getEffectiveLevel() > logging.INFO or not _is_terminal(sys.stderr):
+    if logging.getLogger().getEffectiveLevel() > logging.INFO or not is_terminal(sys.stderr):
         # Above info, the libraries' progress bars go too (transformers' "Loading weights", two per rank at every
         # start, and hub downloads'): huggingface_hub reads this when imported, here and in the rank processes,
         # which inherit the environment. k6serve's own denoising bar on the console stays. So do they when stderr
@@ -864,7 +858,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write the results to standard output ({exc.error.strerror or exc.error}){saved}.",
               file=sys.stderr)
         return EXIT_SYSTEM_ERROR
-
 
 
 def _detach_stdout() -> None:

@@ -523,9 +523,8 @@ def _check_config_variants(config: _LoraConfig, magnitudes: dict[str, torch.Tens
 
 
 def _pattern_key(patterns: dict, module: str, where: str) -> str | None:
-    """The first of `patterns` that matches the end of `module`'s path, as peft's `get_pattern_key` finds it."""
-    for key in patterns:
-        _check_pattern_cost(key, where)
+    """The first of `patterns` that matches the end of `module`'s path, as peft's `get_pattern_key` finds it
+    (`_config_alphas` has checked each pattern's cost, once, before the first module)."""
     try:
         return next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
     except re.error as exc:
@@ -541,10 +540,10 @@ _MAX_REPEATS = 8  # repeats of any length
 
 
 def _check_pattern_cost(key: str, where: str) -> None:
-    """Refuse an alpha_pattern / rank_pattern key whose matching would not end in any useful time: a repeat inside
-    an open-ended repeat (`([a-z_.]+)+X` hung the loader, the server's set_lora among them, at 100% CPU, as a
-    28-character path took 8 s), or more than `_MAX_OPEN_REPEATS` open-ended repeats. The file comes from someone
-    else; its patterns are checked before they are matched."""
+    """Refuse an alpha_pattern / rank_pattern key whose matching would not end in any useful time: a repeat or an
+    alternation inside a repeat (`([a-z_.]+)+X` hung the loader, the server's set_lora among them, at 100% CPU, as a
+    28-character path took 8 s), more than `_MAX_OPEN_REPEATS` open-ended repeats, or more than `_MAX_REPEATS`
+    repeats of any length. The file comes from someone else; its patterns are checked before they are matched."""
     import re._parser as parser  # the stdlib's parser of the patterns re compiles (Python >= 3.11)
 
     if not isinstance(key, str):
@@ -614,6 +613,8 @@ def _config_alphas(config: _LoraConfig, downs: dict[str, torch.Tensor], source: 
         patterns[field] = fields.get(field) or {}
         if not isinstance(patterns[field], dict):
             raise ValueError(f"{where}'s {field} must be an object (pattern -> value), got {patterns[field]!r}")
+        for key in patterns[field]:  # before any is matched, and once, not for each of the DiT's modules
+            _check_pattern_cost(key, f"{where}'s {field}")
     alphas = {}
     for module, down in downs.items():
         rank_key = _pattern_key(patterns["rank_pattern"], module, f"{where}'s rank_pattern")

@@ -53,7 +53,8 @@ def decode_video_chunks(vae, video_BTHWC: torch.Tensor, *,
 
     Without temporal tiling (a short clip, or a VAE this file does not mirror) there is one chunk, from
     `decode_video`, and `between_chunks()` runs once after it: a cancel that came after the last step was not
-    looked at again, and the audio decode and the MP4 went on (a cancelled short request kept its file). Chunk i is handed out after tile i + 1 is queued, so on a GPU the device-to-host copy of
+    looked at again, and the audio decode and the MP4 went on (a cancelled short request kept its file). Chunk i is
+    handed out after tile i + 1 is queued, so on a GPU the device-to-host copy of
     chunk i and the caller's work on it overlap the decode of the next tile. `between_chunks()` runs after each
     temporal tile is decoded (the last one included: what follows is only the caller's work on the frames); the
     number of calls depends on the latents' shape and the VAE alone, the same on every rank.

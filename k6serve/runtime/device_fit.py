@@ -70,7 +70,8 @@ def _weights_before_loading(config: EngineConfig) -> tuple[float, str] | None:
         return None  # the load reports it, in its words
     name = repr(str(model.model_path))
     if folder is not None:
-        on_disk = sum(path.stat().st_size for path in Path(folder).rglob("*.safetensors") if path.is_file())
+        # The components' weights, where the loaders read (checkpoint_files.check_checkpoint_files: not the tree).
+        on_disk = sum(path.stat().st_size for path in Path(folder).glob("*/*.safetensors") if path.is_file())
         return on_disk * 2, name  # released weights are bf16 on disk
     if variant is None or variant.is_demo or variant.size not in _RELEASED_PARAMETERS:
         return None

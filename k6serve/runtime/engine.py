@@ -261,7 +261,8 @@ class Engine:
     async def agenerate(self, params: SamplingParams, output: OutputOptions | None = None, *,
                         on_progress: ProgressCallback | None = None) -> VideoResult:
         """`generate` for asyncio: awaits the request without blocking the event loop. Cancelling the awaiting task
-        (asyncio.wait_for's timeout, task.cancel()) cancels the request at its next step boundary; `await asyncio.to_thread(generate, ...)` left it running to its end, its file written, the next
+        (asyncio.wait_for's timeout, task.cancel()) cancels the request at its next step boundary; `await
+        asyncio.to_thread(generate, ...)` left it running to its end, its file written, the next
         request waiting behind it."""
         import asyncio
 

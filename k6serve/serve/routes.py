@@ -890,8 +890,8 @@ async def _lora_route(request: Request, model: type, build) -> JSONResponse:
 async def set_lora(request: Request) -> JSONResponse:
     lora_paths = _ctx(request).lora_paths
     return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
-        body.lora_nickname, lora_paths.check(body.lora_path), body.strength, merge_mode=body.merge_mode, target=body.target,
-        lora_alpha=body.lora_alpha, names={"nickname": "lora_nickname", "path": "lora_path"}))
+        body.lora_nickname, lora_paths.check(body.lora_path), body.strength, merge_mode=body.merge_mode,
+        target=body.target, lora_alpha=body.lora_alpha, names={"nickname": "lora_nickname", "path": "lora_path"}))
 
 
 @router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,

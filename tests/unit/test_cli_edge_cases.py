@@ -985,7 +985,7 @@ def test_debug_prints_the_traceback_above_a_user_error_too(capsys, tmp_path):
 
 
 def test_the_progress_bar_draws_each_step_once_at_an_honest_rate(in_process_cli, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("k6serve.step_bar._is_terminal", lambda stream: True)  # the bar, as on a terminal
+    monkeypatch.setattr("k6serve.step_bar.is_terminal", lambda stream: True)  # the bar, as on a terminal
     assert main([*in_process_cli, "--num-inference-steps", "4", "--output-path", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     draws = re.findall(r"denoising: +\d+%\|[^|]*\| (\d+)/(\d+) \[[^,\]]*(?:, *([0-9.]+)step/s)?", err)
@@ -1037,7 +1037,7 @@ def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode(monkeypat
 
     from k6serve.step_bar import StepBar
 
-    monkeypatch.setattr("k6serve.step_bar._is_terminal", lambda stream: True)
+    monkeypatch.setattr("k6serve.step_bar.is_terminal", lambda stream: True)
     out = io.StringIO()
     bar = StepBar("denoising", file=out)
     for step in (1, 2, 3, 4):
@@ -1235,7 +1235,7 @@ def test_at_info_the_libraries_progress_bars_are_off_when_stderr_is_no_terminal(
 
     environ = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
     monkeypatch.setattr(os, "environ", environ)
-    monkeypatch.setattr(cli_main, "_is_terminal", lambda stream: terminal)
+    monkeypatch.setattr(cli_main, "is_terminal", lambda stream: terminal)
     caplog.set_level("INFO")  # the root level --log-level info sets (pytest's handlers make basicConfig a no-op)
     assert main(["generate", "--log-level", "info", "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
     assert environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == (None if terminal else "1")
@@ -1244,7 +1244,7 @@ def test_at_info_the_libraries_progress_bars_are_off_when_stderr_is_no_terminal(
 def test_a_stream_without_a_terminal_is_told_as_none():
     import io
 
-    from k6serve.cli.main import _is_terminal
+    from k6serve.step_bar import is_terminal as _is_terminal
 
     closed = io.StringIO()
     closed.close()

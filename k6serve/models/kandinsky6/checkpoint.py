@@ -26,9 +26,9 @@ from torch import nn
 from k6serve.models.checkpoint_files import (
     CheckpointError,
     check_block_counts,
-    index_class,
     check_state_dict,
     folder_listing,
+    index_class,
     load_state_dict,
     read_component_config,
     read_json_file,
@@ -134,7 +134,8 @@ def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.
     try:
         config = Kandinsky6TransformerConfig.from_json_dict(config_dict)
     except ValueError as exc:  # the key and the value; the file too
-        raise CheckpointError(f"{component_dir / 'config.json'}: {exc}; copy or download the checkpoint again.") from None
+        raise CheckpointError(f"{component_dir / 'config.json'}: {exc}; copy or download the checkpoint "
+                              "again.") from None
     check_block_counts(component_dir, {
         "visual_transformer_blocks": ("num_visual_blocks", config.num_visual_blocks),
         "video_text_transformer_blocks": ("num_text_blocks", config.num_text_blocks),
