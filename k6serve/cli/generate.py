@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import threading
 import unicodedata
@@ -352,9 +354,45 @@ def _out(text: str, saved: str | None = None) -> None:
         raise StdoutFailed(exc, saved) from exc
 
 
-def _print_result(result) -> None:
+def result_record(result, label: str = "", prompt: str | None = None) -> dict[str, Any]:
+    """`--json`'s line for one finished request: what the table and the `saved ...` line say, as values a script
+    reads without parsing text. `label` / `prompt`: a --prompt-file-path request's "line N" and prompt."""
+    record: dict[str, Any] = {}
+    if label:
+        kind, _, number = label.partition(" ")
+        record["line"] = int(number) if kind == "line" and number.isdigit() else label
+        record["prompt"] = prompt
+    aspect = result.sample_aspect_ratio
+    record.update({
+        "output_file_path": result.output_file_path,  # null with --no-save-output
+        "width": result.width,
+        "height": result.height,
+        "num_frames": result.num_frames,
+        "fps": result.fps,
+        "has_audio": result.has_audio,
+        "audio_sample_rate": result.audio_sample_rate if result.has_audio else None,
+        "seed": result.seed,
+        # Non-square pixels of an anamorphic SR source, width over height ("4/3"); null for square ones.
+        "sample_aspect_ratio": None if aspect is None else f"{aspect.numerator}/{aspect.denominator}",
+        # Seconds, but the counts (TIMING_COUNTS) as whole numbers; a time not measured (NaN) is null, so the line
+        # stays JSON (Python's json writes NaN, which JSON parsers such as jq's refuse).
+        "timings": {key: (int(value) if key in TIMING_COUNTS else value) if math.isfinite(value) else None
+                    for key, value in result.timings.items()},
+        "peak_memory_mb": result.peak_memory_mb if math.isfinite(result.peak_memory_mb) else None,
+        "notes": list(result.notes),
+    })
+    return record
+
+
+def _print_result(result, as_json: bool = False, label: str = "", prompt: str | None = None) -> None:
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
+    if as_json:
+        # One line per request (JSON Lines): a prompt file's results read one by one as they finish. ensure_ascii
+        # off: a Cyrillic path stays readable (the console's encoding is handled as for the text lines).
+        _out(json.dumps(result_record(result, label, prompt), ensure_ascii=False, allow_nan=False),
+             result.output_file_path)
+        return
     _out(format_timings(result), result.output_file_path)
     _out(format_summary(result), result.output_file_path)
 
@@ -363,8 +401,9 @@ class _Batch:
     """A --prompt-file-path run's progress, for the report when it stops early: the requests finished, the one that
     failed (None for Ctrl-C or a stop between requests), and the rest, not run or not finished."""
 
-    def __init__(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
+    def __init__(self, batch: list[tuple[str, dict[str, Any]]], as_json: bool = False) -> None:
         self.batch = batch
+        self.as_json = as_json  # --json: each result as one JSON line on stdout, the run's summary on stderr
         self.done: list[tuple[str, Any]] = []
         self.failed: str | None = None
         # Side by side (--dp-size): `failed` is the prompt that failed, `error` its error, `stopped` the running
@@ -426,7 +465,7 @@ def _run_in_order(generator: DiffGenerator, progress: _Batch, numbered: bool) ->
         result = _run_one(generator, options)
         progress.done.append((label, result))
         progress.failed = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
-        _print_result(result)
+        _print_result(result, progress.as_json, label, options.get("prompt"))
 
 
 def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int) -> None:
@@ -456,7 +495,7 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
         progress.done.append((label, result))
         print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {_progress_prompt(options['prompt'])}",
               file=sys.stderr)
-        _print_result(result)
+        _print_result(result, progress.as_json, label, options["prompt"])
 
     def start_next() -> None:
         item = next(queue, None)
@@ -506,6 +545,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
     # are said now, not after the load and the run. With --prompt-file-path, every prompt's request is checked
     # before the first runs, and the model loads once for all of them.
+    as_json = bool(request_options.pop("json", None))
     from_file = request_options.get("prompt_file_path") is not None
     if not from_file and request_options.pop("prompt_file_lines", None) is not None:
         raise ValueError("--prompt-file-lines picks lines of --prompt-file-path; pass the prompt file too, or drop "
@@ -529,7 +569,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             if not label:
                 raise  # one request: its own error, with where it came from for --log-level debug
             raise ValueError(f"{label} of --prompt-file-path: {exc}") from exc
-    progress = _Batch(checked)
+    progress = _Batch(checked, as_json)
     model_path = engine_options.pop("model_path")
     try:
         generator = DiffGenerator.from_cli_options(model_path, **engine_options)
@@ -562,7 +602,12 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             raise progress.interrupted(from_file=from_file) from exc
         raise
     if from_file and len(checked) > 1:
-        _out(_batch_report(progress.done, None, [], len(checked)))
+        if as_json:
+            # stdout holds only the JSON lines, one per request: a summary line of another shape among them would
+            # break a reader that takes every line as a result.
+            print(_batch_report(progress.done, None, [], len(checked)), file=sys.stderr)
+        else:
+            _out(_batch_report(progress.done, None, [], len(checked)))
     return 0
 
 

@@ -286,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run only these lines of --prompt-file-path, by their number in the file: 5, 3-200, 3-5,9,12- (12 to "
              "the end). A stopped run's report prints the value that runs what did not finish; a numbered "
              "--output-file-name keeps the numbers of the whole file.")
+    generate.add_argument(
+        "--json", action=argparse.BooleanOptionalAction, default=None,
+        help="Print each request's result as one JSON line on stdout (output_file_path, width, height, num_frames, "
+             "fps, has_audio, seed, timings, peak_memory_mb, notes; with --prompt-file-path also line and prompt) "
+             "instead of the timing table and the saved line; for scripts (jq). Messages stay on stderr.")
     serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).", allow_abbrev=False)
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)

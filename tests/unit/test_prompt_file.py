@@ -494,3 +494,59 @@ def test_the_prompts_not_run_are_told_as_line_ranges():
     assert _line_ranges(["line 4"]) == "line 4"
     assert _line_ranges([f"line {n}" for n in range(75, 201)]) == "lines 75-200"
     assert _line_ranges(["line 1", "line 2", "line 3", "line 7", "line 9", "line 10"]) == "lines 1-3, 7, 9-10"
+
+
+def test_json_prints_one_line_per_request_with_its_prompt_file_line(tiny_distill_dir, tmp_path, loads, capsys):
+    # --json: stdout is JSON Lines, one object per finished request, nothing else; the run's summary goes to stderr.
+    import json
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Лиса в снегу\n\nA dog runs\n")
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--seed", "7", "--json",
+                      "--output-file-name", "clip")) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 2
+    records = [json.loads(line) for line in lines]
+    assert [(record["line"], record["prompt"]) for record in records] == [(1, "Лиса в снегу"), (3, "A dog runs")]
+    for record, name in zip(records, ("clip_1.mp4", "clip_2.mp4")):
+        assert record["output_file_path"] == str(tmp_path / "out" / name)
+        info = probe(record["output_file_path"])
+        assert (record["width"], record["height"], record["num_frames"]) == (info.width, info.height, 5) == (32, 32, 5)
+        assert record["seed"] == 7 and record["fps"] == 24.0 and record["sample_aspect_ratio"] is None
+        assert record["has_audio"] is True and record["audio_sample_rate"] == 44100
+        assert record["timings"]["total"] > 0 and record["timings"]["graphs_compiled"] == 0
+        assert isinstance(record["timings"]["graphs_compiled"], int) and record["peak_memory_mb"] > 0
+    assert "Лиса" in lines[0]  # not \u escapes
+    assert "stage" not in captured.out and "saved " not in captured.out
+    assert "prompt file: 2 of 2 requests finished, 2 saved" in captured.err
+
+
+def test_json_with_one_request_and_no_saved_file(tiny_distill_dir, tmp_path, loads, capsys):
+    import json
+
+    assert main(_args(tiny_distill_dir, tmp_path, "--prompt", "a fox", "--no-save-output", "--json")) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert record["output_file_path"] is None and "line" not in record and "prompt" not in record
+    assert record["notes"] == []
+
+
+def test_json_record_keeps_the_line_json_where_a_value_is_not_finite():
+    # Python's json.dumps writes NaN, which jq and JSON.parse refuse: a time not measured is null.
+    import json
+    from fractions import Fraction
+
+    from k6serve.cli.generate import result_record
+    from k6serve.request import VideoResult
+
+    result = VideoResult(output_file_path="o/a.mp4", frames=None, audio=None, audio_sample_rate=44100, fps=24.0,
+                         seed=1, timings={"total": float("nan"), "dit": 2.5, "graphs_compiled": 3.0},
+                         peak_memory_mb=float("inf"), num_frames=121, height=1024, width=1536, has_audio=False,
+                         notes=["an SR note"], sample_aspect_ratio=Fraction(4, 3))
+    record = result_record(result)
+    assert json.loads(json.dumps(record, allow_nan=False)) == {
+        "output_file_path": "o/a.mp4", "width": 1536, "height": 1024, "num_frames": 121, "fps": 24.0,
+        "has_audio": False, "audio_sample_rate": None, "seed": 1, "sample_aspect_ratio": "4/3",
+        "timings": {"total": None, "dit": 2.5, "graphs_compiled": 3}, "peak_memory_mb": None,
+        "notes": ["an SR note"]}
