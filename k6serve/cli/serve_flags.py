@@ -28,6 +28,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-lora-dir", action="append", default=None,
                        help="Folder that set_lora's lora_path must point into (repeatable); with it, other paths and "
                             "hub ids are refused (default: any path the server can read, and hub ids).")
+    group.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
+                       help="Web page origin whose scripts may call the API from a browser (CORS), e.g. "
+                            "https://app.example.com or http://localhost:5173 (repeatable; '*' any page, only with "
+                            "--api-key; default: none, browser pages of other sites are refused).")
     group.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="Model id that /v1/models lists and jobs report (default: the checkpoint's hub id, or "
                             "the folder's name); requests may name it or the checkpoint in `model`.")

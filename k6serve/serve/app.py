@@ -50,7 +50,7 @@ from k6serve.serve.schemas import (
     VideoCreateBody,
     input_reference_target,
 )
-from k6serve.serve.settings import ServerSettings, normal_root_path
+from k6serve.serve.settings import ServerSettings, normal_origin, normal_root_path
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,13 @@ PUBLIC_PATHS = ("/health",)
 # The API's description, which holds no job or secret: a browser opening /docs sends no Authorization header, so
 # on a server with a key the interactive docs answered 401 and could not be used (its Authorize button sends the key).
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+# What a page of an --allowed-origin may do: the routes' methods (HEAD and GET for the download), and every request
+# header (the OpenAI JS SDK sends its own X-Stainless-* ones besides Authorization and Idempotency-Key).
+CORS_METHODS = ("GET", "HEAD", "POST", "DELETE")
+# The answers' headers a page's script may read beyond the ones browsers always show (Content-Type, -Length, ...):
+# the poll hint the SDK reads, the retry advice of a 429 / 503, the replayed create, the download's range and name.
+CORS_EXPOSED = ("openai-poll-after-ms", "Retry-After", "X-Should-Retry", "Idempotent-Replayed", "Accept-Ranges",
+                "Content-Range", "Content-Disposition", "ETag", "WWW-Authenticate")
 
 
 class BearerAuth:
@@ -88,7 +95,7 @@ class BearerAuth:
         message = "Missing or invalid API key: send 'Authorization: Bearer <key>' (the server's --api-key)."
         response = JSONResponse(error_body(401, message, code="invalid_api_key"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
-        await response(scope, receive, send)
+        await _answer_unread(scope, receive, send, response)
 
 
 class RefuseOtherSites:
@@ -100,12 +107,16 @@ class RefuseOtherSites:
     page whose own name it re-points at 127.0.0.1 (DNS rebinding) is same-origin with the server and reads every
     answer. So an `Origin` other than the server's own authority is a 403, and a server bound to a loopback address
     answers only Host names of the loopback. With --api-key neither can happen (a page cannot send the key), and
-    programs (curl, the SDKs, the ComfyUI nodes) send no Origin."""
+    programs (curl, the SDKs, the ComfyUI nodes) send no Origin. Pages of an --allowed-origin pass the Origin check:
+    the operator chose to serve them (the CORS headers that let them read the answers come from outside)."""
 
-    def __init__(self, app: ASGIApp, *, bound_host: str, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, app: ASGIApp, *, bound_host: str, metrics: ServerMetrics | None = None,
+                 allowed_origins: tuple[str, ...] = ()) -> None:
         self.app = app
         self.loopback_only = _loopback(bound_host)
         self.metrics = metrics
+        # --allowed-origin: pages the operator chose to serve ("*" needs --api-key, so never here).
+        self.allowed_origins = frozenset(origin.encode("latin-1") for origin in allowed_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -115,7 +126,7 @@ class RefuseOtherSites:
         host = headers.get(b"host", b"").decode("latin-1").strip()
         origin = headers.get(b"origin")
         problem = None
-        if origin is not None:
+        if origin is not None and origin.strip() not in self.allowed_origins:
             text = origin.decode("latin-1").strip()
             if text == "null" or _authority(text) != host.lower():
                 problem = f"it comes from a web page of another site (Origin {text!r})"
@@ -131,11 +142,26 @@ class RefuseOtherSites:
         if self.metrics is not None and scope["method"] == "POST" and scope["path"] == "/v1/videos":
             self.metrics.rejected("cross_site_request")  # a refused create, as BearerAuth counts its own
         message = (f"Request refused: {problem}. A server without --api-key answers the programs of this machine "
-                   "(curl, the OpenAI SDK, the ComfyUI nodes), not web pages, which could make jobs through a "
-                   "visitor's browser; to serve a browser client, start the server with --api-key and send the key.")
+                   "(curl, the OpenAI SDK, the ComfyUI nodes) and the web pages its --allowed-origin names, not other "
+                   "pages, which could make jobs through a visitor's browser; to serve a browser client, start the "
+                   "server with --allowed-origin <the page's origin> (and --api-key where others can reach it).")
         response = JSONResponse(error_body(403, message, code="cross_site_request"), status_code=403,
                                 headers={"Connection": "close"})
-        await response(scope, receive, send)
+        await _answer_unread(scope, receive, send, response)
+
+
+async def _answer_unread(scope: Scope, receive: Receive, send: Send, response: Any) -> None:
+    """Send a refusal made before the body was read, once what the client sends of it is drained (`drain`: bounded
+    in bytes and time): closing the connection over unread bytes resets it, and a client still writing its body read
+    the reset, not the 401 or 403 (the OpenAI SDK then retried and reported "Connection error"). A client that waits
+    for "100 Continue" has sent no body: it gets the answer at once, and no Continue."""
+    from starlette.requests import Request
+
+    from k6serve.serve.uploads import drain
+
+    if b"100-continue" not in dict(scope.get("headers", ())).get(b"expect", b"").lower():
+        await drain(Request(scope, receive))
+    await response(scope, receive, send)
 
 
 def _authority(origin: str) -> str | None:
@@ -329,7 +355,16 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
     else:
-        app.add_middleware(RefuseOtherSites, bound_host=settings.host, metrics=metrics)
+        app.add_middleware(RefuseOtherSites, bound_host=settings.host, metrics=metrics,
+                           allowed_origins=settings.allowed_origins)
+    if settings.allowed_origins:
+        # Outside the key check: a browser asks first (a preflight OPTIONS, which carries no Authorization header),
+        # and a 401 or 403 must carry these headers too, or the page's script reads a network error, not why.
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(CORS_METHODS), allow_headers=["*"], expose_headers=list(CORS_EXPOSED),
+                           allow_credentials=False, max_age=600)
     app.add_middleware(NormaliseRequestTarget, root_path=settings.root_path)
     app.add_middleware(RefuseConflictingFraming)  # added last: outermost
     return app
@@ -410,7 +445,7 @@ async def _sweep_expired(ctx: ServerContext) -> None:
 def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
     known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
-             "allowed_input_dir", "allowed_lora_dir", "api_key", "served_model_name", "root_path"}
+             "allowed_input_dir", "allowed_lora_dir", "allowed_origin", "api_key", "served_model_name", "root_path"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
@@ -435,6 +470,10 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         if options.get(option):
             dirs = options[option]
             values[f"{option}s"] = tuple(_allowed_dir(d, option) for d in ([dirs] if isinstance(dirs, str) else dirs))
+    if options.get("allowed_origin"):
+        origins = options["allowed_origin"]
+        normal = (normal_origin(origin) for origin in ([origins] if isinstance(origins, str) else origins))
+        values["allowed_origins"] = tuple(dict.fromkeys(normal))  # in order, once each
     # An explicit empty --api-key is refused by ServerSettings (it ran with no key at all); an empty
     # $K6SERVE_API_KEY is as if unset.
     api_key = options.get("api_key")
@@ -661,7 +700,7 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
             folder_lock.close()
         raise
     # Answers 503 "loading" on the socket until uvicorn takes it (`loading.py`).
-    responder = LoadingResponder(sock, root_path=settings.root_path)
+    responder = LoadingResponder(sock, root_path=settings.root_path, allowed_origins=settings.allowed_origins)
     responder.start()
     try:
         engine = Engine(config)

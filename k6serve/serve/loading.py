@@ -48,8 +48,11 @@ LOADING_MESSAGE = ("The server is still loading the model and serves no request 
 class LoadingResponder:
     """Answers 503 "loading" on a listening socket from `start()` to `stop()` (idempotent, from any thread)."""
 
-    def __init__(self, sock: socket.socket, root_path: str = "") -> None:
+    def __init__(self, sock: socket.socket, root_path: str = "", allowed_origins: tuple[str, ...] = ()) -> None:
         self.sock = sock
+        # --allowed-origin: a listed page's script polling /health while the model loads reads the 503 as the
+        # server will answer it (with CORS headers), not as a network error.
+        self._origins = frozenset(allowed_origins)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake_reader: socket.socket | None = None  # stop() writes to the other end to end the accept loop
@@ -141,6 +144,20 @@ class LoadingResponder:
     def response(self, head: bytes) -> bytes:
         """The whole HTTP answer to a request whose head (as far as it came) is `head`."""
         method, path = _method_and_path(head)
+        fields = _header_fields(head) if self._origins else {}
+        origin = fields.get("origin", "")
+        allowed = "*" if "*" in self._origins else origin if origin in self._origins else None
+        cors = "" if allowed is None else (f"access-control-allow-origin: {allowed}\r\n"
+                                           f"access-control-expose-headers: retry-after\r\n"
+                                           + ("vary: origin\r\n" if allowed != "*" else ""))
+        if allowed is not None and method == b"OPTIONS" and "access-control-request-method" in fields:
+            # A browser's preflight: allowed as the server will allow it, so the request itself comes and reads
+            # the 503 below. No max-age: once loaded, the server answers its own preflights.
+            requested = fields.get("access-control-request-headers", "")
+            return ("HTTP/1.1 204 No Content\r\n" + cors
+                    + "access-control-allow-methods: GET, HEAD, POST, DELETE\r\n"
+                    + (f"access-control-allow-headers: {requested}\r\n" if requested else "")
+                    + "content-length: 0\r\nconnection: close\r\n\r\n").encode("latin-1")
         # Under --root-path a proxy that passes the path on sends /k6/health.
         if path in self._health_paths and method in (b"GET", b"HEAD"):
             body = {"status": "loading", "message": HEALTH_MESSAGE,
@@ -153,8 +170,9 @@ class LoadingResponder:
                    f"content-length: {len(payload)}\r\n"
                    f"retry-after: {RETRY_AFTER_S}\r\n"
                    "cache-control: no-store\r\n"
+                   f"{cors}"
                    "connection: close\r\n\r\n")
-        return headers.encode("ascii") + (b"" if method == b"HEAD" else payload)
+        return headers.encode("latin-1") + (b"" if method == b"HEAD" else payload)
 
 
 def _read_head(conn: socket.socket) -> bytes | None:
@@ -178,6 +196,18 @@ def _read_head(conn: socket.socket) -> bytes | None:
         if b"\r\n\r\n" in start or b"\n\n" in start:
             break
     return head
+
+
+def _header_fields(head: bytes) -> dict[str, str]:
+    """The head's header fields, names lower-cased, values stripped (the last of a repeated one); only what may be
+    echoed: values with control characters (a CR / LF would split the answer's headers) are left out."""
+    fields = {}
+    for line in head.lstrip(b"\r\n").split(b"\n")[1:]:
+        name, colon, value = line.rstrip(b"\r").partition(b":")
+        text = value.strip().decode("latin-1")
+        if colon and name and all(" " <= char != "\x7f" for char in text):
+            fields[name.strip().lower().decode("latin-1")] = text
+    return fields
 
 
 def _method_and_path(head: bytes) -> tuple[bytes, str]:

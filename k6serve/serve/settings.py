@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,9 @@ class ServerSettings:
     allowed_input_dirs: tuple[Path, ...] = ()  # empty: ./inputs (never the upload folder: InputPathPolicy)
     allowed_lora_dirs: tuple[Path, ...] = ()  # empty: set_lora reads any path and hub id (LoraPathPolicy)
     api_key: str | None = None
+    # Web pages (by origin, "https://app.example.com", as `normal_origin` writes it) whose scripts may call the API
+    # from a browser (CORS); "*" any page, with --api-key only. Empty: no browser client of another site.
+    allowed_origins: tuple[str, ...] = ()
     # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
     # `model` may use otherwise (the hub id, the variant, the folder) stay accepted. None: the checkpoint's id.
     served_model_name: str | None = None
@@ -54,6 +58,13 @@ class ServerSettings:
                              "is what an Authorization header carries; it holds another character (a line end from a "
                              "file read whole?).")
 
+        if "*" in self.allowed_origins and self.api_key is None:
+            # Without a key, any page a visitor of this machine opens could make jobs and read every answer (a
+            # listed origin is one site the operator chose; "*" is every site on the web).
+            raise ValueError("--allowed-origin '*' lets every web page a visitor opens use this server through the "
+                             "visitor's browser; with no --api-key that is anyone's page making jobs. Add --api-key "
+                             "(the page's script sends the key), or list the pages' origins instead of '*' "
+                             "(--allowed-origin https://app.example.com).")
         if self.root_path:
             check_root_path(self.root_path)
         if self.served_model_name is not None:
@@ -114,3 +125,49 @@ def check_root_path(root_path: str) -> None:
     if segments[0] in _ROUTE_SEGMENTS:
         raise ValueError(f"--root-path {root_path!r} starts with /{segments[0]}, one of the server's own routes; "
                          "choose another prefix, e.g. /k6")
+
+
+# Ports that browsers leave out of an Origin (https://example.com, never https://example.com:443).
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normal_origin(value: str) -> str:
+    """An --allowed-origin as browsers write the Origin header: "scheme://host[:port]", lower-case, without the
+    scheme's default port; "*" as is. CORS compares origins as strings, so "https://App.example.com/" or
+    "https://app.example.com:443" would never have matched a browser's "https://app.example.com"."""
+    text = value.strip()
+    if text == "*":
+        return text
+    fix = ("an origin is the page's scheme, host and port only, as its browser sends it in the Origin header: "
+           "e.g. --allowed-origin https://app.example.com or --allowed-origin http://localhost:5173")
+    if not text:
+        raise ValueError(f"--allowed-origin is empty; {fix}.")
+    if text.lower() == "null":
+        raise ValueError("--allowed-origin null is refused: browsers send Origin: null from a page opened as a file "
+                         "and from any sandboxed frame of any site, so it would let every such page in; serve the page "
+                         "over http (python -m http.server) and list that origin, e.g. http://localhost:8000.")
+    if "*" in text:
+        raise ValueError(f"--allowed-origin {value!r}: a wildcard inside an origin is not supported; list each "
+                         f"origin (repeat the flag), or pass '*' alone for every page (with --api-key); {fix}.")
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, "http://[::1"
+        raise ValueError(f"--allowed-origin {value!r} is not an origin ({exc}); {fix}.") from None
+    if not parts.scheme or not parts.hostname or "//" not in text:
+        raise ValueError(f"--allowed-origin {value!r} has no scheme and host; {fix}.")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username is not None \
+            or parts.password is not None or text.endswith(("?", "#")):
+        raise ValueError(f"--allowed-origin {value!r} has more than an origin (a path, query or user name); {fix}.")
+    host = parts.hostname.lower()
+    if not host.isascii():
+        # Browsers send an international name in its ASCII (punycode) form: https://xn--e1afmkfd.xn--p1ai.
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise ValueError(f"--allowed-origin {value!r}: {host!r} is not a valid host name; {fix}.") from None
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 address, bracketed as in a URL
+    scheme = parts.scheme.lower()
+    keep_port = port is not None and _DEFAULT_PORTS.get(scheme) != port
+    return f"{scheme}://{host}{f':{port}' if keep_port else ''}"

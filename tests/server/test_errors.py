@@ -866,7 +866,7 @@ def test_web_pages_of_other_sites_are_refused_without_an_api_key(fake_server, fa
                                                                     "loopback name")):
         error = _assert_error(fake_client.post("/v1/videos", json=body, headers=headers), 403,
                               code="cross_site_request", contains=refused)
-        assert "start the server with --api-key" in error["message"] and error["type"] == "permission_error"
+        assert "start the server with --allowed-origin" in error["message"] and error["type"] == "permission_error"
     assert fake_client.get("/v1/videos").json()["data"] == []
     # Refused creates are counted as the route counts its own (they never reach it).
     assert 'k6serve_requests_rejected_total{reason="cross_site_request"} 3' in fake_client.get("/metrics").text
