@@ -4,7 +4,8 @@ Nothing is hard-coded: a single host's ranks rendezvous on a store the engine bi
 picks; several hosts use `--dist-init-addr HOST:PORT` (node 0's address) with `--nnodes/--node-rank`;
 under torchrun the RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT variables win. NCCL on
 CUDA, gloo on CPU; every collective carries the configured timeout so a dead peer turns into an error
-instead of a hang.
+instead of a hang. When every rank runs on this host, the process groups listen on the loopback only
+(`loopback_environment`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class RankSpec:
     # rank 0 too, joins it as a client instead of rank 0 binding the port.
     store_from_engine: bool = False
     ranks_on_host: int = 1  # the ranks sharing this host's CPU cores
+    # Every rank of the job runs on this host: its process groups stay on the loopback (`loopback_environment`).
+    # False where that is not known (a launcher's environment without LOCAL_WORLD_SIZE): left as before.
+    single_host: bool = False
     log_level: int = logging.INFO  # the starting process's (`parent_log_level`): --log-level debug reaches the ranks
 
     @property
@@ -139,6 +143,8 @@ def torchrun_rank(
         master_addr=environ["MASTER_ADDR"], master_port=int(environ["MASTER_PORT"]),
         device_type=device_type, timeout_s=timeout_s, from_torchrun=True,
         ranks_on_host=int(environ.get("LOCAL_WORLD_SIZE", "1")),
+        # torchrun sets LOCAL_WORLD_SIZE; equal to the world, no rank runs elsewhere. Another launcher may not set it.
+        single_host=environ.get("LOCAL_WORLD_SIZE", "").strip() == str(world_size),
     )
 
 
@@ -188,9 +194,44 @@ def local_rank_specs(
             rank=first + local, world_size=parallel.num_gpus, local_rank=local, master_addr=master_addr,
             master_port=master_port, device_type=device_type, timeout_s=parallel.dist_timeout_s,
             ranks_on_host=per_node, store_from_engine=store_from_engine, log_level=parent_log_level(),
+            single_host=parallel.nnodes == 1,
         )
         for local in range(per_node)
     ]
+
+
+# The loopback interface's name: Linux's, then macOS's and the BSDs'. Their kernels fix these names, which gloo and
+# NCCL take, where finding the interface by its address would need each platform's ioctl.
+LOOPBACK_INTERFACES = ("lo", "lo0")
+
+
+def loopback_interface() -> str | None:
+    """This host's loopback interface, None where it is named otherwise (Windows) or no interfaces are listed."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except (AttributeError, OSError):
+        return None
+    return next((name for name in LOOPBACK_INTERFACES if name in names), None)
+
+
+def loopback_environment(spec: RankSpec, environ: Mapping[str, str], interface: str | None) -> dict[str, str]:
+    """The variables to set before this rank joins, so that a single host's process groups listen on the loopback.
+
+    Each gloo group listens for its peers on the address this host's name resolves to (the host's network address
+    where DNS or /etc/hosts gives one), and NCCL's bootstrap and proxy on the interface NCCL picks, the network's
+    before the loopback: for a job whose ranks all run here, ports open to the network (and a firewall's prompt on a
+    Mac). Both read the interface from the environment: GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME ("=" for that name
+    exactly, not every name it begins). The environment, not a gloo device passed as `pg_options`: torch 2.13's
+    `init_process_group` and `new_group` build a gloo group without reading its options, while GLOO_SOCKET_IFNAME is
+    read by every torch, each time a gloo group is made, so `build_groups`'s groups (an NCCL run's gloo control groups
+    too) follow it. A value the user set is kept (an interface chosen on purpose). Ranks on several hosts must reach
+    each other: their environment is left as it was."""
+    if not spec.single_host or interface is None:
+        return {}
+    wanted = {"GLOO_SOCKET_IFNAME": interface}
+    if spec.backend == "nccl":
+        wanted["NCCL_SOCKET_IFNAME"] = f"={interface}"
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 def init_distributed(spec: RankSpec) -> torch.device:
@@ -202,6 +243,12 @@ def init_distributed(spec: RankSpec) -> torch.device:
         device = torch.device("cpu")
         share_cpu_cores(spec.ranks_on_host)
     timeout = timedelta(seconds=spec.timeout_s)
+    # Set in this rank's own process before its first group: the engine's ranks are processes of their own, so the
+    # engine's environment stays as it was (under torchrun rank 0 runs in the engine's process, which is the rank's).
+    loopback = loopback_environment(spec, os.environ, loopback_interface())
+    if loopback:
+        logger.debug("process groups on the loopback: %s", loopback)
+        os.environ.update(loopback)
     if spec.store_from_engine:
         rendezvous = {"store": dist.TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)}
     else:

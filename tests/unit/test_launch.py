@@ -6,10 +6,13 @@ missing broadcast or a rank that runs a different request shows up in the return
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import ipaddress
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -74,7 +77,8 @@ class FakeRankWorker:
             output_file_path=None, frames=None, audio=None, audio_sample_rate=44100, fps=request.fps,
             seed=request.seed, timings={"total": 0.0}, peak_memory_mb=0.0, num_frames=request.num_frames,
             height=request.height, width=request.width,
-            notes=[f"replica={self.context.groups.replica}", f"value={total}", f"leader_output={output}"],
+            notes=[f"replica={self.context.groups.replica}", f"value={total}", f"leader_output={output}",
+                   f"gloo_interface={os.environ.get('GLOO_SOCKET_IFNAME')}"],
         )
 
 
@@ -142,6 +146,158 @@ def test_the_rendezvous_store_listens_on_the_loopback_only():
     assert store.get("key") == b"value"
 
 
+LOOPBACK_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def unset_for_the_test(monkeypatch, *names: str) -> None:
+    """Unset `names` until the test ends, and unset them again then if code under test set them (a bare
+    `delenv` of an unset variable records nothing to undo)."""
+    for name in names:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_only_a_single_hosts_process_groups_are_kept_on_the_loopback():
+    """gloo's groups listened on the address the host's name resolves to, NCCL's bootstrap on the interface it
+    picks: ports on the network for ranks that all run on one host. Such ranks are told the loopback interface;
+    a variable the user set stays, and ranks on several hosts keep what they had."""
+    from k6serve.runtime import launch
+
+    single = local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu")[0]
+    assert single.single_host
+    assert launch.loopback_environment(single, {}, "lo") == {"GLOO_SOCKET_IFNAME": "lo"}  # CPU: no NCCL to set
+    gpu = dataclasses.replace(single, device_type="cuda")
+    assert launch.loopback_environment(gpu, {}, "lo0") == {"GLOO_SOCKET_IFNAME": "lo0", "NCCL_SOCKET_IFNAME": "=lo0"}
+    assert launch.loopback_environment(gpu, {"NCCL_SOCKET_IFNAME": "eth0"}, "lo") == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert launch.loopback_environment(gpu, {"GLOO_SOCKET_IFNAME": ""}, "lo") == {"NCCL_SOCKET_IFNAME": "=lo"}
+    assert launch.loopback_environment(gpu, {}, None) == {}  # no loopback interface found: as before
+    one_rank = local_rank_specs(ParallelConfig(num_gpus=1), "cpu")[0]
+    assert launch.loopback_environment(one_rank, {}, "lo") == {"GLOO_SOCKET_IFNAME": "lo"}
+
+    two_hosts = ParallelConfig(num_gpus=4, ulysses_degree=4, nnodes=2, dist_init_addr="127.0.0.1:29600")
+    for node_rank in (0, 1):
+        for spec in local_rank_specs(dataclasses.replace(two_hosts, node_rank=node_rank), "cpu"):
+            assert not spec.single_host
+            assert launch.loopback_environment(dataclasses.replace(spec, device_type="cuda"), {}, "lo") == {}
+
+    environ = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+
+    def torchrun(**extra):
+        return torchrun_rank({**environ, **extra}, world_size=2, device_type="cuda", timeout_s=5)
+    assert torchrun(LOCAL_WORLD_SIZE="2").single_host  # torchrun --nnodes 1
+    assert not torchrun(LOCAL_WORLD_SIZE="1").single_host  # one rank here, the other elsewhere
+    assert not torchrun().single_host  # a launcher that does not say: left as it was
+    assert launch.loopback_environment(torchrun(), {}, "lo") == {}
+
+    if sys.platform.startswith("linux"):
+        assert launch.loopback_interface() == "lo"
+
+
+def test_a_rank_sets_the_loopback_before_it_joins_and_keeps_the_users_choice(monkeypatch):
+    from k6serve.runtime import launch
+
+    unset_for_the_test(monkeypatch, "GLOO_SOCKET_IFNAME")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    monkeypatch.setattr(launch, "loopback_interface", lambda: "lo")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: seen.update(os.environ))
+    spec = dataclasses.replace(local_rank_specs(ParallelConfig(num_gpus=2, ulysses_degree=2), "cpu")[1],
+                               device_type="cuda")
+    launch.init_distributed(spec)
+    assert (seen["GLOO_SOCKET_IFNAME"], seen["NCCL_SOCKET_IFNAME"]) == ("lo", "ib0")
+
+
+def listening_addresses(pid: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses process `pid`'s TCP sockets listen on: its descriptors' socket inodes looked up in its network
+    namespace's tables (Linux's /proc; the hex addresses are in the host's byte order, 4-byte words for IPv6)."""
+    inodes = set()
+    for descriptor in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(descriptor)
+        except OSError:  # closed since it was listed
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target.removeprefix("socket:[").removesuffix("]"))
+    addresses = set()
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():  # no IPv6 in this kernel
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            host_order = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            addresses.add(ipaddress.ip_address(host_order))
+    return addresses
+
+
+def is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, an IPv4 socket in the IPv6 table
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def ranks_listening(monkeypatch, gloo_interface: str | None) -> tuple[dict, str]:
+    """A two-rank engine's ranks, started as the engine starts them, once their groups have run a request: the
+    addresses each listens on, and the interface their gloo groups were told. `gloo_interface`: the user's."""
+    unset_for_the_test(monkeypatch, *LOOPBACK_VARIABLES)  # the ranks inherit this process's environment
+    if gloo_interface is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", gloo_interface)
+    worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+    try:
+        result = worker.run(SamplingParams(prompt="cat", seed=2, num_inference_steps=2),
+                            OutputOptions(save_output=False))
+        assert float(note(result, "value")) == expected_value(2, 2, [0, 1])
+        listening = {rank: listening_addresses(pid) for rank, pid in worker.pids.items()}
+    finally:
+        worker.close()
+    return listening, note(result, "gloo_interface")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the ranks' sockets from Linux's /proc")
+def test_a_single_hosts_ranks_listen_on_the_loopback_only(monkeypatch):
+    """On a host whose name resolves to its network address, each gloo group listened there for its peers (every
+    rank, for the engine's life). Where the name resolves to the loopback, as on many containers, gloo listened on
+    it already: the interface the ranks were told shows that the loopback is chosen, not left to the host's name."""
+    listening, interface = ranks_listening(monkeypatch, None)
+    assert interface == "lo"
+    assert all(listening.values()), f"no listening socket found for a rank: the check would pass vacuously {listening}"
+    assert all(is_loopback(address) for addresses in listening.values() for address in addresses), listening
+
+
+def network_interface() -> tuple[str, ipaddress.IPv4Address] | None:
+    """An interface that is up with an IPv4 address off the loopback, and that address (Linux's ioctls)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack_from("H", fcntl.ioctl(probe, 0x8913, request), 16)[0]  # SIOCGIFFLAGS
+                address = ipaddress.IPv4Address(fcntl.ioctl(probe, 0x8915, request)[20:24])  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            if flags & 1 and not address.is_loopback:  # IFF_UP
+                return name, address
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the ranks' sockets from Linux's /proc")
+def test_the_users_gloo_interface_is_kept(monkeypatch):
+    """A GLOO_SOCKET_IFNAME the user set is the one the ranks use; and the listening sockets read above are the
+    gloo groups' (told a network interface, the ranks listen on its address: a leak would have been seen)."""
+    found = network_interface()
+    if found is None:
+        pytest.skip("no interface up with an IPv4 address besides the loopback")
+    name, address = found
+    listening, interface = ranks_listening(monkeypatch, name)
+    assert interface == name
+    assert all(address in addresses for addresses in listening.values()), (address, listening)
+
+
 def test_torchrun_environment_is_parsed():
     environ = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
     spec = torchrun_rank(environ, world_size=4, device_type="cpu", timeout_s=5)
@@ -184,6 +340,7 @@ def test_cpu_ranks_split_the_hosts_cores(monkeypatch):
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: None)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    unset_for_the_test(monkeypatch, *LOOPBACK_VARIABLES)  # init_distributed sets them in this process
     specs = local_rank_specs(ParallelConfig(num_gpus=4, ulysses_degree=2, dp_size=2), "cpu")
     assert [spec.ranks_on_host for spec in specs] == [4] * 4
     assert launch.init_distributed(specs[1]) == torch.device("cpu") and threads == [2]
