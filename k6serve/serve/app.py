@@ -38,10 +38,11 @@ from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy
 from k6serve.serve.jobs import JobStore, SqliteJobStore, hold_exclusively
 from k6serve.serve.loading import LoadingResponder
 from k6serve.serve.metrics import ServerMetrics
-from k6serve.serve.routes import ServerContext, router, sweep_expired
+from k6serve.serve.routes import OPENAPI_TAGS, ServerContext, router, sweep_expired
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.schemas import (
     FILE_FIELDS,
+    SHARED_SCHEMAS,
     MemoryOccupationBody,
     MergeLoraBody,
     SetLoraBody,
@@ -49,6 +50,7 @@ from k6serve.serve.schemas import (
     UnmergeLoraBody,
     VideoCreateBody,
     input_reference_target,
+    request_body_schema,
 )
 from k6serve.serve.settings import ServerSettings, normal_origin, normal_root_path
 
@@ -376,9 +378,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         root_path = app.state.ctx.settings.root_path
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
-                             servers=[{"url": root_path}] if root_path else None)
+                             servers=[{"url": root_path}] if root_path else None,
+                             tags=OPENAPI_TAGS)  # the routes' groups, described (each route has its tag)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        body = VideoCreateBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        body = request_body_schema(VideoCreateBody)
         components["VideoCreateBody"] = body
         # A form field is text or absent, never JSON null: a client generated with null in the type sent "None".
         form = {**body, "title": "VideoCreateForm",
@@ -391,7 +394,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                                               "description": f"Uploaded file, used as {target}."}
         components["VideoCreateForm"] = form
         for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody, UnloadLoraBody, MemoryOccupationBody):
-            components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components[model.__name__] = request_body_schema(model)
+        components.update(SHARED_SCHEMAS)  # the enums several fields refer to
         _errors_as_served(schema, api_key=bool(app.state.ctx.settings.api_key))
         app.openapi_schema = schema
     return app.openapi_schema

@@ -139,6 +139,17 @@ class ServerContext:
 
 
 router = APIRouter()
+# The OpenAPI document's groups, which name a generated client's modules (openapi-python-client's
+# `api/videos/create_video.py`); each route has a tag and an operationId, OpenAI's where it has the route
+# (createVideo, listVideos, retrieveVideo, deleteVideo, retrieveVideoContent, listModels, retrieveModel), since
+# generators name methods after it (FastAPI's default made `create_video_v1_videos_post`).
+OPENAPI_TAGS = [
+    {"name": "videos", "description": "OpenAI-style asynchronous video jobs: create, poll, download, cancel, delete."},
+    {"name": "lora", "description": "LoRA adapters of the generation DiT: set, merge, unmerge, unload, list."},
+    {"name": "memory", "description": "Release and resume the GPU memory (sleep and wake)."},
+    {"name": "models", "description": "The served model, as OpenAI's /v1/models."},
+    {"name": "operations", "description": "Health and Prometheus metrics, for supervisors and monitoring."},
+]
 
 
 def forget_job(store: JobStore, artifacts: ArtifactStore, job: Job, *, gone_at: float | None = None) -> bool:
@@ -234,6 +245,7 @@ CREATE_BODY_DOC = {
 
 
 @router.post("/v1/videos", response_model=VideoJob, responses=_ERRORS, openapi_extra=CREATE_BODY_DOC,
+             operation_id="createVideo", tags=["videos"],
              summary="Create a video job (JSON, or multipart with input_reference / video_reference uploads)")
 async def create_video(request: Request,
                        idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
@@ -500,7 +512,8 @@ def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: t
 _AFTER_DOC = "Cursor: a video id; one deleted or expired since still marks its place."
 
 
-@router.get("/v1/videos", response_model=VideoList, responses=_ERRORS, summary="List video jobs")
+@router.get("/v1/videos", response_model=VideoList, responses=_ERRORS, summary="List video jobs",
+            operation_id="listVideos", tags=["videos"])
 async def list_videos(request: Request, after: str | None = Query(None, description=_AFTER_DOC),
                       limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = Query("desc", description="By creation time.")) -> JSONResponse:
@@ -528,7 +541,8 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
                          "last_id": jobs[-1].id if jobs else None, "has_more": has_more})
 
 
-@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job")
+@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job",
+            operation_id="retrieveVideo", tags=["videos"])
 async def get_video(request: Request, video_id: str) -> JSONResponse:
     ctx = _ctx(request)
     job = _live(ctx, ctx.store.get(video_id))
@@ -708,7 +722,8 @@ _MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  
                                                                               "If-Unmodified-Since)"},
                                                          416: {"model": ErrorResponse,
                                                                "description": "Range not satisfiable"}},
-            response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)")
+            response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)",
+            operation_id="retrieveVideoContent", tags=["videos"])
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:
     ctx = _ctx(request)
@@ -751,7 +766,8 @@ def _content_cache_control(ctx: ServerContext, job: Job) -> str:
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=_ERRORS,
-               summary="Delete a job and its files, cancelling it first if it is queued or running")
+               summary="Delete a job and its files, cancelling it first if it is queued or running",
+               operation_id="deleteVideo", tags=["videos"])
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
     ctx = _ctx(request)
     job = _live(ctx, ctx.store.get(video_id))
@@ -781,7 +797,8 @@ async def _cancel_and_wait(ctx: ServerContext, video_id: str) -> Job:
 
 
 @router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=_ERRORS,
-             summary="Cancel a queued/running job; a finished one is left as it is (409)")
+             summary="Cancel a queued/running job; a finished one is left as it is (409)",
+             operation_id="cancelVideo", tags=["videos"])
 async def cancel_video(request: Request, video_id: str) -> JSONResponse:
     """DELETE deletes a job (cancelling it first if it still runs), its record and video: a client that retries a
     cancel with it (after a restart, a lost answer) could delete the video of a job that completed meanwhile, and
@@ -886,7 +903,8 @@ async def _lora_route(request: Request, model: type, build) -> JSONResponse:
 
 
 @router.post("/v1/set_lora", response_model=LoraResult, responses=_LORA_ERRORS,
-             openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters")
+             openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters",
+             operation_id="setLora", tags=["lora"])
 async def set_lora(request: Request) -> JSONResponse:
     lora_paths = _ctx(request).lora_paths
     return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
@@ -895,27 +913,31 @@ async def set_lora(request: Request) -> JSONResponse:
 
 
 @router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
-             openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights")
+             openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights",
+             operation_id="mergeLoraWeights", tags=["lora"])
 async def merge_lora_weights(request: Request) -> JSONResponse:
     return await _lora_route(request, MergeLoraBody, lambda body: merge_lora_operation(body.target, body.strength))
 
 
 @router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(UnmergeLoraBody),
-             summary="Deactivate every LoRA adapter and restore the base weights bit for bit")
+             summary="Deactivate every LoRA adapter and restore the base weights bit for bit",
+             operation_id="unmergeLoraWeights", tags=["lora"])
 async def unmerge_lora_weights(request: Request) -> JSONResponse:
     return await _lora_route(request, UnmergeLoraBody, lambda body: unmerge_lora_operation(body.target))
 
 
 @router.post("/v1/unload_lora", response_model=LoraResult, responses=_LORA_ERRORS,
              openapi_extra=_lora_body_doc(UnloadLoraBody),
-             summary="Forget loaded LoRA adapters that are not active, freeing their memory")
+             summary="Forget loaded LoRA adapters that are not active, freeing their memory",
+             operation_id="unloadLora", tags=["lora"])
 async def unload_lora(request: Request) -> JSONResponse:
     return await _lora_route(request, UnloadLoraBody,
                              lambda body: unload_lora_operation(body.lora_nickname, name="lora_nickname"))
 
 
-@router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters")
+@router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters",
+            operation_id="listLoras", tags=["lora"])
 async def list_loras(request: Request) -> JSONResponse:
     ctx = _ctx(request)
     await _refuse_without_replicas(request, ctx)
@@ -950,14 +972,16 @@ async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
 
 @router.post("/release_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
              openapi_extra=_MEMORY_BODY_DOC,
-             summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory")
+             summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory",
+             operation_id="releaseMemoryOccupation", tags=["memory"])
 async def release_memory_occupation(request: Request) -> JSONResponse:
     return await _memory_answer(request, resume=False)
 
 
 @router.post("/resume_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
              openapi_extra=_MEMORY_BODY_DOC,
-             summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start")
+             summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start",
+             operation_id="resumeMemoryOccupation", tags=["memory"])
 async def resume_memory_occupation(request: Request) -> JSONResponse:
     return await _memory_answer(request, resume=True)
 
@@ -972,13 +996,15 @@ def _model_card(ctx: ServerContext) -> dict[str, Any]:
     return card.model_dump(mode="json")
 
 
-@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model")
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model",
+            operation_id="listModels", tags=["models"])
 async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [_model_card(_ctx(request))]})
 
 
 # `:path`: a hub id has a slash (kandinskylab/Kandinsky-6.0-...), and a request's `model` may name the checkpoint.
-@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, summary="The served model, by name")
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, summary="The served model, by name",
+            operation_id="retrieveModel", tags=["models"])
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     """OpenAI's `GET /v1/models/{model}` (the SDK's `client.models.retrieve`), which answered 404 "unknown route":
     the served model's card under any name a job's `model` may use, else 404 `model_not_found`."""
@@ -990,6 +1016,7 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
 
 
 @router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)",
+            operation_id="getHealth", tags=["operations"],
             responses={503: {"description": "The model is still loading (status 'loading') or no worker replica is "
                                             "left (status 'unavailable')"}})
 async def health(request: Request) -> JSONResponse:
@@ -1024,7 +1051,8 @@ async def _refuse_without_replicas(request: Request, ctx: ServerContext) -> None
         raise ApiError(503, _NO_REPLICA, code="engine_unavailable")
 
 
-@router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS, summary="Prometheus metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS, summary="Prometheus metrics",
+            operation_id="getMetrics", tags=["operations"])
 async def metrics(request: Request) -> PlainTextResponse:
     ctx = _ctx(request)
     counts = ctx.store.count_by_status()

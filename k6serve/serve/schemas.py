@@ -7,18 +7,27 @@ Pydantic lives only in this module and `routes.py`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
 import re
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, create_model
 
-from k6serve.models.variants import DEFAULT_SEED, SUPER_RESOLUTION, Variant, seconds_to_num_frames
+from k6serve.lora.spec import LORA_MERGE_MODES, LORA_TARGETS, MAX_LORA_ALPHA, MAX_LORA_STRENGTH
+from k6serve.models.variants import (
+    DEFAULT_SEED,
+    MAX_PROMPT_CHARACTERS,
+    SUPER_RESOLUTION,
+    Variant,
+    seconds_to_num_frames,
+)
 from k6serve.reference_names import unknown_names_hint
-from k6serve.request import SamplingParams, parameter_fields, parse_size
+from k6serve.request import SR_RESIZE_MODES, SamplingParams, parameter_fields, parse_size
 from k6serve.serve.errors import ApiError
 from k6serve.serve.jobs import Job, JobStatus, expires_at
 
@@ -58,17 +67,104 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _HTTP_ONLY_FIELDS = ("model", "size", "seconds", "request_id")
 
 
+def _documented(**by_type: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """A field's `json_schema_extra` that writes JSON-schema keywords into the branches of its schema of each JSON type
+    (`integer={"minimum": 1}`; an array's items count as its type), the `null` branch left as it is: the OpenAPI
+    document shows the ranges to client generators and validators. In the document only: pydantic does not check
+    them, the server's own checks do, with their own 400 messages (a pydantic constraint would answer in its words)."""
+    def extra(schema: dict[str, Any]) -> None:
+        for branch in schema.get("anyOf", [schema]):
+            target = branch.get("items", branch) if branch.get("type") == "array" else branch
+            keywords = copy.deepcopy(by_type.get(target.get("type"), {}))
+            if _SHARED in keywords:  # a shared component (`SHARED_SCHEMAS`) says the type
+                del target["type"]
+            target.update(keywords)
+    return extra
+
+
+# Choices that several fields share, as named components of the document (`_openapi` adds them): a generated client
+# gets one enum, LoraTarget, not SetLoraBodyTarget, MergeLoraBodyTarget and UnmergeLoraBodyTarget.
+SHARED_SCHEMAS = {
+    "LoraTarget": {"type": "string", "enum": list(LORA_TARGETS), "title": "LoraTarget",
+                   "description": "What the LoRA routes change: 'all' or 'transformer' (the one DiT)."},
+    "LoraMergeMode": {"type": "string", "enum": list(LORA_MERGE_MODES), "title": "LoraMergeMode",
+                      "description": "'auto', 'merge' (into the weights) or 'dynamic' (per forward)."},
+    "SrTargetResizeMode": {"type": "string", "enum": list(SR_RESIZE_MODES), "title": "SrTargetResizeMode",
+                           "description": "How super-resolution reaches sr_target_resolution: fit or exact."},
+}
+
+
+# Pydantic refuses a $ref to a schema it did not make (KeyError), so `_documented` leaves this mark, which
+# `request_body_schema` turns into the $ref.
+_SHARED = "x-k6serve-shared"
+
+
+def _shared(name: str) -> dict[str, dict[str, str]]:
+    return {"string": {_SHARED: name}}
+
+
+def request_body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A request body's model as a component of the OpenAPI document: its shared choices as $refs to
+    `SHARED_SCHEMAS`, and no `default`s. openapi-typescript makes a component's property with a default required
+    (its defaultNonNullable), so a TypeScript client had to send every field of a create, null or not, and
+    `target` and `strength` with an empty merge; the descriptions say the defaults that are not null."""
+    def refer(node: Any) -> Any:
+        if isinstance(node, list):
+            return [refer(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        shared = {"$ref": f"#/components/schemas/{node[_SHARED]}"} if _SHARED in node else {}
+        return {**{key: refer(value) for key, value in node.items() if key != _SHARED}, **shared}
+    schema = refer(model.model_json_schema(ref_template="#/components/schemas/{model}"))
+    for value in schema["properties"].values():
+        value.pop("default", None)
+    return schema
+
+
+_NUMBER_TEXT_PATTERN = "^" + _DECIMAL.pattern + "$"  # ECMA-262 reads it as Python does (ASCII classes only)
+_TEXT = {"string": {"maxLength": MAX_PROMPT_CHARACTERS}}
+# The ranges the server enforces on every model (`models/variants.py` resolve_*, `_frames_for_seconds`), as documented
+# by the fields' help; tests/server/test_openapi.py checks each bound against the server's answers. A value within
+# them can still be refused for a combination (seconds x fps past 128 latent frames or the audio's 47.55 s) or by the
+# served model (a distilled checkpoint takes guidance_scale 1.0 only, the SR model no width).
+_DOCUMENTED_BOUNDS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "prompt": _documented(**_TEXT),
+    "negative_prompt": _documented(**_TEXT),
+    "seed": _documented(integer={"minimum": 0, "maximum": 2**63 - 1}),
+    "height": _documented(integer={"minimum": 16, "maximum": 2048, "multipleOf": 16}),
+    "width": _documented(integer={"minimum": 16, "maximum": 2048, "multipleOf": 16}),
+    # 510 and 511 round down to 509 frames (n // 4 * 4 + 1), the most the DiT's 128 latent frames hold.
+    "num_frames": _documented(integer={"minimum": 1, "maximum": 511}),
+    "fps": _documented(number={"minimum": 1, "maximum": 240}),
+    "num_inference_steps": _documented(integer={"minimum": 1, "maximum": 1000}),
+    "guidance_scale": _documented(number={"minimum": 1}),
+    # 2, 2.25 or 4, as the description says: over an enum of numbers openapi-python-client drops the whole body.
+    "sr_resolution_scale": _documented(number={"minimum": 2, "maximum": 4}),
+    "sr_tiles_batch_size": _documented(integer={"minimum": 1, "maximum": 64}),
+    "sr_tile_min_overlap": _documented(number={"minimum": 0, "exclusiveMaximum": 1}),
+    "sr_target_resize_mode": _documented(**_shared("SrTargetResizeMode")),
+    "loras": _documented(object={"additionalProperties": {
+        "type": "number", "minimum": -MAX_LORA_STRENGTH, "maximum": MAX_LORA_STRENGTH}}),
+    "size": _documented(string={"pattern": r"^\s*[0-9]+\s*[xX]\s*[0-9]+\s*$"}),
+    "seconds": _documented(number={"exclusiveMinimum": 0, "maximum": 600},
+                          string={"pattern": _NUMBER_TEXT_PATTERN, "maxLength": _MAX_NUMBER_TEXT}),
+}
+
+
 def _http_field_definitions() -> dict[str, Any]:
     hints = typing.get_type_hints(SamplingParams)
     definitions: dict[str, Any] = {}
     for field in parameter_fields(surface="http"):
-        definitions[field.name] = (hints[field.name], Field(default=None, description=field.metadata["help"]))
+        definitions[field.name] = (hints[field.name], Field(default=None, description=field.metadata["help"],
+                                                            json_schema_extra=_DOCUMENTED_BOUNDS.get(field.name)))
     definitions["model"] = (str | None, Field(default=None, description="Served model name (GET /v1/models); "
                                                                          "optional."))
     definitions["size"] = (str | None, Field(default=None, description="OpenAI size 'WxH', width first "
-                                                                       "(e.g. '768x512'); same as width+height."))
+                                                                       "(e.g. '768x512'); same as width+height.",
+                                             json_schema_extra=_DOCUMENTED_BOUNDS["size"]))
     definitions["seconds"] = (str | float | None, Field(
-        default=None, description="Duration; mapped to num_frames = round(seconds*fps), then n // 4 * 4 + 1."))
+        default=None, description="Duration; mapped to num_frames = round(seconds*fps), then n // 4 * 4 + 1.",
+        json_schema_extra=_DOCUMENTED_BOUNDS["seconds"]))
     definitions["request_id"] = (str | None, Field(
         default=None, pattern=REQUEST_ID_PATTERN,
         description="The job's id, chosen by the client: 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or "
@@ -400,6 +496,13 @@ def input_reference_target(*, super_resolution: bool) -> str:
 _LORA_BODY_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# The LoRA bodies' ranges and choices, in the document only (`_documented`): `api.set_lora_operation` and the others
+# refuse the rest with their own 400s.
+_LORA_TARGET = _documented(**_shared("LoraTarget"))
+_LORA_STRENGTH = _documented(number={"minimum": -MAX_LORA_STRENGTH, "maximum": MAX_LORA_STRENGTH})
+_TARGET_DOC = "'all' (default) or 'transformer' (the one DiT)."
+
+
 class SetLoraBody(BaseModel):
     """POST /v1/set_lora (JSON)."""
 
@@ -408,28 +511,33 @@ class SetLoraBody(BaseModel):
     lora_path: str | list[str | None] | None = Field(
         None, description="A .safetensors file, a folder holding one, or a hub id, per nickname; null reuses the "
                           "adapter already loaded under the nickname.")
-    target: str = Field("all", description="'all' or 'transformer' (the one DiT).")
+    target: str = Field("all", description=_TARGET_DOC, json_schema_extra=_LORA_TARGET)
     strength: float | list[float] = Field(1.0, description="One number for every adapter, or one per adapter; "
-                                                           "from -100 to 100.")
-    merge_mode: str = Field("auto", description="'auto', 'merge' (into the weights) or 'dynamic' (per forward).")
+                                                           "from -100 to 100 (default 1).",
+                                          json_schema_extra=_LORA_STRENGTH)
+    merge_mode: str = Field("auto", description="'auto' (default), 'merge' (into the weights) or 'dynamic' (per "
+                                                "forward).",
+                            json_schema_extra=_documented(**_shared("LoraMergeMode")))
     lora_alpha: float | None = Field(None, description="Overrides the alpha stored in the adapter file; from -10000 "
-                                                       "to 10000.")
+                                                       "to 10000.",
+                                     json_schema_extra=_documented(number={"minimum": -MAX_LORA_ALPHA,
+                                                                           "maximum": MAX_LORA_ALPHA}))
 
 
 class MergeLoraBody(BaseModel):
     """POST /v1/merge_lora_weights (JSON; an empty body means the defaults)."""
 
     model_config = _LORA_BODY_CONFIG
-    target: str = "all"
+    target: str = Field("all", description=_TARGET_DOC, json_schema_extra=_LORA_TARGET)
     strength: float | None = Field(None, description="Merge again at this strength (from -100 to 100); null keeps "
-                                                     "the set one.")
+                                                     "the set one.", json_schema_extra=_LORA_STRENGTH)
 
 
 class UnmergeLoraBody(BaseModel):
     """POST /v1/unmerge_lora_weights (JSON; an empty body means the defaults)."""
 
     model_config = _LORA_BODY_CONFIG
-    target: str = "all"
+    target: str = Field("all", description=_TARGET_DOC, json_schema_extra=_LORA_TARGET)
 
 
 class UnloadLoraBody(BaseModel):
