@@ -116,6 +116,12 @@ class SamplingParams:
         "at about -2 to 2); {} runs the base model. Added dynamically; the engine's active adapters return after "
         "the request. Needs them unmerged (dynamic or none)."
     )
+    expand_prompts: bool | None = _param(
+        "Rewrite the prompt with the Qwen2.5-VL text encoder before encoding it, as diffusers' expand_prompts does "
+        "(a \"prompt beautifier\" instruction; with image_path the image grounds the rewrite): a short prompt "
+        "becomes a detailed video+audio description. Generation models; seeded by the request's seed; the "
+        "rewritten prompt comes back in the result. Default off."
+    )
     save_output: bool = _param(
         "Write the MP4 file (default). --no-save-output runs the request for its timings only: the video is "
         "discarded.", default=True, http=False
@@ -205,6 +211,7 @@ class GenerateRequest:
     with_audio: bool = True
     cache_dit: CacheDitParams | None = None  # Cache-DiT settings, or None for an uncached request
     loras: tuple[tuple[str, float], ...] | None = None  # this request's adapters, or None: the engine's active ones
+    expand_prompts: bool = False  # rewrite the prompt with Qwen2.5-VL first (pipelines/expand_prompt.py)
 
     @property
     def do_cfg(self) -> bool:
@@ -255,15 +262,17 @@ class VideoResult:
     return_file_paths_only=False) or wrote no file (save_output=False, unless return_frames=False);
     `output_file_path` is None with save_output=False. `timings` are seconds:
     generation has "encode", "denoise" (with "denoise_per_step", "denoise_step_median", "denoise_step_max"),
-    "decode_audio", "decode_video" and, with a file, "mux" (what the MP4 write added after the decode: the encoder
-    runs beside it); super-resolution has "read", "encode", "upscale", "dit", "dit_per_call", "decode" and "mux"
-    (without a file "blend"). "gc_freeze" (a collection, part of "total") comes with the first request and the
-    first after a compilation, "warmup" with the request that warmed up (warmup_mode="request"; not part of
-    "total"), and "total" is the request's wall time in the worker.
+    "decode_audio", "decode_video", with expand_prompts "expand_prompt" (the rewrite), and, with a file, "mux"
+    (what the MP4 write added after the decode: the encoder runs beside it); super-resolution has "read",
+    "encode", "upscale", "dit", "dit_per_call", "decode" and "mux" (without a file "blend"). "gc_freeze" (a
+    collection, part of "total") comes with the first request and the first after a compilation, "warmup" with the
+    request that warmed up (warmup_mode="request"; not part of "total"), and "total" is the request's wall time in
+    the worker.
     Two entries are counts, not seconds: "graphs_compiled" (torch.compile graphs built during the request) and
     "cache_dit_cached_calls" (with Cache-DiT). `peak_memory_mb`: the request's peak allocated GPU memory (on the
     CPU, the worker process's peak resident memory so far). `notes`: what the user should know (a truncated
-    prompt, an ignored value, a renamed output file).
+    prompt, an ignored value, a renamed output file). `expanded_prompt`: with expand_prompts, the prompt the model
+    was given, as Qwen2.5-VL rewrote it.
     """
 
     output_file_path: str | None
@@ -279,6 +288,8 @@ class VideoResult:
     width: int
     has_audio: bool = False
     notes: list[str] = field(default_factory=list)
+    # expand_prompts: the prompt the model was given, as Qwen2.5-VL rewrote it; None when not expanded.
+    expanded_prompt: str | None = None
     # Super-resolution of a source with non-square pixels: their width over height, kept by the output (the MP4 is
     # tagged with it; scale `frames`' width by it to show them in the source's shape). None: square pixels.
     sample_aspect_ratio: Fraction | None = None

@@ -380,6 +380,7 @@ def result_record(result, label: str = "", prompt: str | None = None) -> dict[st
                     for key, value in result.timings.items()},
         "peak_memory_mb": result.peak_memory_mb if math.isfinite(result.peak_memory_mb) else None,
         "notes": list(result.notes),
+        "expanded_prompt": result.expanded_prompt,  # null unless --expand-prompts rewrote the prompt
     })
     return record
 
@@ -393,6 +394,9 @@ def _print_result(result, as_json: bool = False, label: str = "", prompt: str | 
         _out(json.dumps(result_record(result, label, prompt), ensure_ascii=False, allow_nan=False),
              result.output_file_path)
         return
+    if result.expanded_prompt is not None:
+        # A result (the text the video was made from), so on stdout, before the table and the saved line.
+        _out(f"expanded prompt: {result.expanded_prompt}", result.output_file_path)
     _out(format_timings(result), result.output_file_path)
     _out(format_summary(result), result.output_file_path)
 

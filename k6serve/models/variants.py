@@ -466,6 +466,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         guidance_scale=guidance,
         cache_dit=cache_dit,
         loras=loras,
+        expand_prompts=bool(params.expand_prompts),
     )
     return request, notes
 
@@ -630,6 +631,9 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
     if params.loras is not None:
         raise ValueError("loras applies to the generation models; the super-resolution model takes no LoRA adapter.")
+    if params.expand_prompts:
+        raise ValueError("expand_prompts rewrites a generation prompt; the super-resolution model takes no text. "
+                         "Drop expand_prompts.")
     if params.enable_cache_dit or params.cache_dit_params is not None:
         raise ValueError("Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps "
                          "per tile, with nothing to skip. Drop enable_cache_dit / cache_dit_params.")

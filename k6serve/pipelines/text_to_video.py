@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import PIL.Image
 import torch
 
 from k6serve.caching.block_cache import block_cache
@@ -24,6 +26,7 @@ from k6serve.pipelines.decode_stream import (
 )
 from k6serve.pipelines.denoise import StepCallback, denoise
 from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding, truncation_note
+from k6serve.pipelines.expand_prompt import expand_prompt, load_image_processor
 from k6serve.pipelines.prepare_latents import (
     cpu_seed_note,
     encode_reference_image,
@@ -32,7 +35,7 @@ from k6serve.pipelines.prepare_latents import (
 )
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
-from k6serve.request import GenerateRequest
+from k6serve.request import GenerateRequest, has_visible_text
 
 
 @dataclass
@@ -42,6 +45,7 @@ class GenerationOutput:
     fps: float
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    expanded_prompt: str | None = None  # expand_prompts: the prompt as rewritten and encoded
 
 
 def _sync(device: torch.device) -> None:
@@ -102,6 +106,10 @@ class TextToVideoPipeline:
         self.keep_float_frames = keep_float_frames
         # Which components are on the device for each stage: all of them, always, unless `apply_offload` set it.
         self.residency = RESIDENT
+        # expand_prompts on several ranks of a replica: every rank's rewrite replaced by its leader's, so all encode
+        # the same text (set by the parallel runtime; sampling need not give the same tokens on every rank).
+        self.agree_on_text: Callable[[str], str] | None = None
+        self._image_processor = None  # loaded at the first expand_prompts with an image
 
     def components(self) -> dict[str, torch.nn.Module]:
         """The modules the stages name in `residency.stage(...)`."""
@@ -112,6 +120,15 @@ class TextToVideoPipeline:
 
     def check(self, request: GenerateRequest) -> None:
         config = self.models.transformer.config
+        if request.expand_prompts and "text_encoder" in getattr(self.residency, "streamers", {}):
+            # generate runs the whole text encoder once per new token (up to 1024): streamed, each run copies all
+            # of its layers (15.5 GiB for Qwen2.5-VL-7B) from host memory, minutes per token batch.
+            raise ValueError(
+                "expand_prompts runs the text encoder once per generated token (up to 1024), and this engine streams "
+                "its layers from host memory (--performance-mode memory, or --layerwise-offload-components "
+                "text_encoder), which would copy all of them for every token. Offload it whole instead "
+                "(--component-residency text_encoder=component_offload: it visits the GPU for the rewrite and the "
+                "encoding, about 16 GB there), or drop expand_prompts.")
         if request.cache_dit is not None:
             request.cache_dit.check_against(num_blocks=config.num_visual_blocks, num_steps=request.num_inference_steps)
         if request.image_path is not None and (not config.visual_cond or config.visual_token_type_num_embeddings < 2):
@@ -119,6 +136,16 @@ class TextToVideoPipeline:
                 f"{self.models.variant.name} cannot take a conditioning image: its transformer has no reference-frame "
                 "token type (visual_token_type_num_embeddings < 2). Drop --image-path."
             )
+
+    def expand(self, request: GenerateRequest, image: PIL.Image.Image | None) -> str:
+        """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any."""
+        m = self.models
+        if image is not None and self._image_processor is None:
+            self._image_processor = load_image_processor(m.source)
+        with self.residency.stage("text_encoder"):
+            text = expand_prompt(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
+                                 seed=request.seed, image_processor=self._image_processor, image=image)
+        return self.agree_on_text(text) if self.agree_on_text is not None else text
 
     def encode(self, request: GenerateRequest) -> Conditioning:
         m = self.models
@@ -153,17 +180,38 @@ class TextToVideoPipeline:
         if video_sink is not None and self.keep_float_frames:
             raise ValueError("a video_sink gets uint8 frames only; build the pipeline with keep_float_frames=False")
         timings: dict[str, float] = {}
-        notes = self.truncation_notes(request)
+        notes: list[str] = []
+        image = None
+        if request.image_path is not None:
+            from k6serve.media.image import load_conditioning_image
+
+            image = load_conditioning_image(request.image_path, request.height, request.width, notes=notes)
+        expanded = None
+        if request.expand_prompts:
+            start = time.perf_counter()
+            expanded = self.expand(request, image)
+            timings["expand_prompt"] = time.perf_counter() - start
+            if not has_visible_text(expanded):
+                # The DiT would get an empty prompt (a sampled rewrite that ended at once): the user's stands.
+                notes.append("expand_prompts: the text encoder's rewrite was empty; the prompt was used as given.")
+                expanded = None
+            else:
+                request = dataclasses.replace(request, prompt=expanded)
+        truncated = self.truncation_notes(request)
+        if expanded is not None and truncated and truncated[0].startswith("prompt was truncated"):
+            # The rewrite is not the user's to shorten: up to 1024 new tokens, as diffusers lets it run.
+            kept = truncated[0].removeprefix("prompt").split("; the rest")[0]
+            truncated[0] = (f"the expanded prompt{kept} (expand_prompts writes up to 1024 new tokens, as diffusers' "
+                            "does, and the encoder reads 1024 in all); the end of the rewrite does not reach the "
+                            "model.")
+        notes[:0] = truncated
         if (seed_note := cpu_seed_note(request.seed)) is not None:
             notes.append(seed_note)
         start = time.perf_counter()
         conditioning = self.encode(request)
         generator = make_generator(request.seed)
         tail = None
-        if request.image_path is not None:
-            from k6serve.media.image import load_conditioning_image
-
-            image = load_conditioning_image(request.image_path, request.height, request.width, notes=notes)
+        if image is not None:
             with self.residency.stage("vae"):
                 tail = encode_reference_image(image, m.vae, height=request.height, width=request.width,
                                               device=m.device, dtype=m.dtype, generator=generator)
@@ -219,7 +267,8 @@ class TextToVideoPipeline:
         between_chunks = final_step_check(on_step, len(timesteps))  # the total `denoise` reported
         if video_sink is not None:
             video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings, between_chunks)
-            return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes)
+            return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes,
+                                    expanded_prompt=expanded)
         start = time.perf_counter()
         with self.residency.stage("vae"):
             if self.keep_float_frames:
@@ -230,7 +279,8 @@ class TextToVideoPipeline:
                 video = DecodedVideo(frames_float_THWC=None, frames_THWC=decode_video_frames(
                     m.vae, latents.video_BTHWC, between_chunks=between_chunks))
         timings["decode_video"] = time.perf_counter() - start
-        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes)
+        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes,
+                                expanded_prompt=expanded)
 
     def _step_cache(self, request: GenerateRequest):
         """The request's Cache-DiT session on the DiT for the denoising loop (k6serve/caching/), or nothing."""

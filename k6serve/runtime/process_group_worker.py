@@ -131,6 +131,11 @@ def parallelize_worker_models(worker, config: EngineConfig, context: RankContext
     if worker.variant.family == GENERATION:
         parallelize_generation_models(worker.pipeline.models, context.groups,
                                       encoder_parallel=config.parallel.encoder_parallel, device_type=device_type)
+        if len(context.groups.replica_ranks) > 1:
+            # expand_prompts: every rank rewrites the prompt; the leader's text is the one all of them encode (a
+            # sampled rewrite, or a kernel's rounding, could differ between ranks, and each rank would then condition
+            # its shard of the video on another prompt).
+            worker.pipeline.agree_on_text = lambda text: _broadcast(text, context)
     elif layout.replica_size > 1 or layout.fsdp:
         parallelize_sr_models(worker.pipeline.models, context.groups, model_name=worker.variant.name,
                               device_type=device_type, decode=worker.sr_decode)

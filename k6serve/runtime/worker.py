@@ -643,4 +643,5 @@ class ModelWorker:
             has_audio=audio is not None,
             notes=notes + result.notes,
             sample_aspect_ratio=getattr(result, "sample_aspect_ratio", None),  # SR only
+            expanded_prompt=getattr(result, "expanded_prompt", None),  # generation with expand_prompts only
         )

@@ -88,6 +88,7 @@ class Job:
     # Set when a DELETE asked to cancel it while running: a job that finishes anyway (the cancel came after the
     # engine's last step boundary) ends cancelled, and neither a shutdown nor a restart re-queues it.
     cancel_requested_at: float | None = None
+    expanded_prompt: str | None = None  # expand_prompts: the prompt as the text encoder rewrote it
 
 
 def expires_at(job: Job, ttl_s: float) -> int | None:
@@ -222,12 +223,15 @@ class SqliteJobStore:
                     request_hash TEXT,
                     attempts INTEGER NOT NULL,
                     warnings TEXT NOT NULL,
-                    cancel_requested_at REAL
+                    cancel_requested_at REAL,
+                    expanded_prompt TEXT
                 )"""
             )
             columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
             if "cancel_requested_at" not in columns:  # a store written before cancel requests were kept
                 self._db.execute("ALTER TABLE jobs ADD COLUMN cancel_requested_at REAL")
+            if "expanded_prompt" not in columns:  # a store written before expand_prompts
+                self._db.execute("ALTER TABLE jobs ADD COLUMN expanded_prompt TEXT")
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
             # The TTL sweep's candidates (`finished_before`) by index: without it each sweep, run before every
             # listing too, read and sorted every finished job (39 ms a listing at 100k stored jobs).

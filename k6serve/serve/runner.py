@@ -748,7 +748,7 @@ class JobRunner:
             completed_at=completed_at, output_file=self.artifacts.output_path(result.output_file_path).name,
             inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
             size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
-            warnings=job.warnings + tuple(notes),
+            warnings=job.warnings + tuple(notes), expanded_prompt=result.expanded_prompt,
         )
         if finished is None:
             # Deleted while running: nobody owns the file any more.

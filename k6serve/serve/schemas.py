@@ -627,6 +627,8 @@ class VideoJob(BaseModel):
     model: str
     # OpenAI's Video object has it, and its SDK's `Video.prompt` read None from every job before.
     prompt: str | None = Field(None, description="The job's prompt as sent; null for super-resolution.")
+    expanded_prompt: str | None = Field(None, description="With expand_prompts, once completed: the prompt as the "
+                                                          "text encoder rewrote it, which the model was given.")
     status: JobStatus
     progress: int = Field(description="0-100; advanced at every denoising step (every tile for VSR).")
     created_at: int
@@ -713,6 +715,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, ro
         model=job.model,
         # Super-resolution ignores a prompt (the OpenAI SDK sends one with every request, "" or not; a note says so).
         prompt=None if "video_path" in job.params else job.params.get("prompt"),
+        expanded_prompt=job.expanded_prompt,
         status=job.status,
         progress=job.progress,
         created_at=int(job.created_at),

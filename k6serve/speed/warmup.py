@@ -54,7 +54,9 @@ def warmup_request(request):
             # start-up, failed on it); bins cover their own step count. The mask only picks the steps that may reuse
             # the cache: the same blocks run.
             cache_dit = dataclasses.replace(cache_dit, scm_preset="none", scm_compute_bins=None, scm_cache_bins=None)
-        return dataclasses.replace(request, num_inference_steps=steps, cache_dit=cache_dit)
+        # No prompt rewrite: up to 1024 tokens generated one by one warm nothing the request's own run needs
+        # (generate runs eager), and the rewrite's length is the prompt's, which `other_lengths` already covers.
+        return dataclasses.replace(request, num_inference_steps=steps, cache_dit=cache_dit, expand_prompts=False)
     return request
 
 

@@ -731,3 +731,29 @@ def _fsdp_merge_task(folder: Path, adapter: Path):
 def test_fsdp_refuses_merge_and_auto_is_dynamic(pool, checkpoint, lora_adapter):
     for refused, auto_mode in pool.run(_fsdp_merge_task, checkpoint, lora_adapter):
         assert "merge_mode 'merge' cannot be used with --use-fsdp-inference" in refused and auto_mode == "dynamic"
+
+
+def _expand_task(folder: Path, layout: ParallelLayout | None, encoder_parallel: str, prompt: str):
+    """expand_prompts' rewrite under `layout` (the text encoder folded, or replicated), 1 process for None."""
+    from k6serve.parallel.parallelize import parallelize_generation_models
+    from k6serve.pipelines.expand_prompt import expand_prompt
+
+    if layout is None and dist.get_rank() != 0:
+        return None
+    models = _fresh_generation_models(folder)
+    if layout is not None:
+        parallelize_generation_models(models, _groups(layout), encoder_parallel=encoder_parallel, device_type="cpu")
+    return expand_prompt(prompt, tokenizer=models.tokenizer, text_encoder=models.text_encoder,
+                         device=torch.device("cpu"), seed=3, max_new_tokens=16)
+
+
+@pytest.mark.parametrize("layout_name", ["ulysses2", "fold_ulysses2"])
+def test_expand_prompts_rewrites_as_one_process(pool, checkpoint, layout_name):
+    # generate through a folded (tensor-parallel) Qwen2.5-VL: each layer's output is all-reduced, so every rank
+    # decodes the same greedy tokens as one process (the tiny config is greedy; its sums are reordered, not its
+    # argmax on random weights, asserted here).
+    layout, encoder_parallel, _ = GENERATION_LAYOUTS[layout_name]
+    (reference,) = [text for text in pool.run(_expand_task, checkpoint, None, "replicate", "a red fox runs")
+                    if text is not None]
+    rewrites = pool.run(_expand_task, checkpoint, layout, encoder_parallel, "a red fox runs")
+    assert reference.strip() and rewrites == [reference] * len(rewrites)

@@ -89,6 +89,27 @@ def test_a_truncated_prompt_is_a_job_warning(generation_server):
         assert any("kept its first 1024 of 1100 tokens" in warning for warning in done["warnings"]), done
 
 
+def test_expand_prompts_over_json_and_form_reports_the_rewrite(generation_server):
+    with generation_server.client() as client:
+        plain = client.post("/v1/videos", json=REQUEST).json()
+        created = client.post("/v1/videos", json={**REQUEST, "expand_prompts": True})
+        assert created.status_code == 200, created.text
+        assert created.json()["expanded_prompt"] is None  # known once the job has run
+        form = client.post("/v1/videos", data={**{k: str(v) for k, v in REQUEST.items()}, "expand_prompts": "true"},
+                           files={"input_reference": ("first.png", _png(), "image/png")})
+        assert form.status_code == 200, form.text
+        done = [wait_for(client, job["id"], timeout=120) for job in (plain, created.json(), form.json())]
+        assert [job["status"] for job in done] == ["completed"] * 3, done
+        assert done[0]["expanded_prompt"] is None and done[0]["prompt"] == REQUEST["prompt"]
+        # The tiny random Qwen2.5-VL writes noise, but it is the rewrite: not the prompt, and the same each time.
+        assert done[1]["expanded_prompt"] and done[1]["expanded_prompt"] != REQUEST["prompt"]
+        assert done[1]["prompt"] == REQUEST["prompt"]  # the prompt as sent stays
+        assert done[2]["expanded_prompt"] and done[2]["expanded_prompt"] != done[1]["expanded_prompt"]  # the image
+        assert client.get(f"/v1/videos/{done[1]['id']}").json()["expanded_prompt"] == done[1]["expanded_prompt"]
+        refused = client.post("/v1/videos", json={**REQUEST, "expand_prompts": "yes"})
+        assert refused.status_code == 400 and "expand_prompts" in refused.text
+
+
 def test_ti2av_multipart_upload(generation_server, tmp_path):
     with generation_server.client() as client:
         form = {k: str(v) for k, v in REQUEST.items()}

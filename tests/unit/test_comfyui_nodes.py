@@ -201,6 +201,10 @@ def test_fields_leave_zero_to_the_model_default():
                                negative_prompt="blurry", fps=12.0, loras='{"style": 0.5}', enable_cache_dit="off")
     assert fields["num_inference_steps"] == 3 and fields["guidance_scale"] == 5.0 and fields["fps"] == 12.0
     assert fields["loras"] == {"style": 0.5} and fields["enable_cache_dit"] is False
+    assert "expand_prompts" not in fields
+    assert generation_fields(prompt="p", width=64, height=48, num_frames=5, steps=0, guidance_scale=0.0, seed=1,
+                             negative_prompt="", fps=0.0, loras="", enable_cache_dit="server default",
+                             expand_prompts=True)["expand_prompts"] is True
     with pytest.raises(K6ServeError, match="loras must be a JSON object"):
         generation_fields(prompt="p", width=64, height=48, num_frames=5, steps=0, guidance_scale=0.0, seed=1,
                           negative_prompt="", fps=0.0, loras="style", enable_cache_dit="on")
@@ -221,6 +225,14 @@ def test_generate_text_to_video_and_audio(generation_server, comfy):
     assert fps == 24.0
     assert Path(path).is_file() and Path(path).parent == comfy.output_dir / "k6serve"
     assert comfy.progress[-1] == 100
+
+
+@pytest.mark.slow
+def test_generate_with_expand_prompts_shows_the_rewrite(generation_server, comfy):
+    result = Generate().generate(generation_server.base_url, **TINY, expand_prompts=True)
+    path, rewrite = result["ui"]["text"]
+    assert Path(path).is_file() and rewrite.startswith("expanded prompt: ") and len(rewrite) > 20
+    assert _newest_job(generation_server)["expanded_prompt"] == rewrite.removeprefix("expanded prompt: ")
 
 
 @pytest.mark.slow

@@ -274,7 +274,8 @@ def _saved(prompt: str, seconds: float):
     from types import SimpleNamespace
 
     return SimpleNamespace(notes=[], timings={"total": seconds}, peak_memory_mb=1.0, num_frames=5, width=32,
-                           height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4", seed=42)
+                           height=32, fps=24.0, has_audio=True, output_file_path=f"out/{prompt}.mp4", seed=42,
+                           expanded_prompt=None)
 
 
 class _Replicas:
@@ -549,4 +550,4 @@ def test_json_record_keeps_the_line_json_where_a_value_is_not_finite():
         "output_file_path": "o/a.mp4", "width": 1536, "height": 1024, "num_frames": 121, "fps": 24.0,
         "has_audio": False, "audio_sample_rate": None, "seed": 1, "sample_aspect_ratio": "4/3",
         "timings": {"total": None, "dit": 2.5, "graphs_compiled": 3}, "peak_memory_mb": None,
-        "notes": ["an SR note"]}
+        "notes": ["an SR note"], "expanded_prompt": None}

@@ -1,0 +1,107 @@
+"""Stage (optional): rewrite the prompt with Qwen2.5-VL before it is encoded, as diffusers' `expand_prompts` does.
+
+k6-generation.md §3.2 (P:412-485): the T2VA or I2VA "prompt beautifier" instruction around the user's prompt, in a
+one-turn chat (with the reference image first for image-to-video), `generate` up to `max_sequence_length` new tokens
+with the text encoder's own generation config (the checkpoint's `generation_config.json`), the global RNG seeded
+with the request's seed first; the decoded answer replaces the prompt. The released Qwen2.5-VL samples with top_k 1,
+so the rewrite is its greedy answer whatever the seed.
+
+Where we depart from the reference's code, not its result: the Qwen2.5-VL processor is not built (its class needs
+torchvision, which the CPU torch wheel cannot sit beside; k6-generation.md §7.3): the tokenizer applies the chat
+template and the image processor (PIL) makes the image's patches, and the image placeholder is widened to one
+token per merged patch exactly as `Qwen2_5_VLProcessor.__call__` widens it. The RNG is seeded inside `fork_rng`,
+so the engine's global RNG is left as it was (diffusers reseeds it for good).
+"""
+
+from __future__ import annotations
+
+import PIL.Image
+import torch
+
+from k6serve.pipelines.encode_text import MAX_SEQUENCE_LENGTH
+
+# diffusers 0.42.1 pipeline_kandinsky6_ti2va.py, verbatim.
+T2VA_INSTRUCTION = (
+    "You are a prompt beautifier that transforms short user video+audio descriptions into rich, detailed English "
+    "prompts specifically optimized for video+audio generation models. Preserve any direct speech between <S> "
+    "and <E> exactly as written. If the prompt asks for speech without exact words, add suitable direct speech "
+    "between those tags. Put general audio descriptions between <AUDCAP> and <ENDAUDCAP>. Describe the scene, "
+    "actions, camera motion, visual style, and audio in detail. Make the prompt dynamic. Answer only with the "
+    "expanded prompt.\n\n"
+    "Rewrite Prompt: {}"
+)
+I2VA_INSTRUCTION = (
+    "You are a prompt beautifier that transforms a short user video+audio description and a provided reference "
+    "image into a rich, detailed English prompt optimized for video+audio generation. The reference image is the "
+    "ground truth for the initial scene. Keep every visible fact that you mention consistent with it. Do not mainly "
+    "describe the image: focus on the requested actions, motion, interactions, camera changes, speech, and audio, "
+    "explaining the changes relative to the initial image. Add only details compatible with the reference image; "
+    "never invent conflicting objects, identities, colors, locations, or actions. Preserve direct speech between "
+    "<S> and <E> exactly. Put general audio descriptions between <AUDCAP> and <ENDAUDCAP>. Make the prompt dynamic "
+    "and describe how the scene evolves from the provided image. Answer only with the expanded prompt.\n\n"
+    "Rewrite Prompt: {}"
+)
+IMAGE_TOKEN = "<|image_pad|>"
+
+
+def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL.Image.Image | None = None,
+                     ) -> dict[str, torch.Tensor]:
+    """The `generate` inputs `Qwen2_5_VLProcessor` makes for the expansion chat: input_ids and attention_mask, and
+    with an image its pixel_values and image_grid_thw."""
+    instruction = (I2VA_INSTRUCTION if image is not None else T2VA_INSTRUCTION).format(prompt)
+    content = ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text",
+                                                                                     "text": instruction}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    pixels: dict[str, torch.Tensor] = {}
+    if image is not None:
+        if image_processor is None:
+            raise ValueError("expand_prompts with an image needs the checkpoint's Qwen2.5-VL image processor "
+                             "(tokenizer/processor_config.json or preprocessor_config.json), which was not found.")
+        made = image_processor(images=[image], return_tensors="pt")
+        pixels = {"pixel_values": made["pixel_values"], "image_grid_thw": made["image_grid_thw"]}
+        # One placeholder per merged patch, as the processor writes it (it is one token in the template).
+        count = int(pixels["image_grid_thw"][0].prod()) // int(image_processor.merge_size) ** 2
+        text = text.replace(IMAGE_TOKEN, IMAGE_TOKEN * count, 1)
+    encoded = tokenizer([text], padding=True, return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], **pixels}
+
+
+@torch.inference_mode()
+def expand_prompt(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
+                  image_processor=None, image: PIL.Image.Image | None = None,
+                  max_new_tokens: int = MAX_SEQUENCE_LENGTH) -> str:
+    """`prompt` rewritten by the text encoder (diffusers' `Kandinsky6TI2VAPipeline.expand_prompts` for one prompt,
+    `generator` seeded with `seed`)."""
+    inputs = {name: value.to(device) for name, value in
+              expansion_inputs(prompt, tokenizer=tokenizer, image_processor=image_processor, image=image).items()}
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        generated = text_encoder.generate(**inputs, max_new_tokens=max_new_tokens)
+    answer = generated[:, inputs["input_ids"].shape[1]:]
+    return tokenizer.batch_decode(answer, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
+
+
+def load_image_processor(source: str):
+    """The Qwen2.5-VL image processor of a checkpoint folder's `tokenizer/` (where diffusers' save_pretrained of the
+    processor writes its settings), else Qwen2.5-VL's defaults (a `--load-format dummy` model). transformers picks
+    its PIL implementation where torchvision is missing (the CPU wheel), the same patches."""
+    import logging
+    from pathlib import Path
+
+    import transformers
+
+    folder = Path(source) / "tokenizer"
+    names = ("processor_config.json", "preprocessor_config.json")
+    # transformers' notice that it fell back to PIL, once per load, is no news to a user.
+    quiet = logging.getLogger("transformers.models.auto.image_processing_auto")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        if source != "dummy" and any((folder / name).is_file() for name in names):
+            return transformers.AutoImageProcessor.from_pretrained(str(folder), trust_remote_code=False)
+        cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+        return cls()
+    finally:
+        quiet.setLevel(level)

@@ -1,0 +1,171 @@
+"""expand_prompts (Qwen2.5-VL rewrites the prompt first) against diffusers' `Kandinsky6TI2VAPipeline.expand_prompts`
+on the same tiny checkpoint: the same generate inputs as its Qwen2.5-VL processor makes (text, and an image's
+patches and widened placeholder), the same rewrite for the same seed (also when sampling), and the whole pipeline's
+frames and audio bitwise equal with expand_prompts=True."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from k6serve.models.kandinsky6.checkpoint import load_generation_models
+from k6serve.models.variants import recognise, resolve_generate
+from k6serve.pipelines.expand_prompt import expand_prompt, expansion_inputs, load_image_processor
+from k6serve.pipelines.text_to_video import TextToVideoPipeline
+from k6serve.request import SamplingParams
+from k6serve.testing.tiny_checkpoints import load_reference_pipeline
+
+HEIGHT, WIDTH, FRAMES = 64, 96, 5
+
+
+def _models(folder: Path):
+    variant = recognise(str(folder), None, folder)
+    return variant, load_generation_models(folder, variant, device=torch.device("cpu"), dtype=torch.float32,
+                                           load_format="auto")
+
+
+def _image(seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (80, 120, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_generate_inputs_are_the_processors(tiny_distill_dir, with_image):
+    from k6serve.testing.tokenizers import load_qwen_processor
+
+    _, models = _models(tiny_distill_dir)
+    processor = load_qwen_processor(tiny_distill_dir / "tokenizer")
+    image = _image() if with_image else None
+    ours = expansion_inputs("a fox in the snow", tokenizer=models.tokenizer,
+                            image_processor=load_image_processor(str(tiny_distill_dir)) if with_image else None,
+                            image=image)
+    content = ([{"type": "image", "image": image}] if with_image else []) + [
+        {"type": "text", "text": ours_instruction("a fox in the snow", with_image)}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    theirs = processor(text=[text], images=[image] if with_image else None, videos=None, padding=True,
+                       return_tensors="pt")
+    assert set(ours) == ({"input_ids", "attention_mask", "pixel_values", "image_grid_thw"} if with_image
+                         else {"input_ids", "attention_mask"})
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name
+    if with_image:
+        # 80x120 is resized to 84x112 (multiples of 28), 6 x 8 patches of 14, merged 2 x 2: 12 tokens.
+        assert ours["image_grid_thw"].tolist() == [[1, 6, 8]]
+        assert int((ours["input_ids"] == models.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 12
+
+
+def ours_instruction(prompt: str, with_image: bool) -> str:
+    from k6serve.pipelines.expand_prompt import I2VA_INSTRUCTION, T2VA_INSTRUCTION
+
+    return (I2VA_INSTRUCTION if with_image else T2VA_INSTRUCTION).format(prompt)
+
+
+def test_the_instructions_are_diffusers_own():
+    from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va as reference
+
+    from k6serve.pipelines.expand_prompt import I2VA_INSTRUCTION, T2VA_INSTRUCTION
+
+    assert T2VA_INSTRUCTION == reference._T2VA_EXPANSION_INSTRUCTION
+    assert I2VA_INSTRUCTION == reference._I2VA_EXPANSION_INSTRUCTION
+
+
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("with_image", [False, True])
+def test_the_rewrite_is_diffusers_for_the_same_seed(tiny_distill_dir, with_image, sample):
+    _, models = _models(tiny_distill_dir)
+    pipe = load_reference_pipeline(tiny_distill_dir)
+    for model in (models.text_encoder, pipe.text_encoder):
+        # The tiny checkpoint's config is greedy; the released Qwen2.5-VL's samples (top_k 1): the seed must reach
+        # the sampler as diffusers hands it on.
+        model.generation_config.do_sample = sample
+        model.generation_config.top_k = 50 if sample else None
+    image = _image() if with_image else None
+    rewrites = []
+    for seed in (7, 8):
+        theirs = pipe.expand_prompts("a fox in the snow", pipe.tokenizer, pipe.text_encoder, torch.device("cpu"),
+                                     image=image, max_sequence_length=24,
+                                     generator=torch.Generator("cpu").manual_seed(seed))
+        before = torch.random.get_rng_state()
+        ours = expand_prompt("a fox in the snow", tokenizer=models.tokenizer, text_encoder=models.text_encoder,
+                             device=torch.device("cpu"), seed=seed, max_new_tokens=24, image=image,
+                             image_processor=load_image_processor(str(tiny_distill_dir)) if with_image else None)
+        assert torch.equal(torch.random.get_rng_state(), before)  # the global RNG is left as it was
+        assert ours == theirs and ours.strip()
+        rewrites.append(ours)
+    assert (rewrites[0] != rewrites[1]) == sample
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_image", [False, True])
+def test_the_pipeline_with_expand_prompts_matches_diffusers(tiny_pro_dir, tmp_path, with_image):
+    variant, models = _models(tiny_pro_dir)
+    image_path = None
+    if with_image:
+        image_path = tmp_path / "ref.png"
+        _image(1).save(image_path)
+    params = SamplingParams(prompt="a dog barks", image_path=None if image_path is None else str(image_path),
+                            seed=5, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=2,
+                            guidance_scale=3.0, expand_prompts=True)
+    request, _ = resolve_generate(params, variant)
+    ours = TextToVideoPipeline(models)(request)
+    pipe = load_reference_pipeline(tiny_pro_dir)
+    theirs = pipe(prompt="a dog barks", negative_prompt=request.negative_prompt,
+                  image=None if image_path is None else Image.open(image_path), height=HEIGHT, width=WIDTH,
+                  num_frames=FRAMES, num_inference_steps=2, guidance_scale=3.0, expand_prompts=True,
+                  generator=torch.Generator("cpu").manual_seed(5), output_type="np")
+    assert ours.expanded_prompt and ours.expanded_prompt != "a dog barks"
+    assert "timings" and ours.timings["expand_prompt"] > 0
+    assert np.array_equal(ours.video.frames_float_THWC.numpy(), np.asarray(theirs.frames[0]))
+    assert np.array_equal(ours.audio.waveform, np.asarray(theirs.audio[0]))
+
+
+def test_the_super_resolution_model_refuses_it():
+    from k6serve.models.variants import VARIANTS, resolve_upscale
+
+    with pytest.raises(ValueError, match="expand_prompts rewrites a generation prompt; the super-resolution model "
+                                         "takes no text"):
+        resolve_upscale(SamplingParams(video_path="clip.mp4", expand_prompts=True), VARIANTS["vsr-distilled2steps"])
+
+
+def test_a_streamed_text_encoder_is_refused_with_the_fix(tiny_distill_dir):
+    # generate would copy every streamed layer from host memory for each of up to 1024 tokens.
+    variant, models = _models(tiny_distill_dir)
+    pipeline = TextToVideoPipeline(models)
+
+    class Streaming:
+        streamers = {"text_encoder": object()}
+
+    pipeline.residency = Streaming()
+    request, _ = resolve_generate(SamplingParams(prompt="a fox", expand_prompts=True, height=HEIGHT, width=WIDTH,
+                                                 num_frames=FRAMES, num_inference_steps=1), variant)
+    with pytest.raises(ValueError, match="streams its layers from host memory.*"
+                                         "--component-residency text_encoder=component_offload"):
+        pipeline(request)
+    pipeline.check(resolve_generate(SamplingParams(prompt="a fox"), variant)[0])  # without expand_prompts: runs
+
+
+def test_every_rank_encodes_the_leaders_rewrite(tiny_distill_dir):
+    # Several ranks of a replica: the runtime hands the pipeline its leader's broadcast; whatever this rank wrote,
+    # the leader's text is the one encoded and reported.
+    variant, models = _models(tiny_distill_dir)
+    pipeline = TextToVideoPipeline(models)
+    seen = []
+    pipeline.agree_on_text = lambda text: seen.append(text) or "the leader's rewrite"
+    request, _ = resolve_generate(SamplingParams(prompt="a fox", expand_prompts=True, height=HEIGHT, width=WIDTH,
+                                                 num_frames=FRAMES, num_inference_steps=1), variant)
+    output = pipeline(request)
+    assert len(seen) == 1 and seen[0] != "the leader's rewrite"
+    assert output.expanded_prompt == "the leader's rewrite"
+    assert not any("was truncated" in note for note in output.notes)  # the leader's short text was what ran
+
+
+def test_a_warm_up_does_not_rewrite():
+    from k6serve.request import GenerateRequest
+    from k6serve.speed.warmup import warmup_request
+
+    request = GenerateRequest(prompt="p", negative_prompt=None, image_path=None, seed=1, height=32, width=32,
+                              num_frames=5, fps=24.0, num_inference_steps=10, guidance_scale=1.0,
+                              expand_prompts=True)
+    assert warmup_request(request).expand_prompts is False
