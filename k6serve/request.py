@@ -116,6 +116,11 @@ class SamplingParams:
         "at about -2 to 2); {} runs the base model. Added dynamically; the engine's active adapters return after "
         "the request. Needs them unmerged (dynamic or none)."
     )
+    sample_audio: bool | None = _param(
+        "Generate the soundtrack (default on). Off: a silent video, its DiT run on the video tokens alone, as "
+        "diffusers' sample_audio=False (the picture differs from the one made with sound, which it attends to; no "
+        "audio decode, and no fps floor for long clips). Generation models."
+    )
     expand_prompts: bool | None = _param(
         "Rewrite the prompt with the Qwen2.5-VL text encoder before encoding it, as diffusers' expand_prompts does "
         "(a \"prompt beautifier\" instruction; with image_path the image grounds the rewrite): a short prompt "
@@ -208,7 +213,8 @@ class GenerateRequest:
     fps: float
     num_inference_steps: int
     guidance_scale: float
-    with_audio: bool = True
+    with_audio: bool = True  # sample_audio: the soundtrack is generated (where the checkpoint has its audio parts)
+    sample_audio_asked: bool = False  # sample_audio=True given: a checkpoint without audio parts is refused
     cache_dit: CacheDitParams | None = None  # Cache-DiT settings, or None for an uncached request
     loras: tuple[tuple[str, float], ...] | None = None  # this request's adapters, or None: the engine's active ones
     expand_prompts: bool = False  # rewrite the prompt with Qwen2.5-VL first (pipelines/expand_prompt.py)

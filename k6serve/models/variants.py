@@ -406,7 +406,9 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if not (1 <= fps <= 240) or not math.isfinite(fps):
         raise ValueError(f"fps must be between 1 and 240 (it sets the audio length, num_frames / fps seconds), "
                          f"got {params.fps}")
-    _check_audio_length(rounded, fps)
+    with_audio = params.sample_audio is not False
+    if with_audio:  # a silent video has no soundtrack to fit the DiT's audio positions
+        _check_audio_length(rounded, fps)
     steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
     if steps < 1 or steps > 1000:
         raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
@@ -467,6 +469,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         cache_dit=cache_dit,
         loras=loras,
         expand_prompts=bool(params.expand_prompts),
+        with_audio=with_audio,
+        sample_audio_asked=params.sample_audio is True,
     )
     return request, notes
 
@@ -496,7 +500,8 @@ def _check_audio_length(num_frames: int, fps: float) -> None:
         f"num_frames {num_frames} at fps {fps:g} is {seconds:.{decimals}f} s of audio, longer than the model's "
         f"audio positions allow ({max_seconds:.{decimals}f} s: {AUDIO_MAX_POSITIONS} latents, this clip needs "
         f"{latents}); "
-        f"raise fps to at least {min_fps:g}, or lower num_frames to at most {max_frames}."
+        f"raise fps to at least {min_fps:g}, lower num_frames to at most {max_frames}, or make a silent video "
+        "(sample_audio false)."
     )
 
 
@@ -631,6 +636,9 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
     if params.loras is not None:
         raise ValueError("loras applies to the generation models; the super-resolution model takes no LoRA adapter.")
+    if params.sample_audio is not None:
+        raise ValueError("sample_audio applies to the generation models; super-resolution keeps the source video's "
+                         "own soundtrack (a source without one gives a silent video). Drop sample_audio.")
     if params.expand_prompts:
         raise ValueError("expand_prompts rewrites a generation prompt; the super-resolution model takes no text. "
                          "Drop expand_prompts.")

@@ -131,6 +131,10 @@ class TextToVideoPipeline:
                 "encoding, about 16 GB there), or drop expand_prompts.")
         if request.cache_dit is not None:
             request.cache_dit.check_against(num_blocks=config.num_visual_blocks, num_steps=request.num_inference_steps)
+        if request.sample_audio_asked and not self.models.has_audio:
+            # diffusers refuses it too ("`sample_audio=True` requires an `audio_vae` and a `vocoder`").
+            raise ValueError("sample_audio is true, but this checkpoint has no audio_vae and vocoder (its "
+                             "model_index.json lists none), so it makes silent videos only; drop sample_audio.")
         if request.image_path is not None and (not config.visual_cond or config.visual_token_type_num_embeddings < 2):
             raise ValueError(
                 f"{self.models.variant.name} cannot take a conditioning image: its transformer has no reference-frame "

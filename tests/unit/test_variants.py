@@ -298,7 +298,8 @@ def test_a_soundtrack_longer_than_the_audio_positions_is_refused_with_the_reques
     # 509 frames at 10 fps is 50.9 s of audio, 2193 latents: the DiT's audio RoPE table holds 2048, and the worker
     # refused it only after the text encoders ran ("reduce the input size"). Refused here, with what fits.
     with pytest.raises(ValueError, match=r"num_frames 509 at fps 10 is 50\.9 s of audio.*2048 latents, this clip "
-                                         r"needs 2193.*fps to at least 10\.71, or lower num_frames to at most 473"):
+                                         r"needs 2193.*fps to at least 10\.71, lower num_frames to at most 473, "
+                                         r"or make a silent video"):
         resolve_generate(SamplingParams(prompt="a", num_frames=509, fps=10), VARIANTS["pro"])
     # At the bounds it names, and at 1 fps with a short clip, the request resolves.
     for num_frames, fps in ((509, 10.71), (473, 10), (45, 1), (509, 24)):
