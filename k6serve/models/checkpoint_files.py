@@ -264,6 +264,27 @@ def index_class(index: dict, component: str, path: Path) -> str | None:
     return entry[1]
 
 
+# PiFlow's policy substeps per DiT call (the released checkpoints: 128): the loop runs on the host for each of them,
+# so a config asking for millions held a request for hours with nothing failing.
+MAX_POLICY_SUBSTEPS = 4096
+
+
+def config_count(value: object, key: str, where: str, *, low: int = 1, high: int | None = None) -> int:
+    """A config value that counts something (blocks, channels, steps) as an int, or a ValueError naming `where` (the
+    file) and `key`: int() truncated 2.7 blocks to 2 and read "3" or true as counts, and a count past `high` held a
+    request (or the host's memory) until it was killed."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 128.0, as a JSON writer may write an integer
+        else:
+            raise ValueError(f"{where}: {key} must be a whole number, got {json.dumps(value)}; copy or download the "
+                             "checkpoint again.")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{where}: {key} must be {bounds}, got {value}; copy or download the checkpoint again.")
+    return value
+
+
 def read_json_file(path: Path) -> dict:
     """A checkpoint's JSON file (model_index.json, a component's config); a damaged one is a CheckpointError that
     names it."""

@@ -429,6 +429,9 @@ def _edit_index(folder, **values):
      r"FlowMatchEulerDiscreteScheduler or PiflowScheduler"),
     (lambda folder: _edit_config(folder, "scheduler", n_grid=None, name="scheduler_config.json"),
      r"scheduler_config\.json: n_grid must be a whole number > 0, got null"),
+    # PiFlow's host-side loop ran each of them per DiT call: a request held for hours, nothing failing.
+    (lambda folder: _edit_config(folder, "scheduler", num_policy_substeps=10**7, name="scheduler_config.json"),
+     r"scheduler_config\.json: num_policy_substeps must be from 1 to 4096, got 10000000; copy or download"),
 ])
 def test_a_damaged_scheduler_entry_is_named_with_its_file(tiny_distill_dir, tmp_path, damage, message):
     with pytest.raises(CheckpointError, match=message):
@@ -517,3 +520,26 @@ def test_a_super_resolution_config_with_more_blocks_than_its_weights_is_refused_
                                               r"visual_transformer_blocks"):
         load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=torch.float32,
                        load_format="auto")
+
+
+@pytest.mark.parametrize(("file", "values", "message"), [
+    # int() read 2.7 blocks as 2 and "3" as 3; a policy loop of millions of substeps ran per DiT call.
+    ("transformer/config.json", {"num_visual_blocks": 2.7},
+     r"transformer/config\.json: num_visual_blocks must be a whole number, got 2\.7"),
+    ("transformer/config.json", {"ff_dim": "64"}, r"ff_dim must be a whole number, got \"64\""),
+    ("transformer/config.json", {"model_dim": 0}, r"model_dim must be >= 1, got 0"),
+    ("scheduler/scheduler_config.json", {"num_policy_substeps": 10**6},
+     r"scheduler/scheduler_config\.json: num_policy_substeps must be from 1 to 4096, got 1000000"),
+    ("scheduler/scheduler_config.json", {"nfe": True}, r"nfe must be a whole number, got true"),
+    ("scheduler/scheduler_config.json", {"n_grid": 10.0}, None),  # a whole number written as a float is one
+])
+def test_an_sr_config_count_that_is_no_count_is_named_with_its_file(tiny_sr_dir, file, values, message):
+    from k6serve.models.kandinsky6_sr.config import SRSchedulerConfig, SRTransformerConfig
+
+    raw = {**json.loads((tiny_sr_dir / file).read_text()), **values}
+    build = SRTransformerConfig.from_dict if file.startswith("transformer") else SRSchedulerConfig.from_dict
+    if message is None:
+        assert build(raw).n_grid == 10
+        return
+    with pytest.raises(ValueError, match=message):
+        build(raw)

@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from k6serve.models.checkpoint_files import (
+    MAX_POLICY_SUBSTEPS,
     CheckpointError,
     check_block_counts,
     check_state_dict,
+    config_count,
     folder_listing,
     index_class,
     load_state_dict,
@@ -162,6 +164,12 @@ def _check_scheduler_fits_head(config: Kandinsky6TransformerConfig, scheduler_cl
         if isinstance(n_grid, bool) or not isinstance(n_grid, int) or n_grid < 1:  # null was "a bug in k6serve"
             raise CheckpointError(f"{folder / 'scheduler' / 'scheduler_config.json'}: n_grid must be a whole number "
                                   f"> 0, got {json.dumps(n_grid)}; copy or download the checkpoint again.")
+        substeps = scheduler_config.get("num_policy_substeps", 128)
+        try:
+            config_count(substeps, "num_policy_substeps", str(folder / "scheduler" / "scheduler_config.json"),
+                         high=MAX_POLICY_SUBSTEPS)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         ok = config.out_visual_dim == n_grid * config.in_visual_dim and config.out_audio_dim == n_grid * config.in_audio_dim
         want = f"{n_grid} x latent channels ({n_grid * config.in_visual_dim} video / {n_grid * config.in_audio_dim} audio)"
     else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k6serve.models.checkpoint_files import read_json_file
+from k6serve.models.checkpoint_files import MAX_POLICY_SUBSTEPS, config_count, read_json_file
 
 # R `constants.py::RESOLUTIONS`: the HR tile sizes (height, width) the DiT was trained on, per `visual_size`.
 RESOLUTIONS: dict[int, tuple[tuple[int, int], ...]] = {512: ((512, 512), (512, 768), (768, 512))}
@@ -112,8 +112,9 @@ class SRTransformerConfig:
             raise ValueError(
                 f"sr_params.visual_size {visual_sizes} lists several sizes; k6serve supports one (e.g. [512])."
             )
-        visual_size = int(visual_sizes[0])
-        model_dim, axes_dims = int(raw["model_dim"]), _int_tuple(raw["axes_dims"], 3)
+        where = "transformer/config.json"
+        visual_size = config_count(visual_sizes[0], "sr_params.visual_size", where)
+        model_dim, axes_dims = config_count(raw["model_dim"], "model_dim", where), _int_tuple(raw["axes_dims"], 3)
         if model_dim % sum(axes_dims):
             raise ValueError(
                 f"model_dim {model_dim} is not divisible by the head dim sum(axes_dims)={sum(axes_dims)}"
@@ -123,13 +124,13 @@ class SRTransformerConfig:
             raise ValueError(f"sr_params.scale_factor has no entry for visual_size {visual_size}")
         tile_sizes = _tile_sizes(raw, visual_size)
         return cls(
-            in_visual_dim=int(raw["in_visual_dim"]),
-            out_visual_dim=int(raw["out_visual_dim"]),
-            time_dim=int(raw["time_dim"]),
+            in_visual_dim=config_count(raw["in_visual_dim"], "in_visual_dim", where),
+            out_visual_dim=config_count(raw["out_visual_dim"], "out_visual_dim", where),
+            time_dim=config_count(raw["time_dim"], "time_dim", where),
             patch_size=_int_tuple(raw["patch_size"], 3),
             model_dim=model_dim,
-            ff_dim=int(raw["ff_dim"]),
-            num_visual_blocks=int(raw["num_visual_blocks"]),
+            ff_dim=config_count(raw["ff_dim"], "ff_dim", where),
+            num_visual_blocks=config_count(raw["num_visual_blocks"], "num_visual_blocks", where),
             axes_dims=axes_dims,
             rope_scale=tuple(float(v) for v in sr_params["scale_factor"][str(visual_size)]),
             visual_cond=bool(raw["visual_cond"]),
@@ -139,7 +140,7 @@ class SRTransformerConfig:
             scheduler_scale=float(sr_params["scheduler_scale"]),
             lq_noise_scale=float(sr_params["lq_noise_scale"]),
             lq_noise_type=str(sr_params["lq_noise_type"]),
-            fps=int(sr_params["fps"]),
+            fps=config_count(sr_params["fps"], "sr_params.fps", where, high=240),
             checkpoint_attention_type=attention_type,
             nabla_threshold=nabla_threshold,
             nabla_window=nabla_window,
@@ -186,7 +187,7 @@ def _tile_sizes(raw: dict[str, Any], visual_size: int) -> tuple[tuple[int, int],
 
 
 def _int_tuple(values: Any, length: int) -> tuple[int, ...]:
-    result = tuple(int(v) for v in values)
+    result = tuple(config_count(v, "a size", "transformer/config.json") for v in values)
     if len(result) != length:
         raise ValueError(f"expected {length} integers, got {list(values)}")
     return result
@@ -438,15 +439,17 @@ class SRSchedulerConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SRSchedulerConfig:
         class_name = raw.get("_class_name")
+        where = "scheduler/scheduler_config.json"
         if class_name == "PiflowScheduler":
             return cls(
                 class_name=class_name,
                 shift=float(raw["shift"]),
-                num_train_timesteps=int(raw.get("num_train_timesteps", 1000)),
-                nfe=int(raw["nfe"]),
-                n_grid=int(raw["n_grid"]),
+                num_train_timesteps=config_count(raw.get("num_train_timesteps", 1000), "num_train_timesteps", where),
+                nfe=config_count(raw["nfe"], "nfe", where, high=1000),
+                n_grid=config_count(raw["n_grid"], "n_grid", where),
                 final_step_size_scale=float(raw["final_step_size_scale"]),
-                num_policy_substeps=int(raw["num_policy_substeps"]),
+                num_policy_substeps=config_count(raw["num_policy_substeps"], "num_policy_substeps", where,
+                                                 high=MAX_POLICY_SUBSTEPS),
                 eps=float(raw["eps"]),
             )
         if class_name == "FlowMatchEulerDiscreteScheduler":
