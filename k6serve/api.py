@@ -73,6 +73,7 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
     model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
     kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v
               for k, v in plain_scalars(kwargs).items()}
+    kwargs = {k: _torch_name(k, v) for k, v in kwargs.items()}
     for key, value in kwargs.items():
         for cls in sections:
             if key in cls.__dataclass_fields__:
@@ -92,8 +93,29 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
     )
 
 
+def _torch_name(key: str, value: Any) -> Any:
+    """`dtype=torch.bfloat16` and `device=torch.device("cuda")`, as diffusers' and torch's own code spell them, as
+    the names the typed config holds ("bfloat16", "cuda"); they were refused as "must be a string". Anything else
+    is left for the config's own checks."""
+    module = type(value).__module__.partition(".")[0]
+    if module != "torch":
+        return value
+    import torch
+
+    if key == "dtype" and isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")  # float16 stays refused by the config, with its choices
+    if key == "device" and isinstance(value, torch.device):
+        return value.type if value.index is None else f"{value.type}:{value.index}"
+    return value
+
+
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]:
     kwargs = fspath_values(plain_scalars(kwargs))
+    if type(kwargs.get("seed")).__name__ == "Generator" and type(kwargs["seed"]).__module__.startswith("torch"):
+        # diffusers takes generator=torch.Generator().manual_seed(42); here the seed itself is the request's.
+        raise ValueError("seed takes an integer, not a torch.Generator: pass the generator's seed, e.g. seed=42 for "
+                         "torch.Generator('cpu').manual_seed(42) (k6serve draws the noise from such a CPU generator), "
+                         "or seed=generator.initial_seed().")
     _refuse_image_objects(kwargs.get("image_path"))
     _refuse_pixel_arrays(kwargs)
     for key in ("image_path", "video_path", "output_path"):
@@ -147,24 +169,56 @@ def _refuse_image_objects(image: Any) -> None:
     if isinstance(image, PIL.Image.Image):
         raise ValueError("image_path takes the path of an image file (a str or pathlib.Path), not a PIL image: save "
                          "it first, e.g. image.save('first_frame.png'), and pass that path.")
+    if isinstance(image, (list, tuple)) and image and isinstance(image[0], PIL.Image.Image):
+        raise ValueError(f"image_path takes the path of one image file (a str or pathlib.Path), not a list of "
+                         f"{len(image)} PIL images: save the first frame, e.g. images[0].save('first_frame.png'), "
+                         "and pass that path.")
 
 
 def _refuse_pixel_arrays(kwargs: Mapping[str, Any]) -> None:
     """A numpy array or torch tensor of pixels as image_path / video_path (frames from OpenCV, decord, a previous
     result's `frames`): the type check refused it as "must be a string, got array([[[0, 0, 0], ..." with some 50
     lines of pixels and no fix. Said in one line, with its shape, and what to pass instead."""
-    for key, saved_as, example in (("image_path", "an image file", "PIL.Image.fromarray(pixels).save('first.png')"),
-                                   ("video_path", "a video file (MP4, MKV, MOV or WebM)", None)):
+    for key, saved_as in (("image_path", "an image file"), ("video_path", "a video file (MP4, MKV, MOV or WebM)")):
         value = kwargs.get(key)
         if value is None or isinstance(value, str):
             continue
+        if isinstance(value, (list, tuple)) and value and _is_picture(value[0]):
+            # diffusers' SR pipeline takes a list of PIL frames (`pipe(...).frames[0]`): the type check printed all
+            # 121 of them (8,000 characters) and said nothing of what to do.
+            if key == "video_path":
+                raise ValueError(f"video_path takes the path of {saved_as} (a str or pathlib.Path), not a list of "
+                                 f"{len(value)} frames: save them as a video first, e.g. diffusers.utils."
+                                 "export_to_video(frames, 'source.mp4', fps=24), or pass a finished generation's "
+                                 "result.output_file_path.")
+            raise ValueError(f"image_path takes the path of one image file (a str or pathlib.Path), not a list of "
+                             f"{len(value)} arrays: save the first frame, e.g. "
+                             f"{_array_save_example(value[0]).replace('pixels', 'frames[0]')}, and pass that path.")
         package = type(value).__module__.partition(".")[0]
         if package not in ("numpy", "torch") or not hasattr(value, "shape"):
             continue
-        fix = f", e.g. {example}," if example else ""
+        fix = f", e.g. {_array_save_example(value)}," if key == "image_path" else ""
         raise ValueError(f"{key} takes the path of {saved_as} (a str or pathlib.Path), not a {package}."
                          f"{type(value).__name__} of shape {tuple(value.shape)}: save it first{fix} and pass that "
                          "path.")
+
+
+def _is_picture(value: Any) -> bool:
+    """A PIL image, or a numpy array / torch tensor (of pixels)."""
+    package = type(value).__module__.partition(".")[0]
+    return package == "PIL" or (package in ("numpy", "torch") and hasattr(value, "shape"))
+
+
+def _array_save_example(value: Any) -> str:
+    """How to save this array or tensor as a PNG, for its layout and values: diffusers' images are floats in [0, 1],
+    a tensor channels first (C, H, W), where PIL.Image.fromarray takes uint8 (H, W, C) and failed on the others."""
+    pixels = "pixels"
+    if type(value).__module__.partition(".")[0] == "torch":
+        pixels += ".permute(1, 2, 0)" if value.ndim == 3 and value.shape[0] in (1, 3, 4) else ""
+        pixels += ".cpu().numpy()"
+    if str(getattr(value, "dtype", "")).removeprefix("torch.") not in ("uint8",):
+        pixels = f"({pixels} * 255).round().clip(0, 255).astype('uint8')"
+    return f"PIL.Image.fromarray({pixels}).save('first.png')"
 
 
 def require_media_package(params: SamplingParams, output: OutputOptions) -> None:
@@ -620,6 +674,18 @@ class DiffGenerator:
             raise ValueError("on_progress is an async function; it is called on the engine's thread, outside any "
                              "event loop, so pass a plain function (to reach a loop from it, use "
                              "loop.call_soon_threadsafe).")
+        if on_progress is not None:
+            try:
+                inspect.signature(on_progress).bind(1, 1)
+            except TypeError:
+                # diffusers' callback_on_step_end(pipe, i, t, kwargs) failed only after the encoders and the first
+                # step had run (minutes on a real model), as a bare TypeError.
+                raise ValueError("on_progress is called as on_progress(step, total) after each denoising step (step "
+                                 "counts from 1; raise from it to stop the request), not as diffusers' "
+                                 "callback_on_step_end(pipe, i, t, callback_kwargs); pass a function of two "
+                                 "arguments.") from None
+            except ValueError:
+                pass  # no signature to read (some builtins): called as given
         options = self._from_callers_folder(request_options(sampling_params_kwargs, kwargs))
         params, output = split_kwargs(options)
         require_media_package(params, output)

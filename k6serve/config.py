@@ -340,6 +340,11 @@ class RuntimeConfig:
         _check_field_types(self, checked_elsewhere=("offload_prefetch_blocks", "offload_resident_blocks"))
         if self.vae_tiling not in VAE_TILING:
             raise ValueError(f"--vae-tiling must be one of {VAE_TILING}, got {self.vae_tiling!r}")
+        if isinstance(self.device, str) and self.device.startswith("cuda:") and self.device[5:].isdigit():
+            # torch's "cuda:1" (or a torch.device's index): the ranks take the visible GPUs from the first on.
+            raise ValueError(f"--device takes 'cuda', not {self.device!r}: choose the GPU with the environment, "
+                             f"CUDA_VISIBLE_DEVICES={self.device[5:]} (k6serve's ranks use the visible GPUs from the "
+                             "first, one per rank).")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.performance_mode not in PERFORMANCE_MODES:

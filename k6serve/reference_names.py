@@ -305,7 +305,9 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "otlp_traces_endpoint": _engine(_TRACES),
     "srt_encoder_url": _engine("k6serve runs the text encoders in the same replica as the DiT, with no remote "
                                "encoder: drop it"),
-    "pe_server_url": _engine("k6serve has no prompt enhancement: drop it"),
+    "pe_server_url": _engine("k6serve's prompt enhancement runs in the replica, with the checkpoint's own "
+                             "Qwen2.5-VL as diffusers' expand_prompts runs it, with no server: --expand-prompts for "
+                             "a request"),
     "comfyui_mode": _engine("k6serve's ComfyUI nodes, integrations/comfyui and docs/comfyui.md, call a plain "
                             "`k6serve serve`; there is no mode to set"),
     "disagg_role": _engine("k6serve runs every stage of Kandinsky 6 in one replica, as SGLang serves it too: drop "
@@ -513,6 +515,107 @@ _OWN_NAMES: dict[str, dict[str, str]] = {
 _OWN_NAMES["video_reference"] = _OWN_NAMES["input_reference"]
 
 
+# diffusers' own argument names (Kandinsky6TI2VAPipeline's and Kandinsky6SRPipeline's calls and from_pretrained),
+# typed by someone moving working diffusers code over: difflib guessed at look-alikes ("output_type": "did you mean
+# 'output_path'?", which wrote an MP4 into a folder named np; "--frame-rate": "'--lora-path'?"). Per surface, as
+# `_OWN_NAMES`; a surface without an entry gets the guess.
+def _diffusers(cli: str, api: str, http: str | None = None) -> dict[str, str]:
+    return {"cli": cli, "api": api, **({"http": http} if http else {})}
+
+
+_NO_NOISE_INPUTS = "k6serve draws the initial noise from the seed; it takes no ready-made latents"
+_NO_EMBEDS = _diffusers("k6serve encodes the prompt itself: pass the text as --prompt and --negative-prompt",
+                        "k6serve encodes the prompt itself: pass the text as prompt and negative_prompt",
+                        "k6serve encodes the prompt itself: send the text as prompt and negative_prompt")
+_NO_SCHEDULE = ("the sampler's timesteps are the checkpoint scheduler's own for the number of steps; no custom "
+                "schedule is taken")
+_PROGRESS = _diffusers(
+    "the progress bar (or a line at each tenth of the steps where stderr is no terminal) shows each step; the "
+    "Python API's on_progress gets them",
+    "generate(..., on_progress=fn) calls fn(step, total) after each denoising step (no tensors); raising from it "
+    "stops the request",
+    "poll GET /v1/videos/{id}: progress advances at every denoising step")
+_DIFFUSERS_NAMES: dict[str, dict[str, str]] = {
+    "frame_rate": _diffusers("k6serve calls it --fps (1 to 240, default 24), e.g. --fps 24",
+                             "k6serve calls it fps (1 to 240, default 24), e.g. fps=24",
+                             "k6serve calls it fps (1 to 240, default 24)"),
+    "generator": _diffusers(
+        "pass --seed N: the generation noise comes from a CPU torch.Generator seeded with N, as diffusers' "
+        "torch.Generator('cpu').manual_seed(N) gives it",
+        "pass seed=N: the generation noise comes from a CPU torch.Generator seeded with N, as diffusers' "
+        "torch.Generator('cpu').manual_seed(N) gives it",
+        "send seed: the generation noise comes from a CPU torch.Generator seeded with it"),
+    "output_type": _diffusers(
+        "k6serve writes the MP4 (--output-path); the Python API's generate(..., return_frames=True) returns its "
+        "frames",
+        "generate(..., return_frames=True) returns result.frames, uint8 (frames, height, width, 3), the same as "
+        "np.stack(output.frames[0]) of diffusers' 'pil' output, and result.audio, the waveform; with save_output "
+        "(the default) the MP4 too. No float frames ('np', 'pt') or latents",
+        "the server delivers the MP4 at GET /v1/videos/{id}/content"),
+    "num_videos_per_prompt": _diffusers(
+        "k6serve makes one video per request: run again with another --seed; --prompt-file-path runs several "
+        "prompts on one model load",
+        "k6serve makes one video per call: call generate() again with another seed (diffusers' batch of N from one "
+        "generator has its own noise, which no seed reproduces)",
+        "k6serve makes one video per job: send another request with another seed"),
+    "callback_on_step_end": _PROGRESS,
+    "callback_on_step_end_tensor_inputs": _PROGRESS,
+    "return_dict": _diffusers("k6serve writes the MP4 and prints its path: drop it",
+                              "generate() returns a VideoResult (output_file_path, frames, audio, timings, notes): "
+                              "drop it", "a job's answer is its job object: drop it"),
+    "latents": _diffusers(_NO_NOISE_INPUTS, _NO_NOISE_INPUTS, _NO_NOISE_INPUTS),
+    "audio_latents": _diffusers(_NO_NOISE_INPUTS, _NO_NOISE_INPUTS, _NO_NOISE_INPUTS),
+    "prompt_embeds": _NO_EMBEDS,
+    "pooled_prompt_embeds": _NO_EMBEDS,
+    "negative_prompt_embeds": _NO_EMBEDS,
+    "negative_pooled_prompt_embeds": _NO_EMBEDS,
+    "timesteps": _diffusers(_NO_SCHEDULE, _NO_SCHEDULE, _NO_SCHEDULE),
+    "sigmas": _diffusers(_NO_SCHEDULE, _NO_SCHEDULE, _NO_SCHEDULE),
+    "image": _diffusers("k6serve takes the image's file: --image-path FILE",
+                        "k6serve takes the image's file: save it, e.g. image.save('first.png'), and pass "
+                        "image_path='first.png'",
+                        "upload the image as input_reference (multipart), or name a file on the server as "
+                        "image_path"),
+    "video": _diffusers("super-resolution takes the source's file: --video-path FILE",
+                        "super-resolution takes the source's file: pass video_path='source.mp4' (save frames first, "
+                        "e.g. diffusers.utils.export_to_video(frames, 'source.mp4', fps=24))",
+                        "upload the source as input_reference (multipart), or name a file on the server as "
+                        "video_path"),
+    "resolution_scale": _diffusers("k6serve calls it --sr-resolution-scale (2, 4 or 2.25)",
+                                   "k6serve calls it sr_resolution_scale (2, 4 or 2.25)",
+                                   "k6serve calls it sr_resolution_scale (2, 4 or 2.25)"),
+    "min_overlap": _diffusers("k6serve calls it --sr-tile-min-overlap (in [0, 1), default 0.2)",
+                              "k6serve calls it sr_tile_min_overlap (in [0, 1), default 0.2)",
+                              "k6serve calls it sr_tile_min_overlap (in [0, 1), default 0.2)"),
+    "tiles_batch_size": _diffusers("k6serve calls it --sr-tiles-batch-size (1 to 64, default 1)",
+                                   "k6serve calls it sr_tiles_batch_size (1 to 64, default 1)",
+                                   "k6serve calls it sr_tiles_batch_size (1 to 64, default 1)"),
+    "lq_noise_scale": _diffusers(*["the noise mixed into the source's latents is the checkpoint's own "
+                                   "(transformer/config.json sr_params.lq_noise_scale, 0.7 as released); there is "
+                                   "none to set per request"] * 3),
+    "torch_dtype": _diffusers("k6serve calls it --dtype: auto (bfloat16 on CUDA, float32 on the CPU), bfloat16 or "
+                              "float32", "k6serve calls it dtype: 'auto', 'bfloat16' (or torch.bfloat16) or "
+                              "'float32'"),
+    "device_map": _diffusers("k6serve places every component itself: --device and --num-gpus (with a parallel "
+                             "layout) choose where, and --performance-mode balanced or memory offloads to host "
+                             "memory, as diffusers' enable_model_cpu_offload does",
+                             "k6serve places every component itself: device and num_gpus (with a parallel "
+                             "layout) choose where, and performance_mode='balanced' or 'memory' offloads to host "
+                             "memory, as diffusers' enable_model_cpu_offload does"),
+    **{name: _diffusers("k6serve reads the checkpoint's safetensors weights (never .bin files, nor a variant's) "
+                        "straight into place: drop it", "k6serve reads the checkpoint's safetensors weights (never "
+                        ".bin files, nor a variant's) straight into place: drop it")
+       for name in ("variant", "use_safetensors", "low_cpu_mem_usage")},
+}
+
+
+def diffusers_note(name: str, surface: str) -> str | None:
+    """What to use instead of `name`, diffusers' argument typed on `surface`, or None when it is none (or has no
+    note there)."""
+    note = _DIFFUSERS_NAMES.get(_key(name), {}).get(surface)
+    return None if note is None else f"diffusers' argument; {note}"
+
+
 def own_name_note(name: str, surface: str) -> str | None:
     """What to use instead of `name`, one of k6serve's own names (or another API's) typed on `surface`, where it is
     not taken; None for any other name. On `k6serve serve` every request field is one: it is sent per request."""
@@ -536,7 +639,7 @@ def unknown_names_hint(unknown: list[str], known: Iterable[str], *, surface: str
     for name in unknown:
         if lookup(name, surface) is not None:
             notes.append(f" ({reference_note(name, surface, named=named)})")
-        elif (note := own_name_note(name, surface)) is not None:
+        elif (note := own_name_note(name, surface) or diffusers_note(name, surface)) is not None:
             notes.append(f" ({name}: {note})" if named else f" ({note})")  # a note may be a sentence of its own
         else:
             rest.append(name)
