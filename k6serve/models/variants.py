@@ -365,7 +365,8 @@ class DistilledGuidance(ValueError):
 
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
                      cache_dit_unavailable: str | None = None,
-                     num_dit_blocks: int | None = None) -> tuple[GenerateRequest, list[str]]:
+                     num_dit_blocks: int | None = None, has_audio: bool = True,
+                     streams_text_encoder: bool = False) -> tuple[GenerateRequest, list[str]]:
     """Fill defaults from the variant and validate; returns the request and warnings for the user.
 
     `engine_cache_dit` is the engine's `--cache-dit-config` (caching on by default), `cache_dit_unavailable` why
@@ -406,6 +407,10 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if not (1 <= fps <= 240) or not math.isfinite(fps):
         raise ValueError(f"fps must be between 1 and 240 (it sets the audio length, num_frames / fps seconds), "
                          f"got {params.fps}")
+    if params.sample_audio is True and not has_audio:
+        raise ValueError(NO_AUDIO_PARTS)
+    if params.expand_prompts and streams_text_encoder:
+        raise ValueError(STREAMED_TEXT_ENCODER)
     with_audio = params.sample_audio is not False
     if with_audio:  # a silent video has no soundtrack to fit the DiT's audio positions
         _check_audio_length(rounded, fps)
@@ -477,6 +482,19 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
 
 # The audio stream of every released checkpoint (and the demo): MMAudio at 44.1 kHz, one latent per 2 x 512 samples
 # (k6-generation.md §3.4), and a 1-D RoPE table of 2048 positions (models/common/rope.py MAX_SEQUENCE_POSITIONS).
+# The refusals of a request the loaded engine cannot run (`resolve_generate`'s has_audio / streams_text_encoder), said
+# again by the pipeline where it is run without them (the tests' pipelines, a bench).
+NO_AUDIO_PARTS = ("sample_audio is true, but this checkpoint has no audio_vae and vocoder (its model_index.json lists "
+                  "none), so it makes silent videos only; drop sample_audio.")
+# generate runs the whole text encoder once per new token (up to 1024): streamed, each run copies all of its layers
+# (15.5 GiB for Qwen2.5-VL-7B) from host memory.
+STREAMED_TEXT_ENCODER = (
+    "expand_prompts runs the text encoder once per generated token (up to 1024), and this engine streams its layers "
+    "from host memory (--performance-mode memory, or --layerwise-offload-components text_encoder), which would copy "
+    "all of them for every token. Offload it whole instead (--component-residency text_encoder=component_offload: "
+    "it visits the GPU for the rewrite and the encoding, about 16 GB there), or drop expand_prompts.")
+
+
 # Kept here as numbers so validation needs neither torch nor the weights; test_variants checks they agree.
 AUDIO_SAMPLE_RATE = 44100
 AUDIO_LATENT_HOP_LENGTH = 1024

@@ -35,6 +35,7 @@ from k6serve.pipelines.prepare_latents import (
 )
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
+from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
 from k6serve.request import GenerateRequest, has_visible_text
 
 
@@ -107,7 +108,7 @@ class TextToVideoPipeline:
         # Which components are on the device for each stage: all of them, always, unless `apply_offload` set it.
         self.residency = RESIDENT
         # expand_prompts on several ranks of a replica: every rank's rewrite replaced by its leader's, so all encode
-        # the same text (set by the parallel runtime; sampling need not give the same tokens on every rank).
+        # the same text (set by the parallel runtime; replicated encoders' rounding may differ between ranks).
         self.agree_on_text: Callable[[str], str] | None = None
         self._image_processor = None  # loaded at the first expand_prompts with an image
 
@@ -120,21 +121,13 @@ class TextToVideoPipeline:
 
     def check(self, request: GenerateRequest) -> None:
         config = self.models.transformer.config
+        # The engine's resolve refuses these with the request; a pipeline run without it checks them here.
         if request.expand_prompts and "text_encoder" in getattr(self.residency, "streamers", {}):
-            # generate runs the whole text encoder once per new token (up to 1024): streamed, each run copies all
-            # of its layers (15.5 GiB for Qwen2.5-VL-7B) from host memory, minutes per token batch.
-            raise ValueError(
-                "expand_prompts runs the text encoder once per generated token (up to 1024), and this engine streams "
-                "its layers from host memory (--performance-mode memory, or --layerwise-offload-components "
-                "text_encoder), which would copy all of them for every token. Offload it whole instead "
-                "(--component-residency text_encoder=component_offload: it visits the GPU for the rewrite and the "
-                "encoding, about 16 GB there), or drop expand_prompts.")
+            raise ValueError(STREAMED_TEXT_ENCODER)
+        if request.sample_audio_asked and not self.models.has_audio:
+            raise ValueError(NO_AUDIO_PARTS)  # diffusers refuses it too
         if request.cache_dit is not None:
             request.cache_dit.check_against(num_blocks=config.num_visual_blocks, num_steps=request.num_inference_steps)
-        if request.sample_audio_asked and not self.models.has_audio:
-            # diffusers refuses it too ("`sample_audio=True` requires an `audio_vae` and a `vocoder`").
-            raise ValueError("sample_audio is true, but this checkpoint has no audio_vae and vocoder (its "
-                             "model_index.json lists none), so it makes silent videos only; drop sample_audio.")
         if request.image_path is not None and (not config.visual_cond or config.visual_token_type_num_embeddings < 2):
             raise ValueError(
                 f"{self.models.variant.name} cannot take a conditioning image: its transformer has no reference-frame "
@@ -143,21 +136,29 @@ class TextToVideoPipeline:
 
     def expand(self, request: GenerateRequest, image: PIL.Image.Image | None) -> str:
         """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any."""
+        with self.residency.stage("text_encoder"):
+            return self._expand(request, image)
+
+    def _expand(self, request: GenerateRequest, image: PIL.Image.Image | None) -> str:
+        """`expand`, inside a stage that holds the text encoder."""
         m = self.models
         if image is not None and self._image_processor is None:
             self._image_processor = load_image_processor(m.source)
-        with self.residency.stage("text_encoder"):
-            text = expand_prompt(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
-                                 seed=request.seed, image_processor=self._image_processor, image=image)
+        text = expand_prompt(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
+                             seed=request.seed, image_processor=self._image_processor, image=image)
         return self.agree_on_text(text) if self.agree_on_text is not None else text
 
     def encode(self, request: GenerateRequest) -> Conditioning:
+        with self.residency.stage("text_encoder", "text_encoder_2"):
+            return self._encode(request)
+
+    def _encode(self, request: GenerateRequest) -> Conditioning:
+        """`encode`, inside a stage that holds both text encoders."""
         m = self.models
         kwargs = dict(tokenizer=m.tokenizer, text_encoder=m.text_encoder, tokenizer_2=m.tokenizer_2,
                       text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype)
-        with self.residency.stage("text_encoder", "text_encoder_2"):
-            positive = encode_prompt(request.prompt, **kwargs)
-            negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
+        positive = encode_prompt(request.prompt, **kwargs)
+        negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
         if self.trim_text_padding:
             positive = trim_text_padding(positive)
             negative = trim_text_padding(negative) if negative is not None else None
@@ -190,29 +191,33 @@ class TextToVideoPipeline:
             from k6serve.media.image import load_conditioning_image
 
             image = load_conditioning_image(request.image_path, request.height, request.width, notes=notes)
-        expanded = None
-        if request.expand_prompts:
-            start = time.perf_counter()
-            expanded = self.expand(request, image)
-            timings["expand_prompt"] = time.perf_counter() - start
-            if not has_visible_text(expanded):
-                # The DiT would get an empty prompt (a sampled rewrite that ended at once): the user's stands.
-                notes.append("expand_prompts: the text encoder's rewrite was empty; the prompt was used as given.")
-                expanded = None
-            else:
-                request = dataclasses.replace(request, prompt=expanded)
-        truncated = self.truncation_notes(request)
-        if expanded is not None and truncated and truncated[0].startswith("prompt was truncated"):
-            # The rewrite is not the user's to shorten: up to 1024 new tokens, as diffusers lets it run.
-            kept = truncated[0].removeprefix("prompt").split("; the rest")[0]
-            truncated[0] = (f"the expanded prompt{kept} (expand_prompts writes up to 1024 new tokens, as diffusers' "
-                            "does, and the encoder reads 1024 in all); the end of the rewrite does not reach the "
-                            "model.")
-        notes[:0] = truncated
-        if (seed_note := cpu_seed_note(request.seed)) is not None:
-            notes.append(seed_note)
+        # One stage for the rewrite and the encoding: an offloaded Qwen2.5-VL (15.5 GiB) is copied to the GPU once.
+        # "encode" counts from here (the copy in, as before), less the rewrite's own "expand_prompt".
         start = time.perf_counter()
-        conditioning = self.encode(request)
+        with self.residency.stage("text_encoder", "text_encoder_2"):
+            expanded = None
+            if request.expand_prompts:
+                expand_start = time.perf_counter()
+                expanded = self._expand(request, image)
+                timings["expand_prompt"] = time.perf_counter() - expand_start
+                if not has_visible_text(expanded):
+                    # The DiT would get an empty prompt (a sampled rewrite that ended at once): the user's stands.
+                    notes.append("expand_prompts: the text encoder's rewrite was empty; the prompt was used as "
+                                 "given.")
+                    expanded = None
+                else:
+                    request = dataclasses.replace(request, prompt=expanded)
+            truncated = self.truncation_notes(request)
+            if expanded is not None and truncated and truncated[0].startswith("prompt was truncated"):
+                # The rewrite is not the user's to shorten: up to 1024 new tokens, as diffusers lets it run.
+                kept = truncated[0].removeprefix("prompt").split("; the rest")[0]
+                truncated[0] = (f"the expanded prompt{kept} (expand_prompts writes up to 1024 new tokens, as "
+                                "diffusers' does, and the encoder reads 1024 in all); the end of the rewrite does not "
+                                "reach the model.")
+            notes[:0] = truncated
+            if (seed_note := cpu_seed_note(request.seed)) is not None:
+                notes.append(seed_note)
+            conditioning = self._encode(request)
         generator = make_generator(request.seed)
         tail = None
         if image is not None:
@@ -220,7 +225,7 @@ class TextToVideoPipeline:
                 tail = encode_reference_image(image, m.vae, height=request.height, width=request.width,
                                               device=m.device, dtype=m.dtype, generator=generator)
         _sync(m.device)
-        timings["encode"] = time.perf_counter() - start
+        timings["encode"] = time.perf_counter() - start - timings.get("expand_prompt", 0.0)
 
         config = m.transformer.config
         with_audio = request.with_audio and m.has_audio

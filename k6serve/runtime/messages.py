@@ -78,6 +78,9 @@ class Ready:
     variant: Variant
     pids: tuple[int, ...]  # one per rank of the replica, in rank order
     warmups: tuple[WarmupReport, ...] = ()  # the leader's `--warmup-mode server` shapes and what each cost
+    # What a request is checked against when it is resolved (`resolve_generate`), known once the model is loaded.
+    has_audio: bool = True
+    streams_text_encoder: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -132,9 +132,11 @@ def parallelize_worker_models(worker, config: EngineConfig, context: RankContext
         parallelize_generation_models(worker.pipeline.models, context.groups,
                                       encoder_parallel=config.parallel.encoder_parallel, device_type=device_type)
         if len(context.groups.replica_ranks) > 1:
-            # expand_prompts: every rank rewrites the prompt; the leader's text is the one all of them encode (a
-            # sampled rewrite, or a kernel's rounding, could differ between ranks, and each rank would then condition
-            # its shard of the video on another prompt).
+            # expand_prompts: every rank rewrites the prompt; the leader's text is the one all of them encode. A
+            # replicated text encoder's rounding could differ between ranks (each would then condition its shard of
+            # the video on another prompt). A folded one runs every token's forward as collectives whose all-reduced
+            # logits are the same on every rank, drawn with the same seed: the ranks stop at the same token, so none
+            # is left waiting in a collective (HF's synced_gpus would all-reduce over every replica's ranks).
             worker.pipeline.agree_on_text = lambda text: _broadcast(text, context)
     elif layout.replica_size > 1 or layout.fsdp:
         parallelize_sr_models(worker.pipeline.models, context.groups, model_name=worker.variant.name,
@@ -406,7 +408,9 @@ def rank_main(
             else:
                 # A rank worker without a server warm-up (the tests' stand-ins) reports none.
                 connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids),
-                                               warmups=tuple(getattr(worker, "server_warmups", ()))))
+                                               warmups=tuple(getattr(worker, "server_warmups", ())),
+                                               has_audio=getattr(worker, "has_audio", True),
+                                               streams_text_encoder=getattr(worker, "streams_text_encoder", False)))
         if worker is not None and not any(failures):
             _ReplicaLoop(worker, context, connection).serve()
             # A resume's host copy may still be being freed (unregistered, unmapped) on the reaper's thread, a
@@ -718,6 +722,7 @@ class MultiProcessWorker:
             self.variant: Variant = message.variant
             if message.replica == 0:
                 self.server_warmups: tuple[WarmupReport, ...] = message.warmups  # `Engine.startup_warmups`
+                self.has_audio, self.streams_text_encoder = message.has_audio, message.streams_text_encoder
 
         deadline = time.monotonic() + timeout_s
         while len(replicas) < self.layout.dp:
@@ -751,7 +756,9 @@ class MultiProcessWorker:
         if self.variant.family == GENERATION:
             return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
                                     cache_dit_unavailable=self.config.parallel.cache_dit_unavailable,
-                                    num_dit_blocks=self.num_dit_blocks)
+                                    num_dit_blocks=self.num_dit_blocks,
+                                    has_audio=getattr(self, "has_audio", True),
+                                    streams_text_encoder=getattr(self, "streams_text_encoder", False))
         return resolve_upscale(params, self.variant)
 
     def run(self, params: SamplingParams, output: OutputOptions,

@@ -527,10 +527,24 @@ class ModelWorker:
             params = dataclasses.replace(params, cache_dit_params={"scm_preset": "none"})  # replaces the whole mask
         return self.resolve(params)
 
+    @property
+    def has_audio(self) -> bool:
+        """Whether the loaded checkpoint makes soundtracks (a generation checkpoint may list no audio_vae/vocoder)."""
+        return self.variant.family != GENERATION or self.pipeline.models.has_audio
+
+    @property
+    def streams_text_encoder(self) -> bool:
+        """Whether Qwen2.5-VL's layers are streamed from host memory (on the CPU nothing is offloaded)."""
+        from k6serve.offload.residency import LAYERWISE
+
+        return (self.device.type == "cuda" and self.variant.family == GENERATION
+                and self.residency_plan.residency.get("text_encoder") == LAYERWISE)
+
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:
             return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
-                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable)
+                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable,
+                                    has_audio=self.has_audio, streams_text_encoder=self.streams_text_encoder)
         return resolve_upscale(params, self.variant)
 
     def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> tuple[Path, bool]:

@@ -69,3 +69,54 @@ def _sample(params: SamplingParams, value):
     import dataclasses
 
     return dataclasses.replace(params, sample_audio=value)
+
+
+def test_the_engine_refuses_sound_from_a_silent_checkpoint_with_the_request(tmp_path):
+    # Checked when the request is resolved (the server's job creation: a 400), not once it runs.
+    from k6serve.api import build_engine_config
+    from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
+    from k6serve.runtime.engine import Engine
+    from k6serve.runtime.worker import ModelWorker
+    from k6serve.testing.tiny_checkpoints import build_generation_checkpoint
+
+    folder = build_generation_checkpoint(tmp_path / "silent", "lite", seed=1, with_audio=False)
+    config = build_engine_config(str(folder), device="cpu")
+    engine = Engine(config, worker=ModelWorker(config))
+    try:
+        with pytest.raises(ValueError, match="sample_audio is true, but this checkpoint has no audio_vae"):
+            engine.resolve(SamplingParams(prompt="p", sample_audio=True))
+        assert engine.resolve(SamplingParams(prompt="p", sample_audio=False))[0].with_audio is False
+        assert engine.worker.streams_text_encoder is False  # on the CPU nothing streams
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match=NO_AUDIO_PARTS.split(",")[0]):
+        resolve_generate(SamplingParams(prompt="p", sample_audio=True), VARIANTS["pro"], has_audio=False)
+    with pytest.raises(ValueError, match="expand_prompts runs the text encoder once per generated token"):
+        resolve_generate(SamplingParams(prompt="p", expand_prompts=True), VARIANTS["pro"],
+                         streams_text_encoder=True)
+    assert STREAMED_TEXT_ENCODER.endswith("or drop expand_prompts.")
+    resolve_generate(SamplingParams(prompt="p"), VARIANTS["pro"], has_audio=False, streams_text_encoder=True)
+
+
+def test_the_rewrite_and_the_encoding_share_one_stage_of_the_text_encoders(tiny_distill_dir):
+    # An offloaded Qwen2.5-VL (15.5 GiB) was copied to the GPU for the rewrite, back, and again for the encoding.
+    import contextlib
+
+    variant = recognise(str(tiny_distill_dir), None, tiny_distill_dir)
+    models = load_generation_models(tiny_distill_dir, variant, device=torch.device("cpu"), dtype=torch.float32,
+                                    load_format="auto")
+    pipeline = TextToVideoPipeline(models)
+    stages = []
+
+    class Recording:
+        @contextlib.contextmanager
+        def stage(self, *components):
+            stages.append(components)
+            yield
+
+    pipeline.residency = Recording()
+    request, _ = resolve_generate(SamplingParams(prompt="a fox", expand_prompts=True, height=32, width=32,
+                                                 num_frames=5, num_inference_steps=1), variant)
+    output = pipeline(request)
+    assert [stage for stage in stages if "text_encoder" in stage] == [("text_encoder", "text_encoder_2")]
+    assert output.timings["expand_prompt"] > 0 and output.timings["encode"] > 0

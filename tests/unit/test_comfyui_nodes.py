@@ -178,6 +178,20 @@ def test_node_classes_follow_comfyui_conventions(node):
     assert "width first" in Generate.INPUT_TYPES()["required"]["width"][1]["tooltip"]
 
 
+def test_inputs_added_later_come_last_so_saved_workflows_keep_their_values():
+    # ComfyUI saves widget values as a list in input order: an input put before api_key shifted the saved key into
+    # it and the filename prefix into api_key. The inputs of the first release keep their places.
+    first_release = ["server_url", "prompt", "width", "height", "num_frames", "steps", "guidance_scale", "seed",
+                     "negative_prompt", "image", "fps", "loras", "enable_cache_dit", "api_key", "filename_prefix",
+                     "timeout_s"]
+    inputs = Generate.INPUT_TYPES()
+    order = [*inputs["required"], *inputs["optional"]]
+    assert order[:len(first_release)] == first_release
+    assert order[len(first_release):] == ["expand_prompts", "sample_audio"]
+    parameters = list(inspect.signature(Generate.generate).parameters)[1:]
+    assert parameters[-2:] == ["expand_prompts", "sample_audio"]
+
+
 def test_num_frames_widget_stays_within_what_the_server_takes():
     # Before: max 14401 (the server refuses > 509), and "rounded down" where the server makes 20 frames 21.
     from k6serve.models.variants import VARIANTS, resolve_generate
@@ -201,7 +215,10 @@ def test_fields_leave_zero_to_the_model_default():
                                negative_prompt="blurry", fps=12.0, loras='{"style": 0.5}', enable_cache_dit="off")
     assert fields["num_inference_steps"] == 3 and fields["guidance_scale"] == 5.0 and fields["fps"] == 12.0
     assert fields["loras"] == {"style": 0.5} and fields["enable_cache_dit"] is False
-    assert "expand_prompts" not in fields
+    assert "expand_prompts" not in fields and "sample_audio" not in fields
+    assert generation_fields(prompt="p", width=64, height=48, num_frames=5, steps=0, guidance_scale=0.0, seed=1,
+                             negative_prompt="", fps=0.0, loras="", enable_cache_dit="server default",
+                             sample_audio=False)["sample_audio"] is False
     assert generation_fields(prompt="p", width=64, height=48, num_frames=5, steps=0, guidance_scale=0.0, seed=1,
                              negative_prompt="", fps=0.0, loras="", enable_cache_dit="server default",
                              expand_prompts=True)["expand_prompts"] is True

@@ -115,24 +115,29 @@ class K6ServeGenerate(_K6ServeNode):
                                  "model; empty = the server's active adapters."}),
             "enable_cache_dit": (list(ENABLE_CACHE_DIT_CHOICES), {"default": "server default", "tooltip": "Cache-"
                                  "DiT step caching for this job (faster, lossy; for the 50-step Pro/Lite)."}),
+            **shared["optional"],
+            # Inputs added later go last: a saved workflow keeps its widgets' values as a list in order, so one put
+            # before api_key moved every later value (the key into expand_prompts, the prefix into api_key).
             "expand_prompts": ("BOOLEAN", {"default": False, "tooltip": "Let the model's Qwen2.5-VL rewrite the "
                                "prompt into a detailed video+audio description first (diffusers' expand_prompts; "
                                "with an image, grounded on it). The rewrite is shown on the node."}),
-            **shared["optional"],
+            "sample_audio": ("BOOLEAN", {"default": True, "tooltip": "Generate the soundtrack. Off: a silent video "
+                             "(the DiT on the video tokens alone; the picture differs from the one made with "
+                             "sound); the audio output is then silence."}),
         }
         return {"required": required, "optional": optional}
 
     def generate(self, server_url: str, prompt: str, width: int, height: int, num_frames: int, steps: int,
                  guidance_scale: float, seed: int, negative_prompt: str = "", image: torch.Tensor | None = None,
-                 fps: float = 0.0, loras: str = "", enable_cache_dit: str = "server default",
-                 expand_prompts: bool = False, api_key: str = "", filename_prefix: str = "k6serve/K6Serve",
-                 timeout_s: int = 0) -> dict[str, Any]:
+                 fps: float = 0.0, loras: str = "", enable_cache_dit: str = "server default", api_key: str = "",
+                 filename_prefix: str = "k6serve/K6Serve", timeout_s: int = 0, expand_prompts: bool = False,
+                 sample_audio: bool = True) -> dict[str, Any]:
         deadline = Deadline.after(timeout_s)
         client = K6ServeClient(server_url, api_key, node_name="K6Serve Generate", input_names=self.INPUT_NAMES)
         fields = generation_fields(prompt=prompt, width=width, height=height, num_frames=num_frames, steps=steps,
                                    guidance_scale=guidance_scale, seed=seed, negative_prompt=negative_prompt,
                                    fps=fps, loras=loras, enable_cache_dit=enable_cache_dit,
-                                   expand_prompts=expand_prompts)
+                                   expand_prompts=expand_prompts, sample_audio=sample_audio)
         uploads = []
         if image is not None:
             uploads.append(Upload("input_reference", "first_frame.png", "image/png",
@@ -228,7 +233,8 @@ class K6ServeUpscale(_K6ServeNode):
 
 def generation_fields(*, prompt: str, width: int, height: int, num_frames: int, steps: int, guidance_scale: float,
                       seed: int, negative_prompt: str, fps: float, loras: str,
-                      enable_cache_dit: str, expand_prompts: bool = False) -> dict[str, Any]:
+                      enable_cache_dit: str, expand_prompts: bool = False,
+                      sample_audio: bool = True) -> dict[str, Any]:
     """The POST /v1/videos fields of a generation job; 0 (or empty) leaves a field to the model's default."""
     fields: dict[str, Any] = {"prompt": prompt, "size": f"{width}x{height}", "num_frames": num_frames, "seed": seed}
     if steps > 0:
@@ -245,6 +251,8 @@ def generation_fields(*, prompt: str, width: int, height: int, num_frames: int, 
         fields["enable_cache_dit"] = enable_cache_dit == "on"
     if expand_prompts:
         fields["expand_prompts"] = True
+    if not sample_audio:
+        fields["sample_audio"] = False
     return fields
 
 
