@@ -47,6 +47,7 @@ from k6serve.request import (
     OutputOptions,
     SamplingParams,
     VideoResult,
+    drawn_seed,
     fspath_values,
     plain_scalars,
 )
@@ -688,6 +689,7 @@ class DiffGenerator:
                 pass  # no signature to read (some builtins): called as given
         options = self._from_callers_folder(request_options(sampling_params_kwargs, kwargs))
         params, output = split_kwargs(options)
+        params, seed_note = drawn_seed(params)  # once, here: the result reports the seed drawn
         require_media_package(params, output)
         try:
             self.engine.resolve(params)  # the worker resolves it again; here the two missing inputs get API words
@@ -702,6 +704,9 @@ class DiffGenerator:
                      for key in unsaved_output_keys(options)]
         for warning in warnings:
             logger.warning(warning)
+        if seed_note:
+            logger.debug(seed_note)  # news, not a warning: it reaches the caller as a note of the result
+            warnings.append(seed_note)
         return params, output, warnings
 
     def _from_callers_folder(self, options: dict[str, Any]) -> dict[str, Any]:

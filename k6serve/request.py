@@ -79,7 +79,7 @@ class SamplingParams:
     )
     image_path: str | None = _param("Conditioning image for text+image-to-video+audio (TI2AV).")
     video_path: str | None = _param("Source video for super-resolution (VSR models).")
-    seed: int | None = _param("Random seed, 0 to 2**63 - 1 (default 42).")
+    seed: int | None = _param("Random seed, 0 to 2**63 - 1 (default 42); -1 draws one, which the result reports.")
     height: int | None = _param("Output height in pixels, a multiple of 16 up to 2048 (default 512; demo 64).")
     width: int | None = _param("Output width in pixels, a multiple of 16 up to 2048 (default 768; demo 96).")
     num_frames: int | None = _param("Number of frames, of the form 4k+1 (default 121; demo 17).")
@@ -169,6 +169,24 @@ class SamplingParams:
                 f"Valid parameters: {sorted(names)}."
             )
         return cls(**fspath_values(plain_scalars(kwargs)))
+
+
+# seed -1: the request runs with a seed drawn for it (the convention of ComfyUI's and A1111's UIs, fal's API); the
+# result, the job and the file name carry the seed drawn, so the video can be made again.
+RANDOM_SEED = -1
+
+
+def drawn_seed(params: SamplingParams) -> tuple[SamplingParams, str | None]:
+    """`params` with seed -1 replaced by a seed drawn for this request (below 2**32, all of which torch's CPU
+    generator keeps), and a note saying which; as given otherwise. Drawn once where a request enters (the API's
+    generate, the server's job creation), so every rank and every later resolve run the same seed."""
+    if params.seed != RANDOM_SEED or isinstance(params.seed, bool):
+        return params, None
+    import secrets
+
+    seed = secrets.randbelow(2**32)
+    return dataclasses.replace(params, seed=seed), (f"seed -1 drew seed {seed}: give it as the seed to make this "
+                                                    "video again.")
 
 
 def plain_scalars(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -580,8 +580,10 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
 
 
 def _check_seed(seed: int) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not (0 <= seed < 2**63):
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    # -1 (RANDOM_SEED) is drawn where the request enters (`request.drawn_seed`); checked before that, it is valid.
+    if not isinstance(seed, int) or isinstance(seed, bool) or not (0 <= seed < 2**63 or seed == -1):
+        raise ValueError(f"seed must be an integer in [0, 2**63), or -1 for a seed drawn for the request, got "
+                         f"{seed!r}")
 
 
 def parse_target_resolution(value: str) -> str:

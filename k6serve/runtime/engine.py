@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from k6serve.config import EngineConfig
 from k6serve.lora.spec import ListLoras, LoraOperation
-from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.request import OutputOptions, SamplingParams, VideoResult, drawn_seed
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory, memory_reply
 from k6serve.speed.warmup import WarmupReport
 
@@ -232,6 +232,9 @@ class Engine:
     def submit(self, params: SamplingParams, output: OutputOptions | None = None, *,
                on_progress: ProgressCallback | None = None, job_id: str | None = None,
                log_failure: bool = True) -> EngineJob:
+        # A seed of -1 not drawn where the request entered (DiffGenerator and the server draw it, with a note) is
+        # drawn here, once, before any rank resolves it: each rank would otherwise draw its own.
+        params, _ = drawn_seed(params)
         job = EngineJob(id=job_id or f"req-{next(self._ids)}", params=params, output=output or OutputOptions(),
                         on_progress=on_progress, log_failure=log_failure)
         # Checked and queued under the lock that shutdown() takes to queue the stops: a job queued behind them

@@ -47,7 +47,7 @@ from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
 from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, MissingSourceVideo, Variant
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
-from k6serve.request import GenerateRequest, SamplingParams
+from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
@@ -284,6 +284,9 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         body = parse_create_body(sent.fields, form=sent.form)
         params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names, model_name=ctx.model_name)
         params = _checked_paths(params, ctx, uploaded=set(uploads))
+        # seed -1 is drawn now, once: the job object shows the seed it runs with from its creation, and a restart's
+        # re-queue runs that seed again.
+        params, seed_note = drawn_seed(params)
         try:
             resolved, notes = ctx.engine.resolve(params)
         except MissingPrompt as exc:
@@ -324,6 +327,7 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
                 raise ApiError(400, str(exc), code="invalid_parameter", param=param) from None
             size, seconds = output.size, output.seconds
             notes = [*notes, *output.notes]  # shown from creation on
+        notes = [*notes, *([seed_note] if seed_note else [])]
         job_id = body.request_id or upload_id
         if body.request_id is not None:
             _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would

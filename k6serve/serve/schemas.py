@@ -130,7 +130,7 @@ _TEXT = {"string": {"maxLength": MAX_PROMPT_CHARACTERS}}
 _DOCUMENTED_BOUNDS: dict[str, Callable[[dict[str, Any]], None]] = {
     "prompt": _documented(**_TEXT),
     "negative_prompt": _documented(**_TEXT),
-    "seed": _documented(integer={"minimum": 0, "maximum": 2**63 - 1}),
+    "seed": _documented(integer={"minimum": -1, "maximum": 2**63 - 1}),  # -1: a seed drawn for the job
     "height": _documented(integer={"minimum": 16, "maximum": 2048, "multipleOf": 16}),
     "width": _documented(integer={"minimum": 16, "maximum": 2048, "multipleOf": 16}),
     # 510 and 511 round down to 509 frames (n // 4 * 4 + 1), the most the DiT's 128 latent frames hold.

@@ -240,6 +240,19 @@ def test_a_job_store_from_before_cancel_requests_opens(tmp_path):
     reopened.close()
 
 
+def test_a_job_store_from_before_expand_prompts_opens(tmp_path):
+    # A server upgraded in place keeps its jobs: the column is added, old jobs read null.
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.insert(_job("video_old", "old", JobStatus.COMPLETED, attempts=1))
+    store._db.execute("ALTER TABLE jobs DROP COLUMN expanded_prompt")
+    store._db.execute("ALTER TABLE jobs DROP COLUMN cancel_requested_at")  # and from before that
+    store.close()
+    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert reopened.get("video_old").expanded_prompt is None
+    assert reopened.update("video_old", expanded_prompt="a fox, in detail").expanded_prompt == "a fox, in detail"
+    reopened.close()
+
+
 def test_progress_advances_at_every_step(tmp_path):
     # 0.1 s a step (2 s in all), so polls slowed to a few hundred ms on a busy machine still see five steps.
     worker = FakeWorker(VARIANTS["pro-distill"], step_delay_s=0.1)

@@ -125,7 +125,8 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("checkpoint", "flags", "message"),
     [
-        ("generation", ["--prompt", "x", "--seed", "-1"], "seed must be an integer in [0, 2**63), got -1"),
+        ("generation", ["--prompt", "x", "--seed", "-2"], "seed must be an integer in [0, 2**63), or -1 for a seed "
+                                                          "drawn for the request, got -2"),
         ("generation", ["--prompt", "x", "--height", "60"], "height must be a positive multiple of 16"),
         ("generation", ["--prompt", "x", "--video-path", "clip.mp4"], "video_path is for the super-resolution model"),
         ("generation", ["--prompt", "x", "--image-path", "missing.png"],
