@@ -1,8 +1,11 @@
-"""Stage `text`: prompt encoding, ours (Qwen trunk only, no lm_head) vs the reference's full forward.
+"""Stage `text`: prompt encoding, ours (Qwen trunk only, no lm_head) vs the reference's full forward; and the
+`expand_prompts` rewrite (Qwen2.5-VL's generate) on its own.
 
 The reference (diffusers' pipeline) runs `Qwen2_5_VLForConditionalGeneration(..., output_hidden_states=True)`,
 which also computes 1153 x 152064 logits it throws away; ours runs `text_encoder.model`. Both rows include
-the CLIP pooled vector. Cosine compares the token features, which must be identical.
+the CLIP pooled vector. Cosine compares the token features, which must be identical. The rewrite row times
+`EXPAND_TOKENS` new tokens at most (random weights rarely stop early; the note gives the count and tokens/s): a
+request with expand_prompts pays it before encoding, up to 1024 tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from k6serve.pipelines.encode_text import (
     QWEN_CROP_START,
     encode_prompt,
 )
+from k6serve.pipelines.expand_prompt import expand_prompt
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
+EXPAND_TOKENS = 256  # a detailed rewrite's length; diffusers lets it run to 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +96,18 @@ def run_text(options: TextOptions) -> list[BenchRow]:
             ours.output.tokens_BLD.float(), reference.output.float()
         )
         row.note = "cos video = cosine of the Qwen token features"
+        rows.append(BenchRow(stage="text", name="ours expand_prompts", config=f"<= {EXPAND_TOKENS} new tokens"))
+        rewrite = measure(
+            lambda: expand_prompt(PROMPT, tokenizer=parts.tokenizer, text_encoder=parts.text_encoder,
+                                  device=options.device, seed=0, max_new_tokens=EXPAND_TOKENS),
+            device=options.device,
+            repeats=options.repeats,
+            warmup=options.warmup,
+        )
+        row = rows[2]
+        row.record(rewrite)
+        tokens = len(parts.tokenizer(rewrite.output, add_special_tokens=False)["input_ids"])
+        row.note = f"{tokens} tokens written (re-tokenized), {tokens / row.seconds:.1f} tokens/s; no diffusers row"
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         rows[-1].error = f"{type(error).__name__}: {error}"
     return rows

@@ -141,7 +141,7 @@ def test_tiny_smoke_json_fields(tiny_run):
         "breakdown_s",
     }
     assert all(expected_fields <= set(row) for row in rows)
-    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["text"] * 2 + ["vae"] * 4 + ["audio"]
+    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["text"] * 3 + ["vae"] * 4 + ["audio"]
     assert all(len(row["times_s"]) == 2 and row["seconds"] > 0 for row in rows)
 
 
@@ -174,6 +174,9 @@ def test_tiny_vae_and_text_rows(tiny_run):
     assert all(re.search(r"; x\d+\.\d\d against the same host work$", row["note"]) for row in vae[2:])
     ours_text = next(row for row in rows if row["name"] == "ours trunk only")
     assert ours_text["cosine_video"] == pytest.approx(1.0, abs=1e-6)
+    rewrite = next(row for row in rows if row["name"] == "ours expand_prompts")
+    assert rewrite["seconds"] > 0
+    assert re.search(r"^\d+ tokens written \(re-tokenized\), [\d.]+ tokens/s", rewrite["note"])
 
 
 def test_failing_stage_is_an_error_row_and_exit_code_one(capsys):
