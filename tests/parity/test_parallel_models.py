@@ -89,18 +89,27 @@ def _fresh_generation_models(folder: Path):
     )
 
 
-def _generate_task(folder: Path, layout: ParallelLayout | None, encoder_parallel: str, request_kwargs: dict):
-    """The pipeline's frames and waveform under `layout` (None: the 1-process reference, on rank 0 only)."""
-    from k6serve.models.variants import resolve_generate
+def _laid_out_models(folder: Path, layout: ParallelLayout | None, encoder_parallel: str):
+    """This rank's models under `layout`, or None on the ranks other than 0 for the 1-process reference (None)."""
     from k6serve.parallel.parallelize import parallelize_generation_models
-    from k6serve.pipelines.text_to_video import TextToVideoPipeline
-    from k6serve.request import SamplingParams
 
     if layout is None and dist.get_rank() != 0:
         return None
     models = _fresh_generation_models(folder)
     if layout is not None:
         parallelize_generation_models(models, _groups(layout), encoder_parallel=encoder_parallel, device_type="cpu")
+    return models
+
+
+def _generate_task(folder: Path, layout: ParallelLayout | None, encoder_parallel: str, request_kwargs: dict):
+    """The pipeline's frames and waveform under `layout` (None: the 1-process reference, on rank 0 only)."""
+    from k6serve.models.variants import resolve_generate
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import SamplingParams
+
+    models = _laid_out_models(folder, layout, encoder_parallel)
+    if models is None:
+        return None
     request, _ = resolve_generate(SamplingParams(height=HEIGHT, width=WIDTH, **request_kwargs), models.variant)
     output = TextToVideoPipeline(models)(request)
     return output.video.frames_float_THWC.numpy(), output.audio.waveform, _applied(models.transformer)
@@ -735,14 +744,11 @@ def test_fsdp_refuses_merge_and_auto_is_dynamic(pool, checkpoint, lora_adapter):
 
 def _expand_task(folder: Path, layout: ParallelLayout | None, encoder_parallel: str, prompt: str):
     """expand_prompts' rewrite under `layout` (the text encoder folded, or replicated), 1 process for None."""
-    from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.expand_prompt import expand_prompt
 
-    if layout is None and dist.get_rank() != 0:
+    models = _laid_out_models(folder, layout, encoder_parallel)
+    if models is None:
         return None
-    models = _fresh_generation_models(folder)
-    if layout is not None:
-        parallelize_generation_models(models, _groups(layout), encoder_parallel=encoder_parallel, device_type="cpu")
     return expand_prompt(prompt, tokenizer=models.tokenizer, text_encoder=models.text_encoder,
                          device=torch.device("cpu"), seed=3, max_new_tokens=16)
 
