@@ -19,10 +19,22 @@ def _preflight(client, origin: str, method: str = "POST", headers: str = "conten
 
 
 @pytest.fixture
-def page_server(tmp_path):
-    server = start_server(tmp_path, allowed_origins=(PAGE,))
-    yield server
-    server.stop()
+def servers(tmp_path):
+    """Start servers with the given settings (each in its own folder); all are stopped after the test."""
+    started = []
+
+    def start(**settings):
+        started.append(start_server(tmp_path / str(len(started)), **settings))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def page_server(servers):
+    return servers(allowed_origins=(PAGE,))
 
 
 def test_a_listed_page_may_make_jobs_and_read_the_answers_without_a_key(page_server):
@@ -54,31 +66,23 @@ def test_a_page_not_listed_stays_refused_and_reads_nothing(page_server):
         assert client.get("/v1/videos").json()["data"] == []
 
 
-def test_any_page_with_a_key_gets_the_preflight_without_the_key_and_the_reason_of_a_401(tmp_path):
-    server = start_server(tmp_path, api_key="k3y", allowed_origins=("*",))
-    try:
-        with server.client(headers={}) as client:
-            origin = "https://app.example"
-            preflight = _preflight(client, origin, method="DELETE", headers="authorization")
-            assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
-            unauthorized = client.get("/v1/videos", headers={"Origin": origin})
-            # The page's script reads why (a 401 without the header is a bare network error to it).
-            assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == "*"
-            assert unauthorized.json()["error"]["code"] == "invalid_api_key"
-            listed = client.get("/v1/videos", headers={"Origin": origin, "Authorization": "Bearer k3y"})
-            assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
-    finally:
-        server.stop()
+def test_any_page_with_a_key_gets_the_preflight_without_the_key_and_the_reason_of_a_401(servers):
+    with servers(api_key="k3y", allowed_origins=("*",)).client(headers={}) as client:
+        origin = "https://app.example"
+        preflight = _preflight(client, origin, method="DELETE", headers="authorization")
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        unauthorized = client.get("/v1/videos", headers={"Origin": origin})
+        # The page's script reads why (a 401 without the header is a bare network error to it).
+        assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == "*"
+        assert unauthorized.json()["error"]["code"] == "invalid_api_key"
+        listed = client.get("/v1/videos", headers={"Origin": origin, "Authorization": "Bearer k3y"})
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
 
 
-def test_without_the_flag_no_cors_headers_are_sent(tmp_path):
-    server = start_server(tmp_path, api_key="k3y")
-    try:
-        with server.client() as client:
-            answer = client.get("/v1/videos", headers={"Origin": "https://app.example"})
-            assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
-    finally:
-        server.stop()
+def test_without_the_flag_no_cors_headers_are_sent(servers):
+    with servers(api_key="k3y").client() as client:
+        answer = client.get("/v1/videos", headers={"Origin": "https://app.example"})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
 def test_every_page_without_a_key_is_refused_at_start():
