@@ -724,6 +724,9 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
         warning = open_server_warning(settings.host, port, settings.api_key, lora_dirs=bool(settings.allowed_lora_dirs))
         if warning is not None:
             logger.warning("%s", warning)
+        if settings.allowed_origins:
+            logger.info("web pages allowed to call the API from a browser (--allowed-origin): %s",
+                        ", ".join(settings.allowed_origins))
         # uvicorn's lines (start-up, one access line per request) at --log-level (it was always "info": every poll
         # was logged, whatever the flag), through the root handler, so they carry its format and timestamps.
         quiet_probe_access_lines(settings.root_path)
