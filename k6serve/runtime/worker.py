@@ -38,7 +38,7 @@ from k6serve.models.variants import (
     resolve_generate,
     resolve_upscale,
 )
-from k6serve.offload.residency import RESIDENT, resolve_residency
+from k6serve.offload.residency import LAYERWISE, RESIDENT, resolve_residency
 from k6serve.rank_logging import ONCE
 from k6serve.request import (
     GenerateRequest,
@@ -171,6 +171,12 @@ class ModelWorker:
                            "runs eager, as the reference does", extra=ONCE)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
+        # What requests are checked against when resolved (`resolve_generate`), and what the ranks report to the
+        # engine: a generation checkpoint may list no audio_vae / vocoder; on the CPU nothing is offloaded.
+        generation = self.variant.family == GENERATION
+        self.has_audio = not generation or self.pipeline.models.has_audio
+        self.streams_text_encoder = (generation and self.device.type == "cuda"
+                                     and self.residency_plan.residency.get("text_encoder") == LAYERWISE)
         if transform is not None:
             transform(self)
         self._place_resident_components()
@@ -526,19 +532,6 @@ class ModelWorker:
         if engine is not None and engine.uses_step_mask and params.cache_dit_params is None:
             params = dataclasses.replace(params, cache_dit_params={"scm_preset": "none"})  # replaces the whole mask
         return self.resolve(params)
-
-    @property
-    def has_audio(self) -> bool:
-        """Whether the loaded checkpoint makes soundtracks (a generation checkpoint may list no audio_vae/vocoder)."""
-        return self.variant.family != GENERATION or self.pipeline.models.has_audio
-
-    @property
-    def streams_text_encoder(self) -> bool:
-        """Whether Qwen2.5-VL's layers are streamed from host memory (on the CPU nothing is offloaded)."""
-        from k6serve.offload.residency import LAYERWISE
-
-        return (self.device.type == "cuda" and self.variant.family == GENERATION
-                and self.residency_plan.residency.get("text_encoder") == LAYERWISE)
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:

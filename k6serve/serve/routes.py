@@ -451,6 +451,7 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
                        param="Content-Type")
     raw = await read_json_body(request)
     if isinstance(raw, dict):
+        _refuse_reference_objects(raw)
         for field_name in FILE_FIELDS:
             if field_name in raw:
                 raise ApiError(400, f"{field_name} is a file upload: send it with multipart/form-data (or give a "
@@ -459,9 +460,32 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
     return _SentBody(fields=raw, form=False)
 
 
+def _refuse_reference_objects(fields: dict[str, Any]) -> None:
+    """OpenAI's newer `input_reference` object ({"image_url": ...} or {"file_id": ...}; its SDKs send it as JSON, or
+    in a form as `input_reference[image_url]`): a 400 saying what to send instead, not "Unknown field
+    'input_reference[image_url]'" or "send it with multipart", which left the user guessing that URLs and file ids
+    are what is not taken."""
+    for name, value in fields.items():
+        match = _BRACKETED_REFERENCE.fullmatch(name)
+        field_name = match[1] if match else name if name in FILE_FIELDS and isinstance(value, dict) else None
+        if field_name is None:
+            continue
+        keys = [match[2]] if match else sorted(value) or ["{}"]
+        raise ApiError(400, f"{field_name} came as a reference object ({', '.join(keys)}), OpenAI's way to point at "
+                            "an image by URL or by a file of its Files API; k6serve fetches no URLs and has no Files "
+                            f"API: upload the file itself as {field_name} in multipart/form-data (OpenAI's Python "
+                            f"SDK: {field_name}=Path(\"first.png\"); its Node SDK: {field_name}: await toFile(fs."
+                            f"createReadStream(\"first.png\"))), or give a server-side {FILE_FIELDS[field_name]} "
+                            "inside --allowed-input-dir.", code="invalid_parameter", param=field_name)
+
+
+_BRACKETED_REFERENCE = re.compile(rf"({'|'.join(FILE_FIELDS)})\[([^\]]*)\].*")
+
+
 def _refuse_file_fields_as_text(fields: dict[str, Any]) -> dict[str, Any]:
     """A form's text value under a file field (`curl -F input_reference=first.png`, without the @): a 400 saying how
     to send the file, rather than "unknown field" with a list of valid fields that leaves the file fields out."""
+    _refuse_reference_objects(fields)
     sent_as_text = sorted(FILE_FIELDS.keys() & fields.keys())
     if sent_as_text:
         field_name = sent_as_text[0]
@@ -530,19 +554,35 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
             await asyncio.to_thread(sweep_expired, ctx)
         except Exception:  # noqa: BLE001
             logger.exception("sweeping expired jobs before a listing failed")
-    try:
-        jobs, has_more = ctx.store.list_page(after=after, limit=limit, ascending=order == "asc")
-    except KeyError:
-        days = DELETED_CURSOR_RETENTION_S // 86400
-        raise ApiError(400, f"after={after!r} is not the id of a stored video, nor of one deleted or expired in "
-                            f"the last {days} days; page from the start (leave out after).",
-                       code="invalid_parameter", param="after") from None
     now = time.time()
-    data = [ctx.view(job) for job in jobs if not is_expired(job, ctx.settings.output_ttl_s, now)]
-    # The cursors are the page's own ends, an expired job's id among them: `after` takes a deleted id, so paging
-    # goes on past a page whose jobs all expired.
-    return JSONResponse({"object": "list", "data": data, "first_id": jobs[0].id if jobs else None,
-                         "last_id": jobs[-1].id if jobs else None, "has_more": has_more})
+    data: list = []
+    first_id = last_id = None
+    has_more, cursor, read = True, after, 0
+    # Filled to `limit` live jobs, reading on past expired ones not swept yet: a page of none with has_more true
+    # ended the OpenAI SDKs' auto-pagination there (they stop at an empty page), so a live job after a run of expired
+    # ones was never listed. Bounded, so a listing reads at most _LIST_SCAN_ROWS rows (the sweep removes the rest).
+    while has_more and len(data) < limit and read < _LIST_SCAN_ROWS:
+        try:
+            jobs, has_more = ctx.store.list_page(after=cursor, limit=limit - len(data), ascending=order == "asc")
+        except KeyError:
+            days = DELETED_CURSOR_RETENTION_S // 86400
+            raise ApiError(400, f"after={after!r} is not the id of a stored video, nor of one deleted or expired in "
+                                f"the last {days} days; page from the start (leave out after).",
+                           code="invalid_parameter", param="after") from None
+        if not jobs:
+            break
+        read += len(jobs)
+        data += [ctx.view(job) for job in jobs if not is_expired(job, ctx.settings.output_ttl_s, now)]
+        # The cursors are the page's own ends, an expired job's id among them: `after` takes a deleted id, so paging
+        # goes on from where this page stopped.
+        first_id = first_id or jobs[0].id
+        last_id = cursor = jobs[-1].id
+    return JSONResponse({"object": "list", "data": data, "first_id": first_id, "last_id": last_id,
+                         "has_more": has_more})
+
+
+# The most job rows one listing reads to fill its page past expired jobs the sweep has not removed yet.
+_LIST_SCAN_ROWS = 10_000
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job",

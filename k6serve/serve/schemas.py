@@ -348,8 +348,9 @@ def bracketed_object_field(name: str) -> str | None:
 
 def json_text_hint(field: str) -> str:
     """How to send object field `field` in a form: as JSON text, which keeps lists, nesting and `{}`."""
-    return (f"send {field} as one form field holding JSON text instead (with OpenAI's SDK: "
-            f"extra_body={{\"{field}\": json.dumps({{...}})}}; curl -F '{field}={{...}}')")
+    return (f"send {field} as one form field holding JSON text instead (with OpenAI's Python SDK: "
+            f"extra_body={{\"{field}\": json.dumps({{...}})}}; its Node SDK: {field}: JSON.stringify({{...}}); "
+            f"curl -F '{field}={{...}}')")
 
 
 def _fold_bracketed_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -627,6 +628,8 @@ class VideoJob(BaseModel):
     model: str
     # OpenAI's Video object has it, and its SDK's `Video.prompt` read None from every job before.
     prompt: str | None = Field(None, description="The job's prompt as sent; null for super-resolution.")
+    # OpenAI's Video object has it, required (null or an id) in its SDKs' types: k6serve makes no remixes.
+    remixed_from_video_id: None = Field(None, description="Always null: k6serve has no remix.")
     expanded_prompt: str | None = Field(None, description="With expand_prompts, once completed: the prompt as the "
                                                           "text encoder rewrote it, which the model was given.")
     status: JobStatus

@@ -997,3 +997,21 @@ def test_text_in_other_scripts_and_encodings(fake_server, fake_client):
                           param="seconds")
     assert '"пять"' in error["message"] and "\\u" not in error["message"]
     _still_serves(fake_client)
+
+
+def test_openais_reference_objects_are_refused_saying_to_upload_the_file(fake_client):
+    """OpenAI's input_reference {image_url} / {file_id}, as its SDKs send them in JSON or flattened in a form: the
+    answer was "Unknown field 'input_reference[image_url]'" or "send it with multipart"."""
+    for sent in ({"json": {"prompt": "x", "input_reference": {"image_url": "https://example.com/a.png"}}},
+                 {"data": {"prompt": "x", "input_reference[file_id]": "file-abc"}},
+                 {"json": {"prompt": "x", "video_reference": {"file_id": "file-abc"}}}):
+        error = _assert_error(fake_client.post("/v1/videos", **sent), 400, code="invalid_parameter")
+        assert "came as a reference object" in error["message"] and "fetches no URLs and has no Files API" in \
+            error["message"] and "toFile(" in error["message"]
+        assert error["param"] in ("input_reference", "video_reference")
+    assert fake_client.get("/v1/videos").json()["data"] == []
+
+
+def test_the_job_object_carries_openais_remix_field_as_null(fake_client):
+    job = fake_client.post("/v1/videos", json={"prompt": "x", "size": "32x32", "num_frames": 5}).json()
+    assert "remixed_from_video_id" in job and job["remixed_from_video_id"] is None

@@ -501,8 +501,9 @@ def test_a_job_past_its_expires_at_reads_as_deleted_before_the_sweep(tmp_path):
 
 def test_a_listing_during_a_sweep_skips_expired_jobs_and_pages_past_them(tmp_path):
     """Each listing ran its own full sweep: after a backlog of expired jobs eight listings filled the thread pool
-    (/health took 14.7 s). One sweep runs at a time; a listing meanwhile leaves out what is past its expires_at,
-    and its cursors still page on."""
+    (/health took 14.7 s). One sweep runs at a time; a listing meanwhile leaves out what is past its expires_at and
+    reads on past it to fill its page: a page of none with has_more true ended the OpenAI SDKs' auto-pagination, so
+    a live job after expired ones was never listed."""
     server = start_server(tmp_path, output_ttl_s=3600, cleanup_interval_s=3600)
     try:
         with server.client() as client:
@@ -513,10 +514,13 @@ def test_a_listing_during_a_sweep_skips_expired_jobs_and_pages_past_them(tmp_pat
             ctx = server.app.state.ctx
             with ctx.sweep_lock:  # the periodic sweep (or another listing) is at work
                 page = client.get("/v1/videos", params={"order": "asc", "limit": 2}).json()
-                assert [job["id"] for job in page["data"]] == [ids[0]]
-                assert (page["first_id"], page["last_id"], page["has_more"]) == (ids[0], ids[1], True)
-                rest = client.get("/v1/videos", params={"order": "asc", "limit": 2, "after": page["last_id"]}).json()
-                assert [job["id"] for job in rest["data"]] == [ids[3]]
+                assert [job["id"] for job in page["data"]] == [ids[0], ids[3]]
+                assert (page["first_id"], page["last_id"], page["has_more"]) == (ids[0], ids[3], False)
+                page = client.get("/v1/videos", params={"order": "asc", "limit": 1, "after": ids[0]}).json()
+                assert [job["id"] for job in page["data"]] == [ids[3]]  # not an empty page with has_more
+                assert (page["first_id"], page["last_id"], page["has_more"]) == (ids[1], ids[3], False)
+                page = client.get("/v1/videos", params={"order": "asc", "limit": 1}).json()
+                assert [job["id"] for job in page["data"]] == [ids[0]] and page["has_more"]
                 assert server.store.get(ids[1]) is not None  # left to the sweep that holds the lock
             client.get("/v1/videos")  # no sweep running: this one sweeps
             assert server.store.get(ids[1]) is None and server.store.get(ids[2]) is None
