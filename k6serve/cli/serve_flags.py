@@ -32,6 +32,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="Web page origin whose scripts may call the API from a browser (CORS), e.g. "
                             "https://app.example.com or http://localhost:5173 (repeatable; '*' any page, only with "
                             "--api-key; default: none, browser pages of other sites are refused).")
+    group.add_argument("--webhook-url", action="append", default=None, metavar="URL",
+                       help="POST OpenAI's video.completed / video.failed event here when a job ends (repeatable; "
+                            "signed with --webhook-secret; retried on errors for about 30 s).")
+    group.add_argument("--webhook-secret", default=None, metavar="SECRET",
+                       help="Key the webhook events are signed with, as OpenAI signs its own (whsec_<base64>, which "
+                            "OpenAI's SDKs verify), or set K6SERVE_WEBHOOK_SECRET.")
     group.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="Model id that /v1/models lists and jobs report (default: the checkpoint's hub id, or "
                             "the folder's name); requests may name it or the checkpoint in `model`.")

@@ -53,6 +53,7 @@ from k6serve.serve.schemas import (
     request_body_schema,
 )
 from k6serve.serve.settings import ServerSettings, normal_origin, normal_root_path
+from k6serve.serve.webhooks import WEBHOOK_SECRET_ENV, WebhookSender, check_webhook_url
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,9 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     accepts connections (`serve` stops its loading responder there)."""
     metrics = ServerMetrics()
     runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
+    if settings.webhook_urls:
+        runner.webhooks = WebhookSender(settings.webhook_urls, settings.webhook_secret or "",
+                                        user_agent="k6serve/0.1.0", on_outcome=metrics.webhook)
     allowed = list(settings.allowed_input_dirs) or [Path("inputs")]
     names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model
@@ -338,6 +342,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if runner.webhooks is not None:
+            runner.webhooks.start()
         runner.start()
         if before_serving is not None:
             await asyncio.to_thread(before_serving)
@@ -347,6 +353,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
         finally:
             sweeper.cancel()
             await asyncio.to_thread(runner.stop)
+            if runner.webhooks is not None:  # after the runner: the last jobs' events are queued by then
+                await asyncio.to_thread(runner.webhooks.stop)
 
     app = FastAPI(title="k6serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-style asynchronous video jobs for Kandinsky 6 generation and super-resolution.")
@@ -449,7 +457,8 @@ async def _sweep_expired(ctx: ServerContext) -> None:
 def settings_from_options(options: dict[str, Any]) -> ServerSettings:
     """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
     known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
-             "allowed_input_dir", "allowed_lora_dir", "allowed_origin", "api_key", "served_model_name", "root_path"}
+             "allowed_input_dir", "allowed_lora_dir", "allowed_origin", "api_key", "served_model_name", "root_path",
+             "webhook_url", "webhook_secret"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
@@ -478,6 +487,14 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         origins = options["allowed_origin"]
         normal = (normal_origin(origin) for origin in ([origins] if isinstance(origins, str) else origins))
         values["allowed_origins"] = tuple(dict.fromkeys(normal))  # in order, once each
+    if options.get("webhook_url"):
+        urls = options["webhook_url"]
+        values["webhook_urls"] = tuple(dict.fromkeys(check_webhook_url(url) for url in
+                                                     ([urls] if isinstance(urls, str) else urls)))
+    webhook_secret = options.get("webhook_secret")
+    webhook_secret = (os.environ.get(WEBHOOK_SECRET_ENV) or None) if webhook_secret is None else webhook_secret
+    if webhook_secret is not None:
+        values["webhook_secret"] = webhook_secret
     # An explicit empty --api-key is refused by ServerSettings (it ran with no key at all); an empty
     # $K6SERVE_API_KEY is as if unset.
     api_key = options.get("api_key")

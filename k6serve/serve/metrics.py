@@ -59,7 +59,13 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._rejected: Counter[str] = Counter()
         self._finished: Counter[str] = Counter()
+        self._webhooks: Counter[str] = Counter()
         self.peak_memory_mb = 0.0
+
+    def webhook(self, outcome: str) -> None:
+        """One webhook event delivered to one URL, or given up ("delivered" / "failed")."""
+        with self._lock:
+            self._webhooks[outcome] += 1
 
     def rejected(self, reason: str) -> None:
         with self._lock:
@@ -75,6 +81,7 @@ class ServerMetrics:
                seconds_since_progress: float = 0.0, replicas: int = 1, dead_replicas: int = 0) -> str:
         with self._lock:
             rejected, finished, peak = dict(self._rejected), dict(self._finished), self.peak_memory_mb
+            webhooks = dict(self._webhooks)
         lines = [
             "# HELP k6serve_queue_depth Jobs waiting for the engine.",
             "# TYPE k6serve_queue_depth gauge",
@@ -102,6 +109,11 @@ class ServerMetrics:
             "# TYPE k6serve_requests_rejected_total counter",
             *(f'k6serve_requests_rejected_total{{reason="{reason}"}} {count}'
               for reason, count in sorted(rejected.items())),
+            "# HELP k6serve_webhook_deliveries_total Webhook events (--webhook-url) delivered to a URL, or given up "
+            "after the retries.",
+            "# TYPE k6serve_webhook_deliveries_total counter",
+            *(f'k6serve_webhook_deliveries_total{{outcome="{outcome}"}} {webhooks.get(outcome, 0)}'
+              for outcome in ("delivered", "failed")),
             "# HELP k6serve_peak_gpu_memory_mb Highest peak accelerator memory of any completed job since the server "
             "started (MiB; 0 before the first; CPU: the worker's peak RSS).",
             "# TYPE k6serve_peak_gpu_memory_mb gauge",

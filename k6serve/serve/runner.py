@@ -57,6 +57,7 @@ from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import Adapters, LoraState
 from k6serve.serve.metrics import ServerMetrics
+from k6serve.serve.webhooks import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class JobRunner:
         # Job id -> time.monotonic() at its creation here, for the latency metric; dropped when the job ends.
         self._created_monotonic: dict[str, float] = {}
         self._pending_loras: list[PendingLora] = []
+        self.webhooks: WebhookSender | None = None  # --webhook-url: told of each completed or failed job
         self._applying_lora: PendingLora | None = None  # taken from `_pending_loras`, not finished yet
         self._lora_state: LoraState | None = None
         # Nicknames a SetLora loaded on some dp replicas only (`ReplicasDisagree`): whether a job finds them depends
@@ -729,6 +731,8 @@ class JobRunner:
                            fields.get("error_message"))
             self.metrics.finished(status)
             self.artifacts.remove(list(finished.upload_files))
+            if self.webhooks is not None and status == JobStatus.FAILED:
+                self.webhooks.send(VIDEO_FAILED, finished.id, finished.completed_at or time.time())
 
     def _record_success(self, job: Job, result: VideoResult) -> None:
         created = self._created_monotonic.pop(job.id, None)
@@ -765,6 +769,8 @@ class JobRunner:
         self.metrics.inference_latency.observe(inference_s)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))
+        if self.webhooks is not None:
+            self.webhooks.send(VIDEO_COMPLETED, finished.id, completed_at)
 
 
 def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: frozenset[str]) -> str:

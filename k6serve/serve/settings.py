@@ -23,6 +23,10 @@ class ServerSettings:
     # Web pages (by origin, "https://app.example.com", as `normal_origin` writes it) whose scripts may call the API
     # from a browser (CORS); "*" any page, with --api-key only. Empty: no browser client of another site.
     allowed_origins: tuple[str, ...] = ()
+    # Where a job's completion or failure is POSTed (OpenAI's video.completed / video.failed events), signed with
+    # webhook_secret (serve/webhooks.py). Empty: no webhooks.
+    webhook_urls: tuple[str, ...] = ()
+    webhook_secret: str | None = None
     # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
     # `model` may use otherwise (the hub id, the variant, the folder) stay accepted. None: the checkpoint's id.
     served_model_name: str | None = None
@@ -65,6 +69,16 @@ class ServerSettings:
                              "visitor's browser; with no --api-key that is anyone's page making jobs. Add --api-key "
                              "(the page's script sends the key), or list the pages' origins instead of '*' "
                              "(--allowed-origin https://app.example.com).")
+        if self.webhook_urls and not self.webhook_secret:
+            # Unsigned, a receiver cannot tell this server's events from anyone's POST to its URL.
+            raise ValueError("--webhook-url needs --webhook-secret (or $K6SERVE_WEBHOOK_SECRET) to sign the events, "
+                             "so the receiver can check they come from this server; generate one with python -c "
+                             "\"import base64, secrets; print('whsec_' + base64.b64encode(secrets.token_bytes(32))"
+                             ".decode())\" and give the receiver the same.")
+        if self.webhook_secret is not None:
+            from k6serve.serve.webhooks import secret_key
+
+            secret_key(self.webhook_secret)  # refused now if unusable, not at the first event
         if self.root_path:
             check_root_path(self.root_path)
         if self.served_model_name is not None:

@@ -51,7 +51,7 @@ def _still_serves(client) -> None:
     ("body", "param", "contains"),
     [
         ({"prompt": "x", "seed": "abc"}, "seed", "integer"),
-        ({"prompt": "x", "seed": -1}, "seed", "[0, 2**63)"),
+        ({"prompt": "x", "seed": -2}, "seed", "[0, 2**63), or -1 for a seed drawn"),
         ({"prompt": "x", "seed": 1.5}, "seed", "integer"),
         # A decimal number holds every integer only below 2**53: 9007199254740993.0 ran with ...992, and 1e19 got
         # pydantic's "unable to parse input string".

@@ -226,7 +226,7 @@ def test_distilled_rejects_guidance():
         ({"prompt": "a", "fps": 0.5}, "audio length"),
         ({"prompt": "a", "num_inference_steps": 0}, "num_inference_steps must be between"),
         ({"prompt": "a", "guidance_scale": 0.5}, "guidance_scale must be >= 1.0"),
-        ({"prompt": "a", "seed": -1}, "seed must be an integer"),
+        ({"prompt": "a", "seed": -2}, "seed must be an integer"),
         ({"prompt": "a", "video_path": "x.mp4"}, "video_path is for the super-resolution model"),
         ({"prompt": "a", "sr_resolution_scale": 2.0}, "applies to the super-resolution model only"),
     ],

@@ -1,0 +1,180 @@
+"""Webhooks: the server POSTs an event to the operator's `--webhook-url`s when a job completes or fails, as OpenAI's
+video API does (event types `video.completed` and `video.failed`), so a client need not poll.
+
+The event is OpenAI's: `{"id": "evt_...", "object": "event", "created_at": <the job's completed_at>, "type":
+"video.completed", "data": {"id": "<video id>"}}`, signed as OpenAI signs its webhooks (the Standard Webhooks
+scheme): headers `webhook-id` (the event id, the same on every retry, to drop duplicates), `webhook-timestamp` (Unix
+seconds of this attempt) and `webhook-signature` (`v1,` + base64 HMAC-SHA256 of `<id>.<timestamp>.<body>` keyed
+with `--webhook-secret`, whose `whsec_` base64 form is decoded as OpenAI's SDKs decode it). OpenAI's SDKs verify
+them: `client.webhooks.verify_signature(body, headers, secret=...)`.
+
+Delivery runs on a thread of its own, never in a job's way: each event is POSTed to each URL with a 10 s timeout;
+a 2xx is delivered, a connection error, 408, 429 or 5xx is retried after 1, 2, 4, 8 and 16 s (then given up, with a
+log line), any other answer is given up at once. Events live in memory only: those not delivered when the server
+stops are logged and dropped (a client that must not miss one polls GET /v1/videos/{id} after a restart).
+A cancelled job sends none (the client that cancelled it knows; OpenAI's API has no such event).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+WEBHOOK_SECRET_ENV = "K6SERVE_WEBHOOK_SECRET"
+TIMEOUT_S = 10.0
+RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+# How long a stopping server waits for the events still queued (a job that ended just before the stop).
+DRAIN_AT_STOP_S = 5.0
+RETRIED_STATUSES = frozenset({408, 429})
+VIDEO_COMPLETED, VIDEO_FAILED = "video.completed", "video.failed"
+
+
+def check_webhook_url(url: str) -> str:
+    """An http(s) URL with a host, stripped; a ValueError with the fix otherwise (checked at start)."""
+    text = url.strip()
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - raises on a port that is no number or out of range
+    except ValueError as exc:
+        raise ValueError(f"--webhook-url {url!r} is not a URL ({exc}); pass e.g. "
+                         "--webhook-url https://hooks.example.com/k6serve") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--webhook-url {url!r} must be an http:// or https:// URL with a host, e.g. "
+                         "--webhook-url https://hooks.example.com/k6serve")
+    return text
+
+
+def secret_key(secret: str) -> bytes:
+    """The HMAC key of a webhook secret, as OpenAI's SDKs read it: `whsec_<base64>` decoded, any other text as is."""
+    if secret.startswith("whsec_"):
+        try:
+            key = base64.b64decode(secret[6:], validate=True)
+        except ValueError:
+            raise ValueError("--webhook-secret starts with whsec_ but the rest is not base64; generate one with "
+                             "python -c \"import base64, secrets; print('whsec_' + "
+                             "base64.b64encode(secrets.token_bytes(32)).decode())\"") from None
+    else:
+        key = secret.encode()
+    if len(key) < 16:
+        raise ValueError("--webhook-secret is too short to sign with (under 16 bytes); generate one with python -c "
+                         "\"import base64, secrets; print('whsec_' + base64.b64encode(secrets.token_bytes(32))"
+                         ".decode())\"")
+    return key
+
+
+def signature(key: bytes, event_id: str, timestamp: int, body: bytes) -> str:
+    """The `webhook-signature` header's value for one attempt (Standard Webhooks v1)."""
+    mac = hmac.new(key, f"{event_id}.{timestamp}.".encode() + body, hashlib.sha256)
+    return "v1," + base64.b64encode(mac.digest()).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: str
+    type: str
+    created_at: int
+    video_id: str
+
+    def body(self) -> bytes:
+        return json.dumps({"id": self.id, "object": "event", "created_at": self.created_at, "type": self.type,
+                           "data": {"id": self.video_id}}, separators=(",", ":")).encode()
+
+
+class WebhookSender:
+    """Delivers events to `urls` on a daemon thread (`start` / `stop`); `send` only queues."""
+
+    def __init__(self, urls: tuple[str, ...], secret: str, *, user_agent: str = "k6serve",
+                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S,
+                 on_outcome: Callable[[str], None] | None = None) -> None:
+        self.urls = urls
+        self._key = secret_key(secret)
+        self._user_agent = user_agent
+        self._retry_delays_s = retry_delays_s
+        self._queue: queue.Queue[Event | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._on_outcome = on_outcome  # "delivered" or "failed", once per event and URL (the server's metrics)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="k6serve-webhooks", daemon=True)
+        self._thread.start()
+
+    def send(self, event_type: str, video_id: str, completed_at: float) -> None:
+        self._queue.put(Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
+                              video_id=video_id))
+
+    def stop(self, timeout_s: float = DRAIN_AT_STOP_S) -> None:
+        """Deliver what is queued within `timeout_s` (no retry waits past it), then stop; what is left is logged."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._stopping.set()  # a retry wait in progress ends now
+        self._thread.join(1.0)
+        left = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                left.append(f"{item.type} {item.video_id}")
+        if left:
+            logger.warning("webhooks not delivered before the server stopped (dropped): %s", ", ".join(left))
+
+    def _run(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is None:
+                return
+            for url in self.urls:
+                self._deliver(event, url)
+
+    def _deliver(self, event: Event, url: str) -> None:
+        body = event.body()
+        problem, attempts = "the server stopped before it was sent", 0
+        for delay in (0.0, *self._retry_delays_s):
+            if delay and self._stopping.wait(delay):
+                problem += " (while waiting to retry)" if attempts else ""
+                break
+            attempts += 1
+            timestamp = int(time.time())
+            request = urllib.request.Request(url, data=body, method="POST", headers={
+                "Content-Type": "application/json", "User-Agent": self._user_agent, "webhook-id": event.id,
+                "webhook-timestamp": str(timestamp),
+                "webhook-signature": signature(self._key, event.id, timestamp, body)})
+            try:
+                with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:  # noqa: S310 - the operator's URL
+                    answer.read(65536)
+            except urllib.error.HTTPError as exc:
+                problem = f"HTTP {exc.code}"
+                if exc.code not in RETRIED_STATUSES and exc.code < 500:
+                    break  # the receiver refused it: trying again would get the same answer
+                continue
+            except (OSError, ValueError) as exc:  # connection refused, DNS, timeout, TLS
+                problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                continue
+            self._count("delivered")
+            logger.debug("webhook %s %s delivered to %s (attempt %d)", event.type, event.video_id, url, attempts)
+            return
+        self._count("failed")
+        logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) (%s); the job's state is at "
+                       "GET /v1/videos/%s", event.type, event.video_id, url, attempts, problem, event.video_id)
+
+    def _count(self, outcome: str) -> None:
+        if self._on_outcome is not None:
+            self._on_outcome(outcome)

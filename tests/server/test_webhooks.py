@@ -1,0 +1,169 @@
+"""Webhooks (`--webhook-url`): a job's completion or failure POSTed as OpenAI's video.completed / video.failed event,
+signed as OpenAI signs its webhooks, so OpenAI's own SDK verifies it; retried on errors, never in a job's way."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from harness import start_server, wait_for
+
+from k6serve.serve.app import settings_from_options
+from k6serve.serve.webhooks import WebhookSender
+
+SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
+SMALL = {"size": "32x32", "num_frames": 5}
+
+
+class Receiver:
+    """A webhook endpoint on a free port: records every POST, answers the statuses queued in `answers` (then 200)."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.answers: list[int] = []
+        self.arrived = threading.Condition()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with receiver.arrived:
+                    receiver.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                    status = receiver.answers.pop(0) if receiver.answers else 200
+                    receiver.arrived.notify_all()
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, count: int, timeout_s: float = 20.0) -> list[tuple[dict[str, str], bytes]]:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.received) >= count, timeout_s), self.received
+            return list(self.received)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    endpoint = Receiver()
+    yield endpoint
+    endpoint.close()
+
+
+def _verified(headers: dict[str, str], body: bytes) -> dict:
+    """The event, once OpenAI's SDK has checked its signature (it raises on a wrong one)."""
+    from openai import OpenAI
+
+    OpenAI(api_key="unused").webhooks.verify_signature(body, headers, secret=SECRET)
+    return json.loads(body)
+
+
+def test_completed_and_failed_jobs_post_openais_signed_events(tmp_path, receiver):
+    server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        with server.client() as client:
+            done = wait_for(client, client.post("/v1/videos", json={"prompt": "ok", **SMALL}).json()["id"])
+            failed = wait_for(client, client.post("/v1/videos", json={"prompt": "fail", **SMALL}).json()["id"])
+            events = [(headers, _verified(headers, body)) for headers, body in receiver.wait(2)]
+            # Counted once the receiver's answer is read, a moment after it got the request.
+            deadline = time.monotonic() + 10
+            while 'k6serve_webhook_deliveries_total{outcome="delivered"} 2' not in client.get("/metrics").text:
+                assert time.monotonic() < deadline, client.get("/metrics").text
+                time.sleep(0.05)
+        assert [event["type"] for _, event in events] == ["video.completed", "video.failed"]
+        for (headers, event), job in zip(events, (done, failed)):
+            assert event["object"] == "event" and event["data"] == {"id": job["id"]}
+            assert event["created_at"] == job["completed_at"] and event["id"].startswith("evt_")
+            assert headers["webhook-id"] == event["id"] and headers["content-type"] == "application/json"
+            assert headers["user-agent"].startswith("k6serve/")
+    finally:
+        server.stop()
+    assert len(receiver.received) == 2
+
+
+def test_a_cancelled_job_sends_no_event(tmp_path, receiver):
+    server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        with server.client() as client:
+            running = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
+            wait_for(client, running["id"], ("in_progress",))
+            queued = client.post("/v1/videos", json={"prompt": "next", **SMALL}).json()
+            assert client.post(f"/v1/videos/{queued['id']}/cancel").json()["status"] == "cancelled"
+            server.worker.release.set()
+            wait_for(client, running["id"])
+            receiver.wait(1)
+            time.sleep(0.5)
+        assert [json.loads(body)["data"]["id"] for _, body in receiver.received] == [running["id"]]
+    finally:
+        server.stop()
+
+
+def test_errors_are_retried_with_the_same_event_id_and_refusals_are_not(receiver):
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.05, 0.05, 0.05), on_outcome=outcomes.append)
+    sender.start()
+    try:
+        receiver.answers += [503, 429]
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        first = receiver.wait(3)
+        assert [headers["webhook-id"] for headers, _ in first] == [first[0][0]["webhook-id"]] * 3
+        for headers, body in first:
+            _verified(headers, body)  # signed again at each attempt, with that attempt's timestamp
+        receiver.answers += [400]
+        sender.send("video.failed", "video_b", 1_700_000_001)
+        receiver.wait(4)
+        time.sleep(0.3)
+        assert len(receiver.received) == 4  # a 400 is the receiver's answer: not retried
+        assert outcomes == ["delivered", "failed"]  # the 0.3 s above let the sender read the 400
+        receiver.answers += [500] * 4
+        sender.send("video.failed", "video_c", 1_700_000_002)
+        receiver.wait(8)
+        time.sleep(0.3)
+        assert len(receiver.received) == 8 and outcomes[-1] == "failed"  # 1 + 3 retries, then given up
+    finally:
+        sender.stop(timeout_s=2.0)
+
+
+def test_an_unreachable_url_costs_no_job_time_and_stop_does_not_hang(tmp_path):
+    # A receiver that is down: the events retry on their own thread; the jobs complete at once, and the stop waits
+    # DRAIN_AT_STOP_S at most before it drops what is left, saying so.
+    server = start_server(tmp_path, webhook_urls=("http://127.0.0.1:9/down",), webhook_secret=SECRET)
+    with server.client() as client:
+        started = time.monotonic()
+        done = wait_for(client, client.post("/v1/videos", json={"prompt": "ok", **SMALL}).json()["id"])
+        assert done["status"] == "completed" and time.monotonic() - started < 10
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"webhook_url": ["https://hooks.example/k6"]}, "--webhook-url needs --webhook-secret"),
+    ({"webhook_url": ["ftp://hooks.example/k6"], "webhook_secret": SECRET}, "must be an http:// or https:// URL"),
+    ({"webhook_url": ["https://hooks.example:99999/k6"], "webhook_secret": SECRET}, "is not a URL"),
+    ({"webhook_url": ["https://hooks.example/k6"], "webhook_secret": "whsec_not*base64"}, "the rest is not base64"),
+    ({"webhook_url": ["https://hooks.example/k6"], "webhook_secret": "short"}, "too short to sign with"),
+])
+def test_webhook_settings_that_cannot_work_are_refused_at_start(options, message, monkeypatch):
+    monkeypatch.delenv("K6SERVE_WEBHOOK_SECRET", raising=False)
+    with pytest.raises(ValueError, match=message):
+        settings_from_options(options)
+
+
+def test_the_secret_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("K6SERVE_WEBHOOK_SECRET", SECRET)
+    settings = settings_from_options({"webhook_url": ["https://hooks.example/k6", "https://hooks.example/k6"]})
+    assert settings.webhook_urls == ("https://hooks.example/k6",) and settings.webhook_secret == SECRET
