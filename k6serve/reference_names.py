@@ -331,8 +331,6 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "n": _ONE_VIDEO,
     "guidance_scale_2": _request(_ONE_GUIDANCE),
     "true_cfg_scale": _request(_ONE_GUIDANCE),
-    "max_sequence_length": _request("k6serve encodes the first 1,024 tokens of a prompt with Qwen2.5-VL and notes a "
-                                    "longer prompt's truncation in the result; there is no length to set"),
     "flow_shift": _request("the sampler's shift is the checkpoint's own, from scheduler/scheduler_config.json; "
                            "there is none to set per request"),
     "output_quality": _request(_ENCODING),

@@ -121,6 +121,10 @@ class SamplingParams:
         "diffusers' sample_audio=False (the picture differs from the one made with sound, which it attends to; no "
         "audio decode, and no fps floor for long clips). Generation models."
     )
+    max_sequence_length: int | None = _param(
+        "Prompt tokens (Qwen2.5-VL) the model reads, 1 to 1024 (default 1024, as diffusers'); a longer prompt is cut, "
+        "with a note. With expand_prompts also the most tokens the rewrite writes. Generation models."
+    )
     expand_prompts: bool | None = _param(
         "Rewrite the prompt with the Qwen2.5-VL text encoder before encoding it, as diffusers' expand_prompts does "
         "(a \"prompt beautifier\" instruction; with image_path the image grounds the rewrite): a short prompt "
@@ -236,6 +240,7 @@ class GenerateRequest:
     cache_dit: CacheDitParams | None = None  # Cache-DiT settings, or None for an uncached request
     loras: tuple[tuple[str, float], ...] | None = None  # this request's adapters, or None: the engine's active ones
     expand_prompts: bool = False  # rewrite the prompt with Qwen2.5-VL first (pipelines/expand_prompt.py)
+    max_sequence_length: int = 1024  # Qwen2.5-VL prompt tokens read (and the rewrite's most new tokens)
 
     @property
     def do_cfg(self) -> bool:

@@ -407,6 +407,11 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if not (1 <= fps <= 240) or not math.isfinite(fps):
         raise ValueError(f"fps must be between 1 and 240 (it sets the audio length, num_frames / fps seconds), "
                          f"got {params.fps}")
+    max_sequence_length = 1024 if params.max_sequence_length is None else params.max_sequence_length
+    if not 1 <= max_sequence_length <= 1024:
+        # The released DiT was trained on at most 1024 prompt tokens (diffusers' default and its pipeline's padding).
+        raise ValueError(f"max_sequence_length must be between 1 and 1024 (prompt tokens the model reads), got "
+                         f"{max_sequence_length}")
     if params.sample_audio is True and not has_audio:
         raise ValueError(NO_AUDIO_PARTS)
     if params.expand_prompts and streams_text_encoder:
@@ -474,6 +479,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         cache_dit=cache_dit,
         loras=loras,
         expand_prompts=bool(params.expand_prompts),
+        max_sequence_length=max_sequence_length,
         with_audio=with_audio,
         sample_audio_asked=params.sample_audio is True,
     )
@@ -656,6 +662,9 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
     if params.loras is not None:
         raise ValueError("loras applies to the generation models; the super-resolution model takes no LoRA adapter.")
+    if params.max_sequence_length is not None:
+        raise ValueError("max_sequence_length sets how much of a generation prompt is read; the super-resolution "
+                         "model takes no text. Drop max_sequence_length.")
     if params.sample_audio is not None:
         raise ValueError("sample_audio applies to the generation models; super-resolution keeps the source video's "
                          "own soundtrack (a source without one gives a silent video). Drop sample_audio.")

@@ -145,7 +145,8 @@ class TextToVideoPipeline:
         if image is not None and self._image_processor is None:
             self._image_processor = load_image_processor(m.source)
         text = expand_prompt(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
-                             seed=request.seed, image_processor=self._image_processor, image=image)
+                             seed=request.seed, image_processor=self._image_processor, image=image,
+                             max_new_tokens=request.max_sequence_length)
         return self.agree_on_text(text) if self.agree_on_text is not None else text
 
     def encode(self, request: GenerateRequest) -> Conditioning:
@@ -156,7 +157,8 @@ class TextToVideoPipeline:
         """`encode`, inside a stage that holds both text encoders."""
         m = self.models
         kwargs = dict(tokenizer=m.tokenizer, text_encoder=m.text_encoder, tokenizer_2=m.tokenizer_2,
-                      text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype)
+                      text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype,
+                      max_sequence_length=request.max_sequence_length)
         positive = encode_prompt(request.prompt, **kwargs)
         negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
         if self.trim_text_padding:
@@ -169,7 +171,8 @@ class TextToVideoPipeline:
         prompts = [("prompt", request.prompt)]
         if request.do_cfg:
             prompts.append(("negative_prompt", request.negative_prompt))
-        notes = [truncation_note(name, text, tokenizer=self.models.tokenizer) for name, text in prompts]
+        notes = [truncation_note(name, text, tokenizer=self.models.tokenizer,
+                                 max_sequence_length=request.max_sequence_length) for name, text in prompts]
         return [note for note in notes if note is not None]
 
     def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None,
@@ -209,11 +212,13 @@ class TextToVideoPipeline:
                     request = dataclasses.replace(request, prompt=expanded)
             truncated = self.truncation_notes(request)
             if expanded is not None and truncated and truncated[0].startswith("prompt was truncated"):
-                # The rewrite is not the user's to shorten: up to 1024 new tokens, as diffusers lets it run.
+                # The rewrite is not the user's to shorten: up to max_sequence_length new tokens, as diffusers lets
+                # it run, and the template's own tokens come on top.
                 kept = truncated[0].removeprefix("prompt").split("; the rest")[0]
-                truncated[0] = (f"the expanded prompt{kept} (expand_prompts writes up to 1024 new tokens, as "
-                                "diffusers' does, and the encoder reads 1024 in all); the end of the rewrite does not "
-                                "reach the model.")
+                limit = request.max_sequence_length
+                truncated[0] = (f"the expanded prompt{kept} (expand_prompts writes up to {limit} new tokens, as "
+                                f"diffusers' does, and the encoder reads {limit} in all); the end of the rewrite does "
+                                "not reach the model.")
             notes[:0] = truncated
             if (seed_note := cpu_seed_note(request.seed)) is not None:
                 notes.append(seed_note)

@@ -628,7 +628,6 @@ def test_the_api_refuses_sglangs_modes_with_which_to_pick(mode):
     ("reference_url", "or name a file on the server, in a folder it allows with --allowed-input-dir"),
     ("extra_body", "put its fields in the body itself, as the OpenAI SDK's extra_body does"),
     ("guidance_scale_2", "Kandinsky 6 has one guidance scale, guidance_scale"),
-    ("max_sequence_length", "first 1,024 tokens of a prompt"),
     ("flow_shift", "scheduler/scheduler_config.json"),
     ("output_quality", "crf 18"),
 ])
