@@ -425,7 +425,7 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
         raw: dict[str, Any] = dict(form.fields)
         uploads = [str(f.path) for f in form.files.values()]
         try:
-            _refuse_file_fields_as_text(raw)
+            _refuse_file_fields_as_text(raw, super_resolution=ctx.variant.family == SUPER_RESOLUTION)
         except ApiError:
             ctx.artifacts.remove(uploads)
             raise
@@ -443,7 +443,9 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
         return _SentBody(fields=raw, form=True, file_digests={name: f.sha256 for name, f in form.files.items()},
                          uploads=tuple(uploads), upload_fields=upload_fields)
     if content_type == "application/x-www-form-urlencoded":
-        return _SentBody(fields=_refuse_file_fields_as_text(await read_urlencoded_body(request)), form=True)
+        fields = await read_urlencoded_body(request)
+        return _SentBody(fields=_refuse_file_fields_as_text(
+            fields, super_resolution=ctx.variant.family == SUPER_RESOLUTION), form=True)
     if content_type not in ("application/json", ""):
         await drain(request)
         raise ApiError(415, f"Content-Type {content_type!r} is not supported; send one of "
@@ -451,7 +453,7 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
                        param="Content-Type")
     raw = await read_json_body(request)
     if isinstance(raw, dict):
-        _refuse_reference_objects(raw)
+        _refuse_reference_objects(raw, super_resolution=ctx.variant.family == SUPER_RESOLUTION)
         for field_name in FILE_FIELDS:
             if field_name in raw:
                 raise ApiError(400, f"{field_name} is a file upload: send it with multipart/form-data (or give a "
@@ -460,7 +462,7 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
     return _SentBody(fields=raw, form=False)
 
 
-def _refuse_reference_objects(fields: dict[str, Any]) -> None:
+def _refuse_reference_objects(fields: dict[str, Any], *, super_resolution: bool = False) -> None:
     """OpenAI's newer `input_reference` object ({"image_url": ...} or {"file_id": ...}; its SDKs send it as JSON, or
     in a form as `input_reference[image_url]`): a 400 saying what to send instead, not "Unknown field
     'input_reference[image_url]'" or "send it with multipart", which left the user guessing that URLs and file ids
@@ -471,21 +473,24 @@ def _refuse_reference_objects(fields: dict[str, Any]) -> None:
         if field_name is None:
             continue
         keys = [match[2]] if match else sorted(value) or ["{}"]
+        # What the upload is on this server: the source video on a super-resolution one (`input_reference_target`).
+        video = field_name == "video_reference" or super_resolution
+        example, server_field = ("input.mp4", "video_path") if video else ("first.png", "image_path")
         raise ApiError(400, f"{field_name} came as a reference object ({', '.join(keys)}), OpenAI's way to point at "
-                            "an image by URL or by a file of its Files API; k6serve fetches no URLs and has no Files "
-                            f"API: upload the file itself as {field_name} in multipart/form-data (OpenAI's Python "
-                            f"SDK: {field_name}=Path(\"first.png\"); its Node SDK: {field_name}: await toFile(fs."
-                            f"createReadStream(\"first.png\"))), or give a server-side {FILE_FIELDS[field_name]} "
-                            "inside --allowed-input-dir.", code="invalid_parameter", param=field_name)
+                            "a file by URL or in its Files API; k6serve fetches no URLs and has no Files API: upload "
+                            f"the file itself as {field_name} in multipart/form-data (OpenAI's Python SDK: "
+                            f"{field_name}=Path(\"{example}\"); its Node SDK: {field_name}: await toFile(fs."
+                            f"createReadStream(\"{example}\"))), or give a server-side {server_field} inside "
+                            "--allowed-input-dir.", code="invalid_parameter", param=field_name)
 
 
 _BRACKETED_REFERENCE = re.compile(rf"({'|'.join(FILE_FIELDS)})\[([^\]]*)\].*")
 
 
-def _refuse_file_fields_as_text(fields: dict[str, Any]) -> dict[str, Any]:
+def _refuse_file_fields_as_text(fields: dict[str, Any], *, super_resolution: bool = False) -> dict[str, Any]:
     """A form's text value under a file field (`curl -F input_reference=first.png`, without the @): a 400 saying how
     to send the file, rather than "unknown field" with a list of valid fields that leaves the file fields out."""
-    _refuse_reference_objects(fields)
+    _refuse_reference_objects(fields, super_resolution=super_resolution)
     sent_as_text = sorted(FILE_FIELDS.keys() & fields.keys())
     if sent_as_text:
         field_name = sent_as_text[0]
@@ -560,27 +565,34 @@ async def list_videos(request: Request, after: str | None = Query(None, descript
     has_more, cursor, read = True, after, 0
     # Filled to `limit` live jobs, reading on past expired ones not swept yet: a page of none with has_more true
     # ended the OpenAI SDKs' auto-pagination there (they stop at an empty page), so a live job after a run of expired
-    # ones was never listed. Bounded, so a listing reads at most _LIST_SCAN_ROWS rows (the sweep removes the rest).
+    # ones was never listed. Read in chunks (one query per _LIST_CHUNK rows, not one per expired job), at most
+    # _LIST_SCAN_ROWS rows a listing (the sweep removes the rest).
     while has_more and len(data) < limit and read < _LIST_SCAN_ROWS:
         try:
-            jobs, has_more = ctx.store.list_page(after=cursor, limit=limit - len(data), ascending=order == "asc")
+            jobs, more = ctx.store.list_page(after=cursor, limit=max(limit - len(data), _LIST_CHUNK),
+                                             ascending=order == "asc")
         except KeyError:
             days = DELETED_CURSOR_RETENTION_S // 86400
             raise ApiError(400, f"after={after!r} is not the id of a stored video, nor of one deleted or expired in "
                                 f"the last {days} days; page from the start (leave out after).",
                            code="invalid_parameter", param="after") from None
-        if not jobs:
-            break
         read += len(jobs)
-        data += [ctx.view(job) for job in jobs if not is_expired(job, ctx.settings.output_ttl_s, now)]
-        # The cursors are the page's own ends, an expired job's id among them: `after` takes a deleted id, so paging
-        # goes on from where this page stopped.
-        first_id = first_id or jobs[0].id
-        last_id = cursor = jobs[-1].id
+        has_more = more
+        for index, job in enumerate(jobs):
+            # The cursors are the page's own ends, an expired job's id among them: `after` takes a deleted id, so
+            # paging goes on from where this page stopped.
+            first_id = first_id or job.id
+            last_id = cursor = job.id
+            if not is_expired(job, ctx.settings.output_ttl_s, now):
+                data.append(ctx.view(job))
+                if len(data) == limit:
+                    has_more = more or index + 1 < len(jobs)
+                    break
     return JSONResponse({"object": "list", "data": data, "first_id": first_id, "last_id": last_id,
                          "has_more": has_more})
 
 
+_LIST_CHUNK = 100
 # The most job rows one listing reads to fill its page past expired jobs the sweep has not removed yet.
 _LIST_SCAN_ROWS = 10_000
 

@@ -244,6 +244,8 @@ class JobRunner:
                 logger.warning("job %s was being cancelled when the server stopped; marked cancelled", job.id)
             else:
                 logger.error("job %s failed: the server stopped twice while running it", job.id)
+                if self.webhooks is not None:  # its client waits on the event as for any failure
+                    self.webhooks.send(VIDEO_FAILED, job.id, job.completed_at or time.time())
             self.artifacts.remove(list(job.upload_files))
         self.artifacts.remove_partial_files()
         self.artifacts.remove_orphan_uploads(self.store.upload_files())

@@ -75,7 +75,7 @@ class ServerSettings:
                              "so the receiver can check they come from this server; generate one with python -c "
                              "\"import base64, secrets; print('whsec_' + base64.b64encode(secrets.token_bytes(32))"
                              ".decode())\" and give the receiver the same.")
-        if self.webhook_secret is not None:
+        if self.webhook_urls and self.webhook_secret is not None:  # a stray $K6SERVE_WEBHOOK_SECRET alone is unused
             from k6serve.serve.webhooks import secret_key
 
             secret_key(self.webhook_secret)  # refused now if unusable, not at the first event

@@ -8,11 +8,12 @@ seconds of this attempt) and `webhook-signature` (`v1,` + base64 HMAC-SHA256 of 
 with `--webhook-secret`, whose `whsec_` base64 form is decoded as OpenAI's SDKs decode it). OpenAI's SDKs verify
 them: `client.webhooks.verify_signature(body, headers, secret=...)`.
 
-Delivery runs on a thread of its own, never in a job's way: each event is POSTed to each URL with a 10 s timeout;
-a 2xx is delivered, a connection error, 408, 429 or 5xx is retried after 1, 2, 4, 8 and 16 s (then given up, with a
-log line), any other answer is given up at once. Events live in memory only: those not delivered when the server
-stops are logged and dropped (a client that must not miss one polls GET /v1/videos/{id} after a restart).
-A cancelled job sends none (the client that cancelled it knows; OpenAI's API has no such event).
+Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with a 10 s
+timeout; a 2xx is delivered, a connection error, timeout, 408, 429 or 5xx is retried after 1, 2, 4, 8 and 16 s (then
+given up, with a log line naming the URL's host only), a redirect or any other answer is given up at once. Events
+live in memory only: those not delivered when the server stops are logged and dropped (a client that must not miss
+one polls GET /v1/videos/{id} after a restart). A cancelled job sends none (the client that cancelled it knows;
+OpenAI's API has no such event).
 """
 
 from __future__ import annotations
@@ -55,7 +56,28 @@ def check_webhook_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--webhook-url {url!r} must be an http:// or https:// URL with a host, e.g. "
                          "--webhook-url https://hooks.example.com/k6serve")
+    if parts.username is not None or parts.password is not None:
+        # urllib resolved "user:pw@host" as a host name: every delivery failed, and the warning logged the password.
+        raise ValueError(f"--webhook-url {shown_url(text)}: a user name or password in the URL is not sent; put a "
+                         "token in the URL's path or query instead (the events are signed with --webhook-secret).")
     return text
+
+
+def shown_url(url: str) -> str:
+    """`url` as logs show it: scheme://host[:port] only, as a hook URL's path or query often holds its token."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}/..."
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is an answer, not a place to resend to: urllib turned the POST into a GET without its body, sent the
+    signature headers to wherever it pointed (another host, maybe), and the event counted as delivered."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def secret_key(secret: str) -> bytes:
@@ -104,45 +126,61 @@ class WebhookSender:
         self._key = secret_key(secret)
         self._user_agent = user_agent
         self._retry_delays_s = retry_delays_s
-        self._queue: queue.Queue[Event | None] = queue.Queue()
+        # One queue and thread per URL: a receiver that times out (a minute and a half of attempts per event) holds
+        # back its own events only, not the others'.
+        self._queues: dict[str, queue.Queue[Event | None]] = {url: queue.Queue() for url in urls}
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopped = False
         self._on_outcome = on_outcome  # "delivered" or "failed", once per event and URL (the server's metrics)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="k6serve-webhooks", daemon=True)
-        self._thread.start()
+        for index, url in enumerate(self.urls):
+            thread = threading.Thread(target=self._run, args=(url,), name=f"k6serve-webhooks-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def send(self, event_type: str, video_id: str, completed_at: float) -> None:
-        self._queue.put(Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
-                              video_id=video_id))
+        event = Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
+                      video_id=video_id)
+        if self._stopped:  # a job that ended after the stop (its MP4's tail, during the engine's shutdown)
+            logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
+            return
+        for url_queue in self._queues.values():
+            url_queue.put(event)
 
     def stop(self, timeout_s: float = DRAIN_AT_STOP_S) -> None:
         """Deliver what is queued within `timeout_s` (no retry waits past it), then stop; what is left is logged."""
-        if self._thread is None:
+        self._stopped = True
+        if not self._threads:
             return
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        self._stopping.set()  # a retry wait in progress ends now
-        self._thread.join(1.0)
+        for url_queue in self._queues.values():
+            url_queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._stopping.set()  # retry waits in progress end now
+        for thread in self._threads:
+            thread.join(1.0)
         left = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                left.append(f"{item.type} {item.video_id}")
+        for url, url_queue in self._queues.items():
+            while True:
+                try:
+                    item = url_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    left.append(f"{item.type} {item.video_id} to {shown_url(url)}")
         if left:
             logger.warning("webhooks not delivered before the server stopped (dropped): %s", ", ".join(left))
 
-    def _run(self) -> None:
+    def _run(self, url: str) -> None:
+        url_queue = self._queues[url]
         while True:
-            event = self._queue.get()
+            event = url_queue.get()
             if event is None:
                 return
-            for url in self.urls:
-                self._deliver(event, url)
+            self._deliver(event, url)
 
     def _deliver(self, event: Event, url: str) -> None:
         body = event.body()
@@ -158,10 +196,14 @@ class WebhookSender:
                 "webhook-timestamp": str(timestamp),
                 "webhook-signature": signature(self._key, event.id, timestamp, body)})
             try:
-                with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:  # noqa: S310 - the operator's URL
+                with _OPENER.open(request, timeout=TIMEOUT_S) as answer:
                     answer.read(65536)
             except urllib.error.HTTPError as exc:
                 problem = f"HTTP {exc.code}"
+                if 300 <= exc.code < 400:
+                    location = exc.headers.get("Location", "") if exc.headers else ""
+                    problem += f" to {location[:200]!r}: a redirect is not followed, give that URL as --webhook-url"
+                    break
                 if exc.code not in RETRIED_STATUSES and exc.code < 500:
                     break  # the receiver refused it: trying again would get the same answer
                 continue
@@ -169,11 +211,13 @@ class WebhookSender:
                 problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
                 continue
             self._count("delivered")
-            logger.debug("webhook %s %s delivered to %s (attempt %d)", event.type, event.video_id, url, attempts)
+            logger.debug("webhook %s %s delivered to %s (attempt %d)", event.type, event.video_id, shown_url(url),
+                         attempts)
             return
         self._count("failed")
         logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) (%s); the job's state is at "
-                       "GET /v1/videos/%s", event.type, event.video_id, url, attempts, problem, event.video_id)
+                       "GET /v1/videos/%s", event.type, event.video_id, shown_url(url), attempts, problem,
+                       event.video_id)
 
     def _count(self, outcome: str) -> None:
         if self._on_outcome is not None:

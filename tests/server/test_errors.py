@@ -1015,3 +1015,18 @@ def test_openais_reference_objects_are_refused_saying_to_upload_the_file(fake_cl
 def test_the_job_object_carries_openais_remix_field_as_null(fake_client):
     job = fake_client.post("/v1/videos", json={"prompt": "x", "size": "32x32", "num_frames": 5}).json()
     assert "remixed_from_video_id" in job and job["remixed_from_video_id"] is None
+
+
+def test_a_reference_object_on_a_super_resolution_server_names_the_source_video(tmp_path):
+    from harness import FakeWorker
+
+    from k6serve.models.variants import VARIANTS
+
+    server = start_server(tmp_path, worker=FakeWorker(VARIANTS["vsr-distilled2steps"]))
+    try:
+        with server.client() as client:
+            error = _assert_error(client.post("/v1/videos", json={"input_reference": {"file_id": "file-1"}}), 400,
+                                  code="invalid_parameter", param="input_reference")
+            assert 'Path(\"input.mp4\")' in error["message"] and "server-side video_path" in error["message"]
+    finally:
+        server.stop()

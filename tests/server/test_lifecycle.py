@@ -1093,3 +1093,26 @@ def test_successful_probes_are_left_out_of_the_access_log(tmp_path):
         access.setLevel(level)
         access.filters.clear()
         server.stop()
+
+
+def test_a_listing_reads_past_many_expired_jobs_in_few_queries(tmp_path, monkeypatch):
+    # One query per expired row (9,981 for 19 live jobs ahead of 10,000 expired ones) held the event loop.
+    server = start_server(tmp_path, output_ttl_s=3600, cleanup_interval_s=3600)
+    try:
+        old = time.time() - 7200
+        for index in range(250):
+            server.store.insert(_job(f"video_old{index:03d}", "old", JobStatus.COMPLETED, attempts=1))
+            server.store.update(f"video_old{index:03d}", completed_at=old)
+        live = _job("video_live", "live", JobStatus.COMPLETED, attempts=1)
+        server.store.insert(live)
+        server.store.update("video_live", completed_at=time.time())
+        calls = []
+        real = server.store.list_page
+        monkeypatch.setattr(server.store, "list_page", lambda **kw: calls.append(kw) or real(**kw))
+        with server.client() as client:
+            with server.app.state.ctx.sweep_lock:  # the sweep is at work: the expired rows are still there
+                page = client.get("/v1/videos", params={"order": "asc", "limit": 1}).json()
+        assert [job["id"] for job in page["data"]] == ["video_live"] and page["has_more"] is False
+        assert len(calls) <= 3
+    finally:
+        server.stop()

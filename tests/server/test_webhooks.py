@@ -36,6 +36,17 @@ class Receiver:
                     status = receiver.answers.pop(0) if receiver.answers else 200
                     receiver.arrived.notify_all()
                 self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("Location", "/moved")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:  # noqa: N802 - a followed redirect would arrive here
+                with receiver.arrived:
+                    headers = {k.lower(): v for k, v in self.headers.items()}
+                    receiver.received.append((headers, b"GET " + self.path.encode()))
+                    receiver.arrived.notify_all()
+                self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -167,3 +178,69 @@ def test_the_secret_may_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("K6SERVE_WEBHOOK_SECRET", SECRET)
     settings = settings_from_options({"webhook_url": ["https://hooks.example/k6", "https://hooks.example/k6"]})
     assert settings.webhook_urls == ("https://hooks.example/k6",) and settings.webhook_secret == SECRET
+
+
+def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog):
+    # urllib turned the POST into a bodiless GET to the new place, the signature headers with it, and counted it.
+    outcomes = []
+    sender = WebhookSender((receiver.url + "?token=secret-token",), SECRET, retry_delays_s=(0.05,),
+                           on_outcome=outcomes.append)
+    sender.start()
+    try:
+        receiver.answers += [301]
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        receiver.wait(1)
+        deadline = time.monotonic() + 5
+        while not outcomes and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert outcomes == ["failed"] and len(receiver.received) == 1  # no GET to /moved
+    assert "a redirect is not followed, give that URL as --webhook-url" in caplog.text and "/moved" in caplog.text
+    assert "secret-token" not in caplog.text and "/hooks" not in caplog.text  # the log shows scheme://host:port/...
+
+
+def test_a_dead_url_does_not_hold_back_another(receiver):
+    outcomes = []
+    sender = WebhookSender(("http://10.255.255.1:9/blackhole", receiver.url), SECRET, on_outcome=outcomes.append)
+    sender.start()
+    try:
+        started = time.monotonic()
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        receiver.wait(1, timeout_s=5.0)
+        assert time.monotonic() - started < 5  # not behind the first URL's 10 s timeouts
+    finally:
+        sender.stop(timeout_s=0.5)
+
+
+def test_an_event_after_the_stop_is_said_not_sent(caplog):
+    sender = WebhookSender(("http://127.0.0.1:9/down",), SECRET)
+    sender.start()
+    sender.stop(timeout_s=0.5)
+    sender.send("video.completed", "video_late", 1_700_000_000)
+    assert "webhook video.completed for video_late not sent: the server is stopping" in caplog.text
+
+
+def test_a_url_with_a_password_is_refused_and_a_stray_secret_alone_is_unused(monkeypatch):
+    with pytest.raises(ValueError, match=r"a user name or password in the URL is not sent") as raised:
+        settings_from_options({"webhook_url": ["https://user:pw@hooks.example/k6"], "webhook_secret": SECRET})
+    assert "pw" not in str(raised.value)
+    monkeypatch.setenv("K6SERVE_WEBHOOK_SECRET", "short")  # no --webhook-url: not checked, not in the way
+    assert settings_from_options({}).webhook_urls == ()
+
+
+def test_a_job_failed_at_start_up_sends_its_event(tmp_path, receiver):
+    # Running when the server stopped for the second time: failed as the next server starts, which told no one.
+    from k6serve.serve.jobs import MAX_ATTEMPTS, Job, JobStatus, SqliteJobStore
+
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.insert(Job(id="video_twice", model="m", status=JobStatus.IN_PROGRESS, created_at=time.time(),
+                     attempts=MAX_ATTEMPTS, params={"prompt": "p", "height": 32, "width": 32, "num_frames": 5}))
+    store.close()
+    server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        (headers, body), = receiver.wait(1)
+        event = _verified(headers, body)
+        assert (event["type"], event["data"]["id"]) == ("video.failed", "video_twice")
+    finally:
+        server.stop()
