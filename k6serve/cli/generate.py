@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import sys
@@ -389,9 +390,11 @@ def _print_result(result, as_json: bool = False, label: str = "", prompt: str | 
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if as_json:
-        # One line per request (JSON Lines): a prompt file's results read one by one as they finish. ensure_ascii
-        # off: a Cyrillic path stays readable (the console's encoding is handled as for the text lines).
-        _out(json.dumps(result_record(result, label, prompt), ensure_ascii=False, allow_nan=False),
+        # One line per request (JSON Lines): a prompt file's results read one by one as they finish. On a UTF-8
+        # stdout a Cyrillic path stays readable; on another (a Windows pipe's cp1252) it is written as JSON's \u
+        # escapes, since the console's backslashreplace would write \xe9 or \U0001f98a, which are no JSON.
+        utf8 = codecs.lookup(getattr(sys.stdout, "encoding", None) or "ascii").name == "utf-8"
+        _out(json.dumps(result_record(result, label, prompt), ensure_ascii=not utf8, allow_nan=False),
              result.output_file_path)
         return
     if result.expanded_prompt is not None:

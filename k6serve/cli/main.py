@@ -289,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--json", action=argparse.BooleanOptionalAction, default=None,
         help="Print each request's result as one JSON line on stdout (output_file_path, width, height, num_frames, "
-             "fps, has_audio, seed, timings, peak_memory_mb, notes; with --prompt-file-path also line and prompt) "
-             "instead of the timing table and the saved line; for scripts (jq). Messages stay on stderr.")
+             "fps, has_audio, seed, timings, peak_memory_mb, notes, expanded_prompt; with --prompt-file-path also "
+             "line and prompt) instead of the timing table and the saved line; for scripts (jq). Messages stay on "
+             "stderr.")
     serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).", allow_abbrev=False)
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)

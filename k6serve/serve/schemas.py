@@ -137,6 +137,7 @@ _DOCUMENTED_BOUNDS: dict[str, Callable[[dict[str, Any]], None]] = {
     "num_frames": _documented(integer={"minimum": 1, "maximum": 511}),
     "fps": _documented(number={"minimum": 1, "maximum": 240}),
     "num_inference_steps": _documented(integer={"minimum": 1, "maximum": 1000}),
+    "max_sequence_length": _documented(integer={"minimum": 1, "maximum": 1024}),
     "guidance_scale": _documented(number={"minimum": 1}),
     # 2, 2.25 or 4, as the description says: over an enum of numbers openapi-python-client drops the whole body.
     "sr_resolution_scale": _documented(number={"minimum": 2, "maximum": 4}),

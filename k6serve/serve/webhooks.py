@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import http.client
 import json
 import logging
 import queue
@@ -171,6 +172,9 @@ class WebhookSender:
                     break
                 if item is not None:
                     left.append(f"{item.type} {item.video_id} to {shown_url(url)}")
+            # Its thread may still be in an attempt (a receiver that accepts and never answers, up to the timeout):
+            # it must find the end mark when it comes back, or it waits on the queue for good.
+            url_queue.put(None)
         if left:
             logger.warning("webhooks not delivered before the server stopped (dropped): %s", ", ".join(left))
 
@@ -180,7 +184,11 @@ class WebhookSender:
             event = url_queue.get()
             if event is None:
                 return
-            self._deliver(event, url)
+            try:
+                self._deliver(event, url)
+            except Exception:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
+                logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
+                self._count("failed")
 
     def _deliver(self, event: Event, url: str) -> None:
         body = event.body()
@@ -207,7 +215,7 @@ class WebhookSender:
                 if exc.code not in RETRIED_STATUSES and exc.code < 500:
                     break  # the receiver refused it: trying again would get the same answer
                 continue
-            except (OSError, ValueError) as exc:  # connection refused, DNS, timeout, TLS
+            except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, garbage
                 problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
                 continue
             self._count("delivered")

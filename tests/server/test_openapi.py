@@ -135,7 +135,8 @@ def _numbers(branch: dict) -> tuple[list, list]:
     return outside, inside
 
 
-GENERATION_FIELDS = ("seed", "height", "width", "num_frames", "fps", "num_inference_steps", "guidance_scale")
+GENERATION_FIELDS = ("seed", "height", "width", "num_frames", "fps", "num_inference_steps", "guidance_scale",
+                     "max_sequence_length")
 SR_FIELDS = ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap")
 SOURCE = {"input_reference": ("in.mp4", b"\x00\x00\x00\x18ftypmp42" + bytes(64), "video/mp4")}
 

@@ -4,7 +4,9 @@ signed as OpenAI signs its webhooks, so OpenAI's own SDK verifies it; retried on
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -136,14 +138,13 @@ def test_errors_are_retried_with_the_same_event_id_and_refusals_are_not(receiver
         receiver.answers += [400]
         sender.send("video.failed", "video_b", 1_700_000_001)
         receiver.wait(4)
-        time.sleep(0.3)
+        _until(lambda: outcomes == ["delivered", "failed"])
         assert len(receiver.received) == 4  # a 400 is the receiver's answer: not retried
-        assert outcomes == ["delivered", "failed"]  # the 0.3 s above let the sender read the 400
         receiver.answers += [500] * 4
         sender.send("video.failed", "video_c", 1_700_000_002)
         receiver.wait(8)
-        time.sleep(0.3)
-        assert len(receiver.received) == 8 and outcomes[-1] == "failed"  # 1 + 3 retries, then given up
+        _until(lambda: outcomes == ["delivered", "failed", "failed"])
+        assert len(receiver.received) == 8  # 1 + 3 retries, then given up
     finally:
         sender.stop(timeout_s=2.0)
 
@@ -190,9 +191,7 @@ def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog
         receiver.answers += [301]
         sender.send("video.completed", "video_a", 1_700_000_000)
         receiver.wait(1)
-        deadline = time.monotonic() + 5
-        while not outcomes and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _until(lambda: outcomes)
     finally:
         sender.stop(timeout_s=1.0)
     assert outcomes == ["failed"] and len(receiver.received) == 1  # no GET to /moved
@@ -200,17 +199,84 @@ def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog
     assert "secret-token" not in caplog.text and "/hooks" not in caplog.text  # the log shows scheme://host:port/...
 
 
-def test_a_dead_url_does_not_hold_back_another(receiver):
-    outcomes = []
-    sender = WebhookSender(("http://10.255.255.1:9/blackhole", receiver.url), SECRET, on_outcome=outcomes.append)
-    sender.start()
+class SilentListener:
+    """A URL whose server accepts connections and never answers (a hung receiver), on the loopback only."""
+
+    def __init__(self) -> None:
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(8)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/hung"
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.connections.append(self.socket.accept()[0])
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        self.socket.close()
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_hung_url_holds_back_no_other_and_its_thread_ends_after_the_stop(receiver, monkeypatch):
+    from k6serve.serve import webhooks
+
+    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    hung = SilentListener()
+    sender = WebhookSender((hung.url, receiver.url), SECRET)
     try:
+        sender.start()
         started = time.monotonic()
         sender.send("video.completed", "video_a", 1_700_000_000)
         receiver.wait(1, timeout_s=5.0)
-        assert time.monotonic() - started < 5  # not behind the first URL's 10 s timeouts
+        assert time.monotonic() - started < 0.9  # not behind the hung URL's timeout
+        sender.stop(timeout_s=0.2)
+        # The hung URL's thread was inside an attempt at the stop: it finds the end mark when the attempt ends.
+        _until(lambda: not any(thread.is_alive() for thread in sender._threads), timeout_s=5.0)
     finally:
-        sender.stop(timeout_s=0.5)
+        hung.close()
+
+
+def test_a_garbled_answer_is_retried_and_the_urls_thread_goes_on(monkeypatch):
+    # http.client's BadStatusLine escaped the thread: every later event to that URL sat unsent until the stop.
+    answers = [b"NOT HTTP AT ALL\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    got = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection = listener.accept()[0]
+                with connection:
+                    got.append(connection.recv(65536))
+                    connection.sendall(answers[0] if len(got) == 1 else answers[1])
+
+    threading.Thread(target=serve, daemon=True).start()
+    outcomes = []
+    sender = WebhookSender((f"http://127.0.0.1:{listener.getsockname()[1]}/h",), SECRET, retry_delays_s=(0.05,),
+                           on_outcome=outcomes.append)
+    try:
+        sender.start()
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        _until(lambda: outcomes == ["delivered"])  # the garbled first answer, then the retry
+        sender.send("video.completed", "video_b", 1_700_000_001)
+        _until(lambda: outcomes == ["delivered", "delivered"])
+        assert all(thread.is_alive() for thread in sender._threads)
+    finally:
+        sender.stop(timeout_s=1.0)
+        listener.close()
 
 
 def test_an_event_after_the_stop_is_said_not_sent(caplog):

@@ -551,3 +551,23 @@ def test_json_record_keeps_the_line_json_where_a_value_is_not_finite():
         "has_audio": False, "audio_sample_rate": None, "seed": 1, "sample_aspect_ratio": "4/3",
         "timings": {"total": None, "dit": 2.5, "graphs_compiled": 3}, "peak_memory_mb": None,
         "notes": ["an SR note"], "expanded_prompt": None}
+
+
+def test_json_lines_stay_json_on_a_stdout_that_is_not_utf8(monkeypatch, capsys):
+    # Windows pipes are cp1252: the console's backslashreplace wrote \U0001f98a for an emoji, which is no JSON escape.
+    import io
+    import json
+    import sys
+
+    from k6serve.cli.generate import _print_result
+    from k6serve.request import VideoResult
+
+    stream = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", errors="backslashreplace")
+    monkeypatch.setattr(sys, "stdout", stream)
+    result = VideoResult(output_file_path="out/Лиса_🦊.mp4", frames=None, audio=None, audio_sample_rate=44100,
+                         fps=24.0, seed=1, timings={"total": 1.0}, peak_memory_mb=1.0, num_frames=5, height=32,
+                         width=32)
+    _print_result(result, as_json=True, label="line 1", prompt="Лиса 🦊 é")
+    stream.flush()
+    record = json.loads(stream.buffer.getvalue().decode("cp1252"))
+    assert record["prompt"] == "Лиса 🦊 é" and record["output_file_path"] == "out/Лиса_🦊.mp4"
