@@ -170,10 +170,6 @@ def _refuse_image_objects(image: Any) -> None:
     if isinstance(image, PIL.Image.Image):
         raise ValueError("image_path takes the path of an image file (a str or pathlib.Path), not a PIL image: save "
                          "it first, e.g. image.save('first_frame.png'), and pass that path.")
-    if isinstance(image, (list, tuple)) and image and isinstance(image[0], PIL.Image.Image):
-        raise ValueError(f"image_path takes the path of one image file (a str or pathlib.Path), not a list of "
-                         f"{len(image)} PIL images: save the first frame, e.g. images[0].save('first_frame.png'), "
-                         "and pass that path.")
 
 
 def _refuse_pixel_arrays(kwargs: Mapping[str, Any]) -> None:
@@ -192,9 +188,12 @@ def _refuse_pixel_arrays(kwargs: Mapping[str, Any]) -> None:
                                  f"{len(value)} frames: save them as a video first, e.g. diffusers.utils."
                                  "export_to_video(frames, 'source.mp4', fps=24), or pass a finished generation's "
                                  "result.output_file_path.")
+            pil = type(value[0]).__module__.partition(".")[0] == "PIL"
+            example = ("frames[0].save('first.png')" if pil
+                       else _array_save_example(value[0]).replace("pixels", "frames[0]"))
             raise ValueError(f"image_path takes the path of one image file (a str or pathlib.Path), not a list of "
-                             f"{len(value)} arrays: save the first frame, e.g. "
-                             f"{_array_save_example(value[0]).replace('pixels', 'frames[0]')}, and pass that path.")
+                             f"{len(value)} {'PIL images' if pil else 'arrays'}: save the first frame, e.g. "
+                             f"{example}, and pass that path.")
         package = type(value).__module__.partition(".")[0]
         if package not in ("numpy", "torch") or not hasattr(value, "shape"):
             continue

@@ -184,7 +184,7 @@ def drawn_seed(params: SamplingParams) -> tuple[SamplingParams, str | None]:
     """`params` with seed -1 replaced by a seed drawn for this request (below 2**32, all of which torch's CPU
     generator keeps), and a note saying which; as given otherwise. Drawn once where a request enters (the API's
     generate, the server's job creation), so every rank and every later resolve run the same seed."""
-    if params.seed != RANDOM_SEED or isinstance(params.seed, bool):
+    if params.seed != RANDOM_SEED:
         return params, None
     import secrets
 

@@ -486,8 +486,6 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     return request, notes
 
 
-# The audio stream of every released checkpoint (and the demo): MMAudio at 44.1 kHz, one latent per 2 x 512 samples
-# (k6-generation.md §3.4), and a 1-D RoPE table of 2048 positions (models/common/rope.py MAX_SEQUENCE_POSITIONS).
 # The refusals of a request the loaded engine cannot run (`resolve_generate`'s has_audio / streams_text_encoder), said
 # again by the pipeline where it is run without them (the tests' pipelines, a bench).
 NO_AUDIO_PARTS = ("sample_audio is true, but this checkpoint has no audio_vae and vocoder (its model_index.json lists "
@@ -501,6 +499,8 @@ STREAMED_TEXT_ENCODER = (
     "it visits the GPU for the rewrite and the encoding, about 16 GB there), or drop expand_prompts.")
 
 
+# The audio stream of every released checkpoint (and the demo): MMAudio at 44.1 kHz, one latent per 2 x 512 samples
+# (k6-generation.md §3.4), and a 1-D RoPE table of 2048 positions (models/common/rope.py MAX_SEQUENCE_POSITIONS).
 # Kept here as numbers so validation needs neither torch nor the weights; test_variants checks they agree.
 AUDIO_SAMPLE_RATE = 44100
 AUDIO_LATENT_HOP_LENGTH = 1024

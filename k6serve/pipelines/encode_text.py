@@ -69,11 +69,11 @@ def encode_prompt(
     )
 
 
-def truncation_note(name: str, prompt: str, *, tokenizer,
-                    max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> str | None:
+def truncation_note(name: str, prompt: str, *, tokenizer, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+                    fix: str = "Shorten it to use all of it.") -> str | None:
     """A warning for the user when `encode_prompt` keeps only part of `prompt` (`name`: "prompt" or
-    "negative_prompt"), else None. It tokenizes the prompt once more, untruncated, only to count: what is encoded
-    does not change.
+    "negative_prompt"), ending with `fix`, else None. It tokenizes the prompt once more, untruncated, only to count:
+    what is encoded does not change.
 
     Only the Qwen2.5-VL token features are counted: they are what the DiT attends to. CLIP's pooled vector reads the
     first 75 tokens of every prompt, as in the reference; that summary is cut for most detailed prompts, and warning
@@ -83,7 +83,7 @@ def truncation_note(name: str, prompt: str, *, tokenizer,
     if num_tokens <= max_sequence_length:
         return None
     return (f"{name} was truncated: the text encoder (Qwen2.5-VL) kept its first {max_sequence_length} of "
-            f"{num_tokens} tokens; the rest does not reach the model. Shorten it to use all of it.")
+            f"{num_tokens} tokens; the rest does not reach the model. {fix}")
 
 
 def trim_text_padding(text: TextEmbeddings) -> TextEmbeddings:

@@ -15,6 +15,9 @@ so the engine's global RNG is left as it was (diffusers reseeds it for good).
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import PIL.Image
 import torch
 
@@ -87,9 +90,6 @@ def load_image_processor(source: str):
     """The Qwen2.5-VL image processor of a checkpoint folder's `tokenizer/` (where diffusers' save_pretrained of the
     processor writes its settings), else Qwen2.5-VL's defaults (a `--load-format dummy` model). transformers picks
     its PIL implementation where torchvision is missing (the CPU wheel), the same patches."""
-    import logging
-    from pathlib import Path
-
     import transformers
 
     folder = Path(source) / "tokenizer"

@@ -14,6 +14,7 @@ import torch
 
 from k6serve.caching.block_cache import block_cache
 from k6serve.lora.spec import USUAL_LORA_STRENGTH
+from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
 from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.decode_stream import (
@@ -35,7 +36,6 @@ from k6serve.pipelines.prepare_latents import (
 )
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
-from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
 from k6serve.request import GenerateRequest, has_visible_text
 
 
@@ -134,13 +134,9 @@ class TextToVideoPipeline:
                 "token type (visual_token_type_num_embeddings < 2). Drop --image-path."
             )
 
-    def expand(self, request: GenerateRequest, image: PIL.Image.Image | None) -> str:
-        """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any."""
-        with self.residency.stage("text_encoder"):
-            return self._expand(request, image)
-
     def _expand(self, request: GenerateRequest, image: PIL.Image.Image | None) -> str:
-        """`expand`, inside a stage that holds the text encoder."""
+        """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any;
+        called inside a stage that holds the text encoder."""
         m = self.models
         if image is not None and self._image_processor is None:
             self._image_processor = load_image_processor(m.source)
@@ -166,13 +162,17 @@ class TextToVideoPipeline:
             negative = trim_text_padding(negative) if negative is not None else None
         return Conditioning(positive=positive, negative=negative)
 
-    def truncation_notes(self, request: GenerateRequest) -> list[str]:
-        """A warning for each prompt `encode` will truncate (see `truncation_note`)."""
-        prompts = [("prompt", request.prompt)]
+    def truncation_notes(self, request: GenerateRequest, *, expanded: bool = False) -> list[str]:
+        """A warning for each prompt `encode` will truncate (see `truncation_note`); `expanded`: `request.prompt` is
+        the rewrite, which is not the user's to shorten."""
+        limit = request.max_sequence_length
+        rewrite_fix = (f"expand_prompts writes up to {limit} new tokens, as diffusers' does, and the encoder reads "
+                       f"{limit} in all.")
+        prompts = [("the expanded prompt" if expanded else "prompt", request.prompt, rewrite_fix if expanded else None)]
         if request.do_cfg:
-            prompts.append(("negative_prompt", request.negative_prompt))
-        notes = [truncation_note(name, text, tokenizer=self.models.tokenizer,
-                                 max_sequence_length=request.max_sequence_length) for name, text in prompts]
+            prompts.append(("negative_prompt", request.negative_prompt, None))
+        notes = [truncation_note(name, text, tokenizer=self.models.tokenizer, max_sequence_length=limit,
+                                 **({"fix": fix} if fix else {})) for name, text, fix in prompts]
         return [note for note in notes if note is not None]
 
     def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None,
@@ -210,16 +210,7 @@ class TextToVideoPipeline:
                     expanded = None
                 else:
                     request = dataclasses.replace(request, prompt=expanded)
-            truncated = self.truncation_notes(request)
-            if expanded is not None and truncated and truncated[0].startswith("prompt was truncated"):
-                # The rewrite is not the user's to shorten: up to max_sequence_length new tokens, as diffusers lets
-                # it run, and the template's own tokens come on top.
-                kept = truncated[0].removeprefix("prompt").split("; the rest")[0]
-                limit = request.max_sequence_length
-                truncated[0] = (f"the expanded prompt{kept} (expand_prompts writes up to {limit} new tokens, as "
-                                f"diffusers' does, and the encoder reads {limit} in all); the end of the rewrite does "
-                                "not reach the model.")
-            notes[:0] = truncated
+            notes[:0] = self.truncation_notes(request, expanded=expanded is not None)
             if (seed_note := cpu_seed_note(request.seed)) is not None:
                 notes.append(seed_note)
             conditioning = self._encode(request)

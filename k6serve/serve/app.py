@@ -329,8 +329,10 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     metrics = ServerMetrics()
     runner = JobRunner(engine, store, artifacts, metrics, max_queued_jobs=settings.max_queued_jobs)
     if settings.webhook_urls:
+        from k6serve import __version__
+
         runner.webhooks = WebhookSender(settings.webhook_urls, settings.webhook_secret or "",
-                                        user_agent="k6serve/0.1.0", on_outcome=metrics.webhook)
+                                        user_agent=f"k6serve/{__version__}", on_outcome=metrics.webhook)
     allowed = list(settings.allowed_input_dirs) or [Path("inputs")]
     names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model
