@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--performance-mode", default="speed", help="generate/sr: engine performance mode."
     )
+    parser.add_argument(
+        "--silent-request",
+        action="store_true",
+        help="generate: then the same request with sample_audio=False (k6serve bench --silent-request).",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")
     return parser
 
@@ -138,6 +143,8 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     compile_vae = ["--compile-vae-decoder"] if args.compile_decoder else []
     if args.subcommand == "generate":
         extra = ["--performance-mode", args.performance_mode, "--warmup", "0", *compile_vae]
+        if args.silent_request:
+            extra.append("--silent-request")
         if not args.tiny:
             extra += ["--attention-backend", args.attention_backend]
         else:

@@ -218,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate: after the uncached requests, run the same requests with Cache-DiT on with these "
         "cache_dit_params (a JSON object, '{}' for the defaults) and add their rows: the same run, the same GPU.",
     )
+    parser.add_argument(
+        "--silent-request",
+        action="store_true",
+        help="generate: then the same request with sample_audio=False (a silent video), a first and the warm ones, "
+        "their step compared with the request with audio: the same run, the same GPU.",
+    )
     parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor.")
     parser.add_argument(
         "--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder)."
@@ -336,6 +342,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         quantization=args.quantization,
         quantization_ignored_layers=tuple(args.quantization_ignored_layers),
         cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
+        silent_request=args.silent_request,
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if args.fp8_attention and args.skip_speed:

@@ -52,6 +52,8 @@ class EndToEndOptions:
     quantization_ignored_layers: tuple[str, ...] = ()  # and its --quantization-ignored-layers
     # generate: also run the requests with Cache-DiT on, with these cache_dit_params (None: uncached only)
     cache_dit_params: dict | None = None
+    # generate: also run the request with sample_audio=False (a silent video: the DiT on the video tokens alone)
+    silent_request: bool = False
 
 
 def _speed_note(generator) -> str:
@@ -184,6 +186,8 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
             rows = _rows_from_results("generate", config, cold, warm, load_s, note, peaks)
             if options.cache_dit_params is not None:
                 rows += _cached_rows(generator, params, options, config, warm or [cold])
+            if options.silent_request:
+                rows += _silent_rows(generator, params, options, config, warm or [cold])
     _free()
     return rows
 
@@ -208,6 +212,30 @@ def _cached_rows(generator, params: dict, options: EndToEndOptions, config: str,
                      seconds=seconds, times_s=tuple(r.timings["total"] for r in runs),
                      peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
                      breakdown_s=_median_breakdown([r.timings for r in runs]), note=note)]
+
+
+def _silent_rows(generator, params: dict, options: EndToEndOptions, config: str, with_audio: list) -> list[BenchRow]:
+    """The same request with sample_audio=False, after the ones with audio: its first run (the DiT's blocks meet a
+    sequence without the audio tokens, a shape the warm-ups do not compile) and `repeats` warm ones, whose median
+    step is compared with the audio requests' step of the same run."""
+    first, warm = _run_requests(generator, {**params, "sample_audio": False}, options.repeats)
+    step = statistics.median(r.timings["denoise_step_median"] for r in with_audio) \
+        if all("denoise_step_median" in r.timings for r in with_audio) else None
+    rows = []
+    for name, runs in (("ours silent, first", [first]), ("ours silent, warm", warm)):
+        if not runs:
+            continue
+        breakdown = _median_breakdown([r.timings for r in runs])
+        silent_step = breakdown.get("denoise_step_median")
+        note = "sample_audio=False; " + _breakdown_text(breakdown)
+        if step is not None and silent_step is not None:
+            note += f"; step x{step / silent_step:.3f} against the request with audio ({step:.3f} s)"
+        rows.append(BenchRow(stage="generate", name=name, config=config,
+                             seconds=statistics.median(r.timings["total"] for r in runs),
+                             times_s=tuple(r.timings["total"] for r in runs),
+                             peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
+                             breakdown_s=breakdown, note=note))
+    return rows
 
 
 def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:

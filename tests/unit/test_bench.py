@@ -230,6 +230,19 @@ def test_tiny_generate_adds_the_cache_dit_row_of_the_same_run():
                    log=lambda text: None)
 
 
+def test_tiny_generate_adds_the_silent_rows_of_the_same_run():
+    args = build_parser().parse_args(
+        ["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "2", "--silent-request"]
+    )
+    rows = run_stages(args, log=lambda text: None)
+    assert [row.name for row in rows] == ["ours cold (first request)", "ours warm", "ours silent, first",
+                                          "ours silent, warm"], rows[-1].error
+    for row in rows[2:]:
+        # Its step is compared with the audio request's of this run.
+        assert {"denoise_step_median", "decode_video", "total"} <= set(row.breakdown_s)
+        assert row.note.startswith("sample_audio=False; ") and "against the request with audio" in row.note
+
+
 def test_warm_breakdown_is_the_median_of_every_run():
     from types import SimpleNamespace
 
