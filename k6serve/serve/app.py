@@ -331,8 +331,9 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     if settings.webhook_urls:
         from k6serve import __version__
 
+        # The job store keeps each event until it is delivered: a restart, or a start after a crash, sends it then.
         runner.webhooks = WebhookSender(settings.webhook_urls, settings.webhook_secret or "",
-                                        user_agent=f"k6serve/{__version__}", on_outcome=metrics.webhook)
+                                        user_agent=f"k6serve/{__version__}", on_outcome=metrics.webhook, outbox=store)
     allowed = list(settings.allowed_input_dirs) or [Path("inputs")]
     names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model

@@ -15,6 +15,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -115,6 +116,18 @@ _JSON_FIELDS = {"params", "upload_files", "warnings"}
 _COLUMNS = [f.name for f in dataclasses.fields(Job)]
 
 
+@dataclass(frozen=True, slots=True)
+class PendingWebhook:
+    """A webhook event not yet delivered to one URL (a `webhook_outbox` row): what a restart sends again."""
+
+    event_id: str
+    url: str
+    event_type: str
+    video_id: str
+    created_at: int  # the event's, as its body shows it
+    queued_at: float  # when the server first queued it
+
+
 class IdempotencyConflict(Exception):
     """The Idempotency-Key was used before with a different request body."""
 
@@ -153,6 +166,10 @@ class JobStore(Protocol):
     def upload_files(self) -> set[str]: ...
     def lora_state(self) -> list[dict[str, Any]]: ...
     def set_lora_state(self, operations: list[dict[str, Any]]) -> None: ...
+    def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
+                          urls: Iterable[str], queued_at: float | None = None) -> None: ...
+    def remove_webhook_event(self, event_id: str, url: str) -> None: ...
+    def pending_webhook_events(self) -> list[PendingWebhook]: ...
     def close(self) -> None: ...
 
 
@@ -246,6 +263,11 @@ class SqliteJobStore:
             # One row: the LoRA operations that rebuild the adapters (serve/lora_state.py), as JSON.
             self._db.execute("CREATE TABLE IF NOT EXISTS lora_state (id INTEGER PRIMARY KEY CHECK (id = 1), "
                              "operations TEXT NOT NULL)")
+            # Webhook events not yet delivered, one row per event and URL (serve/webhooks.py): a restart, or a
+            # start after a crash, sends them again with their own ids.
+            self._db.execute("CREATE TABLE IF NOT EXISTS webhook_outbox (event_id TEXT NOT NULL, url TEXT NOT NULL, "
+                             "event_type TEXT NOT NULL, video_id TEXT NOT NULL, created_at INTEGER NOT NULL, "
+                             "queued_at REAL NOT NULL, PRIMARY KEY (event_id, url))")
 
     def lora_state(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -257,6 +279,34 @@ class SqliteJobStore:
             self._db.execute("INSERT INTO lora_state (id, operations) VALUES (1, ?) "
                              "ON CONFLICT (id) DO UPDATE SET operations = excluded.operations",
                              (json.dumps(operations, sort_keys=True),))
+
+    def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
+                          urls: Iterable[str], queued_at: float | None = None) -> None:
+        """Keep an event to deliver to each of `urls` until `remove_webhook_event` says that URL is done with it."""
+        queued_at = time.time() if queued_at is None else queued_at
+        rows = [(event_id, url, event_type, video_id, created_at, queued_at) for url in urls]
+        with self._lock:
+            # One transaction: a crash keeps the event for every URL or for none.
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT OR IGNORE INTO webhook_outbox (event_id, url, event_type, video_id, "
+                                     "created_at, queued_at) VALUES (?, ?, ?, ?, ?, ?)", rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def remove_webhook_event(self, event_id: str, url: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM webhook_outbox WHERE event_id = ? AND url = ?", (event_id, url))
+
+    def pending_webhook_events(self) -> list[PendingWebhook]:
+        """The kept events, oldest first (the order they were queued in)."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM webhook_outbox ORDER BY queued_at, rowid").fetchall()
+        return [PendingWebhook(event_id=row["event_id"], url=row["url"], event_type=row["event_type"],
+                               video_id=row["video_id"], created_at=row["created_at"], queued_at=row["queued_at"])
+                for row in rows]
 
     def close(self) -> None:
         with self._lock:

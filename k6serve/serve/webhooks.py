@@ -10,10 +10,15 @@ them: `client.webhooks.verify_signature(body, headers, secret=...)`.
 
 Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with a 10 s
 timeout; a 2xx is delivered, a connection error, timeout, 408, 429 or 5xx is retried after 1, 2, 4, 8 and 16 s (then
-given up, with a log line naming the URL's host only), a redirect or any other answer is given up at once. Events
-live in memory only: those not delivered when the server stops are logged and dropped (a client that must not miss
-one polls GET /v1/videos/{id} after a restart). A cancelled job sends none (the client that cancelled it knows;
-OpenAI's API has no such event).
+given up, with a log line naming the URL's host only), a redirect or any other answer is given up at once.
+
+Events are durable: `send` writes one row per event and URL to the job store's `webhook_outbox` before queueing it,
+and a row goes once that URL's delivery succeeded or was given up. One the stop cut short (still queued, or
+between attempts) stays, as does every undelivered one of a server killed outright, and the next start sends it
+again with its own id and `created_at` (receivers drop an id seen before), unless its URL is no longer configured
+or it was queued over 72 hours ago (OpenAI's own retry window): those rows are removed with a warning. When the
+store cannot be written (a full disk) the event is still sent from memory, and a stop before its delivery loses it.
+A cancelled job sends none (the client that cancelled it knows; OpenAI's API has no such event).
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
+
+from k6serve.serve.jobs import STORE_WRITE_ERRORS, PendingWebhook
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +50,9 @@ RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 # How long a stopping server waits for the events still queued (a job that ended just before the stop).
 DRAIN_AT_STOP_S = 5.0
 RETRIED_STATUSES = frozenset({408, 429})
+# A kept event older than this is dropped at the next start, not sent: OpenAI retries its own webhooks for up to
+# 72 hours, so a receiver built for OpenAI's needs to keep the ids it has seen (to drop a resent one) no longer.
+RESEND_WINDOW_S = 72 * 3600.0
 VIDEO_COMPLETED, VIDEO_FAILED = "video.completed", "video.failed"
 
 
@@ -117,12 +128,24 @@ class Event:
                            "data": {"id": self.video_id}}, separators=(",", ":")).encode()
 
 
+class WebhookOutbox(Protocol):
+    """Where events wait until each URL is done with them (`SqliteJobStore`'s `webhook_outbox` table)."""
+
+    def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
+                          urls: Iterable[str], queued_at: float | None = None) -> None: ...
+    def remove_webhook_event(self, event_id: str, url: str) -> None: ...
+    def pending_webhook_events(self) -> list[PendingWebhook]: ...
+
+
 class WebhookSender:
-    """Delivers events to `urls` on a daemon thread (`start` / `stop`); `send` only queues."""
+    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` only stores and queues.
+
+    With an `outbox`, events outlive the process: what a stop or a crash left undelivered is sent at the next
+    `start`, which must therefore come before the first `send`."""
 
     def __init__(self, urls: tuple[str, ...], secret: str, *, user_agent: str = "k6serve",
                  retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S,
-                 on_outcome: Callable[[str], None] | None = None) -> None:
+                 on_outcome: Callable[[str], None] | None = None, outbox: WebhookOutbox | None = None) -> None:
         self.urls = urls
         self._key = secret_key(secret)
         self._user_agent = user_agent
@@ -134,8 +157,13 @@ class WebhookSender:
         self._threads: list[threading.Thread] = []
         self._stopped = False
         self._on_outcome = on_outcome  # "delivered" or "failed", once per event and URL (the server's metrics)
+        self._outbox = outbox
+        # Events the outbox could not take (a full disk): a stop before their delivery loses them, and says so.
+        self._memory_only: set[str] = set()
 
     def start(self) -> None:
+        if self._outbox is not None:
+            self._queue_left_from_last_run(self._outbox)
         for index, url in enumerate(self.urls):
             thread = threading.Thread(target=self._run, args=(url,), name=f"k6serve-webhooks-{index}", daemon=True)
             thread.start()
@@ -144,14 +172,77 @@ class WebhookSender:
     def send(self, event_type: str, video_id: str, completed_at: float) -> None:
         event = Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
                       video_id=video_id)
+        # The runner stored the job's end before this call: a process killed in between (its log line, metrics and
+        # upload removal) loses the event, though the job's state is right. A short window, accepted rather than
+        # one transaction across the job's transition and these rows.
+        kept = self._keep(event)
         if self._stopped:  # a job that ended after the stop (its MP4's tail, during the engine's shutdown)
-            logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
+            if kept:
+                logger.warning("webhook %s for %s kept in the job store, sent at the next start: the server is "
+                               "stopping", event_type, video_id)
+            else:
+                logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
             return
         for url_queue in self._queues.values():
             url_queue.put(event)
 
+    def _keep(self, event: Event) -> bool:
+        """Write `event` to the outbox; False when there is none or the write failed (then it lives in memory)."""
+        if self._outbox is None:
+            return False
+        try:
+            self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls)
+        except STORE_WRITE_ERRORS as exc:  # the job has ended all the same: its event still goes, from memory
+            self._memory_only.add(event.id)
+            logger.warning("webhook %s for %s could not be kept in the job store (%s); it is sent from memory, and "
+                           "lost if the server stops before it is delivered", event.type, event.video_id, exc)
+            return False
+        return True
+
+    def _is_kept(self, event: Event) -> bool:
+        return self._outbox is not None and event.id not in self._memory_only
+
+    def _forget(self, event_id: str, url: str) -> None:
+        """Remove the (event, URL) row: delivered, or given up for good."""
+        if self._outbox is None or event_id in self._memory_only:
+            return
+        try:
+            self._outbox.remove_webhook_event(event_id, url)
+        except Exception as exc:  # noqa: BLE001 - a full disk, or the store closed under a thread hung past the stop
+            logger.warning("webhook %s to %s: its job store row could not be removed (%s), so the next start sends "
+                           "it again (with the same webhook-id)", event_id, shown_url(url), exc)
+
+    def _queue_left_from_last_run(self, outbox: WebhookOutbox) -> None:
+        """Queue the kept events a previous run did not deliver (before any new one), with their own ids; drop those
+        for a URL no longer configured and those past RESEND_WINDOW_S."""
+        now = time.time()
+        unconfigured: dict[str, int] = {}
+        stale: list[str] = []
+        resent = 0
+        for row in outbox.pending_webhook_events():
+            if row.url not in self._queues:
+                shown = shown_url(row.url)  # the full URL may hold the receiver's token
+                unconfigured[shown] = unconfigured.get(shown, 0) + 1
+            elif now - row.queued_at > RESEND_WINDOW_S:
+                stale.append(f"{row.event_type} {row.video_id} to {shown_url(row.url)}")
+            else:
+                self._queues[row.url].put(Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
+                                                video_id=row.video_id))
+                resent += 1
+                continue
+            self._forget(row.event_id, row.url)
+        if unconfigured:
+            logger.warning("webhook events left from the last run for URLs no longer given as --webhook-url are "
+                           "dropped: %s", ", ".join(f"{count} to {shown}" for shown, count in unconfigured.items()))
+        if stale:
+            logger.warning("webhook events left from the last run, queued over %g hours ago (OpenAI's retry window), "
+                           "are dropped, not sent: %s", RESEND_WINDOW_S / 3600, ", ".join(stale))
+        if resent:
+            logger.info("resending %d webhook event(s) left from the last run", resent)
+
     def stop(self, timeout_s: float = DRAIN_AT_STOP_S) -> None:
-        """Deliver what is queued within `timeout_s` (no retry waits past it), then stop; what is left is logged."""
+        """Deliver what is queued within `timeout_s` (no retry waits past it), then stop; what is left is logged
+        (and, with an outbox, kept there for the next start)."""
         self._stopped = True
         if not self._threads:
             return
@@ -163,7 +254,7 @@ class WebhookSender:
         self._stopping.set()  # retry waits in progress end now
         for thread in self._threads:
             thread.join(1.0)
-        left = []
+        kept, dropped = [], []
         for url, url_queue in self._queues.items():
             while True:
                 try:
@@ -171,12 +262,16 @@ class WebhookSender:
                 except queue.Empty:
                     break
                 if item is not None:
-                    left.append(f"{item.type} {item.video_id} to {shown_url(url)}")
+                    (kept if self._is_kept(item) else dropped).append(f"{item.type} {item.video_id} to "
+                                                                      f"{shown_url(url)}")
             # Its thread may still be in an attempt (a receiver that accepts and never answers, up to the timeout):
             # it must find the end mark when it comes back, or it waits on the queue for good.
             url_queue.put(None)
-        if left:
-            logger.warning("webhooks not delivered before the server stopped (dropped): %s", ", ".join(left))
+        if kept:
+            logger.warning("webhooks not delivered before the server stopped, kept in the job store and sent at the "
+                           "next start: %s", ", ".join(kept))
+        if dropped:
+            logger.warning("webhooks not delivered before the server stopped (dropped): %s", ", ".join(dropped))
 
     def _run(self, url: str) -> None:
         url_queue = self._queues[url]
@@ -185,18 +280,22 @@ class WebhookSender:
             if event is None:
                 return
             try:
-                self._deliver(event, url)
+                settled = self._deliver(event, url)
             except Exception:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
                 logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
                 self._count("failed")
+                settled = True
+            if settled:
+                self._forget(event.id, url)
 
-    def _deliver(self, event: Event, url: str) -> None:
+    def _deliver(self, event: Event, url: str) -> bool:
+        """Attempt `event` until it is delivered or given up (True), or until the stop cuts it short (False)."""
         body = event.body()
-        problem, attempts = "the server stopped before it was sent", 0
+        problem, attempts = "", 0
         for delay in (0.0, *self._retry_delays_s):
             if delay and self._stopping.wait(delay):
-                problem += " (while waiting to retry)" if attempts else ""
-                break
+                self._cut_short(event, url, attempts, problem)
+                return False
             attempts += 1
             timestamp = int(time.time())
             request = urllib.request.Request(url, data=body, method="POST", headers={
@@ -221,11 +320,23 @@ class WebhookSender:
             self._count("delivered")
             logger.debug("webhook %s %s delivered to %s (attempt %d)", event.type, event.video_id, shown_url(url),
                          attempts)
-            return
+            return True
         self._count("failed")
         logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) (%s); the job's state is at "
                        "GET /v1/videos/%s", event.type, event.video_id, shown_url(url), attempts, problem,
                        event.video_id)
+        return True
+
+    def _cut_short(self, event: Event, url: str, attempts: int, problem: str) -> None:
+        if self._is_kept(event):  # not a failure: the next start goes on with it
+            logger.warning("webhook %s for %s to %s: the server stopped after %d attempt(s) (%s); kept in the job "
+                           "store and sent at the next start", event.type, event.video_id, shown_url(url), attempts,
+                           problem)
+            return
+        self._count("failed")
+        logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) (%s, then the server stopped "
+                       "while waiting to retry; dropped); the job's state is at GET /v1/videos/%s", event.type,
+                       event.video_id, shown_url(url), attempts, problem, event.video_id)
 
     def _count(self, outcome: str) -> None:
         if self._on_outcome is not None:

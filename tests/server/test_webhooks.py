@@ -6,15 +6,23 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
+import os
+import signal
 import socket
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from harness import start_server, wait_for
 
 from k6serve.serve.app import settings_from_options
+from k6serve.serve.jobs import Job, SqliteJobStore
 from k6serve.serve.webhooks import WebhookSender
 
 SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
@@ -151,7 +159,7 @@ def test_errors_are_retried_with_the_same_event_id_and_refusals_are_not(receiver
 
 def test_an_unreachable_url_costs_no_job_time_and_stop_does_not_hang(tmp_path):
     # A receiver that is down: the events retry on their own thread; the jobs complete at once, and the stop waits
-    # DRAIN_AT_STOP_S at most before it drops what is left, saying so.
+    # DRAIN_AT_STOP_S at most before it keeps what is left for the next start, saying so.
     server = start_server(tmp_path, webhook_urls=("http://127.0.0.1:9/down",), webhook_secret=SECRET)
     with server.client() as client:
         started = time.monotonic()
@@ -310,3 +318,157 @@ def test_a_job_failed_at_start_up_sends_its_event(tmp_path, receiver):
         assert (event["type"], event["data"]["id"]) == ("video.failed", "video_twice")
     finally:
         server.stop()
+
+
+@pytest.fixture
+def store(tmp_path):
+    jobs = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    yield jobs
+    jobs.close()
+
+
+def test_events_undelivered_at_the_stop_are_kept_and_sent_at_the_next_start(receiver, store, caplog):
+    # A receiver answering 503: the first event is between attempts at the stop, the second still queued (or in its
+    # one attempt after the stop); both stay in the store and the next sender delivers them with their own ids.
+    caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
+    receiver.answers += [503] * 10
+    first = WebhookSender((receiver.url,), SECRET, retry_delays_s=(30.0,), outbox=store)
+    first.start()
+    first.send("video.completed", "video_a", 1_700_000_000)
+    first.send("video.failed", "video_b", 1_700_000_001)
+    (tried, _), = receiver.wait(1)
+    first.stop(timeout_s=0.2)
+    _until(lambda: not any(thread.is_alive() for thread in first._threads))
+    kept = store.pending_webhook_events()
+    assert [(row.event_type, row.video_id, row.created_at, row.url) for row in kept] == [
+        ("video.completed", "video_a", 1_700_000_000, receiver.url),
+        ("video.failed", "video_b", 1_700_000_001, receiver.url)]
+    assert kept[0].event_id == tried["webhook-id"]
+    assert "kept in the job store and sent at the next start" in caplog.text and "dropped" not in caplog.text
+    attempts_before = len(receiver.received)
+
+    receiver.answers.clear()
+    outcomes = []
+    second = WebhookSender((receiver.url,), SECRET, outbox=store, on_outcome=outcomes.append)
+    second.start()
+    try:
+        resent = receiver.wait(attempts_before + 2)[attempts_before:]
+        _until(lambda: outcomes == ["delivered", "delivered"] and not store.pending_webhook_events())
+    finally:
+        second.stop(timeout_s=1.0)
+    assert [headers["webhook-id"] for headers, _ in resent] == [row.event_id for row in kept]
+    events = [_verified(headers, body) for headers, body in resent]  # signed again, with the same secret
+    assert [(e["id"], e["type"], e["data"]["id"], e["created_at"]) for e in events] == [
+        (row.event_id, row.event_type, row.video_id, row.created_at) for row in kept]
+    assert "resending 2 webhook event(s) left from the last run" in caplog.text
+
+
+_KILLED_AFTER_SEND = """
+import os, signal, sys
+from k6serve.serve.jobs import SqliteJobStore
+from k6serve.serve.webhooks import WebhookSender
+sender = WebhookSender((sys.argv[2],), sys.argv[3], outbox=SqliteJobStore(sys.argv[1]))
+sender.send("video.completed", "video_killed", 1_700_000_000)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_server_killed_before_the_delivery_sends_the_event_at_its_next_start(tmp_path, receiver):
+    # A job completed and its event queued, then SIGKILL before any attempt: the restarted server sends it.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SEND, str(tmp_path / "jobs.sqlite3"), receiver.url,
+                             SECRET], env=env, capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        (headers, body), = receiver.wait(1)
+        event = _verified(headers, body)
+        assert (event["type"], event["data"]["id"], event["created_at"]) == ("video.completed", "video_killed",
+                                                                             1_700_000_000)
+        assert headers["webhook-id"] == event["id"] and event["id"].startswith("evt_")
+        _until(lambda: not server.store.pending_webhook_events())
+    finally:
+        server.stop()
+
+
+def test_kept_events_for_a_removed_url_or_past_72_hours_are_dropped_at_the_start(receiver, store, caplog):
+    caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
+    gone = "http://127.0.0.1:9/old-hook?token=tok-secret"
+    store.add_webhook_event("evt_stale", "video.completed", "video_stale", 1_700_000_000, (receiver.url,),
+                            queued_at=time.time() - 73 * 3600)
+    store.add_webhook_event("evt_gone", "video.completed", "video_gone", 1_700_000_001, (gone, receiver.url))
+    sender = WebhookSender((receiver.url,), SECRET, outbox=store)
+    sender.start()
+    try:
+        # Rows go in the order they were queued: had the stale one been sent, it would have come first.
+        (headers, _), = receiver.wait(1)
+        _until(lambda: not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert headers["webhook-id"] == "evt_gone" and len(receiver.received) == 1
+    assert ("webhook events left from the last run for URLs no longer given as --webhook-url are dropped: "
+            "1 to http://127.0.0.1:9/...") in caplog.text
+    assert ("webhook events left from the last run, queued over 72 hours ago (OpenAI's retry window), are dropped, "
+            "not sent: video.completed video_stale to http://127.0.0.1:") in caplog.text
+    assert "resending 1 webhook event(s) left from the last run" in caplog.text
+    assert "tok-secret" not in caplog.text and "old-hook" not in caplog.text
+
+
+@pytest.mark.parametrize("answers", [[400], [500, 500], [301]], ids=["refused", "retries-exhausted", "redirect"])
+def test_a_delivery_given_up_for_good_removes_its_row(receiver, store, answers, monkeypatch):
+    removed = []
+    remove = store.remove_webhook_event
+    monkeypatch.setattr(store, "remove_webhook_event", lambda *row: (removed.append(row), remove(*row)))
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.05,), outbox=store, on_outcome=outcomes.append)
+    sender.start()
+    try:
+        receiver.answers += answers
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        received = receiver.wait(len(answers))
+        _until(lambda: outcomes == ["failed"] and not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert len(receiver.received) == len(answers)
+    assert removed == [(received[0][0]["webhook-id"], receiver.url)]
+
+
+def test_an_event_the_store_cannot_keep_is_still_delivered_from_memory(tmp_path, receiver, caplog, monkeypatch):
+    server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        def full_disk(*args, **kwargs) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(server.store, "add_webhook_event", full_disk)
+        with server.client() as client:
+            done = wait_for(client, client.post("/v1/videos", json={"prompt": "ok", **SMALL}).json()["id"])
+            (headers, body), = receiver.wait(1)
+        assert done["status"] == "completed"
+        assert _verified(headers, body)["data"]["id"] == done["id"]
+        assert (f"webhook video.completed for {done['id']} could not be kept in the job store (database or disk is "
+                "full); it is sent from memory") in caplog.text
+        assert server.store.pending_webhook_events() == []
+    finally:
+        server.stop()
+
+
+def test_a_store_from_before_the_outbox_opens_and_gains_it(tmp_path):
+    path = tmp_path / "jobs.sqlite3"
+    old = SqliteJobStore(path)
+    old.insert(Job(id="video_old", model="m", created_at=time.time(), params={"prompt": "p"}))
+    old.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("DROP TABLE webhook_outbox")  # as a store written before it was
+        db.commit()
+        assert "webhook_outbox" not in {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+    store = SqliteJobStore(path)
+    try:
+        assert store.get("video_old") is not None and store.pending_webhook_events() == []
+        store.add_webhook_event("evt_1", "video.failed", "video_old", 1_700_000_000, ("http://a/1", "http://b/2"))
+        assert [(row.event_id, row.url) for row in store.pending_webhook_events()] == [
+            ("evt_1", "http://a/1"), ("evt_1", "http://b/2")]
+        store.remove_webhook_event("evt_1", "http://a/1")
+        assert [row.url for row in store.pending_webhook_events()] == ["http://b/2"]
+    finally:
+        store.close()
