@@ -71,18 +71,27 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
 
 
 @torch.inference_mode()
-def expand_prompt(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
-                  image_processor=None, image: PIL.Image.Image | None = None,
-                  max_new_tokens: int = MAX_SEQUENCE_LENGTH) -> str:
-    """`prompt` rewritten by the text encoder (diffusers' `Kandinsky6TI2VAPipeline.expand_prompts` for one prompt,
-    `generator` seeded with `seed`)."""
+def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
+                       image_processor=None, image: PIL.Image.Image | None = None,
+                       max_new_tokens: int = MAX_SEQUENCE_LENGTH) -> torch.Tensor:
+    """The token ids the text encoder writes for `prompt`'s rewrite, (1, n <= max_new_tokens), end token included
+    when it stopped on one (diffusers' `Kandinsky6TI2VAPipeline.expand_prompts` for one prompt, `generator` seeded
+    with `seed`)."""
     inputs = {name: value.to(device) for name, value in
               expansion_inputs(prompt, tokenizer=tokenizer, image_processor=image_processor, image=image).items()}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         generated = text_encoder.generate(**inputs, max_new_tokens=max_new_tokens)
-    answer = generated[:, inputs["input_ids"].shape[1]:]
+    return generated[:, inputs["input_ids"].shape[1]:]
+
+
+def expand_prompt(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
+                  image_processor=None, image: PIL.Image.Image | None = None,
+                  max_new_tokens: int = MAX_SEQUENCE_LENGTH) -> str:
+    """`prompt` rewritten by the text encoder: `expanded_token_ids` decoded as diffusers decodes them."""
+    answer = expanded_token_ids(prompt, tokenizer=tokenizer, text_encoder=text_encoder, device=device, seed=seed,
+                                image_processor=image_processor, image=image, max_new_tokens=max_new_tokens)
     return tokenizer.batch_decode(answer, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
 
 

@@ -36,6 +36,13 @@ def test_generate_inputs_are_the_processors(tiny_distill_dir, with_image):
 
     _, models = _models(tiny_distill_dir)
     processor = load_qwen_processor(tiny_distill_dir / "tokenizer")
+    if with_image:
+        # diffusers loads its processor with from_pretrained, whose image processor is transformers' torchvision one
+        # where torchvision is installed (the GPU host: its pixel values differ from the PIL one's in the last
+        # bits) and the PIL one elsewhere (CI): the reference takes the class from_pretrained picks here.
+        import transformers
+
+        processor.image_processor = transformers.AutoImageProcessor.from_pretrained(tiny_distill_dir / "tokenizer")
     image = _image() if with_image else None
     ours = expansion_inputs("a fox in the snow", tokenizer=models.tokenizer,
                             image_processor=load_image_processor(str(tiny_distill_dir)) if with_image else None,
