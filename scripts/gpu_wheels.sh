@@ -6,8 +6,9 @@
 #   .whlP  pytest, pluggy, iniconfig                                                  ~0.4 MB
 #   .whlS  the server: fastapi, uvicorn, httpx, python-multipart and their dependencies (fastapi 0.165 needs
 #          opentelemetry-api and annotated-doc; pydantic 2.14 its exact pydantic-core and typing-extensions >= 4.16),
-#          and the openai SDK its tests drive the server with (without it tests/server/test_openai_sdk.py skips)
-#                                                                                     ~6.7 MB
+#          the openai SDK its tests drive the server with (without it tests/server/test_openai_sdk.py skips) and
+#          openapi-spec-validator (tests/server/test_openapi.py validates the served document with it)
+#                                                                                     ~8.4 MB
 #   .whlH  fa3-fwd 0.0.3 (FA3 forward, sm_90a) and einops                              ~27 MB
 #   .whlR  diffusers 0.42.1, zipp, importlib-metadata: .whlG without PyAV, to go beside .whlH   ~6.4 MB
 # Install on the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlG/*.whl ...
@@ -16,6 +17,9 @@ set -eu
 grep -qx '.whl\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '.whl*/' >> .git/info/exclude; }
 get() {  # folder, then pip's options and requirements
   local folder=$1; shift
+  # Afresh: a folder downloaded into twice held two versions of one package (httpcore2 2.16.2 and 2.17.0), and the
+  # device's `pip install .whlS/*.whl` refused the pair (forty-fourth session).
+  rm -rf "$folder"
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$folder" "$@"
@@ -24,7 +28,7 @@ get() {  # folder, then pip's options and requirements
 get .whlG --no-deps diffusers==0.42.1 "av==18.*" zipp importlib-metadata
 get .whlP --no-deps pytest pluggy iniconfig
 # With them, resolved for Python 3.12, so pydantic gets its exact pydantic-core and fastapi what it now requires.
-get .whlS fastapi uvicorn httpx python-multipart openai
+get .whlS fastapi uvicorn httpx python-multipart openai openapi-spec-validator
 get .whlH --no-deps fa3-fwd==0.0.3 einops
 get .whlR --no-deps diffusers==0.42.1 zipp importlib-metadata
 du -sh .whlG .whlP .whlS .whlH .whlR
