@@ -134,15 +134,21 @@ class TextToVideoPipeline:
                 "token type (visual_token_type_num_embeddings < 2). Drop --image-path."
             )
 
-    def _expand(self, request: GenerateRequest, image: PIL.Image.Image | None) -> str:
+    def _expand(self, request: GenerateRequest, image: PIL.Image.Image | None,
+                on_step: StepCallback | None = None) -> str:
         """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any;
         called inside a stage that holds the text encoder."""
         m = self.models
         if image is not None and self._image_processor is None:
             self._image_processor = load_image_processor(m.source)
+        # A cancellation point while the rewrite runs (up to 1,024 tokens, about 26 s on an H100), reported as step
+        # 0. One process only: a replica's ranks call on_step together (a collective), and theirs could stop at
+        # different tokens (agree_on_text's reason), leaving one waiting in it.
+        on_tokens = (lambda: on_step(0, request.num_inference_steps)) \
+            if on_step is not None and self.agree_on_text is None else None
         text = expand_prompt(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
                              seed=request.seed, image_processor=self._image_processor, image=image,
-                             max_new_tokens=request.max_sequence_length)
+                             max_new_tokens=request.max_sequence_length, on_tokens=on_tokens)
         return self.agree_on_text(text) if self.agree_on_text is not None else text
 
     def encode(self, request: GenerateRequest) -> Conditioning:
@@ -201,7 +207,7 @@ class TextToVideoPipeline:
             expanded = None
             if request.expand_prompts:
                 expand_start = time.perf_counter()
-                expanded = self._expand(request, image)
+                expanded = self._expand(request, image, on_step)
                 timings["expand_prompt"] = time.perf_counter() - expand_start
                 if not has_visible_text(expanded):
                     # The DiT would get an empty prompt (a sampled rewrite that ended at once): the user's stands.

@@ -591,19 +591,19 @@ class JobRunner:
                 self._applying_lora = None
 
     def _progress_callback(self, job_id: str):
-        state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False, "reports": 0}
+        state = {"last": time.perf_counter(), "progress": 0, "final_step_seen": False, "previous_step": 0}
 
         def on_progress(step: int, total: int) -> None:
             now = time.perf_counter()
             if job_id in self._last_heard:  # a plain store: read without the lock by `seconds_since_progress`
                 self._last_heard[job_id] = time.monotonic()
             decode_chunk = 0 < total <= step and state["final_step_seen"]  # the final step reported again
-            state["reports"] += 1
-            # The first report's time since dispatch holds the text encoding, the conditioning and a first compile
-            # (0.25 s against 0.01 s a step on the demo): not a step's time.
-            if step > 0 and not decode_chunk and state["reports"] > 1:
+            # A step's time is from the step before it: the first step's, since dispatch or since a report of step 0
+            # (the cancellation points of a warm-up or of the prompt's rewrite), holds the text encoding, the
+            # conditioning and a first compile (0.25 s against 0.01 s a step on the demo).
+            if step > 0 and not decode_chunk and state["previous_step"] > 0:
                 self.metrics.step_latency.observe(now - state["last"])
-            state["last"] = now
+            state["last"], state["previous_step"] = now, step
             if 0 < total <= step:
                 state["final_step_seen"] = True
                 self._past_last_step.add(job_id)

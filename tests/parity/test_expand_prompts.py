@@ -176,3 +176,55 @@ def test_a_warm_up_does_not_rewrite():
                               num_frames=5, fps=24.0, num_inference_steps=10, guidance_scale=1.0,
                               expand_prompts=True)
     assert warmup_request(request).expand_prompts is False
+
+
+def test_the_rewrite_calls_on_tokens_every_16_tokens_and_writes_the_same_ids(tiny_distill_dir):
+    from k6serve.pipelines.expand_prompt import TOKENS_PER_CHECK, expanded_token_ids
+
+    _, models = _models(tiny_distill_dir)
+    kwargs = dict(tokenizer=models.tokenizer, text_encoder=models.text_encoder, device=torch.device("cpu"), seed=3,
+                  max_new_tokens=40)
+    plain = expanded_token_ids("a fox in the snow", **kwargs)
+    calls = []
+    checked = expanded_token_ids("a fox in the snow", on_tokens=lambda: calls.append(1), **kwargs)
+    assert torch.equal(checked, plain)  # a criterion that never stops changes nothing written
+    assert plain.shape[1] >= 2 * TOKENS_PER_CHECK and len(calls) == plain.shape[1] // TOKENS_PER_CHECK
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def test_a_cancel_during_the_rewrite_ends_it_before_the_encoding(tiny_distill_dir):
+    # One process: the request's on_step is a cancellation point every 16 tokens of the rewrite, reported as step 0
+    # (a 1,024-token rewrite ran about 26 s on an H100 with no point to stop at).
+    variant, models = _models(tiny_distill_dir)
+    pipeline = TextToVideoPipeline(models)
+    request, _ = resolve_generate(SamplingParams(prompt="a fox", expand_prompts=True, height=HEIGHT, width=WIDTH,
+                                                 num_frames=FRAMES, num_inference_steps=2,
+                                                 max_sequence_length=64), variant)
+    steps = []
+
+    def on_step(step: int, total: int) -> None:
+        steps.append((step, total))
+        raise _Cancelled
+
+    encoded = []
+    pipeline._encode = lambda request: encoded.append(request)  # noqa: SLF001 - must not be reached
+    with pytest.raises(_Cancelled):
+        pipeline(request, on_step=on_step)
+    assert steps == [(0, 2)] and encoded == []
+
+
+def test_a_replicas_rewrite_has_no_cancellation_point(tiny_distill_dir):
+    # Several ranks call on_step together (a collective); their rewrites could stop at different tokens, so the
+    # rewrite leaves it alone there and the first point is the first step, as before.
+    variant, models = _models(tiny_distill_dir)
+    pipeline = TextToVideoPipeline(models)
+    pipeline.agree_on_text = lambda text: text
+    request, _ = resolve_generate(SamplingParams(prompt="a fox", expand_prompts=True, height=HEIGHT, width=WIDTH,
+                                                 num_frames=FRAMES, num_inference_steps=1,
+                                                 max_sequence_length=64), variant)
+    steps = []
+    pipeline(request, on_step=lambda step, total: steps.append((step, total)))
+    assert steps and steps[0] == (1, 1)

@@ -35,6 +35,7 @@ class FakeWorker:
     between the video decode's chunks (`decoding` is set meanwhile), "slow tail" reports every step then waits for
     `release` with no boundary left (like the MP4's tail after the last chunk; `decoding` is set meanwhile too),
     "fail" raises, "fill the disk" raises the OSError of a full disk, "exhaust memory" raises a worker process's out-of-memory error, "lack a package" its missing-package error,
+    "rewrite first" reports step 0 three times before the steps (the expand_prompts rewrite's cancellation points),
     "load image" decodes the
     conditioning image as the pipeline does (so a file broken past its header fails the job).
     """
@@ -60,6 +61,10 @@ class FakeWorker:
             self.started.append(prompt or Path(request.video_path).name)
             self.requests.append(request)
         total = getattr(request, "num_inference_steps", 2)
+        if "rewrite first" in prompt and on_step is not None:
+            for _ in range(3):  # the prompt rewrite's (or a warm-up's) cancellation points, reported as step 0
+                time.sleep(0.02)
+                on_step(0, total)
         step = 0
         while step < total:
             if "hold" in prompt and not self.release.is_set():

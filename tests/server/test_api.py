@@ -487,6 +487,15 @@ def test_models_health_metrics(fake_client):
         assert line.startswith("#") or re.fullmatch(r'[a-z0-9_]+(\{[a-z]+="[^"]*"\})? [0-9.e+-]+', line), line
 
 
+def test_step_latency_leaves_out_the_rewrites_reports_of_step_0(fake_client):
+    # The rewrite's cancellation points (step 0, 20 ms apart here) came before the first step: the first step's time
+    # was then counted from the last of them, encoding and all; only steps after a step are a step's time.
+    job = fake_client.post("/v1/videos", json={"prompt": "rewrite first", "size": "32x32", "num_frames": 5}).json()
+    assert wait_for(fake_client, job["id"])["status"] == "completed"
+    body = fake_client.get("/metrics").text
+    assert re.search(r"^k6serve_step_latency_seconds_count 9$", body, re.MULTILINE)
+
+
 @pytest.mark.parametrize("name", ["kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers",
                                   "Kandinsky-6.0-Pro-distill-5s-Diffusers", "KANDINSKY-6.0-PRO-DISTILL-5S-DIFFUSERS",
                                   "kandinskylab%2FKandinsky-6.0-Pro-distill-5s-Diffusers"])

@@ -1041,6 +1041,9 @@ def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode(monkeypat
     monkeypatch.setattr("k6serve.step_bar.is_terminal", lambda stream: True)
     out = io.StringIO()
     bar = StepBar("denoising", file=out)
+    bar.update(0, 4)  # the warm-up's and the prompt rewrite's cancellation points: no bar yet
+    bar.update(0, 4)
+    assert bar.bar is None and out.getvalue() == ""
     for step in (1, 2, 3, 4):
         bar.update(step, 4)
     first = bar.bar
