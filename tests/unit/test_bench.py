@@ -141,7 +141,7 @@ def test_tiny_smoke_json_fields(tiny_run):
         "breakdown_s",
     }
     assert all(expected_fields <= set(row) for row in rows)
-    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["text"] * 3 + ["vae"] * 4 + ["audio"]
+    assert [row["stage"] for row in rows] == ["dit"] * 4 + ["text"] * 4 + ["vae"] * 4 + ["audio"]
     assert all(len(row["times_s"]) == 2 and row["seconds"] > 0 for row in rows)
 
 
@@ -179,6 +179,11 @@ def test_tiny_vae_and_text_rows(tiny_run):
     written = re.search(r"^(\d+) tokens written, [\d.]+ ms a token \([\d.]+ tokens/s\)", rewrite["note"])
     # The ids generate wrote (up to 256), not its decoded text re-tokenized (random weights write unprintable ones).
     assert written is not None and 1 <= int(written.group(1)) <= 256
+    # The static-cache experiment (compiled on CUDA) says whether its ids are the eager rewrite's.
+    static = next(row for row in rows if row["name"] == "ours expand_prompts, static cache")
+    assert static["error"] is None and static["speedup"] > 0
+    assert re.search(r"first call [\d.]+ s \(compiles on CUDA\); (the same ids as|ids differ from) the eager rewrite",
+                     static["note"])
 
 
 def test_failing_stage_is_an_error_row_and_exit_code_one(capsys):
