@@ -53,7 +53,7 @@ from k6serve.serve.schemas import (
     request_body_schema,
 )
 from k6serve.serve.settings import ServerSettings, normal_origin, normal_root_path
-from k6serve.serve.webhooks import WEBHOOK_SECRET_ENV, WebhookSender, check_webhook_url
+from k6serve.serve.webhooks import WEBHOOK_SECRET_ENV, WebhookSender, check_webhook_url, drop_unsent_events
 
 logger = logging.getLogger(__name__)
 
@@ -347,6 +347,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if runner.webhooks is not None:
             runner.webhooks.start()
+        else:  # what a run with --webhook-url kept has no one to send it now
+            drop_unsent_events(store)
         runner.start()
         if before_serving is not None:
             await asyncio.to_thread(before_serving)
@@ -492,6 +494,7 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         values["allowed_origins"] = tuple(dict.fromkeys(normal))  # in order, once each
     if options.get("webhook_url"):
         urls = options["webhook_url"]
+        # Canonical, so one receiver spelled two ways is one URL, as the job store's kept events name it.
         values["webhook_urls"] = tuple(dict.fromkeys(check_webhook_url(url) for url in
                                                      ([urls] if isinstance(urls, str) else urls)))
     webhook_secret = options.get("webhook_secret")

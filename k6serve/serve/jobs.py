@@ -169,6 +169,7 @@ class JobStore(Protocol):
     def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
                           urls: Iterable[str], queued_at: float | None = None) -> None: ...
     def remove_webhook_event(self, event_id: str, url: str) -> None: ...
+    def remove_webhook_events(self, rows: Iterable[tuple[str, str]]) -> None: ...
     def pending_webhook_events(self) -> list[PendingWebhook]: ...
     def close(self) -> None: ...
 
@@ -300,10 +301,26 @@ class SqliteJobStore:
         with self._lock:
             self._db.execute("DELETE FROM webhook_outbox WHERE event_id = ? AND url = ?", (event_id, url))
 
-    def pending_webhook_events(self) -> list[PendingWebhook]:
-        """The kept events, oldest first (the order they were queued in)."""
+    def remove_webhook_events(self, rows: Iterable[tuple[str, str]]) -> None:
+        """Remove the (event id, URL) rows in one transaction: a start dropping thousands of them committed (synced
+        to disk) once per row."""
+        rows = list(rows)
+        if not rows:
+            return
         with self._lock:
-            rows = self._db.execute("SELECT * FROM webhook_outbox ORDER BY queued_at, rowid").fetchall()
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("DELETE FROM webhook_outbox WHERE event_id = ? AND url = ?", rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def pending_webhook_events(self) -> list[PendingWebhook]:
+        """The kept events in the order they were queued: by rowid, not `queued_at`, which follows the wall clock (a
+        clock stepped back would send a later event first)."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM webhook_outbox ORDER BY rowid").fetchall()
         return [PendingWebhook(event_id=row["event_id"], url=row["url"], event_type=row["event_type"],
                                video_id=row["video_id"], created_at=row["created_at"], queued_at=row["queued_at"])
                 for row in rows]

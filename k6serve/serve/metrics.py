@@ -110,7 +110,9 @@ class ServerMetrics:
             *(f'k6serve_requests_rejected_total{{reason="{reason}"}} {count}'
               for reason, count in sorted(rejected.items())),
             "# HELP k6serve_webhook_deliveries_total Webhook events (--webhook-url) delivered to a URL, or given up "
-            "after the retries.",
+            "(failed, as is one not kept in the job store whose retries a stop cut short); one a stop cut short and "
+            "kept for the next start, one never tried before the server stopped, and a kept one dropped at start "
+            "count in neither.",
             "# TYPE k6serve_webhook_deliveries_total counter",
             *(f'k6serve_webhook_deliveries_total{{outcome="{outcome}"}} {webhooks.get(outcome, 0)}'
               for outcome in ("delivered", "failed")),

@@ -8,6 +8,11 @@ seconds of this attempt) and `webhook-signature` (`v1,` + base64 HMAC-SHA256 of 
 with `--webhook-secret`, whose `whsec_` base64 form is decoded as OpenAI's SDKs decode it). OpenAI's SDKs verify
 them: `client.webhooks.verify_signature(body, headers, secret=...)`.
 
+URLs are compared in the canonical form `check_webhook_url` gives them (scheme and host lower-cased, the scheme's
+default port dropped; path and query as given), and one with whitespace or a control character is refused. Logs show
+a URL as `shown_url` does (scheme://host[:port]/...: a hook URL's path or query often holds its token), a redirect's
+Location too, and never an error text that could quote the URL's path or query.
+
 Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with a 10 s
 timeout; a 2xx is delivered, a connection error, timeout, 408, 429 or 5xx is retried after 1, 2, 4, 8 and 16 s (then
 given up, with a log line naming the URL's host only), a redirect or any other answer is given up at once.
@@ -15,10 +20,12 @@ given up, with a log line naming the URL's host only), a redirect or any other a
 Events are durable: `send` writes one row per event and URL to the job store's `webhook_outbox` before queueing it,
 and a row goes once that URL's delivery succeeded or was given up. One the stop cut short (still queued, or
 between attempts) stays, as does every undelivered one of a server killed outright, and the next start sends it
-again with its own id and `created_at` (receivers drop an id seen before), unless its URL is no longer configured
-or it was queued over 72 hours ago (OpenAI's own retry window): those rows are removed with a warning. When the
-store cannot be written (a full disk) the event is still sent from memory, and a stop before its delivery loses it.
-A cancelled job sends none (the client that cancelled it knows; OpenAI's API has no such event).
+again, in the order it was queued, with its own id and `created_at` (receivers drop an id seen before), unless its
+URL is no longer configured or it was queued over 72 hours ago (OpenAI's own retry window): those rows are removed
+with a warning, as are all of them at a start with no --webhook-url (`drop_unsent_events`). Warnings about many
+events count them per URL and name a few. When the store cannot be written (a full disk) the event is still sent
+from memory, and a stop before its delivery loses it. A cancelled job sends none (the client that cancelled it
+knows; OpenAI's API has no such event).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,14 +61,19 @@ RETRIED_STATUSES = frozenset({408, 429})
 # 72 hours, so a receiver built for OpenAI's needs to keep the ids it has seen (to drop a resent one) no longer.
 RESEND_WINDOW_S = 72 * 3600.0
 VIDEO_COMPLETED, VIDEO_FAILED = "video.completed", "video.failed"
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# Events a warning names per URL; the rest are counted (naming each made one line of megabytes after an outage).
+LOGGED_EXAMPLES = 3
 
 
 def check_webhook_url(url: str) -> str:
-    """An http(s) URL with a host, stripped; a ValueError with the fix otherwise (checked at start)."""
+    """`url`'s canonical form: stripped, scheme and host lower-cased, the scheme's default port dropped, path and
+    query as given (so a receiver spelled two ways is one URL); a ValueError with the fix if it is no usable http(s)
+    URL with a host (checked at start)."""
     text = url.strip()
     try:
         parts = urllib.parse.urlsplit(text)
-        parts.port  # noqa: B018 - raises on a port that is no number or out of range
+        port = parts.port  # raises on a port that is no number or out of range
     except ValueError as exc:
         raise ValueError(f"--webhook-url {url!r} is not a URL ({exc}); pass e.g. "
                          "--webhook-url https://hooks.example.com/k6serve") from None
@@ -72,13 +84,128 @@ def check_webhook_url(url: str) -> str:
         # urllib resolved "user:pw@host" as a host name: every delivery failed, and the warning logged the password.
         raise ValueError(f"--webhook-url {shown_url(text)}: a user name or password in the URL is not sent; put a "
                          "token in the URL's path or query instead (the events are signed with --webhook-secret).")
-    return text
+    position = next((index for index, character in enumerate(text)
+                     if character.isspace() or not character.isprintable()), None)
+    if position is not None:
+        # http.client refused each attempt with an InvalidURL quoting the whole URL, token and all (urlsplit alone
+        # drops tabs and line ends silently). Not echoed here either: the token may sit next to the character.
+        raise ValueError(f"--webhook-url {shown_url(text)} holds a space or control character (at character "
+                         f"{position + 1}), which no HTTP request line can carry: percent-encode it (%20 for a "
+                         "space) or remove it (a line end from a file read whole?).")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port_part = "" if port is None or port == DEFAULT_PORTS[parts.scheme] else f":{port}"
+    # Sliced from the text, not rebuilt by urlunsplit, which drops an empty query's "?" and so changes the URL.
+    rest = text[len(parts.scheme) + len("://") + len(parts.netloc):]
+    return f"{parts.scheme}://{host}{port_part}{rest}"
 
 
 def shown_url(url: str) -> str:
     """`url` as logs show it: scheme://host[:port] only, as a hook URL's path or query often holds its token."""
     parts = urllib.parse.urlsplit(url)
     return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}/..."
+
+
+def shown_location(url: str, location: str) -> str:
+    """A redirect's Location (relative to `url`) as logs show it: reduced as by `shown_url`, as it may hold a token
+    too."""
+    if not location:
+        return "no Location"
+    try:
+        target = urllib.parse.urljoin(url, location)
+        if not urllib.parse.urlsplit(target).hostname:
+            return "a Location with no host"
+        return repr(shown_url(target)[:200])
+    except ValueError:  # a port that is no number, an unclosed "[" in the host
+        return "an unreadable Location"
+
+
+def failure_reason(exc: BaseException, url: str) -> str:
+    """`exc` as a log about `url` shows it: its type and text, or its type and a generic reason where the text (or
+    the one of an exception it came from) could quote the URL's path or query, as http.client's InvalidURL does."""
+    if _may_quote_url(exc, url):
+        return f"{type(exc).__name__}: the URL or request was refused (details not shown: they quote the URL)"
+    return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+
+
+def _may_quote_url(exc: BaseException, url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    pieces = [piece for piece in (parts.path, parts.query) if len(piece) > 1]  # a bare "/" holds no token
+    seen: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in seen:
+        text = str(cause)
+        if isinstance(cause, http.client.InvalidURL) or any(piece in text for piece in pieces):
+            return True
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+class _Tally:
+    """Events counted per label (a URL as `shown_url` shows it), naming the first LOGGED_EXAMPLES of each: a
+    warning about thousands stays one short line."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._examples: dict[str, list[str]] = {}
+
+    def add(self, label: str, example: str) -> None:
+        self._counts[label] = self._counts.get(label, 0) + 1
+        examples = self._examples.setdefault(label, [])
+        if len(examples) < LOGGED_EXAMPLES:
+            examples.append(example)
+
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+
+    def __str__(self) -> str:
+        parts = []
+        for label, count in self._counts.items():
+            named = self._examples[label]
+            more = f", and {count - len(named)} more" if count > len(named) else ""
+            parts.append(f"{count} to {label} ({', '.join(named)}{more})")
+        return "; ".join(parts)
+
+
+def _canonical_or_none(url: str) -> str | None:
+    """A stored row's URL in canonical form (an older server stored it as given); None if it is no usable URL."""
+    try:
+        return check_webhook_url(url)
+    except ValueError:
+        return None
+
+
+def _shown_row_url(url: str) -> str:
+    canonical = _canonical_or_none(url)
+    return shown_url(canonical) if canonical is not None else "a URL that is no longer valid"
+
+
+def drop_unsent_events(outbox: WebhookOutbox) -> None:
+    """At the start of a server with no --webhook-url: remove the events an earlier run kept, with one warning (none
+    is sent, and kept they would go out whenever a URL is given again, however late)."""
+    rows = outbox.pending_webhook_events()
+    if not rows:
+        return
+    dropped = _Tally()
+    for row in rows:
+        dropped.add(_shown_row_url(row.url), f"{row.event_type} {row.video_id}")
+    _remove(outbox, [(row.event_id, row.url) for row in rows])
+    logger.warning("%d webhook event(s) left from the last run are dropped, not sent, as no --webhook-url is given: "
+                   "%s", dropped.total(), dropped)
+
+
+def _remove(outbox: WebhookOutbox, rows: list[tuple[str, str]]) -> None:
+    """Remove rows dropped at a start, in one transaction; a failure leaves them for the next start to drop."""
+    if not rows:
+        return
+    try:
+        outbox.remove_webhook_events(rows)
+    except STORE_WRITE_ERRORS as exc:
+        logger.warning("%d webhook event(s) dropped at this start could not be removed from the job store (%s); the "
+                       "next start drops them again", len(rows), exc)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -134,6 +261,7 @@ class WebhookOutbox(Protocol):
     def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
                           urls: Iterable[str], queued_at: float | None = None) -> None: ...
     def remove_webhook_event(self, event_id: str, url: str) -> None: ...
+    def remove_webhook_events(self, rows: Iterable[tuple[str, str]]) -> None: ...
     def pending_webhook_events(self) -> list[PendingWebhook]: ...
 
 
@@ -141,18 +269,18 @@ class WebhookSender:
     """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` only stores and queues.
 
     With an `outbox`, events outlive the process: what a stop or a crash left undelivered is sent at the next
-    `start`, which must therefore come before the first `send`."""
+    `start` (before the events `send` queues after it; one sent before it is not queued twice)."""
 
     def __init__(self, urls: tuple[str, ...], secret: str, *, user_agent: str = "k6serve",
                  retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S,
                  on_outcome: Callable[[str], None] | None = None, outbox: WebhookOutbox | None = None) -> None:
-        self.urls = urls
+        self.urls = tuple(dict.fromkeys(check_webhook_url(url) for url in urls))  # as the kept rows name them
         self._key = secret_key(secret)
         self._user_agent = user_agent
         self._retry_delays_s = retry_delays_s
         # One queue and thread per URL: a receiver that times out (a minute and a half of attempts per event) holds
         # back its own events only, not the others'.
-        self._queues: dict[str, queue.Queue[Event | None]] = {url: queue.Queue() for url in urls}
+        self._queues: dict[str, queue.Queue[Event | None]] = {url: queue.Queue() for url in self.urls}
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -160,10 +288,19 @@ class WebhookSender:
         self._outbox = outbox
         # Events the outbox could not take (a full disk): a stop before their delivery loses them, and says so.
         self._memory_only: set[str] = set()
+        # Ids `send` queued before `start`, whose rows the start must not queue again (it delivered them twice).
+        self._sent_before_start: set[str] = set()
+        self._started = False
+        self._start_lock = threading.Lock()
+        # (event id, canonical URL) -> the row's URL where an older server stored another spelling of it.
+        self._row_urls: dict[tuple[str, str], str] = {}
 
     def start(self) -> None:
         if self._outbox is not None:
             self._queue_left_from_last_run(self._outbox)
+        with self._start_lock:
+            self._started = True
+            self._sent_before_start.clear()
         for index, url in enumerate(self.urls):
             thread = threading.Thread(target=self._run, args=(url,), name=f"k6serve-webhooks-{index}", daemon=True)
             thread.start()
@@ -172,6 +309,9 @@ class WebhookSender:
     def send(self, event_type: str, video_id: str, completed_at: float) -> None:
         event = Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
                       video_id=video_id)
+        with self._start_lock:  # before its row exists: a start reading the row then finds its id here
+            if not self._started:
+                self._sent_before_start.add(event.id)
         # The runner stored the job's end before this call: a process killed in between (its log line, metrics and
         # upload removal) loses the event, though the job's state is right. A short window, accepted rather than
         # one transaction across the job's transition and these rows.
@@ -206,39 +346,62 @@ class WebhookSender:
         """Remove the (event, URL) row: delivered, or given up for good."""
         if self._outbox is None or event_id in self._memory_only:
             return
+        row_url = self._row_urls.pop((event_id, url), url)
         try:
-            self._outbox.remove_webhook_event(event_id, url)
+            self._outbox.remove_webhook_event(event_id, row_url)
         except Exception as exc:  # noqa: BLE001 - a full disk, or the store closed under a thread hung past the stop
             logger.warning("webhook %s to %s: its job store row could not be removed (%s), so the next start sends "
                            "it again (with the same webhook-id)", event_id, shown_url(url), exc)
 
     def _queue_left_from_last_run(self, outbox: WebhookOutbox) -> None:
         """Queue the kept events a previous run did not deliver (before any new one), with their own ids; drop those
-        for a URL no longer configured and those past RESEND_WINDOW_S."""
+        for a URL no longer configured and those past RESEND_WINDOW_S, in one transaction."""
         now = time.time()
-        unconfigured: dict[str, int] = {}
-        stale: list[str] = []
-        resent = 0
-        for row in outbox.pending_webhook_events():
-            if row.url not in self._queues:
-                shown = shown_url(row.url)  # the full URL may hold the receiver's token
-                unconfigured[shown] = unconfigured.get(shown, 0) + 1
+        configured_shown = {shown_url(url) for url in self.urls}
+        unconfigured, stale = _Tally(), _Tally()
+        dropped: list[tuple[str, str]] = []
+        queued: set[tuple[str, str]] = set()
+        rows = outbox.pending_webhook_events()
+        with self._start_lock:  # read after the rows: `send` adds an id before writing its row
+            sent_already = set(self._sent_before_start)
+        for row in rows:
+            if row.event_id in sent_already:
+                continue  # `send` queued it before this start
+            url = _canonical_or_none(row.url)
+            example = f"{row.event_type} {row.video_id}"
+            if url is None or url not in self._queues:
+                unconfigured.add(self._unconfigured_label(url, configured_shown), example)
             elif now - row.queued_at > RESEND_WINDOW_S:
-                stale.append(f"{row.event_type} {row.video_id} to {shown_url(row.url)}")
+                stale.add(shown_url(url), example)
+            elif (row.event_id, url) in queued:
+                pass  # an older server given two spellings of this URL stored the event twice: sent once
             else:
-                self._queues[row.url].put(Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
-                                                video_id=row.video_id))
-                resent += 1
+                if url != row.url:
+                    self._row_urls[(row.event_id, url)] = row.url
+                queued.add((row.event_id, url))
+                self._queues[url].put(Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
+                                            video_id=row.video_id))
                 continue
-            self._forget(row.event_id, row.url)
+            dropped.append((row.event_id, row.url))
+        _remove(outbox, dropped)
         if unconfigured:
             logger.warning("webhook events left from the last run for URLs no longer given as --webhook-url are "
-                           "dropped: %s", ", ".join(f"{count} to {shown}" for shown, count in unconfigured.items()))
+                           "dropped: %s", unconfigured)
         if stale:
             logger.warning("webhook events left from the last run, queued over %g hours ago (OpenAI's retry window), "
-                           "are dropped, not sent: %s", RESEND_WINDOW_S / 3600, ", ".join(stale))
-        if resent:
-            logger.info("resending %d webhook event(s) left from the last run", resent)
+                           "are dropped, not sent: %s", RESEND_WINDOW_S / 3600, stale)
+        if queued:
+            logger.info("resending %d webhook event(s) left from the last run", len(queued))
+
+    @staticmethod
+    def _unconfigured_label(url: str | None, configured_shown: Collection[str]) -> str:
+        if url is None:
+            return "a URL that is no longer valid"
+        shown = shown_url(url)
+        if shown in configured_shown:
+            # The log hides paths: without this the dropped rows' URL read as the one configured.
+            return f"{shown}, a --webhook-url's scheme, host and port with another path or query"
+        return shown
 
     def stop(self, timeout_s: float = DRAIN_AT_STOP_S) -> None:
         """Deliver what is queued within `timeout_s` (no retry waits past it), then stop; what is left is logged
@@ -254,7 +417,7 @@ class WebhookSender:
         self._stopping.set()  # retry waits in progress end now
         for thread in self._threads:
             thread.join(1.0)
-        kept, dropped = [], []
+        kept, dropped = _Tally(), _Tally()
         for url, url_queue in self._queues.items():
             while True:
                 try:
@@ -262,16 +425,15 @@ class WebhookSender:
                 except queue.Empty:
                     break
                 if item is not None:
-                    (kept if self._is_kept(item) else dropped).append(f"{item.type} {item.video_id} to "
-                                                                      f"{shown_url(url)}")
+                    (kept if self._is_kept(item) else dropped).add(shown_url(url), f"{item.type} {item.video_id}")
             # Its thread may still be in an attempt (a receiver that accepts and never answers, up to the timeout):
             # it must find the end mark when it comes back, or it waits on the queue for good.
             url_queue.put(None)
         if kept:
             logger.warning("webhooks not delivered before the server stopped, kept in the job store and sent at the "
-                           "next start: %s", ", ".join(kept))
+                           "next start: %s", kept)
         if dropped:
-            logger.warning("webhooks not delivered before the server stopped (dropped): %s", ", ".join(dropped))
+            logger.warning("webhooks not delivered before the server stopped (dropped): %s", dropped)
 
     def _run(self, url: str) -> None:
         url_queue = self._queues[url]
@@ -281,8 +443,12 @@ class WebhookSender:
                 return
             try:
                 settled = self._deliver(event, url)
-            except Exception:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
-                logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
+            except Exception as exc:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
+                if _may_quote_url(exc, url):  # its traceback would show the token
+                    logger.error("webhook %s for %s to %s failed (%s)", event.type, event.video_id, shown_url(url),
+                                 failure_reason(exc, url))
+                else:
+                    logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
                 self._count("failed")
                 settled = True
             if settled:
@@ -309,13 +475,14 @@ class WebhookSender:
                 problem = f"HTTP {exc.code}"
                 if 300 <= exc.code < 400:
                     location = exc.headers.get("Location", "") if exc.headers else ""
-                    problem += f" to {location[:200]!r}: a redirect is not followed, give that URL as --webhook-url"
+                    problem += (f" to {shown_location(url, location)}: a redirect is not followed, give that URL as "
+                                "--webhook-url (the log hides its path; curl -si -X POST <the URL> shows it)")
                     break
                 if exc.code not in RETRIED_STATUSES and exc.code < 500:
                     break  # the receiver refused it: trying again would get the same answer
                 continue
             except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, garbage
-                problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                problem = failure_reason(exc, url)
                 continue
             self._count("delivered")
             logger.debug("webhook %s %s delivered to %s (attempt %d)", event.type, event.video_id, shown_url(url),

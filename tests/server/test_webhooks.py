@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ class Receiver:
     def __init__(self) -> None:
         self.received: list[tuple[dict[str, str], bytes]] = []
         self.answers: list[int] = []
+        self.location = "/moved"  # a 3xx answer's
         self.arrived = threading.Condition()
         receiver = self
 
@@ -47,7 +49,7 @@ class Receiver:
                     receiver.arrived.notify_all()
                 self.send_response(status)
                 if 300 <= status < 400:
-                    self.send_header("Location", "/moved")
+                    self.send_header("Location", receiver.location)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -189,8 +191,16 @@ def test_the_secret_may_come_from_the_environment(monkeypatch):
     assert settings.webhook_urls == ("https://hooks.example/k6",) and settings.webhook_secret == SECRET
 
 
-def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog):
+@pytest.mark.parametrize(("location", "shown"), [
+    ("/moved?token=loc-token", "http://127.0.0.1:{port}/..."),
+    ("https://Elsewhere.example.com/new?token=loc-token", "https://elsewhere.example.com/..."),
+    ("mailto:loc-token@moved", None),
+], ids=["relative", "another-host", "no-host"])
+def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog, location, shown):
     # urllib turned the POST into a bodiless GET to the new place, the signature headers with it, and counted it.
+    # Its Location is logged as the hook URL is (scheme://host[:port]/...): it logged up to 200 characters of it,
+    # and a receiver's redirect often carries a token too.
+    receiver.location = location
     outcomes = []
     sender = WebhookSender((receiver.url + "?token=secret-token",), SECRET, retry_delays_s=(0.05,),
                            on_outcome=outcomes.append)
@@ -203,8 +213,11 @@ def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog
     finally:
         sender.stop(timeout_s=1.0)
     assert outcomes == ["failed"] and len(receiver.received) == 1  # no GET to /moved
-    assert "a redirect is not followed, give that URL as --webhook-url" in caplog.text and "/moved" in caplog.text
-    assert "secret-token" not in caplog.text and "/hooks" not in caplog.text  # the log shows scheme://host:port/...
+    port = receiver.server.server_address[1]
+    target = "a Location with no host" if shown is None else repr(shown.format(port=port))
+    assert f"HTTP 301 to {target}: a redirect is not followed, give that URL as --webhook-url" in caplog.text
+    for hidden in ("secret-token", "/hooks", "loc-token", "/moved", "/new"):  # the log shows scheme://host:port/...
+        assert hidden not in caplog.text
 
 
 class SilentListener:
@@ -410,7 +423,7 @@ def test_kept_events_for_a_removed_url_or_past_72_hours_are_dropped_at_the_start
     assert ("webhook events left from the last run for URLs no longer given as --webhook-url are dropped: "
             "1 to http://127.0.0.1:9/...") in caplog.text
     assert ("webhook events left from the last run, queued over 72 hours ago (OpenAI's retry window), are dropped, "
-            "not sent: video.completed video_stale to http://127.0.0.1:") in caplog.text
+            f"not sent: 1 to {receiver.url.removesuffix('/hooks')}/... (video.completed video_stale)") in caplog.text
     assert "resending 1 webhook event(s) left from the last run" in caplog.text
     assert "tok-secret" not in caplog.text and "old-hook" not in caplog.text
 
@@ -472,3 +485,192 @@ def test_a_store_from_before_the_outbox_opens_and_gains_it(tmp_path):
         assert [row.url for row in store.pending_webhook_events()] == ["http://b/2"]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("spelling", ["https://hooks.example.com/k6", "https://Hooks.Example.com/k6",
+                                      "HTTPS://hooks.example.com/k6", "https://hooks.example.com:443/k6",
+                                      " https://HOOKS.example.com:443/k6 "])
+def test_a_receiver_spelled_another_way_is_the_same_url(spelling):
+    settings = settings_from_options({"webhook_url": [spelling, "https://hooks.example.com/k6"],
+                                      "webhook_secret": SECRET})
+    assert settings.webhook_urls == ("https://hooks.example.com/k6",)
+
+
+@pytest.mark.parametrize(("given", "canonical"), [
+    ("https://hooks.example.com/K6?Token=AbC", "https://hooks.example.com/K6?Token=AbC"),  # path, query as given
+    ("http://hooks.example.com:443/k6", "http://hooks.example.com:443/k6"),  # not http's default port
+    ("http://Hooks.example.com:80/k6?", "http://hooks.example.com/k6?"),  # an empty query's "?" kept
+    ("https://[::1]:443/k6", "https://[::1]/k6"),
+    ("https://hooks.example.com:8443", "https://hooks.example.com:8443"),
+])
+def test_only_the_scheme_host_and_default_port_are_made_canonical(given, canonical):
+    from k6serve.serve.webhooks import check_webhook_url
+
+    assert check_webhook_url(given) == canonical
+
+
+def test_a_restart_with_the_receiver_spelled_differently_sends_the_kept_events(receiver, store, caplog):
+    # Matched as given, such a start dropped every kept row "for URLs no longer given as --webhook-url", and the
+    # warning showed the configured URL's own scheme://host:port.
+    caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
+    shouted = receiver.url.replace("http://", "HTTP://")
+    store.add_webhook_event("evt_kept", "video.completed", "video_a", 1_700_000_000, (receiver.url,))
+    sender = WebhookSender((shouted,), SECRET, outbox=store)
+    sender.start()
+    try:
+        (headers, _), = receiver.wait(1)
+        _until(lambda: not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert headers["webhook-id"] == "evt_kept" and "dropped" not in caplog.text
+    # A row an older server stored under another spelling is sent too, and its row removed once delivered.
+    store.add_webhook_event("evt_older", "video.failed", "video_b", 1_700_000_001, (shouted,))
+    sender = WebhookSender((receiver.url,), SECRET, outbox=store)
+    sender.start()
+    try:
+        receiver.wait(2)
+        _until(lambda: not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert [headers["webhook-id"] for headers, _ in receiver.received] == ["evt_kept", "evt_older"]
+    assert "dropped" not in caplog.text
+
+
+def test_a_kept_event_for_another_path_on_a_configured_host_says_the_path_differs(receiver, store, caplog):
+    origin = receiver.url.removesuffix("/hooks")
+    store.add_webhook_event("evt_other", "video.completed", "video_a", 1_700_000_000,
+                            (f"{origin}/old-hook?token=tok-secret", "http://127.0.0.1:9/gone"))
+    sender = WebhookSender((receiver.url,), SECRET, outbox=store)
+    sender.start()
+    sender.stop(timeout_s=1.0)
+    assert store.pending_webhook_events() == [] and receiver.received == []
+    assert ("webhook events left from the last run for URLs no longer given as --webhook-url are dropped: "
+            f"1 to {origin}/..., a --webhook-url's scheme, host and port with another path or query "
+            "(video.completed video_a); 1 to http://127.0.0.1:9/... (video.completed video_a)") in caplog.text
+    assert "tok-secret" not in caplog.text and "old-hook" not in caplog.text
+
+
+def test_a_server_started_without_webhook_urls_drops_the_kept_events_saying_so(tmp_path, caplog):
+    # Nothing read them: they waited, unsent, while the docs said this start dropped them.
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.add_webhook_event("evt_a", "video.completed", "video_a", 1, ("https://hooks.example.com/k6?token=tok-a",))
+    store.add_webhook_event("evt_b", "video.failed", "video_b", 2, ("https://hooks.example.com/k6?token=tok-a",
+                                                                    "http://127.0.0.1:9/other"))
+    store.close()
+    server = start_server(tmp_path)
+    try:
+        assert server.store.pending_webhook_events() == []
+    finally:
+        server.stop()
+    lines = [record.getMessage() for record in caplog.records if "webhook" in record.getMessage()]
+    assert lines == ["3 webhook event(s) left from the last run are dropped, not sent, as no --webhook-url is given: "
+                     "2 to https://hooks.example.com/... (video.completed video_a, video.failed video_b); "
+                     "1 to http://127.0.0.1:9/... (video.failed video_b)"]
+
+
+def test_many_dropped_events_make_a_short_warning_and_one_removal(store, caplog, monkeypatch):
+    # Each dropped row was named in the warning (megabytes of log) and removed by its own DELETE and commit.
+    now = time.time()
+    for index in range(50):
+        store.add_webhook_event(f"evt_g{index}", "video.completed", f"video_{index}", 1, ("https://old.example/h",),
+                                queued_at=now - 10)
+        store.add_webhook_event(f"evt_s{index}", "video.failed", f"video_{index}", 1, ("http://127.0.0.1:9/dead",),
+                                queued_at=now - 80 * 3600)
+    one_by_one, at_once = [], []
+    remove_all = store.remove_webhook_events
+    monkeypatch.setattr(store, "remove_webhook_event", lambda *row: one_by_one.append(row))
+    monkeypatch.setattr(store, "remove_webhook_events", lambda rows: (at_once.append(list(rows)),
+                                                                      remove_all(at_once[-1])))
+    sender = WebhookSender(("http://127.0.0.1:9/dead",), SECRET, outbox=store)
+    sender.start()
+    sender.stop(timeout_s=0.5)
+    assert one_by_one == [] and len(at_once) == 1 and len(at_once[0]) == 100
+    assert store.pending_webhook_events() == []
+    assert ("are dropped: 50 to https://old.example/... (video.completed video_0, video.completed video_1, "
+            "video.completed video_2, and 47 more)") in caplog.text
+    assert ("are dropped, not sent: 50 to http://127.0.0.1:9/... (video.failed video_0, video.failed video_1, "
+            "video.failed video_2, and 47 more)") in caplog.text
+    assert "video_3" not in caplog.text
+
+
+def test_the_stops_warning_counts_the_events_it_leaves(store, caplog, monkeypatch):
+    from k6serve.serve import webhooks
+
+    monkeypatch.setattr(webhooks, "TIMEOUT_S", 2.5)  # the first event's attempt outlasts the stop's waits (1.2 s)
+    hung = SilentListener()
+    sender = WebhookSender((hung.url,), SECRET, outbox=store)
+    try:
+        sender.start()
+        for index in range(20):
+            sender.send("video.completed", f"video_{index}", 1_700_000_000)
+        _until(lambda: hung.connections)
+        sender.stop(timeout_s=0.2)
+        _until(lambda: not any(thread.is_alive() for thread in sender._threads), timeout_s=5.0)
+    finally:
+        hung.close()
+    assert (f"kept in the job store and sent at the next start: 19 to {hung.url.removesuffix('/hung')}/... "
+            "(video.completed video_1, video.completed video_2, video.completed video_3, and 16 more)") in caplog.text
+    assert "video_4" not in caplog.text and len(store.pending_webhook_events()) == 20
+
+
+def test_an_event_sent_before_the_start_is_delivered_once(receiver, store):
+    # The start queued the kept row of the event `send` had queued already: the receiver got it twice.
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, outbox=store, on_outcome=outcomes.append)
+    sender.send("video.failed", "video_a", 1_700_000_000)
+    sender.start()
+    try:
+        receiver.wait(1)
+        _until(lambda: outcomes == ["delivered"] and not store.pending_webhook_events())
+        time.sleep(0.3)
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert len(receiver.received) == 1 and outcomes == ["delivered"]
+
+
+def test_kept_events_are_resent_in_the_order_they_were_queued_whatever_the_clock(store):
+    # Ordered by queued_at, a wall clock stepped back an hour between two events sent the later one first.
+    store.add_webhook_event("evt_first", "video.completed", "video_a", 1, ("http://a/1",), queued_at=time.time())
+    store.add_webhook_event("evt_second", "video.completed", "video_b", 2, ("http://a/1",),
+                            queued_at=time.time() - 3600)
+    assert [row.event_id for row in store.pending_webhook_events()] == ["evt_first", "evt_second"]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/hook?token=tok-secret x",
+                                 "http://127.0.0.1:9/hook?token=tok-secret\n1",
+                                 "http://127.0.0.1:9/ho\tok?token=tok-secret",
+                                 "http://127.0.0.1:9/hook?token=tok\x7f"])
+def test_a_url_with_whitespace_or_a_control_character_is_refused_without_its_token(url):
+    # Accepted, each attempt raised http.client's InvalidURL, whose logged text held the whole URL, token and all.
+    with pytest.raises(ValueError, match="holds a space or control character .* percent-encode it") as raised:
+        settings_from_options({"webhook_url": [url], "webhook_secret": SECRET})
+    assert "tok" not in str(raised.value) and "/ho" not in str(raised.value)
+
+
+@pytest.mark.parametrize("error", [
+    lambda url: http.client.InvalidURL(f"URL can't contain control characters. {url!r} (found at least ' ')"),
+    lambda url: OSError(f"could not send to {url}"),
+    lambda url: RuntimeError(f"unforeseen, with {url.split('?')[1]}"),  # escapes `_deliver`: logged by its thread
+], ids=["InvalidURL", "OSError", "unforeseen"])
+def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, monkeypatch, error):
+    from k6serve.serve import webhooks
+
+    url = "http://127.0.0.1:9/hook-path?token=tok-secret"
+
+    class Refusing:
+        def open(self, request, timeout):  # noqa: ANN001 - the opener's signature
+            raise error(request.full_url)
+
+    monkeypatch.setattr(webhooks, "_OPENER", Refusing())
+    outcomes = []
+    sender = WebhookSender((url,), SECRET, retry_delays_s=(0.01,), on_outcome=outcomes.append)
+    sender.start()
+    try:
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        _until(lambda: outcomes == ["failed"])
+    finally:
+        sender.stop(timeout_s=1.0)
+    failed = error(url)
+    assert f"{type(failed).__name__}: the URL or request was refused (details not shown: they quote the URL)" in (
+        caplog.text)
+    assert "tok-secret" not in caplog.text and "hook-path" not in caplog.text
