@@ -7,6 +7,7 @@ callback; WAL keeps readers from blocking the writer. Every status change is a c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -213,6 +214,12 @@ class SqliteJobStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._owner = _own(self.path)
         self._lock = threading.Lock()
+        if not self.path.exists():
+            # Owner-only, as a new file: the store holds every prompt, the webhook URLs with the tokens in their paths
+            # and the LoRA paths, and sqlite made it (and its -wal and -shm, which take its mode) readable to every
+            # local user (0644). An existing store keeps the mode it was given.
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
         with self._lock:

@@ -4,6 +4,7 @@ once space is back, and a folder the server cannot write stops it at start."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import sqlite3
 import tempfile
@@ -183,3 +184,22 @@ def test_uploads_no_job_owns_are_deleted_at_start(tmp_path):
         runner.stop()
         engine.shutdown(timeout=10)
         store.close()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_a_new_job_store_is_readable_by_its_owner_only_and_an_old_one_keeps_its_mode(tmp_path):
+    # It holds every prompt and the webhook URLs with their tokens; sqlite made it 0644, and its -wal and -shm take
+    # the database file's mode.
+    from k6serve.serve.jobs import SqliteJobStore
+
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.set_lora_state([])  # a write: the WAL exists now
+    modes = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.glob("jobs.sqlite3*")}
+    store.close()
+    assert modes["jobs.sqlite3"] == 0o600 and modes.get("jobs.sqlite3-wal", 0o600) == 0o600, modes
+    old = tmp_path / "old" / "jobs.sqlite3"
+    old.parent.mkdir()
+    SqliteJobStore(old).close()
+    old.chmod(0o640)  # the operator's choice for a store made before
+    SqliteJobStore(old).close()
+    assert old.stat().st_mode & 0o777 == 0o640
