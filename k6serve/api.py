@@ -643,8 +643,13 @@ class DiffGenerator:
         leaves the bar at the step it stopped), closed when the request ends however it ends."""
         if not isinstance(progress_bar, bool):
             raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")
+        # The engine also reports step 0, as a cancellation point before the first step (a warm-up, the prompt's
+        # rewrite every 16 tokens); on_progress's contract is steps counting from 1 (an ETA callback divided by the
+        # step). A cancel still reaches those points through the engine's own check.
+        user = None if on_progress is None else (
+            lambda step, total: on_progress(step, total) if step > 0 else None)
         if not progress_bar:
-            yield on_progress
+            yield user
             return
         from k6serve.step_bar import StepBar
 
@@ -652,8 +657,8 @@ class DiffGenerator:
 
         def on_step(step: int, total: int) -> None:
             bar.update(step, total)
-            if on_progress is not None:
-                on_progress(step, total)
+            if user is not None:
+                user(step, total)
 
         try:
             yield on_step

@@ -10,6 +10,7 @@ tokens/s): a request with expand_prompts pays it before encoding, up to 1024 tok
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -154,4 +155,9 @@ def _static_cache_row(parts: TextComponents, options: TextOptions, eager) -> Ben
                     f"(compiles on CUDA); {same}; x column: against the eager rewrite")
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         row.error = f"{type(error).__name__}: {error}"
+    finally:
+        # transformers keeps the compiled step on the model (`_compiled_call`, a reference cycle through it): the
+        # 16 GB encoder outlived the stage until a collection, beside the next stage's model.
+        vars(parts.text_encoder).pop("_compiled_call", None)
+        gc.collect()
     return row

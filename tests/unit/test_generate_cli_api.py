@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -316,3 +317,20 @@ def test_the_timing_table_keeps_its_columns_and_prints_counts_whole():
     assert "cache dit cached calls          8" in lines and "graphs compiled                 2" in lines
     ends = {len(line) for line in lines if not line.startswith("-")}
     assert ends == {len(lines[0])}, lines
+
+
+@pytest.mark.parametrize("progress_bar", [False, True])
+def test_on_progress_counts_from_step_one_while_the_rewrite_reports_step_0(generator, progress_bar):
+    # The engine reports step 0 every 16 tokens of the prompt's rewrite (a cancellation point); the API's contract is
+    # steps from 1 (an ETA callback divided by the step: ZeroDivisionError failed the request).
+    calls = []
+    start = time.monotonic()
+
+    def eta(step: int, total: int) -> None:
+        calls.append((step, total))
+        (time.monotonic() - start) / step * (total - step)
+
+    result = generator.generate({"prompt": "a fox", "expand_prompts": True, "num_inference_steps": 2,
+                                 "max_sequence_length": 64, "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES,
+                                 "save_output": False}, on_progress=eta, progress_bar=progress_bar)
+    assert result.expanded_prompt and calls[0] == (1, 2) and min(step for step, _ in calls) == 1
