@@ -249,6 +249,19 @@ def _until(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _send_kept(urls: tuple[str, ...], receiver, store, count: int) -> list:
+    """Start a sender over `store` for `urls`, wait until `receiver` holds `count` events and the outbox is empty,
+    stop it; the received (headers, body) pairs."""
+    sender = WebhookSender(urls, SECRET, outbox=store)
+    sender.start()
+    try:
+        received = receiver.wait(count)
+        _until(lambda: not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=1.0)
+    return received
+
+
 def test_a_hung_url_holds_back_no_other_and_its_thread_ends_after_the_stop(receiver, monkeypatch):
     from k6serve.serve import webhooks
 
@@ -411,14 +424,8 @@ def test_kept_events_for_a_removed_url_or_past_72_hours_are_dropped_at_the_start
     store.add_webhook_event("evt_stale", "video.completed", "video_stale", 1_700_000_000, (receiver.url,),
                             queued_at=time.time() - 73 * 3600)
     store.add_webhook_event("evt_gone", "video.completed", "video_gone", 1_700_000_001, (gone, receiver.url))
-    sender = WebhookSender((receiver.url,), SECRET, outbox=store)
-    sender.start()
-    try:
-        # Rows go in the order they were queued: had the stale one been sent, it would have come first.
-        (headers, _), = receiver.wait(1)
-        _until(lambda: not store.pending_webhook_events())
-    finally:
-        sender.stop(timeout_s=1.0)
+    # Rows go in the order they were queued: had the stale one been sent, it would have come first.
+    (headers, _), = _send_kept((receiver.url,), receiver, store, 1)
     assert headers["webhook-id"] == "evt_gone" and len(receiver.received) == 1
     assert ("webhook events left from the last run for URLs no longer given as --webhook-url are dropped: "
             "1 to http://127.0.0.1:9/...") in caplog.text
@@ -515,23 +522,11 @@ def test_a_restart_with_the_receiver_spelled_differently_sends_the_kept_events(r
     caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
     shouted = receiver.url.replace("http://", "HTTP://")
     store.add_webhook_event("evt_kept", "video.completed", "video_a", 1_700_000_000, (receiver.url,))
-    sender = WebhookSender((shouted,), SECRET, outbox=store)
-    sender.start()
-    try:
-        (headers, _), = receiver.wait(1)
-        _until(lambda: not store.pending_webhook_events())
-    finally:
-        sender.stop(timeout_s=1.0)
+    (headers, _), = _send_kept((shouted,), receiver, store, 1)
     assert headers["webhook-id"] == "evt_kept" and "dropped" not in caplog.text
     # A row an older server stored under another spelling is sent too, and its row removed once delivered.
     store.add_webhook_event("evt_older", "video.failed", "video_b", 1_700_000_001, (shouted,))
-    sender = WebhookSender((receiver.url,), SECRET, outbox=store)
-    sender.start()
-    try:
-        receiver.wait(2)
-        _until(lambda: not store.pending_webhook_events())
-    finally:
-        sender.stop(timeout_s=1.0)
+    _send_kept((receiver.url,), receiver, store, 2)
     assert [headers["webhook-id"] for headers, _ in receiver.received] == ["evt_kept", "evt_older"]
     assert "dropped" not in caplog.text
 
