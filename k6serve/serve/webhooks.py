@@ -14,8 +14,13 @@ a URL as `shown_url` does (scheme://host[:port]/...: a hook URL's path or query 
 Location too, and never an error text that could quote the URL's path or query.
 
 Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with a 10 s
-timeout; a 2xx is delivered, a connection error, timeout, 408, 429 or 5xx is retried after 1, 2, 4, 8 and 16 s (then
-given up, with a log line naming the URL's host only), a redirect or any other answer is given up at once.
+timeout; a 2xx is delivered; a connection error, timeout, 408, 429 or 5xx is retried with OpenAI's exponential
+backoff (1, 2, 4, ... 1024 s, then every 30 minutes) until the next wait would end over 72 hours after the event was
+first queued (`RESEND_WINDOW_S`, counted from its row's `queued_at` when resent), then given up; a redirect or any
+other answer is given up at once. Events for one URL go in the order queued: the head event's retries hold back that
+URL's later events (a receiver down for a deploy gets them all, in order, once back), never another URL's. Logs name
+the URL's scheme, host and port only: a WARNING once an event has failed 6 attempts (about 31 s), then nothing per
+attempt until an INFO line on its delivery or a WARNING when it is given up.
 
 Events are durable: `send` writes one row per event and URL to the job store's `webhook_outbox` before queueing it,
 and a row goes once that URL's delivery succeeded or was given up. One the stop cut short (still queued, or
@@ -53,17 +58,44 @@ logger = logging.getLogger(__name__)
 
 WEBHOOK_SECRET_ENV = "K6SERVE_WEBHOOK_SECRET"
 TIMEOUT_S = 10.0
-RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 # How long a stopping server waits for the events still queued (a job that ended just before the stop).
 DRAIN_AT_STOP_S = 5.0
 RETRIED_STATUSES = frozenset({408, 429})
-# A kept event older than this is dropped at the next start, not sent: OpenAI retries its own webhooks for up to
-# 72 hours, so a receiver built for OpenAI's needs to keep the ids it has seen (to drop a resent one) no longer.
+# A kept event older than this is dropped at the next start, not sent, and no retry is made past it: OpenAI retries
+# its own webhooks for up to 72 hours, so a receiver built for OpenAI's keeps the ids it has seen (to drop a resent
+# one) no longer.
 RESEND_WINDOW_S = 72 * 3600.0
+# Retries wait at most this long apart: a receiver back from a long outage gets its events within half an hour.
+MAX_RETRY_DELAY_S = 1800.0
+# Failed attempts after which a delivery is logged as late (the first 31 s of retries): a receiver down for hours
+# would otherwise show in no log line until its events were given up, 72 hours on.
+LATE_AFTER_ATTEMPTS = 6
 VIDEO_COMPLETED, VIDEO_FAILED = "video.completed", "video.failed"
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # Events a warning names per URL; the rest are counted (naming each made one line of megabytes after an outage).
 LOGGED_EXAMPLES = 3
+
+
+def backoff_delays(first_s: float, cap_s: float, total_s: float) -> tuple[float, ...]:
+    """Waits doubling from `first_s` up to `cap_s`, then `cap_s` repeated, until they add up to `total_s`."""
+    delays: list[float] = []
+    while sum(delays) < total_s:
+        delays.append(min(first_s * 2 ** len(delays), cap_s))
+    return tuple(delays)
+
+
+# OpenAI's exponential backoff: 1, 2, 4, ..., 1024 s, then every 30 minutes; the age bound (`give_up_after_s`)
+# ends it before its last wait.
+RETRY_DELAYS_S = backoff_delays(1.0, MAX_RETRY_DELAY_S, RESEND_WINDOW_S)
+
+
+def _duration(seconds: float) -> str:
+    """`seconds` as a log line shows them: 31 s, 30 min, 72 h."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
 
 
 def check_webhook_url(url: str) -> str:
@@ -249,6 +281,7 @@ class Event:
     type: str
     created_at: int
     video_id: str
+    queued_at: float  # wall-clock time it was first queued (a resent row's own): retries end RESEND_WINDOW_S on
 
     def body(self) -> bytes:
         return json.dumps({"id": self.id, "object": "event", "created_at": self.created_at, "type": self.type,
@@ -268,17 +301,22 @@ class WebhookOutbox(Protocol):
 class WebhookSender:
     """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` only stores and queues.
 
+    A URL's events go in order: its head event's retries (up to `give_up_after_s` after it was queued) hold back
+    that URL's later ones, never another URL's. `retry_delays_s` is the whole schedule (given up after its last
+    wait); tests pass short ones, and a short `give_up_after_s`.
+
     With an `outbox`, events outlive the process: what a stop or a crash left undelivered is sent at the next
     `start` (before the events `send` queues after it; one sent before it is not queued twice)."""
 
     def __init__(self, urls: tuple[str, ...], secret: str, *, user_agent: str = "k6serve",
-                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S,
+                 retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S, give_up_after_s: float = RESEND_WINDOW_S,
                  on_outcome: Callable[[str], None] | None = None, outbox: WebhookOutbox | None = None) -> None:
         self.urls = tuple(dict.fromkeys(check_webhook_url(url) for url in urls))  # as the kept rows name them
         self._key = secret_key(secret)
         self._user_agent = user_agent
         self._retry_delays_s = retry_delays_s
-        # One queue and thread per URL: a receiver that times out (a minute and a half of attempts per event) holds
+        self._give_up_after_s = give_up_after_s
+        # One queue and thread per URL: a receiver that is down (up to 72 hours of retries for its head event) holds
         # back its own events only, not the others'.
         self._queues: dict[str, queue.Queue[Event | None]] = {url: queue.Queue() for url in self.urls}
         self._stopping = threading.Event()
@@ -308,7 +346,7 @@ class WebhookSender:
 
     def send(self, event_type: str, video_id: str, completed_at: float) -> None:
         event = Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
-                      video_id=video_id)
+                      video_id=video_id, queued_at=time.time())
         with self._start_lock:  # before its row exists: a start reading the row then finds its id here
             if not self._started:
                 self._sent_before_start.add(event.id)
@@ -331,7 +369,8 @@ class WebhookSender:
         if self._outbox is None:
             return False
         try:
-            self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls)
+            self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls,
+                                           queued_at=event.queued_at)
         except STORE_WRITE_ERRORS as exc:  # the job has ended all the same: its event still goes, from memory
             self._memory_only.add(event.id)
             logger.warning("webhook %s for %s could not be kept in the job store (%s); it is sent from memory, and "
@@ -380,7 +419,7 @@ class WebhookSender:
                     self._row_urls[(row.event_id, url)] = row.url
                 queued.add((row.event_id, url))
                 self._queues[url].put(Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
-                                            video_id=row.video_id))
+                                            video_id=row.video_id, queued_at=row.queued_at))
                 continue
             dropped.append((row.event_id, row.url))
         _remove(outbox, dropped)
@@ -457,42 +496,66 @@ class WebhookSender:
     def _deliver(self, event: Event, url: str) -> bool:
         """Attempt `event` until it is delivered or given up (True), or until the stop cuts it short (False)."""
         body = event.body()
-        problem, attempts = "", 0
+        problem, attempts, too_old = "", 0, ""
+        started = time.monotonic()
         for delay in (0.0, *self._retry_delays_s):
-            if delay and self._stopping.wait(delay):
-                self._cut_short(event, url, attempts, problem)
-                return False
-            attempts += 1
-            timestamp = int(time.time())
-            request = urllib.request.Request(url, data=body, method="POST", headers={
-                "Content-Type": "application/json", "User-Agent": self._user_agent, "webhook-id": event.id,
-                "webhook-timestamp": str(timestamp),
-                "webhook-signature": signature(self._key, event.id, timestamp, body)})
-            try:
-                with _OPENER.open(request, timeout=TIMEOUT_S) as answer:
-                    answer.read(65536)
-            except urllib.error.HTTPError as exc:
-                problem = f"HTTP {exc.code}"
-                if 300 <= exc.code < 400:
-                    location = exc.headers.get("Location", "") if exc.headers else ""
-                    problem += (f" to {shown_location(url, location)}: a redirect is not followed, give that URL as "
-                                "--webhook-url (the log hides its path; curl -si -X POST <the URL> shows it)")
+            if delay:
+                if time.time() + delay - event.queued_at > self._give_up_after_s:
+                    too_old = f"; the next retry would come over {_duration(self._give_up_after_s)} after it was queued"
                     break
-                if exc.code not in RETRIED_STATUSES and exc.code < 500:
-                    break  # the receiver refused it: trying again would get the same answer
-                continue
-            except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, garbage
-                problem = failure_reason(exc, url)
-                continue
-            self._count("delivered")
-            logger.debug("webhook %s %s delivered to %s (attempt %d)", event.type, event.video_id, shown_url(url),
-                         attempts)
-            return True
+                if attempts == LATE_AFTER_ATTEMPTS:
+                    self._warn_late(event, url, attempts, time.monotonic() - started, problem)
+                if self._stopping.wait(delay):
+                    self._cut_short(event, url, attempts, problem)
+                    return False
+            attempts += 1
+            failure = self._attempt(event, url, body)
+            if failure is None:
+                self._delivered(event, url, attempts, time.monotonic() - started)
+                return True
+            problem, retried = failure
+            if not retried:
+                break
         self._count("failed")
-        logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) (%s); the job's state is at "
-                       "GET /v1/videos/%s", event.type, event.video_id, shown_url(url), attempts, problem,
-                       event.video_id)
+        logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) over %s (%s)%s; the job's state is "
+                       "at GET /v1/videos/%s", event.type, event.video_id, shown_url(url), attempts,
+                       _duration(time.monotonic() - started), problem, too_old, event.video_id)
         return True
+
+    def _attempt(self, event: Event, url: str, body: bytes) -> tuple[str, bool] | None:
+        """POST `event` once: None if delivered, else the problem (as logs show it) and whether it is retried."""
+        timestamp = int(time.time())
+        request = urllib.request.Request(url, data=body, method="POST", headers={
+            "Content-Type": "application/json", "User-Agent": self._user_agent, "webhook-id": event.id,
+            "webhook-timestamp": str(timestamp), "webhook-signature": signature(self._key, event.id, timestamp, body)})
+        try:
+            with _OPENER.open(request, timeout=TIMEOUT_S) as answer:
+                answer.read(65536)
+        except urllib.error.HTTPError as exc:
+            problem = f"HTTP {exc.code}"
+            if 300 <= exc.code < 400:
+                location = exc.headers.get("Location", "") if exc.headers else ""
+                return (f"{problem} to {shown_location(url, location)}: a redirect is not followed, give that URL as "
+                        "--webhook-url (the log hides its path; curl -si -X POST <the URL> shows it)", False)
+            # Any other 4xx is the receiver refusing it: trying again would get the same answer.
+            return problem, exc.code in RETRIED_STATUSES or exc.code >= 500
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, garbage
+            return failure_reason(exc, url), True
+        return None
+
+    def _warn_late(self, event: Event, url: str, attempts: int, elapsed_s: float, problem: str) -> None:
+        """The one line between the first attempt and the outcome: a receiver down for hours is seen in the log."""
+        logger.warning("webhook %s for %s to %s: not delivered after %d attempts over %s (%s); retried with backoff, "
+                       "up to %s apart, until %s after it was queued, while this URL's later events wait behind it",
+                       event.type, event.video_id, shown_url(url), attempts, _duration(elapsed_s), problem,
+                       _duration(max(self._retry_delays_s)), _duration(self._give_up_after_s))
+
+    def _delivered(self, event: Event, url: str, attempts: int, elapsed_s: float) -> None:
+        self._count("delivered")
+        # INFO where `_warn_late` said it was late, so that warning gets its end; DEBUG otherwise.
+        level = logging.INFO if attempts > LATE_AFTER_ATTEMPTS else logging.DEBUG
+        logger.log(level, "webhook %s for %s delivered to %s after %d attempt(s) over %s", event.type, event.video_id,
+                   shown_url(url), attempts, _duration(elapsed_s))
 
     def _cut_short(self, event: Event, url: str, attempts: int, problem: str) -> None:
         if self._is_kept(event):  # not a failure: the next start goes on with it

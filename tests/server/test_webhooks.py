@@ -24,7 +24,7 @@ from harness import start_server, wait_for
 
 from k6serve.serve.app import settings_from_options
 from k6serve.serve.jobs import Job, SqliteJobStore
-from k6serve.serve.webhooks import WebhookSender
+from k6serve.serve.webhooks import RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender
 
 SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
 SMALL = {"size": "32x32", "num_frames": 5}
@@ -354,16 +354,21 @@ def store(tmp_path):
 
 
 def test_events_undelivered_at_the_stop_are_kept_and_sent_at_the_next_start(receiver, store, caplog):
-    # A receiver answering 503: the first event is between attempts at the stop, the second still queued (or in its
-    # one attempt after the stop); both stay in the store and the next sender delivers them with their own ids.
+    # A receiver answering 503: the first event is in a 30-minute wait at the stop, which ends it at once, the
+    # second still queued behind it (or in its one attempt after the stop); both stay in the store and the next
+    # sender delivers them with their own ids.
     caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
     receiver.answers += [503] * 10
-    first = WebhookSender((receiver.url,), SECRET, retry_delays_s=(30.0,), outbox=store)
+    first = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.01,) * 6 + (1800.0,), outbox=store)
     first.start()
     first.send("video.completed", "video_a", 1_700_000_000)
     first.send("video.failed", "video_b", 1_700_000_001)
-    (tried, _), = receiver.wait(1)
+    tried = receiver.wait(7)[0][0]
+    _until(lambda: "retried with backoff" in caplog.text)
+    assert len({headers["webhook-id"] for headers, _ in receiver.received}) == 1  # video_b waits behind video_a
+    stopping = time.monotonic()
     first.stop(timeout_s=0.2)
+    assert time.monotonic() - stopping < 3.0  # the 30-minute wait was cut short
     _until(lambda: not any(thread.is_alive() for thread in first._threads))
     kept = store.pending_webhook_events()
     assert [(row.event_type, row.video_id, row.created_at, row.url) for row in kept] == [
@@ -387,6 +392,55 @@ def test_events_undelivered_at_the_stop_are_kept_and_sent_at_the_next_start(rece
     assert [(e["id"], e["type"], e["data"]["id"], e["created_at"]) for e in events] == [
         (row.event_id, row.event_type, row.video_id, row.created_at) for row in kept]
     assert "resending 2 webhook event(s) left from the last run" in caplog.text
+
+
+def test_a_receiver_down_for_a_while_gets_the_event_with_one_warning_on_the_way(receiver, caplog):
+    # Given up after five retries (~31 s), every event of a receiver's deploy or restart was lost for good.
+    caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
+    outcomes = []
+    sender = WebhookSender((receiver.url + "?token=secret-token",), SECRET, retry_delays_s=(0.02,) * 10,
+                           on_outcome=outcomes.append)
+    sender.start()
+    try:
+        receiver.answers += [503] * 8
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        _until(lambda: outcomes == ["delivered"])
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert len(receiver.received) == 9
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    origin = receiver.url.removesuffix("/hooks")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"webhook video.completed for video_a to {origin}/...: not delivered after 6 attempts over ")
+    assert ("(HTTP 503); retried with backoff, up to 0.02 s apart, until 72 h after it was queued, while this URL's "
+            "later events wait behind it") in warnings[0]
+    assert f"webhook video.completed for video_a delivered to {origin}/... after 9 attempt(s) over " in caplog.text
+    assert "secret-token" not in caplog.text and "/hooks" not in caplog.text
+
+
+def test_a_retry_past_the_age_bound_gives_the_event_up(receiver, store, caplog):
+    # Counted from when the event was first queued (the row's queued_at, an hour ago), not from this start.
+    store.add_webhook_event("evt_old", "video.completed", "video_a", 1_700_000_000, (receiver.url,),
+                            queued_at=time.time() - 3600)
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.05, 30.0), give_up_after_s=3610.0,
+                           outbox=store, on_outcome=outcomes.append)
+    sender.start()
+    try:
+        receiver.answers += [503] * 5
+        _until(lambda: outcomes == ["failed"] and not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert len(receiver.received) == 2  # the 0.05 s retry is made, the 30 s one would pass the bound
+    assert "not delivered after 2 attempt(s) over " in caplog.text
+    assert "(HTTP 503); the next retry would come over 1 h after it was queued" in caplog.text
+
+
+def test_the_default_schedule_doubles_to_30_minutes_for_72_hours():
+    assert RETRY_DELAYS_S[:12] == (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 1800.0)
+    assert set(RETRY_DELAYS_S[11:]) == {1800.0}
+    assert sum(RETRY_DELAYS_S[:-1]) < RESEND_WINDOW_S == 72 * 3600 <= sum(RETRY_DELAYS_S)
+    assert sum(RETRY_DELAYS_S[:5]) == 31.0  # the sixth attempt, after which the delivery is logged as late
 
 
 _KILLED_AFTER_SEND = """
