@@ -78,7 +78,8 @@ class ServerMetrics:
                 self.peak_memory_mb = max(self.peak_memory_mb, peak_memory_mb)
 
     def render(self, *, queue_depth: int, jobs_by_status: dict[JobStatus, int], running: int,
-               seconds_since_progress: float = 0.0, replicas: int = 1, dead_replicas: int = 0) -> str:
+               seconds_since_progress: float = 0.0, replicas: int = 1, dead_replicas: int = 0,
+               webhook_pending: int = 0) -> str:
         with self._lock:
             rejected, finished, peak = dict(self._rejected), dict(self._finished), self.peak_memory_mb
             webhooks = dict(self._webhooks)
@@ -116,6 +117,11 @@ class ServerMetrics:
             "# TYPE k6serve_webhook_deliveries_total counter",
             *(f'k6serve_webhook_deliveries_total{{outcome="{outcome}"}} {webhooks.get(outcome, 0)}'
               for outcome in ("delivered", "failed")),
+            "# HELP k6serve_webhook_events_pending Webhook events queued for a URL and not yet delivered or given up "
+            "(summed over the URLs): a receiver that is down shows as a count that grows, while its head event is "
+            "retried for up to 72 hours.",
+            "# TYPE k6serve_webhook_events_pending gauge",
+            f"k6serve_webhook_events_pending {webhook_pending}",
             "# HELP k6serve_peak_gpu_memory_mb Highest peak accelerator memory of any completed job since the server "
             "started (MiB; 0 before the first; CPU: the worker's peak RSS).",
             "# TYPE k6serve_peak_gpu_memory_mb gauge",

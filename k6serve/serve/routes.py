@@ -1116,7 +1116,8 @@ async def metrics(request: Request) -> PlainTextResponse:
     text = ctx.metrics.render(queue_depth=counts[JobStatus.QUEUED], jobs_by_status=counts,
                               running=ctx.runner.running_count(),
                               seconds_since_progress=ctx.runner.seconds_since_progress(),
-                              replicas=ctx.engine.num_replicas, dead_replicas=len(dead))
+                              replicas=ctx.engine.num_replicas, dead_replicas=len(dead),
+                              webhook_pending=0 if ctx.runner.webhooks is None else ctx.runner.webhooks.pending)
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 

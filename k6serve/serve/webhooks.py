@@ -319,6 +319,10 @@ class WebhookSender:
         # One queue and thread per URL: a receiver that is down (up to 72 hours of retries for its head event) holds
         # back its own events only, not the others'.
         self._queues: dict[str, queue.Queue[Event | None]] = {url: queue.Queue() for url in self.urls}
+        # Events queued for a URL and not yet delivered or given up, summed over the URLs (GET /metrics): a receiver
+        # that is down shows as a count that grows, for up to 72 hours, before any event is given up.
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -362,7 +366,18 @@ class WebhookSender:
                 logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
             return
         for url_queue in self._queues.values():
-            url_queue.put(event)
+            self._put(url_queue, event)
+
+    @property
+    def pending(self) -> int:
+        """Events queued for a URL and not yet delivered or given up, summed over the URLs."""
+        with self._pending_lock:
+            return self._pending
+
+    def _put(self, url_queue: queue.Queue[Event | None], event: Event) -> None:
+        with self._pending_lock:
+            self._pending += 1
+        url_queue.put(event)
 
     def _keep(self, event: Event) -> bool:
         """Write `event` to the outbox; False when there is none or the write failed (then it lives in memory)."""
@@ -418,8 +433,8 @@ class WebhookSender:
                 if url != row.url:
                     self._row_urls[(row.event_id, url)] = row.url
                 queued.add((row.event_id, url))
-                self._queues[url].put(Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
-                                            video_id=row.video_id, queued_at=row.queued_at))
+                self._put(self._queues[url], Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
+                                                   video_id=row.video_id, queued_at=row.queued_at))
                 continue
             dropped.append((row.event_id, row.url))
         _remove(outbox, dropped)
@@ -490,6 +505,8 @@ class WebhookSender:
                     logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
                 self._count("failed")
                 settled = True
+            with self._pending_lock:
+                self._pending -= 1
             if settled:
                 self._forget(event.id, url)
 

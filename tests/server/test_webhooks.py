@@ -106,6 +106,7 @@ def test_completed_and_failed_jobs_post_openais_signed_events(tmp_path, receiver
             while 'k6serve_webhook_deliveries_total{outcome="delivered"} 2' not in client.get("/metrics").text:
                 assert time.monotonic() < deadline, client.get("/metrics").text
                 time.sleep(0.05)
+            assert "k6serve_webhook_events_pending 0" in client.get("/metrics").text
         assert [event["type"] for _, event in events] == ["video.completed", "video.failed"]
         for (headers, event), job in zip(events, (done, failed)):
             assert event["object"] == "event" and event["data"] == {"id": job["id"]}
@@ -723,3 +724,21 @@ def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, mo
     assert f"{type(failed).__name__}: the URL or request was refused (details not shown: they quote the URL)" in (
         caplog.text)
     assert "tok-secret" not in caplog.text and "hook-path" not in caplog.text
+
+
+def test_events_waiting_on_a_url_that_is_down_are_counted_until_settled(receiver):
+    # GET /metrics shows a receiver that is down as a pending count that grows, for the hours its head event is
+    # retried, before anything is given up.
+    receiver.answers = [503, 503]
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(1.0, 0.05))
+    sender.start()
+    try:
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        sender.send("video.completed", "video_b", 1_700_000_001)
+        receiver.wait(1)  # the first attempt failed; the next waits 1 s
+        assert sender.pending == 2
+        receiver.wait(4)  # both delivered (503, 503, 200, then 200)
+        _until(lambda: sender.pending == 0)
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert [json.loads(body)["data"]["id"] for _, body in receiver.received] == ["video_a"] * 3 + ["video_b"]
