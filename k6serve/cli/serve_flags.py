@@ -34,8 +34,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                             "--api-key; default: none, browser pages of other sites are refused).")
     group.add_argument("--webhook-url", action="append", default=None, metavar="URL",
                        help="POST OpenAI's video.completed / video.failed event here when a job ends (repeatable; "
-                            "signed with --webhook-secret; retried on errors 5 times, over 31 s plus the 10 s "
-                            "timeouts).")
+                            "signed with --webhook-secret; retried on errors with backoff up to 30 min apart, for 72 h "
+                            "or --output-ttl if shorter; events may arrive out of order: order them by created_at).")
     group.add_argument("--webhook-secret", default=None, metavar="SECRET",
                        help="Key the webhook events are signed with, as OpenAI signs its own (whsec_<base64>, which "
                             "OpenAI's SDKs verify), or set K6SERVE_WEBHOOK_SECRET.")

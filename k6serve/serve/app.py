@@ -53,7 +53,8 @@ from k6serve.serve.schemas import (
     request_body_schema,
 )
 from k6serve.serve.settings import ServerSettings, normal_origin, normal_root_path
-from k6serve.serve.webhooks import WEBHOOK_SECRET_ENV, WebhookSender, check_webhook_url, drop_unsent_events
+from k6serve.serve.webhooks import (WEBHOOK_SECRET_ENV, WebhookSender, age_bound, check_webhook_url,
+                                   drop_unsent_events)
 
 logger = logging.getLogger(__name__)
 
@@ -332,8 +333,11 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
         from k6serve import __version__
 
         # The job store keeps each event until it is delivered: a restart, or a start after a crash, sends it then.
+        # No event is retried or resent past the output TTL: its video is deleted by then (a late video.completed
+        # would name a 404).
         runner.webhooks = WebhookSender(settings.webhook_urls, settings.webhook_secret or "",
-                                        user_agent=f"k6serve/{__version__}", on_outcome=metrics.webhook, outbox=store)
+                                        user_agent=f"k6serve/{__version__}", on_outcome=metrics.webhook, outbox=store,
+                                        give_up_after_s=age_bound(settings.output_ttl_s))
     allowed = list(settings.allowed_input_dirs) or [Path("inputs")]
     names = served_model_names(engine, settings.served_model_name)
     model = engine.config.model

@@ -117,9 +117,9 @@ class ServerMetrics:
             "# TYPE k6serve_webhook_deliveries_total counter",
             *(f'k6serve_webhook_deliveries_total{{outcome="{outcome}"}} {webhooks.get(outcome, 0)}'
               for outcome in ("delivered", "failed")),
-            "# HELP k6serve_webhook_events_pending Webhook events queued for a URL and not yet delivered or given up "
-            "(summed over the URLs): a receiver that is down shows as a count that grows, while its head event is "
-            "retried for up to 72 hours.",
+            "# HELP k6serve_webhook_events_pending Webhook events scheduled or in an attempt for a URL, not yet "
+            "delivered or given up (summed over the URLs): a receiver that is down shows as a count that grows, "
+            "while its events are retried for up to 72 hours.",
             "# TYPE k6serve_webhook_events_pending gauge",
             f"k6serve_webhook_events_pending {webhook_pending}",
             "# HELP k6serve_peak_gpu_memory_mb Highest peak accelerator memory of any completed job since the server "

@@ -15,22 +15,25 @@ Location too, and never an error text that could quote the URL's path or query.
 
 Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with a 10 s
 timeout; a 2xx is delivered; a connection error, timeout, 408, 429 or 5xx is retried with OpenAI's exponential
-backoff (1, 2, 4, ... 1024 s, then every 30 minutes) until the next wait would end over 72 hours after the event was
-first queued (`RESEND_WINDOW_S`, counted from its row's `queued_at` when resent), then given up; a redirect or any
-other answer is given up at once. Events for one URL go in the order queued: the head event's retries hold back that
-URL's later events (a receiver down for a deploy gets them all, in order, once back), never another URL's. Logs name
-the URL's scheme, host and port only: a WARNING once an event has failed 6 attempts (about 31 s), then nothing per
-attempt until an INFO line on its delivery or a WARNING when it is given up.
+backoff (1, 2, 4, ... 1024 s, then every 30 minutes) until the next wait would end past the age bound after the event
+was first queued (`age_bound`: 72 hours, `RESEND_WINDOW_S`, or the output TTL where shorter, so no event names a
+video already deleted; counted from its row's `queued_at` when resent), then given up; a redirect or any other answer
+is given up at once. A URL's thread keeps a schedule, not a queue: it attempts whichever event is due first (a new one
+at once, a failed one after its wait), so an event the receiver keeps refusing with a 5xx holds back no other, and
+events may arrive out of order, as OpenAI's do: receivers order them by `created_at` and drop an id seen before.
+Logs name the URL's scheme, host and port only: a WARNING once per URL when it starts failing (an event's 6th
+attempt failed, about 31 s), with the count of events waiting on it, an INFO when it delivers again, and a WARNING
+per event given up.
 
-Events are durable: `send` writes one row per event and URL to the job store's `webhook_outbox` before queueing it,
-and a row goes once that URL's delivery succeeded or was given up. One the stop cut short (still queued, or
-between attempts) stays, as does every undelivered one of a server killed outright, and the next start sends it
-again, in the order it was queued, with its own id and `created_at` (receivers drop an id seen before), unless its
-URL is no longer configured or it was queued over 72 hours ago (OpenAI's own retry window): those rows are removed
-with a warning, as are all of them at a start with no --webhook-url (`drop_unsent_events`). Warnings about many
-events count them per URL and name a few. When the store cannot be written (a full disk) the event is still sent
-from memory, and a stop before its delivery loses it. A cancelled job sends none (the client that cancelled it
-knows; OpenAI's API has no such event).
+Events are durable: `send` writes one row per event and URL to the job store's `webhook_outbox` before scheduling
+it, and a row goes once that URL's delivery succeeded or was given up. A stop attempts, until its deadline, the events
+never attempted yet (no retry), and keeps the rest, in one log line; so does every undelivered one of a server killed
+outright, and the next start sends it again, with its own id and `created_at`, unless its URL is no longer configured
+or it was queued longer ago than the age bound: those rows are removed with a warning, as are all of them at a start
+with no --webhook-url (`drop_unsent_events`). A row queued "in the future" (a clock stepped back) counts as queued
+at that start. Warnings about many events count them per URL and name a few. When the store cannot be written (a
+full disk) the event is still sent from memory, and a stop before its delivery loses it. A cancelled job sends none
+(the client that cancelled it knows; OpenAI's API has no such event).
 """
 
 from __future__ import annotations
@@ -39,17 +42,18 @@ import base64
 import hashlib
 import hmac
 import http.client
+import heapq
 import json
 import logging
-import queue
 import secrets
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, PendingWebhook
@@ -58,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 WEBHOOK_SECRET_ENV = "K6SERVE_WEBHOOK_SECRET"
 TIMEOUT_S = 10.0
-# How long a stopping server waits for the events still queued (a job that ended just before the stop).
+# How long a stopping server goes on attempting the events never attempted yet (a job that ended just before it).
 DRAIN_AT_STOP_S = 5.0
 RETRIED_STATUSES = frozenset({408, 429})
 # A kept event older than this is dropped at the next start, not sent, and no retry is made past it: OpenAI retries
@@ -78,6 +82,8 @@ LOGGED_EXAMPLES = 3
 
 def backoff_delays(first_s: float, cap_s: float, total_s: float) -> tuple[float, ...]:
     """Waits doubling from `first_s` up to `cap_s`, then `cap_s` repeated, until they add up to `total_s`."""
+    if first_s <= 0 or cap_s <= 0:  # the sum would never grow: an endless loop
+        raise ValueError(f"backoff_delays needs first_s and cap_s > 0, got {first_s} and {cap_s}")
     delays: list[float] = []
     while sum(delays) < total_s:
         delays.append(min(first_s * 2 ** len(delays), cap_s))
@@ -87,6 +93,13 @@ def backoff_delays(first_s: float, cap_s: float, total_s: float) -> tuple[float,
 # OpenAI's exponential backoff: 1, 2, 4, ..., 1024 s, then every 30 minutes; the age bound (`give_up_after_s`)
 # ends it before its last wait.
 RETRY_DELAYS_S = backoff_delays(1.0, MAX_RETRY_DELAY_S, RESEND_WINDOW_S)
+
+
+def age_bound(output_ttl_s: float) -> float:
+    """How long after it was queued an event is still retried or resent (`give_up_after_s`): RESEND_WINDOW_S, or
+    the output TTL where that is shorter (0 keeps outputs forever): the job is deleted then, and a later
+    `video.completed` would name a video that answers 404."""
+    return min(RESEND_WINDOW_S, output_ttl_s) if output_ttl_s > 0 else RESEND_WINDOW_S
 
 
 def _duration(seconds: float) -> str:
@@ -281,7 +294,7 @@ class Event:
     type: str
     created_at: int
     video_id: str
-    queued_at: float  # wall-clock time it was first queued (a resent row's own): retries end RESEND_WINDOW_S on
+    queued_at: float  # wall-clock time it was first queued (a resent row's own, never ahead of its start's clock)
 
     def body(self) -> bytes:
         return json.dumps({"id": self.id, "object": "event", "created_at": self.created_at, "type": self.type,
@@ -298,15 +311,44 @@ class WebhookOutbox(Protocol):
     def pending_webhook_events(self) -> list[PendingWebhook]: ...
 
 
-class WebhookSender:
-    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` only stores and queues.
+@dataclass(slots=True, eq=False)
+class _Delivery:
+    """One event on its way to one URL: its attempts so far and when the age bound started counting."""
 
-    A URL's events go in order: its head event's retries (up to `give_up_after_s` after it was queued) hold back
-    that URL's later ones, never another URL's. `retry_delays_s` is the whole schedule (given up after its last
-    wait); tests pass short ones, and a short `give_up_after_s`.
+    event: Event
+    # Monotonic time it was queued (a resent row's age carried over): the age bound is counted on this clock, so a
+    # wall clock stepped forward gives up nothing and one stepped back keeps nothing longer.
+    queued_mono: float
+    attempts: int = 0
+    first_try: float = 0.0  # monotonic time of this run's first attempt (the "over T" of the log lines)
+    problem: str = ""  # the last failed attempt's, as logs show it
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """One URL's schedule: its thread attempts the earliest due event, one at a time."""
+
+    # (due monotonic time, sequence number, delivery): the sequence keeps events due at once in the order queued.
+    heap: list[tuple[float, int, _Delivery]] = field(default_factory=list)
+    # At the stop: the events never attempted, each tried once before the deadline (a job that ended just before).
+    draining: deque[_Delivery] | None = None
+    in_flight: _Delivery | None = None
+    failing_since: float | None = None  # set by the URL's failing warning, cleared (with an INFO) by a delivery
+
+    def waiting(self) -> int:
+        return len(self.heap) + len(self.draining or ()) + (self.in_flight is not None)
+
+
+class WebhookSender:
+    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` only stores and schedules.
+
+    Each URL's thread attempts the earliest due event: a new one is due at once, a failed one again after the
+    schedule's next wait, so one event that keeps failing holds back no other (events may arrive out of order, as
+    OpenAI's do). `retry_delays_s` is the whole schedule (given up after its last wait), and `give_up_after_s` the
+    age past which no retry is made (`age_bound`); tests pass short ones.
 
     With an `outbox`, events outlive the process: what a stop or a crash left undelivered is sent at the next
-    `start` (before the events `send` queues after it; one sent before it is not queued twice)."""
+    `start` (scheduled before the events `send` adds after it; one sent before it is not scheduled twice)."""
 
     def __init__(self, urls: tuple[str, ...], secret: str, *, user_agent: str = "k6serve",
                  retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S, give_up_after_s: float = RESEND_WINDOW_S,
@@ -316,21 +358,20 @@ class WebhookSender:
         self._user_agent = user_agent
         self._retry_delays_s = retry_delays_s
         self._give_up_after_s = give_up_after_s
-        # One queue and thread per URL: a receiver that is down (up to 72 hours of retries for its head event) holds
-        # back its own events only, not the others'.
-        self._queues: dict[str, queue.Queue[Event | None]] = {url: queue.Queue() for url in self.urls}
-        # Events queued for a URL and not yet delivered or given up, summed over the URLs (GET /metrics): a receiver
-        # that is down shows as a count that grows, for up to 72 hours, before any event is given up.
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._stopping = threading.Event()
+        # One schedule and thread per URL: a receiver that is down (up to 72 hours of retries) holds back no other.
+        # One condition for all: it guards every lane, `_sequence` and the stop's flags, and wakes the threads.
+        self._lanes: dict[str, _Lane] = {url: _Lane() for url in self.urls}
+        self._changed = threading.Condition()
+        self._sequence = 0
         self._threads: list[threading.Thread] = []
-        self._stopped = False
+        self._stopped = False  # `send` schedules nothing more
+        self._deadline: float | None = None  # set by `stop`: no retry from then on, no attempt past it
+        self._done = False  # the stop is over: what is left is kept (or dropped), and no longer pending
         self._on_outcome = on_outcome  # "delivered" or "failed", once per event and URL (the server's metrics)
         self._outbox = outbox
         # Events the outbox could not take (a full disk): a stop before their delivery loses them, and says so.
         self._memory_only: set[str] = set()
-        # Ids `send` queued before `start`, whose rows the start must not queue again (it delivered them twice).
+        # Ids `send` scheduled before `start`, whose rows the start must not schedule again (delivered twice).
         self._sent_before_start: set[str] = set()
         self._started = False
         self._start_lock = threading.Lock()
@@ -339,7 +380,7 @@ class WebhookSender:
 
     def start(self) -> None:
         if self._outbox is not None:
-            self._queue_left_from_last_run(self._outbox)
+            self._schedule_left_from_last_run(self._outbox)
         with self._start_lock:
             self._started = True
             self._sent_before_start.clear()
@@ -358,26 +399,31 @@ class WebhookSender:
         # upload removal) loses the event, though the job's state is right. A short window, accepted rather than
         # one transaction across the job's transition and these rows.
         kept = self._keep(event)
-        if self._stopped:  # a job that ended after the stop (its MP4's tail, during the engine's shutdown)
-            if kept:
-                logger.warning("webhook %s for %s kept in the job store, sent at the next start: the server is "
-                               "stopping", event_type, video_id)
-            else:
-                logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
+        with self._changed:  # `stop` sets `_stopped` under this lock: no event lands after its summary
+            stopped = self._stopped
+            if not stopped:
+                for url in self.urls:
+                    self._push(url, _Delivery(event, time.monotonic()), time.monotonic())
+        if not stopped:  # else a job that ended after the stop (its MP4's tail, during the engine's shutdown)
             return
-        for url_queue in self._queues.values():
-            self._put(url_queue, event)
+        if kept:
+            logger.warning("webhook %s for %s kept in the job store, sent at the next start: the server is stopping",
+                           event_type, video_id)
+        else:
+            logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
 
     @property
     def pending(self) -> int:
-        """Events queued for a URL and not yet delivered or given up, summed over the URLs."""
-        with self._pending_lock:
-            return self._pending
+        """Events scheduled or in an attempt for a URL, not yet delivered or given up, summed over the URLs; 0 once
+        stopped (what is left is in the job store, for the next start)."""
+        with self._changed:
+            return 0 if self._done else sum(lane.waiting() for lane in self._lanes.values())
 
-    def _put(self, url_queue: queue.Queue[Event | None], event: Event) -> None:
-        with self._pending_lock:
-            self._pending += 1
-        url_queue.put(event)
+    def _push(self, url: str, delivery: _Delivery, due: float) -> None:
+        """Schedule `delivery` at `due` (monotonic) and wake the URL's thread; the caller holds `_changed`."""
+        self._sequence += 1
+        heapq.heappush(self._lanes[url].heap, (due, self._sequence, delivery))
+        self._changed.notify_all()
 
     def _keep(self, event: Event) -> bool:
         """Write `event` to the outbox; False when there is none or the write failed (then it lives in memory)."""
@@ -407,34 +453,38 @@ class WebhookSender:
             logger.warning("webhook %s to %s: its job store row could not be removed (%s), so the next start sends "
                            "it again (with the same webhook-id)", event_id, shown_url(url), exc)
 
-    def _queue_left_from_last_run(self, outbox: WebhookOutbox) -> None:
-        """Queue the kept events a previous run did not deliver (before any new one), with their own ids; drop those
-        for a URL no longer configured and those past RESEND_WINDOW_S, in one transaction."""
-        now = time.time()
+    def _schedule_left_from_last_run(self, outbox: WebhookOutbox) -> None:
+        """Schedule the kept events a previous run did not deliver (before any new one), with their own ids; drop
+        those for a URL no longer configured and those past the age bound, in one transaction."""
+        now, now_mono = time.time(), time.monotonic()
         configured_shown = {shown_url(url) for url in self.urls}
         unconfigured, stale = _Tally(), _Tally()
         dropped: list[tuple[str, str]] = []
-        queued: set[tuple[str, str]] = set()
+        scheduled: set[tuple[str, str]] = set()
         rows = outbox.pending_webhook_events()
         with self._start_lock:  # read after the rows: `send` adds an id before writing its row
             sent_already = set(self._sent_before_start)
         for row in rows:
             if row.event_id in sent_already:
-                continue  # `send` queued it before this start
+                continue  # `send` scheduled it before this start
             url = _canonical_or_none(row.url)
             example = f"{row.event_type} {row.video_id}"
-            if url is None or url not in self._queues:
+            # A queued_at ahead of now is a clock stepped back since: taken as now, or the row was never stale.
+            age_s = max(0.0, now - row.queued_at)
+            if url is None or url not in self._lanes:
                 unconfigured.add(self._unconfigured_label(url, configured_shown), example)
-            elif now - row.queued_at > RESEND_WINDOW_S:
+            elif age_s > self._give_up_after_s:
                 stale.add(shown_url(url), example)
-            elif (row.event_id, url) in queued:
+            elif (row.event_id, url) in scheduled:
                 pass  # an older server given two spellings of this URL stored the event twice: sent once
             else:
                 if url != row.url:
                     self._row_urls[(row.event_id, url)] = row.url
-                queued.add((row.event_id, url))
-                self._put(self._queues[url], Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
-                                                   video_id=row.video_id, queued_at=row.queued_at))
+                scheduled.add((row.event_id, url))
+                event = Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
+                              video_id=row.video_id, queued_at=now - age_s)
+                with self._changed:
+                    self._push(url, _Delivery(event, now_mono - age_s), now_mono)
                 continue
             dropped.append((row.event_id, row.url))
         _remove(outbox, dropped)
@@ -442,10 +492,11 @@ class WebhookSender:
             logger.warning("webhook events left from the last run for URLs no longer given as --webhook-url are "
                            "dropped: %s", unconfigured)
         if stale:
-            logger.warning("webhook events left from the last run, queued over %g hours ago (OpenAI's retry window), "
-                           "are dropped, not sent: %s", RESEND_WINDOW_S / 3600, stale)
-        if queued:
-            logger.info("resending %d webhook event(s) left from the last run", len(queued))
+            logger.warning("webhook events left from the last run, queued over %s ago (the retry window: 72 h, or "
+                           "--output-ttl if shorter), are dropped, not sent: %s", _duration(self._give_up_after_s),
+                           stale)
+        if scheduled:
+            logger.info("resending %d webhook event(s) left from the last run", len(scheduled))
 
     @staticmethod
     def _unconfigured_label(url: str | None, configured_shown: Collection[str]) -> str:
@@ -458,86 +509,133 @@ class WebhookSender:
         return shown
 
     def stop(self, timeout_s: float = DRAIN_AT_STOP_S) -> None:
-        """Deliver what is queued within `timeout_s` (no retry waits past it), then stop; what is left is logged
-        (and, with an outbox, kept there for the next start)."""
-        self._stopped = True
-        if not self._threads:
-            return
-        for url_queue in self._queues.values():
-            url_queue.put(None)
+        """Until `timeout_s` from now, attempt once each event never attempted yet (a job that ended just before
+        the stop), with no retry; then stop. What is left is logged in one line per outcome (and, with an outbox,
+        kept there for the next start); an attempt still in progress ends on its own (at most TIMEOUT_S)."""
         deadline = time.monotonic() + timeout_s
+        with self._changed:
+            self._stopped = True
+            self._deadline = deadline
+            self._changed.notify_all()  # threads in a retry wait stop waiting now
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        self._stopping.set()  # retry waits in progress end now
-        for thread in self._threads:
-            thread.join(1.0)
         kept, dropped = _Tally(), _Tally()
-        for url, url_queue in self._queues.items():
-            while True:
-                try:
-                    item = url_queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    (kept if self._is_kept(item) else dropped).add(shown_url(url), f"{item.type} {item.video_id}")
-            # Its thread may still be in an attempt (a receiver that accepts and never answers, up to the timeout):
-            # it must find the end mark when it comes back, or it waits on the queue for good.
-            url_queue.put(None)
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
+            for url, lane in self._lanes.items():
+                left = [delivery for _, _, delivery in sorted(lane.heap)] + list(lane.draining or ())
+                lane.heap.clear()
+                lane.draining = deque()
+                for delivery in left:
+                    event = delivery.event
+                    (kept if self._is_kept(event) else dropped).add(shown_url(url), f"{event.type} {event.video_id}")
         if kept:
             logger.warning("webhooks not delivered before the server stopped, kept in the job store and sent at the "
                            "next start: %s", kept)
         if dropped:
+            for _ in range(dropped.total()):
+                self._count("failed")
             logger.warning("webhooks not delivered before the server stopped (dropped): %s", dropped)
 
     def _run(self, url: str) -> None:
-        url_queue = self._queues[url]
-        while True:
-            event = url_queue.get()
-            if event is None:
-                return
-            try:
-                settled = self._deliver(event, url)
-            except Exception as exc:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
-                if _may_quote_url(exc, url):  # its traceback would show the token
-                    logger.error("webhook %s for %s to %s failed (%s)", event.type, event.video_id, shown_url(url),
-                                 failure_reason(exc, url))
-                else:
-                    logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
-                self._count("failed")
-                settled = True
-            with self._pending_lock:
-                self._pending -= 1
-            if settled:
-                self._forget(event.id, url)
+        lane = self._lanes[url]
+        while (delivery := self._next(lane)) is not None:
+            if not delivery.attempts:
+                delivery.first_try = time.monotonic()
+            delivery.attempts += 1
+            self._settle(url, lane, delivery, self._try(delivery, url))
 
-    def _deliver(self, event: Event, url: str) -> bool:
-        """Attempt `event` until it is delivered or given up (True), or until the stop cuts it short (False)."""
-        body = event.body()
-        problem, attempts, too_old = "", 0, ""
-        started = time.monotonic()
-        for delay in (0.0, *self._retry_delays_s):
-            if delay:
-                if time.time() + delay - event.queued_at > self._give_up_after_s:
-                    too_old = f"; the next retry would come over {_duration(self._give_up_after_s)} after it was queued"
-                    break
-                if attempts == LATE_AFTER_ATTEMPTS:
-                    self._warn_late(event, url, attempts, time.monotonic() - started, problem)
-                if self._stopping.wait(delay):
-                    self._cut_short(event, url, attempts, problem)
-                    return False
-            attempts += 1
-            failure = self._attempt(event, url, body)
+    def _next(self, lane: _Lane) -> _Delivery | None:
+        """The lane's next event to attempt, marked in flight, once it is due; None when the thread is to end."""
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                if self._done or (self._deadline is not None and now >= self._deadline):
+                    return None
+                if self._deadline is not None:  # stopping: the events never attempted, then nothing
+                    if lane.draining is None:
+                        fresh = sorted(entry for entry in lane.heap if not entry[2].attempts)
+                        lane.heap[:] = [entry for entry in lane.heap if entry[2].attempts]
+                        heapq.heapify(lane.heap)
+                        lane.draining = deque(delivery for _, _, delivery in fresh)
+                    if not lane.draining:
+                        return None
+                    lane.in_flight = lane.draining.popleft()
+                    return lane.in_flight
+                if lane.heap and lane.heap[0][0] <= now:
+                    lane.in_flight = heapq.heappop(lane.heap)[2]
+                    return lane.in_flight
+                self._changed.wait(lane.heap[0][0] - now if lane.heap else None)
+
+    def _try(self, delivery: _Delivery, url: str) -> tuple[str, bool] | None:
+        """One attempt, as `_attempt`; an unforeseen error is logged and ends the event (not the URL's thread)."""
+        event = delivery.event
+        try:
+            return self._attempt(event, url, event.body())
+        except Exception as exc:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
+            if _may_quote_url(exc, url):  # its traceback would show the token
+                logger.error("webhook %s for %s to %s failed (%s)", event.type, event.video_id, shown_url(url),
+                             failure_reason(exc, url))
+            else:
+                logger.exception("webhook %s for %s to %s failed", event.type, event.video_id, shown_url(url))
+            return failure_reason(exc, url), False
+
+    def _settle(self, url: str, lane: _Lane, delivery: _Delivery, failure: tuple[str, bool] | None) -> None:
+        """After an attempt: delivered, scheduled again after the next wait, or given up (with its log lines)."""
+        now = time.monotonic()
+        given_up = ""  # why, for the log line, when given up
+        recovered_since = failing_warned = None
+        with self._changed:
+            lane.in_flight = None  # out of `pending` before it is counted delivered
             if failure is None:
-                self._delivered(event, url, attempts, time.monotonic() - started)
-                return True
-            problem, retried = failure
-            if not retried:
-                break
-        self._count("failed")
-        logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) over %s (%s)%s; the job's state is "
-                       "at GET /v1/videos/%s", event.type, event.video_id, shown_url(url), attempts,
-                       _duration(time.monotonic() - started), problem, too_old, event.video_id)
-        return True
+                recovered_since, lane.failing_since = lane.failing_since, None
+            elif self._done:
+                return  # attempted past the stop's summary: its row stays for the next start
+            else:
+                delivery.problem, retried = failure
+                delay = self._next_delay(delivery, now) if retried else None
+                if isinstance(delay, str):
+                    given_up = delay
+                elif delay is not None:
+                    self._push(url, delivery, now + delay)  # not attempted again if stopping: kept
+                    if delivery.attempts == LATE_AFTER_ATTEMPTS and lane.failing_since is None:
+                        lane.failing_since = delivery.first_try
+                        failing_warned = True
+                    if not failing_warned:
+                        return
+            waiting = lane.waiting()
+        event = delivery.event
+        if failure is None:
+            self._count("delivered")
+            self._forget(event.id, url)
+            logger.debug("webhook %s for %s delivered to %s after %d attempt(s) over %s", event.type,
+                         event.video_id, shown_url(url), delivery.attempts, _duration(now - delivery.first_try))
+            if recovered_since is not None:  # the end of the failing warning
+                logger.info("webhooks to %s delivered again after %s; %d event(s) pending", shown_url(url),
+                            _duration(now - recovered_since), waiting)
+        elif failing_warned:
+            logger.warning("webhooks to %s failing: %s for %s not delivered after %d attempts over %s (%s); %d "
+                           "event(s) waiting, each retried with backoff, up to %s apart, until %s after it was queued",
+                           shown_url(url), event.type, event.video_id, delivery.attempts,
+                           _duration(now - delivery.first_try), delivery.problem, waiting,
+                           _duration(max(self._retry_delays_s)), _duration(self._give_up_after_s))
+        else:
+            self._count("failed")
+            self._forget(event.id, url)
+            logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) over %s (%s)%s; the job's "
+                           "state is at GET /v1/videos/%s", event.type, event.video_id, shown_url(url),
+                           delivery.attempts, _duration(now - delivery.first_try), delivery.problem, given_up,
+                           event.video_id)
+
+    def _next_delay(self, delivery: _Delivery, now: float) -> float | str:
+        """The wait before `delivery`'s next attempt, or why it gets none (schedule over, or past the age bound)."""
+        if delivery.attempts > len(self._retry_delays_s):
+            return ""
+        delay = self._retry_delays_s[delivery.attempts - 1]
+        if now + delay - delivery.queued_mono > self._give_up_after_s:
+            return f"; the next retry would come over {_duration(self._give_up_after_s)} after it was queued"
+        return delay
 
     def _attempt(self, event: Event, url: str, body: bytes) -> tuple[str, bool] | None:
         """POST `event` once: None if delivered, else the problem (as logs show it) and whether it is retried."""
@@ -559,31 +657,6 @@ class WebhookSender:
         except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, garbage
             return failure_reason(exc, url), True
         return None
-
-    def _warn_late(self, event: Event, url: str, attempts: int, elapsed_s: float, problem: str) -> None:
-        """The one line between the first attempt and the outcome: a receiver down for hours is seen in the log."""
-        logger.warning("webhook %s for %s to %s: not delivered after %d attempts over %s (%s); retried with backoff, "
-                       "up to %s apart, until %s after it was queued, while this URL's later events wait behind it",
-                       event.type, event.video_id, shown_url(url), attempts, _duration(elapsed_s), problem,
-                       _duration(max(self._retry_delays_s)), _duration(self._give_up_after_s))
-
-    def _delivered(self, event: Event, url: str, attempts: int, elapsed_s: float) -> None:
-        self._count("delivered")
-        # INFO where `_warn_late` said it was late, so that warning gets its end; DEBUG otherwise.
-        level = logging.INFO if attempts > LATE_AFTER_ATTEMPTS else logging.DEBUG
-        logger.log(level, "webhook %s for %s delivered to %s after %d attempt(s) over %s", event.type, event.video_id,
-                   shown_url(url), attempts, _duration(elapsed_s))
-
-    def _cut_short(self, event: Event, url: str, attempts: int, problem: str) -> None:
-        if self._is_kept(event):  # not a failure: the next start goes on with it
-            logger.warning("webhook %s for %s to %s: the server stopped after %d attempt(s) (%s); kept in the job "
-                           "store and sent at the next start", event.type, event.video_id, shown_url(url), attempts,
-                           problem)
-            return
-        self._count("failed")
-        logger.warning("webhook %s for %s to %s not delivered after %d attempt(s) (%s, then the server stopped "
-                       "while waiting to retry; dropped); the job's state is at GET /v1/videos/%s", event.type,
-                       event.video_id, shown_url(url), attempts, problem, event.video_id)
 
     def _count(self, outcome: str) -> None:
         if self._on_outcome is not None:

@@ -24,7 +24,7 @@ from harness import start_server, wait_for
 
 from k6serve.serve.app import settings_from_options
 from k6serve.serve.jobs import Job, SqliteJobStore
-from k6serve.serve.webhooks import RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender
+from k6serve.serve.webhooks import RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays
 
 SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
 SMALL = {"size": "32x32", "num_frames": 5}
@@ -36,6 +36,7 @@ class Receiver:
     def __init__(self) -> None:
         self.received: list[tuple[dict[str, str], bytes]] = []
         self.answers: list[int] = []
+        self.failing: set[str] = set()  # video ids answered 500 whatever `answers` holds
         self.location = "/moved"  # a 3xx answer's
         self.arrived = threading.Condition()
         receiver = self
@@ -46,6 +47,8 @@ class Receiver:
                 with receiver.arrived:
                     receiver.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
                     status = receiver.answers.pop(0) if receiver.answers else 200
+                    if json.loads(body)["data"]["id"] in receiver.failing:
+                        status = 500
                     receiver.arrived.notify_all()
                 self.send_response(status)
                 if 300 <= status < 400:
@@ -355,27 +358,25 @@ def store(tmp_path):
 
 
 def test_events_undelivered_at_the_stop_are_kept_and_sent_at_the_next_start(receiver, store, caplog):
-    # A receiver answering 503: the first event is in a 30-minute wait at the stop, which ends it at once, the
-    # second still queued behind it (or in its one attempt after the stop); both stay in the store and the next
-    # sender delivers them with their own ids.
+    # A receiver answering 503: both events are in a 30-minute wait at the stop, which ends it at once; both stay
+    # in the store and the next sender delivers them with their own ids.
     caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
-    receiver.answers += [503] * 10
+    receiver.answers += [503] * 14
     first = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.01,) * 6 + (1800.0,), outbox=store)
     first.start()
     first.send("video.completed", "video_a", 1_700_000_000)
     first.send("video.failed", "video_b", 1_700_000_001)
-    tried = receiver.wait(7)[0][0]
-    _until(lambda: "retried with backoff" in caplog.text)
-    assert len({headers["webhook-id"] for headers, _ in receiver.received}) == 1  # video_b waits behind video_a
+    receiver.wait(14)  # 7 attempts each, then the 30-minute waits
+    tried = {headers["webhook-id"] for headers, _ in receiver.received}
     stopping = time.monotonic()
     first.stop(timeout_s=0.2)
-    assert time.monotonic() - stopping < 3.0  # the 30-minute wait was cut short
+    assert time.monotonic() - stopping < 1.0  # the 30-minute waits were cut short, none attempted again
     _until(lambda: not any(thread.is_alive() for thread in first._threads))
     kept = store.pending_webhook_events()
     assert [(row.event_type, row.video_id, row.created_at, row.url) for row in kept] == [
         ("video.completed", "video_a", 1_700_000_000, receiver.url),
         ("video.failed", "video_b", 1_700_000_001, receiver.url)]
-    assert kept[0].event_id == tried["webhook-id"]
+    assert {row.event_id for row in kept} == tried and len(receiver.received) == 14
     assert "kept in the job store and sent at the next start" in caplog.text and "dropped" not in caplog.text
     attempts_before = len(receiver.received)
 
@@ -395,28 +396,95 @@ def test_events_undelivered_at_the_stop_are_kept_and_sent_at_the_next_start(rece
     assert "resending 2 webhook event(s) left from the last run" in caplog.text
 
 
-def test_a_receiver_down_for_a_while_gets_the_event_with_one_warning_on_the_way(receiver, caplog):
-    # Given up after five retries (~31 s), every event of a receiver's deploy or restart was lost for good.
+def test_a_receiver_down_for_a_while_gets_its_events_with_one_warning_and_one_info(receiver, caplog):
+    # Given up after five retries (~31 s), every event of a receiver's deploy or restart was lost for good; then a
+    # warning per late event made one line per event of an outage.
     caplog.set_level(logging.INFO, logger="k6serve.serve.webhooks")
     outcomes = []
     sender = WebhookSender((receiver.url + "?token=secret-token",), SECRET, retry_delays_s=(0.02,) * 10,
                            on_outcome=outcomes.append)
     sender.start()
     try:
-        receiver.answers += [503] * 8
+        receiver.answers += [503] * 14  # 7 attempts each
         sender.send("video.completed", "video_a", 1_700_000_000)
-        _until(lambda: outcomes == ["delivered"])
+        sender.send("video.completed", "video_b", 1_700_000_001)
+        _until(lambda: outcomes == ["delivered", "delivered"])
     finally:
         sender.stop(timeout_s=1.0)
-    assert len(receiver.received) == 9
+    assert len(receiver.received) == 16
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     origin = receiver.url.removesuffix("/hooks")
-    assert len(warnings) == 1 and warnings[0].startswith(
-        f"webhook video.completed for video_a to {origin}/...: not delivered after 6 attempts over ")
-    assert ("(HTTP 503); retried with backoff, up to 0.02 s apart, until 72 h after it was queued, while this URL's "
-            "later events wait behind it") in warnings[0]
-    assert f"webhook video.completed for video_a delivered to {origin}/... after 9 attempt(s) over " in caplog.text
+    assert len(warnings) == 1 and warnings[0].startswith(f"webhooks to {origin}/... failing: video.completed for ")
+    assert ("not delivered after 6 attempts over " in warnings[0] and "(HTTP 503); 2 event(s) waiting, each retried "
+            "with backoff, up to 0.02 s apart, until 72 h after it was queued") in warnings[0]
+    infos = [record.getMessage() for record in caplog.records if record.levelno == logging.INFO]
+    assert len(infos) == 1 and infos[0].startswith(f"webhooks to {origin}/... delivered again after ")
+    assert infos[0].endswith("; 1 event(s) pending")
     assert "secret-token" not in caplog.text and "/hooks" not in caplog.text
+
+
+def test_an_event_its_receiver_keeps_refusing_holds_back_no_other(receiver):
+    # In strict order, one payload a receiver's handler failed on blocked every later event for 72 hours.
+    receiver.failing.add("video_a")
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.5,) * 4, on_outcome=outcomes.append)
+    sender.start()
+    try:
+        started = time.monotonic()
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        sender.send("video.completed", "video_b", 1_700_000_001)
+        _until(lambda: outcomes == ["delivered"])
+        assert time.monotonic() - started < 0.4  # before video_a's first retry
+        ids = [json.loads(body)["data"]["id"] for _, body in receiver.received]
+        assert ids == ["video_a", "video_b"]  # video_a's failed attempt, then video_b, delivered
+    finally:
+        sender.stop(timeout_s=0.2)
+
+
+def test_a_stop_during_an_outage_returns_at_once_with_one_line(receiver, store, caplog):
+    # Stopping with 2,000 events queued made 1,084 POSTs and 1,085 warnings, and waited 5 s for each retry wait.
+    receiver.answers += [503] * 200
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(1800.0,), outbox=store,
+                           on_outcome=outcomes.append)
+    sender.start()
+    for index in range(200):
+        sender.send("video.completed", f"video_{index}", 1_700_000_000 + index)
+    receiver.wait(200)  # each attempted once, all in a 30-minute wait
+    _until(lambda: sender.pending == 200)
+    caplog.clear()
+    stopping = time.monotonic()
+    sender.stop()
+    assert time.monotonic() - stopping < 1.0
+    _until(lambda: not any(thread.is_alive() for thread in sender._threads))
+    time.sleep(0.2)  # a POST made after the stop would show by now
+    assert len(receiver.received) == 200 and outcomes == [] and sender.pending == 0
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "webhooks not delivered before the server stopped, kept in the job store and sent at the next start: 200 to ")
+    assert len(store.pending_webhook_events()) == 200
+
+
+def test_a_stop_attempts_once_the_events_never_attempted_and_no_retry(receiver, store):
+    from k6serve.serve import webhooks
+
+    receiver.failing.add("video_a")
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.3,) * 10, outbox=store)
+    sender.start()
+    try:
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        receiver.wait(1)  # video_a in its 0.3 s wait
+        with sender._changed:  # video_b scheduled, not yet attempted, when the stop comes
+            event = webhooks.Event("evt_b", "video.completed", 1, "video_b", time.time())
+            sender._push(receiver.url, webhooks._Delivery(event, time.monotonic()), time.monotonic())
+            sender._stopped = True
+            sender._deadline = time.monotonic() + 2.0
+            sender._changed.notify_all()
+        receiver.wait(2)
+        time.sleep(0.5)
+    finally:
+        sender.stop(timeout_s=0.1)
+    assert [json.loads(body)["data"]["id"] for _, body in receiver.received] == ["video_a", "video_b"]
 
 
 def test_a_retry_past_the_age_bound_gives_the_event_up(receiver, store, caplog):
@@ -484,8 +552,9 @@ def test_kept_events_for_a_removed_url_or_past_72_hours_are_dropped_at_the_start
     assert headers["webhook-id"] == "evt_gone" and len(receiver.received) == 1
     assert ("webhook events left from the last run for URLs no longer given as --webhook-url are dropped: "
             "1 to http://127.0.0.1:9/...") in caplog.text
-    assert ("webhook events left from the last run, queued over 72 hours ago (OpenAI's retry window), are dropped, "
-            f"not sent: 1 to {receiver.url.removesuffix('/hooks')}/... (video.completed video_stale)") in caplog.text
+    assert ("webhook events left from the last run, queued over 72 h ago (the retry window: 72 h, or --output-ttl if "
+            f"shorter), are dropped, not sent: 1 to {receiver.url.removesuffix('/hooks')}/... "
+            "(video.completed video_stale)") in caplog.text
     assert "resending 1 webhook event(s) left from the last run" in caplog.text
     assert "tok-secret" not in caplog.text and "old-hook" not in caplog.text
 
@@ -726,19 +795,78 @@ def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, mo
     assert "tok-secret" not in caplog.text and "hook-path" not in caplog.text
 
 
-def test_events_waiting_on_a_url_that_is_down_are_counted_until_settled(receiver):
-    # GET /metrics shows a receiver that is down as a pending count that grows, for the hours its head event is
-    # retried, before anything is given up.
-    receiver.answers = [503, 503]
-    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(1.0, 0.05))
-    sender.start()
+def test_pending_counts_the_scheduled_events_and_the_one_in_flight(receiver, monkeypatch):
+    # GET /metrics shows a receiver that is down as a pending count that grows, for the hours its events are
+    # retried, before anything is given up; a delivered event leaves it before it is counted delivered.
+    from k6serve.serve import webhooks
+
+    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    hung = SilentListener()
+    sender = WebhookSender((hung.url,), SECRET, retry_delays_s=(1800.0,))
     try:
+        sender.start()
         sender.send("video.completed", "video_a", 1_700_000_000)
         sender.send("video.completed", "video_b", 1_700_000_001)
-        receiver.wait(1)  # the first attempt failed; the next waits 1 s
+        _until(lambda: hung.connections)  # video_a in flight, video_b scheduled
+        with sender._changed:
+            lane = sender._lanes[sender.urls[0]]
+            assert lane.in_flight is not None and sender.pending == 2
+        _until(lambda: len(hung.connections) == 2)  # timed out, in its wait; video_b in flight
         assert sender.pending == 2
-        receiver.wait(4)  # both delivered (503, 503, 200, then 200)
-        _until(lambda: sender.pending == 0)
+        sender.stop(timeout_s=0.1)
+        assert sender.pending == 0
+    finally:
+        hung.close()
+    seen = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.05,),
+                           on_outcome=lambda outcome: seen.append((outcome, sender.pending)))
+    sender.start()
+    try:
+        receiver.answers = [503]
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        _until(lambda: seen)
+        assert seen == [("delivered", 0)] and sender.pending == 0
     finally:
         sender.stop(timeout_s=1.0)
-    assert [json.loads(body)["data"]["id"] for _, body in receiver.received] == ["video_a"] * 3 + ["video_b"]
+
+
+def test_the_age_bound_follows_the_output_ttl_and_drops_older_rows_at_the_start(receiver, store, caplog):
+    # With the 24 h TTL, a 72 h retry named videos already deleted (404).
+    assert age_bound(86400.0) == 86400.0 and age_bound(0.0) == RESEND_WINDOW_S == age_bound(10 * RESEND_WINDOW_S)
+    store.add_webhook_event("evt_old", "video.completed", "video_old", 1, (receiver.url,),
+                            queued_at=time.time() - 7200)
+    store.add_webhook_event("evt_new", "video.completed", "video_new", 2, (receiver.url,),
+                            queued_at=time.time() - 600)
+    sender = WebhookSender((receiver.url,), SECRET, give_up_after_s=age_bound(3600.0), outbox=store)
+    sender.start()
+    try:
+        (headers, _), = receiver.wait(1)
+        _until(lambda: not store.pending_webhook_events())
+    finally:
+        sender.stop(timeout_s=0.5)
+    assert headers["webhook-id"] == "evt_new" and len(receiver.received) == 1
+    assert "queued over 1 h ago" in caplog.text and "(video.completed video_old)" in caplog.text
+
+
+def test_a_row_queued_in_the_future_counts_as_queued_at_the_start(receiver, store, caplog):
+    # A clock stepped back made its age negative: never dropped, and retried past the age bound.
+    store.add_webhook_event("evt_ahead", "video.completed", "video_a", 1, (receiver.url,),
+                            queued_at=time.time() + 3600)
+    receiver.failing.add("video_a")
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.05,) * 40, give_up_after_s=0.5, outbox=store,
+                           on_outcome=outcomes.append)
+    sender.start()
+    try:
+        _until(lambda: outcomes == ["failed"])
+    finally:
+        sender.stop(timeout_s=0.5)
+    assert 5 <= len(receiver.received) <= 12  # about 0.5 s of 0.05 s waits, not the 40 retries
+    assert "the next retry would come over 0.5 s after it was queued" in caplog.text
+
+
+def test_backoff_delays_refuses_a_schedule_that_never_grows():
+    with pytest.raises(ValueError, match="first_s and cap_s > 0"):
+        backoff_delays(0.0, 1800.0, 3600.0)
+    with pytest.raises(ValueError, match="first_s and cap_s > 0"):
+        backoff_delays(1.0, -1.0, 3600.0)
