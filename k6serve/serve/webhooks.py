@@ -519,7 +519,7 @@ class WebhookSender:
             self._changed.notify_all()  # threads in a retry wait stop waiting now
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        kept, dropped = _Tally(), _Tally()
+        kept, dropped, in_flight = _Tally(), _Tally(), _Tally()
         with self._changed:
             self._done = True
             self._changed.notify_all()
@@ -530,6 +530,12 @@ class WebhookSender:
                 for delivery in left:
                     event = delivery.event
                     (kept if self._is_kept(event) else dropped).add(shown_url(url), f"{event.type} {event.video_id}")
+                if lane.in_flight is not None:  # its attempt ends on its own; `_settle` counts its outcome
+                    event = lane.in_flight.event
+                    in_flight.add(shown_url(url), f"{event.type} {event.video_id}")
+        if in_flight:
+            logger.warning("webhooks still being sent when the server stopped (kept in the job store unless this "
+                           "attempt delivers them; one the store could not take is lost if it fails): %s", in_flight)
         if kept:
             logger.warning("webhooks not delivered before the server stopped, kept in the job store and sent at the "
                            "next start: %s", kept)
@@ -541,8 +547,15 @@ class WebhookSender:
     def _run(self, url: str) -> None:
         lane = self._lanes[url]
         while (delivery := self._next(lane)) is not None:
+            now = time.monotonic()
             if not delivery.attempts:
-                delivery.first_try = time.monotonic()
+                delivery.first_try = now
+            if now - delivery.queued_mono > self._give_up_after_s:
+                # It waited past the age bound behind slower attempts (one thread a URL, up to TIMEOUT_S each): its
+                # video may be deleted by now (the bound follows --output-ttl), so it is not sent.
+                self._settle(url, lane, delivery, (f"not sent: queued over {_duration(self._give_up_after_s)} ago",
+                                                   False))
+                continue
             delivery.attempts += 1
             self._settle(url, lane, delivery, self._try(delivery, url))
 
@@ -590,8 +603,12 @@ class WebhookSender:
             lane.in_flight = None  # out of `pending` before it is counted delivered
             if failure is None:
                 recovered_since, lane.failing_since = lane.failing_since, None
-            elif self._done:
-                return  # attempted past the stop's summary: its row stays for the next start
+            elif self._done and failure[1]:
+                # Attempted past the stop's summary, and to be retried: its row stays for the next start, or, if the
+                # store could not take it, it is lost (as the summary said): counted here, once.
+                if not self._is_kept(delivery.event):
+                    self._count("failed")
+                return
             else:
                 delivery.problem, retried = failure
                 delay = self._next_delay(delivery, now) if retried else None

@@ -870,3 +870,50 @@ def test_backoff_delays_refuses_a_schedule_that_never_grows():
         backoff_delays(0.0, 1800.0, 3600.0)
     with pytest.raises(ValueError, match="first_s and cap_s > 0"):
         backoff_delays(1.0, -1.0, 3600.0)
+
+
+def test_an_event_that_waited_past_the_age_bound_is_not_sent(caplog):
+    # One thread a URL: behind slow attempts (up to 10 s each) an event waited past the bound, which follows
+    # --output-ttl, and was sent for a video already deleted. It is given up before its attempt now.
+    caplog.set_level(logging.WARNING, logger="k6serve.serve.webhooks")
+    sender = WebhookSender(("http://127.0.0.1:9/h",), SECRET, give_up_after_s=1.0, retry_delays_s=(0.1,))
+    attempted = []
+
+    def slow_attempt(event, url, body):
+        time.sleep(0.3)
+        attempted.append(event.video_id)
+
+    sender._attempt = slow_attempt  # noqa: SLF001 - a receiver answering in 0.3 s
+    sender.start()
+    try:
+        for index in range(8):
+            sender.send("video.completed", f"v{index}", time.time())
+        _until(lambda: sender.pending == 0)
+    finally:
+        sender.stop(timeout_s=0.2)
+    assert 2 <= len(attempted) <= 4 and attempted == [f"v{index}" for index in range(len(attempted))]
+    assert caplog.text.count("(not sent: queued over 1 s ago)") == 8 - len(attempted)
+
+
+def test_an_attempt_in_flight_at_the_stop_is_in_its_summary_and_counted_once(caplog):
+    caplog.set_level(logging.WARNING, logger="k6serve.serve.webhooks")
+    outcomes: list[str] = []
+    sender = WebhookSender(("http://127.0.0.1:9/h",), SECRET, retry_delays_s=(0.1,) * 5, on_outcome=outcomes.append)
+    started = threading.Event()
+
+    def failing_attempt(event, url, body):
+        started.set()
+        time.sleep(0.6)
+        return "HTTP 503", True
+
+    sender._attempt = failing_attempt  # noqa: SLF001
+    sender.start()
+    sender.send("video.completed", "v_in_flight", time.time())
+    assert started.wait(5)
+    sender.send("video.completed", "v_queued", time.time())
+    sender.stop(timeout_s=0.1)
+    assert "webhooks still being sent when the server stopped" in caplog.text and "v_in_flight" in caplog.text
+    # Memory-only (no job store): the queued one is dropped at the stop, the one in flight once its attempt fails.
+    _until(lambda: len(outcomes) == 2)
+    time.sleep(0.7)
+    assert outcomes == ["failed", "failed"]
