@@ -492,11 +492,11 @@ def test_a_retry_past_the_age_bound_gives_the_event_up(receiver, store, caplog):
     store.add_webhook_event("evt_old", "video.completed", "video_a", 1_700_000_000, (receiver.url,),
                             queued_at=time.time() - 3600)
     outcomes = []
+    receiver.answers += [503] * 5  # before the start: its first attempt may come at once
     sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.05, 30.0), give_up_after_s=3610.0,
                            outbox=store, on_outcome=outcomes.append)
     sender.start()
     try:
-        receiver.answers += [503] * 5
         _until(lambda: outcomes == ["failed"] and not store.pending_webhook_events())
     finally:
         sender.stop(timeout_s=1.0)
