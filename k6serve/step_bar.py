@@ -39,7 +39,7 @@ class StepBar:
     def update(self, step: int, total: int) -> None:
         if step <= 0:
             # A cancellation point before the first step (a warm-up, the prompt's rewrite): no step is done yet, and
-            # a bar opened here counted that wait in its rate (a minute of compiling, or a 26 s rewrite).
+            # a bar opened here counted that wait in its rate (a minute of compiling, or a rewrite of 26 s or more).
             return
         if self.lines:
             self._write_line(step, total)

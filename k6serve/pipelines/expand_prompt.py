@@ -48,8 +48,9 @@ I2VA_INSTRUCTION = (
     "Rewrite Prompt: {}"
 )
 IMAGE_TOKEN = "<|image_pad|>"
-# How often a rewrite calls its `on_tokens` (a request's cancellation point): 16 tokens took 0.4 s of eager generate
-# on an H100 (forty-fourth session), where a rewrite of 1,024 ran about 26 s with no point to stop at.
+# How often a rewrite calls its `on_tokens` (a request's cancellation point): at most 256 tokens took 5.5-7.8 s of
+# eager generate on an H100 (forty-fourth session; the count went unrecorded), so 16 about 0.4 s, where a rewrite of
+# 1,024 ran 26 s or more with no point to stop at.
 TOKENS_PER_CHECK = 16
 
 
@@ -94,16 +95,20 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
 def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
                        image_processor=None, image: PIL.Image.Image | None = None,
                        max_new_tokens: int = MAX_SEQUENCE_LENGTH,
-                       on_tokens: Callable[[], None] | None = None) -> torch.Tensor:
+                       on_tokens: Callable[[], None] | None = None,
+                       cache_implementation: str | None = None) -> torch.Tensor:
     """The token ids the text encoder writes for `prompt`'s rewrite, (1, n <= max_new_tokens), end token included
     when it stopped on one (diffusers' `Kandinsky6TI2VAPipeline.expand_prompts` for one prompt, `generator` seeded
-    with `seed`). `on_tokens` is called every `TOKENS_PER_CHECK` tokens written; what it raises ends the rewrite."""
+    with `seed`). `on_tokens` is called every `TOKENS_PER_CHECK` tokens written; what it raises ends the rewrite.
+    `cache_implementation` ("static": the bench's experiment) goes to `generate`; None keeps its dynamic cache."""
     from transformers import StoppingCriteriaList
 
     inputs = {name: value.to(device) for name, value in
               expansion_inputs(prompt, tokenizer=tokenizer, image_processor=image_processor, image=image).items()}
     extra = {} if on_tokens is None else {
         "stopping_criteria": StoppingCriteriaList([_EveryTokens(on_tokens, TOKENS_PER_CHECK)])}
+    if cache_implementation is not None:
+        extra["cache_implementation"] = cache_implementation
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

@@ -141,7 +141,7 @@ class TextToVideoPipeline:
         m = self.models
         if image is not None and self._image_processor is None:
             self._image_processor = load_image_processor(m.source)
-        # A cancellation point while the rewrite runs (up to 1,024 tokens, about 26 s on an H100), reported as step
+        # A cancellation point while the rewrite runs (up to 1,024 tokens, 26 s or more on an H100), reported as step
         # 0. One process only: a replica's ranks call on_step together (a collective), and theirs could stop at
         # different tokens (agree_on_text's reason), leaving one waiting in it.
         on_tokens = (lambda: on_step(0, request.num_inference_steps)) \

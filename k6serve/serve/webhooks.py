@@ -294,7 +294,6 @@ class Event:
     type: str
     created_at: int
     video_id: str
-    queued_at: float  # wall-clock time it was first queued (a resent row's own, never ahead of its start's clock)
 
     def body(self) -> bytes:
         return json.dumps({"id": self.id, "object": "event", "created_at": self.created_at, "type": self.type,
@@ -391,7 +390,7 @@ class WebhookSender:
 
     def send(self, event_type: str, video_id: str, completed_at: float) -> None:
         event = Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
-                      video_id=video_id, queued_at=time.time())
+                      video_id=video_id)
         with self._start_lock:  # before its row exists: a start reading the row then finds its id here
             if not self._started:
                 self._sent_before_start.add(event.id)
@@ -430,8 +429,7 @@ class WebhookSender:
         if self._outbox is None:
             return False
         try:
-            self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls,
-                                           queued_at=event.queued_at)
+            self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls)
         except STORE_WRITE_ERRORS as exc:  # the job has ended all the same: its event still goes, from memory
             self._memory_only.add(event.id)
             logger.warning("webhook %s for %s could not be kept in the job store (%s); it is sent from memory, and "
@@ -482,7 +480,7 @@ class WebhookSender:
                     self._row_urls[(row.event_id, url)] = row.url
                 scheduled.add((row.event_id, url))
                 event = Event(id=row.event_id, type=row.event_type, created_at=row.created_at,
-                              video_id=row.video_id, queued_at=now - age_s)
+                              video_id=row.video_id)
                 with self._changed:
                     self._push(url, _Delivery(event, now_mono - age_s), now_mono)
                 continue

@@ -475,7 +475,7 @@ def test_a_stop_attempts_once_the_events_never_attempted_and_no_retry(receiver, 
         sender.send("video.completed", "video_a", 1_700_000_000)
         receiver.wait(1)  # video_a in its 0.3 s wait
         with sender._changed:  # video_b scheduled, not yet attempted, when the stop comes
-            event = webhooks.Event("evt_b", "video.completed", 1, "video_b", time.time())
+            event = webhooks.Event("evt_b", "video.completed", 1, "video_b")
             sender._push(receiver.url, webhooks._Delivery(event, time.monotonic()), time.monotonic())
             sender._stopped = True
             sender._deadline = time.monotonic() + 2.0
