@@ -16,7 +16,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -129,6 +129,17 @@ class PendingWebhook:
     queued_at: float  # when the server first queued it
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxEvent:
+    """A webhook event for `transition` to keep with the job's end that caused it: a `webhook_outbox` row per URL."""
+
+    event_id: str
+    event_type: str
+    video_id: str
+    created_at: int  # the event's, as its body shows it
+    urls: tuple[str, ...]
+
+
 class IdempotencyConflict(Exception):
     """The Idempotency-Key was used before with a different request body."""
 
@@ -156,14 +167,15 @@ class JobStore(Protocol):
     def get_by_idempotency_key(self, key: str) -> Job | None: ...
     def list_page(self, *, after: str | None, limit: int, ascending: bool) -> tuple[list[Job], bool]: ...
     def update(self, job_id: str, **fields: Any) -> Job | None: ...
-    def transition(self, job_id: str, allowed: tuple[JobStatus, ...], **fields: Any) -> Job | None: ...
+    def transition(self, job_id: str, allowed: tuple[JobStatus, ...], *,
+                   webhook_event: OutboxEvent | None = None, **fields: Any) -> Job | None: ...
     def delete(self, job_id: str, now: float | None = None) -> bool: ...
     def next_queued(self) -> Job | None: ...
     def queued_ids(self) -> list[str]: ...
     def count_by_status(self) -> dict[JobStatus, int]: ...
     def count_queued(self) -> int: ...
     def finished_before(self, timestamp: float) -> list[Job]: ...
-    def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]: ...
+    def recover_interrupted(self) -> tuple[list[Job], list[Job], list[Job]]: ...
     def upload_files(self) -> set[str]: ...
     def lora_state(self) -> list[dict[str, Any]]: ...
     def set_lora_state(self, operations: list[dict[str, Any]]) -> None: ...
@@ -291,18 +303,16 @@ class SqliteJobStore:
     def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
                           urls: Iterable[str], queued_at: float | None = None) -> None:
         """Keep an event to deliver to each of `urls` until `remove_webhook_event` says that URL is done with it."""
-        queued_at = time.time() if queued_at is None else queued_at
-        rows = [(event_id, url, event_type, video_id, created_at, queued_at) for url in urls]
-        with self._lock:
-            # One transaction: a crash keeps the event for every URL or for none.
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany("INSERT OR IGNORE INTO webhook_outbox (event_id, url, event_type, video_id, "
-                                     "created_at, queued_at) VALUES (?, ?, ?, ?, ?, ?)", rows)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        event = OutboxEvent(event_id, event_type, video_id, created_at, tuple(urls))
+        # One transaction: a crash keeps the event for every URL or for none.
+        with self._lock, self._transaction():
+            self._add_webhook_rows_locked(event, time.time() if queued_at is None else queued_at)
+
+    def _add_webhook_rows_locked(self, event: OutboxEvent, queued_at: float) -> None:
+        rows = [(event.event_id, url, event.event_type, event.video_id, event.created_at, queued_at)
+                for url in event.urls]
+        self._db.executemany("INSERT OR IGNORE INTO webhook_outbox (event_id, url, event_type, video_id, created_at, "
+                             "queued_at) VALUES (?, ?, ?, ?, ?, ?)", rows)
 
     def remove_webhook_event(self, event_id: str, url: str) -> None:
         with self._lock:
@@ -314,14 +324,8 @@ class SqliteJobStore:
         rows = list(rows)
         if not rows:
             return
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany("DELETE FROM webhook_outbox WHERE event_id = ? AND url = ?", rows)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        with self._lock, self._transaction():
+            self._db.executemany("DELETE FROM webhook_outbox WHERE event_id = ? AND url = ?", rows)
 
     def pending_webhook_events(self) -> list[PendingWebhook]:
         """The kept events in the order they were queued: by rowid, not `queued_at`, which follows the wall clock (a
@@ -331,6 +335,19 @@ class SqliteJobStore:
         return [PendingWebhook(event_id=row["event_id"], url=row["url"], event_type=row["event_type"],
                                video_id=row["video_id"], created_at=row["created_at"], queued_at=row["queued_at"])
                 for row in rows]
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction; the caller holds `_lock`. Rolled back on any error, a failed COMMIT's too: SQLite
+        may keep the transaction open after one that met a full disk, and every later BEGIN would then fail."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         with self._lock:
@@ -439,34 +456,35 @@ class SqliteJobStore:
     def update(self, job_id: str, **fields: Any) -> Job | None:
         return self.transition(job_id, tuple(JobStatus), **fields)
 
-    def transition(self, job_id: str, allowed: tuple[JobStatus, ...], **fields: Any) -> Job | None:
-        """Set `fields` only if the job's status is one of `allowed`; returns the new job or None."""
+    def transition(self, job_id: str, allowed: tuple[JobStatus, ...], *,
+                   webhook_event: OutboxEvent | None = None, **fields: Any) -> Job | None:
+        """Set `fields` only if the job's status is one of `allowed`; returns the new job or None.
+
+        `webhook_event` (the job's end's) goes to `webhook_outbox` in the same transaction, only if the job changed:
+        a crash keeps both the job's end and its event, or neither."""
         unknown = set(fields) - set(_COLUMNS) | ({"id"} & set(fields))
         assert not unknown, f"not updatable job fields: {unknown}"
-        with self._lock:
-            assignments = ", ".join(f"{name} = ?" for name in fields) or "id = id"
-            marks = ", ".join("?" for _ in allowed)
+        assignments = ", ".join(f"{name} = ?" for name in fields) or "id = id"
+        marks = ", ".join("?" for _ in allowed)
+        with self._lock, self._transaction():
             cursor = self._db.execute(
                 f"UPDATE jobs SET {assignments} WHERE id = ? AND status IN ({marks})",
                 [self._encode(n, v) for n, v in fields.items()] + [job_id] + [s.value for s in allowed],
             )
-            return self._get_locked(job_id) if cursor.rowcount else None
+            if not cursor.rowcount:
+                return None
+            if webhook_event is not None:
+                self._add_webhook_rows_locked(webhook_event, time.time())
+            return self._get_locked(job_id)
 
     def delete(self, job_id: str, now: float | None = None) -> bool:
         """Delete the job, remembering its place in the creation order for `list_page` cursors."""
         now = time.time() if now is None else now
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("DELETE FROM deleted_jobs WHERE deleted_at < ?", (now - DELETED_CURSOR_RETENTION_S,))
-                self._db.execute("INSERT OR REPLACE INTO deleted_jobs (id, seq, deleted_at) "
-                                 "SELECT id, seq, ? FROM jobs WHERE id = ?", (now, job_id))
-                deleted = self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            return deleted
+        with self._lock, self._transaction():
+            self._db.execute("DELETE FROM deleted_jobs WHERE deleted_at < ?", (now - DELETED_CURSOR_RETENTION_S,))
+            self._db.execute("INSERT OR REPLACE INTO deleted_jobs (id, seq, deleted_at) "
+                             "SELECT id, seq, ? FROM jobs WHERE id = ?", (now, job_id))
+            return self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
 
     def next_queued(self) -> Job | None:
         with self._lock:
@@ -509,13 +527,14 @@ class SqliteJobStore:
             rows = self._db.execute("SELECT upload_files FROM jobs WHERE upload_files != '[]'").fetchall()
         return {path for row in rows for path in json.loads(row["upload_files"])}
 
-    def recover_interrupted(self, message: str) -> tuple[list[Job], list[Job]]:
-        """At start-up: re-queue jobs that were running when the server died, once; fail the rest, and cancel
-        those whose cancel had been accepted (a cancelled job must not run again).
+    def recover_interrupted(self) -> tuple[list[Job], list[Job], list[Job]]:
+        """At start-up: re-queue jobs that were running when the server died, once, and cancel those whose cancel
+        had been accepted (a cancelled job must not run again).
 
-        Returns (requeued, ended): ended holds the failed and cancelled ones. `message` explains the failure.
+        Returns (requeued, cancelled, died_twice): died_twice are the jobs still in_progress that ran MAX_ATTEMPTS
+        times, for the caller to fail, as it fails any job: with its webhook event in the same transaction.
         """
-        requeued, ended = [], []
+        requeued, cancelled, died_twice = [], [], []
         with self._lock:
             rows = self._db.execute(
                 "SELECT * FROM jobs WHERE status = ? ORDER BY seq", (JobStatus.IN_PROGRESS.value,)
@@ -528,7 +547,7 @@ class SqliteJobStore:
                     completed_at=time.time(),
                 )
                 if updated is not None:
-                    ended.append(updated)
+                    cancelled.append(updated)
             elif job.attempts < MAX_ATTEMPTS:
                 updated = self.transition(
                     job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.QUEUED, progress=0, started_at=None,
@@ -537,10 +556,5 @@ class SqliteJobStore:
                 if updated is not None:
                     requeued.append(updated)
             else:
-                updated = self.transition(
-                    job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.FAILED, error_code="server_restarted",
-                    error_message=message, completed_at=time.time(),
-                )
-                if updated is not None:
-                    ended.append(updated)
-        return requeued, ended
+                died_twice.append(job)
+        return requeued, cancelled, died_twice

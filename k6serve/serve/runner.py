@@ -235,18 +235,21 @@ class JobRunner:
 
     def start(self) -> None:
         self._restore_loras()
-        requeued, ended = self.store.recover_interrupted(DIED_TWICE)
+        requeued, cancelled, died_twice = self.store.recover_interrupted()
         for job in requeued:
             logger.warning("job %s was running when the server stopped; re-queued (attempt %d)", job.id,
                            job.attempts + 1)
-        for job in ended:
-            if job.status == JobStatus.CANCELLED:
-                logger.warning("job %s was being cancelled when the server stopped; marked cancelled", job.id)
-            else:
-                logger.error("job %s failed: the server stopped twice while running it", job.id)
-                if self.webhooks is not None:  # its client waits on the event as for any failure
-                    self.webhooks.send(VIDEO_FAILED, job.id, job.completed_at or time.time())
+        for job in cancelled:
+            logger.warning("job %s was being cancelled when the server stopped; marked cancelled", job.id)
             self.artifacts.remove(list(job.upload_files))
+        for job in died_twice:
+            # Failed here, not by the store's recovery, so that its video.failed (its client waits on it as for any
+            # failure) is kept in the same transaction, with the same fallback on a full disk.
+            failed = self._end(job.id, (JobStatus.IN_PROGRESS,), VIDEO_FAILED, status=JobStatus.FAILED,
+                               error_code="server_restarted", error_message=DIED_TWICE, completed_at=time.time())
+            if failed is not None:
+                logger.error("job %s failed: the server stopped twice while running it", job.id)
+                self.artifacts.remove(list(failed.upload_files))
         self.artifacts.remove_partial_files()
         self.artifacts.remove_orphan_uploads(self.store.upload_files())
         self._thread = threading.Thread(target=self._loop, name="k6serve-dispatcher", daemon=True)
@@ -724,8 +727,9 @@ class JobRunner:
         self._created_monotonic.pop(job.id, None)
         if fields.get("error_message") and job.upload_files:
             fields["error_message"] = without_upload_paths(fields["error_message"], job.upload_files)
-        finished = self.store.transition(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=status,
-                                         completed_at=time.time(), **fields)
+        finished = self._end(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED),
+                             VIDEO_FAILED if status == JobStatus.FAILED else None, status=status,
+                             completed_at=time.time(), **fields)
         if finished is not None:
             if not logged:
                 level = logging.INFO if status == JobStatus.CANCELLED else logging.WARNING
@@ -733,8 +737,6 @@ class JobRunner:
                            fields.get("error_message"))
             self.metrics.finished(status)
             self.artifacts.remove(list(finished.upload_files))
-            if self.webhooks is not None and status == JobStatus.FAILED:
-                self.webhooks.send(VIDEO_FAILED, finished.id, finished.completed_at or time.time())
 
     def _record_success(self, job: Job, result: VideoResult) -> None:
         created = self._created_monotonic.pop(job.id, None)
@@ -749,9 +751,10 @@ class JobRunner:
             # nothing else reported its cost over HTTP.
             notes.append(f"this job ran the server's warm-up first (--warmup-mode request): "
                          f"{result.timings['warmup']:.2f} s before its own run, not in inference_time_s")
-        finished = self.store.transition(
-            job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), status=JobStatus.COMPLETED, progress=100,
-            completed_at=completed_at, output_file=self.artifacts.output_path(result.output_file_path).name,
+        finished = self._end(
+            job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), VIDEO_COMPLETED, status=JobStatus.COMPLETED,
+            progress=100, completed_at=completed_at,
+            output_file=self.artifacts.output_path(result.output_file_path).name,
             inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
             size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
             warnings=job.warnings + tuple(notes), expanded_prompt=result.expanded_prompt,
@@ -771,8 +774,28 @@ class JobRunner:
         self.metrics.inference_latency.observe(inference_s)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))
-        if self.webhooks is not None:
-            self.webhooks.send(VIDEO_COMPLETED, finished.id, completed_at)
+
+    def _end(self, job_id: str, allowed: tuple[JobStatus, ...], event_type: str | None, **fields) -> Job | None:
+        """Store a job's end (`transition` with `fields`, which set `completed_at`) and, with `event_type` and
+        --webhook-url, its webhook event's rows in the same transaction, then schedule the event: a crash keeps both
+        or neither. Rows the store cannot take (a full disk) do not keep the job's end from being stored: it is
+        stored without them and the event sent from memory, with a warning."""
+        if self.webhooks is None or event_type is None:
+            return self.store.transition(job_id, allowed, **fields)
+        event = self.webhooks.new_event(event_type, job_id, fields["completed_at"])
+        rows = self.webhooks.outbox_event(event)
+        store_error = None
+        try:
+            finished = self.store.transition(job_id, allowed, webhook_event=rows, **fields)
+        except STORE_WRITE_ERRORS as exc:
+            if rows is None:
+                raise
+            store_error = exc
+            # A write error again: the caller retries the job's end, with a new event (this one was not scheduled).
+            finished = self.store.transition(job_id, allowed, **fields)
+        if finished is not None:
+            self.webhooks.schedule(event, store_error)
+        return finished
 
 
 def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: frozenset[str]) -> str:

@@ -25,15 +25,16 @@ Logs name the URL's scheme, host and port only: a WARNING once per URL when it s
 attempt failed, about 31 s), with the count of events waiting on it, an INFO when it delivers again, and a WARNING
 per event given up.
 
-Events are durable: `send` writes one row per event and URL to the job store's `webhook_outbox` before scheduling
-it, and a row goes once that URL's delivery succeeded or was given up. A stop attempts, until its deadline, the events
-never attempted yet (no retry), and keeps the rest, in one log line; so does every undelivered one of a server killed
-outright, and the next start sends it again, with its own id and `created_at`, unless its URL is no longer configured
-or it was queued longer ago than the age bound: those rows are removed with a warning, as are all of them at a start
-with no --webhook-url (`drop_unsent_events`). A row queued "in the future" (a clock stepped back) counts as queued
-at that start. Warnings about many events count them per URL and name a few. When the store cannot be written (a
-full disk) the event is still sent from memory, and a stop before its delivery loses it. A cancelled job sends none
-(the client that cancelled it knows; OpenAI's API has no such event).
+Events are durable: the runner stores a job's end and its event's rows (one per URL, in the job store's
+`webhook_outbox`) in one transaction, so a crash keeps both or neither, and schedules the event after it; a row goes
+once that URL's delivery succeeded or was given up. A stop attempts, until its deadline, the events never attempted
+yet (no retry), and keeps the rest, in one log line; so does every undelivered one of a server killed outright, and
+the next start sends it again, with its own id and `created_at`, unless its URL is no longer configured or it was
+queued longer ago than the age bound: those rows are removed with a warning, as are all of them at a start with no
+--webhook-url (`drop_unsent_events`). A row queued "in the future" (a clock stepped back) counts as queued at that
+start. Warnings about many events count them per URL and name a few. When the rows cannot be written (a full disk)
+the job's end is stored without them and the event is sent from memory, and a stop before its delivery loses it. A
+cancelled job sends none (the client that cancelled it knows; OpenAI's API has no such event).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from k6serve.serve.jobs import STORE_WRITE_ERRORS, PendingWebhook
+from k6serve.serve.jobs import STORE_WRITE_ERRORS, OutboxEvent, PendingWebhook
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +340,8 @@ class _Lane:
 
 
 class WebhookSender:
-    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` only stores and schedules.
+    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` (or `new_event`, then
+    `schedule` once its rows are kept) only stores and schedules.
 
     Each URL's thread attempts the earliest due event: a new one is due at once, a failed one again after the
     schedule's next wait, so one event that keeps failing holds back no other (events may arrive out of order, as
@@ -347,7 +349,7 @@ class WebhookSender:
     age past which no retry is made (`age_bound`); tests pass short ones.
 
     With an `outbox`, events outlive the process: what a stop or a crash left undelivered is sent at the next
-    `start` (scheduled before the events `send` adds after it; one sent before it is not scheduled twice)."""
+    `start` (scheduled before the events `schedule` adds after it; one made before it is not scheduled twice)."""
 
     def __init__(self, urls: tuple[str, ...], secret: str, *, user_agent: str = "k6serve",
                  retry_delays_s: tuple[float, ...] = RETRY_DELAYS_S, give_up_after_s: float = RESEND_WINDOW_S,
@@ -363,14 +365,16 @@ class WebhookSender:
         self._changed = threading.Condition()
         self._sequence = 0
         self._threads: list[threading.Thread] = []
-        self._stopped = False  # `send` schedules nothing more
+        self._stopped = False  # `schedule` schedules nothing more
         self._deadline: float | None = None  # set by `stop`: no retry from then on, no attempt past it
         self._done = False  # the stop is over: what is left is kept (or dropped), and no longer pending
         self._on_outcome = on_outcome  # "delivered" or "failed", once per event and URL (the server's metrics)
         self._outbox = outbox
-        # Events the outbox could not take (a full disk): a stop before their delivery loses them, and says so.
-        self._memory_only: set[str] = set()
-        # Ids `send` scheduled before `start`, whose rows the start must not schedule again (delivered twice).
+        # (event id, URL) of the events the outbox could not take (a full disk), until that URL is done with it: a
+        # stop before their delivery loses them, and says so.
+        self._memory_only: set[tuple[str, str]] = set()
+        # Ids `new_event` made before `start`, whose rows the start must not schedule: `schedule` does (or, if the
+        # job's end was not stored, nothing does), and scheduled twice they were delivered twice.
         self._sent_before_start: set[str] = set()
         self._started = False
         self._start_lock = threading.Lock()
@@ -389,15 +393,40 @@ class WebhookSender:
             self._threads.append(thread)
 
     def send(self, event_type: str, video_id: str, completed_at: float) -> None:
+        """Keep and schedule an event whose cause is stored already; the runner instead keeps a job's event with its
+        end (`new_event`, `outbox_event`, then `schedule`)."""
+        event = self.new_event(event_type, video_id, completed_at)
+        store_error = None
+        if self._outbox is not None:
+            try:
+                self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls)
+            except STORE_WRITE_ERRORS as exc:
+                store_error = exc
+        self.schedule(event, store_error)
+
+    def new_event(self, event_type: str, video_id: str, completed_at: float) -> Event:
+        """An event to keep (`outbox_event`) and then `schedule`; made before its rows are written, so that a start
+        reading them does not schedule it too."""
         event = Event(id=f"evt_{secrets.token_hex(16)}", type=event_type, created_at=int(completed_at),
                       video_id=video_id)
         with self._start_lock:  # before its row exists: a start reading the row then finds its id here
             if not self._started:
                 self._sent_before_start.add(event.id)
-        # The runner stored the job's end before this call: a process killed in between (its log line, metrics and
-        # upload removal) loses the event, though the job's state is right. A short window, accepted rather than
-        # one transaction across the job's transition and these rows.
-        kept = self._keep(event)
+        return event
+
+    def outbox_event(self, event: Event) -> OutboxEvent | None:
+        """`event`'s outbox rows, for the job store to write with the job's end; None when there is no outbox."""
+        if self._outbox is None:
+            return None
+        return OutboxEvent(event.id, event.type, event.video_id, event.created_at, self.urls)
+
+    def schedule(self, event: Event, store_error: BaseException | None = None) -> None:
+        """Schedule `event` for every URL once its rows are kept, or, after `store_error` (they could not be
+        written: the job has ended all the same), from memory only, with a warning."""
+        if store_error is not None:
+            self._memory_only.update((event.id, url) for url in self.urls)
+            logger.warning("webhook %s for %s could not be kept in the job store (%s); it is sent from memory, and "
+                           "lost if the server stops before it is delivered", event.type, event.video_id, store_error)
         with self._changed:  # `stop` sets `_stopped` under this lock: no event lands after its summary
             stopped = self._stopped
             if not stopped:
@@ -405,11 +434,12 @@ class WebhookSender:
                     self._push(url, _Delivery(event, time.monotonic()), time.monotonic())
         if not stopped:  # else a job that ended after the stop (its MP4's tail, during the engine's shutdown)
             return
-        if kept:
+        if self._outbox is not None and store_error is None:
             logger.warning("webhook %s for %s kept in the job store, sent at the next start: the server is stopping",
-                           event_type, video_id)
+                           event.type, event.video_id)
         else:
-            logger.warning("webhook %s for %s not sent: the server is stopping", event_type, video_id)
+            self._memory_only.difference_update((event.id, url) for url in self.urls)
+            logger.warning("webhook %s for %s not sent: the server is stopping", event.type, event.video_id)
 
     @property
     def pending(self) -> int:
@@ -424,25 +454,16 @@ class WebhookSender:
         heapq.heappush(self._lanes[url].heap, (due, self._sequence, delivery))
         self._changed.notify_all()
 
-    def _keep(self, event: Event) -> bool:
-        """Write `event` to the outbox; False when there is none or the write failed (then it lives in memory)."""
-        if self._outbox is None:
-            return False
-        try:
-            self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls)
-        except STORE_WRITE_ERRORS as exc:  # the job has ended all the same: its event still goes, from memory
-            self._memory_only.add(event.id)
-            logger.warning("webhook %s for %s could not be kept in the job store (%s); it is sent from memory, and "
-                           "lost if the server stops before it is delivered", event.type, event.video_id, exc)
-            return False
-        return True
-
-    def _is_kept(self, event: Event) -> bool:
-        return self._outbox is not None and event.id not in self._memory_only
+    def _is_kept(self, event: Event, url: str) -> bool:
+        return self._outbox is not None and (event.id, url) not in self._memory_only
 
     def _forget(self, event_id: str, url: str) -> None:
-        """Remove the (event, URL) row: delivered, or given up for good."""
-        if self._outbox is None or event_id in self._memory_only:
+        """`url` is done with the event (delivered, or given up for good): remove its row, or its `_memory_only`
+        entry, which would otherwise grow for as long as the disk stays full."""
+        if self._outbox is None:
+            return
+        if (event_id, url) in self._memory_only:
+            self._memory_only.remove((event_id, url))
             return
         row_url = self._row_urls.pop((event_id, url), url)
         try:
@@ -460,11 +481,11 @@ class WebhookSender:
         dropped: list[tuple[str, str]] = []
         scheduled: set[tuple[str, str]] = set()
         rows = outbox.pending_webhook_events()
-        with self._start_lock:  # read after the rows: `send` adds an id before writing its row
+        with self._start_lock:  # read after the rows: `new_event` adds an id before its row is written
             sent_already = set(self._sent_before_start)
         for row in rows:
             if row.event_id in sent_already:
-                continue  # `send` scheduled it before this start
+                continue  # made before this start: its `schedule` schedules it
             url = _canonical_or_none(row.url)
             example = f"{row.event_type} {row.video_id}"
             # A queued_at ahead of now is a clock stepped back since: taken as now, or the row was never stale.
@@ -527,7 +548,11 @@ class WebhookSender:
                 lane.draining = deque()
                 for delivery in left:
                     event = delivery.event
-                    (kept if self._is_kept(event) else dropped).add(shown_url(url), f"{event.type} {event.video_id}")
+                    if self._is_kept(event, url):
+                        kept.add(shown_url(url), f"{event.type} {event.video_id}")
+                    else:
+                        dropped.add(shown_url(url), f"{event.type} {event.video_id}")
+                        self._memory_only.discard((event.id, url))
                 if lane.in_flight is not None:  # its attempt ends on its own; `_settle` counts its outcome
                     event = lane.in_flight.event
                     in_flight.add(shown_url(url), f"{event.type} {event.video_id}")
@@ -604,7 +629,8 @@ class WebhookSender:
             elif self._done and failure[1]:
                 # Attempted past the stop's summary, and to be retried: its row stays for the next start, or, if the
                 # store could not take it, it is lost (as the summary said): counted here, once.
-                if not self._is_kept(delivery.event):
+                if not self._is_kept(delivery.event, url):
+                    self._memory_only.discard((delivery.event.id, url))
                     self._count("failed")
                 return
             else:

@@ -670,7 +670,7 @@ def test_a_requeued_job_has_no_started_at(tmp_path):
     assert store.get(held["id"]).started_at is None  # a queued job that claims to have started
     store.insert(Job(id="video_died", model="m", status=JobStatus.IN_PROGRESS, created_at=1.0, started_at=2.0,
                      attempts=1, params={"prompt": "p"}))
-    requeued, _ = store.recover_interrupted("died")
+    requeued, _, _ = store.recover_interrupted()
     assert [job.id for job in requeued] == ["video_died"] and requeued[0].started_at is None
     store.close()
 

@@ -197,8 +197,8 @@ def test_a_job_cancelled_in_its_mp4_tail_is_never_requeued(tmp_path):
     # The process exited before the MP4 was finished: the restart cancels the job instead of re-queueing it.
     store.insert(Job(id="video_cancelling", model="m", status=JobStatus.IN_PROGRESS, created_at=1.0, attempts=1,
                      params={"prompt": "p"}, cancel_requested_at=2.0))
-    requeued, ended = store.recover_interrupted("died")
-    assert requeued == [] and [(j.id, j.status, j.error_code) for j in ended] == \
+    requeued, cancelled, died_twice = store.recover_interrupted()
+    assert requeued == [] == died_twice and [(j.id, j.status, j.error_code) for j in cancelled] == \
         [("video_cancelling", JobStatus.CANCELLED, "cancelled")]
     store.close()
 

@@ -333,7 +333,7 @@ def test_a_url_with_a_password_is_refused_and_a_stray_secret_alone_is_unused(mon
     assert settings_from_options({}).webhook_urls == ()
 
 
-def test_a_job_failed_at_start_up_sends_its_event(tmp_path, receiver):
+def test_a_job_failed_at_start_up_sends_its_event(tmp_path, receiver, monkeypatch):
     # Running when the server stopped for the second time: failed as the next server starts, which told no one.
     from k6serve.serve.jobs import MAX_ATTEMPTS, Job, JobStatus, SqliteJobStore
 
@@ -341,11 +341,23 @@ def test_a_job_failed_at_start_up_sends_its_event(tmp_path, receiver):
     store.insert(Job(id="video_twice", model="m", status=JobStatus.IN_PROGRESS, created_at=time.time(),
                      attempts=MAX_ATTEMPTS, params={"prompt": "p", "height": 32, "width": 32, "num_frames": 5}))
     store.close()
+    kept_with_the_failure = []
+    transition = SqliteJobStore.transition
+
+    def watched(store, *args, **fields):
+        job = transition(store, *args, **fields)
+        if job is not None and fields.get("status") == JobStatus.FAILED:  # a process killed now keeps the rows
+            kept_with_the_failure.extend((row.event_id, row.event_type) for row in store.pending_webhook_events())
+        return job
+
+    monkeypatch.setattr(SqliteJobStore, "transition", watched)
     server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
     try:
         (headers, body), = receiver.wait(1)
         event = _verified(headers, body)
         assert (event["type"], event["data"]["id"]) == ("video.failed", "video_twice")
+        assert kept_with_the_failure == [(event["id"], "video.failed")]
+        assert server.store.get("video_twice").error_code == "server_restarted"
     finally:
         server.stop()
 
@@ -579,22 +591,187 @@ def test_a_delivery_given_up_for_good_removes_its_row(receiver, store, answers, 
 
 
 def test_an_event_the_store_cannot_keep_is_still_delivered_from_memory(tmp_path, receiver, caplog, monkeypatch):
+    # The job's end and its event's rows are one write: the rows failing (a full disk) must not lose the job's end.
     server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    sender = server.app.state.ctx.runner.webhooks
     try:
-        def full_disk(*args, **kwargs) -> None:
-            raise sqlite3.OperationalError("database or disk is full")
+        transition = server.store.transition
 
-        monkeypatch.setattr(server.store, "add_webhook_event", full_disk)
+        def full_for_rows(*args, webhook_event=None, **fields):
+            if webhook_event is not None:
+                raise sqlite3.OperationalError("database or disk is full")
+            return transition(*args, **fields)
+
+        monkeypatch.setattr(server.store, "transition", full_for_rows)
         with server.client() as client:
             done = wait_for(client, client.post("/v1/videos", json={"prompt": "ok", **SMALL}).json()["id"])
-            (headers, body), = receiver.wait(1)
-        assert done["status"] == "completed"
-        assert _verified(headers, body)["data"]["id"] == done["id"]
-        assert (f"webhook video.completed for {done['id']} could not be kept in the job store (database or disk is "
-                "full); it is sent from memory") in caplog.text
+            failed = wait_for(client, client.post("/v1/videos", json={"prompt": "fail", **SMALL}).json()["id"])
+            received = receiver.wait(2)
+        assert (done["status"], failed["status"]) == ("completed", "failed")
+        assert [(event["type"], event["data"]["id"]) for event in (_verified(*pair) for pair in received)] == [
+            ("video.completed", done["id"]), ("video.failed", failed["id"])]
+        for job in (done, failed):
+            assert (f"for {job['id']} could not be kept in the job store (database or disk is full); it is sent "
+                    "from memory") in caplog.text
         assert server.store.pending_webhook_events() == []
+        _until(lambda: not sender._memory_only)  # forgotten once delivered
     finally:
         server.stop()
+
+
+def test_a_jobs_end_the_full_disk_holds_back_sends_one_event_once_written(tmp_path, receiver, monkeypatch):
+    # Neither write fits: the finisher retries the job's end (a new event each time), and only the end that was
+    # stored schedules its event.
+    from k6serve.serve.jobs import JobStatus
+
+    server = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    sender = server.app.state.ctx.runner.webhooks
+    try:
+        transition = server.store.transition
+        full = True
+
+        def maybe_full(*args, **fields):
+            if full and fields.get("status") == JobStatus.COMPLETED:
+                raise sqlite3.OperationalError("database or disk is full")
+            return transition(*args, **fields)
+
+        monkeypatch.setattr(server.store, "transition", maybe_full)
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "ok", **SMALL}).json()["id"]
+            time.sleep(1.5)  # the first try and one retry, each refused twice (with the rows, then without)
+            assert client.get(f"/v1/videos/{job}").json()["status"] == "in_progress"
+            full = False
+            assert wait_for(client, job)["status"] == "completed"
+            (headers, body), = receiver.wait(1)
+        assert _verified(headers, body)["data"]["id"] == job
+        _until(lambda: not server.store.pending_webhook_events())
+        time.sleep(0.3)
+        assert len(receiver.received) == 1 and not sender._memory_only
+    finally:
+        server.stop()
+
+
+class ProcessKilled(Exception):
+    """Stands for a SIGKILL: the code after the point it is raised at never runs."""
+
+
+def test_a_server_killed_right_after_a_jobs_end_sends_its_event_at_the_next_start(tmp_path, receiver, monkeypatch):
+    # The job's end was stored, then its event written in a second transaction: a process killed between the two
+    # lost the event for good, though the job read completed.
+    from k6serve.serve.jobs import JobStatus
+
+    transition = SqliteJobStore.transition
+
+    def killed_after_the_end(store, *args, **fields):
+        job = transition(store, *args, **fields)
+        if job is not None and fields.get("status") == JobStatus.COMPLETED:
+            raise ProcessKilled
+        return job
+
+    monkeypatch.setattr(SqliteJobStore, "transition", killed_after_the_end)
+    first = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        with first.client() as client:
+            done = wait_for(client, client.post("/v1/videos", json={"prompt": "ok", **SMALL}).json()["id"])
+    finally:
+        first.stop()
+    monkeypatch.undo()
+    assert done["status"] == "completed" and receiver.received == []
+    second = start_server(tmp_path, webhook_urls=(receiver.url,), webhook_secret=SECRET)
+    try:
+        (headers, body), = receiver.wait(1)
+        event = _verified(headers, body)
+        assert (event["type"], event["data"]["id"], event["created_at"]) == ("video.completed", done["id"],
+                                                                             done["completed_at"])
+        _until(lambda: not second.store.pending_webhook_events())
+    finally:
+        second.stop()
+
+
+def test_a_jobs_end_and_its_events_rows_are_written_together_or_not_at_all(store):
+    from k6serve.serve.jobs import JobStatus, OutboxEvent
+
+    for video_id in ("video_a", "video_b"):
+        store.insert(Job(id=video_id, model="m", status=JobStatus.IN_PROGRESS, created_at=time.time(),
+                         params={"prompt": "p"}))
+    urls = ("http://a/1", "http://b/2")
+    completed = store.transition("video_a", (JobStatus.IN_PROGRESS,), status=JobStatus.COMPLETED, completed_at=5.0,
+                                 webhook_event=OutboxEvent("evt_a", "video.completed", "video_a", 5, urls))
+    assert completed.status == JobStatus.COMPLETED
+    assert [(row.event_id, row.url, row.event_type, row.video_id, row.created_at)
+            for row in store.pending_webhook_events()] == [("evt_a", url, "video.completed", "video_a", 5)
+                                                           for url in urls]
+    # A transition that does not happen (the job has ended already) writes no rows.
+    assert store.transition("video_a", (JobStatus.IN_PROGRESS,), status=JobStatus.FAILED,
+                            webhook_event=OutboxEvent("evt_late", "video.failed", "video_a", 6, urls)) is None
+    assert {row.event_id for row in store.pending_webhook_events()} == {"evt_a"}
+    # Rows that do not fit (a full disk, as SQLite's max_page_count makes it) undo the job's end with them; the job's
+    # end alone, an update in place, still fits: the runner's fallback.
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")
+    long_urls = tuple(f"http://a/{index}?token={'t' * 20_000}" for index in range(2))
+    with pytest.raises(sqlite3.OperationalError, match="full"):
+        store.transition("video_b", (JobStatus.IN_PROGRESS,), status=JobStatus.COMPLETED,
+                         webhook_event=OutboxEvent("evt_b", "video.completed", "video_b", 7, long_urls))
+    assert store.get("video_b").status == JobStatus.IN_PROGRESS
+    assert {row.event_id for row in store.pending_webhook_events()} == {"evt_a"}
+    assert store.transition("video_b", (JobStatus.IN_PROGRESS,), status=JobStatus.FAILED).status == JobStatus.FAILED
+
+
+def test_an_event_kept_with_its_jobs_end_before_the_start_is_delivered_once(receiver, store):
+    # The start reads the row of an event made before it and scheduled after it: it must leave it to `schedule`.
+    from k6serve.serve.jobs import JobStatus
+
+    store.insert(Job(id="video_a", model="m", status=JobStatus.IN_PROGRESS, created_at=time.time(),
+                     params={"prompt": "p"}))
+    outcomes = []
+    sender = WebhookSender((receiver.url,), SECRET, outbox=store, on_outcome=outcomes.append)
+    event = sender.new_event("video.completed", "video_a", 1_700_000_000)
+    assert store.transition("video_a", (JobStatus.IN_PROGRESS,), status=JobStatus.COMPLETED,
+                            webhook_event=sender.outbox_event(event)) is not None
+    sender.start()
+    sender.schedule(event)
+    try:
+        (headers, _), = receiver.wait(1)
+        _until(lambda: outcomes == ["delivered"] and not store.pending_webhook_events())
+        time.sleep(0.3)
+    finally:
+        sender.stop(timeout_s=1.0)
+    assert len(receiver.received) == 1 and headers["webhook-id"] == event.id
+
+
+def _full_disk_outbox(store, monkeypatch):
+    def full_disk(*args, **kwargs) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "add_webhook_event", full_disk)
+
+
+def test_an_event_in_memory_only_is_forgotten_once_each_url_is_done_with_it(receiver, store, monkeypatch):
+    # Its id stayed in the sender's memory-only set for good: one entry per event for as long as the disk was full.
+    _full_disk_outbox(store, monkeypatch)
+    refusing = Receiver()
+    refusing.answers += [503, 503]
+    outcomes = []
+    sender = WebhookSender((receiver.url, refusing.url), SECRET, retry_delays_s=(1.0,), outbox=store,
+                           on_outcome=outcomes.append)
+    sender.start()
+    try:
+        sender.send("video.completed", "video_a", 1_700_000_000)
+        (headers, _), = receiver.wait(1)
+        event_id = headers["webhook-id"]
+        _until(lambda: sender._memory_only == {(event_id, refusing.url)})  # the other URL still waits
+        refusing.wait(2)
+        _until(lambda: sorted(outcomes) == ["delivered", "failed"] and not sender._memory_only)
+        # Dropped at a stop: forgotten as well.
+        receiver.answers += [503]
+        sender.send("video.failed", "video_b", 1_700_000_001)
+        receiver.wait(2)
+        _until(lambda: sender.pending == 1)
+    finally:
+        sender.stop(timeout_s=0.2)
+        refusing.close()
+    assert not sender._memory_only and store.pending_webhook_events() == []
 
 
 def test_a_store_from_before_the_outbox_opens_and_gains_it(tmp_path):
