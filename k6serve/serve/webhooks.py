@@ -463,7 +463,8 @@ class WebhookSender:
         if self._outbox is None:
             return
         if (event_id, url) in self._memory_only:
-            self._memory_only.remove((event_id, url))
+            # discard, not remove: a stop's summary may have dropped the pair meanwhile (from another thread)
+            self._memory_only.discard((event_id, url))
             return
         row_url = self._row_urls.pop((event_id, url), url)
         try:
