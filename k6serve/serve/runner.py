@@ -791,7 +791,8 @@ class JobRunner:
             if rows is None:
                 raise
             store_error = exc
-            # A write error again: the caller retries the job's end, with a new event (this one was not scheduled).
+            # A write error again propagates: the finisher retries the job's end with a new event (this one was not
+            # scheduled); at start-up (a job that died twice) the start fails, as the store's recovery did before.
             finished = self.store.transition(job_id, allowed, **fields)
         if finished is not None:
             self.webhooks.schedule(event, store_error)
