@@ -287,6 +287,11 @@ class RuntimeConfig:
     # rounds after every op, and on random weights the frames then differed from the eager bf16 decode by up
     # to 12/255, beyond the 1/255 that "speed" promises (docs/benchmarks.md).
     compile_vae: bool = False
+    # expand_prompts' rewrite through one static KV cache (pipelines/expand_prompt.py, `StaticRewriteCache`), whose
+    # decoding step transformers compiles on CUDA. Opt-in, not part of "speed": on an H200 256 tokens took 1.92 s
+    # against 7.71 s eager (4.0x), after one compile of about 45 s (at warm-up with a warm mode), but the compiled
+    # step rounds differently, and on random weights its ids left the eager ones (diffusers') at token 4.
+    compile_prompt_rewrite: bool = False
     # Spatial tiles for the generation models' HunyuanVideo VAE decode: "on" is diffusers' `vae.enable_tiling()`
     # with its default tiles (256 px, stride 192), "off" never, "auto" on exactly for --performance-mode memory on
     # a GPU (speed/vae_tiling.py). Tied to memory mode because that mode promises the lowest peak, and its peak is
@@ -364,6 +369,8 @@ class RuntimeConfig:
                              f"--performance-mode {self.performance_mode} runs eager kernels and would ignore it. Use "
                              "--performance-mode speed (with --cpu-offload-components vae to keep the VAE in host "
                              "memory), or drop --compile-vae.")
+        if self.compile_prompt_rewrite:
+            self._check_compile_prompt_rewrite()
         if self.vae_parallel_decode_mode not in (None, *PARALLEL_DECODE_MODES):
             raise ValueError(f"--vae-config.parallel-decode-mode must be one of {', '.join(PARALLEL_DECODE_MODES)}, "
                              f"got {self.vae_parallel_decode_mode!r}")
@@ -372,6 +379,22 @@ class RuntimeConfig:
                 f"--attention-backend must be one of auto, fa, fa_fp8, torch_sdpa (alias sdpa), fa3 or fa4 (aliases "
                 f"of fa), got {self.attention_backend!r}"
             )
+
+    def _check_compile_prompt_rewrite(self) -> None:
+        if self.performance_mode != "speed":
+            # As --compile-vae: balanced and memory promise eager kernels.
+            raise ValueError(f"--compile-prompt-rewrite true compiles the expand_prompts rewrite only under "
+                             f"--performance-mode speed; --performance-mode {self.performance_mode} runs eager "
+                             "kernels and would ignore it. Use --performance-mode speed, or drop "
+                             "--compile-prompt-rewrite.")
+        from k6serve.offload.residency import LAYERWISE
+
+        if self.residency_plan(super_resolution=False).residency.get("text_encoder") == LAYERWISE:
+            # expand_prompts itself is refused there (models/variants.py), so the flag would do nothing.
+            raise ValueError(f"--compile-prompt-rewrite true compiles the expand_prompts rewrite, which `"
+                             f"{self.residency_flags}` refuses: it streams the text encoder's layers from host memory, "
+                             "and generate would copy them for every token. Keep the text encoder on the GPU "
+                             "(--component-residency text_encoder=resident), or drop --compile-prompt-rewrite.")
 
     def _check_warmup_resolutions(self) -> None:
         object.__setattr__(self, "warmup_resolutions", parse_warmup_sizes(self.warmup_resolutions))
@@ -504,6 +527,12 @@ class EngineConfig:
                              "shards between requests; use --lora-merge-mode dynamic or auto (dynamic under FSDP).")
         if self.model.quantization != "none":
             self._check_quantization()
+        if self.runtime.compile_prompt_rewrite and parallel.encoder_parallel == "fold":
+            # A folded encoder's forward is collectives over sharded weights; compiled into generate's decoding step
+            # (and its CUDA graphs) it has never run. auto never folds Kandinsky 6's encoders (3,584 wide).
+            raise ValueError("--compile-prompt-rewrite true cannot be used with --encoder-parallel fold: the "
+                             "compiled decoding step of a folded text encoder is untested. Use --encoder-parallel "
+                             "replicate or auto, or drop --compile-prompt-rewrite.")
         if self.runtime.cache_dit_config is not None and parallel.cache_dit_unavailable:
             raise ValueError(f"--cache-dit-config cannot be used with {parallel.cache_dit_unavailable}")
         # Refused here when every model family's reading of the flags offloads; a component name of one family

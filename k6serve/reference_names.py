@@ -55,8 +55,8 @@ _RESIDENT_LAYERS = ("k6serve's --offload-resident-blocks keeps that many of the 
                     "spread evenly, e.g. --offload-resident-blocks 8; the text encoders' blocks always stream")
 _RESIDENCY_POLICY = ("k6serve always spreads --offload-resident-blocks evenly over the DiT's blocks, SGLang's "
                      "strided policy; there is no leading policy")
-_CUDA_GRAPHS = ("k6serve captures no CUDA graphs, and Kandinsky 6 is not on SGLang's list for them either, as its "
-                "text length varies; --performance-mode speed, the default, compiles the DiT's blocks instead")
+_CUDA_GRAPHS = ("k6serve captures no CUDA graphs of the DiT, and Kandinsky 6 is not on SGLang's list for them either, "
+                "as its text length varies; --performance-mode speed, the default, compiles the DiT's blocks instead")
 _PRECISION = ("k6serve has one --dtype for every component: auto, the default, is bfloat16 on CUDA and float32 on "
               "the CPU")
 _ATTENTION = ("k6serve takes one --attention-backend, for the DiT, and the text encoders keep their own attention; "

@@ -25,7 +25,7 @@ from k6serve.pipelines.encode_text import (
     QWEN_CROP_START,
     encode_prompt,
 )
-from k6serve.pipelines.expand_prompt import expanded_token_ids
+from k6serve.pipelines.expand_prompt import StaticRewriteCache, expanded_token_ids
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
 EXPAND_TOKENS = 256  # a detailed rewrite's length; diffusers lets it run to 1024
@@ -120,18 +120,19 @@ def run_text(options: TextOptions) -> list[BenchRow]:
 
 
 def _static_cache_row(parts: TextComponents, options: TextOptions, eager) -> BenchRow:
-    """An experiment, not what requests run: the same rewrite with transformers' static KV cache, which on CUDA also
-    compiles the decoding step (its auto-compile). The eager generate spent 21-30 ms a token on an H100 (if it wrote
-    all 256), where reading the 15 GB of weights takes about 5: the rest is the host launching kernels one by one.
-    The row says
-    whether the ids it writes are the eager ones (a compiled step rounds differently, and one flipped token changes
-    the rewrite from there on); its first call, which compiles, is reported apart."""
+    """The same rewrite as requests run it with --compile-prompt-rewrite true: through one `StaticRewriteCache`,
+    whose decoding step transformers compiles on CUDA. The eager generate spent 21-30 ms a token on an H100 (if it
+    wrote all 256), where reading the 15 GB of weights takes about 5: the rest is the host launching kernels one by
+    one. The row says whether the ids it writes are the eager ones (a compiled step rounds differently, and one
+    flipped token changes the rewrite from there on); its first call, which compiles, is reported apart."""
     row = BenchRow(stage="text", name="ours expand_prompts, static cache", config=f"<= {EXPAND_TOKENS} new tokens")
     try:
+        cache = StaticRewriteCache(parts.text_encoder.config)
+
         def run() -> torch.Tensor:
             return expanded_token_ids(PROMPT, tokenizer=parts.tokenizer, text_encoder=parts.text_encoder,
                                       device=options.device, seed=0, max_new_tokens=EXPAND_TOKENS,
-                                      cache_implementation="static")
+                                      static_cache=cache)
 
         first = measure(run, device=options.device, repeats=1, warmup=0)
         static = measure(run, device=options.device, repeats=options.repeats, warmup=0)

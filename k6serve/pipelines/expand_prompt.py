@@ -13,10 +13,15 @@ for diffusers' processor) makes the image's patches, and the image placeholder i
 patch exactly as `Qwen2_5_VLProcessor.__call__` widens it. The RNG is seeded inside `fork_rng`, so the engine's
 global RNG is left as it was (diffusers reseeds it for good). A caller may pass `on_tokens`, called every
 `TOKENS_PER_CHECK` tokens: a cancellation point (it raises), which changes nothing the rewrite computes.
+
+With `--compile-prompt-rewrite true` (`StaticRewriteCache`) `generate` keeps its keys and values in one static cache
+of a bucketed length, and on CUDA transformers compiles its decoding step: faster, but the compiled step rounds
+differently, so the ids may leave the eager ones (diffusers') after some tokens.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +57,10 @@ IMAGE_TOKEN = "<|image_pad|>"
 # eager generate on an H100 (forty-fourth session; the count went unrecorded), so 16 about 0.4 s, where a rewrite of
 # 1,024 ran 26 s or more with no point to stop at.
 TOKENS_PER_CHECK = 16
+# The smallest static cache: the instruction with a prompt, or with a 768x512 image (486 tokens after merging),
+# plus the default 1,024 new tokens fit, so usual requests share one compiled step. Its unused positions cost little:
+# each token's attention reads the whole cache, 117 MB for Qwen2.5-VL-7B at 2,048, beside the 15 GB of weights.
+MIN_STATIC_CACHE_TOKENS = 2048
 
 
 class _EveryTokens:
@@ -66,6 +75,48 @@ class _EveryTokens:
         if self.calls % self.every == 0:
             self.callback()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def static_cache_tokens(num_tokens: int) -> int:
+    """The static cache length for a rewrite of `num_tokens` (inputs plus most new tokens): the next power of two,
+    at least `MIN_STATIC_CACHE_TOKENS`. Each length is a compile of the decoding step (45 s on an H200), so lengths
+    are few."""
+    return max(MIN_STATIC_CACHE_TOKENS, 1 << (num_tokens - 1).bit_length())
+
+
+class StaticRewriteCache:
+    """The one transformers `StaticCache` a text encoder's rewrites share (--compile-prompt-rewrite true).
+
+    Why our own object: transformers' `cache_implementation="static"` (5.17 and 5.25 alike, `_prepare_static_cache`)
+    builds a new `StaticCache` in every `generate`, sized to that call's inputs plus `max_new_tokens` (or the largest
+    size before); there is no `self._cache` reuse as in transformers 4. A cache passed to `generate` (5.17's
+    `past_key_values`, 5.25's `cache`) is used as it is, and on CUDA its decoding step is compiled all the same
+    (`_valid_auto_compile_criteria`: a compileable cache). So one cache is kept here, reset before each rewrite,
+    and replaced only by a longer one: the compiled step's shapes, keyed on the cache length, change only when a
+    rewrite needs a longer bucket (`static_cache_tokens`), never with the prompt's length."""
+
+    def __init__(self, text_encoder_config) -> None:
+        self.config = text_encoder_config
+        self.cache = None
+        self.num_tokens = 0  # the cache's length (0: none yet)
+
+    def prepared(self, num_tokens: int):
+        """The cache, emptied, for a rewrite of up to `num_tokens` tokens in all. Called inside inference mode:
+        the cache's tensors are made there, and only an inference-mode call may zero them."""
+        from transformers import StaticCache
+
+        if num_tokens > self.num_tokens:
+            self.num_tokens = static_cache_tokens(num_tokens)
+            self.cache = StaticCache(config=self.config, max_cache_len=self.num_tokens)
+        else:
+            self.cache.reset()
+        return self.cache
+
+
+def _cache_keyword(text_encoder) -> str:
+    """The `generate` keyword of a cache passed in: transformers 5.17 reads `past_key_values`, 5.25 `cache` (the old
+    name still taken with a FutureWarning); the model's forward names the one its version uses."""
+    return "cache" if "cache" in inspect.signature(type(text_encoder).forward).parameters else "past_key_values"
 
 
 def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL.Image.Image | None = None,
@@ -96,19 +147,26 @@ def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.de
                        image_processor=None, image: PIL.Image.Image | None = None,
                        max_new_tokens: int = MAX_SEQUENCE_LENGTH,
                        on_tokens: Callable[[], None] | None = None,
-                       cache_implementation: str | None = None) -> torch.Tensor:
+                       static_cache: StaticRewriteCache | None = None,
+                       num_tokens_written: int | None = None) -> torch.Tensor:
     """The token ids the text encoder writes for `prompt`'s rewrite, (1, n <= max_new_tokens), end token included
     when it stopped on one (diffusers' `Kandinsky6TI2VAPipeline.expand_prompts` for one prompt, `generator` seeded
     with `seed`). `on_tokens` is called every `TOKENS_PER_CHECK` tokens written; what it raises ends the rewrite.
-    `cache_implementation` ("static": the bench's experiment) goes to `generate`; None keeps its dynamic cache."""
+    `static_cache`: generate through it (--compile-prompt-rewrite true) instead of its dynamic cache.
+    `num_tokens_written` (a warm-up's): write exactly that many tokens, the cache still sized for `max_new_tokens`,
+    so the step compiled is the one a rewrite of `max_new_tokens` uses."""
     from transformers import StoppingCriteriaList
 
     inputs = {name: value.to(device) for name, value in
               expansion_inputs(prompt, tokenizer=tokenizer, image_processor=image_processor, image=image).items()}
     extra = {} if on_tokens is None else {
         "stopping_criteria": StoppingCriteriaList([_EveryTokens(on_tokens, TOKENS_PER_CHECK)])}
-    if cache_implementation is not None:
-        extra["cache_implementation"] = cache_implementation
+    if static_cache is not None:
+        num_tokens = inputs["input_ids"].shape[1] + max_new_tokens
+        extra[_cache_keyword(text_encoder)] = static_cache.prepared(num_tokens)
+    if num_tokens_written is not None:
+        max_new_tokens = num_tokens_written
+        extra["min_new_tokens"] = num_tokens_written  # an end token would stop it before the compiled step ran
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -118,11 +176,12 @@ def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.de
 
 def expand_prompt(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
                   image_processor=None, image: PIL.Image.Image | None = None,
-                  max_new_tokens: int = MAX_SEQUENCE_LENGTH, on_tokens: Callable[[], None] | None = None) -> str:
+                  max_new_tokens: int = MAX_SEQUENCE_LENGTH, on_tokens: Callable[[], None] | None = None,
+                  static_cache: StaticRewriteCache | None = None) -> str:
     """`prompt` rewritten by the text encoder: `expanded_token_ids` decoded as diffusers decodes them."""
     answer = expanded_token_ids(prompt, tokenizer=tokenizer, text_encoder=text_encoder, device=device, seed=seed,
                                 image_processor=image_processor, image=image, max_new_tokens=max_new_tokens,
-                                on_tokens=on_tokens)
+                                on_tokens=on_tokens, static_cache=static_cache)
     return tokenizer.batch_decode(answer, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
 
 

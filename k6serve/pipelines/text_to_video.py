@@ -27,7 +27,12 @@ from k6serve.pipelines.decode_stream import (
 )
 from k6serve.pipelines.denoise import StepCallback, denoise
 from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding, truncation_note
-from k6serve.pipelines.expand_prompt import expand_prompt, load_image_processor
+from k6serve.pipelines.expand_prompt import (
+    StaticRewriteCache,
+    expand_prompt,
+    expanded_token_ids,
+    load_image_processor,
+)
 from k6serve.pipelines.prepare_latents import (
     cpu_seed_note,
     encode_reference_image,
@@ -111,6 +116,9 @@ class TextToVideoPipeline:
         # the same text (set by the parallel runtime; replicated encoders' rounding may differ between ranks).
         self.agree_on_text: Callable[[str], str] | None = None
         self._image_processor = None  # loaded at the first expand_prompts with an image
+        # --compile-prompt-rewrite true (set by the worker): the rewrite generates through this static cache, whose
+        # decoding step transformers compiles on CUDA; None: its dynamic cache, eager, diffusers' exact ids.
+        self.rewrite_cache: StaticRewriteCache | None = None
 
     def components(self) -> dict[str, torch.nn.Module]:
         """The modules the stages name in `residency.stage(...)`."""
@@ -139,8 +147,7 @@ class TextToVideoPipeline:
         """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any;
         called inside a stage that holds the text encoder."""
         m = self.models
-        if image is not None and self._image_processor is None:
-            self._image_processor = load_image_processor(m.source)
+        self._load_image_processor(image)
         # A cancellation point while the rewrite runs (up to 1,024 tokens, 26 s or more on an H100), reported as step
         # 0. One process only: a replica's ranks call on_step together (a collective), and theirs could stop at
         # different tokens (agree_on_text's reason), leaving one waiting in it.
@@ -148,8 +155,30 @@ class TextToVideoPipeline:
             if on_step is not None and self.agree_on_text is None else None
         text = expand_prompt(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
                              seed=request.seed, image_processor=self._image_processor, image=image,
-                             max_new_tokens=request.max_sequence_length, on_tokens=on_tokens)
+                             max_new_tokens=request.max_sequence_length, on_tokens=on_tokens,
+                             static_cache=self.rewrite_cache)
         return self.agree_on_text(text) if self.agree_on_text is not None else text
+
+    def _load_image_processor(self, image: PIL.Image.Image | None) -> None:
+        if image is not None and self._image_processor is None:
+            self._image_processor = load_image_processor(self.models.source)
+
+    def warm_up_rewrite(self, request: GenerateRequest, num_tokens: int) -> None:
+        """A rewrite of `num_tokens` tokens of `request`'s prompt (and image) through `rewrite_cache`, sized as the
+        request's own rewrite would size it, so the decoding step it compiles (on CUDA) is the one such requests
+        run (`speed/warmup.py`). Its text is not used: no replica agreement, and no cancellation point."""
+        image = None
+        if request.image_path is not None:
+            from k6serve.media.image import load_conditioning_image
+
+            image = load_conditioning_image(request.image_path, request.height, request.width, log=False)
+        self._load_image_processor(image)
+        m = self.models
+        with self.residency.stage("text_encoder"):
+            expanded_token_ids(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,
+                               seed=request.seed, image_processor=self._image_processor, image=image,
+                               max_new_tokens=request.max_sequence_length, static_cache=self.rewrite_cache,
+                               num_tokens_written=num_tokens)
 
     def encode(self, request: GenerateRequest) -> Conditioning:
         with self.residency.stage("text_encoder", "text_encoder_2"):

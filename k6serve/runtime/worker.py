@@ -115,6 +115,13 @@ def _run_lora_operation(manager, operation: LoraOperation, config: EngineConfig)
     raise TypeError(f"not a LoRA operation: {operation!r}")
 
 
+def _rewrite_part(report: WarmupReport) -> str:
+    """The compiled prompt rewrite's share of a warm-up, for its log line ("" when it did not rewrite)."""
+    if report.rewrite_seconds is None:
+        return ""
+    return f" (the prompt rewrite's compile, --compile-prompt-rewrite true: {report.rewrite_seconds:.2f} s)"
+
+
 class ModelWorker:
     """Loads the checkpoint named by the config and serves requests for it."""
 
@@ -169,6 +176,9 @@ class ModelWorker:
         if config.runtime.compile_vae and self.device.type != "cuda":
             logger.warning("--compile-vae true: speed mode's transforms are for CUDA GPUs; on the CPU the VAE decoder "
                            "runs eager, as the reference does", extra=ONCE)
+        if config.runtime.compile_prompt_rewrite and self.device.type != "cuda":
+            logger.warning("--compile-prompt-rewrite true: transformers compiles generate's decoding step on CUDA "
+                           "only; on the CPU the rewrite runs eager, through the static cache", extra=ONCE)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         # What requests are checked against when resolved (`resolve_generate`), and what the ranks report to the
@@ -201,6 +211,10 @@ class ModelWorker:
             self.apply_lora_operation(start_set_lora(model))
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
+            if config.runtime.compile_prompt_rewrite:
+                from k6serve.pipelines.expand_prompt import StaticRewriteCache
+
+                self.pipeline.rewrite_cache = StaticRewriteCache(self.pipeline.models.text_encoder.config)
         if config.parallel.ulysses_degree > 1 and self.performance_report.num_compiled_blocks:
             # Measured on two H200s: compiled kernels are generated per shape, so a sharded run rounds
             # differently from one GPU (docs/parallelism.md); eager kernels keep Ulysses bit-exact.
@@ -220,6 +234,7 @@ class ModelWorker:
         self.server_warmups: tuple[WarmupReport, ...] = ()
         self.server_warmup_s: float | None = None
         self._other_lengths_warmed = False  # see `_other_lengths`
+        self._rewrite_warmed = False  # see `_rewrite`
         if config.runtime.warmup_mode == "server":
             self.server_warmups = self._server_warmup()
             self.server_warmup_s = sum(report.seconds for report in self.server_warmups)
@@ -384,9 +399,12 @@ class ModelWorker:
         start = time.perf_counter()
         try:
             report = warmup(self.pipeline, request, "request", other_lengths=self._other_lengths(),
-                            on_step=cancel_point)
+                            rewrite=self._rewrite(), on_step=cancel_point)
         except RequestCancelled:
             self.warmed_up = False  # the next request warms up
+            # Cancels come at the pipeline's steps, before the rewrite's pass: the next warm-up compiles it. (Every
+            # rank of a replica cancels at the same step, as on_step is called on all of them together.)
+            self._rewrite_warmed = False
             raise
         except Exception as exc:
             from k6serve.parallel.mesh import ParallelLayout
@@ -403,7 +421,8 @@ class ModelWorker:
                            type(exc).__name__, exc)
             return seconds
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
-        logger.info("warm-up (%s) took %.2f s", self.config.runtime.warmup_mode, report.seconds)
+        logger.info("warm-up (%s) took %.2f s%s", self.config.runtime.warmup_mode, report.seconds,
+                    _rewrite_part(report))
         return report.seconds
 
     def _other_lengths(self) -> bool:
@@ -413,6 +432,16 @@ class ModelWorker:
         if self._other_lengths_warmed or not self.performance_report.num_compiled_blocks:
             return False
         self._other_lengths_warmed = True
+        return True
+
+    def _rewrite(self) -> bool:
+        """Whether this warm-up also compiles the prompt rewrite (`speed.warmup.warm_rewrite`): once per worker, with
+        --compile-prompt-rewrite true, whether or not its request rewrites (later ones may). Decided from the
+        configuration, the same on every rank of a replica."""
+        wanted = self.config.runtime.compile_prompt_rewrite and self.variant.family == GENERATION
+        if self._rewrite_warmed or not wanted:
+            return False
+        self._rewrite_warmed = True
         return True
 
     def _server_warmup(self) -> tuple[WarmupReport, ...]:
@@ -455,8 +484,9 @@ class ModelWorker:
             logger.info("--warmup-resolutions %s: %d frames is not of the form 4k+1; warming %d, as a request of "
                         "it runs", size, size.num_frames, request.num_frames)
         with self._naming_size(size):
-            report = warmup(self.pipeline, request, "server", other_lengths=self._other_lengths())
-        logger.info("warm-up (server, %s) took %.2f s", report.size, report.seconds)
+            report = warmup(self.pipeline, request, "server", other_lengths=self._other_lengths(),
+                            rewrite=self._rewrite())
+        logger.info("warm-up (server, %s) took %.2f s%s", report.size, report.seconds, _rewrite_part(report))
         return report
 
     def _warmup_super_resolution(self, size: WarmupSize | None) -> WarmupReport:

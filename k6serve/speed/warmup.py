@@ -6,7 +6,8 @@
   in turn (`runtime/warmup_sizes.py`), or with the variant's default request when none is listed.
 
 Both warm modes run the same thing: the request with its shape (what compiled graphs and cuDNN plans are
-keyed on) but only `WARMUP_STEPS` denoising steps, and report the wall time it took.
+keyed on) but only `WARMUP_STEPS` denoising steps, and report the wall time it took. With
+`--compile-prompt-rewrite true` the first warm-up of a worker also compiles the prompt rewrite (`warm_rewrite`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from k6serve.request import GenerateRequest
 
 # Two steps exercise the scheduler's step and a second DiT call on the compiled, warm path.
 WARMUP_STEPS = 2
+# The compiled rewrite's warm-up writes this many tokens: the first from the eager prefill, then the compiled
+# decoding step three times, which compiles it and lets CUDA graphs (transformers' "reduce-overhead") record it.
+WARMUP_REWRITE_TOKENS = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +38,8 @@ class WarmupReport:
     # (num_frames, height, width) of a generation request, or of a super-resolution source clip (the frames it keeps)
     shape: tuple[int, int, int] | None = None
     num_inference_steps: int | None = None
+    # The compiled prompt rewrite's part of `seconds` (`warm_rewrite`); None when the warm-up did not rewrite.
+    rewrite_seconds: float | None = None
 
     @property
     def size(self) -> str:
@@ -54,8 +60,9 @@ def warmup_request(request):
             # start-up, failed on it); bins cover their own step count. The mask only picks the steps that may reuse
             # the cache: the same blocks run.
             cache_dit = dataclasses.replace(cache_dit, scm_preset="none", scm_compute_bins=None, scm_cache_bins=None)
-        # No prompt rewrite: up to 1024 tokens generated one by one warm nothing the request's own run needs
-        # (generate runs eager), and the rewrite's length is the prompt's, which `other_lengths` already covers.
+        # No prompt rewrite here: up to 1024 tokens generated one by one warm nothing the request's own run needs
+        # (eager generate), and the rewrite's length is the prompt's, which `other_lengths` already covers. A
+        # compiled rewrite is warmed apart, in a few tokens (`warm_rewrite`).
         return dataclasses.replace(request, num_inference_steps=steps, cache_dit=cache_dit, expand_prompts=False)
     return request
 
@@ -123,14 +130,27 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
             pass
 
 
-def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool = False,
+def warm_rewrite(pipeline, request: GenerateRequest) -> float:
+    """A rewrite of `WARMUP_REWRITE_TOKENS` tokens of `request`'s prompt (and image) through the pipeline's static
+    rewrite cache, sized for the request's `max_sequence_length` new tokens as its own rewrite would be: on CUDA
+    transformers compiles the decoding step there (about 45 s on an H200), which every rewrite of that cache
+    length then runs. Returns its seconds."""
+    start = time.perf_counter()
+    pipeline.warm_up_rewrite(request, WARMUP_REWRITE_TOKENS)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool = False, rewrite: bool = False,
            on_step: Callable[[int, int], None] | None = None) -> WarmupReport:
     """Run `pipeline` once on a short version of `request_like` unless `mode` is "off"; report the cost. With
     `other_lengths` (the caller's compiled DiT has not yet seen a second prompt length), a generation request also
     runs one DiT step with the prompt's, the soundtrack's and the image's other variants (`warm_other_lengths`), so
-    the compiled blocks take any of them; its time is in the report. The caller decides from its configuration, not
-    from what this process compiled, so that every rank of a replica runs the same passes (and collectives).
-    `on_step` is called at the warm-up's steps, as a pipeline's (a request's cancellation point)."""
+    the compiled blocks take any of them; with `rewrite` (--compile-prompt-rewrite true, not yet warmed), it also
+    compiles the prompt rewrite (`warm_rewrite`); their time is in the report. The caller decides from its
+    configuration, not from what this process compiled, so that every rank of a replica runs the same passes (and
+    collectives). `on_step` is called at the warm-up's steps, as a pipeline's (a request's cancellation point)."""
     if mode not in WARMUP_MODES:
         raise ValueError(f"--warmup-mode must be one of {WARMUP_MODES}, got {mode!r}")
     if mode == "off":
@@ -143,6 +163,9 @@ def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool =
         pipeline(request, on_step=on_step)
     if other_lengths and isinstance(request, GenerateRequest):
         warm_other_lengths(pipeline, request, on_step)
+    rewrite_seconds = None
+    if rewrite and isinstance(request, GenerateRequest):
+        rewrite_seconds = warm_rewrite(pipeline, request)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -151,4 +174,5 @@ def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool =
     if isinstance(request, GenerateRequest):
         shape = (request.num_frames, request.height, request.width)
         steps = request.num_inference_steps
-    return WarmupReport(mode=mode, seconds=seconds, shape=shape, num_inference_steps=steps)
+    return WarmupReport(mode=mode, seconds=seconds, shape=shape, num_inference_steps=steps,
+                        rewrite_seconds=rewrite_seconds)

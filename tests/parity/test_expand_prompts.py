@@ -168,6 +168,49 @@ def test_every_rank_encodes_the_leaders_rewrite(tiny_distill_dir):
     assert not any("was truncated" in note for note in output.notes)  # the leader's short text was what ran
 
 
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("with_image", [False, True])
+def test_the_static_cache_rewrite_writes_the_eager_ids_on_the_cpu(tiny_distill_dir, with_image, sample):
+    """--compile-prompt-rewrite true on the CPU, in fp32: transformers compiles nothing there, so the static cache's
+    rewrite is the eager one's, id for id (its attention reads the cache's unused positions masked out; on CUDA the
+    compiled step rounds differently, which is why the option is opt-in). Two prompts share one cache."""
+    from k6serve.pipelines.expand_prompt import StaticRewriteCache, expanded_token_ids
+
+    _, models = _models(tiny_distill_dir)
+    models.text_encoder.generation_config.do_sample = sample
+    models.text_encoder.generation_config.top_k = 50 if sample else None
+    image = _image() if with_image else None
+    kwargs = dict(tokenizer=models.tokenizer, text_encoder=models.text_encoder, device=torch.device("cpu"), seed=5,
+                  max_new_tokens=48, image=image,
+                  image_processor=load_image_processor(str(tiny_distill_dir)) if with_image else None)
+    cache = StaticRewriteCache(models.text_encoder.config)
+    for prompt in ("a fox in the snow", "a cat plays the piano by the sea at night, slowly, in the rain"):
+        eager = expanded_token_ids(prompt, **kwargs)
+        static = expanded_token_ids(prompt, static_cache=cache, **kwargs)
+        assert eager.shape[1] > 1 and torch.equal(static, eager), prompt
+    assert cache.num_tokens == 2048
+
+
+def test_the_pipeline_rewrites_through_its_static_cache(tiny_distill_dir):
+    """A pipeline given a `StaticRewriteCache` (the worker, with --compile-prompt-rewrite true) generates through it:
+    on the CPU the same rewrite and frames as without it."""
+    from k6serve.pipelines.expand_prompt import StaticRewriteCache
+
+    variant, models = _models(tiny_distill_dir)
+    request, _ = resolve_generate(SamplingParams(prompt="a fox", expand_prompts=True, height=HEIGHT, width=WIDTH,
+                                                 num_frames=FRAMES, num_inference_steps=1, seed=3,
+                                                 max_sequence_length=32), variant)
+    eager = TextToVideoPipeline(models)(request)
+    pipeline = TextToVideoPipeline(models)
+    pipeline.rewrite_cache = StaticRewriteCache(models.text_encoder.config)
+    prepared = []
+    original = pipeline.rewrite_cache.prepared
+    pipeline.rewrite_cache.prepared = lambda num_tokens: prepared.append(num_tokens) or original(num_tokens)
+    static = pipeline(request)
+    assert len(prepared) == 1 and static.expanded_prompt == eager.expanded_prompt
+    assert torch.equal(static.video.frames_float_THWC, eager.video.frames_float_THWC)
+
+
 def test_a_warm_up_does_not_rewrite():
     from k6serve.request import GenerateRequest
     from k6serve.speed.warmup import warmup_request

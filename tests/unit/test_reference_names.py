@@ -148,12 +148,15 @@ def test_layerwise_offload_modules_is_layerwise_offload_components():
 
 
 def test_flags_are_not_abbreviated(capsys):
-    """`--compile true` set --compile-vae. An abbreviation is refused with the one flag it begins."""
+    """`--compile true` set --compile-vae. An abbreviation is refused with the flags it begins."""
     parser = build_parser()
     assert not parser.allow_abbrev and not _subparser("generate").allow_abbrev and not _subparser("serve").allow_abbrev
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--compile", "true"]) == 2
     assert capsys.readouterr().err == ("error: unrecognized arguments: --compile (--compile: flags are written whole; "
-                                       "did you mean '--compile-vae'?)\n")
+                                       "did you mean '--compile-prompt-rewrite' or '--compile-vae'?)\n")
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--compile-v", "true"]) == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --compile-v (--compile-v: flags are written "
+                                       "whole; did you mean '--compile-vae'?)\n")
     # --neg got difflib's '--nnodes'; the flag it abbreviates comes first.
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--neg", "y"]) == 2
     assert "did you mean '--negative-prompt'?" in capsys.readouterr().err

@@ -1,0 +1,249 @@
+"""--compile-prompt-rewrite: the expand_prompts rewrite through one static KV cache of a bucketed length, whose
+decoding step transformers compiles on CUDA; its flag, its refusals and its warm-up.
+
+The compile itself is counted on the CPU: transformers compiles only on CUDA unless its compile config says
+`_compile_all_devices`, which these tests set, with a dynamo backend that counts graphs and runs them eager. That the
+static cache's ids equal the eager rewrite's on the CPU is tests/parity/test_expand_prompts.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k6serve.runtime.worker as worker_module
+from k6serve.api import build_engine_config
+from k6serve.models.kandinsky6.checkpoint import load_generation_models
+from k6serve.models.variants import recognise
+from k6serve.pipelines.expand_prompt import (
+    MIN_STATIC_CACHE_TOKENS,
+    StaticRewriteCache,
+    expanded_token_ids,
+    static_cache_tokens,
+)
+from k6serve.request import SamplingParams
+from k6serve.runtime.worker import ModelWorker
+from k6serve.speed.warmup import WARMUP_REWRITE_TOKENS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHAPE = dict(height=32, width=48, num_frames=5)
+
+
+def _models(folder):
+    variant = recognise(str(folder), None, folder)
+    return load_generation_models(folder, variant, device=torch.device("cpu"), dtype=torch.float32,
+                                  load_format="auto")
+
+
+def test_the_flag_reaches_the_runtime_config_off_by_default():
+    from k6serve.cli.main import build_parser
+
+    assert build_engine_config("demo").runtime.compile_prompt_rewrite is False
+    assert build_engine_config("demo", compile_prompt_rewrite=True).runtime.compile_prompt_rewrite is True
+    with pytest.raises(ValueError, match="--compile-prompt-rewrite must be true or false"):
+        build_engine_config("demo", compile_prompt_rewrite="sometimes")
+    for command in ("generate", "serve"):
+        args = build_parser().parse_args([command, "--model-path", "demo", "--compile-prompt-rewrite", "true"])
+        assert args.compile_prompt_rewrite is True
+        assert build_parser().parse_args([command, "--model-path", "demo"]).compile_prompt_rewrite is None
+
+
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_outside_speed_mode_it_is_refused_not_ignored(mode, capsys):
+    from k6serve import DiffGenerator
+    from k6serve.cli.main import main
+
+    with pytest.raises(ValueError, match=rf"^--compile-prompt-rewrite true compiles the expand_prompts rewrite only "
+                                         rf"under --performance-mode speed; --performance-mode {mode} runs eager "
+                                         r"kernels and would ignore it\. Use --performance-mode speed, or drop "
+                                         r"--compile-prompt-rewrite\.$"):
+        build_engine_config("demo", compile_prompt_rewrite=True, performance_mode=mode)
+    build_engine_config("demo", compile_prompt_rewrite=False, performance_mode=mode)
+    with pytest.raises(ValueError, match=rf"^compile_prompt_rewrite=True compiles .* performance_mode='{mode}' "
+                                         "runs eager"):
+        DiffGenerator.from_pretrained("demo", compile_prompt_rewrite=True, performance_mode=mode)
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--performance-mode", mode,
+                 "--compile-prompt-rewrite", "true", "--no-save-output"]) == 2
+    assert "error: --compile-prompt-rewrite true compiles the expand_prompts rewrite only" in capsys.readouterr().err
+
+
+def test_a_streamed_text_encoder_or_a_folded_one_is_refused():
+    # expand_prompts is refused where the text encoder streams; a folded encoder's compiled step has never run.
+    with pytest.raises(ValueError, match=r"which `--performance-mode speed --layerwise-offload-components "
+                                         r"text_encoder` refuses: .*--component-residency text_encoder=resident"):
+        build_engine_config("demo", compile_prompt_rewrite=True, layerwise_offload_components=["text_encoder"])
+    with pytest.raises(ValueError, match=r"^--compile-prompt-rewrite true cannot be used with --encoder-parallel "
+                                         r"fold: .*Use --encoder-parallel replicate or auto"):
+        build_engine_config("demo", compile_prompt_rewrite=True, encoder_parallel="fold", num_gpus=2,
+                            ulysses_degree=2)
+    build_engine_config("demo", compile_prompt_rewrite=True, cpu_offload_components=["text_encoder"])
+
+
+def test_cache_lengths_are_powers_of_two_from_2048():
+    assert MIN_STATIC_CACHE_TOKENS == 2048
+    assert [static_cache_tokens(n) for n in (1, 374, 1398, 2048, 2049, 4096, 5000)] == [
+        2048, 2048, 2048, 2048, 4096, 4096, 8192]
+
+
+def test_one_cache_object_serves_every_length_of_its_bucket_and_only_grows(tiny_distill_dir):
+    cache = StaticRewriteCache(_models(tiny_distill_dir).text_encoder.config)
+    with torch.inference_mode():  # as in expanded_token_ids: the cache's tensors are inference tensors
+        first = cache.prepared(1200)
+        assert cache.prepared(374 + 1024) is first and cache.prepared(2048) is first  # no new allocation
+        longer = cache.prepared(2500)
+        assert longer is not first and cache.num_tokens == 4096
+        assert cache.prepared(400) is longer  # a shorter rewrite keeps the longer cache: no compile for 2,048 again
+
+
+@pytest.fixture
+def counted_compiles(monkeypatch):
+    """Make transformers compile generate's decoding step on the CPU with a dynamo backend that counts the graphs and
+    runs them eager; yields the list of graphs (one per compile)."""
+    from transformers.generation import CompileConfig
+
+    graphs = []
+
+    def backend(graph, example_inputs, **options):
+        graphs.append(graph)
+        return graph.forward
+
+    def install(text_encoder):
+        config = CompileConfig(backend=backend, mode=None)
+        config._compile_all_devices = True  # transformers' own switch for compiling off CUDA (5.17 and 5.25)
+        text_encoder.generation_config.compile_config = config
+
+    torch._dynamo.reset()
+    yield install, graphs
+    torch._dynamo.reset()
+
+
+def test_prompts_of_other_lengths_and_an_image_reuse_the_warm_ups_compiled_step(tiny_distill_dir, counted_compiles):
+    """The warm-up's few tokens compile the decoding step for the cache a rewrite of `max_sequence_length` tokens
+    uses; later rewrites of other prompt lengths (an image's included) run that step: no recompile (45 s each on
+    an H200)."""
+    import numpy as np
+    from PIL import Image
+
+    from k6serve.pipelines.expand_prompt import load_image_processor
+
+    install, graphs = counted_compiles
+    models = _models(tiny_distill_dir)
+    install(models.text_encoder)
+    cache = StaticRewriteCache(models.text_encoder.config)
+    kwargs = dict(tokenizer=models.tokenizer, text_encoder=models.text_encoder, device=torch.device("cpu"), seed=1,
+                  max_new_tokens=1024, static_cache=cache)
+    warm = expanded_token_ids("warm-up", num_tokens_written=WARMUP_REWRITE_TOKENS, **kwargs)
+    assert warm.shape[1] == WARMUP_REWRITE_TOKENS and len(graphs) == 1
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (80, 120, 3), dtype=np.uint8))
+    for prompt, with_image in (("a fox", False), ("a cat plays the piano by the sea at night, slowly", False),
+                               ("a dog", True)):
+        extra = dict(image=image, image_processor=load_image_processor(str(tiny_distill_dir))) if with_image else {}
+        written = expanded_token_ids(prompt, num_tokens_written=24, **kwargs, **extra)
+        assert written.shape[1] == 24
+    assert len(graphs) == 1 and cache.num_tokens == 2048
+
+
+def _recording_rewrite_warmups(monkeypatch) -> list:
+    """(prompt, max_sequence_length, tokens) of each rewrite warm-up the worker runs."""
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+
+    seen = []
+    original = TextToVideoPipeline.warm_up_rewrite
+
+    def recording(self, request, num_tokens):
+        seen.append((request.prompt, request.max_sequence_length, num_tokens))
+        return original(self, request, num_tokens)
+
+    monkeypatch.setattr(TextToVideoPipeline, "warm_up_rewrite", recording)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["request", "server"])
+def test_a_warm_up_compiles_the_rewrite_once_when_on(tiny_distill_dir, monkeypatch, caplog, mode):
+    seen = _recording_rewrite_warmups(monkeypatch)
+    monkeypatch.setattr(ModelWorker, "variant_warmup_params", lambda self: SamplingParams(
+        prompt="warm-up", **SHAPE))  # the variant's 512x768x121 is slow on a CPU
+    config = build_engine_config(str(tiny_distill_dir), device="cpu", compile_prompt_rewrite=True, warmup_mode=mode,
+                                 **({"warmup_resolutions": ["48x32x5", "32x32x5"]} if mode == "server" else {}))
+    with caplog.at_level("INFO", logger="k6serve.runtime.worker"):
+        worker = ModelWorker(config)
+        assert isinstance(worker.pipeline.rewrite_cache, StaticRewriteCache)
+        assert "--compile-prompt-rewrite true: transformers compiles generate's decoding step on CUDA only" in (
+            caplog.text)
+        params = SamplingParams(prompt="a fox", seed=1, num_inference_steps=2, max_sequence_length=64, **SHAPE)
+        result = worker.run(params, worker_module.OutputOptions(save_output=False))  # the request itself: no rewrite
+        worker.run(params, worker_module.OutputOptions(save_output=False))
+    # Once per worker, with the warm-up's own prompt and token budget, whether or not its request rewrites.
+    warmed = ("warm-up", 1024) if mode == "server" else ("a fox", 64)
+    assert seen == [(*warmed, WARMUP_REWRITE_TOKENS)]
+    if mode == "server":
+        reports = worker.server_warmups
+        assert reports[0].rewrite_seconds > 0 and reports[1].rewrite_seconds is None
+        assert reports[0].seconds > reports[0].rewrite_seconds
+        assert "warm-up (server, 48x32x5) took" in caplog.text
+    else:
+        assert result.timings["warmup"] > 0
+    assert "(the prompt rewrite's compile, --compile-prompt-rewrite true: " in caplog.text
+    assert worker.pipeline.rewrite_cache.num_tokens == 2048
+
+
+def test_no_rewrite_warm_up_or_cache_when_off(tiny_distill_dir, monkeypatch, caplog):
+    seen = _recording_rewrite_warmups(monkeypatch)
+    with caplog.at_level("INFO", logger="k6serve.runtime.worker"):
+        worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="request"))
+        result = worker.run(SamplingParams(prompt="a fox", seed=1, num_inference_steps=2, expand_prompts=True,
+                                           max_sequence_length=16, **SHAPE),
+                            worker_module.OutputOptions(save_output=False))
+    assert seen == [] and worker.pipeline.rewrite_cache is None
+    assert result.expanded_prompt and "prompt rewrite's compile" not in caplog.text
+
+
+def test_the_warm_up_report_says_the_rewrite_and_its_seconds():
+    from k6serve.request import GenerateRequest
+    from k6serve.speed.warmup import warmup
+
+    class Pipeline:
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, request):
+            self.calls.append("request")
+
+        def warm_up_rewrite(self, request, num_tokens):
+            self.calls.append(("rewrite", request.prompt, request.expand_prompts, num_tokens))
+
+    request = GenerateRequest(prompt="p", negative_prompt=None, image_path=None, seed=1, height=32, width=32,
+                              num_frames=5, fps=24.0, num_inference_steps=10, guidance_scale=1.0, expand_prompts=True)
+    pipeline = Pipeline()
+    report = warmup(pipeline, request, "server", rewrite=True)
+    # The rewrite pass comes after the request's; the request itself does not rewrite.
+    assert pipeline.calls == ["request", ("rewrite", "p", False, WARMUP_REWRITE_TOKENS)]
+    assert report.rewrite_seconds is not None and 0 <= report.rewrite_seconds <= report.seconds
+    pipeline = Pipeline()
+    assert warmup(pipeline, request, "server").rewrite_seconds is None and pipeline.calls == ["request"]
+    assert warmup(pipeline, request, "off", rewrite=True).rewrite_seconds is None and pipeline.calls == ["request"]
+
+
+@pytest.mark.multiprocess
+def test_every_rank_of_a_replica_warms_the_rewrite_and_rewrites_through_its_cache(tiny_pro_dir):
+    """Ulysses over 2 ranks: both ranks run the rewrite's warm-up pass (the decision is the configuration's, so no
+    rank waits for another in the next pass's collectives), the leader's report carries its seconds, and a request
+    that rewrites runs, each rank through its own static cache, encoding the leader's text."""
+    from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+    from k6serve.request import OutputOptions
+    from k6serve.runtime.engine import Engine
+
+    config = EngineConfig(model=ModelConfig(model_path=str(tiny_pro_dir)),
+                          parallel=ParallelConfig(num_gpus=2, ulysses_degree=2, dist_timeout_s=60.0),
+                          runtime=RuntimeConfig(device="cpu", warmup_mode="server", warmup_resolutions=("48x32x5",),
+                                                compile_prompt_rewrite=True))
+    engine = Engine(config)
+    try:
+        [report] = engine.startup_warmups
+        assert report.rewrite_seconds is not None and 0 < report.rewrite_seconds < report.seconds
+        result = engine.generate(SamplingParams(prompt="a fox", num_inference_steps=1, expand_prompts=True,
+                                                max_sequence_length=24, **SHAPE), OutputOptions(save_output=False))
+        assert result.expanded_prompt
+    finally:
+        engine.shutdown()
