@@ -105,12 +105,18 @@ class StaticRewriteCache:
         the cache's tensors are made there, and only an inference-mode call may zero them."""
         from transformers import StaticCache
 
-        if num_tokens > self.num_tokens:
-            self.num_tokens = static_cache_tokens(num_tokens)
+        if num_tokens > self.num_tokens or self.cache is None:
+            self.num_tokens = max(self.num_tokens, static_cache_tokens(num_tokens))
             self.cache = StaticCache(config=self.config, max_cache_len=self.num_tokens)
         else:
             self.cache.reset()
         return self.cache
+
+    def release(self) -> None:
+        """Drop the cache's tensors (a memory release: they are the only device memory a rewrite keeps between
+        requests beside the weights); the next rewrite makes them again, of the same length. A new cache of the same
+        length compiles nothing new (dynamo's guards are on its tensors' shapes; CUDA graphs re-record)."""
+        self.cache = None
 
 
 def _cache_keyword(text_encoder) -> str:

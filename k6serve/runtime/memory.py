@@ -13,7 +13,10 @@ and folded buffers are registered there too), tensors kept as plain module attri
 adapters' device copies. Tensors attached to the offload residency's host copies (`--performance-mode balanced /
 memory`, between stages) are already in host memory and stay as they are; a residency copy that lives on the device
 itself (block streaming's resident blocks) is moved as a whole (`device_homes`): its chunks, the views into them and
-the tensors attached to them, so the streamer finds them where it left them after a resume.
+the tensors attached to them, so the streamer finds them where it left them after a resume. What is dropped
+instead: `--compile-prompt-rewrite true`'s static KV cache (`StaticRewriteCache`, 117 MB for Qwen2.5-VL-7B at 2,048
+positions), whose contents no request reads again; the next rewrite makes it anew. The CUDA graphs transformers
+records of the compiled rewrite keep their private memory pool (one token's activations; not measured).
 
 Tensor-parallel weights (`--tp-size`, and the text encoders under `--encoder-parallel fold`) are DTensors: the
 `nn.Parameter` is a wrapper holding no memory, and this rank's shard is the plain tensor `_local_tensor`. That local
@@ -425,6 +428,9 @@ def apply_memory_operation(worker, operation: MemoryOperation) -> dict:
         return worker.memory_release.resume(keep_host_copy=operation.keep_host_copy)
     if worker.memory_release.released:
         return worker.memory_release.release({})
+    rewrite_cache = getattr(worker.pipeline, "rewrite_cache", None)
+    if rewrite_cache is not None:
+        rewrite_cache.release()  # --compile-prompt-rewrite's static KV cache: remade by the next rewrite
     return worker.memory_release.release(device_tensors(worker.pipeline, worker.lora_manager, worker.device),
                                          device_homes(worker.pipeline, worker.device))
 

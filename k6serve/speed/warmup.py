@@ -131,12 +131,35 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
 
 
 def warm_rewrite(pipeline, request: GenerateRequest) -> float:
-    """A rewrite of `WARMUP_REWRITE_TOKENS` tokens of `request`'s prompt (and image) through the pipeline's static
-    rewrite cache, sized for the request's `max_sequence_length` new tokens as its own rewrite would be: on CUDA
-    transformers compiles the decoding step there (about 45 s on an H200), which every rewrite of that cache
-    length then runs. Returns its seconds."""
+    """Rewrites of `WARMUP_REWRITE_TOKENS` tokens of `request`'s prompt through the pipeline's static rewrite cache,
+    sized for the request's `max_sequence_length` new tokens as its own rewrite would be: on CUDA transformers
+    compiles the decoding step there (about 45 s on an H200), which every rewrite of that cache length then runs.
+    Returns their seconds.
+
+    Two rewrites: with a conditioning image (the request's, or a gray one of its size) and without. transformers
+    5.17 (the GPU host's) passes an image rewrite's `image_grid_thw` to every decoding step, one more keyword than a
+    text rewrite's, so dynamo compiles a second graph for it (5.25 drops it: one graph); a text-only warm-up left
+    that compile to the first request with an image. The image's comes first: its inputs are the longer, so it sizes
+    the cache (which only grows) and the text rewrite then compiles on the cache later requests use."""
+    import logging
+    import tempfile
+
+    from PIL import Image
+
     start = time.perf_counter()
-    pipeline.warm_up_rewrite(request, WARMUP_REWRITE_TOKENS)
+    with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
+        image_path = request.image_path
+        if image_path is None:
+            image_path = str(Path(folder) / "image.png")
+            Image.new("RGB", (request.width, request.height), (128, 128, 128)).save(image_path)
+        try:
+            pipeline.warm_up_rewrite(dataclasses.replace(request, image_path=image_path), WARMUP_REWRITE_TOKENS)
+        except ImportError as error:
+            # The checkpoint's image processor needs torchvision under transformers 5.17: a rewrite with an image
+            # fails there anyway, and a text-only deployment must still start.
+            logging.getLogger(__name__).warning(
+                "the compiled prompt rewrite was warmed without an image (%s); a rewrite with one fails", error)
+    pipeline.warm_up_rewrite(dataclasses.replace(request, image_path=None), WARMUP_REWRITE_TOKENS)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter() - start

@@ -119,40 +119,49 @@ def counted_compiles(monkeypatch):
 
 
 def test_prompts_of_other_lengths_and_an_image_reuse_the_warm_ups_compiled_step(tiny_distill_dir, counted_compiles):
-    """The warm-up's few tokens compile the decoding step for the cache a rewrite of `max_sequence_length` tokens
-    uses; later rewrites of other prompt lengths (an image's included) run that step: no recompile (45 s each on
-    an H200)."""
+    """The warm-up's few tokens (`warm_rewrite`: with an image and without) compile the decoding step for the cache a
+    rewrite of `max_sequence_length` tokens uses; later rewrites of other prompt lengths, with or without an image,
+    run that step: no recompile (45 s each on an H200). transformers 5.25 compiles one graph for both; 5.17 (the GPU
+    host's) passes an image rewrite's `image_grid_thw` to each decoding step, a graph of its own, which a text-only
+    warm-up left to the first request with an image."""
     import numpy as np
     from PIL import Image
 
+    from k6serve.models.variants import resolve_generate
     from k6serve.pipelines.expand_prompt import load_image_processor
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.speed.warmup import warm_rewrite
 
     install, graphs = counted_compiles
     models = _models(tiny_distill_dir)
     install(models.text_encoder)
-    cache = StaticRewriteCache(models.text_encoder.config)
+    pipeline = TextToVideoPipeline(models)
+    cache = pipeline.rewrite_cache = StaticRewriteCache(models.text_encoder.config)
+    request, _ = resolve_generate(SamplingParams(prompt="warm-up", **SHAPE), recognise(str(tiny_distill_dir), None,
+                                                                                       tiny_distill_dir))
+    assert warm_rewrite(pipeline, request) > 0
+    warmed = len(graphs)
+    assert warmed in (1, 2)
     kwargs = dict(tokenizer=models.tokenizer, text_encoder=models.text_encoder, device=torch.device("cpu"), seed=1,
                   max_new_tokens=1024, static_cache=cache)
-    warm = expanded_token_ids("warm-up", num_tokens_written=WARMUP_REWRITE_TOKENS, **kwargs)
-    assert warm.shape[1] == WARMUP_REWRITE_TOKENS and len(graphs) == 1
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (80, 120, 3), dtype=np.uint8))
     for prompt, with_image in (("a fox", False), ("a cat plays the piano by the sea at night, slowly", False),
-                               ("a dog", True)):
+                               ("a dog", True), ("a bird", False)):
         extra = dict(image=image, image_processor=load_image_processor(str(tiny_distill_dir))) if with_image else {}
         written = expanded_token_ids(prompt, num_tokens_written=24, **kwargs, **extra)
         assert written.shape[1] == 24
-    assert len(graphs) == 1 and cache.num_tokens == 2048
+    assert len(graphs) == warmed and cache.num_tokens == 2048
 
 
 def _recording_rewrite_warmups(monkeypatch) -> list:
-    """(prompt, max_sequence_length, tokens) of each rewrite warm-up the worker runs."""
+    """(prompt, max_sequence_length, with an image, tokens) of each rewrite warm-up the worker runs."""
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
 
     seen = []
     original = TextToVideoPipeline.warm_up_rewrite
 
     def recording(self, request, num_tokens):
-        seen.append((request.prompt, request.max_sequence_length, num_tokens))
+        seen.append((request.prompt, request.max_sequence_length, request.image_path is not None, num_tokens))
         return original(self, request, num_tokens)
 
     monkeypatch.setattr(TextToVideoPipeline, "warm_up_rewrite", recording)
@@ -176,7 +185,7 @@ def test_a_warm_up_compiles_the_rewrite_once_when_on(tiny_distill_dir, monkeypat
         worker.run(params, worker_module.OutputOptions(save_output=False))
     # Once per worker, with the warm-up's own prompt and token budget, whether or not its request rewrites.
     warmed = ("warm-up", 1024) if mode == "server" else ("a fox", 64)
-    assert seen == [(*warmed, WARMUP_REWRITE_TOKENS)]
+    assert seen == [(*warmed, True, WARMUP_REWRITE_TOKENS), (*warmed, False, WARMUP_REWRITE_TOKENS)]
     if mode == "server":
         reports = worker.server_warmups
         assert reports[0].rewrite_seconds > 0 and reports[1].rewrite_seconds is None
@@ -211,14 +220,20 @@ def test_the_warm_up_report_says_the_rewrite_and_its_seconds():
             self.calls.append("request")
 
         def warm_up_rewrite(self, request, num_tokens):
-            self.calls.append(("rewrite", request.prompt, request.expand_prompts, num_tokens))
+            from pathlib import Path
+
+            assert request.image_path is None or Path(request.image_path).is_file()
+            self.calls.append(("rewrite", request.prompt, request.expand_prompts, request.image_path is not None,
+                               num_tokens))
 
     request = GenerateRequest(prompt="p", negative_prompt=None, image_path=None, seed=1, height=32, width=32,
                               num_frames=5, fps=24.0, num_inference_steps=10, guidance_scale=1.0, expand_prompts=True)
     pipeline = Pipeline()
     report = warmup(pipeline, request, "server", rewrite=True)
-    # The rewrite pass comes after the request's; the request itself does not rewrite.
-    assert pipeline.calls == ["request", ("rewrite", "p", False, WARMUP_REWRITE_TOKENS)]
+    # The rewrite passes come after the request's, with an image first (a gray one here), then without; the request
+    # itself does not rewrite.
+    assert pipeline.calls == ["request", ("rewrite", "p", False, True, WARMUP_REWRITE_TOKENS),
+                              ("rewrite", "p", False, False, WARMUP_REWRITE_TOKENS)]
     assert report.rewrite_seconds is not None and 0 <= report.rewrite_seconds <= report.seconds
     pipeline = Pipeline()
     assert warmup(pipeline, request, "server").rewrite_seconds is None and pipeline.calls == ["request"]
@@ -247,3 +262,22 @@ def test_every_rank_of_a_replica_warms_the_rewrite_and_rewrites_through_its_cach
         assert result.expanded_prompt
     finally:
         engine.shutdown()
+
+
+def test_a_memory_release_drops_the_static_cache_and_the_next_rewrite_remakes_it(tiny_distill_dir):
+    """The static KV cache is device memory the worker keeps between requests (117 MB for Qwen2.5-VL-7B at 2,048):
+    a release drops it, and the rewrite after the resume makes a new one of the same length, the same text."""
+    from k6serve.runtime.memory import ReleaseMemory, ResumeMemory
+
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", compile_prompt_rewrite=True))
+    params = SamplingParams(prompt="a fox", seed=1, num_inference_steps=1, expand_prompts=True,
+                            max_sequence_length=16, **SHAPE)
+    before = worker.run(params, worker_module.OutputOptions(save_output=False))
+    cache = worker.pipeline.rewrite_cache
+    assert cache.cache is not None and cache.num_tokens == 2048
+    [report] = worker.apply_memory_operation(ReleaseMemory())
+    assert report["status"] == "released" and cache.cache is None
+    worker.apply_memory_operation(ResumeMemory())
+    after = worker.run(params, worker_module.OutputOptions(save_output=False))
+    assert after.expanded_prompt == before.expanded_prompt
+    assert cache.cache is not None and cache.num_tokens == 2048
