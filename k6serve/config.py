@@ -387,9 +387,20 @@ class RuntimeConfig:
                              f"--performance-mode speed; --performance-mode {self.performance_mode} runs eager "
                              "kernels and would ignore it. Use --performance-mode speed, or drop "
                              "--compile-prompt-rewrite.")
-        from k6serve.offload.residency import LAYERWISE
+        from k6serve.offload.residency import COMPONENT, LAYERWISE
 
-        if self.residency_plan(super_resolution=False).residency.get("text_encoder") == LAYERWISE:
+        residency = self.residency_plan(super_resolution=False).residency.get("text_encoder")
+        if residency == COMPONENT:
+            # transformers compiles the decoding step with CUDA graphs, which hold the weights' GPU addresses: an
+            # encoder offloaded whole comes back at new ones for every request, and each is a new recording whose
+            # memory the graphs keep (torch does not count these against its re-record limit): unmeasured, so
+            # refused rather than left to grow in a server.
+            raise ValueError(f"--compile-prompt-rewrite true needs the text encoder resident on the GPU, which `"
+                             f"{self.residency_flags}` offloads: its compiled decoding step's CUDA graphs hold the "
+                             "weights' GPU addresses, and each request would record them again. Keep the text "
+                             "encoder resident (--component-residency text_encoder=resident), or drop "
+                             "--compile-prompt-rewrite.")
+        if residency == LAYERWISE:
             # expand_prompts itself is refused there (models/variants.py), so the flag would do nothing.
             raise ValueError(f"--compile-prompt-rewrite true compiles the expand_prompts rewrite, which `"
                              f"{self.residency_flags}` refuses: it streams the text encoder's layers from host memory, "

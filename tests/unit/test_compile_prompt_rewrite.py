@@ -77,7 +77,12 @@ def test_a_streamed_text_encoder_or_a_folded_one_is_refused():
                                          r"fold: .*Use --encoder-parallel replicate or auto"):
         build_engine_config("demo", compile_prompt_rewrite=True, encoder_parallel="fold", num_gpus=2,
                             ulysses_degree=2)
-    build_engine_config("demo", compile_prompt_rewrite=True, cpu_offload_components=["text_encoder"])
+    # Offloaded whole, it comes back at new addresses for every request: each a new recording of the CUDA graphs.
+    with pytest.raises(ValueError, match=r"needs the text encoder resident on the GPU, which `--performance-mode "
+                                         r"speed --cpu-offload-components text_encoder` offloads: .*each request "
+                                         r"would record them again\. Keep the text encoder resident"):
+        build_engine_config("demo", compile_prompt_rewrite=True, cpu_offload_components=["text_encoder"])
+    build_engine_config("demo", compile_prompt_rewrite=True, cpu_offload_components=["text_encoder_2", "vae"])
 
 
 def test_cache_lengths_are_powers_of_two_from_2048():
