@@ -140,6 +140,11 @@ class ModelWorker:
         if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:
             raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
                              "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
+        if config.runtime.compile_prompt_rewrite and self.variant.family != GENERATION:
+            # Else accepted and silently doing nothing: the upscaler takes no prompt.
+            raise ValueError(f"--compile-prompt-rewrite applies to the generation models' expand_prompts rewrite; "
+                             f"{self.variant.name} is a super-resolution model, which rewrites no prompt. Drop the "
+                             "flag.")
         self._check_quantization()
         if config.runtime.warmup_mode == "server":
             # A listed size the model cannot take is refused before the load (minutes), not after it.

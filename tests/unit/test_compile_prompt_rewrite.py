@@ -286,3 +286,11 @@ def test_a_memory_release_drops_the_static_cache_and_the_next_rewrite_remakes_it
     after = worker.run(params, worker_module.OutputOptions(save_output=False))
     assert after.expanded_prompt == before.expanded_prompt
     assert cache.cache is not None and cache.num_tokens == 2048
+
+
+def test_the_super_resolution_model_refuses_it_before_loading(tiny_sr_dir):
+    # The upscaler takes no prompt: accepted, the flag did nothing, silently.
+    with pytest.raises(ValueError, match=r"^--compile-prompt-rewrite applies to the generation models' expand_prompts "
+                                         r"rewrite; .* is a super-resolution model, which rewrites no prompt\. Drop "
+                                         r"the flag\.$"):
+        ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", compile_prompt_rewrite=True))
