@@ -100,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="generate: then the same request with sample_audio=False (k6serve bench --silent-request).",
     )
+    parser.add_argument(
+        "--expand-prompts-request",
+        action="store_true",
+        help="generate: then the same request with expand_prompts=True (k6serve bench --expand-prompts-request).",
+    )
+    parser.add_argument(
+        "--compile-prompt-rewrite",
+        action="store_true",
+        help="generate: the engine with --compile-prompt-rewrite true (k6serve bench --compile-prompt-rewrite).",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes.")
     return parser
 
@@ -145,6 +155,10 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         extra = ["--performance-mode", args.performance_mode, "--warmup", "0", *compile_vae]
         if args.silent_request:
             extra.append("--silent-request")
+        if args.expand_prompts_request:
+            extra.append("--expand-prompts-request")
+        if args.compile_prompt_rewrite:
+            extra.append("--compile-prompt-rewrite")
         if not args.tiny:
             extra += ["--attention-backend", args.attention_backend]
         else:

@@ -224,6 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate: then the same request with sample_audio=False (a silent video), a first and the warm ones, "
         "their step compared with the request with audio: the same run, the same GPU.",
     )
+    parser.add_argument(
+        "--expand-prompts-request",
+        action="store_true",
+        help="generate: then the same request with expand_prompts=True (the prompt rewritten first, up to 1,024 "
+        "tokens), a first and the warm ones, with the rewrite's seconds and the cost against the plain request.",
+    )
+    parser.add_argument(
+        "--compile-prompt-rewrite",
+        action="store_true",
+        help="generate: the engine with --compile-prompt-rewrite true (the rewrite through a static KV cache, its "
+        "decoding step compiled; no warm-up here, so the first rewriting request compiles it).",
+    )
     parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor.")
     parser.add_argument(
         "--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder)."
@@ -343,6 +355,8 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         quantization_ignored_layers=tuple(args.quantization_ignored_layers),
         cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
         silent_request=args.silent_request,
+        expand_prompts_request=args.expand_prompts_request,
+        compile_prompt_rewrite=args.compile_prompt_rewrite,
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if args.fp8_attention and args.skip_speed:

@@ -54,6 +54,9 @@ class EndToEndOptions:
     cache_dit_params: dict | None = None
     # generate: also run the request with sample_audio=False (a silent video: the DiT on the video tokens alone)
     silent_request: bool = False
+    # generate: also run the request with expand_prompts=True (Qwen2.5-VL rewrites the prompt first)
+    expand_prompts_request: bool = False
+    compile_prompt_rewrite: bool = False  # the engine's --compile-prompt-rewrite
 
 
 def _speed_note(generator) -> str:
@@ -132,6 +135,7 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "attention_backend": options.attention_backend,
         "load_format": "auto" if options.tiny else "dummy",
         "compile_vae": options.compile_vae,
+        "compile_prompt_rewrite": options.compile_prompt_rewrite,
         "vae_tiling": options.vae_tiling,
         "offload_prefetch_blocks": options.offload_prefetch_blocks,
         "offload_resident_blocks": options.offload_resident_blocks,
@@ -188,6 +192,8 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
                 rows += _cached_rows(generator, params, options, config, warm or [cold])
             if options.silent_request:
                 rows += _silent_rows(generator, params, options, config, warm or [cold])
+            if options.expand_prompts_request:
+                rows += _expanded_rows(generator, params, options, config, warm or [cold])
     _free()
     return rows
 
@@ -232,6 +238,32 @@ def _silent_rows(generator, params: dict, options: EndToEndOptions, config: str,
             note += f"; step x{step / silent_step:.3f} against the request with audio ({step:.3f} s)"
         rows.append(BenchRow(stage="generate", name=name, config=config,
                              seconds=statistics.median(r.timings["total"] for r in runs),
+                             times_s=tuple(r.timings["total"] for r in runs),
+                             peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
+                             breakdown_s=breakdown, note=note))
+    return rows
+
+
+def _expanded_rows(generator, params: dict, options: EndToEndOptions, config: str, plain: list) -> list[BenchRow]:
+    """The same request with expand_prompts=True, after the others: its first run (with --compile-prompt-rewrite
+    true and no warm-up, the rewrite's compile) and `repeats` warm ones, the rewrite's seconds (`expand_prompt`)
+    and the whole request's against the request without it. Random weights rarely write the end token: the rewrite
+    runs to `max_sequence_length` (1,024) tokens, the longest a request can ask for."""
+    first, warm = _run_requests(generator, {**params, "expand_prompts": True}, options.repeats)
+    baseline = statistics.median(r.timings["total"] for r in plain)
+    mode = "compiled, static cache" if options.compile_prompt_rewrite else "eager"
+    rows = []
+    for name, runs in (("ours expand_prompts, first", [first]), ("ours expand_prompts, warm", warm)):
+        if not runs:
+            continue
+        breakdown = _median_breakdown([r.timings for r in runs])
+        seconds = statistics.median(r.timings["total"] for r in runs)
+        rewrite = breakdown.get("expand_prompt")
+        note = (f"expand_prompts=True, rewrite {mode}"
+                + (f" {rewrite:.2f} s" if rewrite is not None else "")
+                + f" ({len(runs[-1].expanded_prompt or '')} characters); +{seconds - baseline:.2f} s against the "
+                f"request without it; " + _breakdown_text(breakdown))
+        rows.append(BenchRow(stage="generate", name=name, config=config, seconds=seconds,
                              times_s=tuple(r.timings["total"] for r in runs),
                              peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
                              breakdown_s=breakdown, note=note))

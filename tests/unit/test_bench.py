@@ -250,6 +250,21 @@ def test_tiny_generate_adds_the_silent_rows_of_the_same_run():
         assert row.note.startswith("sample_audio=False; ") and "against the request with audio" in row.note
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tiny_generate_adds_the_expand_prompts_rows_of_the_same_run(compiled):
+    argv = ["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "1", "--expand-prompts-request"]
+    args = build_parser().parse_args(argv + (["--compile-prompt-rewrite"] if compiled else []))
+    rows = run_stages(args, log=lambda text: None)
+    assert [row.name for row in rows] == ["ours cold (first request)", "ours warm", "ours expand_prompts, first",
+                                          "ours expand_prompts, warm"], rows[-1].error
+    mode = "compiled, static cache" if compiled else "eager"
+    for row in rows[2:]:
+        # The rewrite's own seconds, and the whole request's cost against the plain one of this run.
+        assert row.breakdown_s["expand_prompt"] > 0 and {"encode", "total"} <= set(row.breakdown_s)
+        assert row.note.startswith(f"expand_prompts=True, rewrite {mode} ")
+        assert "against the request without it" in row.note
+
+
 def test_warm_breakdown_is_the_median_of_every_run():
     from types import SimpleNamespace
 
