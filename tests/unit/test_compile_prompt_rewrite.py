@@ -49,23 +49,7 @@ def test_the_flag_reaches_the_runtime_config_off_by_default():
         assert build_parser().parse_args([command, "--model-path", "demo"]).compile_prompt_rewrite is None
 
 
-@pytest.mark.parametrize("mode", ["balanced", "memory"])
-def test_outside_speed_mode_it_is_refused_not_ignored(mode, capsys):
-    from k6serve import DiffGenerator
-    from k6serve.cli.main import main
-
-    with pytest.raises(ValueError, match=rf"^--compile-prompt-rewrite true compiles the expand_prompts rewrite only "
-                                         rf"under --performance-mode speed; --performance-mode {mode} runs eager "
-                                         r"kernels and would ignore it\. Use --performance-mode speed, or drop "
-                                         r"--compile-prompt-rewrite\.$"):
-        build_engine_config("demo", compile_prompt_rewrite=True, performance_mode=mode)
-    build_engine_config("demo", compile_prompt_rewrite=False, performance_mode=mode)
-    with pytest.raises(ValueError, match=rf"^compile_prompt_rewrite=True compiles .* performance_mode='{mode}' "
-                                         "runs eager"):
-        DiffGenerator.from_pretrained("demo", compile_prompt_rewrite=True, performance_mode=mode)
-    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--performance-mode", mode,
-                 "--compile-prompt-rewrite", "true", "--no-save-output"]) == 2
-    assert "error: --compile-prompt-rewrite true compiles the expand_prompts rewrite only" in capsys.readouterr().err
+# Outside speed mode it is refused as --compile-vae is: tests/unit/test_speed_transforms.py.
 
 
 def test_a_streamed_text_encoder_or_a_folded_one_is_refused():

@@ -428,24 +428,34 @@ def test_compile_vae_flag_reaches_the_runtime_config():
     assert args.compile_vae is True
 
 
+# The compile flags, each opt-in and for speed mode only: what one compiles, and the fix its refusal ends with.
+COMPILE_FLAGS = {
+    "compile_vae": ("the VAE decoder", r"Use --performance-mode speed \(with --cpu-offload-components vae .*\), or "
+                    r"drop --compile-vae\."),
+    "compile_prompt_rewrite": ("the expand_prompts rewrite", r"Use --performance-mode speed, or drop "
+                               r"--compile-prompt-rewrite\."),
+}
+
+
+@pytest.mark.parametrize("field", COMPILE_FLAGS)
 @pytest.mark.parametrize("mode", ["balanced", "memory"])
-def test_compile_vae_outside_speed_mode_is_refused_not_ignored(mode, capsys):
+def test_compile_flags_outside_speed_mode_are_refused_not_ignored(mode, field, capsys):
     """Only speed mode compiles: `--compile-vae true --performance-mode balanced` ran eager without a word."""
     from k6serve import DiffGenerator
     from k6serve.api import build_engine_config
     from k6serve.cli.main import main
 
-    with pytest.raises(ValueError, match=rf"^--compile-vae true compiles the VAE decoder only under "
-                                         rf"--performance-mode speed; --performance-mode {mode} runs eager kernels "
-                                         r"and would ignore it\. Use --performance-mode speed \(with "
-                                         r"--cpu-offload-components vae .*\), or drop --compile-vae\.$"):
-        build_engine_config("demo", compile_vae=True, performance_mode=mode)
-    build_engine_config("demo", compile_vae=False, performance_mode=mode)
-    with pytest.raises(ValueError, match=rf"^compile_vae=True compiles .* performance_mode='{mode}' runs eager"):
-        DiffGenerator.from_pretrained("demo", compile_vae=True, performance_mode=mode)
+    what, fix = COMPILE_FLAGS[field]
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=rf"^{flag} true compiles {what} only under --performance-mode speed; "
+                                         rf"--performance-mode {mode} runs eager kernels and would ignore it\. {fix}$"):
+        build_engine_config("demo", **{field: True}, performance_mode=mode)
+    build_engine_config("demo", **{field: False}, performance_mode=mode)
+    with pytest.raises(ValueError, match=rf"^{field}=True compiles .* performance_mode='{mode}' runs eager"):
+        DiffGenerator.from_pretrained("demo", **{field: True}, performance_mode=mode)
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--performance-mode", mode,
-                 "--compile-vae", "true", "--no-save-output"]) == 2
-    assert "error: --compile-vae true compiles the VAE decoder only" in capsys.readouterr().err
+                 flag, "true", "--no-save-output"]) == 2
+    assert f"error: {flag} true compiles {what} only" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
