@@ -443,8 +443,8 @@ class ModelWorker:
         """Whether this warm-up also compiles the prompt rewrite (`speed.warmup.warm_rewrite`): once per worker, with
         --compile-prompt-rewrite true, whether or not its request rewrites (later ones may). Decided from the
         configuration, the same on every rank of a replica."""
-        wanted = self.config.runtime.compile_prompt_rewrite and self.variant.family == GENERATION
-        if self._rewrite_warmed or not wanted:
+        # The super-resolution model refused the flag before its load.
+        if self._rewrite_warmed or not self.config.runtime.compile_prompt_rewrite:
             return False
         self._rewrite_warmed = True
         return True

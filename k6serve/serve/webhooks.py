@@ -304,8 +304,6 @@ class Event:
 class WebhookOutbox(Protocol):
     """Where events wait until each URL is done with them (`SqliteJobStore`'s `webhook_outbox` table)."""
 
-    def add_webhook_event(self, event_id: str, event_type: str, video_id: str, created_at: int,
-                          urls: Iterable[str], queued_at: float | None = None) -> None: ...
     def remove_webhook_event(self, event_id: str, url: str) -> None: ...
     def remove_webhook_events(self, rows: Iterable[tuple[str, str]]) -> None: ...
     def pending_webhook_events(self) -> list[PendingWebhook]: ...
@@ -340,8 +338,8 @@ class _Lane:
 
 
 class WebhookSender:
-    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`); `send` (or `new_event`, then
-    `schedule` once its rows are kept) only stores and schedules.
+    """Delivers events to `urls` on a daemon thread per URL (`start` / `stop`). An event is made (`new_event`), its
+    rows kept by the job store with the job's end that caused it (`outbox_event`), then scheduled (`schedule`).
 
     Each URL's thread attempts the earliest due event: a new one is due at once, a failed one again after the
     schedule's next wait, so one event that keeps failing holds back no other (events may arrive out of order, as
@@ -391,18 +389,6 @@ class WebhookSender:
             thread = threading.Thread(target=self._run, args=(url,), name=f"k6serve-webhooks-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
-
-    def send(self, event_type: str, video_id: str, completed_at: float) -> None:
-        """Keep and schedule an event whose cause is stored already; the runner instead keeps a job's event with its
-        end (`new_event`, `outbox_event`, then `schedule`)."""
-        event = self.new_event(event_type, video_id, completed_at)
-        store_error = None
-        if self._outbox is not None:
-            try:
-                self._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, self.urls)
-            except STORE_WRITE_ERRORS as exc:
-                store_error = exc
-        self.schedule(event, store_error)
 
     def new_event(self, event_type: str, video_id: str, completed_at: float) -> Event:
         """An event to keep (`outbox_event`) and then `schedule`; made before its rows are written, so that a start

@@ -12,9 +12,10 @@ keyed on) but only `WARMUP_STEPS` denoising steps, and report the wall time it t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -96,6 +97,20 @@ def other_lengths_request(request: GenerateRequest, image_path: str) -> Generate
         num_inference_steps=1)
 
 
+@contextlib.contextmanager
+def _gray_image(request: GenerateRequest) -> Iterator[str]:
+    """The path of a gray PNG of `request`'s size, for the warm-up passes that need a conditioning image; removed
+    after."""
+    import tempfile
+
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
+        image_path = str(Path(folder) / "image.png")
+        Image.new("RGB", (request.width, request.height), (128, 128, 128)).save(image_path)
+        yield image_path
+
+
 def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
                        on_step: Callable[[int, int], None] | None = None) -> None:
     """One DiT step of `request` as `other_lengths_request` changes it, stopped before the decode.
@@ -111,19 +126,13 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
     text-only request; this pass changes them all, so dynamo compiles once more for all of them. On the H200 graphs
     dynamic in every length ran the Pro-distill step in 5.860 s against 5.835 s static (0.4%;
     scripts/gpu_dynamic_dims.py, twenty-sixth session), where each recompile they spare a request costs 7-8 s."""
-    import tempfile
-
-    from PIL import Image
-
     def stop(step: int, total: int) -> None:
         if on_step is not None:
             on_step(step, total)  # the caller's cancellation point first
         if step >= 1:
             raise _FirstStepDone
 
-    with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
-        image_path = str(Path(folder) / "image.png")
-        Image.new("RGB", (request.width, request.height), (128, 128, 128)).save(image_path)
+    with _gray_image(request) as image_path:
         try:
             pipeline(other_lengths_request(request, image_path), on_step=stop)
         except _FirstStepDone:
@@ -142,16 +151,10 @@ def warm_rewrite(pipeline, request: GenerateRequest) -> float:
     that compile to the first request with an image. The image's comes first: its inputs are the longer, so it sizes
     the cache (which only grows) and the text rewrite then compiles on the cache later requests use."""
     import logging
-    import tempfile
-
-    from PIL import Image
 
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
-        image_path = request.image_path
-        if image_path is None:
-            image_path = str(Path(folder) / "image.png")
-            Image.new("RGB", (request.width, request.height), (128, 128, 128)).save(image_path)
+    with contextlib.ExitStack() as stack:
+        image_path = request.image_path or stack.enter_context(_gray_image(request))
         try:
             pipeline.warm_up_rewrite(dataclasses.replace(request, image_path=image_path), WARMUP_REWRITE_TOKENS)
         except ImportError as error:

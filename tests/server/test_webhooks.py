@@ -23,11 +23,24 @@ import pytest
 from harness import start_server, wait_for
 
 from k6serve.serve.app import settings_from_options
-from k6serve.serve.jobs import Job, SqliteJobStore
+from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, SqliteJobStore
 from k6serve.serve.webhooks import RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays
 
 SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
 SMALL = {"size": "32x32", "num_frames": 5}
+
+
+def send(sender: WebhookSender, event_type: str, video_id: str, completed_at: float) -> None:
+    """Keep and schedule an event without a job: its rows written on their own (the store's add_webhook_event, which
+    tests make fail as a full disk), where the runner writes them in the job's end's transaction."""
+    event = sender.new_event(event_type, video_id, completed_at)
+    store_error = None
+    if sender._outbox is not None:
+        try:
+            sender._outbox.add_webhook_event(event.id, event.type, event.video_id, event.created_at, sender.urls)
+        except STORE_WRITE_ERRORS as exc:
+            store_error = exc
+    sender.schedule(event, store_error)
 
 
 class Receiver:
@@ -144,18 +157,18 @@ def test_errors_are_retried_with_the_same_event_id_and_refusals_are_not(receiver
     sender.start()
     try:
         receiver.answers += [503, 429]
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         first = receiver.wait(3)
         assert [headers["webhook-id"] for headers, _ in first] == [first[0][0]["webhook-id"]] * 3
         for headers, body in first:
             _verified(headers, body)  # signed again at each attempt, with that attempt's timestamp
         receiver.answers += [400]
-        sender.send("video.failed", "video_b", 1_700_000_001)
+        send(sender, "video.failed", "video_b", 1_700_000_001)
         receiver.wait(4)
         _until(lambda: outcomes == ["delivered", "failed"])
         assert len(receiver.received) == 4  # a 400 is the receiver's answer: not retried
         receiver.answers += [500] * 4
-        sender.send("video.failed", "video_c", 1_700_000_002)
+        send(sender, "video.failed", "video_c", 1_700_000_002)
         receiver.wait(8)
         _until(lambda: outcomes == ["delivered", "failed", "failed"])
         assert len(receiver.received) == 8  # 1 + 3 retries, then given up
@@ -211,7 +224,7 @@ def test_a_redirect_is_not_followed_and_counts_as_not_delivered(receiver, caplog
     sender.start()
     try:
         receiver.answers += [301]
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         receiver.wait(1)
         _until(lambda: outcomes)
     finally:
@@ -275,7 +288,7 @@ def test_a_hung_url_holds_back_no_other_and_its_thread_ends_after_the_stop(recei
     try:
         sender.start()
         started = time.monotonic()
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         receiver.wait(1, timeout_s=5.0)
         assert time.monotonic() - started < 0.9  # not behind the hung URL's timeout
         sender.stop(timeout_s=0.2)
@@ -307,9 +320,9 @@ def test_a_garbled_answer_is_retried_and_the_urls_thread_goes_on(monkeypatch):
                            on_outcome=outcomes.append)
     try:
         sender.start()
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         _until(lambda: outcomes == ["delivered"])  # the garbled first answer, then the retry
-        sender.send("video.completed", "video_b", 1_700_000_001)
+        send(sender, "video.completed", "video_b", 1_700_000_001)
         _until(lambda: outcomes == ["delivered", "delivered"])
         assert all(thread.is_alive() for thread in sender._threads)
     finally:
@@ -321,7 +334,7 @@ def test_an_event_after_the_stop_is_said_not_sent(caplog):
     sender = WebhookSender(("http://127.0.0.1:9/down",), SECRET)
     sender.start()
     sender.stop(timeout_s=0.5)
-    sender.send("video.completed", "video_late", 1_700_000_000)
+    send(sender, "video.completed", "video_late", 1_700_000_000)
     assert "webhook video.completed for video_late not sent: the server is stopping" in caplog.text
 
 
@@ -408,8 +421,8 @@ def test_events_undelivered_at_the_stop_are_kept_and_sent_at_the_next_start(rece
     receiver.answers += [503] * 14
     first = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.01,) * 6 + (1800.0,), outbox=store)
     first.start()
-    first.send("video.completed", "video_a", 1_700_000_000)
-    first.send("video.failed", "video_b", 1_700_000_001)
+    send(first, "video.completed", "video_a", 1_700_000_000)
+    send(first, "video.failed", "video_b", 1_700_000_001)
     receiver.wait(14)  # 7 attempts each, then the 30-minute waits
     tried = {headers["webhook-id"] for headers, _ in receiver.received}
     stopping = time.monotonic()
@@ -450,8 +463,8 @@ def test_a_receiver_down_for_a_while_gets_its_events_with_one_warning_and_one_in
     sender.start()
     try:
         receiver.answers += [503] * 14  # 7 attempts each
-        sender.send("video.completed", "video_a", 1_700_000_000)
-        sender.send("video.completed", "video_b", 1_700_000_001)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_b", 1_700_000_001)
         _until(lambda: outcomes == ["delivered", "delivered"])
     finally:
         sender.stop(timeout_s=1.0)
@@ -475,8 +488,8 @@ def test_an_event_its_receiver_keeps_refusing_holds_back_no_other(receiver):
     sender.start()
     try:
         started = time.monotonic()
-        sender.send("video.completed", "video_a", 1_700_000_000)
-        sender.send("video.completed", "video_b", 1_700_000_001)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_b", 1_700_000_001)
         _until(lambda: outcomes == ["delivered"])
         assert time.monotonic() - started < 0.4  # before video_a's first retry
         ids = [json.loads(body)["data"]["id"] for _, body in receiver.received]
@@ -493,7 +506,7 @@ def test_a_stop_during_an_outage_returns_at_once_with_one_line(receiver, store, 
                            on_outcome=outcomes.append)
     sender.start()
     for index in range(200):
-        sender.send("video.completed", f"video_{index}", 1_700_000_000 + index)
+        send(sender, "video.completed", f"video_{index}", 1_700_000_000 + index)
     receiver.wait(200)  # each attempted once, all in a 30-minute wait
     _until(lambda: sender.pending == 200)
     caplog.clear()
@@ -516,7 +529,7 @@ def test_a_stop_attempts_once_the_events_never_attempted_and_no_retry(receiver, 
     sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.3,) * 10, outbox=store)
     sender.start()
     try:
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         receiver.wait(1)  # video_a in its 0.3 s wait
         with sender._changed:  # video_b scheduled, not yet attempted, when the stop comes
             event = webhooks.Event("evt_b", "video.completed", 1, "video_b")
@@ -560,8 +573,11 @@ _KILLED_AFTER_SEND = """
 import os, signal, sys
 from k6serve.serve.jobs import SqliteJobStore
 from k6serve.serve.webhooks import WebhookSender
-sender = WebhookSender((sys.argv[2],), sys.argv[3], outbox=SqliteJobStore(sys.argv[1]))
-sender.send("video.completed", "video_killed", 1_700_000_000)
+store = SqliteJobStore(sys.argv[1])
+sender = WebhookSender((sys.argv[2],), sys.argv[3], outbox=store)
+event = sender.new_event("video.completed", "video_killed", 1_700_000_000)
+store.add_webhook_event(event.id, event.type, event.video_id, event.created_at, sender.urls)
+sender.schedule(event)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -613,7 +629,7 @@ def test_a_delivery_given_up_for_good_removes_its_row(receiver, store, answers, 
     sender.start()
     try:
         receiver.answers += answers
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         received = receiver.wait(len(answers))
         _until(lambda: outcomes == ["failed"] and not store.pending_webhook_events())
     finally:
@@ -791,7 +807,7 @@ def test_an_event_in_memory_only_is_forgotten_once_each_url_is_done_with_it(rece
         sender = WebhookSender((receiver.url, refusing.url), SECRET, retry_delays_s=(60.0,), outbox=store)
         sender.start()
         try:
-            sender.send("video.completed", "video_a", 1_700_000_000)
+            send(sender, "video.completed", "video_a", 1_700_000_000)
             (headers, _), = receiver.wait(1)
             refusing.wait(1)
             _until(lambda: sender._memory_only == {(headers["webhook-id"], refusing.url)})
@@ -803,7 +819,7 @@ def test_an_event_in_memory_only_is_forgotten_once_each_url_is_done_with_it(rece
         sender = WebhookSender((refusing.url,), SECRET, retry_delays_s=(), outbox=store, on_outcome=outcomes.append)
         sender.start()
         try:
-            sender.send("video.failed", "video_b", 1_700_000_001)
+            send(sender, "video.failed", "video_b", 1_700_000_001)
             _until(lambda: outcomes == ["failed"])
             assert not sender._memory_only
         finally:
@@ -937,7 +953,7 @@ def test_the_stops_warning_counts_the_events_it_leaves(store, caplog, monkeypatc
     try:
         sender.start()
         for index in range(20):
-            sender.send("video.completed", f"video_{index}", 1_700_000_000)
+            send(sender, "video.completed", f"video_{index}", 1_700_000_000)
         _until(lambda: hung.connections)
         sender.stop(timeout_s=0.2)
         _until(lambda: not any(thread.is_alive() for thread in sender._threads), timeout_s=5.0)
@@ -952,7 +968,7 @@ def test_an_event_sent_before_the_start_is_delivered_once(receiver, store):
     # The start queued the kept row of the event `send` had queued already: the receiver got it twice.
     outcomes = []
     sender = WebhookSender((receiver.url,), SECRET, outbox=store, on_outcome=outcomes.append)
-    sender.send("video.failed", "video_a", 1_700_000_000)
+    send(sender, "video.failed", "video_a", 1_700_000_000)
     sender.start()
     try:
         receiver.wait(1)
@@ -1001,7 +1017,7 @@ def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, mo
     sender = WebhookSender((url,), SECRET, retry_delays_s=(0.01,), on_outcome=outcomes.append)
     sender.start()
     try:
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         _until(lambda: outcomes == ["failed"])
     finally:
         sender.stop(timeout_s=1.0)
@@ -1021,8 +1037,8 @@ def test_pending_counts_the_scheduled_events_and_the_one_in_flight(receiver, mon
     sender = WebhookSender((hung.url,), SECRET, retry_delays_s=(1800.0,))
     try:
         sender.start()
-        sender.send("video.completed", "video_a", 1_700_000_000)
-        sender.send("video.completed", "video_b", 1_700_000_001)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_b", 1_700_000_001)
         _until(lambda: hung.connections)  # video_a in flight, video_b scheduled
         with sender._changed:
             lane = sender._lanes[sender.urls[0]]
@@ -1039,7 +1055,7 @@ def test_pending_counts_the_scheduled_events_and_the_one_in_flight(receiver, mon
     sender.start()
     try:
         receiver.answers = [503]
-        sender.send("video.completed", "video_a", 1_700_000_000)
+        send(sender, "video.completed", "video_a", 1_700_000_000)
         _until(lambda: seen)
         assert seen == [("delivered", 0)] and sender.pending == 0
     finally:
@@ -1103,7 +1119,7 @@ def test_an_event_that_waited_past_the_age_bound_is_not_sent(caplog):
     sender.start()
     try:
         for index in range(8):
-            sender.send("video.completed", f"v{index}", time.time())
+            send(sender, "video.completed", f"v{index}", time.time())
         _until(lambda: sender.pending == 0)
     finally:
         sender.stop(timeout_s=0.2)
@@ -1124,9 +1140,9 @@ def test_an_attempt_in_flight_at_the_stop_is_in_its_summary_and_counted_once(cap
 
     sender._attempt = failing_attempt  # noqa: SLF001
     sender.start()
-    sender.send("video.completed", "v_in_flight", time.time())
+    send(sender, "video.completed", "v_in_flight", time.time())
     assert started.wait(5)
-    sender.send("video.completed", "v_queued", time.time())
+    send(sender, "video.completed", "v_queued", time.time())
     sender.stop(timeout_s=0.1)
     assert "webhooks still being sent when the server stopped" in caplog.text and "v_in_flight" in caplog.text
     # Memory-only (no job store): the queued one is dropped at the stop, the one in flight once its attempt fails.
