@@ -1,4 +1,4 @@
-"""Prometheus text exposition, written by hand (no client library): queue depth, jobs by status, step and
+"""Prometheus text exposition, written by hand (no client library): queue depth, jobs by status, step, stage and
 end-to-end latency histograms, peak GPU memory, rejections.
 """
 
@@ -14,34 +14,54 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 STEP_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 JOB_BUCKETS_S = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+STAGE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+# The stages of a completed job's `timings` that are seconds of its own (the others are counts, per-step statistics,
+# or "total", which k6serve_inference_seconds has), in the order a request runs them. Generation: expand_prompt (with
+# expand_prompts), encode, denoise, decode_audio, decode_video, mux; super-resolution: read, encode, upscale, dit,
+# decode, blend, mux; "warmup" is a --warmup-mode request warm-up the job ran first (not in its inference time).
+STAGES = ("warmup", "read", "expand_prompt", "encode", "upscale", "denoise", "dit", "decode_audio", "decode_video",
+          "decode", "blend", "mux")
 
 
 class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+    """One histogram, or with `label` one per value of that label (`observe(value, label_value)`), rendered in
+    `label_values`' order and then the others' in the order first seen; a value never observed has no series."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...], *, label: str | None = None,
+                 label_values: tuple[str, ...] = ()) -> None:
         self.name, self.help_text, self.buckets = name, help_text, tuple(sorted(buckets))
-        self._counts = [0] * len(self.buckets)
-        self._sum = 0.0
-        self._count = 0
+        self.label, self._order = label, {value: index for index, value in enumerate(label_values)}
+        # label value (None without a label) -> [bucket counts, sum, count]
+        self._series: dict[str | None, list] = {} if label else {None: [[0] * len(self.buckets), 0.0, 0]}
         self._lock = threading.Lock()
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, label_value: str | None = None) -> None:
+        if (label_value is None) != (self.label is None):
+            raise ValueError(f"{self.name}: a value of label {self.label!r} is needed" if self.label
+                             else f"{self.name} has no label")
         with self._lock:
+            series = self._series.setdefault(label_value, [[0] * len(self.buckets), 0.0, 0])
             index = bisect.bisect_left(self.buckets, value)
             if index < len(self.buckets):
-                self._counts[index] += 1
-            self._sum += value
-            self._count += 1
+                series[0][index] += 1
+            series[1] += value
+            series[2] += 1
 
     def render(self) -> list[str]:
         with self._lock:
-            counts, total, count = list(self._counts), self._sum, self._count
+            snapshot = [(key, list(counts), total, count) for key, (counts, total, count) in self._series.items()]
+        snapshot.sort(key=lambda item: self._order.get(item[0], len(self._order)))  # stable: first seen after
         lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, bucket_count in zip(self.buckets, counts):
-            cumulative += bucket_count
-            lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {cumulative}')
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {count}', f"{self.name}_sum {total:.6f}",
-                  f"{self.name}_count {count}"]
+        for key, counts, total, count in snapshot:
+            own = f'{self.label}="{key}"' if self.label else ""
+            labels = f"{{{own}}}" if own else ""
+            cumulative = 0
+            for bound, bucket_count in zip(self.buckets, counts):
+                cumulative += bucket_count
+                lines.append(f'{self.name}_bucket{{{own + "," if own else ""}le="{bound:g}"}} {cumulative}')
+            lines += [f'{self.name}_bucket{{{own + "," if own else ""}le="+Inf"}} {count}',
+                      f"{self.name}_sum{labels} {total:.6f}", f"{self.name}_count{labels} {count}"]
         return lines
 
 
@@ -56,11 +76,22 @@ class ServerMetrics:
                                      "End-to-end time from job creation to completion.", JOB_BUCKETS_S)
         self.inference_latency = Histogram("k6serve_inference_seconds",
                                            "Engine time of completed jobs (start to MP4 written).", JOB_BUCKETS_S)
+        self.stage_latency = Histogram(
+            "k6serve_stage_seconds", "Seconds of each stage of completed jobs, by stage: generation's expand_prompt "
+            "(jobs with expand_prompts), encode, denoise, decode_audio, decode_video, mux; super-resolution's read, "
+            "encode, upscale, dit, decode, blend, mux; warmup, a --warmup-mode request warm-up a job ran first.",
+            STAGE_BUCKETS_S, label="stage", label_values=STAGES)
         self._lock = threading.Lock()
         self._rejected: Counter[str] = Counter()
         self._finished: Counter[str] = Counter()
         self._webhooks: Counter[str] = Counter()
         self.peak_memory_mb = 0.0
+
+    def stages(self, timings: dict[str, float]) -> None:
+        """A completed job's stage seconds (`STAGES` among its timings) into k6serve_stage_seconds."""
+        for stage in STAGES:
+            if timings.get(stage) is not None:
+                self.stage_latency.observe(float(timings[stage]), stage)
 
     def webhook(self, outcome: str) -> None:
         """One webhook event delivered to one URL, or given up ("delivered" / "failed")."""
@@ -129,5 +160,6 @@ class ServerMetrics:
             *self.step_latency.render(),
             *self.job_latency.render(),
             *self.inference_latency.render(),
+            *self.stage_latency.render(),
         ]
         return "\n".join(lines) + "\n"

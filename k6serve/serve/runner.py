@@ -56,7 +56,7 @@ from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import Adapters, LoraState
-from k6serve.serve.metrics import ServerMetrics
+from k6serve.serve.metrics import STAGES, ServerMetrics
 from k6serve.serve.webhooks import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
 
 logger = logging.getLogger(__name__)
@@ -763,8 +763,10 @@ class JobRunner:
             # Deleted while running: nobody owns the file any more.
             self.artifacts.remove([result.output_file_path])
             return
-        logger.info("job %s completed in %.1f s (%.1f s from its creation)", job.id, inference_s,
-                    completed_at - job.created_at)
+        stages = ", ".join(f"{stage} {result.timings[stage]:.2f}" for stage in STAGES
+                           if result.timings.get(stage) is not None)
+        logger.info("job %s completed in %.1f s (%.1f s from its creation)%s", job.id, inference_s,
+                    completed_at - job.created_at, f"; stages (s): {stages}" if stages else "")
         self.metrics.finished(JobStatus.COMPLETED, result.peak_memory_mb)
         # The monotonic clock for a job created in this process: the wall clock stepped back an hour (NTP) made the
         # histogram's sum -3,600, which Prometheus reads as a counter reset. A job from before a restart has only
@@ -772,6 +774,7 @@ class JobRunner:
         self.metrics.job_latency.observe(time.monotonic() - created if created is not None
                                          else max(0.0, completed_at - job.created_at))
         self.metrics.inference_latency.observe(inference_s)
+        self.metrics.stages(result.timings)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))
 

@@ -130,8 +130,13 @@ class FakeWorker:
         path = write_mp4(folder / (output.output_file_name or "out.mp4"), frames, fps)
         height, width = (getattr(request, "height", 16), getattr(request, "width", 16))
         num_frames = getattr(request, "num_frames", 5)
+        # Stage seconds as the pipelines name them, for /metrics' k6serve_stage_seconds and the job's log line.
+        timings = {"total": 0.01, "encode": 0.002, "denoise": 0.006, "decode_video": 0.001, "mux": 0.001,
+                   "graphs_compiled": 0.0}
+        if getattr(request, "expand_prompts", False):
+            timings["expand_prompt"] = 0.004
         return VideoResult(output_file_path=str(path), frames=None, audio=None, audio_sample_rate=44100, fps=fps,
-                           seed=request.seed, timings={"total": 0.01}, peak_memory_mb=12.5, num_frames=num_frames,
+                           seed=request.seed, timings=timings, peak_memory_mb=12.5, num_frames=num_frames,
                            height=height, width=width, notes=notes)
 
 

@@ -484,7 +484,15 @@ def test_models_health_metrics(fake_client):
     assert re.search(r"^k6serve_job_latency_seconds_count 1$", body, re.MULTILINE)
     assert "k6serve_peak_gpu_memory_mb 12.5" in body
     for line in body.splitlines():  # every sample line is "name{labels} number"
-        assert line.startswith("#") or re.fullmatch(r'[a-z0-9_]+(\{[a-z]+="[^"]*"\})? [0-9.e+-]+', line), line
+        assert line.startswith("#") or re.fullmatch(r'[a-z0-9_]+(\{[a-z]+="[^"]*"(,[a-z]+="[^"]*")*\})? [0-9.e+-]+',
+                                                    line), line
+    # The job's stages, one series each in the order a request runs them; none for a stage it did not run
+    assert re.findall(r'^k6serve_stage_seconds_count\{stage="([a-z_]+)"\} 1$', body, re.MULTILINE) == [
+        "encode", "denoise", "decode_video", "mux"]
+    assert 'k6serve_stage_seconds_bucket{stage="denoise",le="0.01"} 1' in body
+    assert 'k6serve_stage_seconds_bucket{stage="denoise",le="+Inf"} 1' in body
+    assert 'k6serve_stage_seconds_sum{stage="denoise"} 0.006000' in body
+    assert "graphs_compiled" not in body and 'stage="total"' not in body
 
 
 def test_step_latency_leaves_out_the_rewrites_reports_of_step_0(fake_client):
@@ -494,6 +502,18 @@ def test_step_latency_leaves_out_the_rewrites_reports_of_step_0(fake_client):
     assert wait_for(fake_client, job["id"])["status"] == "completed"
     body = fake_client.get("/metrics").text
     assert re.search(r"^k6serve_step_latency_seconds_count 9$", body, re.MULTILINE)
+
+
+def test_a_rewrite_is_a_stage_of_its_own_in_metrics(fake_client):
+    # An operator tells what expand_prompts costs (up to 1,024 tokens written) from its own series.
+    for expand in (True, False, True):
+        job = fake_client.post("/v1/videos", json={"prompt": "m", "size": "32x32", "num_frames": 5,
+                                                   "expand_prompts": expand}).json()
+        assert wait_for(fake_client, job["id"])["status"] == "completed"
+    body = fake_client.get("/metrics").text
+    assert re.findall(r'^k6serve_stage_seconds_count\{stage="([a-z_]+)"\} (\d+)$', body, re.MULTILINE) == [
+        ("expand_prompt", "2"), ("encode", "3"), ("denoise", "3"), ("decode_video", "3"), ("mux", "3")]
+    assert 'k6serve_stage_seconds_sum{stage="expand_prompt"} 0.008000' in body
 
 
 @pytest.mark.parametrize("name", ["kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers",

@@ -961,8 +961,11 @@ def test_each_job_that_ends_is_logged_once_and_only_the_unexpected_failure_with_
         assert not [record for record in caplog.records if record.name == "k6serve.runtime.engine"
                     and record.levelname == "ERROR"]  # not a second time by the engine
         (done,) = about["fine"]
+        # with the stages the engine timed, in the order they run (graphs_compiled, a count, is not one)
         assert done.levelname == "INFO" and re.fullmatch(rf"job {ids['fine']} completed in \d+\.\d s \(\d+\.\d s "
-                                                         r"from its creation\)", done.getMessage())
+                                                         r"from its creation\); stages \(s\): encode 0\.00, "
+                                                         r"denoise 0\.01, decode_video 0\.00, mux 0\.00",
+                                                         done.getMessage()), done.getMessage()
     finally:
         server.stop()
 
