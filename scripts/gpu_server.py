@@ -17,6 +17,13 @@ like a client:
    A decode shorter than the polling (tiny CPU models) is reported as `missed`, not as a failure.
 4. **release / resume** (only if `/release_memory_occupation` is in the server's OpenAPI schema): release, the GPUs'
    used memory from nvidia-smi, a job created while released (it must stay `queued`), resume, and that job's end.
+5. **rewrite** (`--phases rewrite`): one job after another with `expand_prompts`, prompts of three lengths; each job's
+   stage seconds (the change of /metrics' `k6serve_stage_seconds` sums across it: `expand_prompt` is the rewrite),
+   its inference time and the words it wrote. With `--serve-arg=--compile-prompt-rewrite --serve-arg=true
+   --serve-arg=--warmup-mode --serve-arg=server` the warm-up compiled the rewrite before the first job; the server
+   log's warm-up lines are in the report (`warmup_log`).
+
+`--phases` picks and orders them (default `pair,cancel,release`: 1-4; `pair` is 1 and 2).
 
 Results: <out>/gpu_server.json and <out>/gpu_server.md. CPU check of the logic (tests/unit/test_gpu_server_script.py):
 `--model-path demo --load-format auto --device cpu --num-gpus 1 --dp-size 1` with a small size.
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -53,7 +61,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--job-timeout", type=float, default=400.0, help="seconds to wait for one phase's jobs")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `k6serve serve` argument (repeat)")
-    return parser.parse_args(argv)
+    parser.add_argument("--phases", default="pair,cancel,release",
+                        help="comma-separated phases in order: pair (cold, warm and a single job), cancel (in the "
+                             "decode), release (release / resume, if the server has the route), rewrite "
+                             "(expand_prompts jobs, their stage seconds)")
+    args = parser.parse_args(argv)
+    args.phases = [name.strip() for name in args.phases.split(",") if name.strip()]
+    unknown = sorted(set(args.phases) - set(PHASES))
+    if unknown or not args.phases:
+        parser.error(f"--phases: unknown {unknown}; choose among {', '.join(PHASES)}")
+    return args
+
+
+PHASES = ("pair", "cancel", "release", "rewrite")
+# Three lengths of prompt for the rewrite phase: the compiled rewrite's static cache holds any of them, so none
+# should compile a graph of its own once the warm-up has.
+REWRITE_PROMPTS = (
+    "A cat.",
+    "A red fox runs through fresh snow at dawn, wind in the trees.",
+    "An old fisherman mends a green net on a wooden pier at sunset while gulls circle overhead, waves slap the "
+    "pilings, a radio plays an accordion waltz somewhere behind him, and the harbour lights come on one by one "
+    "across the water as the sky turns from orange to violet.",
+)
 
 
 def free_port() -> int:
@@ -81,9 +110,8 @@ class Client:
     def now(self) -> float:
         return round(time.monotonic() - self.start, 3)
 
-    def create(self, seed: int) -> str:
-        body = {"prompt": "A red fox runs through fresh snow at dawn, wind in the trees.", "seed": seed,
-                "size": self.args.size, "num_frames": self.args.num_frames}
+    def create(self, seed: int, prompt: str = REWRITE_PROMPTS[1], **extra) -> str:
+        body = {"prompt": prompt, "seed": seed, "size": self.args.size, "num_frames": self.args.num_frames, **extra}
         if self.args.num_inference_steps:
             body["num_inference_steps"] = self.args.num_inference_steps
         response = self.http.post("/v1/videos", json=body)
@@ -185,6 +213,39 @@ def release_phase(client: Client, timeout: float) -> dict:
     return report
 
 
+def stage_sums(client: Client) -> dict[str, float]:
+    """/metrics' k6serve_stage_seconds sums by stage (absent on a server without the histogram)."""
+    text = client.http.get("/metrics").text
+    return {match.group(1): float(match.group(2)) for match in
+            re.finditer(r'^k6serve_stage_seconds_sum\{stage="([a-z_]+)"\} (\S+)$', text, re.MULTILINE)}
+
+
+def rewrite_phase(client: Client, timeout: float) -> dict:
+    """One expand_prompts job at a time, so each one's change of the stage sums is its own stages' seconds."""
+    jobs = []
+    for seed, prompt in enumerate(REWRITE_PROMPTS, start=11):
+        before = stage_sums(client)
+        video_id = client.create(seed, prompt, expand_prompts=True)
+        timeline = client.follow([video_id], timeout)[video_id]
+        after = stage_sums(client)
+        job = client.get(video_id)
+        jobs.append({"id": video_id, "prompt_words": len(prompt.split()), "status": timeline.get("status"),
+                     "error": timeline.get("error"), "wall_s": round(timeline.get("ended_s", client.now())
+                                                                     - timeline["created_s"], 3),
+                     "inference_time_s": job.get("inference_time_s"),
+                     "stages_s": {stage: round(total - before.get(stage, 0.0), 3) for stage, total in after.items()
+                                  if total != before.get(stage, 0.0)},
+                     "expanded_prompt_words": len((job.get("expanded_prompt") or "").split())})
+    return {"jobs": jobs, "all_completed": all(job["status"] == "completed" for job in jobs)}
+
+
+def warmup_log(path: Path) -> list[str]:
+    """The server log's warm-up lines (each names its seconds; with the compiled rewrite, the rewrite's part)."""
+    if not path.exists():
+        return []
+    return [line.rstrip() for line in path.read_text(errors="replace").splitlines() if "warm-up" in line]
+
+
 def _json_or_text(response: httpx.Response):
     try:
         return response.json()
@@ -194,8 +255,9 @@ def _json_or_text(response: httpx.Response):
 
 def table(report: dict) -> str:
     lines = [f"### gpu_server: {report['model_path']} on {report['num_gpus']} GPU(s), dp {report['dp_size']}, "
-             f"size {report['size']} x {report['num_frames']} frames", "",
-             "| phase | wall (s) | jobs running together (s) | all completed |", "|---|---|---|---|"]
+             f"size {report['size']} x {report['num_frames']} frames"]
+    if any(report["phases"].get(name) for name in ("pair_cold", "pair_warm", "single_warm")):
+        lines += ["", "| phase | wall (s) | jobs running together (s) | all completed |", "|---|---|---|---|"]
     for name in ("pair_cold", "pair_warm", "single_warm"):
         phase = report["phases"].get(name)
         if phase:
@@ -211,6 +273,17 @@ def table(report: dict) -> str:
                       f"{release['gpu_memory_used_mib_resumed']} after resume ({release['resume_s']} s); a job created "
                       f"while released was {release['job_status_while_released']}, then "
                       f"{release['job_after_resume'].get('status')}"]
+    rewrite = report["phases"].get("rewrite")
+    if rewrite:
+        lines += ["", "| rewrite job | prompt words | status | inference s | expand_prompt s | encode s | denoise s "
+                      "| words written |", "|---|---|---|---|---|---|---|---|"]
+        for number, job in enumerate(rewrite["jobs"], start=1):
+            stages = job["stages_s"]
+            lines.append(f"| {number} | {job['prompt_words']} | {job['status']} | {job['inference_time_s']} | "
+                         f"{stages.get('expand_prompt', '-')} | {stages.get('encode', '-')} | "
+                         f"{stages.get('denoise', '-')} | {job['expanded_prompt_words']} |")
+    if report.get("warmup_log"):
+        lines += ["", "Warm-up (server log):", "", *(f"    {line}" for line in report["warmup_log"])]
     if report.get("error"):
         lines += ["", f"Error: {report['error']}"]
     return "\n".join(lines) + "\n"
@@ -250,20 +323,25 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
         report["load_s"] = client.now()
         routes = client.http.get("/openapi.json").json().get("paths", {})
+        report["warmup_log"] = warmup_log(out / "server.log")
         phases = report["phases"]
-        phases["pair_cold"] = pair_phase(client, (1, 2), args.job_timeout)
-        write(report, out)
-        phases["pair_warm"] = pair_phase(client, (3, 4), args.job_timeout)
-        single = client.now()
-        phases["single_warm"] = {"jobs": client.follow([client.create(5)], args.job_timeout)}
-        phases["single_warm"].update(wall_s=round(client.now() - single, 3), overlap_s=0.0,
-                                     all_completed=all(t.get("status") == "completed"
-                                                       for t in phases["single_warm"]["jobs"].values()))
-        write(report, out)
-        phases["cancel_in_decode"] = cancel_in_decode_phase(client, args.job_timeout)
-        write(report, out)
-        if "/release_memory_occupation" in routes:
-            phases["release_resume"] = release_phase(client, args.job_timeout)
+        for name in args.phases:
+            if name == "pair":
+                phases["pair_cold"] = pair_phase(client, (1, 2), args.job_timeout)
+                write(report, out)
+                phases["pair_warm"] = pair_phase(client, (3, 4), args.job_timeout)
+                single = client.now()
+                phases["single_warm"] = {"jobs": client.follow([client.create(5)], args.job_timeout)}
+                phases["single_warm"].update(wall_s=round(client.now() - single, 3), overlap_s=0.0,
+                                             all_completed=all(t.get("status") == "completed"
+                                                               for t in phases["single_warm"]["jobs"].values()))
+            elif name == "cancel":
+                phases["cancel_in_decode"] = cancel_in_decode_phase(client, args.job_timeout)
+            elif name == "release" and "/release_memory_occupation" in routes:
+                phases["release_resume"] = release_phase(client, args.job_timeout)
+            elif name == "rewrite":
+                phases["rewrite"] = rewrite_phase(client, args.job_timeout)
+            write(report, out)
     except Exception as exc:  # noqa: BLE001 - the report keeps what was measured, with the error
         report["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -274,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             server.kill()
             report["server_exit_code"] = "killed"
         log.close()
+        report["warmup_log"] = warmup_log(out / "server.log")
         write(report, out)
     print(table(report))
     return 1 if report.get("error") else 0

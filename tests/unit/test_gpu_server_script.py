@@ -18,7 +18,7 @@ def test_every_phase_runs_against_a_real_server(demo_dir, tmp_path):
     completed = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--model-path", "demo", "--load-format", "auto",
          "--device", "cpu", "--num-gpus", "1", "--dp-size", "1", "--size", "64x48", "--num-frames", "5",
-         "--load-timeout", "240", "--job-timeout", "120"],
+         "--load-timeout", "240", "--job-timeout", "120", "--phases", "pair,cancel,release,rewrite"],
         check=False, capture_output=True, text=True, timeout=400,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
@@ -32,5 +32,18 @@ def test_every_phase_runs_against_a_real_server(demo_dir, tmp_path):
     # A tiny decode can end before the poll sees progress 99; whatever happened is named.
     assert phases["cancel_in_decode"]["result"] in (
         "stopped_between_decoded_chunks", "discarded_after_mp4_tail", "missed")
+    # The rewrite phase: each expand_prompts job's own stage seconds, read from /metrics around it
+    rewrite = phases["rewrite"]
+    assert rewrite["all_completed"] and [job["prompt_words"] for job in rewrite["jobs"]] == [2, 13, 50]
+    for job in rewrite["jobs"]:
+        assert set(job["stages_s"]) >= {"expand_prompt", "encode", "denoise", "decode_video"}, job
+        assert 0 < job["stages_s"]["expand_prompt"] < job["inference_time_s"] and job["expanded_prompt_words"] > 0
     assert report["server_exit_code"] == 0
     assert (tmp_path / "gpu_server.md").read_text().startswith("### gpu_server: demo")
+
+
+def test_an_unknown_phase_is_refused_before_a_server_starts():
+    completed = subprocess.run([sys.executable, str(SCRIPT), "--phases", "pair,rewrit"], check=False,
+                               capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 2
+    assert "--phases: unknown ['rewrit']; choose among pair, cancel, release, rewrite" in completed.stderr
