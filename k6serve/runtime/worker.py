@@ -461,7 +461,12 @@ class ModelWorker:
             reports = [self._warmup_generation(None, self._resolve_warmup(self.variant_warmup_params())[0])]
         else:
             requests = generation_warmups(sizes, self.variant, self._resolve_warmup)
-            reports = [self._warmup_generation(size, request) for size, request in zip(sizes, requests)]
+            # The compiled rewrite's cache only grows, and an image's tokens grow with its area: warmed at the
+            # largest listed size (its gray image), the cache is long enough for every listed size's rewrite (a
+            # 1280x720 image's needs 4,096 positions, a 768x512 one's 2,048), so none compiles on a request.
+            largest = max(range(len(requests)), key=lambda index: requests[index].height * requests[index].width)
+            reports = [self._warmup_generation(size, request, rewrite=index == largest)
+                       for index, (size, request) in enumerate(zip(sizes, requests))]
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
         if len(reports) > 1:
             logger.info("warm-up (server) of %d shapes took %.2f s: %s", len(reports),
@@ -483,14 +488,16 @@ class ModelWorker:
                 logger.error("--warmup-resolutions %s: the warm-up of this shape failed", size)
             raise
 
-    def _warmup_generation(self, size: WarmupSize | None, request: GenerateRequest) -> WarmupReport:
-        """One short request (`WARMUP_STEPS` steps) of `size`'s resolved request."""
+    def _warmup_generation(self, size: WarmupSize | None, request: GenerateRequest, *,
+                           rewrite: bool = True) -> WarmupReport:
+        """One short request (`WARMUP_STEPS` steps) of `size`'s resolved request; with `rewrite` (and
+        --compile-prompt-rewrite true, once per worker) also the rewrite's compile."""
         if size is not None and size.num_frames not in (None, request.num_frames):
             logger.info("--warmup-resolutions %s: %d frames is not of the form 4k+1; warming %d, as a request of "
                         "it runs", size, size.num_frames, request.num_frames)
         with self._naming_size(size):
             report = warmup(self.pipeline, request, "server", other_lengths=self._other_lengths(),
-                            rewrite=self._rewrite())
+                            rewrite=rewrite and self._rewrite())
         logger.info("warm-up (server, %s) took %.2f s%s", report.size, report.seconds, _rewrite_part(report))
         return report
 
