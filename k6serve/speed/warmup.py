@@ -113,7 +113,8 @@ def _gray_image(request: GenerateRequest) -> Iterator[str]:
 
 def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
                        on_step: Callable[[int, int], None] | None = None) -> None:
-    """One DiT step of `request` as `other_lengths_request` changes it, stopped before the decode.
+    """One DiT step of `request` as `other_lengths_request` changes it, and one without the soundtrack (where the
+    request has one), each stopped before the decode.
 
     Why: speed mode trims the text padding (pipelines/encode_text.py, `trim_text_padding`), so the text length the
     compiled blocks see is the prompt's token count. Dynamo compiles them static on the first length it sees and,
@@ -123,7 +124,8 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
     (scripts/gpu_warmup_sizes.py, twenty-sixth session). The soundtrack's length (num_frames / fps) is such a
     dimension too (a request at another --fps recompiled the same way), the negative prompt's length is the only one
     the CFG-parallel rank of the negative branch sees, and a conditioning image (TI2AV) takes another graph than a
-    text-only request; this pass changes them all, so dynamo compiles once more for all of them. On the H200 graphs
+    text-only request; this pass changes them all, so dynamo compiles once more for all of them. A silent request
+    is one more graph, warmed by one more silent step. On the H200 graphs
     dynamic in every length ran the Pro-distill step in 5.860 s against 5.835 s static (0.4%;
     scripts/gpu_dynamic_dims.py, twenty-sixth session), where each recompile they spare a request costs 7-8 s."""
     def stop(step: int, total: int) -> None:
@@ -135,6 +137,15 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
     with _gray_image(request) as image_path:
         try:
             pipeline(other_lengths_request(request, image_path), on_step=stop)
+        except _FirstStepDone:
+            pass
+    if request.with_audio:
+        # A silent request (sample_audio false) has no audio tokens, so its blocks are a graph of their own: one
+        # more DiT step, silent, compiles it here (already dynamic in the lengths the pass above changed). The
+        # first silent Pro-distill request after a warm-up spent 4.1 s compiling it on the H200 (forty-fifth
+        # session); this pass costs a step more at start-up (5.3 s there).
+        try:
+            pipeline(dataclasses.replace(request, with_audio=False, num_inference_steps=1), on_step=stop)
         except _FirstStepDone:
             pass
 

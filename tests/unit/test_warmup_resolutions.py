@@ -342,19 +342,24 @@ def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_
                                       warmup_resolutions=(WarmupSize(48, 32, 5), WarmupSize(32, 32, 5)))
         worker.config = dataclasses.replace(worker.config, runtime=runtime)
         worker._server_warmup()
-    expected = [("warm-up", 24.0, 2, False), ("warm-up warm-up", 30.0, 1, True)]
+    expected = [("warm-up", 24.0, 2, False, True), ("warm-up warm-up", 30.0, 1, True, True),
+                ("warm-up", 24.0, 1, False, False)]  # the request, the other lengths' step, a silent step
     if mode == "server":
-        expected.append(("warm-up", 24.0, 2, False))  # the second shape: the other lengths are dynamic already
-    assert [(request.prompt, request.fps, request.num_inference_steps, request.image_path is not None)
-            for request in calls] == expected
+        expected.append(("warm-up", 24.0, 2, False, True))  # the second shape: the other lengths are dynamic already
+    assert [(request.prompt, request.fps, request.num_inference_steps, request.image_path is not None,
+             request.with_audio) for request in calls] == expected
     image = tmp_path / "image.png"
     Image.new("RGB", (48, 32), (10, 200, 30)).save(image)
     # Another prompt length, another soundtrack length (5 frames at 20 fps: 11 audio tokens, 9 at 24), an image.
-    for prompt, fps, image_path in (("a fox runs through the deep snow of a pine forest at dawn", 24.0, None),
-                                    ("cat", 20.0, None), ("a dog", 24.0, str(image))):
+    # And a silent request (no audio tokens: a graph of its own, 4.1 s of compile in the H200's first silent
+    # Pro-distill request, forty-fifth session).
+    for prompt, fps, image_path, audio in (("a fox runs through the deep snow of a pine forest at dawn", 24.0, None,
+                                            None), ("cat", 20.0, None, None), ("a dog", 24.0, str(image), None),
+                                           ("a quiet owl", 24.0, None, False)):
         result = worker.run(SamplingParams(prompt=prompt, fps=fps, image_path=image_path, num_inference_steps=2,
-                                           **shape), NO_OUTPUT)
-        assert result.timings["graphs_compiled"] == 0, (prompt, fps, image_path)
+                                           sample_audio=audio, **shape), NO_OUTPUT)
+        assert result.timings["graphs_compiled"] == 0, (prompt, fps, image_path, audio)
+        assert result.has_audio is (audio is None)
     # The image's latent frame made the video's token count dynamic too: a shape never warmed compiles nothing.
     result = worker.run(SamplingParams(prompt="an owl", height=48, width=64, num_frames=9, num_inference_steps=2),
                         NO_OUTPUT)
