@@ -139,8 +139,8 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
             pipeline(other_lengths_request(request, image_path), on_step=stop)
         except _FirstStepDone:
             pass
-    if request.with_audio:
-        # A silent request (sample_audio false) has no audio tokens, so its blocks are a graph of their own: one
+    if request.with_audio and getattr(getattr(pipeline, "models", None), "has_audio", True):
+        # (A checkpoint without audio parts makes every request silent: the pass above was one.) A silent request (sample_audio false) has no audio tokens, so its blocks are a graph of their own: one
         # more DiT step, silent, compiles it here (already dynamic in the lengths the pass above changed). The
         # first silent Pro-distill request after a warm-up spent 4.1 s compiling it on the H200 (forty-fifth
         # session); this pass costs a step more at start-up (5.3 s there).

@@ -367,6 +367,31 @@ def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_
     torch._dynamo.reset()
 
 
+def test_the_silent_step_runs_where_a_request_could_have_sound():
+    from types import SimpleNamespace
+
+    from k6serve.request import GenerateRequest
+    from k6serve.speed.warmup import warm_other_lengths
+
+    class Pipeline:
+        def __init__(self, has_audio):
+            self.models, self.calls = SimpleNamespace(has_audio=has_audio), []
+
+        def __call__(self, request, on_step):
+            self.calls.append((request.num_inference_steps, request.with_audio))
+            on_step(0, 1)
+            on_step(1, 1)  # the warm-up stops each pass here, before a decode
+            raise AssertionError("not stopped after its step")
+
+    request = GenerateRequest(prompt="p", negative_prompt=None, image_path=None, seed=1, height=32, width=48,
+                              num_frames=5, fps=24.0, num_inference_steps=2, guidance_scale=1.0)
+    for has_audio, with_audio, expected in ((True, True, [(1, True), (1, False)]), (False, True, [(1, True)]),
+                                            (True, False, [(1, False)])):
+        pipeline = Pipeline(has_audio)
+        warm_other_lengths(pipeline, dataclasses.replace(request, with_audio=with_audio))
+        assert pipeline.calls == expected, (has_audio, with_audio)
+
+
 def test_the_other_lengths_request_changes_the_negative_prompt_and_toggles_the_image():
     from k6serve.request import GenerateRequest
     from k6serve.speed.warmup import other_lengths_request
