@@ -28,6 +28,8 @@ WARMUP_STEPS = 2
 # The compiled rewrite's warm-up writes this many tokens: the first from the eager prefill, then the compiled
 # decoding step three times, which compiles it and lets CUDA graphs (transformers' "reduce-overhead") record it.
 WARMUP_REWRITE_TOKENS = 4
+# The frame rate of a silent warm-up's steps with sound (and a quarter more): 509 frames, the most, need 10.71.
+SOUND_WARMUP_FPS = 24.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,8 +115,9 @@ def _gray_image(request: GenerateRequest) -> Iterator[str]:
 
 def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
                        on_step: Callable[[int, int], None] | None = None) -> None:
-    """One DiT step of `request` as `other_lengths_request` changes it, and one without the soundtrack (where the
-    request has one), each stopped before the decode.
+    """One DiT step of `request` as `other_lengths_request` changes it, then, where the checkpoint has its audio
+    parts, one without the soundtrack (a request with one) or two with it (a silent request), each stopped before
+    the decode.
 
     Why: speed mode trims the text padding (pipelines/encode_text.py, `trim_text_padding`), so the text length the
     compiled blocks see is the prompt's token count. Dynamo compiles them static on the first length it sees and,
@@ -125,7 +128,8 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
     dimension too (a request at another --fps recompiled the same way), the negative prompt's length is the only one
     the CFG-parallel rank of the negative branch sees, and a conditioning image (TI2AV) takes another graph than a
     text-only request; this pass changes them all, so dynamo compiles once more for all of them. A silent request
-    is one more graph, warmed by one more silent step. On the H200 graphs
+    is one more graph, warmed by one more silent step (and after a silent warm-up, the graph with sound by two
+    steps at two soundtrack lengths). On the H200 graphs
     dynamic in every length ran the Pro-distill step in 5.860 s against 5.835 s static (0.4%;
     scripts/gpu_dynamic_dims.py, twenty-sixth session), where each recompile they spare a request costs 7-8 s."""
     def stop(step: int, total: int) -> None:
@@ -134,20 +138,31 @@ def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
         if step >= 1:
             raise _FirstStepDone
 
+    def one_step(pass_request: GenerateRequest) -> None:
+        try:
+            pipeline(pass_request, on_step=stop)
+        except _FirstStepDone:
+            pass
+
     with _gray_image(request) as image_path:
-        try:
-            pipeline(other_lengths_request(request, image_path), on_step=stop)
-        except _FirstStepDone:
-            pass
-    if request.with_audio and getattr(getattr(pipeline, "models", None), "has_audio", True):
-        # (A checkpoint without audio parts makes every request silent: the pass above was one.) A silent request (sample_audio false) has no audio tokens, so its blocks are a graph of their own: one
-        # more DiT step, silent, compiles it here (already dynamic in the lengths the pass above changed). The
-        # first silent Pro-distill request after a warm-up spent 4.1 s compiling it on the H200 (forty-fifth
-        # session); this pass costs a step more at start-up (5.3 s there).
-        try:
-            pipeline(dataclasses.replace(request, with_audio=False, num_inference_steps=1), on_step=stop)
-        except _FirstStepDone:
-            pass
+        one_step(other_lengths_request(request, image_path))
+        # (A checkpoint without audio parts makes every request silent: the pass above was one.)
+        if getattr(getattr(pipeline, "models", None), "has_audio", True):
+            if request.with_audio:
+                # A silent request (sample_audio false) has no audio tokens, so its blocks are a graph of their
+                # own: one more DiT step, silent, compiles it here (already dynamic in the lengths the pass above
+                # changed). The first silent Pro-distill request after a warm-up spent 4.1 s compiling it on the
+                # H200 (forty-fifth session); this pass costs a step more at start-up (5.3 s there).
+                one_step(dataclasses.replace(request, with_audio=False, num_inference_steps=1))
+            else:
+                # A silent warm-up (--warmup-mode request, a first request with sample_audio false) never compiled
+                # the graph with sound: two steps with a soundtrack, of two lengths, so the audio dimension is
+                # dynamic too (one alone compiled it static, and the first two requests with sound compiled a graph
+                # each). At SOUND_WARMUP_FPS, whose soundtrack fits the DiT for any frame count (a silent request's
+                # fps has no floor).
+                sound = dataclasses.replace(request, with_audio=True, fps=SOUND_WARMUP_FPS, num_inference_steps=1)
+                one_step(sound)
+                one_step(dataclasses.replace(sound, fps=other_audio_length_fps(SOUND_WARMUP_FPS)))
 
 
 def warm_rewrite(pipeline, request: GenerateRequest) -> float:

@@ -367,6 +367,36 @@ def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_
     torch._dynamo.reset()
 
 
+def test_a_silent_request_warm_up_also_warms_requests_with_sound(tiny_distill_dir, monkeypatch):
+    """--warmup-mode request whose first request is silent: the warm-up ran without a soundtrack, and the first two
+    requests with one each compiled a graph (the second one dynamic in the audio length). Two more steps with sound,
+    at two soundtrack lengths, compile them in the warm-up. Counted with dynamo's CPU `aot_eager` backend."""
+    import functools
+
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from k6serve.speed import apply_performance_mode, performance_mode
+    from k6serve.speed.regional_compile import apply_regional_compile
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(performance_mode, "apply_regional_compile",
+                        functools.partial(apply_regional_compile, backend=counter))
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
+    worker.performance_report = apply_performance_mode(worker.pipeline.models, "speed", "cuda")
+    worker.pipeline.trim_text_padding = True  # as the worker sets it in speed mode
+    shape = dict(height=32, width=48, num_frames=5)
+    worker._warmup(SamplingParams(prompt="warm-up", sample_audio=False, **shape))
+    for prompt, fps, audio in (("a fox", 24.0, None), ("a fox runs through the deep snow of a pine forest", 20.0, None),
+                               ("cat", 30.0, None), ("a quiet owl in the dark", 12.0, False)):
+        result = worker.run(SamplingParams(prompt=prompt, fps=fps, num_inference_steps=2, sample_audio=audio, **shape),
+                            NO_OUTPUT)
+        assert result.timings["graphs_compiled"] == 0, (prompt, fps, audio)
+        assert result.has_audio is (audio is None)
+    torch._dynamo.reset()
+
+
 def test_the_silent_step_runs_where_a_request_could_have_sound():
     from types import SimpleNamespace
 
@@ -385,8 +415,11 @@ def test_the_silent_step_runs_where_a_request_could_have_sound():
 
     request = GenerateRequest(prompt="p", negative_prompt=None, image_path=None, seed=1, height=32, width=48,
                               num_frames=5, fps=24.0, num_inference_steps=2, guidance_scale=1.0)
+    # A silent warm-up on a checkpoint with sound: two steps with sound, at two soundtrack lengths (the first two
+    # requests with sound compiled a graph each after it)
     for has_audio, with_audio, expected in ((True, True, [(1, True), (1, False)]), (False, True, [(1, True)]),
-                                            (True, False, [(1, False)])):
+                                            (True, False, [(1, False), (1, True), (1, True)]),
+                                            (False, False, [(1, False)])):
         pipeline = Pipeline(has_audio)
         warm_other_lengths(pipeline, dataclasses.replace(request, with_audio=with_audio))
         assert pipeline.calls == expected, (has_audio, with_audio)
