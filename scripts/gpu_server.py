@@ -227,7 +227,13 @@ def rewrite_phase(client: Client, timeout: float) -> dict:
         before = stage_sums(client)
         video_id = client.create(seed, prompt, expand_prompts=True)
         timeline = client.follow([video_id], timeout)[video_id]
-        after = stage_sums(client)
+        # The server stores a job's end before it adds its stages to /metrics: a scrape right after the status
+        # turned "completed" could miss them (and give them to the next job).
+        after, deadline = stage_sums(client), time.monotonic() + 10.0
+        while (timeline.get("status") == "completed" and after.get("denoise") == before.get("denoise")
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+            after = stage_sums(client)
         job = client.get(video_id)
         jobs.append({"id": video_id, "prompt_words": len(prompt.split()), "status": timeline.get("status"),
                      "error": timeline.get("error"), "wall_s": round(timeline.get("ended_s", client.now())
