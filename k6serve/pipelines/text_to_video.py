@@ -163,6 +163,21 @@ class TextToVideoPipeline:
         if image is not None and self._image_processor is None:
             self._image_processor = load_image_processor(self.models.source)
 
+    def rewrite_image_tokens(self, height: int, width: int) -> int:
+        """The image tokens a conditioning image of `height` x `width` (as requests resize theirs) adds to the
+        rewrite's inputs, from the checkpoint's own Qwen2.5-VL processor: it rounds each side to a multiple of 28,
+        so area does not order them (416x448 gives 240, 432x432 225). Falls back to the area in 28-pixel patches
+        where the processor cannot load (transformers 5.17 without torchvision)."""
+        import PIL.Image
+
+        try:
+            self._load_image_processor(PIL.Image.new("RGB", (1, 1)))
+            made = self._image_processor(images=[PIL.Image.new("RGB", (width, height), (128, 128, 128))],
+                                         return_tensors="pt")
+        except ImportError:
+            return (height * width) // (28 * 28)
+        return int(made["image_grid_thw"][0].prod()) // int(self._image_processor.merge_size) ** 2
+
     def warm_up_rewrite(self, request: GenerateRequest, num_tokens: int) -> None:
         """A rewrite of `num_tokens` tokens of `request`'s prompt (and image) through `rewrite_cache`, sized as the
         request's own rewrite would size it, so the decoding step it compiles (on CUDA) is the one such requests

@@ -461,10 +461,13 @@ class ModelWorker:
             reports = [self._warmup_generation(None, self._resolve_warmup(self.variant_warmup_params())[0])]
         else:
             requests = generation_warmups(sizes, self.variant, self._resolve_warmup)
-            # The compiled rewrite's cache only grows, and an image's tokens grow with its area: warmed at the
-            # largest listed size (its gray image), the cache is long enough for every listed size's rewrite (a
-            # 1280x720 image's needs 4,096 positions, a 768x512 one's 2,048), so none compiles on a request.
-            largest = max(range(len(requests)), key=lambda index: requests[index].height * requests[index].width)
+            # The compiled rewrite's cache only grows: warmed at the listed size whose image gives the rewrite the most
+            # tokens (its gray image), the cache is long enough for every listed size's rewrite (a 1280x720 image's
+            # needs 4,096 positions, a 768x512 one's 2,048), so none compiles on a request.
+            largest = 0
+            if self.config.runtime.compile_prompt_rewrite and not self._rewrite_warmed and len(requests) > 1:
+                tokens = [self.pipeline.rewrite_image_tokens(request.height, request.width) for request in requests]
+                largest = tokens.index(max(tokens))
             reports = [self._warmup_generation(size, request, rewrite=index == largest)
                        for index, (size, request) in enumerate(zip(sizes, requests))]
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them

@@ -281,3 +281,17 @@ def test_the_super_resolution_model_refuses_it_before_loading(tiny_sr_dir):
                                          r"rewrite; .* is a super-resolution model, which rewrites no prompt\. Drop "
                                          r"the flag\.$"):
         ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", compile_prompt_rewrite=True))
+
+
+def test_the_rewrite_warm_up_size_is_the_one_whose_image_gives_the_most_tokens():
+    """Qwen2.5-VL's processor rounds each side to a multiple of 28, so area does not order the image tokens: a
+    416x448 image (smaller) gives 240, a 432x432 one 225. The server warm-up compiles the rewrite at the size that
+    gives the most (the cache only grows), counted by the checkpoint's own processor."""
+    from types import SimpleNamespace
+
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+
+    pipeline = object.__new__(TextToVideoPipeline)
+    pipeline._image_processor, pipeline.models = None, SimpleNamespace(source="dummy")  # Qwen2.5-VL's defaults
+    assert pipeline.rewrite_image_tokens(416, 448) == 240 and pipeline.rewrite_image_tokens(432, 432) == 225
+    assert pipeline.rewrite_image_tokens(512, 768) == 486 and pipeline.rewrite_image_tokens(720, 1280) == 1196
