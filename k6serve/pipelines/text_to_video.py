@@ -312,13 +312,13 @@ class TextToVideoPipeline:
             timings["denoise_step_median"] = statistics.median(step_seconds)
             timings["denoise_step_max"] = max(step_seconds)
 
-        start = time.perf_counter()
         audio = None
-        if with_audio:
+        if with_audio:  # a silent request has no audio stage (nor a 0 s one in the server's stage histogram)
+            start = time.perf_counter()
             with self.residency.stage("audio_vae", "vocoder"):
                 audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC)
-        _sync(m.device)
-        timings["decode_audio"] = time.perf_counter() - start
+            _sync(m.device)
+            timings["decode_audio"] = time.perf_counter() - start
         between_chunks = final_step_check(on_step, len(timesteps))  # the total `denoise` reported
         if video_sink is not None:
             video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings, between_chunks)

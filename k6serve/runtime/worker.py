@@ -388,17 +388,18 @@ class ModelWorker:
         clip instead, `_warmup_super_resolution`)."""
         return SamplingParams(prompt="warm-up")
 
-    def _warmup(self, params: SamplingParams, on_step: ProgressCallback | None = None) -> float:
+    def _warmup(self, params: SamplingParams, on_step: ProgressCallback | None = None) -> float | None:
         """`--warmup-mode request`: run a short request of this shape once (compilation, autotuning); returns its
         cost in seconds. There is no shorter version of an SR request to run first (its DiT takes 2 calls per
-        tile), so an SR model's first request is its own warm-up: 0 s. `on_step` is the request's: called at the
+        tile), so an SR model's first request is its own warm-up: None, no warm-up ran (its job got a note of a
+        0.00 s warm-up, and the stage histogram a 0 s one). `on_step` is the request's: called at the
         warm-up's steps as (0, the request's steps), so a cancel of the request stops its warm-up too (a minute of
         compiling on a GPU), and its progress stays at 0 meanwhile."""
         from k6serve.runtime.engine import RequestCancelled
 
         self.warmed_up = True
         if self.variant.family != GENERATION:
-            return 0.0
+            return None
         request, _ = self.resolve(params)
         cancel_point = None if on_step is None else (lambda step, total: on_step(0, request.num_inference_steps))
         start = time.perf_counter()

@@ -30,6 +30,7 @@ def test_a_silent_video_matches_diffusers(request, checkpoint):
                             num_inference_steps=2, guidance_scale=1.0 if distilled else 3.0, sample_audio=False)
     ours, resolved = _run(folder, params)
     assert ours.audio is None and resolved.with_audio is False
+    assert "decode_audio" not in ours.timings and "decode_video" in ours.timings  # no audio stage, not a 0 s one
     pipe = load_reference_pipeline(folder)
     theirs = pipe(prompt="a dog runs", negative_prompt=resolved.negative_prompt, height=HEIGHT, width=WIDTH,
                   num_frames=FRAMES, num_inference_steps=2, guidance_scale=resolved.guidance_scale,
@@ -37,6 +38,7 @@ def test_a_silent_video_matches_diffusers(request, checkpoint):
     assert theirs.audio is None
     assert np.array_equal(ours.video.frames_float_THWC.numpy(), np.asarray(theirs.frames[0]))
     with_sound, _ = _run(folder, _with_sound(params))
+    assert with_sound.timings["decode_audio"] > 0
     # The video attends to the soundtrack while it denoises: the picture made with sound is another one.
     assert not np.array_equal(with_sound.video.frames_float_THWC.numpy(), ours.video.frames_float_THWC.numpy())
 
