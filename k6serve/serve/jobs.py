@@ -91,6 +91,8 @@ class Job:
     # engine's last step boundary) ends cancelled, and neither a shutdown nor a restart re-queues it.
     cancel_requested_at: float | None = None
     expanded_prompt: str | None = None  # expand_prompts: the prompt as the text encoder rewrote it
+    # Once completed: the seconds of each stage the engine ran (metrics.STAGES among its timings), in run order.
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def expires_at(job: Job, ttl_s: float) -> int | None:
@@ -113,7 +115,8 @@ def is_expired(job: Job, ttl_s: float, now: float) -> bool:
 # every finished job) or a scan of the whole table in seq order; the index gives only the jobs old enough.
 FINISHED_BEFORE_SQL = (f"SELECT * FROM jobs INDEXED BY jobs_completed WHERE status IN "
                        f"({', '.join('?' for _ in TERMINAL)}) AND completed_at < ? ORDER BY seq")
-_JSON_FIELDS = {"params", "upload_files", "warnings"}
+_JSON_FIELDS = {"params", "upload_files", "warnings", "stage_seconds"}
+_JSON_OBJECTS = {"params", "stage_seconds"}  # JSON fields that are objects (dicts); the others are tuples
 _COLUMNS = [f.name for f in dataclasses.fields(Job)]
 
 
@@ -261,7 +264,8 @@ class SqliteJobStore:
                     attempts INTEGER NOT NULL,
                     warnings TEXT NOT NULL,
                     cancel_requested_at REAL,
-                    expanded_prompt TEXT
+                    expanded_prompt TEXT,
+                    stage_seconds TEXT
                 )"""
             )
             columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
@@ -269,6 +273,8 @@ class SqliteJobStore:
                 self._db.execute("ALTER TABLE jobs ADD COLUMN cancel_requested_at REAL")
             if "expanded_prompt" not in columns:  # a store written before expand_prompts
                 self._db.execute("ALTER TABLE jobs ADD COLUMN expanded_prompt TEXT")
+            if "stage_seconds" not in columns:  # a store written before jobs kept their stages (null: none)
+                self._db.execute("ALTER TABLE jobs ADD COLUMN stage_seconds TEXT")
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
             # The TTL sweep's candidates (`finished_before`) by index: without it each sweep, run before every
             # listing too, read and sorted every finished job (39 ms a listing at 100k stored jobs).
@@ -370,8 +376,8 @@ class SqliteJobStore:
         for name in _COLUMNS:
             value = row[name]
             if name in _JSON_FIELDS:
-                value = json.loads(value)
-                value = value if name == "params" else tuple(value)
+                value = json.loads(value) if value is not None else {}  # null: a row from before its column
+                value = value if name in _JSON_OBJECTS else tuple(value)
             elif name == "status":
                 value = JobStatus(value)
             values[name] = value

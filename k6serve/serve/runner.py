@@ -758,13 +758,14 @@ class JobRunner:
             inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
             size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
             warnings=job.warnings + tuple(notes), expanded_prompt=result.expanded_prompt,
+            stage_seconds={stage: round(float(result.timings[stage]), 4) for stage in STAGES
+                           if result.timings.get(stage) is not None},
         )
         if finished is None:
             # Deleted while running: nobody owns the file any more.
             self.artifacts.remove([result.output_file_path])
             return
-        stages = ", ".join(f"{stage} {result.timings[stage]:.2f}" for stage in STAGES
-                           if result.timings.get(stage) is not None)
+        stages = ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in finished.stage_seconds.items())
         logger.info("job %s completed in %.1f s (%.1f s from its creation)%s", job.id, inference_s,
                     completed_at - job.created_at, f"; stages (s): {stages}" if stages else "")
         self.metrics.finished(JobStatus.COMPLETED, result.peak_memory_mb)

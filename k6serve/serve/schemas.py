@@ -645,6 +645,12 @@ class VideoJob(BaseModel):
                                                "the same request with this seed gives the same video.")
     error: JobError | None = None
     inference_time_s: float | None = None
+    stage_seconds: dict[str, float] = Field(
+        default_factory=dict, description="Once completed: the seconds of each stage the engine ran, in the order it "
+                                          "ran them (generation: expand_prompt with expand_prompts, encode, denoise, "
+                                          "decode_audio, decode_video, mux; super-resolution: read, encode, upscale, "
+                                          "dit, decode, blend, mux; warmup, a --warmup-mode request warm-up run "
+                                          "first); empty before.")
     peak_memory_mb: float | None = None
     url: str | None = Field(None, description="Relative URL of the MP4 once completed.")
     warnings: list[str] = Field(default_factory=list)
@@ -732,6 +738,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, ro
         error=JobError(code=job.error_code or "error", message=job.error_message or "")
         if job.status == JobStatus.FAILED or job.error_message else None,
         inference_time_s=job.inference_time_s,
+        stage_seconds=dict(job.stage_seconds),
         peak_memory_mb=job.peak_memory_mb,
         url=f"{root_path}/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
         warnings=list(job.warnings),

@@ -510,10 +510,20 @@ def test_a_rewrite_is_a_stage_of_its_own_in_metrics(fake_client):
         job = fake_client.post("/v1/videos", json={"prompt": "m", "size": "32x32", "num_frames": 5,
                                                    "expand_prompts": expand}).json()
         assert wait_for(fake_client, job["id"])["status"] == "completed"
+        # The job itself says its stages, in run order (JSON keeps it), once completed
+        assert list(fake_client.get(f"/v1/videos/{job['id']}").json()["stage_seconds"].items()) == [
+            *([("expand_prompt", 0.004)] if expand else []), ("encode", 0.002), ("denoise", 0.006),
+            ("decode_video", 0.001), ("mux", 0.001)]
     body = fake_client.get("/metrics").text
     assert re.findall(r'^k6serve_stage_seconds_count\{stage="([a-z_]+)"\} (\d+)$', body, re.MULTILINE) == [
         ("expand_prompt", "2"), ("encode", "3"), ("denoise", "3"), ("decode_video", "3"), ("mux", "3")]
     assert 'k6serve_stage_seconds_sum{stage="expand_prompt"} 0.008000' in body
+
+
+def test_a_job_has_no_stages_before_it_completes(fake_client):
+    job = fake_client.post("/v1/videos", json={"prompt": "m", "size": "32x32", "num_frames": 5}).json()
+    assert job["stage_seconds"] == {}
+    assert wait_for(fake_client, job["id"])["stage_seconds"]["denoise"] == 0.006
 
 
 @pytest.mark.parametrize("name", ["kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers",

@@ -253,6 +253,22 @@ def test_a_job_store_from_before_expand_prompts_opens(tmp_path):
     reopened.close()
 
 
+def test_a_job_store_from_before_stage_seconds_opens(tmp_path):
+    # Old jobs read as having no stages ({}), and a job's stages survive the store's reopening in their order.
+    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    store.insert(_job("video_old", "old", JobStatus.COMPLETED, attempts=1))
+    store._db.execute("ALTER TABLE jobs DROP COLUMN stage_seconds")
+    store.close()
+    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert reopened.get("video_old").stage_seconds == {}
+    stages = {"expand_prompt": 7.9, "encode": 0.05, "denoise": 58.4}
+    assert list(reopened.update("video_old", stage_seconds=stages).stage_seconds.items()) == list(stages.items())
+    reopened.close()
+    again = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    assert list(again.get("video_old").stage_seconds) == list(stages)
+    again.close()
+
+
 def test_progress_advances_at_every_step(tmp_path):
     # 0.1 s a step (2 s in all), so polls slowed to a few hundred ms on a busy machine still see five steps.
     worker = FakeWorker(VARIANTS["pro-distill"], step_delay_s=0.1)
