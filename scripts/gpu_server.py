@@ -18,7 +18,7 @@ like a client:
 4. **release / resume** (only if `/release_memory_occupation` is in the server's OpenAPI schema): release, the GPUs'
    used memory from nvidia-smi, a job created while released (it must stay `queued`), resume, and that job's end.
 5. **rewrite** (`--phases rewrite`): one job after another with `expand_prompts`, prompts of three lengths; each job's
-   stage seconds (the change of /metrics' `k6serve_stage_seconds` sums across it: `expand_prompt` is the rewrite),
+   stage seconds (the job's `stage_seconds`: `expand_prompt` is the rewrite),
    its inference time and the words it wrote. With `--serve-arg=--compile-prompt-rewrite --serve-arg=true
    --serve-arg=--warmup-mode --serve-arg=server` the warm-up compiled the rewrite before the first job; the server
    log's warm-up lines are in the report (`warmup_log`).
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -213,34 +212,17 @@ def release_phase(client: Client, timeout: float) -> dict:
     return report
 
 
-def stage_sums(client: Client) -> dict[str, float]:
-    """/metrics' k6serve_stage_seconds sums by stage (absent on a server without the histogram)."""
-    text = client.http.get("/metrics").text
-    return {match.group(1): float(match.group(2)) for match in
-            re.finditer(r'^k6serve_stage_seconds_sum\{stage="([a-z_]+)"\} (\S+)$', text, re.MULTILINE)}
-
-
 def rewrite_phase(client: Client, timeout: float) -> dict:
-    """One expand_prompts job at a time, so each one's change of the stage sums is its own stages' seconds."""
+    """One expand_prompts job at a time; each one's stage seconds as the job reports them (`stage_seconds`)."""
     jobs = []
     for seed, prompt in enumerate(REWRITE_PROMPTS, start=11):
-        before = stage_sums(client)
         video_id = client.create(seed, prompt, expand_prompts=True)
         timeline = client.follow([video_id], timeout)[video_id]
-        # The server stores a job's end before it adds its stages to /metrics: a scrape right after the status
-        # turned "completed" could miss them (and give them to the next job).
-        after, deadline = stage_sums(client), time.monotonic() + 10.0
-        while (timeline.get("status") == "completed" and after.get("denoise") == before.get("denoise")
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-            after = stage_sums(client)
         job = client.get(video_id)
         jobs.append({"id": video_id, "prompt_words": len(prompt.split()), "status": timeline.get("status"),
                      "error": timeline.get("error"), "wall_s": round(timeline.get("ended_s", client.now())
                                                                      - timeline["created_s"], 3),
-                     "inference_time_s": job.get("inference_time_s"),
-                     "stages_s": {stage: round(total - before.get(stage, 0.0), 3) for stage, total in after.items()
-                                  if total != before.get(stage, 0.0)},
+                     "inference_time_s": job.get("inference_time_s"), "stages_s": job.get("stage_seconds") or {},
                      "expanded_prompt_words": len((job.get("expanded_prompt") or "").split())})
     return {"jobs": jobs, "all_completed": all(job["status"] == "completed" for job in jobs)}
 
