@@ -73,17 +73,18 @@ def build_text_components(
     import transformers
 
     from k6serve.models.kandinsky6 import encoder_configs
+    from k6serve.models.kandinsky6.checkpoint import dummy_qwen_config
     from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
 
+    tokenizer = train_qwen_tokenizer()
     with torch.device(device):
-        qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
         text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
-            qwen_config, dtype=dtype
+            dummy_qwen_config(tokenizer), dtype=dtype
         )
         clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
         text_encoder_2 = transformers.CLIPTextModel._from_config(clip_config, dtype=dtype)
     return TextComponents(
-        tokenizer=train_qwen_tokenizer(),
+        tokenizer=tokenizer,
         text_encoder=text_encoder.eval().requires_grad_(False),
         tokenizer_2=train_clip_tokenizer(),
         text_encoder_2=text_encoder_2.eval().requires_grad_(False),

@@ -46,6 +46,7 @@ from k6serve.testing.tiny_configs import AUDIO_LATENT_CHANNELS, PIFLOW_N_GRID, t
 from k6serve.testing.tokenizers import (
     build_qwen_processor,
     load_qwen_processor,
+    qwen_vision_token_ids,
     train_clip_tokenizer,
     train_qwen_tokenizer,
 )
@@ -70,15 +71,7 @@ def _build_vae() -> AutoencoderKLHunyuanVideo:
 
 
 def _build_qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    special_ids = {
-        name: tokenizer.convert_tokens_to_ids(token)
-        for name, token in (
-            ("image_token_id", "<|image_pad|>"),
-            ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"),
-            ("vision_end_token_id", "<|vision_end|>"),
-        )
-    }
+    special_ids = qwen_vision_token_ids(tokenizer)
     text_config = {
         "vocab_size": len(tokenizer),
         "hidden_size": 32,

@@ -187,6 +187,16 @@ def train_qwen_tokenizer() -> Qwen2Tokenizer:
     return tokenizer
 
 
+def qwen_vision_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
+    """The Qwen2.5-VL config's vision token ids as `tokenizer` has them: a text encoder built for a trained tokenizer
+    (tiny checkpoints, the full-size dummy) must count its `<|image_pad|>` placeholders by the trained id, not the
+    released vocabulary's 151655, or a rewrite with an image finds none of them ("Image features and image tokens
+    do not match, tokens: 0")."""
+    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+
+
 def train_clip_tokenizer() -> CLIPTokenizer:
     """Train the tiny CLIP BPE; `<|startoftext|>`, `<|endoftext|>` are the two highest ids."""
     trainer_tokenizer = CLIPTokenizer().backend_tokenizer

@@ -88,3 +88,27 @@ def test_moving_a_gpu_built_component_to_the_host_keeps_values_ties_and_dtypes()
     assert all(torch.equal(after[name], value) and after[name].dtype == value.dtype for name, value in before.items())
     assert all(after[name].data_ptr() != originals[name].data_ptr() for name in ("embed.weight", "norm.running_mean"))
     assert module["head"].weight is module["embed"].weight
+
+
+def test_the_dummy_text_encoder_finds_the_trained_tokenizers_image_placeholders():
+    """--load-format dummy pairs the released Qwen2.5-VL-7B config with the project's trained tokenizer: the config's
+    vision token ids must be the tokenizer's, or the encoder counts no `<|image_pad|>` in a rewrite with an image (the
+    compiled rewrite's warm-up stopped a dummy server's start on an H100: "tokens: 0, features: 486")."""
+    import PIL.Image
+
+    from k6serve.models.kandinsky6.checkpoint import dummy_qwen_config
+    from k6serve.models.kandinsky6.encoder_configs import QWEN25_VL_7B
+    from k6serve.pipelines.expand_prompt import expansion_inputs, load_image_processor
+    from k6serve.testing.tokenizers import train_qwen_tokenizer
+
+    tokenizer = train_qwen_tokenizer()
+    config = dummy_qwen_config(tokenizer)
+    image_processor = load_image_processor("dummy")
+    inputs = expansion_inputs("a fox", tokenizer=tokenizer, image_processor=image_processor,
+                              image=PIL.Image.new("RGB", (768, 512), (128, 128, 128)))
+    features = int(inputs["image_grid_thw"][0].prod()) // image_processor.merge_size ** 2
+    assert features == 486 and int((inputs["input_ids"] == config.image_token_id).sum()) == features
+    assert int((inputs["input_ids"] == config.vision_start_token_id).sum()) == 1
+    assert int((inputs["input_ids"] == QWEN25_VL_7B["image_token_id"]).sum()) == 0  # the released id: none
+    # The rest of the released config stands.
+    assert config.text_config.hidden_size == 3584 and config.vision_config.depth == 32

@@ -295,6 +295,18 @@ def _host_memory_bytes() -> int:
         return 2**62
 
 
+def dummy_qwen_config(tokenizer):
+    """The released Qwen2.5-VL-7B config for a `--load-format dummy` text encoder, its vision token ids the trained
+    `tokenizer`'s: with the released ids (151655 for `<|image_pad|>`) the encoder found no image placeholder in the
+    trained tokenizer's ids, and every rewrite with an image (expand_prompts; the compiled rewrite's warm-up) failed
+    with "Image features and image tokens do not match, tokens: 0" (forty-sixth session, on an H100)."""
+    import transformers
+
+    from k6serve.testing.tokenizers import qwen_vision_token_ids
+
+    return transformers.Qwen2_5_VLConfig(**{**encoder_configs.QWEN25_VL_7B, **qwen_vision_token_ids(tokenizer)})
+
+
 def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
                  where: Callable[[str], torch.device]) -> GenerationModels:
     """Released sizes, random weights, each component created on `where(name)` in `dtype` (benchmarks; outputs
@@ -323,7 +335,8 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
             module = make()
         return _move_to_host(module) if build_device(target) != target else module
 
-    qwen_config = transformers.Qwen2_5_VLConfig(**encoder_configs.QWEN25_VL_7B)
+    tokenizer = train_qwen_tokenizer()
+    qwen_config = dummy_qwen_config(tokenizer)
     text_encoder = built("text_encoder", lambda: transformers.Qwen2_5_VLForConditionalGeneration._from_config(
         qwen_config, dtype=dtype))
     clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
@@ -344,7 +357,7 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
         text_encoder=text_encoder.eval().requires_grad_(False),
         # Random weights need no real vocabulary: the project's offline BPE tokenizers keep the 129-token
         # template crop exact and produce ids inside the real vocab.
-        tokenizer=train_qwen_tokenizer(),
+        tokenizer=tokenizer,
         text_encoder_2=text_encoder_2.eval().requires_grad_(False),
         tokenizer_2=train_clip_tokenizer(),
         scheduler_class=scheduler_class,
