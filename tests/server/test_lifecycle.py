@@ -229,12 +229,18 @@ def test_a_shutdown_during_the_mp4_tail_waits_for_it_and_keeps_the_video(tmp_pat
     store.close()
 
 
-def test_a_job_store_from_before_cancel_requests_opens(tmp_path):
+def _reopened_without(tmp_path, *columns: str, status: JobStatus = JobStatus.COMPLETED) -> SqliteJobStore:
+    """A store holding one job ("video_old") written by a server from before `columns`, reopened by this one."""
     store = SqliteJobStore(tmp_path / "jobs.sqlite3")
-    store.insert(_job("video_old", "old", JobStatus.QUEUED, attempts=0))
-    store._db.execute("ALTER TABLE jobs DROP COLUMN cancel_requested_at")
+    store.insert(_job("video_old", "old", status, attempts=0 if status == JobStatus.QUEUED else 1))
+    for column in columns:
+        store._db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
     store.close()
-    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    return SqliteJobStore(tmp_path / "jobs.sqlite3")
+
+
+def test_a_job_store_from_before_cancel_requests_opens(tmp_path):
+    reopened = _reopened_without(tmp_path, "cancel_requested_at", status=JobStatus.QUEUED)
     assert reopened.get("video_old").cancel_requested_at is None
     assert reopened.update("video_old", cancel_requested_at=3.0).cancel_requested_at == 3.0
     reopened.close()
@@ -242,12 +248,7 @@ def test_a_job_store_from_before_cancel_requests_opens(tmp_path):
 
 def test_a_job_store_from_before_expand_prompts_opens(tmp_path):
     # A server upgraded in place keeps its jobs: the column is added, old jobs read null.
-    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
-    store.insert(_job("video_old", "old", JobStatus.COMPLETED, attempts=1))
-    store._db.execute("ALTER TABLE jobs DROP COLUMN expanded_prompt")
-    store._db.execute("ALTER TABLE jobs DROP COLUMN cancel_requested_at")  # and from before that
-    store.close()
-    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    reopened = _reopened_without(tmp_path, "expanded_prompt", "cancel_requested_at")  # and from before that
     assert reopened.get("video_old").expanded_prompt is None
     assert reopened.update("video_old", expanded_prompt="a fox, in detail").expanded_prompt == "a fox, in detail"
     reopened.close()
@@ -255,11 +256,7 @@ def test_a_job_store_from_before_expand_prompts_opens(tmp_path):
 
 def test_a_job_store_from_before_stage_seconds_opens(tmp_path):
     # Old jobs read as having no stages ({}), and a job's stages survive the store's reopening in their order.
-    store = SqliteJobStore(tmp_path / "jobs.sqlite3")
-    store.insert(_job("video_old", "old", JobStatus.COMPLETED, attempts=1))
-    store._db.execute("ALTER TABLE jobs DROP COLUMN stage_seconds")
-    store.close()
-    reopened = SqliteJobStore(tmp_path / "jobs.sqlite3")
+    reopened = _reopened_without(tmp_path, "stage_seconds")
     assert reopened.get("video_old").stage_seconds == {}
     stages = {"expand_prompt": 7.9, "encode": 0.05, "denoise": 58.4}
     assert list(reopened.update("video_old", stage_seconds=stages).stage_seconds.items()) == list(stages.items())

@@ -305,18 +305,13 @@ def test_gpu_warmup_sizes_script_runs_at_toy_size(tmp_path, load_script):
     assert all(row["graphs_compiled"] == 0 and row["denoise_s"] > 0 for row in report["requests"])
 
 
-@pytest.mark.parametrize("mode", ["request", "server"])
-def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_dir, tmp_path, monkeypatch, mode):
-    """Speed mode trims the text padding, so the compiled blocks see each prompt's token count (and the soundtrack's
-    length, from the fps; and an image request takes another graph): dynamo compiles them static on the first and
-    dynamic on the second. The warm-up's first shape also runs one DiT step with the prompt twice at another fps and
-    with an image (stopped before the decode), so the first real request of any prompt, fps or image compiles
-    nothing; on the H200 it had compiled 3 graphs (10.7 s) after a server warm-up. Counted with dynamo's CPU
-    `aot_eager` backend."""
+def _counted_speed_worker(checkpoint, monkeypatch) -> ModelWorker:
+    """A CPU worker with speed mode's CUDA transforms, its blocks compiled by dynamo's counting `aot_eager` backend
+    (so `graphs_compiled` counts what a GPU would compile); the report is what the worker decides its extra warm-up
+    passes from."""
     import functools
 
     import torch
-    from PIL import Image
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from k6serve.speed import apply_performance_mode, performance_mode
@@ -326,10 +321,25 @@ def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(performance_mode, "apply_regional_compile",
                         functools.partial(apply_regional_compile, backend=counter))
-    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
-    # The CUDA transforms, compiled by the counter; the report is what the worker decides the extra pass from.
+    worker = ModelWorker(build_engine_config(str(checkpoint), device="cpu", attention_backend="sdpa"))
     worker.performance_report = apply_performance_mode(worker.pipeline.models, "speed", "cuda")
     worker.pipeline.trim_text_padding = True  # as the worker sets it in speed mode
+    return worker
+
+
+@pytest.mark.parametrize("mode", ["request", "server"])
+def test_a_compiled_warm_up_also_warms_other_lengths_and_the_image(tiny_distill_dir, tmp_path, monkeypatch, mode):
+    """Speed mode trims the text padding, so the compiled blocks see each prompt's token count (and the soundtrack's
+    length, from the fps; and an image request takes another graph): dynamo compiles them static on the first and
+    dynamic on the second. The warm-up's first shape also runs one DiT step with the prompt twice at another fps and
+    with an image (stopped before the decode), so the first real request of any prompt, fps or image compiles
+    nothing; on the H200 it had compiled 3 graphs (10.7 s) after a server warm-up. Counted with dynamo's CPU
+    `aot_eager` backend."""
+
+    import torch
+    from PIL import Image
+
+    worker = _counted_speed_worker(tiny_distill_dir, monkeypatch)
     calls = []
     pipeline = worker.pipeline
     monkeypatch.setattr(worker, "pipeline", lambda request, **kwargs: (calls.append(request), pipeline(request,
@@ -371,21 +381,10 @@ def test_a_silent_request_warm_up_also_warms_requests_with_sound(tiny_distill_di
     """--warmup-mode request whose first request is silent: the warm-up ran without a soundtrack, and the first two
     requests with one each compiled a graph (the second one dynamic in the audio length). Two more steps with sound,
     at two soundtrack lengths, compile them in the warm-up. Counted with dynamo's CPU `aot_eager` backend."""
-    import functools
 
     import torch
-    from torch._dynamo.testing import CompileCounterWithBackend
 
-    from k6serve.speed import apply_performance_mode, performance_mode
-    from k6serve.speed.regional_compile import apply_regional_compile
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(performance_mode, "apply_regional_compile",
-                        functools.partial(apply_regional_compile, backend=counter))
-    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", attention_backend="sdpa"))
-    worker.performance_report = apply_performance_mode(worker.pipeline.models, "speed", "cuda")
-    worker.pipeline.trim_text_padding = True  # as the worker sets it in speed mode
+    worker = _counted_speed_worker(tiny_distill_dir, monkeypatch)
     shape = dict(height=32, width=48, num_frames=5)
     worker._warmup(SamplingParams(prompt="warm-up", sample_audio=False, **shape))
     for prompt, fps, audio in (("a fox", 24.0, None), ("a fox runs through the deep snow of a pine forest", 20.0, None),
