@@ -53,6 +53,7 @@ I2VA_INSTRUCTION = (
     "Rewrite Prompt: {}"
 )
 IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
 # How often a rewrite calls its `on_tokens` (a request's cancellation point): at most 256 tokens took 5.5-7.8 s of
 # eager generate on an H100 (forty-fourth session; the count went unrecorded), so 16 about 0.4 s, where a rewrite of
 # 1,024 ran 26 s or more with no point to stop at.
@@ -127,8 +128,8 @@ def _cache_keyword(text_encoder) -> str:
 
 def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL.Image.Image | None = None,
                      ) -> dict[str, torch.Tensor]:
-    """The `generate` inputs `Qwen2_5_VLProcessor` makes for the expansion chat: input_ids and attention_mask, and
-    with an image its pixel_values and image_grid_thw."""
+    """The `generate` inputs `Qwen2_5_VLProcessor` makes for the expansion chat: input_ids, attention_mask and
+    mm_token_type_ids, and with an image its pixel_values and image_grid_thw."""
     instruction = (I2VA_INSTRUCTION if image is not None else T2VA_INSTRUCTION).format(prompt)
     content = ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text",
                                                                                      "text": instruction}]
@@ -145,7 +146,14 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
         count = int(pixels["image_grid_thw"][0].prod()) // int(image_processor.merge_size) ** 2
         text = text.replace(IMAGE_TOKEN, IMAGE_TOKEN * count, 1)
     encoded = tokenizer([text], padding=True, return_tensors="pt")
-    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], **pixels}
+    ids = encoded["input_ids"]
+    # The processor's modality of each token (transformers 5.17 and 5.25, `create_mm_token_type_ids`): 1 for an
+    # image placeholder, 2 for a video one, 0 for text. Qwen2.5-VL's generate places the image's tokens on its
+    # 3-D (time, height, width) rotary grid from it; without it they took text positions, and the rewrite's logits
+    # left diffusers' (6e-4 on the tiny encoder), its grounding on the image's layout with them.
+    kinds = ((ids == tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)).long()
+             + 2 * (ids == tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)).long())
+    return {"input_ids": ids, "attention_mask": encoded["attention_mask"], "mm_token_type_ids": kinds, **pixels}
 
 
 @torch.inference_mode()

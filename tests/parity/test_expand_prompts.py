@@ -53,10 +53,13 @@ def test_generate_inputs_are_the_processors(tiny_distill_dir, with_image):
                                          add_generation_prompt=True)
     theirs = processor(text=[text], images=[image] if with_image else None, videos=None, padding=True,
                        return_tensors="pt")
-    assert set(ours) == ({"input_ids", "attention_mask", "pixel_values", "image_grid_thw"} if with_image
-                         else {"input_ids", "attention_mask"})
+    # Every input the processor makes, mm_token_type_ids included (without it generate gave the image's tokens text
+    # positions, not their rotary grid), each equal, dtype too.
+    assert set(ours) == set(theirs) == ({"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values",
+                                         "image_grid_thw"} if with_image
+                                        else {"input_ids", "attention_mask", "mm_token_type_ids"})
     for name, value in ours.items():
-        assert torch.equal(value, theirs[name]), name
+        assert value.dtype == theirs[name].dtype and torch.equal(value, theirs[name]), name
     if with_image:
         # 80x120 is resized to 84x112 (multiples of 28), 6 x 8 patches of 14, merged 2 x 2: 12 tokens.
         assert ours["image_grid_thw"].tolist() == [[1, 6, 8]]
