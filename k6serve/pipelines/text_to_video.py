@@ -166,8 +166,9 @@ class TextToVideoPipeline:
     def rewrite_image_tokens(self, height: int, width: int) -> int:
         """The image tokens a conditioning image of `height` x `width` (as requests resize theirs) adds to the
         rewrite's inputs, from the checkpoint's own Qwen2.5-VL processor: it rounds each side to a multiple of 28,
-        so area does not order them (416x448 gives 240, 432x432 225). Falls back to the area in 28-pixel patches
-        where the processor cannot load (transformers 5.17 without torchvision)."""
+        so area does not order them (416x448 gives 240, 432x432 225). Falls back to that rounding alone (each side
+        to the nearest multiple of 28, without the processor's pixel bounds) where the processor cannot load
+        (transformers 5.17 without torchvision, where a rewrite with an image fails anyway)."""
         import PIL.Image
 
         try:
@@ -175,7 +176,7 @@ class TextToVideoPipeline:
             made = self._image_processor(images=[PIL.Image.new("RGB", (width, height), (128, 128, 128))],
                                          return_tensors="pt")
         except ImportError:
-            return (height * width) // (28 * 28)
+            return max(1, round(height / 28)) * max(1, round(width / 28))
         return int(made["image_grid_thw"][0].prod()) // int(self._image_processor.merge_size) ** 2
 
     def warm_up_rewrite(self, request: GenerateRequest, num_tokens: int) -> None:

@@ -467,8 +467,10 @@ class ModelWorker:
             # needs 4,096 positions, a 768x512 one's 2,048), so none compiles on a request.
             largest = 0
             if self.config.runtime.compile_prompt_rewrite and not self._rewrite_warmed and len(requests) > 1:
-                tokens = [self.pipeline.rewrite_image_tokens(request.height, request.width) for request in requests]
-                largest = tokens.index(max(tokens))
+                # Ties (sizes rounded alike) go to the larger area, then the first listed.
+                keys = [(self.pipeline.rewrite_image_tokens(request.height, request.width),
+                         request.height * request.width) for request in requests]
+                largest = keys.index(max(keys))
             reports = [self._warmup_generation(size, request, rewrite=index == largest)
                        for index, (size, request) in enumerate(zip(sizes, requests))]
         self.gc_freezer.freeze_if_compiled()  # the warm-up compiled the graphs: keep the collector off them
