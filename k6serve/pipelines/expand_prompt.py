@@ -126,6 +126,15 @@ def _cache_keyword(text_encoder) -> str:
     return "cache" if "cache" in inspect.signature(type(text_encoder).forward).parameters else "past_key_values"
 
 
+def image_inputs(image_processor, image: PIL.Image.Image) -> tuple[dict[str, torch.Tensor], int]:
+    """`image`'s pixel_values and image_grid_thw as the Qwen2.5-VL processor makes them, and how many image tokens
+    it takes in the text: one placeholder per merged patch, as the processor writes it (one token in the
+    template)."""
+    made = image_processor(images=[image], return_tensors="pt")
+    pixels = {"pixel_values": made["pixel_values"], "image_grid_thw": made["image_grid_thw"]}
+    return pixels, int(pixels["image_grid_thw"][0].prod()) // int(image_processor.merge_size) ** 2
+
+
 def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL.Image.Image | None = None,
                      ) -> dict[str, torch.Tensor]:
     """The `generate` inputs `Qwen2_5_VLProcessor` makes for the expansion chat: input_ids, attention_mask and
@@ -140,10 +149,7 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
         if image_processor is None:
             raise ValueError("expand_prompts with an image needs the checkpoint's Qwen2.5-VL image processor "
                              "(tokenizer/processor_config.json or preprocessor_config.json), which was not found.")
-        made = image_processor(images=[image], return_tensors="pt")
-        pixels = {"pixel_values": made["pixel_values"], "image_grid_thw": made["image_grid_thw"]}
-        # One placeholder per merged patch, as the processor writes it (it is one token in the template).
-        count = int(pixels["image_grid_thw"][0].prod()) // int(image_processor.merge_size) ** 2
+        pixels, count = image_inputs(image_processor, image)
         text = text.replace(IMAGE_TOKEN, IMAGE_TOKEN * count, 1)
     encoded = tokenizer([text], padding=True, return_tensors="pt")
     ids = encoded["input_ids"]

@@ -31,6 +31,7 @@ from k6serve.pipelines.expand_prompt import (
     StaticRewriteCache,
     expand_prompt,
     expanded_token_ids,
+    image_inputs,
     load_image_processor,
 )
 from k6serve.pipelines.prepare_latents import (
@@ -147,7 +148,8 @@ class TextToVideoPipeline:
         """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any;
         called inside a stage that holds the text encoder."""
         m = self.models
-        self._load_image_processor(image)
+        if image is not None:
+            self._load_image_processor()
         # A cancellation point while the rewrite runs (up to 1,024 tokens, 26 s or more on an H100), reported as step
         # 0. One process only: a replica's ranks call on_step together (a collective), and theirs could stop at
         # different tokens (agree_on_text's reason), leaving one waiting in it.
@@ -159,8 +161,8 @@ class TextToVideoPipeline:
                              static_cache=self.rewrite_cache)
         return self.agree_on_text(text) if self.agree_on_text is not None else text
 
-    def _load_image_processor(self, image: PIL.Image.Image | None) -> None:
-        if image is not None and self._image_processor is None:
+    def _load_image_processor(self) -> None:
+        if self._image_processor is None:
             self._image_processor = load_image_processor(self.models.source)
 
     def rewrite_image_tokens(self, height: int, width: int) -> int:
@@ -172,12 +174,10 @@ class TextToVideoPipeline:
         import PIL.Image
 
         try:
-            self._load_image_processor(PIL.Image.new("RGB", (1, 1)))
-            made = self._image_processor(images=[PIL.Image.new("RGB", (width, height), (128, 128, 128))],
-                                         return_tensors="pt")
+            self._load_image_processor()
+            return image_inputs(self._image_processor, PIL.Image.new("RGB", (width, height), (128, 128, 128)))[1]
         except ImportError:
             return max(1, round(height / 28)) * max(1, round(width / 28))
-        return int(made["image_grid_thw"][0].prod()) // int(self._image_processor.merge_size) ** 2
 
     def warm_up_rewrite(self, request: GenerateRequest, num_tokens: int) -> None:
         """A rewrite of `num_tokens` tokens of `request`'s prompt (and image) through `rewrite_cache`, sized as the
@@ -188,7 +188,8 @@ class TextToVideoPipeline:
             from k6serve.media.image import load_conditioning_image
 
             image = load_conditioning_image(request.image_path, request.height, request.width, log=False)
-        self._load_image_processor(image)
+        if image is not None:
+            self._load_image_processor()
         m = self.models
         with self.residency.stage("text_encoder"):
             expanded_token_ids(request.prompt, tokenizer=m.tokenizer, text_encoder=m.text_encoder, device=m.device,

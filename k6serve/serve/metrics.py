@@ -24,6 +24,11 @@ STAGES = ("warmup", "read", "expand_prompt", "encode", "upscale", "denoise", "di
           "decode", "blend", "mux")
 
 
+def stage_seconds(timings: dict[str, float]) -> dict[str, float]:
+    """`STAGES` among a job's `timings`, in run order, to 0.1 ms: what the job stores, logs and observes."""
+    return {stage: round(float(timings[stage]), 4) for stage in STAGES if timings.get(stage) is not None}
+
+
 class Histogram:
     """One histogram, or with `label` one per value of that label (`observe(value, label_value)`), rendered in
     `label_values`' order and then the others' in the order first seen; a value never observed has no series."""
@@ -88,10 +93,9 @@ class ServerMetrics:
         self.peak_memory_mb = 0.0
 
     def stages(self, timings: dict[str, float]) -> None:
-        """A completed job's stage seconds (`STAGES` among its timings) into k6serve_stage_seconds."""
-        for stage in STAGES:
-            if timings.get(stage) is not None:
-                self.stage_latency.observe(float(timings[stage]), stage)
+        """A completed job's stage seconds (`stage_seconds` of its timings) into k6serve_stage_seconds."""
+        for stage, seconds in stage_seconds(timings).items():
+            self.stage_latency.observe(seconds, stage)
 
     def webhook(self, outcome: str) -> None:
         """One webhook event delivered to one URL, or given up ("delivered" / "failed")."""

@@ -56,7 +56,7 @@ from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.lora_state import Adapters, LoraState
-from k6serve.serve.metrics import STAGES, ServerMetrics
+from k6serve.serve.metrics import ServerMetrics, stage_seconds
 from k6serve.serve.webhooks import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
 
 logger = logging.getLogger(__name__)
@@ -758,8 +758,7 @@ class JobRunner:
             inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
             size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
             warnings=job.warnings + tuple(notes), expanded_prompt=result.expanded_prompt,
-            stage_seconds={stage: round(float(result.timings[stage]), 4) for stage in STAGES
-                           if result.timings.get(stage) is not None},
+            stage_seconds=stage_seconds(result.timings),
         )
         if finished is None:
             # Deleted while running: nobody owns the file any more.
@@ -775,7 +774,7 @@ class JobRunner:
         self.metrics.job_latency.observe(time.monotonic() - created if created is not None
                                          else max(0.0, completed_at - job.created_at))
         self.metrics.inference_latency.observe(inference_s)
-        self.metrics.stages(result.timings)
+        self.metrics.stages(finished.stage_seconds)
         self._recent_durations = (self._recent_durations + [inference_s])[-10:]
         self.artifacts.remove(list(finished.upload_files))
 
