@@ -189,6 +189,24 @@ def test_a_warm_up_compiles_the_rewrite_once_when_on(tiny_distill_dir, monkeypat
     assert worker.pipeline.rewrite_cache.num_tokens == 2048
 
 
+def test_the_server_warm_up_compiles_the_rewrite_at_the_most_tokens_not_the_largest_area(tiny_distill_dir,
+                                                                                           monkeypatch):
+    """The worker orders the listed sizes by their image's rewrite tokens, the area only breaking ties: here the
+    smaller 32x32 is said to give more tokens than 48x32 (as 416x448 gives more than 432x432), so it is the one
+    warmed with the rewrite."""
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+
+    seen = _recording_rewrite_warmups(monkeypatch)
+    monkeypatch.setattr(TextToVideoPipeline, "rewrite_image_tokens", lambda self, height, width: (
+        50 if (height, width) == (32, 32) else 1))
+    worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", compile_prompt_rewrite=True,
+                                             warmup_mode="server", warmup_resolutions=["48x32x5", "32x32x5"]))
+    first, second = worker.server_warmups
+    assert (first.size, second.size) == ("48x32x5", "32x32x5")
+    assert first.rewrite_seconds is None and second.rewrite_seconds > 0
+    assert len(seen) == 2  # one rewrite with the gray image, one without: at that size only
+
+
 def test_no_rewrite_warm_up_or_cache_when_off(tiny_distill_dir, monkeypatch, caplog):
     seen = _recording_rewrite_warmups(monkeypatch)
     with caplog.at_level("INFO", logger="k6serve.runtime.worker"):
