@@ -48,7 +48,10 @@ def variant_before_loading(model_path: str, model_id: str | None, load_format: s
     from k6serve.models.variants import recognise
 
     folder = None
-    if load_format != "dummy" and (model_path in DEMO_MODEL_PATHS or Path(model_path).expanduser().exists()):
+    # Path("") is the working folder: an empty --model-path (`--model-path "$UNSET"`) was read as that folder, and
+    # any broken .json there was reported as a damaged checkpoint instead of the missing --model-path.
+    if model_path and load_format != "dummy" and (model_path in DEMO_MODEL_PATHS
+                                                  or Path(model_path).expanduser().exists()):
         folder = resolve_checkpoint(model_path)
     try:
         return recognise(model_path, model_id, folder), folder

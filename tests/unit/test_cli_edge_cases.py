@@ -1292,3 +1292,12 @@ def test_the_hosts_memory_running_out_is_told_as_such_not_as_a_bug(error, host):
         assert "--performance-mode" not in message
     else:
         assert message.startswith("the GPU ran out of memory (CUDA out of memory. Tried to allocate 9.00 GiB.)")
+
+
+def test_cli_empty_model_path_is_refused_as_missing_not_read_as_the_working_folder(tmp_path, monkeypatch, capsys):
+    # `--model-path "$MODEL"` with MODEL unset: Path("") is ".", whose broken JSON was called a damaged checkpoint.
+    (tmp_path / "notes.json").write_text("{not json")
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model-path", "", "--prompt", "x", "--output-path", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --model-path is required" in err and "damaged" not in err
