@@ -339,6 +339,10 @@ def load_config_file(path: str) -> dict[str, Any]:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ValueError(f"--config {path} is not valid YAML: {exc}") from None
+        if data is None:
+            # An empty file, or one whose lines are all commented out, sets nothing (as a key with no value does);
+            # it was refused as not holding a mapping.
+            data = {}
     else:
         try:
             data = json.loads(text)

@@ -1301,3 +1301,13 @@ def test_cli_empty_model_path_is_refused_as_missing_not_read_as_the_working_fold
     assert main(["generate", "--model-path", "", "--prompt", "x", "--output-path", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "error: --model-path is required" in err and "damaged" not in err
+
+
+@pytest.mark.parametrize("text", ["", "# model-path: demo\n# seed: 7\n"])
+def test_cli_empty_or_all_commented_yaml_config_sets_nothing(tmp_path, capsys, text):
+    # It was refused as "must hold a mapping of flag names to values"; the flags typed apply as without it.
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    assert main(["generate", "--config", str(config), "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "error: height must be a positive multiple of 16" in err and "mapping" not in err
