@@ -312,11 +312,16 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
 
     device = _device(args.device, tiny=args.tiny)
     dtype = _DTYPES[args.dtype]
-    height = args.height or (TINY_HEIGHT if args.tiny else 512)
-    width = args.width or (TINY_WIDTH if args.tiny else 768)
-    num_frames = args.num_frames or (TINY_NUM_FRAMES if args.tiny else 121)
+    # `is None`, not `or`: --num-frames 0 ran the default size as if the flag were not given.
+    height = args.height if args.height is not None else TINY_HEIGHT if args.tiny else 512
+    width = args.width if args.width is not None else TINY_WIDTH if args.tiny else 768
+    num_frames = args.num_frames if args.num_frames is not None else TINY_NUM_FRAMES if args.tiny else 121
     num_text_tokens = TINY_NUM_TEXT_TOKENS if args.tiny else NUM_TEXT_TOKENS
-    geometry = generation_geometry(height, width, num_frames, num_text_tokens=num_text_tokens)
+    try:
+        geometry = generation_geometry(height, width, num_frames, num_text_tokens=num_text_tokens)
+    except ValueError as error:
+        # A size no stage can run (--height 30) ended in a traceback; refused like the other flags set up here.
+        raise SystemExit(f"--height / --width / --num-frames: {error}") from None
     default_backends = "fa,torch_sdpa" if device.type == "cuda" else "torch_sdpa"
     backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
     timing = {"repeats": args.repeats, "warmup": args.warmup}

@@ -44,9 +44,9 @@ def generation_geometry(
     """The latent grid and token counts the DiT sees for a request of this size."""
     patch_t, patch_h, patch_w = patch_size
     multiple = VAE_SPATIAL * max(patch_h, patch_w)
-    if height % multiple or width % multiple:
-        raise ValueError(f"height and width must be multiples of {multiple}, got {height}x{width}")
-    if num_frames % VAE_TEMPORAL != 1:
+    if height <= 0 or width <= 0 or height % multiple or width % multiple:
+        raise ValueError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+    if num_frames < 1 or num_frames % VAE_TEMPORAL != 1:
         raise ValueError(f"num_frames must be 4k+1 (e.g. 121), got {num_frames}")
     num_latent_frames = (num_frames - 1) // VAE_TEMPORAL + 1
     latent_height, latent_width = height // VAE_SPATIAL, width // VAE_SPATIAL

@@ -730,3 +730,15 @@ def test_an_installed_copy_reports_no_commit_even_inside_another_git_repository(
     monkeypatch.undo()
     monkeypatch.delenv(report.COMMIT_ENVIRONMENT_VARIABLE, raising=False)
     assert report._source_tree() is not None and report._git_commit()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--height", "30"], "height and width must be positive multiples of 16, got 30x96"),
+    (["--width", "0"], "height and width must be positive multiples of 16, got 64x0"),
+    (["--num-frames", "0"], "num_frames must be 4k\\+1 \\(e.g. 121\\), got 0"),
+    (["--num-frames", "-3"], "num_frames must be 4k\\+1 \\(e.g. 121\\), got -3"),
+])
+def test_a_size_no_stage_can_run_is_refused_with_the_flag(flags, message):
+    # --height 30 ended in a traceback; --num-frames 0 and --width 0 ran the default size or failed inside a stage.
+    with pytest.raises(SystemExit, match=f"^--height / --width / --num-frames: {message}$"):
+        main(["--tiny", "--stage", "vae", *flags])
