@@ -225,6 +225,10 @@ def parse_line_selection(spec: str) -> list[tuple[int, int | None]]:
     ranges: list[tuple[int, int | None]] = []
     for part in spec.replace(" ", "").split(","):
         first, dash, last = part.partition("-")
+        if first.isdecimal() and last.isdecimal() and 1 <= int(last) < int(first):
+            # A range written backwards was "not a line number or range", which it is.
+            raise ValueError(f"--prompt-file-lines {spec!r}: {part!r} runs backwards; write the lower line first: "
+                             f"{int(last)}-{int(first)}.")
         if (not first.isdecimal() or (last and not last.isdecimal()) or int(first) < 1
                 or (last and int(last) < int(first))):
             raise ValueError(f"--prompt-file-lines {spec!r}: {part!r} is not a line number or range; write lines "

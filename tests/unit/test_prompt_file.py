@@ -132,6 +132,8 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
         (["--prompt-file-lines", "0"], "--prompt-file-lines '0': '0' is not a line number or range; write lines as "
                                        "the stopped run's report names them, e.g. 5, 3-200 or 3-5,9,12- (12 to the "
                                        "end)."),
+        (["--prompt-file-lines", "2-1"], "--prompt-file-lines '2-1': '2-1' runs backwards; write the lower line "
+                                         "first: 1-2."),
         (["--prompt-file-lines", "3-"], "--prompt-file-lines '3-': the last prompt of '{prompts}' is on line 2, so "
                                         "none is on line 3 or after it."),
     ],
