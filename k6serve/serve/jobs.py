@@ -45,6 +45,8 @@ TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 # A job that was running when the server died is re-queued once; dying on it again fails it.
 MAX_ATTEMPTS = 2
+# A running job whose cancel was accepted, ended by a stop of the server rather than by the engine.
+CANCELLED_AT_SHUTDOWN = "Cancelled by the client while running; the server stopped before the engine did."
 
 # How long a deleted (or expired) job's place in the creation order is remembered, so a client paging with
 # `after=<its id>` continues where it was instead of getting a 400 because the job expired between two pages.
@@ -549,7 +551,7 @@ class SqliteJobStore:
             if job.cancel_requested_at is not None:
                 updated = self.transition(
                     job.id, (JobStatus.IN_PROGRESS,), status=JobStatus.CANCELLED, error_code="cancelled",
-                    error_message="Cancelled by the client while running; the server stopped before the engine did.",
+                    error_message=CANCELLED_AT_SHUTDOWN,
                     completed_at=time.time(),
                 )
                 if updated is not None:

@@ -54,7 +54,8 @@ from k6serve.runtime.out_of_memory import (WorkerKilled, is_host_out_of_memory, 
                                            out_of_memory_detail, server_side_fixes)
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
 from k6serve.serve.errors import disk_full, write_refused
-from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
+from k6serve.serve.jobs import (CANCELLED_AT_SHUTDOWN, STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text,
+                                size_text)
 from k6serve.serve.lora_state import Adapters, LoraState
 from k6serve.serve.metrics import ServerMetrics, stage_seconds
 from k6serve.serve.webhooks import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
@@ -629,13 +630,20 @@ class JobRunner:
         try:
             result: VideoResult = engine_job.future.result()
         except BaseException as exc:
-            if self._stopping and not self._cancel_requested(job.id) and not isinstance(exc, ValueError):
-                # stop() already put it back in the queue. A failure now is the shutdown's doing (its cancel, or a
-                # worker killed or hung as the server stops: `worker_died`), not the job's: it was recorded failed
-                # after the log had said "back in the queue".
-                logger.info("job %s ended as the server stopped (%s): left in the queue, it runs again at the "
-                            "next start", job.id, type(exc).__name__)
-                return
+            if self._stopping and not isinstance(exc, ValueError):
+                if not self._cancel_requested(job.id):
+                    # stop() already put it back in the queue. A failure now is the shutdown's doing (its cancel, or
+                    # a worker killed or hung as the server stops: `worker_died`), not the job's: it was recorded
+                    # failed after the log had said "back in the queue".
+                    logger.info("job %s ended as the server stopped (%s): left in the queue, it runs again at the "
+                                "next start", job.id, type(exc).__name__)
+                    return
+                if not isinstance(exc, (RequestCancelled, CancelledError)):
+                    # The client's cancel was accepted, then the shutdown ended the ranks inside a step: it ends as
+                    # the next start would end it, not failed (generation_failed, a traceback, video.failed).
+                    self._record(job, JobStatus.CANCELLED, error_code="cancelled",
+                                 error_message=CANCELLED_AT_SHUTDOWN)
+                    return
             self._record_failure(job, exc)
         else:
             with self._lock:  # so a cancel cannot land between this check and the job becoming completed

@@ -1129,3 +1129,40 @@ def test_a_listing_reads_past_many_expired_jobs_in_few_queries(tmp_path, monkeyp
         assert len(calls) <= 3
     finally:
         server.stop()
+
+
+class _EndedByTheShutdown(FakeWorker):
+    """A worker in a step too long for the cancel and the stop's waits: the ranks are ended under it, and the job
+    ends with the engine's shutdown error, not with the cancel."""
+
+    def __init__(self, variant) -> None:
+        super().__init__(variant)
+        self.ranks_ended = threading.Event()
+
+    def run(self, params, output, on_step=None):
+        self.started.append(params.prompt)
+        self.ranks_ended.wait(30)
+        raise RuntimeError("request 1 was stopped by the engine's shutdown while it ran.")
+
+
+def test_a_job_whose_cancel_was_accepted_ends_cancelled_when_the_shutdown_ends_its_ranks(tmp_path, caplog):
+    # The cancel was accepted in a long step, then SIGTERM's wait ran out and the ranks were ended: the job was
+    # recorded failed (generation_failed, with a traceback and a video.failed event), not cancelled.
+    worker = _EndedByTheShutdown(VARIANTS["pro-distill"])
+    server = start_server(tmp_path, worker=worker, cancel_wait_s=0.0)
+    try:
+        with server.client() as client:
+            job = client.post("/v1/videos", json={"prompt": "a long step", **SMALL}).json()
+            wait_until(lambda: worker.started)
+            assert client.post(f"/v1/videos/{job['id']}/cancel").json()["status"] == "in_progress"
+        caplog.set_level("INFO", logger="k6serve.serve.runner")
+        runner = server.app.state.ctx.runner
+        runner.stop(timeout=0.1)
+        worker.ranks_ended.set()
+        runner.wait_for_outcomes(10)
+        stored = server.store.get(job["id"])
+        assert stored.status == JobStatus.CANCELLED and stored.error_code == "cancelled", stored
+        assert "the server stopped before the engine did" in stored.error_message
+        assert not any(record.levelno >= logging.ERROR for record in caplog.records)
+    finally:
+        server.stop()
