@@ -322,6 +322,11 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     except ValueError as error:
         # A size no stage can run (--height 30) ended in a traceback; refused like the other flags set up here.
         raise SystemExit(f"--height / --width / --num-frames: {error}") from None
+    # Checked here, once: measure() refusing them inside each stage turned every stage into the same error row.
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1 (the median of the timed runs is reported), got {args.repeats}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
     default_backends = "fa,torch_sdpa" if device.type == "cuda" else "torch_sdpa"
     backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
     timing = {"repeats": args.repeats, "warmup": args.warmup}

@@ -742,3 +742,14 @@ def test_a_size_no_stage_can_run_is_refused_with_the_flag(flags, message):
     # --height 30 ended in a traceback; --num-frames 0 and --width 0 ran the default size or failed inside a stage.
     with pytest.raises(SystemExit, match=f"^--height / --width / --num-frames: {message}$"):
         main(["--tiny", "--stage", "vae", *flags])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--repeats", "0"], "--repeats must be >= 1 \\(the median of the timed runs is reported\\), got 0"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+])
+def test_a_timing_count_no_stage_can_use_is_refused_once_up_front(flags, message, capsys):
+    # --repeats 0 became one "ERROR: ValueError" row per stage; --warmup -1 was taken silently as no warm-up.
+    with pytest.raises(SystemExit, match=f"^{message}$"):
+        main(["--tiny", "--stage", "vae", "--stage", "audio", *flags])
+    assert "[bench] stage" not in capsys.readouterr().out
