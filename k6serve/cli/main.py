@@ -928,7 +928,8 @@ def console_main() -> typing.NoReturn:
     and the engine's ranks have ended; tearing down torch and the other modules still took 0.7 s after `main`
     returned, 5% of `k6serve generate` of the demo on the 2-core CPU machine, after its last line was printed.
     threading's shutdown and the atexit handlers still run (`process_exit`). An exception that escapes `main`
-    (argparse's SystemExit, for one) exits the ordinary way. Tests call `main` and keep their interpreter."""
+    (argparse's SystemExit, for one) exits the ordinary way. Tests call `main` and keep their interpreter.
+    `python -m k6serve` (k6serve/__main__.py) runs this too."""
     code = main()
     from k6serve.process_exit import exit_without_teardown
 

@@ -1106,6 +1106,19 @@ def test_cli_version(capsys):
     assert exited.value.code == 0 and capsys.readouterr().out == f"k6serve {__version__}\n"
 
 
+def test_python_dash_m_k6serve_runs_the_k6serve_command():
+    # `python -m k6serve` failed with "No module named k6serve.__main__"; it is the console script's entry point.
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "k6serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-500:]
+    assert result.stdout.startswith("usage: k6serve ")
+    assert all(command in result.stdout for command in ("generate", "serve", "bench"))
+    refused = subprocess.run([sys.executable, "-m", "k6serve", "generate", "--height", "tall"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--height: invalid int value: 'tall'" in refused.stderr
+
+
 # Exit codes by signal name: SIGBUS is 7 on Linux, 10 on macOS (where 7 is SIGEMT).
 KILL, BUS, SEGV, TERM = (-int(getattr(signal, name)) for name in ("SIGKILL", "SIGBUS", "SIGSEGV", "SIGTERM"))
 
