@@ -64,14 +64,21 @@ def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: lis
         space, device_class = profile.profile.xcolor_space.strip(), profile.profile.device_class
     except Exception as exc:  # noqa: BLE001 - littleCMS and PIL raise several types for a damaged profile
         return _profile_not_used(image, source, notes, log, "littleCMS cannot read it", exc)
+    if image.mode == "LAB" and space == "Lab":
+        # CIELAB pixels with a Lab profile: Pillow's convert("LAB") tags its output with its built-in Lab identity,
+        # an abstract-class profile. It says what the mode says, and the caller's convert("RGB") converts CIELAB
+        # (D50) to sRGB with littleCMS, as for a Lab image with no profile: the colours come out right, nothing to tell.
+        return image
     if device_class not in _IMAGE_PROFILE_CLASSES:
         kind = _OTHER_PROFILE_CLASSES.get(device_class, f"{device_class!r} class")
+        article = "an" if kind[0] in "aeiou" else "a"
         return _profile_not_used(image, source, notes, log,
-                                 f"it is a {kind} profile ({name}), which describes no image")
+                                 f"it is {article} {kind} profile ({name}), which describes no image")
     space_words, mode, image_modes = _PROFILE_SPACES.get(space, (f"{space!r}", None, frozenset()))
     if image.mode not in image_modes:
         image_words = ("grayscale" if image.mode in _GRAY_MODES else "RGB" if image.mode in _RGB_MODES
-                       else "CMYK" if image.mode == "CMYK" else f"of PIL mode {image.mode}")
+                       else "CMYK" if image.mode == "CMYK" else "CIELAB" if image.mode == "LAB"
+                       else f"of PIL mode {image.mode}")
         return _profile_not_used(image, source, notes, log,
                                  f"it is for {space_words} colours ({name}), but the image is {image_words}")
     working = image if image.mode == mode else image.convert(mode)
@@ -106,10 +113,12 @@ def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: lis
 def _profile_not_used(image: PIL.Image.Image, source: str, notes: list[str] | None, log: bool, reason: str,
                       error: BaseException | None = None) -> PIL.Image.Image:
     """`image` unchanged, read as sRGB as it was before profiles were read, after a warning that its profile could
-    not be used because of `reason` (in words; `error`, littleCMS's, goes to the log only)."""
-    note = (f"the conditioning image's ICC colour profile was not used ({reason}): its colours were read as sRGB, "
-            "which shifts them if they are not; to be sure of them, save the image as sRGB (most editors convert "
-            "to sRGB on export)")
+    not be used because of `reason` (in words; `error`, littleCMS's, goes to the log only). A Lab image is read as
+    CIELAB whatever its profile (the caller's convert("RGB") converts it to sRGB), and the warning says so."""
+    read_as = ("CIELAB (D50), as its PIL mode says, and converted to sRGB" if image.mode == "LAB"
+               else "sRGB, which shifts them if they are not")
+    note = (f"the conditioning image's ICC colour profile was not used ({reason}): its colours were read as "
+            f"{read_as}; to be sure of them, save the image as sRGB (most editors convert to sRGB on export)")
     detail = "" if error is None else f" [{type(error).__name__}: {error}]"
     if log:
         logger.warning("%s: %s%s", source, note, detail)

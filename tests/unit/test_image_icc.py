@@ -346,6 +346,41 @@ def test_a_profile_for_other_colours_than_the_images_is_not_used(tmp_path: Path,
     assert len(caplog.records) == 2
 
 
+def test_a_lab_tiff_is_converted_from_cielab_with_nothing_said(tmp_path: Path, caplog) -> None:
+    # PIL's convert("LAB") tags the image with its Lab identity, an abstract profile: it was refused with a warning
+    # that its colours were read as sRGB and shifted, while convert("RGB") converted them from CIELAB, right.
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    path = tmp_path / "lab.tif"
+    PIL.Image.fromarray(_patches(COLOURS)).convert("LAB").save(path)
+    with PIL.Image.open(path) as saved:
+        assert PIL.ImageCms.getProfileDescription(PIL.ImageCms.ImageCmsProfile(
+            io.BytesIO(saved.info["icc_profile"]))).strip() == "Lab identity built-in"
+    notes: list[str] = []
+    loaded = load_conditioning_image(path, 64, 96, notes=notes)
+    assert np.abs(_centres(np.asarray(loaded)).astype(int) - COLOURS).max() <= 3
+    assert notes == [] and caplog.records == []
+
+
+def test_a_profile_that_describes_no_image_is_not_used_and_says_what_it_is(tmp_path: Path) -> None:
+    lab_identity = PIL.ImageCms.ImageCmsProfile(PIL.ImageCms.createProfile("LAB")).tobytes()
+    image = PIL.Image.fromarray(_patches(COLOURS))
+    image.info["icc_profile"] = lab_identity
+    notes: list[str] = []
+    assert np.array_equal(np.asarray(load_conditioning_image(image, 64, 96, notes=notes)), _patches(COLOURS))
+    assert notes[0].startswith("the conditioning image's ICC colour profile was not used (it is an abstract profile "
+                               "('Lab identity built-in'), which describes no image): its colours were read as sRGB")
+    # A Lab image is read as CIELAB whatever its profile says: the warning must not say sRGB.
+    lab = PIL.Image.fromarray(_patches(COLOURS)).convert("LAB")
+    lab.info["icc_profile"] = DISPLAY_P3
+    notes = []
+    loaded = load_conditioning_image(lab, 64, 96, notes=notes)
+    assert np.abs(_centres(np.asarray(loaded)).astype(int) - COLOURS).max() <= 3
+    assert notes == ["the conditioning image's ICC colour profile was not used (it is for RGB colours ('Display P3'), "
+                     "but the image is CIELAB): its colours were read as CIELAB (D50), as its PIL mode says, and "
+                     "converted to sRGB; to be sure of them, save the image as sRGB (most editors convert to sRGB on "
+                     "export)"]
+
+
 def test_the_cli_check_before_loading_logs_no_conversion(tmp_path: Path, tiny_distill_dir, caplog) -> None:
     """The CLI checks the image before loading the model (`check_request_before_loading`); the pipeline's load logs
     the conversion. The check logging it too said it twice."""
