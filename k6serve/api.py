@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import tempfile
+import unicodedata
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -286,8 +287,16 @@ def final_file_name(name: str) -> tuple[str, str | None]:
                          f"{MAX_FILE_NAME_BYTES} an output file may have; pass a shorter name.")
     if final in (name, name + ".mp4"):
         return final, None
-    return final, (f"output_file_name {name!r} is written as {final!r}: file names keep only letters and digits "
-                   "(of any script), '.', '_' and '-' (others become '_'), and no leading dot.")
+    nfc = unicodedata.normalize("NFC", name)
+    normalised = ("its Unicode was normalised (NFC), so that it has the same bytes however its accents were typed "
+                  "(an 'e' and a combining accent become one 'é')")
+    if final in (nfc, nfc + ".mp4"):
+        # Only NFC changed it: the two names print alike ('é.mp4' is written as 'é.mp4'), so show their escapes.
+        return final, f"output_file_name {ascii(name)} is written as {ascii(final)}: {normalised}."
+    kept = ("file names keep only letters and digits (of any script), '.', '_' and '-' (others become '_'), and no "
+            "leading dot")
+    return final, (f"output_file_name {name!r} is written as {final!r}: {kept}"
+                   + (f"; and {normalised}." if nfc != name else "."))
 
 
 def check_output(output: OutputOptions) -> tuple[OutputOptions, list[str]]:

@@ -798,6 +798,20 @@ def test_names_in_other_scripts_name_the_file(generator, tmp_path):
     # NFD "é" (e + U+0301, as macOS may type it) is written NFC: the same bytes as a precomposed "é".
     accented = generator.generate({**SMALL, "output_path": str(tmp_path), "output_file_name": "cafe\u0301"})
     assert accented.output_file_path == str(tmp_path / "caf\u00e9.mp4")
+    # It read "'café' is written as 'café.mp4'", no change to see: the escapes show it, and the reason is given.
+    assert any(note.startswith("output_file_name 'cafe\\u0301' is written as 'caf\\xe9.mp4': its Unicode was "
+                               "normalised (NFC)") for note in accented.notes), accented.notes
+
+
+def test_a_name_changed_by_nfc_and_by_its_characters_says_both():
+    from k6serve.api import final_file_name
+
+    final, warning = final_file_name("e\u0301 clip?.mp4")
+    assert final == "\u00e9_clip_.mp4"
+    assert warning.startswith("output_file_name 'e\u0301 clip?.mp4' is written as '\u00e9_clip_.mp4': file names "
+                              "keep only letters and digits")
+    assert warning.endswith("no leading dot; and its Unicode was normalised (NFC), so that it has the same bytes "
+                            "however its accents were typed (an 'e' and a combining accent become one '\u00e9').")
 
 
 def test_a_changed_output_file_name_is_warned_with_the_final_name(generator, tmp_path, caplog):
