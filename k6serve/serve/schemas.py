@@ -477,10 +477,14 @@ def _frames_for_seconds(seconds: str | float, num_frames: int | None, fps: float
 def seconds_rounding_note(seconds: str | float | None, num_frames: int, fps: float) -> str | None:
     """The job's warning when `seconds` (already accepted by `to_sampling_params`) did not come to a 4k+1 frame
     count, so `num_frames` (what runs) is another duration: said as a `num_frames` off the rule is said, since the
-    client sent no frame count to see it in."""
-    frames = max(1, round(float(seconds) * fps)) if seconds is not None else num_frames
+    client sent no frame count to see it in. A duration under half a frame rounds to 0 frames and runs as 1: said
+    too (the clamp to 1 hid it, though the docs promise a warning whenever the rounding changes the count)."""
+    frames = round(float(seconds) * fps) if seconds is not None else num_frames
     if frames == num_frames:
         return None
+    if frames < 1:
+        return (f"seconds {seconds} at {fps:g} fps is {frames} frames, fewer than one; using {num_frames} "
+                f"({num_frames / fps:g} s; a video has at least 1 frame).")
     return (f"seconds {seconds} at {fps:g} fps is {frames} frames, not of the form 4k+1; using {num_frames} "
             f"({num_frames / fps:g} s; n // 4 * 4 + 1 frames, as the reference).")
 

@@ -35,6 +35,13 @@ def test_json_create_completes_with_every_job_field(fake_client):
                                "n // 4 * 4 + 1 frames, as the reference)."]
     exact = fake_client.post("/v1/videos", json={"prompt": "a red fox", "size": "96x64", "seconds": 0.375}).json()
     assert exact["seconds"] == "0.375" and exact["warnings"] == []  # 9 frames: 4k+1 already
+    # Under half a frame rounds to 0 frames and runs as 1: it was clamped with no warning.
+    for sent, fps, words in ((0.001, 24, "seconds 0.001 at 24 fps is 0 frames, fewer than one; using 1 (0.0416667 s"),
+                             ("0.5", 1, "seconds 0.5 at 1 fps is 0 frames, fewer than one; using 1 (1 s")):
+        short = fake_client.post("/v1/videos", json={"prompt": "a red fox", "size": "96x64", "seconds": sent,
+                                                      "fps": fps})
+        assert short.status_code == 200, short.text
+        assert short.json()["warnings"] == [f"{words}; a video has at least 1 frame)."]
     done = wait_for(fake_client, job["id"])
     assert done["status"] == "completed" and done["progress"] == 100
     assert done["model"] == "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"
