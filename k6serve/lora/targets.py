@@ -80,12 +80,20 @@ def _resolve(model: nn.Module, path: str, *, embedding: bool = False) -> LoraTar
     return None
 
 
+def _layer_paths(model: nn.Module, kind: type[nn.Module]) -> list[str]:
+    """The paths of the model's `kind` layers, a layer inside a dynamic wrapper at the wrapper's path (the one an
+    adapter names): as `<path>.base` a kohya adapter's flattened names missed every layer another adapter wrapped."""
+    wrapper = LoraEmbedding if kind is nn.Embedding else LoraLinear
+    modules = dict(model.named_modules())
+    return [path for path, module in modules.items()
+            if isinstance(module, wrapper) or isinstance(module, kind) and not (
+                path.endswith(".base") and isinstance(modules.get(path[:-len(".base")]), wrapper))]
+
+
 def linear_names(model: nn.Module) -> list[str]:
     """Every Linear path an adapter may name (fused projections listed under their diffusers names)."""
     names = []
-    for path, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
+    for path in _layer_paths(model, nn.Linear):
         parent_path, _, name = path.rpartition(".")
         prefix = f"{parent_path}." if parent_path else ""
         names.extend(prefix + part for part in FUSED_PROJECTIONS.get(name, (name,)))
@@ -94,7 +102,7 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def embedding_names(model: nn.Module) -> list[str]:
     """Every Embedding path an adapter's lora_embedding_A / _B may name."""
-    return [path for path, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    return _layer_paths(model, nn.Embedding)
 
 
 def check_sharding(layer: nn.Module, path: str) -> None:

@@ -290,13 +290,10 @@ def test_key_formats(tmp_path, prefix):
     assert list(read_adapter(str(file)).modules) == [VIDEO_FFN]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_kohya_keys_merge_like_the_diffusers_ones(tmp_path, fused):
-    """kohya's `lora_unet_<path with _>.lora_down/up.weight` + `.alpha` land on the same Linears (fused rows too) with
-    the same weights as the diffusers keys of the same tensors."""
+def _as_kohya(diffusers_file: Path, kohya_file: Path) -> Path:
+    """The diffusers adapter's tensors under kohya's names (`lora_unet_<path with _>.lora_down/up.weight`, `.alpha`)."""
     from safetensors.torch import load_file
 
-    diffusers_file = write_adapter(tmp_path / "diffusers", _shapes(_dit(), MODULES), alphas={SELF_KEY: 4.0})
     kohya = {}
     for key, tensor in load_file(str(diffusers_file)).items():
         module, _, suffix = key.removeprefix("transformer.").rpartition(".lora_")
@@ -305,7 +302,16 @@ def test_kohya_keys_merge_like_the_diffusers_ones(tmp_path, fused):
         flat = "lora_unet_" + module.replace(".", "_")
         kohya[f"{flat}.alpha" if suffix == "alpha" else f"{flat}.lora_{'down' if suffix.startswith('A') else 'up'}"
               ".weight"] = tensor
-    save_file(kohya, str(tmp_path / "kohya.safetensors"))
+    save_file(kohya, str(kohya_file))
+    return kohya_file
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_kohya_keys_merge_like_the_diffusers_ones(tmp_path, fused):
+    """kohya's `lora_unet_<path with _>.lora_down/up.weight` + `.alpha` land on the same Linears (fused rows too) with
+    the same weights as the diffusers keys of the same tensors."""
+    diffusers_file = write_adapter(tmp_path / "diffusers", _shapes(_dit(), MODULES), alphas={SELF_KEY: 4.0})
+    _as_kohya(diffusers_file, tmp_path / "kohya.safetensors")
     weights = []
     for file in (diffusers_file, tmp_path / "kohya.safetensors"):
         model = _dit()
@@ -318,6 +324,31 @@ def test_kohya_keys_merge_like_the_diffusers_ones(tmp_path, fused):
     changed = [name for name, tensor in _weights(_dit()).items() if name in weights[0]
                and not torch.equal(weights[0][name], tensor)]
     assert len(changed) == (3 if fused else 4)  # to_key lands in to_query_key_value when fused
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_kohya_adapter_on_layers_another_adapter_wraps_dynamically(tmp_path, fused):
+    """A kohya adapter stacked with, or requested beside, a dynamic adapter on the same layers (which it wraps): it
+    was refused as naming no Linear of the model, its flattened names matched against the wrapped `<path>.base`."""
+    model, reference = _dit(), _dit()
+    if fused:
+        apply_fused_projections(model)
+        apply_fused_projections(reference)
+    shapes = _shapes(_dit(), MODULES)
+    other = write_adapter(tmp_path / "other", shapes, seed=1)
+    diffusers_file = write_adapter(tmp_path / "diffusers", shapes, seed=2, alphas={SELF_KEY: 4.0})
+    kohya_file = _as_kohya(diffusers_file, tmp_path / "kohya.safetensors")
+    manager, expected = LoraManager(model), LoraManager(reference)
+    manager.set([LoraSpec(nickname="other", path=str(other))], "dynamic")
+    manager.set([LoraSpec(nickname="other"), LoraSpec(nickname="kohya", path=str(kohya_file), strength=0.6)],
+                "dynamic")
+    expected.set([LoraSpec(nickname="other", path=str(other)),
+                  LoraSpec(nickname="kohya", path=str(diffusers_file), strength=0.6)], "dynamic")
+    assert _equal(_forward(model), _forward(reference))
+    manager.set([LoraSpec(nickname="other")], "dynamic")
+    expected.set([LoraSpec(nickname="kohya", strength=0.6)], "dynamic")
+    with manager.for_request((("kohya", 0.6),)):
+        assert _equal(_forward(model), _forward(reference))
 
 
 def test_an_ambiguous_kohya_name_is_refused_not_guessed(tmp_path):
