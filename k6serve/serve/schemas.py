@@ -235,7 +235,9 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
                                 f"at this size (a decimal number holds every integer only below 2**53), got "
                                 f"{_shown_value(value)}.", code="invalid_parameter", param=name)
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
-            kind = "string" if name in string_fields else "number"
+            # `loras` / `cache_dit_params` take an object: "must be a number, got true" sent the client astray.
+            is_object = model.model_fields[name].annotation in (dict, dict | None)
+            kind = "string" if name in string_fields else "JSON object" if is_object else "number"
             also = " or a list of them" if isinstance(value, list) else ""
             raise ApiError(400, f"{name} must be a {kind}{also}, got {json.dumps(value)}.",
                            code="invalid_parameter", param=name)

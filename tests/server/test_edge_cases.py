@@ -25,6 +25,15 @@ def test_json_booleans_are_not_numbers(fake_client, field):
     assert error["message"] == f"{field} must be a number, got true."
 
 
+@pytest.mark.parametrize("field", ["loras", "cache_dit_params"])
+@pytest.mark.parametrize("value", [True, False])
+def test_json_booleans_for_object_fields_say_object(fake_client, field, value):
+    # Said "loras must be a number, got true.": these fields take a JSON object.
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", field: value}), 400, param=field,
+                          code="invalid_parameter")
+    assert error["message"] == f"{field} must be a JSON object, got {json.dumps(value)}."
+
+
 @pytest.mark.parametrize("value", ["yes", "true", "false", 1, 0, "on", []])
 def test_json_boolean_fields_take_only_json_booleans(fake_client, value):
     # Pydantic's lax mode ran {"enable_cache_dit": "yes"} with caching on, while the memory routes refused
