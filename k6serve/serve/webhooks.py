@@ -142,6 +142,11 @@ def check_webhook_url(url: str) -> str:
     port_part = "" if port is None or port == DEFAULT_PORTS[parts.scheme] else f":{port}"
     # Sliced from the text, not rebuilt by urlunsplit, which drops an empty query's "?" and so changes the URL.
     rest = text[len(parts.scheme) + len("://") + len(parts.netloc):]
+    if not rest.isascii():
+        # http.client sends the request line as ASCII: every attempt raised UnicodeEncodeError, retried for 72 hours
+        # and never delivered. (A non-ASCII host is fine: it is sent IDNA-encoded.)
+        raise ValueError(f"--webhook-url {shown_url(text)} holds a non-ASCII character in its path or query, which "
+                         "no HTTP request line can carry: percent-encode it as UTF-8 (é is %C3%A9).")
     return f"{parts.scheme}://{host}{port_part}{rest}"
 
 

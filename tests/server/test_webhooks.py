@@ -24,7 +24,8 @@ from harness import start_server, wait_for
 
 from k6serve.serve.app import settings_from_options
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, SqliteJobStore
-from k6serve.serve.webhooks import RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays
+from k6serve.serve.webhooks import (RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays,
+                                    check_webhook_url)
 
 SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
 SMALL = {"size": "32x32", "num_frames": 5}
@@ -867,8 +868,6 @@ def test_a_receiver_spelled_another_way_is_the_same_url(spelling):
     ("https://hooks.example.com:8443", "https://hooks.example.com:8443"),
 ])
 def test_only_the_scheme_host_and_default_port_are_made_canonical(given, canonical):
-    from k6serve.serve.webhooks import check_webhook_url
-
     assert check_webhook_url(given) == canonical
 
 
@@ -996,6 +995,19 @@ def test_a_url_with_whitespace_or_a_control_character_is_refused_without_its_tok
     with pytest.raises(ValueError, match="holds a space or control character .* percent-encode it") as raised:
         settings_from_options({"webhook_url": [url], "webhook_secret": SECRET})
     assert "tok" not in str(raised.value) and "/ho" not in str(raised.value)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/caf\u00e9?token=tok-secret",
+                                 "http://127.0.0.1:9/hook?token=tok-secr\u00e9t"])
+def test_a_url_with_a_non_ascii_path_or_query_is_refused_without_its_token(url):
+    # Accepted, each attempt raised UnicodeEncodeError (the request line is ASCII), retried for 72 hours.
+    with pytest.raises(ValueError, match="non-ASCII character in its path or query.*percent-encode it") as raised:
+        settings_from_options({"webhook_url": [url], "webhook_secret": SECRET})
+    assert "tok" not in str(raised.value) and "caf" not in str(raised.value)
+
+
+def test_a_non_ascii_host_is_kept_as_it_is_sent_idna_encoded():
+    assert check_webhook_url("http://b\u00fccher.example/hook") == "http://b\u00fccher.example/hook"
 
 
 @pytest.mark.parametrize("error", [
