@@ -13,17 +13,17 @@ default port dropped; path and query as given), and one with whitespace or a con
 a URL as `shown_url` does (scheme://host[:port]/...: a hook URL's path or query often holds its token), a redirect's
 Location too, and never an error text that could quote the URL's path or query.
 
-Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with a 10 s
-timeout; a 2xx is delivered; a connection error, timeout, 408, 429 or 5xx is retried with OpenAI's exponential
-backoff (1, 2, 4, ... 1024 s, then every 30 minutes) until the next wait would end past the age bound after the event
-was first queued (`age_bound`: 72 hours, `RESEND_WINDOW_S`, or the output TTL where shorter, so no event names a
-video already deleted; counted from its row's `queued_at` when resent), then given up; a redirect or any other answer
-is given up at once. A URL's thread keeps a schedule, not a queue: it attempts whichever event is due first (a new one
-at once, a failed one after its wait), so an event the receiver keeps refusing with a 5xx holds back no other, and
-events may arrive out of order, as OpenAI's do: receivers order them by `created_at` and drop an id seen before.
-Logs name the URL's scheme, host and port only: a WARNING once per URL when it starts failing (an event's 6th
-attempt failed, about 31 s), with the count of events waiting on it, an INFO when it delivers again, and a WARNING
-per event given up.
+Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with 10 s for the
+whole attempt (`_AttemptDeadline`); a 2xx is delivered; a connection error, timeout, 408, 429 or 5xx is retried with
+OpenAI's exponential backoff (1, 2, 4, ... 1024 s, then every 30 minutes) until the next wait would end past the age
+bound after the event was first queued (`age_bound`: 72 hours, `RESEND_WINDOW_S`, or the output TTL where shorter, so no
+event names a video already deleted; counted from its row's `queued_at` when resent), then given up; a redirect or any
+other answer is given up at once. A URL's thread keeps a schedule, not a queue: it attempts whichever event is due first
+(a new one at once, a failed one after its wait), so an event the receiver keeps refusing with a 5xx holds back no
+other, and events may arrive out of order, as OpenAI's do: receivers order them by `created_at` and drop an id seen
+before. Logs name the URL's scheme, host and port only: a WARNING once per URL when it starts failing (an event's 6th
+attempt failed, about 31 s), with the count of events waiting on it, an INFO when it delivers again, and a WARNING per
+event given up.
 
 Events are durable: the runner stores a job's end and its event's rows (one per URL, in the job store's
 `webhook_outbox`) in one transaction, so a crash keeps both or neither, and schedules the event after it; a row goes
@@ -40,6 +40,7 @@ cancelled job sends none (the client that cancelled it knows; OpenAI's API has n
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import http.client
@@ -47,6 +48,7 @@ import heapq
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 import urllib.error
@@ -267,7 +269,79 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+class _AttemptDeadline:
+    """TIMEOUT_S for a whole attempt. The socket's timeout bounds each read and write alone, so a receiver that
+    sent its answer a byte a second held one attempt (and its URL's events) for as long as it liked: 39 s for a
+    39-byte answer. At the deadline the attempt's socket is shut, which ends the read blocked on it at once; a socket
+    connected after the deadline is shut as soon as it is registered. (A TLS handshake's reads are bounded by the
+    socket timeout only: see `_DeadlineHTTPSConnection`.)"""
+
+    _current = threading.local()  # the attempt in progress on this thread (one thread a URL), for its connection
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._socket = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _AttemptDeadline:
+        _AttemptDeadline._current.value = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._timer.cancel()
+        _AttemptDeadline._current.value = None
+
+    @classmethod
+    def register(cls, sock) -> None:  # noqa: ANN001 - a socket or an SSL socket
+        deadline = getattr(cls._current, "value", None)
+        if deadline is not None:
+            with deadline._lock:
+                deadline._socket = sock
+                expired = deadline.expired
+            if expired:
+                _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sock = self._socket
+        if sock is not None:
+            _shut(sock)
+
+
+def _shut(sock) -> None:  # noqa: ANN001
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class _DeadlineHTTPConnection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        _AttemptDeadline.register(self.sock)
+
+
+class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
+    def connect(self) -> None:
+        # Registered once the TLS handshake is done (wrapping detaches the TCP socket, which then cannot be shut):
+        # the handshake's reads are bounded by the socket timeout alone, the answer's by the deadline too.
+        super().connect()
+        _AttemptDeadline.register(self.sock)
+
+
+class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):  # noqa: ANN001, ANN201 - urllib's signature
+        return self.do_open(_DeadlineHTTPConnection, req)
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):  # noqa: ANN001, ANN201 - urllib's signature
+        return self.do_open(_DeadlineHTTPSConnection, req, context=self._context)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect, _DeadlineHTTPHandler, _DeadlineHTTPSHandler)
 
 
 def secret_key(secret: str) -> bytes:
@@ -676,9 +750,12 @@ class WebhookSender:
         request = urllib.request.Request(url, data=body, method="POST", headers={
             "Content-Type": "application/json", "User-Agent": self._user_agent, "webhook-id": event.id,
             "webhook-timestamp": str(timestamp), "webhook-signature": signature(self._key, event.id, timestamp, body)})
+        deadline = _AttemptDeadline(TIMEOUT_S)
         try:
-            with _OPENER.open(request, timeout=TIMEOUT_S) as answer:
-                answer.read(65536)
+            with deadline, _OPENER.open(request, timeout=TIMEOUT_S) as answer:
+                # Its 2xx status accepted the event: a body cut short (or by the deadline) does not unsay it.
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    answer.read(65536)
         except urllib.error.HTTPError as exc:
             problem = f"HTTP {exc.code}"
             if 300 <= exc.code < 400:
@@ -688,6 +765,8 @@ class WebhookSender:
             # Any other 4xx is the receiver refusing it: trying again would get the same answer.
             return problem, exc.code in RETRIED_STATUSES or exc.code >= 500
         except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, DNS, timeout, TLS, garbage
+            if deadline.expired:  # its socket shut at the deadline: the error says "closed", not why
+                return f"no whole answer within {TIMEOUT_S:g} s", True
             return failure_reason(exc, url), True
         return None
 

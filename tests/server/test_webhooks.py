@@ -299,6 +299,72 @@ def test_a_hung_url_holds_back_no_other_and_its_thread_ends_after_the_stop(recei
         hung.close()
 
 
+class DrippingListener:
+    """A receiver that answers `at_once`, then `dripped` one byte every `every_s` (each read of the sender's gets a
+    byte in time, so the socket timeout alone never fires), on the loopback only."""
+
+    def __init__(self, at_once: bytes, dripped: bytes, every_s: float) -> None:
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(8)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/drip"
+        self.at_once, self.dripped, self.every_s = at_once, dripped, every_s
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection = self.socket.accept()[0]
+                threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError), connection:
+            connection.recv(65536)
+            connection.sendall(self.at_once)
+            for byte in self.dripped:
+                connection.sendall(bytes([byte]))
+                time.sleep(self.every_s)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+@pytest.mark.parametrize("cut", ["head", "body"])
+def test_an_attempt_ends_at_its_deadline_however_slowly_the_answer_comes(monkeypatch, cut):
+    """TIMEOUT_S bounds the whole attempt, not each read: a receiver dripping its answer a byte at a time held one
+    attempt for 39 s (a byte a second), the URL's other events behind it. Cut in its head, the attempt failed and is
+    retried; cut in the body after a 2xx status line and headers, the event was accepted and counts delivered."""
+    from k6serve.serve import webhooks
+
+    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n"
+    dripping = (DrippingListener(b"", head, every_s=0.1) if cut == "head"  # the head alone takes 3.8 s
+                else DrippingListener(head, b"x" * 200, every_s=0.1))
+    sender = WebhookSender((dripping.url,), SECRET)
+    try:
+        event = sender.new_event("video.completed", "video_a", 1_700_000_000)
+        started = time.monotonic()
+        outcome = sender._attempt(event, dripping.url, event.body())
+        elapsed = time.monotonic() - started
+    finally:
+        dripping.close()
+    assert elapsed < 2.0
+    assert outcome == (("no whole answer within 1 s", True) if cut == "head" else None)
+
+
+def test_https_attempts_have_the_deadline_too():
+    """The deadline's connections replace urllib's default HTTP and HTTPS handlers in the opener (build_opener keeps
+    a default handler only where no subclass of it is given): an https:// receiver that drips is cut as well."""
+    import urllib.request
+
+    from k6serve.serve import webhooks
+
+    kinds = [type(handler) for handler in webhooks._OPENER.handlers]
+    assert webhooks._DeadlineHTTPSHandler in kinds and webhooks._DeadlineHTTPHandler in kinds
+    assert urllib.request.HTTPSHandler not in kinds and urllib.request.HTTPHandler not in kinds
+    assert issubclass(webhooks._DeadlineHTTPSConnection, http.client.HTTPSConnection)
+
+
 def test_a_garbled_answer_is_retried_and_the_urls_thread_goes_on(monkeypatch):
     # http.client's BadStatusLine escaped the thread: every later event to that URL sat unsent until the stop.
     answers = [b"NOT HTTP AT ALL\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]
