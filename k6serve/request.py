@@ -177,6 +177,19 @@ class SamplingParams:
 
 # seed -1: the request runs with a seed drawn for it (the convention of ComfyUI's and A1111's UIs, fal's API); the
 # result, the job and the file name carry the seed drawn, so the video can be made again.
+class FlagWorded(ValueError):
+    """A refused request whose message names the request's fields, as the Python API and the HTTP server take them
+    (`enable_cache_dit false`), with `flag_wording`, the same refusal in `k6serve generate`'s flags
+    (`--no-enable-cache-dit`): the CLI catches this type and prints that, so neither surface reads the other's
+    names. The worker's process boundary keeps the type (process_group_worker.py)."""
+
+    def __init__(self, message: str, *, flag_wording: str | None = None) -> None:
+        # The message is the one positional argument, as in any ValueError: copy and pickle rebuild it from `args`
+        # (and `flag_wording` from the instance's __dict__).
+        super().__init__(message)
+        self.flag_wording = flag_wording or message
+
+
 RANDOM_SEED = -1
 
 

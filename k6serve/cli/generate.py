@@ -23,8 +23,8 @@ from k6serve.api import (
     unsaved_output_keys,
 )
 from k6serve.config import EngineConfig
-from k6serve.models.variants import GENERATION, DistilledGuidance
-from k6serve.request import TIMING_COUNTS, SamplingParams, has_visible_text
+from k6serve.models.variants import GENERATION
+from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text
 from k6serve.runtime.engine import RequestCancelled
 
 
@@ -102,18 +102,23 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
     variant = _variant_before_loading(engine_options)
     if variant is None:
         return
+    config = _checked_engine_config(engine_options, variant)
+    try:
+        _check_request(engine_options, params, variant, config)
+    except FlagWorded as exc:
+        raise ValueError(exc.flag_wording) from None
+
+
+def _check_request(engine_options: dict[str, Any], params: SamplingParams, variant, config: EngineConfig) -> None:
+    """`check_request_before_loading`'s checks, in the request's own words (`FlagWorded` carries the flags')."""
     from k6serve.models.variants import resolve_generate, resolve_upscale
 
-    config = _checked_engine_config(engine_options, variant)
     if variant.family == GENERATION:
         from k6serve.caching.preflight import dit_blocks_before_loading
 
-        try:
-            request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
-                                          cache_dit_unavailable=config.parallel.cache_dit_unavailable,
-                                          num_dit_blocks=dit_blocks_before_loading(config.model))
-        except DistilledGuidance as exc:
-            raise ValueError(exc.flag_wording) from None
+        request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
+                                      cache_dit_unavailable=config.parallel.cache_dit_unavailable,
+                                      num_dit_blocks=dit_blocks_before_loading(config.model))
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 
@@ -637,5 +642,5 @@ def _run_one(generator: DiffGenerator, options: dict[str, Any]):
         raise ValueError(MissingSourceVideo.FLAG_WORDING) from None
     except MissingPrompt as exc:
         raise ValueError(MissingPrompt.FLAG_WORDING + exc.detail) from None
-    except DistilledGuidance as exc:
+    except FlagWorded as exc:
         raise ValueError(exc.flag_wording) from None

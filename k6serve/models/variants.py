@@ -22,6 +22,7 @@ from k6serve.request import (
     SR_RESIZE_MODES,
     SR_SCALES,
     SR_TARGET_TIERS,
+    FlagWorded,
     GenerateRequest,
     SamplingParams,
     UpscaleRequest,
@@ -344,15 +345,9 @@ class MissingSourceVideo(ValueError):
                     "(over HTTP: upload video_reference or give a server-side video_path).")
 
 
-class DistilledGuidance(ValueError):
-    """guidance_scale other than 1.0 for a distilled checkpoint. The message names the request field, as the Python
-    API and the HTTP server take it; the CLI catches this type and says `flag_wording`, which names its flag (an HTTP
-    client was told of `--guidance-scale`, which it never typed)."""
-
-    def __init__(self, message: str, *, flag_wording: str | None = None) -> None:
-        # The message is the one positional argument, as in any ValueError: copy and pickle rebuild it from `args`.
-        super().__init__(message)
-        self.flag_wording = flag_wording or message
+class DistilledGuidance(FlagWorded):
+    """guidance_scale other than 1.0 for a distilled checkpoint, worded for both surfaces (an HTTP client was told of
+    `--guidance-scale`, which it never typed)."""
 
     @classmethod
     def for_variant(cls, variant_name: str, shown: object) -> DistilledGuidance:
@@ -558,8 +553,10 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
     None when caching is off. Turned on by `enable_cache_dit`, by `cache_dit_params`, or by the engine's config."""
     enabled = params.enable_cache_dit
     if enabled is False and params.cache_dit_params is not None:
-        raise ValueError("cache_dit_params was given with enable_cache_dit false; drop one of them (the params "
-                         "alone turn caching on).")
+        raise FlagWorded("cache_dit_params was given with enable_cache_dit false; drop one of them (the params "
+                         "alone turn caching on).",
+                         flag_wording="--cache-dit-params was given with --no-enable-cache-dit; drop one of them "
+                                      "(--cache-dit-params alone turns caching on).")
     if enabled is None:
         enabled = params.cache_dit_params is not None or engine_default is not None
     if not enabled:
@@ -579,9 +576,11 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
         if engine_default is None or _MASK_KEYS & set(params.cache_dit_params or {}):
             raise
         # The mask is the engine's: the refusal told the client to drop a cache_dit_params key it never sent.
-        raise ValueError(f"num_inference_steps {num_steps} does not fit the engine's Cache-DiT step mask "
-                         f"(--cache-dit-config: its {exc.what}); use steps it covers, or turn caching off for this "
-                         "request with enable_cache_dit false.") from None
+        mismatch = f"{num_steps} does not fit the engine's Cache-DiT step mask (--cache-dit-config: its {exc.what})"
+        raise FlagWorded(f"num_inference_steps {mismatch}; use steps it covers, or turn caching off for this request "
+                         "with enable_cache_dit false.",
+                         flag_wording=f"--num-inference-steps {mismatch}; use steps it covers, or turn caching off "
+                                      "with --no-enable-cache-dit.") from None
     return cache_dit
 
 
@@ -672,8 +671,13 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         raise ValueError("expand_prompts rewrites a generation prompt; the super-resolution model takes no text. "
                          "Drop expand_prompts.")
     if params.enable_cache_dit or params.cache_dit_params is not None:
-        raise ValueError("Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps "
-                         "per tile, with nothing to skip. Drop enable_cache_dit / cache_dit_params.")
+        refusal = ("Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps per tile, "
+                   "with nothing to skip. Drop ")
+        # The CLI names only the flags typed: `--enable-cache-dit / --cache-dit-params` offered one never given.
+        flags = [flag for flag, given in (("--enable-cache-dit", params.enable_cache_dit),
+                                          ("--cache-dit-params", params.cache_dit_params is not None)) if given]
+        raise FlagWorded(refusal + "enable_cache_dit / cache_dit_params.",
+                         flag_wording=refusal + " and ".join(flags) + ".")
     seed = params.seed if params.seed is not None else variant.seed
     _check_seed(seed)
     request = UpscaleRequest(

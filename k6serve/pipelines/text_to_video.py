@@ -42,7 +42,7 @@ from k6serve.pipelines.prepare_latents import (
 )
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
-from k6serve.request import GenerateRequest, has_visible_text
+from k6serve.request import FlagWorded, GenerateRequest, has_visible_text
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class NonFiniteLatents(ValueError):
+class NonFiniteLatents(FlagWorded):
     """The denoised latents hold NaN or infinity (`check_finite_latents`); built by `non_finite_latents`."""
 
 
@@ -71,19 +71,27 @@ def non_finite_latents(request: GenerateRequest,
     the pipeline knows. The worker, which knows the engine's adapters too, builds it again with them."""
     if adapters is None:
         adapters = [(nickname, strength, None) for nickname, strength in request.loras or ()]
-    return NonFiniteLatents("the denoised latents hold NaN or infinite values, so no video or audio can be decoded "
-                            f"from them; {_non_finite_cause(request, adapters)}.")
+    overflowed = "the denoised latents hold NaN or infinite values, so no video or audio can be decoded from them; "
+    return NonFiniteLatents(f"{overflowed}{_non_finite_cause(request, adapters, cli=False)}.",
+                            flag_wording=f"{overflowed}{_non_finite_cause(request, adapters, cli=True)}.")
 
 
-def _non_finite_cause(request: GenerateRequest, adapters: Sequence[tuple[str, float, float | None]]) -> str:
+def _non_finite_cause(request: GenerateRequest, adapters: Sequence[tuple[str, float, float | None]], *,
+                      cli: bool) -> str:
+    """The likely cause and its fix, in the Python API's and the HTTP API's words, or with `cli` in `k6serve
+    generate`'s flags: it has no set_lora / unmerge_lora_weights, and its engine adapter is --lora-path's."""
+    guidance = "--guidance-scale" if cli else "guidance_scale"
     if request.guidance_scale > 100:
-        return f"guidance_scale {request.guidance_scale:g} overflowed the latents: use a usual scale (Pro/Lite: 5)"
+        return f"{guidance} {request.guidance_scale:g} overflowed the latents: use a usual scale (Pro/Lite: 5)"
     if not adapters:
-        return "lower guidance_scale, or check the checkpoint's weights"
+        return f"lower {guidance}, or check the checkpoint's weights"
     listed = ", ".join(f"{nickname!r} at strength {strength:g}" + ("" if alpha is None else f" with alpha {alpha:g}")
                        for nickname, strength, alpha in adapters)
     if request.loras is not None:  # the request's own adapters, else the engine's active ones
-        lower, drop = "lower it in this request's loras", "leave the adapter out"
+        loras = "--loras" if cli else "this request's loras"
+        lower, drop = f"lower it in {loras}", "leave the adapter out" + (" of --loras" if cli else "")
+    elif cli:
+        lower, drop = "lower it with --lora-scale", "drop --lora-path"
     else:
         lower = "lower it with set_lora or merge_lora_weights (--lora-scale for the --lora-path adapter)"
         drop = "deactivate the adapters with unmerge_lora_weights"

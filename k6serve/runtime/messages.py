@@ -127,11 +127,12 @@ class MemoryDone:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunFailed:
-    """A request (or a `LoraRequest`) failed on some rank. `kind` picks the exception the engine raises: "value" (user error,
-    ValueError), "cancelled" (RequestCancelled), "os" (`error`, an OSError such as a full disk at the MP4 write) or
-    "module" (`error`, the ModuleNotFoundError of a third-party package missing from the workers' interpreter),
-    both with `message` as their remote traceback, or "runtime" (RuntimeError). `replica_broken` says the replica's
-    ranks disagree and it has shut down."""
+    """A request (or a `LoraRequest`) failed on some rank. `kind` picks the exception the engine raises: "value"
+    (user error, ValueError; `error` where it is a `FlagWorded`, whose `flag_wording` the CLI prints), "cancelled"
+    (RequestCancelled), "os" (`error`, an OSError such as a full disk at the MP4 write) or "module" (`error`, the
+    ModuleNotFoundError of a third-party package missing from the workers' interpreter), both with `message` as their
+    remote traceback, or "runtime" (RuntimeError). `replica_broken` says the replica's ranks disagree and it has shut
+    down."""
 
     request_id: int
     kind: str

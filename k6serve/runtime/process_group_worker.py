@@ -47,6 +47,7 @@ from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
 from k6serve.process_exit import exit_without_teardown
 from k6serve.rank_logging import configure_rank_logging
 from k6serve.request import (
+    FlagWorded,
     GenerateRequest,
     OutputOptions,
     SamplingParams,
@@ -161,6 +162,8 @@ def _classify(error: BaseException, rank: int) -> tuple[str, str, Exception | No
     with one line naming the error, the traceback follows."""
     if isinstance(error, RequestCancelled):
         return "cancelled", str(error), None
+    if isinstance(error, FlagWorded):
+        return "value", str(error), error  # `k6serve generate` prints its `flag_wording`
     if isinstance(error, ValueError):
         return "value", str(error), None
     text = f"rank {rank}: {type(error).__name__}: {error}\n{''.join(traceback.format_exception(error))}"
@@ -184,7 +187,7 @@ class RemoteTraceback(Exception):
 def _failure_error(message: messages.RunFailed, request_id: int, replica: int) -> Exception:
     """The exception the engine raises for a request that failed on a replica (not cancelled)."""
     if message.kind == "value":
-        return ValueError(message.message)
+        return message.error if message.error is not None else ValueError(message.message)
     if message.kind in ("os", "module") and message.error is not None:
         # An OSError (disk full, permission) or a missing package stays one, so callers can tell it from a bug.
         message.error.__cause__ = RemoteTraceback(message.message)

@@ -166,6 +166,20 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
         ("generation", ["--prompt", "x", "--output-file-name", "?.mp4"],
          "output_file_name '?.mp4' has no letter or digit"),
         ("generation", ["--prompt", "x", "--output-file-name", ""], "output_file_name is empty"),
+        # Cache-DiT's refusals named the request fields (enable_cache_dit, cache_dit_params) instead of the flags.
+        ("sr", ["--video-path", "clip.mp4", "--cache-dit-params", "{}"],
+         "Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps per tile, with "
+         "nothing to skip. Drop --cache-dit-params."),
+        ("sr", ["--video-path", "clip.mp4", "--enable-cache-dit"],
+         "Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps per tile, with "
+         "nothing to skip. Drop --enable-cache-dit."),
+        ("generation", ["--prompt", "x", "--cache-dit-params", "{}", "--no-enable-cache-dit"],
+         "--cache-dit-params was given with --no-enable-cache-dit; drop one of them (--cache-dit-params alone turns "
+         "caching on)."),
+        ("generation", ["--prompt", "x", "--cache-dit-config", '{"scm_preset": "fast"}', "--num-inference-steps", "3"],
+         "--num-inference-steps 3 does not fit the engine's Cache-DiT step mask (--cache-dit-config: its scm_preset "
+         "'fast' needs 4, 6 or at least 8 steps); use steps it covers, or turn caching off with "
+         "--no-enable-cache-dit."),
         # A released hub id: refused before a download of the whole checkpoint.
         ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", ["--prompt", "x", "--guidance-scale", "3"],
          "pro-distill is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 (got 3.0); leave "

@@ -5,6 +5,7 @@ checkpoint, CPU, fp32)."""
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -220,6 +221,32 @@ def test_without_an_adapter_the_overflow_message_does_not_blame_one():
                                                     "weights.")
     request, _ = resolve_generate(SamplingParams(prompt="x", loras={"style": 100}), VARIANTS["pro"])
     assert "the likely cause is the LoRA strength ('style' at strength 100;" in str(non_finite_latents(request))
+
+
+def test_the_overflow_message_for_the_cli_names_its_flags_and_crosses_the_worker_boundary():
+    # `k6serve generate` was told "lower it with set_lora or merge_lora_weights", which it does not have, and to
+    # "deactivate the adapters with unmerge_lora_weights"; a rank process's ValueError reached it as a plain one.
+    from k6serve.runtime.messages import RunFailed
+    from k6serve.runtime.process_group_worker import _classify, _failure_error
+
+    engine_request, _ = resolve_generate(SamplingParams(prompt="x"), VARIANTS["pro-distill"])
+    error = non_finite_latents(engine_request, [("default", 50.0, None)])
+    assert "set_lora or merge_lora_weights" in str(error)  # the Python API's and the HTTP API's words stay
+    assert error.flag_wording == (f"{OVERFLOWED}the likely cause is the LoRA strength ('default' at strength 50; "
+                                  "adapters are used at about -2 to 2): lower it with --lora-scale, or drop "
+                                  "--lora-path.")
+    broken = non_finite_latents(engine_request, [("default", 1.0, None)]).flag_wording
+    assert broken.endswith("a usual strength, so its file may hold extreme values): drop --lora-path, or check the "
+                           "adapter file.")
+    request, _ = resolve_generate(SamplingParams(prompt="x", loras={"style": 100}), VARIANTS["pro-distill"])
+    assert non_finite_latents(request).flag_wording.endswith(
+        "lower it in --loras, or leave the adapter out of --loras.")
+    assert non_finite_latents(engine_request).flag_wording == (f"{OVERFLOWED}lower --guidance-scale, or check the "
+                                                               "checkpoint's weights.")
+    kind, text, sent = _classify(error, rank=0)
+    failed = pickle.loads(pickle.dumps(RunFailed(request_id=1, kind=kind, message=text, error=sent)))
+    raised = _failure_error(failed, request_id=1, replica=0)
+    assert (str(raised), raised.flag_wording) == (str(error), error.flag_wording)
 
 
 def test_a_request_naming_an_adapter_not_loaded_runs_nothing_not_even_the_warm_up(tiny_distill_dir):
