@@ -151,11 +151,13 @@ def _refuse_text_for_upscaling(params: SamplingParams) -> None:
                          f"{' and '.join(given)}, or pass a generation checkpoint as --model-path.")
 
 
-def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
+def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = False,
+                            unsaved_by: str = "--no-save-output") -> dict[str, Any]:
     """Check the output before the model loads and say what will happen to it: a given name changed on its way to
     the file, or output flags that --no-save-output ignores. Returns the request with the name as it will be
     written and without the ignored flags, so the API does not warn about them again. `quiet`: the same flags
-    checked again for another prompt of a --prompt-file-path (said once, for the first)."""
+    checked again for another prompt of a --prompt-file-path (said once, for the first). `unsaved_by`: what turned
+    saving off, as the user wrote it (`unsaved_by` in main.py)."""
     _, output = split_kwargs(request_options)
     output, warnings = check_output(output)
     for warning in warnings if not quiet else ():
@@ -167,12 +169,13 @@ def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = Fa
     if quiet:
         return {key: value for key, value in request_options.items()
                 if key not in unsaved_output_keys(request_options)} | {"return_frames": False}
-    print("note: --no-save-output: the video is generated and then discarded; only the timings are printed. "
-          "Drop --no-save-output to write the MP4.", file=sys.stderr)
+    drop = unsaved_by if unsaved_by.startswith("--") else "it from the file (or pass --save-output)"
+    print(f"note: {unsaved_by}: the video is generated and then discarded; only the timings are printed. "
+          f"Drop {drop} to write the MP4.", file=sys.stderr)
     ignored = unsaved_output_keys(request_options)
     if ignored:
         flags = " and ".join("--" + key.replace("_", "-") for key in ignored)
-        print(f"warning: {flags} {'is' if len(ignored) == 1 else 'are'} ignored: --no-save-output writes no file.",
+        print(f"warning: {flags} {'is' if len(ignored) == 1 else 'are'} ignored: {unsaved_by} writes no file.",
               file=sys.stderr)
     # The API returns the frames of a request without a file; the CLI would only hold them (GBs for an upscale).
     return {key: value for key, value in request_options.items() if key not in ignored} | {"return_frames": False}
@@ -556,7 +559,8 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
         raise error
 
 
-def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]) -> int:
+def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any], *,
+                 unsaved_by: str = "--no-save-output") -> int:
     # Checked before the model loads (minutes for a real checkpoint): typos, types, an unusable output folder and
     # an unusable or taken --output-file-name, and the request against the model's defaults and limits; warnings
     # are said now, not after the load and the run. With --prompt-file-path, every prompt's request is checked
@@ -580,7 +584,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
     for index, (label, options) in enumerate(batch):
         try:
             check_request_before_loading(engine_options, split_kwargs(options)[0])
-            checked.append((label, _checked_output_options(options, quiet=index > 0)))
+            checked.append((label, _checked_output_options(options, quiet=index > 0, unsaved_by=unsaved_by)))
         except ValueError as exc:
             if not label:
                 raise  # one request: its own error, with where it came from for --log-level debug

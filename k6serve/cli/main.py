@@ -522,6 +522,14 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     return options
 
 
+def unsaved_by(args: argparse.Namespace) -> str:
+    """What turned `generate`'s saving off, for its notes: --no-save-output typed, or the --config file's key. A
+    `save-output: no` in the file was told "note: --no-save-output: ...", a flag the user never typed."""
+    if args.save_output is None and args.config:
+        return f"save-output: false (--config {args.config})"
+    return "--no-save-output"
+
+
 def _renamed_reference_keys(options: dict[str, Any], path: str) -> dict[str, Any]:
     """A --config file's keys with SGLang's names of k6serve options (`mode: speed`) read as those options."""
     renamed: dict[str, Any] = {}
@@ -843,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
             from k6serve.cli.generate import run_generate
 
             with stop_signals.installed():
-                return run_generate(engine, request)
+                return run_generate(engine, request, unsaved_by=unsaved_by(args))
         from k6serve.cli.serve_flags import run_serve
 
         return run_serve(engine, request)

@@ -349,8 +349,13 @@ def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsy
                                          f'"{tmp_path / "out"}", "compile-vae": "false"}}')
     assert main(["generate", "--config", path]) == 0
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "not saved (--no-save-output)" in out and not any(line.startswith("saved ") for line in out.splitlines())
+    # The note named --no-save-output, a flag the user never typed: it names the file's key.
+    assert (f"note: save-output: false (--config {path}): the video is generated and then discarded; only the "
+            "timings are printed. Drop it from the file (or pass --save-output) to write the MP4.") in captured.err
+    assert "--no-save-output" not in captured.err
 
 
 @pytest.fixture(scope="module")
