@@ -48,6 +48,7 @@ from k6serve.request import (
     OutputOptions,
     SamplingParams,
     VideoResult,
+    did_you_mean,
     drawn_seed,
     fspath_values,
     plain_scalars,
@@ -367,6 +368,10 @@ def _lora_list(value: Any, argument: str, length: int, nickname_argument: str) -
     return list(value)
 
 
+# The HTTP bodies' names of the LoRA calls' arguments (POST /v1/set_lora, /v1/unload_lora), by the Python name.
+HTTP_LORA_NAMES = {"nickname": "lora_nickname", "path": "lora_path"}
+
+
 def set_lora_operation(nickname: str | list[str], path: str | list[str | None] | None = None,
                        strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
                        lora_alpha: float | None = None, names: Mapping[str, str] | None = None) -> SetLora:
@@ -501,6 +506,29 @@ def _check_local_mode(local_mode: Any) -> None:
             "its HTTP API the jobs (docs/http-api.md), e.g. with the OpenAI SDK: OpenAI(base_url='http://HOST:PORT"
             "/v1', api_key='none').videos.create(prompt=...).")
     raise ValueError(f"local_mode must be True or False, got {local_mode!r} ({type(local_mode).__name__}).")
+
+
+def _http_names_answered(method: Callable) -> Callable:
+    """A `DiffGenerator` LoRA method that answers a keyword it does not take with the argument meant: the HTTP
+    body's name (`lora_path`, typed by a caller who moved a working request body over) got Python's bare
+    "unexpected keyword argument 'lora_path'", and a typo a `did_you_mean` guess. Still a TypeError, as Python's."""
+    signature = inspect.signature(method)
+    python_names = {http: name for name, http in HTTP_LORA_NAMES.items() if name in signature.parameters}
+
+    @functools.wraps(method)
+    def answered(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
+        unknown = [key for key in kwargs if key not in signature.parameters]
+        if unknown:
+            key = unknown[0]
+            if key in python_names:
+                hint = (f": {key} is the HTTP API's name (POST /v1/{method.__name__}'s body); the Python argument is "
+                        f"{python_names[key]}: {method.__name__}(..., {python_names[key]}=...)")
+            else:
+                hint = did_you_mean([key], (name for name in signature.parameters if name != "self"))
+            raise TypeError(f"{method.__name__}() got an unexpected keyword argument {key!r}{hint}.")
+        return method(self, *args, **kwargs)
+
+    return answered
 
 
 def _in_callers_words(method: Callable) -> Callable:
@@ -752,6 +780,7 @@ class DiffGenerator:
         return self.generate({"video_path": video_path, **kwargs}, on_progress=on_progress)
 
     @_in_callers_words
+    @_http_names_answered
     def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
                  strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
                  lora_alpha: float | None = None) -> dict:
@@ -789,6 +818,7 @@ class DiffGenerator:
         return self.engine.lora(unmerge_lora_operation(target))
 
     @_in_callers_words
+    @_http_names_answered
     def unload_lora(self, nickname: str | list[str]) -> dict:
         """Forget loaded adapters that are not active (a nickname or a list): their weights leave memory. An active
         or unknown one raises ValueError and nothing changes; deactivate it first (`set_lora` with the adapters to

@@ -35,6 +35,7 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
 from k6serve.api import (
+    HTTP_LORA_NAMES,
     LoraArgumentError,
     merge_lora_operation,
     set_lora_operation,
@@ -965,7 +966,7 @@ async def set_lora(request: Request) -> JSONResponse:
     lora_paths = _ctx(request).lora_paths
     return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
         body.lora_nickname, lora_paths.check(body.lora_path), body.strength, merge_mode=body.merge_mode,
-        target=body.target, lora_alpha=body.lora_alpha, names={"nickname": "lora_nickname", "path": "lora_path"}))
+        target=body.target, lora_alpha=body.lora_alpha, names=HTTP_LORA_NAMES))
 
 
 @router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
@@ -989,7 +990,7 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
              operation_id="unloadLora", tags=["lora"])
 async def unload_lora(request: Request) -> JSONResponse:
     return await _lora_route(request, UnloadLoraBody,
-                             lambda body: unload_lora_operation(body.lora_nickname, name="lora_nickname"))
+                             lambda body: unload_lora_operation(body.lora_nickname, name=HTTP_LORA_NAMES["nickname"]))
 
 
 @router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters",

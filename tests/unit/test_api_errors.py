@@ -158,6 +158,28 @@ def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wordin
         generator.shutdown()
 
 
+def test_the_lora_calls_answer_the_http_bodys_names_with_the_python_arguments():
+    # set_lora("x", lora_path=...) raised Python's bare "unexpected keyword argument 'lora_path'": the HTTP body's
+    # name, which gives no hint that the argument is `path`.
+    config = build_engine_config("demo", device="cpu")
+    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
+    try:
+        with pytest.raises(TypeError) as refused:
+            generator.set_lora("style", lora_path="style.safetensors")
+        assert str(refused.value) == ("set_lora() got an unexpected keyword argument 'lora_path': lora_path is the "
+                                      "HTTP API's name (POST /v1/set_lora's body); the Python argument is path: "
+                                      "set_lora(..., path=...).")
+        with pytest.raises(TypeError) as refused:
+            generator.unload_lora(lora_nickname="style")
+        assert str(refused.value).endswith("the Python argument is nickname: unload_lora(..., nickname=...).")
+        with pytest.raises(TypeError, match=r"^set_lora\(\) got an unexpected keyword argument 'strenght' \(did you "
+                                            r"mean 'strength'\?\)\.$"):
+            generator.set_lora("style", strenght=0.5)
+        assert generator.set_lora("style", path="style.safetensors") == {"loras": []}
+    finally:
+        generator.shutdown()
+
+
 @pytest.mark.parametrize(("message", "expected"), [
     # int: a number is its value; anything else is prose about the option.
     ("--num-gpus 4 must be a multiple of --nnodes 3 (every", "num_gpus=4 must be a multiple of nnodes=3 (every"),
