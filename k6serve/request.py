@@ -175,8 +175,6 @@ class SamplingParams:
         return cls(**fspath_values(plain_scalars(kwargs)))
 
 
-# seed -1: the request runs with a seed drawn for it (the convention of ComfyUI's and A1111's UIs, fal's API); the
-# result, the job and the file name carry the seed drawn, so the video can be made again.
 class FlagWorded(ValueError):
     """A refused request whose message names the request's fields, as the Python API and the HTTP server take them
     (`enable_cache_dit false`), with `flag_wording`, the same refusal in `k6serve generate`'s flags
@@ -190,6 +188,8 @@ class FlagWorded(ValueError):
         self.flag_wording = flag_wording or message
 
 
+# seed -1: the request runs with a seed drawn for it (the convention of ComfyUI's and A1111's UIs, fal's API); the
+# result, the job and the file name carry the seed drawn, so the video can be made again.
 RANDOM_SEED = -1
 
 
