@@ -310,11 +310,17 @@ def test_a_cancel_retried_after_the_job_completed_keeps_its_video(fake_server, m
 class LossyProxy:
     """An HTTP proxy in front of `upstream` that drops its answer to the first `drop` POST /v1/videos (the job is
     created, the answer lost: a reset, a proxy's timeout) and records each POST's body. It answers an
-    `Expect: 100-continue` itself, as reverse proxies do."""
+    `Expect: 100-continue` itself, as reverse proxies do. With `drip_content`, a video's MP4 comes 16 bytes every
+    0.1 s (`dripping` set, at `dripping_since`, once the first are out), the connection closed after DRIP_LIMIT_S."""
 
-    def __init__(self, upstream: str, drop: int) -> None:
+    DRIP_LIMIT_S = 8.0
+
+    def __init__(self, upstream: str, drop: int = 0, *, drip_content: bool = False) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.drop = drop
+        self.drip_content = drip_content
+        self.dripping = threading.Event()
+        self.dripping_since: float | None = None
         self.posts: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -356,7 +362,25 @@ class LossyProxy:
                 if name.lower() not in ("connection", "content-length", "transfer-encoding"):
                     head += f"{name}: {value}\r\n"
             head += f"Content-Length: {len(answer)}\r\nConnection: close\r\n\r\n"
+            if self.drip_content and path.endswith("/content") and response.status == 200:
+                self._drip(connection, head.encode(), answer)
+                return
             connection.sendall(head.encode() + answer)
+
+    def _drip(self, connection: socket.socket, head: bytes, body: bytes) -> None:
+        give_up_at = time.monotonic() + self.DRIP_LIMIT_S
+        try:
+            connection.sendall(head)
+            for start in range(0, len(body), 16):
+                if time.monotonic() > give_up_at:
+                    return
+                connection.sendall(body[start:start + 16])
+                if not self.dripping.is_set():
+                    self.dripping_since = time.monotonic()
+                    self.dripping.set()
+                time.sleep(0.1)
+        except OSError:  # the node shut its end
+            pass
 
     def close(self) -> None:
         self.sock.close()
@@ -472,3 +496,181 @@ def test_an_upload_the_server_takes_waits_for_100_continue(small_upload_server, 
     with pytest.raises(K6ServeError, match="refused the input 'video_path'"):  # the upload was read and checked
         Upscale().upscale(small_upload_server.base_url, video_path=str(clip), scale="2", seed=1)
     assert answers == ["continue"]
+
+
+# ---- Cancel and timeout_s while an upload is sent, the MP4 comes in, or it is decoded ----
+
+class ComfyInterrupt:
+    """ComfyUI's throw_exception_if_processing_interrupted: raises once after `flag` is set, clearing it as ComfyUI
+    clears its global (so a check that swallowed it would lose the Cancel)."""
+
+    def __init__(self, flag: threading.Event) -> None:
+        self.flag = flag
+        self.raised_at: float | None = None
+
+    def __call__(self) -> None:
+        if self.flag.is_set():
+            self.flag.clear()
+            self.raised_at = time.monotonic()
+            raise Interrupt()
+
+
+class SlowUploadServer:
+    """Takes a POST /v1/videos body 4 KiB every 50 ms (answering an `Expect: 100-continue` first), hanging up after
+    8 s; `reading` is set, at `reading_since`, once the body has begun to come. Any other request (the node's
+    cancel) is answered at once with a 404 video_not_found, and its path recorded in `other`."""
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.reading_since: float | None = None
+        self.other: list[str] = []
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, so the upload stalls
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with connection:
+            reader = connection.makefile("rb")
+            method, path, _ = reader.readline().decode().split(" ", 2)
+            headers = {}
+            while (line := reader.readline().decode().strip()):
+                name, value = line.split(":", 1)
+                headers[name.strip().lower()] = value.strip()
+            if (method, path) != ("POST", "/v1/videos"):
+                self.other.append(path)
+                body = b'{"error": {"code": "video_not_found", "message": "no such video"}}'
+                connection.sendall(f"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: "
+                                   f"{len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+                return
+            if headers.get("expect", "").lower() == "100-continue":
+                connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            give_up_at = time.monotonic() + 8.0
+            try:
+                while time.monotonic() < give_up_at and reader.read1(4096):
+                    if not self.reading.is_set():
+                        self.reading_since = time.monotonic()
+                        self.reading.set()
+                    time.sleep(0.05)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def slow_upload_server():
+    server = SlowUploadServer()
+    yield server
+    server.close()
+
+
+BIG_UPLOAD = [client_module.Upload("video_reference", "big.mp4", "video/mp4", bytes(32 << 20))]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["expect-100-continue", "urllib"])
+def test_timeout_s_is_heard_while_an_upload_is_being_sent(slow_upload_server, monkeypatch, direct):
+    """Before: timeout_s was looked at only between tries, so an upload the server took slowly held the node for
+    as long as it went on (here until the server hung up at 8 s), and that reset then read as an upload over
+    --max-upload-mb."""
+    monkeypatch.setattr(K6ServeClient, "_direct", lambda self: direct)  # False: urllib's way (a proxy, https)
+    client = K6ServeClient(slow_upload_server.url, node_name="K6Serve Upscale")
+    started = time.monotonic()
+    with pytest.raises(K6ServeError, match=r"^K6Serve Upscale: the job could not be sent within timeout_s=1 s \(queue "
+                                           r"time included\): the server had not taken the request and answered by "
+                                           r"then\. Raise timeout_s, or 0 for no limit\.$") as raised:
+        client.create_job({"sr_resolution_scale": 2.0}, BIG_UPLOAD, request_id="comfyui-1",
+                          deadline=client_module.Deadline.after(1.0))
+    assert 1.0 <= time.monotonic() - started < 2.5 and slow_upload_server.reading.is_set()
+    assert raised.value.code != client_module.UPLOAD_CUT_OFF
+    assert slow_upload_server.other == ["/v1/videos/comfyui-1/cancel"]  # the id it may have made a job of
+
+
+def test_cancel_is_heard_while_an_upload_is_being_sent(slow_upload_server):
+    client = K6ServeClient(slow_upload_server.url, node_name="K6Serve Upscale")
+    check_interrupt = ComfyInterrupt(slow_upload_server.reading)  # Cancel once the body has begun to go out
+    with pytest.raises(Interrupt):
+        client.create_job({"sr_resolution_scale": 2.0}, BIG_UPLOAD, request_id="comfyui-1",
+                          check_interrupt=check_interrupt)
+    # Before: heard only once the server hung up, 8 s on (the reset after its 100 Continue was retried).
+    assert check_interrupt.raised_at - slow_upload_server.reading_since < 1.0
+    assert slow_upload_server.other == ["/v1/videos/comfyui-1/cancel"]
+
+
+def test_timeout_s_is_heard_while_the_video_is_downloaded(fake_server, comfy, monkeypatch, tmp_path):
+    """Before: the download was one read per MiB, each bounded only by the socket's 60 s, so an MP4 coming slowly
+    was waited for to its end; docs/comfyui.md promised the URL at timeout_s. Now the node stops at timeout_s."""
+    monkeypatch.setattr(client_module, "POLL_OUTAGE_S", 0.0)  # the unfixed node gives up when the proxy hangs up
+    proxy = LossyProxy(fake_server.base_url, drip_content=True)
+    started = time.monotonic()
+    try:
+        with pytest.raises(K6ServeError, match=r"^K6Serve Generate: timeout_s=2 s ran out while downloading job "
+                                               r"(comfyui-\w+)'s video\. The video of job \1 is finished and stays on "
+                                               r"the server until it expires: GET http://127\.0\.0\.1:\d+/v1/videos/"
+                                               r"\1/content fetches it\.$"):
+            Generate().generate(proxy.url, **TINY, api_key="secret-key", timeout_s=2)
+    finally:
+        proxy.close()
+    assert proxy.dripping.is_set() and 2.0 <= time.monotonic() - started < 3.5
+    assert nodes_tests._newest_job(fake_server)["status"] == "completed"  # a finished job is never cancelled
+    assert not list((tmp_path / "comfy_output").rglob("*.mp4*"))  # no partial file left
+
+
+def test_cancel_is_heard_while_the_video_is_downloaded(fake_server, comfy, monkeypatch, tmp_path):
+    proxy = LossyProxy(fake_server.base_url, drip_content=True)
+    check_interrupt = ComfyInterrupt(proxy.dripping)
+    monkeypatch.setattr(sys.modules["comfy.model_management"], "throw_exception_if_processing_interrupted",
+                        check_interrupt)
+    try:
+        with pytest.raises(Interrupt):
+            Generate().generate(proxy.url, **TINY, api_key="secret-key")
+    finally:
+        proxy.close()
+    assert check_interrupt.raised_at - proxy.dripping_since < 1.0  # before: once the proxy hung up, 8 s on
+    assert nodes_tests._newest_job(fake_server)["status"] == "completed"
+    assert not list((tmp_path / "comfy_output").rglob("*.mp4*"))
+
+
+@pytest.mark.parametrize("stop", ["cancel", "timeout"])
+def test_cancel_and_timeout_s_are_heard_while_the_video_is_decoded(fake_server, comfy, monkeypatch, stop):
+    """Before: the decode of the saved MP4 (a 4x upscale's frames take a while) ran to its end whatever came."""
+    nodes_module = sys.modules["k6serve_nodes.nodes"]
+    decoding = threading.Event()
+    frames_decoded = []
+    real_decode = nodes_module.decode_video
+
+    def decode_slowly(path, check=lambda: None):
+        decoding.set()
+
+        def check_each_frame():
+            frames_decoded.append(path)
+            time.sleep(0.6)  # frames that take long: timeout_s=2 runs out before the last of TINY's 5
+            check()
+
+        return real_decode(path, check=check_each_frame)
+
+    monkeypatch.setattr(nodes_module, "decode_video", decode_slowly)
+    if stop == "cancel":
+        monkeypatch.setattr(sys.modules["comfy.model_management"], "throw_exception_if_processing_interrupted",
+                            ComfyInterrupt(decoding))
+        with pytest.raises(Interrupt):
+            Generate().generate(fake_server.base_url, **TINY, api_key="secret-key")
+        assert len(frames_decoded) == 1
+    else:
+        with pytest.raises(K6ServeError, match=r"^K6Serve Generate: timeout_s=2 s ran out while the video was "
+                                               r"decoded; the MP4 is saved at .*_comfyui-\w+\.mp4\. Raise timeout_s, "
+                                               r"or 0 for no limit\.$") as raised:
+            Generate().generate(fake_server.base_url, **TINY, api_key="secret-key", timeout_s=2)
+        assert Path(str(raised.value).split("saved at ")[1].split(". Raise")[0]).is_file()
+        assert len(frames_decoded) < 5  # TINY has 5 frames

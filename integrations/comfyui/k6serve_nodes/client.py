@@ -42,6 +42,10 @@ EXPECT_CONTINUE_S = 5.0
 # K6ServeError.code of an upload whose connection the server closed while it was being sent (no 100-continue
 # confirmed the size first): most likely over --max-upload-mb, so the create is not sent again.
 UPLOAD_CUT_OFF = "upload_cut_off"
+# While a request blocks the node (an upload being sent, an MP4 coming in), Cancel and timeout_s are looked at this
+# often beside it (`_RequestWatch`): the socket's timeout bounds each read or write alone, so a server that took an
+# upload or sent a video slowly held the node, deaf to both, for as long as it kept the bytes moving.
+WATCH_S = 0.1
 
 
 class K6ServeError(RuntimeError):
@@ -134,8 +138,9 @@ class K6ServeClient:
             return K6ServeError(f"{self.node_name}: the server at {self.base_url} was still loading its model after "
                                 f"{limit:g} s. {fix}", status=503, code="model_loading")
 
-        return self._ride_out(call, check_interrupt, deadline, what="before sending the job",
-                              retry_unreachable=False, give_up=still_loading, on_deadline=still_loading)
+        return self._ride_out(call, check_interrupt, deadline, what="checking the server's model before sending "
+                              "the job", retry_unreachable=False, give_up=still_loading,
+                              on_deadline=lambda error: still_loading(error) if _loading(error) else error)
 
     def _ride_out(self, call: Callable[[], Any], check_interrupt: Callable[[], None], deadline: Deadline, *,
                   what: str, retry_unreachable: bool | Callable[[K6ServeError], bool] = True,
@@ -144,12 +149,18 @@ class K6ServeClient:
         """`call()`, again while the server is unreachable (for POLL_OUTAGE_S) or answers that it is loading its
         model (a restart: until the deadline, or for LOADING_WAIT_S without one). A restarted `k6serve serve` binds
         its port before it loads, so a restart is a few seconds of refused connections, then minutes of 503
-        `model_loading`; its jobs wait in SQLite meanwhile. Cancel (`check_interrupt`) is heard between tries."""
+        `model_loading`; its jobs wait in SQLite meanwhile. Cancel (`check_interrupt`) and the deadline are heard
+        between tries and while each one blocks (`_watched`)."""
         outage_since = loading_since = None
         while True:
             try:
-                return call()
+                return self._watched(call, check_interrupt, deadline, what)
             except K6ServeError as error:
+                if isinstance(error, _OutOfTime):
+                    failure = on_deadline(error)
+                    if failure is error:
+                        raise
+                    raise failure from error
                 now = time.monotonic()
                 if _loading(error):
                     if loading_since is None:
@@ -177,6 +188,27 @@ class K6ServeClient:
                 if failure is not None:
                     raise failure from error
 
+    def _watched(self, call: Callable[[], Any], check_interrupt: Callable[[], None], deadline: Deadline,
+                 what: str) -> Any:
+        """`call()`, its sockets shut at Cancel or at the deadline (`_RequestWatch`): then ComfyUI's interrupt, or an
+        `_OutOfTime` for the caller to word, instead of what the cut connection raised (a reset mid-upload would
+        otherwise read as a refused size, a short MP4 as the network's fault, and be tried again)."""
+        watch = _RequestWatch(check_interrupt, deadline)
+        failure = None
+        with watch:
+            try:
+                result = call()
+            except BaseException as error:  # noqa: BLE001 - raised below, unless Cancel came meanwhile
+                failure = error
+        if watch.interrupt is not None:  # taken from ComfyUI on the watch's thread: raised here, or Cancel is lost
+            raise watch.interrupt
+        if failure is None:
+            return result  # complete, even if the deadline came with its last bytes
+        if watch.expired and isinstance(failure, K6ServeError):
+            raise _OutOfTime(f"{self.node_name}: timeout_s={deadline.timeout_s:g} s ran out while {what}.") \
+                from failure
+        raise failure
+
     def create_job(self, fields: Mapping[str, Any], uploads: list[Upload] = (), *, request_id: str | None = None,
                    check_interrupt: Callable[[], None] = lambda: None, deadline: Deadline | None = None) -> dict:
         """POST /v1/videos: JSON without uploads, multipart/form-data with them.
@@ -201,8 +233,10 @@ class K6ServeClient:
             return post()
 
         def out_of_time(error: K6ServeError) -> K6ServeError:
+            why = (": the server had not taken the request and answered by then." if isinstance(error, _OutOfTime)
+                   else f": {error}")
             return K6ServeError(f"{self.node_name}: the job could not be sent within timeout_s="
-                                f"{deadline.timeout_s:g} s (queue time included): {error} Raise timeout_s, or 0 for "
+                                f"{deadline.timeout_s:g} s (queue time included){why} Raise timeout_s, or 0 for "
                                 "no limit.", status=error.status, code=error.code)
 
         try:
@@ -427,8 +461,10 @@ class K6ServeClient:
               timeout_s: float | None = None, upload_bytes: int = 0):
         request = urllib.request.Request(self.base_url + route, data=body, method=method,
                                          headers=self._headers(content_type))
+        # urlopen's opener, proxies from the environment included, with connections that `_RequestWatch` can shut.
+        opener = urllib.request.build_opener(_WatchedHTTPHandler, _WatchedHTTPSHandler)
         try:
-            return urllib.request.urlopen(request, timeout=timeout_s or self.request_timeout_s)
+            return opener.open(request, timeout=timeout_s or self.request_timeout_s)
         except urllib.error.HTTPError as error:
             raise self._http_error(error.code, error.headers, error.read(), method, route) from None
         except (urllib.error.URLError, OSError) as error:
@@ -455,8 +491,8 @@ class K6ServeClient:
         body is sent: over --max-upload-mb, k6serve reads at most 64 MiB of a body it refuses and then closes, and
         urllib, still sending, got a reset and said that the server could not be reached instead of the 413."""
         parts = urllib.parse.urlsplit(self.base_url)
-        connection = http.client.HTTPConnection(parts.hostname, parts.port or 80,
-                                                timeout=timeout_s or self.request_timeout_s)
+        connection = _WatchedHTTPConnection(parts.hostname, parts.port or 80,
+                                            timeout=timeout_s or self.request_timeout_s)
         confirmed = False  # the server said 100 Continue: the size is accepted, a reset is the network's
         try:
             connection.putrequest("POST", parts.path + route)
@@ -527,6 +563,101 @@ class K6ServeClient:
                                 f"{self.request_timeout_s:g} s. Check that it is running and reachable.")
         return K6ServeError(f"{self.node_name}: cannot reach the server at {self.base_url}: {reason}. Check "
                             "server_url and that `k6serve serve` is running.")
+
+
+class _OutOfTime(K6ServeError):
+    """The deadline came while a request was under way and its connection was shut (`_watched`)."""
+
+
+class _RequestWatch:
+    """Cancel and the deadline, heard while one request blocks the node's thread in a send or a read: every WATCH_S a
+    thread beside it calls `check_interrupt` and looks at the deadline, and on either shuts the request's sockets,
+    which ends the blocked call at once. ComfyUI's check clears its flag as it raises, so the exception is kept in
+    `interrupt` for the node's thread to raise. The connections made on the node's thread while the watch is on
+    register their sockets (`_WatchedHTTPConnection`); one registered after the watch tripped is shut at once."""
+
+    _current = threading.local()  # the watch on this thread, for the connections its request opens
+
+    def __init__(self, check_interrupt: Callable[[], None], deadline: Deadline) -> None:
+        self.check_interrupt = check_interrupt
+        self.deadline = deadline
+        self.interrupt: BaseException | None = None
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="k6serve-request-watch")
+
+    def __enter__(self) -> _RequestWatch:
+        _RequestWatch._current.value = self
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        self._thread.join()  # so that no interrupt is taken after the node's thread looked
+        _RequestWatch._current.value = None
+
+    @classmethod
+    def register(cls, sock: socket.socket) -> None:
+        watch = getattr(cls._current, "value", None)
+        if watch is None:
+            return
+        with watch._lock:
+            watch._sockets.append(sock)
+            tripped = watch.interrupt is not None or watch.expired
+        if tripped:
+            _shut(sock)
+
+    def _watch(self) -> None:
+        while not self._done.wait(WATCH_S):
+            try:
+                self.check_interrupt()
+            except BaseException as error:  # noqa: BLE001 - ComfyUI's interrupt, raised on the node's thread
+                with self._lock:
+                    self.interrupt = error
+                    sockets = list(self._sockets)
+            else:
+                if not self.deadline.passed():
+                    continue
+                with self._lock:
+                    self.expired = True
+                    sockets = list(self._sockets)
+            for sock in sockets:
+                _shut(sock)
+            return
+
+
+def _shut(sock: socket.socket) -> None:
+    # shutdown, not close: it wakes a send or recv blocked on the socket in another thread; close may not.
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed by the peer or by http.client
+        pass
+
+
+class _WatchedHTTPConnection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        _RequestWatch.register(self.sock)
+
+
+class _WatchedHTTPSConnection(http.client.HTTPSConnection):
+    def connect(self) -> None:
+        # Registered once the TLS handshake is done (wrapping detaches the TCP socket, which then cannot be shut):
+        # the handshake is bounded by the socket's timeout alone, everything after it by the watch too.
+        super().connect()
+        _RequestWatch.register(self.sock)
+
+
+class _WatchedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_WatchedHTTPConnection, req)
+
+
+class _WatchedHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_WatchedHTTPSConnection, req, context=self._context)
 
 
 def _unreachable(error: Exception) -> bool:

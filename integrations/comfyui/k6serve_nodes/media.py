@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -68,16 +69,18 @@ def encode_png(pixels_HWC: np.ndarray) -> bytes:
             + chunk(b"IEND", b""))
 
 
-def decode_video(path: Path) -> DecodedVideo:
-    """Every frame of the first video stream, the first audio stream (silence of the clip's length if none)."""
+def decode_video(path: Path, check: Callable[[], None] = lambda: None) -> DecodedVideo:
+    """Every frame of the first video stream, the first audio stream (silence of the clip's length if none).
+    `check` runs between decoded frames and may raise to stop (ComfyUI's Cancel, the node's timeout_s): a long 4x
+    upscale takes a while to decode."""
     av = require_av()
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
         fps = float(rate) if rate else 24.0
-        frames = _decode_frames(container, stream)
+        frames = _decode_frames(container, stream, check)
     with av.open(str(path)) as container:
-        waveform, sample_rate = _decode_audio(av, container)
+        waveform, sample_rate = _decode_audio(av, container, check)
     has_audio = waveform is not None
     if waveform is None:
         num_samples = round(frames.shape[0] / fps * SILENCE_SAMPLE_RATE)
@@ -86,10 +89,13 @@ def decode_video(path: Path) -> DecodedVideo:
                         has_audio=has_audio)
 
 
-def _decode_frames(container, stream) -> torch.Tensor:
+def _decode_frames(container, stream, check: Callable[[], None]) -> torch.Tensor:
     # Kept as uint8 until the float tensor is filled: a 4x upscale is gigabytes as float32, so the peak stays at
     # 1.25x the result instead of 2x.
-    frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    frames = []
+    for frame in container.decode(stream):
+        check()
+        frames.append(frame.to_ndarray(format="rgb24"))
     if not frames:
         raise ValueError("the video has no frames")
     out = torch.empty((len(frames), *frames[0].shape), dtype=torch.float32)
@@ -99,15 +105,17 @@ def _decode_frames(container, stream) -> torch.Tensor:
     return out.div_(255.0)
 
 
-def _decode_audio(av, container) -> tuple[torch.Tensor | None, int]:
+def _decode_audio(av, container, check: Callable[[], None]) -> tuple[torch.Tensor | None, int]:
     if not container.streams.audio:
         return None, 0
     stream = container.streams.audio[0]
     # Packed samples, one plane, split into channels here: PyAV 18's planar frames of 8 channels crash to_ndarray.
     channels = stream.channels
     resampler = av.AudioResampler(format="flt", layout=stream.layout.name, rate=stream.rate)
-    chunks = [resampled.to_ndarray().reshape(-1, channels).T
-              for frame in container.decode(stream) for resampled in resampler.resample(frame)]
+    chunks = []
+    for frame in container.decode(stream):
+        check()
+        chunks += [resampled.to_ndarray().reshape(-1, channels).T for resampled in resampler.resample(frame)]
     chunks += [resampled.to_ndarray().reshape(-1, channels).T for resampled in resampler.resample(None)]
     if not chunks:
         return None, 0
@@ -115,8 +123,10 @@ def _decode_audio(av, container) -> tuple[torch.Tensor | None, int]:
     return waveform[None], stream.rate
 
 
-def encode_video(path: Path, frames: torch.Tensor, fps: float, audio: dict | None) -> Path:
-    """A near-lossless MP4 of IMAGE frames (H.264 4:4:4, CRF 10) with optional AAC audio, to upload for SR."""
+def encode_video(path: Path, frames: torch.Tensor, fps: float, audio: dict | None,
+                 check: Callable[[], None] = lambda: None) -> Path:
+    """A near-lossless MP4 of IMAGE frames (H.264 4:4:4, CRF 10) with optional AAC audio, to upload for SR.
+    `check` runs between frames and may raise to stop, as in `decode_video`."""
     av = require_av()
     pixels = frames_to_uint8(frames)
     rate = Fraction(fps).limit_denominator(1001)
@@ -130,6 +140,7 @@ def encode_video(path: Path, frames: torch.Tensor, fps: float, audio: dict | Non
             waveform, layout = _channels_for_aac(audio["waveform"][0].detach().to("cpu", torch.float32).numpy())
             audio_stream = container.add_stream("aac", rate=int(audio["sample_rate"]), layout=layout)
         for index, frame_HWC in enumerate(pixels):
+            check()
             frame = av.VideoFrame.from_ndarray(frame_HWC, format="rgb24")
             frame.pts = index
             container.mux(video.encode(frame))

@@ -11,6 +11,7 @@ import json
 import logging
 import mimetypes
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -48,9 +49,10 @@ def _shared_inputs() -> dict[str, dict[str, tuple]]:
                                "in the workflow; prefer the environment variable."}),
         "filename_prefix": ("STRING", {"default": "k6serve/K6Serve", "tooltip": "Saved as <output folder>/"
                                        "<prefix>_<job id>.mp4; may include subfolders."}),
-        "timeout_s": ("INT", {"default": 0, "min": 0, "max": 7 * 24 * 3600, "tooltip": "Cancel the job if it has "
-                              "not finished this many seconds after the node started (waiting for a loading server "
-                              "and queue time included); 0 = no limit."}),
+        "timeout_s": ("INT", {"default": 0, "min": 0, "max": 7 * 24 * 3600, "tooltip": "Stop the node this many "
+                              "seconds after it started, cancelling its job if that has not finished (waiting for a "
+                              "loading server, the upload, queue time, the video's download and decode included); "
+                              "0 = no limit."}),
     }
     return {"required": required, "optional": optional}
 
@@ -226,7 +228,9 @@ class K6ServeUpscale(_K6ServeNode):
         _require_family(client, "super_resolution", "K6Serve Generate", deadline)
         if frames is not None:
             with tempfile.TemporaryDirectory(prefix="k6serve_comfyui_") as scratch:
-                clip = encode_video(Path(scratch) / "frames.mp4", frames, frames_fps, audio)
+                stop = _stop_check(client.node_name, deadline, "the connected frames were encoded for the upload "
+                                   "(no job was sent)")
+                clip = encode_video(Path(scratch) / "frames.mp4", frames, frames_fps, audio, check=stop)
                 uploads = [Upload("video_reference", "frames.mp4", "video/mp4", clip.read_bytes())]
         return run_job(client, fields, uploads, filename_prefix=filename_prefix, deadline=deadline)
 
@@ -285,10 +289,25 @@ def run_job(client: K6ServeClient, fields: dict[str, Any], uploads: list[Upload]
                                    check_interrupt=check_interrupt, deadline=deadline)
     logger.info("%s: job %s done in %s s, saved %s", client.node_name, done["id"], done.get("inference_time_s"),
                 path)
-    video = decode_video(path)
+    video = decode_video(path, check=_stop_check(client.node_name, deadline, f"the video was decoded; the MP4 is "
+                                                 f"saved at {path}"))
     # expand_prompts: the rewrite the video was made from, shown under the path (the outputs stay as they were).
     shown = [str(path)] + ([f"expanded prompt: {done['expanded_prompt']}"] if done.get("expanded_prompt") else [])
     return {"ui": {"text": shown}, "result": (video.frames, video.audio, str(path), video.fps)}
+
+
+def _stop_check(node_name: str, deadline: Deadline, during: str) -> Callable[[], None]:
+    """ComfyUI's Cancel and timeout_s for a step on ComfyUI's machine (an encode, a decode), checked between its
+    frames: no request runs there for the client to watch, and a 4x upscale's frames take a while."""
+    check_interrupt = comfy_runtime.interrupt_check()
+
+    def check() -> None:
+        check_interrupt()
+        if deadline.passed():
+            raise K6ServeError(f"{node_name}: timeout_s={deadline.timeout_s:g} s ran out while {during}. Raise "
+                               "timeout_s, or 0 for no limit.")
+
+    return check
 
 
 def output_path(filename_prefix: str, job_id: str, node_name: str) -> Path:
