@@ -1,4 +1,4 @@
-"""Feeds stored jobs to the engine one at a time and records what happens to them.
+"""Feeds stored jobs to the engine, one at a time per replica (`--dp-size`), and records what happens to them.
 
 The queue of record is the SQLite store, not the engine's in-memory queue: the dispatcher thread takes the
 oldest `queued` job, marks it `in_progress`, submits it to the engine and waits for its future (in this

@@ -22,8 +22,8 @@ import importlib
 
 # The warm-up's names are imported here (its module needs no model code; and a later first import of the
 # submodule would otherwise bind `warmup` to the module); the others on first use (PEP 562): the engine's own
-# process, which only starts the ranks and writes the MP4, reads `WarmupReport`s and must not import the models
-# (and through them torch._dynamo) to do so.
+# process, which only starts the ranks (their leader writes the MP4), reads `WarmupReport`s and must not import the
+# models (and through them torch._dynamo) to do so.
 from k6serve.speed.warmup import WarmupReport, warmup
 
 _WHERE = {
