@@ -187,6 +187,39 @@ class FlagWorded(ValueError):
         super().__init__(message)
         self.flag_wording = flag_wording or message
 
+    @classmethod
+    def naming(cls, words: typing.Callable[[FieldNames], str]) -> typing.Self:
+        """The refusal that `words` writes with the names it is handed: the fields' (`FIELD_NAMES`) for the message,
+        the flags' (`FLAG_NAMES`) for `flag_wording`. One template, so the two wordings differ only in the names and
+        cannot drift apart."""
+        return cls(words(FIELD_NAMES), flag_wording=words(FLAG_NAMES))
+
+
+class FieldNames:
+    """How a refusal names a request field: as the Python API and the HTTP server take it (`sample_audio`,
+    `sample_audio false`); `FLAG_NAMES` names it as `k6serve generate`'s flag instead."""
+
+    def __call__(self, field: str, given: bool | None = None) -> str:
+        """`field` itself; `given`, a boolean field's value, picks the flag that was typed (`--no-sample-audio`)."""
+        return field
+
+    def set_to(self, field: str, value: bool) -> str:
+        """A boolean field set to `value`: `enable_cache_dit false`, `--no-enable-cache-dit`."""
+        return f"{field} {str(value).lower()}"
+
+
+class _FlagNames(FieldNames):
+    # The CLI builds each request field's flag as --field-name (cli/main.py add_request_flags), a boolean's as
+    # --x / --no-x (argparse's BooleanOptionalAction).
+    def __call__(self, field: str, given: bool | None = None) -> str:
+        return ("--no-" if given is False else "--") + field.replace("_", "-")
+
+    def set_to(self, field: str, value: bool) -> str:
+        return self(field, value)
+
+
+FIELD_NAMES, FLAG_NAMES = FieldNames(), _FlagNames()
+
 
 # seed -1: the request runs with a seed drawn for it (the convention of ComfyUI's and A1111's UIs, fal's API); the
 # result, the job and the file name carry the seed drawn, so the video can be made again.

@@ -106,7 +106,8 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
     try:
         _check_request(engine_options, params, variant, config)
     except FlagWorded as exc:
-        raise ValueError(exc.flag_wording) from None
+        # Chained, so --log-level debug still shows the rule that refused the request (variants.py).
+        raise ValueError(exc.flag_wording) from exc
 
 
 def _check_request(engine_options: dict[str, Any], params: SamplingParams, variant, config: EngineConfig) -> None:

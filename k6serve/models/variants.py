@@ -266,7 +266,7 @@ def _check_model_id_fits_folder(model_id: str, variant: Variant, folder: Path) -
 
 def _frames_rule(num_frames: int) -> int:
     if num_frames < 1:
-        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+        raise FlagWorded.naming(lambda name: f"{name('num_frames')} must be >= 1, got {num_frames}")
     # The VAE compresses time 4x: other counts become n // 4 * 4 + 1 exactly as the reference (120 -> 121).
     return num_frames // 4 * 4 + 1 if num_frames % 4 != 1 else num_frames
 
@@ -351,11 +351,10 @@ class DistilledGuidance(FlagWorded):
 
     @classmethod
     def for_variant(cls, variant_name: str, shown: object) -> DistilledGuidance:
-        def refusal(name: str) -> str:
-            return (f"{variant_name} is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 "
-                    f"(got {shown}); leave {name} out, or use a Pro/Lite checkpoint for CFG.")
-
-        return cls(refusal("guidance_scale"), flag_wording=refusal("--guidance-scale"))
+        # "requires guidance_scale exactly 1.0" names the setting, not the flag, in both wordings.
+        return cls.naming(lambda name: f"{variant_name} is a distilled (PiFlow) checkpoint and requires guidance_scale "
+                                       f"exactly 1.0 (got {shown}); leave {name('guidance_scale')} out, or use a "
+                                       "Pro/Lite checkpoint for CFG.")
 
 
 def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_dit: CacheDitParams | None = None,
@@ -371,42 +370,44 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         raise ValueError(f"{variant.name} is a super-resolution model: pass video_path, not a prompt.")
     notes: list[str] = []
     if params.video_path is not None:
-        raise ValueError(
-            f"video_path is for the super-resolution model; {variant.name} generates from a prompt "
-            "(use image_path for image conditioning)."
-        )
+        raise FlagWorded.naming(lambda name: f"{name('video_path')} is for the super-resolution model; {variant.name} "
+                                             f"generates from a prompt (use {name('image_path')} for image "
+                                             "conditioning).")
     if params.image_path is not None and not params.image_path.strip():
         # Path("") is ".": the message was "cannot read conditioning image '.': it is a directory".
-        raise ValueError("image_path is empty: pass an image file's path, or leave it out to generate from the "
-                         "prompt alone.")
+        raise FlagWorded.naming(lambda name: f"{name('image_path')} is empty: pass an image file's path, or leave it "
+                                             "out to generate from the prompt alone.")
     if not params.prompt or not has_visible_text(params.prompt):
         raise MissingPrompt.for_prompt(params.prompt)
     _check_prompt_texts(params)
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
-    for name, value in (("height", height), ("width", width)):
+    for field, value in (("height", height), ("width", width)):
         if value <= 0 or value % 16:
-            raise ValueError(f"{name} must be a positive multiple of 16 (VAE 8x times patch 2), got {value}.")
+            raise FlagWorded.naming(lambda name: f"{name(field)} must be a positive multiple of 16 (VAE 8x times "
+                                                 f"patch 2), got {value}.")
         if value > 2048:
-            raise ValueError(f"{name} must be at most 2048 (the DiT's 128 RoPE positions x 16 px), got {value}.")
+            raise FlagWorded.naming(lambda name: f"{name(field)} must be at most 2048 (the DiT's 128 RoPE positions "
+                                                 f"x 16 px), got {value}.")
     num_frames = params.num_frames if params.num_frames is not None else variant.num_frames
     rounded = _frames_rule(num_frames)
     if rounded != num_frames:
         notes.append(f"num_frames {num_frames} is not of the form 4k+1; using {rounded} (n // 4 * 4 + 1, as the reference).")
     if (rounded - 1) // 4 + 1 > 128:
-        raise ValueError(f"num_frames {num_frames} gives more than 128 latent frames; use at most 509.")
+        raise FlagWorded.naming(lambda name: f"{name('num_frames')} {num_frames} gives more than 128 latent frames; "
+                                             "use at most 509.")
     fps = params.fps if params.fps is not None else variant.fps
     fps = float(fps) if is_finite_number(fps) else math.inf  # 10**400: refused below, not an OverflowError
     # The model has no fps input: fps only sets the soundtrack's length, num_frames / fps seconds (1e-9 fps asked
     # for 23 TB of audio noise). 1 is the floor of a frame rate; the audio length itself is bounded just below.
     if not (1 <= fps <= 240) or not math.isfinite(fps):
-        raise ValueError(f"fps must be between 1 and 240 (it sets the audio length, num_frames / fps seconds), "
-                         f"got {params.fps}")
+        raise FlagWorded.naming(lambda name: f"{name('fps')} must be between 1 and 240 (it sets the audio length, "
+                                             f"num_frames / fps seconds), got {params.fps}")
     max_sequence_length = 1024 if params.max_sequence_length is None else params.max_sequence_length
     if not 1 <= max_sequence_length <= 1024:
         # The released DiT was trained on at most 1024 prompt tokens (diffusers' default and its pipeline's padding).
-        raise ValueError(f"max_sequence_length must be between 1 and 1024 (prompt tokens the model reads), got "
-                         f"{max_sequence_length}")
+        raise FlagWorded.naming(lambda name: f"{name('max_sequence_length')} must be between 1 and 1024 (prompt "
+                                             f"tokens the model reads), got {max_sequence_length}")
     if params.sample_audio is True and not has_audio:
         raise ValueError(NO_AUDIO_PARTS)
     if params.expand_prompts and streams_text_encoder:
@@ -416,7 +417,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         _check_audio_length(rounded, fps)
     steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
     if steps < 1 or steps > 1000:
-        raise ValueError(f"num_inference_steps must be between 1 and 1000, got {steps}")
+        raise FlagWorded.naming(lambda name: f"{name('num_inference_steps')} must be between 1 and 1000, got {steps}")
     guidance = params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale
     # The messages show the value as given (nan read "got inf", what the comparisons below take it for), but an
     # integer past a float's range as words, not its 400 digits.
@@ -428,9 +429,11 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     if variant.distilled and guidance != 1.0:
         raise DistilledGuidance.for_variant(variant.name, shown)
     if not math.isfinite(guidance):
-        raise ValueError(f"guidance_scale must be a finite number >= 1.0 (1.0 disables CFG), got {shown}")
+        raise FlagWorded.naming(lambda name: f"{name('guidance_scale')} must be a finite number >= 1.0 (1.0 "
+                                             f"disables CFG), got {shown}")
     if guidance < 1.0:
-        raise ValueError(f"guidance_scale must be >= 1.0 (1.0 disables CFG), got {guidance}")
+        raise FlagWorded.naming(lambda name: f"{name('guidance_scale')} must be >= 1.0 (1.0 disables CFG), got "
+                                             f"{guidance}")
     negative = None
     if guidance > 1.0:
         # An empty negative prompt takes the built-in one, as the reference's `negative_prompt or default` does (a
@@ -445,13 +448,13 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         notes.append("negative_prompt is ignored: guidance_scale is 1.0, so no unconditional branch runs.")
     seed = params.seed if params.seed is not None else variant.seed
     _check_seed(seed)
-    for name in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution",
-                 "sr_target_resize_mode"):
-        if getattr(params, name) is not None:
-            raise ValueError(
-                f"{name} applies to the super-resolution model only, not to {variant.name}; drop it, or load "
-                "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a video."
-            )
+    for field in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution",
+                  "sr_target_resize_mode"):
+        if getattr(params, field) is not None:
+            raise FlagWorded.naming(lambda name: f"{name(field)} applies to the super-resolution model only, not to "
+                                                 f"{variant.name}; drop it, or load "
+                                                 "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to "
+                                                 "upscale a video.")
     cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
     if cache_dit is not None and num_dit_blocks is not None:
         cache_dit.check_blocks(num_dit_blocks)
@@ -515,13 +518,11 @@ def _check_audio_length(num_frames: int, fps: float) -> None:
     # As many decimals as tell the two lengths apart: 509 frames at 10.7 fps read "47.6 s ... (47.6 s: ...)".
     seconds = num_frames / fps
     decimals = next((d for d in range(1, 4) if round(seconds, d) != round(max_seconds, d)), 4)
-    raise ValueError(
-        f"num_frames {num_frames} at fps {fps:g} is {seconds:.{decimals}f} s of audio, longer than the model's "
-        f"audio positions allow ({max_seconds:.{decimals}f} s: {AUDIO_MAX_POSITIONS} latents, this clip needs "
-        f"{latents}); "
-        f"raise fps to at least {min_fps:g}, lower num_frames to at most {max_frames}, or make a silent video "
-        "(sample_audio false)."
-    )
+    raise FlagWorded.naming(lambda name: (
+        f"{name('num_frames')} {num_frames} at {name('fps')} {fps:g} is {seconds:.{decimals}f} s of audio, longer "
+        f"than the model's audio positions allow ({max_seconds:.{decimals}f} s: {AUDIO_MAX_POSITIONS} latents, this "
+        f"clip needs {latents}); raise {name('fps')} to at least {min_fps:g}, lower {name('num_frames')} to at most "
+        f"{max_frames}, or make a silent video ({name.set_to('sample_audio', False)})."))
 
 
 def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
@@ -587,8 +588,8 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
 def _check_seed(seed: int) -> None:
     # -1 (RANDOM_SEED) is drawn where the request enters (`request.drawn_seed`); checked before that, it is valid.
     if not isinstance(seed, int) or isinstance(seed, bool) or not (0 <= seed < 2**63 or seed == -1):
-        raise ValueError(f"seed must be an integer in [0, 2**63), or -1 for a seed drawn for the request, got "
-                         f"{seed!r}")
+        raise FlagWorded.naming(lambda name: f"{name('seed')} must be an integer in [0, 2**63), or -1 for a seed "
+                                             f"drawn for the request, got {seed!r}")
 
 
 def parse_target_resolution(value: str) -> str:
@@ -597,18 +598,16 @@ def parse_target_resolution(value: str) -> str:
         return value
     match = re.fullmatch(r"([0-9]+)x([0-9]+)", value)  # ASCII digits, as `size` takes (\d also matches "６")
     if not match or int(match[1]) < 16 or int(match[2]) < 16:
-        raise ValueError(
-            f"sr_target_resolution must be one of {', '.join(SR_TARGET_TIERS)} or 'WxH' "
-            f"(width first, each side at least 16, e.g. 1280x720), got {value!r}"
-        )
+        raise FlagWorded.naming(lambda name: f"{name('sr_target_resolution')} must be one of "
+                                             f"{', '.join(SR_TARGET_TIERS)} or 'WxH' (width first, each side at least "
+                                             f"16, e.g. 1280x720), got {value!r}")
     width, height = int(match[1]), int(match[2])
     # Refused with the request (before the model loads, at a job's creation): the H.264 writer would reject the
     # odd frame only after the whole upscale, and "fit" clamps to this target's sides, so it lands on them too.
     if width % 2 or height % 2:
-        raise ValueError(
-            f"sr_target_resolution {value!r} has an odd side; H.264 needs even width and height: use "
-            f"{width + width % 2}x{height + height % 2} or {width - width % 2}x{height - height % 2}."
-        )
+        raise FlagWorded.naming(lambda name: f"{name('sr_target_resolution')} {value!r} has an odd side; H.264 needs "
+                                             f"even width and height: use {width + width % 2}x{height + height % 2} "
+                                             f"or {width - width % 2}x{height - height % 2}.")
     return value
 
 
@@ -622,7 +621,8 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
     if not params.video_path:
         raise MissingSourceVideo(MissingSourceVideo.FLAG_WORDING)
     if params.image_path is not None:
-        raise ValueError("image_path is not used by the super-resolution model; pass video_path only.")
+        raise FlagWorded.naming(lambda name: f"{name('image_path')} is not used by the super-resolution model; pass "
+                                             f"{name('video_path')} only.")
     _check_prompt_texts(params)
     if params.prompt:
         notes.append("The super-resolution model takes no prompt; it was ignored.")
@@ -630,46 +630,55 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
         notes.append("The super-resolution model takes no negative_prompt; it was ignored.")
     scale = float(params.sr_resolution_scale if params.sr_resolution_scale is not None else 2.25)
     if scale not in SR_SCALES:
-        raise ValueError(f"sr_resolution_scale must be 2, 4 or 2.25, got {params.sr_resolution_scale}")
+        raise FlagWorded.naming(lambda name: f"{name('sr_resolution_scale')} must be 2, 4 or 2.25, got "
+                                             f"{params.sr_resolution_scale}")
     batch = params.sr_tiles_batch_size if params.sr_tiles_batch_size is not None else 1
     if not isinstance(batch, int) or batch < 1 or batch > 64:
-        raise ValueError(f"sr_tiles_batch_size must be an integer from 1 to 64, got {batch!r}")
+        raise FlagWorded.naming(lambda name: f"{name('sr_tiles_batch_size')} must be an integer from 1 to 64, got "
+                                             f"{batch!r}")
     overlap = float(params.sr_tile_min_overlap if params.sr_tile_min_overlap is not None else 0.2)
     if not (0.0 <= overlap < 1.0):
-        raise ValueError(f"sr_tile_min_overlap must be in [0, 1), got {overlap}")
+        raise FlagWorded.naming(lambda name: f"{name('sr_tile_min_overlap')} must be in [0, 1), got {overlap}")
     target = parse_target_resolution(params.sr_target_resolution) if params.sr_target_resolution else None
     mode = params.sr_target_resize_mode if params.sr_target_resize_mode is not None else "fit"
     if mode not in SR_RESIZE_MODES:
-        raise ValueError(f"sr_target_resize_mode must be 'fit' or 'exact', got {mode!r}")
+        raise FlagWorded.naming(lambda name: f"{name('sr_target_resize_mode')} must be 'fit' or 'exact', got "
+                                             f"{mode!r}")
     if params.sr_target_resize_mode is not None and target is None:
-        raise ValueError(
-            "sr_target_resize_mode only says how to reach sr_target_resolution, and none was given; pass "
-            "sr_target_resolution (hd, fullhd, 2k or WxH) as well, or drop sr_target_resize_mode."
-        )
+        raise FlagWorded.naming(lambda name: (
+            f"{name('sr_target_resize_mode')} only says how to reach {name('sr_target_resolution')}, and none was "
+            f"given; pass {name('sr_target_resolution')} (hd, fullhd, 2k or WxH) as well, or drop "
+            f"{name('sr_target_resize_mode')}."))
     if params.num_inference_steps is not None and params.num_inference_steps != variant.num_inference_steps:
         notes.append(
             f"num_inference_steps={params.num_inference_steps} is ignored: this checkpoint's PiFlow "
             f"scheduler always runs {variant.num_inference_steps} DiT calls per tile."
         )
-    for name in ("height", "width", "num_frames", "fps"):
-        if getattr(params, name) is not None:
-            raise ValueError(
-                f"{name} is taken from the source video in super-resolution; use sr_resolution_scale and "
-                "sr_target_resolution to choose the output size."
-            )
+    for field in ("height", "width", "num_frames", "fps"):
+        if getattr(params, field) is not None:
+            raise FlagWorded.naming(lambda name: f"{name(field)} is taken from the source video in super-resolution; "
+                                                 f"use {name('sr_resolution_scale')} and "
+                                                 f"{name('sr_target_resolution')} to choose the output size.")
     if params.guidance_scale is not None and params.guidance_scale != 1.0:
-        raise ValueError("The super-resolution model has no guidance; guidance_scale must be 1.0 or unset.")
+        raise FlagWorded.naming(lambda name: "The super-resolution model has no guidance; "
+                                             f"{name('guidance_scale')} must be 1.0 or unset.")
     if params.loras is not None:
-        raise ValueError("loras applies to the generation models; the super-resolution model takes no LoRA adapter.")
+        raise FlagWorded.naming(lambda name: f"{name('loras')} applies to the generation models; the super-resolution "
+                                             "model takes no LoRA adapter.")
     if params.max_sequence_length is not None:
-        raise ValueError("max_sequence_length sets how much of a generation prompt is read; the super-resolution "
-                         "model takes no text. Drop max_sequence_length.")
+        raise FlagWorded.naming(lambda name: f"{name('max_sequence_length')} sets how much of a generation prompt is "
+                                             "read; the super-resolution model takes no text. Drop "
+                                             f"{name('max_sequence_length')}.")
     if params.sample_audio is not None:
-        raise ValueError("sample_audio applies to the generation models; super-resolution keeps the source video's "
-                         "own soundtrack (a source without one gives a silent video). Drop sample_audio.")
+        # --no-sample-audio is refused as typed, not as the --sample-audio it turns off.
+        raise FlagWorded.naming(lambda name: (
+            f"{name('sample_audio', params.sample_audio)} applies to the generation models; super-resolution keeps "
+            "the source video's own soundtrack (a source without one gives a silent video). Drop "
+            f"{name('sample_audio', params.sample_audio)}."))
     if params.expand_prompts:
-        raise ValueError("expand_prompts rewrites a generation prompt; the super-resolution model takes no text. "
-                         "Drop expand_prompts.")
+        raise FlagWorded.naming(lambda name: f"{name('expand_prompts')} rewrites a generation prompt; the "
+                                             "super-resolution model takes no text. Drop "
+                                             f"{name('expand_prompts')}.")
     if params.enable_cache_dit or params.cache_dit_params is not None:
         refusal = ("Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps per tile, "
                    "with nothing to skip. Drop ")

@@ -125,10 +125,10 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("checkpoint", "flags", "message"),
     [
-        ("generation", ["--prompt", "x", "--seed", "-2"], "seed must be an integer in [0, 2**63), or -1 for a seed "
-                                                          "drawn for the request, got -2"),
-        ("generation", ["--prompt", "x", "--height", "60"], "height must be a positive multiple of 16"),
-        ("generation", ["--prompt", "x", "--video-path", "clip.mp4"], "video_path is for the super-resolution model"),
+        ("generation", ["--prompt", "x", "--seed", "-2"], "--seed must be an integer in [0, 2**63), or -1 for a "
+                                                          "seed drawn for the request, got -2"),
+        ("generation", ["--prompt", "x", "--height", "60"], "--height must be a positive multiple of 16"),
+        ("generation", ["--prompt", "x", "--video-path", "clip.mp4"], "--video-path is for the super-resolution model"),
         ("generation", ["--prompt", "x", "--image-path", "missing.png"],
          "cannot read conditioning image 'missing.png': it does not exist"),
         ("sr", ["--video-path", "missing.mp4"], "cannot read media file 'missing.mp4': it does not exist"),
@@ -146,11 +146,12 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
          "cannot read media file 'http://example.com/clip.mp4': k6serve fetches no URLs; download the video and pass "
          "the file's path"),
         ("generation", ["--prompt", "x", "--image-path", ""],
-         "image_path is empty: pass an image file's path, or leave it out to generate from the prompt alone."),
+         "--image-path is empty: pass an image file's path, or leave it out to generate from the prompt alone."),
         ("generation", ["--prompt", "\ufeff"],
          "prompt is required for Kandinsky 6 generation (e.g. --prompt 'A cat plays piano'). The prompt given, "
          "'\\ufeff', has no visible character"),
-        ("sr", ["--video-path", "clip.mp4", "--sr-resolution-scale", "3"], "sr_resolution_scale must be 2, 4 or 2.25"),
+        ("sr", ["--video-path", "clip.mp4", "--sr-resolution-scale", "3"],
+         "--sr-resolution-scale must be 2, 4 or 2.25, got 3.0"),
         # Only a note after the load before, while the generation models' other flags were refused up front.
         ("sr", ["--video-path", "clip.mp4", "--prompt", "x"],
          "--prompt applies to the generation models; the super-resolution model upscales --video-path and takes no "
@@ -159,7 +160,8 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
          "--prompt and --negative-prompt apply to the generation models"),
         # Refused by the SR pipeline before any DiT call, but only once the model had loaded.
         ("sr", ["--video-path", "clip.mp4", "--sr-target-resolution", "101x100"],
-         "sr_target_resolution '101x100' has an odd side; H.264 needs even width and height: use 102x100 or 100x100"),
+         "--sr-target-resolution '101x100' has an odd side; H.264 needs even width and height: use 102x100 or "
+         "100x100"),
         # Once written as video.mp4 and _.mp4, names the user never chose.
         ("generation", ["--prompt", "x", "--output-file-name", ".."],
          "output_file_name '..' has no letter or digit"),
@@ -180,6 +182,36 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
          "--num-inference-steps 3 does not fit the engine's Cache-DiT step mask (--cache-dit-config: its scm_preset "
          "'fast' needs 4, 6 or at least 8 steps); use steps it covers, or turn caching off with "
          "--no-enable-cache-dit."),
+        # The request's rules worded with the flags typed, not the API's fields (sr_resolution_scale, fps).
+        ("generation", ["--prompt", "x", "--fps", "0.5"], "--fps must be between 1 and 240 (it sets the audio length, "
+                                                          "num_frames / fps seconds), got 0.5"),
+        ("generation", ["--prompt", "x", "--num-frames", "49", "--fps", "1"],
+         "--num-frames 49 at --fps 1 is 49.0 s of audio, longer than the model's audio positions allow (47.6 s: 2048 "
+         "latents, this clip needs 2111); raise --fps to at least 1.04, lower --num-frames to at most 45, or make a "
+         "silent video (--no-sample-audio)."),
+        ("generation", ["--prompt", "x", "--max-sequence-length", "2000"],
+         "--max-sequence-length must be between 1 and 1024 (prompt tokens the model reads), got 2000"),
+        ("generation", ["--prompt", "x", "--sr-tiles-batch-size", "2"],
+         "--sr-tiles-batch-size applies to the super-resolution model only"),
+        ("sr", ["--video-path", "clip.mp4", "--sr-target-resize-mode", "exact"],
+         "--sr-target-resize-mode only says how to reach --sr-target-resolution, and none was given; pass "
+         "--sr-target-resolution (hd, fullhd, 2k or WxH) as well, or drop --sr-target-resize-mode."),
+        ("sr", ["--video-path", "clip.mp4", "--sr-target-resolution", "hd", "--sr-target-resize-mode", "stretch"],
+         "--sr-target-resize-mode must be 'fit' or 'exact', got 'stretch'"),
+        ("sr", ["--video-path", "clip.mp4", "--sr-target-resolution", "8x8"],
+         "--sr-target-resolution must be one of hd, fullhd, 2k or 'WxH' (width first, each side at least 16, e.g. "
+         "1280x720), got '8x8'"),
+        ("sr", ["--video-path", "clip.mp4", "--image-path", "a.png"],
+         "--image-path is not used by the super-resolution model; pass --video-path only."),
+        ("sr", ["--video-path", "clip.mp4", "--num-frames", "9"],
+         "--num-frames is taken from the source video in super-resolution; use --sr-resolution-scale and "
+         "--sr-target-resolution to choose the output size."),
+        ("sr", ["--video-path", "clip.mp4", "--no-sample-audio"],
+         "--no-sample-audio applies to the generation models; super-resolution keeps the source video's own "
+         "soundtrack (a source without one gives a silent video). Drop --no-sample-audio."),
+        ("sr", ["--video-path", "clip.mp4", "--expand-prompts"],
+         "--expand-prompts rewrites a generation prompt; the super-resolution model takes no text. Drop "
+         "--expand-prompts."),
         # A released hub id: refused before a download of the whole checkpoint.
         ("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", ["--prompt", "x", "--guidance-scale", "3"],
          "pro-distill is a distilled (PiFlow) checkpoint and requires guidance_scale exactly 1.0 (got 3.0); leave "
@@ -455,6 +487,18 @@ def test_cli_reference_shows_the_exact_help(command, monkeypatch):
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     block = re.search(rf"```\n(usage: k6serve {command} .*?)```", text, re.DOTALL)
     assert block is not None and block.group(1) == sub.format_help()
+
+
+def test_the_python_api_names_the_fields_where_the_cli_names_flags(generator, sr_generator, sr_clip, tmp_path):
+    # The CLI's refusals name its flags (test_cli_refuses_a_bad_request_before_loading_the_model); the API's keep
+    # its keywords, the words the HTTP server answers with too.
+    with pytest.raises(ValueError, match=r"^fps must be between 1 and 240 .*, got 0\.5$"):
+        generator.generate({**SMALL, "output_path": str(tmp_path), "fps": 0.5})
+    with pytest.raises(ValueError, match=r"^sr_resolution_scale must be 2, 4 or 2\.25, got 3$"):
+        sr_generator.generate({"video_path": str(sr_clip), "sr_resolution_scale": 3, "output_path": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"^sample_audio applies to the generation models; .* Drop sample_audio\.$"):
+        sr_generator.generate({"video_path": str(sr_clip), "sample_audio": False, "output_path": str(tmp_path)})
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sr_target_resize_mode_is_refused_on_a_generation_model(generator, tmp_path):
@@ -1010,12 +1054,12 @@ def test_cli_serve_warns_about_an_ignored_revision_before_loading(monkeypatch, c
 def test_debug_prints_the_traceback_above_a_user_error_too(capsys, tmp_path):
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--fps", "0.5", "--no-save-output"]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "fps must be between 1 and 240" in err
+    assert "Traceback" not in err and "--fps must be between 1 and 240" in err
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--fps", "0.5", "--no-save-output",
                  "--log-level", "debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
-    assert err.strip().splitlines()[-1].startswith("error: fps must be between 1 and 240")
+    assert err.strip().splitlines()[-1].startswith("error: --fps must be between 1 and 240")
 
 
 def test_the_progress_bar_draws_each_step_once_at_an_honest_rate(in_process_cli, tmp_path, capsys, monkeypatch):
@@ -1356,4 +1400,4 @@ def test_cli_empty_or_all_commented_yaml_config_sets_nothing(tmp_path, capsys, t
     config.write_text(text)
     assert main(["generate", "--config", str(config), "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
     err = capsys.readouterr().err
-    assert "error: height must be a positive multiple of 16" in err and "mapping" not in err
+    assert "error: --height must be a positive multiple of 16" in err and "mapping" not in err

@@ -52,5 +52,5 @@ def test_a_refused_run_keeps_its_code_output_and_atexit_handlers_but_skips_the_t
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert "error: num_frames must be >= 1, got 0" in done.stderr
+    assert "error: --num-frames must be >= 1, got 0" in done.stderr
     assert done.stdout.splitlines() == ["buffered line", "atexit ran"]

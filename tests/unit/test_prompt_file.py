@@ -120,7 +120,7 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
     [
         (["--prompt", "x"], "--prompt and --prompt-file-path both give the prompt; pass one of them."),
         # Every prompt's request is checked before the load: the one that fails is named by its line.
-        (["--height", "60"], "line 1 of --prompt-file-path: height must be a positive multiple of 16"),
+        (["--height", "60"], "line 1 of --prompt-file-path: --height must be a positive multiple of 16"),
         # An engine flag is the run's, not a line's: its error names no line of the file.
         (["--dp-size", "2"], "world size must equal dp x cfg x tp x ulysses x ring = 2 x 1 x 1 x 1 x 1 = 2, but "
                              "--num-gpus is 1."),
@@ -268,7 +268,7 @@ def test_a_refusal_before_the_load_keeps_its_origin_for_log_level_debug(tiny_dis
     # --log-level debug prints where the refusal came from (the request rules), not only the CLI's re-raise.
     assert main(_args(tiny_distill_dir, tmp_path, "--prompt", "x", "--height", "60", "--log-level", "debug")) == 2
     err = capsys.readouterr().err
-    assert "error: height must be a positive multiple of 16" in err and "variants.py" in err
+    assert "error: --height must be a positive multiple of 16" in err and "variants.py" in err
 
 
 def _saved(prompt: str, seconds: float):

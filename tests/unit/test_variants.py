@@ -1,6 +1,7 @@
 """Variant recognition and request resolution: defaults per variant and every bad-input message."""
 
 import json
+import typing
 
 import pytest
 
@@ -15,7 +16,7 @@ from k6serve.models.variants import (
     seconds_to_num_frames,
     variant_from_id,
 )
-from k6serve.request import SamplingParams, parse_size
+from k6serve.request import FIELD_NAMES, FLAG_NAMES, FlagWorded, SamplingParams, parse_size
 
 
 @pytest.mark.parametrize(
@@ -234,6 +235,79 @@ def test_distilled_rejects_guidance():
 def test_generation_bad_inputs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolve_generate(SamplingParams(**kwargs), VARIANTS["pro"])
+
+
+@pytest.mark.parametrize(
+    ("variant", "kwargs", "api", "cli"),
+    [
+        ("pro", {"height": 500}, "height must be a positive multiple of 16 (VAE 8x times patch 2), got 500.",
+         "--height must be a positive multiple of 16 (VAE 8x times patch 2), got 500."),
+        ("pro", {"num_frames": 600}, "num_frames 600 gives more than 128 latent frames; use at most 509.",
+         "--num-frames 600 gives more than 128 latent frames; use at most 509."),
+        ("pro", {"max_sequence_length": 0}, "max_sequence_length must be between 1 and 1024 (prompt tokens the model "
+         "reads), got 0", "--max-sequence-length must be between 1 and 1024 (prompt tokens the model reads), got 0"),
+        ("pro", {"num_frames": 49, "fps": 1}, "num_frames 49 at fps 1 is 49.0 s of audio, longer than the model's "
+         "audio positions allow (47.6 s: 2048 latents, this clip needs 2111); raise fps to at least 1.04, lower "
+         "num_frames to at most 45, or make a silent video (sample_audio false).",
+         "--num-frames 49 at --fps 1 is 49.0 s of audio, longer than the model's audio positions allow (47.6 s: 2048 "
+         "latents, this clip needs 2111); raise --fps to at least 1.04, lower --num-frames to at most 45, or make a "
+         "silent video (--no-sample-audio)."),
+        ("pro", {"sr_target_resize_mode": "exact"}, "sr_target_resize_mode applies to the super-resolution model "
+         "only, not to pro; drop it, or load kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a "
+         "video.", "--sr-target-resize-mode applies to the super-resolution model only, not to pro; drop it, or load "
+         "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to upscale a video."),
+        ("vsr-distilled2steps", {"sr_resolution_scale": 3.0}, "sr_resolution_scale must be 2, 4 or 2.25, got 3.0",
+         "--sr-resolution-scale must be 2, 4 or 2.25, got 3.0"),
+        ("vsr-distilled2steps", {"sr_target_resolution": "101x100"}, "sr_target_resolution '101x100' has an odd "
+         "side; H.264 needs even width and height: use 102x100 or 100x100.", "--sr-target-resolution '101x100' has "
+         "an odd side; H.264 needs even width and height: use 102x100 or 100x100."),
+        ("vsr-distilled2steps", {"sr_target_resize_mode": "exact"}, "sr_target_resize_mode only says how to reach "
+         "sr_target_resolution, and none was given; pass sr_target_resolution (hd, fullhd, 2k or WxH) as well, or "
+         "drop sr_target_resize_mode.", "--sr-target-resize-mode only says how to reach --sr-target-resolution, and "
+         "none was given; pass --sr-target-resolution (hd, fullhd, 2k or WxH) as well, or drop "
+         "--sr-target-resize-mode."),
+        ("vsr-distilled2steps", {"image_path": "a.png"}, "image_path is not used by the super-resolution model; pass "
+         "video_path only.", "--image-path is not used by the super-resolution model; pass --video-path only."),
+        # A boolean field is named by the flag typed: --no-sample-audio, not the --sample-audio it turns off.
+        ("vsr-distilled2steps", {"sample_audio": False}, "sample_audio applies to the generation models; "
+         "super-resolution keeps the source video's own soundtrack (a source without one gives a silent video). "
+         "Drop sample_audio.", "--no-sample-audio applies to the generation models; super-resolution keeps the "
+         "source video's own soundtrack (a source without one gives a silent video). Drop --no-sample-audio."),
+        ("vsr-distilled2steps", {"seed": 2**63}, f"seed must be an integer in [0, 2**63), or -1 for a seed drawn for "
+         f"the request, got {2**63}", f"--seed must be an integer in [0, 2**63), or -1 for a seed drawn for the "
+         f"request, got {2**63}"),
+    ],
+)
+def test_refusals_name_the_fields_for_the_api_and_the_flags_for_the_cli(variant, kwargs, api, cli):
+    """The Python API and the HTTP server keep the fields' names; `k6serve generate` prints `flag_wording`, the same
+    refusal in its flags (a user who typed --sr-resolution-scale was told of sr_resolution_scale)."""
+    variant = VARIANTS[variant]
+    if variant.family == SUPER_RESOLUTION:
+        def resolve():
+            return resolve_upscale(SamplingParams(video_path="a.mp4", **kwargs), variant)
+    else:
+        def resolve():
+            return resolve_generate(SamplingParams(prompt="a", **kwargs), variant)
+    with pytest.raises(FlagWorded) as refused:
+        resolve()
+    assert (str(refused.value), refused.value.flag_wording) == (api, cli)
+
+
+def test_flag_names_are_the_generate_commands_flags():
+    """FLAG_NAMES spells a field's flag as the CLI builds it: a field whose flag were spelled otherwise would be
+    named by a flag that does not exist."""
+    from k6serve.cli.main import build_parser
+    from k6serve.request import parameter_fields
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    options = {option for action in generate._actions for option in action.option_strings}
+    hints = typing.get_type_hints(SamplingParams)
+    for field in parameter_fields(surface="cli"):
+        assert FLAG_NAMES(field.name) in options, field.name
+        if bool in typing.get_args(hints[field.name]):
+            assert FLAG_NAMES(field.name, False) in options, field.name
+    assert (FIELD_NAMES.set_to("sample_audio", False), FLAG_NAMES.set_to("sample_audio", False)) == (
+        "sample_audio false", "--no-sample-audio")
 
 
 def test_the_largest_and_smallest_values_each_limit_allows_resolve():
