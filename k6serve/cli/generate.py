@@ -60,15 +60,16 @@ def format_timings(result) -> str:
     return "\n".join(lines)
 
 
-def format_summary(result) -> str:
-    """The last line: where the video went, its shape and its seed."""
+def format_summary(result, unsaved_by: str = "--no-save-output") -> str:
+    """The last line: where the video went, its shape and its seed. `unsaved_by`: what turned saving off, as the
+    user wrote it (`unsaved_by` in main.py: a --config file's key is named as the file's)."""
     frames = f"{result.num_frames} frame{'' if result.num_frames == 1 else 's'}"
     # The seed too: with --output-file-name, --no-save-output or an SR name, the file name does not carry it.
     shape = (f"{result.width}x{result.height}, {frames}, {result.fps:g} fps"
              f"{', with audio' if result.has_audio else ', no audio'}, seed {result.seed}")
     if result.output_file_path:
         return f"saved {result.output_file_path} ({shape})"
-    return f"not saved (--no-save-output): {shape}"
+    return f"not saved ({unsaved_by}): {shape}"
 
 
 def _variant_before_loading(engine_options: dict[str, Any]):
@@ -399,7 +400,8 @@ def result_record(result, label: str = "", prompt: str | None = None) -> dict[st
     return record
 
 
-def _print_result(result, as_json: bool = False, label: str = "", prompt: str | None = None) -> None:
+def _print_result(result, as_json: bool = False, label: str = "", prompt: str | None = None, *,
+                  unsaved_by: str = "--no-save-output") -> None:
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if as_json:
@@ -414,16 +416,18 @@ def _print_result(result, as_json: bool = False, label: str = "", prompt: str | 
         # A result (the text the video was made from), so on stdout, before the table and the saved line.
         _out(f"expanded prompt: {result.expanded_prompt}", result.output_file_path)
     _out(format_timings(result), result.output_file_path)
-    _out(format_summary(result), result.output_file_path)
+    _out(format_summary(result, unsaved_by), result.output_file_path)
 
 
 class _Batch:
     """A --prompt-file-path run's progress, for the report when it stops early: the requests finished, the one that
     failed (None for Ctrl-C or a stop between requests), and the rest, not run or not finished."""
 
-    def __init__(self, batch: list[tuple[str, dict[str, Any]]], as_json: bool = False) -> None:
+    def __init__(self, batch: list[tuple[str, dict[str, Any]]], as_json: bool = False,
+                 unsaved_by: str = "--no-save-output") -> None:
         self.batch = batch
         self.as_json = as_json  # --json: each result as one JSON line on stdout, the run's summary on stderr
+        self.unsaved_by = unsaved_by  # what turned saving off, for the summary line (`format_summary`)
         self.done: list[tuple[str, Any]] = []
         self.failed: str | None = None
         # Side by side (--dp-size): `failed` is the prompt that failed, `error` its error, `stopped` the running
@@ -442,8 +446,9 @@ class _Batch:
                                 f"; the {'request' if stopped == 1 else f'{stopped} requests'} running then "
                                 f"{'was' if stopped == 1 else 'were'} stopped") + failed_before)
         if not from_file:
-            return Interrupted(f" after the request finished; {format_summary(self.done[-1][1])}" if self.done else
-                               " before the request started; nothing was generated")
+            if self.done:
+                return Interrupted(f" after the request finished; {format_summary(self.done[-1][1], self.unsaved_by)}")
+            return Interrupted(" before the request started; nothing was generated")
         if len(self.done) == len(self.batch):
             return Interrupted(" after the last prompt finished; every video is kept")
         return Interrupted((" between two prompts; none was running" if self.done or failed_before else
@@ -485,7 +490,7 @@ def _run_in_order(generator: DiffGenerator, progress: _Batch, numbered: bool) ->
         result = _run_one(generator, options)
         progress.done.append((label, result))
         progress.failed = None  # finished: a stop while its results print is not this prompt's (nor skips the next)
-        _print_result(result, progress.as_json, label, options.get("prompt"))
+        _print_result(result, progress.as_json, label, options.get("prompt"), unsaved_by=progress.unsaved_by)
 
 
 def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int) -> None:
@@ -515,7 +520,7 @@ def _run_side_by_side(generator: DiffGenerator, progress: _Batch, replicas: int)
         progress.done.append((label, result))
         print(f"[{len(progress.done)}/{len(progress.batch)} finished] {label}: {_progress_prompt(options['prompt'])}",
               file=sys.stderr)
-        _print_result(result, progress.as_json, label, options["prompt"])
+        _print_result(result, progress.as_json, label, options["prompt"], unsaved_by=progress.unsaved_by)
 
     def start_next() -> None:
         item = next(queue, None)
@@ -590,7 +595,7 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
             if not label:
                 raise  # one request: its own error, with where it came from for --log-level debug
             raise ValueError(f"{label} of --prompt-file-path: {exc}") from exc
-    progress = _Batch(checked, as_json)
+    progress = _Batch(checked, as_json, unsaved_by)
     model_path = engine_options.pop("model_path")
     try:
         generator = DiffGenerator.from_cli_options(model_path, **engine_options)

@@ -383,11 +383,13 @@ def test_cli_config_values_are_read_like_flags(tiny_distill_dir, tmp_path, capsy
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
     captured = capsys.readouterr()
     out = captured.out
-    assert "not saved (--no-save-output)" in out and not any(line.startswith("saved ") for line in out.splitlines())
-    # The note named --no-save-output, a flag the user never typed: it names the file's key.
+    assert not any(line.startswith("saved ") for line in out.splitlines())
+    # The note and the summary line named --no-save-output, a flag the user never typed: they name the file's key.
+    summary = f"not saved (save-output: false (--config {path})): 32x32, 5 frames, 24 fps, with audio, seed 42"
+    assert out.splitlines()[-1] == summary
     assert (f"note: save-output: false (--config {path}): the video is generated and then discarded; only the "
             "timings are printed. Drop it from the file (or pass --save-output) to write the MP4.") in captured.err
-    assert "--no-save-output" not in captured.err
+    assert "--no-save-output" not in captured.err + out
 
 
 @pytest.fixture(scope="module")

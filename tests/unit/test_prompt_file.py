@@ -248,7 +248,7 @@ def test_a_run_stopped_after_a_finished_prompt_names_the_next_one_as_not_run(tin
     # and was saved, so it did not stop the run, and line 2 did not run.
     import k6serve.cli.generate as generate_module
 
-    def interrupted(result):
+    def interrupted(result, unsaved_by):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(generate_module, "format_summary", interrupted)
