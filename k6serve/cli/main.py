@@ -145,7 +145,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("cache_dit_config", dict(help="Cache-DiT step caching on for every generation request (lossy, faster; for the "
                               "50-step Pro/Lite): a JSON object of cache_dit_params (cache-dit's names, e.g. "
                               "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
-                              "Requests may turn it off (enable_cache_dit false) or change settings.")),
+                              "Requests may turn it off (generate: --no-enable-cache-dit; over HTTP: "
+                              "enable_cache_dit false) or change settings.")),
     ("vae_parallel_tiling", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: decode "
                              "whole tiles in parallel (true: the default there, bitwise equal to serial decode). "
                              "false, every GPU decoding every tile in the reference, gives the same frames and is "
