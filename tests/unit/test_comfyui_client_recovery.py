@@ -305,6 +305,30 @@ def test_a_cancel_retried_after_the_job_completed_keeps_its_video(fake_server, m
            f"cancelled; its video: GET {fake_server.base_url}/v1/videos/{job['id']}/content" in caplog.text
 
 
+def _serve_each(sock: socket.socket, handle) -> None:
+    """Accept connections on `sock` until it is closed, each handled by `handle(connection)` on its own thread."""
+    def accept() -> None:
+        while True:
+            try:
+                connection, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
+def _request_head(connection: socket.socket):
+    """The request line's method and path, its headers (names lower-cased) and the reader left at its body."""
+    reader = connection.makefile("rb")
+    method, path, _ = reader.readline().decode().split(" ", 2)
+    headers = {}
+    while (line := reader.readline().decode().strip()):
+        name, value = line.split(":", 1)
+        headers[name.strip().lower()] = value.strip()
+    return reader, method, path, headers
+
+
 # ---- a create whose answer is lost ----
 
 class LossyProxy:
@@ -324,24 +348,11 @@ class LossyProxy:
         self.posts: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._relay, args=(connection,), daemon=True).start()
+        _serve_each(self.sock, self._relay)
 
     def _relay(self, connection: socket.socket) -> None:
         with connection:
-            reader = connection.makefile("rb")
-            method, path, _ = reader.readline().decode().split(" ", 2)
-            headers = {}
-            while (line := reader.readline().decode().strip()):
-                name, value = line.split(":", 1)
-                headers[name.strip().lower()] = value.strip()
+            reader, method, path, headers = _request_head(connection)
             if headers.pop("expect", "").lower() == "100-continue":
                 connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = reader.read(int(headers.get("content-length", 0)))
@@ -529,24 +540,11 @@ class SlowUploadServer:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+        _serve_each(self.sock, self._answer)
 
     def _answer(self, connection: socket.socket) -> None:
         with connection:
-            reader = connection.makefile("rb")
-            method, path, _ = reader.readline().decode().split(" ", 2)
-            headers = {}
-            while (line := reader.readline().decode().strip()):
-                name, value = line.split(":", 1)
-                headers[name.strip().lower()] = value.strip()
+            reader, method, path, headers = _request_head(connection)
             if (method, path) != ("POST", "/v1/videos"):
                 self.other.append(path)
                 body = b'{"error": {"code": "video_not_found", "message": "no such video"}}'
