@@ -45,6 +45,7 @@ from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import (
+    FlagWorded,
     OutputOptions,
     SamplingParams,
     VideoResult,
@@ -272,20 +273,24 @@ def final_file_name(name: str) -> tuple[str, str | None]:
     worker writes it), and a warning when that differs from it by more than the added .mp4. A name with no letter or
     digit before its .mp4 ('..', '???') would be written as 'video.mp4' or '_.mp4', a name the caller never chose,
     so it is refused."""
+    # FlagWorded: `k6serve generate` names --output-file-name (cli/generate.py); "--output-path" is rewritten for
+    # the API's caller by reworded_errors, as before.
     if not name.strip():
-        raise ValueError("output_file_name is empty; pass a name such as clip.mp4, or leave it out for a name "
-                         "derived from the request.")
+        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} is empty; pass a name such as clip.mp4, "
+                                              "or leave it out for a name derived from the request.")
     stem = name[:-4] if name.lower().endswith(".mp4") else name
     if not any(is_name_character(char) for char in stem):
-        raise ValueError(f"output_file_name {name!r} has no letter or digit to name the file by; pass a name "
-                         "such as clip.mp4 (letters and digits of any script, '.', '_' and '-').")
+        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} {name!r} has no letter or digit to name "
+                                              "the file by; pass a name such as clip.mp4 (letters and digits of any "
+                                              "script, '.', '_' and '-').")
     if Path(name).name != name:
-        raise ValueError(f"output_file_name {name!r} must be a file name without folders; put the folder in "
-                         "--output-path.")
+        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} {name!r} must be a file name without "
+                                              "folders; put the folder in --output-path.")
     final = sanitize_file_name(name)
     if len(final.encode()) > MAX_FILE_NAME_BYTES:  # filesystems count bytes: 2 a Cyrillic letter, 3 a Chinese one
-        raise ValueError(f"output_file_name is {len(final.encode())} bytes long with .mp4 in UTF-8, more than the "
-                         f"{MAX_FILE_NAME_BYTES} an output file may have; pass a shorter name.")
+        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} is {len(final.encode())} bytes long with "
+                                              f".mp4 in UTF-8, more than the {MAX_FILE_NAME_BYTES} an output file may "
+                                              "have; pass a shorter name.")
     if final in (name, name + ".mp4"):
         return final, None
     nfc = unicodedata.normalize("NFC", name)

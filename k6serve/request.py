@@ -207,6 +207,10 @@ class FieldNames:
         """A boolean field set to `value`: `enable_cache_dit false`, `--no-enable-cache-dit`."""
         return f"{field} {str(value).lower()}"
 
+    def entry(self, field: str, key: str) -> str:
+        """One key of an object field: `loras['style']`, `'style' in --loras`."""
+        return f"{field}[{key!r}]"
+
 
 class _FlagNames(FieldNames):
     # The CLI builds each request field's flag as --field-name (cli/main.py add_request_flags), a boolean's as
@@ -216,6 +220,10 @@ class _FlagNames(FieldNames):
 
     def set_to(self, field: str, value: bool) -> str:
         return self(field, value)
+
+    def entry(self, field: str, key: str) -> str:
+        # The flag takes the whole object as JSON (--loras '{"style": 0.8}'): `--loras['style']` is nothing typed.
+        return f"{key!r} in {self(field)}"
 
 
 FIELD_NAMES, FLAG_NAMES = FieldNames(), _FlagNames()

@@ -23,7 +23,7 @@ from k6serve.api import (
     unsaved_output_keys,
 )
 from k6serve.config import EngineConfig
-from k6serve.models.variants import GENERATION
+from k6serve.models.variants import GENERATION, prompt_text_refusal
 from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text
 from k6serve.runtime.engine import RequestCancelled
 
@@ -161,7 +161,10 @@ def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = Fa
     checked again for another prompt of a --prompt-file-path (said once, for the first). `unsaved_by`: what turned
     saving off, as the user wrote it (`unsaved_by` in main.py)."""
     _, output = split_kwargs(request_options)
-    output, warnings = check_output(output)
+    try:
+        output, warnings = check_output(output)
+    except FlagWorded as exc:
+        raise ValueError(exc.flag_wording) from exc  # --output-file-name, not the API's output_file_name
     for warning in warnings if not quiet else ():
         print(f"warning: {warning}", file=sys.stderr)
     if output.save_output:
@@ -278,7 +281,10 @@ def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[
     if name is not None and request_options.get("save_output") is not False and len(prompts) > 1:
         # The name as given is checked, and said changed, once, before it is numbered: numbered, a name refused
         # alone ("..mp4") passed as "._1.mp4", and one with folders was refused as "sub/clip_1.mp4" of line 1.
-        final, warning = final_file_name(name)
+        try:
+            final, warning = final_file_name(name)
+        except FlagWorded as exc:
+            raise ValueError(exc.flag_wording) from exc
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         names = numbered_file_names(final, len(prompts))
@@ -289,6 +295,9 @@ def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[
     for (number, prompt), name in zip(prompts, names):
         if chosen is not None and number not in chosen:
             continue
+        # Checked here, in the line's name: the request's check names the prompt as --prompt, which was not given.
+        if refusal := prompt_text_refusal(f"line {number} of --prompt-file-path", prompt):
+            raise ValueError(refusal)
         options = {**request_options, "prompt": prompt}
         if name is not None:
             options["output_file_name"] = name

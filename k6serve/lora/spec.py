@@ -35,18 +35,31 @@ def is_finite_number(value: float) -> bool:
         return False
 
 
-def _check_bound(value: float, name: str, bound: float, why: str) -> None:
+def _bound_refusal(value: float, name: str, bound: float, why: str) -> str | None:
     if not is_finite_number(value) or abs(value) > bound:
-        raise ValueError(f"{name} must be a finite number from {-bound:g} to {bound:g}, got {value!r}; {why}")
+        return f"{name} must be a finite number from {-bound:g} to {bound:g}, got {value!r}; {why}"
+    return None
+
+
+def _check_bound(value: float, name: str, bound: float, why: str) -> None:
+    if refusal := _bound_refusal(value, name, bound, why):
+        raise ValueError(refusal)
+
+
+def lora_strength_refusal(strength: float, name: str) -> str | None:
+    """Why `strength` (a number, called `name`) is refused, not finite or past `MAX_LORA_STRENGTH`, or None. A
+    request's `loras` words it twice, in its fields' and its flags' names (`variants._resolve_loras`)."""
+    return _bound_refusal(strength, name, MAX_LORA_STRENGTH,
+                          f"adapters are used at about -{USUAL_LORA_STRENGTH:g} to {USUAL_LORA_STRENGTH:g} (1.0 is the "
+                          "strength they were trained at), and far past that the update swamps the model's weights and "
+                          "the latents overflow to NaN.")
 
 
 def check_lora_strength(strength: float, name: str) -> None:
     """Raise ValueError when `strength` (a number, called `name` in the message) is not finite or past
     `MAX_LORA_STRENGTH`."""
-    _check_bound(strength, name, MAX_LORA_STRENGTH,
-                 f"adapters are used at about -{USUAL_LORA_STRENGTH:g} to {USUAL_LORA_STRENGTH:g} (1.0 is the strength "
-                 "they were trained at), and far past that the update swamps the model's weights and the latents "
-                 "overflow to NaN.")
+    if refusal := lora_strength_refusal(strength, name):
+        raise ValueError(refusal)
 
 
 # The largest |alpha| accepted anywhere (set_lora's lora_alpha, --lora-alpha, an adapter file's alpha). The update is

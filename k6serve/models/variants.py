@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k6serve.caching.params import CacheDitParams, StepMaskMismatch
-from k6serve.lora.spec import check_lora_strength, is_finite_number, odd_nickname
+from k6serve.lora.spec import is_finite_number, lora_strength_refusal, odd_nickname
 from k6serve.request import (
+    FIELD_NAMES,
     SR_RESIZE_MODES,
     SR_SCALES,
     SR_TARGET_TIERS,
+    FieldNames,
     FlagWorded,
     GenerateRequest,
     SamplingParams,
@@ -286,34 +288,45 @@ MAX_PROMPT_CHARACTERS = 32_768
 def _check_prompt_texts(params: SamplingParams) -> None:
     """Refuse a prompt or negative prompt over MAX_PROMPT_CHARACTERS (whatever the model: an SR model ignores them,
     but the HTTP job stores them), or one that is not text: a lone surrogate or a control character."""
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(params, name)
-        if text is None:
-            continue
-        if len(text) > MAX_PROMPT_CHARACTERS:
-            # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
-            # with the job (the HTTP job store grew by a megabyte a job) and dropped.
-            raise ValueError(f"{name} has {len(text):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are taken (the "
-                             "text encoder keeps its first 1,024 tokens, a few thousand characters): shorten it.")
-        _check_is_text(name, text)
+    for field in ("prompt", "negative_prompt"):
+        text = getattr(params, field)
+        if text is not None and prompt_text_refusal(field, text):
+            raise FlagWorded.naming(lambda name: prompt_text_refusal(name(field), text))
+
+
+def prompt_text_refusal(name: str, text: str) -> str | None:
+    """Why `text`, called `name`, is refused as a prompt (`_check_prompt_texts`), or None. `name` is the caller's:
+    the request's field or flag, or a --prompt-file-path line (cli/generate.py), whose prompt no --prompt gave."""
+    if len(text) > MAX_PROMPT_CHARACTERS:
+        # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
+        # with the job (the HTTP job store grew by a megabyte a job) and dropped.
+        return (f"{name} has {len(text):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are taken (the text encoder "
+                "keeps its first 1,024 tokens, a few thousand characters): shorten it.")
+    return _not_text_refusal(name, text)
 
 
 def _check_is_text(name: str, text: str) -> None:
+    """Raise `_not_text_refusal`'s ValueError, if any."""
+    if refusal := _not_text_refusal(name, text):
+        raise ValueError(refusal)
+
+
+def _not_text_refusal(name: str, text: str) -> str | None:
     """What a wrong encoding leaves of a prompt, refused with the way to send it right: a lone surrogate (a
     non-ASCII command line under a non-UTF-8 locale: the worker's tokenizer failed on it as "a bug in k6serve"), or
     a control character other than tab and line ends (a UTF-16 file or form field read as UTF-8 put U+0004 beside
     each Cyrillic letter and reached the text encoder as garbage; UTF-8 read as Latin-1 gives C1 controls)."""
     for index, char in enumerate(text):
         if "\ud800" <= char <= "\udfff":
-            raise ValueError(
-                f"{name} is not valid Unicode text: character {index + 1} is a lone surrogate (U+{ord(char):04X}), "
-                "what a command line or file read under a non-UTF-8 locale leaves of non-ASCII text; use a UTF-8 "
-                "locale (e.g. export LANG=C.UTF-8) or put the prompt in a UTF-8 file (--prompt-file-path).")
+            return (f"{name} is not valid Unicode text: character {index + 1} is a lone surrogate "
+                    f"(U+{ord(char):04X}), what a command line or file read under a non-UTF-8 locale leaves of "
+                    "non-ASCII text; use a UTF-8 locale (e.g. export LANG=C.UTF-8) or put the prompt in a UTF-8 file "
+                    "(--prompt-file-path).")
         if unicodedata.category(char) == "Cc" and char not in "\t\n\r":
-            raise ValueError(
-                f"{name} holds the control character U+{ord(char):04X} at character {index + 1}: text read in the "
-                "wrong encoding (a UTF-16 file read as UTF-8 has a control character beside every letter) or a pasted "
-                "terminal escape; send the prompt as UTF-8 text without control characters.")
+            return (f"{name} holds the control character U+{ord(char):04X} at character {index + 1}: text read in "
+                    "the wrong encoding (a UTF-16 file read as UTF-8 has a control character beside every letter) or "
+                    "a pasted terminal escape; send the prompt as UTF-8 text without control characters.")
+    return None
 
 
 class MissingPrompt(ValueError):
@@ -409,9 +422,9 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         raise FlagWorded.naming(lambda name: f"{name('max_sequence_length')} must be between 1 and 1024 (prompt "
                                              f"tokens the model reads), got {max_sequence_length}")
     if params.sample_audio is True and not has_audio:
-        raise ValueError(NO_AUDIO_PARTS)
+        raise no_audio_parts()
     if params.expand_prompts and streams_text_encoder:
-        raise ValueError(STREAMED_TEXT_ENCODER)
+        raise streamed_text_encoder()
     with_audio = params.sample_audio is not False
     if with_audio:  # a silent video has no soundtrack to fit the DiT's audio positions
         _check_audio_length(rounded, fps)
@@ -485,16 +498,35 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
 
 
 # The refusals of a request the loaded engine cannot run (`resolve_generate`'s has_audio / streams_text_encoder), said
-# again by the pipeline where it is run without them (the tests' pipelines, a bench).
+# again by the pipeline where it is run without them (the tests' pipelines, a bench). FlagWorded: `k6serve generate`
+# reaches them only in the worker, after the load, and prints their flag wording (--sample-audio).
 NO_AUDIO_PARTS = ("sample_audio is true, but this checkpoint has no audio_vae and vocoder (its model_index.json lists "
                   "none), so it makes silent videos only; drop sample_audio.")
+# Written out, not templated: "--sample-audio is true" is no flag's wording (the flag is given, not set to true).
+_NO_AUDIO_PARTS_FLAGS = ("--sample-audio was given, but this checkpoint has no audio_vae and vocoder (its "
+                         "model_index.json lists none), so it makes silent videos only; drop --sample-audio.")
+
+
 # generate runs the whole text encoder once per new token (up to 1024): streamed, each run copies all of its layers
 # (15.5 GiB for Qwen2.5-VL-7B) from host memory.
-STREAMED_TEXT_ENCODER = (
-    "expand_prompts runs the text encoder once per generated token (up to 1024), and this engine streams its layers "
-    "from host memory (--performance-mode memory, or --layerwise-offload-components text_encoder), which would copy "
-    "all of them for every token. Offload it whole instead (--component-residency text_encoder=component_offload: "
-    "it visits the GPU for the rewrite and the encoding, about 16 GB there), or drop expand_prompts.")
+def _streamed_text_encoder_words(name: FieldNames) -> str:
+    return (f"{name('expand_prompts')} runs the text encoder once per generated token (up to 1024), and this engine "
+            "streams its layers from host memory (--performance-mode memory, or --layerwise-offload-components "
+            "text_encoder), which would copy all of them for every token. Offload it whole instead "
+            "(--component-residency text_encoder=component_offload: it visits the GPU for the rewrite and the "
+            f"encoding, about 16 GB there), or drop {name('expand_prompts')}.")
+
+
+# The API's and the HTTP server's wording, as its tests and clients match it.
+STREAMED_TEXT_ENCODER = _streamed_text_encoder_words(FIELD_NAMES)
+
+
+def no_audio_parts() -> FlagWorded:
+    return FlagWorded(NO_AUDIO_PARTS, flag_wording=_NO_AUDIO_PARTS_FLAGS)
+
+
+def streamed_text_encoder() -> FlagWorded:
+    return FlagWorded.naming(_streamed_text_encoder_words)
 
 
 # The audio stream of every released checkpoint (and the demo): MMAudio at 44.1 kHz, one latent per 2 x 512 samples
@@ -532,14 +564,17 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
     resolved = []
     for nickname, strength in loras.items():
         if not isinstance(nickname, str) or not nickname:
-            raise ValueError(f"loras keys must be adapter nicknames, got {nickname!r}")
+            raise FlagWorded.naming(lambda name: f"{name('loras')} keys must be adapter nicknames, got {nickname!r}")
         if odd := odd_nickname(nickname):
             # No adapter can be loaded under such a name (set_lora and --lora-nickname refuse it), and the "not
             # loaded" 400 repeated it unescaped in the --lora-nickname it suggests.
-            raise ValueError(f"loras key {odd} No adapter can be loaded under such a nickname.")
+            raise FlagWorded.naming(lambda name: f"{name('loras')} key {odd} No adapter can be loaded under such a "
+                                                 "nickname.")
         if isinstance(strength, bool) or not isinstance(strength, (int, float)):
-            raise ValueError(f"loras[{nickname!r}] must be a finite number (the adapter's strength), got {strength!r}")
-        check_lora_strength(strength, f"loras[{nickname!r}]")  # finite and within the bound
+            raise FlagWorded.naming(lambda name: f"{name.entry('loras', nickname)} must be a finite number (the "
+                                                 f"adapter's strength), got {strength!r}")
+        if lora_strength_refusal(strength, "loras"):  # not finite, or past the bound
+            raise FlagWorded.naming(lambda name: lora_strength_refusal(strength, name.entry("loras", nickname)))
         resolved.append((nickname, float(strength)))
     return tuple(resolved)
 

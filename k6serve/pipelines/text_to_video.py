@@ -14,7 +14,7 @@ import torch
 
 from k6serve.caching.block_cache import block_cache
 from k6serve.lora.spec import USUAL_LORA_STRENGTH
-from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
+from k6serve.models.variants import no_audio_parts, streamed_text_encoder
 from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.decode_stream import (
@@ -140,9 +140,9 @@ class TextToVideoPipeline:
         config = self.models.transformer.config
         # The engine's resolve refuses these with the request; a pipeline run without it checks them here.
         if request.expand_prompts and "text_encoder" in getattr(self.residency, "streamers", {}):
-            raise ValueError(STREAMED_TEXT_ENCODER)
+            raise streamed_text_encoder()
         if request.sample_audio_asked and not self.models.has_audio:
-            raise ValueError(NO_AUDIO_PARTS)  # diffusers refuses it too
+            raise no_audio_parts()  # diffusers refuses it too
         if request.cache_dit is not None:
             request.cache_dit.check_against(num_blocks=config.num_visual_blocks, num_steps=request.num_inference_steps)
         if request.image_path is not None and (not config.visual_cond or config.visual_token_type_num_embeddings < 2):

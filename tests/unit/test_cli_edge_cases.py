@@ -17,9 +17,10 @@ import torch
 
 import k6serve.media.output_names as output_names
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
+from k6serve.api import build_engine_config, final_file_name
 from k6serve.cli.main import main
 from k6serve.media.probe import probe
+from k6serve.request import FlagWorded, SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
 
@@ -122,6 +123,10 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
     assert "is a file, not a folder" in err and "--output-path" in err and "Traceback" not in err
 
 
+# The one adapter `k6serve generate` can name in --loras: its --lora-path one, added dynamically.
+LORA_X = ["--lora-path", "x.safetensors", "--lora-nickname", "x", "--lora-merge-mode", "dynamic"]
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "flags", "message"),
     [
@@ -164,10 +169,24 @@ def test_cli_bad_output_path_fails_before_loading_the_model(tmp_path, capsys):
          "100x100"),
         # Once written as video.mp4 and _.mp4, names the user never chose.
         ("generation", ["--prompt", "x", "--output-file-name", ".."],
-         "output_file_name '..' has no letter or digit"),
+         "--output-file-name '..' has no letter or digit"),
         ("generation", ["--prompt", "x", "--output-file-name", "?.mp4"],
-         "output_file_name '?.mp4' has no letter or digit"),
-        ("generation", ["--prompt", "x", "--output-file-name", ""], "output_file_name is empty"),
+         "--output-file-name '?.mp4' has no letter or digit"),
+        ("generation", ["--prompt", "x", "--output-file-name", ""], "--output-file-name is empty"),
+        ("generation", ["--prompt", "x", "--output-file-name", "sub/clip.mp4"],
+         "--output-file-name 'sub/clip.mp4' must be a file name without folders; put the folder in --output-path."),
+        ("generation", ["--prompt", "x", "--output-file-name", "a" * 300],
+         "--output-file-name is 304 bytes long with .mp4 in UTF-8, more than the 231 an output file may have"),
+        # --loras takes its object as JSON: the refusal names the nickname in it, not the API's loras['x'] (the
+        # adapter file is read only by the load).
+        ("generation", ["--prompt", "x", *LORA_X, "--loras", '{"x": 101}'],
+         "'x' in --loras must be a finite number from -100 to 100, got 101; adapters are used at about -2 to 2"),
+        ("generation", ["--prompt", "x", *LORA_X, "--loras", '{"x": "strong"}'],
+         "'x' in --loras must be a finite number (the adapter's strength), got 'strong'"),
+        ("generation", ["--prompt", "a\x1bb"], "--prompt holds the control character U+001B at character 2"),
+        ("generation", ["--prompt", "x" * 32_769], "--prompt has 32,769 characters; at most 32,768 are taken"),
+        ("generation", ["--prompt", "x", "--negative-prompt", "a\x00b"],
+         "--negative-prompt holds the control character U+0000 at character 2"),
         # Cache-DiT's refusals named the request fields (enable_cache_dit, cache_dit_params) instead of the flags.
         ("sr", ["--video-path", "clip.mp4", "--cache-dit-params", "{}"],
          "Cache-DiT applies to the generation models: the super-resolution model runs 2 DiT steps per tile, with "
@@ -226,6 +245,61 @@ def test_cli_refuses_a_bad_request_before_loading_the_model(request, no_model_lo
     err = capsys.readouterr().err
     assert f"error: {message}" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # nothing written, not even the folder
+
+
+STRENGTH_WHY = ("adapters are used at about -2 to 2 (1.0 is the strength they were trained at), and far past that "
+                "the update swamps the model's weights and the latents overflow to NaN.")
+WRONG_ENCODING = ("the wrong encoding (a UTF-16 file read as UTF-8 has a control character beside every letter) or a "
+                  "pasted terminal escape; send the prompt as UTF-8 text without control characters.")
+STREAMED = ("runs the text encoder once per generated token (up to 1024), and this engine streams its layers from "
+            "host memory (--performance-mode memory, or --layerwise-offload-components text_encoder), which would "
+            "copy all of them for every token. Offload it whole instead (--component-residency "
+            "text_encoder=component_offload: it visits the GPU for the rewrite and the encoding, about 16 GB there)")
+
+
+@pytest.mark.parametrize(
+    ("refuse", "message", "flag_wording"),
+    [
+        (lambda: final_file_name(".."), "output_file_name '..' has no letter or digit to name the file by; pass a "
+         "name such as clip.mp4 (letters and digits of any script, '.', '_' and '-').", "--output-file-name '..' "
+         "has no letter or digit to name the file by; pass a name such as clip.mp4 (letters and digits of any "
+         "script, '.', '_' and '-')."),
+        (lambda: final_file_name(" "), "output_file_name is empty; pass a name such as clip.mp4, or leave it out for "
+         "a name derived from the request.", "--output-file-name is empty; pass a name such as clip.mp4, or leave it "
+         "out for a name derived from the request."),
+        (lambda: final_file_name("a/b"), "output_file_name 'a/b' must be a file name without folders; put the "
+         "folder in --output-path.", "--output-file-name 'a/b' must be a file name without folders; put the folder "
+         "in --output-path."),
+        (lambda: _resolve(loras={"x": 1e30}), "loras['x'] must be a finite number from -100 to 100, got 1e+30; "
+         f"{STRENGTH_WHY}", f"'x' in --loras must be a finite number from -100 to 100, got 1e+30; {STRENGTH_WHY}"),
+        (lambda: _resolve(loras={"x": True}), "loras['x'] must be a finite number (the adapter's strength), got "
+         "True", "'x' in --loras must be a finite number (the adapter's strength), got True"),
+        (lambda: _resolve(loras={1: 1.0}), "loras keys must be adapter nicknames, got 1",
+         "--loras keys must be adapter nicknames, got 1"),
+        (lambda: _resolve(prompt="a\x1b"), "prompt holds the control character U+001B at character 2: text read "
+         f"in {WRONG_ENCODING}", f"--prompt holds the control character U+001B at character 2: text read in "
+         f"{WRONG_ENCODING}"),
+        (lambda: _resolve(sample_audio=True, has_audio=False), "sample_audio is true, but this checkpoint has no "
+         "audio_vae and vocoder (its model_index.json lists none), so it makes silent videos only; drop "
+         "sample_audio.", "--sample-audio was given, but this checkpoint has no audio_vae and vocoder (its "
+         "model_index.json lists none), so it makes silent videos only; drop --sample-audio."),
+        (lambda: _resolve(expand_prompts=True, streams_text_encoder=True), f"expand_prompts {STREAMED}, or drop "
+         "expand_prompts.", f"--expand-prompts {STREAMED}, or drop --expand-prompts."),
+    ],
+)
+def test_a_refusal_keeps_the_apis_words_and_carries_the_flags(refuse, message, flag_wording):
+    # The Python API and the HTTP server answer with the message, word for word as before; `k6serve generate`
+    # prints flag_wording.
+    with pytest.raises(FlagWorded) as raised:
+        refuse()
+    assert (str(raised.value), raised.value.flag_wording) == (message, flag_wording)
+
+
+def _resolve(*, has_audio: bool = True, streams_text_encoder: bool = False, **fields):
+    from k6serve.models.variants import VARIANTS, resolve_generate
+
+    return resolve_generate(SamplingParams(**{"prompt": "x", **fields}), VARIANTS["pro-distill"],
+                            has_audio=has_audio, streams_text_encoder=streams_text_encoder)
 
 
 def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_load, tiny_sr_dir, tmp_path, capsys):

@@ -127,8 +127,8 @@ def test_a_prompt_file_from_the_config_file(tiny_distill_dir, tmp_path, loads, c
         (["--output-file-name", "taken"], "line 2 of --prompt-file-path: '{out}/taken_2.mp4' already exists and was "
                                           "left as it is"),
         # The name as given is checked before it is numbered (numbered, "..mp4" passed as "._1.mp4").
-        (["--output-file-name", "sub/clip"], "output_file_name 'sub/clip' must be a file name without folders"),
-        (["--output-file-name", "..mp4"], "output_file_name '..mp4' has no letter or digit"),
+        (["--output-file-name", "sub/clip"], "--output-file-name 'sub/clip' must be a file name without folders"),
+        (["--output-file-name", "..mp4"], "--output-file-name '..mp4' has no letter or digit"),
         (["--prompt-file-lines", "0"], "--prompt-file-lines '0': '0' is not a line number or range; write lines as "
                                        "the stopped run's report names them, e.g. 5, 3-200 or 3-5,9,12- (12 to the "
                                        "end)."),
@@ -149,6 +149,23 @@ def test_a_bad_batch_is_refused_before_the_model_loads(tiny_distill_dir, tmp_pat
     err = capsys.readouterr().err
     assert f"error: {message.format(out=tmp_path / 'out', prompts=prompts)}" in err and "Traceback" not in err
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["taken_2.mp4"]
+
+
+def test_a_prompt_files_line_that_is_not_text_is_named_by_its_line_not_as_prompt(tiny_distill_dir, tmp_path,
+                                                                                  no_model_load, capsys):
+    # The request's check names the prompt --prompt, a flag not given: the line is named instead.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first\nsec\x1bond\n" + "x" * 32_769 + "\n")
+    args = _args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts))
+    assert main(args) == 2
+    assert ("error: line 2 of --prompt-file-path holds the control character U+001B at character 4: text read in "
+            "the wrong encoding") in capsys.readouterr().err
+    assert main([*args, "--prompt-file-lines", "3"]) == 2
+    assert ("error: line 3 of --prompt-file-path has 32,769 characters; at most 32,768 are taken"
+            in capsys.readouterr().err)
+    assert main([*args, "--prompt-file-lines", "1", "--negative-prompt", "a\x00b"]) == 2
+    assert ("error: line 1 of --prompt-file-path: --negative-prompt holds the control character U+0000 at character 2"
+            in capsys.readouterr().err)
 
 
 def test_the_super_resolution_model_refuses_a_prompt_file(tiny_sr_dir, tmp_path, no_model_load, capsys):
