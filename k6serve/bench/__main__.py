@@ -378,6 +378,17 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         raise SystemExit("--blas-libraries times the fused + compiled DiT once more per library: drop --skip-speed")
     if args.blas_libraries and device.type != "cuda":
         raise SystemExit("--blas-libraries picks among cuBLAS's kernels: it needs a CUDA device")
+    # Each of these adds rows to a part that the skip flag removes: the row went missing without a word.
+    if args.reference_compiled and args.skip_reference:
+        raise SystemExit("--reference-compiled times diffusers' DiT compiled after its eager row: "
+                         "drop --skip-reference")
+    if args.norm_rope_kernel and args.skip_speed:
+        raise SystemExit("--norm-rope-kernel times the fused + compiled DiT once more with the kernel: "
+                         "drop --skip-speed")
+    if args.compile_mode and args.skip_speed:
+        raise SystemExit("--compile-mode sets how the fused + compiled DiT compiles: drop --skip-speed")
+    if args.skip_reference and args.skip_eager and args.skip_speed and "dit" in _stages(args):
+        raise SystemExit("--skip-reference, --skip-eager and --skip-speed together leave the dit stage no row to time")
     if args.fp8_fast_accumulation and not args.fp8_linears:
         raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
     _check_fp8_patterns(args.fp8_linears, transformer_config)

@@ -753,3 +753,22 @@ def test_a_timing_count_no_stage_can_use_is_refused_once_up_front(flags, message
     with pytest.raises(SystemExit, match=f"^{message}$"):
         main(["--tiny", "--stage", "vae", "--stage", "audio", *flags])
     assert "[bench] stage" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--skip-reference", "--reference-compiled"], "--reference-compiled times diffusers' DiT .*drop --skip-reference"),
+    (["--skip-speed", "--norm-rope-kernel"], "--norm-rope-kernel times the fused \\+ compiled DiT .*drop --skip-speed"),
+    (["--skip-speed", "--compile-backend", "inductor", "--compile-mode", "max-autotune"],
+     "--compile-mode sets how the fused \\+ compiled DiT compiles: drop --skip-speed"),
+    (["--skip-reference", "--skip-eager", "--skip-speed"], "together leave the dit stage no row to time"),
+])
+def test_a_dit_flag_whose_rows_a_skip_flag_removes_is_refused(flags, message, capsys):
+    # Each ran to exit 0 without the row the flag asked for (the three skips: an empty table).
+    with pytest.raises(SystemExit, match=message):
+        main(["--tiny", "--stage", "dit", "--repeats", "1", "--warmup", "0", *flags])
+    assert "[bench] stage" not in capsys.readouterr().out
+    # The skips alone stay fine where no dit stage runs.
+    if flags == ["--skip-reference", "--skip-eager", "--skip-speed"]:
+        from k6serve.bench import __main__ as bench
+
+        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--stage", "vae", *flags]))
