@@ -53,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(*STAGES, "all"),
         help="Stage(s) to run; repeat the flag for several (default: dit).",
     )
-    parser.add_argument("--variant", default="pro-distill", choices=GENERATION_VARIANTS)
+    parser.add_argument(
+        "--variant",
+        default="pro-distill",
+        choices=GENERATION_VARIANTS,
+        help="dit: the released config timed; generate: the model run (--tiny: the toy config and the demo "
+        "checkpoint instead; dit with --transformer-path: its config).",
+    )
     parser.add_argument(
         "--transformer-path",
         help="dit: a local Diffusers checkpoint folder (its transformer/) or a transformer folder, whose weights "
@@ -65,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeats", type=int, default=3, help="Timed warm runs; the median is reported."
     )
-    parser.add_argument("--warmup", type=int, default=1, help="Untimed runs before the timed ones.")
+    # generate/sr never read it: their first request is the warm-up, reported as a row of its own.
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="dit/vae/audio/text: untimed runs before the timed ones (generate/sr: the first request, its own row).",
+    )
     parser.add_argument("--json", help="Write the rows and the environment to this JSON file.")
     parser.add_argument(
         "--device",
@@ -73,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cuda", "cpu"),
         help="auto: CUDA when visible, except with --tiny, which runs on the CPU unless --device cuda.",
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=tuple(_DTYPES))
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=tuple(_DTYPES),
+        help="dit/vae/audio/text: weights and inputs (generate/sr: the engine's own, bf16 on CUDA, fp32 on the CPU).",
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="CPU smoke mode: toy sizes for every stage."
     )
@@ -133,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "recompiles.",
     )
     parser.add_argument(
-        "--compile-backend", help="torch.compile backend (default inductor; --tiny eager)."
+        "--compile-backend", help="dit: torch.compile backend (default inductor; --tiny eager)."
     )
     parser.add_argument(
         "--compile-mode",

@@ -772,3 +772,13 @@ def test_a_dit_flag_whose_rows_a_skip_flag_removes_is_refused(flags, message, ca
         from k6serve.bench import __main__ as bench
 
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--stage", "vae", *flags]))
+
+
+def test_every_bench_flag_says_what_it_does_and_the_stages_that_ignore_it_are_named():
+    # --variant and --dtype had no help, and --warmup / --dtype / --compile-backend read as if every stage used them:
+    # generate/sr run the engine's dtype and no warm-up call, and only dit compiles with --compile-backend.
+    actions = {action.dest: action for action in build_parser()._actions if action.dest != "help"}
+    assert [name for name, action in actions.items() if not action.help] == []
+    assert actions["warmup"].help.startswith("dit/vae/audio/text:") and "generate/sr:" in actions["warmup"].help
+    assert actions["dtype"].help.startswith("dit/vae/audio/text:") and "generate/sr:" in actions["dtype"].help
+    assert actions["compile_backend"].help.startswith("dit:")
