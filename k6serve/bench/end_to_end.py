@@ -188,12 +188,20 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
             cold, warm = _run_requests(generator, params, options.repeats)
             peaks = _stage_peaks(generator)
             rows = _rows_from_results("generate", config, cold, warm, load_s, note, peaks)
-            if options.cache_dit_params is not None:
-                rows += _cached_rows(generator, params, options, config, warm or [cold])
-            if options.silent_request:
-                rows += _silent_rows(generator, params, options, config, warm or [cold])
-            if options.expand_prompts_request:
-                rows += _expanded_rows(generator, params, options, config, warm or [cold])
+            extras = (
+                (options.cache_dit_params is not None, "ours, Cache-DiT", _cached_rows),
+                (options.silent_request, "ours silent", _silent_rows),
+                (options.expand_prompts_request, "ours expand_prompts", _expanded_rows),
+            )
+            for wanted, name, extra_rows in extras:
+                if not wanted:
+                    continue
+                # Its own error row: raising, it turned the whole stage into one, losing the rows measured above.
+                try:
+                    rows += extra_rows(generator, params, options, config, warm or [cold])
+                except Exception as error:  # noqa: BLE001 (a failure is a table row)
+                    rows.append(BenchRow(stage="generate", name=name, config=config,
+                                         error=f"{type(error).__name__}: {error}"))
     _free()
     return rows
 

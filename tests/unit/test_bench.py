@@ -782,3 +782,16 @@ def test_every_bench_flag_says_what_it_does_and_the_stages_that_ignore_it_are_na
     assert actions["warmup"].help.startswith("dit/vae/audio/text:") and "generate/sr:" in actions["warmup"].help
     assert actions["dtype"].help.startswith("dit/vae/audio/text:") and "generate/sr:" in actions["dtype"].help
     assert actions["compile_backend"].help.startswith("dit:")
+
+
+def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it():
+    # Unknown cache_dit_params (refused by the engine at the cached request) made the whole stage one error row:
+    # the cold and warm requests, already measured, were lost with it; the silent rows after it still run.
+    args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "1",
+                                      "--cache-dit-params", '{"bogus": 1}', "--silent-request"])
+    rows = run_stages(args, log=lambda text: None)
+    assert [row.name for row in rows] == ["ours cold (first request)", "ours warm", "ours, Cache-DiT",
+                                          "ours silent, first", "ours silent, warm"]
+    assert [row.error is None for row in rows] == [True, True, False, True, True]
+    assert rows[0].seconds > 0 and rows[1].seconds > 0
+    assert rows[2].error.startswith("ValueError: Unknown cache_dit_params key(s) ['bogus']")
