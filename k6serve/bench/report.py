@@ -116,7 +116,9 @@ def _cells(row: BenchRow) -> list[str]:
 
 def format_table(rows: list[BenchRow]) -> str:
     """A markdown table of `rows` (also readable as plain text)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    # "max|diff|" unescaped made the header 14 cells over a 12-cell delimiter row: no markdown table at all.
+    header = [column.replace("|", "\\|") for column in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
     return "\n".join(lines)
 

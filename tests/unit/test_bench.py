@@ -76,8 +76,10 @@ def test_row_derived_numbers_and_table():
     assert row.speedup == pytest.approx(1.692)
     table = format_table([row, BenchRow(stage="vae", name="x", config="-", error="boom | bad")])
     lines = table.splitlines()
-    assert lines[0] == "| " + " | ".join(COLUMNS) + " |"
+    assert lines[0] == "| " + " | ".join(COLUMNS).replace("max|diff|", "max\\|diff\\|") + " |"
     assert "| 786 | 99.5 | 1.69 |" in lines[2]
+    # A markdown table needs as many header cells as delimiter cells (an unescaped "max|diff|" made it no table).
+    assert [len(re.split(r"(?<!\\)\|", line)) for line in lines] == [len(COLUMNS) + 2] * 4
     assert "ERROR: boom / bad" in lines[3]
 
 
