@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import subprocess
@@ -234,4 +235,17 @@ def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    # allow_nan=False: json.dumps wrote a NaN cosine (a diverging fp8 row) as `NaN`, which strict parsers (jq,
+    # JavaScript's JSON.parse) refuse; non-finite numbers are null instead.
+    path.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    """`value` with each non-finite float (NaN, infinity) as None, through dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

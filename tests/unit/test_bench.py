@@ -797,3 +797,20 @@ def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it():
     assert [row.error is None for row in rows] == [True, True, False, True, True]
     assert rows[0].seconds > 0 and rows[1].seconds > 0
     assert rows[2].error.startswith("ValueError: Unknown cache_dit_params key(s) ['bogus']")
+
+
+def test_the_json_has_null_where_a_value_is_not_finite(tmp_path):
+    """json.dumps wrote a NaN cosine (a diverging fp8 row) as `NaN`, which strict JSON parsers refuse."""
+    from k6serve.bench.report import write_json
+
+    row = BenchRow(stage="dit", name="ours fp8", config="tiny", seconds=0.5, times_s=(0.5, float("inf")),
+                   cosine_video=float("nan"), cosine_audio=0.99)
+    path = tmp_path / "bench.json"
+    write_json(path, [row], {"stage": "dit"}, device="cpu")
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    written = json.loads(path.read_text(), parse_constant=refuse)["rows"][0]
+    assert written["cosine_video"] is None and written["cosine_audio"] == 0.99
+    assert written["times_s"] == [0.5, None] and written["seconds"] == 0.5
