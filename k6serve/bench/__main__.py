@@ -346,6 +346,10 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
     default_backends = "fa,torch_sdpa" if device.type == "cuda" else "torch_sdpa"
     backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
+    if not backends:
+        # `--backends ,` left none: the dit stage ran diffusers' rows alone, with no row of ours and no word why.
+        raise SystemExit(f"--backends {args.backends!r} names no attention backend; give one or more, comma-separated "
+                         f"(e.g. {default_backends}), or leave the flag out")
     timing = {"repeats": args.repeats, "warmup": args.warmup}
     weights_dir = _transformer_dir(args.transformer_path) if args.transformer_path else None
     if weights_dir is not None:

@@ -814,3 +814,13 @@ def test_the_json_has_null_where_a_value_is_not_finite(tmp_path):
     written = json.loads(path.read_text(), parse_constant=refuse)["rows"][0]
     assert written["cosine_video"] is None and written["cosine_audio"] == 0.99
     assert written["times_s"] == [0.5, None] and written["seconds"] == 0.5
+
+
+@pytest.mark.parametrize("value", [",", " , "])
+def test_backends_that_name_none_are_refused(value):
+    """`--backends ,` left no backend: the dit stage ran diffusers' rows alone, with no row of ours and no word why."""
+    import k6serve.bench.__main__ as bench
+
+    with pytest.raises(SystemExit, match=r"^--backends '.*' names no attention backend; give one or more, "
+                                         r"comma-separated \(e\.g\. torch_sdpa\), or leave the flag out$"):
+        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--device", "cpu", "--backends", value]))
