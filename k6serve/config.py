@@ -290,8 +290,8 @@ class RuntimeConfig:
     # expand_prompts' rewrite through one static KV cache (pipelines/expand_prompt.py, `StaticRewriteCache`), whose
     # decoding step transformers compiles on CUDA. Opt-in, not part of "speed": through this cache 8.6-9.0 ms a token
     # on an H100 against 56.4 eager there (6.3x; on an H200 transformers' own static cache took 7.5 against 30.1),
-    # after one compile of 10-45 s (at warm-up with a warm mode), but the compiled step rounds differently, and on
-    # random weights its ids left the eager ones (diffusers') at token 4.
+    # after one compile of 9-36 s on an H100 (at warm-up with a warm mode), but the compiled step rounds differently,
+    # and on random weights its ids left the eager ones (diffusers') at token 4.
     compile_prompt_rewrite: bool = False
     # Spatial tiles for the generation models' HunyuanVideo VAE decode: "on" is diffusers' `vae.enable_tiling()`
     # with its default tiles (256 px, stride 192), "off" never, "auto" on exactly for --performance-mode memory on
