@@ -305,12 +305,6 @@ def prompt_text_refusal(name: str, text: str) -> str | None:
     return _not_text_refusal(name, text)
 
 
-def _check_is_text(name: str, text: str) -> None:
-    """Raise `_not_text_refusal`'s ValueError, if any."""
-    if refusal := _not_text_refusal(name, text):
-        raise ValueError(refusal)
-
-
 def _not_text_refusal(name: str, text: str) -> str | None:
     """What a wrong encoding leaves of a prompt, refused with the way to send it right: a lone surrogate (a
     non-ASCII command line under a non-UTF-8 locale: the worker's tokenizer failed on it as "a bug in k6serve"), or

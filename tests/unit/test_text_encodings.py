@@ -11,8 +11,8 @@ import pytest
 
 from k6serve.cli.generate import read_prompt_file
 from k6serve.cli.main import _printable_stdout, load_config_file
-from k6serve.models.variants import _check_is_text
-from k6serve.request import unencodable_path
+from k6serve.models.variants import _check_prompt_texts
+from k6serve.request import SamplingParams, unencodable_path
 
 
 def test_a_config_file_is_utf8_whatever_the_locale_with_or_without_a_byte_order_mark(tmp_path, monkeypatch):
@@ -57,9 +57,10 @@ def test_a_utf16_prompt_file_is_refused_as_such(tmp_path):
 ])
 def test_what_a_wrong_encoding_leaves_of_a_prompt_is_refused(text, message):
     with pytest.raises(ValueError) as raised:
-        _check_is_text("prompt", text)
+        _check_prompt_texts(SamplingParams(prompt=text))
     assert str(raised.value).startswith(message)
-    _check_is_text("prompt", "Лиса бежит\tпо снегу\r\n🦊 👨‍👩‍👧 café")  # tabs, line ends, emoji, ZWJ: text
+    # Tabs, line ends, emoji, ZWJ: text.
+    _check_prompt_texts(SamplingParams(prompt="Лиса бежит\tпо снегу\r\n🦊 👨‍👩‍👧 café"))
 
 
 def test_an_api_prompt_with_a_lone_surrogate_is_refused_before_the_worker(tiny_distill_dir):
