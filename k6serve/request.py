@@ -229,6 +229,32 @@ class _FlagNames(FieldNames):
 FIELD_NAMES, FLAG_NAMES = FieldNames(), _FlagNames()
 
 
+class FlagWordedNote(str):
+    """A note (a warning in a result's `notes`, not a refusal) that names request fields as `FlagWorded` does: the
+    string itself in the fields' names, for the Python API and the HTTP server, and `flag_wording` in `k6serve
+    generate`'s flags, which the CLI prints (`note_for_cli`). A str, so every other reader (JSON, the jobs' store,
+    comparisons) takes it as any note; pickle keeps `flag_wording` across the ranks' process boundary (str's
+    `__getnewargs__` rebuilds the text, the instance's __dict__ the rest)."""
+
+    flag_wording: str
+
+    @classmethod
+    def naming(cls, words: typing.Callable[[FieldNames], str]) -> typing.Self:
+        """The note that `words` writes with the fields' names and, as `flag_wording`, with the flags'."""
+        return cls.worded(words(FIELD_NAMES), flag_wording=words(FLAG_NAMES))
+
+    @classmethod
+    def worded(cls, message: str, *, flag_wording: str) -> typing.Self:
+        note = cls(message)
+        note.flag_wording = flag_wording
+        return note
+
+
+def note_for_cli(note: str) -> str:
+    """How `k6serve generate` words `note`: its flags' wording where it names request fields, else as it is."""
+    return getattr(note, "flag_wording", note)
+
+
 # seed -1: the request runs with a seed drawn for it (the convention of ComfyUI's and A1111's UIs, fal's API); the
 # result, the job and the file name carry the seed drawn, so the video can be made again.
 RANDOM_SEED = -1
@@ -243,8 +269,9 @@ def drawn_seed(params: SamplingParams) -> tuple[SamplingParams, str | None]:
     import secrets
 
     seed = secrets.randbelow(2**32)
-    return dataclasses.replace(params, seed=seed), (f"seed -1 drew seed {seed}: give it as the seed to make this "
-                                                    "video again.")
+    note = FlagWordedNote.naming(lambda name: f"{name('seed')} -1 drew seed {seed}: pass {name('seed')} {seed} to "
+                                              "make this video again.")
+    return dataclasses.replace(params, seed=seed), note
 
 
 def plain_scalars(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from k6serve.api import (
 )
 from k6serve.config import EngineConfig
 from k6serve.models.variants import GENERATION, prompt_text_refusal
-from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text
+from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text, note_for_cli
 from k6serve.runtime.engine import RequestCancelled
 
 
@@ -403,7 +403,7 @@ def result_record(result, label: str = "", prompt: str | None = None) -> dict[st
         "timings": {key: (int(value) if key in TIMING_COUNTS else value) if math.isfinite(value) else None
                     for key, value in result.timings.items()},
         "peak_memory_mb": result.peak_memory_mb if math.isfinite(result.peak_memory_mb) else None,
-        "notes": list(result.notes),
+        "notes": [note_for_cli(note) for note in result.notes],  # naming the flags, as the printed notes do
         "expanded_prompt": result.expanded_prompt,  # null unless --expand-prompts rewrote the prompt
     })
     return record
@@ -412,7 +412,7 @@ def result_record(result, label: str = "", prompt: str | None = None) -> dict[st
 def _print_result(result, as_json: bool = False, label: str = "", prompt: str | None = None, *,
                   unsaved_by: str = "--no-save-output") -> None:
     for note in result.notes:
-        print(f"note: {note}", file=sys.stderr)
+        print(f"note: {note_for_cli(note)}", file=sys.stderr)
     if as_json:
         # One line per request (JSON Lines): a prompt file's results read one by one as they finish. On a UTF-8
         # stdout a Cyrillic path stays readable; on another (a Windows pipe's cp1252) it is written as JSON's \u

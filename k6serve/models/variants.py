@@ -25,6 +25,7 @@ from k6serve.request import (
     SR_TARGET_TIERS,
     FieldNames,
     FlagWorded,
+    FlagWordedNote,
     GenerateRequest,
     SamplingParams,
     UpscaleRequest,
@@ -399,7 +400,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     num_frames = params.num_frames if params.num_frames is not None else variant.num_frames
     rounded = _frames_rule(num_frames)
     if rounded != num_frames:
-        notes.append(f"num_frames {num_frames} is not of the form 4k+1; using {rounded} (n // 4 * 4 + 1, as the reference).")
+        notes.append(FlagWordedNote.naming(lambda name: f"{name('num_frames')} {num_frames} is not of the form 4k+1; "
+                                                        f"using {rounded} (n // 4 * 4 + 1, as the reference)."))
     if (rounded - 1) // 4 + 1 > 128:
         raise FlagWorded.naming(lambda name: f"{name('num_frames')} {num_frames} gives more than 128 latent frames; "
                                              "use at most 509.")
@@ -449,10 +451,13 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         if params.negative_prompt and not has_visible_text(params.negative_prompt):
             # Encoded as written, as the reference does: the way to guide against an almost empty negative branch.
             # A blank form field that sends spaces means the built-in one, hence the note.
-            notes.append(f"negative_prompt {ascii(negative[:24])} has no visible character and is encoded as "
-                         "written; send an empty one, or leave it out, for the model's built-in negative prompt.")
+            notes.append(FlagWordedNote.naming(lambda name: (
+                f"{name('negative_prompt')} {ascii(negative[:24])} has no visible character and is encoded as "
+                "written; send an empty one, or leave it out, for the model's built-in negative prompt.")))
     elif params.negative_prompt:
-        notes.append("negative_prompt is ignored: guidance_scale is 1.0, so no unconditional branch runs.")
+        notes.append(FlagWordedNote.naming(lambda name: f"{name('negative_prompt')} is ignored: "
+                                                        f"{name('guidance_scale')} is 1.0, so no unconditional "
+                                                        "branch runs."))
     seed = params.seed if params.seed is not None else variant.seed
     _check_seed(seed)
     for field in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution",
@@ -656,7 +661,8 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
     if params.prompt:
         notes.append("The super-resolution model takes no prompt; it was ignored.")
     if params.negative_prompt:  # was dropped without a word
-        notes.append("The super-resolution model takes no negative_prompt; it was ignored.")
+        notes.append(FlagWordedNote.naming(lambda name: f"The super-resolution model takes no "
+                                                        f"{name('negative_prompt')}; it was ignored."))
     scale = float(params.sr_resolution_scale if params.sr_resolution_scale is not None else 2.25)
     if scale not in SR_SCALES:
         raise FlagWorded.naming(lambda name: f"{name('sr_resolution_scale')} must be 2, 4 or 2.25, got "
@@ -679,10 +685,10 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
             f"given; pass {name('sr_target_resolution')} (hd, fullhd, 2k or WxH) as well, or drop "
             f"{name('sr_target_resize_mode')}."))
     if params.num_inference_steps is not None and params.num_inference_steps != variant.num_inference_steps:
-        notes.append(
-            f"num_inference_steps={params.num_inference_steps} is ignored: this checkpoint's PiFlow "
-            f"scheduler always runs {variant.num_inference_steps} DiT calls per tile."
-        )
+        # `name=value` was the API's keyword alone; both surfaces read "<name> <value>".
+        notes.append(FlagWordedNote.naming(lambda name: (
+            f"{name('num_inference_steps')} {params.num_inference_steps} is ignored: this checkpoint's PiFlow "
+            f"scheduler always runs {variant.num_inference_steps} DiT calls per tile.")))
     for field in ("height", "width", "num_frames", "fps"):
         if getattr(params, field) is not None:
             raise FlagWorded.naming(lambda name: f"{name(field)} is taken from the source video in super-resolution; "

@@ -18,10 +18,10 @@ from k6serve.pipelines.sr_tiling import (
     stretches_aspect,
     target_bucket,
 )
-from k6serve.request import UpscaleRequest
+from k6serve.request import FieldNames, FlagWorded, FlagWordedNote, UpscaleRequest
 
 
-class UpscaleTooLarge(ValueError):
+class UpscaleTooLarge(FlagWorded):
     """The upscaled frame is over H.264's largest level: the scale or the source is what to change (a target does
     not help), so the HTTP error names `sr_resolution_scale` even beside a target."""
 
@@ -83,26 +83,24 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
                     f"with each side rounded to a multiple of 16, to {input_size[1]}x{input_size[0]}")
         wide, high = crop_size[1] / width, crop_size[0] / height
         if stretches_aspect(input_size, source_size):
-            notes = ((
+            notes = (FlagWordedNote.naming(lambda name: (
                 f"{enlarged}, changing its aspect ratio ({width / height:.3g} -> "
-                f"{input_size[1] / input_size[0]:.3g}); use sr_resolution_scale 2 or 4 to keep it."
-            ),)
+                f"{input_size[1] / input_size[0]:.3g}); use {name('sr_resolution_scale')} 2 or 4 to keep it.")),)
         elif any(abs(factor - request.scale) > 0.02 * request.scale for factor in (wide, high)):
             factor = f"x{wide:.3g}" if f"{wide:.3g}" == f"{high:.3g}" else f"x{wide:.3g} wide and x{high:.3g} high"
-            notes = ((
+            notes = (FlagWordedNote.naming(lambda name: (
                 f"{enlarged}: the upscaled result, {crop_size[1]}x{crop_size[0]}, scales the source {factor}, not "
-                f"x{request.scale:g}; use sr_resolution_scale 2 or 4 for an exact scale."
-            ),)
+                f"x{request.scale:g}; use {name('sr_resolution_scale')} 2 or 4 for an exact scale.")),)
     if frame_macroblocks(*crop_size) > MAX_FRAME_MACROBLOCKS:
         # The upscaled canvas is computed whole before any sr_target_resolution downscales it, so a target does not
         # help; a bound here also bounds the request's host memory (the canvas of 121 frames: 12.9 GB at the
         # bound; an 8000x8000 source at x2 was accepted and needed 93 GB) and its time (tiles grow with the area).
-        raise UpscaleTooLarge(
+        raise UpscaleTooLarge.naming(lambda name: (
             f"the x{request.scale:g} upscale of this {width}x{height} source would be {crop_size[1]}x{crop_size[0]} "
             f"({frame_macroblocks(*crop_size):,} macroblocks of 16x16 pixels), more than H.264's largest level "
             f"allows in a frame ({MAX_FRAME_MACROBLOCKS:,}, e.g. 8192x4320 or 7680x4320), and the output is "
-            f"computed at that size before any sr_target_resolution; {_smaller_scales(source_size, request.scale)}"
-        )
+            f"computed at that size before any {name('sr_target_resolution')}; "
+            f"{_smaller_scales(source_size, request.scale, name)}"))
     if request.target_resolution is not None:
         delivery_size = resolve_target_size(
             *crop_size, request.target_resolution, request.target_resize_mode
@@ -111,28 +109,26 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
         if delivery_size == crop_size and (bucket_height, bucket_width) != crop_size:
             # "fit" only downscales, so a target at least as large as the result silently did nothing.
             crop_height, crop_width = crop_size
-            notes += ((
-                f"sr_target_resolution {request.target_resolution!r} ({bucket_width}x{bucket_height}) is not "
-                f"smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: the "
-                f"output keeps {crop_width}x{crop_height}. Use a larger sr_resolution_scale to get closer to "
-                "the target, or drop sr_target_resolution."
-            ),)
+            notes += (FlagWordedNote.naming(lambda name: (
+                f"{name('sr_target_resolution')} {request.target_resolution!r} ({bucket_width}x{bucket_height}) "
+                f"is not smaller than the {crop_width}x{crop_height} upscaled result, and 'fit' only downscales: "
+                f"the output keeps {crop_width}x{crop_height}. Use a larger {name('sr_resolution_scale')} to get "
+                f"closer to the target, or drop {name('sr_target_resolution')}.")),)
         elif stretches_aspect(delivery_size, crop_size):
             # Only "exact" stretches ("fit" scales both sides alike). This was a log line no user saw.
             (crop_height, crop_width), (out_height, out_width) = crop_size, delivery_size
-            notes += ((
-                f"sr_target_resolution {request.target_resolution!r} with the 'exact' resize mode stretches the "
-                f"{crop_width}x{crop_height} upscaled result to {out_width}x{out_height}, changing its aspect "
-                f"ratio; use sr_target_resize_mode 'fit' to keep it."
-            ),)
+            notes += (FlagWordedNote.naming(lambda name: (
+                f"{name('sr_target_resolution')} {request.target_resolution!r} with the 'exact' resize mode "
+                f"stretches the {crop_width}x{crop_height} upscaled result to {out_width}x{out_height}, changing "
+                f"its aspect ratio; use {name('sr_target_resize_mode')} 'fit' to keep it.")),)
     if max(delivery_size) > MAX_FRAME_SIDE:
         # Found here, from the first frame, rather than when the MP4 writer opens after every tile was computed.
         out_height, out_width = delivery_size
-        raise ValueError(
+        raise FlagWorded.naming(lambda name: (
             f"the x{request.scale:g} upscale of this {width}x{height} source would be {out_width}x{out_height}, "
-            f"but H.264 frames are at most {MAX_FRAME_SIDE} pixels a side; use a smaller sr_resolution_scale, a "
-            f"smaller source, or an sr_target_resolution of at most {MAX_FRAME_SIDE} a side (e.g. 2k)."
-        )
+            f"but H.264 frames are at most {MAX_FRAME_SIDE} pixels a side; use a smaller "
+            f"{name('sr_resolution_scale')}, a smaller source, or an {name('sr_target_resolution')} of at most "
+            f"{MAX_FRAME_SIDE} a side (e.g. 2k)."))
     return UpscaleSizes(scale=scale, input_size=input_size, crop_size=crop_size, delivery_size=delivery_size,
                         notes=notes)
 
@@ -144,12 +140,12 @@ def _input_and_crop_sizes(source_size: tuple[int, int], scale: ScalePlan
     return input_size, (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
 
 
-def _smaller_scales(source_size: tuple[int, int], scale: float) -> str:
+def _smaller_scales(source_size: tuple[int, int], scale: float, name: FieldNames) -> str:
     """The fix for a source too large at `scale`: the smaller scales that fit, or the source's largest size."""
     fitting = [f"{smaller:g}" for smaller in (2.25, 2) if smaller < scale and frame_macroblocks(
         *_input_and_crop_sizes(source_size, resolve_scale(smaller))[1]) <= MAX_FRAME_MACROBLOCKS]
     if fitting:
-        return f"use sr_resolution_scale {' or '.join(fitting)}, or a smaller source."
+        return f"use {name('sr_resolution_scale')} {' or '.join(fitting)}, or a smaller source."
     return ("downscale the source first (at x2, to at most 4096x2160 or another frame of at most "
             f"{MAX_FRAME_MACROBLOCKS // 4:,} macroblocks).")
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k6serve.request import FlagWorded
+
 
 SNAP = 16  # pixels per latent cell of the released K-VAE; tile positions and padding align to it
 DEFAULT_MIN_OVERLAP = 0.2
@@ -281,12 +283,11 @@ def resolve_target_size(height: int, width: int, target: str, mode: str = "fit")
         )
         if min(fitted) < 2:
             # A strip of a source (1024x32 at x2 into 16x16) rounded its short side to 0, then divided by it.
-            raise ValueError(
+            raise FlagWorded.naming(lambda name: (
                 f"fitting the {width}x{height} upscaled result into target {target!r} "
                 f"({bucket_width}x{bucket_height}) would leave its "
-                f"{'height' if fitted[0] < 2 else 'width'} under 2 pixels; use a larger sr_target_resolution "
-                f"or drop it."
-            )
+                f"{'height' if fitted[0] < 2 else 'width'} under 2 pixels; use a larger "
+                f"{name('sr_target_resolution')} or drop it."))
         return fitted
     if mode == "exact":
         if bucket_height > height or bucket_width > width:

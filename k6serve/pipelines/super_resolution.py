@@ -35,7 +35,7 @@ from k6serve.pipelines.sr_stages import (
     upscale_tiles,
 )
 from k6serve.pipelines.state import DecodedAudio
-from k6serve.request import UpscaleRequest
+from k6serve.request import FlagWordedNote, UpscaleRequest
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,8 +158,9 @@ def _output_pixel_shape(source_ratio: Fraction | None, plan: UpscalePlan) -> tup
     ratio = f"{source_ratio.numerator}:{source_ratio.denominator}"
     if stretches_aspect(plan.delivery_size, plan.crop_size):
         height, width = plan.delivery_size
-        return None, [f"the 'exact' sr_target_resolution sets the output's shape: its {width}x{height} frames have "
-                      f"square pixels, not the source's {ratio}"]
+        return None, [FlagWordedNote.naming(lambda name: (
+            f"the 'exact' {name('sr_target_resolution')} sets the output's shape: its {width}x{height} frames have "
+            f"square pixels, not the source's {ratio}"))]
     return source_ratio, [f"the output keeps the source's sample aspect ratio {ratio} (the result's "
                           "sample_aspect_ratio; the MP4 is tagged with it), so players show the source's shape"]
 

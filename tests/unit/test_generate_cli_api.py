@@ -5,6 +5,7 @@ Sizes: the CLI and API take --height/--width (height first in the request, e.g. 
 
 import json
 import math
+import pickle
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from k6serve import DiffGenerator
 from k6serve.cli.main import build_parser, main
 from k6serve.media.probe import probe
 from k6serve.media.video import read_video
+from k6serve.request import FlagWordedNote, note_for_cli
 
 HEIGHT, WIDTH, FRAMES, FPS = 64, 96, 17, 24
 
@@ -125,10 +127,38 @@ def test_a_truncated_negative_prompt_is_noted_only_when_cfg_encodes_it():
     assert pipeline.truncation_notes(without_cfg) == []
 
 
-def test_cli_prints_the_truncation_note(tiny_distill_dir, tmp_path, capsys, in_process_worker):
+def test_cli_prints_the_notes_naming_its_flags(tiny_distill_dir, tmp_path, capsys, in_process_worker):
+    # The notes named the API's fields (`num_frames 6 is not of the form 4k+1`, `seed -1 drew ...`) to a CLI user,
+    # who typed --num-frames; the refusals had been worded in flags already (FlagWorded).
     assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", LONG_PROMPT, "--height", "32",
-                 "--width", "32", "--num-frames", "5", "--output-path", str(tmp_path)]) == 0
-    assert f"note: {TRUNCATED}" in capsys.readouterr().err
+                 "--width", "32", "--num-frames", "6", "--seed", "-1", "--output-path", str(tmp_path),
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out.strip().splitlines()[-1])
+    seed = record["seed"]
+    notes = [f"--seed -1 drew seed {seed}: pass --seed {seed} to make this video again.",
+             "--num-frames 6 is not of the form 4k+1; using 5 (n // 4 * 4 + 1, as the reference).",
+             TRUNCATED]  # "prompt", which a --prompt-file-path's line is too
+    assert all(note in record["notes"] for note in notes), record["notes"]
+    assert all(f"note: {note}" in captured.err for note in notes), captured.err
+    assert "num_frames 6" not in captured.err.replace("--num-frames 6", "")
+
+
+def test_the_api_and_the_server_read_the_same_notes_in_field_names(generator):
+    result = generator.generate({"prompt": LONG_PROMPT, "height": HEIGHT, "width": WIDTH, "num_frames": 6,
+                                 "save_output": False})
+    assert TRUNCATED in result.notes
+    assert "num_frames 6 is not of the form 4k+1; using 5 (n // 4 * 4 + 1, as the reference)." in result.notes
+    assert all("--" not in note for note in result.notes)
+
+
+def test_a_flag_worded_note_keeps_both_wordings_through_pickle_and_json():
+    # Results cross the ranks' process boundary pickled; the server stores them as JSON.
+    note = FlagWordedNote.naming(lambda name: f"{name('sample_audio', False)} and {name('num_frames')}")
+    again = pickle.loads(pickle.dumps(note))
+    assert (again, note_for_cli(again)) == ("sample_audio and num_frames", "--no-sample-audio and --num-frames")
+    assert json.loads(json.dumps({"notes": [again]})) == {"notes": ["sample_audio and num_frames"]}
+    assert note_for_cli("a plain note") == "a plain note"
 
 
 def test_cli_writes_mp4_with_config_file_and_cli_override(tiny_distill_dir, tmp_path, capsys, in_process_worker):

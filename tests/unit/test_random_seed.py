@@ -17,8 +17,10 @@ SMALL = {"prompt": "a fox", "height": 32, "width": 32, "num_frames": 5, "num_inf
 
 def test_minus_one_is_drawn_once_below_two_to_the_32():
     params, note = drawn_seed(SamplingParams(prompt="p", seed=-1))
-    assert 0 <= params.seed < 2**32 and note == (f"seed -1 drew seed {params.seed}: give it as the seed to make "
+    assert 0 <= params.seed < 2**32 and note == (f"seed -1 drew seed {params.seed}: pass seed {params.seed} to make "
                                                  "this video again.")
+    assert note.flag_wording == (f"--seed -1 drew seed {params.seed}: pass --seed {params.seed} to make this video "
+                                 "again.")
     assert drawn_seed(SamplingParams(prompt="p", seed=7)) == (SamplingParams(prompt="p", seed=7), None)
     assert drawn_seed(SamplingParams(prompt="p"))[1] is None
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\), or -1 for a seed drawn for "

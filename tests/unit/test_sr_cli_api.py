@@ -99,7 +99,7 @@ def test_silent_source_gives_video_only_and_steps_are_fixed(generator, clips, tm
     result = _run(generator, clips["silent24"], tmp_path, num_inference_steps=4)
     assert result.frames.shape == (9, 64, 128, 3) and result.audio is None
     assert not probe(result.output_file_path).has_audio
-    assert any("num_inference_steps=4 is ignored" in note for note in result.notes)
+    assert any("num_inference_steps 4 is ignored" in note for note in result.notes)
 
 
 @pytest.mark.parametrize(
@@ -204,6 +204,14 @@ def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys, in_p
     assert [p.name for p in (tmp_path / "named").iterdir()] == ["mine.mp4"]
     assert probe(tmp_path / "named" / "mine.mp4").has_audio
     assert "saved" in capsys.readouterr().out
+    # The notes name the flags typed (they named the API's fields: `num_inference_steps=4 is ignored`).
+    assert _cli(tiny_sr_dir, clips["silent24"], tmp_path / "noted", "--num-inference-steps", "4",
+                "--sr-target-resolution", "100x40", "--sr-target-resize-mode", "exact") == 0
+    err = capsys.readouterr().err
+    assert ("note: --num-inference-steps 4 is ignored: this checkpoint's PiFlow scheduler always runs 2 DiT calls "
+            "per tile.") in err
+    assert ("note: --sr-target-resolution '100x40' with the 'exact' resize mode stretches the 128x64 upscaled result "
+            "to 100x40, changing its aspect ratio; use --sr-target-resize-mode 'fit' to keep it.") in err
 
 
 def test_cli_runs_the_built_in_sr_demo(clips, tmp_path, caplog, in_process_worker, monkeypatch):
