@@ -46,6 +46,7 @@ from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVide
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import (
     FlagWorded,
+    FlagWordedNote,
     OutputOptions,
     SamplingParams,
     VideoResult,
@@ -298,11 +299,12 @@ def final_file_name(name: str) -> tuple[str, str | None]:
                   "(an 'e' and a combining accent become one 'é')")
     if final in (nfc, nfc + ".mp4"):
         # Only NFC changed it: the two names print alike ('é.mp4' is written as 'é.mp4'), so show their escapes.
-        return final, f"output_file_name {ascii(name)} is written as {ascii(final)}: {normalised}."
+        return final, FlagWordedNote.naming(lambda field: f"{field('output_file_name')} {ascii(name)} is written as "
+                                                          f"{ascii(final)}: {normalised}.")
     kept = ("file names keep only letters and digits (of any script), '.', '_' and '-' (others become '_'), and no "
             "leading dot")
-    return final, (f"output_file_name {name!r} is written as {final!r}: {kept}"
-                   + (f"; and {normalised}." if nfc != name else "."))
+    return final, FlagWordedNote.naming(lambda field: f"{field('output_file_name')} {name!r} is written as {final!r}: "
+                                                      f"{kept}" + (f"; and {normalised}." if nfc != name else "."))
 
 
 def check_output(output: OutputOptions) -> tuple[OutputOptions, list[str]]:

@@ -166,7 +166,7 @@ def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = Fa
     except FlagWorded as exc:
         raise ValueError(exc.flag_wording) from exc  # --output-file-name, not the API's output_file_name
     for warning in warnings if not quiet else ():
-        print(f"warning: {warning}", file=sys.stderr)
+        print(f"warning: {note_for_cli(warning)}", file=sys.stderr)
     if output.save_output:
         if output.output_file_name is None:
             return request_options
@@ -286,7 +286,7 @@ def _prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[
         except FlagWorded as exc:
             raise ValueError(exc.flag_wording) from exc
         if warning:
-            print(f"warning: {warning}", file=sys.stderr)
+            print(f"warning: {note_for_cli(warning)}", file=sys.stderr)
         names = numbered_file_names(final, len(prompts))
     # Chosen after the names are numbered: a rerun of the lines a stopped run names writes clip_7.mp4 for the
     # seventh prompt, as the whole run would have, beside the videos the first run saved.

@@ -969,7 +969,7 @@ def test_a_changed_output_file_name_is_warned_with_the_final_name(generator, tmp
 def test_cli_warns_about_a_changed_output_file_name_before_loading(in_process_cli, tmp_path, capsys):
     assert main([*in_process_cli, "--output-path", str(tmp_path), "--output-file-name", ".my clip"]) == 0
     err = capsys.readouterr().err
-    assert ("warning: output_file_name '.my clip' is written as 'my_clip.mp4': file names keep only letters and "
+    assert ("warning: --output-file-name '.my clip' is written as 'my_clip.mp4': file names keep only letters and "
             "digits (of any script), '.', '_' and '-' (others become '_'), and no leading dot.") in err
     assert err.count("is written as") == 1  # said once, before the load, not again by the API
     assert [path.name for path in tmp_path.iterdir()] == ["my_clip.mp4"]

@@ -86,11 +86,13 @@ def test_each_prompt_of_the_file_is_one_video_from_one_model_load(tiny_distill_d
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("A cat plays piano\n\nA dog runs on a beach\n")
     assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
-                      "clip")) == 0
+                      "my clip")) == 0
     captured = capsys.readouterr()
     assert len(loads) == 1
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["clip_1.mp4", "clip_2.mp4"]
-    for name in ("clip_1.mp4", "clip_2.mp4"):
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["my_clip_1.mp4", "my_clip_2.mp4"]
+    # Said once, before the names are numbered, in the flag's name.
+    assert captured.err.count("warning: --output-file-name 'my clip' is written as 'my_clip.mp4'") == 1
+    for name in ("my_clip_1.mp4", "my_clip_2.mp4"):
         info = probe(tmp_path / "out" / name)
         assert (info.width, info.height, info.num_frames) == (32, 32, 5)
     assert "[1/2] line 1: A cat plays piano" in captured.err and "[2/2] line 3: A dog runs on a beach" in captured.err
