@@ -273,8 +273,9 @@ class _AttemptDeadline:
     """TIMEOUT_S for a whole attempt. The socket's timeout bounds each read and write alone, so a receiver that
     sent its answer a byte a second held one attempt (and its URL's events) for as long as it liked: 39 s for a
     39-byte answer. At the deadline the attempt's socket is shut, which ends the read blocked on it at once; a socket
-    connected after the deadline is shut as soon as it is registered. (A TLS handshake's reads are bounded by the
-    socket timeout only: see `_DeadlineHTTPSConnection`.)"""
+    connected after the deadline is shut as soon as it is registered. A TLS handshake, before its socket can be
+    registered, is bounded as a whole by the socket's timeout (CPython's ssl module keeps one deadline across the
+    handshake's reads), also TIMEOUT_S."""
 
     _current = threading.local()  # the attempt in progress on this thread (one thread a URL), for its connection
 
@@ -326,7 +327,7 @@ class _DeadlineHTTPConnection(http.client.HTTPConnection):
 class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
     def connect(self) -> None:
         # Registered once the TLS handshake is done (wrapping detaches the TCP socket, which then cannot be shut):
-        # the handshake's reads are bounded by the socket timeout alone, the answer's by the deadline too.
+        # the handshake is bounded by the socket timeout as a whole (not read by read), the answer by the deadline.
         super().connect()
         _AttemptDeadline.register(self.sock)
 

@@ -352,6 +352,28 @@ def test_an_attempt_ends_at_its_deadline_however_slowly_the_answer_comes(monkeyp
     assert outcome == (("no whole answer within 1 s", True) if cut == "head" else None)
 
 
+def test_a_tls_handshake_dripped_a_byte_at_a_time_ends_at_the_deadline(monkeypatch):
+    """A receiver that answers the ClientHello with a record header, then one byte of its 16 KiB a tenth of a second
+    (each read gets a byte in time): the handshake happens before the deadline holds the socket, and is bounded as a
+    whole by the socket timeout (CPython's ssl keeps one deadline across its reads), so the attempt still ends at
+    TIMEOUT_S and says so."""
+    from k6serve.serve import webhooks
+
+    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    dripping = DrippingListener(b"\x16\x03\x03\x40\x00", b"\x02" * 16384, every_s=0.1)  # a handshake record
+    url = dripping.url.replace("http://", "https://")
+    sender = WebhookSender((url,), SECRET)
+    try:
+        event = sender.new_event("video.completed", "video_a", 1_700_000_000)
+        started = time.monotonic()
+        outcome = sender._attempt(event, url, event.body())
+        elapsed = time.monotonic() - started
+    finally:
+        dripping.close()
+    assert elapsed < 2.0
+    assert outcome == ("no whole answer within 1 s", True)
+
+
 def test_https_attempts_have_the_deadline_too():
     """The deadline's connections replace urllib's default HTTP and HTTPS handlers in the opener (build_opener keeps
     a default handler only where no subclass of it is given): an https:// receiver that drips is cut as well."""

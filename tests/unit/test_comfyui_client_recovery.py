@@ -672,3 +672,27 @@ def test_cancel_and_timeout_s_are_heard_while_the_video_is_decoded(fake_server, 
             Generate().generate(fake_server.base_url, **TINY, api_key="secret-key", timeout_s=2)
         assert Path(str(raised.value).split("saved at ")[1].split(". Raise")[0]).is_file()
         assert len(frames_decoded) < 5  # TINY has 5 frames
+
+
+def test_cancel_is_heard_while_a_tls_handshake_hangs():
+    """An https:// server_url whose server took the TCP connection and never answered the handshake held a Cancel
+    for the socket's whole timeout (60 s): the watch shut the request's socket only once the handshake was done."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    taken = []
+    threading.Thread(target=lambda: taken.append(listener.accept()[0]), daemon=True).start()
+    client = K6ServeClient(f"https://127.0.0.1:{listener.getsockname()[1]}", node_name="K6Serve Upscale")
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    check_interrupt = ComfyInterrupt(cancel)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Interrupt):
+            client._watched(lambda: client._open("GET", "/v1/models"), check_interrupt,
+                            client_module.Deadline.after(0), "asking for the models")
+    finally:
+        listener.close()
+        for connection in taken:
+            connection.close()
+    assert taken and time.monotonic() - started < 1.5

@@ -644,10 +644,18 @@ class _WatchedHTTPConnection(http.client.HTTPConnection):
 
 class _WatchedHTTPSConnection(http.client.HTTPSConnection):
     def connect(self) -> None:
-        # Registered once the TLS handshake is done (wrapping detaches the TCP socket, which then cannot be shut):
-        # the handshake is bounded by the socket's timeout alone, everything after it by the watch too.
-        super().connect()
-        _RequestWatch.register(self.sock)
+        # http.client's HTTPSConnection.connect, with the TLS handshake watched too: a server that took the TCP
+        # connection and never answered the handshake held a Cancel for the socket's whole timeout (60 s). Wrapping
+        # detaches the TCP socket's descriptor from its object, so the watch holds a duplicate through the
+        # handshake: shutdown acts on the connection, not on one descriptor, and ends the handshake's blocked read.
+        http.client.HTTPConnection.connect(self)  # TCP, and a proxy's CONNECT tunnel where there is one
+        handshake = self.sock.dup()
+        try:
+            _RequestWatch.register(handshake)
+            self.sock = self._context.wrap_socket(self.sock, server_hostname=self._tunnel_host or self.host)
+            _RequestWatch.register(self.sock)
+        finally:
+            handshake.close()  # a shutdown of it after this raises OSError, which `_shut` ignores
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):
