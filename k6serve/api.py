@@ -18,9 +18,10 @@ import logging
 import math
 import os
 import tempfile
+import typing
 import unicodedata
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from k6serve.request import (
 )
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.media.image import looks_like_url
-from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, sanitize_file_name
+from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, numbered_file_names, sanitize_file_name
 
 logger = logging.getLogger(__name__)
 # The generators not yet shut down. A notebook cell that runs `generator = DiffGenerator.from_pretrained(...)` again
@@ -538,6 +539,31 @@ def _http_names_answered(method: Callable) -> Callable:
     return answered
 
 
+def _shown_prompt(prompt: Any) -> str:
+    """A list's prompt as an error shows it: its start, or what else it is."""
+    if isinstance(prompt, str):
+        return repr(prompt if len(prompt) <= 40 else prompt[:40] + "...")
+    return f"{prompt!r} ({type(prompt).__name__})"
+
+
+@contextlib.contextmanager
+def _stopped_list(listed: list, results: list[VideoResult]) -> Iterator[None]:
+    """Around one prompt of a list: its failure (or Ctrl-C, a cancel) is raised with a note of what had finished,
+    where their videos are, and how to run the rest."""
+    try:
+        yield
+    except BaseException as error:
+        done = len(results)
+        saved = [result.output_file_path for result in results if result.output_file_path]
+        error.add_note(
+            f"prompt {done} of the list of {len(listed)} stopped it: "
+            + (f"prompts 0-{done - 1} had finished" if done > 1 else "prompt 0 had finished" if done else
+               "none had finished")
+            + (f" (saved: {', '.join(saved)})" if saved else "")
+            + f"; to run the rest, pass the list from prompt {done} on (prompts[{done}:]).")
+        raise
+
+
 def _in_callers_words(method: Callable) -> Callable:
     """A `DiffGenerator` method whose ValueErrors are worded for its caller (`DiffGenerator._wording`)."""
     if inspect.iscoroutinefunction(method):
@@ -643,11 +669,22 @@ class DiffGenerator:
             raise RuntimeError("This DiffGenerator has been shut down (shutdown() or the end of its `with` block); "
                                "load a new one with DiffGenerator.from_pretrained(...).")
 
+    @typing.overload
+    def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+                 prompt: list[str] | tuple[str, ...], on_progress: ProgressCallback | None = None,
+                 progress_bar: bool = False, **kwargs: Any) -> list[VideoResult]: ...
+
+    @typing.overload
+    def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+                 on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                 **kwargs: Any) -> VideoResult: ...
+
     @_in_callers_words
     def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, progress_bar: bool = False,
-                 **kwargs: Any) -> VideoResult:
-        """Run one request and return its `VideoResult`. The request is a dict (the seed's sampling_params_kwargs),
+                 **kwargs: Any) -> VideoResult | list[VideoResult]:
+        """Run one request and return its `VideoResult`; a list of prompts runs one request per prompt and returns
+        their results in a list (`_each_prompt`). The request is a dict (the seed's sampling_params_kwargs),
         keyword arguments, or both (keywords win): every SamplingParams field plus save_output (default True),
         output_path (default "outputs"), output_file_name, return_frames and return_file_paths_only (the seed's
         names); None for any of them means its default. The frames and the waveform are returned with
@@ -661,20 +698,44 @@ class DiffGenerator:
         the request there, with no file left behind. `progress_bar=True` shows the CLI's bar over the steps on
         stderr (in a notebook, under the cell), beside any on_progress. Several threads may call this at once:
         requests run in order (N at a time with dp_size=N). From asyncio code, `await generator.agenerate(...)`."""
+        if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
+            results: list[VideoResult] = []
+            for params, output, warnings in listed:
+                with _stopped_list(listed, results), self._step_bar(on_progress, progress_bar) as on_step:
+                    results.append(self.engine.generate(params, output, on_progress=on_step))
+                results[-1].notes[:0] = warnings
+            return results
         params, output, warnings = self._checked_request(sampling_params_kwargs, on_progress, kwargs)
         with self._step_bar(on_progress, progress_bar) as on_step:
             result = self.engine.generate(params, output, on_progress=on_step)
         result.notes[:0] = warnings
         return result
 
+    @typing.overload
+    async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+                        prompt: list[str] | tuple[str, ...], on_progress: ProgressCallback | None = None,
+                        progress_bar: bool = False, **kwargs: Any) -> list[VideoResult]: ...
+
+    @typing.overload
+    async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+                        on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                        **kwargs: Any) -> VideoResult: ...
+
     @_in_callers_words
     async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
                         on_progress: ProgressCallback | None = None, progress_bar: bool = False,
-                        **kwargs: Any) -> VideoResult:
+                        **kwargs: Any) -> VideoResult | list[VideoResult]:
         """`generate` for asyncio code (a web app, a notebook's event loop): the same request, checks and result,
         awaited without blocking the loop. Cancelling the awaiting task (asyncio.wait_for's timeout, task.cancel())
         cancels the request at its next step boundary, with no file left behind; several may be awaited at once
         (asyncio.gather), run in order as threads' generate() calls are. Super-resolution: pass video_path=."""
+        if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
+            results: list[VideoResult] = []
+            for params, output, warnings in listed:
+                with _stopped_list(listed, results), self._step_bar(on_progress, progress_bar) as on_step:
+                    results.append(await self.engine.agenerate(params, output, on_progress=on_step))
+                results[-1].notes[:0] = warnings
+            return results
         params, output, warnings = self._checked_request(sampling_params_kwargs, on_progress, kwargs)
         with self._step_bar(on_progress, progress_bar) as on_step:
             result = await self.engine.agenerate(params, output, on_progress=on_step)
@@ -708,6 +769,42 @@ class DiffGenerator:
             yield on_step
         finally:
             bar.close()
+
+    def _each_prompt(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
+                     on_progress: ProgressCallback | None, kwargs: dict[str, Any]
+                     ) -> list[tuple[SamplingParams, OutputOptions, list[str]]] | None:
+        """A request whose prompt is a list (or tuple) as one checked request per prompt, else None. The seed's
+        `generate` takes a list, one request per prompt, run in order (a diffusers batch would draw its own noise,
+        which no seed reproduces): every prompt is checked before the first runs, so a bad one raises before any
+        work, naming its place in the list; a given output_file_name is numbered per prompt as the CLI's prompt
+        file numbers it (clip.mp4 -> clip_1.mp4, clip_2.mp4); the seed (and -1, drawn for each) is every prompt's.
+        The seed's generate logs a failing prompt and goes on; here the failure stops the list and raises, with a
+        note of what had finished (`_stopped_list`), since a list whose results silently miss one misnumbers the
+        rest. The prompts run one at a time, also with dp_size=N (for N at a time, call generate from N threads, or
+        gather agenerate calls, one prompt each)."""
+        options = request_options(sampling_params_kwargs, kwargs)
+        prompts = options.get("prompt")
+        if not isinstance(prompts, (list, tuple)):
+            return None
+        if not prompts:
+            raise ValueError("prompt is an empty list: pass one prompt as a string, or a list of at least one.")
+        if self.engine.variant.family != GENERATION:
+            raise ValueError("prompt is a list, which runs one generation per prompt, and the super-resolution model "
+                             "takes no prompt: upscale one video a call (video_path='/path/to/input.mp4').")
+        name, name_warning = options.get("output_file_name"), None
+        names: list[str | None] = [None] * len(prompts)
+        if isinstance(name, str) and options.get("save_output") is not False and len(prompts) > 1:
+            final, name_warning = final_file_name(name)  # said once, of the name given, before it is numbered
+            names = numbered_file_names(final, len(prompts))
+        listed = []
+        for index, (prompt, numbered) in enumerate(zip(prompts, names)):
+            each = {**options, "prompt": prompt, **({"output_file_name": numbered} if numbered else {})}
+            try:
+                params, output, warnings = self._checked_request(each, on_progress, {})
+            except ValueError as exc:
+                raise ValueError(f"prompt {index} of the list ({_shown_prompt(prompt)}): {exc}") from None
+            listed.append((params, output, [name_warning, *warnings] if name_warning else warnings))
+        return listed
 
     def _checked_request(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
                          on_progress: ProgressCallback | None, kwargs: dict[str, Any]

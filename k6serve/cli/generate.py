@@ -23,6 +23,7 @@ from k6serve.api import (
     unsaved_output_keys,
 )
 from k6serve.config import EngineConfig
+from k6serve.media.output_names import numbered_file_names
 from k6serve.models.variants import GENERATION, prompt_text_refusal
 from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text, note_for_cli
 from k6serve.runtime.engine import RequestCancelled
@@ -220,16 +221,6 @@ def read_prompt_file(path: str) -> list[tuple[int, str]]:
     if not prompts:
         raise ValueError(f"--prompt-file-path {path!r} holds no prompt; write one prompt per line.")
     return prompts
-
-
-def numbered_file_names(name: str, count: int) -> list[str]:
-    """A given --output-file-name for each of `count` prompts: clip.mp4 -> clip_1.mp4 ... clip_N.mp4 (zero-padded
-    to N's width, so they sort in the file's order); the name itself for one."""
-    if count == 1:
-        return [name]
-    stem = name[:-4] if name.lower().endswith(".mp4") else name
-    width = len(str(count))
-    return [f"{stem}_{index:0{width}d}.mp4" for index in range(1, count + 1)]
 
 
 def parse_line_selection(spec: str) -> list[tuple[int, int | None]]:

@@ -22,6 +22,17 @@ def is_name_character(char: str) -> bool:
     return category[0] in "LM" or category == "Nd"
 
 
+def numbered_file_names(name: str, count: int) -> list[str]:
+    """A given output file name for each of `count` prompts (a --prompt-file-path, a list of prompts in the API):
+    clip.mp4 -> clip_1.mp4 ... clip_N.mp4 (zero-padded to N's width, so they sort in the prompts' order); the name
+    itself for one."""
+    if count == 1:
+        return [name]
+    stem = name[:-4] if name.lower().endswith(".mp4") else name
+    width = len(str(count))
+    return [f"{stem}_{index:0{width}d}.mp4" for index in range(1, count + 1)]
+
+
 def name_characters(text: str, keep: str = "") -> str:
     """`text` in NFC (macOS and Linux give the same bytes for an accented letter typed either way) with each run of
     characters that are not `is_name_character` or in `keep` as one '_'."""

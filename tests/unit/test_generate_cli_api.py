@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,3 +365,52 @@ def test_on_progress_counts_from_step_one_while_the_rewrite_reports_step_0(gener
                                  "max_sequence_length": 64, "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES,
                                  "save_output": False}, on_progress=eta, progress_bar=progress_bar)
     assert result.expanded_prompt and calls[0] == (1, 2) and min(step for step, _ in calls) == 1
+
+
+def test_a_list_of_prompts_is_one_request_each_in_order(generator, tmp_path):
+    """The seed's `generate` takes a prompt list, one request per prompt; k6serve refused it ("prompt must be a
+    string"), so code moved from it broke at its first call."""
+    kwargs = {"height": 32, "width": 32, "num_frames": 5, "seed": 7, "output_path": str(tmp_path)}
+    results = generator.generate({**kwargs, "prompt": ["A cat plays piano", "A dog runs"],
+                                  "output_file_name": "my clip", "return_frames": True})
+    assert [Path(result.output_file_path).name for result in results] == ["my_clip_1.mp4", "my_clip_2.mp4"]
+    assert [result.seed for result in results] == [7, 7]
+    # The name's rewrite is said (once per result, each whole on its own), of the name given.
+    assert all(any(note.startswith("output_file_name 'my clip' is written as 'my_clip.mp4'") for note in result.notes)
+               for result in results)
+    # The same video as the prompt alone: one request each, not a batch with its own noise.
+    alone = generator.generate({**kwargs, "prompt": "A dog runs", "save_output": False})
+    assert np.array_equal(results[1].frames, alone.frames) and not np.array_equal(results[0].frames, alone.frames)
+    # A tuple, keywords, and the async twin alike; one prompt in a list is a list of one result.
+    import asyncio
+
+    awaited = asyncio.run(generator.agenerate(prompt=("A cat",), **{**kwargs, "save_output": False}))
+    assert isinstance(awaited, list) and len(awaited) == 1 and awaited[0].frames.shape == (5, 32, 32, 3)
+
+
+@pytest.mark.parametrize(("prompts", "message"), [
+    ([], r"^prompt is an empty list: pass one prompt as a string, or a list of at least one\.$"),
+    (["A cat", 3], r"^prompt 1 of the list \(3 \(int\)\): prompt must be a string"),
+    (["A cat", " "], r"^prompt 1 of the list \(' '\): prompt is required"),
+])
+def test_a_bad_prompt_of_a_list_is_refused_before_any_runs(generator, tmp_path, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        generator.generate(prompt=prompts, height=32, width=32, num_frames=5, output_path=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_failing_prompt_stops_the_list_saying_what_finished(generator, tmp_path):
+    calls = []
+
+    def second_fails(step, total):
+        calls.append(step)
+        if calls.count(1) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        generator.generate(prompt=["A cat", "A dog", "A fox"], height=32, width=32, num_frames=5, seed=3,
+                           output_path=str(tmp_path), on_progress=second_fails)
+    (saved,) = tmp_path.iterdir()
+    assert raised.value.__notes__ == [
+        f"prompt 1 of the list of 3 stopped it: prompt 0 had finished (saved: {saved}); to run the rest, pass the "
+        "list from prompt 1 on (prompts[1:])."]

@@ -248,3 +248,9 @@ def test_cli_errors(tiny_sr_flow640_dir, clips, tmp_path, capsys):
     assert _cli(tiny_sr_flow640_dir, clips["silent24"], tmp_path) == 2
     assert "Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers" in capsys.readouterr().err
     assert list(tmp_path.glob("*.mp4")) == []
+
+
+def test_a_list_of_prompts_is_refused_by_the_super_resolution_model(generator, clips):
+    with pytest.raises(ValueError, match=r"^prompt is a list, which runs one generation per prompt, and the "
+                                         r"super-resolution model takes no prompt: upscale one video a call"):
+        generator.generate(prompt=["a", "b"], video_path=str(clips["silent24"]), save_output=False)
