@@ -315,7 +315,9 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     # Request parameters.
     "prompt_path": _request("k6serve reads prompts from a file, one per line, with --prompt-file-path FILE, or "
                             "takes one with --prompt",
-                            api_fix="k6serve takes the text itself as prompt, one prompt per request"),
+                            api_fix="k6serve takes the text itself as prompt, or a list of prompts, one request "
+                                    "each (a file's lines: prompt=[line for line in "
+                                    "Path(FILE).read_text().splitlines() if line.strip()])"),
     "generator_device": _request("k6serve chooses where the noise is drawn: the generation models use a CPU "
                                  "generator, so a seed gives the same initial noise on every device, and "
                                  "super-resolution draws on the device it runs on: drop it"),
