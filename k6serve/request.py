@@ -403,6 +403,9 @@ class VideoResult:
     # Super-resolution of a source with non-square pixels: their width over height, kept by the output (the MP4 is
     # tagged with it; scale `frames`' width by it to show them in the source's shape). None: square pixels.
     sample_aspect_ratio: Fraction | None = None
+    # The generation's prompt as given (None for super-resolution, which takes none): which prompt of a list this
+    # result is, as the seed's result names it.
+    prompt: str | None = None
 
     @property
     def generation_time(self) -> float:

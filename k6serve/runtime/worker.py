@@ -699,4 +699,5 @@ class ModelWorker:
             notes=notes + result.notes,
             sample_aspect_ratio=getattr(result, "sample_aspect_ratio", None),  # SR only
             expanded_prompt=getattr(result, "expanded_prompt", None),  # generation with expand_prompts only
+            prompt=request.prompt if isinstance(request, GenerateRequest) else None,
         )

@@ -374,7 +374,7 @@ def test_a_list_of_prompts_is_one_request_each_in_order(generator, tmp_path):
     results = generator.generate({**kwargs, "prompt": ["A cat plays piano", "A dog runs"],
                                   "output_file_name": "my clip", "return_frames": True})
     assert [Path(result.output_file_path).name for result in results] == ["my_clip_1.mp4", "my_clip_2.mp4"]
-    assert [result.seed for result in results] == [7, 7]
+    assert [(result.seed, result.prompt) for result in results] == [(7, "A cat plays piano"), (7, "A dog runs")]
     # The name's rewrite is said (once per result, each whole on its own), of the name given.
     assert all(any(note.startswith("output_file_name 'my clip' is written as 'my_clip.mp4'") for note in result.notes)
                for result in results)

@@ -100,6 +100,7 @@ def test_silent_source_gives_video_only_and_steps_are_fixed(generator, clips, tm
     assert result.frames.shape == (9, 64, 128, 3) and result.audio is None
     assert not probe(result.output_file_path).has_audio
     assert any("num_inference_steps 4 is ignored" in note for note in result.notes)
+    assert result.prompt is None  # no prompt to name
 
 
 @pytest.mark.parametrize(
