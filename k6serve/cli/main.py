@@ -235,11 +235,33 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class _InputGivenOnce(argparse.Action):
+    """A request's input (--prompt, --negative-prompt, --image-path, --video-path) given twice with other values is
+    refused: argparse keeps the last, so `--prompt "a cat" --prompt "a dog"` (two prompts meant as two videos, or a
+    script adding a prompt to a command that had one) made one video of the dog, the cat dropped without a word."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        previous = getattr(namespace, self.dest, None)
+        if previous is not None and previous != values:
+            several = ("for several prompts, write them one a line in a file and pass --prompt-file-path FILE"
+                       if self.dest == "prompt" else "pass it once")
+            raise argparse.ArgumentError(self, f"given twice ({previous!r}, then {values!r}); a run takes one: "
+                                               f"{several}.")
+        setattr(namespace, self.dest, values)
+
+
+_INPUTS_GIVEN_ONCE = ("prompt", "negative_prompt", "image_path", "video_path")
+
+
 def add_request_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("request")
     for field in parameter_fields(surface="cli"):
         kind = _field_type(field)
-        if kind is bool:
+        if field.name in _INPUTS_GIVEN_ONCE:
+            group.add_argument(_flag(field.name), type=kind, default=None, action=_InputGivenOnce,
+                               help=field.metadata["help"])
+        elif kind is bool:
             group.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=None,
                                help=field.metadata["help"])
         elif kind is dict:

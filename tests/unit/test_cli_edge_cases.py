@@ -1477,3 +1477,29 @@ def test_cli_empty_or_all_commented_yaml_config_sets_nothing(tmp_path, capsys, t
     assert main(["generate", "--config", str(config), "--model-path", "demo", "--prompt", "x", "--height", "30"]) == 2
     err = capsys.readouterr().err
     assert "error: --height must be a positive multiple of 16" in err and "mapping" not in err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prompt", "a cat", "--prompt", "a dog"],
+     "argument --prompt: given twice ('a cat', then 'a dog'); a run takes one: for several prompts, write them one a "
+     "line in a file and pass --prompt-file-path FILE."),
+    (["--image-path", "a.png", "--image-path", "b.png"],
+     "argument --image-path: given twice ('a.png', then 'b.png'); a run takes one: pass it once."),
+])
+def test_an_input_given_twice_is_refused_not_dropped(capsys, flags, message):
+    # argparse keeps the last: the first prompt was dropped without a word (one video, of the dog).
+    with pytest.raises(SystemExit) as raised:
+        main(["generate", "--model-path", "demo", *flags])
+    assert raised.value.code == 2 and capsys.readouterr().err.rstrip().endswith(f"error: {message}")
+
+
+def test_the_same_input_twice_and_a_config_files_prompt_under_the_flag_are_fine(tmp_path):
+    from k6serve.cli.main import build_parser, merged_options
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model-path", "demo", "--prompt", "a cat", "--prompt", "a cat"])
+    assert args.prompt == "a cat"
+    config = tmp_path / "run.yaml"
+    config.write_text("prompt: from the file\n")
+    args = parser.parse_args(["generate", "--config", str(config), "--model-path", "demo", "--prompt", "a dog"])
+    assert merged_options(args, parser)["prompt"] == "a dog"  # the command line wins, as for every flag
