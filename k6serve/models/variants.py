@@ -13,6 +13,7 @@ import logging
 import math
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -645,6 +646,24 @@ def parse_target_resolution(value: str) -> str:
     return value
 
 
+def sr_source_field_refusal(field: str, name: Callable[[str], str] = str) -> str:
+    """The refusal of `field` (height, width, num_frames, fps; over HTTP size, seconds) in a super-resolution
+    request, with the way to get what it asked for. Every one was told to use the scale and the target "to choose the
+    output size", which a length or a frame rate is not."""
+    taken = f"{name(field)} is taken from the source video in super-resolution; "
+    if field in ("num_frames", "seconds"):
+        # media/video.py: the first 121 frames the 24 fps rule keeps, floored to 1 + 8k.
+        return (taken + "the upscale takes up to 121 frames from the source's start (5 s at 24 fps), at the rate "
+                "the 24 fps rule sets, floored to 1 + 8k. For another part or a shorter clip, cut the source first "
+                f"(FFmpeg: ffmpeg -ss START -i IN -t SECONDS OUT), and drop {name(field)}.")
+    if field == "fps":
+        return (taken + "the output keeps the source's frame rate rounded to a whole number, and a source of 25.5 "
+                "fps or more is subsampled to 24 fps. For another rate, convert the source first (FFmpeg: ffmpeg "
+                f"-i IN -vf fps=N -c:a copy OUT), and drop {name(field)}.")
+    return (taken + f"use {name('sr_resolution_scale')} and {name('sr_target_resolution')} to choose the output "
+            "size.")
+
+
 def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRequest, list[str]]:
     if variant.family != SUPER_RESOLUTION:
         raise ValueError(
@@ -691,9 +710,7 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
             f"scheduler always runs {variant.num_inference_steps} DiT calls per tile.")))
     for field in ("height", "width", "num_frames", "fps"):
         if getattr(params, field) is not None:
-            raise FlagWorded.naming(lambda name: f"{name(field)} is taken from the source video in super-resolution; "
-                                                 f"use {name('sr_resolution_scale')} and "
-                                                 f"{name('sr_target_resolution')} to choose the output size.")
+            raise FlagWorded.naming(lambda name: sr_source_field_refusal(field, name))
     if params.guidance_scale is not None and params.guidance_scale != 1.0:
         raise FlagWorded.naming(lambda name: "The super-resolution model has no guidance; "
                                              f"{name('guidance_scale')} must be 1.0 or unset.")

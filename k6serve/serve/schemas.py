@@ -25,6 +25,7 @@ from k6serve.models.variants import (
     SUPER_RESOLUTION,
     Variant,
     seconds_to_num_frames,
+    sr_source_field_refusal,
 )
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import SR_RESIZE_MODES, SamplingParams, parameter_fields, parse_size
@@ -437,8 +438,7 @@ def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple
     is_sr = variant.family == SUPER_RESOLUTION
     if is_sr and (body.size is not None or body.seconds is not None):
         name = "size" if body.size is not None else "seconds"
-        raise ApiError(400, f"{name} is taken from the source video in super-resolution; choose the output with "
-                            "sr_resolution_scale and sr_target_resolution.", code="invalid_parameter", param=name)
+        raise ApiError(400, sr_source_field_refusal(name), code="invalid_parameter", param=name)
     if body.size is not None:
         if not _SIZE.fullmatch(body.size):
             raise ApiError(400, f"size must be 'WIDTHxHEIGHT' in ASCII digits, width first (e.g. '768x512'), got "

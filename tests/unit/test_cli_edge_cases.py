@@ -223,8 +223,10 @@ LORA_X = ["--lora-path", "x.safetensors", "--lora-nickname", "x", "--lora-merge-
         ("sr", ["--video-path", "clip.mp4", "--image-path", "a.png"],
          "--image-path is not used by the super-resolution model; pass --video-path only."),
         ("sr", ["--video-path", "clip.mp4", "--num-frames", "9"],
-         "--num-frames is taken from the source video in super-resolution; use --sr-resolution-scale and "
-         "--sr-target-resolution to choose the output size."),
+         "--num-frames is taken from the source video in super-resolution; the upscale takes up to 121 frames "
+         "from the source's start (5 s at 24 fps), at the rate the 24 fps rule sets, floored to 1 + 8k. For "
+         "another part or a shorter clip, cut the source first (FFmpeg: ffmpeg -ss START -i IN -t SECONDS OUT), "
+         "and drop --num-frames."),
         ("sr", ["--video-path", "clip.mp4", "--no-sample-audio"],
          "--no-sample-audio applies to the generation models; super-resolution keeps the source video's own "
          "soundtrack (a source without one gives a silent video). Drop --no-sample-audio."),

@@ -1,6 +1,7 @@
 """Variant recognition and request resolution: defaults per variant and every bad-input message."""
 
 import json
+import re
 import typing
 
 import pytest
@@ -355,6 +356,33 @@ def test_sr_defaults_and_errors():
     ]:
         with pytest.raises(ValueError, match=message):
             resolve_upscale(SamplingParams(**kwargs), VARIANTS["vsr-distilled2steps"])
+
+
+def test_sr_refuses_a_length_or_frame_rate_with_the_way_to_get_it():
+    # Each was told to "use sr_resolution_scale and sr_target_resolution to choose the output size", which sets
+    # neither a clip's length nor its frame rate; over HTTP `seconds` read the same.
+    from k6serve.serve.errors import ApiError
+    from k6serve.serve.schemas import VideoCreateBody, to_sampling_params
+
+    sr = VARIANTS["vsr-distilled2steps"]
+    cut = (r"the upscale takes up to 121 frames from the source's start \(5 s at 24 fps\), at the rate the 24 fps "
+           r"rule sets, floored to 1 \+ 8k\. For another part or a shorter clip, cut the source first \(FFmpeg: "
+           r"ffmpeg -ss START -i IN -t SECONDS OUT\), and drop ")
+    convert = (r"the output keeps the source's frame rate rounded to a whole number, and a source of 25\.5 fps or "
+               r"more is subsampled to 24 fps\. For another rate, convert the source first \(FFmpeg: ffmpeg -i IN "
+               r"-vf fps=N -c:a copy OUT\), and drop ")
+    for field, value, flag, fix in (("num_frames", 9, "--num-frames", cut), ("fps", 30, "--fps", convert)):
+        with pytest.raises(FlagWorded) as refused:
+            resolve_upscale(SamplingParams(video_path="a.mp4", **{field: value}), sr)
+        taken = "{} is taken from the source video in super-resolution; "
+        assert re.fullmatch(taken.format(field) + fix + field + r"\.", str(refused.value))
+        assert re.fullmatch(taken.format(flag) + fix + flag + r"\.", refused.value.flag_wording)
+    with pytest.raises(FlagWorded, match="use sr_resolution_scale and sr_target_resolution to choose the output size"):
+        resolve_upscale(SamplingParams(video_path="a.mp4", height=64), sr)
+    with pytest.raises(ApiError) as refused:
+        to_sampling_params(VideoCreateBody(video_path="a.mp4", seconds="4"), sr, served_names=("demo-sr",))
+    assert re.fullmatch(r"seconds is taken from the source video in super-resolution; " + cut + r"seconds\.",
+                        refused.value.message)
 
 
 def test_openai_size_is_width_first():
