@@ -877,11 +877,14 @@ class DiffGenerator:
         except FileNotFoundError:
             return False
 
-    def upscale(self, video_path: str | os.PathLike[str], *, on_progress: ProgressCallback | None = None,
-                **kwargs: Any) -> VideoResult:
+    def upscale(self, video_path: str | os.PathLike[str] | None = None, *,
+                on_progress: ProgressCallback | None = None, progress_bar: bool = False, **kwargs: Any) -> VideoResult:
         """Super-resolution convenience (the VSR checkpoint): `generate(video_path=..., **kwargs)`, e.g. with
-        sr_resolution_scale=2, seed, output_path; the same progress callback."""
-        return self.generate({"video_path": video_path, **kwargs}, on_progress=on_progress)
+        sr_resolution_scale=2, seed, output_path; the same progress callback and bar."""
+        # Without a path the request is generate's to refuse: diffusers' `upscale(video=...)` then gets its note
+        # (pass video_path=) instead of Python's "missing 1 required positional argument".
+        request = kwargs if video_path is None else {"video_path": video_path, **kwargs}
+        return self.generate(request, on_progress=on_progress, progress_bar=progress_bar)
 
     @_in_callers_words
     @_http_names_answered

@@ -177,6 +177,22 @@ def test_upscale_takes_a_progress_callback(tmp_path):
     assert worker.params.video_path == str(tmp_path / "source.mp4")
 
 
+def test_upscale_takes_the_progress_bar_and_names_diffusers_video_keyword(tmp_path, capsys):
+    # upscale() forwarded on_progress alone: progress_bar=True went into the request, refused as an unknown
+    # sampling parameter; and diffusers' pipe(video=...) spelling got Python's "missing 1 required positional
+    # argument: 'video_path'" instead of the note generate() gives for it.
+    from k6serve.api import DiffGenerator
+
+    with DiffGenerator(Engine(fake_config(), worker=StepWorker())) as generator:
+        result = generator.upscale(str(tmp_path / "source.mp4"), num_inference_steps=2, save_output=False,
+                                   progress_bar=True)
+        assert result.notes == ["steps=2"]
+        assert "2/2" in capsys.readouterr().err
+        with pytest.raises(ValueError, match=r"Unknown sampling parameter\(s\) \['video'\] \(diffusers' argument; "
+                                             r"super-resolution takes the source's file: pass video_path="):
+            generator.upscale(video=str(tmp_path / "source.mp4"))
+
+
 @pytest.mark.multiprocess
 def test_ctrl_c_reaching_the_worker_processes_leaves_them_serving():
     from test_launch import FakeRankWorker, make_config
