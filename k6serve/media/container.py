@@ -93,8 +93,15 @@ def describe_streams(container: av.container.InputContainer) -> str:
 
 def still_image_demuxer(container: av.container.InputContainer) -> str | None:
     """The demuxer's name when FFmpeg read `container` as a still image (its image2 or *_pipe image demuxers,
-    e.g. png_pipe, jpeg_pipe), else None. Such a file still shows one video stream, at a made-up 25 fps."""
+    e.g. png_pipe, jpeg_pipe, or a GIF of one frame), else None. Such a file still shows one video stream, at a
+    made-up 25 fps (a still GIF's at 100 fps)."""
     name = container.format.name
+    if name == "gif":
+        # The gif demuxer counts a file's frames when it opens it. A still GIF went on as a video of one frame at
+        # 100 fps, which the 24 fps rule subsamples to none: its job failed in the queue with "pass a longer clip"
+        # (one with a frame delay of a second came out as a one-frame MP4).
+        streams = video_streams(container)
+        return name if streams and streams[0].frames == 1 else None
     return name if name in ("image2", "image2pipe") or name.endswith("_pipe") else None
 
 

@@ -566,6 +566,12 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
         PIL.Image.new("RGB", (32, 32), "red").save(still, format="PNG")
         response = client.post("/v1/videos", files={"video_reference": ("frame.png", still.getvalue())})
         _assert_error(response, 400, param="video_reference", code="invalid_upload", contains="is a still image")
+        # So is a GIF of one frame (FFmpeg's gif demuxer): its job was queued, then failed with "pass a longer clip".
+        gif = io.BytesIO()
+        PIL.Image.new("RGB", (32, 32), "red").save(gif, format="GIF")
+        response = client.post("/v1/videos", files={"video_reference": ("frame.gif", gif.getvalue())})
+        _assert_error(response, 400, param="video_reference", code="invalid_upload",
+                      contains="is a still image (FFmpeg's gif demuxer)")
         clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
         response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", clip.read_bytes())})
         assert response.status_code == 200, response.text

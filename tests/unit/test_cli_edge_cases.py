@@ -319,6 +319,12 @@ def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_loa
     still = tmp_path / "still.mp4"
     PIL.Image.new("RGB", (32, 32), "red").save(still, format="PNG")
     cases.append((still, "still.mp4' is a still image (FFmpeg reads it with its png_pipe demuxer)"))
+    # A GIF of one frame: FFmpeg's gif demuxer is no image demuxer, and the 100 fps it gives a frame without a delay
+    # was subsampled to no frame after the load ("pass a longer clip"); with a delay of 1 s it was upscaled as a clip.
+    for duration in (0, 1000):
+        gif = tmp_path / f"still_{duration}.gif"
+        PIL.Image.new("RGB", (32, 32), "red").save(gif, duration=duration)
+        cases.append((gif, f"still_{duration}.gif' is a still image (FFmpeg reads it with its gif demuxer)"))
     for path, message in cases:
         assert main(["generate", "--model-path", str(tiny_sr_dir), "--video-path", str(path),
                      "--output-path", str(tmp_path / "out")]) == 2
