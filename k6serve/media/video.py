@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -175,7 +176,7 @@ class SourcePreview:
 
     frame_size: tuple[int, int]  # (H, W) of the frames `frames()` yields: the display rotation applied
     # The kept count `summary()` gives if the file is as long as it says (`SRSourceReader.preview`); None when it
-    # states no length, or one too short to keep a frame.
+    # states no length, or only a duration too short to keep a frame (a stated count that short is refused).
     num_frames: int | None
     fps: int  # `summary().fps`: it depends on the stated frame rate only
 
@@ -291,8 +292,24 @@ class SRSourceReader:
         if num_source_frames is None and self._container.duration:
             num_source_frames = round(self._container.duration / av.time_base * self.source_fps)
         indices = sr_source_indices(num_source_frames or 0, self._plan, max_frames=self._max_frames)
+        if num_source_frames and not indices and self.declared_frames:
+            # A count from the sample table (not a duration's estimate): `summary` would refuse it after the load,
+            # or after an HTTP job's wait in the queue.
+            raise ValueError(self._no_frames(f"it states {num_source_frames} frame(s)"))
         return SourcePreview(frame_size=frame_size, num_frames=floor_frame_count(len(indices)) if indices else None,
                              fps=self._plan.output_fps)
+
+    def _no_frames(self, count: str) -> str:
+        """The refusal of a source the 24 fps rule keeps no frame of, which has `count` ("2 decoded frame(s)")."""
+        message = f"video file {str(self.path)!r} gives no frames to upscale: {count} at {self.source_fps:g} fps"
+        step = self._plan.step
+        if step is None:
+            return message + "; pass a longer clip"
+        # A clip of 1 frame at 30 fps, or 2 at 60, was told only "pass a longer clip", where the same frames at 24
+        # fps are upscaled: the subsampling keeps int(N / step) frames, none below one step.
+        return (f"{message}, which the 24 fps rule subsamples to {self._plan.output_fps} fps (a frame every "
+                f"{step:g}), keeping none of fewer than {math.ceil(step)} frames; pass a clip of at least "
+                f"{math.ceil(step)} frames")
 
     def frames(self) -> Iterator[np.ndarray]:
         """The selected RGB uint8 (H, W, 3) frames, decoded one at a time."""
@@ -336,10 +353,7 @@ class SRSourceReader:
         # Decoding may have gone past the last selected frame; the selection is always a prefix.
         assert selection.indices[: len(indices)] == indices, (selection.indices, indices)
         if not indices:
-            raise ValueError(
-                f"video file {str(path)!r} gives no frames to upscale: {num_decoded} decoded frame(s) "
-                f"at {self.source_fps:g} fps; pass a longer clip"
-            )
+            raise ValueError(self._no_frames(f"{num_decoded} decoded frame(s)"))
         num_kept = floor_frame_count(len(indices))
         notes = [plan.note] if plan.note else []
         if plan.note and plan.step is None:

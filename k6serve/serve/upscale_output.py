@@ -23,7 +23,7 @@ class UpscaleOutput:
     """An upscale job's `size` and `seconds` as the job object shows them."""
 
     size: str  # "WxH", width first
-    seconds: str | None  # None when the source states no length, or one too short to keep a frame
+    seconds: str | None  # None when the source states no length, or a duration too short to keep a frame
     notes: tuple[str, ...] = ()  # the plan's notes on the size (a target that cannot apply, a stretch)
 
 

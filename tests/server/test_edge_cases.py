@@ -572,6 +572,11 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
         response = client.post("/v1/videos", files={"video_reference": ("frame.gif", gif.getvalue())})
         _assert_error(response, 400, param="video_reference", code="invalid_upload",
                       contains="is a still image (FFmpeg's gif demuxer)")
+        # A frame at 30 fps, which the 24 fps rule subsamples to none: queued (seconds null), then failed.
+        one = make_clip(tmp_path / "one30.mp4", width=32, height=32, num_frames=1, fps=30)
+        response = client.post("/v1/videos", files={"video_reference": ("one30.mp4", one.read_bytes())})
+        _assert_error(response, 400, param="video_reference", code="invalid_upload",
+                      contains="gives no frames to upscale: it states 1 frame(s) at 30 fps")
         clip = make_clip(tmp_path / "inputs" / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
         response = client.post("/v1/videos", files={"video_reference": ("clip.mp4", clip.read_bytes())})
         assert response.status_code == 200, response.text

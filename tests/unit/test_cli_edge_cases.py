@@ -325,6 +325,12 @@ def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_loa
         gif = tmp_path / f"still_{duration}.gif"
         PIL.Image.new("RGB", (32, 32), "red").save(gif, duration=duration)
         cases.append((gif, f"still_{duration}.gif' is a still image (FFmpeg reads it with its gif demuxer)"))
+    # A frame at 30 fps, which the 24 fps rule subsamples to none (the same frame at 24 fps is upscaled): refused
+    # after the load, saying only "pass a longer clip".
+    cases.append((make_clip(tmp_path / "one30.mp4", width=32, height=32, num_frames=1, fps=30),
+                  "one30.mp4' gives no frames to upscale: it states 1 frame(s) at 30 fps, which the 24 fps rule "
+                  "subsamples to 24 fps (a frame every 1.25), keeping none of fewer than 2 frames; pass a clip of at "
+                  "least 2 frames"))
     for path, message in cases:
         assert main(["generate", "--model-path", str(tiny_sr_dir), "--video-path", str(path),
                      "--output-path", str(tmp_path / "out")]) == 2

@@ -125,7 +125,8 @@ def test_errors_reach_the_caller_and_stop_the_reader(vae, tiny_sr_configs, tmp_p
     assert not _source_threads()
     # A source the rule keeps no frame of: the reader's message.
     short = make_clip(tmp_path / "short.mp4", width=48, height=32, num_frames=1, fps=60)
-    with pytest.raises(ValueError, match=r"short\.mp4'.*gives no frames to upscale"):
+    with pytest.raises(ValueError, match=r"short\.mp4' gives no frames to upscale: 1 decoded frame\(s\) at 60 fps, "
+                                         r"which .* keeping none of fewer than 3 frames; pass a clip of at least 3"):
         read_and_encode(vae, str(short), CPU, _planner(_request(short), vae, tile_sizes), {})
     assert not _source_threads()
 
