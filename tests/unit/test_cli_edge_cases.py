@@ -339,6 +339,31 @@ def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_loa
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_names_its_flags_in_an_sr_size_refusal(no_model_load, tiny_sr_dir, tmp_path, capsys):
+    """The plan's refusals (an output over H.264's limits, a 'fit' target leaving a side under 2 pixels) named the
+    request fields on the command line: `use sr_resolution_scale 2.25 or 2`, beside flags everywhere else."""
+    from k6serve.testing.clips import make_clip
+
+    # x4 is 8256x4352, over H.264's largest level; x2.25 (4640x2432) and x2 fit.
+    large = make_clip(tmp_path / "large.mp4", width=2064, height=1088, num_frames=1, fps=24)
+    wide = make_clip(tmp_path / "wide.mp4", width=4112, height=16, num_frames=1, fps=24)
+    strip = make_clip(tmp_path / "strip.mp4", width=1024, height=32, num_frames=1, fps=24)
+    for path, flags, message in [
+        (large, ["--sr-resolution-scale", "4"],
+         "and the output is computed at that size before any --sr-target-resolution; use --sr-resolution-scale "
+         "2.25 or 2, or a smaller source."),
+        (wide, ["--sr-resolution-scale", "4"],
+         "use a smaller --sr-resolution-scale, a smaller source, or an --sr-target-resolution of at most 16384 a "
+         "side (e.g. 2k)."),
+        (strip, ["--sr-resolution-scale", "2", "--sr-target-resolution", "16x16"],
+         "would leave its height under 2 pixels; use a larger --sr-target-resolution or drop it."),
+    ]:
+        assert main(["generate", "--model-path", str(tiny_sr_dir), "--video-path", str(path), *flags,
+                     "--output-path", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and " sr_" not in err, err
+
+
 def test_cli_rejected_request_prints_no_progress_bar(tiny_distill_dir, tmp_path, capsys):
     assert main(["generate", "--model-path", str(tiny_distill_dir), "--prompt", "x", "--height", "30",
                  "--output-path", str(tmp_path)]) == 2
