@@ -96,7 +96,8 @@ class SamplingParams:
     )
     sr_tile_min_overlap: float | None = _param("VSR minimum tile overlap in [0, 1) (default 0.2).")
     sr_target_resolution: str | None = _param(
-        "VSR delivery size, downscale only: hd, fullhd, 2k or WxH with even sides of at least 16 (default: none)."
+        "VSR delivery size, downscale only: hd (1280x720), fullhd (1920x1080), 2k (2560x1440; each also square and "
+        "portrait, the one closest in aspect taken) or WxH with even sides of at least 16 (default: none)."
     )
     sr_target_resize_mode: str | None = _param(
         "VSR target resize mode, with sr_target_resolution (--sr-target-resolution): fit (default) or exact.")

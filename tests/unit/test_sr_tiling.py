@@ -209,3 +209,17 @@ def test_tiny_checkpoint_geometry_matches_the_spec_table():
     tiny_tiles = ((64, 64), (64, 128), (128, 64))
     assert len(plan_tiles(48, 64, tiling_scale=2, tile_sizes=tiny_tiles, snap=8).tiles) == 6
     assert len(plan_tiles(48, 64, tiling_scale=4, tile_sizes=tiny_tiles, snap=8).tiles) == 35
+
+
+def test_the_target_tiers_are_told_with_their_sizes():
+    # The help (and docs) named hd, fullhd and 2k without a size: "2k" is DCI's 2048x1080 to many, here 2560x1440.
+    import dataclasses
+
+    from k6serve.request import SamplingParams
+
+    help_text = next(field.metadata["help"] for field in dataclasses.fields(SamplingParams)
+                     if field.name == "sr_target_resolution")
+    for tier, ((height, width), square, portrait) in sr_tiling.TARGET_RESOLUTIONS.items():
+        assert f"{tier} ({width}x{height}" in help_text
+        assert square == (height, height) and portrait == (width, height)
+    assert "each also square and portrait, the one closest in aspect taken" in help_text
