@@ -671,6 +671,10 @@ def resolve_upscale(params: SamplingParams, variant: Variant) -> tuple[UpscaleRe
             "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers."
         )
     notes: list[str] = []
+    if params.video_path is not None and not params.video_path.strip():
+        # `--video-path "$CLIP"` with CLIP unset was told to pass the --video-path it passed; `upscale("")` likewise.
+        raise FlagWorded.naming(lambda name: f"{name('video_path')} is empty: pass the source video file's path "
+                                             "(e.g. input.mp4).")
     if not params.video_path:
         raise MissingSourceVideo(MissingSourceVideo.FLAG_WORDING)
     if params.image_path is not None:

@@ -358,6 +358,16 @@ def test_sr_defaults_and_errors():
             resolve_upscale(SamplingParams(**kwargs), VARIANTS["vsr-distilled2steps"])
 
 
+def test_an_empty_sr_source_path_is_told_as_empty():
+    # `--video-path "$CLIP"` with CLIP unset (or upscale("")) was told "pass --video-path /path/to/input.mp4", the
+    # refusal of a request without one; "  " was looked for as a file named two spaces.
+    for path in ("", "  "):
+        with pytest.raises(FlagWorded) as refused:
+            resolve_upscale(SamplingParams(video_path=path), VARIANTS["vsr-distilled2steps"])
+        assert str(refused.value) == "video_path is empty: pass the source video file's path (e.g. input.mp4)."
+        assert refused.value.flag_wording.startswith("--video-path is empty: ")
+
+
 def test_sr_refuses_a_length_or_frame_rate_with_the_way_to_get_it():
     # Each was told to "use sr_resolution_scale and sr_target_resolution to choose the output size", which sets
     # neither a clip's length nor its frame rate; over HTTP `seconds` read the same.
