@@ -435,6 +435,13 @@ async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _S
             target = FILE_FIELDS[field_name]
             if field_name == "input_reference":
                 target = input_reference_target(super_resolution=ctx.variant.family == SUPER_RESOLUTION)
+            if target in upload_fields:
+                # Both uploads name the SR source (input_reference is it there): "Send either the video_reference
+                # upload or video_path" spoke of a video_path that was never sent.
+                ctx.artifacts.remove(uploads)
+                raise ApiError(400, f"{upload_fields[target]} and {field_name} were both uploaded, and on this "
+                                    f"model both are its {target} (the source video); send one of them.",
+                               code="invalid_parameter", param=field_name)
             if raw.get(target) is not None:
                 ctx.artifacts.remove(uploads)
                 raise ApiError(400, f"Send either the {field_name} upload or {target}, not both.",

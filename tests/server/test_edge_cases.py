@@ -572,6 +572,14 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
         response = client.post("/v1/videos", files={"video_reference": ("frame.gif", gif.getvalue())})
         _assert_error(response, 400, param="video_reference", code="invalid_upload",
                       contains="is a still image (FFmpeg's gif demuxer)")
+        # Both uploads are the source video on this model: the refusal spoke of a video_path never sent.
+        two = make_clip(tmp_path / "two.mp4", width=32, height=32, num_frames=9, fps=24).read_bytes()
+        response = client.post("/v1/videos", files={"input_reference": ("a.mp4", two),
+                                                     "video_reference": ("b.mp4", two)})
+        error = _assert_error(response, 400, param="video_reference", code="invalid_parameter")
+        assert error["message"] == ("input_reference and video_reference were both uploaded, and on this model both "
+                                    "are its video_path (the source video); send one of them.")
+        assert list(vsr_server.artifacts.upload_dir.iterdir()) == []
         # A frame at 30 fps, which the 24 fps rule subsamples to none: queued (seconds null), then failed.
         one = make_clip(tmp_path / "one30.mp4", width=32, height=32, num_frames=1, fps=30)
         response = client.post("/v1/videos", files={"video_reference": ("one30.mp4", one.read_bytes())})
