@@ -105,6 +105,22 @@ def still_image_demuxer(container: av.container.InputContainer) -> str | None:
     return name if name in ("image2", "image2pipe") or name.endswith("_pipe") else None
 
 
+# What to do with an animated WebP, which FFmpeg reads as one still picture it then cannot decode.
+ANIMATED_WEBP = ("an animated WebP, which FFmpeg cannot decode (it reads WebP files as still images); convert it to a "
+                 "video first with a tool that reads animated WebP (e.g. ImageMagick: magick IN.webp OUT.mp4)")
+
+
+def is_animated_webp(path: str | os.PathLike[str]) -> bool:
+    """Whether the file is a WebP with its animation flag set (the VP8X chunk's 0x02 bit): FFmpeg's webp_pipe
+    demuxer takes it for a still image, so it was refused as "a still image, not a video"."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(21)
+    except OSError:
+        return False
+    return len(header) == 21 and header[:4] == b"RIFF" and header[8:16] == b"WEBPVP8X" and bool(header[20] & 0x02)
+
+
 def is_pdf(path: str | os.PathLike[str]) -> bool:
     """Whether the file starts as a PDF document (which FFmpeg's mjpeg demuxer reads as video: its pages' JPEGs)."""
     try:

@@ -24,7 +24,14 @@ import av.video.stream
 import numpy as np
 
 from k6serve.media.color import SdrFrames
-from k6serve.media.container import describe_streams, open_input, still_image_demuxer, video_streams
+from k6serve.media.container import (
+    ANIMATED_WEBP,
+    describe_streams,
+    is_animated_webp,
+    open_input,
+    still_image_demuxer,
+    video_streams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +229,8 @@ class SRSourceReader:
         self._container = open_input(path)
         try:
             image_demuxer = still_image_demuxer(self._container)
+            if image_demuxer is not None and is_animated_webp(path):
+                raise ValueError(f"{str(path)!r} is {ANIMATED_WEBP}.")
             if image_demuxer is not None:
                 raise ValueError(
                     f"{str(path)!r} is a still image (FFmpeg reads it with its {image_demuxer} demuxer), not a "

@@ -15,7 +15,15 @@ from pathlib import Path
 import av
 import PIL.Image
 
-from k6serve.media.container import is_pdf, open_media, still_image_demuxer, unreadable_reason, video_streams
+from k6serve.media.container import (
+    ANIMATED_WEBP,
+    is_animated_webp,
+    is_pdf,
+    open_media,
+    still_image_demuxer,
+    unreadable_reason,
+    video_streams,
+)
 from k6serve.media.image import (
     IMAGE_FORMATS,
     check_cover_resize,
@@ -131,6 +139,8 @@ def check_readable(kind: str, path: str, *, param: str, uploaded: bool,
         raise ApiError(400, f"{what} is a PDF document, not a video; send a video file such as an MP4, MKV, MOV or "
                             "WebM.", code=code, param=param)
     has_video, image_demuxer = _probe_video(path)
+    if has_video and image_demuxer is not None and is_animated_webp(path):
+        raise ApiError(400, f"{what} is {ANIMATED_WEBP}.", code=code, param=param)
     if has_video and image_demuxer is not None:
         # FFmpeg shows a still image as a one-frame 25 fps video; the SR source reader refuses it, so refuse it now.
         raise ApiError(400, f"{what} is a still image (FFmpeg's {image_demuxer} demuxer), not a video; send a video "

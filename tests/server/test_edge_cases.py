@@ -572,6 +572,13 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
         response = client.post("/v1/videos", files={"video_reference": ("frame.gif", gif.getvalue())})
         _assert_error(response, 400, param="video_reference", code="invalid_upload",
                       contains="is a still image (FFmpeg's gif demuxer)")
+        # An animated WebP is no still image, but FFmpeg cannot decode it: told so, not "a still image".
+        webp = io.BytesIO()
+        frames = [PIL.Image.new("RGB", (32, 32), colour) for colour in ("red", "green")]
+        frames[0].save(webp, format="WEBP", save_all=True, append_images=frames[1:], duration=40)
+        response = client.post("/v1/videos", files={"video_reference": ("moving.webp", webp.getvalue())})
+        _assert_error(response, 400, param="video_reference", code="invalid_upload",
+                      contains="The uploaded video_reference is an animated WebP, which FFmpeg cannot decode")
         # Both uploads are the source video on this model: the refusal spoke of a video_path never sent.
         two = make_clip(tmp_path / "two.mp4", width=32, height=32, num_frames=9, fps=24).read_bytes()
         response = client.post("/v1/videos", files={"input_reference": ("a.mp4", two),

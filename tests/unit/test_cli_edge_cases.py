@@ -325,6 +325,12 @@ def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_loa
         gif = tmp_path / f"still_{duration}.gif"
         PIL.Image.new("RGB", (32, 32), "red").save(gif, duration=duration)
         cases.append((gif, f"still_{duration}.gif' is a still image (FFmpeg reads it with its gif demuxer)"))
+    # An animated WebP, which FFmpeg reads as a still picture it cannot decode: it was called "a still image".
+    webp = tmp_path / "moving.webp"
+    frames = [PIL.Image.new("RGB", (32, 32), colour) for colour in ("red", "green", "blue")]
+    frames[0].save(webp, save_all=True, append_images=frames[1:], duration=40)
+    cases.append((webp, "moving.webp' is an animated WebP, which FFmpeg cannot decode (it reads WebP files as still "
+                        "images); convert it to a video first"))
     # A frame at 30 fps, which the 24 fps rule subsamples to none (the same frame at 24 fps is upscaled): refused
     # after the load, saying only "pass a longer clip".
     cases.append((make_clip(tmp_path / "one30.mp4", width=32, height=32, num_frames=1, fps=30),
