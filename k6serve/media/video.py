@@ -509,15 +509,43 @@ def pixel_aspect_ratio(sample_aspect_ratio: Fraction | None, rotation: float) ->
     return 1 / sar if _quarter_turns(rotation) % 2 else sar
 
 
-def _upright(frame_HWC: np.ndarray, rotation: float) -> np.ndarray:
+def _upright(frame_HWC: np.ndarray, rotation: float, matrix: np.ndarray | None = None) -> np.ndarray:
     """`frame_HWC` as players show it. Phones store portrait video as landscape frames with a display-matrix
     rotation (`rotation`: degrees counter-clockwise) that every player and FFmpeg apply; the upscaled MP4 carries
     no rotation, so frames left as stored would play sideways. Angles between quarter turns (rare) are rounded to
-    the nearest quarter turn."""
+    the nearest quarter turn. A `matrix` (the frame's display matrix, `_display_matrix`) that also mirrors the
+    picture (a "flip" edit, a mirrored selfie camera) is applied as FFmpeg's own tools apply it (`_mirrored`)."""
+    if matrix is not None and np.linalg.det(matrix.reshape(3, 3)[:2, :2].astype(np.float64)) < 0:
+        return np.ascontiguousarray(_mirrored(frame_HWC, rotation, matrix))
     quarter_turns = _quarter_turns(rotation)
     if quarter_turns == 0:
         return frame_HWC
     return np.ascontiguousarray(np.rot90(frame_HWC, quarter_turns))
+
+
+def _mirrored(frame_HWC: np.ndarray, rotation: float, matrix: np.ndarray) -> np.ndarray:
+    """`frame_HWC` under a display matrix that mirrors it, as FFmpeg's autorotate filters it (fftools,
+    ffmpeg_filter.c: transpose, hflip and vflip chosen by the clockwise angle and the matrix's signs). PyAV's
+    `rotation` alone reads a horizontal flip as a half turn: the picture came out upside down."""
+    clockwise = -round(rotation) % 360
+    if clockwise == 90:
+        # transpose=cclock_flip (rows become columns) or clock.
+        return np.swapaxes(frame_HWC, 0, 1) if matrix[3] > 0 else np.rot90(frame_HWC, -1)
+    if clockwise == 270:
+        # transpose=clock_flip (the other diagonal) or cclock.
+        return np.rot90(frame_HWC, -1)[::-1] if matrix[3] < 0 else np.rot90(frame_HWC, 1)
+    if clockwise == 180:
+        frame_HWC = frame_HWC[:, ::-1] if matrix[0] < 0 else frame_HWC
+        return frame_HWC[::-1] if matrix[4] < 0 else frame_HWC
+    if clockwise == 0:
+        return frame_HWC[::-1] if matrix[4] < 0 else frame_HWC
+    return np.rot90(frame_HWC, _quarter_turns(rotation))  # between quarter turns: rounded, as without a mirror
+
+
+def _display_matrix(frame: av.VideoFrame) -> np.ndarray | None:
+    """The frame's display matrix (FFmpeg's 3x3 of int32, row by row), or None."""
+    side_data = frame.side_data.get("DISPLAYMATRIX")
+    return None if side_data is None else np.frombuffer(bytes(side_data), dtype=np.int32)
 
 
 def _quarter_turns(rotation: float) -> int:
@@ -609,6 +637,6 @@ def _decode_rgb(
                     f"video file {str(path)!r} changes frame size at frame {index} "
                     f"({size[0]}x{size[1]} -> {frame.width}x{frame.height}); re-encode it at one size"
                 )
-            yield index, _upright(colors.rgb(frame), frame.rotation)
+            yield index, _upright(colors.rgb(frame), frame.rotation, _display_matrix(frame))
     except av.error.FFmpegError as exc:
         raise ValueError(f"cannot decode video file {str(path)!r}: {exc}") from exc

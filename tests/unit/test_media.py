@@ -372,6 +372,35 @@ def test_a_rotated_phone_video_is_read_upright(tmp_path: Path, rotation: int) ->
     np.testing.assert_array_equal(media.read_video(rotated).frames, expected)
 
 
+def _with_track_matrix(path: Path, a: int, b: int, c: int, d: int) -> Path:
+    """`path` with its (first) track header's display matrix set to [a b; c d] (in 16.16, translations left 0): what
+    QuickTime's "Flip Horizontal" edit, or a phone's mirrored selfie camera, writes."""
+    data = bytearray(path.read_bytes())
+    matrix = data.find(b"tkhd") - 4 + 48  # a version-0 tkhd: its matrix follows 40 bytes of fields
+    assert data[matrix - 40] == 0
+    for offset, value in zip((0, 4, 12, 16), (a, b, c, d)):
+        data[matrix + offset:matrix + offset + 4] = (value * 0x10000).to_bytes(4, "big", signed=True)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("matrix, shown", [
+    ((-1, 0, 0, 1), lambda stored: stored[:, :, ::-1]),  # flipped left to right
+    ((1, 0, 0, -1), lambda stored: stored[:, ::-1]),  # upside down
+    ((0, 1, 1, 0), lambda stored: np.swapaxes(stored, 1, 2)),  # FFmpeg's transpose=cclock_flip
+    ((0, -1, -1, 0), lambda stored: np.rot90(stored, -1, axes=(1, 2))[:, ::-1]),  # transpose=clock_flip
+])
+def test_a_mirrored_video_is_read_as_ffmpeg_shows_it(tmp_path: Path, matrix, shown) -> None:
+    # PyAV's frame.rotation gives a mirror's angle alone: a left-right flip read as a half turn came out upside down.
+    clip = make_clip(tmp_path / "clip.mp4", width=64, height=32, num_frames=9, fps=24)
+    with av.open(str(clip)) as container:
+        stored = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    mirrored = _with_track_matrix(clip, *matrix)
+    expected = shown(stored)
+    np.testing.assert_array_equal(media.read_sr_source(mirrored).frames, expected)
+    np.testing.assert_array_equal(media.read_video(mirrored).frames, expected)
+
+
 def test_a_source_whose_rate_rounds_to_0_fps_is_refused_with_the_fix(tmp_path: Path) -> None:
     # A slideshow-like clip (a GIF with 2 s frames reads the same): its kept rate round(0.5) = 0 fps cannot be written.
     path = make_clip(tmp_path / "slow.mp4", width=32, height=32, num_frames=9, fps=Fraction(1, 2))
