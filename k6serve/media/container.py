@@ -67,6 +67,10 @@ def unreadable_reason(path: str | os.PathLike[str], error: BaseException) -> str
         pass
     if refused_demuxer(error):
         return f"is not a video file k6serve reads: {REFUSED_DEMUXER}"
+    if isinstance(error, PermissionError):
+        # It was "not a readable video (FFmpeg: Permission denied): it may be damaged or cut short".
+        return ("cannot be opened: permission denied (the user k6serve runs as may not read it; give it read access, "
+                "e.g. chmod a+r on the file)")
     reason = getattr(error, "strerror", None) or str(error)
     return (f"is not a readable video (FFmpeg: {reason}): it may be damaged or cut short (an incomplete download or "
             "copy?)")

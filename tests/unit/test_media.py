@@ -523,6 +523,27 @@ def test_read_errors_name_the_file(tmp_path: Path) -> None:
             media.read_video(path)
 
 
+def test_a_video_this_user_may_not_read_is_told_so(tmp_path: Path, monkeypatch) -> None:
+    # FFmpeg's EACCES was told as "not a readable video (FFmpeg: Permission denied): it may be damaged or cut short
+    # (an incomplete download or copy?)". Tests run as root, who reads any file: the open is made to fail as
+    # FFmpeg fails it for another user.
+    import errno
+
+    from k6serve.media import container
+
+    clip = make_clip(tmp_path / "private.mp4", width=32, height=32, num_frames=9, fps=24)
+
+    def denied(path):
+        raise av.error.PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(container, "open_media", denied)
+    with pytest.raises(ValueError, match=r"^cannot read media file '.*private\.mp4': it cannot be opened: permission "
+                                         r"denied \(the user k6serve runs as may not read it; give it read access, "
+                                         r"e\.g\. chmod a\+r on the file\); pass a video file") as refused:
+        media.read_sr_source(clip)
+    assert "damaged" not in str(refused.value)
+
+
 def _timed_clip(path: Path, frame_times_ms: list[int], *, cover_art_first: bool = False,
                 audio_streams: tuple[dict, ...] = ()) -> Path:
     """H.264 frames at the given times (a variable frame rate), optionally after an attached cover picture, and AAC
