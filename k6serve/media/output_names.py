@@ -93,6 +93,10 @@ def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime |
         # A hidden source (".clip.mp4") gave a hidden output (".clip_sr2x_...mp4") that `ls` and file browsers do
         # not show; a given name loses its leading dot too (sanitize_file_name).
         stem = Path(request.video_path).stem.lstrip(".") or "video"
+        # The source's own name, spaces and punctuation kept, but not its control and format characters: a newline
+        # split the CLI's `saved PATH` line (the result's line on stdout) in two, and a right-to-left override showed
+        # the name reversed.
+        stem = "".join("_" if unicodedata.category(char) in ("Cc", "Cf") else char for char in stem)
         stem_bytes = stem.encode("utf-8", "surrogateescape")
         if len(stem_bytes) > MAX_FILE_NAME_BYTES - len(suffix):
             stem = stem_bytes[: MAX_FILE_NAME_BYTES - len(suffix)].decode("utf-8", "ignore")

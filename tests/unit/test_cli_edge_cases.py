@@ -563,6 +563,18 @@ def test_a_hidden_source_gives_a_visible_derived_name(source_name, stem):
     assert name == f"{stem}_sr2x_20260102-030405.mp4"
 
 
+@pytest.mark.parametrize(("source_name", "stem"), [("a\nb.mp4", "a_b"), ("x\u202egpj.mp4", "x_gpj"),
+                                                    ("my clip (1).mp4", "my clip (1)")])
+def test_a_derived_name_keeps_no_control_or_format_character_of_the_source(source_name, stem):
+    # A newline in the source's name split the CLI's "saved PATH (...)" line on stdout; a right-to-left override
+    # showed the output's name reversed. The rest of the name (spaces, brackets) is the user's and stays.
+    from k6serve.request import UpscaleRequest
+
+    request = UpscaleRequest(video_path=f"/clips/{source_name}", scale=2.0, tiles_batch_size=1, tile_min_overlap=0.2,
+                             target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=None)
+    assert output_names.default_file_name(request, datetime(2026, 1, 2, 3, 4, 5)) == f"{stem}_sr2x_20260102-030405.mp4"
+
+
 def test_a_given_output_file_name_too_long_for_the_filesystem_is_refused_before_the_run(generator, tmp_path):
     with pytest.raises(ValueError, match=r"output_file_name is 254 bytes long with \.mp4 in UTF-8, more than the "
                                          "231 .*pass a shorter name"):
