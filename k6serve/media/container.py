@@ -78,9 +78,19 @@ def unreadable_reason(path: str | os.PathLike[str], error: BaseException) -> str
 
 def video_streams(container: av.container.InputContainer) -> list:
     """The container's video streams that are video: not an attached picture (a music file's cover art, a
-    thumbnail), which FFmpeg lists as a one-frame video stream at a made-up rate (90,000 fps in an MP4)."""
-    return [stream for stream in container.streams.video
-            if not stream.disposition & av.stream.Disposition.attached_pic]
+    thumbnail), which FFmpeg lists as a one-frame video stream at a made-up rate (90,000 fps in an MP4), nor, beside
+    a track, a HEIF image item (an animated AVIF lists its still picture first: that one frame was upscaled). A file
+    of image items alone (an AVIF or HEIC photo) keeps them, for `still_image_demuxer` to tell."""
+    streams = [stream for stream in container.streams.video
+               if not stream.disposition & av.stream.Disposition.attached_pic]
+    return [stream for stream in streams if not _heif_item(container, stream)] or streams
+
+
+def _heif_item(container: av.container.InputContainer, stream) -> bool:
+    """Whether `stream` is an image item of a HEIF file (AVIF, HEIC: brand mif1), which FFmpeg's mov demuxer lists as
+    a one-frame video stream without a duration."""
+    brands = container.metadata.get("major_brand", "") + container.metadata.get("compatible_brands", "")
+    return "mif1" in brands and stream.duration is None and stream.frames <= 1
 
 
 def describe_streams(container: av.container.InputContainer) -> str:
@@ -106,6 +116,10 @@ def still_image_demuxer(container: av.container.InputContainer) -> str | None:
         # (one with a frame delay of a second came out as a one-frame MP4).
         streams = video_streams(container)
         return name if streams and streams[0].frames == 1 else None
+    if name.startswith("mov,"):
+        # An AVIF or HEIC photo opens as a one-frame video at 1 fps: it was upscaled as such a clip.
+        streams = video_streams(container)
+        return "mov (an AVIF or HEIC image)" if streams and _heif_item(container, streams[0]) else None
     return name if name in ("image2", "image2pipe") or name.endswith("_pipe") else None
 
 

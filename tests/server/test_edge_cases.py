@@ -572,6 +572,12 @@ def test_vsr_uploads_must_be_videos(vsr_server, tmp_path):
         response = client.post("/v1/videos", files={"video_reference": ("frame.gif", gif.getvalue())})
         _assert_error(response, 400, param="video_reference", code="invalid_upload",
                       contains="is a still image (FFmpeg's gif demuxer)")
+        # An AVIF photo, which FFmpeg's mov demuxer lists as a one-frame video: it was upscaled as a clip.
+        avif = io.BytesIO()
+        PIL.Image.new("RGB", (32, 32), "red").save(avif, format="AVIF")
+        response = client.post("/v1/videos", files={"video_reference": ("photo.avif", avif.getvalue())})
+        _assert_error(response, 400, param="video_reference", code="invalid_upload",
+                      contains="is a still image (FFmpeg's mov (an AVIF or HEIC image) demuxer)")
         # An animated WebP is no still image, but FFmpeg cannot decode it: told so, not "a still image".
         webp = io.BytesIO()
         frames = [PIL.Image.new("RGB", (32, 32), colour) for colour in ("red", "green")]

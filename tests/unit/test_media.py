@@ -16,6 +16,7 @@ from pathlib import Path
 import av
 import numpy as np
 import PIL.Image
+import PIL.features
 import pytest
 
 from k6serve import media
@@ -521,6 +522,23 @@ def test_read_errors_name_the_file(tmp_path: Path) -> None:
             media.read_sr_source(path)
         with pytest.raises(ValueError, match=message):
             media.read_video(path)
+
+
+@pytest.mark.skipif(not PIL.features.check("avif"), reason="Pillow without AVIF")
+def test_an_avif_photo_is_a_still_image_and_an_animated_avif_is_read_as_its_animation(tmp_path: Path) -> None:
+    # FFmpeg's mov demuxer lists a HEIF file's image item as a one-frame 1 fps video stream: an AVIF (or HEIC)
+    # photo was upscaled as a one-frame clip, and an animated AVIF, which lists its still picture first, as that
+    # picture alone.
+    frames = [PIL.Image.fromarray(frame) for frame in moving_pattern(64, 32, 9)]
+    photo = tmp_path / "photo.avif"
+    frames[0].save(photo)
+    with pytest.raises(ValueError, match=r"photo\.avif' is a still image \(FFmpeg reads it with its mov \(an AVIF or "
+                                         r"HEIC image\) demuxer\), not a video"):
+        media.read_sr_source(photo)
+    animated = tmp_path / "animated.avif"
+    frames[0].save(animated, save_all=True, append_images=frames[1:], duration=40)
+    source = media.read_sr_source(animated)
+    assert (source.num_frames, source.fps) == (9, 25)
 
 
 def test_a_video_this_user_may_not_read_is_told_so(tmp_path: Path, monkeypatch) -> None:
