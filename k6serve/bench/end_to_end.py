@@ -3,7 +3,8 @@
 Full size uses `--load-format dummy` (released configs, random weights, no download); `--tiny` uses the
 built-in demo checkpoint (generation) or a tiny SR checkpoint written to a temporary folder. The first
 request is reported on its own ("cold": compilation and autotuning happen there); then `repeats` warm
-requests give the median and the per-stage breakdown the pipeline reports. The engine runs its worker in
+requests give the median and the per-stage breakdown the pipeline reports (a warm request that fails is an error
+row after the cold one's, as a failed row of the other stages is). The engine runs its worker in
 this process (`ModelWorker`, one device), so the bench can reach the pipeline's models.
 
 The worker applies `--performance-mode` (and `--compile-vae`) while loading; the rows' note repeats its report.
@@ -82,9 +83,14 @@ def _stage_peaks(generator) -> str:
 
 
 def _rows_from_results(
-    stage: str, config: str, cold, warm: list, load_s: float, note: str, peaks: str = ""
+    stage: str, config: str, cold, warm: list, load_s: float, note: str, peaks: str = "", warm_error: str | None = None
 ) -> list[BenchRow]:
-    """The cold row and, with warm runs, their median row; `peaks` (of the last request) goes on the last row."""
+    """The cold row and, with warm runs, their median row; `peaks` (of the last request) goes on the last measured
+    row. `warm_error`: a warm request failed, so the warm row is an error row (the cold row stays)."""
+    if warm_error is not None:
+        # The peaks are the failed request's (an out-of-memory one's tell where it ran out): on its row, not the cold.
+        return [*_rows_from_results(stage, config, cold, [], load_s, note),
+                BenchRow(stage=stage, name="ours warm", config=config, error=warm_error, note=peaks.removeprefix("; "))]
     cold_row = BenchRow(
         stage=stage,
         name="ours cold (first request)",
@@ -158,9 +164,17 @@ def _open_generator(model_path: str, options: EndToEndOptions):
 
 
 def _run_requests(generator, params: dict, repeats: int):
+    """The first request (raising if it fails), then `repeats` warm ones: (first, warm results, warm error). A warm
+    request that raises ends the warm ones, its error the text for the caller's error row, and no warm results (a
+    median of the runs before it would read as the warm figure): raising, it lost the first request's row."""
     cold = generator.generate(params)
-    warm = [generator.generate(params) for _ in range(repeats)]
-    return cold, warm
+    warm = []
+    for index in range(repeats):
+        try:
+            warm.append(generator.generate(params))
+        except Exception as error:  # noqa: BLE001 (a failure is a table row)
+            return cold, [], f"warm request {index + 1} of {repeats}: {type(error).__name__}: {error}"
+    return cold, warm, None
 
 
 def run_generate(options: EndToEndOptions) -> list[BenchRow]:
@@ -185,9 +199,9 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
                 params["num_inference_steps"] = options.num_inference_steps
             if options.cache_dit_params is not None:
                 params["return_frames"] = True  # to compare the cached frames with these
-            cold, warm = _run_requests(generator, params, options.repeats)
+            cold, warm, warm_error = _run_requests(generator, params, options.repeats)
             peaks = _stage_peaks(generator)
-            rows = _rows_from_results("generate", config, cold, warm, load_s, note, peaks)
+            rows = _rows_from_results("generate", config, cold, warm, load_s, note, peaks, warm_error)
             extras = (
                 (options.cache_dit_params is not None, "ours, Cache-DiT", _cached_rows),
                 (options.silent_request, "ours silent", _silent_rows),
@@ -210,7 +224,7 @@ def _cached_rows(generator, params: dict, options: EndToEndOptions, config: str,
     """The same requests with Cache-DiT on (`options.cache_dit_params`), after the uncached ones: a first one (a
     cached step may compile new shapes) and `repeats` warm ones, the warm median compared with the uncached."""
     cached_params = {**params, "cache_dit_params": options.cache_dit_params}
-    first, warm = _run_requests(generator, cached_params, options.repeats)
+    first, warm, warm_error = _run_requests(generator, cached_params, options.repeats)
     runs = warm or [first]
     seconds = statistics.median(r.timings["total"] for r in runs)
     baseline = statistics.median(r.timings["total"] for r in uncached)
@@ -222,17 +236,23 @@ def _cached_rows(generator, params: dict, options: EndToEndOptions, config: str,
     note = (f"cache_dit_params {options.cache_dit_params}; {runs[-1].notes[-1].rstrip('.') if runs[-1].notes else ''}; "
             f"total x{baseline / seconds:.2f}, denoise x{baseline_denoise / denoise:.2f} against uncached"
             + (f"; frames differ from uncached by {difference:.2f}/255 on average" if difference is not None else ""))
-    return [BenchRow(stage="generate", name="ours warm, Cache-DiT" if warm else "ours, Cache-DiT", config=config,
+    rows = [BenchRow(stage="generate", name="ours warm, Cache-DiT" if warm else "ours, Cache-DiT", config=config,
                      seconds=seconds, times_s=tuple(r.timings["total"] for r in runs),
                      peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
                      breakdown_s=_median_breakdown([r.timings for r in runs]), note=note)]
+    return rows + _warm_error_rows("ours warm, Cache-DiT", config, warm_error)
+
+
+def _warm_error_rows(name: str, config: str, warm_error: str | None) -> list[BenchRow]:
+    """The error row of an extra request's failed warm runs after its first run's row ([] when they ran)."""
+    return [] if warm_error is None else [BenchRow(stage="generate", name=name, config=config, error=warm_error)]
 
 
 def _silent_rows(generator, params: dict, options: EndToEndOptions, config: str, with_audio: list) -> list[BenchRow]:
     """The same request with sample_audio=False, after the ones with audio: its first run (the DiT's blocks meet a
     sequence without the audio tokens, a shape the warm-ups do not compile) and `repeats` warm ones, whose median
     step is compared with the audio requests' step of the same run."""
-    first, warm = _run_requests(generator, {**params, "sample_audio": False}, options.repeats)
+    first, warm, warm_error = _run_requests(generator, {**params, "sample_audio": False}, options.repeats)
     step = statistics.median(r.timings["denoise_step_median"] for r in with_audio) \
         if all("denoise_step_median" in r.timings for r in with_audio) else None
     rows = []
@@ -249,7 +269,7 @@ def _silent_rows(generator, params: dict, options: EndToEndOptions, config: str,
                              times_s=tuple(r.timings["total"] for r in runs),
                              peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
                              breakdown_s=breakdown, note=note))
-    return rows
+    return rows + _warm_error_rows("ours silent, warm", config, warm_error)
 
 
 def _expanded_rows(generator, params: dict, options: EndToEndOptions, config: str, plain: list) -> list[BenchRow]:
@@ -257,7 +277,7 @@ def _expanded_rows(generator, params: dict, options: EndToEndOptions, config: st
     true and no warm-up, the rewrite's compile) and `repeats` warm ones, the rewrite's seconds (`expand_prompt`)
     and the whole request's against the request without it. Random weights rarely write the end token: the rewrite
     runs to `max_sequence_length` (1,024) tokens, the longest a request can ask for."""
-    first, warm = _run_requests(generator, {**params, "expand_prompts": True}, options.repeats)
+    first, warm, warm_error = _run_requests(generator, {**params, "expand_prompts": True}, options.repeats)
     baseline = statistics.median(r.timings["total"] for r in plain)
     mode = "compiled, static cache" if options.compile_prompt_rewrite else "eager"
     rows = []
@@ -275,7 +295,7 @@ def _expanded_rows(generator, params: dict, options: EndToEndOptions, config: st
                              times_s=tuple(r.timings["total"] for r in runs),
                              peak_memory_gib=max(r.peak_memory_mb for r in runs) / 1024,
                              breakdown_s=breakdown, note=note))
-    return rows
+    return rows + _warm_error_rows("ours expand_prompts, warm", config, warm_error)
 
 
 def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
@@ -307,10 +327,10 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
                 "seed": 42,
                 "output_path": options.output_dir or scratch,
             }
-            cold, warm = _run_requests(generator, params, options.repeats)
+            cold, warm, warm_error = _run_requests(generator, params, options.repeats)
             peaks = _stage_peaks(generator)
     _free()
-    return _rows_from_results("sr", config, cold, warm, load_s, note, peaks)
+    return _rows_from_results("sr", config, cold, warm, load_s, note, peaks, warm_error)
 
 
 def _free() -> None:

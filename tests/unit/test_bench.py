@@ -824,3 +824,51 @@ def test_backends_that_name_none_are_refused(value):
     with pytest.raises(SystemExit, match=r"^--backends '.*' names no attention backend; give one or more, "
                                          r"comma-separated \(e\.g\. torch_sdpa\), or leave the flag out$"):
         bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--device", "cpu", "--backends", value]))
+
+
+@pytest.mark.parametrize("stage", ["generate", "sr"])
+def test_a_failing_warm_request_keeps_the_cold_row_and_is_an_error_row_of_its_own(stage, monkeypatch):
+    # The warm request raising turned the whole stage into one error row: the cold request, measured, was lost.
+    from k6serve.api import DiffGenerator
+
+    generate = DiffGenerator.generate
+    calls = []
+
+    def second_fails(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiffGenerator, "generate", second_fails)
+    args = build_parser().parse_args(["--tiny", "--stage", stage, "--repeats", "2", "--num-inference-steps", "1"])
+    rows = run_stages(args, log=lambda text: None)
+    assert [(row.name, row.error) for row in rows] == [
+        ("ours cold (first request)", None),
+        ("ours warm", "warm request 1 of 2: RuntimeError: CUDA out of memory")]
+    assert rows[0].seconds > 0 and rows[0].note.startswith("load ") and rows[1].seconds is None
+    assert len(calls) == 2  # the warm requests stop at the first failure
+
+
+def test_a_failing_warm_extra_request_keeps_its_first_row():
+    # The same for the --silent-request pair: its warm request raising lost the silent first request's row.
+    from k6serve.api import DiffGenerator
+
+    generate = DiffGenerator.generate
+    silent_calls = []
+
+    def second_silent_fails(self, params, *args, **kwargs):
+        if params.get("sample_audio") is False:
+            silent_calls.append(1)
+            if len(silent_calls) == 2:
+                raise RuntimeError("boom")
+        return generate(self, params, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DiffGenerator, "generate", second_silent_fails)
+        args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps",
+                                          "1", "--silent-request"])
+        rows = run_stages(args, log=lambda text: None)
+    assert [(row.name, row.error) for row in rows] == [
+        ("ours cold (first request)", None), ("ours warm", None), ("ours silent, first", None),
+        ("ours silent, warm", "warm request 1 of 1: RuntimeError: boom")]
