@@ -302,7 +302,9 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
     """VSR of a synthetic clip (height x width x num_frames) end to end through `DiffGenerator.upscale`."""
     from k6serve.testing.clips import make_clip
 
-    config = f"x{options.sr_scale:g} of {options.width}x{options.height}x{options.num_frames}"
+    # Height first, as every other row's config (`Geometry.label`) and --height / --width: written width first, the
+    # sr row's 96x64x17 read as a 96-high source beside the dit rows' 64x96x17 of the same flags.
+    config = f"x{options.sr_scale:g} of {options.height}x{options.width}x{options.num_frames}"
     with tempfile.TemporaryDirectory() as scratch:
         clip = make_clip(
             Path(scratch) / "source.mp4",

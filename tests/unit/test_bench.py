@@ -872,3 +872,12 @@ def test_a_failing_warm_extra_request_keeps_its_first_row():
     assert [(row.name, row.error) for row in rows] == [
         ("ours cold (first request)", None), ("ours warm", None), ("ours silent, first", None),
         ("ours silent, warm", "warm request 1 of 1: RuntimeError: boom")]
+
+
+def test_the_sr_rows_write_the_source_size_height_first_as_every_other_row():
+    # "x2 of 96x64x17" (width first) beside the dit / vae / generate rows' "64x96x17" of the same --height 64
+    # --width 96 read as another source. Every config is height x width x frames, as Geometry.label writes it.
+    args = build_parser().parse_args(["--tiny", "--stage", "sr", "--repeats", "1", "--height", "64", "--width", "96"])
+    rows = run_stages(args, log=lambda text: None)
+    assert not any(row.error for row in rows), rows
+    assert {row.config for row in rows} == {f"x2 of {generation_geometry(64, 96, 17).label}"} == {"x2 of 64x96x17"}
