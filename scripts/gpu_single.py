@@ -249,10 +249,13 @@ def write_results(
     errors: list[dict],
     status: dict,
     argv: Sequence[str],
+    device: torch.device,
 ) -> None:
+    """`device`: where the parts ran (--tiny: the CPU), so a CPU run's environment names no GPU (`status` keeps the
+    host's)."""
     out.mkdir(parents=True, exist_ok=True)
     payload = {
-        "environment": environment(),
+        "environment": environment(device),
         "device_status": status,
         "argv": list(argv),
         "rows": [row.to_json() for row in rows],
@@ -268,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     out = Path(args.out)
+    # The device each part's `k6serve bench` arguments name (_bench_argv): a --tiny run on a GPU host recorded the GPU.
+    device = torch.device("cpu" if args.tiny else "cuda")
     status = device_status()
     log(f"device status: {json.dumps(status, default=str)}")
     rows: list[BenchRow] = []
@@ -277,10 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += part_rows
         if error:
             errors.append(error)
-        write_results(
-            out, args.subcommand, rows, errors, status, argv
-        )  # after every part: nothing is lost
-    write_results(out, args.subcommand, rows, errors, status, argv)
+        write_results(out, args.subcommand, rows, errors, status, argv, device)  # after every part: nothing is lost
+    write_results(out, args.subcommand, rows, errors, status, argv, device)
     print(format_table(rows), flush=True)
     log(f"wrote {out / (args.subcommand + '.json')} and .md")
     return 1 if errors or any(row.error for row in rows) else 0

@@ -881,3 +881,21 @@ def test_the_sr_rows_write_the_source_size_height_first_as_every_other_row():
     rows = run_stages(args, log=lambda text: None)
     assert not any(row.error for row in rows), rows
     assert {row.config for row in rows} == {f"x2 of {generation_geometry(64, 96, 17).label}"} == {"x2 of 64x96x17"}
+
+
+def test_gpu_single_tiny_records_the_cpu_it_ran_on_not_the_hosts_gpu(tmp_path, monkeypatch, load_script):
+    # `gpu_single.py ... --tiny` runs its parts with --device cpu; on a GPU host its environment named the GPU, its
+    # driver and clocks, as if the rows had run there. The host's GPU stays in device_status.
+    from k6serve.bench import report
+
+    script = load_script("gpu_single")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(report, "_gpu_facts", lambda: {"driver": "580.159.04"})
+    monkeypatch.setattr(script, "device_status", lambda: {"gpu": "NVIDIA H200"})
+    for flags, gpu in ((["--tiny"], None), ([], "NVIDIA H200")):
+        out = tmp_path / str(gpu)
+        assert script.main(["env", "--out", str(out), *flags]) == 0
+        payload = json.loads((out / "env.json").read_text())
+        assert payload["environment"]["gpu"] == gpu and ("driver" in payload["environment"]) == (gpu is not None)
+        assert payload["device_status"]["gpu"] == "NVIDIA H200"
