@@ -42,6 +42,25 @@ STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune")
 GENERATION_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.family == GENERATION)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_DIT_FLAGS = ("transformer_path", "backends", "skip_reference", "reference_compiled", "skip_eager", "skip_speed",
+              "norm_rope_kernel", "fp8_attention", "fp8_linears", "fp8_fast_accumulation", "blas_libraries",
+              "compile_backend", "compile_mode")
+_GENERATE_FLAGS = ("vae_tiling", "quantization", "quantization_ignored_layers", "num_inference_steps",
+                   "cache_dit_params", "silent_request", "expand_prompts_request", "compile_prompt_rewrite")
+_ENGINE_FLAGS = ("performance_mode", "offload_prefetch_blocks", "offload_resident_blocks", "cpu_offload_components",
+                 "layerwise_offload_components", "component_residency", "attention_backend", "output_dir")
+# The stages that read each stage-specific flag (the stages its help names): given with none of them, it is ignored,
+# and the bench says so (`ignored_flags`) instead of checking it.
+FLAG_STAGES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(_DIT_FLAGS, ("dit",)),
+    **dict.fromkeys(_GENERATE_FLAGS, ("generate",)),
+    **dict.fromkeys(_ENGINE_FLAGS, ("generate", "sr")),
+    "variant": ("dit", "generate"),
+    "warmup": ("dit", "vae", "audio", "text"),
+    "dtype": ("dit", "vae", "audio", "text"),
+    "compile_vae_decoder": ("vae", "generate", "sr"),
+    "sr_scale": ("sr",),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,20 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backends",
-        help="Attention backends for our DiT, comma-separated "
+        help="dit: attention backends for our DiT, comma-separated "
         "(default: fa,torch_sdpa on CUDA, torch_sdpa elsewhere).",
     )
-    parser.add_argument("--skip-reference", action="store_true", help="Do not run diffusers' DiT.")
+    parser.add_argument("--skip-reference", action="store_true", help="dit: do not run diffusers' DiT.")
     parser.add_argument(
         "--reference-compiled",
         action="store_true",
-        help="Also time diffusers' DiT with compile_repeated_blocks(fullgraph=True).",
+        help="dit: also time diffusers' DiT with compile_repeated_blocks(fullgraph=True).",
     )
     parser.add_argument(
-        "--skip-eager", action="store_true", help="Do not time our DiT without transforms."
+        "--skip-eager", action="store_true", help="dit: do not time our DiT without transforms."
     )
     parser.add_argument(
-        "--skip-speed", action="store_true", help="Do not time our fused + compiled DiT."
+        "--skip-speed", action="store_true", help="dit: do not time our fused + compiled DiT."
     )
     parser.add_argument(
         "--norm-rope-kernel",
@@ -294,6 +313,37 @@ def _check_fp8_patterns(entries: list[str], transformer_config: dict) -> None:
             raise SystemExit(f"--fp8-linears {entry}: {error}") from None
 
 
+def _check_dit_flags(args: argparse.Namespace, device: torch.device, compile_backend: str,
+                     transformer_config: dict) -> None:
+    """The dit flags' combinations that cannot run or would add nothing, refused before any stage runs."""
+    if args.fp8_attention and args.skip_speed:
+        # The FP8 row re-times the fused + compiled DiT; without it the flag would add nothing, silently.
+        raise SystemExit("--fp8-attention times the fused + compiled DiT once more with fa_fp8: drop --skip-speed")
+    if args.fp8_linears and args.skip_speed:
+        raise SystemExit("--fp8-linears times the fused + compiled DiT once more in e4m3: drop --skip-speed")
+    if args.blas_libraries and args.skip_speed:
+        raise SystemExit("--blas-libraries times the fused + compiled DiT once more per library: drop --skip-speed")
+    if args.blas_libraries and device.type != "cuda":
+        raise SystemExit("--blas-libraries picks among cuBLAS's kernels: it needs a CUDA device")
+    # Each of these adds rows to a part that the skip flag removes: the row went missing without a word.
+    if args.reference_compiled and args.skip_reference:
+        raise SystemExit("--reference-compiled times diffusers' DiT compiled after its eager row: "
+                         "drop --skip-reference")
+    if args.norm_rope_kernel and args.skip_speed:
+        raise SystemExit("--norm-rope-kernel times the fused + compiled DiT once more with the kernel: "
+                         "drop --skip-speed")
+    if args.compile_mode and args.skip_speed:
+        raise SystemExit("--compile-mode sets how the fused + compiled DiT compiles: drop --skip-speed")
+    if args.skip_reference and args.skip_eager and args.skip_speed:
+        raise SystemExit("--skip-reference, --skip-eager and --skip-speed together leave the dit stage no row to time")
+    if args.fp8_fast_accumulation and not args.fp8_linears:
+        raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
+    _check_fp8_patterns(args.fp8_linears, transformer_config)
+    if args.compile_mode and compile_backend != "inductor":
+        # torch.compile refuses a mode with any other backend; say so before minutes of setup.
+        raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")
+
+
 def _json_object(text: str | None, flag: str) -> dict | None:
     if text is None:
         return None
@@ -323,6 +373,24 @@ def _stages(args: argparse.Namespace) -> list[str]:
     return list(STAGES) if "all" in requested else list(dict.fromkeys(requested))
 
 
+def ignored_flags(args: argparse.Namespace) -> list[str]:
+    """One line per stage-specific flag given (not at its default) that no stage of this run reads."""
+    parser = build_parser()
+    stages = _stages(args)
+    notes = []
+    for dest, readers in FLAG_STAGES.items():
+        # A list flag's default is [] or () and its value a list: compared as lists.
+        value, default = (list(item) if isinstance(item, (list, tuple)) else item
+                          for item in (getattr(args, dest), parser.get_default(dest)))
+        if value == default:
+            continue
+        if not set(readers) & set(stages):
+            flag = "--" + dest.replace("_", "-")
+            notes.append(f"{flag} is read by the {'/'.join(readers)} stage{'s' if len(readers) > 1 else ''} only, "
+                         f"not run here ({', '.join(stages)}): ignored, and not checked")
+    return notes
+
+
 def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[BenchRow]]]:
     """One zero-argument runner per stage, with every option resolved from `args`."""
     from k6serve.models.kandinsky6.config_before_loading import released_transformer_config
@@ -344,14 +412,18 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         raise SystemExit(f"--repeats must be >= 1 (the median of the timed runs is reported), got {args.repeats}")
     if args.warmup < 0:
         raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
+    # A flag of a stage not run is not checked (ignored_flags says it is ignored): --transformer-path was refused with
+    # --stage vae, which never reads it, while the three skip flags were already only checked with the dit stage.
+    stages = _stages(args)
+    runs_dit = "dit" in stages
     default_backends = "fa,torch_sdpa" if device.type == "cuda" else "torch_sdpa"
     backends = tuple(b.strip() for b in (args.backends or default_backends).split(",") if b.strip())
-    if not backends:
+    if not backends and runs_dit:
         # `--backends ,` left none: the dit stage ran diffusers' rows alone, with no row of ours and no word why.
         raise SystemExit(f"--backends {args.backends!r} names no attention backend; give one or more, comma-separated "
                          f"(e.g. {default_backends}), or leave the flag out")
     timing = {"repeats": args.repeats, "warmup": args.warmup}
-    weights_dir = _transformer_dir(args.transformer_path) if args.transformer_path else None
+    weights_dir = _transformer_dir(args.transformer_path) if args.transformer_path and runs_dit else None
     if weights_dir is not None:
         from k6serve.models.checkpoint_files import read_json_file
 
@@ -384,38 +456,14 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         component_residency=tuple(args.component_residency),
         quantization=args.quantization,
         quantization_ignored_layers=tuple(args.quantization_ignored_layers),
-        cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params"),
+        cache_dit_params=_json_object(args.cache_dit_params, "--cache-dit-params") if "generate" in stages else None,
         silent_request=args.silent_request,
         expand_prompts_request=args.expand_prompts_request,
         compile_prompt_rewrite=args.compile_prompt_rewrite,
     )
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
-    if args.fp8_attention and args.skip_speed:
-        # The FP8 row re-times the fused + compiled DiT; without it the flag would add nothing, silently.
-        raise SystemExit("--fp8-attention times the fused + compiled DiT once more with fa_fp8: drop --skip-speed")
-    if args.fp8_linears and args.skip_speed:
-        raise SystemExit("--fp8-linears times the fused + compiled DiT once more in e4m3: drop --skip-speed")
-    if args.blas_libraries and args.skip_speed:
-        raise SystemExit("--blas-libraries times the fused + compiled DiT once more per library: drop --skip-speed")
-    if args.blas_libraries and device.type != "cuda":
-        raise SystemExit("--blas-libraries picks among cuBLAS's kernels: it needs a CUDA device")
-    # Each of these adds rows to a part that the skip flag removes: the row went missing without a word.
-    if args.reference_compiled and args.skip_reference:
-        raise SystemExit("--reference-compiled times diffusers' DiT compiled after its eager row: "
-                         "drop --skip-reference")
-    if args.norm_rope_kernel and args.skip_speed:
-        raise SystemExit("--norm-rope-kernel times the fused + compiled DiT once more with the kernel: "
-                         "drop --skip-speed")
-    if args.compile_mode and args.skip_speed:
-        raise SystemExit("--compile-mode sets how the fused + compiled DiT compiles: drop --skip-speed")
-    if args.skip_reference and args.skip_eager and args.skip_speed and "dit" in _stages(args):
-        raise SystemExit("--skip-reference, --skip-eager and --skip-speed together leave the dit stage no row to time")
-    if args.fp8_fast_accumulation and not args.fp8_linears:
-        raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
-    _check_fp8_patterns(args.fp8_linears, transformer_config)
-    if args.compile_mode and compile_backend != "inductor":
-        # torch.compile refuses a mode with any other backend; say so before minutes of setup.
-        raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")
+    if runs_dit:
+        _check_dit_flags(args, device, compile_backend, transformer_config)
     dit = DitOptions(
         label=str(weights_dir) if weights_dir else "tiny" if args.tiny else args.variant,
         transformer_config=transformer_config,
@@ -461,6 +509,8 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
 def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print) -> list[BenchRow]:
     """Run the requested stages in order; a failing stage becomes one error row."""
     runners = stage_runners(args)
+    for note in ignored_flags(args):
+        log(f"[bench] note: {note}")
     rows: list[BenchRow] = []
     for stage in _stages(args):
         log(f"[bench] stage {stage} ...")
@@ -490,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run_stages(args, log=lambda text: print(text, flush=True))
     print("\n" + format_table(rows), flush=True)
     if args.json:
-        write_json(args.json, rows, vars(args), device=device)
+        write_json(args.json, rows, vars(args), device=device, notes=ignored_flags(args))
         print(f"[bench] wrote {args.json}", flush=True)
     return 1 if any(row.error for row in rows) else 0
 

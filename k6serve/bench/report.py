@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,11 +227,13 @@ def _version(distribution: str) -> str | None:
 
 
 def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any],
-               device: torch.device | str | None = None) -> None:
-    """`device`: where the rows ran (`--device auto --tiny` is the CPU), so a CPU run names no GPU."""
+               device: torch.device | str | None = None, notes: Sequence[str] = ()) -> None:
+    """`device`: where the rows ran (`--device auto --tiny` is the CPU), so a CPU run names no GPU. `notes`: what
+    the run printed about its arguments (a flag no stage of it read), beside them so `arguments` is not misread."""
     payload = {
         "environment": environment(device),
         "arguments": arguments,
+        "notes": list(notes),
         "rows": [row.to_json() for row in rows],
     }
     path = Path(path)

@@ -899,3 +899,41 @@ def test_gpu_single_tiny_records_the_cpu_it_ran_on_not_the_hosts_gpu(tmp_path, m
         payload = json.loads((out / "env.json").read_text())
         assert payload["environment"]["gpu"] == gpu and ("driver" in payload["environment"]) == (gpu is not None)
         assert payload["device_status"]["gpu"] == "NVIDIA H200"
+
+
+def test_a_flag_of_a_stage_not_run_is_not_checked_and_the_run_says_it_was_ignored(tmp_path, capsys):
+    # --transformer-path was refused (a folder without a checkpoint) with --stage audio, which never reads it; a valid
+    # one was silently ignored. Now, as the skip flags already were, a dit flag is checked with the dit stage only.
+    from k6serve.bench import __main__ as bench
+
+    out = tmp_path / "bench.json"
+    assert main(["--tiny", "--stage", "audio", "--dtype", "float32", "--repeats", "1", "--warmup", "0",
+                 "--transformer-path", str(tmp_path), "--fp8-attention", "--skip-speed", "--sr-scale", "4",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    ignored = ["--transformer-path is read by the dit stage only, not run here (audio): ignored, and not checked",
+               "--skip-speed is read by the dit stage only, not run here (audio): ignored, and not checked",
+               "--fp8-attention is read by the dit stage only, not run here (audio): ignored, and not checked",
+               "--sr-scale is read by the sr stage only, not run here (audio): ignored, and not checked"]
+    assert [line.removeprefix("[bench] note: ") for line in printed.splitlines() if "note:" in line] == ignored
+    assert json.loads(out.read_text())["notes"] == ignored
+    # A flag read by one of the stages run says nothing; --warmup is read by audio, not by generate.
+    args = build_parser().parse_args(["--tiny", "--stage", "dit", "--stage", "generate", "--warmup", "0",
+                                      "--transformer-path", str(tmp_path), "--num-inference-steps", "1"])
+    assert bench.ignored_flags(args) == []
+    with pytest.raises(SystemExit, match="neither it nor its transformer/ holds a config.json"):
+        bench.stage_runners(args)
+    args = build_parser().parse_args(["--tiny", "--stage", "sr", "--warmup", "0", "--dtype", "float32"])
+    assert [note.split(" is read")[0] for note in bench.ignored_flags(args)] == ["--warmup", "--dtype"]
+
+
+def test_each_flag_help_names_the_stages_that_read_it():
+    # The table of which stage reads which flag (the ignored-flag notes) and the help's "dit:" / "generate/sr:"
+    # prefixes say the same; --backends and the skip flags' help named no stage.
+    from k6serve.bench.__main__ import FLAG_STAGES, STAGES
+
+    stage = "(?:" + "|".join(STAGES) + ")"
+    prefix = re.compile(rf"(?:^|; )({stage}(?:/{stage})*): ")
+    for action in build_parser()._actions:
+        named = {name for match in prefix.findall(action.help) for name in match.split("/")}
+        assert named == set(FLAG_STAGES.get(action.dest, ())), (action.dest, action.help)
