@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -97,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="dit/vae/audio/text: untimed runs before the timed ones (generate/sr: the first request, its own row).",
     )
-    parser.add_argument("--json", help="Write the rows and the environment to this JSON file.")
+    parser.add_argument(
+        "--json",
+        help="Write the rows, the arguments and the environment to this new JSON file (an existing file, or a folder "
+        "that cannot be written, is refused before any stage runs).",
+    )
     parser.add_argument(
         "--device",
         default="auto",
@@ -344,6 +349,29 @@ def _check_dit_flags(args: argparse.Namespace, device: torch.device, compile_bac
         raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")
 
 
+def _json_path(text: str) -> Path:
+    """--json's file, checked before any stage runs: a folder, a file in the way or an unwritable folder ended the
+    run in a traceback after every stage had run, and an existing file (an earlier run's rows) was replaced."""
+    if not text.strip():
+        raise SystemExit("--json is empty; give the file to write the rows to (e.g. --json bench.json)")
+    path = Path(text).expanduser()  # `--json=~/x.json` reaches us unexpanded, as --transformer-path may
+    if path.is_dir():
+        raise SystemExit(f"--json {text} is a folder; give the file to write in it (e.g. --json {path / 'bench.json'})")
+    if path.exists() or path.is_symlink():
+        raise SystemExit(f"--json {text} already exists, and the bench never replaces a file (it may hold an earlier "
+                         "run's rows); delete it or give another path")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise SystemExit(f"--json {text}: {path.parent} is a file, not a folder; give a path in a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise SystemExit(f"cannot write --json {text} ({error.strerror or error}); give a path in a writable "
+                         "folder") from None
+    return path
+
+
 def _json_object(text: str | None, flag: str) -> dict | None:
     if text is None:
         return None
@@ -537,11 +565,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _device(args.device, tiny=args.tiny)
     except ValueError as error:
         parser.error(str(error))
+    json_path = _json_path(args.json) if args.json is not None else None
     rows = run_stages(args, log=lambda text: print(text, flush=True))
     print("\n" + format_table(rows), flush=True)
-    if args.json:
-        write_json(args.json, rows, vars(args), device=device, notes=ignored_flags(args))
-        print(f"[bench] wrote {args.json}", flush=True)
+    if json_path is not None:
+        try:
+            write_json(json_path, rows, vars(args), device=device, notes=ignored_flags(args))
+        except OSError as error:
+            # Checked writable before the stages, it can still fail (disk full): a message, not a traceback, and
+            # exit 1 (the rows are the table above).
+            print(f"[bench] could not write --json {args.json}: {error}", file=sys.stderr, flush=True)
+            return 1
+        print(f"[bench] wrote {json_path}", flush=True)
     return 1 if any(row.error for row in rows) else 0
 
 

@@ -937,3 +937,47 @@ def test_each_flag_help_names_the_stages_that_read_it():
     for action in build_parser()._actions:
         named = {name for match in prefix.findall(action.help) for name in match.split("/")}
         assert named == set(FLAG_STAGES.get(action.dest, ())), (action.dest, action.help)
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("", "^--json is empty; give the file to write the rows to"),
+    (".", "^--json .* is a folder; give the file to write in it \\(e\\.g\\. --json .*bench\\.json\\)$"),
+    ("old.json",
+     "^--json .*old\\.json already exists, and the bench never replaces a file .*; delete it or give another path$"),
+    ("file/bench.json", "^--json .*: .*file is a file, not a folder; give a path in a folder$"),
+])
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_stage_runs(path, message, tmp_path, capsys):
+    # Each ended in a traceback after every stage had run (the JSON lost), or replaced an earlier run's file.
+    (tmp_path / "old.json").write_text("{}")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match=message):
+        main(["--tiny", "--stage", "audio", "--json", str(tmp_path / path) if path else ""])
+    assert "[bench] stage" not in capsys.readouterr().out
+    assert (tmp_path / "old.json").read_text() == "{}"  # the earlier run's rows, kept
+
+
+def test_an_unwritable_json_folder_is_refused_up_front_and_a_failed_write_is_a_message(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from k6serve.bench import __main__ as bench
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:  # root writes anywhere: the probe file is refused instead
+        patch.setattr(bench.tempfile, "TemporaryFile", refused)
+        with pytest.raises(SystemExit, match="^cannot write --json .* \\(Permission denied\\); give a path in a "
+                                             "writable folder$"):
+            main(["--tiny", "--stage", "audio", "--json", str(tmp_path / "runs" / "bench.json")])
+    assert "[bench] stage" not in capsys.readouterr().out
+    # Writable then, failing at the end (disk full): a message and exit 1, the rows in the table printed above.
+    monkeypatch.setattr(bench, "write_json", disk_full)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["--tiny", "--stage", "audio", "--dtype", "float32", "--repeats", "1", "--warmup", "0",
+                 "--json", "~/runs/bench.json"]) == 1
+    captured = capsys.readouterr()
+    assert "| audio | ours decode_audio |" in captured.out
+    assert "[bench] could not write --json ~/runs/bench.json: [Errno 28] No space left on device" in captured.err
+    assert (tmp_path / "runs").is_dir()  # `~` is the home folder, as in --transformer-path
