@@ -31,7 +31,7 @@ import torch
 
 from k6serve.bench.__main__ import build_parser as build_bench_parser
 from k6serve.bench.__main__ import run_stages
-from k6serve.bench.report import BenchRow, environment, format_table
+from k6serve.bench.report import BenchRow, environment, format_table, json_text
 
 SUBCOMMANDS = ("env", "dit", "generate", "decoders", "sr")
 DEFAULT_MODELS = ("pro-distill", "lite-distill")
@@ -261,7 +261,7 @@ def write_results(
         "rows": [row.to_json() for row in rows],
         "errors": errors,
     }
-    (out / f"{subcommand}.json").write_text(json.dumps(payload, indent=2, default=str))
+    (out / f"{subcommand}.json").write_text(json_text(payload))  # NaN as null, as k6serve bench writes it
     lines = [f"# gpu_single {subcommand}", "", f"`{' '.join(argv)}`", "", format_table(rows)]
     lines += [f"\n**{error['part']}**: {error['error']}" for error in errors]
     (out / f"{subcommand}.md").write_text("\n".join(lines) + "\n")

@@ -238,12 +238,16 @@ def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # allow_nan=False: json.dumps wrote a NaN cosine (a diverging fp8 row) as `NaN`, which strict parsers (jq,
-    # JavaScript's JSON.parse) refuse; non-finite numbers are null instead.
-    text = json.dumps(_finite(payload), indent=2, default=str, allow_nan=False)
+    text = json_text(payload)
     # "x": a file that appeared since `k6serve bench` checked the path (another run's) is not replaced.
     with path.open("x", encoding="utf-8") as file:
         file.write(text)
+
+
+def json_text(payload: Any) -> str:
+    """`payload` as indented JSON, each non-finite number as null: json.dumps wrote a NaN cosine (a diverging fp8
+    row) as `NaN`, which strict parsers (jq, JavaScript's JSON.parse) refuse."""
+    return json.dumps(_finite(payload), indent=2, default=str, allow_nan=False)
 
 
 def _finite(value: Any) -> Any:

@@ -981,3 +981,16 @@ def test_an_unwritable_json_folder_is_refused_up_front_and_a_failed_write_is_a_m
     assert "| audio | ours decode_audio |" in captured.out
     assert "[bench] could not write --json ~/runs/bench.json: [Errno 28] No space left on device" in captured.err
     assert (tmp_path / "runs").is_dir()  # `~` is the home folder, as in --transformer-path
+
+
+def test_gpu_single_writes_null_where_a_value_is_not_finite(tmp_path, load_script):
+    # Its own json.dumps wrote a diverging row's NaN cosine as `NaN`, which k6serve bench's JSON no longer has.
+    script = load_script("gpu_single")
+    row = BenchRow(stage="dit", name="ours fp8", config="tiny", seconds=0.5, cosine_video=float("nan"))
+    script.write_results(tmp_path, "dit", [row], [], {}, ["dit"], torch.device("cpu"))
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    written = json.loads((tmp_path / "dit.json").read_text(), parse_constant=refuse)
+    assert written["rows"][0]["cosine_video"] is None and written["rows"][0]["seconds"] == 0.5
