@@ -534,9 +534,11 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     }
 
 
-def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print) -> list[BenchRow]:
-    """Run the requested stages in order; a failing stage becomes one error row."""
-    runners = stage_runners(args)
+def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print,
+               runners: dict[str, Callable[[], list[BenchRow]]] | None = None) -> list[BenchRow]:
+    """Run the requested stages in order; a failing stage becomes one error row. `runners`: `stage_runners(args)`,
+    when the caller built them already."""
+    runners = stage_runners(args) if runners is None else runners
     for note in ignored_flags(args):
         log(f"[bench] note: {note}")
     rows: list[BenchRow] = []
@@ -556,7 +558,8 @@ def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns 0 when every row ran, 1 when any row recorded an error."""
+    """Entry point; returns 0 when every row ran, 1 when any row recorded an error (or the JSON could not be
+    written); a refused flag exits 2 before any stage runs, as argparse's own refusals and `k6serve generate`'s."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `k6serve bench -- ARGS` forwards the separator too.
@@ -565,8 +568,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _device(args.device, tiny=args.tiny)
     except ValueError as error:
         parser.error(str(error))
-    json_path = _json_path(args.json) if args.json is not None else None
-    rows = run_stages(args, log=lambda text: print(text, flush=True))
+    try:
+        json_path = _json_path(args.json) if args.json is not None else None
+        runners = stage_runners(args)
+    except SystemExit as refusal:
+        # The checks raise SystemExit(message), which exited 1, the code of a row that failed: a script could not
+        # tell "nothing ran" from "a row failed". Exit 2 as argparse's refusals, without their page of usage.
+        if isinstance(refusal.code, str):
+            parser.exit(2, f"{parser.prog}: error: {refusal.code}\n")
+        raise
+    rows = run_stages(args, log=lambda text: print(text, flush=True), runners=runners)
     print("\n" + format_table(rows), flush=True)
     if json_path is not None:
         try:
