@@ -23,7 +23,7 @@ import torch
 
 from k6serve.bench.audio import AudioOptions, run_audio
 from k6serve.bench.dit import DitOptions, parse_fp8_entry, run_dit
-from k6serve.bench.end_to_end import EndToEndOptions, run_generate, run_super_resolution
+from k6serve.bench.end_to_end import EndToEndOptions, check_before_loading, run_generate, run_super_resolution
 from k6serve.bench.geometry import NUM_TEXT_TOKENS, generation_geometry
 from k6serve.bench.report import BenchRow, format_table, write_json
 from k6serve.bench.text import TextOptions, run_text
@@ -360,16 +360,20 @@ def _json_path(text: str) -> Path:
     if path.exists() or path.is_symlink():
         raise SystemExit(f"--json {text} already exists, and the bench never replaces a file (it may hold an earlier "
                          "run's rows); delete it or give another path")
-    if path.parent.exists() and not path.parent.is_dir():
-        raise SystemExit(f"--json {text}: {path.parent} is a file, not a folder; give a path in a folder")
+    _writable_folder(path.parent, f"--json {text}")
+    return path
+
+
+def _writable_folder(folder: Path, flag: str) -> None:
+    """Create `folder` and prove it writable now, before any stage runs, or refuse `flag` (e.g. "--json PATH")."""
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"{flag}: {folder} is a file, not a folder; give a path in a folder")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as error:
-        raise SystemExit(f"cannot write --json {text} ({error.strerror or error}); give a path in a writable "
-                         "folder") from None
-    return path
+        raise SystemExit(f"cannot write {flag} ({error.strerror or error}); give a writable folder") from None
 
 
 def _json_object(text: str | None, flag: str) -> dict | None:
@@ -489,6 +493,12 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         expand_prompts_request=args.expand_prompts_request,
         compile_prompt_rewrite=args.compile_prompt_rewrite,
     )
+    if args.output_dir is not None and {"generate", "sr"} & set(stages):
+        _writable_folder(Path(args.output_dir).expanduser(), f"--output-dir {args.output_dir}")
+    try:
+        check_before_loading(end_to_end, stages)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if runs_dit:
         _check_dit_flags(args, device, compile_backend, transformer_config)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,9 +178,33 @@ def _run_requests(generator, params: dict, repeats: int):
     return cold, warm, None
 
 
+def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> None:
+    """The engine flags and the request of the generate / sr stages run, checked as `k6serve generate` checks its
+    own before the load: a --num-inference-steps 0 or --sr-scale 3 was refused by the request after the model had
+    loaded, and after every stage before it had run. Raises ValueError naming the flag."""
+    from k6serve.api import build_engine_config
+    from k6serve.cli.generate import check_request_before_loading
+    from k6serve.request import SR_SCALES, SamplingParams
+
+    if "generate" in stages:
+        # The uncached request; --cache-dit-params' own request is checked by the engine when it runs (its row).
+        params = SamplingParams(prompt=PROMPT, height=options.height, width=options.width,
+                                num_frames=options.num_frames, seed=42,
+                                num_inference_steps=options.num_inference_steps)
+        check_request_before_loading({"model_path": _generate_model_path(options), **_engine_kwargs(options)}, params)
+    if "sr" in stages:
+        if options.sr_scale not in SR_SCALES:
+            raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
+        build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options))
+
+
+def _generate_model_path(options: EndToEndOptions) -> str:
+    return "demo" if options.tiny else VARIANTS[options.variant].hub_id
+
+
 def run_generate(options: EndToEndOptions) -> list[BenchRow]:
     """A whole T2AV request (text encode, denoise, video + audio decode, MP4) through `DiffGenerator`."""
-    model_path = "demo" if options.tiny else VARIANTS[options.variant].hub_id
+    model_path = _generate_model_path(options)
     config = f"{'demo' if options.tiny else options.variant} {options.height}x{options.width}x{options.num_frames}"
     with tempfile.TemporaryDirectory() as scratch:
         output_dir = options.output_dir or scratch

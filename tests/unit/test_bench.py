@@ -976,7 +976,7 @@ def test_an_unwritable_json_folder_is_refused_up_front_and_a_failed_write_is_a_m
     with monkeypatch.context() as patch:  # root writes anywhere: the probe file is refused instead
         patch.setattr(bench.tempfile, "TemporaryFile", refused)
         message = refusal(["--tiny", "--stage", "audio", "--json", str(tmp_path / "runs" / "bench.json")], capsys)
-    assert re.search("^cannot write --json .* \\(Permission denied\\); give a path in a writable folder$", message)
+    assert re.search("^cannot write --json .* \\(Permission denied\\); give a writable folder$", message)
     # Writable then, failing at the end (disk full): a message and exit 1, the rows in the table printed above.
     monkeypatch.setattr(bench, "write_json", disk_full)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -999,3 +999,19 @@ def test_gpu_single_writes_null_where_a_value_is_not_finite(tmp_path, load_scrip
 
     written = json.loads((tmp_path / "dit.json").read_text(), parse_constant=refuse)
     assert written["rows"][0]["cosine_video"] is None and written["rows"][0]["seconds"] == 0.5
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--stage", "sr", "--sr-scale", "3"], "^--sr-scale must be 2, 4 or 2.25, got 3$"),
+    (["--stage", "generate", "--num-inference-steps", "0"], "^--num-inference-steps must be between 1 and 1000, got 0$"),
+    (["--stage", "generate", "--height", "4096", "--width", "4096"], "^--height must be at most 2048 "),
+    (["--stage", "sr", "--offload-prefetch-blocks", "0"], "^--offload-prefetch-blocks must be an integer >= 1 "),
+    (["--stage", "generate", "--output-dir", "{file}"], "^--output-dir .*: .* is a file, not a folder"),
+])
+def test_a_generate_or_sr_flag_the_request_would_refuse_is_refused_before_any_stage_runs(flags, message, tmp_path,
+                                                                                         capsys):
+    # Each was refused by the engine after the model had loaded, and after every stage before it had run (here the
+    # vae stage): an error row at the end of the run instead of a refusal at its start.
+    (tmp_path / "file").write_text("")
+    flags = [flag.format(file=tmp_path / "file") for flag in flags]
+    assert re.search(message, refusal(["--tiny", "--stage", "vae", *flags], capsys))
