@@ -1003,7 +1003,8 @@ def test_gpu_single_writes_null_where_a_value_is_not_finite(tmp_path, load_scrip
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--stage", "sr", "--sr-scale", "3"], "^--sr-scale must be 2, 4 or 2.25, got 3$"),
-    (["--stage", "generate", "--num-inference-steps", "0"], "^--num-inference-steps must be between 1 and 1000, got 0$"),
+    (["--stage", "generate", "--num-inference-steps", "0"],
+     "^--num-inference-steps must be between 1 and 1000, got 0$"),
     (["--stage", "generate", "--height", "4096", "--width", "4096"], "^--height must be at most 2048 "),
     (["--stage", "sr", "--offload-prefetch-blocks", "0"], "^--offload-prefetch-blocks must be an integer >= 1 "),
     (["--stage", "generate", "--output-dir", "{file}"], "^--output-dir .*: .* is a file, not a folder"),
