@@ -135,8 +135,14 @@ def _median_breakdown(timings: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(run[key] for run in timings if key in run) for key in keys}
 
 
-def _engine_kwargs(options: EndToEndOptions) -> dict:
-    return {
+# The engine options of the generation models only (their help says generate:): the SR engine refuses each one set
+# (--quantization fp8 "applies to the generation DiT"), so with --stage generate --stage sr they failed the sr stage.
+_GENERATE_ENGINE_OPTIONS = ("compile_prompt_rewrite", "vae_tiling", "quantization", "quantization_ignored_layers")
+
+
+def _engine_kwargs(options: EndToEndOptions, *, super_resolution: bool = False) -> dict:
+    """The engine's options for the generate stage, or without the generation-only ones for the sr stage."""
+    kwargs = {
         "device": options.device,
         "performance_mode": options.performance_mode,
         "attention_backend": options.attention_backend,
@@ -152,15 +158,18 @@ def _engine_kwargs(options: EndToEndOptions) -> dict:
         "quantization": options.quantization,
         "quantization_ignored_layers": options.quantization_ignored_layers,
     }
+    if super_resolution:
+        kwargs = {key: value for key, value in kwargs.items() if key not in _GENERATE_ENGINE_OPTIONS}
+    return kwargs
 
 
-def _open_generator(model_path: str, options: EndToEndOptions):
+def _open_generator(model_path: str, options: EndToEndOptions, *, super_resolution: bool = False):
     """`DiffGenerator` over an in-process `ModelWorker` (the default engine spawns worker processes)."""
     from k6serve.api import DiffGenerator, build_engine_config
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker
 
-    config = build_engine_config(model_path, **_engine_kwargs(options))
+    config = build_engine_config(model_path, **_engine_kwargs(options, super_resolution=super_resolution))
     return DiffGenerator(Engine(config, worker=ModelWorker(config)))
 
 
@@ -195,7 +204,7 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
     if "sr" in stages:
         if options.sr_scale not in SR_SCALES:
             raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
-        build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options))
+        build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options, super_resolution=True))
 
 
 def _generate_model_path(options: EndToEndOptions) -> str:
@@ -345,7 +354,7 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
         else:
             model_path = VARIANTS[SR_VARIANT].hub_id
         start = time.perf_counter()
-        with _open_generator(model_path, options) as generator:
+        with _open_generator(model_path, options, super_resolution=True) as generator:
             note = _speed_note(generator)
             load_s = time.perf_counter() - start
             params = {

@@ -1016,3 +1016,25 @@ def test_a_generate_or_sr_flag_the_request_would_refuse_is_refused_before_any_st
     (tmp_path / "file").write_text("")
     flags = [flag.format(file=tmp_path / "file") for flag in flags]
     assert re.search(message, refusal(["--tiny", "--stage", "vae", *flags], capsys))
+
+
+def test_the_sr_stage_runs_without_the_generation_only_engine_flags():
+    # --quantization fp8, --vae-tiling on and --compile-prompt-rewrite (help: "generate:") reached the SR engine too,
+    # which refuses each: `--stage generate --stage sr --quantization fp8` lost the sr stage to an error row.
+    from k6serve.bench import __main__ as bench
+    from k6serve.bench.end_to_end import _engine_kwargs, check_before_loading
+
+    args = build_parser().parse_args(["--tiny", "--stage", "sr", "--stage", "generate", "--quantization", "fp8",
+                                      "--quantization-ignored-layers", "feed_forward", "--vae-tiling", "on",
+                                      "--compile-prompt-rewrite", "--num-inference-steps", "1"])
+    captured = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "run_super_resolution", lambda options: captured.setdefault("sr", options) and [])
+        bench.stage_runners(args)["sr"]()  # the preflight of both stages passes
+    kwargs = _engine_kwargs(captured["sr"], super_resolution=True)
+    assert not {"quantization", "quantization_ignored_layers", "vae_tiling", "compile_prompt_rewrite"} & set(kwargs)
+    assert _engine_kwargs(captured["sr"])["quantization"] == "fp8"  # the generate stage's engine keeps them
+    check_before_loading(captured["sr"], ["sr"])
+    rows = run_stages(build_parser().parse_args(["--tiny", "--stage", "sr", "--repeats", "1", "--vae-tiling", "on"]),
+                      log=lambda text: None)
+    assert [row.error for row in rows] == [None, None]
