@@ -420,6 +420,15 @@ def ignored_flags(args: argparse.Namespace) -> list[str]:
             flag = "--" + dest.replace("_", "-")
             notes.append(f"{flag} is read by the {'/'.join(readers)} stage{'s' if len(readers) > 1 else ''} only, "
                          f"not run here ({', '.join(stages)}): ignored, and not checked")
+    # --variant's own exceptions (its help): a --tiny run times the toy config and the demo checkpoint, and the dit
+    # stage takes a --transformer-path's config; `--tiny --variant lite-distill` ran the toy model without a word.
+    if args.variant != parser.get_default("variant") and {"dit", "generate"} & set(stages):
+        if args.tiny:
+            notes.append(f"--variant {args.variant} is not read with --tiny (dit times the toy config, generate runs "
+                         "the demo checkpoint): ignored")
+        elif args.transformer_path and "generate" not in stages:
+            notes.append(f"--variant {args.variant} is not read by the dit stage with --transformer-path (its "
+                         "config.json sets the shapes): ignored")
     return notes
 
 

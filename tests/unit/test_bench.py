@@ -1038,3 +1038,22 @@ def test_the_sr_stage_runs_without_the_generation_only_engine_flags():
     rows = run_stages(build_parser().parse_args(["--tiny", "--stage", "sr", "--repeats", "1", "--vae-tiling", "on"]),
                       log=lambda text: None)
     assert [row.error for row in rows] == [None, None]
+
+
+def test_a_variant_that_tiny_or_a_transformer_path_overrides_is_noted(tiny_distill_dir):
+    from k6serve.bench.__main__ import ignored_flags
+
+    def notes(*flags):
+        return ignored_flags(build_parser().parse_args(list(flags)))
+
+    assert notes("--tiny", "--variant", "lite-distill") == [
+        "--variant lite-distill is not read with --tiny (dit times the toy config, generate runs the demo checkpoint): "
+        "ignored"]
+    assert notes("--variant", "lite-distill", "--transformer-path", str(tiny_distill_dir)) == [
+        "--variant lite-distill is not read by the dit stage with --transformer-path (its config.json sets the "
+        "shapes): ignored"]
+    # generate still runs --variant's model; the default variant, or one the run reads, says nothing.
+    assert notes("--variant", "lite-distill", "--transformer-path", str(tiny_distill_dir), "--stage", "dit",
+                 "--stage", "generate") == []
+    assert notes("--tiny") == notes("--variant", "lite-distill") == []
+    assert notes("--tiny", "--variant", "lite", "--stage", "vae")[0].startswith("--variant is read by the dit/generate")
