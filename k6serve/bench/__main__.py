@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json",
         help="Write the rows, the arguments and the environment to this new JSON file (an existing file, or a folder "
-        "that cannot be written, is refused before any stage runs).",
+        "that cannot be written, is refused before any stage runs); written after each stage, \"complete\": false "
+        "until the last.",
     )
     parser.add_argument(
         "--device",
@@ -554,9 +555,10 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
 
 
 def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print,
-               runners: dict[str, Callable[[], list[BenchRow]]] | None = None) -> list[BenchRow]:
+               runners: dict[str, Callable[[], list[BenchRow]]] | None = None,
+               after_stage: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
     """Run the requested stages in order; a failing stage becomes one error row. `runners`: `stage_runners(args)`,
-    when the caller built them already."""
+    when the caller built them already; `after_stage`: called with the rows so far after each stage but the last."""
     runners = stage_runners(args) if runners is None else runners
     for note in ignored_flags(args):
         log(f"[bench] note: {note}")
@@ -573,6 +575,8 @@ def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print,
             ]
         rows += stage_rows
         log(format_table(stage_rows))
+        if after_stage is not None and stage != _stages(args)[-1]:
+            after_stage(rows)
     return rows
 
 
@@ -596,16 +600,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(refusal.code, str):
             parser.exit(2, f"{parser.prog}: error: {refusal.code}\n")
         raise
-    rows = run_stages(args, log=lambda text: print(text, flush=True), runners=runners)
+    written = []  # whether this run has written the file already (then it replaces its own)
+
+    def save(rows: list[BenchRow], *, complete: bool) -> bool:
+        try:
+            write_json(json_path, rows, vars(args), device=device, notes=ignored_flags(args), complete=complete,
+                       replace=bool(written))
+        except OSError as error:
+            # Checked writable before the stages, it can still fail (disk full): a message, not a traceback.
+            print(f"[bench] could not write --json {args.json}: {error}", file=sys.stderr, flush=True)
+            return False
+        written.append(True)
+        return True
+
+    # After each stage, so a run killed later (out of host memory, a timeout, Ctrl-C) keeps the stages that finished,
+    # marked "complete": false; it lost every row.
+    after_stage = (lambda rows: save(rows, complete=False)) if json_path is not None else None
+    try:
+        rows = run_stages(args, log=lambda text: print(text, flush=True), runners=runners, after_stage=after_stage)
+    except KeyboardInterrupt:
+        kept = f"; --json {args.json} holds the stages that finished" if written else ""
+        print(f"\n[bench] interrupted{kept}", file=sys.stderr, flush=True)
+        return 130
     print("\n" + format_table(rows), flush=True)
     if json_path is not None:
-        try:
-            write_json(json_path, rows, vars(args), device=device, notes=ignored_flags(args))
-        except OSError as error:
-            # Checked writable before the stages, it can still fail (disk full): a message, not a traceback, and
-            # exit 1 (the rows are the table above).
-            print(f"[bench] could not write --json {args.json}: {error}", file=sys.stderr, flush=True)
-            return 1
+        if not save(rows, complete=True):
+            return 1  # the rows are the table above
         print(f"[bench] wrote {json_path}", flush=True)
     return 1 if any(row.error for row in rows) else 0
 

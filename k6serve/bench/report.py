@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,10 +228,14 @@ def _version(distribution: str) -> str | None:
 
 
 def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any],
-               device: torch.device | str | None = None, notes: Sequence[str] = ()) -> None:
+               device: torch.device | str | None = None, notes: Sequence[str] = (), *, complete: bool = True,
+               replace: bool = False) -> None:
     """`device`: where the rows ran (`--device auto --tiny` is the CPU), so a CPU run names no GPU. `notes`: what
-    the run printed about its arguments (a flag no stage of it read), beside them so `arguments` is not misread."""
+    the run printed about its arguments (a flag no stage of it read), beside them so `arguments` is not misread.
+    `complete`: False while stages are still to run (the file is written after each). `replace`: the file is this
+    run's own, written before; otherwise an existing file is never replaced."""
     payload = {
+        "complete": complete,
         "environment": environment(device),
         "arguments": arguments,
         "notes": list(notes),
@@ -239,9 +244,16 @@ def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json_text(payload)
-    # "x": a file that appeared since `k6serve bench` checked the path (another run's) is not replaced.
-    with path.open("x", encoding="utf-8") as file:
+    if not replace:
+        # "x": a file that appeared since `k6serve bench` checked the path (another run's) is not replaced.
+        with path.open("x", encoding="utf-8") as file:
+            file.write(text)
+        return
+    # Written beside it, then renamed over it: a kill mid-write leaves the previous stage's whole file.
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
+                                     delete=False) as file:
         file.write(text)
+    os.replace(file.name, path)
 
 
 def json_text(payload: Any) -> str:

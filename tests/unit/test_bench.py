@@ -1057,3 +1057,27 @@ def test_a_variant_that_tiny_or_a_transformer_path_overrides_is_noted(tiny_disti
                  "--stage", "generate") == []
     assert notes("--tiny") == notes("--variant", "lite-distill") == []
     assert notes("--tiny", "--variant", "lite", "--stage", "vae")[0].startswith("--variant is read by the dit/generate")
+
+
+def test_the_json_keeps_the_stages_that_finished_when_a_later_one_is_killed(tmp_path, monkeypatch, capsys):
+    # The JSON was written once, at the end: a run killed in its last stage (out of memory, a timeout, Ctrl-C) lost
+    # every row already measured. It is written after each stage, marked incomplete until the end.
+    from k6serve.bench import __main__ as bench
+
+    def interrupted(options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_vae", lambda options: [BenchRow(stage="vae", name="ours", config="c", seconds=1.0)])
+    monkeypatch.setattr(bench, "run_audio", interrupted)
+    out = tmp_path / "bench.json"
+    assert main(["--tiny", "--stage", "vae", "--stage", "audio", "--json", str(out)]) == 130
+    payload = json.loads(out.read_text())
+    assert payload["complete"] is False and [row["stage"] for row in payload["rows"]] == ["vae"]
+    assert f"[bench] interrupted; --json {out} holds the stages that finished" in capsys.readouterr().err
+    # A whole run: its own file replaced by the last write (no temporary file left), marked complete.
+    monkeypatch.setattr(bench, "run_audio", lambda options: [BenchRow(stage="audio", name="ours", config="c")])
+    out = tmp_path / "whole.json"
+    assert main(["--tiny", "--stage", "vae", "--stage", "audio", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["complete"] is True and [row["stage"] for row in payload["rows"]] == ["vae", "audio"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.json", "whole.json"]
