@@ -345,6 +345,12 @@ def _check_dit_flags(args: argparse.Namespace, device: torch.device, compile_bac
     if args.fp8_fast_accumulation and not args.fp8_linears:
         raise SystemExit("--fp8-fast-accumulation times the --fp8-linears rows' model once more: add --fp8-linears")
     _check_fp8_patterns(args.fp8_linears, transformer_config)
+    from torch._dynamo import list_backends
+
+    if compile_backend not in list_backends(exclude_tags=()):
+        # A typo (inductr) failed each compiled row after the model was built (minutes at full size).
+        raise SystemExit(f"--compile-backend {compile_backend!r} is no torch.compile backend; e.g. inductor, eager "
+                         "or aot_eager (torch._dynamo.list_backends(exclude_tags=()) lists them all)")
     if args.compile_mode and compile_backend != "inductor":
         # torch.compile refuses a mode with any other backend; say so before minutes of setup.
         raise SystemExit(f"--compile-mode needs the inductor backend (got --compile-backend {compile_backend})")

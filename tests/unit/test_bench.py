@@ -1081,3 +1081,14 @@ def test_the_json_keeps_the_stages_that_finished_when_a_later_one_is_killed(tmp_
     payload = json.loads(out.read_text())
     assert payload["complete"] is True and [row["stage"] for row in payload["rows"]] == ["vae", "audio"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.json", "whole.json"]
+
+
+def test_a_compile_backend_torch_does_not_know_is_refused_before_any_stage_runs(capsys):
+    # `--compile-backend inductr` failed every compiled row after the model was built.
+    assert refusal(["--tiny", "--compile-backend", "inductr"], capsys) == (
+        "--compile-backend 'inductr' is no torch.compile backend; e.g. inductor, eager or aot_eager "
+        "(torch._dynamo.list_backends(exclude_tags=()) lists them all)")
+    from k6serve.bench import __main__ as bench
+
+    for backend in ("eager", "aot_eager", "inductor"):
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--compile-backend", backend]))
