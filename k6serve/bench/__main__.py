@@ -61,7 +61,11 @@ FLAG_STAGES: dict[str, tuple[str, ...]] = {
     "dtype": ("dit", "vae", "audio", "text"),
     "compile_vae_decoder": ("vae", "generate", "sr"),
     "sr_scale": ("sr",),
+    # audio decodes num_frames' soundtrack; its row's config names the whole size, checked as a generation's
+    **dict.fromkeys(("height", "width", "num_frames"), ("dit", "vae", "audio", "generate", "sr")),
 }
+# The stages whose sizes are a generation's: multiples of 16, 4k+1 frames (the sr stage's source clip is any size).
+GEOMETRY_STAGES = ("dit", "vae", "audio", "generate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,9 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="dit: a local Diffusers checkpoint folder (its transformer/) or a transformer folder, whose weights "
         "replace the random ones (the inputs stay random); its config, not --variant's, sets the shapes.",
     )
-    parser.add_argument("--height", type=int, help="Pixels (default 512; --tiny 64).")
-    parser.add_argument("--width", type=int, help="Pixels (default 768; --tiny 96).")
-    parser.add_argument("--num-frames", type=int, help="4k+1 frames (default 121; --tiny 17).")
+    parser.add_argument(
+        "--height",
+        type=int,
+        help="dit/vae/audio/generate/sr: pixels, a multiple of 16 (default 512; --tiny 64; sr: the source clip's, any "
+        "even size).",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        help="dit/vae/audio/generate/sr: pixels, a multiple of 16 (default 768; --tiny 96; sr: the source clip's, any "
+        "even size).",
+    )
+    parser.add_argument(
+        "--num-frames",
+        type=int,
+        help="dit/vae/audio/generate/sr: 4k+1 frames (default 121; --tiny 17; sr: any number).",
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="Timed warm runs; the median is reported."
     )
@@ -453,8 +471,12 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     try:
         geometry = generation_geometry(height, width, num_frames, num_text_tokens=num_text_tokens)
     except ValueError as error:
-        # A size no stage can run (--height 30) ended in a traceback; refused like the other flags set up here.
-        raise SystemExit(f"--height / --width / --num-frames: {error}") from None
+        # A size no stage can run (--height 30) ended in a traceback; refused like the other flags set up here. Only
+        # for the stages that need a generation's size: `--stage sr --height 540 --width 960` (a 540p source) was
+        # refused, though the SR pipeline upscales any even size.
+        if set(GEOMETRY_STAGES) & set(_stages(args)):
+            raise SystemExit(f"--height / --width / --num-frames: {error}") from None
+        geometry = None
     # Checked here, once: measure() refusing them inside each stage turned every stage into the same error row.
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1 (the median of the timed runs is reported), got {args.repeats}")

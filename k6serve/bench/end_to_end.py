@@ -202,6 +202,10 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
                                 num_inference_steps=options.num_inference_steps)
         check_request_before_loading({"model_path": _generate_model_path(options), **_engine_kwargs(options)}, params)
     if "sr" in stages:
+        # The source clip is H.264 4:2:0, which halves both sides (the SR pipeline takes any such size and length).
+        if min(options.height, options.width) < 2 or options.height % 2 or options.width % 2 or options.num_frames < 1:
+            raise ValueError(f"--height / --width / --num-frames: the sr stage's source clip needs even sides and one "
+                             f"frame or more, got {options.height}x{options.width}x{options.num_frames}")
         if options.sr_scale not in SR_SCALES:
             raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
         build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options, super_resolution=True))

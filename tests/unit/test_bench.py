@@ -1092,3 +1092,24 @@ def test_a_compile_backend_torch_does_not_know_is_refused_before_any_stage_runs(
 
     for backend in ("eager", "aot_eager", "inductor"):
         bench.stage_runners(build_parser().parse_args(["--tiny", "--compile-backend", backend]))
+
+
+def test_the_sr_source_clip_takes_any_even_size_and_the_text_stage_no_size(capsys):
+    # `--stage sr --height 540 --width 960` (a 540p source) was refused as no multiple of 16, and 120 frames as no
+    # 4k+1, though the SR pipeline upscales any even size and length; the text stage, which reads no size, was
+    # refused for one too.
+    from k6serve.bench import __main__ as bench
+
+    rows = run_stages(build_parser().parse_args(["--tiny", "--stage", "sr", "--repeats", "1", "--height", "42",
+                                                 "--width", "70", "--num-frames", "18"]), log=lambda text: None)
+    assert [(row.config, row.error) for row in rows] == [("x2 of 42x70x18", None)] * 2
+    assert refusal(["--tiny", "--stage", "sr", "--height", "41"], capsys) == (
+        "--height / --width / --num-frames: the sr stage's source clip needs even sides and one frame or more, got "
+        "41x96x17")
+    # A generation stage beside it still needs a generation's size.
+    assert "multiples of 16, got 42x70" in refusal(["--tiny", "--stage", "sr", "--stage", "vae", "--height", "42",
+                                                    "--width", "70"], capsys)
+    args = build_parser().parse_args(["--tiny", "--stage", "text", "--height", "30"])
+    bench.stage_runners(args)
+    assert bench.ignored_flags(args) == ["--height is read by the dit/vae/audio/generate/sr stages only, not run here "
+                                         "(text): ignored, and not checked"]
