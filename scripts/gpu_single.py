@@ -121,16 +121,9 @@ def _bench_argv(
     if args.tiny:
         argv += ["--tiny", "--device", "cpu"]
     else:
-        argv += [
-            "--device",
-            "cuda",
-            "--height",
-            str(args.height),
-            "--width",
-            str(args.width),
-            "--num-frames",
-            str(args.num_frames),
-        ]
+        argv += ["--device", "cuda"]
+        if stages != ["text"]:  # the text stage reads no size (k6serve bench notes such a flag as ignored)
+            argv += ["--height", str(args.height), "--width", str(args.width), "--num-frames", str(args.num_frames)]
     return argv + ["--repeats", str(args.repeats), *extra]
 
 
@@ -152,7 +145,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ]
     compile_vae = ["--compile-vae-decoder"] if args.compile_decoder else []
     if args.subcommand == "generate":
-        extra = ["--performance-mode", args.performance_mode, "--warmup", "0", *compile_vae]
+        extra = ["--performance-mode", args.performance_mode, *compile_vae]
         if args.silent_request:
             extra.append("--silent-request")
         if args.expand_prompts_request:
@@ -175,7 +168,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             ("text", _bench_argv(args, ["text"])),
         ]
     if args.subcommand == "sr":
-        extra = ["--performance-mode", args.performance_mode, "--warmup", "0", "--sr-scale", "2", *compile_vae]
+        extra = ["--performance-mode", args.performance_mode, "--sr-scale", "2", *compile_vae]
         if not args.tiny:
             extra += ["--attention-backend", args.attention_backend]
         return [("sr x2", _bench_argv(args, ["sr"], extra))]

@@ -1113,3 +1113,16 @@ def test_the_sr_source_clip_takes_any_even_size_and_the_text_stage_no_size(capsy
     bench.stage_runners(args)
     assert bench.ignored_flags(args) == ["--height is read by the dit/vae/audio/generate/sr stages only, not run here "
                                          "(text): ignored, and not checked"]
+
+
+def test_gpu_single_parts_pass_no_flag_their_stage_ignores(load_script):
+    # generate and sr parts passed --warmup 0, and the text part the sizes, which those stages never read.
+    from k6serve.bench.__main__ import ignored_flags
+
+    script = load_script("gpu_single")
+    for subcommand in ("dit", "generate", "decoders", "sr"):
+        for tiny in ([], ["--tiny"]):
+            for _, argv in script.parts(script.build_parser().parse_args([subcommand, *tiny])):
+                notes = ignored_flags(build_parser().parse_args(argv))
+                # --tiny keeps each model's part (and its --variant, refused when unknown) on the toy config.
+                assert [note for note in notes if not (tiny and note.startswith("--variant "))] == [], argv
