@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="auto",
         choices=("auto", "cuda", "cpu"),
-        help="auto: CUDA when visible, except with --tiny, which runs on the CPU unless --device cuda.",
+        help="auto: CUDA when visible (without a GPU, the released sizes need --device cpu: hours a stage), except "
+        "with --tiny, which runs on the CPU unless --device cuda.",
     )
     parser.add_argument(
         "--dtype",
@@ -417,6 +418,11 @@ def _device(name: str, *, tiny: bool = False) -> torch.device:
     if name == "auto":
         # --tiny is the CPU smoke mode (CI): on a GPU host it still checks the CPU path, whose rows the tests know;
         # `--tiny --device cuda` runs the toy sizes on the GPU.
+        if not tiny and not torch.cuda.is_available():
+            # A plain `k6serve bench` on a host without a GPU built the released Pro DiT (56 GiB in bf16) on the CPU
+            # and ran it for hours; asked for by name it still runs.
+            raise ValueError("no CUDA GPU is visible, and the released sizes on the CPU take hours and tens of GiB of "
+                             "memory a stage; add --tiny for the CPU smoke mode, or --device cpu to run them anyway.")
         return torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError(

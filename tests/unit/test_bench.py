@@ -535,6 +535,21 @@ def test_tiny_runs_on_the_cpu_unless_cuda_is_named(monkeypatch):
     assert _device("cuda", tiny=True) == torch.device("cuda")
 
 
+def test_the_released_sizes_on_a_host_without_a_gpu_are_refused_unless_the_cpu_is_named(monkeypatch, capsys):
+    # `k6serve bench` with no flag on a laptop built the released Pro DiT on the CPU and ran it for hours.
+    from k6serve.bench.__main__ import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--stage", "vae"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and "[bench] stage" not in captured.out
+    assert captured.err.endswith("k6serve bench: error: no CUDA GPU is visible, and the released sizes on the CPU take "
+                                 "hours and tens of GiB of memory a stage; add --tiny for the CPU smoke mode, or "
+                                 "--device cpu to run them anyway.\n")
+    assert _device("auto", tiny=True) == _device("cpu") == torch.device("cpu")
+
+
 def test_generate_takes_the_engines_offload_flags(monkeypatch):
     """`--cpu-offload-components`, `--layerwise-offload-components` and `--component-residency` reach the engine
     config of the generate / sr stages (on the CPU they offload nothing; the worker logs that)."""
