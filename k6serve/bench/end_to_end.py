@@ -195,6 +195,11 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
     from k6serve.cli.generate import check_request_before_loading
     from k6serve.request import SR_SCALES, SamplingParams
 
+    if options.attention_backend != "auto" and {"generate", "sr"} & set(stages):
+        from k6serve.ops.attention import resolve_attention_backend
+
+        # --attention-backend fa on a host without FA3 failed at the engine's load; "auto" always resolves.
+        resolve_attention_backend(options.attention_backend, options.device)
     if "generate" in stages:
         # The uncached request; --cache-dit-params' own request is checked by the engine when it runs (its row).
         params = SamplingParams(prompt=PROMPT, height=options.height, width=options.width,
