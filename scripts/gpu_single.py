@@ -262,7 +262,12 @@ def write_results(
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.subcommand in ("dit", "generate") and not parts(args):
+        # `--models ,` (an unset variable in a loop) wrote a JSON of no rows and exited 0.
+        parser.error(f"--models {args.models!r} names no model; give one or more, comma-separated (e.g. "
+                     f"{','.join(DEFAULT_MODELS)})")
     out = Path(args.out)
     # The device each part's `k6serve bench` arguments name (_bench_argv): a --tiny run on a GPU host recorded the GPU.
     device = torch.device("cpu" if args.tiny else "cuda")

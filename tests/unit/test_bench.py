@@ -1143,3 +1143,13 @@ def test_gpu_single_parts_pass_no_flag_their_stage_ignores(load_script):
                 notes = ignored_flags(build_parser().parse_args(argv))
                 # --tiny keeps each model's part (and its --variant, refused when unknown) on the toy config.
                 assert [note for note in notes if not (tiny and note.startswith("--variant "))] == [], argv
+
+
+@pytest.mark.parametrize("models", ["", ",", " , "])
+def test_gpu_single_models_that_name_none_are_refused(models, tmp_path, load_script, capsys):
+    # `--models ""` (an unset shell variable) ran no part, wrote a JSON of no rows and exited 0.
+    script = load_script("gpu_single")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["dit", "--tiny", "--out", str(tmp_path), "--models", models])
+    assert exit_info.value.code == 2 and f"--models {models!r} names no model" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
