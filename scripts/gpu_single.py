@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -269,6 +270,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--models {args.models!r} names no model; give one or more, comma-separated (e.g. "
                      f"{','.join(DEFAULT_MODELS)})")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {args.out} is a file, not a folder; give the folder for {args.subcommand}.json and .md")
+    try:
+        # Before the first part: a --out that is a file, or not writable, failed at the first write, after that part.
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as error:
+        parser.error(f"cannot write to --out {args.out} ({error.strerror or error}); give a writable folder")
     # The device each part's `k6serve bench` arguments name (_bench_argv): a --tiny run on a GPU host recorded the GPU.
     device = torch.device("cpu" if args.tiny else "cuda")
     status = device_status()

@@ -1153,3 +1153,18 @@ def test_gpu_single_models_that_name_none_are_refused(models, tmp_path, load_scr
         script.main(["dit", "--tiny", "--out", str(tmp_path), "--models", models])
     assert exit_info.value.code == 2 and f"--models {models!r} names no model" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_single_refuses_an_out_it_cannot_write_before_any_part(tmp_path, load_script, capsys):
+    # A --out that is a file failed at the first write, after the first part (minutes on the GPU) had run.
+    script = load_script("gpu_single")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["decoders", "--tiny", "--out", str(tmp_path / "file")])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and "part 'vae' starts" not in captured.out
+    assert f"--out {tmp_path / 'file'} is a file, not a folder; give the folder for decoders.json and .md" \
+        in captured.err
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["decoders", "--tiny", "--out", str(tmp_path / "file" / "sub")])
+    assert exit_info.value.code == 2 and "cannot write to --out" in capsys.readouterr().err
