@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variant",
         default="pro-distill",
         choices=GENERATION_VARIANTS,
-        help="dit: the released config timed; generate: the model run (--tiny: the toy config and the demo "
-        "checkpoint instead; dit with --transformer-path: its config).",
+        help="dit: the released config timed; generate: the model run (default pro-distill; --tiny: the toy config and "
+        "the demo checkpoint instead; dit with --transformer-path: its config).",
     )
     parser.add_argument(
         "--transformer-path",
@@ -107,14 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="dit/vae/audio/generate/sr: 4k+1 frames (default 121; --tiny 17; sr: any number).",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="Timed warm runs; the median is reported."
+        "--repeats",
+        type=int,
+        default=3,
+        help="Timed warm runs, the median reported (default 3; in generate and sr, the warm requests after the first).",
     )
     # generate/sr never read it: their first request is the warm-up, reported as a row of its own.
     parser.add_argument(
         "--warmup",
         type=int,
         default=1,
-        help="dit/vae/audio/text: untimed runs before the timed ones (generate/sr: the first request, its own row).",
+        help="dit/vae/audio/text: untimed runs before the timed ones, default 1 (generate/sr: the first request, its "
+        "own row).",
     )
     parser.add_argument(
         "--json",
@@ -126,14 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default="auto",
         choices=("auto", "cuda", "cpu"),
-        help="auto: CUDA when visible (without a GPU, the released sizes need --device cpu: hours a stage), except "
-        "with --tiny, which runs on the CPU unless --device cuda.",
+        help="auto (the default): CUDA when visible (without a GPU, the released sizes need --device cpu: hours a "
+        "stage), except with --tiny, which runs on the CPU unless --device cuda.",
     )
     parser.add_argument(
         "--dtype",
         default="bfloat16",
         choices=tuple(_DTYPES),
-        help="dit/vae/audio/text: weights and inputs (generate/sr: the engine's own, bf16 on CUDA, fp32 on the CPU).",
+        help="dit/vae/audio/text: weights and inputs, default bfloat16 (generate/sr: the engine's own, bf16 on CUDA, "
+        "fp32 on the CPU).",
     )
     parser.add_argument(
         "--tiny", action="store_true", help="CPU smoke mode: toy sizes for every stage."
@@ -211,31 +216,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--performance-mode",
         default="speed",
         choices=PERFORMANCE_MODES,
-        help="generate/sr: the engine's performance mode.",
+        help="generate/sr: the engine's performance mode (default speed).",
     )
     parser.add_argument(
         "--vae-tiling",
         default="auto",
         choices=VAE_TILING,
-        help="generate: the engine's --vae-tiling (auto: on with --performance-mode memory on a GPU).",
+        help="generate: the engine's --vae-tiling (default auto: on with --performance-mode memory on a GPU).",
     )
     parser.add_argument(
         "--offload-prefetch-blocks",
         type=int,
         default=1,
-        help="generate/sr: the engine's --offload-prefetch-blocks (with --performance-mode memory).",
+        help="generate/sr: the engine's --offload-prefetch-blocks (default 1; where blocks are streamed: "
+        "--performance-mode memory or --layerwise-offload-components).",
     )
     parser.add_argument(
         "--offload-resident-blocks",
         type=int,
         default=0,
-        help="generate/sr: the engine's --offload-resident-blocks (with --performance-mode memory).",
+        help="generate/sr: the engine's --offload-resident-blocks (default 0; where blocks are streamed: "
+        "--performance-mode memory or --layerwise-offload-components).",
     )
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default="none",
-        help="generate: the engine's --quantization (fp8: the DiT's video-token linears in e4m3; lossy).",
+        help="generate: the engine's --quantization (default none; fp8: the DiT's video-token linears in e4m3; lossy).",
     )
     parser.add_argument(
         "--quantization-ignored-layers",
@@ -269,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
-        help="generate/sr: the engine's attention backend.",
+        help="generate/sr: the engine's attention backend (default auto).",
     )
     parser.add_argument(
         "--num-inference-steps", type=int, help="generate: steps (default: the variant's)."
@@ -297,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate: the engine with --compile-prompt-rewrite true (the rewrite through a static KV cache, its "
         "decoding step compiled; no warm-up here, so the first rewriting request compiles it).",
     )
-    parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor.")
+    parser.add_argument("--sr-scale", type=float, default=2.0, help="sr: upscale factor, 2, 4 or 2.25 (default 2).")
     parser.add_argument(
         "--output-dir", help="generate/sr: keep the MP4s here (default: a temporary folder)."
     )

@@ -1168,3 +1168,15 @@ def test_gpu_single_refuses_an_out_it_cannot_write_before_any_part(tmp_path, loa
     with pytest.raises(SystemExit) as exit_info:
         script.main(["decoders", "--tiny", "--out", str(tmp_path / "file" / "sub")])
     assert exit_info.value.code == 2 and "cannot write to --out" in capsys.readouterr().err
+
+
+def test_every_bench_flag_with_a_default_names_it_in_its_help():
+    # --repeats, --warmup, --dtype, --performance-mode, --sr-scale ... said nothing of their defaults (argparse shows
+    # none), and --offload-*-blocks said "with --performance-mode memory" where any streamed block takes them.
+    for action in build_parser()._actions:
+        if action.default is None or action.default is False or action.default in ([], ()) or action.dest == "help":
+            continue
+        default = f"{action.default:g}" if isinstance(action.default, float) else str(action.default)
+        value = re.escape(default)
+        assert re.search(rf"\bdefault {value}\b|^{value} \(the default\)", action.help), (action.dest, action.help)
+    assert "--layerwise-offload-components" in build_parser()._option_string_actions["--offload-resident-blocks"].help
