@@ -183,6 +183,18 @@ def _free_device() -> None:
         torch.cuda.empty_cache()
 
 
+def _parse_bench_argv(bench_argv: list[str]) -> argparse.Namespace:
+    """`k6serve bench`'s parse of a part's arguments, a refusal raised with argparse's message: its SystemExit(2)
+    was recorded as the part's error "SystemExit: 2", the message only on stderr."""
+    parser = build_bench_parser()
+
+    def refuse(message: str):
+        raise ValueError(f"k6serve bench {' '.join(bench_argv)}: {message}")
+
+    parser.error = refuse
+    return parser.parse_args(bench_argv)
+
+
 def run_part(name: str, bench_argv: list[str]) -> tuple[list[BenchRow], dict | None]:
     """Run one part; returns its rows and, on failure, an error record (never raises)."""
     log(f"part {name!r} starts: k6serve bench {' '.join(bench_argv)}")
@@ -190,7 +202,7 @@ def run_part(name: str, bench_argv: list[str]) -> tuple[list[BenchRow], dict | N
     rows: list[BenchRow] = []
     error = None
     try:
-        bench_args = build_bench_parser().parse_args(bench_argv)
+        bench_args = _parse_bench_argv(bench_argv)
         rows = run_stages(bench_args, log=lambda text: print(text, flush=True))
     except (Exception, SystemExit) as exception:  # noqa: BLE001 (recorded; argparse exits via SystemExit)
         error = {

@@ -352,6 +352,8 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path, load_scri
     assert code == 1
     payload = json.loads((tmp_path / "dit.json").read_text())
     assert [error["part"] for error in payload["errors"]] == ["dit not-a-model"]
+    # argparse's message, not its "SystemExit: 2" (the message went to stderr only).
+    assert "argument --variant: invalid choice: 'not-a-model'" in payload["errors"][0]["error"]
     assert [row["name"] for row in payload["rows"]] == [
         "diffusers eager",
         "ours torch_sdpa eager",
