@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 
+from k6serve.bench.__main__ import COMPILE_MODES
 from k6serve.bench.__main__ import build_parser as build_bench_parser
 from k6serve.bench.__main__ import run_stages
 from k6serve.bench.report import BenchRow, environment, format_table, json_text
+from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES
 
 SUBCOMMANDS = ("env", "dit", "generate", "decoders", "sr")
 DEFAULT_MODELS = ("pro-distill", "lite-distill")
@@ -69,8 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="dit: also time diffusers with compile_repeated_blocks (adds ~1.5 min for Pro).",
     )
+    # The same choices as k6serve bench's: free strings failed a whole part (after the others had run) instead.
     parser.add_argument(
-        "--compile-mode", help="dit: torch.compile mode of our blocks (k6serve bench --compile-mode)."
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help="dit: torch.compile mode of our blocks (k6serve bench --compile-mode).",
     )
     parser.add_argument(
         "--skip-eager", action="store_true", help="dit: do not time our DiT without transforms."
@@ -91,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoders: also time a compiled VAE decoder; generate/sr: the engine with --compile-vae true.",
     )
     parser.add_argument(
-        "--attention-backend", default="fa", help="generate/sr: engine attention backend."
+        "--attention-backend", default="fa", choices=ATTENTION_BACKENDS, help="generate/sr: engine attention backend."
     )
     parser.add_argument(
-        "--performance-mode", default="speed", help="generate/sr: engine performance mode."
+        "--performance-mode", default="speed", choices=PERFORMANCE_MODES, help="generate/sr: engine performance mode."
     )
     parser.add_argument(
         "--silent-request",

@@ -1182,3 +1182,13 @@ def test_every_bench_flag_with_a_default_names_it_in_its_help():
         value = re.escape(default)
         assert re.search(rf"\bdefault {value}\b|^{value} \(the default\)", action.help), (action.dest, action.help)
     assert "--layerwise-offload-components" in build_parser()._option_string_actions["--offload-resident-blocks"].help
+
+
+@pytest.mark.parametrize("flags", [["dit", "--compile-mode", "fastest"], ["generate", "--attention-backend", "flash9"],
+                                   ["sr", "--performance-mode", "fast"]])
+def test_gpu_single_refuses_a_value_k6serve_bench_would_refuse_up_front(flags, load_script, capsys):
+    # Free strings: each failed every part it reached, after the GPU had been set up, instead of the command.
+    script = load_script("gpu_single")
+    with pytest.raises(SystemExit) as exit_info:
+        script.build_parser().parse_args(flags)
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
