@@ -387,6 +387,10 @@ def _json_path(text: str) -> Path:
     run in a traceback after every stage had run, and an existing file (an earlier run's rows) was replaced."""
     if not text.strip():
         raise SystemExit("--json is empty; give the file to write the rows to (e.g. --json bench.json)")
+    if text == "-":
+        # Read elsewhere as stdout, which carries the table here: it wrote a file named "-".
+        raise SystemExit("--json - would write a file named '-' (stdout carries the table); give a file path, e.g. "
+                         "--json bench.json")
     path = Path(text).expanduser()  # `--json=~/x.json` reaches us unexpanded, as --transformer-path may
     if path.is_dir():
         raise SystemExit(f"--json {text} is a folder; give the file to write in it (e.g. --json {path / 'bench.json'})")

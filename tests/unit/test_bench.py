@@ -966,6 +966,7 @@ def test_each_flag_help_names_the_stages_that_read_it():
 
 @pytest.mark.parametrize(("path", "message"), [
     ("", "^--json is empty; give the file to write the rows to"),
+    ("-", "^--json - would write a file named '-' \\(stdout carries the table\\); give a file path"),
     (".", "^--json .* is a folder; give the file to write in it \\(e\\.g\\. --json .*bench\\.json\\)$"),
     ("old.json",
      "^--json .*old\\.json already exists, and the bench never replaces a file .*; delete it or give another path$"),
@@ -975,8 +976,8 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_any_stage_runs(pat
     # Each ended in a traceback after every stage had run (the JSON lost), or replaced an earlier run's file.
     (tmp_path / "old.json").write_text("{}")
     (tmp_path / "file").write_text("")
-    assert re.search(message, refusal(["--tiny", "--stage", "audio", "--json", str(tmp_path / path) if path else ""],
-                                      capsys))
+    json_path = str(tmp_path / path) if path not in ("", "-") else path
+    assert re.search(message, refusal(["--tiny", "--stage", "audio", "--json", json_path], capsys))
     assert (tmp_path / "old.json").read_text() == "{}"  # the earlier run's rows, kept
 
 
