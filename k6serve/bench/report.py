@@ -101,10 +101,10 @@ def _number(value: float | None, digits: int) -> str:
 
 def _cells(row: BenchRow) -> list[str]:
     note = f"ERROR: {row.error}" if row.error else row.note
+    # A --transformer-path with a "|" in it (the dit rows' config) split its row into one cell too many.
+    escaped = [text.replace("|", "\\|").replace("\n", " ") for text in (row.stage, row.name, row.config)]
     return [
-        row.stage,
-        row.name,
-        row.config,
+        *escaped,
         _number(row.seconds, 3),
         _number(row.tflops, 0),
         _number(row.percent_of_floor, 1),

@@ -1193,3 +1193,11 @@ def test_gpu_single_refuses_a_value_k6serve_bench_would_refuse_up_front(flags, l
     with pytest.raises(SystemExit) as exit_info:
         script.build_parser().parse_args(flags)
     assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_a_pipe_in_a_rows_config_keeps_the_table_a_table():
+    # The dit rows' config is the --transformer-path folder: "ckpt|v2" made its row one cell too many.
+    lines = format_table([BenchRow(stage="dit", name="ours", config="/data/ckpt|v2/transformer 64x96x17",
+                                   seconds=1.0)]).splitlines()
+    assert [len(re.split(r"(?<!\\)\|", line)) for line in lines] == [len(COLUMNS) + 2] * 3
+    assert "| /data/ckpt\\|v2/transformer 64x96x17 |" in lines[2]
