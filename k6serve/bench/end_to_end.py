@@ -213,7 +213,17 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
                              f"frame or more, got {options.height}x{options.width}x{options.num_frames}")
         if options.sr_scale not in SR_SCALES:
             raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
-        build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options, super_resolution=True))
+        config = build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options, super_resolution=True))
+        # The worker's own checks of the SR family's plan (runtime/worker.py), which it makes at the load: a component
+        # the SR model lacks (--layerwise-offload-components text_encoder) failed the sr stage after the others ran.
+        from k6serve.offload.residency import resolve_residency
+
+        runtime = config.runtime
+        resolve_residency(runtime.performance_mode, super_resolution=True, cpu_offload=runtime.cpu_offload_components,
+                          layerwise=runtime.layerwise_offload_components, settings=runtime.component_residency)
+        refusal = runtime.block_streaming_refusal(super_resolution=True)
+        if refusal:
+            raise ValueError(refusal)
 
 
 def _generate_model_path(options: EndToEndOptions) -> str:

@@ -1026,6 +1026,8 @@ def test_gpu_single_writes_null_where_a_value_is_not_finite(tmp_path, load_scrip
     (["--stage", "generate", "--height", "4096", "--width", "4096"], "^--height must be at most 2048 "),
     (["--stage", "sr", "--offload-prefetch-blocks", "0"], "^--offload-prefetch-blocks must be an integer >= 1 "),
     (["--stage", "generate", "--output-dir", "{file}"], "^--output-dir .*: .* is a file, not a folder"),
+    (["--stage", "sr", "--layerwise-offload-components", "text_encoder"],
+     "^--layerwise-offload-components text_encoder: the super-resolution model has no such component"),
     # --tiny runs on the CPU, also on a GPU host
     (["--stage", "sr", "--attention-backend", "fa"], "^attention backend 'fa' \\(FlashAttention\\) cannot run here"),
 ])
