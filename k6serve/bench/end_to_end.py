@@ -206,6 +206,8 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
                                 num_frames=options.num_frames, seed=42,
                                 num_inference_steps=options.num_inference_steps)
         check_request_before_loading({"model_path": _generate_model_path(options), **_engine_kwargs(options)}, params)
+        _check_family_plan(build_engine_config(_generate_model_path(options), **_engine_kwargs(options)).runtime,
+                           super_resolution=False)
     if "sr" in stages:
         # The source clip is H.264 4:2:0, which halves both sides (the SR pipeline takes any such size and length).
         if min(options.height, options.width) < 2 or options.height % 2 or options.width % 2 or options.num_frames < 1:
@@ -213,17 +215,23 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
                              f"frame or more, got {options.height}x{options.width}x{options.num_frames}")
         if options.sr_scale not in SR_SCALES:
             raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
-        config = build_engine_config(VARIANTS[SR_VARIANT].hub_id, **_engine_kwargs(options, super_resolution=True))
-        # The worker's own checks of the SR family's plan (runtime/worker.py), which it makes at the load: a component
-        # the SR model lacks (--layerwise-offload-components text_encoder) failed the sr stage after the others ran.
-        from k6serve.offload.residency import resolve_residency
+        _check_family_plan(build_engine_config(VARIANTS[SR_VARIANT].hub_id,
+                                               **_engine_kwargs(options, super_resolution=True)).runtime,
+                           super_resolution=True)
 
-        runtime = config.runtime
-        resolve_residency(runtime.performance_mode, super_resolution=True, cpu_offload=runtime.cpu_offload_components,
-                          layerwise=runtime.layerwise_offload_components, settings=runtime.component_residency)
-        refusal = runtime.block_streaming_refusal(super_resolution=True)
-        if refusal:
-            raise ValueError(refusal)
+
+def _check_family_plan(runtime, *, super_resolution: bool) -> None:
+    """The worker's own checks of its family's component plan (runtime/worker.py), made at its load: a component the
+    model lacks (--layerwise-offload-components text_encoder for sr, latent_upscaler for generate) failed the stage
+    after the earlier ones had run."""
+    from k6serve.offload.residency import resolve_residency
+
+    resolve_residency(runtime.performance_mode, super_resolution=super_resolution,
+                      cpu_offload=runtime.cpu_offload_components, layerwise=runtime.layerwise_offload_components,
+                      settings=runtime.component_residency)
+    refusal = runtime.block_streaming_refusal(super_resolution=super_resolution)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def _generate_model_path(options: EndToEndOptions) -> str:

@@ -1028,6 +1028,8 @@ def test_gpu_single_writes_null_where_a_value_is_not_finite(tmp_path, load_scrip
     (["--stage", "generate", "--output-dir", "{file}"], "^--output-dir .*: .* is a file, not a folder"),
     (["--stage", "sr", "--layerwise-offload-components", "text_encoder"],
      "^--layerwise-offload-components text_encoder: the super-resolution model has no such component"),
+    (["--stage", "generate", "--layerwise-offload-components", "latent_upscaler"],
+     "^--layerwise-offload-components latent_upscaler: .* has no such component"),
     # --tiny runs on the CPU, also on a GPU host
     (["--stage", "sr", "--attention-backend", "fa"], "^attention backend 'fa' \\(FlashAttention\\) cannot run here"),
 ])
