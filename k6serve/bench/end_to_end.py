@@ -215,9 +215,16 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
                              f"frame or more, got {options.height}x{options.width}x{options.num_frames}")
         if options.sr_scale not in SR_SCALES:
             raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
-        _check_family_plan(build_engine_config(VARIANTS[SR_VARIANT].hub_id,
-                                               **_engine_kwargs(options, super_resolution=True)).runtime,
-                           super_resolution=True)
+        try:
+            _check_family_plan(build_engine_config(VARIANTS[SR_VARIANT].hub_id,
+                                                   **_engine_kwargs(options, super_resolution=True)).runtime,
+                               super_resolution=True)
+        except ValueError as error:
+            if "generate" not in stages:
+                raise
+            # The offload flags go to both stages' engines: say how to give each its own.
+            raise ValueError(f"{error} (the sr stage's engine: the offload flags reach both stages; run sr in a "
+                             "k6serve bench of its own)") from None
 
 
 def _check_family_plan(runtime, *, super_resolution: bool) -> None:

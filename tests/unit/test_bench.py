@@ -1028,6 +1028,9 @@ def test_gpu_single_writes_null_where_a_value_is_not_finite(tmp_path, load_scrip
     (["--stage", "generate", "--output-dir", "{file}"], "^--output-dir .*: .* is a file, not a folder"),
     (["--stage", "sr", "--layerwise-offload-components", "text_encoder"],
      "^--layerwise-offload-components text_encoder: the super-resolution model has no such component"),
+    (["--stage", "generate", "--stage", "sr", "--cpu-offload-components", "text_encoder"],
+     "^--cpu-offload-components text_encoder: the super-resolution model has no such component.* \\(the sr stage's "
+     "engine: the offload flags reach both stages; run sr in a k6serve bench of its own\\)$"),
     (["--stage", "generate", "--layerwise-offload-components", "latent_upscaler"],
      "^--layerwise-offload-components latent_upscaler: .* has no such component"),
     # --tiny runs on the CPU, also on a GPU host
