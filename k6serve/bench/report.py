@@ -253,6 +253,7 @@ def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
                                      delete=False) as file:
         file.write(text)
+    os.chmod(file.name, path.stat().st_mode & 0o7777)  # the temporary file's 0600, not the run's first file's mode
     os.replace(file.name, path)
 
 

@@ -1108,6 +1108,8 @@ def test_the_json_keeps_the_stages_that_finished_when_a_later_one_is_killed(tmp_
     payload = json.loads(out.read_text())
     assert payload["complete"] is True and [row["stage"] for row in payload["rows"]] == ["vae", "audio"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.json", "whole.json"]
+    # The rewrite keeps the mode the file was created with (a temporary file's is 0600: unreadable to others).
+    assert out.stat().st_mode & 0o777 == (tmp_path / "bench.json").stat().st_mode & 0o777
 
 
 def test_a_compile_backend_torch_does_not_know_is_refused_before_any_stage_runs(capsys):
