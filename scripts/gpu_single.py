@@ -282,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        # Passed to every part's k6serve bench, which refused it in each: a run of failed parts, exit 1.
+        parser.error(f"--repeats must be >= 1 (the median of the timed runs is reported), got {args.repeats}")
     if args.subcommand in ("dit", "generate") and not parts(args):
         # `--models ,` (an unset variable in a loop) wrote a JSON of no rows and exited 0.
         parser.error(f"--models {args.models!r} names no model; give one or more, comma-separated (e.g. "

@@ -1157,6 +1157,15 @@ def test_gpu_single_parts_pass_no_flag_their_stage_ignores(load_script):
                 assert [note for note in notes if not (tiny and note.startswith("--variant "))] == [], argv
 
 
+def test_gpu_single_refuses_repeats_below_one_before_any_part(tmp_path, load_script, capsys):
+    # Each part's k6serve bench refused it: a run of failed parts and an error JSON instead of one refusal.
+    script = load_script("gpu_single")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["decoders", "--tiny", "--out", str(tmp_path), "--repeats", "0"])
+    assert exit_info.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("models", ["", ",", " , "])
 def test_gpu_single_models_that_name_none_are_refused(models, tmp_path, load_script, capsys):
     # `--models ""` (an unset shell variable) ran no part, wrote a JSON of no rows and exited 0.
