@@ -627,7 +627,8 @@ def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every row ran, 1 when any row recorded an error (or the JSON could not be
-    written); a refused flag exits 2 before any stage runs, as argparse's own refusals and `k6serve generate`'s."""
+    written), 130 after Ctrl-C; a refused flag exits 2 before any stage runs, as argparse's own refusals and
+    `k6serve generate`'s."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `k6serve bench -- ARGS` forwards the separator too.
