@@ -494,6 +494,17 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         if set(GEOMETRY_STAGES) & set(_stages(args)):
             raise SystemExit(f"--height / --width / --num-frames: {error}") from None
         geometry = None
+    if geometry is not None and "dit" in _stages(args):
+        from k6serve.models.common.rope import MAX_VIDEO_POSITIONS_PER_AXIS
+
+        # The DiT refused a larger grid in every row, after the model was built (generate's request says the same).
+        grid = (geometry.num_latent_frames, geometry.latent_height // 2, geometry.latent_width // 2)
+        limit = MAX_VIDEO_POSITIONS_PER_AXIS
+        if max(grid) > limit:
+            shape = "x".join(map(str, grid))
+            raise SystemExit(f"--height / --width / --num-frames: the DiT's video token grid {shape} exceeds its RoPE "
+                             f"table of {limit} positions an axis (at most {limit * 16} pixels a side, "
+                             f"{(limit - 1) * 4 + 1} frames)")
     # Checked here, once: measure() refusing them inside each stage turned every stage into the same error row.
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1 (the median of the timed runs is reported), got {args.repeats}")

@@ -763,6 +763,19 @@ def test_an_installed_copy_reports_no_commit_even_inside_another_git_repository(
     assert report._source_tree() is not None and report._git_commit()
 
 
+def test_a_size_the_dit_cannot_run_is_refused_before_the_model_is_built(capsys):
+    # --height 4096 made every dit row an error ("256 positions exceed the model's RoPE table of 128") after the
+    # model was built; the vae stage alone decodes any size.
+    assert refusal(["--tiny", "--stage", "dit", "--height", "4096", "--num-frames", "1"], capsys) == (
+        "--height / --width / --num-frames: the DiT's video token grid 1x256x6 exceeds its RoPE table of 128 "
+        "positions an axis (at most 2048 pixels a side, 509 frames)")
+    from k6serve.bench import __main__ as bench
+
+    bench.stage_runners(build_parser().parse_args(["--tiny", "--stage", "vae", "--height", "4096", "--num-frames",
+                                                   "1"]))
+    bench.stage_runners(build_parser().parse_args(["--tiny", "--height", "2048", "--num-frames", "509"]))
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--height", "30"], "height and width must be positive multiples of 16, got 30x96"),
     (["--width", "0"], "height and width must be positive multiples of 16, got 64x0"),
