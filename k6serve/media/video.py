@@ -275,6 +275,13 @@ class SRSourceReader:
     def close(self) -> None:
         self._container.close()
 
+    def stated_frame_size(self) -> tuple[int, int] | None:
+        """(H, W) as the stream's header states it, before any frame is decoded and before a display rotation swaps
+        the sides; None where the header states none. For bounds that do not depend on the orientation (an
+        area): a crafted 16000x8000 source cost its whole first frame's decode (200 MB) before its refusal."""
+        context = self._stream.codec_context
+        return (context.height, context.width) if context.width > 0 and context.height > 0 else None
+
     def preview(self) -> SourcePreview:
         """The frame size, kept count and fps of this source, from its headers and its first frame alone (PyAV
         shows the display rotation, which swaps a portrait phone video's width and height, only on decoded frames).

@@ -66,6 +66,25 @@ class UpscaleSizes:
     notes: tuple[str, ...] = ()
 
 
+def check_canvas(source_size: tuple[int, int], request: UpscaleRequest) -> None:
+    """Raises `UpscaleTooLarge` when the upscaled canvas of a `source_size` (H, W) source is over H.264's largest
+    level. It depends on the area alone, so a source's stated size (before a display rotation swaps its sides)
+    answers it before its first frame is decoded (`SRSourceReader.stated_frame_size`)."""
+    scale = resolve_scale(request.scale)
+    height, width = source_size
+    crop_size = _input_and_crop_sizes(source_size, scale)[1]
+    if frame_macroblocks(*crop_size) > MAX_FRAME_MACROBLOCKS:
+        # The upscaled canvas is computed whole before any sr_target_resolution downscales it, so a target does not
+        # help; a bound here also bounds the request's host memory (the canvas of 121 frames: 12.9 GB at the
+        # bound; an 8000x8000 source at x2 was accepted and needed 93 GB) and its time (tiles grow with the area).
+        raise UpscaleTooLarge.naming(lambda name: (
+            f"the x{request.scale:g} upscale of this {width}x{height} source would be {crop_size[1]}x{crop_size[0]} "
+            f"({frame_macroblocks(*crop_size):,} macroblocks of 16x16 pixels), more than H.264's largest level "
+            f"allows in a frame ({MAX_FRAME_MACROBLOCKS:,}, e.g. 8192x4320 or 7680x4320), and the output is "
+            f"computed at that size before any {name('sr_target_resolution')}; "
+            f"{_smaller_scales(source_size, request.scale, name)}"))
+
+
 def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> UpscaleSizes:
     """The output sizes of `request` on a source of `source_size` (H, W); raises ValueError for a target or size that
     cannot be made. Needs no checkpoint (the tile grid does, and does not change the sizes), so the HTTP server
@@ -91,16 +110,7 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
             notes = (FlagWordedNote.naming(lambda name: (
                 f"{enlarged}: the upscaled result, {crop_size[1]}x{crop_size[0]}, scales the source {factor}, not "
                 f"x{request.scale:g}; use {name('sr_resolution_scale')} 2 or 4 for an exact scale.")),)
-    if frame_macroblocks(*crop_size) > MAX_FRAME_MACROBLOCKS:
-        # The upscaled canvas is computed whole before any sr_target_resolution downscales it, so a target does not
-        # help; a bound here also bounds the request's host memory (the canvas of 121 frames: 12.9 GB at the
-        # bound; an 8000x8000 source at x2 was accepted and needed 93 GB) and its time (tiles grow with the area).
-        raise UpscaleTooLarge.naming(lambda name: (
-            f"the x{request.scale:g} upscale of this {width}x{height} source would be {crop_size[1]}x{crop_size[0]} "
-            f"({frame_macroblocks(*crop_size):,} macroblocks of 16x16 pixels), more than H.264's largest level "
-            f"allows in a frame ({MAX_FRAME_MACROBLOCKS:,}, e.g. 8192x4320 or 7680x4320), and the output is "
-            f"computed at that size before any {name('sr_target_resolution')}; "
-            f"{_smaller_scales(source_size, request.scale, name)}"))
+    check_canvas(source_size, request)
     if request.target_resolution is not None:
         delivery_size = resolve_target_size(
             *crop_size, request.target_resolution, request.target_resize_mode

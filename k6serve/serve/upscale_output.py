@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from k6serve.media.video import SRSourceReader
 from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
-from k6serve.pipelines.sr_plan import plan_upscale, upscale_sizes
+from k6serve.pipelines.sr_plan import UpscaleTooLarge, check_canvas, plan_upscale, upscale_sizes
 from k6serve.request import UpscaleRequest
 from k6serve.serve.jobs import seconds_text, size_text
 
@@ -41,7 +41,11 @@ def expected_upscale_output(request: UpscaleRequest, tiling: SRTiling | None = N
     plan does: the server refuses the job at once."""
     try:
         with SRSourceReader(request.video_path) as reader:
+            if (stated := reader.stated_frame_size()) is not None:
+                check_canvas(stated, request)  # a canvas over H.264's limits refused before a frame is decoded
             source = reader.preview()
+    except UpscaleTooLarge:
+        raise  # the plan's refusal, as the worker words it (not the reader's)
     except ValueError as exc:
         raise SourceUnusable(str(exc)) from None
     sizes = upscale_sizes(source.frame_size, request)

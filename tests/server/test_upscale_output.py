@@ -132,3 +132,23 @@ def test_the_largest_upscales_h264_allows_still_plan(source, scale, output):
     from k6serve.pipelines.sr_plan import upscale_sizes
 
     assert upscale_sizes(source, _request(scale)).crop_size == output
+
+
+def test_a_canvas_over_h264s_limits_is_refused_from_the_header_before_a_frame_decodes(tmp_path, monkeypatch):
+    """The refusal came after the first frame's decode: a crafted 16000x8000 source cost 200 MB and a second of
+    the server's input threads per request, for a job refused anyway."""
+    from k6serve.media.video import SRSourceReader
+    from k6serve.pipelines.sr_plan import UpscaleTooLarge
+
+    large = make_clip(tmp_path / "large.mp4", width=2064, height=1088, num_frames=1, fps=24)
+    with SRSourceReader(large) as reader:
+        assert reader.stated_frame_size() == (1088, 2064)
+
+    def decoded(self):
+        raise AssertionError("the first frame was decoded")
+
+    monkeypatch.setattr(SRSourceReader, "preview", decoded)
+    with pytest.raises(UpscaleTooLarge, match=r"^the x4 upscale of this 2064x1088 source would be 8256x4352 "):
+        expected_upscale_output(_request(4, video_path=str(large)))
+    with pytest.raises(AssertionError, match="decoded"):  # x2 fits: the header alone does not refuse it
+        expected_upscale_output(_request(2, video_path=str(large)))
