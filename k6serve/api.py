@@ -701,7 +701,8 @@ class DiffGenerator:
         if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
             results: list[VideoResult] = []
             for params, output, warnings in listed:
-                with _stopped_list(listed, results), self._step_bar(on_progress, progress_bar) as on_step:
+                # The bar first: a bad progress_bar is refused as it is, not as a prompt that stopped the list.
+                with self._step_bar(on_progress, progress_bar) as on_step, _stopped_list(listed, results):
                     results.append(self.engine.generate(params, output, on_progress=on_step))
                 results[-1].notes[:0] = warnings
             return results
@@ -732,7 +733,8 @@ class DiffGenerator:
         if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
             results: list[VideoResult] = []
             for params, output, warnings in listed:
-                with _stopped_list(listed, results), self._step_bar(on_progress, progress_bar) as on_step:
+                # The bar first: a bad progress_bar is refused as it is, not as a prompt that stopped the list.
+                with self._step_bar(on_progress, progress_bar) as on_step, _stopped_list(listed, results):
                     results.append(await self.engine.agenerate(params, output, on_progress=on_step))
                 results[-1].notes[:0] = warnings
             return results
@@ -782,7 +784,9 @@ class DiffGenerator:
         note of what had finished (`_stopped_list`), since a list whose results silently miss one misnumbers the
         rest. The prompts run one at a time, also with dp_size=N (for N at a time, call generate from N threads, or
         gather agenerate calls, one prompt each)."""
-        options = request_options(sampling_params_kwargs, kwargs)
+        # A pathlib output_file_name (taken as a str) and np.False_ as save_output are read as they are for one prompt:
+        # a Path was not numbered, so the second prompt's video was moved on to clip_1.mp4 beside the first's clip.mp4.
+        options = fspath_values(plain_scalars(request_options(sampling_params_kwargs, kwargs)))
         prompts = options.get("prompt")
         if not isinstance(prompts, (list, tuple)):
             return None
@@ -796,6 +800,9 @@ class DiffGenerator:
         if isinstance(name, str) and options.get("save_output") is not False and len(prompts) > 1:
             final, name_warning = final_file_name(name)  # said once, of the name given, before it is numbered
             names = numbered_file_names(final, len(prompts))
+            if name_warning:
+                # Logged as one prompt's check logs its warnings; each result's notes keep it too.
+                logger.warning(name_warning)
         listed = []
         for index, (prompt, numbered) in enumerate(zip(prompts, names)):
             each = {**options, "prompt": prompt, **({"output_file_name": numbered} if numbered else {})}

@@ -414,3 +414,30 @@ def test_a_failing_prompt_stops_the_list_saying_what_finished(generator, tmp_pat
     assert raised.value.__notes__ == [
         f"prompt 1 of the list of 3 stopped it: prompt 0 had finished (saved: {saved}); to run the rest, pass the "
         "list from prompt 1 on (prompts[1:])."]
+
+
+def test_a_pathlib_output_file_name_is_numbered_per_prompt_of_a_list(generator, tmp_path):
+    # A Path is taken as the name for one prompt; for a list it was not numbered, so the second video was moved on
+    # to clip_1.mp4 beside the first's clip.mp4, with a note, where a str gives clip_1.mp4 and clip_2.mp4.
+    results = generator.generate(prompt=["A cat", "A dog"], output_file_name=Path("clip.mp4"), height=32, width=32,
+                                 num_frames=5, output_path=tmp_path)
+    assert [Path(result.output_file_path).name for result in results] == ["clip_1.mp4", "clip_2.mp4"]
+    assert not any("created in the output folder" in note for result in results for note in result.notes)
+
+
+def test_a_renamed_output_file_name_of_a_list_is_logged_once(generator, tmp_path, caplog):
+    # One prompt's renamed name is logged as a warning; a list's was only put in the results' notes.
+    with caplog.at_level("WARNING", logger="k6serve.api"):
+        generator.generate(prompt=["A cat", "A dog"], output_file_name="my clip?", height=32, width=32, num_frames=5,
+                           output_path=tmp_path)
+    logged = [record.getMessage() for record in caplog.records if "is written as" in record.getMessage()]
+    assert logged == ["output_file_name 'my clip?' is written as 'my_clip_.mp4': file names keep only letters and "
+                      "digits (of any script), '.', '_' and '-' (others become '_'), and no leading dot."]
+
+
+def test_a_bad_progress_bar_with_a_list_is_not_told_as_a_stopped_prompt(generator, tmp_path):
+    # It was raised inside the first prompt's run, with a note that prompt 0 "stopped" the list.
+    with pytest.raises(ValueError, match=r"^progress_bar must be True or False, got 'yes'\.$") as raised:
+        generator.generate(prompt=["A cat", "A dog"], progress_bar="yes", height=32, width=32, num_frames=5,
+                           output_path=str(tmp_path))
+    assert not getattr(raised.value, "__notes__", None) and not any(tmp_path.iterdir())
