@@ -513,6 +513,12 @@ _OWN_NAMES: dict[str, dict[str, str]] = {
     "image_url": {"cli": _URLS, "api": _request_flags_as_names(_URLS), "http": _URLS_HTTP, "serve": _URLS_HTTP},
 }
 _OWN_NAMES["video_reference"] = _OWN_NAMES["input_reference"]
+# `k6serve generate`'s flag, and an engine option of SGLang's (its DiffGenerator reads the file's prompts at
+# generate()): in the Python API it got "did you mean 'return_file_paths_only'?", over HTTP no hint at all.
+_OWN_NAMES["prompt_file_path"] = {
+    "api": "`k6serve generate`'s flag; the Python API takes the prompts themselves, one request each: "
+           "generate(prompt=[...]), e.g. with the file's lines that are not blank",
+    "http": "`k6serve generate`'s flag; a job has one prompt: send one POST /v1/videos per prompt"}
 
 
 # diffusers' own argument names (Kandinsky6TI2VAPipeline's and Kandinsky6SRPipeline's calls and from_pretrained),

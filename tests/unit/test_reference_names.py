@@ -368,6 +368,23 @@ def test_http_body_with_another_apis_name_says_what_to_send(name, note):
     assert raised.value.message.startswith(f"Unknown field {name!r} ({note}). Valid fields: prompt, ")
 
 
+def test_prompt_file_path_outside_the_cli_says_how_to_send_several_prompts():
+    # SGLang's DiffGenerator takes it (its generate reads the file); here the API guessed 'return_file_paths_only'
+    # and the HTTP body had no hint.
+    fix = ("`k6serve generate`'s flag; the Python API takes the prompts themselves, one request each: generate(prompt="
+           "[...]), e.g. with the file's lines that are not blank")
+    with pytest.raises(ValueError) as raised:
+        SamplingParams.from_kwargs({"prompt": "x", "prompt_file_path": "p.txt"})
+    assert str(raised.value).startswith(f"Unknown sampling parameter(s) ['prompt_file_path'] ({fix}). Valid ")
+    with pytest.raises(ValueError) as raised:
+        build_engine_config("demo", prompt_file_path="p.txt")
+    assert str(raised.value).startswith(f"Unknown engine option 'prompt_file_path' ({fix}). Valid options: ")
+    with pytest.raises(ApiError) as raised:
+        parse_create_body({"prompt": "x", "prompt_file_path": "p.txt"})
+    assert raised.value.message.startswith("Unknown field 'prompt_file_path' (`k6serve generate`'s flag; a job has "
+                                           "one prompt: send one POST /v1/videos per prompt). Valid fields: ")
+
+
 # ---- --config files ----
 
 
