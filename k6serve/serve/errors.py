@@ -112,8 +112,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if param == "variant" and request.url.path.endswith("/content"):
             # OpenAI's SDK offers variant="thumbnail" / "spritesheet"; pydantic's "Input should be 'video'" does not
             # say that those are simply not made here.
-            message = (f"variant: only 'video' is served, got {first.get('input')!r}; k6serve makes no thumbnail or "
+            given = first.get("input")
+            message = (f"variant: only 'video' is served, got {given!r}; k6serve makes no thumbnail or "
                        "spritesheet (take a frame of the MP4 instead).")
+            if isinstance(given, str) and given.strip().isdigit():
+                # SGLang's ?variant=N indexes a job's outputs; its client's ?variant=0 read as a thumbnail's refusal.
+                message = (f"variant: {given!r} is SGLang's index of a job's outputs; a k6serve job makes one video, "
+                           "served without variant (or with variant=video).")
         return JSONResponse(error_body(400, message, code="invalid_parameter", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -681,6 +681,15 @@ def test_a_thumbnail_variant_is_said_not_to_be_made(fake_client):
         "type": "invalid_request_error", "param": "variant", "code": "invalid_parameter"}
 
 
+def test_sglangs_variant_index_is_said_to_be_the_one_video(fake_client):
+    """SGLang's /content?variant=N picks one of a job's outputs; its ?variant=0 was told that no thumbnail is made."""
+    response = fake_client.get("/v1/videos/video_nope/content", params={"variant": "0"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "variant: '0' is SGLang's index of a job's outputs; a k6serve job makes one video, served without variant "
+        "(or with variant=video).")
+
+
 def test_the_cancel_route_cancels_a_running_job_and_leaves_a_finished_one(fake_server, fake_client):
     """DELETE deletes a finished job (record and video): a client retrying a cancel could delete a video that
     completed meanwhile. POST .../cancel only cancels; on a finished job it is a 409 that changes nothing."""
