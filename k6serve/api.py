@@ -539,6 +539,22 @@ def _http_names_answered(method: Callable) -> Callable:
     return answered
 
 
+def _sglang_order_answered(method: Callable) -> Callable:
+    """`DiffGenerator.set_lora` called in SGLang's argument order, (nickname, path, target, strength): its third
+    argument, a target, was refused as "strength must be a finite number, got 'transformer'", and a fourth as
+    Python's "takes from 2 to 4 positional arguments". Said as the order it is, with the call to make."""
+    @functools.wraps(method)
+    def ordered(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
+        if len(args) >= 3 and isinstance(args[2], str) and args[2] in LORA_TARGETS:
+            strength = "" if len(args) < 4 else f", {args[3]!r}"
+            raise TypeError(f"{method.__name__}()'s third argument is the strength, got the target {args[2]!r}: "
+                            "SGLang's set_lora takes (nickname, path, target, strength), and here target is a "
+                            f"keyword: {method.__name__}({args[0]!r}, {args[1]!r}{strength}, target={args[2]!r}).")
+        return method(self, *args, **kwargs)
+
+    return ordered
+
+
 def _shown_prompt(prompt: Any) -> str:
     """A list's prompt as an error shows it: its start, or what else it is."""
     if isinstance(prompt, str):
@@ -895,6 +911,7 @@ class DiffGenerator:
 
     @_in_callers_words
     @_http_names_answered
+    @_sglang_order_answered
     def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
                  strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
                  lora_alpha: float | None = None) -> dict:

@@ -180,6 +180,25 @@ def test_the_lora_calls_answer_the_http_bodys_names_with_the_python_arguments():
         generator.shutdown()
 
 
+def test_set_lora_in_sglangs_argument_order_says_target_is_a_keyword():
+    # SGLang's set_lora(nickname, path, target, strength): the target was refused as "strength must be a finite
+    # number", and with the strength after it as Python's "takes from 2 to 4 positional arguments".
+    config = build_engine_config("demo", device="cpu")
+    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
+    try:
+        with pytest.raises(TypeError) as refused:
+            generator.set_lora("style", "style.safetensors", "transformer", 0.8)
+        assert str(refused.value) == (
+            "set_lora()'s third argument is the strength, got the target 'transformer': SGLang's set_lora takes "
+            "(nickname, path, target, strength), and here target is a keyword: set_lora('style', "
+            "'style.safetensors', 0.8, target='transformer').")
+        with pytest.raises(TypeError, match=r"keyword: set_lora\('style', None, target='all'\)\.$"):
+            generator.set_lora("style", None, "all")
+        assert generator.set_lora("style", "style.safetensors", 0.8, target="transformer") == {"loras": []}
+    finally:
+        generator.shutdown()
+
+
 @pytest.mark.parametrize(("message", "expected"), [
     # int: a number is its value; anything else is prose about the option.
     ("--num-gpus 4 must be a multiple of --nnodes 3 (every", "num_gpus=4 must be a multiple of nnodes=3 (every"),
