@@ -413,6 +413,12 @@ class VideoResult:
         """`timings["total"]`, in seconds."""
         return self.timings.get("total", math.nan)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the instance lacks: SGLang's result fields (`result.size`) got a bare AttributeError.
+        note = _SGLANG_RESULT_FIELDS.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}"
+                             + (f" (SGLang's result field; {note})" if note else ""), name=name, obj=self)
+
     def __repr__(self) -> str:
         # The dataclass repr printed the arrays' values: some 60 lines of pixels in front of the timings.
         def shown(value: Any) -> str:
@@ -420,6 +426,19 @@ class VideoResult:
 
         values = ", ".join(f"{item.name}={shown(getattr(self, item.name))}" for item in dataclasses.fields(self))
         return f"VideoResult({values})"
+
+
+# SGLang's `GenerationResult` fields that `VideoResult` has under another name, or not at all.
+_SGLANG_TRAJECTORY = "k6serve returns the finished video only, not the latents or frames of the intermediate steps"
+_SGLANG_RESULT_FIELDS = {
+    "samples": "k6serve's are frames, uint8 (frames, height, width, 3), with return_frames=True",
+    "size": "k6serve's are height, width and num_frames",
+    "metrics": "k6serve's are timings, seconds by stage, and peak_memory_mb",
+    "prompt_index": "a list of prompts returns its results in the list's order, and each result's prompt is its own",
+    "trajectory_latents": _SGLANG_TRAJECTORY,
+    "trajectory_decoded": _SGLANG_TRAJECTORY,
+    "trajectory_timesteps": _SGLANG_TRAJECTORY,
+}
 
 
 def unencodable_path(path: str) -> str | None:

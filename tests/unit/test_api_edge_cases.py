@@ -529,6 +529,25 @@ def test_the_result_repr_summarises_its_arrays():
     assert "frames=None" in repr(VideoResult(**{**vars(result), "frames": None, "audio": None}))
 
 
+def test_sglangs_result_fields_say_what_the_result_holds_instead():
+    """SGLang's GenerationResult has size, samples, metrics, prompt_index: `result.size` was a bare AttributeError."""
+    import copy
+    import pickle
+
+    result = VideoResult(output_file_path=None, frames=None, audio=None, audio_sample_rate=44100, fps=24.0, seed=42,
+                         timings={}, peak_memory_mb=1.0, num_frames=5, height=32, width=32)
+    with pytest.raises(AttributeError) as raised:
+        result.size
+    assert str(raised.value) == ("'VideoResult' object has no attribute 'size' (SGLang's result field; k6serve's are "
+                                 "height, width and num_frames)")
+    with pytest.raises(AttributeError, match=r"'prompt_index' \(SGLang's result field; a list of prompts returns"):
+        result.prompt_index
+    with pytest.raises(AttributeError, match=r"^'VideoResult' object has no attribute 'sizee'$"):
+        result.sizee
+    # Still a plain object otherwise: hasattr, pickle and copy see no attribute that is not there.
+    assert not hasattr(result, "samples") and pickle.loads(pickle.dumps(result)).seed == copy.deepcopy(result).seed
+
+
 def test_close_is_shutdown():
     """contextlib.closing (and users of other Python resources) call close(); the seed names it shutdown()."""
     import contextlib

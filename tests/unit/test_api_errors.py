@@ -180,6 +180,19 @@ def test_the_lora_calls_answer_the_http_bodys_names_with_the_python_arguments():
         generator.shutdown()
 
 
+def test_sglangs_generate_with_lora_says_how_to_generate_with_an_adapter():
+    config = build_engine_config("demo", device="cpu")
+    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
+    try:
+        with pytest.raises(AttributeError, match=r"^'DiffGenerator' object has no attribute 'generate_with_lora' "
+                                                 r"\(SGLang's method; load the adapter with set_lora\("):
+            generator.generate_with_lora(prompt="x", lora_nickname="style")
+        with pytest.raises(AttributeError, match=r"^'DiffGenerator' object has no attribute 'genrate'$"):
+            generator.genrate
+    finally:
+        generator.shutdown()
+
+
 def test_set_lora_in_sglangs_argument_order_says_target_is_a_keyword():
     # SGLang's set_lora(nickname, path, target, strength): the target was refused as "strength must be a finite
     # number", and with the strength after it as Python's "takes from 2 to 4 positional arguments".
