@@ -199,6 +199,13 @@ def _refuse_pixel_arrays(kwargs: Mapping[str, Any]) -> None:
             raise ValueError(f"image_path takes the path of one image file (a str or pathlib.Path), not a list of "
                              f"{len(value)} {'PIL images' if pil else 'arrays'}: save the first frame, e.g. "
                              f"{example}, and pass that path.")
+        if isinstance(value, (list, tuple)) and value and all(isinstance(item, (str, os.PathLike)) for item in value):
+            # SGLang takes a list of one source video; here the field is the one path, and said so, not "must be a
+            # string, got [...] (list)".
+            one = os.fspath(value[0])
+            fix = (f"pass the path itself: {key}={one!r}" if len(value) == 1 else
+                   "upscale one source a call" if key == "video_path" else "a request takes one conditioning image")
+            raise ValueError(f"{key} takes one path (a str or pathlib.Path), not a list of {len(value)}; {fix}.")
         package = type(value).__module__.partition(".")[0]
         if package not in ("numpy", "torch") or not hasattr(value, "shape"):
             continue

@@ -677,3 +677,16 @@ def test_a_serve_config_file_takes_the_aliases(tmp_path):
     assert (options["performance_mode"], options["dp_size"], options["layerwise_offload_components"]) == (
         "memory", 2, ["transformer"])
     assert not {"mode", "dp", "layerwise_offload_modules"} & set(options)
+
+
+def test_sglangs_list_of_one_source_video_says_to_pass_the_path():
+    # SGLang takes video_path=[path] (a list of one source); it was refused as "must be a string, got [...] (list)".
+    from pathlib import Path
+
+    with pytest.raises(ValueError, match=r"^video_path takes one path \(a str or pathlib\.Path\), not a list of 1; "
+                                         r"pass the path itself: video_path='in\.mp4'\.$"):
+        split_kwargs({"video_path": [Path("in.mp4")]})
+    with pytest.raises(ValueError, match=r"not a list of 2; upscale one source a call\.$"):
+        split_kwargs({"video_path": ["a.mp4", "b.mp4"]})
+    with pytest.raises(ValueError, match=r"not a list of 2; a request takes one conditioning image\.$"):
+        split_kwargs({"prompt": "p", "image_path": ["a.png", "b.png"]})
