@@ -583,8 +583,20 @@ def _stopped_list(listed: list, results: list[VideoResult]) -> Iterator[None]:
             + (f"prompts 0-{done - 1} had finished" if done > 1 else "prompt 0 had finished" if done else
                "none had finished")
             + (f" (saved: {', '.join(saved)})" if saved else "")
-            + f"; to run the rest, pass the list from prompt {done} on (prompts[{done}:]).")
+            + f"; to run the rest, pass the list from prompt {done} on (prompts[{done}:])"
+            + _renumbered_names_note(listed, saved) + ".")
         raise
+
+
+def _renumbered_names_note(listed: list, saved: list[str]) -> str:
+    """What a rerun of a stopped list's rest needs when its output_file_name was numbered: the rest's names start
+    again from 1, which the finished prompts' files hold, so the rerun the note advised was refused as "already
+    exists"."""
+    numbered = len(listed) > 1 and listed[0][1].save_output and listed[0][1].output_file_name is not None
+    if not numbered or not saved:
+        return ""
+    return (f" with another output_file_name, as a list's names are numbered from 1 and {Path(saved[0]).name} is "
+            "taken")
 
 
 def _in_callers_words(method: Callable) -> Callable:

@@ -441,3 +441,22 @@ def test_a_bad_progress_bar_with_a_list_is_not_told_as_a_stopped_prompt(generato
         generator.generate(prompt=["A cat", "A dog"], progress_bar="yes", height=32, width=32, num_frames=5,
                            output_path=str(tmp_path))
     assert not getattr(raised.value, "__notes__", None) and not any(tmp_path.iterdir())
+
+
+def test_a_stopped_list_with_a_numbered_name_says_the_rerun_needs_another_name(generator, tmp_path):
+    # The note advised prompts[1:] alone: its names start again at clip_1.mp4, which the first prompt's video holds,
+    # so the rerun was refused as "already exists".
+    calls = []
+
+    def second_fails(step, total):
+        calls.append(step)
+        if calls.count(1) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        generator.generate(prompt=["A cat", "A dog"], output_file_name="clip", height=32, width=32, num_frames=5,
+                           output_path=str(tmp_path), on_progress=second_fails)
+    assert raised.value.__notes__ == [
+        f"prompt 1 of the list of 2 stopped it: prompt 0 had finished (saved: {tmp_path / 'clip_1.mp4'}); to run the "
+        "rest, pass the list from prompt 1 on (prompts[1:]) with another output_file_name, as a list's names are "
+        "numbered from 1 and clip_1.mp4 is taken."]
