@@ -290,12 +290,25 @@ def _describe_video_error(param: str | None, error: dict) -> str | None:
         else:
             hint = unknown_names_hint([param], fields, surface="http")
         return f"Unknown field {param!r}{hint}. Valid fields: {', '.join(fields)}."
+    if param in _ONE_PER_JOB and isinstance(error.get("input"), list):
+        # SGLang takes a list of seeds (one per output) and of one source video; here as everywhere a job is one
+        # video, and pydantic's "Input should be a valid integer" said nothing of it.
+        return f"{param}: {_ONE_PER_JOB[param]}, got {json.dumps(error['input'], default=str)[:200]}."
     if param == "seconds" and error["type"] != "extra_forbidden":
         return f"seconds must be a number in (0, 600] such as \"4\" or 4, got {error.get('input')!r}"
     if param == "request_id" and error["type"] == "string_pattern_mismatch":
         return ("request_id must be 1-128 characters of A-Z, a-z, 0-9, '.', '_' and '-', starting with a letter or "
                 f"digit, got {error.get('input')!r}")
     return None
+
+
+# Fields that SGLang's body may send as a list, and what a k6serve job takes instead.
+_ONE_PER_JOB = {
+    "seed": "one integer per job (SGLang's list of seeds is one per output; a job makes one video: send a job per "
+            "seed)",
+    "prompt": "one string per job (send a POST /v1/videos per prompt)",
+    "video_path": "one server-side path per job (send SGLang's list of one source as the path itself)",
+}
 
 
 # No field of any route nests more than three levels of objects or arrays. Deeper JSON is refused by one rule on

@@ -690,3 +690,17 @@ def test_sglangs_list_of_one_source_video_says_to_pass_the_path():
         split_kwargs({"video_path": ["a.mp4", "b.mp4"]})
     with pytest.raises(ValueError, match=r"not a list of 2; a request takes one conditioning image\.$"):
         split_kwargs({"prompt": "p", "image_path": ["a.png", "b.png"]})
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": "x", "seed": [1, 2]}, "seed: one integer per job (SGLang's list of seeds is one per output; a job "
+                                      "makes one video: send a job per seed), got [1, 2]."),
+    ({"prompt": ["a", "b"]}, "prompt: one string per job (send a POST /v1/videos per prompt), got [\"a\", \"b\"]."),
+    ({"prompt": "x", "video_path": ["/in.mp4"]}, "video_path: one server-side path per job (send SGLang's list of "
+                                                 "one source as the path itself), got [\"/in.mp4\"]."),
+])
+def test_http_lists_sglang_takes_say_a_job_takes_one(body, message):
+    # SGLang's body takes a seed list and a list of one source; pydantic answered "Input should be a valid integer".
+    with pytest.raises(ApiError) as raised:
+        parse_create_body(body)
+    assert (raised.value.status, raised.value.message) == (400, message)
