@@ -157,6 +157,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # A wrong type would otherwise surface as a TypeError deep in a worker process, or worse, run: the string
         # "no" is a true save_output.
+        if isinstance(self.prompt, (list, tuple)) and all(isinstance(item, str) for item in self.prompt):
+            # generate() takes such a list, one request per prompt; one SamplingParams is one request.
+            raise ValueError(f"prompt must be a string, got a list of {len(self.prompt)}: a SamplingParams is one "
+                             "request; pass the list to generate(prompt=[...]), which runs one request per prompt.")
         _check_field_types(self)
 
     @classmethod

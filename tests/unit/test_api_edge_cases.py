@@ -663,3 +663,11 @@ def test_server_args_are_the_engine_options_under_the_keyword_arguments(monkeypa
     assert loaded == {"model_path": "demo", "options": {"warmup_mode": "off"}}
     DiffGenerator.from_pretrained("demo", server_args={"model_path": "demo"}, local_mode=np.True_)  # the same model
     assert loaded == {"model_path": "demo", "options": {}}
+
+
+def test_a_sampling_params_of_a_prompt_list_points_to_generates_list():
+    # generate(prompt=[...]) runs one request per prompt; SamplingParams(prompt=[...]) said only "must be a string".
+    with pytest.raises(ValueError, match=r"^prompt must be a string, got a list of 2: a SamplingParams is one request; "
+                                         r"pass the list to generate\(prompt=\[\.\.\.\]\), which runs one request "
+                                         r"per prompt\.$"):
+        SamplingParams(prompt=["A cat", "A dog"])
