@@ -437,8 +437,11 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         return [str(item) for item in items]
     if action.type in (None, str):
         if isinstance(value, (list, dict)) and action.dest not in _MAPPING_FLAGS:
-            # Passed on as is, a list or mapping failed later as an internal error (`host: [a, b]`).
-            raise ValueError(f"takes one string, got {value!r}")
+            # Passed on as is, a list or mapping failed later as an internal error (`host: [a, b]`). A list of prompts
+            # (the Python API's generate takes one) is what --prompt-file-path runs.
+            several = (" (several prompts: write them one per line in a file and give it as prompt-file-path)"
+                       if action.dest == "prompt" and isinstance(value, list) else "")
+            raise ValueError(f"takes one string, got {value!r}{several}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)  # YAML reads "output-path: 2026" as a number; the flag would give the string
         value = _yaml_scalar_as_text(action, value)

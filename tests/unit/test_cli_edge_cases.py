@@ -470,6 +470,15 @@ def test_cli_serve_config_values_of_the_wrong_shape_exit_2(tmp_path, capsys, mon
     assert re.search(rf"^error: --config .*s\.yaml: {message}", err), err
 
 
+def test_cli_config_prompt_list_says_how_to_run_several_prompts(tmp_path, capsys):
+    # The Python API's generate takes a list of prompts; a --config file's list got only "takes one string".
+    path = _config(tmp_path, "p.yaml", "prompt: [a cat, a dog]\n")
+    assert main(["generate", "--config", path, "--model-path", "demo"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "--prompt: takes one string, got ['a cat', 'a dog'] (several prompts: write them one per line in a file and "
+        "give it as prompt-file-path)\n")
+
+
 def test_cli_config_yaml_booleans_and_dates_of_string_flags_are_read_as_written(tmp_path, capsys):
     # YAML reads an unquoted off as false and 2026-01-01 as a date: `warmup-mode: off` (a choice of the flag) was
     # refused as "expected one of off, request, server, got False", and `output-path: 2026-01-01` failed as
