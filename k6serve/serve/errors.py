@@ -172,7 +172,27 @@ def _routing_message(request: Request, exc: StarletteHTTPException) -> str:
         # 405 left its user guessing whether the id or the server was wrong.
         message += (" k6serve serves OpenAI's video create, retrieve, list, download and delete, not remix, edits, "
                     "extensions or characters: create a new job with POST /v1/videos.")
+    elif exc.status_code == 404 and (instead := _sglang_route_note(path)) is not None:
+        # SGLang's server has these routes: a health check or a client moved over got only "no route".
+        message += f" {path} is SGLang's route; {instead}"
     return message
+
+
+def _sglang_route_note(path: str) -> str | None:
+    """What k6serve serves instead of SGLang's diffusion route `path`, or None when `path` is not one of them."""
+    path = path.rstrip("/") or "/"
+    if path == "/v1/images" or path.startswith("/v1/images/"):
+        return "Kandinsky 6 makes videos, so there is no image API: create a video job with POST /v1/videos."
+    return _SGLANG_ROUTES.get(path)
+
+
+_SGLANG_ROUTES = {
+    "/health_generate": "k6serve's liveness check is GET /health (503 while the model loads).",
+    "/v1/model_info": "GET /v1/models describes the served model.",
+    "/models": "GET /v1/models describes the served model.",
+    "/vertex_generate": "k6serve has no Vertex AI shim: create a job with POST /v1/videos and download its MP4 from "
+                        "GET /v1/videos/{id}/content.",
+}
 
 
 def _allowed_methods(request: Request) -> list[str]:

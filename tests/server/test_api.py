@@ -690,6 +690,21 @@ def test_sglangs_variant_index_is_said_to_be_the_one_video(fake_client):
         "(or with variant=video).")
 
 
+@pytest.mark.parametrize(("method", "path", "instead"), [
+    ("GET", "/health_generate", "k6serve's liveness check is GET /health (503 while the model loads)."),
+    ("GET", "/v1/model_info", "GET /v1/models describes the served model."),
+    ("POST", "/v1/images/generations", "Kandinsky 6 makes videos, so there is no image API: create a video job with "
+                                       "POST /v1/videos."),
+])
+def test_sglangs_routes_say_what_serves_them_here(fake_client, method, path, instead):
+    """A health check or client moved from SGLang's server got only "There is no route"."""
+    response = fake_client.request(method, path)
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == (
+        f"There is no route {method} {path} on this server; GET /openapi.json lists the routes and their methods. "
+        f"{path} is SGLang's route; {instead}")
+
+
 def test_the_cancel_route_cancels_a_running_job_and_leaves_a_finished_one(fake_server, fake_client):
     """DELETE deletes a finished job (record and video): a client retrying a cancel could delete a video that
     completed meanwhile. POST .../cancel only cancels; on a finished job it is a 409 that changes nothing."""
