@@ -258,7 +258,10 @@ def check_output_folder(output: OutputOptions) -> None:
     if not output.save_output:
         return
     if not str(output.output_path).strip():
-        raise ValueError("output_path is empty; pass the folder for the MP4 (e.g. --output-path 'outputs').")
+        # SGLang's empty output path means "keep no file"; said as the flag the CLI took it from, and the API's
+        # rewording names the keywords (it said output_path on the command line and --output-path in Python).
+        raise ValueError("--output-path is empty; pass the folder for the MP4 (e.g. --output-path 'outputs'), or "
+                         "--no-save-output to write no file (SGLang's empty output path).")
     folder = Path(output.output_path)
     if folder.exists() and not folder.is_dir():
         # mkdir would only say "File exists", which reads as if the folder were fine.

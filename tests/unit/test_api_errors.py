@@ -284,6 +284,20 @@ def test_every_choice_of_the_cli_is_known_to_the_rewording():
     assert cli_choices == OPTION_CHOICES
 
 
+def test_an_empty_output_path_names_the_flag_or_keyword_and_how_to_keep_no_file(capsys, in_process_worker):
+    # SGLang's --output-path "" keeps no file; the CLI said "output_path is empty" and the API "--output-path", and
+    # neither named the switch that writes no file.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--output-path", ""]) == 2
+    assert capsys.readouterr().err.endswith(
+        "error: --output-path is empty; pass the folder for the MP4 (e.g. --output-path 'outputs'), or "
+        "--no-save-output to write no file (SGLang's empty output path).\n")
+    with DiffGenerator.from_pretrained("demo", device="cpu") as generator:
+        with pytest.raises(ValueError) as refused:
+            generator.generate(prompt="x", output_path="")
+    assert str(refused.value) == ("output_path is empty; pass the folder for the MP4 (e.g. output_path='outputs'), or "
+                                  "save_output=False to write no file (SGLang's empty output path).")
+
+
 def test_the_output_checks_name_the_keywords_in_the_api_and_the_flags_on_the_cli(tmp_path, capsys,
                                                                                    in_process_worker):
     """generate()'s output checks are the CLI's: a Python caller read "--output-path" and "--output-file-name"."""
