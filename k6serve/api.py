@@ -852,19 +852,22 @@ class DiffGenerator:
                 # Logged as one prompt's check logs its warnings; each result's notes keep it too.
                 logger.warning(name_warning)
         listed = []
+        said: set[str] = set()  # a warning every prompt gets (save_output=False with an output_path) is logged once
         for index, (prompt, numbered) in enumerate(zip(prompts, names)):
             each = {**options, "prompt": prompt, **({"output_file_name": numbered} if numbered else {})}
             try:
-                params, output, warnings = self._checked_request(each, on_progress, {})
+                params, output, warnings = self._checked_request(each, on_progress, {}, said=said)
             except ValueError as exc:
                 raise ValueError(f"prompt {index} of the list ({_shown_prompt(prompt)}): {exc}") from None
             listed.append((params, output, [name_warning, *warnings] if name_warning else warnings))
         return listed
 
     def _checked_request(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
-                         on_progress: ProgressCallback | None, kwargs: dict[str, Any]
+                         on_progress: ProgressCallback | None, kwargs: dict[str, Any], *, said: set[str] | None = None
                          ) -> tuple[SamplingParams, OutputOptions, list[str]]:
-        """`generate`'s request as (params, output, warnings), checked: raises ValueError before anything runs."""
+        """`generate`'s request as (params, output, warnings), checked: raises ValueError before anything runs. The
+        warnings are logged, except those already in `said` (a list's earlier prompts logged them), which are added
+        to it; all of them are returned, for the result's notes."""
         self._require_running()
         if on_progress is not None and not callable(on_progress):
             raise ValueError(f"on_progress must be a function called as on_progress(step, total), got "
@@ -903,7 +906,10 @@ class DiffGenerator:
         warnings += [f"{key}={options[key]!r} is ignored: save_output=False writes no file."
                      for key in unsaved_output_keys(options)]
         for warning in warnings:
-            logger.warning(warning)
+            if said is None or warning not in said:
+                logger.warning(warning)
+        if said is not None:
+            said.update(warnings)
         if seed_note:
             logger.debug(seed_note)  # news, not a warning: it reaches the caller as a note of the result
             warnings.append(seed_note)

@@ -460,3 +460,13 @@ def test_a_stopped_list_with_a_numbered_name_says_the_rerun_needs_another_name(g
         f"prompt 1 of the list of 2 stopped it: prompt 0 had finished (saved: {tmp_path / 'clip_1.mp4'}); to run the "
         "rest, pass the list from prompt 1 on (prompts[1:]) with another output_file_name, as a list's names are "
         "numbered from 1 and clip_1.mp4 is taken."]
+
+
+def test_a_warning_every_prompt_of_a_list_gets_is_logged_once(generator, tmp_path, caplog):
+    # output_path with save_output=False was logged as ignored once per prompt: 100 lines for 100 prompts.
+    with caplog.at_level("WARNING", logger="k6serve.api"):
+        results = generator.generate(prompt=["A cat", "A dog", "A fox"], save_output=False, output_path=tmp_path,
+                                     height=32, width=32, num_frames=5)
+    logged = [record.getMessage() for record in caplog.records if "is ignored" in record.getMessage()]
+    assert logged == [f"output_path={str(tmp_path)!r} is ignored: save_output=False writes no file."]
+    assert all(result.notes == logged for result in results)  # each result still says it
