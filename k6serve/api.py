@@ -391,7 +391,8 @@ HTTP_LORA_NAMES = {"nickname": "lora_nickname", "path": "lora_path"}
 
 
 def set_lora_operation(nickname: str | list[str], path: str | list[str | None] | None = None,
-                       strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
+                       strength: float | list[float] = 1.0, *, merge_mode: str = "auto",
+                       target: str | list[str] = "all",
                        lora_alpha: float | None = None, names: Mapping[str, str] | None = None) -> SetLora:
     """Check `DiffGenerator.set_lora`'s arguments (also the HTTP body's) and build the operation; a bad one raises
     LoraArgumentError naming it as `names` spells it (e.g. {"nickname": "lora_nickname"} for HTTP)."""
@@ -427,6 +428,11 @@ def set_lora_operation(nickname: str | list[str], path: str | list[str | None] |
                      for s in _lora_list(strength, "strength", len(nicknames), name_arg)]
     else:
         strengths = [_lora_number(strength, "strength", check_lora_strength)] * len(nicknames)
+    if isinstance(target, (list, tuple)):
+        # SGLang's one target per adapter: Kandinsky 6 has one DiT, which "all" and "transformer" both name, so a
+        # list of them is that one target (it was refused as "must be one of 'all', 'transformer'").
+        target = [_lora_choice(item, "target", LORA_TARGETS)
+                  for item in _lora_list(target, "target", len(nicknames), name_arg)][0]
     alpha = None if lora_alpha is None else _lora_number(lora_alpha, "lora_alpha", check_lora_alpha)
     specs = tuple(LoraSpec(nickname=n, path=p, strength=s, alpha=alpha)
                   for n, p, s in zip(nicknames, paths, strengths))
@@ -951,7 +957,7 @@ class DiffGenerator:
     @_http_names_answered
     @_sglang_order_answered
     def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
-                 strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str = "all",
+                 strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str | list[str] = "all",
                  lora_alpha: float | None = None) -> dict:
         """Make `nickname` (or a list of nicknames) the active LoRA adapters, replacing the previous ones.
 
@@ -961,7 +967,8 @@ class DiffGenerator:
         strength * (alpha / rank) * B @ A into the weights (no per-step cost), "dynamic" leaves the weights untouched
         and adds the adapter's output in every forward (cheap to change or stack), "auto" merges unless the weights
         are sharded by FSDP. `lora_alpha` overrides the alpha stored in the file (from -10000 to 10000,
-        `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT). Runs after the requests
+        `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT), or one of them per adapter (SGLang's
+        list). Runs after the requests
         already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         self._require_running()

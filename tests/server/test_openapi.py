@@ -99,8 +99,12 @@ def test_the_documented_ranges(document):
     assert _branch(strength, "number")["maximum"] == 100 and _branch(strength, "array")["items"]["minimum"] == -100
     assert _numeric(components["MergeLoraBody"]["properties"]["strength"])["minimum"] == -100
     # One shared enum each, not SetLoraBodyTarget, MergeLoraBodyTarget... in a generated client.
-    for body_name in ("SetLoraBody", "MergeLoraBody", "UnmergeLoraBody"):
+    for body_name in ("MergeLoraBody", "UnmergeLoraBody"):
         assert components[body_name]["properties"]["target"]["$ref"] == "#/components/schemas/LoraTarget"
+    # set_lora's target is one, or one per adapter (SGLang's list), each the shared enum.
+    assert components["SetLoraBody"]["properties"]["target"]["anyOf"] == [
+        {"$ref": "#/components/schemas/LoraTarget"},
+        {"type": "array", "items": {"$ref": "#/components/schemas/LoraTarget"}}]
     assert components["LoraTarget"]["enum"] == list(LORA_TARGETS)
     assert components["LoraMergeMode"]["enum"] == list(LORA_MERGE_MODES)
     assert components["SrTargetResizeMode"]["enum"] == list(SR_RESIZE_MODES)

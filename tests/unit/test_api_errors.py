@@ -311,3 +311,19 @@ def test_the_output_checks_name_the_keywords_in_the_api_and_the_flags_on_the_cli
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--output-path", str(tmp_path / "taken")]) == 2
     assert ("pass a folder for the MP4 with --output-path (it is created if missing), or put the file name in "
             "--output-file-name." in capsys.readouterr().err)
+
+
+def test_set_lora_takes_sglangs_list_of_one_target_per_adapter():
+    # SGLang's set_lora (and POST /v1/set_lora) take a target per adapter; Kandinsky 6's one DiT is each of them,
+    # and the list was refused as "target must be one of 'all', 'transformer'" (over HTTP: "a valid string").
+    from k6serve.api import LoraArgumentError, set_lora_operation
+    from k6serve.serve.schemas import SetLoraBody
+
+    body = SetLoraBody(lora_nickname=["a", "b"], lora_path=["a.safetensors", "b.safetensors"],
+                       target=["transformer", "all"])
+    operation = set_lora_operation(body.lora_nickname, body.lora_path, target=body.target)
+    assert operation == set_lora_operation(["a", "b"], ["a.safetensors", "b.safetensors"], target="transformer")
+    with pytest.raises(LoraArgumentError, match=r"^target must be one of 'all', 'transformer', got 'critic'\.$"):
+        set_lora_operation(["a", "b"], target=["transformer", "critic"])
+    with pytest.raises(LoraArgumentError, match=r"^target has 1 entries but nickname has 2; give one per adapter\.$"):
+        set_lora_operation(["a", "b"], target=["transformer"])
