@@ -896,7 +896,8 @@ class DiffGenerator:
                                  "arguments.") from None
             except ValueError:
                 pass  # no signature to read (some builtins): called as given
-        options = self._from_callers_folder(request_options(sampling_params_kwargs, kwargs))
+        # Paths as str here too: a warning naming a pathlib output_path showed "output_path=PosixPath('out')".
+        options = fspath_values(self._from_callers_folder(request_options(sampling_params_kwargs, kwargs)))
         params, output = split_kwargs(options)
         params, seed_note = drawn_seed(params)  # once, here: the result reports the seed drawn
         require_media_package(params, output)

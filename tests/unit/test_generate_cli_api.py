@@ -470,3 +470,10 @@ def test_a_warning_every_prompt_of_a_list_gets_is_logged_once(generator, tmp_pat
     logged = [record.getMessage() for record in caplog.records if "is ignored" in record.getMessage()]
     assert logged == [f"output_path={str(tmp_path)!r} is ignored: save_output=False writes no file."]
     assert all(result.notes == logged for result in results)  # each result still says it
+
+
+def test_an_ignored_pathlib_output_path_is_named_as_the_path(generator, tmp_path):
+    # save_output=False with output_path=Path(...) noted "output_path=PosixPath('...') is ignored".
+    result = generator.generate(prompt="A cat", save_output=False, output_path=tmp_path, height=32, width=32,
+                                num_frames=5)
+    assert result.notes == [f"output_path={str(tmp_path)!r} is ignored: save_output=False writes no file."]
