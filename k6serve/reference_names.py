@@ -55,6 +55,8 @@ _RESIDENT_LAYERS = ("k6serve's --offload-resident-blocks keeps that many of the 
                     "spread evenly, e.g. --offload-resident-blocks 8; the text encoders' blocks always stream")
 _RESIDENCY_POLICY = ("k6serve always spreads --offload-resident-blocks evenly over the DiT's blocks, SGLang's "
                      "strided policy; there is no leading policy")
+_RETIRED_WARMUP = ("retired in SGLang too; k6serve warms up with --warmup-mode server (at start) or --warmup-mode "
+                   "request (before each shape's first request), off by default")
 _CUDA_GRAPHS = ("k6serve captures no CUDA graphs of the DiT, and Kandinsky 6 is not on SGLang's list for them either, "
                 "as its text length varies; --performance-mode speed, the default, compiles the DiT's blocks instead")
 _PRECISION = ("k6serve has one --dtype for every component: auto, the default, is bfloat16 on CUDA and float32 on "
@@ -152,6 +154,12 @@ REFERENCE_NAMES: dict[str, ReferenceName] = {
     "bcg_text_buckets": _engine(_CUDA_GRAPHS),
     "warmup_steps": _engine("k6serve's warm-up, with --warmup-mode request or --warmup-mode server, runs at most 2 "
                             "denoising steps of each shape it warms; there is no step count to set"),
+    # SGLang's retired keys, which its own --config refuses; an old config file still holds them.
+    "warmup": _engine(_RETIRED_WARMUP),
+    "server_warmup": _engine(_RETIRED_WARMUP),
+    "decoder_tp": _engine("retired in SGLang too; k6serve does not split the generation VAE's decode across GPUs, and "
+                          "--vae-tiling on lowers its peak; the super-resolution VAE's tiles are decoded across GPUs "
+                          "by default, --vae-config.use-parallel-tiling"),
     "offload_during_compile": _engine("k6serve never compiles streamed blocks, which run eager, and runs no "
                                       "max-autotune warm-up, so there is nothing to switch during a compile: drop "
                                       "it"),

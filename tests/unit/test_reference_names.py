@@ -704,3 +704,16 @@ def test_http_lists_sglang_takes_say_a_job_takes_one(body, message):
     with pytest.raises(ApiError) as raised:
         parse_create_body(body)
     assert (raised.value.status, raised.value.message) == (400, message)
+
+
+def test_sglangs_retired_config_keys_say_what_k6serve_takes(tmp_path, capsys):
+    # An old SGLang config file's warmup / server_warmup / decoder_tp: server_warmup had no hint and decoder_tp
+    # got "did you mean 'encoder_parallel'?".
+    path = _config(tmp_path, "model-path: demo\nprompt: a\nserver_warmup: true\ndecoder_tp: 2\n")
+    assert main(["generate", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert ("(decoder_tp is SGLang's flag; retired in SGLang too; k6serve does not split the generation VAE's decode "
+            "across GPUs, and --vae-tiling on lowers its peak;") in err
+    assert ("(server_warmup is SGLang's flag; retired in SGLang too; k6serve warms up with --warmup-mode server (at "
+            "start) or --warmup-mode request (before each shape's first request), off by default)") in err
+    assert "encoder_parallel" not in err
