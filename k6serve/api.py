@@ -703,15 +703,16 @@ class DiffGenerator:
     def variant(self):
         return self.engine.variant
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for names the instance lacks: SGLang's generate_with_lora got a bare AttributeError.
-        if name == "generate_with_lora":
-            raise AttributeError(
-                "'DiffGenerator' object has no attribute 'generate_with_lora' (SGLang's method; load the adapter "
-                "with set_lora(nickname, path, merge_mode='dynamic'), then generate(prompt=..., loras={nickname: "
-                "strength}) for that request alone, or generate() with the adapters set_lora made active)",
-                name=name, obj=self)
-        raise AttributeError(f"'DiffGenerator' object has no attribute {name!r}", name=name, obj=self)
+    if not typing.TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any attribute as valid
+        def __getattr__(self, name: str) -> Any:
+            # Only for names the instance lacks: SGLang's generate_with_lora got a bare AttributeError.
+            if name == "generate_with_lora":
+                raise AttributeError(
+                    "'DiffGenerator' object has no attribute 'generate_with_lora' (SGLang's method; load the adapter "
+                    "with set_lora(nickname, path, merge_mode='dynamic'), then generate(prompt=..., loras={nickname: "
+                    "strength}) for that request alone, or generate() with the adapters set_lora made active)",
+                    name=name, obj=self)
+            raise AttributeError(f"'DiffGenerator' object has no attribute {name!r}", name=name, obj=self)
 
     def __repr__(self) -> str:
         # A notebook shows this for a bare `generator`: which model, and whether it still holds its workers.

@@ -417,11 +417,12 @@ class VideoResult:
         """`timings["total"]`, in seconds."""
         return self.timings.get("total", math.nan)
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for names the instance lacks: SGLang's result fields (`result.size`) got a bare AttributeError.
-        note = _SGLANG_RESULT_FIELDS.get(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}"
-                             + (f" (SGLang's result field; {note})" if note else ""), name=name, obj=self)
+    if not typing.TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any attribute as valid
+        def __getattr__(self, name: str) -> Any:
+            # Only for names the instance lacks: SGLang's result fields (`result.size`) got a bare AttributeError.
+            note = _SGLANG_RESULT_FIELDS.get(name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}"
+                                 + (f" (SGLang's result field; {note})" if note else ""), name=name, obj=self)
 
     def __repr__(self) -> str:
         # The dataclass repr printed the arrays' values: some 60 lines of pixels in front of the timings.
