@@ -970,8 +970,7 @@ class DiffGenerator:
         and adds the adapter's output in every forward (cheap to change or stack), "auto" merges unless the weights
         are sharded by FSDP. `lora_alpha` overrides the alpha stored in the file (from -10000 to 10000,
         `MAX_LORA_ALPHA`). `target`: "all" or "transformer" (the one DiT), or one of them per adapter (SGLang's
-        list). Runs after the requests
-        already submitted and before later ones, on every replica; returns
+        list). Runs after the requests already submitted and before later ones, on every replica; returns
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         self._require_running()
         if self._moved():  # a relative adapter path from the caller's folder, as a request's; a hub id as it is
