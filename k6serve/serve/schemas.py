@@ -533,7 +533,8 @@ class SetLoraBody(BaseModel):
         None, description="A .safetensors file, a folder holding one, or a hub id, per nickname; null reuses the "
                           "adapter already loaded under the nickname.")
     target: str | list[str] = Field(
-        "all", description="'all' (default) or 'transformer' (the one DiT), or one of them per adapter (SGLang's list).",
+        "all", description="'all' (default) or 'transformer' (the one DiT), or one of them per adapter (SGLang's "
+                           "list).",
         json_schema_extra=_LORA_TARGET)
     strength: float | list[float] = Field(1.0, description="One number for every adapter, or one per adapter; "
                                                            "from -100 to 100 (default 1).",
