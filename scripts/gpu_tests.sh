@@ -4,10 +4,11 @@
 # to NGROUPS pytest processes that run at once (the host has 16 cores and one GPU; each process gets
 # 16 / NGROUPS threads), each under LIMIT seconds. The device brings back at most 8 files, so the groups' logs are
 # written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG, .whlP and .whlS.
-#   NGROUPS=10 LIMIT=560 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
+#   NGROUPS=13 LIMIT=470 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
 #   (the whole suite: at NGROUPS=8 one group of the heaviest multi-process files ran past 550 s in the
 #   twenty-eighth session; at ten the call took 443 s and its longest group 415 s in the thirtieth; at eleven 338 s
-#   and 320 s in the thirty-second, before gpu_setup.sh cached bytecode: use NGROUPS=11)
+#   and 320 s in the thirty-second, but in the forty-eighth, with 3,000 tests, its first group ran past 470 s:
+#   use NGROUPS=13)
 #   bash scripts/gpu_tests.sh tests/unit/test_generate_cli_api.py tests/server/test_api.py
 # Prints one line per group (its files, its pytest summary) and the failures' names; $OUT/tests/summary.txt
 # keeps the same.
