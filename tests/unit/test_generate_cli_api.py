@@ -399,7 +399,8 @@ def test_a_bad_prompt_of_a_list_is_refused_before_any_runs(generator, tmp_path, 
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_a_failing_prompt_stops_the_list_saying_what_finished(generator, tmp_path):
+def _stops_at_the_second_prompt():
+    """An on_progress that stops the request (Ctrl-C) at the first step of the second prompt of a list."""
     calls = []
 
     def second_fails(step, total):
@@ -407,9 +408,13 @@ def test_a_failing_prompt_stops_the_list_saying_what_finished(generator, tmp_pat
         if calls.count(1) == 2:
             raise KeyboardInterrupt
 
+    return second_fails
+
+
+def test_a_failing_prompt_stops_the_list_saying_what_finished(generator, tmp_path):
     with pytest.raises(KeyboardInterrupt) as raised:
         generator.generate(prompt=["A cat", "A dog", "A fox"], height=32, width=32, num_frames=5, seed=3,
-                           output_path=str(tmp_path), on_progress=second_fails)
+                           output_path=str(tmp_path), on_progress=_stops_at_the_second_prompt())
     (saved,) = tmp_path.iterdir()
     assert raised.value.__notes__ == [
         f"prompt 1 of the list of 3 stopped it: prompt 0 had finished (saved: {saved}); to run the rest, pass the "
@@ -446,16 +451,9 @@ def test_a_bad_progress_bar_with_a_list_is_not_told_as_a_stopped_prompt(generato
 def test_a_stopped_list_with_a_numbered_name_says_the_rerun_needs_another_name(generator, tmp_path):
     # The note advised prompts[1:] alone: its names start again at clip_1.mp4, which the first prompt's video holds,
     # so the rerun was refused as "already exists".
-    calls = []
-
-    def second_fails(step, total):
-        calls.append(step)
-        if calls.count(1) == 2:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt) as raised:
         generator.generate(prompt=["A cat", "A dog"], output_file_name="clip", height=32, width=32, num_frames=5,
-                           output_path=str(tmp_path), on_progress=second_fails)
+                           output_path=str(tmp_path), on_progress=_stops_at_the_second_prompt())
     assert raised.value.__notes__ == [
         f"prompt 1 of the list of 2 stopped it: prompt 0 had finished (saved: {tmp_path / 'clip_1.mp4'}); to run the "
         "rest, pass the list from prompt 1 on (prompts[1:]) with another output_file_name, as a list's names are "
