@@ -246,12 +246,8 @@ class FlagWordedNote(str):
     @classmethod
     def naming(cls, words: typing.Callable[[FieldNames], str]) -> typing.Self:
         """The note that `words` writes with the fields' names and, as `flag_wording`, with the flags'."""
-        return cls.worded(words(FIELD_NAMES), flag_wording=words(FLAG_NAMES))
-
-    @classmethod
-    def worded(cls, message: str, *, flag_wording: str) -> typing.Self:
-        note = cls(message)
-        note.flag_wording = flag_wording
+        note = cls(words(FIELD_NAMES))
+        note.flag_wording = words(FLAG_NAMES)
         return note
 
 

@@ -8,9 +8,12 @@ the lm_head logits (1153 x 152064) that the reference computes and throws away.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from k6serve.pipelines.state import TextEmbeddings
+from k6serve.request import FieldNames, FlagWordedNote
 
 PROMPT_TEMPLATE = "\n".join(
     [
@@ -69,10 +72,16 @@ def encode_prompt(
     )
 
 
-def truncation_note(name: str, prompt: str, *, tokenizer, max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-                    fix: str = "Shorten it to use all of it.") -> str | None:
-    """A warning for the user when `encode_prompt` keeps only part of `prompt` (`name`: "prompt" or
-    "negative_prompt"), ending with `fix`, else None. It tokenizes the prompt once more, untruncated, only to count:
+def _shorten(names: FieldNames) -> str:
+    return "Shorten it to use all of it."
+
+
+def truncation_note(name: Callable[[FieldNames], str], prompt: str, *, tokenizer,
+                    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+                    fix: Callable[[FieldNames], str] = _shorten) -> FlagWordedNote | None:
+    """A warning for the user when `encode_prompt` keeps only part of `prompt`, ending with `fix`, else None. `name`
+    and `fix` write the prompt's name ("prompt", `negative_prompt`) and the fix with the names they are handed, the
+    fields' or the CLI's flags' (`FlagWordedNote`). It tokenizes the prompt once more, untruncated, only to count:
     what is encoded does not change.
 
     Only the Qwen2.5-VL token features are counted: they are what the DiT attends to. CLIP's pooled vector reads the
@@ -82,8 +91,9 @@ def truncation_note(name: str, prompt: str, *, tokenizer, max_sequence_length: i
     num_tokens = len(tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"])
     if num_tokens <= max_sequence_length:
         return None
-    return (f"{name} was truncated: the text encoder (Qwen2.5-VL) kept its first {max_sequence_length} of "
-            f"{num_tokens} tokens; the rest does not reach the model. {fix}")
+    return FlagWordedNote.naming(lambda names: (
+        f"{name(names)} was truncated: the text encoder (Qwen2.5-VL) kept its first {max_sequence_length} of "
+        f"{num_tokens} tokens; the rest does not reach the model. {fix(names)}"))
 
 
 def trim_text_padding(text: TextEmbeddings) -> TextEmbeddings:

@@ -42,7 +42,7 @@ from k6serve.pipelines.prepare_latents import (
 )
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
-from k6serve.request import FIELD_NAMES, FLAG_NAMES, FlagWorded, FlagWordedNote, GenerateRequest, has_visible_text
+from k6serve.request import FlagWorded, FlagWordedNote, GenerateRequest, has_visible_text
 
 
 @dataclass
@@ -226,8 +226,7 @@ class TextToVideoPipeline:
         """A warning for each prompt `encode` will truncate (see `truncation_note`); `expanded`: `request.prompt` is
         the rewrite, which is not the user's to shorten."""
         limit = request.max_sequence_length
-        # Each note in the fields' names and the flags' (FlagWordedNote); the flags' wording is counted once more,
-        # only for a prompt that is cut.
+        # Each note in the fields' names and the flags' (FlagWordedNote).
         rewrite_fix = (lambda name: f"{name('expand_prompts')} writes up to {limit} new tokens, as diffusers' does, "
                        f"and the encoder reads {limit} in all.")
         # "prompt", not --prompt: a --prompt-file-path's line is cut alike.
@@ -235,14 +234,9 @@ class TextToVideoPipeline:
                     rewrite_fix if expanded else None)]
         if request.do_cfg:
             prompts.append((lambda name: name("negative_prompt"), request.negative_prompt, None))
-        notes = []
-        for named, text, fix in prompts:
-            def note(name, named=named, text=text, fix=fix):
-                return truncation_note(named(name), text, tokenizer=self.models.tokenizer, max_sequence_length=limit,
-                                       **({"fix": fix(name)} if fix else {}))
-            if (message := note(FIELD_NAMES)) is not None:
-                notes.append(FlagWordedNote.worded(message, flag_wording=note(FLAG_NAMES)))
-        return notes
+        notes = [truncation_note(named, text, tokenizer=self.models.tokenizer, max_sequence_length=limit,
+                                 **({"fix": fix} if fix else {})) for named, text, fix in prompts]
+        return [note for note in notes if note is not None]
 
     def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None,
                  video_sink: VideoSink | None = None) -> GenerationOutput:

@@ -136,6 +136,15 @@ class FsdpWorker:
         return {"loras": []}
 
 
+@pytest.fixture
+def generator():
+    """A generator of the demo's engine over the in-process `FsdpWorker`, shut down after the test."""
+    config = build_engine_config("demo", device="cpu")
+    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
+    yield generator
+    generator.shutdown()
+
+
 @pytest.mark.parametrize("wording", ["api", "cli"])
 def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wording):
     config = build_engine_config("demo", device="cpu", num_gpus=2, ulysses_degree=2, use_fsdp_inference=True)
@@ -158,58 +167,43 @@ def test_the_generators_later_calls_word_engine_refusals_for_their_caller(wordin
         generator.shutdown()
 
 
-def test_the_lora_calls_answer_the_http_bodys_names_with_the_python_arguments():
+def test_the_lora_calls_answer_the_http_bodys_names_with_the_python_arguments(generator):
     # set_lora("x", lora_path=...) raised Python's bare "unexpected keyword argument 'lora_path'": the HTTP body's
     # name, which gives no hint that the argument is `path`.
-    config = build_engine_config("demo", device="cpu")
-    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
-    try:
-        with pytest.raises(TypeError) as refused:
-            generator.set_lora("style", lora_path="style.safetensors")
-        assert str(refused.value) == ("set_lora() got an unexpected keyword argument 'lora_path': lora_path is the "
-                                      "HTTP API's name (POST /v1/set_lora's body); the Python argument is path: "
-                                      "set_lora(..., path=...).")
-        with pytest.raises(TypeError) as refused:
-            generator.unload_lora(lora_nickname="style")
-        assert str(refused.value).endswith("the Python argument is nickname: unload_lora(..., nickname=...).")
-        with pytest.raises(TypeError, match=r"^set_lora\(\) got an unexpected keyword argument 'strenght' \(did you "
-                                            r"mean 'strength'\?\)\.$"):
-            generator.set_lora("style", strenght=0.5)
-        assert generator.set_lora("style", path="style.safetensors") == {"loras": []}
-    finally:
-        generator.shutdown()
+    with pytest.raises(TypeError) as refused:
+        generator.set_lora("style", lora_path="style.safetensors")
+    assert str(refused.value) == ("set_lora() got an unexpected keyword argument 'lora_path': lora_path is the "
+                                  "HTTP API's name (POST /v1/set_lora's body); the Python argument is path: "
+                                  "set_lora(..., path=...).")
+    with pytest.raises(TypeError) as refused:
+        generator.unload_lora(lora_nickname="style")
+    assert str(refused.value).endswith("the Python argument is nickname: unload_lora(..., nickname=...).")
+    with pytest.raises(TypeError, match=r"^set_lora\(\) got an unexpected keyword argument 'strenght' \(did you "
+                                        r"mean 'strength'\?\)\.$"):
+        generator.set_lora("style", strenght=0.5)
+    assert generator.set_lora("style", path="style.safetensors") == {"loras": []}
 
 
-def test_sglangs_generate_with_lora_says_how_to_generate_with_an_adapter():
-    config = build_engine_config("demo", device="cpu")
-    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
-    try:
-        with pytest.raises(AttributeError, match=r"^'DiffGenerator' object has no attribute 'generate_with_lora' "
-                                                 r"\(SGLang's method; load the adapter with set_lora\("):
-            generator.generate_with_lora(prompt="x", lora_nickname="style")
-        with pytest.raises(AttributeError, match=r"^'DiffGenerator' object has no attribute 'genrate'$"):
-            generator.genrate
-    finally:
-        generator.shutdown()
+def test_sglangs_generate_with_lora_says_how_to_generate_with_an_adapter(generator):
+    with pytest.raises(AttributeError, match=r"^'DiffGenerator' object has no attribute 'generate_with_lora' "
+                                             r"\(SGLang's method; load the adapter with set_lora\("):
+        generator.generate_with_lora(prompt="x", lora_nickname="style")
+    with pytest.raises(AttributeError, match=r"^'DiffGenerator' object has no attribute 'genrate'$"):
+        generator.genrate
 
 
-def test_set_lora_in_sglangs_argument_order_says_target_is_a_keyword():
+def test_set_lora_in_sglangs_argument_order_says_target_is_a_keyword(generator):
     # SGLang's set_lora(nickname, path, target, strength): the target was refused as "strength must be a finite
     # number", and with the strength after it as Python's "takes from 2 to 4 positional arguments".
-    config = build_engine_config("demo", device="cpu")
-    generator = DiffGenerator(Engine(config, worker=FsdpWorker(config)))
-    try:
-        with pytest.raises(TypeError) as refused:
-            generator.set_lora("style", "style.safetensors", "transformer", 0.8)
-        assert str(refused.value) == (
-            "set_lora()'s third argument is the strength, got the target 'transformer': SGLang's set_lora takes "
-            "(nickname, path, target, strength), and here target is a keyword: set_lora('style', "
-            "'style.safetensors', 0.8, target='transformer').")
-        with pytest.raises(TypeError, match=r"keyword: set_lora\('style', None, target='all'\)\.$"):
-            generator.set_lora("style", None, "all")
-        assert generator.set_lora("style", "style.safetensors", 0.8, target="transformer") == {"loras": []}
-    finally:
-        generator.shutdown()
+    with pytest.raises(TypeError) as refused:
+        generator.set_lora("style", "style.safetensors", "transformer", 0.8)
+    assert str(refused.value) == (
+        "set_lora()'s third argument is the strength, got the target 'transformer': SGLang's set_lora takes "
+        "(nickname, path, target, strength), and here target is a keyword: set_lora('style', "
+        "'style.safetensors', 0.8, target='transformer').")
+    with pytest.raises(TypeError, match=r"keyword: set_lora\('style', None, target='all'\)\.$"):
+        generator.set_lora("style", None, "all")
+    assert generator.set_lora("style", "style.safetensors", 0.8, target="transformer") == {"loras": []}
 
 
 @pytest.mark.parametrize(("message", "expected"), [
