@@ -18,10 +18,11 @@ import logging
 import math
 import os
 import tempfile
+import threading
 import typing
 import unicodedata
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from k6serve.request import (
     fspath_values,
     plain_scalars,
 )
+from k6serve.prompt_lists import Listed, run_side_by_side, stopped_list
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.media.image import looks_like_url
 from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, numbered_file_names, sanitize_file_name
@@ -578,34 +580,9 @@ def _shown_prompt(prompt: Any) -> str:
     return f"{prompt!r} ({type(prompt).__name__})"
 
 
-@contextlib.contextmanager
-def _stopped_list(listed: list, results: list[VideoResult]) -> Iterator[None]:
-    """Around one prompt of a list: its failure (or Ctrl-C, a cancel) is raised with a note of what had finished,
-    where their videos are, and how to run the rest."""
-    try:
-        yield
-    except BaseException as error:
-        done = len(results)
-        saved = [result.output_file_path for result in results if result.output_file_path]
-        error.add_note(
-            f"prompt {done} of the list of {len(listed)} stopped it: "
-            + (f"prompts 0-{done - 1} had finished" if done > 1 else "prompt 0 had finished" if done else
-               "none had finished")
-            + (f" (saved: {', '.join(saved)})" if saved else "")
-            + f"; to run the rest, pass the list from prompt {done} on (prompts[{done}:])"
-            + _renumbered_names_note(listed, saved) + ".")
-        raise
-
-
-def _renumbered_names_note(listed: list, saved: list[str]) -> str:
-    """What a rerun of a stopped list's rest needs when its output_file_name was numbered: the rest's names start
-    again from 1, which the finished prompts' files hold, so the rerun the note advised was refused as "already
-    exists"."""
-    numbered = len(listed) > 1 and listed[0][1].save_output and listed[0][1].output_file_name is not None
-    if not numbered or not saved:
-        return ""
-    return (f" with another output_file_name, as a list's names are numbered from 1 and {Path(saved[0]).name} is "
-            "taken")
+def _check_progress_bar(progress_bar: object) -> None:
+    if not isinstance(progress_bar, bool):
+        raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")
 
 
 def _in_callers_words(method: Callable) -> Callable:
@@ -752,12 +729,16 @@ class DiffGenerator:
         then again with `(total, total)` after each chunk of the video decode; raising from it (or Ctrl-C) stops
         the request there, with no file left behind. `progress_bar=True` shows the CLI's bar over the steps on
         stderr (in a notebook, under the cell), beside any on_progress. Several threads may call this at once:
-        requests run in order (N at a time with dp_size=N). From asyncio code, `await generator.agenerate(...)`."""
+        requests run in order (N at a time with dp_size=N). A list of prompts runs N at a time with dp_size=N too:
+        on_progress then hears every running prompt's steps, interleaved, and the bar counts finished prompts.
+        From asyncio code, `await generator.agenerate(...)`."""
         if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
+            if self.engine.num_replicas > 1 and len(listed) > 1:
+                return self._side_by_side(listed, on_progress, progress_bar, threading.Event())
             results: list[VideoResult] = []
             for params, output, warnings in listed:
                 # The bar first: a bad progress_bar is refused as it is, not as a prompt that stopped the list.
-                with self._step_bar(on_progress, progress_bar) as on_step, _stopped_list(listed, results):
+                with self._step_bar(on_progress, progress_bar) as on_step, stopped_list(listed, results):
                     results.append(self.engine.generate(params, output, on_progress=on_step))
                 results[-1].notes[:0] = warnings
             return results
@@ -786,10 +767,19 @@ class DiffGenerator:
         cancels the request at its next step boundary, with no file left behind; several may be awaited at once
         (asyncio.gather), run in order as threads' generate() calls are. Super-resolution: pass video_path=."""
         if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
+            if self.engine.num_replicas > 1 and len(listed) > 1:
+                import asyncio
+
+                stop = threading.Event()
+                try:
+                    return await asyncio.to_thread(self._side_by_side, listed, on_progress, progress_bar, stop)
+                except asyncio.CancelledError:
+                    stop.set()  # the thread stops the running prompts at their next step
+                    raise
             results: list[VideoResult] = []
             for params, output, warnings in listed:
                 # The bar first: a bad progress_bar is refused as it is, not as a prompt that stopped the list.
-                with self._step_bar(on_progress, progress_bar) as on_step, _stopped_list(listed, results):
+                with self._step_bar(on_progress, progress_bar) as on_step, stopped_list(listed, results):
                     results.append(await self.engine.agenerate(params, output, on_progress=on_step))
                 results[-1].notes[:0] = warnings
             return results
@@ -799,12 +789,26 @@ class DiffGenerator:
         result.notes[:0] = warnings
         return result
 
+    def _side_by_side(self, listed: Listed, on_progress: ProgressCallback | None, progress_bar: bool,
+                      stop: threading.Event) -> list[VideoResult]:
+        """A list on dp replicas (`prompt_lists.run_side_by_side`); `progress_bar` counts finished prompts, since
+        the running prompts' steps would move one bar back and forth."""
+        from k6serve.step_bar import StepBar
+
+        with self._step_bar(on_progress, False) as on_step:  # on_progress's step-0 filter, as for one prompt
+            _check_progress_bar(progress_bar)
+            bar = StepBar("prompts", unit="prompt") if progress_bar else None
+            try:
+                return run_side_by_side(self.engine, listed, on_step, bar, stop)
+            finally:
+                if bar is not None:
+                    bar.close()
+
     @contextlib.contextmanager
     def _step_bar(self, on_progress: ProgressCallback | None, progress_bar: bool):
         """`on_progress`, and with `progress_bar` the bar fed first (a callback that raises to stop the request
         leaves the bar at the step it stopped), closed when the request ends however it ends."""
-        if not isinstance(progress_bar, bool):
-            raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")
+        _check_progress_bar(progress_bar)
         # The engine also reports step 0, as a cancellation point before the first step (a warm-up, the prompt's
         # rewrite every 16 tokens); on_progress's contract is steps counting from 1 (an ETA callback divided by the
         # step). A cancel still reaches those points through the engine's own check.
@@ -836,9 +840,9 @@ class DiffGenerator:
         work, naming its place in the list; a given output_file_name is numbered per prompt as the CLI's prompt
         file numbers it (clip.mp4 -> clip_1.mp4, clip_2.mp4); the seed (and -1, drawn for each) is every prompt's.
         The seed's generate logs a failing prompt and goes on; here the failure stops the list and raises, with a
-        note of what had finished (`_stopped_list`), since a list whose results silently miss one misnumbers the
-        rest. The prompts run one at a time, also with dp_size=N (for N at a time, call generate from N threads, or
-        gather agenerate calls, one prompt each)."""
+        note of what had finished (`prompt_lists.stopped_list`), since a list whose results silently miss one
+        misnumbers the rest. The prompts run one at a time; with dp_size=N, N at a time, one per replica
+        (`prompt_lists.run_side_by_side`), their results still in the list's order."""
         # A pathlib output_file_name (taken as a str) and np.False_ as save_output are read as they are for one prompt:
         # a Path was not numbered, so the second prompt's video was moved on to clip_1.mp4 beside the first's clip.mp4.
         options = fspath_values(plain_scalars(request_options(sampling_params_kwargs, kwargs)))

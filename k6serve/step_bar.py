@@ -26,8 +26,9 @@ class StepBar:
     bar's redraws were one line of `\r`-joined frames there.
     """
 
-    def __init__(self, description: str, **tqdm_options: Any) -> None:
+    def __init__(self, description: str, unit: str = "step", **tqdm_options: Any) -> None:
         self.description = description
+        self.unit = unit  # "prompt" for a bar over a list's prompts run side by side (api.py)
         self.tqdm_options = tqdm_options
         self.bar: tqdm | None = None
         self.finished = False
@@ -48,7 +49,8 @@ class StepBar:
         if bar is None or (self.finished and (step < bar.n or total != bar.total)):
             from tqdm import tqdm  # here: `is_terminal` is imported by the CLI's entry, which stays light
 
-            self.bar = bar = tqdm(desc=self.description, unit="step", total=total, initial=step, **self.tqdm_options)
+            self.bar = bar = tqdm(desc=self.description, unit=self.unit, total=total, initial=step,
+                                  **self.tqdm_options)
             self.finished = False
         elif self.finished:
             return
@@ -74,8 +76,8 @@ class StepBar:
             return
         self._shown = (total, tenth)
         stream = self.tqdm_options.get("file") or sys.stderr
-        print(f"{self.description}: {step}/{total} steps, {time.monotonic() - self._started:.1f} s", file=stream,
-              flush=True)
+        print(f"{self.description}: {step}/{total} {self.unit}s, {time.monotonic() - self._started:.1f} s",
+              file=stream, flush=True)
 
 
 def is_terminal(stream: Any) -> bool:
