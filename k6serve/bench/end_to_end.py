@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -201,11 +201,25 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
         # --attention-backend fa on a host without FA3 failed at the engine's load; "auto" always resolves.
         resolve_attention_backend(options.attention_backend, options.device)
     if "generate" in stages:
-        # The uncached request; --cache-dit-params' own request is checked by the engine when it runs (its row).
+        # The uncached request, then the requests of the extra rows: a --cache-dit-params key of no setting, or
+        # --expand-prompts-request under a streamed text encoder, was refused only when its row ran, after the load
+        # and the uncached requests (minutes at full size).
         params = SamplingParams(prompt=PROMPT, height=options.height, width=options.width,
                                 num_frames=options.num_frames, seed=42,
                                 num_inference_steps=options.num_inference_steps)
-        check_request_before_loading({"model_path": _generate_model_path(options), **_engine_kwargs(options)}, params)
+        engine_options = {"model_path": _generate_model_path(options), **_engine_kwargs(options)}
+        check_request_before_loading(engine_options, params)
+        if options.cache_dit_params is not None:
+            try:
+                check_request_before_loading(engine_options,
+                                             replace(params, cache_dit_params=options.cache_dit_params))
+            except ValueError as exc:
+                raise ValueError(f"--cache-dit-params: {exc}") from exc
+        if options.expand_prompts_request:
+            try:
+                check_request_before_loading(engine_options, replace(params, expand_prompts=True))
+            except ValueError as exc:  # the bench's flag is the request's --expand-prompts
+                raise ValueError(str(exc).replace("--expand-prompts", "--expand-prompts-request")) from exc
         _check_family_plan(build_engine_config(_generate_model_path(options), **_engine_kwargs(options)).runtime,
                            super_resolution=False)
     if "sr" in stages:

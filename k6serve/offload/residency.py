@@ -233,3 +233,14 @@ def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[st
         notes.append(f"layerwise offload: {', '.join(whole_instead)} offloaded whole for their stage "
                      "(no repeated blocks worth streaming: their weights are small next to their activations)")
     return ResidencyPlan(residency=residency, notes=tuple(notes))
+
+
+def streams_text_encoder(runtime, device_type: str) -> bool:
+    """Whether the generation engine of `runtime` (a RuntimeConfig) streams the text encoder's layers from host
+    memory: the worker's answer, which `resolve_generate` refuses expand_prompts under, and the one the checks
+    before the load give (`k6serve generate`, the bench), so that refusal comes before minutes of loading. Only on
+    CUDA: on the CPU nothing is offloaded."""
+    plan = resolve_residency(runtime.performance_mode, super_resolution=False,
+                             cpu_offload=runtime.cpu_offload_components,
+                             layerwise=runtime.layerwise_offload_components, settings=runtime.component_residency)
+    return device_type == "cuda" and plan.residency.get("text_encoder") == LAYERWISE

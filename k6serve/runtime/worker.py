@@ -38,7 +38,7 @@ from k6serve.models.variants import (
     resolve_generate,
     resolve_upscale,
 )
-from k6serve.offload.residency import LAYERWISE, RESIDENT, resolve_residency
+from k6serve.offload.residency import RESIDENT, resolve_residency, streams_text_encoder
 from k6serve.rank_logging import ONCE
 from k6serve.request import (
     GenerateRequest,
@@ -190,8 +190,7 @@ class ModelWorker:
         # engine: a generation checkpoint may list no audio_vae / vocoder; on the CPU nothing is offloaded.
         generation = self.variant.family == GENERATION
         self.has_audio = not generation or self.pipeline.models.has_audio
-        self.streams_text_encoder = (generation and self.device.type == "cuda"
-                                     and self.residency_plan.residency.get("text_encoder") == LAYERWISE)
+        self.streams_text_encoder = generation and streams_text_encoder(config.runtime, self.device.type)
         if transform is not None:
             transform(self)
         self._place_resident_components()

@@ -824,9 +824,13 @@ def test_every_bench_flag_says_what_it_does_and_the_stages_that_ignore_it_are_na
     assert actions["compile_backend"].help.startswith("dit:")
 
 
-def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it():
+def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it(monkeypatch):
     # Unknown cache_dit_params (refused by the engine at the cached request) made the whole stage one error row:
-    # the cold and warm requests, already measured, were lost with it; the silent rows after it still run.
+    # the cold and warm requests, already measured, were lost with it; the silent rows after it still run. (Such
+    # params are now refused before the load, below; this is any failure of an extra row's request.)
+    import k6serve.bench.__main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "check_before_loading", lambda options, stages: None)
     args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "1",
                                       "--cache-dit-params", '{"bogus": 1}', "--silent-request"])
     rows = run_stages(args, log=lambda text: None)
@@ -835,6 +839,20 @@ def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it():
     assert [row.error is None for row in rows] == [True, True, False, True, True]
     assert rows[0].seconds > 0 and rows[1].seconds > 0
     assert rows[2].error.startswith("ValueError: Unknown cache_dit_params key(s) ['bogus']")
+
+
+def test_the_extra_rows_requests_are_refused_before_the_load(monkeypatch):
+    # A --cache-dit-params key of no setting, or --expand-prompts-request under a streamed text encoder (on a GPU),
+    # was refused only when its row ran: after the load and the uncached requests, minutes at full size.
+    with pytest.raises(SystemExit, match=r"^--cache-dit-params: Unknown cache_dit_params key\(s\) \['bogus'\]"):
+        run_stages(build_parser().parse_args(["--tiny", "--stage", "generate", "--cache-dit-params", '{"bogus": 1}']),
+                   log=lambda text: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the streamed encoder is CUDA's alone
+    with pytest.raises(SystemExit, match=r"^--expand-prompts-request runs the text encoder once per generated token.*"
+                                         r"streams its layers from host memory.*or drop --expand-prompts-request\.$"):
+        run_stages(build_parser().parse_args(["--tiny", "--stage", "generate", "--device", "cuda",
+                                              "--performance-mode", "memory", "--expand-prompts-request"]),
+                   log=lambda text: None)
 
 
 def test_the_json_has_null_where_a_value_is_not_finite(tmp_path):

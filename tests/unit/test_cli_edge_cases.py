@@ -1569,3 +1569,21 @@ def test_the_same_input_twice_and_a_config_files_prompt_under_the_flag_are_fine(
     config.write_text("prompt: from the file\n")
     args = parser.parse_args(["generate", "--config", str(config), "--model-path", "demo", "--prompt", "a dog"])
     assert merged_options(args, parser)["prompt"] == "a dog"  # the command line wins, as for every flag
+
+
+def test_expand_prompts_under_a_streamed_text_encoder_is_refused_before_the_load(monkeypatch):
+    # The worker refuses it (each generated token would copy the whole streamed encoder from host memory), but
+    # `k6serve generate --expand-prompts --performance-mode memory` on a GPU said so only after the model had loaded.
+    import torch
+
+    from k6serve.cli.generate import check_request_before_loading
+    from k6serve.request import SamplingParams
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # streaming is CUDA's alone
+    params = SamplingParams(prompt="a cat", expand_prompts=True)
+    for engine in ({"performance_mode": "memory"}, {"layerwise_offload_components": ("text_encoder",)}):
+        with pytest.raises(ValueError, match=r"^--expand-prompts runs the text encoder once per generated token .*"
+                                             r"--component-residency text_encoder=component_offload"):
+            check_request_before_loading({"model_path": "demo", **engine}, params)
+    check_request_before_loading({"model_path": "demo", "performance_mode": "balanced"}, params)  # offloaded whole
+    check_request_before_loading({"model_path": "demo", "performance_mode": "memory", "device": "cpu"}, params)
