@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -564,7 +565,9 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     try:
         check_before_loading(end_to_end, stages)
     except ValueError as error:
-        raise SystemExit(str(error)) from None
+        # The engine's --compile-vae true is this command's --compile-vae-decoder: "drop --compile-vae" named a
+        # flag the bench does not have.
+        raise SystemExit(re.sub(r"--compile-vae( true)?\b(?!-)", "--compile-vae-decoder", str(error))) from None
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if runs_dit:
         _check_dit_flags(args, device, compile_backend, transformer_config)

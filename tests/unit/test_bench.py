@@ -855,6 +855,16 @@ def test_the_extra_rows_requests_are_refused_before_the_load(monkeypatch):
                    log=lambda text: None)
 
 
+def test_the_engines_refusal_names_the_bench_flag_compile_vae_decoder():
+    # The engine's message said "--compile-vae true ... or drop --compile-vae": flags this command does not have.
+    with pytest.raises(SystemExit) as caught:
+        run_stages(build_parser().parse_args(["--tiny", "--stage", "generate", "--compile-vae-decoder",
+                                              "--performance-mode", "balanced"]), log=lambda text: None)
+    message = str(caught.value)
+    assert message.startswith("--compile-vae-decoder compiles the VAE decoder only under --performance-mode speed")
+    assert message.endswith("or drop --compile-vae-decoder.") and "--compile-vae " not in message
+
+
 def test_the_json_has_null_where_a_value_is_not_finite(tmp_path):
     """json.dumps wrote a NaN cosine (a diverging fp8 row) as `NaN`, which strict JSON parsers refuse."""
     from k6serve.bench.report import write_json
