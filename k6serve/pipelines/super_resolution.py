@@ -161,7 +161,7 @@ def _output_pixel_shape(source_ratio: Fraction | None, plan: UpscalePlan) -> tup
         return None, [FlagWordedNote.naming(lambda name: (
             f"the 'exact' {name('sr_target_resolution')} sets the output's shape: its {width}x{height} frames have "
             f"square pixels, not the source's {ratio}"))]
-    # The note is also an HTTP job's warning, and a job has no sample_aspect_ratio: it named "the result's" one.
+    # The note is also an HTTP job's warning (beside the job's sample_aspect_ratio), so it names no field.
     return source_ratio, [f"the output keeps the source's sample aspect ratio {ratio}: the MP4 is tagged with it, "
                           "so players show the source's shape"]
 

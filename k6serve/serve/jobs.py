@@ -95,6 +95,9 @@ class Job:
     expanded_prompt: str | None = None  # expand_prompts: the prompt as the text encoder rewrote it
     # Once completed: the seconds of each stage the engine ran (metrics.STAGES among its timings), in run order.
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # Once completed, super-resolution of a source with non-square pixels: their width over height, "N:M" as FFmpeg
+    # writes it (the MP4 is tagged with it); None for square pixels. `size` is the stored frames' WxH.
+    sample_aspect_ratio: str | None = None
 
 
 def expires_at(job: Job, ttl_s: float) -> int | None:
@@ -267,7 +270,8 @@ class SqliteJobStore:
                     warnings TEXT NOT NULL,
                     cancel_requested_at REAL,
                     expanded_prompt TEXT,
-                    stage_seconds TEXT
+                    stage_seconds TEXT,
+                    sample_aspect_ratio TEXT
                 )"""
             )
             columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
@@ -277,6 +281,8 @@ class SqliteJobStore:
                 self._db.execute("ALTER TABLE jobs ADD COLUMN expanded_prompt TEXT")
             if "stage_seconds" not in columns:  # a store written before jobs kept their stages (null: none)
                 self._db.execute("ALTER TABLE jobs ADD COLUMN stage_seconds TEXT")
+            if "sample_aspect_ratio" not in columns:  # a store written before jobs kept it (null: square pixels)
+                self._db.execute("ALTER TABLE jobs ADD COLUMN sample_aspect_ratio TEXT")
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
             # The TTL sweep's candidates (`finished_before`) by index: without it each sweep, run before every
             # listing too, read and sorted every finished job (39 ms a listing at 100k stored jobs).

@@ -767,6 +767,8 @@ class JobRunner:
             size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
             warnings=job.warnings + tuple(notes), expanded_prompt=result.expanded_prompt,
             stage_seconds=stage_seconds(result.timings),
+            sample_aspect_ratio=None if result.sample_aspect_ratio is None else
+            f"{result.sample_aspect_ratio.numerator}:{result.sample_aspect_ratio.denominator}",
         )
         if finished is None:
             # Deleted while running: nobody owns the file any more.

@@ -674,6 +674,10 @@ class VideoJob(BaseModel):
                                           "dit, decode, blend, mux; warmup, a --warmup-mode request warm-up run "
                                           "first); empty before.")
     peak_memory_mb: float | None = None
+    sample_aspect_ratio: str | None = Field(
+        None, description="Once completed, super-resolution of a source with non-square pixels: their width over "
+                          "height, 'N:M' (the MP4 is tagged with it, so players show the source's shape; `size` is "
+                          "the stored frames' WxH); null for square pixels.")
     url: str | None = Field(None, description="Relative URL of the MP4 once completed.")
     warnings: list[str] = Field(default_factory=list)
     waiting_for: Literal["resume_memory_occupation"] | None = Field(
@@ -762,6 +766,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, ro
         inference_time_s=job.inference_time_s,
         stage_seconds=dict(job.stage_seconds),
         peak_memory_mb=job.peak_memory_mb,
+        sample_aspect_ratio=job.sample_aspect_ratio,
         url=f"{root_path}/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
         warnings=list(job.warnings),
         waiting_for="resume_memory_occupation" if memory_released and job.status == JobStatus.QUEUED else None,

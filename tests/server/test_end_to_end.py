@@ -161,6 +161,27 @@ def test_vsr_upload_and_video_path_are_bit_identical(vsr_server, tmp_path):
         assert frames.shape == (9, 64, 160, 3) and frames.std() > 1
         assert audio is not None and np.sqrt(np.mean(audio**2)) > 1e-5
         assert client.get(f"/v1/videos/{by_path['id']}").json()["size"] == "160x64"
+        assert client.get(f"/v1/videos/{by_path['id']}").json()["sample_aspect_ratio"] is None  # square pixels
+
+
+def test_an_anamorphic_upscale_job_reports_its_sample_aspect_ratio(vsr_server):
+    # The MP4 keeps a source's non-square pixels (players show its shape) while `size` is the stored frames': the
+    # job said so only in a warning's text, which a client cannot read the display shape from.
+    from fractions import Fraction
+
+    from k6serve.testing.clips import make_clip
+
+    clip = make_clip(vsr_server.settings.allowed_input_dirs[0] / "anamorphic.mp4", width=64, height=32,
+                     num_frames=9, fps=24, sample_aspect_ratio=Fraction(4, 3))
+    with vsr_server.client() as client:
+        created = client.post("/v1/videos", json={"video_path": str(clip), "sr_resolution_scale": 2,
+                                                  "num_inference_steps": 2, "seed": 42}).json()
+        assert created["sample_aspect_ratio"] is None  # known once the job has run
+        done = wait_for(client, created["id"], timeout=300)
+    assert done["status"] == "completed", done
+    assert (done["size"], done["sample_aspect_ratio"]) == ("128x64", "4:3")
+    assert any(warning.startswith("the output keeps the source's sample aspect ratio 4:3") for warning in
+               done["warnings"])
 
 
 def test_an_upscale_job_reports_its_output_size_and_seconds_from_creation(vsr_server, tmp_path):

@@ -254,6 +254,13 @@ def test_a_job_store_from_before_expand_prompts_opens(tmp_path):
     reopened.close()
 
 
+def test_a_job_store_from_before_sample_aspect_ratio_opens(tmp_path):
+    reopened = _reopened_without(tmp_path, "sample_aspect_ratio")
+    assert reopened.get("video_old").sample_aspect_ratio is None
+    assert reopened.update("video_old", sample_aspect_ratio="32:27").sample_aspect_ratio == "32:27"
+    reopened.close()
+
+
 def test_a_job_store_from_before_stage_seconds_opens(tmp_path):
     # Old jobs read as having no stages ({}), and a job's stages survive the store's reopening in their order.
     reopened = _reopened_without(tmp_path, "stage_seconds")
