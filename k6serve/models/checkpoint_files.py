@@ -59,8 +59,10 @@ def variant_before_loading(model_path: str, model_id: str | None, load_format: s
         return None, folder
 
 
-def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
-    """A local folder, or a hub id fetched (or found in the local cache) through huggingface_hub."""
+def resolve_checkpoint(model_path: str, revision: str | None = None, model_id: str | None = None) -> Path:
+    """A local folder, or a hub id fetched (or found in the local cache) through huggingface_hub; `model_id`
+    (--model-id) routes a hub id whose name is no release's, which is otherwise checked for a Kandinsky 6 pipeline
+    before its weights are fetched."""
     if model_path in DEMO_MODEL_PATHS:
         from k6serve.testing.demo_location import built_demo_checkpoint
 
@@ -83,7 +85,7 @@ def resolve_checkpoint(model_path: str, revision: str | None = None) -> Path:
         )
     else:
         try:
-            folder = _download(model_path, revision)
+            folder = _download(model_path, revision, model_id)
         except CheckpointError as exc:
             near = _local_folder_near(model_path)
             if near is None:
@@ -198,15 +200,24 @@ def ignored_revision_note(model_path: str, revision: str | None, load_format: st
     return f"revision {revision!r} is ignored: it only picks the revision a hub id downloads, and {where}."
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, model_id: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hub_errors
+
+    from k6serve.models.variants import variant_from_id
 
     token_hint = (
         "Authenticate with `hf auth login` or set HF_TOKEN to a token of an account that has accepted the "
         f"model's terms at https://huggingface.co/{repo_id}."
     )
     try:
+        if model_id is None and variant_from_id(repo_id) is None:
+            # A name that is no release's may be another model's repository: its model_index.json alone tells,
+            # before the snapshot. An SDXL id downloaded every weight the patterns match (tens of GB) and only
+            # then was refused as another pipeline. A snapshot of the one file, not hf_hub_download: that retries
+            # an unreachable Hub with back-off (23 s) where snapshot_download fails at once.
+            _check_hub_pipeline(repo_id, Path(snapshot_download(repo_id, revision=revision,
+                                                                allow_patterns=["model_index.json"])))
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=_ALLOW_PATTERNS)
     except hub_errors.GatedRepoError as exc:
         raise CheckpointError(f"{repo_id} is gated and this machine is not authorised. {token_hint}") from exc
@@ -235,6 +246,22 @@ def _download(repo_id: str, revision: str | None) -> Path:
             "checkpoint, or download it elsewhere and pass the folder with --model-path."
         ) from exc
     return Path(folder)
+
+
+def _check_hub_pipeline(repo_id: str, snapshot: Path) -> None:
+    """A CheckpointError where the hub repository's model_index.json (in `snapshot`, downloaded alone) is missing
+    or names no Kandinsky 6 pipeline, as `variants.variant_from_folder` refuses it once downloaded."""
+    from k6serve.models.variants import variant_from_folder
+
+    if not (snapshot / "model_index.json").is_file():
+        raise CheckpointError(f"{repo_id} has no model_index.json, so it is not a Diffusers-format Kandinsky 6 "
+                              "checkpoint (nothing was downloaded). Pass a Kandinsky 6 Diffusers repository, e.g. "
+                              "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers.")
+    try:
+        variant_from_folder(snapshot)
+    except ValueError as exc:
+        raise CheckpointError(f"{repo_id} is not a Kandinsky 6 checkpoint (only its model_index.json was "
+                              f"downloaded): {exc}") from None
 
 
 # A write into the Hub cache refused or failed, as opposed to a network failure.

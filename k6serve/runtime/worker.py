@@ -134,7 +134,7 @@ class ModelWorker:
         model = config.model
         folder = None
         if model.load_format != "dummy":
-            folder = resolve_checkpoint(model.model_path, model.revision)
+            folder = resolve_checkpoint(model.model_path, model.revision, model.model_id)
         self.variant: Variant = recognise(model.model_path, model.model_id, folder)
         self.folder = folder
         if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:

@@ -82,6 +82,54 @@ def test_a_network_failure_is_still_told_as_the_hub_unreachable(monkeypatch):
         resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers")
 
 
+def _fetch_only(monkeypatch, index: dict | None, tmp_path):
+    """huggingface_hub as a Hub whose repository holds `index` as model_index.json (None: no such file); a snapshot
+    of more than that file fails the test."""
+    import huggingface_hub
+
+    def snapshot(repo_id, revision=None, allow_patterns=None):
+        assert allow_patterns == ["model_index.json"], "the whole repository was downloaded"
+        (tmp_path / "snapshot").mkdir(parents=True, exist_ok=True)
+        if index is not None:
+            (tmp_path / "snapshot" / "model_index.json").write_text(json.dumps(index))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+
+
+def test_another_models_hub_id_is_refused_from_its_model_index_before_the_weights_download(monkeypatch, tmp_path):
+    """An SDXL id downloaded every weight file the patterns match, tens of GB, before its model_index.json was read
+    and refused as another pipeline."""
+    _fetch_only(monkeypatch, {"_class_name": "StableDiffusionXLPipeline", "unet": ["diffusers", "UNet2DCondition"]},
+                tmp_path)
+    with pytest.raises(CheckpointError, match=r"^stabilityai/stable-diffusion-xl-base-1\.0 is not a Kandinsky 6 "
+                                              r"checkpoint \(only its model_index\.json was downloaded\): .* names "
+                                              r"pipeline 'StableDiffusionXLPipeline'; k6serve serves"):
+        resolve_checkpoint("stabilityai/stable-diffusion-xl-base-1.0")
+    _fetch_only(monkeypatch, None, tmp_path / "other")
+    with pytest.raises(CheckpointError, match=r"^org/not-diffusers has no model_index\.json, so it is not a "
+                                              r"Diffusers-format Kandinsky 6 checkpoint \(nothing was downloaded"):
+        resolve_checkpoint("org/not-diffusers")
+
+
+def test_a_hub_id_named_as_a_release_or_routed_by_model_id_is_downloaded_without_the_index_check(monkeypatch,
+                                                                                                  tmp_path):
+    """The name, or --model-id, routes such a repository whatever its model_index.json names (`recognise`)."""
+    import huggingface_hub
+
+    patterns = []
+
+    def snapshot(repo_id, revision=None, allow_patterns=None):
+        patterns.append(allow_patterns)
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "SomethingElse"}))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    assert resolve_checkpoint("me/Kandinsky-6.0-Pro-distill-5s-Diffusers") == tmp_path
+    assert resolve_checkpoint("me/k6-copy", model_id="Kandinsky-6.0-Pro-distill-5s-Diffusers") == tmp_path
+    assert ["model_index.json"] not in patterns and len(patterns) == 2
+
+
 def test_not_a_folder_nor_hub_id():
     with pytest.raises(CheckpointError, match="neither an existing folder nor a hub id"):
         resolve_checkpoint("/definitely/not/here")
@@ -177,7 +225,7 @@ def test_a_mistyped_local_path_read_as_a_hub_id_says_what_the_folder_holds(tmp_p
     unreachable"; the local folder it nearly names went unmentioned."""
     from k6serve.models import checkpoint_files
 
-    def unreachable(repo_id, revision):
+    def unreachable(repo_id, revision, model_id):
         raise CheckpointError(f"Cannot fetch {repo_id}: the Hub is unreachable.")
 
     monkeypatch.setattr(checkpoint_files, "_download", unreachable)
@@ -293,7 +341,7 @@ def test_a_hub_checkpoints_fix_is_the_forced_download_of_its_revision(tmp_path, 
 
     path = _checkpoint_with_weights(tmp_path)
     path.write_bytes(path.read_bytes()[:-4])
-    monkeypatch.setattr(checkpoint_files, "_download", lambda repo_id, revision: tmp_path)
+    monkeypatch.setattr(checkpoint_files, "_download", lambda repo_id, revision, model_id: tmp_path)
     with pytest.raises(CheckpointError, match="hf download org/repo --revision v2 --force-download"):
         resolve_checkpoint("org/repo", "v2")
 
