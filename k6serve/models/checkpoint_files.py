@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from k6serve.rank_logging import ONCE
 from k6serve.testing.demo_location import DEMO_MODEL_PATHS
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,35 @@ def resolve_checkpoint(model_path: str, revision: str | None = None, model_id: s
             raise CheckpointError(f"{exc} {near}") from exc.__cause__
         pinned = f" --revision {revision}" if revision else ""
         fix = f"download it again: hf download {model_path}{pinned} --force-download"
+    _warn_of_unfinished_downloads(folder)
     check_checkpoint_files(folder, fix)
     return folder
+
+
+_WARNED_UNFINISHED: set[Path] = set()
+
+
+def _warn_of_unfinished_downloads(folder: Path) -> None:
+    """Warn where `folder` is a snapshot in the Hugging Face cache whose repository holds unfinished downloads
+    (`blobs/*.incomplete`). The Hub unreachable (or HF_HUB_OFFLINE set), huggingface_hub serves the cached snapshot
+    of an interrupted download as it is: its files that never finished are missing from it, and the load failed
+    on the first one ("transformer holds no .safetensors weights") with no word of the download. A warning, not a
+    refusal: the unfinished file may be another revision's, which this snapshot does not need (once per folder, as
+    the checks before the load resolve the checkpoint more than once)."""
+    blobs = folder.parent.parent / "blobs"
+    if folder.parent.name != "snapshots" or folder in _WARNED_UNFINISHED or not blobs.is_dir():
+        return
+    unfinished = sorted(path.name for path in blobs.glob("*.incomplete"))
+    if not unfinished:
+        return
+    _WARNED_UNFINISHED.add(folder)
+    repo = folder.parent.parent.name  # models--org--name
+    repo_id = "/".join(repo.split("--")[1:]) if repo.startswith("models--") else "ID"
+    logger.warning("%s is a Hugging Face cache snapshot, and %s holds %d unfinished download(s) (%s): a download was "
+                   "interrupted, or is still running in another process, and files it had not finished are missing "
+                   "from the snapshot. If the load fails on a missing file, let that download finish, or run `hf "
+                   "download %s` again where the Hub is reachable.", folder, blobs, len(unfinished),
+                   ", ".join(unfinished[:3]) + (" ..." if len(unfinished) > 3 else ""), repo_id, extra=ONCE)
 
 
 def _local_folder_near(model_path: str) -> str | None:
@@ -397,7 +425,9 @@ def safetensors_files(component_dir: Path) -> list[Path]:
                               "weights from safetensors files only (the released checkpoints' format, which cannot "
                               "run code when loaded); convert them, e.g. load the component with diffusers and "
                               "save_pretrained it (safe_serialization is the default).")
-    raise CheckpointError(f"{component_dir} holds no .safetensors weights.")
+    raise CheckpointError(f"{component_dir} holds no .safetensors weights (neither {_WEIGHTS_NAME} nor a shard "
+                          "index naming its shards): the copy or download is incomplete; copy or download the "
+                          "checkpoint again.")
 
 
 def check_block_counts(component_dir: Path, counts: dict[str, tuple[str, int]]) -> None:

@@ -130,6 +130,32 @@ def test_a_hub_id_named_as_a_release_or_routed_by_model_id_is_downloaded_without
     assert ["model_index.json"] not in patterns and len(patterns) == 2
 
 
+def test_a_hub_cache_snapshot_of_an_interrupted_download_is_warned_of(tmp_path, caplog):
+    """Served offline as it is, such a snapshot failed on its first missing file ("transformer holds no .safetensors
+    weights") with no word of the download."""
+    repo = tmp_path / "hub" / "models--kandinskylab--Kandinsky-6.0-Pro-distill-5s-Diffusers"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (snapshot / "transformer").mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "5d41402abc4b2a76b9719d911017c592.incomplete").write_bytes(b"\0" * 10)
+    with caplog.at_level("WARNING", logger="k6serve.models.checkpoint_files"):
+        assert resolve_checkpoint(str(snapshot)) == snapshot
+        resolve_checkpoint(str(snapshot))  # each check before the load resolves it again: one warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "holds 1 unfinished download(s) (5d41402abc4b2a76b9719d911017c592.incomplete)" \
+        in warnings[0] and "run `hf download kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers` again" in warnings[0]
+    (repo / "blobs" / "5d41402abc4b2a76b9719d911017c592.incomplete").unlink()
+    caplog.clear()
+    other = repo / "snapshots" / "4567"
+    other.mkdir()
+    resolve_checkpoint(str(other))  # a finished download: nothing to say
+    assert not caplog.records
+    with pytest.raises(CheckpointError, match=r"transformer holds no \.safetensors weights \(neither "
+                                              r"diffusion_pytorch_model\.safetensors nor a shard index naming its "
+                                              r"shards\): the copy or download is incomplete; copy or download"):
+        safetensors_files(snapshot / "transformer")
+
+
 def test_not_a_folder_nor_hub_id():
     with pytest.raises(CheckpointError, match="neither an existing folder nor a hub id"):
         resolve_checkpoint("/definitely/not/here")
