@@ -157,9 +157,14 @@ def check_checkpoint_files(folder: Path, fix: str) -> None:
     Only where the loaders read, the places a hub download fills (`_ALLOW_PATTERNS`): the folder's own .json files
     and its components' (one level down). The whole tree was walked: `--model-path ~` read every JSON file of the
     home folder (9 s and 534 MB) before saying it holds no model_index.json, and a bad one anywhere was "damaged".
-    Only regular files (links to them followed): a FIFO named *.safetensors blocked the open."""
+    Only regular files (links to them followed): a FIFO named *.safetensors blocked the open. Only the weight files
+    the load reads (`safetensors_files`), where it can tell them: a cut-short stray copy beside the weights (a
+    variant's, "... (1).safetensors") was "damaged; download it again", though nothing reads it."""
     paths = [*folder.glob("*.json"), *folder.glob("*/*.json"), *folder.glob("*/*.safetensors")]
+    read = _weight_files_read(folder)
     for path in sorted(paths):
+        if path.suffix == ".safetensors" and path.parent in read and path not in read[path.parent]:
+            continue
         if path.is_symlink() and not path.exists():
             problem = "a link to a file that is gone, e.g. a cleaned Hugging Face cache blob"  # stat() would raise
         elif not path.is_file():
@@ -170,6 +175,18 @@ def check_checkpoint_files(folder: Path, fix: str) -> None:
             problem = _json_problem(path)
         if problem is not None:
             raise CheckpointError(f"{path} is damaged ({problem}), e.g. by an interrupted download; {fix}.")
+
+
+def _weight_files_read(folder: Path) -> dict[Path, set[Path]]:
+    """Each component folder's weight files as the load chooses them; a folder whose choice fails (no weights,
+    several, a damaged index) is left out, so all its files are checked, and the load names the problem."""
+    read = {}
+    for component_dir in {path.parent for path in folder.glob("*/*.safetensors")}:
+        try:
+            read[component_dir] = set(safetensors_files(component_dir))
+        except CheckpointError:
+            pass
+    return read
 
 
 # safetensors refuses a longer header (its MAX_HEADER_SIZE).

@@ -311,6 +311,18 @@ def test_a_truncated_weight_file_is_named_before_anything_loads(tmp_path):
         load_state_dict(path.parent)
 
 
+def test_a_damaged_weight_file_the_load_does_not_read_is_no_refusal(tmp_path):
+    """A cut-short variant or stray copy beside the weights was refused as damaged ("download it again"), though
+    the load reads only the weights; where the load cannot choose, every file is still checked."""
+    path = _checkpoint_with_weights(tmp_path)
+    for stray in ("diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model (1).safetensors"):
+        (path.parent / stray).write_bytes(path.read_bytes()[:100])
+    assert resolve_checkpoint(str(tmp_path)) == tmp_path.resolve()
+    path.unlink()  # the stray copy is now the folder's one weight file, which the load reads: checked
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model \(1\)\.safetensors is damaged"):
+        resolve_checkpoint(str(tmp_path))
+
+
 def test_the_file_check_reads_only_where_the_loaders_read(tmp_path):
     """It walked the whole tree (`--model-path ~` read every JSON file of the home folder before saying it holds no
     model_index.json), opened a FIFO named *.safetensors (blocked forever) and read any header length a file
