@@ -321,8 +321,32 @@ _UNREACHABLE = (
 def read_model_index(folder: Path) -> dict:
     path = folder / "model_index.json"
     if not path.is_file():
-        raise CheckpointError(f"{folder} has no model_index.json; it is not a Diffusers-format checkpoint.")
+        raise CheckpointError(f"{folder} has no model_index.json; it is not a Diffusers-format checkpoint."
+                              + model_index_nearby(folder))
     return read_json_file(path)
+
+
+def model_index_nearby(folder: Path) -> str:
+    """For a folder without model_index.json, the checkpoint folder it most likely stands for (" Pass ..."), or "":
+    a component of one (`transformer/`), the folder holding some, or a hub cache's repository folder (its checkpoints
+    are under snapshots/). Each was told only that it is no Diffusers checkpoint, with an example hub id."""
+    if (folder.parent / "model_index.json").is_file():
+        return (f" It is the {folder.name!r} component of the checkpoint {folder.parent}: pass that folder (a "
+                "checkpoint is loaded whole).")
+    if (folder / "snapshots").is_dir() and folder.name.startswith("models--"):
+        snapshots = [folder / "snapshots" / name for name in folder_listing(folder / "snapshots")
+                     if (folder / "snapshots" / name / "model_index.json").is_file()]
+        hub_id = "/".join(folder.name.split("--")[1:])
+        if snapshots:
+            return (f" It is a Hugging Face cache folder: pass the hub id {hub_id} (with HF_HUB_CACHE set to "
+                    f"{folder.parent} if that is not the default cache), or its snapshot folder {snapshots[-1]}"
+                    + (f" (one of {len(snapshots)})." if len(snapshots) > 1 else "."))
+        return f" It is a Hugging Face cache folder without a complete snapshot: run `hf download {hub_id}`."
+    held = [name for name in folder_listing(folder) if (folder / name / "model_index.json").is_file()]
+    if held:
+        shown = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+        return f" It holds the checkpoint folder(s) {shown}: pass one of them, e.g. {folder / held[0]}."
+    return ""
 
 
 def index_class(index: dict, component: str, path: Path) -> str | None:

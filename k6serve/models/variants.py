@@ -135,7 +135,7 @@ def variant_from_id(model_id: str) -> Variant | None:
 
 def variant_from_folder(folder: Path) -> Variant:
     """Route a local Diffusers folder by what its files say."""
-    from k6serve.models.checkpoint_files import index_class, read_json_file  # imports torch; this one stays light
+    from k6serve.models.checkpoint_files import index_class, model_index_nearby, read_json_file  # imports torch
 
     marker = folder / DEMO_MARKER
     if marker.is_file():
@@ -143,9 +143,9 @@ def variant_from_folder(folder: Path) -> Variant:
     index_path = folder / "model_index.json"
     if not index_path.is_file():
         raise ValueError(
-            f"{folder} has no model_index.json, so it is not a Diffusers-format Kandinsky 6 checkpoint. "
-            "Pass the folder that holds model_index.json (e.g. a download of "
-            "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers)."
+            f"{folder} has no model_index.json, so it is not a Diffusers-format Kandinsky 6 checkpoint."
+            + (model_index_nearby(folder) or " Pass the folder that holds model_index.json (e.g. a download of "
+               "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers).")
         )
     index = read_json_file(index_path)
     pipeline_class = index.get("_class_name", "")

@@ -156,6 +156,33 @@ def test_a_hub_cache_snapshot_of_an_interrupted_download_is_warned_of(tmp_path, 
         safetensors_files(snapshot / "transformer")
 
 
+def test_a_folder_beside_the_checkpoint_names_the_checkpoint_folder(tmp_path):
+    """Its transformer/ subfolder, the folder holding checkpoints, or a hub cache's repository folder: each was told
+    only that it is no Diffusers checkpoint, with an example hub id, not the folder to pass."""
+    from k6serve.models.checkpoint_files import read_model_index
+    from k6serve.models.variants import variant_from_folder
+
+    checkpoint = tmp_path / "models" / "k6-distill"
+    _checkpoint_with_weights(checkpoint)
+    with pytest.raises(ValueError, match=rf"It is the 'transformer' component of the checkpoint "
+                                         rf"{re.escape(str(checkpoint))}: pass that folder"):
+        variant_from_folder(checkpoint / "transformer")
+    with pytest.raises(ValueError, match=rf"It holds the checkpoint folder\(s\) k6-distill: pass one of them, e\.g\. "
+                                         rf"{re.escape(str(checkpoint))}\.$"):
+        variant_from_folder(checkpoint.parent)
+    repo = tmp_path / "hub" / "models--kandinskylab--Kandinsky-6.0-Pro-distill-5s-Diffusers"
+    (repo / "snapshots").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"without a complete snapshot: run `hf download "
+                                              r"kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers`\.$"):
+        read_model_index(repo)
+    _checkpoint_with_weights(repo / "snapshots" / "abc123")
+    with pytest.raises(CheckpointError, match=r"It is a Hugging Face cache folder: pass the hub id kandinskylab/"
+                                              r"Kandinsky-6\.0-Pro-distill-5s-Diffusers \(with HF_HUB_CACHE set to "
+                                              rf"{re.escape(str(tmp_path / 'hub'))} .*, or its snapshot folder "
+                                              rf"{re.escape(str(repo / 'snapshots' / 'abc123'))}\.$"):
+        read_model_index(repo)
+
+
 def test_not_a_folder_nor_hub_id():
     with pytest.raises(CheckpointError, match="neither an existing folder nor a hub id"):
         resolve_checkpoint("/definitely/not/here")
