@@ -82,7 +82,7 @@ def resolve_checkpoint(model_path: str, revision: str | None = None, model_id: s
     elif not _HUB_ID.match(model_path):
         raise CheckpointError(
             f"--model-path {model_path!r} is neither an existing folder nor a hub id like "
-            "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'."
+            "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'." + _near_miss(model_path)
         )
     else:
         try:
@@ -123,6 +123,17 @@ def _warn_of_unfinished_downloads(folder: Path) -> None:
                    "from the snapshot. If the load fails on a missing file, let that download finish, or run `hf "
                    "download %s` again where the Hub is reachable.", folder, blobs, len(unfinished),
                    ", ".join(unfinished[:3]) + (" ..." if len(unfinished) > 3 else ""), repo_id, extra=ONCE)
+
+
+def _near_miss(model_path: str) -> str:
+    """What a path that names nothing nearly names: itself without surrounding spaces (a pasted or quoted path;
+    the spaces hide in the message's quotes), or a built-in checkpoint in other letter case ("Demo")."""
+    stripped = model_path.strip()
+    if stripped != model_path and (stripped in DEMO_MODEL_PATHS or Path(stripped).expanduser().exists()):
+        return f" Without its surrounding spaces it names {stripped!r}, which exists: pass that."
+    if stripped.lower() in DEMO_MODEL_PATHS:
+        return f" The built-in checkpoint is {stripped.lower()!r}, in lower case."
+    return ""
 
 
 def _local_folder_near(model_path: str) -> str | None:

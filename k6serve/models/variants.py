@@ -32,6 +32,7 @@ from k6serve.request import (
     UpscaleRequest,
     has_visible_text,
 )
+from k6serve.testing.demo_location import DEMO_MODEL_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,12 @@ def recognise(model_path: str, model_id: str | None, local_folder: Path | None) 
         return variant
     if local_folder is not None and (local_folder / DEMO_MARKER).is_file():
         return variant_from_folder(local_folder)
+    if local_folder is None and model_path in DEMO_MODEL_PATHS:
+        # Only --load-format dummy leaves the demo's folder unread; it was told to pass --model-id, as an unknown
+        # name is, where the fix is to drop the flag.
+        raise ValueError(f"--load-format dummy builds a released model at its full size with random weights, and "
+                         f"{model_path!r} names none: it is a tiny random-weight checkpoint already. Drop "
+                         "--load-format dummy (or, for a released model's size, pass --model-id with its name).")
     named = variant_from_id(model_path)
     if local_folder is None or (named is not None and not (local_folder / "model_index.json").is_file()):
         if named is not None:

@@ -656,3 +656,16 @@ def test_an_sr_config_count_that_is_no_count_is_named_with_its_file(tiny_sr_dir,
         return
     with pytest.raises(ValueError, match=message):
         build(raw)
+
+
+def test_a_path_that_nearly_names_a_folder_or_the_demo_says_which(tmp_path, monkeypatch):
+    """`--model-path "ckpt "` (a pasted path) and `Demo` were told only that they name no folder nor hub id."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"Without its surrounding spaces it names 'ckpt', which exists: pass "
+                                              r"that\.$"):
+        resolve_checkpoint("ckpt ")
+    with pytest.raises(CheckpointError, match=r"The built-in checkpoint is 'demo-sr', in lower case\.$"):
+        resolve_checkpoint("Demo-SR")
+    with pytest.raises(CheckpointError, match=r"hub id like 'kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers'\.$"):
+        resolve_checkpoint("elsewhere ")

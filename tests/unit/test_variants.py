@@ -455,3 +455,13 @@ def test_an_integer_past_floats_range_is_a_value_error(option, message):
     reached the user as an internal error (a 500 over HTTP) instead of the option's own refusal."""
     with pytest.raises(ValueError, match=message):
         resolve_generate(SamplingParams(prompt="x", **option), VARIANTS["lite-distill"])
+
+
+def test_the_demo_under_load_format_dummy_is_told_to_drop_the_flag():
+    """It was "Cannot tell which Kandinsky 6 model 'demo' is. Pass --model-id", as for an unknown name."""
+    for name in ("demo", "demo-sr"):
+        with pytest.raises(ValueError, match=rf"^--load-format dummy builds a released model .* and '{name}' names "
+                                             r"none: it is a tiny random-weight checkpoint already\. Drop "
+                                             r"--load-format dummy"):
+            recognise(name, None, None)
+    assert recognise("demo", "Kandinsky-6.0-Lite-distill-5s-Diffusers", None).name == "lite-distill"
