@@ -291,7 +291,9 @@ def _download(repo_id: str, revision: str | None, model_id: str | None = None) -
     except OSError as exc:
         if isinstance(exc, (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled)) or \
                 exc.errno not in _CACHE_WRITE_ERRNOS:
-            raise CheckpointError(_UNREACHABLE.format(repo_id=repo_id)) from exc
+            # The revision asked for, where one was: `[--revision REV]` left the user to retype theirs.
+            raise CheckpointError(_UNREACHABLE.format(
+                repo_id=repo_id, revision=f"--revision {revision}" if revision else "[--revision REV]")) from exc
         # The cache could not be written (read-only, not ours, full): it was told as "the Hub is unreachable".
         from huggingface_hub import constants
 
@@ -324,7 +326,7 @@ def _check_hub_pipeline(repo_id: str, snapshot: Path) -> None:
 _CACHE_WRITE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
 _UNREACHABLE = (
     "Cannot fetch {repo_id}: the Hub is unreachable (or HF_HUB_OFFLINE is set) and no complete copy is in the local "
-    "cache. On a machine with access run `hf download {repo_id} [--revision REV]` and pass the downloaded folder "
+    "cache. On a machine with access run `hf download {repo_id} {revision}` and pass the downloaded folder "
     "with --model-path."
 )
 
@@ -449,7 +451,8 @@ def safetensors_files(component_dir: Path) -> list[Path]:
         files = sorted({component_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{component_dir} is missing shard(s) {missing} named in {index.name}.")
+            raise CheckpointError(f"{component_dir} is missing shard(s) {missing} named in {index.name}: the copy or "
+                                  "download is incomplete; copy or download the checkpoint again.")
         return files
     if (component_dir / _WEIGHTS_NAME).is_file():
         return [component_dir / _WEIGHTS_NAME]

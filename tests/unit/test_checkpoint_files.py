@@ -28,7 +28,11 @@ def test_offline_hub_id_gives_one_clear_error(monkeypatch, tmp_path, hub_offline
         resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")
     message = str(info.value)
     assert "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers" in message
-    assert "hf download" in message and "--model-path" in message
+    assert "hf download kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers [--revision REV]`" in message
+    assert "--model-path" in message
+    with pytest.raises(CheckpointError) as info:  # the revision asked for is the one to download
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "v2")
+    assert "`hf download kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers --revision v2`" in str(info.value)
 
 
 def test_gated_repo_error_says_how_to_authenticate(monkeypatch):
@@ -202,7 +206,9 @@ def test_sharded_safetensors_with_index(tmp_path):
     state = load_state_dict(tmp_path)
     assert sorted(state) == ["a", "b"] and state["b"].shape == (3,)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="missing shard"):
+    with pytest.raises(CheckpointError, match=r"missing shard\(s\) \['model-00002-of-00002\.safetensors'\] "
+                                              r"named in diffusion_pytorch_model\.safetensors\.index\.json: the copy "
+                                              r"or download is incomplete; copy or download the checkpoint again\.$"):
         load_state_dict(tmp_path)
 
 
