@@ -293,7 +293,8 @@ def _download(repo_id: str, revision: str | None, model_id: str | None = None) -
                 exc.errno not in _CACHE_WRITE_ERRNOS:
             # The revision asked for, where one was: `[--revision REV]` left the user to retype theirs.
             raise CheckpointError(_UNREACHABLE.format(
-                repo_id=repo_id, revision=f"--revision {revision}" if revision else "[--revision REV]")) from exc
+                repo_id=repo_id, revision=f"--revision {revision}" if revision else "[--revision REV]")
+                + _cached_in_other_case(repo_id)) from exc
         # The cache could not be written (read-only, not ours, full): it was told as "the Hub is unreachable".
         from huggingface_hub import constants
 
@@ -320,6 +321,22 @@ def _check_hub_pipeline(repo_id: str, snapshot: Path) -> None:
     except ValueError as exc:
         raise CheckpointError(f"{repo_id} is not a Kandinsky 6 checkpoint (only its model_index.json was "
                               f"downloaded): {exc}") from None
+
+
+def _cached_in_other_case(repo_id: str) -> str:
+    """Where the Hub cache holds `repo_id` in other letter case, what to pass instead (" ..."), else "": the Hub
+    takes ids in any case, the cache only as downloaded, so an id typed in lower case found no copy offline, and
+    the error said there was none."""
+    from huggingface_hub import constants
+
+    wanted = "models--" + repo_id.replace("/", "--")
+    held = [name for name in folder_listing(Path(constants.HF_HUB_CACHE))
+            if name.lower() == wanted.lower() and name != wanted]
+    if not held:
+        return ""
+    cached = "/".join(held[0].split("--")[1:])
+    return (f" The cache does hold {cached}, in other letter case (the cache's names are case-sensitive): pass "
+            f"--model-path {cached!r}.")
 
 
 # A write into the Hub cache refused or failed, as opposed to a network failure.

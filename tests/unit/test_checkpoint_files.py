@@ -35,6 +35,22 @@ def test_offline_hub_id_gives_one_clear_error(monkeypatch, tmp_path, hub_offline
     assert "`hf download kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers --revision v2`" in str(info.value)
 
 
+def test_an_id_cached_in_other_letter_case_is_named_when_the_hub_is_unreachable(monkeypatch, tmp_path, hub_offline):
+    """The Hub takes ids in any case, the cache only as downloaded: a lower-case id found no copy offline, and the
+    error said there was none."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--kandinskylab--Kandinsky-6.0-Pro-distill-5s-Diffusers").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"no complete copy is in the local cache\. .* The cache does hold "
+                                              r"kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers, in other letter "
+                                              r"case .*: pass --model-path "
+                                              r"'kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers'\.$"):
+        resolve_checkpoint("kandinskylab/kandinsky-6.0-pro-distill-5s-diffusers")
+    with pytest.raises(CheckpointError, match=r"with --model-path\.$"):  # the id as cached: nothing more to say
+        resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")
+
+
 def test_gated_repo_error_says_how_to_authenticate(monkeypatch):
     import huggingface_hub
     from huggingface_hub import errors
