@@ -127,12 +127,27 @@ def _warn_of_unfinished_downloads(folder: Path) -> None:
 
 def _near_miss(model_path: str) -> str:
     """What a path that names nothing nearly names: itself without surrounding spaces (a pasted or quoted path;
-    the spaces hide in the message's quotes), or a built-in checkpoint in other letter case ("Demo")."""
+    the spaces hide in the message's quotes), a built-in checkpoint in other letter case ("Demo"), or a hub id
+    written as a Hub URL, with a trailing slash or an `@revision`, or a release's name without its organisation."""
+    from k6serve.models.variants import normalise_id, variant_from_id
+
     stripped = model_path.strip()
     if stripped != model_path and (stripped in DEMO_MODEL_PATHS or Path(stripped).expanduser().exists()):
         return f" Without its surrounding spaces it names {stripped!r}, which exists: pass that."
     if stripped.lower() in DEMO_MODEL_PATHS:
         return f" The built-in checkpoint is {stripped.lower()!r}, in lower case."
+    if url := re.match(r"^(?:https?://(?:www\.)?(?:huggingface\.co|hf\.co)/|hf://)([^/?#]+/[^/?#@]+)", stripped):
+        return f" It is a Hub address; pass the hub id alone: --model-path {url[1]!r}."
+    if _HUB_ID.match(stripped.rstrip("/")):  # "ckpt/distil/": a mistyped folder, where ckpt/ is one
+        near = _local_folder_near(stripped.rstrip("/"))
+        return f" {near}" if near else f" Without the trailing slash it is the hub id {stripped.rstrip('/')!r}."
+    if "@" in stripped and _HUB_ID.match(stripped.split("@")[0]):
+        repo_id, revision = stripped.split("@", 1)
+        return f" Pass the revision apart: --model-path {repo_id!r} --revision {revision!r}."
+    variant = variant_from_id(stripped) if "/" not in stripped else None
+    if variant is not None and variant.hub_id is not None and \
+            normalise_id(stripped) == normalise_id(variant.hub_id.split("/")[1]):
+        return f" A hub id names its organisation too: the release's is {variant.hub_id!r}."
     return ""
 
 

@@ -691,3 +691,29 @@ def test_a_path_that_nearly_names_a_folder_or_the_demo_says_which(tmp_path, monk
         resolve_checkpoint("Demo-SR")
     with pytest.raises(CheckpointError, match=r"hub id like 'kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers'\.$"):
         resolve_checkpoint("elsewhere ")
+
+
+@pytest.mark.parametrize(("model_path", "hint"), [
+    ("https://huggingface.co/kandinskylab/Kandinsky-6.0-Lite-5s-Diffusers/tree/main",
+     "It is a Hub address; pass the hub id alone: --model-path 'kandinskylab/Kandinsky-6.0-Lite-5s-Diffusers'."),
+    ("hf://org/name", "It is a Hub address; pass the hub id alone: --model-path 'org/name'."),
+    ("org/name/", "Without the trailing slash it is the hub id 'org/name'."),
+    ("org/name@v2", "Pass the revision apart: --model-path 'org/name' --revision 'v2'."),
+    ("Kandinsky-6.0-Pro-distill-5s-Diffusers",
+     "A hub id names its organisation too: the release's is 'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'."),
+])
+def test_a_hub_id_written_another_way_is_told_its_id(model_path, hint, tmp_path, monkeypatch):
+    """A pasted Hub URL, a trailing slash, an @revision or a release's bare name were told only that they are no
+    folder nor hub id."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(f"'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'. "
+                                                        f"{hint}") + "$"):
+        resolve_checkpoint(model_path)
+
+
+def test_a_mistyped_local_folder_with_a_trailing_slash_is_told_what_its_parent_holds(tmp_path, monkeypatch):
+    (tmp_path / "ckpt" / "distill").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"If 'ckpt/distil' is meant as a local folder: there is none, though "
+                                              r"'ckpt' exists and holds the folders distill\.$"):
+        resolve_checkpoint("ckpt/distil/")
