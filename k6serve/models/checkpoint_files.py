@@ -103,26 +103,34 @@ _WARNED_UNFINISHED: set[Path] = set()
 
 
 def _warn_of_unfinished_downloads(folder: Path) -> None:
-    """Warn where `folder` is a snapshot in the Hugging Face cache whose repository holds unfinished downloads
-    (`blobs/*.incomplete`). The Hub unreachable (or HF_HUB_OFFLINE set), huggingface_hub serves the cached snapshot
-    of an interrupted download as it is: its files that never finished are missing from it, and the load failed
-    on the first one ("transformer holds no .safetensors weights") with no word of the download. A warning, not a
-    refusal: the unfinished file may be another revision's, which this snapshot does not need (once per folder, as
-    the checks before the load resolve the checkpoint more than once)."""
-    blobs = folder.parent.parent / "blobs"
-    if folder.parent.name != "snapshots" or folder in _WARNED_UNFINISHED or not blobs.is_dir():
+    """Warn where `folder` holds unfinished Hugging Face downloads: a cache snapshot whose repository has
+    `blobs/*.incomplete`, or an `hf download --local-dir` folder with `.cache/huggingface/download/**/*.incomplete`.
+    Their files that never finished are missing from the folder (huggingface_hub serves a cached snapshot as it is
+    when the Hub is unreachable or HF_HUB_OFFLINE is set), and the load failed on the first one ("transformer holds
+    no .safetensors weights") with no word of the download. A warning, not a refusal: an unfinished cache blob may
+    be another revision's, which this snapshot does not need (once per folder, as the checks before the load
+    resolve the checkpoint more than once)."""
+    if folder in _WARNED_UNFINISHED:
         return
-    unfinished = sorted(path.name for path in blobs.glob("*.incomplete"))
+    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+        where = folder.parent.parent / "blobs"
+        unfinished = sorted(path.name for path in where.glob("*.incomplete"))
+        repo = folder.parent.parent.name  # models--org--name
+        rerun = f"hf download {'/'.join(repo.split('--')[1:]) if repo.startswith('models--') else 'ID'}"
+        kind = "a Hugging Face cache snapshot"
+    else:
+        where = folder / ".cache" / "huggingface" / "download"
+        unfinished = sorted(str(path.relative_to(where)) for path in where.glob("**/*.incomplete"))
+        rerun = f"hf download ID --local-dir {folder}"
+        kind = "an `hf download --local-dir` folder"
     if not unfinished:
         return
     _WARNED_UNFINISHED.add(folder)
-    repo = folder.parent.parent.name  # models--org--name
-    repo_id = "/".join(repo.split("--")[1:]) if repo.startswith("models--") else "ID"
-    logger.warning("%s is a Hugging Face cache snapshot, and %s holds %d unfinished download(s) (%s): a download was "
-                   "interrupted, or is still running in another process, and files it had not finished are missing "
-                   "from the snapshot. If the load fails on a missing file, let that download finish, or run `hf "
-                   "download %s` again where the Hub is reachable.", folder, blobs, len(unfinished),
-                   ", ".join(unfinished[:3]) + (" ..." if len(unfinished) > 3 else ""), repo_id, extra=ONCE)
+    logger.warning("%s is %s, and %s holds %d unfinished download(s) (%s): a download was interrupted, or is still "
+                   "running in another process, and files it had not finished are missing from the folder. If the "
+                   "load fails on a missing file, let that download finish, or run `%s` again where the Hub is "
+                   "reachable.", folder, kind, where, len(unfinished),
+                   ", ".join(unfinished[:3]) + (" ..." if len(unfinished) > 3 else ""), rerun, extra=ONCE)
 
 
 def _near_miss(model_path: str) -> str:

@@ -170,6 +170,13 @@ def test_a_hub_cache_snapshot_of_an_interrupted_download_is_warned_of(tmp_path, 
     other.mkdir()
     resolve_checkpoint(str(other))  # a finished download: nothing to say
     assert not caplog.records
+    local = tmp_path / "k6-local"  # `hf download ID --local-dir k6-local`, interrupted
+    (local / ".cache" / "huggingface" / "download" / "transformer").mkdir(parents=True)
+    (local / ".cache" / "huggingface" / "download" / "transformer" / "Xb1.5d41402a.incomplete").write_bytes(b"\0")
+    with caplog.at_level("WARNING", logger="k6serve.models.checkpoint_files"):
+        resolve_checkpoint(str(local))
+    assert len(caplog.records) == 1 and "is an `hf download --local-dir` folder" in caplog.records[0].getMessage() \
+        and f"run `hf download ID --local-dir {local}` again" in caplog.records[0].getMessage()
     with pytest.raises(CheckpointError, match=r"transformer holds no \.safetensors weights \(neither "
                                               r"diffusion_pytorch_model\.safetensors nor a shard index naming its "
                                               r"shards\): the copy or download is incomplete; copy or download"):
