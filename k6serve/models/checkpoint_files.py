@@ -317,7 +317,7 @@ def _download(repo_id: str, revision: str | None, model_id: str | None = None) -
             # The revision asked for, where one was: `[--revision REV]` left the user to retype theirs.
             raise CheckpointError(_UNREACHABLE.format(
                 repo_id=repo_id, revision=f"--revision {revision}" if revision else "[--revision REV]")
-                + _cached_in_other_case(repo_id)) from exc
+                + _cached_in_other_case(repo_id) + _cached_at_other_revisions(repo_id, revision)) from exc
         # The cache could not be written (read-only, not ours, full): it was told as "the Hub is unreachable".
         from huggingface_hub import constants
 
@@ -360,6 +360,21 @@ def _cached_in_other_case(repo_id: str) -> str:
     cached = "/".join(held[0].split("--")[1:])
     return (f" The cache does hold {cached}, in other letter case (the cache's names are case-sensitive): pass "
             f"--model-path {cached!r}.")
+
+
+def _cached_at_other_revisions(repo_id: str, revision: str | None) -> str:
+    """Where the Hub cache holds snapshots of `repo_id` but none for `revision` (None: main), which to pass (" ...")
+    else "": a download by commit (`hf download ID --revision SHA`) leaves no ref for main, and offline the error
+    said that no copy was cached."""
+    from huggingface_hub import constants
+
+    snapshots = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    held = [name for name in folder_listing(snapshots) if (snapshots / name / "model_index.json").is_file()]
+    if not held or (revision is not None and revision in held):
+        return ""
+    shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    return (f" The cache holds its snapshot(s) {shown}, none known as {revision or 'main'!r}: to run a cached one "
+            f"offline, pass --revision {held[0]}.")
 
 
 # A write into the Hub cache refused or failed, as opposed to a network failure.

@@ -51,6 +51,23 @@ def test_an_id_cached_in_other_letter_case_is_named_when_the_hub_is_unreachable(
         resolve_checkpoint("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers")
 
 
+def test_snapshots_cached_under_no_ref_of_the_revision_are_named_when_the_hub_is_unreachable(monkeypatch, tmp_path,
+                                                                                               hub_offline):
+    """A download by commit (`hf download ID --revision SHA`) leaves no ref for main: offline, the error said no
+    copy was cached."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model_index.json").write_text(json.dumps({"_class_name": "Kandinsky6TI2VAPipeline"}))
+    for revision in (None, "v1.0"):
+        with pytest.raises(CheckpointError, match=r"The cache holds its snapshot\(s\) 0123abc, none known as "
+                                                  rf"'{revision or 'main'}': to run a cached one offline, pass "
+                                                  r"--revision 0123abc\.$"):
+            resolve_checkpoint("org/name", revision, model_id="Kandinsky-6.0-Pro-distill-5s-Diffusers")
+
+
 def test_gated_repo_error_says_how_to_authenticate(monkeypatch):
     import huggingface_hub
     from huggingface_hub import errors
