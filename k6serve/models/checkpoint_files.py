@@ -457,6 +457,12 @@ def read_json_file(path: Path) -> dict:
     names it."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8 (RFC 8259), whatever the locale
+    except FileNotFoundError:
+        # A component's config.json missing (a partial copy) reached the user as an internal error, "a bug".
+        raise CheckpointError(f"{path} is missing: the copy or download is incomplete; copy or download the "
+                              "checkpoint again.") from None
+    except OSError as exc:  # a folder of that name, a file it may not read
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}).") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); restore it from the checkpoint's source "
                               "(copy or download the checkpoint again).") from exc
@@ -469,7 +475,8 @@ def read_json_file(path: Path) -> dict:
 def read_component_config(folder: Path, component: str, filename: str = "config.json") -> dict:
     path = folder / component / filename
     if not path.is_file():
-        raise CheckpointError(f"{folder} is missing {component}/{filename}.")
+        raise CheckpointError(f"{folder} is missing {component}/{filename}: the copy or download is incomplete; copy "
+                              "or download the checkpoint again.")
     return read_json_file(path)
 
 

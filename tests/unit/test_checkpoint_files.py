@@ -634,6 +634,24 @@ def test_a_component_loaded_by_transformers_or_diffusers_names_its_missing_files
         _load_copy(tiny_distill_dir, tmp_path, lambda folder: (folder / component / remove).unlink())
 
 
+@pytest.mark.parametrize("component, config", [("text_encoder", "config.json"), ("text_encoder_2", "config.json"),
+                                               ("tokenizer", "tokenizer_config.json"), ("vocoder", "config.json")])
+def test_a_component_without_its_config_is_refused_before_any_weight_loads(tiny_distill_dir, tmp_path, monkeypatch,
+                                                                           component, config):
+    """transformers built a text encoder without its config.json from Qwen2.5-VL's default config (8192 wide) and
+    filled the host's memory until the kernel killed the rank; a tokenizer without tokenizer_config.json loaded with
+    no padding token and failed every request ("Asking to pad but the tokenizer does not have a padding token")."""
+    from k6serve.models.kandinsky6 import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was loaded")
+
+    monkeypatch.setattr(checkpoint, "load_transformer", refuse)
+    with pytest.raises(CheckpointError, match=rf"ckpt is missing {component}/{config}: the copy or download is "
+                                              r"incomplete; copy or download the checkpoint again\.$"):
+        _load_copy(tiny_distill_dir, tmp_path, lambda folder: (folder / component / config).unlink())
+
+
 def test_pickled_weights_of_a_component_diffusers_loads_are_refused_too(tiny_distill_dir, tmp_path):
     """diffusers loads a VAE saved as .bin ("Defaulting to unsafe serialization"): refused as the DiT's are."""
     def pickled(folder):

@@ -46,6 +46,13 @@ from k6serve.models.variants import Variant
 logger = logging.getLogger(__name__)
 
 REQUIRED = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler"]
+# Each component's config file, read before any weight: transformers builds a text encoder whose config.json is missing
+# from its class's default config (Qwen2.5-VL's is 8192 wide), which filled the host's memory until the kernel killed
+# the rank, and a tokenizer without tokenizer_config.json loads with no padding token, failing every request.
+CONFIG_FILES = {"transformer": "config.json", "vae": "config.json", "text_encoder": "config.json",
+                "tokenizer": "tokenizer_config.json", "text_encoder_2": "config.json",
+                "tokenizer_2": "tokenizer_config.json", "scheduler": "scheduler_config.json",
+                "audio_vae": "config.json", "vocoder": "config.json"}
 
 
 @dataclass(kw_only=True)
@@ -98,7 +105,10 @@ def load_generation_models(
     with_audio = not unlisted
     # The audio components are optional, as in diffusers (no audio track then), but listed ones must be there: a
     # listed folder that is missing was an internal error with a "check your internet connection" text.
-    require_components(folder, index, REQUIRED + (["audio_vae", "vocoder"] if with_audio else []))
+    components = REQUIRED + (["audio_vae", "vocoder"] if with_audio else [])
+    require_components(folder, index, components)
+    for component in components:
+        read_component_config(folder, component, CONFIG_FILES[component])
     if not with_audio:
         logger.warning("%s: model_index.json lists no %s, so the videos will have no audio track (the released "
                        "checkpoints have audio_vae and vocoder; copy them from the checkpoint's source for audio).",
