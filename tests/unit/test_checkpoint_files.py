@@ -683,6 +683,27 @@ def test_listed_audio_components_must_be_there_and_unlisted_ones_are_warned_of(t
     assert "lists no audio_vae or vocoder, so the videos will have no audio track" in caplog.text
 
 
+@pytest.mark.parametrize("component", ["transformer", "vae", "latent_upscaler"])
+def test_a_super_resolution_component_without_its_config_is_named(tiny_sr_dir, tmp_path, component):
+    """Its FileNotFoundError reached the user as an internal error, "a bug in k6serve"."""
+    import shutil
+
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+
+    folder = tmp_path / "sr"
+    shutil.copytree(tiny_sr_dir, folder)
+    (folder / component / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"sr/{component}/config\.json is missing: the copy or download is "
+                                              r"incomplete; copy or download the checkpoint again\.$"):
+        load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=torch.float32,
+                       load_format="auto")
+    (folder / component / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match=rf"sr/{component}/config\.json cannot be read \("):
+        load_sr_models(folder, VARIANTS["vsr-distilled2steps"], device=torch.device("cpu"), dtype=torch.float32,
+                       load_format="auto")
+
+
 def test_a_super_resolution_config_with_more_blocks_than_its_weights_is_refused_before_the_build(tiny_sr_dir,
                                                                                                  tmp_path):
     import shutil
