@@ -780,3 +780,20 @@ def test_a_mistyped_local_folder_with_a_trailing_slash_is_told_what_its_parent_h
     with pytest.raises(CheckpointError, match=r"If 'ckpt/distil' is meant as a local folder: there is none, though "
                                               r"'ckpt' exists and holds the folders distill\.$"):
         resolve_checkpoint("ckpt/distil/")
+
+
+def test_a_prompt_rewrite_without_the_tokenizers_chat_template_names_the_file(tiny_distill_dir, tmp_path):
+    """Each expand_prompts request failed with transformers' "Cannot use chat template functions because
+    tokenizer.chat_template is not set", naming no file and pointing at its docs on writing templates."""
+    import shutil
+
+    from k6serve.models.kandinsky6.checkpoint import _load_tokenizer
+    from k6serve.pipelines.expand_prompt import expansion_inputs
+    from k6serve.request import FlagWorded
+
+    shutil.copytree(tiny_distill_dir / "tokenizer", tmp_path / "tokenizer")
+    (tmp_path / "tokenizer" / "chat_template.jinja").unlink()
+    with pytest.raises(FlagWorded, match=r"^expand_prompts needs the checkpoint's Qwen2\.5-VL chat template "
+                                         r"\(tokenizer/chat_template\.jinja") as refused:
+        expansion_inputs("a fox", tokenizer=_load_tokenizer(tmp_path / "tokenizer"))
+    assert refused.value.flag_wording.startswith("--expand-prompts needs the checkpoint's Qwen2.5-VL chat template")
