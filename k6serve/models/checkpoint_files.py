@@ -567,6 +567,26 @@ def check_block_counts(component_dir: Path, counts: dict[str, tuple[str, int]]) 
                 "revisions, or the config was edited); copy or download the checkpoint again.")
 
 
+_SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                       "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F32": torch.float32, "F64": torch.float64}
+
+
+def header_state_dict(component_dir: Path) -> dict[str, torch.Tensor]:
+    """The component's weights as meta tensors (names, shapes and dtypes from the safetensors headers; no data), for
+    `check_state_dict` before the read: a config from another release (Lite's beside Pro's weights) was found out
+    only after every weight was read and copied, minutes and twice the weights' size in host memory for Pro. A
+    dtype not in the table (fp8) is taken as float32: the shapes are checked now, the dtypes again once read."""
+    state = {}
+    for path in safetensors_files(component_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                tensor = handle.get_slice(key)
+                state[key] = torch.empty(tensor.get_shape(), device="meta",
+                                         dtype=_SAFETENSORS_DTYPES.get(tensor.get_dtype(), torch.float32))
+    return state
+
+
 def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(component_dir):

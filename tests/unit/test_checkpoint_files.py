@@ -571,6 +571,25 @@ def test_a_config_that_does_not_fit_its_weights_is_named_before_it_costs_memory(
         _load_copy(tiny_distill_dir, tmp_path, lambda folder: _edit_config(folder, component, **values))
 
 
+def test_a_dit_config_of_another_size_is_refused_from_the_weights_headers_before_they_are_read(tiny_distill_dir,
+                                                                                                tmp_path, monkeypatch):
+    """Lite's config beside Pro's weights was found out only after every weight was read and copied: minutes, and
+    twice the weights' size in host memory, for Pro."""
+    from k6serve.models import checkpoint_files
+    from k6serve.models.kandinsky6 import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(checkpoint, "load_state_dict", refuse)
+    with pytest.raises(CheckpointError, match=r"transformer \(.*\) weights do not match its config\.json \(shape "
+                                              r"mismatch: .*: file \(64,\) vs config \(96,\)"):
+        _load_copy(tiny_distill_dir, tmp_path, lambda folder: _edit_config(folder, "transformer", model_dim=96))
+    held = checkpoint_files.header_state_dict(tiny_distill_dir / "transformer")
+    read = checkpoint_files.load_state_dict(tiny_distill_dir / "transformer")
+    assert {k: (t.shape, t.dtype) for k, t in held.items()} == {k: (t.shape, t.dtype) for k, t in read.items()}
+
+
 def _edit_index(folder, **values):
     path = folder / "model_index.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}))

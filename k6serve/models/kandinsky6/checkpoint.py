@@ -30,6 +30,7 @@ from k6serve.models.checkpoint_files import (
     check_state_dict,
     config_count,
     folder_listing,
+    header_state_dict,
     index_class,
     load_state_dict,
     read_component_config,
@@ -154,11 +155,12 @@ def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.
         "audio_text_transformer_blocks": ("num_text_blocks", config.num_text_blocks)})
     with torch.device("meta"):
         model = Kandinsky6Transformer(config)
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    floating = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point()]
+    check_state_dict(expected, header_state_dict(component_dir), f"{component_dir.name} ({component_dir})", floating)
     # Fresh, aligned storage: safetensors hands out views at arbitrary file offsets, and CPU GEMMs round
     # differently on unaligned data (~1e-7), which would break bitwise parity with a freshly built model.
     state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
-    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    floating = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point()]
     check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
     model.load_state_dict(state, strict=True, assign=True)
     del state

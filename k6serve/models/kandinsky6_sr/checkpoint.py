@@ -19,7 +19,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from k6serve.models.checkpoint_files import check_block_counts, check_state_dict, load_state_dict
+from k6serve.models.checkpoint_files import (
+    check_block_counts,
+    check_state_dict,
+    header_state_dict,
+    load_state_dict,
+)
 from k6serve.models.kandinsky6_sr import released_configs as released
 from k6serve.models.kandinsky6_sr.checks import check_head_fits_scheduler
 from k6serve.models.kandinsky6_sr.config import SRSchedulerConfig
@@ -165,10 +170,12 @@ def _cast(module: nn.Module, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()
 def _load_weights(
     module: nn.Module, component_dir: Path, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()
 ) -> None:
-    # Fresh, aligned storage (as the generation loader): CPU GEMMs round differently on unaligned safetensors views.
-    state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
     expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
     floating = [name for name, tensor in module.state_dict().items() if tensor.is_floating_point()]
+    # From the headers first, as the generation loader: a mismatch is found before the weights are read.
+    check_state_dict(expected, header_state_dict(component_dir), f"{component_dir.name} ({component_dir})", floating)
+    # Fresh, aligned storage (as the generation loader): CPU GEMMs round differently on unaligned safetensors views.
+    state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
     check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
     module.load_state_dict(state, strict=True, assign=True)
     _cast(module, dtype, keep_fp32)
