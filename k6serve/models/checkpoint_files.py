@@ -77,7 +77,7 @@ def resolve_checkpoint(model_path: str, revision: str | None = None, model_id: s
     if local.exists():
         if not local.is_dir():
             raise CheckpointError(f"--model-path {model_path!r} is a file; pass the checkpoint folder that holds "
-                                  "model_index.json.")
+                                  "model_index.json." + _folder_of_file(local))
         folder, fix = local.resolve(), "copy or download it again"
     elif not _HUB_ID.match(model_path):
         raise CheckpointError(
@@ -131,6 +131,19 @@ def _warn_of_unfinished_downloads(folder: Path) -> None:
                    "load fails on a missing file, let that download finish, or run `%s` again where the Hub is "
                    "reachable.", folder, kind, where, len(unfinished),
                    ", ".join(unfinished[:3]) + (" ..." if len(unfinished) > 3 else ""), rerun, extra=ONCE)
+
+
+def _folder_of_file(path: Path) -> str:
+    """For a file given as the checkpoint, the folder to pass (" ..."), or "": the checkpoint holding it (its
+    model_index.json, a component's file), or why a lone weight file is no checkpoint (a single-file release)."""
+    for folder in (path.parent, path.parent.parent):
+        if (folder / "model_index.json").is_file():
+            return f" It is in the checkpoint {str(folder)!r}: pass that folder."
+    if path.suffix in (".safetensors", ".ckpt", ".pt", ".bin", ".gguf"):
+        return (" A single weight file is no Diffusers checkpoint: k6serve loads the folder of a Diffusers-format "
+                "download (model_index.json and a folder per component), e.g. of "
+                "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers.")
+    return ""
 
 
 def _near_miss(model_path: str) -> str:

@@ -816,3 +816,17 @@ def test_a_prompt_rewrite_without_the_tokenizers_chat_template_names_the_file(ti
                                          r"\(tokenizer/chat_template\.jinja") as refused:
         expansion_inputs("a fox", tokenizer=_load_tokenizer(tmp_path / "tokenizer"))
     assert refused.value.flag_wording.startswith("--expand-prompts needs the checkpoint's Qwen2.5-VL chat template")
+
+
+def test_a_file_given_as_the_checkpoint_names_its_checkpoint_folder(tmp_path, monkeypatch):
+    """model_index.json or a component's weight file was told only to pass "the checkpoint folder"."""
+    path = _checkpoint_with_weights(tmp_path / "k6")
+    monkeypatch.chdir(tmp_path)
+    for given in ("k6/model_index.json", "k6/transformer/diffusion_pytorch_model.safetensors"):
+        with pytest.raises(CheckpointError, match=r"is a file; pass the checkpoint folder that holds "
+                                                  r"model_index\.json\. It is in the checkpoint 'k6': pass that "
+                                                  r"folder\.$"):
+            resolve_checkpoint(given)
+    (tmp_path / "single.safetensors").write_bytes(path.read_bytes())
+    with pytest.raises(CheckpointError, match=r"A single weight file is no Diffusers checkpoint"):
+        resolve_checkpoint("single.safetensors")
