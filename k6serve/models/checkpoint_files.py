@@ -210,7 +210,10 @@ def check_checkpoint_files(folder: Path, fix: str) -> None:
     paths = [*folder.glob("*.json"), *folder.glob("*/*.json"), *folder.glob("*/*.safetensors")]
     read = _weight_files_read(folder)
     for path in sorted(paths):
-        if path.suffix == ".safetensors" and path.parent in read and path not in read[path.parent]:
+        # A library's own weights file is checked whatever was chosen: transformers takes model.safetensors before
+        # a shard index, where safetensors_files (diffusers' order) takes the index.
+        if path.suffix == ".safetensors" and path.parent in read and path not in read[path.parent] \
+                and path.name not in ("model.safetensors", _WEIGHTS_NAME):
             continue
         if path.is_symlink() and not path.exists():
             problem = "a link to a file that is gone, e.g. a cleaned Hugging Face cache blob"  # stat() would raise

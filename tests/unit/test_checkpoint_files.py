@@ -394,6 +394,17 @@ def test_a_damaged_weight_file_the_load_does_not_read_is_no_refusal(tmp_path):
     path.unlink()  # the stray copy is now the folder's one weight file, which the load reads: checked
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model \(1\)\.safetensors is damaged"):
         resolve_checkpoint(str(tmp_path))
+    (path.parent / "diffusion_pytorch_model (1).safetensors").unlink()
+    # transformers reads model.safetensors before a shard index (the order safetensors_files takes is diffusers'):
+    # a cut-short one is checked beside an index whatever that index names.
+    encoder = tmp_path / "text_encoder"
+    encoder.mkdir()
+    save_file({"w": torch.ones(2)}, str(encoder / "model-00001-of-00001.safetensors"))
+    (encoder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00001.safetensors"}}))
+    (encoder / "model.safetensors").write_bytes(b"\0" * 4)
+    with pytest.raises(CheckpointError, match=r"text_encoder/model\.safetensors is damaged"):
+        resolve_checkpoint(str(tmp_path))
 
 
 def test_the_file_check_reads_only_where_the_loaders_read(tmp_path):
