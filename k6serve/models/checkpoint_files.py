@@ -333,7 +333,8 @@ def _download(repo_id: str, revision: str | None, model_id: str | None = None) -
             # The revision asked for, where one was: `[--revision REV]` left the user to retype theirs.
             raise CheckpointError(_UNREACHABLE.format(
                 repo_id=repo_id, revision=f"--revision {revision}" if revision else "[--revision REV]")
-                + _cached_in_other_case(repo_id) + _cached_at_other_revisions(repo_id, revision)) from exc
+                + _cached_in_other_case(repo_id) + _cached_at_other_revisions(repo_id, revision)
+                + _cached_one_level_up(repo_id)) from exc
         # The cache could not be written (read-only, not ours, full): it was told as "the Hub is unreachable".
         from huggingface_hub import constants
 
@@ -376,6 +377,19 @@ def _cached_in_other_case(repo_id: str) -> str:
     cached = "/".join(held[0].split("--")[1:])
     return (f" The cache does hold {cached}, in other letter case (the cache's names are case-sensitive): pass "
             f"--model-path {cached!r}.")
+
+
+def _cached_one_level_up(repo_id: str) -> str:
+    """Where the copy is in the folder above the cache (" ..."), else "": HF_HOME set to the hub cache itself
+    (`~/.cache/huggingface/hub`, not `~/.cache/huggingface`) looks in `hub/hub`, and the error said no copy was
+    cached."""
+    from huggingface_hub import constants
+
+    cache = Path(constants.HF_HUB_CACHE)
+    if not (cache.parent / ("models--" + repo_id.replace("/", "--"))).is_dir():
+        return ""
+    return (f" {str(cache.parent)!r} holds it, the folder above the cache {str(cache)!r} (HF_HOME names the folder "
+            f"holding hub/, HF_HUB_CACHE the hub folder itself): set HF_HUB_CACHE={cache.parent}.")
 
 
 def _cached_at_other_revisions(repo_id: str, revision: str | None) -> str:

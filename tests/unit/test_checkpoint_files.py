@@ -68,6 +68,19 @@ def test_snapshots_cached_under_no_ref_of_the_revision_are_named_when_the_hub_is
             resolve_checkpoint("org/name", revision, model_id="Kandinsky-6.0-Pro-distill-5s-Diffusers")
 
 
+def test_a_copy_in_the_folder_above_the_cache_is_named_when_the_hub_is_unreachable(monkeypatch, tmp_path,
+                                                                                     hub_offline):
+    """HF_HOME set to the hub cache itself (~/.cache/huggingface/hub) looks in hub/hub: the error said no copy was
+    cached."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub" / "hub"))
+    (tmp_path / "hub" / "models--org--name" / "snapshots").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(repr(str(tmp_path / 'hub')))} holds it, the folder above "
+                                              rf"the cache .*: set HF_HUB_CACHE={re.escape(str(tmp_path / 'hub'))}\.$"):
+        resolve_checkpoint("org/name", model_id="Kandinsky-6.0-Pro-distill-5s-Diffusers")
+
+
 def test_gated_repo_error_says_how_to_authenticate(monkeypatch):
     import huggingface_hub
     from huggingface_hub import errors
