@@ -335,12 +335,12 @@ def test_an_integer_tensor_for_a_float_parameter_is_named():
 def test_a_mistyped_local_path_read_as_a_hub_id_says_what_the_folder_holds(tmp_path, monkeypatch):
     """"ckpt/distil" (for ckpt/distill) is a valid hub id, so it was only "cannot fetch ckpt/distil: the Hub is
     unreachable"; the local folder it nearly names went unmentioned."""
-    from k6serve.models import checkpoint_files
+    from k6serve.models import hub_download
 
     def unreachable(repo_id, revision, model_id):
         raise CheckpointError(f"Cannot fetch {repo_id}: the Hub is unreachable.")
 
-    monkeypatch.setattr(checkpoint_files, "_download", unreachable)
+    monkeypatch.setattr(hub_download, "download", unreachable)
     (tmp_path / "ckpt" / "distill").mkdir(parents=True)
     (tmp_path / "ckpt" / "lite").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -472,11 +472,11 @@ def test_a_truncated_config_is_named_when_the_checkpoint_is_resolved(tmp_path):
 
 
 def test_a_hub_checkpoints_fix_is_the_forced_download_of_its_revision(tmp_path, monkeypatch):
-    from k6serve.models import checkpoint_files
+    from k6serve.models import hub_download
 
     path = _checkpoint_with_weights(tmp_path)
     path.write_bytes(path.read_bytes()[:-4])
-    monkeypatch.setattr(checkpoint_files, "_download", lambda repo_id, revision, model_id: tmp_path)
+    monkeypatch.setattr(hub_download, "download", lambda repo_id, revision, model_id: tmp_path)
     with pytest.raises(CheckpointError, match="hf download org/repo --revision v2 --force-download"):
         resolve_checkpoint("org/repo", "v2")
 
