@@ -188,7 +188,7 @@ def test_a_hub_cache_snapshot_of_an_interrupted_download_is_warned_of(tmp_path, 
     (snapshot / "transformer").mkdir(parents=True)
     (repo / "blobs").mkdir()
     (repo / "blobs" / "5d41402abc4b2a76b9719d911017c592.incomplete").write_bytes(b"\0" * 10)
-    with caplog.at_level("WARNING", logger="k6serve.models.checkpoint_files"):
+    with caplog.at_level("WARNING", logger="k6serve.models.hub_download"):
         assert resolve_checkpoint(str(snapshot)) == snapshot
         resolve_checkpoint(str(snapshot))  # each check before the load resolves it again: one warning
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -203,7 +203,7 @@ def test_a_hub_cache_snapshot_of_an_interrupted_download_is_warned_of(tmp_path, 
     local = tmp_path / "k6-local"  # `hf download ID --local-dir k6-local`, interrupted
     (local / ".cache" / "huggingface" / "download" / "transformer").mkdir(parents=True)
     (local / ".cache" / "huggingface" / "download" / "transformer" / "Xb1.5d41402a.incomplete").write_bytes(b"\0")
-    with caplog.at_level("WARNING", logger="k6serve.models.checkpoint_files"):
+    with caplog.at_level("WARNING", logger="k6serve.models.hub_download"):
         resolve_checkpoint(str(local))
     assert len(caplog.records) == 1 and "is an `hf download --local-dir` folder" in caplog.records[0].getMessage() \
         and f"run `hf download ID --local-dir {local}` again" in caplog.records[0].getMessage()
