@@ -120,12 +120,14 @@ def variant_from_id(model_id: str) -> Variant | None:
     norm = normalise_id(Path(model_id).name if "/" not in model_id.strip("/") else model_id)
     if "kandinsky6" not in norm and "kandinsky60" not in norm:
         return None
+    # "distil" (the British spelling, or "distill" mistyped) is matched too: `Pro-distil` was read as non-distilled
+    # Pro, which --load-format dummy built and ran with CFG and 50 steps without a word.
     if re.search(r"kandinsky6(0)?(vsr|sr|superres)", norm):
-        return VARIANTS["vsr-distilled2steps" if "distill" in norm else "vsr"]
+        return VARIANTS["vsr-distilled2steps" if "distil" in norm else "vsr"]
     size = "lite" if "lite" in norm else "pro" if "pro" in norm else None
     if size is None:
         return None
-    if "distill" in norm:
+    if "distil" in norm:
         return VARIANTS[f"{size}-distill"]
     if "pretrain" in norm:
         return VARIANTS[f"{size}-pretrain"]

@@ -32,6 +32,9 @@ from k6serve.request import FIELD_NAMES, FLAG_NAMES, FlagWorded, SamplingParams,
         ("Kandinsky-6.0-Lite-distill-5s-Diffusers", "lite-distill"),
         ("kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers", "vsr-distilled2steps"),
         ("kandinskylab/Kandinsky-6.0-VSR-5s-Diffusers", "vsr"),
+        # The British spelling, or a missing l: it was read as the non-distilled model.
+        ("kandinskylab/Kandinsky-6.0-Pro-distil-5s-Diffusers", "pro-distill"),
+        ("Kandinsky-6.0-VSR-distil", "vsr-distilled2steps"),
     ],
 )
 def test_released_ids_are_recognised(model_id, expected):
