@@ -140,11 +140,13 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
                      ) -> dict[str, torch.Tensor]:
     """The `generate` inputs `Qwen2_5_VLProcessor` makes for the expansion chat: input_ids, attention_mask and
     mm_token_type_ids, and with an image its pixel_values and image_grid_thw."""
-    if tokenizer.chat_template is None:
-        # transformers' own error named no file and sent the user to its docs on writing templates.
+    template = tokenizer.chat_template  # a str, or a dict of named templates
+    if template is None or (isinstance(template, str) and not template.strip()):
+        # transformers' own error named no file and sent the user to its docs on writing templates; an empty file
+        # (a cut-short copy) rendered the chat as nothing, and the rewrite ran on no instruction.
         raise FlagWorded.naming(lambda name: (
             f"{name('expand_prompts')} needs the checkpoint's Qwen2.5-VL chat template (tokenizer/chat_template.jinja, "
-            "or chat_template in tokenizer/tokenizer_config.json), which was not found; copy or download the "
+            "or chat_template in tokenizer/tokenizer_config.json), which is missing or empty; copy or download the "
             "checkpoint again."))
     instruction = (I2VA_INSTRUCTION if image is not None else T2VA_INSTRUCTION).format(prompt)
     content = ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text",

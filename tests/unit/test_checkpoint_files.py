@@ -840,6 +840,9 @@ def test_a_prompt_rewrite_without_the_tokenizers_chat_template_names_the_file(ti
                                          r"\(tokenizer/chat_template\.jinja") as refused:
         expansion_inputs("a fox", tokenizer=_load_tokenizer(tmp_path / "tokenizer"))
     assert refused.value.flag_wording.startswith("--expand-prompts needs the checkpoint's Qwen2.5-VL chat template")
+    (tmp_path / "tokenizer" / "chat_template.jinja").write_text("")  # cut short: the chat rendered as nothing
+    with pytest.raises(FlagWorded, match=r"\), which is missing or empty; copy or download the checkpoint again\.$"):
+        expansion_inputs("a fox", tokenizer=_load_tokenizer(tmp_path / "tokenizer"))
 
 
 def test_a_file_given_as_the_checkpoint_names_its_checkpoint_folder(tmp_path, monkeypatch):
