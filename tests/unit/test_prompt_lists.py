@@ -18,7 +18,8 @@ from k6serve.runtime.engine import Engine
 
 
 class TwoReplicas(StepWorker):
-    """Two replicas: "fail" raises at once ("fail late" after 0.5 s), "slow" takes 20 steps, "long" 500 (10 s), others 3."""
+    """Two replicas: "fail" raises at once ("fail late" after 0.5 s), "slow" takes 20 steps, "long" 500 (10 s),
+    others 3."""
 
     num_replicas = 2
 
