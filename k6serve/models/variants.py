@@ -546,6 +546,15 @@ AUDIO_LATENT_HOP_LENGTH = 1024
 AUDIO_MAX_POSITIONS = 2048
 
 
+class AudioTooLong(FlagWorded):
+    """A soundtrack longer than the DiT's audio positions (`_check_audio_length`). `too_long` says by how much
+    ("50.1 s of audio, longer than ..."), `max_frames` is the most frames that fit at the request's fps: the HTTP
+    server words the refusal of a `seconds` request with them, since a higher fps does not shorten a duration."""
+
+    too_long: str
+    max_frames: int
+
+
 def _check_audio_length(num_frames: int, fps: float) -> None:
     """The soundtrack, num_frames / fps seconds, must fit the DiT's audio positions (47.55 s), as the video fits its
     128 latent frames. Past them the transformer refuses the request, but only in the worker, after the text
@@ -559,11 +568,14 @@ def _check_audio_length(num_frames: int, fps: float) -> None:
     # As many decimals as tell the two lengths apart: 509 frames at 10.7 fps read "47.6 s ... (47.6 s: ...)".
     seconds = num_frames / fps
     decimals = next((d for d in range(1, 4) if round(seconds, d) != round(max_seconds, d)), 4)
-    raise FlagWorded.naming(lambda name: (
-        f"{name('num_frames')} {num_frames} at {name('fps')} {fps:g} is {seconds:.{decimals}f} s of audio, longer "
-        f"than the model's audio positions allow ({max_seconds:.{decimals}f} s: {AUDIO_MAX_POSITIONS} latents, this "
-        f"clip needs {latents}); raise {name('fps')} to at least {min_fps:g}, lower {name('num_frames')} to at most "
-        f"{max_frames}, or make a silent video ({name.set_to('sample_audio', False)})."))
+    too_long = (f"{seconds:.{decimals}f} s of audio, longer than the model's audio positions allow "
+                f"({max_seconds:.{decimals}f} s: {AUDIO_MAX_POSITIONS} latents, this clip needs {latents})")
+    refusal = AudioTooLong.naming(lambda name: (
+        f"{name('num_frames')} {num_frames} at {name('fps')} {fps:g} is {too_long}; raise {name('fps')} to at least "
+        f"{min_fps:g}, lower {name('num_frames')} to at most {max_frames}, or make a silent video "
+        f"({name.set_to('sample_audio', False)})."))
+    refusal.too_long, refusal.max_frames = too_long, max_frames
+    raise refusal
 
 
 def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:

@@ -45,7 +45,7 @@ from k6serve.api import (
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
 from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
-from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt, MissingSourceVideo, Variant
+from k6serve.models.variants import SUPER_RESOLUTION, AudioTooLong, MissingPrompt, MissingSourceVideo, Variant
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
@@ -210,10 +210,11 @@ def _param_in_message(message: str, sent: set[str]) -> str | None:
     return next((name for name in named if name in sent), named[0] if named else None)
 
 
-def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Variant,
+def _resolve_error(error: ValueError, body: Any, params: SamplingParams, variant: Variant,
                    upload_fields: dict[str, str]) -> ApiError:
     """A 400 for the field the client actually sent: `size` and `seconds` arrive as width/height/num_frames,
     uploads as image_path/video_path."""
+    message = str(error)
     sent = {name for name in body.model_fields_set if getattr(body, name) is not None}
     sent |= {"width", "height"} if body.size is not None else set()
     sent |= {"num_frames"} if body.seconds is not None else set()
@@ -226,6 +227,11 @@ def _resolve_error(message: str, body: Any, params: SamplingParams, variant: Var
                         param="size")
     if body.seconds is not None and body.num_frames is None and param == "num_frames":
         fps = params.fps if params.fps is not None else variant.fps
+        if isinstance(error, AudioTooLong):
+            # The soundtrack lasts `seconds` at any fps: "raise fps" (the frame count's fix) only added frames.
+            return ApiError(400, f"seconds {body.seconds!r} at {fps:g} fps means {params.num_frames} frames, "
+                                 f"{error.too_long}; send seconds up to {error.max_frames / fps:g}, or make a silent "
+                                 "video (sample_audio false).", code="invalid_parameter", param="seconds")
         most = re.search(r"use at most (\d+)\.$", message)
         if most:  # the limit in the client's unit too: a job of N frames reports N / fps seconds
             message = f"{message[:-1]} frames, seconds up to {int(most.group(1)) / fps:g} at {fps:g} fps."
@@ -303,7 +309,7 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
                                 "give a server-side video_path inside --allowed-input-dir.",
                            code="invalid_parameter", param="video_path") from None
         except ValueError as exc:
-            raise _resolve_error(str(exc), body, params, ctx.variant, sent.upload_fields) from None
+            raise _resolve_error(exc, body, params, ctx.variant, sent.upload_fields) from None
         # (height, width) of a generation, which a conditioning image must be able to cover.
         video_size = (resolved.height, resolved.width) if isinstance(resolved, GenerateRequest) else None
         await _on_input_check_threads(_check_inputs_readable, params, sent.upload_fields, video_size)

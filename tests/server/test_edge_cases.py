@@ -102,6 +102,21 @@ def test_seconds_errors_name_seconds_not_num_frames(fake_client):
     assert error["message"].endswith("seconds up to 42.4167 at 12 fps.")
 
 
+def test_a_soundtrack_too_long_for_seconds_is_refused_in_seconds(fake_client):
+    # The frame count's fix, "raise fps to at least 10.54, lower num_frames to at most 473", told a client that sent
+    # seconds to raise fps, which only adds frames to the same 50 s, and to lower a num_frames it never sent.
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "seconds": "50", "fps": 10}), 400,
+                          param="seconds", code="invalid_parameter")
+    assert error["message"] == ("seconds '50' at 10 fps means 501 frames, 50.1 s of audio, longer than the model's "
+                                "audio positions allow (47.6 s: 2048 latents, this clip needs 2158); send seconds up "
+                                "to 47.3, or make a silent video (sample_audio false).")
+    assert fake_client.post("/v1/videos", json={"prompt": "x", "seconds": "47.3", "fps": 10}).status_code == 200
+    # num_frames itself keeps the frame count's fixes.
+    error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", "num_frames": 501, "fps": 10}), 400,
+                          param="num_frames")
+    assert "raise fps to at least 10.54, lower num_frames to at most 473" in error["message"]
+
+
 @pytest.mark.parametrize("seconds", ["\u0661", "\uff14", "4\u0660"])
 def test_seconds_needs_ascii_digits(fake_client, seconds):
     # float() reads other scripts' digits: "\u0661" (Arabic-Indic one) ran a 1-second video, while every other
