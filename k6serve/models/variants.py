@@ -8,12 +8,13 @@ among releases with the same files; `--model-id` names a renamed folder's releas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -479,7 +480,8 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                                                  "upscale a video.")
     cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
     if cache_dit is not None and num_dit_blocks is not None:
-        cache_dit.check_blocks(num_dit_blocks)
+        with _cache_dit_params_worded():
+            cache_dit.check_blocks(num_dit_blocks)
     if cache_dit is not None and variant.distilled:
         notes.append(f"Cache-DiT on {variant.name}, a {variant.num_inference_steps}-step distilled checkpoint: each "
                      "step moves the latents far, so there is little to skip and skipping costs quality; it is "
@@ -626,12 +628,14 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
         # preset): keys merged one by one, a request's bins beside the engine's preset were refused as "both define
         # the step mask", though the client gave one.
         base = dataclasses.replace(base, scm_preset="none", scm_compute_bins=None, scm_cache_bins=None)
-    cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=base)
+    with _cache_dit_params_worded():
+        cache_dit = CacheDitParams.from_mapping(params.cache_dit_params or {}, base=base)
     try:
         cache_dit.steps_mask(num_steps)  # a mask that cannot cover the steps is refused now, not mid-request
     except StepMaskMismatch as exc:
         if engine_default is None or _MASK_KEYS & set(params.cache_dit_params or {}):
-            raise
+            with _cache_dit_params_worded():
+                raise
         # The mask is the engine's: the refusal told the client to drop a cache_dit_params key it never sent.
         mismatch = f"{num_steps} does not fit the engine's Cache-DiT step mask (--cache-dit-config: its {exc.what})"
         raise FlagWorded(f"num_inference_steps {mismatch}; use steps it covers, or turn caching off for this request "
@@ -639,6 +643,21 @@ def resolve_cache_dit(params: SamplingParams, engine_default: CacheDitParams | N
                          flag_wording=f"--num-inference-steps {mismatch}; use steps it covers, or turn caching off "
                                       "with --no-enable-cache-dit.") from None
     return cache_dit
+
+
+@contextlib.contextmanager
+def _cache_dit_params_worded() -> Iterator[None]:
+    """The request's Cache-DiT settings refused (caching/params.py names them as the field, `cache_dit_params`,
+    and a key as `cache_dit_params.scm_preset`) as a `FlagWorded`, whose flag wording `k6serve generate` prints:
+    `--cache-dit-params`, and a key as `scm_preset in --cache-dit-params`."""
+    try:
+        yield
+    except FlagWorded:
+        raise
+    except ValueError as exc:
+        message = str(exc)
+        flags = re.sub(r"\bcache_dit_params\.(\w+)", r"\1 in --cache-dit-params", message)
+        raise FlagWorded(message, flag_wording=re.sub(r"\bcache_dit_params\b", "--cache-dit-params", flags)) from None
 
 
 def _check_seed(seed: int) -> None:

@@ -838,7 +838,8 @@ def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it(monk
                                           "ours silent, first", "ours silent, warm"]
     assert [row.error is None for row in rows] == [True, True, False, True, True]
     assert rows[0].seconds > 0 and rows[1].seconds > 0
-    assert rows[2].error.startswith("ValueError: Unknown cache_dit_params key(s) ['bogus']")
+    # A FlagWorded (a ValueError that also carries `k6serve generate`'s wording), as the request's other refusals.
+    assert rows[2].error.startswith("FlagWorded: Unknown cache_dit_params key(s) ['bogus']")
 
 
 def test_the_extra_rows_requests_are_refused_before_the_load(monkeypatch):

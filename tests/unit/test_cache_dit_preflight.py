@@ -23,13 +23,39 @@ def test_the_cli_refuses_before_loading(demo_dir, no_ranks, capsys):
     # Before: the weights loaded, then the request failed.
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-params", TOO_MANY,
                  "--no-save-output"]) == 2
-    assert "error: cache_dit_params: Fn_compute_blocks (2) + Bn_compute_blocks (1)" in capsys.readouterr().err
+    # The flag typed, not the field of the API and the server (`cache_dit_params: ...`).
+    assert "error: --cache-dit-params: Fn_compute_blocks (2) + Bn_compute_blocks (1)" in capsys.readouterr().err
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-config", TOO_MANY,
                  "--no-save-output"]) == 2
     assert "error: --cache-dit-config: Fn_compute_blocks (2)" in capsys.readouterr().err
     # A server would have started and failed every generation job.
     assert main(["serve", "--model-path", "demo", "--cache-dit-config", TOO_MANY]) == 2
     assert "error: --cache-dit-config: Fn_compute_blocks (2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    ('{"bogus": 1}', "error: Unknown --cache-dit-params key(s) ['bogus']."),
+    ('{"scm_preset": "fast"}', "error: scm_preset in --cache-dit-params needs 4, 6 or at least 8 steps, the request "
+                               "has 3; drop scm_preset or give scm_compute_bins / scm_cache_bins."),
+    ('{"residual_diff_threshold": -1}', "error: residual_diff_threshold in --cache-dit-params must be a finite number "
+                                        ">= 0, got -1"),
+])
+def test_the_cli_names_its_flag_in_a_refusal_of_the_settings(demo_dir, no_ranks, capsys, settings, refusal):
+    # Each read `cache_dit_params`, the API's and the server's field, to a user who typed --cache-dit-params.
+    assert main(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-params", settings,
+                 "--num-inference-steps", "3", "--no-save-output"]) == 2
+    err = capsys.readouterr().err
+    assert refusal in err and "cache_dit_params" not in err
+
+
+def test_the_request_fields_keep_their_names_for_the_api_and_the_server():
+    from k6serve.models.variants import VARIANTS, resolve_generate
+
+    with pytest.raises(ValueError, match=r"^cache_dit_params\.scm_preset needs 4, 6 or at least 8 steps"):
+        resolve_generate(SamplingParams(prompt="x", num_inference_steps=3, cache_dit_params={"scm_preset": "fast"}),
+                         VARIANTS["pro"])
+    with pytest.raises(ValueError, match=r"^Unknown cache_dit_params key\(s\) \['bogus'\]"):
+        resolve_generate(SamplingParams(prompt="x", cache_dit_params={"bogus": 1}), VARIANTS["pro"])
 
 
 def test_the_api_refuses_an_engine_config_before_loading(demo_dir, no_ranks):
