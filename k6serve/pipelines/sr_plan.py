@@ -18,7 +18,7 @@ from k6serve.pipelines.sr_tiling import (
     stretches_aspect,
     target_bucket,
 )
-from k6serve.request import FieldNames, FlagWorded, FlagWordedNote, UpscaleRequest
+from k6serve.request import FIELD_NAMES, FieldNames, FlagWorded, FlagWordedNote, UpscaleRequest
 
 
 class UpscaleTooLarge(FlagWorded):
@@ -43,12 +43,14 @@ class UpscalePlan:
     def num_tiles(self) -> int:
         return len(self.grid.tiles)
 
-    def describe(self) -> str:
+    def describe(self, name: FieldNames = FIELD_NAMES) -> str:
+        """The plan in words, naming the target as `name` does (the request's field; `FLAG_NAMES`: the CLI's flag)."""
         (source_h, source_w), (crop_h, crop_w) = self.source_size, self.crop_size
         base_h, base_w = self.grid.base_size
         # The upscaled size, then the target's (which only downscales): "upscaled 96x64 to 90x60" read as an upscale.
+        out_height, out_width = self.delivery_size
         resized = ("" if self.delivery_size == self.crop_size
-                   else f", then resized to {self.delivery_size[1]}x{self.delivery_size[0]} (sr_target_resolution)")
+                   else f", then resized to {out_width}x{out_height} ({name('sr_target_resolution')})")
         return (
             f"upscaled {source_w}x{source_h} to {crop_w}x{crop_h} with {self.num_tiles} tile(s) "
             f"({len(self.grid.tops)}x{len(self.grid.lefts)} grid of {base_w}x{base_h} output tiles){resized}"

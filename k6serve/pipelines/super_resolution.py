@@ -137,7 +137,7 @@ class SuperResolutionPipeline:
         # Tile noise is drawn on the DiT's device: CUDA's Philox generator takes all 64 bits of a seed, the CPU's 32.
         seed_note = cpu_seed_note(request.seed) if m.device.type == "cpu" else None
         notes = [*source.notes, *plan.notes, *aspect_note, *([seed_note] if seed_note else []),
-                 f"{plan.describe()}, {sampler.num_steps} DiT calls per tile"]
+                 FlagWordedNote.naming(lambda name: f"{plan.describe(name)}, {sampler.num_steps} DiT calls per tile")]
         return SuperResolutionOutput(
             video=UpscaledVideo(frames_THWC=frames_THWC),
             audio=source.audio,

@@ -86,6 +86,15 @@ def test_the_plans_description_says_upscaled_to_the_upscaled_size_and_then_the_t
     assert targeted == plain + ", then resized to 90x60 (sr_target_resolution)"
 
 
+def test_the_plans_description_names_the_target_as_the_cli_does():
+    # `k6serve generate` printed "note: ... then resized to 90x60 (sr_target_resolution)" to a user of the flag.
+    from k6serve.pipelines.sr_plan import plan_upscale
+    from k6serve.request import FLAG_NAMES
+
+    targeted = plan_upscale((64, 96), _request(2, "100x60"), tile_sizes=[(64, 64)], snap=16)
+    assert targeted.describe(FLAG_NAMES).endswith(", then resized to 90x60 (--sr-target-resolution)")
+
+
 def test_the_tiling_is_read_without_loading_for_super_resolution_only(tmp_path):
     from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
     from k6serve.pipelines.sr_tiling import SourceTooSmall

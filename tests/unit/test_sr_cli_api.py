@@ -213,6 +213,8 @@ def test_cli_default_and_custom_names(tiny_sr_dir, clips, tmp_path, capsys, in_p
             "per tile.") in err
     assert ("note: --sr-target-resolution '100x40' with the 'exact' resize mode stretches the 128x64 upscaled result "
             "to 100x40, changing its aspect ratio; use --sr-target-resize-mode 'fit' to keep it.") in err
+    assert ", then resized to 100x40 (--sr-target-resolution), 2 DiT calls per tile" in err
+    assert "sr_target_resolution" not in err
 
 
 def test_cli_runs_the_built_in_sr_demo(clips, tmp_path, caplog, in_process_worker, monkeypatch):
