@@ -72,17 +72,24 @@ def encode_prompt(
     )
 
 
-def _shorten(names: FieldNames) -> str:
-    return "Shorten it to use all of it."
+def _shorten_or_raise(num_tokens: int, max_sequence_length: int) -> Callable[[FieldNames], str]:
+    """The fix of a prompt cut at `max_sequence_length`: shorten it, or, below the encoder's most, read more of it."""
+    if max_sequence_length >= MAX_SEQUENCE_LENGTH:
+        return lambda name: "Shorten it to use all of it."
+    if num_tokens <= MAX_SEQUENCE_LENGTH:
+        return lambda name: f"Raise {name('max_sequence_length')} to {num_tokens}, or shorten it, to use all of it."
+    return lambda name: (f"Shorten it, and raise {name('max_sequence_length')} to {MAX_SEQUENCE_LENGTH} (its most), "
+                         "to use all of it.")
 
 
 def truncation_note(name: Callable[[FieldNames], str], prompt: str, *, tokenizer,
                     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-                    fix: Callable[[FieldNames], str] = _shorten) -> FlagWordedNote | None:
+                    fix: Callable[[FieldNames], str] | None = None) -> FlagWordedNote | None:
     """A warning for the user when `encode_prompt` keeps only part of `prompt`, ending with `fix`, else None. `name`
     and `fix` write the prompt's name ("prompt", `negative_prompt`) and the fix with the names they are handed, the
-    fields' or the CLI's flags' (`FlagWordedNote`). It tokenizes the prompt once more, untruncated, only to count:
-    what is encoded does not change.
+    fields' or the CLI's flags' (`FlagWordedNote`); the default fix is to shorten the prompt, or to raise a
+    max_sequence_length set below the encoder's 1024 tokens. It tokenizes the prompt once more, untruncated, only
+    to count: what is encoded does not change.
 
     Only the Qwen2.5-VL token features are counted: they are what the DiT attends to. CLIP's pooled vector reads the
     first 75 tokens of every prompt, as in the reference; that summary is cut for most detailed prompts, and warning
@@ -91,6 +98,7 @@ def truncation_note(name: Callable[[FieldNames], str], prompt: str, *, tokenizer
     num_tokens = len(tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"])
     if num_tokens <= max_sequence_length:
         return None
+    fix = fix or _shorten_or_raise(num_tokens, max_sequence_length)
     return FlagWordedNote.naming(lambda names: (
         f"{name(names)} was truncated: the text encoder (Qwen2.5-VL) kept its first {max_sequence_length} of "
         f"{num_tokens} tokens; the rest does not reach the model. {fix(names)}"))

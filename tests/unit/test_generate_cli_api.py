@@ -128,6 +128,27 @@ def test_a_truncated_negative_prompt_is_noted_only_when_cfg_encodes_it():
     assert pipeline.truncation_notes(without_cfg) == []
 
 
+def test_a_prompt_cut_at_a_lowered_max_sequence_length_is_told_to_raise_it():
+    # "Shorten it to use all of it." was the only fix offered, also when max_sequence_length, not the prompt, cut it.
+    from types import SimpleNamespace
+
+    from k6serve.pipelines.text_to_video import TextToVideoPipeline
+    from k6serve.request import GenerateRequest
+    from k6serve.testing.tokenizers import train_qwen_tokenizer
+
+    pipeline = TextToVideoPipeline(SimpleNamespace(tokenizer=train_qwen_tokenizer()))
+    request = dict(negative_prompt=None, image_path=None, seed=1, height=64, width=64, num_frames=5, fps=24.0,
+                   num_inference_steps=2, guidance_scale=1.0)
+    (note,) = pipeline.truncation_notes(GenerateRequest(prompt="A cat plays piano. " * 3, max_sequence_length=16,
+                                                        **request))
+    assert note == ("prompt was truncated: the text encoder (Qwen2.5-VL) kept its first 16 of 30 tokens; the rest "
+                    "does not reach the model. Raise max_sequence_length to 30, or shorten it, to use all of it.")
+    assert note_for_cli(note).endswith("Raise --max-sequence-length to 30, or shorten it, to use all of it.")
+    (note,) = pipeline.truncation_notes(GenerateRequest(prompt=LONG_PROMPT, max_sequence_length=64, **request))
+    assert note.endswith("kept its first 64 of 1100 tokens; the rest does not reach the model. Shorten it, and "
+                         "raise max_sequence_length to 1024 (its most), to use all of it.")
+
+
 def test_cli_prints_the_notes_naming_its_flags(tiny_distill_dir, tmp_path, capsys, in_process_worker):
     # The notes named the API's fields (`num_frames 6 is not of the form 4k+1`, `seed -1 drew ...`) to a CLI user,
     # who typed --num-frames; the refusals had been worded in flags already (FlagWorded).
