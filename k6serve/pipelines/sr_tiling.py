@@ -291,10 +291,13 @@ def resolve_target_size(height: int, width: int, target: str, mode: str = "fit")
         return fitted
     if mode == "exact":
         if bucket_height > height or bucket_width > width:
-            raise ValueError(
-                f"target {target!r} ({bucket_width}x{bucket_height}) is larger than the SR result "
-                f"{width}x{height}; target resolutions only downscale. Use a larger scale or a smaller target."
-            )
+            # It read "Use a larger scale or a smaller target", naming neither setting (nor 'fit', which allows it).
+            bucket = "" if target == f"{bucket_width}x{bucket_height}" else f" ({bucket_width}x{bucket_height})"
+            raise FlagWorded.naming(lambda name: (
+                f"{name('sr_target_resolution')} {target!r}{bucket} is larger than the {width}x{height} upscaled "
+                f"result, and target resolutions only downscale; use a larger {name('sr_resolution_scale')}, a "
+                f"smaller {name('sr_target_resolution')}, or {name('sr_target_resize_mode')} 'fit', which keeps "
+                "the upscaled size."))
         # A stretch beyond 2% is told to the user as a note of the plan (`sr_plan.upscale_sizes`).
         return bucket_height, bucket_width
     raise ValueError(f"target resize mode {mode!r} is not 'fit' or 'exact'.")

@@ -185,8 +185,16 @@ def test_target_resolution_fit_exact_and_downscale_only():
     assert resolve_target_size(1024, 1536, "hd", mode="exact") == (720, 1280)
     assert resolve_target_size(1024, 1536, "2k") == (1024, 1536)  # fit never upscales
     assert resolve_target_size(1024, 1536, "768x512") == (512, 768)
-    with pytest.raises(ValueError, match="only downscale"):
+    with pytest.raises(ValueError, match="only downscale") as refused:
         resolve_target_size(1024, 1536, "2k", mode="exact")
+    # The settings to change, each surface in its own names.
+    assert str(refused.value) == ("sr_target_resolution '2k' (2560x1440) is larger than the 1536x1024 upscaled "
+                                  "result, and target resolutions only downscale; use a larger sr_resolution_scale, "
+                                  "a smaller sr_target_resolution, or sr_target_resize_mode 'fit', which keeps the "
+                                  "upscaled size.")
+    assert refused.value.flag_wording.startswith("--sr-target-resolution '2k' (2560x1440) is larger")
+    with pytest.raises(ValueError, match=r"^sr_target_resolution '2000x1000' is larger than the 1536x1024"):
+        resolve_target_size(1024, 1536, "2000x1000", mode="exact")
     with pytest.raises(ValueError, match="hd, fullhd, 2k or WxH"):
         resolve_target_size(1024, 1536, "4k")
     # A strip (1024x32 at x2) fitted into 16x16 rounded its height to 0, then stretches_aspect divided by it.
