@@ -238,9 +238,11 @@ def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str]
         if name in model.model_fields and name not in bool_fields and any(isinstance(item, bool) for item in values):
             # `loras` / `cache_dit_params` take an object: "must be a number, got true" sent the client astray.
             is_object = model.model_fields[name].annotation in (dict, dict | None)
-            kind = "string" if name in string_fields else "JSON object" if is_object else "number"
+            # An integer field says so, as its other refusals do ("num_frames must be an integer such as 4").
+            kind = ("a string" if name in string_fields else "a JSON object" if is_object
+                    else numeric.get(name, "a number"))
             also = " or a list of them" if isinstance(value, list) else ""
-            raise ApiError(400, f"{name} must be a {kind}{also}, got {json.dumps(value)}.",
+            raise ApiError(400, f"{name} must be {kind}{also}, got {json.dumps(value)}.",
                            code="invalid_parameter", param=name)
     try:
         return model.model_validate(raw)

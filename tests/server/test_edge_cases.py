@@ -22,7 +22,9 @@ def test_json_booleans_are_not_numbers(fake_client, field):
     # Pydantic's lax mode read true as 1: seed 1, one frame, 1 fps... all silently accepted.
     error = _assert_error(fake_client.post("/v1/videos", json={"prompt": "x", field: True}), 400, param=field,
                           code="invalid_parameter")
-    assert error["message"] == f"{field} must be a number, got true."
+    # An integer field says it takes an integer, as its refusal of "abc" does.
+    kind = "an integer" if field in ("seed", "num_frames", "num_inference_steps") else "a number"
+    assert error["message"] == f"{field} must be {kind}, got true."
 
 
 @pytest.mark.parametrize("field", ["loras", "cache_dit_params"])
