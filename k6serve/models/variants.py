@@ -422,7 +422,7 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     # for 23 TB of audio noise). 1 is the floor of a frame rate; the audio length itself is bounded just below.
     if not (1 <= fps <= 240) or not math.isfinite(fps):
         raise FlagWorded.naming(lambda name: f"{name('fps')} must be between 1 and 240 (it sets the audio length, "
-                                             f"num_frames / fps seconds), got {params.fps}")
+                                             f"{name('num_frames')} / {name('fps')} seconds), got {params.fps}")
     max_sequence_length = 1024 if params.max_sequence_length is None else params.max_sequence_length
     if not 1 <= max_sequence_length <= 1024:
         # The released DiT was trained on at most 1024 prompt tokens (diffusers' default and its pipeline's padding).

@@ -203,7 +203,7 @@ LORA_X = ["--lora-path", "x.safetensors", "--lora-nickname", "x", "--lora-merge-
          "--no-enable-cache-dit."),
         # The request's rules worded with the flags typed, not the API's fields (sr_resolution_scale, fps).
         ("generation", ["--prompt", "x", "--fps", "0.5"], "--fps must be between 1 and 240 (it sets the audio length, "
-                                                          "num_frames / fps seconds), got 0.5"),
+                                                          "--num-frames / --fps seconds), got 0.5"),
         ("generation", ["--prompt", "x", "--num-frames", "49", "--fps", "1"],
          "--num-frames 49 at --fps 1 is 49.0 s of audio, longer than the model's audio positions allow (47.6 s: 2048 "
          "latents, this clip needs 2111); raise --fps to at least 1.04, lower --num-frames to at most 45, or make a "
