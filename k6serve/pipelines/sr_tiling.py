@@ -124,8 +124,9 @@ class TileGrid:
         )
 
 
-class SourceTooSmall(ValueError):
-    """The source frame is smaller than one tile of the chosen scale: the source is at fault, not a setting."""
+class SourceTooSmall(FlagWorded):
+    """The source frame is smaller than one tile of the chosen scale: the source is at fault (the HTTP error names
+    its field), though a higher scale, whose tiles need fewer source pixels, also fits it."""
 
 
 def plan_tiles(
@@ -148,10 +149,11 @@ def plan_tiles(
         )
     tile_height, tile_width = base_height // tiling_scale, base_width // tiling_scale
     if height < tile_height or width < tile_width:
-        raise SourceTooSmall(
+        # "a higher scale" named no setting: each surface's name of it.
+        raise SourceTooSmall.naming(lambda name: (
             f"the source frame is {width}x{height} (WxH, after pre-upscale and padding to {snap}) but x"
-            f"{tiling_scale} tiles need at least {tile_width}x{tile_height}; use a larger input or a higher scale."
-        )
+            f"{tiling_scale} tiles need at least {tile_width}x{tile_height}; use a larger input or a higher "
+            f"{name('sr_resolution_scale')}."))
     return TileGrid(
         scale=tiling_scale,
         base_size=(base_height, base_width),

@@ -360,5 +360,5 @@ def test_a_source_smaller_than_one_tile_is_refused_at_creation(vsr_server):
             error = answer.json()["error"]
             assert error["param"] == param and error["code"] == "invalid_parameter", error
             assert error["message"].startswith("the source frame is 16x16 (WxH, after pre-upscale and padding to ")
-            assert "use a larger input or a higher scale" in error["message"]
+            assert error["message"].endswith("use a larger input or a higher sr_resolution_scale.")
         assert client.get("/v1/videos").json()["data"] == before  # no job was created

@@ -243,7 +243,8 @@ def test_cli_runs_the_built_in_sr_demo(clips, tmp_path, caplog, in_process_worke
 
 def test_cli_refuses_a_source_smaller_than_a_tile_before_the_load(tiny_sr_dir, clips, tmp_path, capsys, no_ranks):
     assert _cli(tiny_sr_dir, clips["small"], tmp_path) == 2
-    assert "need at least 32x32" in capsys.readouterr().err
+    # The setting named as the flag: it said "a higher scale".
+    assert "need at least 32x32; use a larger input or a higher --sr-resolution-scale." in capsys.readouterr().err
     assert list(tmp_path.glob("*.mp4")) == []
 
 

@@ -73,8 +73,10 @@ def test_positions_round_half_to_even():
 
 
 def test_source_smaller_than_one_tile_names_the_minimum():
-    with pytest.raises(ValueError, match="need at least 384x256"):
+    with pytest.raises(ValueError, match="need at least 384x256") as refused:
         plan_tiles(240, 768, tiling_scale=2, tile_sizes=RELEASED_TILES)
+    assert str(refused.value).endswith("; use a larger input or a higher sr_resolution_scale.")
+    assert refused.value.flag_wording.endswith("; use a larger input or a higher --sr-resolution-scale.")
     with pytest.raises(ValueError, match="use 2, 4 or 2.25"):
         resolve_scale(3)
 
