@@ -152,7 +152,8 @@ def test_an_upscale_whose_size_cannot_be_made_is_refused_at_creation(tmp_path):
                                                       "sr_target_resolution": "hd", "sr_target_resize_mode": "exact"})
             assert refused.status_code == 400, refused.text
             error = refused.json()["error"]
-            assert "larger than the SR result" in error["message"] and error["param"] == "sr_target_resolution"
+            assert error["param"] == "sr_target_resolution"
+            assert "upscaled result, and target resolutions only downscale" in error["message"]
             assert client.get("/v1/videos").json()["data"] == [] and worker.requests == []
             stretched = client.post("/v1/videos", json={"video_path": str(clip), "sr_resolution_scale": 4,
                                                         "sr_target_resolution": "64x32", "sr_target_resize_mode": "exact"})

@@ -18,7 +18,7 @@ def test_sizes_that_cannot_be_made_and_unreadable_sources_raise(tmp_path):
     clip = make_clip(tmp_path / "clip.mp4", width=32, height=32, num_frames=9, fps=24)
     assert expected_upscale_output(_request(2, video_path=str(clip))).size == "64x64"
     # The worker's own refusals (`upscale_sizes`), now raised when the job is created.
-    with pytest.raises(ValueError, match="larger than the SR result"):
+    with pytest.raises(ValueError, match="upscaled result, and target resolutions only downscale"):
         expected_upscale_output(_request(4, "hd", "exact", video_path=str(clip)))
     wide = make_clip(tmp_path / "wide.mp4", width=4128, height=16, num_frames=1, fps=24)
     with pytest.raises(ValueError, match=r"would be 16512x64, but H.264 frames are at most 16384"):
