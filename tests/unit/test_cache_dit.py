@@ -427,7 +427,7 @@ def test_http_body_takes_the_switch_and_the_params_as_json_or_form_text():
     assert form.cache_dit_params == {"scm_policy": "static"}
     with pytest.raises(ApiError, match="cache_dit_params must be a JSON object"):
         parse_create_body({"prompt": "x", "cache_dit_params": "{oops"})
-    with pytest.raises(ApiError, match="seed must be a number, got true"):
+    with pytest.raises(ApiError, match="seed must be an integer, got true"):
         parse_create_body({"prompt": "x", "seed": True})
 
 
