@@ -123,9 +123,8 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
         from k6serve.offload.residency import streams_text_encoder
 
         # streams_text_encoder: --expand-prompts under a streamed text encoder was refused only once the model had
-        # loaded (minutes on a GPU). The device as the worker resolves it (runtime/worker.py: resolve_device).
-        device = config.runtime.device
-        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        # loaded (minutes on a GPU). --device cuda without a GPU is the worker's refusal to make (resolve_device).
+        on_cuda = config.runtime.device in ("auto", "cuda") and torch.cuda.is_available()
         request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
                                       cache_dit_unavailable=config.parallel.cache_dit_unavailable,
                                       num_dit_blocks=dit_blocks_before_loading(config.model),

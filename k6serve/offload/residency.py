@@ -240,7 +240,5 @@ def streams_text_encoder(runtime, device_type: str) -> bool:
     memory: the worker's answer, which `resolve_generate` refuses expand_prompts under, and the one the checks
     before the load give (`k6serve generate`, the bench), so that refusal comes before minutes of loading. Only on
     CUDA: on the CPU nothing is offloaded."""
-    plan = resolve_residency(runtime.performance_mode, super_resolution=False,
-                             cpu_offload=runtime.cpu_offload_components,
-                             layerwise=runtime.layerwise_offload_components, settings=runtime.component_residency)
-    return device_type == "cuda" and plan.residency.get("text_encoder") == LAYERWISE
+    return device_type == "cuda" and \
+        runtime.residency_plan(super_resolution=False).residency.get("text_encoder") == LAYERWISE
