@@ -119,7 +119,9 @@ def run_side_by_side(engine: Engine, listed: Listed, on_step: ProgressCallback |
             finished[index] = result
             if bar is not None:
                 bar.update(len(finished), len(listed))
-            if start_more and not failures:
+        # Once all that ended are read: a failure among them starts no more, in whatever order the set gave them.
+        if start_more and not failures:
+            for _ in ended:
                 start_next()
 
     try:

@@ -144,3 +144,53 @@ def test_the_progress_bar_of_a_list_side_by_side_counts_its_prompts(two_replicas
     with pytest.raises(ValueError, match=r"progress_bar must be True or False, got 'yes'"):
         generator.generate(prompt=["a", "b"], save_output=False, progress_bar="yes")
 
+
+
+class _DoneAtOnce:
+    """An engine of two replicas whose requests have ended when submitted ("fail" with an error), so that one wait
+    hands back several ended prompts at once."""
+
+    num_replicas = 2
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+
+    def submit(self, params, output, on_progress=None, log_failure=True):
+        from concurrent.futures import Future
+        from types import SimpleNamespace
+
+        self.submitted.append(params.prompt)
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        if params.prompt == "fail":
+            future.set_exception(RuntimeError("fail: the replica's GPU fell off the bus"))
+        else:
+            future.set_result(VideoResult(output_file_path=None, frames=None, audio=None, audio_sample_rate=44100,
+                                          fps=24.0, seed=42, timings={"total": 0.0}, peak_memory_mb=0.0, num_frames=1,
+                                          height=16, width=16, notes=[]))
+        return SimpleNamespace(future=future, abandon=lambda: None)
+
+
+def _listed(prompts):
+    from k6serve.request import OutputOptions, SamplingParams
+
+    return [(SamplingParams(prompt=prompt), OutputOptions(save_output=False), []) for prompt in prompts]
+
+
+def test_a_failure_ended_in_the_same_wait_as_a_success_starts_no_more(monkeypatch):
+    # The wait hands back a set: read with the success first, the success started the next prompt before the
+    # failure beside it was seen, so a prompt started after the list had failed.
+    import k6serve.prompt_lists as prompt_lists
+
+    wait = prompt_lists.futures_wait
+
+    def success_first(futures, **kwargs):
+        ended, pending = wait(futures, **kwargs)
+        return sorted(ended, key=lambda future: future.exception() is not None), pending
+
+    monkeypatch.setattr(prompt_lists, "futures_wait", success_first)
+    engine = _DoneAtOnce()
+    with pytest.raises(RuntimeError, match="fell off the bus"):
+        prompt_lists.run_side_by_side(engine, _listed(["fail", "b", "c", "d"]), None, None, threading.Event())
+    assert engine.submitted == ["fail", "b"]
+
