@@ -43,6 +43,9 @@ def stopped_note(listed: Listed, finished: dict[int, VideoResult], stopper: int,
     rest = [index for index in range(count) if index not in finished]
     saved = [finished[index].output_file_path for index in sorted(finished) if finished[index].output_file_path]
     done = sorted(finished)
+    if not rest:  # Ctrl-C after the last prompt ended (in the bar's last update): rest[0] below raised IndexError
+        return (f"all {count} prompts of the list had finished" + (f" (saved: {', '.join(saved)})" if saved else "")
+                + "; none is left to run.")
     note = (f"prompt {stopper} of the list of {count} stopped it"
             + (f" ({side_by_side} ran at a time, one per dp replica)" if side_by_side > 1 else "") + ": "
             + (f"{_places(done)} had finished" if done else "none had finished")

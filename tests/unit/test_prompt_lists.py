@@ -194,3 +194,18 @@ def test_a_failure_ended_in_the_same_wait_as_a_success_starts_no_more(monkeypatc
         prompt_lists.run_side_by_side(engine, _listed(["fail", "b", "c", "d"]), None, None, threading.Event())
     assert engine.submitted == ["fail", "b"]
 
+
+
+def test_ctrl_c_once_every_prompt_had_finished_is_raised_as_it_is():
+    # Ctrl-C in the bar's last update: the note's "rest" was empty, and its rest[0] raised an IndexError in place of
+    # the KeyboardInterrupt.
+    import k6serve.prompt_lists as prompt_lists
+
+    class InterruptedBar:
+        def update(self, step, total):
+            if step == total:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        prompt_lists.run_side_by_side(_DoneAtOnce(), _listed(["a", "b"]), None, InterruptedBar(), threading.Event())
+    assert caught.value.__notes__ == ["all 2 prompts of the list had finished; none is left to run."]
