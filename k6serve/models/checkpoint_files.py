@@ -121,9 +121,12 @@ def _near_miss(model_path: str) -> str:
         return f" The built-in checkpoint is {stripped.lower()!r}, in lower case."
     if url := re.match(r"^(?:https?://(?:www\.)?(?:huggingface\.co|hf\.co)/|hf://)([^/?#]+/[^/?#@]+)", stripped):
         return f" It is a Hub address; pass the hub id alone: --model-path {url[1]!r}."
-    if _HUB_ID.match(stripped.rstrip("/")):  # "ckpt/distil/": a mistyped folder, where ckpt/ is one
-        near = _local_folder_near(stripped.rstrip("/"))
-        return f" {near}" if near else f" Without the trailing slash it is the hub id {stripped.rstrip('/')!r}."
+    if _HUB_ID.match(hub_id := stripped.rstrip("/")):  # "ckpt/distil/": a mistyped folder, where ckpt/ is one
+        near = _local_folder_near(hub_id)
+        # What kept it from being a hub id: " org/name" was told to drop a trailing slash it did not have.
+        dropped = " and ".join(what for what, cut in (("its surrounding spaces", stripped != model_path),
+                                                      ("the trailing slash", hub_id != stripped)) if cut)
+        return f" {near}" if near else f" Without {dropped} it is the hub id {hub_id!r}."
     if "@" in stripped and _HUB_ID.match(stripped.split("@")[0]):
         repo_id, revision = stripped.split("@", 1)
         return f" Pass the revision apart: --model-path {repo_id!r} --revision {revision!r}."

@@ -804,6 +804,8 @@ def test_a_path_that_nearly_names_a_folder_or_the_demo_says_which(tmp_path, monk
      "It is a Hub address; pass the hub id alone: --model-path 'kandinskylab/Kandinsky-6.0-Lite-5s-Diffusers'."),
     ("hf://org/name", "It is a Hub address; pass the hub id alone: --model-path 'org/name'."),
     ("org/name/", "Without the trailing slash it is the hub id 'org/name'."),
+    (" org/name", "Without its surrounding spaces it is the hub id 'org/name'."),
+    ("org/name/ ", "Without its surrounding spaces and the trailing slash it is the hub id 'org/name'."),
     ("org/name@v2", "Pass the revision apart: --model-path 'org/name' --revision 'v2'."),
     ("Kandinsky-6.0-Pro-distill-5s-Diffusers",
      "A hub id names its organisation too: the release's is 'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'."),
