@@ -120,6 +120,8 @@ def _near_miss(model_path: str) -> str:
     if stripped.lower() in DEMO_MODEL_PATHS:
         return f" The built-in checkpoint is {stripped.lower()!r}, in lower case."
     if url := re.match(r"^(?:https?://(?:www\.)?(?:huggingface\.co|hf\.co)/|hf://)([^/?#]+/[^/?#@]+)", stripped):
+        if url[1].split("/")[0] in ("spaces", "datasets"):  # "spaces/ORG" was given as the hub id to pass
+            return f" It is the address of a Hub {url[1].split('/')[0][:-1]}, not of a model repository."
         return f" It is a Hub address; pass the hub id alone: --model-path {url[1]!r}."
     if _HUB_ID.match(hub_id := stripped.rstrip("/")):  # "ckpt/distil/": a mistyped folder, where ckpt/ is one
         near = _local_folder_near(hub_id)

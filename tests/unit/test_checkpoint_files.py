@@ -803,6 +803,8 @@ def test_a_path_that_nearly_names_a_folder_or_the_demo_says_which(tmp_path, monk
     ("https://huggingface.co/kandinskylab/Kandinsky-6.0-Lite-5s-Diffusers/tree/main",
      "It is a Hub address; pass the hub id alone: --model-path 'kandinskylab/Kandinsky-6.0-Lite-5s-Diffusers'."),
     ("hf://org/name", "It is a Hub address; pass the hub id alone: --model-path 'org/name'."),
+    ("https://huggingface.co/spaces/org/app", "It is the address of a Hub space, not of a model repository."),
+    ("hf://datasets/org/data", "It is the address of a Hub dataset, not of a model repository."),
     ("org/name/", "Without the trailing slash it is the hub id 'org/name'."),
     (" org/name", "Without its surrounding spaces it is the hub id 'org/name'."),
     ("org/name/ ", "Without its surrounding spaces and the trailing slash it is the hub id 'org/name'."),
