@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -140,7 +140,10 @@ def run_side_by_side(engine: Engine, listed: Listed, on_step: ProgressCallback |
         while running:  # seconds: each ends at its next step boundary (a second Ctrl-C stops waiting)
             take_ended(start_more=False)
         stopper = min((index for index in range(len(listed)) if index not in finished), default=0)
-        stopped.add_note(stopped_note(listed, finished, stopper, side_by_side=width))
+        # A prompt that failed before the stop is named: the list's requests log no failure, so it was lost.
+        failed = {index: error for index, error in failures.items()
+                  if index != stopper and not isinstance(error, (RequestCancelled, CancelledError))}
+        stopped.add_note(stopped_note(listed, finished, stopper, side_by_side=width, also_failed=failed))
         raise
     if failures:
         first = min(failures)

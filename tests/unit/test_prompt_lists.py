@@ -209,3 +209,33 @@ def test_ctrl_c_once_every_prompt_had_finished_is_raised_as_it_is():
     with pytest.raises(KeyboardInterrupt) as caught:
         prompt_lists.run_side_by_side(_DoneAtOnce(), _listed(["a", "b"]), None, InterruptedBar(), threading.Event())
     assert caught.value.__notes__ == ["all 2 prompts of the list had finished; none is left to run."]
+
+
+def test_a_failure_before_ctrl_c_is_named_in_the_note():
+    # A prompt that failed while another ran on, then Ctrl-C (or a cancel): the note named only what had finished,
+    # and the failure (logged by no one: the list's requests are not logged) was lost with its cause.
+    import k6serve.prompt_lists as prompt_lists
+    from k6serve.runtime.engine import RequestCancelled
+
+    class RunsOn(_DoneAtOnce):
+        """"long" runs until abandoned."""
+
+        def submit(self, params, output, on_progress=None, log_failure=True):
+            if params.prompt != "long":
+                return super().submit(params, output, on_progress, log_failure)
+            from concurrent.futures import Future
+            from types import SimpleNamespace
+
+            self.submitted.append(params.prompt)
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+            return SimpleNamespace(future=future, abandon=lambda: future.set_exception(RequestCancelled("stopped")))
+
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(RequestCancelled) as caught:
+        prompt_lists.run_side_by_side(RunsOn(), _listed(["long", "fail", "c"]), None, None, stop)
+    assert caught.value.__notes__ == [
+        "prompt 0 of the list of 3 stopped it (2 ran at a time, one per dp replica): none had finished; prompt 1 "
+        "failed too (RuntimeError: fail: the replica's GPU fell off the bus); to run the rest, pass the list from "
+        "prompt 0 on (prompts[0:])."]
