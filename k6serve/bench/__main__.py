@@ -566,8 +566,9 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         check_before_loading(end_to_end, stages)
     except ValueError as error:
         # The engine's --compile-vae true is this command's --compile-vae-decoder: "drop --compile-vae" named a
-        # flag the bench does not have.
-        raise SystemExit(re.sub(r"--compile-vae( true)?\b(?!-)", "--compile-vae-decoder", str(error))) from None
+        # flag the bench does not have; its --compile-prompt-rewrite takes no value.
+        message = re.sub(r"--compile-vae( true)?\b(?!-)", "--compile-vae-decoder", str(error))
+        raise SystemExit(message.replace("--compile-prompt-rewrite true", "--compile-prompt-rewrite")) from None
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if runs_dit:
         _check_dit_flags(args, device, compile_backend, transformer_config)

@@ -866,6 +866,14 @@ def test_the_engines_refusal_names_the_bench_flag_compile_vae_decoder():
     assert message.endswith("or drop --compile-vae-decoder.") and "--compile-vae " not in message
 
 
+def test_the_engines_refusal_names_the_bench_flag_compile_prompt_rewrite_as_written():
+    # The bench's --compile-prompt-rewrite takes no value: "--compile-prompt-rewrite true" is no way to write it.
+    with pytest.raises(SystemExit) as caught:
+        run_stages(build_parser().parse_args(["--tiny", "--stage", "generate", "--compile-prompt-rewrite",
+                                              "--performance-mode", "balanced"]), log=lambda text: None)
+    assert str(caught.value).startswith("--compile-prompt-rewrite compiles the expand_prompts rewrite only under")
+
+
 def test_the_json_has_null_where_a_value_is_not_finite(tmp_path):
     """json.dumps wrote a NaN cosine (a diverging fp8 row) as `NaN`, which strict JSON parsers refuse."""
     from k6serve.bench.report import write_json
