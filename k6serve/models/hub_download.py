@@ -128,7 +128,14 @@ def _cached_at_other_revisions(repo_id: str, revision: str | None) -> str:
 
     snapshots = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--")) / "snapshots"
     held = [name for name in folder_listing(snapshots) if (snapshots / name / "model_index.json").is_file()]
-    if not held or (revision is not None and revision in held):
+    # The revision's own ref naming a held snapshot: that copy is known but incomplete (a download cut off after
+    # its model_index.json), and passing its commit would run it as it is.
+    ref = snapshots.parent / "refs" / (revision or "main")
+    try:
+        known = ref.read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        known = None
+    if not held or (revision is not None and revision in held) or known in held:
         return ""
     shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
     return (f" The cache holds its snapshot(s) {shown}, none known as {revision or 'main'!r}: to run a cached one "

@@ -68,6 +68,28 @@ def test_snapshots_cached_under_no_ref_of_the_revision_are_named_when_the_hub_is
             resolve_checkpoint("org/name", revision, model_id="Kandinsky-6.0-Pro-distill-5s-Diffusers")
 
 
+def test_the_snapshot_of_the_revisions_own_ref_is_not_told_as_another_revisions(monkeypatch, tmp_path):
+    """A download cut off midway (its model_index.json fetched first, refs/main written) left main's snapshot
+    incomplete: the error said none was known as 'main' and to pass --revision with main's own commit, which runs
+    that incomplete copy."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "snapshots" / "0123abc").mkdir(parents=True)
+    (repo / "snapshots" / "0123abc" / "model_index.json").write_text(json.dumps({"_class_name": "x"}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+
+    def cut_off(*args, **kwargs):
+        raise ConnectionError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cut_off)
+    with pytest.raises(CheckpointError, match=r"no complete copy is in the local cache\. .* with --model-path\.$"):
+        resolve_checkpoint("org/name", model_id="Kandinsky-6.0-Pro-distill-5s-Diffusers")
+
+
 def test_a_copy_in_the_folder_above_the_cache_is_named_when_the_hub_is_unreachable(monkeypatch, tmp_path,
                                                                                      hub_offline):
     """HF_HOME set to the hub cache itself (~/.cache/huggingface/hub) looks in hub/hub: the error said no copy was
