@@ -771,6 +771,7 @@ class DiffGenerator:
             if self.engine.num_replicas > 1 and len(listed) > 1:
                 import asyncio
 
+                self.engine._check_not_own_thread("a request")  # as Engine.agenerate: the list waits on its replicas
                 stop = threading.Event()
                 try:
                     return await asyncio.to_thread(self._side_by_side, listed, on_progress, progress_bar, stop)

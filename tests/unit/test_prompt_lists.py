@@ -256,3 +256,18 @@ def test_a_list_from_an_on_progress_callback_is_refused_as_one_prompt_is(two_rep
 
     generator.generate(prompt="a", save_output=False, on_progress=on_progress)
     assert len(raised) == 1 and "was made from an on_progress callback" in str(raised[0])
+
+
+def test_an_awaited_list_from_an_on_progress_callback_is_refused_too(two_replicas):
+    generator, _ = two_replicas
+    raised: list[BaseException] = []
+
+    def on_progress(step, total):
+        if step == 1:
+            try:
+                asyncio.run(generator.agenerate(prompt=["b", "c"], save_output=False))
+            except RuntimeError as exc:
+                raised.append(exc)
+
+    generator.generate(prompt="a", save_output=False, on_progress=on_progress)
+    assert len(raised) == 1 and "was made from an on_progress callback" in str(raised[0])
