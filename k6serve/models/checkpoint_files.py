@@ -115,7 +115,8 @@ def _near_miss(model_path: str) -> str:
     from k6serve.models.variants import normalise_id, variant_from_id
 
     stripped = model_path.strip()
-    if stripped != model_path and (stripped in DEMO_MODEL_PATHS or Path(stripped).expanduser().exists()):
+    # Not a blank path: Path("") is the working folder, and '' was given as the path to pass.
+    if stripped and stripped != model_path and (stripped in DEMO_MODEL_PATHS or Path(stripped).expanduser().exists()):
         return f" Without its surrounding spaces it names {stripped!r}, which exists: pass that."
     if stripped.lower() in DEMO_MODEL_PATHS:
         return f" The built-in checkpoint is {stripped.lower()!r}, in lower case."

@@ -819,6 +819,8 @@ def test_a_path_that_nearly_names_a_folder_or_the_demo_says_which(tmp_path, monk
         resolve_checkpoint("Demo-SR")
     with pytest.raises(CheckpointError, match=r"hub id like 'kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers'\.$"):
         resolve_checkpoint("elsewhere ")
+    with pytest.raises(CheckpointError, match=r"hub id like 'kandinskylab/Kandinsky-6\.0-Pro-distill-5s-Diffusers'\.$"):
+        resolve_checkpoint("  ")  # told to pass '', which names the working folder
 
 
 @pytest.mark.parametrize(("model_path", "hint"), [
