@@ -734,7 +734,7 @@ class DiffGenerator:
         From asyncio code, `await generator.agenerate(...)`."""
         if (listed := self._each_prompt(sampling_params_kwargs, on_progress, kwargs)) is not None:
             if self.engine.num_replicas > 1 and len(listed) > 1:
-                self.engine._check_not_own_thread("a request")  # as Engine.generate: the list waits on its replicas
+                self.engine.check_not_own_thread("a request")  # as Engine.generate: the list waits on its replicas
                 return self._side_by_side(listed, on_progress, progress_bar, threading.Event())
             results: list[VideoResult] = []
             for params, output, warnings in listed:
@@ -771,7 +771,7 @@ class DiffGenerator:
             if self.engine.num_replicas > 1 and len(listed) > 1:
                 import asyncio
 
-                self.engine._check_not_own_thread("a request")  # as Engine.agenerate: the list waits on its replicas
+                self.engine.check_not_own_thread("a request")  # as Engine.agenerate: the list waits on its replicas
                 stop = threading.Event()
                 try:
                     return await asyncio.to_thread(self._side_by_side, listed, on_progress, progress_bar, stop)

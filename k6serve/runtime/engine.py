@@ -249,7 +249,7 @@ class Engine:
                  on_progress: ProgressCallback | None = None) -> VideoResult:
         """Run one request and return its result; its failure is raised here, not logged. A caller interrupted
         while it waits (Ctrl-C: KeyboardInterrupt) cancels the request at its next step boundary."""
-        self._check_not_own_thread("a request")
+        self.check_not_own_thread("a request")
         job = self.submit(params, output, on_progress=on_progress, log_failure=False)
         try:
             return _interruptible_result(job.future)
@@ -269,7 +269,7 @@ class Engine:
         request waiting behind it."""
         import asyncio
 
-        self._check_not_own_thread("a request")
+        self.check_not_own_thread("a request")
         job = self.submit(params, output, on_progress=on_progress, log_failure=False)
         try:
             return await asyncio.wrap_future(job.future)
@@ -301,7 +301,7 @@ class Engine:
         """Queue a memory release or resume behind the requests already submitted; its future holds the reply."""
         return self._put(MemoryJob(operation))
 
-    def _check_not_own_thread(self, what: str) -> None:
+    def check_not_own_thread(self, what: str) -> None:
         """Refuse to wait, on an engine thread (in an on_progress callback), for work that thread must run: the
         wait never ended."""
         if threading.current_thread() in self._threads:
@@ -320,19 +320,19 @@ class Engine:
         """Once the requests before it have finished, move every device tensor of every rank to host memory and
         free the allocator caches; requests wait until `resume_memory`. Returns what each rank freed and still
         holds (`runtime/memory.py`). --use-fsdp-inference raises ValueError."""
-        self._check_not_own_thread("a LoRA or memory call")
+        self.check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_memory(ReleaseMemory()))
 
     def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
         """Copy the released tensors back to the devices, bit for bit; the waiting requests then run in order. With
         `keep_host_copy` the host copies stay, so the next release only re-points the weights to them."""
-        self._check_not_own_thread("a LoRA or memory call")
+        self.check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_memory(ResumeMemory(keep_host_copy=keep_host_copy)))
 
     def lora(self, operation: LoraOperation) -> dict:
         """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.
         A ValueError (bad input: the adapter state is unchanged) is raised as it is."""
-        self._check_not_own_thread("a LoRA or memory call")
+        self.check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_lora(operation))
 
     def _loop(self) -> None:
