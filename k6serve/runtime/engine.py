@@ -388,7 +388,13 @@ class Engine:
         with self._idle:
             while self._running:
                 self._idle.wait()
+            stopped = self._shutdown_reason
         if not future.set_running_or_notify_cancel():
+            return
+        if stopped is not None:
+            # Taken (with dp > 1) while another replica's request ran, then shutdown() stopped waiting for that
+            # request: run now, it could outlast the last wait, and the worker would be closed under it.
+            future.set_exception(RuntimeError(f"Not run: {stopped}."))
             return
         try:
             result = apply(operation)

@@ -152,6 +152,40 @@ def test_shutdown_cancels_a_request_still_running_after_its_wait_and_says_why():
     assert worker.lora_operations == []
 
 
+def test_shutdown_does_not_run_an_operation_another_replica_took_while_a_request_ran():
+    """With two replicas, one loop thread runs a request while the other takes the LoRA operation behind it and
+    waits for the request to end. A shutdown() that stopped waiting cancelled the request, and the operation then ran
+    anyway (an adapter load could outlast the last wait, and the worker was closed under it)."""
+    from k6serve.lora.spec import ListLoras
+
+    class TwoReplicaLoraWorker(StepWorker):
+        num_replicas = 2
+
+        def __init__(self) -> None:
+            super().__init__(step_s=0.02)
+            self.lora_operations: list = []
+
+        def apply_lora_operation(self, operation):
+            self.lora_operations.append(operation)
+            return {}
+
+    worker = TwoReplicaLoraWorker()
+    engine = Engine(fake_config(), worker=worker)
+    running = engine.submit(SamplingParams(prompt="long", num_inference_steps=1000))
+    running.started.wait(5)
+    lora = engine.submit_lora(ListLoras())
+    deadline = time.monotonic() + 5
+    while engine._queue.qsize():  # taken by the other loop thread, which waits for the request
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.shutdown(timeout=0.2)
+    with pytest.raises(RuntimeError, match=r"^Not run: the engine was shut down \(it waited 0.2 s"):
+        lora.result(timeout=0)
+    assert worker.lora_operations == []
+    with pytest.raises(RequestCancelled):
+        running.future.result(timeout=0)
+
+
 def test_shutdown_lets_a_request_that_ends_within_the_wait_finish():
     engine = Engine(fake_config(), worker=StepWorker(step_s=0.02))
     job = engine.submit(SamplingParams(prompt="short", num_inference_steps=5))
