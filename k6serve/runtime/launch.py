@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -376,15 +377,22 @@ def _main_module_hidden():
 
 
 def stop_processes(processes: list[BaseProcess], *, grace_s: float = 5.0, terminate: bool = True) -> None:
-    """Wait for processes to exit, then terminate (SIGTERM; `terminate=False` for the engine's ranks, which ignore
-    it), then kill what is left."""
+    """Wait up to `grace_s` for processes to exit, then terminate (SIGTERM; `terminate=False` for the engine's ranks,
+    which ignore it) and wait up to `grace_s` again, then kill what is left. One grace for all of them, not one each:
+    joined in turn, eight hung ranks (a Ctrl-C while they load: no connection tells them to stop) took eight."""
+    _join_within(processes, grace_s)
+    if terminate:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        _join_within(processes, grace_s)
     for process in processes:
-        process.join(grace_s)
-    for process in processes:
-        if process.is_alive() and terminate:
-            process.terminate()
-            process.join(grace_s)
         if process.is_alive():
             process.kill()
             process.join()
 
+
+def _join_within(processes: list[BaseProcess], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import multiprocessing
 import ipaddress
 import os
 import re
@@ -752,3 +753,18 @@ def test_a_ctrl_c_held_back_while_a_rank_started_stops_that_rank(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         launch.start_process(time.sleep, (30.0,), name="k6serve-test-interrupted", block_sigint=True)
     assert len(started) == 1 and not started[0].is_alive()
+
+
+def test_stopping_hung_processes_waits_one_grace_for_all_not_one_each():
+    """close() after a Ctrl-C while the ranks load (nothing tells them to stop) joined each rank for the whole grace
+    in turn: eight ranks took eight times the grace before the first was killed."""
+    from k6serve.runtime.launch import stop_processes
+
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=time.sleep, args=(60,), daemon=True) for _ in range(3)]
+    for process in processes:
+        process.start()
+    start = time.monotonic()
+    stop_processes(processes, grace_s=1.0, terminate=False)
+    assert time.monotonic() - start < 2.5  # one grace (1 s), not three
+    assert all(process.exitcode == -signal.SIGKILL for process in processes)
