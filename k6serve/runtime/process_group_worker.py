@@ -1020,14 +1020,18 @@ class MultiProcessWorker:
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every replica to shut down, then stop whatever is still running."""
         self._closed = True
-        for replica in self._replicas:
-            if replica.alive:
-                try:
-                    replica.connection.send(messages.Shutdown())
-                except OSError:
-                    pass
-                replica.alive = False
+        told = [replica for replica in self._replicas if replica.alive]  # a dead one's connection is closed already
+        for replica in told:
+            try:
+                replica.connection.send(messages.Shutdown())
+            except OSError:
+                pass
+            replica.alive = False
         stop_processes(list(self._processes.values()), grace_s=timeout_s, terminate=False)
+        # Left open, each engine shut down kept a socket per replica for as long as it was referenced (a notebook's
+        # output history keeps every generator it showed).
+        for replica in told:
+            replica.connection.close()
         if self._rank0_thread is not None:
             self._rank0_thread.join(timeout_s)
         self._store = None  # the ranks are gone: the rendezvous server and its port go too

@@ -94,6 +94,8 @@ def test_engine_runs_dp_replicas_at_once(tmp_path: Path):
     finally:
         engine.shutdown()
     assert all(not process.is_alive() for process in worker._processes.values())
+    # Each replica's socket too: an engine kept after its shutdown (a notebook's output history) held them open.
+    assert all(replica.connection.closed for replica in worker._replicas)
 
 
 def test_a_replica_killed_while_running_says_how_it_died(tmp_path: Path):
