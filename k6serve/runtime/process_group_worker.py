@@ -219,6 +219,7 @@ class _ReplicaLoop:
         self.context = context
         self.connection = connection
         self.heartbeat_s = min(30.0, context.spec.timeout_s / 4)
+        self.shutdown_received = False  # a Shutdown came in place of a StepReply: the request stops, then the replica
 
     def serve(self) -> None:
         while True:
@@ -243,6 +244,8 @@ class _ReplicaLoop:
 
     def _next_message(self) -> object:
         assert self.connection is not None
+        if self.shutdown_received:
+            return messages.Shutdown()
         try:
             if not self.connection.poll(self.heartbeat_s):
                 return messages.Heartbeat()
@@ -267,6 +270,12 @@ class _ReplicaLoop:
                     # collective timeout (10 minutes by default).
                     logger.warning("the engine closed its connection during request %d; it is cancelled",
                                    request_id)
+                    reply = messages.StepReply(cancel=True)
+                if isinstance(reply, messages.Shutdown):
+                    # close() under a running request (a forced stop of the server, a step longer than shutdown's
+                    # wait). Taken as a StepReply, it failed the leader alone ("AssertionError: Shutdown()"), out of
+                    # step with its peers, and the replica, told nothing more, waited for close()'s SIGKILL.
+                    self.shutdown_received = True
                     reply = messages.StepReply(cancel=True)
                 assert isinstance(reply, messages.StepReply), reply
                 cancel = reply.cancel
@@ -950,6 +959,8 @@ class MultiProcessWorker:
         if message.replica_broken:
             raise self._replica_died(replica, request_id, message.message)
         if message.kind == "cancelled":
+            if cancelled is None and self._closed:  # close() stopped it at a step (`_ReplicaLoop._on_step`)
+                raise RuntimeError(f"request {request_id} was stopped by the engine's shutdown while it ran.")
             raise cancelled if cancelled is not None else RequestCancelled(message.message)
         raise _failure_error(message, request_id, replica.index)
 

@@ -768,3 +768,29 @@ def test_stopping_hung_processes_waits_one_grace_for_all_not_one_each():
     stop_processes(processes, grace_s=1.0, terminate=False)
     assert time.monotonic() - start < 2.5  # one grace (1 s), not three
     assert all(process.exitcode == -signal.SIGKILL for process in processes)
+
+
+def test_close_under_a_running_request_stops_its_ranks_at_the_next_step():
+    """close() while a request ran (the server's forced stop) sent Shutdown where the leader waited for a step's
+    reply: the leader failed alone ("AssertionError: Shutdown()") and the ranks, told nothing more, were SIGKILLed
+    after close()'s whole grace. They stop at the next step now and exit by themselves."""
+    worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
+    stepped = threading.Event()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run(SamplingParams(prompt="slow", num_inference_steps=100), OutputOptions(save_output=False),
+                       on_step=lambda step, total: stepped.set())
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert stepped.wait(TIMEOUT_S)
+    start = time.monotonic()
+    worker.close(timeout_s=TIMEOUT_S)
+    thread.join(TIMEOUT_S)
+    assert time.monotonic() - start < TIMEOUT_S / 2  # not close()'s whole grace
+    assert [process.exitcode for process in worker._processes.values()] == [0, 0]  # not SIGKILLed
+    assert [str(exc) for exc in outcome] == ["request 0 was stopped by the engine's shutdown while it ran."]
