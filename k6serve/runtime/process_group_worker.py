@@ -1039,12 +1039,12 @@ class MultiProcessWorker:
                 pass
             replica.alive = False
         stop_processes(list(self._processes.values()), grace_s=timeout_s, terminate=False)
-        # Left open, each engine shut down kept a socket per replica for as long as it was referenced (a notebook's
-        # output history keeps every generator it showed).
-        for replica in told:
-            replica.connection.close()
         if self._rank0_thread is not None:
             self._rank0_thread.join(timeout_s)
+        # Once the ranks here have read their Shutdown. Left open, each engine shut down kept a socket per replica for
+        # as long as it was referenced (a notebook's output history keeps every generator it showed).
+        for replica in told:
+            replica.connection.close()
         self._store = None  # the ranks are gone: the rendezvous server and its port go too
         self._wake_accept()
         self._listener.close()
