@@ -796,7 +796,14 @@ class MultiProcessWorker:
                                                                                         operation=operation))
         finally:
             self._give_back(replicas)
-        return _lora_result(operation, outcomes)
+        # A replica that died during it serves no more: the adapters of those still serving are what must agree. It
+        # was told as `ReplicasDisagree`, so the server recorded the adapters as varying and did not keep the change
+        # for its restart, though every replica left held it.
+        serving = [outcome for outcome, replica in zip(outcomes, replicas) if replica.alive]
+        for (_, error), replica in zip(outcomes, replicas):
+            if serving and not replica.alive:
+                logger.error("%s", error)
+        return _lora_result(operation, serving or outcomes)
 
     def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
         """Release or resume the memory of every rank of every replica, once all are idle; every rank's report.

@@ -7,6 +7,8 @@ all-reduce over its replica, so it only completes when every rank of the replica
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -193,6 +195,8 @@ class LoraRankWorker(FakeRankWorker):
             names = [spec.nickname for spec in operation.specs]
             if "bad" in names or f"bad-on-replica-{replica}" in names:
                 raise ValueError(f"replica {replica} refuses {names}")
+            if f"die-on-replica-{replica}" in names:
+                os.kill(os.getpid(), signal.SIGKILL)
             self.adapters = names
         elif isinstance(operation, UnmergeLora):
             self.adapters = []
@@ -249,6 +253,22 @@ def test_every_dp_replica_applies_the_operation_and_a_partial_failure_says_so(tm
     finally:
         engine.shutdown()
         worker.close()
+
+
+@pytest.mark.multiprocess
+def test_a_replica_dying_during_an_operation_leaves_the_serving_ones_agreeing():
+    """The replicas still serving all applied it: it succeeds, not `ReplicasDisagree` (which made the server record
+    the adapters as varying and drop the change from what it restores at its restart)."""
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=LoraRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        result = engine.lora(SetLora(specs=(LoraSpec(nickname="die-on-replica-1"),)))
+        assert result["loras"] == [{"nickname": "die-on-replica-1"}]
+        assert len(engine.dead_replicas()) == 1
+        ran = engine.generate(SamplingParams(prompt="cat", num_inference_steps=1), NO_OUTPUT)
+        assert note(ran, "adapters") == "die-on-replica-1"
+    finally:
+        engine.shutdown()
 
 
 # ---- end to end: the real worker on the built-in demo checkpoint, through the default multi-process engine ----
