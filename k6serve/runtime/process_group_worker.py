@@ -796,14 +796,9 @@ class MultiProcessWorker:
                                                                                         operation=operation))
         finally:
             self._give_back(replicas)
-        # A replica that died during it serves no more: the adapters of those still serving are what must agree. It
-        # was told as `ReplicasDisagree`, so the server recorded the adapters as varying and did not keep the change
-        # for its restart, though every replica left held it.
-        serving = [outcome for outcome, replica in zip(outcomes, replicas) if replica.alive]
-        for (_, error), replica in zip(outcomes, replicas):
-            if serving and not replica.alive:
-                logger.error("%s", error)
-        return _lora_result(operation, serving or outcomes)
+        # A replica that died during it was told as `ReplicasDisagree`, so the server recorded the adapters as
+        # varying and did not keep the change for its restart, though every replica left held it.
+        return _lora_result(operation, [outcome for _, outcome in self._of_serving(replicas, outcomes)])
 
     def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
         """Release or resume the memory of every rank of every replica, once all are idle; every rank's report.
@@ -813,9 +808,11 @@ class MultiProcessWorker:
         replicas = self._take_all_replicas("memory operation")
         undo_failed: list[int] = []
         try:
-            outcomes = self._memory_on(replicas, operation)
+            # A replica that died during it does not count: the others were put back, and the operation failed.
+            serving = self._of_serving(replicas, self._memory_on(replicas, operation))
+            outcomes = [outcome for _, outcome in serving]
             failed = [(index, error) for index, error in outcomes if isinstance(error, Exception)]
-            succeeded = [r for r, (_, result) in zip(replicas, outcomes) if not isinstance(result, Exception)]
+            succeeded = [r for r, (_, result) in serving if not isinstance(result, Exception)]
             if failed and succeeded:
                 undone = self._memory_on(succeeded, inverse(operation))
                 undo_failed = [index for index, result in undone if isinstance(result, Exception)]
@@ -830,6 +827,17 @@ class MultiProcessWorker:
             raise RuntimeError(f"{type(operation).__name__} failed on replica(s) {[i for i, _ in failed]}; "
                                f"{outcome}. Replica {index}: {type(error).__name__}: {error}") from error
         return [report for _, reports in outcomes for report in reports]
+
+    def _of_serving(self, replicas: list[_Replica], outcomes: list[tuple[int, object]]) -> list[tuple[_Replica, tuple]]:
+        """(replica, its outcome) of the replicas still serving after an operation: one that died during it serves no
+        more, so only the others must agree (its death is logged here). All of them when none is left."""
+        serving = [(replica, outcome) for replica, outcome in zip(replicas, outcomes) if replica.alive]
+        if not serving:
+            return list(zip(replicas, outcomes))
+        for replica, (_, error) in zip(replicas, outcomes):
+            if not replica.alive:
+                logger.error("%s", error)
+        return serving
 
     def _memory_on(self, replicas: list[_Replica], operation: MemoryOperation) -> list[tuple[int, list | Exception]]:
         return self._control_on(replicas, lambda request_id: messages.MemoryRequest(request_id=request_id,

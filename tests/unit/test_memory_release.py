@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -424,6 +425,31 @@ class MemoryRankWorker(FakeRankWorker):
         self.released = release
         return [{"status": status, "message": status, "moved_bytes": 8, "pid": os.getpid(),
                  "memory_released": self.released}]
+
+
+class DyingMemoryRankWorker(MemoryRankWorker):
+    """Global rank 1 is killed as it releases (the host's out-of-memory killer, as the host copy grows)."""
+
+    def apply_memory_operation(self, operation) -> list[dict]:
+        if self.context.spec.rank == 1 and isinstance(operation, ReleaseMemory):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().apply_memory_operation(operation)
+
+
+@pytest.mark.multiprocess
+def test_a_replica_dying_during_a_release_leaves_the_serving_ones_released(tmp_path, monkeypatch):
+    """The replica still serving released: the release succeeds. It was undone there and failed, as if the dead
+    replica could still disagree."""
+    monkeypatch.setenv(FAIL_FILE_ENV, str(tmp_path / "never"))
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=DyingMemoryRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        reply = engine.release_memory()
+        assert [(r["replica"], r["status"]) for r in reply["ranks"]] == [(0, "released")]
+        assert engine.memory_released and len(engine.dead_replicas()) == 1
+        assert [r["status"] for r in engine.resume_memory()["ranks"]] == ["resumed"]
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.multiprocess
