@@ -283,13 +283,14 @@ class RuntimeConfig:
     # model is known.
     warmup_resolutions: tuple[WarmupSize, ...] = ()
     # torch.compile of the video VAE decoder (HunyuanVideo; the SR K-VAE per block). Opt-in, not part of
-    # "speed": on H200 it makes the decode 1.9x (K-VAE 1.75x) faster, but fused kernels round once where eager
-    # rounds after every op, and on random weights the frames then differed from the eager bf16 decode by up
-    # to 12/255, beyond the 1/255 that "speed" promises (docs/benchmarks.md).
+    # "speed": on H200 it makes the decode 2.3x faster than our eager one (ninth session, with the folded
+    # upsamplers; 1.9x in the second) and the K-VAE's tile 2.0x (seventh session), but fused kernels round once
+    # where eager rounds after every op, and on random weights the frames then differed from the eager bf16 decode
+    # by 12-18/255, beyond the 1/255 that "speed" promises (docs/benchmarks.md).
     compile_vae: bool = False
     # expand_prompts' rewrite through one static KV cache (pipelines/expand_prompt.py, `StaticRewriteCache`), whose
     # decoding step transformers compiles on CUDA. Opt-in, not part of "speed": through this cache 8.6-9.0 ms a token
-    # on an H100 against 56.4 eager there (6.3x; on an H200 transformers' own static cache took 7.5 against 30.1),
+    # on an H100 against 56.4 eager there (6.3-6.6x; on an H200 transformers' own static cache took 7.5 against 30.1),
     # after one compile of 9-36 s on an H100 (at warm-up with a warm mode), but the compiled step rounds differently,
     # and on random weights its ids left the eager ones (diffusers') at token 4.
     compile_prompt_rewrite: bool = False
