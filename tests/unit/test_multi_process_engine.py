@@ -308,3 +308,17 @@ def test_a_rank_killed_while_loading_is_the_machines_failure_not_a_bug():
     with pytest.raises(WorkerKilled, match=r"rank 0 \(pid \d+\) exited with code -9 \(killed by SIGKILL\).* "
                                            r"out-of-memory killer"):
         MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=OutOfHostMemoryRankWorker)
+
+
+def test_a_list_of_prompts_runs_on_both_dp_replicas_at_once(tmp_path: Path):
+    # DiffGenerator.generate(prompt=[...]) ran a list one prompt after another while the other replica idled: the
+    # first prompt here waits until the second has started, so it finishes only if the list runs side by side.
+    from k6serve.api import DiffGenerator
+
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
+    marker = tmp_path / "second-started"
+    with DiffGenerator(Engine(worker.config, worker=worker)) as generator:
+        results = generator.generate(prompt=[f"wait-for:{marker}", f"touch:{marker}"], num_inference_steps=2,
+                                     save_output=False)
+    assert len(results) == 2 and {note(result, "replica") for result in results} == {"0", "1"}
+    assert all(not process.is_alive() for process in worker._processes.values())
