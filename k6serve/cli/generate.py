@@ -395,8 +395,9 @@ def result_record(result, label: str = "", prompt: str | None = None) -> dict[st
         "has_audio": result.has_audio,
         "audio_sample_rate": result.audio_sample_rate if result.has_audio else None,
         "seed": result.seed,
-        # Non-square pixels of an anamorphic SR source, width over height ("4/3"); null for square ones.
-        "sample_aspect_ratio": None if aspect is None else f"{aspect.numerator}/{aspect.denominator}",
+        # Non-square pixels of an anamorphic SR source, width over height, "4:3" as ffprobe's field of this name
+        # writes it (and the HTTP job's); null for square ones. It read "4/3", the job "4:3".
+        "sample_aspect_ratio": None if aspect is None else f"{aspect.numerator}:{aspect.denominator}",
         # Seconds, but the counts (TIMING_COUNTS) as whole numbers; a time not measured (NaN) is null, so the line
         # stays JSON (Python's json writes NaN, which JSON parsers such as jq's refuse).
         "timings": {key: (int(value) if key in TIMING_COUNTS else value) if math.isfinite(value) else None

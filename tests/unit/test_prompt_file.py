@@ -570,7 +570,7 @@ def test_json_record_keeps_the_line_json_where_a_value_is_not_finite():
     record = result_record(result)
     assert json.loads(json.dumps(record, allow_nan=False)) == {
         "output_file_path": "o/a.mp4", "width": 1536, "height": 1024, "num_frames": 121, "fps": 24.0,
-        "has_audio": False, "audio_sample_rate": None, "seed": 1, "sample_aspect_ratio": "4/3",
+        "has_audio": False, "audio_sample_rate": None, "seed": 1, "sample_aspect_ratio": "4:3",
         "timings": {"total": None, "dit": 2.5, "graphs_compiled": 3}, "peak_memory_mb": None,
         "notes": ["an SR note"], "expanded_prompt": None}
 
