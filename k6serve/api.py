@@ -44,7 +44,7 @@ from k6serve.lora.spec import (
 )
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
-from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo
+from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo, Variant
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import (
     FlagWorded,
@@ -71,6 +71,9 @@ _RUNNING: "weakref.WeakSet[DiffGenerator]" = weakref.WeakSet()
 _OUTPUT_KEYS = {"save_output", "output_path", "output_file_name", "return_frames", "return_file_paths_only"}
 _ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
 _REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
+# A `DiffGenerator` method's decorators keep its signature for type checkers and IDEs (`Callable -> Callable` made
+# set_lora and the other LoRA and memory methods `(*Any, **Any) -> Any`: no keyword or type was checked).
+_Method = typing.TypeVar("_Method", bound=Callable[..., Any])
 
 
 def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
@@ -534,7 +537,7 @@ def _check_local_mode(local_mode: Any) -> None:
     raise ValueError(f"local_mode must be True or False, got {local_mode!r} ({type(local_mode).__name__}).")
 
 
-def _http_names_answered(method: Callable) -> Callable:
+def _http_names_answered(method: _Method) -> _Method:
     """A `DiffGenerator` LoRA method that answers a keyword it does not take with the argument meant: the HTTP
     body's name (`lora_path`, typed by a caller who moved a working request body over) got Python's bare
     "unexpected keyword argument 'lora_path'", and a typo a `did_you_mean` guess. Still a TypeError, as Python's."""
@@ -554,10 +557,10 @@ def _http_names_answered(method: Callable) -> Callable:
             raise TypeError(f"{method.__name__}() got an unexpected keyword argument {key!r}{hint}.")
         return method(self, *args, **kwargs)
 
-    return answered
+    return typing.cast(_Method, answered)
 
 
-def _sglang_order_answered(method: Callable) -> Callable:
+def _sglang_order_answered(method: _Method) -> _Method:
     """`DiffGenerator.set_lora` called in SGLang's argument order, (nickname, path, target, strength): its third
     argument, a target, was refused as "strength must be a finite number, got 'transformer'", and a fourth as
     Python's "takes from 2 to 4 positional arguments". Said as the order it is, with the call to make."""
@@ -570,7 +573,7 @@ def _sglang_order_answered(method: Callable) -> Callable:
                             f"keyword: {method.__name__}({args[0]!r}, {args[1]!r}{strength}, target={args[2]!r}).")
         return method(self, *args, **kwargs)
 
-    return ordered
+    return typing.cast(_Method, ordered)
 
 
 def _shown_prompt(prompt: Any) -> str:
@@ -585,7 +588,7 @@ def _check_progress_bar(progress_bar: object) -> None:
         raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")
 
 
-def _in_callers_words(method: Callable) -> Callable:
+def _in_callers_words(method: _Method) -> _Method:
     """A `DiffGenerator` method whose ValueErrors are worded for its caller (`DiffGenerator._wording`)."""
     if inspect.iscoroutinefunction(method):
         @functools.wraps(method)
@@ -593,14 +596,14 @@ def _in_callers_words(method: Callable) -> Callable:
             with reworded_errors(self._wording):
                 return await method(self, *args, **kwargs)
 
-        return worded_async
+        return typing.cast(_Method, worded_async)
 
     @functools.wraps(method)
     def worded(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
         with reworded_errors(self._wording):
             return method(self, *args, **kwargs)
 
-    return worded
+    return typing.cast(_Method, worded)
 
 
 class DiffGenerator:
@@ -677,7 +680,8 @@ class DiffGenerator:
         return cls(Engine(config), wording=wording)
 
     @property
-    def variant(self):
+    def variant(self) -> Variant:
+        """The loaded checkpoint's model variant (its family, defaults and limits)."""
         return self.engine.variant
 
     if not typing.TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any attribute as valid
@@ -966,7 +970,7 @@ class DiffGenerator:
     @_sglang_order_answered
     def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
                  strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str | list[str] = "all",
-                 lora_alpha: float | None = None) -> dict:
+                 lora_alpha: float | None = None) -> dict[str, Any]:
         """Make `nickname` (or a list of nicknames) the active LoRA adapters, replacing the previous ones.
 
         `path` is a .safetensors file, a folder holding one, or a hub id, loaded under the nickname; None reuses the
@@ -987,14 +991,14 @@ class DiffGenerator:
         return self.engine.lora(operation)
 
     @_in_callers_words
-    def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict:
+    def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict[str, Any]:
         """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`, from -100 to
         100). A bad target or strength raises ValueError before anything queues."""
         self._require_running()
         return self.engine.lora(merge_lora_operation(target, strength))
 
     @_in_callers_words
-    def unmerge_lora_weights(self, target: str = "all") -> dict:
+    def unmerge_lora_weights(self, target: str = "all") -> dict[str, Any]:
         """Deactivate every adapter and restore the base weights bit for bit (merged weights are restored from
         the saved base copy, not by subtracting the delta)."""
         self._require_running()
@@ -1002,7 +1006,7 @@ class DiffGenerator:
 
     @_in_callers_words
     @_http_names_answered
-    def unload_lora(self, nickname: str | list[str]) -> dict:
+    def unload_lora(self, nickname: str | list[str]) -> dict[str, Any]:
         """Forget loaded adapters that are not active (a nickname or a list): their weights leave memory. An active
         or unknown one raises ValueError and nothing changes; deactivate it first (`set_lora` with the adapters to
         keep, or `unmerge_lora_weights`). Runs after the requests already submitted, as the other LoRA calls."""
@@ -1010,13 +1014,13 @@ class DiffGenerator:
         return self.engine.lora(unload_lora_operation(nickname))
 
     @_in_callers_words
-    def list_loras(self) -> dict:
+    def list_loras(self) -> dict[str, Any]:
         """The loaded adapters and their state: `{"loras": [...]}`."""
         self._require_running()
         return self.engine.lora(ListLoras())
 
     @_in_callers_words
-    def release_memory(self) -> dict:
+    def release_memory(self) -> dict[str, Any]:
         """Give the GPU memory back (sleep, e.g. to an RL trainer on the same GPUs): after the requests already
         submitted, every weight moves to host memory on every rank and the allocator caches are freed; requests
         submitted meanwhile wait for `resume_memory`. Returns each rank's report of what moved and what the process
@@ -1026,7 +1030,7 @@ class DiffGenerator:
         return self.engine.release_memory()
 
     @_in_callers_words
-    def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
+    def resume_memory(self, *, keep_host_copy: bool = False) -> dict[str, Any]:
         """Copy the weights back to the GPUs, bit for bit; the waiting requests then run in order. Resuming while
         not released changes nothing ("status": "not_released"). `keep_host_copy=True` keeps the host copy (host
         memory stays taken), so the next release re-points the weights to it without copying: for a loop of

@@ -28,3 +28,32 @@ def test_every_exported_name_is_visible_to_type_checkers():
     assert set(k6serve.__all__) <= _statically_bound(tree)
     for name in k6serve.__all__:
         assert getattr(k6serve, name).__module__.startswith("k6serve.")
+
+
+def test_diffgenerator_decorators_keep_the_method_types():
+    # Annotated `Callable -> Callable`, they made set_lora, merge_lora_weights and the other decorated methods
+    # `(*Any, **Any) -> Any` to mypy and pyright: a misspelled keyword or a wrong type went unseen.
+    import typing
+
+    from k6serve import api
+
+    for decorator in (api._in_callers_words, api._http_names_answered, api._sglang_order_answered):
+        hints = typing.get_type_hints(decorator)
+        assert isinstance(hints["return"], typing.TypeVar) and hints["method"] is hints["return"], decorator
+
+
+def test_public_methods_are_fully_annotated():
+    # An unannotated return (the `variant` property) or a bare `dict` is Any, or dict[Any, Any], to a checker.
+    import typing
+
+    from k6serve import DiffGenerator
+
+    for name, member in vars(DiffGenerator).items():
+        if name.startswith("_") and name not in ("__enter__", "__exit__"):
+            continue
+        function = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+        if not callable(function):
+            continue
+        hints = typing.get_type_hints(inspect.unwrap(function))
+        assert "return" in hints, name
+        assert hints["return"] is not dict, name
