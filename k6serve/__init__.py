@@ -2,14 +2,14 @@
 
 import typing
 
-from k6serve.request import GenerateRequest, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.request import GenerateKwargs, GenerateRequest, SamplingParams, UpscaleRequest, VideoResult
 
 if typing.TYPE_CHECKING:
     # Imported lazily at run time (below); a type checker reads the class from here: through the module's
     # __getattr__ alone, `DiffGenerator` and everything a generator returns were `Any` to mypy and pyright.
     from k6serve.api import DiffGenerator
 
-__all__ = ["DiffGenerator", "GenerateRequest", "SamplingParams", "UpscaleRequest", "VideoResult"]
+__all__ = ["DiffGenerator", "GenerateKwargs", "GenerateRequest", "SamplingParams", "UpscaleRequest", "VideoResult"]
 __version__ = "0.1.0"
 
 

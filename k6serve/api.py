@@ -24,7 +24,7 @@ import unicodedata
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from k6serve.api_errors import flags_as_keywords, reworded_errors
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
@@ -49,7 +49,10 @@ from k6serve.reference_names import unknown_names_hint
 from k6serve.request import (
     FlagWorded,
     FlagWordedNote,
+    GenerateKwargs,
     OutputOptions,
+    PromptListOptions,
+    RequestOptions,
     SamplingParams,
     VideoResult,
     did_you_mean,
@@ -706,17 +709,17 @@ class DiffGenerator:
                                "load a new one with DiffGenerator.from_pretrained(...).")
 
     @typing.overload
-    def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+    def generate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                  prompt: list[str] | tuple[str, ...], on_progress: ProgressCallback | None = None,
-                 progress_bar: bool = False, **kwargs: Any) -> list[VideoResult]: ...
+                 progress_bar: bool = False, **kwargs: Unpack[PromptListOptions]) -> list[VideoResult]: ...
 
     @typing.overload
-    def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+    def generate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, progress_bar: bool = False,
-                 **kwargs: Any) -> VideoResult: ...
+                 **kwargs: Unpack[GenerateKwargs]) -> VideoResult: ...
 
     @_in_callers_words
-    def generate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+    def generate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, progress_bar: bool = False,
                  **kwargs: Any) -> VideoResult | list[VideoResult]:
         """Run one request and return its `VideoResult`; a list of prompts runs one request per prompt and returns
@@ -754,17 +757,17 @@ class DiffGenerator:
         return result
 
     @typing.overload
-    async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+    async def agenerate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                         prompt: list[str] | tuple[str, ...], on_progress: ProgressCallback | None = None,
-                        progress_bar: bool = False, **kwargs: Any) -> list[VideoResult]: ...
+                        progress_bar: bool = False, **kwargs: Unpack[PromptListOptions]) -> list[VideoResult]: ...
 
     @typing.overload
-    async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+    async def agenerate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                         on_progress: ProgressCallback | None = None, progress_bar: bool = False,
-                        **kwargs: Any) -> VideoResult: ...
+                        **kwargs: Unpack[GenerateKwargs]) -> VideoResult: ...
 
     @_in_callers_words
-    async def agenerate(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None = None, *,
+    async def agenerate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                         on_progress: ProgressCallback | None = None, progress_bar: bool = False,
                         **kwargs: Any) -> VideoResult | list[VideoResult]:
         """`generate` for asyncio code (a web app, a notebook's event loop): the same request, checks and result,
@@ -837,7 +840,7 @@ class DiffGenerator:
         finally:
             bar.close()
 
-    def _each_prompt(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
+    def _each_prompt(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None,
                      on_progress: ProgressCallback | None, kwargs: dict[str, Any]
                      ) -> list[tuple[SamplingParams, OutputOptions, list[str]]] | None:
         """A request whose prompt is a list (or tuple) as one checked request per prompt, else None. The seed's
@@ -879,7 +882,7 @@ class DiffGenerator:
             listed.append((params, output, [name_warning, *warnings] if name_warning else warnings))
         return listed
 
-    def _checked_request(self, sampling_params_kwargs: dict[str, Any] | SamplingParams | None,
+    def _checked_request(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None,
                          on_progress: ProgressCallback | None, kwargs: dict[str, Any], *, said: set[str] | None = None
                          ) -> tuple[SamplingParams, OutputOptions, list[str]]:
         """`generate`'s request as (params, output, warnings), checked: raises ValueError before anything runs. The
@@ -957,12 +960,13 @@ class DiffGenerator:
             return False
 
     def upscale(self, video_path: str | os.PathLike[str] | None = None, *,
-                on_progress: ProgressCallback | None = None, progress_bar: bool = False, **kwargs: Any) -> VideoResult:
+                on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                **kwargs: Unpack[RequestOptions]) -> VideoResult:
         """Super-resolution convenience (the VSR checkpoint): `generate(video_path=..., **kwargs)`, e.g. with
         sr_resolution_scale=2, seed, output_path; the same progress callback and bar."""
         # Without a path the request is generate's to refuse: diffusers' `upscale(video=...)` then gets its note
         # (pass video_path=) instead of Python's "missing 1 required positional argument".
-        request = kwargs if video_path is None else {"video_path": video_path, **kwargs}
+        request: Mapping[str, Any] = kwargs if video_path is None else {"video_path": video_path, **kwargs}
         return self.generate(request, on_progress=on_progress, progress_bar=progress_bar)
 
     @_in_callers_words

@@ -180,6 +180,54 @@ class SamplingParams:
         return cls(**fspath_values(plain_scalars(kwargs)))
 
 
+_Path = str | os.PathLike[str]
+
+
+class RequestOptions(typing.TypedDict, total=False):
+    """`upscale`'s keyword arguments, for type checkers and IDEs: the `SamplingParams` fields but `prompt` and
+    `video_path` (its own argument), as `generate` takes them (paths as `pathlib.Path` too; None for any of them
+    means its default). tests/unit/test_api_types.py keeps the keys and types in step with `SamplingParams`."""
+
+    negative_prompt: str | None
+    image_path: _Path | None
+    seed: int | None
+    height: int | None
+    width: int | None
+    num_frames: int | None
+    fps: float | None
+    num_inference_steps: int | None
+    guidance_scale: float | None
+    sr_resolution_scale: float | None
+    sr_tiles_batch_size: int | None
+    sr_tile_min_overlap: float | None
+    sr_target_resolution: str | None
+    sr_target_resize_mode: str | None
+    enable_cache_dit: bool | None
+    cache_dit_params: dict[str, Any] | None
+    loras: dict[str, Any] | None
+    sample_audio: bool | None
+    max_sequence_length: int | None
+    expand_prompts: bool | None
+    save_output: bool | None
+    output_path: _Path | None
+    output_file_name: _Path | None
+    return_frames: bool | None
+    return_file_paths_only: bool | None
+
+
+class PromptListOptions(RequestOptions, total=False):
+    """`generate`'s keyword arguments beside a list of prompts: `RequestOptions` and `video_path`."""
+
+    video_path: _Path | None
+
+
+class GenerateKwargs(PromptListOptions, total=False):
+    """`generate`'s and `agenerate`'s keyword arguments: every `SamplingParams` field, as `RequestOptions`
+    describes them; e.g. `options: GenerateKwargs = {"prompt": "A cat", "seed": 7}; generator.generate(**options)`."""
+
+    prompt: str | None
+
+
 class FlagWorded(ValueError):
     """A refused request whose message names the request's fields, as the Python API and the HTTP server take them
     (`enable_cache_dit false`), with `flag_wording`, the same refusal in `k6serve generate`'s flags

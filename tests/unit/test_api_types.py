@@ -57,3 +57,53 @@ def test_public_methods_are_fully_annotated():
         hints = typing.get_type_hints(inspect.unwrap(function))
         assert "return" in hints, name
         assert hints["return"] is not dict, name
+
+
+def _kinds(hint: object) -> set[object]:
+    """A type's union members, generics by their origin (`dict[str, Any]` as dict), None left out."""
+    import typing
+
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) \
+        else (hint,)
+    return {typing.get_origin(member) or member for member in members} - {type(None)}
+
+
+def _keyword_types(function) -> dict[str, object]:
+    """The keyword arguments a type checker reads off `function`: its named parameters and the keys of its
+    `**kwargs: Unpack[TypedDict]`."""
+    import typing
+
+    hints = typing.get_type_hints(function)
+    (typed_dict,) = typing.get_args(hints.pop("kwargs"))
+    hints.pop("return")
+    return {**hints, **typing.get_type_hints(typed_dict)}
+
+
+def test_typed_keyword_arguments_follow_sampling_params():
+    # generate / agenerate / upscale take the request's fields as `**kwargs: Unpack[...]`, so a checker catches a
+    # misspelled keyword or a wrong type; a field added to SamplingParams and not to the TypedDicts (or a
+    # TypedDict key no field has) fails here. Every key is optional (None is the default), and takes at least the
+    # field's own types (paths also as os.PathLike).
+    import os
+    import typing
+
+    from k6serve import DiffGenerator, SamplingParams
+    from k6serve.request import _PATH_FIELDS, GenerateKwargs
+
+    fields = typing.get_type_hints(SamplingParams)
+    overloads = [*typing.get_overloads(DiffGenerator.generate), *typing.get_overloads(DiffGenerator.agenerate)]
+    assert len(overloads) == 4
+    for function in [*overloads, inspect.unwrap(DiffGenerator.upscale)]:
+        keywords = _keyword_types(function)
+        for name in ("sampling_params_kwargs", "on_progress", "progress_bar"):
+            keywords.pop(name, None)
+        # upscale takes no prompt (the SR model refuses one); its video_path is its first argument.
+        assert set(keywords) == set(fields) - ({"prompt"} if function.__name__ == "upscale" else set()), function
+        for name, hint in keywords.items():
+            kinds = _kinds(hint)
+            if name == "prompt" and kinds == {list, tuple}:
+                continue  # the overload of a list of prompts, which returns a list
+            assert _kinds(fields[name]) <= kinds, (function, name)
+            assert (os.PathLike in kinds) == (name in _PATH_FIELDS), (function, name)
+    assert GenerateKwargs.__required_keys__ == frozenset()
+    assert sorted(GenerateKwargs.__optional_keys__) == sorted(fields)
