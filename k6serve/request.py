@@ -223,7 +223,8 @@ class PromptListOptions(RequestOptions, total=False):
 
 class GenerateKwargs(PromptListOptions, total=False):
     """`generate`'s and `agenerate`'s keyword arguments: every `SamplingParams` field, as `RequestOptions`
-    describes them; e.g. `options: GenerateKwargs = {"prompt": "A cat", "seed": 7}; generator.generate(**options)`."""
+    describes them; e.g. `options: GenerateKwargs = {"prompt": "A cat", "seed": 7}; generator.generate(**options)`.
+    An untyped dict of mixed values (inferred `dict[str, object]`) goes in whole: `generator.generate(options)`."""
 
     prompt: str | None
 
