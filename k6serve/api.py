@@ -22,7 +22,7 @@ import threading
 import typing
 import unicodedata
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -394,12 +394,16 @@ def _lora_list(value: Any, argument: str, length: int, nickname_argument: str) -
     return list(value)
 
 
+# `set_lora`'s path: one, or one per nickname (None: the adapter already loaded), pathlib paths too; a Sequence, since
+# a list[str] is no list[str | None] to a type checker (lists are invariant), and a tuple is taken as a list.
+LoraPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None] | None
+
 # The HTTP bodies' names of the LoRA calls' arguments (POST /v1/set_lora, /v1/unload_lora), by the Python name.
 HTTP_LORA_NAMES = {"nickname": "lora_nickname", "path": "lora_path"}
 
 
-def set_lora_operation(nickname: str | list[str], path: str | list[str | None] | None = None,
-                       strength: float | list[float] = 1.0, *, merge_mode: str = "auto",
+def set_lora_operation(nickname: str | list[str], path: LoraPaths = None,
+                       strength: float | Sequence[float] = 1.0, *, merge_mode: str = "auto",
                        target: str | list[str] = "all",
                        lora_alpha: float | None = None, names: Mapping[str, str] | None = None) -> SetLora:
     """Check `DiffGenerator.set_lora`'s arguments (also the HTTP body's) and build the operation; a bad one raises
@@ -972,8 +976,8 @@ class DiffGenerator:
     @_in_callers_words
     @_http_names_answered
     @_sglang_order_answered
-    def set_lora(self, nickname: str | list[str], path: str | list[str | None] | None = None,
-                 strength: float | list[float] = 1.0, *, merge_mode: str = "auto", target: str | list[str] = "all",
+    def set_lora(self, nickname: str | list[str], path: LoraPaths = None,
+                 strength: float | Sequence[float] = 1.0, *, merge_mode: str = "auto", target: str | list[str] = "all",
                  lora_alpha: float | None = None) -> dict[str, Any]:
         """Make `nickname` (or a list of nicknames) the active LoRA adapters, replacing the previous ones.
 

@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # the engine's process imports no model code (the ranks build
 
 logger = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[int, int], None]
+# What it returns is ignored: a checker takes a callback that returns something (`lambda s, t: bar.update(1)`).
+ProgressCallback = Callable[[int, int], object]
 
 
 class RequestCancelled(Exception):

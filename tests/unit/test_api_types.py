@@ -107,3 +107,29 @@ def test_typed_keyword_arguments_follow_sampling_params():
             assert (os.PathLike in kinds) == (name in _PATH_FIELDS), (function, name)
     assert GenerateKwargs.__required_keys__ == frozenset()
     assert sorted(GenerateKwargs.__optional_keys__) == sorted(fields)
+
+
+def test_set_lora_takes_what_it_accepts_at_run_time():
+    # A pathlib path (turned into a str by os.fspath) and a list[str] / list[int] variable (lists are invariant:
+    # list[str] is no list[str | None]) were refused by checkers: `path: str | list[str | None] | None`.
+    import collections.abc
+    import os
+    import typing
+
+    from k6serve import DiffGenerator
+
+    hints = typing.get_type_hints(inspect.unwrap(DiffGenerator.set_lora))
+    assert {str, os.PathLike, collections.abc.Sequence} <= _kinds(hints["path"])
+    assert list not in _kinds(hints["path"]) | _kinds(hints["strength"])
+    sequence_items = [typing.get_args(member)[0] for member in typing.get_args(hints["path"])
+                      if typing.get_origin(member) is collections.abc.Sequence]
+    assert _kinds(sequence_items[0]) == {str, os.PathLike}
+
+
+def test_progress_callbacks_may_return_anything():
+    # on_progress's return is ignored; typed `-> None`, a checker refused `def on_step(step, total) -> bool`.
+    import typing
+
+    from k6serve.runtime.engine import ProgressCallback
+
+    assert typing.get_args(ProgressCallback)[-1] is object
