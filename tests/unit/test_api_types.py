@@ -3,6 +3,8 @@ source and the annotations the checkers read)."""
 
 import ast
 import inspect
+import types
+import typing
 from pathlib import Path
 
 import k6serve
@@ -33,8 +35,6 @@ def test_every_exported_name_is_visible_to_type_checkers():
 def test_diffgenerator_decorators_keep_the_method_types():
     # Annotated `Callable -> Callable`, they made set_lora, merge_lora_weights and the other decorated methods
     # `(*Any, **Any) -> Any` to mypy and pyright: a misspelled keyword or a wrong type went unseen.
-    import typing
-
     from k6serve import api
 
     for decorator in (api._in_callers_words, api._http_names_answered, api._sglang_order_answered):
@@ -44,8 +44,6 @@ def test_diffgenerator_decorators_keep_the_method_types():
 
 def test_public_methods_are_fully_annotated():
     # An unannotated return (the `variant` property) or a bare `dict` is Any, or dict[Any, Any], to a checker.
-    import typing
-
     from k6serve import DiffGenerator
 
     for name, member in vars(DiffGenerator).items():
@@ -61,17 +59,13 @@ def test_public_methods_are_fully_annotated():
 
 def _kinds(hint: object) -> set[object]:
     """A type's union members, generics by their origin (`dict[str, Any]` as dict), None left out."""
-    import typing
-
-    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) \
-        else (hint,)
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     return {typing.get_origin(member) or member for member in members} - {type(None)}
 
 
 def _keyword_types(function) -> dict[str, object]:
     """The keyword arguments a type checker reads off `function`: its named parameters and the keys of its
     `**kwargs: Unpack[TypedDict]`."""
-    import typing
 
     hints = typing.get_type_hints(function)
     (typed_dict,) = typing.get_args(hints.pop("kwargs"))
@@ -85,7 +79,6 @@ def test_typed_keyword_arguments_follow_sampling_params():
     # TypedDict key no field has) fails here. Every key is optional (None is the default), and takes at least the
     # field's own types (paths also as os.PathLike).
     import os
-    import typing
 
     from k6serve import DiffGenerator, SamplingParams
     from k6serve.request import _PATH_FIELDS, GenerateKwargs
@@ -114,7 +107,6 @@ def test_set_lora_takes_what_it_accepts_at_run_time():
     # list[str] is no list[str | None]) were refused by checkers: `path: str | list[str | None] | None`.
     import collections.abc
     import os
-    import typing
 
     from k6serve import DiffGenerator
 
@@ -128,8 +120,6 @@ def test_set_lora_takes_what_it_accepts_at_run_time():
 
 def test_progress_callbacks_may_return_anything():
     # on_progress's return is ignored; typed `-> None`, a checker refused `def on_step(step, total) -> bool`.
-    import typing
-
     from k6serve.runtime.engine import ProgressCallback
 
     assert typing.get_args(ProgressCallback)[-1] is object
