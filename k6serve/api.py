@@ -992,7 +992,8 @@ class DiffGenerator:
         `{"status": "ok", "message": ..., "loras": [...]}`. Bad input raises ValueError and changes nothing."""
         self._require_running()
         if self._moved():  # a relative adapter path from the caller's folder, as a request's; a hub id as it is
-            path = ([_from_here(item, existing_only=True) for item in path] if isinstance(path, list)
+            # A tuple too (it is taken as a list): its relative paths were left as given, the workers' folder's.
+            path = ([_from_here(item, existing_only=True) for item in path] if isinstance(path, (list, tuple))
                     else _from_here(path, existing_only=True))
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
                                        lora_alpha=lora_alpha)

@@ -705,3 +705,25 @@ def test_a_sampling_params_of_a_prompt_list_points_to_generates_list():
                                          r"pass the list to generate\(prompt=\[\.\.\.\]\), which runs one request "
                                          r"per prompt\.$"):
         SamplingParams(prompt=["A cat", "A dog"])
+
+
+@pytest.mark.parametrize("sequence", [list, tuple])
+def test_set_lora_takes_relative_adapter_paths_from_the_callers_folder_in_a_tuple_too(tmp_path, monkeypatch,
+                                                                                       sequence):
+    # After a %cd a list's relative paths were made the caller's; a tuple's went to the workers as given, relative
+    # to the folder the workers started in.
+    from k6serve.api import DiffGenerator
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        (second / name).write_bytes(b"")
+    monkeypatch.chdir(first)
+    with DiffGenerator(Engine(fake_config(), worker=StepWorker())) as generator:
+        monkeypatch.chdir(second)
+        operations = []
+        monkeypatch.setattr(generator.engine, "lora", lambda operation: operations.append(operation) or {})
+        generator.set_lora(sequence(["a", "b"]), sequence(["a.safetensors", "b.safetensors"]))
+    [operation] = operations
+    assert [spec.path for spec in operation.specs] == [str(second / "a.safetensors"), str(second / "b.safetensors")]
