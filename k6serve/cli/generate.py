@@ -117,9 +117,9 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
     from k6serve.models.variants import resolve_generate, resolve_upscale
 
     if variant.family == GENERATION:
-        from k6serve.caching.preflight import dit_blocks_before_loading
         import torch
 
+        from k6serve.caching.preflight import dit_blocks_before_loading
         from k6serve.offload.residency import streams_text_encoder
 
         # streams_text_encoder: --expand-prompts under a streamed text encoder was refused only once the model had
@@ -128,8 +128,9 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
         request, _ = resolve_generate(params, variant, engine_cache_dit=config.runtime.cache_dit_config,
                                       cache_dit_unavailable=config.parallel.cache_dit_unavailable,
                                       num_dit_blocks=dit_blocks_before_loading(config.model),
-                                      streams_text_encoder=streams_text_encoder(config.runtime,
-                                                                                "cuda" if on_cuda else "cpu"))
+                                      streams_text_encoder=streams_text_encoder(
+                                          config.runtime.residency_plan(super_resolution=False),
+                                          "cuda" if on_cuda else "cpu"))
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 

@@ -91,13 +91,20 @@ def _check_hub_pipeline(repo_id: str, snapshot: Path) -> None:
                               f"downloaded): {exc}") from None
 
 
+def _cache_folder_name(repo_id: str) -> str:
+    """The Hub cache's folder of a model repository ("models--org--name"), as huggingface_hub names it."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    return repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
 def _cached_in_other_case(repo_id: str) -> str:
     """Where the Hub cache holds `repo_id` in other letter case, what to pass instead (" ..."), else "": the Hub
     takes ids in any case, the cache only as downloaded, so an id typed in lower case found no copy offline, and
     the error said there was none."""
     from huggingface_hub import constants
 
-    wanted = "models--" + repo_id.replace("/", "--")
+    wanted = _cache_folder_name(repo_id)
     held = [name for name in folder_listing(Path(constants.HF_HUB_CACHE))
             if name.lower() == wanted.lower() and name != wanted]
     if not held:
@@ -114,7 +121,7 @@ def _cached_one_level_up(repo_id: str) -> str:
     from huggingface_hub import constants
 
     cache = Path(constants.HF_HUB_CACHE)
-    if not (cache.parent / ("models--" + repo_id.replace("/", "--"))).is_dir():
+    if not (cache.parent / _cache_folder_name(repo_id)).is_dir():
         return ""
     return (f" {str(cache.parent)!r} holds it, the folder above the cache {str(cache)!r} (HF_HOME names the folder "
             f"holding hub/, HF_HUB_CACHE the hub folder itself): set HF_HUB_CACHE={cache.parent}.")
@@ -126,7 +133,7 @@ def _cached_at_other_revisions(repo_id: str, revision: str | None) -> str:
     said that no copy was cached."""
     from huggingface_hub import constants
 
-    snapshots = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    snapshots = Path(constants.HF_HUB_CACHE) / _cache_folder_name(repo_id) / "snapshots"
     held = [name for name in folder_listing(snapshots) if (snapshots / name / "model_index.json").is_file()]
     # The revision's own ref naming a held snapshot: that copy is known but incomplete (a download cut off after
     # its model_index.json), and passing its commit would run it as it is.

@@ -235,10 +235,9 @@ def resolve_residency(mode: str, *, super_resolution: bool, present: Iterable[st
     return ResidencyPlan(residency=residency, notes=tuple(notes))
 
 
-def streams_text_encoder(runtime, device_type: str) -> bool:
-    """Whether the generation engine of `runtime` (a RuntimeConfig) streams the text encoder's layers from host
-    memory: the worker's answer, which `resolve_generate` refuses expand_prompts under, and the one the checks
-    before the load give (`k6serve generate`, the bench), so that refusal comes before minutes of loading. Only on
-    CUDA: on the CPU nothing is offloaded."""
-    return device_type == "cuda" and \
-        runtime.residency_plan(super_resolution=False).residency.get("text_encoder") == LAYERWISE
+def streams_text_encoder(plan: ResidencyPlan, device_type: str) -> bool:
+    """Whether a generation engine with `plan` streams the text encoder's layers from host memory: the worker's
+    answer (its own plan), which `resolve_generate` refuses expand_prompts under, and the one the checks before the
+    load give from the config's plan (`k6serve generate`, the bench), so that refusal comes before minutes of
+    loading. Only on CUDA: on the CPU nothing is offloaded."""
+    return device_type == "cuda" and plan.residency.get("text_encoder") == LAYERWISE

@@ -190,7 +190,7 @@ class ModelWorker:
         # engine: a generation checkpoint may list no audio_vae / vocoder; on the CPU nothing is offloaded.
         generation = self.variant.family == GENERATION
         self.has_audio = not generation or self.pipeline.models.has_audio
-        self.streams_text_encoder = generation and streams_text_encoder(config.runtime, self.device.type)
+        self.streams_text_encoder = generation and streams_text_encoder(self.residency_plan, self.device.type)
         if transform is not None:
             transform(self)
         self._place_resident_components()
