@@ -134,8 +134,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                     "expand_prompts rewrite through a static KV cache, its decoding step compiled on "
                                     "CUDA: 8.6-9.0 ms a token on an H100 through k6serve's 2,048-position cache, "
                                     "6.3-6.6x its eager rewrite (on an H200 7.5 against 30.1 ms through transformers' "
-                                    "own), after one compile of 9-36 s on an H100 (at warm-up with --warmup-mode request or "
-                                    "server), but the rewrite may differ from diffusers' after some tokens (the "
+                                    "own), after one compile of 9-36 s on an H100 (at warm-up with --warmup-mode "
+                                    "request or server), but the rewrite may differ from diffusers' after some tokens (the "
                                     "compiled step rounds differently). --performance-mode speed only (default false: "
                                     "eager, diffusers' ids).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
