@@ -109,7 +109,8 @@ _STOP = object()
 # is left of their ranks (process_group_worker._kill_ranks_at_exit).
 LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 # How long shutdown() waits, after cancelling the requests still running, for them to reach a step boundary before
-# it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 takes 6-8 s on an H200.
+# it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 takes about 12 s on an H200 (two DiT
+# forwards for CFG at 5.8 s each, docs/benchmarks.md), a video decode chunk a few seconds.
 SHUTDOWN_CANCEL_WAIT_S = 60.0
 
 
@@ -339,6 +340,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._taking:
+                self._wait_for_a_serving_replica()
                 job = self._held.popleft() if self._held and not self._memory_released else self._queue.get()
                 if job is _STOP:
                     return
@@ -370,6 +372,15 @@ class Engine:
                 with self._idle:
                     self._running.discard(job)
                     self._idle.notify_all()
+
+    def _wait_for_a_serving_replica(self) -> None:
+        """Called holding `_taking`: wait until fewer requests run than replicas still serve. With a dp replica dead,
+        a loop thread took the next request and waited inside the worker for the survivor: the request counted as
+        started, and a cancel (DELETE, Ctrl-C) landed only after the survivor's request ended and it had begun. Left
+        in the queue, it is cancelled at once. At least one: with none serving, the worker says they all died."""
+        with self._idle:
+            while len(self._running) >= max(1, len(self._threads) - len(self.dead_replicas())):
+                self._idle.wait()
 
     def _run(self, job: EngineJob) -> None:
         try:

@@ -173,6 +173,32 @@ def test_a_replica_killed_while_idle_is_found_and_no_request_is_blamed(tmp_path:
         engine.shutdown()
 
 
+def test_with_a_replica_dead_the_next_request_waits_in_the_queue_and_a_cancel_lands_at_once(tmp_path: Path):
+    # A loop thread took the next request and waited inside the worker for the survivor: the request counted as
+    # started, and its cancel (an HTTP DELETE, Ctrl-C) landed only after the survivor's request had ended.
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        os.kill(worker.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not engine.dead_replicas() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        marker = tmp_path / "go"
+        running = engine.submit(SamplingParams(prompt=f"wait-for:{marker}", num_inference_steps=1))
+        assert running.started.wait(TIMEOUT_S)
+        waiting = engine.submit(SamplingParams(prompt="x", num_inference_steps=1))
+        time.sleep(0.5)
+        assert not waiting.started.is_set() and engine.queue_depth() == 1
+        waiting.cancel()
+        assert waiting.future.cancelled()  # at once, not when the survivor is free
+        marker.touch()
+        assert note(running.future.result(timeout=TIMEOUT_S), "replica") == "0"
+        # The survivor still takes every request, one after another.
+        assert note(engine.generate(SamplingParams(prompt="x", num_inference_steps=1)), "replica") == "0"
+    finally:
+        engine.shutdown()
+
+
 def test_a_peer_killed_while_idle_leaves_the_leader_without_a_traceback(capfd):
     # The leader's next broadcast to the dead peer raised out of its loop: "Process k6serve-rank0: Traceback ...
     # Connection closed by peer" printed above the engine's own account of the death.
