@@ -345,6 +345,23 @@ def test_cli_refuses_an_unusable_sr_source_before_loading_the_model(no_model_loa
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_sample_audio_for_a_silent_checkpoint_before_loading_it(no_model_load, tmp_path, capsys):
+    # A checkpoint whose model_index.json lists no audio_vae and vocoder: --sample-audio was refused by the worker,
+    # once the model had loaded (minutes for a real one).
+    from k6serve.testing.tiny_checkpoints import build_generation_checkpoint
+
+    folder = build_generation_checkpoint(tmp_path / "silent", "lite", seed=1, with_audio=False)
+    assert main(["generate", "--model-path", str(folder), "--prompt", "x", "--sample-audio",
+                 "--output-path", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert ("error: --sample-audio was given, but this checkpoint has no audio_vae and vocoder (its model_index.json "
+            "lists none), so it makes silent videos only; drop --sample-audio.") in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    # Unset: its silent videos, as before (the stand-in load fails the run).
+    main(["generate", "--model-path", str(folder), "--prompt", "x", "--output-path", str(tmp_path / "out")])
+    assert "AssertionError: the model was loaded" in capsys.readouterr().err
+
+
 def test_cli_names_its_flags_in_an_sr_size_refusal(no_model_load, tiny_sr_dir, tmp_path, capsys):
     """The plan's refusals (an output over H.264's limits, a 'fit' target leaving a side under 2 pixels) named the
     request fields on the command line: `use sr_resolution_scale 2.25 or 2`, beside flags everywhere else."""

@@ -40,7 +40,7 @@ from k6serve.models.checkpoint_files import (
 )
 from k6serve.models.kandinsky6 import encoder_configs
 from k6serve.models.kandinsky6.config import SCHEDULER_CLASSES, Kandinsky6TransformerConfig
-from k6serve.models.kandinsky6.config_before_loading import released_transformer_config
+from k6serve.models.kandinsky6.config_before_loading import released_transformer_config, unlisted_audio_components
 from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer, cast_for_inference
 from k6serve.models.variants import Variant
 
@@ -102,7 +102,7 @@ def load_generation_models(
         return _build_dummy(variant, device=device, dtype=dtype, where=where)
     assert folder is not None
     index = read_model_index(folder)
-    unlisted = [name for name in ("audio_vae", "vocoder") if name not in index or index[name][0] is None]
+    unlisted = unlisted_audio_components(index)
     with_audio = not unlisted
     # The audio components are optional, as in diffusers (no audio track then), but listed ones must be there: a
     # listed folder that is missing was an internal error with a "check your internet connection" text.

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k6serve.models.checkpoint_files import CheckpointError, read_component_config
+from k6serve.models.checkpoint_files import CheckpointError, read_component_config, read_model_index
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
-from k6serve.models.variants import Variant
+from k6serve.models.variants import GENERATION, Variant
 
 
 def transformer_config_before_loading(variant: Variant, folder: Path | None) -> Kandinsky6TransformerConfig:
@@ -33,3 +33,17 @@ def released_transformer_config(variant: Variant) -> dict:
     if variant.size not in ("pro", "lite"):
         raise ValueError(f"--load-format dummy has no built-in transformer config for {variant.name}.")
     return RELEASED_TRANSFORMER_CONFIGS[f"{variant.size}_distill" if variant.distilled else variant.size]
+
+
+def unlisted_audio_components(index: dict) -> list[str]:
+    """Which of audio_vae and vocoder a checkpoint's model_index.json (`index`) leaves out or lists as null: with
+    either gone it makes silent videos only, as in diffusers. Read by the load and by the CLI's check before it."""
+    return [name for name in ("audio_vae", "vocoder") if name not in index or index[name][0] is None]
+
+
+def has_audio_before_loading(variant: Variant, folder: Path | None, load_format: str | None) -> bool:
+    """Whether the load will give the checkpoint its audio_vae and vocoder: --load-format dummy builds both, as does
+    the load of a hub id (every release has them); a local folder says so in its model_index.json."""
+    if folder is None or load_format == "dummy" or variant.family != GENERATION:
+        return True
+    return not unlisted_audio_components(read_model_index(folder))
