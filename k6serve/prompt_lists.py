@@ -12,7 +12,7 @@ from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from k6serve.request import OutputOptions, SamplingParams
+from k6serve.request import OutputOptions, SamplingParams, error_type_name
 from k6serve.runtime.engine import RequestCancelled
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def stopped_note(listed: Listed, finished: dict[int, VideoResult], stopper: int,
             + (f"{_places(done)} had finished" if done else "none had finished")
             + (f" (saved: {', '.join(saved)})" if saved else ""))
     for index, error in sorted((also_failed or {}).items()):
-        note += f"; prompt {index} failed too ({type(error).__name__}: {_first_line(error)})"
+        note += f"; prompt {index} failed too ({error_type_name(error)}: {_first_line(error)})"
     if rest == list(range(rest[0], count)):
         note += f"; to run the rest, pass the list from prompt {rest[0]} on (prompts[{rest[0]}:])"
     else:  # a later prompt finished beside the one that failed: the rest is not a tail of the list

@@ -283,6 +283,12 @@ class _FlagNames(FieldNames):
 FIELD_NAMES, FLAG_NAMES = FieldNames(), _FlagNames()
 
 
+def error_type_name(error: BaseException) -> str:
+    """The type name a message shows for `error`: a `FlagWorded` refusal (AudioTooLong, ...) is the ValueError the
+    API documents and callers catch; its own class name read as an internal type in a bench row ("FlagWorded: ...")."""
+    return "ValueError" if isinstance(error, FlagWorded) else type(error).__name__
+
+
 class FlagWordedNote(str):
     """A note (a warning in a result's `notes`, not a refusal) that names request fields as `FlagWorded` does: the
     string itself in the fields' names, for the Python API and the HTTP server, and `flag_wording` in `k6serve

@@ -38,6 +38,7 @@ from k6serve.bench.tiny import (
 from k6serve.bench.vae import VaeOptions, run_vae
 from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, QUANTIZATIONS, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
+from k6serve.request import error_type_name
 from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
 
 STAGES = ("dit", "vae", "audio", "text", "generate", "sr")
@@ -630,7 +631,7 @@ def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print,
         except Exception as error:  # noqa: BLE001 (one stage's failure must not lose the others)
             stage_rows = [
                 BenchRow(
-                    stage=stage, name="-", config="-", error=f"{type(error).__name__}: {error}"
+                    stage=stage, name="-", config="-", error=f"{error_type_name(error)}: {error}"
                 )
             ]
         rows += stage_rows

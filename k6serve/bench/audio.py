@@ -11,6 +11,7 @@ from k6serve.bench.geometry import GenerationGeometry
 from k6serve.bench.measure import measure
 from k6serve.bench.report import BenchRow
 from k6serve.pipelines.decode import decode_audio
+from k6serve.request import error_type_name
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,5 +44,5 @@ def run_audio(options: AudioOptions) -> list[BenchRow]:
         row.record(result)
         row.note = f"{result.output.waveform.shape[0]} samples at {result.output.sample_rate} Hz"
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
-        row.error = f"{type(error).__name__}: {error}"
+        row.error = f"{error_type_name(error)}: {error}"
     return [row]

@@ -29,6 +29,7 @@ from k6serve.models.kandinsky6.plan import kandinsky6_plan
 from k6serve.ops import flash_attention4, fp8_attention
 from k6serve.ops.attention import resolve_attention_backend
 from k6serve.ops.rms_norm_rope import kernel_for
+from k6serve.request import error_type_name
 from k6serve.speed.fp8_linears import (
     FP8_LINEAR_SCOPES,
     apply_fp8_linears,
@@ -164,7 +165,7 @@ def _run_reference(
         reference = diffusers_transformer_like(ours, options.device)
         _time_reference(reference, inputs, options, rows, tflop, compared)
     except Exception as error:  # noqa: BLE001 (recorded in the row; our variants still run)
-        rows[-1].error = f"{type(error).__name__}: {error}"
+        rows[-1].error = f"{error_type_name(error)}: {error}"
     reference = None
     gc.collect()
     return rows
@@ -208,7 +209,7 @@ def _run_ours(
                 row.breakdown_s["first_call"] = _first_call(call, options.device)
             compared.fill(row, _timed(row, call, options))
         except Exception as error:  # noqa: BLE001 (recorded in the row; the next backend still runs)
-            row.error = f"{type(error).__name__}: {error}"
+            row.error = f"{error_type_name(error)}: {error}"
     return rows
 
 

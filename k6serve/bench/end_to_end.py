@@ -23,7 +23,7 @@ import torch
 
 from k6serve.bench.report import BenchRow
 from k6serve.models.variants import VARIANTS
-from k6serve.request import TIMING_COUNTS
+from k6serve.request import TIMING_COUNTS, error_type_name
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
 SR_VARIANT = "vsr-distilled2steps"
@@ -183,7 +183,7 @@ def _run_requests(generator, params: dict, repeats: int):
         try:
             warm.append(generator.generate(params))
         except Exception as error:  # noqa: BLE001 (a failure is a table row)
-            return cold, [], f"warm request {index + 1} of {repeats}: {type(error).__name__}: {error}"
+            return cold, [], f"warm request {index + 1} of {repeats}: {error_type_name(error)}: {error}"
     return cold, warm, None
 
 
@@ -293,7 +293,7 @@ def run_generate(options: EndToEndOptions) -> list[BenchRow]:
                     rows += extra_rows(generator, params, options, config, warm or [cold])
                 except Exception as error:  # noqa: BLE001 (a failure is a table row)
                     rows.append(BenchRow(stage="generate", name=name, config=config,
-                                         error=f"{type(error).__name__}: {error}"))
+                                         error=f"{error_type_name(error)}: {error}"))
     _free()
     return rows
 

@@ -26,6 +26,7 @@ from k6serve.pipelines.encode_text import (
     encode_prompt,
 )
 from k6serve.pipelines.expand_prompt import StaticRewriteCache, expanded_token_ids
+from k6serve.request import error_type_name
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
 EXPAND_TOKENS = 256  # a detailed rewrite's length; diffusers lets it run to 1024
@@ -115,7 +116,7 @@ def run_text(options: TextOptions) -> list[BenchRow]:
                     "generate)")
         rows.append(_static_cache_row(parts, options, rewrite))
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
-        rows[-1].error = f"{type(error).__name__}: {error}"
+        rows[-1].error = f"{error_type_name(error)}: {error}"
     return rows
 
 
@@ -151,7 +152,7 @@ def _static_cache_row(parts: TextComponents, options: TextOptions, eager) -> Ben
         row.note = (f"{tokens} tokens, {row.seconds / tokens * 1000:.1f} ms a token; first call {first.median_s:.1f} s "
                     f"(compiles on CUDA); {same}; x column: against the eager rewrite")
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
-        row.error = f"{type(error).__name__}: {error}"
+        row.error = f"{error_type_name(error)}: {error}"
     finally:
         # transformers keeps the compiled step on the model (`_compiled_call`, a reference cycle through it): the
         # 16 GB encoder outlived the stage until a collection, beside the next stage's model.

@@ -28,6 +28,7 @@ from k6serve.bench.geometry import GenerationGeometry
 from k6serve.bench.measure import max_abs_difference, measure
 from k6serve.bench.report import BenchRow
 from k6serve.pipelines.decode import decode_video
+from k6serve.request import error_type_name
 from k6serve.speed.vae import apply_vae_speedups
 
 _VIDEO_LATENT_CHANNELS = 16
@@ -64,7 +65,7 @@ def _decode_row(name: str, options: VaeOptions, vae, latents, reference_frames, 
             row.max_abs_diff = max_abs_difference(frames, reference_frames)
         return row, frames
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
-        row.error = f"{type(error).__name__}: {error}"
+        row.error = f"{error_type_name(error)}: {error}"
         return row, None
 
 
@@ -103,7 +104,7 @@ def run_vae(options: VaeOptions) -> list[BenchRow]:
                 applied = apply_vae_speedups(vae, options.device, **flags)
             except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
                 rows.append(BenchRow(stage="vae", name=name, config=geometry.label,
-                                     error=f"{type(error).__name__}: {error}"))
+                                     error=f"{error_type_name(error)}: {error}"))
                 break
             row, _ = _decode_row(name, options, vae, latents, reference_frames, baseline.seconds, keep_float=False)
             row.note = "applied: " + (", ".join(applied) or "nothing (not CUDA)")

@@ -47,7 +47,7 @@ from k6serve.lora.spec import (
     quantized_lora_refusal,
     start_set_lora,
 )
-from k6serve.request import SamplingParams, VideoResult
+from k6serve.request import SamplingParams, VideoResult, error_type_name
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.runtime.out_of_memory import (WorkerKilled, is_host_out_of_memory, is_out_of_memory,
@@ -145,7 +145,7 @@ def client_words(error: BaseException) -> str:
     a rank's error carries as text (4,800 characters with the server's file paths), which the log keeps."""
     text = str(error).split("\nTraceback (most recent call last)")[0].strip()
     text = text if len(text) <= _CLIENT_MESSAGE_CHARS else text[:_CLIENT_MESSAGE_CHARS - 3] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return f"{error_type_name(error)}: {text}" if text else error_type_name(error)
 
 
 _CLIENT_MESSAGE_CHARS = 500

@@ -839,7 +839,7 @@ def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it(monk
     assert [row.error is None for row in rows] == [True, True, False, True, True]
     assert rows[0].seconds > 0 and rows[1].seconds > 0
     # A FlagWorded (a ValueError that also carries `k6serve generate`'s wording), as the request's other refusals.
-    assert rows[2].error.startswith("FlagWorded: Unknown cache_dit_params key(s) ['bogus']")
+    assert rows[2].error.startswith("ValueError: Unknown cache_dit_params key(s) ['bogus']")
 
 
 def test_the_extra_rows_requests_are_refused_before_the_load(monkeypatch):
@@ -947,6 +947,28 @@ def test_a_failing_warm_extra_request_keeps_its_first_row():
     assert [(row.name, row.error) for row in rows] == [
         ("ours cold (first request)", None), ("ours warm", None), ("ours silent, first", None),
         ("ours silent, warm", "warm request 1 of 1: RuntimeError: boom")]
+
+
+def test_a_refused_request_is_a_value_error_in_its_row_and_in_every_message_naming_a_type():
+    # A refusal raised as FlagWorded (a ValueError that carries the CLI's flag wording) showed in a bench row as
+    # "FlagWorded: ...", a type no documentation names; the same in a prompt list's note and an HTTP job's error.
+    from k6serve.api import DiffGenerator
+    from k6serve.models.variants import AudioTooLong
+    from k6serve.request import FlagWorded, error_type_name
+    from k6serve.serve.runner import client_words
+
+    def refused(self, *args, **kwargs):
+        raise FlagWorded("sample_audio is true, but ...", flag_wording="--sample-audio was given, but ...")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DiffGenerator, "generate", refused)
+        args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1",
+                                          "--num-inference-steps", "1"])
+        rows = run_stages(args, log=lambda text: None)
+    assert [row.error for row in rows] == ["ValueError: sample_audio is true, but ..."]
+    assert error_type_name(AudioTooLong("too long")) == "ValueError"
+    assert error_type_name(RuntimeError("x")) == "RuntimeError"
+    assert client_words(FlagWorded("bad")) == "ValueError: bad"
 
 
 def test_the_sr_rows_write_the_source_size_height_first_as_every_other_row():
