@@ -2,6 +2,7 @@
 
 import typing
 
+from k6serve.config import EngineOptions
 from k6serve.request import GenerateKwargs, GenerateRequest, SamplingParams, UpscaleRequest, VideoResult
 
 if typing.TYPE_CHECKING:
@@ -9,7 +10,8 @@ if typing.TYPE_CHECKING:
     # __getattr__ alone, `DiffGenerator` and everything a generator returns were `Any` to mypy and pyright.
     from k6serve.api import DiffGenerator
 
-__all__ = ["DiffGenerator", "GenerateKwargs", "GenerateRequest", "SamplingParams", "UpscaleRequest", "VideoResult"]
+__all__ = ["DiffGenerator", "EngineOptions", "GenerateKwargs", "GenerateRequest", "SamplingParams", "UpscaleRequest",
+           "VideoResult"]
 __version__ = "0.1.0"
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from k6serve.api_errors import flags_as_keywords, reworded_errors
-from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.config import EngineConfig, EngineOptions, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.dependencies import MissingPackage, require_package
 from k6serve.lora.spec import (
     LORA_MERGE_MODES,
@@ -498,11 +498,11 @@ def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: 
     return options
 
 
-def _options_with_server_args(server_args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _options_with_server_args(server_args: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's `server_args` dict under the keyword arguments. SGLang's own `ServerArgs` object holds SGLang's whole
     option set, hundreds of options k6serve has no use for, so it is refused, asking for the options that matter."""
     if server_args is None:
-        return kwargs
+        return dict(kwargs)
     if not isinstance(server_args, Mapping):
         raise ValueError(
             f"server_args takes the engine options as a dict of keyword names, e.g. server_args={{'model_path': "
@@ -641,12 +641,13 @@ class DiffGenerator:
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike[str] | None = None, *, local_mode: bool = True,
-                        server_args: Mapping[str, Any] | None = None, **kwargs: Any) -> "DiffGenerator":
+                        server_args: Mapping[str, Any] | None = None,
+                        **kwargs: Unpack[EngineOptions]) -> "DiffGenerator":
         """Load `model_path` (a local Diffusers folder, a hub id, or "demo" / "demo-sr": the built-in tiny random
         checkpoints) and start its worker processes. `kwargs` are the engine options, the CLI's flags with underscores
-        (num_gpus, performance_mode, attention_backend, warmup_mode, device, ...; docs/cli.md lists them). A bad
-        option raises ValueError before anything loads, naming the keywords (e.g. `num_gpus=4`); request
-        parameters (prompt, seed, ...) go to `generate`.
+        (num_gpus, performance_mode, attention_backend, warmup_mode, device, ...; docs/cli.md lists them), typed
+        for checkers by `EngineOptions`. A bad option raises ValueError before anything loads, naming the keywords
+        (e.g. `num_gpus=4`); request parameters (prompt, seed, ...) go to `generate`.
 
         SGLang's two other arguments are taken as it defines them: `server_args`, the engine options as a dict
         (`model_path` may be one of them), under the keyword arguments (a keyword given in both wins, as SGLang's

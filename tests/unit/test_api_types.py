@@ -7,6 +7,8 @@ import types
 import typing
 from pathlib import Path
 
+import pytest
+
 import k6serve
 
 
@@ -123,3 +125,51 @@ def test_progress_callbacks_may_return_anything():
     from k6serve.runtime.engine import ProgressCallback
 
     assert typing.get_args(ProgressCallback)[-1] is object
+
+
+def test_engine_options_are_the_options_from_pretrained_takes():
+    # from_pretrained took `**kwargs: Any`: `num_gpu=1` or `num_gpus="1"` reached a checker unseen, and failed only
+    # when the script ran. Its keys are what build_engine_config takes at run time (every config section's field but
+    # model_path, from_pretrained's own argument), each with at least the field's own types.
+    import collections.abc
+    import dataclasses
+    import os
+
+    import torch
+
+    from k6serve import DiffGenerator, EngineOptions
+    from k6serve.api import _ENGINE_SECTIONS, build_engine_config
+
+    hints = typing.get_type_hints(DiffGenerator.from_pretrained, localns={"torch": torch})
+    assert typing.get_args(hints["kwargs"]) == (EngineOptions,)
+    options = typing.get_type_hints(EngineOptions, localns={"torch": torch})
+    fields = {item.name: item for cls in _ENGINE_SECTIONS for item in dataclasses.fields(cls)}
+    field_types = {name: hint for cls in _ENGINE_SECTIONS for name, hint in typing.get_type_hints(cls).items()}
+    del fields["model_path"]
+    assert sorted(options) == sorted(fields)
+    assert EngineOptions.__required_keys__ == frozenset()
+    for name, item in fields.items():
+        default = item.default if item.default is not dataclasses.MISSING else item.default_factory()
+        build_engine_config("demo", **{name: default})  # taken at run time, as its own default
+        kinds = _kinds(options[name])
+        for kind in _kinds(field_types[name]):
+            assert any(issubclass(kind, accepted) for accepted in kinds), (name, kind)
+        # None is in the type exactly where the run time takes it (an optional field, or "no names given").
+        admits_none = type(None) in typing.get_args(options[name])
+        try:
+            build_engine_config("demo", **{name: None})
+        except ValueError:
+            assert not admits_none, name
+        else:
+            assert admits_none, name
+    # The other spellings the type admits are taken at run time too; a name outside it is refused.
+    build_engine_config("demo", dtype=torch.float32, device=torch.device("cpu"), lora_path=os.path.abspath("x"),
+                        cpu_offload_components="vae", layerwise_offload_components=("text_encoder",),
+                        component_residency={"vae": "resident"}, warmup_mode="server", warmup_resolutions=["64x96"],
+                        cache_dit_config={"residual_diff_threshold": 0.1})
+    build_engine_config("demo", quantization="fp8", quantization_ignored_layers=["a"],
+                        component_residency=[("vae", "resident")], warmup_mode="server",
+                        warmup_resolutions="64x96x5", cache_dit_config='{"residual_diff_threshold": 0.1}')
+    assert collections.abc.Mapping in _kinds(options["component_residency"])
+    with pytest.raises(ValueError, match="Unknown engine option 'num_gpu'"):
+        build_engine_config("demo", num_gpu=1)
