@@ -52,6 +52,7 @@ from k6serve.request import (
     GenerateKwargs,
     OutputOptions,
     PromptListOptions,
+    PromptListRequest,
     RequestOptions,
     SamplingParams,
     VideoResult,
@@ -719,9 +720,25 @@ class DiffGenerator:
                  progress_bar: bool = False, **kwargs: Unpack[PromptListOptions]) -> list[VideoResult]: ...
 
     @typing.overload
-    def generate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
+    def generate(self, sampling_params_kwargs: PromptListRequest, *, on_progress: ProgressCallback | None = None,
+                 progress_bar: bool = False, **kwargs: Unpack[PromptListOptions]) -> list[VideoResult]: ...
+
+    @typing.overload
+    def generate(self, sampling_params_kwargs: GenerateKwargs | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, progress_bar: bool = False,
                  **kwargs: Unpack[GenerateKwargs]) -> VideoResult: ...
+
+    @typing.overload
+    def generate(self, sampling_params_kwargs: Mapping[str, Any], *, prompt: str | None,
+                 on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                 **kwargs: Unpack[PromptListOptions]) -> VideoResult: ...
+
+    # An untyped dict (`dict[str, Any]`, or the `dict[str, object]` a dict of mixed values is inferred as) may hold
+    # a list of prompts, which a checker cannot see: one result or a list, as at run time.
+    @typing.overload
+    def generate(self, sampling_params_kwargs: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
+                 progress_bar: bool = False,
+                 **kwargs: Unpack[PromptListOptions]) -> VideoResult | list[VideoResult]: ...
 
     @_in_callers_words
     def generate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
@@ -767,9 +784,25 @@ class DiffGenerator:
                         progress_bar: bool = False, **kwargs: Unpack[PromptListOptions]) -> list[VideoResult]: ...
 
     @typing.overload
-    async def agenerate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
+    async def agenerate(self, sampling_params_kwargs: PromptListRequest, *, on_progress: ProgressCallback | None = None,
+                        progress_bar: bool = False, **kwargs: Unpack[PromptListOptions]) -> list[VideoResult]: ...
+
+    @typing.overload
+    async def agenerate(self, sampling_params_kwargs: GenerateKwargs | SamplingParams | None = None, *,
                         on_progress: ProgressCallback | None = None, progress_bar: bool = False,
                         **kwargs: Unpack[GenerateKwargs]) -> VideoResult: ...
+
+    @typing.overload
+    async def agenerate(self, sampling_params_kwargs: Mapping[str, Any], *, prompt: str | None,
+                        on_progress: ProgressCallback | None = None, progress_bar: bool = False,
+                        **kwargs: Unpack[PromptListOptions]) -> VideoResult: ...
+
+    # An untyped dict (`dict[str, Any]`, or the `dict[str, object]` a dict of mixed values is inferred as) may hold
+    # a list of prompts, which a checker cannot see: one result or a list, as at run time.
+    @typing.overload
+    async def agenerate(self, sampling_params_kwargs: Mapping[str, Any], *, on_progress: ProgressCallback | None = None,
+                        progress_bar: bool = False,
+                        **kwargs: Unpack[PromptListOptions]) -> VideoResult | list[VideoResult]: ...
 
     @_in_callers_words
     async def agenerate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
@@ -972,7 +1005,9 @@ class DiffGenerator:
         # Without a path the request is generate's to refuse: diffusers' `upscale(video=...)` then gets its note
         # (pass video_path=) instead of Python's "missing 1 required positional argument".
         request: Mapping[str, Any] = kwargs if video_path is None else {"video_path": video_path, **kwargs}
-        return self.generate(request, on_progress=on_progress, progress_bar=progress_bar)
+        # One result: `RequestOptions` holds no prompt, so no list of them (an untyped caller's list prompt is the
+        # super-resolution model's to refuse).
+        return typing.cast(VideoResult, self.generate(request, on_progress=on_progress, progress_bar=progress_bar))
 
     @_in_callers_words
     @_http_names_answered

@@ -224,9 +224,19 @@ class PromptListOptions(RequestOptions, total=False):
 class GenerateKwargs(PromptListOptions, total=False):
     """`generate`'s and `agenerate`'s keyword arguments: every `SamplingParams` field, as `RequestOptions`
     describes them; e.g. `options: GenerateKwargs = {"prompt": "A cat", "seed": 7}; generator.generate(**options)`.
-    An untyped dict of mixed values (inferred `dict[str, object]`) goes in whole: `generator.generate(options)`."""
+    Also the request dict of one prompt: `generator.generate({"prompt": "A cat", "seed": 7})` (a dict written in the
+    call, or a variable typed GenerateKwargs) is typed as returning one `VideoResult`. An untyped dict of mixed values
+    (inferred `dict[str, object]`) goes in whole too, `generator.generate(options)`, but its prompt may be a list, so
+    the checker's result is `VideoResult | list[VideoResult]`."""
 
     prompt: str | None
+
+
+class PromptListRequest(PromptListOptions, total=False):
+    """A request dict whose prompt is a list of prompts (`generate({"prompt": ["A cat", "A dog"], "seed": 7})`),
+    which `generate` runs as one request per prompt and answers with a list: the dict type its overload reads."""
+
+    prompt: typing.Required[list[str] | tuple[str, ...]]
 
 
 class FlagWorded(ValueError):

@@ -3,6 +3,7 @@ source and the annotations the checkers read)."""
 
 import ast
 import inspect
+import re
 import types
 import typing
 from pathlib import Path
@@ -87,13 +88,15 @@ def test_typed_keyword_arguments_follow_sampling_params():
 
     fields = typing.get_type_hints(SamplingParams)
     overloads = [*typing.get_overloads(DiffGenerator.generate), *typing.get_overloads(DiffGenerator.agenerate)]
-    assert len(overloads) == 4
+    assert len(overloads) == 10
     for function in [*overloads, inspect.unwrap(DiffGenerator.upscale)]:
         keywords = _keyword_types(function)
         for name in ("sampling_params_kwargs", "on_progress", "progress_bar"):
             keywords.pop(name, None)
-        # upscale takes no prompt (the SR model refuses one); its video_path is its first argument.
-        assert set(keywords) == set(fields) - ({"prompt"} if function.__name__ == "upscale" else set()), function
+        # upscale takes no prompt (the SR model refuses one); its video_path is its first argument. An overload of a
+        # request dict whose prompt it leaves to the dict takes no prompt keyword (which would win over the dict's).
+        no_prompt = function.__name__ == "upscale" or "prompt" not in keywords
+        assert set(keywords) == set(fields) - ({"prompt"} if no_prompt else set()), function
         for name, hint in keywords.items():
             kinds = _kinds(hint)
             if name == "prompt" and kinds == {list, tuple}:
@@ -102,6 +105,63 @@ def test_typed_keyword_arguments_follow_sampling_params():
             assert (os.PathLike in kinds) == (name in _PATH_FIELDS), (function, name)
     assert GenerateKwargs.__required_keys__ == frozenset()
     assert sorted(GenerateKwargs.__optional_keys__) == sorted(fields)
+
+
+def _prompt_is_list(hint: object) -> bool | None:
+    """Whether a prompt of this type is a list (True), never one (False), or may be either (None)."""
+    kinds = _kinds(hint)
+    if kinds <= {list, tuple}:
+        return True
+    return None if kinds & {list, tuple, object} else False
+
+
+def _request_prompt_is_list(request: object) -> bool | None:
+    """`_prompt_is_list` of the prompt a `sampling_params_kwargs` of this type holds: a TypedDict's is its key's,
+    a SamplingParams' a str (it refuses a list), and an untyped Mapping's unknown."""
+    from k6serve import SamplingParams
+
+    answers = set()
+    for member in typing.get_args(request) if typing.get_origin(request) in (typing.Union, types.UnionType) \
+            else (request,):
+        if member is type(None) or member is SamplingParams:
+            answers.add(False)
+        elif typing.is_typeddict(member):
+            answers.add(_prompt_is_list(typing.get_type_hints(member)["prompt"]))
+        else:
+            answers.add(None)  # Mapping[str, Any]: its prompt may be anything
+    return answers.pop() if len(answers) == 1 else None
+
+
+def test_generate_is_typed_as_returning_a_list_exactly_where_a_list_of_prompts_may_come():
+    # generate({"prompt": ["A cat", "A dog"]}) returns a list at run time, but the overload of a request dict said
+    # `-> VideoResult`: a checker let `result.output_file_path` through, which failed on the list. Each overload's
+    # return now follows the prompt it can be given: the prompt keyword (which wins over the dict's), else the
+    # request's (a TypedDict's key; an untyped dict's may be a list: one result or a list).
+    from k6serve import DiffGenerator, VideoResult
+
+    seen = set()
+    for method in (DiffGenerator.generate, DiffGenerator.agenerate):
+        for overload in typing.get_overloads(method):
+            hints = typing.get_type_hints(overload)
+            keywords = _keyword_types(overload)
+            if "prompt" in keywords:
+                is_list = _prompt_is_list(keywords["prompt"])
+            else:
+                is_list = _request_prompt_is_list(hints["sampling_params_kwargs"])
+            returns = typing.get_args(hints["return"]) if typing.get_origin(hints["return"]) in (
+                typing.Union, types.UnionType) else (hints["return"],)
+            expected = {True: {list[VideoResult]}, False: {VideoResult}, None: {VideoResult, list[VideoResult]}}
+            assert set(returns) == expected[is_list], (method.__name__, hints)
+            seen.add((method.__name__, is_list))
+    # Each method has an overload of each kind: a list of prompts, one prompt, and an untyped request dict.
+    assert seen == {(name, kind) for name in ("generate", "agenerate") for kind in (True, False, None)}
+    # The request dict of a list of prompts is a type of its own, whose prompt must be given.
+    from k6serve.request import PromptListRequest
+
+    # (Its __required_keys__ misses it on Python 3.11, which does not read Required in a string annotation.)
+    hint = typing.get_type_hints(PromptListRequest, include_extras=True)["prompt"]
+    assert typing.get_origin(hint) is typing.Required
+    assert _prompt_is_list(typing.get_type_hints(PromptListRequest)["prompt"]) is True
 
 
 def test_set_lora_takes_what_it_accepts_at_run_time():
@@ -173,3 +233,45 @@ def test_engine_options_are_the_options_from_pretrained_takes():
     assert collections.abc.Mapping in _kinds(options["component_residency"])
     with pytest.raises(ValueError, match="Unknown engine option 'num_gpu'"):
         build_engine_config("demo", num_gpu=1)
+
+
+_CHECKED = '''
+from typing import Any
+
+from k6serve import DiffGenerator, GenerateKwargs
+
+generator = DiffGenerator.from_pretrained("demo", num_gpus=1, attention_backend="sdpa")
+untyped: dict[str, Any] = {"prompt": ["A cat", "A dog"]}
+reveal_type(generator.generate({"prompt": ["A cat", "A dog"], "seed": 7}))
+reveal_type(generator.generate({"prompt": "A cat", "seed": 7}))
+reveal_type(generator.generate(prompt=["A cat", "A dog"]))
+reveal_type(generator.generate(untyped))
+reveal_type(generator.generate(untyped, prompt="A cat"))
+options: GenerateKwargs = {"prompt": "A cat"}
+reveal_type(generator.generate(**options))
+DiffGenerator.from_pretrained("demo", num_gpu=1)
+DiffGenerator.from_pretrained("demo", num_gpus="1")
+
+
+async def main() -> None:
+    reveal_type(await generator.agenerate({"prompt": ["A cat"]}))
+'''
+
+
+def test_mypy_reads_the_api_as_it_behaves(tmp_path, monkeypatch):
+    # The tests above read the annotations; this asks mypy itself, where it is installed (not a test dependency):
+    # the return follows the prompt, and a misspelt or mistyped engine option is an error.
+    mypy_api = pytest.importorskip("mypy.api")
+    (tmp_path / "checked.py").write_text(_CHECKED)
+    monkeypatch.setenv("MYPYPATH", str(Path(inspect.getfile(k6serve)).parents[1]))  # this checkout's k6serve
+    # Without site-packages (torch, numpy, ... read as Any): k6serve's own annotations are what is checked.
+    report, _, _ = mypy_api.run(["--follow-imports=silent", "--ignore-missing-imports", "--no-site-packages",
+                                 "--no-error-summary", "--cache-dir", str(tmp_path / "cache"),
+                                 str(tmp_path / "checked.py")])
+    one, many = '"k6serve.request.VideoResult"', '"list[k6serve.request.VideoResult]"'
+    revealed = re.findall(r'Revealed type is (".*")', report)
+    either = '"k6serve.request.VideoResult | list[k6serve.request.VideoResult]"'
+    assert revealed == [many, one, many, either, one, one, many], report
+    assert 'Unexpected keyword argument "num_gpu" for "from_pretrained"' in report, report
+    assert 'Argument "num_gpus" to "from_pretrained" of "DiffGenerator" has incompatible type "str"' in report, report
+    assert report.count("error:") == 2, report
