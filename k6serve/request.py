@@ -224,10 +224,11 @@ class PromptListOptions(RequestOptions, total=False):
 class GenerateKwargs(PromptListOptions, total=False):
     """`generate`'s and `agenerate`'s keyword arguments: every `SamplingParams` field, as `RequestOptions`
     describes them; e.g. `options: GenerateKwargs = {"prompt": "A cat", "seed": 7}; generator.generate(**options)`.
-    Also the request dict of one prompt: `generator.generate({"prompt": "A cat", "seed": 7})` (a dict written in the
-    call, or a variable typed GenerateKwargs) is typed as returning one `VideoResult`. An untyped dict of mixed values
-    (inferred `dict[str, object]`) goes in whole too, `generator.generate(options)`, but its prompt may be a list, so
-    the checker's result is `VideoResult | list[VideoResult]`."""
+    Also the type of a request dict of one prompt written in the call, `generator.generate({"prompt": "A cat"})`,
+    typed as returning one `VideoResult` (a variable of this type is best unpacked, `generate(**options)`: passed
+    whole, mypy takes the `Any` in its values as a reason to answer `Any`). An untyped dict of mixed values (inferred
+    `dict[str, object]`) goes in whole too, `generator.generate(options)`, but its prompt may be a list, so the
+    checker's result is `VideoResult | list[VideoResult]`."""
 
     prompt: str | None
 
