@@ -221,6 +221,11 @@ class Engine:
         # A stand-in worker (the HTTP tests' fakes) runs no warm-up.
         return tuple(getattr(self.worker, "server_warmups", ()))
 
+    @property
+    def precision(self) -> str | None:
+        """The dtype the workers resolved for the weights (`ModelWorker.precision`); None from a stand-in worker."""
+        return getattr(self.worker, "precision", None)
+
     def dead_replicas(self) -> list[str]:
         """How each replica that can no longer serve died (empty while all serve); an in-process worker has no
         ranks to lose."""

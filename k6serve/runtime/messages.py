@@ -81,6 +81,9 @@ class Ready:
     # What a request is checked against when it is resolved (`resolve_generate`), known once the model is loaded.
     has_audio: bool = True
     streams_text_encoder: bool = False
+    # The dtype the ranks resolved for the weights (`--dtype auto`: bfloat16 on a GPU, float32 on the CPU), which
+    # GET /v1/models reports; None from a stand-in worker that loads none.
+    precision: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -422,7 +422,8 @@ def rank_main(
                 connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids),
                                                warmups=tuple(getattr(worker, "server_warmups", ())),
                                                has_audio=getattr(worker, "has_audio", True),
-                                               streams_text_encoder=getattr(worker, "streams_text_encoder", False)))
+                                               streams_text_encoder=getattr(worker, "streams_text_encoder", False),
+                                               precision=getattr(worker, "precision", None)))
         if worker is not None and not any(failures):
             _ReplicaLoop(worker, context, connection).serve()
             # A resume's host copy may still be being freed (unregistered, unmapped) on the reaper's thread, a
@@ -735,6 +736,7 @@ class MultiProcessWorker:
             if message.replica == 0:
                 self.server_warmups: tuple[WarmupReport, ...] = message.warmups  # `Engine.startup_warmups`
                 self.has_audio, self.streams_text_encoder = message.has_audio, message.streams_text_encoder
+                self.precision = message.precision  # `Engine.precision`
 
         deadline = time.monotonic() + timeout_s
         while len(replicas) < self.layout.dp:

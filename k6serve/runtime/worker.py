@@ -267,6 +267,12 @@ class ModelWorker:
             check_ignored_layers(ignored, possible_linear_names(num_blocks))
 
     @property
+    def precision(self) -> str:
+        """The dtype the DiT's and the VAE's weights are loaded in, by torch's name ("bfloat16", "float32"); the
+        modules a model keeps in fp32 stay so."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def offloads(self) -> bool:
         """Some component offloaded (balanced / memory, or the per component flags) on a GPU: those weights live in
         host memory (on the CPU there is nowhere to offload to)."""

@@ -1059,7 +1059,8 @@ async def resume_memory_occupation(request: Request) -> JSONResponse:
 def _model_card(ctx: ServerContext) -> dict[str, Any]:
     variant = ctx.variant
     card = ModelCard(id=ctx.model_name, created=int(ctx.started_at), root=ctx.engine.config.model.model_path,
-                     family=variant.family, variant=variant.name,
+                     num_gpus=ctx.engine.config.parallel.num_gpus, dit_precision=ctx.engine.precision,
+                     vae_precision=ctx.engine.precision, family=variant.family, variant=variant.name,
                      default_num_inference_steps=variant.num_inference_steps,
                      default_guidance_scale=variant.guidance_scale,
                      quantization=ctx.engine.config.model.quantization)

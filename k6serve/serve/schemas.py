@@ -719,6 +719,13 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "k6serve"
     root: str
+    # SGLang's diffusion card's fields, where k6serve has a value: `parent` is null (no adapter is listed as a model
+    # of its own), `num_gpus` the GPUs the model runs on (all replicas and nodes), the precisions the dtype the
+    # workers loaded the DiT and the VAE in (one --dtype for both; null only from a stand-in worker).
+    parent: str | None = None
+    num_gpus: int
+    dit_precision: str | None
+    vae_precision: str | None
     family: str
     variant: str
     default_num_inference_steps: int

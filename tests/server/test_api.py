@@ -503,6 +503,51 @@ def test_models_health_metrics(fake_client):
     assert "graphs_compiled" not in body and 'stage="total"' not in body
 
 
+_SGLANG_CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "num_gpus", "dit_precision",
+                       "vae_precision")
+
+
+def test_the_model_card_has_sglangs_fields_with_the_served_values(server_distill_dir, tmp_path):
+    # SGLang's diffusion /v1/models card (docs/serving-reference.md) has root, parent, num_gpus and the DiT's and
+    # VAE's precisions besides OpenAI's id / object / created / owned_by; ours had OpenAI's and root only. Here a real
+    # worker on the CPU: "auto" resolves to float32 there, and the card says what was loaded, not "auto".
+    from k6serve.api import build_engine_config
+    from k6serve.runtime.engine import Engine
+    from k6serve.runtime.worker import ModelWorker
+
+    config = build_engine_config(str(server_distill_dir), device="cpu")
+    server = start_server(tmp_path, engine=Engine(config, worker=ModelWorker(config)))
+    try:
+        with server.client() as client:
+            [card] = client.get("/v1/models").json()["data"]
+    finally:
+        server.stop()
+    assert set(_SGLANG_CARD_FIELDS) <= set(card)
+    assert (card["object"], card["owned_by"], card["root"], card["parent"]) == ("model", "k6serve",
+                                                                               str(server_distill_dir), None)
+    assert isinstance(card["created"], int) and card["created"] > 0
+    assert (card["num_gpus"], card["dit_precision"], card["vae_precision"]) == (1, "float32", "float32")
+
+
+def test_the_model_card_reports_the_engines_gpus_and_the_workers_precision(tmp_path):
+    # num_gpus is the whole engine's (replicas and Ulysses ranks alike); the precision is the dtype the worker
+    # reported, whatever --dtype said (a stand-in worker with none reports null).
+    from k6serve.api import build_engine_config
+    from k6serve.runtime.engine import Engine
+
+    worker = FakeWorker(VARIANTS["pro-distill"])
+    worker.precision = "bfloat16"
+    engine = Engine(build_engine_config("fake-k6-model", num_gpus=4, dp_size=2, ulysses_degree=2), worker=worker)
+    server = start_server(tmp_path, engine=engine)
+    try:
+        with server.client() as client:
+            [card] = client.get("/v1/models").json()["data"]
+            assert client.get(f"/v1/models/{card['id']}").json() == card
+    finally:
+        server.stop()
+    assert (card["num_gpus"], card["dit_precision"], card["vae_precision"]) == (4, "bfloat16", "bfloat16")
+
+
 def test_step_latency_leaves_out_the_rewrites_reports_of_step_0(fake_client):
     # The rewrite's cancellation points (step 0, 20 ms apart here) came before the first step: the first step's time
     # was then counted from the last of them, encoding and all; only steps after a step are a step's time.

@@ -98,6 +98,21 @@ def test_engine_runs_dp_replicas_at_once(tmp_path: Path):
     assert all(replica.connection.closed for replica in worker._replicas)
 
 
+class PrecisionRankWorker(FakeRankWorker):
+    precision = "bfloat16"  # as ModelWorker.precision: the dtype the rank resolved for the weights
+
+
+def test_the_ranks_precision_reaches_the_engine():
+    # GET /v1/models reports the DiT's and the VAE's precision (SGLang's card has them): the dtype the ranks
+    # resolved, which only they know (`--dtype auto` is bfloat16 on a GPU, float32 on the CPU).
+    worker = MultiProcessWorker(make_config(), build_rank_worker=PrecisionRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        assert engine.precision == "bfloat16"
+    finally:
+        engine.shutdown()
+
+
 def test_a_replica_killed_while_running_says_how_it_died(tmp_path: Path):
     # GET /health's dead_replicas (docs/http-api.md: "one line per dead replica saying how it died") said only
     # "replica 0 (ranks [0]) died running request 0" for a replica killed mid-request; the idle case said how.
