@@ -1005,8 +1005,8 @@ class DiffGenerator:
         # Without a path the request is generate's to refuse: diffusers' `upscale(video=...)` then gets its note
         # (pass video_path=) instead of Python's "missing 1 required positional argument".
         request: Mapping[str, Any] = kwargs if video_path is None else {"video_path": video_path, **kwargs}
-        # One result: `RequestOptions` holds no prompt, so no list of them (an untyped caller's list prompt is the
-        # super-resolution model's to refuse).
+        # One result, as typed: `RequestOptions` holds no prompt, so no list of them (a list prompt slipped in by an
+        # untyped caller is refused by the super-resolution model, which upscale is for).
         return typing.cast(VideoResult, self.generate(request, on_progress=on_progress, progress_bar=progress_bar))
 
     @_in_callers_words
