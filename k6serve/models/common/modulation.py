@@ -2,6 +2,8 @@
 
 Both helpers compute in fp32 and cast back to the residual stream's dtype, exactly as diffusers does
 (k6-generation.md §2.1). With an fp32 residual stream the cast back is a no-op.
+
+Shape legend: B batch, D model dim, E time-embedding dim.
 """
 
 from __future__ import annotations
@@ -42,5 +44,5 @@ class Modulation(nn.Module):
         self.activation = nn.SiLU()
         self.out_layer = nn.Linear(time_dim, num_params * model_dim)
 
-    def forward(self, time_embed_BT: Tensor) -> Tensor:
-        return self.out_layer(self.activation(time_embed_BT.to(self.out_layer.weight.dtype)))
+    def forward(self, time_embed_BE: Tensor) -> Tensor:
+        return self.out_layer(self.activation(time_embed_BE.to(self.out_layer.weight.dtype)))

@@ -1,6 +1,7 @@
 """Video output head: AdaLN (shift, scale) -> Linear -> unpatchify (k6-generation.md §2.6).
 
-Shape legend: B batch, T/H/W token grid, D model dim, C output channels, pt/ph/pw patch sizes.
+Shape legend: B batch, T/H/W token grid, D model dim, E time-embedding dim, C output channels, pt/ph/pw patch
+sizes, P = C*pt*ph*pw the linear's outputs.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class VideoOutLayer(nn.Module):
         self.norm = nn.LayerNorm(model_dim, elementwise_affine=False)
         self.out_layer = nn.Linear(model_dim, math.prod(patch_size) * visual_dim)
 
-    def forward(self, tokens_BTHWD: Tensor, time_embed_BT: Tensor) -> Tensor:
-        shift, scale = torch.chunk(self.modulation(time_embed_BT), 2, dim=-1)
+    def forward(self, tokens_BTHWD: Tensor, time_embed_BE: Tensor) -> Tensor:
+        shift, scale = torch.chunk(self.modulation(time_embed_BE), 2, dim=-1)
         x_BTHWD = apply_scale_shift(self.norm(tokens_BTHWD.float()), tokens_BTHWD, scale, shift)
         x_BTHWP = self.out_layer(x_BTHWD)
         batch, num_frames, height, width = x_BTHWP.shape[:4]

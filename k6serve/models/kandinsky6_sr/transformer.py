@@ -9,7 +9,8 @@ Same math and state-dict keys as diffusers 0.42.1 `Kandinsky6SRTransformer3DMode
 In fp32 both differences vanish up to attention summation order, which is what the parity test checks.
 
 Shape legend: B batch (tiles), T latent frames, H/W latent tile height/width (after patching), L = T*H*W tokens,
-D model_dim, E time_dim, N heads, K head_dim, C latent channels (in: 2*C+1, out: out_visual_dim).
+D model_dim, E time_dim, N heads, K head_dim, C latent channels (in: 2*C+1, out: out_visual_dim), P = C*pt*ph*pw
+the head's outputs (pt/ph/pw the patch sizes).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
 from k6serve.ops.attention import canonical_backend_name
 
 
-def modulate(normed: Tensor, shift_BD: Tensor, scale_BD: Tensor) -> Tensor:
+def modulate(normed_BLD: Tensor, shift_BD: Tensor, scale_BD: Tensor) -> Tensor:
     """AdaLN scale/shift in fp32 on (B, L, D) tokens."""
-    return normed * (scale_BD.float()[:, None] + 1.0) + shift_BD.float()[:, None]
+    return normed_BLD * (scale_BD.float()[:, None] + 1.0) + shift_BD.float()[:, None]
 
 
 def gated_residual(residual_BLD: Tensor, out_BLD: Tensor, gate_BD: Tensor) -> Tensor:
@@ -120,13 +121,13 @@ class OutLayer(nn.Module):
     def forward(self, x_BTHWD: Tensor, time_embed_BE: Tensor) -> Tensor:
         shift_BD, scale_BD = self.modulation(time_embed_BE).chunk(2, dim=-1)
         batch, num_frames, height, width = x_BTHWD.shape[:4]
-        normed = self.norm(x_BTHWD.float()).flatten(1, 3)
-        out_in = modulate(normed, shift_BD, scale_BD).to(self.out_layer.weight.dtype)
-        out = self.out_layer(out_in).view(batch, num_frames, height, width, -1)
+        normed_BLD = self.norm(x_BTHWD.float()).flatten(1, 3)
+        modulated_BLD = modulate(normed_BLD, shift_BD, scale_BD).to(self.out_layer.weight.dtype)
+        out_BTHWP = self.out_layer(modulated_BLD).view(batch, num_frames, height, width, -1)
         p_t, p_h, p_w = self.patch_size
         # Unpatchify; with the released (1, 1, 1) patch this is a no-op. Channels stay grid-major (g * C + c).
         return (
-            out.view(batch, num_frames, height, width, -1, p_t, p_h, p_w)
+            out_BTHWP.view(batch, num_frames, height, width, -1, p_t, p_h, p_w)
             .permute(0, 1, 5, 2, 6, 3, 7, 4)
             .flatten(1, 2)
             .flatten(2, 3)
