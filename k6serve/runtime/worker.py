@@ -306,8 +306,8 @@ class ModelWorker:
         """After every other transform, which must see the final module tree (the weights were loaded on the host)."""
         if not self.offloads:
             return None
+        from k6serve.models.registry import transformer_plan
         from k6serve.offload import apply_offload
-        from k6serve.speed.performance_mode import transformer_plan
 
         runtime = self.config.runtime
         report = apply_offload(self.pipeline, runtime.performance_mode, residency=self.residency_plan,

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from k6serve.config import PERFORMANCE_MODES
+from k6serve.models.registry import transformer_plan
 from k6serve.speed.fp8_linears import apply_quantization
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 from k6serve.speed.regional_compile import apply_regional_compile
@@ -80,23 +81,6 @@ class PerformanceReport:
     @property
     def applied(self) -> bool:
         return bool(self.num_fused_attentions or self.num_compiled_blocks or self.vae)
-
-
-def transformer_plan(transformer: nn.Module):
-    """The `ModelPlan` of a k6serve DiT, or None for a model without one."""
-    from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer
-
-    if isinstance(transformer, Kandinsky6Transformer):
-        from k6serve.models.kandinsky6.plan import kandinsky6_plan
-
-        return kandinsky6_plan(transformer.config)
-    from k6serve.models.kandinsky6_sr.transformer import SRTransformer
-
-    if isinstance(transformer, SRTransformer):
-        from k6serve.models.kandinsky6_sr.plan import sr_plan
-
-        return sr_plan(transformer.config)
-    return None
 
 
 # The components speed mode transforms: the DiT (fused projections, the RMSNorm + RoPE kernel, compiled blocks) and

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from k6serve.api import build_engine_config
+from k6serve.models.registry import transformer_plan
 from k6serve.offload import ComponentOffload, apply_offload
 from k6serve.offload.block_stream import plan_blocks, repeated_blocks
 from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.worker import ModelWorker
-from k6serve.speed.performance_mode import transformer_plan
 from k6serve.testing.clips import make_clip
 
 NO_FILE = OutputOptions(save_output=False, return_frames=True)
