@@ -151,10 +151,8 @@ def read_source_audio(
             if lead is None:
                 lead = _lead_samples(frame.time, video_start, sample_rate)
                 if num_samples is not None and lead >= num_samples:
-                    note = (f"the soundtrack starts {lead / sample_rate:.2f} s after the first video frame, after the "
-                            "processed video ends: the output has no audio")
-                    logger.warning("%s: %s", path, note)
-                    notes.append(note)
+                    _tell(path, notes, f"the soundtrack starts {lead / sample_rate:.2f} s after the first video frame, "
+                          "after the processed video ends: the output has no audio")
                     return None
                 if lead:
                     logger.info("%s: the soundtrack starts %.3f s %s the first video frame; %s to keep them in "
@@ -205,15 +203,7 @@ def read_source_audio(
             for resampled in resampler.resample(None) if resampler is not None else ():
                 keep(resampled.to_ndarray()[0])
         if gaps or overlaps:
-            told = [f"{len(gaps)} gap(s) in its timestamps (the first at {gaps[0][0]:.2f} s) filled with "
-                    f"{sum(size for _, size in gaps) / sample_rate:.3f} s of silence" if gaps else "",
-                    f"{len(overlaps)} overlap(s) (the first at {overlaps[0][0]:.2f} s) whose "
-                    f"{sum(size for _, size in overlaps) / sample_rate:.3f} s of repeated sound were dropped"
-                    if overlaps else ""]
-            note = (f"the soundtrack has {' and '.join(part for part in told if part)}, so that the sound after "
-                    "them stays in sync with the picture")
-            logger.warning("%s: %s", path, note)
-            notes.append(note)
+            _tell(path, notes, _timestamps_note(gaps, overlaps, sample_rate))
         if damaged and num_decoded == silence:
             raise ValueError(
                 f"cannot decode the audio of {str(path)!r} ({damaged[0][1]}): its soundtrack is damaged. To upscale "
@@ -221,25 +211,51 @@ def read_source_audio(
                 "that; or repair the soundtrack (re-encode it: ffmpeg -i IN -c:v copy -c:a aac OUT)."
             )
         if damaged:
-            where, error = damaged[0]
-            effects = [
-                *([f"{silence / sample_rate:.3f} s of silence stand in for them, keeping the rest in sync"]
-                  if silence else []),
-                *(["the sound starts at its first part that decodes, at that part's time"] if skipped_at_start else []),
-                *(["the sound ends there"] if ended_in_damage else []),
-            ]
-            note = (f"{len(damaged)} part(s) of the soundtrack do not decode, the first at {where:.2f} s ({error}): "
-                    f"the file may be damaged or cut short (a partial download?); {', and '.join(effects)}; copy or "
-                    "download the file again, or repair its soundtrack (FFmpeg: ffmpeg -i IN -c:v copy -c:a aac "
-                    "OUT)")
-            logger.warning("%s: %s", path, note)
-            notes.append(note)
+            _tell(path, notes, _damage_note(damaged, silence / sample_rate, skipped_at_start=skipped_at_start > 0,
+                                            ended_in_damage=ended_in_damage))
     if num_kept == 0:
-        note = ("the soundtrack ends before the first video frame: the output has no audio" if num_decoded else
-                "the audio stream has no samples: the output has no audio")
-        logger.warning("%s: %s", path, note)
-        notes.append(note)
+        _tell(path, notes, "the soundtrack ends before the first video frame: the output has no audio" if num_decoded
+              else "the audio stream has no samples: the output has no audio")
         return None
+    return _joined_waveform(chunks, lead, num_samples, path)
+
+
+def _tell(path: str | os.PathLike[str], notes: list[str], note: str) -> None:
+    """A note the user should read: logged, and added to the request's `notes`."""
+    logger.warning("%s: %s", path, note)
+    notes.append(note)
+
+
+def _timestamps_note(gaps: list[tuple[float, int]], overlaps: list[tuple[float, int]], sample_rate: int) -> str:
+    """The note of the gaps filled and overlaps dropped, each (where in seconds, samples)."""
+    told = [f"{len(gaps)} gap(s) in its timestamps (the first at {gaps[0][0]:.2f} s) filled with "
+            f"{sum(size for _, size in gaps) / sample_rate:.3f} s of silence" if gaps else "",
+            f"{len(overlaps)} overlap(s) (the first at {overlaps[0][0]:.2f} s) whose "
+            f"{sum(size for _, size in overlaps) / sample_rate:.3f} s of repeated sound were dropped"
+            if overlaps else ""]
+    return (f"the soundtrack has {' and '.join(part for part in told if part)}, so that the sound after them stays "
+            "in sync with the picture")
+
+
+def _damage_note(damaged: list[tuple[float, str]], silence_s: float, *, skipped_at_start: bool,
+                 ended_in_damage: bool) -> str:
+    """The note of the packets that did not decode, each (where in seconds, FFmpeg's error), and what became of
+    them: `silence_s` of silence in their place, a start at the first part that decodes, an end at the damage."""
+    where, error = damaged[0]
+    effects = [
+        *([f"{silence_s:.3f} s of silence stand in for them, keeping the rest in sync"] if silence_s else []),
+        *(["the sound starts at its first part that decodes, at that part's time"] if skipped_at_start else []),
+        *(["the sound ends there"] if ended_in_damage else []),
+    ]
+    return (f"{len(damaged)} part(s) of the soundtrack do not decode, the first at {where:.2f} s ({error}): the file "
+            f"may be damaged or cut short (a partial download?); {', and '.join(effects)}; copy or download the file "
+            "again, or repair its soundtrack (FFmpeg: ffmpeg -i IN -c:v copy -c:a aac OUT)")
+
+
+def _joined_waveform(chunks: list[np.ndarray], lead: int | None, num_samples: int | None,
+                     path: str | os.PathLike[str]) -> np.ndarray:
+    """The kept samples as one waveform: `lead` samples of silence before a late start, cut to `num_samples`,
+    scaled to a peak of 1 where the mono mix would clip (module docstring)."""
     waveform = np.concatenate(chunks).astype(np.float32, copy=False)
     if lead and lead > 0:
         waveform = np.concatenate([np.zeros(lead, dtype=np.float32), waveform])
