@@ -42,11 +42,6 @@ from k6serve.serve.schemas import (MAX_JSON_DEPTH, bracketed_object_field, json_
 SPOOL_BYTES = 256 * 2**10
 MAX_JSON_BYTES = 1 * 2**20
 MAX_FORM_TEXT_BYTES = 1 * 2**20  # all non-file form fields together, with every part's headers
-# After refusing a body we keep reading (and discarding) up to DRAIN_BYTES of it, so the client sees the answer
-# instead of a reset connection (closing a socket with unread data makes the kernel send RST, which can discard the
-# answer before the client reads it); past it, after DRAIN_IDLE_S without a byte, or DRAIN_TOTAL_S in all, the
-# connection is closed (a client that declared more than it sends would otherwise wait for the answer forever). The
-# loading responder's bounds, one set for both.
 # A body whose client sends nothing for this long is refused with a 408 and its connection closed: a stalled
 # upload held its connection, its handler and its spooled bytes for as long as the client kept the socket open.
 # Generous for any client that is still sending (a slow link delivers bytes every few seconds).
@@ -195,9 +190,11 @@ def too_large_json() -> ApiError:
 
 
 async def drain(request: Request) -> None:
-    """Discard the rest of a refused body, so the client can read our answer: at most DRAIN_BYTES, no longer than
-    DRAIN_IDLE_S without a byte, and no longer than DRAIN_TOTAL_S in all (a client trickling a byte every half
-    second held the refusal of a 2 MB body back for its whole length)."""
+    """Discard the rest of a refused body, so the client can read our answer (closing a socket with unread data makes
+    the kernel send RST, which can discard the answer before the client reads it): at most DRAIN_BYTES, no longer
+    than DRAIN_IDLE_S without a byte, and no longer than DRAIN_TOTAL_S in all (a client trickling a byte every half
+    second held the refusal of a 2 MB body back for its whole length; one that declared more than it sends would
+    wait for the answer forever). The bounds are the loading responder's (`serve/loading.py`), one set for both."""
     seen = 0
     chunks = request.stream().__aiter__()
     deadline = time.monotonic() + DRAIN_TOTAL_S
