@@ -15,30 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, CLIPTokenizer, Qwen2_5_VLProcessor, Qwen2Tokenizer
 
-# Copied from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va._PROMPT_TEMPLATE
-PROMPT_TEMPLATE = "\n".join(  # noqa: FLY002 (kept in the diffusers form)
-    [
-        "<|im_start|>system\nYou are a promt engineer. Describe the video in detail.",
-        (
-            "Describe how the camera moves or shakes, describe the zoom and view angle, "
-            "whether it follows the objects."
-        ),
-        "Describe the location of the video, main characters or objects and their action.",
-        "Describe the dynamism of the video and presented actions.",
-        (
-            "Name the visual style of the video: whether it is a professional footage, "
-            "user generated content, some kind of animation, video game or scren content."
-        ),
-        (
-            "Describe the visual effects, postprocessing and transitions "
-            "if they are presented in the video."
-        ),
-        "Pay attention to the order of key actions shown in the scene.<|im_end|>",
-        "<|im_start|>user\n{}<|im_end|>",
-    ]
-)
-# Copied from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va._QWEN_CROP_START
-QWEN_CROP_START = 129
+# The pipeline's own template, so the tokenizers are trained on exactly what it sends.
+from k6serve.pipelines.encode_text import PROMPT_TEMPLATE, QWEN_CROP_START
 
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>",

@@ -8,6 +8,7 @@ import torch
 from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va as reference_pipeline_module
 from transformers import AutoTokenizer, CLIPTokenizer, Qwen2Tokenizer
 
+from k6serve.pipelines.encode_text import PROMPT_TEMPLATE, QWEN_CROP_START
 from k6serve.testing import tiny_checkpoints
 from k6serve.testing.tiny_checkpoints import (
     DEMO_MARKER_NAME,
@@ -17,8 +18,6 @@ from k6serve.testing.tiny_checkpoints import (
     load_reference_pipeline,
 )
 from k6serve.testing.tokenizers import (
-    PROMPT_TEMPLATE,
-    QWEN_CROP_START,
     QWEN_SPECIAL_TOKENS,
     train_clip_tokenizer,
     train_qwen_tokenizer,
