@@ -257,27 +257,10 @@ class TextToVideoPipeline:
             from k6serve.media.image import load_conditioning_image
 
             image = load_conditioning_image(request.image_path, request.height, request.width, notes=notes)
-        # One stage for the rewrite and the encoding: an offloaded Qwen2.5-VL (15.5 GiB) is copied to the GPU once.
-        # "encode" counts from here (the copy in, as before), less the rewrite's own "expand_prompt".
+        # "encode" counts from here (the copy in of an offloaded encoder, as before), less the rewrite's own
+        # "expand_prompt".
         start = time.perf_counter()
-        with self.residency.stage("text_encoder", "text_encoder_2"):
-            expanded = None
-            if request.expand_prompts:
-                expand_start = time.perf_counter()
-                expanded = self._expand(request, image, on_step)
-                timings["expand_prompt"] = time.perf_counter() - expand_start
-                if not has_visible_text(expanded):
-                    # The DiT would get an empty prompt (a sampled rewrite that ended at once): the user's stands.
-                    notes.append(FlagWordedNote.naming(lambda name: (
-                        f"{name('expand_prompts')}: the text encoder's rewrite was empty; the prompt was used as "
-                        "given.")))
-                    expanded = None
-                else:
-                    request = dataclasses.replace(request, prompt=expanded)
-            notes[:0] = self.truncation_notes(request, expanded=expanded is not None)
-            if (seed_note := cpu_seed_note(request.seed)) is not None:
-                notes.append(seed_note)
-            conditioning = self._encode(request)
+        request, expanded, conditioning = self._rewrite_and_encode(request, image, on_step, timings, notes)
         generator = make_generator(request.seed)
         tail = None
         if image is not None:
@@ -304,14 +287,57 @@ class TextToVideoPipeline:
         )
         scheduler, audio_scheduler, timesteps = make_schedulers(
             m.scheduler_class, m.scheduler_config, request.num_inference_steps, m.device, with_audio)
+        latents = self._denoise(request, latents, conditioning, scheduler, audio_scheduler, timesteps, on_step,
+                                timings, notes)
 
+        # A silent request has no audio stage (nor a 0 s one in the server's stage histogram).
+        audio = self._decode_audio(latents, timings) if with_audio else None
+        between_chunks = final_step_check(on_step, len(timesteps))  # the total `denoise` reported
+        if video_sink is not None:
+            video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings, between_chunks)
+        else:
+            video = self._decode_video(latents, between_chunks, timings)
+        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes,
+                                expanded_prompt=expanded)
+
+    def _rewrite_and_encode(self, request: GenerateRequest, image: PIL.Image.Image | None,
+                            on_step: StepCallback | None, timings: dict[str, float],
+                            notes: list[str]) -> tuple[GenerateRequest, str | None, Conditioning]:
+        """The optional rewrite (expand_prompts) and the text encoding, in one stage: an offloaded Qwen2.5-VL
+        (15.5 GiB) is copied to the GPU once. Returns the request as encoded (its prompt the rewrite, if any), the
+        rewrite, and the conditioning; the truncation and CPU-seed notes go to `notes`."""
+        with self.residency.stage("text_encoder", "text_encoder_2"):
+            expanded = None
+            if request.expand_prompts:
+                expand_start = time.perf_counter()
+                expanded = self._expand(request, image, on_step)
+                timings["expand_prompt"] = time.perf_counter() - expand_start
+                if not has_visible_text(expanded):
+                    # The DiT would get an empty prompt (a sampled rewrite that ended at once): the user's stands.
+                    notes.append(FlagWordedNote.naming(lambda name: (
+                        f"{name('expand_prompts')}: the text encoder's rewrite was empty; the prompt was used as "
+                        "given.")))
+                    expanded = None
+                else:
+                    request = dataclasses.replace(request, prompt=expanded)
+            notes[:0] = self.truncation_notes(request, expanded=expanded is not None)
+            if (seed_note := cpu_seed_note(request.seed)) is not None:
+                notes.append(seed_note)
+            return request, expanded, self._encode(request)
+
+    def _denoise(self, request: GenerateRequest, latents: Latents, conditioning: Conditioning, scheduler,
+                 audio_scheduler, timesteps, on_step: StepCallback | None, timings: dict[str, float],
+                 notes: list[str]) -> Latents:
+        """The denoising loop on the DiT, inside the request's Cache-DiT session if any; its timings and the
+        session's note."""
+        m = self.models
         start = time.perf_counter()
         step_seconds: list[float] = []
         with self.residency.stage("transformer"), self._step_cache(request) as step_cache:
             latents = denoise(m.transformer, latents, conditioning, scheduler=scheduler,
                               audio_scheduler=audio_scheduler, timesteps=timesteps,
-                              guidance_scale=request.guidance_scale, visual_cond=config.visual_cond, on_step=on_step,
-                              step_seconds=step_seconds, step_cache=step_cache)
+                              guidance_scale=request.guidance_scale, visual_cond=m.transformer.config.visual_cond,
+                              on_step=on_step, step_seconds=step_seconds, step_cache=step_cache)
             _sync(m.device)
         timings["denoise"] = time.perf_counter() - start
         if step_cache is not None:
@@ -325,19 +351,21 @@ class TextToVideoPipeline:
         if step_seconds:
             timings["denoise_step_median"] = statistics.median(step_seconds)
             timings["denoise_step_max"] = max(step_seconds)
+        return latents
 
-        audio = None
-        if with_audio:  # a silent request has no audio stage (nor a 0 s one in the server's stage histogram)
-            start = time.perf_counter()
-            with self.residency.stage("audio_vae", "vocoder"):
-                audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC)
-            _sync(m.device)
-            timings["decode_audio"] = time.perf_counter() - start
-        between_chunks = final_step_check(on_step, len(timesteps))  # the total `denoise` reported
-        if video_sink is not None:
-            video = self._decode_into(video_sink, latents.video_BTHWC, audio, request.fps, timings, between_chunks)
-            return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes,
-                                    expanded_prompt=expanded)
+    def _decode_audio(self, latents: Latents, timings: dict[str, float]) -> DecodedAudio:
+        m = self.models
+        start = time.perf_counter()
+        with self.residency.stage("audio_vae", "vocoder"):
+            audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC)
+        _sync(m.device)
+        timings["decode_audio"] = time.perf_counter() - start
+        return audio
+
+    def _decode_video(self, latents: Latents, between_chunks: ChunkCheck | None,
+                      timings: dict[str, float]) -> DecodedVideo:
+        """The whole video decoded at once (no sink)."""
+        m = self.models
         start = time.perf_counter()
         with self.residency.stage("vae"):
             if self.keep_float_frames:
@@ -348,8 +376,7 @@ class TextToVideoPipeline:
                 video = DecodedVideo(frames_float_THWC=None, frames_THWC=decode_video_frames(
                     m.vae, latents.video_BTHWC, between_chunks=between_chunks))
         timings["decode_video"] = time.perf_counter() - start
-        return GenerationOutput(video=video, audio=audio, fps=request.fps, timings=timings, notes=notes,
-                                expanded_prompt=expanded)
+        return video
 
     def _step_cache(self, request: GenerateRequest):
         """The request's Cache-DiT session on the DiT for the denoising loop (k6serve/caching/), or nothing."""
