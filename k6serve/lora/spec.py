@@ -1,8 +1,8 @@
 """The LoRA requests that cross process boundaries (engine -> replica leader -> ranks): plain, frozen, picklable.
 
 The operations mirror the reference server's LoRA routes (`/v1/set_lora`, `/v1/merge_lora_weights`,
-`/v1/unmerge_lora_weights`, `/v1/list_loras`; docs/http-api.md). Each runs between requests, on every rank of every
-replica, through `ModelWorker.set_lora` / `merge_lora` / `unmerge_lora` / `list_loras`.
+`/v1/unmerge_lora_weights`, `/v1/unload_lora`, `/v1/list_loras`; docs/http-api.md). Each runs between requests, on
+every rank of every replica, through `ModelWorker.apply_lora_operation` and its `LoraManager`.
 """
 
 from __future__ import annotations
