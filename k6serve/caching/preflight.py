@@ -11,32 +11,16 @@ from __future__ import annotations
 
 import logging
 
-from k6serve.config import EngineConfig, ModelConfig
+from k6serve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-def dit_blocks_before_loading(model: ModelConfig) -> int | None:
-    """The generation DiT's number of fused blocks where it needs no download; None for a super-resolution model
-    or when it cannot be told now (a hub id not among the released ones, a folder without the config)."""
-    from k6serve.models.checkpoint_files import variant_before_loading
-    from k6serve.models.kandinsky6.config_before_loading import transformer_config_before_loading
-    from k6serve.models.variants import GENERATION
-
-    try:
-        variant, folder = variant_before_loading(model.model_path, model.model_id, model.load_format)
-        if variant is None or variant.family != GENERATION:
-            return None
-        # --load-format dummy builds the released config whatever the folder holds (models/kandinsky6/checkpoint.py).
-        folder = None if model.load_format == "dummy" else folder
-        return transformer_config_before_loading(variant, folder).num_visual_blocks
-    except (OSError, KeyError, TypeError, ValueError):
-        return None  # the load reports a damaged or missing config, in its words
 
 
 def check_cache_dit_config_before_loading(config: EngineConfig) -> None:
     """Refuse, before loading, a --cache-dit-config that leaves no block of the DiT to cache (every request would
     fail)."""
+    from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
+
     cache_dit = config.runtime.cache_dit_config
     if cache_dit is None:
         return

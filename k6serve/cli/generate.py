@@ -133,7 +133,7 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
     if variant.family == GENERATION:
         import torch
 
-        from k6serve.caching.preflight import dit_blocks_before_loading
+        from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
         from k6serve.offload.residency import streams_text_encoder
 
         # streams_text_encoder: --expand-prompts under a streamed text encoder was refused only once the model had

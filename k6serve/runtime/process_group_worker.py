@@ -38,10 +38,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from k6serve.caching.preflight import dit_blocks_before_loading
 from k6serve.config import EngineConfig
 from k6serve.dependencies import missing_package
 from k6serve.lora.spec import LoraOperation, ReplicasDisagree
+from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
 from k6serve.process_exit import exit_without_teardown

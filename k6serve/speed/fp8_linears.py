@@ -153,7 +153,7 @@ def check_quantization_before_loading(config: EngineConfig) -> None:
     model = config.model
     if model.quantization == "none" or not model.quantization_ignored_layers:
         return
-    from k6serve.caching.preflight import dit_blocks_before_loading
+    from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 
     num_blocks = dit_blocks_before_loading(model)
     if num_blocks is not None:

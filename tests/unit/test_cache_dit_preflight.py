@@ -8,8 +8,9 @@ import pytest
 
 from k6serve import DiffGenerator
 from k6serve.api import build_engine_config
-from k6serve.caching.preflight import check_cache_dit_config_before_loading, dit_blocks_before_loading
+from k6serve.caching.preflight import check_cache_dit_config_before_loading
 from k6serve.cli.main import main
+from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 from k6serve.request import SamplingParams
 
 PRO = "kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers"

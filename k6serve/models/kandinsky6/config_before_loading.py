@@ -5,10 +5,19 @@ torch._dynamo), so that the engine's process can run these checks without it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from k6serve.models.checkpoint_files import CheckpointError, read_component_config, read_model_index
+from k6serve.models.checkpoint_files import (
+    CheckpointError,
+    read_component_config,
+    read_model_index,
+    variant_before_loading,
+)
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.variants import GENERATION, Variant
+
+if TYPE_CHECKING:
+    from k6serve.config import ModelConfig
 
 
 def transformer_config_before_loading(variant: Variant, folder: Path | None) -> Kandinsky6TransformerConfig:
@@ -47,3 +56,17 @@ def has_audio_before_loading(variant: Variant, folder: Path | None, load_format:
     if folder is None or load_format == "dummy" or variant.family != GENERATION:
         return True
     return not unlisted_audio_components(read_model_index(folder))
+
+
+def dit_blocks_before_loading(model: ModelConfig) -> int | None:
+    """The generation DiT's number of fused blocks where it needs no download; None for a super-resolution model
+    or when it cannot be told now (a hub id not among the released ones, a folder without the config)."""
+    try:
+        variant, folder = variant_before_loading(model.model_path, model.model_id, model.load_format)
+        if variant is None or variant.family != GENERATION:
+            return None
+        # --load-format dummy builds the released config whatever the folder holds (models/kandinsky6/checkpoint.py).
+        folder = None if model.load_format == "dummy" else folder
+        return transformer_config_before_loading(variant, folder).num_visual_blocks
+    except (OSError, KeyError, TypeError, ValueError):
+        return None  # the load reports a damaged or missing config, in its words
