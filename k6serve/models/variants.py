@@ -438,6 +438,43 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     steps = params.num_inference_steps if params.num_inference_steps is not None else variant.num_inference_steps
     if steps < 1 or steps > 1000:
         raise FlagWorded.naming(lambda name: f"{name('num_inference_steps')} must be between 1 and 1000, got {steps}")
+    guidance, negative = _resolve_guidance(params, variant, notes)
+    seed = params.seed if params.seed is not None else variant.seed
+    _check_seed(seed)
+    _refuse_super_resolution_fields(params, variant)
+    cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
+    if cache_dit is not None and num_dit_blocks is not None:
+        with _cache_dit_params_worded():
+            cache_dit.check_blocks(num_dit_blocks)
+    if cache_dit is not None and variant.distilled:
+        notes.append(f"Cache-DiT on {variant.name}, a {variant.num_inference_steps}-step distilled checkpoint: each "
+                     "step moves the latents far, so there is little to skip and skipping costs quality; it is "
+                     "meant for the 50-step Pro / Lite.")
+    loras = _resolve_loras(params.loras)
+    request = GenerateRequest(
+        prompt=params.prompt,
+        negative_prompt=negative,
+        image_path=params.image_path,
+        seed=seed,
+        height=height,
+        width=width,
+        num_frames=rounded,
+        fps=fps,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        cache_dit=cache_dit,
+        loras=loras,
+        expand_prompts=bool(params.expand_prompts),
+        max_sequence_length=max_sequence_length,
+        with_audio=with_audio,
+        sample_audio_asked=params.sample_audio is True,
+    )
+    return request, notes
+
+
+def _resolve_guidance(params: SamplingParams, variant: Variant, notes: list[str]) -> tuple[float, str | None]:
+    """The request's guidance scale and negative prompt (None without CFG), checked against the variant; a note
+    for a negative prompt that is blank or ignored."""
     guidance = params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale
     # The messages show the value as given (nan read "got inf", what the comparisons below take it for), but an
     # integer past a float's range as words, not its 400 digits.
@@ -469,8 +506,11 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
         notes.append(FlagWordedNote.naming(lambda name: f"{name('negative_prompt')} is ignored: "
                                                         f"{name('guidance_scale')} is 1.0, so no unconditional "
                                                         "branch runs."))
-    seed = params.seed if params.seed is not None else variant.seed
-    _check_seed(seed)
+    return guidance, negative
+
+
+def _refuse_super_resolution_fields(params: SamplingParams, variant: Variant) -> None:
+    """Refuse, on a generation model, the fields only an upscale takes."""
     for field in ("sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution",
                   "sr_target_resize_mode"):
         if getattr(params, field) is not None:
@@ -478,34 +518,6 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
                                                  f"{variant.name}; drop it, or load "
                                                  "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers to "
                                                  "upscale a video.")
-    cache_dit = resolve_cache_dit(params, engine_cache_dit, num_steps=steps, unavailable=cache_dit_unavailable)
-    if cache_dit is not None and num_dit_blocks is not None:
-        with _cache_dit_params_worded():
-            cache_dit.check_blocks(num_dit_blocks)
-    if cache_dit is not None and variant.distilled:
-        notes.append(f"Cache-DiT on {variant.name}, a {variant.num_inference_steps}-step distilled checkpoint: each "
-                     "step moves the latents far, so there is little to skip and skipping costs quality; it is "
-                     "meant for the 50-step Pro / Lite.")
-    loras = _resolve_loras(params.loras)
-    request = GenerateRequest(
-        prompt=params.prompt,
-        negative_prompt=negative,
-        image_path=params.image_path,
-        seed=seed,
-        height=height,
-        width=width,
-        num_frames=rounded,
-        fps=fps,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        cache_dit=cache_dit,
-        loras=loras,
-        expand_prompts=bool(params.expand_prompts),
-        max_sequence_length=max_sequence_length,
-        with_audio=with_audio,
-        sample_audio_asked=params.sample_audio is True,
-    )
-    return request, notes
 
 
 # The refusals of a request the loaded engine cannot run (`resolve_generate`'s has_audio / streams_text_encoder), said
