@@ -137,19 +137,7 @@ class ModelWorker:
             folder = resolve_checkpoint(model.model_path, model.revision, model.model_id)
         self.variant: Variant = recognise(model.model_path, model.model_id, folder)
         self.folder = folder
-        if config.runtime.cache_dit_config is not None and self.variant.family != GENERATION:
-            raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
-                             "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
-        if config.runtime.compile_prompt_rewrite and self.variant.family != GENERATION:
-            # Else accepted and silently doing nothing: the upscaler takes no prompt.
-            raise ValueError(f"--compile-prompt-rewrite applies to the generation models' expand_prompts rewrite; "
-                             f"{self.variant.name} is a super-resolution model, which rewrites no prompt. Drop the "
-                             "flag.")
-        self._check_quantization()
-        if config.runtime.warmup_mode == "server":
-            # A listed size the model cannot take is refused before the load (minutes), not after it.
-            check_warmup_sizes(config.runtime.warmup_resolutions, self.variant,
-                               sr_default_num_frames=SR_WARMUP_CLIP[2])
+        self._refuse_family_flags()
         from k6serve.parallel.mesh import ParallelLayout
         from k6serve.parallel.tile_decode import sr_decode_mode
 
@@ -166,24 +154,7 @@ class ModelWorker:
             config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
             cpu_offload=config.runtime.cpu_offload_components,
             layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
-        # The config checked the block-streaming flags against the generation plan (the family was unknown then);
-        # this family's own plan may stream less (an SR checkpoint has no text encoders).
-        refusal = config.runtime.block_streaming_refusal(super_resolution=self.variant.family != GENERATION)
-        if refusal:
-            raise ValueError(refusal)
-        if self.residency_plan.offloads:
-            from k6serve.config import refuse_offload_with_sharding
-
-            refuse_offload_with_sharding(config.runtime, config.parallel)
-        if self.residency_plan.offloads and self.device.type != "cuda":
-            logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
-                        config.runtime.offload_flags, extra=ONCE)
-        if config.runtime.compile_vae and self.device.type != "cuda":
-            logger.warning("--compile-vae true: speed mode's transforms are for CUDA GPUs; on the CPU the VAE decoder "
-                           "runs eager, as the reference does", extra=ONCE)
-        if config.runtime.compile_prompt_rewrite and self.device.type != "cuda":
-            logger.warning("--compile-prompt-rewrite true: transformers compiles generate's decoding step on CUDA "
-                           "only; on the CPU the rewrite runs eager, through the static cache", extra=ONCE)
+        self._check_residency()
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         # What requests are checked against when resolved (`resolve_generate`), and what the ranks report to the
@@ -242,6 +213,46 @@ class ModelWorker:
         if config.runtime.warmup_mode == "server":
             self.server_warmups = self._server_warmup()
             self.server_warmup_s = sum(report.seconds for report in self.server_warmups)
+
+    def _refuse_family_flags(self) -> None:
+        """Refuse, before any weight loads, the flags this checkpoint's family cannot take."""
+        runtime = self.config.runtime
+        if runtime.cache_dit_config is not None and self.variant.family != GENERATION:
+            raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
+                             "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
+        if runtime.compile_prompt_rewrite and self.variant.family != GENERATION:
+            # Else accepted and silently doing nothing: the upscaler takes no prompt.
+            raise ValueError(f"--compile-prompt-rewrite applies to the generation models' expand_prompts rewrite; "
+                             f"{self.variant.name} is a super-resolution model, which rewrites no prompt. Drop the "
+                             "flag.")
+        self._check_quantization()
+        if runtime.warmup_mode == "server":
+            # A listed size the model cannot take is refused before the load (minutes), not after it.
+            check_warmup_sizes(runtime.warmup_resolutions, self.variant,
+                               sr_default_num_frames=SR_WARMUP_CLIP[2])
+
+    def _check_residency(self) -> None:
+        """The residency plan's refusals for this family and layout, and what the flags do not do on the CPU
+        (logged); before any weight loads."""
+        runtime = self.config.runtime
+        # The config checked the block-streaming flags against the generation plan (the family was unknown then);
+        # this family's own plan may stream less (an SR checkpoint has no text encoders).
+        refusal = runtime.block_streaming_refusal(super_resolution=self.variant.family != GENERATION)
+        if refusal:
+            raise ValueError(refusal)
+        if self.residency_plan.offloads:
+            from k6serve.config import refuse_offload_with_sharding
+
+            refuse_offload_with_sharding(runtime, self.config.parallel)
+        if self.residency_plan.offloads and self.device.type != "cuda":
+            logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
+                        runtime.offload_flags, extra=ONCE)
+        if runtime.compile_vae and self.device.type != "cuda":
+            logger.warning("--compile-vae true: speed mode's transforms are for CUDA GPUs; on the CPU the VAE decoder "
+                           "runs eager, as the reference does", extra=ONCE)
+        if runtime.compile_prompt_rewrite and self.device.type != "cuda":
+            logger.warning("--compile-prompt-rewrite true: transformers compiles generate's decoding step on CUDA "
+                           "only; on the CPU the rewrite runs eager, through the static cache", extra=ONCE)
 
     def _check_quantization(self) -> None:
         """--quantization before the weights load: the generation DiT only, and e4m3 GEMMs on a CUDA GPU."""
