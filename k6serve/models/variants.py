@@ -111,6 +111,13 @@ VARIANTS: dict[str, Variant] = {
     )
 }
 
+# About how many parameters the released checkpoints' models hold, by `Variant.size`: the generation DiTs' as built
+# on the meta device (tests/unit/test_dummy_load.py checks them), the SR model's and the text encoders' (Qwen2.5-VL
+# 7B and CLIP, which every generation model loads) as counted once on the meta device from their released configs.
+# For a refusal's "about N GiB" (runtime/device_fit.py), not for planning memory.
+RELEASED_NUM_PARAMETERS = {"pro": 30.1e9, "lite": 3.2e9, "sr": 6.8e9}
+TEXT_ENCODERS_NUM_PARAMETERS = 8.3e9
+
 
 def normalise_id(model_id: str) -> str:
     return re.sub(r"[-_./\s]", "", model_id.lower())

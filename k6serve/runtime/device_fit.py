@@ -21,12 +21,6 @@ logger = logging.getLogger(__name__)
 # Weights past this size on the CPU by default are refused: the demos hold a few MB, the smallest released model
 # (Lite) tens of GB.
 CPU_DEFAULT_LIMIT_BYTES = 2 * 2**30
-# About how many parameters the released checkpoints' models hold: the generation DiTs' as built on the meta device
-# (tests/unit/test_dummy_load.py checks them), the SR model's and the text encoders' (Qwen2.5-VL 7B and CLIP, which
-# every generation model loads) as counted once on the meta device from their released configs. For a refusal's
-# "about N GiB", not for planning memory.
-_RELEASED_PARAMETERS = {"pro": 30.1e9, "lite": 3.2e9, "sr": 6.8e9}
-_TEXT_ENCODER_PARAMETERS = 8.3e9
 
 
 def check_device_fits(config: EngineConfig) -> None:
@@ -61,7 +55,7 @@ def _weights_before_loading(config: EngineConfig) -> tuple[float, str] | None:
     folder's safetensors files (bf16 on disk, so twice as much in float32), or the released model's parameters for
     --load-format dummy and a released hub id; None when it cannot be told."""
     from k6serve.models.checkpoint_files import CheckpointError, variant_before_loading
-    from k6serve.models.variants import GENERATION
+    from k6serve.models.variants import GENERATION, RELEASED_NUM_PARAMETERS, TEXT_ENCODERS_NUM_PARAMETERS
 
     model = config.model
     try:
@@ -73,9 +67,9 @@ def _weights_before_loading(config: EngineConfig) -> tuple[float, str] | None:
         # The components' weights, where the loaders read (checkpoint_files.check_checkpoint_files: not the tree).
         on_disk = sum(path.stat().st_size for path in Path(folder).glob("*/*.safetensors") if path.is_file())
         return on_disk * 2, name  # released weights are bf16 on disk
-    if variant is None or variant.is_demo or variant.size not in _RELEASED_PARAMETERS:
+    if variant is None or variant.is_demo or variant.size not in RELEASED_NUM_PARAMETERS:
         return None
-    parameters = _RELEASED_PARAMETERS[variant.size]
+    parameters = RELEASED_NUM_PARAMETERS[variant.size]
     if variant.family == GENERATION:
-        parameters += _TEXT_ENCODER_PARAMETERS
+        parameters += TEXT_ENCODERS_NUM_PARAMETERS
     return parameters * 4, f"{name} ({variant.name})"

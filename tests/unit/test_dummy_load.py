@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer, count_parameters, released_transformer_config
-from k6serve.models.variants import VARIANTS, GENERATION
-from k6serve.runtime.device_fit import _RELEASED_PARAMETERS
+from k6serve.models.variants import GENERATION, RELEASED_NUM_PARAMETERS, VARIANTS
 
 EXPECTED_BILLIONS = {"pro": 30.14, "lite": 3.18}
 
@@ -18,7 +17,7 @@ def test_dummy_transformer_has_the_released_size_and_dtypes(name):
     count = count_parameters(model)
     assert round(count / 1e9, 2) == EXPECTED_BILLIONS[variant.size]
     # The CPU refusal's size (runtime/device_fit.py) is this count, not a guess.
-    assert abs(_RELEASED_PARAMETERS[variant.size] - count) / count < 0.01
+    assert abs(RELEASED_NUM_PARAMETERS[variant.size] - count) / count < 0.01
     fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert fp32 and all(n.startswith(("out_layer.modulation.", "audio_out_layer.modulation.")) for n in fp32)
     assert model.dtype == torch.bfloat16
