@@ -2,7 +2,8 @@
 
 No prompt, no guidance: each tile is denoised by the checkpoint's two-step π-Flow (2 DiT calls per tile whatever
 `num_inference_steps` says; `resolve_upscale` warns) and the source soundtrack is kept. The stages are in
-`sr_source.py` (read and encode, overlapped) and `sr_stages.py`; this class only calls them in order and times them.
+`sr_source.py` (read and encode, overlapped), `sr_stages.py` (upscale, denoise) and `sr_decode.py` (decode and
+blend); this class only calls them in order and times them.
 """
 
 from __future__ import annotations
@@ -23,17 +24,11 @@ from k6serve.offload.components import RESIDENT
 from k6serve.parallel.spatial_shard_decode import spatial_shard_of
 from k6serve.pipelines.decode_stream import VideoSink, feed_video_sink, final_step_check
 from k6serve.pipelines.prepare_latents import cpu_seed_note
+from k6serve.pipelines.sr_decode import assemble_frames, decode_and_assemble_chunks, decode_tiles
 from k6serve.pipelines.sr_plan import UpscalePlan, plan_upscale
 from k6serve.pipelines.sr_source import read_and_encode
+from k6serve.pipelines.sr_stages import StepCallback, denoise_tiles, upscale_tiles
 from k6serve.pipelines.sr_tiling import stretches_aspect
-from k6serve.pipelines.sr_stages import (
-    StepCallback,
-    assemble_frames,
-    decode_and_assemble_chunks,
-    decode_tiles,
-    denoise_tiles,
-    upscale_tiles,
-)
 from k6serve.pipelines.state import DecodedAudio
 from k6serve.request import FlagWordedNote, UpscaleRequest
 

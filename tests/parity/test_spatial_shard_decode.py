@@ -271,7 +271,7 @@ def _leader_sink_task(folder: Path, clip: Path, layout: ParallelLayout, fits: tu
     from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
     from k6serve.models.variants import VARIANTS
     from k6serve.parallel.parallelize import parallelize_sr_models
-    from k6serve.pipelines import sr_stages
+    from k6serve.pipelines import sr_decode
     from k6serve.pipelines.super_resolution import SuperResolutionPipeline
     from k6serve.request import UpscaleRequest
 
@@ -285,8 +285,8 @@ def _leader_sink_task(folder: Path, clip: Path, layout: ParallelLayout, fits: tu
     # What each rank measured: whether the segment-major order fits (leader, others). Where they differ they must
     # agree on the tile-major order.
     fits_here = fits[0] if rank == 0 else fits[1]
-    original = sr_stages._segment_major_fits
-    sr_stages._segment_major_fits = lambda device, per_tile_bytes, num_tiles: fits_here
+    original = sr_decode._segment_major_fits
+    sr_decode._segment_major_fits = lambda device, per_tile_bytes, num_tiles: fits_here
     request = UpscaleRequest(video_path=str(clip), scale=2.0, tiles_batch_size=2, tile_min_overlap=0.2,
                              target_resolution=None, target_resize_mode="fit", seed=42, requested_steps=2)
     outcome = "finished"
@@ -302,7 +302,7 @@ def _leader_sink_task(folder: Path, clip: Path, layout: ParallelLayout, fits: tu
     except OSError as error:
         outcome = f"OSError {error.errno}"
     finally:
-        sr_stages._segment_major_fits = original
+        sr_decode._segment_major_fits = original
     # Still in step: one more collective on the replica returns at once on every rank.
     flag = torch.ones(1)
     torch.distributed.all_reduce(flag, group=groups.replica_group)

@@ -216,9 +216,9 @@ def test_a_cancel_in_the_sr_decode_stops_it_before_the_decode_ends(sr_worker, cl
 def test_the_sr_whole_tile_fallback_checks_for_a_cancel_after_every_segment(sr_worker, clip, tmp_path, monkeypatch):
     """When the tiles' causal caches would not fit on the GPU together, the streamed decode takes the tiles whole,
     one cache at a time; a cancel still stops it after the segment in flight, not after the whole tile."""
-    from k6serve.pipelines import sr_stages
+    from k6serve.pipelines import sr_decode
 
-    monkeypatch.setattr(sr_stages, "_segment_major_fits", lambda *args: False)
+    monkeypatch.setattr(sr_decode, "_segment_major_fits", lambda *args: False)
     params, output = _sr_params(clip, tmp_path)
     segments = _count_segments(monkeypatch, sr_worker.pipeline.models.vae)
     with pytest.raises(RequestCancelled, match="decode check 1"):
@@ -258,7 +258,7 @@ def test_without_a_cancel_the_sr_frames_are_unchanged(sr_worker, clip, tmp_path)
     (7, 3, [(0, 3), (3, 7)]),
 ])
 def test_sr_decode_batches_are_rounds_of_tiles(num_tiles, num_ranks, batches):
-    from k6serve.pipelines.sr_stages import _decode_batches
+    from k6serve.pipelines.sr_decode import _decode_batches
 
     assert [(batch.start, batch.stop) for batch in _decode_batches(num_tiles, num_ranks)] == batches
 

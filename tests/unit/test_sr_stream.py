@@ -90,12 +90,12 @@ def test_worker_streams_the_sr_decode_into_the_same_mp4(worker, clip, tmp_path, 
 def test_whole_tile_fallback_streams_the_same_chunks(worker, clip, tmp_path, monkeypatch):
     # When the tiles' caches would not fit side by side (decided on CUDA from the first segment's memory), the
     # tiles are decoded whole and only the blend is streamed: the same chunks, bit for bit.
-    from k6serve.pipelines import sr_stages
+    from k6serve.pipelines import sr_decode
 
     params, _ = _params(clip, tmp_path)
     request, _ = worker.resolve(params)
     reference = worker.pipeline(request).video.frames_THWC
-    monkeypatch.setattr(sr_stages, "_segment_major_fits", lambda device, per_tile_bytes, num_tiles: False)
+    monkeypatch.setattr(sr_decode, "_segment_major_fits", lambda device, per_tile_bytes, num_tiles: False)
     chunks: list[np.ndarray] = []
     worker.pipeline(request, video_sink=lambda frame_chunks, audio, fps: chunks.extend(frame_chunks))
     assert [chunk.shape[0] for chunk in chunks] == [17, 16]
@@ -124,7 +124,7 @@ def test_a_failing_sink_closes_the_decode_at_once():
 
 
 def test_segment_major_needs_half_of_what_is_left_for_the_other_tiles(monkeypatch):
-    from k6serve.pipelines.sr_stages import _segment_major_fits
+    from k6serve.pipelines.sr_decode import _segment_major_fits
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 141 * gib))
@@ -181,7 +181,7 @@ def test_a_decode_started_before_the_sink_is_timed_from_its_start_and_closed_by_
     import time
 
     from k6serve.pipelines.decode_stream import feed_video_sink
-    from k6serve.pipelines.sr_stages import _StartedChunks
+    from k6serve.pipelines.sr_decode import _StartedChunks
 
     closed = []
 
