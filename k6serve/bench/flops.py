@@ -38,8 +38,9 @@ def kandinsky6_forward_flops(
     d, f = config.model_dim, config.ff_dim
     d_a, f_a = config.audio_model_dim, config.audio_ff_dim
     n_v, n_a, n_t = num_video_tokens, num_audio_tokens, num_text_tokens
-    # Self-attention Q/K/V/O 8·N_v·d², the text cross-attention's Q/O 4·N_v·d², the audio one's Q/O 4·N_v·d² (only
-    # with audio: the block skips it without; counted, a video-only Pro forward read 5.3% more work than it does).
+    # Self-attention Q/K/V/O 8·N_v·d², the text cross-attention's Q/O 4·N_v·d², the audio one's Q/O 4·N_v·d²
+    # (only with audio: the block skips it without; counted, a video-only Pro forward read 5.3% more work than it
+    # does).
     video = (16 if n_a else 12) * n_v * d**2 + 4 * n_v * d * f + 4 * n_t * d**2 + 4 * n_a * d_a * d
     video_attention = 4 * d * (n_v**2 + n_v * n_t + n_v * n_a)
     audio = audio_attention = 0

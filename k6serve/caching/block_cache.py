@@ -91,7 +91,8 @@ class BranchState:
         # A computed step has happened. Not "a TaylorSeer exists": it is made with the branch, so with no warm-up
         # steps (max_warmup_steps 0) the first steps skipped blocks never computed, adding a residual of 0 (or
         # comparing against no fingerprint, a crash).
-        return self.fingerprint_BLD is not None and (self.video_taylor is not None or self.video_residual_BLD is not None)
+        return self.fingerprint_BLD is not None and (self.video_taylor is not None
+                                                     or self.video_residual_BLD is not None)
 
     def keep_residuals(self, video_BLD: Tensor, audio_BAD: Tensor | None) -> None:
         if self.video_taylor is not None:

@@ -60,9 +60,11 @@ class CacheDitParams:
         threshold = self.residual_diff_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0 or \
                 threshold == float("inf"):
-            raise ValueError(f"cache_dit_params.residual_diff_threshold must be a finite number >= 0, got {threshold!r}")
+            raise ValueError(f"cache_dit_params.residual_diff_threshold must be a finite number >= 0, got "
+                             f"{threshold!r}")
         if not isinstance(self.enable_taylorseer, bool):
-            raise ValueError(f"cache_dit_params.enable_taylorseer must be true or false, got {self.enable_taylorseer!r}")
+            raise ValueError(f"cache_dit_params.enable_taylorseer must be true or false, got "
+                             f"{self.enable_taylorseer!r}")
         if self.scm_preset not in SCM_PRESETS:
             raise ValueError(f"cache_dit_params.scm_preset must be one of {SCM_PRESETS}, got {self.scm_preset!r}")
         if self.scm_policy not in SCM_POLICIES:

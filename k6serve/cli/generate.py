@@ -511,7 +511,8 @@ def _run_in_order(generator: DiffGenerator, progress: _Batch, numbered: bool) ->
     for index, (label, options) in enumerate(progress.batch):
         progress.failed = label
         if numbered:
-            print(f"[{index + 1}/{len(progress.batch)}] {label}: {_progress_prompt(options['prompt'])}", file=sys.stderr)
+            print(f"[{index + 1}/{len(progress.batch)}] {label}: {_progress_prompt(options['prompt'])}",
+                  file=sys.stderr)
         result = _run_one(generator, options)
         progress.done.append((label, result))
         progress.failed = None  # finished: a stop while its results print is not this prompt's (nor skips the next)

@@ -50,24 +50,26 @@ logger = logging.getLogger(__name__)
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("model_path", dict(help="Local Diffusers checkpoint folder, hub id, or 'demo' / 'demo-sr' (built-in tiny random "
                              "generation / super-resolution models).")),
-    ("model_id", dict(help="Released model name to route a renamed folder (e.g. Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
+    ("model_id", dict(help="Released model name to route a renamed folder (e.g. "
+                           "Kandinsky-6.0-Pro-distill-5s-Diffusers).")),
     ("revision", dict(help="Hub revision (branch, tag or commit) to download; ignored, with a warning, for a local "
                         "folder, the demos or --load-format dummy.")),
     ("load_format", dict(choices=LOAD_FORMATS, help="auto (default): the checkpoint's weights; 'dummy' builds the "
                          "released sizes with random weights (benchmarks).")),
     ("dtype", dict(choices=DTYPES, help="Weight/activation dtype (auto, the default: bfloat16 on CUDA, float32 on "
                    "CPU).")),
-    ("lora_path", dict(help="LoRA adapter for the generation DiT, applied at start: a diffusers/PEFT .safetensors file, "
-                       "a folder holding one, or a hub id.")),
-    ("lora_nickname", dict(help="Name of the --lora-path adapter (set_lora / list_loras refer to it; default 'default').")),
+    ("lora_path", dict(help="LoRA adapter for the generation DiT, applied at start: a diffusers/PEFT .safetensors "
+                       "file, a folder holding one, or a hub id.")),
+    ("lora_nickname", dict(help="Name of the --lora-path adapter (set_lora / list_loras refer to it; default "
+                                "'default').")),
     ("lora_scale", dict(type=float, help="Strength of the --lora-path adapter, from -100 to 100 (default 1.0; "
                         "adapters are used at about -2 to 2).")),
     ("lora_alpha", dict(type=float, help="Alpha of the --lora-path adapter, overriding the file's (scale alpha/rank; "
                         "from -10000 to 10000; default: the file's, else rank).")),
-    ("lora_merge_mode", dict(choices=LORA_MERGE_MODES, help="merge: add the update to the weights (exact unmerge from a "
-                             "host snapshot); dynamic: add it per call, weights untouched; auto (default): merge "
-                             "(dynamic with --use-fsdp-inference). Also the default of set_lora requests. Requests "
-                             "choosing their own loras need dynamic.")),
+    ("lora_merge_mode", dict(choices=LORA_MERGE_MODES, help="merge: add the update to the weights (exact unmerge "
+                             "from a host snapshot); dynamic: add it per call, weights untouched; auto (default): "
+                             "merge (dynamic with --use-fsdp-inference). Also the default of set_lora requests. "
+                             "Requests choosing their own loras need dynamic.")),
     ("quantization", dict(choices=QUANTIZATIONS, help="fp8: the generation DiT's video-token linears in e4m3 with "
                           "row-wise scales, quantized at load (lossy, opt-in; GPUs of compute capability >= 8.9). "
                           "Measured on an H200: Pro-distill's forward 5.81 -> 4.94 s, peak 59.6 -> 44.0 GiB, velocity "
@@ -110,12 +112,13 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                              "vae=resident (keep the VAE on the GPU under --performance-mode memory) or "
                              "all=component_offload transformer=resident. Same names; all applies first, then "
                              "groups, then single components.")),
-    ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="auto (default: fa on Hopper where fa3-fwd imports "
-                          "and on datacenter Blackwell, B200/B300, where flash-attn-4 imports, for a bf16 model; else "
+    ("attention_backend", dict(choices=ATTENTION_BACKENDS, help="auto (default: fa on Hopper where fa3-fwd imports and "
+                          "on datacenter Blackwell, B200/B300, where flash-attn-4 imports, for a bf16 model; else "
                           "torch_sdpa), fa (FlashAttention, bf16 only, the DiTs' attention: FA3 on Hopper, FA4 for "
-                          "64-wide heads when installed; FA4 on datacenter Blackwell), fa3 and fa4 (aliases of fa that pick no kernel: K6SERVE_FA4 does), fa_fp8 "
-                          "(Hopper only: FA3 in FP8 for the video self-attention, Pro DiT 5.9 -> 5.2 s on an H200 but "
-                          "lossy, velocity cosine 0.94 to bf16) or torch_sdpa (alias sdpa).")),
+                          "64-wide heads when installed; FA4 on datacenter Blackwell), fa3 and fa4 (aliases of fa that "
+                          "pick no kernel: K6SERVE_FA4 does), fa_fp8 (Hopper only: FA3 in FP8 for the video "
+                          "self-attention, Pro DiT 5.9 -> 5.2 s on an H200 but lossy, velocity cosine 0.94 to bf16) or "
+                          "torch_sdpa (alias sdpa).")),
     ("warmup_mode", dict(choices=WARMUP_MODES, help="off (default), request (warm up before the first request) or "
                          "server (at start, the model's default shape or each --warmup-resolutions size; SR: one "
                          "upscale of a synthetic 768x512x121 clip; generate without --warmup-resolutions: as "
@@ -126,18 +129,18 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                 "API's size (the CLI's --width and --height are separate flags), or WxHxF with a "
                                 "frame count (default: the model's), e.g. 1280x720 768x512x61; each checked as a "
                                 "request of it. SR: source clip sizes (F default 121).")),
-    ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; "
-                                                        "bf16 rounding differs from eager, see docs/benchmarks.md). "
-                                                        "--performance-mode speed only (refused under the others, "
-                                                        "which run eager; default false).")),
-    ("compile_prompt_rewrite", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: the "
-                                    "expand_prompts rewrite through a static KV cache, its decoding step compiled on "
-                                    "CUDA: 8.6-9.0 ms a token on an H100 through k6serve's 2,048-position cache, "
-                                    "6.3-6.6x its eager rewrite (on an H200 7.5 against 30.1 ms through transformers' "
-                                    "own), after one compile of 9-36 s on an H100 (at warm-up with --warmup-mode "
-                                    "request or server), but the rewrite may differ from diffusers' after some tokens (the "
-                                    "compiled step rounds differently). --performance-mode speed only (default false: "
-                                    "eager, diffusers' ids).")),
+    ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder "
+                                                        "(2.3x faster decode on an H200; bf16 rounding differs from "
+                                                        "eager, see docs/benchmarks.md). --performance-mode speed only "
+                                                        "(refused under the others, which run eager; default false).")),
+    ("compile_prompt_rewrite", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: the expand_prompts "
+                                    "rewrite through a static KV cache, its decoding step compiled on CUDA: 8.6-9.0 ms "
+                                    "a token on an H100 through k6serve's 2,048-position cache, 6.3-6.6x its eager "
+                                    "rewrite (on an H200 7.5 against 30.1 ms through transformers' own), after one "
+                                    "compile of 9-36 s on an H100 (at warm-up with --warmup-mode request or server), "
+                                    "but the rewrite may differ from diffusers' after some tokens (the compiled step "
+                                    "rounds differently). --performance-mode speed only (default false: eager, "
+                                    "diffusers' ids).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
                         "decode). auto (default): on with --performance-mode memory on a GPU.")),
@@ -165,8 +168,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("ring_degree", dict(type=int, help="Ring attention degree over video tokens.")),
     ("enable_cfg_parallel", dict(action=argparse.BooleanOptionalAction, default=None, help="Run CFG branches on "
                                  "different GPUs (Pro/Lite); --no-enable-cfg-parallel turns off a --config file's.")),
-    ("use_fsdp_inference", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: shard DiT weights with FSDP2 across the replica (default "
-                               "false).")),
+    ("use_fsdp_inference", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: shard DiT weights with "
+                               "FSDP2 across the replica (default false).")),
     ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Text encoders on a replica of several GPUs: fold "
                               "(tensor-parallel over the replica), replicate, or auto (default: fold only with "
                               "--use-fsdp-inference, encoders at least 4096 wide and head counts that divide the "

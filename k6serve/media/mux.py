@@ -1,14 +1,13 @@
 """Writing the output MP4: H.264 video plus an optional AAC mono soundtrack, atomically.
 
-Video: libx264, yuv420p, CRF 18, pts = frame index in time base 1/fps (k6-super-resolution.md
-§2.13); x264's "medium" preset with a 20-frame rc-lookahead (`_x264_rc_lookahead`). Audio: AAC, mono,
-192 kb/s. The same inputs give byte-identical files: x264 runs with a fixed thread count (its output depends on the count, not on timing) and without its AVX-512 code
-(see `x264_cpu_flags`), and the muxer writes no library version string (x264 writes its version and
-settings into the video stream and FFmpeg's AAC encoder its libavcodec version into the audio, so another PyAV's
-FFmpeg or x264 gives other bytes); MP4 creation times stay 0
-because no metadata is set. `write_mp4_stream` takes the frames as chunks and encodes them in a
-background thread while the caller produces the next ones (a GPU decode); `write_mp4` is that path
-with one chunk, so both give the same bytes.
+Video: libx264, yuv420p, CRF 18, pts = frame index in time base 1/fps (k6-super-resolution.md §2.13); x264's "medium"
+preset with a 20-frame rc-lookahead (`_x264_rc_lookahead`). Audio: AAC, mono, 192 kb/s. The same inputs give
+byte-identical files: x264 runs with a fixed thread count (its output depends on the count, not on timing) and without
+its AVX-512 code (see `x264_cpu_flags`), and the muxer writes no library version string (x264 writes its version and
+settings into the video stream and FFmpeg's AAC encoder its libavcodec version into the audio, so another PyAV's FFmpeg
+or x264 gives other bytes); MP4 creation times stay 0 because no metadata is set. `write_mp4_stream` takes the frames as
+chunks and encodes them in a background thread while the caller produces the next ones (a GPU decode); `write_mp4` is
+that path with one chunk, so both give the same bytes.
 """
 
 from __future__ import annotations

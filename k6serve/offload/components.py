@@ -28,12 +28,12 @@ from k6serve.offload.residency import LAYERWISE, ResidencyPlan, resolve_residenc
 logger = logging.getLogger(__name__)
 
 # Components whose repeated blocks "memory" mode streams besides the DiT's. Qwen2.5-VL-7B is 15.5 GiB in bf16, the
-# largest component after the DiT: held whole for the text stage it would set the mode's peak once the DiT streams
-# and the VAE decodes in tiles. Its 28 decoder layers run once per prompt on ~1,000 tokens, so the stage is bound by
-# the copy either way: streaming costs nothing that moving the whole component would not. Measured on an H200 with
-# Pro-distill: the text stage peaks at 3.3 GiB streamed and took 0.30 s (0.35 s moved whole), and the request's
-# peak went from 21.7 to 8.3 GiB with the tiled decode (the DiT's stage now sets it). The VAEs are not streamed: their weights are small (<1 GiB)
-# next to their activations, and each decode tile would copy them again.
+# largest component after the DiT: held whole for the text stage it would set the mode's peak once the DiT streams and
+# the VAE decodes in tiles. Its 28 decoder layers run once per prompt on ~1,000 tokens, so the stage is bound by the
+# copy either way: streaming costs nothing that moving the whole component would not. Measured on an H200 with
+# Pro-distill: the text stage peaks at 3.3 GiB streamed and took 0.30 s (0.35 s moved whole), and the request's peak
+# went from 21.7 to 8.3 GiB with the tiled decode (the DiT's stage now sets it). The VAEs are not streamed: their
+# weights are small (<1 GiB) next to their activations, and each decode tile would copy them again.
 STREAMED_ENCODERS = ("text_encoder", "text_encoder_2")
 
 
@@ -67,7 +67,8 @@ class ComponentOffload:
         for name, module in components.items():
             # Streamed blocks already belong to their streamer's host weights.
             streamer = self.streamers.get(name)
-            skip = {id(tensor) for weights in streamer.weights for tensor in _slot_tensors(weights)} if streamer else set()
+            skip = ({id(tensor) for weights in streamer.weights for tensor in _slot_tensors(weights)} if streamer
+                    else set())
             component_parts = dict((parts or {}).get(name, {}))
             for part, submodule in component_parts.items():
                 tensors = module_tensors([submodule], skip)

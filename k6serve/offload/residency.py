@@ -9,9 +9,9 @@ Three residencies (the reference's names, serving-reference.md §4.9):
 
 The mode gives the defaults (speed: all resident; balanced: all "component"; memory: the DiT and the text encoders
 "layerwise", the rest "component"); `--cpu-offload-components`, then `--layerwise-offload-components`, then
-`--component-residency NAME=MODE` (the reference's highest-priority setting, also the way to keep a component
-resident under balanced or memory) override them per component, as the seed's recipes do ("--cpu-offload-components transformer text_encoder vae",
-"--layerwise-offload-components all", SR's "vae latent_upscaler").
+`--component-residency NAME=MODE` (the reference's highest-priority setting, also the way to keep a component resident
+under balanced or memory) override them per component, as the seed's recipes do ("--cpu-offload-components transformer
+text_encoder vae", "--layerwise-offload-components all", SR's "vae latent_upscaler").
 
 Only the DiT and the text encoders have repeated blocks that streaming pays for. The VAEs, the vocoder and the SR
 latent upscaler are asked for "layerwise" by the seed's `all`; they are offloaded whole instead, and the plan says so:

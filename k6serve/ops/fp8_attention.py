@@ -6,12 +6,13 @@ Pro forward cannot drop under FA3 + cuBLAS = 5.60 s in bf16. FA3's e4m3 kernel d
 FP8 tensor cores (the FA3 paper reports about 1.2 PFLOP/s at head dim 128 on H100; performance.md §5), and the
 fa3-fwd wheel is built with FP8 kept (`FLASHATTENTION_DISABLE_FP8: False`).
 
-What changes numerically: Q, K and V are rounded to e4m3 (3 mantissa bits) with one scale per (batch, head) that
-maps the head's largest magnitude to e4m3's 448 (`quantize_per_head`); FA3 multiplies the scores by the Q and K
-descales and the output by V's, and it rounds the softmax probabilities to e4m3 for the P @ V GEMM as well. That is
-lossy: with unit-normal inputs the e4m3 rounding of Q, K and V alone moves one attention's output by 4.8% (relative
-RMS, against 0.38% for a whole bf16 attention; tests/unit/test_fp8_attention.py checks the range on the CPU), and scaling finer than per head would not help (e4m3's relative precision is the same
-across its range). performance.md §3.1 records Sage-class attention costing visible quality on real K6 weights.
+What changes numerically: Q, K and V are rounded to e4m3 (3 mantissa bits) with one scale per (batch, head) that maps
+the head's largest magnitude to e4m3's 448 (`quantize_per_head`); FA3 multiplies the scores by the Q and K descales and
+the output by V's, and it rounds the softmax probabilities to e4m3 for the P @ V GEMM as well. That is lossy: with
+unit-normal inputs the e4m3 rounding of Q, K and V alone moves one attention's output by 4.8% (relative RMS, against
+0.38% for a whole bf16 attention; tests/unit/test_fp8_attention.py checks the range on the CPU), and scaling finer than
+per head would not help (e4m3's relative precision is the same across its range). performance.md §3.1 records Sage-class
+attention costing visible quality on real K6 weights.
 
 Measured on one H200 (seventh session, docs/benchmarks.md): at 47,616 tokens the e4m3 kernel takes 40.7 ms at 32 x
 128 heads (913 TFLOP/s) against FA3's 54.4 ms in bf16, 47.3 ms with the quantization of Q, K and V; at 28 x 64 24.3

@@ -79,10 +79,10 @@ def supports(x_BLHD: Tensor, weight_D: Tensor | None, rope_L1F22: Tensor | None)
 def rms_norm_rope(
     x_BLHD: Tensor, weight_D: Tensor, eps: float, rope_L1F22: Tensor, norm_dtype: torch.dtype, variant: str = ""
 ) -> Tensor:
-    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype. `variant` picks the
-    Triton kernel ("rows" / "tokens" / "auto"; "" = $K6SERVE_NORM_ROPE_KERNEL, default "auto": see `kernel_for`).
-    Not named `kernel`: inductor lowers a custom op through `FallbackKernel.create(kernel, *args, **kwargs)`, and an op argument of that name
-    fails every compiled graph that calls the op (found on the H200; tests/unit/test_rms_norm_rope.py)."""
+    """Fused per-head RMSNorm + RoPE; returns a contiguous (B, L, H, D) tensor in x's dtype. `variant` picks the Triton
+    kernel ("rows" / "tokens" / "auto"; "" = $K6SERVE_NORM_ROPE_KERNEL, default "auto": see `kernel_for`). Not named
+    `kernel`: inductor lowers a custom op through `FallbackKernel.create(kernel, *args, **kwargs)`, and an op argument
+    of that name fails every compiled graph that calls the op (found on the H200; tests/unit/test_rms_norm_rope.py)."""
     if supports(x_BLHD, weight_D, rope_L1F22):
         return launch(x_BLHD, weight_D, eps, rope_L1F22, variant or None)
     return rms_norm_rope_reference(x_BLHD, weight_D, eps, rope_L1F22, norm_dtype).contiguous()

@@ -21,13 +21,13 @@ temporal cache"). Hooks, not a rewritten forward, so every forward the speed rew
 convolution per segment, the folded sub-pixel upsampler, channels-last, the compiled blocks) runs unchanged beside
 them; the exchange is a functional all-gather, which dynamo traces into the compiled blocks' graphs.
 
-What it costs: each hooked module also computes its halo rows (2 extra rows per convolution) and the replica
-exchanges 2 rows per rank per convolution, about 70 small all-gathers per segment. Measured on one H200 with zeros
-for the halo rows (scripts/gpu_spatial_shard.py): a rank's compiled decode of its half of a 512x768x121 tile takes
-0.54x of the whole tile's, of a quarter 0.28x (ideal 0.5x / 0.25x). What changes: the bits. A convolution over other shapes may take another algorithm or
-summation order, so frames differ from serial decode by rounding (the seed measured max 4/255, PSNR 57.5 dB on
-GB300; the CPU test here, fp32: the decoder outputs within 1e-5 relative of serial, the uint8 frames within one
-level). That is why it is opt-in, as in the reference. A tile with fewer latent rows than ranks is decoded
+What it costs: each hooked module also computes its halo rows (2 extra rows per convolution) and the replica exchanges 2
+rows per rank per convolution, about 70 small all-gathers per segment. Measured on one H200 with zeros for the halo rows
+(scripts/gpu_spatial_shard.py): a rank's compiled decode of its half of a 512x768x121 tile takes 0.54x of the whole
+tile's, of a quarter 0.28x (ideal 0.5x / 0.25x). What changes: the bits. A convolution over other shapes may take
+another algorithm or summation order, so frames differ from serial decode by rounding (the seed measured max 4/255, PSNR
+57.5 dB on GB300; the CPU test here, fp32: the decoder outputs within 1e-5 relative of serial, the uint8 frames within
+one level). That is why it is opt-in, as in the reference. A tile with fewer latent rows than ranks is decoded
 replicated, and one GPU keeps the serial decode.
 """
 

@@ -89,16 +89,16 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
     """`assemble_frames(decode_tiles(vae, latents_ThwC), plan)` as uint8 (T_i, H, W, 3) chunks, one per causal
     decode segment (17, 16, ... frames); the chunks concatenate to exactly that array.
 
-    Segment-major order, when the memory allows it: every tile keeps its own causal cache chain and decodes its
-    segments in order, as `SRVAE.decode_tile` does, but the tiles take turns per segment, so the frames of a
-    segment are final once every tile has decoded it and the MP4 encoder runs beside the rest of the decode.
-    Blend, crop and resize compute each frame from that frame alone (the frame chunks of `blend_tiles` /
-    `resize_frames` bound memory, they do not mix frames), so blending a segment's frames gives the same bytes as
-    blending the whole clip. The price is every tile's cache chain (the last input frames of each causal
-    convolution; a helper's estimate from the released K-VAE config is ~1.9 GiB per 512x768 tile, not measured on
-    a GPU) alive at once, so on CUDA the first segment's memory is measured and, when `num_tiles` of them would not
-    fit (`_segment_major_fits`), the tiles are decoded whole, one cache at a time, and only the blend is streamed. Chunk i is handed out after chunk i + 1 is
-    queued, so on a GPU its host copy and the caller's work on it overlap the next one's computation.
+    Segment-major order, when the memory allows it: every tile keeps its own causal cache chain and decodes its segments
+    in order, as `SRVAE.decode_tile` does, but the tiles take turns per segment, so the frames of a segment are final
+    once every tile has decoded it and the MP4 encoder runs beside the rest of the decode. Blend, crop and resize
+    compute each frame from that frame alone (the frame chunks of `blend_tiles` / `resize_frames` bound memory, they do
+    not mix frames), so blending a segment's frames gives the same bytes as blending the whole clip. The price is every
+    tile's cache chain (the last input frames of each causal convolution; a helper's estimate from the released K-VAE
+    config is ~1.9 GiB per 512x768 tile, not measured on a GPU) alive at once, so on CUDA the first segment's memory is
+    measured and, when `num_tiles` of them would not fit (`_segment_major_fits`), the tiles are decoded whole, one cache
+    at a time, and only the blend is streamed. Chunk i is handed out after chunk i + 1 is queued, so on a GPU its host
+    copy and the caller's work on it overlap the next one's computation.
 
     A multi-GPU replica decodes whole tiles round-robin across its ranks (`decode_tiles`): that happens here,
     before anything is returned, so every rank joins the collectives even if the caller never reads a chunk, and

@@ -102,7 +102,8 @@ def device_memory_state(device: torch.device) -> dict:
                  f"is not torch's is {' and '.join(outside)}")
     else:
         share = (f"this process uses {process / 2**20:.0f} MiB of the device per NVML, "
-                 f"{max(0, process - reserved) / 2**20:.0f} MiB of it outside torch's allocator: {' and '.join(outside)}")
+                 f"{max(0, process - reserved) / 2**20:.0f} MiB of it outside torch's allocator: "
+                 f"{' and '.join(outside)}")
     return {
         "device": str(device),
         "allocated_bytes": allocated,

@@ -278,10 +278,11 @@ _CANCEL_WAIT_AFTER_STOP_S = 10.0
 
 
 class RefuseConflictingFraming:
-    """Pure ASGI: a request line of another HTTP version than 1.0 or 1.1 is refused (505, the API's JSON), and a
-    request with both Transfer-Encoding and Content-Length is refused (400) and its connection closed. h11 reads such a body by Transfer-Encoding alone and kept the connection open; RFC 9112
-    (6.3) requires closing it, since a proxy in front may have framed the body by Content-Length instead: the
-    request-smuggling pattern. No HTTP client sends both. Outermost, before anything reads the body."""
+    """Pure ASGI: a request line of another HTTP version than 1.0 or 1.1 is refused (505, the API's JSON), and a request
+    with both Transfer-Encoding and Content-Length is refused (400) and its connection closed. h11 reads such a body by
+    Transfer-Encoding alone and kept the connection open; RFC 9112 (6.3) requires closing it, since a proxy in front may
+    have framed the body by Content-Length instead: the request-smuggling pattern. No HTTP client sends both. Outermost,
+    before anything reads the body."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -390,8 +391,8 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the create, LoRA and memory bodies, which the handlers read themselves (so FastAPI cannot see
-    them)."""
+    """FastAPI's schema plus the create, LoRA and memory bodies, which the handlers read themselves (so FastAPI cannot
+    see them)."""
     if app.openapi_schema is None:
         root_path = app.state.ctx.settings.root_path
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
@@ -540,7 +541,8 @@ def _allowed_dir(value: str, option: str) -> Path:
 
 def uvicorn_config(app: Any, **kwargs: Any) -> Any:
     """The uvicorn.Config the server runs under: the h11 protocol whose unparsable-request 400 is the API's JSON
-    (`http_protocol.py`), no WebSockets (the API has none). The tests' servers take it from here too, so they answer what production answers."""
+    (`http_protocol.py`), no WebSockets (the API has none). The tests' servers take it from here too, so they answer
+    what production answers."""
     import uvicorn
 
     from k6serve.serve.http_protocol import JsonErrorH11Protocol

@@ -404,7 +404,8 @@ class SqliteJobStore:
         """
         with self._lock:
             if job.idempotency_key is not None:
-                row = self._db.execute("SELECT * FROM jobs WHERE idempotency_key = ?", (job.idempotency_key,)).fetchone()
+                row = self._db.execute("SELECT * FROM jobs WHERE idempotency_key = ?",
+                                       (job.idempotency_key,)).fetchone()
                 if row is not None:
                     existing = self._decode(row)
                     if existing.request_hash != job.request_hash:

@@ -75,8 +75,8 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.step_latency = Histogram("k6serve_step_latency_seconds",
-                                      "Time per DiT call: a denoising step (two per tile for super-resolution); a job's first "
-                                      "call, which follows its text encoding, is left out.", STEP_BUCKETS_S)
+                                      "Time per DiT call: a denoising step (two per tile for super-resolution); a "
+                                      "job's first call, which follows its text encoding, is left out.", STEP_BUCKETS_S)
         self.job_latency = Histogram("k6serve_job_latency_seconds",
                                      "End-to-end time from job creation to completion.", JOB_BUCKETS_S)
         self.inference_latency = Histogram("k6serve_inference_seconds",

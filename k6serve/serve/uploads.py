@@ -1,11 +1,11 @@
 """Reading request bodies ourselves, with hard byte limits, so nothing oversized is buffered or written.
 
-The framework is never asked to parse a form (Starlette would spool every upload to a temporary file first):
-the body is read from `request.stream()`, a declared `Content-Length` over the limit is refused before any of the
-body is parsed or stored (what the client sends is drained for at most an idle second, `drain`, so that it reads
-the 413 rather than a reset connection), and bytes are counted as they arrive. Upload data stays in memory up to `SPOOL_BYTES` and only
-then spills to a hidden `.part` file, which is renamed into place when the part is complete and removed on any
-error; so with a limit below `SPOOL_BYTES` an oversized upload never touches the disk at all.
+The framework is never asked to parse a form (Starlette would spool every upload to a temporary file first): the body is
+read from `request.stream()`, a declared `Content-Length` over the limit is refused before any of the body is parsed or
+stored (what the client sends is drained for at most an idle second, `drain`, so that it reads the 413 rather than a
+reset connection), and bytes are counted as they arrive. Upload data stays in memory up to `SPOOL_BYTES` and only then
+spills to a hidden `.part` file, which is renamed into place when the part is complete and removed on any error; so with
+a limit below `SPOOL_BYTES` an oversized upload never touches the disk at all.
 """
 
 from __future__ import annotations

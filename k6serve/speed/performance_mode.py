@@ -6,21 +6,21 @@
   keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
   within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
 * "balanced" / "memory": no speed transforms (eager kernels, untrimmed text padding), so their outputs are the
-  same bits offloaded or not, and the mode stays the bit-exact reference for Ulysses runs. What they add is
-  offloading, applied by the worker after this function (`k6serve/offload/`, CUDA only: on the CPU there is
-  nowhere to offload to): "balanced" keeps every component in pinned host memory and moves it to the GPU only for
-  its stage (peak: the largest component, the 56 GiB Pro DiT, plus activations; 62.5 GiB for a Pro-distill
-  512x768x121 request on an H200); "memory" also streams the repeated blocks of the DiT and of the text encoders one
-  at a time with the next one prefetched on a side stream (deeper with `--offload-prefetch-blocks`, some kept on the
-  GPU with `--offload-resident-blocks`: `offload/block_stream.py`), and (`--vae-tiling auto`) decodes the video VAE in
-  spatial tiles. Measured on an H200 (Pro-distill, 512x768x121): peak 8.3 GiB, set by the DiT's stage (non-block
-  weights, three ~0.9 GiB blocks, activations); the DiT step costs 1-2.5% more than in "balanced" (7.87-7.99
-  against 7.79 s), so the copies hide behind the blocks. Fused projections stay off because fusing allocates each module's projection weights twice
-  for a moment and the fused copy would have to move too; regional compile stays off because it buys speed these
-  modes give up anyway and its graphs hold device memory. The weights are loaded (and `--load-format dummy` builds
-  them) on the host, so the model never needs to fit on the GPU at once. Refused with sharded weights
-  (`--tp-size`, `--use-fsdp-inference`, `--encoder-parallel fold`); with Ulysses / Ring / CFG parallel each rank
-  offloads its own replica (one host copy per GPU).
+  same bits offloaded or not, and the mode stays the bit-exact reference for Ulysses runs. What they add is offloading,
+  applied by the worker after this function (`k6serve/offload/`, CUDA only: on the CPU there is nowhere to offload to):
+  "balanced" keeps every component in pinned host memory and moves it to the GPU only for its stage (peak: the largest
+  component, the 56 GiB Pro DiT, plus activations; 62.5 GiB for a Pro-distill 512x768x121 request on an H200); "memory"
+  also streams the repeated blocks of the DiT and of the text encoders one at a time with the next one prefetched on a
+  side stream (deeper with `--offload-prefetch-blocks`, some kept on the GPU with `--offload-resident-blocks`:
+  `offload/block_stream.py`), and (`--vae-tiling auto`) decodes the video VAE in spatial tiles. Measured on an H200
+  (Pro-distill, 512x768x121): peak 8.3 GiB, set by the DiT's stage (non-block weights, three ~0.9 GiB blocks,
+  activations); the DiT step costs 1-2.5% more than in "balanced" (7.87-7.99 against 7.79 s), so the copies hide behind
+  the blocks. Fused projections stay off because fusing allocates each module's projection weights twice for a moment
+  and the fused copy would have to move too; regional compile stays off because it buys speed these modes give up anyway
+  and its graphs hold device memory. The weights are loaded (and `--load-format dummy` builds them) on the host, so the
+  model never needs to fit on the GPU at once. Refused with sharded weights (`--tp-size`, `--use-fsdp-inference`,
+  `--encoder-parallel fold`); with Ulysses / Ring / CFG parallel each rank offloads its own replica (one host copy per
+  GPU).
 * "speed" with some components offloaded by the per component flags (`--cpu-offload-components`,
   `--layerwise-offload-components`, `--component-residency`; `offload/residency.py`): a component offloaded *whole*
   keeps its transforms, a component whose blocks are *streamed* runs eager (`speed_transform_targets`). Offloaded

@@ -182,8 +182,9 @@ def _check_scheduler_fits_head(config: Kandinsky6TransformerConfig, scheduler_cl
                          high=MAX_POLICY_SUBSTEPS)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        ok = config.out_visual_dim == n_grid * config.in_visual_dim and config.out_audio_dim == n_grid * config.in_audio_dim
-        want = f"{n_grid} x latent channels ({n_grid * config.in_visual_dim} video / {n_grid * config.in_audio_dim} audio)"
+        visual, audio = n_grid * config.in_visual_dim, n_grid * config.in_audio_dim
+        ok = config.out_visual_dim == visual and config.out_audio_dim == audio
+        want = f"{n_grid} x latent channels ({visual} video / {audio} audio)"
     else:
         ok = config.out_visual_dim == config.in_visual_dim and config.out_audio_dim == config.in_audio_dim
         want = f"the latent channels ({config.in_visual_dim} video / {config.in_audio_dim} audio)"

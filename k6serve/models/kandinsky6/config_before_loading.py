@@ -24,7 +24,8 @@ def transformer_config_before_loading(variant: Variant, folder: Path | None) -> 
     """The generation DiT's config as the load will build it, read without loading: `folder`'s
     transformer/config.json, or the released one when there is no folder to read (--load-format dummy, or a released
     hub id not downloaded yet). For the checks that refuse a request or a layout before a load of minutes."""
-    config = read_component_config(folder, "transformer") if folder is not None else released_transformer_config(variant)
+    config = (read_component_config(folder, "transformer") if folder is not None
+              else released_transformer_config(variant))
     try:
         return Kandinsky6TransformerConfig.from_json_dict(config)
     except ValueError as exc:
