@@ -188,16 +188,21 @@ def test_a_replica_killed_while_idle_is_found_and_no_request_is_blamed(tmp_path:
         engine.shutdown()
 
 
+def _kill_and_wait_for_its_death(engine: Engine, pid: int) -> None:
+    """SIGKILL an idle rank and wait (10 s at most) until the engine reports its replica dead."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not engine.dead_replicas() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_with_a_replica_dead_the_next_request_waits_in_the_queue_and_a_cancel_lands_at_once(tmp_path: Path):
     # A loop thread took the next request and waited inside the worker for the survivor: the request counted as
     # started, and its cancel (an HTTP DELETE, Ctrl-C) landed only after the survivor's request had ended.
     worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
     try:
-        os.kill(worker.pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not engine.dead_replicas() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _kill_and_wait_for_its_death(engine, worker.pids[1])
         marker = tmp_path / "go"
         running = engine.submit(SamplingParams(prompt=f"wait-for:{marker}", num_inference_steps=1))
         assert running.started.wait(TIMEOUT_S)
@@ -220,10 +225,7 @@ def test_a_peer_killed_while_idle_leaves_the_leader_without_a_traceback(capfd):
     worker = MultiProcessWorker(make_config(num_gpus=2, ulysses_degree=2), build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
     try:
-        os.kill(worker.pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not engine.dead_replicas() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _kill_and_wait_for_its_death(engine, worker.pids[1])
         assert re.search(r"replica 0 .*died while idle: rank 1 .*exited with code -9", engine.dead_replicas()[0])
         worker._processes[0].join(10)
     finally:
