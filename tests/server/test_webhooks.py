@@ -1194,7 +1194,10 @@ def test_a_row_queued_in_the_future_counts_as_queued_at_the_start(receiver, stor
     finally:
         sender.stop(timeout_s=0.5)
     assert 5 <= len(receiver.received) <= 12  # about 0.5 s of 0.05 s waits, not the 40 retries
-    assert "the next retry would come over 0.5 s after it was queued" in caplog.text
+    # Given up at the age bound: when a failed attempt finds its next retry past it, or, the retry's thread taking
+    # the row late on a loaded machine (a CI run beside others), when the row comes due already past it.
+    assert ("the next retry would come over 0.5 s after it was queued" in caplog.text
+            or "(not sent: queued over 0.5 s ago)" in caplog.text), caplog.text
 
 
 def test_backoff_delays_refuses_a_schedule_that_never_grows():
