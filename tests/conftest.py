@@ -70,12 +70,13 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Starting the rank processes (which load the checkpoint) fails the test: for refusals that must come before
     the load."""
     import k6serve.runtime.process_group_worker as process_group_worker
+    import k6serve.runtime.rank_process as rank_process
 
     def refuse(*args, **kwargs):
         raise AssertionError("the ranks were started")
 
     monkeypatch.setattr(process_group_worker.MultiProcessWorker, "__init__", refuse)
-    monkeypatch.setattr(process_group_worker, "serve_worker_ranks", refuse)
+    monkeypatch.setattr(rank_process, "serve_worker_ranks", refuse)
 
 
 @pytest.fixture

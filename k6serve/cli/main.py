@@ -804,7 +804,7 @@ def _hosts_no_engine(engine_options: dict[str, Any]) -> bool:
 def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
     from k6serve.api import build_engine_config
     from k6serve.parallel.preflight import check_layout_before_loading
-    from k6serve.runtime.process_group_worker import serve_worker_ranks
+    from k6serve.runtime.rank_process import serve_worker_ranks
 
     options = dict(engine_options)
     config = build_engine_config(options.pop("model_path"), **options)

@@ -893,7 +893,8 @@ def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
     import pickle
 
     from k6serve.runtime import messages
-    from k6serve.runtime.process_group_worker import RemoteTraceback, _classify, _failure_error
+    from k6serve.runtime.process_group_worker import RemoteTraceback, _failure_error
+    from k6serve.runtime.rank_process import _classify
 
     try:
         _disk_full("/out/clip.mp4")

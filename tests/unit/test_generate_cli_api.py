@@ -279,10 +279,10 @@ def test_warmup_mode_request_is_reported_once(tiny_distill_dir):
 
 
 def test_non_leader_hosts_only_serve_worker_ranks(monkeypatch):
-    import k6serve.runtime.process_group_worker as pgw
+    import k6serve.runtime.rank_process as rank_process
 
     served = []
-    monkeypatch.setattr(pgw, "serve_worker_ranks", lambda config: served.append(config))
+    monkeypatch.setattr(rank_process, "serve_worker_ranks", lambda config: served.append(config))
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-gpus", "2", "--ulysses-degree", "2",
                  "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"]) == 0
     (config,) = served

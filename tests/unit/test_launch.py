@@ -31,7 +31,8 @@ from k6serve.models.variants import VARIANTS, resolve_generate
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, RequestCancelled
 from k6serve.runtime.launch import find_free_port, local_rank_specs, torchrun_rank
-from k6serve.runtime.process_group_worker import MultiProcessWorker, RankContext
+from k6serve.runtime.process_group_worker import MultiProcessWorker
+from k6serve.runtime.rank_process import RankContext
 
 pytestmark = pytest.mark.multiprocess
 TIMEOUT_S = 20.0  # the tests' own waits, once the ranks are up
@@ -534,7 +535,8 @@ HOST_SCRIPT = textwrap.dedent("""
     from test_launch import FakeRankWorker, make_config, note
     from k6serve.request import SamplingParams
     from k6serve.runtime.engine import Engine
-    from k6serve.runtime.process_group_worker import MultiProcessWorker, serve_worker_ranks
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
+    from k6serve.runtime.rank_process import serve_worker_ranks
 
     config = make_config(num_gpus=2, ulysses_degree=2, **{layout!r})
     if {leader}:

@@ -227,7 +227,8 @@ def test_the_overflow_message_for_the_cli_names_its_flags_and_crosses_the_worker
     # `k6serve generate` was told "lower it with set_lora or merge_lora_weights", which it does not have, and to
     # "deactivate the adapters with unmerge_lora_weights"; a rank process's ValueError reached it as a plain one.
     from k6serve.runtime.messages import RunFailed
-    from k6serve.runtime.process_group_worker import _classify, _failure_error
+    from k6serve.runtime.process_group_worker import _failure_error
+    from k6serve.runtime.rank_process import _classify
 
     engine_request, _ = resolve_generate(SamplingParams(prompt="x"), VARIANTS["pro-distill"])
     error = non_finite_latents(engine_request, [("default", 50.0, None)])

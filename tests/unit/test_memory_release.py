@@ -486,7 +486,7 @@ class ShardProbeRankWorker:
     (`storages_alive`, of `num_storages`): a second reference to a shard's old storage would keep it on the GPU."""
 
     def __init__(self, config, context) -> None:
-        from k6serve.runtime.process_group_worker import build_model_worker
+        from k6serve.runtime.rank_process import build_model_worker
 
         self.worker = build_model_worker(config, context)
         self.variant = self.worker.variant

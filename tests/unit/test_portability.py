@@ -17,6 +17,7 @@ def test_the_runtime_imports_without_the_signals_and_modules_windows_lacks():
         sys.modules["resource"] = None  # `import resource` raises ImportError, as on Windows
         import torch
         import k6serve.cli.main, k6serve.runtime.launch, k6serve.runtime.process_group_worker
+        import k6serve.runtime.rank_process
         from k6serve.runtime.out_of_memory import worker_killed_hint
         from k6serve.runtime.worker import peak_memory_mb
         from k6serve.runtime.launch import ENGINE_HANDLED_SIGNALS

@@ -156,7 +156,7 @@ def test_what_a_rank_starts_can_still_be_stopped_with_sigterm():
     resets, and unblocks them."""
     script = (
         "import signal, subprocess\n"
-        "from k6serve.runtime import process_group_worker as pgw\n"
+        "from k6serve.runtime import rank_process\n"
         "from k6serve.runtime.launch import ENGINE_HANDLED_SIGNALS\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, set(ENGINE_HANDLED_SIGNALS))  # as start_process starts a rank\n"
         "def rank_main(*args):\n"
@@ -165,8 +165,8 @@ def test_what_a_rank_starts_can_still_be_stopped_with_sigterm():
         "    print('child', child.wait(timeout=10), flush=True)\n"
         "    signal.raise_signal(signal.SIGTERM)  # the rank itself: left to the engine\n"
         "    print('rank alive', flush=True)\n"
-        "pgw.rank_main = rank_main\n"
-        "pgw._engine_rank_main()\n"
+        "rank_process.rank_main = rank_main\n"
+        "rank_process._engine_rank_main()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout == f"child {-signal.SIGTERM}\nrank alive\n", done.stderr
