@@ -53,8 +53,8 @@ from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, work
 from k6serve.runtime.rank_process import (
     ProgressCallback,
     RankWorkerFactory,
-    _engine_rank_main,
     build_model_worker,
+    engine_rank_main,
     rank_main,
     serve_worker_ranks,
 )
@@ -104,7 +104,7 @@ _ENGINE_RANKS: "weakref.WeakSet[BaseProcess]" = weakref.WeakSet()
 @atexit.register  # after multiprocessing's own exit hook (imported above), so it runs before that hook
 def _kill_ranks_at_exit() -> None:
     """multiprocessing's exit hook stops daemonic children with SIGTERM, then joins them: the engine's ranks ignore
-    SIGTERM (`rank_process._engine_rank_main`), and a process exiting with its ranks alive (a shutdown cut short by a
+    SIGTERM (`rank_process.engine_rank_main`), and a process exiting with its ranks alive (a shutdown cut short by a
     second Ctrl-C, a generator's finalizer detached) waited for them forever. They get SIGKILL here first.
 
     But only after every engine still alive has been shut down as its owner would have (`Engine.shutdown`: the
@@ -623,7 +623,7 @@ class MultiProcessWorker:
         for spec in local_rank_specs(parallel, device_type, store_port=store_port):
             args = (spec, config, build_rank_worker, address if spec.rank == 0 else None,
                     authkey if spec.rank == 0 else None)
-            self._processes[spec.rank] = start_process(_engine_rank_main, args, block_sigint=True,
+            self._processes[spec.rank] = start_process(engine_rank_main, args, block_sigint=True,
                                                        name=f"k6serve-rank{spec.rank}")
             _ENGINE_RANKS.add(self._processes[spec.rank])
 

@@ -6,7 +6,7 @@ leader receives a message and broadcasts it on the replica's CPU group, every ra
 replies. A rank that dies is seen by the engine (its process sentinel, or the leader's socket closing) and fails the
 request at once; ranks blocked in a collective with it hit the collective timeout and exit.
 
-A rank's process starts at `_engine_rank_main` (the engine started it) or `_host_rank_main` (`serve_worker_ranks`, on a
+A rank's process starts at `engine_rank_main` (the engine started it) or `_host_rank_main` (`serve_worker_ranks`, on a
 host without the engine). The engine's process imports this module too: the model libraries are imported only where
 the worker is built (`build_model_worker`, `parallelize_worker_models`).
 """
@@ -381,10 +381,10 @@ def rank_main(
 
 
 def _leave_to_the_engine(signum: int, frame: object) -> None:
-    """A rank's handler of the signals the engine handles (`_engine_rank_main`): nothing to do here."""
+    """A rank's handler of the signals the engine handles (`engine_rank_main`): nothing to do here."""
 
 
-def _engine_rank_main(*args) -> None:
+def engine_rank_main(*args) -> None:
     """`rank_main` in a process the engine started: Ctrl-C, SIGTERM and SIGHUP are the engine's to handle.
 
     A terminal's Ctrl-C reaches the whole process group: the ranks died mid-step with a traceback each while the

@@ -166,7 +166,7 @@ def test_what_a_rank_starts_can_still_be_stopped_with_sigterm():
         "    signal.raise_signal(signal.SIGTERM)  # the rank itself: left to the engine\n"
         "    print('rank alive', flush=True)\n"
         "rank_process.rank_main = rank_main\n"
-        "rank_process._engine_rank_main()\n"
+        "rank_process.engine_rank_main()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout == f"child {-signal.SIGTERM}\nrank alive\n", done.stderr
