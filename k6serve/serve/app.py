@@ -35,10 +35,11 @@ from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import error_body, install_error_handlers
 from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy
+from k6serve.serve.expiry import sweep_expired
 from k6serve.serve.jobs import JobStore, SqliteJobStore, hold_exclusively
 from k6serve.serve.loading import LoadingResponder
 from k6serve.serve.metrics import ServerMetrics
-from k6serve.serve.routes import OPENAPI_TAGS, ServerContext, router, sweep_expired
+from k6serve.serve.routes import OPENAPI_TAGS, router
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.schemas import (
     FILE_FIELDS,
@@ -52,6 +53,7 @@ from k6serve.serve.schemas import (
     input_reference_target,
     request_body_schema,
 )
+from k6serve.serve.server_context import ServerContext
 from k6serve.serve.settings import ServerSettings, normal_origin, normal_root_path
 from k6serve.serve.webhooks import (WEBHOOK_SECRET_ENV, WebhookSender, age_bound, check_webhook_url,
                                    drop_unsent_events)

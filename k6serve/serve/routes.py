@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,31 +43,28 @@ from k6serve.api import (
 )
 from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
-from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling
 from k6serve.models.variants import SUPER_RESOLUTION, AudioTooLong, MissingPrompt, MissingSourceVideo, Variant
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
-from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
-from k6serve.serve.artifacts import ArtifactStore, output_file_name
+from k6serve.serve.artifacts import output_file_name
 from k6serve.serve.errors import ApiError, error_response, output_not_writable
-from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy, check_readable
+from k6serve.serve.expiry import forget_job, live_job, sweep_expired
+from k6serve.serve.input_paths import check_readable
 from k6serve.serve.jobs import (
     DELETED_CURSOR_RETENTION_S,
     IdempotencyConflict,
     Job,
     JobStatus,
-    JobStore,
     RequestIdConflict,
     expires_at,
     is_expired,
     seconds_text,
     size_text,
 )
-from k6serve.serve.metrics import CONTENT_TYPE, ServerMetrics
+from k6serve.serve.metrics import CONTENT_TYPE
 from k6serve.serve.runner import (
-    JobRunner,
     LorasMerged,
     LorasNotLoaded,
     LorasQuantized,
@@ -80,6 +76,8 @@ from k6serve.serve.runner import (
 from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
+    CONTROL_ERROR_RESPONSES,
+    ERROR_RESPONSES,
     ErrorResponse,
     LoraList,
     LoraResult,
@@ -95,48 +93,19 @@ from k6serve.serve.schemas import (
     VideoJob,
     VideoList,
     input_reference_target,
-    job_view,
     parse_create_body,
     parse_lora_body,
     parse_memory_body,
     seconds_rounding_note,
     to_sampling_params,
 )
-from k6serve.serve.settings import ServerSettings
+from k6serve.serve.server_context import NO_REPLICA, ServerContext, refuse_without_replicas, server_context
 from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
 from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 
 logger = logging.getLogger(__name__)
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429, 503, 507)}
 ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
-
-
-@dataclass(kw_only=True)
-class ServerContext:
-    engine: Engine
-    store: JobStore
-    artifacts: ArtifactStore
-    settings: ServerSettings
-    metrics: ServerMetrics
-    runner: JobRunner
-    inputs: InputPathPolicy
-    lora_paths: LoraPathPolicy
-    model_name: str
-    served_names: tuple[str, ...]
-    started_at: float
-    sr_tiling: SRTiling | None = None  # an SR checkpoint's tiles, to refuse a too small source at creation
-    # Held by the one TTL sweep running (`sweep_expired`): each listing ran its own, and after a backlog (jobs that
-    # expired while the server was down) eight listings filled the thread pool for seconds, /health with it.
-    sweep_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def variant(self) -> Variant:
-        return self.engine.variant
-
-    def view(self, job: Job) -> dict[str, Any]:
-        return job_view(job, output_ttl_s=self.settings.output_ttl_s, memory_released=self.runner.holds_queue(),
-                        root_path=self.settings.root_path).model_dump(mode="json")
 
 
 router = APIRouter()
@@ -151,51 +120,6 @@ OPENAPI_TAGS = [
     {"name": "models", "description": "The served model, as OpenAI's /v1/models."},
     {"name": "operations", "description": "Health and Prometheus metrics, for supervisors and monitoring."},
 ]
-
-
-def forget_job(store: JobStore, artifacts: ArtifactStore, job: Job, *, gone_at: float | None = None) -> bool:
-    """Delete a finished job's record, its video and its uploads; False if it was already gone. `gone_at`: when
-    it ended, its `expires_at` for an expired job (a later request_id conflict counts its age from there, not from
-    the sweep that found it; default now)."""
-    # Without an output_file, the job's own name may still hold a video an interrupted attempt wrote before the job
-    # was re-queued and then cancelled (no client can name that file: `output_file_name`).
-    video = artifacts.output_path(job.output_file or output_file_name(job.id))
-    # The files go first: on a full disk the job store cannot write until some space is free, and deleting finished
-    # jobs is how a client frees it. A record left by a failed delete answers content_missing until deleted again.
-    artifacts.remove([video, *job.upload_files])
-    return store.delete(job.id, now=gone_at)
-
-
-def sweep_expired_once(store: JobStore, artifacts: ArtifactStore, ttl_s: float, now: float | None = None) -> int:
-    """Delete every job past its `expires_at` (see `jobs.expires_at`), with its files; how many were deleted."""
-    now = time.time() if now is None else now
-    # expires_at <= now implies completed_at < now + 1 - ttl: a superset, which is_expired narrows.
-    candidates = store.finished_before(now + 1 - ttl_s)
-    return sum(forget_job(store, artifacts, job, gone_at=expires_at(job, ttl_s)) for job in candidates
-               if is_expired(job, ttl_s, now))
-
-
-def sweep_expired(ctx: ServerContext) -> int | None:
-    """`sweep_expired_once` unless a sweep is already running (then None: that one does the work)."""
-    if not ctx.sweep_lock.acquire(blocking=False):
-        return None
-    try:
-        return sweep_expired_once(ctx.store, ctx.artifacts, ctx.settings.output_ttl_s)
-    finally:
-        ctx.sweep_lock.release()
-
-
-def _live(ctx: ServerContext, job: Job | None) -> Job | None:
-    """`job`, or None once it is past its `expires_at`: the sweep runs only every `cleanup_interval_s`, so an
-    expired job met in between is deleted here, and every route answers as after the sweep."""
-    if job is not None and is_expired(job, ctx.settings.output_ttl_s, time.time()):
-        forget_job(ctx.store, ctx.artifacts, job, gone_at=expires_at(job, ctx.settings.output_ttl_s))
-        return None
-    return job
-
-
-def _ctx(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 def _not_found(video_id: str) -> ApiError:
@@ -251,12 +175,12 @@ CREATE_BODY_DOC = {
 }
 
 
-@router.post("/v1/videos", response_model=VideoJob, responses=_ERRORS, openapi_extra=CREATE_BODY_DOC,
+@router.post("/v1/videos", response_model=VideoJob, responses=ERROR_RESPONSES, openapi_extra=CREATE_BODY_DOC,
              operation_id="createVideo", tags=["videos"],
              summary="Create a video job (JSON, or multipart with input_reference / video_reference uploads)")
 async def create_video(request: Request,
                        idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
-    ctx = _ctx(request)
+    ctx = server_context(request)
     try:
         return await _create_video(request, ctx, idempotency_key)
     except ApiError as error:
@@ -267,12 +191,12 @@ async def create_video(request: Request,
 
 
 async def _create_video(request: Request, ctx: ServerContext, idempotency_key: str | None) -> JSONResponse:
-    await _refuse_without_replicas(request, ctx)
+    await refuse_without_replicas(request, ctx)
     if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         await drain(request)
         raise ApiError(400, "Idempotency-Key must be 1-255 printable ASCII characters without spaces.",
                        code="invalid_idempotency_key", param="Idempotency-Key")
-    replay = idempotency_key is not None and _live(ctx, ctx.store.get_by_idempotency_key(idempotency_key)) is not None
+    replay = idempotency_key is not None and live_job(ctx, ctx.store.get_by_idempotency_key(idempotency_key)) is not None
     multipart = request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data"
     # Refuse an upload before anything is written. Other bodies are small and read first, so a retry naming an
     # existing job by its `request_id` is answered (admit replays it) rather than refused.
@@ -337,7 +261,7 @@ async def _create_video(request: Request, ctx: ServerContext, idempotency_key: s
         notes = [*notes, *([seed_note] if seed_note else [])]
         job_id = body.request_id or upload_id
         if body.request_id is not None:
-            _live(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
+            live_job(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
         # A replay, or a request_id conflict, writes no file: it is answered as what it is.
         if not replay and not (body.request_id is not None and ctx.store.id_taken(job_id)):
             await _refuse_unwritable_output(request, ctx, uploads=False)
@@ -559,12 +483,12 @@ def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: t
 _AFTER_DOC = "Cursor: a video id; one deleted or expired since still marks its place."
 
 
-@router.get("/v1/videos", response_model=VideoList, responses=_ERRORS, summary="List video jobs",
+@router.get("/v1/videos", response_model=VideoList, responses=ERROR_RESPONSES, summary="List video jobs",
             operation_id="listVideos", tags=["videos"])
 async def list_videos(request: Request, after: str | None = Query(None, description=_AFTER_DOC),
                       limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = Query("desc", description="By creation time.")) -> JSONResponse:
-    ctx = _ctx(request)
+    ctx = server_context(request)
     if ctx.settings.output_ttl_s > 0:
         # As if the periodic sweep had just run; off the event loop like it (many jobs can expire during downtime),
         # and, like it, a failure is logged, not the listing's 500. While another sweep runs this one skips it, and
@@ -611,11 +535,11 @@ _LIST_CHUNK = 100
 _LIST_SCAN_ROWS = 10_000
 
 
-@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=_ERRORS, summary="Get a video job",
+@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=ERROR_RESPONSES, summary="Get a video job",
             operation_id="retrieveVideo", tags=["videos"])
 async def get_video(request: Request, video_id: str) -> JSONResponse:
-    ctx = _ctx(request)
-    job = _live(ctx, ctx.store.get(video_id))
+    ctx = server_context(request)
+    job = live_job(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     # OpenAI's poll hint, which its SDK's videos.poll / create_and_poll read (1 s without it).
@@ -782,7 +706,7 @@ class VideoFileResponse(FileResponse):
 _MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  # a generated client's bytes
 
 
-@router.get("/v1/videos/{video_id}/content", responses={**_ERRORS, 200: {"content": _MP4_BYTES},
+@router.get("/v1/videos/{video_id}/content", responses={**ERROR_RESPONSES, 200: {"content": _MP4_BYTES},
                                                          206: {"description": "Partial content (Range)",
                                                                "content": _MP4_BYTES},
                                                          304: {"description": "Not modified (If-None-Match, "
@@ -796,8 +720,8 @@ _MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  
             operation_id="retrieveVideoContent", tags=["videos"])
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:
-    ctx = _ctx(request)
-    job = _live(ctx, ctx.store.get(video_id))
+    ctx = server_context(request)
+    job = live_job(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     if job.status != JobStatus.COMPLETED:
@@ -835,12 +759,12 @@ def _content_cache_control(ctx: ServerContext, job: Job) -> str:
     return f"private, max-age={max_age}, immutable"
 
 
-@router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=_ERRORS,
+@router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=ERROR_RESPONSES,
                summary="Delete a job and its files, cancelling it first if it is queued or running",
                operation_id="deleteVideo", tags=["videos"])
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
-    ctx = _ctx(request)
-    job = _live(ctx, ctx.store.get(video_id))
+    ctx = server_context(request)
+    job = live_job(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     if not job.status.is_terminal:
@@ -866,15 +790,15 @@ async def _cancel_and_wait(ctx: ServerContext, video_id: str) -> Job:
     return job
 
 
-@router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=_ERRORS,
+@router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=ERROR_RESPONSES,
              summary="Cancel a queued/running job; a finished one is left as it is (409)",
              operation_id="cancelVideo", tags=["videos"])
 async def cancel_video(request: Request, video_id: str) -> JSONResponse:
     """DELETE deletes a job (cancelling it first if it still runs), its record and video: a client that retries a
     cancel with it (after a restart, a lost answer) could delete the video of a job that completed meanwhile, and
     never reads how the job ended. This route only cancels, and keeps the record."""
-    ctx = _ctx(request)
-    job = _live(ctx, ctx.store.get(video_id))
+    ctx = server_context(request)
+    job = live_job(ctx, ctx.store.get(video_id))
     if job is None:
         raise _not_found(video_id)
     if job.status.is_terminal:
@@ -882,9 +806,6 @@ async def cancel_video(request: Request, video_id: str) -> JSONResponse:
                             f"/v1/videos/{video_id} shows it (and /content its video, if it completed).",
                        code="video_finished", param="video_id")
     return JSONResponse(ctx.view(await _cancel_and_wait(ctx, video_id)))
-
-
-_LORA_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}
 
 
 def _lora_body_doc(model: type) -> dict[str, Any]:
@@ -964,32 +885,32 @@ async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
 async def _lora_route(request: Request, model: type, build) -> JSONResponse:
     """The adapter-changing routes' one flow: the body read and checked, a super-resolution server's refusal, the
     operation built by the Python API's checks (`build(body)`), then queued behind the jobs created before it."""
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
+    ctx = server_context(request)
+    await refuse_without_replicas(request, ctx)
     body = await _read_lora_body(request, model)
     _refuse_lora_on_super_resolution(ctx)
     operation = _lora_operation(build, body)
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation), model)
 
 
-@router.post("/v1/set_lora", response_model=LoraResult, responses=_LORA_ERRORS,
+@router.post("/v1/set_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters",
              operation_id="setLora", tags=["lora"])
 async def set_lora(request: Request) -> JSONResponse:
-    lora_paths = _ctx(request).lora_paths
+    lora_paths = server_context(request).lora_paths
     return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
         body.lora_nickname, lora_paths.check(body.lora_path), body.strength, merge_mode=body.merge_mode,
         target=body.target, lora_alpha=body.lora_alpha, names=HTTP_LORA_NAMES))
 
 
-@router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
+@router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights",
              operation_id="mergeLoraWeights", tags=["lora"])
 async def merge_lora_weights(request: Request) -> JSONResponse:
     return await _lora_route(request, MergeLoraBody, lambda body: merge_lora_operation(body.target, body.strength))
 
 
-@router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=_LORA_ERRORS,
+@router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(UnmergeLoraBody),
              summary="Deactivate every LoRA adapter and restore the base weights bit for bit",
              operation_id="unmergeLoraWeights", tags=["lora"])
@@ -997,7 +918,7 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
     return await _lora_route(request, UnmergeLoraBody, lambda body: unmerge_lora_operation(body.target))
 
 
-@router.post("/v1/unload_lora", response_model=LoraResult, responses=_LORA_ERRORS,
+@router.post("/v1/unload_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(UnloadLoraBody),
              summary="Forget loaded LoRA adapters that are not active, freeing their memory",
              operation_id="unloadLora", tags=["lora"])
@@ -1006,15 +927,14 @@ async def unload_lora(request: Request) -> JSONResponse:
                              lambda body: unload_lora_operation(body.lora_nickname, name=HTTP_LORA_NAMES["nickname"]))
 
 
-@router.get("/v1/list_loras", response_model=LoraList, responses=_LORA_ERRORS, summary="The loaded LoRA adapters",
+@router.get("/v1/list_loras", response_model=LoraList, responses=CONTROL_ERROR_RESPONSES, summary="The loaded LoRA adapters",
             operation_id="listLoras", tags=["lora"])
 async def list_loras(request: Request) -> JSONResponse:
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
+    ctx = server_context(request)
+    await refuse_without_replicas(request, ctx)
     return await _lora_answer(lambda: ctx.engine.submit_lora(ListLoras()))
 
 
-_MEMORY_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}
 _MEMORY_BODY_DOC = {"requestBody": {"required": False, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/MemoryOccupationBody"}}}}}
 
@@ -1022,8 +942,8 @@ _MEMORY_BODY_DOC = {"requestBody": {"required": False, "content": {
 async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
     """Read the optional body, run the operation, answer its reply: 400 for a refused layout (ValueError), 500 for
     any other failure (nothing changed: a failed release or resume is undone on every rank)."""
-    ctx = _ctx(request)
-    await _refuse_without_replicas(request, ctx)
+    ctx = server_context(request)
+    await refuse_without_replicas(request, ctx)
     body = parse_memory_body(await _read_control_body(request, allow_empty=True, routes="the memory routes"),
                              resume=resume)
     operation: MemoryOperation = (ResumeMemory(keep_host_copy=bool(body.keep_host_copy)) if resume
@@ -1040,7 +960,7 @@ async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
     return JSONResponse(result)
 
 
-@router.post("/release_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
+@router.post("/release_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_MEMORY_BODY_DOC,
              summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory",
              operation_id="releaseMemoryOccupation", tags=["memory"])
@@ -1048,7 +968,7 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
     return await _memory_answer(request, resume=False)
 
 
-@router.post("/resume_memory_occupation", response_model=MemoryReply, responses=_MEMORY_ERRORS,
+@router.post("/resume_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_MEMORY_BODY_DOC,
              summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start",
              operation_id="resumeMemoryOccupation", tags=["memory"])
@@ -1067,19 +987,19 @@ def _model_card(ctx: ServerContext) -> dict[str, Any]:
     return card.model_dump(mode="json")
 
 
-@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, summary="The served model",
+@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model",
             operation_id="listModels", tags=["models"])
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(_ctx(request))]})
+    return JSONResponse({"object": "list", "data": [_model_card(server_context(request))]})
 
 
 # `:path`: a hub id has a slash (kandinskylab/Kandinsky-6.0-...), and a request's `model` may name the checkpoint.
-@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, summary="The served model, by name",
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES, summary="The served model, by name",
             operation_id="retrieveModel", tags=["models"])
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     """OpenAI's `GET /v1/models/{model}` (the SDK's `client.models.retrieve`), which answered 404 "unknown route":
     the served model's card under any name a job's `model` may use, else 404 `model_not_found`."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     if model.lower() not in ctx.served_names:  # the names a job's `model` takes, lower-cased
         raise ApiError(404, f"The model {model!r} is not served here: this server serves {ctx.model_name!r} (GET "
                             "/v1/models lists it).", code="model_not_found", param="model")
@@ -1093,7 +1013,7 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     """200 while a replica serves ("ok", or "degraded" with `dead_replicas`); 503 "unavailable" once none does, so
     a supervisor or load balancer sees a server whose workers died (it said "ok" before)."""
-    ctx = _ctx(request)
+    ctx = server_context(request)
     # In a thread: finding a dead rank stops the rest of its replica, which can take a second or two.
     dead = await asyncio.to_thread(ctx.engine.dead_replicas)
     body: dict[str, Any] = {"status": "ok", "memory_released": ctx.runner.holds_queue()}
@@ -1109,23 +1029,13 @@ async def health(request: Request) -> JSONResponse:
     body["dead_replicas"] = dead
     if len(dead) < ctx.engine.num_replicas:
         return JSONResponse({**body, "status": "degraded"})
-    return JSONResponse({**body, "status": "unavailable", "message": _NO_REPLICA}, status_code=503)
+    return JSONResponse({**body, "status": "unavailable", "message": NO_REPLICA}, status_code=503)
 
 
-_NO_REPLICA = "Every worker replica of this server has died; restart the server (its log says why they died)."
-
-
-async def _refuse_without_replicas(request: Request, ctx: ServerContext) -> None:
-    """A 503 before the body is used when no replica can run anything: the job would only fail once queued."""
-    if len(await asyncio.to_thread(ctx.engine.dead_replicas)) >= ctx.engine.num_replicas:
-        await drain(request)
-        raise ApiError(503, _NO_REPLICA, code="engine_unavailable")
-
-
-@router.get("/metrics", response_class=PlainTextResponse, responses=_ERRORS, summary="Prometheus metrics",
+@router.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES, summary="Prometheus metrics",
             operation_id="getMetrics", tags=["operations"])
 async def metrics(request: Request) -> PlainTextResponse:
-    ctx = _ctx(request)
+    ctx = server_context(request)
     counts = ctx.store.count_by_status()
     dead = await asyncio.to_thread(ctx.engine.dead_replicas)
     text = ctx.metrics.render(queue_depth=counts[JobStatus.QUEUED], jobs_by_status=counts,

@@ -2,7 +2,7 @@
 
 `VideoCreateBody` is generated from `parameter_fields(surface="http")` (the one definition of request
 parameters shared with the CLI and the Python API) plus the OpenAI fields `model`, `size` and `seconds`.
-Pydantic lives only in this module and `routes.py`.
+Pydantic lives only in this module and the route modules (`routes.py` lists them).
 """
 
 from __future__ import annotations
@@ -752,6 +752,12 @@ class ErrorDetail(BaseModel):
 class ErrorResponse(BaseModel):
     model_config = _ANSWER_CONFIG
     error: ErrorDetail
+
+
+# The error answers the OpenAPI document lists: the video, model and metrics routes', and the control routes' (LoRA
+# and memory, which answer a worker's failure with 500).
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429, 503, 507)}
+CONTROL_ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}
 
 
 def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, root_path: str = "") -> VideoJob:

@@ -605,7 +605,7 @@ def test_wrong_model_name_is_400(fake_client):
 def test_paging_continues_after_a_deleted_or_expired_cursor(fake_server, fake_client):
     # A job deleted (or expired) between two pages made after=<its id> a 400: a client paging through jobs
     # while they expire got stuck. Its place is remembered, so the next page neither skips nor repeats.
-    from k6serve.serve.routes import sweep_expired_once
+    from k6serve.serve.expiry import sweep_expired_once
     from k6serve.serve.jobs import DELETED_CURSOR_RETENTION_S
 
     ids = [fake_client.post("/v1/videos", json={"prompt": f"p{i}", "size": "32x32", "num_frames": 5}).json()["id"]
@@ -705,7 +705,7 @@ def test_a_keyed_servers_document_says_so_and_its_docs_open_in_a_browser(tmp_pat
 
 
 def test_an_expired_jobs_id_conflict_counts_from_its_expiry_not_the_sweep(fake_server, fake_client):
-    from k6serve.serve.routes import sweep_expired_once
+    from k6serve.serve.expiry import sweep_expired_once
 
     body = {"prompt": "old", "size": "32x32", "num_frames": 5, "request_id": "old-1"}
     assert wait_for(fake_client, fake_client.post("/v1/videos", json=body).json()["id"])["status"] == "completed"

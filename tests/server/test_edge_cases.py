@@ -462,6 +462,7 @@ def test_a_delete_as_the_download_starts_does_not_cut_it_off(fake_server, fake_c
     # TTL sweep) landing in between ended the download with no byte of its body ("peer closed connection without
     # sending complete message body") and a FileNotFoundError traceback in the log. The route opens it first now.
     from k6serve.serve import routes
+    from k6serve.serve.expiry import forget_job
 
     video_id = _completed(fake_client)
     expected = fake_client.get(f"/v1/videos/{video_id}/content", headers=headers)
@@ -472,7 +473,7 @@ def test_a_delete_as_the_download_starts_does_not_cut_it_off(fake_server, fake_c
         async def sending(message):
             await send(message)
             if message["type"] == "http.response.start":  # what DELETE /v1/videos/{id} does, in between
-                assert routes.forget_job(fake_server.store, fake_server.artifacts, fake_server.store.get(video_id))
+                assert forget_job(fake_server.store, fake_server.artifacts, fake_server.store.get(video_id))
         await call(self, scope, receive, sending)
 
     monkeypatch.setattr(routes.VideoFileResponse, "__call__", delete_as_the_headers_go_out)
