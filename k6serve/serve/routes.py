@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Literal
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
@@ -48,6 +48,7 @@ from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
+from k6serve.serve import status_routes
 from k6serve.serve.artifacts import output_file_name
 from k6serve.serve.errors import ApiError, error_response, output_not_writable
 from k6serve.serve.expiry import forget_job, live_job, sweep_expired
@@ -63,7 +64,6 @@ from k6serve.serve.jobs import (
     seconds_text,
     size_text,
 )
-from k6serve.serve.metrics import CONTENT_TYPE
 from k6serve.serve.runner import (
     LorasMerged,
     LorasNotLoaded,
@@ -83,8 +83,6 @@ from k6serve.serve.schemas import (
     LoraResult,
     MemoryReply,
     MergeLoraBody,
-    ModelCard,
-    ModelList,
     SetLoraBody,
     UnloadLoraBody,
     UnmergeLoraBody,
@@ -99,7 +97,7 @@ from k6serve.serve.schemas import (
     seconds_rounding_note,
     to_sampling_params,
 )
-from k6serve.serve.server_context import NO_REPLICA, ServerContext, refuse_without_replicas, server_context
+from k6serve.serve.server_context import ServerContext, refuse_without_replicas, server_context
 from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
 from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 
@@ -108,7 +106,6 @@ _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
 
 
-router = APIRouter()
 # The OpenAPI document's groups, which name a generated client's modules (openapi-python-client's
 # `api/videos/create_video.py`); each route has a tag and an operationId, OpenAI's where it has the route
 # (createVideo, listVideos, retrieveVideo, deleteVideo, retrieveVideoContent, listModels, retrieveModel), since
@@ -120,6 +117,7 @@ OPENAPI_TAGS = [
     {"name": "models", "description": "The served model, as OpenAI's /v1/models."},
     {"name": "operations", "description": "Health and Prometheus metrics, for supervisors and monitoring."},
 ]
+_router = APIRouter()
 
 
 def _not_found(video_id: str) -> ApiError:
@@ -175,7 +173,7 @@ CREATE_BODY_DOC = {
 }
 
 
-@router.post("/v1/videos", response_model=VideoJob, responses=ERROR_RESPONSES, openapi_extra=CREATE_BODY_DOC,
+@_router.post("/v1/videos", response_model=VideoJob, responses=ERROR_RESPONSES, openapi_extra=CREATE_BODY_DOC,
              operation_id="createVideo", tags=["videos"],
              summary="Create a video job (JSON, or multipart with input_reference / video_reference uploads)")
 async def create_video(request: Request,
@@ -483,7 +481,7 @@ def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: t
 _AFTER_DOC = "Cursor: a video id; one deleted or expired since still marks its place."
 
 
-@router.get("/v1/videos", response_model=VideoList, responses=ERROR_RESPONSES, summary="List video jobs",
+@_router.get("/v1/videos", response_model=VideoList, responses=ERROR_RESPONSES, summary="List video jobs",
             operation_id="listVideos", tags=["videos"])
 async def list_videos(request: Request, after: str | None = Query(None, description=_AFTER_DOC),
                       limit: int = Query(20, ge=1, le=100),
@@ -535,7 +533,7 @@ _LIST_CHUNK = 100
 _LIST_SCAN_ROWS = 10_000
 
 
-@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=ERROR_RESPONSES, summary="Get a video job",
+@_router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=ERROR_RESPONSES, summary="Get a video job",
             operation_id="retrieveVideo", tags=["videos"])
 async def get_video(request: Request, video_id: str) -> JSONResponse:
     ctx = server_context(request)
@@ -706,7 +704,7 @@ class VideoFileResponse(FileResponse):
 _MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  # a generated client's bytes
 
 
-@router.get("/v1/videos/{video_id}/content", responses={**ERROR_RESPONSES, 200: {"content": _MP4_BYTES},
+@_router.get("/v1/videos/{video_id}/content", responses={**ERROR_RESPONSES, 200: {"content": _MP4_BYTES},
                                                          206: {"description": "Partial content (Range)",
                                                                "content": _MP4_BYTES},
                                                          304: {"description": "Not modified (If-None-Match, "
@@ -759,7 +757,7 @@ def _content_cache_control(ctx: ServerContext, job: Job) -> str:
     return f"private, max-age={max_age}, immutable"
 
 
-@router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=ERROR_RESPONSES,
+@_router.delete("/v1/videos/{video_id}", response_model=VideoCancelled | VideoDeleted, responses=ERROR_RESPONSES,
                summary="Delete a job and its files, cancelling it first if it is queued or running",
                operation_id="deleteVideo", tags=["videos"])
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
@@ -790,7 +788,7 @@ async def _cancel_and_wait(ctx: ServerContext, video_id: str) -> Job:
     return job
 
 
-@router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=ERROR_RESPONSES,
+@_router.post("/v1/videos/{video_id}/cancel", response_model=VideoJob, responses=ERROR_RESPONSES,
              summary="Cancel a queued/running job; a finished one is left as it is (409)",
              operation_id="cancelVideo", tags=["videos"])
 async def cancel_video(request: Request, video_id: str) -> JSONResponse:
@@ -893,7 +891,7 @@ async def _lora_route(request: Request, model: type, build) -> JSONResponse:
     return await _lora_answer(lambda: ctx.runner.submit_lora(operation), model)
 
 
-@router.post("/v1/set_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
+@_router.post("/v1/set_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters",
              operation_id="setLora", tags=["lora"])
 async def set_lora(request: Request) -> JSONResponse:
@@ -903,14 +901,14 @@ async def set_lora(request: Request) -> JSONResponse:
         target=body.target, lora_alpha=body.lora_alpha, names=HTTP_LORA_NAMES))
 
 
-@router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
+@_router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights",
              operation_id="mergeLoraWeights", tags=["lora"])
 async def merge_lora_weights(request: Request) -> JSONResponse:
     return await _lora_route(request, MergeLoraBody, lambda body: merge_lora_operation(body.target, body.strength))
 
 
-@router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
+@_router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(UnmergeLoraBody),
              summary="Deactivate every LoRA adapter and restore the base weights bit for bit",
              operation_id="unmergeLoraWeights", tags=["lora"])
@@ -918,7 +916,7 @@ async def unmerge_lora_weights(request: Request) -> JSONResponse:
     return await _lora_route(request, UnmergeLoraBody, lambda body: unmerge_lora_operation(body.target))
 
 
-@router.post("/v1/unload_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
+@_router.post("/v1/unload_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_lora_body_doc(UnloadLoraBody),
              summary="Forget loaded LoRA adapters that are not active, freeing their memory",
              operation_id="unloadLora", tags=["lora"])
@@ -927,7 +925,7 @@ async def unload_lora(request: Request) -> JSONResponse:
                              lambda body: unload_lora_operation(body.lora_nickname, name=HTTP_LORA_NAMES["nickname"]))
 
 
-@router.get("/v1/list_loras", response_model=LoraList, responses=CONTROL_ERROR_RESPONSES, summary="The loaded LoRA adapters",
+@_router.get("/v1/list_loras", response_model=LoraList, responses=CONTROL_ERROR_RESPONSES, summary="The loaded LoRA adapters",
             operation_id="listLoras", tags=["lora"])
 async def list_loras(request: Request) -> JSONResponse:
     ctx = server_context(request)
@@ -960,7 +958,7 @@ async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
     return JSONResponse(result)
 
 
-@router.post("/release_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
+@_router.post("/release_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_MEMORY_BODY_DOC,
              summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory",
              operation_id="releaseMemoryOccupation", tags=["memory"])
@@ -968,7 +966,7 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
     return await _memory_answer(request, resume=False)
 
 
-@router.post("/resume_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
+@_router.post("/resume_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
              openapi_extra=_MEMORY_BODY_DOC,
              summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start",
              operation_id="resumeMemoryOccupation", tags=["memory"])
@@ -976,74 +974,11 @@ async def resume_memory_occupation(request: Request) -> JSONResponse:
     return await _memory_answer(request, resume=True)
 
 
-def _model_card(ctx: ServerContext) -> dict[str, Any]:
-    variant = ctx.variant
-    card = ModelCard(id=ctx.model_name, created=int(ctx.started_at), root=ctx.engine.config.model.model_path,
-                     num_gpus=ctx.engine.config.parallel.num_gpus, dit_precision=ctx.engine.precision,
-                     vae_precision=ctx.engine.precision, family=variant.family, variant=variant.name,
-                     default_num_inference_steps=variant.num_inference_steps,
-                     default_guidance_scale=variant.guidance_scale,
-                     quantization=ctx.engine.config.model.quantization)
-    return card.model_dump(mode="json")
-
-
-@router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model",
-            operation_id="listModels", tags=["models"])
-async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(server_context(request))]})
-
-
-# `:path`: a hub id has a slash (kandinskylab/Kandinsky-6.0-...), and a request's `model` may name the checkpoint.
-@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES, summary="The served model, by name",
-            operation_id="retrieveModel", tags=["models"])
-async def retrieve_model(request: Request, model: str) -> JSONResponse:
-    """OpenAI's `GET /v1/models/{model}` (the SDK's `client.models.retrieve`), which answered 404 "unknown route":
-    the served model's card under any name a job's `model` may use, else 404 `model_not_found`."""
-    ctx = server_context(request)
-    if model.lower() not in ctx.served_names:  # the names a job's `model` takes, lower-cased
-        raise ApiError(404, f"The model {model!r} is not served here: this server serves {ctx.model_name!r} (GET "
-                            "/v1/models lists it).", code="model_not_found", param="model")
-    return JSONResponse(_model_card(ctx))
-
-
-@router.get("/health", summary="Liveness, and whether the GPU memory is released (no authentication)",
-            operation_id="getHealth", tags=["operations"],
-            responses={503: {"description": "The model is still loading (status 'loading') or no worker replica is "
-                                            "left (status 'unavailable')"}})
-async def health(request: Request) -> JSONResponse:
-    """200 while a replica serves ("ok", or "degraded" with `dead_replicas`); 503 "unavailable" once none does, so
-    a supervisor or load balancer sees a server whose workers died (it said "ok" before)."""
-    ctx = server_context(request)
-    # In a thread: finding a dead rank stops the rest of its replica, which can take a second or two.
-    dead = await asyncio.to_thread(ctx.engine.dead_replicas)
-    body: dict[str, Any] = {"status": "ok", "memory_released": ctx.runner.holds_queue()}
-    if ctx.runner.running_count():
-        # A hung worker's processes are alive, so the status stays "ok": this says how long the job has been silent.
-        body["seconds_since_progress"] = round(ctx.runner.seconds_since_progress(), 1)
-    warmups = ctx.engine.startup_warmups
-    if warmups:  # `--warmup-mode server`: what start-up warmed, each shape's cost and the total
-        body["warmup"] = {"seconds": round(sum(report.seconds for report in warmups), 3),
-                          "shapes": [{"size": report.size, "seconds": round(report.seconds, 3)} for report in warmups]}
-    if not dead:
-        return JSONResponse(body)
-    body["dead_replicas"] = dead
-    if len(dead) < ctx.engine.num_replicas:
-        return JSONResponse({**body, "status": "degraded"})
-    return JSONResponse({**body, "status": "unavailable", "message": NO_REPLICA}, status_code=503)
-
-
-@router.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES, summary="Prometheus metrics",
-            operation_id="getMetrics", tags=["operations"])
-async def metrics(request: Request) -> PlainTextResponse:
-    ctx = server_context(request)
-    counts = ctx.store.count_by_status()
-    dead = await asyncio.to_thread(ctx.engine.dead_replicas)
-    text = ctx.metrics.render(queue_depth=counts[JobStatus.QUEUED], jobs_by_status=counts,
-                              running=ctx.runner.running_count(),
-                              seconds_since_progress=ctx.runner.seconds_since_progress(),
-                              replicas=ctx.engine.num_replicas, dead_replicas=len(dead),
-                              webhook_pending=0 if ctx.runner.webhooks is None else ctx.runner.webhooks.pending)
-    return PlainTextResponse(text, media_type=CONTENT_TYPE)
+# The resources' routers, in the order of the OpenAPI document's paths (and of docs/http-api.md's tables).
+RESOURCE_ROUTERS = (_router, status_routes.router)
+router = APIRouter()
+for _resource_router in RESOURCE_ROUTERS:
+    router.include_router(_resource_router)
 
 
 def _head_wherever_get() -> None:
@@ -1051,10 +986,11 @@ def _head_wherever_get() -> None:
     answered 405 but on two paths: a load balancer probing /health with HEAD never saw the server come up (the
     loading responder answers HEAD /health), and curl -I or a download manager sizing a ranged download of
     /content got no size; HEAD /v1/videos/{id} and the rest answered 405 too. Kept out of the schema, which lists
-    the documented GETs."""
-    for route in list(router.routes):
-        if "GET" in route.methods:
-            router.head(route.path, include_in_schema=False)(route.endpoint)
+    the documented GETs. Added after every resource's routes, as they were when one router held them all."""
+    for resource_router in RESOURCE_ROUTERS:
+        for route in list(resource_router.routes):
+            if "GET" in route.methods:
+                router.head(route.path, include_in_schema=False)(route.endpoint)
 
 
 _head_wherever_get()
