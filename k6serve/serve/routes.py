@@ -47,8 +47,7 @@ from k6serve.models.variants import SUPER_RESOLUTION, AudioTooLong, MissingPromp
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
-from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
-from k6serve.serve import status_routes
+from k6serve.serve import memory_routes, status_routes
 from k6serve.serve.artifacts import output_file_name
 from k6serve.serve.errors import ApiError, error_response, output_not_writable
 from k6serve.serve.expiry import forget_job, live_job, sweep_expired
@@ -81,7 +80,6 @@ from k6serve.serve.schemas import (
     ErrorResponse,
     LoraList,
     LoraResult,
-    MemoryReply,
     MergeLoraBody,
     SetLoraBody,
     UnloadLoraBody,
@@ -93,12 +91,12 @@ from k6serve.serve.schemas import (
     input_reference_target,
     parse_create_body,
     parse_lora_body,
-    parse_memory_body,
     seconds_rounding_note,
     to_sampling_params,
 )
 from k6serve.serve.server_context import ServerContext, refuse_without_replicas, server_context
-from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body
+from k6serve.serve.uploads import (drain, read_control_body, read_json_body, read_multipart, read_urlencoded_body,
+                                  refuse_content_encoding)
 from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 
 logger = logging.getLogger(__name__)
@@ -329,23 +327,9 @@ class _SentBody:
     upload_fields: dict[str, str] = field(default_factory=dict)  # {image_path / video_path: the file field}
 
 
-async def _refuse_content_encoding(request: Request) -> None:
-    """A 415 for a compressed body (`Content-Encoding: gzip`, ...), as RFC 9110 (8.4) asks of a server that does
-    not decode it: it was parsed as it came, and refused as "Invalid JSON body: 'utf-8' codec can't decode byte
-    0x8b", which did not say what to change."""
-    codings = [coding.strip().lower() for coding in request.headers.get("content-encoding", "").split(",")]
-    codings = [coding for coding in codings if coding and coding != "identity"]
-    if codings:
-        await drain(request)
-        raise ApiError(415, f"Content-Encoding {', '.join(codings)!r} is not supported: the server reads request "
-                            "bodies uncompressed; send the body without compressing it (no Content-Encoding "
-                            "header).", code="unsupported_content_type", param="Content-Encoding",
-                       headers={"Accept-Encoding": "identity"})
-
-
 async def _read_body(request: Request, ctx: ServerContext, upload_id: str) -> _SentBody:
     """The JSON or form body; uploads are written as `<upload_id>_<field>.<ext>`."""
-    await _refuse_content_encoding(request)
+    await refuse_content_encoding(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         form = await read_multipart(
@@ -811,22 +795,10 @@ def _lora_body_doc(model: type) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def _read_control_body(request: Request, *, allow_empty: bool, routes: str = "the LoRA routes") -> Any:
-    await _refuse_content_encoding(request)
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type not in ("application/json", ""):
-        await drain(request)
-        raise ApiError(415, f"Content-Type {content_type!r} is not supported; {routes} take application/json "
-                            "(with curl: -H 'Content-Type: application/json').", code="unsupported_content_type",
-                       param="Content-Type")
-    # Only set_lora refuses an empty body; its message shows set_lora's fields, not the video route's prompt.
-    return await read_json_body(request, allow_empty=allow_empty,
-                                example='{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}')
-
-
 async def _read_lora_body(request: Request, model: type) -> Any:
-    return parse_lora_body(model, await _read_control_body(request,
-                                                           allow_empty=model not in (SetLoraBody, UnloadLoraBody)))
+    return parse_lora_body(model, await read_control_body(request,
+                                                           allow_empty=model not in (SetLoraBody, UnloadLoraBody),
+                                                          routes="the LoRA routes"))
 
 
 def _lora_operation(build, *args, **kwargs):
@@ -933,49 +905,10 @@ async def list_loras(request: Request) -> JSONResponse:
     return await _lora_answer(lambda: ctx.engine.submit_lora(ListLoras()))
 
 
-_MEMORY_BODY_DOC = {"requestBody": {"required": False, "content": {
-    "application/json": {"schema": {"$ref": "#/components/schemas/MemoryOccupationBody"}}}}}
-
-
-async def _memory_answer(request: Request, resume: bool) -> JSONResponse:
-    """Read the optional body, run the operation, answer its reply: 400 for a refused layout (ValueError), 500 for
-    any other failure (nothing changed: a failed release or resume is undone on every rank)."""
-    ctx = server_context(request)
-    await refuse_without_replicas(request, ctx)
-    body = parse_memory_body(await _read_control_body(request, allow_empty=True, routes="the memory routes"),
-                             resume=resume)
-    operation: MemoryOperation = (ResumeMemory(keep_host_copy=bool(body.keep_host_copy)) if resume
-                                  else ReleaseMemory())
-    try:
-        result = await asyncio.wrap_future(ctx.runner.submit_memory(operation))
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="unsupported_layout") from None
-    except ServerShuttingDown as exc:
-        raise ApiError(503, str(exc), code="shutting_down") from None
-    except Exception as exc:
-        logger.exception("%s failed", type(operation).__name__)
-        raise ApiError(500, client_words(exc), code="memory_operation_failed") from None
-    return JSONResponse(result)
-
-
-@_router.post("/release_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
-             openapi_extra=_MEMORY_BODY_DOC,
-             summary="Give the GPU memory back (sleep): after the running jobs, move every weight to host memory",
-             operation_id="releaseMemoryOccupation", tags=["memory"])
-async def release_memory_occupation(request: Request) -> JSONResponse:
-    return await _memory_answer(request, resume=False)
-
-
-@_router.post("/resume_memory_occupation", response_model=MemoryReply, responses=CONTROL_ERROR_RESPONSES,
-             openapi_extra=_MEMORY_BODY_DOC,
-             summary="Take the GPU memory again (wake): copy the weights back; queued jobs then start",
-             operation_id="resumeMemoryOccupation", tags=["memory"])
-async def resume_memory_occupation(request: Request) -> JSONResponse:
-    return await _memory_answer(request, resume=True)
 
 
 # The resources' routers, in the order of the OpenAPI document's paths (and of docs/http-api.md's tables).
-RESOURCE_ROUTERS = (_router, status_routes.router)
+RESOURCE_ROUTERS = (_router, memory_routes.router, status_routes.router)
 router = APIRouter()
 for _resource_router in RESOURCE_ROUTERS:
     router.include_router(_resource_router)

@@ -183,6 +183,34 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     return value
 
 
+async def refuse_content_encoding(request: Request) -> None:
+    """A 415 for a compressed body (`Content-Encoding: gzip`, ...), as RFC 9110 (8.4) asks of a server that does
+    not decode it: it was parsed as it came, and refused as "Invalid JSON body: 'utf-8' codec can't decode byte
+    0x8b", which did not say what to change."""
+    codings = [coding.strip().lower() for coding in request.headers.get("content-encoding", "").split(",")]
+    codings = [coding for coding in codings if coding and coding != "identity"]
+    if codings:
+        await drain(request)
+        raise ApiError(415, f"Content-Encoding {', '.join(codings)!r} is not supported: the server reads request "
+                            "bodies uncompressed; send the body without compressing it (no Content-Encoding "
+                            "header).", code="unsupported_content_type", param="Content-Encoding",
+                       headers={"Accept-Encoding": "identity"})
+
+
+async def read_control_body(request: Request, *, allow_empty: bool, routes: str) -> Any:
+    """A LoRA or memory route's JSON body (`routes` names them in a 415); `allow_empty`: an empty body is `{}`."""
+    await refuse_content_encoding(request)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in ("application/json", ""):
+        await drain(request)
+        raise ApiError(415, f"Content-Type {content_type!r} is not supported; {routes} take application/json "
+                            "(with curl: -H 'Content-Type: application/json').", code="unsupported_content_type",
+                       param="Content-Type")
+    # Only set_lora refuses an empty body; its message shows set_lora's fields, not the video route's prompt.
+    return await read_json_body(request, allow_empty=allow_empty,
+                                example='{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}')
+
+
 def too_large_json() -> ApiError:
     return ApiError(413, f"JSON and url-encoded bodies are limited to {MAX_JSON_BYTES // 2**20} MiB; upload "
                          "files with "
