@@ -33,21 +33,11 @@ from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
-from k6serve.api import (
-    HTTP_LORA_NAMES,
-    LoraArgumentError,
-    merge_lora_operation,
-    set_lora_operation,
-    unload_lora_operation,
-    unmerge_lora_operation,
-)
-from k6serve.lora.adapter import names_adapter_file
-from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import SUPER_RESOLUTION, AudioTooLong, MissingPrompt, MissingSourceVideo, Variant
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
-from k6serve.serve import memory_routes, status_routes
+from k6serve.serve import lora_routes, memory_routes, status_routes
 from k6serve.serve.artifacts import output_file_name
 from k6serve.serve.errors import ApiError, error_response, output_not_writable
 from k6serve.serve.expiry import forget_job, live_job, sweep_expired
@@ -68,34 +58,24 @@ from k6serve.serve.runner import (
     LorasNotLoaded,
     LorasQuantized,
     QueueFull,
-    ServerShuttingDown,
-    client_words,
     without_upload_paths,
 )
 from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
-    CONTROL_ERROR_RESPONSES,
     ERROR_RESPONSES,
     ErrorResponse,
-    LoraList,
-    LoraResult,
-    MergeLoraBody,
-    SetLoraBody,
-    UnloadLoraBody,
-    UnmergeLoraBody,
     VideoCancelled,
     VideoDeleted,
     VideoJob,
     VideoList,
     input_reference_target,
     parse_create_body,
-    parse_lora_body,
     seconds_rounding_note,
     to_sampling_params,
 )
 from k6serve.serve.server_context import ServerContext, refuse_without_replicas, server_context
-from k6serve.serve.uploads import (drain, read_control_body, read_json_body, read_multipart, read_urlencoded_body,
+from k6serve.serve.uploads import (drain, read_json_body, read_multipart, read_urlencoded_body,
                                   refuse_content_encoding)
 from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 
@@ -790,125 +770,8 @@ async def cancel_video(request: Request, video_id: str) -> JSONResponse:
     return JSONResponse(ctx.view(await _cancel_and_wait(ctx, video_id)))
 
 
-def _lora_body_doc(model: type) -> dict[str, Any]:
-    return {"requestBody": {"required": model in (SetLoraBody, UnloadLoraBody), "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-async def _read_lora_body(request: Request, model: type) -> Any:
-    return parse_lora_body(model, await read_control_body(request,
-                                                           allow_empty=model not in (SetLoraBody, UnloadLoraBody),
-                                                          routes="the LoRA routes"))
-
-
-def _lora_operation(build, *args, **kwargs):
-    """The operation built by the Python API's own checks (strengths and alpha within their bounds too): a bad
-    argument is refused now, not once the running and queued jobs are done (the worker refuses it too)."""
-    try:
-        return build(*args, **kwargs)
-    except LoraArgumentError as exc:
-        raise ApiError(400, str(exc), code="invalid_parameter", param=exc.argument) from None
-
-
-def _lora_error_param(message: str, body: type | None) -> str | None:
-    """The field of the route's `body` a worker's ValueError is about: for set_lora, `lora_path` for the adapter
-    file's errors, whose messages say "LoRA path" / "LoRA file" (the CLI's and the API's wording too), else the first
-    field the message names (a merge_lora_weights refusal that names merge_mode was answered with that param, which
-    the route does not take)."""
-    if body is None:
-        return None
-    if body is SetLoraBody and names_adapter_file(message):
-        return "lora_path"
-    match = re.search(r"\b(" + "|".join(body.model_fields) + r")\b", message)
-    if match:
-        return match.group(1)
-    # The manager's "no LoRA adapter is loaded under the nickname 'x'" (a set_lora without lora_path) says
-    # "nickname", its word in the Python API too; it was answered with param null.
-    return "lora_nickname" if body is SetLoraBody and re.search(r"\bnickname\b", message) else None
-
-
-def _refuse_lora_on_super_resolution(ctx: ServerContext) -> None:
-    """The worker's refusal of any adapter change on a super-resolution model, now: it waited behind every queued
-    job (45 s behind two) before saying so."""
-    if ctx.variant.family == SUPER_RESOLUTION:
-        raise ApiError(400, f"LoRA adapters apply to the Kandinsky 6 generation DiT; {ctx.variant.name} is a "
-                            "super-resolution model, which takes none.", code="invalid_lora")
-
-
-async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
-    """Submit a LoRA operation and answer its result: 400 for a ValueError (bad adapter, nothing changed), 500 for
-    any other failure, with its message (the reference answers every failure with 500 and a detail string)."""
-    try:
-        result = await asyncio.wrap_future(submit())
-    except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_lora", param=_lora_error_param(str(exc), body)) from None
-    except ServerShuttingDown as exc:
-        raise ApiError(503, str(exc), code="shutting_down") from None
-    except Exception as exc:
-        logger.exception("LoRA operation failed")
-        # In the client's words: a rank's error carries its traceback as text (2 KB with the server's paths),
-        # which the log keeps.
-        raise ApiError(500, client_words(exc), code="lora_failed") from None
-    return JSONResponse(result)
-
-
-async def _lora_route(request: Request, model: type, build) -> JSONResponse:
-    """The adapter-changing routes' one flow: the body read and checked, a super-resolution server's refusal, the
-    operation built by the Python API's checks (`build(body)`), then queued behind the jobs created before it."""
-    ctx = server_context(request)
-    await refuse_without_replicas(request, ctx)
-    body = await _read_lora_body(request, model)
-    _refuse_lora_on_super_resolution(ctx)
-    operation = _lora_operation(build, body)
-    return await _lora_answer(lambda: ctx.runner.submit_lora(operation), model)
-
-
-@_router.post("/v1/set_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
-             openapi_extra=_lora_body_doc(SetLoraBody), summary="Replace the active LoRA adapters",
-             operation_id="setLora", tags=["lora"])
-async def set_lora(request: Request) -> JSONResponse:
-    lora_paths = server_context(request).lora_paths
-    return await _lora_route(request, SetLoraBody, lambda body: set_lora_operation(
-        body.lora_nickname, lora_paths.check(body.lora_path), body.strength, merge_mode=body.merge_mode,
-        target=body.target, lora_alpha=body.lora_alpha, names=HTTP_LORA_NAMES))
-
-
-@_router.post("/v1/merge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
-             openapi_extra=_lora_body_doc(MergeLoraBody), summary="Merge the active LoRA adapters into the weights",
-             operation_id="mergeLoraWeights", tags=["lora"])
-async def merge_lora_weights(request: Request) -> JSONResponse:
-    return await _lora_route(request, MergeLoraBody, lambda body: merge_lora_operation(body.target, body.strength))
-
-
-@_router.post("/v1/unmerge_lora_weights", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
-             openapi_extra=_lora_body_doc(UnmergeLoraBody),
-             summary="Deactivate every LoRA adapter and restore the base weights bit for bit",
-             operation_id="unmergeLoraWeights", tags=["lora"])
-async def unmerge_lora_weights(request: Request) -> JSONResponse:
-    return await _lora_route(request, UnmergeLoraBody, lambda body: unmerge_lora_operation(body.target))
-
-
-@_router.post("/v1/unload_lora", response_model=LoraResult, responses=CONTROL_ERROR_RESPONSES,
-             openapi_extra=_lora_body_doc(UnloadLoraBody),
-             summary="Forget loaded LoRA adapters that are not active, freeing their memory",
-             operation_id="unloadLora", tags=["lora"])
-async def unload_lora(request: Request) -> JSONResponse:
-    return await _lora_route(request, UnloadLoraBody,
-                             lambda body: unload_lora_operation(body.lora_nickname, name=HTTP_LORA_NAMES["nickname"]))
-
-
-@_router.get("/v1/list_loras", response_model=LoraList, responses=CONTROL_ERROR_RESPONSES, summary="The loaded LoRA adapters",
-            operation_id="listLoras", tags=["lora"])
-async def list_loras(request: Request) -> JSONResponse:
-    ctx = server_context(request)
-    await refuse_without_replicas(request, ctx)
-    return await _lora_answer(lambda: ctx.engine.submit_lora(ListLoras()))
-
-
-
-
 # The resources' routers, in the order of the OpenAPI document's paths (and of docs/http-api.md's tables).
-RESOURCE_ROUTERS = (_router, memory_routes.router, status_routes.router)
+RESOURCE_ROUTERS = (_router, lora_routes.router, memory_routes.router, status_routes.router)
 router = APIRouter()
 for _resource_router in RESOURCE_ROUTERS:
     router.include_router(_resource_router)

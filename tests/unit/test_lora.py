@@ -690,7 +690,7 @@ def test_a_failed_set_keeps_the_current_adapters(tmp_path):
                        match="no LoRA adapter is loaded under the nickname 'missing' \\(loaded: good\\)") as unknown:
         manager.set([LoraSpec(nickname="missing")])
     assert all(torch.equal(tensor, merged[name]) for name, tensor in model.state_dict().items())
-    from k6serve.serve.routes import _lora_error_param
+    from k6serve.serve.lora_routes import _lora_error_param
     from k6serve.serve.schemas import SetLoraBody
 
     # The HTTP 400's param names the field (it was null: the message says "nickname", not "lora_nickname").
