@@ -20,7 +20,7 @@ from k6serve.serve.errors import write_refused
 logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
-_SERVER_JOB_ID = re.compile(r"video_[0-9a-f]{32}")  # `routes.create_video`'s own ids
+_SERVER_JOB_ID = re.compile(r"video_[0-9a-f]{32}")  # `video_creation.create_video_job`'s own ids
 
 
 def output_file_name(job_id: str) -> str:

@@ -150,8 +150,8 @@ async def unload_lora(request: Request) -> JSONResponse:
                              lambda body: unload_lora_operation(body.lora_nickname, name=HTTP_LORA_NAMES["nickname"]))
 
 
-@router.get("/v1/list_loras", response_model=LoraList, responses=CONTROL_ERROR_RESPONSES, summary="The loaded LoRA adapters",
-            operation_id="listLoras", tags=["lora"])
+@router.get("/v1/list_loras", response_model=LoraList, responses=CONTROL_ERROR_RESPONSES,
+            summary="The loaded LoRA adapters", operation_id="listLoras", tags=["lora"])
 async def list_loras(request: Request) -> JSONResponse:
     ctx = server_context(request)
     await refuse_without_replicas(request, ctx)

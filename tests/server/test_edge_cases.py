@@ -461,13 +461,13 @@ def test_a_delete_as_the_download_starts_does_not_cut_it_off(fake_server, fake_c
     # Starlette opened the file only after the 200 (or 206) and its Content-Length had gone out, so a DELETE (or the
     # TTL sweep) landing in between ended the download with no byte of its body ("peer closed connection without
     # sending complete message body") and a FileNotFoundError traceback in the log. The route opens it first now.
-    from k6serve.serve import routes
     from k6serve.serve.expiry import forget_job
+    from k6serve.serve.video_file_response import VideoFileResponse
 
     video_id = _completed(fake_client)
     expected = fake_client.get(f"/v1/videos/{video_id}/content", headers=headers)
     assert expected.status_code in (200, 206)
-    call = routes.VideoFileResponse.__call__
+    call = VideoFileResponse.__call__
 
     async def delete_as_the_headers_go_out(self, scope, receive, send):
         async def sending(message):
@@ -476,7 +476,7 @@ def test_a_delete_as_the_download_starts_does_not_cut_it_off(fake_server, fake_c
                 assert forget_job(fake_server.store, fake_server.artifacts, fake_server.store.get(video_id))
         await call(self, scope, receive, sending)
 
-    monkeypatch.setattr(routes.VideoFileResponse, "__call__", delete_as_the_headers_go_out)
+    monkeypatch.setattr(VideoFileResponse, "__call__", delete_as_the_headers_go_out)
     response = fake_client.get(f"/v1/videos/{video_id}/content", headers=headers)
 
     def body(answer):  # a multi-range answer's parts are split by a random boundary
