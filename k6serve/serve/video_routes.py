@@ -32,6 +32,14 @@ def _not_found(video_id: str) -> ApiError:
     return ApiError(404, f"Video {video_id!r} not found.", code="video_not_found", param="video_id")
 
 
+def _stored_job(ctx: ServerContext, video_id: str) -> Job:
+    """The job a route names, or the 404 `video_not_found` (an expired one is deleted first: `live_job`)."""
+    job = live_job(ctx, ctx.store.get(video_id))
+    if job is None:
+        raise _not_found(video_id)
+    return job
+
+
 CREATE_BODY_DOC = {
     "requestBody": {
         "required": True,
@@ -117,9 +125,7 @@ _LIST_SCAN_ROWS = 10_000
             operation_id="retrieveVideo", tags=["videos"])
 async def get_video(request: Request, video_id: str) -> JSONResponse:
     ctx = server_context(request)
-    job = live_job(ctx, ctx.store.get(video_id))
-    if job is None:
-        raise _not_found(video_id)
+    job = _stored_job(ctx, video_id)
     # OpenAI's poll hint, which its SDK's videos.poll / create_and_poll read (1 s without it).
     headers = None if job.status.is_terminal else {"openai-poll-after-ms": str(ctx.runner.poll_after_ms())}
     return JSONResponse(ctx.view(job), headers=headers)
@@ -143,9 +149,7 @@ _MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  
 async def get_video_content(request: Request, video_id: str,
                             variant: Literal["video"] = Query("video")) -> FileResponse:
     ctx = server_context(request)
-    job = live_job(ctx, ctx.store.get(video_id))
-    if job is None:
-        raise _not_found(video_id)
+    job = _stored_job(ctx, video_id)
     if job.status != JobStatus.COMPLETED:
         detail = f" ({job.error_message.rstrip('.')})" if job.error_message else ""
         # A failed or cancelled job never gets content: telling its client to keep polling would be a dead end.
@@ -186,9 +190,7 @@ def _content_cache_control(ctx: ServerContext, job: Job) -> str:
                operation_id="deleteVideo", tags=["videos"])
 async def delete_video(request: Request, video_id: str) -> JSONResponse:
     ctx = server_context(request)
-    job = live_job(ctx, ctx.store.get(video_id))
-    if job is None:
-        raise _not_found(video_id)
+    job = _stored_job(ctx, video_id)
     if not job.status.is_terminal:
         # Cancelled first. Once it has stopped (a queued job at once, a running one at its next step boundary) it
         # is deleted as a finished one is: OpenAI SDK code checks `client.videos.delete(id).deleted`, and a cancelled
@@ -220,9 +222,7 @@ async def cancel_video(request: Request, video_id: str) -> JSONResponse:
     cancel with it (after a restart, a lost answer) could delete the video of a job that completed meanwhile, and
     never reads how the job ended. This route only cancels, and keeps the record."""
     ctx = server_context(request)
-    job = live_job(ctx, ctx.store.get(video_id))
-    if job is None:
-        raise _not_found(video_id)
+    job = _stored_job(ctx, video_id)
     if job.status.is_terminal:
         raise ApiError(409, f"Video {video_id!r} has already ended ({job.status.value}); nothing to cancel. GET "
                             f"/v1/videos/{video_id} shows it (and /content its video, if it completed).",
