@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The test suite on the GPU host (torch 2.11, transformers 5.17: the floor the project supports; CI runs torch 2.13
-# on a CPU), split so that it fits one 10-minute device call: the test files are dealt round-robin, largest first,
-# to NGROUPS pytest processes that run at once (the host has 16 cores and one GPU; each process gets
-# 16 / NGROUPS threads), each under LIMIT seconds. The deal snakes (0..N-1, then N-1..0): dealt in one direction,
-# group 0 took the largest file of every round, and in the fiftieth session it alone ran past 470 s. The device brings back at most 8 files, so the groups' logs are
-# written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG, .whlP and .whlS.
-#   NGROUPS=13 LIMIT=470 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
-#   (the whole suite: at NGROUPS=8 one group of the heaviest multi-process files ran past 550 s in the
-#   twenty-eighth session; at ten the call took 443 s and its longest group 415 s in the thirtieth; at eleven 338 s
-#   and 320 s in the thirty-second, but in the forty-eighth, with 3,000 tests, its first group ran past 470 s:
-#   use NGROUPS=13; in the fiftieth, on an H100 with 3,092 tests, group 0 of the one-way deal still ran past
-#   470 s while the others ended by 322 s: hence the snake)
+# on a CPU), split so that it fits one 10-minute device call: the test files are dealt to NGROUPS pytest processes
+# that run at once (the host has 16 cores and one GPU; each process gets 16 / NGROUPS threads), each under LIMIT
+# seconds. Each file goes, longest first, to the group with the least work so far; a file's work is its seconds in
+# scripts/gpu_test_seconds.txt (measured on the GPU host), else its size at 2 kB a second. Size alone misled: the
+# multi-process files are small and slow (test_stop_signals.py, 9 tests, 200 s), and in the fiftieth session the
+# group that drew several of them ran past its limit in both of the whole suite's calls. The device brings back at
+# most 8 files, so the groups' logs are written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG,
+# .whlP and .whlS.
+#   NGROUPS=14 LIMIT=500 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
+#   (the whole suite: 3,097 tests in the fiftieth session; the twelve groups that ended took 92-362 s each)
 #   bash scripts/gpu_tests.sh tests/unit/test_generate_cli_api.py tests/server/test_api.py
 # Prints one line per group (its files, its pytest summary) and the failures' names; $OUT/tests/summary.txt
 # keeps the same.
@@ -26,19 +25,34 @@ LIMIT=${LIMIT:-540}
 mkdir -p "$OUT/tests"
 LOGS=/tmp/k6serve-gpu-tests
 rm -rf "$LOGS" && mkdir -p "$LOGS"
-# Largest files first, so the round-robin deal evens out the groups' lengths (size stands in for run time).
-mapfile -t FILES < <(find "$@" -name 'test_*.py' -type f -printf '%s %p\n' | sort -rn | cut -d' ' -f2-)
+# Longest first, each to the least loaded group (work: the measured seconds, else the size at 2 kB a second).
+python3 - "$NGROUPS" "$LOGS" "$(dirname "$0")/gpu_test_seconds.txt" "$@" <<'PY'
+import os, sys
+from pathlib import Path
+groups, logs, table, roots = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+seconds = {}
+if table.is_file():
+    for line in table.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            value, path = line.split(None, 1)
+            seconds[path.strip()] = float(value)
+files = sorted({str(f) for root in roots
+                 for f in ([Path(root)] if root.endswith(".py") else Path(root).rglob("test_*.py"))})
+work = {f: seconds.get(f, os.path.getsize(f) / 2000) for f in files}
+load, members = [0.0] * groups, [[] for _ in range(groups)]
+for f in sorted(files, key=lambda f: -work[f]):
+    g = load.index(min(load))
+    load[g] += work[f]
+    members[g].append(f)
+for g, group in enumerate(members):
+    if group:
+        (logs / f"group{g}.files").write_text("\n".join(group) + "\n")
+PY
 THREADS=$(( $(nproc) / NGROUPS )); [ "$THREADS" -lt 1 ] && THREADS=1
 pids=()
 for ((g = 0; g < NGROUPS; g++)); do
-  group=()
-  for ((i = 0; i < ${#FILES[@]}; i++)); do
-    round=$(( i / NGROUPS )) place=$(( i % NGROUPS ))
-    [ $(( round % 2 )) -eq 1 ] && place=$(( NGROUPS - 1 - place ))
-    [ "$place" -eq "$g" ] && group+=("${FILES[$i]}")
-  done
-  [ ${#group[@]} -eq 0 ] && continue
-  printf '%s\n' "${group[@]}" > "$LOGS/group$g.files"
+  [ -f "$LOGS/group$g.files" ] || continue
+  mapfile -t group < "$LOGS/group$g.files"
   OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfEs \
     --durations=10 "${group[@]}" > "$LOGS/group$g.log" 2>&1 &
   pids+=("$!:$g")
