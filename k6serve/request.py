@@ -279,7 +279,7 @@ class FieldNames:
 
 
 class _FlagNames(FieldNames):
-    # The CLI builds each request field's flag as --field-name (cli/main.py add_request_flags), a boolean's as
+    # The CLI builds each request field's flag as --field-name (cli/flags.py add_request_flags), a boolean's as
     # --x / --no-x (argparse's BooleanOptionalAction).
     def __call__(self, field: str, given: bool | None = None) -> str:
         return ("--no-" if given is False else "--") + field.replace("_", "-")

@@ -269,7 +269,7 @@ def test_a_file_as_model_path_names_the_keyword_and_its_value_in_the_api(tmp_pat
 
 
 def test_every_choice_of_the_cli_is_known_to_the_rewording():
-    from k6serve.cli.main import build_parser
+    from k6serve.cli.flags import build_parser
     from k6serve.config import OPTION_CHOICES
 
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]

@@ -39,7 +39,7 @@ def _models(folder):
 
 
 def test_the_flag_reaches_the_runtime_config_off_by_default():
-    from k6serve.cli.main import build_parser
+    from k6serve.cli.flags import build_parser
 
     assert build_engine_config("demo").runtime.compile_prompt_rewrite is False
     assert build_engine_config("demo", compile_prompt_rewrite=True).runtime.compile_prompt_rewrite is True

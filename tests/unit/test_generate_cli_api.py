@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from k6serve import DiffGenerator
-from k6serve.cli.main import build_parser, main
+from k6serve.cli.flags import build_parser
+from k6serve.cli.main import main
 from k6serve.media.probe import probe
 from k6serve.media.video import read_video
 from k6serve.request import FlagWordedNote, note_for_cli

@@ -418,7 +418,7 @@ def test_kvae_rewrites_by_default_beside_the_compiled_decoder(monkeypatch, tiny_
 
 def test_compile_vae_flag_reaches_the_runtime_config():
     from k6serve.api import build_engine_config
-    from k6serve.cli.main import build_parser
+    from k6serve.cli.flags import build_parser
 
     assert build_engine_config("demo").runtime.compile_vae is False
     assert build_engine_config("demo", compile_vae=True).runtime.compile_vae is True

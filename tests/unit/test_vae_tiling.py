@@ -45,7 +45,7 @@ def test_super_resolution_is_never_tiled_and_refuses_on():
 
 
 def test_config_cli_and_api_carry_the_flag():
-    from k6serve.cli.main import build_parser
+    from k6serve.cli.flags import build_parser
 
     assert build_engine_config("demo").runtime.vae_tiling == "auto"
     assert build_engine_config("demo", vae_tiling="on").runtime.vae_tiling == "on"
@@ -59,7 +59,8 @@ def test_config_cli_and_api_carry_the_flag():
 
 
 def test_config_file_value_reaches_the_engine_options(tmp_path):
-    from k6serve.cli.main import build_parser, merged_options, split_options
+    from k6serve.cli.flags import build_parser, split_options
+    from k6serve.cli.main import merged_options
 
     config = tmp_path / "engine.yaml"
     config.write_text("vae-tiling: \"on\"\n")

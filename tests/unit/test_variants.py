@@ -300,7 +300,7 @@ def test_refusals_name_the_fields_for_the_api_and_the_flags_for_the_cli(variant,
 def test_flag_names_are_the_generate_commands_flags():
     """FLAG_NAMES spells a field's flag as the CLI builds it: a field whose flag were spelled otherwise would be
     named by a flag that does not exist."""
-    from k6serve.cli.main import build_parser
+    from k6serve.cli.flags import build_parser
     from k6serve.request import parameter_fields
 
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
