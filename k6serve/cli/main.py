@@ -1,8 +1,9 @@
 """`k6serve generate | serve | bench`: the command line, with the seed documents' flag names.
 
-`main` parses (the flags and the parser in flags.py), reads `--config FILE` (YAML or JSON, keys are flag names:
-defaults, the command line wins), runs the command (generate.py, serve_flags.py) and turns how it ended into one
-line and an exit code; `console_main` is the `k6serve` console script.
+`main` parses (the flags and the parser in flags.py; unknown flags told in unknown_flags.py), reads `--config
+FILE` (YAML or JSON, keys are flag names: defaults, the command line wins), runs the command (generate.py,
+serve_flags.py) and turns how it ended into one line and an exit code; `console_main` is the `k6serve` console
+script.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from k6serve.cli.flags import _bool, _flag, build_parser, split_options
+from k6serve.cli.unknown_flags import _other_command_notes, _surface, unrecognized_arguments
 from k6serve.config import SEED_FLAG_SPELLINGS
-from k6serve.reference_names import aliases, own_name_note, unknown_names_hint
-from k6serve.reference_names import lookup as lookup_reference_name
+from k6serve.reference_names import aliases, unknown_names_hint
 from k6serve.step_bar import is_terminal
 
 logger = logging.getLogger(__name__)
@@ -270,99 +271,6 @@ def _renamed_reference_keys(options: dict[str, Any], path: str) -> dict[str, Any
                              "keep one of them.")
         renamed[name], given[name] = value, key
     return renamed
-
-
-def _surface(command: str) -> str:
-    """Where `k6serve <command>`'s flags and --config keys were typed, for `reference_names`."""
-    return "serve" if command == "serve" else "cli"
-
-
-def _looks_like_flag(argument: str) -> bool:
-    """`--dit-cpu-offload` or `--4k`, not a value such as `true` or `-0.5`, nor the `--` that ends the flags."""
-    if not argument.startswith("-") or argument in ("-", "--"):
-        return False
-    try:
-        float(argument)
-    except ValueError:
-        return True
-    return False
-
-
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
-
-
-def _other_command_notes(flags: list[str], parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
-    """flag -> a note, for the `flags` that only the other command takes (`k6serve generate --port` was refused
-    with no word of `k6serve serve`, a generate --config file's `prompt:` given to serve "did you mean 'port'?").
-    A request field typed on `k6serve serve` gets `own_name_note`'s word instead, with the rest of the unknown."""
-    if command not in ("generate", "serve"):
-        return {}  # `k6serve bench` takes neither's flags
-    commands = parser._subparsers._group_actions[0].choices
-    other = "serve" if command == "generate" else "generate"
-    only_other = _option_strings(commands[other]) - _option_strings(commands[command])
-    notes = {}
-    for flag in flags:
-        spelled = "--" + flag.split("=", 1)[0].lstrip("-").replace("_", "-")
-        if spelled not in only_other or own_name_note(spelled, _surface(command)) is not None:
-            continue
-        if other == "serve":
-            notes[flag] = (f"{spelled} is a flag of `k6serve serve`, which serves requests over HTTP; "
-                           "`k6serve generate` runs its request and exits")
-        else:
-            notes[flag] = (f"{spelled} is a flag of `k6serve generate`; a server's requests come over HTTP, "
-                           "POST /v1/videos (docs/http-api.md)")
-    return notes
-
-
-def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, command: str) -> str:
-    """argparse's "unrecognized arguments", with what to do about each: an unknown flag is named without the value
-    it may have taken (`--dit-cpu-offload true` is one flag), SGLang's with what to use instead, an abbreviation or a
-    typo with the flag it stands for; a flag of `k6serve` itself typed after the command is moved before it; and
-    words that are no flag's value (`--prompt A cat` leaves `cat`; or what follows `--`) are named as such, since
-    k6serve takes no positional arguments."""
-    command_known = _option_strings(parser._subparsers._group_actions[0].choices[command])
-    before_command = _option_strings(parser) - command_known
-    shown: list[str] = []
-    flags: list[str] = []
-    loose: list[str] = []
-    value_allowed = False  # the word after an unknown flag may be its value
-    for position, word in enumerate(unknown):
-        if word == "--":
-            loose += unknown[position:]
-            shown += unknown[position:]
-            break
-        if _looks_like_flag(word):
-            name = word.split("=", 1)[0]
-            if name not in flags:
-                flags.append(name)
-                shown.append(name)
-            value_allowed = "=" not in word
-        elif value_allowed:
-            value_allowed = False
-        else:
-            loose.append(word)
-            shown.append(word)
-    notes = []
-    misplaced = [flag for flag in flags if flag in before_command]
-    notes += [f" ({flag} goes before the command: k6serve {flag})" for flag in misplaced]
-    rest = [flag for flag in flags if flag not in before_command]
-    # An abbreviation (flags are matched whole) gets the flags it begins (up to 3: `--compile` begins two), before
-    # difflib's look-alike guess.
-    whole = {flag: sorted(known for known in command_known if known.startswith(flag)) for flag in rest
-             if lookup_reference_name(flag, _surface(command)) is None}
-    whole = {flag: matches for flag, matches in whole.items() if 1 <= len(matches) <= 3}
-    notes += [f" ({flag}: flags are written whole; did you mean {' or '.join(map(repr, known))}?)"
-              for flag, known in whole.items()]
-    rest = [flag for flag in rest if flag not in whole]
-    other = _other_command_notes(rest, parser, command)
-    notes += [f" ({note})" for note in other.values()]
-    if rest_named := [flag for flag in rest if flag not in other]:
-        notes.append(unknown_names_hint(rest_named, command_known, surface=_surface(command), named=len(rest) > 1))
-    if loose:
-        notes.append(f"; k6serve takes no positional arguments ({' '.join(loose)}): quote a value with spaces, e.g. "
-                     "--prompt \"A cat plays the piano\"")
-    return f"unrecognized arguments: {' '.join(shown)}{''.join(notes)}"
 
 
 # A request or flag refused (argparse's own code), the machine failed the run (a file could not be written or
