@@ -63,7 +63,7 @@ def format_timings(result) -> str:
 
 def format_summary(result, unsaved_by: str = "--no-save-output") -> str:
     """The last line: where the video went, its shape and its seed. `unsaved_by`: what turned saving off, as the
-    user wrote it (`unsaved_by` in main.py: a --config file's key is named as the file's)."""
+    user wrote it (`unsaved_by` in config_file.py: a --config file's key is named as the file's)."""
     frames = f"{result.num_frames} frame{'' if result.num_frames == 1 else 's'}"
     # The seed too: with --output-file-name, --no-save-output or an SR name, the file name does not carry it.
     shape = (f"{result.width}x{result.height}, {frames}, {result.fps:g} fps"
@@ -184,7 +184,7 @@ def _checked_output_options(request_options: dict[str, Any], *, quiet: bool = Fa
     the file, or output flags that --no-save-output ignores. Returns the request with the name as it will be
     written and without the ignored flags, so the API does not warn about them again. `quiet`: the same flags
     checked again for another prompt of a --prompt-file-path (said once, for the first). `unsaved_by`: what turned
-    saving off, as the user wrote it (`unsaved_by` in main.py)."""
+    saving off, as the user wrote it (`unsaved_by` in config_file.py)."""
     _, output = split_kwargs(request_options)
     try:
         output, warnings = check_output(output)

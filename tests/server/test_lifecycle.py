@@ -650,8 +650,8 @@ def test_store_transitions_are_compare_and_set(tmp_path):
 
 
 def test_serve_cli_flags_become_settings(monkeypatch):
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.cli.main import merged_options
     from k6serve.serve.app import settings_from_options
 
     monkeypatch.delenv("K6SERVE_API_KEY", raising=False)

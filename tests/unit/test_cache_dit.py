@@ -403,8 +403,8 @@ def test_memory_mode_block_streaming_gives_the_resident_cached_result(tiny_disti
 
 
 def test_cli_flags_reach_the_request_and_the_engine():
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.cli.main import merged_options
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--model-path", "demo", "--prompt", "x", "--cache-dit-config",

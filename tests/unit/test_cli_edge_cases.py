@@ -500,8 +500,8 @@ def test_cli_config_yaml_booleans_and_dates_of_string_flags_are_read_as_written(
     # YAML reads an unquoted off as false and 2026-01-01 as a date: `warmup-mode: off` (a choice of the flag) was
     # refused as "expected one of off, request, server, got False", and `output-path: 2026-01-01` failed as
     # "output_path must be a string, got datetime.date(2026, 1, 1)".
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser
-    from k6serve.cli.main import merged_options
 
     parser = build_parser()
     path = _config(tmp_path, "run.yaml", "model-path: demo\nwarmup-mode: off\nvae-tiling: on\n"
@@ -1299,8 +1299,8 @@ def test_the_progress_bar_closes_at_the_last_step_not_after_the_decode(monkeypat
 def test_cli_switches_off_a_config_files_cfg_parallel(tmp_path):
     """--enable-cfg-parallel was on-only, so a --config file's `enable-cfg-parallel: true` could not be turned off for
     one run; --no-enable-cfg-parallel does, and a flag left out keeps the file's value."""
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser
-    from k6serve.cli.main import merged_options
 
     path = _config(tmp_path, "cfg.yaml", "enable-cfg-parallel: true\nnum-gpus: 2\n")
     parser = build_parser()
@@ -1580,8 +1580,8 @@ def test_an_input_given_twice_is_refused_not_dropped(capsys, flags, message):
 
 
 def test_the_same_input_twice_and_a_config_files_prompt_under_the_flag_are_fine(tmp_path):
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser
-    from k6serve.cli.main import merged_options
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--model-path", "demo", "--prompt", "a cat", "--prompt", "a cat"])

@@ -845,8 +845,8 @@ def test_lora_config_is_validated():
 
 
 def test_cli_lora_flags_reach_the_config():
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.cli.main import merged_options
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--model-path", "demo", "--lora-path", "a.safetensors", "--lora-scale",
@@ -921,8 +921,8 @@ def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_p
 
 
 def test_http_body_and_cli_take_a_requests_adapters():
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.cli.main import merged_options
     from k6serve.serve.schemas import parse_create_body
 
     assert parse_create_body({"prompt": "x", "loras": {"style": 0.8}}).loras == {"style": 0.8}

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from k6serve.cli.config_file import merged_options
 from k6serve.cli.flags import build_parser, split_options
-from k6serve.cli.main import merged_options
 from k6serve.parallel.mesh import ParallelLayout
 from k6serve.parallel.preflight import check_layout_before_loading
 from k6serve.parallel.tile_decode import SPATIAL_SHARD, WHOLE_TILE, sr_decode_mode

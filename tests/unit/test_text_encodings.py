@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
+from k6serve.cli.config_file import load_config_file
 from k6serve.cli.generate import read_prompt_file
-from k6serve.cli.main import _printable_stdout, load_config_file
+from k6serve.cli.main import _printable_stdout
 from k6serve.models.variants import _check_prompt_texts
 from k6serve.request import SamplingParams, unencodable_path
 

@@ -59,8 +59,8 @@ def test_config_cli_and_api_carry_the_flag():
 
 
 def test_config_file_value_reaches_the_engine_options(tmp_path):
+    from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.cli.main import merged_options
 
     config = tmp_path / "engine.yaml"
     config.write_text("vae-tiling: \"on\"\n")
