@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from k6serve.cli.flags import _bool, _flag
-from k6serve.cli.unknown_flags import _other_command_notes, _surface
+from k6serve.cli.flags import parse_bool, flag_name
+from k6serve.cli.unknown_flags import other_command_notes, command_surface
 from k6serve.config import SEED_FLAG_SPELLINGS
 from k6serve.reference_names import aliases, unknown_names_hint
 
@@ -72,7 +72,7 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
     """A file value as the same flag on the command line gives it: JSON "64" is the integer 64 and YAML "no" is
     false, not a truthy string that would still save the file."""
     if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-        return _bool(value)
+        return parse_bool(value)
     if value == [] and (action.nargs == "+" or isinstance(action, argparse._AppendAction)):
         # The flag takes one value or more, and the file's [] ran as if the key were absent: a list emptied to mean
         # "none" silently kept the default.
@@ -190,9 +190,9 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                            for key in negated)
             # SGLang's names get what to use instead; other keys a "did you mean" where one is close.
             keys = [key for key in unknown if key not in negated]
-            other = _other_command_notes(keys, parser, args.command)
+            other = other_command_notes(keys, parser, args.command)
             reference = "".join(f" ({note})" for note in other.values()) + unknown_names_hint(
-                [key for key in keys if key not in other], actions, surface=_surface(args.command),
+                [key for key in keys if key not in other], actions, surface=command_surface(args.command),
                 named=len(keys) > 1)
             raise ValueError(f"--config {args.config}: unknown key(s) {unknown}{reference}{hint}")
         converted = {}
@@ -236,7 +236,7 @@ def _renamed_reference_keys(options: dict[str, Any], path: str) -> dict[str, Any
             sglangs = [each for each in (given[name], key) if each != name]
             which = (f"{sglangs[0]!r} is SGLang's name of it" if len(sglangs) == 1
                      else "both are SGLang's names of it")
-            raise ValueError(f"--config {path}: keys {given[name]!r} and {key!r} both set {_flag(name)} ({which}); "
+            raise ValueError(f"--config {path}: keys {given[name]!r} and {key!r} both set {flag_name(name)} ({which}); "
                              "keep one of them.")
         renamed[name], given[name] = value, key
     return renamed

@@ -112,18 +112,19 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                 "API's size (the CLI's --width and --height are separate flags), or WxHxF with a "
                                 "frame count (default: the model's), e.g. 1280x720 768x512x61; each checked as a "
                                 "request of it. SR: source clip sizes (F default 121).")),
-    ("compile_vae", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: torch.compile the VAE decoder "
-                                                        "(2.3x faster decode on an H200; bf16 rounding differs from "
-                                                        "eager, see docs/benchmarks.md). --performance-mode speed only "
-                                                        "(refused under the others, which run eager; default false).")),
-    ("compile_prompt_rewrite", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: the expand_prompts "
-                                    "rewrite through a static KV cache, its decoding step compiled on CUDA: 8.6-9.0 ms "
-                                    "a token on an H100 through k6serve's 2,048-position cache, 6.3-6.6x its eager "
-                                    "rewrite (on an H200 7.5 against 30.1 ms through transformers' own), after one "
-                                    "compile of 9-36 s on an H100 (at warm-up with --warmup-mode request or server), "
-                                    "but the rewrite may differ from diffusers' after some tokens (the compiled step "
-                                    "rounds differently). --performance-mode speed only (default false: eager, "
-                                    "diffusers' ids).")),
+    ("compile_vae", dict(type=lambda v: parse_bool(v), metavar="{true,false}",
+                         help="true: torch.compile the VAE decoder (2.3x faster decode on an H200; bf16 rounding "
+                              "differs from eager, see docs/benchmarks.md). --performance-mode speed only (refused "
+                              "under the others, which run eager; default false).")),
+    ("compile_prompt_rewrite", dict(type=lambda v: parse_bool(v), metavar="{true,false}",
+                                    help="true: the expand_prompts rewrite through a static KV cache, its decoding "
+                                         "step compiled on CUDA: 8.6-9.0 ms a token on an H100 through k6serve's "
+                                         "2,048-position cache, 6.3-6.6x its eager rewrite (on an H200 7.5 against "
+                                         "30.1 ms through transformers' own), after one compile of 9-36 s on an H100 "
+                                         "(at warm-up with --warmup-mode request or server), but the rewrite may "
+                                         "differ from diffusers' after some tokens (the compiled step rounds "
+                                         "differently). --performance-mode speed only (default false: eager, "
+                                         "diffusers' ids).")),
     ("vae_tiling", dict(choices=VAE_TILING, help="Decode the generation models' video VAE in blended spatial tiles "
                         "(diffusers' enable_tiling: lower peak memory, slower, frames differ from the untiled "
                         "decode). auto (default): on with --performance-mode memory on a GPU.")),
@@ -132,11 +133,11 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                               "'{\"residual_diff_threshold\": 0.12}', '{}' for the defaults) or a .json/.yaml file. "
                               "Requests may turn it off (generate: --no-enable-cache-dit; over HTTP: "
                               "enable_cache_dit false) or change settings.")),
-    ("vae_parallel_tiling", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: decode "
-                             "whole tiles in parallel (true: the default there, bitwise equal to serial decode). "
-                             "false, every GPU decoding every tile in the reference, gives the same frames and is "
-                             "decoded as true, with a warning.")),
-    ("vae_parallel_decode", dict(type=lambda v: _bool(v), metavar="{true,false}", help="SR on several GPUs: true "
+    ("vae_parallel_tiling", dict(type=lambda v: parse_bool(v), metavar="{true,false}",
+                                 help="SR on several GPUs: decode whole tiles in parallel (true: the default there, "
+                                      "bitwise equal to serial decode). false, every GPU decoding every tile in the "
+                                      "reference, gives the same frames and is decoded as true, with a warning.")),
+    ("vae_parallel_decode", dict(type=lambda v: parse_bool(v), metavar="{true,false}", help="SR on several GPUs: true "
                              "with --vae-config.parallel-decode-mode spatial_shard splits each tile's height across "
                              "the GPUs; false keeps whole tiles.")),
     ("vae_parallel_decode_mode", dict(choices=PARALLEL_DECODE_MODES, help="SR on several GPUs: whole_tile (the "
@@ -151,8 +152,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("ring_degree", dict(type=int, help="Ring attention degree over video tokens.")),
     ("enable_cfg_parallel", dict(action=argparse.BooleanOptionalAction, default=None, help="Run CFG branches on "
                                  "different GPUs (Pro/Lite); --no-enable-cfg-parallel turns off a --config file's.")),
-    ("use_fsdp_inference", dict(type=lambda v: _bool(v), metavar="{true,false}", help="true: shard DiT weights with "
-                               "FSDP2 across the replica (default false).")),
+    ("use_fsdp_inference", dict(type=lambda v: parse_bool(v), metavar="{true,false}",
+                                help="true: shard DiT weights with FSDP2 across the replica (default false).")),
     ("encoder_parallel", dict(choices=ENCODER_PARALLEL, help="Text encoders on a replica of several GPUs: fold "
                               "(tensor-parallel over the replica), replicate, or auto (default: fold only with "
                               "--use-fsdp-inference, encoders at least 4096 wide and head counts that divide the "
@@ -164,7 +165,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _bool(value: str | bool) -> bool:
+def parse_bool(value: str | bool) -> bool:
     if isinstance(value, bool):
         return value
     if not isinstance(value, str):
@@ -217,7 +218,7 @@ def _field_type(field: dataclasses.Field) -> type:
     return args[0] if args else str
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -245,16 +246,16 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
     for field in parameter_fields(surface="cli"):
         kind = _field_type(field)
         if field.name in _INPUTS_GIVEN_ONCE:
-            group.add_argument(_flag(field.name), type=kind, default=None, action=_InputGivenOnce,
+            group.add_argument(flag_name(field.name), type=kind, default=None, action=_InputGivenOnce,
                                help=field.metadata["help"])
         elif kind is bool:
-            group.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=None,
+            group.add_argument(flag_name(field.name), action=argparse.BooleanOptionalAction, default=None,
                                help=field.metadata["help"])
         elif kind is dict:
-            group.add_argument(_flag(field.name), type=_json_object_type(field.name), default=None,
+            group.add_argument(flag_name(field.name), type=_json_object_type(field.name), default=None,
                                help=field.metadata["help"])
         else:
-            group.add_argument(_flag(field.name), type=kind, default=None, help=field.metadata["help"])
+            group.add_argument(flag_name(field.name), type=kind, default=None, help=field.metadata["help"])
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -262,7 +263,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, spec in ENGINE_FLAGS:
         spec = {"default": None, **spec}
         # SGLang's names of the same option (`--mode`) are accepted too (k6serve/reference_names.py).
-        group.add_argument(SEED_FLAG_SPELLINGS.get(name, _flag(name)), *aliases_of(name), dest=name, **spec)
+        group.add_argument(SEED_FLAG_SPELLINGS.get(name, flag_name(name)), *aliases_of(name), dest=name, **spec)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

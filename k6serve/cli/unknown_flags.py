@@ -9,7 +9,7 @@ from k6serve.reference_names import lookup as lookup_reference_name
 from k6serve.reference_names import own_name_note, unknown_names_hint
 
 
-def _surface(command: str) -> str:
+def command_surface(command: str) -> str:
     """Where `k6serve <command>`'s flags and --config keys were typed, for `reference_names`."""
     return "serve" if command == "serve" else "cli"
 
@@ -29,7 +29,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
 
 
-def _other_command_notes(flags: list[str], parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+def other_command_notes(flags: list[str], parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
     """flag -> a note, for the `flags` that only the other command takes (`k6serve generate --port` was refused
     with no word of `k6serve serve`, a generate --config file's `prompt:` given to serve "did you mean 'port'?").
     A request field typed on `k6serve serve` gets `own_name_note`'s word instead, with the rest of the unknown."""
@@ -41,7 +41,7 @@ def _other_command_notes(flags: list[str], parser: argparse.ArgumentParser, comm
     notes = {}
     for flag in flags:
         spelled = "--" + flag.split("=", 1)[0].lstrip("-").replace("_", "-")
-        if spelled not in only_other or own_name_note(spelled, _surface(command)) is not None:
+        if spelled not in only_other or own_name_note(spelled, command_surface(command)) is not None:
             continue
         if other == "serve":
             notes[flag] = (f"{spelled} is a flag of `k6serve serve`, which serves requests over HTTP; "
@@ -87,15 +87,16 @@ def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, 
     # An abbreviation (flags are matched whole) gets the flags it begins (up to 3: `--compile` begins two), before
     # difflib's look-alike guess.
     whole = {flag: sorted(known for known in command_known if known.startswith(flag)) for flag in rest
-             if lookup_reference_name(flag, _surface(command)) is None}
+             if lookup_reference_name(flag, command_surface(command)) is None}
     whole = {flag: matches for flag, matches in whole.items() if 1 <= len(matches) <= 3}
     notes += [f" ({flag}: flags are written whole; did you mean {' or '.join(map(repr, known))}?)"
               for flag, known in whole.items()]
     rest = [flag for flag in rest if flag not in whole]
-    other = _other_command_notes(rest, parser, command)
+    other = other_command_notes(rest, parser, command)
     notes += [f" ({note})" for note in other.values()]
     if rest_named := [flag for flag in rest if flag not in other]:
-        notes.append(unknown_names_hint(rest_named, command_known, surface=_surface(command), named=len(rest) > 1))
+        notes.append(unknown_names_hint(rest_named, command_known, surface=command_surface(command),
+                                        named=len(rest) > 1))
     if loose:
         notes.append(f"; k6serve takes no positional arguments ({' '.join(loose)}): quote a value with spaces, e.g. "
                      "--prompt \"A cat plays the piano\"")
