@@ -202,6 +202,8 @@ class Engine:
         self._shutdown_reason: str | None = None  # set by a shutdown() that stopped waiting; under `_idle`
         self._memory_released = False
         self._held: deque[EngineJob | LoraJob] = deque()  # taken while released, run after the resume; `_taking`
+        # A request taken from the queue that waits for a serving replica to be free, not started (`_loop`); `_taking`
+        self._taken: EngineJob | None = None
         for thread in self._threads:
             thread.start()
 
@@ -286,7 +288,7 @@ class Engine:
             raise
 
     def queue_depth(self) -> int:
-        return self._queue.qsize() + len(self._held)
+        return self._queue.qsize() + len(self._held) + (self._taken is not None)
 
     @property
     def memory_released(self) -> bool:
@@ -364,6 +366,13 @@ class Engine:
                 if isinstance(job, LoraJob):
                     self._run_control(job.future, self.worker.apply_lora_operation, job.operation)
                     continue
+                # Again: a replica that died while this thread waited in the queue (past the check above, with the
+                # other replicas busy) left none free, and the request, not started, can still be cancelled at once.
+                self._taken = job
+                try:
+                    self._wait_for_a_serving_replica()
+                finally:
+                    self._taken = None
                 if not job.future.set_running_or_notify_cancel():
                     continue  # cancelled while queued
                 job.started.set()
@@ -382,7 +391,9 @@ class Engine:
         """Called holding `_taking`: wait until fewer requests run than replicas still serve. With a dp replica dead,
         a loop thread took the next request and waited inside the worker for the survivor: the request counted as
         started, and a cancel (DELETE, Ctrl-C) landed only after the survivor's request ended and it had begun. Left
-        in the queue, it is cancelled at once. At least one: with none serving, the worker says they all died."""
+        in the queue, it is cancelled at once. At least one: with none serving, the worker says they all died.
+        Checked before a thread takes from the queue and again before it starts a request it took, since a replica
+        may die while the thread waits in the queue."""
         with self._idle:
             while len(self._running) >= max(1, len(self._threads) - len(self.dead_replicas())):
                 self._idle.wait()

@@ -219,6 +219,31 @@ def test_with_a_replica_dead_the_next_request_waits_in_the_queue_and_a_cancel_la
         engine.shutdown()
 
 
+def test_a_replica_dying_while_the_other_runs_leaves_the_next_request_in_the_queue(tmp_path: Path):
+    # The free loop thread had passed the replica check before the death and waited in the queue: it took the next
+    # request and waited inside the worker for the survivor, so the request counted as started and its cancel
+    # landed only once the survivor's request had ended (the case the check was added for, in the other order).
+    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
+    engine = Engine(worker.config, worker=worker)
+    try:
+        marker = tmp_path / "go"
+        running = engine.submit(SamplingParams(prompt=f"wait-for:{marker}", num_inference_steps=1))
+        assert running.started.wait(TIMEOUT_S)
+        time.sleep(0.3)  # the other loop thread waits in the queue by now
+        _kill_and_wait_for_its_death(engine, worker.pids[1])
+        assert len(engine.dead_replicas()) == 1
+        waiting = engine.submit(SamplingParams(prompt="x", num_inference_steps=1))
+        time.sleep(0.5)
+        assert not waiting.started.is_set()
+        waiting.cancel()
+        assert waiting.future.cancelled()  # at once, not when the survivor is free
+        marker.touch()
+        assert note(running.future.result(timeout=TIMEOUT_S), "replica") == "0"
+        assert note(engine.generate(SamplingParams(prompt="x", num_inference_steps=1)), "replica") == "0"
+    finally:
+        engine.shutdown()
+
+
 def test_a_peer_killed_while_idle_leaves_the_leader_without_a_traceback(capfd):
     # The leader's next broadcast to the dead peer raised out of its loop: "Process k6serve-rank0: Traceback ...
     # Connection closed by peer" printed above the engine's own account of the death.
