@@ -23,6 +23,7 @@ from k6serve.serve.schemas import job_view
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.uploads import drain
 
+
 @dataclass(kw_only=True)
 class ServerContext:
     engine: Engine
@@ -48,7 +49,6 @@ class ServerContext:
     def view(self, job: Job) -> dict[str, Any]:
         return job_view(job, output_ttl_s=self.settings.output_ttl_s, memory_released=self.runner.holds_queue(),
                         root_path=self.settings.root_path).model_dump(mode="json")
-
 
 
 def server_context(request: Request) -> ServerContext:
