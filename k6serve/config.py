@@ -213,7 +213,6 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.num_gpus
 
-
     @property
     def cache_dit_unavailable(self) -> str | None:
         """Why this layout cannot run Cache-DiT, or None. FSDP gathers each block's weights on every rank of the
@@ -559,7 +558,6 @@ class EngineConfig:
         # only is checked by the worker, which knows the family and first refuses a name of the other one.
         if all(self.runtime.residency_plan(super_resolution=sr).offloads for sr in (False, True)):
             refuse_offload_with_sharding(self.runtime, parallel)
-
 
     def _check_quantization(self) -> None:
         flag = f"--quantization {self.model.quantization}"

@@ -151,4 +151,3 @@ def run_side_by_side(engine: Engine, listed: Listed, on_step: ProgressCallback |
         error.add_note(stopped_note(listed, finished, first, side_by_side=width, also_failed=failures))
         raise error
     return [finished[index] for index in range(len(listed))]
-

@@ -163,8 +163,6 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
             engine_options["model_path"], engine_options.get("model_id"), engine_options.get("load_format")))
 
 
-
-
 def _refuse_text_for_upscaling(params: SamplingParams) -> None:
     """--prompt / --negative-prompt with the super-resolution model: refused on the command line, as every other
     flag of the generation models is. The shared resolver only notes the prompt as ignored, for HTTP clients

@@ -112,6 +112,7 @@ class _StopSignals:
             return "interrupted (Ctrl-C)", EXIT_INTERRUPTED
         return f"stopped by {self.received.name}", 128 + int(self.received)
 
+
 _OS_ERROR_FIXES = {
     errno.ENOSPC: "free space on that disk",
     errno.EDQUOT: "free space in your disk quota",

@@ -71,4 +71,3 @@ def local_tensor(tensor: Tensor) -> Tensor:
 
     tensor = tensor.data
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-

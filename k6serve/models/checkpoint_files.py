@@ -501,4 +501,3 @@ def check_state_dict(
             f"{component} weights do not match its config.json ({'; '.join(parts)}). The config and weights "
             "come from different repositories or revisions; re-download the component."
         )
-

@@ -40,4 +40,3 @@ def apply_tp(model: nn.Module, plan: Mapping[str, TensorParallelStyle], mesh: De
     if mesh.size() == 1:
         return
     parallelize_module(model, mesh, expand_plan(model, plan))
-

@@ -49,4 +49,3 @@ def live_job(ctx: ServerContext, job: Job | None) -> Job | None:
         forget_job(ctx.store, ctx.artifacts, job, gone_at=expires_at(job, ctx.settings.output_ttl_s))
         return None
     return job
-

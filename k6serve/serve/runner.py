@@ -139,7 +139,6 @@ OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output 
                        "unwritable must first be made writable again by the server's operator).")
 
 
-
 def client_words(error: BaseException) -> str:
     """An unexpected failure as the client reads it: its type and first lines, without the worker's traceback that
     a rank's error carries as text (4,800 characters with the server's file paths), which the log keeps."""
@@ -149,6 +148,7 @@ def client_words(error: BaseException) -> str:
 
 
 _CLIENT_MESSAGE_CHARS = 500
+
 
 class JobRunner:
     def __init__(self, engine: Engine, store: JobStore, artifacts: ArtifactStore, metrics: ServerMetrics, *,

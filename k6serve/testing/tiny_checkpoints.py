@@ -57,7 +57,6 @@ VARIANTS = ("pro", "distill", "lite")
 _AUDIO_SCALING_FACTOR = {"pro": 0.5302, "lite": 0.5302, "distill": 0.417}
 
 
-
 def _build_transformer(variant: str) -> Kandinsky6Transformer3DModel:
     return Kandinsky6Transformer3DModel(**tiny_transformer_config(distilled=variant == "distill"))
 
