@@ -196,16 +196,25 @@ def _kill_and_wait_for_its_death(engine: Engine, pid: int) -> None:
         time.sleep(0.05)
 
 
-def test_with_a_replica_dead_the_next_request_waits_in_the_queue_and_a_cancel_lands_at_once(tmp_path: Path):
+@pytest.mark.parametrize("dies_first", [True, False], ids=["dead-before-the-request", "dies-while-it-runs"])
+def test_with_a_replica_dead_the_next_request_waits_in_the_queue_and_a_cancel_lands_at_once(tmp_path: Path,
+                                                                                           dies_first: bool):
     # A loop thread took the next request and waited inside the worker for the survivor: the request counted as
-    # started, and its cancel (an HTTP DELETE, Ctrl-C) landed only after the survivor's request had ended.
+    # started, and its cancel (an HTTP DELETE, Ctrl-C) landed only after the survivor's request had ended. Also when
+    # the replica dies while the other runs a request: the free loop thread had passed the replica check before the
+    # death and waited in the queue.
     worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
     try:
-        _kill_and_wait_for_its_death(engine, worker.pids[1])
+        if dies_first:
+            _kill_and_wait_for_its_death(engine, worker.pids[1])
         marker = tmp_path / "go"
         running = engine.submit(SamplingParams(prompt=f"wait-for:{marker}", num_inference_steps=1))
         assert running.started.wait(TIMEOUT_S)
+        if not dies_first:
+            time.sleep(0.3)  # the other loop thread waits in the queue by now
+            _kill_and_wait_for_its_death(engine, worker.pids[1])
+        assert len(engine.dead_replicas()) == 1
         waiting = engine.submit(SamplingParams(prompt="x", num_inference_steps=1))
         time.sleep(0.5)
         assert not waiting.started.is_set() and engine.queue_depth() == 1
@@ -214,31 +223,6 @@ def test_with_a_replica_dead_the_next_request_waits_in_the_queue_and_a_cancel_la
         marker.touch()
         assert note(running.future.result(timeout=TIMEOUT_S), "replica") == "0"
         # The survivor still takes every request, one after another.
-        assert note(engine.generate(SamplingParams(prompt="x", num_inference_steps=1)), "replica") == "0"
-    finally:
-        engine.shutdown()
-
-
-def test_a_replica_dying_while_the_other_runs_leaves_the_next_request_in_the_queue(tmp_path: Path):
-    # The free loop thread had passed the replica check before the death and waited in the queue: it took the next
-    # request and waited inside the worker for the survivor, so the request counted as started and its cancel
-    # landed only once the survivor's request had ended (the case the check was added for, in the other order).
-    worker = MultiProcessWorker(make_config(num_gpus=2, dp_size=2), build_rank_worker=FakeRankWorker)
-    engine = Engine(worker.config, worker=worker)
-    try:
-        marker = tmp_path / "go"
-        running = engine.submit(SamplingParams(prompt=f"wait-for:{marker}", num_inference_steps=1))
-        assert running.started.wait(TIMEOUT_S)
-        time.sleep(0.3)  # the other loop thread waits in the queue by now
-        _kill_and_wait_for_its_death(engine, worker.pids[1])
-        assert len(engine.dead_replicas()) == 1
-        waiting = engine.submit(SamplingParams(prompt="x", num_inference_steps=1))
-        time.sleep(0.5)
-        assert not waiting.started.is_set()
-        waiting.cancel()
-        assert waiting.future.cancelled()  # at once, not when the survivor is free
-        marker.touch()
-        assert note(running.future.result(timeout=TIMEOUT_S), "replica") == "0"
         assert note(engine.generate(SamplingParams(prompt="x", num_inference_steps=1)), "replica") == "0"
     finally:
         engine.shutdown()
