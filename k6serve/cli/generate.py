@@ -82,20 +82,6 @@ def _variant_before_loading(engine_options: dict[str, Any]):
                                   engine_options.get("load_format"))[0]
 
 
-def _has_audio_before_loading(engine_options: dict[str, Any], variant) -> bool:
-    """Whether the checkpoint will load with its audio_vae and vocoder: a --sample-audio for one without them was
-    refused only once the model had loaded. True where it cannot be told now (the load reports a damaged index)."""
-    from k6serve.models.checkpoint_files import variant_before_loading
-    from k6serve.models.kandinsky6.config_before_loading import has_audio_before_loading
-
-    load_format = engine_options.get("load_format")
-    try:
-        _, folder = variant_before_loading(engine_options["model_path"], engine_options.get("model_id"), load_format)
-        return has_audio_before_loading(variant, folder, load_format)
-    except (OSError, KeyError, TypeError, ValueError):
-        return True
-
-
 def _checked_engine_config(engine_options: dict[str, Any], variant) -> EngineConfig:
     """The engine options built and checked alone, without a request: a prompt file's run checks them once, before
     its lines, and `check_request_before_loading` with each request."""
@@ -133,7 +119,10 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
     if variant.family == GENERATION:
         import torch
 
-        from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
+        from k6serve.models.kandinsky6.config_before_loading import (
+            dit_blocks_before_loading,
+            has_audio_before_loading,
+        )
         from k6serve.offload.residency import streams_text_encoder
 
         # streams_text_encoder: --expand-prompts under a streamed text encoder was refused only once the model had
@@ -145,7 +134,7 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
                                       streams_text_encoder=streams_text_encoder(
                                           config.runtime.residency_plan(super_resolution=False),
                                           "cuda" if on_cuda else "cpu"),
-                                      has_audio=_has_audio_before_loading(engine_options, variant))
+                                      has_audio=has_audio_before_loading(config.model))
         if request.image_path is not None:
             from k6serve.media.image import load_conditioning_image
 

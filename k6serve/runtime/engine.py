@@ -109,8 +109,8 @@ _STOP = object()
 # is left of their ranks (process_group_worker._kill_ranks_at_exit).
 LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 # How long shutdown() waits, after cancelling the requests still running, for them to reach a step boundary before
-# it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 takes about 12 s on an H200 (two DiT
-# forwards for CFG at 5.8 s each, docs/benchmarks.md), a video decode chunk a few seconds.
+# it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 on an H200 took 15.7 s eager with serial
+# CFG (docs/benchmarks.md, the first session's table), two forwards of about 5.8 s each in speed mode.
 SHUTDOWN_CANCEL_WAIT_S = 60.0
 
 
@@ -347,7 +347,6 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._taking:
-                self._wait_for_a_serving_replica()
                 job = self._held.popleft() if self._held and not self._memory_released else self._queue.get()
                 if job is _STOP:
                     return
@@ -366,8 +365,8 @@ class Engine:
                 if isinstance(job, LoraJob):
                     self._run_control(job.future, self.worker.apply_lora_operation, job.operation)
                     continue
-                # Again: a replica that died while this thread waited in the queue (past the check above, with the
-                # other replicas busy) left none free, and the request, not started, can still be cancelled at once.
+                # Checked once the request is taken, not before the thread waits in the queue: a replica may die
+                # while it waits there (the usual idle state with dp > 1 and one request running).
                 self._taken = job
                 try:
                     self._wait_for_a_serving_replica()
@@ -391,9 +390,8 @@ class Engine:
         """Called holding `_taking`: wait until fewer requests run than replicas still serve. With a dp replica dead,
         a loop thread took the next request and waited inside the worker for the survivor: the request counted as
         started, and a cancel (DELETE, Ctrl-C) landed only after the survivor's request ended and it had begun. Left
-        in the queue, it is cancelled at once. At least one: with none serving, the worker says they all died.
-        Checked before a thread takes from the queue and again before it starts a request it took, since a replica
-        may die while the thread waits in the queue."""
+        in the queue (`_taken`, not started), it is cancelled at once. At least one: with none serving, the worker
+        says they all died."""
         with self._idle:
             while len(self._running) >= max(1, len(self._threads) - len(self.dead_replicas())):
                 self._idle.wait()

@@ -51,12 +51,17 @@ def unlisted_audio_components(index: dict) -> list[str]:
     return [name for name in ("audio_vae", "vocoder") if name not in index or index[name][0] is None]
 
 
-def has_audio_before_loading(variant: Variant, folder: Path | None, load_format: str | None) -> bool:
+def has_audio_before_loading(model: ModelConfig) -> bool:
     """Whether the load will give the checkpoint its audio_vae and vocoder: --load-format dummy builds both, as does
-    the load of a hub id (every release has them); a local folder says so in its model_index.json."""
-    if folder is None or load_format == "dummy" or variant.family != GENERATION:
+    the load of a hub id (every release has them); a local folder says so in its model_index.json. True where it
+    cannot be told now (the load reports a damaged index, in its words)."""
+    try:
+        _, folder = variant_before_loading(model.model_path, model.model_id, model.load_format)
+        if folder is None:  # no local folder to read (variant_before_loading gives none for dummy)
+            return True
+        return not unlisted_audio_components(read_model_index(folder))
+    except (OSError, KeyError, TypeError, ValueError):
         return True
-    return not unlisted_audio_components(read_model_index(folder))
 
 
 def dit_blocks_before_loading(model: ModelConfig) -> int | None:
