@@ -158,6 +158,25 @@ def test_polling_waits_for_a_loading_server_and_still_hears_cancel_and_timeout(m
         client.wait(dict(job))
 
 
+def test_a_poll_that_outlives_timeout_s_and_meets_a_loading_server_is_worded_as_the_timeout(monkeypatch):
+    # The poll returns "loading" only after timeout_s ran out, and the request watch does not trip first (its
+    # interval is set past the call): the failure must name timeout_s, not the 30-minute loading limit that applies
+    # only without one (it did, on a slow machine).
+    client = K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
+
+    def get_job(job_id):
+        time.sleep(0.1)  # real seconds: no fast_retries here, which shortens every sleep
+        raise LOADING
+
+    monkeypatch.setattr(client, "get_job", get_job)
+    monkeypatch.setattr(client, "cancel_job", lambda job_id: {"status": "cancelled"})
+    monkeypatch.setattr(client_module, "WATCH_S", 60.0)
+    job = {"id": "video_1", "status": "in_progress", "progress": 5}
+    with pytest.raises(K6ServeError, match=r"did not finish within timeout_s=0.05 s") as caught:
+        client.wait(dict(job), timeout_s=0.05)
+    assert "still loading" not in str(caught.value)
+
+
 def test_a_download_waits_for_a_loading_server(tmp_path, monkeypatch, fast_retries):
     client = K6ServeClient("http://127.0.0.1:9", node_name="K6Serve Generate")
     attempts = []

@@ -178,7 +178,9 @@ class K6ServeClient:
                                    error.__cause__)
                 else:
                     raise
-                failure = give_up(error) if now >= give_up_at else None
+                # With a deadline, give_up_at is the deadline itself: a try that ends past it is worded as the
+                # deadline (timeout_s), not as the loading limit that applies only without one.
+                failure = (on_deadline(error) if deadline.passed() else give_up(error)) if now >= give_up_at else None
                 if failure is None:
                     time.sleep(pause)
                     check_interrupt()
