@@ -11,44 +11,47 @@ in order with them, on every rank of every replica.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
-import math
 import os
-import tempfile
 import threading
 import typing
-import unicodedata
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Unpack
 
 from k6serve.api_errors import flags_as_keywords, reworded_errors
-from k6serve.config import EngineConfig, EngineOptions, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.config import EngineOptions
 from k6serve.dependencies import MissingPackage, require_package
-from k6serve.lora.spec import (
-    LORA_MERGE_MODES,
-    LORA_TARGETS,
-    ListLoras,
-    LoraSpec,
-    MergeLora,
-    SetLora,
-    UnloadLora,
-    UnmergeLora,
-    check_lora_alpha,
-    check_lora_strength,
-    odd_nickname,
+from k6serve.engine_arguments import (
+    _ENGINE_SECTIONS,
+    _check_local_mode,
+    _model_path_of,
+    _options_with_server_args,
+    build_engine_config,
 )
+from k6serve.lora.arguments import (
+    HTTP_LORA_NAMES,
+    LoraArgumentError,
+    LoraPaths,
+    merge_lora_operation,
+    set_lora_operation,
+    unload_lora_operation,
+    unmerge_lora_operation,
+)
+from k6serve.lora.spec import LORA_TARGETS, ListLoras
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo, Variant
-from k6serve.reference_names import unknown_names_hint
+from k6serve.output_checks import (
+    check_output,
+    check_output_folder,
+    final_file_name,
+    require_media_package,
+    unsaved_output_keys,
+)
 from k6serve.request import (
-    FlagWorded,
-    FlagWordedNote,
     GenerateKwargs,
     OutputOptions,
     PromptListOptions,
@@ -61,10 +64,33 @@ from k6serve.request import (
     fspath_values,
     plain_scalars,
 )
+from k6serve.request_arguments import request_options, split_kwargs
 from k6serve.prompt_lists import Listed, run_side_by_side, stopped_list
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.media.image import looks_like_url
-from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, numbered_file_names, sanitize_file_name
+from k6serve.media.output_names import numbered_file_names
+
+# The Python API's names, `DiffGenerator` and those defined beside it: `from k6serve.api import build_engine_config,
+# split_kwargs` keeps working, the functions re-exported from their own modules (engine_arguments.py,
+# request_arguments.py, output_checks.py, lora/arguments.py), where k6serve's own code imports them.
+__all__ = [
+    "DiffGenerator",
+    "HTTP_LORA_NAMES",
+    "LoraArgumentError",
+    "_ENGINE_SECTIONS",
+    "build_engine_config",
+    "check_output",
+    "check_output_folder",
+    "final_file_name",
+    "merge_lora_operation",
+    "request_options",
+    "require_media_package",
+    "set_lora_operation",
+    "split_kwargs",
+    "unload_lora_operation",
+    "unmerge_lora_operation",
+    "unsaved_output_keys",
+]
 
 logger = logging.getLogger(__name__)
 # The generators not yet shut down. A notebook cell that runs `generator = DiffGenerator.from_pretrained(...)` again
@@ -72,93 +98,9 @@ logger = logging.getLogger(__name__)
 # load beside a running generator is warned about before it starts.
 _RUNNING: "weakref.WeakSet[DiffGenerator]" = weakref.WeakSet()
 
-_OUTPUT_KEYS = {"save_output", "output_path", "output_file_name", "return_frames", "return_file_paths_only"}
-_ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
-_REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
 # A `DiffGenerator` method's decorators keep its signature for type checkers and IDEs (`Callable -> Callable` made
 # set_lora and the other LoRA and memory methods `(*Any, **Any) -> Any`: no keyword or type was checked).
 _Method = typing.TypeVar("_Method", bound=Callable[..., Any])
-
-
-def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
-    """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections. Its errors name
-    the flags, as for the CLI and the server, which build their config here too; `DiffGenerator` rewords them."""
-    sections: dict[type, dict[str, Any]] = {cls: {} for cls in _ENGINE_SECTIONS}
-    # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
-    model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
-    kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v
-              for k, v in plain_scalars(kwargs).items()}
-    kwargs = {k: _torch_name(k, v) for k, v in kwargs.items()}
-    for key, value in kwargs.items():
-        for cls in sections:
-            if key in cls.__dataclass_fields__:
-                sections[cls][key] = value
-                break
-        else:
-            if key in _REQUEST_KEYS:
-                raise ValueError(f"{key} is a request parameter: pass it to generate(), not to from_pretrained().")
-            valid = sorted(k for cls in sections for k in cls.__dataclass_fields__ if k != "model_path")
-            # SGLang's names (enable_torch_compile) get what to use instead, not a guess at a look-alike.
-            hint = unknown_names_hint([key], valid, surface="api")
-            raise ValueError(f"Unknown engine option {key!r}{hint}. Valid options: {valid}")
-    return EngineConfig(
-        model=ModelConfig(model_path=model_path, **sections[ModelConfig]),
-        parallel=ParallelConfig(**sections[ParallelConfig]),
-        runtime=RuntimeConfig(**sections[RuntimeConfig]),
-    )
-
-
-def _torch_name(key: str, value: Any) -> Any:
-    """`dtype=torch.bfloat16` and `device=torch.device("cuda")`, as diffusers' and torch's own code spell them, as
-    the names the typed config holds ("bfloat16", "cuda"); they were refused as "must be a string". Anything else
-    is left for the config's own checks."""
-    module = type(value).__module__.partition(".")[0]
-    if module != "torch":
-        return value
-    import torch
-
-    if key == "dtype" and isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")  # float16 stays refused by the config, with its choices
-    if key == "device" and isinstance(value, torch.device):
-        return value.type if value.index is None else f"{value.type}:{value.index}"
-    return value
-
-
-def split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, OutputOptions]:
-    kwargs = fspath_values(plain_scalars(kwargs))
-    if type(kwargs.get("seed")).__name__ == "Generator" and type(kwargs["seed"]).__module__.startswith("torch"):
-        # diffusers takes generator=torch.Generator().manual_seed(42); here the seed itself is the request's.
-        raise ValueError("seed takes an integer, not a torch.Generator: pass the generator's seed, e.g. seed=42 for "
-                         "torch.Generator('cpu').manual_seed(42) (k6serve draws the noise from such a CPU generator), "
-                         "or seed=generator.initial_seed().")
-    _refuse_image_objects(kwargs.get("image_path"))
-    _refuse_pixel_arrays(kwargs)
-    for key in ("image_path", "video_path", "output_path"):
-        if isinstance(kwargs.get(key), str) and kwargs[key].startswith("~"):
-            # A shell expands ~ on the command line; in Python (or a --config file) it reached mkdir as a folder
-            # literally named "~", or an input as "does not exist". --model-path expands it too.
-            kwargs[key] = os.path.expanduser(kwargs[key])
-    # None is "the default" here as in every other key: save_output=None wrote no file (the video was lost), and
-    # output_path=None failed deep in os.fspath.
-    output = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUTPUT_KEYS}
-    output = {k: v for k, v in output.items() if v is not None}
-    return_paths_only = output.pop("return_file_paths_only", None)
-    params = SamplingParams.from_kwargs(kwargs)
-    return_frames = output.pop("return_frames", None)
-    if return_paths_only is not None and not isinstance(return_paths_only, bool):
-        raise ValueError(f"return_file_paths_only must be true or false, got {return_paths_only!r}.")
-    if return_frames is None:
-        # save_output=False with neither return flag given returned neither a file nor frames: the request ran (minutes
-        # on a GPU) and its video was lost. Without a file the frames are the result, unless the caller says
-        # return_frames=False (timing runs: the CLI's --no-save-output, which has nowhere to put them).
-        unsaved = output.get("save_output") is False
-        return_frames = return_paths_only is False or (return_paths_only is None and unsaved)
-    elif return_paths_only is not None and return_frames == return_paths_only:
-        raise ValueError(
-            f"return_file_paths_only={return_paths_only} and return_frames={return_frames} contradict each other; "
-            "pass only one of them."
-        )
-    return params, OutputOptions(return_frames=return_frames, **output)
 
 
 def _from_here(path: Any, *, existing_only: bool) -> Any:
@@ -173,85 +115,6 @@ def _from_here(path: Any, *, existing_only: bool) -> Any:
     return os.path.abspath(text)
 
 
-def _refuse_image_objects(image: Any) -> None:
-    """image_path is a path: the request goes to the worker processes (and over HTTP, into a job store) as plain
-    values, and the workers open the file, as for the CLI and the server. A PIL image was refused only as "must be
-    a string"; this says what to do with one."""
-    if image is None or isinstance(image, str):
-        return
-    import PIL.Image
-
-    if isinstance(image, PIL.Image.Image):
-        raise ValueError("image_path takes the path of an image file (a str or pathlib.Path), not a PIL image: save "
-                         "it first, e.g. image.save('first_frame.png'), and pass that path.")
-
-
-def _refuse_pixel_arrays(kwargs: Mapping[str, Any]) -> None:
-    """A numpy array or torch tensor of pixels as image_path / video_path (frames from OpenCV, decord, a previous
-    result's `frames`): the type check refused it as "must be a string, got array([[[0, 0, 0], ..." with some 50
-    lines of pixels and no fix. Said in one line, with its shape, and what to pass instead."""
-    for key, saved_as in (("image_path", "an image file"), ("video_path", "a video file (MP4, MKV, MOV or WebM)")):
-        value = kwargs.get(key)
-        if value is None or isinstance(value, str):
-            continue
-        if isinstance(value, (list, tuple)) and value and _is_picture(value[0]):
-            # diffusers' SR pipeline takes a list of PIL frames (`pipe(...).frames[0]`): the type check printed all
-            # 121 of them (8,000 characters) and said nothing of what to do.
-            if key == "video_path":
-                raise ValueError(f"video_path takes the path of {saved_as} (a str or pathlib.Path), not a list of "
-                                 f"{len(value)} frames: save them as a video first, e.g. diffusers.utils."
-                                 "export_to_video(frames, 'source.mp4', fps=24), or pass a finished generation's "
-                                 "result.output_file_path.")
-            pil = type(value[0]).__module__.partition(".")[0] == "PIL"
-            example = ("frames[0].save('first.png')" if pil
-                       else _array_save_example(value[0]).replace("pixels", "frames[0]"))
-            raise ValueError(f"image_path takes the path of one image file (a str or pathlib.Path), not a list of "
-                             f"{len(value)} {'PIL images' if pil else 'arrays'}: save the first frame, e.g. "
-                             f"{example}, and pass that path.")
-        if isinstance(value, (list, tuple)) and value and all(isinstance(item, (str, os.PathLike)) for item in value):
-            # SGLang takes a list of one source video; here the field is the one path, and said so, not "must be a
-            # string, got [...] (list)".
-            one = os.fspath(value[0])
-            fix = (f"pass the path itself: {key}={one!r}" if len(value) == 1 else
-                   "upscale one source a call" if key == "video_path" else "a request takes one conditioning image")
-            raise ValueError(f"{key} takes one path (a str or pathlib.Path), not a list of {len(value)}; {fix}.")
-        package = type(value).__module__.partition(".")[0]
-        if package not in ("numpy", "torch") or not hasattr(value, "shape"):
-            continue
-        fix = f", e.g. {_array_save_example(value)}," if key == "image_path" else ""
-        raise ValueError(f"{key} takes the path of {saved_as} (a str or pathlib.Path), not a {package}."
-                         f"{type(value).__name__} of shape {tuple(value.shape)}: save it first{fix} and pass that "
-                         "path.")
-
-
-def _is_picture(value: Any) -> bool:
-    """A PIL image, or a numpy array / torch tensor (of pixels)."""
-    package = type(value).__module__.partition(".")[0]
-    return package == "PIL" or (package in ("numpy", "torch") and hasattr(value, "shape"))
-
-
-def _array_save_example(value: Any) -> str:
-    """How to save this array or tensor as a PNG, for its layout and values: diffusers' images are floats in [0, 1],
-    a tensor channels first (C, H, W), where PIL.Image.fromarray takes uint8 (H, W, C) and failed on the others."""
-    pixels = "pixels"
-    if type(value).__module__.partition(".")[0] == "torch":
-        pixels += ".permute(1, 2, 0)" if value.ndim == 3 and value.shape[0] in (1, 3, 4) else ""
-        pixels += ".cpu().numpy()"
-    if str(getattr(value, "dtype", "")).removeprefix("torch.") not in ("uint8",):
-        pixels = f"({pixels} * 255).round().clip(0, 255).astype('uint8')"
-    return f"PIL.Image.fromarray({pixels}).save('first.png')"
-
-
-def require_media_package(params: SamplingParams, output: OutputOptions) -> None:
-    """PyAV, which k6serve.media needs to write the MP4 and to read a source video, imported in the caller's
-    process: missing, the request failed in the worker only after the model had loaded and run. A conditioning
-    image is read with Pillow alone (k6serve/media/__init__.py)."""
-    if output.save_output:
-        require_package("av", "to write the MP4")
-    elif params.video_path is not None:
-        require_package("av", "to read the source video")
-
-
 def _warn_without_media_package() -> None:
     """Said before the load (minutes for a real checkpoint), which cannot know whether the requests will write an
     MP4 (save_output, the default): `generate` refuses those, and the frames-only ones still run."""
@@ -259,290 +122,6 @@ def _warn_without_media_package() -> None:
         require_package("av", "to write the MP4")
     except MissingPackage as exc:
         logger.warning(f"{exc} Until then generate() runs only requests with save_output=False and no source video.")
-
-
-def check_output_folder(output: OutputOptions) -> None:
-    """Create the output folder and prove it writable now: a bad --output-path must fail before the model loads
-    and the request runs, not at the MP4 write after the whole denoise."""
-    if not output.save_output:
-        return
-    if not str(output.output_path).strip():
-        # SGLang's empty output path means "keep no file"; said as the flag the CLI took it from, and the API's
-        # rewording names the keywords (it said output_path on the command line and --output-path in Python).
-        raise ValueError("--output-path is empty; pass the folder for the MP4 (e.g. --output-path 'outputs'), or "
-                         "--no-save-output to write no file (SGLang's empty output path).")
-    folder = Path(output.output_path)
-    if folder.exists() and not folder.is_dir():
-        # mkdir would only say "File exists", which reads as if the folder were fine.
-        raise ValueError(
-            f"output_path {str(folder)!r} is a file, not a folder; pass a folder for the MP4 with --output-path "
-            "(it is created if missing), or put the file name in --output-file-name."
-        )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise ValueError(
-            f"cannot write to output_path {str(folder)!r} ({exc.strerror or exc}); pass a writable folder with "
-            "--output-path, or --no-save-output to skip the file."
-        ) from None
-
-
-def final_file_name(name: str) -> tuple[str, str | None]:
-    """The file name a given output_file_name is written under (`media/output_names.sanitize_file_name`, as the
-    worker writes it), and a warning when that differs from it by more than the added .mp4. A name with no letter or
-    digit before its .mp4 ('..', '???') would be written as 'video.mp4' or '_.mp4', a name the caller never chose,
-    so it is refused."""
-    # FlagWorded: `k6serve generate` names --output-file-name (cli/generate.py); "--output-path" is rewritten for
-    # the API's caller by reworded_errors, as before.
-    if not name.strip():
-        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} is empty; pass a name such as clip.mp4, "
-                                              "or leave it out for a name derived from the request.")
-    stem = name[:-4] if name.lower().endswith(".mp4") else name
-    if not any(is_name_character(char) for char in stem):
-        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} {name!r} has no letter or digit to name "
-                                              "the file by; pass a name such as clip.mp4 (letters and digits of any "
-                                              "script, '.', '_' and '-').")
-    if Path(name).name != name:
-        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} {name!r} must be a file name without "
-                                              "folders; put the folder in --output-path.")
-    final = sanitize_file_name(name)
-    if len(final.encode()) > MAX_FILE_NAME_BYTES:  # filesystems count bytes: 2 a Cyrillic letter, 3 a Chinese one
-        raise FlagWorded.naming(lambda field: f"{field('output_file_name')} is {len(final.encode())} bytes long with "
-                                              f".mp4 in UTF-8, more than the {MAX_FILE_NAME_BYTES} an output file may "
-                                              "have; pass a shorter name.")
-    if final in (name, name + ".mp4"):
-        return final, None
-    nfc = unicodedata.normalize("NFC", name)
-    normalised = ("its Unicode was normalised (NFC), so that it has the same bytes however its accents were typed "
-                  "(an 'e' and a combining accent become one 'é')")
-    if final in (nfc, nfc + ".mp4"):
-        # Only NFC changed it: the two names print alike ('é.mp4' is written as 'é.mp4'), so show their escapes.
-        return final, FlagWordedNote.naming(lambda field: f"{field('output_file_name')} {ascii(name)} is written as "
-                                                          f"{ascii(final)}: {normalised}.")
-    kept = ("file names keep only letters and digits (of any script), '.', '_' and '-' (others become '_'), and no "
-            "leading dot")
-    return final, FlagWordedNote.naming(lambda field: f"{field('output_file_name')} {name!r} is written as {final!r}: "
-                                                      f"{kept}" + (f"; and {normalised}." if nfc != name else "."))
-
-
-def check_output(output: OutputOptions) -> tuple[OutputOptions, list[str]]:
-    """Check the output before the request runs: an unusable folder, an unusable name, a name with folders, or a
-    given name that already exists fails now, not after the whole denoise. Returns the options with a given name
-    as it will be written, and warnings for the user (a name changed on the way). A derived name is left to the
-    worker, which writes without replacing and moves a taken one (the same prompt, seed and second; an SR of the
-    same source) on to _1, _2..."""
-    if not output.save_output or output.output_file_name is None:
-        check_output_folder(output)
-        return output, []
-    name, warning = final_file_name(output.output_file_name)  # before the folder is created for it
-    check_output_folder(output)
-    target = Path(output.output_path) / name
-    if os.path.lexists(target):  # exists() follows a link: a dangling one passed, and the result was lost at the end
-        raise ValueError(
-            f"{str(target)!r} already exists and was left as it is; delete it or pass another "
-            "--output-file-name."
-        )
-    return dataclasses.replace(output, output_file_name=name), [warning] if warning else []
-
-
-def unsaved_output_keys(options: Mapping[str, Any]) -> list[str]:
-    """The output_path / output_file_name given with save_output false: no file is written for them to name. The
-    caller warns in its own words (flags or keywords)."""
-    if options.get("save_output", True) is not False:
-        return []
-    return [key for key in ("output_file_name", "output_path") if options.get(key) is not None]
-
-
-class LoraArgumentError(ValueError):
-    """A bad LoRA argument; `argument` is its name as the caller spelled it (the HTTP field, or the keyword)."""
-
-    def __init__(self, argument: str, message: str) -> None:
-        super().__init__(message)
-        self.argument = argument
-
-
-def _lora_number(value: Any, argument: str, check: Callable[[float, str], None]) -> float:
-    """`value` as a float, refused unless a number that `check` (`check_lora_strength`, `check_lora_alpha`: finite,
-    within the bound) accepts: the HTTP routes build their operations here too, so both refuse it before it queues."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LoraArgumentError(argument, f"{argument} must be a finite number, got {value!r}.")
-    try:
-        number = float(value)
-    except OverflowError:  # an int past float's range
-        number = math.inf if value > 0 else -math.inf
-    try:
-        check(number, argument)
-    except ValueError as exc:
-        raise LoraArgumentError(argument, str(exc)) from None
-    return number
-
-
-def _lora_choice(value: Any, argument: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise LoraArgumentError(argument, f"{argument} must be one of {', '.join(map(repr, choices))}, got {value!r}.")
-    return value
-
-
-def _lora_list(value: Any, argument: str, length: int, nickname_argument: str) -> list[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise LoraArgumentError(argument, f"{argument} must be a list as long as {nickname_argument} ({length}) "
-                                          f"when {nickname_argument} is a list, got {value!r}.")
-    if len(value) != length:
-        raise LoraArgumentError(argument, f"{argument} has {len(value)} entries but {nickname_argument} has "
-                                          f"{length}; give one per adapter.")
-    return list(value)
-
-
-# `set_lora`'s path: one, or one per nickname (None: the adapter already loaded), pathlib paths too; a Sequence, since
-# a list[str] is no list[str | None] to a type checker (lists are invariant), and a tuple is taken as a list.
-LoraPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None] | None
-
-# The HTTP bodies' names of the LoRA calls' arguments (POST /v1/set_lora, /v1/unload_lora), by the Python name.
-HTTP_LORA_NAMES = {"nickname": "lora_nickname", "path": "lora_path"}
-
-
-def set_lora_operation(nickname: str | list[str], path: LoraPaths = None,
-                       strength: float | Sequence[float] = 1.0, *, merge_mode: str = "auto",
-                       target: str | list[str] = "all",
-                       lora_alpha: float | None = None, names: Mapping[str, str] | None = None) -> SetLora:
-    """Check `DiffGenerator.set_lora`'s arguments (also the HTTP body's) and build the operation; a bad one raises
-    LoraArgumentError naming it as `names` spells it (e.g. {"nickname": "lora_nickname"} for HTTP)."""
-    names = {"nickname": "nickname", "path": "path", **(names or {})}
-    name_arg, path_arg = names["nickname"], names["path"]
-    many = isinstance(nickname, (list, tuple))
-    nicknames = list(nickname) if many else [nickname]
-    for item in nicknames:
-        if not isinstance(item, str) or not item.strip():
-            raise LoraArgumentError(name_arg, f"{name_arg} must be a non-empty string or a list of them, got "
-                                              f"{nickname!r}.")
-        if odd_nickname(item):
-            raise LoraArgumentError(name_arg, f"{name_arg} {odd_nickname(item)}")
-    if len(set(nicknames)) != len(nicknames):
-        raise LoraArgumentError(name_arg, f"{name_arg} names an adapter more than once: {nicknames!r}.")
-    if many:
-        paths = [None] * len(nicknames) if path is None else _lora_list(path, path_arg, len(nicknames), name_arg)
-    elif isinstance(path, (list, tuple)):
-        raise LoraArgumentError(path_arg, f"{path_arg} is a list but {name_arg} is one name; give a list of "
-                                          f"{name_arg} too.")
-    else:
-        paths = [path]
-    paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths]
-    for item in paths:
-        if item is not None and (not isinstance(item, str) or not item.strip()):
-            raise LoraArgumentError(path_arg, f"{path_arg} must be a non-empty string (a .safetensors file, a folder "
-                                              f"holding one, or a hub id) or None, got {item!r}.")
-    if isinstance(strength, (list, tuple)):
-        if not many:
-            raise LoraArgumentError("strength", f"strength is a list but {name_arg} is one name; give a list of "
-                                                f"{name_arg} too.")
-        strengths = [_lora_number(s, "strength", check_lora_strength)
-                     for s in _lora_list(strength, "strength", len(nicknames), name_arg)]
-    else:
-        strengths = [_lora_number(strength, "strength", check_lora_strength)] * len(nicknames)
-    if isinstance(target, (list, tuple)):
-        # SGLang's one target per adapter: Kandinsky 6 has one DiT, which "all" and "transformer" both name, so a
-        # list of them is that one target (it was refused as "must be one of 'all', 'transformer'").
-        target = [_lora_choice(item, "target", LORA_TARGETS)
-                  for item in _lora_list(target, "target", len(nicknames), name_arg)][0]
-    alpha = None if lora_alpha is None else _lora_number(lora_alpha, "lora_alpha", check_lora_alpha)
-    specs = tuple(LoraSpec(nickname=n, path=p, strength=s, alpha=alpha)
-                  for n, p, s in zip(nicknames, paths, strengths))
-    return SetLora(specs=specs, merge_mode=_lora_choice(merge_mode, "merge_mode", LORA_MERGE_MODES),
-                   target=_lora_choice(target, "target", LORA_TARGETS))
-
-
-def merge_lora_operation(target: str = "all", strength: float | None = None) -> MergeLora:
-    return MergeLora(target=_lora_choice(target, "target", LORA_TARGETS),
-                     strength=None if strength is None else _lora_number(strength, "strength", check_lora_strength))
-
-
-def unmerge_lora_operation(target: str = "all") -> UnmergeLora:
-    return UnmergeLora(target=_lora_choice(target, "target", LORA_TARGETS))
-
-
-def unload_lora_operation(nickname: str | list[str], *, name: str = "nickname") -> UnloadLora:
-    """Check `DiffGenerator.unload_lora`'s argument (also the HTTP body's, `name` as it spells it)."""
-    nicknames = list(nickname) if isinstance(nickname, (list, tuple)) else [nickname]
-    if not nicknames or any(not isinstance(item, str) or not item.strip() for item in nicknames):
-        raise LoraArgumentError(name, f"{name} must be a non-empty string or a non-empty list of them, got "
-                                      f"{nickname!r}.")
-    if len(set(nicknames)) != len(nicknames):
-        raise LoraArgumentError(name, f"{name} names an adapter more than once: {nicknames!r}.")
-    return UnloadLora(nicknames=tuple(nicknames))
-
-
-def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`generate`'s request (a dict, a SamplingParams or None) and keyword arguments as one dict, keywords winning;
-    a request of another type, or an engine option in it, raises ValueError saying where it goes."""
-    if isinstance(request, SamplingParams):
-        # Its unset fields are defaults, not choices: passing them on would, e.g., contradict return_frames.
-        request = {item.name: getattr(request, item.name) for item in dataclasses.fields(request)
-                   if getattr(request, item.name) != item.default}
-    elif request is not None and not isinstance(request, Mapping):
-        example = f"generate(prompt={request!r})" if isinstance(request, str) else "generate(prompt='A cat')"
-        raise ValueError(f"generate() takes the request as a dict (or a SamplingParams) or as keyword arguments, got "
-                         f"{request!r} ({type(request).__name__}); e.g. {example} or generate({{'prompt': ...}}).")
-    options = {**(request or {}), **kwargs}
-    not_names = [key for key in options if not isinstance(key, str)]
-    if not_names:
-        # Failed inside difflib's "did you mean" as "'int' object is not iterable".
-        raise ValueError(f"generate()'s request keys are parameter names (strings, e.g. 'prompt'), got "
-                         f"{not_names[0]!r} ({type(not_names[0]).__name__}).")
-    misplaced = sorted(key for key in options if key not in _REQUEST_KEYS
-                       and any(key in cls.__dataclass_fields__ for cls in _ENGINE_SECTIONS))
-    if misplaced:
-        what, it = ("is an engine option", "it") if len(misplaced) == 1 else ("are engine options", "them")
-        raise ValueError(f"{', '.join(misplaced)} {what}, fixed when the model loads: pass {it} to "
-                         "DiffGenerator.from_pretrained(), not to generate().")
-    return options
-
-
-def _options_with_server_args(server_args: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """SGLang's `server_args` dict under the keyword arguments. SGLang's own `ServerArgs` object holds SGLang's whole
-    option set, hundreds of options k6serve has no use for, so it is refused, asking for the options that matter."""
-    if server_args is None:
-        return dict(kwargs)
-    if not isinstance(server_args, Mapping):
-        raise ValueError(
-            f"server_args takes the engine options as a dict of keyword names, e.g. server_args={{'model_path': "
-            f"'demo', 'num_gpus': 1}}, got {type(server_args).__name__}; SGLang's ServerArgs object is not "
-            "k6serve's: pass the options you set on it as a dict, or as keyword arguments of from_pretrained().")
-    not_names = [key for key in server_args if not isinstance(key, str)]
-    if not_names:
-        raise ValueError(f"server_args's keys are engine option names (strings, e.g. 'num_gpus'), got "
-                         f"{not_names[0]!r} ({type(not_names[0]).__name__}).")
-    return {**server_args, **kwargs}
-
-
-def _model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
-    """The model path given as the argument or among the options (SGLang's `server_args` holds it), taken out of
-    `options`; both, naming different models, is an error rather than a guess."""
-    in_options = options.pop("model_path", None)
-    if model_path is None and in_options is None:
-        raise ValueError("from_pretrained() needs the model: model_path='demo' or 'demo-sr' (the built-in tiny "
-                         "generation / super-resolution checkpoints), a "
-                         "local Diffusers folder or a hub id, e.g. "
-                         "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'.")
-    if model_path is not None and in_options is not None and os.fspath(model_path) != os.fspath(in_options):
-        raise ValueError(f"from_pretrained() got two models: model_path={os.fspath(model_path)!r} and "
-                         f"server_args's model_path={os.fspath(in_options)!r}; pass one.")
-    return in_options if model_path is None else model_path
-
-
-def _check_local_mode(local_mode: Any) -> None:
-    local_mode = plain_scalars({"local_mode": local_mode})["local_mode"]  # np.True_ is True
-    if local_mode is True:
-        return
-    if local_mode is False:
-        # SGLang's remote mode talks to a running server's scheduler over ZMQ; k6serve's server is reached over HTTP.
-        raise ValueError(
-            "local_mode=False (SGLang's client of a running server's scheduler) is not k6serve's: a DiffGenerator "
-            "always starts its own workers (local_mode=True, the default). To use a running `k6serve serve`, send "
-            "its HTTP API the jobs (docs/http-api.md), e.g. with the OpenAI SDK: OpenAI(base_url='http://HOST:PORT"
-            "/v1', api_key='none').videos.create(prompt=...).")
-    raise ValueError(f"local_mode must be True or False, got {local_mode!r} ({type(local_mode).__name__}).")
 
 
 def _http_names_answered(method: _Method) -> _Method:

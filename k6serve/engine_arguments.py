@@ -1,0 +1,107 @@
+"""`DiffGenerator.from_pretrained`'s arguments as the typed engine config: the flat keyword arguments (the CLI's
+and the seed's names) split into the config sections (`build_engine_config`, which the CLI and the server build their
+config with too), and SGLang's `server_args` dict, model path and `local_mode` taken as it defines them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.reference_names import unknown_names_hint
+from k6serve.request import SamplingParams, plain_scalars
+
+_ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
+_REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
+
+
+def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
+    """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections. Its errors name
+    the flags, as for the CLI and the server, which build their config here too; `DiffGenerator` rewords them."""
+    sections: dict[type, dict[str, Any]] = {cls: {} for cls in _ENGINE_SECTIONS}
+    # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
+    model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
+    kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v
+              for k, v in plain_scalars(kwargs).items()}
+    kwargs = {k: _torch_name(k, v) for k, v in kwargs.items()}
+    for key, value in kwargs.items():
+        for cls in sections:
+            if key in cls.__dataclass_fields__:
+                sections[cls][key] = value
+                break
+        else:
+            if key in _REQUEST_KEYS:
+                raise ValueError(f"{key} is a request parameter: pass it to generate(), not to from_pretrained().")
+            valid = sorted(k for cls in sections for k in cls.__dataclass_fields__ if k != "model_path")
+            # SGLang's names (enable_torch_compile) get what to use instead, not a guess at a look-alike.
+            hint = unknown_names_hint([key], valid, surface="api")
+            raise ValueError(f"Unknown engine option {key!r}{hint}. Valid options: {valid}")
+    return EngineConfig(
+        model=ModelConfig(model_path=model_path, **sections[ModelConfig]),
+        parallel=ParallelConfig(**sections[ParallelConfig]),
+        runtime=RuntimeConfig(**sections[RuntimeConfig]),
+    )
+
+
+def _torch_name(key: str, value: Any) -> Any:
+    """`dtype=torch.bfloat16` and `device=torch.device("cuda")`, as diffusers' and torch's own code spell them, as
+    the names the typed config holds ("bfloat16", "cuda"); they were refused as "must be a string". Anything else
+    is left for the config's own checks."""
+    module = type(value).__module__.partition(".")[0]
+    if module != "torch":
+        return value
+    import torch
+
+    if key == "dtype" and isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")  # float16 stays refused by the config, with its choices
+    if key == "device" and isinstance(value, torch.device):
+        return value.type if value.index is None else f"{value.type}:{value.index}"
+    return value
+
+
+def _options_with_server_args(server_args: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """SGLang's `server_args` dict under the keyword arguments. SGLang's own `ServerArgs` object holds SGLang's whole
+    option set, hundreds of options k6serve has no use for, so it is refused, asking for the options that matter."""
+    if server_args is None:
+        return dict(kwargs)
+    if not isinstance(server_args, Mapping):
+        raise ValueError(
+            f"server_args takes the engine options as a dict of keyword names, e.g. server_args={{'model_path': "
+            f"'demo', 'num_gpus': 1}}, got {type(server_args).__name__}; SGLang's ServerArgs object is not "
+            "k6serve's: pass the options you set on it as a dict, or as keyword arguments of from_pretrained().")
+    not_names = [key for key in server_args if not isinstance(key, str)]
+    if not_names:
+        raise ValueError(f"server_args's keys are engine option names (strings, e.g. 'num_gpus'), got "
+                         f"{not_names[0]!r} ({type(not_names[0]).__name__}).")
+    return {**server_args, **kwargs}
+
+
+def _model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
+    """The model path given as the argument or among the options (SGLang's `server_args` holds it), taken out of
+    `options`; both, naming different models, is an error rather than a guess."""
+    in_options = options.pop("model_path", None)
+    if model_path is None and in_options is None:
+        raise ValueError("from_pretrained() needs the model: model_path='demo' or 'demo-sr' (the built-in tiny "
+                         "generation / super-resolution checkpoints), a "
+                         "local Diffusers folder or a hub id, e.g. "
+                         "'kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers'.")
+    if model_path is not None and in_options is not None and os.fspath(model_path) != os.fspath(in_options):
+        raise ValueError(f"from_pretrained() got two models: model_path={os.fspath(model_path)!r} and "
+                         f"server_args's model_path={os.fspath(in_options)!r}; pass one.")
+    return in_options if model_path is None else model_path
+
+
+def _check_local_mode(local_mode: Any) -> None:
+    local_mode = plain_scalars({"local_mode": local_mode})["local_mode"]  # np.True_ is True
+    if local_mode is True:
+        return
+    if local_mode is False:
+        # SGLang's remote mode talks to a running server's scheduler over ZMQ; k6serve's server is reached over HTTP.
+        raise ValueError(
+            "local_mode=False (SGLang's client of a running server's scheduler) is not k6serve's: a DiffGenerator "
+            "always starts its own workers (local_mode=True, the default). To use a running `k6serve serve`, send "
+            "its HTTP API the jobs (docs/http-api.md), e.g. with the OpenAI SDK: OpenAI(base_url='http://HOST:PORT"
+            "/v1', api_key='none').videos.create(prompt=...).")
+    raise ValueError(f"local_mode must be True or False, got {local_mode!r} ({type(local_mode).__name__}).")
