@@ -1,6 +1,6 @@
 """Running `DiffGenerator.generate(prompt=[...])`'s list: one request per prompt, in order on one replica, side by
 side on several (`--dp-size`), and the note a stopped list's error carries (what finished, where its videos are,
-how to run the rest). Its own module so api.py keeps to the request's checks."""
+how to run the rest). Its own module so api.py keeps to `DiffGenerator`."""
 
 from __future__ import annotations
 

@@ -204,9 +204,9 @@ def load_script():
 def engine_config_from_cli():
     """`k6serve <argv>` as the CLI reads it (flags over --config values), its engine options built into the
     `EngineConfig` the worker would get: `engine_config_from_cli("serve", "--model-path", "demo", ...)`."""
-    from k6serve.api import build_engine_config
     from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
+    from k6serve.engine_arguments import build_engine_config
 
     parser = build_parser()
 

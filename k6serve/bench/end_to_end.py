@@ -165,7 +165,8 @@ def _engine_kwargs(options: EndToEndOptions, *, super_resolution: bool = False) 
 
 def _open_generator(model_path: str, options: EndToEndOptions, *, super_resolution: bool = False):
     """`DiffGenerator` over an in-process `ModelWorker` (the default engine spawns worker processes)."""
-    from k6serve.api import DiffGenerator, build_engine_config
+    from k6serve.api import DiffGenerator
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker
 
@@ -191,8 +192,8 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
     """The engine flags and the request of the generate / sr stages run, checked as `k6serve generate` checks its
     own before the load: a --num-inference-steps 0 or --sr-scale 3 was refused by the request after the model had
     loaded, and after every stage before it had run. Raises ValueError naming the flag."""
-    from k6serve.api import build_engine_config
     from k6serve.cli.generate import check_request_before_loading
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.request import SR_SCALES, SamplingParams
 
     if options.attention_backend != "auto" and {"generate", "sr"} & set(stages):

@@ -11,21 +11,14 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from k6serve.api import (
-    DiffGenerator,
-    MissingPrompt,
-    MissingSourceVideo,
-    build_engine_config,
-    check_output,
-    final_file_name,
-    require_media_package,
-    split_kwargs,
-    unsaved_output_keys,
-)
+from k6serve.api import DiffGenerator
 from k6serve.config import EngineConfig
+from k6serve.engine_arguments import build_engine_config
 from k6serve.media.output_names import numbered_file_names
-from k6serve.models.variants import GENERATION, prompt_text_refusal
+from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo, prompt_text_refusal
+from k6serve.output_checks import check_output, final_file_name, require_media_package, unsaved_output_keys
 from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text, note_for_cli
+from k6serve.request_arguments import split_kwargs
 from k6serve.runtime.engine import RequestCancelled
 
 

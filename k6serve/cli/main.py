@@ -171,7 +171,7 @@ def _hosts_no_engine(engine_options: dict[str, Any]) -> bool:
 
 
 def _serve_worker_ranks(engine_options: dict[str, Any]) -> int:
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.parallel.preflight import check_layout_before_loading
     from k6serve.runtime.rank_process import serve_worker_ranks
 
@@ -193,7 +193,7 @@ def _check_lora_flags(command: str, engine_options: dict[str, Any], request_opti
         return
     if command == "serve" and not engine_options.get("lora_path"):
         return
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.lora.preflight import check_request_loras, check_start_adapter
 
     options = dict(engine_options)

@@ -697,8 +697,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
     """Bind the port, open the job store, load the model (answering 503 "loading" on the port meanwhile) and serve
     until interrupted."""
-    from k6serve.api import build_engine_config
     from k6serve.dependencies import require_package
+    from k6serve.engine_arguments import build_engine_config
 
     require_package("uvicorn", "to run the HTTP server")  # imported where it runs: after the load, minutes away
     settings = settings_from_options(server_options)

@@ -1,7 +1,7 @@
 """The LoRA routes: `/v1/set_lora`, `/v1/merge_lora_weights`, `/v1/unmerge_lora_weights` and `/v1/unload_lora`
 change the generation DiT's adapters, queued behind the stored jobs (`JobRunner.submit_lora`), and answer once the
 engine has applied them on every replica; `GET /v1/list_loras` waits only for the running job. Each operation is
-built by the Python API's own argument checks (`k6serve.api`)."""
+built by the Python API's own argument checks (`k6serve.lora.arguments`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from k6serve.api import (
+from k6serve.lora.adapter import names_adapter_file
+from k6serve.lora.arguments import (
     HTTP_LORA_NAMES,
     LoraArgumentError,
     merge_lora_operation,
@@ -21,7 +22,6 @@ from k6serve.api import (
     unload_lora_operation,
     unmerge_lora_operation,
 )
-from k6serve.lora.adapter import names_adapter_file
 from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import SUPER_RESOLUTION
 from k6serve.serve.errors import ApiError

@@ -519,8 +519,8 @@ def input_reference_target(*, super_resolution: bool) -> str:
 _LORA_BODY_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-# The LoRA bodies' ranges and choices, in the document only (`_documented`): `api.set_lora_operation` and the others
-# refuse the rest with their own 400s.
+# The LoRA bodies' ranges and choices, in the document only (`_documented`): `lora.arguments.set_lora_operation`
+# and the others refuse the rest with their own 400s.
 _LORA_TARGET = _documented(**_shared("LoraTarget"))
 _LORA_STRENGTH = _documented(number={"minimum": -MAX_LORA_STRENGTH, "maximum": MAX_LORA_STRENGTH})
 _TARGET_DOC = "'all' (default) or 'transformer' (the one DiT)."

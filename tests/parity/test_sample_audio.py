@@ -75,7 +75,7 @@ def _sample(params: SamplingParams, value):
 
 def test_the_engine_refuses_sound_from_a_silent_checkpoint_with_the_request(tmp_path):
     # Checked when the request is resolved (the server's job creation: a 400), not once it runs.
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import uvicorn
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.media.image import load_conditioning_image
 from k6serve.media.mux import write_mp4
 from k6serve.models.variants import GENERATION, VARIANTS, Variant, resolve_generate, resolve_upscale

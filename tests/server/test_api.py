@@ -432,7 +432,7 @@ def test_a_local_folder_is_named_by_the_released_checkpoint_it_is_for_both_famil
     # rule is one for both families: a folder recognised as a released checkpoint is listed by that release's id
     # (`root` keeps the path, and the folder's name is accepted as `model`); only the built-in demo, which is no
     # release, goes by its own name.
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.models.variants import recognise
     from k6serve.runtime.engine import Engine
 
@@ -511,7 +511,7 @@ def test_the_model_card_has_sglangs_fields_with_the_served_values(server_distill
     # SGLang's diffusion /v1/models card (docs/serving-reference.md) has root, parent, num_gpus and the DiT's and
     # VAE's precisions besides OpenAI's id / object / created / owned_by; ours had OpenAI's and root only. Here a real
     # worker on the CPU: "auto" resolves to float32 there, and the card says what was loaded, not "auto".
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker
 
@@ -532,7 +532,7 @@ def test_the_model_card_has_sglangs_fields_with_the_served_values(server_distill
 def test_the_model_card_reports_the_engines_gpus_and_the_workers_precision(tmp_path):
     # num_gpus is the whole engine's (replicas and Ulysses ranks alike); the precision is the dtype the worker
     # reported, whatever --dtype said (a stand-in worker with none reports null).
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
 
     worker = FakeWorker(VARIANTS["pro-distill"])

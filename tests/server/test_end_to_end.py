@@ -19,7 +19,7 @@ from harness import start_server, wait_for
 from PIL import Image
 from test_lifecycle import run_seed_script
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow

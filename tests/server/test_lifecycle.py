@@ -19,7 +19,7 @@ import PIL.Image
 import pytest
 from harness import FakeWorker, start_server, wait_for, wait_until
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore

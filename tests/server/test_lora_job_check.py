@@ -19,7 +19,7 @@ import torch
 from harness import FakeWorker, start_server, wait_for, wait_until
 from PIL import Image
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.spec import ReplicasDisagree
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine

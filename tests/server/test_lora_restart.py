@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from harness import FakeWorker, start_server
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine

@@ -325,7 +325,7 @@ def test_super_resolution_takes_the_video_as_input_reference(tmp_path):
 @pytest.mark.slow
 def test_demo_checkpoint_end_to_end(tmp_path):
     """The real engine on the built-in demo checkpoint: the SDK's MP4 has the requested width x height."""
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
 
     server = start_server(tmp_path, engine=Engine(build_engine_config("demo", device="cpu")), api_key=API_KEY)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from harness import FakeWorker, start_server
 
-from k6serve.api import set_lora_operation
+from k6serve.lora.arguments import set_lora_operation
 from k6serve.lora.spec import LORA_MERGE_MODES, LORA_TARGETS
 from k6serve.models.variants import VARIANTS, resolve_upscale
 from k6serve.request import SR_RESIZE_MODES, SamplingParams

@@ -158,7 +158,7 @@ def test_uploads_no_job_owns_are_deleted_at_start(tmp_path):
     the file (up to --max-upload-mb), and neither a restart nor the TTL sweep ever deleted it."""
     from harness import FakeWorker
 
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.models.variants import VARIANTS
     from k6serve.runtime.engine import Engine
     from k6serve.serve.artifacts import ArtifactStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from harness import start_server
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
 

@@ -303,7 +303,7 @@ def test_engine_options_of_the_wrong_type_are_refused_naming_the_keyword(options
 
 
 def test_engine_options_take_pathlib_paths(tmp_path):
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
 
     config = build_engine_config(tmp_path, lora_path=tmp_path / "a.safetensors", lora_scale=1, dist_timeout_s=5)
     assert config.model.model_path == str(tmp_path) and config.model.lora_path == str(tmp_path / "a.safetensors")
@@ -348,7 +348,7 @@ def test_lora_options_without_a_lora_path_are_refused(option, flag):
 def test_a_pil_image_as_image_path_says_to_pass_a_path():
     import PIL.Image
 
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     with pytest.raises(ValueError, match=r"image_path takes the path of an image file \(a str or pathlib.Path\), "
                                          r"not a PIL image: save it first, e\.g\. image\.save"):
@@ -361,7 +361,7 @@ def test_an_array_of_pixels_as_a_path_says_to_save_it_in_one_line(key):
     # 0], ..." with some 50 lines of pixels and no fix.
     import torch
 
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     for pixels, kind in ((np.zeros((64, 96, 3), np.uint8), "numpy.ndarray"), (torch.zeros(3, 8, 8), "torch.Tensor")):
         with pytest.raises(ValueError) as error:
@@ -374,7 +374,7 @@ def test_an_array_of_pixels_as_a_path_says_to_save_it_in_one_line(key):
 def test_a_tilde_in_any_request_path_is_the_home_folder(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     monkeypatch.setenv("HOME", str(tmp_path))
     params, output = split_kwargs({"prompt": "x", "image_path": "~/a.png", "output_path": Path("~/out")})
@@ -432,7 +432,8 @@ def test_a_request_key_that_is_not_a_name_says_so():
 def test_an_option_given_to_the_wrong_call_says_which_call_takes_it():
     """An engine option given to generate(), or a request parameter to from_pretrained(), was only "unknown": the
     user learnt it is misplaced only by reading the other call's list."""
-    from k6serve.api import DiffGenerator, build_engine_config
+    from k6serve.api import DiffGenerator
+    from k6serve.engine_arguments import build_engine_config
 
     worker = ClosingStepWorker()
     with DiffGenerator(Engine(fake_config(), worker=worker)) as generator:
@@ -446,7 +447,8 @@ def test_an_option_given_to_the_wrong_call_says_which_call_takes_it():
 
 
 def test_a_misspelt_option_names_the_one_it_resembles():
-    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.request_arguments import split_kwargs
 
     with pytest.raises(ValueError, match=r"^Unknown sampling parameter\(s\) \['num_inference_step'\] \(did you mean "
                                          r"'num_inference_steps'\?\)\. Valid parameters: "):
@@ -463,7 +465,8 @@ def test_numpy_scalars_are_the_python_values_they_stand_for_in_every_option():
     integer, not a number, or not true or false."""
     import numpy as np
 
-    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.request_arguments import split_kwargs
 
     params, output = split_kwargs({"prompt": "x", "save_output": np.bool_(False), "return_frames": np.bool_(True),
                                    "guidance_scale": np.float32(1.0), "seed": np.int64(3)})
@@ -478,7 +481,7 @@ def test_numpy_scalars_are_the_python_values_they_stand_for_in_every_option():
 def test_none_is_the_default_for_the_output_keys_too():
     """None stands for "the default" in every request key, but save_output=None silently wrote no file (the video
     was lost) and output_path=None failed with "expected str, bytes or os.PathLike object, not NoneType"."""
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     _, output = split_kwargs({"prompt": "x", "save_output": None, "output_path": None, "output_file_name": None,
                               "return_frames": None, "return_file_paths_only": None})
@@ -644,7 +647,7 @@ def test_a_second_generator_loading_beside_a_running_one_is_warned_about(monkeyp
 
 def test_a_request_without_a_file_returns_its_frames_unless_told_not_to():
     """save_output=False with neither return flag returned neither a file nor frames: the run's video was lost."""
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     _, output = split_kwargs({"prompt": "cat", "save_output": False})
     assert output.return_frames is True

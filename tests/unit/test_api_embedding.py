@@ -13,7 +13,7 @@ import time
 import pytest
 
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.runtime import launch
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker

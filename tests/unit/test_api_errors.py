@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from k6serve.api import DiffGenerator, LoraArgumentError, build_engine_config
+from k6serve.api import DiffGenerator
 from k6serve.api_errors import flags_as_keywords
 from k6serve.cli.main import main
+from k6serve.engine_arguments import build_engine_config
+from k6serve.lora.arguments import LoraArgumentError
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
 
@@ -310,7 +312,7 @@ def test_the_output_checks_name_the_keywords_in_the_api_and_the_flags_on_the_cli
 def test_set_lora_takes_sglangs_list_of_one_target_per_adapter():
     # SGLang's set_lora (and POST /v1/set_lora) take a target per adapter; Kandinsky 6's one DiT is each of them,
     # and the list was refused as "target must be one of 'all', 'transformer'" (over HTTP: "a valid string").
-    from k6serve.api import LoraArgumentError, set_lora_operation
+    from k6serve.lora.arguments import LoraArgumentError, set_lora_operation
     from k6serve.serve.schemas import SetLoraBody
 
     body = SetLoraBody(lora_nickname=["a", "b"], lora_path=["a.safetensors", "b.safetensors"],

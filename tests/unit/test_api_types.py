@@ -35,6 +35,20 @@ def test_every_exported_name_is_visible_to_type_checkers():
         assert getattr(k6serve, name).__module__.startswith("k6serve.")
 
 
+def test_the_names_api_py_re_exports_are_the_ones_in_their_modules():
+    # `from k6serve.api import build_engine_config, split_kwargs` is the users' way in; the functions live in their own
+    # modules (engine_arguments.py, request_arguments.py, output_checks.py, lora/arguments.py), and a copy kept here
+    # instead of the import would drift from them unseen.
+    from k6serve import api, engine_arguments, output_checks, request_arguments
+    from k6serve.lora import arguments as lora_arguments
+
+    homes = {name: module for module in (engine_arguments, output_checks, request_arguments, lora_arguments)
+             for name in vars(module) if name in api.__all__}
+    assert sorted(api.__all__) == sorted([*homes, "DiffGenerator"])
+    for name, module in homes.items():
+        assert getattr(api, name) is getattr(module, name), name
+
+
 def test_diffgenerator_decorators_keep_the_method_types():
     # Annotated `Callable -> Callable`, they made set_lora, merge_lora_weights and the other decorated methods
     # `(*Any, **Any) -> Any` to mypy and pyright: a misspelled keyword or a wrong type went unseen.
@@ -198,7 +212,7 @@ def test_engine_options_are_the_options_from_pretrained_takes():
     import torch
 
     from k6serve import DiffGenerator, EngineOptions
-    from k6serve.api import _ENGINE_SECTIONS, build_engine_config
+    from k6serve.engine_arguments import _ENGINE_SECTIONS, build_engine_config
 
     hints = typing.get_type_hints(DiffGenerator.from_pretrained, localns={"torch": torch})
     assert typing.get_args(hints["kwargs"]) == (EngineOptions,)

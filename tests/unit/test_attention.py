@@ -756,10 +756,10 @@ def test_hopper_keeps_fa3_for_128_wide_heads_and_for_ring_attention(monkeypatch)
 def test_fa3_and_fa4_are_aliases_of_fa_everywhere_a_backend_is_named():
     """The reference's spellings: the ops, InnerAttention, the config (Python API) and both CLI commands accept them,
     as the name "fa"; the unknown-backend error lists them."""
-    from k6serve.api import build_engine_config
     from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
     from k6serve.config import ATTENTION_BACKENDS, RuntimeConfig
+    from k6serve.engine_arguments import build_engine_config
 
     assert {"fa3", "fa4"} <= set(ATTENTION_BACKENDS)
     for name in ("fa3", "fa4"):

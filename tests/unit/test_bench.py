@@ -555,8 +555,8 @@ def test_the_released_sizes_on_a_host_without_a_gpu_are_refused_unless_the_cpu_i
 def test_generate_takes_the_engines_offload_flags(monkeypatch):
     """`--cpu-offload-components`, `--layerwise-offload-components` and `--component-residency` reach the engine
     config of the generate / sr stages (on the CPU they offload nothing; the worker logs that)."""
-    from k6serve.api import build_engine_config
     from k6serve.bench import end_to_end
+    from k6serve.engine_arguments import build_engine_config
 
     opened = []
     real_open = end_to_end._open_generator

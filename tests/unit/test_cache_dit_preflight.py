@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
 from k6serve.caching.preflight import check_cache_dit_config_before_loading
 from k6serve.cli.main import main
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 from k6serve.request import SamplingParams
 

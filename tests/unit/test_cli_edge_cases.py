@@ -17,9 +17,10 @@ import torch
 
 import k6serve.media.output_names as output_names
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config, final_file_name
 from k6serve.cli.main import main
+from k6serve.engine_arguments import build_engine_config
 from k6serve.media.probe import probe
+from k6serve.output_checks import final_file_name
 from k6serve.request import FlagWorded, SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
@@ -105,7 +106,7 @@ def test_unusable_output_path_is_a_value_error(generator, tmp_path, kind):
 
 
 def test_output_path_that_is_a_file_says_so(tmp_path):
-    from k6serve.api import check_output_folder
+    from k6serve.output_checks import check_output_folder
     from k6serve.request import OutputOptions
 
     (tmp_path / "clip.mp4").write_text("keep me")
@@ -969,8 +970,8 @@ SPEED_NEXT = "--performance-mode balanced or memory (weights in host memory)"
 def test_cli_out_of_memory_offers_the_fixes_that_apply_where_the_run_is(options, keeps_speed, next_step):
     from types import SimpleNamespace
 
-    from k6serve.api import build_engine_config
     from k6serve.cli.main import describe_out_of_memory
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.serve.runner import JobRunner
 
     text = describe_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), options)
@@ -1028,7 +1029,7 @@ def test_names_in_other_scripts_name_the_file(generator, tmp_path):
 
 
 def test_a_name_changed_by_nfc_and_by_its_characters_says_both():
-    from k6serve.api import final_file_name
+    from k6serve.output_checks import final_file_name
 
     final, warning = final_file_name("e\u0301 clip?.mp4")
     assert final == "\u00e9_clip_.mp4"
@@ -1128,7 +1129,7 @@ def test_cli_summary_counts_frames_in_words(num_frames, text):
 
 
 def test_sr_without_a_source_names_the_api_keyword(sr_generator, tmp_path):
-    from k6serve.api import MissingSourceVideo
+    from k6serve.models.variants import MissingSourceVideo
 
     with pytest.raises(MissingSourceVideo) as refused:
         sr_generator.generate({"sr_resolution_scale": 2, "output_path": str(tmp_path)})

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 import test_comfyui_nodes as nodes_tests
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
 from k6serve.serve.app import build_app, uvicorn_config

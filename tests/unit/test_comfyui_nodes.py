@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.runtime.engine import Engine
 
 NODES_DIR = Path(__file__).parents[2] / "integrations" / "comfyui" / "k6serve_nodes"

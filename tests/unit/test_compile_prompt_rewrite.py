@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import k6serve.runtime.worker as worker_module
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.kandinsky6.checkpoint import load_generation_models
 from k6serve.models.variants import recognise
 from k6serve.pipelines.expand_prompt import (

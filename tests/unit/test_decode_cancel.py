@@ -60,14 +60,14 @@ def _count_forwards(module: torch.nn.Module) -> tuple[list[int], torch.utils.hoo
 
 
 def _split(params: dict):
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     return split_kwargs(params)
 
 
 @pytest.fixture(scope="module")
 def generation_worker(tiny_distill_dir):
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.worker import ModelWorker
 
     return ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="off"))
@@ -75,7 +75,7 @@ def generation_worker(tiny_distill_dir):
 
 @pytest.fixture(scope="module")
 def sr_worker(tiny_sr_dir):
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.worker import ModelWorker
 
     return ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", warmup_mode="off"))

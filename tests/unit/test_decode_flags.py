@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.parallel.tile_decode import sr_decode_mode
 from k6serve.runtime.worker import ModelWorker
 

@@ -217,7 +217,8 @@ def test_bad_chunks_are_rejected_without_a_file(tmp_path: Path, chunks, message:
 
 
 def test_worker_streams_the_decode_into_the_same_mp4(tiny_distill_dir, tmp_path: Path, monkeypatch):
-    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.request_arguments import split_kwargs
     from k6serve.runtime.worker import ModelWorker
 
     worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="off"))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
 from k6serve.cli.main import main
+from k6serve.engine_arguments import build_engine_config
 from k6serve.runtime import device_fit
 from k6serve.runtime.device_fit import check_device_fits
 

@@ -382,7 +382,7 @@ def test_the_worker_refuses_sr_models_and_gpus_without_e4m3_before_loading(monke
 
 
 def test_an_ignored_layer_pattern_that_matches_nothing_is_refused_before_the_weights_load(monkeypatch):
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.worker import ModelWorker
 
     def no_load(self, folder):
@@ -423,7 +423,7 @@ def test_a_typod_ignored_layer_is_refused_before_the_ranks_start(capsys, no_rank
 
 
 def test_cli_loras_naming_adapters_are_refused_before_the_load_and_the_base_model_is_not():
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.lora.preflight import check_request_loras
 
     config = build_engine_config("demo", quantization="fp8")

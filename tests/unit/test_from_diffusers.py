@@ -10,8 +10,10 @@ import PIL.Image
 import pytest
 import torch
 
-from k6serve.api import DiffGenerator, build_engine_config, split_kwargs
+from k6serve.api import DiffGenerator
 from k6serve.cli.main import main
+from k6serve.engine_arguments import build_engine_config
+from k6serve.request_arguments import split_kwargs
 from k6serve.serve.errors import ApiError
 from k6serve.serve.schemas import parse_create_body
 

@@ -268,8 +268,9 @@ def test_cli_reference_lists_every_flag():
 
 
 def test_warmup_mode_request_is_reported_once(tiny_distill_dir):
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.request_arguments import split_kwargs
     from k6serve.runtime.worker import ModelWorker
-    from k6serve.api import build_engine_config, split_kwargs
 
     worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", warmup_mode="request"))
     params, output = split_kwargs({"prompt": "x", "height": 32, "width": 32, "num_frames": 5, "save_output": False})
@@ -332,7 +333,8 @@ def test_seed_example_runs_as_a_script_without_a_main_guard(tiny_distill_dir, tm
 def test_latents_that_overflow_are_refused_before_the_decode(tiny_pro_dir, tmp_path):
     # guidance_scale 1e30 made the latents NaN: the frames were decoded black and the MP4 writer refused the NaN
     # soundtrack with "fix the waveform before muxing", after the whole decode.
-    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.request_arguments import split_kwargs
     from k6serve.runtime.worker import ModelWorker
 
     worker = ModelWorker(build_engine_config(str(tiny_pro_dir), device="cpu", attention_backend="sdpa"))
@@ -350,8 +352,8 @@ def test_latents_that_overflow_are_refused_before_the_decode(tiny_pro_dir, tmp_p
 def test_cli_no_save_output_does_not_ship_the_frames_back(capsys):
     """The API returns the frames of a request without a file; the CLI only prints timings, so it asks for none
     (for an upscale they are gigabytes pickled from the worker)."""
-    from k6serve.api import split_kwargs
     from k6serve.cli.generate import _checked_output_options
+    from k6serve.request_arguments import split_kwargs
 
     options = _checked_output_options({"prompt": "x", "save_output": False})
     assert options["return_frames"] is False and split_kwargs(options)[1].return_frames is False

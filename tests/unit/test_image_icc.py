@@ -401,7 +401,7 @@ def test_the_cli_check_before_loading_logs_no_conversion(tmp_path: Path, tiny_di
 def test_the_conversion_note_reaches_a_generation_result(tmp_path: Path, tiny_distill_dir) -> None:
     """The pipeline passes its notes list: the user sees the note on the CLI and in the HTTP job's warnings."""
     from k6serve import DiffGenerator
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
 from k6serve.cli.main import main
+from k6serve.engine_arguments import build_engine_config
 from k6serve.parallel.preflight import check_layout_before_loading
 
 PRO_DISTILL = "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"

@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from k6serve.api import build_engine_config
 from k6serve.bench.dit import dit_inputs
 from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.config import LORA_MERGE_MODES as CONFIG_MERGE_MODES
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.adapter import (
     PREFERRED_FILE,
     _header_metadata,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.spec import (
     ListLoras,
     LoraSpec,

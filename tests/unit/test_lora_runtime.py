@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from test_launch import TIMEOUT_S, FakeRankWorker, make_config, note
 
-from k6serve.api import DiffGenerator, LoraArgumentError
+from k6serve.api import DiffGenerator
 from k6serve.config import EngineConfig, ModelConfig
+from k6serve.lora.arguments import LoraArgumentError
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
 from k6serve.models.variants import VARIANTS
 from k6serve.request import OutputOptions, SamplingParams, VideoResult

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from k6serve.api import DiffGenerator, build_engine_config
+from k6serve.api import DiffGenerator
 from k6serve.cli.main import main
 from k6serve.config import EngineConfig, ModelConfig
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.adapter import read_adapter
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora

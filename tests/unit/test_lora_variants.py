@@ -268,7 +268,7 @@ def test_cuda_dora_and_bias_change_the_output_alike_and_unmerge_restores_it(demo
         write_adapter,
     )
 
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.worker import ModelWorker
 
     worker = ModelWorker(build_engine_config(str(demo_dir), device="cuda", performance_mode=mode,

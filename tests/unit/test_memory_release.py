@@ -24,8 +24,9 @@ import torch
 from safetensors import safe_open
 from test_launch import TIMEOUT_S, FakeRankWorker, make_config
 
-from k6serve.api import DiffGenerator, build_engine_config
+from k6serve.api import DiffGenerator
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.spec import ListLoras, LoraSpec, SetLora
 from k6serve.models.variants import VARIANTS
 from k6serve.offload import apply_offload

@@ -14,9 +14,10 @@ import sys
 import pytest
 
 from k6serve import DiffGenerator
-from k6serve.api import require_media_package, split_kwargs
 from k6serve.cli.main import main
 from k6serve.dependencies import MissingPackage, pip_install_command
+from k6serve.output_checks import require_media_package
+from k6serve.request_arguments import split_kwargs
 
 DECLARED = ["torch>=2.11", "av<19,>=14", "huggingface-hub>=0.30", "uvicorn>=0.29", 'pytest>=8; extra == "test"']
 

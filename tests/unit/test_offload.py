@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.registry import transformer_plan
 from k6serve.offload import ComponentOffload, apply_offload
 from k6serve.offload.block_stream import plan_blocks, repeated_blocks

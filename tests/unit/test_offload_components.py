@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.offload.residency import resolve_residency
 from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.worker import ModelWorker

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.cli.generate import read_prompt_file
 from k6serve.media.output_names import numbered_file_names
 from k6serve.cli.main import main

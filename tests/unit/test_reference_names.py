@@ -8,12 +8,14 @@ import re
 
 import pytest
 
-from k6serve.api import DiffGenerator, build_engine_config, split_kwargs
+from k6serve.api import DiffGenerator
 from k6serve.cli.config_file import merged_options
 from k6serve.cli.flags import build_parser, split_options
 from k6serve.cli.main import main
 from k6serve.config import OPTION_CHOICES, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.variants import VARIANTS
+from k6serve.request_arguments import split_kwargs
 from k6serve.reference_names import (
     ENGINE,
     REFERENCE_NAMES,

@@ -21,7 +21,7 @@ PROMPT = "A woman chops vegetables in a sunlit kitchen, with soft jazz playing."
 
 def _read(*argv: str):
     """(engine config, request options) of `k6serve <argv>`, the layout checked as before loading."""
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
 
     parser = build_parser()
     engine, request = split_options(merged_options(parser.parse_args(list(argv)), parser))

@@ -26,10 +26,10 @@ import torch
 from test_speed_transforms import _HunyuanLikeVae  # a VAE with a decoder, as speed/vae.py finds one
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from k6serve.api import build_engine_config
 from k6serve.bench.dit import dit_inputs
 from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
+from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.spec import LoraSpec, SetLora, UnmergeLora
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig

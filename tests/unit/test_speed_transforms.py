@@ -417,8 +417,8 @@ def test_kvae_rewrites_by_default_beside_the_compiled_decoder(monkeypatch, tiny_
 
 
 def test_compile_vae_flag_reaches_the_runtime_config():
-    from k6serve.api import build_engine_config
     from k6serve.cli.flags import build_parser
+    from k6serve.engine_arguments import build_engine_config
 
     assert build_engine_config("demo").runtime.compile_vae is False
     assert build_engine_config("demo", compile_vae=True).runtime.compile_vae is True
@@ -442,8 +442,8 @@ COMPILE_FLAGS = {
 def test_compile_flags_outside_speed_mode_are_refused_not_ignored(mode, field, capsys):
     """Only speed mode compiles: `--compile-vae true --performance-mode balanced` ran eager without a word."""
     from k6serve import DiffGenerator
-    from k6serve.api import build_engine_config
     from k6serve.cli.main import main
+    from k6serve.engine_arguments import build_engine_config
 
     what, fix = COMPILE_FLAGS[field]
     flag = "--" + field.replace("_", "-")

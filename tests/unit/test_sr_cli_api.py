@@ -139,7 +139,7 @@ def test_target_resolution_modes(generator, clips, tmp_path, target, mode, size)
 
 
 def test_progress_per_dit_call_and_cancellation(generator, clips, tmp_path):
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     params, output = split_kwargs({"video_path": str(clips["stereo30"]), "sr_resolution_scale": 2,
                                    "save_output": False})  # fmt: skip

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def worker(tiny_sr_dir):
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.worker import ModelWorker
 
     return ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", warmup_mode="off"))
@@ -36,7 +36,7 @@ def clip(tmp_path_factory) -> Path:
 
 
 def _params(clip: Path, tmp_path: Path, **overrides):
-    from k6serve.api import split_kwargs
+    from k6serve.request_arguments import split_kwargs
 
     return split_kwargs({"video_path": str(clip), "sr_resolution_scale": 2, "seed": 7, "output_path": str(tmp_path),
                          "output_file_name": "up.mp4", "return_frames": True} | overrides)
@@ -143,7 +143,7 @@ def test_server_warmup_upscales_a_synthetic_clip_before_the_first_request(tiny_s
     runs without a warm-up entry. --warmup-mode request has nothing shorter to run first for SR: 0 s."""
     import tempfile
 
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.request import OutputOptions, SamplingParams
     from k6serve.runtime import worker as worker_module
 

@@ -12,7 +12,8 @@ from k6serve.runtime.gc_freeze import CompileGcFreezer
 
 
 def test_step_timings_bound_the_denoise_time(tiny_distill_dir):
-    from k6serve.api import build_engine_config, split_kwargs
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.request_arguments import split_kwargs
     from k6serve.runtime.worker import ModelWorker
 
     worker = ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu"))
@@ -72,7 +73,7 @@ def test_denoise_reports_one_duration_per_step(steps):
 
 
 def test_ulysses_with_compiled_blocks_warns_that_output_is_not_bit_exact(tiny_distill_dir, monkeypatch, caplog):
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime import worker as worker_module
     from k6serve.speed.performance_mode import PerformanceReport
 

@@ -67,7 +67,7 @@ def test_what_a_wrong_encoding_leaves_of_a_prompt_is_refused(text, message):
 def test_an_api_prompt_with_a_lone_surrogate_is_refused_before_the_worker(tiny_distill_dir):
     """It reached the tokenizer, which failed as 'a bug in k6serve'."""
     from k6serve import DiffGenerator
-    from k6serve.api import build_engine_config
+    from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from k6serve.api import build_engine_config
+from k6serve.engine_arguments import build_engine_config
 from k6serve.models.variants import GENERATION, SUPER_RESOLUTION
 from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.worker import ModelWorker

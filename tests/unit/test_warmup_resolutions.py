@@ -15,11 +15,11 @@ import pytest
 
 import k6serve.runtime.worker as worker_module
 from k6serve import DiffGenerator
-from k6serve.api import build_engine_config
 from k6serve.cli.config_file import merged_options
 from k6serve.cli.flags import build_parser, split_options
 from k6serve.cli.main import main
 from k6serve.config import RuntimeConfig, WarmupSize
+from k6serve.engine_arguments import build_engine_config
 from k6serve.request import OutputOptions, SamplingParams
 from k6serve.runtime.engine import Engine, check_before_loading
 from k6serve.runtime.worker import ModelWorker
