@@ -13,6 +13,8 @@ from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeCon
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import SamplingParams, plain_scalars
 
+# Both also tell a misplaced key apart in `generate`'s request (request_arguments.request_options), which imports
+# them from here: an engine option is refused there, a request parameter here.
 _ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
 _REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
 
