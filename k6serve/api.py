@@ -24,13 +24,7 @@ from typing import Any, Unpack
 from k6serve.api_errors import flags_as_keywords, reworded_errors
 from k6serve.config import EngineOptions
 from k6serve.dependencies import MissingPackage, require_package
-from k6serve.engine_arguments import (
-    _ENGINE_SECTIONS,
-    _check_local_mode,
-    _model_path_of,
-    _options_with_server_args,
-    build_engine_config,
-)
+from k6serve.engine_arguments import build_engine_config, check_local_mode, model_path_of, options_with_server_args
 from k6serve.lora.arguments import (
     HTTP_LORA_NAMES,
     LoraArgumentError,
@@ -77,7 +71,6 @@ __all__ = [
     "DiffGenerator",
     "HTTP_LORA_NAMES",
     "LoraArgumentError",
-    "_ENGINE_SECTIONS",
     "build_engine_config",
     "check_output",
     "check_output_folder",
@@ -233,9 +226,9 @@ class DiffGenerator:
         (`model_path` may be one of them), under the keyword arguments (a keyword given in both wins, as SGLang's
         doc ranks them); `local_mode=True`, the only mode, as the workers always run here."""
         with reworded_errors(flags_as_keywords):
-            _check_local_mode(local_mode)
-            options = _options_with_server_args(server_args, kwargs)
-            model_path = _model_path_of(model_path, options)
+            check_local_mode(local_mode)
+            options = options_with_server_args(server_args, kwargs)
+            model_path = model_path_of(model_path, options)
             _warn_without_media_package()
             return cls._load(model_path, options, wording=flags_as_keywords)
 

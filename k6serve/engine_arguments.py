@@ -15,14 +15,14 @@ from k6serve.request import SamplingParams, plain_scalars
 
 # Both also tell a misplaced key apart in `generate`'s request (request_arguments.request_options), which imports
 # them from here: an engine option is refused there, a request parameter here.
-_ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
-_REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
+ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
+REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
 
 
 def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
     """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections. Its errors name
     the flags, as for the CLI and the server, which build their config here too; `DiffGenerator` rewords them."""
-    sections: dict[type, dict[str, Any]] = {cls: {} for cls in _ENGINE_SECTIONS}
+    sections: dict[type, dict[str, Any]] = {cls: {} for cls in ENGINE_SECTIONS}
     # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
     model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
     kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v
@@ -34,7 +34,7 @@ def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
                 sections[cls][key] = value
                 break
         else:
-            if key in _REQUEST_KEYS:
+            if key in REQUEST_KEYS:
                 raise ValueError(f"{key} is a request parameter: pass it to generate(), not to from_pretrained().")
             valid = sorted(k for cls in sections for k in cls.__dataclass_fields__ if k != "model_path")
             # SGLang's names (enable_torch_compile) get what to use instead, not a guess at a look-alike.
@@ -63,7 +63,7 @@ def _torch_name(key: str, value: Any) -> Any:
     return value
 
 
-def _options_with_server_args(server_args: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def options_with_server_args(server_args: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """SGLang's `server_args` dict under the keyword arguments. SGLang's own `ServerArgs` object holds SGLang's whole
     option set, hundreds of options k6serve has no use for, so it is refused, asking for the options that matter."""
     if server_args is None:
@@ -80,7 +80,7 @@ def _options_with_server_args(server_args: Any, kwargs: Mapping[str, Any]) -> di
     return {**server_args, **kwargs}
 
 
-def _model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
+def model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
     """The model path given as the argument or among the options (SGLang's `server_args` holds it), taken out of
     `options`; both, naming different models, is an error rather than a guess."""
     in_options = options.pop("model_path", None)
@@ -95,7 +95,7 @@ def _model_path_of(model_path: Any, options: dict[str, Any]) -> Any:
     return in_options if model_path is None else model_path
 
 
-def _check_local_mode(local_mode: Any) -> None:
+def check_local_mode(local_mode: Any) -> None:
     local_mode = plain_scalars({"local_mode": local_mode})["local_mode"]  # np.True_ is True
     if local_mode is True:
         return

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from k6serve.engine_arguments import _ENGINE_SECTIONS, _REQUEST_KEYS
+from k6serve.engine_arguments import ENGINE_SECTIONS, REQUEST_KEYS
 from k6serve.request import OutputOptions, SamplingParams, fspath_values, plain_scalars
 
 _OUTPUT_KEYS = {"save_output", "output_path", "output_file_name", "return_frames", "return_file_paths_only"}
@@ -138,8 +138,8 @@ def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: 
         # Failed inside difflib's "did you mean" as "'int' object is not iterable".
         raise ValueError(f"generate()'s request keys are parameter names (strings, e.g. 'prompt'), got "
                          f"{not_names[0]!r} ({type(not_names[0]).__name__}).")
-    misplaced = sorted(key for key in options if key not in _REQUEST_KEYS
-                       and any(key in cls.__dataclass_fields__ for cls in _ENGINE_SECTIONS))
+    misplaced = sorted(key for key in options if key not in REQUEST_KEYS
+                       and any(key in cls.__dataclass_fields__ for cls in ENGINE_SECTIONS))
     if misplaced:
         what, it = ("is an engine option", "it") if len(misplaced) == 1 else ("are engine options", "them")
         raise ValueError(f"{', '.join(misplaced)} {what}, fixed when the model loads: pass {it} to "

@@ -212,13 +212,13 @@ def test_engine_options_are_the_options_from_pretrained_takes():
     import torch
 
     from k6serve import DiffGenerator, EngineOptions
-    from k6serve.engine_arguments import _ENGINE_SECTIONS, build_engine_config
+    from k6serve.engine_arguments import ENGINE_SECTIONS, build_engine_config
 
     hints = typing.get_type_hints(DiffGenerator.from_pretrained, localns={"torch": torch})
     assert typing.get_args(hints["kwargs"]) == (EngineOptions,)
     options = typing.get_type_hints(EngineOptions, localns={"torch": torch})
-    fields = {item.name: item for cls in _ENGINE_SECTIONS for item in dataclasses.fields(cls)}
-    field_types = {name: hint for cls in _ENGINE_SECTIONS for name, hint in typing.get_type_hints(cls).items()}
+    fields = {item.name: item for cls in ENGINE_SECTIONS for item in dataclasses.fields(cls)}
+    field_types = {name: hint for cls in ENGINE_SECTIONS for name, hint in typing.get_type_hints(cls).items()}
     del fields["model_path"]
     assert sorted(options) == sorted(fields)
     assert EngineOptions.__required_keys__ == frozenset()
