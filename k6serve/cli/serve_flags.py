@@ -51,7 +51,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int:
     from k6serve.models.checkpoint_files import ignored_revision_note
-    from k6serve.serve.app import serve
+    from k6serve.serve.server_process import serve
 
     note = ignored_revision_note(engine_options["model_path"], engine_options.get("revision"),
                                  engine_options.get("load_format") or "auto")

@@ -1,11 +1,18 @@
-"""The HTTP server's own settings (the engine's live in `k6serve.config`)."""
+"""The HTTP server's own settings (the engine's live in `k6serve.config`), and `settings_from_options`, which
+makes them from the `k6serve serve` options."""
 
 from __future__ import annotations
 
 import math
+import os
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from k6serve.serve.webhooks import WEBHOOK_SECRET_ENV, check_webhook_url
+
+API_KEY_ENV = "K6SERVE_API_KEY"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -185,3 +192,78 @@ def normal_origin(value: str) -> str:
     scheme = parts.scheme.lower()
     keep_port = port is not None and _DEFAULT_PORTS.get(scheme) != port
     return f"{scheme}://{host}{f':{port}' if keep_port else ''}"
+
+
+def settings_from_options(options: dict[str, Any]) -> ServerSettings:
+    """CLI option names (flag names with '_') to ServerSettings; the API key falls back to $K6SERVE_API_KEY."""
+    known = {"host", "port", "output_path", "job_store", "output_ttl", "max_queued_jobs", "max_upload_mb",
+             "allowed_input_dir", "allowed_lora_dir", "allowed_origin", "api_key", "served_model_name", "root_path",
+             "webhook_url", "webhook_secret"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"Unknown server option(s) {unknown}; valid: {sorted(known)}")
+    values: dict[str, Any] = {}
+    for name in ("host", "port", "max_queued_jobs", "max_upload_mb", "served_model_name"):
+        if options.get(name) is not None:
+            values[name] = options[name]
+    for name in ("output_path", "job_store"):
+        # Path("") is ".": an empty --output-path served from the working folder, an empty --job-store failed as
+        # "PosixPath('.') has an empty name".
+        if options.get(name) is not None and not str(options[name]).strip():
+            raise ValueError(f"{_flag_name(name)} is empty; pass a path, or leave it out for the default.")
+    if options.get("output_path") is not None:
+        values["output_path"] = Path(options["output_path"])
+    if options.get("root_path") is not None:
+        values["root_path"] = normal_root_path(str(options["root_path"]))
+    if options.get("job_store") is not None:
+        values["job_store"] = Path(options["job_store"])
+    if options.get("output_ttl") is not None:
+        values["output_ttl_s"] = float(options["output_ttl"])
+    for option in ("allowed_input_dir", "allowed_lora_dir"):
+        if options.get(option):
+            dirs = options[option]
+            values[f"{option}s"] = tuple(_allowed_dir(d, option) for d in ([dirs] if isinstance(dirs, str) else dirs))
+    if options.get("allowed_origin"):
+        origins = options["allowed_origin"]
+        normal = (normal_origin(origin) for origin in ([origins] if isinstance(origins, str) else origins))
+        values["allowed_origins"] = tuple(dict.fromkeys(normal))  # in order, once each
+    if options.get("webhook_url"):
+        urls = options["webhook_url"]
+        # Canonical, so one receiver spelled two ways is one URL, as the job store's kept events name it.
+        values["webhook_urls"] = tuple(dict.fromkeys(check_webhook_url(url) for url in
+                                                     ([urls] if isinstance(urls, str) else urls)))
+    webhook_secret = options.get("webhook_secret")
+    webhook_secret = (os.environ.get(WEBHOOK_SECRET_ENV) or None) if webhook_secret is None else webhook_secret
+    if webhook_secret is not None:
+        values["webhook_secret"] = webhook_secret
+    # An explicit empty --api-key is refused by ServerSettings (it ran with no key at all); an empty
+    # $K6SERVE_API_KEY is as if unset.
+    api_key = options.get("api_key")
+    from_environment = api_key is None and bool(os.environ.get(API_KEY_ENV))
+    api_key = (os.environ.get(API_KEY_ENV) or None) if api_key is None else api_key
+    if api_key is not None:
+        values["api_key"] = api_key
+    try:
+        return ServerSettings(**values)
+    except ValueError as exc:
+        if from_environment and "--api-key" in str(exc):
+            # The key came from the environment: the message named a flag the user never typed.
+            raise ValueError(str(exc).replace("--api-key", f"${API_KEY_ENV} (the --api-key default)", 1)) from None
+        raise
+
+
+def _flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _allowed_dir(value: str, option: str) -> Path:
+    """An --allowed-input-dir / --allowed-lora-dir: "" is Path("."), which let requests read any file under the
+    working folder; a file allowed nothing."""
+    flag, example = _flag_name(option), "./inputs" if option == "allowed_input_dir" else "./loras"
+    if not str(value).strip():
+        raise ValueError(f"{flag} is empty; pass a folder (e.g. {flag} {example}).")
+    folder = Path(value).expanduser()  # a --config file's "~/loras" is not expanded by a shell
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {str(folder)!r} is a file, not a folder; pass the folder that holds the "
+                         f"{'input files' if option == 'allowed_input_dir' else 'adapters'}.")
+    return folder

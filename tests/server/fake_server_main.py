@@ -3,8 +3,9 @@
     python fake_server_main.py ROOT PORT_FILE [--release-holds] [--through-serve [--load-until FILE [--load-fails]]]
                                [--start-on-stdin]
 
---through-serve runs `k6serve.serve.app.serve`, the `k6serve serve` entry point, with only the model replaced by the
-fake worker: its uvicorn server, signal handling and shutdown are the real ones (for the SIGTERM tests).
+--through-serve runs `k6serve.serve.server_process.serve`, the `k6serve serve` entry point, with only the model
+replaced by the fake worker: its uvicorn server, signal handling and shutdown are the real ones (for the SIGTERM
+tests).
 --load-until FILE makes that model's load last until FILE exists (at most 60 s), and --load-fails makes the load
 then fail (RuntimeError "the fake checkpoint is broken"), for the tests of what the server answers while it loads.
 --start-on-stdin imports everything, then waits for a line on stdin before it opens the job store and serves (a test
@@ -28,7 +29,7 @@ def serve_with_fake_worker(root: Path, port_file: Path, *, load_until: Path | No
                            load_fails: bool = False) -> None:
     from k6serve.models.variants import VARIANTS
     from k6serve.runtime.engine import Engine
-    from k6serve.serve import app as app_module
+    from k6serve.serve import server_process
 
     worker = FakeWorker(VARIANTS["pro-distill"])
 
@@ -40,19 +41,19 @@ def serve_with_fake_worker(root: Path, port_file: Path, *, load_until: Path | No
             raise RuntimeError("the fake checkpoint is broken")
         return Engine(config, worker=worker)
 
-    app_module.Engine = load
-    bind = app_module.listening_socket
+    server_process.Engine = load
+    bind = server_process.listening_socket
 
     def bind_a_free_port(host: str, port: int):
         sock = bind(host, 0)  # listening from here on: a client that connects now waits in the backlog
         port_file.write_text(f"http://{host}:{sock.getsockname()[1]}")
         return sock
 
-    app_module.listening_socket = bind_a_free_port
+    server_process.listening_socket = bind_a_free_port
     # Far longer than the SIGTERM tests' bound on the exit, so "ended at once" is told from "after uvicorn's graceful
     # wait" with room on a busy machine (the real 10 s left 2 s).
-    app_module.GRACEFUL_SHUTDOWN_S = 60.0
-    app_module.serve({"model_path": "fake-k6-model"}, {"output_path": str(root / "outputs")})
+    server_process.GRACEFUL_SHUTDOWN_S = 60.0
+    server_process.serve({"model_path": "fake-k6-model"}, {"output_path": str(root / "outputs")})
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from harness import start_server
 
-from k6serve.serve.app import CORS_EXPOSED, settings_from_options
+from k6serve.serve.app import CORS_EXPOSED
+from k6serve.serve.settings import settings_from_options
 from k6serve.serve.settings import ServerSettings, normal_origin
 
 PAGE = "http://localhost:5173"
@@ -175,7 +176,7 @@ def test_a_refusal_reads_the_body_before_it_answers(refusal, expect):
     # "100 Continue", which has sent none (reading would ask it for the body).
     import asyncio
 
-    from k6serve.serve.app import BearerAuth, RefuseOtherSites
+    from k6serve.serve.middleware import BearerAuth, RefuseOtherSites
 
     events: list[str] = []
     chunks = [b'{"prompt": ', b'"x"}']

@@ -282,26 +282,26 @@ def test_cache_dit_through_the_worker_process(generation_server):
 
 
 def test_a_port_in_use_or_a_bad_host_fails_before_the_model_loads(tmp_path, monkeypatch):
-    from k6serve.serve import app as app_module
+    from k6serve.serve import server_process
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is already in use; pass another --port"):
-            app_module.listening_socket("127.0.0.1", port)
+            server_process.listening_socket("127.0.0.1", port)
         # Through the CLI: exit 2 with the fix, and no Engine (the model load) was ever built.
-        monkeypatch.setattr(app_module, "Engine", lambda config: pytest.fail("the model loaded"))
+        monkeypatch.setattr(server_process, "Engine", lambda config: pytest.fail("the model loaded"))
         from k6serve.cli.main import main
 
         code = main(["serve", "--model-path", "demo", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
                      "--output-path", str(tmp_path / "out")])
         assert code == 2
     with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
-        app_module.listening_socket("no-such-host.invalid", 0)
+        server_process.listening_socket("no-such-host.invalid", 0)
     with pytest.raises(ValueError, match="cannot listen on 192.0.2.1:0 .*pass an address of this machine"):
-        app_module.listening_socket("192.0.2.1", 0)  # TEST-NET-1: never this machine's
-    sock = app_module.listening_socket("127.0.0.1", 0)  # the one uvicorn then serves on
+        server_process.listening_socket("192.0.2.1", 0)  # TEST-NET-1: never this machine's
+    sock = server_process.listening_socket("127.0.0.1", 0)  # the one uvicorn then serves on
     try:
         assert sock.getsockname()[1] > 0
     finally:

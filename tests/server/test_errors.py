@@ -783,7 +783,7 @@ def test_api_key_is_required_everywhere_but_health(tmp_path, monkeypatch):
             _still_serves(authorised)
     finally:
         server.stop()
-    from k6serve.serve.app import settings_from_options
+    from k6serve.serve.settings import settings_from_options
 
     monkeypatch.setenv("K6SERVE_API_KEY", "from-env")
     assert settings_from_options({}).api_key == "from-env"

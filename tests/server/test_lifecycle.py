@@ -652,7 +652,7 @@ def test_store_transitions_are_compare_and_set(tmp_path):
 def test_serve_cli_flags_become_settings(monkeypatch):
     from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.serve.app import settings_from_options
+    from k6serve.serve.settings import settings_from_options
 
     monkeypatch.delenv("K6SERVE_API_KEY", raising=False)
     parser = build_parser()
@@ -791,7 +791,7 @@ def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
 
     import uvicorn
 
-    from k6serve.serve.app import uvicorn_server
+    from k6serve.serve.server_process import uvicorn_server
 
     calls: list[str] = []
     called = threading.Event()
@@ -810,31 +810,31 @@ def test_a_signal_stops_the_runner_at_once_not_after_the_graceful_wait():
 def test_a_second_server_on_the_same_output_folder_refuses_to_start_whatever_its_job_store(tmp_path, monkeypatch):
     """Two servers on one --output-path with their own --job-store: the second one's start-up sweep of partial files
     would delete the first one's MP4 being written. It is refused before its model loads."""
-    from k6serve.serve import app as app_module
+    from k6serve.serve import server_process
     from k6serve.serve.jobs import hold_exclusively
 
     def no_load(config):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(app_module, "Engine", no_load)
-    bind = app_module.listening_socket
-    monkeypatch.setattr(app_module, "listening_socket", lambda host, port: bind(host, 0))  # any free port
+    monkeypatch.setattr(server_process, "Engine", no_load)
+    bind = server_process.listening_socket
+    monkeypatch.setattr(server_process, "listening_socket", lambda host, port: bind(host, 0))  # any free port
     outputs = tmp_path / "outputs"
     outputs.mkdir()
-    first = hold_exclusively(outputs / app_module.SERVER_LOCK_NAME, "held {holder}")  # the running server's
+    first = hold_exclusively(outputs / server_process.SERVER_LOCK_NAME, "held {holder}")  # the running server's
     try:
         with pytest.raises(ValueError, match=rf"the output folder '.*outputs' is in use by another k6serve server "
                                              rf"\(process {os.getpid()}\); stop that one, or give this one its own "
                                              r"--output-path\.$"):
-            app_module.serve({"model_path": "demo"}, {"output_path": str(outputs),
+            server_process.serve({"model_path": "demo"}, {"output_path": str(outputs),
                                                       "job_store": str(tmp_path / "other.sqlite3")})
     finally:
         first.close()
     # Free again: the next server takes the folder (and gets as far as the model, which this test refuses).
     with pytest.raises(AssertionError, match="the model was loaded"):
-        app_module.serve({"model_path": "demo"}, {"output_path": str(outputs),
+        server_process.serve({"model_path": "demo"}, {"output_path": str(outputs),
                                                   "job_store": str(tmp_path / "other.sqlite3")})
-    hold_exclusively(outputs / app_module.SERVER_LOCK_NAME, "still held {holder}").close()  # and it let go
+    hold_exclusively(outputs / server_process.SERVER_LOCK_NAME, "still held {holder}").close()  # and it let go
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -865,10 +865,10 @@ def test_a_second_server_on_the_same_output_folder_refuses_to_start_whatever_its
 ])
 def test_bad_server_flags_exit_2_before_the_model_loads(tmp_path, monkeypatch, capsys, flags, message):
     from k6serve.cli.main import main
-    from k6serve.serve import app as app_module
+    from k6serve.serve import server_process
 
     monkeypatch.delenv("K6SERVE_API_KEY", raising=False)
-    monkeypatch.setattr(app_module, "Engine", lambda config: pytest.fail("the model loaded"))
+    monkeypatch.setattr(server_process, "Engine", lambda config: pytest.fail("the model loaded"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("")
     flags = [flag.replace("FILE", str(tmp_path / "afile")).replace("DIR", str(tmp_path)) for flag in flags]
@@ -879,7 +879,7 @@ def test_bad_server_flags_exit_2_before_the_model_loads(tmp_path, monkeypatch, c
 
 
 def test_an_empty_api_key_variable_is_unset_but_an_empty_flag_is_refused(monkeypatch):
-    from k6serve.serve.app import settings_from_options
+    from k6serve.serve.settings import settings_from_options
 
     monkeypatch.setenv("K6SERVE_API_KEY", "")
     assert settings_from_options({}).api_key is None
@@ -972,7 +972,7 @@ def test_a_job_put_back_in_the_queue_at_the_shutdown_stays_queued_whatever_ends_
 
 
 def test_the_start_line_url_and_the_open_server_warning():
-    from k6serve.serve.app import open_server_warning, server_url
+    from k6serve.serve.server_process import open_server_warning, server_url
 
     assert server_url("::", 30000) == "http://[::]:30000" and server_url("0.0.0.0", 8) == "http://0.0.0.0:8"
     assert server_url("fe80::1%eth0", 5) == "http://[fe80::1%eth0]:5"
@@ -1018,7 +1018,7 @@ def test_a_root_path_serves_behind_a_proxy_that_keeps_or_strips_the_prefix(tmp_p
 @pytest.mark.parametrize(("given", "kept"), [("/k6", "/k6"), ("/k6/", "/k6"), ("k6", "/k6"), ("/a/b", "/a/b"),
                                              ("/", ""), ("", "")])
 def test_root_path_values(given, kept):
-    from k6serve.serve.app import settings_from_options
+    from k6serve.serve.settings import settings_from_options
 
     assert settings_from_options({"root_path": given}).root_path == kept
 
@@ -1046,7 +1046,7 @@ def test_root_paths_may_not_start_with_any_route_of_the_server(tmp_path):
     ("/%41", "--root-path must be a URL path prefix such as /k6"),
 ])
 def test_bad_root_paths_are_refused(given, message):
-    from k6serve.serve.app import settings_from_options
+    from k6serve.serve.settings import settings_from_options
 
     with pytest.raises(ValueError, match=re.escape(message)):
         settings_from_options({"root_path": given})
@@ -1090,7 +1090,7 @@ def test_a_silent_running_job_shows_in_health_and_metrics(tmp_path):
 def test_successful_probes_are_left_out_of_the_access_log(tmp_path):
     # A supervisor's probe every few seconds buried the job lines; --log-level warning, the only way to quiet it,
     # dropped the jobs' own lines too.
-    from k6serve.serve.app import quiet_probe_access_lines
+    from k6serve.serve.server_process import quiet_probe_access_lines
 
     server = start_server(tmp_path, root_path="/k6", api_key="key")
     access = logging.getLogger("uvicorn.access")

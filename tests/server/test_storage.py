@@ -116,7 +116,7 @@ def test_a_full_disk_neither_fails_the_running_job_nor_stops_the_queue(fake_serv
 
 def test_an_output_folder_the_server_cannot_write_stops_it_before_the_model_loads(tmp_path, monkeypatch):
     # It started, answered every upload with a 500, and failed every job at its MP4 write, after the whole run.
-    from k6serve.serve import app as app_module
+    from k6serve.serve import server_process
 
     def read_only(**kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -125,10 +125,10 @@ def test_an_output_folder_the_server_cannot_write_stops_it_before_the_model_load
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
-    monkeypatch.setattr(app_module, "Engine", load_model)
+    monkeypatch.setattr(server_process, "Engine", load_model)
     with pytest.raises(ValueError, match=r"cannot write to '.*outputs' \(Read-only file system\); pass a writable "
                                          r"folder with --output-path"):
-        app_module.serve({"model_path": "fake-k6-model"},
+        server_process.serve({"model_path": "fake-k6-model"},
                          {"output_path": str(tmp_path / "outputs"), "host": "127.0.0.1", "port": _free_port()})
 
 

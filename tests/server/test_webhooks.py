@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from harness import start_server, wait_for
 
-from k6serve.serve.app import settings_from_options
+from k6serve.serve.settings import settings_from_options
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, SqliteJobStore
 from k6serve.serve.webhooks import (RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays,
                                     check_webhook_url)

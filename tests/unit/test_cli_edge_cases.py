@@ -477,10 +477,10 @@ def test_cli_config_file_problems_exit_2_with_the_fix(tmp_path, capsys, name, te
     ],
 )
 def test_cli_serve_config_values_of_the_wrong_shape_exit_2(tmp_path, capsys, monkeypatch, text, message):
-    from k6serve.serve import app as app_module
+    from k6serve.serve import server_process
 
-    monkeypatch.setattr(app_module, "Engine", lambda config: pytest.fail("the model loaded"))
-    monkeypatch.setattr(app_module, "listening_socket", lambda host, port: pytest.fail("the port was bound"))
+    monkeypatch.setattr(server_process, "Engine", lambda config: pytest.fail("the model loaded"))
+    monkeypatch.setattr(server_process, "listening_socket", lambda host, port: pytest.fail("the port was bound"))
     monkeypatch.chdir(tmp_path)
     path = _config(tmp_path, "s.yaml", text)
     assert main(["serve", "--config", path, "--model-path", "demo", "--device", "cpu"]) == 2
@@ -1205,9 +1205,9 @@ def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_c
 
 
 def test_cli_serve_warns_about_an_ignored_revision_before_loading(monkeypatch, caplog):
-    import k6serve.serve.app as app
+    from k6serve.serve import server_process
 
-    monkeypatch.setattr(app, "serve", lambda engine_options, server_options: 0)  # no model load, no server
+    monkeypatch.setattr(server_process, "serve", lambda engine_options, server_options: 0)  # no model load, no server
     with caplog.at_level("WARNING", logger="k6serve.cli.serve_flags"):
         assert main(["serve", "--model-path", "demo", "--revision", "v1"]) == 0
     assert "revision 'v1' is ignored: it only picks the revision a hub id downloads, and 'demo'" in caplog.text

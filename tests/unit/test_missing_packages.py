@@ -53,11 +53,11 @@ def test_generate_without_pyav_is_refused_before_the_load(declared, monkeypatch,
 
 
 def test_serve_without_uvicorn_is_refused_before_the_load(declared, monkeypatch, tmp_path, capsys):
-    import k6serve.serve.app as app_module
+    from k6serve.serve import server_process
 
     monkeypatch.chdir(tmp_path)  # the job store's default folder
     monkeypatch.setitem(sys.modules, "uvicorn", None)
-    monkeypatch.setattr(app_module, "Engine", _no_load)
+    monkeypatch.setattr(server_process, "Engine", _no_load)
     with socket.socket() as probe:  # a free port, so that only the missing package can stop the start
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
