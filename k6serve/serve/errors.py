@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from k6serve.request import error_type_name
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -204,3 +206,14 @@ def _allowed_methods(request: Request) -> list[str]:
 
 
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def client_words(error: BaseException) -> str:
+    """An unexpected failure as the client reads it: its type and first lines, without the worker's traceback that
+    a rank's error carries as text (4,800 characters with the server's file paths), which the log keeps."""
+    text = str(error).split("\nTraceback (most recent call last)")[0].strip()
+    text = text if len(text) <= _CLIENT_MESSAGE_CHARS else text[:_CLIENT_MESSAGE_CHARS - 3] + "..."
+    return f"{error_type_name(error)}: {text}" if text else error_type_name(error)
+
+
+_CLIENT_MESSAGE_CHARS = 500

@@ -24,8 +24,8 @@ from k6serve.lora.arguments import (
 )
 from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import SUPER_RESOLUTION
-from k6serve.serve.errors import ApiError
-from k6serve.serve.runner import ServerShuttingDown, client_words
+from k6serve.serve.errors import ApiError, client_words
+from k6serve.serve.runner_refusals import ServerShuttingDown
 from k6serve.serve.schemas import (
     CONTROL_ERROR_RESPONSES,
     LoraList,

@@ -24,20 +24,14 @@ a release waits only for the running jobs. From then until a resume the dispatch
 
 from __future__ import annotations
 
-import errno
 import itertools
-import json
 import logging
-import os
-import shlex
 import threading
 import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from k6serve.dependencies import describe_missing_package, missing_package
 from k6serve.lora.spec import (
     ListLoras,
     LoraOperation,
@@ -47,34 +41,19 @@ from k6serve.lora.spec import (
     quantized_lora_refusal,
     start_set_lora,
 )
-from k6serve.request import SamplingParams, VideoResult, error_type_name
+from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
-from k6serve.runtime.out_of_memory import (WorkerKilled, is_host_out_of_memory, is_out_of_memory,
-                                           out_of_memory_detail, server_side_fixes)
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
-from k6serve.serve.errors import disk_full, write_refused
-from k6serve.serve.jobs import (CANCELLED_AT_SHUTDOWN, STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text,
-                                size_text)
-from k6serve.serve.lora_state import Adapters, LoraState
-from k6serve.serve.metrics import ServerMetrics, stage_seconds
-from k6serve.serve.webhooks import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
+from k6serve.serve.job_outcomes import CANCEL_IN_DECODE, CANCELLED_AFTER_DECODE, OUTPUT_NOT_WRITABLE, JobOutcomes
+from k6serve.serve.jobs import CANCELLED_AT_SHUTDOWN, STORE_WRITE_ERRORS, Job, JobStatus, JobStore
+from k6serve.serve.lora_state import LoraState
+from k6serve.serve.metrics import ServerMetrics
+from k6serve.serve.runner_refusals import (LorasMerged, LorasNotLoaded, LorasQuantized, QueueFull, ServerShuttingDown,
+                                           merged_message, not_loaded_message)
+from k6serve.serve.webhooks import VIDEO_FAILED, WebhookSender
 
 logger = logging.getLogger(__name__)
-
-CANCEL_IN_DECODE = (
-    "A cancel was requested after the last denoising step, during the video decode: the engine stops at the next "
-    "decoded chunk. If the decode had already ended, the job stays in_progress while its MP4 is finished, which "
-    "cannot stop midway, then it is cancelled and its video discarded."
-)
-CANCELLED_IN_DECODE = (
-    "Cancelled by the client during the video decode; the engine stopped between two decoded chunks and kept no video."
-)
-CANCELLED_AFTER_DECODE = (
-    "Cancelled by the client after the video decode, while the MP4 was being finished, which cannot stop midway; the "
-    "engine finished it and the video was discarded."
-)
-CANCELLED_AT_STEP = "Cancelled by the client while running; the engine stopped at a step boundary."
 
 # How often a job store write that failed (a full disk) is tried again by the dispatcher and the finishers.
 STORE_RETRY_S = 1.0
@@ -85,43 +64,9 @@ DIED_TWICE = (
 )
 
 
-class ServerShuttingDown(RuntimeError):
-    """A LoRA or memory operation refused (or dropped while it waited) because the server is stopping: answered 503,
-    not as a failed operation, since nothing was tried and another server (or this one restarted) can take it."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(f"The server is shutting down; the {what} did not run. Retry once it is back.")
-
-
-class LorasNotLoaded(ValueError):
-    """A new job's `loras` names adapters the worker will not hold when it runs (see `JobRunner._check_loras`)."""
-
-    code = "lora_not_loaded"
-
-
-class LorasMerged(ValueError):
-    """A new job has its own `loras` ({} included) but the server's adapters will be merged when it runs, which the
-    worker refuses (`LoraManager.check_request`; see `JobRunner._check_loras`)."""
-
-    code = "lora_merged"
-
-
-class LorasQuantized(ValueError):
-    """A new job has its own `loras` ({} included) but the server's DiT is quantized (`--quantization fp8`), which
-    takes no adapters (`ModelWorker._lora_manager`)."""
-
-    code = "lora_quantized"
-
-
 def _quantization(engine: Any) -> str:
     """The engine's --quantization ("none" for an engine without a config, e.g. a test's)."""
     return getattr(getattr(getattr(engine, "config", None), "model", None), "quantization", "none")
-
-
-class QueueFull(Exception):
-    def __init__(self, queued: int) -> None:
-        super().__init__(queued)
-        self.queued = queued
 
 
 @dataclass(eq=False)
@@ -131,23 +76,6 @@ class PendingLora:
     operation: LoraOperation
     after: frozenset[str]
     future: Future = field(default_factory=Future)
-
-
-OUTPUT_NOT_WRITABLE = ("The server could not write this job's video: its output folder (--output-path) was "
-                       "removed, made read-only, or its permissions changed, after the server started, so the video "
-                       "was not kept; submit the job again (a removed folder is created again for it; one made "
-                       "unwritable must first be made writable again by the server's operator).")
-
-
-def client_words(error: BaseException) -> str:
-    """An unexpected failure as the client reads it: its type and first lines, without the worker's traceback that
-    a rank's error carries as text (4,800 characters with the server's file paths), which the log keeps."""
-    text = str(error).split("\nTraceback (most recent call last)")[0].strip()
-    text = text if len(text) <= _CLIENT_MESSAGE_CHARS else text[:_CLIENT_MESSAGE_CHARS - 3] + "..."
-    return f"{error_type_name(error)}: {text}" if text else error_type_name(error)
-
-
-_CLIENT_MESSAGE_CHARS = 500
 
 
 class JobRunner:
@@ -171,22 +99,28 @@ class JobRunner:
         self._in_decode: set[str] = set()  # running jobs whose engine reported their last step again: a decode chunk
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._recent_durations: list[float] = []
         # Job id -> time.monotonic() at its creation here, for the latency metric; dropped when the job ends.
         self._created_monotonic: dict[str, float] = {}
         self._pending_loras: list[PendingLora] = []
-        self.webhooks: WebhookSender | None = None  # --webhook-url: told of each completed or failed job
         self._applying_lora: PendingLora | None = None  # taken from `_pending_loras`, not finished yet
         self._lora_state: LoraState | None = None
         # Nicknames a SetLora loaded on some dp replicas only (`ReplicasDisagree`): whether a job finds them depends
         # on its replica, so they are not refused at creation.
         self._loaded_somewhere: set[str] = set()
         self._num_releasing = 0  # releases sent to the engine and not finished: the queue is held already
+        # Records each job's end (the store with its webhook event, the metrics, the log), with this runner's
+        # creation times and decoding jobs.
+        self.outcomes = JobOutcomes(engine, store, artifacts, metrics, created_monotonic=self._created_monotonic,
+                                    in_decode=self._in_decode)
 
-    def _memory_fixes(self) -> str:
-        runtime = getattr(getattr(self.engine, "config", None), "runtime", None)
-        return server_side_fixes(getattr(runtime, "performance_mode", "speed"),
-                                 offloaded=bool(getattr(runtime, "offloads", False)))
+    @property
+    def webhooks(self) -> WebhookSender | None:
+        """--webhook-url's sender, told of each completed or failed job (by the outcomes, which queue its events)."""
+        return self.outcomes.webhooks
+
+    @webhooks.setter
+    def webhooks(self, sender: WebhookSender | None) -> None:
+        self.outcomes.webhooks = sender
 
     def _restore_loras(self) -> None:
         """Rebuild the adapters recorded before a restart, before any job runs: the jobs still queued were created
@@ -246,8 +180,9 @@ class JobRunner:
         for job in died_twice:
             # Failed here, not by the store's recovery, so that its video.failed (its client waits on it as for any
             # failure) is kept in the same transaction, with the same fallback on a full disk.
-            failed = self._end(job.id, (JobStatus.IN_PROGRESS,), VIDEO_FAILED, status=JobStatus.FAILED,
-                               error_code="server_restarted", error_message=DIED_TWICE, completed_at=time.time())
+            failed = self.outcomes.end(job.id, (JobStatus.IN_PROGRESS,), VIDEO_FAILED, status=JobStatus.FAILED,
+                                       error_code="server_restarted", error_message=DIED_TWICE,
+                                       completed_at=time.time())
             if failed is not None:
                 logger.error("job %s failed: the server stopped twice while running it", job.id)
                 self.artifacts.remove(list(failed.upload_files))
@@ -355,9 +290,9 @@ class JobRunner:
         found = then.loaded | self._loaded_somewhere
         unknown = [nickname for nickname in requested if nickname not in found]
         if unknown:
-            raise LorasNotLoaded(_not_loaded_message(unknown, now.loaded, then.loaded - now.loaded))
+            raise LorasNotLoaded(not_loaded_message(unknown, now.loaded, then.loaded - now.loaded))
         if then.mode == "merge":
-            raise LorasMerged(_merged_message(requested, then, merged_now=then == now))
+            raise LorasMerged(merged_message(requested, then, merged_now=then == now))
 
     def submit_lora(self, operation: LoraOperation) -> Future:
         """Queue a LoRA operation behind the jobs queued or running now; the future holds the worker's dict."""
@@ -401,7 +336,7 @@ class JobRunner:
 
     def retry_after_s(self) -> int:
         """A hint for 429 answers: about one job's time over the replicas that run jobs at once, at least 1 s."""
-        recent = self._recent_durations[-10:]
+        recent = self.outcomes.recent_durations[-10:]
         return max(1, round(sum(recent) / len(recent) / self._capacity)) if recent else 5
 
     def poll_after_ms(self) -> int:
@@ -409,7 +344,7 @@ class JobRunner:
         the OpenAI SDK's own default, before any finished). The SDK's `poll` / `create_and_poll` read it at the first
         poll and keep it, so a job is seen finished within about 5% of its time, without a poll a second through
         a ten-minute job."""
-        recent = self._recent_durations[-10:]
+        recent = self.outcomes.recent_durations[-10:]
         if not recent:
             return 1000
         return min(10_000, max(500, round(sum(recent) / len(recent) * 1000 / 20)))
@@ -474,8 +409,8 @@ class JobRunner:
                     # on the GPU (minutes), so it fails now and the next one is looked at.
                     logger.warning("job %s failed before it ran: the output folder %s is not writable", job.id,
                                    folder)
-                    self._record(started, JobStatus.FAILED, error_code="output_not_writable",
-                                 error_message=OUTPUT_NOT_WRITABLE, logged=True)
+                    self.outcomes.record(started, JobStatus.FAILED, error_code="output_not_writable",
+                                         error_message=OUTPUT_NOT_WRITABLE, logged=True)
                     continue
                 logger.info("job %s started%s", job.id,
                             f" (attempt {started.attempts})" if started.attempts > 1 else "")
@@ -485,8 +420,8 @@ class JobRunner:
                 # re-queued): no client chooses that name (`output_file_name`). The worker never replaces a file, so
                 # clear it before the re-run.
                 self.artifacts.remove([self.artifacts.output_path(output_file_name(job.id))])
-                # The runner logs each job's end once (`_record`); the engine's own log of a failure would repeat
-                # it with a traceback.
+                # The runner logs each job's end once (`JobOutcomes.record`); the engine's own log of a failure would
+                # repeat it with a traceback.
                 engine_job = self.engine.submit(params, self.artifacts.output_options(job.id),
                                                 on_progress=self._progress_callback(job.id), job_id=job.id,
                                                 log_failure=False)
@@ -641,223 +576,20 @@ class JobRunner:
                 if not isinstance(exc, (RequestCancelled, CancelledError)):
                     # The client's cancel was accepted, then the shutdown ended the ranks inside a step: it ends as
                     # the next start would end it, not failed (generation_failed, a traceback, video.failed).
-                    self._record(job, JobStatus.CANCELLED, error_code="cancelled",
-                                 error_message=CANCELLED_AT_SHUTDOWN)
+                    self.outcomes.record(job, JobStatus.CANCELLED, error_code="cancelled",
+                                         error_message=CANCELLED_AT_SHUTDOWN)
                     return
-            self._record_failure(job, exc)
+            self.outcomes.record_failure(job, exc)
         else:
             with self._lock:  # so a cancel cannot land between this check and the job becoming completed
                 if self._cancel_requested(job.id):
                     # The cancel came after the decode's last chunk: only the MP4's tail was left; it ran to the end.
                     self.artifacts.remove([result.output_file_path] if result.output_file_path else [])
-                    self._record(job, JobStatus.CANCELLED, error_code="cancelled",
-                                 error_message=CANCELLED_AFTER_DECODE)
+                    self.outcomes.record(job, JobStatus.CANCELLED, error_code="cancelled",
+                                         error_message=CANCELLED_AFTER_DECODE)
                 else:
-                    self._record_success(job, result)
-
-    def _record_failure(self, job: Job, error: BaseException) -> None:
-        """End `job` by the engine's `error`: cancelled, failed on its input, or failed for a reason the client is
-        told in words (memory, disk, a dead worker, a missing package), else with the exception's text."""
-        try:
-            raise error
-        except (RequestCancelled, CancelledError):
-            message = CANCELLED_IN_DECODE if job.id in self._in_decode else CANCELLED_AT_STEP
-            self._record(job, JobStatus.CANCELLED, error_code="cancelled", error_message=message)
-        except ValueError as exc:
-            self._record(job, JobStatus.FAILED, error_code="invalid_request", error_message=str(exc))
-        except Exception as exc:  # noqa: BLE001 - any engine failure belongs to this job only
-            if is_out_of_memory(exc):
-                # The request was too big for this server's GPU (or host), not broken: say so and what a retry can
-                # change; the operator's log gets what the server's flags can change.
-                host = is_host_out_of_memory(exc)
-                where = "server's host" if host else "GPU"
-                logger.warning("job %s ran out of %s memory; for such requests, %s", job.id,
-                               "host" if host else "GPU",
-                               "free host memory or run on a machine with more" if host else self._memory_fixes())
-                self._record(job, JobStatus.FAILED, error_code="out_of_memory",
-                             error_message=f"The {where} ran out of memory for this request "
-                                           f"({out_of_memory_detail(exc)}); retry with a smaller size or fewer "
-                                           "seconds.", logged=True)
-            elif disk_full(exc):
-                # The machine's state, not the request's: say so, without the server's own file paths.
-                self._record(job, JobStatus.FAILED, error_code="insufficient_storage",
-                             error_message="The server's disk was full when this job's video was written, so it was "
-                                           "not kept; submit the job again once space is free (deleting finished "
-                                           "jobs frees their videos).")
-            elif self._output_write_refused(exc):
-                logger.warning("job %s failed: its video could not be written (%s)", job.id, exc)
-                self._record(job, JobStatus.FAILED, error_code="output_not_writable",
-                             error_message=OUTPUT_NOT_WRITABLE, logged=True)
-            elif isinstance(exc, WorkerKilled):
-                # The machine failed the run (the out-of-memory killer, a crash in native code): the client is
-                # told that and that a retry may run; the operator's log gets the ranks, exit codes and host fixes.
-                logger.error("job %s failed: %s", job.id, exc)
-                self._record(job, JobStatus.FAILED, error_code="worker_died",
-                             error_message="The server's worker process running this job was killed (the host ran "
-                                           "out of memory, or a crash; the server's log says which) and the job did "
-                                           "not finish. Submit it again: it runs on a replica still serving, or is "
-                                           "refused with engine_unavailable if none is left.", logged=True)
-            elif missing_package(exc):
-                # The server's environment, not the request: the client is told which package, the operator's log
-                # also gets the pip command for the server's interpreter (a path the client need not see).
-                logger.error("job %s failed: %s", job.id, describe_missing_package(exc.name))
-                top = exc.name.partition(".")[0]
-                self._record(job, JobStatus.FAILED, error_code="generation_failed",
-                             error_message=f"The server cannot run this job: the Python package that provides "
-                                           f"{top!r} is not installed in its environment. The server's operator "
-                                           "must install it (the server's log has the pip command); then submit "
-                                           "the job again.", logged=True)
-            else:
-                # Unexpected: the one failure logged with its traceback.
-                logger.error("job %s failed", job.id, exc_info=exc)
-                self._record(job, JobStatus.FAILED, error_code="generation_failed",
-                             error_message=client_words(exc), logged=True)
-
-    def _output_write_refused(self, exc: BaseException) -> bool:
-        """The engine's error is a write into the output folder refused by permissions or a read-only mount, or
-        failed because the folder was removed (the MP4; an input the worker could not read is not this)."""
-        filename = getattr(exc, "filename", None)
-        # ENOENT: the folder itself was removed (the MP4 writer's FileNotFoundError; this was a ValueError answered
-        # as the client's invalid_request, with the server's path).
-        removed = isinstance(exc, OSError) and exc.errno == errno.ENOENT
-        if not (write_refused(exc) or removed) or filename is None:
-            return False
-        return Path(os.fsdecode(filename)).parent == self.artifacts.root
+                    self.outcomes.record_success(job, result)
 
     def _cancel_requested(self, job_id: str) -> bool:
         job = self.store.get(job_id)
         return job is not None and job.cancel_requested_at is not None
-
-    def _record(self, job: Job, status: JobStatus, *, logged: bool = False, **fields) -> None:
-        """End `job` as `status` (failed or cancelled) with `fields`; one log line says so, unless the caller
-        `logged` its own (with what only the operator should read: pip commands, host fixes, a traceback). A job
-        that failed on the client's input was in no log before (the engine leaves ValueErrors to the caller)."""
-        self._created_monotonic.pop(job.id, None)
-        if fields.get("error_message") and job.upload_files:
-            fields["error_message"] = without_upload_paths(fields["error_message"], job.upload_files)
-        finished = self._end(job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED),
-                             VIDEO_FAILED if status == JobStatus.FAILED else None, status=status,
-                             completed_at=time.time(), **fields)
-        if finished is not None:
-            if not logged:
-                level = logging.INFO if status == JobStatus.CANCELLED else logging.WARNING
-                logger.log(level, "job %s %s (%s): %s", job.id, status.value, fields.get("error_code"),
-                           fields.get("error_message"))
-            self.metrics.finished(status)
-            self.artifacts.remove(list(finished.upload_files))
-
-    def _record_success(self, job: Job, result: VideoResult) -> None:
-        created = self._created_monotonic.pop(job.id, None)
-        if result.output_file_path is None:
-            self._record(job, JobStatus.FAILED, error_code="no_output", error_message="The engine wrote no file.")
-            return
-        completed_at = time.time()
-        inference_s = result.timings.get("total", completed_at - (job.started_at or completed_at))
-        notes = [n for n in result.notes if n not in job.warnings]
-        if result.timings.get("warmup") is not None:
-            # The job that paid for a --warmup-mode request warm-up says so: its inference_time_s leaves it out, and
-            # nothing else reported its cost over HTTP.
-            notes.append(f"this job ran the server's warm-up first (--warmup-mode request): "
-                         f"{result.timings['warmup']:.2f} s before its own run, not in inference_time_s")
-        finished = self._end(
-            job.id, (JobStatus.IN_PROGRESS, JobStatus.QUEUED), VIDEO_COMPLETED, status=JobStatus.COMPLETED,
-            progress=100, completed_at=completed_at,
-            output_file=self.artifacts.output_path(result.output_file_path).name,
-            inference_time_s=round(inference_s, 4), peak_memory_mb=round(result.peak_memory_mb, 1),
-            size=size_text(result.height, result.width), seconds=seconds_text(result.num_frames, result.fps),
-            warnings=job.warnings + tuple(notes), expanded_prompt=result.expanded_prompt,
-            stage_seconds=stage_seconds(result.timings),
-            sample_aspect_ratio=None if result.sample_aspect_ratio is None else
-            f"{result.sample_aspect_ratio.numerator}:{result.sample_aspect_ratio.denominator}",
-        )
-        if finished is None:
-            # Deleted while running: nobody owns the file any more.
-            self.artifacts.remove([result.output_file_path])
-            return
-        stages = ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in finished.stage_seconds.items())
-        logger.info("job %s completed in %.1f s (%.1f s from its creation)%s", job.id, inference_s,
-                    completed_at - job.created_at, f"; stages (s): {stages}" if stages else "")
-        self.metrics.finished(JobStatus.COMPLETED, result.peak_memory_mb)
-        # The monotonic clock for a job created in this process: the wall clock stepped back an hour (NTP) made the
-        # histogram's sum -3,600, which Prometheus reads as a counter reset. A job from before a restart has only
-        # the wall clock: clamped at 0.
-        self.metrics.job_latency.observe(time.monotonic() - created if created is not None
-                                         else max(0.0, completed_at - job.created_at))
-        self.metrics.inference_latency.observe(inference_s)
-        self.metrics.stages(finished.stage_seconds)
-        self._recent_durations = (self._recent_durations + [inference_s])[-10:]
-        self.artifacts.remove(list(finished.upload_files))
-
-    def _end(self, job_id: str, allowed: tuple[JobStatus, ...], event_type: str | None, **fields) -> Job | None:
-        """Store a job's end (`transition` with `fields`, which set `completed_at`) and, with `event_type` and
-        --webhook-url, its webhook event's rows in the same transaction, then schedule the event: a crash keeps both
-        or neither. Rows the store cannot take (a full disk) do not keep the job's end from being stored: it is
-        stored without them and the event sent from memory, with a warning."""
-        if self.webhooks is None or event_type is None:
-            return self.store.transition(job_id, allowed, **fields)
-        event = self.webhooks.new_event(event_type, job_id, fields["completed_at"])
-        rows = self.webhooks.outbox_event(event)
-        store_error = None
-        try:
-            finished = self.store.transition(job_id, allowed, webhook_event=rows, **fields)
-        except STORE_WRITE_ERRORS as exc:
-            if rows is None:
-                raise
-            store_error = exc
-            # A write error again propagates: the finisher retries the job's end with a new event (this one was not
-            # scheduled); at start-up (a job that died twice) the start fails, as the store's recovery did before.
-            finished = self.store.transition(job_id, allowed, **fields)
-        if finished is not None:
-            self.webhooks.schedule(event, store_error)
-        return finished
-
-
-def _not_loaded_message(unknown: list[str], held: frozenset[str], loading: frozenset[str]) -> str:
-    have = f"loaded: {', '.join(map(repr, sorted(held)))}" if held else "no adapter is loaded"
-    if loading:
-        have += f"; set_lora requests queued before this job load {', '.join(map(repr, sorted(loading)))}"
-    example = json.dumps({"lora_nickname": unknown[0], "lora_path": "/path/to/adapter.safetensors",
-                          "merge_mode": "dynamic"}, ensure_ascii=False)
-    return (f"loras names LoRA adapter(s) {unknown} that this server will not have loaded when the job runs ({have}). "
-            f"Load one first with POST /v1/set_lora {example}, or start the server with --lora-path FILE "
-            f"--lora-nickname {shlex.quote(unknown[0])} --lora-merge-mode dynamic (dynamic: a job's own adapters need "
-            "the server's unmerged); the job was not created.")
-
-
-def _merged_message(requested: dict, then: Adapters, *, merged_now: bool) -> str:
-    own = f"the adapter(s) {list(requested)}" if requested else "none: {} runs the base model"
-    names = [spec.nickname for spec in then.active]
-    listed = ", ".join(f"{spec.nickname!r} at strength {spec.strength:g}" for spec in then.active)
-    merged = f"adapter(s) {listed}" if listed else "adapters"
-    when = ("are merged into the weights" if merged_now else
-            "will be merged into the weights when the job runs (by a LoRA request queued before it)")
-    again = {"lora_nickname": (names[0] if len(names) == 1 else names) if names else "NICKNAME", "lora_path": None}
-    strengths = [spec.strength for spec in then.active]
-    if strengths and len(set(strengths)) == 1:
-        again["strength"] = strengths[0]
-    elif strengths:
-        again["strength"] = strengths
-    if then.active and then.active[0].alpha is not None:
-        again["lora_alpha"] = then.active[0].alpha
-    again["merge_mode"] = "dynamic"
-    return (f"loras chooses this job's own LoRA adapters ({own}), but the server's {merged} {when}; a job's own "
-            "adapters are added dynamically, and taking merged adapters out of the weights and back in around every "
-            "job would copy each adapted weight twice per job. Make the server's adapters dynamic first: POST "
-            f"/v1/unmerge_lora_weights, then POST /v1/set_lora {json.dumps(again)} to make them active again "
-            "(merge_mode \"dynamic\": \"auto\" means the server's --lora-merge-mode, which merges unless it is "
-            "dynamic), or start the server with --lora-merge-mode dynamic; the job was not created.")
-
-
-UPLOADED_FILE = "(the uploaded file)"
-
-
-def without_upload_paths(message: str, upload_files: tuple[str, ...]) -> str:
-    """`message` with the server's own paths of the job's uploads replaced by `UPLOADED_FILE`.
-
-    The worker's errors name the files they could not read (an image that decodes at creation but whose values the
-    worker refuses, e.g. a float TIFF holding NaN), and an upload's path is the server's, not the client's: it told
-    the client nothing and showed where the server keeps its files.
-    """
-    for path in upload_files:
-        message = message.replace(repr(str(path)), UPLOADED_FILE).replace(str(path), UPLOADED_FILE)
-    return message

@@ -28,6 +28,7 @@ from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
 from k6serve.serve.errors import ApiError, output_not_writable
 from k6serve.serve.expiry import live_job
 from k6serve.serve.input_paths import check_readable
+from k6serve.serve.job_outcomes import without_upload_paths
 from k6serve.serve.jobs import (
     DELETED_CURSOR_RETENTION_S,
     IdempotencyConflict,
@@ -36,7 +37,7 @@ from k6serve.serve.jobs import (
     seconds_text,
     size_text,
 )
-from k6serve.serve.runner import LorasMerged, LorasNotLoaded, LorasQuantized, QueueFull, without_upload_paths
+from k6serve.serve.runner_refusals import LorasMerged, LorasNotLoaded, LorasQuantized, QueueFull
 from k6serve.serve.schemas import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,

@@ -25,7 +25,7 @@ from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import Job, JobStatus, SqliteJobStore
 from k6serve.serve.expiry import sweep_expired_once
-from k6serve.serve.runner import CANCEL_IN_DECODE, CANCELLED_AFTER_DECODE, CANCELLED_IN_DECODE
+from k6serve.serve.job_outcomes import CANCEL_IN_DECODE, CANCELLED_AFTER_DECODE, CANCELLED_IN_DECODE
 
 SMALL = {"size": "32x32", "num_frames": 5}
 HERE = Path(__file__).resolve().parent

@@ -517,8 +517,8 @@ def test_a_quantized_server_refuses_adapters_at_once(tmp_path):
 
 def test_the_not_loaded_hint_quotes_a_nickname_with_a_space_for_the_shell():
     """`--lora-nickname my style` in the hint was two words to a shell; quoted, the line runs as shown."""
-    from k6serve.serve.runner import _not_loaded_message
+    from k6serve.serve.runner_refusals import not_loaded_message
 
-    message = _not_loaded_message(["my style"], frozenset(), frozenset())
+    message = not_loaded_message(["my style"], frozenset(), frozenset())
     assert "--lora-nickname 'my style' --lora-merge-mode dynamic" in message
-    assert "--lora-nickname ghost --lora-merge-mode" in _not_loaded_message(["ghost"], frozenset(), frozenset())
+    assert "--lora-nickname ghost --lora-merge-mode" in not_loaded_message(["ghost"], frozenset(), frozenset())

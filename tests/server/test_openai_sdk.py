@@ -224,16 +224,18 @@ def test_an_unfinished_job_carries_the_poll_hint_the_sdk_reads(sdk_server, clien
 
 
 def test_the_poll_hint_follows_the_recent_jobs_time():
+    from k6serve.serve.job_outcomes import JobOutcomes
     from k6serve.serve.runner import JobRunner
 
     runner = JobRunner.__new__(JobRunner)  # only the durations are read
-    runner._recent_durations = []
+    runner.outcomes = JobOutcomes.__new__(JobOutcomes)
+    runner.outcomes.recent_durations = []
     assert runner.poll_after_ms() == 1000  # nothing finished yet: the SDK's own default
-    runner._recent_durations = [60.0, 64.0]
+    runner.outcomes.recent_durations = [60.0, 64.0]
     assert runner.poll_after_ms() == 3100  # a twentieth of about a minute
-    runner._recent_durations = [0.2]
+    runner.outcomes.recent_durations = [0.2]
     assert runner.poll_after_ms() == 500
-    runner._recent_durations = [1800.0]
+    runner.outcomes.recent_durations = [1800.0]
     assert runner.poll_after_ms() == 10_000
 
 

@@ -955,7 +955,7 @@ def test_a_refused_request_is_a_value_error_in_its_row_and_in_every_message_nami
     from k6serve.api import DiffGenerator
     from k6serve.models.variants import AudioTooLong
     from k6serve.request import FlagWorded, error_type_name
-    from k6serve.serve.runner import client_words
+    from k6serve.serve.errors import client_words
 
     def refused(self, *args, **kwargs):
         raise FlagWorded("sample_audio is true, but ...", flag_wording="--sample-audio was given, but ...")

@@ -972,7 +972,7 @@ def test_cli_out_of_memory_offers_the_fixes_that_apply_where_the_run_is(options,
 
     from k6serve.cli.main import describe_out_of_memory
     from k6serve.engine_arguments import build_engine_config
-    from k6serve.serve.runner import JobRunner
+    from k6serve.serve.job_outcomes import JobOutcomes
 
     text = describe_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), options)
     assert ("--cpu-offload-components all" in text) is keeps_speed
@@ -980,9 +980,9 @@ def test_cli_out_of_memory_offers_the_fixes_that_apply_where_the_run_is(options,
     # FSDP only where nothing is offloaded: the config refuses it beside offloading
     offloads = build_engine_config("demo", **options).runtime.offloads
     assert ("--use-fsdp-inference true" in text) is not offloads
-    runner = object.__new__(JobRunner)  # the server's log line for a job out of memory, from the same flags
-    runner.engine = SimpleNamespace(config=build_engine_config("demo", **options))
-    assert runner._memory_fixes() in text
+    outcomes = object.__new__(JobOutcomes)  # the server's log line for a job out of memory, from the same flags
+    outcomes.engine = SimpleNamespace(config=build_engine_config("demo", **options))
+    assert outcomes._memory_fixes() in text
 
 
 def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_process_cli, tmp_path, monkeypatch,
