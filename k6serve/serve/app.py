@@ -1,7 +1,7 @@
 """Builds the FastAPI app from an Engine, a JobStore and an ArtifactStore (tests pass fakes): the job runner, the
 routes, the middlewares (`middleware.py`) with CORS, the lifespan (runner, webhooks, expiry sweep) and the OpenAPI
 document as the server answers. `serve()`, the `k6serve serve` entry point that runs it under uvicorn, is in
-`server_process.py` (and imported from here).
+`server_process.py`.
 """
 
 from __future__ import annotations
@@ -42,12 +42,8 @@ from k6serve.serve.schemas import (
     request_body_schema,
 )
 from k6serve.serve.server_context import ServerContext
-from k6serve.serve.server_process import serve, uvicorn_config
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.webhooks import WebhookSender, age_bound, drop_unsent_events
-
-# `serve` and `uvicorn_config` live in server_process.py; imported from here by the CLI and the tests' servers.
-__all__ = ["build_app", "serve", "served_model_names", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 

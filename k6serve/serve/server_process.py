@@ -21,6 +21,7 @@ from typing import Any
 
 from k6serve.caching.preflight import warn_if_the_default_steps_do_not_fit
 from k6serve.runtime.engine import Engine, check_before_loading
+from k6serve.serve.app import build_app
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import SqliteJobStore, hold_exclusively
 from k6serve.serve.loading import LoadingResponder
@@ -202,8 +203,6 @@ def serve(engine_options: dict[str, Any], server_options: dict[str, Any]) -> int
     until interrupted."""
     from k6serve.dependencies import require_package
     from k6serve.engine_arguments import build_engine_config
-    # Here, not above: app.py imports this module (`from k6serve.serve.app import serve` keeps working).
-    from k6serve.serve.app import build_app
 
     require_package("uvicorn", "to run the HTTP server")  # imported where it runs: after the load, minutes away
     settings = settings_from_options(server_options)

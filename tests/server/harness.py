@@ -21,9 +21,10 @@ from k6serve.media.mux import write_mp4
 from k6serve.models.variants import GENERATION, VARIANTS, Variant, resolve_generate, resolve_upscale
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine
-from k6serve.serve.app import build_app, uvicorn_config
+from k6serve.serve.app import build_app
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import SqliteJobStore
+from k6serve.serve.server_process import uvicorn_config
 from k6serve.serve.settings import ServerSettings
 
 

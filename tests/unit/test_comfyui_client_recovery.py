@@ -19,10 +19,11 @@ import test_comfyui_nodes as nodes_tests
 from k6serve.engine_arguments import build_engine_config
 from k6serve.models.variants import VARIANTS
 from k6serve.runtime.engine import Engine
-from k6serve.serve.app import build_app, uvicorn_config
+from k6serve.serve.app import build_app
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import SqliteJobStore
 from k6serve.serve.loading import LoadingResponder
+from k6serve.serve.server_process import uvicorn_config
 from k6serve.serve.settings import ServerSettings
 
 harness = nodes_tests.harness
