@@ -398,7 +398,7 @@ REFERENCE_VALUES: dict[tuple[str, str], str] = {
 _SECTIONS = frozenset({"dit_config", "component_paths", "component_attention_backends"})
 _REQUEST_FIELDS = frozenset(item.name for item in dataclasses.fields(SamplingParams))
 _HTTP_REQUEST_FIELDS = frozenset(item.name for item in parameter_fields(surface="http"))
-_FILE_FIELDS = ("input_reference", "video_reference")  # the HTTP API's uploads (serve.schemas.FILE_FIELDS)
+_FILE_FIELDS = ("input_reference", "video_reference")  # the HTTP API's uploads (serve.video_create_body.FILE_FIELDS)
 _FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)")
 
 

@@ -21,6 +21,14 @@ from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_
 from k6serve.models.variants import SUPER_RESOLUTION
 from k6serve.runtime.engine import Engine
 from k6serve.serve.artifacts import ArtifactStore
+from k6serve.serve.body_documentation import SHARED_SCHEMAS, request_body_schema
+from k6serve.serve.control_bodies import (
+    MemoryOccupationBody,
+    MergeLoraBody,
+    SetLoraBody,
+    UnloadLoraBody,
+    UnmergeLoraBody,
+)
 from k6serve.serve.errors import install_error_handlers
 from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy
 from k6serve.serve.expiry import sweep_expired
@@ -29,20 +37,9 @@ from k6serve.serve.metrics import ServerMetrics
 from k6serve.serve.middleware import BearerAuth, NormaliseRequestTarget, RefuseConflictingFraming, RefuseOtherSites
 from k6serve.serve.routes import OPENAPI_TAGS, router
 from k6serve.serve.runner import JobRunner
-from k6serve.serve.schemas import (
-    FILE_FIELDS,
-    SHARED_SCHEMAS,
-    MemoryOccupationBody,
-    MergeLoraBody,
-    SetLoraBody,
-    UnloadLoraBody,
-    UnmergeLoraBody,
-    VideoCreateBody,
-    input_reference_target,
-    request_body_schema,
-)
 from k6serve.serve.server_context import ServerContext
 from k6serve.serve.settings import ServerSettings
+from k6serve.serve.video_create_body import FILE_FIELDS, VideoCreateBody, input_reference_target
 from k6serve.serve.webhooks import WebhookSender, age_bound, drop_unsent_events
 
 logger = logging.getLogger(__name__)

@@ -24,18 +24,10 @@ from k6serve.lora.arguments import (
 )
 from k6serve.lora.spec import ListLoras
 from k6serve.models.variants import SUPER_RESOLUTION
+from k6serve.serve.control_bodies import MergeLoraBody, SetLoraBody, UnloadLoraBody, UnmergeLoraBody, parse_lora_body
 from k6serve.serve.errors import ApiError, client_words
+from k6serve.serve.response_models import CONTROL_ERROR_RESPONSES, LoraList, LoraResult
 from k6serve.serve.runner_refusals import ServerShuttingDown
-from k6serve.serve.schemas import (
-    CONTROL_ERROR_RESPONSES,
-    LoraList,
-    LoraResult,
-    MergeLoraBody,
-    SetLoraBody,
-    UnloadLoraBody,
-    UnmergeLoraBody,
-    parse_lora_body,
-)
 from k6serve.serve.server_context import ServerContext, refuse_without_replicas, server_context
 from k6serve.serve.uploads import read_control_body
 

@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory
+from k6serve.serve.control_bodies import parse_memory_body
 from k6serve.serve.errors import ApiError, client_words
+from k6serve.serve.response_models import CONTROL_ERROR_RESPONSES, MemoryReply
 from k6serve.serve.runner_refusals import ServerShuttingDown
-from k6serve.serve.schemas import CONTROL_ERROR_RESPONSES, MemoryReply, parse_memory_body
 from k6serve.serve.server_context import refuse_without_replicas, server_context
 from k6serve.serve.uploads import read_control_body
 

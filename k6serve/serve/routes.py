@@ -2,8 +2,9 @@
 `video_routes.py` (OpenAI-style async video jobs), `lora_routes.py` (LoRA adapters), `memory_routes.py` (sleep and
 wake) and `status_routes.py` (models, health and metrics).
 
-Handlers only translate: HTTP in (validated by `schemas`), `SamplingParams` to the engine through the
-`JobRunner`, job records out. Nothing in them runs model code, so the event loop never waits on the GPU.
+Handlers only translate: HTTP in (validated by `video_create_body` and `control_bodies`), `SamplingParams` to the
+engine through the `JobRunner`, job records out (`response_models`). Nothing in them runs model code, so the event
+loop never waits on the GPU.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from k6serve.serve.errors import ApiError
 from k6serve.serve.input_paths import InputPathPolicy, LoraPathPolicy
 from k6serve.serve.jobs import Job, JobStore
 from k6serve.serve.metrics import ServerMetrics
+from k6serve.serve.response_models import job_view
 from k6serve.serve.runner import JobRunner
-from k6serve.serve.schemas import job_view
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.uploads import drain
 

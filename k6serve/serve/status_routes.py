@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from k6serve.serve.errors import ApiError
 from k6serve.serve.jobs import JobStatus
 from k6serve.serve.metrics import CONTENT_TYPE
-from k6serve.serve.schemas import ERROR_RESPONSES, ModelCard, ModelList
+from k6serve.serve.response_models import ERROR_RESPONSES, ModelCard, ModelList
 from k6serve.serve.server_context import NO_REPLICA, ServerContext, server_context
 
 router = APIRouter()

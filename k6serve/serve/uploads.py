@@ -25,6 +25,7 @@ from typing import Any
 from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from k6serve.serve.body_parsing import MAX_JSON_DEPTH, json_depth, lone_surrogate, object_without_duplicate_keys
 from k6serve.serve.errors import (
     ApiError,
     disk_full,
@@ -33,8 +34,7 @@ from k6serve.serve.errors import (
     write_refused,
 )
 from k6serve.serve.loading import DRAIN_BYTES, DRAIN_IDLE_S, DRAIN_TOTAL_S
-from k6serve.serve.schemas import (MAX_JSON_DEPTH, bracketed_object_field, json_depth, json_text_hint, lone_surrogate,
-                                   object_without_duplicate_keys)
+from k6serve.serve.video_create_body import bracketed_object_field, json_text_hint
 
 # Small: every complete upload is written to disk anyway (the spool only delays the file's creation), and each
 # connection holds its spool for as long as its client takes to send the part; at 8 MiB, 60 clients that sent 7.5

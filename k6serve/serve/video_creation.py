@@ -38,7 +38,10 @@ from k6serve.serve.jobs import (
     size_text,
 )
 from k6serve.serve.runner_refusals import LorasMerged, LorasNotLoaded, LorasQuantized, QueueFull
-from k6serve.serve.schemas import (
+from k6serve.serve.server_context import ServerContext, refuse_without_replicas
+from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body, refuse_content_encoding
+from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
+from k6serve.serve.video_create_body import (
     FILE_FIELDS,
     HTTP_FIELD_NAMES,
     input_reference_target,
@@ -46,9 +49,6 @@ from k6serve.serve.schemas import (
     seconds_rounding_note,
     to_sampling_params,
 )
-from k6serve.serve.server_context import ServerContext, refuse_without_replicas
-from k6serve.serve.uploads import drain, read_json_body, read_multipart, read_urlencoded_body, refuse_content_encoding
-from k6serve.serve.upscale_output import SourceUnusable, expected_upscale_output
 
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 ACCEPTED_CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")

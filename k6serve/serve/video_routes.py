@@ -19,7 +19,8 @@ from k6serve.serve.artifacts import output_file_name
 from k6serve.serve.errors import ApiError
 from k6serve.serve.expiry import forget_job, live_job, sweep_expired
 from k6serve.serve.jobs import DELETED_CURSOR_RETENTION_S, Job, JobStatus, expires_at, is_expired
-from k6serve.serve.schemas import ERROR_RESPONSES, ErrorResponse, VideoCancelled, VideoDeleted, VideoJob, VideoList
+from k6serve.serve.response_models import (ERROR_RESPONSES, ErrorResponse, VideoCancelled, VideoDeleted, VideoJob,
+                                           VideoList)
 from k6serve.serve.server_context import ServerContext, server_context
 from k6serve.serve.video_creation import create_video_job
 from k6serve.serve.video_file_response import VideoFileResponse

@@ -15,7 +15,7 @@ import pytest
 from harness import FakeWorker, start_server, wait_for, wait_until
 
 from k6serve.models.variants import VARIANTS
-from k6serve.serve.schemas import VideoCreateBody
+from k6serve.serve.video_create_body import VideoCreateBody
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 

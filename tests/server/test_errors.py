@@ -834,7 +834,7 @@ def test_jobs_queued_when_the_last_replica_dies_stay_queued_for_the_restart(fake
 
 
 def test_json_depth_counts_objects_and_arrays_without_recursing():
-    from k6serve.serve.schemas import MAX_JSON_DEPTH, json_depth
+    from k6serve.serve.body_parsing import MAX_JSON_DEPTH, json_depth
 
     assert [json_depth(v) for v in (1, "x", None, {}, [], {"a": [1, {"b": 2}]}, [[[]]])] == [0, 0, 0, 1, 1, 3, 3]
     deep: list = []

@@ -10,7 +10,7 @@ from k6serve.lora.arguments import set_lora_operation
 from k6serve.lora.spec import LORA_MERGE_MODES, LORA_TARGETS
 from k6serve.models.variants import VARIANTS, resolve_upscale
 from k6serve.request import SR_RESIZE_MODES, SamplingParams
-from k6serve.serve.schemas import VideoCreateBody
+from k6serve.serve.video_create_body import VideoCreateBody
 
 # OpenAI's ids where its API has the route (its SDK's videos.create / list / retrieve / delete / download_content,
 # models.list / retrieve), camelCase like them for the others.

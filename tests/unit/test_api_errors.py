@@ -313,7 +313,7 @@ def test_set_lora_takes_sglangs_list_of_one_target_per_adapter():
     # SGLang's set_lora (and POST /v1/set_lora) take a target per adapter; Kandinsky 6's one DiT is each of them,
     # and the list was refused as "target must be one of 'all', 'transformer'" (over HTTP: "a valid string").
     from k6serve.lora.arguments import LoraArgumentError, set_lora_operation
-    from k6serve.serve.schemas import SetLoraBody
+    from k6serve.serve.control_bodies import SetLoraBody
 
     body = SetLoraBody(lora_nickname=["a", "b"], lora_path=["a.safetensors", "b.safetensors"],
                        target=["transformer", "all"])

@@ -420,7 +420,7 @@ def test_cli_flags_reach_the_request_and_the_engine():
 
 def test_http_body_takes_the_switch_and_the_params_as_json_or_form_text():
     from k6serve.serve.errors import ApiError
-    from k6serve.serve.schemas import parse_create_body
+    from k6serve.serve.video_create_body import parse_create_body
 
     body = parse_create_body({"prompt": "x", "enable_cache_dit": True, "cache_dit_params": {"Bn_compute_blocks": 0}})
     assert body.enable_cache_dit is True and body.cache_dit_params == {"Bn_compute_blocks": 0}

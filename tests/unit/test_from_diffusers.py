@@ -15,7 +15,7 @@ from k6serve.cli.main import main
 from k6serve.engine_arguments import build_engine_config
 from k6serve.request_arguments import split_kwargs
 from k6serve.serve.errors import ApiError
-from k6serve.serve.schemas import parse_create_body
+from k6serve.serve.video_create_body import parse_create_body
 
 
 @pytest.mark.parametrize(("name", "value", "fix"), [

@@ -691,7 +691,7 @@ def test_a_failed_set_keeps_the_current_adapters(tmp_path):
         manager.set([LoraSpec(nickname="missing")])
     assert all(torch.equal(tensor, merged[name]) for name, tensor in model.state_dict().items())
     from k6serve.serve.lora_routes import _lora_error_param
-    from k6serve.serve.schemas import SetLoraBody
+    from k6serve.serve.control_bodies import SetLoraBody
 
     # The HTTP 400's param names the field (it was null: the message says "nickname", not "lora_nickname").
     assert _lora_error_param(str(unknown.value), SetLoraBody) == "lora_nickname"
@@ -923,7 +923,7 @@ def test_cuda_adapters_change_the_output_and_unmerge_restores_it(demo_dir, tmp_p
 def test_http_body_and_cli_take_a_requests_adapters():
     from k6serve.cli.config_file import merged_options
     from k6serve.cli.flags import build_parser, split_options
-    from k6serve.serve.schemas import parse_create_body
+    from k6serve.serve.video_create_body import parse_create_body
 
     assert parse_create_body({"prompt": "x", "loras": {"style": 0.8}}).loras == {"style": 0.8}
     assert parse_create_body({"prompt": "x", "loras": '{"style": 1}'}).loras == {"style": 1}  # a form field

@@ -30,7 +30,7 @@ from k6serve.reference_names import (
 from k6serve.request import SamplingParams
 from k6serve.runtime.engine import Engine
 from k6serve.serve.errors import ApiError
-from k6serve.serve.schemas import HTTP_FIELD_NAMES, VideoCreateBody, parse_create_body
+from k6serve.serve.video_create_body import HTTP_FIELD_NAMES, VideoCreateBody, parse_create_body
 
 COMPILE_FIX = ("k6serve compiles the DiT's repeated blocks on CUDA under --performance-mode speed, the default; "
                "--compile-vae true compiles the VAE decoder too")

@@ -375,7 +375,7 @@ def test_sr_refuses_a_length_or_frame_rate_with_the_way_to_get_it():
     # Each was told to "use sr_resolution_scale and sr_target_resolution to choose the output size", which sets
     # neither a clip's length nor its frame rate; over HTTP `seconds` read the same.
     from k6serve.serve.errors import ApiError
-    from k6serve.serve.schemas import VideoCreateBody, to_sampling_params
+    from k6serve.serve.video_create_body import VideoCreateBody, to_sampling_params
 
     sr = VARIANTS["vsr-distilled2steps"]
     cut = (r"the upscale takes up to 121 frames from the source's start \(5 s at 24 fps\), at the rate the 24 fps "
