@@ -7,7 +7,8 @@ ServerContext; expiry.py deletes expired jobs; the pydantic boundary: what clien
 (POST /v1/videos) and control_bodies.py (LoRA and memory), validated by body_parsing.py and documented by
 body_documentation.py, and what the server answers in response_models.py; jobs.py the typed Job and its SQLite
 store; runner.py feeds stored jobs to the engine, job_outcomes.py records how each ended, runner_refusals.py holds what
-the runner refuses; uploads.py streams request bodies under byte limits; input_paths.py guards server-side paths;
-artifacts.py names files; metrics.py writes Prometheus text; errors.py shapes errors; settings.py holds the server
-flags.
+the runner refuses; webhook_sender.py delivers the jobs' webhook events (webhook_transport.py signs and POSTs one,
+webhook_urls.py checks and shows the URLs, webhook_outbox.py keeps the events in the job store); uploads.py streams
+request bodies under byte limits; input_paths.py guards server-side paths; artifacts.py names files; metrics.py writes
+Prometheus text; errors.py shapes errors; settings.py holds the server flags.
 """

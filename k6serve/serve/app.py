@@ -40,7 +40,8 @@ from k6serve.serve.runner import JobRunner
 from k6serve.serve.server_context import ServerContext
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.video_create_body import FILE_FIELDS, VideoCreateBody, input_reference_target
-from k6serve.serve.webhooks import WebhookSender, age_bound, drop_unsent_events
+from k6serve.serve.webhook_outbox import drop_unsent_events
+from k6serve.serve.webhook_sender import WebhookSender, age_bound
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import client_words, disk_full, write_refused
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
 from k6serve.serve.metrics import ServerMetrics, stage_seconds
-from k6serve.serve.webhooks import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
+from k6serve.serve.webhook_sender import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
 
 # The runner's name: a job's start and its end are logged under one name, as they always were (log filters, the
 # saved server logs in docs/benchmarks/).

@@ -297,7 +297,7 @@ class SqliteJobStore:
             # One row: the LoRA operations that rebuild the adapters (serve/lora_state.py), as JSON.
             self._db.execute("CREATE TABLE IF NOT EXISTS lora_state (id INTEGER PRIMARY KEY CHECK (id = 1), "
                              "operations TEXT NOT NULL)")
-            # Webhook events not yet delivered, one row per event and URL (serve/webhooks.py): a restart, or a
+            # Webhook events not yet delivered, one row per event and URL (serve/webhook_outbox.py): a restart, or a
             # start after a crash, sends them again with their own ids.
             self._db.execute("CREATE TABLE IF NOT EXISTS webhook_outbox (event_id TEXT NOT NULL, url TEXT NOT NULL, "
                              "event_type TEXT NOT NULL, video_id TEXT NOT NULL, created_at INTEGER NOT NULL, "

@@ -51,7 +51,7 @@ from k6serve.serve.lora_state import LoraState
 from k6serve.serve.metrics import ServerMetrics
 from k6serve.serve.runner_refusals import (LorasMerged, LorasNotLoaded, LorasQuantized, QueueFull, ServerShuttingDown,
                                            merged_message, not_loaded_message)
-from k6serve.serve.webhooks import VIDEO_FAILED, WebhookSender
+from k6serve.serve.webhook_sender import VIDEO_FAILED, WebhookSender
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k6serve.serve.webhooks import WEBHOOK_SECRET_ENV, check_webhook_url
+from k6serve.serve.webhook_transport import WEBHOOK_SECRET_ENV
+from k6serve.serve.webhook_urls import check_webhook_url
 
 API_KEY_ENV = "K6SERVE_API_KEY"
 
@@ -31,7 +32,7 @@ class ServerSettings:
     # from a browser (CORS); "*" any page, with --api-key only. Empty: no browser client of another site.
     allowed_origins: tuple[str, ...] = ()
     # Where a job's completion or failure is POSTed (OpenAI's video.completed / video.failed events), signed with
-    # webhook_secret (serve/webhooks.py). Empty: no webhooks.
+    # webhook_secret (serve/webhook_sender.py). Empty: no webhooks.
     webhook_urls: tuple[str, ...] = ()
     webhook_secret: str | None = None
     # The model id /v1/models lists and jobs report (the reference's --served-model-name); the names a request's
@@ -83,7 +84,7 @@ class ServerSettings:
                              "\"import base64, secrets; print('whsec_' + base64.b64encode(secrets.token_bytes(32))"
                              ".decode())\" and give the receiver the same.")
         if self.webhook_urls and self.webhook_secret is not None:  # a stray $K6SERVE_WEBHOOK_SECRET alone is unused
-            from k6serve.serve.webhooks import secret_key
+            from k6serve.serve.webhook_transport import secret_key
 
             secret_key(self.webhook_secret)  # refused now if unusable, not at the first event
         if self.root_path:

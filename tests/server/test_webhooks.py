@@ -24,8 +24,8 @@ from harness import start_server, wait_for
 
 from k6serve.serve.settings import settings_from_options
 from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, SqliteJobStore
-from k6serve.serve.webhooks import (RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays,
-                                    check_webhook_url)
+from k6serve.serve.webhook_sender import RESEND_WINDOW_S, RETRY_DELAYS_S, WebhookSender, age_bound, backoff_delays
+from k6serve.serve.webhook_urls import check_webhook_url
 
 SECRET = "whsec_" + base64.b64encode(b"k6serve-webhook-test-secret-32b!").decode()
 SMALL = {"size": "32x32", "num_frames": 5}
@@ -281,9 +281,9 @@ def _send_kept(urls: tuple[str, ...], receiver, store, count: int) -> list:
 
 
 def test_a_hung_url_holds_back_no_other_and_its_thread_ends_after_the_stop(receiver, monkeypatch):
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender
 
-    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(webhook_sender, "TIMEOUT_S", 1.0)
     hung = SilentListener()
     sender = WebhookSender((hung.url, receiver.url), SECRET)
     try:
@@ -334,9 +334,9 @@ def test_an_attempt_ends_at_its_deadline_however_slowly_the_answer_comes(monkeyp
     """TIMEOUT_S bounds the whole attempt, not each read: a receiver dripping its answer a byte at a time held one
     attempt for 39 s (a byte a second), the URL's other events behind it. Cut in its head, the attempt failed and is
     retried; cut in the body after a 2xx status line and headers, the event was accepted and counts delivered."""
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender
 
-    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(webhook_sender, "TIMEOUT_S", 1.0)
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n"
     dripping = (DrippingListener(b"", head, every_s=0.1) if cut == "head"  # the head alone takes 3.8 s
                 else DrippingListener(head, b"x" * 200, every_s=0.1))
@@ -357,9 +357,9 @@ def test_a_tls_handshake_dripped_a_byte_at_a_time_ends_at_the_deadline(monkeypat
     (each read gets a byte in time): the handshake happens before the deadline holds the socket, and is bounded as a
     whole by the socket timeout (CPython's ssl keeps one deadline across its reads), so the attempt still ends at
     TIMEOUT_S and says so."""
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender
 
-    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(webhook_sender, "TIMEOUT_S", 1.0)
     dripping = DrippingListener(b"\x16\x03\x03\x40\x00", b"\x02" * 16384, every_s=0.1)  # a handshake record
     url = dripping.url.replace("http://", "https://")
     sender = WebhookSender((url,), SECRET)
@@ -379,12 +379,12 @@ def test_https_attempts_have_the_deadline_too():
     a default handler only where no subclass of it is given): an https:// receiver that drips is cut as well."""
     import urllib.request
 
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_transport
 
-    kinds = [type(handler) for handler in webhooks._OPENER.handlers]
-    assert webhooks._DeadlineHTTPSHandler in kinds and webhooks._DeadlineHTTPHandler in kinds
+    kinds = [type(handler) for handler in webhook_transport.OPENER.handlers]
+    assert webhook_transport._DeadlineHTTPSHandler in kinds and webhook_transport._DeadlineHTTPHandler in kinds
     assert urllib.request.HTTPSHandler not in kinds and urllib.request.HTTPHandler not in kinds
-    assert issubclass(webhooks._DeadlineHTTPSConnection, http.client.HTTPSConnection)
+    assert issubclass(webhook_transport._DeadlineHTTPSConnection, http.client.HTTPSConnection)
 
 
 def test_a_garbled_answer_is_retried_and_the_urls_thread_goes_on(monkeypatch):
@@ -612,7 +612,7 @@ def test_a_stop_during_an_outage_returns_at_once_with_one_line(receiver, store, 
 
 
 def test_a_stop_attempts_once_the_events_never_attempted_and_no_retry(receiver, store):
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender, webhook_transport
 
     receiver.failing.add("video_a")
     sender = WebhookSender((receiver.url,), SECRET, retry_delays_s=(0.3,) * 10, outbox=store)
@@ -621,8 +621,8 @@ def test_a_stop_attempts_once_the_events_never_attempted_and_no_retry(receiver, 
         send(sender, "video.completed", "video_a", 1_700_000_000)
         receiver.wait(1)  # video_a in its 0.3 s wait
         with sender._changed:  # video_b scheduled, not yet attempted, when the stop comes
-            event = webhooks.Event("evt_b", "video.completed", 1, "video_b")
-            sender._push(receiver.url, webhooks._Delivery(event, time.monotonic()), time.monotonic())
+            event = webhook_transport.Event("evt_b", "video.completed", 1, "video_b")
+            sender._push(receiver.url, webhook_sender._Delivery(event, time.monotonic()), time.monotonic())
             sender._stopped = True
             sender._deadline = time.monotonic() + 2.0
             sender._changed.notify_all()
@@ -661,7 +661,7 @@ def test_the_default_schedule_doubles_to_30_minutes_for_72_hours():
 _KILLED_AFTER_SEND = """
 import os, signal, sys
 from k6serve.serve.jobs import SqliteJobStore
-from k6serve.serve.webhooks import WebhookSender
+from k6serve.serve.webhook_sender import WebhookSender
 store = SqliteJobStore(sys.argv[1])
 sender = WebhookSender((sys.argv[2],), sys.argv[3], outbox=store)
 event = sender.new_event("video.completed", "video_killed", 1_700_000_000)
@@ -1032,9 +1032,9 @@ def test_many_dropped_events_make_a_short_warning_and_one_removal(store, caplog,
 
 
 def test_the_stops_warning_counts_the_events_it_leaves(store, caplog, monkeypatch):
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender
 
-    monkeypatch.setattr(webhooks, "TIMEOUT_S", 2.5)  # the first event's attempt outlasts the stop's waits (1.2 s)
+    monkeypatch.setattr(webhook_sender, "TIMEOUT_S", 2.5)  # the first event's attempt outlasts the stop's waits (1.2 s)
     hung = SilentListener()
     sender = WebhookSender((hung.url,), SECRET, outbox=store)
     try:
@@ -1104,7 +1104,7 @@ def test_a_non_ascii_host_is_kept_as_it_is_sent_idna_encoded():
     lambda url: RuntimeError(f"unforeseen, with {url.split('?')[1]}"),  # escapes `_deliver`: logged by its thread
 ], ids=["InvalidURL", "OSError", "unforeseen"])
 def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, monkeypatch, error):
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender
 
     url = "http://127.0.0.1:9/hook-path?token=tok-secret"
 
@@ -1112,7 +1112,7 @@ def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, mo
         def open(self, request, timeout):  # noqa: ANN001 - the opener's signature
             raise error(request.full_url)
 
-    monkeypatch.setattr(webhooks, "_OPENER", Refusing())
+    monkeypatch.setattr(webhook_sender, "OPENER", Refusing())
     outcomes = []
     sender = WebhookSender((url,), SECRET, retry_delays_s=(0.01,), on_outcome=outcomes.append)
     sender.start()
@@ -1130,9 +1130,9 @@ def test_an_error_quoting_the_url_is_logged_without_its_path_or_query(caplog, mo
 def test_pending_counts_the_scheduled_events_and_the_one_in_flight(receiver, monkeypatch):
     # GET /metrics shows a receiver that is down as a pending count that grows, for the hours its events are
     # retried, before anything is given up; a delivered event leaves it before it is counted delivered.
-    from k6serve.serve import webhooks
+    from k6serve.serve import webhook_sender
 
-    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(webhook_sender, "TIMEOUT_S", 1.0)
     hung = SilentListener()
     sender = WebhookSender((hung.url,), SECRET, retry_delays_s=(1800.0,))
     try:

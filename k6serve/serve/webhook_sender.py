@@ -1,20 +1,8 @@
 """Webhooks: the server POSTs an event to the operator's `--webhook-url`s when a job completes or fails, as OpenAI's
 video API does (event types `video.completed` and `video.failed`), so a client need not poll.
 
-The event is OpenAI's: `{"id": "evt_...", "object": "event", "created_at": <the job's completed_at>, "type":
-"video.completed", "data": {"id": "<video id>"}}`, signed as OpenAI signs its webhooks (the Standard Webhooks
-scheme): headers `webhook-id` (the event id, the same on every retry, to drop duplicates), `webhook-timestamp` (Unix
-seconds of this attempt) and `webhook-signature` (`v1,` + base64 HMAC-SHA256 of `<id>.<timestamp>.<body>` keyed
-with `--webhook-secret`, whose `whsec_` base64 form is decoded as OpenAI's SDKs decode it). OpenAI's SDKs verify
-them: `client.webhooks.verify_signature(body, headers, secret=...)`.
-
-URLs are compared in the canonical form `check_webhook_url` gives them (scheme and host lower-cased, the scheme's
-default port dropped; path and query as given), and one with whitespace or a control character is refused. Logs show
-a URL as `shown_url` does (scheme://host[:port]/...: a hook URL's path or query often holds its token), a redirect's
-Location too, and never an error text that could quote the URL's path or query.
-
 Delivery runs on a thread per URL, never in a job's way (nor in another URL's): each event is POSTed with 10 s for the
-whole attempt (`_AttemptDeadline`); a 2xx is delivered; a connection error, timeout, 408, 429 or 5xx is retried with
+whole attempt (`AttemptDeadline`); a 2xx is delivered; a connection error, timeout, 408, 429 or 5xx is retried with
 OpenAI's exponential backoff (1, 2, 4, ... 1024 s, then every 30 minutes) until the next wait would end past the age
 bound after the event was first queued (`age_bound`: 72 hours, `RESEND_WINDOW_S`, or the output TTL where shorter, so no
 event names a video already deleted; counted from its row's `queued_at` when resent), then given up; a redirect or any
@@ -35,35 +23,34 @@ queued longer ago than the age bound: those rows are removed with a warning, as 
 start. Warnings about many events count them per URL and name a few. When the rows cannot be written (a full disk)
 the job's end is stored without them and the event is sent from memory, and a stop before its delivery loses it. A
 cancelled job sends none (the client that cancelled it knows; OpenAI's API has no such event).
+
+The event's body and signature and the HTTP opener are `webhook_transport.py`'s, the URL checks and how logs show a
+URL `webhook_urls.py`'s, the outbox's protocol and the start's dropping of rows no URL takes `webhook_outbox.py`'s.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
-import hmac
-import http.client
 import heapq
-import json
+import http.client
 import logging
 import secrets
-import socket
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from k6serve.serve.jobs import STORE_WRITE_ERRORS, OutboxEvent, PendingWebhook
+from k6serve.serve.jobs import OutboxEvent
+from k6serve.serve.webhook_outbox import Tally, WebhookOutbox, canonical_or_none, remove
+from k6serve.serve.webhook_transport import OPENER, AttemptDeadline, Event, secret_key, signature
+from k6serve.serve.webhook_urls import check_webhook_url, failure_reason, may_quote_url, shown_location, shown_url
 
-logger = logging.getLogger(__name__)
+# The name of the module this was split from (webhooks.py): operators' log filters and saved logs name it.
+logger = logging.getLogger("k6serve.serve.webhooks")
 
-WEBHOOK_SECRET_ENV = "K6SERVE_WEBHOOK_SECRET"
 TIMEOUT_S = 10.0
 # How long a stopping server goes on attempting the events never attempted yet (a job that ended just before it).
 DRAIN_AT_STOP_S = 5.0
@@ -78,9 +65,6 @@ MAX_RETRY_DELAY_S = 1800.0
 # would otherwise show in no log line until its events were given up, 72 hours on.
 LATE_AFTER_ATTEMPTS = 6
 VIDEO_COMPLETED, VIDEO_FAILED = "video.completed", "video.failed"
-DEFAULT_PORTS = {"http": 80, "https": 443}
-# Events a warning names per URL; the rest are counted (naming each made one line of megabytes after an outage).
-LOGGED_EXAMPLES = 3
 
 
 def backoff_delays(first_s: float, cap_s: float, total_s: float) -> tuple[float, ...]:
@@ -112,281 +96,6 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds / 60:.3g} min"
     return f"{seconds / 3600:.3g} h"
-
-
-def check_webhook_url(url: str) -> str:
-    """`url`'s canonical form: stripped, scheme and host lower-cased, the scheme's default port dropped, path and
-    query as given (so a receiver spelled two ways is one URL); a ValueError with the fix if it is no usable http(s)
-    URL with a host (checked at start)."""
-    text = url.strip()
-    try:
-        parts = urllib.parse.urlsplit(text)
-        port = parts.port  # raises on a port that is no number or out of range
-    except ValueError as exc:
-        raise ValueError(f"--webhook-url {url!r} is not a URL ({exc}); pass e.g. "
-                         "--webhook-url https://hooks.example.com/k6serve") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--webhook-url {url!r} must be an http:// or https:// URL with a host, e.g. "
-                         "--webhook-url https://hooks.example.com/k6serve")
-    if parts.username is not None or parts.password is not None:
-        # urllib resolved "user:pw@host" as a host name: every delivery failed, and the warning logged the password.
-        raise ValueError(f"--webhook-url {shown_url(text)}: a user name or password in the URL is not sent; put a "
-                         "token in the URL's path or query instead (the events are signed with --webhook-secret).")
-    position = next((index for index, character in enumerate(text)
-                     if character.isspace() or not character.isprintable()), None)
-    if position is not None:
-        # http.client refused each attempt with an InvalidURL quoting the whole URL, token and all (urlsplit alone
-        # drops tabs and line ends silently). Not echoed here either: the token may sit next to the character.
-        raise ValueError(f"--webhook-url {shown_url(text)} holds a space or control character (at character "
-                         f"{position + 1}), which no HTTP request line can carry: percent-encode it (%20 for a "
-                         "space) or remove it (a line end from a file read whole?).")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    port_part = "" if port is None or port == DEFAULT_PORTS[parts.scheme] else f":{port}"
-    # Sliced from the text, not rebuilt by urlunsplit, which drops an empty query's "?" and so changes the URL.
-    rest = text[len(parts.scheme) + len("://") + len(parts.netloc):]
-    if not rest.isascii():
-        # http.client sends the request line as ASCII: every attempt raised UnicodeEncodeError, retried for 72 hours
-        # and never delivered. (A non-ASCII host is fine: it is sent IDNA-encoded.)
-        raise ValueError(f"--webhook-url {shown_url(text)} holds a non-ASCII character in its path or query, which "
-                         "no HTTP request line can carry: percent-encode it as UTF-8 (é is %C3%A9).")
-    return f"{parts.scheme}://{host}{port_part}{rest}"
-
-
-def shown_url(url: str) -> str:
-    """`url` as logs show it: scheme://host[:port] only, as a hook URL's path or query often holds its token."""
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}/..."
-
-
-def shown_location(url: str, location: str) -> str:
-    """A redirect's Location (relative to `url`) as logs show it: reduced as by `shown_url`, as it may hold a token
-    too."""
-    if not location:
-        return "no Location"
-    try:
-        target = urllib.parse.urljoin(url, location)
-        if not urllib.parse.urlsplit(target).hostname:
-            return "a Location with no host"
-        return repr(shown_url(target)[:200])
-    except ValueError:  # a port that is no number, an unclosed "[" in the host
-        return "an unreadable Location"
-
-
-def failure_reason(exc: BaseException, url: str) -> str:
-    """`exc` as a log about `url` shows it: its type and text, or its type and a generic reason where the text (or
-    the one of an exception it came from) could quote the URL's path or query, as http.client's InvalidURL does."""
-    if _may_quote_url(exc, url):
-        return f"{type(exc).__name__}: the URL or request was refused (details not shown: they quote the URL)"
-    return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-
-
-def _may_quote_url(exc: BaseException, url: str) -> bool:
-    parts = urllib.parse.urlsplit(url)
-    pieces = [piece for piece in (parts.path, parts.query) if len(piece) > 1]  # a bare "/" holds no token
-    seen: list[BaseException] = []
-    cause: BaseException | None = exc
-    while cause is not None and cause not in seen:
-        text = str(cause)
-        if isinstance(cause, http.client.InvalidURL) or any(piece in text for piece in pieces):
-            return True
-        seen.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    return False
-
-
-class _Tally:
-    """Events counted per label (a URL as `shown_url` shows it), naming the first LOGGED_EXAMPLES of each: a
-    warning about thousands stays one short line."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        self._examples: dict[str, list[str]] = {}
-
-    def add(self, label: str, example: str) -> None:
-        self._counts[label] = self._counts.get(label, 0) + 1
-        examples = self._examples.setdefault(label, [])
-        if len(examples) < LOGGED_EXAMPLES:
-            examples.append(example)
-
-    def total(self) -> int:
-        return sum(self._counts.values())
-
-    def __bool__(self) -> bool:
-        return bool(self._counts)
-
-    def __str__(self) -> str:
-        parts = []
-        for label, count in self._counts.items():
-            named = self._examples[label]
-            more = f", and {count - len(named)} more" if count > len(named) else ""
-            parts.append(f"{count} to {label} ({', '.join(named)}{more})")
-        return "; ".join(parts)
-
-
-def _canonical_or_none(url: str) -> str | None:
-    """A stored row's URL in canonical form (an older server stored it as given); None if it is no usable URL."""
-    try:
-        return check_webhook_url(url)
-    except ValueError:
-        return None
-
-
-def _shown_row_url(url: str) -> str:
-    canonical = _canonical_or_none(url)
-    return shown_url(canonical) if canonical is not None else "a URL that is no longer valid"
-
-
-def drop_unsent_events(outbox: WebhookOutbox) -> None:
-    """At the start of a server with no --webhook-url: remove the events an earlier run kept, with one warning (none
-    is sent, and kept they would go out whenever a URL is given again, however late)."""
-    rows = outbox.pending_webhook_events()
-    if not rows:
-        return
-    dropped = _Tally()
-    for row in rows:
-        dropped.add(_shown_row_url(row.url), f"{row.event_type} {row.video_id}")
-    _remove(outbox, [(row.event_id, row.url) for row in rows])
-    logger.warning("%d webhook event(s) left from the last run are dropped, not sent, as no --webhook-url is given: "
-                   "%s", dropped.total(), dropped)
-
-
-def _remove(outbox: WebhookOutbox, rows: list[tuple[str, str]]) -> None:
-    """Remove rows dropped at a start, in one transaction; a failure leaves them for the next start to drop."""
-    if not rows:
-        return
-    try:
-        outbox.remove_webhook_events(rows)
-    except STORE_WRITE_ERRORS as exc:
-        logger.warning("%d webhook event(s) dropped at this start could not be removed from the job store (%s); the "
-                       "next start drops them again", len(rows), exc)
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A 3xx is an answer, not a place to resend to: urllib turned the POST into a GET without its body, sent the
-    signature headers to wherever it pointed (another host, maybe), and the event counted as delivered."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
-        return None
-
-
-class _AttemptDeadline:
-    """TIMEOUT_S for a whole attempt. The socket's timeout bounds each read and write alone, so a receiver that
-    sent its answer a byte a second held one attempt (and its URL's events) for as long as it liked: 39 s for a
-    39-byte answer. At the deadline the attempt's socket is shut, which ends the read blocked on it at once; a socket
-    connected after the deadline is shut as soon as it is registered. A TLS handshake, before its socket can be
-    registered, is bounded as a whole by the socket's timeout (CPython's ssl module keeps one deadline across the
-    handshake's reads), also TIMEOUT_S."""
-
-    _current = threading.local()  # the attempt in progress on this thread (one thread a URL), for its connection
-
-    def __init__(self, seconds: float) -> None:
-        self.expired = False
-        self._socket = None
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-
-    def __enter__(self) -> _AttemptDeadline:
-        _AttemptDeadline._current.value = self
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._timer.cancel()
-        _AttemptDeadline._current.value = None
-
-    @classmethod
-    def register(cls, sock) -> None:  # noqa: ANN001 - a socket or an SSL socket
-        deadline = getattr(cls._current, "value", None)
-        if deadline is not None:
-            with deadline._lock:
-                deadline._socket = sock
-                expired = deadline.expired
-            if expired:
-                _shut(sock)
-
-    def _expire(self) -> None:
-        with self._lock:
-            self.expired = True
-            sock = self._socket
-        if sock is not None:
-            _shut(sock)
-
-
-def _shut(sock) -> None:  # noqa: ANN001
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-class _DeadlineHTTPConnection(http.client.HTTPConnection):
-    def connect(self) -> None:
-        super().connect()
-        _AttemptDeadline.register(self.sock)
-
-
-class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
-    def connect(self) -> None:
-        # Registered once the TLS handshake is done (wrapping detaches the TCP socket, which then cannot be shut):
-        # the handshake is bounded by the socket timeout as a whole (not read by read), the answer by the deadline.
-        super().connect()
-        _AttemptDeadline.register(self.sock)
-
-
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
-    def http_open(self, req):  # noqa: ANN001, ANN201 - urllib's signature
-        return self.do_open(_DeadlineHTTPConnection, req)
-
-
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
-    def https_open(self, req):  # noqa: ANN001, ANN201 - urllib's signature
-        return self.do_open(_DeadlineHTTPSConnection, req, context=self._context)
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect, _DeadlineHTTPHandler, _DeadlineHTTPSHandler)
-
-
-def secret_key(secret: str) -> bytes:
-    """The HMAC key of a webhook secret, as OpenAI's SDKs read it: `whsec_<base64>` decoded, any other text as is."""
-    if secret.startswith("whsec_"):
-        try:
-            key = base64.b64decode(secret[6:], validate=True)
-        except ValueError:
-            raise ValueError("--webhook-secret starts with whsec_ but the rest is not base64; generate one with "
-                             "python -c \"import base64, secrets; print('whsec_' + "
-                             "base64.b64encode(secrets.token_bytes(32)).decode())\"") from None
-    else:
-        key = secret.encode()
-    if len(key) < 16:
-        raise ValueError("--webhook-secret is too short to sign with (under 16 bytes); generate one with python -c "
-                         "\"import base64, secrets; print('whsec_' + base64.b64encode(secrets.token_bytes(32))"
-                         ".decode())\"")
-    return key
-
-
-def signature(key: bytes, event_id: str, timestamp: int, body: bytes) -> str:
-    """The `webhook-signature` header's value for one attempt (Standard Webhooks v1)."""
-    mac = hmac.new(key, f"{event_id}.{timestamp}.".encode() + body, hashlib.sha256)
-    return "v1," + base64.b64encode(mac.digest()).decode()
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    id: str
-    type: str
-    created_at: int
-    video_id: str
-
-    def body(self) -> bytes:
-        return json.dumps({"id": self.id, "object": "event", "created_at": self.created_at, "type": self.type,
-                           "data": {"id": self.video_id}}, separators=(",", ":")).encode()
-
-
-class WebhookOutbox(Protocol):
-    """Where events wait until each URL is done with them (`SqliteJobStore`'s `webhook_outbox` table)."""
-
-    def remove_webhook_event(self, event_id: str, url: str) -> None: ...
-    def remove_webhook_events(self, rows: Iterable[tuple[str, str]]) -> None: ...
-    def pending_webhook_events(self) -> list[PendingWebhook]: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -544,7 +253,7 @@ class WebhookSender:
         those for a URL no longer configured and those past the age bound, in one transaction."""
         now, now_mono = time.time(), time.monotonic()
         configured_shown = {shown_url(url) for url in self.urls}
-        unconfigured, stale = _Tally(), _Tally()
+        unconfigured, stale = Tally(), Tally()
         dropped: list[tuple[str, str]] = []
         scheduled: set[tuple[str, str]] = set()
         rows = outbox.pending_webhook_events()
@@ -553,7 +262,7 @@ class WebhookSender:
         for row in rows:
             if row.event_id in sent_already:
                 continue  # made before this start: its `schedule` schedules it
-            url = _canonical_or_none(row.url)
+            url = canonical_or_none(row.url)
             example = f"{row.event_type} {row.video_id}"
             # A queued_at ahead of now is a clock stepped back since: taken as now, or the row was never stale.
             age_s = max(0.0, now - row.queued_at)
@@ -573,7 +282,7 @@ class WebhookSender:
                     self._push(url, _Delivery(event, now_mono - age_s), now_mono)
                 continue
             dropped.append((row.event_id, row.url))
-        _remove(outbox, dropped)
+        remove(outbox, dropped)
         if unconfigured:
             logger.warning("webhook events left from the last run for URLs no longer given as --webhook-url are "
                            "dropped: %s", unconfigured)
@@ -605,7 +314,7 @@ class WebhookSender:
             self._changed.notify_all()  # threads in a retry wait stop waiting now
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        kept, dropped, in_flight = _Tally(), _Tally(), _Tally()
+        kept, dropped, in_flight = Tally(), Tally(), Tally()
         with self._changed:
             self._done = True
             self._changed.notify_all()
@@ -677,7 +386,7 @@ class WebhookSender:
         try:
             return self._attempt(event, url, event.body())
         except Exception as exc:  # noqa: BLE001 - one event's unforeseen failure must not end this URL's deliveries
-            if _may_quote_url(exc, url):  # its traceback would show the token
+            if may_quote_url(exc, url):  # its traceback would show the token
                 logger.error("webhook %s for %s to %s failed (%s)", event.type, event.video_id, shown_url(url),
                              failure_reason(exc, url))
             else:
@@ -751,9 +460,9 @@ class WebhookSender:
         request = urllib.request.Request(url, data=body, method="POST", headers={
             "Content-Type": "application/json", "User-Agent": self._user_agent, "webhook-id": event.id,
             "webhook-timestamp": str(timestamp), "webhook-signature": signature(self._key, event.id, timestamp, body)})
-        deadline = _AttemptDeadline(TIMEOUT_S)
+        deadline = AttemptDeadline(TIMEOUT_S)
         try:
-            with deadline, _OPENER.open(request, timeout=TIMEOUT_S) as answer:
+            with deadline, OPENER.open(request, timeout=TIMEOUT_S) as answer:
                 # Its 2xx status accepted the event: a body cut short (or by the deadline) does not unsay it.
                 with contextlib.suppress(OSError, http.client.HTTPException):
                     answer.read(65536)
