@@ -78,12 +78,12 @@ def drop_unsent_events(outbox: WebhookOutbox) -> None:
     dropped = Tally()
     for row in rows:
         dropped.add(_shown_row_url(row.url), f"{row.event_type} {row.video_id}")
-    remove(outbox, [(row.event_id, row.url) for row in rows])
+    remove_dropped_events(outbox, [(row.event_id, row.url) for row in rows])
     logger.warning("%d webhook event(s) left from the last run are dropped, not sent, as no --webhook-url is given: "
                    "%s", dropped.total(), dropped)
 
 
-def remove(outbox: WebhookOutbox, rows: list[tuple[str, str]]) -> None:
+def remove_dropped_events(outbox: WebhookOutbox, rows: list[tuple[str, str]]) -> None:
     """Remove rows dropped at a start, in one transaction; a failure leaves them for the next start to drop."""
     if not rows:
         return

@@ -44,7 +44,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from k6serve.serve.jobs import OutboxEvent
-from k6serve.serve.webhook_outbox import Tally, WebhookOutbox, canonical_or_none, remove
+from k6serve.serve.webhook_outbox import Tally, WebhookOutbox, canonical_or_none, remove_dropped_events
 from k6serve.serve.webhook_transport import OPENER, AttemptDeadline, Event, secret_key, signature
 from k6serve.serve.webhook_urls import check_webhook_url, failure_reason, may_quote_url, shown_location, shown_url
 
@@ -282,7 +282,7 @@ class WebhookSender:
                     self._push(url, _Delivery(event, now_mono - age_s), now_mono)
                 continue
             dropped.append((row.event_id, row.url))
-        remove(outbox, dropped)
+        remove_dropped_events(outbox, dropped)
         if unconfigured:
             logger.warning("webhook events left from the last run for URLs no longer given as --webhook-url are "
                            "dropped: %s", unconfigured)
