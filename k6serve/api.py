@@ -37,7 +37,7 @@ from k6serve.lora.arguments import (
 from k6serve.lora.spec import LORA_TARGETS, ListLoras
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
-from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo, Variant
+from k6serve.models.variants import GENERATION, Variant
 from k6serve.output_checks import (
     check_output,
     check_output_folder,
@@ -60,6 +60,7 @@ from k6serve.request import (
 )
 from k6serve.request_arguments import request_options, split_kwargs
 from k6serve.prompt_lists import Listed, run_side_by_side, stopped_list
+from k6serve.request_refusals import MissingPrompt, MissingSourceVideo
 from k6serve.runtime.engine import Engine, ProgressCallback
 from k6serve.media.image import looks_like_url
 from k6serve.media.output_names import numbered_file_names

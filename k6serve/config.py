@@ -409,7 +409,7 @@ class RuntimeConfig:
                              "encoder resident (--component-residency text_encoder=resident), or drop "
                              "--compile-prompt-rewrite.")
         if residency == LAYERWISE:
-            # expand_prompts itself is refused there (models/variants.py), so the flag would do nothing.
+            # expand_prompts itself is refused there (request_resolution.py), so the flag would do nothing.
             raise ValueError(f"--compile-prompt-rewrite true compiles the expand_prompts rewrite, which `"
                              f"{self.residency_flags}` refuses: it streams the text encoder's layers from host memory, "
                              "and generate would copy them for every token. Keep the text encoder on the GPU "

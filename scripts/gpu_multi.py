@@ -116,7 +116,7 @@ def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.dev
 
     With `profile`, the second denoising step runs under `torch.profiler` and its kernel summary is returned.
     """
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
 

@@ -487,7 +487,8 @@ def profile_step(args, device, dtype, report: dict, markdown: list[str]) -> None
     import itertools
 
     from k6serve.models.kandinsky6.checkpoint import load_generation_models
-    from k6serve.models.variants import VARIANTS, resolve_generate
+    from k6serve.models.variants import VARIANTS
+    from k6serve.request_resolution import resolve_generate
     from k6serve.ops.attention import resolve_attention_backend
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams

@@ -15,10 +15,12 @@ from k6serve.api import DiffGenerator
 from k6serve.config import EngineConfig
 from k6serve.engine_arguments import build_engine_config
 from k6serve.media.output_names import numbered_file_names
-from k6serve.models.variants import GENERATION, MissingPrompt, MissingSourceVideo, prompt_text_refusal
+from k6serve.models.variants import GENERATION
 from k6serve.output_checks import check_output, final_file_name, require_media_package, unsaved_output_keys
 from k6serve.request import TIMING_COUNTS, FlagWorded, SamplingParams, has_visible_text, note_for_cli
 from k6serve.request_arguments import split_kwargs
+from k6serve.request_refusals import MissingPrompt, MissingSourceVideo
+from k6serve.request_resolution import prompt_text_refusal
 from k6serve.runtime.engine import RequestCancelled
 
 
@@ -101,13 +103,13 @@ def check_request_before_loading(engine_options: dict[str, Any], params: Samplin
     try:
         _check_request(engine_options, params, variant, config)
     except FlagWorded as exc:
-        # Chained, so --log-level debug still shows the rule that refused the request (variants.py).
+        # Chained, so --log-level debug still shows the rule that refused the request (request_resolution.py).
         raise ValueError(exc.flag_wording) from exc
 
 
 def _check_request(engine_options: dict[str, Any], params: SamplingParams, variant, config: EngineConfig) -> None:
     """`check_request_before_loading`'s checks, in the request's own words (`FlagWorded` carries the flags')."""
-    from k6serve.models.variants import resolve_generate, resolve_upscale
+    from k6serve.request_resolution import resolve_generate, resolve_upscale
 
     if variant.family == GENERATION:
         import torch

@@ -48,7 +48,7 @@ def _check_bound(value: float, name: str, bound: float, why: str) -> None:
 
 def lora_strength_refusal(strength: float, name: str) -> str | None:
     """Why `strength` (a number, called `name`) is refused, not finite or past `MAX_LORA_STRENGTH`, or None. A
-    request's `loras` words it twice, in its fields' and its flags' names (`variants._resolve_loras`)."""
+    request's `loras` words it twice, in its fields' and its flags' names (`request_resolution._resolve_loras`)."""
     return _bound_refusal(strength, name, MAX_LORA_STRENGTH,
                           f"adapters are used at about -{USUAL_LORA_STRENGTH:g} to {USUAL_LORA_STRENGTH:g} (1.0 is the "
                           "strength they were trained at), and far past that the update swamps the model's weights and "

@@ -250,7 +250,8 @@ def _parse_target(target: str) -> tuple[tuple[int, int], ...]:
         and int(width_text) > 0
         and int(height_text) > 0
     ):
-        # An odd side is refused with the request (`variants.parse_target_resolution`), before the model runs.
+        # An odd side is refused with the request (`request_resolution.parse_target_resolution`), before the
+        # model runs.
         return ((int(height_text), int(width_text)),)
     raise ValueError(
         f"target resolution {target!r} is not one of hd, fullhd, 2k or WxH (e.g. 1280x720)."

@@ -14,7 +14,6 @@ import torch
 
 from k6serve.caching.block_cache import block_cache
 from k6serve.lora.spec import USUAL_LORA_STRENGTH
-from k6serve.models.variants import no_audio_parts, streamed_text_encoder
 from k6serve.offload.components import RESIDENT
 from k6serve.pipelines.decode import decode_audio, decode_video
 from k6serve.pipelines.decode_stream import (
@@ -43,6 +42,7 @@ from k6serve.pipelines.prepare_latents import (
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
 from k6serve.request import FlagWorded, FlagWordedNote, GenerateRequest, has_visible_text
+from k6serve.request_refusals import no_audio_parts, streamed_text_encoder
 
 
 @dataclass

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from k6serve.config import EngineConfig
 from k6serve.lora.spec import LoraOperation, ReplicasDisagree
 from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
-from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
+from k6serve.models.variants import GENERATION, Variant
 from k6serve.parallel.mesh import ParallelLayout
 from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.runtime.launch import (

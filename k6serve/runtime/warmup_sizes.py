@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from k6serve.config import EngineConfig, WarmupSize
-from k6serve.models.variants import GENERATION, Variant, resolve_generate, resolve_upscale
+from k6serve.models.variants import GENERATION, Variant
 from k6serve.request import GenerateRequest, SamplingParams
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 
 if TYPE_CHECKING:
     from k6serve.models.kandinsky6_sr.config_before_loading import SRTiling

@@ -31,13 +31,7 @@ from k6serve.lora.spec import (
     start_set_lora,
 )
 from k6serve.models.checkpoint_files import resolve_checkpoint
-from k6serve.models.variants import (
-    GENERATION,
-    Variant,
-    recognise,
-    resolve_generate,
-    resolve_upscale,
-)
+from k6serve.models.variants import GENERATION, Variant, recognise
 from k6serve.offload.residency import RESIDENT, resolve_residency, streams_text_encoder
 from k6serve.rank_logging import ONCE
 from k6serve.request import (
@@ -48,6 +42,7 @@ from k6serve.request import (
     VideoResult,
 )
 from k6serve.media.output_names import default_file_name, sanitize_file_name
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
 from k6serve.runtime.warmup_sizes import (

@@ -19,15 +19,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from k6serve.lora.spec import MAX_LORA_STRENGTH
-from k6serve.models.variants import (
-    MAX_PROMPT_CHARACTERS,
-    SUPER_RESOLUTION,
-    Variant,
-    seconds_to_num_frames,
-    sr_source_field_refusal,
-)
+from k6serve.models.variants import SUPER_RESOLUTION, Variant
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import SamplingParams, parameter_fields, parse_size
+from k6serve.request_resolution import MAX_PROMPT_CHARACTERS, seconds_to_num_frames, sr_source_field_refusal
 from k6serve.serve.body_documentation import documented, shared
 from k6serve.serve.body_parsing import (
     DECIMAL,
@@ -56,7 +51,7 @@ _HTTP_ONLY_FIELDS = ("model", "size", "seconds", "request_id")
 
 _NUMBER_TEXT_PATTERN = "^" + DECIMAL.pattern + "$"  # ECMA-262 reads it as Python does (ASCII classes only)
 _TEXT = {"string": {"maxLength": MAX_PROMPT_CHARACTERS}}
-# The ranges the server enforces on every model (`models/variants.py` resolve_*, `_frames_for_seconds`), as documented
+# The ranges the server enforces on every model (`request_resolution` resolve_*, `_frames_for_seconds`), as documented
 # by the fields' help; tests/server/test_openapi.py checks each bound against the server's answers. A value within
 # them can still be refused for a combination (seconds x fps past 128 latent frames or the audio's 47.55 s) or by the
 # served model (a distilled checkpoint takes guidance_scale 1.0 only, the SR model no width).

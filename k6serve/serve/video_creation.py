@@ -21,10 +21,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from k6serve.models.variants import SUPER_RESOLUTION, AudioTooLong, MissingPrompt, MissingSourceVideo, Variant
+from k6serve.models.variants import SUPER_RESOLUTION, Variant
 from k6serve.pipelines.sr_plan import UpscaleTooLarge
 from k6serve.pipelines.sr_tiling import SourceTooSmall
 from k6serve.request import GenerateRequest, SamplingParams, drawn_seed
+from k6serve.request_refusals import AudioTooLong, MissingPrompt, MissingSourceVideo
 from k6serve.serve.errors import ApiError, output_not_writable
 from k6serve.serve.expiry import live_job
 from k6serve.serve.input_paths import check_readable

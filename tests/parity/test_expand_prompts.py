@@ -11,10 +11,11 @@ import torch
 from PIL import Image
 
 from k6serve.models.kandinsky6.checkpoint import load_generation_models
-from k6serve.models.variants import recognise, resolve_generate
+from k6serve.models.variants import recognise
 from k6serve.pipelines.expand_prompt import expand_prompt, expansion_inputs, load_image_processor
 from k6serve.pipelines.text_to_video import TextToVideoPipeline
 from k6serve.request import SamplingParams
+from k6serve.request_resolution import resolve_generate
 from k6serve.testing.tiny_checkpoints import load_reference_pipeline
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 5
@@ -132,7 +133,8 @@ def test_the_pipeline_with_expand_prompts_matches_diffusers(tiny_pro_dir, tmp_pa
 
 
 def test_the_super_resolution_model_refuses_it():
-    from k6serve.models.variants import VARIANTS, resolve_upscale
+    from k6serve.models.variants import VARIANTS
+    from k6serve.request_resolution import resolve_upscale
 
     with pytest.raises(ValueError, match="expand_prompts rewrites a generation prompt; the super-resolution model "
                                          "takes no text"):

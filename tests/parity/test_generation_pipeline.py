@@ -14,9 +14,10 @@ import torch
 from PIL import Image
 
 from k6serve.models.kandinsky6.checkpoint import load_generation_models
-from k6serve.models.variants import recognise, resolve_generate
+from k6serve.models.variants import recognise
 from k6serve.pipelines.text_to_video import TextToVideoPipeline
 from k6serve.request import SamplingParams
+from k6serve.request_resolution import resolve_generate
 from k6serve.testing.tiny_checkpoints import load_reference_pipeline
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 9

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from k6serve.models.kandinsky6.checkpoint import load_generation_models
-from k6serve.models.variants import VARIANTS, recognise, resolve_generate, resolve_upscale
+from k6serve.models.variants import VARIANTS, recognise
 from k6serve.pipelines.text_to_video import TextToVideoPipeline
 from k6serve.request import SamplingParams
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.testing.tiny_checkpoints import load_reference_pipeline
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 5

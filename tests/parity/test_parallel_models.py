@@ -103,7 +103,7 @@ def _laid_out_models(folder: Path, layout: ParallelLayout | None, encoder_parall
 
 def _generate_task(folder: Path, layout: ParallelLayout | None, encoder_parallel: str, request_kwargs: dict):
     """The pipeline's frames and waveform under `layout` (None: the 1-process reference, on rank 0 only)."""
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
 
@@ -194,7 +194,7 @@ def test_generation_matches_one_process(pool, checkpoint, requests, references, 
 
 def _quantized_generate_task(folder: Path, layout: ParallelLayout | None, request_kwargs: dict):
     """`_generate_task` with --quantization fp8, applied as the worker does: after the layout's swaps."""
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
@@ -362,7 +362,7 @@ ULYSSES2 = ParallelLayout(dp=2, ulysses=2)
 def _event_order_task(folder: Path):
     """Ulysses2 T2AV, one step: the order of block 0's communication and attention events, recorded through the
     collectives' starts and finishes and pre-hooks on modules that open an attention."""
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.parallel import sequence_attention
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
@@ -428,7 +428,7 @@ def _compiled_ulysses_task(folder: Path):
     import torch._dynamo
 
     from k6serve.models.kandinsky6.plan import kandinsky6_plan
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
@@ -476,7 +476,7 @@ CACHED_REQUEST = {**REQUESTS["t2av"], "num_inference_steps": 6, "enable_cache_di
 
 def _cached_generate_task(folder: Path, layout: ParallelLayout | None):
     """A Cache-DiT request under `layout`: frames, waveform and how many DiT calls used the cache."""
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
@@ -511,7 +511,7 @@ def test_cached_generation_decides_as_one_process(pool, checkpoint, layout_name)
 def _cache_switch_task(folder: Path, layout: ParallelLayout | None):
     """On one set of models (a server's): uncached, cached, then uncached again; frames, waveform and cached
     steps of each."""
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams
@@ -588,7 +588,7 @@ def _lora_setup(folder: Path, layout: ParallelLayout | None):
     """The tiny models parallelised as `layout` (None: one process, on rank 0 only; None elsewhere), the t2av
     request, its pipeline and a LoraManager on the DiT: what the LoRA and DoRA tasks start from."""
     from k6serve.lora.manager import LoraManager
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.parallel.parallelize import parallelize_generation_models
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.request import SamplingParams

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from k6serve.models.kandinsky6.checkpoint import load_generation_models
-from k6serve.models.variants import VARIANTS, recognise, resolve_generate, resolve_upscale
+from k6serve.models.variants import VARIANTS, recognise
 from k6serve.pipelines.text_to_video import TextToVideoPipeline
 from k6serve.request import SamplingParams
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.testing.tiny_checkpoints import load_reference_pipeline
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 9
@@ -76,7 +77,7 @@ def _sample(params: SamplingParams, value):
 def test_the_engine_refuses_sound_from_a_silent_checkpoint_with_the_request(tmp_path):
     # Checked when the request is resolved (the server's job creation: a 400), not once it runs.
     from k6serve.engine_arguments import build_engine_config
-    from k6serve.models.variants import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
+    from k6serve.request_refusals import NO_AUDIO_PARTS, STREAMED_TEXT_ENCODER
     from k6serve.runtime.engine import Engine
     from k6serve.runtime.worker import ModelWorker
     from k6serve.testing.tiny_checkpoints import build_generation_checkpoint

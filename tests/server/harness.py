@@ -18,8 +18,9 @@ import uvicorn
 from k6serve.engine_arguments import build_engine_config
 from k6serve.media.image import load_conditioning_image
 from k6serve.media.mux import write_mp4
-from k6serve.models.variants import GENERATION, VARIANTS, Variant, resolve_generate, resolve_upscale
+from k6serve.models.variants import GENERATION, VARIANTS, Variant
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime.engine import Engine
 from k6serve.serve.app import build_app
 from k6serve.serve.artifacts import ArtifactStore

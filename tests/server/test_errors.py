@@ -125,7 +125,7 @@ def test_a_missing_prompt_names_the_body_field_not_the_cli_flag(fake_server, fak
     assert "prompt field" in error["message"] and "--prompt" not in error["message"]
     assert list(fake_server.artifacts.upload_dir.iterdir()) == []
     # The CLI and the Python API share the check and keep the flag in their wording.
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.request import SamplingParams
 
     with pytest.raises(ValueError, match="--prompt 'A cat plays piano'"):

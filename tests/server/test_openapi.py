@@ -8,8 +8,9 @@ from harness import FakeWorker, start_server
 
 from k6serve.lora.arguments import set_lora_operation
 from k6serve.lora.spec import LORA_MERGE_MODES, LORA_TARGETS
-from k6serve.models.variants import VARIANTS, resolve_upscale
+from k6serve.models.variants import VARIANTS
 from k6serve.request import SR_RESIZE_MODES, SamplingParams
+from k6serve.request_resolution import resolve_upscale
 from k6serve.serve.video_create_body import VideoCreateBody
 
 # OpenAI's ids where its API has the route (its SDK's videos.create / list / retrieve / delete / download_content,

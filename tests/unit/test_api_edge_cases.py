@@ -313,7 +313,7 @@ def test_engine_options_take_pathlib_paths(tmp_path):
 def test_numpy_integers_are_the_ints_they_stand_for():
     import numpy as np
 
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
 
     params = SamplingParams.from_kwargs({"prompt": "x", "seed": np.int64(3), "num_frames": np.int32(5)})
     assert type(params.seed) is int and params.seed == 3 and type(params.num_frames) is int
@@ -322,7 +322,7 @@ def test_numpy_integers_are_the_ints_they_stand_for():
 
 
 def test_guidance_that_is_not_finite_says_so():
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
 
     with pytest.raises(ValueError, match="guidance_scale must be a finite number >= 1.0.*got inf"):
         resolve_generate(SamplingParams(prompt="x", guidance_scale=float("inf")), VARIANTS["pro"])
@@ -384,7 +384,7 @@ def test_a_tilde_in_any_request_path_is_the_home_folder(tmp_path, monkeypatch):
 
 
 def test_a_negative_prompt_ignored_by_super_resolution_is_said():
-    from k6serve.models.variants import resolve_upscale
+    from k6serve.request_resolution import resolve_upscale
 
     _, notes = resolve_upscale(SamplingParams(video_path="a.mp4", negative_prompt="blurry"),
                                VARIANTS["vsr-distilled2steps"])

@@ -953,7 +953,7 @@ def test_a_refused_request_is_a_value_error_in_its_row_and_in_every_message_nami
     # A refusal raised as FlagWorded (a ValueError that carries the CLI's flag wording) showed in a bench row as
     # "FlagWorded: ...", a type no documentation names; the same in a prompt list's note and an HTTP job's error.
     from k6serve.api import DiffGenerator
-    from k6serve.models.variants import AudioTooLong
+    from k6serve.request_refusals import AudioTooLong
     from k6serve.request import FlagWorded, error_type_name
     from k6serve.serve.errors import client_words
 

@@ -15,8 +15,9 @@ from torch import nn
 from k6serve.caching.block_cache import NEGATIVE, POSITIVE, BlockCacheSession, TaylorSeer, block_cache
 from k6serve.caching.params import CacheDitParams, parse_cache_dit_config
 from k6serve.engine_arguments import build_engine_config
-from k6serve.models.variants import VARIANTS, resolve_generate, resolve_upscale
+from k6serve.models.variants import VARIANTS
 from k6serve.request import OutputOptions, SamplingParams
+from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime.worker import ModelWorker
 
 NO_FILE = OutputOptions(save_output=False, return_frames=True)

@@ -50,7 +50,8 @@ def test_the_cli_names_its_flag_in_a_refusal_of_the_settings(demo_dir, no_ranks,
 
 
 def test_the_request_fields_keep_their_names_for_the_api_and_the_server():
-    from k6serve.models.variants import VARIANTS, resolve_generate
+    from k6serve.models.variants import VARIANTS
+    from k6serve.request_resolution import resolve_generate
 
     with pytest.raises(ValueError, match=r"^cache_dit_params\.scm_preset needs 4, 6 or at least 8 steps"):
         resolve_generate(SamplingParams(prompt="x", num_inference_steps=3, cache_dit_params={"scm_preset": "fast"}),

@@ -299,7 +299,8 @@ def test_a_refusal_keeps_the_apis_words_and_carries_the_flags(refuse, message, f
 
 
 def _resolve(*, has_audio: bool = True, streams_text_encoder: bool = False, **fields):
-    from k6serve.models.variants import VARIANTS, resolve_generate
+    from k6serve.models.variants import VARIANTS
+    from k6serve.request_resolution import resolve_generate
 
     return resolve_generate(SamplingParams(**{"prompt": "x", **fields}), VARIANTS["pro-distill"],
                             has_audio=has_audio, streams_text_encoder=streams_text_encoder)
@@ -1129,7 +1130,7 @@ def test_cli_summary_counts_frames_in_words(num_frames, text):
 
 
 def test_sr_without_a_source_names_the_api_keyword(sr_generator, tmp_path):
-    from k6serve.models.variants import MissingSourceVideo
+    from k6serve.request_refusals import MissingSourceVideo
 
     with pytest.raises(MissingSourceVideo) as refused:
         sr_generator.generate({"sr_resolution_scale": 2, "output_path": str(tmp_path)})
@@ -1164,7 +1165,7 @@ class FakeSRWorker:
         self.variant = VARIANTS[self.name]
 
     def resolve(self, params):
-        from k6serve.models.variants import resolve_generate, resolve_upscale
+        from k6serve.request_resolution import resolve_generate, resolve_upscale
 
         if self.variant.family == "super_resolution":
             return resolve_upscale(params, self.variant)
@@ -1179,7 +1180,8 @@ class FakeGenerationWorker(FakeSRWorker):
 
 
 def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_cli(tmp_path, monkeypatch, capsys):
-    from k6serve.models.variants import SUPER_RESOLUTION, MissingPrompt
+    from k6serve.models.variants import SUPER_RESOLUTION
+    from k6serve.request_refusals import MissingPrompt
 
     assert FakeSRWorker().variant.family == SUPER_RESOLUTION
     generator = DiffGenerator(Engine(build_engine_config("demo", device="cpu"), worker=FakeGenerationWorker()))

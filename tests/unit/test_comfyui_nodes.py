@@ -194,7 +194,8 @@ def test_inputs_added_later_come_last_so_saved_workflows_keep_their_values():
 
 def test_num_frames_widget_stays_within_what_the_server_takes():
     # Before: max 14401 (the server refuses > 509), and "rounded down" where the server makes 20 frames 21.
-    from k6serve.models.variants import VARIANTS, resolve_generate
+    from k6serve.models.variants import VARIANTS
+    from k6serve.request_resolution import resolve_generate
     from k6serve.request import SamplingParams
 
     options = Generate.INPUT_TYPES()["required"]["num_frames"][1]

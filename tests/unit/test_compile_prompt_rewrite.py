@@ -118,7 +118,7 @@ def test_prompts_of_other_lengths_and_an_image_reuse_the_warm_ups_compiled_step(
     import numpy as np
     from PIL import Image
 
-    from k6serve.models.variants import resolve_generate
+    from k6serve.request_resolution import resolve_generate
     from k6serve.pipelines.expand_prompt import load_image_processor
     from k6serve.pipelines.text_to_video import TextToVideoPipeline
     from k6serve.speed.warmup import warm_rewrite

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 from k6serve.media.output_names import partial_file_path
-from k6serve.models.variants import VARIANTS, resolve_generate
+from k6serve.models.variants import VARIANTS
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
+from k6serve.request_resolution import resolve_generate
 from k6serve.runtime.engine import Engine, RequestCancelled
 from k6serve.runtime.launch import find_free_port, local_rank_specs, torchrun_rank
 from k6serve.runtime.process_group_worker import MultiProcessWorker

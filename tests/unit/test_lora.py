@@ -931,7 +931,8 @@ def test_http_body_and_cli_take_a_requests_adapters():
     args = parser.parse_args(["generate", "--model-path", "demo", "--prompt", "x", "--loras", '{"style": 0.5}'])
     assert split_options(merged_options(args, parser))[1]["loras"] == {"style": 0.5}
     with pytest.raises(ValueError, match="loras applies to the generation models"):
-        from k6serve.models.variants import VARIANTS, resolve_upscale
+        from k6serve.models.variants import VARIANTS
+        from k6serve.request_resolution import resolve_upscale
 
         resolve_upscale(SamplingParams(video_path="a.mp4", loras={}), VARIANTS["vsr"])
 

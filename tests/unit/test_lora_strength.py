@@ -21,9 +21,10 @@ from k6serve.engine_arguments import build_engine_config
 from k6serve.lora.adapter import read_adapter
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
-from k6serve.models.variants import VARIANTS, resolve_generate
+from k6serve.models.variants import VARIANTS
 from k6serve.pipelines.text_to_video import non_finite_latents
 from k6serve.request import OutputOptions, SamplingParams
+from k6serve.request_resolution import resolve_generate
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.worker import ModelWorker
 from k6serve.testing.lora_adapters import module_shapes, write_lora_adapter

@@ -288,7 +288,7 @@ def test_a_refusal_before_the_load_keeps_its_origin_for_log_level_debug(tiny_dis
     # --log-level debug prints where the refusal came from (the request rules), not only the CLI's re-raise.
     assert main(_args(tiny_distill_dir, tmp_path, "--prompt", "x", "--height", "60", "--log-level", "debug")) == 2
     err = capsys.readouterr().err
-    assert "error: --height must be a positive multiple of 16" in err and "variants.py" in err
+    assert "error: --height must be a positive multiple of 16" in err and "request_resolution.py" in err
 
 
 def _saved(prompt: str, seconds: float):

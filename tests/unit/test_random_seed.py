@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from k6serve.api import DiffGenerator
-from k6serve.models.variants import VARIANTS, resolve_generate
+from k6serve.models.variants import VARIANTS
 from k6serve.request import SamplingParams, drawn_seed
+from k6serve.request_resolution import resolve_generate
 
 SMALL = {"prompt": "a fox", "height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1}
 

@@ -12,8 +12,8 @@ import pytest
 from k6serve.cli.config_file import load_config_file
 from k6serve.cli.generate import read_prompt_file
 from k6serve.cli.main import _printable_stdout
-from k6serve.models.variants import _check_prompt_texts
 from k6serve.request import SamplingParams, unencodable_path
+from k6serve.request_resolution import _check_prompt_texts
 
 
 def test_a_config_file_is_utf8_whatever_the_locale_with_or_without_a_byte_order_mark(tmp_path, monkeypatch):

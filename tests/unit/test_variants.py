@@ -6,18 +6,10 @@ import typing
 
 import pytest
 
-from k6serve.models.variants import (
-    DEFAULT_NEGATIVE_PROMPT,
-    MissingPrompt,
-    SUPER_RESOLUTION,
-    VARIANTS,
-    recognise,
-    resolve_generate,
-    resolve_upscale,
-    seconds_to_num_frames,
-    variant_from_id,
-)
+from k6serve.models.variants import SUPER_RESOLUTION, VARIANTS, recognise, variant_from_id
 from k6serve.request import FIELD_NAMES, FLAG_NAMES, FlagWorded, SamplingParams, parse_size
+from k6serve.request_refusals import MissingPrompt
+from k6serve.request_resolution import DEFAULT_NEGATIVE_PROMPT, resolve_generate, resolve_upscale, seconds_to_num_frames
 
 
 @pytest.mark.parametrize(
@@ -429,21 +421,21 @@ def test_a_soundtrack_longer_than_the_audio_positions_is_refused_with_the_reques
 
 
 def test_the_audio_bound_is_the_pipelines_length_and_the_models_rope_table():
-    from k6serve.models import variants
+    from k6serve import request_resolution
     from k6serve.models.common.rope import MAX_SEQUENCE_POSITIONS
     from k6serve.pipelines.prepare_latents import audio_latent_length
     from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
 
-    assert variants.AUDIO_MAX_POSITIONS == MAX_SEQUENCE_POSITIONS
+    assert request_resolution.AUDIO_MAX_POSITIONS == MAX_SEQUENCE_POSITIONS
     audio_vae = json.loads((ensure_demo_checkpoint() / "audio_vae" / "config.json").read_text())
-    assert audio_vae["sample_rate"] == variants.AUDIO_SAMPLE_RATE
-    assert 2 * audio_vae["hop_length"] == variants.AUDIO_LATENT_HOP_LENGTH  # MMAudioVAE.latent_hop_length
+    assert audio_vae["sample_rate"] == request_resolution.AUDIO_SAMPLE_RATE
+    assert 2 * audio_vae["hop_length"] == request_resolution.AUDIO_LATENT_HOP_LENGTH  # MMAudioVAE.latent_hop_length
     # The largest clip the check lets through is exactly the pipeline's longest audio that fits the table.
     request, _ = resolve_generate(SamplingParams(prompt="a", num_frames=473, fps=10), VARIANTS["pro"])
-    length = audio_latent_length(request.num_latent_frames, request.fps, variants.AUDIO_SAMPLE_RATE,
-                                 variants.AUDIO_LATENT_HOP_LENGTH)
-    assert length <= MAX_SEQUENCE_POSITIONS < audio_latent_length(128, 10, variants.AUDIO_SAMPLE_RATE,
-                                                                  variants.AUDIO_LATENT_HOP_LENGTH)
+    length = audio_latent_length(request.num_latent_frames, request.fps, request_resolution.AUDIO_SAMPLE_RATE,
+                                 request_resolution.AUDIO_LATENT_HOP_LENGTH)
+    assert length <= MAX_SEQUENCE_POSITIONS < audio_latent_length(128, 10, request_resolution.AUDIO_SAMPLE_RATE,
+                                                                  request_resolution.AUDIO_LATENT_HOP_LENGTH)
 
 
 @pytest.mark.parametrize(("option", "message"), [
