@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from k6serve.lora.adapter import LoraModule
 from k6serve.lora.sharding import ShardedWeight, local_tensor
+from k6serve.lora.state_dict import LoraModule
 from k6serve.lora.targets import LoraTarget, features, linear_view
 
 # CPU memory for the cached rows: DoRA on every Linear of the Pro DiT takes about 77 MiB per adapter and strength

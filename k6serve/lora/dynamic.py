@@ -162,7 +162,7 @@ class LoraLinear(nn.Module):
 
 class LoraEmbedding(nn.Module):
     """`base(ids)` plus, for each delta, the ids' rows of down^T times (scale * up)^T: PEFT's embedding LoRA, whose
-    lora_embedding_A / _B are the down / up of the table's transpose (`adapter.LoraModule`). No layout runs the
+    lora_embedding_A / _B are the down / up of the table's transpose (`state_dict.LoraModule`). No layout runs the
     embedding sharded inside the forward (tensor parallelism leaves it whole, FSDP gathers it)."""
 
     _WHOLE = ShardedWeight(dim=None)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from k6serve.lora.adapter import LoraAdapter, LoraModule, read_adapter
+from k6serve.lora.adapter import LoraAdapter, read_adapter
 from k6serve.lora.dora import DoraCache, row_norms
 from k6serve.lora.dynamic import LoraDelta, LoraEmbedding, LoraLinear
 from k6serve.lora.sharding import ShardedWeight, local_tensor
@@ -52,6 +52,7 @@ from k6serve.lora.spec import (
     check_lora_strength,
     resolve_merge_mode,
 )
+from k6serve.lora.state_dict import LoraModule
 from k6serve.lora.targets import LoraTarget, check_mergeable, linear_view, resolve_targets
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ class LoraManager:
                 "alpha": float(alpha if alpha is not None else adapter.rank),
                 "strength": entry.strength if entry is not None else None,
                 "num_modules": len(adapter.modules),
-                # PEFT's variants the file carries (adapter.py): DoRA magnitudes, lora_B biases, an Embedding's pair
+                # PEFT's variants the file carries (state_dict.py): DoRA magnitudes, lora_B biases, an Embedding's pair
                 "dora": any(module.magnitude is not None for module in adapter.modules.values()),
                 "lora_bias": any(module.bias is not None for module in adapter.modules.values()),
                 "embedding": any(module.embedding for module in adapter.modules.values()),

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from k6serve.lora.adapter import LoraModule
 from k6serve.lora.dynamic import LoraEmbedding, LoraLinear
 from k6serve.lora.sharding import ShardedWeight
+from k6serve.lora.state_dict import LoraModule
 
 # fused Linear name -> the projections it stacks, in row order; each part has out_features / len(parts) rows.
 FUSED_PROJECTIONS = {

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from k6serve.lora.adapter import names_adapter_file
+from k6serve.lora.adapter_file import names_adapter_file
 from k6serve.lora.arguments import (
     HTTP_LORA_NAMES,
     LoraArgumentError,

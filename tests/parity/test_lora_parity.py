@@ -42,8 +42,9 @@ from diffusers import Kandinsky6Transformer3DModel  # noqa: E402
 from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from k6serve.lora.adapter import LORA_METADATA_KEY, read_adapter  # noqa: E402
+from k6serve.lora.adapter import read_adapter  # noqa: E402
 from k6serve.lora.manager import LoraManager  # noqa: E402
+from k6serve.lora.peft_config import LORA_METADATA_KEY  # noqa: E402
 from k6serve.lora.spec import LoraSpec  # noqa: E402
 from k6serve.models.kandinsky6.checkpoint import load_transformer  # noqa: E402
 from k6serve.speed import apply_fused_projections  # noqa: E402

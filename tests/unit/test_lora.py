@@ -23,13 +23,8 @@ from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.config import LORA_MERGE_MODES as CONFIG_MERGE_MODES
 from k6serve.engine_arguments import build_engine_config
-from k6serve.lora.adapter import (
-    PREFERRED_FILE,
-    _header_metadata,
-    names_adapter_file,
-    read_adapter,
-    resolve_adapter_file,
-)
+from k6serve.lora.adapter import _header_metadata, read_adapter
+from k6serve.lora.adapter_file import PREFERRED_FILE, names_adapter_file, resolve_adapter_file
 from k6serve.lora.dynamic import LoraLinear
 from k6serve.lora.manager import LoraManager
 from k6serve.lora.spec import LORA_MERGE_MODES, ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora

@@ -19,8 +19,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from k6serve.lora.adapter import LORA_METADATA_KEY, names_adapter_file, read_adapter
+from k6serve.lora.adapter import read_adapter
+from k6serve.lora.adapter_file import names_adapter_file
 from k6serve.lora.manager import LoraManager
+from k6serve.lora.peft_config import LORA_METADATA_KEY
 from k6serve.lora.spec import LoraSpec
 from k6serve.testing.gloo_ranks import run_on_gloo_ranks
 
@@ -338,7 +340,7 @@ def test_the_cache_drops_the_least_recently_used_rows_past_its_bytes():
 
 
 def _parse(tensors: dict[str, torch.Tensor]):
-    from k6serve.lora.adapter import parse_lora_state_dict
+    from k6serve.lora.state_dict import parse_lora_state_dict
 
     return parse_lora_state_dict(tensors, source="test")
 

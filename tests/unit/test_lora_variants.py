@@ -18,8 +18,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from k6serve.api import DiffGenerator
-from k6serve.lora.adapter import LORA_METADATA_KEY, names_adapter_file, read_adapter
+from k6serve.lora.adapter import read_adapter
+from k6serve.lora.adapter_file import names_adapter_file
 from k6serve.lora.manager import LoraManager
+from k6serve.lora.peft_config import LORA_METADATA_KEY
 from k6serve.lora.spec import LoraSpec
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.testing.gloo_ranks import run_on_gloo_ranks

@@ -101,7 +101,7 @@ def test_a_path_the_filesystem_encoding_cannot_hold_is_said_so(monkeypatch):
     assert unencodable_path("/data/входные/лиса.png") == (
         "'/data/входные/лиса.png' has characters ('входные') that this process's filesystem encoding, ascii, cannot "
         "hold; run it under a UTF-8 locale (e.g. LANG=C.UTF-8) or with PYTHONUTF8=1")
-    from k6serve.lora.adapter import resolve_adapter_file
+    from k6serve.lora.adapter_file import resolve_adapter_file
 
     with pytest.raises(ValueError, match="^LoRA file '/loras/стиль.safetensors' has characters"):
         resolve_adapter_file("/loras/стиль.safetensors")
