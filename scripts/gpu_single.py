@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from k6serve.bench.__main__ import COMPILE_MODES
-from k6serve.bench.__main__ import build_parser as build_bench_parser
-from k6serve.bench.__main__ import run_stages
+from k6serve.bench.flags import COMPILE_MODES
+from k6serve.bench.flags import build_parser as build_bench_parser
 from k6serve.bench.report import BenchRow, environment, format_table, json_text
+from k6serve.bench.stage_runners import run_stages
 from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES
 
 SUBCOMMANDS = ("env", "dit", "generate", "decoders", "sr")

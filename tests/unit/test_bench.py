@@ -7,10 +7,12 @@ import re
 import pytest
 import torch
 
-from k6serve.bench.__main__ import build_parser, main, run_stages
+from k6serve.bench.__main__ import main
+from k6serve.bench.flags import build_parser
 from k6serve.bench.flops import kandinsky6_forward_flops
 from k6serve.bench.geometry import generation_geometry
 from k6serve.bench.report import COLUMNS, BenchRow, format_table
+from k6serve.bench.stage_runners import run_stages
 from k6serve.models.kandinsky6.checkpoint import released_transformer_config
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.variants import VARIANTS
@@ -369,22 +371,22 @@ def test_gpu_single_tiny_dit_keeps_going_after_a_failed_part(tmp_path, load_scri
 def test_compile_mode_reaches_the_dit_options_and_needs_inductor(monkeypatch, load_script):
     """`--compile-mode` (k6serve bench, gpu_single.py dit) is passed to our blocks' torch.compile; with a
     backend other than inductor (the --tiny default) it is refused before any setup."""
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     captured = {}
     monkeypatch.setattr(bench, "run_dit", lambda options: captured.setdefault("options", options) and [])
-    args = bench.build_parser().parse_args(["--tiny", "--compile-backend", "inductor", "--compile-mode",
-                                            "max-autotune-no-cudagraphs"])
+    args = build_parser().parse_args(["--tiny", "--compile-backend", "inductor", "--compile-mode",
+                                      "max-autotune-no-cudagraphs"])
     runners = bench.stage_runners(args)
     runners["dit"]()
     assert captured["options"].compile_mode == "max-autotune-no-cudagraphs"
     assert captured["options"].compile_backend == "inductor"
     with pytest.raises(SystemExit, match="--compile-mode needs the inductor backend"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--compile-mode", "max-autotune"]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--compile-mode", "max-autotune"]))
     with pytest.raises(SystemExit):  # argparse: not one of the modes
-        bench.build_parser().parse_args(["--compile-mode", "fastest"])
+        build_parser().parse_args(["--compile-mode", "fastest"])
     with pytest.raises(SystemExit, match="--fp8-attention times the fused \\+ compiled DiT.*drop --skip-speed"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--fp8-attention", "--skip-speed"]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--fp8-attention", "--skip-speed"]))
     script = load_script("gpu_single")
     parts = script.parts(script.build_parser().parse_args(["dit", "--models", "lite-distill", "--skip-eager",
                                                            "--compile-mode", "max-autotune-no-cudagraphs"]))
@@ -529,17 +531,17 @@ def test_sr_vae_tile_decode_flops_counts_the_real_decode(tiny_sr_configs, build_
 
 def test_tiny_runs_on_the_cpu_unless_cuda_is_named(monkeypatch):
     # --tiny is the CPU smoke mode: on a GPU host `auto` still picks the CPU, whose rows the tests above know.
-    from k6serve.bench.__main__ import _device
+    from k6serve.bench.flag_checks import bench_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _device("auto", tiny=True) == torch.device("cpu")
-    assert _device("auto") == torch.device("cuda")
-    assert _device("cuda", tiny=True) == torch.device("cuda")
+    assert bench_device("auto", tiny=True) == torch.device("cpu")
+    assert bench_device("auto") == torch.device("cuda")
+    assert bench_device("cuda", tiny=True) == torch.device("cuda")
 
 
 def test_the_released_sizes_on_a_host_without_a_gpu_are_refused_unless_the_cpu_is_named(monkeypatch, capsys):
     # `k6serve bench` with no flag on a laptop built the released Pro DiT on the CPU and ran it for hours.
-    from k6serve.bench.__main__ import _device
+    from k6serve.bench.flag_checks import bench_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
@@ -549,7 +551,7 @@ def test_the_released_sizes_on_a_host_without_a_gpu_are_refused_unless_the_cpu_i
     assert captured.err.endswith("k6serve bench: error: no CUDA GPU is visible, and the released sizes on the CPU take "
                                  "hours and tens of GiB of memory a stage; add --tiny for the CPU smoke mode, or "
                                  "--device cpu to run them anyway.\n")
-    assert _device("auto", tiny=True) == _device("cpu") == torch.device("cpu")
+    assert bench_device("auto", tiny=True) == bench_device("cpu") == torch.device("cpu")
 
 
 def test_generate_takes_the_engines_offload_flags(monkeypatch):
@@ -640,7 +642,7 @@ def test_blas_library_rows_time_the_fast_dit_per_library_and_put_it_back(monkeyp
     preferred library put back after (on the CPU, where torch refuses cuBLASLt, the setter is faked)."""
     import dataclasses
 
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
     from k6serve.bench import dit
 
     calls = []
@@ -652,8 +654,8 @@ def test_blas_library_rows_time_the_fast_dit_per_library_and_put_it_back(monkeyp
 
     captured = {}
     monkeypatch.setattr(bench, "run_dit", lambda options: captured.setdefault("options", options) and [])
-    bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--skip-reference", "--skip-eager", "--repeats",
-                                                         "1"]))["dit"]()
+    bench.stage_runners(build_parser().parse_args(["--tiny", "--skip-reference", "--skip-eager", "--repeats",
+                                                   "1"]))["dit"]()
     monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
     rows = dit.run_dit(dataclasses.replace(captured["options"], blas_libraries=("cublaslt", "cublas")))
     assert [row.name for row in rows] == ["ours torch_sdpa fused+compiled", "ours torch_sdpa fused+compiled+cublaslt",
@@ -662,9 +664,9 @@ def test_blas_library_rows_time_the_fast_dit_per_library_and_put_it_back(monkeyp
     assert "preferred_blas_library('cublaslt')" in rows[1].note
     assert calls == ["cublaslt", "cublas", "cublas-default"]  # each row's library, then the one before
     with pytest.raises(SystemExit, match="--blas-libraries picks among cuBLAS's kernels: it needs a CUDA device"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--blas-libraries", "cublaslt"]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--blas-libraries", "cublaslt"]))
     with pytest.raises(SystemExit, match="--blas-libraries times the fused \\+ compiled DiT.*drop --skip-speed"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--blas-libraries", "cublas", "--skip-speed"]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--blas-libraries", "cublas", "--skip-speed"]))
 
 
 def test_vae_rows_after_a_failed_baseline_show_no_ratio_and_a_failed_speed_up_restores_cudnn(monkeypatch):
@@ -769,7 +771,7 @@ def test_a_size_the_dit_cannot_run_is_refused_before_the_model_is_built(capsys):
     assert refusal(["--tiny", "--stage", "dit", "--height", "4096", "--num-frames", "1"], capsys) == (
         "--height / --width / --num-frames: the DiT's video token grid 1x256x6 exceeds its RoPE table of 128 "
         "positions an axis (at most 2048 pixels a side, 509 frames)")
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     bench.stage_runners(build_parser().parse_args(["--tiny", "--stage", "vae", "--height", "4096", "--num-frames",
                                                    "1"]))
@@ -809,9 +811,9 @@ def test_a_dit_flag_whose_rows_a_skip_flag_removes_is_refused(flags, message, ca
     assert re.search(message, refusal(["--tiny", "--stage", "dit", "--repeats", "1", "--warmup", "0", *flags], capsys))
     # The skips alone stay fine where no dit stage runs.
     if flags == ["--skip-reference", "--skip-eager", "--skip-speed"]:
-        from k6serve.bench import __main__ as bench
+        from k6serve.bench import stage_runners as bench
 
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--stage", "vae", *flags]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--stage", "vae", *flags]))
 
 
 def test_every_bench_flag_says_what_it_does_and_the_stages_that_ignore_it_are_named():
@@ -828,9 +830,9 @@ def test_a_failing_extra_generate_request_keeps_the_rows_measured_before_it(monk
     # Unknown cache_dit_params (refused by the engine at the cached request) made the whole stage one error row:
     # the cold and warm requests, already measured, were lost with it; the silent rows after it still run. (Such
     # params are now refused before the load, below; this is any failure of an extra row's request.)
-    import k6serve.bench.__main__ as bench_main
+    from k6serve.bench import stage_runners
 
-    monkeypatch.setattr(bench_main, "check_before_loading", lambda options, stages: None)
+    monkeypatch.setattr(stage_runners, "check_before_loading", lambda options, stages: None)
     args = build_parser().parse_args(["--tiny", "--stage", "generate", "--repeats", "1", "--num-inference-steps", "1",
                                       "--cache-dit-params", '{"bogus": 1}', "--silent-request"])
     rows = run_stages(args, log=lambda text: None)
@@ -894,11 +896,11 @@ def test_the_json_has_null_where_a_value_is_not_finite(tmp_path):
 @pytest.mark.parametrize("value", [",", " , "])
 def test_backends_that_name_none_are_refused(value):
     """`--backends ,` left no backend: the dit stage ran diffusers' rows alone, with no row of ours and no word why."""
-    import k6serve.bench.__main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     with pytest.raises(SystemExit, match=r"^--backends '.*' names no attention backend; give one or more, "
                                          r"comma-separated \(e\.g\. torch_sdpa\), or leave the flag out$"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--device", "cpu", "--backends", value]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--device", "cpu", "--backends", value]))
 
 
 @pytest.mark.parametrize("stage", ["generate", "sr"])
@@ -1001,7 +1003,7 @@ def test_gpu_single_tiny_records_the_cpu_it_ran_on_not_the_hosts_gpu(tmp_path, m
 def test_a_flag_of_a_stage_not_run_is_not_checked_and_the_run_says_it_was_ignored(tmp_path, capsys):
     # --transformer-path was refused (a folder without a checkpoint) with --stage audio, which never reads it; a valid
     # one was silently ignored. Now, as the skip flags already were, a dit flag is checked with the dit stage only.
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     out = tmp_path / "bench.json"
     assert main(["--tiny", "--stage", "audio", "--dtype", "float32", "--repeats", "1", "--warmup", "0",
@@ -1027,7 +1029,7 @@ def test_a_flag_of_a_stage_not_run_is_not_checked_and_the_run_says_it_was_ignore
 def test_each_flag_help_names_the_stages_that_read_it():
     # The table of which stage reads which flag (the ignored-flag notes) and the help's "dit:" / "generate/sr:"
     # prefixes say the same; --backends and the skip flags' help named no stage.
-    from k6serve.bench.__main__ import FLAG_STAGES, STAGES
+    from k6serve.bench.flags import FLAG_STAGES, STAGES
 
     stage = "(?:" + "|".join(STAGES) + ")"
     prefix = re.compile(rf"(?:^|; )({stage}(?:/{stage})*): ")
@@ -1056,6 +1058,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_any_stage_runs(pat
 def test_an_unwritable_json_folder_is_refused_up_front_and_a_failed_write_is_a_message(tmp_path, monkeypatch,
                                                                                          capsys):
     from k6serve.bench import __main__ as bench
+    from k6serve.bench import flag_checks
 
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
@@ -1064,7 +1067,7 @@ def test_an_unwritable_json_folder_is_refused_up_front_and_a_failed_write_is_a_m
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as patch:  # root writes anywhere: the probe file is refused instead
-        patch.setattr(bench.tempfile, "TemporaryFile", refused)
+        patch.setattr(flag_checks.tempfile, "TemporaryFile", refused)
         message = refusal(["--tiny", "--stage", "audio", "--json", str(tmp_path / "runs" / "bench.json")], capsys)
     assert re.search("^cannot write --json .* \\(Permission denied\\); give a writable folder$", message)
     # Writable then, failing at the end (disk full): a message and exit 1, the rows in the table printed above.
@@ -1120,7 +1123,7 @@ def test_a_generate_or_sr_flag_the_request_would_refuse_is_refused_before_any_st
 def test_the_sr_stage_runs_without_the_generation_only_engine_flags():
     # --quantization fp8, --vae-tiling on and --compile-prompt-rewrite (help: "generate:") reached the SR engine too,
     # which refuses each: `--stage generate --stage sr --quantization fp8` lost the sr stage to an error row.
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
     from k6serve.bench.end_to_end import _engine_kwargs, check_before_loading
 
     args = build_parser().parse_args(["--tiny", "--stage", "sr", "--stage", "generate", "--quantization", "fp8",
@@ -1140,7 +1143,7 @@ def test_the_sr_stage_runs_without_the_generation_only_engine_flags():
 
 
 def test_a_variant_that_tiny_or_a_transformer_path_overrides_is_noted(tiny_distill_dir):
-    from k6serve.bench.__main__ import ignored_flags
+    from k6serve.bench.stage_runners import ignored_flags
 
     def notes(*flags):
         return ignored_flags(build_parser().parse_args(list(flags)))
@@ -1161,7 +1164,7 @@ def test_a_variant_that_tiny_or_a_transformer_path_overrides_is_noted(tiny_disti
 def test_the_json_keeps_the_stages_that_finished_when_a_later_one_is_killed(tmp_path, monkeypatch, capsys):
     # The JSON was written once, at the end: a run killed in its last stage (out of memory, a timeout, Ctrl-C) lost
     # every row already measured. It is written after each stage, marked incomplete until the end.
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     def interrupted(options):
         raise KeyboardInterrupt
@@ -1189,7 +1192,7 @@ def test_a_compile_backend_torch_does_not_know_is_refused_before_any_stage_runs(
     assert refusal(["--tiny", "--compile-backend", "inductr"], capsys) == (
         "--compile-backend 'inductr' is no torch.compile backend; e.g. inductor, eager or aot_eager "
         "(torch._dynamo.list_backends(exclude_tags=()) lists them all)")
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     for backend in ("eager", "aot_eager", "inductor"):
         bench.stage_runners(build_parser().parse_args(["--tiny", "--compile-backend", backend]))
@@ -1199,7 +1202,7 @@ def test_the_sr_source_clip_takes_any_even_size_and_the_text_stage_no_size(capsy
     # `--stage sr --height 540 --width 960` (a 540p source) was refused as no multiple of 16, and 120 frames as no
     # 4k+1, though the SR pipeline upscales any even size and length; the text stage, which reads no size, was
     # refused for one too.
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
 
     rows = run_stages(build_parser().parse_args(["--tiny", "--stage", "sr", "--repeats", "1", "--height", "42",
                                                  "--width", "70", "--num-frames", "18"]), log=lambda text: None)
@@ -1218,7 +1221,7 @@ def test_the_sr_source_clip_takes_any_even_size_and_the_text_stage_no_size(capsy
 
 def test_gpu_single_parts_pass_no_flag_their_stage_ignores(load_script):
     # generate and sr parts passed --warmup 0, and the text part the sizes, which those stages never read.
-    from k6serve.bench.__main__ import ignored_flags
+    from k6serve.bench.stage_runners import ignored_flags
 
     script = load_script("gpu_single")
     for subcommand in ("dit", "generate", "decoders", "sr"):

@@ -641,7 +641,7 @@ def test_cli_reference_shows_the_exact_help(command, monkeypatch):
     documented nowhere)."""
     from pathlib import Path
 
-    from k6serve.bench.__main__ import build_parser as build_bench_parser
+    from k6serve.bench.flags import build_parser as build_bench_parser
     from k6serve.cli.flags import build_parser
 
     monkeypatch.setenv("COLUMNS", "120")

@@ -114,28 +114,29 @@ def test_the_converted_dit_runs_close_to_the_original():
 
 
 def test_bench_rows_and_flag_checks(monkeypatch, capsys):
-    from k6serve.bench import __main__ as bench
+    from k6serve.bench import stage_runners as bench
+    from k6serve.bench.flags import build_parser
 
     captured = {}
     monkeypatch.setattr(bench, "run_dit", lambda options: captured.setdefault("options", options) and [])
-    args = bench.build_parser().parse_args(["--tiny", "--fp8-linears", "ffn", "video", "--fp8-fast-accumulation"])
+    args = build_parser().parse_args(["--tiny", "--fp8-linears", "ffn", "video", "--fp8-fast-accumulation"])
     bench.stage_runners(args)["dit"]()
     assert captured["options"].fp8_linears == ("ffn", "video") and captured["options"].fp8_fast_accumulation
     with pytest.raises(SystemExit, match="--fp8-linears times the fused \\+ compiled DiT once more in e4m3: drop "
                                          "--skip-speed"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--fp8-linears", "ffn", "--skip-speed"]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--fp8-linears", "ffn", "--skip-speed"]))
     with pytest.raises(SystemExit, match="--fp8-fast-accumulation times the --fp8-linears rows' model once more: "
                                          "add --fp8-linears"):
-        bench.stage_runners(bench.build_parser().parse_args(["--tiny", "--fp8-fast-accumulation"]))
+        bench.stage_runners(build_parser().parse_args(["--tiny", "--fp8-fast-accumulation"]))
     for entry, message in (("all", "SCOPE one of ffn, video, got 'all'"),
                            ("ffn:", "give patterns after the colon, or drop it")):
         with pytest.raises(SystemExit):  # argparse refuses it before any model is built, saying why
-            bench.build_parser().parse_args(["--fp8-linears", entry])
+            build_parser().parse_args(["--fp8-linears", entry])
         assert message in capsys.readouterr().err
     # The generate stage passes the engine's --quantization through.
     monkeypatch.setattr(bench, "run_generate", lambda options: captured.setdefault("generate", options) and [])
-    args = bench.build_parser().parse_args(["--tiny", "--quantization", "fp8", "--quantization-ignored-layers",
-                                            "feed_forward"])
+    args = build_parser().parse_args(["--tiny", "--quantization", "fp8", "--quantization-ignored-layers",
+                                      "feed_forward"])
     bench.stage_runners(args)["generate"]()
     from k6serve.bench.end_to_end import _engine_kwargs
 

@@ -256,7 +256,7 @@ def test_cli_reference_lists_every_flag():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
-    from k6serve.bench.__main__ import build_parser as build_bench_parser
+    from k6serve.bench.flags import build_parser as build_bench_parser
 
     parser = build_parser()
     for command in ("generate", "serve", "bench"):
