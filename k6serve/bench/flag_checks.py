@@ -40,7 +40,7 @@ def _check_fp8_patterns(entries: list[str], transformer_config: dict) -> None:
 
 
 def check_dit_flags(args: argparse.Namespace, device: torch.device, compile_backend: str,
-                     transformer_config: dict) -> None:
+                    transformer_config: dict) -> None:
     """The dit flags' combinations that cannot run or would add nothing, refused before any stage runs."""
     if args.fp8_attention and args.skip_speed:
         # The FP8 row re-times the fused + compiled DiT; without it the flag would add nothing, silently.
