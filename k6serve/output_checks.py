@@ -60,8 +60,8 @@ def final_file_name(name: str) -> tuple[str, str | None]:
     worker writes it), and a warning when that differs from it by more than the added .mp4. A name with no letter or
     digit before its .mp4 ('..', '???') would be written as 'video.mp4' or '_.mp4', a name the caller never chose,
     so it is refused."""
-    # FlagWorded: `k6serve generate` names --output-file-name (cli/generate.py); "--output-path" is rewritten for
-    # the API's caller by reworded_errors, as before.
+    # FlagWorded: `k6serve generate` names --output-file-name (cli/preflight.py, cli/prompt_file.py); "--output-path"
+    # is rewritten for the API's caller by reworded_errors, as before.
     if not name.strip():
         raise FlagWorded.naming(lambda field: f"{field('output_file_name')} is empty; pass a name such as clip.mp4, "
                                               "or leave it out for a name derived from the request.")

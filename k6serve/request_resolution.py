@@ -73,7 +73,7 @@ def _check_prompt_texts(params: SamplingParams) -> None:
 
 def prompt_text_refusal(name: str, text: str) -> str | None:
     """Why `text`, called `name`, is refused as a prompt (`_check_prompt_texts`), or None. `name` is the caller's:
-    the request's field or flag, or a --prompt-file-path line (cli/generate.py), whose prompt no --prompt gave."""
+    the request's field or flag, or a --prompt-file-path line (cli/prompt_file.py), whose prompt no --prompt gave."""
     if len(text) > MAX_PROMPT_CHARACTERS:
         # The text encoder keeps its first 1,024 tokens, a few thousand characters: the rest was read, stored
         # with the job (the HTTP job store grew by a megabyte a job) and dropped.

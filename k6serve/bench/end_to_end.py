@@ -192,7 +192,7 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
     """The engine flags and the request of the generate / sr stages run, checked as `k6serve generate` checks its
     own before the load: a --num-inference-steps 0 or --sr-scale 3 was refused by the request after the model had
     loaded, and after every stage before it had run. Raises ValueError naming the flag."""
-    from k6serve.cli.generate import check_request_before_loading
+    from k6serve.cli.preflight import check_request_before_loading
     from k6serve.engine_arguments import build_engine_config
     from k6serve.request import SR_SCALES, SamplingParams
 

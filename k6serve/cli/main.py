@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {describe_os_error(exc, request.get('output_path', 'outputs'))}", file=sys.stderr)
         return EXIT_SYSTEM_ERROR
     except Exception as exc:
-        from k6serve.cli.generate import StdoutFailed
+        from k6serve.cli.result_output import StdoutFailed
 
         if not isinstance(exc, StdoutFailed):
             return _unexpected(exc, args, engine)

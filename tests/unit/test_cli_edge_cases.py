@@ -1122,7 +1122,7 @@ def test_revision_that_applies_to_no_hub_id_is_warned(tmp_path, monkeypatch, cap
 def test_cli_summary_counts_frames_in_words(num_frames, text):
     from types import SimpleNamespace
 
-    from k6serve.cli.generate import format_summary
+    from k6serve.cli.result_output import format_summary
 
     result = SimpleNamespace(width=96, height=64, num_frames=num_frames, fps=24.0, has_audio=False,
                              output_file_path=None, seed=2**40)
@@ -1143,8 +1143,9 @@ def test_sr_without_a_source_names_the_api_keyword(sr_generator, tmp_path):
 def test_cli_sr_without_a_source_names_the_flag_when_the_model_is_known_only_once_loaded(tiny_sr_dir, tmp_path,
                                                                                            monkeypatch, capsys):
     import k6serve.cli.generate as generate_module
+    import k6serve.cli.preflight as preflight
 
-    monkeypatch.setattr(generate_module, "_variant_before_loading", lambda options: None)  # e.g. a renamed hub repo
+    monkeypatch.setattr(preflight, "engine_variant_before_loading", lambda options: None)  # e.g. a renamed hub repo
     monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(
         lambda model_path, **options: DiffGenerator(Engine(build_engine_config(model_path, **options),
                                                            worker=FakeSRWorker()), wording=str)))
@@ -1195,8 +1196,9 @@ def test_a_missing_prompt_names_the_api_keyword_in_the_api_and_the_flag_on_the_c
                                   "format, control or blank characters (a byte-order mark U+FEFF, U+200B, U+3164).")
 
     import k6serve.cli.generate as generate_module
+    import k6serve.cli.preflight as preflight
 
-    monkeypatch.setattr(generate_module, "_variant_before_loading", lambda options: None)  # known only once loaded
+    monkeypatch.setattr(preflight, "engine_variant_before_loading", lambda options: None)  # known only once loaded
     monkeypatch.setattr(generate_module.DiffGenerator, "from_cli_options", staticmethod(
         lambda model_path, **options: DiffGenerator(Engine(build_engine_config(model_path, **options),
                                                            worker=FakeGenerationWorker()), wording=str)))
@@ -1600,7 +1602,7 @@ def test_expand_prompts_under_a_streamed_text_encoder_is_refused_before_the_load
     # `k6serve generate --expand-prompts --performance-mode memory` on a GPU said so only after the model had loaded.
     import torch
 
-    from k6serve.cli.generate import check_request_before_loading
+    from k6serve.cli.preflight import check_request_before_loading
     from k6serve.request import SamplingParams
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # streaming is CUDA's alone

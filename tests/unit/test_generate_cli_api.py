@@ -352,19 +352,19 @@ def test_latents_that_overflow_are_refused_before_the_decode(tiny_pro_dir, tmp_p
 def test_cli_no_save_output_does_not_ship_the_frames_back(capsys):
     """The API returns the frames of a request without a file; the CLI only prints timings, so it asks for none
     (for an upscale they are gigabytes pickled from the worker)."""
-    from k6serve.cli.generate import _checked_output_options
+    from k6serve.cli.preflight import checked_output_options
     from k6serve.request_arguments import split_kwargs
 
-    options = _checked_output_options({"prompt": "x", "save_output": False})
+    options = checked_output_options({"prompt": "x", "save_output": False})
     assert options["return_frames"] is False and split_kwargs(options)[1].return_frames is False
-    assert "return_frames" not in _checked_output_options({"prompt": "x", "output_file_name": None})
+    assert "return_frames" not in checked_output_options({"prompt": "x", "output_file_name": None})
 
 
 def test_the_timing_table_keeps_its_columns_and_prints_counts_whole():
     # "cache dit cached calls" (22 characters) pushed its value two columns right, printed as "8.000" seconds.
     from types import SimpleNamespace
 
-    from k6serve.cli.generate import format_timings
+    from k6serve.cli.result_output import format_timings
 
     result = SimpleNamespace(timings={"encode": 0.5, "denoise": 2.0, "total": 3.0, "graphs_compiled": 2.0,
                                       "cache_dit_cached_calls": 8.0}, peak_memory_mb=12.5)

@@ -384,7 +384,7 @@ def test_a_profile_that_describes_no_image_is_not_used_and_says_what_it_is(tmp_p
 def test_the_cli_check_before_loading_logs_no_conversion(tmp_path: Path, tiny_distill_dir, caplog) -> None:
     """The CLI checks the image before loading the model (`check_request_before_loading`); the pipeline's load logs
     the conversion. The check logging it too said it twice."""
-    from k6serve.cli.generate import check_request_before_loading
+    from k6serve.cli.preflight import check_request_before_loading
     from k6serve.request import SamplingParams
 
     path = _save(tmp_path / "p3.png", _patches(COLOURS), _rgb_profile("Display P3", _P3_XY, SRGB_CURVE))

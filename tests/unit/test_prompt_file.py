@@ -10,7 +10,7 @@ import pytest
 
 from k6serve import DiffGenerator
 from k6serve.engine_arguments import build_engine_config
-from k6serve.cli.generate import read_prompt_file
+from k6serve.cli.prompt_file import read_prompt_file
 from k6serve.media.output_names import numbered_file_names
 from k6serve.cli.main import main
 from k6serve.media.probe import probe
@@ -236,16 +236,16 @@ def test_prompt_file_lines_picks_lines_and_keeps_the_whole_files_numbered_names(
     ("2-", None),  # a range over a blank line runs the prompts in it
 ])
 def test_prompt_file_lines_that_name_no_prompt_are_refused(tmp_path, lines, message):
-    from k6serve.cli.generate import _prompt_file_batch
+    from k6serve.cli.prompt_file import prompt_file_batch
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first\nsecond\n\nthird\n")
     options = {"prompt_file_path": str(prompts), "prompt_file_lines": lines}
     if message is None:
-        assert [label for label, _ in _prompt_file_batch(options)] == ["line 2", "line 4"]
+        assert [label for label, _ in prompt_file_batch(options)] == ["line 2", "line 4"]
     else:
         with pytest.raises(ValueError) as error:
-            _prompt_file_batch(options)
+            prompt_file_batch(options)
         assert str(error.value) == message.format(prompts=prompts)
 
 
@@ -266,12 +266,12 @@ def test_a_run_stopped_after_a_finished_prompt_names_the_next_one_as_not_run(tin
                                                                               monkeypatch, capsys):
     # Stopped while the first prompt's summary was printed (Ctrl-C, or stdout closed by `| head`): line 1 finished
     # and was saved, so it did not stop the run, and line 2 did not run.
-    import k6serve.cli.generate as generate_module
+    import k6serve.cli.result_output as result_output
 
     def interrupted(result, unsaved_by):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(generate_module, "format_summary", interrupted)
+    monkeypatch.setattr(result_output, "format_summary", interrupted)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first\nsecond\n")
     assert main(_args(tiny_distill_dir, tmp_path, "--prompt-file-path", str(prompts), "--output-file-name",
@@ -512,7 +512,7 @@ def test_a_progress_line_escapes_terminal_controls_and_cuts_between_characters()
 
 def test_the_prompts_not_run_are_told_as_line_ranges():
     # 126 labels "line 75, line 76, ..." on one line could not be read, nor turned back into a prompt file.
-    from k6serve.cli.generate import _line_ranges
+    from k6serve.cli.prompt_file import _line_ranges
 
     assert _line_ranges(["line 4"]) == "line 4"
     assert _line_ranges([f"line {n}" for n in range(75, 201)]) == "lines 75-200"
@@ -560,7 +560,7 @@ def test_json_record_keeps_the_line_json_where_a_value_is_not_finite():
     import json
     from fractions import Fraction
 
-    from k6serve.cli.generate import result_record
+    from k6serve.cli.result_output import result_record
     from k6serve.request import VideoResult
 
     result = VideoResult(output_file_path="o/a.mp4", frames=None, audio=None, audio_sample_rate=44100, fps=24.0,
@@ -581,7 +581,7 @@ def test_json_lines_stay_json_on_a_stdout_that_is_not_utf8(monkeypatch, capsys):
     import json
     import sys
 
-    from k6serve.cli.generate import _print_result
+    from k6serve.cli.result_output import print_result
     from k6serve.request import VideoResult
 
     stream = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", errors="backslashreplace")
@@ -589,7 +589,7 @@ def test_json_lines_stay_json_on_a_stdout_that_is_not_utf8(monkeypatch, capsys):
     result = VideoResult(output_file_path="out/Лиса_🦊.mp4", frames=None, audio=None, audio_sample_rate=44100,
                          fps=24.0, seed=1, timings={"total": 1.0}, peak_memory_mb=1.0, num_frames=5, height=32,
                          width=32)
-    _print_result(result, as_json=True, label="line 1", prompt="Лиса 🦊 é")
+    print_result(result, as_json=True, label="line 1", prompt="Лиса 🦊 é")
     stream.flush()
     record = json.loads(stream.buffer.getvalue().decode("cp1252"))
     assert record["prompt"] == "Лиса 🦊 é" and record["output_file_path"] == "out/Лиса_🦊.mp4"

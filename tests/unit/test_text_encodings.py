@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from k6serve.cli.config_file import load_config_file
-from k6serve.cli.generate import read_prompt_file
+from k6serve.cli.prompt_file import read_prompt_file
 from k6serve.cli.main import _printable_stdout
 from k6serve.request import SamplingParams, unencodable_path
 from k6serve.request_resolution import _check_prompt_texts
