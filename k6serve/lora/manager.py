@@ -38,6 +38,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -47,13 +48,22 @@ from k6serve.lora.dora import DoraCache, row_norms
 from k6serve.lora.dynamic import LoraDelta, LoraEmbedding, LoraLinear
 from k6serve.lora.sharding import ShardedWeight, local_tensor
 from k6serve.lora.spec import (
+    LoraOperation,
     LoraSpec,
+    MergeLora,
+    SetLora,
+    UnloadLora,
+    UnmergeLora,
     check_lora_alpha,
     check_lora_strength,
     resolve_merge_mode,
+    set_lora_merge_mode,
 )
 from k6serve.lora.state_dict import LoraModule
 from k6serve.lora.targets import LoraTarget, check_mergeable, linear_view, resolve_targets
+
+if TYPE_CHECKING:
+    from k6serve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -386,3 +396,24 @@ def _bias_so_far(base: torch.Tensor | None, lora_biases: list[torch.Tensor]) -> 
     earlier deltas' (None: none); DoRA leaves it unscaled."""
     terms = ([] if base is None else [base]) + lora_biases
     return sum(terms[1:], terms[0]) if terms else None
+
+
+def run_lora_operation(manager, operation: LoraOperation, config: EngineConfig) -> str:
+    """Run a SetLora / MergeLora / UnmergeLora on `manager`; the reply's message."""
+    if isinstance(operation, SetLora):
+        # The HTTP server predicts the mode with the same function (`JobRunner._check_loras`).
+        merge_mode = set_lora_merge_mode(operation.merge_mode, server_merge_mode=config.model.lora_merge_mode,
+                                         fsdp=config.parallel.use_fsdp_inference)
+        manager.set(operation.specs, merge_mode)
+        names = ", ".join(spec.nickname for spec in operation.specs)
+        return f"LoRA adapters active: {names}" if names else "no LoRA adapter active"
+    if isinstance(operation, MergeLora):
+        manager.merge(operation.strength)
+        return "LoRA adapters merged into the weights"
+    if isinstance(operation, UnmergeLora):
+        manager.unmerge()
+        return "LoRA adapters deactivated; base weights restored"
+    if isinstance(operation, UnloadLora):
+        manager.unload(operation.nicknames)
+        return f"LoRA adapters unloaded: {', '.join(operation.nicknames)}"
+    raise TypeError(f"not a LoRA operation: {operation!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,18 +17,7 @@ from pathlib import Path
 import torch
 
 from k6serve.config import EngineConfig, WarmupSize
-from k6serve.lora.spec import (
-    LORA_TARGETS,
-    ListLoras,
-    LoraOperation,
-    MergeLora,
-    SetLora,
-    UnloadLora,
-    UnmergeLora,
-    quantized_lora_refusal,
-    set_lora_merge_mode,
-    start_set_lora,
-)
+from k6serve.lora.spec import LORA_TARGETS, ListLoras, LoraOperation, quantized_lora_refusal, start_set_lora
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import GENERATION, Variant, recognise
 from k6serve.offload.residency import RESIDENT, resolve_residency, streams_text_encoder
@@ -41,18 +29,19 @@ from k6serve.request import (
     UpscaleRequest,
     VideoResult,
 )
-from k6serve.media.output_names import default_file_name, sanitize_file_name
 from k6serve.request_resolution import resolve_generate, resolve_upscale
+from k6serve.runtime.devices import peak_memory_mb, resolve_device, resolve_dtype
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
 from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
+from k6serve.runtime.mp4_output import generate_into_mp4, output_file
 from k6serve.runtime.warmup_sizes import (
     SR_WARMUP_CLIP,
     SR_WARMUP_SCALE,
     check_sr_warmup_size,
-    check_warmup_sizes,
     generation_warmups,
     sr_warmup_source,
 )
+from k6serve.runtime.worker_preflight import check_residency, refuse_family_flags
 from k6serve.speed.performance_mode import apply_performance_mode
 from k6serve.speed.vae_tiling import resolve_vae_tiling
 from k6serve.speed.warmup import WarmupReport, warmup
@@ -60,54 +49,6 @@ from k6serve.speed.warmup import WarmupReport, warmup
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was requested but no CUDA GPU is visible; use --device cpu.")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # CPU: the process's peak resident set (ru_maxrss is KiB on Linux, bytes on macOS). `resource` is Unix's: imported
-    # at the top, it failed the worker's import on Windows (told as "pip install resource").
-    try:
-        import resource
-    except ImportError:
-        return 0.0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)
-
-
-def _run_lora_operation(manager, operation: LoraOperation, config: EngineConfig) -> str:
-    """Run a SetLora / MergeLora / UnmergeLora on `manager`; the reply's message."""
-    if isinstance(operation, SetLora):
-        # The HTTP server predicts the mode with the same function (`JobRunner._check_loras`).
-        merge_mode = set_lora_merge_mode(operation.merge_mode, server_merge_mode=config.model.lora_merge_mode,
-                                         fsdp=config.parallel.use_fsdp_inference)
-        manager.set(operation.specs, merge_mode)
-        names = ", ".join(spec.nickname for spec in operation.specs)
-        return f"LoRA adapters active: {names}" if names else "no LoRA adapter active"
-    if isinstance(operation, MergeLora):
-        manager.merge(operation.strength)
-        return "LoRA adapters merged into the weights"
-    if isinstance(operation, UnmergeLora):
-        manager.unmerge()
-        return "LoRA adapters deactivated; base weights restored"
-    if isinstance(operation, UnloadLora):
-        manager.unload(operation.nicknames)
-        return f"LoRA adapters unloaded: {', '.join(operation.nicknames)}"
-    raise TypeError(f"not a LoRA operation: {operation!r}")
 
 
 def _rewrite_part(report: WarmupReport) -> str:
@@ -132,7 +73,7 @@ class ModelWorker:
             folder = resolve_checkpoint(model.model_path, model.revision, model.model_id)
         self.variant: Variant = recognise(model.model_path, model.model_id, folder)
         self.folder = folder
-        self._refuse_family_flags()
+        refuse_family_flags(config, self.variant, self.device, folder)
         from k6serve.parallel.mesh import ParallelLayout
         from k6serve.parallel.tile_decode import sr_decode_mode
 
@@ -149,7 +90,7 @@ class ModelWorker:
             config.runtime.performance_mode, super_resolution=self.variant.family != GENERATION,
             cpu_offload=config.runtime.cpu_offload_components,
             layerwise=config.runtime.layerwise_offload_components, settings=config.runtime.component_residency)
-        self._check_residency()
+        check_residency(config, self.variant, self.residency_plan, self.device)
         start = time.perf_counter()
         self.pipeline = self._build_pipeline(folder)
         # What requests are checked against when resolved (`resolve_generate`), and what the ranks report to the
@@ -208,69 +149,6 @@ class ModelWorker:
         if config.runtime.warmup_mode == "server":
             self.server_warmups = self._server_warmup()
             self.server_warmup_s = sum(report.seconds for report in self.server_warmups)
-
-    def _refuse_family_flags(self) -> None:
-        """Refuse, before any weight loads, the flags this checkpoint's family cannot take."""
-        runtime = self.config.runtime
-        if runtime.cache_dit_config is not None and self.variant.family != GENERATION:
-            raise ValueError(f"--cache-dit-config applies to the generation models; {self.variant.name} is a "
-                             "super-resolution model (2 DiT steps per tile, nothing to skip). Drop the flag.")
-        if runtime.compile_prompt_rewrite and self.variant.family != GENERATION:
-            # Else accepted and silently doing nothing: the upscaler takes no prompt.
-            raise ValueError(f"--compile-prompt-rewrite applies to the generation models' expand_prompts rewrite; "
-                             f"{self.variant.name} is a super-resolution model, which rewrites no prompt. Drop the "
-                             "flag.")
-        self._check_quantization()
-        if runtime.warmup_mode == "server":
-            # A listed size the model cannot take is refused before the load (minutes), not after it.
-            check_warmup_sizes(runtime.warmup_resolutions, self.variant,
-                               sr_default_num_frames=SR_WARMUP_CLIP[2])
-
-    def _check_residency(self) -> None:
-        """The residency plan's refusals for this family and layout, and what the flags do not do on the CPU
-        (logged); before any weight loads."""
-        runtime = self.config.runtime
-        # The config checked the block-streaming flags against the generation plan (the family was unknown then);
-        # this family's own plan may stream less (an SR checkpoint has no text encoders).
-        refusal = runtime.block_streaming_refusal(super_resolution=self.variant.family != GENERATION)
-        if refusal:
-            raise ValueError(refusal)
-        if self.residency_plan.offloads:
-            from k6serve.config import refuse_offload_with_sharding
-
-            refuse_offload_with_sharding(runtime, self.config.parallel)
-        if self.residency_plan.offloads and self.device.type != "cuda":
-            logger.info("%s: on the CPU every weight is in host memory already, so nothing is offloaded",
-                        runtime.offload_flags, extra=ONCE)
-        if runtime.compile_vae and self.device.type != "cuda":
-            logger.warning("--compile-vae true: speed mode's transforms are for CUDA GPUs; on the CPU the VAE decoder "
-                           "runs eager, as the reference does", extra=ONCE)
-        if runtime.compile_prompt_rewrite and self.device.type != "cuda":
-            logger.warning("--compile-prompt-rewrite true: transformers compiles generate's decoding step on CUDA "
-                           "only; on the CPU the rewrite runs eager, through the static cache", extra=ONCE)
-
-    def _check_quantization(self) -> None:
-        """--quantization before the weights load: the generation DiT only, and e4m3 GEMMs on a CUDA GPU."""
-        quantization = self.config.model.quantization
-        if quantization == "none":
-            return
-        if self.variant.family != GENERATION:
-            raise ValueError(f"--quantization {quantization} applies to the generation DiT; {self.variant.name} is a "
-                             "super-resolution model. Drop the flag.")
-        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(self.device)
-            raise ValueError(f"--quantization {quantization} needs e4m3 GEMMs, which GPUs of compute capability 8.9 "
-                             f"or newer have (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(self.device)} is "
-                             f"{major}.{minor}. Drop the flag.")
-        ignored = self.config.model.quantization_ignored_layers
-        if ignored:
-            # Against the names the DiT's linears can have, from its config: a typo is refused before a load of
-            # minutes, not after it (apply_quantization checks the loaded model's own names again).
-            from k6serve.models.kandinsky6.config_before_loading import transformer_config_before_loading
-            from k6serve.speed.fp8_linears import check_ignored_layers, possible_linear_names
-
-            num_blocks = transformer_config_before_loading(self.variant, self.folder).num_visual_blocks
-            check_ignored_layers(ignored, possible_linear_names(num_blocks))
 
     @property
     def precision(self) -> str:
@@ -352,10 +230,12 @@ class ModelWorker:
         if operation.target not in LORA_TARGETS:
             raise ValueError(f"LoRA target must be one of {', '.join(LORA_TARGETS)} (Kandinsky 6 has one DiT), got "
                              f"{operation.target!r}")
+        from k6serve.lora.manager import run_lora_operation
+
         manager = self._lora_manager()
         changes = manager.num_changes
         try:
-            message = _run_lora_operation(manager, operation, self.config)
+            message = run_lora_operation(manager, operation, self.config)
         finally:
             if manager.num_changes != changes:
                 # A merge or unmerge rewrote the device weights: a host copy kept by a memory resume is stale. A
@@ -543,7 +423,7 @@ class ModelWorker:
         with self._naming_size(size), tempfile.TemporaryDirectory(prefix="k6serve-warmup-") as folder:
             clip = make_clip(Path(folder) / "source.mp4", width=width, height=height, num_frames=num_frames, fps=fps)
             request, _ = self.resolve(SamplingParams(video_path=str(clip), sr_resolution_scale=SR_WARMUP_SCALE))
-            self._generate_into_mp4(request, Path(folder) / "upscaled.mp4", None)
+            generate_into_mp4(self.pipeline, request, Path(folder) / "upscaled.mp4", None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = WarmupReport(mode="server", seconds=time.perf_counter() - start, shape=(num_frames, height, width))
@@ -599,52 +479,6 @@ class ModelWorker:
                                     has_audio=self.has_audio, streams_text_encoder=self.streams_text_encoder)
         return resolve_upscale(params, self.variant)
 
-    def _output_file(self, request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> tuple[Path, bool]:
-        """The MP4's path, and whether it is a derived name (True) or one the caller chose (False). Either moves on
-        to _1, _2... when it is taken by the time the video is written; for a chosen one a note says so."""
-        folder = Path(output.output_path)
-        folder.mkdir(parents=True, exist_ok=True)
-        if output.output_file_name:
-            return folder / sanitize_file_name(output.output_file_name), False
-        return folder / default_file_name(request), True
-
-    def _generate_into_mp4(self, request: GenerateRequest | UpscaleRequest, target: Path,
-                           on_step: ProgressCallback | None, *, number_if_taken: bool = False):
-        """Run the pipeline with the MP4 writer as its video sink: x264 encodes on the CPU while the GPU decodes.
-        Returns the pipeline's result and the path written (`target`, or its first free numbered name).
-
-        Timings: "decode_video" (SR: "decode", with the blend) is the decode's wall time (the encoder runs beside
-        it), "mux" the time the MP4 write added after the decode finished (the encoder's backlog and flush, fsync
-        and link into place).
-        """
-        from k6serve.media.mux import write_mp4_stream
-
-        written: list[Path] = []
-
-        def save(frame_chunks, audio, fps, sample_aspect_ratio=None) -> None:
-            waveform = audio.waveform if audio is not None else None
-            sample_rate = audio.sample_rate if audio is not None else 44100
-            try:
-                # A chosen name is numbered too when it was taken while the request ran (the caller's check found
-                # it free): the finished video is kept under the next free name, and a note says so (run).
-                written.append(write_mp4_stream(target, frame_chunks, fps, waveform, sample_rate,
-                                                number_if_taken=True, sample_aspect_ratio=sample_aspect_ratio))
-            except OSError as exc:
-                if not exc.errno:
-                    raise
-                # Named after the file asked for, not the hidden partial file the error was raised on.
-                raise OSError(exc.errno, f"writing the MP4 failed: {exc.strerror}", str(target)) from exc
-
-        result = self.pipeline(request, on_step=on_step, video_sink=save)
-        result.timings["mux"] = result.timings.pop("video_sink")
-        if not number_if_taken and written[0] != target:
-            # The API refuses a taken name before the request runs, so something took it while this one ran. The
-            # request's result was thrown away then ("was not saved"): minutes of GPU time for a name.
-            # Names, not paths: the server shows notes to its clients as the job's warnings.
-            result.notes.append(f"{target.name!r} was created in the output folder while this request ran and was "
-                                f"left as it is; this video was saved as {written[0].name!r} instead.")
-        return result, written[0]
-
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult:
         if self.memory_release.released:
@@ -675,8 +509,9 @@ class ModelWorker:
             if self.lora_manager is not None:
                 self.lora_manager.prepare(self.device)  # dynamic adapters cast before the compiled blocks' first call
             if output.save_output:
-                target, number_if_taken = self._output_file(request, output)
-                result, written = self._generate_into_mp4(request, target, on_step, number_if_taken=number_if_taken)
+                target, number_if_taken = output_file(request, output)
+                result, written = generate_into_mp4(self.pipeline, request, target, on_step,
+                                                    number_if_taken=number_if_taken)
                 path = str(written)
             else:
                 result = self.pipeline(request, on_step=on_step)

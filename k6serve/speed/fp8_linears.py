@@ -149,7 +149,7 @@ def check_ignored_layers(patterns: tuple[str, ...], names: list[str]) -> None:
 def check_quantization_before_loading(config: EngineConfig) -> None:
     """Refuse, before any rank process starts, a --quantization-ignored-layers pattern that matches none of the
     DiT's quantizable linears, where the DiT's block count needs no download (`dit_blocks_before_loading`); the
-    worker checks it again (`ModelWorker._check_quantization`), with the GPU's own checks."""
+    worker checks it again (`worker_preflight.check_quantization`), with the GPU's own checks."""
     model = config.model
     if model.quantization == "none" or not model.quantization_ignored_layers:
         return

@@ -23,6 +23,7 @@ from k6serve.media.probe import probe
 from k6serve.output_checks import final_file_name
 from k6serve.request import FlagWorded, SamplingParams
 from k6serve.runtime.engine import Engine
+from k6serve.runtime import worker as worker_module
 from k6serve.runtime.worker import ModelWorker
 
 SMALL = {"prompt": "x", "height": 32, "width": 32, "num_frames": 5}
@@ -844,7 +845,7 @@ def test_cli_internal_error_is_told_apart_from_user_errors(in_process_cli, tmp_p
     def broken(*args, **kwargs):
         raise RuntimeError("shapes do not match\nmore detail")
 
-    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", broken)
+    monkeypatch.setattr(worker_module, "generate_into_mp4", broken)
     assert main([*in_process_cli, "--output-path", str(tmp_path)]) == 70
     err = capsys.readouterr().err
     assert "error: internal error (RuntimeError: shapes do not match); this is a bug in k6serve: rerun with " \
@@ -861,7 +862,7 @@ def test_cli_missing_dependency_is_an_environment_error_with_the_pip_command(in_
     def missing(*args, **kwargs):
         raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
-    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", missing)
+    monkeypatch.setattr(worker_module, "generate_into_mp4", missing)
     assert main([*in_process_cli, "--output-path", str(tmp_path)]) == code
     err = capsys.readouterr().err
     if code == 1:
@@ -943,7 +944,7 @@ def test_cli_out_of_memory_is_a_machine_limit_with_a_fix_not_a_bug(in_process_cl
             raise RuntimeError(f"request 1 failed on replica 0: rank 0: OutOfMemoryError: {oom}\nTraceback ...")
         raise torch.OutOfMemoryError(oom)
 
-    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", exhausted)
+    monkeypatch.setattr(worker_module, "generate_into_mp4", exhausted)
     assert main([*in_process_cli, "--output-path", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert f"error: the GPU ran out of memory ({oom}); ask for fewer pixels or frames" in err
@@ -994,7 +995,7 @@ def test_cli_internal_error_from_a_worker_names_the_error_under_its_header(in_pr
         raise RuntimeError("replica 0 failed to start:\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
                            "ImportError: cannot import name 'VideoProcessorMixin'\n")
 
-    monkeypatch.setattr(ModelWorker, "_generate_into_mp4", broken)
+    monkeypatch.setattr(worker_module, "generate_into_mp4", broken)
     assert main([*in_process_cli, "--output-path", str(tmp_path)]) == 70
     err = capsys.readouterr().err
     assert ("error: internal error (RuntimeError: replica 0 failed to start: ImportError: cannot import name "

@@ -360,26 +360,25 @@ def test_the_worker_refuses_sr_models_and_gpus_without_e4m3_before_loading(monke
 
     from k6serve.config import ModelConfig
     from k6serve.models.variants import GENERATION
-    from k6serve.runtime.worker import ModelWorker as Worker
+    from k6serve.runtime.worker_preflight import check_quantization
 
-    def worker(family, device):
-        return types.SimpleNamespace(config=types.SimpleNamespace(model=ModelConfig(model_path="demo",
-                                                                                    quantization="fp8")),
-                                     variant=types.SimpleNamespace(family=family, name="Kandinsky-6.0-VSR"),
-                                     device=torch.device(device))
+    def check(family, device):
+        check_quantization(types.SimpleNamespace(model=ModelConfig(model_path="demo", quantization="fp8")),
+                           types.SimpleNamespace(family=family, name="Kandinsky-6.0-VSR"), torch.device(device),
+                           folder=None)
 
     with pytest.raises(ValueError, match="--quantization fp8 applies to the generation DiT; Kandinsky-6.0-VSR is a "
                                          "super-resolution model. Drop the flag."):
-        Worker._check_quantization(worker("super_resolution", "cpu"))
-    Worker._check_quantization(worker(GENERATION, "cpu"))  # the CPU runs the math written out
+        check("super_resolution", "cpu")
+    check(GENERATION, "cpu")  # the CPU runs the math written out
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match="--quantization fp8 needs e4m3 GEMMs, which GPUs of compute capability 8.9 "
                                          "or newer have \\(Ada, Hopper, Blackwell\\); NVIDIA A100-SXM4-80GB is 8.0. "
                                          "Drop the flag."):
-        Worker._check_quantization(worker(GENERATION, "cuda"))
+        check(GENERATION, "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    Worker._check_quantization(worker(GENERATION, "cuda"))
+    check(GENERATION, "cuda")
 
 
 def test_an_ignored_layer_pattern_that_matches_nothing_is_refused_before_the_weights_load(monkeypatch):

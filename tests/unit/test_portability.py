@@ -19,7 +19,8 @@ def test_the_runtime_imports_without_the_signals_and_modules_windows_lacks():
         import k6serve.cli.main, k6serve.runtime.launch, k6serve.runtime.process_group_worker
         import k6serve.runtime.rank_process
         from k6serve.runtime.out_of_memory import worker_killed_hint
-        from k6serve.runtime.worker import peak_memory_mb
+        import k6serve.runtime.worker
+        from k6serve.runtime.devices import peak_memory_mb
         from k6serve.runtime.launch import ENGINE_HANDLED_SIGNALS
         print(peak_memory_mb(torch.device("cpu")), [s.name for s in ENGINE_HANDLED_SIGNALS], worker_killed_hint([-15]))
     """)

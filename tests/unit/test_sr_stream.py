@@ -150,13 +150,13 @@ def test_server_warmup_upscales_a_synthetic_clip_before_the_first_request(tiny_s
     monkeypatch.setattr(worker_module, "SR_WARMUP_CLIP", (96, 32, 17, 24))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the warm-up's temporary folder goes
     calls = []
-    original = worker_module.ModelWorker._generate_into_mp4
+    original = worker_module.generate_into_mp4
 
-    def recording(self, request, target, on_step):
+    def recording(pipeline, request, target, on_step):
         calls.append((Path(request.video_path).name, target.name))
-        return original(self, request, target, on_step)
+        return original(pipeline, request, target, on_step)
 
-    monkeypatch.setattr(worker_module.ModelWorker, "_generate_into_mp4", recording)
+    monkeypatch.setattr(worker_module, "generate_into_mp4", recording)
     worker = worker_module.ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", warmup_mode="server"))
     assert worker.warmed_up and worker.server_warmup_s > 0
     assert calls == [("source.mp4", "upscaled.mp4")]

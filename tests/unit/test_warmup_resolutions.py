@@ -14,6 +14,7 @@ import json
 import pytest
 
 import k6serve.runtime.worker as worker_module
+import k6serve.runtime.worker_preflight as worker_preflight
 from k6serve import DiffGenerator
 from k6serve.cli.config_file import merged_options
 from k6serve.cli.flags import build_parser, split_options
@@ -198,14 +199,14 @@ def _recording_sources(monkeypatch) -> list:
     from k6serve.media.probe import probe
 
     sources = []
-    original = worker_module.ModelWorker._generate_into_mp4
+    original = worker_module.generate_into_mp4
 
-    def recording(self, request, target, on_step):
+    def recording(pipeline, request, target, on_step):
         info = probe(request.video_path)
         sources.append((info.width, info.height, info.num_frames))
-        return original(self, request, target, on_step)
+        return original(pipeline, request, target, on_step)
 
-    monkeypatch.setattr(worker_module.ModelWorker, "_generate_into_mp4", recording)
+    monkeypatch.setattr(worker_module, "generate_into_mp4", recording)
     return sources
 
 
@@ -213,6 +214,7 @@ def test_super_resolution_sizes_are_source_clips(tiny_sr_dir, monkeypatch, tmp_p
     import tempfile
 
     monkeypatch.setattr(worker_module, "SR_WARMUP_CLIP", (96, 32, 9, 24))  # frames for sizes that give none
+    monkeypatch.setattr(worker_preflight, "SR_WARMUP_CLIP", (96, 32, 9, 24))  # the same frames for the size check
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     sources = _recording_sources(monkeypatch)
     worker = ModelWorker(build_engine_config(str(tiny_sr_dir), device="cpu", warmup_mode="server",
