@@ -245,7 +245,7 @@ class FlagWorded(ValueError):
     (`enable_cache_dit false`), with `flag_wording`, the same refusal in `k6serve generate`'s flags
     (`--no-enable-cache-dit`): the CLI catches this type and prints that, so neither surface reads the other's
     names. The worker's process boundary keeps the type (`rank_process._classify`, then
-    `process_group_worker._failure_error`)."""
+    `replica_failures.failure_error`)."""
 
     def __init__(self, message: str, *, flag_wording: str | None = None) -> None:
         # The message is the one positional argument, as in any ValueError: copy and pickle rebuild it from `args`

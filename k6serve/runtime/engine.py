@@ -106,7 +106,7 @@ class MemoryJob:
 
 _STOP = object()
 # Every engine not yet garbage-collected: shut down, as their owners would have, before the process's exit kills what
-# is left of their ranks (process_group_worker._kill_ranks_at_exit).
+# is left of their ranks (engine_ranks._kill_ranks_at_exit).
 LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 # How long shutdown() waits, after cancelling the requests still running, for them to reach a step boundary before
 # it closes the worker anyway (a hung rank): a step of Pro at 512x768x121 on an H200 took 15.7 s eager with serial

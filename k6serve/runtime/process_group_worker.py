@@ -12,7 +12,6 @@ Rank side: `rank_process.py` (`rank_main`, the per-rank worker and its request l
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -22,7 +21,6 @@ import queue
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
@@ -31,7 +29,7 @@ from multiprocessing.process import BaseProcess
 import torch.distributed as dist
 
 from k6serve.config import EngineConfig
-from k6serve.lora.spec import LoraOperation, ReplicasDisagree
+from k6serve.lora.spec import LoraOperation
 from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 from k6serve.models.variants import GENERATION, Variant
 from k6serve.parallel.mesh import ParallelLayout
@@ -39,6 +37,7 @@ from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, Upsc
 from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
+from k6serve.runtime.engine_ranks import ENGINE_RANKS
 from k6serve.runtime.launch import (
     LOCAL_HOST,
     device_type_for,
@@ -59,69 +58,18 @@ from k6serve.runtime.rank_process import (
     rank_main,
     serve_worker_ranks,
 )
+from k6serve.runtime.replica_failures import (
+    RemoteTraceback,
+    failure_error,
+    lora_result,
+    remove_dead_writers_files,
+)
 from k6serve.speed.warmup import WarmupReport
 
 # serve_worker_ranks, which the errors below tell a host of worker ranks only to call, stays importable from here.
-__all__ = ["MultiProcessWorker", "RemoteTraceback", "serve_worker_ranks"]
+__all__ = ["MultiProcessWorker", "serve_worker_ranks"]
 
 logger = logging.getLogger(__name__)
-
-
-class RemoteTraceback(Exception):
-    """The traceback of an error raised in a worker process, attached as the re-raised error's cause."""
-
-
-def _failure_error(message: messages.RunFailed, request_id: int, replica: int) -> Exception:
-    """The exception the engine raises for a request that failed on a replica (not cancelled)."""
-    if message.kind == "value":
-        return message.error if message.error is not None else ValueError(message.message)
-    if message.kind in ("os", "module") and message.error is not None:
-        # An OSError (disk full, permission) or a missing package stays one, so callers can tell it from a bug.
-        message.error.__cause__ = RemoteTraceback(message.message)
-        return message.error
-    return RuntimeError(f"request {request_id} failed on replica {replica}: {message.message}")
-
-
-def _lora_result(operation: LoraOperation, outcomes: list[tuple[int, dict | Exception]]) -> dict:
-    """The first replica's dict when all succeeded, else the error to raise (see `apply_lora_operation`)."""
-    failed = [(index, error) for index, error in outcomes if isinstance(error, Exception)]
-    if not failed:
-        return outcomes[0][1]
-    succeeded = [index for index, result in outcomes if not isinstance(result, Exception)]
-    index, error = failed[0]
-    if not succeeded:
-        raise error
-    raise ReplicasDisagree(
-        f"{type(operation).__name__} succeeded on replica(s) {succeeded} but failed on replica(s) "
-        f"{[i for i, _ in failed]}, so the replicas now hold different LoRA adapters; repeat the operation, or "
-        f"call unmerge_lora_weights, to make them agree. Replica {index}: {type(error).__name__}: {error}"
-    ) from error
-
-
-# The engine's rank processes still running, stopped with SIGKILL when the interpreter exits (`_kill_ranks_at_exit`).
-_ENGINE_RANKS: "weakref.WeakSet[BaseProcess]" = weakref.WeakSet()
-
-
-@atexit.register  # after multiprocessing's own exit hook (imported above), so it runs before that hook
-def _kill_ranks_at_exit() -> None:
-    """multiprocessing's exit hook stops daemonic children with SIGTERM, then joins them: the engine's ranks ignore
-    SIGTERM (`rank_process.engine_rank_main`), and a process exiting with its ranks alive (a shutdown cut short by a
-    second Ctrl-C, a generator's finalizer detached) waited for them forever. They get SIGKILL here first.
-
-    But only after every engine still alive has been shut down as its owner would have (`Engine.shutdown`: the
-    running request finished or cancelled with the reason, the ranks told to stop): atexit runs this hook before a
-    generator's finalizer registered earlier, which found its ranks killed ("replica died while running it")."""
-    from k6serve.runtime.engine import LIVE_ENGINES
-
-    for engine in list(LIVE_ENGINES):
-        try:
-            engine.shutdown()
-        except Exception:  # noqa: BLE001 (the process is exiting: what is left is killed below)
-            logger.exception("shutting an engine down at exit failed")
-    for process in list(_ENGINE_RANKS):
-        if process.is_alive():
-            process.kill()
-            process.join(5)
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,20 +79,6 @@ class _Replica:
     pids: tuple[int, ...]
     processes: list[BaseProcess]  # the ranks of this replica started by this process
     alive: bool = True
-
-
-def _remove_dead_writers_files(folder: str, pids: tuple[int, ...]) -> None:
-    """The partial MP4 a replica killed mid-write left (its leader writes the video; `_replica_died` has stopped the
-    replica by now). The server sweeps such files at start; the CLI and the API never did, so each kill by the
-    out-of-memory killer left a hidden file of up to tens of MB in the user's output folder."""
-    from k6serve.media.output_names import remove_partial_files
-
-    for pid in pids:
-        try:
-            for path in remove_partial_files(folder, pid):
-                logger.info("removed %s, the partial video of the rank that died", path)
-        except OSError as exc:
-            logger.warning("could not remove the dead rank's partial video in %s: %s", folder, exc)
 
 
 class MultiProcessWorker:
@@ -382,7 +316,7 @@ class MultiProcessWorker:
             self._give_back(replicas)
         # A replica that died during it was told as `ReplicasDisagree`, so the server recorded the adapters as
         # varying and did not keep the change for its restart, though every replica left held it.
-        return _lora_result(operation, [outcome for _, outcome in self._of_serving(replicas, outcomes)])
+        return lora_result(operation, [outcome for _, outcome in self._of_serving(replicas, outcomes)])
 
     def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
         """Release or resume the memory of every rank of every replica, once all are idle; every rank's report.
@@ -476,7 +410,7 @@ class MultiProcessWorker:
             if message.replica_broken:
                 outcomes.append((replica.index, self._replica_died(replica, request_id, message.message)))
             else:
-                outcomes.append((replica.index, _failure_error(message, request_id, replica.index)))
+                outcomes.append((replica.index, failure_error(message, request_id, replica.index)))
         return outcomes
 
     def dead_replicas(self) -> list[str]:
@@ -550,7 +484,7 @@ class MultiProcessWorker:
         except (EOFError, OSError):
             died = self._replica_died(replica, request_id)
             if output.save_output:
-                _remove_dead_writers_files(output.output_path, replica.pids)
+                remove_dead_writers_files(output.output_path, replica.pids)
             raise died from None
         if isinstance(message, messages.RunSucceeded):
             return message.result
@@ -562,7 +496,7 @@ class MultiProcessWorker:
             if cancelled is None and self._closed:
                 raise RuntimeError(f"request {request_id} was stopped by the engine's shutdown while it ran.")
             raise cancelled if cancelled is not None else RequestCancelled(message.message)
-        raise _failure_error(message, request_id, replica.index)
+        raise failure_error(message, request_id, replica.index)
 
     def _replica_died(self, replica: _Replica, request_id: int, detail: str = "") -> RuntimeError:
         if self._closed:
@@ -626,7 +560,7 @@ class MultiProcessWorker:
                     authkey if spec.rank == 0 else None)
             self._processes[spec.rank] = start_process(engine_rank_main, args, block_sigint=True,
                                                        name=f"k6serve-rank{spec.rank}")
-            _ENGINE_RANKS.add(self._processes[spec.rank])
+            ENGINE_RANKS.add(self._processes[spec.rank])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every replica to shut down, then stop whatever is still running."""

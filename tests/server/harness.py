@@ -89,7 +89,7 @@ class FakeWorker:
             self.decoding.set()
             self.release.wait(30)
         if "exhaust memory" in prompt:
-            # What a worker process's OOM looks like once the engine has it (process_group_worker._failure_error).
+            # What a worker process's OOM looks like once the engine has it (replica_failures.failure_error).
             raise RuntimeError("request 1 failed on replica 0: rank 0: OutOfMemoryError: CUDA out of memory. "
                                "Tried to allocate 9.00 GiB.\nTraceback (most recent call last): ...")
         if "exhaust host memory" in prompt:
@@ -110,10 +110,10 @@ class FakeWorker:
                                "Linux SIGKILL is usually the out-of-memory killer: free host memory")
         if "lack a package" in prompt:
             # What the engine raises when a worker process's interpreter lacks a package
-            # (process_group_worker._failure_error keeps a ModuleNotFoundError with its name).
+            # (replica_failures.failure_error keeps a ModuleNotFoundError with its name).
             raise ModuleNotFoundError("No module named 'av'", name="av")
         if "fill the disk" in prompt:
-            # What the engine raises when the MP4 write meets a full disk (process_group_worker._failure_error
+            # What the engine raises when the MP4 write meets a full disk (replica_failures.failure_error
             # keeps an OSError's errno and file name).
             raise OSError(errno.ENOSPC, "No space left on device", "/srv/k6/outputs/.video_x.mp4.part")
         if "fail" in prompt:

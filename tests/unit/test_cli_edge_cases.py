@@ -897,7 +897,7 @@ def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
     import pickle
 
     from k6serve.runtime import messages
-    from k6serve.runtime.process_group_worker import RemoteTraceback, _failure_error
+    from k6serve.runtime.replica_failures import RemoteTraceback, failure_error
     from k6serve.runtime.rank_process import _classify
 
     try:
@@ -905,13 +905,13 @@ def test_a_worker_process_os_error_reaches_the_engine_as_an_os_error():
     except OSError as error:
         kind, text, rebuilt = _classify(error, 3)
     message = pickle.loads(pickle.dumps(messages.RunFailed(request_id=1, kind=kind, message=text, error=rebuilt)))
-    raised = _failure_error(message, 1, 0)
+    raised = failure_error(message, 1, 0)
     assert isinstance(raised, OSError) and (raised.errno, raised.filename) == (errno.ENOSPC, "/out/clip.mp4")
     assert isinstance(raised.__cause__, RemoteTraceback) and "_disk_full" in str(raised.__cause__)
     # One of k6serve's own modules missing is a bug, and stays one.
     assert _classify(ModuleNotFoundError("No module named 'k6serve.x'", name="k6serve.x"), 0)[0] == "runtime"
     kind, text, _ = _classify(RuntimeError("boom"), 3)
-    raised = _failure_error(messages.RunFailed(request_id=1, kind=kind, message=text), 1, 0)
+    raised = failure_error(messages.RunFailed(request_id=1, kind=kind, message=text), 1, 0)
     assert isinstance(raised, RuntimeError)
     assert str(raised).splitlines()[0] == "request 1 failed on replica 0: rank 3: RuntimeError: boom"
 

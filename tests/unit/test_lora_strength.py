@@ -229,7 +229,7 @@ def test_the_overflow_message_for_the_cli_names_its_flags_and_crosses_the_worker
     # `k6serve generate` was told "lower it with set_lora or merge_lora_weights", which it does not have, and to
     # "deactivate the adapters with unmerge_lora_weights"; a rank process's ValueError reached it as a plain one.
     from k6serve.runtime.messages import RunFailed
-    from k6serve.runtime.process_group_worker import _failure_error
+    from k6serve.runtime.replica_failures import failure_error
     from k6serve.runtime.rank_process import _classify
 
     engine_request, _ = resolve_generate(SamplingParams(prompt="x"), VARIANTS["pro-distill"])
@@ -248,7 +248,7 @@ def test_the_overflow_message_for_the_cli_names_its_flags_and_crosses_the_worker
                                                                "checkpoint's weights.")
     kind, text, sent = _classify(error, rank=0)
     failed = pickle.loads(pickle.dumps(RunFailed(request_id=1, kind=kind, message=text, error=sent)))
-    raised = _failure_error(failed, request_id=1, replica=0)
+    raised = failure_error(failed, request_id=1, replica=0)
     assert (str(raised), raised.flag_wording) == (str(error), error.flag_wording)
 
 

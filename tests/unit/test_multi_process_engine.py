@@ -266,7 +266,7 @@ def test_invalid_layout_fails_at_start_with_the_rule(tiny_distill_dir):
 def test_a_package_missing_in_a_worker_process_is_named_not_reported_as_a_bug():
     # It came back as "RuntimeError: request 1 failed on replica 0: rank 0: ModuleNotFoundError ...", which the CLI
     # and the server call a bug in k6serve; now it is the ModuleNotFoundError, with its name, and the remote traceback.
-    from k6serve.runtime.process_group_worker import RemoteTraceback
+    from k6serve.runtime.replica_failures import RemoteTraceback
 
     worker = MultiProcessWorker(make_config(num_gpus=1), build_rank_worker=FakeRankWorker)
     engine = Engine(worker.config, worker=worker)
