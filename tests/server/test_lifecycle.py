@@ -958,6 +958,9 @@ def test_a_job_put_back_in_the_queue_at_the_shutdown_stays_queued_whatever_ends_
         with server.client() as client:
             job = client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()
             wait_for(client, job["id"], ("in_progress",))
+        # in_progress is recorded as the runner hands the job to the engine; until the worker has it, the stop
+        # cancels the engine's future instead (CancelledError, also left in the queue), and the worker never dies.
+        wait_until(lambda: server.worker.started == ["hold"])
         caplog.set_level("INFO", logger="k6serve.serve.runner")
         runner = server.app.state.ctx.runner
         runner.stop(timeout=10)
