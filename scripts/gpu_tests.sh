@@ -9,7 +9,7 @@
 # most 8 files, so the groups' logs are written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG,
 # .whlP and .whlS.
 #   NGROUPS=14 LIMIT=500 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
-#   (the whole suite: 3,097 tests in the fiftieth session; the twelve groups that ended took 92-362 s each)
+#   (the whole suite: 3,109 tests in the fifty-first session, 209 s; its fourteen groups took 136-195 s each)
 #   bash scripts/gpu_tests.sh tests/unit/test_generate_cli_api.py tests/server/test_api.py
 # Prints one line per group (its files, its pytest summary) and the failures' names; $OUT/tests/summary.txt
 # keeps the same.
