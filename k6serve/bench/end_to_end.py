@@ -239,9 +239,10 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
 
 
 def _check_family_plan(runtime, *, super_resolution: bool) -> None:
-    """The worker's own checks of its family's component plan (runtime/worker.py), made at its load: a component the
-    model lacks (--layerwise-offload-components text_encoder for sr, latent_upscaler for generate) failed the stage
-    after the earlier ones had run."""
+    """The worker's own checks of its family's component plan (runtime/worker.py's `resolve_residency`, then
+    worker_preflight.py's `check_residency`), made at its load: a component the model lacks
+    (--layerwise-offload-components text_encoder for sr, latent_upscaler for generate) failed the stage after the
+    earlier ones had run."""
     from k6serve.offload.residency import resolve_residency
 
     resolve_residency(runtime.performance_mode, super_resolution=super_resolution,
