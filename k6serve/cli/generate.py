@@ -11,16 +11,16 @@ import unicodedata
 from typing import Any
 
 from k6serve.api import DiffGenerator
+from k6serve.cli import preflight, result_output
 from k6serve.cli.preflight import (
     check_request_before_loading,
     checked_engine_config,
     checked_output_options,
-    engine_variant_before_loading,
     is_upscaler_before_loading,
     refuse_text_for_upscaling,
 )
 from k6serve.cli.prompt_file import batch_report, prompt_file_batch, refuse_prompt_file_for_upscaling
-from k6serve.cli.result_output import format_summary, out, print_result
+from k6serve.cli.result_output import out, print_result
 from k6serve.models.variants import GENERATION
 from k6serve.output_checks import require_media_package
 from k6serve.request import FlagWorded
@@ -63,7 +63,8 @@ class _Batch:
                                 f"{'was' if stopped == 1 else 'were'} stopped") + failed_before)
         if not from_file:
             if self.done:
-                return Interrupted(f" after the request finished; {format_summary(self.done[-1][1], self.unsaved_by)}")
+                return Interrupted(f" after the request finished; "
+                                   f"{result_output.format_summary(self.done[-1][1], self.unsaved_by)}")
             return Interrupted(" before the request started; nothing was generated")
         if len(self.done) == len(self.batch):
             return Interrupted(" after the last prompt finished; every video is kept")
@@ -202,7 +203,8 @@ def run_generate(engine_options: dict[str, Any], request_options: dict[str, Any]
         # The engine flags are the run's, not a prompt's: checked once here, an error in them (a --dp-size without
         # the --num-gpus for it, a --cache-dit-config with no block to cache) was reported as "line 1 of
         # --prompt-file-path: ...", sending the user to a prompt that was fine.
-        checked_engine_config(engine_options, engine_variant_before_loading(engine_options))
+        # Through its module, as preflight's own callers look it up: one patch in the tests covers every call.
+        checked_engine_config(engine_options, preflight.engine_variant_before_loading(engine_options))
     checked = []
     for index, (label, options) in enumerate(batch):
         try:
