@@ -363,7 +363,7 @@ class Engine:
                     self._held.append(job)
                     continue
                 if isinstance(job, LoraJob):
-                    self._run_control(job.future, self.worker.apply_lora_operation, job.operation)
+                    self._run_control(job.future, self._apply_lora, job.operation)
                     continue
                 # Checked once the request is taken, not before the thread waits in the queue: a replica may die
                 # while it waits there (the usual idle state with dp > 1 and one request running).
@@ -428,6 +428,11 @@ class Engine:
             future.set_exception(exc)
         else:
             future.set_result(result)
+
+    def _apply_lora(self, operation: LoraOperation) -> dict:
+        # The worker's method is looked up here, inside _run_control's try: a worker without it (a test double, a
+        # custom worker) fails this call's future, where reading it in the loop stopped the loop thread.
+        return self.worker.apply_lora_operation(operation)
 
     def _apply_memory(self, operation: MemoryOperation) -> dict:
         reports = self.worker.apply_memory_operation(operation)  # one report per rank

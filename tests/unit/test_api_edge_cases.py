@@ -186,6 +186,22 @@ def test_shutdown_does_not_run_an_operation_another_replica_took_while_a_request
         running.future.result(timeout=0)
 
 
+def test_a_worker_without_lora_operations_fails_the_call_not_the_engine():
+    """The loop thread read `worker.apply_lora_operation` before running it: a worker without it (a custom worker, a
+    test double) raised AttributeError in the loop thread, which stopped it, and every later request waited forever.
+    The caller of the LoRA call gets the error; the engine keeps serving."""
+    from k6serve.lora.spec import ListLoras
+
+    engine = Engine(fake_config(), worker=StepWorker(step_s=0.0))
+    try:
+        with pytest.raises(AttributeError, match="apply_lora_operation"):
+            engine.submit_lora(ListLoras()).result(timeout=5)
+        job = engine.submit(SamplingParams(prompt="after", num_inference_steps=2))
+        assert job.future.result(timeout=5).notes == ["steps=2"]
+    finally:
+        engine.shutdown(timeout=5)
+
+
 def test_shutdown_lets_a_request_that_ends_within_the_wait_finish():
     engine = Engine(fake_config(), worker=StepWorker(step_s=0.02))
     job = engine.submit(SamplingParams(prompt="short", num_inference_steps=5))
