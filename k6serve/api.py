@@ -49,6 +49,7 @@ from k6serve.request import (
     GenerateKwargs,
     OutputOptions,
     PromptListOptions,
+    ProgressCallback,
     PromptListRequest,
     RequestOptions,
     SamplingParams,
@@ -61,7 +62,7 @@ from k6serve.request import (
 from k6serve.request_arguments import request_options, split_kwargs
 from k6serve.prompt_lists import Listed, run_side_by_side, stopped_list
 from k6serve.request_refusals import MissingPrompt, MissingSourceVideo
-from k6serve.runtime.engine import Engine, ProgressCallback
+from k6serve.runtime.engine import Engine
 from k6serve.media.image import looks_like_url
 from k6serve.media.output_names import numbered_file_names
 

@@ -16,8 +16,8 @@ from k6serve.request import OutputOptions, SamplingParams, error_type_name
 from k6serve.runtime.engine import RequestCancelled
 
 if TYPE_CHECKING:
-    from k6serve.request import VideoResult
-    from k6serve.runtime.engine import Engine, EngineJob, ProgressCallback
+    from k6serve.request import ProgressCallback, VideoResult
+    from k6serve.runtime.engine import Engine, EngineJob
     from k6serve.step_bar import StepBar
 
 # One checked request per prompt: (params, output, the warnings its checks gave, for the result's notes).

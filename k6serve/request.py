@@ -427,6 +427,12 @@ class OutputOptions:
         _check_field_types(self)
 
 
+# Called with (steps done, steps in all) after each denoising step (and decode chunk), by every layer that passes it
+# down: the API, the engine, the workers, the pipelines. What it returns is ignored: a checker takes a callback that
+# returns something (`lambda s, t: bar.update(1)`).
+ProgressCallback = typing.Callable[[int, int], object]
+
+
 # The entries of `VideoResult.timings` that are counts, not seconds: printed as whole numbers (the CLI's table, the
 # bench's notes).
 TIMING_COUNTS = ("graphs_compiled", "cache_dit_cached_calls")

@@ -19,8 +19,7 @@ import torch
 from k6serve.parallel.cfg import cfg_group_of, gather_cfg_branches, select_cfg_branch
 from k6serve.pipelines.guidance import cfg_combine
 from k6serve.pipelines.state import Conditioning, Latents, TextEmbeddings
-
-StepCallback = Callable[[int, int], None]
+from k6serve.request import ProgressCallback
 
 
 def model_input(latents: Latents, visual_cond: bool) -> torch.Tensor:
@@ -79,7 +78,7 @@ def denoise(
     timesteps: torch.Tensor,
     guidance_scale: float,
     visual_cond: bool,
-    on_step: StepCallback | None = None,
+    on_step: ProgressCallback | None = None,
     predict_fn: Callable = predict,
     step_seconds: list[float] | None = None,
     step_cache=None,

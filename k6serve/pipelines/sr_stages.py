@@ -12,7 +12,7 @@ channels-last for the DiT. T' below is the number of latent frames.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,13 +26,12 @@ from k6serve.pipelines.sr_tiling import (
     pad_to_multiple,
     pre_upscale_x1125,
 )
+from k6serve.request import ProgressCallback
 
 if TYPE_CHECKING:  # annotations only: the server plans an upscale's tiles (`plan_upscale`) without the models
     from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
     from k6serve.models.kandinsky6_sr.transformer import SRTransformer
     from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler
-
-StepCallback = Callable[[int, int], None]
 
 
 def prepare_pixels(frames_TCHW: Tensor, plan: UpscalePlan) -> Tensor:
@@ -64,7 +63,7 @@ def denoise_tiles(
     tiles_batch_size: int,
     lq_noise_scale: float,
     dtype: torch.dtype,
-    on_step: StepCallback | None = None,
+    on_step: ProgressCallback | None = None,
 ) -> list[Tensor]:
     """π-Flow from the noised LQ tiles, `tiles_batch_size` tiles per DiT call -> (T', h, w, C) fp32 per tile.
 

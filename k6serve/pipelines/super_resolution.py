@@ -27,10 +27,10 @@ from k6serve.pipelines.prepare_latents import cpu_seed_note
 from k6serve.pipelines.sr_decode import assemble_frames, decode_and_assemble_chunks, decode_tiles
 from k6serve.pipelines.sr_plan import UpscalePlan, plan_upscale
 from k6serve.pipelines.sr_source import read_and_encode
-from k6serve.pipelines.sr_stages import StepCallback, denoise_tiles, upscale_tiles
+from k6serve.pipelines.sr_stages import denoise_tiles, upscale_tiles
 from k6serve.pipelines.sr_tiling import stretches_aspect
 from k6serve.pipelines.state import DecodedAudio
-from k6serve.request import FlagWordedNote, UpscaleRequest
+from k6serve.request import FlagWordedNote, ProgressCallback, UpscaleRequest
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +69,7 @@ class SuperResolutionPipeline:
         return {"latent_upscaler": {f"x{scale}": upscaler.model(scale) for scale in upscaler.scales}}
 
     def __call__(
-        self, request: UpscaleRequest, *, on_step: StepCallback | None = None, video_sink: VideoSink | None = None
+        self, request: UpscaleRequest, *, on_step: ProgressCallback | None = None, video_sink: VideoSink | None = None
     ) -> SuperResolutionOutput:
         """Upscale one clip. With `video_sink`, the tiles are decoded segment by segment and each blended segment
         goes to the sink as soon as it is final (`decode_and_assemble_chunks`); then timings["decode"] includes

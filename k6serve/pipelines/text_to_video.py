@@ -24,7 +24,7 @@ from k6serve.pipelines.decode_stream import (
     feed_video_sink,
     final_step_check,
 )
-from k6serve.pipelines.denoise import StepCallback, denoise
+from k6serve.pipelines.denoise import denoise
 from k6serve.pipelines.encode_text import encode_prompt, trim_text_padding, truncation_note
 from k6serve.pipelines.expand_prompt import (
     StaticRewriteCache,
@@ -41,7 +41,7 @@ from k6serve.pipelines.prepare_latents import (
 )
 from k6serve.pipelines.schedulers import make_schedulers
 from k6serve.pipelines.state import Conditioning, DecodedAudio, DecodedVideo, Latents
-from k6serve.request import FlagWorded, FlagWordedNote, GenerateRequest, has_visible_text
+from k6serve.request import FlagWorded, FlagWordedNote, GenerateRequest, ProgressCallback, has_visible_text
 from k6serve.request_refusals import no_audio_parts, streamed_text_encoder
 
 
@@ -152,7 +152,7 @@ class TextToVideoPipeline:
             )
 
     def _expand(self, request: GenerateRequest, image: PIL.Image.Image | None,
-                on_step: StepCallback | None = None) -> str:
+                on_step: ProgressCallback | None = None) -> str:
         """`request.prompt` rewritten by Qwen2.5-VL (expand_prompts), grounded on the conditioning `image` if any;
         called inside a stage that holds the text encoder."""
         m = self.models
@@ -238,7 +238,7 @@ class TextToVideoPipeline:
                                  **({"fix": fix} if fix else {})) for named, text, fix in prompts]
         return [note for note in notes if note is not None]
 
-    def __call__(self, request: GenerateRequest, *, on_step: StepCallback | None = None,
+    def __call__(self, request: GenerateRequest, *, on_step: ProgressCallback | None = None,
                  video_sink: VideoSink | None = None) -> GenerationOutput:
         """Generate one clip. With `video_sink`, the video is decoded in chunks that the sink consumes as they
         are decoded (see `_decode_into`); the output still holds the uint8 frames, but no float frames.
@@ -301,7 +301,7 @@ class TextToVideoPipeline:
                                 expanded_prompt=expanded)
 
     def _rewrite_and_encode(self, request: GenerateRequest, image: PIL.Image.Image | None,
-                            on_step: StepCallback | None, timings: dict[str, float],
+                            on_step: ProgressCallback | None, timings: dict[str, float],
                             notes: list[str]) -> tuple[GenerateRequest, str | None, Conditioning]:
         """The optional rewrite (expand_prompts) and the text encoding, in one stage: an offloaded Qwen2.5-VL
         (15.5 GiB) is copied to the GPU once. Returns the request as encoded (its prompt the rewrite, if any), the
@@ -326,7 +326,7 @@ class TextToVideoPipeline:
             return request, expanded, self._encode(request)
 
     def _denoise(self, request: GenerateRequest, latents: Latents, conditioning: Conditioning, scheduler,
-                 audio_scheduler, timesteps, on_step: StepCallback | None, timings: dict[str, float],
+                 audio_scheduler, timesteps, on_step: ProgressCallback | None, timings: dict[str, float],
                  notes: list[str]) -> Latents:
         """The denoising loop on the DiT, inside the request's Cache-DiT session if any; its timings and the
         session's note."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from k6serve.config import EngineConfig
 from k6serve.lora.spec import ListLoras, LoraOperation
-from k6serve.request import OutputOptions, SamplingParams, VideoResult, drawn_seed
+from k6serve.request import OutputOptions, ProgressCallback, SamplingParams, VideoResult, drawn_seed
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory, memory_reply
 from k6serve.speed.warmup import WarmupReport
 
@@ -43,9 +43,6 @@ if TYPE_CHECKING:  # the engine's process imports no model code (the ranks build
     from k6serve.runtime.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
-
-# What it returns is ignored: a checker takes a callback that returns something (`lambda s, t: bar.update(1)`).
-ProgressCallback = Callable[[int, int], object]
 
 
 class RequestCancelled(Exception):

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from k6serve.media.output_names import default_file_name, sanitize_file_name
-from k6serve.request import GenerateRequest, OutputOptions, UpscaleRequest
-
-if TYPE_CHECKING:
-    from k6serve.runtime.worker import ProgressCallback
+from k6serve.request import GenerateRequest, OutputOptions, ProgressCallback, UpscaleRequest
 
 
 def output_file(request: GenerateRequest | UpscaleRequest, output: OutputOptions) -> tuple[Path, bool]:

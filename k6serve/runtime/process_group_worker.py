@@ -33,7 +33,14 @@ from k6serve.lora.spec import LoraOperation
 from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 from k6serve.models.variants import GENERATION, Variant
 from k6serve.parallel.mesh import ParallelLayout
-from k6serve.request import GenerateRequest, OutputOptions, SamplingParams, UpscaleRequest, VideoResult
+from k6serve.request import (
+    GenerateRequest,
+    OutputOptions,
+    ProgressCallback,
+    SamplingParams,
+    UpscaleRequest,
+    VideoResult,
+)
 from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
@@ -51,7 +58,6 @@ from k6serve.runtime.launch import (
 from k6serve.runtime.memory import MemoryOperation, inverse
 from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
 from k6serve.runtime.rank_process import (
-    ProgressCallback,
     RankWorkerFactory,
     build_model_worker,
     engine_rank_main,

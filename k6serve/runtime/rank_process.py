@@ -34,7 +34,7 @@ from k6serve.models.variants import GENERATION, Variant
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
 from k6serve.process_exit import exit_without_teardown
 from k6serve.rank_logging import configure_rank_logging
-from k6serve.request import FlagWorded, OutputOptions, SamplingParams, VideoResult
+from k6serve.request import FlagWorded, OutputOptions, ProgressCallback, SamplingParams, VideoResult
 from k6serve.runtime import messages
 from k6serve.runtime.engine import RequestCancelled
 from k6serve.runtime.launch import (
@@ -51,7 +51,6 @@ from k6serve.runtime.out_of_memory import describe_exit_code
 
 logger = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[int, int], None]
 _NO_OUTPUT = OutputOptions(save_output=False, return_frames=False)
 
 

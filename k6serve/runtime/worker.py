@@ -25,6 +25,7 @@ from k6serve.rank_logging import ONCE
 from k6serve.request import (
     GenerateRequest,
     OutputOptions,
+    ProgressCallback,
     SamplingParams,
     UpscaleRequest,
     VideoResult,
@@ -47,8 +48,6 @@ from k6serve.speed.vae_tiling import resolve_vae_tiling
 from k6serve.speed.warmup import WarmupReport, warmup
 
 logger = logging.getLogger(__name__)
-
-ProgressCallback = Callable[[int, int], None]
 
 
 def _rewrite_part(report: WarmupReport) -> str:

@@ -195,10 +195,18 @@ def test_set_lora_takes_what_it_accepts_at_run_time():
 
 
 def test_progress_callbacks_may_return_anything():
-    # on_progress's return is ignored; typed `-> None`, a checker refused `def on_step(step, total) -> bool`.
-    from k6serve.runtime.engine import ProgressCallback
+    # on_progress's return is ignored; typed `-> None`, a checker refused `def on_step(step, total) -> bool`. The
+    # layers it passes through (the API, the engine, the workers, the pipelines) had five definitions of it, three
+    # typed `-> None`: one now, in request.py.
+    from k6serve import api
+    from k6serve.pipelines import denoise, sr_stages, super_resolution, text_to_video
+    from k6serve.request import ProgressCallback
+    from k6serve.runtime import engine, mp4_output, process_group_worker, rank_process, worker
 
     assert typing.get_args(ProgressCallback)[-1] is object
+    for module in (api, engine, worker, rank_process, process_group_worker, mp4_output, denoise, sr_stages,
+                   super_resolution, text_to_video):
+        assert module.ProgressCallback is ProgressCallback, module.__name__
 
 
 def test_engine_options_are_the_options_from_pretrained_takes():
