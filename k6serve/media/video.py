@@ -7,7 +7,6 @@ every frame, faster sources are stride-subsampled to 24 fps, slower sources keep
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -19,7 +18,6 @@ from typing import Self
 
 import av
 import av.container
-import av.filter
 import av.video.stream
 import numpy as np
 
@@ -32,6 +30,8 @@ from k6serve.media.container import (
     still_image_demuxer,
     video_streams,
 )
+from k6serve.media.deinterlace import Deinterlacer
+from k6serve.media.orientation import display_matrix, pixel_aspect_ratio, quarter_turns, upright
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class SRSourceReader:
         if frame is None:
             raise ValueError(f"video file {str(self.path)!r} has a video stream but no decodable frames")
         frame_size = (frame.height, frame.width)
-        if _quarter_turns(frame.rotation) % 2:
+        if quarter_turns(frame.rotation) % 2:
             frame_size = (frame.width, frame.height)
         num_source_frames = self.declared_frames
         if num_source_frames is None and self._declared_seconds is not None:
@@ -507,111 +507,6 @@ def _stream_fps(stream: av.video.stream.VideoStream, path: str | os.PathLike[str
     return float(rate)
 
 
-def pixel_aspect_ratio(sample_aspect_ratio: Fraction | None, rotation: float) -> Fraction | None:
-    """A stream's sample aspect ratio (pixel width over height) for its frames as `_upright` turns them: inverted
-    by a quarter turn; None for square pixels or none stated (FFmpeg's 0:1)."""
-    if sample_aspect_ratio is None or sample_aspect_ratio <= 0 or sample_aspect_ratio == 1:
-        return None
-    sar = Fraction(sample_aspect_ratio)
-    return 1 / sar if _quarter_turns(rotation) % 2 else sar
-
-
-def _upright(frame_HWC: np.ndarray, rotation: float, matrix: np.ndarray | None = None) -> np.ndarray:
-    """`frame_HWC` as players show it. Phones store portrait video as landscape frames with a display-matrix
-    rotation (`rotation`: degrees counter-clockwise) that every player and FFmpeg apply; the upscaled MP4 carries
-    no rotation, so frames left as stored would play sideways. Angles between quarter turns (rare) are rounded to
-    the nearest quarter turn. A `matrix` (the frame's display matrix, `_display_matrix`) that also mirrors the
-    picture (a "flip" edit, a mirrored selfie camera) is applied as FFmpeg's own tools apply it (`_mirrored`)."""
-    if matrix is not None and np.linalg.det(matrix.reshape(3, 3)[:2, :2].astype(np.float64)) < 0:
-        return np.ascontiguousarray(_mirrored(frame_HWC, rotation, matrix))
-    quarter_turns = _quarter_turns(rotation)
-    if quarter_turns == 0:
-        return frame_HWC
-    return np.ascontiguousarray(np.rot90(frame_HWC, quarter_turns))
-
-
-def _mirrored(frame_HWC: np.ndarray, rotation: float, matrix: np.ndarray) -> np.ndarray:
-    """`frame_HWC` under a display matrix that mirrors it, as FFmpeg's autorotate filters it (fftools,
-    ffmpeg_filter.c: transpose, hflip and vflip chosen by the clockwise angle and the matrix's signs). PyAV's
-    `rotation` alone reads a horizontal flip as a half turn: the picture came out upside down."""
-    clockwise = -round(rotation) % 360
-    if clockwise == 90:
-        # transpose=cclock_flip (rows become columns) or clock.
-        return np.swapaxes(frame_HWC, 0, 1) if matrix[3] > 0 else np.rot90(frame_HWC, -1)
-    if clockwise == 270:
-        # transpose=clock_flip (the other diagonal) or cclock.
-        return np.rot90(frame_HWC, -1)[::-1] if matrix[3] < 0 else np.rot90(frame_HWC, 1)
-    if clockwise == 180:
-        frame_HWC = frame_HWC[:, ::-1] if matrix[0] < 0 else frame_HWC
-        return frame_HWC[::-1] if matrix[4] < 0 else frame_HWC
-    if clockwise == 0:
-        return frame_HWC[::-1] if matrix[4] < 0 else frame_HWC
-    return np.rot90(frame_HWC, _quarter_turns(rotation))  # between quarter turns: rounded, as without a mirror
-
-
-def _display_matrix(frame: av.VideoFrame) -> np.ndarray | None:
-    """The frame's display matrix (FFmpeg's 3x3 of int32, row by row), or None."""
-    side_data = frame.side_data.get("DISPLAYMATRIX")
-    return None if side_data is None else np.frombuffer(bytes(side_data), dtype=np.int32)
-
-
-def _quarter_turns(rotation: float) -> int:
-    """Counter-clockwise quarter turns (0-3) nearest to `rotation` degrees."""
-    return round(rotation / 90) % 4
-
-
-class Deinterlacer:
-    """An interlaced source's frames made progressive before they are upscaled: DVDs (480i, 576i), broadcast and
-    camcorder 1080i store two fields of different instants in each frame, which decoded as they are show combing
-    on everything that moves, and the upscale sharpens the comb. FFmpeg's bwdif (Bob Weaver, motion adaptive) makes
-    one progressive frame of each (send_frame: the frame rate, and so the 24 fps rule, stay the source's), the
-    field order taken from the frames. Decided on the first frame; a progressive source passes untouched."""
-
-    def __init__(self) -> None:
-        self.field_order: str | None = None  # set when the source is deinterlaced: "top field first", ...
-
-    def frames(self, decoded: Iterator[av.VideoFrame],
-               stream: av.video.stream.VideoStream) -> Iterator[av.VideoFrame]:
-        decoded = iter(decoded)
-        first = next(decoded, None)
-        if first is None:
-            return
-        if not first.interlaced_frame:
-            yield first
-            yield from decoded
-            return
-        self.field_order = _FIELD_ORDERS.get(stream.codec_context.field_order, "field order not stated")
-        graph = av.filter.Graph()
-        source = graph.add_buffer(template=stream)
-        # deint=interlaced: a frame flagged progressive in a mixed clip (a film cadence, an edit) passes untouched.
-        bwdif = graph.add("bwdif", "mode=send_frame:parity=auto:deint=interlaced")
-        sink = graph.add("buffersink")
-        source.link_to(bwdif)
-        bwdif.link_to(sink)
-        graph.configure()
-        # bwdif holds each frame until the next arrives (it needs both neighbours): output k follows input k + 1,
-        # and the end of the input releases the last.
-        for frame in itertools.chain([first], decoded):
-            graph.push(frame)
-            yield from _pulled(graph)
-        graph.push(None)
-        yield from _pulled(graph)
-
-
-# AVFieldOrder by the field shown first: TT (2) and BT (5, bottom coded first, top shown first) show the top field
-# first, BB (3) and TB (4) the bottom one (1 is progressive; 0 unknown).
-_FIELD_ORDERS = {2: "top field first", 5: "top field first", 3: "bottom field first", 4: "bottom field first"}
-
-
-def _pulled(graph: av.filter.Graph) -> Iterator[av.VideoFrame]:
-    """The frames `graph` has ready."""
-    while True:
-        try:
-            yield graph.pull()
-        except (BlockingIOError, av.error.EOFError):
-            return
-
-
 def _decode_rgb(
     container: av.container.InputContainer,
     stream: av.video.stream.VideoStream,
@@ -644,6 +539,6 @@ def _decode_rgb(
                     f"video file {str(path)!r} changes frame size at frame {index} "
                     f"({size[0]}x{size[1]} -> {frame.width}x{frame.height}); re-encode it at one size"
                 )
-            yield index, _upright(colors.rgb(frame), frame.rotation, _display_matrix(frame))
+            yield index, upright(colors.rgb(frame), frame.rotation, display_matrix(frame))
     except av.error.FFmpegError as exc:
         raise ValueError(f"cannot decode video file {str(path)!r}: {exc}") from exc

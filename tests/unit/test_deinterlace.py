@@ -1,5 +1,5 @@
 """Interlaced SR sources (DVDs, broadcast and camcorder 1080i) are deinterlaced before upscaling
-(k6serve/media/video.py, `Deinterlacer`): the combing of two fields from different instants is gone, the frame
+(k6serve/media/deinterlace.py, `Deinterlacer`): the combing of two fields from different instants is gone, the frame
 count and rate are the source's, and a progressive source is untouched."""
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def test_summary_needs_the_frames_read_first(tmp_path):
 def test_pixel_aspect_ratio_is_turned_with_the_frames():
     from fractions import Fraction
 
-    from k6serve.media.video import pixel_aspect_ratio
+    from k6serve.media.orientation import pixel_aspect_ratio
 
     assert pixel_aspect_ratio(Fraction(4, 3), 0.0) == Fraction(4, 3)
     assert pixel_aspect_ratio(Fraction(4, 3), 90.0) == pixel_aspect_ratio(Fraction(4, 3), -90.0) == Fraction(3, 4)
