@@ -2,7 +2,7 @@
 
 import typing
 
-from k6serve.config import EngineOptions
+from k6serve.engine_arguments import EngineOptions
 from k6serve.request import GenerateKwargs, GenerateRequest, SamplingParams, UpscaleRequest, VideoResult
 
 if typing.TYPE_CHECKING:

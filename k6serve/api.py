@@ -22,9 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
 from k6serve.api_errors import flags_as_keywords, reworded_errors
-from k6serve.config import EngineOptions
 from k6serve.dependencies import MissingPackage, require_package
-from k6serve.engine_arguments import build_engine_config, check_local_mode, model_path_of, options_with_server_args
+from k6serve.engine_arguments import (
+    EngineOptions,
+    build_engine_config,
+    check_local_mode,
+    model_path_of,
+    options_with_server_args,
+)
 from k6serve.lora.arguments import (
     HTTP_LORA_NAMES,
     LoraArgumentError,

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import typing
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.caching.params import CacheDitParams
+from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig, WarmupSize
 from k6serve.reference_names import unknown_names_hint
 from k6serve.request import SamplingParams, plain_scalars
 
@@ -17,6 +19,9 @@ from k6serve.request import SamplingParams, plain_scalars
 # them from here: an engine option is refused there, a request parameter here.
 ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
 REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
+
+if typing.TYPE_CHECKING:
+    import torch  # `EngineOptions` only; building the config stays torch-free at run time
 
 
 def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
@@ -107,3 +112,57 @@ def check_local_mode(local_mode: Any) -> None:
             "its HTTP API the jobs (docs/http-api.md), e.g. with the OpenAI SDK: OpenAI(base_url='http://HOST:PORT"
             "/v1', api_key='none').videos.create(prompt=...).")
     raise ValueError(f"local_mode must be True or False, got {local_mode!r} ({type(local_mode).__name__}).")
+
+
+class EngineOptions(typing.TypedDict, total=False):
+    """`DiffGenerator.from_pretrained`'s keyword arguments, for type checkers and IDEs: every field of the config
+    sections (`ModelConfig`, `ParallelConfig`, `RuntimeConfig`) but `model_path` (its own argument), as the CLI's
+    flags with underscores, each with what `build_engine_config` takes for it: the field's own type, plus the
+    spellings the config turns into it (a torch dtype or device, a pathlib LoRA path, a list or one string of names,
+    a mapping of residencies or Cache-DiT settings). None only where the field is optional (or read as "none given").
+    tests/unit/test_api_types.py keeps the keys in step with the sections, so a checker refuses a misspelt or
+    mistyped option before the load, as `build_engine_config` does at run time."""
+
+    # ModelConfig
+    model_id: str | None
+    revision: str | None
+    load_format: str
+    dtype: str | torch.dtype
+    lora_path: str | os.PathLike[str] | None
+    lora_nickname: str
+    lora_scale: float
+    lora_alpha: float | None
+    lora_merge_mode: str
+    quantization: str
+    quantization_ignored_layers: str | Sequence[str] | None
+    # ParallelConfig
+    num_gpus: int
+    tp_size: int
+    ulysses_degree: int
+    ring_degree: int
+    enable_cfg_parallel: bool
+    use_fsdp_inference: bool
+    encoder_parallel: str
+    dp_size: int
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str | None
+    dist_timeout_s: float
+    # RuntimeConfig
+    device: str | torch.device
+    performance_mode: str
+    attention_backend: str
+    warmup_mode: str
+    warmup_resolutions: str | WarmupSize | Sequence[str | WarmupSize] | None
+    compile_vae: bool
+    compile_prompt_rewrite: bool
+    vae_tiling: str
+    cache_dit_config: CacheDitParams | Mapping[str, Any] | str | None
+    offload_prefetch_blocks: int
+    offload_resident_blocks: int
+    cpu_offload_components: str | Sequence[str] | None
+    layerwise_offload_components: str | Sequence[str] | None
+    component_residency: Mapping[str, str] | str | Sequence[str] | Sequence[tuple[str, str]] | None
+    vae_parallel_tiling: bool | None
+    vae_parallel_decode: bool | None
+    vae_parallel_decode_mode: str | None
