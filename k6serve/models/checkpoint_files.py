@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from k6serve.testing.demo_location import DEMO_MODEL_PATHS
 
@@ -465,14 +465,94 @@ def header_state_dict(component_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_state_dict(component_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_state_dict(component_dir: Path, device: str | torch.device = "cpu", *,
+                    dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """The component's weights on `device`, each floating tensor named in `dtypes` cast to that dtype (the others
+    as stored), read one tensor at a time into fresh storage.
+
+    Not safetensors' `load_file` for the whole component, then a cast and a move: its tensors are views of the
+    files' mappings, so the loaders copied every one on the host (fresh storage: CPU GEMMs round differently on
+    unaligned views), cast them, then moved the model: the whole DiT in host memory beside the page cache (Pro's
+    56 GiB, on every rank of a multi-GPU host at once) and a second pass over it for the move. Now a tensor for
+    the host is copied from the mapping into fresh storage in its dtype; one for a GPU goes through two pinned
+    buffers (`_Staging`) and is cast there. Host memory beyond the page cache: the weights themselves for the host,
+    128 MiB for a GPU. The values are the same bits either way: a cast is one rounding wherever it runs.
+    """
+    device = torch.device(device)
+    dtypes = {} if dtypes is None else dtypes
+    staging = None if device.type == "cpu" else _Staging(device)
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(component_dir):
         try:
-            state.update(load_file(str(path), device=str(device)))
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    stored = handle.get_tensor(name)
+                    dtype = dtypes.get(name, stored.dtype) if stored.is_floating_point() else stored.dtype
+                    if staging is None:
+                        state[name] = stored.to(dtype=dtype, copy=True)
+                    else:
+                        state[name] = staging.copy(stored).to(dtype)
         except SafetensorError as exc:  # damaged after resolve_checkpoint's header check, or in a way it misses
             raise CheckpointError(f"{path} cannot be read ({exc}); copy or download the checkpoint again.") from exc
+    if staging is not None:
+        staging.finish()
     return state
+
+
+class _Staging:
+    """The way from a file's mapping to a device: two host buffers of `chunk_bytes` (page-locked for a GPU); while
+    one is copied to the device, the next piece of the file is read into the other.
+
+    The read is a host copy on torch's threads, which fault the file's pages in in parallel; a device copy straight
+    from the mapping is a pageable copy that faults them in one at a time. The buffers are `PinnedBuffer`s, unlocked
+    and freed with the staging: torch's pinned allocator (`pin_memory=True`) would keep them for the process's life.
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int = 64 << 20) -> None:
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self._asynchronous = device.type == "cuda"
+        if self._asynchronous:
+            from k6serve.offload.host_weights import PinnedBuffer
+
+            with torch.cuda.device(device):
+                self._pinned = [PinnedBuffer(chunk_bytes) for _ in range(2)]
+            self._buffers = [buffer.view(torch.uint8) for buffer in self._pinned]
+        else:
+            self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
+        self._copied: list[Any] = [None, None]  # each buffer's last device copy (a CUDA event), to wait for
+        self._turn = 0
+
+    def copy(self, stored: torch.Tensor) -> torch.Tensor:
+        """A copy of `stored` (contiguous, on the host) on the device, in its dtype."""
+        copied = torch.empty(stored.shape, dtype=stored.dtype, device=self.device)
+        source, target = _bytes(stored), _bytes(copied)
+        for start in range(0, source.numel(), self.chunk_bytes):
+            piece = source[start:start + self.chunk_bytes]
+            if self._copied[self._turn] is not None:
+                self._copied[self._turn].synchronize()  # the buffer's previous piece has reached the device
+            buffer = self._buffers[self._turn][:piece.numel()]
+            buffer.copy_(piece)
+            target[start:start + piece.numel()].copy_(buffer, non_blocking=self._asynchronous)
+            if self._asynchronous:
+                self._copied[self._turn] = torch.cuda.Event()
+                self._copied[self._turn].record()
+            self._turn ^= 1
+        return copied
+
+    def finish(self) -> None:
+        """Wait for the last copies, so that the weights are complete, then free the buffers."""
+        for event in self._copied:
+            if event is not None:
+                event.synchronize()
+        self._copied = [None, None]
+        self._buffers = []
+        self._pinned = []
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 tensor (a view)."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def check_state_dict(

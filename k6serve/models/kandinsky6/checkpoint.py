@@ -154,17 +154,15 @@ def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.
         "video_text_transformer_blocks": ("num_text_blocks", config.num_text_blocks),
         "audio_text_transformer_blocks": ("num_text_blocks", config.num_text_blocks)})
     with torch.device("meta"):
-        model = Kandinsky6Transformer(config)
+        model = cast_for_inference(Kandinsky6Transformer(config), dtype)  # the dtypes the weights are read into
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     floating = [name for name, tensor in model.state_dict().items() if tensor.is_floating_point()]
     check_state_dict(expected, header_state_dict(component_dir), f"{component_dir.name} ({component_dir})", floating)
-    # Fresh, aligned storage: safetensors hands out views at arbitrary file offsets, and CPU GEMMs round
-    # differently on unaligned data (~1e-7), which would break bitwise parity with a freshly built model.
-    state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
+    # Each tensor read straight onto `device`, cast as diffusers' from_pretrained casts (`cast_for_inference`).
+    state = load_state_dict(component_dir, device, dtypes={name: p.dtype for name, p in model.named_parameters()})
     check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
     model.load_state_dict(state, strict=True, assign=True)
     del state
-    cast_for_inference(model, dtype)
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -86,9 +86,10 @@ def load_sr_models(
     check_block_counts(folder / "transformer", {
         "visual_transformer_blocks": ("num_visual_blocks", configs.transformer.num_visual_blocks)})
     transformer, vae, bank = build_empty_modules(configs, dtype=dtype)
-    _load_weights(transformer, folder / "transformer", dtype, keep_fp32=KEEP_FP32_MODULES)
-    _load_weights(vae, folder / "vae", dtype)
-    _load_weights(bank, folder / "latent_upscaler", dtype)
+    weights_device = device if weights_device is None else weights_device
+    _load_weights(transformer, folder / "transformer", weights_device)
+    _load_weights(vae, folder / "vae", weights_device)
+    _load_weights(bank, folder / "latent_upscaler", weights_device)
     return _assemble(configs, transformer, vae, bank, variant, device, dtype, source=str(folder),
                      weights_device=weights_device)
 
@@ -167,18 +168,16 @@ def _cast(module: nn.Module, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()
             parameter.data = parameter.data.to(target)
 
 
-def _load_weights(
-    module: nn.Module, component_dir: Path, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()
-) -> None:
+def _load_weights(module: nn.Module, component_dir: Path, device: torch.device) -> None:
+    """`module`'s weights (on the meta device, its parameters in the dtypes they run in: `build_empty_modules`) read
+    from `component_dir` straight onto `device` in those dtypes, as the generation loader reads its DiT."""
     expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
     floating = [name for name, tensor in module.state_dict().items() if tensor.is_floating_point()]
     # From the headers first, as the generation loader: a mismatch is found before the weights are read.
     check_state_dict(expected, header_state_dict(component_dir), f"{component_dir.name} ({component_dir})", floating)
-    # Fresh, aligned storage (as the generation loader): CPU GEMMs round differently on unaligned safetensors views.
-    state = {name: tensor.clone() for name, tensor in load_state_dict(component_dir).items()}
+    state = load_state_dict(component_dir, device, dtypes={name: p.dtype for name, p in module.named_parameters()})
     check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
     module.load_state_dict(state, strict=True, assign=True)
-    _cast(module, dtype, keep_fp32)
 
 
 def _require_piflow(scheduler: SRSchedulerConfig) -> None:

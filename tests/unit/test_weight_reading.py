@@ -1,0 +1,175 @@
+"""How a component's weights travel from its safetensors files to the device (`load_state_dict`, `_Staging`):
+each tensor in the dtype it runs in, in fresh storage, the same bits as safetensors' own reader then a cast, and
+never the whole component copied on the host on its way to a GPU."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k6serve.models.checkpoint_files import _Staging, load_state_dict
+
+
+def _checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "linear.weight": torch.randn(37, 53, generator=generator),  # fp32 file, bf16 wanted
+        "modulation.weight": torch.randn(11, 7, generator=generator),  # fp32 file, kept fp32
+        "stored_half": torch.randn(5, 3, generator=generator).half(),  # no wanted dtype: as stored
+        "positions": torch.arange(9, dtype=torch.int64).reshape(3, 3),  # integer: never cast
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    save_file(tensors, str(folder / "diffusion_pytorch_model.safetensors"))
+    return tensors
+
+
+DTYPES = {"linear.weight": torch.bfloat16, "modulation.weight": torch.float32, "positions": torch.float16,
+          "scalar": torch.bfloat16, "empty": torch.bfloat16}
+
+
+def _expected(folder: Path) -> dict[str, torch.Tensor]:
+    """safetensors' reader, then each floating tensor cast as asked: what the loaders did before."""
+    stored = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+    return {name: tensor.to(DTYPES.get(name, tensor.dtype)) if tensor.is_floating_point() else tensor
+            for name, tensor in stored.items()}
+
+
+def _same_bits(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].cpu(), tensor), name
+
+
+def test_host_weights_are_cast_as_asked_in_fresh_aligned_storage(tmp_path):
+    _checkpoint(tmp_path)
+    state = load_state_dict(tmp_path, dtypes=DTYPES)
+    _same_bits(state, _expected(tmp_path))
+    assert state["positions"].dtype == torch.int64  # an integer tensor keeps its type whatever `dtypes` says
+    for name, tensor in state.items():
+        # Not a view of the file's mapping (whose storage is the whole file, at the tensor's offset in it): CPU
+        # GEMMs round differently on unaligned data, and a view would pin the file's pages.
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+        if tensor.numel():
+            assert tensor.data_ptr() % 64 == 0, name
+    # The fp32 tensor that stays fp32 is a copy too, not the mapping's view.
+    assert state["modulation.weight"].data_ptr() != load_file(
+        str(tmp_path / "diffusion_pytorch_model.safetensors"))["modulation.weight"].data_ptr()
+
+
+def test_a_device_read_goes_through_the_staging_buffers(tmp_path):
+    """The path of a GPU read, on the meta device: every tensor allocated there in the dtype asked for."""
+    _checkpoint(tmp_path)
+    state = load_state_dict(tmp_path, "meta", dtypes=DTYPES)
+    expected = _expected(tmp_path)
+    assert sorted(state) == sorted(expected)
+    for name, tensor in expected.items():
+        assert state[name].device.type == "meta"
+        assert (state[name].dtype, state[name].shape) == (tensor.dtype, tensor.shape), name
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 64, 1 << 20])
+def test_the_staging_copies_every_byte_across_chunk_boundaries(chunk_bytes):
+    """A tensor larger than a buffer goes in pieces, the two buffers taking turns: each piece lands where it
+    belongs, for sizes that are no multiple of the buffer's and dtypes of every width."""
+    generator = torch.Generator().manual_seed(1)
+    staging = _Staging(torch.device("cpu"), chunk_bytes=chunk_bytes)
+    tensors = [torch.randn(13, 7, generator=generator).to(torch.bfloat16), torch.randn(101, generator=generator),
+               torch.randint(0, 255, (3, 5, 7), generator=generator, dtype=torch.uint8), torch.tensor(True),
+               torch.randn(4, 4, generator=generator, dtype=torch.float64), torch.zeros(0, 3)]
+    for tensor in tensors:
+        copied = staging.copy(tensor)
+        assert copied.dtype == tensor.dtype and copied.shape == tensor.shape
+        assert copied.data_ptr() != tensor.data_ptr() or not tensor.numel()
+        assert torch.equal(copied, tensor)
+    staging.finish()
+
+
+def _anonymous_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads onto a GPU")
+def test_a_gpu_read_has_the_host_reads_bits_and_never_the_whole_component_on_the_host(tmp_path):
+    """Pro's DiT was copied whole on the host before its move to the GPU (56 GiB on every rank of a host). Here
+    640 MiB of weights, of which 384 MiB cast from fp32 on the device; the host's anonymous memory may grow by
+    the two 64 MiB staging buffers and the allocator's slack, far less than the weights."""
+    device = torch.device("cuda")
+    torch.empty(1, device=device)  # the CUDA context before the baseline
+    generator = torch.Generator().manual_seed(2)
+    tensors = {"big": torch.randn(64 << 20, generator=generator).to(torch.bfloat16),  # 128 MiB, two pieces
+               "wide": torch.randn(3, 32 << 20, generator=generator),  # 384 MiB fp32, cast to bf16 on the device
+               "odd": torch.randn(12345, generator=generator).to(torch.bfloat16),
+               "positions": torch.arange(10)}
+    save_file(tensors, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    del tensors
+    dtypes = {"wide": torch.bfloat16}
+    peak, baseline, running = [0], _anonymous_bytes(), [True]
+
+    def sample() -> None:
+        while running[0]:
+            peak[0] = max(peak[0], _anonymous_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        state = load_state_dict(tmp_path, device, dtypes=dtypes)
+    finally:
+        running[0] = False
+        sampler.join()
+    assert all(tensor.device.type == "cuda" for tensor in state.values())
+    assert peak[0] - baseline < 256 << 20, f"host anonymous memory grew by {(peak[0] - baseline) >> 20} MiB"
+    on_host = load_state_dict(tmp_path, dtypes=dtypes)
+    for name, tensor in on_host.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name].cpu(), tensor), name
+
+
+def _spy_staging(monkeypatch) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    staged = []
+    real_copy = _Staging.copy
+
+    def copy(self, stored):
+        staged.append((tuple(stored.shape), stored.dtype))
+        return real_copy(self, stored)
+
+    monkeypatch.setattr(_Staging, "copy", copy)
+    return staged
+
+
+def test_the_generation_dit_is_read_straight_onto_its_device(tiny_pro_dir, monkeypatch):
+    """Every weight of the DiT goes to the device through the staging buffers, none through a host copy of the
+    whole model, and lands in the dtype diffusers' bf16 load gives it (the output modulations in fp32)."""
+    from k6serve.models.kandinsky6.checkpoint import load_transformer
+
+    staged = _spy_staging(monkeypatch)
+    model = load_transformer(tiny_pro_dir / "transformer", device=torch.device("meta"), dtype=torch.bfloat16)
+    parameters = dict(model.named_parameters())
+    assert len(staged) == len(model.state_dict())
+    assert all(parameter.device.type == "meta" for parameter in parameters.values())
+    fp32 = sorted(name for name, parameter in parameters.items() if parameter.dtype == torch.float32)
+    assert fp32 and all(name.startswith(("out_layer.modulation.", "audio_out_layer.modulation.")) for name in fp32)
+    assert {parameter.dtype for parameter in parameters.values()} == {torch.bfloat16, torch.float32}
+
+
+def test_the_sr_models_are_read_straight_onto_the_weights_device(tiny_sr_dir, monkeypatch):
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+
+    staged = _spy_staging(monkeypatch)
+    variant = next(v for v in VARIANTS.values() if v.family != "generation")
+    models = load_sr_models(tiny_sr_dir, variant, device=torch.device("cpu"), dtype=torch.bfloat16,
+                            load_format="auto", weights_device=torch.device("meta"))
+    modules = (models.transformer, models.vae.model, models.upscaler.bank)
+    count = sum(len(module.state_dict()) for module in modules)
+    assert staged and len(staged) == count
+    for module in modules:
+        assert all(parameter.device.type == "meta" for parameter in module.parameters())
