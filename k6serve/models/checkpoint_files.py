@@ -482,20 +482,23 @@ def load_state_dict(component_dir: Path, device: str | torch.device = "cpu", *,
     dtypes = {} if dtypes is None else dtypes
     staging = None if device.type == "cpu" else _Staging(device)
     state: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(component_dir):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    stored = handle.get_tensor(name)
-                    dtype = dtypes.get(name, stored.dtype) if stored.is_floating_point() else stored.dtype
-                    if staging is None:
-                        state[name] = stored.to(dtype=dtype, copy=True)
-                    else:
-                        state[name] = staging.copy(stored).to(dtype)
-        except SafetensorError as exc:  # damaged after resolve_checkpoint's header check, or in a way it misses
-            raise CheckpointError(f"{path} cannot be read ({exc}); copy or download the checkpoint again.") from exc
-    if staging is not None:
-        staging.finish()
+    try:
+        for path in safetensors_files(component_dir):
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():
+                        stored = handle.get_tensor(name)
+                        dtype = dtypes.get(name, stored.dtype) if stored.is_floating_point() else stored.dtype
+                        if staging is None:
+                            state[name] = stored.to(dtype=dtype, copy=True)
+                        else:
+                            state[name] = staging.copy(stored).to(dtype)
+            except SafetensorError as exc:  # damaged after resolve_checkpoint's header check, or in a way it misses
+                raise CheckpointError(f"{path} cannot be read ({exc}); copy or download the checkpoint "
+                                      "again.") from exc
+    finally:
+        if staging is not None:
+            staging.finish()  # on an error too: a buffer is unlocked only once no copy reads it
     return state
 
 
@@ -517,6 +520,9 @@ class _Staging:
 
             with torch.cuda.device(device):
                 self._pinned = [PinnedBuffer(chunk_bytes) for _ in range(2)]
+            # The stream a copy to `device` runs on, whichever GPU is this thread's current one (a rank's may not be
+            # set): the events that free a buffer must follow the copies out of it.
+            self._stream = torch.cuda.current_stream(device)
             self._buffers = [buffer.view(torch.uint8) for buffer in self._pinned]
         else:
             self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
@@ -536,7 +542,7 @@ class _Staging:
             target[start:start + piece.numel()].copy_(buffer, non_blocking=self._asynchronous)
             if self._asynchronous:
                 self._copied[self._turn] = torch.cuda.Event()
-                self._copied[self._turn].record()
+                self._copied[self._turn].record(self._stream)
             self._turn ^= 1
         return copied
 

@@ -173,3 +173,24 @@ def test_the_sr_models_are_read_straight_onto_the_weights_device(tiny_sr_dir, mo
     assert staged and len(staged) == count
     for module in modules:
         assert all(parameter.device.type == "meta" for parameter in module.parameters())
+
+
+def test_a_damaged_shard_fails_naming_it_and_the_staging_is_finished_first(tmp_path, monkeypatch):
+    """An error part-way must not free a pinned buffer that a copy to the GPU still reads: the staging waits for
+    its copies (`finish`) on the way out, and the error names the file."""
+    import json
+
+    from k6serve.models.checkpoint_files import CheckpointError
+
+    save_file({"a": torch.ones(3)}, str(tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors"))
+    (tmp_path / "diffusion_pytorch_model-00002-of-00002.safetensors").write_bytes(b"\xff" * 64)
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "diffusion_pytorch_model-00001-of-00002.safetensors",
+        "b": "diffusion_pytorch_model-00002-of-00002.safetensors"}}))
+    finished, copied = [], _spy_staging(monkeypatch)
+    real_finish = _Staging.finish
+    monkeypatch.setattr(_Staging, "finish", lambda self: (finished.append(len(copied)), real_finish(self)))
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model-00002-of-00002\.safetensors cannot be read "
+                                              r"\(.*\); copy or download the checkpoint again\."):
+        load_state_dict(tmp_path, "meta")
+    assert finished == [1]  # after the first shard's tensor was on its way
