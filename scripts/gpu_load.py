@@ -1,7 +1,7 @@
 """Reading a DiT's safetensors files onto the GPU, at full size: k6serve's loader against the one it replaced and
 diffusers' `from_pretrained`, from a cold page cache and a warm one.
 
-    python3 scripts/gpu_load.py --out $OUT/load [--pro-blocks 20] [--budget-s 520]
+    python3 scripts/gpu_load.py --out $OUT/load [--pro-blocks 20] [--budget-s 520] [--stage dit|text-encoder|all]
 
 Writes the checkpoints first, with random weights as the released files store them (bf16, the modulations and
 time embeddings in fp32; 10 GB shards and their index), under `--folder` (default /tmp/k6serve-load): Lite-distill's
@@ -15,7 +15,10 @@ GPU's peak. The ways:
   cast on the host, then `.to(cuda)`);
 - `pageable`: each tensor copied to the GPU straight from the file's mapping (`tensor.to(cuda)`), then cast;
 - `diffusers`: `Kandinsky6Transformer3DModel.from_pretrained(torch_dtype=bfloat16).to(cuda)`.
-k6serve's weights are compared with the previous loader's, bit for bit. Cases stop being started once `--budget-s`
+k6serve's weights are compared with the previous loader's, bit for bit. `--stage text-encoder` does the same for the
+Qwen2.5-VL-7B text encoder (random bf16 weights, transformers' `save_pretrained`): k6serve's loader (transformers'
+`from_pretrained` on the host, then `.to(cuda)`) against `from_pretrained(device_map={"": cuda})`. Cases stop being
+started once `--budget-s`
 has passed (the device's commands end at 10 minutes); what ran is in the JSON, written after every case.
 
 Results: <out>/gpu_load.json and gpu_load.md.
@@ -91,7 +94,7 @@ def write_checkpoint(folder: Path, config: dict) -> int:
 
 def drop_cache(folder: Path) -> dict:
     before = _meminfo("Cached")
-    for path in safetensors_files(folder):
+    for path in sorted(folder.glob("*.safetensors")):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -144,6 +147,44 @@ LOADERS = {"k6serve": load_k6serve, "previous": load_previous, "pageable": load_
            "diffusers": load_diffusers}
 
 
+def write_text_encoder(folder: Path) -> int:
+    import transformers
+
+    from k6serve.models.kandinsky6.checkpoint import dummy_qwen_config
+    from k6serve.testing.tokenizers import train_qwen_tokenizer
+
+    with torch.device("cuda"):
+        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
+            dummy_qwen_config(train_qwen_tokenizer()), dtype=torch.bfloat16)
+    nbytes = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    model.save_pretrained(str(folder))
+    del model
+    torch.cuda.empty_cache()
+    os.sync()
+    return nbytes
+
+
+def text_encoder_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def load_text_encoder_k6serve(folder: Path) -> torch.nn.Module:
+    from k6serve.models.kandinsky6.checkpoint import _load_transformers
+
+    return _load_transformers(folder.parent, folder.name, "Qwen2_5_VLForConditionalGeneration",
+                              torch.device("cuda"), torch.bfloat16)
+
+
+def load_text_encoder_device_map(folder: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(folder), dtype=torch.bfloat16, use_safetensors=True, device_map={"": torch.device("cuda")})
+
+
+TEXT_ENCODER_LOADERS = {"k6serve": load_text_encoder_k6serve, "device_map": load_text_encoder_device_map}
+
+
 def measure(loader, folder: Path) -> tuple[torch.nn.Module, dict]:
     baseline, peak, running = _anonymous(), [0], [True]
 
@@ -181,6 +222,7 @@ def main() -> None:
     parser.add_argument("--pro-blocks", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=520.0)
     parser.add_argument("--loaders", nargs="+", default=list(LOADERS), choices=list(LOADERS))
+    parser.add_argument("--stage", choices=["dit", "text-encoder", "all"], default="all")
     args = parser.parse_args()
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +244,12 @@ def main() -> None:
                         f"{case.get('gpu_peak_gib', '-')} | {case.get('error', '')} |")
         (args.out / "gpu_load.md").write_text("\n".join(rows) + "\n")
 
+    if args.stage in ("text-encoder", "all"):
+        if not text_encoder_stage(args, report, save, start):
+            return
+    if args.stage == "text-encoder":
+        save()
+        return
     for label, config in checkpoints.items():
         folder = args.folder / label
         written = time.perf_counter()
@@ -239,6 +287,47 @@ def main() -> None:
         for path in folder.iterdir():
             path.unlink()
     save()
+
+
+def text_encoder_stage(args: argparse.Namespace, report: dict, save, start: float) -> bool:
+    """The text encoder's cases; False once the budget is spent."""
+    folder = args.folder / "text_encoder"
+    written = time.perf_counter()
+    nbytes = write_text_encoder(folder)
+    label = "qwen2.5-vl-7b"
+    report["checkpoints"][label] = {"bytes": nbytes, "write_s": round(time.perf_counter() - written, 1),
+                                    "shards": len(text_encoder_files(folder))}
+    print(label, report["checkpoints"][label], flush=True)
+    for loader, load in TEXT_ENCODER_LOADERS.items():
+        for cache in ("cold", "warm"):
+            if time.perf_counter() - start > args.budget_s:
+                report["stopped"] = f"budget of {args.budget_s} s spent"
+                save()
+                return False
+            case = {"checkpoint": label, "loader": loader, "cache": cache}
+            if cache == "cold":
+                case.update(drop_cache(folder))
+            try:
+                model, figures = measure(load, folder)
+                del model
+                case.update(figures, gb_per_s=round(nbytes / 1e9 / figures["seconds"], 2))
+            except Exception as exc:  # noqa: BLE001 - recorded, the other cases go on
+                case["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.empty_cache()
+            report["cases"].append(case)
+            print(case, flush=True)
+            save()
+    try:
+        ours, mapped = load_text_encoder_k6serve(folder), load_text_encoder_device_map(folder)
+        report["checkpoints"][label]["same_bits_device_map"] = same_weights(ours, mapped)
+        del ours, mapped
+    except Exception as exc:  # noqa: BLE001
+        report["checkpoints"][label]["same_bits_device_map"] = f"{type(exc).__name__}: {exc}"[:300]
+    torch.cuda.empty_cache()
+    for path in folder.iterdir():
+        path.unlink()
+    save()
+    return True
 
 
 if __name__ == "__main__":
