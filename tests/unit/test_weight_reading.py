@@ -194,3 +194,29 @@ def test_a_damaged_shard_fails_naming_it_and_the_staging_is_finished_first(tmp_p
                                               r"\(.*\); copy or download the checkpoint again\."):
         load_state_dict(tmp_path, "meta")
     assert finished == [1]  # after the first shard's tensor was on its way
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="loads onto a GPU")
+def test_a_checkpoint_loaded_onto_the_gpu_has_the_host_loads_weights_and_no_dispatch_hooks(tiny_pro_dir):
+    """Every component straight onto the GPU (the DiT through the staging, the text encoders with transformers'
+    single-device `device_map`, which must add no accelerate hooks: the offload and block streaming re-point the
+    weights themselves), each weight the same bits as a load onto the host."""
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import VARIANTS
+
+    variant = next(v for v in VARIANTS.values() if v.family == "generation" and v.size == "pro" and not v.distilled)
+
+    def load(device: str):
+        return load_generation_models(tiny_pro_dir, variant, device=torch.device(device), dtype=torch.bfloat16,
+                                      load_format="auto")
+
+    on_gpu, on_host = load("cuda"), load("cpu")
+    for component in ("transformer", "text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder"):
+        gpu_module, host_module = getattr(on_gpu, component), getattr(on_host, component)
+        assert not [name for name, module in gpu_module.named_modules() if hasattr(module, "_hf_hook")], component
+        gpu_state, host_state = gpu_module.state_dict(), host_module.state_dict()
+        assert gpu_state.keys() == host_state.keys(), component
+        for name, tensor in gpu_state.items():
+            assert tensor.device.type == "cuda", f"{component}.{name}"
+            assert tensor.dtype == host_state[name].dtype and torch.equal(tensor.cpu(), host_state[name]), \
+                f"{component}.{name}"
