@@ -514,15 +514,21 @@ class _Staging:
     def __init__(self, device: torch.device, chunk_bytes: int = 64 << 20) -> None:
         self.device = device
         self.chunk_bytes = chunk_bytes
-        self._asynchronous = device.type == "cuda"
-        if self._asynchronous:
+        self._asynchronous = False
+        self._pinned: list[Any] = []
+        if device.type == "cuda":
             from k6serve.offload.host_weights import PinnedBuffer
 
-            with torch.cuda.device(device):
-                self._pinned = [PinnedBuffer(chunk_bytes) for _ in range(2)]
+            try:
+                with torch.cuda.device(device):
+                    self._pinned = [PinnedBuffer(chunk_bytes) for _ in range(2)]
+                self._asynchronous = True
+            except RuntimeError as exc:  # a host that cannot page-lock memory still loads, copying synchronously
+                logger.warning("reading the weights without page-locked staging buffers, more slowly: %s", exc)
             # The stream a copy to `device` runs on, whichever GPU is this thread's current one (a rank's may not be
             # set): the events that free a buffer must follow the copies out of it.
             self._stream = torch.cuda.current_stream(device)
+        if self._asynchronous:
             self._buffers = [buffer.view(torch.uint8) for buffer in self._pinned]
         else:
             self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]

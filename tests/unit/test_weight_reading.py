@@ -220,3 +220,20 @@ def test_a_checkpoint_loaded_onto_the_gpu_has_the_host_loads_weights_and_no_disp
             assert tensor.device.type == "cuda", f"{component}.{name}"
             assert tensor.dtype == host_state[name].dtype and torch.equal(tensor.cpu(), host_state[name]), \
                 f"{component}.{name}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads onto a GPU")
+def test_a_host_that_cannot_page_lock_memory_still_loads_the_same_bits(tmp_path, monkeypatch, caplog):
+    """cudaHostRegister can fail (a container's locked-memory limit): the loader, which never needed page-locked
+    memory before, copies synchronously through ordinary buffers instead, and says so."""
+    from k6serve.offload import host_weights
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cudaHostRegister of 64 MiB of host memory failed (CUDA error 2)")
+
+    _checkpoint(tmp_path)
+    monkeypatch.setattr(host_weights, "PinnedBuffer", refuse)
+    with caplog.at_level("WARNING", logger="k6serve.models.checkpoint_files"):
+        state = load_state_dict(tmp_path, "cuda", dtypes=DTYPES)
+    assert "without page-locked staging buffers" in caplog.text and "CUDA error 2" in caplog.text
+    _same_bits(state, _expected(tmp_path))
