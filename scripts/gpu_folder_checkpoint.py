@@ -25,12 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from gpu_load import write_dit  # scripts/gpu_load.py, beside this one
 
 # (the tiny checkpoint whose model_index.json, scheduler and tokenizers the folder takes; the released DiT config)
 VARIANT_KEYS = {"lite-distill": ("distill", "lite_distill"), "pro-distill": ("distill", "pro_distill")}
-SHARD_BYTES = 10 * 10**9
-STORED_FP32 = ("time_embeddings", "modulation")
 HUB_IDS = {"lite-distill": "kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers",
            "pro-distill": "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"}
 
@@ -39,31 +38,6 @@ def _replace(folder: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     return folder
-
-
-def write_dit(model: torch.nn.Module, config: dict, folder: Path) -> None:
-    from k6serve.models.plan import keeps_fp32
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
-    for name, tensor in model.state_dict().items():
-        stored = tensor.float() if keeps_fp32(name, STORED_FP32) else tensor
-        nbytes = stored.numel() * stored.element_size()
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = stored.cpu()
-        size += nbytes
-        total += nbytes
-    weight_map = {}
-    for index, shard in enumerate(shards, 1):
-        name = f"diffusion_pytorch_model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(
-        {"_class_name": "Kandinsky6Transformer3DModel", "_diffusers_version": "0.42.1", **config}))
 
 
 def write_folder(variant_name: str, folder: Path) -> dict:

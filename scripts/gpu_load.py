@@ -64,8 +64,19 @@ def _anonymous() -> int:
 
 def write_checkpoint(folder: Path, config: dict) -> int:
     """Random bf16 weights built on the GPU, written in diffusers' layout; the bytes written."""
-    folder.mkdir(parents=True, exist_ok=True)
     model = build_dummy_transformer(config, device=torch.device("cuda"), dtype=torch.bfloat16)
+    total = write_dit(model, config, folder)
+    del model
+    torch.cuda.empty_cache()
+    os.sync()
+    return total
+
+
+def write_dit(model: torch.nn.Module, config: dict, folder: Path) -> int:
+    """`model`'s weights in diffusers' layout under `folder`, as the released files store them (bf16, the modulations
+    and time embeddings in fp32, `SHARD_BYTES` shards and their index), with `config` as its config.json; the bytes
+    written. Also used by scripts/gpu_folder_checkpoint.py."""
+    folder.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
     for name, tensor in model.state_dict().items():
@@ -77,8 +88,6 @@ def write_checkpoint(folder: Path, config: dict) -> int:
         shards[-1][name] = stored.cpu()
         size += nbytes
         total += nbytes
-    del model
-    torch.cuda.empty_cache()
     weight_map = {}
     for index, shard in enumerate(shards, 1):
         name = f"diffusion_pytorch_model-{index:05d}-of-{len(shards):05d}.safetensors"
@@ -88,7 +97,6 @@ def write_checkpoint(folder: Path, config: dict) -> int:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(
         {"_class_name": "Kandinsky6Transformer3DModel", "_diffusers_version": "0.42.1", **config}))
-    os.sync()
     return total
 
 
@@ -257,25 +265,9 @@ def main() -> None:
         report["checkpoints"][label] = {"bytes": nbytes, "write_s": round(time.perf_counter() - written, 1),
                                         "shards": len(safetensors_files(folder))}
         print(label, report["checkpoints"][label], flush=True)
-        for loader in args.loaders:
-            for cache in ("cold", "warm"):
-                if time.perf_counter() - start > args.budget_s:
-                    report["stopped"] = f"budget of {args.budget_s} s spent"
-                    save()
-                    return
-                case = {"checkpoint": label, "loader": loader, "cache": cache}
-                if cache == "cold":
-                    case.update(drop_cache(folder))
-                try:
-                    model, figures = measure(LOADERS[loader], folder)
-                    del model
-                    case.update(figures, gb_per_s=round(nbytes / 1e9 / figures["seconds"], 2))
-                except Exception as exc:  # noqa: BLE001 - recorded, the other cases go on
-                    case["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                torch.cuda.empty_cache()
-                report["cases"].append(case)
-                print(case, flush=True)
-                save()
+        if not run_cases(args, report, save, start, label, {name: LOADERS[name] for name in args.loaders}, folder,
+                         nbytes):
+            return
         if time.perf_counter() - start < args.budget_s:  # untimed: both models resident, compared on the GPU
             ours, before = load_k6serve(folder), load_previous(folder)
             report["checkpoints"][label]["same_bits_as_previous"] = same_weights(ours, before)
@@ -289,16 +281,10 @@ def main() -> None:
     save()
 
 
-def text_encoder_stage(args: argparse.Namespace, report: dict, save, start: float) -> bool:
-    """The text encoder's cases; False once the budget is spent."""
-    folder = args.folder / "text_encoder"
-    written = time.perf_counter()
-    nbytes = write_text_encoder(folder)
-    label = "qwen2.5-vl-7b"
-    report["checkpoints"][label] = {"bytes": nbytes, "write_s": round(time.perf_counter() - written, 1),
-                                    "shards": len(text_encoder_files(folder))}
-    print(label, report["checkpoints"][label], flush=True)
-    for loader, load in TEXT_ENCODER_LOADERS.items():
+def run_cases(args: argparse.Namespace, report: dict, save, start: float, label: str, loaders: dict, folder: Path,
+              nbytes: int) -> bool:
+    """Each of `loaders` on `folder`, cold then warm, each case recorded as it ends; False once the budget is spent."""
+    for loader, load in loaders.items():
         for cache in ("cold", "warm"):
             if time.perf_counter() - start > args.budget_s:
                 report["stopped"] = f"budget of {args.budget_s} s spent"
@@ -317,6 +303,20 @@ def text_encoder_stage(args: argparse.Namespace, report: dict, save, start: floa
             report["cases"].append(case)
             print(case, flush=True)
             save()
+    return True
+
+
+def text_encoder_stage(args: argparse.Namespace, report: dict, save, start: float) -> bool:
+    """The text encoder's cases; False once the budget is spent."""
+    folder = args.folder / "text_encoder"
+    written = time.perf_counter()
+    nbytes = write_text_encoder(folder)
+    label = "qwen2.5-vl-7b"
+    report["checkpoints"][label] = {"bytes": nbytes, "write_s": round(time.perf_counter() - written, 1),
+                                    "shards": len(text_encoder_files(folder))}
+    print(label, report["checkpoints"][label], flush=True)
+    if not run_cases(args, report, save, start, label, TEXT_ENCODER_LOADERS, folder, nbytes):
+        return False
     try:
         ours, mapped = load_text_encoder_k6serve(folder), load_text_encoder_device_map(folder)
         report["checkpoints"][label]["same_bits_device_map"] = same_weights(ours, mapped)
