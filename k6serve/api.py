@@ -11,7 +11,6 @@ in order with them, on every rank of every replica.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import os
@@ -21,8 +20,8 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
+from k6serve.api_decorators import http_names_answered, in_callers_words, sglang_order_answered
 from k6serve.api_errors import flags_as_keywords, reworded_errors
-from k6serve.dependencies import MissingPackage, require_package
 from k6serve.engine_arguments import (
     EngineOptions,
     build_engine_config,
@@ -39,7 +38,7 @@ from k6serve.lora.arguments import (
     unload_lora_operation,
     unmerge_lora_operation,
 )
-from k6serve.lora.spec import LORA_TARGETS, ListLoras
+from k6serve.lora.spec import ListLoras
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import GENERATION, Variant
@@ -49,6 +48,7 @@ from k6serve.output_checks import (
     final_file_name,
     require_media_package,
     unsaved_output_keys,
+    warn_without_media_package,
 )
 from k6serve.request import (
     GenerateKwargs,
@@ -59,13 +59,12 @@ from k6serve.request import (
     RequestOptions,
     SamplingParams,
     VideoResult,
-    did_you_mean,
     drawn_seed,
     fspath_values,
     plain_scalars,
 )
-from k6serve.request_arguments import request_options, split_kwargs
-from k6serve.prompt_lists import Listed, run_side_by_side, stopped_list
+from k6serve.request_arguments import check_progress_bar, request_options, split_kwargs
+from k6serve.prompt_lists import Listed, run_side_by_side, shown_prompt, stopped_list
 from k6serve.request_refusals import MissingPrompt, MissingSourceVideo
 from k6serve.runtime.engine import Engine
 from k6serve.media.image import looks_like_url
@@ -98,10 +97,6 @@ logger = logging.getLogger(__name__)
 # load beside a running generator is warned about before it starts.
 _RUNNING: "weakref.WeakSet[DiffGenerator]" = weakref.WeakSet()
 
-# A `DiffGenerator` method's decorators keep its signature for type checkers and IDEs (`Callable -> Callable` made
-# set_lora and the other LoRA and memory methods `(*Any, **Any) -> Any`: no keyword or type was checked).
-_Method = typing.TypeVar("_Method", bound=Callable[..., Any])
-
 
 def _from_here(path: Any, *, existing_only: bool) -> Any:
     """A relative `path` made absolute from this process's folder (`DiffGenerator._from_callers_folder`); with
@@ -113,84 +108,6 @@ def _from_here(path: Any, *, existing_only: bool) -> Any:
     if not text.strip() or looks_like_url(text) or (existing_only and not os.path.exists(text)):
         return path
     return os.path.abspath(text)
-
-
-def _warn_without_media_package() -> None:
-    """Said before the load (minutes for a real checkpoint), which cannot know whether the requests will write an
-    MP4 (save_output, the default): `generate` refuses those, and the frames-only ones still run."""
-    try:
-        require_package("av", "to write the MP4")
-    except MissingPackage as exc:
-        logger.warning(f"{exc} Until then generate() runs only requests with save_output=False and no source video.")
-
-
-def _http_names_answered(method: _Method) -> _Method:
-    """A `DiffGenerator` LoRA method that answers a keyword it does not take with the argument meant: the HTTP
-    body's name (`lora_path`, typed by a caller who moved a working request body over) got Python's bare
-    "unexpected keyword argument 'lora_path'", and a typo a `did_you_mean` guess. Still a TypeError, as Python's."""
-    signature = inspect.signature(method)
-    python_names = {http: name for name, http in HTTP_LORA_NAMES.items() if name in signature.parameters}
-
-    @functools.wraps(method)
-    def answered(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
-        unknown = [key for key in kwargs if key not in signature.parameters]
-        if unknown:
-            key = unknown[0]
-            if key in python_names:
-                hint = (f": {key} is the HTTP API's name (POST /v1/{method.__name__}'s body); the Python argument is "
-                        f"{python_names[key]}: {method.__name__}(..., {python_names[key]}=...)")
-            else:
-                hint = did_you_mean([key], (name for name in signature.parameters if name != "self"))
-            raise TypeError(f"{method.__name__}() got an unexpected keyword argument {key!r}{hint}.")
-        return method(self, *args, **kwargs)
-
-    return typing.cast(_Method, answered)
-
-
-def _sglang_order_answered(method: _Method) -> _Method:
-    """`DiffGenerator.set_lora` called in SGLang's argument order, (nickname, path, target, strength): its third
-    argument, a target, was refused as "strength must be a finite number, got 'transformer'", and a fourth as
-    Python's "takes from 2 to 4 positional arguments". Said as the order it is, with the call to make."""
-    @functools.wraps(method)
-    def ordered(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
-        if len(args) >= 3 and isinstance(args[2], str) and args[2] in LORA_TARGETS:
-            strength = "" if len(args) < 4 else f", {args[3]!r}"
-            raise TypeError(f"{method.__name__}()'s third argument is the strength, got the target {args[2]!r}: "
-                            "SGLang's set_lora takes (nickname, path, target, strength), and here target is a "
-                            f"keyword: {method.__name__}({args[0]!r}, {args[1]!r}{strength}, target={args[2]!r}).")
-        return method(self, *args, **kwargs)
-
-    return typing.cast(_Method, ordered)
-
-
-def _shown_prompt(prompt: Any) -> str:
-    """A list's prompt as an error shows it: its start, or what else it is."""
-    if isinstance(prompt, str):
-        return repr(prompt if len(prompt) <= 40 else prompt[:40] + "...")
-    return f"{prompt!r} ({type(prompt).__name__})"
-
-
-def _check_progress_bar(progress_bar: object) -> None:
-    if not isinstance(progress_bar, bool):
-        raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")
-
-
-def _in_callers_words(method: _Method) -> _Method:
-    """A `DiffGenerator` method whose ValueErrors are worded for its caller (`DiffGenerator._wording`)."""
-    if inspect.iscoroutinefunction(method):
-        @functools.wraps(method)
-        async def worded_async(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
-            with reworded_errors(self._wording):
-                return await method(self, *args, **kwargs)
-
-        return typing.cast(_Method, worded_async)
-
-    @functools.wraps(method)
-    def worded(self: "DiffGenerator", *args: Any, **kwargs: Any) -> Any:
-        with reworded_errors(self._wording):
-            return method(self, *args, **kwargs)
-
-    return typing.cast(_Method, worded)
 
 
 class DiffGenerator:
@@ -236,7 +153,7 @@ class DiffGenerator:
             check_local_mode(local_mode)
             options = options_with_server_args(server_args, kwargs)
             model_path = model_path_of(model_path, options)
-            _warn_without_media_package()
+            warn_without_media_package()
             return cls._load(model_path, options, wording=flags_as_keywords)
 
     @classmethod
@@ -319,7 +236,7 @@ class DiffGenerator:
                  progress_bar: bool = False,
                  **kwargs: Unpack[PromptListOptions]) -> VideoResult | list[VideoResult]: ...
 
-    @_in_callers_words
+    @in_callers_words
     def generate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                  on_progress: ProgressCallback | None = None, progress_bar: bool = False,
                  **kwargs: Any) -> VideoResult | list[VideoResult]:
@@ -383,7 +300,7 @@ class DiffGenerator:
                         progress_bar: bool = False,
                         **kwargs: Unpack[PromptListOptions]) -> VideoResult | list[VideoResult]: ...
 
-    @_in_callers_words
+    @in_callers_words
     async def agenerate(self, sampling_params_kwargs: Mapping[str, Any] | SamplingParams | None = None, *,
                         on_progress: ProgressCallback | None = None, progress_bar: bool = False,
                         **kwargs: Any) -> VideoResult | list[VideoResult]:
@@ -422,7 +339,7 @@ class DiffGenerator:
         from k6serve.step_bar import StepBar
 
         with self._step_bar(on_progress, False) as on_step:  # on_progress's step-0 filter, as for one prompt
-            _check_progress_bar(progress_bar)
+            check_progress_bar(progress_bar)
             bar = StepBar("prompts", unit="prompt") if progress_bar else None
             try:
                 return run_side_by_side(self.engine, listed, on_step, bar, stop)
@@ -434,7 +351,7 @@ class DiffGenerator:
     def _step_bar(self, on_progress: ProgressCallback | None, progress_bar: bool):
         """`on_progress`, and with `progress_bar` the bar fed first (a callback that raises to stop the request
         leaves the bar at the step it stopped), closed when the request ends however it ends."""
-        _check_progress_bar(progress_bar)
+        check_progress_bar(progress_bar)
         # The engine also reports step 0, as a cancellation point before the first step (a warm-up, the prompt's
         # rewrite every 16 tokens); on_progress's contract is steps counting from 1 (an ETA callback divided by the
         # step). A cancel still reaches those points through the engine's own check.
@@ -495,7 +412,7 @@ class DiffGenerator:
             try:
                 params, output, warnings = self._checked_request(each, on_progress, {}, said=said)
             except ValueError as exc:
-                raise ValueError(f"prompt {index} of the list ({_shown_prompt(prompt)}): {exc}") from None
+                raise ValueError(f"prompt {index} of the list ({shown_prompt(prompt)}): {exc}") from None
             listed.append((params, output, [name_warning, *warnings] if name_warning else warnings))
         return listed
 
@@ -588,9 +505,9 @@ class DiffGenerator:
         # untyped caller is refused by the super-resolution model, which upscale is for).
         return typing.cast(VideoResult, self.generate(request, on_progress=on_progress, progress_bar=progress_bar))
 
-    @_in_callers_words
-    @_http_names_answered
-    @_sglang_order_answered
+    @in_callers_words
+    @http_names_answered
+    @sglang_order_answered
     def set_lora(self, nickname: str | list[str], path: LoraPaths = None,
                  strength: float | Sequence[float] = 1.0, *, merge_mode: str = "auto", target: str | list[str] = "all",
                  lora_alpha: float | None = None) -> dict[str, Any]:
@@ -614,22 +531,22 @@ class DiffGenerator:
                                        lora_alpha=lora_alpha)
         return self.engine.lora(operation)
 
-    @_in_callers_words
+    @in_callers_words
     def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict[str, Any]:
         """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`, from -100 to
         100). A bad target or strength raises ValueError before anything queues."""
         self._require_running()
         return self.engine.lora(merge_lora_operation(target, strength))
 
-    @_in_callers_words
+    @in_callers_words
     def unmerge_lora_weights(self, target: str = "all") -> dict[str, Any]:
         """Deactivate every adapter and restore the base weights bit for bit (merged weights are restored from
         the saved base copy, not by subtracting the delta)."""
         self._require_running()
         return self.engine.lora(unmerge_lora_operation(target))
 
-    @_in_callers_words
-    @_http_names_answered
+    @in_callers_words
+    @http_names_answered
     def unload_lora(self, nickname: str | list[str]) -> dict[str, Any]:
         """Forget loaded adapters that are not active (a nickname or a list): their weights leave memory. An active
         or unknown one raises ValueError and nothing changes; deactivate it first (`set_lora` with the adapters to
@@ -637,13 +554,13 @@ class DiffGenerator:
         self._require_running()
         return self.engine.lora(unload_lora_operation(nickname))
 
-    @_in_callers_words
+    @in_callers_words
     def list_loras(self) -> dict[str, Any]:
         """The loaded adapters and their state: `{"loras": [...]}`."""
         self._require_running()
         return self.engine.lora(ListLoras())
 
-    @_in_callers_words
+    @in_callers_words
     def release_memory(self) -> dict[str, Any]:
         """Give the GPU memory back (sleep, e.g. to an RL trainer on the same GPUs): after the requests already
         submitted, every weight moves to host memory on every rank and the allocator caches are freed; requests
@@ -653,7 +570,7 @@ class DiffGenerator:
         self._require_running()
         return self.engine.release_memory()
 
-    @_in_callers_words
+    @in_callers_words
     def resume_memory(self, *, keep_host_copy: bool = False) -> dict[str, Any]:
         """Copy the weights back to the GPUs, bit for bit; the waiting requests then run in order. Resuming while
         not released changes nothing ("status": "not_released"). `keep_host_copy=True` keeps the host copy (host

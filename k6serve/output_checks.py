@@ -5,6 +5,7 @@ save_output=False ignores, and PyAV where the request needs it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import unicodedata
@@ -12,9 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from k6serve.dependencies import require_package
+from k6serve.dependencies import MissingPackage, require_package
 from k6serve.media.output_names import MAX_FILE_NAME_BYTES, is_name_character, sanitize_file_name
 from k6serve.request import FlagWorded, FlagWordedNote, OutputOptions, SamplingParams
+
+# `warn_without_media_package` is the Python API's warning, logged under its module's name as before it moved here.
+_api_logger = logging.getLogger("k6serve.api")
 
 
 def require_media_package(params: SamplingParams, output: OutputOptions) -> None:
@@ -119,3 +123,13 @@ def unsaved_output_keys(options: Mapping[str, Any]) -> list[str]:
     if options.get("save_output", True) is not False:
         return []
     return [key for key in ("output_file_name", "output_path") if options.get(key) is not None]
+
+
+def warn_without_media_package() -> None:
+    """Said before the load (minutes for a real checkpoint), which cannot know whether the requests will write an
+    MP4 (save_output, the default): `generate` refuses those, and the frames-only ones still run."""
+    try:
+        require_package("av", "to write the MP4")
+    except MissingPackage as exc:
+        _api_logger.warning(f"{exc} Until then generate() runs only requests with save_output=False and no source "
+                            "video.")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from k6serve.request import OutputOptions, SamplingParams, error_type_name
 from k6serve.runtime.engine import RequestCancelled
@@ -58,6 +58,13 @@ def stopped_note(listed: Listed, finished: dict[int, VideoResult], stopper: int,
         places = ", ".join(map(str, rest)) + ("," if len(rest) == 1 else "")
         note += f"; to run the rest, pass {_places(rest)}: [prompts[i] for i in ({places})]"
     return note + _renumbered_names_note(listed, saved) + "."
+
+
+def shown_prompt(prompt: Any) -> str:
+    """A list's prompt as an error shows it: its start, or what else it is."""
+    if isinstance(prompt, str):
+        return repr(prompt if len(prompt) <= 40 else prompt[:40] + "...")
+    return f"{prompt!r} ({type(prompt).__name__})"
 
 
 def _places(indices: list[int]) -> str:

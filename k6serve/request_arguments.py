@@ -145,3 +145,8 @@ def request_options(request: Mapping[str, Any] | SamplingParams | None, kwargs: 
         raise ValueError(f"{', '.join(misplaced)} {what}, fixed when the model loads: pass {it} to "
                          "DiffGenerator.from_pretrained(), not to generate().")
     return options
+
+
+def check_progress_bar(progress_bar: object) -> None:
+    if not isinstance(progress_bar, bool):
+        raise ValueError(f"progress_bar must be True or False, got {progress_bar!r}.")

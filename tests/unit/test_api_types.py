@@ -52,9 +52,10 @@ def test_the_names_api_py_re_exports_are_the_ones_in_their_modules():
 def test_diffgenerator_decorators_keep_the_method_types():
     # Annotated `Callable -> Callable`, they made set_lora, merge_lora_weights and the other decorated methods
     # `(*Any, **Any) -> Any` to mypy and pyright: a misspelled keyword or a wrong type went unseen.
-    from k6serve import api
+    from k6serve import api_decorators
 
-    for decorator in (api._in_callers_words, api._http_names_answered, api._sglang_order_answered):
+    for decorator in (api_decorators.in_callers_words, api_decorators.http_names_answered,
+                      api_decorators.sglang_order_answered):
         hints = typing.get_type_hints(decorator)
         assert isinstance(hints["return"], typing.TypeVar) and hints["method"] is hints["return"], decorator
 
@@ -297,3 +298,21 @@ def test_mypy_reads_the_api_as_it_behaves(tmp_path, monkeypatch):
     assert 'Unexpected keyword argument "num_gpu" for "from_pretrained"' in report, report
     assert 'Argument "num_gpus" to "from_pretrained" of "DiffGenerator" has incompatible type "str"' in report, report
     assert report.count("error:") == 2, report
+
+
+def test_a_missing_media_package_is_warned_of_before_the_load_under_the_apis_logger(monkeypatch, caplog):
+    # from_pretrained says it before the load (minutes for a real checkpoint); the requests that write an MP4 are
+    # refused later, the frames-only ones still run.
+    from k6serve import output_checks
+    from k6serve.dependencies import MissingPackage
+
+    def missing(module, needed_for):
+        raise MissingPackage(f"PyAV ({module}) is needed {needed_for}: pip install av.")
+
+    monkeypatch.setattr(output_checks, "require_package", missing)
+    with caplog.at_level("WARNING", logger="k6serve.api"):
+        output_checks.warn_without_media_package()
+    assert [record.name for record in caplog.records] == ["k6serve.api"]
+    assert caplog.records[0].getMessage() == ("PyAV (av) is needed to write the MP4: pip install av. Until then "
+                                              "generate() runs only requests with save_output=False and no source "
+                                              "video.")
