@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+from k6serve.models.kandinsky6.attention import Kandinsky6Attention
 from k6serve.models.kandinsky6_sr.transformer import SelfAttention as SRSelfAttention
 from k6serve.ops import rms_norm_rope as norm_rope_op
 

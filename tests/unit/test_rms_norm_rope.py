@@ -108,7 +108,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
 
 
 def test_speed_transform_falls_back_off_cuda():
-    from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+    from k6serve.models.kandinsky6.attention import Kandinsky6Attention
     from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
 
     torch.manual_seed(0)

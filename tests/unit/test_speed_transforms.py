@@ -21,7 +21,7 @@ from k6serve.bench.tiny import TINY_TRANSFORMER_CONFIG
 from k6serve.models.kandinsky6.checkpoint import build_dummy_transformer
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6.plan import kandinsky6_plan
-from k6serve.models.kandinsky6.transformer import Kandinsky6Attention
+from k6serve.models.kandinsky6.attention import Kandinsky6Attention
 from k6serve.request import GenerateRequest
 from k6serve.speed import (
     FusedProjectionAttention,
