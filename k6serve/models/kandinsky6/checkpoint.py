@@ -161,9 +161,9 @@ def load_transformer(component_dir: Path, *, device: torch.device, dtype: torch.
     # Each tensor read straight onto `device`, cast as diffusers' from_pretrained casts (`cast_for_inference`).
     state = load_state_dict(component_dir, device, dtypes={name: p.dtype for name, p in model.named_parameters()})
     check_state_dict(expected, state, f"{component_dir.name} ({component_dir})", floating)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=True)  # every tensor is already on `device`
     del state
-    return model.to(device).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def _check_scheduler_fits_head(config: Kandinsky6TransformerConfig, scheduler_class: str, scheduler_config: dict,
