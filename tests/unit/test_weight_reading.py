@@ -53,13 +53,11 @@ def test_host_weights_are_cast_as_asked_in_fresh_aligned_storage(tmp_path):
     assert state["positions"].dtype == torch.int64  # an integer tensor keeps its type whatever `dtypes` says
     for name, tensor in state.items():
         # Not a view of the file's mapping (whose storage is the whole file, at the tensor's offset in it): CPU
-        # GEMMs round differently on unaligned data, and a view would pin the file's pages.
+        # GEMMs round differently on unaligned data, and a view would pin the file's pages. This holds for the fp32
+        # tensor that stays fp32 too (no cast, so a view would be the easy mistake).
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
         if tensor.numel():
             assert tensor.data_ptr() % 64 == 0, name
-    # The fp32 tensor that stays fp32 is a copy too, not the mapping's view.
-    assert state["modulation.weight"].data_ptr() != load_file(
-        str(tmp_path / "diffusion_pytorch_model.safetensors"))["modulation.weight"].data_ptr()
 
 
 def test_a_device_read_goes_through_the_staging_buffers(tmp_path):
