@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from k6serve.config import OPTION_CHOICES, SEED_FLAG_SPELLINGS, ModelConfig, ParallelConfig, RuntimeConfig
+from k6serve.config import OPTION_CHOICES, ModelConfig, ParallelConfig, RuntimeConfig, flag_name
 from k6serve.models.variants import variant_from_id
 from k6serve.offload.residency import OFFLOAD_COMPONENT_NAMES, RESIDENCY_NAMES
 from k6serve.request import OutputOptions
@@ -115,7 +115,7 @@ def _engine_options() -> dict[str, _Option]:
     keywords; the output checks are the CLI's too, e.g. "pass a folder with --output-path")."""
     sections = (ModelConfig, ParallelConfig, RuntimeConfig, OutputOptions)
     fields = [item for section in sections for item in dataclasses.fields(section)]
-    options = {SEED_FLAG_SPELLINGS.get(item.name, "--" + item.name.replace("_", "-")): _option(item) for item in fields}
+    options = {flag_name(item.name): _option(item) for item in fields}
     options["--no-save-output"] = _Option("save_output", lambda word: None, negated=True)
     return options
 

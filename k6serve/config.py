@@ -52,6 +52,11 @@ SEED_FLAG_SPELLINGS = {"vae_parallel_tiling": "--vae-config.use-parallel-tiling"
                        "vae_parallel_decode_mode": "--vae-config.parallel-decode-mode"}
 
 
+def flag_name(option: str) -> str:
+    """An option's command-line flag, for messages and the parsers: `--<option-name>`, or its seed spelling."""
+    return SEED_FLAG_SPELLINGS.get(option, "--" + option.replace("_", "-"))
+
+
 def _check_field_types(config: object, *, checked_elsewhere: tuple[str, ...] = ()) -> None:
     for item in dataclasses.fields(config):
         kind, _, optional = str(item.type).partition(" | ")
@@ -62,8 +67,7 @@ def _check_field_types(config: object, *, checked_elsewhere: tuple[str, ...] = (
             continue
         accepts, wanted = _FIELD_KINDS[kind]
         if not accepts(value):
-            name = item.name if item.name in _API_ONLY_FIELDS else SEED_FLAG_SPELLINGS.get(
-                item.name, "--" + item.name.replace("_", "-"))
+            name = item.name if item.name in _API_ONLY_FIELDS else flag_name(item.name)
             raise ValueError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
@@ -185,7 +189,7 @@ class ParallelConfig:
             raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         for name in ("num_gpus", "tp_size", "ulysses_degree", "ring_degree", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag_name(name)} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.node_rank < self.nnodes:
             # A negative rank was told it "hosts worker ranks only" and to call serve_worker_ranks.
             raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}] (this host's index among --nnodes "
@@ -340,8 +344,7 @@ class RuntimeConfig:
         from k6serve.offload.residency import normalise_component_names, normalise_residency_settings
 
         for name in ("cpu_offload_components", "layerwise_offload_components"):
-            flag = "--" + name.replace("_", "-")
-            object.__setattr__(self, name, normalise_component_names(getattr(self, name), flag))
+            object.__setattr__(self, name, normalise_component_names(getattr(self, name), flag_name(name)))
         object.__setattr__(self, "component_residency", normalise_residency_settings(self.component_residency))
         _check_field_types(self, checked_elsewhere=("offload_prefetch_blocks", "offload_resident_blocks"))
         if self.vae_tiling not in VAE_TILING:
@@ -428,7 +431,7 @@ class RuntimeConfig:
         for name, (low, meaning) in limits.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low} ({meaning}), got {value!r}")
+                raise ValueError(f"{flag_name(name)} must be an integer >= {low} ({meaning}), got {value!r}")
         # The model's family is known only once the worker recognises the checkpoint: here the generation plan,
         # which streams whatever the super-resolution plan streams (their DiTs alike) and the text encoders besides;
         # the worker checks the super-resolution plan before it loads (`block_streaming_refusal`).
@@ -466,7 +469,7 @@ class RuntimeConfig:
         for name in ("cpu_offload_components", "layerwise_offload_components"):
             names = getattr(self, name)
             if names and not (offloading_only and names == ("none",)):
-                flags.append(f"--{name.replace('_', '-')} {' '.join(names)}")
+                flags.append(f"{flag_name(name)} {' '.join(names)}")
         settings = [f"{n}={m}" for n, m in self.component_residency if not (offloading_only and m == "resident")]
         if settings:
             flags.append("--component-residency " + " ".join(settings))

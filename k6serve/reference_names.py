@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from k6serve.config import flag_name
 from k6serve.request import SamplingParams, did_you_mean, parameter_fields
 
 ENGINE, REQUEST = "engine", "request"
@@ -409,16 +410,12 @@ def aliases() -> dict[str, str]:
 
 def aliases_of(option: str) -> list[str]:
     """The reference names that `option` is also accepted under, as flags (`--mode` for performance_mode)."""
-    return [_as_flag(name) for name, alias in aliases().items() if alias == option]
+    return [flag_name(name) for name, alias in aliases().items() if alias == option]
 
 
 def value_fix(option: str, value: object) -> str | None:
     """The fix for a value that the reference's same option takes and k6serve does not, or None."""
     return REFERENCE_VALUES.get((option, value)) if isinstance(value, str) else None
-
-
-def _as_flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _key(name: str) -> str:
@@ -457,7 +454,7 @@ def _request_flags_as_names(text: str, fields: frozenset[str] = _REQUEST_FIELDS)
 
 def _fix_text(entry: ReferenceName, surface: str) -> str:
     if entry.alias is not None:
-        return f"k6serve calls it {entry.alias if surface == 'api' else _as_flag(entry.alias)}"
+        return f"k6serve calls it {entry.alias if surface == 'api' else flag_name(entry.alias)}"
     if surface == "cli":
         return entry.fix
     if entry.kind == ENGINE and surface != "api":
@@ -481,7 +478,7 @@ def reference_note(name: str, surface: str, *, named: bool = False) -> str | Non
         return None
     key, entry = found
     if entry.kind == ENGINE and surface == "http":
-        what = f"SGLang's server flag {_as_flag(key)}, not a request field"
+        what = f"SGLang's server flag {flag_name(key)}, not a request field"
     elif entry.kind == REQUEST and surface == "serve":
         what = f"SGLang's request field {key}, sent in the POST /v1/videos body"
     elif surface == "api":

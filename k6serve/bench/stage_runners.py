@@ -24,6 +24,7 @@ from k6serve.bench.tiny import (
     TINY_WIDTH,
 )
 from k6serve.bench.vae import VaeOptions, run_vae
+from k6serve.config import flag_name
 from k6serve.models.variants import VARIANTS
 from k6serve.request import error_type_name
 
@@ -45,8 +46,7 @@ def ignored_flags(args: argparse.Namespace) -> list[str]:
         if value == default:
             continue
         if not set(readers) & set(stages):
-            flag = "--" + dest.replace("_", "-")
-            notes.append(f"{flag} is read by the {'/'.join(readers)} stage{'s' if len(readers) > 1 else ''} only, "
+            notes.append(f"{flag_name(dest)} is read by the {'/'.join(readers)} stage{'s' if len(readers) > 1 else ''} only, "
                          f"not run here ({', '.join(stages)}): ignored, and not checked")
     # --variant's own exceptions (its help): a --tiny run times the toy config and the demo checkpoint, and the dit
     # stage takes a --transformer-path's config; `--tiny --variant lite-distill` ran the toy model without a word.

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from k6serve.cli.flags import parse_bool, flag_name
+from k6serve.cli.flags import parse_bool
 from k6serve.cli.unknown_flags import other_command_notes, command_surface
-from k6serve.config import SEED_FLAG_SPELLINGS
+from k6serve.config import SEED_FLAG_SPELLINGS, flag_name
 from k6serve.reference_names import aliases, unknown_names_hint
 
 

@@ -23,9 +23,9 @@ from k6serve.config import (
     PARALLEL_DECODE_MODES,
     PERFORMANCE_MODES,
     QUANTIZATIONS,
-    SEED_FLAG_SPELLINGS,
     VAE_TILING,
     WARMUP_MODES,
+    flag_name,
 )
 from k6serve.reference_names import aliases_of, value_fix
 from k6serve.request import SamplingParams, parameter_fields
@@ -218,10 +218,6 @@ def _field_type(field: dataclasses.Field) -> type:
     return args[0] if args else str
 
 
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 class _InputGivenOnce(argparse.Action):
     """A request's input (--prompt, --negative-prompt, --image-path, --video-path) given twice with other values is
     refused: argparse keeps the last, so `--prompt "a cat" --prompt "a dog"` (two prompts meant as two videos, or a
@@ -263,7 +259,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, spec in ENGINE_FLAGS:
         spec = {"default": None, **spec}
         # SGLang's names of the same option (`--mode`) are accepted too (k6serve/reference_names.py).
-        group.add_argument(SEED_FLAG_SPELLINGS.get(name, flag_name(name)), *aliases_of(name), dest=name, **spec)
+        group.add_argument(flag_name(name), *aliases_of(name), dest=name, **spec)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

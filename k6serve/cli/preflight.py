@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from k6serve.config import EngineConfig
+from k6serve.config import EngineConfig, flag_name
 from k6serve.engine_arguments import build_engine_config
 from k6serve.models.variants import GENERATION
 from k6serve.output_checks import check_output, unsaved_output_keys
@@ -132,7 +132,7 @@ def checked_output_options(request_options: dict[str, Any], *, quiet: bool = Fal
           f"Drop {drop} to write the MP4.", file=sys.stderr)
     ignored = unsaved_output_keys(request_options)
     if ignored:
-        flags = " and ".join("--" + key.replace("_", "-") for key in ignored)
+        flags = " and ".join(flag_name(key) for key in ignored)
         print(f"warning: {flags} {'is' if len(ignored) == 1 else 'are'} ignored: {unsaved_by} writes no file.",
               file=sys.stderr)
     # The API returns the frames of a request without a file; the CLI would only hold them (GBs for an upscale).

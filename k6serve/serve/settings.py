@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k6serve.config import flag_name
 from k6serve.serve.webhook_transport import WEBHOOK_SECRET_ENV
 from k6serve.serve.webhook_urls import check_webhook_url
 
@@ -211,7 +212,7 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         # Path("") is ".": an empty --output-path served from the working folder, an empty --job-store failed as
         # "PosixPath('.') has an empty name".
         if options.get(name) is not None and not str(options[name]).strip():
-            raise ValueError(f"{_flag_name(name)} is empty; pass a path, or leave it out for the default.")
+            raise ValueError(f"{flag_name(name)} is empty; pass a path, or leave it out for the default.")
     if options.get("output_path") is not None:
         values["output_path"] = Path(options["output_path"])
     if options.get("root_path") is not None:
@@ -253,14 +254,10 @@ def settings_from_options(options: dict[str, Any]) -> ServerSettings:
         raise
 
 
-def _flag_name(option: str) -> str:
-    return "--" + option.replace("_", "-")
-
-
 def _allowed_dir(value: str, option: str) -> Path:
     """An --allowed-input-dir / --allowed-lora-dir: "" is Path("."), which let requests read any file under the
     working folder; a file allowed nothing."""
-    flag, example = _flag_name(option), "./inputs" if option == "allowed_input_dir" else "./loras"
+    flag, example = flag_name(option), "./inputs" if option == "allowed_input_dir" else "./loras"
     if not str(value).strip():
         raise ValueError(f"{flag} is empty; pass a folder (e.g. {flag} {example}).")
     folder = Path(value).expanduser()  # a --config file's "~/loras" is not expanded by a shell
