@@ -223,9 +223,11 @@ def test_engine_options_are_the_options_from_pretrained_takes():
     from k6serve import DiffGenerator, EngineOptions
     from k6serve.engine_arguments import ENGINE_SECTIONS, build_engine_config
 
-    hints = typing.get_type_hints(DiffGenerator.from_pretrained, localns={"torch": torch})
+    # No namespace given: the torch annotations resolve in the module's own (torch imported on demand).
+    hints = typing.get_type_hints(DiffGenerator.from_pretrained)
     assert typing.get_args(hints["kwargs"]) == (EngineOptions,)
-    options = typing.get_type_hints(EngineOptions, localns={"torch": torch})
+    options = typing.get_type_hints(EngineOptions)
+    assert options["dtype"] == str | torch.dtype and options["device"] == str | torch.device
     fields = {item.name: item for cls in ENGINE_SECTIONS for item in dataclasses.fields(cls)}
     field_types = {name: hint for cls in ENGINE_SECTIONS for name, hint in typing.get_type_hints(cls).items()}
     del fields["model_path"]
