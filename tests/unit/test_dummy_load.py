@@ -111,3 +111,40 @@ def test_the_dummy_text_encoder_finds_the_trained_tokenizers_image_placeholders(
     assert int((inputs["input_ids"] == QWEN25_VL_7B["image_token_id"]).sum()) == 0  # the released id: none
     # The rest of the released config stands.
     assert config.text_config.hidden_size == 3584 and config.vision_config.depth == 32
+
+
+def test_every_dummy_build_has_the_same_weights_and_leaves_the_random_state_alone(monkeypatch):
+    """The encoders' and VAEs' initialisers draw from torch's global generator: before they were seeded, a second
+    build in one process (the full-size folder written from one build and compared with another, on an H200) had
+    other weights, so its MP4 differed in every pixel. Small stand-ins for the released modules here."""
+    import diffusers
+
+    from k6serve.models.kandinsky6 import checkpoint
+    from k6serve.testing import tiny_checkpoints as tiny
+
+    monkeypatch.setattr(checkpoint, "build_dummy_transformer", lambda *args, **kwargs: None)  # its own generator
+    tiny_qwen = tiny._build_qwen_text_encoder(tiny.train_qwen_tokenizer()).config
+    monkeypatch.setattr(checkpoint, "dummy_qwen_config", lambda tokenizer: tiny_qwen)
+    clip = tiny._build_clip_text_encoder(tiny.train_clip_tokenizer()).config.to_dict()
+    monkeypatch.setattr(checkpoint.encoder_configs, "CLIP_VIT_L14_TEXT", clip)
+    monkeypatch.setattr(diffusers, "AutoencoderKLHunyuanVideo", tiny._build_vae)
+    monkeypatch.setattr(diffusers, "MMAudioVAE", lambda: tiny._build_audio_vae("distill"))
+    monkeypatch.setattr(diffusers, "MMAudioVocoder", tiny._build_vocoder)
+    cpu = torch.device("cpu")
+
+    def build():
+        return checkpoint._build_dummy(VARIANTS["lite-distill"], device=cpu, dtype=torch.float32,
+                                       where=lambda component: cpu)
+
+    torch.manual_seed(123)
+    first = build()
+    after_first = torch.rand(3)  # the caller's generator goes on as if no build had drawn from it
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after_first)
+    torch.rand(1000)  # what the process drew in between
+    second = build()
+    for component in ("text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder"):
+        a, b = getattr(first, component).state_dict(), getattr(second, component).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), component
+    # Different seeds for different components (two modules of one shape would otherwise start alike).
+    assert len(set(checkpoint.DUMMY_COMPONENT_SEEDS.values())) == len(checkpoint.DUMMY_COMPONENT_SEEDS)

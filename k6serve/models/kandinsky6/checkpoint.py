@@ -321,6 +321,11 @@ def dummy_qwen_config(tokenizer):
     return transformers.Qwen2_5_VLConfig(**{**encoder_configs.QWEN25_VL_7B, **qwen_vision_token_ids(tokenizer)})
 
 
+# The seeds of the dummy build's components other than the DiT (whose weights come from `build_dummy_transformer`'s
+# own generator, seed 0).
+DUMMY_COMPONENT_SEEDS = {"text_encoder": 1, "text_encoder_2": 2, "vae": 3, "audio_vae": 4, "vocoder": 5}
+
+
 def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
                  where: Callable[[str], torch.device]) -> GenerationModels:
     """Released sizes, random weights, each component created on `where(name)` in `dtype` (benchmarks; outputs
@@ -345,9 +350,21 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
 
     def built(component: str, make):
         target = where(component)
-        with torch.device(build_device(target)):
+        build = build_device(target)
+        # transformers' and diffusers' initialisers draw from torch's global generators: seeded here per component
+        # (the DiT has its own generator), so that every build has the same weights whatever the process drew
+        # before (a second engine in one process; a folder written from one build, compared with another). Before,
+        # a build's weights depended on the process's history. The caller's random state is restored.
+        seed = DUMMY_COMPONENT_SEEDS[component]
+        cuda_devices = ([build.index if build.index is not None else torch.cuda.current_device()]
+                        if build.type == "cuda" else [])
+        with torch.random.fork_rng(devices=cuda_devices), torch.device(build):
+            torch.random.default_generator.manual_seed(seed)
+            for index in cuda_devices:  # only the GPU drawn on: torch.manual_seed would reseed every GPU's
+                with torch.cuda.device(index):
+                    torch.cuda.manual_seed(seed)
             module = make()
-        return _move_to_host(module) if build_device(target) != target else module
+        return _move_to_host(module) if build != target else module
 
     tokenizer = train_qwen_tokenizer()
     qwen_config = dummy_qwen_config(tokenizer)
