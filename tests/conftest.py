@@ -5,6 +5,7 @@ Builders are imported inside the fixtures, so tests that do not use them skip im
 
 import importlib.util
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # Started with Ctrl-C ignored (a background job of a shell without job control, `nohup`): Python then installs
+    # no KeyboardInterrupt handler, and every process the tests start inherits the ignored signal, so the Ctrl-C
+    # tests (`_thread.interrupt_main`, SIGINT sent to a CLI run or a rank) failed with "DID NOT RAISE". The
+    # terminal's default is restored for the tests and their children (a Python handler is reset at exec).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # ---- Kandinsky 6 generation (T2AV / TI2AV) ----
 
