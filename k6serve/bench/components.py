@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from k6serve.bench.reference import import_diffusers
+from k6serve.models.kandinsky6.checkpoint import cast_without_warning
 
 
 @dataclass(kw_only=True)
@@ -33,7 +34,7 @@ def _tiny_pipeline():
 
 
 def _place(module, device: torch.device, dtype: torch.dtype):
-    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return cast_without_warning(module.to(device), dtype).eval().requires_grad_(False)
 
 
 def build_video_vae(*, tiny: bool, device: torch.device, dtype: torch.dtype):
@@ -42,7 +43,7 @@ def build_video_vae(*, tiny: bool, device: torch.device, dtype: torch.dtype):
     if tiny:
         return _place(_tiny_pipeline().vae, device, dtype)
     with torch.device(device):
-        vae = diffusers.AutoencoderKLHunyuanVideo().to(dtype)
+        vae = cast_without_warning(diffusers.AutoencoderKLHunyuanVideo(), dtype)
     return vae.eval().requires_grad_(False)
 
 
@@ -53,8 +54,8 @@ def build_audio_decoder(*, tiny: bool, device: torch.device, dtype: torch.dtype)
         pipe = _tiny_pipeline()
         return _place(pipe.audio_vae, device, dtype), _place(pipe.vocoder, device, dtype)
     with torch.device(device):
-        audio_vae = diffusers.MMAudioVAE().to(dtype)
-        vocoder = diffusers.MMAudioVocoder().to(dtype)
+        audio_vae = cast_without_warning(diffusers.MMAudioVAE(), dtype)
+        vocoder = cast_without_warning(diffusers.MMAudioVocoder(), dtype)
     return audio_vae.eval().requires_grad_(False), vocoder.eval().requires_grad_(False)
 
 

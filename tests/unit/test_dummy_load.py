@@ -113,7 +113,7 @@ def test_the_dummy_text_encoder_finds_the_trained_tokenizers_image_placeholders(
     assert config.text_config.hidden_size == 3584 and config.vision_config.depth == 32
 
 
-def test_every_dummy_build_has_the_same_weights_and_leaves_the_random_state_alone(monkeypatch):
+def test_every_dummy_build_has_the_same_weights_and_leaves_the_random_state_alone(monkeypatch, capfd):
     """The encoders' and VAEs' initialisers draw from torch's global generator: before they were seeded, a second
     build in one process (the full-size folder written from one build and compared with another, on an H200) had
     other weights, so its MP4 differed in every pixel. Small stand-ins for the released modules here."""
@@ -146,5 +146,8 @@ def test_every_dummy_build_has_the_same_weights_and_leaves_the_random_state_alon
     for component in ("text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder"):
         a, b = getattr(first, component).state_dict(), getattr(second, component).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a), component
+    # diffusers' `.to(dtype)` warned for every VAE and the vocoder ("should be kept in float32: []").
+    assert "kept in float32" not in capfd.readouterr().err
+    assert first.vae.dtype == torch.float32  # (the cast itself: test_bench.py's --tiny rows run it in bf16)
     # Different seeds for different components (two modules of one shape would otherwise start alike).
     assert len(set(checkpoint.DUMMY_COMPONENT_SEEDS.values())) == len(checkpoint.DUMMY_COMPONENT_SEEDS)

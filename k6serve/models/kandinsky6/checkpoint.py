@@ -321,6 +321,13 @@ def dummy_qwen_config(tokenizer):
     return transformers.Qwen2_5_VLConfig(**{**encoder_configs.QWEN25_VL_7B, **qwen_vision_token_ids(tokenizer)})
 
 
+def cast_without_warning(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module.to(dtype)` by torch's own `Module.to`: diffusers' override (0.42.1) warns "There are modules in
+    AutoencoderKLHunyuanVideo that should be kept in float32: []" on every cast, even with none to keep, which put
+    three such lines in every dummy build's output. Its cast is the same: it warns and then casts every module."""
+    return torch.nn.Module.to(module, dtype)
+
+
 # The seeds of the dummy build's components other than the DiT (whose weights come from `build_dummy_transformer`'s
 # own generator, seed 0).
 DUMMY_COMPONENT_SEEDS = {"text_encoder": 1, "text_encoder_2": 2, "vae": 3, "audio_vae": 4, "vocoder": 5}
@@ -372,9 +379,9 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
         qwen_config, dtype=dtype))
     clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
     text_encoder_2 = built("text_encoder_2", lambda: transformers.CLIPTextModel._from_config(clip_config, dtype=dtype))
-    vae = built("vae", lambda: diffusers.AutoencoderKLHunyuanVideo().to(dtype))
-    audio_vae = built("audio_vae", lambda: diffusers.MMAudioVAE().to(dtype))
-    vocoder = built("vocoder", lambda: diffusers.MMAudioVocoder().to(dtype))
+    vae = built("vae", lambda: cast_without_warning(diffusers.AutoencoderKLHunyuanVideo(), dtype))
+    audio_vae = built("audio_vae", lambda: cast_without_warning(diffusers.MMAudioVAE(), dtype))
+    vocoder = built("vocoder", lambda: cast_without_warning(diffusers.MMAudioVocoder(), dtype))
     if variant.distilled:
         scheduler_class = "PiflowScheduler"
         scheduler_config = {"shift": 5.0, "n_grid": 10, "eps": 1e-6, "final_step_size_scale": 0.5,
