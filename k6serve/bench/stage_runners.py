@@ -46,7 +46,8 @@ def ignored_flags(args: argparse.Namespace) -> list[str]:
         if value == default:
             continue
         if not set(readers) & set(stages):
-            notes.append(f"{flag_name(dest)} is read by the {'/'.join(readers)} stage{'s' if len(readers) > 1 else ''} only, "
+            plural = "s" if len(readers) > 1 else ""
+            notes.append(f"{flag_name(dest)} is read by the {'/'.join(readers)} stage{plural} only, "
                          f"not run here ({', '.join(stages)}): ignored, and not checked")
     # --variant's own exceptions (its help): a --tiny run times the toy config and the demo checkpoint, and the dit
     # stage takes a --transformer-path's config; `--tiny --variant lite-distill` ran the toy model without a word.
