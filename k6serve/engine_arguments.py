@@ -24,9 +24,9 @@ if typing.TYPE_CHECKING:
     import torch  # `EngineOptions` only; building the config stays torch-free at run time
 else:
     class _TorchOnDemand:
-        """`typing.get_type_hints(EngineOptions)` (pydantic's TypeAdapter, documentation tools) evaluates its
-        `torch.dtype` / `torch.device` annotations in this module's namespace: torch is imported then, on the first
-        attribute asked for, so that the annotations resolve and building a config still imports no torch."""
+        """`typing.get_type_hints(EngineOptions)` (as documentation tools and run-time type checkers call it)
+        evaluates its `torch.dtype` / `torch.device` annotations in this module's namespace: torch is imported then,
+        on the first attribute asked for, so that the annotations resolve and building a config imports no torch."""
 
         def __getattr__(self, name: str) -> Any:
             import torch
