@@ -11,6 +11,7 @@ import argparse
 import torch
 
 from k6serve.bench.dit import parse_fp8_entry
+from k6serve.cli.help_format import HelpFormatter
 from k6serve.config import ATTENTION_BACKENDS, PERFORMANCE_MODES, QUANTIZATIONS, VAE_TILING
 from k6serve.models.variants import GENERATION, VARIANTS
 
@@ -45,7 +46,8 @@ GEOMETRY_STAGES = ("dit", "vae", "audio", "generate")
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False as generate and serve: "--rep 1" must not silently be --repeats.
-    parser = argparse.ArgumentParser(prog="k6serve bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="k6serve bench", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     formatter_class=HelpFormatter)
     parser.add_argument(
         "--stage",
         action="append",

@@ -27,6 +27,7 @@ from k6serve.config import (
     WARMUP_MODES,
     flag_name,
 )
+from k6serve.cli.help_format import HelpFormatter
 from k6serve.reference_names import aliases_of, value_fix
 from k6serve.request import SamplingParams, parameter_fields
 
@@ -273,14 +274,15 @@ def add_log_level_flag(parser: argparse.ArgumentParser, default: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     # No prefix abbreviations: `--compile true` set --compile-vae.
     parser = argparse.ArgumentParser(prog="k6serve", description="Serve and run Kandinsky 6 video+audio generation "
-                                     "and video super-resolution.", allow_abbrev=False)
+                                     "and video super-resolution.", allow_abbrev=False, formatter_class=HelpFormatter)
     add_log_level_flag(parser, "info")
     from k6serve import __version__  # the package's own module: imports nothing heavy (k6serve/__init__.py)
 
     parser.add_argument("--version", action="version", version=f"k6serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="Run one request offline and write the MP4 (or one per line of "
-                              "--prompt-file-path).", allow_abbrev=False)
+                              "--prompt-file-path).", allow_abbrev=False,
+                              formatter_class=HelpFormatter)
     generate.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     # Also after the command, where a user appends it to the command that just failed ("rerun with --log-level
     # debug"); SUPPRESS leaves the value given before the command in place when it is not repeated here.
@@ -304,14 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
              "fps, has_audio, seed, timings, peak_memory_mb, notes, expanded_prompt; with --prompt-file-path also "
              "line and prompt) instead of the timing table and the saved line; for scripts (jq). Messages stay on "
              "stderr.")
-    serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).", allow_abbrev=False)
+    serve = sub.add_parser("serve", help="Start the HTTP server (OpenAI-style /v1/videos jobs).", allow_abbrev=False,
+                           formatter_class=HelpFormatter)
     serve.add_argument("--config", help="YAML or JSON file of flag values (the command line wins).")
     add_log_level_flag(serve, argparse.SUPPRESS)
     add_engine_flags(serve)
     from k6serve.cli.serve_flags import add_server_flags
 
     add_server_flags(serve)
-    bench = sub.add_parser("bench", help="Benchmark our DiT, VAE and pipeline against diffusers.")
+    bench = sub.add_parser("bench", help="Benchmark our DiT, VAE and pipeline against diffusers.",
+                           formatter_class=HelpFormatter)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="Arguments for python -m k6serve.bench.")
     return parser
 
