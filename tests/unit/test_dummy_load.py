@@ -153,3 +153,70 @@ def test_every_dummy_build_has_the_same_weights_and_leaves_the_random_state_alon
         assert {p.dtype for p in getattr(first, component).parameters()} == {torch.bfloat16}, component
     # Different seeds for different components (two modules of one shape would otherwise start alike).
     assert len(set(checkpoint.DUMMY_COMPONENT_SEEDS.values())) == len(checkpoint.DUMMY_COMPONENT_SEEDS)
+
+
+def _qwen_with_released_rotary_sizes():
+    """A small Qwen2.5-VL whose rotary tables have the released sizes (text head_dim 128 split (16, 24, 24), vision
+    head_dim 80), where the GPU's and the host's `pow` part ways."""
+    from transformers import Qwen2_5_VLConfig
+
+    from k6serve.testing import tiny_checkpoints as tiny
+
+    config = tiny._build_qwen_text_encoder(tiny.train_qwen_tokenizer()).config.to_dict()
+    config["text_config"].update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    config["text_config"]["rope_parameters"]["mrope_section"] = [16, 24, 24]
+    config["vision_config"].update(hidden_size=160, num_heads=2, out_hidden_size=256)
+    return Qwen2_5_VLConfig(**config)
+
+
+def test_the_dummy_text_encoders_rotary_tables_are_computed_as_a_load_computes_them():
+    """transformers computes the non-persistent rotary frequencies on the host at a load; the dummy build made them
+    on the GPU, 1 ulp apart, so a folder written from a dummy build gave another MP4 (H200). `_buffers_computed_on_host`
+    puts the host's values back and touches nothing else (stored tensors, the caller's random state)."""
+    import transformers
+
+    from k6serve.models.kandinsky6.checkpoint import _buffers_computed_on_host
+
+    config = _qwen_with_released_rotary_sizes()
+
+    def make():
+        return transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+
+    module = make()
+    expected = {name: tensor.clone() for name, tensor in module.named_buffers()}
+    stored = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    non_persistent = [name for name in expected if name not in stored]
+    assert sorted(non_persistent) == ["model.language_model.rotary_emb.inv_freq",
+                                      "model.language_model.rotary_emb.original_inv_freq",
+                                      "model.visual.rotary_pos_emb.inv_freq",
+                                      "model.visual.rotary_pos_emb.original_inv_freq"]
+    for name in non_persistent:  # as the GPU computed them: a last-place difference
+        module.get_buffer(name).mul_(1 + 2 ** -20)
+    torch.manual_seed(5)
+    _buffers_computed_on_host(module, make)
+    after = torch.rand(2)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(2), after)
+    assert all(torch.equal(module.get_buffer(name), expected[name]) for name in non_persistent)
+    assert all(torch.equal(tensor, stored[name]) for name, tensor in module.state_dict().items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's rotary frequencies are the point")
+def test_a_folder_written_from_a_gpu_dummy_build_loads_back_every_tensor(monkeypatch, tmp_path):
+    """The GPU dummy build's text encoder, saved and loaded as a released folder is: every tensor equal, buffers
+    included (before, the rotary frequencies differed: the full-size folder's MP4 was not the dummy's)."""
+    from k6serve.models.kandinsky6 import checkpoint
+
+    config = _qwen_with_released_rotary_sizes()
+    monkeypatch.setattr(checkpoint, "build_dummy_transformer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(checkpoint, "dummy_qwen_config", lambda tokenizer: config)
+    cuda = torch.device("cuda")
+    built = checkpoint._build_dummy(VARIANTS["lite-distill"], device=cuda, dtype=torch.bfloat16,
+                                    where=lambda component: cuda).text_encoder
+    built.save_pretrained(str(tmp_path / "text_encoder"), safe_serialization=True)
+    loaded = checkpoint._load_transformers(tmp_path, "text_encoder", "Qwen2_5_VLForConditionalGeneration", cuda,
+                                           torch.bfloat16)
+    a, b = dict(built.named_buffers()), dict(loaded.named_buffers())
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    a, b = built.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)

@@ -371,6 +371,8 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
                 with torch.cuda.device(index):
                     torch.cuda.manual_seed(seed)
             module = make()
+            if build.type != "cpu":
+                _buffers_computed_on_host(module, make)
         return _move_to_host(module) if build != target else module
 
     tokenizer = train_qwen_tokenizer()
@@ -407,6 +409,30 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
         variant=variant,
         source="dummy",
     )
+
+
+def _buffers_computed_on_host(module: nn.Module, make: Callable[[], nn.Module]) -> None:
+    """Recompute `module`'s floating non-persistent buffers (Qwen2.5-VL's rotary frequencies) on the host.
+
+    A checkpoint stores no such buffer: transformers' from_pretrained computes it on the host as it loads, then
+    copies it to the weights' device. The dummy build, made on the GPU, computed it there, where `pow` rounds
+    differently in the last place: a full-size folder written from a dummy build and loaded gave another MP4 than
+    the dummy build (every stored tensor equal; the rotary frequencies up to 3e-8 apart; H200, fifty-fifth session,
+    `scripts/gpu_folder_diagnose.py`). A shell of the module, its parameters on the meta device (no weights drawn,
+    a 7B shell in 0.3 s), gives the host's values."""
+    from accelerate import init_empty_weights
+
+    stored = module.state_dict().keys()
+    targets = {name: buffer for name, buffer in module.named_buffers()
+               if name not in stored and buffer.is_floating_point()}
+    if not targets:
+        return
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False), torch.device("cpu"):
+        shell = make()
+    host = dict(shell.named_buffers())
+    with torch.no_grad():
+        for name, buffer in targets.items():
+            buffer.copy_(host[name])
 
 
 def build_dummy_transformer(config_dict: dict, *, device: torch.device, dtype: torch.dtype,

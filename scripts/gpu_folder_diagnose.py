@@ -1,0 +1,193 @@
+"""Where a full-size folder's load and the dummy build part ways, when `gpu_folder_checkpoint.py`'s MP4s differ.
+
+    python3 scripts/gpu_folder_diagnose.py --out $OUT/diagnose [--variant lite-distill]
+
+Writes the folder as `gpu_folder_checkpoint.py` does, then, in this process: loads its components
+(`load_generation_models`, as a request's worker does) and builds the dummy ones (`--load-format dummy`), both on the
+GPU in bf16, and compares them component by component (parameters and buffers: names, dtypes, shapes, values;
+configs; the tokenizers' ids for the request's prompt). Then runs the dummy request four times on one in-process
+worker, hashing each module's outputs, to tell the weights apart from a run that is not repeatable (and where). Results:
+<out>/gpu_folder_diagnose.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_folder_checkpoint import HUB_IDS, VARIANT_KEYS, _sha256, write_folder
+
+PROMPT = "A red fox runs through fresh snow at dawn."
+COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae", "audio_vae", "vocoder")
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Buffers too, persistent or not (rotary tables, position ids): a buffer a load leaves behind changes outputs.
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def compare_modules(loaded: torch.nn.Module, built: torch.nn.Module) -> dict:
+    a, b = _tensors(loaded), _tensors(built)
+    report: dict = {"only_loaded": sorted(set(a) - set(b))[:20], "only_built": sorted(set(b) - set(a))[:20],
+                    "dtype": [], "shape": [], "values": [], "tensors": len(a)}
+    differing = 0
+    for name in sorted(set(a) & set(b)):
+        x, y = a[name], b[name]
+        if x.dtype != y.dtype:
+            report["dtype"].append([name, str(x.dtype), str(y.dtype)])
+        if x.shape != y.shape:
+            report["shape"].append([name, list(x.shape), list(y.shape)])
+            continue
+        if x.device != y.device:
+            y = y.to(x.device)
+        if x.is_floating_point() or y.is_floating_point():
+            diff = (x.float() - y.float()).abs().max().item() if x.numel() else 0.0
+        else:
+            diff = float((x != y).sum().item())
+        if diff:
+            differing += 1
+            if len(report["values"]) < 20:
+                report["values"].append([name, diff, str(x.dtype), str(y.dtype)])
+    report["differing_tensors"] = differing
+    report["dtype"] = report["dtype"][:20]
+    report["shape"] = report["shape"][:20]
+    return report
+
+
+def _config(module) -> dict:
+    config = module.config
+    if dataclasses.is_dataclass(config):  # our DiT's typed config
+        config = dataclasses.asdict(config)
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return json.loads(json.dumps(config, default=str))  # tuples as lists: a saved config reads back lists
+
+
+def compare_configs(loaded, built) -> dict:
+    a, b = _config(loaded), _config(built)
+    skip = {"_name_or_path", "transformers_version", "_diffusers_version", "_use_default_values", "_commit_hash"}
+    keys = sorted((set(a) | set(b)) - skip)
+    return {key: [repr(a.get(key, "<absent>")), repr(b.get(key, "<absent>"))]
+            for key in keys if a.get(key, "<absent>") != b.get(key, "<absent>")}
+
+
+def compare_tokenizers(loaded, built) -> dict:
+    return {"classes": [type(loaded).__name__, type(built).__name__], "lengths": [len(loaded), len(built)],
+            "ids_equal": loaded(PROMPT)["input_ids"] == built(PROMPT)["input_ids"],
+            "max_length": [loaded.model_max_length, built.model_max_length],
+            "padding_side": [loaded.padding_side, built.padding_side]}
+
+
+def main() -> None:
+    from k6serve.models.kandinsky6.checkpoint import load_generation_models
+    from k6serve.models.variants import VARIANTS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", choices=list(VARIANT_KEYS), default="lite-distill")
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/k6serve-folder"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"commit": os.environ.get("K6SERVE_COMMIT"), "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(), "variant": args.variant}
+
+    def save() -> None:
+        (args.out / "gpu_folder_diagnose.json").write_text(json.dumps(report, indent=2, default=str))
+
+    start = time.perf_counter()
+    write_folder(args.variant, args.folder)
+    report["write_s"] = round(time.perf_counter() - start, 1)
+    cuda = torch.device("cuda")
+    variant = VARIANTS[args.variant]
+    loaded = load_generation_models(args.folder, variant, device=cuda, dtype=torch.bfloat16, load_format="auto")
+    built = load_generation_models(None, variant, device=cuda, dtype=torch.bfloat16, load_format="dummy")
+    for component in COMPONENTS:
+        a, b = getattr(loaded, component), getattr(built, component)
+        report[component] = {"tensors": compare_modules(a, b), "config": compare_configs(a, b)}
+        print(component, json.dumps(report[component])[:1500], flush=True)
+        save()
+    for component in ("tokenizer", "tokenizer_2"):
+        report[component] = compare_tokenizers(getattr(loaded, component), getattr(built, component))
+        print(component, report[component], flush=True)
+    report["scheduler"] = {"classes": [loaded.scheduler_class, built.scheduler_class],
+                           "configs": [loaded.scheduler_config, built.scheduler_config]}
+    print("scheduler", report["scheduler"], flush=True)
+    save()
+    del loaded, built
+    torch.cuda.empty_cache()
+    shutil.rmtree(args.folder, ignore_errors=True)
+
+    report["repeat"] = repeat_runs(HUB_IDS[args.variant], args.out, load_format="dummy")
+    save()
+
+
+def _digests(value) -> list[str]:
+    """sha256 of every tensor in a module's output (tensors, tuples, lists, dicts, transformers' ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().float().cpu().contiguous().numpy().tobytes()
+        return [hashlib.sha256(data).hexdigest()[:16]]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [digest for item in value for digest in _digests(item)]
+    return []
+
+
+def repeat_runs(model_path: str, out: Path, **options) -> dict:
+    """The dummy request four times on one in-process worker (two with cudnn.benchmark as the speed mode sets it,
+    two with it off), each module's outputs hashed: the first call whose outputs differ between two runs is where
+    a run stops repeating."""
+    from k6serve import DiffGenerator
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.runtime.engine import Engine
+    from k6serve.runtime.worker import ModelWorker
+
+    config = build_engine_config(model_path, **options)
+    worker = ModelWorker(config)
+    generator = DiffGenerator(Engine(config, worker=worker))
+    models = worker.pipeline.models
+    calls: list[tuple[str, list[str]]] = []
+    watched = {"text_encoder.model": models.text_encoder.model, "text_encoder_2": models.text_encoder_2,
+               "transformer": models.transformer, "vae.decoder": models.vae.decoder, "vocoder": models.vocoder}
+    for name, module in watched.items():
+        module.register_forward_hook(lambda _m, _i, output, name=name: calls.append((name, _digests(output))))
+    request = {"prompt": PROMPT, "seed": 7, "height": 256, "width": 384, "num_frames": 17, "num_inference_steps": 2,
+               "save_output": True}
+    runs = []
+    try:
+        for index in range(4):
+            if index == 2:
+                torch.backends.cudnn.benchmark = False
+            calls.clear()
+            result = generator.generate({**request, "output_path": str(out / f"run{index}")})
+            runs.append({"mp4": _sha256(result.output_file_path), "calls": list(calls),
+                         "cudnn_benchmark": torch.backends.cudnn.benchmark})
+            print("run", index, runs[-1]["mp4"], len(calls), flush=True)
+    finally:
+        generator.shutdown()
+
+    def first_difference(a: dict, b: dict):
+        for position, (x, y) in enumerate(zip(a["calls"], b["calls"])):
+            if x != y:
+                return {"call": position, "module": x[0], "digests": [x[1], y[1]]}
+        return None
+
+    summary = {"mp4": [run["mp4"] for run in runs], "calls": [len(run["calls"]) for run in runs],
+               "benchmark_on_same": runs[0]["mp4"] == runs[1]["mp4"],
+               "benchmark_off_same": runs[2]["mp4"] == runs[3]["mp4"],
+               "first_difference_on": first_difference(runs[0], runs[1]),
+               "first_difference_off": first_difference(runs[2], runs[3]),
+               "modules_called": sorted({name for name, _ in runs[0]["calls"]})}
+    print("repeat", json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
