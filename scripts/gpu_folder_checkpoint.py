@@ -10,6 +10,7 @@ tokenizers. Then, in this process: `DiffGenerator.from_pretrained(folder)` (its 
 one request (`--height` x `--width` x `--num-frames`, `--steps` steps, seed 7, MP4 under `--out`), and the same from
 `--load-format dummy`, whose weights are the ones written: the two MP4 files must be equal byte for byte (the
 folder's load reads back exactly what the dummy build made, and the encoders are bit-exact).
+Where they differ, it prints how far; `scripts/gpu_folder_diagnose.py` says which tensor or module differs.
 
 Results: <out>/gpu_folder_checkpoint.json.
 """
