@@ -13,6 +13,7 @@ import types
 import typing
 from typing import Any
 
+from k6serve.cli.help_format import HelpFormatter
 from k6serve.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -27,7 +28,6 @@ from k6serve.config import (
     WARMUP_MODES,
     flag_name,
 )
-from k6serve.cli.help_format import HelpFormatter
 from k6serve.reference_names import aliases_of, value_fix
 from k6serve.request import SamplingParams, parameter_fields
 
