@@ -95,10 +95,13 @@ def _distance(path_a, path_b) -> dict:
     import av
     import numpy as np
 
+    from k6serve.media.video import read_video
+
     def decoded(path, kind):
+        if kind == "video":
+            return read_video(path).frames
+        # The AAC track as decoded (the project's reader mixes and may rescale it, which could hide a difference).
         with av.open(str(path)) as container:
-            if kind == "video":
-                return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
             return np.concatenate([frame.to_ndarray() for frame in container.decode(audio=0)], axis=-1)
 
     distance = {}
