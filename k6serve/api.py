@@ -38,7 +38,7 @@ from k6serve.lora.arguments import (
     unload_lora_operation,
     unmerge_lora_operation,
 )
-from k6serve.lora.spec import ListLoras
+from k6serve.lora.spec import ListLoras, LoraChange, LoraListing
 from k6serve.lora.preflight import check_start_adapter
 from k6serve.models.checkpoint_files import ignored_revision_note
 from k6serve.models.variants import GENERATION, Variant
@@ -67,6 +67,7 @@ from k6serve.request_arguments import check_progress_bar, request_options, split
 from k6serve.prompt_lists import Listed, run_side_by_side, shown_prompt, stopped_list
 from k6serve.request_refusals import MissingPrompt, MissingSourceVideo
 from k6serve.runtime.engine import Engine
+from k6serve.runtime.memory import MemoryReply
 from k6serve.media.image import looks_like_url
 from k6serve.media.output_names import numbered_file_names
 
@@ -510,7 +511,7 @@ class DiffGenerator:
     @sglang_order_answered
     def set_lora(self, nickname: str | list[str], path: LoraPaths = None,
                  strength: float | Sequence[float] = 1.0, *, merge_mode: str = "auto", target: str | list[str] = "all",
-                 lora_alpha: float | None = None) -> dict[str, Any]:
+                 lora_alpha: float | None = None) -> LoraChange:
         """Make `nickname` (or a list of nicknames) the active LoRA adapters, replacing the previous ones.
 
         `path` is a .safetensors file, a folder holding one, or a hub id, loaded under the nickname; None reuses the
@@ -529,39 +530,39 @@ class DiffGenerator:
                     else _from_here(path, existing_only=True))
         operation = set_lora_operation(nickname, path, strength, merge_mode=merge_mode, target=target,
                                        lora_alpha=lora_alpha)
-        return self.engine.lora(operation)
+        return typing.cast(LoraChange, self.engine.lora(operation))
 
     @in_callers_words
-    def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> dict[str, Any]:
+    def merge_lora_weights(self, target: str = "all", strength: float | None = None) -> LoraChange:
         """Merge the active adapters into the weights (from dynamic mode, or again at a new `strength`, from -100 to
         100). A bad target or strength raises ValueError before anything queues."""
         self._require_running()
-        return self.engine.lora(merge_lora_operation(target, strength))
+        return typing.cast(LoraChange, self.engine.lora(merge_lora_operation(target, strength)))
 
     @in_callers_words
-    def unmerge_lora_weights(self, target: str = "all") -> dict[str, Any]:
+    def unmerge_lora_weights(self, target: str = "all") -> LoraChange:
         """Deactivate every adapter and restore the base weights bit for bit (merged weights are restored from
         the saved base copy, not by subtracting the delta)."""
         self._require_running()
-        return self.engine.lora(unmerge_lora_operation(target))
+        return typing.cast(LoraChange, self.engine.lora(unmerge_lora_operation(target)))
 
     @in_callers_words
     @http_names_answered
-    def unload_lora(self, nickname: str | list[str]) -> dict[str, Any]:
+    def unload_lora(self, nickname: str | list[str]) -> LoraChange:
         """Forget loaded adapters that are not active (a nickname or a list): their weights leave memory. An active
         or unknown one raises ValueError and nothing changes; deactivate it first (`set_lora` with the adapters to
         keep, or `unmerge_lora_weights`). Runs after the requests already submitted, as the other LoRA calls."""
         self._require_running()
-        return self.engine.lora(unload_lora_operation(nickname))
+        return typing.cast(LoraChange, self.engine.lora(unload_lora_operation(nickname)))
 
     @in_callers_words
-    def list_loras(self) -> dict[str, Any]:
-        """The loaded adapters and their state: `{"loras": [...]}`."""
+    def list_loras(self) -> LoraListing:
+        """The loaded adapters and their state: `{"loras": [...]}`, one `LoraAdapterState` each (lora/spec.py)."""
         self._require_running()
-        return self.engine.lora(ListLoras())
+        return typing.cast(LoraListing, self.engine.lora(ListLoras()))
 
     @in_callers_words
-    def release_memory(self) -> dict[str, Any]:
+    def release_memory(self) -> MemoryReply:
         """Give the GPU memory back (sleep, e.g. to an RL trainer on the same GPUs): after the requests already
         submitted, every weight moves to host memory on every rank and the allocator caches are freed; requests
         submitted meanwhile wait for `resume_memory`. Returns each rank's report of what moved and what the process
@@ -571,7 +572,7 @@ class DiffGenerator:
         return self.engine.release_memory()
 
     @in_callers_words
-    def resume_memory(self, *, keep_host_copy: bool = False) -> dict[str, Any]:
+    def resume_memory(self, *, keep_host_copy: bool = False) -> MemoryReply:
         """Copy the weights back to the GPUs, bit for bit; the waiting requests then run in order. Resuming while
         not released changes nothing ("status": "not_released"). `keep_host_copy=True` keeps the host copy (host
         memory stays taken), so the next release re-points the weights to it without copying: for a loop of

@@ -48,6 +48,8 @@ from k6serve.lora.dora import DoraCache, row_norms
 from k6serve.lora.dynamic import LoraDelta, LoraEmbedding, LoraLinear
 from k6serve.lora.sharding import ShardedWeight, local_tensor
 from k6serve.lora.spec import (
+    AppliedMode,
+    LoraAdapterState,
     LoraOperation,
     LoraSpec,
     MergeLora,
@@ -100,7 +102,7 @@ class LoraManager:
         # name adapters by nickname and strength only: without this they ran at the file's alpha, silently not
         # the --lora-alpha / set_lora lora_alpha the adapter was loaded with.
         self.alphas: dict[str, float | None] = {}
-        self.applied_mode: str | None = None  # "merge" | "dynamic" while `active` is applied
+        self.applied_mode: AppliedMode | None = None  # while `active` is applied
         # (layer, "weight" | "bias") -> the original tensor of each merged layer, on the CPU
         self.snapshots: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self.wrappers: list[tuple[LoraTarget, LoraLinear | LoraEmbedding]] = []
@@ -227,11 +229,11 @@ class LoraManager:
         for _, wrapper in self.wrappers:
             wrapper.prepare(device)
 
-    def state(self) -> list[dict]:
+    def state(self) -> list[LoraAdapterState]:
         """One JSON-able dict per cached adapter, the active ones first in activation order."""
         by_nickname = {entry.nickname: entry for entry in self.active}
         ordered = [*by_nickname, *(nickname for nickname in self.adapters if nickname not in by_nickname)]
-        rows = []
+        rows: list[LoraAdapterState] = []
         for nickname in ordered:
             adapter, entry = self.adapters[nickname], by_nickname.get(nickname)
             override = entry.alpha if entry is not None else self.alphas.get(nickname)  # what a request would use
@@ -267,7 +269,7 @@ class LoraManager:
             return cached
         return read_adapter(spec.path)
 
-    def _switch(self, active: list[_Active], mode: str, *, log: bool = True,
+    def _switch(self, active: list[_Active], mode: AppliedMode, *, log: bool = True,
                 fallback: list[_Active] | None = None) -> None:
         """Make `active` the applied adapters, as `mode`. A failure part-way (say, out of memory while merging)
         restores the base weights and puts the previous adapters (or `fallback`, [] for the base model) back as they
@@ -294,7 +296,7 @@ class LoraManager:
                     logger.error("LoRA: the previous adapters could not be put back either; none is active now")
             raise
 
-    def _apply(self, mode: str, *, log: bool = True) -> None:
+    def _apply(self, mode: AppliedMode, *, log: bool = True) -> None:
         if mode == "merge":
             self._merge()
         else:

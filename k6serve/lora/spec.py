@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+# typing_extensions' TypedDict, not typing's: pydantic reads these into the HTTP routes' OpenAPI answers
+# (serve/response_models.py) and refuses typing.TypedDict before Python 3.12.
+from typing_extensions import TypedDict
 
 if TYPE_CHECKING:
     from k6serve.config import ModelConfig
 
 LORA_MERGE_MODES = ("auto", "merge", "dynamic")
+AppliedMode = Literal["merge", "dynamic"]  # how active adapters are applied: what "auto" resolves to
 LORA_TARGETS = ("all", "transformer")  # Kandinsky 6 has one DiT; "all" means it too
 
 # The largest |strength| accepted anywhere (a request's `loras`, set_lora, merge_lora_weights, --lora-scale). Real use
@@ -80,7 +85,7 @@ def check_lora_alpha(alpha: float, name: str) -> None:
                  "B A), and far past that the update swamps the model's weights and the latents overflow to NaN.")
 
 
-def resolve_merge_mode(merge_mode: str, *, fsdp: bool = False) -> str:
+def resolve_merge_mode(merge_mode: str, *, fsdp: bool = False) -> AppliedMode:
     """"merge" or "dynamic" for a mode of `LORA_MERGE_MODES`: "auto" merges, except under FSDP (the reference
     server's rule), where "merge" is refused."""
     if merge_mode not in LORA_MERGE_MODES:
@@ -94,7 +99,7 @@ FSDP_MERGE_REFUSAL = ("LoRA merge_mode 'merge' cannot be used with --use-fsdp-in
                       "between requests; use merge_mode 'dynamic' (or 'auto', which is dynamic under FSDP).")
 
 
-def set_lora_merge_mode(merge_mode: str, *, server_merge_mode: str, fsdp: bool) -> str:
+def set_lora_merge_mode(merge_mode: str, *, server_merge_mode: str, fsdp: bool) -> AppliedMode:
     """How the worker applies a `SetLora` whose `merge_mode` is `merge_mode`: "merge" or "dynamic". "auto" takes the
     server's `server_merge_mode` (--lora-merge-mode), itself resolved by `resolve_merge_mode`; a ValueError where the
     layout refuses the mode. The HTTP server predicts with it what a queued SetLora will do."""
@@ -182,6 +187,37 @@ def start_set_lora(model: ModelConfig) -> SetLora | None:
         return None
     return SetLora(specs=(LoraSpec(nickname=model.lora_nickname, path=model.lora_path, strength=model.lora_scale,
                                    alpha=model.lora_alpha),), merge_mode=model.lora_merge_mode)
+
+
+class LoraAdapterState(TypedDict):
+    """One loaded adapter, as `list_loras()` and every LoRA call's reply list it (`LoraManager.state`)."""
+    nickname: str
+    path: str  # the file, folder or hub id it was loaded from
+    rank: int
+    alpha: float  # the one a request would use: set_lora's lora_alpha, else the file's, else the rank
+    strength: float | None  # None while inactive
+    num_modules: int
+    dora: bool  # PEFT's variants the file carries: DoRA magnitudes, lora_B biases, an Embedding's pair
+    lora_bias: bool
+    embedding: bool
+    active: bool
+    merged: bool
+    merge_mode: AppliedMode | None  # how the active adapters are applied; None while inactive
+
+
+class LoraChange(TypedDict):
+    """The reply of set_lora, merge_lora_weights, unmerge_lora_weights and unload_lora."""
+    status: Literal["ok"]
+    message: str
+    loras: list[LoraAdapterState]  # the active adapters first, in activation order
+
+
+class LoraListing(TypedDict):
+    """The reply of list_loras."""
+    loras: list[LoraAdapterState]
+
+
+LoraReply = LoraChange | LoraListing  # what a worker answers a `LoraOperation`
 
 
 class ReplicasDisagree(RuntimeError):

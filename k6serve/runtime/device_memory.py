@@ -12,6 +12,9 @@ import gc
 import os
 
 import torch
+# typing_extensions' TypedDict: pydantic reads these into the memory routes' OpenAPI answer (serve/response_models.py)
+# and refuses typing.TypedDict before Python 3.12.
+from typing_extensions import TypedDict
 
 # Named in the report, so a caller sees what cannot be freed without ending the process. Measured on an H200 (torch
 # 2.11, CUDA 13; scripts/gpu_context.py, docs/benchmarks.md thirteenth session): the context 518 MiB, cuBLAS's
@@ -46,11 +49,36 @@ def free_allocator_caches(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
-def live_tensor_storages(device: torch.device) -> list[dict]:
+class LiveStorage(TypedDict):
+    """A live storage left on the device, with the shape and dtype of one tensor viewing it."""
+    bytes: int
+    shape: list[int]
+    dtype: str
+
+
+class _AnyDeviceState(TypedDict):
+    device: str
+    explanation: str
+
+
+# The optional keys by `total=False`, not NotRequired[...]: under `from __future__ import annotations` the
+# annotations are strings, and TypedDict took every NotRequired key as required.
+class DeviceMemoryState(_AnyDeviceState, total=False):
+    """What this process holds on its device. A CPU device has only `device` and `explanation`."""
+    allocated_bytes: int  # torch's allocator: live tensors and allocator-owned workspaces
+    reserved_bytes: int  # that plus the allocator's cached free blocks
+    device_used_bytes: int  # every process on this GPU
+    device_total_bytes: int
+    process_used_bytes: int | None  # this process's share per NVML; None without nvidia-ml-py
+    live_tensor_bytes: int
+    largest_live_tensors: list[LiveStorage]
+
+
+def live_tensor_storages(device: torch.device) -> list[LiveStorage]:
     """The storages of live tensors on `device` that the garbage collector can reach, largest first: what is left
     allocated after a release, with a shape and dtype of one tensor viewing each (to recognise it)."""
     device = indexed(device)
-    storages: dict[int, dict] = {}
+    storages: dict[int, LiveStorage] = {}
     for obj in gc.get_objects():
         try:
             if not isinstance(obj, torch.Tensor) or obj.device != device:
@@ -85,7 +113,7 @@ def _uses_nccl() -> bool:
             and "nccl" in str(dist.get_backend()).lower())
 
 
-def device_memory_state(device: torch.device) -> dict:
+def device_memory_state(device: torch.device) -> DeviceMemoryState:
     """What this process holds on `device` now, with the explanation of what is not torch's (JSON-able)."""
     if device.type != "cuda":
         return {"device": str(device), "explanation": "a CPU device: the weights already live in host memory, so a "

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from k6serve.config import EngineConfig
-from k6serve.lora.spec import ListLoras, LoraOperation
+from k6serve.lora.spec import ListLoras, LoraOperation, LoraReply
 from k6serve.request import OutputOptions, ProgressCallback, SamplingParams, VideoResult, drawn_seed
-from k6serve.runtime.memory import MemoryOperation, ReleaseMemory, ResumeMemory, memory_reply
+from k6serve.runtime.memory import MemoryOperation, MemoryReply, ReleaseMemory, ResumeMemory, memory_reply
 from k6serve.speed.warmup import WarmupReport
 
 if TYPE_CHECKING:  # the engine's process imports no model code (the ranks build the models)
@@ -87,21 +87,22 @@ class EngineJob:
 
 @dataclass(eq=False)
 class LoraJob:
-    """A LoRA operation waiting in the engine's queue; its future holds the worker's result dict."""
+    """A LoRA operation waiting in the engine's queue; its future holds the worker's reply."""
 
     operation: LoraOperation
-    future: Future = field(default_factory=Future)
+    future: Future[LoraReply] = field(default_factory=Future)
 
 
 @dataclass(eq=False)
 class MemoryJob:
-    """A memory release or resume waiting in the engine's queue; its future holds the reply dict (`memory_reply`)."""
+    """A memory release or resume waiting in the engine's queue; its future holds the reply (`memory_reply`)."""
 
     operation: MemoryOperation
-    future: Future = field(default_factory=Future)
+    future: Future[MemoryReply] = field(default_factory=Future)
 
 
 _STOP = object()
+_Reply = TypeVar("_Reply", LoraReply, MemoryReply)
 # Every engine not yet garbage-collected: shut down, as their owners would have, before the process's exit kills what
 # is left of their ranks (engine_ranks._kill_ranks_at_exit).
 LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -292,20 +293,23 @@ class Engine:
         """True from a release until the next resume: requests wait in the queue meanwhile."""
         return self._memory_released
 
-    def _put(self, job: LoraJob | MemoryJob) -> Future:
+    def _put(self, job: LoraJob | MemoryJob) -> None:
         with self._closing:
             if self._closed:
                 raise RuntimeError("The engine has been shut down.")
             self._queue.put(job)
+
+    def submit_lora(self, operation: LoraOperation) -> Future[LoraReply]:
+        """Queue a LoRA operation behind the requests already submitted; its future holds the worker's reply."""
+        job = LoraJob(operation)
+        self._put(job)
         return job.future
 
-    def submit_lora(self, operation: LoraOperation) -> Future:
-        """Queue a LoRA operation behind the requests already submitted; its future holds the result dict."""
-        return self._put(LoraJob(operation))
-
-    def submit_memory(self, operation: MemoryOperation) -> Future:
+    def submit_memory(self, operation: MemoryOperation) -> Future[MemoryReply]:
         """Queue a memory release or resume behind the requests already submitted; its future holds the reply."""
-        return self._put(MemoryJob(operation))
+        job = MemoryJob(operation)
+        self._put(job)
+        return job.future
 
     def check_not_own_thread(self, what: str) -> None:
         """Refuse to wait, on an engine thread (in an on_progress callback), for work that thread must run: the
@@ -315,28 +319,28 @@ class Engine:
                                "runs the request: it would wait for itself forever; make it once generate() has "
                                "returned, or from another thread.")
 
-    def _wait_for(self, future: Future) -> dict:
+    def _wait_for(self, future: Future[_Reply]) -> _Reply:
         try:
             return _interruptible_result(future)
         except BaseException:
             future.cancel()  # an interrupted caller: drop it if still queued
             raise
 
-    def release_memory(self) -> dict:
+    def release_memory(self) -> MemoryReply:
         """Once the requests before it have finished, move every device tensor of every rank to host memory and
         free the allocator caches; requests wait until `resume_memory`. Returns what each rank freed and still
         holds (`runtime/memory.py`). --use-fsdp-inference raises ValueError."""
         self.check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_memory(ReleaseMemory()))
 
-    def resume_memory(self, *, keep_host_copy: bool = False) -> dict:
+    def resume_memory(self, *, keep_host_copy: bool = False) -> MemoryReply:
         """Copy the released tensors back to the devices, bit for bit; the waiting requests then run in order. With
         `keep_host_copy` the host copies stay, so the next release only re-points the weights to them."""
         self.check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_memory(ResumeMemory(keep_host_copy=keep_host_copy)))
 
-    def lora(self, operation: LoraOperation) -> dict:
-        """Run a LoRA operation on every rank of every replica, between requests; returns the worker's dict.
+    def lora(self, operation: LoraOperation) -> LoraReply:
+        """Run a LoRA operation on every rank of every replica, between requests; returns the worker's reply.
         A ValueError (bad input: the adapter state is unchanged) is raised as it is."""
         self.check_not_own_thread("a LoRA or memory call")
         return self._wait_for(self.submit_lora(operation))
@@ -405,7 +409,7 @@ class Engine:
         else:
             job.future.set_result(result)
 
-    def _run_control(self, future: Future, apply: Callable[[object], dict], operation: object) -> None:
+    def _run_control(self, future: Future[_Reply], apply: Callable[[Any], _Reply], operation: object) -> None:
         """Run a LoRA or memory operation: called holding `_taking`, it waits for the running requests to end, and
         none starts until it returns; `apply(operation)`'s result or exception goes to `future`."""
         with self._idle:
@@ -426,12 +430,12 @@ class Engine:
         else:
             future.set_result(result)
 
-    def _apply_lora(self, operation: LoraOperation) -> dict:
+    def _apply_lora(self, operation: LoraOperation) -> LoraReply:
         # The worker's method is looked up here, inside _run_control's try: a worker without it (a test double, a
         # custom worker) fails this call's future, where reading it in the loop stopped the loop thread.
         return self.worker.apply_lora_operation(operation)
 
-    def _apply_memory(self, operation: MemoryOperation) -> dict:
+    def _apply_memory(self, operation: MemoryOperation) -> MemoryReply:
         reports = self.worker.apply_memory_operation(operation)  # one report per rank
         self._memory_released = isinstance(operation, ReleaseMemory)
         return memory_reply(operation, reports, num_waiting=len(self._held))

@@ -36,18 +36,53 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
+from typing_extensions import TypedDict
 
 from k6serve.config import ParallelConfig
 from k6serve.offload.host_weights import HostWeights, PinnedBuffer, module_tensors
-from k6serve.runtime.device_memory import device_memory_state, free_allocator_caches, indexed
+from k6serve.runtime.device_memory import DeviceMemoryState, device_memory_state, free_allocator_caches, indexed
 
 logger = logging.getLogger(__name__)
 
 LORA_ADAPTERS = "lora_adapters"  # the report's name for the dynamic LoRA adapters' device copies
 RESIDENT_BLOCKS = "offload_resident_blocks"  # ... and for the residency's copies kept on the device (`device_homes`)
+
+
+RankStatus = Literal["released", "resumed", "already_released", "not_released"]
+
+
+class _RankPlace(TypedDict, total=False):  # (not NotRequired[...]: see device_memory.DeviceMemoryState)
+    replica: int  # where the engine runs ranks in their own processes
+    rank: int
+
+
+class MemoryRankReport(_RankPlace):
+    """One rank's report of a release or resume (`MemoryRelease`)."""
+    status: RankStatus
+    message: str
+    memory_released: bool
+    moved_bytes: int
+    moved_bytes_by_owner: dict[str, int]  # component name, `LORA_ADAPTERS` or `RESIDENT_BLOCKS` -> bytes
+    host_bytes: int  # the host copies held now
+    host_copy_kept: bool
+    host_bytes_being_freed: int  # the last resume's host copies, still being unmapped in the background
+    pinned: bool
+    seconds: float
+    after: DeviceMemoryState
+
+
+class MemoryReply(TypedDict):
+    """The engine's answer to a release or resume: a summary over every rank's report, and the reports."""
+    status: Literal["ok", "already_released", "not_released"]
+    message: str
+    memory_released: bool
+    moved_bytes: int
+    num_waiting_requests: int  # requests held for a resume
+    ranks: list[MemoryRankReport]  # one per rank of every replica
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -271,7 +306,7 @@ class MemoryRelease:
                 copy.weights.to_host()  # re-points only: the device copies are freed with their last reference
         return kept
 
-    def release(self, groups: dict[str, list[torch.Tensor]], homes: list[HostWeights] = ()) -> dict:
+    def release(self, groups: dict[str, list[torch.Tensor]], homes: list[HostWeights] = ()) -> MemoryRankReport:
         """Move `groups` (from `device_tensors`) and `homes` (`device_homes`) to host memory; a report of what moved
         and what is left."""
         if self.released:
@@ -349,7 +384,7 @@ class MemoryRelease:
             raise
         return copies
 
-    def resume(self, *, keep_host_copy: bool = False) -> dict:
+    def resume(self, *, keep_host_copy: bool = False) -> MemoryRankReport:
         """Copy every released tensor back to the device (all copies made before any tensor is re-pointed, so an
         out-of-memory leaves everything released) and drop the host copies, or keep them (`ResumeMemory`)."""
         if not self.released:
@@ -393,7 +428,7 @@ class MemoryRelease:
             restored[RESIDENT_BLOCKS] = sum(_nbytes(home.weights.chunks) for home in self.homes)
         return restored
 
-    def _report(self, status: str, message: str, moved: dict[str, int], seconds: float) -> dict:
+    def _report(self, status: RankStatus, message: str, moved: dict[str, int], seconds: float) -> MemoryRankReport:
         return {
             "status": status,
             "message": message,
@@ -418,7 +453,7 @@ def inverse(operation: MemoryOperation) -> MemoryOperation:
     return ResumeMemory() if isinstance(operation, ReleaseMemory) else ReleaseMemory()
 
 
-def apply_memory_operation(worker, operation: MemoryOperation) -> dict:
+def apply_memory_operation(worker, operation: MemoryOperation) -> MemoryRankReport:
     """Release or resume a `ModelWorker`'s device memory; its report (`MemoryRelease`). FSDP raises ValueError,
     whatever the operation."""
     refusal = memory_release_refusal(worker.config.parallel)
@@ -435,16 +470,18 @@ def apply_memory_operation(worker, operation: MemoryOperation) -> dict:
                                          device_homes(worker.pipeline, worker.device))
 
 
-def memory_reply(operation: MemoryOperation, reports: list[dict], *, num_waiting: int) -> dict:
+def memory_reply(operation: MemoryOperation, reports: list[MemoryRankReport], *, num_waiting: int) -> MemoryReply:
     """The engine's answer: a summary over every rank's report, and the reports (one per rank of every replica)."""
     changed = [report for report in reports if report["status"] in ("released", "resumed")]
+    status: Literal["ok", "already_released", "not_released"]
     if changed:
         status = "ok"
         verb = "released" if isinstance(operation, ReleaseMemory) else "resumed"
         message = (f"memory {verb} on {len(changed)} rank(s): {sum(r['moved_bytes'] for r in changed) / 2**20:.1f} "
                    f"MiB moved {'to host memory' if verb == 'released' else 'back to the devices'}")
     else:
-        status = reports[0]["status"] if reports else "ok"
+        # None released or resumed: each rank said "already_released" or "not_released".
+        status = reports[0]["status"] if reports else "ok"  # type: ignore[assignment]
         message = reports[0]["message"] if reports else "no rank to apply it to"
     if num_waiting:
         message += (f"; {num_waiting} request(s) wait for a resume" if isinstance(operation, ReleaseMemory)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k6serve.lora.spec import LoraOperation
+from k6serve.lora.spec import LoraOperation, LoraReply
 from k6serve.models.variants import Variant
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
-from k6serve.runtime.memory import MemoryOperation
+from k6serve.runtime.memory import MemoryOperation, MemoryRankReport
 from k6serve.speed.warmup import WarmupReport
 
 
@@ -114,10 +114,10 @@ class RunSucceeded:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraDone:
-    """Every rank of the replica applied the operation; `result` is the leader's `apply_lora_operation` dict."""
+    """Every rank of the replica applied the operation; `result` is the leader's `apply_lora_operation` reply."""
 
     request_id: int
-    result: dict
+    result: LoraReply
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,7 +125,7 @@ class MemoryDone:
     """Every rank of the replica applied the memory operation; `result` holds each rank's report, in rank order."""
 
     request_id: int
-    result: list[dict]
+    result: list[MemoryRankReport]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

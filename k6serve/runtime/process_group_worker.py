@@ -29,7 +29,7 @@ from multiprocessing.process import BaseProcess
 import torch.distributed as dist
 
 from k6serve.config import EngineConfig
-from k6serve.lora.spec import LoraOperation
+from k6serve.lora.spec import LoraOperation, LoraReply
 from k6serve.models.kandinsky6.config_before_loading import dit_blocks_before_loading
 from k6serve.models.variants import GENERATION, Variant
 from k6serve.parallel.mesh import ParallelLayout
@@ -55,7 +55,7 @@ from k6serve.runtime.launch import (
     torchrun_rank,
     warn_of_cpu_ranks,
 )
-from k6serve.runtime.memory import MemoryOperation, inverse
+from k6serve.runtime.memory import MemoryOperation, MemoryRankReport, inverse
 from k6serve.runtime.out_of_memory import WorkerKilled, describe_exit_code, worker_killed_hint
 from k6serve.runtime.rank_process import (
     RankWorkerFactory,
@@ -308,8 +308,8 @@ class MultiProcessWorker:
                     self._idle.append(replica)
                 self._changed.notify_all()
 
-    def apply_lora_operation(self, operation: LoraOperation) -> dict:
-        """Run `operation` on every rank of every replica, once all are idle; returns the first replica's dict.
+    def apply_lora_operation(self, operation: LoraOperation) -> LoraReply:
+        """Run `operation` on every rank of every replica, once all are idle; returns the first replica's reply.
 
         A ValueError on every replica is raised as ValueError (the adapters are unchanged); if some replicas
         succeeded and others failed `ReplicasDisagree` (a RuntimeError) says so, as they now hold different adapters.
@@ -324,7 +324,7 @@ class MultiProcessWorker:
         # varying and did not keep the change for its restart, though every replica left held it.
         return lora_result(operation, [outcome for _, outcome in self._of_serving(replicas, outcomes)])
 
-    def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
+    def apply_memory_operation(self, operation: MemoryOperation) -> list[MemoryRankReport]:
         """Release or resume the memory of every rank of every replica, once all are idle; every rank's report.
 
         All or nothing: if some replicas fail, the others are put back (`memory.inverse`) and the first failure is
@@ -397,7 +397,7 @@ class MultiProcessWorker:
                 replica.connection.send(build(request_id))
             except OSError:
                 unreachable.add(replica.index)
-        outcomes: list[tuple[int, dict | Exception]] = []
+        outcomes: list[tuple[int, object]] = []  # a LoraReply, a list of MemoryRankReport, or an Exception
         for replica in replicas:
             try:
                 if replica.index in unreachable:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from k6serve.config import EngineConfig
 from k6serve.dependencies import missing_package
-from k6serve.lora.spec import LoraOperation
+from k6serve.lora.spec import LoraOperation, LoraReply
 from k6serve.models.variants import GENERATION, Variant
 from k6serve.parallel.mesh import ParallelGroups, ParallelLayout, build_groups
 from k6serve.process_exit import exit_without_teardown
@@ -46,7 +46,7 @@ from k6serve.runtime.launch import (
     start_process,
     torchrun_rank,
 )
-from k6serve.runtime.memory import MemoryOperation, inverse
+from k6serve.runtime.memory import MemoryOperation, MemoryRankReport, inverse
 from k6serve.runtime.out_of_memory import describe_exit_code
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,9 @@ class RankWorker(Protocol):
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult: ...
 
-    def apply_lora_operation(self, operation: LoraOperation) -> dict: ...
+    def apply_lora_operation(self, operation: LoraOperation) -> LoraReply: ...
 
-    def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]: ...
+    def apply_memory_operation(self, operation: MemoryOperation) -> list[MemoryRankReport]: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

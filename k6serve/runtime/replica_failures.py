@@ -4,8 +4,9 @@ failed on a replica, and the partial video a replica killed mid-write left behin
 from __future__ import annotations
 
 import logging
+import typing
 
-from k6serve.lora.spec import LoraOperation, ReplicasDisagree
+from k6serve.lora.spec import LoraOperation, LoraReply, ReplicasDisagree
 from k6serve.runtime import messages
 
 # The engine side's name: these lines were logged under it when the functions lived in process_group_worker.py
@@ -28,11 +29,11 @@ def failure_error(message: messages.RunFailed, request_id: int, replica: int) ->
     return RuntimeError(f"request {request_id} failed on replica {replica}: {message.message}")
 
 
-def lora_result(operation: LoraOperation, outcomes: list[tuple[int, dict | Exception]]) -> dict:
-    """The first replica's dict when all succeeded, else the error to raise (see `apply_lora_operation`)."""
+def lora_result(operation: LoraOperation, outcomes: list[tuple[int, LoraReply | Exception]]) -> LoraReply:
+    """The first replica's reply when all succeeded, else the error to raise (see `apply_lora_operation`)."""
     failed = [(index, error) for index, error in outcomes if isinstance(error, Exception)]
     if not failed:
-        return outcomes[0][1]
+        return typing.cast(LoraReply, outcomes[0][1])
     succeeded = [index for index, result in outcomes if not isinstance(result, Exception)]
     index, error = failed[0]
     if not succeeded:

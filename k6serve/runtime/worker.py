@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 
 from k6serve.config import EngineConfig, WarmupSize
-from k6serve.lora.spec import LORA_TARGETS, ListLoras, LoraOperation, quantized_lora_refusal, start_set_lora
+from k6serve.lora.spec import (
+    LORA_TARGETS,
+    ListLoras,
+    LoraOperation,
+    LoraReply,
+    quantized_lora_refusal,
+    start_set_lora,
+)
 from k6serve.models.checkpoint_files import resolve_checkpoint
 from k6serve.models.variants import GENERATION, Variant, recognise
 from k6serve.offload.residency import RESIDENT, resolve_residency, streams_text_encoder
@@ -33,7 +40,7 @@ from k6serve.request import (
 from k6serve.request_resolution import resolve_generate, resolve_upscale
 from k6serve.runtime.devices import peak_memory_mb, resolve_device, resolve_dtype
 from k6serve.runtime.gc_freeze import CompileGcFreezer, compiled_graph_count
-from k6serve.runtime.memory import MemoryOperation, MemoryRelease, apply_memory_operation
+from k6serve.runtime.memory import MemoryOperation, MemoryRankReport, MemoryRelease, apply_memory_operation
 from k6serve.runtime.mp4_output import generate_into_mp4, output_file
 from k6serve.runtime.warmup_sizes import (
     SR_WARMUP_CLIP,
@@ -218,7 +225,7 @@ class ModelWorker:
                                         fsdp=self.config.parallel.use_fsdp_inference)
         return self.lora_manager
 
-    def apply_lora_operation(self, operation: LoraOperation) -> dict:
+    def apply_lora_operation(self, operation: LoraOperation) -> LoraReply:
         """Run one LoRA operation (between requests, on every rank); returns a JSON-able reply.
 
         SetLora / MergeLora / UnmergeLora -> {"status": "ok", "message", "loras"}; ListLoras -> {"loras"}. Bad input
@@ -242,7 +249,7 @@ class ModelWorker:
                 self.memory_release.drop_kept()
         return {"status": "ok", "message": message, "loras": manager.state()}
 
-    def apply_memory_operation(self, operation: MemoryOperation) -> list[dict]:
+    def apply_memory_operation(self, operation: MemoryOperation) -> list[MemoryRankReport]:
         """Release or resume this worker's device memory, between requests; one report (this worker is one rank)."""
         return [apply_memory_operation(self, operation)]
 

@@ -5,11 +5,13 @@ answers, and the OpenAI-shaped error (`ErrorResponse`, with the statuses each gr
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k6serve.lora.spec import LoraAdapterState
 from k6serve.models.variants import DEFAULT_SEED
+from k6serve.runtime.memory import MemoryRankReport
 from k6serve.serve.jobs import Job, JobStatus, expires_at
 
 # The answers' models: a field with a default is still always sent, so it is `required` in the document (a generated
@@ -18,7 +20,8 @@ _ANSWER_CONFIG = ConfigDict(json_schema_serialization_defaults_required=True)
 
 
 class MemoryReply(BaseModel):
-    model_config = _ANSWER_CONFIG
+    # Not _ANSWER_CONFIG: every field here is sent, and pydantic's setting would mark the rank reports' optional keys
+    # (`replica` and `rank`, sent only by multi-process engines; the GPU figures of `after`) required too.
     status: Literal["ok", "already_released", "not_released"] = Field(
         description="'ok' when memory moved; otherwise nothing changed (released twice, or resumed while not "
                     "released).")
@@ -26,20 +29,20 @@ class MemoryReply(BaseModel):
     memory_released: bool = Field(description="Whether the memory is released now (generation waits meanwhile).")
     moved_bytes: int = Field(description="Bytes moved between the GPUs and host memory, over every rank.")
     num_waiting_requests: int = Field(description="Requests held in the engine for a resume (not the stored queue).")
-    ranks: list[dict[str, Any]] = Field(description="One report per rank of every replica: what moved, by owner, "
-                                                    "and what the process still holds on its GPU ('after').")
+    ranks: list[MemoryRankReport] = Field(description="One report per rank of every replica: what moved, by owner, "
+                                                      "and what the process still holds on its GPU ('after').")
 
 
 class LoraResult(BaseModel):
     model_config = _ANSWER_CONFIG
     status: Literal["ok"] = "ok"
     message: str
-    loras: list[dict[str, Any]] = Field(description="The loaded adapters and their state, one object each.")
+    loras: list[LoraAdapterState] = Field(description="The loaded adapters and their state, one object each.")
 
 
 class LoraList(BaseModel):
     model_config = _ANSWER_CONFIG
-    loras: list[dict[str, Any]] = Field(description="The loaded adapters and their state, one object each.")
+    loras: list[LoraAdapterState] = Field(description="The loaded adapters and their state, one object each.")
 
 
 class JobError(BaseModel):

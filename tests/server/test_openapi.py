@@ -3,6 +3,8 @@ document only: the server keeps its own 400s), and a document that validates."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from harness import FakeWorker, start_server
 
@@ -219,3 +221,27 @@ def test_out_of_range_values_keep_the_servers_400(fake_client, route, body, form
     assert response.status_code == 400
     assert response.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                          "code": "invalid_parameter"}}
+
+
+def test_the_lora_and_memory_answers_name_their_fields(document):
+    """A generated client typed the adapters and the rank reports as `{[key: string]: unknown}`: their fields now
+    come from the replies' own types (`LoraAdapterState`, `MemoryRankReport`), which tests/unit/test_lora_runtime.py
+    and test_memory_release.py hold to the replies' keys. Optional keys stay optional: `replica` and `rank` come from
+    multi-process engines only, the GPU figures from a GPU."""
+    from k6serve.lora.spec import LoraAdapterState
+    from k6serve.runtime.memory import MemoryRankReport
+
+    components = document["components"]["schemas"]
+    for answer in ("LoraResult", "LoraList"):
+        assert components[answer]["properties"]["loras"]["items"] == {"$ref": "#/components/schemas/LoraAdapterState"}
+    adapter = components["LoraAdapterState"]
+    assert list(adapter["properties"]) == list(LoraAdapterState.__annotations__) == adapter["required"]
+    assert adapter["properties"]["merge_mode"]["anyOf"][0]["enum"] == ["merge", "dynamic"]
+    ranks = components["MemoryReply"]["properties"]["ranks"]
+    assert ranks["items"] == {"$ref": "#/components/schemas/MemoryRankReport"}
+    report = components["MemoryRankReport"]
+    assert set(report["properties"]) == set(typing.get_type_hints(MemoryRankReport))
+    assert set(report["required"]) == set(report["properties"]) - {"replica", "rank"}
+    assert report["properties"]["after"] == {"$ref": "#/components/schemas/DeviceMemoryState"}
+    assert components["DeviceMemoryState"]["required"] == ["device", "explanation"]
+    assert components["LiveStorage"]["required"] == ["bytes", "shape", "dtype"]

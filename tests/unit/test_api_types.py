@@ -276,6 +276,9 @@ options: GenerateKwargs = {"prompt": "A cat"}
 reveal_type(generator.generate(**options))
 DiffGenerator.from_pretrained("demo", num_gpu=1)
 DiffGenerator.from_pretrained("demo", num_gpus="1")
+reveal_type(generator.list_loras()["loras"][0]["merge_mode"])
+reveal_type(generator.release_memory()["ranks"][0]["moved_bytes_by_owner"])
+generator.set_lora("style", "style.safetensors")["lora"]
 
 
 async def main() -> None:
@@ -296,10 +299,13 @@ def test_mypy_reads_the_api_as_it_behaves(tmp_path, monkeypatch):
     one, many = '"k6serve.request.VideoResult"', '"list[k6serve.request.VideoResult]"'
     revealed = re.findall(r'Revealed type is (".*")', report)
     either = '"k6serve.request.VideoResult | list[k6serve.request.VideoResult]"'
-    assert revealed == [many, one, many, either, one, one, many], report
+    # The LoRA and memory replies are TypedDicts (they were dict[str, Any]: any key, any value).
+    merge_mode, moved = "\"Literal['merge'] | Literal['dynamic'] | None\"", '"dict[str, int]"'
+    assert revealed == [many, one, many, either, one, one, merge_mode, moved, many], report
     assert 'Unexpected keyword argument "num_gpu" for "from_pretrained"' in report, report
     assert 'Argument "num_gpus" to "from_pretrained" of "DiffGenerator" has incompatible type "str"' in report, report
-    assert report.count("error:") == 2, report
+    assert 'TypedDict "LoraChange" has no key "lora"' in report, report
+    assert report.count("error:") == 3, report
 
 
 def test_a_missing_media_package_is_warned_of_before_the_load_under_the_apis_logger(monkeypatch, caplog):

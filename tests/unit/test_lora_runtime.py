@@ -18,11 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_launch import TIMEOUT_S, FakeRankWorker, make_config, note
+from typed_dicts import mismatches
 
 from k6serve.api import DiffGenerator
 from k6serve.config import EngineConfig, ModelConfig
 from k6serve.lora.arguments import LoraArgumentError
-from k6serve.lora.spec import ListLoras, LoraSpec, MergeLora, SetLora, UnmergeLora
+from k6serve.lora.spec import ListLoras, LoraChange, LoraListing, LoraSpec, MergeLora, SetLora, UnmergeLora
 from k6serve.models.variants import VARIANTS
 from k6serve.request import OutputOptions, SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine
@@ -296,11 +297,20 @@ def test_the_api_changes_and_restores_the_demo_model_through_the_rank_process(de
         baseline = generator.generate(params)
         reply = generator.set_lora("fox", str(adapter), merge_mode="merge")
         assert reply["status"] == "ok" and [lora["nickname"] for lora in reply["loras"]] == ["fox"]
+        # The replies' types (and the OpenAPI document's answers, made from them) name every key, and no other.
+        assert mismatches(reply, LoraChange) == [] and reply["loras"][0]["merge_mode"] == "merge"
         adapted = generator.generate(params)
         assert not np.array_equal(adapted.frames, baseline.frames)
         with pytest.raises(ValueError):
             generator.set_lora("ghost", str(tmp_path / "missing.safetensors"))
-        assert [lora["nickname"] for lora in generator.list_loras()["loras"]] == ["fox"]
+        listing = generator.list_loras()
+        assert [lora["nickname"] for lora in listing["loras"]] == ["fox"] and mismatches(listing, LoraListing) == []
+        # The memory replies of a rank process: each rank's report says where it ran.
+        from k6serve.runtime.memory import MemoryReply
+
+        released = generator.release_memory()
+        assert mismatches(released, MemoryReply) == [] and {"rank", "replica"} <= released["ranks"][0].keys()
+        assert mismatches(generator.resume_memory(), MemoryReply) == []
         assert generator.unmerge_lora_weights()["status"] == "ok"
         restored = generator.generate(params)
         assert np.array_equal(restored.frames, baseline.frames) and np.array_equal(restored.audio, baseline.audio)

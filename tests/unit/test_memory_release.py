@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_launch import TIMEOUT_S, FakeRankWorker, make_config
+from typed_dicts import mismatches
 
 from k6serve.api import DiffGenerator
 from k6serve.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
@@ -36,6 +37,8 @@ from k6serve.runtime import memory
 from k6serve.runtime.engine import Engine
 from k6serve.runtime.memory import (
     LORA_ADAPTERS,
+    MemoryRankReport,
+    MemoryReply,
     ReleaseMemory,
     ResumeMemory,
     device_tensors,
@@ -389,6 +392,8 @@ def test_the_api_releases_holds_a_request_and_resumes(tiny_distill_dir):
         reply = generator.release_memory()
         assert reply["status"] == "ok" and reply["moved_bytes"] > 0 and len(reply["ranks"]) == 1
         assert reply["ranks"][0]["after"]["device"] == "cpu"
+        # Its type (and the OpenAPI document's answer, made from it) names every key it has, and no other.
+        assert mismatches(reply, MemoryReply) == []
         results = []
         thread = threading.Thread(target=lambda: results.append(generator.generate(params)))
         thread.start()
@@ -619,6 +624,7 @@ def test_cuda_release_frees_the_gpu_and_resume_is_bit_identical(tiny_distill_dir
     worker = ModelWorker(config)
     before = worker.run(PARAMS, NO_FILE)
     [report] = worker.apply_memory_operation(ReleaseMemory())
+    assert mismatches(report, MemoryRankReport) == []  # the GPU figures of `after` as its type names them
     after = report["after"]
     assert torch.cuda.memory_allocated() <= held_allocated + 4 * 2**20, after
     assert after["allocated_bytes"] == torch.cuda.memory_allocated(), after
