@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Python 3.14's argparse and tracebacks colour their text under FORCE_COLOR (or in a terminal): the tests compare
+# help and errors as plain text, in this process and in the commands it starts.
+os.environ["PYTHON_COLORS"] = "0"
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `pytest -n 2` (the README's command) two workers share the machine's cores: one torch thread each, and
     # one for every process they start (ranks, servers, CLI runs read OMP_NUM_THREADS at their start), or OpenMP's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -14,6 +15,10 @@ class HelpFormatter(argparse.HelpFormatter):
     test. This override is 3.13's method; argparse has no public switch for it."""
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
+        if sys.version_info >= (3, 13):
+            # argparse's own: the same layout, and 3.14's colours in a terminal (this override's text had none,
+            # so the options that take a value lost theirs while -h kept its).
+            return super()._format_action_invocation(action)
         if not action.option_strings or action.nargs == 0:
             return super()._format_action_invocation(action)
         value = self._format_args(action, self._get_default_metavar_for_optional(action))

@@ -92,7 +92,11 @@ def default_file_name(request: GenerateRequest | UpscaleRequest, now: datetime |
         # filesystem refuses only at the write, after the whole upscale: its stem is cut to fit, at a character.
         # A hidden source (".clip.mp4") gave a hidden output (".clip_sr2x_...mp4") that `ls` and file browsers do
         # not show; a given name loses its leading dot too (sanitize_file_name).
-        stem = Path(request.video_path).stem.lstrip(".") or "video"
+        # pathlib's stem as Python 3.11-3.13 cut it ("..mp4" -> "."): 3.14 keeps a name of dots and one suffix
+        # whole ("..mp4"), which named the output "mp4_sr2x_...".
+        name = Path(request.video_path).name
+        dot = name.rfind(".")
+        stem = (name[:dot] if 0 < dot < len(name) - 1 else name).lstrip(".") or "video"
         # The source's own name, spaces and punctuation kept, but not its control and format characters: a newline
         # split the CLI's `saved PATH` line (the result's line on stdout) in two, and a right-to-left override showed
         # the name reversed.

@@ -725,7 +725,12 @@ def test_sigterm_stops_the_running_job_at_once_and_answers_a_waiting_lora_call_i
 def _stop_a_served_job(tmp_path, prompt: str, *signals_sent: int):
     """A job running in a `k6serve serve` process, then `signals_sent` (each a second after the one before): the exit
     code, the seconds from the first signal to the exit, and the job as stored."""
-    process, url = _spawn(tmp_path, "--through-serve")
+    # SIGHUP as a terminal leaves it: under `nohup pytest` the server inherits it ignored, and keeps it so.
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        process, url = _spawn(tmp_path, "--through-serve")
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
     try:
         with httpx.Client(base_url=url, timeout=30) as client:
             wait_until(lambda: client.get("/health").status_code == 200, timeout=30)
