@@ -5,9 +5,11 @@
 Writes the folder as `gpu_folder_checkpoint.py` does, then, in this process: loads its components
 (`load_generation_models`, as a request's worker does) and builds the dummy ones (`--load-format dummy`), both on the
 GPU in bf16, and compares them component by component (parameters and buffers: names, dtypes, shapes, values;
-configs; the tokenizers' ids for the request's prompt). Then runs the dummy request four times on one in-process
-worker, hashing each module's outputs, to tell the weights apart from a run that is not repeatable (and where). Results:
-<out>/gpu_folder_diagnose.json.
+configs; the tokenizers' ids for the request's prompt). Then runs the request once on a worker that loaded the folder
+and once on a dummy one (`pair`), hashing each watched module's inputs and outputs: the first call whose inputs or
+outputs differ says where the two part ways (inputs apart: what feeds that module; inputs equal and outputs apart: the
+module's own code path). `--repeat` also runs the dummy request four times on one worker, to tell the weights apart
+from a run that is not repeatable (and where). Results: <out>/gpu_folder_diagnose.json.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", choices=list(VARIANT_KEYS), default="lite-distill")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/k6serve-folder"))
+    parser.add_argument("--repeat", action="store_true", help="also run the dummy request four times")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"commit": os.environ.get("K6SERVE_COMMIT"), "torch": torch.__version__,
@@ -113,6 +116,10 @@ def main() -> None:
         report[component] = {"tensors": compare_modules(a, b), "config": compare_configs(a, b)}
         print(component, json.dumps(report[component])[:1500], flush=True)
         save()
+    report["attention"] = {name: [_attention_implementation(getattr(loaded, name)),
+                                  _attention_implementation(getattr(built, name))]
+                           for name in ("text_encoder", "text_encoder_2")}
+    print("attention", report["attention"], flush=True)
     for component in ("tokenizer", "tokenizer_2"):
         report[component] = compare_tokenizers(getattr(loaded, component), getattr(built, component))
         print(component, report[component], flush=True)
@@ -122,10 +129,22 @@ def main() -> None:
     save()
     del loaded, built
     torch.cuda.empty_cache()
-    shutil.rmtree(args.folder, ignore_errors=True)
 
-    report["repeat"] = repeat_runs(HUB_IDS[args.variant], args.out, load_format="dummy")
+    folder_calls = traced_run(str(args.folder), args.out / "folder")
+    shutil.rmtree(args.folder, ignore_errors=True)
+    dummy_calls = traced_run(HUB_IDS[args.variant], args.out / "dummy", load_format="dummy")
+    report["pair"] = {"calls": [len(folder_calls["calls"]), len(dummy_calls["calls"])],
+                      "mp4": [folder_calls["mp4"], dummy_calls["mp4"]],
+                      "first_difference": first_difference(folder_calls, dummy_calls)}
+    print("pair", json.dumps(report["pair"]), flush=True)
     save()
+    if args.repeat:
+        report["repeat"] = repeat_runs(HUB_IDS[args.variant], args.out, load_format="dummy")
+        save()
+
+
+def _attention_implementation(module) -> str | None:
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
 def _digests(value) -> list[str]:
@@ -140,10 +159,35 @@ def _digests(value) -> list[str]:
     return []
 
 
-def repeat_runs(model_path: str, out: Path, **options) -> dict:
-    """The dummy request four times on one in-process worker (two with cudnn.benchmark as the speed mode sets it,
-    two with it off), each module's outputs hashed: the first call whose outputs differ between two runs is where
-    a run stops repeating."""
+# Where a request's data flows, in order; a name a model lacks is skipped. The text encoder's first and last layers
+# tell an embedding or rotary difference from an attention kernel's.
+WATCHED = ("text_encoder.model.language_model.embed_tokens", "text_encoder.model.language_model.layers.0",
+           "text_encoder.model.language_model.layers.27", "text_encoder.model", "text_encoder_2", "transformer",
+           "vae.decoder", "vocoder")
+
+
+def _watch(models, calls: list) -> None:
+    """Hooks on the WATCHED modules appending (name, "in" | "out", digests) to `calls` at each call."""
+    for name in WATCHED:
+        component, _, path = name.partition(".")
+        module = getattr(models, component, None)
+        try:
+            module = module.get_submodule(path) if path and module is not None else module
+        except AttributeError:
+            module = None
+        if module is None:
+            continue
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs, name=name: calls.append((name, "in", _digests([args, kwargs]))), with_kwargs=True)
+        module.register_forward_hook(lambda _m, _i, output, name=name: calls.append((name, "out", _digests(output))))
+
+
+REQUEST = {"prompt": PROMPT, "seed": 7, "height": 256, "width": 384, "num_frames": 17, "num_inference_steps": 2,
+           "save_output": True}
+
+
+def traced_run(model_path: str, out: Path, **options) -> dict:
+    """One request on an in-process worker, each watched module's inputs and outputs hashed."""
     from k6serve import DiffGenerator
     from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
@@ -152,39 +196,58 @@ def repeat_runs(model_path: str, out: Path, **options) -> dict:
     config = build_engine_config(model_path, **options)
     worker = ModelWorker(config)
     generator = DiffGenerator(Engine(config, worker=worker))
-    models = worker.pipeline.models
-    calls: list[tuple[str, list[str]]] = []
-    watched = {"text_encoder.model": models.text_encoder.model, "text_encoder_2": models.text_encoder_2,
-               "transformer": models.transformer, "vae.decoder": models.vae.decoder, "vocoder": models.vocoder}
-    for name, module in watched.items():
-        module.register_forward_hook(lambda _m, _i, output, name=name: calls.append((name, _digests(output))))
-    request = {"prompt": PROMPT, "seed": 7, "height": 256, "width": 384, "num_frames": 17, "num_inference_steps": 2,
-               "save_output": True}
+    calls: list = []
+    _watch(worker.pipeline.models, calls)
+    try:
+        result = generator.generate({**REQUEST, "output_path": str(out)})
+    finally:
+        generator.shutdown()
+    print("traced", model_path, _sha256(result.output_file_path), len(calls), flush=True)
+    return {"mp4": _sha256(result.output_file_path), "calls": calls}
+
+
+def first_difference(a: dict, b: dict):
+    """The first call whose name, direction or digests differ between two traced runs (None: none)."""
+    for position, (x, y) in enumerate(zip(a["calls"], b["calls"])):
+        if x != y:
+            return {"call": position, "module": x[0], "kind": x[1], "other": list(y[:2]), "digests": [x[2], y[2]]}
+    if len(a["calls"]) != len(b["calls"]):
+        return {"call": min(len(a["calls"]), len(b["calls"])), "module": None, "kind": "count"}
+    return None
+
+
+def repeat_runs(model_path: str, out: Path, **options) -> dict:
+    """The dummy request four times on one in-process worker (two with cudnn.benchmark as the speed mode sets it,
+    two with it off), each watched module's inputs and outputs hashed: the first call that differs between two runs
+    is where a run stops repeating."""
+    from k6serve import DiffGenerator
+    from k6serve.engine_arguments import build_engine_config
+    from k6serve.runtime.engine import Engine
+    from k6serve.runtime.worker import ModelWorker
+
+    config = build_engine_config(model_path, **options)
+    worker = ModelWorker(config)
+    generator = DiffGenerator(Engine(config, worker=worker))
+    calls: list = []
+    _watch(worker.pipeline.models, calls)
     runs = []
     try:
         for index in range(4):
             if index == 2:
                 torch.backends.cudnn.benchmark = False
             calls.clear()
-            result = generator.generate({**request, "output_path": str(out / f"run{index}")})
+            result = generator.generate({**REQUEST, "output_path": str(out / f"run{index}")})
             runs.append({"mp4": _sha256(result.output_file_path), "calls": list(calls),
                          "cudnn_benchmark": torch.backends.cudnn.benchmark})
             print("run", index, runs[-1]["mp4"], len(calls), flush=True)
     finally:
         generator.shutdown()
-
-    def first_difference(a: dict, b: dict):
-        for position, (x, y) in enumerate(zip(a["calls"], b["calls"])):
-            if x != y:
-                return {"call": position, "module": x[0], "digests": [x[1], y[1]]}
-        return None
-
     summary = {"mp4": [run["mp4"] for run in runs], "calls": [len(run["calls"]) for run in runs],
                "benchmark_on_same": runs[0]["mp4"] == runs[1]["mp4"],
                "benchmark_off_same": runs[2]["mp4"] == runs[3]["mp4"],
                "first_difference_on": first_difference(runs[0], runs[1]),
                "first_difference_off": first_difference(runs[2], runs[3]),
-               "modules_called": sorted({name for name, _ in runs[0]["calls"]})}
+               "modules_called": sorted({call[0] for call in runs[0]["calls"]})}
     print("repeat", json.dumps(summary), flush=True)
     return summary
 
