@@ -658,3 +658,24 @@ def test_resident_blocks_moved_to_pinned_memory_are_reported_pinned(monkeypatch)
     assert report["message"].startswith("moved ") and report["message"].endswith(" to pinned host memory")
     assert report["pinned"] and report["moved_bytes_by_owner"] == {
         "offload_resident_blocks": sum(chunk.numel() * chunk.element_size() for chunk in block.chunks)}
+
+
+def test_live_storages_skip_compile_fake_tensors_without_warning():
+    # torch.compile leaves fake tensors alive in its caches; asking one for its data pointer warned in every CUDA
+    # release's report (H100, fifty-seventh session) and is to become an error. They hold no memory: not listed.
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k6serve.runtime.device_memory import live_tensor_storages
+
+    real = torch.zeros(3, 1000, dtype=torch.float64)
+    with FakeTensorMode():
+        fake = torch.empty(5, 1000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        storages = live_tensor_storages(torch.device("cpu"))
+    assert [str(w.message) for w in caught if "FakeTensor" in str(w.message)] == []
+    assert {"bytes": real.nbytes, "shape": [3, 1000], "dtype": "torch.float64"} in storages
+    assert [5, 1000] not in [entry["shape"] for entry in storages]
+    del fake
