@@ -169,7 +169,8 @@ class DiffGenerator:
         return cls._load(model_path, options, wording=str)
 
     @classmethod
-    def _load(cls, model_path: str, options: dict[str, Any], *, wording: Callable[[str], str]) -> "DiffGenerator":
+    def _load(cls, model_path: str | os.PathLike[str], options: dict[str, Any], *,
+              wording: Callable[[str], str]) -> "DiffGenerator":
         config = build_engine_config(model_path, **options)
         note = ignored_revision_note(config.model.model_path, config.model.revision, config.model.load_format)
         if note is not None:
@@ -399,7 +400,7 @@ class DiffGenerator:
             raise ValueError("prompt is a list, which runs one generation per prompt, and the super-resolution model "
                              "takes no prompt: upscale one video a call (video_path='/path/to/input.mp4').")
         name, name_warning = options.get("output_file_name"), None
-        names: list[str | None] = [None] * len(prompts)
+        names: Sequence[str | None] = [None] * len(prompts)
         if isinstance(name, str) and options.get("save_output") is not False and len(prompts) > 1:
             final, name_warning = final_file_name(name)  # said once, of the name given, before it is numbered
             names = numbered_file_names(final, len(prompts))

@@ -10,8 +10,12 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from k6serve.caching.params import CacheDitParams, parse_cache_dit_config
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -57,7 +61,7 @@ def flag_name(option: str) -> str:
     return SEED_FLAG_SPELLINGS.get(option, "--" + option.replace("_", "-"))
 
 
-def _check_field_types(config: object, *, checked_elsewhere: tuple[str, ...] = ()) -> None:
+def _check_field_types(config: DataclassInstance, *, checked_elsewhere: tuple[str, ...] = ()) -> None:
     for item in dataclasses.fields(config):
         kind, _, optional = str(item.type).partition(" | ")
         if kind not in _FIELD_KINDS or item.name in checked_elsewhere:

@@ -10,6 +10,7 @@ import re
 import sys
 import tomllib
 from pathlib import Path
+from typing import TypeGuard
 
 # Import names whose PyPI distribution is named otherwise (k6serve's own dependencies).
 _DISTRIBUTIONS = {"PIL": "pillow", "yaml": "pyyaml", "multipart": "python-multipart",
@@ -69,9 +70,10 @@ def describe_missing_package(module: str, needed_for: str | None = None) -> str:
             f"{sys.executable}: run `{pip_install_command(module)}`, or reinstall k6serve with its dependencies.")
 
 
-def missing_package(exc: BaseException) -> bool:
+def missing_package(exc: BaseException) -> TypeGuard[ModuleNotFoundError]:
     """`exc` says a third-party package is not installed (one of k6serve's own modules missing is a bug, not this;
-    so is a standard-library module this platform lacks, such as `resource` on Windows, which pip cannot install)."""
+    so is a standard-library module this platform lacks, such as `resource` on Windows, which pip cannot install).
+    When true, `exc.name` is set: the missing module's name."""
     top = (getattr(exc, "name", None) or "k6serve").partition(".")[0]
     return isinstance(exc, ModuleNotFoundError) and top != "k6serve" and top not in sys.stdlib_module_names
 

@@ -21,6 +21,8 @@ ENGINE_SECTIONS = (ModelConfig, ParallelConfig, RuntimeConfig)
 REQUEST_KEYS = {item.name for item in dataclasses.fields(SamplingParams)}
 
 if typing.TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     import torch  # `EngineOptions` only; building the config stays torch-free at run time
 else:
     class _TorchOnDemand:
@@ -36,10 +38,10 @@ else:
     torch = _TorchOnDemand()
 
 
-def build_engine_config(model_path: str, **kwargs: Any) -> EngineConfig:
+def build_engine_config(model_path: str | os.PathLike[str], **kwargs: Any) -> EngineConfig:
     """Split flat keyword arguments (the CLI's and the seed's names) into the typed config sections. Its errors name
     the flags, as for the CLI and the server, which build their config here too; `DiffGenerator` rewords them."""
-    sections: dict[type, dict[str, Any]] = {cls: {} for cls in ENGINE_SECTIONS}
+    sections: dict[type[DataclassInstance], dict[str, Any]] = {cls: {} for cls in ENGINE_SECTIONS}
     # pathlib paths are accepted where a path goes, as for the request's paths; the typed config holds strings.
     model_path = os.fspath(model_path) if isinstance(model_path, os.PathLike) else model_path
     kwargs = {k: os.fspath(v) if k == "lora_path" and isinstance(v, os.PathLike) else v

@@ -26,7 +26,8 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
     import atexit
     import threading
 
-    threading._shutdown()  # what Py_FinalizeEx runs first (wait_for_thread_shutdown)
+    # what Py_FinalizeEx runs first (wait_for_thread_shutdown); private, so typeshed does not declare it
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

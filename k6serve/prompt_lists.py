@@ -41,7 +41,7 @@ def stopped_note(listed: Listed, finished: dict[int, VideoResult], stopper: int,
     side by side not always the ones before it), their files, and the call that runs the rest."""
     count = len(listed)
     rest = [index for index in range(count) if index not in finished]
-    saved = [finished[index].output_file_path for index in sorted(finished) if finished[index].output_file_path]
+    saved = [path for index in sorted(finished) if (path := finished[index].output_file_path)]
     done = sorted(finished)
     if not rest:  # Ctrl-C after the last prompt ended (in the bar's last update): rest[0] below raised IndexError
         return (f"all {count} prompts of the list had finished" + (f" (saved: {', '.join(saved)})" if saved else "")

@@ -455,6 +455,8 @@ def _request_flags_as_names(text: str, fields: frozenset[str] = _REQUEST_FIELDS)
 def _fix_text(entry: ReferenceName, surface: str) -> str:
     if entry.alias is not None:
         return f"k6serve calls it {entry.alias if surface == 'api' else flag_name(entry.alias)}"
+    # Every entry without an alias is made by `_engine` or `_request`, which take a fix.
+    assert entry.fix is not None, entry
     if surface == "cli":
         return entry.fix
     if entry.kind == ENGINE and surface != "api":

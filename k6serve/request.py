@@ -26,6 +26,9 @@ import numpy as np
 
 from k6serve.caching.params import CacheDitParams
 
+if typing.TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 SR_SCALES = (2.0, 4.0, 2.25)
 SR_TARGET_TIERS = ("hd", "fullhd", "2k")
 SR_RESIZE_MODES = ("fit", "exact")
@@ -57,7 +60,7 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _check_field_types(instance: Any) -> None:
+def _check_field_types(instance: DataclassInstance) -> None:
     hints = _type_hints(type(instance))
     for item in dataclasses.fields(instance):
         value = getattr(instance, item.name)
@@ -351,8 +354,8 @@ def plain_scalars(kwargs: dict[str, Any]) -> dict[str, Any]:
 def did_you_mean(unknown: list[str], names: typing.Iterable[str], *, name_each: bool = False) -> str:
     """' (did you mean ...?)' for the unknown names that resemble a known one (a typo), else ''; `name_each` says
     which name each guess is for also when there is one (the message lists other unknown names)."""
-    guesses = {name: difflib.get_close_matches(name, sorted(names), n=1) for name in unknown}
-    guesses = {name: close[0] for name, close in guesses.items() if close}
+    matches = {name: difflib.get_close_matches(name, sorted(names), n=1) for name in unknown}
+    guesses = {name: close[0] for name, close in matches.items() if close}
     if not guesses:
         return ""
     if len(unknown) == 1 and not name_each:

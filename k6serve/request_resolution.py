@@ -13,6 +13,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable, Iterator
+from typing import cast
 
 from k6serve.caching.params import CacheDitParams, StepMaskMismatch
 from k6serve.lora.spec import is_finite_number, lora_strength_refusal, odd_nickname
@@ -68,7 +69,8 @@ def _check_prompt_texts(params: SamplingParams) -> None:
     for field in ("prompt", "negative_prompt"):
         text = getattr(params, field)
         if text is not None and prompt_text_refusal(field, text):
-            raise FlagWorded.naming(lambda name: prompt_text_refusal(name(field), text))
+            # refused just above; the name only words the refusal, so it is never None here
+            raise FlagWorded.naming(lambda name: cast(str, prompt_text_refusal(name(field), text)))
 
 
 def prompt_text_refusal(name: str, text: str) -> str | None:
@@ -202,6 +204,7 @@ def _resolve_guidance(params: SamplingParams, variant: Variant, notes: list[str]
     guidance = params.guidance_scale if params.guidance_scale is not None else variant.guidance_scale
     # The messages show the value as given (nan read "got inf", what the comparisons below take it for), but an
     # integer past a float's range as words, not its 400 digits.
+    shown: str | float
     if isinstance(guidance, int) and not is_finite_number(guidance):
         shown = "an integer too large for a float"
     else:
@@ -292,7 +295,9 @@ def _resolve_loras(loras: dict | None) -> tuple[tuple[str, float], ...] | None:
             raise FlagWorded.naming(lambda name: f"{name.entry('loras', nickname)} must be a finite number (the "
                                                  f"adapter's strength), got {strength!r}")
         if lora_strength_refusal(strength, "loras"):  # not finite, or past the bound
-            raise FlagWorded.naming(lambda name: lora_strength_refusal(strength, name.entry("loras", nickname)))
+            # refused just above; the name only words the refusal, so it is never None here
+            raise FlagWorded.naming(
+                lambda name: cast(str, lora_strength_refusal(strength, name.entry("loras", nickname))))
         resolved.append((nickname, float(strength)))
     return tuple(resolved)
 

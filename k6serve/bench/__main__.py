@@ -62,9 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(refusal.code, str):
             parser.exit(2, f"{parser.prog}: error: {refusal.code}\n")
         raise
-    written = []  # whether this run has written the file already (then it replaces its own)
+    written: list[bool] = []  # whether this run has written the file already (then it replaces its own)
 
     def save(rows: list[BenchRow], *, complete: bool) -> bool:
+        assert json_path is not None  # saved only with --json
         try:
             write_json(json_path, rows, vars(args), device=device, notes=ignored_flags(args), complete=complete,
                        replace=bool(written))

@@ -161,6 +161,7 @@ def _run_reference(
 ) -> list[BenchRow]:
     """diffusers' rows; the reference model shares `ours`' weights and is dropped before returning."""
     rows = [_row(options, "diffusers eager", tflop)]
+    reference: nn.Module | None
     try:
         reference = diffusers_transformer_like(ours, options.device)
         _time_reference(reference, inputs, options, rows, tflop, compared)

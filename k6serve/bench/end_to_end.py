@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -227,7 +228,7 @@ def check_before_loading(options: EndToEndOptions, stages: Sequence[str]) -> Non
         if options.sr_scale not in SR_SCALES:
             raise ValueError(f"--sr-scale must be 2, 4 or 2.25, got {options.sr_scale:g}")
         try:
-            _check_family_plan(build_engine_config(VARIANTS[SR_VARIANT].hub_id,
+            _check_family_plan(build_engine_config(_hub_id(SR_VARIANT),
                                                    **_engine_kwargs(options, super_resolution=True)).runtime,
                                super_resolution=True)
         except ValueError as error:
@@ -253,8 +254,13 @@ def _check_family_plan(runtime, *, super_resolution: bool) -> None:
         raise ValueError(refusal)
 
 
+def _hub_id(variant: str) -> str:
+    # Every variant in VARIANTS is a released checkpoint with its hub id (only the demo ones, not in it, have none).
+    return cast(str, VARIANTS[variant].hub_id)
+
+
 def _generate_model_path(options: EndToEndOptions) -> str:
-    return "demo" if options.tiny else VARIANTS[options.variant].hub_id
+    return "demo" if options.tiny else _hub_id(options.variant)
 
 
 def run_generate(options: EndToEndOptions) -> list[BenchRow]:
@@ -398,7 +404,7 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
 
             model_path = str(build_sr_checkpoint(Path(scratch) / "tiny_sr"))
         else:
-            model_path = VARIANTS[SR_VARIANT].hub_id
+            model_path = _hub_id(SR_VARIANT)
         start = time.perf_counter()
         with _open_generator(model_path, options, super_resolution=True) as generator:
             note = _speed_note(generator)

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer
 
 MISSING_DIFFUSERS = (
     "diffusers is not installed: this stage compares with diffusers 0.42.1 and builds its VAE/audio "
@@ -37,19 +41,20 @@ def parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device while buffers stay real (accelerate's `init_empty_weights`)."""
     register_parameter = nn.Module.register_parameter
 
-    def register_on_meta(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
-        register_parameter(module, name, parameter)
-        if parameter is not None:
-            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=False)
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(self, name, param)
+        if param is not None:
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
 
-    nn.Module.register_parameter = register_on_meta
+    # patched on the class for the block, as accelerate does; mypy refuses any assignment to a method
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.register_parameter = register_parameter
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
 
 
-def diffusers_transformer_like(ours: nn.Module, device: torch.device) -> nn.Module:
+def diffusers_transformer_like(ours: Kandinsky6Transformer, device: torch.device) -> nn.Module:
     """diffusers' `Kandinsky6Transformer3DModel` sharing `ours`' parameter tensors (same config).
 
     `ours` must not be fused yet: the state-dict keys are diffusers' names only before fusion.

@@ -251,10 +251,10 @@ def write_json(path: str | Path, rows: list[BenchRow], arguments: dict[str, Any]
         return
     # Written beside it, then renamed over it: a kill mid-write leaves the previous stage's whole file.
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
-                                     delete=False) as file:
-        file.write(text)
-    os.chmod(file.name, path.stat().st_mode & 0o7777)  # the temporary file's 0600, not the run's first file's mode
-    os.replace(file.name, path)
+                                     delete=False) as temporary:
+        temporary.write(text)
+    os.chmod(temporary.name, path.stat().st_mode & 0o7777)  # the temporary file's 0600, not the run's first file's mode
+    os.replace(temporary.name, path)
 
 
 def json_text(payload: Any) -> str:

@@ -7,13 +7,14 @@ import argparse
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from k6serve.bench.audio import AudioOptions, run_audio
 from k6serve.bench.dit import DitOptions, run_dit
 from k6serve.bench.end_to_end import EndToEndOptions, check_before_loading, run_generate, run_super_resolution
 from k6serve.bench.flag_checks import bench_device, check_dit_flags, json_object, transformer_dir, writable_folder
 from k6serve.bench.flags import DTYPES, FLAG_STAGES, GEOMETRY_STAGES, STAGES, build_parser
-from k6serve.bench.geometry import NUM_TEXT_TOKENS, generation_geometry
+from k6serve.bench.geometry import NUM_TEXT_TOKENS, GenerationGeometry, generation_geometry
 from k6serve.bench.report import BenchRow, format_table
 from k6serve.bench.text import TextOptions, run_text
 from k6serve.bench.tiny import (
@@ -158,11 +159,13 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
     compile_backend = args.compile_backend or ("eager" if args.tiny else "inductor")
     if runs_dit:
         check_dit_flags(args, device, compile_backend, transformer_config)
+    # None only when no stage that reads it runs (GEOMETRY_STAGES); DitOptions is built for every run all the same
+    stage_geometry = cast(GenerationGeometry, geometry)
     dit = DitOptions(
         label=str(weights_dir) if weights_dir else "tiny" if args.tiny else args.variant,
         transformer_config=transformer_config,
         weights_dir=weights_dir,
-        geometry=geometry,
+        geometry=stage_geometry,
         device=device,
         dtype=dtype,
         backends=backends,
@@ -183,7 +186,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
         "dit": lambda: run_dit(dit),
         "vae": lambda: run_vae(
             VaeOptions(
-                geometry=geometry,
+                geometry=stage_geometry,
                 device=device,
                 dtype=dtype,
                 tiny=args.tiny,
@@ -192,7 +195,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
             )
         ),
         "audio": lambda: run_audio(
-            AudioOptions(geometry=geometry, device=device, dtype=dtype, tiny=args.tiny, **timing)
+            AudioOptions(geometry=stage_geometry, device=device, dtype=dtype, tiny=args.tiny, **timing)
         ),
         "text": lambda: run_text(TextOptions(device=device, dtype=dtype, tiny=args.tiny, **timing)),
         "generate": lambda: run_generate(end_to_end),
@@ -202,7 +205,7 @@ def stage_runners(args: argparse.Namespace) -> dict[str, Callable[[], list[Bench
 
 def run_stages(args: argparse.Namespace, *, log: Callable[[str], None] = print,
                runners: dict[str, Callable[[], list[BenchRow]]] | None = None,
-               after_stage: Callable[[list[BenchRow]], None] | None = None) -> list[BenchRow]:
+               after_stage: Callable[[list[BenchRow]], object] | None = None) -> list[BenchRow]:
     """Run the requested stages in order; a failing stage becomes one error row. `runners`: `stage_runners(args)`,
     when the caller built them already; `after_stage`: called with the rows so far after each stage but the last."""
     runners = stage_runners(args) if runners is None else runners

@@ -111,8 +111,9 @@ def run_text(options: TextOptions) -> list[BenchRow]:
         # The ids generate wrote, not the decoded text re-tokenized: random weights write mostly special and
         # unprintable tokens, so the text of 256 tokens was 4 tokens long (0.6 tokens/s, first H100 run).
         tokens = int(rewrite.output.shape[1])
-        row.note = (f"{tokens} tokens written, {row.seconds / tokens * 1000:.1f} ms a token "
-                    f"({tokens / row.seconds:.1f} tokens/s); no diffusers row (its rewrite is the same transformers "
+        seconds = rewrite.median_s  # the row's seconds, as row.record took them
+        row.note = (f"{tokens} tokens written, {seconds / tokens * 1000:.1f} ms a token "
+                    f"({tokens / seconds:.1f} tokens/s); no diffusers row (its rewrite is the same transformers "
                     "generate)")
         rows.append(_static_cache_row(parts, options, rewrite))
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
@@ -149,7 +150,8 @@ def _static_cache_row(parts: TextComponents, options: TextOptions, eager) -> Ben
             same = (f"ids differ from the eager rewrite's from token {where} (of {ids.shape[1]} and "
                     f"{eager_ids.shape[1]})")
         tokens = int(ids.shape[1])
-        row.note = (f"{tokens} tokens, {row.seconds / tokens * 1000:.1f} ms a token; first call {first.median_s:.1f} s "
+        seconds = static.median_s  # the row's seconds, as row.record took them
+        row.note = (f"{tokens} tokens, {seconds / tokens * 1000:.1f} ms a token; first call {first.median_s:.1f} s "
                     f"(compiles on CUDA); {same}; x column: against the eager rewrite")
     except Exception as error:  # noqa: BLE001 (a stage failure is a table row)
         row.error = f"{error_type_name(error)}: {error}"

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from k6serve.cli.flags import parse_bool
-from k6serve.cli.unknown_flags import other_command_notes, command_surface
+from k6serve.cli.unknown_flags import command_parsers, other_command_notes, command_surface
 from k6serve.config import SEED_FLAG_SPELLINGS, flag_name
 from k6serve.reference_names import aliases, unknown_names_hint
 
@@ -129,7 +130,8 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
             # bare "height must be an integer".
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {value!r}")
     else:
-        value = action.type(value)
+        # typeshed allows a registry name too; k6serve's flags give their converting function
+        value = cast(Callable[[Any], Any], action.type)(value)
     if action.choices is not None and value not in action.choices:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, action.choices))}, got {value!r}")
     return value
@@ -168,7 +170,7 @@ def merged_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if getattr(args, "config", None):
         from_file = load_config_file(args.config)
         actions = {action.dest: action
-                   for action in parser._subparsers._group_actions[0].choices[args.command]._actions
+                   for action in command_parsers(parser)[args.command]._actions
                    if action.dest not in ("help", "config", "log_level")}
         # The seed's dotted `vae-config.*` keys name the same options as its flags; a nested `vae-config:` mapping
         # is read as those keys.

@@ -20,7 +20,7 @@ import traceback
 import typing
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from k6serve.cli.config_file import merged_options, unsaved_by
 from k6serve.cli.flags import build_parser, split_options
@@ -113,7 +113,7 @@ class _StopSignals:
         return f"stopped by {self.received.name}", 128 + int(self.received)
 
 
-_OS_ERROR_FIXES = {
+_OS_ERROR_FIXES: dict[int | None, str] = {  # an OSError's errno may be None: no fix
     errno.ENOSPC: "free space on that disk",
     errno.EDQUOT: "free space in your disk quota",
     errno.EACCES: "check the permissions of that path",
@@ -305,7 +305,8 @@ def _unexpected(exc: Exception, args: argparse.Namespace, engine: dict[str, Any]
 
     if missing_package(exc):
         # A MissingPackage (checked before the load) already says what needed it.
-        message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(exc.name)
+        # exc.name is set, or missing_package is false
+        message = str(exc) if isinstance(exc, MissingPackage) else describe_missing_package(cast(str, exc.name))
         print(f"error: {message}", file=sys.stderr)
         return EXIT_SYSTEM_ERROR
     # torch: imported only when a run failed

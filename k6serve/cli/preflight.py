@@ -83,13 +83,13 @@ def _check_request(engine_options: dict[str, Any], params: SamplingParams, varia
             load_conditioning_image(request.image_path, request.height, request.width, log=False)
     else:
         refuse_text_for_upscaling(params)
-        request, _ = resolve_upscale(params, variant)
+        upscale, _ = resolve_upscale(params, variant)
         from k6serve.media.container import open_input
         from k6serve.models.kandinsky6_sr.config_before_loading import sr_tiling_before_loading
         from k6serve.serve.upscale_output import expected_upscale_output
 
-        open_input(request.video_path).close()
-        expected_upscale_output(request, sr_tiling_before_loading(
+        open_input(upscale.video_path).close()
+        expected_upscale_output(upscale, sr_tiling_before_loading(
             engine_options["model_path"], engine_options.get("model_id"), engine_options.get("load_format")))
 
 

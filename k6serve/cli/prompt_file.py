@@ -4,6 +4,7 @@ per prompt, and the report of the run, naming the lines to run again."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def prompt_file_batch(request_options: dict[str, Any]) -> list[tuple[str, dict[s
     if request_options.get("prompt"):
         raise ValueError("--prompt and --prompt-file-path both give the prompt; pass one of them.")
     prompts = read_prompt_file(path)
-    names = [None] * len(prompts)
+    names: Sequence[str | None] = [None] * len(prompts)
     name = request_options.get("output_file_name")
     if name is not None and request_options.get("save_output") is not False and len(prompts) > 1:
         # The name as given is checked, and said changed, once, before it is numbered: numbered, a name refused
@@ -158,9 +159,9 @@ def _line_ranges(labels: list[str]) -> str:
     not be turned back into a prompt file); labels that are not "line N" are listed as they are."""
     numbers, others = [], []
     for label in labels:
-        kind, _, number = label.partition(" ")
-        if kind == "line" and number.isdigit():
-            numbers.append(int(number))
+        kind, _, digits = label.partition(" ")
+        if kind == "line" and digits.isdigit():
+            numbers.append(int(digits))
         else:
             others.append(label)
     runs: list[list[int]] = []

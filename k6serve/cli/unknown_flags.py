@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 from k6serve.reference_names import lookup as lookup_reference_name
 from k6serve.reference_names import own_name_note, unknown_names_hint
@@ -25,6 +26,13 @@ def _looks_like_flag(argument: str) -> bool:
     return False
 
 
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """`build_parser`'s command parsers by name: the choices of the one action in argparse's private subparsers
+    group, which typeshed types as optional and as any action."""
+    group = cast(argparse._ArgumentGroup, parser._subparsers)
+    return cast("argparse._SubParsersAction[argparse.ArgumentParser]", group._group_actions[0]).choices
+
+
 def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
 
@@ -35,7 +43,7 @@ def other_command_notes(flags: list[str], parser: argparse.ArgumentParser, comma
     A request field typed on `k6serve serve` gets `own_name_note`'s word instead, with the rest of the unknown."""
     if command not in ("generate", "serve"):
         return {}  # `k6serve bench` takes neither's flags
-    commands = parser._subparsers._group_actions[0].choices
+    commands = command_parsers(parser)
     other = "serve" if command == "generate" else "generate"
     only_other = _option_strings(commands[other]) - _option_strings(commands[command])
     notes = {}
@@ -58,7 +66,7 @@ def unrecognized_arguments(unknown: list[str], parser: argparse.ArgumentParser, 
     typo with the flag it stands for; a flag of `k6serve` itself typed after the command is moved before it; and
     words that are no flag's value (`--prompt A cat` leaves `cat`; or what follows `--`) are named as such, since
     k6serve takes no positional arguments."""
-    command_known = _option_strings(parser._subparsers._group_actions[0].choices[command])
+    command_known = _option_strings(command_parsers(parser)[command])
     before_command = _option_strings(parser) - command_known
     shown: list[str] = []
     flags: list[str] = []

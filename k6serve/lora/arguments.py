@@ -80,7 +80,7 @@ def set_lora_operation(nickname: str | list[str], path: LoraPaths = None,
     names = {"nickname": "nickname", "path": "path", **(names or {})}
     name_arg, path_arg = names["nickname"], names["path"]
     many = isinstance(nickname, (list, tuple))
-    nicknames = list(nickname) if many else [nickname]
+    nicknames = list(nickname) if isinstance(nickname, (list, tuple)) else [nickname]  # as `many`, for the checker
     for item in nicknames:
         if not isinstance(item, str) or not item.strip():
             raise LoraArgumentError(name_arg, f"{name_arg} must be a non-empty string or a list of them, got "
@@ -97,10 +97,10 @@ def set_lora_operation(nickname: str | list[str], path: LoraPaths = None,
     else:
         paths = [path]
     paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths]
-    for item in paths:
-        if item is not None and (not isinstance(item, str) or not item.strip()):
+    for entry in paths:
+        if entry is not None and (not isinstance(entry, str) or not entry.strip()):
             raise LoraArgumentError(path_arg, f"{path_arg} must be a non-empty string (a .safetensors file, a folder "
-                                              f"holding one, or a hub id) or None, got {item!r}.")
+                                              f"holding one, or a hub id) or None, got {entry!r}.")
     if isinstance(strength, (list, tuple)):
         if not many:
             raise LoraArgumentError("strength", f"strength is a list but {name_arg} is one name; give a list of "

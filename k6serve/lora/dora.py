@@ -65,6 +65,8 @@ def dora_factor(layer: nn.Linear | nn.Embedding, rows: slice, module: LoraModule
             whole[shard.start:shard.start + shard.length] = norm
             dist.all_reduce(whole, group=shard.group)
             norm = whole
+        if module.magnitude is None:  # asked only of a DoRA module
+            raise TypeError("dora_factor needs a DoRA module, one with lora_magnitude_vector")
         return (module.magnitude.to(weight.device, torch.float32) / norm).cpu()
 
 
@@ -136,7 +138,7 @@ class DoraCache:
             self.num_bytes -= self.entries.pop(key)[1].num_bytes
 
 
-def _storage(layer: nn.Module) -> tuple:
+def _storage(layer: nn.Linear | nn.Embedding) -> tuple:
     """Where the layer's weight and bias are stored now (pointer, device): another storage is another key."""
     tensors = [local_tensor(tensor) for tensor in (layer.weight, getattr(layer, "bias", None)) if tensor is not None]
     return tuple((tensor.data_ptr(), tensor.device) for tensor in tensors)

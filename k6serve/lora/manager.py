@@ -38,7 +38,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -289,7 +289,8 @@ class LoraManager:
             self.active = previous
             if previous:
                 try:
-                    self._apply(previous_mode, log=False)
+                    # adapters are active only while applied, so the previous ones had a mode
+                    self._apply(cast(AppliedMode, previous_mode), log=False)
                 except BaseException:
                     self._restore()  # the base model, rather than part of the previous adapters
                     self.active = []
@@ -308,7 +309,7 @@ class LoraManager:
 
     def _merge(self) -> None:
         # Group by (layer, rows) so that adapters sharing a layer are summed in fp32 and rounded once.
-        updates: dict[tuple[nn.Module, int, int], list[tuple[LoraModule, float]]] = {}
+        updates: dict[tuple[nn.Linear | nn.Embedding, int, int], list[tuple[LoraModule, float]]] = {}
         for entry in self.active:
             for target, module, scale in entry.updates():
                 key = (target.layer, target.rows.start, target.rows.stop)

@@ -14,8 +14,12 @@ it again inside the forward, where only tensor parallelism is still sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +49,10 @@ class ShardedWeight:
         dim = 1 - stored if isinstance(linear, nn.Embedding) else stored
         return cls(dim=dim, start=offset[stored], length=local_shape[stored], group=weight.device_mesh.get_group())
 
-    def local(self, linear: nn.Linear) -> Tensor:
+    def local(self, linear: nn.Linear | nn.Embedding) -> Tensor:
         """The weight's local storage (a view: writing to it changes the weight)."""
         weight = linear.weight.data
-        return weight if self.dim is None else weight.to_local()
+        return weight if self.dim is None else cast("DTensor", weight).to_local()  # a shard's weight is a DTensor
 
     def slice_update(self, up: Tensor, down: Tensor) -> tuple[Tensor, Tensor]:
         """(up, down) restricted to this rank's block of up @ down."""

@@ -133,6 +133,9 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, meta
     unknown: list[str] = []
     for key, tensor in tensors.items():
         kind, match = key_kind(key)
+        if match is None:  # "unknown": no pattern matched it
+            unknown.append(key)
+            continue
         if kind == "kohya":
             if match["extra"] == "alpha":
                 alphas[match["module"]] = _alpha(tensor, key, source)
@@ -201,14 +204,14 @@ def parse_lora_state_dict(tensors: dict[str, torch.Tensor], *, source: str, meta
                              "rank >= 1")
         extras = {magnitude_keys.get(module, "lora_magnitude_vector"): magnitudes.get(module),
                   "lora_B.bias": biases.get(module)}
-        for kind, tensor in extras.items():
-            if tensor is not None and tuple(tensor.shape) != (up.shape[0],):
-                raise ValueError(f"LoRA file {source!r}: module {module!r} has {kind} {tuple(tensor.shape)}, but its "
+        for kind, extra in extras.items():
+            if extra is not None and tuple(extra.shape) != (up.shape[0],):
+                raise ValueError(f"LoRA file {source!r}: module {module!r} has {kind} {tuple(extra.shape)}, but its "
                                  f"lora_B {tuple(up.shape)} gives {up.shape[0]} output features; expected "
                                  f"({up.shape[0]},)")
-        for kind, tensor in (("lora_A", down), ("lora_B", up), *extras.items()):
-            if tensor is not None:
-                _check_values(tensor, kind, module, source)
+        for kind, extra in (("lora_A", down), ("lora_B", up), *extras.items()):
+            if extra is not None:
+                _check_values(extra, kind, module, source)
         modules[module] = LoraModule(down=down, up=up, alpha=alphas.get(module), magnitude=magnitudes.get(module),
                                      bias=biases.get(module), embedding=module in embeddings)
     return modules

@@ -11,6 +11,7 @@ speed transform.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch import Tensor, nn
 
@@ -54,7 +55,10 @@ def linear_view(layer: nn.Linear | nn.Embedding, weight: Tensor) -> Tensor:
     return weight.T if isinstance(layer, nn.Embedding) else weight
 
 
-def _unwrapped(module: object, kind: type[nn.Module]) -> nn.Module | None:
+_Layer = TypeVar("_Layer", bound=nn.Module)
+
+
+def _unwrapped(module: object, kind: type[_Layer]) -> _Layer | None:
     # Seen through a dynamic wrapper, so targets resolve the same while adapters are active.
     module = module.base if isinstance(module, (LoraLinear, LoraEmbedding)) else module
     return module if isinstance(module, kind) else None
@@ -66,7 +70,8 @@ def _resolve(model: nn.Module, path: str, *, embedding: bool = False) -> LoraTar
         parent = model.get_submodule(parent_path) if parent_path else model
     except AttributeError:
         return None
-    child = _unwrapped(getattr(parent, name, None), nn.Embedding if embedding else nn.Linear)
+    kind: type[nn.Linear | nn.Embedding] = nn.Embedding if embedding else nn.Linear
+    child = _unwrapped(getattr(parent, name, None), kind)
     if child is not None:
         return LoraTarget(path, child, parent, name, slice(0, features(child)[0]))
     if embedding:
@@ -92,7 +97,7 @@ def _layer_paths(model: nn.Module, kind: type[nn.Module]) -> list[str]:
 
 def linear_names(model: nn.Module) -> list[str]:
     """Every Linear path an adapter may name (fused projections listed under their diffusers names)."""
-    names = []
+    names: list[str] = []
     for path in _layer_paths(model, nn.Linear):
         parent_path, _, name = path.rpartition(".")
         prefix = f"{parent_path}." if parent_path else ""
@@ -105,7 +110,7 @@ def embedding_names(model: nn.Module) -> list[str]:
     return _layer_paths(model, nn.Embedding)
 
 
-def check_sharding(layer: nn.Module, path: str) -> None:
+def check_sharding(layer: nn.Linear | nn.Embedding, path: str) -> None:
     """Refuse a weight sharded in a way LoRA cannot follow (more than one dimension or mesh axis)."""
     try:
         ShardedWeight.of(layer)

@@ -86,6 +86,9 @@ def read_source_audio(
         num_decoded = num_kept = 0
         lead = None  # samples to add (> 0) or drop (< 0) at the start, from the first frame's time
         skip = 0  # of the samples still to come, how many to drop: never held, however early the soundtrack starts
+        # where the next frame starts if the sound goes on without a jump (seconds); set before `stand_in`, which
+        # updates it
+        expected_time: float | None = None
 
         def keep(samples: np.ndarray) -> None:
             nonlocal num_decoded, num_kept, skip
@@ -143,7 +146,6 @@ def read_source_audio(
                     continue
                 yield from frames
 
-        expected_time = None  # where the next frame starts if the sound goes on without a jump (seconds)
         gaps: list[tuple[float, int]] = []  # (where, samples of silence put in) for each jump in the timestamps
         overlaps: list[tuple[float, int]] = []  # (where, samples dropped) for each step back in them
 
@@ -195,6 +197,7 @@ def read_source_audio(
                         keep(resampled.to_ndarray()[0])
                 resampler = av.AudioResampler(format="fltp", layout="mono", rate=sample_rate)
                 source_format = layout
+            assert resampler is not None  # made at the first frame, whose layout is never source_format's None
             for resampled in resampler.resample(frame):
                 keep(resampled.to_ndarray()[0])
             if num_samples is not None and max(lead, 0) + num_kept >= num_samples:

@@ -34,10 +34,14 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import av
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from av.sidedata.sidedata import SideDataContainer
 
 # FFmpeg's AVCOL_TRC_* and AVCOL_PRI_* codes.
 TRC_PQ = 16
@@ -252,7 +256,8 @@ def _stated_peak(frame: av.VideoFrame) -> tuple[float, str] | None:
     """The brightest cd/m^2 an HDR10 frame's side data states: MaxCLL (the content's), else the mastering
     display's peak; None when it states neither (or nothing above reference white)."""
     found = {}
-    side_data = frame.side_data
+    # PyAV's stub types side_data as a TypedDict of motion vectors; it is a mapping of every kind
+    side_data = cast("SideDataContainer", frame.side_data)
     for index in range(len(side_data)):
         found[side_data[index].type.name] = bytes(side_data[index])
     content = found.get("CONTENT_LIGHT_LEVEL")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import cast
 
 import av
 import av.filter
@@ -57,6 +58,6 @@ def _pulled(graph: av.filter.Graph) -> Iterator[av.VideoFrame]:
     """The frames `graph` has ready."""
     while True:
         try:
-            yield graph.pull()
+            yield cast(av.VideoFrame, graph.pull())  # a video graph: PyAV types its output as any frame
         except (BlockingIOError, av.error.EOFError):
             return

@@ -75,7 +75,7 @@ def to_srgb(image: PIL.Image.Image, icc_profile: object, source: str, notes: lis
         return _profile_not_used(image, source, notes, log,
                                  f"it is {article} {kind} profile ({name}), which describes no image")
     space_words, mode, image_modes = _PROFILE_SPACES.get(space, (f"{space!r}", None, frozenset()))
-    if image.mode not in image_modes:
+    if image.mode not in image_modes or mode is None:  # mode is None only with no image_modes: an unknown space
         image_words = ("grayscale" if image.mode in _GRAY_MODES else "RGB" if image.mode in _RGB_MODES
                        else "CMYK" if image.mode == "CMYK" else "CIELAB" if image.mode == "LAB"
                        else f"of PIL mode {image.mode}")

@@ -414,14 +414,14 @@ def _encode(
             for frame_HWC in chunk_THWC:
                 container.mux(video_stream.encode(_video_frame(frame_HWC, num_frames)))
                 num_frames += 1
-                if audio_stream is not None:
+                if audio_stream is not None and waveform is not None:  # one is made for the other
                     # Feed audio up to the end of this video frame so the file interleaves by time.
                     audio_end = min(waveform.shape[0], math.ceil(num_frames / rate * sample_rate))
                     next_audio_start = _mux_audio(
                         container, audio_stream, waveform, next_audio_start, audio_end, sample_rate
                     )
         container.mux(video_stream.encode(None))
-        if audio_stream is not None:
+        if audio_stream is not None and waveform is not None:
             _mux_audio(
                 container, audio_stream, waveform, next_audio_start, waveform.shape[0], sample_rate
             )

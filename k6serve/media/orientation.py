@@ -4,9 +4,13 @@ pixel aspect ratio turned with them."""
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import TYPE_CHECKING, cast
 
 import av
 import numpy as np
+
+if TYPE_CHECKING:
+    from av.sidedata.sidedata import SideDataContainer
 
 
 def pixel_aspect_ratio(sample_aspect_ratio: Fraction | None, rotation: float) -> Fraction | None:
@@ -53,7 +57,8 @@ def _mirrored(frame_HWC: np.ndarray, rotation: float, matrix: np.ndarray) -> np.
 
 def display_matrix(frame: av.VideoFrame) -> np.ndarray | None:
     """The frame's display matrix (FFmpeg's 3x3 of int32, row by row), or None."""
-    side_data = frame.side_data.get("DISPLAYMATRIX")
+    # PyAV's stub types side_data as a TypedDict of motion vectors; it is a mapping of every kind
+    side_data = cast("SideDataContainer", frame.side_data).get("DISPLAYMATRIX")
     return None if side_data is None else np.frombuffer(bytes(side_data), dtype=np.int32)
 
 

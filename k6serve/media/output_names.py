@@ -36,13 +36,13 @@ def numbered_file_names(name: str, count: int) -> list[str]:
 def name_characters(text: str, keep: str = "") -> str:
     """`text` in NFC (macOS and Linux give the same bytes for an accented letter typed either way) with each run of
     characters that are not `is_name_character` or in `keep` as one '_'."""
-    parts: list[str] = []
+    parts: list[object] = []  # characters, and _GAP for each run of others
     for char in unicodedata.normalize("NFC", text):
         if is_name_character(char) or char in keep:
             parts.append(char)
         elif not parts or parts[-1] is not _GAP:
             parts.append(_GAP)
-    return "".join("_" if part is _GAP else part for part in parts)
+    return "".join(part if isinstance(part, str) else "_" for part in parts)
 
 
 _GAP = object()  # a run of other characters, in `name_characters`

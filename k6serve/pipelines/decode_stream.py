@@ -18,7 +18,7 @@ Legend: B batch (1), C channels, T frames, H height, W width.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from fractions import Fraction
 
 import numpy as np
@@ -35,7 +35,7 @@ _MIRRORED_VAE_CLASS = "AutoencoderKLHunyuanVideo"
 ChunkCheck = Callable[[], None]
 
 
-def final_step_check(on_step: Callable[[int, int], None] | None, total: int) -> ChunkCheck | None:
+def final_step_check(on_step: Callable[[int, int], object] | None, total: int) -> ChunkCheck | None:
     """The decode's cancellation point: the final step `total` reported again through `on_step`.
 
     A repeat of the final step rather than a new callback, so the engine, the multi-process relay (one Progress
@@ -43,7 +43,11 @@ def final_step_check(on_step: Callable[[int, int], None] | None, total: int) -> 
     """
     if on_step is None:
         return None
-    return lambda: on_step(total, total)
+
+    def check() -> None:
+        on_step(total, total)
+
+    return check
 
 
 @torch.inference_mode()
@@ -136,8 +140,8 @@ def _temporal_tiles(vae, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:
 def start_host_copy(frames_THWC: torch.Tensor) -> Callable[[], np.ndarray]:
     """Queue the copy of device frames to the host; the returned function waits for it and gives the array."""
     if frames_THWC.device.type != "cuda":
-        host_THWC = frames_THWC.cpu().numpy()
-        return lambda: host_THWC
+        host_array_THWC = frames_THWC.cpu().numpy()
+        return lambda: host_array_THWC
     # Pinned memory lets the copy run asynchronously behind the next tile's kernels on the same stream.
     host_THWC = torch.empty(frames_THWC.shape, dtype=frames_THWC.dtype, pin_memory=True)
     host_THWC.copy_(frames_THWC, non_blocking=True)
@@ -172,7 +176,7 @@ def feed_video_sink(video_sink: VideoSink, chunks: Iterator[np.ndarray], audio: 
     kept: list[np.ndarray] = []
     decode_end: list[float] = []
 
-    def produce() -> Iterator[np.ndarray]:
+    def produce() -> Generator[np.ndarray, None, None]:
         for chunk_THWC in chunks:
             kept.append(chunk_THWC)
             yield chunk_THWC

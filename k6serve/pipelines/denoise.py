@@ -108,7 +108,7 @@ def denoise(
             clock.mark()
         if on_step is not None:
             on_step(index + 1, num_steps)
-    if clock is not None:
+    if clock is not None and step_seconds is not None:  # the clock runs for step_seconds
         step_seconds.extend(clock.durations())
     if latents.tail_BHWC is not None:
         latents.video_BTHWC = latents.video_BTHWC[:, :-1]  # the reference frame is not decoded

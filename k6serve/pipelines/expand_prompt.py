@@ -25,12 +25,16 @@ import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import PIL.Image
 import torch
 
 from k6serve.pipelines.encode_text import MAX_SEQUENCE_LENGTH
 from k6serve.request import FlagWorded
+
+if TYPE_CHECKING:
+    from transformers import StaticCache  # at run time, imported where a cache is made
 
 # diffusers 0.42.1 pipeline_kandinsky6_ti2va.py, verbatim.
 T2VA_INSTRUCTION = (
@@ -69,7 +73,7 @@ class _EveryTokens:
     """A stopping criterion that never stops: it calls `callback` every `every` tokens, and whatever the callback
     raises (a cancellation) ends `generate`. Its answer is made on the ids' device, so it adds no host sync."""
 
-    def __init__(self, callback: Callable[[], None], every: int) -> None:
+    def __init__(self, callback: Callable[[], object], every: int) -> None:
         self.callback, self.every, self.calls = callback, every, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -99,7 +103,7 @@ class StaticRewriteCache:
 
     def __init__(self, text_encoder_config) -> None:
         self.config = text_encoder_config
-        self.cache = None
+        self.cache: StaticCache | None = None
         self.num_tokens = 0  # the cache's length (0: none yet)
 
     def prepared(self, num_tokens: int):
@@ -175,7 +179,7 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
 def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
                        image_processor=None, image: PIL.Image.Image | None = None,
                        max_new_tokens: int = MAX_SEQUENCE_LENGTH,
-                       on_tokens: Callable[[], None] | None = None,
+                       on_tokens: Callable[[], object] | None = None,
                        static_cache: StaticRewriteCache | None = None,
                        num_tokens_written: int | None = None) -> torch.Tensor:
     """The token ids the text encoder writes for `prompt`'s rewrite, (1, n <= max_new_tokens), end token included
@@ -188,7 +192,7 @@ def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.de
 
     inputs = {name: value.to(device) for name, value in
               expansion_inputs(prompt, tokenizer=tokenizer, image_processor=image_processor, image=image).items()}
-    extra = {} if on_tokens is None else {
+    extra: dict[str, Any] = {} if on_tokens is None else {
         "stopping_criteria": StoppingCriteriaList([_EveryTokens(on_tokens, TOKENS_PER_CHECK)])}
     if static_cache is not None:
         num_tokens = inputs["input_ids"].shape[1] + max_new_tokens
@@ -205,7 +209,7 @@ def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.de
 
 def expand_prompt(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
                   image_processor=None, image: PIL.Image.Image | None = None,
-                  max_new_tokens: int = MAX_SEQUENCE_LENGTH, on_tokens: Callable[[], None] | None = None,
+                  max_new_tokens: int = MAX_SEQUENCE_LENGTH, on_tokens: Callable[[], object] | None = None,
                   static_cache: StaticRewriteCache | None = None) -> str:
     """`prompt` rewritten by the text encoder: `expanded_token_ids` decoded as diffusers decodes them."""
     answer = expanded_token_ids(prompt, tokenizer=tokenizer, text_encoder=text_encoder, device=device, seed=seed,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,8 +52,10 @@ def decode_tiles(vae: SRVAE, latents_ThwC: Sequence[Tensor], between_tiles: Chun
     num_ranks = dist.get_world_size(group) if group is not None else 1
     tiles: list[Tensor] = []
     for batch in _decode_batches(len(latents_ThwC), num_ranks):
-        tiles.extend(decode_round_robin(lambda index, start=batch.start: decode_one(start + index), len(batch),
-                                        group))
+        def decode_in_batch(index: int, start: int = batch.start) -> Tensor:
+            return decode_one(start + index)
+
+        tiles.extend(decode_round_robin(decode_in_batch, len(batch), group))
         if between_tiles is not None:
             between_tiles()
     return tiles
@@ -120,7 +122,7 @@ def decode_and_assemble_chunks(vae: SRVAE, latents_ThwC: Sequence[Tensor], plan:
 class _StartedChunks:
     """`chunks` (a generator) advanced to its first chunk now; iterates as `chunks` would and closes it."""
 
-    def __init__(self, chunks: Iterator[np.ndarray]) -> None:
+    def __init__(self, chunks: Generator[np.ndarray, None, None]) -> None:
         self._chunks = chunks
         self._first: list[np.ndarray] = [next(chunks)]
 
@@ -137,7 +139,7 @@ class _StartedChunks:
 
 def _decode_and_assemble_locally(
     vae: SRVAE, latents_ThwC: Sequence[Tensor], plan: UpscalePlan, between_chunks: ChunkCheck | None
-) -> Iterator[np.ndarray]:
+) -> Generator[np.ndarray, None, None]:
     # One rank, or every rank of a spatial-shard replica: there the fit is agreed on, so the number of
     # `between_chunks` calls, which differs between the two orders, is the same on every rank.
     exchange = spatial_shard_of(vae)
@@ -164,9 +166,9 @@ def _decode_and_assemble_locally(
         logger.info("SR decode: %d tiles x %.1f GiB of causal caches do not fit; decoding whole tiles, streaming "
                     "only the blend", len(iterators), per_tile_bytes / 2**30)
         decoded = []
-        for segments in segments_by_tile:
+        for tile_segments_iterator in segments_by_tile:
             tile = []
-            for segment in segments:  # a cancel is seen after every segment, not only after a whole tile
+            for segment in tile_segments_iterator:  # a cancel is seen after every segment, not only after a whole tile
                 tile.append(segment)
                 if between_chunks is not None:
                     between_chunks()

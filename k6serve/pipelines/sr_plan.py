@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from k6serve.media.mux import MAX_FRAME_MACROBLOCKS, MAX_FRAME_SIDE, frame_macroblocks
 from k6serve.pipelines.sr_tiling import (
@@ -148,7 +149,9 @@ def upscale_sizes(source_size: tuple[int, int], request: UpscaleRequest) -> Upsc
 def _input_and_crop_sizes(source_size: tuple[int, int], scale: ScalePlan
                           ) -> tuple[tuple[int, int], tuple[int, int]]:
     """(H, W) after the x1.125 pre-upscale (the source's at x2 and x4), and that x the tiling scale: the canvas."""
-    input_size = pre_upscale_size(*source_size) if scale.pre_upscale != 1.0 else tuple(source_size)
+    # tuple(): a list given as the size is taken as the pair it holds
+    input_size = (pre_upscale_size(*source_size) if scale.pre_upscale != 1.0
+                  else cast(tuple[int, int], tuple(source_size)))
     return input_size, (input_size[0] * scale.tiling_scale, input_size[1] * scale.tiling_scale)
 
 
@@ -182,7 +185,7 @@ def plan_upscale(
     )
     return UpscalePlan(
         scale=sizes.scale,
-        source_size=tuple(source_size),
+        source_size=cast(tuple[int, int], tuple(source_size)),  # a list given as the size: the pair it holds
         input_size=sizes.input_size,
         snap=snap,
         grid=grid,

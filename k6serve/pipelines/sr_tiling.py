@@ -52,7 +52,8 @@ def pre_upscale_size(
     height: int, width: int, factor: float = PRE_UPSCALE_FACTOR
 ) -> tuple[int, int]:
     """max(16, round(side * factor / 16) * 16) per side, half-to-even (64 -> 4.5 -> 4 -> 64)."""
-    return tuple(max(SNAP, round(side * factor / SNAP) * SNAP) for side in (height, width))
+    snapped_height, snapped_width = (max(SNAP, round(side * factor / SNAP) * SNAP) for side in (height, width))
+    return snapped_height, snapped_width
 
 
 def pre_upscale_x1125(frames_TCHW: Tensor) -> Tensor:

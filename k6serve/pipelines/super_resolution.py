@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -59,7 +60,9 @@ class SuperResolutionPipeline:
 
     def components(self) -> dict[str, torch.nn.Module]:
         """The modules the stages name in `residency.stage(...)`."""
-        return {"vae": self.models.vae.model, "latent_upscaler": self.models.upscaler.bank,
+        # diffusers' models are Modules; mypy reads their names from diffusers' dummy objects
+        return {"vae": cast(torch.nn.Module, self.models.vae.model),
+                "latent_upscaler": cast(torch.nn.Module, self.models.upscaler.bank),
                 "transformer": self.models.transformer}
 
     def component_parts(self) -> dict[str, dict[str, torch.nn.Module]]:

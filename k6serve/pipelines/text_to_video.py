@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import PIL.Image
 import torch
@@ -216,7 +217,8 @@ class TextToVideoPipeline:
                       text_encoder_2=m.text_encoder_2, device=m.device, dtype=m.dtype,
                       max_sequence_length=request.max_sequence_length)
         positive = encode_prompt(request.prompt, **kwargs)
-        negative = encode_prompt(request.negative_prompt, **kwargs) if request.do_cfg else None
+        # A request with guidance has a negative prompt (GenerateRequest: None exactly when guidance is off).
+        negative = encode_prompt(cast(str, request.negative_prompt), **kwargs) if request.do_cfg else None
         if self.trim_text_padding:
             positive = trim_text_padding(positive)
             negative = trim_text_padding(negative) if negative is not None else None
@@ -233,7 +235,7 @@ class TextToVideoPipeline:
         prompts = [(lambda name: "the expanded prompt" if expanded else "prompt", request.prompt,
                     rewrite_fix if expanded else None)]
         if request.do_cfg:
-            prompts.append((lambda name: name("negative_prompt"), request.negative_prompt, None))
+            prompts.append((lambda name: name("negative_prompt"), cast(str, request.negative_prompt), None))
         notes = [truncation_note(named, text, tokenizer=self.models.tokenizer, max_sequence_length=limit,
                                  **({"fix": fix} if fix else {})) for named, text, fix in prompts]
         return [note for note in notes if note is not None]
@@ -357,7 +359,8 @@ class TextToVideoPipeline:
         m = self.models
         start = time.perf_counter()
         with self.residency.stage("audio_vae", "vocoder"):
-            audio = decode_audio(m.audio_vae, m.vocoder, latents.audio_BLC)
+            # called only for a request with audio, whose latents have it
+            audio = decode_audio(m.audio_vae, m.vocoder, cast(torch.Tensor, latents.audio_BLC))
         _sync(m.device)
         timings["decode_audio"] = time.perf_counter() - start
         return audio

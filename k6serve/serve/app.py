@@ -113,7 +113,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(router)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
     if settings.api_key:
         app.add_middleware(BearerAuth, api_key=settings.api_key, metrics=metrics)
     else:

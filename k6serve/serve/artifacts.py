@@ -12,6 +12,7 @@ import hashlib
 import logging
 import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from k6serve.request import OutputOptions
@@ -77,7 +78,7 @@ class ArtifactStore:
         suffix = _SAFE_NAME.sub("", suffix)[:12] if suffix.startswith(".") else ""
         return self.upload_dir / f"{job_id}_{field_name}{suffix}"
 
-    def remove(self, paths: list[str | Path]) -> None:
+    def remove(self, paths: Iterable[str | Path]) -> None:
         for path in paths:
             try:
                 Path(path).unlink(missing_ok=True)

@@ -13,11 +13,14 @@ import functools
 import json
 import re
 import typing
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from k6serve.serve.errors import ApiError
+
+Body = TypeVar("Body", bound=BaseModel)  # the route's body model, which `parse_json_body` returns
 
 # A number sent as text (every form field; `seconds` in OpenAI's JSON): a plain decimal number. float() and pydantic
 # also read '4_0' as 40 (Python's digit grouping), and float() 'inf' and other scripts' digits ('\u0661' is 1,
@@ -59,8 +62,8 @@ def json_type_name(value: Any) -> str:
     return "an array" if isinstance(value, list) else type(value).__name__
 
 
-def parse_json_body(model: type[BaseModel], raw: Any, *, string_fields: set[str], describe_error=None,
-                    bool_fields: frozenset[str] = frozenset(), form: bool = False) -> BaseModel:
+def parse_json_body(model: type[Body], raw: Any, *, string_fields: set[str], describe_error=None,
+                    bool_fields: frozenset[str] = frozenset(), form: bool = False) -> Body:
     """Validate a decoded JSON object (or form fields, `form`) as `model`; every problem is a 400 naming the field.
 
     `describe_error(param, error)` may word a pydantic error for one field; None keeps the generic message."""
@@ -120,12 +123,13 @@ def _numeric_fields(model: type[BaseModel]) -> dict[str, str]:
         if annotation in (int, float):
             return {annotation}
         args = [kinds(arg) for arg in typing.get_args(annotation) if arg is not type(None)]
-        return set().union(*args) if args and all(arg is not None for arg in args) else None
+        known = [arg for arg in args if arg is not None]
+        return set().union(*known) if args and len(known) == len(args) else None
     found = {name: kinds(info.annotation) for name, info in model.model_fields.items()}
     return {name: "an integer" if kind == {int} else "a number" for name, kind in found.items() if kind}
 
 
-def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: dict) -> str:
+def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden":
         return f"Unknown field {param!r}. Valid fields: {', '.join(model.model_fields)}."
     if error["type"] == "missing":

@@ -186,14 +186,14 @@ def _check_image(path: str, *, what: str, code: str, param: str, video_size: tup
             raise ApiError(400, str(exc), code=code, param=param) from None
     with _DECODES.reserve(size[0] * size[1]):
         try:
-            image = _decode(path)
+            decoded = _decode(path)
         except Exception as exc:  # noqa: BLE001 - PIL's decoders raise many types for bad data
             raise _unreadable(what, path, exc, pil_format, code=code, param=param) from None
-        with image:
+        with decoded:
             try:
                 # The worker's reading of 32-bit integer and float levels: NaN or out-of-range values are refused
                 # now, in its words, not when the job starts.
-                check_pixel_levels(image, what)
+                check_pixel_levels(decoded, what)
             except ValueError as exc:
                 raise ApiError(400, str(exc), code=code, param=param) from None
 

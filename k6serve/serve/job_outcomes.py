@@ -12,6 +12,7 @@ import os
 import time
 from concurrent.futures import CancelledError
 from pathlib import Path
+from typing import cast
 
 from k6serve.dependencies import describe_missing_package, missing_package
 from k6serve.request import VideoResult
@@ -116,8 +117,9 @@ class JobOutcomes:
             elif missing_package(exc):
                 # The server's environment, not the request: the client is told which package, the operator's log
                 # also gets the pip command for the server's interpreter (a path the client need not see).
-                logger.error("job %s failed: %s", job.id, describe_missing_package(exc.name))
-                top = exc.name.partition(".")[0]
+                module = cast(str, exc.name)  # set, or missing_package is false
+                logger.error("job %s failed: %s", job.id, describe_missing_package(module))
+                top = module.partition(".")[0]
                 self.record(job, JobStatus.FAILED, error_code="generation_failed",
                             error_message=f"The server cannot run this job: the Python package that provides "
                                           f"{top!r} is not installed in its environment. The server's operator "

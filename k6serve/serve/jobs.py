@@ -24,7 +24,7 @@ from typing import Any, Protocol, TextIO
 try:
     import fcntl
 except ImportError:  # not on Windows: the store is then unguarded, as before
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the checker reads the POSIX branch; callers test for None
 
 
 class JobStatus(str, enum.Enum):
@@ -407,10 +407,10 @@ class SqliteJobStore:
                 row = self._db.execute("SELECT * FROM jobs WHERE idempotency_key = ?",
                                        (job.idempotency_key,)).fetchone()
                 if row is not None:
-                    existing = self._decode(row)
-                    if existing.request_hash != job.request_hash:
-                        raise IdempotencyConflict(existing)
-                    return existing, False
+                    keyed = self._decode(row)
+                    if keyed.request_hash != job.request_hash:
+                        raise IdempotencyConflict(keyed)
+                    return keyed, False
             existing = self._get_locked(job.id)
             if existing is not None:
                 if existing.request_hash != job.request_hash:

@@ -79,6 +79,8 @@ class LoadingResponder:
             thread, self._thread = self._thread, None
         if thread is None:
             return
+        # start() makes the pair before it starts the thread
+        assert self._wake_reader is not None and self._wake_writer is not None
         self._wake_writer.send(b"x")
         thread.join()
         self.sock.settimeout(self._timeout)
@@ -88,6 +90,7 @@ class LoadingResponder:
                     time.monotonic() - self._started, self.num_answered)
 
     def _accept_loop(self) -> None:
+        assert self._wake_reader is not None  # start() makes it before it starts this thread
         with selectors.DefaultSelector() as selector:
             selector.register(self.sock, selectors.EVENT_READ)
             selector.register(self._wake_reader, selectors.EVENT_READ)

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from k6serve.lora.adapter_file import names_adapter_file
 from k6serve.lora.arguments import (
@@ -55,7 +56,7 @@ def _lora_operation(build, *args, **kwargs):
         raise ApiError(400, str(exc), code="invalid_parameter", param=exc.argument) from None
 
 
-def _lora_error_param(message: str, body: type | None) -> str | None:
+def _lora_error_param(message: str, body: type[BaseModel] | None) -> str | None:
     """The field of the route's `body` a worker's ValueError is about: for set_lora, `lora_path` for the adapter
     file's errors, whose messages say "LoRA path" / "LoRA file" (the CLI's and the API's wording too), else the first
     field the message names (a merge_lora_weights refusal that names merge_mode was answered with that param, which
@@ -80,7 +81,7 @@ def _refuse_lora_on_super_resolution(ctx: ServerContext) -> None:
                             "super-resolution model, which takes none.", code="invalid_lora")
 
 
-async def _lora_answer(submit, body: type | None = None) -> JSONResponse:
+async def _lora_answer(submit, body: type[BaseModel] | None = None) -> JSONResponse:
     """Submit a LoRA operation and answer its result: 400 for a ValueError (bad adapter, nothing changed), 500 for
     any other failure, with its message (the reference answers every failure with 500 and a detail string)."""
     try:

@@ -36,7 +36,8 @@ class Histogram:
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...], *, label: str | None = None,
                  label_values: tuple[str, ...] = ()) -> None:
         self.name, self.help_text, self.buckets = name, help_text, tuple(sorted(buckets))
-        self.label, self._order = label, {value: index for index, value in enumerate(label_values)}
+        self.label = label
+        self._order: dict[str | None, int] = {value: index for index, value in enumerate(label_values)}
         # label value (None without a label) -> [bucket counts, sum, count]
         self._series: dict[str | None, list] = {} if label else {None: [[0] * len(self.buckets), 0.0, 0]}
         self._lock = threading.Lock()

@@ -5,7 +5,7 @@ answers, and the OpenAI-shaped error (`ErrorResponse`, with the statuses each gr
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,7 +59,7 @@ class VideoJob(BaseModel):
     # OpenAI's Video object has it, and its SDK's `Video.prompt` read None from every job before.
     prompt: str | None = Field(None, description="The job's prompt as sent; null for super-resolution.")
     # OpenAI's Video object has it, required (null or an id) in its SDKs' types: k6serve makes no remixes.
-    remixed_from_video_id: None = Field(None, description="Always null: k6serve has no remix.")
+    remixed_from_video_id: None = Field(default=None, description="Always null: k6serve has no remix.")
     expanded_prompt: str | None = Field(None, description="With expand_prompts, once completed: the prompt as the "
                                                           "text encoder rewrote it, which the model was given.")
     status: JobStatus
@@ -161,8 +161,10 @@ class ErrorResponse(BaseModel):
 
 # The error answers the OpenAPI document lists: the video, model and metrics routes', and the control routes' (LoRA
 # and memory, which answer a worker's failure with 500).
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 415, 429, 503, 507)}
-CONTROL_ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 500, 503)}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {status: {"model": ErrorResponse}
+                                                    for status in (400, 401, 404, 409, 413, 415, 429, 503, 507)}
+CONTROL_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {status: {"model": ErrorResponse}
+                                                            for status in (400, 401, 413, 415, 500, 503)}
 
 
 def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, root_path: str = "") -> VideoJob:

@@ -9,7 +9,10 @@ loop never waits on the GPU.
 
 from __future__ import annotations
 
+from typing import cast
+
 from fastapi import APIRouter
+from fastapi.routing import APIRoute
 
 from k6serve.serve import lora_routes, memory_routes, status_routes, video_routes
 
@@ -39,7 +42,10 @@ def _head_wherever_get() -> None:
     /content got no size; HEAD /v1/videos/{id} and the rest answered 405 too. Kept out of the schema, which lists
     the documented GETs. Added after every resource's routes, as they were when one router held them all."""
     for resource_router in RESOURCE_ROUTERS:
-        for route in list(resource_router.routes):
+        # Starlette types them as any route; a resource router holds only the APIRoutes its decorators made.
+        for route in cast(list[APIRoute], list(resource_router.routes)):
+            if route.methods is None:  # a method decorator's route always has its methods
+                raise TypeError(f"route {route.path} was not made by a method decorator")
             if "GET" in route.methods:
                 router.head(route.path, include_in_schema=False)(route.endpoint)
 

@@ -128,13 +128,14 @@ class JobRunner:
         config = getattr(self.engine, "config", None)
         model = getattr(config, "model", None)
         self._lora_state = LoraState.from_json(
-            self.store.lora_state(), start=start_set_lora(model) if getattr(model, "lora_path", None) else None,
+            self.store.lora_state(),
+            start=start_set_lora(model) if model is not None and getattr(model, "lora_path", None) else None,
             server_merge_mode=getattr(model, "lora_merge_mode", "auto"),
             fsdp=bool(getattr(getattr(config, "parallel", None), "use_fsdp_inference", False)))
         reload = self._lora_state.inactive_reload()
         for operation in self._lora_state.operations:
             if operation == reload:
-                self._reload_inactive(operation)
+                self._reload_inactive(operation, self._lora_state)
                 continue
             try:
                 self.engine.lora(operation)
@@ -152,7 +153,7 @@ class JobRunner:
             logger.info("restored the LoRA adapters set before the restart: %d loaded; active: %s%s",
                            len(now.loaded), active, f" ({now.mode})" if now.mode else "")
 
-    def _reload_inactive(self, operation: SetLora) -> None:
+    def _reload_inactive(self, operation: SetLora, state: LoraState) -> None:
         """Load the adapters that were loaded but not active, one at a time: one whose file is gone since (an
         adapter set long ago) is dropped with a warning, rather than stopping the start-up of every job's server;
         only the queued jobs that name it fail, when they start, saying it is not loaded."""
@@ -165,8 +166,8 @@ class JobRunner:
         if missing:
             logger.warning("LoRA adapters loaded before the restart but not active could not be loaded again, and are "
                            "dropped (queued jobs naming them will fail): %s", missing)
-            self._lora_state.forget(set(missing))
-            self.store.set_lora_state(self._lora_state.to_json())
+            state.forget(set(missing))
+            self.store.set_lora_state(state.to_json())
 
     def start(self) -> None:
         self._restore_loras()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from typing import Any
 
 from k6serve.serve.lora_state import Adapters
 
@@ -65,7 +66,8 @@ def merged_message(requested: dict, then: Adapters, *, merged_now: bool) -> str:
     merged = f"adapter(s) {listed}" if listed else "adapters"
     when = ("are merged into the weights" if merged_now else
             "will be merged into the weights when the job runs (by a LoRA request queued before it)")
-    again = {"lora_nickname": (names[0] if len(names) == 1 else names) if names else "NICKNAME", "lora_path": None}
+    again: dict[str, Any] = {"lora_nickname": (names[0] if len(names) == 1 else names) if names else "NICKNAME",
+                             "lora_path": None}
     strengths = [spec.strength for spec in then.active]
     if strengths and len(set(strengths)) == 1:
         again["strength"] = strengths[0]

@@ -20,7 +20,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
@@ -274,7 +274,7 @@ class _Part:
         self.content_type = _text(content_type) if content_type is not None else None
         self.buffer = bytearray()
         self.spill_path: Path | None = None
-        self.spill = None
+        self.spill: BinaryIO | None = None
         self.size = 0
         self.digest = hashlib.sha256()
 
@@ -404,6 +404,7 @@ class MultipartReader:
             with open(temporary, "wb") as handle:
                 handle.write(part.buffer)
         else:
+            assert part.spill_path is not None  # set with part.spill
             temporary = part.spill_path
             part.spill.close()
         os.replace(temporary, final)
@@ -461,13 +462,13 @@ async def read_multipart(request: Request, *, file_fields: set[str], max_file_by
     except OSError as exc:
         reader.cleanup()
         if disk_full(exc):
-            error = insufficient_storage(exc)
+            refusal = insufficient_storage(exc)
         elif write_refused(exc):  # the upload folder was made read-only after the start
-            error = output_not_writable(exc)
+            refusal = output_not_writable(exc)
         else:
             raise
         await drain(request)  # so that the client reads the 507, not a reset connection
-        raise error from None
+        raise refusal from None
     except BaseException:
         reader.cleanup()
         raise

@@ -101,12 +101,22 @@ def _http_field_definitions() -> dict[str, Any]:
     return definitions
 
 
-VideoCreateBody = create_model(
-    "VideoCreateBody",
-    __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
-    __doc__="POST /v1/videos body (JSON, or the same names as multipart/form-data fields).",
-    **_http_field_definitions(),
-)
+if typing.TYPE_CHECKING:
+    class VideoCreateBody(BaseModel):
+        """What a type checker can know of the model `create_model` builds below: the fields read by name (the
+        others are read with getattr, by `HTTP_FIELD_NAMES`)."""
+
+        model: str | None
+        size: str | None
+        seconds: str | float | None
+        request_id: str | None
+else:
+    VideoCreateBody = create_model(
+        "VideoCreateBody",
+        __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
+        __doc__="POST /v1/videos body (JSON, or the same names as multipart/form-data fields).",
+        **_http_field_definitions(),
+    )
 HTTP_FIELD_NAMES = tuple(VideoCreateBody.model_fields)
 _STRING_FIELDS = {name for name, info in VideoCreateBody.model_fields.items()
                   if info.annotation in (str, str | None)}
@@ -202,7 +212,7 @@ def _fold_bracketed_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
+def parse_create_body(raw: Any, *, form: bool = False) -> VideoCreateBody:
     """POST /v1/videos: validate a decoded JSON object or form fields (`parse_json_body`). A form field can only
     hold text, so an object field (cache_dit_params) sent as a form field is JSON text, decoded here, and a boolean
     is read from text ("true", "false", ...); `loras[style]`-style fields, OpenAI's SDK's flattening of an object
@@ -240,7 +250,7 @@ def parse_create_body(raw: Any, *, form: bool = False) -> BaseModel:
                            bool_fields=frozenset(_BOOL_FIELDS), form=form)
 
 
-def to_sampling_params(body: BaseModel, variant: Variant, *, served_names: tuple[str, ...],
+def to_sampling_params(body: VideoCreateBody, variant: Variant, *, served_names: tuple[str, ...],
                        model_name: str | None = None) -> SamplingParams:
     """OpenAI fields mapped onto SamplingParams (size -> width/height, seconds -> num_frames). `served_names`: the
     lower-cased names `model` may take; `model_name`: the id /v1/models lists, as the refusal names it."""

@@ -350,7 +350,7 @@ def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str]
 
 
 def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[str]) -> SamplingParams:
-    changes = {}
+    changes: dict[str, Any] = {}
     for name in ("image_path", "video_path"):
         value = getattr(params, name)
         if value is not None and value not in uploaded:

@@ -39,7 +39,10 @@ def _names_etag(header: str, etag: str, *, strong: bool) -> bool:
     (RFC 9110 13.1.1, 13.1.2); `*` names any file, and the route answers only for one that exists."""
     if any(item.strip(" \t") == "*" for item in header.split(",")):
         return True
-    ours = _ENTITY_TAG.fullmatch(etag).group(2)
+    own_tag = _ENTITY_TAG.fullmatch(etag)
+    if own_tag is None:  # Starlette's ETag is always a quoted digest
+        raise ValueError(f"the file's ETag {etag!r} is not an entity-tag")
+    ours = own_tag.group(2)
     return any(tag.group(2) == ours and not (strong and tag.group(1)) for tag in _ENTITY_TAG.finditer(header))
 
 
@@ -120,7 +123,8 @@ class VideoFileResponse(FileResponse):
         self._file.seek(0)
         yield anyio.wrap_file(self._file)
 
-    def _parse_range_header(self, http_range: str, file_size: int) -> list[tuple[int, int]]:
+    @classmethod
+    def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:
         # Starlette skips the range-specs it cannot read, so `bytes=1-2,,x` was served as `bytes=1-2`; a Range
         # with any malformed spec is malformed as a whole. Empty list elements are allowed (RFC 9110 5.6.1).
         _, _, range_set = http_range.partition("=")
@@ -140,12 +144,17 @@ class VideoFileResponse(FileResponse):
             matched = _names_etag(",".join(request.getlist("if-match")), self.headers["etag"], strong=True)
             return None if matched else "If-Match"
         since = _http_date(request.getlist("if-unmodified-since"))
-        return "If-Unmodified-Since" if since is not None and int(self.stat_result.st_mtime) > since else None
+        return "If-Unmodified-Since" if since is not None and int(self._mtime()) > since else None
 
     def _not_modified(self, request: Headers) -> bool:
         if "if-none-match" in request:  # then If-Modified-Since is ignored, even when no tag matches
             return _names_etag(",".join(request.getlist("if-none-match")), self.headers["etag"], strong=False)
-        return _not_modified_since(request.getlist("if-modified-since"), self.stat_result.st_mtime)
+        return _not_modified_since(request.getlist("if-modified-since"), self._mtime())
+
+    def _mtime(self) -> float:
+        if self.stat_result is None:  # the route passes it; the ETag and Last-Modified come from it too
+            raise RuntimeError("VideoFileResponse needs the file's stat_result for a conditional request")
+        return self.stat_result.st_mtime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

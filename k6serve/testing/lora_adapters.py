@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -12,7 +13,9 @@ from safetensors.torch import save_file
 
 def module_shapes(model: torch.nn.Module, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
     """(out, in) of the Linear weight at each of `paths` in `model`: what `write_lora_adapter` takes."""
-    return {path: tuple(model.get_submodule(path).weight.shape) for path in paths}
+    # a Linear's weight is 2-D
+    return {path: cast(tuple[int, int], tuple(cast(torch.nn.Linear, model.get_submodule(path)).weight.shape))
+            for path in paths}
 
 
 def write_lora_adapter(file: Path, shapes: Mapping[str, tuple[int, int]], *, rank: int = 2, seed: int = 0,

@@ -15,17 +15,10 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from diffusers import (
-    AutoencoderKLHunyuanVideo,
-    FlowMatchEulerDiscreteScheduler,
-    Kandinsky6TI2VAPipeline,
-    Kandinsky6Transformer3DModel,
-    MMAudioVAE,
-    MMAudioVocoder,
-    PiflowScheduler,
-)
+from diffusers import FlowMatchEulerDiscreteScheduler, PiflowScheduler
 from torch import nn
 from transformers import (
     CLIPTextConfig,
@@ -35,6 +28,22 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
 )
+
+if TYPE_CHECKING:
+    # The classes' own modules: mypy reads diffusers' top-level names as the dummies it defines for no torch.
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_mmaudio import MMAudioVAE
+    from diffusers.models.autoencoders.mmaudio_vocoder import MMAudioVocoder
+    from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6Transformer3DModel
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import Kandinsky6TI2VAPipeline
+else:
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        Kandinsky6TI2VAPipeline,
+        Kandinsky6Transformer3DModel,
+        MMAudioVAE,
+        MMAudioVocoder,
+    )
 
 from k6serve.testing.demo_location import (
     DEMO_DEFAULTS,
@@ -70,7 +79,7 @@ def _build_vae() -> AutoencoderKLHunyuanVideo:
 
 
 def _build_qwen_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    special_ids = qwen_vision_token_ids(tokenizer)
+    special_ids: dict[str, Any] = qwen_vision_token_ids(tokenizer)
     text_config = {
         "vocab_size": len(tokenizer),
         "hidden_size": 32,
@@ -188,7 +197,7 @@ def build_generation_pipeline(
     clip_tokenizer = train_clip_tokenizer()
     # Constructors draw from the global RNG; fork it so a build leaves the caller's RNG untouched.
     with torch.random.fork_rng(devices=[]):
-        components: dict[str, nn.Module] = {
+        components: dict[str, Any] = {  # the pipeline's modules, by its keyword names
             "transformer": _build_transformer(variant),
             "vae": _build_vae(),
             "text_encoder": _build_qwen_text_encoder(qwen_tokenizer),
@@ -218,7 +227,8 @@ def build_generation_pipeline(
 def _randomize_mel_statistics_(audio_vae: MMAudioVAE, seed: int) -> None:
     # The per-bin mel mean/std are persistent buffers, not parameters; make them non-trivial too.
     generator = torch.Generator().manual_seed(seed)
-    data_mean, data_std = audio_vae.vae.data_mean, audio_vae.vae.data_std
+    # buffers, which nn.Module's attribute lookup types as Tensor | Module
+    data_mean, data_std = cast(torch.Tensor, audio_vae.vae.data_mean), cast(torch.Tensor, audio_vae.vae.data_std)
     data_mean.copy_(0.1 * torch.randn(data_mean.shape, generator=generator))
     data_std.copy_(1.0 + 0.05 * torch.randn(data_std.shape, generator=generator).abs())
 

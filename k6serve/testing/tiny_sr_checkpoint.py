@@ -17,17 +17,27 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import (
-    FlowMatchEulerDiscreteScheduler,
-    Kandinsky6SRLatentUpscalerBank,
-    Kandinsky6SRPipeline,
-    Kandinsky6SRTransformer3DModel,
-    Kandinsky6SRVAE,
-    PiflowScheduler,
-)
+
+if TYPE_CHECKING:
+    # The classes' own modules: mypy reads diffusers' top-level names as the dummies it defines for no torch.
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
+    from diffusers.models.latent_upscaler.latent_upscaler_kandinsky6_sr import Kandinsky6SRLatentUpscalerBank
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRTransformer3DModel
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import Kandinsky6SRPipeline
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+    from diffusers.schedulers.scheduling_piflow import PiflowScheduler
+else:
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        Kandinsky6SRLatentUpscalerBank,
+        Kandinsky6SRPipeline,
+        Kandinsky6SRTransformer3DModel,
+        Kandinsky6SRVAE,
+        PiflowScheduler,
+    )
 
 from k6serve.models.kandinsky6_sr.config import TILE_SIZES_OVERRIDE_KEY, UPSCALER_FIXED, UPSCALER_X2_FIXED
 
@@ -45,8 +55,8 @@ TINY_TRANSFORMER = {
 }
 # Encoder widths 16 * (0.5, 1, 1, 2) = (8, 16, 16, 32), decoder 32 * (0.25, 0.5, 1, 1) = (8, 16, 32, 32):
 # 4 levels = spatial x8, temporal x4 from level 1.
-TINY_VAE_ENCODER = {"ch": 16, "ch_mult": [0.5, 1, 1, 2]}
-TINY_VAE_DECODER = {"ch": 32, "ch_mult": [0.25, 0.5, 1, 1]}
+TINY_VAE_ENCODER: dict[str, Any] = {"ch": 16, "ch_mult": [0.5, 1, 1, 2]}
+TINY_VAE_DECODER: dict[str, Any] = {"ch": 32, "ch_mult": [0.25, 0.5, 1, 1]}
 TINY_UPSCALER = {
     "in_channels": TINY_CHANNELS,
     "stage_channels": (16, 16, 8),

@@ -11,6 +11,7 @@ import itertools
 import re
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, CLIPTokenizer, Qwen2_5_VLProcessor, Qwen2Tokenizer
@@ -86,9 +87,9 @@ def _learn_merges(
     for text in corpus:
         normalized = trainer_tokenizer.normalizer.normalize_str(text)
         for word, _ in trainer_tokenizer.pre_tokenizer.pre_tokenize_str(normalized):
-            symbols = list(word)
-            symbols[-1] += end_of_word_suffix
-            word_counts[tuple(symbols)] += 1
+            characters = list(word)
+            characters[-1] += end_of_word_suffix
+            word_counts[tuple(characters)] += 1
 
     merges: list[tuple[str, str]] = []
     while len(merges) < _MAX_MERGES:
@@ -154,7 +155,7 @@ def train_qwen_tokenizer() -> Qwen2Tokenizer:
 
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
-        merges=merges,
+        merges=merges,  # type: ignore[arg-type]  # transformers types merges as strings; it takes pairs too
         extra_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
         model_max_length=32768,
         padding_side="right",
@@ -170,7 +171,8 @@ def qwen_vision_token_ids(tokenizer: Qwen2Tokenizer) -> dict[str, int]:
     (tiny checkpoints, the full-size dummy) must count its `<|image_pad|>` placeholders by the trained id, not the
     released vocabulary's 151655, or a rewrite with an image finds none of them ("Image features and image tokens
     do not match, tokens: 0")."""
-    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+    # one token gives one id; transformers types the result for a list of tokens too
+    return {name: cast(int, tokenizer.convert_tokens_to_ids(token)) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
 
@@ -190,7 +192,8 @@ def train_clip_tokenizer() -> CLIPTokenizer:
         vocab.setdefault(left + right, len(vocab))
     vocab[CLIP_BOS_TOKEN] = len(vocab)
     vocab[CLIP_EOS_TOKEN] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    # transformers types merges as strings; it takes pairs too
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)  # type: ignore[arg-type]
 
 
 def video_processor_base() -> tuple[str, type]:
@@ -199,7 +202,8 @@ def video_processor_base() -> tuple[str, type]:
     transformers' own table, so neither release needs a guess."""
     from transformers import processing_utils, video_processing_utils
 
-    name = processing_utils.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"]
+    # the table's video_processor entry is one class name (other modalities' may be several)
+    name = cast(str, processing_utils.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"])
     return name, getattr(video_processing_utils, name)
 
 
@@ -253,4 +257,5 @@ def build_qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLProcessor:
 
 def load_qwen_processor(tokenizer_dir: Path) -> Qwen2_5_VLProcessor:
     """Rebuild the processor from a saved `tokenizer/` folder without torchvision."""
-    return build_qwen_processor(AutoTokenizer.from_pretrained(tokenizer_dir))
+    # the folder holds a saved Qwen2Tokenizer, which AutoTokenizer rebuilds
+    return build_qwen_processor(cast(Qwen2Tokenizer, AutoTokenizer.from_pretrained(tokenizer_dir)))
