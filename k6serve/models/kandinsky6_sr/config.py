@@ -132,7 +132,7 @@ class SRTransformerConfig:
             ff_dim=config_count(raw["ff_dim"], "ff_dim", where),
             num_visual_blocks=config_count(raw["num_visual_blocks"], "num_visual_blocks", where),
             axes_dims=axes_dims,
-            rope_scale=tuple(float(v) for v in sr_params["scale_factor"][str(visual_size)]),
+            rope_scale=_rope_scale(sr_params["scale_factor"][str(visual_size)], visual_size),
             visual_cond=bool(raw["visual_cond"]),
             instruct_type=str(raw["instruct_type"]),
             visual_size=visual_size,
@@ -184,6 +184,15 @@ def _tile_sizes(raw: dict[str, Any], visual_size: int) -> tuple[tuple[int, int],
             f"sr_params.visual_size {visual_size} has no known tile table (known: {sorted(RESOLUTIONS)})."
         )
     return RESOLUTIONS[visual_size]
+
+
+def _rope_scale(values: Any, visual_size: int) -> tuple[float, float, float]:
+    """sr_params.scale_factor's entry: one divisor per RoPE axis (t, h, w)."""
+    scale = tuple(float(v) for v in values)
+    if len(scale) != 3:
+        raise ValueError(f"transformer/config.json sr_params.scale_factor[{str(visual_size)!r}] must hold 3 numbers "
+                         f"(the t, h and w RoPE divisors), got {list(values)}")
+    return scale[0], scale[1], scale[2]
 
 
 def _int_tuple(values: Any, length: int) -> tuple[int, ...]:
