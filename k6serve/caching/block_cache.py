@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from torch import Tensor, nn
 from k6serve.caching.params import CacheDitParams
 from k6serve.parallel.cfg import cfg_group_of
 from k6serve.parallel.sequence_parallel import sequence_token_sum_of
+
+if TYPE_CHECKING:  # the DiT's module is imported by whoever built it
+    from k6serve.models.kandinsky6.transformer import Kandinsky6Transformer
 
 POSITIVE, NEGATIVE = "positive", "negative"
 
@@ -57,19 +61,23 @@ class TaylorSeer:
         window = self.current_step - self.last_computed_step
         for i in range(self.order):
             # As cache-dit: no derivative before the third call (its `current_step > 1`).
-            if self.derivatives[i] is None or self.current_step <= 1:
+            previous, current = self.derivatives[i], derivatives[i]
+            if previous is None or self.current_step <= 1:
                 break
-            derivatives[i + 1] = (derivatives[i] - self.derivatives[i]) / window
+            assert current is not None  # the value, or the derivative the last iteration set
+            derivatives[i + 1] = (current - previous) / window
         self.derivatives = derivatives
         self.last_computed_step = self.current_step
 
     def approximate(self) -> Tensor:
         elapsed = self.current_step - self.last_computed_step
-        output = 0
+        output: Tensor | int = 0
         for i, derivative in enumerate(self.derivatives):
             if derivative is None:
                 break
             output = output + (1 / math.factorial(i)) * derivative * (elapsed**i)
+        if isinstance(output, int):  # the callers wait for a computed step (`has_residuals`, `derivatives[0]`)
+            raise RuntimeError("TaylorSeer.approximate before its first update: no computed step to forecast from")
         return output
 
 
@@ -80,8 +88,7 @@ class BranchState:
     fingerprint_BLD: Tensor | None = None  # R_F of the last computed step
     video_residual_BLD: Tensor | None = None  # the middle blocks' residuals (when TaylorSeer is off)
     audio_residual_BAD: Tensor | None = None
-    video_taylor: TaylorSeer | None = None
-    audio_taylor: TaylorSeer | None = None
+    taylor: tuple[TaylorSeer, TaylorSeer] | None = None  # (video, audio) with TaylorSeer on
     cached_steps: list[int] = dataclasses.field(default_factory=list)
     continuous_cached_steps: int = 0
     residual_diffs: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -91,21 +98,24 @@ class BranchState:
         # A computed step has happened. Not "a TaylorSeer exists": it is made with the branch, so with no warm-up
         # steps (max_warmup_steps 0) the first steps skipped blocks never computed, adding a residual of 0 (or
         # comparing against no fingerprint, a crash).
-        return self.fingerprint_BLD is not None and (self.video_taylor is not None
-                                                     or self.video_residual_BLD is not None)
+        return self.fingerprint_BLD is not None and (self.taylor is not None or self.video_residual_BLD is not None)
 
     def keep_residuals(self, video_BLD: Tensor, audio_BAD: Tensor | None) -> None:
-        if self.video_taylor is not None:
-            self.video_taylor.update(video_BLD)
+        if self.taylor is not None:
+            video_taylor, audio_taylor = self.taylor
+            video_taylor.update(video_BLD)
             if audio_BAD is not None:
-                self.audio_taylor.update(audio_BAD)
+                audio_taylor.update(audio_BAD)
         else:
             self.video_residual_BLD, self.audio_residual_BAD = video_BLD, audio_BAD
 
     def residuals(self) -> tuple[Tensor, Tensor | None]:
-        if self.video_taylor is not None:
-            audio = self.audio_taylor.approximate() if self.audio_taylor.derivatives[0] is not None else None
-            return self.video_taylor.approximate(), audio
+        if self.taylor is not None:
+            video_taylor, audio_taylor = self.taylor
+            audio = audio_taylor.approximate() if audio_taylor.derivatives[0] is not None else None
+            return video_taylor.approximate(), audio
+        if self.video_residual_BLD is None:  # callers check `has_residuals` first
+            raise RuntimeError("no computed step's residuals to reuse")
         return self.video_residual_BLD, self.audio_residual_BAD
 
 
@@ -179,13 +189,12 @@ class BlockCacheSession:
         if state is None:
             state = self.branches[self.branch] = BranchState()
             if self.params.enable_taylorseer:
-                state.video_taylor = TaylorSeer(self.params.taylorseer_order)
-                state.audio_taylor = TaylorSeer(self.params.taylorseer_order)
+                state.taylor = (TaylorSeer(self.params.taylorseer_order), TaylorSeer(self.params.taylorseer_order))
         if not state.cached_steps or state.cached_steps[-1] != self.step - 1:
             state.continuous_cached_steps = 0
-        if state.video_taylor is not None:
-            state.video_taylor.mark_step_begin()
-            state.audio_taylor.mark_step_begin()
+        if state.taylor is not None:
+            for taylor in state.taylor:
+                taylor.mark_step_begin()
         return state
 
     def _can_use_cache(self, state: BranchState, fingerprint_BLD: Tensor) -> bool:
@@ -210,6 +219,8 @@ class BlockCacheSession:
             state.residual_diffs[step] = -1.0  # cache-dit's marker for "always similar"
             return True
         previous_BLD = state.fingerprint_BLD  # set with the residuals (`has_residuals`), same shape all request
+        if previous_BLD is None:
+            raise RuntimeError("no computed step's fingerprint to compare with")
         distance_L = (previous_BLD - fingerprint_BLD).abs().float().sum(dim=(0, 2))
         reference_L = previous_BLD.abs().float().sum(dim=(0, 2))
         sums = self.token_sum(torch.stack([distance_L, reference_L]))
@@ -224,10 +235,11 @@ class BlockCacheSession:
         A collective: every rank of the cfg group calls it, after the denoising loop. Nothing without the group."""
         if self.cfg_group is None:
             return
-        records: list[dict | None] = [None] * dist.get_world_size(self.cfg_group)
+        records: list[object] = [None] * dist.get_world_size(self.cfg_group)
         dist.all_gather_object(records, {name: (state.cached_steps, state.residual_diffs)
                                          for name, state in self.branches.items()}, group=self.cfg_group)
-        for record in records:
+        # Each rank's {branch: (cached steps, distances)}, as gathered above.
+        for record in cast("list[dict[str, tuple[list[int], dict[int, float]]]]", records):
             for name, (cached_steps, residual_diffs) in record.items():
                 if name not in self.branches:
                     self.branches[name] = BranchState(cached_steps=list(cached_steps),
@@ -254,7 +266,8 @@ class BlockCacheSession:
 
 
 @contextlib.contextmanager
-def block_cache(transformer: nn.Module, params: CacheDitParams, *, num_steps: int) -> Iterator[BlockCacheSession]:
+def block_cache(transformer: Kandinsky6Transformer, params: CacheDitParams, *,
+                num_steps: int) -> Iterator[BlockCacheSession]:
     """Run `transformer`'s fused blocks through a fresh DBCache session for one request; the uncached stack is
     back when the block exits, whatever happened."""
     stack = transformer.fused_blocks

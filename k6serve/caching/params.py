@@ -96,8 +96,9 @@ class CacheDitParams:
             # A typo (residual_diff_treshold) gets the key it resembles, as a mistyped flag or field does.
             raise ValueError(f"Unknown cache_dit_params key(s) {unknown}{did_you_mean(unknown, names)}. Valid keys: "
                              f"{names}.")
-        changes = {key: tuple(value) if key.endswith("_bins") and isinstance(value, list) else value
-                   for key, value in values.items()}
+        # Any: JSON values, which the dataclass's __post_init__ checks.
+        changes: dict[str, Any] = {key: tuple(value) if key.endswith("_bins") and isinstance(value, list) else value
+                                   for key, value in values.items()}
         return dataclasses.replace(base or cls(), **changes)
 
     @property
@@ -122,7 +123,7 @@ class CacheDitParams:
         """The step computation mask for `num_steps` steps (1 = compute), or None without one."""
         if not self.uses_step_mask:
             return None
-        if self.scm_compute_bins is not None:
+        if self.scm_compute_bins is not None and self.scm_cache_bins is not None:  # given together (__post_init__)
             covered = sum(self.scm_compute_bins) + sum(self.scm_cache_bins)
             if covered < num_steps:
                 raise StepMaskMismatch(

@@ -184,6 +184,7 @@ def check_checkpoint_files(folder: Path, fix: str) -> None:
         if path.suffix == ".safetensors" and path.parent in read and path not in read[path.parent] \
                 and path.name not in ("model.safetensors", _WEIGHTS_NAME):
             continue
+        problem: str | None
         if path.is_symlink() and not path.exists():
             problem = "a link to a file that is gone, e.g. a cleaned Hugging Face cache blob"  # stat() would raise
         elif not path.is_file():

@@ -34,6 +34,7 @@ compute stream still reads it. Off CUDA there are no streams or events: copies a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -50,7 +51,8 @@ class _Prefetch:
 
 def plan_blocks(transformer: nn.Module, plan: ModelPlan) -> list[nn.Module]:
     """The repeated blocks of `transformer`, in the plan's order."""
-    return [block for path in plan.blocks for block in transformer.get_submodule(path)]
+    # A plan's `blocks` are paths of nn.ModuleLists (models/plan.py); get_submodule is typed as any module.
+    return [block for path in plan.blocks for block in cast(nn.ModuleList, transformer.get_submodule(path))]
 
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -164,6 +165,15 @@ class OffloadReport:
         return text
 
 
+class _Streaming(TypedDict):
+    """The keywords every `BlockStreamer` of one offload shares."""
+
+    compute_device: torch.device
+    offload_device: torch.device
+    pin: bool
+    prefetch_blocks: int
+
+
 def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None,
                   compute_device: torch.device | str, offload_device: torch.device | str = "cpu",
                   pin: bool | None = None, plan=None, prefetch_blocks: int = 1, resident_blocks: int = 0
@@ -185,8 +195,8 @@ def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None
     if ("transformer" not in streamed and resident_blocks != 0) or (not streamed and prefetch_blocks != 1):
         raise ValueError("resident_blocks is for streaming the DiT's blocks, prefetch_blocks for streaming any; "
                          f"this residency streams {', '.join(sorted(streamed)) or 'none'} ({residency.describe()})")
-    streaming = dict(compute_device=compute_device, offload_device=offload_device, pin=pin,
-                     prefetch_blocks=prefetch_blocks)
+    streaming = _Streaming(compute_device=compute_device, offload_device=offload_device, pin=pin,
+                           prefetch_blocks=prefetch_blocks)
     if "transformer" in streamed:
         if plan is None:
             raise ValueError("streaming the DiT needs the blocks its plan lists; this model has none")
@@ -201,7 +211,8 @@ def apply_offload(pipeline, mode: str, *, residency: ResidencyPlan | None = None
         if blocks:
             streamers[name] = BlockStreamer(blocks, **streaming)
     offloaded = {name: module for name, module in components.items() if name in residency.offloaded}
-    component_parts = getattr(pipeline, "component_parts", dict)()
+    # A pipeline whose components have parts (SR's upscaler bank) lists them: {component: {part: submodule}}.
+    component_parts: Mapping[str, Mapping[str, nn.Module]] = getattr(pipeline, "component_parts", dict)()
     stages = ComponentOffload(offloaded, compute_device=compute_device, offload_device=offload_device, pin=pin,
                               streamers=streamers,
                               resident=tuple(name for name in components if name not in offloaded),

@@ -20,7 +20,7 @@ import logging
 import mmap
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -169,7 +169,7 @@ def _locked_buffer(num_bytes: int, inference: bool, device_index: int | None) ->
         return PinnedBuffer(num_bytes)
 
 
-def pinned_buffers(sizes: list[int]) -> Iterator[PinnedBuffer]:
+def pinned_buffers(sizes: list[int]) -> Generator[PinnedBuffer, None, None]:
     """A `PinnedBuffer` of each of `sizes`, in order; after the first, each is page-locked on a background thread
     while the caller works on the ones before it (at most `PIN_AHEAD_CHUNKS` ahead). A failure is raised where its
     buffer would have been yielded; closing the generator early drops the buffers made ahead."""
@@ -211,7 +211,7 @@ class _Slot:
     host: torch.Tensor  # its view of the host chunk
 
 
-def module_tensors(modules: Iterable[nn.Module], skip: set[int] = frozenset()) -> list[torch.Tensor]:
+def module_tensors(modules: Iterable[nn.Module], skip: Collection[int] = frozenset()) -> list[torch.Tensor]:
     """Every parameter and buffer of `modules` (and their submodules) once, in module order, except ids in `skip`.
 
     Tied parameters are one object, so they are moved once and stay tied."""

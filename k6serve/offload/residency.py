@@ -73,7 +73,7 @@ def normalise_component_names(value: object, flag: str) -> tuple[str, ...]:
                          "out.")
     # The names keep the user's spelling (`dit` stays `dit`, so messages and logs echo what was typed); an alias
     # is read as its component where the plan is made (`_expand`), and a name given twice is kept once.
-    spellings = {}
+    spellings: dict[str, str] = {}  # component -> the name as given
     for name in (item.strip().lower() for item in items):
         spellings.setdefault(ALIASES.get(name, name), name)
     names = tuple(spellings.values())
@@ -114,7 +114,7 @@ def normalise_residency_settings(value: object) -> tuple[tuple[str, str], ...]:
         if not parts:
             raise ValueError(f"{flag} was given no NAME=MODE item (got {value!r}); give at least one, or leave the "
                              "flag out.")
-        items = [tuple(part.split("=")) for part in parts]
+        items = [(name, mode) for name, _, mode in (part.partition("=") for part in parts)]  # one "=" each
     settings: dict[str, tuple[str, str]] = {}  # component -> (the name as given, residency)
     for name, mode in items:
         name, mode = name.strip().lower(), mode.strip().lower().replace("-", "_")

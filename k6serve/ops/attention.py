@@ -32,6 +32,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,11 +114,12 @@ def fa3_num_splits(query_length: int, key_length: int) -> int:
 # any new module is imported. On the H200 that recompiled every block once in the first request after the
 # compiling one (the cold request's decode and MP4 stages import modules): one Pro-distill step took 10.2 s
 # instead of 5.9 (fourth session; reproduced on CPU in tests/unit/test_attention.py).
-_FA3_FUNCTION: Callable[..., object] | None = None
+# Any: the kernel wheels have no type information; their functions return a tensor or a tuple of them.
+_FA3_FUNCTION: Callable[..., Any] | None = None
 
 
 @functools.cache
-def _load_fa3() -> tuple[Callable[..., object] | None, str]:
+def _load_fa3() -> tuple[Callable[..., Any] | None, str]:
     """Import FA3's `flash_attn_func` once; returns (function, "") or (None, why it failed)."""
     global _FA3_FUNCTION
     try:
@@ -133,7 +135,7 @@ def _load_fa3() -> tuple[Callable[..., object] | None, str]:
 
 
 @torch.compiler.disable  # the import runs eagerly; normally done already when the backend was resolved
-def _load_fa3_eagerly() -> tuple[Callable[..., object] | None, str]:
+def _load_fa3_eagerly() -> tuple[Callable[..., Any] | None, str]:
     return _load_fa3()
 
 
@@ -282,7 +284,7 @@ def _hopper(device: torch.device) -> bool:
         torch.cuda.get_device_capability(device) in _FA3_CAPABILITIES)
 
 
-def _fa3_function() -> Callable[..., object]:
+def _fa3_function() -> Callable[..., Any]:
     if _FA3_FUNCTION is not None:
         return _FA3_FUNCTION
     flash_attn_func, reason = _load_fa3_eagerly()

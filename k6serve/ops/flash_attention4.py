@@ -38,6 +38,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,8 +92,9 @@ _EVERY_CALL = False
 INSTALL_COMMAND = 'pip install flash-attn-4==4.0.0b36 "nvidia-cutlass-dsl[cu13]"'
 
 
+# Any: the kernel wheels have no type information; their functions return a tensor or a tuple of them.
 @functools.cache
-def load() -> tuple[Callable[..., object] | None, str]:
+def load() -> tuple[Callable[..., Any] | None, str]:
     """FA4's `flash_attn_func` once; (function, "") or (None, why it could not be imported)."""
     try:
         from flash_attn.cute.interface import flash_attn_func
@@ -102,7 +104,7 @@ def load() -> tuple[Callable[..., object] | None, str]:
 
 
 @functools.cache
-def load_tiled() -> Callable[..., object]:
+def load_tiled() -> Callable[..., Any]:
     """FA4's private `_flash_attn_fwd`, which takes `tile_mn` (for `TILES`); a ValueError if this FA4 lacks it."""
     try:
         from flash_attn.cute.interface import _flash_attn_fwd
@@ -172,7 +174,7 @@ def probe(device: torch.device, head_dim: int, tokens: int = 384, heads: int = 2
     with torch.inference_mode():
         out = fa4_attention(query, key, value)
         expected = torch.nn.functional.scaled_dot_product_attention(
-            *(x.transpose(1, 2) for x in (query, key, value))
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         ).transpose(1, 2)
     difference = (out.float() - expected.float()).abs().max().item()
     # bf16 outputs of unit-normal inputs: honest kernels differ by at most ~0.002 (head dim 64) / 0.004 (128) here

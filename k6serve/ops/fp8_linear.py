@@ -41,6 +41,11 @@ class Fp8Linear(nn.Module):
     bf16 weight is not kept (the module is for inference, and keeping both would cost the memory the FP8 copy
     saves)."""
 
+    # Registered as buffers (`__init__`), which nn.Module's stubs cannot tell from submodules.
+    weight: Tensor
+    weight_scale: Tensor
+    bias: Tensor | None
+
     def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, *,
                  fast_accumulation: bool = False) -> None:
         super().__init__()

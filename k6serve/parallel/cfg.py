@@ -39,7 +39,7 @@ def select_cfg_branch(branches: Sequence[Branch], group: dist.ProcessGroup) -> B
     return branches[dist.get_rank(group)]
 
 
-def gather_cfg_branches(local: Tensor | None, group: dist.ProcessGroup) -> list[Tensor | None]:
+def gather_cfg_branches(local: Tensor | None, group: dist.ProcessGroup) -> list[Tensor] | list[None]:
     """Every branch's output, in branch order, on every rank (None stays None: e.g. no audio stream)."""
     if local is None:
         return [None] * dist.get_world_size(group)

@@ -19,7 +19,8 @@ changes the encoders' reductions ("keep auto for the baseline recipes").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,8 +37,9 @@ class EncoderPlan:
 
     layers: str  # dotted suffix of the layers' ModuleList (wrapper prefixes differ between versions)
     layer_tp: Mapping[str, TensorParallelStyle]
-    divisible_counts: Callable[[object], dict[str, int]]  # config -> the counts the fold size must divide
-    hidden_size: Callable[[object], int]  # config -> the width "auto" compares with AUTO_FOLD_MIN_HIDDEN
+    # Any: the config is the transformers config class of the plan's encoder (each plan reads its own attributes).
+    divisible_counts: Callable[[Any], dict[str, int]]  # config -> the counts the fold size must divide
+    hidden_size: Callable[[Any], int]  # config -> the width "auto" compares with AUTO_FOLD_MIN_HIDDEN
 
 
 # "auto" folds no encoder narrower than this (the reference's gate).
@@ -97,7 +99,7 @@ def fold_blockers(encoders: list[tuple[str, object]], size: int) -> list[str]:
     return blockers
 
 
-def should_fold(mode: str, layout: ParallelLayout, encoders: list[nn.Module | tuple[str, object]]) -> bool:
+def should_fold(mode: str, layout: ParallelLayout, encoders: Sequence[nn.Module | tuple[str, object]]) -> bool:
     """Apply the `--encoder-parallel` rule of the module docstring; ValueError when "fold" cannot run. The encoders
     are the loaded modules, or (class name, config) pairs read before loading (`parallel/preflight.py`)."""
     if mode == "replicate":

@@ -15,9 +15,13 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 from k6serve.config import ParallelConfig
 from k6serve.models.plan import AttentionSite, ModelPlan
+
+if TYPE_CHECKING:  # this module imports torch only inside the functions that use it
+    from torch.distributed import ProcessGroup
 
 AXES = ("dp", "cfg", "tp", "ring", "ulysses")
 REPLICA_AXES = AXES[1:]
@@ -249,11 +253,11 @@ class ParallelGroups:
     layout: ParallelLayout
     rank: int
     replica: int
-    axis: dict  # axis name -> ProcessGroup (cfg, tp, ring, ulysses)
-    sequence: object  # ring x ulysses, ranks ordered by sequence index
-    replica_group: object  # every rank of the replica, model backend (FSDP shards over it)
-    control: object  # every rank of the replica, gloo
-    world_control: object  # every rank of every replica, gloo (the start-up broadcast of the engine's address)
+    axis: dict[str, ProcessGroup]  # axis name -> its group (cfg, tp, ring, ulysses)
+    sequence: ProcessGroup  # ring x ulysses, ranks ordered by sequence index
+    replica_group: ProcessGroup  # every rank of the replica, model backend (FSDP shards over it)
+    control: ProcessGroup  # every rank of the replica, gloo
+    world_control: ProcessGroup  # every rank of every replica, gloo (the start-up broadcast of the engine's address)
     replica_ranks: tuple[int, ...]
 
     def axis_rank(self, axis: str) -> int:
@@ -278,10 +282,11 @@ class ParallelGroups:
         )
 
 
-def _default_group():
+def _default_group() -> ProcessGroup:
     import torch.distributed as dist
 
-    return dist.group.WORLD
+    # Typed optional for before `init_process_group`; `build_groups` has read the default group's backend already.
+    return cast("ProcessGroup", dist.group.WORLD)
 
 
 def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: float) -> ParallelGroups:
@@ -297,10 +302,10 @@ def build_groups(layout: ParallelLayout, rank: int, *, backend: str, timeout_s: 
     # every rank on the default group's backend is the default group itself. One exception: FSDP's replica group.
     # A communicator runs its collectives one after another, and FSDP's prefetching all-gathers are meant to run
     # beside the sequence-parallel exchanges, so that group keeps its own communicator.
-    made: dict[tuple[str, tuple[int, ...]], object] = {}
+    made: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
     default_backend, world_size = dist.get_backend(), dist.get_world_size()
 
-    def create(groups: list[list[int]], group_backend: str, *, shared: bool = True):
+    def create(groups: list[list[int]], group_backend: str, *, shared: bool = True) -> ProcessGroup:
         mine = None
         for ranks in groups:
             key = (group_backend, tuple(sorted(ranks)))

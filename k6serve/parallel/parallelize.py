@@ -8,6 +8,7 @@ group on the DiT for the denoising loop. Generic: everything model-specific come
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -20,6 +21,9 @@ from k6serve.parallel.sequence_attention import ShardState
 from k6serve.parallel.sequence_parallel import apply_sequence_parallel
 from k6serve.parallel.tensor_parallel import apply_tp
 from k6serve.rank_logging import ONCE
+
+if TYPE_CHECKING:  # the model packages are imported where their models are parallelised
+    from k6serve.models.kandinsky6_sr.transformer import SRTransformer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ def parallelize_generation_models(models, groups: ParallelGroups, *, encoder_par
                        device_type=device_type)
 
 
-def parallelize_sr_transformer(transformer: nn.Module, groups: ParallelGroups, *, model_name: str,
+def parallelize_sr_transformer(transformer: SRTransformer, groups: ParallelGroups, *, model_name: str,
                                device_type: str) -> None:
     """The SR DiT (no guidance branch, no text encoder)."""
     from k6serve.models.kandinsky6_sr.plan import sr_plan

@@ -76,6 +76,7 @@ def _text_encoder_configs(folder: Path | None) -> list[tuple[str, object]]:
     index = read_json_file(folder / "model_index.json")
     # The classes the loader builds (models/kandinsky6/checkpoint.py), not AutoConfig: a config.json with an
     # `auto_map` made AutoConfig ask on the terminal whether to run the folder's own Python code, and run it on "y".
-    classes = {"text_encoder": transformers.Qwen2_5_VLConfig, "text_encoder_2": transformers.CLIPTextConfig}
+    classes: dict[str, type[transformers.PreTrainedConfig]] = {
+        "text_encoder": transformers.Qwen2_5_VLConfig, "text_encoder_2": transformers.CLIPTextConfig}
     return [(index[name][1], config_class.from_pretrained(str(folder / name)))
             for name, config_class in classes.items()]

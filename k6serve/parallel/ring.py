@@ -38,6 +38,8 @@ def merge_partial(
     block_out_BLHD = block_out_BLHD.float()
     if out_BLHD is None:
         return block_out_BLHD, block_lse_BHL
+    if lse_BHL is None:
+        raise ValueError("merge_partial: a partial attention needs its log-sum-exp")
     merged_lse_BHL = torch.logaddexp(lse_BHL, block_lse_BHL)
     weight_BLH1 = torch.exp(lse_BHL - merged_lse_BHL).transpose(1, 2)[..., None]
     block_weight_BLH1 = torch.exp(block_lse_BHL - merged_lse_BHL).transpose(1, 2)[..., None]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from k6serve.parallel.ulysses import (
     overlap_chunks_from_environment,
     start_ulysses,
 )
+
+if TYPE_CHECKING:
+    from k6serve.models.common.inner_attention import InnerAttention
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,7 +62,7 @@ class ShardedAttention(nn.Module):
 
     def __init__(
         self,
-        inner: nn.Module,
+        inner: InnerAttention,
         *,
         ulysses_group: dist.ProcessGroup,
         ring_group: dist.ProcessGroup,
@@ -123,6 +127,7 @@ class ShardedAttention(nn.Module):
                 )
 
         if prepared.exchange is None:  # no Ulysses: the ring (or the plain core) sees this rank's shard
+            assert prepared.query_key_value is not None  # a prepared attention holds one or the other
             return attend(*prepared.query_key_value)
         return finish_ulysses(prepared.exchange, attend)
 
@@ -139,7 +144,7 @@ class GatherKVAttention(nn.Module):
     transfer runs beside that work instead of in front of the attention.
     """
 
-    def __init__(self, inner: nn.Module, *, sequence_group: dist.ProcessGroup, state: ShardState):
+    def __init__(self, inner: InnerAttention, *, sequence_group: dist.ProcessGroup, state: ShardState):
         super().__init__()
         self.inner = inner
         self.role = inner.role

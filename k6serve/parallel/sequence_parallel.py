@@ -53,18 +53,20 @@ def _swap_inner_attention(model: nn.Module, plan: SequenceParallelPlan, groups: 
 
 def _split_hook(points: list[SequenceSplitPoint], groups: ParallelGroups, state: ShardState, cache: _SplitCache):
     layout = groups.layout
+    # Every split point names a keyword argument: `apply_sequence_parallel` asserted it.
+    cuts = [(point.argument, point.dim) for point in points if point.argument is not None]
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        lengths = {kwargs[p.argument].shape[p.dim] for p in points}
+        lengths = {kwargs[argument].shape[dim] for argument, dim in cuts}
         assert len(lengths) == 1, f"split arguments disagree on the sequence length: {lengths}"
         shard = SequenceShard(total_length=lengths.pop(), degree=layout.sequence_degree,
                               index=layout.sequence_index(groups.rank))
         state.current = shard
         cache.shards.clear()
-        for point in points:
-            full = kwargs[point.argument]
-            kwargs[point.argument] = shard_sequence(full, point.dim, shard)
-            cache.shards[point.argument] = (full, kwargs[point.argument])
+        for argument, dim in cuts:
+            full = kwargs[argument]
+            kwargs[argument] = shard_sequence(full, dim, shard)
+            cache.shards[argument] = (full, kwargs[argument])
         return args, kwargs
 
     return hook
@@ -150,7 +152,7 @@ def apply_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, groups
             siblings = parent_list(model, name)
             if siblings is not None:
                 blocks, index = siblings
-                arguments = [p.argument for p in points]
+                arguments = [p.argument for p in points if p.argument is not None]  # all (asserted above)
                 for later in list(blocks)[index + 1:]:
                     later.register_forward_pre_hook(_follow_hook(arguments, cache), with_kwargs=True)
     for point in plan.gather_outputs:

@@ -35,12 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from k6serve.parallel.sequence import pad_sequence
+
+if TYPE_CHECKING:  # the K-VAE's modules are told apart by class name, without importing diffusers here
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRCausalConv3d
 
 # Where `attach_spatial_shard` records the exchange on the SRVAE wrapper (as `attach_decode_group` records its group),
 # and `hook_decoder` on each hooked module.
@@ -128,7 +132,8 @@ def _all_gather_dim0(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed after torch 2.11
-    return gather(tensor, 0, group if group is not None else dist.group.WORLD)
+    # The default group, typed optional for before `init_process_group`: a decode collective runs after it.
+    return gather(tensor, 0, group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD))
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -140,7 +145,11 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
 
 def _is_row_mixing_conv(module: nn.Module) -> bool:
     # By name: diffusers' classes, without importing diffusers here (the SR K-VAE comes from it).
-    return type(module).__name__ == "Kandinsky6SRCausalConv3d" and module.height_pad > 0
+    return type(module).__name__ == "Kandinsky6SRCausalConv3d" and _height_pad(module) > 0
+
+
+def _height_pad(module: nn.Module) -> int:
+    return cast("Kandinsky6SRCausalConv3d", module).height_pad  # told by its class name (`_is_row_mixing_conv`)
 
 
 def _is_upsampler(module: nn.Module) -> bool:
@@ -154,7 +163,7 @@ def hook_decoder(decoder: nn.Module, exchange: HaloExchange) -> int:
     pending = []
     for module in decoder.modules():
         if _is_row_mixing_conv(module):
-            rows, scale = module.height_pad, 1
+            rows, scale = _height_pad(module), 1
         elif _is_upsampler(module):
             rows, scale = 1, 2
         else:

@@ -40,6 +40,7 @@ from k6serve.runtime.memory import MemoryOperation, MemoryReply, ReleaseMemory, 
 from k6serve.speed.warmup import WarmupReport
 
 if TYPE_CHECKING:  # the engine's process imports no model code (the ranks build the models)
+    from k6serve.runtime.process_group_worker import MultiProcessWorker
     from k6serve.runtime.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def check_temporary_folder() -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, worker: ModelWorker | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, worker: ModelWorker | MultiProcessWorker | None = None) -> None:
         self.config = config
         if worker is None:
             from k6serve.runtime.process_group_worker import MultiProcessWorker

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -235,6 +236,13 @@ def loopback_environment(spec: RankSpec, environ: Mapping[str, str], interface: 
     return {name: value for name, value in wanted.items() if name not in environ}
 
 
+class _Rendezvous(TypedDict, total=False):
+    """How `init_process_group` finds the other ranks: one of the two."""
+
+    store: dist.Store
+    init_method: str
+
+
 def init_distributed(spec: RankSpec) -> torch.device:
     """Join the process group (with the collective timeout) and return this rank's device."""
     if spec.device_type == "cuda":
@@ -250,6 +258,7 @@ def init_distributed(spec: RankSpec) -> torch.device:
     if loopback:
         logger.debug("process groups on the loopback: %s", loopback)
         os.environ.update(loopback)
+    rendezvous: _Rendezvous
     if spec.store_from_engine:
         rendezvous = {"store": dist.TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timeout)}
     else:

@@ -35,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -306,7 +307,7 @@ class MemoryRelease:
                 copy.weights.to_host()  # re-points only: the device copies are freed with their last reference
         return kept
 
-    def release(self, groups: dict[str, list[torch.Tensor]], homes: list[HostWeights] = ()) -> MemoryRankReport:
+    def release(self, groups: dict[str, list[torch.Tensor]], homes: Sequence[HostWeights] = ()) -> MemoryRankReport:
         """Move `groups` (from `device_tensors`) and `homes` (`device_homes`) to host memory; a report of what moved
         and what is left."""
         if self.released:
@@ -317,7 +318,7 @@ class MemoryRelease:
         pin = self.device.type == "cuda"
         self.copies = self._reattach_kept(groups)
         reused = self.copies is not None
-        if reused:
+        if self.copies is not None:
             pin = all(copy.weights.pinned for copy in self.copies)
         else:
             refused = None
@@ -353,8 +354,14 @@ class MemoryRelease:
         logger.info("memory released: %s; %s", report["message"], report["after"]["explanation"])
         return report
 
+    def _held_copies(self) -> list[_HostCopy]:
+        """The host copies, for a step that runs only while released."""
+        if self.copies is None:
+            raise RuntimeError("memory is not released")
+        return self.copies
+
     def _put_back(self) -> None:
-        for copy in self.copies:
+        for copy in self._held_copies():
             with copy.mode():
                 copy.weights.to_device(self.device)
         self.copies = None
@@ -387,7 +394,7 @@ class MemoryRelease:
     def resume(self, *, keep_host_copy: bool = False) -> MemoryRankReport:
         """Copy every released tensor back to the device (all copies made before any tensor is re-pointed, so an
         out-of-memory leaves everything released) and drop the host copies, or keep them (`ResumeMemory`)."""
-        if not self.released:
+        if self.copies is None:  # `not self.released`, spelled so that mypy narrows `self.copies` below
             return self._report("not_released", "memory was not released; nothing changed", {}, 0.0)
         start = time.perf_counter()
         restored = self._copy_back()
@@ -410,15 +417,16 @@ class MemoryRelease:
     def _copy_back(self) -> dict[str, int]:
         """Attach every released tensor to a new device copy; the bytes restored per owner. (A method of its own so
         that no local variable outlives it holding a host copy, which must be freed on the reaper's thread.)"""
+        copies = self._held_copies()
         device_chunks = []
-        for copy in self.copies:
+        for copy in copies:
             with copy.mode():
                 device_chunks.append(copy.weights.copy_to(self.device))
         home_chunks = [_copy_chunks(home.weights, self.device, pin=False)[0] for home in self.homes]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copies from pinned memory are asynchronous
         restored: dict[str, int] = {}
-        for copy, chunks in zip(self.copies, device_chunks, strict=True):
+        for copy, chunks in zip(copies, device_chunks, strict=True):
             with copy.mode():
                 copy.weights.attach(chunks)
             restored[copy.name] = restored.get(copy.name, 0) + _nbytes([slot.tensor for slot in copy.weights.slots])

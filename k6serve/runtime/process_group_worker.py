@@ -25,6 +25,7 @@ from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
 from multiprocessing.process import BaseProcess
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 
@@ -76,6 +77,7 @@ from k6serve.speed.warmup import WarmupReport
 __all__ = ["MultiProcessWorker", "serve_worker_ranks"]
 
 logger = logging.getLogger(__name__)
+_Outcome = TypeVar("_Outcome")  # what a control message's replicas answered (`_control_on`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -316,8 +318,9 @@ class MultiProcessWorker:
         """
         replicas = self._take_all_replicas("LoRA operation")
         try:
-            outcomes = self._control_on(replicas, lambda request_id: messages.LoraRequest(request_id=request_id,
-                                                                                        operation=operation))
+            # A LoRA request's replicas answer `LoraDone`, whose result is the leader's reply.
+            outcomes = cast("list[tuple[int, LoraReply | Exception]]", self._control_on(
+                replicas, lambda request_id: messages.LoraRequest(request_id=request_id, operation=operation)))
         finally:
             self._give_back(replicas)
         # A replica that died during it was told as `ReplicasDisagree`, so the server recorded the adapters as
@@ -350,9 +353,11 @@ class MultiProcessWorker:
                        "server" if undo_failed else "the replicas where it succeeded were put back, so nothing changed")
             raise RuntimeError(f"{type(operation).__name__} failed on replica(s) {[i for i, _ in failed]}; "
                                f"{outcome}. Replica {index}: {type(error).__name__}: {error}") from error
-        return [report for _, reports in outcomes for report in reports]
+        # Every outcome is a list of reports here (`failed` is empty); the isinstance only tells mypy so.
+        return [report for _, reports in outcomes if not isinstance(reports, Exception) for report in reports]
 
-    def _of_serving(self, replicas: list[_Replica], outcomes: list[tuple[int, object]]) -> list[tuple[_Replica, tuple]]:
+    def _of_serving(self, replicas: list[_Replica],
+                    outcomes: list[tuple[int, _Outcome]]) -> list[tuple[_Replica, tuple[int, _Outcome]]]:
         """(replica, its outcome) of the replicas still serving after an operation: one that died during it serves no
         more, so only the others must agree (its death is logged here). All of them when none is left."""
         serving = [(replica, outcome) for replica, outcome in zip(replicas, outcomes) if replica.alive]
@@ -363,9 +368,11 @@ class MultiProcessWorker:
                 logger.error("%s", error)
         return serving
 
-    def _memory_on(self, replicas: list[_Replica], operation: MemoryOperation) -> list[tuple[int, list | Exception]]:
-        return self._control_on(replicas, lambda request_id: messages.MemoryRequest(request_id=request_id,
-                                                                                    operation=operation))
+    def _memory_on(self, replicas: list[_Replica],
+                   operation: MemoryOperation) -> list[tuple[int, list[MemoryRankReport] | Exception]]:
+        # A memory request's replicas answer `MemoryDone`, whose result is each rank's report.
+        return cast("list[tuple[int, list[MemoryRankReport] | Exception]]", self._control_on(
+            replicas, lambda request_id: messages.MemoryRequest(request_id=request_id, operation=operation)))
 
     def _give_back(self, replicas: list[_Replica]) -> None:
         with self._changed:

@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
-from typing import Protocol
+from typing import Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,10 @@ from k6serve.runtime.out_of_memory import describe_exit_code
 logger = logging.getLogger(__name__)
 
 _NO_OUTPUT = OutputOptions(save_output=False, return_frames=False)
+
+_T = TypeVar("_T")
+# A rank's failure, as `_classify` tells it: (kind, message, the error to raise again in the engine).
+_Failure = tuple[str, str, Exception | None]
 
 
 class RankWorker(Protocol):
@@ -126,13 +130,13 @@ def _broadcast(message: object, context: RankContext) -> object:
     return box[0]
 
 
-def _gather(item: object, context: RankContext) -> list[object]:
+def _gather(item: _T, context: RankContext) -> list[_T]:
     items: list[object] = [None] * len(context.groups.replica_ranks)
     dist.all_gather_object(items, item, group=context.groups.control)
-    return items
+    return cast("list[_T]", items)  # each rank's `item`: every rank gathers the same kind of thing
 
 
-def _classify(error: BaseException, rank: int) -> tuple[str, str, Exception | None]:
+def _classify(error: BaseException, rank: int) -> _Failure:
     """(kind, message, the error to raise again in the engine) for a rank's failure; a runtime message starts
     with one line naming the error, the traceback follows."""
     if isinstance(error, RequestCancelled):
@@ -147,7 +151,8 @@ def _classify(error: BaseException, rank: int) -> tuple[str, str, Exception | No
         # builtin constructor still picks the errno's subclass (PermissionError, ...).
         rebuilt = OSError(error.errno, error.strerror, error.filename) if error.errno else OSError(str(error))
         return "os", text, rebuilt
-    if missing_package(error):
+    # missing_package tests the class too; the isinstance is spelled here so that mypy knows `error.name`.
+    if isinstance(error, ModuleNotFoundError) and missing_package(error):
         # The workers' interpreter lacks a package (a PYTHONPATH that hides it, an optional one imported late): the
         # machine's state, which the CLI and the server name with its pip command, not a bug. Kept a
         # ModuleNotFoundError with its name so that they can; one of k6serve's own modules missing stays a bug.
@@ -231,28 +236,29 @@ class _ReplicaLoop:
     def _run(self, request: messages.RunRequest) -> bool:
         """Run one request on this rank; returns False when the replica can no longer serve."""
         output = request.output if self.context.is_leader else _NO_OUTPUT
-        result, failure = None, None
+        succeeded, failure = None, None
         try:
             result = self.worker.run(request.params, output, on_step=self._on_step(request.request_id))
+            succeeded = messages.RunSucceeded(request_id=request.request_id, result=result)
         except Exception as error:  # noqa: BLE001 (reported to the engine below; the loop keeps serving)
             failure = _classify(error, self.context.spec.rank)
-        return self._reply(request.request_id, failure,
-                           lambda: messages.RunSucceeded(request_id=request.request_id, result=result))
+        return self._reply(request.request_id, failure, succeeded)
 
     def _apply_lora(self, request: messages.LoraRequest) -> bool:
         """Apply one LoRA operation on this rank; returns False when the replica can no longer serve."""
-        result, failure = None, None
+        succeeded, failure = None, None
         try:
             result = self.worker.apply_lora_operation(request.operation)
+            succeeded = messages.LoraDone(request_id=request.request_id, result=result)
         except Exception as error:  # noqa: BLE001 (reported to the engine below; the loop keeps serving)
             failure = _classify(error, self.context.spec.rank)
-        return self._reply(request.request_id, failure,
-                           lambda: messages.LoraDone(request_id=request.request_id, result=result))
+        return self._reply(request.request_id, failure, succeeded)
 
     def _apply_memory(self, request: messages.MemoryRequest) -> bool:
         """Release or resume on this rank. If it failed on another rank of the replica, it is undone here, so the
         ranks stay alike (all released or none); returns False when that fails too or a peer is gone."""
-        reports, failure = [], None
+        reports: list[MemoryRankReport] = []
+        failure = None
         rank, replica = self.context.spec.rank, self.context.groups.replica
         try:
             reports = [{"replica": replica, "rank": rank, **report}
@@ -282,14 +288,15 @@ class _ReplicaLoop:
                 self._send(messages.MemoryDone(request_id=request.request_id,
                                                result=[r for _, ranks in outcomes for r in ranks]))
             else:
-                kind, text, error = failures[0]
+                kind, text, engine_error = failures[0]
                 self._send(messages.RunFailed(request_id=request.request_id, kind=kind, message=text,
-                                              replica_broken=broken, error=error))
+                                              replica_broken=broken, error=engine_error))
         return not broken
 
-    def _reply(self, request_id: int, failure: tuple | None, succeeded: Callable[[], object]) -> bool:
-        """Gather every rank's failure; the leader sends `succeeded()` or the first failure. Returns False when
-        the ranks disagree (some failed, some did not) or a peer is gone: the replica can no longer serve."""
+    def _reply(self, request_id: int, failure: _Failure | None, succeeded: object) -> bool:
+        """Gather every rank's failure; the leader sends `succeeded` (None where this rank failed) or the first
+        failure. Returns False when the ranks disagree (some failed, some did not) or a peer is gone: the replica can
+        no longer serve."""
         try:
             failures = _gather(failure, self.context)
         except Exception as error:  # noqa: BLE001 (a peer is gone: the replica cannot run collectives)
@@ -300,11 +307,11 @@ class _ReplicaLoop:
         if self.connection is not None:
             reported = [f for f in failures if f is not None]
             if not reported:
-                self._send(succeeded())
+                self._send(succeeded)
             else:
-                kind, text, error = reported[0]
+                kind, text, engine_error = reported[0]
                 self._send(messages.RunFailed(
-                    request_id=request_id, kind=kind, message=text, replica_broken=broken, error=error,
+                    request_id=request_id, kind=kind, message=text, replica_broken=broken, error=engine_error,
                 ))
         return not broken
 
@@ -312,6 +319,8 @@ class _ReplicaLoop:
         """The leader's reply to the engine. An engine gone meanwhile is not this rank's error: raised, it ended the
         leader alone, out of step with its peers; the next `_next_message` reads the closed connection and shuts
         the whole replica down."""
+        if self.connection is None:
+            raise RuntimeError("only the replica's leader replies to the engine")
         try:
             self.connection.send(reply)
         except (EOFError, OSError):
@@ -341,6 +350,8 @@ def rank_main(
         context = RankContext(spec=spec, device=device, groups=groups)
         connection = None
         if context.is_leader:
+            if engine_address is None:
+                raise RuntimeError(f"rank {spec.rank} leads a replica but was not told where the engine listens")
             connection = Client(engine_address, authkey=authkey)
             connection.send(messages.Joined(replica=groups.replica))
         worker, failure = None, None
@@ -350,7 +361,7 @@ def rank_main(
             failure = _classify(error, spec.rank)
         failures = _gather(failure, context)
         pids = _gather(os.getpid(), context)
-        if context.is_leader:
+        if connection is not None:  # this rank leads the replica
             reported = [f for f in failures if f is not None]
             if reported:
                 # A user error (bad layout, checkpoint mismatch) is the same on every rank: report it once.
@@ -362,6 +373,7 @@ def rank_main(
                 connection.send(messages.StartupFailed(replica=groups.replica, message=message, kind=kind,
                                                        error=missing))
             else:
+                assert worker is not None  # this rank's own failure would be among `reported`
                 # A rank worker without a server warm-up (the tests' stand-ins) reports none.
                 connection.send(messages.Ready(replica=groups.replica, variant=worker.variant, pids=tuple(pids),
                                                warmups=tuple(getattr(worker, "server_warmups", ())),

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -53,6 +54,9 @@ from k6serve.runtime.worker_preflight import check_residency, refuse_family_flag
 from k6serve.speed.performance_mode import apply_performance_mode
 from k6serve.speed.vae_tiling import resolve_vae_tiling
 from k6serve.speed.warmup import WarmupReport, warmup
+
+if TYPE_CHECKING:  # imported on the first LoRA operation (`_lora_manager`)
+    from k6serve.lora.manager import LoraManager
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +124,13 @@ class ModelWorker:
                         model.quantization, self.performance_report.num_quantized_linears, extra=ONCE)
         self._apply_vae_tiling()
         self.offload_report = self._apply_offload()
-        self.lora_manager = None  # created on the first LoRA operation (`_lora_manager`)
+        self.lora_manager: LoraManager | None = None  # created on the first LoRA operation (`_lora_manager`)
         self.memory_release = MemoryRelease(self.device)  # sleep / wake between requests (runtime/memory.py)
-        if model.lora_path:
+        set_lora = start_set_lora(model)  # None without --lora-path
+        if set_lora is not None:
             # After the speed transforms and offloading: the manager must see the fused projections and the host
             # storage that requests will use.
-            self.apply_lora_operation(start_set_lora(model))
+            self.apply_lora_operation(set_lora)
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
             if config.runtime.compile_prompt_rewrite:
@@ -253,7 +258,7 @@ class ModelWorker:
         """Release or resume this worker's device memory, between requests; one report (this worker is one rank)."""
         return [apply_memory_operation(self, operation)]
 
-    def _request_chooses_adapters(self, request: GenerateRequest | UpscaleRequest) -> bool:
+    def _request_chooses_adapters(self, request: GenerateRequest | UpscaleRequest) -> TypeGuard[GenerateRequest]:
         """Whether the request's own `loras` need the LoRA manager: any `loras`, but an empty one (the base model)
         on a quantized DiT, which holds no adapters to switch off."""
         loras = getattr(request, "loras", None)
@@ -275,7 +280,7 @@ class ModelWorker:
             yield
         except NonFiniteLatents:
             active = self.lora_manager.active if self.lora_manager is not None else []
-            if not active:
+            if not active or not isinstance(request, GenerateRequest):  # (an SR worker has no LoRA manager)
                 raise
             raise non_finite_latents(request, [(entry.nickname, entry.strength, entry.alpha) for entry in active]
                                      ) from None
@@ -297,7 +302,7 @@ class ModelWorker:
         self.warmed_up = True
         if self.variant.family != GENERATION:
             return None
-        request, _ = self.resolve(params)
+        request, _ = self._resolve_generate(params)
         cancel_point = None if on_step is None else (lambda step, total: on_step(0, request.num_inference_steps))
         start = time.perf_counter()
         try:
@@ -468,7 +473,7 @@ class ModelWorker:
                                                load_format=self.config.model.load_format, attention_backend=backend,
                                                weights_device=self.weights_device)
 
-    def _resolve_warmup(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
+    def _resolve_warmup(self, params: SamplingParams) -> tuple[GenerateRequest, list[str]]:
         """`resolve` for a server warm-up's request, without the engine's Cache-DiT step mask: the request is resolved
         at the variant's default steps and then run at `WARMUP_STEPS` (`warmup_request`), and --cache-dit-config bins
         covering another step count stopped the start-up after the load. The mask only picks which steps may reuse
@@ -476,14 +481,18 @@ class ModelWorker:
         engine = self.config.runtime.cache_dit_config
         if engine is not None and engine.uses_step_mask and params.cache_dit_params is None:
             params = dataclasses.replace(params, cache_dit_params={"scm_preset": "none"})  # replaces the whole mask
-        return self.resolve(params)
+        return self._resolve_generate(params)
 
     def resolve(self, params: SamplingParams) -> tuple[GenerateRequest | UpscaleRequest, list[str]]:
         if self.variant.family == GENERATION:
-            return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
-                                    cache_dit_unavailable=self.config.parallel.cache_dit_unavailable,
-                                    has_audio=self.has_audio, streams_text_encoder=self.streams_text_encoder)
+            return self._resolve_generate(params)
         return resolve_upscale(params, self.variant)
+
+    def _resolve_generate(self, params: SamplingParams) -> tuple[GenerateRequest, list[str]]:
+        """`resolve` for a generation model (its callers have checked the family)."""
+        return resolve_generate(params, self.variant, engine_cache_dit=self.config.runtime.cache_dit_config,
+                                cache_dit_unavailable=self.config.parallel.cache_dit_unavailable,
+                                has_audio=self.has_audio, streams_text_encoder=self.streams_text_encoder)
 
     def run(self, params: SamplingParams, output: OutputOptions,
             on_step: ProgressCallback | None = None) -> VideoResult:

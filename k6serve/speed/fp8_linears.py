@@ -19,6 +19,7 @@ The engine's `--quantization fp8` converts the "video" scope minus `--quantizati
 from __future__ import annotations
 
 import fnmatch
+from typing import cast
 
 from torch import nn
 
@@ -58,7 +59,8 @@ def _linears(model: nn.Module, scope: str) -> list[tuple[str, nn.Module, str, nn
     """(full module name, parent, attribute, Linear) of each plain `nn.Linear` that `scope` converts; a linear whose
     widths are not multiples of 16 stays in bf16 (a custom checkpoint's; cuBLASLt refuses them)."""
     found = []
-    for index, block in enumerate(model.visual_transformer_blocks):
+    # `model` is the generation DiT (Kandinsky6Transformer), whose fused blocks are a ModuleList.
+    for index, block in enumerate(cast(nn.ModuleList, model.visual_transformer_blocks)):
         for path in fp8_linear_paths(scope):
             parent_path, _, name = path.rpartition(".")
             parent = block.get_submodule(parent_path)

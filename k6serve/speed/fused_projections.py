@@ -81,7 +81,9 @@ class FusedProjectionAttention(Kandinsky6Attention):
 
     def _query_heads(self, query_BLD: Tensor, query_rope: Tensor | None) -> Tensor:
         heads_BLNK = query_BLD.unflatten(-1, (-1, self.head_dim))
-        if self.fused_norm_rope and norm_rope_op.supports(heads_BLNK, self.query_norm.weight, query_rope):
+        # (`supports` is False without a rope; the explicit test tells mypy.)
+        if self.fused_norm_rope and query_rope is not None and norm_rope_op.supports(
+                heads_BLNK, self.query_norm.weight, query_rope):
             return _norm_rope(heads_BLNK, self.query_norm, query_rope)
         return super()._query_heads(query_BLD, query_rope)
 
@@ -89,7 +91,8 @@ class FusedProjectionAttention(Kandinsky6Attention):
         self, key_BSD: Tensor, value_BSD: Tensor, key_rope: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         heads_BSNK = key_BSD.unflatten(-1, (-1, self.head_dim))
-        if self.fused_norm_rope and norm_rope_op.supports(heads_BSNK, self.key_norm.weight, key_rope):
+        if self.fused_norm_rope and key_rope is not None and norm_rope_op.supports(
+                heads_BSNK, self.key_norm.weight, key_rope):
             return _norm_rope(heads_BSNK, self.key_norm, key_rope), value_BSD.unflatten(-1, (-1, self.head_dim))
         return super()._key_value_heads(key_BSD, value_BSD, key_rope)
 

@@ -41,6 +41,8 @@ after the weights are final (the engine applies every decode speed-up after load
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -54,6 +56,9 @@ from k6serve.speed.phase_fold import (
     route_folded,
     two_tap_phases,
 )
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoUpsampleCausal3D
 
 
 def folded_upsampler_kernel(conv: nn.Conv3d, temporal_upsample: bool) -> tuple[Tensor, Tensor]:
@@ -120,12 +125,12 @@ def _folded_forward(self, hidden_states: Tensor) -> Tensor:
                            temporal_upsample=self.upsample_factor[0] == 2)
 
 
-def _is_upsampler(module: nn.Module) -> bool:
+def _is_upsampler(module: nn.Module) -> TypeGuard[HunyuanVideoUpsampleCausal3D]:
     # By name: diffusers' class, without importing diffusers here.
     return type(module).__name__ == "HunyuanVideoUpsampleCausal3D"
 
 
-def _fits(module: nn.Module) -> bool:
+def _fits(module: HunyuanVideoUpsampleCausal3D) -> bool:
     factor = tuple(module.upsample_factor)
     causal, conv = module.conv, getattr(module.conv, "conv", None)
     return (

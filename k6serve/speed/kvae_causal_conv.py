@@ -21,9 +21,14 @@ encoder's strided downsamplers are not touched).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRCausalConv3d
 
 
 def _single_conv_forward(self, hidden_states: Tensor, cache: dict) -> Tensor:
@@ -42,10 +47,11 @@ def _is_causal_conv(module: nn.Module) -> bool:
 
 
 def _fits(module: nn.Module) -> bool:
-    conv = module.conv
+    causal = cast("Kandinsky6SRCausalConv3d", module)  # told by its class name (`_is_causal_conv`)
+    conv = causal.conv
     return (
-        module.time_stride == 1
-        and module.time_pad == module.time_kernel_size - 1
+        causal.time_stride == 1
+        and causal.time_pad == causal.time_kernel_size - 1
         and isinstance(conv, nn.Conv3d)
         and conv.stride == (1, 1, 1)
         and conv.padding in ((0, 0, 0), "valid")

@@ -23,9 +23,14 @@ channel chunking of diffusers' interpolation (a peak-memory device for eager) is
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRSpatialNorm3D
 
 
 def _nearest_like(conditioning: Tensor, hidden_states: Tensor, first_segment: bool) -> Tensor:
@@ -53,7 +58,7 @@ def _is_spatial_norm(module: nn.Module) -> bool:
     return type(module).__name__ == "Kandinsky6SRSpatialNorm3D"
 
 
-def is_pointwise_conv(conv: nn.Module) -> bool:
+def is_pointwise_conv(conv: nn.Module) -> TypeGuard[nn.Conv3d]:
     """A plain 1x1x1 convolution: the same dot product at every position (also used by speed/kvae_upsample.py)."""
     return (
         isinstance(conv, nn.Conv3d)
@@ -75,7 +80,8 @@ def apply_commuted_spatial_norms(decoder: nn.Module) -> int:
     for module in decoder.modules():
         if not _is_spatial_norm(module) or "forward" in vars(module):
             continue
-        if not (is_pointwise_conv(module.conv_y) and is_pointwise_conv(module.conv_b)):
+        norm = cast("Kandinsky6SRSpatialNorm3D", module)  # told by its class name (`_is_spatial_norm`)
+        if not (is_pointwise_conv(norm.conv_y) and is_pointwise_conv(norm.conv_b)):
             continue
         module.forward = _commuted_forward.__get__(module)
         count += 1

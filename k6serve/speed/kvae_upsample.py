@@ -39,6 +39,8 @@ is diffusers' code unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -52,6 +54,9 @@ from k6serve.speed.phase_fold import (
     phase_taps,
     route_folded,
 )
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRUpsample
 
 __all__ = ["apply_subpixel_upsample", "folded_upsample", "folded_upsampler_kernel", "phase_taps"]
 
@@ -112,7 +117,7 @@ def _folded_forward(self, hidden_states: Tensor, cache: dict) -> Tensor:
     return folded_upsample(hidden_states, getattr(self, WEIGHT_BUFFER), getattr(self, BIAS_BUFFER))
 
 
-def _is_upsampler(module: nn.Module) -> bool:
+def _is_upsampler(module: nn.Module) -> TypeGuard[Kandinsky6SRUpsample]:
     # By name: diffusers' class, without importing diffusers here (the SR K-VAE module comes from it).
     return type(module).__name__ == "Kandinsky6SRUpsample"
 

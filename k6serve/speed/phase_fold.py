@@ -7,6 +7,7 @@ upsampler through its folded forward, with the folded kernel kept in non-persist
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeGuard, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +15,8 @@ from torch import Tensor, nn
 # What the released diffusers modules split their convolutions at (`CONV_CHUNK_ELEMENTS`): cuDNN indexes with 32 bits.
 MAX_CONV_OUTPUT_ELEMENTS = 2 * 10**9
 WEIGHT_BUFFER, BIAS_BUFFER = "_k6serve_phase_weight", "_k6serve_phase_bias"
+
+_Upsampler = TypeVar("_Upsampler", bound=nn.Module)
 
 
 def accumulation_dtype(tensor: Tensor) -> torch.dtype:
@@ -34,8 +37,8 @@ def phase_taps(weight_OI_33: Tensor) -> list[Tensor]:
     return [columns for rows in two_tap_phases(w, -2) for columns in two_tap_phases(rows, -1)]
 
 
-def route_folded(decoder: nn.Module, *, is_upsampler: Callable[[nn.Module], bool],
-                 fits: Callable[[nn.Module], bool], folded_kernel: Callable[[nn.Module], tuple[Tensor, Tensor]],
+def route_folded(decoder: nn.Module, *, is_upsampler: Callable[[nn.Module], TypeGuard[_Upsampler]],
+                 fits: Callable[[_Upsampler], bool], folded_kernel: Callable[[_Upsampler], tuple[Tensor, Tensor]],
                  forward: Callable) -> int:
     """Route every upsampler of `decoder` that `fits` through `forward`, in place, with `folded_kernel(module)`
     stored as non-persistent buffers (state-dict names untouched); returns how many were newly routed.

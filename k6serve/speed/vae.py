@@ -55,6 +55,7 @@ Nothing is applied on a non-CUDA device, so CPU results are unchanged.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -64,6 +65,9 @@ from k6serve.speed.kvae_causal_conv import apply_single_causal_conv
 from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 from k6serve.speed.kvae_upsample import apply_subpixel_upsample
 from k6serve.speed.regional_compile import is_compiled, raise_recompile_limit
+
+if TYPE_CHECKING:  # diffusers' classes are told apart by name here (`_is_sr_vae`), without importing diffusers
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
 
 # "0": never, "1": also HunyuanVideo's decoder (see the module docstring); read when the speed-ups are applied.
 CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
@@ -143,12 +147,12 @@ def _wants_channels_last(vae: nn.Module) -> bool:
     return setting == "1" or (setting != "0" and _is_sr_vae(vae))
 
 
-def _is_sr_vae(vae: nn.Module) -> bool:
+def _is_sr_vae(vae: nn.Module) -> TypeGuard[Kandinsky6SRVAE]:
     # SRVAE drives the K-VAE decoder's blocks itself (segments with causal caches), never decoder.forward.
     return type(vae).__name__ == "Kandinsky6SRVAE"
 
 
-def compile_sr_decoder_blocks(model: nn.Module, *, backend: str = "inductor", limit: int = 64) -> int:
+def compile_sr_decoder_blocks(model: Kandinsky6SRVAE, *, backend: str = "inductor", limit: int = 64) -> int:
     """Compile every resnet block, upsampler and the output norm of the SR K-VAE decoder in place.
 
     `SRVAE` calls these submodules one by one with their cache dicts (segment-by-segment decoding), so the
@@ -157,11 +161,14 @@ def compile_sr_decoder_blocks(model: nn.Module, *, backend: str = "inductor", li
     """
     decoder = model.decoder
     raise_recompile_limit(limit)
-    modules = [decoder.mid.block_1, decoder.mid.block_2, decoder.norm_out]
+    # `mid` and each level of `up` are plain nn.Module holders, whose children torch's stubs type as
+    # Tensor | Module.
+    mid = decoder.mid
+    modules = [cast(nn.Module, mid.block_1), cast(nn.Module, mid.block_2), decoder.norm_out]
     for up in decoder.up:
-        modules += list(up.block)
+        modules += list(cast(nn.ModuleList, up.block))
         if hasattr(up, "upsample"):
-            modules.append(up.upsample)
+            modules.append(cast(nn.Module, up.upsample))
     for module in modules:
         if not is_compiled(module):
             module.compile(backend=backend, dynamic=False)

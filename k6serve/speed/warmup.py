@@ -114,7 +114,7 @@ def _gray_image(request: GenerateRequest) -> Iterator[str]:
 
 
 def warm_other_lengths(pipeline: Callable, request: GenerateRequest,
-                       on_step: Callable[[int, int], None] | None = None) -> None:
+                       on_step: Callable[[int, int], object] | None = None) -> None:
     """One DiT step of `request` as `other_lengths_request` changes it, then, where the checkpoint has its audio
     parts, one without the soundtrack (a request with one) or two with it (a silent request), each stopped before
     the decode.
@@ -195,7 +195,7 @@ def warm_rewrite(pipeline, request: GenerateRequest) -> float:
 
 
 def warmup(pipeline: Callable, request_like, mode: str, *, other_lengths: bool = False, rewrite: bool = False,
-           on_step: Callable[[int, int], None] | None = None) -> WarmupReport:
+           on_step: Callable[[int, int], object] | None = None) -> WarmupReport:
     """Run `pipeline` once on a short version of `request_like` unless `mode` is "off"; report the cost. With
     `other_lengths` (the caller's compiled DiT has not yet seen a second prompt length), a generation request also
     runs one DiT step with the prompt's, the soundtrack's and the image's other variants (`warm_other_lengths`), so

@@ -66,6 +66,11 @@ def test_rope_scale_and_tiles_come_from_the_config_not_defaults():
             ),
             "no known tile table",
         ),
+        # The RoPE divides three axes (t, h, w): two scales failed only at the DiT's first forward, after the
+        # load; a fourth was dropped without a word.
+        (lambda raw: raw["sr_params"]["scale_factor"].update({"512": [1.0, 2.0]}), "scale_factor.*3 numbers"),
+        (lambda raw: raw["sr_params"]["scale_factor"].update({"512": [1.0, 2.0, 2.0, 2.0]}),
+         "scale_factor.*3 numbers"),
     ],
 )
 def test_transformer_config_rejects_what_k6serve_does_not_implement(mutate, message):

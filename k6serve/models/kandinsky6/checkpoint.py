@@ -344,8 +344,12 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
     parameter at a time and copied to its host storage, from the same generator sequence as a GPU build, so its
     weights equal the resident build's; every other component is built on the GPU and then moved to the host (each
     must fit on the GPU anyway, for its stage)."""
-    import diffusers
     import transformers
+    # From their defining modules: mypy types diffusers' top-level names as its torch-less placeholders
+    # (dummy_pt_objects).
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
+    from diffusers.models.autoencoders.autoencoder_mmaudio import MMAudioVAE
+    from diffusers.models.autoencoders.mmaudio_vocoder import MMAudioVocoder
 
     from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
 
@@ -381,9 +385,9 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
         qwen_config, dtype=dtype))
     clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
     text_encoder_2 = built("text_encoder_2", lambda: transformers.CLIPTextModel._from_config(clip_config, dtype=dtype))
-    vae = built("vae", lambda: cast_without_warning(diffusers.AutoencoderKLHunyuanVideo(), dtype))
-    audio_vae = built("audio_vae", lambda: cast_without_warning(diffusers.MMAudioVAE(), dtype))
-    vocoder = built("vocoder", lambda: cast_without_warning(diffusers.MMAudioVocoder(), dtype))
+    vae = built("vae", lambda: cast_without_warning(AutoencoderKLHunyuanVideo(), dtype))
+    audio_vae = built("audio_vae", lambda: cast_without_warning(MMAudioVAE(), dtype))
+    vocoder = built("vocoder", lambda: cast_without_warning(MMAudioVocoder(), dtype))
     if variant.distilled:
         scheduler_class = "PiflowScheduler"
         scheduler_config = {"shift": 5.0, "n_grid": 10, "eps": 1e-6, "final_step_size_scale": 0.5,

@@ -6,7 +6,9 @@ VAE and MMAudio VAE/vocoder released sizes are the diffusers class defaults, so 
 
 from __future__ import annotations
 
-QWEN25_VL_7B = {
+from typing import Any
+
+QWEN25_VL_7B: dict[str, Any] = {  # keyword arguments of transformers' config class (any JSON value)
     "model_type": "qwen2_5_vl",
     "text_config": {
         "model_type": "qwen2_5_vl_text",
@@ -40,7 +42,7 @@ QWEN25_VL_7B = {
     "tie_word_embeddings": False,
 }
 
-CLIP_VIT_L14_TEXT = {
+CLIP_VIT_L14_TEXT: dict[str, Any] = {
     "hidden_size": 768,
     "intermediate_size": 3072,
     "num_hidden_layers": 12,

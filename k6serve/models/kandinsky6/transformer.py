@@ -18,6 +18,8 @@ E time-embedding dim; N heads; K head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -299,7 +301,7 @@ class Kandinsky6FusedBlockStack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         # (blocks, video_BLD, audio_BAD, block_kwargs) -> (video_BLD, audio_BAD); not a Module, so not a child.
-        self.runner = None
+        self.runner: Callable[[nn.ModuleList, Tensor, Tensor | None, dict], tuple[Tensor, Tensor | None]] | None = None
 
     def forward(self, blocks: nn.ModuleList, *, video_BLD: Tensor, audio_BAD: Tensor | None,
                 **block_kwargs) -> tuple[Tensor, Tensor | None]:
@@ -445,7 +447,9 @@ class Kandinsky6Transformer(nn.Module):
         for axis, size in zip("THW", grid_shape):
             _check_positions(f"video token grid axis {axis}", size, MAX_VIDEO_POSITIONS_PER_AXIS)
         if visual_rope_pos is None:
-            visual_rope_pos = tuple(torch.arange(size, device=device) for size in grid_shape)
+            num_frames, height, width = grid_shape
+            visual_rope_pos = (torch.arange(num_frames, device=device), torch.arange(height, device=device),
+                               torch.arange(width, device=device))
         video_rope = self.visual_rope_embeddings(visual_rope_pos, self.config.scale_factor).flatten(
             0, 2
         )

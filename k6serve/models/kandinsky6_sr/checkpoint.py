@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -36,12 +37,14 @@ from k6serve.models.kandinsky6_sr.config_before_loading import (  # read before 
 from k6serve.models.kandinsky6_sr.piflow import SRPiflowSampler
 from k6serve.models.kandinsky6_sr.plan import KEEP_FP32_MODULES
 from k6serve.models.kandinsky6_sr.transformer import SRTransformer
-from k6serve.models.kandinsky6_sr.upscaler import SRLatentUpscaler, build_upscaler
-from k6serve.models.kandinsky6_sr.vae import SRVAE, build_vae
+from k6serve.models.kandinsky6_sr.upscaler import Kandinsky6SRLatentUpscalerBank, SRLatentUpscaler, build_upscaler
+from k6serve.models.kandinsky6_sr.vae import SRVAE, Kandinsky6SRVAE, build_vae
 from k6serve.models.plan import keeps_fp32
 from k6serve.models.variants import Variant
 
 logger = logging.getLogger(__name__)
+
+_Module = TypeVar("_Module", bound=nn.Module)
 
 META = torch.device("meta")
 
@@ -121,7 +124,7 @@ def build_dummy_sr_models(
 
 def build_empty_modules(
     configs: SRConfigs, *, dtype: torch.dtype
-) -> tuple[SRTransformer, nn.Module, nn.Module]:
+) -> tuple[SRTransformer, Kandinsky6SRVAE, Kandinsky6SRLatentUpscalerBank]:
     """The three modules on the meta device (no storage), with the dtypes they run in.
 
     DiT: `dtype` except the fp32 modules of the plan (time embeddings, pooled bias, every modulation). K-VAE and
@@ -188,11 +191,17 @@ def _require_piflow(scheduler: SRSchedulerConfig) -> None:
         )
 
 
+def _moved(module: _Module, device: torch.device) -> _Module:
+    # `module.to(device)`, read through nn.Module's signature: diffusers' `ModelMixin.to` is typed by
+    # functools.wraps(nn.Module.to), which mypy takes for the unbound function (the device passed as `self`).
+    return module.to(device)
+
+
 def _assemble(
     configs: SRConfigs,
     transformer: SRTransformer,
-    vae: nn.Module,
-    bank: nn.Module,
+    vae: Kandinsky6SRVAE,
+    bank: Kandinsky6SRLatentUpscalerBank,
     variant: Variant,
     device: torch.device,
     dtype: torch.dtype,
@@ -203,7 +212,7 @@ def _assemble(
     weights_device = device if weights_device is None else weights_device
     if weights_device.type != "meta":
         transformer = transformer.to(weights_device)
-        vae, bank = vae.to(weights_device), bank.to(weights_device)
+        vae, bank = _moved(vae, weights_device), _moved(bank, weights_device)
     for module in (transformer, vae, bank):
         module.eval().requires_grad_(False)
     return SRModels(

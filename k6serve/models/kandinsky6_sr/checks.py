@@ -45,6 +45,8 @@ def check_head_fits_scheduler(
         )
     channels = transformer.in_visual_dim
     if scheduler.is_piflow:
+        if scheduler.n_grid is None:
+            raise ValueError("a PiflowScheduler config needs n_grid (scheduler/scheduler_config.json)")
         expected = scheduler.n_grid * channels
         rule = f"PiflowScheduler with n_grid {scheduler.n_grid} needs n_grid * in_visual_dim = {expected}"
     else:
@@ -65,7 +67,7 @@ def read_tensor_shapes(component_dir: Path, names: Sequence[str]) -> dict[str, t
     """Shapes of the named tensors from safetensors headers (no tensor data is read)."""
     # The files the load reads (`safetensors_files`: an index's shards, the standard file, or the one file of
     # another name); a tensor no file holds is named, not a KeyError.
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for path in safetensors_files(component_dir):
         with safe_open(path, framework="pt") as handle:
             for name in set(names) & set(handle.keys()) - shapes.keys():

@@ -114,7 +114,7 @@ class SRTransformerConfig:
             )
         where = "transformer/config.json"
         visual_size = config_count(visual_sizes[0], "sr_params.visual_size", where)
-        model_dim, axes_dims = config_count(raw["model_dim"], "model_dim", where), _int_tuple(raw["axes_dims"], 3)
+        model_dim, axes_dims = config_count(raw["model_dim"], "model_dim", where), _int_triple(raw["axes_dims"])
         if model_dim % sum(axes_dims):
             raise ValueError(
                 f"model_dim {model_dim} is not divisible by the head dim sum(axes_dims)={sum(axes_dims)}"
@@ -127,12 +127,12 @@ class SRTransformerConfig:
             in_visual_dim=config_count(raw["in_visual_dim"], "in_visual_dim", where),
             out_visual_dim=config_count(raw["out_visual_dim"], "out_visual_dim", where),
             time_dim=config_count(raw["time_dim"], "time_dim", where),
-            patch_size=_int_tuple(raw["patch_size"], 3),
+            patch_size=_int_triple(raw["patch_size"]),
             model_dim=model_dim,
             ff_dim=config_count(raw["ff_dim"], "ff_dim", where),
             num_visual_blocks=config_count(raw["num_visual_blocks"], "num_visual_blocks", where),
             axes_dims=axes_dims,
-            rope_scale=tuple(float(v) for v in sr_params["scale_factor"][str(visual_size)]),
+            rope_scale=_rope_scale(sr_params["scale_factor"][str(visual_size)], visual_size),
             visual_cond=bool(raw["visual_cond"]),
             instruct_type=str(raw["instruct_type"]),
             visual_size=visual_size,
@@ -178,7 +178,7 @@ def _parse_attention_params(
 
 def _tile_sizes(raw: dict[str, Any], visual_size: int) -> tuple[tuple[int, int], ...]:
     if TILE_SIZES_OVERRIDE_KEY in raw:
-        return tuple(_int_tuple(size, 2) for size in raw[TILE_SIZES_OVERRIDE_KEY])
+        return tuple(_int_pair(size) for size in raw[TILE_SIZES_OVERRIDE_KEY])
     if visual_size not in RESOLUTIONS:
         raise ValueError(
             f"sr_params.visual_size {visual_size} has no known tile table (known: {sorted(RESOLUTIONS)})."
@@ -186,11 +186,30 @@ def _tile_sizes(raw: dict[str, Any], visual_size: int) -> tuple[tuple[int, int],
     return RESOLUTIONS[visual_size]
 
 
+def _rope_scale(values: Any, visual_size: int) -> tuple[float, float, float]:
+    """sr_params.scale_factor's entry: one divisor per RoPE axis (t, h, w)."""
+    scale = tuple(float(v) for v in values)
+    if len(scale) != 3:
+        raise ValueError(f"transformer/config.json sr_params.scale_factor[{str(visual_size)!r}] must hold 3 numbers "
+                         f"(the t, h and w RoPE divisors), got {list(values)}")
+    return scale[0], scale[1], scale[2]
+
+
 def _int_tuple(values: Any, length: int) -> tuple[int, ...]:
     result = tuple(config_count(v, "a size", "transformer/config.json") for v in values)
     if len(result) != length:
         raise ValueError(f"expected {length} integers, got {list(values)}")
     return result
+
+
+def _int_pair(values: Any) -> tuple[int, int]:
+    first, second = _int_tuple(values, 2)
+    return first, second
+
+
+def _int_triple(values: Any) -> tuple[int, int, int]:
+    first, second, third = _int_tuple(values, 3)
+    return first, second, third
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -385,7 +404,7 @@ class SRUpscalerConfig:
                 )
         return cls(
             in_channels=int(first["in_channels"]),
-            stage_channels=_int_tuple(first["stage_channels"], 3),
+            stage_channels=_int_triple(first["stage_channels"]),
             num_pre_blocks=int(first["num_pre_blocks"]),
             num_mid_blocks=int(first["num_mid_blocks"]),
             num_post_blocks=int(first["num_post_blocks"]),

@@ -9,7 +9,8 @@ stays fp32 between the two calls as in R and SG (§2.8). The last segment ends a
 from __future__ import annotations
 
 import torch
-from diffusers import PiflowScheduler
+# From its defining module: mypy types the top-level name as diffusers' torch-less placeholder (dummy_pt_objects).
+from diffusers.schedulers.scheduling_piflow import PiflowScheduler
 from torch import Tensor
 
 from k6serve.models.kandinsky6_sr.config import SRSchedulerConfig
@@ -24,6 +25,8 @@ class SRPiflowSampler:
                 f"the SR sampler needs a PiflowScheduler checkpoint, got {config.class_name}; use "
                 "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers."
             )
+        if config.nfe is None:
+            raise ValueError("a PiflowScheduler config needs nfe (scheduler/scheduler_config.json)")
         self.num_steps = int(config.nfe)
         self.scheduler = PiflowScheduler(**config.to_diffusers_kwargs())
 

@@ -10,7 +10,8 @@ Shape legend: B batch (tiles), C latent channels, T latent frames, h/w latent ti
 from __future__ import annotations
 
 import torch
-from diffusers import Kandinsky6SRLatentUpscalerBank
+# From its defining module: mypy types the top-level name as diffusers' torch-less placeholder (dummy_pt_objects).
+from diffusers.models.latent_upscaler.latent_upscaler_kandinsky6_sr import Kandinsky6SRLatentUpscalerBank
 from torch import Tensor
 
 from k6serve.models.kandinsky6_sr.config import SRUpscalerConfig
@@ -26,7 +27,7 @@ class SRLatentUpscaler:
 
     def __init__(self, bank: Kandinsky6SRLatentUpscalerBank) -> None:
         self.bank = bank
-        self.scales = tuple(int(scale) for scale in bank.config.scales)
+        self.scales = tuple(int(scale) for scale in bank.config["scales"])
 
     def model(self, scale: int) -> torch.nn.Module:
         """The bank's upscaler for x`scale`."""

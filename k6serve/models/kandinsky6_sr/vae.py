@@ -16,10 +16,12 @@ h/w latent size.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
-from diffusers import Kandinsky6SRVAE
-from torch import Tensor
+# From its defining module: mypy types the top-level name as diffusers' torch-less placeholder (dummy_pt_objects).
+from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
+from torch import Tensor, nn
 
 from k6serve.models.kandinsky6_sr.config import SRVAEConfig
 
@@ -65,7 +67,7 @@ class SRVAE:
 
     def __init__(self, model: Kandinsky6SRVAE) -> None:
         self.model = model
-        self.scaling_factor = float(model.config.scaling_factor)
+        self.scaling_factor = float(model.config["scaling_factor"])
         self.spatial_compression_ratio = int(model.spatial_compression_ratio)
         self.temporal_compression_ratio = int(model.temporal_compression_ratio)
 
@@ -128,14 +130,16 @@ class SRVAE:
         # Kandinsky6SRDecoder3D.forward (A:497-513) with x * sigmoid(x) at norm_out; see the module docstring.
         decoder = self.model.decoder
         hidden = decoder.conv_in(latent_BCThw, cache["conv_in"])
-        hidden = decoder.mid.block_1(hidden, cache["mid_1"], zq=latent_BCThw)
-        hidden = decoder.mid.block_2(hidden, cache["mid_2"], zq=latent_BCThw)
+        # `mid` and each level of `up` are plain nn.Module holders, whose children torch's stubs type as
+        # Tensor | Module.
+        hidden = cast(nn.Module, decoder.mid.block_1)(hidden, cache["mid_1"], zq=latent_BCThw)
+        hidden = cast(nn.Module, decoder.mid.block_2)(hidden, cache["mid_2"], zq=latent_BCThw)
         for level in reversed(range(len(decoder.up))):
             up, level_cache = decoder.up[level], cache["up"][level]
-            for index, block in enumerate(up.block):
+            for index, block in enumerate(cast(nn.ModuleList, up.block)):
                 hidden = block(hidden, level_cache["block"][index], zq=latent_BCThw)
             if hasattr(up, "upsample"):
-                hidden = up.upsample(hidden, level_cache["upsample"])
+                hidden = cast(nn.Module, up.upsample)(hidden, level_cache["upsample"])
         hidden = decoder.norm_out(hidden, latent_BCThw, cache["norm_out"])
         hidden = hidden * torch.sigmoid(hidden)
         return decoder.conv_out(hidden, cache["conv_out"])
@@ -158,7 +162,7 @@ class CausalClipEncoder:
         if segment_BCTHW.dtype == torch.uint8:
             segment_BCTHW = normalize_pixels(segment_BCTHW)
         moments_BCTHW = self._vae.model.encoder(segment_BCTHW.to(self._vae.dtype), self._cache)
-        mean_BCTHW = moments_BCTHW[:, : self._vae.model.config.latent_channels]
+        mean_BCTHW = moments_BCTHW[:, : self._vae.model.config["latent_channels"]]
         self._latents.append(mean_BCTHW * self._vae.scaling_factor)
         self.segment_lengths.append(segment_BCTHW.shape[2])
 
