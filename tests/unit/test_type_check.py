@@ -1,0 +1,20 @@
+"""The whole package under mypy, with the installed torch, transformers, diffusers and pydantic types: no error.
+
+The annotations are read by users' type checkers (the package ships py.typed) and say what the code does; an
+Optional used unchecked, a wrong return type or a misspelt attribute is an error here rather than at run time. To
+see the errors: `mypy` from the repository root (its settings are pyproject.toml's [tool.mypy]).
+"""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_the_package_is_clean_under_mypy(tmp_path, monkeypatch):
+    mypy_api = pytest.importorskip("mypy.api", reason="mypy is a test dependency: pip install -e '.[test]'")
+    monkeypatch.chdir(ROOT)  # the package of this checkout, and pyproject.toml's settings
+    report, errors, status = mypy_api.run(["--config-file", str(ROOT / "pyproject.toml"), "--cache-dir",
+                                           str(tmp_path / "cache"), "--no-error-summary"])
+    assert (status, report, errors) == (0, "", ""), report + errors
