@@ -179,7 +179,19 @@ def _watch(models, calls: list) -> None:
             continue
         module.register_forward_pre_hook(
             lambda _m, args, kwargs, name=name: calls.append((name, "in", _digests([args, kwargs]))), with_kwargs=True)
+        if sum(t.numel() * t.element_size() for t in _tensors(module).values()) < 2**30:
+            # The module's tensors as the call finds them (values, dtypes, devices, strides): a transform after
+            # the load that changed them shows here, though the loaded models compared equal.
+            module.register_forward_pre_hook(lambda m, _a, name=name: calls.append((name, "state", _state(m))))
         module.register_forward_hook(lambda _m, _i, output, name=name: calls.append((name, "out", _digests(output))))
+
+
+def _state(module: torch.nn.Module) -> list[str]:
+    digest = hashlib.sha256()
+    for key, tensor in sorted(_tensors(module).items()):
+        digest.update(f"{key} {tensor.dtype} {tensor.device} {tuple(tensor.stride())} {type(tensor).__name__}".encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return [digest.hexdigest()[:16], type(module).__name__, str(next(iter(_tensors(module).values())).dtype)]
 
 
 REQUEST = {"prompt": PROMPT, "seed": 7, "height": 256, "width": 384, "num_frames": 17, "num_inference_steps": 2,
