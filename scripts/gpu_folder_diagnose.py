@@ -135,7 +135,11 @@ def main() -> None:
     dummy_calls = traced_run(HUB_IDS[args.variant], args.out / "dummy", load_format="dummy")
     report["pair"] = {"calls": [len(folder_calls["calls"]), len(dummy_calls["calls"])],
                       "mp4": [folder_calls["mp4"], dummy_calls["mp4"]],
-                      "first_difference": first_difference(folder_calls, dummy_calls)}
+                      "first_difference": first_difference(folder_calls, dummy_calls),
+                      # Every differing call, where the two runs made the same calls: the video decoder runs after
+                      # the vocoder, so the first difference alone hides whether the frames differ too.
+                      "differences": [[position, x[0], x[1]] for position, (x, y)
+                                      in enumerate(zip(folder_calls["calls"], dummy_calls["calls"])) if x != y]}
     print("pair", json.dumps(report["pair"]), flush=True)
     save()
     if args.repeat:
