@@ -55,3 +55,26 @@ def test_module_outputs_are_hashed_through_nested_containers():
     assert len(digests) == 2 and digests[0] != digests[1]
     assert diagnose._digests(tensor.to(torch.bfloat16)) == diagnose._digests(tensor)[:1]  # values, not dtypes
     assert diagnose._digests(None) == []
+
+
+def test_the_watch_records_inputs_state_and_outputs_and_the_pair_names_where_runs_part():
+    from types import SimpleNamespace
+
+    def run(weight_scale: float, input_scale: float = 1.0) -> dict:
+        torch.manual_seed(0)
+        vocoder = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            vocoder.weight.mul_(weight_scale)
+        calls: list = []
+        diagnose._watch(SimpleNamespace(vocoder=vocoder, text_encoder=None), calls)  # an absent component: skipped
+        vocoder(torch.ones(2, 4) * input_scale)
+        return {"calls": calls}
+
+    same = run(1.0)
+    assert [call[:2] for call in same["calls"]] == [("vocoder", "in"), ("vocoder", "state"), ("vocoder", "out")]
+    assert diagnose.first_difference(same, run(1.0)) is None
+    # Other weights: the state differs before the output does; another input: the inputs do.
+    assert diagnose.first_difference(same, run(2.0))["kind"] == "state"
+    assert diagnose.first_difference(same, run(1.0, 3.0))["kind"] == "in"
+    assert diagnose.first_difference(same, {"calls": same["calls"][:1]}) == {"call": 1, "module": None,
+                                                                            "kind": "count"}
