@@ -372,7 +372,10 @@ def _main_module_hidden():
     (synchronously) makes them skip it.
     """
     main = sys.modules.get("__main__")
-    saved = {key: getattr(main, key) for key in ("__file__", "__spec__") if main is not None and hasattr(main, key)}
+    if main is None:  # an embedding interpreter may have none: nothing to hide
+        yield
+        return
+    saved = {key: getattr(main, key) for key in ("__file__", "__spec__") if hasattr(main, key)}
     try:
         for key in saved:
             if key == "__spec__":

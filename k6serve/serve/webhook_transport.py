@@ -104,7 +104,8 @@ class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
 
 class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
     def https_open(self, req):  # noqa: ANN001, ANN201 - urllib's signature
-        return self.do_open(_DeadlineHTTPSConnection, req, context=self._context)
+        # HTTPSHandler keeps its SSL context in `_context`, which typeshed does not declare.
+        return self.do_open(_DeadlineHTTPSConnection, req, context=self._context)  # type: ignore[attr-defined]
 
 
 OPENER = urllib.request.build_opener(_NoRedirect, _DeadlineHTTPHandler, _DeadlineHTTPSHandler)

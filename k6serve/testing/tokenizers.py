@@ -11,7 +11,7 @@ import itertools
 import re
 from collections import Counter
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer, CLIPTokenizer, Qwen2_5_VLProcessor, Qwen2Tokenizer
@@ -224,7 +224,8 @@ def register_video_processor_base() -> None:
 
 def _text_only_video_processor():
     """A video processor placeholder: K6 never feeds video to Qwen, only its config is needed."""
-    _, VideoProcessorBase = video_processor_base()  # noqa: N806 (a class)
+    # Any: the base is looked up by name at run time (it differs between transformers releases).
+    VideoProcessorBase: Any = video_processor_base()[1]  # noqa: N806 (a class)
 
     class Qwen2VLTextOnlyVideoProcessor(VideoProcessorBase):
         merge_size = 2
