@@ -560,7 +560,7 @@ class DiffGenerator:
     def list_loras(self) -> LoraListing:
         """The loaded adapters and their state: `{"loras": [...]}`, one `LoraAdapterState` each (lora/spec.py)."""
         self._require_running()
-        return typing.cast(LoraListing, self.engine.lora(ListLoras()))
+        return self.engine.lora(ListLoras())
 
     @in_callers_words
     def release_memory(self) -> MemoryReply:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -82,8 +82,7 @@ def build_text_components(
         text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
             dummy_qwen_config(tokenizer), dtype=dtype
         )
-        # a table of mixed values, each of the type its CLIPTextConfig keyword takes
-        clip_config = transformers.CLIPTextConfig(**cast(dict[str, Any], encoder_configs.CLIP_VIT_L14_TEXT))
+        clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
         text_encoder_2 = transformers.CLIPTextModel._from_config(clip_config, dtype=dtype)
     return TextComponents(
         tokenizer=tokenizer,

@@ -13,15 +13,11 @@ query and output, 4·N_v·d² of the 16): the block skips that attention.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, cast
 
 import torch
 
 from k6serve.models.kandinsky6.config import Kandinsky6TransformerConfig
 from k6serve.models.kandinsky6_sr.config import SRTransformerConfig
-
-if TYPE_CHECKING:
-    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE as DiffusersSRVAE
 
 # The measured dense bf16 GEMM rate of one H200 (performance.md §0): the "floor" every row is compared to.
 FLOOR_TFLOPS = 790.0
@@ -94,8 +90,7 @@ def sr_vae_tile_decode_flops(
     if subpixel_upsample:
         from k6serve.speed.kvae_upsample import apply_subpixel_upsample
 
-        # the class's own module: mypy reads diffusers' top-level Kandinsky6SRVAE as its dummy object
-        apply_subpixel_upsample(cast("DiffusersSRVAE", models.vae.model).decoder)
+        apply_subpixel_upsample(models.vae.model.decoder)
     latent = torch.empty(1, configs.vae.latent_channels, latent_frames, latent_height, latent_width,
                          device=meta, dtype=torch.bfloat16)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
