@@ -202,8 +202,8 @@ REQUEST = {"prompt": PROMPT, "seed": 7, "height": 256, "width": 384, "num_frames
            "save_output": True}
 
 
-def traced_run(model_path: str, out: Path, **options) -> dict:
-    """One request on an in-process worker, each watched module's inputs and outputs hashed."""
+def _traced_generator(model_path: str, calls: list, **options):
+    """A generator on an in-process worker whose watched modules append to `calls` (`_watch`)."""
     from k6serve import DiffGenerator
     from k6serve.engine_arguments import build_engine_config
     from k6serve.runtime.engine import Engine
@@ -211,9 +211,14 @@ def traced_run(model_path: str, out: Path, **options) -> dict:
 
     config = build_engine_config(model_path, **options)
     worker = ModelWorker(config)
-    generator = DiffGenerator(Engine(config, worker=worker))
-    calls: list = []
     _watch(worker.pipeline.models, calls)
+    return DiffGenerator(Engine(config, worker=worker))
+
+
+def traced_run(model_path: str, out: Path, **options) -> dict:
+    """One request on an in-process worker, each watched module's inputs and outputs hashed."""
+    calls: list = []
+    generator = _traced_generator(model_path, calls, **options)
     try:
         result = generator.generate({**REQUEST, "output_path": str(out)})
     finally:
@@ -236,16 +241,8 @@ def repeat_runs(model_path: str, out: Path, **options) -> dict:
     """The dummy request four times on one in-process worker (two with cudnn.benchmark as the speed mode sets it,
     two with it off), each watched module's inputs and outputs hashed: the first call that differs between two runs
     is where a run stops repeating."""
-    from k6serve import DiffGenerator
-    from k6serve.engine_arguments import build_engine_config
-    from k6serve.runtime.engine import Engine
-    from k6serve.runtime.worker import ModelWorker
-
-    config = build_engine_config(model_path, **options)
-    worker = ModelWorker(config)
-    generator = DiffGenerator(Engine(config, worker=worker))
     calls: list = []
-    _watch(worker.pipeline.models, calls)
+    generator = _traced_generator(model_path, calls, **options)
     runs = []
     try:
         for index in range(4):
