@@ -152,10 +152,13 @@ def _attention_implementation(module) -> str | None:
 
 
 def _digests(value) -> list[str]:
-    """sha256 of every tensor in a module's output (tensors, tuples, lists, dicts, transformers' ModelOutput)."""
+    """sha256 of every tensor in a call's inputs or outputs (tensors, tuples, lists, dicts, transformers'
+    ModelOutput), with its dtype, device and strides: equal values in another layout or dtype can take another
+    kernel, whose rounding then differs."""
     if isinstance(value, torch.Tensor):
-        data = value.detach().float().cpu().contiguous().numpy().tobytes()
-        return [hashlib.sha256(data).hexdigest()[:16]]
+        digest = hashlib.sha256(f"{value.dtype} {value.device} {tuple(value.stride())}".encode())
+        digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
+        return [digest.hexdigest()[:16]]
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (tuple, list)):

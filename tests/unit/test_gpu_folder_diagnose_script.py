@@ -53,7 +53,11 @@ def test_module_outputs_are_hashed_through_nested_containers():
     tensor = torch.arange(6.0).reshape(2, 3)
     digests = diagnose._digests({"hidden": (tensor, [tensor * 2]), "count": 3})
     assert len(digests) == 2 and digests[0] != digests[1]
-    assert diagnose._digests(tensor.to(torch.bfloat16)) == diagnose._digests(tensor)[:1]  # values, not dtypes
+    assert diagnose._digests(tensor.clone()) == diagnose._digests(tensor)[:1]
+    # Equal values in another dtype or layout may take another kernel: they hash apart.
+    assert diagnose._digests(tensor.to(torch.bfloat16)) != diagnose._digests(tensor)[:1]
+    transposed = tensor.t().contiguous().t()
+    assert torch.equal(transposed, tensor) and diagnose._digests(transposed) != diagnose._digests(tensor)[:1]
     assert diagnose._digests(None) == []
 
 
