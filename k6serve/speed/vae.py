@@ -69,6 +69,11 @@ from k6serve.speed.regional_compile import is_compiled, raise_recompile_limit
 if TYPE_CHECKING:  # diffusers' classes are told apart by name here (`_is_sr_vae`), without importing diffusers
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
 
+# "0": cuDNN picks each convolution's algorithm by its heuristics, as torch does by default, instead of timing the
+# candidates (`torch.backends.cudnn.benchmark`). The timed choice is made again by every thread (torch keeps the
+# benchmark cache per thread) and every process, and candidates that time alike round differently: two engines
+# could then give frames and samples a few bf16 roundings apart from the same request.
+CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE = "K6SERVE_CUDNN_BENCHMARK"
 # "0": never, "1": also HunyuanVideo's decoder (see the module docstring); read when the speed-ups are applied.
 CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
 # "0": the SR K-VAE's latent-conditioned norms upsample before convolving, as diffusers does; by default beside the
@@ -94,9 +99,11 @@ def apply_vae_speedups(
     """Apply the enabled decode speed-ups on CUDA; returns the names of what was applied."""
     if torch.device(device).type != "cuda":
         return []
-    applied = ["cudnn_benchmark"]
-    # Process-wide: every convolution in the process autotunes; the DiT has none, the audio VAE gains.
-    torch.backends.cudnn.benchmark = True
+    applied = []
+    if os.environ.get(CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, "").strip() != "0":
+        # Process-wide: every convolution in the process autotunes; the DiT has none, the audio VAE gains.
+        torch.backends.cudnn.benchmark = True
+        applied.append("cudnn_benchmark")
     decoder = getattr(vae, "decoder", None)
     if compile_decoder and decoder is not None and _wants_channels_last(vae):
         apply_channels_last_3d(decoder)

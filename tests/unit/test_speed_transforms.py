@@ -206,6 +206,20 @@ def test_speed_mode_composition_for_cuda(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_cudnn_benchmark_is_left_off_when_its_variable_is_0(monkeypatch):
+    """`K6SERVE_CUDNN_BENCHMARK=0`: cuDNN's heuristics choose the algorithms (one choice for every thread and
+    process), the other speed-ups unchanged."""
+    from k6serve.speed.vae import CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, apply_vae_speedups
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setenv(CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, "0")
+    assert apply_vae_speedups(torch.nn.Conv3d(2, 2, 3), torch.device("cuda")) == []
+    assert not torch.backends.cudnn.benchmark
+    monkeypatch.setenv(CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, " 1 ")
+    assert apply_vae_speedups(torch.nn.Conv3d(2, 2, 3), torch.device("cuda")) == ["cudnn_benchmark"]
+    assert torch.backends.cudnn.benchmark
+
+
 def test_fused_norm_rope_kernel_is_part_of_speed_mode_unless_turned_off(monkeypatch):
     """Speed mode routes every fused attention's Q/K RMSNorm + RoPE through the Triton kernel (reported in the
     notes); `K6SERVE_FUSED_NORM_ROPE=0` keeps inductor's fused ops."""
