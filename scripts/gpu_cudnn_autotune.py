@@ -13,6 +13,9 @@ keeps the autotuner's choices per thread, and each engine runs its requests on i
    and with `--compile-decoder` compiled as `--compile-vae true` compiles it, with the autotuner off and on: the
    first call (the autotuner times every new shape there) and the median of the next `--repeats`; the vocoder too.
 
+`--family sr` does the same for the super-resolution K-VAE's tile decode (a 512x768 output tile, 121 frames;
+`--compile-decoder`: its compiled blocks and rewrites, as `--compile-vae true` applies them), without a vocoder.
+
 Results: <out>/gpu_cudnn_autotune.json. `--tiny` runs the same on the tiny components (CPU test).
 """
 
@@ -92,6 +95,20 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype):
     return vae, vocoder
 
 
+def build_sr_vae(tiny: bool, device: torch.device, dtype: torch.dtype):
+    """The super-resolution K-VAE as `--load-format dummy` builds it (`SRVAE`), or the tiny checkpoint's."""
+    from k6serve.models.kandinsky6_sr.checkpoint import load_sr_models
+    from k6serve.models.variants import VARIANTS
+
+    if tiny:
+        from k6serve.testing.tiny_checkpoints import ensure_demo_checkpoint
+
+        return load_sr_models(ensure_demo_checkpoint("sr"), VARIANTS["vsr-distilled2steps"], device=device, dtype=dtype,
+                              load_format="auto").vae
+    return load_sr_models(None, VARIANTS["vsr-distilled2steps"], device=device, dtype=dtype,
+                          load_format="dummy").vae
+
+
 def main() -> None:
     from k6serve.pipelines.decode import decode_video
     from k6serve.speed.vae import CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, apply_vae_speedups
@@ -101,32 +118,43 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny components, on the CPU unless a GPU is here")
     parser.add_argument("--compile-decoder", action="store_true", help="also time the compiled decoder")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--family", choices=("generation", "sr"), default="generation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    report: dict = {"commit": os.environ.get("K6SERVE_COMMIT"), "torch": torch.__version__,
+    report: dict = {"commit": os.environ.get("K6SERVE_COMMIT"), "torch": torch.__version__, "family": args.family,
                     "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
     def save() -> None:
         (args.out / "gpu_cudnn_autotune.json").write_text(json.dumps(report, indent=2))
 
-    vae, vocoder = build(args.tiny, device, dtype)
-    channels = vae.config.latent_channels
-    mel_bins = vocoder.config.num_mels
     generator = torch.Generator().manual_seed(0)
-    # 17 frames at a quarter of 512x768 for the thread test; the whole clip for the timing. (B, T, H, W, C) latents,
-    # as the pipeline hands them to `decode_video`.
-    small = torch.randn(1, 5, 16 if args.tiny else 32, 24 if args.tiny else 48, channels, generator=generator)
-    whole = torch.randn(1, 5 if args.tiny else 31, 16 if args.tiny else 64, 24 if args.tiny else 96, channels,
-                        generator=generator)
-    # 121 frames at 24 fps are 5.04 s of sound: 434 mel frames of 512 samples at 44.1 kHz.
-    mel = torch.randn(1, mel_bins, 64 if args.tiny else 434, generator=generator)
-    small, whole, mel = (t.to(device=device, dtype=dtype) for t in (small, whole, mel))
+    if args.family == "sr":
+        sr_vae = build_sr_vae(args.tiny, device, dtype)
+        vae, vocoder = sr_vae.model, None
+        # (B, C, T, h, w) scaled latent tiles: a 512x768 output tile (16x smaller), 5 and 31 latent frames.
+        tile_h, tile_w = (4, 6) if args.tiny else (32, 48)
+        small, whole = (torch.randn(1, sr_vae.model.config["latent_channels"], frames, tile_h, tile_w,
+                                    generator=generator).to(device=device, dtype=dtype) for frames in (5, 31))
 
-    def decode_frames(latents):
-        return lambda: torch.from_numpy(decode_video(vae, latents, keep_float=False).frames_THWC)
+        def decode_frames(latents):
+            return lambda: sr_vae.decode_tile(latents).cpu()
+    else:
+        vae, vocoder = build(args.tiny, device, dtype)
+        channels = vae.config.latent_channels
+        # 17 frames at a quarter of 512x768 for the thread test; the whole clip for the timing. (B, T, H, W, C)
+        # latents, as the pipeline hands them to `decode_video`.
+        small = torch.randn(1, 5, 16 if args.tiny else 32, 24 if args.tiny else 48, channels, generator=generator)
+        whole = torch.randn(1, 5 if args.tiny else 31, 16 if args.tiny else 64, 24 if args.tiny else 96, channels,
+                            generator=generator)
+        # 121 frames at 24 fps are 5.04 s of sound: 434 mel frames of 512 samples at 44.1 kHz.
+        mel = torch.randn(1, vocoder.config.num_mels, 64 if args.tiny else 434, generator=generator)
+        small, whole, mel = (t.to(device=device, dtype=dtype) for t in (small, whole, mel))
+
+        def decode_frames(latents):
+            return lambda: torch.from_numpy(decode_video(vae, latents, keep_float=False).frames_THWC)
 
     def vocode():
         return vocoder(mel).sample
@@ -135,8 +163,9 @@ def main() -> None:
     for setting in (True, False):
         torch.backends.cudnn.benchmark = setting
         name = "benchmark_on" if setting else "benchmark_off"
-        report["threads"][name] = {"vocoder": distinct_outputs(vocode), "vae_decode": distinct_outputs(
-            decode_frames(small))}
+        report["threads"][name] = {"vae_decode": distinct_outputs(decode_frames(small))}
+        if vocoder is not None:
+            report["threads"][name]["vocoder"] = distinct_outputs(vocode)
         print("threads", name, json.dumps(report["threads"][name]), flush=True)
         save()
 
@@ -148,8 +177,9 @@ def main() -> None:
         report["timing"][f"eager_{name}"] = timed(decode_frames(whole), device, args.repeats)
         with torch.inference_mode():
             decoded[name] = decode_frames(whole)()
-        report["timing"][f"vocoder_{name}"] = timed(vocode, device, args.repeats * 3)
-        print("timing", name, report["timing"][f"eager_{name}"], report["timing"][f"vocoder_{name}"], flush=True)
+        if vocoder is not None:
+            report["timing"][f"vocoder_{name}"] = timed(vocode, device, args.repeats * 3)
+        print("timing", name, report["timing"][f"eager_{name}"], report["timing"].get(f"vocoder_{name}"), flush=True)
         save()
     report["eager_on_vs_off_max_levels"] = int((decoded["benchmark_on"].int() - decoded["benchmark_off"].int())
                                                .abs().max())
