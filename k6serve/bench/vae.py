@@ -2,8 +2,9 @@
 
 Both rows run `k6serve.pipelines.decode.decode_video` (diffusers' default framewise temporal tiling, then
 the same uint8 quantisation), so the decode differs only by what `apply_vae_speedups` changed; the speed-ups
-are applied cumulatively, in place, after the baseline: cuDNN autotuning, then (when asked) a compiled
-decoder. `max|diff|` is the largest uint8 difference from the baseline's frames.
+are applied cumulatively, in place, after the baseline: speed mode's (nothing but cuDNN's autotuner, and that only
+with `K6SERVE_CUDNN_BENCHMARK=1`), then (when asked) a compiled decoder. `max|diff|` is the largest uint8
+difference from the baseline's frames.
 
 What reaches the host differs, as it does between the two systems: the baseline also copies the float frames
 (570 MB of fp32 at 512x768x121), standing in for diffusers' pipelines, which hand float frames to the host too
@@ -96,7 +97,7 @@ def run_vae(options: VaeOptions) -> list[BenchRow]:
         same_host.note = "the baseline without its float copy to the host: ours' host work"
         rows = [baseline, same_host]
         # channels-last is not timed any more: 1.55x slower than the baseline on H200 (docs/benchmarks.md).
-        steps = [("ours cudnn.benchmark", {"compile_decoder": False})]
+        steps = [("ours speed mode", {"compile_decoder": False})]
         if options.compile_decoder:
             steps.append(("ours +compiled decoder", {"compile_decoder": True}))
         for name, flags in steps:

@@ -412,7 +412,7 @@ class ModelWorker:
     def _warmup_super_resolution(self, size: WarmupSize | None) -> WarmupReport:
         """SR server warm-up: one x2 upscale of a synthetic clip of `size` (default `SR_WARMUP_CLIP`'s shape),
         written to a temporary MP4 through the same streamed decode and encoder as a request, so the DiT, the
-        compiled K-VAE blocks, the attention kernels and cuDNN's autotuning are ready before the first request of
+        compiled K-VAE blocks and the attention kernels are ready before the first request of
         that shape (the cold VSR x2 request took 156-237 s on an H200, the warm one 38.7 s). A source of another
         aspect ratio (another tile) or frame count still compiles on its first request."""
         import tempfile

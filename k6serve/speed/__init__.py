@@ -9,7 +9,7 @@ Each transform is an `apply_*` function on an already loaded model, composed onc
    one Triton kernel (`K6SERVE_FUSED_NORM_ROPE=0` leaves it out).
 2. `apply_regional_compile(transformer, plan)`: `torch.compile` on each repeated block of `plan.blocks`
    (fuses the fp32 AdaLN / gate / RMSNorm / RoPE elementwise chains around the GEMMs).
-3. `apply_vae_speedups(vae, device)`: cuDNN autotuning for the video VAE; with `compile_decoder`
+3. `apply_vae_speedups(vae, device)`: with `compile_decoder`
    (`--compile-vae true`) a compiled decoder (HunyuanVideo) or compiled decoder blocks (SR K-VAE, with
    channels-last convolution weights and its norms' convolutions moved before their upsampling;
    `K6SERVE_VAE_CHANNELS_LAST=0` / `K6SERVE_KVAE_COMMUTED_NORMS=0` leave those out).

@@ -4,7 +4,13 @@ The decode keeps its tiling (HunyuanVideo: diffusers' default framewise temporal
 `--vae-tiling`, speed/vae_tiling.py; SR: per-tile, segment-by-segment with causal caches): only the kernels change,
 never the tiling.
 
-* `torch.backends.cudnn.benchmark`: autotune each 3-D convolution shape once (the tiles repeat shapes).
+* Not cuDNN's autotuner (`torch.backends.cudnn.benchmark`; `K6SERVE_CUDNN_BENCHMARK=1` turns it on): it times the
+  candidate algorithms of each convolution shape and keeps the fastest, again in every thread (torch keeps its
+  choices per thread; each engine runs its requests on its own) and every process, and candidates that time alike
+  round differently. On an H100 (docs/benchmarks.md, fifty-eighth session) it made the vocoder give three different
+  outputs in three threads and the VAE decode two, where cuDNN's heuristics gave one, and a folder's checkpoint and
+  the dummy build it was saved from gave different MP4s in one process only with it on; it saved nothing (the
+  121-frame 512x768 decode 6.632 s with it, 6.633 s without; compiled 2.817 and 2.803 s; the vocoder 0.061 s both).
 * `torch.compile` of the decoder (`--compile-vae true`; not part of `--performance-mode speed`, whose
   promise is uint8 frames within 1/255 of the reference, see below). Measured on one H200
   (docs/benchmarks.md): eager HunyuanVideo decode spends 2.2 of its 6.7 s in the bf16 GroupNorm statistics
@@ -69,10 +75,10 @@ from k6serve.speed.regional_compile import is_compiled, raise_recompile_limit
 if TYPE_CHECKING:  # diffusers' classes are told apart by name here (`_is_sr_vae`), without importing diffusers
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
 
-# "0": cuDNN picks each convolution's algorithm by its heuristics, as torch does by default, instead of timing the
-# candidates (`torch.backends.cudnn.benchmark`). The timed choice is made again by every thread (torch keeps the
-# benchmark cache per thread) and every process, and candidates that time alike round differently: two engines
-# could then give frames and samples a few bf16 roundings apart from the same request.
+# "1": cuDNN times each convolution's candidate algorithms (`torch.backends.cudnn.benchmark`) instead of choosing by its
+# heuristics, as torch does by default. Off by default: the timed choice is made again by every thread (torch keeps
+# the benchmark cache per thread) and every process, and candidates that time alike round differently, so two
+# engines gave frames and samples apart from the same request, for no measured gain (see the module docstring).
 CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE = "K6SERVE_CUDNN_BENCHMARK"
 # "0": never, "1": also HunyuanVideo's decoder (see the module docstring); read when the speed-ups are applied.
 CHANNELS_LAST_ENVIRONMENT_VARIABLE = "K6SERVE_VAE_CHANNELS_LAST"
@@ -100,8 +106,8 @@ def apply_vae_speedups(
     if torch.device(device).type != "cuda":
         return []
     applied = []
-    if os.environ.get(CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, "").strip() != "0":
-        # Process-wide: every convolution in the process autotunes; the DiT has none, the audio VAE gains.
+    if os.environ.get(CUDNN_BENCHMARK_ENVIRONMENT_VARIABLE, "").strip() == "1":
+        # Process-wide: every convolution in the process autotunes (the DiT has none).
         torch.backends.cudnn.benchmark = True
         applied.append("cudnn_benchmark")
     decoder = getattr(vae, "decoder", None)

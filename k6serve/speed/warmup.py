@@ -1,6 +1,7 @@
 """`--warmup-mode`: run a short request before real ones, so compilation and autotuning are paid up front.
 
-* "off": nothing runs; the first request pays for compilation and cuDNN autotuning.
+* "off": nothing runs; the first request pays for compilation (and cuDNN autotuning with
+  `K6SERVE_CUDNN_BENCHMARK=1`).
 * "request": the worker warms up lazily, right before the first request, with that request's shape.
 * "server": the worker warms up once at start-up, before it reports ready: with each `--warmup-resolutions` size
   in turn (`runtime/warmup_sizes.py`), or with the variant's default request when none is listed.

@@ -182,7 +182,7 @@ def test_tiny_vae_and_text_rows(tiny_run):
     rows = tiny_run[1]["rows"]
     vae = [row for row in rows if row["stage"] == "vae"]
     assert [row["name"] for row in vae] == ["diffusers default decode", "diffusers default decode, uint8 to host",
-                                            "ours cudnn.benchmark", "ours +compiled decoder"]
+                                            "ours speed mode", "ours +compiled decoder"]
     assert all(row["max_abs_diff"] == 0 for row in vae[1:])
     assert vae[0]["speedup"] == 1.0 and all(row["speedup"] > 0 for row in vae[1:])
     # The speed-ups' own ratio too, against the baseline doing our host work (the float copy left out).
@@ -699,7 +699,7 @@ def test_vae_rows_after_a_failed_baseline_show_no_ratio_and_a_failed_speed_up_re
     previous = torch.backends.cudnn.benchmark
     rows = vae_stage.run_vae(options)
     assert torch.backends.cudnn.benchmark == previous
-    assert rows[-1].name == "ours cudnn.benchmark" and rows[-1].error == "RuntimeError: inductor failed"
+    assert rows[-1].name == "ours speed mode" and rows[-1].error == "RuntimeError: inductor failed"
 
 
 @pytest.mark.parametrize("with_audio", [True, False])
