@@ -1,8 +1,9 @@
 """`--performance-mode`: which speed transforms run, composed once in a fixed order.
 
 * "speed" (CUDA): fused projections with the fused RMSNorm + RoPE kernel of Q and K ($K6SERVE_FUSED_NORM_ROPE=0
-  keeps inductor's fused ops instead) -> regional compile of the DiT blocks -> VAE decode speed-ups (cuDNN
-  autotuning; the compiled decoder only with `compile_vae_decoder` = `--compile-vae true`, see `speed/vae.py`). Each
+  keeps inductor's fused ops instead) -> regional compile of the DiT blocks -> VAE decode speed-ups (the
+  compiled decoder with `compile_vae_decoder` = `--compile-vae true`; cuDNN's autotuner only with
+  $K6SERVE_CUDNN_BENCHMARK=1, see `speed/vae.py`). Each
   keeps outputs within the issue's tolerance (bf16 velocity cosine >= 0.999 vs diffusers; uint8 frames
   within 1/255), which `k6serve bench` / `scripts/gpu_single.py` measure.
 * "balanced" / "memory": no speed transforms (eager kernels, untrimmed text padding), so their outputs are the
