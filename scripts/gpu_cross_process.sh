@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The same request in three `k6serve generate` processes, one after another (docs/cli.md "Reproducibility": the same
+# MP4 in one process or two): the first two share inductor's cache folder, as two runs on one machine do; the third
+# has a fresh one, so inductor compiles, and times its Triton kernels' candidates, again. Prints each MP4's sha256
+# and writes them to $OUT/cross_process.txt, each process's output beside them.
+#   bash scripts/gpu_cross_process.sh                                  # Lite-distill, --load-format dummy, the GPU
+#   MODEL=demo LOAD_FORMAT=auto OUT=/tmp/x bash scripts/gpu_cross_process.sh   # the CPU, the demo checkpoint
+set -euo pipefail
+: "${OUT:?set OUT to a folder for the results}"
+MODEL=${MODEL:-kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers}
+LOAD_FORMAT=${LOAD_FORMAT:-dummy}
+SIZE=${SIZE:-"--height 256 --width 384 --num-frames 17"}
+mkdir -p "$OUT"
+: > "$OUT/cross_process.txt"
+fresh_cache=$(mktemp -d)
+for run in first second fresh_cache; do
+  # shellcheck disable=SC2086 (SIZE is a list of flags)
+  (if [ "$run" = fresh_cache ]; then export TORCHINDUCTOR_CACHE_DIR=$fresh_cache; fi
+   python3 -m k6serve generate --model-path "$MODEL" --load-format "$LOAD_FORMAT" $SIZE --num-inference-steps 2 \
+     --seed 7 --prompt "A red fox runs through fresh snow at dawn" --output-path "$OUT/$run" \
+     --output-file-name clip.mp4 > "$OUT/$run.log" 2>&1) || { echo "$run failed:"; tail -5 "$OUT/$run.log"; exit 1; }
+  echo "$run $(sha256sum "$OUT/$run/clip.mp4" | cut -c1-64)" | tee -a "$OUT/cross_process.txt"
+done
+rm -rf "$fresh_cache"
+if [ "$(cut -d' ' -f2 "$OUT/cross_process.txt" | sort -u | wc -l)" = 1 ]; then
+  echo "same MP4 bytes in all three processes"
+else
+  echo "the MP4s differ"
+fi
