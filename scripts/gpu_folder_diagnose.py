@@ -10,6 +10,13 @@ and once on a dummy one (`pair`), hashing each watched module's inputs and outpu
 outputs differ says where the two part ways (inputs apart: what feeds that module; inputs equal and outputs apart: the
 module's own code path). `--repeat` also runs the dummy request four times on one worker, to tell the weights apart
 from a run that is not repeatable (and where). Results: <out>/gpu_folder_diagnose.json.
+
+    python3 scripts/gpu_folder_diagnose.py --out $OUT/trace --trace-only a   # in one process
+    python3 scripts/gpu_folder_diagnose.py --out $OUT/trace --trace-only b   # in another
+    python3 scripts/gpu_folder_diagnose.py --out $OUT/trace --compare a b
+
+`--trace-only NAME` runs the dummy request once, traced, and writes its calls to <out>/trace_NAME.json (no folder);
+`--compare A B` prints where two such traces, made in two processes, part ways.
 """
 
 from __future__ import annotations
@@ -96,8 +103,17 @@ def main() -> None:
     parser.add_argument("--variant", choices=list(VARIANT_KEYS), default="lite-distill")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/k6serve-folder"))
     parser.add_argument("--repeat", action="store_true", help="also run the dummy request four times")
+    parser.add_argument("--trace-only", metavar="NAME", help="only trace the dummy request into trace_NAME.json")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare trace_A.json with trace_B.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        print("compare", json.dumps(compare_traces(*(args.out / f"trace_{name}.json" for name in args.compare))))
+        return
+    if args.trace_only:
+        trace = traced_run(HUB_IDS[args.variant], args.out / f"run_{args.trace_only}", load_format="dummy")
+        (args.out / f"trace_{args.trace_only}.json").write_text(json.dumps(trace))
+        return
     report: dict = {"commit": os.environ.get("K6SERVE_COMMIT"), "torch": torch.__version__,
                     "device": torch.cuda.get_device_name(), "variant": args.variant}
 
@@ -169,8 +185,9 @@ def _digests(value) -> list[str]:
 # Where a request's data flows, in order; a name a model lacks is skipped. The text encoder's first and last layers
 # tell an embedding or rotary difference from an attention kernel's.
 WATCHED = ("text_encoder.model.language_model.embed_tokens", "text_encoder.model.language_model.layers.0",
-           "text_encoder.model.language_model.layers.27", "text_encoder.model", "text_encoder_2", "transformer",
-           "vae.decoder", "vocoder")
+           "text_encoder.model.language_model.layers.27", "text_encoder.model", "text_encoder_2",
+           "transformer.video_text_transformer_blocks.0", "transformer.visual_transformer_blocks.0",
+           "transformer.visual_transformer_blocks.1", "transformer", "vae.decoder", "vocoder")
 
 
 def _watch(models, calls: list) -> None:
@@ -238,6 +255,18 @@ def first_difference(a: dict, b: dict):
     if len(a["calls"]) != len(b["calls"]):
         return {"call": min(len(a["calls"]), len(b["calls"])), "module": None, "kind": "count"}
     return None
+
+
+def compare_traces(a: Path, b: Path) -> dict:
+    """Where two traced runs' files part: the MP4s' hashes, the first differing call and every differing call."""
+    first, second = json.loads(a.read_text()), json.loads(b.read_text())
+    # JSON made the calls' tuples lists; compared as tuples, as `first_difference` compares one process's.
+    for trace in (first, second):
+        trace["calls"] = [tuple(call) for call in trace["calls"]]
+    return {"mp4": [first["mp4"], second["mp4"]], "calls": [len(first["calls"]), len(second["calls"])],
+            "first_difference": first_difference(first, second),
+            "differences": [[position, x[0], x[1]] for position, (x, y)
+                            in enumerate(zip(first["calls"], second["calls"])) if x != y]}
 
 
 def repeat_runs(model_path: str, out: Path, **options) -> dict:

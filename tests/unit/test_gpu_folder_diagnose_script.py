@@ -82,3 +82,19 @@ def test_the_watch_records_inputs_state_and_outputs_and_the_pair_names_where_run
     assert diagnose.first_difference(same, run(1.0, 3.0))["kind"] == "in"
     assert diagnose.first_difference(same, {"calls": same["calls"][:1]}) == {"call": 1, "module": None,
                                                                             "kind": "count"}
+
+
+def test_two_processes_traces_compare_through_their_json_files(tmp_path):
+    """`--compare`: traces written by two processes (their calls' tuples become JSON lists) part where they differ."""
+    import json
+
+    calls = [("transformer", "in", ["a"]), ("transformer", "out", ["b"]), ("vocoder", "out", ["c"])]
+    (tmp_path / "trace_a.json").write_text(json.dumps({"mp4": "x", "calls": calls}))
+    (tmp_path / "trace_b.json").write_text(json.dumps({"mp4": "x", "calls": calls}))
+    same = diagnose.compare_traces(tmp_path / "trace_a.json", tmp_path / "trace_b.json")
+    assert same["first_difference"] is None and same["differences"] == [] and same["calls"] == [3, 3]
+    other = calls[:1] + [("transformer", "out", ["B"]), calls[2]]
+    (tmp_path / "trace_b.json").write_text(json.dumps({"mp4": "y", "calls": other}))
+    apart = diagnose.compare_traces(tmp_path / "trace_a.json", tmp_path / "trace_b.json")
+    assert apart["first_difference"]["module"] == "transformer" and apart["first_difference"]["kind"] == "out"
+    assert apart["differences"] == [[1, "transformer", "out"]] and apart["mp4"] == ["x", "y"]
