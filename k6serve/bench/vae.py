@@ -108,7 +108,9 @@ def run_vae(options: VaeOptions) -> list[BenchRow]:
                                      error=f"{error_type_name(error)}: {error}"))
                 break
             row, _ = _decode_row(name, options, vae, latents, reference_frames, baseline.seconds, keep_float=False)
-            row.note = "applied: " + (", ".join(applied) or "nothing (not CUDA)")
+            # Speed mode alone applies nothing to the decode (cuDNN's autotuner only with K6SERVE_CUDNN_BENCHMARK=1).
+            row.note = "applied: " + (", ".join(applied) or ("nothing" if options.device.type == "cuda"
+                                                             else "nothing (not CUDA)"))
             if row.seconds and same_host.seconds:
                 row.note += f"; x{same_host.seconds / row.seconds:.2f} against the same host work"
             rows.append(row)
