@@ -109,7 +109,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                          "request, with its own shape).")),
     ("warmup_resolutions", dict(nargs="+", action="extend", metavar="SIZE", help="With --warmup-mode server: the "
                                 "shapes warmed at start, in order, instead of the default one (a shape's first "
-                                "request otherwise pays its compile or cuDNN tuning): WxH, width first as the HTTP "
+                                "request otherwise pays its compile and set-up): WxH, width first as the HTTP "
                                 "API's size (the CLI's --width and --height are separate flags), or WxHxF with a "
                                 "frame count (default: the model's), e.g. 1280x720 768x512x61; each checked as a "
                                 "request of it. SR: source clip sizes (F default 121).")),
