@@ -8,9 +8,10 @@ never the tiling.
   candidate algorithms of each convolution shape and keeps the fastest, again in every thread (torch keeps its
   choices per thread; each engine runs its requests on its own) and every process, and candidates that time alike
   round differently. On an H100 (docs/benchmarks.md, fifty-eighth session) it made the vocoder give three different
-  outputs in three threads and the VAE decode two, where cuDNN's heuristics gave one, and a folder's checkpoint and
-  the dummy build it was saved from gave different MP4s in one process only with it on; it saved nothing (the
-  121-frame 512x768 decode 6.632 s with it, 6.633 s without; compiled 2.817 and 2.803 s; the vocoder 0.061 s both).
+  outputs in three threads, the VAE decode two and the SR K-VAE's tile decode three, where cuDNN's heuristics gave
+  one, and a folder's checkpoint and the dummy build it was saved from gave different MP4s in one process only with
+  it on; it saved nothing (the 121-frame 512x768 decode 6.632 s with it, 6.633 s without; compiled 2.817 and
+  2.803 s; the vocoder 0.061 s both; the SR K-VAE's compiled tile decode 1.670 s both).
 * `torch.compile` of the decoder (`--compile-vae true`; not part of `--performance-mode speed`, whose
   promise is uint8 frames within 1/255 of the reference, see below). Measured on one H200
   (docs/benchmarks.md): eager HunyuanVideo decode spends 2.2 of its 6.7 s in the bf16 GroupNorm statistics
