@@ -50,6 +50,7 @@ Results: $OUT/attention.json and .md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -231,8 +232,8 @@ def time_kernels(device: torch.device, shape_name: str, shape: tuple[int, int, i
                     torch.cuda.synchronize(device)  # a failed launch is this kernel's error, not the next one's
                 row["first_call_s"] = time.perf_counter() - begin
                 out = kernel(query, key, value)
-                row["ms"] = kernel_median_ms(lambda kernel=kernel, qkv=(query, key, value): kernel(*qkv),
-                                             device=device, repeats=repeats)
+                row["ms"] = kernel_median_ms(functools.partial(kernel, query, key, value), device=device,
+                                             repeats=repeats)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             row["tflops"] = flop / row["ms"] / 1e9

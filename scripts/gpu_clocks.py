@@ -65,7 +65,7 @@ class Sampler:
 
     def __init__(self, device: torch.device) -> None:
         self.samples: list[dict] = []
-        self.process = None
+        self.process: subprocess.Popen[str] | None = None
         if device.type != "cuda":
             return
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -79,6 +79,8 @@ class Sampler:
         self.thread.start()
 
     def _read(self) -> None:
+        # The thread starts only after Popen(stdout=PIPE).
+        assert self.process is not None and self.process.stdout is not None
         for line in self.process.stdout:
             if (sample := parse_sample(line)) is not None:
                 self.samples.append(sample)

@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -131,6 +132,7 @@ def main() -> None:
         (args.out / "gpu_cudnn_autotune.json").write_text(json.dumps(report, indent=2))
 
     generator = torch.Generator().manual_seed(0)
+    vocoder: Any  # diffusers' MMAudioVocoder (untyped here), or None: the SR K-VAE has no vocoder
     if args.family == "sr":
         sr_vae = build_sr_vae(args.tiny, device, dtype)
         vae, vocoder = sr_vae.model, None

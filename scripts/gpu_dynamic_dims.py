@@ -20,6 +20,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,16 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         config = build_engine_config("demo", device="cpu")
-        shape = dict(height=32, width=48, num_frames=5)
+        shape: dict[str, Any] = dict(height=32, width=48, num_frames=5)  # SamplingParams keywords
     else:
-        config = build_engine_config(VARIANTS[args.variant].hub_id, load_format="dummy", device="cuda",
-                                     performance_mode="speed", attention_backend=args.attention_backend)
+        hub_id = VARIANTS[args.variant].hub_id
+        assert hub_id is not None  # every variant in VARIANTS is released (the demo ones, without one, are not in it)
+        config = build_engine_config(hub_id, load_format="dummy", device="cuda", performance_mode="speed",
+                                     attention_backend=args.attention_backend)
         shape = {}
     start = time.perf_counter()
     worker = ModelWorker(config)
     load_s = time.perf_counter() - start
     # A smaller shape for the video dimensions' recompile: half the height (a multiple of 16 at both sizes).
-    small = dict(height=16, width=48, num_frames=5) if args.tiny else dict(height=256, width=768)
+    small: dict[str, Any] = dict(height=16, width=48, num_frames=5) if args.tiny else dict(height=256, width=768)
     plan = [("1 A cold (static compile)", PROMPT_A, 24.0, shape), ("2 A warm (static)", PROMPT_A, 24.0, shape),
             ("3 B at 30 fps (recompile)", PROMPT_B, 30.0, shape), ("4 A again", PROMPT_A, 24.0, shape),
             ("5 C (dynamic)", PROMPT_C, 24.0, shape), ("6 A at half height", PROMPT_A, 24.0, small),

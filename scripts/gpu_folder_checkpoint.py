@@ -24,10 +24,14 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpu_load import write_dit  # scripts/gpu_load.py, beside this one
+
+if TYPE_CHECKING:
+    from k6serve.request import VideoResult
 
 # (the tiny checkpoint whose model_index.json, scheduler and tokenizers the folder takes; the released DiT config)
 VARIANT_KEYS = {"lite-distill": ("distill", "lite_distill"), "pro-distill": ("distill", "pro_distill")}
@@ -66,12 +70,12 @@ def write_folder(variant_name: str, folder: Path) -> dict:
     torch.cuda.empty_cache()
     os.sync()
     sizes = {}
-    for component in sorted(path for path in folder.iterdir() if path.is_dir()):
-        sizes[component.name] = round(sum(f.stat().st_size for f in component.iterdir()) / 1e9, 3)
+    for component_folder in sorted(path for path in folder.iterdir() if path.is_dir()):
+        sizes[component_folder.name] = round(sum(f.stat().st_size for f in component_folder.iterdir()) / 1e9, 3)
     return sizes
 
 
-def run(model_path: str, out: Path, args: argparse.Namespace, **options) -> tuple[dict, object]:
+def run(model_path: str, out: Path, args: argparse.Namespace, **options) -> tuple[dict, VideoResult]:
     from k6serve import DiffGenerator
 
     start = time.perf_counter()
@@ -104,7 +108,7 @@ def _distance(path_a, path_b) -> dict:
         with av.open(str(path)) as container:
             return np.concatenate([frame.to_ndarray() for frame in container.decode(audio=0)], axis=-1)
 
-    distance = {}
+    distance: dict[str, dict[str, Any]] = {}
     for kind in ("video", "audio"):
         a, b = decoded(path_a, kind), decoded(path_b, kind)
         if a.shape != b.shape:

@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def compare_modules(loaded: torch.nn.Module, built: torch.nn.Module) -> dict:
 
 def _config(module) -> dict:
     config = module.config
-    if dataclasses.is_dataclass(config):  # our DiT's typed config
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):  # our DiT's typed config
         config = dataclasses.asdict(config)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return json.loads(json.dumps(config, default=str))  # tuples as lists: a saved config reads back lists
@@ -275,7 +276,7 @@ def repeat_runs(model_path: str, out: Path, **options) -> dict:
     is where a run stops repeating."""
     calls: list = []
     generator = _traced_generator(model_path, calls, **options)
-    runs = []
+    runs: list[dict[str, Any]] = []
     try:
         for index in range(4):
             if index == 2:

@@ -29,12 +29,14 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 WORLD_SIZE = 2
-STAGES = {  # stage -> (variant, default steps, [(run name, layout kwargs)])
+# stage -> (variant, default steps, [(run name, layout kwargs)])
+STAGES: dict[str, tuple[str, int, list[tuple[str, dict[str, Any]]]]] = {
     "ulysses": ("pro-distill", 4, [("ulysses2", {"ulysses": 2})]),
     "cfg": ("pro", 2, [("cfg_parallel", {"cfg": 2})]),
     "fsdp": ("pro-distill", 2, [("ulysses2", {"ulysses": 2}), ("fsdp_ulysses2", {"ulysses": 2, "fsdp": True})]),
@@ -170,7 +172,7 @@ def run_pipeline(models, args: argparse.Namespace, steps: int, device: torch.dev
 
 def compare(parallel: dict, baseline: dict) -> dict:
     """Bitwise equality of frames and waveform, and the largest differences."""
-    report = {}
+    report: dict[str, bool | float] = {}
     for key in ("frames", "waveform"):
         ours, reference = parallel[key], baseline[key]
         if ours is None or reference is None:
@@ -195,12 +197,12 @@ def write_lora_adapter(models, out: Path) -> Path:
 
     generator = torch.Generator().manual_seed(1234)
     tensors = {}
-    for path in LORA_MODULES:
-        weight = models.transformer.get_submodule(path).weight
+    for module in LORA_MODULES:
+        weight = models.transformer.get_submodule(module).weight
         out_features, in_features = weight.shape
         spread = float(weight.float().std())  # written before any parallelisation: a plain, whole weight
-        tensors[f"transformer.{path}.lora_A.weight"] = torch.randn(LORA_RANK, in_features, generator=generator)
-        tensors[f"transformer.{path}.lora_B.weight"] = (0.3 * spread / LORA_RANK**0.5) * torch.randn(
+        tensors[f"transformer.{module}.lora_A.weight"] = torch.randn(LORA_RANK, in_features, generator=generator)
+        tensors[f"transformer.{module}.lora_B.weight"] = (0.3 * spread / LORA_RANK**0.5) * torch.randn(
             out_features, LORA_RANK, generator=generator)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"lora_rank{dist.get_rank()}.safetensors"

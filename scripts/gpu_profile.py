@@ -451,7 +451,7 @@ def _mux_tail(mux, smooth, noise, waveform, report: dict, *, tiny: bool) -> str:
         for content, frames in (("smooth", smooth), ("noise", noise)):
             for lookahead in MUX_TAIL_LOOKAHEADS:
                 key = f"mux tail {content} rc_lookahead={lookahead}"
-                last_segment = []
+                last_segment: list[float] = []
 
                 def segments(frames=frames, last_segment=last_segment):
                     bounds = [0, *range(17, len(frames), 16), len(frames)]

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -124,7 +125,7 @@ class Client:
 
     def follow(self, video_ids: list[str], timeout: float, poll_s: float = 0.25) -> dict[str, dict]:
         """Poll until every job has ended; each job's timeline in seconds since the client started."""
-        timelines = {video_id: {"created_s": self.now()} for video_id in video_ids}
+        timelines: dict[str, dict[str, Any]] = {video_id: {"created_s": self.now()} for video_id in video_ids}
         deadline = time.monotonic() + timeout
         pending = set(video_ids)
         while pending and time.monotonic() < deadline:
@@ -145,8 +146,8 @@ class Client:
 
 def overlap_s(timelines: dict[str, dict]) -> float:
     """How long the jobs were all running at the same time (0 when they ran one after the other)."""
-    spans = [(t.get("started_s"), t.get("ended_s")) for t in timelines.values()]
-    if any(start is None or end is None for start, end in spans):
+    spans = [(t["started_s"], t["ended_s"]) for t in timelines.values() if "started_s" in t and "ended_s" in t]
+    if len(spans) < len(timelines):  # a job that never ran or never ended
         return 0.0
     return round(max(0.0, min(end for _, end in spans) - max(start for start, _ in spans)), 3)
 
@@ -162,7 +163,7 @@ def pair_phase(client: Client, seeds: tuple[int, int], timeout: float) -> dict:
 def cancel_in_decode_phase(client: Client, timeout: float) -> dict:
     video_id = client.create(7)
     deadline = time.monotonic() + timeout
-    seen = []
+    seen: list[tuple[str, int]] = []
     while time.monotonic() < deadline:
         job = client.get(video_id)
         if not seen or seen[-1] != (job["status"], job["progress"]):

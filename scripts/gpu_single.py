@@ -27,6 +27,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -193,10 +194,10 @@ def _parse_bench_argv(bench_argv: list[str]) -> argparse.Namespace:
     was recorded as the part's error "SystemExit: 2", the message only on stderr."""
     parser = build_bench_parser()
 
-    def refuse(message: str):
+    def refuse(message: str) -> NoReturn:
         raise ValueError(f"k6serve bench {' '.join(bench_argv)}: {message}")
 
-    parser.error = refuse
+    parser.error = refuse  # type: ignore[method-assign]  # replaced on this instance alone (k6serve bench's own parser)
     return parser.parse_args(bench_argv)
 
 
@@ -305,10 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[BenchRow] = []
     errors: list[dict] = []
     for name, bench_argv in parts(args):
-        part_rows, error = run_part(name, bench_argv)
+        part_rows, failure = run_part(name, bench_argv)
         rows += part_rows
-        if error:
-            errors.append(error)
+        if failure:
+            errors.append(failure)
         write_results(out, args.subcommand, rows, errors, status, argv, device)  # after every part: nothing is lost
     write_results(out, args.subcommand, rows, errors, status, argv, device)
     print(format_table(rows), flush=True)

@@ -75,8 +75,9 @@ def run_configuration(name: str, options: dict, args, params: SamplingParams) ->
     if args.tiny:
         model, load = "demo", {"device": "cpu", "attention_backend": "sdpa"}
     else:
-        model, load = VARIANTS[args.variant].hub_id, {"load_format": "dummy",
-                                                      "attention_backend": args.attention_backend}
+        hub_id = VARIANTS[args.variant].hub_id
+        assert hub_id is not None  # every variant in VARIANTS is released (the demo ones, without one, are not in it)
+        model, load = hub_id, {"load_format": "dummy", "attention_backend": args.attention_backend}
     config = build_engine_config(model, performance_mode="speed", **load, **options)
     device = torch.device("cuda" if not args.tiny and torch.cuda.is_available() else "cpu")
     allocated_before_load = _allocated_gib(device)  # what the previous configuration left (0 when it freed all)
@@ -96,6 +97,8 @@ def run_configuration(name: str, options: dict, args, params: SamplingParams) ->
                "commit": os.environ.get("K6SERVE_COMMIT", "")}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    # One request at least (main refuses a negative --repeats), and RETURN_FRAMES asks for the frames.
+    assert result is not None and result.frames is not None
     report = worker.performance_report
     describe_peaks = getattr(worker.pipeline.residency, "describe_peaks", None)
     summary = {
@@ -115,7 +118,10 @@ def run_configuration(name: str, options: dict, args, params: SamplingParams) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 0:  # no request would run, and the summary of the last one failed on None
+        parser.error(f"--repeats must be >= 0 (warm requests after the cold one), got {args.repeats}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     height, width, num_frames = (32, 48, 5) if args.tiny else (args.height, args.width, args.num_frames)

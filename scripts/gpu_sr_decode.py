@@ -19,13 +19,15 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from k6serve import DiffGenerator
 
-DECODES = {"whole_tile": {}, "spatial_shard": {"vae_parallel_decode": True,
-                                               "vae_parallel_decode_mode": "spatial_shard"}}
+# decode -> from_pretrained's options
+DECODES: dict[str, dict[str, Any]] = {"whole_tile": {}, "spatial_shard": {"vae_parallel_decode": True,
+                                                                     "vae_parallel_decode_mode": "spatial_shard"}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp())
+    load: dict[str, Any]  # from_pretrained's options
     if args.tiny:
         from k6serve.testing.tiny_sr_checkpoint import build_sr_checkpoint
 
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             load["compile_vae"] = True
         clip = make_clip(scratch / "source.mp4", width=768, height=512, num_frames=121, fps=24)
         repeats = args.repeats
-    rows, frames = [], {}
+    rows: list[dict[str, Any]] = []
+    frames = {}
     for decode, options in DECODES.items():
         start = time.perf_counter()
         generator = DiffGenerator.from_pretrained(model, num_gpus=args.num_gpus, ulysses_degree=args.num_gpus,

@@ -28,7 +28,8 @@ def _layout(module: torch.nn.Module) -> dict:
 
 
 def main() -> None:
-    import diffusers
+    # From its own module: diffusers' top-level name is, to mypy, the placeholder class for installs without torch.
+    from diffusers.models.autoencoders.mmaudio_vocoder import MMAudioVocoder
 
     from k6serve.models.kandinsky6.checkpoint import DUMMY_COMPONENT_SEEDS, _load_diffusers, cast_without_warning
 
@@ -43,7 +44,7 @@ def main() -> None:
         with torch.random.fork_rng(devices=[0]), torch.device(cuda):
             torch.random.default_generator.manual_seed(DUMMY_COMPONENT_SEEDS["vocoder"])
             torch.cuda.manual_seed(DUMMY_COMPONENT_SEEDS["vocoder"])
-            return cast_without_warning(diffusers.MMAudioVocoder(), torch.bfloat16).eval().requires_grad_(False)
+            return cast_without_warning(MMAudioVocoder(), torch.bfloat16).eval().requires_grad_(False)
 
     built = build()
     again = build()

@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_options(args) -> tuple[str, dict]:
     if args.tiny:
         return "demo", dict(device="cpu", warmup_mode="server", warmup_resolutions=args.sizes)
-    return VARIANTS[args.variant].hub_id, dict(
+    hub_id = VARIANTS[args.variant].hub_id
+    assert hub_id is not None  # every variant in VARIANTS is released (the demo ones, without one, are not in it)
+    return hub_id, dict(
         load_format="dummy", device="cuda", performance_mode="speed", attention_backend=args.attention_backend,
         warmup_mode="server", warmup_resolutions=args.sizes)
 

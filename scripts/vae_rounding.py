@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
-    import diffusers
+    # From its own module: diffusers' top-level name is, to mypy, the placeholder class for installs without torch.
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import AutoencoderKLHunyuanVideo
 
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         kwargs = {"block_out_channels": (32, 64, 64, 64), "layers_per_block": 1, "norm_num_groups": 8}
         latent_shape = (1, 16, 4, 16, 24)
     with torch.device(device):
-        vae = diffusers.AutoencoderKLHunyuanVideo(**kwargs).eval().requires_grad_(False)
+        vae = AutoencoderKLHunyuanVideo(**kwargs).eval().requires_grad_(False)
         latents = torch.randn(latent_shape)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -63,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     eager = decode(torch.bfloat16)
     rows = {"eager bf16": eager}
     plain_forward = vae.decoder.forward
-    for name, options in (("compiled", None), ("compiled, emulate_precision_casts", {"emulate_precision_casts": True})):
+    # The options typed as torch.compile takes them: an inferred dict[str, bool] is refused (a dict is invariant).
+    compiles: tuple[tuple[str, dict[str, Any] | None], ...] = (
+        ("compiled", None), ("compiled, emulate_precision_casts", {"emulate_precision_casts": True}))
+    for name, options in compiles:
         torch._dynamo.reset()
         vae.decoder.forward = torch.compile(plain_forward, dynamic=False, options=options)
         rows[name] = decode(torch.bfloat16)

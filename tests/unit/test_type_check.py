@@ -1,8 +1,10 @@
-"""The whole package under mypy, with the installed torch, transformers, diffusers and pydantic types: no error.
+"""The whole package and scripts/ under mypy, with the installed torch, transformers, diffusers and pydantic types:
+no error.
 
 The annotations are read by users' type checkers (the package ships py.typed) and say what the code does; an
-Optional used unchecked, a wrong return type or a misspelt attribute is an error here rather than at run time. To
-see the errors: `mypy` from the repository root (its settings are pyproject.toml's [tool.mypy]).
+Optional used unchecked, a wrong return type or a misspelt attribute is an error here rather than at run time, and
+in a GPU script rather than after its model has loaded on a rented GPU. To see the errors: `mypy` from the
+repository root (its settings are pyproject.toml's [tool.mypy]).
 """
 
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 ROOT = Path(__file__).parents[2]
 
 
-def test_the_package_is_clean_under_mypy(request, tmp_path, monkeypatch):
+def test_the_package_and_scripts_are_clean_under_mypy(request, tmp_path, monkeypatch):
     mypy_api = pytest.importorskip("mypy.api", reason="mypy is a test dependency: pip install -e '.[test]'")
     monkeypatch.chdir(ROOT)  # the package of this checkout, and pyproject.toml's settings
     # mypy's incremental cache in pytest's own cache folder where there is one: a fresh check takes about a
