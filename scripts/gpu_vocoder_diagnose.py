@@ -8,6 +8,9 @@ Builds the vocoder as `--load-format dummy` does (seeded, on the GPU, bf16), sav
 load does, and runs both (and a second dummy build) on one random mel under cudnn.benchmark on and off and
 cudnn.deterministic: which settings make the outputs equal, and the parameters' layouts (strides, pointer
 alignment). Results: <out>/gpu_vocoder_diagnose.json.
+
+Answered in the fifty-eighth session (`gpu_cudnn_autotune.py`): cuDNN's autotuner, whose choices torch keeps per
+thread; each engine of the pair ran on its own thread, this script's calls on one. Speed mode leaves it off since.
 """
 
 from __future__ import annotations
