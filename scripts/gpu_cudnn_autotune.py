@@ -39,17 +39,21 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 def _in_new_thread(fn):
+    """`fn()` in a thread of its own (a fresh cuDNN benchmark cache); its exception is raised here, in the caller."""
     result: dict = {}
 
     def run() -> None:
-        with torch.inference_mode():
-            result["value"] = fn()
+        try:
+            with torch.inference_mode():
+                result["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 (handed to the caller, not printed by the thread)
+            result["error"] = error
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    if "value" not in result:
-        raise RuntimeError("the call failed in its thread (its traceback is above)")
+    if "error" in result:
+        raise RuntimeError(f"the call failed in its thread: {result['error']!r}") from result["error"]
     return result["value"]
 
 
