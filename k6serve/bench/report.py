@@ -127,6 +127,9 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 COMMIT_ENVIRONMENT_VARIABLE = "K6SERVE_COMMIT"
+# `k6serve serve`'s bearer key and webhook signing key (serve/settings.py's API_KEY_ENV, serve/webhook_transport.py's
+# WEBHOOK_SECRET_ENV), named here rather than imported: the bench does not import the server.
+SECRET_ENVIRONMENT_VARIABLES = frozenset({"K6SERVE_API_KEY", "K6SERVE_WEBHOOK_SECRET"})
 
 
 def _git_commit() -> str | None:
@@ -212,10 +215,17 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     # diffusers is the reference; the fa / compiled rows depend on FA3 (fa3-fwd), FA4 (CUTLASS DSL) and Triton.
     for package in ("diffusers", "transformers", "triton", "fa3-fwd", "nvidia-cutlass-dsl"):
         info[package] = _version(package)
-    # The K6SERVE_* switches (FA4, kernels, VAE layouts, x264 threads) change what a row measures.
+    # The K6SERVE_* switches (FA4, kernels, VAE layouts, cuDNN's autotuner, x264 threads) change what a row
+    # measures; the server's secrets (its API key, the webhook signing key) are never written, as the JSON files are
+    # shared (docs/benchmarks/ holds them).
     info["k6serve_environment"] = {
         name: value for name, value in sorted(os.environ.items())
-        if name.startswith("K6SERVE_") and name != "K6SERVE_API_KEY"
+        if name.startswith("K6SERVE_") and name not in SECRET_ENVIRONMENT_VARIABLES
+    }
+    # torch's own switches that change what inductor compiles (TORCHINDUCTOR_DETERMINISTIC: no on-device timing of
+    # configurations that change numerics; the cache folder, whether a compile was cold).
+    info["torch_environment"] = {
+        name: value for name, value in sorted(os.environ.items()) if name.startswith(("TORCHINDUCTOR_", "TORCH_"))
     }
     return info
 

@@ -492,17 +492,24 @@ def test_fa4_note_names_the_head_dim_that_ran_it(monkeypatch):
     assert row.note == "FlashAttention-4 (128-wide video heads: ops/flash_attention4.py)"
 
 
-def test_environment_records_the_k6serve_switches_but_not_the_api_key(monkeypatch):
+def test_environment_records_the_k6serve_switches_but_not_the_servers_secrets(monkeypatch):
     """The K6SERVE_* variables change what a row measures (FA4, kernels, VAE layouts, x264 threads), so the JSON
-    records them; the server's API key is never written."""
-    from k6serve.bench.report import environment
+    records them, and torch's TORCHINDUCTOR_* ones; the server's API key and webhook signing key are never written
+    (the webhook key was, into files meant to be shared)."""
+    from k6serve.bench.report import SECRET_ENVIRONMENT_VARIABLES, environment
+    from k6serve.serve.settings import API_KEY_ENV, WEBHOOK_SECRET_ENV
 
+    assert SECRET_ENVIRONMENT_VARIABLES == {API_KEY_ENV, WEBHOOK_SECRET_ENV}  # the server's names, kept in step
     monkeypatch.setenv("K6SERVE_FA4", "1")
     monkeypatch.setenv("K6SERVE_X264_THREADS", "8")
     monkeypatch.setenv("K6SERVE_API_KEY", "secret")
-    recorded = environment()["k6serve_environment"]
-    assert recorded["K6SERVE_FA4"] == "1" and recorded["K6SERVE_X264_THREADS"] == "8"
-    assert "K6SERVE_API_KEY" not in recorded
+    monkeypatch.setenv("K6SERVE_WEBHOOK_SECRET", "signing-secret")
+    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "1")
+    recorded = environment()
+    assert recorded["k6serve_environment"]["K6SERVE_FA4"] == "1"
+    assert recorded["k6serve_environment"]["K6SERVE_X264_THREADS"] == "8"
+    assert recorded["torch_environment"]["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert "secret" not in json.dumps(recorded)
 
 
 def test_sr_vae_tile_decode_flops_counts_the_real_decode(tiny_sr_configs, build_tiny_kvae):
