@@ -14,7 +14,8 @@ mkdir -p "$OUT"
 : > "$OUT/cross_process.txt"
 fresh_cache=$(mktemp -d)
 for run in first second fresh_cache; do
-  # shellcheck disable=SC2086 (SIZE is a list of flags)
+  # SIZE is a list of flags, split on purpose.
+  # shellcheck disable=SC2086
   (if [ "$run" = fresh_cache ]; then export TORCHINDUCTOR_CACHE_DIR=$fresh_cache; fi
    python3 -m k6serve generate --model-path "$MODEL" --load-format "$LOAD_FORMAT" $SIZE --num-inference-steps 2 \
      --seed 7 --prompt "A red fox runs through fresh snow at dawn" --output-path "$OUT/$run" \

@@ -85,7 +85,8 @@ def timed(fn, device: torch.device, repeats: int) -> dict:
 
 
 def build(tiny: bool, device: torch.device, dtype: torch.dtype):
-    """The video VAE and vocoder as the dummy build makes them (seeded as `_build_dummy` seeds them)."""
+    """The released-size video VAE and vocoder, random weights drawn with the dummy build's seeds for them (the bench's
+    builders; the question measured does not depend on the weights)."""
     from k6serve.bench.components import build_audio_decoder, build_video_vae
     from k6serve.models.kandinsky6.checkpoint import DUMMY_COMPONENT_SEEDS
 

@@ -20,6 +20,8 @@ import torch
 
 import k6serve
 from k6serve.bench.flops import FLOOR_TFLOPS
+from k6serve.serve.settings import API_KEY_ENV
+from k6serve.serve.webhook_transport import WEBHOOK_SECRET_ENV
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,9 +129,9 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 COMMIT_ENVIRONMENT_VARIABLE = "K6SERVE_COMMIT"
-# `k6serve serve`'s bearer key and webhook signing key (serve/settings.py's API_KEY_ENV, serve/webhook_transport.py's
-# WEBHOOK_SECRET_ENV), named here rather than imported: the bench does not import the server.
-SECRET_ENVIRONMENT_VARIABLES = frozenset({"K6SERVE_API_KEY", "K6SERVE_WEBHOOK_SECRET"})
+# `k6serve serve`'s bearer key and webhook signing key, by the server's own names (settings.py imports no web
+# framework, only the standard library).
+SECRET_ENVIRONMENT_VARIABLES = frozenset({API_KEY_ENV, WEBHOOK_SECRET_ENV})
 
 
 def _git_commit() -> str | None:
