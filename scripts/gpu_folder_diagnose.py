@@ -150,13 +150,7 @@ def main() -> None:
     folder_calls = traced_run(str(args.folder), args.out / "folder")
     shutil.rmtree(args.folder, ignore_errors=True)
     dummy_calls = traced_run(HUB_IDS[args.variant], args.out / "dummy", load_format="dummy")
-    report["pair"] = {"calls": [len(folder_calls["calls"]), len(dummy_calls["calls"])],
-                      "mp4": [folder_calls["mp4"], dummy_calls["mp4"]],
-                      "first_difference": first_difference(folder_calls, dummy_calls),
-                      # Every differing call, where the two runs made the same calls: the video decoder runs after
-                      # the vocoder, so the first difference alone hides whether the frames differ too.
-                      "differences": [[position, x[0], x[1]] for position, (x, y)
-                                      in enumerate(zip(folder_calls["calls"], dummy_calls["calls"])) if x != y]}
+    report["pair"] = pair_report(folder_calls, dummy_calls)
     print("pair", json.dumps(report["pair"]), flush=True)
     save()
     if args.repeat:
@@ -258,29 +252,36 @@ def first_difference(a: dict, b: dict):
     return None
 
 
-def compare_traces(a: Path, b: Path) -> dict:
-    """Where two traced runs' files part: the MP4s' hashes, the first differing call and every differing call."""
-    first, second = json.loads(a.read_text()), json.loads(b.read_text())
-    # JSON made the calls' tuples lists; compared as tuples, as `first_difference` compares one process's.
-    for trace in (first, second):
-        trace["calls"] = [tuple(call) for call in trace["calls"]]
-    return {"mp4": [first["mp4"], second["mp4"]], "calls": [len(first["calls"]), len(second["calls"])],
+def pair_report(first: dict, second: dict) -> dict:
+    """Where two traced runs part: the MP4s' hashes, the call counts, the first differing call and every differing
+    call (where the two made the same calls: the video decoder runs after the vocoder, so the first difference alone
+    hides whether the frames differ too)."""
+    return {"calls": [len(first["calls"]), len(second["calls"])], "mp4": [first["mp4"], second["mp4"]],
             "first_difference": first_difference(first, second),
             "differences": [[position, x[0], x[1]] for position, (x, y)
                             in enumerate(zip(first["calls"], second["calls"])) if x != y]}
 
 
+def compare_traces(a: Path, b: Path) -> dict:
+    """`pair_report` of two traced runs written to files by two processes (`--trace-only`)."""
+    first, second = json.loads(a.read_text()), json.loads(b.read_text())
+    # JSON made the calls' tuples lists; compared as tuples, as `first_difference` compares one process's.
+    for trace in (first, second):
+        trace["calls"] = [tuple(call) for call in trace["calls"]]
+    return pair_report(first, second)
+
+
 def repeat_runs(model_path: str, out: Path, **options) -> dict:
-    """The dummy request four times on one in-process worker (two with cudnn.benchmark as the speed mode sets it,
-    two with it off), each watched module's inputs and outputs hashed: the first call that differs between two runs
-    is where a run stops repeating."""
+    """The dummy request four times on one in-process worker (two with cudnn.benchmark on, two with it off), each
+    watched module's inputs and outputs hashed: the first call that differs between two runs is where a run stops
+    repeating."""
     calls: list = []
     generator = _traced_generator(model_path, calls, **options)
     runs: list[dict[str, Any]] = []
     try:
         for index in range(4):
-            if index == 2:
-                torch.backends.cudnn.benchmark = False
+            # Set here: speed mode no longer turns the autotuner on (K6SERVE_CUDNN_BENCHMARK=1 would).
+            torch.backends.cudnn.benchmark = index < 2
             calls.clear()
             result = generator.generate({**REQUEST, "output_path": str(out / f"run{index}")})
             runs.append({"mp4": _sha256(result.output_file_path), "calls": list(calls),
