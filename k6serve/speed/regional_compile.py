@@ -9,13 +9,43 @@ the per-head RMSNorm and the fp32 RoPE (performance.md §2.4 puts them at ~12% o
 
 `fullgraph=False` by default: a kernel dynamo cannot trace (e.g. an FA3 build without a fake
 implementation) becomes a graph break instead of an error.
+
+Inductor compiles the blocks in its deterministic mode (`inductor_options`): without it, it chooses some of its
+reduction kernels' configurations (the LayerNorms over the video tokens among them) by timing them on the device,
+configurations that round differently, so two GPU processes gave different MP4s for the same request (fifty-eighth
+session). Measured on an H100 (fifty-ninth session), the mode costs nothing visible: the Pro-distill DiT forward
+6.017-6.116 s with it against 5.988-6.139 s without (three processes each way, within their spread),
+Lite-distill's 1.362 against 1.363 s. The super-resolution DiT's blocks, which compile here too, were not timed
+with it.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from torch import nn
 
 from k6serve.models.plan import ModelPlan
+
+
+# torch's own switch. Set either way, it is the user's choice and rules the whole process: "0" lets inductor time the
+# configurations again (the blocks then compile as torch's default does); unset, k6serve's blocks compile
+# deterministically and the rest of the process is left as torch's default has it.
+DETERMINISTIC_ENVIRONMENT_VARIABLE = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def inductor_options(backend: object, mode: str | None) -> dict[str, Any] | None:
+    """`torch.compile`'s `options` for a block: inductor's deterministic mode (see the module docstring), or None
+    where it does not apply: another backend, an explicit mode (torch takes a mode or options, and max-autotune's
+    template choice is timing, which the deterministic mode would skip), or the switch set in the environment."""
+    if backend != "inductor" or mode not in (None, "default") or DETERMINISTIC_ENVIRONMENT_VARIABLE in os.environ:
+        return None
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "deterministic"):
+        return None
+    return {"deterministic": True}
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -30,7 +60,7 @@ def apply_regional_compile(
     model: nn.Module,
     plan: ModelPlan,
     *,
-    backend: str = "inductor",
+    backend: object = "inductor",
     mode: str | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
@@ -46,6 +76,9 @@ def apply_regional_compile(
     for the rest of the process, silently, at eager speed: a recompile costs once, that forever.
     """
     raise_recompile_limit(BLOCK_RECOMPILE_LIMIT)
+    options = inductor_options(backend, mode)
+    if options is not None:
+        mode = None  # "default" is no mode; torch refuses a mode beside options
     num_compiled = 0
     for path in plan.blocks:
         blocks = model.get_submodule(path)
@@ -56,7 +89,7 @@ def apply_regional_compile(
         for block in blocks:
             if is_compiled(block):
                 continue
-            block.compile(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+            block.compile(backend=backend, mode=mode, options=options, fullgraph=fullgraph, dynamic=dynamic)
             num_compiled += 1
     return num_compiled
 

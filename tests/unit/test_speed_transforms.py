@@ -129,6 +129,55 @@ def test_regional_compile_raises_dynamos_limit_of_graph_variants():
     torch._dynamo.reset()
 
 
+def _compile_calls(monkeypatch, **kwargs):
+    """The keyword arguments `apply_regional_compile` gives each block's `nn.Module.compile` (nothing compiled)."""
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: calls.append(options))
+    apply_regional_compile(_model(), kandinsky6_plan(CONFIG), **kwargs)
+    assert len(calls) == 6
+    return calls
+
+
+@pytest.mark.parametrize("mode", [None, "default"])
+def test_regional_compile_is_deterministic_by_default(monkeypatch, mode):
+    """Inductor's timed choice of reduction configurations made two GPU processes' MP4s differ (fifty-eighth
+    session): the blocks compile in its deterministic mode unless the environment says otherwise."""
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    calls = _compile_calls(monkeypatch, mode=mode)
+    assert all(call["options"] == {"deterministic": True} and call["mode"] is None for call in calls)
+    assert all(call["backend"] == "inductor" for call in calls)
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_regional_compile_leaves_the_environment_switch_to_torch(monkeypatch, setting):
+    # "0": the user asked for inductor's timing back; "1": torch's global switch already does it for every compile.
+    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", setting)
+    assert all(call["options"] is None for call in _compile_calls(monkeypatch))
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "max-autotune"}, {"backend": "eager"}])
+def test_regional_compile_options_only_for_inductor_default_mode(monkeypatch, kwargs):
+    # max-autotune chooses its GEMM templates by timing them, which the deterministic mode would skip; another backend
+    # takes no inductor options.
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    calls = _compile_calls(monkeypatch, **kwargs)
+    assert all(call["options"] is None for call in calls)
+    assert all(call["mode"] == kwargs.get("mode") for call in calls)
+
+
+def test_regional_compile_options_are_accepted_by_torch(monkeypatch):
+    """torch.compile checks the option names when it wraps (inductor's config has `deterministic`): a block wrapped
+    with them is compiled, and nothing runs."""
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    torch._dynamo.reset()
+    model = _model()
+    assert apply_regional_compile(model, kandinsky6_plan(CONFIG)) == 6
+    assert all(is_compiled(block) for block in model.visual_transformer_blocks)
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        torch.compile(torch.nn.Identity(), options={"no_such_option": True})
+    torch._dynamo.reset()
+
+
 def test_regional_compile_eager_backend_traces_blocks_bitwise():
     torch._dynamo.reset()
     reference = _model()
