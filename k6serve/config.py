@@ -285,7 +285,7 @@ class RuntimeConfig:
     attention_backend: str = "auto"
     warmup_mode: str = "off"
     # The shapes `--warmup-mode server` warms at start-up, in order, instead of the model's default request: a
-    # shape's first request pays what is keyed on its size (cuDNN's VAE tuning; a compile where the DiT's graphs are
+    # shape's first request pays what is keyed on its size (its set-up; a compile where the DiT's graphs are
     # not yet dynamic, speed/warmup.py). Each is checked as a request of its size is, before the load where the
     # model is known.
     warmup_resolutions: tuple[WarmupSize, ...] = ()

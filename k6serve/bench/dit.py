@@ -36,7 +36,7 @@ from k6serve.speed.fp8_linears import (
     set_fast_accumulation,
 )
 from k6serve.speed.fused_projections import apply_fused_norm_rope, apply_fused_projections
-from k6serve.speed.regional_compile import apply_regional_compile, raise_recompile_limit
+from k6serve.speed.regional_compile import apply_regional_compile, inductor_options, raise_recompile_limit
 
 TIMESTEP = 500.0
 
@@ -329,6 +329,8 @@ def run_dit(options: DitOptions) -> list[BenchRow]:
             ours, inputs, options, tflop, compared, "fused+compiled", compiled=True
         )
         compiler = options.compile_backend + (f", {options.compile_mode}" if options.compile_mode else "")
+        if inductor_options(options.compile_backend, options.compile_mode) is not None:
+            compiler += ", deterministic"  # as speed mode compiles them (the environment leaves it to torch)
         for row in fast_rows:
             row.note = "; ".join(
                 filter(None, (f"{num_fused} fused attentions, {num_compiled} compiled blocks ({compiler})", row.note))

@@ -13,10 +13,11 @@ implementation) becomes a graph break instead of an error.
 Inductor compiles the blocks in its deterministic mode (`inductor_options`): without it, it chooses some of its
 reduction kernels' configurations (the LayerNorms over the video tokens among them) by timing them on the device,
 configurations that round differently, so two GPU processes gave different MP4s for the same request (fifty-eighth
-session). Measured on an H100 (fifty-ninth session), the mode costs nothing visible: the Pro-distill DiT forward
-6.017-6.116 s with it against 5.988-6.139 s without (three processes each way, within their spread),
-Lite-distill's 1.362 against 1.363 s. The super-resolution DiT's blocks, which compile here too, were not timed
-with it.
+session). Measured on an H100 (fifty-ninth session), the mode costs nothing beyond the spread of repeated runs: the
+Pro-distill DiT forward on FA3 6.017, 6.102 and 6.116 s with it against 5.988, 6.139 and 6.070 s without (six
+processes, the order alternated), Lite-distill's 1.362 against 1.363 s; on torch_sdpa, timed once each way, Pro's
+6.500 against 6.428 s (1.1%) and Lite's 1.527 against 1.523 s. The super-resolution DiT's blocks, which compile here
+too, were not timed with it.
 """
 
 from __future__ import annotations
