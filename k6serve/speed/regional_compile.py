@@ -46,6 +46,9 @@ def inductor_options(backend: object, mode: str | None) -> dict[str, Any] | None
 
     if not hasattr(inductor_config, "deterministic"):
         return None
+    # As torch's switch for these graphs: the options hold while they compile, where every read of the setting is
+    # (torch 2.11: the pad-mm pass, template selection, the scheduler, Triton codegen), and codegen writes it into
+    # each kernel's metadata, which the runtime autotuner reads.
     return {"deterministic": True}
 
 
