@@ -42,10 +42,7 @@ def inductor_options(backend: object, mode: str | None) -> dict[str, Any] | None
     template choice is timing, which the deterministic mode would skip), or the switch set in the environment."""
     if backend != "inductor" or mode not in (None, "default") or DETERMINISTIC_ENVIRONMENT_VARIABLE in os.environ:
         return None
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config, "deterministic"):
-        return None
+    # Every supported torch (>= 2.11) has the setting; torch.compile refuses an unknown option name when it wraps.
     # As torch's switch for these graphs: the options hold while they compile, where every read of the setting is
     # (torch 2.11: the pad-mm pass, template selection, the scheduler, Triton codegen), and codegen writes it into
     # each kernel's metadata, which the runtime autotuner reads.
