@@ -11,6 +11,10 @@
 #                                                                                     ~8.4 MB
 #   .whlH  fa3-fwd 0.0.3 (FA3 forward, sm_90a) and einops                              ~27 MB
 #   .whlR  diffusers 0.42.1, zipp, importlib-metadata: .whlG without PyAV, to go beside .whlH   ~6.4 MB
+#   .whlA  site.tar.xz: .whlG, .whlP and .whlH installed into one folder and packed with xz   ~36 MB
+#          (the three as wheels are 69 MB, over one call's 64 MiB, so FA3 took a call of its own on a warm machine,
+#          and a machine that went back between the two calls lost it; scripts/gpu_setup.sh unpacks .whlA when
+#          carried: one call, with room for .whlS beside it)
 # Install on the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlG/*.whl ...
 # then PYTHONPATH=/tmp/site:$PWD. Run here (PyPI reachable), from the repository root: bash scripts/gpu_wheels.sh
 set -eu
@@ -31,4 +35,12 @@ get .whlP --no-deps pytest pluggy iniconfig
 get .whlS fastapi uvicorn httpx python-multipart openai openapi-spec-validator
 get .whlH --no-deps fa3-fwd==0.0.3 einops
 get .whlR --no-deps diffusers==0.42.1 zipp importlib-metadata
-du -sh .whlG .whlP .whlS .whlH .whlR
+# Installed here for the device's Python 3.12 (av's and fa3-fwd's wheels are abi3, the rest pure Python), then packed.
+rm -rf .whlA && mkdir -p .whlA
+site=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+  --target "$site" .whlG/*.whl .whlP/*.whl .whlH/*.whl
+tar -C "$site" -cf - . | xz -T0 -9 > .whlA/site.tar.xz
+rm -rf "$site"
+du -sh .whlG .whlP .whlS .whlH .whlR .whlA
