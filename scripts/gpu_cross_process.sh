@@ -13,6 +13,7 @@ SIZE=${SIZE:-"--height 256 --width 384 --num-frames 17"}
 mkdir -p "$OUT"
 : > "$OUT/cross_process.txt"
 fresh_cache=$(mktemp -d)
+trap 'rm -rf "$fresh_cache"' EXIT  # a failed process ends the script early
 for run in first second fresh_cache; do
   # SIZE is a list of flags, split on purpose.
   # shellcheck disable=SC2086
@@ -22,7 +23,6 @@ for run in first second fresh_cache; do
      --output-file-name clip.mp4 > "$OUT/$run.log" 2>&1) || { echo "$run failed:"; tail -5 "$OUT/$run.log"; exit 1; }
   echo "$run $(sha256sum "$OUT/$run/clip.mp4" | cut -c1-64)" | tee -a "$OUT/cross_process.txt"
 done
-rm -rf "$fresh_cache"
 if [ "$(cut -d' ' -f2 "$OUT/cross_process.txt" | sort -u | wc -l)" = 1 ]; then
   echo "same MP4 bytes in all three processes"
 else
