@@ -6,25 +6,25 @@
 # scripts/gpu_test_seconds.txt (measured on the GPU host), else its size at 2 kB a second. Size alone misled: the
 # multi-process files are small and slow (test_stop_signals.py, 9 tests, 200 s), and in the fiftieth session the
 # group that drew several of them ran past its limit in both of the whole suite's calls. The device brings back at
-# most 8 files, so the groups' logs are written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlG,
-# .whlP and .whlS.
+# most 8 files, so the groups' logs are written under /tmp and joined into one $OUT/tests/groups.log. Carry .whlA
+# (or .whlG and .whlP; then FA3's tests skip) and .whlS.
 #   NGROUPS=14 LIMIT=500 bash scripts/gpu_tests.sh tests/unit tests/server tests/parity
-#   (the whole suite: 3,109 tests in the fifty-first session, 209 s; its fourteen groups took 136-195 s each)
+#   (the whole suite: 3,137 tests in the sixtieth session with FA3's, 259 s; its fourteen groups took 187-249 s each)
 #   bash scripts/gpu_tests.sh tests/unit/test_generate_cli_api.py tests/server/test_api.py
 # Prints one line per group (its files, its pytest summary) and the failures' names; $OUT/tests/summary.txt
 # keeps the same.
 set -u
-source "$(dirname "$0")/gpu_setup.sh"  # .whlG / .whlP into /tmp/site, PYTHONPATH, nvidia-smi.csv
-if [ -d .whlS ] && [ ! -d /tmp/site/fastapi ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whlS/*.whl \
+source "$(dirname "$0")/gpu_setup.sh"  # .whlA (or .whlG / .whlP) into $site (/tmp/site), PYTHONPATH, nvidia-smi.csv
+if [ -d .whlS ] && [ ! -d "$site/fastapi" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whlS/*.whl \
     >> "$OUT/install.log" 2>&1
 fi
 NGROUPS=${NGROUPS:-8}
 LIMIT=${LIMIT:-540}
 [ $# -eq 0 ] && set -- tests/unit tests/server
 mkdir -p "$OUT/tests"
-LOGS=/tmp/k6serve-gpu-tests
-rm -rf "$LOGS" && mkdir -p "$LOGS"
+LOGS=$(mktemp -d)  # the groups' lists and logs, joined into $OUT/tests/groups.log at the end
+trap 'rm -rf "$LOGS"' EXIT
 # Longest first, each to the least loaded group (work: the measured seconds, else the size at 2 kB a second).
 python3 - "$NGROUPS" "$LOGS" "$(dirname "$0")/gpu_test_seconds.txt" "$@" <<'PY'
 import os, sys
