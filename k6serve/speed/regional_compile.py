@@ -18,8 +18,9 @@ Pro-distill DiT forward on FA3 6.017, 6.102 and 6.116 s with it against 5.988, 6
 processes, the order alternated), Lite-distill's 1.362 against 1.363 s; on torch_sdpa, timed once each way, Pro's
 6.500 against 6.428 s (1.1%) and Lite's 1.527 against 1.523 s. The super-resolution DiT's blocks, which compile here
 too, cost nothing either: a VSR x2 request of 768x512x121 on an H100 took 39.884 s with the mode (its 18 DiT calls
-22.11 s) against 39.963 s without (22.20 s). With the mode three `k6serve generate` processes on an H100, the third
-with an empty inductor cache, wrote the same MP4 byte for byte (sixtieth session).
+22.11 s) against 39.963 s without (22.20 s); on an H200 the Pro-distill forward took 5.901 and 5.893 s with it
+against 5.895 s without. With the mode three `k6serve generate` processes on an H100, the third with an empty
+inductor cache, wrote the same MP4 byte for byte (sixtieth session).
 """
 
 from __future__ import annotations
