@@ -35,7 +35,9 @@ def _run(tmp_path: Path, **env_extra: str) -> tuple[subprocess.CompletedProcess[
     stub.write_text(STUB)
     stub.chmod(0o755)
     out = tmp_path / "out"
-    env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    # The script's own settings (MODEL, LOAD_FORMAT, SIZE) and the cache folder from the environment would change it.
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TORCHINDUCTOR_CACHE_DIR", "MODEL", "LOAD_FORMAT", "SIZE")}
     env.update(OUT=str(out), PATH=f"{bin_dir}:{env['PATH']}", **env_extra)
     result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     return result, out
