@@ -44,6 +44,12 @@ DEFAULT_NEGATIVE_PROMPT = (
 )
 
 
+def _nearest_multiples_of_16(value: int) -> str:
+    """What to give instead of a height or width that is not a positive multiple of 16: the two around it."""
+    below = value // 16 * 16
+    return " (16 is the smallest)" if below <= 0 else f" (the nearest are {below} and {below + 16})"
+
+
 def _frames_rule(num_frames: int) -> int:
     if num_frames < 1:
         raise FlagWorded.naming(lambda name: f"{name('num_frames')} must be >= 1, got {num_frames}")
@@ -128,12 +134,12 @@ def resolve_generate(params: SamplingParams, variant: Variant, *, engine_cache_d
     height = params.height if params.height is not None else variant.height
     width = params.width if params.width is not None else variant.width
     for field, value in (("height", height), ("width", width)):
-        if value <= 0 or value % 16:
-            raise FlagWorded.naming(lambda name: f"{name(field)} must be a positive multiple of 16 (VAE 8x times "
-                                                 f"patch 2), got {value}.")
-        if value > 2048:
+        if value > 2048:  # first, so that 3000 is not answered with 2992 and 3008, which fail here next
             raise FlagWorded.naming(lambda name: f"{name(field)} must be at most 2048 (the DiT's 128 RoPE positions "
                                                  f"x 16 px), got {value}.")
+        if value <= 0 or value % 16:
+            raise FlagWorded.naming(lambda name: f"{name(field)} must be a positive multiple of 16 (VAE 8x times "
+                                                 f"patch 2), got {value}{_nearest_multiples_of_16(value)}.")
     num_frames = params.num_frames if params.num_frames is not None else variant.num_frames
     rounded = _frames_rule(num_frames)
     if rounded != num_frames:

@@ -218,6 +218,12 @@ def test_distilled_rejects_guidance():
         ({"prompt": "a", "negative_prompt": "b" * 40_000}, r"^negative_prompt has 40,000 characters"),
         ({"prompt": "a", "width": -16}, "width must be a positive multiple of 16"),
         ({"prompt": "a", "width": 4096}, "width must be at most 2048"),
+        # The two valid sizes around a bad one; above the limit the limit is what is said, not 2992 and 3008.
+        ({"prompt": "a", "width": 2040}, r"got 2040 \(the nearest are 2032 and 2048\)\.$"),
+        ({"prompt": "a", "height": 8}, r"got 8 \(16 is the smallest\)\.$"),
+        ({"prompt": "a", "width": -16}, r"got -16 \(16 is the smallest\)\.$"),
+        ({"prompt": "a", "width": 3000},
+         r"^width must be at most 2048 \(the DiT's 128 RoPE positions x 16 px\), got 3000\.$"),
         ({"prompt": "a", "num_frames": 0}, "num_frames must be >= 1"),
         ({"prompt": "a", "fps": 0.0}, "fps must be between 1 and 240"),
         ({"prompt": "a", "fps": 0.5}, "audio length"),
@@ -236,8 +242,8 @@ def test_generation_bad_inputs(kwargs, message):
 @pytest.mark.parametrize(
     ("variant", "kwargs", "api", "cli"),
     [
-        ("pro", {"height": 500}, "height must be a positive multiple of 16 (VAE 8x times patch 2), got 500.",
-         "--height must be a positive multiple of 16 (VAE 8x times patch 2), got 500."),
+        ("pro", {"height": 500}, "height must be a positive multiple of 16 (VAE 8x times patch 2), got 500 (the nearest are 496 and 512).",
+         "--height must be a positive multiple of 16 (VAE 8x times patch 2), got 500 (the nearest are 496 and 512)."),
         ("pro", {"num_frames": 600}, "num_frames 600 gives more than 128 latent frames; use at most 509.",
          "--num-frames 600 gives more than 128 latent frames; use at most 509."),
         ("pro", {"max_sequence_length": 0}, "max_sequence_length must be between 1 and 1024 (prompt tokens the model "

@@ -121,7 +121,8 @@ def test_a_size_the_model_cannot_take_is_refused_before_any_worker_starts(comman
             "96x64", "100x64", *request, "--output-path", str(tmp_path)]
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --warmup-resolutions 100x64: width must be a positive multiple of 16 (VAE 8x times patch 2), got 100.")
+        "error: --warmup-resolutions 100x64: width must be a positive multiple of 16 (VAE 8x times patch 2), got 100 "
+        "(the nearest are 96 and 112).")
 
 
 @pytest.mark.parametrize(("sizes", "message"), [
