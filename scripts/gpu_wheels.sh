@@ -19,14 +19,15 @@
 # then PYTHONPATH=/tmp/site:$PWD. Run here (PyPI reachable), from the repository root: bash scripts/gpu_wheels.sh
 set -eu
 grep -qx '.whl\*/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '.whl*/' >> .git/info/exclude; }
+# The device's Python and platforms, for the downloads and for the packed install below.
+DEVICE=(--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 get() {  # folder, then pip's options and requirements
   local folder=$1; shift
   # Afresh: a folder downloaded into twice held two versions of one package (httpcore2 2.16.2 and 2.17.0), and the
   # device's `pip install .whlS/*.whl` refused the pair (forty-fourth session).
   rm -rf "$folder"
-  python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$folder" "$@"
+  python3 -m pip download -q "${DEVICE[@]}" -d "$folder" "$@"
 }
 # Without their dependencies: the device has torch, transformers, huggingface_hub, numpy, safetensors.
 get .whlG --no-deps diffusers==0.42.1 "av==18.*" zipp importlib-metadata
@@ -38,9 +39,8 @@ get .whlR --no-deps diffusers==0.42.1 zipp importlib-metadata
 # Installed here for the device's Python 3.12 (av's and fa3-fwd's wheels are abi3, the rest pure Python), then packed.
 rm -rf .whlA && mkdir -p .whlA
 site=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-  --target "$site" .whlG/*.whl .whlP/*.whl .whlH/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile "${DEVICE[@]}" --target "$site" .whlG/*.whl .whlP/*.whl \
+  .whlH/*.whl
 tar -C "$site" -cf - . | xz -T0 -9 > .whlA/site.tar.xz
 rm -rf "$site"
 du -sh .whlG .whlP .whlS .whlH .whlR .whlA
