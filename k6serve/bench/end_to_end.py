@@ -12,6 +12,7 @@ The worker applies `--performance-mode` (and `--compile-vae`) while loading; the
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import tempfile
 import time
@@ -101,6 +102,7 @@ def _rows_from_results(
         times_s=(cold.timings.get("total", 0.0),),
         peak_memory_gib=cold.peak_memory_mb / 1024,
         breakdown_s=dict(cold.timings),
+        output_sha256=_file_digests([cold]),
         note=f"load {load_s:.1f} s; {note}" + ("" if warm else peaks),
     )
     rows = [cold_row]
@@ -117,11 +119,22 @@ def _rows_from_results(
                 peak_memory_gib=max(r.peak_memory_mb for r in warm) / 1024,
                 breakdown_s=breakdown,
                 breakdowns_s=tuple(dict(result.timings) for result in warm),
+                output_sha256=_file_digests(warm),
                 note=("each stage's median (over the runs, so they need not add up to the median total) "
                       if len(warm) > 1 else "") + _breakdown_text(breakdown) + peaks,
             )
         )
     return rows
+
+
+def _file_digests(results: list) -> tuple[str, ...]:
+    """Each result's MP4's sha256 (a request after the first with the same name writes a numbered one, so every
+    file is still there); none for a result without a file."""
+    digests = []
+    for result in results:
+        if result.output_file_path is not None:
+            digests.append(hashlib.sha256(Path(result.output_file_path).read_bytes()).hexdigest())
+    return tuple(digests)
 
 
 def _breakdown_text(breakdown: dict[str, float]) -> str:
@@ -417,8 +430,9 @@ def run_super_resolution(options: EndToEndOptions) -> list[BenchRow]:
             }
             cold, warm, warm_error = _run_requests(generator, params, options.repeats)
             peaks = _stage_peaks(generator)
+        rows = _rows_from_results("sr", config, cold, warm, load_s, note, peaks, warm_error)  # the MP4s still there
     _free()
-    return _rows_from_results("sr", config, cold, warm, load_s, note, peaks, warm_error)
+    return rows
 
 
 def _free() -> None:

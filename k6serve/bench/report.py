@@ -46,6 +46,9 @@ class BenchRow:
     # need not add up to the row's median total
     # Every timed run's breakdown, so one slow run among them shows where its time went.
     breakdowns_s: tuple[dict[str, float], ...] = ()
+    # sha256 of the row's outputs, so runs in separate processes can be compared byte for byte: vae, the uint8
+    # frames of its last timed run; generate and sr, each request's MP4 in order.
+    output_sha256: tuple[str, ...] = ()
     note: str = ""
     error: str | None = None
 

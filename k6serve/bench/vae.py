@@ -20,6 +20,7 @@ the speed-ups' own share, without the copy the engine's design saves.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ def _decode_row(name: str, options: VaeOptions, vae, latents, reference_frames, 
         )
         row.record(result)
         frames = torch.from_numpy(result.output.frames_THWC)
+        row.output_sha256 = (hashlib.sha256(result.output.frames_THWC.tobytes()).hexdigest(),)
         row.reference_seconds = row.seconds if baseline else reference_seconds
         if reference_frames is not None:
             row.max_abs_diff = max_abs_difference(frames, reference_frames)

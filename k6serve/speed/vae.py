@@ -23,7 +23,9 @@ never the tiling.
   difference is not an error of the compiled decode: on a small random VAE on CPU (`scripts/vae_rounding.py`)
   the compiled decode is 6 levels from an fp32 decode and eager bf16 is 8.
   Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
-  `--warmup-mode server` pays it at start).
+  `--warmup-mode server` pays it at start). As the DiT's blocks (speed/regional_compile.py), the decoders compile
+  in inductor's deterministic mode unless `TORCHINDUCTOR_DETERMINISTIC` is set: with inductor's timed choice of
+  reduction configurations two processes could decode the same latents to different frames.
 * The SR K-VAE's latent-conditioned norms with their 1x1x1 convolutions before the upsampling, beside the
   compiled decoder blocks ($K6SERVE_KVAE_COMMUTED_NORMS=0 leaves it out): the same convolution values, without
   writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py). Measured on one H200 (sixth
@@ -71,7 +73,7 @@ from k6serve.speed.hunyuan_upsample import apply_folded_upsample
 from k6serve.speed.kvae_causal_conv import apply_single_causal_conv
 from k6serve.speed.kvae_spatial_norm import apply_commuted_spatial_norms
 from k6serve.speed.kvae_upsample import apply_subpixel_upsample
-from k6serve.speed.regional_compile import is_compiled, raise_recompile_limit
+from k6serve.speed.regional_compile import inductor_options, is_compiled, raise_recompile_limit
 
 if TYPE_CHECKING:  # diffusers' classes are told apart by name here (`_is_sr_vae`), without importing diffusers
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRVAE
@@ -137,7 +139,7 @@ def apply_vae_speedups(
                 # on each of its spatial tiles' shapes too (edge tiles are smaller: at 512x768 four heights and widths
                 # combine into up to 12 shapes), past dynamo's default of 8, after which it would silently run eager.
                 raise_recompile_limit(64)
-                decoder.compile(dynamic=False)
+                decoder.compile(dynamic=False, options=inductor_options("inductor", None))
             applied.append("compile_decoder")
     return applied
 
@@ -185,5 +187,5 @@ def compile_sr_decoder_blocks(model: Kandinsky6SRVAE, *, backend: str = "inducto
             modules.append(cast(nn.Module, up.upsample))
     for module in modules:
         if not is_compiled(module):
-            module.compile(backend=backend, dynamic=False)
+            module.compile(backend=backend, dynamic=False, options=inductor_options(backend, None))
     return len(modules)

@@ -184,6 +184,9 @@ def test_tiny_vae_and_text_rows(tiny_run):
     assert [row["name"] for row in vae] == ["diffusers default decode", "diffusers default decode, uint8 to host",
                                             "ours speed mode", "ours +compiled decoder"]
     assert all(row["max_abs_diff"] == 0 for row in vae[1:])
+    # Each row's frames' digest, to compare processes byte for byte: equal frames here (CPU, nothing applied).
+    assert all(len(row["output_sha256"]) == 1 and len(row["output_sha256"][0]) == 64 for row in vae)
+    assert len({row["output_sha256"][0] for row in vae}) == 1
     assert vae[0]["speedup"] == 1.0 and all(row["speedup"] > 0 for row in vae[1:])
     # The speed-ups' own ratio too, against the baseline doing our host work (the float copy left out).
     assert all(re.search(r"; x\d+\.\d\d against the same host work$", row["note"]) for row in vae[2:])
@@ -234,6 +237,8 @@ def test_tiny_generate_through_diffgenerator():
     )
     assert warm.seconds == pytest.approx(warm.breakdown_s["total"])
     assert len(warm.breakdowns_s) == 1 and warm.breakdowns_s[0]["total"] == warm.breakdown_s["total"]
+    # Each request's MP4 digest (the warm request wrote a numbered file beside the first): the same seed, the same bytes.
+    assert len(rows[0].output_sha256) == 1 and rows[0].output_sha256 == warm.output_sha256
 
 
 def test_tiny_generate_adds_the_cache_dit_row_of_the_same_run():
@@ -286,7 +291,8 @@ def test_warm_breakdown_is_the_median_of_every_run():
     from k6serve.bench.end_to_end import _rows_from_results
 
     def result(total, denoise):
-        return SimpleNamespace(timings={"denoise": denoise, "total": total}, peak_memory_mb=1024.0)
+        return SimpleNamespace(timings={"denoise": denoise, "total": total}, peak_memory_mb=1024.0,
+                               output_file_path=None)
 
     warm = [result(67.7, 58.4), result(62.4, 58.5), result(62.5, 58.6)]
     _, row = _rows_from_results("generate", "pro-distill", result(155.0, 86.0), warm, 1.0, "speed")
@@ -987,6 +993,8 @@ def test_the_sr_rows_write_the_source_size_height_first_as_every_other_row():
     rows = run_stages(args, log=lambda text: None)
     assert not any(row.error for row in rows), rows
     assert {row.config for row in rows} == {f"x2 of {generation_geometry(64, 96, 17).label}"} == {"x2 of 64x96x17"}
+    # The MP4s' digests, taken before the scratch folder that held them went (the rows were made after it).
+    assert [len(row.output_sha256) for row in rows] == [1, 1] and rows[0].output_sha256 == rows[1].output_sha256
 
 
 def test_gpu_single_tiny_records_the_cpu_it_ran_on_not_the_hosts_gpu(tmp_path, monkeypatch, load_script):

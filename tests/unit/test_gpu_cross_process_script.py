@@ -37,7 +37,7 @@ def _run(tmp_path: Path, **env_extra: str) -> tuple[subprocess.CompletedProcess[
     out = tmp_path / "out"
     # The script's own settings (MODEL, LOAD_FORMAT, SIZE) and the cache folder from the environment would change it.
     env = {key: value for key, value in os.environ.items()
-           if key not in ("TORCHINDUCTOR_CACHE_DIR", "MODEL", "LOAD_FORMAT", "SIZE")}
+           if key not in ("TORCHINDUCTOR_CACHE_DIR", "MODEL", "LOAD_FORMAT", "SIZE", "EXTRA_FLAGS")}
     env.update(OUT=str(out), PATH=f"{bin_dir}:{env['PATH']}", **env_extra)
     result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     return result, out
@@ -54,6 +54,15 @@ def test_three_equal_mp4s(tmp_path: Path) -> None:
     log = (out / "first.log").read_text()
     assert "-m k6serve generate --model-path kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers" in log
     assert "--load-format dummy --height 256 --width 384 --num-frames 17 --num-inference-steps 2 --seed 7" in log
+    assert log.splitlines()[0].endswith("--output-file-name clip.mp4")  # no extra flags unless asked
+
+
+def test_extra_flags_reach_every_process(tmp_path: Path) -> None:
+    result, out = _run(tmp_path, EXTRA_FLAGS="--compile-vae true --attention-backend sdpa")
+    assert result.returncode == 0, result.stderr
+    for run in ("first", "second", "fresh_cache"):
+        first_line = (out / f"{run}.log").read_text().splitlines()[0]
+        assert first_line.endswith("--output-file-name clip.mp4 --compile-vae true --attention-backend sdpa")
 
 
 def test_only_the_third_process_gets_a_fresh_cache_folder(tmp_path: Path) -> None:

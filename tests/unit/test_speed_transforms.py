@@ -409,6 +409,27 @@ def test_compiled_vae_decoder_only_when_asked(monkeypatch, tiny_sr_configs):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("setting", [None, "0", "1"])
+def test_compiled_vae_decoders_compile_deterministically_unless_the_environment_says(monkeypatch, tiny_sr_configs,
+                                                                                    setting):
+    """The decoders' compiles take the DiT blocks' choice (`inductor_options`): inductor's deterministic mode unless
+    `TORCHINDUCTOR_DETERMINISTIC` is set, which then rules every compile of the process (torch's own switch)."""
+    from k6serve.models.kandinsky6_sr.checkpoint import build_empty_modules
+
+    if setting is None:
+        monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", setting)
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: calls.append(options))
+    apply_vae_speedups(_HunyuanLikeVae(), torch.device("cuda"), compile_decoder=True)
+    _, kvae, _ = build_empty_modules(tiny_sr_configs, dtype=torch.float32)
+    apply_vae_speedups(kvae, torch.device("cuda"), compile_decoder=True)
+    assert len(calls) > 2  # HunyuanVideo's decoder, then the K-VAE decoder's blocks one by one
+    expected = {"deterministic": True} if setting is None else None
+    assert all(call["options"] == expected and call["dynamic"] is False for call in calls)
+
+
 def test_vae_channels_last_beside_the_compiled_sr_decoder(monkeypatch, tiny_sr_configs):
     """With --compile-vae the SR K-VAE's 5-D Conv3d weights are stored NDHWC (measured faster on the H200);
     `K6SERVE_VAE_CHANNELS_LAST=0` leaves them; eager decoders are never converted; HunyuanVideo's compiled
