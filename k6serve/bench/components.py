@@ -8,6 +8,8 @@ the components of the tiny test checkpoint (`k6serve.testing.tiny_checkpoints`),
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,25 @@ import torch
 
 from k6serve.bench.reference import import_diffusers
 from k6serve.models.kandinsky6.checkpoint import cast_without_warning
+
+
+# The full-size components' random weights are drawn from this seed, the same in every process.
+WEIGHT_SEED = 0
+
+
+@contextmanager
+def seeded_weights(device: torch.device) -> Iterator[None]:
+    """Draw the random weights built inside from `WEIGHT_SEED`, leaving the caller's random state as it was.
+
+    diffusers' and transformers' initialisers draw from torch's global generators: unseeded, two processes timed two
+    different VAEs, whose outputs (and their digests, BenchRow.output_sha256) could not be compared byte for byte
+    (an H100, sixty-first session: the eager decode's frames differed between two processes).
+    """
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(WEIGHT_SEED)  # every device's generator too
+        yield
 
 
 @dataclass(kw_only=True)
@@ -42,7 +63,7 @@ def build_video_vae(*, tiny: bool, device: torch.device, dtype: torch.dtype):
     diffusers = import_diffusers()
     if tiny:
         return _place(_tiny_pipeline().vae, device, dtype)
-    with torch.device(device):
+    with seeded_weights(device), torch.device(device):
         vae = cast_without_warning(diffusers.AutoencoderKLHunyuanVideo(), dtype)
     return vae.eval().requires_grad_(False)
 
@@ -53,7 +74,7 @@ def build_audio_decoder(*, tiny: bool, device: torch.device, dtype: torch.dtype)
     if tiny:
         pipe = _tiny_pipeline()
         return _place(pipe.audio_vae, device, dtype), _place(pipe.vocoder, device, dtype)
-    with torch.device(device):
+    with seeded_weights(device), torch.device(device):
         audio_vae = cast_without_warning(diffusers.MMAudioVAE(), dtype)
         vocoder = cast_without_warning(diffusers.MMAudioVocoder(), dtype)
     return audio_vae.eval().requires_grad_(False), vocoder.eval().requires_grad_(False)
@@ -78,7 +99,7 @@ def build_text_components(
     from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
 
     tokenizer = train_qwen_tokenizer()
-    with torch.device(device):
+    with seeded_weights(device), torch.device(device):
         text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
             dummy_qwen_config(tokenizer), dtype=dtype
         )

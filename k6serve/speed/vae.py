@@ -24,8 +24,11 @@ never the tiling.
   the compiled decode is 6 levels from an fp32 decode and eager bf16 is 8.
   Compilation happens once per tile shape (about 70 s HunyuanVideo, 150 s K-VAE on the first request;
   `--warmup-mode server` pays it at start). As the DiT's blocks (speed/regional_compile.py), the decoders compile
-  in inductor's deterministic mode unless `TORCHINDUCTOR_DETERMINISTIC` is set: with inductor's timed choice of
-  reduction configurations two processes could decode the same latents to different frames.
+  in inductor's deterministic mode unless `TORCHINDUCTOR_DETERMINISTIC` is set: inductor's timed choice of kernel
+  configurations gave other frames (H100, sixty-first session: HunyuanVideo's compiled decode 12 levels from eager
+  in the mode, 13 without, VSR x2 MP4s of other bytes), while in the mode two VSR processes, each compiling afresh,
+  wrote the same MP4. Its cost there: HunyuanVideo's 121-frame decode 2.856 s against 2.853 s, the K-VAE's decode in
+  a VSR x2 request 14.67 s against 14.48 s (its compiles faster: 123-140 s against 179 s).
 * The SR K-VAE's latent-conditioned norms with their 1x1x1 convolutions before the upsampling, beside the
   compiled decoder blocks ($K6SERVE_KVAE_COMMUTED_NORMS=0 leaves it out): the same convolution values, without
   writing two full-resolution tensors per norm (speed/kvae_spatial_norm.py). Measured on one H200 (sixth

@@ -1309,3 +1309,33 @@ def test_a_pipe_in_a_rows_config_keeps_the_table_a_table():
                                    seconds=1.0)]).splitlines()
     assert [len(re.split(r"(?<!\\)\|", line)) for line in lines] == [len(COLUMNS) + 2] * 3
     assert "| /data/ckpt\\|v2/transformer 64x96x17 |" in lines[2]
+
+
+def test_full_size_components_have_the_same_random_weights_in_every_build(monkeypatch):
+    """The full-size VAEs' random weights come from a fixed seed: unseeded, two processes timed two different VAEs, so
+    the rows' output digests could not compare them (their eager decodes' frames differed on an H100). The caller's
+    random state is left as it was. (Stand-ins for diffusers' classes: the real ones are about 1 GB in fp32.)"""
+    from types import SimpleNamespace
+
+    from k6serve.bench import components
+
+    def stand_in():
+        return torch.nn.Sequential(torch.nn.Conv3d(2, 3, 3), torch.nn.Linear(4, 5))
+
+    monkeypatch.setattr(components, "import_diffusers", lambda: SimpleNamespace(
+        AutoencoderKLHunyuanVideo=stand_in, MMAudioVAE=stand_in, MMAudioVocoder=stand_in))
+    cpu = torch.device("cpu")
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    vae = components.build_video_vae(tiny=False, device=cpu, dtype=torch.float32)
+    torch.manual_seed(456)  # another state in between: the weights do not depend on it
+    again = components.build_video_vae(tiny=False, device=cpu, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), again.state_dict().values(), strict=True))
+    audio_vae, vocoder = components.build_audio_decoder(tiny=False, device=cpu, dtype=torch.float32)
+    assert torch.equal(audio_vae[0].weight, vae[0].weight)  # the first draws from the seed
+    assert torch.equal(components.build_audio_decoder(tiny=False, device=cpu, dtype=torch.float32)[1][1].bias,
+                       vocoder[1].bias)
+    torch.manual_seed(123)
+    components.build_video_vae(tiny=False, device=cpu, dtype=torch.float32)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's generator as it was
+    assert not torch.equal(stand_in()[0].weight, vae[0].weight)  # it draws from the global generator
