@@ -1,9 +1,10 @@
 """The real DiTs and pipeline under every parallel layout (CPU, gloo) against one process.
 
-One pool of 4 persistent gloo processes (from test_parallel_primitives) serves the module; 2-rank layouts run as two
-dp replicas. Every rank runs the same per-rank code as the runtime (`parallelize_generation_models` /
-`parallelize_sr_transformer` on models loaded from a tiny checkpoint) and returns the decoded frames (floats before
-quantisation) and the waveform; rank 0 of the pool computes the 1-process reference under the same thread settings.
+One pool of 4 persistent gloo processes (tests/parity/conftest.py, shared with the other parity modules) serves the
+module; 2-rank layouts run as two dp replicas. Every rank runs the same per-rank code as the runtime
+(`parallelize_generation_models` / `parallelize_sr_transformer` on models loaded from a tiny checkpoint) and returns
+the decoded frames (floats before quantisation) and the waveform; rank 0 of the pool computes the 1-process reference
+under the same thread settings.
 
 Geometry: 48x80 pixels = 3x5 tokens per latent frame; T2AV 9 frames = 3 latent frames, TI2AV 5 frames = 2 latent
 frames + the reference frame: 45 video tokens both, not a multiple of 2 or 4, and on 4 sequence ranks (shards of 12)
@@ -27,8 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_parallel_primitives import (  # the module's persistent gloo pool
-    GlooPool,
+from test_parallel_primitives import (  # the pool fixture: tests/parity/conftest.py
     _groups,
     first_replica_groups,
     first_replica_results,
@@ -138,13 +138,6 @@ def _assert_matches(parallel: np.ndarray, reference: np.ndarray, tolerance: str,
     else:
         difference = np.abs(parallel.astype(np.float64) - reference).max()
         assert difference <= bound * np.abs(reference).max(), difference
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = GlooPool()
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")

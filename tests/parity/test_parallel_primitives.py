@@ -1,8 +1,9 @@
 """Parallel building blocks on CPU (gloo) against single-process results, on random tensors.
 
-One pool of 4 persistent gloo processes serves the whole module; 2-process layouts run as two dp replicas
-(both compute the same thing), so every test reuses the same world. Each rank computes the single-process
-reference itself, so reference and parallel run under identical kernels and thread settings.
+One pool of 4 persistent gloo processes (`GlooPool`; the `pool` fixture of tests/parity/conftest.py, shared with the
+other parity modules) serves the module; 2-process layouts run as two dp replicas (both compute the same thing), so
+every test reuses the same world. Each rank computes the single-process reference itself, so reference and parallel
+run under identical kernels and thread settings.
 
 Tolerances: Ulysses (for every head-chunk count), gathered K/V and CFG-parallel are bitwise; Ring (and
 Ulysses x Ring) reorder the softmax sums, so they are held to 1e-5 relative (max |diff| <= 1e-5 * max |ref|).
@@ -103,13 +104,6 @@ class GlooPool:
             queue.put(None)
         for process in self.processes:
             process.join(10)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = GlooPool()
-    yield pool
-    pool.close()
 
 
 def random_qkv(length: int, *, heads: int = 8, head_dim: int = 16, batch: int = 2, seed: int = 0):

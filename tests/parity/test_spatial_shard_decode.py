@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_parallel_primitives import (  # noqa: F401 (GlooPool: the pool fixture below)
-    GlooPool,
+from test_parallel_primitives import (  # the pool fixture: tests/parity/conftest.py
     _groups,
     first_replica_groups,
     first_replica_results,
@@ -24,13 +23,6 @@ from k6serve.testing.tiny_sr_checkpoint import TINY_CHANNELS
 
 pytestmark = pytest.mark.multiprocess
 LAYOUTS = {2: ParallelLayout(dp=2, ulysses=2), 4: ParallelLayout(ulysses=4)}
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = GlooPool()
-    yield pool
-    pool.close()
 
 
 def _kvae(folder: Path, rewrites: bool, group):

@@ -89,6 +89,20 @@ def clip(tmp_path_factory) -> Path:
     return make_clip(folder / "clip33.mp4", width=96, height=32, num_frames=33, fps=24, audio="stereo_tone")
 
 
+@pytest.fixture(scope="module")
+def sr_reference(sr_worker, clip, tmp_path_factory):
+    """The whole SR pipeline's result for `_sr_params(clip, ..., return_frames=True)`, no on_step (no checks at all):
+    the reference of two tests, computed once (an SR run of the clip takes 5 s on 2 cores). On one torch thread, as
+    the tests run (`one_torch_thread`, set up after a module's fixtures): two threads sum in another order."""
+    params, _ = _sr_params(clip, tmp_path_factory.mktemp("sr_reference"), return_frames=True)
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return sr_worker.pipeline(sr_worker.resolve(params)[0])
+    finally:
+        torch.set_num_threads(num_threads)
+
+
 # ---- the MP4 writer ----
 
 
@@ -213,7 +227,8 @@ def test_a_cancel_in_the_sr_decode_stops_it_before_the_decode_ends(sr_worker, cl
     assert list(tmp_path.iterdir()) == [] and not _encoder_threads()
 
 
-def test_the_sr_whole_tile_fallback_checks_for_a_cancel_after_every_segment(sr_worker, clip, tmp_path, monkeypatch):
+def test_the_sr_whole_tile_fallback_checks_for_a_cancel_after_every_segment(sr_worker, clip, sr_reference, tmp_path,
+                                                                             monkeypatch):
     """When the tiles' causal caches would not fit on the GPU together, the streamed decode takes the tiles whole,
     one cache at a time; a cancel still stops it after the segment in flight, not after the whole tile."""
     from k6serve.pipelines import sr_decode
@@ -228,16 +243,16 @@ def test_the_sr_whole_tile_fallback_checks_for_a_cancel_after_every_segment(sr_w
     params, output = _sr_params(clip, tmp_path, return_frames=True)
     on_step = CancelInDecode(at_decode_check=None)
     frames = sr_worker.run(params, output, on_step=on_step).frames
-    reference = sr_worker.pipeline(sr_worker.resolve(params)[0])
+    reference = sr_reference
     num_tiles = int(reference.notes[-1].split(" with ")[1].split(" tile")[0])
     # Same bytes as the segment-major decode; one check per segment of every tile (33 frames: 2 segments).
     assert np.array_equal(frames, reference.video.frames_THWC) and on_step.num_decode_checks == 2 * num_tiles
 
 
-def test_without_a_cancel_the_sr_frames_are_unchanged(sr_worker, clip, tmp_path):
+def test_without_a_cancel_the_sr_frames_are_unchanged(sr_worker, clip, sr_reference, tmp_path):
     params, output = _sr_params(clip, tmp_path, return_frames=True)
     request, _ = sr_worker.resolve(params)
-    reference = sr_worker.pipeline(request)  # no on_step: no checks at all
+    reference = sr_reference  # no on_step: no checks at all
     on_step = CancelInDecode(at_decode_check=None)
     checked = sr_worker.pipeline(request, on_step=on_step)
     on_step_streamed = CancelInDecode(at_decode_check=None)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).parents[2]
 def test_the_package_and_scripts_are_clean_under_mypy(request, tmp_path, monkeypatch):
     mypy_api = pytest.importorskip("mypy.api", reason="mypy is a test dependency: pip install -e '.[test]'")
     monkeypatch.chdir(ROOT)  # the package of this checkout, and pyproject.toml's settings
-    # mypy's incremental cache in pytest's own cache folder where there is one: a fresh check takes about a
+    # mypy's incremental cache in pytest's own cache folder where there is one: a fresh check takes half a
     # minute on one core, a re-check of a few changed modules seconds (mypy re-reads what changed, installed
     # packages included). A clean clone (CI) or -p no:cacheprovider checks afresh.
     pytest_cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
