@@ -151,6 +151,50 @@ def read_video(path: str | os.PathLike[str]) -> DecodedVideo:
     return DecodedVideo(frames=np.stack(frames), fps=fps)
 
 
+@dataclass(frozen=True, eq=False)
+class SampledFrames:
+    """Frames picked across a video (`sample_frames`)."""
+
+    frames: tuple[np.ndarray, ...]  # uint8 (H, W, 3) RGB, upright as players show them
+    indices: tuple[int, ...]  # each one's index in the stream (decode order)
+    num_frames: int  # the stream's length the picks were spread over
+    # Pixel width over height (the display rotation applied); None for square pixels.
+    sample_aspect_ratio: Fraction | None
+
+
+def sample_frames(path: str | os.PathLike[str], count: int) -> SampledFrames:
+    """`count` frames spread evenly over the first video stream: the middle frame of each of `count` equal parts
+    (one frame: the middle one), all of them when the video is shorter. The decode stops at the last one picked, and
+    only the picked frames are converted to RGB, so a thumbnail of a long 4K video holds one frame in memory."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    with open_input(path) as container:
+        stream = _first_video_stream(container, path)
+        num_frames = declared_frame_count(stream, _stream_fps(stream, path))
+    if not num_frames:  # a container that states no length: count the stream's packets (no decode)
+        with open_input(path) as container:
+            stream = _first_video_stream(container, path)
+            num_frames = sum(1 for packet in container.demux(stream) if packet.size)
+    if not num_frames:
+        raise ValueError(f"video file {str(path)!r} has a video stream but no frames")
+    picks = min(count, num_frames)
+    indices = sorted({min(num_frames - 1, int((2 * part + 1) * num_frames // (2 * picks))) for part in range(picks)})
+    wanted = set(indices)
+    rotations: list[float] = []
+    with open_input(path) as container:
+        stream = _first_video_stream(container, path)
+        frames = [frame for _, frame in _decode_rgb(
+            container, stream, path, keep=lambda index: None if index > indices[-1] else index in wanted,
+            seen=lambda frame: rotations.append(frame.rotation) if not rotations else None)]
+        stated_aspect = stream.sample_aspect_ratio
+    if not frames:
+        raise ValueError(f"cannot decode video file {str(path)!r}: no frame at the picked indices {indices}")
+    sample_aspect_ratio = pixel_aspect_ratio(stated_aspect, rotations[0] if rotations else 0.0)
+    # A stream shorter than it states keeps what it decoded (a cut-off file): its picks are the frames it has.
+    return SampledFrames(frames=tuple(frames), indices=tuple(indices[:len(frames)]), num_frames=num_frames,
+                         sample_aspect_ratio=sample_aspect_ratio)
+
+
 def read_sr_source(
     path: str | os.PathLike[str],
     *,

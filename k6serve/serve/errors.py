@@ -112,11 +112,10 @@ def install_error_handlers(app: FastAPI) -> None:
         param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")) or None
         message = f"{param or 'request'}: {first['msg']}"
         if param == "variant" and request.url.path.endswith("/content"):
-            # OpenAI's SDK offers variant="thumbnail" / "spritesheet"; pydantic's "Input should be 'video'" does not
-            # say that those are simply not made here.
+            # pydantic's "Input should be 'video', 'thumbnail' or 'spritesheet'" does not say what each one is.
             given = first.get("input")
-            message = (f"variant: only 'video' is served, got {given!r}; k6serve makes no thumbnail or "
-                       "spritesheet (take a frame of the MP4 instead).")
+            message = (f"variant: one of 'video' (the MP4, the default), 'thumbnail' (its middle frame, WebP) or "
+                       f"'spritesheet' (16 of its frames, JPEG), got {given!r}.")
             if isinstance(given, str) and given.strip().isdigit():
                 # SGLang's ?variant=N indexes a job's outputs; its client's ?variant=0 read as a thumbnail's refusal.
                 message = (f"variant: {given!r} is SGLang's index of a job's outputs; a k6serve job makes one video, "

@@ -10,11 +10,12 @@ import logging
 import os
 import time
 from stat import S_ISREG
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 
+from k6serve.media.stills import SPRITESHEET_MEDIA_TYPE, THUMBNAIL_MEDIA_TYPE, spritesheet_jpeg, thumbnail_webp
 from k6serve.serve.artifacts import output_file_name
 from k6serve.serve.errors import ApiError
 from k6serve.serve.expiry import forget_job, live_job, sweep_expired
@@ -132,10 +133,16 @@ async def get_video(request: Request, video_id: str) -> JSONResponse:
     return JSONResponse(ctx.view(job), headers=headers)
 
 
-_MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  # a generated client's bytes
+_BINARY = {"schema": {"type": "string", "format": "binary"}}  # a generated client's bytes
+_MP4_BYTES = {"video/mp4": _BINARY}
+# variant=thumbnail / spritesheet: still images of the MP4 (media/stills.py), in the formats OpenAI's API serves.
+_STILLS = {"thumbnail": (thumbnail_webp, THUMBNAIL_MEDIA_TYPE, "webp"),
+           "spritesheet": (spritesheet_jpeg, SPRITESHEET_MEDIA_TYPE, "jpg")}
 
 
-@router.get("/v1/videos/{video_id}/content", responses={**ERROR_RESPONSES, 200: {"content": _MP4_BYTES},
+@router.get("/v1/videos/{video_id}/content", responses={**ERROR_RESPONSES,
+                                                         200: {"content": {**_MP4_BYTES, THUMBNAIL_MEDIA_TYPE: _BINARY,
+                                                                           SPRITESHEET_MEDIA_TYPE: _BINARY}},
                                                          206: {"description": "Partial content (Range)",
                                                                "content": _MP4_BYTES},
                                                          304: {"description": "Not modified (If-None-Match, "
@@ -145,10 +152,11 @@ _MP4_BYTES = {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}  
                                                                               "If-Unmodified-Since)"},
                                                          416: {"model": ErrorResponse,
                                                                "description": "Range not satisfiable"}},
-            response_class=FileResponse, summary="Download the MP4 (supports HTTP Range)",
+            response_class=FileResponse,
+            summary="Download the MP4 (supports HTTP Range), or its thumbnail (WebP) or spritesheet (JPEG)",
             operation_id="retrieveVideoContent", tags=["videos"])
 async def get_video_content(request: Request, video_id: str,
-                            variant: Literal["video"] = Query("video")) -> FileResponse:
+                            variant: Literal["video", "thumbnail", "spritesheet"] = Query("video")) -> Response:
     ctx = server_context(request)
     job = _stored_job(ctx, video_id)
     if job.status != JobStatus.COMPLETED:
@@ -171,9 +179,27 @@ async def get_video_content(request: Request, video_id: str,
     if file is None:
         raise ApiError(404, f"The file of video {video_id} was removed from the server.", code="content_missing",
                        param="video_id")
+    if variant in _STILLS:
+        return await _still_response(ctx, job, file, variant)
     stat_result = os.fstat(file.fileno())  # the file being sent, whatever its path names by now
     return VideoFileResponse(path, file=file, media_type="video/mp4", filename=f"{video_id}.mp4",
                              stat_result=stat_result, headers={"Cache-Control": _content_cache_control(ctx, job)})
+
+
+async def _still_response(ctx: ServerContext, job: Job, file: BinaryIO, variant: str) -> Response:
+    """The thumbnail or spritesheet of the open MP4, drawn in a thread (decoding blocks: other requests go on).
+    Read through the open file's descriptor, so a DELETE meanwhile does not take the video from under it."""
+    render, media_type, extension = _STILLS[variant]
+    with file:
+        try:
+            content = await asyncio.to_thread(render, f"/dev/fd/{file.fileno()}" if os.path.isdir("/dev/fd")
+                                              else file.name)
+        except ValueError as error:  # PyAV could not read the MP4 (a file damaged on the server's disk)
+            raise ApiError(500, f"The {variant} of video {job.id} could not be made: {error}",
+                           code="content_unreadable", param="variant") from error
+    return Response(content, media_type=media_type, headers={
+        "Cache-Control": _content_cache_control(ctx, job),
+        "Content-Disposition": f'attachment; filename="{job.id}_{variant}.{extension}"'})
 
 
 def _content_cache_control(ctx: ServerContext, job: Job) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import re
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import av
+import numpy as np
+import PIL.Image
 import pytest
 from harness import FakeWorker, start_server, wait_for, wait_until
 
@@ -717,18 +720,57 @@ def test_an_expired_jobs_id_conflict_counts_from_its_expiry_not_the_sweep(fake_s
     assert 3590 <= age <= 3700  # it said "0 s ago": the sweep's time
 
 
-def test_a_thumbnail_variant_is_said_not_to_be_made(fake_client):
-    """OpenAI's SDK asks for variant=thumbnail or spritesheet; the 400 says k6serve makes neither."""
-    response = fake_client.get("/v1/videos/video_nope/content", params={"variant": "thumbnail"})
+def test_the_thumbnail_and_spritesheet_variants_are_stills_of_the_mp4(fake_client):
+    """OpenAI's content variants: `thumbnail`, a WebP of the middle frame, and `spritesheet`, a JPEG of up to 16
+    frames in rows of 4; looked up as the MP4 is (the same 404s), cached as it is. (Which frames, and their display
+    shape: tests/unit/test_video_stills.py.) The fake worker's MP4 is 5 frames of 16x16 in one grey."""
+    job = fake_client.post("/v1/videos", json={"prompt": "stills", "size": "32x32", "num_frames": 5}).json()
+    wait_for(fake_client, job["id"])
+    video = fake_client.get(f"/v1/videos/{job['id']}/content")
+    with av.open(io.BytesIO(video.content)) as container:
+        grey = next(container.decode(video=0)).to_ndarray(format="rgb24")
+    thumbnail = fake_client.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+    assert thumbnail.status_code == 200 and thumbnail.headers["content-type"] == "image/webp"
+    assert thumbnail.headers["cache-control"] == video.headers["cache-control"]
+    assert thumbnail.headers["content-disposition"] == f'attachment; filename="{job["id"]}_thumbnail.webp"'
+    image = PIL.Image.open(io.BytesIO(thumbnail.content))
+    assert (image.format, image.size) == ("WEBP", (16, 16))
+    assert np.abs(np.asarray(image.convert("RGB"), dtype=np.int16) - grey).max() <= 3  # lossy WebP of the frame
+    sheet = fake_client.get(f"/v1/videos/{job['id']}/content", params={"variant": "spritesheet"})
+    assert sheet.status_code == 200 and sheet.headers["content-type"] == "image/jpeg"
+    assert sheet.headers["content-disposition"] == f'attachment; filename="{job["id"]}_spritesheet.jpg"'
+    image = PIL.Image.open(io.BytesIO(sheet.content))
+    assert (image.format, image.size) == ("JPEG", (4 * 16, 2 * 16))  # 5 frames: a row of 4 and one more
+    tiles = np.asarray(image.convert("RGB"), dtype=np.int16)
+    assert np.abs(tiles[16:, :16] - grey).max() <= 3 and tiles[16:, 16:].max() == 0  # the fifth, then black
+    head = fake_client.head(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+    assert head.status_code == 200 and head.content == b""
+    missing = fake_client.get("/v1/videos/video_nope/content", params={"variant": "spritesheet"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"
+
+
+def test_a_still_of_a_damaged_mp4_is_a_500_that_says_so(fake_server, fake_client):
+    job = fake_client.post("/v1/videos", json={"prompt": "damaged", "size": "32x32", "num_frames": 5}).json()
+    wait_for(fake_client, job["id"])
+    (fake_server.artifacts.root / f"{job['id']}.mp4").write_bytes(b"not an mp4 at all")
+    response = fake_client.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["code"] == "content_unreadable" and error["param"] == "variant"
+    assert error["message"].startswith(f"The thumbnail of video {job['id']} could not be made: ")
+
+
+def test_an_unknown_variant_names_the_three(fake_client):
+    response = fake_client.get("/v1/videos/video_nope/content", params={"variant": "poster"})
     assert response.status_code == 400
     assert response.json()["error"] == {
-        "message": "variant: only 'video' is served, got 'thumbnail'; k6serve makes no thumbnail or spritesheet "
-                   "(take a frame of the MP4 instead).",
+        "message": "variant: one of 'video' (the MP4, the default), 'thumbnail' (its middle frame, WebP) or "
+                   "'spritesheet' (16 of its frames, JPEG), got 'poster'.",
         "type": "invalid_request_error", "param": "variant", "code": "invalid_parameter"}
 
 
 def test_sglangs_variant_index_is_said_to_be_the_one_video(fake_client):
-    """SGLang's /content?variant=N picks one of a job's outputs; its ?variant=0 was told that no thumbnail is made."""
+    """SGLang's /content?variant=N picks one of a job's outputs; its ?variant=0 is told there is one video."""
     response = fake_client.get("/v1/videos/video_nope/content", params={"variant": "0"})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (

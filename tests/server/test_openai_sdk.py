@@ -13,6 +13,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+import PIL.Image
 import pytest
 from harness import FakeWorker, start_server
 from PIL import Image
@@ -77,6 +78,12 @@ def test_create_poll_download_delete(sdk_server, client, tmp_path):
     with av.open(str(tmp_path / "out.mp4")) as container:
         assert container.streams.video[0].codec_context.name == "h264"
     assert client.videos.download_content(created.id).content == content.content  # variant defaults to video
+    # The SDK's two other variants: a WebP of the middle frame and a JPEG of up to 16 frames in rows of 4 (the fake
+    # worker's MP4 is 5 frames of 16x16).
+    thumbnail = PIL.Image.open(io.BytesIO(client.videos.download_content(created.id, variant="thumbnail").content))
+    assert (thumbnail.format, thumbnail.size) == ("WEBP", (16, 16))
+    sheet = PIL.Image.open(io.BytesIO(client.videos.download_content(created.id, variant="spritesheet").content))
+    assert (sheet.format, sheet.size) == ("JPEG", (4 * 16, 2 * 16))
 
     deleted = client.videos.delete(created.id)
     assert deleted.model_dump() == {"id": created.id, "deleted": True, "object": "video.deleted"}
@@ -140,9 +147,9 @@ def test_errors_are_the_sdks_exceptions_with_our_messages(sdk_server, client):
     assert sora_model.value.code == "model_not_found"
     assert f"use {GENERATION_MODEL!r} or omit model" in sora_model.value.message  # the listed id, in its case
 
-    with pytest.raises(openai.BadRequestError) as thumbnail:
+    with pytest.raises(openai.NotFoundError) as thumbnail:  # a job's thumbnail is looked up as its video is
         client.videos.download_content("video_nope", variant="thumbnail")
-    assert thumbnail.value.param == "variant" and "'video'" in thumbnail.value.message
+    assert thumbnail.value.code == "video_not_found"
 
     with _client(sdk_server, api_key="wrong-key") as stranger, pytest.raises(openai.AuthenticationError) as auth:
         stranger.videos.list()
