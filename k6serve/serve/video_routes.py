@@ -195,7 +195,11 @@ async def _still_response(ctx: ServerContext, job: Job, file: BinaryIO, variant:
             content = await asyncio.to_thread(render, f"/dev/fd/{file.fileno()}" if os.path.isdir("/dev/fd")
                                               else file.name)
         except ValueError as error:  # PyAV could not read the MP4 (a file damaged on the server's disk)
-            raise ApiError(500, f"The {variant} of video {job.id} could not be made: {error}",
+            # The reader's message names the descriptor's path and advises on an input file: the log keeps it, the
+            # client is told what it can act on.
+            logger.warning("video %s: its %s could not be made: %s", job.id, variant, error)
+            raise ApiError(500, f"The {variant} of video {job.id} could not be made: its MP4 on the server cannot "
+                                f"be read (damaged on the server's disk?); the server's log has the reader's error.",
                            code="content_unreadable", param="variant") from error
     return Response(content, media_type=media_type, headers={
         "Cache-Control": _content_cache_control(ctx, job),

@@ -757,7 +757,8 @@ def test_a_still_of_a_damaged_mp4_is_a_500_that_says_so(fake_server, fake_client
     assert response.status_code == 500
     error = response.json()["error"]
     assert error["code"] == "content_unreadable" and error["param"] == "variant"
-    assert error["message"].startswith(f"The thumbnail of video {job['id']} could not be made: ")
+    assert error["message"] == (f"The thumbnail of video {job['id']} could not be made: its MP4 on the server cannot "
+                                "be read (damaged on the server's disk?); the server's log has the reader's error.")
 
 
 def test_an_unknown_variant_names_the_three(fake_client):
