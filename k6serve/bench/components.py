@@ -1,41 +1,22 @@
 """The non-DiT generation components a stage times: full size with random weights, or `--tiny`.
 
 Full size mirrors `load_generation_models(..., load_format="dummy")` (the released configs, random
-weights, built in the target dtype on the device) but builds only what one stage needs. `--tiny` takes
+weights, built in the target dtype on the device, each from its seed by the same `build_dummy_component`,
+so a stage times the weights an engine's dummy build has, in every process) but builds only what one stage
+needs. `--tiny` takes
 the components of the tiny test checkpoint (`k6serve.testing.tiny_checkpoints`), on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from k6serve.bench.reference import import_diffusers
-from k6serve.models.kandinsky6.checkpoint import cast_without_warning
-
-
-# The full-size components' random weights are drawn from this seed, the same in every process.
-WEIGHT_SEED = 0
-
-
-@contextmanager
-def seeded_weights(device: torch.device) -> Iterator[None]:
-    """Draw the random weights built inside from `WEIGHT_SEED`, leaving the caller's random state as it was.
-
-    diffusers' and transformers' initialisers draw from torch's global generators: unseeded, two processes timed two
-    different VAEs, whose outputs (and their digests, BenchRow.output_sha256) could not be compared byte for byte
-    (an H100, sixty-first session: the eager decode's frames differed between two processes).
-    """
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(WEIGHT_SEED)  # every device's generator too
-        yield
+from k6serve.models.kandinsky6.checkpoint import build_dummy_component, cast_without_warning
 
 
 @dataclass(kw_only=True)
@@ -63,8 +44,8 @@ def build_video_vae(*, tiny: bool, device: torch.device, dtype: torch.dtype):
     diffusers = import_diffusers()
     if tiny:
         return _place(_tiny_pipeline().vae, device, dtype)
-    with seeded_weights(device), torch.device(device):
-        vae = cast_without_warning(diffusers.AutoencoderKLHunyuanVideo(), dtype)
+    vae = build_dummy_component("vae", lambda: cast_without_warning(diffusers.AutoencoderKLHunyuanVideo(), dtype),
+                                device)
     return vae.eval().requires_grad_(False)
 
 
@@ -74,9 +55,8 @@ def build_audio_decoder(*, tiny: bool, device: torch.device, dtype: torch.dtype)
     if tiny:
         pipe = _tiny_pipeline()
         return _place(pipe.audio_vae, device, dtype), _place(pipe.vocoder, device, dtype)
-    with seeded_weights(device), torch.device(device):
-        audio_vae = cast_without_warning(diffusers.MMAudioVAE(), dtype)
-        vocoder = cast_without_warning(diffusers.MMAudioVocoder(), dtype)
+    audio_vae = build_dummy_component("audio_vae", lambda: cast_without_warning(diffusers.MMAudioVAE(), dtype), device)
+    vocoder = build_dummy_component("vocoder", lambda: cast_without_warning(diffusers.MMAudioVocoder(), dtype), device)
     return audio_vae.eval().requires_grad_(False), vocoder.eval().requires_grad_(False)
 
 
@@ -99,12 +79,12 @@ def build_text_components(
     from k6serve.testing.tokenizers import train_clip_tokenizer, train_qwen_tokenizer
 
     tokenizer = train_qwen_tokenizer()
-    with seeded_weights(device), torch.device(device):
-        text_encoder = transformers.Qwen2_5_VLForConditionalGeneration._from_config(
-            dummy_qwen_config(tokenizer), dtype=dtype
-        )
-        clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
-        text_encoder_2 = transformers.CLIPTextModel._from_config(clip_config, dtype=dtype)
+    qwen_config = dummy_qwen_config(tokenizer)
+    text_encoder = build_dummy_component("text_encoder", lambda: transformers.Qwen2_5_VLForConditionalGeneration
+                                         ._from_config(qwen_config, dtype=dtype), device)
+    clip_config = transformers.CLIPTextConfig(**encoder_configs.CLIP_VIT_L14_TEXT)
+    text_encoder_2 = build_dummy_component(
+        "text_encoder_2", lambda: transformers.CLIPTextModel._from_config(clip_config, dtype=dtype), device)
     return TextComponents(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval().requires_grad_(False),

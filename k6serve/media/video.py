@@ -170,19 +170,14 @@ def sample_frames(path: str | os.PathLike[str], count: int) -> SampledFrames:
         raise ValueError(f"count must be >= 1, got {count}")
     with open_input(path) as container:
         stream = _first_video_stream(container, path)
-        num_frames = declared_frame_count(stream, _stream_fps(stream, path))
-    if not num_frames:  # a container that states no length: count the stream's packets (no decode)
-        with open_input(path) as container:
-            stream = _first_video_stream(container, path)
-            num_frames = sum(1 for packet in container.demux(stream) if packet.size)
-    if not num_frames:
-        raise ValueError(f"video file {str(path)!r} has a video stream but no frames")
-    picks = min(count, num_frames)
-    indices = sorted({min(num_frames - 1, int((2 * part + 1) * num_frames // (2 * picks))) for part in range(picks)})
-    wanted = set(indices)
-    rotations: list[float] = []
-    with open_input(path) as container:
-        stream = _first_video_stream(container, path)
+        num_frames = declared_frame_count(stream, _stream_fps(stream, path)) or _count_packets(path)
+        if not num_frames:
+            raise ValueError(f"video file {str(path)!r} has a video stream but no frames")
+        picks = min(count, num_frames)
+        indices = sorted({min(num_frames - 1, int((2 * part + 1) * num_frames // (2 * picks)))
+                          for part in range(picks)})
+        wanted = set(indices)
+        rotations: list[float] = []
         frames = [frame for _, frame in _decode_rgb(
             container, stream, path, keep=lambda index: None if index > indices[-1] else index in wanted,
             seen=lambda frame: rotations.append(frame.rotation) if not rotations else None)]
@@ -193,6 +188,13 @@ def sample_frames(path: str | os.PathLike[str], count: int) -> SampledFrames:
     # A stream shorter than it states keeps what it decoded (a cut-off file): its picks are the frames it has.
     return SampledFrames(frames=tuple(frames), indices=tuple(indices[:len(frames)]), num_frames=num_frames,
                          sample_aspect_ratio=sample_aspect_ratio)
+
+
+def _count_packets(path: str | os.PathLike[str]) -> int:
+    """The first video stream's packets, for a container that states no length (no decode)."""
+    with open_input(path) as container:
+        stream = _first_video_stream(container, path)
+        return sum(1 for packet in container.demux(stream) if packet.size)
 
 
 def read_sr_source(

@@ -1314,12 +1314,14 @@ def test_a_pipe_in_a_rows_config_keeps_the_table_a_table():
 
 
 def test_full_size_components_have_the_same_random_weights_in_every_build(monkeypatch):
-    """The full-size VAEs' random weights come from a fixed seed: unseeded, two processes timed two different VAEs, so
-    the rows' output digests could not compare them (their eager decodes' frames differed on an H100). The caller's
-    random state is left as it was. (Stand-ins for diffusers' classes: the real ones are about 1 GB in fp32.)"""
+    """The full-size VAEs' random weights are the engine's dummy build's (`build_dummy_component`, each from its
+    seed): unseeded, two processes timed two different VAEs, so the rows' output digests could not compare them
+    (their eager decodes' frames differed on an H100). The caller's random state is left as it was. (Stand-ins for
+    diffusers' classes: the real ones are about 1 GB in fp32.)"""
     from types import SimpleNamespace
 
     from k6serve.bench import components
+    from k6serve.models.kandinsky6.checkpoint import build_dummy_component
 
     def stand_in():
         return torch.nn.Sequential(torch.nn.Conv3d(2, 3, 3), torch.nn.Linear(4, 5))
@@ -1333,8 +1335,10 @@ def test_full_size_components_have_the_same_random_weights_in_every_build(monkey
     torch.manual_seed(456)  # another state in between: the weights do not depend on it
     again = components.build_video_vae(tiny=False, device=cpu, dtype=torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), again.state_dict().values(), strict=True))
+    engines = build_dummy_component("vae", stand_in, cpu)  # what an engine's dummy build draws for its VAE
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), engines.state_dict().values(), strict=True))
     audio_vae, vocoder = components.build_audio_decoder(tiny=False, device=cpu, dtype=torch.float32)
-    assert torch.equal(audio_vae[0].weight, vae[0].weight)  # the first draws from the seed
+    assert torch.equal(audio_vae[0].weight, build_dummy_component("audio_vae", stand_in, cpu)[0].weight)
     assert torch.equal(components.build_audio_decoder(tiny=False, device=cpu, dtype=torch.float32)[1][1].bias,
                        vocoder[1].bias)
     torch.manual_seed(123)

@@ -85,3 +85,13 @@ def test_large_frames_shrink_to_the_sprite_size_and_non_square_pixels_show_in_di
     assert PIL.Image.open(io.BytesIO(thumbnail_webp(wide))).size == (400, 200)
     sheet = PIL.Image.open(io.BytesIO(spritesheet_jpeg(wide)))
     assert SPRITE_SIZE == 256 and sheet.size == (3 * 256, 128)  # 3 frames: one row of 3
+
+
+def test_a_container_that_states_no_length_has_its_packets_counted(tmp_path, monkeypatch):
+    from k6serve.media import video
+
+    mkv = make_clip(tmp_path / "clip.mkv", width=48, height=32, num_frames=21, fps=24)
+    monkeypatch.setattr(video, "declared_frame_count", lambda stream, fps: None)  # Matroska states none per stream
+    sampled = sample_frames(mkv, 1)
+    assert sampled.num_frames == 21 and sampled.indices == (10,)
+    assert np.array_equal(sampled.frames[0], read_video(mkv).frames[10])

@@ -362,21 +362,7 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
     def built(component: str, make):
         target = where(component)
         build = build_device(target)
-        # transformers' and diffusers' initialisers draw from torch's global generators: seeded here per component
-        # (the DiT has its own generator), so that every build has the same weights whatever the process drew
-        # before (a second engine in one process; a folder written from one build, compared with another). Before,
-        # a build's weights depended on the process's history. The caller's random state is restored.
-        seed = DUMMY_COMPONENT_SEEDS[component]
-        cuda_devices = ([build.index if build.index is not None else torch.cuda.current_device()]
-                        if build.type == "cuda" else [])
-        with torch.random.fork_rng(devices=cuda_devices), torch.device(build):
-            torch.random.default_generator.manual_seed(seed)
-            for index in cuda_devices:  # only the GPU drawn on: torch.manual_seed would reseed every GPU's
-                with torch.cuda.device(index):
-                    torch.cuda.manual_seed(seed)
-            module = make()
-            if build.type != "cpu":
-                _buffers_computed_on_host(module, make)
+        module = build_dummy_component(component, make, build)
         return _move_to_host(module) if build != target else module
 
     tokenizer = train_qwen_tokenizer()
@@ -413,6 +399,28 @@ def _build_dummy(variant: Variant, *, device: torch.device, dtype: torch.dtype,
         variant=variant,
         source="dummy",
     )
+
+
+def build_dummy_component(component: str, make: Callable[[], nn.Module], build: torch.device) -> nn.Module:
+    """`make()` (one of the dummy build's components other than the DiT) on `build`, its random weights drawn from
+    the component's seed (`DUMMY_COMPONENT_SEEDS`); `k6serve bench` builds its components with it too.
+
+    transformers' and diffusers' initialisers draw from torch's global generators: seeded here per component (the
+    DiT has its own generator), so that every build has the same weights whatever the process drew before (a second
+    engine in one process; a folder written from one build, compared with another; two bench processes). Before, a
+    build's weights depended on the process's history. The caller's random state is restored."""
+    seed = DUMMY_COMPONENT_SEEDS[component]
+    cuda_devices = ([build.index if build.index is not None else torch.cuda.current_device()]
+                    if build.type == "cuda" else [])
+    with torch.random.fork_rng(devices=cuda_devices), torch.device(build):
+        torch.random.default_generator.manual_seed(seed)
+        for index in cuda_devices:  # only the GPU drawn on: torch.manual_seed would reseed every GPU's
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        module = make()
+        if build.type != "cpu":
+            _buffers_computed_on_host(module, make)
+    return module
 
 
 def _buffers_computed_on_host(module: nn.Module, make: Callable[[], nn.Module]) -> None:
