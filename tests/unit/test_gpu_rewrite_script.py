@@ -20,3 +20,22 @@ def test_every_rewrite_row_runs_on_the_tiny_encoder(tmp_path):
     assert all(row["error"] is None and row["ms_per_token"] > 0 for row in report["rows"])
     assert report["cache_tokens"] == 2048  # one cache, sized for 1,024 new tokens
     assert "| compiled, image | 8 |" in completed.stdout
+
+
+def test_the_repeat_check_runs_on_the_tiny_encoder_and_the_demo_worker(one_torch_thread):
+    """scripts/gpu_rewrite_repeat.py's logic (in this process: it is a library of functions and a main): on the CPU
+    the prefill logits, the rewrites and the demo worker's requests repeat exactly, as a GPU's should."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_rewrite_repeat", SCRIPT.parent / "gpu_rewrite_repeat.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    report = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--engine", "demo"])
+    assert report["prefill_repeats_equal"] == [True, True] and report["prefill_max_difference"] == 0.0
+    assert report["prefill_nan"] == report["prefill_inf"] == 0 and report["prefill_top2"][0] >= report["prefill_top2"][1]
+    assert report["rewrite_parts_at"] == [None, None] and report["rewrite_tokens"] == [8, 8, 8]
+    # the demo worker's models are the tiny encoder the bench builds: the same ids
+    assert report["engine_rewrite_parts_at"] == [None, None] and report["engine_digest"] == report["digest"]
+    assert report["engine_requests_equal"] == [True, True]
+    assert script._parted([[1, 2, 3], [1, 2, 3], [1, 5, 3], [1, 2]]) == [None, 1, 2]

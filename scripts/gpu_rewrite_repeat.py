@@ -1,0 +1,115 @@
+"""Does the prompt rewrite (expand_prompts) repeat on a GPU? The eager rewrite of the full-size dummy Qwen2.5-VL-7B
+(the engine's seeded random weights, bf16, the offline tokenizer), three times in one process:
+
+1. its prefill logits at the last position, three times: NaN and infinity counts, the two largest logits and whether
+   the three are equal bit for bit;
+2. the eager rewrite's ids (`expanded_token_ids`, seed 7), three times: where the second and third part from the first;
+3. with `--engine MODEL`, the same through a worker's own models (a `--load-format dummy` worker, speed mode), then
+   three whole requests with expand_prompts in that worker (their rewritten prompts).
+
+Run it in two processes to compare across them: `digest` is the first rewrite's ids. `--deterministic` runs under
+torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 (set before CUDA starts), to tell a
+nondeterministic kernel from another cause.
+
+    python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
+    python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)
+
+Prints one JSON object (and the lines above it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+PROMPT = "A red fox runs through fresh snow at dawn"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64, help="the most tokens each rewrite writes (default 64)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="the tiny random encoder (a CPU check of the logic)")
+    parser.add_argument("--deterministic", action="store_true", help="torch's deterministic algorithms")
+    parser.add_argument("--no-cudnn-attention", action="store_true", help="the rewrites with torch's SDPA kept off "
+                        "its cuDNN backend (flash, memory-efficient or math only)")
+    parser.add_argument("--engine", default=None, help="also through a worker of this model (dummy weights; demo, "
+                        "the built-in checkpoint, on the CPU)")
+    return parser.parse_args(argv)
+
+
+def _parted(runs: list[list[int]]) -> list[int | None]:
+    """Where each later run's ids first differ from the first run's (None: equal)."""
+    return [None if ids == runs[0] else next((i for i, (a, b) in enumerate(zip(runs[0], ids)) if a != b),
+                                             min(len(ids), len(runs[0]))) for ids in runs[1:]]
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(str(ids).encode()).hexdigest()[:16]
+
+
+def rewrites(tokenizer, text_encoder, device: torch.device, tokens: int) -> list[list[int]]:
+    from k6serve.pipelines.expand_prompt import expanded_token_ids
+
+    return [expanded_token_ids(PROMPT, tokenizer=tokenizer, text_encoder=text_encoder, device=device, seed=7,
+                               max_new_tokens=tokens)[0].tolist() for _ in range(3)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    from k6serve.bench.components import build_text_components
+    from k6serve.pipelines.expand_prompt import expansion_inputs
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    parts = build_text_components(tiny=args.tiny, device=device, dtype=dtype)
+    encoder, tokenizer = parts.text_encoder, parts.tokenizer
+    inputs = {k: v.to(device) for k, v in expansion_inputs(PROMPT, tokenizer=tokenizer).items()}
+    with torch.inference_mode():
+        logits = [encoder(**inputs).logits[0, -1].float() for _ in range(3)]
+    top = logits[0].topk(2).values.tolist()
+    report: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "deterministic": args.deterministic, "attention": encoder.config._attn_implementation,
+        "prefill_nan": int(logits[0].isnan().sum()), "prefill_inf": int(logits[0].isinf().sum()),
+        "prefill_top2": top, "prefill_repeats_equal": [bool(torch.equal(logits[0], x)) for x in logits[1:]],
+        "prefill_max_difference": max(float((logits[0] - x).abs().max()) for x in logits[1:]),
+    }
+    if args.no_cudnn_attention:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            runs = rewrites(tokenizer, encoder, device, args.tokens)
+    else:
+        runs = rewrites(tokenizer, encoder, device, args.tokens)
+    report.update(no_cudnn_attention=args.no_cudnn_attention, rewrite_parts_at=_parted(runs), rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]))
+    if args.engine:
+        from k6serve.engine_arguments import build_engine_config
+        from k6serve.request import OutputOptions, SamplingParams
+        from k6serve.runtime.worker import ModelWorker
+
+        demo = args.engine == "demo"
+        worker = ModelWorker(build_engine_config(args.engine, load_format="auto" if demo else "dummy",
+                                                 device=args.device))
+        models = worker.pipeline.models
+        runs = rewrites(models.tokenizer, models.text_encoder, device, args.tokens)
+        report.update(engine_rewrite_parts_at=_parted(runs), engine_digest=_digest(runs[0]))
+        params = SamplingParams(prompt=PROMPT, seed=7, height=64 if demo else 256, width=96 if demo else 384,
+                                num_frames=17, num_inference_steps=1, expand_prompts=True,
+                                max_sequence_length=args.tokens)
+        texts = [worker.run(params, OutputOptions(save_output=False)).expanded_prompt or "" for _ in range(3)]
+        report.update(engine_requests_equal=[text == texts[0] for text in texts[1:]],
+                      engine_request_digests=[hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts])
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:])))
