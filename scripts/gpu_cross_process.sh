@@ -23,10 +23,22 @@ for run in first second fresh_cache; do
    python3 -m k6serve generate --model-path "$MODEL" --load-format "$LOAD_FORMAT" $SIZE --num-inference-steps 2 \
      --seed 7 --prompt "A red fox runs through fresh snow at dawn" --output-path "$OUT/$run" \
      --output-file-name clip.mp4 $EXTRA_FLAGS > "$OUT/$run.log" 2>&1) || { echo "$run failed:"; tail -5 "$OUT/$run.log"; exit 1; }
-  echo "$run $(sha256sum "$OUT/$run/clip.mp4" | cut -c1-64)" | tee -a "$OUT/cross_process.txt"
+  line="$run $(sha256sum "$OUT/$run/clip.mp4" | cut -c1-64)"
+  # With --expand-prompts the rewrite's digest too (the log's `expanded prompt:` line): a rewrite that differs
+  # explains MP4s that differ (sixty-second session).
+  rewrite=$(grep -a -m1 '^expanded prompt: ' "$OUT/$run.log" || true)
+  if [ -n "$rewrite" ]; then line="$line rewrite $(printf '%s' "$rewrite" | sha256sum | cut -c1-16)"; fi
+  echo "$line" | tee -a "$OUT/cross_process.txt"
 done
 if [ "$(cut -d' ' -f2 "$OUT/cross_process.txt" | sort -u | wc -l)" = 1 ]; then
   echo "same MP4 bytes in all three processes"
 else
   echo "the MP4s differ"
+fi
+if grep -q ' rewrite ' "$OUT/cross_process.txt"; then
+  if [ "$(cut -d' ' -f4 "$OUT/cross_process.txt" | sort -u | wc -l)" = 1 ]; then
+    echo "the same rewrite in all three processes"
+  else
+    echo "the rewrites differ"
+  fi
 fi

@@ -1,6 +1,7 @@
 """scripts/gpu_cross_process.sh's logic on the CPU, with a stand-in `python3` first on PATH (the real request takes
 about 45 s a process here): three processes, the third alone with an empty inductor cache folder of its own; each
-MP4's sha256 in cross_process.txt; the verdict; a failed process named with its log's tail."""
+MP4's sha256 in cross_process.txt (with a rewrite's digest where the log has one); the verdicts; a failed process
+named with its log's tail."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ for arg in "$@"; do
 done
 echo "args: $*"
 echo "cache: ${TORCHINDUCTOR_CACHE_DIR:-unset}"
+# STUB_REWRITE: print a rewrite as k6serve generate --expand-prompts does, the cache folder in it with STUB_VARY=1.
+if [ -n "${STUB_REWRITE:-}" ]; then
+  if [ "${STUB_VARY:-0}" = 1 ]; then echo "expanded prompt: $STUB_REWRITE ${TORCHINDUCTOR_CACHE_DIR:-shared}"
+  else echo "expanded prompt: $STUB_REWRITE"; fi
+fi
 if [ "${STUB_FAIL:-}" = "$(basename "$out")" ]; then echo "RuntimeError: CUDA out of memory" >&2; exit 3; fi
 mkdir -p "$out"
 if [ "${STUB_VARY:-0}" = 1 ]; then printf '%s' "${TORCHINDUCTOR_CACHE_DIR:-shared}" > "$out/clip.mp4"
@@ -97,3 +103,19 @@ def test_the_fresh_cache_folder_is_removed_when_its_process_fails(tmp_path: Path
     assert result.returncode == 1 and "fresh_cache failed:" in result.stdout
     fresh = (out / "fresh_cache.log").read_text().split("cache: ")[1].split()[0]
     assert fresh != "unset" and not Path(fresh).exists()
+
+
+def test_a_rewrite_is_compared_too(tmp_path: Path) -> None:
+    """With --expand-prompts each line also holds the `expanded prompt:` line's digest, and a second verdict says
+    whether the three processes rewrote alike (the MP4s' verdict stays as it was)."""
+    result, out = _run(tmp_path, STUB_REWRITE="a fox in the snow")
+    assert result.returncode == 0, result.stderr
+    rewrite = hashlib.sha256(b"expanded prompt: a fox in the snow").hexdigest()[:16]
+    digest = hashlib.sha256(b"same").hexdigest()
+    assert (out / "cross_process.txt").read_text().splitlines() == [
+        f"{run} {digest} rewrite {rewrite}" for run in ("first", "second", "fresh_cache")]
+    assert result.stdout.splitlines()[-2:] == ["same MP4 bytes in all three processes",
+                                              "the same rewrite in all three processes"]
+    (tmp_path / "vary").mkdir()
+    result, out = _run(tmp_path / "vary", STUB_REWRITE="a fox", STUB_VARY="1")
+    assert result.stdout.splitlines()[-2:] == ["the MP4s differ", "the rewrites differ"]
