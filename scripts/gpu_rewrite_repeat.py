@@ -9,7 +9,9 @@
 
 Run it in two processes to compare across them: `digest` is the first rewrite's ids. `--deterministic` runs under
 torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 (set before CUDA starts), to tell a
-nondeterministic kernel from another cause.
+nondeterministic kernel from another cause; `--no-cudnn-attention` runs the rewrites with torch's SDPA on its flash,
+memory-efficient and math backends only (the first guess at that kernel: SDPA's cuDNN backend on Hopper, which torch
+declines under deterministic algorithms).
 
     python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
     python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
             runs = rewrites(tokenizer, encoder, device, args.tokens)
     else:
         runs = rewrites(tokenizer, encoder, device, args.tokens)
-    report.update(no_cudnn_attention=args.no_cudnn_attention, rewrite_parts_at=_parted(runs), rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]))
+    report.update(no_cudnn_attention=args.no_cudnn_attention, rewrite_parts_at=_parted(runs),
+                  rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]))
     if args.engine:
         from k6serve.engine_arguments import build_engine_config
         from k6serve.request import OutputOptions, SamplingParams
