@@ -3,7 +3,9 @@
 
 1. its prefill logits at the last position, three times: NaN and infinity counts, the two largest logits and whether
    the three are equal bit for bit;
-2. the eager rewrite's ids (`expanded_token_ids`, seed 7), three times: where the second and third part from the first;
+2. the eager rewrite's ids (`expanded_token_ids`, seed 7), three times: where the second and third part from the first,
+   and which forward's logits (0 the prefill, k the k-th token's) first differ bit for bit: logits that part before
+   the ids do point at the model's kernels, ids that part beside equal logits at the sampling;
 3. with `--engine MODEL`, the same through a worker's own models (a `--load-format dummy` worker, speed mode), then
    three whole requests with expand_prompts in that worker (their rewritten prompts).
 
@@ -55,11 +57,42 @@ def _digest(ids: list[int]) -> str:
     return hashlib.sha256(str(ids).encode()).hexdigest()[:16]
 
 
-def rewrites(tokenizer, text_encoder, device: torch.device, tokens: int) -> list[list[int]]:
+def rewrites(tokenizer, text_encoder, device: torch.device, tokens: int,
+             logits: list[list[torch.Tensor]] | None = None) -> list[list[int]]:
+    """Three rewrites' ids; with `logits`, each rewrite's lm_head outputs at the last position (prefill, then one
+    per token written) are appended to it, to tell logits that part (the model's kernels) from ids that part with
+    equal logits (the sampling)."""
     from k6serve.pipelines.expand_prompt import expanded_token_ids
 
-    return [expanded_token_ids(PROMPT, tokenizer=tokenizer, text_encoder=text_encoder, device=device, seed=7,
-                               max_new_tokens=tokens)[0].tolist() for _ in range(3)]
+    runs = []
+    for _ in range(3):
+        seen: list[torch.Tensor] = []
+        hook = None if logits is None else text_encoder.lm_head.register_forward_hook(
+            lambda module, args, output: seen.append(output[0, -1].float().cpu()))
+        try:
+            runs.append(expanded_token_ids(PROMPT, tokenizer=tokenizer, text_encoder=text_encoder, device=device,
+                                           seed=7, max_new_tokens=tokens)[0].tolist())
+        finally:
+            if hook is not None:
+                hook.remove()
+        if logits is not None:
+            logits.append(seen)
+    return runs
+
+
+def _logits_parted(logits: list[list[torch.Tensor]]) -> list[int | None]:
+    """Which forward (0 the prefill, k the k-th token's) first gives other logits than the first rewrite's, bit for
+    bit (None: every common forward equal)."""
+    return [next((i for i, (a, b) in enumerate(zip(logits[0], run)) if not torch.equal(a, b)), None)
+            for run in logits[1:]]
+
+
+def _margin(logits: list[torch.Tensor], step: int | None) -> float | None:
+    """The first rewrite's top-1 minus top-2 logit at that forward: how near a tie the choice was."""
+    if step is None or step >= len(logits):
+        return None
+    top = logits[step].topk(2).values
+    return float(top[0] - top[1])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -85,15 +118,24 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill_top2": top, "prefill_repeats_equal": [bool(torch.equal(logits[0], x)) for x in logits[1:]],
         "prefill_max_difference": max(float((logits[0] - x).abs().max()) for x in logits[1:]),
     }
+    generation = encoder.generation_config
+    report["generation"] = {name: getattr(generation, name, None) for name in
+                            ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty")}
+    steps: list[list[torch.Tensor]] = []
     if args.no_cudnn_attention:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            runs = rewrites(tokenizer, encoder, device, args.tokens)
+            runs = rewrites(tokenizer, encoder, device, args.tokens, steps)
     else:
-        runs = rewrites(tokenizer, encoder, device, args.tokens)
+        runs = rewrites(tokenizer, encoder, device, args.tokens, steps)
+    parted = _logits_parted(steps)
     report.update(no_cudnn_attention=args.no_cudnn_attention, rewrite_parts_at=_parted(runs),
-                  rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]))
+                  rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]),
+                  logits_part_at=parted, forwards=[len(run) for run in steps],
+                  logits_max_difference_there=[None if i is None else float((steps[0][i] - run[i]).abs().max())
+                                               for i, run in zip(parted, steps[1:])],
+                  margin_where_ids_part=[_margin(steps[0], i) for i in _parted(runs)])
     if args.engine:
         from k6serve.engine_arguments import build_engine_config
         from k6serve.request import OutputOptions, SamplingParams

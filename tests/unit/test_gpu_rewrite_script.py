@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_rewrite.py"
 
 
@@ -36,6 +38,12 @@ def test_the_repeat_check_runs_on_the_tiny_encoder_and_the_demo_worker(one_torch
     assert report["prefill_nan"] == report["prefill_inf"] == 0
     assert report["prefill_top2"][0] >= report["prefill_top2"][1]
     assert report["rewrite_parts_at"] == [None, None] and report["rewrite_tokens"] == [8, 8, 8]
+    # the prefill and one forward per token after the first (the prefill's logits give the first)
+    assert report["forwards"] == [8, 8, 8] and report["logits_part_at"] == [None, None]
+    assert report["margin_where_ids_part"] == [None, None] and "do_sample" in report["generation"]
+    steps = [torch.zeros(3), torch.tensor([1.0, 3.0, 2.5])]
+    assert script._logits_parted([steps, steps, [steps[0], torch.ones(3)]]) == [None, 1]
+    assert script._margin(steps, 1) == 0.5 and script._margin(steps, None) is None
     # the demo worker's models are the tiny encoder the bench builds: the same ids
     assert report["engine_rewrite_parts_at"] == [None, None] and report["engine_digest"] == report["digest"]
     assert report["engine_requests_equal"] == [True, True]
