@@ -11,9 +11,9 @@
 
 Run it in two processes to compare across them: `digest` is the first rewrite's ids. `--deterministic` runs under
 torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 (set before CUDA starts), to tell a
-nondeterministic kernel from another cause; `--no-cudnn-attention` runs the rewrites with torch's SDPA on its flash,
-memory-efficient and math backends only (the first guess at that kernel: SDPA's cuDNN backend on Hopper, which torch
-declines under deterministic algorithms).
+nondeterministic kernel from another cause; `--no-cudnn-attention` runs the rewrites (and the worker's requests)
+with torch's SDPA on its flash, memory-efficient and math backends only (the first guess at that kernel: SDPA's
+cuDNN backend on Hopper, which torch declines under deterministic algorithms).
 
     python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
     python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)
@@ -24,6 +24,7 @@ Prints one JSON object (and the lines above it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -122,13 +123,19 @@ def main(argv: list[str] | None = None) -> dict:
     report["generation"] = {name: getattr(generation, name, None) for name in
                             ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty")}
     steps: list[list[torch.Tensor]] = []
-    if args.no_cudnn_attention:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    with contextlib.ExitStack() as stack:
+        if args.no_cudnn_attention:  # the rewrites and, with --engine, the worker's requests
+            from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            runs = rewrites(tokenizer, encoder, device, args.tokens, steps)
-    else:
-        runs = rewrites(tokenizer, encoder, device, args.tokens, steps)
+            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                             SDPBackend.MATH]))
+        _rewrite_and_engine(args, report, tokenizer, encoder, device, steps)
+    return report
+
+
+def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encoder, device: torch.device,
+                        steps: list[list[torch.Tensor]]) -> None:
+    runs = rewrites(tokenizer, encoder, device, args.tokens, steps)
     parted = _logits_parted(steps)
     report.update(no_cudnn_attention=args.no_cudnn_attention, rewrite_parts_at=_parted(runs),
                   rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]),
@@ -153,7 +160,6 @@ def main(argv: list[str] | None = None) -> dict:
         texts = [worker.run(params, OutputOptions(save_output=False)).expanded_prompt or "" for _ in range(3)]
         report.update(engine_requests_equal=[text == texts[0] for text in texts[1:]],
                       engine_request_digests=[hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts])
-    return report
 
 
 if __name__ == "__main__":
