@@ -13,7 +13,9 @@ Run it in two processes to compare across them: `digest` is the first rewrite's 
 torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 (set before CUDA starts), to tell a
 nondeterministic kernel from another cause; `--no-cudnn-attention` runs the rewrites (and the worker's requests)
 with torch's SDPA on its flash, memory-efficient and math backends only (the first guess at that kernel: SDPA's
-cuDNN backend on Hopper, which torch declines under deterministic algorithms).
+cuDNN backend on Hopper, which torch declines under deterministic algorithms; the rewrite itself keeps clear of it
+since the sixty-third session, so this now also covers the worker's other stages); `--compile-rewrite` runs the
+script's rewrites through the static cache, compiled on CUDA as with --compile-prompt-rewrite true.
 
     python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
     python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true", help="torch's deterministic algorithms")
     parser.add_argument("--no-cudnn-attention", action="store_true", help="the rewrites with torch's SDPA kept off "
                         "its cuDNN backend (flash, memory-efficient or math only)")
+    parser.add_argument("--compile-rewrite", action="store_true", help="the rewrites through the static cache, "
+                        "compiled on CUDA (as --compile-prompt-rewrite true)")
     parser.add_argument("--engine", default=None, help="also through a worker of this model (dummy weights; demo, "
                         "the built-in checkpoint, on the CPU)")
     return parser.parse_args(argv)
@@ -58,26 +62,32 @@ def _digest(ids: list[int]) -> str:
     return hashlib.sha256(str(ids).encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def recorded_logits(text_encoder, logits: list[list[torch.Tensor]]):
+    """Within it, the text encoder's lm_head outputs at the last position (the prefill's, then one per token written)
+    are appended to a new list at the end of `logits`."""
+    seen: list[torch.Tensor] = []
+    hook = text_encoder.lm_head.register_forward_hook(
+        lambda module, args, output: seen.append(output[0, -1].float().cpu()))
+    try:
+        yield
+    finally:
+        hook.remove()
+        logits.append(seen)
+
+
 def rewrites(tokenizer, text_encoder, device: torch.device, tokens: int,
-             logits: list[list[torch.Tensor]] | None = None) -> list[list[int]]:
-    """Three rewrites' ids; with `logits`, each rewrite's lm_head outputs at the last position (prefill, then one
-    per token written) are appended to it, to tell logits that part (the model's kernels) from ids that part with
-    equal logits (the sampling)."""
+             logits: list[list[torch.Tensor]] | None = None, static_cache=None) -> list[list[int]]:
+    """Three rewrites' ids; with `logits`, each rewrite's logits (`recorded_logits`), to tell logits that part (the
+    model's kernels) from ids that part with equal logits (the sampling). `static_cache`: through it (compiled on
+    CUDA, as --compile-prompt-rewrite true)."""
     from k6serve.pipelines.expand_prompt import expanded_token_ids
 
     runs = []
     for _ in range(3):
-        seen: list[torch.Tensor] = []
-        hook = None if logits is None else text_encoder.lm_head.register_forward_hook(
-            lambda module, args, output: seen.append(output[0, -1].float().cpu()))
-        try:
+        with contextlib.nullcontext() if logits is None else recorded_logits(text_encoder, logits):
             runs.append(expanded_token_ids(PROMPT, tokenizer=tokenizer, text_encoder=text_encoder, device=device,
-                                           seed=7, max_new_tokens=tokens)[0].tolist())
-        finally:
-            if hook is not None:
-                hook.remove()
-        if logits is not None:
-            logits.append(seen)
+                                           seed=7, max_new_tokens=tokens, static_cache=static_cache)[0].tolist())
     return runs
 
 
@@ -135,9 +145,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encoder, device: torch.device,
                         steps: list[list[torch.Tensor]]) -> None:
-    runs = rewrites(tokenizer, encoder, device, args.tokens, steps)
+    cache = None
+    if args.compile_rewrite:
+        from k6serve.pipelines.expand_prompt import StaticRewriteCache
+
+        cache = StaticRewriteCache(encoder.config)
+    runs = rewrites(tokenizer, encoder, device, args.tokens, steps, static_cache=cache)
     parted = _logits_parted(steps)
-    report.update(no_cudnn_attention=args.no_cudnn_attention, rewrite_parts_at=_parted(runs),
+    report.update(no_cudnn_attention=args.no_cudnn_attention, compile_rewrite=args.compile_rewrite,
+                  rewrite_parts_at=_parted(runs), first_ids=runs[0][:12],
                   rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]),
                   logits_part_at=parted, forwards=[len(run) for run in steps],
                   logits_max_difference_there=[None if i is None else float((steps[0][i] - run[i]).abs().max())
@@ -157,8 +173,15 @@ def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encod
         params = SamplingParams(prompt=PROMPT, seed=7, height=64 if demo else 256, width=96 if demo else 384,
                                 num_frames=17, num_inference_steps=1, expand_prompts=True,
                                 max_sequence_length=args.tokens)
-        texts = [worker.run(params, OutputOptions(save_output=False)).expanded_prompt or "" for _ in range(3)]
+        # The dummy's rewrite may decode to little or no text (most of its random ids are past the offline
+        # tokenizer's vocabulary), so the requests' rewrites are compared by their logits too.
+        texts, logits = [], []
+        for _ in range(3):
+            with recorded_logits(models.text_encoder, logits):
+                texts.append(worker.run(params, OutputOptions(save_output=False)).expanded_prompt or "")
         report.update(engine_requests_equal=[text == texts[0] for text in texts[1:]],
+                      engine_request_logits_part_at=_logits_parted(logits),
+                      engine_request_forwards=[len(run) for run in logits],
                       engine_request_digests=[hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts])
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import PIL.Image
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k6serve.pipelines.encode_text import MAX_SEQUENCE_LENGTH
 from k6serve.request import FlagWorded
@@ -175,6 +176,16 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
     return {"input_ids": ids, "attention_mask": encoded["attention_mask"], "mm_token_type_ids": kinds, **pixels}
 
 
+# The rewrite's attention on torch's flash, memory-efficient or math SDPA kernels, never cuDNN's: on Hopper torch
+# picks cuDNN for the one-query decoding steps, whose logits differed from one run to the next in one process (H100
+# and H200, torch 2.11, the dummy Qwen2.5-VL-7B): at a bf16 tie of the two best logits the greedy rewrite then took
+# another token and went on differently (sixty-third session, scripts/gpu_rewrite_repeat.py: the logits of the 4th
+# and 11th forwards parted, the ids at tokens 38 and 21 of 64; on these kernels all 64 forwards' logits repeated bit
+# for bit, the ids those of torch's deterministic mode). The text encoding keeps torch's choice: its one long
+# prefill repeats on cuDNN.
+REWRITE_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @torch.inference_mode()
 def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.device, seed: int,
                        image_processor=None, image: PIL.Image.Image | None = None,
@@ -201,7 +212,7 @@ def expanded_token_ids(prompt: str, *, tokenizer, text_encoder, device: torch.de
         max_new_tokens = num_tokens_written
         extra["min_new_tokens"] = num_tokens_written  # an end token would stop it before the compiled step ran
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), sdpa_kernel(REWRITE_ATTENTION_BACKENDS):
         torch.manual_seed(seed)
         generated = text_encoder.generate(**inputs, max_new_tokens=max_new_tokens, **extra)
     return generated[:, inputs["input_ids"].shape[1]:]

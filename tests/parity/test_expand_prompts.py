@@ -226,6 +226,38 @@ def test_a_warm_up_does_not_rewrite():
     assert warmup_request(request).expand_prompts is False
 
 
+def test_the_rewrite_keeps_attention_off_cudnn_and_gives_the_choice_back(tiny_distill_dir, monkeypatch):
+    """The rewrite's generate runs with torch's cuDNN SDPA kernel off (its one-query decoding steps did not repeat on
+    Hopper; `REWRITE_ATTENTION_BACKENDS`) and flash, memory-efficient and math on; the caller's settings are back
+    afterwards, after a failure too (the text encoding and the DiT keep torch's choice)."""
+    from k6serve.pipelines.expand_prompt import expanded_token_ids
+
+    _, models = _models(tiny_distill_dir)
+    seen = []
+    original = models.text_encoder.generate
+
+    def generate(**kwargs):
+        backends = torch.backends.cuda
+        seen.append((backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(),
+                     backends.mem_efficient_sdp_enabled(), backends.math_sdp_enabled()))
+        return original(**kwargs)
+
+    monkeypatch.setattr(models.text_encoder, "generate", generate)
+    kwargs = dict(tokenizer=models.tokenizer, text_encoder=models.text_encoder, device=torch.device("cpu"), seed=3,
+                  max_new_tokens=4)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    expanded_token_ids("a fox in the snow", **kwargs)
+    assert seen == [(False, True, True, True)] and torch.backends.cuda.cudnn_sdp_enabled()
+
+    def failing(**kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(models.text_encoder, "generate", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        expanded_token_ids("a fox in the snow", **kwargs)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_the_rewrite_calls_on_tokens_every_16_tokens_and_writes_the_same_ids(tiny_distill_dir):
     from k6serve.pipelines.expand_prompt import TOKENS_PER_CHECK, expanded_token_ids
 

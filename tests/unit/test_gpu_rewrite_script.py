@@ -47,7 +47,13 @@ def test_the_repeat_check_runs_on_the_tiny_encoder_and_the_demo_worker(one_torch
     # the demo worker's models are the tiny encoder the bench builds: the same ids
     assert report["engine_rewrite_parts_at"] == [None, None] and report["engine_digest"] == report["digest"]
     assert report["engine_requests_equal"] == [True, True]
+    # the rewrite's forwards of each request (the encode's own forward reaches no lm_head)
+    assert report["engine_request_forwards"] == [8, 8, 8] and report["engine_request_logits_part_at"] == [None, None]
     assert script._parted([[1, 2, 3], [1, 2, 3], [1, 5, 3], [1, 2]]) == [None, 1, 2]
     # SDPA kept off cuDNN (a GPU's question; on the CPU the same ids)
     report = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--no-cudnn-attention"])
     assert report["no_cudnn_attention"] and report["rewrite_parts_at"] == [None, None]
+    # through the static cache (compiled on CUDA only): on the CPU the eager ids
+    compiled = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--compile-rewrite"])
+    assert compiled["compile_rewrite"] and compiled["digest"] == report["digest"]
+    assert compiled["rewrite_parts_at"] == [None, None] and len(compiled["first_ids"]) == 8
