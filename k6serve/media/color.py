@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import av
 import numpy as np
@@ -256,8 +256,10 @@ def _stated_peak(frame: av.VideoFrame) -> tuple[float, str] | None:
     """The brightest cd/m^2 an HDR10 frame's side data states: MaxCLL (the content's), else the mastering
     display's peak; None when it states neither (or nothing above reference white)."""
     found = {}
-    # PyAV's stub types side_data as a TypedDict of motion vectors; it is a mapping of every kind
-    side_data = cast("SideDataContainer", frame.side_data)
+    # PyAV 18.0's stub types side_data as a TypedDict of motion vectors (it is a mapping of every kind), 18.1's as
+    # the SideDataContainer it is: through Any the cast is needed under the one and not redundant under the other.
+    untyped: Any = frame.side_data
+    side_data = cast("SideDataContainer", untyped)
     for index in range(len(side_data)):
         found[side_data[index].type.name] = bytes(side_data[index])
     content = found.get("CONTENT_LIGHT_LEVEL")

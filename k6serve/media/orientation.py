@@ -4,7 +4,7 @@ pixel aspect ratio turned with them."""
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import av
 import numpy as np
@@ -57,8 +57,10 @@ def _mirrored(frame_HWC: np.ndarray, rotation: float, matrix: np.ndarray) -> np.
 
 def display_matrix(frame: av.VideoFrame) -> np.ndarray | None:
     """The frame's display matrix (FFmpeg's 3x3 of int32, row by row), or None."""
-    # PyAV's stub types side_data as a TypedDict of motion vectors; it is a mapping of every kind
-    side_data = cast("SideDataContainer", frame.side_data).get("DISPLAYMATRIX")
+    # PyAV 18.0's stub types side_data as a TypedDict of motion vectors (it is a mapping of every kind), 18.1's as
+    # the SideDataContainer it is: through Any the cast is needed under the one and not redundant under the other.
+    untyped: Any = frame.side_data
+    side_data = cast("SideDataContainer", untyped).get("DISPLAYMATRIX")
     return None if side_data is None else np.frombuffer(bytes(side_data), dtype=np.int32)
 
 
