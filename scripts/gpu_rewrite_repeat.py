@@ -15,7 +15,8 @@ nondeterministic kernel from another cause; `--no-cudnn-attention` runs the rewr
 with torch's SDPA on its flash, memory-efficient and math backends only (the first guess at that kernel: SDPA's
 cuDNN backend on Hopper, which torch declines under deterministic algorithms; the rewrite itself keeps clear of it
 since the sixty-third session, so this now also covers the worker's other stages); `--compile-rewrite` runs the
-script's rewrites through the static cache, compiled on CUDA as with --compile-prompt-rewrite true.
+script's rewrites through the static cache, compiled on CUDA as with --compile-prompt-rewrite true (in inductor's deterministic mode, as the worker compiles it;
+`--inductor-default`: transformers' own compile config).
 
     python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
     python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "its cuDNN backend (flash, memory-efficient or math only)")
     parser.add_argument("--compile-rewrite", action="store_true", help="the rewrites through the static cache, "
                         "compiled on CUDA (as --compile-prompt-rewrite true)")
+    parser.add_argument("--inductor-default", action="store_true", help="with --compile-rewrite: transformers' "
+                        "own compile config, not the worker's (inductor's deterministic mode)")
     parser.add_argument("--engine", default=None, help="also through a worker of this model (dummy weights; demo, "
                         "the built-in checkpoint, on the CPU)")
     return parser.parse_args(argv)
@@ -77,17 +81,21 @@ def recorded_logits(text_encoder, logits: list[list[torch.Tensor]]):
 
 
 def rewrites(tokenizer, text_encoder, device: torch.device, tokens: int,
-             logits: list[list[torch.Tensor]] | None = None, static_cache=None) -> list[list[int]]:
+             logits: list[list[torch.Tensor]] | None = None, static_cache=None,
+             seconds: list[float] | None = None) -> list[list[int]]:
     """Three rewrites' ids; with `logits`, each rewrite's logits (`recorded_logits`), to tell logits that part (the
     model's kernels) from ids that part with equal logits (the sampling). `static_cache`: through it (compiled on
-    CUDA, as --compile-prompt-rewrite true)."""
+    CUDA, as --compile-prompt-rewrite true); `seconds`: each rewrite's wall time appended to it."""
     from k6serve.pipelines.expand_prompt import expanded_token_ids
 
     runs = []
     for _ in range(3):
+        start = time.perf_counter()
         with contextlib.nullcontext() if logits is None else recorded_logits(text_encoder, logits):
             runs.append(expanded_token_ids(PROMPT, tokenizer=tokenizer, text_encoder=text_encoder, device=device,
                                            seed=7, max_new_tokens=tokens, static_cache=static_cache)[0].tolist())
+        if seconds is not None:
+            seconds.append(round(time.perf_counter() - start, 3))  # .tolist() waited for the device
     return runs
 
 
@@ -95,7 +103,7 @@ def _logits_parted(logits: list[list[torch.Tensor]]) -> list[int | None]:
     """Which forward (0 the prefill, k the k-th token's) first gives other logits than the first rewrite's, bit for
     bit (None: every common forward equal)."""
     return [next((i for i, (a, b) in enumerate(zip(logits[0], run)) if not torch.equal(a, b)), None)
-            for run in logits[1:]]
+            for run in logits[1:]] if logits else []
 
 
 def _margin(logits: list[torch.Tensor], step: int | None) -> float | None:
@@ -147,10 +155,17 @@ def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encod
                         steps: list[list[torch.Tensor]]) -> None:
     cache = None
     if args.compile_rewrite:
-        from k6serve.pipelines.expand_prompt import StaticRewriteCache
+        from k6serve.pipelines.expand_prompt import StaticRewriteCache, apply_rewrite_compile_config
 
+        if not args.inductor_default:
+            apply_rewrite_compile_config(encoder, device)  # as the worker compiles it
         cache = StaticRewriteCache(encoder.config)
-    runs = rewrites(tokenizer, encoder, device, args.tokens, steps, static_cache=cache)
+    # No logits recorded through a compiled step: dynamo guards on the lm_head's hooks, and each rewrite's new hook
+    # recompiled the step (8 times, dynamo's limit, after which it ran eager).
+    seconds: list[float] = []
+    runs = rewrites(tokenizer, encoder, device, args.tokens, None if args.compile_rewrite else steps,
+                    static_cache=cache, seconds=seconds)
+    report["rewrite_seconds"] = seconds  # the first compiles, with --compile-rewrite
     parted = _logits_parted(steps)
     report.update(no_cudnn_attention=args.no_cudnn_attention, compile_rewrite=args.compile_rewrite,
                   rewrite_parts_at=_parted(runs), first_ids=runs[0][:12],
@@ -158,7 +173,7 @@ def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encod
                   logits_part_at=parted, forwards=[len(run) for run in steps],
                   logits_max_difference_there=[None if i is None else float((steps[0][i] - run[i]).abs().max())
                                                for i, run in zip(parted, steps[1:])],
-                  margin_where_ids_part=[_margin(steps[0], i) for i in _parted(runs)])
+                  margin_where_ids_part=[_margin(steps[0], i) for i in _parted(runs)] if steps else [])
     if args.engine:
         from k6serve.engine_arguments import build_engine_config
         from k6serve.request import OutputOptions, SamplingParams
@@ -175,7 +190,8 @@ def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encod
                                 max_sequence_length=args.tokens)
         # The dummy's rewrite may decode to little or no text (most of its random ids are past the offline
         # tokenizer's vocabulary), so the requests' rewrites are compared by their logits too.
-        texts, logits = [], []
+        texts: list[str] = []
+        logits: list[list[torch.Tensor]] = []
         for _ in range(3):
             with recorded_logits(models.text_encoder, logits):
                 texts.append(worker.run(params, OutputOptions(save_output=False)).expanded_prompt or "")

@@ -25,7 +25,7 @@ from k6serve.pipelines.encode_text import (
     QWEN_CROP_START,
     encode_prompt,
 )
-from k6serve.pipelines.expand_prompt import StaticRewriteCache, expanded_token_ids
+from k6serve.pipelines.expand_prompt import StaticRewriteCache, apply_rewrite_compile_config, expanded_token_ids
 from k6serve.request import error_type_name
 
 PROMPT = "A red fox runs through fresh snow at sunrise, the camera tracking it from the side."
@@ -129,6 +129,7 @@ def _static_cache_row(parts: TextComponents, options: TextOptions, eager) -> Ben
     flipped token changes the rewrite from there on); its first call, which compiles, is reported apart."""
     row = BenchRow(stage="text", name="ours expand_prompts, static cache", config=f"<= {EXPAND_TOKENS} new tokens")
     try:
+        apply_rewrite_compile_config(parts.text_encoder, options.device)  # as the worker compiles it
         cache = StaticRewriteCache(parts.text_encoder.config)
 
         def run() -> torch.Tensor:

@@ -16,7 +16,10 @@ global RNG is left as it was (diffusers reseeds it for good). A caller may pass 
 
 With `--compile-prompt-rewrite true` (`StaticRewriteCache`) `generate` keeps its keys and values in one static cache
 of a bucketed length, and on CUDA transformers compiles its decoding step: faster, but the compiled step rounds
-differently, so the ids may leave the eager ones (diffusers') after some tokens.
+differently, so the ids may leave the eager ones (diffusers') after some tokens. `apply_rewrite_compile_config` has
+that compile made in inductor's deterministic mode, as the DiT's blocks and the VAE decoders are, so the compiled
+rewrite is the same in every process. Eager or compiled, the rewrite's attention keeps off SDPA's cuDNN kernel
+(`REWRITE_ATTENTION_BACKENDS`), whose one-query decoding steps did not repeat.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k6serve.pipelines.encode_text import MAX_SEQUENCE_LENGTH
 from k6serve.request import FlagWorded
+from k6serve.speed.regional_compile import inductor_options
 
 if TYPE_CHECKING:
     from transformers import StaticCache  # at run time, imported where a cache is made
@@ -124,6 +128,31 @@ class StaticRewriteCache:
         requests beside the weights); the next rewrite makes them again, of the same length. A new cache of the same
         length compiles nothing new (dynamo's guards are on its tensors' shapes; CUDA graphs re-record)."""
         self.cache = None
+
+
+def apply_rewrite_compile_config(text_encoder, device: torch.device) -> None:
+    """Have transformers compile the rewrite's decoding step (--compile-prompt-rewrite true, on CUDA) in inductor's
+    deterministic mode, as the DiT's blocks and the VAE decoders compile (`speed/regional_compile.py`).
+
+    Why: transformers' own compile (`CompileConfig()`: inductor in its "reduce-overhead" mode) lets inductor time its
+    kernels' configurations, and with the rewrite's attention already off cuDNN (the eager rewrite repeating) two
+    processes on an H100 that each compiled afresh wrote two different 128-token rewrites of the dummy Qwen2.5-VL-7B
+    (random weights, whose greedy answer meets near ties at every token); in the deterministic mode two such
+    processes wrote the same ids, at 10.6-11.5 ms a token against 10.4-12.0 (sixty-third session,
+    docs/benchmarks.md). The config is transformers' default with that mode's one option, CUDA graphs, written out
+    (torch.compile takes a mode or options, not both). Left as it is: a compile config the checkpoint's
+    `generation_config.json` sets, the whole process's choice where `TORCHINDUCTOR_DETERMINISTIC` is set, and a
+    text encoder on another device than CUDA, which transformers does not compile (a config set there has it warn,
+    at each process's first rewrite, that it will not compile)."""
+    from transformers.generation import CompileConfig
+
+    options = inductor_options("inductor", None)
+    generation_config = text_encoder.generation_config
+    if device.type != "cuda" or options is None or generation_config.compile_config is not None:
+        return
+    generation_config.compile_config = CompileConfig(
+        mode=None,  # type: ignore[arg-type]  # typed str, but torch.compile refuses a mode beside options
+        options={"triton.cudagraphs": True, **options})
 
 
 def _cache_keyword(text_encoder) -> str:

@@ -134,8 +134,9 @@ class ModelWorker:
         if self.variant.family == GENERATION:
             self.pipeline.trim_text_padding = config.runtime.performance_mode == "speed"
             if config.runtime.compile_prompt_rewrite:
-                from k6serve.pipelines.expand_prompt import StaticRewriteCache
+                from k6serve.pipelines.expand_prompt import StaticRewriteCache, apply_rewrite_compile_config
 
+                apply_rewrite_compile_config(self.pipeline.models.text_encoder, self.device)
                 self.pipeline.rewrite_cache = StaticRewriteCache(self.pipeline.models.text_encoder.config)
         if config.parallel.ulysses_degree > 1 and self.performance_report.num_compiled_blocks:
             # Measured on two H200s: compiled kernels are generated per shape, so a sharded run rounds

@@ -313,3 +313,43 @@ def test_the_rewrite_warm_up_size_is_the_one_whose_image_gives_the_most_tokens()
     pipeline._image_processor, pipeline.models = None, SimpleNamespace(source="dummy")  # Qwen2.5-VL's defaults
     assert pipeline.rewrite_image_tokens(416, 448) == 240 and pipeline.rewrite_image_tokens(432, 432) == 225
     assert pipeline.rewrite_image_tokens(512, 768) == 486 and pipeline.rewrite_image_tokens(720, 1280) == 1196
+
+
+def test_the_rewrite_compiles_in_inductors_deterministic_mode_on_cuda_only(tiny_distill_dir, monkeypatch):
+    """`apply_rewrite_compile_config`: on CUDA transformers' compile config becomes "reduce-overhead"'s one option
+    (CUDA graphs) plus inductor's deterministic mode, as the DiT's blocks compile; left alone on the CPU (where
+    transformers compiles nothing), where the checkpoint set its own, and where TORCHINDUCTOR_DETERMINISTIC is set."""
+    from transformers.generation import CompileConfig
+
+    from k6serve.pipelines.expand_prompt import apply_rewrite_compile_config
+
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    encoder = _models(tiny_distill_dir).text_encoder
+    apply_rewrite_compile_config(encoder, torch.device("cpu"))
+    assert encoder.generation_config.compile_config is None
+    apply_rewrite_compile_config(encoder, torch.device("cuda"))  # the device's type only: no GPU touched
+    config = encoder.generation_config.compile_config
+    assert config.mode is None and config.options == {"triton.cudagraphs": True, "deterministic": True}
+    assert config.fullgraph == CompileConfig().fullgraph and config.dynamic == CompileConfig().dynamic
+    own = CompileConfig(mode="max-autotune")
+    encoder.generation_config.compile_config = own
+    apply_rewrite_compile_config(encoder, torch.device("cuda"))
+    assert encoder.generation_config.compile_config is own
+    encoder.generation_config.compile_config = None
+    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "0")
+    apply_rewrite_compile_config(encoder, torch.device("cuda"))
+    assert encoder.generation_config.compile_config is None
+
+
+def test_the_worker_applies_the_deterministic_compile_with_the_static_cache(tiny_distill_dir, monkeypatch):
+    """The worker sets the config where it makes the static cache (--compile-prompt-rewrite true), not without."""
+    calls = []
+    import k6serve.pipelines.expand_prompt as expand_prompt
+
+    monkeypatch.setattr(expand_prompt, "apply_rewrite_compile_config",
+                        lambda encoder, device: calls.append((type(encoder).__name__, device.type)))
+    ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu"))
+    assert calls == []
+    ModelWorker(build_engine_config(str(tiny_distill_dir), device="cpu", performance_mode="speed",
+                                    compile_prompt_rewrite=True))
+    assert calls == [("Qwen2_5_VLForConditionalGeneration", "cpu")]

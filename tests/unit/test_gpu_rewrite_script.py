@@ -57,3 +57,5 @@ def test_the_repeat_check_runs_on_the_tiny_encoder_and_the_demo_worker(one_torch
     compiled = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--compile-rewrite"])
     assert compiled["compile_rewrite"] and compiled["digest"] == report["digest"]
     assert compiled["rewrite_parts_at"] == [None, None] and len(compiled["first_ids"]) == 8
+    assert compiled["forwards"] == [] and compiled["logits_part_at"] == []  # no hooks on a compiled step
+    assert len(compiled["rewrite_seconds"]) == 3 and min(compiled["rewrite_seconds"]) > 0
