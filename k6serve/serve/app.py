@@ -38,6 +38,7 @@ from k6serve.serve.middleware import BearerAuth, NormaliseRequestTarget, RefuseC
 from k6serve.serve.routes import OPENAPI_TAGS, router
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.server_context import ServerContext
+from k6serve.serve.video_remix import VideoRemixBody
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.video_create_body import FILE_FIELDS, VideoCreateBody, input_reference_target
 from k6serve.serve.webhook_outbox import drop_unsent_events
@@ -153,7 +154,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             form["properties"][field_name] = {"type": "string", "format": "binary",
                                               "description": f"Uploaded file, used as {target}."}
         components["VideoCreateForm"] = form
-        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody, UnloadLoraBody, MemoryOccupationBody):
+        for model in (SetLoraBody, MergeLoraBody, UnmergeLoraBody, UnloadLoraBody, MemoryOccupationBody,
+                      VideoRemixBody):
             components[model.__name__] = request_body_schema(model)
         components.update(SHARED_SCHEMAS)  # the enums several fields refer to
         _errors_as_served(schema, api_key=bool(app.state.ctx.settings.api_key))

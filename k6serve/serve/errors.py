@@ -126,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 405 and request.url.path.rstrip("/") in _UNSERVED_VIDEO_ROUTES:
             # POST /v1/videos/edits matches GET/DELETE /v1/videos/{video_id}: a 405 "does not take POST, only GET
-            # or HEAD or DELETE" read as if the route existed, and the SDK has no class for 405 (remix's 404 is its
+            # or HEAD or DELETE" read as if the route existed, and the SDK has no class for 405 (a 404 is its
             # NotFoundError). These are OpenAI routes this server does not have: 404.
             exc = StarletteHTTPException(404)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -169,9 +169,9 @@ def _routing_message(request: Request, exc: StarletteHTTPException) -> str:
                f"{path} does not take {request.method}, only {' or '.join(_allowed_methods(request))}")
     message += "; GET /openapi.json lists the routes and their methods."
     if path.startswith("/v1/videos/"):
-        # OpenAI's SDK has these calls (client.videos.remix, .edit, .extend, .create_character); a bare 404 or
-        # 405 left its user guessing whether the id or the server was wrong.
-        message += (" k6serve serves OpenAI's video create, retrieve, list, download and delete, not remix, edits, "
+        # OpenAI's SDK has these calls (client.videos.edit, .extend, .create_character); a bare 404 or 405 left
+        # its user guessing whether the id or the server was wrong.
+        message += (" k6serve serves OpenAI's video create, retrieve, list, download, delete and remix, not edits, "
                     "extensions or characters: create a new job with POST /v1/videos.")
     elif exc.status_code == 404 and (instead := _sglang_route_note(path)) is not None:
         # SGLang's server has these routes: a health check or a client moved over got only "no route".

@@ -98,6 +98,8 @@ class Job:
     # Once completed, super-resolution of a source with non-square pixels: their width over height, "N:M" as FFmpeg
     # writes it (the MP4 is tagged with it); None for square pixels. `size` is the stored frames' WxH.
     sample_aspect_ratio: str | None = None
+    # A remix (POST /v1/videos/{id}/remix): the job whose settings and seed it took, with a new prompt.
+    remixed_from_video_id: str | None = None
 
 
 def expires_at(job: Job, ttl_s: float) -> int | None:
@@ -271,7 +273,8 @@ class SqliteJobStore:
                     cancel_requested_at REAL,
                     expanded_prompt TEXT,
                     stage_seconds TEXT,
-                    sample_aspect_ratio TEXT
+                    sample_aspect_ratio TEXT,
+                    remixed_from_video_id TEXT
                 )"""
             )
             columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
@@ -283,6 +286,8 @@ class SqliteJobStore:
                 self._db.execute("ALTER TABLE jobs ADD COLUMN stage_seconds TEXT")
             if "sample_aspect_ratio" not in columns:  # a store written before jobs kept it (null: square pixels)
                 self._db.execute("ALTER TABLE jobs ADD COLUMN sample_aspect_ratio TEXT")
+            if "remixed_from_video_id" not in columns:  # a store written before remixes (null: not one)
+                self._db.execute("ALTER TABLE jobs ADD COLUMN remixed_from_video_id TEXT")
             self._db.execute("CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq)")
             # The TTL sweep's candidates (`finished_before`) by index: without it each sweep, run before every
             # listing too, read and sorted every finished job (39 ms a listing at 100k stored jobs).

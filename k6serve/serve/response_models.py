@@ -58,8 +58,10 @@ class VideoJob(BaseModel):
     model: str
     # OpenAI's Video object has it, and its SDK's `Video.prompt` read None from every job before.
     prompt: str | None = Field(None, description="The job's prompt as sent; null for super-resolution.")
-    # OpenAI's Video object has it, required (null or an id) in its SDKs' types: k6serve makes no remixes.
-    remixed_from_video_id: None = Field(default=None, description="Always null: k6serve has no remix.")
+    # OpenAI's Video object has it, required (null or an id) in its SDKs' types.
+    remixed_from_video_id: str | None = Field(
+        default=None, description="For a remix (POST /v1/videos/{video_id}/remix), the id of the video it remixed; "
+                                  "null otherwise.")
     expanded_prompt: str | None = Field(None, description="With expand_prompts, once completed: the prompt as the "
                                                           "text encoder rewrote it, which the model was given.")
     status: JobStatus
@@ -189,6 +191,7 @@ def job_view(job: Job, *, output_ttl_s: float, memory_released: bool = False, ro
         stage_seconds=dict(job.stage_seconds),
         peak_memory_mb=job.peak_memory_mb,
         sample_aspect_ratio=job.sample_aspect_ratio,
+        remixed_from_video_id=job.remixed_from_video_id,
         url=f"{root_path}/v1/videos/{job.id}/content" if job.status == JobStatus.COMPLETED else None,
         warnings=list(job.warnings),
         waiting_for="resume_memory_occupation" if memory_released and job.status == JobStatus.QUEUED else None,

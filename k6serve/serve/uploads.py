@@ -197,8 +197,11 @@ async def refuse_content_encoding(request: Request) -> None:
                        headers={"Accept-Encoding": "identity"})
 
 
-async def read_control_body(request: Request, *, allow_empty: bool, routes: str) -> Any:
-    """A LoRA or memory route's JSON body (`routes` names them in a 415); `allow_empty`: an empty body is `{}`."""
+async def read_control_body(request: Request, *, allow_empty: bool, routes: str,
+                            example: str = '{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}'
+                            ) -> Any:
+    """A JSON-only route's body (`routes` names them in a 415); `allow_empty`: an empty body is `{}`, else a 400
+    showing `example`."""
     await refuse_content_encoding(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("application/json", ""):
@@ -206,9 +209,9 @@ async def read_control_body(request: Request, *, allow_empty: bool, routes: str)
         raise ApiError(415, f"Content-Type {content_type!r} is not supported; {routes} take application/json "
                             "(with curl: -H 'Content-Type: application/json').", code="unsupported_content_type",
                        param="Content-Type")
-    # Only set_lora refuses an empty body; its message shows set_lora's fields, not the video route's prompt.
-    return await read_json_body(request, allow_empty=allow_empty,
-                                example='{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}')
+    # Of the LoRA and memory routes only set_lora refuses an empty body; its message shows set_lora's fields (the
+    # default `example`), not the video route's prompt.
+    return await read_json_body(request, allow_empty=allow_empty, example=example)
 
 
 def too_large_json() -> ApiError:

@@ -96,10 +96,11 @@ def _resolve_error(error: ValueError, body: Any, params: SamplingParams, variant
 async def create_video_job(request: Request, ctx: ServerContext, idempotency_key: str | None) -> JSONResponse:
     """`POST /v1/videos`: the body read and checked, the job stored (or the stored one replayed), its object."""
     await refuse_without_replicas(request, ctx)
-    if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+    try:
+        check_idempotency_key(idempotency_key)
+    except ApiError:
         await drain(request)
-        raise ApiError(400, "Idempotency-Key must be 1-255 printable ASCII characters without spaces.",
-                       code="invalid_idempotency_key", param="Idempotency-Key")
+        raise
     replay = (idempotency_key is not None
               and live_job(ctx, ctx.store.get_by_idempotency_key(idempotency_key)) is not None)
     multipart = request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data"
@@ -109,7 +110,7 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
         await drain(request)
         raise _queue_full(ctx)
     if multipart and not replay:
-        await _refuse_unwritable_output(request, ctx, uploads=True)
+        await refuse_unwritable_output(request, ctx, uploads=True)
     # Uploads are named after a fresh id even when the body chooses the job's id (`request_id`): it is read only
     # after them, and a refused replay's files must never clash with the stored job's.
     upload_id = f"video_{secrets.token_hex(16)}"
@@ -141,7 +142,7 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
             raise _resolve_error(exc, body, params, ctx.variant, sent.upload_fields) from None
         # (height, width) of a generation, which a conditioning image must be able to cover.
         video_size = (resolved.height, resolved.width) if isinstance(resolved, GenerateRequest) else None
-        await _on_input_check_threads(_check_inputs_readable, params, sent.upload_fields, video_size)
+        await on_input_check_threads(check_inputs_readable, params, sent.upload_fields, video_size)
         if isinstance(resolved, GenerateRequest):
             size, seconds = size_text(resolved.height, resolved.width), seconds_text(resolved.num_frames, resolved.fps)
             rounded = seconds_rounding_note(body.seconds, resolved.num_frames, resolved.fps)
@@ -149,7 +150,7 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
         else:
             # After the readability check, so a source that is no video keeps that check's 400.
             try:
-                output = await _on_input_check_threads(expected_upscale_output, resolved, ctx.sr_tiling)
+                output = await on_input_check_threads(expected_upscale_output, resolved, ctx.sr_tiling)
             except SourceTooSmall as exc:  # the source, not a setting: refused now, not after waiting in the queue
                 source = sent.upload_fields.get("video_path", "video_path")
                 raise ApiError(400, str(exc), code="invalid_parameter", param=source) from None
@@ -169,7 +170,7 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
             live_job(ctx, ctx.store.get(job_id))  # an expired job with this id is deleted first, as the sweep would
         # A replay, or a request_id conflict, writes no file: it is answered as what it is.
         if not replay and not (body.request_id is not None and ctx.store.id_taken(job_id)):
-            await _refuse_unwritable_output(request, ctx, uploads=False)
+            await refuse_unwritable_output(request, ctx, uploads=False)
         job = Job(
             id=job_id, model=ctx.model_name, created_at=time.time(),
             params={k: v for k, v in dataclasses.asdict(params).items() if k in HTTP_FIELD_NAMES and v is not None},
@@ -177,18 +178,7 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
             request_hash=_request_hash(body.model_dump(exclude_none=True), sent.file_digests, uploads),
             warnings=tuple(notes),
         )
-        try:
-            stored, created = ctx.runner.admit(job)
-        except QueueFull:
-            raise _queue_full(ctx) from None
-        except (LorasNotLoaded, LorasMerged, LorasQuantized) as exc:
-            raise ApiError(400, str(exc), code=exc.code, param="loras") from None
-        except IdempotencyConflict as conflict:
-            raise ApiError(409, f"Idempotency-Key {idempotency_key!r} was already used for job "
-                                f"{conflict.existing.id} with a different request body; use a new key.",
-                           code="idempotency_conflict", param="Idempotency-Key") from None
-        except RequestIdConflict as conflict:
-            raise _request_id_conflict(conflict) from None
+        stored, created = admit_job(ctx, job)
     except BaseException:
         ctx.artifacts.remove(list(uploads))
         raise
@@ -197,7 +187,29 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
     return JSONResponse(ctx.view(stored), headers={} if created else {"Idempotent-Replayed": "true"})
 
 
-async def _refuse_unwritable_output(request: Request, ctx: ServerContext, *, uploads: bool) -> None:
+def admit_job(ctx: ServerContext, job: Job) -> tuple[Job, bool]:
+    """`JobRunner.admit`, its refusals as the 4xx a client reads: (the stored job, whether it is new)."""
+    try:
+        return ctx.runner.admit(job)
+    except QueueFull:
+        raise _queue_full(ctx) from None
+    except (LorasNotLoaded, LorasMerged, LorasQuantized) as exc:
+        raise ApiError(400, str(exc), code=exc.code, param="loras") from None
+    except IdempotencyConflict as conflict:
+        raise ApiError(409, f"Idempotency-Key {job.idempotency_key!r} was already used for job "
+                            f"{conflict.existing.id} with a different request body; use a new key.",
+                       code="idempotency_conflict", param="Idempotency-Key") from None
+    except RequestIdConflict as conflict:
+        raise _request_id_conflict(conflict) from None
+
+
+def check_idempotency_key(idempotency_key: str | None) -> None:
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
+        raise ApiError(400, "Idempotency-Key must be 1-255 printable ASCII characters without spaces.",
+                       code="invalid_idempotency_key", param="Idempotency-Key")
+
+
+async def refuse_unwritable_output(request: Request, ctx: ServerContext, *, uploads: bool) -> None:
     """A 507 when the output folder (or, for `uploads`, the upload folder) no longer takes files: an upload would
     fail, and a job could only fail at its MP4's write, after its whole run."""
     folder = await asyncio.to_thread(ctx.artifacts.unwritable_folder, uploads=uploads)
@@ -336,11 +348,11 @@ def _refuse_file_fields_as_text(fields: dict[str, Any], *, super_resolution: boo
 _INPUT_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="k6serve-input-check")
 
 
-async def _on_input_check_threads(function, *args):
+async def on_input_check_threads(function, *args):
     return await asyncio.get_running_loop().run_in_executor(_INPUT_CHECKS, functools.partial(function, *args))
 
 
-def _check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str],
+def check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str],
                            video_size: tuple[int, int] | None) -> None:
     for name, kind in (("image_path", "image"), ("video_path", "video")):
         path = getattr(params, name)

@@ -1,6 +1,6 @@
 """The video job routes, OpenAI's asynchronous `/v1/videos`: create (`video_creation.py` reads and checks the
-body), list, retrieve, download the MP4 (`video_file_response.py`), delete, and cancel. Handlers only translate:
-HTTP in, `SamplingParams` to the engine through the `JobRunner`, job records out.
+body), list, retrieve, download the MP4 (`video_file_response.py`), delete, cancel, and remix (`video_remix.py`).
+Handlers only translate: HTTP in, `SamplingParams` to the engine through the `JobRunner`, job records out.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from k6serve.serve.response_models import (ERROR_RESPONSES, ErrorResponse, Video
 from k6serve.serve.server_context import ServerContext, server_context
 from k6serve.serve.video_creation import create_video_job
 from k6serve.serve.video_file_response import VideoFileResponse
+from k6serve.serve.video_remix import create_remix_job
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -259,3 +260,18 @@ async def cancel_video(request: Request, video_id: str) -> JSONResponse:
                             f"/v1/videos/{video_id} shows it (and /content its video, if it completed).",
                        code="video_finished", param="video_id")
     return JSONResponse(ctx.view(await _cancel_and_wait(ctx, video_id)))
+
+
+@router.post("/v1/videos/{video_id}/remix", response_model=VideoJob, responses=ERROR_RESPONSES,
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/VideoRemixBody"}}}}},
+             summary="Remix a completed video: a new job with its settings and seed and a new prompt",
+             operation_id="remixVideo", tags=["videos"])
+async def remix_video(request: Request, video_id: str,
+                      idempotency_key: str | None = Header(None, alias="Idempotency-Key")) -> JSONResponse:
+    ctx = server_context(request)
+    try:
+        return await create_remix_job(request, ctx, video_id, idempotency_key)
+    except ApiError as error:
+        ctx.metrics.rejected(error.code or f"http_{error.status}")  # as the create route counts its refusals
+        raise

@@ -906,7 +906,7 @@ def test_slow_input_checks_do_not_hold_health_or_the_other_routes(fake_server, f
         checking.append(1)
         release.wait(20)
 
-    monkeypatch.setattr(video_creation, "_check_inputs_readable", slow_check)
+    monkeypatch.setattr(video_creation, "check_inputs_readable", slow_check)
     creates = [threading.Thread(target=lambda: fake_client.post("/v1/videos", json={"prompt": f"slow {i}",
                                                                                       "size": "32x32",
                                                                                       "num_frames": 5}))

@@ -261,6 +261,13 @@ def test_a_job_store_from_before_sample_aspect_ratio_opens(tmp_path):
     reopened.close()
 
 
+def test_a_job_store_from_before_remixes_opens(tmp_path):
+    reopened = _reopened_without(tmp_path, "remixed_from_video_id")
+    assert reopened.get("video_old").remixed_from_video_id is None
+    assert reopened.update("video_old", remixed_from_video_id="video_a").remixed_from_video_id == "video_a"
+    reopened.close()
+
+
 def test_a_job_store_from_before_stage_seconds_opens(tmp_path):
     # Old jobs read as having no stages ({}), and a job's stages survive the store's reopening in their order.
     reopened = _reopened_without(tmp_path, "stage_seconds")

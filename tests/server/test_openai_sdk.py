@@ -167,14 +167,21 @@ def test_the_sdks_models_calls(client):
     assert missing.value.code == "model_not_found"
 
 
-def test_calls_the_server_does_not_serve_say_so(client):
-    video = client.videos.create(prompt="remix me", size="32x32", seconds="0.2")
-    with pytest.raises(openai.NotFoundError) as remix:
+def test_the_sdks_remix_and_the_calls_the_server_does_not_serve(client):
+    video = client.videos.create(prompt="remix me", size="32x32", seconds="0.2", extra_body={"seed": 9})
+    with pytest.raises(openai.ConflictError) as early:  # OpenAI's remix takes a completed video
         client.videos.remix(video.id, prompt="again")
-    assert f"There is no route POST /v1/videos/{video.id}/remix" in remix.value.message
-    assert "not remix, edits, extensions or characters: create a new job with POST /v1/videos" in remix.value.message
+    assert early.value.code == "video_not_ready" and "poll GET /v1/videos/" in early.value.message
+    video = client.videos.poll(video.id, poll_interval_ms=20)
+    remix = client.videos.remix(video.id, prompt="again")
+    assert remix.remixed_from_video_id == video.id and remix.prompt == "again" and remix.id != video.id
+    assert (remix.size, remix.seconds, remix.model_extra["seed"]) == ("32x32", video.seconds, 9)
+    assert client.videos.poll(remix.id, poll_interval_ms=20).status == "completed"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.videos.remix("video_nope", prompt="again")
+    assert missing.value.code == "video_not_found"
     # POST /v1/videos/edits (extensions, characters) matches the job route's path: it was a 405 "does not take
-    # POST", for which the SDK has no error class; a 404 is its NotFoundError, as remix's.
+    # POST", for which the SDK has no error class; a 404 is its NotFoundError.
     clip = ("clip.mp4", b"\0", "video/mp4")
     for name, call in (("edits", lambda: client.videos.edit(prompt="again", video=clip)),
                        ("extensions", lambda: client.videos.extend(prompt="on", seconds="4", video=clip)),
@@ -183,8 +190,7 @@ def test_calls_the_server_does_not_serve_say_so(client):
             call()
         assert unserved.value.code == "not_found"
         assert f"There is no route POST /v1/videos/{name} on this server" in unserved.value.message
-        assert "not remix, edits, extensions or characters" in unserved.value.message
-    client.videos.poll(video.id, poll_interval_ms=20)
+        assert "delete and remix, not edits, extensions or characters" in unserved.value.message
 
 
 def test_a_conflict_is_not_retried(sdk_server):

@@ -24,6 +24,7 @@ OPERATIONS = {
     ("delete", "/v1/videos/{video_id}"): ("deleteVideo", "videos"),
     ("get", "/v1/videos/{video_id}/content"): ("retrieveVideoContent", "videos"),
     ("post", "/v1/videos/{video_id}/cancel"): ("cancelVideo", "videos"),
+    ("post", "/v1/videos/{video_id}/remix"): ("remixVideo", "videos"),
     ("post", "/v1/set_lora"): ("setLora", "lora"),
     ("post", "/v1/merge_lora_weights"): ("mergeLoraWeights", "lora"),
     ("post", "/v1/unmerge_lora_weights"): ("unmergeLoraWeights", "lora"),

@@ -1,0 +1,145 @@
+"""Remixing a video job (`POST /v1/videos/{video_id}/remix`, OpenAI's `client.videos.remix(video_id, prompt=...)`):
+a new job with a completed generation job's settings and seed, and a new prompt.
+
+What a remix is here: Kandinsky 6 has no video-to-video edit, so k6serve's remix is the source request run again
+with the prompt replaced: the same size, duration, steps, guidance, negative prompt, LoRA adapters, reference image
+and, above all, the same seed (the one the source ran with, a drawn one included), so the same initial noise under
+another prompt: a variation that keeps what the seed decided where the prompts agree. The remix's job object shows
+`remixed_from_video_id`; its settings are the source's as they are shown (`size`, `seconds`, `seed`). A server-side
+`image_path` is checked against `--allowed-input-dir` again, as the server's settings may have changed since; an
+uploaded reference image was deleted when the source ended, so such a source is refused (400) with what to send
+instead. Also refused: an unknown or expired source (404), one not completed (409 `video_not_ready`, as
+OpenAI's remix takes a completed video), a super-resolution job (its model reads no prompt), and a body with other
+fields than `prompt` (to change them, create a job with POST /v1/videos).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import secrets
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from k6serve.models.variants import DEFAULT_SEED, SUPER_RESOLUTION
+from k6serve.request import GenerateRequest, SamplingParams
+from k6serve.request_resolution import MAX_PROMPT_CHARACTERS
+from k6serve.serve.body_parsing import parse_json_body
+from k6serve.serve.errors import ApiError
+from k6serve.serve.expiry import live_job
+from k6serve.serve.jobs import Job, JobStatus, seconds_text, size_text
+from k6serve.serve.server_context import ServerContext, refuse_without_replicas
+from k6serve.serve.uploads import drain, read_control_body
+from k6serve.serve.video_creation import (
+    admit_job,
+    check_idempotency_key,
+    check_inputs_readable,
+    on_input_check_threads,
+    refuse_unwritable_output,
+)
+
+
+class VideoRemixBody(BaseModel):
+    """POST /v1/videos/{video_id}/remix (JSON): OpenAI's one field."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = Field(description="The remix's prompt; every other setting, the seed included, is the source "
+                                    "job's.", json_schema_extra={"minLength": 1, "maxLength": MAX_PROMPT_CHARACTERS})
+
+
+REMIX_EXAMPLE = '{"prompt": "The same scene at night, in the rain"}'
+
+
+async def create_remix_job(request: Request, ctx: ServerContext, video_id: str,
+                           idempotency_key: str | None) -> JSONResponse:
+    """`POST /v1/videos/{video_id}/remix`: the source job's request with the body's prompt, stored as a new job."""
+    await refuse_without_replicas(request, ctx)
+    try:
+        check_idempotency_key(idempotency_key)
+        raw = await read_control_body(request, allow_empty=False, routes="remixes", example=REMIX_EXAMPLE)
+    except ApiError:
+        await drain(request)
+        raise
+    body = _parse_body(raw)
+    if ctx.variant.family == SUPER_RESOLUTION:
+        raise ApiError(400, "This server runs the super-resolution model, whose jobs read no prompt, so there is "
+                            "nothing to remix: upscale another source with POST /v1/videos.",
+                       code="invalid_request", param="video_id")
+    source = live_job(ctx, ctx.store.get(video_id))
+    if source is None:
+        raise ApiError(404, f"Video {video_id!r} not found.", code="video_not_found", param="video_id")
+    if source.status != JobStatus.COMPLETED:
+        raise ApiError(409, f"Video {video_id!r} is {source.status.value}; a remix takes a completed video: poll GET "
+                            f"/v1/videos/{video_id} until its status is completed, then remix it.",
+                       code="video_not_ready", param="video_id")
+    params = dataclasses.replace(SamplingParams(**source.params), prompt=body.prompt)
+    params = await on_input_check_threads(_own_inputs, ctx, source, params)
+    try:
+        resolved, notes = ctx.engine.resolve(params)
+    except ValueError as exc:
+        # The prompt (too long for the text encoder, say), or a source setting this server no longer takes
+        # (restarted with other limits): either way the client is told what the engine said.
+        raise ApiError(400, f"The remix of {video_id!r} cannot run: {exc}", code="invalid_parameter",
+                       param="prompt" if "prompt" in str(exc) else "video_id") from None
+    assert isinstance(resolved, GenerateRequest)  # a generation server (checked above)
+    await on_input_check_threads(check_inputs_readable, params, {}, (resolved.height, resolved.width))
+    await refuse_unwritable_output(request, ctx, uploads=False)
+    job = Job(
+        id=f"video_{secrets.token_hex(16)}", model=ctx.model_name, created_at=time.time(),
+        params={k: v for k, v in dataclasses.asdict(params).items() if k in source.params or k == "prompt"},
+        size=size_text(resolved.height, resolved.width), seconds=seconds_text(resolved.num_frames, resolved.fps),
+        idempotency_key=idempotency_key, request_hash=_remix_hash(video_id, body.prompt), warnings=tuple(notes),
+        remixed_from_video_id=source.id,
+    )
+    stored, created = admit_job(ctx, job)
+    return JSONResponse(ctx.view(stored), headers={} if created else {"Idempotent-Replayed": "true"})
+
+
+def _parse_body(raw: Any) -> VideoRemixBody:
+    if isinstance(raw, dict):
+        others = sorted(set(raw) - {"prompt"})
+        if others:
+            raise ApiError(400, f"A remix takes only prompt, not {', '.join(others)}: it keeps every other setting "
+                                "of the source job, the seed included. To change them, create a job with POST "
+                                "/v1/videos.", code="invalid_parameter", param=others[0])
+    body = parse_json_body(VideoRemixBody, raw, string_fields={"prompt"})
+    if not body.prompt.strip():
+        raise ApiError(400, "prompt is empty; send the remix's prompt, e.g. " + REMIX_EXAMPLE + ".",
+                       code="invalid_parameter", param="prompt")
+    if len(body.prompt) > MAX_PROMPT_CHARACTERS:
+        raise ApiError(400, f"prompt has {len(body.prompt):,} characters; at most {MAX_PROMPT_CHARACTERS:,} are "
+                            "taken.", code="invalid_parameter", param="prompt")
+    return body
+
+
+def _own_inputs(ctx: ServerContext, source: Job, params: SamplingParams) -> SamplingParams:
+    """The remix's reference image: the source's server-side `image_path`, checked against --allowed-input-dir as
+    the server has it now. An uploaded one was deleted when the source ended (an upload lives as long as its job
+    runs), so that remix is refused, saying how to make it."""
+    image = params.image_path
+    if image is None:
+        return params
+    if image in source.upload_files:
+        seed = DEFAULT_SEED if params.seed is None else params.seed
+        raise ApiError(400, f"Video {source.id!r} was made from an uploaded reference image, which the server deleted "
+                            "when the job ended (an upload is kept only while its job runs), so it cannot be remixed: "
+                            "create a new job with POST /v1/videos, uploading the image again (input_reference), "
+                            f"with the new prompt, seed {seed} and the source's other settings.",
+                       code="invalid_request", param="video_id")
+    try:
+        checked = ctx.inputs.check("image_path", image)
+    except ApiError as error:  # the source was created under other --allowed-input-dir folders, or the file left
+        raise ApiError(error.status, f"The source job's reference image can no longer be read: {error.message} "
+                                     "Create a new job with POST /v1/videos (uploading the image) instead.",
+                       code=error.code, param="video_id") from None
+    return dataclasses.replace(params, image_path=checked)
+
+
+def _remix_hash(video_id: str, prompt: str) -> str:
+    """What an Idempotency-Key replay must repeat: the source and the prompt."""
+    return hashlib.sha256(json.dumps({"remix_of": video_id, "prompt": prompt}).encode()).hexdigest()
