@@ -353,7 +353,7 @@ async def on_input_check_threads(function, *args):
 
 
 def check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str],
-                           video_size: tuple[int, int] | None) -> None:
+                          video_size: tuple[int, int] | None) -> None:
     for name, kind in (("image_path", "image"), ("video_path", "video")):
         path = getattr(params, name)
         if path is not None:

@@ -66,6 +66,12 @@ async def create_remix_job(request: Request, ctx: ServerContext, video_id: str,
         await drain(request)
         raise
     body = _parse_body(raw)
+    if idempotency_key is not None:
+        # A retry whose first answer was lost gets its remix back even where the source has since been deleted or
+        # expired (the remix does not need it any more); another body under the key is admit's 409.
+        replayed = live_job(ctx, ctx.store.get_by_idempotency_key(idempotency_key))
+        if replayed is not None and replayed.request_hash == _remix_hash(video_id, body.prompt):
+            return JSONResponse(ctx.view(replayed), headers={"Idempotent-Replayed": "true"})
     if ctx.variant.family == SUPER_RESOLUTION:
         raise ApiError(400, "This server runs the super-resolution model, whose jobs read no prompt, so there is "
                             "nothing to remix: upscale another source with POST /v1/videos.",

@@ -98,6 +98,12 @@ def test_an_idempotency_key_replays_the_remix(fake_client):
     conflict = fake_client.post(url, json={"prompt": "a bear"}, headers=key)
     assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "idempotency_conflict"
     assert len(fake_client.get("/v1/videos").json()["data"]) == 2
+    # a retry after the source was deleted still gets its remix (whose answer it lost)
+    wait_for(fake_client, first.json()["id"])
+    assert fake_client.delete(f"/v1/videos/{source['id']}").status_code == 200
+    late = fake_client.post(url, json={"prompt": "a wolf"}, headers=key)
+    assert late.status_code == 200 and late.json()["id"] == first.json()["id"]
+    assert fake_client.post(url, json={"prompt": "a wolf"}).status_code == 404  # without the key: no source
 
 
 def _png() -> bytes:
