@@ -206,12 +206,12 @@ def expansion_inputs(prompt: str, *, tokenizer, image_processor=None, image: PIL
 
 
 # The rewrite's attention on torch's flash, memory-efficient or math SDPA kernels, never cuDNN's: on Hopper torch
-# picks cuDNN for the one-query decoding steps, whose logits differed from one run to the next in one process (H100
-# and H200, torch 2.11, the dummy Qwen2.5-VL-7B): at a bf16 tie of the two best logits the greedy rewrite then took
-# another token and went on differently (sixty-third session, scripts/gpu_rewrite_repeat.py: the logits of the 4th
-# and 11th forwards parted, the ids at tokens 38 and 21 of 64; on these kernels all 64 forwards' logits repeated bit
-# for bit, the ids those of torch's deterministic mode). The text encoding keeps torch's choice: its one long
-# prefill repeats on cuDNN.
+# picks cuDNN for the one-query decoding steps, whose logits differed from one run to the next in one process (torch
+# 2.11, the dummy Qwen2.5-VL-7B; measured on an H100, and the ids differed on an H200 as well), so where the two best
+# logits were near a tie the greedy rewrite took another token and went on differently (sixty-third session,
+# scripts/gpu_rewrite_repeat.py: the logits of the 4th and 11th forwards parted, the ids at tokens 38 and 21 of 64,
+# their two best logits 0.03125 and 0 apart; on these kernels all 64 forwards' logits repeated bit for bit, the ids
+# those of torch's deterministic mode). The text encoding keeps torch's choice: its one long prefill repeats on cuDNN.
 REWRITE_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
