@@ -10,7 +10,7 @@ import pytest
 
 from k6serve.api import DiffGenerator
 from k6serve.models.variants import VARIANTS
-from k6serve.request import SamplingParams, drawn_seed
+from k6serve.request import OutputOptions, SamplingParams, drawn_seed
 from k6serve.request_resolution import resolve_generate
 
 SMALL = {"prompt": "a fox", "height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1}
@@ -40,7 +40,8 @@ def test_the_api_reports_the_seed_drawn_and_it_makes_the_same_video(tiny_distill
         other = generator.generate({**SMALL, "seed": -1, "save_output": False})
         assert other.seed != drawn.seed  # 1 in 2**32 to fail
         # Given to the engine directly (no note), it is still drawn once, for every rank alike.
-        direct = generator.engine.generate(SamplingParams(**SMALL, seed=-1))
+        # (Saved under tmp_path: the default output folder is the working directory's outputs/, a checkout's.)
+        direct = generator.engine.generate(SamplingParams(**SMALL, seed=-1), OutputOptions(output_path=str(tmp_path)))
         assert 0 <= direct.seed < 2**32
     finally:
         generator.shutdown()
