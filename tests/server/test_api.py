@@ -731,7 +731,11 @@ def test_the_thumbnail_and_spritesheet_variants_are_stills_of_the_mp4(fake_clien
         grey = next(container.decode(video=0)).to_ndarray(format="rgb24")
     thumbnail = fake_client.get(f"/v1/videos/{job['id']}/content", params={"variant": "thumbnail"})
     assert thumbnail.status_code == 200 and thumbnail.headers["content-type"] == "image/webp"
-    assert thumbnail.headers["cache-control"] == video.headers["cache-control"]
+    # Cached as the MP4 is: the same directives, max-age the seconds left to the job's expiry, so a second
+    # boundary between the two requests takes one off (a CI run met it).
+    shown, expected = (re.fullmatch(r"private, max-age=(\d+), immutable", answer.headers["cache-control"])
+                       for answer in (thumbnail, video))
+    assert shown and expected and 0 <= int(expected[1]) - int(shown[1]) <= 1
     assert thumbnail.headers["content-disposition"] == f'attachment; filename="{job["id"]}_thumbnail.webp"'
     image = PIL.Image.open(io.BytesIO(thumbnail.content))
     assert (image.format, image.size) == ("WEBP", (16, 16))
