@@ -15,8 +15,8 @@ nondeterministic kernel from another cause; `--no-cudnn-attention` runs the rewr
 with torch's SDPA on its flash, memory-efficient and math backends only (the first guess at that kernel: SDPA's
 cuDNN backend on Hopper, which torch declines under deterministic algorithms; the rewrite itself keeps clear of it
 since the sixty-third session, so this now also covers the worker's other stages); `--compile-rewrite` runs the
-script's rewrites through the static cache, compiled on CUDA as with --compile-prompt-rewrite true (in inductor's deterministic mode, as the worker compiles it;
-`--inductor-default`: transformers' own compile config).
+script's rewrites through the static cache, compiled on CUDA as with --compile-prompt-rewrite true (in inductor's
+deterministic mode, as the worker compiles it; `--inductor-default`: transformers' own compile config).
 
     python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
     python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)

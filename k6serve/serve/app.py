@@ -38,9 +38,9 @@ from k6serve.serve.middleware import BearerAuth, NormaliseRequestTarget, RefuseC
 from k6serve.serve.routes import OPENAPI_TAGS, router
 from k6serve.serve.runner import JobRunner
 from k6serve.serve.server_context import ServerContext
-from k6serve.serve.video_remix import VideoRemixBody
 from k6serve.serve.settings import ServerSettings
 from k6serve.serve.video_create_body import FILE_FIELDS, VideoCreateBody, input_reference_target
+from k6serve.serve.video_remix import VideoRemixBody
 from k6serve.serve.webhook_outbox import drop_unsent_events
 from k6serve.serve.webhook_sender import WebhookSender, age_bound
 
