@@ -140,10 +140,10 @@ def apply_rewrite_compile_config(text_encoder, device: torch.device) -> None:
     (random weights, whose greedy answer meets near ties at every token); in the deterministic mode two such
     processes wrote the same ids, at 10.6-11.5 ms a token against 10.4-12.0 (a warm 128-token rewrite's wall time,
     prefill included, over 128; sixty-third session, docs/benchmarks.md). The config is transformers' default with
-    that mode's one option, CUDA graphs, written out (torch.compile takes a mode or options, not both). Left as it is: a compile config the checkpoint's
-    `generation_config.json` sets, the whole process's choice where `TORCHINDUCTOR_DETERMINISTIC` is set, and a
-    text encoder on another device than CUDA, which transformers does not compile (a config set there has it warn,
-    at each process's first rewrite, that it will not compile)."""
+    that mode's one option, CUDA graphs, written out (torch.compile takes a mode or options, not both). Left as it
+    is: a compile config the checkpoint's `generation_config.json` sets, the whole process's choice where
+    `TORCHINDUCTOR_DETERMINISTIC` is set, and a text encoder on another device than CUDA, which transformers does
+    not compile (a config set there has it warn, at each process's first rewrite, that it will not compile)."""
     from transformers.generation import CompileConfig
 
     options = inductor_options("inductor", None)
