@@ -16,7 +16,9 @@ with torch's SDPA on its flash, memory-efficient and math backends only (the fir
 cuDNN backend on Hopper, which torch declines under deterministic algorithms; the rewrite itself keeps clear of it
 since the sixty-third session, so this now also covers the worker's other stages); `--compile-rewrite` runs the
 script's rewrites through the static cache, compiled on CUDA as with --compile-prompt-rewrite true (in inductor's
-deterministic mode, as the worker compiles it; `--inductor-default`: transformers' own compile config).
+deterministic mode, as the worker compiles it; `--inductor-default`: transformers' own compile config);
+`--cudnn-attention` lets the rewrite's `generate` use SDPA's cuDNN backend again, as before the fix (to time the
+eager rewrite on the kernel it had, against the flash one it has now: `rewrite_seconds`).
 
     python3 scripts/gpu_rewrite_repeat.py --engine kandinskylab/Kandinsky-6.0-Lite-distill-5s-Diffusers   # GPU host
     python scripts/gpu_rewrite_repeat.py --device cpu --tiny --engine demo   # the logic (tests/unit/test_gpu_rewrite_script.py)
@@ -35,6 +37,7 @@ import sys
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PROMPT = "A red fox runs through fresh snow at dawn"
 
@@ -47,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true", help="torch's deterministic algorithms")
     parser.add_argument("--no-cudnn-attention", action="store_true", help="the rewrites with torch's SDPA kept off "
                         "its cuDNN backend (flash, memory-efficient or math only)")
+    parser.add_argument("--cudnn-attention", action="store_true", help="the rewrite's generate with SDPA's cuDNN "
+                        "backend allowed again, as before the sixty-third session's fix (to time it)")
     parser.add_argument("--compile-rewrite", action="store_true", help="the rewrites through the static cache, "
                         "compiled on CUDA (as --compile-prompt-rewrite true)")
     parser.add_argument("--inductor-default", action="store_true", help="with --compile-rewrite: transformers' "
@@ -141,13 +146,20 @@ def main(argv: list[str] | None = None) -> dict:
     report["generation"] = {name: getattr(generation, name, None) for name in
                             ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty")}
     steps: list[list[torch.Tensor]] = []
-    with contextlib.ExitStack() as stack:
-        if args.no_cudnn_attention:  # the rewrites and, with --engine, the worker's requests
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+    from k6serve.pipelines import expand_prompt
 
-            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                             SDPBackend.MATH]))
-        _rewrite_and_engine(args, report, tokenizer, encoder, device, steps)
+    backends = list(expand_prompt.REWRITE_ATTENTION_BACKENDS)
+    if args.cudnn_attention:
+        # The list `expanded_token_ids` passes to sdpa_kernel, widened in place (and restored): torch's own choice
+        # among all four backends, as before the fix.
+        expand_prompt.REWRITE_ATTENTION_BACKENDS.insert(0, SDPBackend.CUDNN_ATTENTION)
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.no_cudnn_attention:  # the rewrites and, with --engine, the worker's requests
+                stack.enter_context(sdpa_kernel(backends))
+            _rewrite_and_engine(args, report, tokenizer, encoder, device, steps)
+    finally:
+        expand_prompt.REWRITE_ATTENTION_BACKENDS[:] = backends
     return report
 
 
@@ -167,7 +179,8 @@ def _rewrite_and_engine(args: argparse.Namespace, report: dict, tokenizer, encod
                     static_cache=cache, seconds=seconds)
     report["rewrite_seconds"] = seconds  # the first compiles, with --compile-rewrite
     parted = _logits_parted(steps)
-    report.update(no_cudnn_attention=args.no_cudnn_attention, compile_rewrite=args.compile_rewrite,
+    report.update(no_cudnn_attention=args.no_cudnn_attention, cudnn_attention=args.cudnn_attention,
+                  compile_rewrite=args.compile_rewrite,
                   rewrite_parts_at=_parted(runs), first_ids=runs[0][:12],
                   rewrite_tokens=[len(ids) for ids in runs], digest=_digest(runs[0]),
                   logits_part_at=parted, forwards=[len(run) for run in steps],

@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
+
+from k6serve.pipelines.expand_prompt import REWRITE_ATTENTION_BACKENDS
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_rewrite.py"
 
@@ -53,6 +56,11 @@ def test_the_repeat_check_runs_on_the_tiny_encoder_and_the_demo_worker(one_torch
     # SDPA kept off cuDNN (a GPU's question; on the CPU the same ids)
     report = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--no-cudnn-attention"])
     assert report["no_cudnn_attention"] and report["rewrite_parts_at"] == [None, None]
+    # cuDNN allowed again for the rewrite (the pre-fix timing), then the product's list restored
+    kept = list(REWRITE_ATTENTION_BACKENDS)
+    cudnn = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--cudnn-attention"])
+    assert cudnn["cudnn_attention"] and cudnn["digest"] == report["digest"] and len(cudnn["rewrite_seconds"]) == 3
+    assert REWRITE_ATTENTION_BACKENDS == kept and SDPBackend.CUDNN_ATTENTION not in kept
     # through the static cache (compiled on CUDA only): on the CPU the eager ids
     compiled = script.main(["--device", "cpu", "--tiny", "--tokens", "8", "--compile-rewrite"])
     assert compiled["compile_rewrite"] and compiled["digest"] == report["digest"]
