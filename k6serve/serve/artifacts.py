@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -77,6 +79,29 @@ class ArtifactStore:
         suffix = Path(client_file_name or "").suffix.lower()
         suffix = _SAFE_NAME.sub("", suffix)[:12] if suffix.startswith(".") else ""
         return self.upload_dir / f"{job_id}_{field_name}{suffix}"
+
+    def copy_upload(self, path: str | Path, job_id: str, field_name: str) -> Path:
+        """Another job's own copy of an upload (a remix's of its source's reference image), named as an upload of
+        `job_id` is: a hard link where the file system makes one (no bytes copied; each job deletes only its own
+        name), else a copy written beside it as a hidden `.part` file and renamed into place, which a server killed
+        meanwhile leaves to `remove_partial_files`. FileNotFoundError: the source file is gone (its job deleted)."""
+        source = Path(path)
+        target = self.upload_path(job_id, field_name, source.name)
+        try:
+            os.link(source, target)
+            return target
+        except FileNotFoundError:
+            raise
+        except OSError:  # no hard links here (some network and FUSE file systems, FAT)
+            pass
+        partial = target.with_name(f".{target.name}.part")
+        try:
+            shutil.copyfile(source, partial)
+            os.replace(partial, target)
+        except BaseException:
+            self.remove([partial])
+            raise
+        return target
 
     def remove(self, paths: Iterable[str | Path]) -> None:
         for path in paths:

@@ -41,7 +41,8 @@ _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # the EXIF orientations that swap widt
 
 class InputPathPolicy:
     """`allowed_dirs`: where JSON paths may point. `upload_dir`: refused even inside one, since its files are other
-    jobs' uploads, deleted when their job ends (a job naming one was accepted, then failed "it does not exist")."""
+    jobs' uploads, deleted with their job or when it ends (a job naming one was accepted, then failed "it does not
+    exist")."""
 
     def __init__(self, allowed_dirs: list[Path], *, upload_dir: Path | None = None) -> None:
         self.allowed_dirs = tuple(Path(d).resolve() for d in allowed_dirs)
@@ -61,7 +62,7 @@ class InputPathPolicy:
             raise ApiError(400, f"{param} {value!r} cannot be resolved.", code="invalid_path", param=param) from None
         if self.upload_dir is not None and resolved.is_relative_to(self.upload_dir):
             raise ApiError(400, f"{param} {value!r} is in the server's upload folder, whose files belong to the jobs "
-                                "that uploaded them and are deleted when those end; upload the file with this "
+                                "that uploaded them and are deleted with those jobs; upload the file with this "
                                 "request (multipart input_reference) or put it in an allowed input folder.",
                            code="path_not_allowed", param=param)
         if not any(resolved.is_relative_to(folder) for folder in self.allowed_dirs):

@@ -21,7 +21,7 @@ from k6serve.runtime.out_of_memory import (WorkerKilled, is_host_out_of_memory, 
                                            out_of_memory_detail, server_side_fixes)
 from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.errors import client_words, disk_full, write_refused
-from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, seconds_text, size_text
+from k6serve.serve.jobs import STORE_WRITE_ERRORS, Job, JobStatus, JobStore, kept_upload, seconds_text, size_text
 from k6serve.serve.metrics import ServerMetrics, stage_seconds
 from k6serve.serve.webhook_sender import VIDEO_COMPLETED, VIDEO_FAILED, WebhookSender
 
@@ -200,7 +200,7 @@ class JobOutcomes:
         self.metrics.inference_latency.observe(inference_s)
         self.metrics.stages(finished.stage_seconds)
         self.recent_durations = (self.recent_durations + [inference_s])[-10:]
-        self.artifacts.remove(list(finished.upload_files))
+        self.artifacts.remove([path for path in finished.upload_files if path != kept_upload(finished)])
 
     def end(self, job_id: str, allowed: tuple[JobStatus, ...], event_type: str | None, **fields) -> Job | None:
         """Store a job's end (`transition` with `fields`, which set `completed_at`) and, with `event_type` and

@@ -84,7 +84,9 @@ class Job:
     inference_time_s: float | None = None
     peak_memory_mb: float | None = None
     output_file: str | None = None  # file name inside the artifact folder
-    upload_files: tuple[str, ...] = ()  # uploaded inputs owned by this job, deleted with it
+    # Uploaded inputs owned by this job: deleted when it ends, but for a completed job's reference image
+    # (`kept_upload`), deleted with the job.
+    upload_files: tuple[str, ...] = ()
     idempotency_key: str | None = None
     request_hash: str | None = None
     attempts: int = 0  # how many times a worker started it
@@ -100,6 +102,16 @@ class Job:
     sample_aspect_ratio: str | None = None
     # A remix (POST /v1/videos/{id}/remix): the job whose settings and seed it took, with a new prompt.
     remixed_from_video_id: str | None = None
+
+
+def kept_upload(job: Job) -> str | None:
+    """The upload a completed job keeps until the job itself is deleted or expires: its uploaded reference image
+    (`input_reference` on a generation server), which a remix of it runs with again (OpenAI's remix takes any
+    completed video, an image-to-video one included). Everything else uploaded (a super-resolution source, up to
+    --max-upload-mb of video that no remix reads) is deleted when the job ends, as is every upload of a job that
+    failed or was cancelled."""
+    image = job.params.get("image_path")
+    return image if image in job.upload_files else None
 
 
 def expires_at(job: Job, ttl_s: float) -> int | None:

@@ -7,8 +7,10 @@ and, above all, the same seed (the one the source ran with, a drawn one included
 another prompt: a variation that keeps what the seed decided where the prompts agree. The remix's job object shows
 `remixed_from_video_id`; its settings are the source's as they are shown (`size`, `seconds`, `seed`). A server-side
 `image_path` is checked against `--allowed-input-dir` again, as the server's settings may have changed since; an
-uploaded reference image was deleted when the source ended, so such a source is refused (400) with what to send
-instead. Also refused: an unknown or expired source (404), one not completed (409 `video_not_ready`, as
+uploaded reference image, which a completed job keeps until it is deleted (`jobs.kept_upload`), becomes the remix's
+own upload (a hard link or a copy), so deleting either job leaves the other's image. A source whose upload is gone
+(it completed under a server that deleted uploads when their job ended) is refused (400) with what to send instead.
+Also refused: an unknown or expired source (404), one not completed (409 `video_not_ready`, as
 OpenAI's remix takes a completed video), a super-resolution job (its model reads no prompt), and a body with other
 fields than `prompt` (to change them, create a job with POST /v1/videos).
 """
@@ -20,6 +22,7 @@ import hashlib
 import json
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -93,16 +96,31 @@ async def create_remix_job(request: Request, ctx: ServerContext, video_id: str,
         raise ApiError(400, f"The remix of {video_id!r} cannot run: {exc}", code="invalid_parameter",
                        param="prompt" if "prompt" in str(exc) else "video_id") from None
     assert isinstance(resolved, GenerateRequest)  # a generation server (checked above)
-    await on_input_check_threads(check_inputs_readable, params, {}, (resolved.height, resolved.width))
-    await refuse_unwritable_output(request, ctx, uploads=False)
-    job = Job(
-        id=f"video_{secrets.token_hex(16)}", model=ctx.model_name, created_at=time.time(),
-        params={k: v for k, v in dataclasses.asdict(params).items() if k in source.params or k == "prompt"},
-        size=size_text(resolved.height, resolved.width), seconds=seconds_text(resolved.num_frames, resolved.fps),
-        idempotency_key=idempotency_key, request_hash=_remix_hash(video_id, body.prompt), warnings=tuple(notes),
-        remixed_from_video_id=source.id,
-    )
-    stored, created = admit_job(ctx, job)
+    uploaded = params.image_path is not None and params.image_path in source.upload_files
+    # An uploaded image is named as the upload it was in any message, never by the server's path for it.
+    await on_input_check_threads(check_inputs_readable, params, {"image_path": "input_reference"} if uploaded else {},
+                                 (resolved.height, resolved.width))
+    await refuse_unwritable_output(request, ctx, uploads=uploaded)
+    job_id = f"video_{secrets.token_hex(16)}"
+    uploads: tuple[str, ...] = ()
+    try:
+        if uploaded:
+            assert params.image_path is not None
+            uploads = (str(await on_input_check_threads(_own_copy, ctx, source, params.image_path, job_id)),)
+            params = dataclasses.replace(params, image_path=uploads[0])
+        job = Job(
+            id=job_id, model=ctx.model_name, created_at=time.time(),
+            params={k: v for k, v in dataclasses.asdict(params).items() if k in source.params or k == "prompt"},
+            size=size_text(resolved.height, resolved.width), seconds=seconds_text(resolved.num_frames, resolved.fps),
+            upload_files=uploads, idempotency_key=idempotency_key, request_hash=_remix_hash(video_id, body.prompt),
+            warnings=tuple(notes), remixed_from_video_id=source.id,
+        )
+        stored, created = admit_job(ctx, job)
+    except BaseException:
+        ctx.artifacts.remove(list(uploads))
+        raise
+    if not created:
+        ctx.artifacts.remove(list(uploads))  # a replay: the stored remix owns its own copy
     return JSONResponse(ctx.view(stored), headers={} if created else {"Idempotent-Replayed": "true"})
 
 
@@ -124,19 +142,16 @@ def _parse_body(raw: Any) -> VideoRemixBody:
 
 
 def _own_inputs(ctx: ServerContext, source: Job, params: SamplingParams) -> SamplingParams:
-    """The remix's reference image: the source's server-side `image_path`, checked against --allowed-input-dir as
-    the server has it now. An uploaded one was deleted when the source ended (an upload lives as long as its job
-    runs), so that remix is refused, saying how to make it."""
+    """The remix's reference image: the source's upload if it still has it (copied to the remix's own upload once
+    every check has passed: `_own_copy`), or its server-side `image_path`, checked against --allowed-input-dir as the
+    server has it now."""
     image = params.image_path
     if image is None:
         return params
     if image in source.upload_files:
-        seed = DEFAULT_SEED if params.seed is None else params.seed
-        raise ApiError(400, f"Video {source.id!r} was made from an uploaded reference image, which the server deleted "
-                            "when the job ended (an upload is kept only while its job runs), so it cannot be remixed: "
-                            "create a new job with POST /v1/videos, uploading the image again (input_reference), "
-                            f"with the new prompt, seed {seed} and the source's other settings.",
-                       code="invalid_request", param="video_id")
+        if not Path(image).is_file():
+            raise _upload_gone(source, params)
+        return params
     try:
         checked = ctx.inputs.check("image_path", image)
     except ApiError as error:  # the source was created under other --allowed-input-dir folders, or the file left
@@ -144,6 +159,26 @@ def _own_inputs(ctx: ServerContext, source: Job, params: SamplingParams) -> Samp
                                      "Create a new job with POST /v1/videos (uploading the image) instead.",
                        code=error.code, param="video_id") from None
     return dataclasses.replace(params, image_path=checked)
+
+
+def _own_copy(ctx: ServerContext, source: Job, image: str, job_id: str) -> Path:
+    """The remix's own upload of the source's uploaded image (a hard link or a copy): each job deletes only its own,
+    so the source's deletion while the remix waits or runs leaves the remix its image."""
+    try:
+        return ctx.artifacts.copy_upload(image, job_id, "input_reference")
+    except FileNotFoundError:  # the source was deleted (or expired) since it was looked up: as if before
+        raise ApiError(404, f"Video {source.id!r} not found.", code="video_not_found", param="video_id") from None
+
+
+def _upload_gone(source: Job, params: SamplingParams) -> ApiError:
+    """A 400 for a source made from an uploaded image the server no longer has: one that completed under a server
+    that deleted uploads when their job ended, or whose file was removed from the upload folder."""
+    seed = DEFAULT_SEED if params.seed is None else params.seed
+    return ApiError(400, f"Video {source.id!r} was made from an uploaded reference image that the server no longer "
+                         "has (servers before this one deleted an upload when its job ended), so it cannot be "
+                         "remixed: create a new job with POST /v1/videos, uploading the image again "
+                         f"(input_reference), with the new prompt, seed {seed} and the source's other settings.",
+                    code="invalid_request", param="video_id")
 
 
 def _remix_hash(video_id: str, prompt: str) -> str:

@@ -123,7 +123,18 @@ def test_ti2av_multipart_upload(generation_server, tmp_path):
         frames, _ = _decode(with_image, tmp_path, "ti2av.mp4")
         assert frames.shape == (5, 64, 96, 3)
         assert with_image != client.get(f"/v1/videos/{plain['id']}/content").content
-        assert list(generation_server.artifacts.upload_dir.iterdir()) == []
+        # The completed job keeps its uploaded image (one file of this upload's id), so a remix runs with it: the
+        # same prompt remixed is the same video, byte for byte, from the remix's own copy of the image.
+        kept = sorted(generation_server.artifacts.upload_dir.glob(f"{conditioned.json()['id']}_*"))
+        assert [path.name for path in kept] == [f"{conditioned.json()['id']}_input_reference.png"]
+        remix = client.post(f"/v1/videos/{conditioned.json()['id']}/remix", json={"prompt": REQUEST["prompt"]})
+        assert remix.status_code == 200, remix.text
+        assert client.delete(f"/v1/videos/{conditioned.json()['id']}").status_code == 200  # the source's goes
+        assert not kept[0].exists()
+        assert wait_for(client, remix.json()["id"], timeout=120)["status"] == "completed"
+        assert client.get(f"/v1/videos/{remix.json()['id']}/content").content == with_image
+        assert client.delete(f"/v1/videos/{remix.json()['id']}").status_code == 200
+        assert not list(generation_server.artifacts.upload_dir.glob(f"{remix.json()['id']}_*"))
 
 
 def test_cancel_a_running_generation(generation_server):

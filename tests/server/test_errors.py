@@ -9,6 +9,7 @@ import re
 import socket
 import time
 import urllib.parse
+from pathlib import Path
 
 import pytest
 from harness import start_server, wait_for, wait_until
@@ -215,7 +216,10 @@ def test_multipart_strings_are_coerced_and_the_upload_is_used(fake_server, fake_
     assert request.prompt == "  keep my spaces " and request.seed == 7 and request.fps == 12.5
     assert request.image_path.startswith(str(fake_server.artifacts.upload_dir))
     assert request.image_path.endswith(".png")
-    assert list(fake_server.artifacts.upload_dir.iterdir()) == []  # uploads are deleted with the finished job
+    # the uploaded reference image is kept with the completed job (a remix runs with it), deleted with it
+    assert [path.name for path in fake_server.artifacts.upload_dir.iterdir()] == [Path(request.image_path).name]
+    assert fake_client.delete(f"/v1/videos/{job['id']}").status_code == 200
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
 
 
 @pytest.mark.parametrize("client_name", ["первый кадр.png", "最初.PNG", "café.png"])
@@ -318,7 +322,7 @@ def test_a_json_path_into_the_upload_folder_is_refused_even_when_allowed(fake_se
                               400, param="image_path", code="path_not_allowed")
         assert error["message"] == (
             f"image_path {path!r} is in the server's upload folder, whose files belong to the jobs that uploaded "
-            "them and are deleted when those end; upload the file with this request (multipart input_reference) "
+            "them and are deleted with those jobs; upload the file with this request (multipart input_reference) "
             "or put it in an allowed input folder.")
     held.unlink()
     # A path the upload-folder check cannot resolve keeps the input check's 400 (a NUL byte was a 500).
@@ -363,7 +367,9 @@ def test_idempotent_retries(fake_server, fake_client):
     assert fake_server.worker.started.count("idempotent") == 1 and fake_server.worker.started.count("up") == 1
     listed = fake_client.get("/v1/videos").json()["data"]
     assert len(listed) == 2
-    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    # the replay's and the conflict's files are gone; the stored job keeps its own (its reference image)
+    kept = fake_server.worker.requests[-1].image_path
+    assert [str(path) for path in fake_server.artifacts.upload_dir.iterdir()] == [kept]
 
 
 def test_a_request_id_is_the_job_id_and_a_retry_returns_that_job(fake_server, fake_client):
@@ -388,7 +394,9 @@ def test_a_request_id_is_the_job_id_and_a_retry_returns_that_job(fake_server, fa
     other_file = {"input_reference": ("a.png", _png_bytes() + b"\0", "image/png")}
     _assert_error(fake_client.post("/v1/videos", data=form, files=other_file), 409, param="request_id")
     assert wait_for(fake_client, "form-1")["status"] == "completed"
-    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+    # the replay's and the conflict's files are gone; the stored job keeps its own (its reference image)
+    assert [str(path) for path in fake_server.artifacts.upload_dir.iterdir()] == [
+        fake_server.worker.requests[-1].image_path]
     # DELETE takes it; the id then stays reserved (it marks a place in the paging order) rather than reused.
     assert fake_client.delete("/v1/videos/order-42.v1_a").json() == {"id": "order-42.v1_a", "object": "video.deleted",
                                                                      "deleted": True}

@@ -295,7 +295,7 @@ def test_image_input_reference_is_the_ti2av_image(sdk_server, client, tmp_path):
         video = client.videos.create_and_poll(prompt="It comes alive", size="48x32", seconds="0.2",
                                               input_reference=reference, poll_interval_ms=20)
         assert video.status == "completed"
-        # The upload became the conditioning image (deleted once the job finished).
+        # The upload became the conditioning image (kept with the completed job, for a remix).
         assert sdk_server.worker.requests[-1].image_path.endswith("_input_reference.png")
     with pytest.raises(openai.BadRequestError) as not_an_image:
         client.videos.create(prompt="x", input_reference=("clip.mp4", b"not a picture", "video/mp4"))

@@ -3,12 +3,17 @@ seed kept), as OpenAI's `client.videos.remix` asks (tests/server/test_openai_sdk
 
 from __future__ import annotations
 
+import errno
 import io
+import os
+from pathlib import Path
 
 import PIL.Image
+import pytest
 from harness import FakeWorker, start_server, wait_for
 
 from k6serve.models.variants import VARIANTS
+from k6serve.serve.artifacts import ArtifactStore
 from k6serve.serve.jobs import SqliteJobStore
 
 # HTTP size is OpenAI's "WxH", width first.
@@ -112,21 +117,78 @@ def _png() -> bytes:
     return buffer.getvalue()
 
 
-def test_a_job_made_from_an_uploaded_image_is_refused_with_what_to_send(fake_server, fake_client):
-    """Its upload was deleted when it ended (uploads live as long as their job runs): the 400 says to upload the
-    image again in a new job, with the seed to give it."""
+def test_a_job_made_from_an_uploaded_image_remixes_with_its_own_copy_of_the_image(fake_server, fake_client):
+    """A completed job keeps its uploaded reference image until it is deleted; the remix runs with a hard link of
+    it (its own upload), so deleting the source while the remix waits leaves the remix its image."""
     fields = {k: str(v) for k, v in SOURCE.items()}
     created = fake_client.post("/v1/videos", data=fields, files={"input_reference": ("first.png", _png(),
                                                                                      "image/png")}).json()
     source = wait_for(fake_client, created["id"])
     assert source["status"] == "completed"
+    kept = Path(fake_server.worker.requests[-1].image_path)
+    assert kept.read_bytes() == _png() and kept.parent == fake_server.artifacts.upload_dir
+    answer = fake_client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "a wolf"})
+    assert answer.status_code == 200, answer.text
+    remix = answer.json()
+    own = fake_server.artifacts.upload_dir / f"{remix['id']}_input_reference.png"
+    assert own.read_bytes() == _png() and os.path.samefile(own, kept)  # a link: no bytes copied
+    assert fake_client.delete(f"/v1/videos/{source['id']}").status_code == 200
+    assert not kept.exists() and own.exists()
+    assert wait_for(fake_client, remix["id"])["status"] == "completed"
+    ran = fake_server.worker.requests[-1]
+    assert (ran.prompt, ran.image_path, ran.seed) == ("a wolf", str(own), 5)
+    # a remix of the remix, then the remix deleted: each job's file goes with it
+    again = fake_client.post(f"/v1/videos/{remix['id']}/remix", json={"prompt": "a bear"}).json()
+    assert wait_for(fake_client, again["id"])["status"] == "completed"
+    assert fake_client.delete(f"/v1/videos/{remix['id']}").status_code == 200
+    assert sorted(path.name for path in fake_server.artifacts.upload_dir.iterdir()) == [
+        f"{again['id']}_input_reference.png"]
+    assert fake_server.worker.requests[-1].image_path.endswith(f"{again['id']}_input_reference.png")
+
+
+def test_without_hard_links_the_remix_copies_the_image(fake_server, fake_client, monkeypatch):
+    fields = {k: str(v) for k, v in SOURCE.items()}
+    created = fake_client.post("/v1/videos", data=fields, files={"input_reference": ("first.png", _png(),
+                                                                                     "image/png")}).json()
+    source = wait_for(fake_client, created["id"])
+
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    kept = Path(fake_server.worker.requests[-1].image_path)
+    monkeypatch.setattr(os, "link", no_links)
+    remix = fake_client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "a wolf"}).json()
+    own = fake_server.artifacts.upload_dir / f"{remix['id']}_input_reference.png"
+    assert own.read_bytes() == kept.read_bytes() == _png() and not os.path.samefile(own, kept)
+    assert not list(fake_server.artifacts.upload_dir.glob(".*.part"))
+    assert wait_for(fake_client, remix["id"])["status"] == "completed"
+
+
+def test_a_source_whose_upload_is_gone_is_refused_with_what_to_send(fake_server, fake_client):
+    """A job that completed under a server that deleted uploads when their job ended (or whose file was removed):
+    the 400 says to upload the image again in a new job, with the seed to give it."""
+    fields = {k: str(v) for k, v in SOURCE.items()}
+    created = fake_client.post("/v1/videos", data=fields, files={"input_reference": ("first.png", _png(),
+                                                                                     "image/png")}).json()
+    source = wait_for(fake_client, created["id"])
+    assert source["status"] == "completed"
+    Path(fake_server.worker.requests[-1].image_path).unlink()
     refused = fake_client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "a wolf"})
     assert refused.status_code == 400
     error = refused.json()["error"]
     assert (error["code"], error["param"]) == ("invalid_request", "video_id")
-    assert "uploaded reference image, which the server deleted when the job ended" in error["message"]
+    assert "uploaded reference image that the server no longer has" in error["message"]
     assert "uploading the image again (input_reference), with the new prompt, seed 5" in error["message"]
     assert len(fake_client.get("/v1/videos").json()["data"]) == 1
+    assert list(fake_server.artifacts.upload_dir.iterdir()) == []
+
+
+def test_copy_upload_of_a_deleted_file_raises_and_leaves_nothing(tmp_path):
+    """The remix answers 404 when the source was deleted between its lookup and the copy (FileNotFoundError)."""
+    artifacts = ArtifactStore(tmp_path / "outputs")
+    with pytest.raises(FileNotFoundError):
+        artifacts.copy_upload(artifacts.upload_dir / "video_gone_input_reference.png", "video_new", "input_reference")
+    assert list(artifacts.upload_dir.iterdir()) == []
 
 
 def test_a_server_side_reference_image_is_checked_again(tmp_path):
