@@ -142,6 +142,13 @@ def _error_message(model: type[BaseModel], raw: dict, param: str | None, error: 
 MAX_JSON_DEPTH = 32
 
 
+def long_number_digits(error: ValueError) -> str:
+    """" (5,000 digits)" from the ValueError of Python's 4,300-digit limit on an integer's text ("" if it does not
+    say): its own words end by advising sys.set_int_max_str_digits(), a call inside the server, not the client's."""
+    digits = re.search(r"value has (\d+) digits", str(error))
+    return f" ({int(digits.group(1)):,} digits)" if digits else ""
+
+
 def json_depth(value: Any) -> int:
     """Levels of objects and arrays in a decoded JSON value (a scalar is 0, `{}` is 1); iterative, so a value the
     decoder could build is measured without recursing."""

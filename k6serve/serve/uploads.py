@@ -25,7 +25,13 @@ from typing import Any, BinaryIO
 from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from k6serve.serve.body_parsing import MAX_JSON_DEPTH, json_depth, lone_surrogate, object_without_duplicate_keys
+from k6serve.serve.body_parsing import (
+    MAX_JSON_DEPTH,
+    json_depth,
+    lone_surrogate,
+    long_number_digits,
+    object_without_duplicate_keys,
+)
 from k6serve.serve.errors import (
     ApiError,
     disk_full,
@@ -64,6 +70,10 @@ class ParsedForm:
     files: dict[str, UploadedFile] = field(default_factory=dict)
 
 
+# What the create route's 413 says to do: files go as multipart/form-data uploads, whose limit is --max-upload-mb.
+UPLOAD_ADVICE = "upload files with multipart/form-data instead"
+
+
 def too_large(what: str, limit_bytes: int) -> ApiError:
     return ApiError(413, f"{what} is larger than the server's limit of {limit_bytes / 2**20:g} MiB "
                          "(--max-upload-mb); send a smaller file.", code="payload_too_large",
@@ -92,14 +102,14 @@ async def refuse_declared_length(request: Request, limit_bytes: int, error: ApiE
         raise error
 
 
-async def _read_small_body(request: Request) -> bytes:
-    await refuse_declared_length(request, MAX_JSON_BYTES, too_large_json())
+async def _read_small_body(request: Request, too_large_advice: str = UPLOAD_ADVICE) -> bytes:
+    await refuse_declared_length(request, MAX_JSON_BYTES, too_large_json(too_large_advice))
     body = bytearray()
     async for chunk in _stream(request):
         body += chunk
         if len(body) > MAX_JSON_BYTES:
             await drain(request)
-            raise too_large_json()
+            raise too_large_json(too_large_advice)
     return bytes(body)
 
 
@@ -148,10 +158,12 @@ def twice_message(name: str) -> str:
     return f"Form field {name!r} was sent twice."
 
 
-async def read_json_body(request: Request, *, allow_empty: bool = False, example: str = '{"prompt": "..."}') -> Any:
+async def read_json_body(request: Request, *, allow_empty: bool = False, example: str = '{"prompt": "..."}',
+                         too_large_advice: str = UPLOAD_ADVICE) -> Any:
     """The decoded JSON body; an empty one is `{}` when `allow_empty` (a body whose fields all have defaults), else
-    a 400 showing `example`, the route's smallest valid body."""
-    body = await _read_small_body(request)
+    a 400 showing `example`, the route's smallest valid body. `too_large_advice`: what a 413 tells the client to do
+    (the create route's, by default: its files go as multipart uploads)."""
+    body = await _read_small_body(request, too_large_advice)
     if not body.strip() and allow_empty:
         return {}
     if not body.strip():
@@ -167,8 +179,8 @@ async def read_json_body(request: Request, *, allow_empty: bool = False, example
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
     except ValueError as exc:  # Python's limit on an integer's digits (4,300): it was a 500 with a traceback
-        raise ApiError(400, f"Invalid JSON body: a number in it is too long ({exc}); no field takes more than a "
-                            "few dozen digits.", code="invalid_json") from None
+        raise ApiError(400, f"Invalid JSON body: a number in it is too long{long_number_digits(exc)}; no field takes "
+                            "more than a few dozen digits.", code="invalid_json") from None
     except RecursionError:  # the decoder recurses once per nesting level (Python 3.11 gives up near 1,000)
         too_deep = True
     if too_deep:
@@ -198,10 +210,11 @@ async def refuse_content_encoding(request: Request) -> None:
 
 
 async def read_control_body(request: Request, *, allow_empty: bool, routes: str,
-                            example: str = '{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}'
-                            ) -> Any:
+                            example: str = '{"lora_nickname": "...", "lora_path": "/path/to/adapter.safetensors"}',
+                            too_large_advice: str | None = None) -> Any:
     """A JSON-only route's body (`routes` names them in a 415); `allow_empty`: an empty body is `{}`, else a 400
-    showing `example`."""
+    showing `example`; `too_large_advice`: what a 413 says to do (these routes take no upload, so not the create
+    route's multipart)."""
     await refuse_content_encoding(request)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("application/json", ""):
@@ -211,13 +224,13 @@ async def read_control_body(request: Request, *, allow_empty: bool, routes: str,
                        param="Content-Type")
     # Of the LoRA and memory routes only set_lora refuses an empty body; its message shows set_lora's fields (the
     # default `example`), not the video route's prompt.
-    return await read_json_body(request, allow_empty=allow_empty, example=example)
+    return await read_json_body(request, allow_empty=allow_empty, example=example,
+                                too_large_advice=too_large_advice or f"no field of {routes} needs that much")
 
 
-def too_large_json() -> ApiError:
-    return ApiError(413, f"JSON and url-encoded bodies are limited to {MAX_JSON_BYTES // 2**20} MiB; upload "
-                         "files with "
-                         "multipart/form-data instead.", code="payload_too_large", headers={"Connection": "close"})
+def too_large_json(advice: str) -> ApiError:
+    return ApiError(413, f"JSON and url-encoded bodies are limited to {MAX_JSON_BYTES // 2**20} MiB; {advice}.",
+                    code="payload_too_large", headers={"Connection": "close"})
 
 
 async def drain(request: Request) -> None:

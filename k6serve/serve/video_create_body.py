@@ -31,6 +31,7 @@ from k6serve.serve.body_parsing import (
     is_number_text,
     json_depth,
     lone_surrogate,
+    long_number_digits,
     object_without_duplicate_keys,
     parse_json_body,
     shown_value,
@@ -232,7 +233,8 @@ def parse_create_body(raw: Any, *, form: bool = False) -> VideoCreateBody:
                     raise ApiError(400, f"{name} must be a JSON object, got {raw[name][:200]!r}.",
                                    code="invalid_parameter", param=name) from None
                 except ValueError as exc:  # Python's 4,300-digit limit on an integer: it was a 500
-                    raise ApiError(400, f"{name} holds a number that is too long ({exc}).", code="invalid_parameter",
+                    raise ApiError(400, f"{name} holds a number that is too long{long_number_digits(exc)}; no "
+                                        "setting takes more than a few dozen digits.", code="invalid_parameter",
                                    param=name) from None
                 except RecursionError:  # valid JSON, but the decoder recurses once per level (Python 3.11)
                     too_deep = True

@@ -64,7 +64,9 @@ async def create_remix_job(request: Request, ctx: ServerContext, video_id: str,
     await refuse_without_replicas(request, ctx)
     try:
         check_idempotency_key(idempotency_key)
-        raw = await read_control_body(request, allow_empty=False, routes="remixes", example=REMIX_EXAMPLE)
+        raw = await read_control_body(request, allow_empty=False, routes="remixes", example=REMIX_EXAMPLE,
+                                      too_large_advice=f"a remix's one field, prompt, takes at most "
+                                                       f"{MAX_PROMPT_CHARACTERS:,} characters")
     except ApiError:
         await drain(request)
         raise
@@ -82,6 +84,13 @@ async def create_remix_job(request: Request, ctx: ServerContext, video_id: str,
     source = live_job(ctx, ctx.store.get(video_id))
     if source is None:
         raise ApiError(404, f"Video {video_id!r} not found.", code="video_not_found", param="video_id")
+    if source.status.is_terminal and source.status != JobStatus.COMPLETED:
+        # Failed or cancelled: it will never complete, so "poll it" would be a dead end (the content route's rule).
+        seed = source.params.get("seed")
+        raise ApiError(409, f"Video {video_id!r} is {source.status.value} and will never be completed, so there is "
+                            "nothing to remix: create a new job with POST /v1/videos with the new prompt, seed "
+                            f"{DEFAULT_SEED if seed is None else seed} and the source's other settings.",
+                       code="video_not_ready", param="video_id")
     if source.status != JobStatus.COMPLETED:
         raise ApiError(409, f"Video {video_id!r} is {source.status.value}; a remix takes a completed video: poll GET "
                             f"/v1/videos/{video_id} until its status is completed, then remix it.",

@@ -219,6 +219,10 @@ def test_body_encoding_errors_follow_the_video_routes(client, lora_server):
     _error(client.post("/v1/set_lora", json=["a"]), 400, code="invalid_request")
     form = client.post("/v1/set_lora", data={"lora_nickname": "a"})
     assert "application/json" in _error(form, 415, param="Content-Type", code="unsupported_content_type")
+    # over 1 MiB: not the create route's "upload files with multipart/form-data", which these routes refuse
+    large = client.post("/v1/set_lora", content=b'{"lora_nickname": "' + b"a" * 2**20 + b'"}', headers=json_header)
+    assert _error(large, 413, code="payload_too_large") == (
+        "JSON and url-encoded bodies are limited to 1 MiB; no field of the LoRA routes needs that much.")
     assert lora_server.worker.operations == []
 
 

@@ -3,7 +3,9 @@ document only: the server keeps its own 400s), and a document that validates."""
 
 from __future__ import annotations
 
+import re
 import typing
+from pathlib import Path
 
 import pytest
 from harness import FakeWorker, start_server
@@ -64,6 +66,15 @@ def test_every_route_has_its_operation_id_and_one_tag(document):
     assert len(ids) == len(set(ids))
     described = {tag["name"]: tag.get("description") for tag in document["tags"]}
     assert set(described) == {tag for _, tag in OPERATIONS.values()} and all(described.values())
+
+
+def test_the_http_reference_names_every_operation_id():
+    """docs/http-api.md lists the ids for client generators; a route added without it (remixVideo) went unlisted."""
+    reference = (Path(__file__).parents[2] / "docs" / "http-api.md").read_text()
+    start = reference.index("each route has an `operationId`")
+    listed = reference[start:reference.index(" for the rest;", start)]
+    assert {operation_id for operation_id, _ in OPERATIONS.values()} == set(re.findall(r"`(\w+)`", listed)) - {
+        "operationId"}
 
 
 def test_the_document_validates(document):

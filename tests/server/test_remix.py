@@ -80,6 +80,9 @@ def test_the_refusals_say_what_to_send(fake_server, fake_client):
         ({"json": {"prompt": "x" * 40_000}}, 400, "prompt", "at most 32,768"),
         ({"content": b""}, 400, None, '{"prompt": "The same scene at night, in the rain"}'),
         ({"data": {"prompt": "x"}}, 415, "Content-Type", "remixes take application/json"),
+        # over 1 MiB: the prompt's limit, not the create route's "upload files with multipart" (a 415 here)
+        ({"json": {"prompt": "x" * (2**20 + 1)}}, 413, None,
+         "limited to 1 MiB; a remix's one field, prompt, takes at most 32,768 characters."),
     ]
     for kwargs, status, param, words in cases:
         answer = fake_client.post(url, **kwargs)
@@ -91,6 +94,23 @@ def test_the_refusals_say_what_to_send(fake_server, fake_client):
         "invalid_idempotency_key"
     # nothing was queued by any of them
     assert len(fake_client.get("/v1/videos").json()["data"]) == 2
+    # a failed or cancelled source will never complete: not "poll it" but what to create instead
+    failed = _completed(fake_client, {**SOURCE, "prompt": "fail", "seed": 11})
+    fake_server.worker.release.clear()
+    fake_client.post("/v1/videos", json={**SOURCE, "prompt": "hold"})  # holds the worker: the next one waits
+    cancelled = fake_client.post("/v1/videos", json=SOURCE).json()
+    assert fake_client.post(f"/v1/videos/{cancelled['id']}/cancel").status_code == 200
+    fake_server.worker.release.set()
+    for job, status in ((failed, "failed"), (cancelled, "cancelled")):
+        assert wait_for(fake_client, job["id"])["status"] == status
+        refused = fake_client.post(f"/v1/videos/{job['id']}/remix", json={"prompt": "x"})
+        assert refused.status_code == 409
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("video_not_ready", "video_id")
+        seed = 11 if status == "failed" else 5
+        assert error["message"] == (
+            f"Video {job['id']!r} is {status} and will never be completed, so there is nothing to remix: create a "
+            f"new job with POST /v1/videos with the new prompt, seed {seed} and the source's other settings.")
 
 
 def test_an_idempotency_key_replays_the_remix(fake_client):
