@@ -85,7 +85,7 @@ def test_serve_warns_at_start_of_a_mask_that_cannot_run_the_default_steps(demo_d
         warn_if_the_default_steps_do_not_fit(build_engine_config("demo", cache_dit_config={
             "scm_compute_bins": [2], "scm_cache_bins": [1]}))
         assert caplog.messages == [
-            "--cache-dit-config: scm_compute_bins and scm_cache_bins cover 3 steps, and demo-distill runs 10 steps by "
+            "--cache-dit-config: scm_compute_bins and scm_cache_bins cover 3 steps, and demo runs 10 steps by "
             "default: every request that leaves num_inference_steps out will be refused; send steps the mask covers, "
             "or change the mask"]
         caplog.clear()

@@ -16,12 +16,12 @@ VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"num_gpus": 2, "enable_cfg_parallel": True},
-     r"^demo-distill has no classifier-free guidance branch .* Fix: drop enable_cfg_parallel=True and use "
+     r"^demo has no classifier-free guidance branch .* Fix: drop enable_cfg_parallel=True and use "
      r"ulysses_degree=2 for the same GPUs\.$"),
     ({"num_gpus": 8, "ulysses_degree": 8},  # the demo DiT has 4 video heads
-     r"^demo-distill: Ulysses must divide .* 'video_self' has 4 heads .* Fix: ulysses_degree=4, ring_degree=2 "),
+     r"^demo: Ulysses must divide .* 'video_self' has 4 heads .* Fix: ulysses_degree=4, ring_degree=2 "),
     ({"num_gpus": 4, "tp_size": 4},  # and 2 audio heads
-     r"^demo-distill: tensor parallelism must divide .* 'text_self' has 2 heads and tp_size is 4 "),
+     r"^demo: tensor parallelism must divide .* 'text_self' has 2 heads and tp_size is 4 "),
     ({"use_fsdp_inference": True},
      r"^use_fsdp_inference=True shards the DiT .* this replica has one GPU\. Fix: drop use_fsdp_inference=True, or "
      r"give each replica more GPUs \(e\.g\. num_gpus=2, ulysses_degree=2\)\.$"),
@@ -44,7 +44,7 @@ def test_the_cli_refuses_a_layout_before_the_ranks_start(demo_dir, no_ranks, cap
     assert main(["generate", "--model-path", "demo", "--prompt", "x", "--num-gpus", "2",
                  "--enable-cfg-parallel", "--no-save-output"]) == 2
     err = capsys.readouterr().err
-    assert ("error: demo-distill has no classifier-free guidance branch (it runs one forward per step), so "
+    assert ("error: demo has no classifier-free guidance branch (it runs one forward per step), so "
             "--enable-cfg-parallel would leave half the GPUs idle. Fix: drop --enable-cfg-parallel and use "
             "--ulysses-degree 2 for the same GPUs.") in err
     # A host that runs only worker ranks (--node-rank > 0) refuses it too, rather than wait for the engine's host.
@@ -107,7 +107,7 @@ def test_ulysses_overlap_chunks_that_cannot_divide_the_heads_are_refused_before_
     if ok:
         check_layout_before_loading(build_engine_config("demo", device="cpu", **options))
         return
-    with pytest.raises(ValueError, match=r"^demo-distill: \$K6SERVE_ULYSSES_CHUNKS=2 must divide the heads each "
+    with pytest.raises(ValueError, match=r"^demo: \$K6SERVE_ULYSSES_CHUNKS=2 must divide the heads each "
                                          r"Ulysses rank attends to, but 'video_self' has 4 heads / tp 1 / ulysses 4 "
                                          r"= 1\. Fix: set it to one of \[1\], or unset it\.$"):
         DiffGenerator.from_pretrained("demo", device="cpu", **options)

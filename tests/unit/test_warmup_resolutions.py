@@ -130,9 +130,9 @@ def test_a_size_the_model_cannot_take_is_refused_before_any_worker_starts(comman
                     "509."),
     (["4096x64"], "--warmup-resolutions 4096x64: width must be at most 2048"),
     # The demo's default is 17 frames, and 18 rounds to 17 as a request's count does.
-    (["96x64", "96x64x17"], "--warmup-resolutions 96x64 and 96x64x17 warm the same shape on demo-distill "
+    (["96x64", "96x64x17"], "--warmup-resolutions 96x64 and 96x64x17 warm the same shape on demo "
                             "(96x64x17); drop one of them."),
-    (["96x64x18", "96x64"], "--warmup-resolutions 96x64x18 and 96x64 warm the same shape on demo-distill (96x64x17)"),
+    (["96x64x18", "96x64"], "--warmup-resolutions 96x64x18 and 96x64 warm the same shape on demo (96x64x17)"),
 ])
 def test_generation_sizes_follow_the_request_rules(demo_dir, sizes, message):
     with pytest.raises(ValueError) as error:
