@@ -90,6 +90,7 @@ def build_app(*, engine: Engine, store: JobStore, artifacts: ArtifactStore, sett
                         lora_paths=LoraPathPolicy(settings.allowed_lora_dirs),
                         model_name=names[0], served_names=names[1:], started_at=time.time(),
                         sr_tiling=sr_tiling_before_loading(model.model_path, model.model_id, model.load_format))
+    runner.inputs = ctx.inputs
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -24,6 +24,7 @@ a release waits only for the running jobs. From then until a resume the dispatch
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -45,6 +46,8 @@ from k6serve.request import SamplingParams, VideoResult
 from k6serve.runtime.engine import Engine, EngineJob, RequestCancelled
 from k6serve.runtime.memory import MemoryOperation, ReleaseMemory
 from k6serve.serve.artifacts import ArtifactStore, output_file_name
+from k6serve.serve.errors import ApiError
+from k6serve.serve.input_paths import InputPathPolicy
 from k6serve.serve.job_outcomes import CANCEL_IN_DECODE, CANCELLED_AFTER_DECODE, OUTPUT_NOT_WRITABLE, JobOutcomes
 from k6serve.serve.jobs import CANCELLED_AT_SHUTDOWN, STORE_WRITE_ERRORS, Job, JobStatus, JobStore
 from k6serve.serve.lora_state import LoraState
@@ -108,6 +111,9 @@ class JobRunner:
         # on its replica, so they are not refused at creation.
         self._loaded_somewhere: set[str] = set()
         self._num_releasing = 0  # releases sent to the engine and not finished: the queue is held already
+        # Where a job's server-side image_path / video_path may point (`build_app` sets the server's policy): checked
+        # again as each job starts (`_inputs_moved`), not only at its creation.
+        self.inputs: InputPathPolicy | None = None
         # Records each job's end (the store with its webhook event, the metrics, the log), with this runner's
         # creation times and decoding jobs.
         self.outcomes = JobOutcomes(engine, store, artifacts, metrics, created_monotonic=self._created_monotonic,
@@ -413,9 +419,16 @@ class JobRunner:
                     self.outcomes.record(started, JobStatus.FAILED, error_code="output_not_writable",
                                          error_message=OUTPUT_NOT_WRITABLE, logged=True)
                     continue
+                params = SamplingParams(**started.params)
+                try:
+                    params = self._inputs_checked_again(started, params)
+                except ApiError as refusal:
+                    logger.warning("job %s failed before it ran: %s", job.id, refusal.message)
+                    self.outcomes.record(started, JobStatus.FAILED, error_code=refusal.code,
+                                         error_message=refusal.message, logged=True)
+                    continue
                 logger.info("job %s started%s", job.id,
                             f" (attempt {started.attempts})" if started.attempts > 1 else "")
-                params = SamplingParams(**started.params)
                 # The job's file already there can only be its own video from an earlier attempt that wrote it and
                 # was then cut off (a crash, or a shutdown that outwaited the decode, after which the job was
                 # re-queued): no client chooses that name (`output_file_name`). The worker never replaces a file, so
@@ -430,6 +443,27 @@ class JobRunner:
                 self._last_heard[job.id] = time.monotonic()
                 return started, engine_job
             return None
+
+    def _inputs_checked_again(self, job: Job, params: SamplingParams) -> SamplingParams:
+        """`params` with its server-side input paths checked against --allowed-input-dir again, as the job starts:
+        a job waits in the queue for minutes (and across a restart with other folders), in which a checked file or
+        folder could be swapped for a link out of the allowed folders; checked now, the worker opens it a moment
+        later (whoever can write into an allowed folder can still race that moment: docs/http-api.md). The job's
+        own uploads are the server's files and are not checked. An ApiError (`path_not_allowed`, `invalid_path`)
+        says what changed."""
+        if self.inputs is None:
+            return params
+        changes: dict[str, str] = {}
+        for name in ("image_path", "video_path"):
+            value = getattr(params, name)
+            if value is None or value in job.upload_files:
+                continue
+            try:
+                changes[name] = self.inputs.check(name, value)
+            except ApiError as error:
+                raise ApiError(error.status, f"{name} was checked when the job was created, but not any more as it "
+                                             f"started: {error.message}", code=error.code, param=name) from None
+        return dataclasses.replace(params, **changes) if changes else params
 
     def _loop(self) -> None:
         failing = False

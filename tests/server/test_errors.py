@@ -1045,3 +1045,35 @@ def test_a_reference_object_on_a_super_resolution_server_names_the_source_video(
             assert 'Path(\"input.mp4\")' in error["message"] and "server-side video_path" in error["message"]
     finally:
         server.stop()
+
+
+def test_a_server_side_path_swapped_for_a_link_while_queued_fails_the_job_before_it_runs(fake_server, fake_client,
+                                                                                          tmp_path):
+    """The path is checked again as the job starts (`JobRunner._inputs_checked_again`): a folder in the allowed one
+    replaced by a link out of it while the job waited was opened through the link."""
+    inputs = tmp_path / "inputs"
+    (inputs / "sub").mkdir()
+    (inputs / "sub" / "ok.png").write_bytes(_png_bytes())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "ok.png").write_bytes(_png_bytes())
+    hold = fake_client.post("/v1/videos", json={"prompt": "hold", **SMALL}).json()  # holds the worker
+    image = str(inputs / "sub" / "ok.png")
+    queued = fake_client.post("/v1/videos", json={"prompt": "x", "image_path": image, **SMALL})
+    assert queued.status_code == 200, queued.text
+    (inputs / "sub").rename(inputs / "old")
+    os.symlink(outside, inputs / "sub")
+    fake_server.worker.release.set()
+    assert wait_for(fake_client, hold["id"])["status"] == "completed"
+    failed = wait_for(fake_client, queued.json()["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "path_not_allowed"
+    assert failed["error"]["message"].startswith(
+        "image_path was checked when the job was created, but not any more as it started: image_path "
+        f"{image!r} is outside the allowed input folders")
+    assert [request.prompt for request in fake_server.worker.requests] == ["hold"]  # the worker never got it
+    # a file swapped for another inside the allowed folders runs, as the path names it now
+    os.unlink(inputs / "sub")
+    (inputs / "old").rename(inputs / "sub")
+    again = wait_for(fake_client, fake_client.post("/v1/videos", json={"prompt": "y", "image_path": image,
+                                                                        **SMALL}).json()["id"])
+    assert again["status"] == "completed" and fake_server.worker.requests[-1].image_path == image
