@@ -453,7 +453,7 @@ class JobRunner:
         says what changed."""
         if self.inputs is None:
             return params
-        changes: dict[str, str] = {}
+        changes: dict[str, Any] = {}
         for name in ("image_path", "video_path"):
             value = getattr(params, name)
             if value is None or value in job.upload_files:
