@@ -112,7 +112,7 @@ class JobRunner:
         self._loaded_somewhere: set[str] = set()
         self._num_releasing = 0  # releases sent to the engine and not finished: the queue is held already
         # Where a job's server-side image_path / video_path may point (`build_app` sets the server's policy): checked
-        # again as each job starts (`_inputs_moved`), not only at its creation.
+        # again as each job starts (`_inputs_checked_again`), not only at its creation.
         self.inputs: InputPathPolicy | None = None
         # Records each job's end (the store with its webhook event, the metrics, the log), with this runner's
         # creation times and decoding jobs.
@@ -461,7 +461,7 @@ class JobRunner:
             try:
                 changes[name] = self.inputs.check(name, value)
             except ApiError as error:
-                raise ApiError(error.status, f"{name} was checked when the job was created, but not any more as it "
+                raise ApiError(error.status, f"{name} passed the input check when the job was created but not when it "
                                              f"started: {error.message}", code=error.code, param=name) from None
         return dataclasses.replace(params, **changes) if changes else params
 

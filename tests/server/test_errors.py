@@ -1068,7 +1068,7 @@ def test_a_server_side_path_swapped_for_a_link_while_queued_fails_the_job_before
     failed = wait_for(fake_client, queued.json()["id"])
     assert failed["status"] == "failed" and failed["error"]["code"] == "path_not_allowed"
     assert failed["error"]["message"].startswith(
-        "image_path was checked when the job was created, but not any more as it started: image_path "
+        "image_path passed the input check when the job was created but not when it started: image_path "
         f"{image!r} is outside the allowed input folders")
     assert [request.prompt for request in fake_server.worker.requests] == ["hold"]  # the worker never got it
     # a file swapped for another inside the allowed folders runs, as the path names it now
