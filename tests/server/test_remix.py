@@ -147,6 +147,8 @@ def test_a_job_made_from_an_uploaded_image_remixes_with_its_own_copy_of_the_imag
     assert source["status"] == "completed"
     kept = Path(fake_server.worker.requests[-1].image_path)
     assert kept.read_bytes() == _png() and kept.parent == fake_server.artifacts.upload_dir
+    fake_server.worker.release.clear()
+    fake_client.post("/v1/videos", json={**SOURCE, "prompt": "hold"})  # holds the worker: the remix waits
     answer = fake_client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "a wolf"})
     assert answer.status_code == 200, answer.text
     remix = answer.json()
@@ -154,6 +156,8 @@ def test_a_job_made_from_an_uploaded_image_remixes_with_its_own_copy_of_the_imag
     assert own.read_bytes() == _png() and os.path.samefile(own, kept)  # a link: no bytes copied
     assert fake_client.delete(f"/v1/videos/{source['id']}").status_code == 200
     assert not kept.exists() and own.exists()
+    assert fake_client.get(f"/v1/videos/{remix['id']}").json()["status"] == "queued"  # deleted while it waited
+    fake_server.worker.release.set()
     assert wait_for(fake_client, remix["id"])["status"] == "completed"
     ran = fake_server.worker.requests[-1]
     assert (ran.prompt, ran.image_path, ran.seed) == ("a wolf", str(own), 5)
