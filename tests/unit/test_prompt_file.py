@@ -204,7 +204,7 @@ def test_a_run_stopped_part_way_keeps_what_it_saved_and_names_the_lines_left(tin
             "prompt file: not run: line 4\n"
             "prompt file: to run them again, add --prompt-file-lines 2,4\n") in err
     # the error line last, after the report (docs/cli.md)
-    assert err.splitlines()[-2:][0] == "prompt file: to run them again, add --prompt-file-lines 2,4"
+    assert err.splitlines()[-2] == "prompt file: to run them again, add --prompt-file-lines 2,4"
     assert err.splitlines()[-1].startswith("error: writing the MP4 failed: No space left on device")
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["clip_1.mp4"]
     assert probe(tmp_path / "out" / "clip_1.mp4").num_frames == 5
