@@ -7,10 +7,12 @@ outside an allowed folder are refused alike.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import Any
 
 import av
 import PIL.Image
@@ -31,7 +33,7 @@ from k6serve.media.image import (
     no_decompression_bomb_warning,
     unreadable_image_reason,
 )
-from k6serve.request import unencodable_path
+from k6serve.request import SamplingParams, unencodable_path
 from k6serve.serve.errors import ApiError
 
 
@@ -47,6 +49,17 @@ class InputPathPolicy:
     def __init__(self, allowed_dirs: list[Path], *, upload_dir: Path | None = None) -> None:
         self.allowed_dirs = tuple(Path(d).resolve() for d in allowed_dirs)
         self.upload_dir = None if upload_dir is None else Path(upload_dir).resolve()
+
+    def checked_params(self, params: SamplingParams, *, uploaded: Collection[str] = ()) -> SamplingParams:
+        """`params` with each server-side input path (`image_path`, `video_path`) checked (`check`) and resolved; the
+        request's own `uploaded` files are the server's and are not checked. A job's creation and its start (the
+        runner checks again) both go through here."""
+        changes: dict[str, Any] = {}
+        for name in ("image_path", "video_path"):
+            value = getattr(params, name)
+            if value is not None and value not in uploaded:
+                changes[name] = self.check(name, value)
+        return dataclasses.replace(params, **changes) if changes else params
 
     def check(self, param: str, value: str) -> str:
         """The resolved path of an allowed, existing regular file; else a 400 saying what is allowed."""

@@ -24,7 +24,6 @@ a release waits only for the running jobs. From then until a resume the dispatch
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -448,22 +447,16 @@ class JobRunner:
         """`params` with its server-side input paths checked against --allowed-input-dir again, as the job starts:
         a job waits in the queue for minutes (and across a restart with other folders), in which a checked file or
         folder could be swapped for a link out of the allowed folders; checked now, the worker opens it a moment
-        later (whoever can write into an allowed folder can still race that moment: docs/http-api.md). The job's
-        own uploads are the server's files and are not checked. An ApiError (`path_not_allowed`, `invalid_path`)
-        says what changed."""
+        later (whoever can write into an allowed folder can still race that moment: docs/http-api.md). An ApiError
+        (`path_not_allowed`, `invalid_path`) says what changed."""
         if self.inputs is None:
             return params
-        changes: dict[str, Any] = {}
-        for name in ("image_path", "video_path"):
-            value = getattr(params, name)
-            if value is None or value in job.upload_files:
-                continue
-            try:
-                changes[name] = self.inputs.check(name, value)
-            except ApiError as error:
-                raise ApiError(error.status, f"{name} passed the input check when the job was created but not when it "
-                                             f"started: {error.message}", code=error.code, param=name) from None
-        return dataclasses.replace(params, **changes) if changes else params
+        try:
+            return self.inputs.checked_params(params, uploaded=job.upload_files)
+        except ApiError as error:
+            raise ApiError(error.status, f"{error.param} passed the input check when the job was created but not "
+                                         f"when it started: {error.message}", code=error.code,
+                           param=error.param) from None
 
     def _loop(self) -> None:
         failing = False

@@ -120,7 +120,7 @@ async def create_video_job(request: Request, ctx: ServerContext, idempotency_key
         uploads = sent.uploads
         body = parse_create_body(sent.fields, form=sent.form)
         params = to_sampling_params(body, ctx.variant, served_names=ctx.served_names, model_name=ctx.model_name)
-        params = _checked_paths(params, ctx, uploaded=set(uploads))
+        params = ctx.inputs.checked_params(params, uploaded=uploads)
         # seed -1 is drawn now, once: the job object shows the seed it runs with from its creation, and a restart's
         # re-queue runs that seed again.
         params, seed_note = drawn_seed(params)
@@ -359,15 +359,6 @@ def check_inputs_readable(params: SamplingParams, upload_fields: dict[str, str],
         if path is not None:
             check_readable(kind, path, param=upload_fields.get(name, name), uploaded=name in upload_fields,
                            video_size=video_size)
-
-
-def _checked_paths(params: SamplingParams, ctx: ServerContext, *, uploaded: set[str]) -> SamplingParams:
-    changes: dict[str, Any] = {}
-    for name in ("image_path", "video_path"):
-        value = getattr(params, name)
-        if value is not None and value not in uploaded:
-            changes[name] = ctx.inputs.check(name, value)
-    return dataclasses.replace(params, **changes) if changes else params
 
 
 def _request_hash(body: dict[str, Any], file_digests: dict[str, str], uploads: tuple[str, ...]) -> str:

@@ -86,10 +86,9 @@ async def create_remix_job(request: Request, ctx: ServerContext, video_id: str,
         raise ApiError(404, f"Video {video_id!r} not found.", code="video_not_found", param="video_id")
     if source.status.is_terminal and source.status != JobStatus.COMPLETED:
         # Failed or cancelled: it will never complete, so "poll it" would be a dead end (the content route's rule).
-        seed = source.params.get("seed")
         raise ApiError(409, f"Video {video_id!r} is {source.status.value} and will never be completed, so there is "
                             "nothing to remix: create a new job with POST /v1/videos with the new prompt, seed "
-                            f"{DEFAULT_SEED if seed is None else seed} and the source's other settings.",
+                            f"{_seed(source)} and the source's other settings.",
                        code="video_not_ready", param="video_id")
     if source.status != JobStatus.COMPLETED:
         raise ApiError(409, f"Video {video_id!r} is {source.status.value}; a remix takes a completed video: poll GET "
@@ -159,7 +158,7 @@ def _own_inputs(ctx: ServerContext, source: Job, params: SamplingParams) -> Samp
         return params
     if image in source.upload_files:
         if not Path(image).is_file():
-            raise _upload_gone(source, params)
+            raise _upload_gone(source)
         return params
     try:
         checked = ctx.inputs.check("image_path", image)
@@ -179,10 +178,16 @@ def _own_copy(ctx: ServerContext, source: Job, image: str, job_id: str) -> Path:
         raise ApiError(404, f"Video {source.id!r} not found.", code="video_not_found", param="video_id") from None
 
 
-def _upload_gone(source: Job, params: SamplingParams) -> ApiError:
+def _seed(source: Job) -> int:
+    """The seed the source ran (or would have run) with: its stored one, else the variants' default."""
+    seed = source.params.get("seed")
+    return DEFAULT_SEED if seed is None else seed
+
+
+def _upload_gone(source: Job) -> ApiError:
     """A 400 for a source made from an uploaded image the server no longer has: one that completed under a server
     that deleted uploads when their job ended, or whose file was removed from the upload folder."""
-    seed = DEFAULT_SEED if params.seed is None else params.seed
+    seed = _seed(source)
     return ApiError(400, f"Video {source.id!r} was made from an uploaded reference image that the server no longer "
                          "has (servers before this one deleted an upload when its job ended), so it cannot be "
                          "remixed: create a new job with POST /v1/videos, uploading the image again "
